@@ -1,0 +1,49 @@
+"""Reference tree attention: the executable specification every other backend is tested against.
+
+Layout (see docs/prefix_tree.md): T unique tokens of a forest laid out in DFS pre-order; ``sub_end[j]`` is the
+exclusive end of the subtree rooted at token j. Key j is visible to query i  <=>  j <= i < sub_end[j]
+(j is an ancestor of i, or i itself). A sample is a root-to-node path, so attention over the forest equals
+causal attention of every sample alone.
+
+Legend: T = packed tree tokens, N = query heads, K = key/value heads (GQA: N % K == 0), H = head dim.
+Dense O(T^2) mask through SDPA: small inputs only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def tree_mask(sub_end_T: torch.Tensor) -> torch.Tensor:
+    """Boolean [T, T] mask, True where query i may attend key j."""
+    T = sub_end_T.shape[0]
+    idx = torch.arange(T, device=sub_end_T.device)
+    q = idx[:, None]
+    k = idx[None, :]
+    return (k <= q) & (q < sub_end_T.to(idx.dtype)[None, :])
+
+
+def tree_attention_reference(
+    q_TNH: torch.Tensor,
+    k_TKH: torch.Tensor,
+    v_TKH: torch.Tensor,
+    sub_end_T: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Exact tree attention through SDPA with a dense boolean mask. Returns o_TNH."""
+    T, N, H = q_TNH.shape
+    K = k_TKH.shape[1]
+    if N % K != 0:
+        raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({K})")
+    if sub_end_T.shape != (T,):
+        raise ValueError(f"sub_end must have shape [{T}], got {tuple(sub_end_T.shape)}")
+    scale = softmax_scale if softmax_scale is not None else H ** -0.5
+    rep = N // K
+    k_TNH = k_TKH.repeat_interleave(rep, dim=1)
+    v_TNH = v_TKH.repeat_interleave(rep, dim=1)
+    mask_TT = tree_mask(sub_end_T)
+    o_NTH = F.scaled_dot_product_attention(
+        q_TNH.transpose(0, 1), k_TNH.transpose(0, 1), v_TNH.transpose(0, 1), attn_mask=mask_TT, scale=scale
+    )
+    return o_NTH.transpose(0, 1)

@@ -1,0 +1,130 @@
+"""Trajectory records shared by the gateway, the data pool, the transport and the trainer.
+
+An *episode* is one agent run on one task. It is made of one or more *segments*: a segment is a single
+token sequence whose every call extended the previous prompt + completion. When the agent rewrites its own
+context (compression, summarisation, dropping tool output) the next call no longer extends the sequence and
+a new segment starts: context management is an action, and every segment earns the episode's reward.
+
+Per-token fields of a segment are aligned with ``tokens`` (length L):
+  loss_mask[t]        1 if token t was sampled by the policy (trained on), 0 for prompt/tool/template tokens
+  rollout_logprobs[t] log pi_rollout(tokens[t] | tokens[:t]) for sampled tokens, 0.0 elsewhere
+  policy_versions[t]  version of the weights that sampled token t, -1 elsewhere
+
+A *group* is the G episodes of one task (GRPO group); groups are the data pool's scheduling unit.
+Everything here converts to and from plain msgpack-able dicts (never pickle), with validation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+EPISODE_STATUSES = ("finished", "failed", "timed_out", "aborted")
+
+
+class SchemaError(ValueError):
+    """A record that does not match the schema; the message names the field."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise SchemaError(msg)
+
+
+@dataclass
+class Segment:
+    tokens: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    policy_versions: list[int]
+    # Optional per-segment reward term (e.g. a process reward for this turn range); summed into reward-to-go.
+    reward: float | None = None
+
+    def validate(self, where: str = "segment") -> None:
+        n = len(self.tokens)
+        _check(n > 0, f"{where}.tokens is empty")
+        for name in ("loss_mask", "rollout_logprobs", "policy_versions"):
+            _check(len(getattr(self, name)) == n, f"{where}.{name} has length {len(getattr(self, name))}, tokens has {n}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.tokens), f"{where}.tokens must be non-negative ints")
+        _check(all(m in (0, 1) for m in self.loss_mask), f"{where}.loss_mask must be 0/1")
+        _check(all(math.isfinite(x) for x in self.rollout_logprobs), f"{where}.rollout_logprobs has non-finite values")
+        if self.reward is not None:
+            _check(math.isfinite(self.reward), f"{where}.reward is not finite")
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+
+@dataclass
+class Episode:
+    episode_id: str
+    group_id: str
+    task_id: str
+    segments: list[Segment]
+    status: str = "finished"
+    domain: str = "default"
+    reward: float | None = None  # outcome reward, set by the agent/env via the gateway or by a reward function
+    reward_terms: dict[str, float] = field(default_factory=dict)  # process terms, completion-time term, ...
+    started_at: float = 0.0  # wall clock (time.time()) of session start
+    ended_at: float = 0.0  # wall clock of session end
+    num_tool_calls: int = 0
+    num_malformed_tool_calls: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        _check(bool(self.episode_id), "episode_id is empty")
+        _check(bool(self.group_id), "group_id is empty")
+        _check(self.status in EPISODE_STATUSES, f"status must be one of {EPISODE_STATUSES}, got {self.status!r}")
+        if self.status == "finished":
+            _check(len(self.segments) > 0, "a finished episode needs at least one segment")
+        for i, seg in enumerate(self.segments):
+            seg.validate(f"segments[{i}]")
+        if self.reward is not None:
+            _check(math.isfinite(self.reward), "reward is not finite")
+        for k, v in self.reward_terms.items():
+            _check(math.isfinite(v), f"reward_terms[{k!r}] is not finite")
+
+    @property
+    def duration_s(self) -> float:
+        return max(0.0, self.ended_at - self.started_at)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["schema_version"] = SCHEMA_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Episode":
+        _check(isinstance(d, dict), "episode must be a mapping")
+        ver = d.get("schema_version", SCHEMA_VERSION)
+        _check(ver == SCHEMA_VERSION, f"episode schema_version {ver} is not supported (expected {SCHEMA_VERSION})")
+        try:
+            segs = [Segment(**s) for s in d["segments"]]
+            kwargs = {k: v for k, v in d.items() if k not in ("segments", "schema_version")}
+            ep = cls(segments=segs, **kwargs)
+        except (KeyError, TypeError) as exc:
+            raise SchemaError(f"malformed episode: {exc}") from exc
+        ep.validate()
+        return ep
+
+
+class EpisodeSink:
+    """Where the gateway sends episodes. The data pool implements it; tests may use :class:`ListSink`."""
+
+    def submit_episode(self, episode: Episode) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class ListSink(EpisodeSink):
+    """In-process sink that keeps episodes in a list (tests, single-process tools)."""
+
+    def __init__(self) -> None:
+        self.episodes: list[Episode] = []
+
+    def submit_episode(self, episode: Episode) -> None:
+        episode.validate()
+        self.episodes.append(episode)

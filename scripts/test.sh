@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Run the whole CPU test suite. Idempotent: sets up .venv on first use. Extra args go to pytest.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_setup_env.sh"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+python -m forge_megatron.env
+python -m pytest -q -ra --timeout=600 "$@" tests
