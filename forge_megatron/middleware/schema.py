@@ -113,7 +113,17 @@ class Episode:
 
 
 class EpisodeSink:
-    """Where the gateway sends episodes. The data pool implements it; tests may use :class:`ListSink`."""
+    """Where the gateway sends episodes. The data pool implements it; tests may use :class:`ListSink`.
+
+    Flow: ``register_group`` once per task (G episodes), ``episode_started`` when a session opens,
+    ``submit_episode`` when it ends (any status). A group is complete when all its episodes were submitted.
+    """
+
+    def register_group(self, task_id: str, size: int, domain: str = "default", metadata: dict | None = None) -> str:
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def episode_started(self, group_id: str, episode_id: str) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
 
     def submit_episode(self, episode: Episode) -> None:  # pragma: no cover - interface
         raise NotImplementedError
@@ -124,6 +134,18 @@ class ListSink(EpisodeSink):
 
     def __init__(self) -> None:
         self.episodes: list[Episode] = []
+        self.groups: dict[str, dict] = {}
+        self.started: list[tuple[str, str]] = []
+
+    def register_group(self, task_id: str, size: int, domain: str = "default", metadata: dict | None = None) -> str:
+        if size < 1:
+            raise SchemaError(f"group size must be >= 1, got {size}")
+        group_id = f"g{len(self.groups):08d}"
+        self.groups[group_id] = {"task_id": task_id, "size": size, "domain": domain, "metadata": metadata or {}}
+        return group_id
+
+    def episode_started(self, group_id: str, episode_id: str) -> None:
+        self.started.append((group_id, episode_id))
 
     def submit_episode(self, episode: Episode) -> None:
         episode.validate()
