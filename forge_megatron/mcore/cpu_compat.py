@@ -1,0 +1,316 @@
+"""Let Megatron-Core run on a CPU-only torch with gloo (tests, the demo, laptops).
+
+Megatron-Core assumes CUDA in a handful of places. Each patch below names the Megatron function it works
+around and why. They are applied by :func:`apply` only when CUDA is absent (a CUDA machine never sees them),
+are idempotent, and change no math: they move allocations to the CPU, give the model-parallel RNG tracker a
+CPU generator, and turn CUDA streams/events/synchronisation into no-ops (CPU kernels are synchronous).
+
+Patches (megatron-core 0.16.x; 0.17-0.19 have the same spots unless noted):
+  1. torch.cuda.current_device -> torch.device("cpu")
+       GlobalMemoryBuffer.get_tensor (core/utils.py), p2p_communication._communicate_shapes/_communicate,
+       param_and_grad_buffer, distrib_optimizer allocate with ``device=torch.cuda.current_device()``.
+  2. torch.cuda.{synchronize, empty_cache, Stream, Event, current_stream, default_stream, stream} -> CPU no-ops
+       p2p_communication calls torch.cuda.synchronize(); MoEAlltoAllTokenDispatcher creates a side
+       torch.cuda.Stream for device-to-host copies; DDP/param_and_grad_buffer use a communication stream.
+  3. tensor_parallel.random: _get_cuda_rng_state/_set_cuda_rng_state and CudaRNGStatesTracker.add use the CUDA
+       generator; model_parallel_cuda_manual_seed calls torch.cuda.manual_seed. They use the CPU generator here,
+       so ``tracker.fork()`` still gives model-parallel regions their own reproducible stream.
+  4. transformer.utils.get_default_causal_mask (also imported by fusions.fused_softmax) and
+       get_sliding_window_causal_mask build masks with ``device="cuda"``.
+  5. pipeline_parallel.schedules.forward_backward_{no_pipelining, pipelining_without_interleaving,
+       pipelining_with_interleaving} create ``total_num_tokens`` with ``device="cuda"``; optimizer constructors,
+       step() and grad scalers create scalars with ``device='cuda'``. These run under :func:`cuda_factories_to_cpu`,
+       a TorchFunctionMode that rewrites ``device="cuda"`` factory arguments (and ``Tensor.cuda()``) to the CPU.
+  6. optimizer.clip_grads.clip_grad_by_total_norm_fp32 asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``;
+       replaced by the same scaling on CPU tensors.
+  7. MoE: moe_utils references ``te_general_gemm`` when Transformer Engine is absent (NameError in 0.16.1's
+       router gemm); defined as None so the torch path is taken. torch.distributed.all_to_all_single on gloo
+       rejects split sizes given as tensors (the all-to-all dispatcher keeps them as CPU tensors because
+       maybe_move_tensor_to_cpu only converts CUDA tensors): converted to lists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_APPLIED = False
+
+
+# --------------------------------------------------------------------------------------------- device rewrite
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites ``device=<cuda>`` keyword arguments of torch calls to CPU, and makes ``Tensor.cuda()`` a no-op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def cuda_factories_to_cpu():
+    """Context manager: inside it, ``device="cuda"`` factory calls allocate on the CPU (no-op with CUDA)."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return _CudaToCpu()
+
+
+def _run_on_cpu(fn):
+    """Wrap ``fn`` so that its body runs under :func:`cuda_factories_to_cpu`."""
+    if getattr(fn, "_forge_cpu_wrapped", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _CudaToCpu():
+            return fn(*args, **kwargs)
+
+    wrapper._forge_cpu_wrapped = True
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------- CUDA runtime stubs
+class _CpuStream:
+    """Stand-in for torch.cuda.Stream on CPU: every operation is synchronous already."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuEvent()
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self):
+        return 0
+
+
+class _CpuEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _patch_torch_cuda():
+    # Patch 1 and 2 (see module docstring).
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.Event = _CpuEvent
+    torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
+    torch.cuda.default_stream = lambda *a, **k: _CPU_STREAM
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------------------------- RNG
+def _patch_rng():
+    # Patch 3: megatron.core.tensor_parallel.random keeps per-region CUDA generator states.
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mp_random._get_cuda_rng_state = get_state
+    mp_random._set_cuda_rng_state = set_state
+    torch.cuda.manual_seed = torch.manual_seed
+    torch.cuda.manual_seed_all = torch.manual_seed
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+# ---------------------------------------------------------------------------------------------- masks
+def _patch_masks():
+    # Patch 4: default causal / sliding-window masks hard-code device="cuda".
+    from megatron.core.transformer import utils as tutils
+
+    @functools.lru_cache(maxsize=8)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    def get_sliding_window_causal_mask(sq, skv, window_size):
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+        return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+    tutils.get_default_causal_mask = get_default_causal_mask
+    tutils.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+    try:
+        from megatron.core.fusions import fused_softmax
+
+        fused_softmax.get_default_causal_mask = get_default_causal_mask
+        if hasattr(fused_softmax, "get_sliding_window_causal_mask"):
+            fused_softmax.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+    except ImportError:  # pragma: no cover - layout differs across versions
+        pass
+
+
+# ----------------------------------------------------------------------------- schedules and optimizers
+def _patch_schedules_and_optimizer():
+    # Patch 5: device="cuda" factories in pipeline schedules and optimizer code paths.
+    from megatron.core.pipeline_parallel import schedules
+
+    for name in (
+        "forward_backward_no_pipelining",
+        "forward_backward_pipelining_without_interleaving",
+        "forward_backward_pipelining_with_interleaving",
+    ):
+        if hasattr(schedules, name):
+            setattr(schedules, name, _run_on_cpu(getattr(schedules, name)))
+
+    from megatron.core import optimizer as mopt
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mopt_impl
+
+    mopt.get_megatron_optimizer = _run_on_cpu(mopt.get_megatron_optimizer)
+    for cls_name in ("MegatronOptimizer", "MixedPrecisionOptimizer", "Float16OptimizerWithFloat16Params",
+                     "FP32Optimizer", "ChainedOptimizer"):
+        cls = getattr(mopt_impl, cls_name, None)
+        if cls is None:
+            continue
+        for meth in ("__init__", "step", "prepare_grads", "step_with_ready_grads", "get_grad_norm",
+                     "clip_grad_norm", "count_zeros", "load_state_dict"):
+            if meth in cls.__dict__:
+                setattr(cls, meth, _run_on_cpu(cls.__dict__[meth]))
+    try:
+        from megatron.core.optimizer import grad_scaler
+
+        for cls_name in ("ConstantGradScaler", "DynamicGradScaler", "MegatronGradScaler"):
+            cls = getattr(grad_scaler, cls_name, None)
+            if cls is not None and "__init__" in cls.__dict__:
+                cls.__init__ = _run_on_cpu(cls.__dict__["__init__"])
+    except ImportError:  # pragma: no cover
+        pass
+
+    # Patch 6: clip_grad_by_total_norm_fp32 asserts CUDA float grads.
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff >= 1.0:
+            return
+        for p in parameters:
+            g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+            if g is not None:
+                g.detach().mul_(clip_coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    mopt_impl.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    clip_grads.get_grad_norm_fp32 = _run_on_cpu(clip_grads.get_grad_norm_fp32)
+    mopt_impl.get_grad_norm_fp32 = clip_grads.get_grad_norm_fp32
+    if hasattr(clip_grads, "count_zeros_fp32"):
+        clip_grads.count_zeros_fp32 = _run_on_cpu(clip_grads.count_zeros_fp32)
+        mopt_impl.count_zeros_fp32 = clip_grads.count_zeros_fp32
+
+    from megatron.core.distributed import param_and_grad_buffer
+
+    for cls_name in ("_ParamAndGradBuffer", "ParamAndGradBuffer"):
+        cls = getattr(param_and_grad_buffer, cls_name, None)
+        if cls is not None:
+            cls.__init__ = _run_on_cpu(cls.__dict__["__init__"])
+
+
+# ------------------------------------------------------------------------------------------------- MoE
+def _patch_moe():
+    # Patch 7.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+    if getattr(original, "_forge_cpu_wrapped", False):
+        return
+
+    def _as_list(sizes):
+        if isinstance(sizes, torch.Tensor):
+            return [int(x) for x in sizes.tolist()]
+        return sizes
+
+    @functools.wraps(original)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        return original(output, input, _as_list(output_split_sizes), _as_list(input_split_sizes), group=group,
+                        async_op=async_op)
+
+    all_to_all_single._forge_cpu_wrapped = True
+    dist.all_to_all_single = all_to_all_single
+    try:
+        from megatron.core.tensor_parallel import mappings
+
+        if getattr(mappings, "torch", None) is not None:
+            pass  # mappings calls torch.distributed.all_to_all_single through the module: patched above
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def apply() -> bool:
+    """Apply every patch if CUDA is absent. Returns True when the patches are active. Idempotent."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    _patch_torch_cuda()
+    _patch_rng()
+    _patch_masks()
+    _patch_schedules_and_optimizer()
+    _patch_moe()
+    _APPLIED = True
+    log.info("forge_megatron: Megatron-Core CPU compatibility patches applied (no CUDA device)")
+    return True
+
+
+def is_applied() -> bool:
+    return _APPLIED

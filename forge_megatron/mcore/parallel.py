@@ -1,0 +1,76 @@
+"""Process-group and model-parallel set-up shared by the trainer, tools and tests.
+
+``initialize`` is the one call that turns "N processes with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set"
+into a Megatron-Core job: it applies the CPU patches when CUDA is absent, creates the default process group
+(NCCL on GPUs, gloo on CPU), builds Megatron's TP/PP/EP/CP/DP groups and seeds the model-parallel RNG tracker.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Model-parallel sizes. DP is whatever is left: world_size / (tp * pp * cp)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    vpp: int | None = None
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "ep", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        mp = self.tp * self.pp * self.cp
+        if world_size % mp:
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {mp}")
+        dp = world_size // mp
+        if (dp * self.cp) % self.ep and self.ep > 1:
+            raise ValueError(f"ep={self.ep} must divide dp*cp = {dp * self.cp}")
+        return dp
+
+
+def initialize(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234, timeout_s: float = 300.0) -> None:
+    """Initialise torch.distributed (from the usual env vars) and Megatron's parallel state."""
+    from datetime import timedelta
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from forge_megatron.mcore import cpu_compat
+
+    on_cpu = cpu_compat.apply()
+    if not dist.is_initialized():
+        backend = "gloo" if on_cpu else "nccl"
+        if not on_cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    parallel.data_parallel_size(dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

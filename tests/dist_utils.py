@@ -1,0 +1,87 @@
+"""Run a test body on N gloo ranks (spawned processes) with Megatron's parallel state initialised.
+
+    results = run_distributed(body, world_size=2, parallel=ParallelConfig(tp=2), seed=0, arg=...)
+
+``body(rank, world_size, **kwargs)`` must be a module-level function (it is pickled by name into the
+children). Its return value (picklable) comes back per rank. If any rank raises, the others are killed and
+the child's traceback is re-raised here; a rank that hangs past ``timeout_s`` fails the test and every
+child process is killed, so no process outlives a failing test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+from forge_megatron.mcore.parallel import ParallelConfig
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world_size, port, parallel, seed, body, kwargs, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        from forge_megatron.mcore import parallel as par
+
+        par.initialize(parallel, seed=seed, timeout_s=120)
+        try:
+            result = body(rank, world_size, **kwargs)
+        finally:
+            par.destroy()
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(body, world_size: int, parallel: ParallelConfig = ParallelConfig(), seed: int = 1234,
+                    timeout_s: float = 240.0, **kwargs):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, parallel, seed, body, kwargs, queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        import queue as queue_mod
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"distributed test did not finish in {timeout_s:.0f}s "
+                                   f"(ranks done: {sorted(results)})")
+            try:
+                rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(results) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [results[r] for r in range(world_size)]
