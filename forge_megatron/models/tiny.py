@@ -1,0 +1,176 @@
+"""Tiny, fully local model assets: a byte-level BPE tokenizer with a Qwen-style chat template, and tiny HF causal LMs.
+
+Why: tests and the demo need a real tokenizer and real HF checkpoints (config.json + model.safetensors) that
+``transformers.AutoTokenizer`` / ``AutoModelForCausalLM`` load offline, without any model hub. Everything is built
+here from code and a built-in corpus, deterministically:
+
+- the tokenizer is a byte-level BPE (256 byte symbols + a few hundred merges learnt from ``_CORPUS``), so any text
+  round-trips; the chat markers ``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``, ``<tool_call>``,
+  ``</tool_call>``, ``<tool_response>``, ``</tool_response>`` are single special tokens; vocabulary <= 512;
+- the chat template follows Qwen2.5's layout: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, tools listed
+  as JSON lines inside ``<tools></tools>`` in the system turn, assistant tool calls rendered as
+  ``<tool_call>\\n{"name": .., "arguments": ..}\\n</tool_call>``, consecutive tool results grouped into one user turn of
+  ``<tool_response>`` blocks, and ``add_generation_prompt`` opening ``<|im_start|>assistant\\n``;
+- models are randomly initialised from ``seed`` (hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128; the MoE variant
+  has 4 experts, top-2, expert MLP 32), saved in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+
+VOCAB_LIMIT = 512
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
+
+# A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
+_CORPUS = [
+    "You are a helpful assistant. The user asks a question and the assistant answers it.",
+    "Hello! How can I help you today? What is the weather in Paris? It is sunny and warm.",
+    "The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ?",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+    '{"type": "function", "function": {"name": "search", "description": "Search the web", '
+    '"parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}',
+    "system\nuser\nassistant\ntool\n# Tools\nfunction call result answer question task reward",
+    "Let me think step by step. First, compute the sum. Then check the answer. The answer is 42.",
+    string.ascii_letters + " " + string.digits + " " + string.punctuation,
+]
+
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}"
+    "{%- else %}{{- 'You are a helpful assistant.\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call functions. Their signatures are inside <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, answer with a JSON object inside <tool_call></tool_call> tags:\\n"
+    "<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role in ['system', 'user'] %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for tc in message.tool_calls or [] %}"
+    "{%- set call = tc.function if tc.function is defined else tc %}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    "{%- if call.arguments is string %}{{- call.arguments }}{%- else %}{{- call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_tiny_tokenizer(out_dir: str | None = None, vocab_size: int = 400):
+    """Train the byte-level BPE on the built-in corpus; save it to ``out_dir`` (if given) and return it.
+
+    Returns a ``transformers.PreTrainedTokenizerFast`` with eos ``<|im_end|>`` and pad ``<|endoftext|>``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if not len(SPECIAL_TOKENS) + 256 <= vocab_size <= VOCAB_LIMIT:
+        raise ValueError(f"vocab_size must be in [{len(SPECIAL_TOKENS) + 256}, {VOCAB_LIMIT}], got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[3:]),
+        model_max_length=2048,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        fast.save_pretrained(out_dir)
+    return fast
+
+
+def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings: bool = False, **overrides):
+    """The HF config of a tiny model of family ``arch`` (one of :data:`ARCHS`); ``overrides`` set config fields."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=2,  # <|im_end|>
+        pad_token_id=0,  # <|endoftext|>
+    )
+    per_arch = {
+        "qwen2": (transformers.Qwen2Config, {}),
+        "llama": (transformers.LlamaConfig, {}),
+        "qwen3": (transformers.Qwen3Config, {"head_dim": 16}),
+        "qwen3_moe": (
+            transformers.Qwen3MoeConfig,
+            {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+        ),
+    }
+    if arch not in per_arch:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    cls, extra = per_arch[arch]
+    return cls(**{**common, **extra, **overrides})
+
+
+def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_embeddings: bool = False,
+                     with_tokenizer: bool = True, **overrides) -> str:
+    """Write config.json + model.safetensors (+ the tiny tokenizer) of a random tiny causal LM to ``out_dir``.
+
+    Deterministic from ``seed``. Returns ``out_dir``. Load with ``AutoModelForCausalLM.from_pretrained(out_dir)``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = build_tiny_tokenizer()
+    overrides.setdefault("vocab_size", len(tok))
+    config = tiny_config(arch, tie_word_embeddings=tie_word_embeddings, **overrides)
+    if config.vocab_size < len(tok):
+        raise ValueError(f"vocab_size {config.vocab_size} is smaller than the tokenizer's {len(tok)} tokens")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if with_tokenizer:
+        tok.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "forge_tiny.json"), "w") as f:
+        json.dump({"arch": arch, "seed": seed}, f)
+    return out_dir
