@@ -1,0 +1,324 @@
+"""Policy-gradient losses over per-sample token logprobs: CISPO (default), PPO-clip and GSPO.
+
+The trainer gathers, for every sample of a batch, the logprob of each next token under the current policy
+(``logp_M``, carries gradient) from the tree-packed forward. This module only sees those per-sample token
+tensors, so a loss computed on a tree-packed batch equals the loss of the same samples trained apart: shared
+prefix tokens were already expanded to every sample that contains them.
+
+Per token t of sample i (``r = exp(clamp(logp - old_logp, -c, c))``, ``sg`` = stop-gradient):
+
+    CISPO (MiniMax-M1)  l_it = - sg(clip(r_it, 1 - eps_low, 1 + eps_high)) * A_it * logp_it
+    PPO-clip            l_it = - min(r_it * A_it, clip(r_it, 1 - eps_low, 1 + eps_high) * A_it)
+                        dual clip (A_it < 0): l_it = min(l_it, - dual_clip_c * A_it)
+    GSPO (token form)   s_i  = exp(clamp(mean_t (logp_it - old_logp_it), -c, c))     (masked tokens)
+                        s_it = sg(s_i) * exp(logp_it - sg(logp_it))                  (value s_i, grad s_i dlogp_it)
+                        l_it = - min(s_it * A_it, clip(s_it, 1 - eps_low, 1 + eps_high) * A_it)
+
+CISPO has no min(): a token whose ratio is clipped still gets gradient ``-w A`` through ``logp``, only its weight
+``w`` is capped. Optional terms per token: truncated importance weight ``tis_it = min(exp(old - rollout), cap)``
+(detached) multiplying ``l_it``; ``+ kl_coef * kl_it`` with ``k1 = logp - ref`` or
+``k3 = exp(ref - logp) - (ref - logp) - 1``; ``- entropy_coef * H_it``.
+
+Reduction with sample weights ``w_i`` (an episode split into n segments has ``w = 1/n`` per segment) and loss
+mask ``m``:
+
+    token_mean   L = sum_i w_i sum_t m_it l_it / sum_i sum_t m_it              (the CISPO normaliser)
+    seq_mean     L = sum_i w_i (sum_t m_it l_it / sum_t m_it) / sum_i w_i
+    constant     L = sum_i w_i sum_t m_it l_it / norm_constant                 (gradient-accumulation invariant)
+
+With ``norm="seq_mean"`` and a constant advantage per sample, GSPO's token form equals the sequence objective
+``- mean_i min(s_i A_i, clip(s_i) A_i)`` in value and gradient.
+
+Legend: M = next-token positions of all samples concatenated (sample i owns ``cu_seqlens[i]:cu_seqlens[i+1]``),
+S = samples, S1 = S + 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+__all__ = ["LossConfig", "policy_loss", "truncated_is_weights", "sample_index"]
+
+LOSS_TYPES = ("cispo", "ppo", "gspo")
+NORMS = ("token_mean", "seq_mean", "constant")
+KL_TYPES = ("k1", "k3")
+
+# Recommended clip ranges per loss (eps_low, eps_high): CISPO caps only large ratios (MiniMax-M1 / DAPO clip-higher),
+# PPO uses the classic symmetric 0.2, GSPO's sequence ratios are length-normalised so its range is tiny (GSPO paper).
+RECOMMENDED_EPS = {"cispo": (1e6, 0.28), "ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}
+
+
+@dataclass
+class LossConfig:
+    """How ``policy_loss`` turns token logprobs into a scalar loss."""
+
+    loss_type: str = "cispo"
+    """"cispo" | "ppo" | "gspo"."""
+    eps_low: float = 1e6
+    """Lower clip: ratios below ``1 - eps_low`` are clipped. Huge by default (CISPO: off)."""
+    eps_high: float = 0.28
+    """Upper clip: ratios above ``1 + eps_high`` are clipped."""
+    dual_clip_c: float | None = None
+    """PPO dual clip: with A < 0 the per-token loss never exceeds ``-c * A``. Must be > 1. PPO only."""
+    log_ratio_clamp: float = 20.0
+    """``logp - old_logp`` is clamped to ``[-c, c]`` before exp, so a stale token cannot overflow the ratio."""
+    norm: str = "token_mean"
+    """"token_mean" | "seq_mean" | "constant"."""
+    norm_constant: float | None = None
+    """Divisor for ``norm="constant"`` (e.g. the max tokens of a global batch)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy (needs ``ref_logp_M``)."""
+    kl_type: str = "k3"
+    """"k1" (logp - ref) or "k3" (exp(ref - logp) - (ref - logp) - 1, non-negative)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (needs ``entropy_M``)."""
+    tis_cap: float | None = None
+    """Truncated importance weight cap: ``w = min(exp(old_logp - rollout_logp), cap)`` (needs ``rollout_logp_M``)."""
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if not self.eps_low >= 0 or not self.eps_high >= 0:
+            raise ValueError(f"eps_low and eps_high must be >= 0, got eps_low={self.eps_low}, eps_high={self.eps_high}")
+        if self.dual_clip_c is not None:
+            if self.loss_type != "ppo":
+                raise ValueError(f"dual_clip_c applies to loss_type='ppo' only, got loss_type={self.loss_type!r}")
+            if not self.dual_clip_c > 1.0:
+                raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
+        if not self.log_ratio_clamp > 0:
+            raise ValueError(f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.norm == "constant" and not (self.norm_constant is not None and self.norm_constant > 0):
+            raise ValueError(f"norm='constant' needs norm_constant > 0, got {self.norm_constant}")
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"kl_type must be one of {KL_TYPES}, got {self.kl_type!r}")
+        if not self.kl_coef >= 0 or not self.entropy_coef >= 0:
+            raise ValueError(
+                f"kl_coef and entropy_coef must be >= 0, got kl_coef={self.kl_coef}, entropy_coef={self.entropy_coef}"
+            )
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+
+    @classmethod
+    def recommended(cls, loss_type: str, **overrides) -> "LossConfig":
+        """Config with the recommended clip range of ``loss_type`` (see ``RECOMMENDED_EPS``), then ``overrides``."""
+        if loss_type not in RECOMMENDED_EPS:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        eps_low, eps_high = RECOMMENDED_EPS[loss_type]
+        return replace(cls(), loss_type=loss_type, eps_low=eps_low, eps_high=eps_high, **overrides)
+
+
+def sample_index(cu_seqlens_S1: torch.Tensor) -> torch.Tensor:
+    """Sample id of every position, shape [M]."""
+    lengths_S = cu_seqlens_S1[1:] - cu_seqlens_S1[:-1]
+    return torch.repeat_interleave(torch.arange(lengths_S.numel(), device=cu_seqlens_S1.device), lengths_S)
+
+
+def _per_sample_sum(x_M: torch.Tensor, sample_M: torch.Tensor, num_samples: int) -> torch.Tensor:
+    return torch.zeros(num_samples, dtype=x_M.dtype, device=x_M.device).index_add(0, sample_M, x_M)
+
+
+def truncated_is_weights(old_logp_M: torch.Tensor, rollout_logp_M: torch.Tensor, cap: float) -> torch.Tensor:
+    """``min(exp(old_logp - rollout_logp), cap)``: corrects for the rollout engine sampling from a slightly
+    different distribution than the trainer's behaviour policy. No gradient."""
+    log_w_M = (old_logp_M - rollout_logp_M).detach().clamp(max=math.log(cap))
+    return torch.exp(log_w_M)
+
+
+def _check_inputs(named_M: dict[str, torch.Tensor], cu_seqlens_S1: torch.Tensor) -> int:
+    """Validate shapes and values; return the number of samples."""
+    logp_M = named_M["logp_M"]
+    if logp_M.dim() != 1:
+        raise ValueError(f"logp_M must be 1-D [M], got shape {tuple(logp_M.shape)}")
+    for name, t in named_M.items():
+        if t.shape != logp_M.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp_M.shape)} like logp_M")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name} has non-finite values")
+    if cu_seqlens_S1.dim() != 1 or cu_seqlens_S1.numel() < 2:
+        raise ValueError(f"cu_seqlens_S1 must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens_S1.shape)}")
+    if cu_seqlens_S1.dtype.is_floating_point:
+        raise ValueError(f"cu_seqlens_S1 must be an integer tensor, got {cu_seqlens_S1.dtype}")
+    if cu_seqlens_S1[0] != 0 or cu_seqlens_S1[-1] != logp_M.numel():
+        raise ValueError(
+            f"cu_seqlens_S1 must start at 0 and end at M={logp_M.numel()}, got "
+            f"{int(cu_seqlens_S1[0])}..{int(cu_seqlens_S1[-1])}"
+        )
+    lengths_S = cu_seqlens_S1[1:] - cu_seqlens_S1[:-1]
+    if (lengths_S <= 0).any():
+        bad = int(torch.nonzero(lengths_S <= 0)[0])
+        raise ValueError(f"sample {bad} is empty (cu_seqlens_S1 must be strictly increasing)")
+    mask_M = named_M["loss_mask_M"]
+    if ((mask_M != 0) & (mask_M != 1)).any():
+        raise ValueError("loss_mask_M must contain only 0 and 1")
+    return lengths_S.numel()
+
+
+def _check_sample_weight(sample_weight_S: torch.Tensor, num_samples: int) -> None:
+    if sample_weight_S.shape != (num_samples,):
+        raise ValueError(f"sample_weight_S has shape {tuple(sample_weight_S.shape)}, expected ({num_samples},)")
+    if not torch.isfinite(sample_weight_S).all() or (sample_weight_S < 0).any():
+        raise ValueError("sample_weight_S must be finite and >= 0")
+
+
+def _token_loss(logp_M, old_logp_M, adv_M, mask_M, sample_M, num_samples, cfg):
+    """Per-token policy loss and the ratio used for clipping metrics (no grad)."""
+    c = cfg.log_ratio_clamp
+    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    if cfg.loss_type == "gspo":
+        count_S = _per_sample_sum(mask_M, sample_M, num_samples).clamp(min=1.0)
+        mean_log_ratio_S = _per_sample_sum((logp_M - old_logp_M) * mask_M, sample_M, num_samples) / count_S
+        seq_ratio_S = torch.exp(mean_log_ratio_S.clamp(-c, c))
+        ratio_M = seq_ratio_S.detach()[sample_M] * torch.exp(logp_M - logp_M.detach())
+    else:
+        ratio_M = torch.exp((logp_M - old_logp_M).clamp(-c, c))
+    if cfg.loss_type == "cispo":
+        loss_M = -ratio_M.detach().clamp(lo, hi) * adv_M * logp_M
+    else:
+        loss_M = -torch.min(ratio_M * adv_M, ratio_M.clamp(lo, hi) * adv_M)
+        if cfg.dual_clip_c is not None:
+            loss_M = torch.where(adv_M < 0, torch.min(loss_M, -cfg.dual_clip_c * adv_M), loss_M)
+    return loss_M, ratio_M.detach()
+
+
+def _kl(logp_M: torch.Tensor, ref_logp_M: torch.Tensor, kl_type: str) -> torch.Tensor:
+    if kl_type == "k1":
+        return logp_M - ref_logp_M
+    delta_M = ref_logp_M - logp_M
+    return torch.exp(delta_M) - delta_M - 1.0
+
+
+def _reduce(x_M, w_M, mask_M, sample_M, sample_weight_S, cfg) -> torch.Tensor:
+    """Apply mask, sample weights and the configured normaliser. ``w_M`` = sample weight per token."""
+    if cfg.norm == "token_mean":
+        denom = mask_M.sum()
+        if denom == 0:
+            raise ValueError("loss_mask_M selects no tokens: token_mean normaliser is 0")
+        return (x_M * mask_M * w_M).sum() / denom
+    if cfg.norm == "constant":
+        return (x_M * mask_M * w_M).sum() / cfg.norm_constant
+    num_samples = sample_weight_S.numel()
+    count_S = _per_sample_sum(mask_M, sample_M, num_samples)
+    sum_S = _per_sample_sum(x_M * mask_M, sample_M, num_samples)
+    denom = sample_weight_S.sum()
+    if denom == 0:
+        raise ValueError("sample_weight_S sums to 0: seq_mean normaliser is 0")
+    return (sample_weight_S * sum_S / count_S.clamp(min=1.0)).sum() / denom
+
+
+def _masked_mean(x_M: torch.Tensor, mask_M: torch.Tensor) -> float:
+    return float((x_M * mask_M).sum() / mask_M.sum().clamp(min=1.0))
+
+
+def _domain_metrics(per_token, mask_M, sample_M, domain_ids_S, domain_names) -> dict[str, float]:
+    """Masked token means of each per-token quantity, per domain: ``"<domain>/<name>"``."""
+    domain_M = domain_ids_S.to(sample_M.device)[sample_M]
+    out: dict[str, float] = {}
+    for d, name in enumerate(domain_names):
+        mask_d_M = mask_M * (domain_M == d)
+        if mask_d_M.sum() == 0:
+            continue
+        out[f"{name}/num_tokens"] = float(mask_d_M.sum())
+        for key, x_M in per_token.items():
+            out[f"{name}/{key}"] = _masked_mean(x_M, mask_d_M)
+    return out
+
+
+def _check_domains(domain_ids_S, domain_names, num_samples) -> list[str]:
+    if domain_ids_S.shape != (num_samples,) or domain_ids_S.dtype.is_floating_point:
+        raise ValueError(f"domain_ids_S must be an integer tensor of shape ({num_samples},)")
+    if (domain_ids_S < 0).any():
+        raise ValueError("domain_ids_S must be >= 0")
+    num_domains = int(domain_ids_S.max()) + 1
+    if domain_names is None:
+        return [str(d) for d in range(num_domains)]
+    if num_domains > len(domain_names):
+        raise ValueError(f"domain_ids_S must lie in [0, {len(domain_names)}) to index domain_names")
+    return list(domain_names)
+
+
+def policy_loss(
+    logp_M: torch.Tensor,
+    old_logp_M: torch.Tensor,
+    advantages_M: torch.Tensor,
+    loss_mask_M: torch.Tensor,
+    cu_seqlens_S1: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    rollout_logp_M: torch.Tensor | None = None,
+    ref_logp_M: torch.Tensor | None = None,
+    entropy_M: torch.Tensor | None = None,
+    sample_weight_S: torch.Tensor | None = None,
+    domain_ids_S: torch.Tensor | None = None,
+    domain_names: list[str] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Scalar loss (to minimise) and float metrics. See the module docstring for the formulas.
+
+    ``old_logp_M``, ``advantages_M``, ``rollout_logp_M`` and ``ref_logp_M`` are treated as constants (detached).
+    ``entropy_M`` keeps its gradient (the entropy bonus trains through it). Everything is computed in fp32.
+    """
+    named_M = {"logp_M": logp_M, "old_logp_M": old_logp_M, "advantages_M": advantages_M, "loss_mask_M": loss_mask_M}
+    for name, t in (("rollout_logp_M", rollout_logp_M), ("ref_logp_M", ref_logp_M), ("entropy_M", entropy_M)):
+        if t is not None:
+            named_M[name] = t
+    num_samples = _check_inputs(named_M, cu_seqlens_S1)
+    if cfg.tis_cap is not None and rollout_logp_M is None:
+        raise ValueError("tis_cap is set but rollout_logp_M was not given")
+    if cfg.kl_coef > 0 and ref_logp_M is None:
+        raise ValueError("kl_coef > 0 but ref_logp_M was not given")
+    if cfg.entropy_coef > 0 and entropy_M is None:
+        raise ValueError("entropy_coef > 0 but entropy_M was not given")
+
+    f32 = torch.float32
+    logp_M = logp_M.to(f32)
+    old_logp_M = old_logp_M.detach().to(f32)
+    adv_M = advantages_M.detach().to(f32)
+    mask_M = loss_mask_M.detach().to(f32)
+    sample_M = sample_index(cu_seqlens_S1.to(logp_M.device).long())
+    if sample_weight_S is None:
+        sample_weight_S = torch.ones(num_samples, dtype=f32, device=logp_M.device)
+    _check_sample_weight(sample_weight_S, num_samples)
+    sample_weight_S = sample_weight_S.detach().to(device=logp_M.device, dtype=f32)
+    w_M = sample_weight_S[sample_M]
+
+    pg_M, ratio_M = _token_loss(logp_M, old_logp_M, adv_M, mask_M, sample_M, num_samples, cfg)
+    if cfg.tis_cap is not None:
+        tis_M = truncated_is_weights(old_logp_M, rollout_logp_M.to(f32), cfg.tis_cap)
+        pg_M = pg_M * tis_M
+    pg_loss = _reduce(pg_M, w_M, mask_M, sample_M, sample_weight_S, cfg)
+    loss = pg_loss
+
+    metrics = {
+        "pg_loss": float(pg_loss.detach()),
+        "clip_frac_low": _masked_mean((ratio_M < 1.0 - cfg.eps_low).to(f32), mask_M),
+        "clip_frac_high": _masked_mean((ratio_M > 1.0 + cfg.eps_high).to(f32), mask_M),
+        "ratio_mean": _masked_mean(ratio_M, mask_M),
+        "ratio_max": float(ratio_M[mask_M > 0].max()) if mask_M.sum() > 0 else 1.0,
+        "advantage_mean": _masked_mean(adv_M, mask_M),
+        "num_tokens": float(mask_M.sum()),
+    }
+    per_token = {"pg_loss": pg_M.detach(), "advantage": adv_M, "ratio": ratio_M}
+    if cfg.tis_cap is not None:
+        metrics["tis_weight_mean"] = _masked_mean(tis_M, mask_M)
+        metrics["tis_clip_frac"] = _masked_mean((tis_M >= cfg.tis_cap).to(f32), mask_M)
+    if ref_logp_M is not None:
+        kl_M = _kl(logp_M, ref_logp_M.detach().to(f32), cfg.kl_type)
+        kl = _reduce(kl_M, w_M, mask_M, sample_M, sample_weight_S, cfg)
+        loss = loss + cfg.kl_coef * kl
+        metrics["kl"] = float(kl.detach())
+        per_token["kl"] = kl_M.detach()
+    if entropy_M is not None:
+        ent_M = entropy_M.to(f32)
+        entropy = _reduce(ent_M, w_M, mask_M, sample_M, sample_weight_S, cfg)
+        loss = loss - cfg.entropy_coef * entropy
+        metrics["entropy"] = float(entropy.detach())
+        per_token["entropy"] = ent_M.detach()
+    metrics["loss"] = float(loss.detach())
+    if domain_ids_S is not None:
+        names = _check_domains(domain_ids_S, domain_names, num_samples)
+        metrics.update(_domain_metrics(per_token, mask_M, sample_M, domain_ids_S, names))
+    return loss, metrics
