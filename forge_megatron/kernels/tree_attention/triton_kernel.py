@@ -1,0 +1,276 @@
+"""Tree attention in Triton: FlashAttention-2 forward and backward with tile skipping over a DFS-ordered forest.
+
+Mask: key j is visible to query i  <=>  j <= i < sub_end[j]. A tile (queries [q_lo, q_hi), keys [k_lo, k_hi)) is
+  empty   if k_lo >= q_hi or max(sub_end[k_lo:k_hi]) <= q_lo          -> skipped,
+  full    if k_hi - 1 <= q_lo and min(sub_end[k_lo:k_hi]) >= q_hi    -> no mask,
+  partial otherwise                                                  -> mask per element.
+Per key block min/max(sub_end) come from a tiny Triton kernel. Padded keys (past T) only occur in the last key
+block, which never satisfies k_hi - 1 <= q_lo with the unclamped k_hi, so full tiles never see padding.
+
+Forward (online softmax, base 2): s = scale * log2(e) * q.k; m = running max; l = running sum of 2^(s - m);
+o = sum 2^(s - m) v / l; lse_i = (m + log2 l) * ln 2 (natural log, saved for the backward).
+Backward (FA2): P = exp(scale q.k - lse), delta_i = rowsum(dO * O), dV = P^T dO, dS = P * (dO V^T - delta),
+dQ = scale dS K, dK = scale dS^T Q. dK/dV are summed over the N/K query heads of each key/value head (GQA) inside
+one program, so no atomics are needed. Loads are upcast to fp32 under TRITON_INTERPRET=1 (bf16 arithmetic is wrong
+in the interpreter) and for fp32 inputs; on GPU fp16/bf16 tiles go to tl.dot natively with fp32 accumulation.
+
+Legend: T = packed tree tokens, N = query heads, K = key/value heads, H = head dim, B = key blocks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from forge_megatron.kernels.tree_attention.ops import make_public_entry, register_tree_attention_ops
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _key_block_bounds_kernel(SUB_END, KMIN, KMAX, T, BLOCK_N: tl.constexpr):
+    """KMIN[b], KMAX[b] = min, max of sub_end over key block b (padding ignored)."""
+    b = tl.program_id(0)
+    offs = b * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = offs < T
+    se = tl.load(SUB_END + offs, mask=inside, other=0)
+    tl.store(KMAX + b, tl.max(se, axis=0))
+    tl.store(KMIN + b, tl.min(tl.where(inside, se, 2147483647), axis=0))
+
+
+@triton.jit
+def _tile_visible(offs_m, offs_n, SUB_END, T):
+    """Element mask of a partial tile: j <= i < sub_end[j] (sub_end of padded keys reads as 0 -> invisible)."""
+    se = tl.load(SUB_END + offs_n, mask=offs_n < T, other=0)
+    return (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
+
+
+@triton.jit
+def _tile_is_full(q_lo, q_hi, k_lo, kmin, BLOCK_N: tl.constexpr):
+    return (k_lo + BLOCK_N - 1 <= q_lo) & (kmin >= q_hi)
+
+
+@triton.jit
+def _load_rows(PTR, offs_t, stride_t, offs_h, H, COMPUTE: tl.constexpr):
+    """Load a [rows, BLOCK_H] tile of one head, zero outside [0, T) x [0, H), cast to the compute dtype."""
+    mask = (offs_t[:, None] >= 0) & (offs_h[None, :] < H)
+    return tl.load(PTR + offs_t[:, None] * stride_t + offs_h[None, :], mask=mask, other=0.0).to(COMPUTE)
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, SUB_END, KMIN, KMAX, O, LSE,
+    T, H, qk_scale,
+    stride_qt, stride_qn, stride_kt, stride_kn, stride_ot, stride_on,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    n = tl.program_id(1)
+    kv = n // GROUP
+    q_lo = pid_m * BLOCK_M
+    q_hi = tl.minimum(q_lo + BLOCK_M, T)
+    offs_m = q_lo + tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, BLOCK_H)
+    rows_m = tl.where(offs_m < T, offs_m, -1)
+    q = _load_rows(Q + n * stride_qn, rows_m, stride_qt, offs_h, H, COMPUTE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    for kb in range(0, tl.cdiv(q_hi, BLOCK_N)):
+        kmax = tl.load(KMAX + kb)
+        if kmax > q_lo:
+            k_lo = kb * BLOCK_N
+            offs_n = k_lo + tl.arange(0, BLOCK_N)
+            rows_n = tl.where(offs_n < T, offs_n, -1)
+            k = _load_rows(K + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
+            v = _load_rows(V + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if not _tile_is_full(q_lo, q_hi, k_lo, tl.load(KMIN + kb), BLOCK_N):
+                s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_mask = (offs_m[:, None] < T) & (offs_h[None, :] < H)
+    o_ptrs = O + n * stride_on + offs_m[:, None] * stride_ot + offs_h[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=o_mask)
+    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+    tl.store(LSE + n * T + offs_m, lse, mask=offs_m < T)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DQ,
+    T, H, qk_scale, scale,
+    stride_qt, stride_qn, stride_kt, stride_kn,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    n = tl.program_id(1)
+    kv = n // GROUP
+    q_lo = pid_m * BLOCK_M
+    q_hi = tl.minimum(q_lo + BLOCK_M, T)
+    offs_m = q_lo + tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, BLOCK_H)
+    rows_m = tl.where(offs_m < T, offs_m, -1)
+    q = _load_rows(Q + n * stride_qn, rows_m, stride_qt, offs_h, H, COMPUTE)
+    do = _load_rows(DO + n * stride_qn, rows_m, stride_qt, offs_h, H, COMPUTE)
+    lse2 = tl.load(LSE + n * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + n * T + offs_m, mask=offs_m < T, other=0.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    for kb in range(0, tl.cdiv(q_hi, BLOCK_N)):
+        kmax = tl.load(KMAX + kb)
+        if kmax > q_lo:
+            k_lo = kb * BLOCK_N
+            offs_n = k_lo + tl.arange(0, BLOCK_N)
+            rows_n = tl.where(offs_n < T, offs_n, -1)
+            k = _load_rows(K + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
+            v = _load_rows(V + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
+            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+            if not _tile_is_full(q_lo, q_hi, k_lo, tl.load(KMIN + kb), BLOCK_N):
+                p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T), p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(COMPUTE), k, input_precision=DOT_PRECISION)
+
+    dq_mask = (offs_m[:, None] < T) & (offs_h[None, :] < H)
+    dq_ptrs = DQ + n * stride_qn + offs_m[:, None] * stride_qt + offs_h[None, :]
+    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=dq_mask)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DK, DV,
+    T, H, qk_scale, scale,
+    stride_qt, stride_qn, stride_kt, stride_kn,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    kb = tl.program_id(0)
+    kv = tl.program_id(1)
+    k_lo = kb * BLOCK_N
+    offs_n = k_lo + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_H)
+    rows_n = tl.where(offs_n < T, offs_n, -1)
+    k = _load_rows(K + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
+    v = _load_rows(V + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
+    kmin = tl.load(KMIN + kb)
+    # Queries that see any key of this block lie in [k_lo, max(sub_end)): the loop visits only those blocks.
+    qb_end = tl.cdiv(tl.load(KMAX + kb), BLOCK_M)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+    for g in range(GROUP):
+        n = kv * GROUP + g
+        for qb in range(k_lo // BLOCK_M, qb_end):
+            q_lo = qb * BLOCK_M
+            q_hi = tl.minimum(q_lo + BLOCK_M, T)
+            offs_m = q_lo + tl.arange(0, BLOCK_M)
+            rows_m = tl.where(offs_m < T, offs_m, -1)
+            q = _load_rows(Q + n * stride_qn, rows_m, stride_qt, offs_h, H, COMPUTE)
+            do = _load_rows(DO + n * stride_qn, rows_m, stride_qt, offs_h, H, COMPUTE)
+            lse2 = tl.load(LSE + n * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + n * T + offs_m, mask=offs_m < T, other=0.0)
+            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+            if not _tile_is_full(q_lo, q_hi, k_lo, kmin, BLOCK_N):
+                p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T), p, 0.0)
+            dv += tl.dot(tl.trans(p.to(COMPUTE)), do, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(COMPUTE)), q, input_precision=DOT_PRECISION)
+
+    out_mask = (offs_n[:, None] < T) & (offs_h[None, :] < H)
+    out_offs = kv * stride_kn + offs_n[:, None] * stride_kt + offs_h[None, :]
+    tl.store(DK + out_offs, (dk * scale).to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=out_mask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _launch_config(q_TNH: torch.Tensor) -> dict:
+    """Block sizes and compute dtype: big blocks for the CPU interpreter, fp32 math where the dtype demands it."""
+    H = q_TNH.shape[2]
+    if H > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {H} is not supported by the Triton tree attention kernel (max {MAX_HEAD_DIM})")
+    fp32_math = _interpreting() or q_TNH.dtype == torch.float32
+    block = 32 if _interpreting() else 64
+    return dict(
+        BLOCK_M=block,
+        BLOCK_N=block,
+        BLOCK_H=max(16, triton.next_power_of_2(H)),
+        COMPUTE=tl.float32 if fp32_math else (tl.float16 if q_TNH.dtype == torch.float16 else tl.bfloat16),
+        DOT_PRECISION="ieee" if fp32_math else None,
+    )
+
+
+def key_block_bounds(sub_end_T: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per key block (min, max) of sub_end, int32 [B] each, computed on sub_end's device."""
+    T = sub_end_T.shape[0]
+    B = triton.cdiv(T, block_n)
+    kmin_B = torch.empty(B, dtype=torch.int32, device=sub_end_T.device)
+    kmax_B = torch.empty(B, dtype=torch.int32, device=sub_end_T.device)
+    if B:
+        _key_block_bounds_kernel[(B,)](sub_end_T, kmin_B, kmax_B, T, BLOCK_N=block_n)
+    return kmin_B, kmax_B
+
+
+def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
+    T, N, H = q_TNH.shape
+    o_TNH = torch.empty_like(q_TNH)
+    lse_NT = torch.empty((N, T), dtype=torch.float32, device=q_TNH.device)
+    if T == 0:
+        return o_TNH, lse_NT
+    cfg = _launch_config(q_TNH)
+    kmin_B, kmax_B = key_block_bounds(sub_end_T, cfg["BLOCK_N"])
+    grid = (triton.cdiv(T, cfg["BLOCK_M"]), N)
+    _fwd_kernel[grid](
+        q_TNH, k_TKH, v_TKH, sub_end_T, kmin_B, kmax_B, o_TNH, lse_NT,
+        T, H, scale * LOG2E,
+        q_TNH.stride(0), q_TNH.stride(1), k_TKH.stride(0), k_TKH.stride(1), o_TNH.stride(0), o_TNH.stride(1),
+        GROUP=N // k_TKH.shape[1], **cfg,
+    )
+    return o_TNH, lse_NT
+
+
+def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
+    T, N, H = q_TNH.shape
+    K = k_TKH.shape[1]
+    dq_TNH, dk_TKH, dv_TKH = torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
+    if T == 0:
+        return dq_TNH, dk_TKH, dv_TKH
+    do_TNH = do_TNH.contiguous()
+    delta_NT = (do_TNH.float() * o_TNH.float()).sum(-1).transpose(0, 1).contiguous()
+    cfg = _launch_config(q_TNH)
+    kmin_B, kmax_B = key_block_bounds(sub_end_T, cfg["BLOCK_N"])
+    common = dict(T=T, H=H, qk_scale=scale * LOG2E, scale=scale, stride_qt=q_TNH.stride(0),
+                  stride_qn=q_TNH.stride(1), stride_kt=k_TKH.stride(0), stride_kn=k_TKH.stride(1),
+                  GROUP=N // K, **cfg)
+    _bwd_dq_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), N)](
+        q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dq_TNH, **common
+    )
+    _bwd_dkdv_kernel[(kmin_B.shape[0], K)](
+        q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dk_TKH, dv_TKH, **common
+    )
+    return dq_TNH, dk_TKH, dv_TKH
+
+
+tree_attention_triton_op = register_tree_attention_ops("triton", _forward, _backward)
+tree_attention_triton = make_public_entry(tree_attention_triton_op)
+tree_attention_triton.__doc__ = """Tree attention through the Triton kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
+softmax_scale=None) -> o_TNH; differentiable in q, k, v; fp16/bf16/fp32; N % K == 0; head_dim <= 256."""

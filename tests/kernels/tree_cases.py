@@ -1,0 +1,58 @@
+"""Random forests for the tree-attention kernel tests: sample lists -> trie -> DFS pre-order sub_end.
+
+A tiny local trie (independent of forge_megatron.tree) so the kernel tests do not depend on the builder under test
+elsewhere. sub_end[i] = exclusive end of the subtree rooted at DFS position i.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+def sub_end_from_samples(samples: list[list[int]]) -> torch.Tensor:
+    """Merge samples into a trie (shared prefixes once) and return sub_end int32 [T] in DFS pre-order."""
+    root: dict = {}
+    for sample in samples:
+        node = root
+        for tok in sample:
+            node = node.setdefault(tok, {})
+    sub_end: list[int] = []
+
+    def visit(children: dict) -> None:
+        for tok in sorted(children):
+            pos = len(sub_end)
+            sub_end.append(-1)
+            visit(children[tok])
+            sub_end[pos] = len(sub_end)
+
+    visit(root)
+    return torch.tensor(sub_end, dtype=torch.int32)
+
+
+def _random_samples(rng: random.Random, n: int, max_len: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
+
+
+def forest_cases() -> dict[str, torch.Tensor]:
+    """Named sub_end arrays covering the shapes the tile classifier must handle (T not a multiple of 32)."""
+    rng = random.Random(0)
+    grpo_prompt = list(range(1000, 1037))
+    return {
+        "single_token_roots": sub_end_from_samples([[t] for t in range(45)]),
+        "long_chain": sub_end_from_samples([list(range(77))]),
+        "many_roots": sub_end_from_samples([[r] + [rng.randrange(50) for _ in range(rng.randint(1, 9))]
+                                            for r in range(14)]),
+        "grpo": sub_end_from_samples([grpo_prompt + [rng.randrange(9) for _ in range(rng.randint(1, 20))]
+                                      for _ in range(5)]),
+        "random_trie": sub_end_from_samples(_random_samples(rng, 12, 16, 3)),
+    }
+
+
+def random_qkv(T: int, N: int, K: int, H: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, N, H, generator=g)
+    k = torch.randn(T, K, H, generator=g)
+    v = torch.randn(T, K, H, generator=g)
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))
