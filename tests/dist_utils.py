@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 
@@ -40,7 +41,9 @@ def _child(rank, world_size, port, parallel, seed, body, kwargs, queue):
             result = body(rank, world_size, **kwargs)
         finally:
             par.destroy()
-        queue.put((rank, "ok", result))
+        # Plain pickle to bytes: multiprocessing's reducers would pass tensors through shared memory that dies
+        # with this process before the parent reads it.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -76,7 +79,7 @@ def run_distributed(body, world_size: int, parallel: ParallelConfig = ParallelCo
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=10 if len(results) == world_size else 0.1)

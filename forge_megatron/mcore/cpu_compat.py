@@ -162,8 +162,10 @@ def _patch_rng():
 
     mp_random._get_cuda_rng_state = get_state
     mp_random._set_cuda_rng_state = set_state
-    torch.cuda.manual_seed = torch.manual_seed
-    torch.cuda.manual_seed_all = torch.manual_seed
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly, no recursion.
+    # model_parallel_cuda_manual_seed therefore (re)seeds the CPU generator, as it seeds the CUDA one on GPUs.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: None
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 

@@ -1,0 +1,170 @@
+"""Build Megatron-Core GPT models (dense and MoE) from one small config dataclass.
+
+The trainer, the bridge (HF <-> Megatron conversion), the tests and the demo all build models here, so the
+mapping from "a Llama/Qwen-style architecture" to Megatron's ``TransformerConfig`` + layer spec lives in one
+place. Layer specs: the local (pure Megatron-Core) spec everywhere, Transformer Engine's when it is installed
+and requested. Tree attention is swapped in through :mod:`forge_megatron.mcore.tree_attention` specs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GPTConfig:
+    """Architecture of a decoder-only LM. Defaults describe a tiny Qwen2-like model for CPU tests."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2  # GQA: key/value heads
+    ffn_hidden_size: int = 128
+    vocab_size: int = 256
+    max_position_embeddings: int = 4096
+    kv_channels: int | None = None  # head dim; None = hidden_size // num_attention_heads
+    normalization: str = "RMSNorm"  # "RMSNorm" | "LayerNorm"
+    norm_epsilon: float = 1e-6
+    swiglu: bool = True
+    add_qkv_bias: bool = True  # Qwen2: True, Llama/Qwen3: False
+    add_bias_linear: bool = False
+    qk_layernorm: bool = False  # Qwen3
+    rotary_base: float = 10000.0
+    tie_word_embeddings: bool = False
+    init_method_std: float = 0.02
+    # MoE (num_moe_experts=None: dense)
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_pre_softmax: bool = False  # Qwen3-MoE: softmax over all experts then top-k (False), renormalised
+    moe_router_topk_renorm: bool = True  # norm_topk_prob in HF Qwen3-MoE
+    params_dtype: torch.dtype = torch.float32
+    bf16: bool = False
+    extra: dict = field(default_factory=dict)  # passed through to TransformerConfig
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}) unless kv_channels is given"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_query_groups "
+                f"({self.num_query_groups})"
+            )
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm', got {self.normalization!r}")
+        if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(f"moe_router_topk ({self.moe_router_topk}) > num_moe_experts ({self.num_moe_experts})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+
+def transformer_config(cfg: GPTConfig, **overrides):
+    """Megatron ``TransformerConfig`` for ``cfg`` under the current parallel state."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        kv_channels=cfg.head_dim,
+        normalization=cfg.normalization,
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=cfg.swiglu,
+        activation_func=torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
+        init_method_std=cfg.init_method_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+        params_dtype=cfg.params_dtype,
+        bf16=cfg.bf16,
+        pipeline_dtype=cfg.params_dtype,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        sequence_parallel=False,
+    )
+    if cfg.num_moe_experts is not None:
+        kwargs.update(
+            num_moe_experts=cfg.num_moe_experts,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+            moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+            moe_grouped_gemm=False,
+            moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+        )
+    kwargs.update(cfg.extra)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(cfg: GPTConfig, use_te: bool = False):
+    """The standard (causal) layer spec: local Megatron-Core modules, or Transformer Engine's when asked."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te:
+        from forge_megatron.utils import env
+
+        env.require("te", "the Transformer Engine layer spec")
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=cfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm
+        )
+    return specs.get_gpt_layer_local_spec(
+        num_experts=cfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
+        normalization=cfg.normalization,
+    )
+
+
+def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_process: bool | None = None,
+              vp_stage: int | None = None, **config_overrides):
+    """Build this rank's stage of a ``GPTModel`` (RoPE, untied by default) under the current parallel state."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    tcfg = transformer_config(cfg, **config_overrides)
+    kwargs = dict(
+        config=tcfg,
+        transformer_layer_spec=spec if spec is not None else layer_spec(cfg),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
+    )
+    if vp_stage is not None:
+        kwargs["vp_stage"] = vp_stage
+    return GPTModel(**kwargs)
+
+
+def causal_mask(seq_len: int, device=None) -> torch.Tensor:
+    """Megatron's boolean attention mask convention: [1, 1, s, s], True = masked (future keys)."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]

@@ -1,0 +1,28 @@
+"""Shared test configuration.
+
+Markers: ``gpu`` (needs one CUDA device) and ``multigpu`` (needs two or more) are skipped without them.
+Multi-rank Megatron tests use :func:`tests.dist_utils.run_distributed` (gloo, spawned processes).
+"""
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    from forge_megatron.utils import env
+
+    n_gpus = 0
+    if env.has_cuda():
+        import torch
+
+        n_gpus = torch.cuda.device_count()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason="needs 2+ CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords and n_gpus < 1:
+            item.add_marker(skip_gpu)
+        if "multigpu" in item.keywords and n_gpus < 2:
+            item.add_marker(skip_multi)
