@@ -24,15 +24,13 @@ def test_require_missing_component_says_how_to_get_it(monkeypatch):
 
 
 def test_te_runtime_error_is_reported_not_raised(monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
+    real_import = env.importlib.import_module
 
     def fake_import(name, *a, **k):
         if name == "transformer_engine":
             raise RuntimeError("cudnn shared object not found")
         return real_import(name, *a, **k)
 
-    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setattr(env.importlib, "import_module", fake_import)
     probe = env._import_probe("transformer_engine")
     assert not probe.available and "RuntimeError" in probe.detail
