@@ -35,12 +35,13 @@ S = samples, S1 = S + 1.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["LossConfig", "policy_loss", "truncated_is_weights", "sample_index"]
+from forge_megatron.algo.offpolicy import truncated_is_weights
+
+__all__ = ["LossConfig", "policy_loss", "sample_index"]
 
 LOSS_TYPES = ("cispo", "ppo", "gspo")
 NORMS = ("token_mean", "seq_mean", "constant")
@@ -120,13 +121,6 @@ def sample_index(cu_seqlens_S1: torch.Tensor) -> torch.Tensor:
 
 def _per_sample_sum(x_M: torch.Tensor, sample_M: torch.Tensor, num_samples: int) -> torch.Tensor:
     return torch.zeros(num_samples, dtype=x_M.dtype, device=x_M.device).index_add(0, sample_M, x_M)
-
-
-def truncated_is_weights(old_logp_M: torch.Tensor, rollout_logp_M: torch.Tensor, cap: float) -> torch.Tensor:
-    """``min(exp(old_logp - rollout_logp), cap)``: corrects for the rollout engine sampling from a slightly
-    different distribution than the trainer's behaviour policy. No gradient."""
-    log_w_M = (old_logp_M - rollout_logp_M).detach().clamp(max=math.log(cap))
-    return torch.exp(log_w_M)
 
 
 def _check_inputs(named_M: dict[str, torch.Tensor], cu_seqlens_S1: torch.Tensor) -> int:

@@ -1,0 +1,306 @@
+"""Composite episode rewards and the per-group scoring the data pool runs when a group finishes.
+
+Reward of episode i (every term is reported in ``GroupScores.terms`` and they sum to the total):
+
+    R_i = outcome_i                                         (from the verifier / environment)
+        + sum_k process_weights[k] * process_terms_i[k]     (raw measurements, e.g. malformed tool calls)
+        + completion_time_i                                 (bonus in [0, bound] for fast successful episodes)
+        + user terms                                        (optional "module:function" reward function)
+        + sum_k segment_rewards_i[k]                        (optional per-segment / per-turn rewards)
+
+Completion time, among the successful episodes of a group with durations d (failures get 0):
+
+    completion_time_i = bound * min_j d_j / d_i         (fastest gets ``bound``; equal durations equal bonus)
+
+Per-segment rewards: the episode-level part (everything except ``segment_rewards``) is credited to the last
+segment; returns use reward-to-go with discount ``gamma`` and the group baseline of ``advantages.py``. Every
+segment of an episode with n segments gets loss weight 1/n, so splitting an episode into more segments does not
+give it more weight in the loss.
+
+A user reward function is named ``"package.module:function"`` and has the signature
+
+    def my_reward(outcome: EpisodeOutcome) -> float | dict[str, float]
+
+A float becomes the term ``"user"``; a dict adds one term per key (already weighted). It runs in the data pool
+process once per finished episode.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import unicodedata
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from forge_megatron.algo.advantages import ESTIMATORS, group_baselines, reward_to_go
+
+__all__ = [
+    "EpisodeOutcome", "RewardConfig", "GroupScores", "score_group", "completion_time_bonus", "ProcessContext",
+    "register_process_term", "measure_process_terms", "PROCESS_TERMS", "language_mixing", "load_reward_fn",
+]
+
+log = logging.getLogger(__name__)
+
+SINGLETON_MODES = ("zero", "raw", "error")
+DEFAULT_PROCESS_WEIGHTS = {"malformed_tool_calls": -0.1, "failed_tool_calls": 0.0, "language_mixing": -0.5}
+
+
+@dataclass
+class EpisodeOutcome:
+    """What scoring needs to know about one finished episode."""
+
+    outcome_reward: float
+    success: bool
+    duration_s: float
+    num_segments: int = 1
+    process_terms: dict[str, float] = field(default_factory=dict)
+    """Raw measurements, e.g. ``{"malformed_tool_calls": 2.0, "language_mixing": 0.1}``; weights live in config."""
+    segment_rewards: list[float] | None = None
+    """Optional reward per segment (turn); enables reward-to-go within the episode."""
+    domain: str = "default"
+    metadata: dict = field(default_factory=dict)
+    """Free-form task data for a user reward function (e.g. the reference answer)."""
+
+    def validate(self, where: str) -> None:
+        """Raise ValueError naming ``where`` (e.g. "episode 3") for the first problem found."""
+        if not math.isfinite(self.outcome_reward):
+            raise ValueError(f"{where}: outcome_reward is {self.outcome_reward} (must be finite)")
+        if not (math.isfinite(self.duration_s) and self.duration_s >= 0):
+            raise ValueError(f"{where}: duration_s is {self.duration_s} (must be finite and >= 0)")
+        if self.num_segments < 1:
+            raise ValueError(f"{where}: num_segments is {self.num_segments} (must be >= 1)")
+        for name, value in self.process_terms.items():
+            if not math.isfinite(value):
+                raise ValueError(f"{where}: process term {name!r} is {value} (must be finite)")
+        if self.segment_rewards is not None:
+            if len(self.segment_rewards) != self.num_segments:
+                raise ValueError(
+                    f"{where}: {len(self.segment_rewards)} segment_rewards for {self.num_segments} segments"
+                )
+            if not all(math.isfinite(r) for r in self.segment_rewards):
+                raise ValueError(f"{where}: segment_rewards has non-finite values")
+
+
+def load_reward_fn(path: str) -> Callable:
+    """Import ``"package.module:function"`` and return the callable; errors name what is missing."""
+    module_name, sep, fn_name = path.partition(":")
+    if not sep or not module_name or not fn_name:
+        raise ValueError(f"reward_fn must look like 'package.module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward_fn {path!r}: cannot import module {module_name!r} ({e})") from e
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise ValueError(f"reward_fn {path!r}: module {module_name!r} has no attribute {fn_name!r}")
+    if not callable(fn):
+        raise ValueError(f"reward_fn {path!r}: {fn_name!r} is not callable")
+    return fn
+
+
+@dataclass
+class RewardConfig:
+    """Composite reward and advantage estimation for one group of episodes."""
+
+    process_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_PROCESS_WEIGHTS))
+    """Signed multiplier per process term; measurements without a weight are ignored."""
+    completion_time_bound: float = 0.0
+    """Largest completion-time bonus (the fastest successful episode gets it); 0 turns the term off."""
+    gamma: float = 1.0
+    """Reward-to-go discount across the segments/turns of an episode."""
+    estimator: str = "grpo"
+    """"grpo" (group mean baseline) or "rloo" (leave-one-out baseline)."""
+    std_normalize: bool = True
+    """Divide advantages by the group's reward std (+ eps)."""
+    eps: float = 1e-6
+    singleton_group: str = "zero"
+    """Group of one episode: "zero" (advantage 0, a warning), "raw" (advantage = return), "error"."""
+    reward_fn: str | None = None
+    """Optional user reward function, ``"package.module:function"`` (see the module docstring)."""
+    reward_fn_callable: Callable | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name, w in self.process_weights.items():
+            if not math.isfinite(w):
+                raise ValueError(f"process_weights[{name!r}] is {w} (must be finite)")
+        if not (math.isfinite(self.completion_time_bound) and self.completion_time_bound >= 0):
+            raise ValueError(f"completion_time_bound must be finite and >= 0, got {self.completion_time_bound}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma must lie in [0, 1], got {self.gamma}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.singleton_group not in SINGLETON_MODES:
+            raise ValueError(f"singleton_group must be one of {SINGLETON_MODES}, got {self.singleton_group!r}")
+        if self.reward_fn is not None:
+            self.reward_fn_callable = load_reward_fn(self.reward_fn)
+
+
+@dataclass
+class GroupScores:
+    """Scores of one group, episode order preserved."""
+
+    rewards: list[float]
+    """Total (composite) reward per episode."""
+    terms: list[dict[str, float]]
+    """Per-episode breakdown; the values of each dict sum to the episode's reward."""
+    segment_advantages: list[list[float]]
+    """Per episode, per segment: the scalar advantage broadcast over the segment's trained tokens."""
+    segment_weights: list[list[float]]
+    """Per episode, per segment: loss weight 1/num_segments (``sample_weight_S`` of ``policy_loss``)."""
+    warnings: list[str] = field(default_factory=list)
+    """Documented fallbacks that happened (e.g. a group of one)."""
+
+
+# ---------------------------------------------------------------- process terms
+
+
+@dataclass
+class ProcessContext:
+    """What process-term measurements look at: the episode's generated texts and its tool-call counts."""
+
+    texts: list[str] = field(default_factory=list)
+    tool_calls: int = 0
+    malformed_tool_calls: int = 0
+    failed_tool_calls: int = 0
+
+
+PROCESS_TERMS: dict[str, Callable[[ProcessContext], float]] = {}
+
+
+def register_process_term(name: str) -> Callable:
+    """Decorator adding ``fn(ctx: ProcessContext) -> float`` to the registry under ``name``."""
+
+    def add(fn: Callable[[ProcessContext], float]) -> Callable[[ProcessContext], float]:
+        if name in PROCESS_TERMS:
+            raise ValueError(f"process term {name!r} is already registered")
+        PROCESS_TERMS[name] = fn
+        return fn
+
+    return add
+
+
+def measure_process_terms(ctx: ProcessContext, names: list[str] | None = None) -> dict[str, float]:
+    """Raw measurements for ``EpisodeOutcome.process_terms`` (all registered terms when ``names`` is None)."""
+    names = list(PROCESS_TERMS) if names is None else names
+    unknown = [n for n in names if n not in PROCESS_TERMS]
+    if unknown:
+        raise ValueError(f"unknown process terms {unknown}; registered: {sorted(PROCESS_TERMS)}")
+    return {n: float(PROCESS_TERMS[n](ctx)) for n in names}
+
+
+# Scripts that one language writes together count as one (Japanese mixes kanji and kana).
+_SCRIPT_ALIASES = {"HIRAGANA": "CJK", "KATAKANA": "CJK", "HALFWIDTH": "CJK", "FULLWIDTH": "LATIN"}
+
+
+def _script(ch: str) -> str:
+    first = unicodedata.name(ch, "UNKNOWN").split(" ", 1)[0]
+    return _SCRIPT_ALIASES.get(first, first)
+
+
+def language_mixing(text: str) -> float:
+    """Fraction of letters outside the text's dominant script (0 = one script, no letters also 0)."""
+    counts = Counter(_script(ch) for ch in text if ch.isalpha())
+    total = sum(counts.values())
+    if total == 0:
+        return 0.0
+    return 1.0 - max(counts.values()) / total
+
+
+@register_process_term("malformed_tool_calls")
+def _malformed_tool_calls(ctx: ProcessContext) -> float:
+    return float(ctx.malformed_tool_calls)
+
+
+@register_process_term("failed_tool_calls")
+def _failed_tool_calls(ctx: ProcessContext) -> float:
+    return float(ctx.failed_tool_calls)
+
+
+@register_process_term("language_mixing")
+def _language_mixing(ctx: ProcessContext) -> float:
+    """Language mixing of all generated text together."""
+    return language_mixing("\n".join(ctx.texts))
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def completion_time_bonus(durations_s: list[float], successes: list[bool], bound: float) -> list[float]:
+    """``bound * min(d of successes) / d_i`` for successful episodes, 0 for failures (in [0, bound])."""
+    if len(durations_s) != len(successes):
+        raise ValueError(f"{len(durations_s)} durations for {len(successes)} success flags")
+    ok = [d for d, s in zip(durations_s, successes) if s]
+    if not ok or bound == 0:
+        return [0.0] * len(durations_s)
+    fastest = min(ok)
+    return [bound * (1.0 if d <= fastest else fastest / d) if s else 0.0 for d, s in zip(durations_s, successes)]
+
+
+def _user_terms(fn: Callable, outcome: EpisodeOutcome, where: str) -> dict[str, float]:
+    value = fn(outcome)
+    terms = value if isinstance(value, dict) else {"user": value}
+    for name, v in terms.items():
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{where}: reward_fn returned {name!r} = {v!r} (must be a finite number)")
+    return {name: float(v) for name, v in terms.items()}
+
+
+def _episode_terms(outcome: EpisodeOutcome, bonus: float, cfg: RewardConfig, where: str) -> dict[str, float]:
+    terms = {"outcome": float(outcome.outcome_reward)}
+    for name, raw in outcome.process_terms.items():
+        if name in cfg.process_weights:
+            terms[name] = cfg.process_weights[name] * raw
+    if cfg.completion_time_bound > 0:
+        terms["completion_time"] = bonus
+    if cfg.reward_fn_callable is not None:
+        for name, v in _user_terms(cfg.reward_fn_callable, outcome, where).items():
+            if name in terms:
+                raise ValueError(f"{where}: reward_fn term {name!r} clashes with a built-in term")
+            terms[name] = v
+    if outcome.segment_rewards is not None:
+        terms["segment_rewards"] = math.fsum(outcome.segment_rewards)
+    return terms
+
+
+def _segment_returns(outcome: EpisodeOutcome, reward: float, gamma: float) -> list[float]:
+    """Reward-to-go per segment; the episode-level reward is credited to the last segment."""
+    per_segment = list(outcome.segment_rewards or [0.0] * outcome.num_segments)
+    per_segment[-1] += reward - math.fsum(outcome.segment_rewards or [])
+    return reward_to_go(per_segment, gamma)
+
+
+def _singleton_advantages(returns: list[list[float]], cfg: RewardConfig, warnings: list[str]) -> list[list[float]]:
+    if cfg.singleton_group == "error":
+        raise ValueError("group has a single episode: no group baseline (set singleton_group='zero' or 'raw')")
+    if cfg.singleton_group == "raw":
+        return [list(r) for r in returns]
+    msg = "group of size 1: advantages set to 0"
+    log.warning(msg)
+    warnings.append(msg)
+    return [[0.0] * len(r) for r in returns]
+
+
+def score_group(outcomes: list[EpisodeOutcome], cfg: RewardConfig) -> GroupScores:
+    """Composite rewards, per-segment advantages and loss weights for one finished group."""
+    if not outcomes:
+        raise ValueError("score_group needs at least one episode, got an empty group")
+    for i, o in enumerate(outcomes):
+        o.validate(f"episode {i}")
+    bonus = completion_time_bonus([o.duration_s for o in outcomes], [o.success for o in outcomes],
+                                  cfg.completion_time_bound)
+    terms = [_episode_terms(o, b, cfg, f"episode {i}") for i, (o, b) in enumerate(zip(outcomes, bonus))]
+    rewards = [math.fsum(t.values()) for t in terms]
+    returns = [_segment_returns(o, r, cfg.gamma) for o, r in zip(outcomes, rewards)]
+    warnings: list[str] = []
+    if len(outcomes) == 1:
+        advantages = _singleton_advantages(returns, cfg, warnings)
+    else:
+        baselines, scale = group_baselines([g[0] for g in returns], cfg.estimator, cfg.std_normalize, cfg.eps)
+        advantages = [[(g - b) / scale for g in gs] for gs, b in zip(returns, baselines)]
+    weights = [[1.0 / o.num_segments] * o.num_segments for o in outcomes]
+    return GroupScores(rewards, terms, advantages, weights, warnings)
