@@ -1,0 +1,481 @@
+"""forge-engine: a CPU reference inference engine that speaks SGLang's HTTP API.
+
+Tests and the demo need an engine that generates for real (tokens and logprobs come from the weights) and whose
+weights can be swapped by the trainer, without a GPU or SGLang. This server loads a HF causal LM from a local
+directory (transformers, fp32) and serves the subset of SGLang's native API that forge uses, with SGLang's field
+names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``stream``), ``/health``,
+``/get_model_info``, ``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` (mode abort|in_place|retract),
+``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
+``/update_weights_from_distributed``.
+
+Decoding: every request decodes token by token with its own KV cache (``past_key_values``). Each forward step is a
+job on one worker thread, so concurrent requests interleave step by step and a weight update (also a job on that
+thread) always lands between two steps, never inside one. Per step, with logits z over the vocabulary:
+
+  logprob(token) = log_softmax(z)[token]                 (temperature-free, like SGLang's default)
+  sample:  z' = z / temperature, keep the top_k largest, keep the smallest set with cumulative prob >= top_p,
+           token ~ softmax(z')   (temperature 0 -> argmax)     with a torch.Generator seeded per request
+
+so the recorded logprob is the policy's own probability of the sampled token, which is what the trainer recomputes.
+
+Tensor legend: V = vocabulary, S = sequence (prompt or step tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from aiohttp import web
+
+from forge_megatron.rollout.weight_group import broadcast_tensor, init_weight_update_group
+
+log = logging.getLogger("forge.engine")
+
+PAUSE_MODES = ("abort", "in_place", "retract")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class RequestError(ValueError):
+    """A bad request; the message names the field. Answered with HTTP 400."""
+
+
+@dataclass
+class SamplingParams:
+    """SGLang ``sampling_params`` (the subset this engine implements; other keys are rejected by name)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None  # forge extension: per-request sampling seed (SGLang: sampling_seed)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+                 f"sampling_params.max_new_tokens must be a non-negative int, got {self.max_new_tokens!r}")
+        _require(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+                 f"sampling_params.temperature must be >= 0, got {self.temperature!r}")
+        _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+                 f"sampling_params.top_p must be in (0, 1], got {self.top_p!r}")
+        _require(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+                 f"sampling_params.top_k must be -1 or >= 1, got {self.top_k!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "sampling_params.stop must be non-empty strings")
+        _require(all(isinstance(t, int) for t in self.stop_token_ids), "sampling_params.stop_token_ids must be ints")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SamplingParams":
+        d = dict(d or {})
+        if "sampling_seed" in d:
+            d["seed"] = d.pop("sampling_seed")
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        _require(not unknown, f"sampling_params has unsupported field(s) {unknown}")
+        return cls(**d)
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise RequestError(msg)
+
+
+def sample_next(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
+    """Pick the next token from fp32 logits; return (token, temperature-free logprob of that token)."""
+    logp_V = torch.log_softmax(logits_V, dim=-1)
+    if params.temperature == 0:
+        token = int(torch.argmax(logits_V))
+        return token, float(logp_V[token])
+    z_V = logits_V / params.temperature
+    if params.top_k > 0 and params.top_k < z_V.numel():
+        kth = torch.topk(z_V, params.top_k).values[-1]
+        z_V = z_V.masked_fill(z_V < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_V, order_V = torch.sort(z_V, descending=True)
+        cum_V = torch.cumsum(torch.softmax(sorted_V, dim=-1), dim=-1)
+        drop_V = cum_V - torch.softmax(sorted_V, dim=-1) >= params.top_p  # mass before this token already >= top_p
+        z_V = z_V.scatter(0, order_V, sorted_V.masked_fill(drop_V, float("-inf")))
+    token = int(torch.multinomial(torch.softmax(z_V, dim=-1), 1, generator=gen))
+    return token, float(logp_V[token])
+
+
+@dataclass
+class _Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    gen: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    past: object = None  # transformers cache; None -> the next step re-encodes everything
+    finish: dict | None = None
+    aborted: bool = False
+
+
+class ReferenceEngine:
+    """Model, tokenizer and request state; every model touch runs on the single worker thread."""
+
+    def __init__(self, model_path: str, context_length: int | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not os.path.isdir(model_path):
+            raise FileNotFoundError(f"--model-path {model_path!r} is not a directory")
+        self.model_path = model_path
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.context_length = context_length or int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.eos_ids = _eos_ids(self.model.config, self.tokenizer)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forge-engine")
+        self.weight_version = "default"
+        self.pause_mode: str | None = None
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.running: dict[str, _Request] = {}
+        self.weight_group = None
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    # --- generation -------------------------------------------------------------------------------------------
+    def new_request(self, body: dict) -> _Request:
+        ids = body.get("input_ids")
+        _require(isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids),
+                 "input_ids must be a non-empty list of ints (text prompts are not supported)")
+        vocab = self.model.config.vocab_size
+        _require(all(0 <= t < vocab for t in ids), f"input_ids has token ids outside [0, {vocab})")
+        params = SamplingParams.from_dict(body.get("sampling_params"))
+        _require(len(ids) + params.max_new_tokens <= self.context_length,
+                 f"input_ids ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceed the context "
+                 f"length ({self.context_length} tokens)")
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        gen = torch.Generator().manual_seed(seed)
+        return _Request(rid=str(body.get("rid") or uuid.uuid4().hex), input_ids=list(ids), params=params, gen=gen)
+
+    def _step(self, req: _Request) -> None:
+        """One decode step on the worker thread: forward the tokens not yet in the cache, sample one token."""
+        all_ids = req.input_ids + req.output_ids
+        if req.past is None:
+            new_S = torch.tensor([all_ids])
+        else:
+            new_S = torch.tensor([all_ids[-1:]])
+        with torch.no_grad():
+            out = self.model(input_ids=new_S, past_key_values=req.past, use_cache=True)
+        req.past = out.past_key_values
+        token, logprob = sample_next(out.logits[0, -1].float(), req.params, req.gen)
+        req.output_ids.append(token)
+        req.logprobs.append(logprob)
+        req.finish = self._finish_reason(req, token)
+
+    def _finish_reason(self, req: _Request, token: int) -> dict | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            return {"type": "stop", "matched": token}
+        if p.stop:
+            text = self.tokenizer.decode(req.output_ids)
+            for s in p.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    async def generate(self, req: _Request):
+        """Decode ``req`` to the end, yielding after each token (the caller streams or waits)."""
+        await self._wait_resumed(req)
+        self.running[req.rid] = req
+        try:
+            if req.params.max_new_tokens == 0:
+                req.finish = {"type": "length", "length": 0}
+            while req.finish is None:
+                await self._wait_resumed(req)
+                if req.aborted:
+                    req.finish = {"type": "abort", "message": "aborted by pause_generation"}
+                    break
+                await self.run(self._step, req)
+                if req.finish is None:
+                    yield req
+        finally:
+            self.running.pop(req.rid, None)
+        yield req
+
+    async def _wait_resumed(self, req: _Request) -> None:
+        while not self.resumed.is_set() and not req.aborted:
+            await self.resumed.wait()
+
+    def response(self, req: _Request, return_logprob: bool) -> dict:
+        out_ids = req.output_ids
+        text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+        matched = (req.finish or {}).get("matched")
+        if isinstance(matched, str) and matched in text:
+            text = text[: text.index(matched)]
+        meta = {
+            "id": req.rid,
+            "finish_reason": req.finish,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(out_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, out_ids)]
+        return {"text": text, "output_ids": list(out_ids), "meta_info": meta}
+
+    # --- control ----------------------------------------------------------------------------------------------
+    def pause(self, mode: str) -> None:
+        _require(mode in PAUSE_MODES, f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self.pause_mode = mode
+        self.resumed.clear()
+        for req in self.running.values():
+            if mode == "abort":
+                req.aborted = True
+            elif mode == "retract":
+                req.past = None  # recomputed from the tokens after continue_generation
+        if mode == "abort":
+            self.resumed.set()  # wake the aborted requests; new ones wait on the pause flag below
+            self.resumed.clear()
+
+    def resume(self) -> None:
+        self.pause_mode = None
+        self.resumed.set()
+
+    def flush_cache(self) -> None:
+        """Drop the KV caches of requests held by a pause (they are re-encoded on continue)."""
+        for req in self.running.values():
+            req.past = None
+
+    def load_state(self, named: dict[str, torch.Tensor]) -> None:
+        params = self.model.state_dict()
+        for name, tensor in named.items():
+            _require(name in params, f"unknown parameter name {name!r}")
+            _require(tuple(params[name].shape) == tuple(tensor.shape),
+                     f"shape of {name!r} is {tuple(tensor.shape)}, the model has {tuple(params[name].shape)}")
+        with torch.no_grad():
+            for name, tensor in named.items():
+                params[name].copy_(tensor.to(params[name].dtype))
+
+    def load_from_disk(self, model_path: str) -> None:
+        from safetensors.torch import load_file
+
+        _require(os.path.isdir(model_path), f"model_path {model_path!r} is not a directory")
+        files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+        _require(bool(files), f"model_path {model_path!r} has no .safetensors files")
+        named = {}
+        for f in files:
+            named.update(load_file(os.path.join(model_path, f)))
+        self.load_state(named)
+
+    def receive_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        _require(self.weight_group is not None, "no weight update group: call /init_weights_update_group first")
+        named = {}
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            buf = torch.empty(shape, dtype=_DTYPES[dtype])
+            broadcast_tensor(self.weight_group, buf, src=0)
+            named[name] = buf
+        self.load_state(named)
+
+
+def _eos_ids(config, tokenizer) -> set[int]:
+    eos = config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+# --- HTTP layer -----------------------------------------------------------------------------------------------
+def _ok(message: str = "", **extra) -> web.Response:
+    return web.json_response({"success": True, "message": message, **extra})
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "BadRequest", "code": status},
+                              "success": False, "message": message}, status=status)
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"body is not valid JSON: {exc}") from exc
+    _require(isinstance(body, dict), "body must be a JSON object")
+    return body
+
+
+def _handler(fn):
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await fn(request, request.app["engine"])
+        except RequestError as exc:
+            return _bad(str(exc))
+    return wrapped
+
+
+@_handler
+async def generate(request: web.Request, eng: ReferenceEngine) -> web.StreamResponse:
+    body = await _json_body(request)
+    req = eng.new_request(body)
+    want_lp = bool(body.get("return_logprob", False))
+    if not body.get("stream", False):
+        async for _ in eng.generate(req):
+            pass
+        return web.json_response(eng.response(req, want_lp))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    async for _ in eng.generate(req):
+        await resp.write(f"data: {json.dumps(eng.response(req, want_lp))}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+@_handler
+async def health(request, eng):
+    return web.Response(text="")
+
+
+@_handler
+async def model_info(request, eng):
+    return web.json_response({"model_path": eng.model_path, "tokenizer_path": eng.model_path,
+                              "is_generation": True, "context_length": eng.context_length,
+                              "vocab_size": eng.model.config.vocab_size})
+
+
+@_handler
+async def weight_version(request, eng):
+    return web.json_response({"weight_version": eng.weight_version})
+
+
+@_handler
+async def flush_cache(request, eng):
+    await eng.run(eng.flush_cache)
+    return web.Response(text="Cache flushed.\n")
+
+
+@_handler
+async def pause_generation(request, eng):
+    body = await _json_body(request)
+    eng.pause(body.get("mode", "abort"))
+    return _ok(f"paused ({eng.pause_mode})")
+
+
+@_handler
+async def continue_generation(request, eng):
+    eng.resume()
+    return _ok("continued")
+
+
+def _set_version(eng: ReferenceEngine, body: dict) -> None:
+    if body.get("weight_version") is not None:
+        eng.weight_version = str(body["weight_version"])
+
+
+@_handler
+async def update_from_disk(request, eng):
+    body = await _json_body(request)
+    _require(isinstance(body.get("model_path"), str), "model_path is required")
+    if body.get("abort_all_requests"):
+        eng.pause("abort")
+        eng.resume()
+    await eng.run(eng.load_from_disk, body["model_path"])
+    _set_version(eng, body)
+    return _ok("weights updated from disk", num_paused_requests=0)
+
+
+@_handler
+async def init_group(request, eng):
+    body = await _json_body(request)
+    for key in ("master_address", "master_port", "rank_offset", "world_size"):
+        _require(key in body, f"{key} is required")
+    try:
+        eng.weight_group = await asyncio.to_thread(
+            init_weight_update_group, body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
+            int(body["world_size"]), body.get("group_name", "weight_update_group"), body.get("backend", "gloo"))
+    except (ValueError, RuntimeError) as exc:
+        return web.json_response({"success": False, "message": f"init_weights_update_group failed: {exc}"}, 400)
+    return _ok("weight update group initialised")
+
+
+@_handler
+async def update_from_distributed(request, eng):
+    body = await _json_body(request)
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    _require(isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list),
+             "names, dtypes and shapes must be lists")
+    _require(len(names) == len(dtypes) == len(shapes), "names, dtypes and shapes must have the same length")
+    _require(all(d in _DTYPES for d in dtypes), f"dtypes must be among {sorted(_DTYPES)}")
+    await eng.run(eng.receive_distributed, names, dtypes, shapes)
+    if body.get("flush_cache", True):
+        await eng.run(eng.flush_cache)
+    _set_version(eng, body)
+    return _ok(f"updated {len(names)} tensors")
+
+
+def make_app(engine: ReferenceEngine, max_body_bytes: int = 64 << 20) -> web.Application:
+    """The aiohttp application serving ``engine`` with SGLang's routes."""
+    app = web.Application(client_max_size=max_body_bytes)
+    app["engine"] = engine
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health)
+    app.router.add_get("/get_model_info", model_info)
+    app.router.add_get("/get_weight_version", weight_version)
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_post("/pause_generation", pause_generation)
+    app.router.add_post("/continue_generation", continue_generation)
+    app.router.add_post("/update_weights_from_disk", update_from_disk)
+    app.router.add_post("/init_weights_update_group", init_group)
+    app.router.add_post("/update_weights_from_distributed", update_from_distributed)
+    return app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="forge-engine",
+        description="CPU reference engine with SGLang's HTTP API (generate, pause/continue, weight updates). "
+                    "Example: forge-engine --model-path /tmp/tiny --port 30000",
+    )
+    p.add_argument("--model-path", required=True, help="local HF model directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=30000, help="TCP port (0 picks a free one; the chosen port is printed)")
+    p.add_argument("--context-length", type=int, default=None, help="max prompt + new tokens (default: model config)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    return p
+
+
+async def serve(engine: ReferenceEngine, host: str, port: int, ready=None) -> None:
+    """Serve until cancelled; ``ready(port)`` is called once listening."""
+    runner = web.AppRunner(make_app(engine), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]
+    if ready is not None:
+        ready(bound)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-engine %(message)s")
+    t0 = time.time()
+    engine = ReferenceEngine(args.model_path, context_length=args.context_length)
+    log.info("loaded %s in %.1fs", args.model_path, time.time() - t0)
+    asyncio.run(serve(engine, args.host, args.port, ready=lambda p: print(f"FORGE_READY port={p}", flush=True)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Start forge-engine / forge-gateway servers from Python: as subprocesses (tests that kill them, the demo) or
+in-process on a background event-loop thread (fast tests, benchmarks).
+
+Each returns a handle with ``.url`` and ``.stop()``; subprocess handles also have ``.kill()`` (SIGKILL, for
+failure tests). A server signals readiness by printing ``FORGE_READY port=<p>`` after it is listening, so port 0
+(pick a free port) works without races.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+class ProcessServer:
+    """A server running as a subprocess in its own process group."""
+
+    def __init__(self, module: str, args: list[str], host: str = "127.0.0.1", timeout_s: float = 120.0,
+                 env: dict | None = None):
+        cmd = [sys.executable, "-m", module, "--host", host, "--port", "0", *args]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True, env=full_env)
+        self.port = self._wait_ready(timeout_s)
+        self.url = f"http://{host}:{self.port}"
+        self._drain = threading.Thread(target=self._drain_output, daemon=True)
+        self._drain.start()
+
+    def _wait_ready(self, timeout_s: float) -> int:
+        deadline = time.time() + timeout_s
+        lines = []
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("FORGE_READY port="):
+                return int(line.strip().split("=", 1)[1])
+        self.kill()
+        raise RuntimeError(f"server {self.proc.args} did not start:\n{''.join(lines[-30:])}")
+
+    def _drain_output(self) -> None:
+        for _ in self.proc.stdout:
+            pass
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (simulates a crashed engine)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class ThreadServer:
+    """A server coroutine ``serve(ready)`` running on its own event loop in a daemon thread."""
+
+    def __init__(self, serve, host: str = "127.0.0.1", timeout_s: float = 60.0):
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.port = None
+        self._task = None
+
+        def on_ready(port: int) -> None:
+            self.port = port
+            self._ready.set()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self._task = self.loop.create_task(serve(on_ready))
+            try:
+                self.loop.run_until_complete(self._task)
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the failure is reported below
+                self._ready.set()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        if not self._ready.wait(timeout_s) or self.port is None:
+            raise RuntimeError("in-process server did not start")
+        self.url = f"http://{host}:{self.port}"
+
+    def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self.loop.call_soon_threadsafe(self._task.cancel)
+        self.thread.join(timeout=10)
+
+
+def start_engine(model_dir: str, in_process: bool = False, host: str = "127.0.0.1", extra_args: list[str] | None = None):
+    """Start a forge-engine serving ``model_dir``; returns a handle with ``.url`` and ``.stop()``."""
+    if in_process:
+        from forge_megatron.rollout.engine_server import ReferenceEngine, serve
+
+        engine = ReferenceEngine(model_dir)
+        server = ThreadServer(lambda ready: serve(engine, host, 0, ready), host=host)
+        server.engine = engine
+        return server
+    return ProcessServer("forge_megatron.rollout.engine_server", ["--model-path", model_dir, *(extra_args or [])], host)
+
+
+def start_gateway(model_dir: str, engine_urls: list[str], in_process: bool = False, host: str = "127.0.0.1",
+                  sink=None, extra_args: list[str] | None = None):
+    """Start a forge-gateway in front of ``engine_urls``. In-process gateways send episodes to ``sink``
+    (default: a ListSink, reachable as ``handle.gateway.sink``); subprocess gateways use their CLI options."""
+    urls = ",".join(engine_urls)
+    if in_process:
+        from forge_megatron.middleware.gateway import Gateway, GatewayConfig, serve
+
+        gw = Gateway(GatewayConfig(model_path=model_dir, engine_urls=list(engine_urls), host=host), sink=sink)
+        server = ThreadServer(lambda ready: serve(gw, ready), host=host)
+        server.gateway = gw
+        return server
+    return ProcessServer("forge_megatron.middleware.gateway",
+                         ["--model-path", model_dir, "--engines", urls, *(extra_args or [])], host)
