@@ -56,3 +56,27 @@ def random_qkv(T: int, N: int, K: int, H: int, dtype: torch.dtype, device: str =
     k = torch.randn(T, K, H, generator=g)
     v = torch.randn(T, K, H, generator=g)
     return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))
+
+
+def _forward_backward(fn, q, k, v, sub_end, do, scale):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    o = fn(q, k, v, sub_end, softmax_scale=scale)
+    return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+
+def check_against_reference(fn, sub_end, N, K, H, dtype, device="cpu", scale=None, seed=0):
+    """Assert fn matches the fp32 reference, forward and backward, by the FlashAttention tolerance rule:
+    error(fn) <= 2 * error(reference computed in `dtype`) + 1e-5, per output (o, dq, dk, dv)."""
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    sub_end = sub_end.to(device)
+    q, k, v = random_qkv(sub_end.shape[0], N, K, H, dtype, device, seed)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
+    got = _forward_backward(fn, q, k, v, sub_end, do, scale)
+    exact = _forward_backward(tree_attention_reference, q.float(), k.float(), v.float(), sub_end, do.float(), scale)
+    lowp = _forward_backward(tree_attention_reference, q, k, v, sub_end, do, scale)
+    for name, g, e, lp in zip(("o", "dq", "dk", "dv"), got, exact, lowp):
+        assert g.dtype == dtype and g.shape == e.shape, name
+        err = (g.float() - e).abs().max().item()
+        budget = 2 * (lp.float() - e).abs().max().item() + 1e-5
+        assert err <= budget, f"{name}: max error {err:.3g} exceeds {budget:.3g} ({dtype}, T={sub_end.shape[0]})"

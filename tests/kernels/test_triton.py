@@ -1,0 +1,131 @@
+"""Triton tree attention vs the dense reference, forward and backward (CPU: TRITON_INTERPRET=1, set in conftest).
+
+GPUs needed: 0 for the unmarked tests (interpreter), 1 for the `gpu` ones.
+"""
+
+import pytest
+import torch
+from tree_cases import check_against_reference, forest_cases, random_qkv, sub_end_from_samples
+
+from forge_megatron.kernels.tree_attention import triton_kernel
+from forge_megatron.kernels.tree_attention.triton_kernel import key_block_bounds, tree_attention_triton
+
+CASES = forest_cases()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference_gqa_fp32(case):
+    check_against_reference(tree_attention_triton, CASES[case], N=4, K=2, H=32, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("N,K,H", [(2, 1, 16), (2, 2, 64), (3, 1, 24)])
+def test_head_dims_and_group_sizes(N, K, H):
+    check_against_reference(tree_attention_triton, CASES["grpo"], N=N, K=K, H=H, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_inputs(dtype):
+    check_against_reference(tree_attention_triton, CASES["random_trie"], N=2, K=1, H=32, dtype=dtype)
+
+
+def test_softmax_scale():
+    check_against_reference(tree_attention_triton, CASES["many_roots"], N=2, K=1, H=16, dtype=torch.float32,
+                            scale=0.05)
+
+
+def test_block_bounds_match_torch():
+    sub_end = CASES["many_roots"]
+    kmin, kmax = key_block_bounds(sub_end, 32)
+    padded = torch.nn.functional.pad(sub_end, (0, -sub_end.shape[0] % 32), value=-1).view(-1, 32)
+    assert torch.equal(kmax, padded.amax(1).int())
+    assert torch.equal(kmin, torch.where(padded < 0, torch.iinfo(torch.int32).max, padded).amin(1).int())
+
+
+def _tile_kinds(sub_end: torch.Tensor, block: int) -> set[str]:
+    """Classify every causal tile by the DESIGN rule (with the Python sub_end, independent of the kernel)."""
+    T = sub_end.shape[0]
+    kinds = set()
+    for q_lo in range(0, T, block):
+        q_hi = min(q_lo + block, T)
+        for k_lo in range(0, q_hi, block):
+            se = sub_end[k_lo:k_lo + block]
+            if se.max() <= q_lo:
+                kinds.add("empty")
+            elif k_lo + block - 1 <= q_lo and se.min() >= q_hi:
+                kinds.add("full")
+            else:
+                kinds.add("partial")
+    return kinds
+
+
+def test_cases_cover_every_tile_kind():
+    block = triton_kernel._launch_config(torch.empty(1, 1, 32))["BLOCK_N"]
+    kinds = set().union(*(_tile_kinds(se, block) for se in CASES.values()))
+    assert kinds == {"empty", "full", "partial"}
+
+
+def test_torch_compile_traces_fwd_and_bwd():
+    sub_end = CASES["grpo"]
+    q, k, v = (x.requires_grad_() for x in random_qkv(sub_end.shape[0], 2, 1, 16, torch.float32))
+    compiled = torch.compile(tree_attention_triton, backend="aot_eager", fullgraph=True)
+    o = compiled(q, k, v, sub_end)
+    o.sum().backward()
+    o_eager = tree_attention_triton(q, k, v, sub_end)
+    assert torch.allclose(o, o_eager)
+    assert q.grad is not None and k.grad.abs().sum() > 0
+
+
+def test_opcheck_fake_and_autograd_registration():
+    sub_end = sub_end_from_samples([[1, 2, 3], [1, 2, 4, 5], [6]])
+    q, k, v = (x.requires_grad_() for x in random_qkv(sub_end.shape[0], 2, 1, 16, torch.float32))
+    torch.library.opcheck(triton_kernel.tree_attention_triton_op, (q, k, v, sub_end, 0.25),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = torch.empty(7, 4, 16), torch.empty(7, 2, 16), torch.empty(7, 2, 16)
+        o, lse = triton_kernel.tree_attention_triton_op(q, k, v, torch.empty(7, dtype=torch.int32), 0.25)
+    assert o.shape == (7, 4, 16) and lse.shape == (4, 7) and lse.dtype == torch.float32
+
+
+def test_empty_input():
+    q, k, v = random_qkv(0, 2, 1, 16, torch.float32)
+    assert tree_attention_triton(q, k, v, torch.empty(0, dtype=torch.int32)).shape == (0, 2, 16)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(sub_end=torch.zeros(5, dtype=torch.int64)), "sub_end must be int32, got torch.int64"),
+    (dict(sub_end=torch.zeros(4, dtype=torch.int32)), "sub_end must have shape [5], got (4,)"),
+    (dict(k=torch.zeros(5, 3, 16), v=torch.zeros(5, 3, 16)), "query heads (4) must be a multiple of key/value heads (3)"),
+    (dict(q=torch.zeros(5, 4, 16, dtype=torch.int32)), "q has dtype torch.int32; supported"),
+    (dict(v=torch.zeros(5, 2, 16, dtype=torch.float16)), "q, k, v must share a dtype"),
+    (dict(q=torch.zeros(5, 64)), "q must be 3-D [T, heads, head_dim], got shape (5, 64)"),
+    (dict(scale=-1.0), "softmax_scale must be positive and finite, got -1.0"),
+])
+def test_bad_input_errors(change, message):
+    args = dict(q=torch.zeros(5, 4, 16), k=torch.zeros(5, 2, 16), v=torch.zeros(5, 2, 16),
+                sub_end=torch.full((5,), 5, dtype=torch.int32), scale=None)
+    args.update(change)
+    with pytest.raises(ValueError) as err:
+        tree_attention_triton(args["q"], args["k"], args["v"], args["sub_end"], softmax_scale=args["scale"])
+    assert message in str(err.value)
+
+
+def _gpu_forest(n_samples: int, prompt: int, completion: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shared = list(range(prompt))
+    return sub_end_from_samples([shared + [10_000 + i] + torch.randint(0, 4, (completion,), generator=g).tolist()
+                                 for i in range(n_samples)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("H", [64, 128])
+def test_gpu_matches_reference(dtype, H):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for name, se in {**CASES, "gpu_grpo": _gpu_forest(8, 700, 300, 0)}.items():
+        check_against_reference(tree_attention_triton, se, N=8, K=2, H=H, dtype=dtype, device="cuda")
