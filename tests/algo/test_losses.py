@@ -1,0 +1,376 @@
+"""Policy losses against closed forms computed by hand (math module), gradients included. CPU, no GPU needed.
+
+Legend: M = next-token positions of all samples concatenated, S = samples, T = tree tokens, V = vocabulary.
+"""
+
+import math
+
+import pytest
+import torch
+
+from forge_megatron.algo import LossConfig, policy_loss
+
+
+def _t(*xs, requires_grad=False):
+    return torch.tensor(xs, dtype=torch.float32, requires_grad=requires_grad)
+
+
+def _loss(logp_M, old_M, adv_M, mask_M, cu, cfg, **kw):
+    return policy_loss(logp_M, old_M, adv_M, mask_M, torch.tensor(cu), cfg, **kw)
+
+
+# ---------------------------------------------------------------- CISPO
+
+
+def test_cispo_closed_form_value_and_detached_weight_gradient():
+    logp_M = _t(-1.0, -2.0, -0.5, requires_grad=True)
+    old_M = _t(-1.5, -1.0, -0.5)
+    adv_M = _t(2.0, 2.0, -1.0)
+    mask_M = _t(1, 1, 1)
+    cfg = LossConfig()  # eps_high 0.28, eps_low off
+    loss, m = _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 3], cfg)
+    w = [min(math.exp(0.5), 1.28), math.exp(-1.0), 1.0]  # first ratio e^0.5 = 1.65 is clipped to 1.28
+    expect = -(w[0] * 2 * -1.0 + w[1] * 2 * -2.0 + w[2] * -1.0 * -0.5) / 3
+    assert loss.item() == pytest.approx(expect, rel=1e-6)
+    loss.backward()
+    # d loss / d logp = -w * A / N with w a constant: no gradient flows through the ratio inside the weight
+    assert logp_M.grad.tolist() == pytest.approx([-w[0] * 2 / 3, -w[1] * 2 / 3, w[2] / 3], rel=1e-6)
+    assert m["clip_frac_high"] == pytest.approx(1 / 3)
+    assert m["clip_frac_low"] == 0.0
+    assert m["ratio_max"] == pytest.approx(math.exp(0.5), rel=1e-6)
+    assert m["ratio_mean"] == pytest.approx((math.exp(0.5) + math.exp(-1) + 1) / 3, rel=1e-6)
+
+
+def test_cispo_masked_tokens_get_no_gradient_and_do_not_count():
+    logp_M = _t(-1.0, -2.0, -3.0, requires_grad=True)
+    loss, m = _loss(logp_M, logp_M.detach(), _t(1.0, 1.0, 1.0), _t(1, 0, 1), [0, 3], LossConfig())
+    assert loss.item() == pytest.approx(-(-1.0 - 3.0) / 2)
+    loss.backward()
+    assert logp_M.grad.tolist() == pytest.approx([-0.5, 0.0, -0.5])
+    assert m["num_tokens"] == 2.0
+
+
+def test_clipped_token_ppo_gradient_zero_cispo_not():
+    logp_M = _t(-0.5, requires_grad=True)
+    old_M = _t(-1.0)  # ratio e^0.5 > 1.2
+    adv_M = _t(1.0)
+    grads = {}
+    for loss_type in ("ppo", "cispo"):
+        cfg = LossConfig(loss_type=loss_type, eps_low=0.2, eps_high=0.2)
+        logp_M.grad = None
+        loss, _ = _loss(logp_M, old_M, adv_M, _t(1), [0, 1], cfg)
+        loss.backward()
+        grads[loss_type] = logp_M.grad.item()
+    assert grads["ppo"] == 0.0
+    assert grads["cispo"] == pytest.approx(-1.2)
+
+
+# ---------------------------------------------------------------- PPO
+
+
+def test_ppo_closed_form_each_clip_case():
+    # tokens: (A>0, r>1+eps) clipped; (A<0, r<1-eps) clipped; (A>0, r in band) unclipped; (A<0, r>1+eps) unclipped
+    log_r = [0.5, -0.5, 0.1, 0.5]
+    adv = [1.0, -2.0, 3.0, -1.0]
+    logp_M = _t(*[-1.0 + x for x in log_r], requires_grad=True)
+    old_M = _t(-1.0, -1.0, -1.0, -1.0)
+    cfg = LossConfig.recommended("ppo")
+    loss, m = _loss(logp_M, old_M, _t(*adv), _t(1, 1, 1, 1), [0, 4], cfg)
+    r = [math.exp(x) for x in log_r]
+    per_token = [-min(ri * a, min(max(ri, 0.8), 1.2) * a) for ri, a in zip(r, adv)]
+    assert loss.item() == pytest.approx(sum(per_token) / 4, rel=1e-6)
+    loss.backward()
+    assert logp_M.grad.tolist() == pytest.approx([0.0, 0.0, -r[2] * 3 / 4, r[3] / 4], rel=1e-6)
+    assert m["clip_frac_high"] == pytest.approx(0.5)
+    assert m["clip_frac_low"] == pytest.approx(0.25)
+
+
+def test_ppo_dual_clip_bounds_negative_advantage_loss():
+    logp_M = _t(math.log(5.0), requires_grad=True)  # ratio 5 against old logp 0
+    cfg = LossConfig(loss_type="ppo", eps_low=0.2, eps_high=0.2, dual_clip_c=3.0)
+    loss, _ = _loss(logp_M, _t(0.0), _t(-1.0), _t(1), [0, 1], cfg)
+    assert loss.item() == pytest.approx(3.0)  # plain PPO would give 5
+    loss.backward()
+    assert logp_M.grad.item() == 0.0
+    plain, _ = _loss(logp_M, _t(0.0), _t(-1.0), _t(1), [0, 1], LossConfig.recommended("ppo"))
+    assert plain.item() == pytest.approx(5.0, rel=1e-6)
+
+
+# ---------------------------------------------------------------- GSPO
+
+
+def _gspo_sequence_objective(logp_list, old_list, adv_list, eps_low, eps_high):
+    """GSPO as written in the paper: one length-normalised ratio per sequence, mean over sequences."""
+    terms = []
+    for logp, old, a in zip(logp_list, old_list, adv_list):
+        s = torch.exp((logp - old).mean())
+        terms.append(-torch.min(s * a, s.clamp(1 - eps_low, 1 + eps_high) * a))
+    return torch.stack(terms).mean()
+
+
+@pytest.mark.parametrize("eps", [(3e-4, 4e-4), (0.5, 0.5)])
+def test_gspo_token_form_equals_sequence_objective(eps):
+    torch.manual_seed(0)
+    lengths = [3, 5, 2]
+    logp_M = (-torch.rand(10) * 2).requires_grad_()
+    old_M = logp_M.detach() + 0.3 * torch.randn(10)
+    adv_S = [1.5, -0.7, 0.4]
+    adv_M = torch.repeat_interleave(torch.tensor(adv_S), torch.tensor(lengths))
+    cfg = LossConfig(loss_type="gspo", eps_low=eps[0], eps_high=eps[1], norm="seq_mean")
+    loss, m = _loss(logp_M, old_M, adv_M, torch.ones(10), [0, 3, 8, 10], cfg)
+    (grad,) = torch.autograd.grad(loss, logp_M)
+    ref_logp = logp_M.detach().clone().requires_grad_()
+    ref = _gspo_sequence_objective(ref_logp.split(lengths), old_M.split(lengths), adv_S, *eps)
+    (ref_grad,) = torch.autograd.grad(ref, ref_logp)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(grad, ref_grad)
+    seq_ratio = [math.exp(float((a - b).mean())) for a, b in zip(logp_M.detach().split(lengths), old_M.split(lengths))]
+    assert m["ratio_max"] == pytest.approx(max(seq_ratio), rel=1e-5)
+
+
+def test_gspo_sequence_ratio_uses_only_masked_tokens():
+    logp_M = _t(-1.0, -1.0, -5.0, requires_grad=True)
+    old_M = _t(-1.2, -1.4, 0.0)  # the masked third token would dominate the mean log-ratio
+    cfg = LossConfig(loss_type="gspo", eps_low=1.0, eps_high=1.0)
+    _, m = _loss(logp_M, old_M, _t(1.0, 1.0, 1.0), _t(1, 1, 0), [0, 3], cfg)
+    assert m["ratio_mean"] == pytest.approx(math.exp(0.3), rel=1e-6)
+
+
+# ---------------------------------------------------------------- normalisation, weights, extra terms
+
+
+def test_normalisers_token_seq_constant():
+    logp_M = _t(-1.0, -2.0, -3.0, -4.0)
+    adv_M = _t(1.0, 1.0, 1.0, 1.0)
+    mask_M = _t(1, 1, 1, 0)
+    cu = [0, 1, 4]  # sample 0: 1 token; sample 1: 3 tokens, 2 masked in
+    per_token = [1.0, 2.0, 3.0]  # CISPO at ratio 1: -A * logp
+    token_mean, _ = _loss(logp_M, logp_M, adv_M, mask_M, cu, LossConfig())
+    seq_mean, _ = _loss(logp_M, logp_M, adv_M, mask_M, cu, LossConfig(norm="seq_mean"))
+    const, _ = _loss(logp_M, logp_M, adv_M, mask_M, cu, LossConfig(norm="constant", norm_constant=10.0))
+    assert token_mean.item() == pytest.approx(sum(per_token) / 3)
+    assert seq_mean.item() == pytest.approx((1.0 + (2.0 + 3.0) / 2) / 2)
+    assert const.item() == pytest.approx(sum(per_token) / 10)
+
+
+def test_sample_weights_scale_contributions():
+    logp_M = _t(-1.0, -2.0, -3.0)
+    adv_M = torch.ones(3)
+    w_S = _t(0.5, 2.0)
+    cu = [0, 1, 3]
+    tok, _ = _loss(logp_M, logp_M, adv_M, torch.ones(3), cu, LossConfig(), sample_weight_S=w_S)
+    seq, _ = _loss(logp_M, logp_M, adv_M, torch.ones(3), cu, LossConfig(norm="seq_mean"), sample_weight_S=w_S)
+    assert tok.item() == pytest.approx((0.5 * 1.0 + 2.0 * (2.0 + 3.0)) / 3)
+    assert seq.item() == pytest.approx((0.5 * 1.0 + 2.0 * 2.5) / 2.5)
+
+
+def test_seq_mean_segment_count_invariance():
+    """An episode split into n copies of weight 1/n weighs exactly as the single copy (value and gradient)."""
+    torch.manual_seed(1)
+    a_logp = (-torch.rand(3)).requires_grad_()
+    b_logp = (-torch.rand(4)).requires_grad_()
+    old = lambda x: x.detach() + 0.1  # noqa: E731
+    cfg = LossConfig(norm="seq_mean")
+
+    def run(n_b):
+        logp_M = torch.cat([a_logp] + [b_logp] * n_b)
+        old_M = torch.cat([old(a_logp)] + [old(b_logp)] * n_b)
+        adv_M = torch.cat([torch.full((3,), 1.0)] + [torch.full((4,), -0.5)] * n_b)
+        cu = torch.tensor([0] + [3 + 4 * k for k in range(n_b + 1)])
+        w_S = torch.tensor([1.0] + [1.0 / n_b] * n_b)
+        loss, _ = policy_loss(logp_M, old_M, adv_M, torch.ones_like(logp_M), cu, cfg, sample_weight_S=w_S)
+        return loss, torch.autograd.grad(loss, [a_logp, b_logp])
+
+    one, grads_one = run(1)
+    three, grads_three = run(3)
+    torch.testing.assert_close(one, three)
+    for g1, g3 in zip(grads_one, grads_three):
+        torch.testing.assert_close(g1, g3)
+
+
+def test_kl_k1_k3_and_entropy_bonus():
+    logp_M = _t(-1.0, -2.0, requires_grad=True)
+    ref_M = _t(-1.5, -1.0)
+    ent_M = _t(0.7, 1.1, requires_grad=True)
+    adv_M = torch.zeros(2)  # isolate the extra terms
+    for kl_type in ("k1", "k3"):
+        cfg = LossConfig(kl_coef=0.1, kl_type=kl_type, entropy_coef=0.01)
+        loss, m = _loss(logp_M, logp_M.detach(), adv_M, torch.ones(2), [0, 2], cfg, ref_logp_M=ref_M, entropy_M=ent_M)
+        d = [-0.5, 1.0]  # ref - logp
+        kl = [-x for x in d] if kl_type == "k1" else [math.exp(x) - x - 1 for x in d]
+        assert m["kl"] == pytest.approx(sum(kl) / 2, rel=1e-6)
+        assert m["entropy"] == pytest.approx(0.9)
+        assert loss.item() == pytest.approx(0.1 * sum(kl) / 2 - 0.01 * 0.9, rel=1e-6)
+        g_logp, g_ent = torch.autograd.grad(loss, [logp_M, ent_M])
+        dkl = [1.0, 1.0] if kl_type == "k1" else [1 - math.exp(x) for x in d]  # d kl / d logp
+        assert g_logp.tolist() == pytest.approx([0.1 * g / 2 for g in dkl], rel=1e-6)
+        assert g_ent.tolist() == pytest.approx([-0.005, -0.005])
+
+
+def test_truncated_importance_weights_scale_token_loss():
+    logp_M = _t(-1.0, -1.0, requires_grad=True)
+    old_M = _t(-1.0, -1.0)
+    rollout_M = _t(-3.0, -0.9)  # w = min(e^2, 2) = 2 and e^-0.1
+    cfg = LossConfig(tis_cap=2.0)
+    loss, m = _loss(logp_M, old_M, _t(1.0, 1.0), _t(1, 1), [0, 2], cfg, rollout_logp_M=rollout_M)
+    w = [2.0, math.exp(-0.1)]
+    assert loss.item() == pytest.approx((w[0] + w[1]) / 2, rel=1e-6)  # -w * A * logp with logp = -1
+    loss.backward()
+    assert logp_M.grad.tolist() == pytest.approx([-w[0] / 2, -w[1] / 2], rel=1e-6)
+    assert m["tis_clip_frac"] == pytest.approx(0.5)
+    assert m["tis_weight_mean"] == pytest.approx(sum(w) / 2, rel=1e-6)
+
+
+def test_log_ratio_clamp_keeps_loss_finite():
+    logp_M = _t(0.0, requires_grad=True)
+    for loss_type in ("cispo", "ppo", "gspo"):
+        cfg = LossConfig(loss_type=loss_type, log_ratio_clamp=20.0)
+        loss, m = _loss(logp_M, _t(-500.0), _t(-1.0), _t(1), [0, 1], cfg)
+        assert math.isfinite(loss.item())
+        assert m["ratio_max"] == pytest.approx(math.exp(20.0), rel=1e-5)
+
+
+def test_low_precision_inputs_computed_in_fp32():
+    logp_M = torch.tensor([-1.0, -2.0], dtype=torch.bfloat16, requires_grad=True)
+    loss, _ = _loss(logp_M, logp_M.detach(), torch.ones(2, dtype=torch.bfloat16), torch.ones(2), [0, 2], LossConfig())
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(1.5)
+    loss.backward()
+    assert logp_M.grad.dtype == torch.bfloat16
+
+
+def test_per_domain_metrics():
+    logp_M = _t(-1.0, -2.0, -3.0)
+    adv_M = _t(1.0, 1.0, -1.0)
+    _, m = _loss(logp_M, logp_M, adv_M, torch.ones(3), [0, 2, 3], LossConfig(),
+                 domain_ids_S=torch.tensor([1, 0]), domain_names=["math", "agent"])
+    assert m["agent/num_tokens"] == 2.0 and m["math/num_tokens"] == 1.0
+    assert m["agent/pg_loss"] == pytest.approx(1.5)  # -A * logp averaged over agent tokens
+    assert m["math/pg_loss"] == pytest.approx(-3.0)
+    assert m["math/advantage"] == -1.0
+
+
+# ---------------------------------------------------------------- tree-packed vs unmerged
+
+
+def _forest():
+    """Three samples sharing prefixes: tree rows 0-1 are shared by all, row 2 by samples 0 and 1.
+
+    Each sample is a list of (tree row, label); at a branch point one row is scored against a different label per
+    child. Returns rows_M, labels_M, cu_seqlens_S1."""
+    samples = [[(0, 1), (1, 2), (2, 3), (3, 0)], [(0, 1), (1, 2), (2, 4), (4, 1)], [(0, 1), (1, 5)]]
+    rows = [r for s in samples for r, _ in s]
+    labels = [y for s in samples for _, y in s]
+    cu = [0]
+    for s in samples:
+        cu.append(cu[-1] + len(s))
+    return torch.tensor(rows), torch.tensor(labels), torch.tensor(cu)
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "ppo", "gspo"])
+def test_tree_packed_equals_unmerged(loss_type):
+    torch.manual_seed(2)
+    T, V = 5, 6
+    rows_M, labels_M, cu_S1 = _forest()
+    M = rows_M.numel()
+    logits_TV = torch.randn(T, V, requires_grad=True)
+    old_M = torch.randn(M) * 0.2 - 1.5
+    adv_M = torch.repeat_interleave(torch.tensor([1.0, -0.5, 0.3]), cu_S1[1:] - cu_S1[:-1])
+    mask_M = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 1, 1], dtype=torch.float32)
+    ref_M = torch.randn(M) * 0.2 - 1.5
+    cfg = LossConfig.recommended(loss_type, kl_coef=0.05, entropy_coef=0.01)
+    extra = dict(ref_logp_M=ref_M, sample_weight_S=torch.tensor([0.5, 0.5, 1.0]))
+
+    def logp_and_entropy(logits_MV):
+        logprobs_MV = torch.log_softmax(logits_MV, dim=-1)
+        entropy_M = -(logprobs_MV.exp() * logprobs_MV).sum(-1)
+        return logprobs_MV.gather(1, labels_M[:, None])[:, 0], entropy_M
+
+    # tree-packed: every sample's positions gathered from one shared logits tensor
+    logp_M, ent_M = logp_and_entropy(logits_TV[rows_M])
+    packed, _ = policy_loss(logp_M, old_M, adv_M, mask_M, cu_S1, cfg, entropy_M=ent_M, **extra)
+    (grad_packed,) = torch.autograd.grad(packed, logits_TV)
+
+    # unmerged: each sample owns a private copy of its logits rows
+    copies = [logits_TV.detach()[rows_M[a:b]].clone().requires_grad_() for a, b in zip(cu_S1[:-1], cu_S1[1:])]
+    logp_M, ent_M = logp_and_entropy(torch.cat(copies))
+    unmerged, _ = policy_loss(logp_M, old_M, adv_M, mask_M, cu_S1, cfg, entropy_M=ent_M, **extra)
+    grads = torch.autograd.grad(unmerged, copies)
+    grad_unmerged = torch.zeros(T, V).index_add(0, rows_M, torch.cat(grads))
+
+    torch.testing.assert_close(packed, unmerged, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad_packed, grad_unmerged, rtol=1e-5, atol=1e-7)
+    assert grad_packed[0].abs().sum() > 0  # the shared root row really receives gradient from several samples
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(loss_type="grpo"), "loss_type must be one of ('cispo', 'ppo', 'gspo'), got 'grpo'"),
+        (dict(eps_high=-0.1), "eps_low and eps_high must be >= 0, got eps_low=1000000.0, eps_high=-0.1"),
+        (dict(dual_clip_c=3.0), "dual_clip_c applies to loss_type='ppo' only, got loss_type='cispo'"),
+        (dict(loss_type="ppo", dual_clip_c=1.0), "dual_clip_c must be > 1, got 1.0"),
+        (dict(log_ratio_clamp=0.0), "log_ratio_clamp must be > 0, got 0.0"),
+        (dict(norm="sum"), "norm must be one of ('token_mean', 'seq_mean', 'constant'), got 'sum'"),
+        (dict(norm="constant"), "norm='constant' needs norm_constant > 0, got None"),
+        (dict(kl_type="k2"), "kl_type must be one of ('k1', 'k3'), got 'k2'"),
+        (dict(kl_coef=-1.0), "kl_coef and entropy_coef must be >= 0, got kl_coef=-1.0, entropy_coef=0.0"),
+        (dict(tis_cap=0.0), "tis_cap must be > 0, got 0.0"),
+    ],
+)
+def test_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{__import__('re').escape(message)}$"):
+        LossConfig(**kwargs)
+
+
+def test_recommended_rejects_unknown_loss():
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        LossConfig.recommended("a2c")
+    assert (LossConfig.recommended("ppo").eps_low, LossConfig.recommended("ppo").eps_high) == (0.2, 0.2)
+
+
+def _good():
+    return dict(logp_M=_t(-1.0, -2.0), old_M=_t(-1.0, -2.0), adv_M=_t(1.0, 1.0), mask_M=_t(1, 1), cu=[0, 1, 2])
+
+
+@pytest.mark.parametrize(
+    "change, kw, message",
+    [
+        (dict(logp_M=torch.zeros(2, 1)), {}, "logp_M must be 1-D [M], got shape (2, 1)"),
+        (dict(old_M=_t(-1.0)), {}, "old_logp_M has shape (1,), expected (2,) like logp_M"),
+        (dict(adv_M=_t(float("nan"), 1.0)), {}, "advantages_M has non-finite values"),
+        (dict(mask_M=_t(1, 0.5)), {}, "loss_mask_M must contain only 0 and 1"),
+        (dict(mask_M=_t(0, 0)), {}, "loss_mask_M selects no tokens: token_mean normaliser is 0"),
+        (dict(cu=[0, 1]), {}, "cu_seqlens_S1 must start at 0 and end at M=2, got 0..1"),
+        (dict(cu=[0, 2, 2]), {}, "sample 1 is empty (cu_seqlens_S1 must be strictly increasing)"),
+        (dict(cu=[2]), {}, "cu_seqlens_S1 must be 1-D with at least 2 entries, got shape (1,)"),
+        (dict(cu=[0.0, 2.0]), {}, "cu_seqlens_S1 must be an integer tensor, got torch.float32"),
+        ({}, dict(sample_weight_S=_t(1.0)), "sample_weight_S has shape (1,), expected (2,)"),
+        ({}, dict(sample_weight_S=_t(1.0, -1.0)), "sample_weight_S must be finite and >= 0"),
+        ({}, dict(rollout_logp_M=_t(-1.0, float("inf"))), "rollout_logp_M has non-finite values"),
+        ({}, dict(domain_ids_S=torch.tensor([0, 2]), domain_names=["a", "b"]),
+         "domain_ids_S must lie in [0, 2) to index domain_names"),
+        ({}, dict(domain_ids_S=torch.tensor([0.0, 1.0])), "domain_ids_S must be an integer tensor of shape (2,)"),
+    ],
+)
+def test_bad_inputs(change, kw, message):
+    args = {**_good(), **change}
+    with pytest.raises(ValueError, match=f"^{__import__('re').escape(message)}$"):
+        _loss(args["logp_M"], args["old_M"], args["adv_M"], args["mask_M"], args["cu"], LossConfig(), **kw)
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (LossConfig(tis_cap=2.0), "tis_cap is set but rollout_logp_M was not given"),
+        (LossConfig(kl_coef=0.1), "kl_coef > 0 but ref_logp_M was not given"),
+        (LossConfig(entropy_coef=0.1), "entropy_coef > 0 but entropy_M was not given"),
+    ],
+)
+def test_missing_optional_inputs(cfg, message):
+    g = _good()
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        _loss(g["logp_M"], g["old_M"], g["adv_M"], g["mask_M"], g["cu"], cfg)
