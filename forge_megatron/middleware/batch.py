@@ -1,0 +1,131 @@
+"""What the trainer receives from the data pool: one sample per segment of every episode of a group.
+
+A group's episodes are scored by the algorithm layer when the group completes
+(``forge_megatron.algo.rewards.score_group``); here each segment becomes a :class:`TrainSample` whose per-token
+advantage is the segment's advantage on trained tokens and zero elsewhere:
+
+    advantages_L[t] = A_segment * loss_mask_L[t]
+
+Episode -> EpisodeOutcome mapping (the pool's contract with the algorithm layer):
+  outcome_reward  = episode.reward (0.0 when the agent/env set none)
+  success         = episode.metadata["success"] when present, else outcome_reward > 0
+  duration_s      = episode.ended_at - episode.started_at
+  num_segments    = len(episode.segments)
+  process_terms   = episode.reward_terms plus {"malformed_tool_calls": num_malformed_tool_calls}
+  segment_rewards = [segment.reward or 0.0 per segment]
+  domain          = episode.domain
+  metadata        = the group's task metadata updated with episode.metadata (for a user reward function)
+
+Legend: L = tokens of one segment, T = tokens of all samples of a batch concatenated, S = samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from forge_megatron.middleware.schema import Episode
+
+# (field name, dtype) of every per-token array of a sample, in wire order.
+TOKEN_FIELDS = (
+    ("tokens", np.int32),
+    ("loss_mask", np.uint8),
+    ("rollout_logprobs", np.float32),
+    ("policy_versions", np.int32),
+    ("advantages", np.float32),
+)
+
+
+@dataclass
+class TrainSample:
+    """One segment of one episode, with its advantage broadcast on the trained tokens."""
+
+    tokens: np.ndarray  # int32 [L]
+    loss_mask: np.ndarray  # uint8 [L]
+    rollout_logprobs: np.ndarray  # float32 [L]
+    policy_versions: np.ndarray  # int32 [L]
+    advantages: np.ndarray  # float32 [L]
+    sample_weight: float
+    group_index: int
+    episode_id: str
+    domain: str
+    reward: float
+
+
+@dataclass
+class TrainBatch:
+    batch_id: int
+    samples: list[TrainSample]
+    group_indices: list[int]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(getattr(s, name).nbytes for s in self.samples for name, _ in TOKEN_FIELDS)
+
+
+def episode_outcome(episode: Episode, task_metadata: dict | None = None):
+    """The algorithm layer's view of one episode (mapping documented in the module docstring)."""
+    from forge_megatron.algo.rewards import EpisodeOutcome
+
+    reward = 0.0 if episode.reward is None else float(episode.reward)
+    success = bool(episode.metadata.get("success", reward > 0))
+    terms = {k: float(v) for k, v in episode.reward_terms.items()}
+    terms["malformed_tool_calls"] = float(episode.num_malformed_tool_calls)
+    return EpisodeOutcome(
+        outcome_reward=reward,
+        success=success,
+        duration_s=episode.duration_s,
+        num_segments=len(episode.segments),
+        process_terms=terms,
+        segment_rewards=[0.0 if s.reward is None else float(s.reward) for s in episode.segments],
+        domain=episode.domain,
+        metadata={**(task_metadata or {}), **episode.metadata},
+    )
+
+
+def score_episodes(episodes: list[Episode], reward_config, task_metadata: dict | None = None) -> dict[str, Any]:
+    """Score a completed group; returns plain lists (stored in the pool's database as msgpack)."""
+    from forge_megatron.algo.rewards import score_group
+
+    scores = score_group([episode_outcome(ep, task_metadata) for ep in episodes], reward_config)
+    return {
+        "rewards": [float(r) for r in scores.rewards],
+        "segment_advantages": [[float(a) for a in row] for row in scores.segment_advantages],
+        "segment_weights": [[float(w) for w in row] for row in scores.segment_weights],
+    }
+
+
+def group_samples(episodes: list[Episode], scores: dict[str, Any], group_index: int) -> list[TrainSample]:
+    """One :class:`TrainSample` per segment of every episode of a scored group."""
+    samples = []
+    for e, ep in enumerate(episodes):
+        for s, seg in enumerate(ep.segments):
+            loss_mask_L = np.asarray(seg.loss_mask, dtype=np.uint8)
+            advantage = scores["segment_advantages"][e][s]
+            samples.append(
+                TrainSample(
+                    tokens=np.asarray(seg.tokens, dtype=np.int32),
+                    loss_mask=loss_mask_L,
+                    rollout_logprobs=np.asarray(seg.rollout_logprobs, dtype=np.float32),
+                    policy_versions=np.asarray(seg.policy_versions, dtype=np.int32),
+                    advantages=np.where(loss_mask_L == 1, np.float32(advantage), np.float32(0.0)),
+                    sample_weight=scores["segment_weights"][e][s],
+                    group_index=group_index,
+                    episode_id=ep.episode_id,
+                    domain=ep.domain,
+                    reward=scores["rewards"][e],
+                )
+            )
+    return samples
+
+
+def group_staleness(samples: list[TrainSample], policy_version: int) -> int:
+    """Version lag of a group: current policy version minus the oldest version that sampled any of its tokens."""
+    versions = [s.policy_versions[s.loss_mask.astype(bool)] for s in samples]
+    versions = [v for v in versions if v.size]
+    if not versions:
+        return 0
+    return max(0, int(policy_version) - int(min(v.min() for v in versions)))

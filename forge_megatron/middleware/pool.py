@@ -1,0 +1,453 @@
+"""Data pool: durable store of groups and episodes that serves training batches through the windowed FIFO.
+
+Everything lives in one SQLite database (WAL mode), so a pool restarted after ``kill -9`` resumes exactly where it
+stopped. A *group* is the G rollouts of one task, numbered (``idx``) in registration order; it is the scheduling unit.
+
+Group states:  running -> finished | failed -> delivered -> committed   (requeue: delivered -> finished)
+Episode states: running -> finished | failed | timed_out | aborted
+
+Failure policy (a crashed agent never blocks the head):
+  * a failed / timed_out / aborted episode uses one of the group's ``max_retries``; while retries remain its slot
+    stays open for a new episode of the same group (``group_status()['open_slots']`` tells the launcher), otherwise
+    the slot closes empty;
+  * an episode started more than ``episode_timeout_s`` ago and not submitted is marked timed_out; slots of a group
+    idle for ``episode_timeout_s`` with no running episode close as timed out;
+  * when every slot is closed the group completes: with >= ``min_finished_episodes`` finished episodes it is
+    scored (only its finished episodes) and becomes deliverable, otherwise it fails and leaves the window.
+
+An episode that leaves ``domain`` at "default" takes its group's domain.
+Rewards and advantages come from the algorithm layer (``batch.score_episodes``) when a group completes.
+Delivery is at-least-once until the trainer commits: ``commit`` marks batches contained in a checkpoint,
+``requeue_uncommitted`` returns every delivered-not-committed group after a trainer restart from its last checkpoint.
+A ``request_id`` passed to ``next_batch``/``register_group`` makes a resent request return the original result.
+
+Backpressure (``can_admit``): running groups < ``max_inflight_groups`` and, with ``max_staleness`` = s, the groups
+queued ahead of a new one fit in s + 1 trainer steps:  undelivered + 1 <= (s + 1) * train_batch_groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import msgpack
+
+from forge_megatron.middleware.batch import TrainBatch, group_samples, group_staleness, score_episodes
+from forge_megatron.middleware.scheduler import PendingGroup, select_groups, window_occupancy, window_size
+from forge_megatron.middleware.schema import Episode, EpisodeSink, SchemaError
+from forge_megatron.middleware.wire import episode_from_blob, episode_to_blob
+
+log = logging.getLogger(__name__)
+
+FAILED_EPISODE_STATUSES = ("failed", "timed_out", "aborted")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS groups (
+    idx INTEGER PRIMARY KEY AUTOINCREMENT,
+    task_id TEXT NOT NULL, size INTEGER NOT NULL, domain TEXT NOT NULL, metadata BLOB NOT NULL,
+    state TEXT NOT NULL, request_id TEXT UNIQUE,
+    registered_at REAL NOT NULL, last_activity REAL NOT NULL, admitted_version INTEGER NOT NULL,
+    finished INTEGER NOT NULL DEFAULT 0, closed_empty INTEGER NOT NULL DEFAULT 0, retries_used INTEGER NOT NULL DEFAULT 0,
+    scores BLOB, batch_id INTEGER, staleness INTEGER
+);
+CREATE INDEX IF NOT EXISTS groups_state ON groups(state, idx);
+CREATE TABLE IF NOT EXISTS episodes (
+    episode_id TEXT PRIMARY KEY, group_idx INTEGER NOT NULL, state TEXT NOT NULL,
+    started_at REAL NOT NULL, submitted_seq INTEGER, blob BLOB
+);
+CREATE INDEX IF NOT EXISTS episodes_group ON episodes(group_idx, state);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id INTEGER PRIMARY KEY AUTOINCREMENT, request_id TEXT UNIQUE, state TEXT NOT NULL,
+    group_indices BLOB NOT NULL, metrics BLOB NOT NULL, created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+
+
+@dataclass
+class PoolConfig:
+    """Data pool settings; checked on construction."""
+
+    db_path: str = "pool.sqlite"  # SQLite file (":memory:" for a throwaway pool)
+    window_fraction: float = 0.3  # W = ceil(window_fraction * generation_batch_groups) when window is None
+    window: float | int | str | None = None  # explicit W (int >= 1, or inf / "inf" for greedy); overrides fraction
+    generation_batch_groups: int = 16  # N: groups the rollout side generates per policy version
+    max_inflight_groups: int | None = None  # can_admit() is False while this many groups are running
+    max_staleness: int | None = None  # can_admit() is False when a new group would be trained this many versions late
+    train_batch_groups: int | None = None  # groups per trainer step for the staleness estimate (default N)
+    max_retries: int = 0  # failed episodes per group that reopen their slot for a new episode
+    episode_timeout_s: float | None = None  # running episodes (and idle groups) older than this time out
+    min_finished_episodes: int = 1  # a completed group with fewer finished episodes fails
+    reward: Any = None  # forge_megatron.algo.rewards.RewardConfig; None -> RewardConfig()
+
+    def __post_init__(self) -> None:
+        if not self.db_path:
+            raise ValueError("db_path is empty")
+        self.window_groups = window_size(self.window, self.window_fraction, self.generation_batch_groups)
+        _positive_or_none("max_inflight_groups", self.max_inflight_groups)
+        _positive_or_none("train_batch_groups", self.train_batch_groups)
+        _positive_or_none("episode_timeout_s", self.episode_timeout_s)
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.min_finished_episodes < 1:
+            raise ValueError(f"min_finished_episodes must be >= 1, got {self.min_finished_episodes}")
+
+    def reward_config(self):
+        if self.reward is not None:
+            return self.reward
+        from forge_megatron.algo.rewards import RewardConfig
+
+        return RewardConfig()
+
+
+def _positive_or_none(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{name} must be > 0 or None, got {value}")
+
+
+def group_id_of(idx: int) -> str:
+    return f"g{idx:09d}"
+
+
+def _group_idx(group_id: str) -> int:
+    if not (isinstance(group_id, str) and group_id.startswith("g") and group_id[1:].isdigit()):
+        raise SchemaError(f"group_id {group_id!r} is not a pool group id (expected 'g' + digits)")
+    return int(group_id[1:])
+
+
+class DataPool(EpisodeSink):
+    """Thread-safe; one SQLite connection guarded by a lock, waiters woken when groups become deliverable."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self._db = sqlite3.connect(config.db_path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives process crashes (kill -9)
+        self._db.executescript(_SCHEMA)
+        self._cond = threading.Condition(threading.RLock())
+        self._wait_total_s = 0.0
+        self._last_wait_s = 0.0
+
+    # ------------------------------------------------------------------ helpers
+    @contextlib.contextmanager
+    def _tx(self):
+        with self._cond:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _one(self, sql: str, args: Iterable = ()) -> Any:
+        row = self._db.execute(sql, tuple(args)).fetchone()
+        return None if row is None else row[0]
+
+    def _kv(self, key: str, default: int = 0) -> int:
+        value = self._one("SELECT value FROM kv WHERE key = ?", (key,))
+        return default if value is None else int(value)
+
+    @property
+    def policy_version(self) -> int:
+        with self._cond:
+            return self._kv("policy_version")
+
+    # ------------------------------------------------------------------ EpisodeSink
+    def register_group(self, task_id: str, size: int, domain: str = "default", metadata: dict | None = None,
+                       request_id: str | None = None) -> str:
+        """Add a group of ``size`` episodes; returns its id. Always accepted: callers check ``can_admit`` first."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise SchemaError(f"group size must be an int >= 1, got {size!r}")
+        if not isinstance(task_id, str) or not task_id:
+            raise SchemaError("task_id must be a non-empty string")
+        now = time.time()
+        with self._tx() as db:
+            if request_id is not None:
+                idx = self._one("SELECT idx FROM groups WHERE request_id = ?", (request_id,))
+                if idx is not None:
+                    return group_id_of(idx)
+            cur = db.execute(
+                "INSERT INTO groups (task_id, size, domain, metadata, state, request_id, registered_at, last_activity,"
+                " admitted_version) VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?)",
+                (task_id, size, domain, msgpack.packb(metadata or {}), request_id, now, now, self._kv("policy_version")),
+            )
+            return group_id_of(cur.lastrowid)
+
+    def episode_started(self, group_id: str, episode_id: str) -> None:
+        with self._tx() as db:
+            idx = self._running_group(group_id)
+            now = time.time()
+            db.execute("INSERT OR IGNORE INTO episodes (episode_id, group_idx, state, started_at) VALUES (?, ?, 'running', ?)",
+                       (episode_id, idx, now))
+            db.execute("UPDATE groups SET last_activity = ? WHERE idx = ?", (now, idx))
+
+    def submit_episode(self, episode: Episode) -> str:
+        """Record a finished or failed episode. Returns 'accepted', 'duplicate' (same id already closed) or 'late'
+        (the episode had timed out); raises SchemaError for invalid episodes or groups with no open slot."""
+        episode.validate()
+        with self._tx() as db:
+            idx = _group_idx(episode.group_id)
+            prior = self._one("SELECT state FROM episodes WHERE episode_id = ?", (episode.episode_id,))
+            if prior == "timed_out":
+                return "late"
+            if prior not in (None, "running"):
+                return "duplicate"
+            state, size, finished, closed = self._group_counts(idx, episode.group_id)
+            if state != "running" or finished + closed >= size:
+                raise SchemaError(f"group {episode.group_id} has no open slot for episode {episode.episode_id}")
+            if episode.domain == "default":
+                episode = dataclasses.replace(episode, domain=self._one("SELECT domain FROM groups WHERE idx = ?", (idx,)))
+            blob = episode_to_blob(episode) if episode.status == "finished" else None
+            seq = self._kv("episode_seq") + 1
+            db.execute("INSERT OR REPLACE INTO kv VALUES ('episode_seq', ?)", (seq,))
+            db.execute("INSERT OR REPLACE INTO episodes (episode_id, group_idx, state, started_at, submitted_seq, blob)"
+                       " VALUES (?, ?, ?, COALESCE((SELECT started_at FROM episodes WHERE episode_id = ?), ?), ?, ?)",
+                       (episode.episode_id, idx, episode.status, episode.episode_id, episode.started_at, seq, blob))
+            self._close_slot(idx, episode.status)
+        return "accepted"
+
+    def _running_group(self, group_id: str) -> int:
+        idx = _group_idx(group_id)
+        state = self._one("SELECT state FROM groups WHERE idx = ?", (idx,))
+        if state is None:
+            raise SchemaError(f"unknown group_id {group_id!r}")
+        if state != "running":
+            raise SchemaError(f"group {group_id} is already complete ({state})")
+        return idx
+
+    def _group_counts(self, idx: int, group_id: str) -> tuple[str, int, int, int]:
+        row = self._db.execute("SELECT state, size, finished, closed_empty FROM groups WHERE idx = ?", (idx,)).fetchone()
+        if row is None:
+            raise SchemaError(f"unknown group_id {group_id!r}")
+        return row
+
+    def _close_slot(self, idx: int, status: str) -> None:
+        """Account one submitted episode of group ``idx``; completes the group when no slot is open."""
+        db = self._db
+        if status == "finished":
+            db.execute("UPDATE groups SET finished = finished + 1 WHERE idx = ?", (idx,))
+        elif self._one("SELECT retries_used FROM groups WHERE idx = ?", (idx,)) < self.config.max_retries:
+            db.execute("UPDATE groups SET retries_used = retries_used + 1 WHERE idx = ?", (idx,))
+        else:
+            db.execute("UPDATE groups SET closed_empty = closed_empty + 1 WHERE idx = ?", (idx,))
+        db.execute("UPDATE groups SET last_activity = ? WHERE idx = ?", (time.time(), idx))
+        self._maybe_complete(idx)
+
+    def _maybe_complete(self, idx: int) -> None:
+        size, finished, closed = self._db.execute(
+            "SELECT size, finished, closed_empty FROM groups WHERE idx = ?", (idx,)).fetchone()
+        if finished + closed < size:
+            return
+        if finished < self.config.min_finished_episodes:
+            self._db.execute("UPDATE groups SET state = 'failed' WHERE idx = ?", (idx,))
+            log.warning("group %s failed: %d of %d episodes finished", group_id_of(idx), finished, size)
+        else:
+            episodes = self._finished_episodes(idx)
+            task_metadata = msgpack.unpackb(self._one("SELECT metadata FROM groups WHERE idx = ?", (idx,)))
+            scores = score_episodes([ep for _, ep in episodes], self.config.reward_config(), task_metadata)
+            scores["episode_ids"] = [eid for eid, _ in episodes]
+            self._db.execute("UPDATE groups SET state = 'finished', scores = ? WHERE idx = ?",
+                             (msgpack.packb(scores), idx))
+        self._cond.notify_all()
+
+    def _finished_episodes(self, idx: int, episode_ids: list[str] | None = None) -> list[tuple[str, Episode]]:
+        rows = self._db.execute("SELECT episode_id, blob FROM episodes WHERE group_idx = ? AND state = 'finished'"
+                                " ORDER BY submitted_seq", (idx,)).fetchall()
+        by_id = {eid: episode_from_blob(blob) for eid, blob in rows}
+        order = episode_ids if episode_ids is not None else [eid for eid, _ in rows]
+        return [(eid, by_id[eid]) for eid in order]
+
+    # ------------------------------------------------------------------ timeouts
+    def sweep_timeouts(self, now: float | None = None) -> int:
+        """Time out stale running episodes and idle groups' unstarted slots; returns how many were closed."""
+        timeout = self.config.episode_timeout_s
+        if timeout is None:
+            return 0
+        now = time.time() if now is None else now
+        closed = 0
+        with self._tx() as db:
+            stale = db.execute("SELECT e.episode_id, e.group_idx FROM episodes e JOIN groups g ON g.idx = e.group_idx"
+                               " WHERE e.state = 'running' AND g.state = 'running' AND e.started_at < ?",
+                               (now - timeout,)).fetchall()
+            for episode_id, idx in stale:
+                db.execute("UPDATE episodes SET state = 'timed_out' WHERE episode_id = ?", (episode_id,))
+                self._close_slot(idx, "timed_out")
+                closed += 1
+            idle = db.execute("SELECT idx, size - finished - closed_empty FROM groups WHERE state = 'running'"
+                              " AND last_activity < ?", (now - timeout,)).fetchall()
+            for idx, open_slots in idle:
+                running = self._one("SELECT COUNT(*) FROM episodes WHERE group_idx = ? AND state = 'running'", (idx,))
+                if running == 0 and open_slots > 0:
+                    db.execute("UPDATE groups SET closed_empty = closed_empty + ? WHERE idx = ?", (open_slots, idx))
+                    self._maybe_complete(idx)
+                    closed += open_slots
+        return closed
+
+    # ------------------------------------------------------------------ scheduling
+    def _pending(self) -> list[PendingGroup]:
+        rows = self._db.execute("SELECT idx, state FROM groups WHERE state IN ('running', 'finished') ORDER BY idx")
+        return [PendingGroup(idx, state == "finished") for idx, state in rows]
+
+    def can_admit(self) -> bool:
+        """Backpressure: False while too many groups run or a new group would be trained too stale."""
+        self.sweep_timeouts()
+        cfg = self.config
+        with self._cond:
+            counts = dict(self._db.execute("SELECT state, COUNT(*) FROM groups WHERE state IN ('running', 'finished')"
+                                           " GROUP BY state").fetchall())
+        running, undelivered = counts.get("running", 0), counts.get("running", 0) + counts.get("finished", 0)
+        if cfg.max_inflight_groups is not None and running >= cfg.max_inflight_groups:
+            return False
+        if cfg.max_staleness is not None:
+            per_step = cfg.train_batch_groups or cfg.generation_batch_groups
+            return undelivered + 1 <= (cfg.max_staleness + 1) * per_step
+        return True
+
+    def set_policy_version(self, version: int) -> None:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"policy version must be an int >= 0, got {version!r}")
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO kv VALUES ('policy_version', ?)", (version,))
+
+    def next_batch(self, num_groups: int, timeout_s: float | None = None, request_id: str | None = None) -> TrainBatch | None:
+        """Take ``num_groups`` finished groups allowed by the window, waiting up to ``timeout_s`` (None = forever).
+
+        Returns None on timeout. A ``request_id`` seen before returns the batch delivered for it.
+        """
+        if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
+            raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
+        start = time.monotonic()
+        deadline = math.inf if timeout_s is None else start + max(0.0, timeout_s)
+        with self._cond:
+            if request_id is not None:
+                batch_id = self._one("SELECT batch_id FROM batches WHERE request_id = ?", (request_id,))
+                if batch_id is not None:
+                    return self._load_batch(batch_id)
+            while True:
+                self.sweep_timeouts()
+                pending = self._pending()
+                chosen = select_groups(pending, self.config.window_groups, num_groups)
+                if len(chosen) == num_groups:
+                    waited = time.monotonic() - start
+                    self._wait_total_s += waited
+                    self._last_wait_s = waited
+                    return self._deliver(chosen, pending[0].index, request_id, waited)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                poll = self.config.episode_timeout_s or remaining
+                self._cond.wait(timeout=min(remaining, poll, 3600.0))
+
+    def _deliver(self, indices: list[int], head: int, request_id: str | None, waited_s: float) -> TrainBatch:
+        version = self._kv("policy_version")
+        groups = [self._group_samples(idx) for idx in indices]
+        staleness = [group_staleness(samples, version) for samples in groups]
+        metrics = {"policy_version": version, "head": head, "window": self.config.window_groups,
+                   "wait_s": waited_s, "staleness_mean": sum(staleness) / len(staleness),
+                   "staleness_max": max(staleness), "group_staleness": staleness}
+        with self._tx() as db:
+            cur = db.execute("INSERT INTO batches (request_id, state, group_indices, metrics, created_at)"
+                             " VALUES (?, 'delivered', ?, ?, ?)",
+                             (request_id, msgpack.packb(indices), msgpack.packb(metrics), time.time()))
+            for idx, lag in zip(indices, staleness):
+                db.execute("UPDATE groups SET state = 'delivered', batch_id = ?, staleness = ? WHERE idx = ?",
+                           (cur.lastrowid, lag, idx))
+        return TrainBatch(batch_id=cur.lastrowid, samples=[s for g in groups for s in g], group_indices=indices,
+                          metrics=metrics)
+
+    def _group_samples(self, idx: int):
+        scores = msgpack.unpackb(self._one("SELECT scores FROM groups WHERE idx = ?", (idx,)))
+        episodes = [ep for _, ep in self._finished_episodes(idx, scores["episode_ids"])]
+        return group_samples(episodes, scores, idx)
+
+    def _load_batch(self, batch_id: int) -> TrainBatch:
+        indices_blob, metrics_blob = self._db.execute(
+            "SELECT group_indices, metrics FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+        indices = msgpack.unpackb(indices_blob)
+        samples = [s for idx in indices for s in self._group_samples(idx)]
+        return TrainBatch(batch_id=batch_id, samples=samples, group_indices=indices,
+                          metrics=msgpack.unpackb(metrics_blob, strict_map_key=False))
+
+    # ------------------------------------------------------------------ delivery guarantees
+    def commit(self, batch_ids: int | list[int] | None = None, *, up_to_batch_id: int | None = None) -> int:
+        """The trainer saved a checkpoint containing these batches; returns how many groups became committed."""
+        if (batch_ids is None) == (up_to_batch_id is None):
+            raise ValueError("commit needs exactly one of batch_ids or up_to_batch_id")
+        with self._tx() as db:
+            if up_to_batch_id is not None:
+                ids = [r[0] for r in db.execute("SELECT batch_id FROM batches WHERE state = 'delivered' AND batch_id <= ?",
+                                                (up_to_batch_id,))]
+            else:
+                ids = [batch_ids] if isinstance(batch_ids, int) else list(batch_ids)
+                self._check_committable(ids)
+            committed = 0
+            for batch_id in ids:
+                db.execute("UPDATE batches SET state = 'committed' WHERE batch_id = ?", (batch_id,))
+                committed += db.execute("UPDATE groups SET state = 'committed' WHERE batch_id = ? AND state = 'delivered'",
+                                        (batch_id,)).rowcount
+        return committed
+
+    def _check_committable(self, ids: list[int]) -> None:
+        for batch_id in ids:
+            state = self._one("SELECT state FROM batches WHERE batch_id = ?", (batch_id,))
+            if state is None:
+                raise ValueError(f"unknown batch_id {batch_id}")
+            if state == "requeued":
+                raise ValueError(f"batch {batch_id} was requeued after a trainer restart and cannot be committed")
+
+    def requeue_uncommitted(self) -> list[int]:
+        """Trainer restarted from its last checkpoint: delivered-not-committed groups become deliverable again."""
+        with self._tx() as db:
+            indices = [r[0] for r in db.execute("SELECT idx FROM groups WHERE state = 'delivered' ORDER BY idx")]
+            db.execute("UPDATE groups SET state = 'finished', batch_id = NULL, staleness = NULL WHERE state = 'delivered'")
+            db.execute("UPDATE batches SET state = 'requeued' WHERE state = 'delivered'")
+            self._cond.notify_all()
+        return indices
+
+    # ------------------------------------------------------------------ introspection
+    def group_status(self, group_id: str) -> dict[str, Any]:
+        """State of one group; ``open_slots`` = episodes the launcher should still start for it."""
+        with self._cond:
+            idx = _group_idx(group_id)
+            state, size, finished, closed = self._group_counts(idx, group_id)
+            running = self._one("SELECT COUNT(*) FROM episodes WHERE group_idx = ? AND state = 'running'", (idx,))
+            open_slots = size - finished - closed - running if state == "running" else 0
+            return {"group_id": group_id, "index": idx, "state": state, "size": size, "finished": finished,
+                    "closed_empty": closed, "running": running, "open_slots": max(0, open_slots)}
+
+    def metrics(self) -> dict[str, Any]:
+        with self._cond:
+            counts = dict(self._db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
+            pending = self._pending()
+            ready_in_window, pending_in_window = window_occupancy(pending, self.config.window_groups)
+            lag = self._db.execute("SELECT AVG(staleness), MAX(staleness) FROM groups"
+                                   " WHERE state IN ('delivered', 'committed')").fetchone()
+            window = self.config.window_groups
+            return {
+                "groups": {s: counts.get(s, 0) for s in ("running", "finished", "failed", "delivered", "committed")},
+                "queue_depth": counts.get("finished", 0),
+                "head": pending[0].index if pending else None,
+                "window": window,
+                "window_ready": ready_in_window,
+                "window_pending": pending_in_window,
+                "window_occupancy": ready_in_window / min(window, max(1, len(pending))),
+                "policy_version": self._kv("policy_version"),
+                "staleness_mean": float(lag[0] or 0.0),
+                "staleness_max": int(lag[1] or 0),
+                "trainer_wait_total_s": self._wait_total_s,
+                "trainer_wait_last_s": self._last_wait_s,
+            }
+
+    def close(self) -> None:
+        with self._cond:
+            self._db.close()

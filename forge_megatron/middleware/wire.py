@@ -1,0 +1,175 @@
+"""Wire format of the pool transport: a versioned msgpack header frame followed by raw array frames.
+
+    frames = [msgpack(header), array_0.data, array_1.data, ...]
+    header = {"v": PROTOCOL_VERSION, "rid": request id, "op" | "ok": ..., "arrays": [[dtype, shape], ...], ...}
+
+Arrays travel as their raw bytes (sent with ``copy=False``, received as ``np.frombuffer`` views of the frames),
+so a batch is never pickled nor re-encoded element by element. Every message is checked on arrival: total size
+against a limit, protocol version, header type, the dtype whitelist, and that each frame has exactly the bytes its
+declared dtype and shape need. Failures raise :class:`WireError` whose message names the problem; the server
+returns it to the sender and keeps serving.
+
+Episodes and batches concatenate their per-token arrays (T = all tokens of all segments/samples) with per-item
+lengths in the header, so a batch is five frames whatever its number of samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from forge_megatron.middleware.batch import TOKEN_FIELDS, TrainBatch, TrainSample
+from forge_megatron.middleware.schema import Episode, Segment
+
+PROTOCOL_VERSION = 1
+ALLOWED_DTYPES = ("int32", "uint8", "float32", "int64", "float64")
+EPISODE_FIELDS = TOKEN_FIELDS[:4]  # an episode has no advantages yet
+
+
+class WireError(ValueError):
+    """A message that does not follow the wire format; the message says what is wrong."""
+
+
+def pack(header: dict[str, Any], arrays: list[np.ndarray] = ()) -> list:
+    """Frames of one message; array frames are zero-copy views of contiguous arrays."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    for a in arrays:
+        if a.dtype.name not in ALLOWED_DTYPES:
+            raise WireError(f"array dtype {a.dtype.name} is not allowed (allowed: {ALLOWED_DTYPES})")
+    head = dict(header, v=PROTOCOL_VERSION, arrays=[[a.dtype.name, list(a.shape)] for a in arrays])
+    return [msgpack.packb(head, use_bin_type=True)] + [memoryview(a).cast("B") if a.size else b"" for a in arrays]
+
+
+def unpack(frames: list, max_bytes: int) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """Header and arrays of one message after checking size, version and schema."""
+    if not frames:
+        raise WireError("empty message")
+    total = sum(len(memoryview(f)) for f in frames)
+    if total > max_bytes:
+        raise WireError(f"message of {total} bytes exceeds the limit of {max_bytes} bytes")
+    try:
+        header = msgpack.unpackb(memoryview(frames[0]), raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"header frame is not valid msgpack: {exc}") from exc
+    if not isinstance(header, dict):
+        raise WireError(f"header must be a map, got {type(header).__name__}")
+    if header.get("v") != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {header.get('v')!r} is not supported (expected {PROTOCOL_VERSION})")
+    specs = header.get("arrays", [])
+    if not isinstance(specs, list) or len(specs) != len(frames) - 1:
+        raise WireError(f"header declares {len(specs) if isinstance(specs, list) else '?'} arrays, "
+                        f"message has {len(frames) - 1} array frames")
+    return header, [_array(spec, frame, i) for i, (spec, frame) in enumerate(zip(specs, frames[1:]))]
+
+
+def _array(spec: Any, frame: Any, i: int) -> np.ndarray:
+    ok = isinstance(spec, list) and len(spec) == 2 and spec[0] in ALLOWED_DTYPES and isinstance(spec[1], list)
+    ok = ok and all(isinstance(d, int) and d >= 0 for d in spec[1])
+    if not ok:
+        raise WireError(f"array {i}: spec must be [dtype in {ALLOWED_DTYPES}, [dims >= 0]], got {spec!r}")
+    dtype = np.dtype(spec[0])
+    buf = memoryview(frame)
+    expected = int(np.prod(spec[1], dtype=np.int64)) * dtype.itemsize
+    if buf.nbytes != expected:
+        raise WireError(f"array {i}: frame has {buf.nbytes} bytes, {spec[0]}{spec[1]} needs {expected}")
+    return np.frombuffer(buf, dtype=dtype).reshape(spec[1])
+
+
+def field(d: dict[str, Any], name: str, kind: type | tuple, where: str = "request") -> Any:
+    """``d[name]`` checked to be of ``kind``; a WireError names the field otherwise."""
+    if name not in d:
+        raise WireError(f"{where} is missing field {name!r}")
+    value = d[name]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise WireError(f"{where} field {name!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def _split(arrays: list[np.ndarray], lengths: list[int], fields: tuple, where: str) -> list[list[np.ndarray]]:
+    """Per-item views of concatenated per-token arrays; checks dtypes and total length."""
+    if len(arrays) != len(fields):
+        raise WireError(f"{where} needs {len(fields)} arrays ({[n for n, _ in fields]}), got {len(arrays)}")
+    total = sum(lengths)
+    for (name, dtype), a in zip(fields, arrays):
+        if a.dtype != np.dtype(dtype) or a.shape != (total,):
+            raise WireError(f"{where} array {name!r} must be {np.dtype(dtype).name}[{total}], got {a.dtype.name}{list(a.shape)}")
+    bounds = np.cumsum([0] + list(lengths))
+    return [[a[lo:hi] for a in arrays] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def _lengths(meta: dict, key: str, where: str) -> list[int]:
+    lengths = field(meta, key, list, where)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths):
+        raise WireError(f"{where} field {key!r} must be a list of non-negative ints")
+    return lengths
+
+
+def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]:
+    d = episode.to_dict()
+    segs = d.pop("segments")
+    d["segment_lengths"] = [len(s["tokens"]) for s in segs]
+    d["segment_rewards"] = [s["reward"] for s in segs]
+    arrays = [np.concatenate([np.asarray(s[name], dtype=dtype) for s in segs]) if segs else np.zeros(0, dtype)
+              for name, dtype in EPISODE_FIELDS]
+    return d, arrays
+
+
+def episode_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> Episode:
+    """Rebuild and validate an episode (raises SchemaError/WireError naming the bad field)."""
+    if not isinstance(meta, dict):
+        raise WireError("episode header must be a map")
+    meta = dict(meta)
+    lengths = _lengths(meta, "segment_lengths", "episode")
+    rewards = field(meta, "segment_rewards", list, "episode")
+    if len(rewards) != len(lengths):
+        raise WireError(f"episode has {len(lengths)} segment_lengths but {len(rewards)} segment_rewards")
+    meta.pop("segment_lengths"), meta.pop("segment_rewards")
+    parts = _split(arrays, lengths, EPISODE_FIELDS, "episode")
+    meta["segments"] = [
+        {name: a.tolist() for (name, _), a in zip(EPISODE_FIELDS, part)} | {"reward": r}
+        for part, r in zip(parts, rewards)
+    ]
+    return Episode.from_dict(meta)
+
+
+def episode_to_blob(episode: Episode) -> bytes:
+    """One self-contained msgpack blob (for the pool's database)."""
+    meta, arrays = episode_to_wire(episode)
+    return msgpack.packb({"meta": meta, "arrays": [a.tobytes() for a in arrays]}, use_bin_type=True)
+
+
+def episode_from_blob(blob: bytes) -> Episode:
+    d = msgpack.unpackb(blob, raw=False)
+    arrays = [np.frombuffer(b, dtype=dtype) for b, (_, dtype) in zip(d["arrays"], EPISODE_FIELDS)]
+    return episode_from_wire(d["meta"], arrays)
+
+
+_SAMPLE_KEYS = ("sample_weight", "group_index", "episode_id", "domain", "reward")
+
+
+def batch_to_wire(batch: TrainBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
+    samples = [{k: getattr(s, k) for k in _SAMPLE_KEYS} | {"length": int(s.tokens.shape[0])} for s in batch.samples]
+    arrays = [np.concatenate([getattr(s, name) for s in batch.samples]) if batch.samples else np.zeros(0, dtype)
+              for name, dtype in TOKEN_FIELDS]
+    meta = {"batch_id": batch.batch_id, "group_indices": batch.group_indices, "metrics": batch.metrics,
+            "samples": samples}
+    return meta, arrays
+
+
+def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatch:
+    """Samples are views into the received frames (no copy)."""
+    if not isinstance(meta, dict):
+        raise WireError("batch header must be a map")
+    samples_meta = field(meta, "samples", list, "batch")
+    if not all(isinstance(s, dict) and "length" in s for s in samples_meta):
+        raise WireError("batch samples must be maps with a 'length'")
+    parts = _split(arrays, [s["length"] for s in samples_meta], TOKEN_FIELDS, "batch")
+    samples = [
+        TrainSample(**{name: a for (name, _), a in zip(TOKEN_FIELDS, part)}, **{k: s[k] for k in _SAMPLE_KEYS})
+        for part, s in zip(parts, samples_meta)
+    ]
+    return TrainBatch(batch_id=field(meta, "batch_id", int, "batch"), samples=samples,
+                      group_indices=field(meta, "group_indices", list, "batch"),
+                      metrics=field(meta, "metrics", dict, "batch"))

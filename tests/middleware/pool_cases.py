@@ -1,0 +1,83 @@
+"""Shared helpers of the data pool / scheduler / transport tests: synthetic episodes and a forge-pool subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from forge_megatron.middleware.schema import Episode, Segment
+
+
+def make_segment(rng: np.random.Generator, length: int, version: int) -> Segment:
+    """A prompt half (not trained) followed by a sampled half (trained, with logprobs and versions)."""
+    prompt = length // 2
+    mask = [0] * prompt + [1] * (length - prompt)
+    return Segment(
+        tokens=[int(t) for t in rng.integers(0, 50_000, size=length)],
+        loss_mask=mask,
+        rollout_logprobs=[float(-rng.random()) if m else 0.0 for m in mask],
+        policy_versions=[version if m else -1 for m in mask],
+    )
+
+
+def make_episode(group_id: str, episode_id: str, reward: float = 1.0, status: str = "finished", segments: int = 1,
+                 length: int = 12, version: int = 0, seed: int = 0, duration_s: float = 1.0) -> Episode:
+    rng = np.random.default_rng(seed)
+    segs = [make_segment(rng, length + s, version) for s in range(segments)] if status == "finished" else []
+    return Episode(episode_id=episode_id, group_id=group_id, task_id=f"task-{group_id}", segments=segs,
+                   status=status, reward=reward, started_at=100.0, ended_at=100.0 + duration_s)
+
+
+def fill_group(sink, group_id: str, size: int, rewards: list[float] | None = None, version: int = 0) -> list[Episode]:
+    """Submit ``size`` finished episodes (rewards 0, 1, 0, 1, ... unless given) to a group."""
+    rewards = rewards or [float(i % 2) for i in range(size)]
+    episodes = [make_episode(group_id, f"{group_id}-e{i}", reward=r, seed=i, version=version)
+                for i, r in enumerate(rewards)]
+    for ep in episodes:
+        sink.submit_episode(ep)
+    return episodes
+
+
+def start_pool_process(db: str, bind: str, *extra: str) -> subprocess.Popen:
+    """forge-pool in its own process group; returns once it printed its endpoint."""
+    cmd = [sys.executable, "-m", "forge_megatron.middleware.pool_server", "--db", db, "--bind", bind, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    line = proc.stdout.readline()
+    if "serving on" not in line:
+        stop_process(proc)
+        raise RuntimeError(f"forge-pool did not start: {line!r}")
+    return proc
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=20)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond, timeout_s: float = 20.0, interval_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(interval_s)
