@@ -1,0 +1,106 @@
+"""Pick a tree-attention backend for each call; every backend computes the same thing (reference.py is the spec).
+
+Choice, first match wins:
+1. the ``backend`` argument;
+2. the environment variable FORGE_TREE_ATTN_BACKEND ("reference" | "segment" | "triton" | "cuda");
+3. automatic: "cuda" (forge_megatron._C_tree_attn built, CUDA tensors) -> "triton" (CUDA tensors, triton
+   importable) -> "segment" (exact, any device). "reference" (dense T x T mask) only on request.
+The Triton and CUDA backends live in their own modules and are imported lazily; a module that is absent or fails
+to import makes its backend unavailable. Each (backend, device type) choice is logged once.
+
+Legend: T = tree tokens, N = query heads, K = key/value heads, H = head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+from forge_megatron.kernels.tree_attention.segment import tree_attention_segment
+from forge_megatron.utils import env
+
+ENV_VAR = "FORGE_TREE_ATTN_BACKEND"
+BACKENDS = ("reference", "segment", "triton", "cuda")
+_COMPILED = {  # backend -> (module, function, what env.require names when it is missing)
+    "triton": ("forge_megatron.kernels.tree_attention.triton_kernel", "tree_attention_triton", "triton"),
+    "cuda": ("forge_megatron.kernels.tree_attention.cuda", "tree_attention_cuda", "cuda_ext"),
+}
+
+log = logging.getLogger(__name__)
+_logged: set[tuple[str, str]] = set()
+
+
+def tree_attention(
+    q_TNH: torch.Tensor,
+    k_TKH: torch.Tensor,
+    v_TKH: torch.Tensor,
+    sub_end_T: torch.Tensor,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Tree attention over a DFS-ordered forest (key j visible to query i iff j <= i < sub_end[j]). Returns o_TNH."""
+    name, why = choose_backend(q_TNH.device, backend)
+    if (name, q_TNH.device.type) not in _logged:
+        _logged.add((name, q_TNH.device.type))
+        log.info("tree attention backend %r on %s (%s)", name, q_TNH.device.type, why)
+    return _function(name)(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=softmax_scale)
+
+
+def choose_backend(device: torch.device, backend: str | None = None) -> tuple[str, str]:
+    """(backend name, why it was chosen) for tensors on ``device``."""
+    if backend is not None:
+        return _requested(backend, "backend argument"), "backend argument"
+    from_env = os.environ.get(ENV_VAR)
+    if from_env:
+        return _requested(from_env, f"{ENV_VAR}={from_env}"), f"{ENV_VAR}={from_env}"
+    if device.type == "cuda":
+        for name in ("cuda", "triton"):
+            if name in available_backends(device):
+                return name, "automatic"
+    return "segment", "automatic"
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Backends that can run on ``device`` (None: this machine, CUDA counted when present)."""
+    device_type = torch.device(device).type if device is not None else ("cuda" if env.has_cuda() else "cpu")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    names = ["reference", "segment"]
+    if _load(*_COMPILED["triton"][:2])[0] is not None and (device_type == "cuda" or interpreted):
+        names.append("triton")
+    if _load(*_COMPILED["cuda"][:2])[0] is not None and device_type == "cuda":
+        names.append("cuda")
+    return names
+
+
+def _requested(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown tree attention backend {name!r} (from {source}); choose one of {BACKENDS}")
+    if name in _COMPILED:
+        module, fn, requirement = _COMPILED[name]
+        if _load(module, fn)[0] is None:
+            env.require(requirement, f"tree attention backend {name!r}")
+            raise RuntimeError(f"tree attention backend {name!r} is unavailable: {_load(module, fn)[1]}")
+    return name
+
+
+def _function(name: str) -> Callable[..., torch.Tensor]:
+    if name == "reference":
+        return tree_attention_reference
+    if name == "segment":
+        return tree_attention_segment
+    return _load(*_COMPILED[name][:2])[0]
+
+
+@functools.cache
+def _load(module: str, fn: str) -> tuple[Callable | None, str]:
+    """Import ``module.fn`` once; (function, "") or (None, why not)."""
+    try:
+        return getattr(importlib.import_module(module), fn), ""
+    except Exception as exc:  # noqa: BLE001 - a broken optional backend must not break the dispatcher
+        return None, f"importing {module}.{fn} failed: {type(exc).__name__}: {exc}"

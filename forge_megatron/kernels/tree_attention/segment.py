@@ -1,0 +1,168 @@
+"""Segment tree attention: exact attention over a DFS-ordered prefix forest at cost ~ sum_t depth(t).
+
+Mask rule (see reference.py and docs/prefix_tree.md): key j is visible to query i  <=>  j <= i < sub_end[j].
+
+The forest is cut into *chains* (compressed-trie nodes): maximal runs of tokens in which each token is the only
+child of the one before. Token i+1 continues i's chain  <=>  sub_end[i+1] == sub_end[i]. A chain c of length L_c
+whose first token has depth d_c sees its ancestor path (d_c keys) plus its own tokens, bottom-right causal:
+
+    o_i = softmax(q_i K_c^T * scale + mask) V_c,   K_c = keys of path(c) ++ chain(c),   key m visible to the
+    r-th query of the chain  <=>  m <= d_c + r
+
+so the work is sum_c L_c (d_c + L_c) ~ sum_t depth(t), not T^2. Everything is derived from sub_end with
+vectorised torch ops (no Python loop over chains):
+- depth_T by a difference array: each j adds 1 on (j, sub_end[j]);
+- the ancestor of token i at depth m is the last token at depth m that is <= i: one searchsorted in the tokens
+  sorted by (depth, index);
+- short chains (L_c <= QUERY_BLOCK) are grouped by (L, key count) rounded up to 4 steps per octave (<= 25% padding
+  per side), each group is one batched SDPA call with a boolean mask;
+- a long chain gathers its keys once and runs its queries in blocks of QUERY_BLOCK against prefixes of them.
+GQA without repeating K/V: the N/K query heads that share a key head become extra query rows.
+Autograd flows through the gathers, SDPA and the final index_copy, so backward is exact too.
+
+Legend: T = tree tokens, N = query heads, K = key/value heads, H = head dim, C = chains, B = chains in a group,
+L = padded queries per chain, J = padded keys per chain, R = N // K query heads per key head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from forge_megatron.kernels.tree_attention.ops import check_inputs, resolve_scale
+
+QUERY_BLOCK = 512  # chains longer than this are processed alone, in query blocks of this size
+
+
+def tree_attention_segment(
+    q_TNH: torch.Tensor,
+    k_TKH: torch.Tensor,
+    v_TKH: torch.Tensor,
+    sub_end_T: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Exact tree attention, cost ~ sum of token depths. Returns o_TNH; differentiable in q, k, v."""
+    check_inputs(q_TNH, k_TKH, v_TKH, sub_end_T)
+    _check_sub_end_values(sub_end_T)
+    scale = resolve_scale(softmax_scale, q_TNH.shape[2])
+    if q_TNH.shape[0] == 0:
+        return q_TNH.clone()
+    forest = Forest(sub_end_T)
+    rows, outs = [], []
+    for q_idx_BL, row_valid_BL, key_idx_BJ, allowed_BLJ in forest.short_chain_groups():
+        o_BLNH = _attend(q_TNH[q_idx_BL], k_TKH[key_idx_BJ], v_TKH[key_idx_BJ], allowed_BLJ, scale)
+        rows.append(q_idx_BL[row_valid_BL])
+        outs.append(o_BLNH[row_valid_BL])
+    for start, end in forest.long_chains():
+        key_idx_J = forest.path_keys(start, end)
+        k_JKH, v_JKH = k_TKH[key_idx_J], v_TKH[key_idx_J]
+        first_depth = key_idx_J.numel() - (end - start)
+        for a in range(0, end - start, QUERY_BLOCK):
+            b = min(a + QUERY_BLOCK, end - start)
+            n_keys = first_depth + b
+            allowed_LJ = _bottom_right_causal(b - a, n_keys, sub_end_T.device)
+            o_BLNH = _attend(
+                q_TNH[None, start + a : start + b], k_JKH[None, :n_keys], v_JKH[None, :n_keys], allowed_LJ[None], scale
+            )
+            rows.append(torch.arange(start + a, start + b, device=sub_end_T.device))
+            outs.append(o_BLNH[0])
+    return torch.zeros_like(q_TNH).index_copy(0, torch.cat(rows), torch.cat(outs))
+
+
+def _check_sub_end_values(sub_end_T: torch.Tensor) -> None:
+    T = sub_end_T.numel()
+    idx_T = torch.arange(T, device=sub_end_T.device)
+    if not bool(((sub_end_T > idx_T) & (sub_end_T <= T)).all()):
+        raise ValueError(f"sub_end must satisfy i < sub_end[i] <= T = {T} for every token i (a DFS subtree end)")
+
+
+class Forest:
+    """Chains, depths and ancestor lookup of a DFS-ordered forest, derived from sub_end alone."""
+
+    def __init__(self, sub_end_T: torch.Tensor):
+        sub_end_T = sub_end_T.long()
+        T = sub_end_T.numel()
+        device = sub_end_T.device
+        self.T = T
+        self.device = device
+        idx_T = torch.arange(T, device=device)
+        diff = torch.zeros(T + 1, dtype=torch.long, device=device)
+        diff.index_add_(0, idx_T + 1, torch.ones_like(idx_T))
+        diff.index_add_(0, sub_end_T, -torch.ones_like(idx_T))
+        self.depth_T = torch.cumsum(diff, 0)[:T]
+        self.sorted_key_T, self.order_T = torch.sort(self.depth_T * T + idx_T)
+        is_start_T = torch.ones(T, dtype=torch.bool, device=device)
+        is_start_T[1:] = sub_end_T[1:] != sub_end_T[:-1]
+        self.start_C = torch.nonzero(is_start_T).flatten()
+        self.end_C = torch.cat([self.start_C[1:], torch.tensor([T], device=device)])
+
+    def ancestor(self, token: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        """Index of the ancestor of ``token`` at ``depth`` (broadcast; requires depth <= depth_T[token])."""
+        pos = torch.searchsorted(self.sorted_key_T, depth * self.T + token, right=True) - 1
+        return self.order_T[pos]
+
+    def path_keys(self, start: int, end: int) -> torch.Tensor:
+        """Key indices of the chain [start, end): its ancestors root-first, then its own tokens."""
+        n_keys = int(self.depth_T[end - 1]) + 1
+        return self.ancestor(torch.tensor(end - 1, device=self.device), torch.arange(n_keys, device=self.device))
+
+    def long_chains(self) -> list[tuple[int, int]]:
+        is_long_C = (self.end_C - self.start_C) > QUERY_BLOCK
+        return list(zip(self.start_C[is_long_C].tolist(), self.end_C[is_long_C].tolist()))
+
+    def short_chain_groups(self):
+        """Yield (q_idx_BL, row_valid_BL, key_idx_BJ, allowed_BLJ) for each bucket of short chains."""
+        length_C = self.end_C - self.start_C
+        short_C = torch.nonzero(length_C <= QUERY_BLOCK).flatten()
+        if short_C.numel() == 0:
+            return
+        start_C, length_C = self.start_C[short_C], length_C[short_C]
+        last_C = self.end_C[short_C] - 1
+        n_keys_C = self.depth_T[last_C] + 1
+        padded_L_C, padded_J_C = _round_up(length_C), _round_up(n_keys_C)
+        bucket_C = padded_L_C * (int(padded_J_C.max()) + 1) + padded_J_C
+        buckets, bucket_of_C = torch.unique(bucket_C, return_inverse=True)
+        for b in range(buckets.numel()):
+            members = torch.nonzero(bucket_of_C == b).flatten()
+            L, J = int(padded_L_C[members[0]]), int(padded_J_C[members[0]])
+            yield self._group(start_C[members], length_C[members], last_C[members], n_keys_C[members], L, J)
+
+    def _group(self, start_B, length_B, last_B, n_keys_B, L: int, J: int):
+        r_L = torch.arange(L, device=self.device)
+        m_J = torch.arange(J, device=self.device)
+        row_valid_BL = r_L[None, :] < length_B[:, None]
+        q_idx_BL = torch.where(row_valid_BL, start_B[:, None] + r_L[None, :], start_B[:, None])
+        key_valid_BJ = m_J[None, :] < n_keys_B[:, None]
+        depth_BJ = torch.minimum(m_J[None, :], n_keys_B[:, None] - 1)
+        key_idx_BJ = torch.where(key_valid_BJ, self.ancestor(last_B[:, None], depth_BJ), 0)
+        first_depth_B = n_keys_B - length_B
+        causal_BLJ = m_J[None, None, :] <= (first_depth_B[:, None, None] + r_L[None, :, None])
+        allowed_BLJ = key_valid_BJ[:, None, :] & causal_BLJ  # padded rows see real keys: never an empty softmax
+        return q_idx_BL, row_valid_BL, key_idx_BJ, allowed_BLJ
+
+
+def _attend(q_BLNH, k_BJKH, v_BJKH, allowed_BLJ, scale: float) -> torch.Tensor:
+    """Masked attention of B independent query/key sets, GQA by folding R query heads into the query rows."""
+    B, L, N, H = q_BLNH.shape
+    K = k_BJKH.shape[2]
+    R = N // K
+    q_BKRH = q_BLNH.view(B, L, K, R, H).permute(0, 2, 3, 1, 4).reshape(B, K, R * L, H)
+    mask_B1RJ = allowed_BLJ.repeat(1, R, 1)[:, None]
+    o_BKRH = F.scaled_dot_product_attention(
+        q_BKRH, k_BJKH.transpose(1, 2), v_BJKH.transpose(1, 2), attn_mask=mask_B1RJ, scale=scale
+    )
+    return o_BKRH.view(B, K, R, L, H).permute(0, 3, 1, 2, 4).reshape(B, L, N, H)
+
+
+def _bottom_right_causal(L: int, J: int, device) -> torch.Tensor:
+    """[L, J] mask: query r sees keys m <= J - L + r (the queries are the last L of the J keys)."""
+    r_L = torch.arange(L, device=device)
+    m_J = torch.arange(J, device=device)
+    return m_J[None, :] <= (J - L + r_L[:, None])
+
+
+def _round_up(x: torch.Tensor) -> torch.Tensor:
+    """Round positive sizes up to 4 steps per octave (exact below 8), so padding stays under 25%."""
+    shift = torch.clamp(torch.floor(torch.log2(x.double())).long() - 2, min=0)
+    step = torch.pow(2, shift)
+    return (x + step - 1) // step * step
