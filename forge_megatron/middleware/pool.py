@@ -332,7 +332,7 @@ class DataPool(EpisodeSink):
             if request_id is not None:
                 batch_id = self._one("SELECT batch_id FROM batches WHERE request_id = ?", (request_id,))
                 if batch_id is not None:
-                    return self._load_batch(batch_id)
+                    return self.load_batch(batch_id)
             while True:
                 self.sweep_timeouts()
                 pending = self._pending()
@@ -370,13 +370,16 @@ class DataPool(EpisodeSink):
         episodes = [ep for _, ep in self._finished_episodes(idx, scores["episode_ids"])]
         return group_samples(episodes, scores, idx)
 
-    def _load_batch(self, batch_id: int) -> TrainBatch:
-        indices_blob, metrics_blob = self._db.execute(
-            "SELECT group_indices, metrics FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
-        indices = msgpack.unpackb(indices_blob)
-        samples = [s for idx in indices for s in self._group_samples(idx)]
+    def load_batch(self, batch_id: int) -> TrainBatch:
+        """Rebuild a batch delivered before (same groups, samples and metrics)."""
+        with self._cond:
+            row = self._db.execute("SELECT group_indices, metrics FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+            if row is None:
+                raise ValueError(f"unknown batch_id {batch_id}")
+            indices = msgpack.unpackb(row[0])
+            samples = [s for idx in indices for s in self._group_samples(idx)]
         return TrainBatch(batch_id=batch_id, samples=samples, group_indices=indices,
-                          metrics=msgpack.unpackb(metrics_blob, strict_map_key=False))
+                          metrics=msgpack.unpackb(row[1], strict_map_key=False))
 
     # ------------------------------------------------------------------ delivery guarantees
     def commit(self, batch_ids: int | list[int] | None = None, *, up_to_batch_id: int | None = None) -> int:

@@ -81,3 +81,32 @@ def wait_until(cond, timeout_s: float = 20.0, interval_s: float = 0.02) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         time.sleep(interval_s)
+
+
+def produce_groups(addr: str, num_groups: int, size: int, pause_s: float) -> None:
+    """Rollout side in its own process: register groups and submit their episodes through a PoolClient."""
+    from forge_megatron.middleware.transport import PoolClient
+
+    client = PoolClient(addr, timeout_s=1.0, retries=60)
+    for i in range(num_groups):
+        gid = client.register_group(f"task{i}", size)
+        for e in range(size):
+            client.episode_started(gid, f"{gid}-e{e}")
+            client.submit_episode(make_episode(gid, f"{gid}-e{e}", reward=float(e % 2), seed=i * size + e))
+        time.sleep(pause_s)
+    client.close()
+
+
+def train_then_hang(addr: str, num_batches: int, groups_per_batch: int, checkpoint_after: int, queue) -> None:
+    """Trainer in its own process: pull batches, commit a checkpoint after ``checkpoint_after`` of them, report the
+    group indices of every batch, then wait to be killed (a crash)."""
+    from forge_megatron.middleware.transport import PoolClient
+
+    client = PoolClient(addr, timeout_s=5.0)
+    for step in range(1, num_batches + 1):
+        batch = client.get_batch(groups_per_batch, timeout_s=10.0)
+        if step == checkpoint_after:
+            client.commit(up_to_batch_id=batch.batch_id)
+        queue.put(batch.group_indices)
+    queue.put("done")
+    time.sleep(600)

@@ -1,0 +1,212 @@
+"""ZeroMQ transport over real loopback sockets: round trip, bad messages, restarts of either side, CURVE."""
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from pool_cases import (
+    fill_group, free_port, make_episode, produce_groups, start_pool_process, stop_process, train_then_hang,
+)
+
+from forge_megatron.middleware.pool import DataPool, PoolConfig
+from forge_megatron.middleware.transport import CurveKeys, PoolClient, PoolError, PoolServer
+from forge_megatron.middleware.wire import PROTOCOL_VERSION, WireError, pack, unpack
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A pool served from a thread of this process (1 MiB message limit) and a client."""
+    pool = DataPool(PoolConfig(db_path=os.fspath(tmp_path / "pool.sqlite"), window="inf"))
+    server = PoolServer(pool, bind="tcp://127.0.0.1:0", max_message_bytes=1 << 20).start()
+    client = PoolClient(server.address, timeout_s=5.0)
+    yield pool, server, client
+    client.close()
+    server.stop()
+    pool.close()
+
+
+def test_batch_round_trip_matches_pool(served):
+    pool, server, client = served
+    gid = client.register_group("t", 3, domain="code", metadata={"answer": "42"})
+    client.episode_started(gid, "e0")
+    episodes = [make_episode(gid, f"e{i}", reward=float(i), segments=1 + i, seed=i) for i in range(3)]
+    assert [client.submit_episode(ep) for ep in episodes] == ["accepted"] * 3
+    assert client.submit_episode(episodes[0]) == "duplicate"
+    batch = client.get_batch(1, timeout_s=5.0)
+    local = pool.load_batch(batch.batch_id)
+    assert batch.group_indices == local.group_indices == [int(gid[1:])]
+    assert len(batch.samples) == len(local.samples) == 6
+    for got, want in zip(batch.samples, local.samples):
+        for name in ("tokens", "loss_mask", "rollout_logprobs", "policy_versions", "advantages"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+            assert getattr(got, name).dtype == getattr(want, name).dtype
+        assert (got.episode_id, got.domain, got.group_index) == (want.episode_id, "code", want.group_index)
+        assert got.reward == pytest.approx(want.reward) and got.sample_weight == pytest.approx(want.sample_weight)
+    assert not batch.samples[0].tokens.flags.owndata  # a view of the received frame, not a copy
+    assert client.commit(batch.batch_id) == 1
+    assert client.metrics()["groups"]["committed"] == 1
+
+
+def test_waiting_get_batch_does_not_block_other_requests(served):
+    pool, server, client = served
+    gid = client.register_group("t", 2)
+    feeder = PoolClient(server.address, timeout_s=5.0)
+    pool_thread_result = []
+    waiter = threading.Thread(target=lambda: pool_thread_result.append(client.get_batch(1, timeout_s=20.0)))
+    waiter.start()
+    fill_group(feeder, gid, 2)  # served while the get_batch above is parked
+    waiter.join(timeout=30)
+    feeder.close()
+    assert pool_thread_result[0].group_indices == [int(gid[1:])]
+    assert client.get_batch(1, timeout_s=0.2) is None
+
+
+def _raw_request(address: str, frames: list) -> dict:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(10_000), "no reply from the pool"
+        header, _ = unpack(sock.recv_multipart(), 1 << 30)
+        return header
+    finally:
+        sock.close()
+
+
+def _header(**kw) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "rid": "r", "arrays": [], **kw})
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [([b"\xc1\xff garbage"], "header frame is not valid msgpack"),
+     ([msgpack.packb([1, 2, 3])], "header must be a map, got list"),
+     ([msgpack.packb({"v": 99, "rid": "r", "op": "ping"})], "protocol version 99 is not supported (expected 1)"),
+     ([_header(op="ping"), b"x" * (2 << 20)], "exceeds the limit of 1048576 bytes"),
+     ([_header(op="ping", arrays=[["int32", [4]]]), b"123"], "array 0: frame has 3 bytes, int32[4] needs 16"),
+     ([_header(op="ping", arrays=[["object", [1]]]), b"1234"], "array 0: spec must be [dtype in"),
+     ([_header(op="ping", arrays=[["int32", [1]]])], "header declares 1 arrays, message has 0 array frames"),
+     ([_header(op="format_disk")], "unknown op 'format_disk'"),
+     ([_header(op="get_batch", num_groups="two", timeout_s=0)], "request field 'num_groups' must be int, got str"),
+     ([_header(op="set_policy_version", version=True)], "request field 'version' must be int, got bool"),
+     ([_header(op="submit_episode", episode={"episode_id": "e"})], "episode is missing field 'segment_lengths'"),
+     ([_header(op="episode_started", group_id="g000000077", episode_id="e")], "unknown group_id 'g000000077'"),
+     ([_header(op="commit", batch_ids=[12345])], "unknown batch_id 12345"),
+     ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "arrays": []})], "'rid' must be a non-empty string")],
+)
+def test_bad_messages_get_clear_errors_and_pool_keeps_serving(served, frames, message):
+    pool, server, client = served
+    reply = _raw_request(server.address, frames)
+    assert reply["ok"] is False and message in reply["error"]
+    assert client.ping() == {"pool": "forge"}
+
+
+def test_invalid_episode_is_rejected_by_schema(served):
+    pool, server, client = served
+    gid = client.register_group("t", 1)
+    bad = make_episode(gid, "e")
+    bad.segments[0].loss_mask[0] = 7
+    with pytest.raises(PoolError, match=r"segments\[0\].loss_mask must be 0/1"):
+        client.submit_episode(bad)
+    assert client.group_status(gid)["finished"] == 0
+
+
+def test_wire_rejects_unknown_dtype_on_send():
+    with pytest.raises(WireError, match="array dtype complex64 is not allowed"):
+        pack({"op": "x"}, [np.zeros(2, np.complex64)])
+
+
+def test_pool_kill9_restart_loses_and_duplicates_nothing(tmp_path):
+    """forge-pool in its own process is killed with SIGKILL mid-run and restarted on the same db and port while a
+    producer process keeps submitting and this process keeps training."""
+    db, addr = os.fspath(tmp_path / "pool.sqlite"), f"tcp://127.0.0.1:{free_port()}"
+    num_groups = 24
+    pool_proc = start_pool_process(db, addr, "--window", "4")
+    producer = mp.get_context("spawn").Process(target=produce_groups, args=(addr, num_groups, 2, 0.05))
+    producer.start()
+    trainer = PoolClient(addr, timeout_s=1.0, retries=60)
+    seen: list[int] = []
+    try:
+        while len(seen) < num_groups:
+            batch = trainer.get_batch(2, timeout_s=2.0)
+            if batch is None:
+                continue
+            seen += batch.group_indices
+            trainer.commit(batch.batch_id)
+            if len(seen) in (8, 16):
+                stop_process(pool_proc, signal.SIGKILL)
+                pool_proc = start_pool_process(db, addr, "--window", "4")
+        producer.join(timeout=60)
+        assert producer.exitcode == 0
+        metrics = trainer.metrics()
+    finally:
+        trainer.close()
+        stop_process(pool_proc)
+        if producer.is_alive():
+            producer.kill()
+    assert sorted(seen) == list(range(1, num_groups + 1))  # every group exactly once
+    assert metrics["groups"] == {"running": 0, "finished": 0, "failed": 0, "delivered": 0, "committed": num_groups}
+
+
+def test_trainer_crash_resume_gets_exactly_uncommitted(served):
+    pool, server, client = served
+    for i in range(10):
+        fill_group(pool, pool.register_group(f"t{i}", 2), 2)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    crashed = ctx.Process(target=train_then_hang, args=(server.address, 4, 2, 2, queue))
+    crashed.start()
+    delivered = [queue.get(timeout=60) for _ in range(4)]
+    assert queue.get(timeout=60) == "done"
+    os.kill(crashed.pid, signal.SIGKILL)
+    crashed.join(timeout=30)
+    # The new trainer resumes from the checkpoint taken after batch 2: batches 3 and 4 must come back, nothing else.
+    assert client.requeue_uncommitted() == delivered[2] + delivered[3]
+    resumed = client.get_batch(4, timeout_s=5.0)
+    assert resumed.group_indices == delivered[2] + delivered[3]
+    rest = client.get_batch(2, timeout_s=5.0)
+    assert set(rest.group_indices).isdisjoint(sum(delivered, []))
+    assert client.get_batch(1, timeout_s=0.1) is None
+
+
+def test_curve_authenticates_clients(tmp_path):
+    server_pub, server_sec = zmq.curve_keypair()
+    client_pub, client_sec = zmq.curve_keypair()
+    stranger_pub, stranger_sec = zmq.curve_keypair()
+    pool = DataPool(PoolConfig(db_path=os.fspath(tmp_path / "pool.sqlite")))
+    server = PoolServer(pool, bind="tcp://127.0.0.1:0",
+                        curve_keys=CurveKeys(server_pub, server_sec, allowed_clients=(client_pub,))).start()
+    good = PoolClient(server.address, timeout_s=5.0, curve_keys=CurveKeys(client_pub, client_sec, server_pub))
+    bad = PoolClient(server.address, timeout_s=0.5, retries=0,
+                     curve_keys=CurveKeys(stranger_pub, stranger_sec, server_pub))
+    try:
+        assert good.ping() == {"pool": "forge"}
+        with pytest.raises(TimeoutError, match="did not answer 'ping' after 1 attempts"):
+            bad.ping()
+    finally:
+        good.close()
+        bad.close()
+        server.stop()
+        pool.close()
+    with pytest.raises(ValueError, match="client CurveKeys need server_public"):
+        PoolClient("tcp://127.0.0.1:1", curve_keys=CurveKeys(client_pub, client_sec))
+
+
+def test_forge_pool_help_teaches():
+    out = subprocess.run([sys.executable, "-m", "forge_megatron.middleware.pool_server", "--help"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert "strict FIFO" in out and "--generation-batch-groups" in out and "--max-staleness" in out
+    bad = subprocess.run([sys.executable, "-m", "forge_megatron.middleware.pool_server", "--window", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "window must be an int >= 1 or 'inf', got 0" in bad.stderr
