@@ -8,7 +8,7 @@ names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``
 ``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``.
 
-Decoding: every request decodes token by token with its own KV cache (``past_key_values``). Each forward step is a
+Decoding: every request decodes token by token with its own KV cache. Each forward step is a
 job on one worker thread, so concurrent requests interleave step by step and a weight update (also a job on that
 thread) always lands between two steps, never inside one. Per step, with logits z over the vocabulary:
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -135,6 +136,8 @@ class ReferenceEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.context_length = context_length or int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.eos_ids = _eos_ids(self.model.config, self.tokenizer)
+        # transformers >= 5.2x names the KV cache argument `cache`; older versions `past_key_values`
+        self.cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forge-engine")
         self.weight_version = "default"
         self.pause_mode: str | None = None
@@ -169,8 +172,8 @@ class ReferenceEngine:
         else:
             new_S = torch.tensor([all_ids[-1:]])
         with torch.no_grad():
-            out = self.model(input_ids=new_S, past_key_values=req.past, use_cache=True)
-        req.past = out.past_key_values
+            out = self.model(input_ids=new_S, use_cache=True, **{self.cache_kw: req.past})
+        req.past = out.get("cache", None) or out.get("past_key_values")
         token, logprob = sample_next(out.logits[0, -1].float(), req.params, req.gen)
         req.output_ids.append(token)
         req.logprobs.append(logprob)

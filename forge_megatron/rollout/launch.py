@@ -120,7 +120,7 @@ def start_gateway(model_dir: str, engine_urls: list[str], in_process: bool = Fal
     if in_process:
         from forge_megatron.middleware.gateway import Gateway, GatewayConfig, serve
 
-        gw = Gateway(GatewayConfig(model_path=model_dir, engine_urls=list(engine_urls), host=host), sink=sink)
+        gw = Gateway(GatewayConfig(model_path=model_dir, engine_urls=list(engine_urls), host=host, port=0), sink=sink)
         server = ThreadServer(lambda ready: serve(gw, ready), host=host)
         server.gateway = gw
         return server

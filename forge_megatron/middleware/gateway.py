@@ -1,0 +1,672 @@
+"""forge-gateway: the OpenAI-compatible front door that turns any agent's API calls into training data.
+
+Black-box agents only need an OpenAI base URL and API key. The gateway gives each episode a session key, renders the
+chat template itself, calls engines with token ids through :class:`EngineFleet`, parses tool calls, answers in the
+OpenAI schema, and records every call (prompt ids, completion ids, logprobs, policy version) into segments (see
+``gateway_sessions``). Ended sessions become :class:`~forge_megatron.middleware.schema.Episode` records sent to an
+:class:`EpisodeSink` (the data pool, or a ListSink in tests).
+
+Routes
+  POST /v1/chat/completions, GET /v1/models                 (also under /s/<session key>/v1/...)
+  POST /forge/groups {task_id, size, domain, metadata}        -> {group_id}
+  POST /forge/sessions {group_id, metadata}                   -> {session_id, api_key, base_url}
+  GET  /forge/sessions/{id}                                   -> the call records
+  POST /forge/sessions/{id}/reward {reward, terms}
+  POST /forge/sessions/{id}/end {status}                      -> the episode goes to the sink
+  POST /forge/admin/pause {drain_timeout_s}, POST /forge/admin/resume {policy_version}, GET /forge/admin/state
+
+While paused (weights being updated) new calls wait up to ``pause_wait_s`` instead of failing; a call whose engine
+aborted it for an update is re-issued after resume. ``/forge/*`` needs the admin token when one is configured, and one
+must be configured when binding beyond loopback. Errors use OpenAI's body ``{"error": {message, type, param, code}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from forge_megatron.middleware.gateway_sessions import CallRecord, ChatRenderer, Session, _Turn
+from forge_megatron.middleware.schema import EPISODE_STATUSES, EpisodeSink, ListSink, SchemaError
+from forge_megatron.middleware.tool_parsers import get_parser
+from forge_megatron.rollout.sglang_client import EngineFleet, EngineRequestError, FleetConfig, NoEngineAvailable
+
+log = logging.getLogger("forge.gateway")
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+ABORT_RETRIES = 5
+
+
+@dataclass
+class GatewayConfig:
+    """Gateway settings (CLI flags mirror the field names)."""
+
+    model_path: str  # local HF directory: tokenizer + chat template + config (context length)
+    engine_urls: list[str]  # SGLang-compatible engines
+    host: str = "127.0.0.1"
+    port: int = 8000
+    public_url: str | None = None  # base of the URLs handed to agents (default http://host:port)
+    admin_token: str | None = None  # required for /forge/* when set; must be set when host is not loopback
+    tool_parser: str = "hermes"
+    served_model_name: str | None = None  # /v1/models id (default: the model directory name)
+    context_length: int | None = None  # default: max_position_embeddings from config.json
+    default_max_tokens: int = 1024  # when the request sets neither max_tokens nor max_completion_tokens
+    max_body_bytes: int = 8 << 20
+    pause_wait_s: float = 120.0  # how long a call waits for resume before 503
+    engine_attempts: int = 3  # engines tried per call
+    health_interval_s: float = 2.0
+
+    def __post_init__(self):
+        if not self.engine_urls:
+            raise ValueError("engine_urls is empty: give at least one engine URL")
+        if not os.path.isdir(self.model_path):
+            raise ValueError(f"model_path {self.model_path!r} is not a directory")
+        if not _is_loopback(self.host) and not self.admin_token:
+            raise ValueError(f"admin_token is required when host {self.host!r} is not a loopback address")
+        get_parser(self.tool_parser)
+        for name in ("default_max_tokens", "max_body_bytes", "engine_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.pause_wait_s < 0:
+            raise ValueError(f"pause_wait_s must be >= 0, got {self.pause_wait_s}")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                            "code": self.code}}, status=self.status)
+
+
+@dataclass
+class ChatRequest:
+    """The validated subset of an OpenAI chat-completions body."""
+
+    messages: list[dict]
+    tools: list | None
+    tool_choice: object
+    sampling: dict
+    stream: bool
+    include_usage: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def parse_chat_request(body: dict, default_max_tokens: int) -> ChatRequest:
+    """Validate ``body`` (OpenAI fields); raise ApiError(400) naming the offending field."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "messages must be a non-empty array")
+    messages = [_normalise_message(m, i) for i, m in enumerate(msgs)]
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name") for t in tools)):
+        raise _bad("tools", "tools must be an array of {type: 'function', function: {name, ...}}")
+    tool_choice = body.get("tool_choice", "auto")
+    if tool_choice not in ("none", "auto", "required") and not (
+            isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict)):
+        raise _bad("tool_choice", "tool_choice must be 'none', 'auto', 'required' or {type, function: {name}}")
+    if body.get("n", 1) != 1:
+        raise _bad("n", "only n=1 is supported")
+    return ChatRequest(messages=messages, tools=tools or None, tool_choice=tool_choice,
+                       sampling=_sampling_params(body, default_max_tokens), stream=_flag(body, "stream"),
+                       include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise _bad(name, f"{name} must be a boolean")
+    return value
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not lo <= value <= hi:
+        raise _bad(name, f"{name} must be {'an integer' if integer else 'a number'} in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _sampling_params(body: dict, default_max_tokens: int) -> dict:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    which = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    params = {
+        "temperature": float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        "top_p": float(_number(body, "top_p", 1.0, 1e-9, 1.0)),
+        "max_new_tokens": _number({which: max_tokens}, which, default_max_tokens, 1, 1 << 30, integer=True),
+    }
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            raise _bad("stop", "stop must be a non-empty string or an array of up to 4 of them")
+        params["stop"] = stop
+    seed = _number(body, "seed", None, 0, (1 << 63) - 1, integer=True)
+    if seed is not None:
+        params["seed"] = seed
+    return params
+
+
+def _normalise_message(m, i: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise _bad(where, f"{where} must be an object")
+    role = m.get("role")
+    if role not in ROLES:
+        raise _bad(f"{where}.role", f"{where}.role must be one of {ROLES}, got {role!r}")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: keep the text ones
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise _bad(f"{where}.content", f"{where}.content parts must be {{type: 'text', text: str}}")
+        content = "".join(p["text"] for p in content)
+    if content is not None and not isinstance(content, str):
+        raise _bad(f"{where}.content", f"{where}.content must be a string, an array of text parts, or null")
+    if content is None and not (role == "assistant" and m.get("tool_calls")):
+        raise _bad(f"{where}.content", f"{where}.content is required")
+    out = {"role": "system" if role == "developer" else role, "content": content or ""}
+    if role == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = [_normalise_tool_call(tc, f"{where}.tool_calls[{j}]") for j, tc in enumerate(m["tool_calls"])]
+    if role == "tool":
+        out["tool_call_id"] = m.get("tool_call_id")
+    return out
+
+
+def _normalise_tool_call(tc, where: str) -> dict:
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+        raise _bad(where, f"{where} must be {{id, type: 'function', function: {{name, arguments: str}}}}")
+    return {"id": tc.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}}
+
+
+class Gateway:
+    """State and request handling; :func:`make_app` wires it to HTTP."""
+
+    def __init__(self, config: GatewayConfig, sink: EpisodeSink | None = None):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config
+        self.sink = sink if sink is not None else ListSink()
+        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(config.model_path))
+        self.context_length = config.context_length or int(
+            getattr(AutoConfig.from_pretrained(config.model_path), "max_position_embeddings", 4096))
+        self.parser = get_parser(config.tool_parser)
+        self.fleet = EngineFleet(config.engine_urls, FleetConfig(max_attempts=config.engine_attempts,
+                                                                 health_interval_s=config.health_interval_s))
+        self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model_path))
+        self.groups: dict[str, dict] = {}
+        self.sessions: dict[str, Session] = {}
+        self.by_key: dict[str, Session] = {}
+        self.policy_version = 0
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.inflight = 0
+        self.base_url = config.public_url or f"http://{config.host}:{config.port}"
+
+    # --- pause / resume ---------------------------------------------------------------------------------------
+    async def wait_resumed(self) -> None:
+        try:
+            await asyncio.wait_for(self.resumed.wait(), timeout=self.config.pause_wait_s)
+        except asyncio.TimeoutError as exc:
+            raise ApiError(503, f"weights are being updated; still paused after {self.config.pause_wait_s}s",
+                           "service_unavailable", code="paused") from exc
+
+    async def pause(self, drain_timeout_s: float) -> int:
+        """Hold new calls; wait up to ``drain_timeout_s`` for in-flight ones; return how many are still running."""
+        self.resumed.clear()
+        deadline = time.monotonic() + drain_timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.inflight
+
+    def resume(self, policy_version: int | None) -> None:
+        if policy_version is not None:
+            self.policy_version = policy_version
+        self.resumed.set()
+
+    # --- sessions ---------------------------------------------------------------------------------------------
+    def session_for_key(self, key: str | None) -> Session:
+        sess = self.by_key.get(key or "")
+        if sess is None:
+            raise ApiError(401, "unknown API key: start a session with POST /forge/sessions", "authentication_error",
+                           code="invalid_api_key")
+        if sess.ended:
+            raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", "invalid_request_error",
+                           code="session_ended")
+        return sess
+
+    def session_by_id(self, session_id: str) -> Session:
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            raise ApiError(404, f"unknown session {session_id!r}", code="session_not_found")
+        return sess
+
+    # --- one chat call ----------------------------------------------------------------------------------------
+    def prepare(self, sess: Session, req: ChatRequest) -> tuple[_Turn, bool, dict]:
+        text, prompt_ids, continues = self.renderer.prompt_ids(sess.last_turn, req.messages, req.tools)
+        room = self.context_length - len(prompt_ids)
+        if room < 1:
+            raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; the context length is {self.context_length}",
+                           param="messages", code="context_length_exceeded")
+        sampling = {**req.sampling, "max_new_tokens": min(req.sampling["max_new_tokens"], room)}
+        turn = _Turn(messages=req.messages, tools=req.tools, prompt_text=text, prompt_ids=prompt_ids,
+                     completion_ids=[], assistant_message={})
+        return turn, continues, sampling
+
+    async def generate(self, sess: Session, turn: _Turn, sampling: dict):
+        """Call an engine (failover inside the fleet); re-issue calls aborted by a weight update after resume."""
+        for _ in range(ABORT_RETRIES):
+            await self.wait_resumed()
+            try:
+                result = await self.fleet.generate(turn.prompt_ids, sampling, session_key=sess.session_id)
+            except (NoEngineAvailable, EngineRequestError) as exc:
+                raise _engine_error(exc) from exc
+            if result.finish_type != "abort":
+                return result
+            await asyncio.sleep(0.01)
+        raise ApiError(503, "the call was aborted by weight updates too many times", "service_unavailable",
+                       code="aborted")
+
+    def finish(self, sess: Session, turn: _Turn, continues: bool, result, started: float,
+               req: ChatRequest) -> tuple[dict, str]:
+        """Parse the completion, record the call, return (assistant message, OpenAI finish_reason)."""
+        text = self.renderer.completion_text(result.output_ids, result.finish_reason)
+        parsed = self.parser.parse(text) if req.tool_choice != "none" else get_parser("none").parse(text)
+        message = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        finish = "tool_calls" if parsed.tool_calls else ("length" if result.finish_type == "length" else "stop")
+        turn.completion_ids = list(result.output_ids)
+        turn.assistant_message = message
+        sess.record(turn, continues, CallRecord(
+            prompt_ids=turn.prompt_ids, completion_ids=turn.completion_ids, logprobs=list(result.logprobs),
+            policy_version=self.version_of(result), finish_reason=finish, engine_url=result.engine_url,
+            segment_index=-1, started_at=started, ended_at=time.time(), num_tool_calls=len(parsed.tool_calls),
+            num_malformed_tool_calls=parsed.num_malformed))
+        return message, finish
+
+    def version_of(self, result) -> int:
+        """The engine's weight_version when it is an integer (set by weight sync), else the gateway's version."""
+        try:
+            return int(result.weight_version)
+        except (TypeError, ValueError):
+            return self.policy_version
+
+    def usage(self, turn: _Turn) -> dict:
+        n_prompt, n_out = len(turn.prompt_ids), len(turn.completion_ids)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+# --- HTTP -----------------------------------------------------------------------------------------------------
+async def _body(request: web.Request) -> dict:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise ApiError(413, f"request body is larger than {request.app['gw'].config.max_body_bytes} bytes",
+                       param="body", code="body_too_large") from exc
+    try:
+        body = json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", param="body", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", param="body", code="invalid_json")
+    return body
+
+
+def _api(handler):
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request, request.app["gw"])
+        except ApiError as exc:
+            return exc.response()
+    return wrapped
+
+
+def _admin(handler):
+    async def wrapped(request: web.Request, gw: Gateway) -> web.StreamResponse:
+        token = gw.config.admin_token
+        if token:
+            got = request.headers.get("X-Forge-Admin-Token") or _bearer(request)
+            if got != token:
+                raise ApiError(401, "admin token missing or wrong (X-Forge-Admin-Token or Authorization: Bearer)",
+                               "authentication_error", code="invalid_admin_token")
+        return await handler(request, gw)
+    return _api(wrapped)
+
+
+def _bearer(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    return auth[7:].strip() if auth.startswith("Bearer ") else None
+
+
+def _completion_id() -> str:
+    return f"chatcmpl-{os.urandom(12).hex()}"
+
+
+@_api
+async def chat_completions(request: web.Request, gw: Gateway) -> web.StreamResponse:
+    sess = gw.session_for_key(request.match_info.get("key") or _bearer(request))
+    req = parse_chat_request(await _body(request), gw.config.default_max_tokens)
+    await gw.wait_resumed()
+    gw.inflight += 1
+    try:
+        async with sess.lock:
+            if sess.ended:
+                raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
+            turn, continues, sampling = gw.prepare(sess, req)
+            if req.stream:
+                return await _stream(request, gw, sess, req, turn, continues, sampling)
+            started = time.time()
+            result = await gw.generate(sess, turn, sampling)
+            message, finish = gw.finish(sess, turn, continues, result, started, req)
+    finally:
+        gw.inflight -= 1
+    return web.json_response({
+        "id": _completion_id(), "object": "chat.completion", "created": int(time.time()), "model": gw.model_name,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "usage": gw.usage(turn),
+    })
+
+
+def _emit_upto(text: str, holds: list[str]) -> int:
+    """How much of ``text`` is safe to stream: stop before a marker/stop string (or a partial one at the end)
+    and before a trailing incomplete UTF-8 character."""
+    end = len(text)
+    for h in holds:
+        at = text.find(h)
+        if at >= 0:
+            end = min(end, at)
+        for k in range(min(len(h) - 1, len(text)), 0, -1):
+            if text.endswith(h[:k]):
+                end = min(end, len(text) - k)
+                break
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    return end
+
+
+async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, turn: _Turn, continues: bool,
+                  sampling: dict) -> web.StreamResponse:
+    cid, created = _completion_id(), int(time.time())
+
+    def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
+        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": gw.model_name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        if usage is not None:
+            body["choices"], body["usage"] = [], usage
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    holds = [s for s in [gw.parser.start_marker if req.tool_choice != "none" else None, *sampling.get("stop", [])] if s]
+    started = time.time()
+    resp = None
+    sent = 0
+    result = None
+    try:
+        async for result in gw.fleet.generate_stream(turn.prompt_ids, sampling, session_key=sess.session_id):
+            if resp is None:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await resp.prepare(request)
+                await resp.write(chunk({"role": "assistant", "content": ""}))
+            text = gw.renderer.completion_text(result.output_ids, result.finish_reason)
+            upto = _emit_upto(text, holds)
+            if upto > sent:
+                await resp.write(chunk({"content": text[sent:upto]}))
+                sent = upto
+        if result is None or result.finish_type == "abort":
+            raise ApiError(503, "the call was aborted (weights update); retry", "service_unavailable", code="aborted")
+    except (NoEngineAvailable, EngineRequestError, ApiError) as exc:
+        err = exc if isinstance(exc, ApiError) else _engine_error(exc)
+        if resp is None:
+            raise err from exc
+        await resp.write(f"data: {json.dumps({'error': {'message': err.message, 'code': err.code}})}\n\n".encode())
+        await resp.write_eof()
+        return resp
+    message, finish = gw.finish(sess, turn, continues, result, started, req)
+    content = message["content"] or ""
+    if len(content) > sent:
+        await resp.write(chunk({"content": content[sent:]}))
+    if message.get("tool_calls"):
+        await resp.write(chunk({"tool_calls": [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]}))
+    await resp.write(chunk({}, finish))
+    if req.include_usage:
+        await resp.write(chunk({}, usage=gw.usage(turn)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def _engine_error(exc: Exception) -> ApiError:
+    if isinstance(exc, EngineRequestError):
+        return ApiError(400, f"the engine rejected the call: {exc}")
+    return ApiError(503, f"no engine could serve the call: {exc}", "service_unavailable", code="engine_unavailable")
+
+
+@_api
+async def list_models(request: web.Request, gw: Gateway) -> web.Response:
+    return web.json_response({"object": "list", "data": [
+        {"id": gw.model_name, "object": "model", "created": 0, "owned_by": "forge"}]})
+
+
+@_admin
+async def create_group(request: web.Request, gw: Gateway) -> web.Response:
+    body = await _body(request)
+    task_id, size, domain = body.get("task_id"), body.get("size"), body.get("domain", "default")
+    if not isinstance(task_id, str) or not task_id:
+        raise _bad("task_id", "task_id must be a non-empty string")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise _bad("size", f"size must be an integer >= 1, got {size!r}")
+    if not isinstance(domain, str):
+        raise _bad("domain", "domain must be a string")
+    metadata = body.get("metadata") or {}
+    try:
+        group_id = await asyncio.to_thread(gw.sink.register_group, task_id, size, domain, metadata)
+    except SchemaError as exc:
+        raise ApiError(400, str(exc), param="group") from exc
+    gw.groups[group_id] = {"task_id": task_id, "size": size, "domain": domain, "sessions": 0}
+    return web.json_response({"group_id": group_id})
+
+
+@_admin
+async def create_session(request: web.Request, gw: Gateway) -> web.Response:
+    body = await _body(request)
+    group = gw.groups.get(body.get("group_id"))
+    if group is None:
+        raise ApiError(404, f"unknown group_id {body.get('group_id')!r}: create it with POST /forge/groups",
+                       param="group_id", code="group_not_found")
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise _bad("metadata", "metadata must be an object")
+    sess = Session(group_id=body["group_id"], task_id=group["task_id"], domain=group["domain"], metadata=metadata)
+    await asyncio.to_thread(gw.sink.episode_started, sess.group_id, sess.session_id)
+    gw.sessions[sess.session_id] = sess
+    gw.by_key[sess.api_key] = sess
+    group["sessions"] += 1
+    return web.json_response({"session_id": sess.session_id, "api_key": sess.api_key,
+                              "base_url": f"{gw.base_url}/s/{sess.api_key}/v1"})
+
+
+@_admin
+async def get_session(request: web.Request, gw: Gateway) -> web.Response:
+    return web.json_response(gw.session_by_id(request.match_info["sid"]).summary())
+
+
+@_admin
+async def set_reward(request: web.Request, gw: Gateway) -> web.Response:
+    sess = gw.session_by_id(request.match_info["sid"])
+    if sess.ended:
+        raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
+    body = await _body(request)
+    reward, terms = body.get("reward"), body.get("terms") or {}
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+        raise _bad("reward", "reward must be a number")
+    if not isinstance(terms, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              for v in terms.values()):
+        raise _bad("terms", "terms must be an object of numbers")
+    if reward is not None:
+        sess.reward = float(reward)
+    sess.reward_terms.update({k: float(v) for k, v in terms.items()})
+    return web.json_response({"session_id": sess.session_id, "reward": sess.reward, "terms": sess.reward_terms})
+
+
+@_admin
+async def end_session(request: web.Request, gw: Gateway) -> web.Response:
+    sess = gw.session_by_id(request.match_info["sid"])
+    if sess.ended:
+        raise ApiError(404, f"session {sess.session_id} has already ended ({sess.status})", code="session_ended")
+    body = await _body(request)
+    status = body.get("status", "finished")
+    if status not in EPISODE_STATUSES:
+        raise _bad("status", f"status must be one of {EPISODE_STATUSES}, got {status!r}")
+    if status == "finished" and not sess.segments:
+        raise _bad("status", "the session made no calls; end it as failed or aborted")
+    async with sess.lock:
+        sess.status, sess.ended_at = status, time.time()
+    episode = sess.to_episode()
+    try:
+        await asyncio.to_thread(gw.sink.submit_episode, episode)
+    except SchemaError as exc:
+        raise ApiError(400, f"episode rejected: {exc}", param="episode") from exc
+    gw.fleet.forget(sess.session_id)
+    return web.json_response({"session_id": sess.session_id, "status": status,
+                              "num_segments": len(episode.segments), "num_calls": len(sess.calls)})
+
+
+@_admin
+async def admin_pause(request: web.Request, gw: Gateway) -> web.Response:
+    body = await _body(request)
+    drain = _number(body, "drain_timeout_s", 0.0, 0.0, 3600.0)
+    still = await gw.pause(float(drain))
+    return web.json_response({"paused": True, "inflight": still})
+
+
+@_admin
+async def admin_resume(request: web.Request, gw: Gateway) -> web.Response:
+    body = await _body(request)
+    version = _number(body, "policy_version", None, 0, 1 << 62, integer=True)
+    gw.resume(version)
+    return web.json_response({"paused": False, "policy_version": gw.policy_version})
+
+
+@_admin
+async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
+    return web.json_response({
+        "paused": not gw.resumed.is_set(), "policy_version": gw.policy_version, "inflight": gw.inflight,
+        "sessions_open": sum(not s.ended for s in gw.sessions.values()),
+        "sessions_ended": sum(s.ended for s in gw.sessions.values()),
+        "engines": [{"url": e.url, "up": e.up, "inflight": e.inflight, "served": e.served, "failures": e.failures}
+                    for e in gw.fleet.engines],
+    })
+
+
+def make_app(gw: Gateway) -> web.Application:
+    app = web.Application(client_max_size=gw.config.max_body_bytes)
+    app["gw"] = gw
+    for prefix in ("", "/s/{key}"):
+        app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
+        app.router.add_get(prefix + "/v1/models", list_models)
+    app.router.add_post("/forge/groups", create_group)
+    app.router.add_post("/forge/sessions", create_session)
+    app.router.add_get("/forge/sessions/{sid}", get_session)
+    app.router.add_post("/forge/sessions/{sid}/reward", set_reward)
+    app.router.add_post("/forge/sessions/{sid}/end", end_session)
+    app.router.add_post("/forge/admin/pause", admin_pause)
+    app.router.add_post("/forge/admin/resume", admin_resume)
+    app.router.add_get("/forge/admin/state", admin_state)
+    return app
+
+
+async def serve(gw: Gateway, ready=None) -> None:
+    """Serve until cancelled; ``ready(port)`` is called once listening (port 0 picks a free one)."""
+    runner = web.AppRunner(make_app(gw), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, gw.config.host, gw.config.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    if gw.config.public_url is None:
+        gw.base_url = f"http://{gw.config.host}:{port}"
+    gw.fleet.start_health_loop()
+    if ready is not None:
+        ready(port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await gw.fleet.close()
+        await runner.cleanup()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="forge-gateway",
+        description="OpenAI-compatible gateway that records agent calls as training episodes. Example: "
+                    "forge-gateway --model-path /tmp/tiny --engines http://127.0.0.1:30000 --port 8000",
+    )
+    p.add_argument("--model-path", required=True, help="local HF directory with the tokenizer and chat template")
+    p.add_argument("--engines", required=True, help="comma-separated SGLang/forge-engine URLs")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others need --admin-token)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one; printed as FORGE_READY)")
+    p.add_argument("--public-url", default=None, help="base URL handed to agents (default http://host:port)")
+    p.add_argument("--admin-token", default=os.environ.get("FORGE_ADMIN_TOKEN"),
+                   help="token for /forge/* (env FORGE_ADMIN_TOKEN); required beyond loopback")
+    p.add_argument("--tool-parser", default="hermes", help="tool-call parser: hermes|qwen|none or a registered one")
+    p.add_argument("--context-length", type=int, default=None, help="max prompt tokens + new tokens")
+    p.add_argument("--default-max-tokens", type=int, default=1024)
+    p.add_argument("--pause-wait-s", type=float, default=120.0, help="how long calls wait while paused")
+    p.add_argument("--episodes-jsonl", default=None,
+                   help="append finished episodes to this JSONL file (default: keep them in memory)")
+    return p
+
+
+class JsonlSink(ListSink):
+    """ListSink that also appends each episode as one JSON line (standalone runs without a data pool)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def submit_episode(self, episode) -> None:
+        super().submit_episode(episode)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(episode.to_dict()) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-gateway %(message)s")
+    config = GatewayConfig(
+        model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u], host=args.host,
+        port=args.port, public_url=args.public_url, admin_token=args.admin_token, tool_parser=args.tool_parser,
+        context_length=args.context_length, default_max_tokens=args.default_max_tokens, pause_wait_s=args.pause_wait_s)
+    sink = JsonlSink(args.episodes_jsonl) if args.episodes_jsonl else ListSink()
+    gw = Gateway(config, sink=sink)
+    asyncio.run(serve(gw, ready=lambda port: print(f"FORGE_READY port={port}", flush=True)))
+
+
+if __name__ == "__main__":
+    main()

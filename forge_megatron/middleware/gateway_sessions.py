@@ -1,0 +1,198 @@
+"""Gateway sessions: chat rendering to token ids, per-call records, and the segment rule (token-in/token-out).
+
+The gateway renders the chat template itself and sends token ids to the engine, so the trained tokens are exactly the
+sampled tokens. Each session is one episode. For call k with prompt ids p_k and sampled completion ids c_k:
+
+  if p_k starts with p_{k-1} + c_{k-1}:  the current segment grows by the new prompt tokens (loss_mask 0,
+                                          logprob 0, policy_version -1) and then c_k (loss_mask 1, its logprobs/version)
+  else:                                   a new segment of the same episode starts with p_k + c_k
+
+*Token fidelity.* The agent sends the whole history back as text, and re-tokenising the assistant turn it got
+from us can give other ids than the ones sampled (BPE merges across token boundaries, tool calls re-serialised
+from parsed JSON, stop strings trimmed). So the previous turn is never re-tokenised: if the new rendering starts with
+the rendering of (previous messages + the assistant message we returned), the new prompt ids are
+
+  p_{k-1} + c_{k-1} + ids(rendered text after that assistant turn)
+
+where the text after the turn starts right after the end-of-turn marker (``eos_token``, e.g. ``<|im_end|>``) when the
+sampled ids already end with it, and at the marker otherwise (then the template's marker is a prompt token). The
+boundary is always at a special token, so tokenising the remainder alone equals tokenising it in context. Only a
+history that renders differently (the agent rewrote or compressed it, or changed the tools) is tokenised afresh,
+and that is exactly the "new segment" case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from forge_megatron.middleware.schema import Episode, Segment
+
+
+@dataclass
+class CallRecord:
+    """One /v1/chat/completions call as the trainer needs it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    finish_reason: str
+    engine_url: str
+    segment_index: int
+    started_at: float
+    ended_at: float
+    num_tool_calls: int = 0
+    num_malformed_tool_calls: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Turn:
+    """What is needed to recognise the next call as a continuation of this one."""
+
+    messages: list[dict]
+    tools: list | None
+    prompt_text: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    assistant_message: dict
+
+
+class SegmentBuilder:
+    """Accumulates the per-token fields of one segment."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    def add_prompt(self, ids: list[int]) -> None:
+        self._add(ids, 0, [0.0] * len(ids), -1)
+
+    def add_completion(self, ids: list[int], logprobs: list[float], version: int) -> None:
+        self._add(ids, 1, logprobs, version)
+
+    def _add(self, ids: list[int], mask: int, logprobs: list[float], version: int) -> None:
+        if len(logprobs) != len(ids):
+            raise ValueError(f"{len(ids)} tokens but {len(logprobs)} logprobs")
+        self.tokens += ids
+        self.loss_mask += [mask] * len(ids)
+        self.logprobs += list(logprobs)
+        self.versions += [version] * len(ids)
+
+    def to_segment(self) -> Segment:
+        return Segment(tokens=list(self.tokens), loss_mask=list(self.loss_mask),
+                       rollout_logprobs=list(self.logprobs), policy_versions=list(self.versions))
+
+
+class ChatRenderer:
+    """Chat template + tokenizer of the served model (a local HF directory)."""
+
+    def __init__(self, tokenizer):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat_template")
+        if tokenizer.eos_token is None:
+            raise ValueError("the tokenizer has no eos_token (needed as the end-of-turn marker)")
+        self.tok = tokenizer
+        self.eot = tokenizer.eos_token
+        self.eot_ids = {tokenizer.eos_token_id}
+
+    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                            tokenize=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, prev: _Turn | None, messages: list[dict], tools: list | None) -> tuple[str, list[int], bool]:
+        """Render ``messages``; return (text, prompt ids, continues_previous) following the module rule."""
+        text = self.render(messages, tools, add_generation_prompt=True)
+        spliced = self._continuation(prev, text, tools) if prev is not None else None
+        if spliced is not None:
+            return text, spliced, True
+        return text, self.encode(text), False
+
+    def _continuation(self, prev: _Turn, text: str, tools: list | None) -> list[int] | None:
+        if (tools or None) != (prev.tools or None):
+            return None
+        with_answer = self.render(prev.messages + [prev.assistant_message], prev.tools, add_generation_prompt=False)
+        if not with_answer.startswith(prev.prompt_text) or not text.startswith(with_answer):
+            return None
+        answer = with_answer[len(prev.prompt_text):]
+        cut = answer.rfind(self.eot)
+        if cut < 0:
+            return None
+        ends_turn = bool(prev.completion_ids) and prev.completion_ids[-1] in self.eot_ids
+        tail = answer[cut + len(self.eot):] if ends_turn else answer[cut:]
+        return prev.prompt_ids + prev.completion_ids + self.encode(tail + text[len(with_answer):])
+
+    def completion_text(self, ids: list[int], finish: dict) -> str:
+        """Visible text of a completion: without a matched stop token, cut before a matched stop string."""
+        matched = (finish or {}).get("matched")
+        if isinstance(matched, int) and ids and ids[-1] == matched:
+            ids = ids[:-1]
+        text = self.tok.decode(ids, skip_special_tokens=False)
+        if isinstance(matched, str) and matched in text:
+            text = text[: text.index(matched)]
+        return text
+
+
+@dataclass
+class Session:
+    """One episode served through the gateway."""
+
+    group_id: str
+    task_id: str
+    domain: str
+    metadata: dict = field(default_factory=dict)
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    api_key: str = field(default_factory=lambda: "forge-" + secrets.token_urlsafe(24))
+    started_at: float = field(default_factory=time.time)
+    calls: list[CallRecord] = field(default_factory=list)
+    segments: list[SegmentBuilder] = field(default_factory=list)
+    last_turn: _Turn | None = None
+    reward: float | None = None
+    reward_terms: dict = field(default_factory=dict)
+    status: str | None = None  # set when ended
+    ended_at: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # one call at a time per session
+
+    @property
+    def ended(self) -> bool:
+        return self.status is not None
+
+    def record(self, turn: _Turn, continues: bool, call: CallRecord) -> None:
+        """Append call ``call`` (whose prompt is ``turn.prompt_ids``) to the current or a new segment."""
+        if continues and self.segments:
+            seg = self.segments[-1]
+            seg.add_prompt(turn.prompt_ids[len(seg.tokens):])
+        else:
+            seg = SegmentBuilder()
+            self.segments.append(seg)
+            seg.add_prompt(turn.prompt_ids)
+        seg.add_completion(call.completion_ids, call.logprobs, call.policy_version)
+        call.segment_index = len(self.segments) - 1
+        self.calls.append(call)
+        self.last_turn = turn
+
+    def to_episode(self) -> Episode:
+        return Episode(
+            episode_id=self.session_id, group_id=self.group_id, task_id=self.task_id,
+            segments=[s.to_segment() for s in self.segments], status=self.status or "aborted", domain=self.domain,
+            reward=self.reward, reward_terms=dict(self.reward_terms), started_at=self.started_at,
+            ended_at=self.ended_at, num_tool_calls=sum(c.num_tool_calls for c in self.calls),
+            num_malformed_tool_calls=sum(c.num_malformed_tool_calls for c in self.calls),
+            metadata={**self.metadata, "num_calls": len(self.calls)},
+        )
+
+    def summary(self) -> dict:
+        return {"session_id": self.session_id, "group_id": self.group_id, "status": self.status,
+                "reward": self.reward, "num_segments": len(self.segments),
+                "calls": [c.to_dict() for c in self.calls]}

@@ -1,0 +1,95 @@
+"""Tool-call parsers: completion text -> (content, OpenAI tool calls), pluggable by name.
+
+Black-box agents speak the OpenAI schema, models speak their chat format. A parser turns the text a model generated
+into ``content`` plus ``tool_calls`` [{id, type: "function", function: {name, arguments: <JSON string>}}], and counts
+malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
+
+``hermes`` (alias ``qwen``): each call is ``<tool_call>{"name": str, "arguments": object}</tool_call>``, as in
+Hermes-2-Pro and the Qwen2.5/Qwen3 chat templates. A block that is not such JSON, or an unclosed ``<tool_call>``, is
+malformed: it is counted and its text stays in ``content`` so the agent sees what the model wrote.
+Register others with :func:`register_parser`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ParsedCompletion:
+    content: str | None
+    tool_calls: list[dict] = field(default_factory=list)
+    num_malformed: int = 0
+
+
+class ToolParser:
+    """Base: no tool calls; ``start_marker`` is where streaming must stop emitting content (None: never)."""
+
+    name = "none"
+    start_marker: str | None = None
+
+    def parse(self, text: str) -> ParsedCompletion:
+        return ParsedCompletion(content=text)
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    start_marker = "<tool_call>"
+    end_marker = "</tool_call>"
+
+    def parse(self, text: str) -> ParsedCompletion:
+        pattern = re.compile(re.escape(self.start_marker) + r"(.*?)" + re.escape(self.end_marker), re.DOTALL)
+        calls, kept, malformed, pos = [], [], 0, 0
+        for m in pattern.finditer(text):
+            kept.append(text[pos:m.start()])
+            call = _call_from_json(m.group(1))
+            if call is None:
+                malformed += 1
+                kept.append(m.group(0))
+            else:
+                calls.append(call)
+            pos = m.end()
+        rest = text[pos:]
+        if self.start_marker in rest:  # opened but never closed (e.g. cut by max_tokens)
+            malformed += 1
+        kept.append(rest)
+        content = "".join(kept)
+        if calls:
+            content = content.strip() or None
+        return ParsedCompletion(content=content, tool_calls=calls, num_malformed=malformed)
+
+
+def _call_from_json(body: str) -> dict | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+_PARSERS: dict[str, type[ToolParser]] = {"none": ToolParser, "hermes": HermesToolParser, "qwen": HermesToolParser}
+
+
+def register_parser(name: str, cls: type[ToolParser]) -> None:
+    """Make ``cls`` available as ``--tool-parser name``."""
+    _PARSERS[name] = cls
+
+
+def get_parser(name: str) -> ToolParser:
+    if name not in _PARSERS:
+        raise ValueError(f"unknown tool parser {name!r}; available: {sorted(_PARSERS)}")
+    return _PARSERS[name]()

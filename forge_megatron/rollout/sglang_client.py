@@ -1,0 +1,349 @@
+"""Async client for SGLang's native HTTP API, and a fleet of engines with routing, stickiness and failover.
+
+Field names follow SGLang (python/sglang/srt/managers/io_struct.py, entrypoints/http_server.py):
+``/generate`` takes ``input_ids``, ``sampling_params`` {temperature, top_p, top_k, max_new_tokens, stop,
+stop_token_ids, ...}, ``return_logprob``, ``stream``, ``rid``; it answers ``output_ids``, ``text`` and ``meta_info``
+{finish_reason {type: stop|length|abort, matched}, prompt_tokens, completion_tokens, output_token_logprobs
+[[logprob, token_id, text], ...], weight_version}. Control routes: ``/health``, ``/get_model_info``,
+``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` {mode}, ``/continue_generation``,
+``/update_weights_from_disk`` {model_path, weight_version, flush_cache, abort_all_requests},
+``/init_weights_update_group`` {master_address, master_port, rank_offset, world_size, group_name, backend},
+``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache, weight_version}.
+
+The fleet routes each call to the least-loaded live engine, but keeps a session on the engine it used before
+(its prefix cache holds the session's history). An engine that fails a call (connection refused/reset, timeout,
+5xx) is marked down and the call is retried on another engine; a health loop marks engines back up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    """The engine failed (unreachable, died, timed out, or answered 5xx): retry elsewhere."""
+
+
+class EngineRequestError(ValueError):
+    """The engine rejected the request (4xx): retrying elsewhere will not help."""
+
+
+class NoEngineAvailable(RuntimeError):
+    """Every engine is down or failed this call."""
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: dict
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str | None
+    text: str
+    engine_url: str = ""
+
+    @property
+    def finish_type(self) -> str:
+        return (self.finish_reason or {}).get("type", "")
+
+    @classmethod
+    def from_response(cls, body: dict, engine_url: str) -> "GenerateResult":
+        meta = body.get("meta_info") or {}
+        triples = meta.get("output_token_logprobs") or []
+        ids = body.get("output_ids")
+        if ids is None:  # older SGLang: ids only inside the logprob triples
+            ids = [t[1] for t in triples]
+        return cls(
+            output_ids=list(ids),
+            logprobs=[float(t[0]) for t in triples],
+            finish_reason=meta.get("finish_reason") or {},
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", len(ids))),
+            weight_version=meta.get("weight_version"),
+            text=body.get("text", ""),
+            engine_url=engine_url,
+        )
+
+
+class SGLangClient:
+    """One engine. Methods are coroutines; the aiohttp session is created on first use inside the running loop."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _call(self, method: str, route: str, body: dict | None = None, timeout_s: float | None = None):
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
+        try:
+            async with self._http().request(method, self.url + route, json=body, timeout=timeout) as resp:
+                text = await resp.text()
+                _raise_for_status(resp.status, text, self.url + route)
+                return json.loads(text) if text.strip().startswith(("{", "[")) else text
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise EngineError(f"{self.url}{route} failed: {type(exc).__name__}: {exc}") from exc
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
+                       rid: str | None = None) -> GenerateResult:
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        if rid:
+            body["rid"] = rid
+        return GenerateResult.from_response(await self._call("POST", "/generate", body), self.url)
+
+    async def generate_stream(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
+                              rid: str | None = None) -> AsyncIterator[GenerateResult]:
+        """Yield the cumulative result after each chunk SGLang streams (``stream: true``, SSE ``data:`` lines)."""
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob,
+                "stream": True}
+        if rid:
+            body["rid"] = rid
+        try:
+            async with self._http().post(self.url + "/generate", json=body) as resp:
+                if resp.status != 200:
+                    _raise_for_status(resp.status, await resp.text(), self.url + "/generate")
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    yield GenerateResult.from_response(json.loads(line[5:]), self.url)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise EngineError(f"{self.url}/generate stream failed: {type(exc).__name__}: {exc}") from exc
+
+    async def health(self, timeout_s: float = 2.0) -> bool:
+        try:
+            await self._call("GET", "/health", timeout_s=timeout_s)
+            return True
+        except (EngineError, EngineRequestError):
+            return False
+
+    async def get_model_info(self) -> dict:
+        return await self._call("GET", "/get_model_info")
+
+    async def get_weight_version(self) -> str:
+        return (await self._call("GET", "/get_weight_version"))["weight_version"]
+
+    async def flush_cache(self) -> None:
+        await self._call("POST", "/flush_cache")
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        return await self._call("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict:
+        return await self._call("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
+        return _checked(await self._call("POST", "/update_weights_from_disk", {
+            "model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests}))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "gloo") -> dict:
+        return _checked(await self._call("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              weight_version: str | None = None) -> dict:
+        return _checked(await self._call("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": weight_version}))
+
+
+def _raise_for_status(status: int, text: str, where: str) -> None:
+    if status < 400:
+        return
+    try:
+        body = json.loads(text)
+        msg = (body.get("error") or {}).get("message") or body.get("message") or text
+    except (json.JSONDecodeError, AttributeError):
+        msg = text
+    if status >= 500:
+        raise EngineError(f"{where} answered {status}: {msg}")
+    raise EngineRequestError(f"{where} answered {status}: {msg}")
+
+
+def _checked(body: dict) -> dict:
+    if isinstance(body, dict) and body.get("success") is False:
+        raise EngineRequestError(body.get("message", "engine reported failure"))
+    return body
+
+
+@dataclass
+class EngineState:
+    client: SGLangClient
+    up: bool = True
+    inflight: int = 0
+    served: int = 0
+    failures: int = 0
+    down_since: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+
+@dataclass
+class FleetConfig:
+    """Routing and failover knobs."""
+
+    max_attempts: int = 3  # engines tried per call before NoEngineAvailable
+    health_interval_s: float = 2.0  # how often down engines are probed
+    max_sticky_sessions: int = 100_000  # LRU bound on the session -> engine map
+    timeout_s: float = 600.0  # per /generate call
+
+    def __post_init__(self):
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.health_interval_s <= 0:
+            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+
+
+class EngineFleet:
+    """Engines behind one interface: ``generate`` picks, calls, fails over; control calls go to every live engine."""
+
+    def __init__(self, urls: list[str], config: FleetConfig | None = None):
+        if not urls:
+            raise ValueError("EngineFleet needs at least one engine url")
+        self.config = config or FleetConfig()
+        self.engines = [EngineState(SGLangClient(u, self.config.timeout_s)) for u in urls]
+        self.sticky: OrderedDict[str, EngineState] = OrderedDict()
+        self._health_task: asyncio.Task | None = None
+
+    # --- routing ----------------------------------------------------------------------------------------------
+    def pick(self, session_key: str | None = None, exclude: set[str] = frozenset()) -> EngineState:
+        """The session's engine if it is live, else the live engine with the fewest in-flight calls."""
+        eng = self.sticky.get(session_key) if session_key else None
+        if eng is None or not eng.up or eng.url in exclude:
+            live = [e for e in self.engines if e.up and e.url not in exclude]
+            if not live:
+                raise NoEngineAvailable(f"no live engine (down: {[e.url for e in self.engines if not e.up]})")
+            eng = min(live, key=lambda e: (e.inflight, e.served))
+        if session_key:
+            self.sticky[session_key] = eng
+            self.sticky.move_to_end(session_key)
+            while len(self.sticky) > self.config.max_sticky_sessions:
+                self.sticky.popitem(last=False)
+        return eng
+
+    def forget(self, session_key: str) -> None:
+        self.sticky.pop(session_key, None)
+
+    def mark_down(self, url: str) -> None:
+        for e in self.engines:
+            if e.url == url and e.up:
+                e.up, e.down_since = False, time.time()
+                e.failures += 1
+
+    def mark_up(self, url: str) -> None:
+        for e in self.engines:
+            if e.url == url:
+                e.up = True
+
+    @property
+    def live_urls(self) -> list[str]:
+        return [e.url for e in self.engines if e.up]
+
+    # --- generation with failover -----------------------------------------------------------------------------
+    async def generate(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
+                       return_logprob: bool = True) -> GenerateResult:
+        tried: set[str] = set()
+        errors = []
+        for _ in range(self.config.max_attempts):
+            try:
+                eng = self.pick(session_key, exclude=tried)
+            except NoEngineAvailable:
+                break
+            tried.add(eng.url)
+            eng.inflight += 1
+            try:
+                result = await eng.client.generate(input_ids, sampling_params, return_logprob)
+                eng.served += 1
+                return result
+            except EngineError as exc:
+                errors.append(str(exc))
+                self.mark_down(eng.url)
+            finally:
+                eng.inflight -= 1
+        raise NoEngineAvailable(f"generate failed on every engine tried: {errors or 'no live engine'}")
+
+    async def generate_stream(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
+                              return_logprob: bool = True) -> AsyncIterator[GenerateResult]:
+        """Stream from one engine; fail over only while nothing has been yielded yet."""
+        tried: set[str] = set()
+        errors = []
+        for _ in range(self.config.max_attempts):
+            try:
+                eng = self.pick(session_key, exclude=tried)
+            except NoEngineAvailable:
+                break
+            tried.add(eng.url)
+            eng.inflight += 1
+            yielded = False
+            try:
+                async for partial in eng.client.generate_stream(input_ids, sampling_params, return_logprob):
+                    yielded = True
+                    yield partial
+                eng.served += 1
+                return
+            except EngineError as exc:
+                errors.append(str(exc))
+                self.mark_down(eng.url)
+                if yielded:
+                    raise
+            finally:
+                eng.inflight -= 1
+        raise NoEngineAvailable(f"generate failed on every engine tried: {errors or 'no live engine'}")
+
+    # --- health and control -----------------------------------------------------------------------------------
+    async def check_health(self) -> list[str]:
+        """Probe every engine, mark it up or down; return the live urls."""
+        oks = await asyncio.gather(*(e.client.health() for e in self.engines))
+        for e, ok in zip(self.engines, oks):
+            if ok:
+                e.up = True
+            elif e.up:
+                self.mark_down(e.url)
+        return self.live_urls
+
+    def start_health_loop(self) -> None:
+        if self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.check_health()
+
+    async def broadcast(self, method: str, *args, **kwargs) -> dict[str, object]:
+        """Call ``SGLangClient.<method>`` on every live engine concurrently; return {url: result or exception}."""
+        live = [e for e in self.engines if e.up]
+        results = await asyncio.gather(*(getattr(e.client, method)(*args, **kwargs) for e in live),
+                                       return_exceptions=True)
+        return {e.url: r for e, r in zip(live, results)}
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+        await asyncio.gather(*(e.client.close() for e in self.engines))
+
