@@ -159,7 +159,15 @@ def _check_sample_weight(sample_weight_S: torch.Tensor, num_samples: int) -> Non
         raise ValueError("sample_weight_S must be finite and >= 0")
 
 
-def _token_loss(logp_M, old_logp_M, adv_M, mask_M, sample_M, num_samples, cfg):
+def _token_loss(
+    logp_M: torch.Tensor,
+    old_logp_M: torch.Tensor,
+    adv_M: torch.Tensor,
+    mask_M: torch.Tensor,
+    sample_M: torch.Tensor,
+    num_samples: int,
+    cfg: LossConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss and the ratio used for clipping metrics (no grad)."""
     c = cfg.log_ratio_clamp
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
@@ -186,7 +194,14 @@ def _kl(logp_M: torch.Tensor, ref_logp_M: torch.Tensor, kl_type: str) -> torch.T
     return torch.exp(delta_M) - delta_M - 1.0
 
 
-def _reduce(x_M, w_M, mask_M, sample_M, sample_weight_S, cfg) -> torch.Tensor:
+def _reduce(
+    x_M: torch.Tensor,
+    w_M: torch.Tensor,
+    mask_M: torch.Tensor,
+    sample_M: torch.Tensor,
+    sample_weight_S: torch.Tensor,
+    cfg: LossConfig,
+) -> torch.Tensor:
     """Apply mask, sample weights and the configured normaliser. ``w_M`` = sample weight per token."""
     if cfg.norm == "token_mean":
         denom = mask_M.sum()
@@ -208,7 +223,13 @@ def _masked_mean(x_M: torch.Tensor, mask_M: torch.Tensor) -> float:
     return float((x_M * mask_M).sum() / mask_M.sum().clamp(min=1.0))
 
 
-def _domain_metrics(per_token, mask_M, sample_M, domain_ids_S, domain_names) -> dict[str, float]:
+def _domain_metrics(
+    per_token: dict[str, torch.Tensor],
+    mask_M: torch.Tensor,
+    sample_M: torch.Tensor,
+    domain_ids_S: torch.Tensor,
+    domain_names: list[str],
+) -> dict[str, float]:
     """Masked token means of each per-token quantity, per domain: ``"<domain>/<name>"``."""
     domain_M = domain_ids_S.to(sample_M.device)[sample_M]
     out: dict[str, float] = {}
@@ -222,7 +243,7 @@ def _domain_metrics(per_token, mask_M, sample_M, domain_ids_S, domain_names) -> 
     return out
 
 
-def _check_domains(domain_ids_S, domain_names, num_samples) -> list[str]:
+def _check_domains(domain_ids_S: torch.Tensor, domain_names: list[str] | None, num_samples: int) -> list[str]:
     if domain_ids_S.shape != (num_samples,) or domain_ids_S.dtype.is_floating_point:
         raise ValueError(f"domain_ids_S must be an integer tensor of shape ({num_samples},)")
     if (domain_ids_S < 0).any():

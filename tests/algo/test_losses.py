@@ -4,11 +4,16 @@ Legend: M = next-token positions of all samples concatenated, S = samples, T = t
 """
 
 import math
+import re
 
 import pytest
 import torch
 
 from forge_megatron.algo import LossConfig, policy_loss
+
+
+def _exact(message):
+    return f"^{re.escape(message)}$"
 
 
 def _t(*xs, requires_grad=False):
@@ -322,7 +327,7 @@ def test_tree_packed_equals_unmerged(loss_type):
     ],
 )
 def test_config_errors(kwargs, message):
-    with pytest.raises(ValueError, match=f"^{__import__('re').escape(message)}$"):
+    with pytest.raises(ValueError, match=_exact(message)):
         LossConfig(**kwargs)
 
 
@@ -354,12 +359,20 @@ def _good():
         ({}, dict(domain_ids_S=torch.tensor([0, 2]), domain_names=["a", "b"]),
          "domain_ids_S must lie in [0, 2) to index domain_names"),
         ({}, dict(domain_ids_S=torch.tensor([0.0, 1.0])), "domain_ids_S must be an integer tensor of shape (2,)"),
+        ({}, dict(domain_ids_S=torch.tensor([0, -1])), "domain_ids_S must be >= 0"),
     ],
 )
 def test_bad_inputs(change, kw, message):
     args = {**_good(), **change}
-    with pytest.raises(ValueError, match=f"^{__import__('re').escape(message)}$"):
+    with pytest.raises(ValueError, match=_exact(message)):
         _loss(args["logp_M"], args["old_M"], args["adv_M"], args["mask_M"], args["cu"], LossConfig(), **kw)
+
+
+def test_seq_mean_with_all_zero_sample_weights():
+    g = _good()
+    with pytest.raises(ValueError, match=_exact("sample_weight_S sums to 0: seq_mean normaliser is 0")):
+        _loss(g["logp_M"], g["old_M"], g["adv_M"], g["mask_M"], g["cu"], LossConfig(norm="seq_mean"),
+              sample_weight_S=torch.zeros(2))
 
 
 @pytest.mark.parametrize(
@@ -372,5 +385,5 @@ def test_bad_inputs(change, kw, message):
 )
 def test_missing_optional_inputs(cfg, message):
     g = _good()
-    with pytest.raises(ValueError, match=f"^{message}$"):
+    with pytest.raises(ValueError, match=_exact(message)):
         _loss(g["logp_M"], g["old_M"], g["adv_M"], g["mask_M"], g["cu"], cfg)
