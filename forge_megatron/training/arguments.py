@@ -1,0 +1,297 @@
+"""Command line of ``scripts/train_forge.py``: Megatron's flags plus forge's own, in one parser.
+
+Megatron-LM programs take ``megatron.training.arguments.parse_args(extra_args_provider=...)``; forge plugs in the
+same way (:func:`add_forge_args` is the ``extra_args_provider``). The megatron-core wheel does not ship
+``megatron.training``, so when it is not importable :func:`parse_args` builds a parser that mirrors the Megatron flags
+forge supports with Megatron's exact names and defaults (:func:`add_megatron_args`). Either way a launch script written
+for one works with the other.
+
+Forge flags live in their own argument group; their names never collide with a Megatron-LM flag (tested against the
+option list of Megatron-LM's parser). Model architecture flags are kept as arrays in ``scripts/models/<model>.sh``.
+
+Value syntax of the mapping flags: ``--reward-weights malformed_tool_calls=-0.1,language_mixing=-0.5`` and
+``--domain-ratios math=0.7,qa=0.3`` (``name=float`` pairs separated by commas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+
+from forge_megatron.algo.losses import LOSS_TYPES, NORMS, RECOMMENDED_EPS
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+OLD_LOGPROBS = ("rollout", "recompute")
+SYNC_TRANSPORTS = ("distributed", "disk", "none")
+
+
+def name_float_pairs(text: str) -> dict[str, float]:
+    """Parse ``a=1.0,b=-0.5`` into ``{"a": 1.0, "b": -0.5}``; a clear error names the bad item."""
+    out: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"expected name=value pairs separated by commas, got {item!r}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"value of {name.strip()!r} is not a number: {value!r}") from None
+        if not math.isfinite(number):
+            raise argparse.ArgumentTypeError(f"value of {name.strip()!r} must be finite, got {value!r}")
+        out[name.strip()] = number
+    return out
+
+
+def _url_list(text: str) -> list[str]:
+    return [u.strip() for u in text.split(",") if u.strip()]
+
+
+def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The subset of Megatron-LM's flags forge uses, with Megatron-LM's names and defaults."""
+    par = parser.add_argument_group("distributed (Megatron)")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--expert-model-parallel-size", type=int, default=1)
+    par.add_argument("--context-parallel-size", type=int, default=1)
+    par.add_argument("--use-distributed-optimizer", action="store_true")
+
+    net = parser.add_argument_group("network size (Megatron)")
+    net.add_argument("--num-layers", type=int, default=None)
+    net.add_argument("--hidden-size", type=int, default=None)
+    net.add_argument("--ffn-hidden-size", type=int, default=None)
+    net.add_argument("--num-attention-heads", type=int, default=None)
+    net.add_argument("--kv-channels", type=int, default=None)
+    net.add_argument("--group-query-attention", action="store_true")
+    net.add_argument("--num-query-groups", type=int, default=1)
+    net.add_argument("--seq-length", type=int, default=None)
+    net.add_argument("--max-position-embeddings", type=int, default=None)
+    net.add_argument("--vocab-size", type=int, default=None)
+    net.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    net.add_argument("--norm-epsilon", type=float, default=1e-5)
+    net.add_argument("--swiglu", action="store_true")
+    net.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    net.add_argument("--position-embedding-type", default="learned_absolute",
+                     choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"])
+    net.add_argument("--rotary-base", type=int, default=10000)
+    net.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    net.add_argument("--add-qkv-bias", action="store_true")
+    net.add_argument("--qk-layernorm", action="store_true")
+    net.add_argument("--init-method-std", type=float, default=0.02)
+    net.add_argument("--num-experts", type=int, default=None)
+    net.add_argument("--moe-router-topk", type=int, default=2)
+    net.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    net.add_argument("--bf16", action="store_true")
+
+    train = parser.add_argument_group("training (Megatron)")
+    train.add_argument("--micro-batch-size", type=int, default=None)
+    train.add_argument("--global-batch-size", type=int, default=None)
+    train.add_argument("--train-iters", type=int, default=None)
+    train.add_argument("--lr", type=float, default=None)
+    train.add_argument("--min-lr", type=float, default=0.0)
+    train.add_argument("--lr-decay-style", default="linear",
+                       choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    train.add_argument("--lr-warmup-iters", type=int, default=0)
+    train.add_argument("--weight-decay", type=float, default=0.01)
+    train.add_argument("--clip-grad", type=float, default=1.0)
+    train.add_argument("--adam-beta1", type=float, default=0.9)
+    train.add_argument("--adam-beta2", type=float, default=0.999)
+    train.add_argument("--adam-eps", type=float, default=1e-08)
+    train.add_argument("--seed", type=int, default=1234)
+
+    io = parser.add_argument_group("checkpointing and logging (Megatron)")
+    io.add_argument("--save", default=None)
+    io.add_argument("--load", default=None)
+    io.add_argument("--save-interval", type=int, default=None)
+    io.add_argument("--log-interval", type=int, default=100)
+    io.add_argument("--tensorboard-dir", default=None)
+    io.add_argument("--wandb-project", default=None)
+    io.add_argument("--wandb-exp-name", default="")
+    io.add_argument("--tokenizer-model", default=None)
+    return parser
+
+
+def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: forge's RL flags in their own group. Returns ``parser``."""
+    g = parser.add_argument_group("forge (agent RL)")
+    g.add_argument("--hf-checkpoint", default=None,
+                   help="HF model directory: tokenizer, architecture and initial weights (also what engines load)")
+    g.add_argument("--pool-addr", default="tcp://127.0.0.1:5555", help="ZeroMQ address of the data pool")
+    g.add_argument("--gateway-url", default=None, help="forge-gateway base URL (paused/resumed around weight sync)")
+    g.add_argument("--engine-urls", type=_url_list, default=[],
+                   help="comma-separated SGLang / forge-engine URLs that receive weight updates")
+    g.add_argument("--rl-loss", default="cispo", choices=LOSS_TYPES, help="policy loss (default cispo)")
+    g.add_argument("--rl-eps-low", type=float, default=None,
+                   help="lower clip epsilon (default: the loss's recommended value, CISPO: off)")
+    g.add_argument("--rl-eps-high", type=float, default=None,
+                   help="upper clip epsilon (default: the loss's recommended value, CISPO: 0.28)")
+    g.add_argument("--rl-loss-norm", default="token_mean", choices=NORMS, help="loss normalisation")
+    g.add_argument("--rl-kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0: off)")
+    g.add_argument("--rl-entropy-coef", type=float, default=0.0, help="entropy bonus coefficient (0: off)")
+    g.add_argument("--rl-tis-cap", type=float, default=None,
+                   help="truncated importance weight cap on exp(old - rollout logprob) (default off)")
+    g.add_argument("--old-logprobs", default="rollout", choices=OLD_LOGPROBS,
+                   help="'rollout': the engines' recorded logprobs are pi_old (fully async); 'recompute': a "
+                        "no-grad forward of the current weights before the update gives pi_old")
+    g.add_argument("--advantage-estimator", default="grpo", choices=ADVANTAGE_ESTIMATORS,
+                   help="group baseline: grpo (mean) or rloo (leave-one-out)")
+    g.add_argument("--reward-weights", type=name_float_pairs, default={},
+                   help="process reward weights, e.g. malformed_tool_calls=-0.1,language_mixing=-0.5")
+    g.add_argument("--completion-time-bound", type=float, default=0.0,
+                   help="largest completion-time bonus for fast successful episodes (0: off)")
+    g.add_argument("--window-fraction", type=float, default=0.3,
+                   help="windowed FIFO: W = ceil(fraction * rollout batch groups)")
+    g.add_argument("--rollout-batch-groups", type=int, default=16,
+                   help="N: groups the rollout side generates per policy version")
+    g.add_argument("--train-batch-groups", type=int, default=None,
+                   help="groups per optimizer step (default: the global batch size, else rollout batch groups)")
+    g.add_argument("--group-size", type=int, default=8, help="rollouts per task (GRPO group size)")
+    g.add_argument("--tree-token-budget", type=int, default=8192,
+                   help="unique (merged) tokens per micro-batch; one sample must fit")
+    g.add_argument("--no-tree-merging", action="store_false", dest="tree_merging",
+                   help="train every sample as its own causal sequence (for comparison)")
+    g.add_argument("--weight-sync-interval", type=int, default=1, help="push weights to the engines every k steps")
+    g.add_argument("--weight-sync-transport", default="distributed", choices=SYNC_TRANSPORTS,
+                   help="distributed broadcast, safetensors on shared disk, or none")
+    g.add_argument("--weight-sync-dir", default=None, help="shared directory for --weight-sync-transport disk")
+    g.add_argument("--weight-sync-bucket-mb", type=float, default=512.0, help="bucket size of the weight sync")
+    g.add_argument("--domain-ratios", type=name_float_pairs, default={},
+                   help="task mix per domain, e.g. math=0.7,qa=0.3 (also sets the per-domain metrics)")
+    g.add_argument("--batch-timeout-s", type=float, default=600.0, help="longest wait for a batch from the pool")
+    g.add_argument("--metrics-jsonl", default=None, help="append one JSON line of metrics per step to this file")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The mirror parser (Megatron flags forge supports + forge flags)."""
+    parser = argparse.ArgumentParser(
+        prog="train_forge.py", description="forge_megatron agent-RL trainer (Megatron-Core)",
+        allow_abbrev=False,
+    )
+    return add_forge_args(add_megatron_args(parser))
+
+
+def megatron_lm_available() -> bool:
+    try:
+        import megatron.training.arguments  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and validate. Megatron-LM's own parser when it is importable, else the mirror."""
+    if megatron_lm_available():
+        import sys
+
+        from megatron.training.arguments import parse_args as megatron_parse_args
+
+        saved = sys.argv
+        sys.argv = [saved[0], *(argv if argv is not None else saved[1:])]
+        try:
+            args = megatron_parse_args(extra_args_provider=add_forge_args)
+        finally:
+            sys.argv = saved
+    else:
+        args = build_parser().parse_args(argv)
+    validate_args(args)
+    return args
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Cross-flag checks; raises ValueError naming the flag."""
+    if args.hf_checkpoint is None:
+        raise ValueError("--hf-checkpoint is required (the HF model directory with tokenizer and config)")
+    for flag in ("tree_token_budget", "weight_sync_interval", "rollout_batch_groups", "group_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.train_batch_groups is not None and args.train_batch_groups < 1:
+        raise ValueError(f"--train-batch-groups must be >= 1, got {args.train_batch_groups}")
+    if not 0 < args.window_fraction:
+        raise ValueError(f"--window-fraction must be > 0, got {args.window_fraction}")
+    if args.weight_sync_transport == "disk" and not args.weight_sync_dir:
+        raise ValueError("--weight-sync-transport disk needs --weight-sync-dir")
+    if args.weight_sync_transport != "none" and not args.engine_urls:
+        raise ValueError(f"--weight-sync-transport {args.weight_sync_transport} needs --engine-urls "
+                         "(or use --weight-sync-transport none)")
+    if args.lr is None:
+        raise ValueError("--lr is required")
+    if args.train_iters is None or args.train_iters < 1:
+        raise ValueError(f"--train-iters must be >= 1, got {args.train_iters}")
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval needs --save")
+    for name, ratio in args.domain_ratios.items():
+        if ratio < 0:
+            raise ValueError(f"--domain-ratios: ratio of {name!r} is negative ({ratio})")
+
+
+def train_batch_groups(args: argparse.Namespace) -> int:
+    """Groups per optimizer step: --train-batch-groups, else --global-batch-size, else --rollout-batch-groups."""
+    return args.train_batch_groups or args.global_batch_size or args.rollout_batch_groups
+
+
+def loss_config(args: argparse.Namespace):
+    """``algo.LossConfig`` from the --rl-* flags (unset epsilons take the loss's recommended values)."""
+    from forge_megatron.algo.losses import LossConfig
+
+    eps_low, eps_high = RECOMMENDED_EPS[args.rl_loss]
+    return LossConfig(
+        loss_type=args.rl_loss,
+        eps_low=eps_low if args.rl_eps_low is None else args.rl_eps_low,
+        eps_high=eps_high if args.rl_eps_high is None else args.rl_eps_high,
+        norm=args.rl_loss_norm,
+        kl_coef=args.rl_kl_coef,
+        entropy_coef=args.rl_entropy_coef,
+        tis_cap=args.rl_tis_cap,
+    )
+
+
+def reward_config(args: argparse.Namespace):
+    """``algo.RewardConfig`` from --advantage-estimator, --reward-weights, --completion-time-bound."""
+    from forge_megatron.algo.rewards import RewardConfig
+
+    cfg = RewardConfig(estimator=args.advantage_estimator, completion_time_bound=args.completion_time_bound)
+    cfg.process_weights.update(args.reward_weights)
+    return cfg
+
+
+def parallel_config(args: argparse.Namespace):
+    from forge_megatron.mcore.parallel import ParallelConfig
+
+    return ParallelConfig(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                          ep=args.expert_model_parallel_size, cp=args.context_parallel_size)
+
+
+def gpt_config(args: argparse.Namespace, vocab_size: int):
+    """``mcore.model.GPTConfig`` from Megatron's network-size flags (the arrays of scripts/models/<model>.sh)."""
+    from forge_megatron.mcore.model import GPTConfig
+
+    for flag in ("num_layers", "hidden_size", "num_attention_heads"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--{flag.replace('_', '-')} is required (source a scripts/models/<model>.sh array)")
+    if args.position_embedding_type != "rope":
+        raise ValueError(f"forge models use --position-embedding-type rope (tree positions are depths), "
+                         f"got {args.position_embedding_type!r}")
+    return GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        kv_channels=args.kv_channels,
+        vocab_size=args.vocab_size or vocab_size,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length or 4096,
+        normalization=args.normalization,
+        norm_epsilon=args.norm_epsilon,
+        swiglu=args.swiglu,
+        add_qkv_bias=args.add_qkv_bias,
+        add_bias_linear=args.add_bias_linear,
+        qk_layernorm=args.qk_layernorm,
+        rotary_base=float(args.rotary_base),
+        tie_word_embeddings=not args.untie_embeddings_and_output_weights,
+        init_method_std=args.init_method_std,
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        bf16=args.bf16,
+    )

@@ -1,0 +1,104 @@
+"""train_forge.py's command line: forge flags in --help, no collision with Megatron-LM's flags, validation. CPU, 0 GPUs."""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from forge_megatron.training import arguments
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MINIMAL = ["--hf-checkpoint", "/tmp/m", "--lr", "1e-4", "--train-iters", "3", "--weight-sync-transport", "none"]
+
+
+def _forge_flags() -> list[str]:
+    parser = arguments.add_forge_args(argparse.ArgumentParser())
+    return [s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+
+
+def _megatron_lm_flags() -> set[str]:
+    path = os.path.join(os.path.dirname(__file__), "megatron_lm_flags.txt")
+    with open(path) as f:
+        return {line.strip() for line in f if line.startswith("--")}
+
+
+def test_every_forge_flag_is_in_help():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_forge.py"), "--help"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    flags = _forge_flags()
+    assert len(flags) >= 25
+    missing = [f for f in flags if f not in out.stdout]
+    assert not missing, f"forge flags missing from --help: {missing}"
+    assert "forge (agent RL)" in out.stdout
+
+
+def test_forge_flags_do_not_collide_with_megatron_lm():
+    megatron = _megatron_lm_flags()
+    assert {"--num-layers", "--tensor-model-parallel-size", "--lr", "--save"} <= megatron  # the list is real
+    assert sorted(set(_forge_flags()) & megatron) == []
+
+
+def test_mirror_uses_megatron_names_and_builds_without_conflict():
+    parser = arguments.build_parser()  # argparse raises on a duplicate option string
+    mirrored = [s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+    forge = set(_forge_flags())
+    megatron_mirror = [f for f in mirrored if f not in forge]
+    unknown = sorted(set(megatron_mirror) - _megatron_lm_flags())
+    assert unknown == [], f"mirrored flags that Megatron-LM does not have: {unknown}"
+
+
+def test_megatron_defaults_mirrored():
+    args = arguments.build_parser().parse_args([])
+    assert args.tensor_model_parallel_size == 1 and args.seed == 1234 and args.log_interval == 100
+    assert args.lr_decay_style == "linear" and args.clip_grad == 1.0 and args.weight_decay == 0.01
+    assert args.normalization == "LayerNorm" and args.position_embedding_type == "learned_absolute"
+    assert args.add_bias_linear is True and args.rotary_base == 10000
+
+
+def test_forge_values_parse():
+    args = arguments.parse_args(MINIMAL + ["--reward-weights", "malformed_tool_calls=-0.2", "--domain-ratios",
+                                           "math=0.7,qa=0.3", "--engine-urls", "http://a:1,http://b:2",
+                                           "--no-tree-merging", "--rl-loss", "ppo"])
+    assert args.reward_weights == {"malformed_tool_calls": -0.2}
+    assert args.domain_ratios == {"math": 0.7, "qa": 0.3}
+    assert args.engine_urls == ["http://a:1", "http://b:2"] and args.tree_merging is False
+    cfg = arguments.loss_config(args)
+    assert (cfg.loss_type, cfg.eps_low, cfg.eps_high) == ("ppo", 0.2, 0.2)
+    assert arguments.reward_config(args).process_weights["malformed_tool_calls"] == -0.2
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tree-token-budget", "0"], "--tree-token-budget must be >= 1"),
+    (["--weight-sync-transport", "disk", "--engine-urls", "http://a:1"], "needs --weight-sync-dir"),
+    (["--weight-sync-transport", "distributed"], "needs --engine-urls"),
+    (["--save-interval", "2"], "--save-interval needs --save"),
+    (["--train-iters", "0"], "--train-iters must be >= 1"),
+])
+def test_bad_values_are_named(extra, message):
+    with pytest.raises(ValueError, match=message):
+        arguments.parse_args(MINIMAL + extra)
+
+
+def test_missing_checkpoint_and_bad_pairs():
+    with pytest.raises(ValueError, match="--hf-checkpoint is required"):
+        arguments.parse_args(["--lr", "1", "--train-iters", "1", "--weight-sync-transport", "none"])
+    with pytest.raises(argparse.ArgumentTypeError, match="value of 'math' is not a number"):
+        arguments.name_float_pairs("math=x")
+    with pytest.raises(argparse.ArgumentTypeError, match="name=value pairs"):
+        arguments.name_float_pairs("math")
+
+
+def test_model_arrays_build_gpt_configs():
+    import shlex
+
+    for name, vocab in (("tiny", 300), ("qwen3-8B", 0), ("qwen3-30B-A3B", 0), ("qwen2.5-7B", 0)):
+        script = os.path.join(ROOT, "scripts", "models", f"{name}.sh")
+        out = subprocess.run(["bash", "-c", f'source {shlex.quote(script)}; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
+                             capture_output=True, text=True, check=True)
+        args = arguments.parse_args(MINIMAL + out.stdout.split())
+        cfg = arguments.gpt_config(args, vocab_size=vocab)
+        assert cfg.num_layers == args.num_layers and cfg.vocab_size == (args.vocab_size or vocab)
+    assert cfg.add_qkv_bias is True and cfg.num_query_groups == 4  # qwen2.5-7B is last
