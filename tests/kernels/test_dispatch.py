@@ -1,0 +1,83 @@
+"""Tree-attention dispatcher: automatic choice, environment override, errors, logging once. CPU (one gpu case)."""
+
+import logging
+
+import pytest
+import torch
+
+from forge_megatron.kernels.tree_attention import available_backends, dispatch, tree_attention
+from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+from forge_megatron.kernels.tree_attention.segment import tree_attention_segment
+from forge_megatron.tree import build_tree
+
+
+@pytest.fixture
+def inputs():
+    layout = build_tree([[1, 2, 3, 4], [1, 2, 5], [6, 7]])
+    g = torch.Generator().manual_seed(0)
+    T = layout.unique_tokens
+    return torch.randn(T, 4, 8, generator=g), torch.randn(T, 2, 8, generator=g), torch.randn(T, 2, 8, generator=g), layout.sub_end
+
+
+@pytest.fixture
+def no_env(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    monkeypatch.setattr(dispatch, "_logged", set())
+
+
+def test_automatic_on_cpu_is_segment(inputs, no_env):
+    assert dispatch.choose_backend(torch.device("cpu")) == ("segment", "automatic")
+    assert torch.equal(tree_attention(*inputs), tree_attention_segment(*inputs))
+
+
+def test_environment_override(inputs, no_env, monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert dispatch.choose_backend(torch.device("cpu"))[0] == "reference"
+    assert torch.equal(tree_attention(*inputs), tree_attention_reference(*inputs))
+    assert dispatch.choose_backend(torch.device("cpu"), backend="segment")[0] == "segment", "argument beats env"
+
+
+def test_unknown_backend(inputs, no_env, monkeypatch):
+    with pytest.raises(ValueError, match="unknown tree attention backend 'flash' \\(from backend argument\\)"):
+        tree_attention(*inputs, backend="flash")
+    monkeypatch.setenv(dispatch.ENV_VAR, "flash")
+    with pytest.raises(ValueError, match="unknown tree attention backend 'flash' \\(from FORGE_TREE_ATTN_BACKEND=flash\\)"):
+        tree_attention(*inputs)
+
+
+def test_missing_compiled_backend(inputs, no_env, monkeypatch):
+    monkeypatch.setitem(dispatch._COMPILED, "cuda", ("forge_megatron.kernels.tree_attention.absent", "f", "cuda_ext"))
+    with pytest.raises(RuntimeError, match="tree attention backend 'cuda'"):
+        tree_attention(*inputs, backend="cuda")
+    assert "cuda" not in available_backends("cuda")
+
+
+def test_automatic_on_cuda_prefers_compiled_then_segment(no_env, monkeypatch):
+    cuda = torch.device("cuda")
+    chosen = dispatch.choose_backend(cuda)[0]
+    assert chosen == next((b for b in ("cuda", "triton") if b in available_backends(cuda)), "segment")
+    for name in ("cuda", "triton"):
+        monkeypatch.setitem(dispatch._COMPILED, name, (f"forge_megatron.kernels.absent_{name}", "f", "cuda_ext"))
+    assert dispatch.choose_backend(cuda)[0] == "segment"
+    assert available_backends("cpu")[:2] == ["reference", "segment"]
+
+
+def test_choice_logged_once(inputs, no_env, caplog):
+    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        tree_attention(*inputs)
+        tree_attention(*inputs)
+        tree_attention(*inputs, backend="reference")
+    messages = [r.getMessage() for r in caplog.records if r.name == dispatch.__name__]
+    assert messages == [
+        "tree attention backend 'segment' on cpu (automatic)",
+        "tree attention backend 'reference' on cpu (backend argument)",
+    ]
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_use_a_gpu_backend(inputs, no_env):
+    q, k, v, sub_end = (x.cuda() for x in inputs)
+    o = tree_attention(q, k, v, sub_end)
+    assert dispatch.choose_backend(q.device)[0] in ("cuda", "triton", "segment")
+    # fp32 inputs: compiled kernels may run their dots in TF32 (10-bit mantissa), hence the loose tolerance
+    torch.testing.assert_close(o.cpu(), tree_attention_reference(*inputs), rtol=0, atol=5e-3)

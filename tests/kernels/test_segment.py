@@ -1,0 +1,78 @@
+"""Segment tree attention == the dense reference, forward and backward, fp32 (CPU; one GPU case marked gpu).
+
+Forests come from forge_megatron.tree.build_tree (see tests/tree/forests.py for the shapes); the comparison rule
+is tree_cases.check_against_reference (fp32: max abs error <= 1e-5 on o, dq, dk, dv).
+"""
+
+import random
+
+import pytest
+import torch
+from tree_cases import check_against_reference
+
+from forge_megatron.kernels.tree_attention import segment
+from forge_megatron.kernels.tree_attention.segment import Forest, tree_attention_segment
+from forge_megatron.tree import build_tree
+from tests.tree.forests import all_kinds, random_batch
+
+KINDS = all_kinds()
+KINDS["long_chain"] = [list(range(segment.QUERY_BLOCK + 90))]
+KINDS["long_completions"] = [list(range(40)) + [100 + g] * (segment.QUERY_BLOCK + 3 * g) for g in range(3)]
+KINDS["many_roots"] = [[r] + [r % 3] * (r % 7) for r in range(40)]
+
+
+def sub_end_of(samples) -> torch.Tensor:
+    return build_tree(samples).sub_end
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_matches_reference_on_forests(kind):
+    check_against_reference(tree_attention_segment, sub_end_of(KINDS[kind]), N=4, K=2, H=16, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("N, K, H", [(4, 4, 16), (4, 1, 16), (6, 2, 64), (2, 1, 128)])
+def test_gqa_and_head_dims(N, K, H):
+    check_against_reference(tree_attention_segment, sub_end_of(KINDS["random"]), N, K, H, torch.float32, seed=N + H)
+
+
+def test_softmax_scale():
+    sub_end = sub_end_of(KINDS["grpo"])
+    check_against_reference(tree_attention_segment, sub_end, N=4, K=2, H=16, dtype=torch.float32, scale=0.37)
+
+
+def test_long_chain_blocks_on_random_forests(monkeypatch):
+    """Tiny query blocks send most chains down the long-chain path (blocks over prefixes of gathered keys)."""
+    monkeypatch.setattr(segment, "QUERY_BLOCK", 3)
+    rng = random.Random(5)
+    for seed in range(6):
+        samples = random_batch(rng, rng.randint(2, 12), 25, rng.choice([2, 4]))
+        check_against_reference(tree_attention_segment, sub_end_of(samples), 4, 2, 16, torch.float32, seed=seed)
+
+
+def test_forest_metadata_matches_layout():
+    layout = build_tree(KINDS["random"])
+    forest = Forest(layout.sub_end)
+    assert torch.equal(forest.depth_T, layout.position_ids)
+    for start, end in zip(forest.start_C.tolist(), forest.end_C.tolist()):
+        keys = forest.path_keys(start, end)
+        assert keys[-(end - start):].tolist() == list(range(start, end))
+        visible_from_last = torch.nonzero(
+            (torch.arange(layout.unique_tokens) <= end - 1) & (layout.sub_end > end - 1)
+        ).flatten()
+        assert torch.equal(keys, visible_from_last), "a chain's keys are exactly what its last token sees"
+
+
+def test_bad_sub_end():
+    q = torch.randn(4, 2, 8)
+    with pytest.raises(ValueError, match="i < sub_end\\[i\\] <= T = 4"):
+        tree_attention_segment(q, q, q, torch.tensor([4, 1, 4, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="i < sub_end\\[i\\] <= T = 4"):
+        tree_attention_segment(q, q, q, torch.tensor([5, 2, 3, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="sub_end must have shape \\[4\\]"):
+        tree_attention_segment(q, q, q, torch.tensor([4, 4], dtype=torch.int32))
+
+
+@pytest.mark.gpu
+def test_matches_reference_on_gpu():
+    for kind in ("grpo", "long_chain", "binary_trie"):
+        check_against_reference(tree_attention_segment, sub_end_of(KINDS[kind]), 4, 2, 64, torch.float32, "cuda")
