@@ -1,0 +1,92 @@
+"""scripts/slurm/forge.sbatch: bash -n, and --dry-run prints a consistent plan for several layouts. CPU, 0 GPUs."""
+
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+
+from forge_megatron.training import arguments
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SBATCH = os.path.join(ROOT, "scripts", "slurm", "forge.sbatch")
+
+
+def _dry_run(**env):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    full.update({k: str(v) for k, v in env.items()})
+    return subprocess.run(["bash", SBATCH, "--dry-run"], capture_output=True, text=True, env=full, timeout=60)
+
+
+def _commands(stdout: str) -> list[list[str]]:
+    cmds = []
+    for line in stdout.splitlines():
+        if line.startswith("+ ") and not line.startswith("+ wait_http"):
+            cmds.append(shlex.split(line[2:].split(" &> ")[0]))
+    return cmds
+
+
+def test_bash_syntax():
+    assert subprocess.run(["bash", "-n", SBATCH]).returncode == 0
+
+
+@pytest.mark.parametrize("layout", [
+    dict(ROLLOUT_NODES=2, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=2, TP=2, PP=1, EP=1, CP=1, MODEL="qwen3-8B"),
+    dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B"),
+    dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
+         USE_ROUTER=1),
+])
+def test_dry_run_plan_is_consistent(layout):
+    out = _dry_run(**layout)
+    assert out.returncode == 0, out.stderr
+    cmds = _commands(out.stdout)
+    nodes = [f"node{i}" for i in range(layout["ROLLOUT_NODES"] + 1 + layout["TRAIN_NODES"])]
+    rollout, middle, train = nodes[:layout["ROLLOUT_NODES"]], nodes[layout["ROLLOUT_NODES"]], nodes[-layout["TRAIN_NODES"]:]
+
+    engines = [c for c in cmds if "sglang.launch_server" in c]
+    per_node = layout["GPUS_PER_NODE"] // layout["ENGINE_TP"]
+    assert len(engines) == layout["ROLLOUT_NODES"] * per_node
+    engine_urls = sorted(f"http://{c[c.index('-w') + 1]}:{c[c.index('--port') + 1]}" for c in engines)
+    assert {c[c.index("-w") + 1] for c in engines} == set(rollout)
+    for c in engines:  # every engine's GPUs lie on its node
+        assert int(c[c.index("--base-gpu-id") + 1]) + layout["ENGINE_TP"] <= layout["GPUS_PER_NODE"]
+    health = re.findall(r"^\+ wait_http (\S+)/health$", out.stdout, re.M)
+    assert set(engine_urls) <= set(health)  # health waits before anything uses the engines
+
+    (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
+    assert mid[mid.index("-w") + 1] == middle
+    gateway_engines = mid[mid.index("--engines") + 1].split(",")
+    if layout.get("USE_ROUTER"):
+        (router,) = [c for c in cmds if "sglang_router.launch_router" in c]
+        assert sorted(router[router.index("--worker-urls") + 1:]) == engine_urls
+        assert gateway_engines == [f"http://{middle}:29000"]
+    else:
+        assert sorted(gateway_engines) == engine_urls
+
+    (trainer,) = [c for c in cmds if "torchrun" in c]
+    assert trainer[trainer.index("-w") + 1].split(",") == train
+    nnodes, nproc = int(trainer[trainer.index("--nnodes") + 1]), int(trainer[trainer.index("--nproc-per-node") + 1])
+    assert (nnodes, nproc) == (layout["TRAIN_NODES"], layout["GPUS_PER_NODE"])
+    argv = trainer[next(i for i, a in enumerate(trainer) if a.endswith("train_forge.py")) + 1:]
+    args = arguments.parse_args(argv)  # the trainer command line is valid for train_forge.py
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size,
+            args.context_parallel_size) == (layout["TP"], layout["PP"], layout["EP"], layout["CP"])
+    assert sorted(args.engine_urls) == engine_urls
+    assert args.pool_addr == f"tcp://{middle}:5555" and args.gateway_url == f"http://{middle}:8000"
+    world = nnodes * nproc
+    arguments.parallel_config(args).data_parallel_size(world)  # raises if the layout does not divide
+    assert f"DP={world // (layout['TP'] * layout['PP'] * layout['CP'])}" in out.stdout
+    assert set(rollout).isdisjoint(train) and middle not in rollout + train
+
+
+@pytest.mark.parametrize("env, message", [
+    (dict(TP=3), "TP\\*PP\\*CP=3 must divide the 16 trainer GPUs"),
+    (dict(ENGINE_TP=3), "ENGINE_TP=3 must divide GPUS_PER_NODE=8"),
+    (dict(EP=3), "EP=3 must divide DP\\*CP=8"),
+    (dict(DRY_NODES="a b c"), "need 5 nodes"),
+])
+def test_dry_run_rejects_inconsistent_layouts(env, message):
+    out = _dry_run(**env)
+    assert out.returncode != 0
+    assert re.search(message, out.stderr), out.stderr
