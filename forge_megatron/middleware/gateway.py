@@ -325,6 +325,9 @@ class Gateway:
 
 
 # --- HTTP -----------------------------------------------------------------------------------------------------
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
 async def _body(request: web.Request) -> dict:
     try:
         raw = await request.read()
@@ -343,7 +346,7 @@ async def _body(request: web.Request) -> dict:
 def _api(handler):
     async def wrapped(request: web.Request) -> web.StreamResponse:
         try:
-            return await handler(request, request.app["gw"])
+            return await handler(request, request.app[GATEWAY])
         except ApiError as exc:
             return exc.response()
     return wrapped
@@ -587,7 +590,7 @@ async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
 
 def make_app(gw: Gateway) -> web.Application:
     app = web.Application(client_max_size=gw.config.max_body_bytes)
-    app["gw"] = gw
+    app[GATEWAY] = gw
     for prefix in ("", "/s/{key}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
         app.router.add_get(prefix + "/v1/models", list_models)

@@ -174,3 +174,32 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     with open(os.path.join(out_dir, "forge_tiny.json"), "w") as f:
         json.dump({"arch": arch, "seed": seed}, f)
     return out_dir
+
+
+def finetune_on_chats(model_dir: str, chats: list[tuple[list[dict], str]], tools: list | None = None,
+                      steps: int = 100, lr: float = 5e-3, seed: int = 0) -> str:
+    """Teach the model in ``model_dir`` to answer each chat with its fixed text (greedy), in place; return the dir.
+
+    ``chats`` are (messages before the assistant turn, assistant text) pairs; the loss is on the answer and the
+    end-of-turn token only. A few hundred Adam steps on CPU make the tiny model reproduce them exactly, which gives
+    tests and demos a model with real weights and logprobs but a known output (e.g. a tool call).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    batch = []
+    for messages, answer in chats:
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        prompt = tok.encode(text, add_special_tokens=False)
+        target = tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
+        batch.append((torch.tensor([prompt + target]), torch.tensor([[-100] * len(prompt) + target])))
+    torch.manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        sum(model(input_ids=ids, labels=labels).loss for ids, labels in batch).backward()
+        opt.step()
+    model.save_pretrained(model_dir)
+    return model_dir

@@ -314,10 +314,13 @@ async def _json_body(request: web.Request) -> dict:
     return body
 
 
+ENGINE = web.AppKey("engine", ReferenceEngine)
+
+
 def _handler(fn):
     async def wrapped(request: web.Request) -> web.StreamResponse:
         try:
-            return await fn(request, request.app["engine"])
+            return await fn(request, request.app[ENGINE])
         except RequestError as exc:
             return _bad(str(exc))
     return wrapped
@@ -426,7 +429,7 @@ async def update_from_distributed(request, eng):
 def make_app(engine: ReferenceEngine, max_body_bytes: int = 64 << 20) -> web.Application:
     """The aiohttp application serving ``engine`` with SGLang's routes."""
     app = web.Application(client_max_size=max_body_bytes)
-    app["engine"] = engine
+    app[ENGINE] = engine
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health)

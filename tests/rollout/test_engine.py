@@ -1,0 +1,236 @@
+"""forge-engine against the HF reference: outputs and logprobs come from the weights; sampling, stops, pause modes,
+weight swaps (disk and gloo broadcast). Real HTTP on loopback; CPU only."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from forge_megatron.models.tiny import build_tiny_model
+from forge_megatron.rollout.engine_server import SamplingParams, RequestError, sample_next
+from forge_megatron.rollout.launch import start_engine
+from forge_megatron.rollout.sglang_client import EngineRequestError, SGLangClient
+from forge_megatron.rollout.weight_group import broadcast_tensor, init_weight_update_group
+
+PROMPT = [7, 30, 41, 5, 99, 12]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    h = start_engine(model_dir, in_process=True)
+    yield h
+    h.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _gen(url, ids=PROMPT, **sp):
+    c = SGLangClient(url)
+    try:
+        return await c.generate(ids, sp)
+    finally:
+        await c.close()
+
+
+def hf_greedy_and_logprobs(model_dir, prompt, n):
+    m = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        out = m.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    return out, teacher_forced_logprobs(m, prompt, out)
+
+
+def teacher_forced_logprobs(model, prompt, completion):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return logp[torch.arange(len(completion)), torch.tensor(completion)].tolist()
+
+
+def test_greedy_tokens_and_logprobs_match_hf(engine, model_dir):
+    res = run(_gen(engine.url, temperature=0, max_new_tokens=12, ignore_eos=True))
+    ref_ids, ref_lp = hf_greedy_and_logprobs(model_dir, PROMPT, 12)
+    assert res.output_ids == ref_ids
+    assert res.logprobs == pytest.approx(ref_lp, abs=1e-4)
+    assert res.finish_reason == {"type": "length", "length": 12}
+    assert res.prompt_tokens == len(PROMPT) and res.completion_tokens == 12
+
+
+def test_sampled_logprobs_are_temperature_free_and_seeded(engine, model_dir):
+    a = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, seed=5, ignore_eos=True))
+    b = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, seed=5, ignore_eos=True))
+    c = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, seed=6, ignore_eos=True))
+    assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
+    assert a.output_ids != c.output_ids
+    m = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert a.logprobs == pytest.approx(teacher_forced_logprobs(m, PROMPT, a.output_ids), abs=1e-4)
+
+
+def test_concurrent_requests_equal_sequential(engine):
+    async def both():
+        c = SGLangClient(engine.url)
+        conc = await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 15, "seed": s, "ignore_eos": True})
+                                      for s in range(6)))
+        seq = [await c.generate(PROMPT, {"max_new_tokens": 15, "seed": s, "ignore_eos": True}) for s in range(6)]
+        await c.close()
+        return conc, seq
+    conc, seq = run(both())
+    assert [r.output_ids for r in conc] == [r.output_ids for r in seq]
+    assert len({tuple(r.output_ids) for r in conc}) > 1
+
+
+def test_sample_next_filters():
+    gen = torch.Generator().manual_seed(0)
+    logits_V = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    top_p = {sample_next(logits_V, SamplingParams(top_p=0.6), gen)[0] for _ in range(300)}
+    top_k = {sample_next(logits_V, SamplingParams(top_k=3), gen)[0] for _ in range(300)}
+    assert top_p == {0, 1} and top_k == {0, 1, 2}
+    token, lp = sample_next(logits_V, SamplingParams(temperature=0.1), gen)
+    assert lp == pytest.approx(float(logits_V[token]), abs=1e-6)  # logprob ignores temperature
+    assert sample_next(logits_V, SamplingParams(temperature=0), gen)[0] == 0
+
+
+def test_stop_token_ids_and_stop_strings(engine, model_dir):
+    free = run(_gen(engine.url, temperature=0, max_new_tokens=12, ignore_eos=True))
+    stop_tok = free.output_ids[3]
+    res = run(_gen(engine.url, temperature=0, max_new_tokens=12, stop_token_ids=[stop_tok], ignore_eos=True))
+    assert res.output_ids == free.output_ids[:free.output_ids.index(stop_tok) + 1]
+    assert res.finish_reason == {"type": "stop", "matched": stop_tok}
+    from transformers import AutoTokenizer
+    text = AutoTokenizer.from_pretrained(model_dir).decode(free.output_ids[:6])
+    stop = text[-3:] if len(text) >= 3 else text
+    res = run(_gen(engine.url, temperature=0, max_new_tokens=12, stop=stop, ignore_eos=True))
+    assert res.finish_reason == {"type": "stop", "matched": stop}
+    assert len(res.output_ids) <= 6 and stop not in res.text
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"sampling_params": {}}, "input_ids"),
+    ({"input_ids": PROMPT, "sampling_params": {"bogus": 1}}, "bogus"),
+    ({"input_ids": PROMPT, "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5000}}, "context length"),
+    ({"input_ids": [10**6], "sampling_params": {}}, "outside"),
+])
+def test_bad_generate_requests_are_400(engine, body, field):
+    async def call():
+        c = SGLangClient(engine.url)
+        try:
+            await c._call("POST", "/generate", body)
+        finally:
+            await c.close()
+    with pytest.raises(EngineRequestError, match=field):
+        run(call())
+    with pytest.raises(RequestError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+def _long_request_and_pause(url, mode):
+    """Start a long seeded request, pause with ``mode`` mid-way, continue; return (result, result without pause)."""
+    async def go():
+        c = SGLangClient(url)
+        sp = {"max_new_tokens": 150, "seed": 3, "ignore_eos": True}
+        task = asyncio.create_task(c.generate(PROMPT, sp))
+        await asyncio.sleep(0.05)
+        await c.pause_generation(mode)
+        held = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 2, "seed": 1}))
+        await asyncio.sleep(0.2)
+        assert not held.done()  # new requests wait while paused
+        if mode == "retract":
+            await c.flush_cache()
+        await c.continue_generation()
+        res, _ = await task, await held
+        ref = await c.generate(PROMPT, sp)
+        await c.close()
+        return res, ref
+    return run(go())
+
+
+def test_pause_abort_returns_aborted_requests(engine):
+    res, ref = _long_request_and_pause(engine.url, "abort")
+    assert res.finish_type == "abort"
+    assert 0 < len(res.output_ids) < 150 and res.output_ids == ref.output_ids[:len(res.output_ids)]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_keep_modes_resume_exactly(engine, mode):
+    res, ref = _long_request_and_pause(engine.url, mode)
+    assert res.finish_type == "length"
+    assert res.output_ids == ref.output_ids
+    assert res.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+def test_update_weights_from_disk_swaps_weights(tmp_path, model_dir):
+    other = build_tiny_model(str(tmp_path / "other"), seed=1)
+    h = start_engine(model_dir, in_process=True)
+    try:
+        async def go():
+            c = SGLangClient(h.url)
+            await c.update_weights_from_disk(other, weight_version="7")
+            res = await c.generate(PROMPT, {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+            version = await c.get_weight_version()
+            with pytest.raises(EngineRequestError, match="not a directory"):
+                await c.update_weights_from_disk(str(tmp_path / "missing"))
+            await c.close()
+            return res, version
+        res, version = run(go())
+    finally:
+        h.stop()
+    ref_ids, ref_lp = hf_greedy_and_logprobs(other, PROMPT, 8)
+    assert res.output_ids == ref_ids and res.logprobs == pytest.approx(ref_lp, abs=1e-4)
+    assert version == "7" and res.weight_version == "7"
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_update_weights_from_distributed_over_gloo(tmp_path, model_dir):
+    """This process plays the trainer (rank 0); a forge-engine subprocess joins as rank 1 and receives tensors."""
+    other = build_tiny_model(str(tmp_path / "other"), seed=2)
+    new_sd = AutoModelForCausalLM.from_pretrained(other).state_dict()
+    names = list(new_sd)
+    h = start_engine(model_dir)
+    try:
+        port = _free_port()
+        holder = {}
+        t = threading.Thread(target=lambda: holder.update(pg=init_weight_update_group("127.0.0.1", port, 0, 2, "wg")))
+        t.start()
+
+        async def go():
+            c = SGLangClient(h.url)
+            await c.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo")
+            t.join()
+            send = threading.Thread(target=lambda: [broadcast_tensor(holder["pg"], new_sd[n].contiguous())
+                                                    for n in names])
+            upd = asyncio.create_task(c.update_weights_from_distributed(
+                names, ["float32"] * len(names), [list(new_sd[n].shape) for n in names], "wg", weight_version="3"))
+            send.start()
+            await upd
+            send.join()
+            res = await c.generate(PROMPT, {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+            await c.close()
+            return res
+        res = run(go())
+    finally:
+        h.stop()
+    ref_ids, ref_lp = hf_greedy_and_logprobs(other, PROMPT, 8)
+    assert res.output_ids == ref_ids and res.logprobs == pytest.approx(ref_lp, abs=1e-4)
+    assert res.weight_version == "3"
+
+
+def test_engine_cli_help_teaches():
+    from forge_megatron.rollout.engine_server import build_parser
+    text = build_parser().format_help()
+    assert "--model-path" in text and "SGLang" in text and "--port" in text
