@@ -123,6 +123,16 @@ def _per_sample_sum(x_M: torch.Tensor, sample_M: torch.Tensor, num_samples: int)
     return torch.zeros(num_samples, dtype=x_M.dtype, device=x_M.device).index_add(0, sample_M, x_M)
 
 
+def _check_finite(named_M: dict[str, torch.Tensor]) -> None:
+    """A finite sum implies finite elements, so one host sync clears the common case; only then look closer."""
+    sums = torch.stack([t.detach().float().sum() for t in named_M.values()])
+    if torch.isfinite(sums).all():
+        return
+    for name, t in named_M.items():
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name} has non-finite values")
+
+
 def _check_inputs(named_M: dict[str, torch.Tensor], cu_seqlens_S1: torch.Tensor) -> int:
     """Validate shapes and values; return the number of samples."""
     logp_M = named_M["logp_M"]
@@ -131,8 +141,7 @@ def _check_inputs(named_M: dict[str, torch.Tensor], cu_seqlens_S1: torch.Tensor)
     for name, t in named_M.items():
         if t.shape != logp_M.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp_M.shape)} like logp_M")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{name} has non-finite values")
+    _check_finite(named_M)
     if cu_seqlens_S1.dim() != 1 or cu_seqlens_S1.numel() < 2:
         raise ValueError(f"cu_seqlens_S1 must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens_S1.shape)}")
     if cu_seqlens_S1.dtype.is_floating_point:
@@ -219,28 +228,30 @@ def _reduce(
     return (sample_weight_S * sum_S / count_S.clamp(min=1.0)).sum() / denom
 
 
-def _masked_mean(x_M: torch.Tensor, mask_M: torch.Tensor) -> float:
-    return float((x_M * mask_M).sum() / mask_M.sum().clamp(min=1.0))
+def _masked_mean(x_M: torch.Tensor, mask_M: torch.Tensor) -> torch.Tensor:
+    return (x_M * mask_M).sum() / mask_M.sum().clamp(min=1.0)
 
 
-def _domain_metrics(
-    per_token: dict[str, torch.Tensor],
-    mask_M: torch.Tensor,
-    sample_M: torch.Tensor,
-    domain_ids_S: torch.Tensor,
-    domain_names: list[str],
-) -> dict[str, float]:
-    """Masked token means of each per-token quantity, per domain: ``"<domain>/<name>"``."""
-    domain_M = domain_ids_S.to(sample_M.device)[sample_M]
-    out: dict[str, float] = {}
+def _domain_stats(
+    per_token: dict[str, torch.Tensor], mask_M: torch.Tensor, domain_M: torch.Tensor, domain_names: list[str]
+) -> dict[str, torch.Tensor]:
+    """Masked token means of each per-token quantity per domain, keyed ``"<domain>/<name>"``."""
+    zeros_D = torch.zeros(len(domain_names), dtype=mask_M.dtype, device=mask_M.device)
+    count_D = zeros_D.index_add(0, domain_M, mask_M)
+    mean_D = {key: zeros_D.index_add(0, domain_M, x_M * mask_M) / count_D.clamp(min=1.0) for key, x_M in per_token.items()}
+    out = {}
     for d, name in enumerate(domain_names):
-        mask_d_M = mask_M * (domain_M == d)
-        if mask_d_M.sum() == 0:
-            continue
-        out[f"{name}/num_tokens"] = float(mask_d_M.sum())
-        for key, x_M in per_token.items():
-            out[f"{name}/{key}"] = _masked_mean(x_M, mask_d_M)
+        out[f"{name}/num_tokens"] = count_D[d]
+        out.update({f"{name}/{key}": m_D[d] for key, m_D in mean_D.items()})
     return out
+
+
+def _to_floats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """All metrics to host in one transfer; domains without trained tokens are left out."""
+    values = torch.stack([v.detach().float().reshape(()) for v in stats.values()]).tolist()
+    out = dict(zip(stats, values))
+    empty = {key.rsplit("/", 1)[0] for key, v in out.items() if key.endswith("/num_tokens") and v == 0}
+    return {key: v for key, v in out.items() if key.rsplit("/", 1)[0] not in empty}
 
 
 def _check_domains(domain_ids_S: torch.Tensor, domain_names: list[str] | None, num_samples: int) -> list[str]:
@@ -307,33 +318,32 @@ def policy_loss(
     pg_loss = _reduce(pg_M, w_M, mask_M, sample_M, sample_weight_S, cfg)
     loss = pg_loss
 
-    metrics = {
-        "pg_loss": float(pg_loss.detach()),
+    stats = {
+        "pg_loss": pg_loss,
         "clip_frac_low": _masked_mean((ratio_M < 1.0 - cfg.eps_low).to(f32), mask_M),
         "clip_frac_high": _masked_mean((ratio_M > 1.0 + cfg.eps_high).to(f32), mask_M),
         "ratio_mean": _masked_mean(ratio_M, mask_M),
-        "ratio_max": float(ratio_M[mask_M > 0].max()) if mask_M.sum() > 0 else 1.0,
+        "ratio_max": torch.where(mask_M > 0, ratio_M, 0.0).max(),
         "advantage_mean": _masked_mean(adv_M, mask_M),
-        "num_tokens": float(mask_M.sum()),
+        "num_tokens": mask_M.sum(),
     }
     per_token = {"pg_loss": pg_M.detach(), "advantage": adv_M, "ratio": ratio_M}
     if cfg.tis_cap is not None:
-        metrics["tis_weight_mean"] = _masked_mean(tis_M, mask_M)
-        metrics["tis_clip_frac"] = _masked_mean((tis_M >= cfg.tis_cap).to(f32), mask_M)
+        stats["tis_weight_mean"] = _masked_mean(tis_M, mask_M)
+        stats["tis_clip_frac"] = _masked_mean((tis_M >= cfg.tis_cap).to(f32), mask_M)
     if ref_logp_M is not None:
         kl_M = _kl(logp_M, ref_logp_M.detach().to(f32), cfg.kl_type)
-        kl = _reduce(kl_M, w_M, mask_M, sample_M, sample_weight_S, cfg)
-        loss = loss + cfg.kl_coef * kl
-        metrics["kl"] = float(kl.detach())
+        stats["kl"] = _reduce(kl_M, w_M, mask_M, sample_M, sample_weight_S, cfg)
+        loss = loss + cfg.kl_coef * stats["kl"]
         per_token["kl"] = kl_M.detach()
     if entropy_M is not None:
         ent_M = entropy_M.to(f32)
-        entropy = _reduce(ent_M, w_M, mask_M, sample_M, sample_weight_S, cfg)
-        loss = loss - cfg.entropy_coef * entropy
-        metrics["entropy"] = float(entropy.detach())
+        stats["entropy"] = _reduce(ent_M, w_M, mask_M, sample_M, sample_weight_S, cfg)
+        loss = loss - cfg.entropy_coef * stats["entropy"]
         per_token["entropy"] = ent_M.detach()
-    metrics["loss"] = float(loss.detach())
+    stats["loss"] = loss
     if domain_ids_S is not None:
         names = _check_domains(domain_ids_S, domain_names, num_samples)
-        metrics.update(_domain_metrics(per_token, mask_M, sample_M, domain_ids_S, names))
+        stats.update(_domain_stats(per_token, mask_M, domain_ids_S.to(sample_M.device)[sample_M], names))
+    metrics = _to_floats(stats)
     return loss, metrics
