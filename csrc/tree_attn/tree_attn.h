@@ -1,0 +1,42 @@
+// Tree attention CUDA kernels: launcher interface shared by tree_attn_kernels.cu and tree_attn_binding.cpp.
+//
+// Raw pointers only (no torch headers), so the .cu file compiles standalone with nvcc.
+// Layout (contiguous): q, o, dq [T, N, H]; k, v, dk, dv [T, K, H]; sub_end [T] int32; lse, delta [N, T] fp32.
+// Key j is visible to query i  <=>  j <= i < sub_end[j]. lse is the natural-log row log-sum-exp of scale * q.k.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace forge {
+
+enum class TreeAttnDType { kFloat32, kFloat16, kBFloat16 };
+
+// Tokens per tile, both for query blocks and key blocks; block bounds are per kTreeAttnTile keys.
+constexpr int kTreeAttnTile = 32;
+
+struct TreeAttnParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* d_o = nullptr;     // backward only
+  void* o = nullptr;             // forward output
+  void* dq = nullptr;            // backward outputs
+  void* dk = nullptr;
+  void* dv = nullptr;
+  const int* sub_end = nullptr;
+  const int* kmin = nullptr;     // per key block min(sub_end), from tree_attn_block_bounds
+  const int* kmax = nullptr;     // per key block max(sub_end)
+  float* lse = nullptr;          // written by the forward, read by the backward
+  const float* delta = nullptr;  // rowsum(dO * O), backward only
+  int T = 0, N = 0, K = 0, H = 0;
+  float scale = 1.f;
+};
+
+// True for the head dims the kernels are instantiated for.
+bool tree_attn_head_dim_supported(int H);
+
+cudaError_t tree_attn_block_bounds(const int* sub_end, int* kmin, int* kmax, int T, cudaStream_t stream);
+cudaError_t tree_attn_fwd(const TreeAttnParams& p, TreeAttnDType dtype, cudaStream_t stream);
+cudaError_t tree_attn_bwd(const TreeAttnParams& p, TreeAttnDType dtype, cudaStream_t stream);
+
+}  // namespace forge

@@ -1,0 +1,64 @@
+"""Tree attention through the CUDA extension ``forge_megatron._C_tree_attn`` (csrc/tree_attn).
+
+Same contract as the Triton backend: key j is visible to query i  <=>  j <= i < sub_end[j]; forward returns
+o = softmax(scale q k^T, masked) v and saves lse for a FlashAttention-2 backward (dq, dk, dv; dk/dv summed over the
+query heads of each GQA group). Empty 32x32 tiles are skipped and full ones run unmasked, by per-block
+min/max(sub_end) computed on the device. The extension is built by setup.py only where CUDA torch and nvcc exist;
+``is_available()`` says whether it can run here. Head dims 32, 64, 128; fp16/bf16/fp32 with fp32 accumulation.
+
+Legend: T = packed tree tokens, N = query heads, K = key/value heads, H = head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forge_megatron.kernels.tree_attention.ops import make_public_entry, register_tree_attention_ops
+from forge_megatron.utils import env
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+
+
+def is_available() -> bool:
+    """True when a CUDA device and the compiled extension are both present."""
+    return env.has_cuda() and env.has_cuda_ext()
+
+
+def _extension():
+    env.require("cuda", "the CUDA tree attention kernel")
+    env.require("cuda_ext", "the CUDA tree attention kernel")
+    from forge_megatron import _C_tree_attn
+
+    return _C_tree_attn
+
+
+def _check_supported(q_TNH: torch.Tensor) -> None:
+    if q_TNH.device.type != "cuda":
+        raise ValueError(f"the CUDA tree attention kernel needs CUDA tensors, got q on {q_TNH.device}")
+    if q_TNH.shape[2] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {q_TNH.shape[2]} is not supported by the CUDA kernel (supported: 32, 64, 128)")
+
+
+def _stream(q_TNH: torch.Tensor) -> int:
+    return torch.cuda.current_stream(q_TNH.device).cuda_stream
+
+
+def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
+    ext = _extension()
+    _check_supported(q_TNH)
+    with torch.cuda.device(q_TNH.device):
+        o_TNH, lse_NT = ext.fwd(q_TNH, k_TKH, v_TKH, sub_end_T, scale, _stream(q_TNH))
+    return o_TNH, lse_NT
+
+
+def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
+    ext = _extension()
+    with torch.cuda.device(q_TNH.device):
+        dq, dk, dv = ext.bwd(do_TNH.contiguous(), q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, _stream(q_TNH))
+    return dq, dk, dv
+
+
+tree_attention_cuda_op = register_tree_attention_ops("cuda", _forward, _backward)
+tree_attention_cuda = make_public_entry(tree_attention_cuda_op)
+tree_attention_cuda.__doc__ = """Tree attention through the CUDA kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
+softmax_scale=None) -> o_TNH; differentiable in q, k, v; CUDA tensors; head_dim 32/64/128; N % K == 0."""
