@@ -21,8 +21,8 @@ Delivery is at-least-once until the trainer commits: ``commit`` marks batches co
 ``requeue_uncommitted`` returns every delivered-not-committed group after a trainer restart from its last checkpoint.
 A ``request_id`` passed to ``next_batch``/``register_group`` makes a resent request return the original result.
 
-Backpressure (``can_admit``): running groups < ``max_inflight_groups`` and, with ``max_staleness`` = s, the groups
-queued ahead of a new one fit in s + 1 trainer steps:  undelivered + 1 <= (s + 1) * train_batch_groups.
+Backpressure (``can_admit``): ``scheduler.admit`` with running groups < ``max_inflight_groups`` and, with
+``max_staleness`` = s, undelivered + 1 <= (s + 1) * train_batch_groups.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any, Iterable
 import msgpack
 
 from forge_megatron.middleware.batch import TrainBatch, group_samples, group_staleness, score_episodes
-from forge_megatron.middleware.scheduler import PendingGroup, select_groups, window_occupancy, window_size
+from forge_megatron.middleware.scheduler import PendingGroup, admit, select_groups, window_occupancy, window_size
 from forge_megatron.middleware.schema import Episode, EpisodeSink, SchemaError
 from forge_megatron.middleware.wire import episode_from_blob, episode_to_blob
 
@@ -305,13 +305,9 @@ class DataPool(EpisodeSink):
         with self._cond:
             counts = dict(self._db.execute("SELECT state, COUNT(*) FROM groups WHERE state IN ('running', 'finished')"
                                            " GROUP BY state").fetchall())
-        running, undelivered = counts.get("running", 0), counts.get("running", 0) + counts.get("finished", 0)
-        if cfg.max_inflight_groups is not None and running >= cfg.max_inflight_groups:
-            return False
-        if cfg.max_staleness is not None:
-            per_step = cfg.train_batch_groups or cfg.generation_batch_groups
-            return undelivered + 1 <= (cfg.max_staleness + 1) * per_step
-        return True
+        running = counts.get("running", 0)
+        return admit(running, running + counts.get("finished", 0), cfg.max_inflight_groups, cfg.max_staleness,
+                     cfg.train_batch_groups or cfg.generation_batch_groups)
 
     def set_policy_version(self, version: int) -> None:
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:

@@ -11,6 +11,10 @@ window forward, so one call may take several groups in turn. ``W = 1`` is strict
 blocking, no drift); ``W = inf`` is greedy first-finished-first-out (no blocking, biased towards short
 rollouts). Inside the window the oldest finished groups are taken first.
 
+Admission (backpressure): a new group may start while fewer than ``max_inflight`` groups run and, with a
+staleness limit s and ``per_step`` groups consumed per trainer step, the groups queued ahead of it fit in s + 1
+steps:  undelivered + 1 <= (s + 1) * per_step.
+
 This module is pure logic (no database, no clock) so the data pool and the discrete-event simulation in
 ``benchmarks/scheduler.py`` share exactly the same rule.
 """
@@ -72,3 +76,10 @@ def window_occupancy(pending: list[PendingGroup], window: float) -> tuple[int, i
     limit = pending[0].index + window
     inside = [g for g in pending if g.index < limit]
     return sum(g.finished for g in inside), len(inside)
+
+
+def admit(running: int, undelivered: int, max_inflight: int | None, max_staleness: int | None, per_step: int) -> bool:
+    """Backpressure rule: may one more group start now? (``undelivered`` counts running + finished groups.)"""
+    if max_inflight is not None and running >= max_inflight:
+        return False
+    return max_staleness is None or undelivered + 1 <= (max_staleness + 1) * per_step
