@@ -2,8 +2,9 @@
 //
 // Input: a flat int64 token buffer [P] and int64 offsets [S+1] (sample s is tokens[offsets[s]:offsets[s+1]]).
 // 1. Insert every sample into a token-level trie keyed by (parent node, token); nodes are numbered in creation
-//    order, so parents precede children and siblings are ordered by first appearance. Once a sample creates a
-//    node, the rest of that sample is new, so lookups stop and only inserts remain.
+//    order, so parents precede children and siblings are ordered by first appearance. A node's first child is
+//    stored beside it, later children in a hash table. Once a sample creates a node, the rest of that sample
+//    is new, so lookups stop and only inserts remain.
 // 2. Subtree sizes in one reverse pass; 3. DFS pre-order index in one forward pass.
 // Output (numpy): tokens int64 [T], position_ids int64 [T], sub_end int32 [T], sample_nodes int64 [P].
 
@@ -22,34 +23,36 @@ namespace {
 
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-// Open-addressing map (parent, token) -> child node. Capacity is fixed up front (>= 2x the node bound).
+// Open-addressing map (parent, token) -> child node for all but the first child of each node.
+// Capacity is fixed up front (>= 2x the entry bound); one slot is one cache-line-friendly struct.
 class EdgeTable {
  public:
-  explicit EdgeTable(int64_t max_nodes) {
+  explicit EdgeTable(int64_t max_entries) {
     uint64_t cap = 16;
-    while (cap < 2 * static_cast<uint64_t>(max_nodes)) cap <<= 1;
+    while (cap < 2 * static_cast<uint64_t>(max_entries)) cap <<= 1;
     mask_ = cap - 1;
-    parent_.resize(cap);
-    token_.resize(cap);
-    child_.assign(cap, -1);
+    slots_.assign(cap, Slot{0, 0, -1});
   }
 
   int64_t find(int64_t parent, int64_t token) const {
-    for (uint64_t slot = hash(parent, token);; slot = (slot + 1) & mask_) {
-      if (child_[slot] < 0) return -1;
-      if (parent_[slot] == parent && token_[slot] == token) return child_[slot];
+    for (uint64_t i = hash(parent, token);; i = (i + 1) & mask_) {
+      const Slot& slot = slots_[i];
+      if (slot.child < 0) return -1;
+      if (slot.parent == parent && slot.token == token) return slot.child;
     }
   }
 
   void insert(int64_t parent, int64_t token, int64_t child) {
-    uint64_t slot = hash(parent, token);
-    while (child_[slot] >= 0) slot = (slot + 1) & mask_;
-    parent_[slot] = parent;
-    token_[slot] = token;
-    child_[slot] = child;
+    uint64_t i = hash(parent, token);
+    while (slots_[i].child >= 0) i = (i + 1) & mask_;
+    slots_[i] = Slot{parent, token, child};
   }
 
  private:
+  struct Slot {
+    int64_t parent, token, child;
+  };
+
   uint64_t hash(int64_t parent, int64_t token) const {
     uint64_t x = static_cast<uint64_t>(parent) * 0x9E3779B97F4A7C15ULL ^ static_cast<uint64_t>(token);
     x ^= x >> 30;
@@ -61,40 +64,66 @@ class EdgeTable {
   }
 
   uint64_t mask_;
-  std::vector<int64_t> parent_, token_, child_;
+  std::vector<Slot> slots_;
 };
 
-struct Trie {
+// Token-level trie. The first child of a node is kept beside the node (no hashing on the common path: a
+// chain, or the first sample through a branch); later children go to the EdgeTable. Index 0 is a virtual
+// root above all real roots, so node n lives at n + 1 in first_child / branched.
+class Trie {
+ public:
+  explicit Trie(int64_t max_nodes) : first_child(max_nodes + 1, -1), branched(max_nodes + 1, 0), edges(max_nodes) {
+    parent.reserve(max_nodes);
+    token.reserve(max_nodes);
+    depth.reserve(max_nodes);
+  }
+
+  int64_t find(int64_t node, int64_t tok) const {
+    const int64_t first = first_child[node + 1];
+    if (first < 0) return -1;
+    if (token[first] == tok) return first;
+    return branched[node + 1] ? edges.find(node, tok) : -1;
+  }
+
+  int64_t add(int64_t node, int64_t tok, int64_t d) {
+    const int64_t child = static_cast<int64_t>(parent.size());
+    if (first_child[node + 1] < 0) {
+      first_child[node + 1] = child;
+    } else {
+      branched[node + 1] = 1;
+      edges.insert(node, tok, child);
+    }
+    parent.push_back(node);
+    token.push_back(tok);
+    depth.push_back(d);
+    return child;
+  }
+
   std::vector<int64_t> parent, token, depth;  // per node, creation order; parent -1 marks a root
-  std::vector<int64_t> node_of_token;         // per sample token
+
+ private:
+  std::vector<int64_t> first_child;
+  std::vector<uint8_t> branched;
+  EdgeTable edges;
 };
 
-Trie insert_all(const int64_t* tokens, const int64_t* offsets, int64_t num_samples) {
-  const int64_t total = offsets[num_samples];
-  Trie trie;
-  trie.parent.reserve(total);
-  trie.token.reserve(total);
-  trie.depth.reserve(total);
-  trie.node_of_token.resize(total);
-  EdgeTable edges(total);
+// Insert every sample; returns the trie node of every sample token.
+std::vector<int64_t> insert_all(Trie& trie, const int64_t* tokens, const int64_t* offsets, int64_t num_samples) {
+  std::vector<int64_t> node_of_token(offsets[num_samples]);
   for (int64_t s = 0; s < num_samples; ++s) {
     int64_t node = -1;
     bool fresh = false;  // true once this sample has created a node: everything after is new
     for (int64_t pos = offsets[s]; pos < offsets[s + 1]; ++pos) {
-      int64_t child = fresh ? -1 : edges.find(node, tokens[pos]);
+      int64_t child = fresh ? -1 : trie.find(node, tokens[pos]);
       if (child < 0) {
-        child = static_cast<int64_t>(trie.parent.size());
-        edges.insert(node, tokens[pos], child);
-        trie.parent.push_back(node);
-        trie.token.push_back(tokens[pos]);
-        trie.depth.push_back(pos - offsets[s]);
+        child = trie.add(node, tokens[pos], pos - offsets[s]);
         fresh = true;
       }
-      trie.node_of_token[pos] = child;
+      node_of_token[pos] = child;
       node = child;
     }
   }
-  return trie;
+  return node_of_token;
 }
 
 std::vector<int64_t> subtree_sizes(const std::vector<int64_t>& parent) {
@@ -148,11 +177,11 @@ py::tuple build(const I64Array& tokens, const I64Array& offsets) {
   check_inputs(tokens, offsets);
   const int64_t num_samples = offsets.shape(0) - 1;
   const int64_t total = tokens.shape(0);
-  Trie trie;
-  std::vector<int64_t> size, pre;
+  Trie trie(total);
+  std::vector<int64_t> node_of_token, size, pre;
   {
     py::gil_scoped_release release;
-    trie = insert_all(tokens.data(), offsets.data(), num_samples);
+    node_of_token = insert_all(trie, tokens.data(), offsets.data(), num_samples);
     size = subtree_sizes(trie.parent);
     pre = preorder(trie.parent, size);
   }
@@ -168,7 +197,7 @@ py::tuple build(const I64Array& tokens, const I64Array& offsets) {
     pos[pre[n]] = trie.depth[n];
     sub_end[pre[n]] = static_cast<int32_t>(pre[n] + size[n]);
   }
-  for (int64_t p = 0; p < total; ++p) nodes[p] = pre[trie.node_of_token[p]];
+  for (int64_t p = 0; p < total; ++p) nodes[p] = pre[node_of_token[p]];
   return py::make_tuple(out_tokens, out_pos, out_sub_end, out_nodes);
 }
 
