@@ -110,7 +110,7 @@ class LossConfig:
         if loss_type not in RECOMMENDED_EPS:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
         eps_low, eps_high = RECOMMENDED_EPS[loss_type]
-        return replace(cls(), loss_type=loss_type, eps_low=eps_low, eps_high=eps_high, **overrides)
+        return replace(cls(), **{"loss_type": loss_type, "eps_low": eps_low, "eps_high": eps_high, **overrides})
 
 
 def sample_index(cu_seqlens_S1: torch.Tensor) -> torch.Tensor:

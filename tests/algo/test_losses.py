@@ -253,6 +253,10 @@ def test_per_domain_metrics():
     assert m["agent/pg_loss"] == pytest.approx(1.5)  # -A * logp averaged over agent tokens
     assert m["math/pg_loss"] == pytest.approx(-3.0)
     assert m["math/advantage"] == -1.0
+    _, m = _loss(logp_M, logp_M, adv_M, torch.ones(3), [0, 2, 3], LossConfig(),
+                 domain_ids_S=torch.tensor([0, 0]), domain_names=["math", "agent", "qa"])
+    assert m["math/num_tokens"] == 3.0
+    assert not any(k.startswith(("agent/", "qa/")) for k in m)  # domains without tokens are left out
 
 
 # ---------------------------------------------------------------- tree-packed vs unmerged
@@ -335,6 +339,10 @@ def test_recommended_rejects_unknown_loss():
     with pytest.raises(ValueError, match="loss_type must be one of"):
         LossConfig.recommended("a2c")
     assert (LossConfig.recommended("ppo").eps_low, LossConfig.recommended("ppo").eps_high) == (0.2, 0.2)
+    tuned = LossConfig.recommended("ppo", eps_high=0.3, dual_clip_c=3.0)
+    assert (tuned.loss_type, tuned.eps_low, tuned.eps_high, tuned.dual_clip_c) == ("ppo", 0.2, 0.3, 3.0)
+    with pytest.raises(ValueError, match="dual_clip_c must be > 1"):
+        LossConfig.recommended("ppo", dual_clip_c=0.5)  # overrides are validated too
 
 
 def _good():
