@@ -395,3 +395,50 @@ def test_missing_optional_inputs(cfg, message):
     g = _good()
     with pytest.raises(ValueError, match=_exact(message)):
         _loss(g["logp_M"], g["old_M"], g["adv_M"], g["mask_M"], g["cu"], cfg)
+
+
+# ---------------------------------------------------------------- micro-batches and devices
+
+
+def test_constant_norm_micro_batches_sum_to_global_token_mean():
+    """Gradient accumulation: micro-batch losses with norm_constant = the global masked-token count add up to the
+    token-mean loss of the whole batch (value and gradient)."""
+    torch.manual_seed(3)
+    cu = torch.tensor([0, 3, 7, 8, 12])
+    logp_M = (-torch.rand(12)).requires_grad_()
+    old_M, adv_M = logp_M.detach() + 0.2 * torch.randn(12), torch.randn(12)
+    mask_M = (torch.rand(12) < 0.7).float()
+    mask_M[0] = 1.0
+    full, _ = policy_loss(logp_M, old_M, adv_M, mask_M, cu, LossConfig())
+    (g_full,) = torch.autograd.grad(full, logp_M)
+    cfg = LossConfig(norm="constant", norm_constant=float(mask_M.sum()))
+    total = sum(
+        policy_loss(logp_M[a:b], old_M[a:b], adv_M[a:b], mask_M[a:b], cu[i:j + 1] - cu[i], cfg)[0]
+        for i, j, a, b in ((0, 2, 0, 7), (2, 4, 7, 12))
+    )
+    (g_total,) = torch.autograd.grad(total, logp_M)
+    torch.testing.assert_close(total, full)
+    torch.testing.assert_close(g_total, g_full)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss_type", ["cispo", "ppo", "gspo"])
+def test_cuda_matches_cpu(loss_type):
+    torch.manual_seed(4)
+    cu = torch.tensor([0, 5, 9, 16])
+    inputs = dict(old=-torch.rand(16), adv=torch.randn(16), mask=(torch.rand(16) < 0.8).float(),
+                  ref=-torch.rand(16), domains=torch.tensor([0, 1, 0]))
+    inputs["mask"][0] = 1.0
+    logp_cpu = (-torch.rand(16)).requires_grad_()
+    cfg = LossConfig.recommended(loss_type, kl_coef=0.1)
+    results = []
+    for device in ("cpu", "cuda"):
+        logp = logp_cpu.detach().to(device).requires_grad_()
+        x = {k: v.to(device) for k, v in inputs.items()}
+        loss, metrics = policy_loss(logp, x["old"], x["adv"], x["mask"], cu.to(device), cfg, ref_logp_M=x["ref"],
+                                    domain_ids_S=x["domains"], domain_names=["a", "b"])
+        (grad,) = torch.autograd.grad(loss, logp)
+        results.append((loss.cpu(), grad.cpu(), metrics))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1])
+    assert results[1][2] == pytest.approx(results[0][2], rel=1e-5)
