@@ -1,0 +1,149 @@
+"""Per-sample log-probabilities from one tree-packed forward of a Megatron GPTModel (TP and PP aware).
+
+Every sample is a root-to-node path of the prefix forest, so the logits row of tree token i predicts the next
+token of every sample passing through i. With ``(pred_nodes_M, targets_M) = layout.next_token_index()``:
+
+    logp_m    = z[pred_m, y_m] - lse(pred_m),          lse(t) = log sum_v exp z[t, v]
+    entropy_m = lse(pred_m) - sum_v p[pred_m, v] z[pred_m, v]
+
+At a branch point one row is scored against several targets: only the scalars z[pred_m, y_m] are gathered,
+never an M x V matrix. Under tensor parallelism each rank holds a vocabulary slice of z; nothing gathers the
+full vocabulary: lse uses all-reduce(max) (detached: it only shifts the exponent) and all-reduce(sum exp),
+the target logit comes from the rank owning its slice and is summed over ranks, and the entropy term
+sum_v exp(z - max) z likewise. The sums go through Megatron's ``reduce_from_tensor_model_parallel_region``
+(all-reduce forward, identity backward: every rank computes the same replicated loss from the sums), so
+autograd is exact. Autograd also sums the gradient of a shared row over the samples that use it, which is
+why merged training equals unmerged training.
+
+``make_tree_forward_step`` wraps this for Megatron's pipeline schedules; ``sample_logprobs_unmerged`` runs
+each sample alone through a causal model: the oracle the tree path is tested against.
+
+Legend: T = tree tokens, V = vocabulary slice on this TP rank, M = next-token targets of all samples,
+L = length of one sample, S = samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from forge_megatron.mcore.model import causal_mask
+from forge_megatron.mcore.tree_attention import tree_packed_seq_params
+
+
+# ------------------------------------------------------------------------------------- vocab-parallel math
+def vocab_parallel_logprobs(logits_TV: torch.Tensor, rows_M: torch.Tensor, targets_M: torch.Tensor,
+                            with_entropy: bool = False):
+    """logp_M (and entropy_M) of ``targets_M`` under rows ``rows_M`` of TP-sharded logits; full-vocab exact."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    logits_TV = logits_TV.float()
+    max_T = logits_TV.detach().max(dim=-1).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted_TV = logits_TV - max_T[:, None]
+    exp_TV = shifted_TV.exp()
+    sum_exp_T = reduce_from_tensor_model_parallel_region(exp_TV.sum(dim=-1))
+    lse_T = max_T + sum_exp_T.log()
+
+    vocab_start = ps.get_tensor_model_parallel_rank() * logits_TV.shape[-1]
+    local_M = targets_M.to(logits_TV.device) - vocab_start
+    owned_M = (local_M >= 0) & (local_M < logits_TV.shape[-1])
+    rows_M = rows_M.to(logits_TV.device)
+    picked_M = logits_TV[rows_M, local_M.clamp(0, logits_TV.shape[-1] - 1)] * owned_M
+    target_logit_M = reduce_from_tensor_model_parallel_region(picked_M)
+    logp_M = target_logit_M - lse_T[rows_M]
+    if not with_entropy:
+        return logp_M, None
+    # sum_v p z = max + sum_v exp(z - max) (z - max) / sum_exp
+    weighted_T = reduce_from_tensor_model_parallel_region((exp_TV * shifted_TV).sum(dim=-1))
+    entropy_T = sum_exp_T.log() - weighted_T / sum_exp_T
+    return logp_M, entropy_T[rows_M]
+
+
+# -------------------------------------------------------------------------------------------- tree forward
+def tree_model_inputs(layout, backend: str | None = None, device=None) -> dict:
+    """Keyword arguments for ``GPTModel.forward`` on one tree-packed micro-batch (batch of 1, T tokens)."""
+    params = tree_packed_seq_params(layout, backend=backend, device=device)
+    return dict(
+        input_ids=layout.tokens.to(device)[None],
+        position_ids=params.position_ids[None],
+        attention_mask=None,
+        packed_seq_params=params,
+    )
+
+
+def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = False):
+    """GPTModel's last-stage output [1, T, V] -> (logp_M, entropy_M | None) in next_token_index() order."""
+    pred_nodes_M, targets_M, _ = layout.next_token_index()
+    return vocab_parallel_logprobs(logits_1TV[0], pred_nodes_M, targets_M, with_entropy)
+
+
+def tree_logprobs(model, layout, with_entropy: bool = False, backend: str | None = None):
+    """Run a tree-packed micro-batch through a (single-stage) tree GPTModel; per-sample logprobs, differentiable.
+
+    ``model`` is built with ``build_tree_gpt`` (tree layer spec + depth RoPE). Returns (logp_M, entropy_M | None)
+    aligned with ``layout.next_token_index()``.
+    """
+    device = next(model.parameters()).device
+    logits_1TV = model(**tree_model_inputs(layout, backend=backend, device=device))
+    return logprobs_from_logits(logits_1TV, layout, with_entropy)
+
+
+def sample_logprobs_unmerged(model, samples, with_entropy: bool = False):
+    """The oracle: each sample alone through a causal GPTModel (standard spec); logp concatenated like logp_M."""
+    device = next(model.parameters()).device
+    logps, entropies = [], []
+    for tokens in samples:
+        tokens_L = torch.as_tensor(tokens, dtype=torch.int64, device=device)
+        L = tokens_L.numel()
+        logits_1LV = model(tokens_L[None], torch.arange(L, device=device)[None], causal_mask(L, device=device))
+        logp, entropy = vocab_parallel_logprobs(logits_1LV[0], torch.arange(L - 1, device=device), tokens_L[1:],
+                                                with_entropy)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+# ------------------------------------------------------------------------------------- pipeline schedules
+@dataclass
+class TreeMicroBatch:
+    """One micro-batch for :func:`make_tree_forward_step`: a layout plus whatever per-sample data the loss needs."""
+
+    layout: object
+    extras: dict = field(default_factory=dict)
+
+
+LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TreeMicroBatch], tuple]
+
+
+def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend: str | None = None):
+    """A ``forward_step_func(data_iterator, model)`` for ``megatron.core.pipeline_parallel.get_forward_backward_func``.
+
+    The iterator yields :class:`TreeMicroBatch`. On the last pipeline stage the returned loss function maps
+    the logits to ``loss_fn(logp_M, entropy_M, micro_batch) -> (loss, metrics)``; Megatron then divides
+    ``loss`` by the number of micro-batches. Stages exchange [T, 1, hidden] with T varying per micro-batch,
+    so under PP the model's config needs ``variable_seq_lengths=True``.
+    """
+
+    def forward_step(data_iterator, model):
+        micro_batch = next(data_iterator)
+        if not isinstance(micro_batch, TreeMicroBatch):
+            raise TypeError(f"tree forward step expects TreeMicroBatch items, got {type(micro_batch).__name__}")
+        config = model.config  # GPTModel and Megatron's wrappers (DDP, Float16Module) all carry it
+        if config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths:
+            raise ValueError("tree micro-batches vary in length: build the model with variable_seq_lengths=True under PP")
+        device = next(model.parameters()).device
+        output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device))
+
+        def loss_func(logits_1TV):
+            logp_M, entropy_M = logprobs_from_logits(logits_1TV, micro_batch.layout, with_entropy)
+            return loss_fn(logp_M, entropy_M, micro_batch)
+
+        return output, loss_func
+
+    return forward_step

@@ -1,0 +1,171 @@
+"""Tree attention inside Megatron-Core: a ``core_attention`` module, its packed-sequence params, layer specs
+and rotary embeddings taken by tree depth.
+
+A micro-batch of samples merged into a prefix forest (forge_megatron.tree) runs through a standard Megatron
+``GPTModel`` as ONE sequence of T unique tokens (batch 1) in DFS pre-order. Three things change:
+
+1. Attention mask: key j is visible to query i  <=>  j <= i < sub_end[j]  (j is an ancestor of i or i).
+   :class:`TreeAttention` replaces ``DotProductAttention`` (same constructor and forward signature) and calls
+   ``forge_megatron.kernels.tree_attention.tree_attention`` on the tree metadata it finds in
+   :class:`TreePackedSeqParams`: o_i = sum_{j visible} softmax_j(scale * q_i . k_j) v_j.
+2. Positions: token i sits at position depth(i) in every sample containing it, so RoPE must rotate it by
+   depth, not by its packed offset i. :func:`use_depth_rope` installs a forward pre-hook on the model's
+   decoder that replaces the rotary table Megatron built for offsets 0..T-1 by ``table[position_ids]``
+   ([T, 1, 1, dim]); every pipeline stage has its own decoder and rotary module, so every stage applies it.
+3. Nothing else: linear layers, norms and MoE routing act per token and see each unique token once.
+
+The packed params keep ``qkv_format="sbhd"`` on purpose: Megatron's SelfAttention then keeps q/k/v as
+[s, b, heads, dim] with b == 1 and applies RoPE in the plain (non-"thd") path, which indexes the rotary table
+by row; the depth-indexed table makes row i carry depth(i).
+
+Legend: T = tree tokens (the packed sequence), N = query heads per TP rank, K = key/value heads per TP rank,
+H = head dim, D = rotary dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from forge_megatron.mcore.model import GPTConfig, build_gpt, layer_spec
+
+
+@dataclass
+class TreePackedSeqParams(PackedSeqParams):
+    """Megatron packed-sequence params carrying a prefix-forest layout for :class:`TreeAttention`.
+
+    Attributes (besides PackedSeqParams'):
+        sub_end: int32 [T], exclusive end of each token's subtree in DFS order (the whole mask).
+        position_ids: int64 [T], depth of each token (its RoPE position).
+        backend: tree-attention backend name passed to the dispatcher (None = its default choice).
+    ``max_seqlen_q``/``max_seqlen_kv`` are max depth + 1 (the longest sample), which is the rotary table
+    length Megatron asks for.
+    """
+
+    sub_end: torch.Tensor = None
+    position_ids: torch.Tensor = None
+    backend: str | None = None
+
+    def __post_init__(self):
+        if self.sub_end is None or self.position_ids is None:
+            raise ValueError("TreePackedSeqParams needs sub_end and position_ids (build it with tree_packed_seq_params)")
+        if self.sub_end.dim() != 1 or self.sub_end.shape != self.position_ids.shape:
+            raise ValueError(
+                f"sub_end and position_ids must be 1-D of the same length, got {tuple(self.sub_end.shape)} "
+                f"and {tuple(self.position_ids.shape)}"
+            )
+
+
+def tree_packed_seq_params(layout, backend: str | None = None, device=None) -> TreePackedSeqParams:
+    """Packed-sequence params for a ``forge_megatron.tree.TreeLayout`` (tensors moved to ``device``)."""
+    sub_end_T = layout.sub_end.to(device=device, dtype=torch.int32)
+    position_ids_T = layout.position_ids.to(device=device, dtype=torch.int64)
+    longest = int(position_ids_T.max()) + 1 if position_ids_T.numel() else 1
+    return TreePackedSeqParams(
+        qkv_format="sbhd", max_seqlen_q=longest, max_seqlen_kv=longest,
+        sub_end=sub_end_T, position_ids=position_ids_T, backend=backend,
+    )
+
+
+class TreeAttention(MegatronModule):
+    """Drop-in ``core_attention`` for Megatron's SelfAttention that attends over a prefix forest.
+
+    Inputs as for ``DotProductAttention``: query [T, 1, N, H], key/value [T, 1, K, H] (heads already split
+    per TP rank; GQA handled by the kernel), ``packed_seq_params`` a :class:`TreePackedSeqParams`.
+    ``attention_mask`` must be None: the mask is ``sub_end``. Output [T, 1, N * H].
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(f"TreeAttention does not support context parallelism (cp={config.context_parallel_size})")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"TreeAttention does not support attention dropout; set attention_dropout=0 (got {dropout})")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if not isinstance(packed_seq_params, TreePackedSeqParams):
+            raise TypeError(
+                "TreeAttention needs packed_seq_params=TreePackedSeqParams (see tree_packed_seq_params(layout)), "
+                f"got {type(packed_seq_params).__name__}"
+            )
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("TreeAttention takes its mask from sub_end: pass attention_mask=None and no attention_bias")
+        T, b = query.shape[:2]
+        if b != 1 or T != packed_seq_params.sub_end.numel():
+            raise ValueError(
+                f"TreeAttention expects query [T, 1, heads, dim] with T = {packed_seq_params.sub_end.numel()} tree "
+                f"tokens, got {tuple(query.shape)}"
+            )
+        from forge_megatron.kernels.tree_attention import tree_attention
+
+        o_TNH = tree_attention(
+            query[:, 0], key[:, 0], value[:, 0], packed_seq_params.sub_end,
+            softmax_scale=self.softmax_scale, backend=packed_seq_params.backend,
+        )
+        return o_TNH.reshape(T, 1, -1)
+
+
+# ------------------------------------------------------------------------------------------------ specs
+def tree_layer_spec(cfg: GPTConfig, use_te: bool = False):
+    """``layer_spec(cfg, use_te)`` with every self-attention's core_attention swapped for TreeAttention.
+
+    Works on a single layer ModuleSpec (dense or MoE) and on a block spec holding ``layer_specs``.
+    """
+    return swap_core_attention(layer_spec(cfg, use_te=use_te))
+
+
+def swap_core_attention(spec):
+    """A copy of a Megatron layer (or block) spec whose self-attention uses TreeAttention; the input is untouched."""
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=[swap_core_attention(s) for s in spec.layer_specs])
+    layer_subs = spec.submodules
+    attn = getattr(layer_subs, "self_attention", None)
+    if attn is None or not dataclasses.is_dataclass(getattr(attn, "submodules", None)) \
+            or not hasattr(attn.submodules, "core_attention"):
+        raise TypeError(f"cannot find self_attention.submodules.core_attention in layer spec {spec!r}")
+    tree_attn = dataclasses.replace(
+        attn,
+        params={**attn.params, "attn_mask_type": AttnMaskType.arbitrary},
+        submodules=dataclasses.replace(attn.submodules, core_attention=TreeAttention),
+    )
+    return dataclasses.replace(spec, submodules=dataclasses.replace(layer_subs, self_attention=tree_attn))
+
+
+# ------------------------------------------------------------------------------------------------- RoPE
+def use_depth_rope(model):
+    """Make ``model`` (a GPTModel stage) rotate tree tokens by depth when given TreePackedSeqParams.
+
+    Returns the hook handle. Calls without TreePackedSeqParams are left untouched.
+    """
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None or getattr(model, "position_embedding_type", None) != "rope":
+        raise ValueError("use_depth_rope needs a GPTModel built with position_embedding_type='rope'")
+
+    def index_rope_by_depth(module, args, kwargs):
+        params = kwargs.get("packed_seq_params")
+        if not isinstance(params, TreePackedSeqParams) or kwargs.get("rotary_pos_emb") is None:
+            return None
+        table_DD = rotary(int(params.max_seqlen_q))  # [max depth + 1, 1, 1, D]
+        kwargs["rotary_pos_emb"] = table_DD[params.position_ids.to(table_DD.device)]
+        return args, kwargs
+
+    return model.decoder.register_forward_pre_hook(index_rope_by_depth, with_kwargs=True)
+
+
+def build_tree_gpt(cfg: GPTConfig, use_te: bool = False, **kwargs):
+    """``build_gpt`` with the tree layer spec and depth RoPE: this rank's stage of a tree-packed GPTModel."""
+    model = build_gpt(cfg, spec=tree_layer_spec(cfg, use_te=use_te), **kwargs)
+    use_depth_rope(model)
+    return model

@@ -1,0 +1,306 @@
+"""Tree-packed training equals unmerged training inside Megatron-Core (fp32, CPU, gloo; 0 GPUs, 1-2 ranks).
+
+Per-sample logprobs (and entropies) from ONE tree-packed forward of a GPTModel with TreeAttention + depth RoPE
+are compared with each sample run alone through a standard causal GPTModel holding the same weights; and the
+parameter gradients of a per-sample weighted loss sum_s w_s sum_t logp_st are compared too. Forests: identical
+samples, a sample that is a prefix of another, no shared prefix, a deep chain, a wide fan and random tries.
+Runs: one rank (dense + MoE + error messages), TP=2 (vocab-parallel logprobs without gathering the
+vocabulary), PP=2 (through Megatron's pipeline schedule with variable-length micro-batches).
+"""
+
+import random
+
+import pytest
+import torch
+
+from forge_megatron.mcore.parallel import ParallelConfig
+from tests.dist_utils import run_distributed
+
+VOCAB = 96
+LOGP_ATOL = 1e-5
+GRAD_RTOL = 1e-5
+
+
+def _cfg(**kw):
+    from forge_megatron.mcore.model import GPTConfig
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                vocab_size=VOCAB, max_position_embeddings=256)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def _toks(rng, n):
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def _random_trie(rng, n_samples):
+    """Samples grown by branching off random points of earlier samples."""
+    samples = [_toks(rng, rng.randint(3, 12))]
+    for _ in range(n_samples - 1):
+        base = rng.choice(samples)
+        cut = rng.randint(0, len(base))
+        samples.append(base[:cut] + _toks(rng, rng.randint(1, 8)))
+    return samples
+
+
+def forest_cases(seed=0):
+    rng = random.Random(seed)
+    prompt, chain = _toks(rng, 6), _toks(rng, 40)
+    same = _toks(rng, 9)
+    return {
+        "identical": [same, list(same), list(same)],
+        "prefix_of_another": [prompt, prompt + _toks(rng, 5), prompt + _toks(rng, 2)],
+        "no_shared_prefix": [[t] + _toks(rng, rng.randint(2, 7)) for t in rng.sample(range(VOCAB), 4)],
+        "deep_chain": [chain, chain[:33] + _toks(rng, 7)],
+        "wide_fan": [prompt + _toks(rng, rng.randint(1, 4)) for _ in range(12)],
+        "random_trie": _random_trie(rng, 10),
+    }
+
+
+def all_samples(seed=0):
+    return [s for samples in forest_cases(seed).values() for s in samples]
+
+
+def _weights(samples):
+    g = torch.Generator().manual_seed(5)
+    return torch.rand(len(samples), generator=g) + 0.5
+
+
+def _weighted_loss(logp_M, layout_or_lengths, w_S):
+    """sum_s w_s * sum_t logp_st, with per-sample target counts from the layout (or L_s - 1 lists)."""
+    counts = (layout_or_lengths.next_token_index()[2].diff() if hasattr(layout_or_lengths, "next_token_index")
+              else torch.tensor(layout_or_lengths))
+    return (logp_M * torch.repeat_interleave(w_S, counts)).sum()
+
+
+def _twin_models(cfg, **kw):
+    """A tree GPTModel and a standard causal GPTModel with identical weights (this rank's TP/PP shard)."""
+    from forge_megatron.mcore.model import build_gpt
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+
+    torch.manual_seed(3)
+    tree = build_tree_gpt(cfg, **kw)
+    causal = build_gpt(cfg, **kw)
+    causal.load_state_dict(tree.state_dict())
+    return tree, causal
+
+
+def _grad_rel_diff(a, b):
+    """max over parameters of max|g_a - g_b| / max|g_b| (grads of params that got one)."""
+    worst = 0.0
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        ga, gb = _grad(pa), _grad(pb)
+        assert (ga is None) == (gb is None), name
+        if ga is not None:
+            worst = max(worst, ((ga - gb).abs().max() / gb.abs().max().clamp_min(1e-30)).item())
+    return worst
+
+
+def _grad(p):
+    return getattr(p, "main_grad", None) if getattr(p, "grad", None) is None else p.grad
+
+
+def _exactness(tree, causal, samples):
+    """(max |logp diff|, max |entropy diff|, grad rel diff) for one forest."""
+    from forge_megatron.mcore.forward import sample_logprobs_unmerged, tree_logprobs
+    from forge_megatron.tree import build_tree
+
+    layout = build_tree(samples)
+    tree.zero_grad()
+    causal.zero_grad()
+    logp_t, ent_t = tree_logprobs(tree, layout, with_entropy=True)
+    logp_u, ent_u = sample_logprobs_unmerged(causal, samples, with_entropy=True)
+    w_S = _weights(samples)
+    _weighted_loss(logp_t, layout, w_S).backward()
+    _weighted_loss(logp_u, [len(s) - 1 for s in samples], w_S).backward()
+    return ((logp_t - logp_u).abs().max().item(), (ent_t - ent_u).abs().max().item(), _grad_rel_diff(tree, causal),
+            layout.unique_tokens, layout.total_tokens)
+
+
+# ----------------------------------------------------------------------------------------------- bodies
+def _body_one_rank(rank, world_size):
+    from forge_megatron.mcore.forward import tree_logprobs
+    from forge_megatron.tree import build_tree
+
+    tree, causal = _twin_models(_cfg())
+    out = {name: _exactness(tree, causal, samples) for name, samples in forest_cases(0).items()}
+    out["forest_of_all"] = _exactness(tree, causal, all_samples(1))
+    # The segment backend (automatic on CPU) against the dense reference backend, same model.
+    layout = build_tree(all_samples(2))
+    with torch.no_grad():
+        seg, _ = tree_logprobs(tree, layout)
+        ref, _ = tree_logprobs(tree, layout, backend="reference")
+    out["segment_vs_reference"] = (seg - ref).abs().max().item()
+    moe_tree, moe_causal = _twin_models(_cfg(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                                             moe_token_dispatcher_type="alltoall"))
+    out["moe"] = _exactness(moe_tree, moe_causal, all_samples(3))
+    out["errors"] = _error_messages(tree, causal, layout)
+    out["rope_by_offset"] = _offset_rope_error(tree, causal)
+    return out
+
+
+def _offset_rope_error(tree, causal):
+    """Negative control: rotating tree tokens by packed offset instead of depth must be visibly wrong."""
+    import dataclasses
+
+    from forge_megatron.mcore.forward import sample_logprobs_unmerged, tree_logprobs
+    from forge_megatron.tree import build_tree
+
+    samples = forest_cases(0)["wide_fan"]
+    layout = build_tree(samples)
+    by_offset = dataclasses.replace(layout, position_ids=torch.arange(layout.unique_tokens))
+    with torch.no_grad():
+        wrong, _ = tree_logprobs(tree, by_offset)
+        right, _ = sample_logprobs_unmerged(causal, samples)
+    return (wrong - right).abs().max().item()
+
+
+def _error_messages(tree, causal, layout):
+    from forge_megatron.mcore.forward import tree_model_inputs
+
+    messages = []
+    inputs = tree_model_inputs(layout)
+    for call in (
+        lambda: tree(inputs["input_ids"], inputs["position_ids"], None),  # no packed params
+        lambda: tree(**dict(inputs, attention_mask=torch.zeros(1, 1, layout.unique_tokens, layout.unique_tokens,
+                                                                dtype=torch.bool))),
+    ):
+        try:
+            call()
+            messages.append("no error")
+        except (TypeError, ValueError) as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def _body_tp(rank, world_size):
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from forge_megatron.mcore.forward import tree_model_inputs, vocab_parallel_logprobs
+    from forge_megatron.tree import build_tree
+
+    tree, causal = _twin_models(_cfg())
+    out = {"exact": _exactness(tree, causal, all_samples(4))}
+    # Vocab-parallel logp/entropy against log_softmax over the gathered full vocabulary (test-side only).
+    layout = build_tree(all_samples(5))
+    with torch.no_grad():
+        logits_TV = tree(**tree_model_inputs(layout))[0]
+        pred_M, targets_M, _ = layout.next_token_index()
+        logp_M, ent_M = vocab_parallel_logprobs(logits_TV, pred_M, targets_M, with_entropy=True)
+        full_TV = gather_from_tensor_model_parallel_region(logits_TV).log_softmax(-1)
+        ref_logp_M = full_TV[pred_M, targets_M]
+        ref_ent_M = -(full_TV.exp() * full_TV).sum(-1)[pred_M]
+    out["vocab_parallel"] = ((logp_M - ref_logp_M).abs().max().item(), (ent_M - ref_ent_M).abs().max().item(),
+                             logits_TV.shape[-1])
+    return out
+
+
+def _body_pp(rank, world_size):
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from forge_megatron.mcore.forward import TreeMicroBatch, make_tree_forward_step
+    from forge_megatron.tree import build_tree
+
+    # Megatron's config check rejects variable_seq_lengths with its default (allgather) dispatcher even when dense.
+    tree, causal = _twin_models(_cfg(), variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    samples = all_samples(6)
+    w_S = _weights(samples)
+    half = len(samples) // 2
+    groups = [(samples[:half], w_S[:half]), (samples[half:], w_S[half:])]
+    run = get_forward_backward_func()
+
+    def tree_loss(logp_M, entropy_M, mb):
+        # x num_microbatches: Megatron divides each micro-batch loss by it; undo it to get the plain sum.
+        loss = _weighted_loss(logp_M, mb.layout, mb.extras["w_S"]) * len(groups)
+        return loss, {"logp": logp_M.detach()}
+
+    batches = [TreeMicroBatch(build_tree(s), {"w_S": w}) for s, w in groups]
+    tree_out = run(forward_step_func=make_tree_forward_step(tree_loss), data_iterator=iter(batches), model=[tree],
+                   num_microbatches=len(batches), seq_length=1, micro_batch_size=1, forward_only=False)
+    causal_out = run(forward_step_func=_causal_forward_step, data_iterator=iter(list(zip(samples, w_S.tolist()))),
+                     model=[causal], num_microbatches=len(samples), seq_length=1, micro_batch_size=1,
+                     forward_only=False)
+    out = {"last": ps.is_pipeline_last_stage(), "grad": _grad_rel_diff(tree, causal),
+           "has_grad": any(_grad(p) is not None and _grad(p).abs().sum() > 0 for p in tree.parameters())}
+    if out["last"]:
+        logp_tree = torch.cat([o["logp"] for o in tree_out])
+        logp_causal = torch.cat([o["logp"] for o in causal_out])
+        out["logp"] = (logp_tree - logp_causal).abs().max().item()
+    return out
+
+
+def _causal_forward_step(data_iterator, model):
+    """Unmerged oracle under PP: one sample per micro-batch, causal mask, same weighted loss."""
+    from forge_megatron.mcore.forward import vocab_parallel_logprobs
+    from forge_megatron.mcore.model import causal_mask
+
+    tokens, w = next(data_iterator)
+    L = len(tokens)
+    tokens_1L = torch.tensor(tokens)[None]
+    output = model(tokens_1L, torch.arange(L)[None], causal_mask(L))
+
+    def loss_func(logits_1LV):
+        logp, _ = vocab_parallel_logprobs(logits_1LV[0], torch.arange(L - 1), tokens_1L[0, 1:])
+        n_microbatches = len(all_samples(6))
+        return logp.sum() * w * n_microbatches, {"logp": logp.detach()}
+
+    return output, loss_func
+
+
+# ----------------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def one_rank():
+    (out,) = run_distributed(_body_one_rank, world_size=1)
+    return out
+
+
+@pytest.mark.parametrize("case", [*forest_cases(0), "forest_of_all"])
+def test_tree_equals_unmerged_dense(one_rank, case):
+    logp, ent, grad, unique, total = one_rank[case]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank[case]
+    assert unique <= total
+
+
+def test_merging_really_shares_tokens(one_rank):
+    _, _, _, unique, total = one_rank["identical"]
+    assert unique * 3 == total  # three identical samples: one copy in the tree
+
+
+def test_segment_backend_matches_reference(one_rank):
+    assert one_rank["segment_vs_reference"] <= LOGP_ATOL
+
+
+def test_moe_tree_equals_unmerged(one_rank):
+    logp, ent, grad, _, _ = one_rank["moe"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["moe"]
+
+
+def test_rope_must_follow_depth_not_offset(one_rank):
+    assert one_rank["rope_by_offset"] > 20 * LOGP_ATOL  # the exactness tolerance tells a wrong position apart
+
+
+def test_tree_attention_errors_name_the_problem(one_rank):
+    no_params, with_mask = one_rank["errors"]
+    assert "TreeAttention needs packed_seq_params=TreePackedSeqParams" in no_params
+    assert "pass attention_mask=None" in with_mask
+
+
+def test_tp2_tree_equals_unmerged_and_vocab_parallel_is_exact():
+    out = run_distributed(_body_tp, world_size=2, parallel=ParallelConfig(tp=2))
+    for o in out:
+        logp, ent, grad, _, _ = o["exact"]
+        assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, o
+        vp_logp, vp_ent, local_vocab = o["vocab_parallel"]
+        assert local_vocab == VOCAB // 2  # each rank really holds half the vocabulary
+        assert vp_logp <= LOGP_ATOL and vp_ent <= LOGP_ATOL, o
+
+
+def test_pp2_schedule_tree_equals_unmerged():
+    out = run_distributed(_body_pp, world_size=2, parallel=ParallelConfig(pp=2))
+    assert sorted(o["last"] for o in out) == [False, True]
+    for o in out:
+        assert o["has_grad"] and o["grad"] <= GRAD_RTOL, o
+    (last,) = [o for o in out if o["last"]]
+    assert last["logp"] <= LOGP_ATOL, last
