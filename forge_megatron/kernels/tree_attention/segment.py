@@ -26,6 +26,9 @@ L = padded queries per chain, J = padded keys per chain, R = N // K query heads 
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -48,25 +51,45 @@ def tree_attention_segment(
     if q_TNH.shape[0] == 0:
         return q_TNH.clone()
     forest = Forest(sub_end_T)
+    groups = list(forest.short_chain_groups())
+    chains = forest.long_chains()
+    arange = functools.partial(torch.arange, device=sub_end_T.device)
+    q_idx = [g.q_idx_BL.flatten() for g in groups] + [arange(start, end) for start, end in chains]
+    key_idx = [g.key_idx_BJ.flatten() for g in groups] + [forest.path_keys(start, end) for start, end in chains]
+    # one gather per input, then views: per-piece indexing would give every piece a T-sized gradient buffer
+    q_parts = _gather_split(q_TNH, q_idx)
+    k_parts, v_parts = _gather_split(k_TKH, key_idx), _gather_split(v_TKH, key_idx)
     rows, outs = [], []
-    for q_idx_BL, row_valid_BL, key_idx_BJ, allowed_BLJ in forest.short_chain_groups():
-        o_BLNH = _attend(q_TNH[q_idx_BL], k_TKH[key_idx_BJ], v_TKH[key_idx_BJ], allowed_BLJ, scale)
-        rows.append(q_idx_BL[row_valid_BL])
-        outs.append(o_BLNH[row_valid_BL])
-    for start, end in forest.long_chains():
-        key_idx_J = forest.path_keys(start, end)
-        k_JKH, v_JKH = k_TKH[key_idx_J], v_TKH[key_idx_J]
-        first_depth = key_idx_J.numel() - (end - start)
-        for a in range(0, end - start, QUERY_BLOCK):
-            b = min(a + QUERY_BLOCK, end - start)
-            n_keys = first_depth + b
-            allowed_LJ = _bottom_right_causal(b - a, n_keys, sub_end_T.device)
-            o_BLNH = _attend(
-                q_TNH[None, start + a : start + b], k_JKH[None, :n_keys], v_JKH[None, :n_keys], allowed_LJ[None], scale
-            )
-            rows.append(torch.arange(start + a, start + b, device=sub_end_T.device))
-            outs.append(o_BLNH[0])
+    for g, q_part, k_part, v_part in zip(groups, q_parts, k_parts, v_parts):
+        B, L = g.q_idx_BL.shape
+        J = g.key_idx_BJ.shape[1]
+        o_BLNH = _attend(
+            q_part.view(B, L, *q_TNH.shape[1:]), k_part.view(B, J, *k_TKH.shape[1:]),
+            v_part.view(B, J, *v_TKH.shape[1:]), g.allowed_BLJ, scale,
+        )
+        rows.append(g.q_idx_BL[g.row_valid_BL])
+        outs.append(o_BLNH[g.row_valid_BL])
+    n = len(groups)
+    for idx_L, q_LNH, k_JKH, v_JKH in zip(q_idx[n:], q_parts[n:], k_parts[n:], v_parts[n:]):
+        rows.append(idx_L)
+        outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale))
     return torch.zeros_like(q_TNH).index_copy(0, torch.cat(rows), torch.cat(outs))
+
+
+def _gather_split(x_T, idx_list: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return x_T[torch.cat(idx_list)].split([idx.numel() for idx in idx_list])
+
+
+def _attend_long_chain(q_LNH, k_JKH, v_JKH, scale: float) -> torch.Tensor:
+    """One chain (its queries are the last L of its J keys), in query blocks against prefixes of the keys."""
+    L, J = q_LNH.shape[0], k_JKH.shape[0]
+    outs = []
+    for a, q_block in zip(range(0, L, QUERY_BLOCK), q_LNH.split(QUERY_BLOCK)):
+        n_keys = J - L + a + q_block.shape[0]
+        allowed_LJ = _bottom_right_causal(q_block.shape[0], n_keys, q_LNH.device)
+        o_BLNH = _attend(q_block[None], k_JKH[None, :n_keys], v_JKH[None, :n_keys], allowed_LJ[None], scale)
+        outs.append(o_BLNH[0])
+    return torch.cat(outs)
 
 
 def _check_sub_end_values(sub_end_T: torch.Tensor) -> None:
@@ -74,6 +97,15 @@ def _check_sub_end_values(sub_end_T: torch.Tensor) -> None:
     idx_T = torch.arange(T, device=sub_end_T.device)
     if not bool(((sub_end_T > idx_T) & (sub_end_T <= T)).all()):
         raise ValueError(f"sub_end must satisfy i < sub_end[i] <= T = {T} for every token i (a DFS subtree end)")
+
+
+class ChainGroup(NamedTuple):
+    """B short chains padded to L queries and J keys, attended in one batched call."""
+
+    q_idx_BL: torch.Tensor  # query token of each row (padded rows repeat the chain's first token)
+    row_valid_BL: torch.Tensor  # False on padded rows
+    key_idx_BJ: torch.Tensor  # ancestors root-first, then the chain's own tokens (padded slots: token 0)
+    allowed_BLJ: torch.Tensor  # bottom-right causal within each chain, padded keys masked
 
 
 class Forest:
@@ -111,7 +143,7 @@ class Forest:
         return list(zip(self.start_C[is_long_C].tolist(), self.end_C[is_long_C].tolist()))
 
     def short_chain_groups(self):
-        """Yield (q_idx_BL, row_valid_BL, key_idx_BJ, allowed_BLJ) for each bucket of short chains."""
+        """Yield one ChainGroup per bucket of short chains (equal padded query and key counts)."""
         length_C = self.end_C - self.start_C
         short_C = torch.nonzero(length_C <= QUERY_BLOCK).flatten()
         if short_C.numel() == 0:
@@ -138,7 +170,7 @@ class Forest:
         first_depth_B = n_keys_B - length_B
         causal_BLJ = m_J[None, None, :] <= (first_depth_B[:, None, None] + r_L[None, :, None])
         allowed_BLJ = key_valid_BJ[:, None, :] & causal_BLJ  # padded rows see real keys: never an empty softmax
-        return q_idx_BL, row_valid_BL, key_idx_BJ, allowed_BLJ
+        return ChainGroup(q_idx_BL, row_valid_BL, key_idx_BJ, allowed_BLJ)
 
 
 def _attend(q_BLNH, k_BJKH, v_BJKH, allowed_BLJ, scale: float) -> torch.Tensor:
