@@ -113,7 +113,7 @@ __global__ void block_bounds_kernel(const int* sub_end, int* kmin, int* kmax, in
   kmax[b] = hi;
 }
 
-// grid (ceil(T / 32), N). Shared: q [32][H] (pre-scaled to log2 units), k [32][H+1], v [32][H], sub_end [32].
+// grid (ceil(T / 32), N). Shared: q [32][H], k [32][H+1], v [32][H], sub_end [32].
 template <typename scalar_t, int H>
 __global__ void __launch_bounds__(kThreads) fwd_kernel(TreeAttnParams p) {
   constexpr int C = H / 32;

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One-shot GPU check for the tree-attention kernels on a single H100/H200 (< 8 minutes):
+#   1. builds the CUDA extension in place (forge_megatron._C_tree_attn, sm_90 unless FORGE_CUDA_ARCH_LIST says else),
+#   2. runs the `gpu` tests of the kernels (GPU_CHECK_TESTS=tests runs every area's gpu tests),
+#   3. runs benchmarks/tree_attention.py on the GRPO and agentic workloads (one JSON line each).
+# Everything goes to the log file (GPU_CHECK_LOG, default runs/gpu_check.log); copy the JSON lines to docs/benchmarks.md.
+# Needs a CUDA build of torch, triton and nvcc in the active Python environment. Exit status: non-zero if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG="${GPU_CHECK_LOG:-runs/gpu_check.log}"
+mkdir -p "$(dirname "$LOG")"
+TESTS="${GPU_CHECK_TESTS:-tests/kernels}"
+: > "$LOG"
+failed=0
+
+step() {  # step NAME TIMEOUT_S CMD...
+  local name="$1" limit="$2"
+  shift 2
+  echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$LOG"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - start))s" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || failed=1
+}
+
+step "environment" 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -m forge_megatron.env"
+step "build CUDA extension" 180 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+  python setup.py build_ext --inplace
+step "gpu tests" 150 python -m pytest -q -m gpu -rs --timeout=140 "$TESTS"
+step "benchmark grpo" 60 python benchmarks/tree_attention.py --workload grpo
+step "benchmark agentic" 60 python benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
+
+echo "gpu_check: $([ $failed -eq 0 ] && echo PASSED || echo FAILED), log in $LOG" | tee -a "$LOG"
+exit $failed

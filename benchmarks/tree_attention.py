@@ -1,0 +1,186 @@
+"""Tree attention throughput: attended-pairs TFLOP/s of each tree backend vs per-sample attention, fwd and fwd+bwd.
+
+Workloads (samples share prefixes; the tree holds each unique token once):
+  grpo     one prompt of P tokens, G completions of R tokens each;
+  agentic  one episode of C calls, each re-sending the whole history: sample c = the first P + c * R tokens of the
+           episode (each call adds R tokens), so the tree is one chain of P + C * R tokens.
+Per-sample baselines run the same samples unmerged: SDPA causal (batched when lengths are equal) and flash-attn varlen
+when installed. FLOPs count attended (query, key) pairs only: forward 4 * pairs * N * H (QK^T and PV), forward +
+backward 14 * pairs * N * H (FlashAttention-2 convention: the backward is 2.5x the forward). Tree pairs are
+sum_j (sub_end[j] - j); per-sample pairs are sum_s L_s (L_s + 1) / 2. Every tree backend's output is compared with
+the segment backend (max_abs_diff_vs_segment). Prints ONE JSON line.
+
+  python benchmarks/tree_attention.py                          # GPU defaults, CPU gets tiny sizes
+  python benchmarks/tree_attention.py --workload agentic --calls 16
+
+Legend: T = tree tokens, S = total per-sample tokens, N = query heads, K = key/value heads, H = head dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from forge_megatron.kernels.tree_attention.segment import tree_attention_segment
+from forge_megatron.utils import env
+
+
+def workload_lengths(args) -> tuple[torch.Tensor, list[int]]:
+    """(sub_end_T of the merged tree, per-sample lengths) for the chosen workload."""
+    if args.workload == "grpo":
+        P, R, G = args.prompt, args.completion, args.samples
+        # prompt chain [0, P) then G completion chains, each a child of the last prompt token.
+        prompt = torch.full((P,), P + G * R, dtype=torch.int32)
+        completions = [torch.full((R,), P + (g + 1) * R, dtype=torch.int32) for g in range(G)]
+        return torch.cat([prompt, *completions]), [P + R] * G
+    P, R, C = args.prompt, args.completion, args.calls
+    T = P + C * R
+    return torch.full((T,), T, dtype=torch.int32), [P + c * R for c in range(1, C + 1)]
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    fn()  # warm-up (compilation, autotuning, allocator)
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _fwd_and_fwd_bwd(attn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], device, repeat):
+    q, k, v = (x.detach().requires_grad_() for x in inputs)
+
+    def fwd():
+        with torch.no_grad():
+            return attn(q, k, v)
+
+    def fwd_bwd():
+        o = attn(q, k, v)
+        torch.autograd.backward(o, torch.ones_like(o))
+
+    return _time_ms(fwd, device, repeat), _time_ms(fwd_bwd, device, repeat)
+
+
+def tree_backends(device: torch.device) -> dict[str, Callable]:
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    found = {"segment": tree_attention_segment}
+    if device.type == "cpu":
+        found["reference"] = tree_attention_reference
+        return found
+    if env.has_triton():
+        from forge_megatron.kernels.tree_attention.triton_kernel import tree_attention_triton
+
+        found["triton"] = tree_attention_triton
+    from forge_megatron.kernels.tree_attention import cuda
+
+    if cuda.is_available():
+        found["cuda"] = cuda.tree_attention_cuda
+    return found
+
+
+def per_sample_backends(lengths: list[int], device: torch.device) -> dict[str, Callable]:
+    """Attention over the unmerged samples packed as [S, N|K, H] with cumulative offsets."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    def sdpa(q_SNH, k_SKH, v_SKH):
+        outs = []
+        for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            q, k, v = (x[lo:hi].transpose(0, 1) for x in (q_SNH, k_SKH, v_SKH))
+            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(0, 1))
+        return torch.cat(outs)
+
+    def sdpa_batched(q_SNH, k_SKH, v_SKH):
+        B, L = len(lengths), lengths[0]
+        q, k, v = (x.view(B, L, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q_SNH, k_SKH, v_SKH))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(q_SNH.shape)
+
+    found = {"sdpa_per_sample": sdpa_batched if len(set(lengths)) == 1 else sdpa}
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - optional baseline
+        return found
+    if device.type == "cuda":
+        L = max(lengths)
+        found["flash_attn_varlen"] = lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, L, L, causal=True)
+    return found
+
+
+def _rates(pairs: int, N: int, H: int, fwd_ms: float, fwd_bwd_ms: float) -> dict:
+    return {
+        "fwd_ms": round(fwd_ms, 4),
+        "fwd_bwd_ms": round(fwd_bwd_ms, 4),
+        "fwd_tflops": round(4 * pairs * N * H / (fwd_ms * 1e9), 4),
+        "fwd_bwd_tflops": round(14 * pairs * N * H / (fwd_bwd_ms * 1e9), 4),
+    }
+
+
+def run(args) -> dict:
+    device = torch.device(args.device or ("cuda" if env.has_cuda() else "cpu"))
+    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
+    sub_end_T, lengths = workload_lengths(args)
+    sub_end_T = sub_end_T.to(device)
+    T, S, N, K, H = sub_end_T.shape[0], sum(lengths), args.heads, args.kv_heads, args.head_dim
+    tree_pairs = int((sub_end_T.long() - torch.arange(T, device=device)).sum())
+    sample_pairs = sum(L * (L + 1) // 2 for L in lengths)
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tree_qkv = [torch.randn(T, n, H, generator=g).to(device, dtype) for n in (N, K, K)]
+    sample_qkv = [torch.randn(S, n, H, generator=g).to(device, dtype) for n in (N, K, K)]
+
+    results = {}
+    with torch.no_grad():
+        segment_o = tree_attention_segment(*tree_qkv, sub_end_T).float()
+    for name, fn in tree_backends(device).items():
+        attn = lambda q, k, v, fn=fn: fn(q, k, v, sub_end_T)  # noqa: E731
+        results[name] = _rates(tree_pairs, N, H, *_fwd_and_fwd_bwd(attn, tree_qkv, device, args.repeat))
+        with torch.no_grad():
+            results[name]["max_abs_diff_vs_segment"] = float((attn(*tree_qkv).float() - segment_o).abs().max())
+    for name, fn in per_sample_backends(lengths, device).items():
+        results[name] = _rates(sample_pairs, N, H, *_fwd_and_fwd_bwd(fn, sample_qkv, device, args.repeat))
+
+    baseline = "flash_attn_varlen" if "flash_attn_varlen" in results else "sdpa_per_sample"
+    tree_names = [n for n in ("cuda", "triton", "segment") if n in results]
+    best = max(tree_names, key=lambda n: results[n]["fwd_bwd_tflops"])
+    return {
+        "bench": "tree_attention", "device": str(device), "gpu": env.probe_cuda().detail if device.type == "cuda" else "",
+        "workload": args.workload, "dtype": str(dtype).replace("torch.", ""), "N": N, "K": K, "H": H,
+        "tree_tokens": T, "per_sample_tokens": S, "tree_pairs": tree_pairs, "per_sample_pairs": sample_pairs,
+        "backends": results, "baseline": baseline, "best_tree_backend": best,
+        # >= 0.7 is the GPU target: tree kernel efficiency per attended pair relative to the per-sample kernel.
+        "tflops_ratio_fwd_bwd": round(results[best]["fwd_bwd_tflops"] / results[baseline]["fwd_bwd_tflops"], 4),
+        # Wall-clock gain of attending over the tree instead of the unmerged samples (same logical work).
+        "speedup_fwd_bwd": round(results[baseline]["fwd_bwd_ms"] / results[best]["fwd_bwd_ms"], 4),
+    }
+
+
+def parse_args(argv=None):
+    gpu = env.has_cuda()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=("grpo", "agentic"), default="grpo")
+    p.add_argument("--prompt", type=int, default=2048 if gpu else 48, help="prompt tokens P")
+    p.add_argument("--completion", type=int, default=1024 if gpu else 20, help="tokens R per completion / per call")
+    p.add_argument("--samples", type=int, default=8 if gpu else 4, help="GRPO group size G")
+    p.add_argument("--calls", type=int, default=8 if gpu else 4, help="agentic: calls C per episode")
+    p.add_argument("--heads", type=int, default=16 if gpu else 2, help="query heads N")
+    p.add_argument("--kv-heads", type=int, default=4 if gpu else 1, help="key/value heads K")
+    p.add_argument("--head-dim", type=int, default=128 if gpu else 32, help="head dim H")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="GPU dtype (CPU: fp32)")
+    p.add_argument("--repeat", type=int, default=10 if gpu else 5)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(parse_args())))
