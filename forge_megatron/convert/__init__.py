@@ -1,0 +1,1 @@
+"""Checkpoint conversion between HF safetensors and Megatron-Core (``forge-convert``)."""

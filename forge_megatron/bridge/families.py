@@ -1,0 +1,135 @@
+"""Model families the bridge knows, and the translation of a Hugging Face ``config.json`` into a :class:`GPTConfig`.
+
+Why a registry: Llama, Qwen2, Qwen3 and Qwen3-MoE share one decoder layout (RMSNorm, RoPE with rotate-half,
+GQA attention, SwiGLU MLP) and differ in a few switches: a bias on the fused QKV projection (Qwen2), per-head
+RMSNorm on queries and keys before RoPE (Qwen3: ``q_norm``/``k_norm``), and a routed expert MLP (Qwen3-MoE).
+A new family is one more :class:`Family` entry; anything in a config that the shared layout cannot express
+(another activation, RoPE scaling, sliding windows, dense layers inside a MoE model) is refused by name rather
+than converted into a model that silently computes something else.
+
+Router equivalence used for Qwen3-MoE: HF computes ``p = softmax(z)``, keeps the top-k and, with
+``norm_topk_prob``, divides by their sum, which equals Megatron's ``softmax(topk(z))``
+(``moe_router_pre_softmax=False``); without ``norm_topk_prob`` HF keeps the un-normalised top-k of the softmax,
+Megatron's ``moe_router_pre_softmax=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from forge_megatron.mcore.model import GPTConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    """Switches that tell one Llama-like family from another."""
+
+    name: str
+    qkv_bias: bool | None  # None: read ``attention_bias`` from the config
+    qk_norm: bool
+    moe: bool
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family("llama", qkv_bias=None, qk_norm=False, moe=False),
+    "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True, qk_norm=False, moe=False),
+    "Qwen3ForCausalLM": Family("qwen3", qkv_bias=None, qk_norm=True, moe=False),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", qkv_bias=None, qk_norm=True, moe=True),
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes an architecture (or an option of one) that the bridge cannot map exactly."""
+
+
+def load_hf_config(source) -> dict:
+    """A HF config as a plain dict, from a dict, a ``PretrainedConfig``, a model directory or a config.json path."""
+    if isinstance(source, dict):
+        return dict(source)
+    if hasattr(source, "to_dict"):
+        return source.to_dict()
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no HF config at {path!r} (expected a model directory with config.json)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def family_of(hf: dict) -> Family:
+    archs = hf.get("architectures") or []
+    if not archs:
+        raise UnsupportedModelError("HF config has no 'architectures' entry; cannot tell the model family")
+    if archs[0] not in FAMILIES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs[0]!r}; supported: {sorted(FAMILIES)}"
+        )
+    return FAMILIES[archs[0]]
+
+
+def rope_theta(hf: dict) -> float:
+    """RoPE base from either the classic ``rope_theta`` field or transformers 5's ``rope_parameters``."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise UnsupportedModelError(f"RoPE scaling type {rope_type!r} is not supported (only plain RoPE)")
+    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _refuse_unsupported(hf: dict, family: Family) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
+    if hf.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=True is not supported (Megatron's add_bias_linear would also add "
+                                    "an attention output bias)")
+    if hf.get("use_sliding_window"):
+        raise UnsupportedModelError("use_sliding_window=True is not supported")
+    if family.moe:
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
+                                        "are not supported")
+        if hf.get("shared_expert_intermediate_size"):
+            raise UnsupportedModelError("shared experts are not supported by the qwen3_moe family")
+
+
+def gpt_config_from_hf(source, **overrides) -> GPTConfig:
+    """The :class:`GPTConfig` that computes exactly what the HF model of ``source`` computes."""
+    hf = load_hf_config(source)
+    family = family_of(hf)
+    _refuse_unsupported(hf, family)
+    heads = hf["num_attention_heads"]
+    qkv_bias = family.qkv_bias if family.qkv_bias is not None else bool(hf.get("attention_bias", False))
+    kwargs = dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        normalization="RMSNorm",
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        swiglu=True,
+        add_qkv_bias=qkv_bias,
+        add_bias_linear=False,
+        qk_layernorm=family.qk_norm,
+        rotary_base=rope_theta(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+    if family.moe:
+        norm_topk = bool(hf.get("norm_topk_prob", False))
+        kwargs.update(
+            num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 renamed it
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            moe_router_pre_softmax=not norm_topk,
+            moe_router_topk_renorm=norm_topk,
+        )
+    kwargs.update(overrides)
+    return GPTConfig(**kwargs)

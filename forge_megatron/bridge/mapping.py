@@ -1,0 +1,283 @@
+"""One parameter mapping between Megatron-Core and Hugging Face, used by checkpoint conversion and weight sync.
+
+A Megatron parameter is named here by its *canonical* name: the name it has in a model built with TP = PP = EP = 1,
+so layer and expert numbers are global (``decoder.layers.{layer}.mlp.experts.local_experts.{expert}...``).
+:class:`Bridge` converts between canonical names/tensors and HF names/tensors, and between full tensors and the
+shards that one TP/PP/EP rank holds:
+
+- fused QKV, per query group g (Megatron's layout):   rows ``[q_{g,0} .. q_{g,Q-1} | k_g | v_g]``, H rows each,
+  so ``qkv_GRD`` with ``R = (Q + 2) * H``; HF keeps ``q_proj`` (N*H rows, head n in group n // Q), ``k_proj``, ``v_proj``;
+- GLU ``linear_fc1`` = ``[gate_F; up_F]`` on one rank; TP shard i holds ``[gate_i; up_i]``;
+- TP: column-parallel weights (QKV, fc1, embedding, output layer) split along dim 0 — for QKV whole query groups
+  go to each rank — row-parallel weights (attention output, fc2) along dim 1, norms and the router replicated;
+- PP: stage s holds global layers ``[offset_s, offset_s + layers_per_stage)`` as local layers ``0..``;
+- EP: rank e holds global experts ``[e * E / ep, (e + 1) * E / ep)`` as ``local_experts.0..``; experts are further
+  split over TP exactly like dense MLPs (Megatron's expert-TP size defaults to TP).
+
+Legend: N = query heads, G = query groups (KV heads), Q = N / G, H = head dim, D = hidden, F = MLP hidden,
+V = vocabulary, E = experts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from forge_megatron.bridge.families import Family, family_of, gpt_config_from_hf, load_hf_config
+from forge_megatron.mcore.model import GPTConfig
+
+LAYER = "decoder.layers.{layer}."
+EXPERT = "mlp.experts.local_experts.{expert}."
+HF_LAYER = "model.layers.{layer}."
+
+
+class MappingError(ValueError):
+    """A tensor is missing, unexpected, or has the wrong shape for the model described by the config."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One canonical Megatron parameter and the HF tensor(s) it is made of.
+
+    ``join``: ``copy`` (one HF tensor), ``qkv`` (q, k, v grouped per query group), ``glu`` (gate, up stacked).
+    ``tp``: ``rep`` (replicated), ``col`` (dim 0), ``row`` (dim 1), ``glu`` (gate and up halves split separately).
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    join: str = "copy"
+    tp: str = "rep"
+
+    @property
+    def is_expert(self) -> bool:
+        return "{expert}" in self.mcore
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A TP/PP/EP layout of a checkpoint (DP and CP replicas hold copies, so they do not appear)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def ranks(self):
+        """Every (tp_rank, pp_rank, ep_rank) that holds a distinct shard, in file-name order."""
+        return [(t, p, e) for p in range(self.pp) for t in range(self.tp) for e in range(self.ep)]
+
+
+def _pattern(template: str) -> re.Pattern:
+    escaped = re.escape(template).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{expert\}", r"(?P<expert>\d+)")
+    return re.compile(escaped + "$")
+
+
+def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    attn = [
+        Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
+        Rule(LAYER + "self_attention.linear_qkv.weight",
+             tuple(HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", "col"),
+        Rule(LAYER + "self_attention.linear_proj.weight", (HF_LAYER + "self_attn.o_proj.weight",), tp="row"),
+        Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
+    ]
+    if cfg.add_qkv_bias:
+        attn.append(Rule(LAYER + "self_attention.linear_qkv.bias",
+                         tuple(HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", "col"))
+    if cfg.qk_layernorm:
+        attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + "self_attn.q_norm.weight",)),
+                 Rule(LAYER + "self_attention.k_layernorm.weight", (HF_LAYER + "self_attn.k_norm.weight",))]
+    if family.moe:
+        hf_expert = HF_LAYER + "mlp.experts.{expert}."
+        mlp = [
+            Rule(LAYER + "mlp.router.weight", (HF_LAYER + "mlp.gate.weight",)),
+            Rule(LAYER + EXPERT + "linear_fc1.weight", (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"),
+                 "glu", "glu"),
+            Rule(LAYER + EXPERT + "linear_fc2.weight", (hf_expert + "down_proj.weight",), tp="row"),
+        ]
+    else:
+        mlp = [
+            Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_proj.weight", HF_LAYER + "mlp.up_proj.weight"),
+                 "glu", "glu"),
+            Rule(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + "mlp.down_proj.weight",), tp="row"),
+        ]
+    top = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp="col"),
+           Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
+    if not cfg.tie_word_embeddings:
+        top.append(Rule("output_layer.weight", ("lm_head.weight",), tp="col"))
+    return top[:1] + attn + mlp + top[1:]
+
+
+class Bridge:
+    """HF <-> Megatron-Core mapping for one model (built from its HF config)."""
+
+    def __init__(self, hf_config, **gpt_overrides):
+        self.hf_config = load_hf_config(hf_config)
+        self.family = family_of(self.hf_config)
+        self.cfg = gpt_config_from_hf(self.hf_config, **gpt_overrides)
+        self.rules = _rules(self.cfg, self.family)
+        self._patterns = [(_pattern(r.mcore), r) for r in self.rules]
+
+    # --- names ----------------------------------------------------------------------------------------------
+    def rule(self, name: str) -> tuple[Rule, dict]:
+        """The rule of canonical (or local) Megatron name ``name`` and its ``layer``/``expert`` numbers."""
+        for pattern, rule in self._patterns:
+            m = pattern.match(name)
+            if m:
+                return rule, {k: int(v) for k, v in m.groupdict().items()}
+        raise MappingError(f"Megatron parameter {name!r} has no mapping for family {self.family.name!r}")
+
+    def canonical_names(self, layers=None) -> list[str]:
+        """Every canonical Megatron name of the model (or of global ``layers`` only, without the non-layer ones)."""
+        cfg = self.cfg
+        experts = range(cfg.num_moe_experts or 0)
+        names = []
+        for rule in self.rules:
+            if "{layer}" not in rule.mcore:
+                if layers is None:
+                    names.append(rule.mcore)
+                continue
+            for layer in range(cfg.num_layers) if layers is None else layers:
+                for expert in (experts if rule.is_expert else [None]):
+                    names.append(rule.mcore.format(layer=layer, expert=expert))
+        return names
+
+    def hf_names(self, name: str) -> list[str]:
+        rule, idx = self.rule(name)
+        return [t.format(**idx) for t in rule.hf]
+
+    # --- full tensors ---------------------------------------------------------------------------------------
+    def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Full canonical Megatron tensor -> {HF name: tensor}."""
+        rule, _ = self.rule(name)
+        names = self.hf_names(name)
+        if rule.join == "qkv":
+            parts = self._split_qkv(tensor)
+        elif rule.join == "glu":
+            parts = tensor.chunk(2, dim=0)
+        else:
+            parts = (tensor,)
+        return {n: p.contiguous() for n, p in zip(names, parts)}
+
+    def from_hf(self, name: str, hf: dict[str, torch.Tensor]) -> torch.Tensor:
+        """{HF name: tensor} (must hold this parameter's HF tensors) -> full canonical Megatron tensor."""
+        rule, _ = self.rule(name)
+        parts = []
+        for hf_name in self.hf_names(name):
+            if hf_name not in hf:
+                raise MappingError(f"HF tensor {hf_name!r} (needed for {name!r}) is missing")
+            t = hf[hf_name]
+            want = self.hf_shape(hf_name)
+            if tuple(t.shape) != want:
+                raise MappingError(f"HF tensor {hf_name!r} has shape {tuple(t.shape)}, the config implies {want}")
+            parts.append(t)
+        if rule.join == "qkv":
+            return self._join_qkv(*parts)
+        return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+
+    def hf_shape(self, hf_name: str) -> tuple[int, ...]:
+        """The shape the config implies for HF tensor ``hf_name``."""
+        cfg = self.cfg
+        d, h, g, n = cfg.hidden_size, cfg.head_dim, cfg.num_query_groups, cfg.num_attention_heads
+        f = cfg.moe_ffn_hidden_size if ".experts." in hf_name else cfg.ffn_hidden_size
+        table = {
+            "embed_tokens.weight": (cfg.vocab_size, d), "lm_head.weight": (cfg.vocab_size, d),
+            "norm.weight": (d,), "layernorm.weight": (d,),
+            "q_proj.weight": (n * h, d), "k_proj.weight": (g * h, d), "v_proj.weight": (g * h, d),
+            "q_proj.bias": (n * h,), "k_proj.bias": (g * h,), "v_proj.bias": (g * h,),
+            "o_proj.weight": (d, n * h), "q_norm.weight": (h,), "k_norm.weight": (h,),
+            "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f),
+            "gate.weight": (cfg.num_moe_experts or 0, d),
+        }
+        for suffix in sorted(table, key=len, reverse=True):  # q_norm.weight before norm.weight
+            if hf_name.endswith(suffix):
+                return table[suffix]
+        raise MappingError(f"no shape rule for HF tensor {hf_name!r}")
+
+    def _split_qkv(self, qkv):
+        cfg = self.cfg
+        q_per_g, h = cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim
+        grouped = qkv.reshape(cfg.num_query_groups, (q_per_g + 2) * h, *qkv.shape[1:])
+        q, k, v = grouped.split([q_per_g * h, h, h], dim=1)
+        return [t.reshape(-1, *qkv.shape[1:]) for t in (q, k, v)]
+
+    def _join_qkv(self, q, k, v):
+        g = self.cfg.num_query_groups
+        per_group = [t.reshape(g, -1, *t.shape[1:]) for t in (q, k, v)]
+        return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
+
+    # --- sharding -------------------------------------------------------------------------------------------
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """Raise ValueError naming the size that ``layout`` does not divide."""
+        cfg = self.cfg
+        checks = [
+            ("num_layers", cfg.num_layers, "pp", layout.pp),
+            ("num_query_groups", cfg.num_query_groups, "tp", layout.tp),
+            ("vocab_size", cfg.vocab_size, "tp", layout.tp),
+            ("ffn_hidden_size", cfg.ffn_hidden_size, "tp", layout.tp),
+        ]
+        if cfg.num_moe_experts:
+            checks += [("num_moe_experts", cfg.num_moe_experts, "ep", layout.ep),
+                       ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, "tp", layout.tp)]
+        elif layout.ep > 1:
+            raise ValueError(f"ep={layout.ep} needs a MoE model; {self.family.name!r} config has no experts")
+        for what, size, axis, parts in checks:
+            if size % parts:
+                raise ValueError(f"{axis}={parts} does not divide {what}={size}")
+
+    def tp_split(self, name: str, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
+        kind = self.rule(name)[0].tp
+        if kind == "rep" or tp == 1:
+            return [full] * tp
+        if kind == "glu":
+            gate, up = full.chunk(2, dim=0)
+            return [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))]
+        return [t.contiguous() for t in full.chunk(tp, dim=0 if kind == "col" else 1)]
+
+    def tp_join(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+        kind = self.rule(name)[0].tp
+        if kind == "rep" or len(shards) == 1:
+            return shards[0]
+        if kind == "glu":
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        return torch.cat(shards, dim=0 if kind == "col" else 1)
+
+    def is_expert(self, name: str) -> bool:
+        return self.rule(name)[0].is_expert
+
+    def stage_layers(self, layout: ParallelLayout, pp_rank: int) -> range:
+        per = self.cfg.num_layers // layout.pp
+        return range(pp_rank * per, (pp_rank + 1) * per)
+
+    def stage_names(self, layout: ParallelLayout, pp_rank: int) -> list[str]:
+        """Canonical names held by pipeline stage ``pp_rank`` (embedding first stage, head and final norm last)."""
+        names = self.canonical_names(self.stage_layers(layout, pp_rank))
+        first, last = pp_rank == 0, pp_rank == layout.pp - 1
+        if first:
+            names.insert(0, "embedding.word_embeddings.weight")
+        if last:
+            names.append("decoder.final_layernorm.weight")
+            if not self.cfg.tie_word_embeddings:
+                names.append("output_layer.weight")
+        return names
+
+    def rename(self, name: str, layer_offset: int, expert_offset: int) -> str:
+        """Shift the layer and expert numbers of ``name`` (local -> canonical with +offsets, back with -offsets)."""
+        rule, idx = self.rule(name)
+        if not idx:
+            return name
+        return rule.mcore.format(layer=idx["layer"] + layer_offset, expert=idx.get("expert", 0) + expert_offset)
+
+    def local_experts(self, layout: ParallelLayout) -> int:
+        return (self.cfg.num_moe_experts or 0) // layout.ep
+
+    def expert_rank(self, name: str, layout: ParallelLayout) -> int | None:
+        """EP rank that holds canonical expert parameter ``name`` (None for non-expert parameters)."""
+        rule, idx = self.rule(name)
+        return idx["expert"] // self.local_experts(layout) if rule.is_expert else None

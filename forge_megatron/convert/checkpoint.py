@@ -1,0 +1,263 @@
+"""Offline checkpoint conversion: HF safetensors <-> Megatron per-rank ``torch`` checkpoints, and resharding.
+
+Conversion runs in one process and computes every rank's shard directly with :class:`forge_megatron.bridge.Bridge`
+(no torch.distributed), one pipeline stage at a time, so peak memory is about one stage of the model plus the
+shards being written.
+
+Megatron ``torch`` format (what ``megatron.training.checkpointing`` loads with ``--ckpt-format torch``)::
+
+    <dir>/latest_checkpointed_iteration.txt                  "release"
+    <dir>/release/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
+        {"model": local state dict, "checkpoint_version": 3.0, "iteration": 0, "forge_bridge": {hf_config, layout}}
+
+The ``_{pp:03d}`` part appears when PP > 1 and ``_{ep:03d}`` when EP > 1, as in Megatron's ``get_checkpoint_name``.
+``forge_bridge`` keeps the HF config and layout so the reverse conversion needs nothing else.
+
+HF output: ``model-XXXXX-of-YYYYY.safetensors`` shards of at most ``max_shard_bytes``, ``model.safetensors.index.json``
+and ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from forge_megatron.bridge import Bridge, MappingError, ParallelLayout
+
+CHECKPOINT_VERSION = 3.0
+RELEASE = "release"
+TIED_HEAD = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+# --- HF side -------------------------------------------------------------------------------------------------
+class HFReader:
+    """Lazy reader of the tensors of a HF safetensors directory (single file or sharded with an index)."""
+
+    def __init__(self, hf_dir: str):
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        else:
+            files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{hf_dir!r} has no *.safetensors files")
+            weight_map = {}
+            for fname in files:
+                with safe_open(os.path.join(hf_dir, fname), "pt") as f:
+                    weight_map.update({k: fname for k in f.keys()})
+        self.dir = hf_dir
+        self.weight_map = weight_map
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def get(self, names) -> dict[str, torch.Tensor]:
+        """Load ``names`` (missing ones are left out: the bridge reports them by name)."""
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            if n in self.weight_map:
+                by_file.setdefault(self.weight_map[n], []).append(n)
+        out = {}
+        for fname, wanted in by_file.items():
+            with safe_open(os.path.join(self.dir, fname), "pt") as f:
+                out.update({n: f.get_tensor(n) for n in wanted})
+        return out
+
+
+def save_hf(tensors, out_dir: str, hf_config: dict, max_shard_bytes: int = 5 << 30, total: int | None = None) -> None:
+    """Write ``(name, tensor)`` pairs as sharded safetensors with an index json, plus ``config.json``."""
+    os.makedirs(out_dir, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tqdm(tensors, desc="tensors", unit="t", total=total, leave=False):
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    weight_map, total_bytes = {}, 0
+    for i, shard in enumerate(tqdm(shards, desc="writing shards", unit="file")):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+        total_bytes += sum(t.numel() * t.element_size() for t in shard.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+
+
+# --- Megatron side -------------------------------------------------------------------------------------------
+def rank_dir(root: str, layout: ParallelLayout, tp: int, pp: int, ep: int) -> str:
+    name = f"mp_rank_{tp:02d}"
+    if layout.pp > 1:
+        name += f"_{pp:03d}"
+    if layout.ep > 1:
+        name += f"_{ep:03d}"
+    return os.path.join(root, RELEASE, name)
+
+
+def rank_file(root: str, layout: ParallelLayout, tp: int, pp: int, ep: int) -> str:
+    return os.path.join(rank_dir(root, layout, tp, pp, ep), "model_optim_rng.pt")
+
+
+def _with_extra_state(state: dict) -> dict:
+    """Add the ``_extra_state`` entries that Megatron's linear layers put in their state dict (None locally)."""
+    out = {}
+    for name, t in state.items():
+        out[name] = t
+        module = name.rsplit(".", 1)[0]
+        if module.rsplit(".", 1)[-1].startswith(("linear_", "output_layer")):
+            out[module + "._extra_state"] = None
+    return out
+
+
+def local_state(bridge: Bridge, full: dict[str, torch.Tensor], layout: ParallelLayout, tp: int, pp: int,
+                ep: int) -> dict[str, torch.Tensor]:
+    """The local state dict of rank (tp, pp, ep) from the full canonical tensors of stage ``pp``."""
+    layer_offset = bridge.stage_layers(layout, pp).start
+    expert_offset = ep * bridge.local_experts(layout)
+    state = {}
+    for name in bridge.stage_names(layout, pp):
+        tensor = full[name]
+        owner = bridge.expert_rank(name, layout)
+        if owner is not None and owner != ep:
+            continue
+        local = bridge.rename(name, -layer_offset, -expert_offset)
+        state[local] = bridge.tp_split(name, tensor, layout.tp)[tp].clone()
+    if _needs_tied_head(bridge, layout, pp):
+        state[TIED_HEAD] = full[EMBEDDING].chunk(layout.tp, dim=0)[tp].clone()
+    return _with_extra_state(state)
+
+
+def _needs_tied_head(bridge: Bridge, layout: ParallelLayout, pp: int) -> bool:
+    """With tied embeddings and PP > 1, Megatron's last stage keeps its own copy of the embedding as the head."""
+    return bridge.cfg.tie_word_embeddings and layout.pp > 1 and pp == layout.pp - 1
+
+
+def stage_inputs(bridge: Bridge, layout: ParallelLayout, pp: int) -> list[str]:
+    """Canonical tensors needed to write stage ``pp`` (its own, plus the embedding for a tied head)."""
+    names = bridge.stage_names(layout, pp)
+    return names + [EMBEDDING] if _needs_tied_head(bridge, layout, pp) else names
+
+
+def save_megatron_stage(bridge: Bridge, full: dict, layout: ParallelLayout, pp: int, out_dir: str) -> None:
+    meta = {"hf_config": bridge.hf_config, "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep}}
+    for tp in range(layout.tp):
+        for ep in range(layout.ep):
+            path = rank_file(out_dir, layout, tp, pp, ep)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"model": local_state(bridge, full, layout, tp, pp, ep), "checkpoint_version": CHECKPOINT_VERSION,
+                        "iteration": 0, "forge_bridge": meta}, path)
+
+
+def _write_tracker(out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(RELEASE)
+
+
+def read_meta(mcore_dir: str) -> tuple[Bridge, ParallelLayout]:
+    """The bridge and layout recorded in a checkpoint written by this module."""
+    release = os.path.join(mcore_dir, RELEASE)
+    if not os.path.isdir(release):
+        raise FileNotFoundError(f"{mcore_dir!r} is not a Megatron torch checkpoint (no {RELEASE}/ directory)")
+    first = sorted(d for d in os.listdir(release) if d.startswith("mp_rank_"))
+    if not first:
+        raise FileNotFoundError(f"{release!r} has no mp_rank_* directories")
+    ckpt = torch.load(os.path.join(release, first[0], "model_optim_rng.pt"), map_location="cpu", weights_only=True)
+    meta = ckpt.get("forge_bridge")
+    if meta is None:
+        raise MappingError(f"{mcore_dir!r} has no 'forge_bridge' metadata; pass --hf-config of the model")
+    return Bridge(meta["hf_config"]), ParallelLayout(**meta["layout"])
+
+
+def load_megatron_stage(bridge: Bridge, mcore_dir: str, layout: ParallelLayout, pp: int) -> dict[str, torch.Tensor]:
+    """Full canonical tensors of stage ``pp``: TP shards joined, experts renamed to global ids."""
+    per_name: dict[str, list] = {}
+    layer_offset = bridge.stage_layers(layout, pp).start
+    for ep in range(layout.ep):
+        for tp in range(layout.tp):
+            path = rank_file(mcore_dir, layout, tp, pp, ep)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"missing checkpoint file {path!r} for layout {layout}")
+            model = torch.load(path, map_location="cpu", weights_only=True)["model"]
+            for local, t in model.items():
+                if t is None or local.endswith("._extra_state") or local == TIED_HEAD and bridge.cfg.tie_word_embeddings:
+                    continue
+                name = bridge.rename(local, layer_offset, ep * bridge.local_experts(layout))
+                shards = per_name.setdefault(name, [[None] * layout.tp for _ in range(layout.ep)])
+                shards[ep][tp] = t
+    expected = set(bridge.stage_names(layout, pp))
+    _check_names(expected, set(per_name), f"stage {pp} of {mcore_dir!r}")
+    full = {}
+    for name, by_ep in per_name.items():
+        owner = bridge.expert_rank(name, layout)
+        full[name] = bridge.tp_join(name, by_ep[owner if owner is not None else 0])
+    return full
+
+
+def _check_names(expected: set, found: set, where: str) -> None:
+    missing, extra = sorted(expected - found), sorted(found - expected)
+    if missing:
+        raise MappingError(f"{where}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        raise MappingError(f"{where}: unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+
+
+# --- conversions ---------------------------------------------------------------------------------------------
+def hf_to_megatron(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelLayout()) -> None:
+    """Convert a HF model directory to a Megatron ``torch`` checkpoint with ``layout``."""
+    bridge = Bridge(hf_dir)
+    bridge.check_layout(layout)
+    reader = HFReader(hf_dir)
+    used = set()
+    for pp in tqdm(range(layout.pp), desc="pipeline stages", unit="stage"):
+        names = stage_inputs(bridge, layout, pp)
+        hf_names = [h for n in names for h in bridge.hf_names(n)]
+        hf = reader.get(hf_names)
+        full = {n: bridge.from_hf(n, hf) for n in tqdm(names, desc=f"stage {pp}", unit="param", leave=False)}
+        used.update(hf_names)
+        save_megatron_stage(bridge, full, layout, pp, out_dir)
+    extra = reader.names() - used - ({"lm_head.weight"} if bridge.cfg.tie_word_embeddings else set())
+    if extra:
+        raise MappingError(f"HF tensor(s) {sorted(extra)[:5]} are not used by the {bridge.family.name!r} mapping")
+    _write_tracker(out_dir)
+
+
+def megatron_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> None:
+    """Convert a Megatron ``torch`` checkpoint written with any layout to a sharded HF safetensors directory."""
+    bridge, layout = read_meta(mcore_dir)
+
+    def tensors():
+        for pp in range(layout.pp):
+            for name, t in load_megatron_stage(bridge, mcore_dir, layout, pp).items():
+                yield from bridge.to_hf(name, t).items()
+
+    save_hf(tensors(), out_dir, bridge.hf_config, max_shard_bytes)
+
+
+def reshard(mcore_dir: str, out_dir: str, layout: ParallelLayout) -> None:
+    """Rewrite a Megatron ``torch`` checkpoint with another TP/PP/EP layout."""
+    bridge, src = read_meta(mcore_dir)
+    bridge.check_layout(layout)
+    full = {}
+    for pp in tqdm(range(src.pp), desc="reading stages", unit="stage"):
+        full.update(load_megatron_stage(bridge, mcore_dir, src, pp))
+    for pp in tqdm(range(layout.pp), desc="writing stages", unit="stage"):
+        save_megatron_stage(bridge, {n: full[n] for n in stage_inputs(bridge, layout, pp)}, layout, pp, out_dir)
+    _write_tracker(out_dir)
+
+
+def load_rank_state(mcore_dir: str, tp: int, pp: int, ep: int) -> dict:
+    """The ``model`` state dict of rank (tp, pp, ep), ready for ``model.load_state_dict(..., strict=True)``."""
+    _, layout = read_meta(mcore_dir)
+    return torch.load(rank_file(mcore_dir, layout, tp, pp, ep), map_location="cpu", weights_only=True)["model"]

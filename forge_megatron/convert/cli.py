@@ -1,0 +1,62 @@
+"""``forge-convert``: convert checkpoints between Hugging Face safetensors and Megatron-Core, and reshard.
+
+    forge-convert hf-to-mcore --hf-dir Qwen3-8B --out ckpt/qwen3 --tp 4 --pp 2
+    forge-convert mcore-to-hf --mcore-dir ckpt/qwen3 --out Qwen3-8B-rl
+    forge-convert reshard --mcore-dir ckpt/qwen3 --out ckpt/qwen3-tp8 --tp 8 --pp 1
+
+Megatron checkpoints are written in the per-rank ``torch`` format (``--ckpt-format torch``); see docs/conversion.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from forge_megatron.bridge import MappingError, ParallelLayout, UnsupportedModelError
+
+
+def _layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the output (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the output (default 1)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size of the output, MoE only (default 1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forge-convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("hf-to-mcore", help="HF safetensors directory -> Megatron torch checkpoint")
+    p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("--out", required=True, help="output Megatron checkpoint directory")
+    _layout_args(p)
+    p = sub.add_parser("mcore-to-hf", help="Megatron torch checkpoint (any layout) -> HF safetensors directory")
+    p.add_argument("--mcore-dir", required=True, help="Megatron checkpoint written by forge-convert")
+    p.add_argument("--out", required=True, help="output HF directory")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GiB (default 5)")
+    p = sub.add_parser("reshard", help="Megatron torch checkpoint -> the same with another TP/PP/EP layout")
+    p.add_argument("--mcore-dir", required=True, help="Megatron checkpoint written by forge-convert")
+    p.add_argument("--out", required=True, help="output Megatron checkpoint directory")
+    _layout_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from forge_megatron.convert import checkpoint
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "hf-to-mcore":
+            checkpoint.hf_to_megatron(args.hf_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep))
+        elif args.command == "mcore-to-hf":
+            checkpoint.megatron_to_hf(args.mcore_dir, args.out, int(args.max_shard_gb * (1 << 30)))
+        else:
+            checkpoint.reshard(args.mcore_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep))
+    except (MappingError, UnsupportedModelError, ValueError, FileNotFoundError) as exc:
+        print(f"forge-convert: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"forge-convert: wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Checkpoint conversion (0 GPUs; 1-2 gloo ranks): HF -> Megatron -> HF is bit-exact for every family and layout,
+resharding keeps every tensor, the converted Megatron model (TP=1, TP=2, PP=2, EP=2) computes the HF model's
+logits, and bad inputs fail with errors that name the problem.
+"""
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from forge_megatron.bridge import MappingError, ParallelLayout, UnsupportedModelError
+from forge_megatron.convert import checkpoint as ckpt
+from forge_megatron.convert.cli import main as cli_main
+from forge_megatron.mcore.parallel import ParallelConfig
+from tests.dist_utils import run_distributed
+
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
+SEQ = 12
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    from forge_megatron.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {arch: build_tiny_model(str(root / arch), arch=arch, seed=1, with_tokenizer=False) for arch in ARCHS}
+    dirs["qwen3_tied"] = build_tiny_model(str(root / "qwen3_tied"), arch="qwen3", seed=2, with_tokenizer=False,
+                                          tie_word_embeddings=True)
+    return dirs
+
+
+def _hf_tensors(d):
+    out = {}
+    for f in glob.glob(os.path.join(d, "*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _assert_bit_exact(src, dst):
+    a, b = _hf_tensors(src), _hf_tensors(dst)
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+LAYOUTS = [
+    ("qwen2", ParallelLayout(tp=2)), ("qwen2", ParallelLayout(pp=2)), ("llama", ParallelLayout(tp=2, pp=2)),
+    ("qwen3", ParallelLayout()), ("qwen3_tied", ParallelLayout(tp=2, pp=2)), ("qwen3_moe", ParallelLayout(ep=2)),
+    ("qwen3_moe", ParallelLayout(tp=2, pp=2, ep=2)),
+]
+
+
+@pytest.mark.parametrize("arch,layout", LAYOUTS, ids=[f"{a}-tp{l.tp}pp{l.pp}ep{l.ep}" for a, l in LAYOUTS])
+def test_round_trip_bit_exact(hf_dirs, tmp_path, arch, layout):
+    ckpt.hf_to_megatron(hf_dirs[arch], str(tmp_path / "mcore"), layout)
+    n_files = len(glob.glob(str(tmp_path / "mcore/release/mp_rank_*/model_optim_rng.pt")))
+    assert n_files == layout.tp * layout.pp * layout.ep
+    ckpt.megatron_to_hf(str(tmp_path / "mcore"), str(tmp_path / "hf"), max_shard_bytes=64 << 10)
+    _assert_bit_exact(hf_dirs[arch], tmp_path / "hf")
+    index = json.load(open(tmp_path / "hf/model.safetensors.index.json"))
+    assert len(set(index["weight_map"].values())) > 1  # really sharded
+    assert json.load(open(tmp_path / "hf/config.json")) == json.load(open(os.path.join(hf_dirs[arch], "config.json")))
+
+
+def test_reshard_then_export_is_bit_exact(hf_dirs, tmp_path):
+    ckpt.hf_to_megatron(hf_dirs["qwen3_moe"], str(tmp_path / "a"), ParallelLayout(tp=2, ep=2))
+    ckpt.reshard(str(tmp_path / "a"), str(tmp_path / "b"), ParallelLayout(pp=2, ep=1))
+    assert os.path.isfile(tmp_path / "b/release/mp_rank_00_001/model_optim_rng.pt")
+    ckpt.megatron_to_hf(str(tmp_path / "b"), str(tmp_path / "hf"))
+    _assert_bit_exact(hf_dirs["qwen3_moe"], tmp_path / "hf")
+
+
+def test_tp_shards_are_megatron_layout(hf_dirs, tmp_path):
+    """QKV shard r holds whole query groups [q.. | k | v]; fc1 shard r holds [gate_r; up_r]."""
+    ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "m"), ParallelLayout(tp=2))
+    hf = _hf_tensors(hf_dirs["qwen2"])
+    r1 = ckpt.load_rank_state(str(tmp_path / "m"), tp=1, pp=0, ep=0)
+    h = 16  # head dim: 64 / 4 heads; 2 heads per group, groups 0 and 1 -> rank 1 holds group 1
+    qkv = r1["decoder.layers.1.self_attention.linear_qkv.weight"]
+    q = hf["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(qkv[: 2 * h], q[2 * h: 4 * h])
+    assert torch.equal(qkv[2 * h: 3 * h], hf["model.layers.1.self_attn.k_proj.weight"][h: 2 * h])
+    assert torch.equal(qkv[3 * h:], hf["model.layers.1.self_attn.v_proj.weight"][h: 2 * h])
+    fc1 = r1["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1[:64], hf["model.layers.0.mlp.gate_proj.weight"][64:])
+    assert torch.equal(fc1[64:], hf["model.layers.0.mlp.up_proj.weight"][64:])
+
+
+# ------------------------------------------------------------------------------------- logits vs transformers
+def _tokens():
+    return torch.randint(0, 400, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _hf_logits(hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=_tokens()).logits
+
+
+def _megatron_logits_body(rank, world_size, mcore_dirs):
+    """Load each converted checkpoint into a Megatron model for this rank and return the full logits."""
+    from megatron.core import parallel_state as ps
+
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.mcore.cpu_compat import cuda_factories_to_cpu
+    from forge_megatron.mcore.model import build_gpt, causal_mask
+
+    out = {}
+    tp, pp, ep = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                  ps.get_expert_model_parallel_rank())
+    for key, d in mcore_dirs.items():
+        bridge, _ = ckpt.read_meta(d)
+        with cuda_factories_to_cpu():
+            model = build_gpt(bridge.cfg).eval()
+        model.load_state_dict(ckpt.load_rank_state(d, tp, pp, ep), strict=True)
+        out[key] = _forward_logits(model, causal_mask(SEQ))
+    return out
+
+
+def _forward_logits(model, mask):
+    """Full-vocabulary logits [b, s, V] through TP (gather) and PP (send activations stage to stage)."""
+    from megatron.core import parallel_state as ps
+
+    tokens = _tokens()
+    pos = torch.arange(SEQ)[None].expand_as(tokens)
+    with torch.no_grad():
+        if not ps.is_pipeline_first_stage():
+            hidden = torch.empty(SEQ, tokens.shape[0], model.config.hidden_size)
+            torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(tokens, pos, mask)
+        if not ps.is_pipeline_last_stage():
+            torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    torch.distributed.all_gather(parts, out.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _convert_all(hf_dirs, root, archs, layout):
+    dirs = {}
+    for arch in archs:
+        dirs[arch] = str(root / f"{arch}-{layout.tp}{layout.pp}{layout.ep}")
+        ckpt.hf_to_megatron(hf_dirs[arch], dirs[arch], layout)
+    return dirs
+
+
+def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
+    archs = ARCHS + ("qwen3_tied",)
+    (out,) = run_distributed(_megatron_logits_body, world_size=1,
+                             mcore_dirs=_convert_all(hf_dirs, tmp_path, archs, ParallelLayout()))
+    for arch in archs:
+        diff = (out[arch] - _hf_logits(hf_dirs[arch])).abs().max().item()
+        assert diff <= 1e-4, (arch, diff)
+
+
+@pytest.mark.parametrize("archs,parallel", [
+    (("qwen2", "qwen3_moe"), ParallelConfig(tp=2)),
+    (("llama", "qwen3_moe"), ParallelConfig(pp=2)),
+    (("qwen3_moe",), ParallelConfig(ep=2)),
+], ids=["tp2", "pp2", "ep2"])
+def test_sharded_megatron_logits_equal_hf(hf_dirs, tmp_path, archs, parallel):
+    layout = ParallelLayout(parallel.tp, parallel.pp, parallel.ep)
+    outs = run_distributed(_megatron_logits_body, world_size=2, parallel=parallel,
+                           mcore_dirs=_convert_all(hf_dirs, tmp_path, archs, layout))
+    for arch in archs:
+        ref = _hf_logits(hf_dirs[arch])
+        got = [o[arch] for o in outs if o[arch] is not None]
+        assert got
+        for logits in got:
+            assert (logits - ref).abs().max().item() <= 1e-4, arch
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def test_unsupported_architecture(hf_dirs, tmp_path):
+    bad = tmp_path / "gpt2"
+    shutil.copytree(hf_dirs["llama"], bad)
+    cfg = json.load(open(bad / "config.json"))
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    json.dump(cfg, open(bad / "config.json", "w"))
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        ckpt.hf_to_megatron(str(bad), str(tmp_path / "out"))
+
+
+def test_missing_and_mismatched_tensor(hf_dirs, tmp_path):
+    tensors = _hf_tensors(hf_dirs["qwen2"])
+    missing = tmp_path / "missing"
+    shutil.copytree(hf_dirs["qwen2"], missing)
+    os.remove(missing / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.1.self_attn.k_proj.bias"},
+              str(missing / "model.safetensors"))
+    with pytest.raises(MappingError, match=r"'model.layers.1.self_attn.k_proj.bias' .* is missing"):
+        ckpt.hf_to_megatron(str(missing), str(tmp_path / "o1"))
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(100, 64)
+    save_file(tensors, str(missing / "model.safetensors"))
+    with pytest.raises(MappingError, match=r"'model.layers.0.mlp.up_proj.weight' has shape \(100, 64\), "
+                                           r"the config implies \(128, 64\)"):
+        ckpt.hf_to_megatron(str(missing), str(tmp_path / "o2"))
+
+
+def test_parallel_size_must_divide(hf_dirs, tmp_path):
+    with pytest.raises(ValueError, match="pp=3 does not divide num_layers=2"):
+        ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "o"), ParallelLayout(pp=3))
+    with pytest.raises(ValueError, match="tp=4 does not divide num_query_groups=2"):
+        ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "o"), ParallelLayout(tp=4))
+    with pytest.raises(ValueError, match="ep=3 does not divide num_moe_experts=4"):
+        ckpt.hf_to_megatron(hf_dirs["qwen3_moe"], str(tmp_path / "o"), ParallelLayout(ep=3))
+    with pytest.raises(ValueError, match="ep=2 needs a MoE model"):
+        ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "o"), ParallelLayout(ep=2))
+
+
+def test_cli_round_trip_and_error_exit(hf_dirs, tmp_path, capsys):
+    assert cli_main(["hf-to-mcore", "--hf-dir", hf_dirs["llama"], "--out", str(tmp_path / "m"), "--tp", "2"]) == 0
+    assert cli_main(["reshard", "--mcore-dir", str(tmp_path / "m"), "--out", str(tmp_path / "r"), "--pp", "2"]) == 0
+    assert cli_main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "r"), "--out", str(tmp_path / "h")]) == 0
+    _assert_bit_exact(hf_dirs["llama"], tmp_path / "h")
+    assert cli_main(["hf-to-mcore", "--hf-dir", hf_dirs["llama"], "--out", str(tmp_path / "x"), "--tp", "3"]) == 2
+    assert "tp=3 does not divide" in capsys.readouterr().err
