@@ -119,10 +119,6 @@ def sample_index(cu_seqlens_S1: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lengths_S.numel(), device=cu_seqlens_S1.device), lengths_S)
 
 
-def _per_sample_sum(x_M: torch.Tensor, sample_M: torch.Tensor, num_samples: int) -> torch.Tensor:
-    return torch.zeros(num_samples, dtype=x_M.dtype, device=x_M.device).index_add(0, sample_M, x_M)
-
-
 def _check_finite(named_M: dict[str, torch.Tensor]) -> None:
     """A finite sum implies finite elements, so one host sync clears the common case; only then look closer."""
     sums = torch.stack([t.detach().float().sum() for t in named_M.values()])
@@ -133,8 +129,8 @@ def _check_finite(named_M: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"{name} has non-finite values")
 
 
-def _check_inputs(named_M: dict[str, torch.Tensor], cu_seqlens_S1: torch.Tensor) -> int:
-    """Validate shapes and values; return the number of samples."""
+def _check_inputs(named_M: dict[str, torch.Tensor], cu_seqlens_S1: torch.Tensor) -> None:
+    """Validate shapes and values of the per-position tensors and the sample boundaries."""
     logp_M = named_M["logp_M"]
     if logp_M.dim() != 1:
         raise ValueError(f"logp_M must be 1-D [M], got shape {tuple(logp_M.shape)}")
@@ -158,7 +154,6 @@ def _check_inputs(named_M: dict[str, torch.Tensor], cu_seqlens_S1: torch.Tensor)
     mask_M = named_M["loss_mask_M"]
     if ((mask_M != 0) & (mask_M != 1)).any():
         raise ValueError("loss_mask_M must contain only 0 and 1")
-    return lengths_S.numel()
 
 
 def _check_sample_weight(sample_weight_S: torch.Tensor, num_samples: int) -> None:
@@ -168,32 +163,66 @@ def _check_sample_weight(sample_weight_S: torch.Tensor, num_samples: int) -> Non
         raise ValueError("sample_weight_S must be finite and >= 0")
 
 
-def _token_loss(
-    logp_M: torch.Tensor,
-    old_logp_M: torch.Tensor,
-    adv_M: torch.Tensor,
-    mask_M: torch.Tensor,
-    sample_M: torch.Tensor,
-    num_samples: int,
-    cfg: LossConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token policy loss and the ratio used for clipping metrics (no grad)."""
-    c = cfg.log_ratio_clamp
+@dataclass
+class _Batch:
+    """The per-position tensors every term needs, in fp32, plus the reduction they share."""
+
+    mask_M: torch.Tensor
+    sample_M: torch.Tensor
+    sample_weight_S: torch.Tensor
+    cfg: LossConfig
+
+    @property
+    def num_samples(self) -> int:
+        return self.sample_weight_S.numel()
+
+    def per_sample_sum(self, x_M: torch.Tensor) -> torch.Tensor:
+        zeros_S = torch.zeros(self.num_samples, dtype=x_M.dtype, device=x_M.device)
+        return zeros_S.index_add(0, self.sample_M, x_M)
+
+    def reduce(self, x_M: torch.Tensor) -> torch.Tensor:
+        """Mask, sample weights and the configured normaliser (module docstring)."""
+        norm = self.cfg.norm
+        if norm == "seq_mean":
+            denom = self.sample_weight_S.sum()
+            if denom == 0:
+                raise ValueError("sample_weight_S sums to 0: seq_mean normaliser is 0")
+            mean_S = self.per_sample_sum(x_M * self.mask_M) / self.per_sample_sum(self.mask_M).clamp(min=1.0)
+            return (self.sample_weight_S * mean_S).sum() / denom
+        total = (x_M * self.mask_M * self.sample_weight_S[self.sample_M]).sum()
+        if norm == "constant":
+            return total / self.cfg.norm_constant
+        denom = self.mask_M.sum()
+        if denom == 0:
+            raise ValueError("loss_mask_M selects no tokens: token_mean normaliser is 0")
+        return total / denom
+
+    def masked_mean(self, x_M: torch.Tensor) -> torch.Tensor:
+        """Unweighted mean over trained tokens (for metrics)."""
+        return (x_M * self.mask_M).sum() / self.mask_M.sum().clamp(min=1.0)
+
+
+def _ratio(logp_M: torch.Tensor, old_logp_M: torch.Tensor, batch: _Batch) -> torch.Tensor:
+    """Token ratio (CISPO, PPO) or GSPO's sequence ratio with a per-token gradient path."""
+    c = batch.cfg.log_ratio_clamp
+    if batch.cfg.loss_type != "gspo":
+        return torch.exp((logp_M - old_logp_M).clamp(-c, c))
+    mean_log_ratio_S = batch.per_sample_sum((logp_M - old_logp_M) * batch.mask_M) / batch.per_sample_sum(
+        batch.mask_M
+    ).clamp(min=1.0)
+    seq_ratio_S = torch.exp(mean_log_ratio_S.clamp(-c, c))
+    return seq_ratio_S.detach()[batch.sample_M] * torch.exp(logp_M - logp_M.detach())
+
+
+def _token_loss(logp_M: torch.Tensor, ratio_M: torch.Tensor, adv_M: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """Per-token policy-gradient loss ``l_it`` (module docstring)."""
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
-    if cfg.loss_type == "gspo":
-        count_S = _per_sample_sum(mask_M, sample_M, num_samples).clamp(min=1.0)
-        mean_log_ratio_S = _per_sample_sum((logp_M - old_logp_M) * mask_M, sample_M, num_samples) / count_S
-        seq_ratio_S = torch.exp(mean_log_ratio_S.clamp(-c, c))
-        ratio_M = seq_ratio_S.detach()[sample_M] * torch.exp(logp_M - logp_M.detach())
-    else:
-        ratio_M = torch.exp((logp_M - old_logp_M).clamp(-c, c))
     if cfg.loss_type == "cispo":
-        loss_M = -ratio_M.detach().clamp(lo, hi) * adv_M * logp_M
-    else:
-        loss_M = -torch.min(ratio_M * adv_M, ratio_M.clamp(lo, hi) * adv_M)
-        if cfg.dual_clip_c is not None:
-            loss_M = torch.where(adv_M < 0, torch.min(loss_M, -cfg.dual_clip_c * adv_M), loss_M)
-    return loss_M, ratio_M.detach()
+        return -ratio_M.detach().clamp(lo, hi) * adv_M * logp_M
+    loss_M = -torch.min(ratio_M * adv_M, ratio_M.clamp(lo, hi) * adv_M)
+    if cfg.dual_clip_c is not None:
+        loss_M = torch.where(adv_M < 0, torch.min(loss_M, -cfg.dual_clip_c * adv_M), loss_M)
+    return loss_M
 
 
 def _kl(logp_M: torch.Tensor, ref_logp_M: torch.Tensor, kl_type: str) -> torch.Tensor:
@@ -203,42 +232,15 @@ def _kl(logp_M: torch.Tensor, ref_logp_M: torch.Tensor, kl_type: str) -> torch.T
     return torch.exp(delta_M) - delta_M - 1.0
 
 
-def _reduce(
-    x_M: torch.Tensor,
-    w_M: torch.Tensor,
-    mask_M: torch.Tensor,
-    sample_M: torch.Tensor,
-    sample_weight_S: torch.Tensor,
-    cfg: LossConfig,
-) -> torch.Tensor:
-    """Apply mask, sample weights and the configured normaliser. ``w_M`` = sample weight per token."""
-    if cfg.norm == "token_mean":
-        denom = mask_M.sum()
-        if denom == 0:
-            raise ValueError("loss_mask_M selects no tokens: token_mean normaliser is 0")
-        return (x_M * mask_M * w_M).sum() / denom
-    if cfg.norm == "constant":
-        return (x_M * mask_M * w_M).sum() / cfg.norm_constant
-    num_samples = sample_weight_S.numel()
-    count_S = _per_sample_sum(mask_M, sample_M, num_samples)
-    sum_S = _per_sample_sum(x_M * mask_M, sample_M, num_samples)
-    denom = sample_weight_S.sum()
-    if denom == 0:
-        raise ValueError("sample_weight_S sums to 0: seq_mean normaliser is 0")
-    return (sample_weight_S * sum_S / count_S.clamp(min=1.0)).sum() / denom
-
-
-def _masked_mean(x_M: torch.Tensor, mask_M: torch.Tensor) -> torch.Tensor:
-    return (x_M * mask_M).sum() / mask_M.sum().clamp(min=1.0)
-
-
 def _domain_stats(
     per_token: dict[str, torch.Tensor], mask_M: torch.Tensor, domain_M: torch.Tensor, domain_names: list[str]
 ) -> dict[str, torch.Tensor]:
     """Masked token means of each per-token quantity per domain, keyed ``"<domain>/<name>"``."""
     zeros_D = torch.zeros(len(domain_names), dtype=mask_M.dtype, device=mask_M.device)
     count_D = zeros_D.index_add(0, domain_M, mask_M)
-    mean_D = {key: zeros_D.index_add(0, domain_M, x_M * mask_M) / count_D.clamp(min=1.0) for key, x_M in per_token.items()}
+    mean_D = {
+        key: zeros_D.index_add(0, domain_M, x_M * mask_M) / count_D.clamp(min=1.0) for key, x_M in per_token.items()
+    }
     out = {}
     for d, name in enumerate(domain_names):
         out[f"{name}/num_tokens"] = count_D[d]
@@ -267,6 +269,43 @@ def _check_domains(domain_ids_S: torch.Tensor, domain_names: list[str] | None, n
     return list(domain_names)
 
 
+def _check_required(cfg: LossConfig, named_M: dict[str, torch.Tensor]) -> None:
+    """Every configured term has its input."""
+    if cfg.tis_cap is not None and "rollout_logp_M" not in named_M:
+        raise ValueError("tis_cap is set but rollout_logp_M was not given")
+    if cfg.kl_coef > 0 and "ref_logp_M" not in named_M:
+        raise ValueError("kl_coef > 0 but ref_logp_M was not given")
+    if cfg.entropy_coef > 0 and "entropy_M" not in named_M:
+        raise ValueError("entropy_coef > 0 but entropy_M was not given")
+
+
+def _make_batch(
+    loss_mask_M: torch.Tensor, cu_seqlens_S1: torch.Tensor, sample_weight_S: torch.Tensor | None, cfg: LossConfig
+) -> _Batch:
+    device, num_samples = loss_mask_M.device, cu_seqlens_S1.numel() - 1
+    if sample_weight_S is None:
+        sample_weight_S = torch.ones(num_samples, device=device)
+    _check_sample_weight(sample_weight_S, num_samples)
+    return _Batch(
+        mask_M=loss_mask_M.detach().float(),
+        sample_M=sample_index(cu_seqlens_S1.to(device).long()),
+        sample_weight_S=sample_weight_S.detach().to(device=device, dtype=torch.float32),
+        cfg=cfg,
+    )
+
+
+def _clip_stats(ratio_M: torch.Tensor, adv_M: torch.Tensor, batch: _Batch) -> dict[str, torch.Tensor]:
+    cfg = batch.cfg
+    return {
+        "clip_frac_low": batch.masked_mean((ratio_M < 1.0 - cfg.eps_low).float()),
+        "clip_frac_high": batch.masked_mean((ratio_M > 1.0 + cfg.eps_high).float()),
+        "ratio_mean": batch.masked_mean(ratio_M),
+        "ratio_max": torch.where(batch.mask_M > 0, ratio_M, 0.0).max(),
+        "advantage_mean": batch.masked_mean(adv_M),
+        "num_tokens": batch.mask_M.sum(),
+    }
+
+
 def policy_loss(
     logp_M: torch.Tensor,
     old_logp_M: torch.Tensor,
@@ -291,59 +330,32 @@ def policy_loss(
     for name, t in (("rollout_logp_M", rollout_logp_M), ("ref_logp_M", ref_logp_M), ("entropy_M", entropy_M)):
         if t is not None:
             named_M[name] = t
-    num_samples = _check_inputs(named_M, cu_seqlens_S1)
-    if cfg.tis_cap is not None and rollout_logp_M is None:
-        raise ValueError("tis_cap is set but rollout_logp_M was not given")
-    if cfg.kl_coef > 0 and ref_logp_M is None:
-        raise ValueError("kl_coef > 0 but ref_logp_M was not given")
-    if cfg.entropy_coef > 0 and entropy_M is None:
-        raise ValueError("entropy_coef > 0 but entropy_M was not given")
+    _check_inputs(named_M, cu_seqlens_S1)
+    _check_required(cfg, named_M)
+    batch = _make_batch(loss_mask_M, cu_seqlens_S1, sample_weight_S, cfg)
+    logp_M, old_logp_M, adv_M = logp_M.float(), old_logp_M.detach().float(), advantages_M.detach().float()
 
-    f32 = torch.float32
-    logp_M = logp_M.to(f32)
-    old_logp_M = old_logp_M.detach().to(f32)
-    adv_M = advantages_M.detach().to(f32)
-    mask_M = loss_mask_M.detach().to(f32)
-    sample_M = sample_index(cu_seqlens_S1.to(logp_M.device).long())
-    if sample_weight_S is None:
-        sample_weight_S = torch.ones(num_samples, dtype=f32, device=logp_M.device)
-    _check_sample_weight(sample_weight_S, num_samples)
-    sample_weight_S = sample_weight_S.detach().to(device=logp_M.device, dtype=f32)
-    w_M = sample_weight_S[sample_M]
-
-    pg_M, ratio_M = _token_loss(logp_M, old_logp_M, adv_M, mask_M, sample_M, num_samples, cfg)
+    ratio_M = _ratio(logp_M, old_logp_M, batch)
+    pg_M = _token_loss(logp_M, ratio_M, adv_M, cfg)
+    stats = _clip_stats(ratio_M.detach(), adv_M, batch)
     if cfg.tis_cap is not None:
-        tis_M = truncated_is_weights(old_logp_M, rollout_logp_M.to(f32), cfg.tis_cap)
+        tis_M = truncated_is_weights(old_logp_M, rollout_logp_M.float(), cfg.tis_cap)
         pg_M = pg_M * tis_M
-    pg_loss = _reduce(pg_M, w_M, mask_M, sample_M, sample_weight_S, cfg)
-    loss = pg_loss
-
-    stats = {
-        "pg_loss": pg_loss,
-        "clip_frac_low": _masked_mean((ratio_M < 1.0 - cfg.eps_low).to(f32), mask_M),
-        "clip_frac_high": _masked_mean((ratio_M > 1.0 + cfg.eps_high).to(f32), mask_M),
-        "ratio_mean": _masked_mean(ratio_M, mask_M),
-        "ratio_max": torch.where(mask_M > 0, ratio_M, 0.0).max(),
-        "advantage_mean": _masked_mean(adv_M, mask_M),
-        "num_tokens": mask_M.sum(),
-    }
-    per_token = {"pg_loss": pg_M.detach(), "advantage": adv_M, "ratio": ratio_M}
-    if cfg.tis_cap is not None:
-        stats["tis_weight_mean"] = _masked_mean(tis_M, mask_M)
-        stats["tis_clip_frac"] = _masked_mean((tis_M >= cfg.tis_cap).to(f32), mask_M)
+        stats["tis_weight_mean"] = batch.masked_mean(tis_M)
+        stats["tis_clip_frac"] = batch.masked_mean((tis_M >= cfg.tis_cap).float())
+    loss = stats["pg_loss"] = batch.reduce(pg_M)
+    per_token = {"pg_loss": pg_M.detach(), "advantage": adv_M, "ratio": ratio_M.detach()}
     if ref_logp_M is not None:
-        kl_M = _kl(logp_M, ref_logp_M.detach().to(f32), cfg.kl_type)
-        stats["kl"] = _reduce(kl_M, w_M, mask_M, sample_M, sample_weight_S, cfg)
+        kl_M = _kl(logp_M, ref_logp_M.detach().float(), cfg.kl_type)
+        stats["kl"], per_token["kl"] = batch.reduce(kl_M), kl_M.detach()
         loss = loss + cfg.kl_coef * stats["kl"]
-        per_token["kl"] = kl_M.detach()
     if entropy_M is not None:
-        ent_M = entropy_M.to(f32)
-        stats["entropy"] = _reduce(ent_M, w_M, mask_M, sample_M, sample_weight_S, cfg)
+        ent_M = entropy_M.float()
+        stats["entropy"], per_token["entropy"] = batch.reduce(ent_M), ent_M.detach()
         loss = loss - cfg.entropy_coef * stats["entropy"]
-        per_token["entropy"] = ent_M.detach()
     stats["loss"] = loss
     if domain_ids_S is not None:
-        names = _check_domains(domain_ids_S, domain_names, num_samples)
-        stats.update(_domain_stats(per_token, mask_M, domain_ids_S.to(sample_M.device)[sample_M], names))
-    metrics = _to_floats(stats)
-    return loss, metrics
+        names = _check_domains(domain_ids_S, domain_names, batch.num_samples)
+        domain_M = domain_ids_S.to(batch.sample_M.device)[batch.sample_M]
+        stats.update(_domain_stats(per_token, batch.mask_M, domain_M, names))
+    return loss, _to_floats(stats)

@@ -196,7 +196,8 @@ def reward_module(tmp_path, monkeypatch):
 
 
 def test_user_reward_fn_float_and_dict(reward_module):
-    scores = score_group([_ep(1.0, metadata={"n": 2}), _ep(0.0)], RewardConfig(reward_fn=f"{reward_module}:length_bonus"))
+    cfg = RewardConfig(reward_fn=f"{reward_module}:length_bonus")
+    scores = score_group([_ep(1.0, metadata={"n": 2}), _ep(0.0)], cfg)
     assert scores.terms[0]["user"] == 1.0
     assert scores.rewards == [2.0, 0.0]
     scores = score_group([_ep(1.0, domain="qa"), _ep(0.0)], RewardConfig(reward_fn=f"{reward_module}:breakdown"))
@@ -209,7 +210,8 @@ def test_user_reward_fn_float_and_dict(reward_module):
     [
         ("no_colon", "reward_fn must look like 'package.module:function', got 'no_colon'"),
         ("mod:", "reward_fn must look like 'package.module:function', got 'mod:'"),
-        ("my_rewards_mod:missing", "reward_fn 'my_rewards_mod:missing': module 'my_rewards_mod' has no attribute 'missing'"),
+        ("my_rewards_mod:missing",
+         "reward_fn 'my_rewards_mod:missing': module 'my_rewards_mod' has no attribute 'missing'"),
         ("my_rewards_mod:NOT_CALLABLE", "reward_fn 'my_rewards_mod:NOT_CALLABLE': 'NOT_CALLABLE' is not callable"),
     ],
 )
@@ -219,12 +221,14 @@ def test_user_reward_fn_load_errors(reward_module, path, message):
 
 
 def test_user_reward_fn_missing_module():
-    with pytest.raises(ValueError, match=re.escape("reward_fn 'no_such_mod_xyz:f': cannot import module 'no_such_mod_xyz'")):
+    message = "reward_fn 'no_such_mod_xyz:f': cannot import module 'no_such_mod_xyz'"
+    with pytest.raises(ValueError, match=re.escape(message)):
         RewardConfig(reward_fn="no_such_mod_xyz:f")
 
 
 def test_user_reward_fn_bad_returns(reward_module):
-    with pytest.raises(ValueError, match=_exact("episode 0: reward_fn returned 'user' = nan (must be a finite number)")):
+    message = "episode 0: reward_fn returned 'user' = nan (must be a finite number)"
+    with pytest.raises(ValueError, match=_exact(message)):
         score_group([_ep(1.0), _ep(0.0)], RewardConfig(reward_fn=f"{reward_module}:broken"))
     with pytest.raises(ValueError, match=_exact("episode 0: reward_fn term 'outcome' clashes with a built-in term")):
         score_group([_ep(1.0), _ep(0.0)], RewardConfig(reward_fn=f"{reward_module}:clashes"))
