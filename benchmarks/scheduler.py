@@ -104,10 +104,11 @@ def main() -> None:
     p.add_argument("--generation-batch-groups", type=int, default=64, help="N; W = ceil(window_fraction * N)")
     p.add_argument("--window-fraction", type=float, default=0.3)
     p.add_argument("--concurrency", type=int, default=None, help="groups generating at once (default N)")
-    p.add_argument("--train-batch-groups", type=int, default=16, help="B: groups per trainer step")
-    p.add_argument("--max-staleness", type=int, default=None,
-                   help="extra backpressure: admit while undelivered+1 <= (s+1)*B (default: off, the window bounds it)")
-    p.add_argument("--trainer-speed", type=float, default=1.25,
+    p.add_argument("--window", default=None, help="explicit W of the windowed policy (overrides the fraction)")
+    p.add_argument("--train-batch-groups", type=int, default=8, help="B: groups per trainer step")
+    p.add_argument("--max-staleness", type=int, default=8,
+                   help="backpressure as in the pool: admit while undelivered + 1 <= (s + 1) * B")
+    p.add_argument("--trainer-speed", type=float, default=0.8,
                    help="trainer capacity / rollout capacity; sets step_s = B * mean / concurrency / speed")
     p.add_argument("--groups", type=int, default=4000, help="groups consumed per simulation")
     p.add_argument("--bias-batches", type=int, default=10, help="K: batches used for length_bias")
@@ -116,7 +117,7 @@ def main() -> None:
     args.concurrency = args.concurrency or args.generation_batch_groups
     args.step_s = args.train_batch_groups / args.concurrency / args.trainer_speed
     d = durations(args, np.random.default_rng(args.seed))
-    windows = {"strict": 1.0, "windowed": window_size(None, args.window_fraction, args.generation_batch_groups),
+    windows = {"strict": 1.0, "windowed": window_size(args.window, args.window_fraction, args.generation_batch_groups),
                "greedy": math.inf}
     result = {name: simulate(d, w, args) for name, w in windows.items()}
     result["config"] = {"window": windows["windowed"], "dist": "file" if args.durations else args.dist,

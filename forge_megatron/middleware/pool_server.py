@@ -20,10 +20,6 @@ from forge_megatron.middleware.pool import DataPool, PoolConfig
 from forge_megatron.middleware.transport import CurveKeys, PoolServer
 
 
-def _window(text: str) -> float | str:
-    return text if text.strip().lower() == "inf" else int(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="forge-pool", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("storage and network")
@@ -37,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("windowed FIFO")
     w.add_argument("--generation-batch-groups", type=int, default=16, help="N: groups generated per policy version")
     w.add_argument("--window-fraction", type=float, default=0.3, help="W = ceil(fraction * N) (default 0.3)")
-    w.add_argument("--window", type=_window, default=None,
+    w.add_argument("--window", default=None,
                    help="explicit W: 1 = strict FIFO, 'inf' = greedy first-finished-first-out; overrides the fraction")
     b = p.add_argument_group("backpressure and failures")
     b.add_argument("--max-inflight-groups", type=int, default=None, help="stop admitting at this many running groups")

@@ -34,9 +34,12 @@ def window_size(window: float | int | str | None, window_fraction: float, genera
             raise ValueError(f"generation_batch_groups must be >= 1, got {generation_batch_groups}")
         return float(max(1, math.ceil(window_fraction * generation_batch_groups)))
     if isinstance(window, str):
-        if window.strip().lower() not in ("inf", "infinity", "greedy"):
+        text = window.strip().lower()
+        if text in ("inf", "infinity", "greedy"):
+            return math.inf
+        if not text.isdigit():
             raise ValueError(f"window must be an int >= 1 or 'inf', got {window!r}")
-        return math.inf
+        window = int(text)
     if window == math.inf:
         return math.inf
     if isinstance(window, bool) or not float(window).is_integer() or window < 1:
