@@ -30,7 +30,7 @@ With ``norm="seq_mean"`` and a constant advantage per sample, GSPO's token form 
 ``- mean_i min(s_i A_i, clip(s_i) A_i)`` in value and gradient.
 
 Legend: M = next-token positions of all samples concatenated (sample i owns ``cu_seqlens[i]:cu_seqlens[i+1]``),
-S = samples, S1 = S + 1.
+S = samples, S1 = S + 1, D = domains.
 """
 
 from __future__ import annotations
