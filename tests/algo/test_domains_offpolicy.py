@@ -1,4 +1,4 @@
-"""Domain mixing (largest-remainder counts, seeded draws, per-domain means) and off-policy helpers."""
+"""Domain mixing (largest-remainder counts, seeded draws, per-domain means) and off-policy helpers. GPUs: 0."""
 
 import math
 import re

@@ -1,4 +1,6 @@
-"""Policy losses against closed forms computed by hand (math module), gradients included. CPU, no GPU needed.
+"""Policy losses against closed forms computed by hand (math module), gradients included.
+
+GPUs: 0, except ``test_cuda_matches_cpu`` (1, marked ``gpu``).
 
 Legend: M = next-token positions of all samples concatenated, S = samples, T = tree tokens, V = vocabulary.
 """

@@ -1,4 +1,6 @@
-"""Composite rewards, group advantages, reward-to-go, completion-time bonus, process terms, user reward functions."""
+"""Composite rewards, group advantages, reward-to-go, completion-time bonus, process terms, user reward functions.
+
+GPUs: 0."""
 
 import math
 import re

@@ -1,4 +1,4 @@
-"""End to end on a toy task: sampled groups -> score_group -> policy_loss -> Adam makes the reward go up.
+"""End to end on a toy task: sampled groups -> score_group -> policy_loss -> Adam makes the reward go up. GPUs: 0.
 
 The policy is a table of logits per position (no context), rewarded for emitting the target token; every episode
 of a group is one sample, and two optimizer steps per batch make the second one off-policy (ratios != 1).
