@@ -1,0 +1,166 @@
+"""The demo's task and black-box agent: integer arithmetic with a calculator tool, over the official ``openai`` client.
+
+Task: the user message is an expression like ``12+7``; the answer is its value. The agent offers the model one
+tool, ``calc(expr)``. A good episode is two calls: the model calls ``calc`` with the expression, the agent runs the
+tool and returns the value, the model answers with it. The model may also answer directly (a tiny model cannot add
+two-digit numbers itself, so direct answers are mostly wrong): learning to use the tool is what RL must teach.
+
+Run as a program it is a black-box agent for :class:`forge_megatron.agents.runner.CommandAgent`: it reads
+``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (the official client's own variables) and ``FORGE_TASK_PROMPT``, and prints
+its final answer as the last line of stdout. With ``--serve`` it is a black-box agent *service* for
+:class:`~forge_megatron.agents.runner.HttpAgent` (one long-lived process instead of one process per episode):
+``POST / {"task", "base_url", "api_key"}`` -> ``{"output"}``.
+
+:func:`sft_conversations` writes the demo's supervised warm-start data: a fraction ``tool_fraction`` of the
+conversations use the tool, the rest answer directly (with the correct value, which the model cannot compute), so
+the warm-started policy uses the tool only part of the time and RL has room to raise the success rate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from forge_megatron.agents.tasks import Task
+
+TOOL_NAME = "calc"
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": "evaluate an integer expression a+b, a-b or a*b",
+        "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
+    },
+}]
+_EXPR = re.compile(r"^\s*(-?\d{1,6})\s*([+\-*])\s*(-?\d{1,6})\s*$")
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def calculate(expr: str) -> str:
+    """Value of ``a op b`` (integers, op in + - *) as a string, or ``error: ...`` (never ``eval``)."""
+    m = _EXPR.match(expr if isinstance(expr, str) else "")
+    if not m:
+        return f"error: cannot evaluate {expr!r}"
+    return str(OPS[m.group(2)](int(m.group(1)), int(m.group(3))))
+
+
+def make_tasks(n: int, seed: int = 0, max_operand: int = 49, ops: str = "+", domain: str = "math") -> list[Task]:
+    """``n`` distinct arithmetic tasks, deterministic for ``seed``."""
+    rng = random.Random(seed)
+    if n > (max_operand + 1) ** 2 * len(ops):
+        raise ValueError(f"only {(max_operand + 1) ** 2 * len(ops)} distinct tasks exist, asked for {n}")
+    seen, tasks = set(), []
+    while len(tasks) < n:
+        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
+        expr = f"{a}{op}{b}"
+        if expr in seen:
+            continue
+        seen.add(expr)
+        tasks.append(Task(task_id=f"calc-{len(tasks)}", prompt=expr, domain=domain, answer=calculate(expr)))
+    return tasks
+
+
+def tool_call_message(expr: str) -> dict:
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"id": "call_0", "type": "function",
+                            "function": {"name": TOOL_NAME, "arguments": json.dumps({"expr": expr})}}]}
+
+
+def sft_conversations(tasks: list[Task], tool_fraction: float, seed: int = 0) -> list[list[dict]]:
+    """One chat per task: with probability ``tool_fraction`` the tool path, else a direct answer."""
+    rng = random.Random(seed)
+    chats = []
+    for task in tasks:
+        user = {"role": "user", "content": task.prompt}
+        if rng.random() < tool_fraction:
+            chats.append([user, tool_call_message(task.prompt), {"role": "tool", "content": task.answer},
+                          {"role": "assistant", "content": task.answer}])
+        else:
+            chats.append([user, {"role": "assistant", "content": task.answer}])
+    return chats
+
+
+def solve(prompt: str, client, model: str = "forge", max_turns: int = 3, max_tokens: int = 48,
+          temperature: float = 1.0) -> str:
+    """Run the agent loop with an ``openai.OpenAI`` client; returns the final answer text."""
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(max_turns):
+        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens,
+                                               temperature=temperature).choices[0].message
+        if not reply.tool_calls:
+            return (reply.content or "").strip()
+        messages.append({"role": "assistant", "content": reply.content or "",
+                         "tool_calls": [tc.model_dump() for tc in reply.tool_calls]})
+        for tc in reply.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": tc.id, "content": _run_tool(tc.function)})
+    return ""
+
+
+def _run_tool(function) -> str:
+    if function.name != TOOL_NAME:
+        return f"error: unknown tool {function.name!r}"
+    try:
+        args = json.loads(function.arguments or "{}")
+    except json.JSONDecodeError:
+        return "error: arguments are not JSON"
+    return calculate(args.get("expr", "")) if isinstance(args, dict) else "error: arguments must be an object"
+
+
+class _AgentHandler(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        import openai
+
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            prompt, base_url, api_key = body["task"]["prompt"], body["base_url"], body["api_key"]
+        except (ValueError, KeyError, TypeError) as exc:
+            return self._answer(400, {"error": f"expected {{task: {{prompt}}, base_url, api_key}}: {exc}"})
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=120.0, max_retries=0)
+        try:
+            output = solve(prompt, client)
+        except openai.OpenAIError as exc:
+            return self._answer(502, {"error": str(exc)})
+        finally:
+            client.close()
+        return self._answer(200, {"output": output})
+
+    def _answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:  # keep the demo's output readable
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    import openai
+
+    p = argparse.ArgumentParser(prog="calculator-agent", description="the demo's calculator agent")
+    p.add_argument("--serve", action="store_true", help="run as an HTTP agent service instead of one episode")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.serve:
+        server = ThreadingHTTPServer((args.host, args.port), _AgentHandler)
+        print(f"FORGE_READY port={server.server_address[1]}", flush=True)
+        server.serve_forever()
+        return 0
+    prompt = os.environ.get("FORGE_TASK_PROMPT")
+    if prompt is None:
+        raise SystemExit("FORGE_TASK_PROMPT is not set (run me through forge's CommandAgent)")
+    client = openai.OpenAI(timeout=120.0, max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
+    print(solve(prompt, client, model=os.environ.get("FORGE_MODEL", "forge")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

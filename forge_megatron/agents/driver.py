@@ -1,0 +1,187 @@
+"""The rollout driver: keeps the data pool fed with groups of agent episodes.
+
+Loop: draw the next task (domains mixed by ``--domain-ratios`` through ``algo.DomainMixer``; default: each domain
+in proportion to its number of tasks), register a group of G episodes at the gateway, run the G episodes
+concurrently on worker threads. Backpressure: at most ``max_inflight_groups`` groups run at once, and no new group
+starts while the pool says it cannot admit one (``PoolClient.can_admit``: too many in flight or too stale), so the
+policy lag of what the trainer receives stays bounded.
+
+    python -m forge_megatron.agents.driver --gateway-url http://127.0.0.1:8000 --tasks tasks.jsonl \\
+        --group-size 8 --agent-command "python -m forge_megatron.agents.calculator"
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from forge_megatron.agents.gateway_api import GatewayClient, GatewayError
+from forge_megatron.agents.runner import (
+    CommandAgent, EpisodeReport, HttpAgent, PythonAgent, Verifier, exact_match, load_callable, run_episode,
+)
+from forge_megatron.agents.tasks import Task, by_domain, load_tasks
+from forge_megatron.algo.domains import DomainMixer
+
+log = logging.getLogger("forge.driver")
+
+
+class RolloutDriver:
+    """Submits groups of episodes while the pool admits them; thread-safe counters for progress reports."""
+
+    def __init__(self, gateway: GatewayClient, agent, tasks: list[Task], group_size: int,
+                 verifier: Verifier = exact_match, max_inflight_groups: int = 4, episode_timeout_s: float = 300.0,
+                 domain_ratios: dict[str, float] | None = None, can_admit: Callable[[], bool] | None = None,
+                 seed: int = 0):
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if max_inflight_groups < 1:
+            raise ValueError(f"max_inflight_groups must be >= 1, got {max_inflight_groups}")
+        self.gateway, self.agent, self.verifier = gateway, agent, verifier
+        self.group_size, self.max_inflight_groups, self.episode_timeout_s = group_size, max_inflight_groups, episode_timeout_s
+        self.pools = by_domain(tasks)
+        ratios = domain_ratios or {d: float(len(p)) for d, p in self.pools.items()}
+        missing = sorted(set(ratios) - set(self.pools))
+        if missing:
+            raise ValueError(f"domain_ratios name domains without tasks: {missing}")
+        self.mixer = DomainMixer(ratios, seed=seed)
+        self.can_admit = can_admit or (lambda: True)
+        self.reports: deque[EpisodeReport] = deque(maxlen=10000)
+        self.groups_started = 0
+        self._inflight: list[Future] = []
+        self._queue: deque[tuple[str, Task]] = deque()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_inflight_groups * group_size, thread_name_prefix="episode")
+
+    def _run_group(self, task: Task, group_id: str) -> None:
+        episodes = [self._pool.submit(self._episode, task, group_id) for _ in range(self.group_size)]
+        for fut in episodes:
+            fut.result()
+
+    def _episode(self, task: Task, group_id: str) -> None:
+        try:
+            report = run_episode(self.gateway, self.agent, task, group_id, self.verifier, self.episode_timeout_s)
+        except GatewayError as exc:
+            log.warning("episode of task %s lost: %s", task.task_id, exc)
+            return
+        with self._lock:
+            self.reports.append(report)
+
+    def _next_task(self) -> tuple[str, Task]:
+        """Tasks come in mixed batches of ``2 * max_inflight_groups`` so each batch holds the domain ratios."""
+        if not self._queue:
+            self._queue.extend(self.mixer.draw(self.pools, 2 * self.max_inflight_groups))
+        return self._queue.popleft()
+
+    def _wait_for_slot(self, stop: threading.Event) -> bool:
+        while not stop.is_set():
+            self._inflight = [f for f in self._inflight if not f.done()]
+            if len(self._inflight) < self.max_inflight_groups and self._admits():
+                return True
+            stop.wait(0.05)
+        return False
+
+    def _admits(self) -> bool:
+        try:
+            return bool(self.can_admit())
+        except Exception as exc:  # noqa: BLE001 - an unreachable pool pauses admission, it does not stop the run
+            log.warning("pool admission check failed (%s); retrying", exc)
+            return False
+
+    def run(self, stop: threading.Event, max_groups: int | None = None) -> None:
+        """Submit groups until ``stop`` is set (or ``max_groups`` were started), then wait for running episodes."""
+        groups = ThreadPoolExecutor(max_workers=self.max_inflight_groups, thread_name_prefix="group")
+        try:
+            while (max_groups is None or self.groups_started < max_groups) and self._wait_for_slot(stop):
+                domain, task = self._next_task()
+                try:
+                    group_id = self.gateway.create_group(task.task_id, self.group_size, domain, task.metadata)
+                except GatewayError as exc:
+                    log.warning("could not register a group for %s: %s", task.task_id, exc)
+                    stop.wait(1.0)
+                    continue
+                self._inflight.append(groups.submit(self._run_group, task, group_id))
+                self.groups_started += 1
+        finally:
+            groups.shutdown(wait=True)
+            self._pool.shutdown(wait=True)
+
+    def success_rate(self, last: int | None = None) -> float | None:
+        """Fraction of finished episodes with reward > 0 (over the ``last`` ones when given)."""
+        with self._lock:
+            done = [r for r in self.reports if r.status == "finished"]
+        done = done[-last:] if last else done
+        return sum(r.reward > 0 for r in done) / len(done) if done else None
+
+
+def build_agent(args: argparse.Namespace):
+    chosen = [x for x in (args.agent_command, args.agent_url, args.agent_python) if x]
+    if len(chosen) != 1:
+        raise SystemExit("give exactly one of --agent-command, --agent-url, --agent-python")
+    if args.agent_command:
+        return CommandAgent(args.agent_command)
+    if args.agent_url:
+        return HttpAgent(args.agent_url)
+    return PythonAgent(load_callable(args.agent_python))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from forge_megatron.training.arguments import name_float_pairs
+
+    p = argparse.ArgumentParser(prog="forge-rollout", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gateway-url", required=True)
+    p.add_argument("--admin-token", default=os.environ.get("FORGE_ADMIN_TOKEN"))
+    p.add_argument("--tasks", required=True, help="tasks JSONL (task_id, prompt, domain, answer, metadata)")
+    p.add_argument("--group-size", type=int, default=8, help="episodes per task (GRPO group)")
+    p.add_argument("--max-inflight-groups", type=int, default=4)
+    p.add_argument("--episode-timeout-s", type=float, default=300.0)
+    p.add_argument("--domain-ratios", type=name_float_pairs, default=None, help="e.g. math=0.7,qa=0.3")
+    p.add_argument("--pool-addr", default=None, help="data pool ZeroMQ address: respect its admission control")
+    p.add_argument("--agent-command", help="black-box agent program (gets OPENAI_BASE_URL / OPENAI_API_KEY)")
+    p.add_argument("--agent-url", help="black-box agent HTTP service")
+    p.add_argument("--agent-python", help="white-box agent 'module:function'")
+    p.add_argument("--verifier", default=None, help="'module:function' (task, output) -> reward; default exact match")
+    p.add_argument("--max-groups", type=int, default=None, help="stop after this many groups (default: run until killed)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-rollout %(message)s")
+    can_admit = None
+    if args.pool_addr:
+        from forge_megatron.middleware.transport import PoolClient
+
+        client = PoolClient(args.pool_addr)
+        can_admit = client.can_admit
+    driver = RolloutDriver(
+        GatewayClient(args.gateway_url, args.admin_token), build_agent(args), load_tasks(args.tasks), args.group_size,
+        verifier=load_callable(args.verifier) if args.verifier else exact_match,
+        max_inflight_groups=args.max_inflight_groups, episode_timeout_s=args.episode_timeout_s,
+        domain_ratios=args.domain_ratios, can_admit=can_admit, seed=args.seed,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    reporter = threading.Thread(target=_report, args=(driver, stop), daemon=True)
+    reporter.start()
+    driver.run(stop, args.max_groups)
+    return 0
+
+
+def _report(driver: RolloutDriver, stop: threading.Event, every_s: float = 10.0) -> None:
+    while not stop.wait(every_s):
+        rate = driver.success_rate(last=200)
+        log.info("groups started %d, episodes done %d, success (last 200) %s", driver.groups_started,
+                 len(driver.reports), "-" if rate is None else f"{rate:.2f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

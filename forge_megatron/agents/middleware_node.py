@@ -1,0 +1,84 @@
+"""The middleware node of a run: forge-gateway with the data pool embedded as its episode sink, in one process.
+
+Agents talk to the gateway (OpenAI API + session endpoints); every ended session goes straight into the
+:class:`DataPool` (thread-safe, SQLite), which scores groups and serves batches to the trainer over ZeroMQ
+(:class:`PoolServer`). One process means no extra hop for episodes and one database writer.
+
+    python -m forge_megatron.agents.middleware_node --model-path /models/tiny --engines http://127.0.0.1:30000 \\
+        --port 8000 --pool-bind tcp://127.0.0.1:5555 --pool-db runs/pool.sqlite
+
+Prints ``FORGE_READY port=<gateway port>`` once both servers listen (the launch helpers wait for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from forge_megatron.middleware.gateway import Gateway, GatewayConfig, serve
+from forge_megatron.middleware.pool import DataPool, PoolConfig
+from forge_megatron.middleware.transport import PoolServer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from forge_megatron.training.arguments import name_float_pairs
+
+    p = argparse.ArgumentParser(prog="forge-middleware", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("gateway")
+    g.add_argument("--model-path", required=True, help="local HF directory with the tokenizer and chat template")
+    g.add_argument("--engines", required=True, help="comma-separated SGLang/forge-engine URLs")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    g.add_argument("--admin-token", default=os.environ.get("FORGE_ADMIN_TOKEN"))
+    g.add_argument("--tool-parser", default="hermes")
+    g.add_argument("--default-max-tokens", type=int, default=1024)
+    d = p.add_argument_group("data pool")
+    d.add_argument("--pool-bind", default="tcp://127.0.0.1:5555")
+    d.add_argument("--pool-db", default="pool.sqlite")
+    d.add_argument("--window-fraction", type=float, default=0.3)
+    d.add_argument("--rollout-batch-groups", type=int, default=16, help="N of the window W = ceil(fraction * N)")
+    d.add_argument("--max-inflight-groups", type=int, default=None)
+    d.add_argument("--max-staleness", type=int, default=None)
+    d.add_argument("--train-batch-groups", type=int, default=None)
+    d.add_argument("--episode-timeout-s", type=float, default=None)
+    d.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo"])
+    d.add_argument("--reward-weights", type=name_float_pairs, default={})
+    d.add_argument("--completion-time-bound", type=float, default=0.0)
+    return p
+
+
+def pool_config(args: argparse.Namespace) -> PoolConfig:
+    from forge_megatron.algo.rewards import RewardConfig
+
+    reward = RewardConfig(estimator=args.advantage_estimator, completion_time_bound=args.completion_time_bound)
+    reward.process_weights.update(args.reward_weights)
+    return PoolConfig(db_path=args.pool_db, window_fraction=args.window_fraction,
+                      generation_batch_groups=args.rollout_batch_groups, max_inflight_groups=args.max_inflight_groups,
+                      max_staleness=args.max_staleness, train_batch_groups=args.train_batch_groups,
+                      episode_timeout_s=args.episode_timeout_s, reward=reward)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-middleware %(message)s")
+    pool = DataPool(pool_config(args))
+    server = PoolServer(pool, bind=args.pool_bind).start()
+    gateway = Gateway(GatewayConfig(model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u],
+                                    host=args.host, port=args.port, admin_token=args.admin_token,
+                                    tool_parser=args.tool_parser, default_max_tokens=args.default_max_tokens),
+                      sink=pool)
+    print(f"forge-pool serving on {server.address}", flush=True)
+    try:
+        asyncio.run(serve(gateway, ready=lambda port: print(f"FORGE_READY port={port}", flush=True)))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        pool.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Run one episode of an agent on a task through the gateway, with a per-episode timeout.
+
+Three kinds of agents, one contract (``agent.run(task, session, timeout_s) -> EpisodeResult``):
+
+- :class:`PythonAgent` (white-box): a Python callable ``fn(task, session) -> EpisodeResult | str | None`` that talks
+  to ``session.base_url`` with ``session.api_key`` (any OpenAI client) and may compute its own reward.
+- :class:`CommandAgent` (black-box): any program. It gets the OpenAI endpoint the way the official clients read
+  it (``OPENAI_BASE_URL``, ``OPENAI_API_KEY``) and the task in ``FORGE_TASK_PROMPT`` / ``FORGE_TASK_JSON``; its final
+  answer is the last non-empty line of its stdout. It runs in its own process group, killed on timeout.
+- :class:`HttpAgent` (black-box service): ``POST <url> {"task", "base_url", "api_key"}`` answered by
+  ``{"output": "..."}``.
+
+The trajectory itself is recorded by the gateway from the agent's API calls; the runner only opens the session,
+scores the final answer with a verifier (``verifier(task, output) -> reward``, default: exact match with
+``task.answer``), sets the reward and ends the session with the episode's status (finished, failed, timed_out).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Callable
+
+from forge_megatron.agents.gateway_api import AgentSession, GatewayClient, GatewayError
+from forge_megatron.agents.tasks import Task
+
+log = logging.getLogger("forge.agents")
+
+Verifier = Callable[[Task, "str | None"], float]
+
+
+@dataclass
+class EpisodeResult:
+    """What an agent run produced. ``reward`` None: the verifier scores ``output``."""
+
+    output: str | None = None
+    status: str = "finished"  # finished | failed | timed_out
+    reward: float | None = None
+    terms: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass
+class EpisodeReport:
+    task_id: str
+    domain: str
+    session_id: str
+    status: str
+    reward: float | None
+    output: str | None
+    duration_s: float
+
+
+def exact_match(task: Task, output: str | None) -> float:
+    """1.0 when the final output equals ``task.answer`` (surrounding whitespace ignored), else 0.0."""
+    if task.answer is None:
+        raise ValueError(f"task {task.task_id} has no answer: give a verifier or let the agent set its reward")
+    return float(output is not None and output.strip() == task.answer.strip())
+
+
+def load_callable(path: str) -> Callable:
+    """``package.module:function`` -> the function (clear error when it does not exist)."""
+    import importlib
+
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected 'package.module:function', got {path!r}")
+    fn = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(fn):
+        raise ValueError(f"{path!r}: {attr!r} is not a callable of {module_name}")
+    return fn
+
+
+class PythonAgent:
+    """White-box agent: a callable run in a worker thread; past the timeout its episode is ended as timed_out."""
+
+    def __init__(self, fn: Callable[[Task, AgentSession], "EpisodeResult | str | None"]):
+        self.fn = fn
+
+    def run(self, task: Task, session: AgentSession, timeout_s: float) -> EpisodeResult:
+        box: list = []
+
+        def target():
+            try:
+                box.append(self.fn(task, session))
+            except Exception as exc:  # noqa: BLE001 - an agent bug fails its episode, not the driver
+                box.append(EpisodeResult(status="failed", error=f"{type(exc).__name__}: {exc}"))
+
+        worker = threading.Thread(target=target, daemon=True, name=f"agent-{task.task_id}")
+        worker.start()
+        worker.join(timeout_s)
+        if not box:
+            return EpisodeResult(status="timed_out", error=f"no result after {timeout_s:.0f}s")
+        out = box[0]
+        return out if isinstance(out, EpisodeResult) else EpisodeResult(output=out)
+
+
+class CommandAgent:
+    """Black-box agent program (argv list or a shell-free string split on whitespace)."""
+
+    def __init__(self, command: list[str] | str, env: dict[str, str] | None = None):
+        self.argv = command.split() if isinstance(command, str) else list(command)
+        if not self.argv:
+            raise ValueError("agent command is empty")
+        self.env = env or {}
+
+    def run(self, task: Task, session: AgentSession, timeout_s: float) -> EpisodeResult:
+        env = {**os.environ, **self.env, "OPENAI_BASE_URL": session.base_url, "OPENAI_API_KEY": session.api_key,
+               "FORGE_TASK_PROMPT": task.prompt, "FORGE_TASK_JSON": json.dumps(task.to_dict())}
+        proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return EpisodeResult(status="timed_out", error=f"killed after {timeout_s:.0f}s")
+        if proc.returncode != 0:
+            return EpisodeResult(status="failed", error=f"exit {proc.returncode}: {stderr.strip()[-500:]}")
+        lines = [line for line in stdout.splitlines() if line.strip()]
+        return EpisodeResult(output=lines[-1].strip() if lines else "")
+
+
+class HttpAgent:
+    """Black-box agent service reached over HTTP."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def run(self, task: Task, session: AgentSession, timeout_s: float) -> EpisodeResult:
+        body = json.dumps({"task": task.to_dict(), "base_url": session.base_url, "api_key": session.api_key})
+        req = urllib.request.Request(self.url, data=body.encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                answer = json.loads(resp.read())
+        except TimeoutError:
+            return EpisodeResult(status="timed_out", error=f"no answer after {timeout_s:.0f}s")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            if "timed out" in str(exc):
+                return EpisodeResult(status="timed_out", error=str(exc))
+            return EpisodeResult(status="failed", error=f"agent service {self.url}: {exc}")
+        if not isinstance(answer, dict) or not isinstance(answer.get("output", ""), str):
+            return EpisodeResult(status="failed", error="agent service must answer {\"output\": \"...\"}")
+        return EpisodeResult(output=answer.get("output"), reward=answer.get("reward"))
+
+
+def run_episode(gateway: GatewayClient, agent, task: Task, group_id: str, verifier: Verifier = exact_match,
+                timeout_s: float = 300.0) -> EpisodeReport:
+    """Open a session, run the agent, score it, set the reward, end the session. Never raises for agent faults."""
+    session = gateway.open_session(group_id, {"task_id": task.task_id})
+    started = time.time()
+    result = agent.run(task, session, timeout_s)
+    reward = None
+    if result.status == "finished":
+        reward = result.reward if result.reward is not None else verifier(task, result.output)
+        gateway.set_reward(session.session_id, reward, result.terms)
+    elif result.error:
+        log.warning("episode %s of task %s %s: %s", session.session_id, task.task_id, result.status, result.error)
+    status = result.status
+    try:
+        gateway.end_session(session.session_id, status)
+    except GatewayError as exc:
+        if exc.status != 400 or status != "finished":
+            raise
+        status = "failed"  # the agent finished without a single model call: nothing to train on
+        gateway.end_session(session.session_id, status)
+    return EpisodeReport(task.task_id, task.domain, session.session_id, status, reward, result.output,
+                         time.time() - started)

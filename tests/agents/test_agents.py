@@ -1,0 +1,126 @@
+"""Tasks, agent runners (white-box, black-box command, black-box HTTP service), timeouts and the rollout driver,
+against a real forge-engine and a real forge-gateway over HTTP. CPU, 0 GPUs."""
+
+import json
+import sys
+import threading
+
+import pytest
+
+from forge_megatron.agents import calculator
+from forge_megatron.agents.driver import RolloutDriver
+from forge_megatron.agents.gateway_api import GatewayClient, GatewayError
+from forge_megatron.agents.runner import CommandAgent, EpisodeResult, HttpAgent, PythonAgent, exact_match, run_episode
+from forge_megatron.agents.tasks import Task, TaskError, load_tasks, write_tasks
+from forge_megatron.middleware.schema import ListSink
+
+
+def test_tasks_round_trip_and_errors(tmp_path):
+    tasks = calculator.make_tasks(5, seed=1)
+    path = tmp_path / "tasks.jsonl"
+    write_tasks(str(path), tasks)
+    assert load_tasks(str(path)) == tasks
+    bad = tmp_path / "bad.jsonl"
+    for line, message in [('{"prompt": "1+1"}', "missing field 'task_id'"),
+                          ('{"task_id": "a", "prompt": "x", "colour": 1}', "unknown field"),
+                          ('{"task_id": "a", "prompt": 3}', "prompt must be a string"),
+                          ("not json", "not valid JSON"),
+                          ('{"task_id": "a", "prompt": "x"}\n{"task_id": "a", "prompt": "y"}', "duplicate task_id")]:
+        bad.write_text(line + "\n")
+        with pytest.raises(TaskError, match=message):
+            load_tasks(str(bad))
+
+
+def test_calculator_tool_and_tasks():
+    assert calculator.calculate("12+7") == "19" and calculator.calculate("3*-4") == "-12"
+    assert calculator.calculate("2**8").startswith("error") and calculator.calculate("__import__('os')").startswith("error")
+    tasks = calculator.make_tasks(50, seed=3)
+    assert len({t.prompt for t in tasks}) == 50 and all(t.answer == calculator.calculate(t.prompt) for t in tasks)
+    chats = calculator.sft_conversations(tasks, tool_fraction=0.5, seed=0)
+    with_tool = [c for c in chats if len(c) == 4]
+    assert 10 < len(with_tool) < 40  # a real mix
+    assert all(json.loads(c[1]["tool_calls"][0]["function"]["arguments"])["expr"] == c[0]["content"] for c in with_tool)
+    assert exact_match(tasks[0], f" {tasks[0].answer}\n") == 1.0 and exact_match(tasks[0], "nope") == 0.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.rollout.launch import ProcessServer, start_engine, start_gateway
+
+    model_dir = build_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+    engine = start_engine(model_dir, in_process=True)
+    sink = ListSink()
+    gateway = start_gateway(model_dir, [engine.url], in_process=True, sink=sink)
+    agent_service = ProcessServer("forge_megatron.agents.calculator", ["--serve"])
+    yield {"gateway": GatewayClient(gateway.url), "sink": sink, "agent_url": agent_service.url + "/"}
+    agent_service.stop()
+    gateway.stop()
+    engine.stop()
+
+
+def _white_box(task, session):
+    import openai
+
+    with openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0) as client:
+        out = calculator.solve(task.prompt, client, max_tokens=16)
+    return EpisodeResult(output=out, reward=0.25, terms={"custom": 1.0})
+
+
+def test_white_box_and_black_box_episodes_are_recorded(stack):
+    gw, sink = stack["gateway"], stack["sink"]
+    task = calculator.make_tasks(1, seed=5)[0]
+    group = gw.create_group(task.task_id, 3, task.domain)
+    before = len(sink.episodes)
+    reports = [
+        run_episode(gw, PythonAgent(_white_box), task, group),
+        run_episode(gw, HttpAgent(stack["agent_url"]), task, group),
+        run_episode(gw, CommandAgent([sys.executable, "-m", "forge_megatron.agents.calculator"],
+                                     env={"OMP_NUM_THREADS": "1"}), task, group, timeout_s=120),
+    ]
+    episodes = {e.episode_id: e for e in sink.episodes[before:]}
+    assert [r.status for r in reports] == ["finished"] * 3
+    assert reports[0].reward == 0.25 and episodes[reports[0].session_id].reward_terms["custom"] == 1.0
+    for r in reports:
+        ep = episodes[r.session_id]
+        assert ep.group_id == group and ep.status == "finished" and len(ep.segments) >= 1
+        assert sum(seg.num_trained_tokens for seg in ep.segments) > 0  # the model's tokens were recorded
+    for r in reports[1:]:  # black-box rewards come from the verifier on the agent's final answer
+        assert r.reward == exact_match(task, r.output) and episodes[r.session_id].reward == r.reward
+
+
+def test_timeouts_and_failures_end_the_episode(stack):
+    gw, sink = stack["gateway"], stack["sink"]
+    task = Task(task_id="slow", prompt="1+1", answer="2")
+    group = gw.create_group(task.task_id, 3)
+    slow = run_episode(gw, CommandAgent([sys.executable, "-c", "import time; time.sleep(60)"]), task, group,
+                       timeout_s=1.0)
+    crash = run_episode(gw, CommandAgent([sys.executable, "-c", "raise SystemExit(3)"]), task, group)
+    hung = run_episode(gw, PythonAgent(lambda t, s: threading.Event().wait(30)), task, group, timeout_s=0.5)
+    assert (slow.status, crash.status, hung.status) == ("timed_out", "failed", "timed_out")
+    statuses = {e.episode_id: e.status for e in sink.episodes}
+    assert [statuses[r.session_id] for r in (slow, crash, hung)] == ["timed_out", "failed", "timed_out"]
+    with pytest.raises(GatewayError, match="unknown group_id"):
+        gw.open_session("g-does-not-exist")
+
+
+def test_driver_feeds_groups_with_backpressure(stack):
+    gw, sink = stack["gateway"], stack["sink"]
+    tasks = calculator.make_tasks(4, seed=7) + [Task(task_id="qa-0", prompt="2+2", domain="qa", answer="4")]
+    admitted = []
+
+    def can_admit():  # the pool's admission control: refuse every other check
+        admitted.append(len(admitted) % 2 == 0)
+        return admitted[-1]
+
+    driver = RolloutDriver(gw, HttpAgent(stack["agent_url"]), tasks, group_size=2, max_inflight_groups=2,
+                           can_admit=can_admit, domain_ratios={"math": 0.5, "qa": 0.5})
+    before = len(sink.episodes)
+    driver.run(threading.Event(), max_groups=4)
+    new = sink.episodes[before:]
+    assert driver.groups_started == 4 and len(new) == 8
+    assert sorted(e.domain for e in new) == ["math"] * 4 + ["qa"] * 4  # ratios respected
+    assert False in admitted  # refusals were honoured (the loop asked again)
+    assert driver.success_rate() is not None
+    with pytest.raises(ValueError, match="domains without tasks"):
+        RolloutDriver(gw, None, tasks, 2, domain_ratios={"code": 1.0})
