@@ -45,6 +45,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SINGLETON_MODES = ("zero", "raw", "error")
+RESERVED_TERMS = ("outcome", "completion_time", "segment_rewards")
 DEFAULT_PROCESS_WEIGHTS = {"malformed_tool_calls": -0.1, "failed_tool_calls": 0.0, "language_mixing": -0.5}
 
 
@@ -124,6 +125,8 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         for name, w in self.process_weights.items():
+            if name in RESERVED_TERMS:
+                raise ValueError(f"process_weights[{name!r}]: {name!r} is a built-in term, not a process term")
             if not math.isfinite(w):
                 raise ValueError(f"process_weights[{name!r}] is {w} (must be finite)")
         if not (math.isfinite(self.completion_time_bound) and self.completion_time_bound >= 0):
@@ -259,7 +262,7 @@ def _episode_terms(outcome: EpisodeOutcome, bonus: float, cfg: RewardConfig, whe
         terms["completion_time"] = bonus
     if cfg.reward_fn_callable is not None:
         for name, v in _user_terms(cfg.reward_fn_callable, outcome, where).items():
-            if name in terms:
+            if name in terms or name in RESERVED_TERMS:
                 raise ValueError(f"{where}: reward_fn term {name!r} clashes with a built-in term")
             terms[name] = v
     if outcome.segment_rewards is not None:

@@ -266,6 +266,8 @@ def test_empty_group():
     "kwargs, message",
     [
         (dict(process_weights={"x": float("nan")}), "process_weights['x'] is nan (must be finite)"),
+        (dict(process_weights={"outcome": 2.0}),
+         "process_weights['outcome']: 'outcome' is a built-in term, not a process term"),
         (dict(completion_time_bound=-0.1), "completion_time_bound must be finite and >= 0, got -0.1"),
         (dict(gamma=1.1), "gamma must lie in [0, 1], got 1.1"),
         (dict(estimator="ppo"), "estimator must be one of ('grpo', 'rloo'), got 'ppo'"),
