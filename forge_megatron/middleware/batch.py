@@ -40,7 +40,10 @@ TOKEN_FIELDS = (
 
 @dataclass
 class TrainSample:
-    """One segment of one episode, with its advantage broadcast on the trained tokens."""
+    """One segment of one episode, with its advantage broadcast on the trained tokens.
+
+    Arrays delivered by the pool or the transport are read-only views of one buffer per batch; copy to modify.
+    """
 
     tokens: np.ndarray  # int32 [L]
     loss_mask: np.ndarray  # uint8 [L]
@@ -98,24 +101,30 @@ def score_episodes(episodes: list[Episode], reward_config, task_metadata: dict |
     }
 
 
-def group_samples(episodes: list[Episode], scores: dict[str, Any], group_index: int) -> list[TrainSample]:
-    """One :class:`TrainSample` per segment of every episode of a scored group."""
+def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], scores: dict[str, Any],
+                  group_index: int) -> list[TrainSample]:
+    """One :class:`TrainSample` per segment of every scored episode.
+
+    ``episodes`` are in wire form (``wire.episode_to_wire``): a header with ``episode_id``, ``domain`` and
+    ``segment_lengths``, and the four per-token arrays of all segments concatenated; samples are views of them.
+    """
     samples = []
-    for e, ep in enumerate(episodes):
-        for s, seg in enumerate(ep.segments):
-            loss_mask_L = np.asarray(seg.loss_mask, dtype=np.uint8)
-            advantage = scores["segment_advantages"][e][s]
+    for e, (meta, arrays_T) in enumerate(episodes):
+        bounds = np.cumsum([0] + list(meta["segment_lengths"]))
+        for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            tokens_L, loss_mask_L, logprobs_L, versions_L = (a[lo:hi] for a in arrays_T)
+            advantage = np.float32(scores["segment_advantages"][e][s])
             samples.append(
                 TrainSample(
-                    tokens=np.asarray(seg.tokens, dtype=np.int32),
+                    tokens=tokens_L,
                     loss_mask=loss_mask_L,
-                    rollout_logprobs=np.asarray(seg.rollout_logprobs, dtype=np.float32),
-                    policy_versions=np.asarray(seg.policy_versions, dtype=np.int32),
-                    advantages=np.where(loss_mask_L == 1, np.float32(advantage), np.float32(0.0)),
+                    rollout_logprobs=logprobs_L,
+                    policy_versions=versions_L,
+                    advantages=np.where(loss_mask_L == 1, advantage, np.float32(0.0)),
                     sample_weight=scores["segment_weights"][e][s],
                     group_index=group_index,
-                    episode_id=ep.episode_id,
-                    domain=ep.domain,
+                    episode_id=meta["episode_id"],
+                    domain=meta["domain"],
                     reward=scores["rewards"][e],
                 )
             )

@@ -42,7 +42,7 @@ import msgpack
 from forge_megatron.middleware.batch import TrainBatch, group_samples, group_staleness, score_episodes
 from forge_megatron.middleware.scheduler import PendingGroup, admit, select_groups, window_occupancy, window_size
 from forge_megatron.middleware.schema import Episode, EpisodeSink, SchemaError
-from forge_megatron.middleware.wire import episode_from_blob, episode_to_blob
+from forge_megatron.middleware.wire import blob_to_wire, episode_from_blob, episode_to_blob
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class DataPool(EpisodeSink):
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
+        self._reward_config = config.reward_config()  # resolved now: a bad reward_fn fails at startup
         self._db = sqlite3.connect(config.db_path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives process crashes (kill -9)
@@ -252,20 +253,17 @@ class DataPool(EpisodeSink):
             self._db.execute("UPDATE groups SET state = 'failed' WHERE idx = ?", (idx,))
             log.warning("group %s failed: %d of %d episodes finished", group_id_of(idx), finished, size)
         else:
-            episodes = self._finished_episodes(idx)
+            blobs = self._finished_blobs(idx)
             task_metadata = msgpack.unpackb(self._one("SELECT metadata FROM groups WHERE idx = ?", (idx,)))
-            scores = score_episodes([ep for _, ep in episodes], self.config.reward_config(), task_metadata)
-            scores["episode_ids"] = [eid for eid, _ in episodes]
+            scores = score_episodes([episode_from_blob(b) for _, b in blobs], self._reward_config, task_metadata)
+            scores["episode_ids"] = [eid for eid, _ in blobs]
             self._db.execute("UPDATE groups SET state = 'finished', scores = ? WHERE idx = ?",
                              (msgpack.packb(scores), idx))
         self._cond.notify_all()
 
-    def _finished_episodes(self, idx: int, episode_ids: list[str] | None = None) -> list[tuple[str, Episode]]:
-        rows = self._db.execute("SELECT episode_id, blob FROM episodes WHERE group_idx = ? AND state = 'finished'"
+    def _finished_blobs(self, idx: int) -> list[tuple[str, bytes]]:
+        return self._db.execute("SELECT episode_id, blob FROM episodes WHERE group_idx = ? AND state = 'finished'"
                                 " ORDER BY submitted_seq", (idx,)).fetchall()
-        by_id = {eid: episode_from_blob(blob) for eid, blob in rows}
-        order = episode_ids if episode_ids is not None else [eid for eid, _ in rows]
-        return [(eid, by_id[eid]) for eid in order]
 
     # ------------------------------------------------------------------ timeouts
     def sweep_timeouts(self, now: float | None = None) -> int:
@@ -363,8 +361,8 @@ class DataPool(EpisodeSink):
 
     def _group_samples(self, idx: int):
         scores = msgpack.unpackb(self._one("SELECT scores FROM groups WHERE idx = ?", (idx,)))
-        episodes = [ep for _, ep in self._finished_episodes(idx, scores["episode_ids"])]
-        return group_samples(episodes, scores, idx)
+        blobs = dict(self._finished_blobs(idx))
+        return group_samples([blob_to_wire(blobs[eid]) for eid in scores["episode_ids"]], scores, idx)
 
     def load_batch(self, batch_id: int) -> TrainBatch:
         """Rebuild a batch delivered before (same groups, samples and metrics)."""

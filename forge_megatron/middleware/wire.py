@@ -15,13 +15,14 @@ lengths in the header, so a batch is five frames whatever its number of samples.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from forge_megatron.middleware.batch import TOKEN_FIELDS, TrainBatch, TrainSample
-from forge_megatron.middleware.schema import Episode, Segment
+from forge_megatron.middleware.schema import SCHEMA_VERSION, Episode
 
 PROTOCOL_VERSION = 1
 ALLOWED_DTYPES = ("int32", "uint8", "float32", "int64", "float64")
@@ -107,13 +108,13 @@ def _lengths(meta: dict, key: str, where: str) -> list[int]:
 
 
 def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]:
-    d = episode.to_dict()
-    segs = d.pop("segments")
-    d["segment_lengths"] = [len(s["tokens"]) for s in segs]
-    d["segment_rewards"] = [s["reward"] for s in segs]
-    arrays = [np.concatenate([np.asarray(s[name], dtype=dtype) for s in segs]) if segs else np.zeros(0, dtype)
-              for name, dtype in EPISODE_FIELDS]
-    return d, arrays
+    meta = {f.name: getattr(episode, f.name) for f in dataclasses.fields(Episode) if f.name != "segments"}
+    meta["schema_version"] = SCHEMA_VERSION
+    meta["segment_lengths"] = [len(s.tokens) for s in episode.segments]
+    meta["segment_rewards"] = [s.reward for s in episode.segments]
+    arrays = [np.concatenate([np.asarray(getattr(s, name), dtype=dtype) for s in episode.segments])
+              if episode.segments else np.zeros(0, dtype) for name, dtype in EPISODE_FIELDS]
+    return meta, arrays
 
 
 def episode_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> Episode:
@@ -140,10 +141,14 @@ def episode_to_blob(episode: Episode) -> bytes:
     return msgpack.packb({"meta": meta, "arrays": [a.tobytes() for a in arrays]}, use_bin_type=True)
 
 
-def episode_from_blob(blob: bytes) -> Episode:
+def blob_to_wire(blob: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """Header and (read-only) arrays of a stored episode, without rebuilding the Episode."""
     d = msgpack.unpackb(blob, raw=False)
-    arrays = [np.frombuffer(b, dtype=dtype) for b, (_, dtype) in zip(d["arrays"], EPISODE_FIELDS)]
-    return episode_from_wire(d["meta"], arrays)
+    return d["meta"], [np.frombuffer(b, dtype=dtype) for b, (_, dtype) in zip(d["arrays"], EPISODE_FIELDS)]
+
+
+def episode_from_blob(blob: bytes) -> Episode:
+    return episode_from_wire(*blob_to_wire(blob))
 
 
 _SAMPLE_KEYS = ("sample_weight", "group_index", "episode_id", "domain", "reward")
