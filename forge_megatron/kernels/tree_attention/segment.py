@@ -56,9 +56,12 @@ def tree_attention_segment(
     arange = functools.partial(torch.arange, device=sub_end_T.device)
     q_idx = [g.q_idx_BL.flatten() for g in groups] + [arange(start, end) for start, end in chains]
     key_idx = [g.key_idx_BJ.flatten() for g in groups] + [forest.path_keys(start, end) for start, end in chains]
-    # one gather per input, then views: per-piece indexing would give every piece a T-sized gradient buffer
-    q_parts = _gather_split(q_TNH, q_idx)
-    k_parts, v_parts = _gather_split(k_TKH, key_idx), _gather_split(v_TKH, key_idx)
+    # One gather per input, then views: per-piece indexing would give every piece a T-sized gradient buffer.
+    # 16-bit inputs are computed in fp32: a key shared by many chains sums one partial gradient per chain, and
+    # rounding each partial to 16 bits would double the error of the same math done in one pass.
+    work = torch.float32 if q_TNH.element_size() < 4 else q_TNH.dtype
+    q_parts = _gather_split(q_TNH, q_idx, work)
+    k_parts, v_parts = _gather_split(k_TKH, key_idx, work), _gather_split(v_TKH, key_idx, work)
     rows, outs = [], []
     for g, q_part, k_part, v_part in zip(groups, q_parts, k_parts, v_parts):
         B, L = g.q_idx_BL.shape
@@ -73,11 +76,12 @@ def tree_attention_segment(
     for idx_L, q_LNH, k_JKH, v_JKH in zip(q_idx[n:], q_parts[n:], k_parts[n:], v_parts[n:]):
         rows.append(idx_L)
         outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale))
-    return torch.zeros_like(q_TNH).index_copy(0, torch.cat(rows), torch.cat(outs))
+    return torch.zeros_like(q_TNH, dtype=work).index_copy(0, torch.cat(rows), torch.cat(outs)).to(q_TNH.dtype)
 
 
-def _gather_split(x_T, idx_list: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return x_T[torch.cat(idx_list)].split([idx.numel() for idx in idx_list])
+def _gather_split(x_T, idx_list: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """x_T[cat(idx_list)] in ``dtype``, split back into one piece per index tensor."""
+    return x_T.to(dtype)[torch.cat(idx_list)].split([idx.numel() for idx in idx_list])
 
 
 def _attend_long_chain(q_LNH, k_JKH, v_JKH, scale: float) -> torch.Tensor:
