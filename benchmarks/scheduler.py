@@ -4,8 +4,9 @@ Rollouts: up to ``concurrency`` groups generate at once; each takes a heavy-tail
 samples from ``--durations FILE``) and starts as soon as a slot is free and the backpressure rule admits it
 (``scheduler.admit``: undelivered + 1 <= (max_staleness + 1) * B). A group started at policy version v and consumed
 at version v' has staleness v' - v. Trainer: takes B groups per step through the real ``scheduler.select_groups``
-(the data pool's rule), trains for ``step_s``, then the policy version increments. All three policies see the same
-duration sequence.
+(the data pool's rule), trains for ``step_s``, then the policy version increments. With ``--timeout`` a group
+running longer fails at the timeout and leaves the window (the pool's ``episode_timeout_s``). All three policies
+see the same duration sequence.
 
 Reported per policy: throughput (groups consumed per simulated second), idle_fraction (trainer time spent waiting),
 staleness_mean / staleness_max (versions), length_bias = mean duration of the groups consumed in the first K batches
@@ -43,11 +44,11 @@ def durations(args: argparse.Namespace, rng: np.random.Generator) -> np.ndarray:
 
 def simulate(d: np.ndarray, window: float, args: argparse.Namespace) -> dict[str, float]:
     B, step_s = args.train_batch_groups, args.step_s
-    events: list[tuple[float, int, int]] = []  # (time, kind 0=finish / 1=trainer free, group index)
+    events: list[tuple[float, int, int]] = []  # (time, kind 0=finish / 1=trainer free / 2=timeout, group index)
     start_version: dict[int, int] = {}
     finished: set[int] = set()
     pending: list[int] = []  # started, not consumed, by index
-    version, now, next_idx, idle, trainer_free_at = 0, 0.0, 0, 0.0, 0.0
+    version, now, next_idx, idle, trainer_free_at, timed_out = 0, 0.0, 0, 0.0, 0.0, 0
     consumed_lags: list[int] = []
     consumed_durations: list[float] = []
     trainer_busy = False
@@ -56,7 +57,10 @@ def simulate(d: np.ndarray, window: float, args: argparse.Namespace) -> dict[str
         nonlocal next_idx
         while next_idx < d.size and admit(len(pending) - len(finished), len(pending), args.concurrency,
                                           args.max_staleness, B):
-            heapq.heappush(events, (now + d[next_idx], 0, next_idx))
+            if args.timeout is not None and d[next_idx] > args.timeout:
+                heapq.heappush(events, (now + args.timeout, 2, next_idx))
+            else:
+                heapq.heappush(events, (now + d[next_idx], 0, next_idx))
             start_version[next_idx] = version
             pending.append(next_idx)
             next_idx += 1
@@ -80,6 +84,9 @@ def simulate(d: np.ndarray, window: float, args: argparse.Namespace) -> dict[str
         now, kind, idx = heapq.heappop(events)
         if kind == 0:
             finished.add(idx)
+        elif kind == 2:  # timed out: the group fails and leaves the window, as in the pool
+            pending.remove(idx)
+            timed_out += 1
         else:
             trainer_busy, trainer_free_at, version = False, now, version + 1
         if not trainer_busy:
@@ -92,6 +99,7 @@ def simulate(d: np.ndarray, window: float, args: argparse.Namespace) -> dict[str
         "staleness_mean": float(np.mean(consumed_lags)),
         "staleness_max": int(np.max(consumed_lags)),
         "length_bias": float(np.mean(consumed_durations[:k]) / d.mean()),
+        "timed_out_fraction": timed_out / next_idx,
     }
 
 
@@ -110,6 +118,8 @@ def main() -> None:
                    help="backpressure as in the pool: admit while undelivered + 1 <= (s + 1) * B")
     p.add_argument("--trainer-speed", type=float, default=0.8,
                    help="trainer capacity / rollout capacity; sets step_s = B * mean / concurrency / speed")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="rollout timeout in mean durations: longer groups fail at it and leave the window")
     p.add_argument("--groups", type=int, default=4000, help="groups consumed per simulation")
     p.add_argument("--bias-batches", type=int, default=10, help="K: batches used for length_bias")
     p.add_argument("--seed", type=int, default=0)
@@ -122,7 +132,7 @@ def main() -> None:
     result = {name: simulate(d, w, args) for name, w in windows.items()}
     result["config"] = {"window": windows["windowed"], "dist": "file" if args.durations else args.dist,
                         "concurrency": args.concurrency, "train_batch_groups": args.train_batch_groups,
-                        "max_staleness": args.max_staleness, "step_s": args.step_s, "groups": args.groups}
+                        "max_staleness": args.max_staleness, "timeout": args.timeout, "step_s": args.step_s, "groups": args.groups}
     print(json.dumps(result))
 
 
