@@ -172,6 +172,11 @@ def _sampling_params(body: dict, default_max_tokens: int) -> dict:
     seed = _number(body, "seed", None, 0, (1 << 63) - 1, integer=True)
     if seed is not None:
         params["seed"] = seed
+    top_k = _number(body, "top_k", None, -1, 1 << 30, integer=True)  # SGLang/vLLM extension
+    if top_k not in (None, 0):
+        params["top_k"] = top_k
+    if _flag(body, "ignore_eos"):  # SGLang/vLLM extension
+        params["ignore_eos"] = True
     return params
 
 
@@ -332,7 +337,7 @@ async def _body(request: web.Request) -> dict:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        raise ApiError(413, f"request body is larger than {request.app['gw'].config.max_body_bytes} bytes",
+        raise ApiError(413, f"request body is larger than {request.app[GATEWAY].config.max_body_bytes} bytes",
                        param="body", code="body_too_large") from exc
     try:
         body = json.loads(raw or b"{}")

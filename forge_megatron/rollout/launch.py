@@ -14,39 +14,42 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 
 class ProcessServer:
     """A server running as a subprocess in its own process group."""
 
     def __init__(self, module: str, args: list[str], host: str = "127.0.0.1", timeout_s: float = 120.0,
-                 env: dict | None = None):
+                 env: dict | None = None, wait: bool = True):
         cmd = [sys.executable, "-m", module, "--host", host, "--port", "0", *args]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True, env=full_env)
-        self.port = self._wait_ready(timeout_s)
-        self.url = f"http://{host}:{self.port}"
-        self._drain = threading.Thread(target=self._drain_output, daemon=True)
-        self._drain.start()
+        self.host, self.timeout_s = host, timeout_s
+        self.url = None
+        self.port = None
+        self._ready = threading.Event()
+        self._tail: list[str] = []
+        threading.Thread(target=self._read_output, daemon=True).start()
+        if wait:
+            self.wait_ready()
 
-    def _wait_ready(self, timeout_s: float) -> int:
-        deadline = time.time() + timeout_s
-        lines = []
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("FORGE_READY port="):
-                return int(line.strip().split("=", 1)[1])
-        self.kill()
-        raise RuntimeError(f"server {self.proc.args} did not start:\n{''.join(lines[-30:])}")
+    def _read_output(self) -> None:
+        """Keep the pipe drained; remember the port line and the last lines (for start-up errors)."""
+        for line in self.proc.stdout:
+            self._tail = (self._tail + [line])[-30:]
+            if self.port is None and line.startswith("FORGE_READY port="):
+                self.port = int(line.strip().split("=", 1)[1])
+                self._ready.set()
+        self._ready.set()  # exited
 
-    def _drain_output(self) -> None:
-        for _ in self.proc.stdout:
-            pass
+    def wait_ready(self) -> "ProcessServer":
+        """Block until the server printed its port (or raise with its last output lines)."""
+        if not self._ready.wait(self.timeout_s) or self.port is None:
+            self.kill()
+            raise RuntimeError(f"server {self.proc.args} did not start:\n{''.join(self._tail)}")
+        self.url = f"http://{self.host}:{self.port}"
+        return self
 
     @property
     def alive(self) -> bool:
@@ -110,6 +113,13 @@ def start_engine(model_dir: str, in_process: bool = False, host: str = "127.0.0.
         server.engine = engine
         return server
     return ProcessServer("forge_megatron.rollout.engine_server", ["--model-path", model_dir, *(extra_args or [])], host)
+
+
+def start_engines(model_dir: str, n: int, host: str = "127.0.0.1", extra_args: list[str] | None = None):
+    """Start ``n`` engine subprocesses in parallel (their start-up overlaps); return the ready handles."""
+    servers = [ProcessServer("forge_megatron.rollout.engine_server", ["--model-path", model_dir, *(extra_args or [])],
+                             host, wait=False) for _ in range(n)]
+    return [s.wait_ready() for s in servers]
 
 
 def start_gateway(model_dir: str, engine_urls: list[str], in_process: bool = False, host: str = "127.0.0.1",

@@ -133,13 +133,14 @@ def test_bad_generate_requests_are_400(engine, body, field):
         SamplingParams(temperature=-1)
 
 
-def _long_request_and_pause(url, mode):
+def _long_request_and_pause(handle, mode):
     """Start a long seeded request, pause with ``mode`` mid-way, continue; return (result, result without pause)."""
     async def go():
-        c = SGLangClient(url)
-        sp = {"max_new_tokens": 150, "seed": 3, "ignore_eos": True}
+        c = SGLangClient(handle.url)
+        sp = {"max_new_tokens": 300, "seed": 3, "ignore_eos": True}
         task = asyncio.create_task(c.generate(PROMPT, sp))
-        await asyncio.sleep(0.05)
+        while not any(len(r.output_ids) >= 2 for r in handle.engine.running.values()):  # mid-way for sure
+            await asyncio.sleep(0.002)
         await c.pause_generation(mode)
         held = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 2, "seed": 1}))
         await asyncio.sleep(0.2)
@@ -155,14 +156,14 @@ def _long_request_and_pause(url, mode):
 
 
 def test_pause_abort_returns_aborted_requests(engine):
-    res, ref = _long_request_and_pause(engine.url, "abort")
+    res, ref = _long_request_and_pause(engine, "abort")
     assert res.finish_type == "abort"
-    assert 0 < len(res.output_ids) < 150 and res.output_ids == ref.output_ids[:len(res.output_ids)]
+    assert 2 <= len(res.output_ids) < 300 and res.output_ids == ref.output_ids[:len(res.output_ids)]
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_pause_keep_modes_resume_exactly(engine, mode):
-    res, ref = _long_request_and_pause(engine.url, mode)
+    res, ref = _long_request_and_pause(engine, mode)
     assert res.finish_type == "length"
     assert res.output_ids == ref.output_ids
     assert res.logprobs == pytest.approx(ref.logprobs, abs=1e-4)

@@ -1,0 +1,400 @@
+"""forge-gateway end to end: the official ``openai`` client -> gateway -> forge-engine(s) on the tiny model.
+
+Real HTTP on loopback, real engines (in-process threads, or subprocesses where one is killed). The tool-call round
+trip uses the tiny model fine-tuned in the fixture to answer two fixed chats (real weights and logprobs, known greedy
+output). CPU only.
+"""
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from forge_megatron.middleware.gateway import ApiError, GatewayConfig, parse_chat_request
+from forge_megatron.middleware.gateway_sessions import ChatRenderer
+from forge_megatron.middleware.tool_parsers import get_parser
+from forge_megatron.models.tiny import build_tiny_model, finetune_on_chats
+from forge_megatron.rollout.launch import start_engine, start_engines, start_gateway
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+TOOL_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOL_RESULT = "sunny, 22C"
+FINAL_ANSWER = "It is sunny."
+
+
+def scripted_chats():
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    after = USER + [call, {"role": "tool", "tool_call_id": "c1", "content": TOOL_RESULT}]
+    return [(USER, TOOL_CALL_TEXT), (after, FINAL_ANSWER)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = build_tiny_model(str(tmp_path_factory.mktemp("scripted")), seed=0)
+    return finetune_on_chats(d, scripted_chats(), tools=TOOLS, steps=100, lr=5e-3)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    engines = [start_engine(model_dir, in_process=True) for _ in range(2)]
+    gw = start_gateway(model_dir, [e.url for e in engines], in_process=True)
+    yield gw, engines
+    gw.stop()
+    for e in engines:
+        e.stop()
+
+
+def http(url, body=None, method="POST", headers=None, raw=None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def new_session(gw, size=1, headers=None):
+    _, g = http(gw.url + "/forge/groups", {"task_id": "t", "size": size, "domain": "agent"}, headers=headers)
+    status, s = http(gw.url + "/forge/sessions", {"group_id": g["group_id"], "metadata": {"k": 1}}, headers=headers)
+    assert status == 200, s
+    return s
+
+
+def client(session):
+    return openai.OpenAI(base_url=session["base_url"], api_key="ignored", max_retries=0, timeout=60)
+
+
+def end(gw, s, status="finished"):
+    return http(f"{gw.url}/forge/sessions/{s['session_id']}/end", {"status": status})
+
+
+def calls(gw, s):
+    return http(f"{gw.url}/forge/sessions/{s['session_id']}", method="GET")[1]["calls"]
+
+
+def episode(gw, s):
+    return next(e for e in gw.gateway.sink.episodes if e.episode_id == s["session_id"])
+
+
+def as_message(choice_message):
+    return choice_message.model_dump(exclude_none=True)
+
+
+def test_plain_chat_records_the_engines_tokens(stack, model_dir):
+    gw, engines = stack
+    s = new_session(gw)
+    r = client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                          max_tokens=12, temperature=1.0, seed=11)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    [call] = calls(gw, s)
+    assert r.usage.prompt_tokens == len(call["prompt_ids"]) and r.usage.completion_tokens == len(call["completion_ids"])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert call["prompt_ids"] == tok.apply_chat_template([{"role": "user", "content": "Hello"}],
+                                                         add_generation_prompt=True, tokenize=True)["input_ids"]
+    # the recorded logprobs are the model's: teacher-forced HF forward on the recorded ids
+    m = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = m(torch.tensor([call["prompt_ids"] + call["completion_ids"]])).logits[0]
+    n_p = len(call["prompt_ids"])
+    ref = torch.log_softmax(logits[n_p - 1:-1], -1)[torch.arange(len(call["completion_ids"])),
+                                                     torch.tensor(call["completion_ids"])]
+    assert call["logprobs"] == pytest.approx(ref.tolist(), abs=1e-4)
+    # and the ids are exactly what the engine samples for that prompt and seed
+    status, direct = http(call["engine_url"] + "/generate", {
+        "input_ids": call["prompt_ids"], "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "seed": 11}})
+    assert status == 200 and direct["output_ids"] == call["completion_ids"]
+    assert http(gw.url + "/v1/models", method="GET")[1]["data"][0]["id"] == gw.gateway.model_name
+
+
+def test_tool_round_trip_is_one_segment(stack):
+    gw, _ = stack
+    s = new_session(gw)
+    c = client(s)
+    msgs = list(USER)
+    r1 = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, temperature=0, max_tokens=60)
+    ch = r1.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    [tc] = ch.message.tool_calls
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Paris"}
+    msgs += [as_message(ch.message), {"role": "tool", "tool_call_id": tc.id, "content": TOOL_RESULT}]
+    r2 = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, temperature=0, max_tokens=30)
+    assert r2.choices[0].message.content == FINAL_ANSWER and r2.choices[0].finish_reason == "stop"
+    http(f"{gw.url}/forge/sessions/{s['session_id']}/reward", {"reward": 1.0, "terms": {"format": 0.5}})
+    assert end(gw, s)[0] == 200
+    ep = episode(gw, s)
+    [seg] = ep.segments
+    rec = gw.gateway.sessions[s["session_id"]].calls
+    assert rec[1].prompt_ids[:len(rec[0].prompt_ids) + len(rec[0].completion_ids)] == \
+        rec[0].prompt_ids + rec[0].completion_ids
+    assert seg.tokens == rec[1].prompt_ids + rec[1].completion_ids
+    n0p, n0c = len(rec[0].prompt_ids), len(rec[0].completion_ids)
+    assert seg.loss_mask == [0] * n0p + [1] * n0c + [0] * (len(rec[1].prompt_ids) - n0p - n0c) + \
+        [1] * len(rec[1].completion_ids)
+    assert [v for v, m in zip(seg.policy_versions, seg.loss_mask) if not m] == [-1] * seg.loss_mask.count(0)
+    assert ep.num_tool_calls == 1 and ep.num_malformed_tool_calls == 0 and ep.reward == 1.0
+    assert ep.reward_terms == {"format": 0.5} and ep.domain == "agent" and ep.status == "finished"
+    assert ep.ended_at >= ep.started_at > 0 and ep.metadata["k"] == 1
+
+
+def test_streaming_matches_non_streaming(stack):
+    gw, _ = stack
+    s = new_session(gw)
+    c = client(s)
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Tell me"}], max_tokens=20, seed=3)
+    full = c.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full
+    assert chunks[-1].usage.completion_tokens == len(calls(gw, s)[-1]["completion_ids"])
+    # streamed tool call: content is held back at the marker and the call arrives as a tool_calls delta
+    chunks = list(c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=60,
+                                            stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "<tool_call>" not in "".join(d.content or "" for d in deltas)
+    [tc] = [t for d in deltas for t in (d.tool_calls or [])]
+    assert tc.function.name == "get_weather"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+def test_token_fidelity_without_retokenising(stack, model_dir):
+    """Sampled ids that do not survive decode -> encode stay in the segment as sampled."""
+    gw, _ = stack
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for seed in range(20):
+        s = new_session(gw)
+        c = client(s)
+        msgs = [{"role": "user", "content": "Go"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=1.0, seed=seed)
+        [call] = calls(gw, s)
+        if tok.encode(tok.decode(call["completion_ids"]), add_special_tokens=False) != call["completion_ids"]:
+            break
+    else:
+        pytest.fail("no completion whose re-tokenisation differs; the test would prove nothing")
+    msgs += [as_message(r.choices[0].message), {"role": "user", "content": "again"}]
+    c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, seed=1)
+    first, second = calls(gw, s)
+    assert first["segment_index"] == second["segment_index"] == 0
+    assert second["prompt_ids"][:len(first["prompt_ids"]) + len(first["completion_ids"])] == \
+        first["prompt_ids"] + first["completion_ids"]
+
+
+def test_rewritten_history_starts_a_second_segment(stack):
+    gw, _ = stack
+    s = new_session(gw)
+    c = client(s)
+    msgs = [{"role": "user", "content": "Step one"}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, seed=1)
+    msgs += [as_message(r.choices[0].message), {"role": "user", "content": "Step two"}]
+    c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, seed=2)
+    compressed = [{"role": "user", "content": "Summary: steps one and two done. Step three"}]
+    c.chat.completions.create(model="tiny", messages=compressed, max_tokens=8, seed=3)
+    assert [x["segment_index"] for x in calls(gw, s)] == [0, 0, 1]
+    end(gw, s)
+    ep = episode(gw, s)
+    assert len(ep.segments) == 2
+    rec = gw.gateway.sessions[s["session_id"]].calls
+    assert ep.segments[1].tokens == rec[2].prompt_ids + rec[2].completion_ids
+    assert ep.segments[1].loss_mask == [0] * len(rec[2].prompt_ids) + [1] * len(rec[2].completion_ids)
+
+
+def test_engine_killed_mid_episode_is_survived(tmp_path):
+    d = build_tiny_model(str(tmp_path / "m"), seed=0)
+    engines = start_engines(d, 2)
+    gw = start_gateway(d, [e.url for e in engines], in_process=True)
+    try:
+        s = new_session(gw)
+        c = client(s)
+        msgs = [{"role": "user", "content": "Hi"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, seed=1)
+        first = calls(gw, s)[0]["engine_url"]
+        victim = next(e for e in engines if e.url == first)
+        msgs += [as_message(r.choices[0].message), {"role": "user", "content": "More"}]
+        out = {}
+        call = threading.Thread(target=lambda: out.update(r=c.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=1000, seed=2, extra_body={"ignore_eos": True})))
+        call.start()
+        busy = {e.url: e for e in gw.gateway.fleet.engines}[first]
+        deadline = time.time() + 60
+        while busy.inflight == 0 and time.time() < deadline:  # kill it only once it is serving the call
+            time.sleep(0.005)
+        time.sleep(0.05)
+        victim.kill()
+        call.join(120)
+        r2 = out["r"]
+        assert r2.usage.completion_tokens == 1000
+        assert not victim.alive
+        rec = calls(gw, s)
+        assert rec[1]["engine_url"] != first and len(rec[1]["completion_ids"]) == r2.usage.completion_tokens
+        assert rec[1]["segment_index"] == 0
+        state = http(gw.url + "/forge/admin/state", method="GET")[1]
+        assert {e["url"]: e["up"] for e in state["engines"]}[first] is False
+        assert end(gw, s)[0] == 200
+    finally:
+        gw.stop()
+        for e in engines:
+            e.stop()
+
+
+def test_pause_holds_calls_and_resume_sets_policy_version(stack):
+    gw, _ = stack
+    s = new_session(gw)
+    assert http(gw.url + "/forge/admin/pause", {"drain_timeout_s": 1.0})[1] == {"paused": True, "inflight": 0}
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=client(s).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3)))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and http(gw.url + "/forge/admin/state", method="GET")[1]["paused"] is True
+    assert http(gw.url + "/forge/admin/resume", {"policy_version": 5})[1] == {"paused": False, "policy_version": 5}
+    t.join(30)
+    assert out["r"].usage.completion_tokens == 3
+    assert calls(gw, s)[0]["policy_version"] == 5
+
+
+def test_bounded_pause_wait_gives_503(model_dir):
+    e = start_engine(model_dir, in_process=True)
+    gw = start_gateway(model_dir, [e.url], in_process=True)
+    gw.gateway.config.pause_wait_s = 0.2
+    try:
+        s = new_session(gw)
+        http(gw.url + "/forge/admin/pause", {})
+        with pytest.raises(openai.APIStatusError) as err:
+            client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        assert err.value.status_code == 503 and err.value.body["code"] == "paused"
+    finally:
+        gw.stop()
+        e.stop()
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+def chat_raw(gw, key, raw):
+    return http(gw.url + "/v1/chat/completions", raw=raw, headers={"Authorization": f"Bearer {key}"})
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": "9"}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+])
+def test_schema_errors_name_the_field(stack, body, param):
+    gw, _ = stack
+    s = new_session(gw)
+    status, err = chat_raw(gw, s["api_key"], json.dumps(body).encode())
+    assert status == 400 and err["error"]["param"] == param and param.split(".")[0] in err["error"]["message"]
+
+
+def test_bad_requests(stack):
+    gw, _ = stack
+    s = new_session(gw)
+    status, err = chat_raw(gw, s["api_key"], b"{not json")
+    assert status == 400 and err["error"]["code"] == "invalid_json"
+    status, err = chat_raw(gw, "forge-nope", json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode())
+    assert status == 401 and err["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="forge-wrong", max_retries=0).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}])
+    long = [{"role": "user", "content": "word " * 3000}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client(s).chat.completions.create(model="tiny", messages=long, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded"
+    status, err = chat_raw(gw, s["api_key"], b'{"messages": "' + b"x" * (9 << 20) + b'"}')
+    assert status == 413 and err["error"]["code"] == "body_too_large"
+    assert http(gw.url + "/forge/sessions", {"group_id": "nope"})[0] == 404
+    assert http(gw.url + "/forge/groups", {"task_id": "t", "size": 0})[1]["error"]["param"] == "size"
+    assert end(gw, s)[1]["error"]["param"] == "status"  # no calls: cannot be 'finished'
+    assert end(gw, s, "bogus")[1]["error"]["param"] == "status"
+    assert end(gw, s, "aborted")[0] == 200
+    with pytest.raises(openai.NotFoundError) as e:
+        client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert e.value.body["code"] == "session_ended"
+    assert end(gw, s)[0] == 404
+
+
+def test_no_engine_gives_503(model_dir):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    gw = start_gateway(model_dir, [dead], in_process=True)
+    try:
+        s = new_session(gw)
+        with pytest.raises(openai.InternalServerError) as e:
+            client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "engine_unavailable"
+    finally:
+        gw.stop()
+
+
+def test_admin_token_and_loopback_rule(model_dir):
+    with pytest.raises(ValueError, match="admin_token is required when host '0.0.0.0'"):
+        GatewayConfig(model_path=model_dir, engine_urls=["http://x"], host="0.0.0.0")
+    with pytest.raises(ValueError, match="engine_urls is empty"):
+        GatewayConfig(model_path=model_dir, engine_urls=[])
+    with pytest.raises(ValueError, match="unknown tool parser 'nope'"):
+        GatewayConfig(model_path=model_dir, engine_urls=["http://x"], tool_parser="nope")
+    gw = start_gateway(model_dir, ["http://127.0.0.1:9"], in_process=True)
+    gw.gateway.config.admin_token = "sekret"
+    try:
+        status, err = http(gw.url + "/forge/groups", {"task_id": "t", "size": 1})
+        assert status == 401 and err["error"]["code"] == "invalid_admin_token"
+        assert http(gw.url + "/forge/admin/state", method="GET", headers={"X-Forge-Admin-Token": "sekret"})[0] == 200
+        new_session(gw, headers={"Authorization": "Bearer sekret"})
+    finally:
+        gw.stop()
+
+
+# --- parser and rendering units -------------------------------------------------------------------------------
+def test_hermes_parser():
+    p = get_parser("hermes")
+    good = p.parse('ok <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+    assert good.content == "ok" and json.loads(good.tool_calls[0]["function"]["arguments"]) == {"a": 1}
+    bad = p.parse('<tool_call>{"name": 3}</tool_call> and <tool_call>{"name": "g"')
+    assert bad.tool_calls == [] and bad.num_malformed == 2 and "<tool_call>" in bad.content
+    assert get_parser("none").parse("<tool_call>{}</tool_call>").tool_calls == []
+
+
+def test_parse_chat_request_defaults():
+    req = parse_chat_request({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}]}]}, 7)
+    assert req.messages == [{"role": "system", "content": "a"}]
+    assert req.sampling == {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 7}
+    with pytest.raises(ApiError, match="messages"):
+        parse_chat_request({"messages": "hi"}, 7)
+
+
+def test_renderer_splices_sampled_ids_when_turn_ends_without_eot(model_dir):
+    """Cut by max_tokens: the template's end-of-turn marker becomes a prompt token after the sampled ids."""
+    r = ChatRenderer(AutoTokenizer.from_pretrained(model_dir))
+    from forge_megatron.middleware.gateway_sessions import _Turn
+    msgs = [{"role": "user", "content": "Hi"}]
+    text, ids, cont = r.prompt_ids(None, msgs, None)
+    sampled = r.encode("Hel") + r.encode("lo")  # not what encode("Hello") gives
+    prev = _Turn(msgs, None, text, ids, sampled, {"role": "assistant", "content": "Hello"})
+    nxt = msgs + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    _, ids2, cont2 = r.prompt_ids(prev, nxt, None)
+    assert not cont and cont2
+    assert ids2 == ids + sampled + r.encode("<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
+    _, _, cont3 = r.prompt_ids(prev, nxt, TOOLS)  # tools changed -> new segment
+    assert not cont3
