@@ -132,12 +132,29 @@ def _body_one_rank(rank, world_size):
         seg, _ = tree_logprobs(tree, layout)
         ref, _ = tree_logprobs(tree, layout, backend="reference")
     out["segment_vs_reference"] = (seg - ref).abs().max().item()
-    moe_tree, moe_causal = _twin_models(_cfg(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
-                                             moe_token_dispatcher_type="alltoall"))
+    moe_tree, moe_causal = _mixed_moe_models()
     out["moe"] = _exactness(moe_tree, moe_causal, all_samples(3))
+    out["moe_layers"] = [type(layer.mlp).__name__ for layer in moe_tree.decoder.layers]
     out["errors"] = _error_messages(tree, causal, layout)
     out["rope_by_offset"] = _offset_rope_error(tree, causal)
     return out
+
+
+def _mixed_moe_models():
+    """Tree/causal twins from Megatron's block spec with a dense layer then a MoE layer (4 experts, top-2)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from forge_megatron.mcore.model import build_gpt, transformer_config
+    from forge_megatron.mcore.tree_attention import swap_core_attention, use_depth_rope
+
+    cfg = _cfg(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, extra={"moe_layer_freq": [0, 1]})
+    block = get_gpt_decoder_block_spec(transformer_config(cfg), use_transformer_engine=False)
+    torch.manual_seed(4)
+    tree = build_gpt(cfg, spec=swap_core_attention(block))
+    use_depth_rope(tree)
+    causal = build_gpt(cfg, spec=block)  # swap_core_attention left the original spec untouched
+    causal.load_state_dict(tree.state_dict())
+    return tree, causal
 
 
 def _offset_rope_error(tree, causal):
@@ -273,6 +290,7 @@ def test_segment_backend_matches_reference(one_rank):
 
 
 def test_moe_tree_equals_unmerged(one_rank):
+    assert one_rank["moe_layers"] == ["MLP", "MoELayer"]
     logp, ent, grad, _, _ = one_rank["moe"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["moe"]
 
