@@ -139,7 +139,7 @@ def _long_request_and_pause(handle, mode):
         c = SGLangClient(handle.url)
         sp = {"max_new_tokens": 300, "seed": 3, "ignore_eos": True}
         task = asyncio.create_task(c.generate(PROMPT, sp))
-        while not any(len(r.output_ids) >= 2 for r in handle.engine.running.values()):  # mid-way for sure
+        while not any(len(r.output_ids) >= 2 for r in list(handle.engine.running.values())):  # mid-way
             await asyncio.sleep(0.002)
         await c.pause_generation(mode)
         held = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 2, "seed": 1}))

@@ -1,0 +1,86 @@
+"""EngineFleet: least-loaded routing, session stickiness, failover when an engine dies, health-based down/up.
+Real forge-engine servers over loopback HTTP (in-process threads; a dead engine is a closed port)."""
+
+import asyncio
+import socket
+
+import pytest
+
+from forge_megatron.models.tiny import build_tiny_model
+from forge_megatron.rollout.launch import start_engine
+from forge_megatron.rollout.sglang_client import EngineFleet, FleetConfig, NoEngineAvailable
+
+PROMPT = [3, 14, 15, 92]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    d = build_tiny_model(str(tmp_path_factory.mktemp("tiny")), seed=0)
+    hs = [start_engine(d, in_process=True) for _ in range(2)]
+    yield hs
+    for h in hs:
+        h.stop()
+
+
+def dead_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_least_loaded_routing_and_stickiness(engines):
+    async def go():
+        fleet = EngineFleet([h.url for h in engines])
+        results = await asyncio.gather(*(fleet.generate(PROMPT, {"max_new_tokens": 20, "seed": i}) for i in range(6)))
+        spread = {r.engine_url for r in results}
+        a = await fleet.generate(PROMPT, {"max_new_tokens": 2}, session_key="s1")
+        b = [await fleet.generate(PROMPT, {"max_new_tokens": 2}, session_key="s1") for _ in range(4)]
+        served = {e.url: e.served for e in fleet.engines}
+        await fleet.close()
+        return spread, a, b, served
+    spread, a, b, served = asyncio.run(go())
+    assert spread == {h.url for h in engines}  # concurrent calls use both engines
+    assert all(r.engine_url == a.engine_url for r in b)  # a session stays on its engine
+    assert sum(served.values()) == 11
+
+
+def test_failover_mark_down_and_back_up(engines):
+    bad = dead_url()
+
+    async def go():
+        fleet = EngineFleet([bad, engines[0].url], FleetConfig(max_attempts=2))
+        fleet.sticky["s"] = fleet.engines[0]  # the session's engine is the dead one
+        r = await fleet.generate(PROMPT, {"max_new_tokens": 3}, session_key="s")
+        down = [e.up for e in fleet.engines]
+        live = await fleet.check_health()
+        fleet.engines[1].client.url = bad  # now both are dead
+        fleet.mark_up(bad)
+        with pytest.raises(NoEngineAvailable, match="failed on every engine"):
+            await fleet.generate(PROMPT, {"max_new_tokens": 3})
+        fleet.engines[1].client.url = engines[0].url
+        back = await fleet.check_health()
+        await fleet.close()
+        return r, down, live, back
+    r, down, live, back = asyncio.run(go())
+    assert r.engine_url == engines[0].url and down == [False, True]
+    assert live == [engines[0].url] and back == [engines[0].url]
+
+
+def test_fleet_config_validation():
+    with pytest.raises(ValueError, match="max_attempts must be >= 1"):
+        FleetConfig(max_attempts=0)
+    with pytest.raises(ValueError, match="at least one engine"):
+        EngineFleet([])
+
+
+def test_broadcast_control_calls(engines):
+    async def go():
+        fleet = EngineFleet([h.url for h in engines])
+        paused = await fleet.broadcast("pause_generation", "in_place")
+        resumed = await fleet.broadcast("continue_generation")
+        info = await fleet.broadcast("get_model_info")
+        await fleet.close()
+        return paused, resumed, info
+    paused, resumed, info = asyncio.run(go())
+    assert all(v["success"] for v in paused.values()) and all(v["success"] for v in resumed.values())
+    assert all(v["is_generation"] and v["vocab_size"] == 400 for v in info.values())
