@@ -137,6 +137,7 @@ class DataPool(EpisodeSink):
         self._cond = threading.Condition(threading.RLock())
         self._wait_total_s = 0.0
         self._last_wait_s = 0.0
+        self._last_sweep = -math.inf
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
@@ -266,6 +267,17 @@ class DataPool(EpisodeSink):
                                 " ORDER BY submitted_seq", (idx,)).fetchall()
 
     # ------------------------------------------------------------------ timeouts
+    def _sweep_interval(self) -> float | None:
+        timeout = self.config.episode_timeout_s
+        return None if timeout is None else min(1.0, timeout / 4)
+
+    def _maybe_sweep(self) -> None:
+        """Sweep timeouts at most every ``_sweep_interval`` seconds (waiters poll often)."""
+        interval = self._sweep_interval()
+        if interval is not None and time.monotonic() - self._last_sweep >= interval:
+            self._last_sweep = time.monotonic()
+            self.sweep_timeouts()
+
     def sweep_timeouts(self, now: float | None = None) -> int:
         """Time out stale running episodes and idle groups' unstarted slots; returns how many were closed."""
         timeout = self.config.episode_timeout_s
@@ -298,7 +310,7 @@ class DataPool(EpisodeSink):
 
     def can_admit(self) -> bool:
         """Backpressure: False while too many groups run or a new group would be trained too stale."""
-        self.sweep_timeouts()
+        self._maybe_sweep()
         cfg = self.config
         with self._cond:
             counts = dict(self._db.execute("SELECT state, COUNT(*) FROM groups WHERE state IN ('running', 'finished')"
@@ -328,7 +340,7 @@ class DataPool(EpisodeSink):
                 if batch_id is not None:
                     return self.load_batch(batch_id)
             while True:
-                self.sweep_timeouts()
+                self._maybe_sweep()
                 pending = self._pending()
                 chosen = select_groups(pending, self.config.window_groups, num_groups)
                 if len(chosen) == num_groups:
@@ -339,8 +351,7 @@ class DataPool(EpisodeSink):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-                poll = self.config.episode_timeout_s or remaining
-                self._cond.wait(timeout=min(remaining, poll, 3600.0))
+                self._cond.wait(timeout=min(remaining, self._sweep_interval() or remaining, 3600.0))
 
     def _deliver(self, indices: list[int], head: int, request_id: str | None, waited_s: float) -> TrainBatch:
         version = self._kv("policy_version")
@@ -407,7 +418,8 @@ class DataPool(EpisodeSink):
         with self._tx() as db:
             indices = [r[0] for r in db.execute("SELECT idx FROM groups WHERE state = 'delivered' ORDER BY idx")]
             db.execute("UPDATE groups SET state = 'finished', batch_id = NULL, staleness = NULL WHERE state = 'delivered'")
-            db.execute("UPDATE batches SET state = 'requeued' WHERE state = 'delivered'")
+            # Forget their request ids: a late resend must not get a batch the trainer no longer owns.
+            db.execute("UPDATE batches SET state = 'requeued', request_id = NULL WHERE state = 'delivered'")
             self._cond.notify_all()
         return indices
 

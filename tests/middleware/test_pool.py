@@ -227,3 +227,13 @@ def test_staleness_and_blocking_wait(make_pool):
     metrics = pool.metrics()
     assert metrics["staleness_max"] == 2 and metrics["trainer_wait_total_s"] >= 0.25
     assert pool.next_batch(1, timeout_s=0.05) is None
+
+
+def test_requeue_forgets_request_ids(make_pool):
+    pool = make_pool()
+    fill_group(pool, pool.register_group("t", 2), 2)
+    first = pool.next_batch(1, timeout_s=0, request_id="a")
+    pool.requeue_uncommitted()
+    again = pool.next_batch(1, timeout_s=0, request_id="a")  # a late resend gets a fresh delivery, not the stale one
+    assert again.batch_id != first.batch_id and again.group_indices == first.group_indices
+    assert pool.commit(again.batch_id) == 1
