@@ -5,6 +5,7 @@ is tree_cases.check_against_reference (fp32: max abs error <= 1e-5 on o, dq, dk,
 error of the reference run in 16 bits, + 1e-5).
 """
 
+import itertools
 import random
 
 import pytest
@@ -76,8 +77,26 @@ def test_bad_sub_end():
         tree_attention_segment(q, q, q, torch.tensor([4, 1, 4, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="i < sub_end\\[i\\] <= T = 4"):
         tree_attention_segment(q, q, q, torch.tensor([5, 2, 3, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"the subtree of token 2, \[2, 4\), is not nested in the subtree of its parent 0"):
+        tree_attention_segment(q, q, q, torch.tensor([3, 2, 4, 4], dtype=torch.int32))  # [0, 3) and [2, 4) cross
     with pytest.raises(ValueError, match="sub_end must have shape \\[4\\]"):
         tree_attention_segment(q, q, q, torch.tensor([4, 4], dtype=torch.int32))
+
+
+def test_forest_accepts_exactly_the_nested_layouts():
+    """Every int array with i < sub_end[i] <= T, T <= 6: accepted iff no two subtrees partly overlap."""
+    accepted = []
+    for T in range(1, 7):
+        for sub_end in itertools.product(*[range(i + 1, T + 1) for i in range(T)]):
+            nested = not any(a < b < sub_end[a] < sub_end[b] for a in range(T) for b in range(T))
+            try:
+                Forest(torch.tensor(sub_end))
+                ok = True
+            except ValueError:
+                ok = False
+            assert ok == nested, sub_end
+            accepted.append(ok)
+    assert sum(accepted) == 1 + 2 + 5 + 14 + 42 + 132, "ordered forests of T nodes: Catalan numbers"
 
 
 @pytest.mark.gpu

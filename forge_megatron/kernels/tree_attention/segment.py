@@ -46,7 +46,6 @@ def tree_attention_segment(
 ) -> torch.Tensor:
     """Exact tree attention, cost ~ sum of token depths. Returns o_TNH; differentiable in q, k, v."""
     check_inputs(q_TNH, k_TKH, v_TKH, sub_end_T)
-    _check_sub_end_values(sub_end_T)
     scale = resolve_scale(softmax_scale, q_TNH.shape[2])
     if q_TNH.shape[0] == 0:
         return q_TNH.clone()
@@ -96,13 +95,6 @@ def _attend_long_chain(q_LNH, k_JKH, v_JKH, scale: float) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def _check_sub_end_values(sub_end_T: torch.Tensor) -> None:
-    T = sub_end_T.numel()
-    idx_T = torch.arange(T, device=sub_end_T.device)
-    if not bool(((sub_end_T > idx_T) & (sub_end_T <= T)).all()):
-        raise ValueError(f"sub_end must satisfy i < sub_end[i] <= T = {T} for every token i (a DFS subtree end)")
-
-
 class ChainGroup(NamedTuple):
     """B short chains padded to L queries and J keys, attended in one batched call."""
 
@@ -113,7 +105,7 @@ class ChainGroup(NamedTuple):
 
 
 class Forest:
-    """Chains, depths and ancestor lookup of a DFS-ordered forest, derived from sub_end alone."""
+    """Chains, depths and ancestor lookup of a DFS-ordered forest, derived from sub_end alone (and validated)."""
 
     def __init__(self, sub_end_T: torch.Tensor):
         sub_end_T = sub_end_T.long()
@@ -122,6 +114,8 @@ class Forest:
         self.T = T
         self.device = device
         idx_T = torch.arange(T, device=device)
+        if not bool(((sub_end_T > idx_T) & (sub_end_T <= T)).all()):
+            raise ValueError(f"sub_end must satisfy i < sub_end[i] <= T = {T} for every token i (a DFS subtree end)")
         diff = torch.zeros(T + 1, dtype=torch.long, device=device)
         diff.index_add_(0, idx_T + 1, torch.ones_like(idx_T))
         diff.index_add_(0, sub_end_T, -torch.ones_like(idx_T))
@@ -131,6 +125,26 @@ class Forest:
         is_start_T[1:] = sub_end_T[1:] != sub_end_T[:-1]
         self.start_C = torch.nonzero(is_start_T).flatten()
         self.end_C = torch.cat([self.start_C[1:], torch.tensor([T], device=device)])
+        self._check_nested(sub_end_T)
+
+    def _check_nested(self, sub_end_T: torch.Tensor) -> None:
+        """Every non-root token's parent (the last token one level up) covers it and contains its subtree.
+
+        With depth = number of covering subtrees, this holds iff the subtrees nest (no two partly overlap).
+        """
+        child = torch.nonzero(self.depth_T > 0).flatten()
+        parent = self.ancestor(child, self.depth_T[child] - 1)
+        nested = (
+            (self.depth_T[parent] == self.depth_T[child] - 1)
+            & (sub_end_T[parent] > child)
+            & (sub_end_T[child] <= sub_end_T[parent])
+        )
+        if not bool(nested.all()):
+            i = int(child[~nested][0])
+            raise ValueError(
+                f"sub_end is not a DFS forest layout: the subtree of token {i}, [{i}, {int(sub_end_T[i])}), is not "
+                f"nested in the subtree of its parent {int(parent[~nested][0])}"
+            )
 
     def ancestor(self, token: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
         """Index of the ancestor of ``token`` at ``depth`` (broadcast; requires depth <= depth_T[token])."""
