@@ -92,6 +92,7 @@ def test_gather_and_next_token_index():
     samples = KINDS["random"]
     layout = build_tree(samples)
     assert layout.gather(layout.tokens).tolist() == [t for s in samples for t in s]
+    assert layout.gather(layout.tokens.numpy()).tolist() == [t for s in samples for t in s]
     pred, targets, offsets = layout.next_token_index()
     assert offsets.tolist() == np.cumsum([0] + [len(s) - 1 for s in samples]).tolist()
     for s, sample in enumerate(samples):
