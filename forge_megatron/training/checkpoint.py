@@ -1,0 +1,102 @@
+"""Trainer checkpoints: one ``torch.save`` file per rank, plus a ``latest`` marker, and HF weight loading.
+
+Megatron's ``dist_checkpointing`` does not run on CPU (see docs/training.md), so forge keeps the format simple and
+robust everywhere: ``<save>/iter_<NNNNNNN>/rank_<RRRRR>.pt`` holds this rank's model and optimizer state, the LR
+scheduler, the iteration, the policy version and the id of the last data-pool batch trained on. Rank 0 writes
+``<save>/latest`` (the iteration) only after every rank has written its file, so a crash mid-save leaves the previous
+checkpoint as the one that loads. A resumed job must use the same parallel layout.
+
+After a checkpoint is complete the trainer commits the pool's delivered batches up to that batch id; on resume it
+asks the pool to re-serve everything delivered but not committed (``requeue_uncommitted``), so no group is lost and
+none is trained twice across a restart.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+
+
+def _iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _rank_file(root: str, iteration: int) -> str:
+    return os.path.join(_iter_dir(root, iteration), f"rank_{dist.get_rank():05d}.pt")
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict) -> str:
+    """Write this rank's state; rank 0 moves ``latest`` once all ranks are done. Returns the iteration dir."""
+    path = _rank_file(root, iteration)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    state = {"iteration": iteration, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(), **extra}
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        marker = os.path.join(root, LATEST)
+        with open(marker + ".tmp", "w") as f:
+            f.write(str(iteration))
+        os.replace(marker + ".tmp", marker)
+    dist.barrier()
+    return _iter_dir(root, iteration)
+
+
+def latest_iteration(root: str | None) -> int | None:
+    """Iteration named by ``<root>/latest``, or None when there is no complete checkpoint."""
+    if not root:
+        return None
+    marker = os.path.join(root, LATEST)
+    if not os.path.isfile(marker):
+        return None
+    with open(marker) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{marker} does not hold an iteration number: {text!r}")
+    return int(text)
+
+
+def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler) -> dict:
+    """Restore this rank's state; returns the saved dict (iteration, policy_version, last_batch_id, ...)."""
+    path = _rank_file(root, iteration)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path} is missing (was it saved with a different number of ranks?)")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state["world_size"] != dist.get_world_size():
+        raise ValueError(f"checkpoint {path} was saved by {state['world_size']} ranks, this job has "
+                         f"{dist.get_world_size()}: resume with the same layout")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state
+
+
+def load_hf_weights(model, bridge, hf_dir: str) -> None:
+    """Load a HF safetensors checkpoint into this rank's shard of a live Megatron model (any TP/PP/EP)."""
+    from megatron.core import parallel_state as ps
+
+    from forge_megatron.bridge import ParallelLayout
+    from forge_megatron.convert.checkpoint import HFReader, local_state, stage_inputs
+
+    layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(),
+                            pp=ps.get_pipeline_model_parallel_world_size(),
+                            ep=ps.get_expert_model_parallel_world_size())
+    pp = ps.get_pipeline_model_parallel_rank()
+    reader = HFReader(hf_dir)
+    full = {}
+    for name in stage_inputs(bridge, layout, pp):
+        full[name] = bridge.from_hf(name, reader.get(bridge.hf_names(name)))
+    state = local_state(bridge, full, layout, ps.get_tensor_model_parallel_rank(), pp,
+                        ps.get_expert_model_parallel_rank())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.endswith("_extra_state")]
+    unexpected = [u for u in unexpected if not u.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"HF checkpoint {hf_dir} does not fit the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")

@@ -1,0 +1,121 @@
+"""Per-step training metrics and where they go: a JSONL file, tensorboard (``--tensorboard-dir``, if installed) and
+Weights & Biases (``--wandb-project``, if installed), the same flags as Megatron-LM.
+
+Per step (rank 0's DP share of the batch):
+  reward_mean, success_rate (reward > 0) overall and ``<domain>/reward_mean``, ``<domain>/success_rate`` per domain,
+  computed once per episode (an episode's segments share its reward);
+  loss terms averaged over micro-batches (``loss``, ``pg_loss``, ``clip_frac_low/high``, ``ratio_mean/max``,
+  ``entropy`` ...; per-domain ``<domain>/<term>`` from ``algo.policy_loss``);
+  staleness_mean / staleness_max: policy version now minus the version that sampled each trained token;
+  total_tokens (what unmerged training would process) vs unique_tokens (what the trees hold) and their ratio;
+  the time split wait / forward-backward / sync / checkpoint and tokens/s (added by the trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+import numpy as np
+
+
+def _episode_rewards(samples) -> dict[str, tuple[str, float]]:
+    return {s.episode_id: (s.domain, float(s.reward)) for s in samples}
+
+
+def reward_metrics(samples) -> dict[str, float]:
+    episodes = _episode_rewards(samples)
+    out: dict[str, float] = {}
+    by_domain: dict[str, list[float]] = defaultdict(list)
+    for domain, reward in episodes.values():
+        by_domain[domain].append(reward)
+    all_rewards = [r for rs in by_domain.values() for r in rs]
+    for prefix, rewards in [("", all_rewards)] + [(f"{d}/", rs) for d, rs in sorted(by_domain.items())]:
+        out[f"{prefix}reward_mean"] = float(np.mean(rewards))
+        out[f"{prefix}success_rate"] = float(np.mean([r > 0 for r in rewards]))
+    out["episodes"] = float(len(episodes))
+    return out
+
+
+def staleness_metrics(samples, policy_version: int) -> dict[str, float]:
+    lags = np.concatenate([policy_version - s.policy_versions[s.loss_mask.astype(bool)] for s in samples])
+    if lags.size == 0:
+        return {"staleness_mean": 0.0, "staleness_max": 0.0}
+    return {"staleness_mean": float(lags.mean()), "staleness_max": float(lags.max())}
+
+
+def mean_of_dicts(dicts: list[dict]) -> dict[str, float]:
+    sums: dict[str, list[float]] = defaultdict(list)
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, (int, float)):
+                sums[k].append(float(v))
+    return {k: float(np.mean(v)) for k, v in sums.items()}
+
+
+def batch_metrics(rank_batch, micro_batch_metrics: list[dict], policy_version: int) -> dict:
+    """Everything except timings for one step (see the module docstring)."""
+    total = sum(mb.layout.total_tokens for mb in rank_batch.micro_batches)
+    unique = sum(mb.layout.unique_tokens for mb in rank_batch.micro_batches)
+    out = {"samples": len(rank_batch.samples), "micro_batches": len(rank_batch.micro_batches),
+           "total_tokens": int(total), "unique_tokens": int(unique), "merge_ratio": total / max(unique, 1),
+           "loss_tokens": rank_batch.num_loss_tokens, "batch_id": rank_batch.batch_id}
+    out.update(reward_metrics(rank_batch.samples))
+    out.update(staleness_metrics(rank_batch.samples, policy_version))
+    out.update(mean_of_dicts(micro_batch_metrics))  # empty on non-last pipeline stages
+    out.setdefault("loss", float("nan"))
+    out.setdefault("clip_frac_high", float("nan"))
+    return out
+
+
+class MetricsWriter:
+    """Fans one metrics dict per step out to JSONL / tensorboard / wandb, whichever the flags ask for."""
+
+    def __init__(self, args):
+        self.jsonl = None
+        if args.metrics_jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_jsonl)), exist_ok=True)
+            self.jsonl = open(args.metrics_jsonl, "a")
+        self.tb = _tensorboard(args.tensorboard_dir)
+        self.wandb = _wandb(args)
+
+    def write(self, step: int, metrics: dict) -> None:
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float, bool))}
+        if self.jsonl is not None:  # JSONL also keeps lists (e.g. the group indices trained on)
+            lists = {k: v for k, v in metrics.items() if isinstance(v, list)}
+            self.jsonl.write(json.dumps({"step": step, **numbers, **lists}) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in numbers.items():
+                self.tb.add_scalar(k, float(v), step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _tensorboard(log_dir: str | None):
+    if not log_dir:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise RuntimeError(f"--tensorboard-dir needs the tensorboard package: pip install tensorboard ({exc})") from None
+    return SummaryWriter(log_dir=log_dir)
+
+
+def _wandb(args):
+    if not args.wandb_project:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("--wandb-project needs the wandb package: pip install wandb") from None
+    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, config=vars(args))

@@ -1,0 +1,379 @@
+"""The agent-RL training loop on Megatron-Core: pool -> prefix trees -> Megatron schedules -> CISPO -> optimizer ->
+weight sync -> checkpoint.
+
+One iteration:
+  1. wait   rank 0 pulls ``train_batch_groups`` groups from the data pool over ZeroMQ and broadcasts the batch
+            (msgpack header + raw arrays, never pickle) to every rank; DP rank d trains on groups d, d + DP, ...
+  2. pack   the rank's samples are packed into micro-batches of at most ``--tree-token-budget`` unique tokens and
+            each micro-batch becomes one prefix forest (``--no-tree-merging``: one sample per micro-batch);
+  3. f/b    Megatron's ``get_forward_backward_func`` runs the micro-batches (PP schedules included); per sample the
+            loss is ``algo.policy_loss`` over next-token logprobs, with pi_old = the rollout logprobs recorded by
+            the engines (fully async) or a no-grad recompute pass (``--old-logprobs recompute``). With the default
+            token-mean normalisation the loss of the whole rank batch is exact across micro-batches:
+                L = sum_mb sum_{i in mb} w_i sum_t m_it l_it / sum_{batch} m      (Megatron divides by #mb, we undo it)
+  4. step   Megatron's optimizer (Adam; distributed optimizer on GPUs) and LR scheduler;
+  5. sync   every ``--weight-sync-interval`` steps the new weights go to the engines and the policy version
+            (gateway, pool) increments;
+  6. save   every ``--save-interval`` steps a checkpoint, then the pool commits the batches it contains.
+Metrics per step go to the JSONL file / tensorboard / wandb (:mod:`forge_megatron.training.metrics`).
+
+Legend: M = next-token targets of the samples of a micro-batch, S = samples, S1 = S + 1, L = one sample's tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from forge_megatron.training import arguments
+from forge_megatron.training.checkpoint import latest_iteration, load_checkpoint, load_hf_weights, save_checkpoint
+from forge_megatron.training.metrics import MetricsWriter, batch_metrics
+
+log = logging.getLogger("forge.trainer")
+
+
+# ------------------------------------------------------------------------------------------- micro-batches
+@dataclass
+class RankBatch:
+    """The samples this rank trains on in one iteration, as micro-batches, plus the batch-level normaliser."""
+
+    micro_batches: list
+    num_loss_tokens: float
+    samples: list
+    batch_id: int
+    pool_metrics: dict = field(default_factory=dict)
+
+
+def _targets(arr: np.ndarray) -> torch.Tensor:
+    """Per-token array of one sample [L] -> values at its next-token targets [L-1]."""
+    return torch.from_numpy(np.ascontiguousarray(arr[1:]))
+
+
+def micro_batch_of(samples: list, domains: list[str]):
+    """One ``TreeMicroBatch``: the prefix forest of ``samples`` and their per-target loss inputs."""
+    from forge_megatron.mcore.forward import TreeMicroBatch
+    from forge_megatron.tree import build_tree
+
+    layout = build_tree([s.tokens.astype(np.int64) for s in samples])
+    lengths_S = torch.tensor([len(s.tokens) - 1 for s in samples], dtype=torch.int64)
+    extras = {
+        "loss_mask_M": torch.cat([_targets(s.loss_mask).float() for s in samples]),
+        "rollout_logp_M": torch.cat([_targets(s.rollout_logprobs).float() for s in samples]),
+        "advantages_M": torch.cat([_targets(s.advantages).float() for s in samples]),
+        "cu_seqlens_S1": torch.cat([torch.zeros(1, dtype=torch.int64), lengths_S.cumsum(0)]),
+        "sample_weight_S": torch.tensor([s.sample_weight for s in samples], dtype=torch.float32),
+        "domain_ids_S": torch.tensor([domains.index(s.domain) for s in samples], dtype=torch.int64),
+    }
+    return TreeMicroBatch(layout=layout, extras=extras)
+
+
+def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: int, domains: list[str]) -> RankBatch:
+    """Split a pool batch over DP ranks by group and pack this rank's share into micro-batches."""
+    from forge_megatron.tree import pack_micro_batches
+
+    groups = sorted(set(s.group_index for s in batch.samples))
+    mine = set(groups[dp_rank::dp_size])
+    samples = [s for s in batch.samples if s.group_index in mine and len(s.tokens) >= 2]
+    if not samples:
+        raise RuntimeError(f"DP rank {dp_rank} got no trainable samples from batch {batch.batch_id} "
+                           f"({len(groups)} groups for {dp_size} DP ranks): raise --train-batch-groups")
+    if merging:
+        parts = pack_micro_batches([s.tokens for s in samples], token_budget, keys=[s.group_index for s in samples])
+    else:
+        too_long = [len(s.tokens) for s in samples if len(s.tokens) > token_budget]
+        if too_long:
+            raise ValueError(f"a sample has {too_long[0]} tokens, more than --tree-token-budget {token_budget}")
+        parts = [[i] for i in range(len(samples))]
+    mbs = [micro_batch_of([samples[i] for i in part], domains) for part in parts]
+    num_loss_tokens = float(sum(mb.extras["loss_mask_M"].sum() for mb in mbs))
+    return RankBatch(mbs, num_loss_tokens, samples, batch.batch_id, batch.metrics)
+
+
+# -------------------------------------------------------------------------------------------------- trainer
+class Trainer:
+    """Owns the model, optimizer, pool connection and weight syncer of one rank."""
+
+    def __init__(self, args: argparse.Namespace):
+        from megatron.core import parallel_state as ps
+
+        from forge_megatron.bridge import Bridge
+        from forge_megatron.mcore import parallel
+
+        self.args = args
+        parallel.initialize(arguments.parallel_config(args), seed=args.seed)
+        self.rank = dist.get_rank()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.bridge = Bridge(args.hf_checkpoint)
+        self.cfg = model_config(args, self.bridge)
+        self.loss_cfg = arguments.loss_config(args)
+        self.domains = sorted(args.domain_ratios) or ["default"]
+        self.model, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(args, self.cfg)
+        self.iteration, self.policy_version, self.last_batch_id = 0, 0, None
+        self.pool = self._pool_client() if self.rank == 0 else None
+        self.syncer = make_syncer(args, self.bridge) if args.weight_sync_transport != "none" else None
+        self.writer = MetricsWriter(args) if self.rank == 0 else None
+        self._resume_or_init()
+
+    # -- set-up ------------------------------------------------------------------------------------------
+    def _pool_client(self):
+        from forge_megatron.middleware.transport import PoolClient
+
+        return PoolClient(self.args.pool_addr, timeout_s=30.0, retries=20)
+
+    def _resume_or_init(self) -> None:
+        iteration = latest_iteration(self.args.load)
+        if iteration is None:
+            load_hf_weights(self.model, self.bridge, self.args.hf_checkpoint)
+            self._log(f"initialised from HF checkpoint {self.args.hf_checkpoint}")
+        else:
+            state = load_checkpoint(self.args.load, iteration, self.ddp, self.optimizer, self.scheduler)
+            self.iteration, self.policy_version = state["iteration"], state["policy_version"]
+            self.last_batch_id = state["last_batch_id"]
+            self._log(f"resumed from {self.args.load} at iteration {iteration} (policy version "
+                      f"{self.policy_version}, last batch {self.last_batch_id})")
+        if self.pool is not None:
+            requeued = self.pool.requeue_uncommitted()
+            self.pool.set_policy_version(self.policy_version)
+            if requeued:
+                self._log(f"pool re-serves {len(requeued)} delivered-but-uncommitted groups")
+        if iteration is not None and self.syncer is not None:
+            self._sync()  # the engines may still serve weights newer than this checkpoint
+
+    def _log(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"[forge-train] {message}", flush=True)
+
+    # -- one iteration -----------------------------------------------------------------------------------
+    def next_batch(self):
+        """Rank 0 waits for the pool's batch; every rank gets a copy (wire format over the process group)."""
+        batch = None
+        if self.rank == 0:
+            groups = arguments.train_batch_groups(self.args)
+            deadline = time.monotonic() + self.args.batch_timeout_s
+            while batch is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no batch of {groups} groups from {self.args.pool_addr} within "
+                                       f"{self.args.batch_timeout_s:.0f}s (are rollouts running?)")
+                batch = self.pool.get_batch(groups, timeout_s=min(left, 20.0))
+        return broadcast_batch(batch)
+
+    def forward_backward(self, rb: RankBatch) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from forge_megatron.algo.losses import policy_loss
+        from forge_megatron.mcore.forward import make_tree_forward_step
+
+        if self.args.old_logprobs == "recompute":
+            self._recompute_old_logprobs(rb)
+        num_mb = len(rb.micro_batches)
+        cfg = self._batch_loss_config(rb)
+        with_entropy = self.loss_cfg.entropy_coef > 0
+
+        def loss_fn(logp_M, entropy_M, mb):
+            x = mb.extras
+            old = x.get("old_logp_M", x["rollout_logp_M"])
+            loss, metrics = policy_loss(
+                logp_M, old, x["advantages_M"], x["loss_mask_M"], x["cu_seqlens_S1"], cfg,
+                rollout_logp_M=x["rollout_logp_M"], entropy_M=entropy_M, sample_weight_S=x["sample_weight_S"],
+                domain_ids_S=x["domain_ids_S"], domain_names=self.domains)
+            return loss * (num_mb if cfg.norm == "constant" else 1), metrics
+
+        step = make_tree_forward_step(loss_fn, with_entropy=with_entropy)
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(rb.micro_batches), model=[self.ddp],
+            num_microbatches=num_mb, seq_length=max(mb.layout.unique_tokens for mb in rb.micro_batches),
+            micro_batch_size=1, forward_only=False)
+
+    def _batch_loss_config(self, rb: RankBatch):
+        """token_mean over the whole rank batch = constant normaliser (the batch's loss tokens)."""
+        from dataclasses import replace
+
+        if self.loss_cfg.norm != "token_mean":
+            return self.loss_cfg
+        return replace(self.loss_cfg, norm="constant", norm_constant=max(rb.num_loss_tokens, 1.0))
+
+    @torch.no_grad()
+    def _recompute_old_logprobs(self, rb: RankBatch) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from forge_megatron.mcore.forward import make_tree_forward_step
+
+        def keep(logp_M, entropy_M, mb):
+            mb.extras["old_logp_M"] = logp_M.detach()
+            return logp_M.sum() * 0.0, {}
+
+        get_forward_backward_func()(
+            forward_step_func=make_tree_forward_step(keep), data_iterator=iter(rb.micro_batches), model=[self.ddp],
+            num_microbatches=len(rb.micro_batches),
+            seq_length=max(mb.layout.unique_tokens for mb in rb.micro_batches), micro_batch_size=1, forward_only=True)
+        if self.args.pipeline_model_parallel_size > 1:
+            raise NotImplementedError("--old-logprobs recompute with PP > 1 needs the logprobs sent back from the "
+                                      "last stage; use --old-logprobs rollout")
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        batch = self.next_batch()
+        t1 = time.perf_counter()
+        rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
+                        self.domains)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        mb_metrics = self.forward_backward(rb)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        t2 = time.perf_counter()
+        self.iteration += 1
+        self.last_batch_id = batch.batch_id
+        sync_s = 0.0
+        if self.syncer is not None and self.iteration % self.args.weight_sync_interval == 0:
+            sync_s = self._sync()
+        ckpt_s = self._maybe_save()
+        metrics = batch_metrics(rb, mb_metrics, self.policy_version)
+        metrics.update(iteration=self.iteration, policy_version=self.policy_version, grad_norm=float(grad_norm or 0.0),
+                       update_ok=bool(ok), lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
+                       wait_s=t1 - t0, forward_backward_s=t2 - t1, sync_s=sync_s, checkpoint_s=ckpt_s,
+                       tokens_per_s=metrics["total_tokens"] / max(t2 - t1, 1e-9))
+        metrics.update({f"pool/{k}": v for k, v in batch.metrics.items() if isinstance(v, (int, float))})
+        metrics["group_indices"] = list(batch.group_indices)
+        if self.writer is not None:
+            self.writer.write(self.iteration, metrics)
+        return metrics
+
+    def _sync(self) -> float:
+        t0 = time.perf_counter()
+        self.policy_version += 1
+        self.syncer.sync([self.model], self.policy_version)
+        if self.pool is not None:
+            self.pool.set_policy_version(self.policy_version)
+        return time.perf_counter() - t0
+
+    def _maybe_save(self) -> float:
+        a = self.args
+        if a.save is None or not (self.iteration % (a.save_interval or a.train_iters) == 0
+                                  or self.iteration == a.train_iters):
+            return 0.0
+        t0 = time.perf_counter()
+        save_checkpoint(a.save, self.iteration, self.ddp, self.optimizer, self.scheduler,
+                        {"policy_version": self.policy_version, "last_batch_id": self.last_batch_id})
+        if self.pool is not None and self.last_batch_id is not None:
+            self.pool.commit(up_to_batch_id=self.last_batch_id)
+        self._log(f"checkpoint iteration {self.iteration} saved to {a.save}; pool committed up to batch "
+                  f"{self.last_batch_id}")
+        return time.perf_counter() - t0
+
+    def run(self) -> None:
+        while self.iteration < self.args.train_iters:
+            m = self.train_step()
+            if self.rank == 0 and (self.iteration % self.args.log_interval == 0 or self.iteration == 1):
+                self._log(progress_line(m))
+        self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.syncer is not None and hasattr(self.syncer, "close"):
+            self.syncer.close()
+        if self.pool is not None:
+            self.pool.close()
+        from forge_megatron.mcore import parallel
+
+        parallel.destroy()
+
+
+def progress_line(m: dict) -> str:
+    return (f"iter {m['iteration']} | reward {m['reward_mean']:.3f} | success {m['success_rate']:.2f} | "
+            f"loss {m['loss']:.4f} | clip_hi {m['clip_frac_high']:.3f} | tokens {m['total_tokens']} "
+            f"(unique {m['unique_tokens']}) | wait {m['wait_s']:.1f}s fb {m['forward_backward_s']:.1f}s "
+            f"sync {m['sync_s']:.1f}s | v{m['policy_version']}")
+
+
+# ---------------------------------------------------------------------------------------- building blocks
+def model_config(args: argparse.Namespace, bridge):
+    """The HF checkpoint's architecture; Megatron's network flags, when given, must agree with it."""
+    from dataclasses import replace
+
+    cfg = bridge.cfg
+    if args.num_layers is not None:
+        flags = arguments.gpt_config(args, vocab_size=cfg.vocab_size)
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "vocab_size", "head_dim", "qk_layernorm", "add_qkv_bias", "num_moe_experts"):
+            if getattr(flags, name) != getattr(cfg, name):
+                raise ValueError(f"{name}: the model flags say {getattr(flags, name)}, the HF checkpoint "
+                                 f"{args.hf_checkpoint} has {getattr(cfg, name)}")
+    overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
+    if args.pipeline_model_parallel_size > 1:
+        overrides["extra"] = {**cfg.extra, "variable_seq_lengths": True}
+    return replace(cfg, **overrides)
+
+
+def build_model_and_optimizer(args: argparse.Namespace, cfg):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.utils.env import has_cuda
+
+    model = build_tree_gpt(cfg)
+    if has_cuda():
+        model.cuda()
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer),
+        model)
+    opt_cfg = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                              clip_grad=args.clip_grad, bf16=args.bf16,
+                              use_distributed_optimizer=args.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.train_iters, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant")
+    return model, ddp, optimizer, scheduler
+
+
+def make_syncer(args: argparse.Namespace, bridge):
+    """The weight syncer of ``--weight-sync-transport`` (forge_megatron.weight_sync)."""
+    from forge_megatron.weight_sync import WeightSyncConfig, WeightSyncer
+
+    cfg = WeightSyncConfig(engine_urls=args.engine_urls, transport=args.weight_sync_transport,
+                           bucket_bytes=int(args.weight_sync_bucket_mb * (1 << 20)), gateway_url=args.gateway_url,
+                           disk_dir=args.weight_sync_dir)
+    return WeightSyncer(cfg, bridge)
+
+
+def broadcast_batch(batch):
+    """Rank 0's TrainBatch to every rank: wire frames (msgpack + raw arrays) as byte tensors, no pickle."""
+    from forge_megatron.middleware.wire import batch_from_wire, batch_to_wire, pack, unpack
+
+    if dist.get_world_size() == 1:
+        return batch
+    frames = [bytes(memoryview(f)) for f in pack(*batch_to_wire(batch))] if dist.get_rank() == 0 else []
+    sizes = torch.tensor([len(f) for f in frames] if frames else [], dtype=torch.int64)
+    count = torch.tensor([len(frames)], dtype=torch.int64)
+    dist.broadcast(count, src=0)
+    if dist.get_rank() != 0:
+        sizes = torch.zeros(int(count), dtype=torch.int64)
+    dist.broadcast(sizes, src=0)
+    out = []
+    for i, n in enumerate(sizes.tolist()):
+        buf = torch.frombuffer(bytearray(frames[i]), dtype=torch.uint8) if frames else torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, src=0)
+        out.append(buf.numpy().tobytes())
+    header, arrays = unpack(out, max_bytes=1 << 34)
+    return batch_from_wire(header, arrays)
+
+
+def train(args: argparse.Namespace) -> None:
+    """Entry point of scripts/train_forge.py."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-train %(message)s")
+    Trainer(args).run()

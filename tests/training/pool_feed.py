@@ -1,0 +1,68 @@
+"""Helpers for trainer tests: a forge-pool subprocess and synthetic finished episodes fed to it over ZeroMQ."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+
+from forge_megatron.middleware.schema import Episode, Segment
+from forge_megatron.middleware.transport import PoolClient
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PoolProcess:
+    """``forge-pool`` in its own process group; ``stop()`` kills the group."""
+
+    def __init__(self, db: str, generation_batch_groups: int = 4):
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "forge_megatron.middleware.pool_server", "--db", db, "--bind", self.addr,
+             "--generation-batch-groups", str(generation_batch_groups), "--window", "inf"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        line = self.proc.stdout.readline()
+        if "serving" not in line:
+            self.stop()
+            raise RuntimeError(f"forge-pool did not start: {line}")
+        self.client = PoolClient(self.addr, timeout_s=10.0)
+
+    def stop(self) -> None:
+        self.client.close() if hasattr(self, "client") else None
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def feed_groups(client: PoolClient, num_groups: int, rng: np.random.Generator, vocab: int = 300,
+                group_size: int = 4, prompt_len: int = 12, completion_len: int = 6) -> list[str]:
+    """Register ``num_groups`` groups of ``group_size`` finished episodes (shared prompt, varied completions)."""
+    group_ids = []
+    for _ in range(num_groups):
+        prompt = rng.integers(10, vocab, size=prompt_len).tolist()
+        gid = client.register_group(f"task-{uuid.uuid4().hex[:6]}", group_size, "default")
+        for e in range(group_size):
+            completion = rng.integers(10, vocab, size=completion_len).tolist()
+            n = prompt_len + completion_len
+            seg = Segment(tokens=prompt + completion, loss_mask=[0] * prompt_len + [1] * completion_len,
+                          rollout_logprobs=[0.0] * prompt_len + [-5.0] * completion_len,
+                          policy_versions=[-1] * prompt_len + [0] * completion_len)
+            eid = uuid.uuid4().hex
+            client.episode_started(gid, eid)
+            now = time.time()
+            client.submit_episode(Episode(episode_id=eid, group_id=gid, task_id="t", segments=[seg],
+                                          reward=float(e % 2), started_at=now - 1, ended_at=now))
+            assert len(seg.tokens) == n
+        group_ids.append(gid)
+    return group_ids
