@@ -1,7 +1,10 @@
 """Windowed FIFO rules: pure selection logic against a brute-force definition, and the same rules through a real pool."""
 
+import json
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -119,3 +122,18 @@ def test_pool_strict_and_greedy(tmp_path):
     assert strict.next_batch(4, timeout_s=0).group_indices == [1, 2, 3, 4]
     strict.close()
     greedy.close()
+
+
+def test_simulation_uses_the_rule_and_orders_policies():
+    """benchmarks/scheduler.py on a short run: strict never reorders (lag <= admission bound), the window bounds the
+    lag below greedy's, and greedy favours short rollouts the most."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "scheduler.py")
+    out = subprocess.run([sys.executable, script, "--groups", "400"], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    result = json.loads(out)
+    keys = {"throughput", "idle_fraction", "staleness_mean", "staleness_max", "length_bias", "timed_out_fraction"}
+    assert all(set(result[p]) == keys for p in ("strict", "windowed", "greedy"))
+    strict, windowed, greedy = result["strict"], result["windowed"], result["greedy"]
+    assert strict["staleness_max"] <= windowed["staleness_max"] < greedy["staleness_max"]
+    assert greedy["length_bias"] < windowed["length_bias"] and greedy["length_bias"] < strict["length_bias"]
+    assert strict["throughput"] <= windowed["throughput"] <= greedy["throughput"]

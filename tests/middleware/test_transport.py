@@ -210,3 +210,31 @@ def test_forge_pool_help_teaches():
     bad = subprocess.run([sys.executable, "-m", "forge_megatron.middleware.pool_server", "--window", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "window must be an int >= 1 or 'inf', got 0" in bad.stderr
+
+
+def test_resent_get_batch_returns_the_same_batch(served):
+    """A reply lost on the way: the same rid sent again yields the batch already delivered, not a second one."""
+    pool, server, client = served
+    for i in range(2):
+        fill_group(pool, pool.register_group(f"t{i}", 2), 2)
+    request = [msgpack.packb({"v": PROTOCOL_VERSION, "rid": "lost-1", "op": "get_batch", "num_groups": 1,
+                              "timeout_s": 1.0, "arrays": []})]
+    first, second = _raw_request(server.address, request), _raw_request(server.address, request)
+    assert first["ok"] and second["result"]["batch_id"] == first["result"]["batch_id"]
+    assert second["result"]["group_indices"] == first["result"]["group_indices"]
+    assert pool.metrics()["groups"]["delivered"] == 1
+
+
+def test_client_survives_server_starting_late(tmp_path):
+    """The client's request is resent on a fresh socket until a pool appears on the address."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    pool = DataPool(PoolConfig(db_path=os.fspath(tmp_path / "pool.sqlite")))
+    server = PoolServer(pool, bind=addr)
+    threading.Timer(1.0, server.start).start()
+    client = PoolClient(addr, timeout_s=0.3, retries=30)
+    try:
+        assert client.ping() == {"pool": "forge"}
+    finally:
+        client.close()
+        server.stop()
+        pool.close()
