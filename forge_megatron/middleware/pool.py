@@ -195,16 +195,21 @@ class DataPool(EpisodeSink):
 
     def submit_episode(self, episode: Episode) -> str:
         """Record a finished or failed episode. Returns 'accepted', 'duplicate' (same id already closed) or 'late'
-        (the episode had timed out); raises SchemaError for invalid episodes or groups with no open slot."""
+        (it timed out, or its group completed while it ran; dropped). Raises SchemaError for an invalid episode, an
+        unknown group, or an episode never started that finds no open slot."""
         episode.validate()
         with self._tx() as db:
             idx = _group_idx(episode.group_id)
-            prior = self._one("SELECT state FROM episodes WHERE episode_id = ?", (episode.episode_id,))
-            if prior == "timed_out":
-                return "late"
-            if prior not in (None, "running"):
-                return "duplicate"
             state, size, finished, closed = self._group_counts(idx, episode.group_id)
+            prior = db.execute("SELECT state, group_idx FROM episodes WHERE episode_id = ?",
+                               (episode.episode_id,)).fetchone()
+            if prior is not None and prior[1] != idx:
+                raise SchemaError(f"episode {episode.episode_id} was started in group {group_id_of(prior[1])}, "
+                                  f"not {episode.group_id}")
+            if prior is not None and (prior[0] == "timed_out" or prior[0] == "running" and state != "running"):
+                return "late"
+            if prior is not None and prior[0] != "running":
+                return "duplicate"
             if state != "running" or finished + closed >= size:
                 raise SchemaError(f"group {episode.group_id} has no open slot for episode {episode.episode_id}")
             if episode.domain == "default":

@@ -132,6 +132,12 @@ def test_submit_errors_and_duplicates(make_pool):
     assert pool.submit_episode(ep) == "duplicate"
     with pytest.raises(SchemaError, match=f"group {gid} has no open slot for episode other"):
         pool.submit_episode(make_episode(gid, "other"))
+    other = pool.register_group("t", 1)
+    pool.episode_started(other, "started")
+    with pytest.raises(SchemaError, match=f"episode started was started in group {other}, not {gid}"):
+        pool.submit_episode(make_episode(gid, "started"))
+    fill_group(pool, other, 1)  # completes the group while "started" still runs
+    assert pool.submit_episode(make_episode(other, "started")) == "late"
     with pytest.raises(SchemaError, match="unknown group_id 'g000000099'"):
         pool.submit_episode(make_episode("g000000099", "x"))
     with pytest.raises(SchemaError, match="group_id 'zz' is not a pool group id"):
