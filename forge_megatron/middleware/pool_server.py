@@ -2,7 +2,13 @@
 
 Example (the trainer pulls 8 groups per step, rollouts generate 32 groups per policy version, window 30 %):
 
-    forge-pool --db /data/pool.sqlite --bind tcp://127.0.0.1:5555 --generation-batch-groups 32 --max-staleness 2
+    forge-pool --db /data/pool.sqlite --bind tcp://127.0.0.1:5555 --generation-batch-groups 32 \
+               --train-batch-groups 8 --max-staleness 2
+
+Multi-node (CURVE): make a keypair per side with
+``python -c "import zmq; print(*(k.decode() for k in zmq.curve_keypair()), sep=chr(10))"`` (public, then secret),
+put the server's pair in --curve-secret-file and the clients' public keys in --curve-clients-file, and bind a
+routable address. Trainers pass ``CurveKeys(public, secret, server_public=...)`` to ``PoolClient``.
 
 The state lives in the SQLite file: restarting with the same ``--db`` resumes where the pool stopped. It prints
 ``forge-pool serving on <endpoint>`` once bound and stops cleanly on SIGTERM / SIGINT.

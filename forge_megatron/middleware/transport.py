@@ -227,6 +227,7 @@ class PoolClient(EpisodeSink):
 
     Each request waits ``timeout_s`` (plus the requested wait for ``get_batch``) per attempt, ``retries`` resends,
     then raises TimeoutError. Also an :class:`EpisodeSink`, so a gateway in another process can feed the pool.
+    Like its ZeroMQ socket, a client belongs to one thread at a time.
     """
 
     def __init__(self, addr: str, timeout_s: float = 10.0, retries: int = 3, curve_keys: CurveKeys | None = None,

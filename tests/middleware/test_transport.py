@@ -238,3 +238,21 @@ def test_client_survives_server_starting_late(tmp_path):
         client.close()
         server.stop()
         pool.close()
+
+
+def test_forge_pool_process_with_curve_key_files(tmp_path):
+    server_pub, server_sec = zmq.curve_keypair()
+    client_pub, client_sec = zmq.curve_keypair()
+    (tmp_path / "server.keys").write_bytes(server_pub + b"\n" + server_sec + b"\n")
+    (tmp_path / "clients.keys").write_bytes(client_pub + b"\n")
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    proc = start_pool_process(os.fspath(tmp_path / "pool.sqlite"), addr, "--curve-secret-file",
+                              os.fspath(tmp_path / "server.keys"), "--curve-clients-file",
+                              os.fspath(tmp_path / "clients.keys"))
+    client = PoolClient(addr, timeout_s=5.0, curve_keys=CurveKeys(client_pub, client_sec, server_pub))
+    try:
+        assert client.ping() == {"pool": "forge"}
+    finally:
+        client.close()
+        stop_process(proc)
+    assert proc.returncode == 0  # SIGTERM: clean shutdown
