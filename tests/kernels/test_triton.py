@@ -129,3 +129,20 @@ def test_gpu_matches_reference(dtype, H):
         pytest.skip("needs a CUDA GPU")
     for name, se in {**CASES, "gpu_grpo": _gpu_forest(8, 700, 300, 0)}.items():
         check_against_reference(tree_attention_triton, se, N=8, K=2, H=H, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("bf16", 128), ("fp32", 64)])
+def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim):
+    """The GPU code path (native low-precision tl.dot, ieee fp32 dots) lowers to a cubin: TTIR -> PTX -> ptxas."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("triton_aot.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", str(head_dim)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {line.split()[2] for line in proc.stdout.splitlines()}
+    assert names == {"_key_block_bounds_kernel", "_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}

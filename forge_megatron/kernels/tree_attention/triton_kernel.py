@@ -29,6 +29,7 @@ from forge_megatron.kernels.tree_attention.ops import make_public_entry, registe
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -203,20 +204,25 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def gpu_launch_config(head_dim: int, compute: tl.dtype) -> dict:
+    """Block sizes, warps and dot precision of a GPU launch; ``compute`` is the dtype fed to tl.dot."""
+    block_h = max(16, triton.next_power_of_2(head_dim))
+    return dict(
+        BLOCK_M=64, BLOCK_N=64, BLOCK_H=block_h, COMPUTE=compute,
+        DOT_PRECISION="ieee" if compute == tl.float32 else None,  # fp32 inputs: exact fp32, not TF32
+        num_warps=8 if block_h >= 128 else 4,
+    )
+
+
 def _launch_config(q_TNH: torch.Tensor) -> dict:
-    """Block sizes and compute dtype: big blocks for the CPU interpreter, fp32 math where the dtype demands it."""
+    """GPU config for q's dtype; under the CPU interpreter big blocks and fp32 math (bf16 math is wrong there)."""
     H = q_TNH.shape[2]
     if H > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {H} is not supported by the Triton tree attention kernel (max {MAX_HEAD_DIM})")
-    fp32_math = _interpreting() or q_TNH.dtype == torch.float32
-    block = 32 if _interpreting() else 64
-    return dict(
-        BLOCK_M=block,
-        BLOCK_N=block,
-        BLOCK_H=max(16, triton.next_power_of_2(H)),
-        COMPUTE=tl.float32 if fp32_math else (tl.float16 if q_TNH.dtype == torch.float16 else tl.bfloat16),
-        DOT_PRECISION="ieee" if fp32_math else None,
-    )
+    if _interpreting():
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_H=max(16, triton.next_power_of_2(H)), COMPUTE=tl.float32,
+                    DOT_PRECISION="ieee")
+    return gpu_launch_config(H, _TL_DTYPES[q_TNH.dtype])
 
 
 def key_block_bounds(sub_end_T: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,74 @@
+"""Compile the Triton tree-attention kernels ahead of time for an NVIDIA target (default sm_90), with no GPU.
+
+Run as a script in a process WITHOUT TRITON_INTERPRET (the interpreter replaces @triton.jit functions): it lowers
+every kernel through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin via the bundled ptxas), so code
+that only the GPU path exercises (native fp16/bf16 tl.dot, input_precision, scf.if around dots) is checked on CPU
+machines. Prints one line per kernel: dtype, head dim, name, shared memory bytes.
+
+  python tests/kernels/triton_aot.py [--arch 90] [--dtypes bf16 fp32] [--head-dims 64 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from forge_megatron.kernels.tree_attention import triton_kernel as tk
+
+TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+INT_POINTER_ARGS = {"SUB_END", "KMIN", "KMAX"}
+FP32_POINTER_ARGS = {"LSE", "DELTA"}
+FLOAT_ARGS = {"qk_scale", "scale"}
+COMPUTE = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
+
+
+def signature(fn, dtype: str, constexprs: dict) -> dict:
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in TENSOR_ARGS:
+            sig[name] = f"*{dtype}"
+        elif name in INT_POINTER_ARGS:
+            sig[name] = "*i32"
+        elif name in FP32_POINTER_ARGS:
+            sig[name] = "*fp32"
+        elif name in FLOAT_ARGS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_kernel(fn, dtype: str, constexprs: dict, arch: int, num_warps: int):
+    src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "fp32"], choices=sorted(COMPUTE))
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    args = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter cannot compile kernels for a GPU target")
+    bounds = compile_kernel(tk._key_block_bounds_kernel, "i32", dict(BLOCK_N=64), args.arch, 4)
+    print(f"-- -- _key_block_bounds_kernel shared={bounds.metadata.shared}")
+    for dtype in args.dtypes:
+        for H in args.head_dims:
+            cfg = tk.gpu_launch_config(H, COMPUTE[dtype])
+            num_warps = cfg.pop("num_warps")
+            for fn in (tk._fwd_kernel, tk._bwd_dq_kernel, tk._bwd_dkdv_kernel):
+                kernel = compile_kernel(fn, dtype, dict(GROUP=4, **cfg), args.arch, num_warps)
+                print(f"{dtype} {H} {fn.fn.__name__} shared={kernel.metadata.shared}")
+
+
+if __name__ == "__main__":
+    main()
