@@ -330,10 +330,13 @@ class DataPool(EpisodeSink):
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO kv VALUES ('policy_version', ?)", (version,))
 
-    def next_batch(self, num_groups: int, timeout_s: float | None = None, request_id: str | None = None) -> TrainBatch | None:
+    def next_batch(self, num_groups: int, timeout_s: float | None = None, request_id: str | None = None,
+                   waited_s: float = 0.0) -> TrainBatch | None:
         """Take ``num_groups`` finished groups allowed by the window, waiting up to ``timeout_s`` (None = forever).
 
-        Returns None on timeout. A ``request_id`` seen before returns the batch delivered for it.
+        Returns None on timeout. A ``request_id`` seen before returns the batch delivered for it. ``waited_s`` is
+        time the trainer already waited elsewhere (a server polling on its behalf); it counts in the wait metrics,
+        which cover delivered batches.
         """
         if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
             raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
@@ -349,7 +352,7 @@ class DataPool(EpisodeSink):
                 pending = self._pending()
                 chosen = select_groups(pending, self.config.window_groups, num_groups)
                 if len(chosen) == num_groups:
-                    waited = time.monotonic() - start
+                    waited = time.monotonic() - start + waited_s
                     self._wait_total_s += waited
                     self._last_wait_s = waited
                     return self._deliver(chosen, pending[0].index, request_id, waited)

@@ -92,7 +92,8 @@ class PoolServer:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
-        self._waiters: dict[Any, tuple[bytes, int, float]] = {}  # rid -> (client identity, num_groups, deadline)
+        # rid -> (client identity, num_groups, arrival, deadline) of parked get_batch requests
+        self._waiters: dict[str, tuple[bytes, int, float, float]] = {}
         self._ops: dict[str, Callable] = {
             "ping": lambda h, a: {"pool": "forge"},
             "metrics": lambda h, a: self.pool.metrics(),
@@ -204,12 +205,13 @@ class PoolServer:
         batch = self.pool.next_batch(num_groups, timeout_s=0, request_id=rid)
         if batch is not None or timeout_s <= 0:
             return self._batch_reply(rid, batch)
-        self._waiters[rid] = (identity, num_groups, time.monotonic() + timeout_s)
+        now = time.monotonic()
+        self._waiters[rid] = (identity, num_groups, now, now + timeout_s)
         return None
 
     def _serve_waiters(self, sock: zmq.Socket) -> None:
-        for rid, (identity, num_groups, deadline) in list(self._waiters.items()):
-            batch = self.pool.next_batch(num_groups, timeout_s=0, request_id=rid)
+        for rid, (identity, num_groups, arrival, deadline) in list(self._waiters.items()):
+            batch = self.pool.next_batch(num_groups, timeout_s=0, request_id=rid, waited_s=time.monotonic() - arrival)
             if batch is not None or time.monotonic() >= deadline:
                 del self._waiters[rid]
                 self._send(sock, identity, self._batch_reply(rid, batch))

@@ -67,6 +67,7 @@ def test_waiting_get_batch_does_not_block_other_requests(served):
     waiter.join(timeout=30)
     feeder.close()
     assert pool_thread_result[0].group_indices == [int(gid[1:])]
+    assert pool_thread_result[0].metrics["wait_s"] > 0.0 and client.metrics()["trainer_wait_total_s"] > 0.0
     assert client.get_batch(1, timeout_s=0.2) is None
 
 
