@@ -76,8 +76,8 @@ class PoolConfig:
     """Data pool settings; checked on construction."""
 
     db_path: str = "pool.sqlite"  # SQLite file (":memory:" for a throwaway pool)
-    window_fraction: float = 0.3  # W = ceil(window_fraction * generation_batch_groups) when window is None
-    window: float | int | str | None = None  # explicit W (int >= 1, or inf / "inf" for greedy); overrides fraction
+    window_fraction: float = 0.3  # W = ceil(window_fraction * generation_batch_groups) when window is None or 0
+    window: float | int | str | None = None  # explicit W (int >= 1, inf / "inf" = greedy); None or 0: use fraction
     generation_batch_groups: int = 16  # N: groups the rollout side generates per policy version
     max_inflight_groups: int | None = None  # can_admit() is False while this many groups are running
     max_staleness: int | None = None  # can_admit() is False when a new group would be trained this many versions late

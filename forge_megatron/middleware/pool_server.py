@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--generation-batch-groups", type=int, default=16, help="N: groups generated per policy version")
     w.add_argument("--window-fraction", type=float, default=0.3, help="W = ceil(fraction * N) (default 0.3)")
     w.add_argument("--window", default=None,
-                   help="explicit W: 1 = strict FIFO, 'inf' = greedy first-finished-first-out; overrides the fraction")
+                   help="explicit W: 1 = strict FIFO, 'inf' = greedy first-finished-first-out, 0 = use the fraction")
     b = p.add_argument_group("backpressure and failures")
     b.add_argument("--max-inflight-groups", type=int, default=None, help="stop admitting at this many running groups")
     b.add_argument("--max-staleness", type=int, default=None, help="stop admitting when new groups would lag this "

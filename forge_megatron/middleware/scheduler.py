@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 
 def window_size(window: float | int | str | None, window_fraction: float, generation_batch_groups: int) -> float:
-    """W from an explicit ``window`` (int >= 1, ``inf`` or ``"inf"``) or else ``ceil(fraction * N)``."""
-    if window is None:
+    """W from an explicit ``window`` (int >= 1, ``inf`` or ``"inf"``); None or 0 means ``ceil(fraction * N)``."""
+    if window in (None, 0, "0"):
         if not (0.0 < window_fraction <= 1.0):
             raise ValueError(f"window_fraction must be in (0, 1], got {window_fraction}")
         if generation_batch_groups < 1:

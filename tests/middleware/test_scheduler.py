@@ -70,7 +70,8 @@ def test_window_occupancy():
 @pytest.mark.parametrize(
     ("window", "fraction", "n", "expected"),
     [(None, 0.3, 16, 5.0), (None, 0.3, 1, 1.0), (None, 1.0, 8, 8.0), (1, 0.3, 16, 1.0), ("inf", 0.3, 4, math.inf),
-     (float("inf"), 0.3, 4, math.inf), (4, 0.3, 4, 4.0), ("12", 0.3, 4, 12.0)],
+     (float("inf"), 0.3, 4, math.inf), (4, 0.3, 4, 4.0), ("12", 0.3, 4, 12.0), (0, 0.3, 16, 5.0),
+     ("0", 0.5, 4, 2.0)],
 )
 def test_window_size(window, fraction, n, expected):
     assert window_size(window, fraction, n) == expected
@@ -78,8 +79,8 @@ def test_window_size(window, fraction, n, expected):
 
 @pytest.mark.parametrize(
     ("window", "fraction", "n", "message"),
-    [(0, 0.3, 4, "window must be an int >= 1 or 'inf', got 0"), (2.5, 0.3, 4, "got 2.5"),
-     ("wide", 0.3, 4, "got 'wide'"), ("0", 0.3, 4, "got 0"), (None, 0.0, 4, "window_fraction must be in (0, 1], got 0.0"),
+    [(-1, 0.3, 4, "window must be an int >= 1 or 'inf', got -1"), (2.5, 0.3, 4, "got 2.5"),
+     ("wide", 0.3, 4, "got 'wide'"), ("-2", 0.3, 4, "got '-2'"), (None, 0.0, 4, "window_fraction must be in (0, 1], got 0.0"),
      (None, 0.3, 0, "generation_batch_groups must be >= 1, got 0")],
 )
 def test_window_size_errors(window, fraction, n, message):

@@ -208,9 +208,9 @@ def test_forge_pool_help_teaches():
     out = subprocess.run([sys.executable, "-m", "forge_megatron.middleware.pool_server", "--help"], capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert "strict FIFO" in out and "--generation-batch-groups" in out and "--max-staleness" in out
-    bad = subprocess.run([sys.executable, "-m", "forge_megatron.middleware.pool_server", "--window", "0"],
+    bad = subprocess.run([sys.executable, "-m", "forge_megatron.middleware.pool_server", "--window", "2.5"],
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "window must be an int >= 1 or 'inf', got 0" in bad.stderr
+    assert bad.returncode != 0 and "window must be an int >= 1 or 'inf', got '2.5'" in bad.stderr
 
 
 def test_resent_get_batch_returns_the_same_batch(served):
