@@ -237,6 +237,8 @@ class Gateway:
 
     # --- pause / resume ---------------------------------------------------------------------------------------
     async def wait_resumed(self) -> None:
+        if self.resumed.is_set():  # the common case: no task, no timer
+            return
         try:
             await asyncio.wait_for(self.resumed.wait(), timeout=self.config.pause_wait_s)
         except asyncio.TimeoutError as exc:

@@ -1,0 +1,128 @@
+"""Gateway overhead: latency added by forge-gateway over calling the engine directly, and calls/s of both.
+
+Both paths run side by side in one run against the same forge-engine subprocess on the tiny model, with the same
+prompt ids and the same number of generated tokens:
+  direct:  POST engine /generate {input_ids, sampling_params, return_logprob}
+  gateway: POST gateway /v1/chat/completions (one session; chat template, tokenisation, segment rule, tool parsing,
+           recording) -> the same engine.
+Latency: sequential calls, alternating direct / gateway; added_i = gateway_i - direct_i; p50/p99 over i.
+gateway_cpu_ms_per_call: the gateway process's CPU time (user + system) per call in the throughput phase.
+Throughput: ``--concurrency`` callers (one gateway session each: calls within a session are serialised) for
+``--calls`` calls per path.
+
+    OMP_NUM_THREADS=1 python benchmarks/gateway.py --calls 300 --concurrency 8 --max-tokens 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+
+import aiohttp
+import numpy as np
+
+from forge_megatron.models.tiny import build_tiny_model
+from forge_megatron.rollout.launch import start_engine, start_gateway
+
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the weather in Paris today? Answer briefly."}]
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: dict, headers=None) -> float:
+    t0 = time.perf_counter()
+    async with http.post(url, json=body, headers=headers) as resp:
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{url} answered {resp.status}: {await resp.text()}")
+    return time.perf_counter() - t0
+
+
+async def _throughput(calls, n: int) -> float:
+    """``n`` calls spread over one worker per entry of ``calls`` (each worker its own session/caller)."""
+    todo = iter(range(n))
+
+    async def worker(call):
+        for _ in todo:
+            await call()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(call) for call in calls))
+    return n / (time.perf_counter() - t0)
+
+
+async def _new_session(http: aiohttp.ClientSession, gateway_url: str, group: str) -> dict:
+    async with http.post(gateway_url + "/forge/sessions", json={"group_id": group}) as r:
+        return {"Authorization": f"Bearer {(await r.json())['api_key']}"}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), to report the gateway's own cost independent of load."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(engine_url: str, gateway_url: str, prompt_ids: list[int], args, gateway_pid: int) -> dict:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gateway_url + "/forge/groups", json={"task_id": "bench", "size": 1}) as r:
+            group = (await r.json())["group_id"]
+        direct_body = {"input_ids": prompt_ids, "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}}
+        gw_body = {"model": "tiny", "messages": MESSAGES, "max_tokens": args.max_tokens, "temperature": 0,
+                   "ignore_eos": True}
+        sessions = [await _new_session(http, gateway_url, group) for _ in range(args.concurrency)]
+
+        def direct():
+            return _post(http, engine_url + "/generate", direct_body)
+
+        def gateway(auth=sessions[0]):
+            return _post(http, gateway_url + "/v1/chat/completions", gw_body, auth)
+
+        for _ in range(args.warmup):
+            await direct()
+            await gateway()
+        added = []
+        for _ in range(args.calls):
+            d = await direct()
+            g = await gateway()
+            added.append(g - d)
+        direct_cps = await _throughput([direct] * args.concurrency, args.calls)
+        cpu0 = cpu_seconds(gateway_pid)
+        gateway_cps = await _throughput([lambda a=a: gateway(a) for a in sessions], args.calls)
+        cpu_ms = (cpu_seconds(gateway_pid) - cpu0) * 1e3 / args.calls
+    added_ms = np.array(added) * 1e3
+    return {"p50_added_ms": round(float(np.percentile(added_ms, 50)), 3),
+            "p99_added_ms": round(float(np.percentile(added_ms, 99)), 3),
+            "gateway_calls_per_s": round(gateway_cps, 1), "direct_calls_per_s": round(direct_cps, 1),
+            "gateway_cpu_ms_per_call": round(cpu_ms, 3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=300, help="calls per path for latency and for throughput")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent callers in the throughput phase")
+    p.add_argument("--max-tokens", type=int, default=1, help="tokens generated per call")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_model(os.path.join(tmp, "tiny"))
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model)
+        prompt_ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+                                add_special_tokens=False)
+        engine = start_engine(model)
+        gateway = start_gateway(model, [engine.url])
+        try:
+            result = asyncio.run(measure(engine.url, gateway.url, prompt_ids, args, gateway.proc.pid))
+        finally:
+            gateway.stop()
+            engine.stop()
+    print(json.dumps({**result, "calls": args.calls, "concurrency": args.concurrency,
+                      "max_tokens": args.max_tokens, "prompt_tokens": len(prompt_ids)}))
+
+
+if __name__ == "__main__":
+    main()
