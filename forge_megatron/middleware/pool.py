@@ -1,7 +1,7 @@
 """Data pool: durable store of groups and episodes that serves training batches through the windowed FIFO.
 
 Everything lives in one SQLite database (WAL mode), so a pool restarted after ``kill -9`` resumes exactly where it
-stopped. A *group* is the G rollouts of one task, numbered (``idx``) in registration order; it is the scheduling unit.
+stopped (one pool per database file, enforced with a flock). A *group* is the G rollouts of one task, numbered (``idx``) in registration order; it is the scheduling unit.
 
 Group states:  running -> finished | failed -> delivered -> committed   (requeue: delivered -> finished)
 Episode states: running -> finished | failed | timed_out | aborted
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import math
 import sqlite3
@@ -124,12 +125,26 @@ def _group_idx(group_id: str) -> int:
     return int(group_id[1:])
 
 
+def _lock_database(db_path: str):
+    """One pool per database: an exclusive flock on ``<db>.lock``, released by close() or by the process dying."""
+    if db_path == ":memory:":
+        return None
+    handle = open(f"{db_path}.lock", "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise RuntimeError(f"another data pool is using {db_path} (lock {db_path}.lock is held)") from None
+    return handle
+
+
 class DataPool(EpisodeSink):
     """Thread-safe; one SQLite connection guarded by a lock, waiters woken when groups become deliverable."""
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
         self._reward_config = config.reward_config()  # resolved now: a bad reward_fn fails at startup
+        self._lock_file = _lock_database(config.db_path)
         self._db = sqlite3.connect(config.db_path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives process crashes (kill -9)
@@ -468,3 +483,6 @@ class DataPool(EpisodeSink):
     def close(self) -> None:
         with self._cond:
             self._db.close()
+            if self._lock_file is not None:
+                self._lock_file.close()  # releases the flock
+                self._lock_file = None

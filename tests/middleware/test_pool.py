@@ -243,3 +243,11 @@ def test_requeue_forgets_request_ids(make_pool):
     again = pool.next_batch(1, timeout_s=0, request_id="a")  # a late resend gets a fresh delivery, not the stale one
     assert again.batch_id != first.batch_id and again.group_indices == first.group_indices
     assert pool.commit(again.batch_id) == 1
+
+
+def test_one_pool_per_database(db, make_pool):
+    pool = make_pool()
+    with pytest.raises(RuntimeError, match=f"another data pool is using {db}"):
+        DataPool(PoolConfig(db_path=db))
+    pool.close()
+    make_pool().close()  # the lock is released on close (and when a process dies)
