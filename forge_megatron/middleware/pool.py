@@ -1,7 +1,8 @@
 """Data pool: durable store of groups and episodes that serves training batches through the windowed FIFO.
 
 Everything lives in one SQLite database (WAL mode), so a pool restarted after ``kill -9`` resumes exactly where it
-stopped (one pool per database file, enforced with a flock). A *group* is the G rollouts of one task, numbered (``idx``) in registration order; it is the scheduling unit.
+stopped (one pool per database file, enforced with a flock). A *group* is the G rollouts of one task, numbered
+(``idx``) in registration order; it is the scheduling unit.
 
 Group states:  running -> finished | failed -> delivered -> committed   (requeue: delivered -> finished)
 Episode states: running -> finished | failed | timed_out | aborted
