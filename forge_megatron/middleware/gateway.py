@@ -514,7 +514,11 @@ async def create_session(request: web.Request, gw: Gateway) -> web.Response:
     if not isinstance(metadata, dict):
         raise _bad("metadata", "metadata must be an object")
     sess = Session(group_id=body["group_id"], task_id=group["task_id"], domain=group["domain"], metadata=metadata)
-    await asyncio.to_thread(gw.sink.episode_started, sess.group_id, sess.session_id)
+    try:
+        await asyncio.to_thread(gw.sink.episode_started, sess.group_id, sess.session_id)
+    except SchemaError as exc:  # e.g. the pool closed the group (timed out, completed)
+        raise ApiError(409, f"the episode sink refused the session: {exc}", param="group_id",
+                       code="group_closed") from exc
     gw.sessions[sess.session_id] = sess
     gw.by_key[sess.api_key] = sess
     group["sessions"] += 1
@@ -560,11 +564,12 @@ async def end_session(request: web.Request, gw: Gateway) -> web.Response:
         sess.status, sess.ended_at = status, time.time()
     episode = sess.to_episode()
     try:
-        await asyncio.to_thread(gw.sink.submit_episode, episode)
+        outcome = await asyncio.to_thread(gw.sink.submit_episode, episode)
     except SchemaError as exc:
-        raise ApiError(400, f"episode rejected: {exc}", param="episode") from exc
+        raise ApiError(409, f"the episode sink rejected the episode: {exc}", param="episode",
+                       code="episode_rejected") from exc
     gw.fleet.forget(sess.session_id)
-    return web.json_response({"session_id": sess.session_id, "status": status,
+    return web.json_response({"session_id": sess.session_id, "status": status, "sink": outcome or "accepted",
                               "num_segments": len(episode.segments), "num_calls": len(sess.calls)})
 
 

@@ -398,3 +398,29 @@ def test_renderer_splices_sampled_ids_when_turn_ends_without_eot(model_dir):
     assert ids2 == ids + sampled + r.encode("<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
     _, _, cont3 = r.prompt_ids(prev, nxt, TOOLS)  # tools changed -> new segment
     assert not cont3
+
+
+def test_episodes_reach_the_data_pool(tmp_path, model_dir):
+    """The real DataPool (SQLite) as the gateway's sink: a group of two sessions becomes a trainable batch."""
+    from forge_megatron.middleware.pool import DataPool, PoolConfig
+
+    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), generation_batch_groups=1))
+    e = start_engine(model_dir, in_process=True)
+    gw = start_gateway(model_dir, [e.url], in_process=True, sink=pool)
+    try:
+        _, g = http(gw.url + "/forge/groups", {"task_id": "t", "size": 2})
+        for reward in (1.0, 0.0):
+            status, s = http(gw.url + "/forge/sessions", {"group_id": g["group_id"]})
+            client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "q"}], max_tokens=5)
+            http(f"{gw.url}/forge/sessions/{s['session_id']}/reward", {"reward": reward})
+            assert end(gw, s)[1]["sink"] == "accepted"
+        assert pool.group_status(g["group_id"])["finished"] == 2
+        batch = pool.next_batch(1, timeout_s=10)
+        recorded = {sid: sess.segments[0].tokens for sid, sess in gw.gateway.sessions.items()}
+        assert {smp.episode_id: smp.tokens.tolist() for smp in batch.samples} == recorded
+        status, err = http(gw.url + "/forge/sessions", {"group_id": g["group_id"]})
+        assert status == 409 and err["error"]["code"] == "group_closed"  # the pool closed the completed group
+    finally:
+        gw.stop()
+        e.stop()
+        pool.close()
