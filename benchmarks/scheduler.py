@@ -132,7 +132,8 @@ def main() -> None:
     result = {name: simulate(d, w, args) for name, w in windows.items()}
     result["config"] = {"window": windows["windowed"], "dist": "file" if args.durations else args.dist,
                         "concurrency": args.concurrency, "train_batch_groups": args.train_batch_groups,
-                        "max_staleness": args.max_staleness, "timeout": args.timeout, "step_s": args.step_s, "groups": args.groups}
+                        "max_staleness": args.max_staleness, "timeout": args.timeout, "step_s": args.step_s,
+                        "groups": args.groups}
     print(json.dumps(result))
 
 

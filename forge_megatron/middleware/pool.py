@@ -56,7 +56,8 @@ CREATE TABLE IF NOT EXISTS groups (
     task_id TEXT NOT NULL, size INTEGER NOT NULL, domain TEXT NOT NULL, metadata BLOB NOT NULL,
     state TEXT NOT NULL, request_id TEXT UNIQUE,
     registered_at REAL NOT NULL, last_activity REAL NOT NULL, admitted_version INTEGER NOT NULL,
-    finished INTEGER NOT NULL DEFAULT 0, closed_empty INTEGER NOT NULL DEFAULT 0, retries_used INTEGER NOT NULL DEFAULT 0,
+    finished INTEGER NOT NULL DEFAULT 0, closed_empty INTEGER NOT NULL DEFAULT 0,
+    retries_used INTEGER NOT NULL DEFAULT 0,
     scores BLOB, batch_id INTEGER, staleness INTEGER
 );
 CREATE INDEX IF NOT EXISTS groups_state ON groups(state, idx);
@@ -197,7 +198,8 @@ class DataPool(EpisodeSink):
             cur = db.execute(
                 "INSERT INTO groups (task_id, size, domain, metadata, state, request_id, registered_at, last_activity,"
                 " admitted_version) VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?)",
-                (task_id, size, domain, msgpack.packb(metadata or {}), request_id, now, now, self._kv("policy_version")),
+                (task_id, size, domain, msgpack.packb(metadata or {}), request_id, now, now,
+                 self._kv("policy_version")),
             )
             return group_id_of(cur.lastrowid)
 
@@ -205,8 +207,8 @@ class DataPool(EpisodeSink):
         with self._tx() as db:
             idx = self._running_group(group_id)
             now = time.time()
-            db.execute("INSERT OR IGNORE INTO episodes (episode_id, group_idx, state, started_at) VALUES (?, ?, 'running', ?)",
-                       (episode_id, idx, now))
+            db.execute("INSERT OR IGNORE INTO episodes (episode_id, group_idx, state, started_at)"
+                       " VALUES (?, ?, 'running', ?)", (episode_id, idx, now))
             db.execute("UPDATE groups SET last_activity = ? WHERE idx = ?", (now, idx))
 
     def submit_episode(self, episode: Episode) -> str:
@@ -229,7 +231,8 @@ class DataPool(EpisodeSink):
             if state != "running" or finished + closed >= size:
                 raise SchemaError(f"group {episode.group_id} has no open slot for episode {episode.episode_id}")
             if episode.domain == "default":
-                episode = dataclasses.replace(episode, domain=self._one("SELECT domain FROM groups WHERE idx = ?", (idx,)))
+                group_domain = self._one("SELECT domain FROM groups WHERE idx = ?", (idx,))
+                episode = dataclasses.replace(episode, domain=group_domain)
             blob = episode_to_blob(episode) if episode.status == "finished" else None
             seq = self._kv("episode_seq") + 1
             db.execute("INSERT OR REPLACE INTO kv VALUES ('episode_seq', ?)", (seq,))
@@ -249,7 +252,8 @@ class DataPool(EpisodeSink):
         return idx
 
     def _group_counts(self, idx: int, group_id: str) -> tuple[str, int, int, int]:
-        row = self._db.execute("SELECT state, size, finished, closed_empty FROM groups WHERE idx = ?", (idx,)).fetchone()
+        row = self._db.execute("SELECT state, size, finished, closed_empty FROM groups WHERE idx = ?",
+                               (idx,)).fetchone()
         if row is None:
             raise SchemaError(f"unknown group_id {group_id!r}")
         return row
@@ -402,7 +406,8 @@ class DataPool(EpisodeSink):
     def load_batch(self, batch_id: int) -> TrainBatch:
         """Rebuild a batch delivered before (same groups, samples and metrics)."""
         with self._cond:
-            row = self._db.execute("SELECT group_indices, metrics FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+            row = self._db.execute("SELECT group_indices, metrics FROM batches WHERE batch_id = ?",
+                                   (batch_id,)).fetchone()
             if row is None:
                 raise ValueError(f"unknown batch_id {batch_id}")
             indices = msgpack.unpackb(row[0])
@@ -417,16 +422,16 @@ class DataPool(EpisodeSink):
             raise ValueError("commit needs exactly one of batch_ids or up_to_batch_id")
         with self._tx() as db:
             if up_to_batch_id is not None:
-                ids = [r[0] for r in db.execute("SELECT batch_id FROM batches WHERE state = 'delivered' AND batch_id <= ?",
-                                                (up_to_batch_id,))]
+                ids = [r[0] for r in db.execute("SELECT batch_id FROM batches"
+                                                " WHERE state = 'delivered' AND batch_id <= ?", (up_to_batch_id,))]
             else:
                 ids = [batch_ids] if isinstance(batch_ids, int) else list(batch_ids)
                 self._check_committable(ids)
             committed = 0
             for batch_id in ids:
                 db.execute("UPDATE batches SET state = 'committed' WHERE batch_id = ?", (batch_id,))
-                committed += db.execute("UPDATE groups SET state = 'committed' WHERE batch_id = ? AND state = 'delivered'",
-                                        (batch_id,)).rowcount
+                committed += db.execute("UPDATE groups SET state = 'committed'"
+                                        " WHERE batch_id = ? AND state = 'delivered'", (batch_id,)).rowcount
         return committed
 
     def _check_committable(self, ids: list[int]) -> None:
@@ -441,7 +446,8 @@ class DataPool(EpisodeSink):
         """Trainer restarted from its last checkpoint: delivered-not-committed groups become deliverable again."""
         with self._tx() as db:
             indices = [r[0] for r in db.execute("SELECT idx FROM groups WHERE state = 'delivered' ORDER BY idx")]
-            db.execute("UPDATE groups SET state = 'finished', batch_id = NULL, staleness = NULL WHERE state = 'delivered'")
+            db.execute("UPDATE groups SET state = 'finished', batch_id = NULL, staleness = NULL"
+                       " WHERE state = 'delivered'")
             # Forget their request ids: a late resend must not get a batch the trainer no longer owns.
             db.execute("UPDATE batches SET state = 'requeued', request_id = NULL WHERE state = 'delivered'")
             self._cond.notify_all()

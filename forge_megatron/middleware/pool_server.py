@@ -27,7 +27,8 @@ from forge_megatron.middleware.transport import CurveKeys, PoolServer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="forge-pool", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="forge-pool", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("storage and network")
     g.add_argument("--db", default="pool.sqlite", help="SQLite database file (created if absent; reused on restart)")
     g.add_argument("--bind", default="tcp://127.0.0.1:5555",
@@ -63,7 +64,8 @@ def _curve_keys(args: argparse.Namespace) -> CurveKeys | None:
         return None
     keys = _read_keys(args.curve_secret_file)
     if len(keys) != 2:
-        raise SystemExit(f"--curve-secret-file {args.curve_secret_file}: expected 2 lines (public, secret), got {len(keys)}")
+        raise SystemExit(f"--curve-secret-file {args.curve_secret_file}: expected 2 lines (public, secret), "
+                         f"got {len(keys)}")
     clients = tuple(_read_keys(args.curve_clients_file)) if args.curve_clients_file else ()
     if not clients:
         raise SystemExit("--curve-secret-file needs --curve-clients-file listing the allowed client public keys")

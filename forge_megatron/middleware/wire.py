@@ -95,7 +95,8 @@ def _split(arrays: list[np.ndarray], lengths: list[int], fields: tuple, where: s
     total = sum(lengths)
     for (name, dtype), a in zip(fields, arrays):
         if a.dtype != np.dtype(dtype) or a.shape != (total,):
-            raise WireError(f"{where} array {name!r} must be {np.dtype(dtype).name}[{total}], got {a.dtype.name}{list(a.shape)}")
+            raise WireError(f"{where} array {name!r} must be {np.dtype(dtype).name}[{total}], "
+                            f"got {a.dtype.name}{list(a.shape)}")
     bounds = np.cumsum([0] + list(lengths))
     return [[a[lo:hi] for a in arrays] for lo, hi in zip(bounds[:-1], bounds[1:])]
 

@@ -1,4 +1,4 @@
-"""Windowed FIFO rules: pure selection logic against a brute-force definition, and the same rules through a real pool."""
+"""Windowed FIFO rules: the selection logic against a brute-force definition, and the same rules in a real pool."""
 
 import json
 import math
@@ -80,7 +80,8 @@ def test_window_size(window, fraction, n, expected):
 @pytest.mark.parametrize(
     ("window", "fraction", "n", "message"),
     [(-1, 0.3, 4, "window must be an int >= 1 or 'inf', got -1"), (2.5, 0.3, 4, "got 2.5"),
-     ("wide", 0.3, 4, "got 'wide'"), ("-2", 0.3, 4, "got '-2'"), (None, 0.0, 4, "window_fraction must be in (0, 1], got 0.0"),
+     ("wide", 0.3, 4, "got 'wide'"), ("-2", 0.3, 4, "got '-2'"),
+     (None, 0.0, 4, "window_fraction must be in (0, 1], got 0.0"),
      (None, 0.3, 0, "generation_batch_groups must be >= 1, got 0")],
 )
 def test_window_size_errors(window, fraction, n, message):
