@@ -111,7 +111,7 @@ def test_retry_reopens_slot(make_pool):
 
 
 def test_timeouts_unblock_head(make_pool):
-    pool = make_pool(window=1, episode_timeout_s=0.3)
+    pool = make_pool(window=1, episode_timeout_s=1.0)
     stuck, idle, good = (pool.register_group(f"t{i}", 2) for i in range(3))
     pool.episode_started(stuck, "s0")
     pool.submit_episode(make_episode(stuck, "s1", reward=1.0))
