@@ -29,14 +29,14 @@ Backpressure (``can_admit``): ``scheduler.admit`` with running groups < ``max_in
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import logging
 import math
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 import msgpack
@@ -232,7 +232,7 @@ class DataPool(EpisodeSink):
                 raise SchemaError(f"group {episode.group_id} has no open slot for episode {episode.episode_id}")
             if episode.domain == "default":
                 group_domain = self._one("SELECT domain FROM groups WHERE idx = ?", (idx,))
-                episode = dataclasses.replace(episode, domain=group_domain)
+                episode = replace(episode, domain=group_domain)
             blob = episode_to_blob(episode) if episode.status == "finished" else None
             seq = self._kv("episode_seq") + 1
             db.execute("INSERT OR REPLACE INTO kv VALUES ('episode_seq', ?)", (seq,))
@@ -387,7 +387,8 @@ class DataPool(EpisodeSink):
         staleness = [group_staleness(samples, version) for samples in groups]
         metrics = {"policy_version": version, "head": head, "window": self.config.window_groups,
                    "wait_s": waited_s, "staleness_mean": sum(staleness) / len(staleness),
-                   "staleness_max": max(staleness), "group_staleness": staleness}
+                   "staleness_max": max(staleness), "group_staleness": staleness,
+                   "domain_samples": dict(Counter(s.domain for g in groups for s in g))}
         with self._tx() as db:
             cur = db.execute("INSERT INTO batches (request_id, state, group_indices, metrics, created_at)"
                              " VALUES (?, 'delivered', ?, ?, ?)",

@@ -74,6 +74,7 @@ def test_batch_carries_algo_scores(make_pool):
         assert sample.reward == pytest.approx(expected.rewards[e])
         assert sample.domain == "math"
     assert expected.rewards[0] != expected.rewards[2]  # the completion-time bonus made a difference
+    assert batch.metrics["domain_samples"] == {"math": 4}
 
 
 def test_failed_episode_without_retries_completes_group_without_it(make_pool):
