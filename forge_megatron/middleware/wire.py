@@ -16,6 +16,7 @@ lengths in the header, so a batch is five frames whatever its number of samples.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import msgpack
@@ -47,7 +48,7 @@ def unpack(frames: list, max_bytes: int) -> tuple[dict[str, Any], list[np.ndarra
     """Header and arrays of one message after checking size, version and schema."""
     if not frames:
         raise WireError("empty message")
-    total = sum(len(memoryview(f)) for f in frames)
+    total = sum(memoryview(f).nbytes for f in frames)
     if total > max_bytes:
         raise WireError(f"message of {total} bytes exceeds the limit of {max_bytes} bytes")
     try:
@@ -67,12 +68,12 @@ def unpack(frames: list, max_bytes: int) -> tuple[dict[str, Any], list[np.ndarra
 
 def _array(spec: Any, frame: Any, i: int) -> np.ndarray:
     ok = isinstance(spec, list) and len(spec) == 2 and spec[0] in ALLOWED_DTYPES and isinstance(spec[1], list)
-    ok = ok and all(isinstance(d, int) and d >= 0 for d in spec[1])
+    ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in spec[1])
     if not ok:
         raise WireError(f"array {i}: spec must be [dtype in {ALLOWED_DTYPES}, [dims >= 0]], got {spec!r}")
     dtype = np.dtype(spec[0])
     buf = memoryview(frame)
-    expected = int(np.prod(spec[1], dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(spec[1]) * dtype.itemsize
     if buf.nbytes != expected:
         raise WireError(f"array {i}: frame has {buf.nbytes} bytes, {spec[0]}{spec[1]} needs {expected}")
     return np.frombuffer(buf, dtype=dtype).reshape(spec[1])

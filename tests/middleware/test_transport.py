@@ -97,6 +97,7 @@ def _header(**kw) -> bytes:
      ([_header(op="ping"), b"x" * (2 << 20)], "exceeds the limit of 1048576 bytes"),
      ([_header(op="ping", arrays=[["int32", [4]]]), b"123"], "array 0: frame has 3 bytes, int32[4] needs 16"),
      ([_header(op="ping", arrays=[["object", [1]]]), b"1234"], "array 0: spec must be [dtype in"),
+     ([_header(op="ping", arrays=[["uint8", [1 << 40, 1 << 40]]]), b""], "needs 1208925819614629174706176"),
      ([_header(op="ping", arrays=[["int32", [1]]])], "header declares 1 arrays, message has 0 array frames"),
      ([_header(op="format_disk")], "unknown op 'format_disk'"),
      ([_header(op="get_batch", num_groups="two", timeout_s=0)], "request field 'num_groups' must be int, got str"),
