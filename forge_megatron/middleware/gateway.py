@@ -36,6 +36,7 @@ from aiohttp import web
 from forge_megatron.middleware.gateway_sessions import CallRecord, ChatRenderer, Session, _Turn
 from forge_megatron.middleware.schema import EPISODE_STATUSES, EpisodeSink, ListSink, SchemaError
 from forge_megatron.middleware.tool_parsers import get_parser
+from forge_megatron.rollout.launch import print_ready, serve_app
 from forge_megatron.rollout.sglang_client import EngineFleet, EngineRequestError, FleetConfig, NoEngineAvailable
 
 log = logging.getLogger("forge.gateway")
@@ -269,10 +270,12 @@ class Gateway:
                            code="session_ended")
         return sess
 
-    def session_by_id(self, session_id: str) -> Session:
+    def session_by_id(self, session_id: str, open_only: bool = False) -> Session:
         sess = self.sessions.get(session_id)
         if sess is None:
             raise ApiError(404, f"unknown session {session_id!r}", code="session_not_found")
+        if open_only and sess.ended:
+            raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
         return sess
 
     # --- one chat call ----------------------------------------------------------------------------------------
@@ -533,9 +536,7 @@ async def get_session(request: web.Request, gw: Gateway) -> web.Response:
 
 @_admin
 async def set_reward(request: web.Request, gw: Gateway) -> web.Response:
-    sess = gw.session_by_id(request.match_info["sid"])
-    if sess.ended:
-        raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
+    sess = gw.session_by_id(request.match_info["sid"], open_only=True)
     body = await _body(request)
     reward, terms = body.get("reward"), body.get("terms") or {}
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
@@ -551,9 +552,7 @@ async def set_reward(request: web.Request, gw: Gateway) -> web.Response:
 
 @_admin
 async def end_session(request: web.Request, gw: Gateway) -> web.Response:
-    sess = gw.session_by_id(request.match_info["sid"])
-    if sess.ended:
-        raise ApiError(404, f"session {sess.session_id} has already ended ({sess.status})", code="session_ended")
+    sess = gw.session_by_id(request.match_info["sid"], open_only=True)
     body = await _body(request)
     status = body.get("status", "finished")
     if status not in EPISODE_STATUSES:
@@ -619,21 +618,12 @@ def make_app(gw: Gateway) -> web.Application:
 
 async def serve(gw: Gateway, ready=None) -> None:
     """Serve until cancelled; ``ready(port)`` is called once listening (port 0 picks a free one)."""
-    runner = web.AppRunner(make_app(gw), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, gw.config.host, gw.config.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    if gw.config.public_url is None:
-        gw.base_url = f"http://{gw.config.host}:{port}"
-    gw.fleet.start_health_loop()
-    if ready is not None:
-        ready(port)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await gw.fleet.close()
-        await runner.cleanup()
+    def started(port: int) -> None:
+        if gw.config.public_url is None:
+            gw.base_url = f"http://{gw.config.host}:{port}"
+        gw.fleet.start_health_loop()
+
+    await serve_app(make_app(gw), gw.config.host, gw.config.port, ready, started=started, stopping=gw.fleet.close)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -680,7 +670,7 @@ def main(argv: list[str] | None = None) -> None:
         context_length=args.context_length, default_max_tokens=args.default_max_tokens, pause_wait_s=args.pause_wait_s)
     sink = JsonlSink(args.episodes_jsonl) if args.episodes_jsonl else ListSink()
     gw = Gateway(config, sink=sink)
-    asyncio.run(serve(gw, ready=lambda port: print(f"FORGE_READY port={port}", flush=True)))
+    asyncio.run(serve(gw, ready=print_ready))
 
 
 if __name__ == "__main__":

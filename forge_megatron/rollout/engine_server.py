@@ -460,17 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def serve(engine: ReferenceEngine, host: str, port: int, ready=None) -> None:
     """Serve until cancelled; ``ready(port)`` is called once listening."""
-    runner = web.AppRunner(make_app(engine), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[1]
-    if ready is not None:
-        ready(bound)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
+    from forge_megatron.rollout.launch import serve_app
+
+    await serve_app(make_app(engine), host, port, ready)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -480,7 +472,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     engine = ReferenceEngine(args.model_path, context_length=args.context_length)
     log.info("loaded %s in %.1fs", args.model_path, time.time() - t0)
-    asyncio.run(serve(engine, args.host, args.port, ready=lambda p: print(f"FORGE_READY port={p}", flush=True)))
+    from forge_megatron.rollout.launch import print_ready
+
+    asyncio.run(serve(engine, args.host, args.port, ready=print_ready))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,33 @@ import sys
 import threading
 
 
+async def serve_app(app, host: str, port: int, ready=None, started=None, stopping=None) -> None:
+    """Serve an aiohttp ``app`` until cancelled. Once listening: ``started(port)`` (may be a coroutine function)
+    then ``ready(port)``; on the way out ``stopping()`` (coroutine function) before the runner is cleaned up."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]
+    if started is not None:
+        started(bound)
+    if ready is not None:
+        ready(bound)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        if stopping is not None:
+            await stopping()
+        await runner.cleanup()
+
+
+def print_ready(port: int) -> None:
+    """The readiness line :class:`ProcessServer` waits for."""
+    print(f"FORGE_READY port={port}", flush=True)
+
+
 class ProcessServer:
     """A server running as a subprocess in its own process group."""
 

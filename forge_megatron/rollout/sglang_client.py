@@ -264,16 +264,21 @@ class EngineFleet:
         return [e.url for e in self.engines if e.up]
 
     # --- generation with failover -----------------------------------------------------------------------------
-    async def generate(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
-                       return_logprob: bool = True) -> GenerateResult:
+    def _candidates(self, session_key: str | None):
+        """Engines to try for one call, in order, each at most once, up to ``max_attempts``."""
         tried: set[str] = set()
-        errors = []
         for _ in range(self.config.max_attempts):
             try:
                 eng = self.pick(session_key, exclude=tried)
             except NoEngineAvailable:
-                break
+                return
             tried.add(eng.url)
+            yield eng
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
+                       return_logprob: bool = True) -> GenerateResult:
+        errors = []
+        for eng in self._candidates(session_key):
             eng.inflight += 1
             try:
                 result = await eng.client.generate(input_ids, sampling_params, return_logprob)
@@ -289,14 +294,8 @@ class EngineFleet:
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
                               return_logprob: bool = True) -> AsyncIterator[GenerateResult]:
         """Stream from one engine; fail over only while nothing has been yielded yet."""
-        tried: set[str] = set()
         errors = []
-        for _ in range(self.config.max_attempts):
-            try:
-                eng = self.pick(session_key, exclude=tried)
-            except NoEngineAvailable:
-                break
-            tried.add(eng.url)
+        for eng in self._candidates(session_key):
             eng.inflight += 1
             yielded = False
             try:

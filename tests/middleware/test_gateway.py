@@ -424,3 +424,24 @@ def test_episodes_reach_the_data_pool(tmp_path, model_dir):
         gw.stop()
         e.stop()
         pool.close()
+
+
+def test_gateway_cli_subprocess_writes_episodes_jsonl(tmp_path, stack, model_dir):
+    """forge-gateway as its console entry point (a subprocess) with the JSONL sink, in front of a running engine."""
+    from forge_megatron.middleware.gateway import build_parser
+    from forge_megatron.rollout.launch import ProcessServer
+
+    assert "--engines" in build_parser().format_help()
+    _, engines = stack
+    out = tmp_path / "episodes.jsonl"
+    gw = ProcessServer("forge_megatron.middleware.gateway", ["--model-path", model_dir, "--engines", engines[0].url,
+                                                              "--episodes-jsonl", str(out)])
+    try:
+        s = new_session(gw)
+        client(s).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=60)
+        assert end(gw, s)[0] == 200
+    finally:
+        gw.stop()
+    [line] = out.read_text().splitlines()
+    ep = json.loads(line)
+    assert ep["episode_id"] == s["session_id"] and ep["num_tool_calls"] == 1 and len(ep["segments"]) == 1
