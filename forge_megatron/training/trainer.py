@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -249,8 +250,9 @@ class Trainer:
 
     def _sync(self) -> float:
         t0 = time.perf_counter()
-        self.policy_version += 1
-        self.syncer.sync([self.model], self.policy_version)
+        report = self.syncer.sync([self.model], self.policy_version + 1)
+        if report.policy_version is not None:
+            self.policy_version = report.policy_version
         if self.pool is not None:
             self.pool.set_policy_version(self.policy_version)
         return time.perf_counter() - t0
@@ -315,7 +317,7 @@ def model_config(args: argparse.Namespace, bridge):
 
 
 def build_model_and_optimizer(args: argparse.Namespace, cfg):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -334,6 +336,11 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg):
                               clip_grad=args.clip_grad, bf16=args.bf16,
                               use_distributed_optimizer=args.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    # What Megatron-LM's training loop wires up: the schedules call these to reduce DP (and EP/TP-shared) grads
+    # after the last micro-batch and to scale the loss for mixed precision.
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    model.config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.train_iters, lr_decay_style=args.lr_decay_style,
@@ -347,7 +354,7 @@ def make_syncer(args: argparse.Namespace, bridge):
 
     cfg = WeightSyncConfig(engine_urls=args.engine_urls, transport=args.weight_sync_transport,
                            bucket_bytes=int(args.weight_sync_bucket_mb * (1 << 20)), gateway_url=args.gateway_url,
-                           disk_dir=args.weight_sync_dir)
+                           gateway_token=os.environ.get("FORGE_ADMIN_TOKEN"), disk_dir=args.weight_sync_dir)
     return WeightSyncer(cfg, bridge)
 
 

@@ -1,0 +1,149 @@
+"""A short supervised warm-start on a Megatron model, from chat conversations, exported back to HF for the engines.
+
+Used by the demo (and handy for small experiments): RL from a random policy never finds the reward, so a few hundred
+steps of next-token training on assistant turns teach the output format first. Every conversation is rendered with
+the model's chat template (``tools`` included); the loss covers the assistant tokens, each turn up to and including
+its end-of-turn token:
+
+    L = - sum_t m_t log pi(x_t | x_<t) / sum_t m_t         (m_t = 1 on assistant tokens)
+
+Batches are packed as one prefix forest (conversations share the long system/tools prefix), run through the same
+tree-packed Megatron forward as RL training, optimised with Adam. Single process (TP = PP = 1), CPU or GPU.
+
+    python -m forge_megatron.training.sft --hf-checkpoint IN_DIR --data chats.jsonl --out OUT_DIR --steps 300
+
+``chats.jsonl``: one ``{"messages": [...], "tools": [...]}`` per line (OpenAI chat format).
+
+Legend: M = next-token targets of the samples of a batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import time
+
+import torch
+
+
+def render(tokenizer, messages: list[dict], tools: list | None) -> tuple[list[int], list[int]]:
+    """Token ids of a conversation and its loss mask (1 on assistant turns incl. their end-of-turn token)."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
+    mask = [0] * len(ids)
+    end_id = tokenizer.eos_token_id
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        prefix = tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=True, add_generation_prompt=True,
+                                               return_dict=False)
+        if ids[:len(prefix)] != prefix:
+            raise ValueError(f"chat template is not prefix-stable at message {i}: cannot place the loss mask")
+        t = len(prefix)
+        while t < len(ids) and ids[t] != end_id:
+            mask[t] = 1
+            t += 1
+        if t == len(ids):
+            raise ValueError(f"assistant message {i} has no end-of-turn token {tokenizer.eos_token!r}")
+        mask[t] = 1
+    return ids, mask
+
+
+def load_chats(path: str) -> list[dict]:
+    chats = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                record = json.loads(line)
+                if not isinstance(record.get("messages"), list):
+                    raise ValueError(f"{path}:{lineno}: each line needs a 'messages' list")
+                chats.append(record)
+    if not chats:
+        raise ValueError(f"{path}: no conversations")
+    return chats
+
+
+def sft_loss(model, batch: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    from forge_megatron.mcore.forward import tree_logprobs
+    from forge_megatron.tree import build_tree
+
+    layout = build_tree([ids for ids, _ in batch])
+    logp_M, _ = tree_logprobs(model, layout)
+    mask_M = torch.cat([torch.tensor(mask[1:], dtype=torch.float32) for _, mask in batch])
+    return -(logp_M * mask_M).sum() / mask_M.sum().clamp(min=1.0)
+
+
+def export_hf(model, bridge, src_dir: str, out_dir: str) -> None:
+    """Write the (TP = PP = 1) model as a HF checkpoint, with the tokenizer files of ``src_dir``."""
+    from forge_megatron.convert.checkpoint import save_hf
+
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    pairs = [(hf_name, t.detach().float().cpu()) for name, tensor in state.items()
+             for hf_name, t in bridge.to_hf(name, tensor).items()]
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    save_hf(pairs, out_dir, bridge.hf_config, total=len(pairs))
+    for fname in os.listdir(src_dir):  # tokenizer, chat template, generation config ...
+        path = os.path.join(src_dir, fname)
+        if os.path.isfile(path) and not fname.endswith(".safetensors") and fname not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy(path, os.path.join(out_dir, fname))
+
+
+def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float, batch_size: int, seed: int = 0,
+            log_every: int = 25) -> list[float]:
+    """Train, export to ``out_dir``; returns the loss per step. Initialises a 1-rank process group if needed."""
+    from transformers import AutoTokenizer
+
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.mcore import parallel
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.training.checkpoint import load_hf_weights
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    parallel.initialize(seed=seed)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        data = [render(tokenizer, c["messages"], c.get("tools")) for c in chats]
+        bridge = Bridge(hf_dir)
+        model = build_tree_gpt(bridge.cfg)
+        load_hf_weights(model, bridge, hf_dir)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
+        rng = random.Random(seed)
+        losses, t0 = [], time.time()
+        for step in range(steps):
+            loss = sft_loss(model, rng.sample(data, min(batch_size, len(data))))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(float(loss))
+            if (step + 1) % log_every == 0 or step == 0:
+                print(f"[sft] step {step + 1}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)", flush=True)
+        export_hf(model, bridge, hf_dir, out_dir)
+        return losses
+    finally:
+        parallel.destroy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="forge-sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-checkpoint", required=True)
+    p.add_argument("--data", required=True, help="JSONL of {messages, tools}")
+    p.add_argument("--out", required=True, help="output HF directory")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    run_sft(args.hf_checkpoint, load_chats(args.data), args.out, args.steps, args.lr, args.batch_size, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
