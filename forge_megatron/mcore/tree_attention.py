@@ -19,7 +19,7 @@ The packed params keep ``qkv_format="sbhd"`` on purpose: Megatron's SelfAttentio
 by row; the depth-indexed table makes row i carry depth(i).
 
 Legend: T = tree tokens (the packed sequence), N = query heads per TP rank, K = key/value heads per TP rank,
-H = head dim, D = rotary dim.
+H = head dim, P = rotary table rows (max depth + 1), D = rotary dim.
 """
 
 from __future__ import annotations
@@ -157,8 +157,8 @@ def use_depth_rope(model):
         params = kwargs.get("packed_seq_params")
         if not isinstance(params, TreePackedSeqParams) or kwargs.get("rotary_pos_emb") is None:
             return None
-        table_DD = rotary(int(params.max_seqlen_q))  # [max depth + 1, 1, 1, D]
-        kwargs["rotary_pos_emb"] = table_DD[params.position_ids.to(table_DD.device)]
+        table_P11D = rotary(int(params.max_seqlen_q))
+        kwargs["rotary_pos_emb"] = table_P11D[params.position_ids.to(table_P11D.device)]  # [T, 1, 1, D]
         return args, kwargs
 
     return model.decoder.register_forward_pre_hook(index_rope_by_depth, with_kwargs=True)

@@ -240,12 +240,27 @@ def _body_pp(rank, world_size):
                      model=[causal], num_microbatches=len(samples), seq_length=1, micro_batch_size=1,
                      forward_only=False)
     out = {"last": ps.is_pipeline_last_stage(), "grad": _grad_rel_diff(tree, causal),
-           "has_grad": any(_grad(p) is not None and _grad(p).abs().sum() > 0 for p in tree.parameters())}
+           "has_grad": any(_grad(p) is not None and _grad(p).abs().sum() > 0 for p in tree.parameters()),
+           "fixed_length_error": _fixed_length_error(tree, batches[0])}
     if out["last"]:
         logp_tree = torch.cat([o["logp"] for o in tree_out])
         logp_causal = torch.cat([o["logp"] for o in causal_out])
         out["logp"] = (logp_tree - logp_causal).abs().max().item()
     return out
+
+
+def _fixed_length_error(model, micro_batch):
+    """The tree forward step refuses a PP model whose config fixes the sequence length."""
+    from forge_megatron.mcore.forward import make_tree_forward_step
+
+    model.config.variable_seq_lengths = False
+    try:
+        make_tree_forward_step(lambda *a: None)(iter([micro_batch]), model)
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        model.config.variable_seq_lengths = True
 
 
 def _causal_forward_step(data_iterator, model):
@@ -320,5 +335,6 @@ def test_pp2_schedule_tree_equals_unmerged():
     assert sorted(o["last"] for o in out) == [False, True]
     for o in out:
         assert o["has_grad"] and o["grad"] <= GRAD_RTOL, o
+        assert "build the model with variable_seq_lengths=True under PP" in o["fixed_length_error"]
     (last,) = [o for o in out if o["last"]]
     assert last["logp"] <= LOGP_ATOL, last
