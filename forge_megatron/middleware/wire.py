@@ -128,7 +128,7 @@ def episode_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> Episode
     rewards = field(meta, "segment_rewards", list, "episode")
     if len(rewards) != len(lengths):
         raise WireError(f"episode has {len(lengths)} segment_lengths but {len(rewards)} segment_rewards")
-    meta.pop("segment_lengths"), meta.pop("segment_rewards")
+    del meta["segment_lengths"], meta["segment_rewards"]
     parts = _split(arrays, lengths, EPISODE_FIELDS, "episode")
     meta["segments"] = [
         {name: a.tolist() for (name, _), a in zip(EPISODE_FIELDS, part)} | {"reward": r}
@@ -157,7 +157,8 @@ _SAMPLE_KEYS = ("sample_weight", "group_index", "episode_id", "domain", "reward"
 
 
 def batch_to_wire(batch: TrainBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
-    samples = [{k: getattr(s, k) for k in _SAMPLE_KEYS} | {"length": int(s.tokens.shape[0])} for s in batch.samples]
+    samples = [{"sample_weight": float(s.sample_weight), "group_index": int(s.group_index), "episode_id": s.episode_id,
+                "domain": s.domain, "reward": float(s.reward), "length": int(s.tokens.shape[0])} for s in batch.samples]
     arrays = [np.concatenate([getattr(s, name) for s in batch.samples]) if batch.samples else np.zeros(0, dtype)
               for name, dtype in TOKEN_FIELDS]
     meta = {"batch_id": batch.batch_id, "group_indices": batch.group_indices, "metrics": batch.metrics,
@@ -170,9 +171,11 @@ def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatc
     if not isinstance(meta, dict):
         raise WireError("batch header must be a map")
     samples_meta = field(meta, "samples", list, "batch")
-    if not all(isinstance(s, dict) and "length" in s for s in samples_meta):
-        raise WireError("batch samples must be maps with a 'length'")
-    parts = _split(arrays, [s["length"] for s in samples_meta], TOKEN_FIELDS, "batch")
+    keys = set(_SAMPLE_KEYS) | {"length"}
+    if not all(isinstance(s, dict) and keys <= s.keys() for s in samples_meta):
+        raise WireError(f"batch samples must be maps with the keys {sorted(keys)}")
+    parts = _split(arrays, _lengths({"lengths": [s["length"] for s in samples_meta]}, "lengths", "batch"),
+                   TOKEN_FIELDS, "batch")
     samples = [
         TrainSample(**{name: a for (name, _), a in zip(TOKEN_FIELDS, part)}, **{k: s[k] for k in _SAMPLE_KEYS})
         for part, s in zip(parts, samples_meta)
