@@ -1,12 +1,22 @@
 """CUDA tree attention (forge_megatron._C_tree_attn) vs the dense reference.
 
-GPUs needed: 0 for the availability/fake-tensor tests, 1 for the `gpu` ones (they also need the extension built:
-`pip install --no-build-isolation -e .` on a CUDA machine, see benchmarks/gpu_check.sh).
+GPUs needed: 0 for the availability/fake-tensor tests and for the CPU emulation tests, 1 for the `gpu` ones (they
+also need the extension built: `python setup.py build_ext --inplace` on a CUDA machine, see benchmarks/gpu_check.sh).
+
+The emulation tests compile the real kernel source (csrc/tree_attn/tree_attn_kernels.cuh, fp32 instantiations) with
+the host compiler and tests/kernels/cuda_emu.cpp, which runs every CUDA thread as a fiber with real barriers and
+warp shuffles, and check forward and backward against the reference: the kernels' indexing, tile skipping, masking,
+online softmax and GQA reduction are tested on every CI machine that has the CUDA headers (any machine with nvcc).
 """
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
-from tree_cases import check_against_reference, forest_cases, random_qkv, sub_end_from_samples
+from tree_cases import check_against_reference, cuda_include_dir, forest_cases, random_qkv, sub_end_from_samples
 
 from forge_megatron.kernels.tree_attention import cuda
 from forge_megatron.utils import env
@@ -34,6 +44,83 @@ def test_fake_impl_shapes_without_extension():
         o, lse = cuda.tree_attention_cuda_op(q, k, v, sub_end, 0.125)
         dq, dk, dv = torch.ops.forge.tree_attn_cuda_bwd(o, q, k, v, o, lse, sub_end, 0.125)
     assert (o.shape, lse.shape, dq.shape, dk.shape, dv.shape) == ((9, 4, 64), (4, 9), (9, 4, 64), (9, 1, 64), (9, 1, 64))
+
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc" / "tree_attn"
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    """ctypes handle to the CPU emulation of the CUDA kernels, built from the real kernel source."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if not env.has_nvcc() or cxx is None:
+        pytest.skip("needs the CUDA toolkit headers (nvcc installed) and a C++20 compiler")
+    lib = tmp_path_factory.mktemp("cuda_emu") / "cuda_emu.so"
+    cmd = [cxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}", f"-I{CSRC}",
+           str(Path(__file__).with_name("cuda_emu.cpp")), "-o", str(lib)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ctypes.CDLL(str(lib))
+
+
+def _ptr(x: torch.Tensor) -> ctypes.c_void_p:
+    assert x.is_contiguous() and x.device.type == "cpu"
+    return ctypes.c_void_p(x.data_ptr())
+
+
+class _Emulated(torch.autograd.Function):
+    """The CUDA kernels run by the emulator, wired like the real op: forward saves lse, backward uses delta."""
+
+    @staticmethod
+    def forward(ctx, lib, q_TNH, k_TKH, v_TKH, sub_end_T, scale):
+        T, N, H = q_TNH.shape
+        o_TNH, lse_NT = torch.empty_like(q_TNH), torch.empty(N, T)
+        rc = lib.emu_fwd(_ptr(q_TNH), _ptr(k_TKH), _ptr(v_TKH), _ptr(sub_end_T), _ptr(o_TNH), _ptr(lse_NT),
+                         T, N, k_TKH.shape[1], H, ctypes.c_float(scale))
+        assert rc == 0, f"emu_fwd rejected head_dim {H}"
+        ctx.save_for_backward(q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T)
+        ctx.lib, ctx.scale = lib, scale
+        return o_TNH
+
+    @staticmethod
+    def backward(ctx, do_TNH):
+        q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T = ctx.saved_tensors
+        do_TNH = do_TNH.contiguous()
+        delta_NT = (do_TNH * o_TNH).sum(-1).t().contiguous()
+        dq, dk, dv = torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
+        T, N, H = q_TNH.shape
+        rc = ctx.lib.emu_bwd(_ptr(do_TNH), _ptr(q_TNH), _ptr(k_TKH), _ptr(v_TKH), _ptr(lse_NT), _ptr(delta_NT),
+                             _ptr(sub_end_T), _ptr(dq), _ptr(dk), _ptr(dv), T, N, k_TKH.shape[1], H,
+                             ctypes.c_float(ctx.scale))
+        assert rc == 0
+        return None, dq, dk, dv, None, None
+
+
+def _emulated_attention(lib):
+    def attention(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=None):
+        scale = softmax_scale if softmax_scale is not None else q_TNH.shape[2] ** -0.5
+        return _Emulated.apply(lib, q_TNH.contiguous(), k_TKH.contiguous(), v_TKH.contiguous(),
+                               sub_end_T.contiguous(), scale)
+
+    return attention
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_emulated_cuda_kernels_match_reference(emu, case):
+    check_against_reference(_emulated_attention(emu), CASES[case], N=2, K=1, H=32, dtype=torch.float32)
+
+
+def test_emulated_cuda_kernels_gqa_head_dim_64_and_scale(emu):
+    check_against_reference(_emulated_attention(emu), CASES["grpo"], N=4, K=2, H=64, dtype=torch.float32, scale=0.2)
+
+
+def test_emulated_block_bounds(emu):
+    sub_end = CASES["many_roots"]
+    B = -(-sub_end.shape[0] // 32)
+    kmin, kmax = torch.empty(B, dtype=torch.int32), torch.empty(B, dtype=torch.int32)
+    emu.emu_block_bounds(_ptr(sub_end), sub_end.shape[0], _ptr(kmin), _ptr(kmax))
+    blocks = [sub_end[b * 32:(b + 1) * 32] for b in range(B)]
+    assert kmin.tolist() == [int(x.min()) for x in blocks] and kmax.tolist() == [int(x.max()) for x in blocks]
 
 
 def _needs_cuda_ext():

@@ -11,21 +11,13 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from tree_cases import cuda_include_dir
 
 from forge_megatron.utils import env
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc" / "tree_attn"
 CU_SOURCES = sorted(CSRC.glob("*.cu"))
 CPP_SOURCES = sorted(CSRC.glob("*.cpp"))
-
-
-def _cuda_include() -> str:
-    nvcc = Path(env.nvcc_path()).resolve()
-    candidates = [Path(os.environ.get("CUDA_HOME", "/nonexistent")) / "include", nvcc.parents[1] / "include",
-                  Path("/usr/local/cuda/include")]
-    found = [c for c in candidates if (c / "cuda_runtime.h").exists()]
-    assert found, f"cuda_runtime.h not found in {candidates}"
-    return str(found[0])
 
 
 def _compile_all(cmds: list[list[str]]) -> None:
@@ -50,7 +42,7 @@ def test_every_source_compiles_for_sm90(tmp_path):
     nvcc_cmds = [[env.nvcc_path(), "-arch=sm_90", "-std=c++17", "-O3", "-c", str(src), "-o", str(tmp_path / f"{src.stem}.o")]
                  for src in CU_SOURCES]
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    includes = [*include_paths(), sysconfig.get_paths()["include"], _cuda_include(), str(CSRC)]
+    includes = [*include_paths(), sysconfig.get_paths()["include"], cuda_include_dir(), str(CSRC)]
     binding_cmd = [cxx, "-std=c++17", "-fsyntax-only", "-w", "-DTORCH_EXTENSION_NAME=_C_tree_attn", str(CPP_SOURCES[0]),
                    *(f"-I{p}" for p in includes)]
     _compile_all([*nvcc_cmds, binding_cmd])

@@ -6,7 +6,9 @@ elsewhere. sub_end[i] = exclusive end of the subtree rooted at DFS position i.
 
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 import torch
 
@@ -80,3 +82,15 @@ def check_against_reference(fn, sub_end, N, K, H, dtype, device="cpu", scale=Non
         err = (g.float() - e).abs().max().item()
         budget = 2 * (lp.float() - e).abs().max().item() + 1e-5
         assert err <= budget, f"{name}: max error {err:.3g} exceeds {budget:.3g} ({dtype}, T={sub_end.shape[0]})"
+
+
+def cuda_include_dir() -> str:
+    """The CUDA toolkit's include directory (cuda_runtime.h, cuda_fp16.h), found from CUDA_HOME or nvcc."""
+    from forge_megatron.utils import env
+
+    nvcc = Path(env.nvcc_path()).resolve()
+    candidates = [Path(os.environ.get("CUDA_HOME", "/nonexistent")) / "include", nvcc.parents[1] / "include",
+                  Path("/usr/local/cuda/include")]
+    found = [c for c in candidates if (c / "cuda_runtime.h").exists()]
+    assert found, f"cuda_runtime.h not found in {candidates}"
+    return str(found[0])

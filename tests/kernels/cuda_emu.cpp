@@ -1,0 +1,239 @@
+// CPU emulation of the CUDA tree attention kernels (csrc/tree_attn/tree_attn_kernels.cuh), for tests without a GPU.
+//
+// The real kernel source is compiled by the host compiler with a small shim: each CUDA thread of a block is a fiber
+// (ucontext) on one OS thread; __syncthreads waits for the whole block and a warp shuffle writes its value, waits for
+// its warp and reads its partner's value; a scheduler resumes fibers until all wait, then releases every
+// group whose live members all wait at the same kind of barrier (a divergent barrier aborts as a deadlock).
+// Dynamic shared memory is one static array (blocks run one after another).
+// fp32 instantiations only (the low-precision paths differ only in load/store conversions). Exposed through a C ABI
+// for ctypes; every entry point returns 0 on success, 1 on a bad head dim.
+// Layouts as in tree_attn.h: q/o/dq/dO [T, N, H], k/v/dk/dv [T, K, H], sub_end [T], lse/delta [N, T].
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#undef __global__
+#undef __device__
+#undef __forceinline__
+#undef __launch_bounds__
+#undef __shared__
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__
+
+struct EmuDim {
+  int x = 0, y = 0, z = 0;
+};
+EmuDim emu_thread_idx, emu_block_idx, emu_block_dim;
+#define threadIdx emu_thread_idx
+#define blockIdx emu_block_idx
+#define blockDim emu_block_dim
+
+// One block at a time; its threads are fibers (ucontext) switched by a scheduler at every barrier.
+namespace emu {
+enum Wait { kRunnable, kWarp, kBlock, kDone };
+constexpr int kStackBytes = 1 << 18;
+
+struct Fiber {
+  ucontext_t ctx;
+  std::vector<char> stack;
+  Wait wait = kRunnable;
+};
+
+std::vector<Fiber> fibers;
+ucontext_t scheduler;
+int current = 0;
+float exchange[2][1024];  // double-buffered: shuffle g uses buffer g % 2, so one wait per shuffle suffices
+int shuffle_parity[1024];
+const std::function<void()>* body = nullptr;
+
+void wait_at(Wait kind) {
+  fibers[current].wait = kind;
+  swapcontext(&fibers[current].ctx, &scheduler);
+}
+
+void sync_block() { wait_at(kBlock); }
+
+// A lane cannot start shuffle g + 2 (overwriting buffer g % 2) before every lane of its warp has passed the wait
+// of shuffle g + 1, i.e. has finished reading shuffle g.
+float shuffle(float v, int src_lane) {
+  const int tid = emu_thread_idx.x, warp = tid / 32;
+  float* slots = exchange[shuffle_parity[tid]];
+  shuffle_parity[tid] ^= 1;
+  slots[tid] = v;
+  wait_at(kWarp);
+  return slots[warp * 32 + src_lane];
+}
+
+void fiber_main() {
+  (*body)();
+  fibers[current].wait = kDone;
+}  // returns to the scheduler through uc_link
+
+// Release a group whose live members all wait at the same barrier kind; false if none can be released.
+bool release(int lo, int hi, Wait kind) {
+  bool any = false;
+  for (int t = lo; t < hi; ++t) {
+    if (fibers[t].wait == kDone) continue;
+    if (fibers[t].wait != kind) return false;
+    any = true;
+  }
+  for (int t = lo; t < hi; ++t)
+    if (fibers[t].wait == kind) fibers[t].wait = kRunnable;
+  return any;
+}
+
+void run_block(int threads, const std::function<void()>& kernel) {
+  fibers.assign(threads, Fiber{});
+  std::fill(shuffle_parity, shuffle_parity + threads, 0);
+  body = &kernel;
+  for (int t = 0; t < threads; ++t) {
+    Fiber& f = fibers[t];
+    f.stack.resize(kStackBytes);
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = &scheduler;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  for (;;) {
+    bool ran = false;
+    for (int t = 0; t < threads; ++t) {
+      if (fibers[t].wait != kRunnable) continue;
+      current = t;
+      emu_thread_idx = {t, 0, 0};
+      swapcontext(&scheduler, &fibers[t].ctx);
+      ran = true;
+    }
+    bool released = release(0, threads, kBlock);
+    for (int w = 0; w * 32 < threads; ++w) released |= release(w * 32, std::min(threads, w * 32 + 32), kWarp);
+    const bool all_done = std::all_of(fibers.begin(), fibers.end(), [](const Fiber& f) { return f.wait == kDone; });
+    if (all_done) return;
+    if (!ran && !released) {
+      std::fprintf(stderr, "cuda_emu: deadlock (divergent barrier or shuffle)\n");
+      std::abort();
+    }
+  }
+}
+}  // namespace emu
+
+#define __syncthreads() emu::sync_block()
+#define __shfl_sync(mask, v, src) emu::shuffle((v), (src))
+#define __shfl_xor_sync(mask, v, off) emu::shuffle((v), (emu_thread_idx.x % 32) ^ (off))
+
+namespace forge::tree_attn_detail {
+alignas(16) float smem[1 << 16];
+using std::max;
+using std::min;
+}  // namespace forge::tree_attn_detail
+
+#include "tree_attn_kernels.cuh"
+
+namespace {
+
+using forge::TreeAttnParams;
+namespace detail = forge::tree_attn_detail;
+
+// Run `kernel` over a (gx, gy) grid of blocks of `threads` threads, one block at a time.
+void launch(int gx, int gy, int threads, const std::function<void()>& kernel) {
+  emu_block_dim = {threads, 1, 1};
+  for (int by = 0; by < gy; ++by) {
+    for (int bx = 0; bx < gx; ++bx) {
+      emu_block_idx = {bx, by, 0};
+      emu::run_block(threads, kernel);
+    }
+  }
+}
+
+int tiles(int T) { return (T + detail::kTile - 1) / detail::kTile; }
+
+void block_bounds(TreeAttnParams& p, std::vector<int>& kmin, std::vector<int>& kmax) {
+  kmin.assign(tiles(p.T), -1);
+  kmax.assign(tiles(p.T), -1);
+  int* lo = kmin.data();
+  int* hi = kmax.data();
+  launch((tiles(p.T) + 127) / 128, 1, 128, [&] { detail::block_bounds_kernel(p.sub_end, lo, hi, p.T); });
+  p.kmin = kmin.data();
+  p.kmax = kmax.data();
+}
+
+template <int H>
+void forward(TreeAttnParams p) {
+  std::vector<int> kmin, kmax;
+  block_bounds(p, kmin, kmax);
+  launch(tiles(p.T), p.N, detail::kThreads, [&] { detail::fwd_kernel<float, H>(p); });
+}
+
+template <int H>
+void backward(TreeAttnParams p) {
+  std::vector<int> kmin, kmax;
+  block_bounds(p, kmin, kmax);
+  launch(tiles(p.T), p.N, detail::kThreads, [&] { detail::bwd_dq_kernel<float, H>(p); });
+  launch(tiles(p.T), p.K, detail::kThreads, [&] { detail::bwd_dkdv_kernel<float, H>(p); });
+}
+
+TreeAttnParams params(const float* q, const float* k, const float* v, const int* sub_end, int T, int N, int K, int H,
+                      float scale) {
+  TreeAttnParams p;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.sub_end = sub_end;
+  p.T = T;
+  p.N = N;
+  p.K = K;
+  p.H = H;
+  p.scale = scale;
+  return p;
+}
+
+}  // namespace
+
+extern "C" int emu_block_bounds(const int* sub_end, int T, int* kmin, int* kmax) {
+  TreeAttnParams p = params(nullptr, nullptr, nullptr, sub_end, T, 1, 1, 32, 1.f);
+  std::vector<int> lo, hi;
+  block_bounds(p, lo, hi);
+  std::copy(lo.begin(), lo.end(), kmin);
+  std::copy(hi.begin(), hi.end(), kmax);
+  return 0;
+}
+
+extern "C" int emu_fwd(const float* q, const float* k, const float* v, const int* sub_end, float* o, float* lse, int T,
+                       int N, int K, int H, float scale) {
+  TreeAttnParams p = params(q, k, v, sub_end, T, N, K, H, scale);
+  p.o = o;
+  p.lse = lse;
+  switch (H) {
+    case 32: forward<32>(p); return 0;
+    case 64: forward<64>(p); return 0;
+    default: return 1;
+  }
+}
+
+extern "C" int emu_bwd(const float* d_o, const float* q, const float* k, const float* v, const float* lse,
+                       const float* delta, const int* sub_end, float* dq, float* dk, float* dv, int T, int N, int K,
+                       int H, float scale) {
+  TreeAttnParams p = params(q, k, v, sub_end, T, N, K, H, scale);
+  p.d_o = d_o;
+  p.lse = const_cast<float*>(lse);
+  p.delta = delta;
+  p.dq = dq;
+  p.dk = dk;
+  p.dv = dv;
+  switch (H) {
+    case 32: backward<32>(p); return 0;
+    case 64: backward<64>(p); return 0;
+    default: return 1;
+  }
+}
