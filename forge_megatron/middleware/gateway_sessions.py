@@ -120,7 +120,8 @@ class ChatRenderer:
         return text, self.encode(text), False
 
     def _continuation(self, prev: _Turn, text: str, tools: list | None) -> list[int] | None:
-        if (tools or None) != (prev.tools or None) or not text.startswith(prev.prompt_text):
+        if (tools or None) != (prev.tools or None) or len(text) <= len(prev.prompt_text) or \
+                not text.startswith(prev.prompt_text):
             return None  # cheap rejections before rendering the previous turn
         with_answer = self.render(prev.messages + [prev.assistant_message], prev.tools, add_generation_prompt=False)
         if not with_answer.startswith(prev.prompt_text) or not text.startswith(with_answer):
