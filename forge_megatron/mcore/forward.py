@@ -41,6 +41,7 @@ def vocab_parallel_logprobs(logits_TV: torch.Tensor, rows_M: torch.Tensor, targe
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
+    check_targets(rows_M, targets_M, logits_TV.shape[-1] * ps.get_tensor_model_parallel_world_size())
     logits_TV = logits_TV.float()
     max_T = logits_TV.detach().max(dim=-1).values
     if ps.get_tensor_model_parallel_world_size() > 1:
@@ -63,6 +64,16 @@ def vocab_parallel_logprobs(logits_TV: torch.Tensor, rows_M: torch.Tensor, targe
     weighted_T = reduce_from_tensor_model_parallel_region((exp_TV * shifted_TV).sum(dim=-1))
     entropy_T = sum_exp_T.log() - weighted_T / sum_exp_T
     return logp_M, entropy_T[rows_M]
+
+
+def check_targets(rows_M: torch.Tensor, targets_M: torch.Tensor, vocab_size: int) -> None:
+    """Targets outside the vocabulary would silently score 0 on every rank: refuse them."""
+    if rows_M.shape != targets_M.shape or rows_M.dim() != 1:
+        raise ValueError(f"rows and targets must be 1-D of the same length, got {tuple(rows_M.shape)} "
+                         f"and {tuple(targets_M.shape)}")
+    if targets_M.numel() and (int(targets_M.min()) < 0 or int(targets_M.max()) >= vocab_size):
+        raise ValueError(f"target token ids must lie in [0, {vocab_size}) (the model's vocabulary), got "
+                         f"[{int(targets_M.min())}, {int(targets_M.max())}]")
 
 
 # -------------------------------------------------------------------------------------------- tree forward

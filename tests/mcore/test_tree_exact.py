@@ -174,7 +174,7 @@ def _offset_rope_error(tree, causal):
 
 
 def _error_messages(tree, causal, layout):
-    from forge_megatron.mcore.forward import tree_model_inputs
+    from forge_megatron.mcore.forward import tree_model_inputs, vocab_parallel_logprobs
 
     messages = []
     inputs = tree_model_inputs(layout)
@@ -182,6 +182,7 @@ def _error_messages(tree, causal, layout):
         lambda: tree(inputs["input_ids"], inputs["position_ids"], None),  # no packed params
         lambda: tree(**dict(inputs, attention_mask=torch.zeros(1, 1, layout.unique_tokens, layout.unique_tokens,
                                                                 dtype=torch.bool))),
+        lambda: vocab_parallel_logprobs(torch.zeros(3, VOCAB), torch.tensor([0, 1]), torch.tensor([5, VOCAB])),
     ):
         try:
             call()
@@ -315,9 +316,10 @@ def test_rope_must_follow_depth_not_offset(one_rank):
 
 
 def test_tree_attention_errors_name_the_problem(one_rank):
-    no_params, with_mask = one_rank["errors"]
+    no_params, with_mask, bad_target = one_rank["errors"]
     assert "TreeAttention needs packed_seq_params=TreePackedSeqParams" in no_params
     assert "pass attention_mask=None" in with_mask
+    assert f"target token ids must lie in [0, {VOCAB}) (the model's vocabulary), got [5, {VOCAB}]" in bad_target
 
 
 def test_tp2_tree_equals_unmerged_and_vocab_parallel_is_exact():
