@@ -172,7 +172,7 @@ def _sampling_params(body: dict, default_max_tokens: int) -> dict:
         params["stop"] = stop
     seed = _number(body, "seed", None, 0, (1 << 63) - 1, integer=True)
     if seed is not None:
-        params["seed"] = seed
+        params["sampling_seed"] = seed
     top_k = _number(body, "top_k", None, -1, 1 << 30, integer=True)  # SGLang/vLLM extension
     if top_k not in (None, 0):
         params["top_k"] = top_k

@@ -60,7 +60,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = None  # forge extension: per-request sampling seed (SGLang: sampling_seed)
+    sampling_seed: int | None = None  # per-request sampling seed (None: random)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -79,8 +79,6 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
         d = dict(d or {})
-        if "sampling_seed" in d:
-            d["seed"] = d.pop("sampling_seed")
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         _require(not unknown, f"sampling_params has unsupported field(s) {unknown}")
         return cls(**d)
@@ -160,7 +158,7 @@ class ReferenceEngine:
         _require(len(ids) + params.max_new_tokens <= self.context_length,
                  f"input_ids ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceed the context "
                  f"length ({self.context_length} tokens)")
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(4), "little")
         gen = torch.Generator().manual_seed(seed)
         return _Request(rid=str(body.get("rid") or uuid.uuid4().hex), input_ids=list(ids), params=params, gen=gen)
 

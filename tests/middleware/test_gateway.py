@@ -114,7 +114,7 @@ def test_plain_chat_records_the_engines_tokens(stack, model_dir):
     # and the ids are exactly what the engine samples for that prompt and seed
     status, direct = http(call["engine_url"] + "/generate", {
         "input_ids": call["prompt_ids"], "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "seed": 11}})
+        "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "sampling_seed": 11}})
     assert status == 200 and direct["output_ids"] == call["completion_ids"]
     assert http(gw.url + "/v1/models", method="GET")[1]["data"][0]["id"] == gw.gateway.model_name
 

@@ -19,7 +19,7 @@ PROMPT = [7, 30, 41, 5, 99, 12]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny")), seed=0)
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny")), sampling_seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +66,9 @@ def test_greedy_tokens_and_logprobs_match_hf(engine, model_dir):
 
 
 def test_sampled_logprobs_are_temperature_free_and_seeded(engine, model_dir):
-    a = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, seed=5, ignore_eos=True))
-    b = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, seed=5, ignore_eos=True))
-    c = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, seed=6, ignore_eos=True))
+    a = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, sampling_seed=5, ignore_eos=True))
+    b = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, sampling_seed=5, ignore_eos=True))
+    c = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, sampling_seed=6, ignore_eos=True))
     assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
     assert a.output_ids != c.output_ids
     m = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -78,9 +78,9 @@ def test_sampled_logprobs_are_temperature_free_and_seeded(engine, model_dir):
 def test_concurrent_requests_equal_sequential(engine):
     async def both():
         c = SGLangClient(engine.url)
-        conc = await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 15, "seed": s, "ignore_eos": True})
+        conc = await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 15, "sampling_seed": s, "ignore_eos": True})
                                       for s in range(6)))
-        seq = [await c.generate(PROMPT, {"max_new_tokens": 15, "seed": s, "ignore_eos": True}) for s in range(6)]
+        seq = [await c.generate(PROMPT, {"max_new_tokens": 15, "sampling_seed": s, "ignore_eos": True}) for s in range(6)]
         await c.close()
         return conc, seq
     conc, seq = run(both())
@@ -137,12 +137,12 @@ def _long_request_and_pause(handle, mode):
     """Start a long seeded request, pause with ``mode`` mid-way, continue; return (result, result without pause)."""
     async def go():
         c = SGLangClient(handle.url)
-        sp = {"max_new_tokens": 300, "seed": 3, "ignore_eos": True}
+        sp = {"max_new_tokens": 300, "sampling_seed": 3, "ignore_eos": True}
         task = asyncio.create_task(c.generate(PROMPT, sp))
         while not any(len(r.output_ids) >= 2 for r in list(handle.engine.running.values())):  # mid-way
             await asyncio.sleep(0.002)
         await c.pause_generation(mode)
-        held = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 2, "seed": 1}))
+        held = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 2, "sampling_seed": 1}))
         await asyncio.sleep(0.2)
         assert not held.done()  # new requests wait while paused
         if mode == "retract":
@@ -170,7 +170,7 @@ def test_pause_keep_modes_resume_exactly(engine, mode):
 
 
 def test_update_weights_from_disk_swaps_weights(tmp_path, model_dir):
-    other = build_tiny_model(str(tmp_path / "other"), seed=1)
+    other = build_tiny_model(str(tmp_path / "other"), sampling_seed=1)
     h = start_engine(model_dir, in_process=True)
     try:
         async def go():
@@ -199,7 +199,7 @@ def _free_port():
 
 def test_update_weights_from_distributed_over_gloo(tmp_path, model_dir):
     """This process plays the trainer (rank 0); a forge-engine subprocess joins as rank 1 and receives tensors."""
-    other = build_tiny_model(str(tmp_path / "other"), seed=2)
+    other = build_tiny_model(str(tmp_path / "other"), sampling_seed=2)
     new_sd = AutoModelForCausalLM.from_pretrained(other).state_dict()
     names = list(new_sd)
     h = start_engine(model_dir)

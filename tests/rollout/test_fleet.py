@@ -15,7 +15,7 @@ PROMPT = [3, 14, 15, 92]
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    d = build_tiny_model(str(tmp_path_factory.mktemp("tiny")), seed=0)
+    d = build_tiny_model(str(tmp_path_factory.mktemp("tiny")), sampling_seed=0)
     hs = [start_engine(d, in_process=True) for _ in range(2)]
     yield hs
     for h in hs:
@@ -31,7 +31,7 @@ def dead_url():
 def test_least_loaded_routing_and_stickiness(engines):
     async def go():
         fleet = EngineFleet([h.url for h in engines])
-        results = await asyncio.gather(*(fleet.generate(PROMPT, {"max_new_tokens": 20, "seed": i}) for i in range(6)))
+        results = await asyncio.gather(*(fleet.generate(PROMPT, {"max_new_tokens": 20, "sampling_seed": i}) for i in range(6)))
         spread = {r.engine_url for r in results}
         a = await fleet.generate(PROMPT, {"max_new_tokens": 2}, session_key="s1")
         b = [await fleet.generate(PROMPT, {"max_new_tokens": 2}, session_key="s1") for _ in range(4)]
