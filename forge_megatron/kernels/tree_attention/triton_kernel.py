@@ -56,10 +56,34 @@ def _tile_is_full(q_lo, q_hi, k_lo, kmin, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(PTR, offs_t, stride_t, offs_h, H, COMPUTE: tl.constexpr):
+def _load_rows(PTR, offs_t, T, stride_t, offs_h, H, COMPUTE: tl.constexpr):
     """Load a [rows, BLOCK_H] tile of one head, zero outside [0, T) x [0, H), cast to the compute dtype."""
-    mask = (offs_t[:, None] >= 0) & (offs_h[None, :] < H)
+    mask = (offs_t[:, None] < T) & (offs_h[None, :] < H)
     return tl.load(PTR + offs_t[:, None] * stride_t + offs_h[None, :], mask=mask, other=0.0).to(COMPUTE)
+
+
+@triton.jit
+def _store_rows(PTR, x, offs_t, T, stride_t, offs_h, H):
+    mask = (offs_t[:, None] < T) & (offs_h[None, :] < H)
+    tl.store(PTR + offs_t[:, None] * stride_t + offs_h[None, :], x.to(PTR.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, n, offs_m, T):
+    """Saved log-sum-exp (converted to base 2) and delta = rowsum(dO * O) of query rows offs_m, head n."""
+    lse2 = tl.load(LSE + n * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + n * T + offs_m, mask=offs_m < T, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale,
+                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Recomputed softmax probabilities P = 2^(s - lse2) of one tile, zero where the tree mask hides the key."""
+    p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+    if not _tile_is_full(q_lo, q_hi, k_lo, kmin, BLOCK_N):
+        p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T), p, 0.0)
+    return p
 
 
 @triton.jit
@@ -70,27 +94,24 @@ def _fwd_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
     n = tl.program_id(1)
-    kv = n // GROUP
-    q_lo = pid_m * BLOCK_M
+    q_lo = tl.program_id(0) * BLOCK_M
     q_hi = tl.minimum(q_lo + BLOCK_M, T)
     offs_m = q_lo + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
-    rows_m = tl.where(offs_m < T, offs_m, -1)
-    q = _load_rows(Q + n * stride_qn, rows_m, stride_qt, offs_h, H, COMPUTE)
+    q = _load_rows(Q + n * stride_qn, offs_m, T, stride_qt, offs_h, H, COMPUTE)
+    K_head = K + (n // GROUP) * stride_kn
+    V_head = V + (n // GROUP) * stride_kn
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     for kb in range(0, tl.cdiv(q_hi, BLOCK_N)):
-        kmax = tl.load(KMAX + kb)
-        if kmax > q_lo:
+        if tl.load(KMAX + kb) > q_lo:  # otherwise the tile is empty
             k_lo = kb * BLOCK_N
             offs_n = k_lo + tl.arange(0, BLOCK_N)
-            rows_n = tl.where(offs_n < T, offs_n, -1)
-            k = _load_rows(K + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
-            v = _load_rows(V + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
+            k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
+            v = _load_rows(V_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if not _tile_is_full(q_lo, q_hi, k_lo, tl.load(KMIN + kb), BLOCK_N):
                 s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T), s, float("-inf"))
@@ -103,12 +124,8 @@ def _fwd_kernel(
             m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    o_mask = (offs_m[:, None] < T) & (offs_h[None, :] < H)
-    o_ptrs = O + n * stride_on + offs_m[:, None] * stride_ot + offs_h[None, :]
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=o_mask)
-    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
-    tl.store(LSE + n * T + offs_m, lse, mask=offs_m < T)
+    _store_rows(O + n * stride_on, acc / l_safe[:, None], offs_m, T, stride_ot, offs_h, H)
+    tl.store(LSE + n * T + offs_m, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=offs_m < T)
 
 
 @triton.jit
@@ -119,38 +136,29 @@ def _bwd_dq_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
     n = tl.program_id(1)
-    kv = n // GROUP
-    q_lo = pid_m * BLOCK_M
+    q_lo = tl.program_id(0) * BLOCK_M
     q_hi = tl.minimum(q_lo + BLOCK_M, T)
     offs_m = q_lo + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
-    rows_m = tl.where(offs_m < T, offs_m, -1)
-    q = _load_rows(Q + n * stride_qn, rows_m, stride_qt, offs_h, H, COMPUTE)
-    do = _load_rows(DO + n * stride_qn, rows_m, stride_qt, offs_h, H, COMPUTE)
-    lse2 = tl.load(LSE + n * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + n * T + offs_m, mask=offs_m < T, other=0.0)
+    q = _load_rows(Q + n * stride_qn, offs_m, T, stride_qt, offs_h, H, COMPUTE)
+    do = _load_rows(DO + n * stride_qn, offs_m, T, stride_qt, offs_h, H, COMPUTE)
+    lse2, delta = _row_stats(LSE, DELTA, n, offs_m, T)
+    K_head = K + (n // GROUP) * stride_kn
+    V_head = V + (n // GROUP) * stride_kn
 
     dq = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     for kb in range(0, tl.cdiv(q_hi, BLOCK_N)):
-        kmax = tl.load(KMAX + kb)
-        if kmax > q_lo:
+        if tl.load(KMAX + kb) > q_lo:  # otherwise the tile is empty
             k_lo = kb * BLOCK_N
             offs_n = k_lo + tl.arange(0, BLOCK_N)
-            rows_n = tl.where(offs_n < T, offs_n, -1)
-            k = _load_rows(K + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
-            v = _load_rows(V + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
-            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
-            if not _tile_is_full(q_lo, q_hi, k_lo, tl.load(KMIN + kb), BLOCK_N):
-                p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T), p, 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
+            k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
+            v = _load_rows(V_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
+            p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, tl.load(KMIN + kb), SUB_END, T,
+                               qk_scale, BLOCK_N, DOT_PRECISION)
+            ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
             dq += tl.dot(ds.to(COMPUTE), k, input_precision=DOT_PRECISION)
-
-    dq_mask = (offs_m[:, None] < T) & (offs_h[None, :] < H)
-    dq_ptrs = DQ + n * stride_qn + offs_m[:, None] * stride_qt + offs_h[None, :]
-    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=dq_mask)
+    _store_rows(DQ + n * stride_qn, dq * scale, offs_m, T, stride_qt, offs_h, H)
 
 
 @triton.jit
@@ -166,9 +174,8 @@ def _bwd_dkdv_kernel(
     k_lo = kb * BLOCK_N
     offs_n = k_lo + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
-    rows_n = tl.where(offs_n < T, offs_n, -1)
-    k = _load_rows(K + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
-    v = _load_rows(V + kv * stride_kn, rows_n, stride_kt, offs_h, H, COMPUTE)
+    k = _load_rows(K + kv * stride_kn, offs_n, T, stride_kt, offs_h, H, COMPUTE)
+    v = _load_rows(V + kv * stride_kn, offs_n, T, stride_kt, offs_h, H, COMPUTE)
     kmin = tl.load(KMIN + kb)
     # Queries that see any key of this block lie in [k_lo, max(sub_end)): the loop visits only those blocks.
     qb_end = tl.cdiv(tl.load(KMAX + kb), BLOCK_M)
@@ -181,23 +188,16 @@ def _bwd_dkdv_kernel(
             q_lo = qb * BLOCK_M
             q_hi = tl.minimum(q_lo + BLOCK_M, T)
             offs_m = q_lo + tl.arange(0, BLOCK_M)
-            rows_m = tl.where(offs_m < T, offs_m, -1)
-            q = _load_rows(Q + n * stride_qn, rows_m, stride_qt, offs_h, H, COMPUTE)
-            do = _load_rows(DO + n * stride_qn, rows_m, stride_qt, offs_h, H, COMPUTE)
-            lse2 = tl.load(LSE + n * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + n * T + offs_m, mask=offs_m < T, other=0.0)
-            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
-            if not _tile_is_full(q_lo, q_hi, k_lo, kmin, BLOCK_N):
-                p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T), p, 0.0)
+            q = _load_rows(Q + n * stride_qn, offs_m, T, stride_qt, offs_h, H, COMPUTE)
+            do = _load_rows(DO + n * stride_qn, offs_m, T, stride_qt, offs_h, H, COMPUTE)
+            lse2, delta = _row_stats(LSE, DELTA, n, offs_m, T)
+            p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale, BLOCK_N,
+                               DOT_PRECISION)
             dv += tl.dot(tl.trans(p.to(COMPUTE)), do, input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
+            ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(COMPUTE)), q, input_precision=DOT_PRECISION)
-
-    out_mask = (offs_n[:, None] < T) & (offs_h[None, :] < H)
-    out_offs = kv * stride_kn + offs_n[:, None] * stride_kt + offs_h[None, :]
-    tl.store(DK + out_offs, (dk * scale).to(DK.dtype.element_ty), mask=out_mask)
-    tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=out_mask)
+    _store_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
+    _store_rows(DV + kv * stride_kn, dv, offs_n, T, stride_kt, offs_h, H)
 
 
 def _interpreting() -> bool:
