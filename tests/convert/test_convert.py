@@ -16,6 +16,7 @@ from forge_megatron.bridge import MappingError, ParallelLayout, UnsupportedModel
 from forge_megatron.convert import checkpoint as ckpt
 from forge_megatron.convert.cli import main as cli_main
 from forge_megatron.mcore.parallel import ParallelConfig
+from tests.convert.mcore_forward import forward_logits, load_converted
 from tests.dist_utils import run_distributed
 
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
@@ -105,43 +106,11 @@ def _hf_logits(hf_dir):
 
 def _megatron_logits_body(rank, world_size, mcore_dirs):
     """Load each converted checkpoint into a Megatron model for this rank and return the full logits."""
-    from megatron.core import parallel_state as ps
-
-    from forge_megatron.bridge import Bridge
-    from forge_megatron.mcore.cpu_compat import cuda_factories_to_cpu
-    from forge_megatron.mcore.model import build_gpt, causal_mask
-
     out = {}
-    tp, pp, ep = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                  ps.get_expert_model_parallel_rank())
     for key, d in mcore_dirs.items():
-        bridge, _ = ckpt.read_meta(d)
-        with cuda_factories_to_cpu():
-            model = build_gpt(bridge.cfg).eval()
-        model.load_state_dict(ckpt.load_rank_state(d, tp, pp, ep), strict=True)
-        out[key] = _forward_logits(model, causal_mask(SEQ))
+        _, model = load_converted(d)
+        out[key] = forward_logits(model, _tokens())
     return out
-
-
-def _forward_logits(model, mask):
-    """Full-vocabulary logits [b, s, V] through TP (gather) and PP (send activations stage to stage)."""
-    from megatron.core import parallel_state as ps
-
-    tokens = _tokens()
-    pos = torch.arange(SEQ)[None].expand_as(tokens)
-    with torch.no_grad():
-        if not ps.is_pipeline_first_stage():
-            hidden = torch.empty(SEQ, tokens.shape[0], model.config.hidden_size)
-            torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(hidden)
-        out = model(tokens, pos, mask)
-        if not ps.is_pipeline_last_stage():
-            torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-            return None
-    group = ps.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    torch.distributed.all_gather(parts, out.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
 
 
 def _convert_all(hf_dirs, root, archs, layout):

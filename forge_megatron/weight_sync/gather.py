@@ -1,0 +1,108 @@
+"""Full HF-named tensors from a live TP/PP/EP-sharded Megatron model (a collective over the model's ranks).
+
+Every rank of a pipeline stage walks its parameters in the same order and takes part in the gathers; the result
+(``(hf_name, tensor)`` pairs) is only kept by the stage *lead* (TP rank 0, DP rank 0, CP rank 0), which sends it on:
+
+- non-expert parameter: all-gather over the TP group, then :meth:`Bridge.tp_join` (QKV groups, GLU halves);
+- expert parameter: all-gather over the expert-TP group, joined the same way, then all-gather over the EP group:
+  EP rank r's local expert j is global expert ``r * E / ep + j``;
+- names: the local layer number plus the chunk's first global layer (``layer_number - 1`` of its first layer), so
+  PP stages and virtual-pipeline chunks each name their own layers.
+
+Non-expert and expert parameters are yielded as two separate streams (:func:`iter_dense`, :func:`iter_experts`) so
+they travel in separate buckets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from forge_megatron.bridge import Bridge
+
+
+def unwrap(chunk):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def is_stage_lead() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def _params(bridge: Bridge, chunk, experts: bool):
+    """(local name, canonical name, param) of ``chunk``, expert or non-expert ones only."""
+    model = unwrap(chunk)
+    layers = model.decoder.layers if hasattr(model, "decoder") else []
+    layer_offset = layers[0].layer_number - 1 if len(layers) else 0
+    for local, p in model.named_parameters():
+        if local == "output_layer.weight" and bridge.cfg.tie_word_embeddings:
+            continue  # the last stage's copy of the tied embedding
+        canonical = bridge.rename(local, layer_offset, 0)
+        if bridge.is_expert(canonical) == experts:
+            yield local, canonical, p
+
+
+def iter_dense(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
+    """Yield (hf_name, full tensor) for this stage's non-expert parameters (meaningful on the stage lead)."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    for chunk in chunks:
+        for _, name, p in _params(bridge, chunk, experts=False):
+            t = p.detach() if dtype is None else p.detach().to(dtype)
+            if getattr(p, "tensor_model_parallel", False):
+                t = bridge.tp_join(name, _all_gather(t, tp_group))
+            yield from bridge.to_hf(name, t).items()
+
+
+def iter_experts(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
+    """Yield (hf_name, full tensor) for this stage's experts, all EP ranks' experts with global ids."""
+    from megatron.core import parallel_state as ps
+
+    etp_group = ps.get_expert_tensor_parallel_group()
+    ep_group = ps.get_expert_model_parallel_group()
+    local_experts = (bridge.cfg.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
+    for chunk in chunks:
+        for _, name, p in _params(bridge, chunk, experts=True):
+            t = p.detach() if dtype is None else p.detach().to(dtype)
+            t = bridge.tp_join(name, _all_gather(t, etp_group))
+            for ep_rank, full in enumerate(_all_gather(t, ep_group)):
+                yield from bridge.to_hf(bridge.rename(name, 0, ep_rank * local_experts), full).items()
+
+
+def iter_model_buckets(bridge: Bridge, chunks, bucket_bytes: int, dtype: torch.dtype | None = None):
+    """Collective over all trainer ranks: yields, on global rank 0 only, every HF tensor of the model in buckets.
+
+    Stage by stage (rank 0's own first), non-expert buckets then expert buckets; stage s > 0's lead relays its
+    buckets to rank 0. Other ranks yield nothing but must run the generator to its end (they take part in gathers).
+    """
+    from megatron.core import parallel_state as ps
+
+    from forge_megatron.weight_sync import buckets as bk
+
+    lead, rank = is_stage_lead(), dist.get_rank()
+    for stream in (iter_dense, iter_experts):
+        for bucket in bk.make_buckets(stream(bridge, chunks, dtype), bucket_bytes):
+            if lead and rank == 0:
+                yield bucket
+            elif lead:
+                bk.send_bucket(bucket, dst=0)
+    if lead and rank != 0:
+        bk.send_end(dst=0)
+    if rank == 0:
+        for src in dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[1:]:
+            yield from bk.recv_buckets(src)

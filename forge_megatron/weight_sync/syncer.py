@@ -1,0 +1,228 @@
+"""Push a trainer's weights to the rollout engines: the sync protocol the trainer calls after an optimizer step.
+
+    syncer = WeightSyncer(WeightSyncConfig(engine_urls=[...], transport="distributed"), hf_config_or_bridge)
+    report = syncer.sync(model_chunks, policy_version)     # collective over all trainer ranks
+    syncer.close()
+
+Protocol (global rank 0 drives it; every rank takes part in the gathers):
+  1. engines in service = configured engines minus excluded ones, plus excluded ones that answer ``/health`` again
+     (they get the full weights like everyone else: that is their re-sync);
+  2. gateway ``POST /forge/admin/pause`` (when ``gateway_url`` is set); every engine ``POST /pause_generation``
+     then ``POST /flush_cache``;
+  3. send every parameter: per pipeline stage, non-expert tensors then expert tensors (separate buckets), stage s's
+     buckets relayed from its lead to rank 0 (see :mod:`buckets`), delivered by the transport;
+  4. an engine that fails in 2-3 is excluded and left paused (it serves nothing with half-updated weights); the
+     send is repeated from the start for the engines still in service, up to ``max_attempts`` passes;
+  5. ``POST /continue_generation`` on the updated engines, gateway ``POST /forge/admin/resume {policy_version}``.
+
+The policy version becomes ``policy_version`` only if every engine in service ended with the full new weights;
+:class:`SyncReport` says which engines were updated and which are excluded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from forge_megatron.bridge import Bridge
+from forge_megatron.weight_sync import buckets as bk
+from forge_megatron.weight_sync.gather import iter_model_buckets
+from forge_megatron.weight_sync.transport import DiskTransport, DistributedTransport, EngineFailure, EngineHTTP
+
+log = logging.getLogger("forge.weight_sync")
+
+TRANSPORTS = ("distributed", "disk")
+PAUSE_MODES = ("abort", "in_place", "retract")
+
+
+@dataclass
+class WeightSyncConfig:
+    """How weights reach the engines. ``engine_urls`` and the HTTP settings are used on global rank 0 only."""
+
+    engine_urls: list[str]
+    transport: str = "distributed"  # "distributed" (process-group broadcast) | "disk" (safetensors on shared disk)
+    bucket_bytes: int = 512 << 20  # tensors per engine request, by bytes
+    disk_dir: str | None = None  # transport="disk": a directory every engine can read
+    gateway_url: str | None = None  # paused/resumed around the sync when set
+    gateway_token: str | None = None  # the gateway's admin token, if it has one
+    master_addr: str = "127.0.0.1"  # where the trainer hosts the weight-update group (reachable by engines)
+    master_port: int | None = None  # None: a free port per group; else master_port + k for the k-th group
+    backend: str | None = None  # weight-update group backend; None: "nccl" with CUDA, else "gloo"
+    ranks_per_engine: int = 1  # GPUs (TP ranks) of one engine: each joins the group
+    pause_mode: str = "retract"  # SGLang /pause_generation mode
+    dtype: str | None = None  # cast before sending ("bfloat16", ...); None: the parameters' dtype
+    max_attempts: int = 2  # send passes per sync when engines fail mid-way
+    timeout_s: float = 120.0  # HTTP calls and group collectives
+
+    def __post_init__(self):
+        if not self.engine_urls or not all(isinstance(u, str) and u.startswith("http") for u in self.engine_urls):
+            raise ValueError(f"engine_urls must be a non-empty list of http(s) URLs, got {self.engine_urls!r}")
+        if len(set(self.engine_urls)) != len(self.engine_urls):
+            raise ValueError(f"engine_urls has duplicates: {self.engine_urls}")
+        self.engine_urls = [u.rstrip("/") for u in self.engine_urls]
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport == "disk" and not self.disk_dir:
+            raise ValueError("transport='disk' needs disk_dir (a directory every engine can read)")
+        if self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        if self.dtype is not None and self.dtype not in bk.DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(bk.DTYPES)} or None, got {self.dtype!r}")
+        if self.backend is None:
+            self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
+        if self.ranks_per_engine < 1 or self.max_attempts < 1:
+            raise ValueError("ranks_per_engine and max_attempts must be >= 1")
+
+
+@dataclass
+class SyncReport:
+    """Outcome of one :meth:`WeightSyncer.sync` (filled on rank 0; other ranks see ``policy_version`` only)."""
+
+    policy_version: int | None  # the version now served by every engine in service (previous one if not synced)
+    updated: list[str] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)
+    bytes: int = 0  # bytes delivered in the successful pass
+    buckets: int = 0
+    attempts: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightSyncer:
+    """Sends a Megatron model's weights to SGLang-compatible engines under HF names (see the module docstring)."""
+
+    def __init__(self, config: WeightSyncConfig, hf_config_or_bridge):
+        self.cfg = config
+        self.bridge = hf_config_or_bridge if isinstance(hf_config_or_bridge, Bridge) else Bridge(hf_config_or_bridge)
+        self.dtype = bk.DTYPES[config.dtype] if config.dtype else None
+        self.rank = dist.get_rank()
+        self.policy_version: int | None = None
+        self.excluded: set[str] = set()
+        self.http = self.transport = None
+        if self.rank == 0:
+            headers = {"X-Forge-Admin-Token": config.gateway_token} if config.gateway_token else {}
+            self.http = EngineHTTP(config.timeout_s, headers)
+            if config.transport == "disk":
+                self.transport = DiskTransport(config, self.http, self.bridge.hf_config)
+            else:
+                self.transport = DistributedTransport(config, self.http)
+
+    # --- the collective entry point -----------------------------------------------------------------------------
+    def sync(self, model_chunks, policy_version: int, on_bucket=None) -> SyncReport:
+        """Send ``model_chunks`` (this rank's model chunk list) to every engine as ``policy_version``.
+
+        ``on_bucket(index, bucket)``, if given, is called on rank 0 after each delivered bucket (progress/logging).
+        """
+        chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        report = SyncReport(policy_version=self.policy_version)
+        start = time.perf_counter()
+        live = self._prepare(report) if self.rank == 0 else []
+        while _bcast_flag(bool(live)):
+            report.attempts += 1
+            ok = self._send_pass(chunks, live, policy_version, report, on_bucket)
+            if self.rank == 0 and not ok:
+                live = [u for u in live if u not in self.excluded]
+            retry = self.rank == 0 and not ok and bool(live) and report.attempts < self.cfg.max_attempts
+            if not _bcast_flag(retry):
+                break
+        if self.rank == 0:
+            self._finish(live, policy_version, report)
+        report.policy_version = self.policy_version = _bcast_version(self.policy_version)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    # --- rank 0: protocol steps ----------------------------------------------------------------------------------
+    def _prepare(self, report: SyncReport) -> list[str]:
+        back = [u for u in self.excluded if self.http.healthy(u)]
+        self.excluded -= set(back)
+        live = [u for u in self.cfg.engine_urls if u not in self.excluded]
+        if self.cfg.gateway_url:
+            self.http.post(self.cfg.gateway_url, "/forge/admin/pause", {})
+        for route, body in (("/pause_generation", {"mode": self.cfg.pause_mode}), ("/flush_cache", None)):
+            live = self._call_live(live, route, body)
+        return live
+
+    def _call_live(self, live: list[str], route: str, body) -> list[str]:
+        try:
+            self.http.call_all(live, route, body)
+        except EngineFailure as exc:
+            self._exclude(exc)
+        return [u for u in live if u not in self.excluded]
+
+    def _exclude(self, exc: EngineFailure) -> None:
+        log.warning("weight sync: excluding %s", exc)
+        self.excluded.update(exc.urls)
+
+    def _finish(self, live: list[str], version: int, report: SyncReport) -> None:
+        if report.bytes:  # the last pass reached every engine still in service
+            self.policy_version = version
+            live = self._call_live(live, "/continue_generation", None)
+            report.updated = live
+        else:  # out of attempts: whoever holds partial weights stays paused until a later sync succeeds
+            self.excluded.update(live)
+        if self.cfg.gateway_url:
+            self.http.post(self.cfg.gateway_url, "/forge/admin/resume", {"policy_version": self.policy_version})
+        report.excluded = sorted(self.excluded)
+
+    # --- all ranks: one pass over the model ----------------------------------------------------------------------
+    def _send_pass(self, chunks, live, version, report, on_bucket) -> bool:
+        """Gather and deliver every tensor once; True on rank 0 if every engine in ``live`` got all of them."""
+        failure = None
+        if self.rank == 0:
+            failure = self._try(self.transport.begin, live, version)
+        sent_bytes, sent = 0, 0
+        for bucket in iter_model_buckets(self.bridge, chunks, self.cfg.bucket_bytes, self.dtype):
+            if failure is not None:
+                continue  # keep taking part in the gathers; the pass is repeated
+            failure = self._try(self.transport.send, bucket)
+            if failure is None:
+                sent_bytes += sum(bk.nbytes(t) for _, t in bucket)
+                sent += 1
+                if on_bucket is not None:
+                    on_bucket(sent - 1, bucket)
+        if self.rank != 0:
+            return True
+        failure = failure or self._try(self.transport.finish)
+        if failure is not None:
+            self._exclude(failure)
+            return False
+        report.bytes, report.buckets = sent_bytes, sent
+        return True
+
+    @staticmethod
+    def _try(fn, *args) -> EngineFailure | None:
+        try:
+            fn(*args)
+        except EngineFailure as exc:
+            return exc
+        return None
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.http.close()
+            self.transport = self.http = None
+
+
+def _bcast_flag(flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank of the default group."""
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=bk.comm_device())
+    dist.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def _bcast_version(current: int | None) -> int | None:
+    t = torch.tensor([-1 if current is None else current], dtype=torch.int64, device=bk.comm_device())
+    dist.broadcast(t, src=0)
+    return None if t.item() < 0 else int(t.item())
