@@ -1,9 +1,11 @@
 """The demo's task and black-box agent: integer arithmetic with a calculator tool, over the official ``openai`` client.
 
 Task: the user message is an expression like ``12+7``; the answer is its value. The agent offers the model one
-tool, ``calc(expr)``. A good episode is two calls: the model calls ``calc`` with the expression, the agent runs the
-tool and returns the value, the model answers with it. The model may also answer directly (a tiny model cannot add
-two-digit numbers itself, so direct answers are mostly wrong): learning to use the tool is what RL must teach.
+tool, ``calculator``, which evaluates the task's expression (the agent scaffold knows its task, the tool takes no
+arguments: a tiny model learns the call format in a few SFT steps, copying an expression into JSON takes far longer).
+A good episode is two calls: the model calls the tool, the agent returns the value in a tool message, the model
+answers with it. The model may also answer directly (a tiny model cannot add two-digit numbers itself, so direct
+answers are mostly wrong): learning to use the tool is what RL must teach.
 
 Run as a program it is a black-box agent for :class:`forge_megatron.agents.runner.CommandAgent`: it reads
 ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (the official client's own variables) and ``FORGE_TASK_PROMPT``, and prints
@@ -26,13 +28,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from forge_megatron.agents.tasks import Task
 
-TOOL_NAME = "calc"
+TOOL_NAME = "calculator"
 TOOLS = [{
     "type": "function",
     "function": {
         "name": TOOL_NAME,
-        "description": "evaluate an integer expression a+b, a-b or a*b",
-        "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
+        "description": "exact value of the task's expression",
+        "parameters": {"type": "object", "properties": {}},
     },
 }]
 _EXPR = re.compile(r"^\s*(-?\d{1,6})\s*([+\-*])\s*(-?\d{1,6})\s*$")
@@ -63,10 +65,9 @@ def make_tasks(n: int, seed: int = 0, max_operand: int = 49, ops: str = "+", dom
     return tasks
 
 
-def tool_call_message(expr: str) -> dict:
+def tool_call_message() -> dict:
     return {"role": "assistant", "content": "",
-            "tool_calls": [{"id": "call_0", "type": "function",
-                            "function": {"name": TOOL_NAME, "arguments": json.dumps({"expr": expr})}}]}
+            "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": TOOL_NAME, "arguments": "{}"}}]}
 
 
 def sft_conversations(tasks: list[Task], tool_fraction: float, seed: int = 0) -> list[list[dict]]:
@@ -76,7 +77,7 @@ def sft_conversations(tasks: list[Task], tool_fraction: float, seed: int = 0) ->
     for task in tasks:
         user = {"role": "user", "content": task.prompt}
         if rng.random() < tool_fraction:
-            chats.append([user, tool_call_message(task.prompt), {"role": "tool", "content": task.answer},
+            chats.append([user, tool_call_message(), {"role": "tool", "content": task.answer},
                           {"role": "assistant", "content": task.answer}])
         else:
             chats.append([user, {"role": "assistant", "content": task.answer}])
@@ -95,18 +96,19 @@ def solve(prompt: str, client, model: str = "forge", max_turns: int = 3, max_tok
         messages.append({"role": "assistant", "content": reply.content or "",
                          "tool_calls": [tc.model_dump() for tc in reply.tool_calls]})
         for tc in reply.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": tc.id, "content": _run_tool(tc.function)})
+            messages.append({"role": "tool", "tool_call_id": tc.id, "content": _run_tool(tc.function, prompt)})
     return ""
 
 
-def _run_tool(function) -> str:
+def _run_tool(function, task_prompt: str) -> str:
+    """The calculator evaluates the task's expression; a wrong tool name or non-JSON arguments get an error."""
     if function.name != TOOL_NAME:
         return f"error: unknown tool {function.name!r}"
     try:
-        args = json.loads(function.arguments or "{}")
+        json.loads(function.arguments or "{}")
     except json.JSONDecodeError:
         return "error: arguments are not JSON"
-    return calculate(args.get("expr", "")) if isinstance(args, dict) else "error: arguments must be an object"
+    return calculate(task_prompt)
 
 
 class _AgentHandler(BaseHTTPRequestHandler):

@@ -39,7 +39,8 @@ def test_calculator_tool_and_tasks():
     chats = calculator.sft_conversations(tasks, tool_fraction=0.5, seed=0)
     with_tool = [c for c in chats if len(c) == 4]
     assert 10 < len(with_tool) < 40  # a real mix
-    assert all(json.loads(c[1]["tool_calls"][0]["function"]["arguments"])["expr"] == c[0]["content"] for c in with_tool)
+    assert all(c[1]["tool_calls"][0]["function"]["name"] == "calculator" and c[2]["content"] == calculator.calculate(
+        c[0]["content"]) for c in with_tool)
     assert exact_match(tasks[0], f" {tasks[0].answer}\n") == 1.0 and exact_match(tasks[0], "nope") == 0.0
 
 

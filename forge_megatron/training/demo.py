@@ -1,0 +1,222 @@
+"""The end-to-end CPU demo behind ``bash scripts/demo.sh``: agent RL for real, every component its own process.
+
+    1. model    a tiny Qwen2-style HF model with forge's byte-level BPE tokenizer (random weights)
+    2. SFT      a short supervised warm-start on a Megatron model (forge_megatron.training.sft): the calculator
+                task's format, tool call included, but only ``--sft-tool-fraction`` of the examples use the tool,
+                the others answer directly (which a tiny model gets wrong), so RL has headroom
+    3. serve    forge-engine (CPU reference engine, SGLang API) with the SFT weights; the middleware node
+                (forge-gateway with the data pool embedded, ZeroMQ for the trainer); the calculator agent as a
+                black-box HTTP service that only knows the official ``openai`` client
+    4. RL       the rollout driver keeps the pool fed (groups of ``--group-size`` episodes per task); the Megatron
+                trainer (scripts/train_forge.py) pulls batches, trains with CISPO on prefix trees and pushes its
+                weights to the engine every step
+    5. report   success rate of the first vs the last steps, ``reward_curve.png`` and ``metrics.json`` in ``--out``
+
+Every process is started in its own process group and stopped at the end, also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from forge_megatron.agents import calculator
+from forge_megatron.agents.tasks import write_tasks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "demo"))
+    p.add_argument("--steps", type=int, default=20, help="RL steps")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-tool-fraction", type=float, default=0.3)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3, help="RL learning rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=900.0, help="give up (and clean up) after this long")
+    return p
+
+
+class Processes:
+    """Started subprocesses, each in its own process group; ``stop_all`` ends them (TERM, then KILL)."""
+
+    def __init__(self):
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def server(self, name: str, module: str, args: list[str]) -> str:
+        from forge_megatron.rollout.launch import ProcessServer
+
+        server = ProcessServer(module, args, env={"PYTHONUNBUFFERED": "1"})
+        self.procs.append((name, server.proc))
+        print(f"[demo] {name} ready at {server.url}", flush=True)
+        return server.url
+
+    def start(self, name: str, cmd: list[str], log_path: str | None = None, env: dict | None = None):
+        out = open(log_path, "w") if log_path else subprocess.PIPE
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.procs.append((name, proc))
+        return proc
+
+    def stop_all(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.time() + 10
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare(args: argparse.Namespace) -> tuple[str, str]:
+    """Steps 1-2: the base model, the task files, the SFT model. Returns (sft model dir, RL tasks file)."""
+    from forge_megatron.models.tiny import build_tiny_model
+
+    out = args.out
+    tasks = calculator.make_tasks(2400, seed=args.seed)
+    sft_tasks, rl_tasks = tasks[:2000], tasks[2000:]
+    write_tasks(os.path.join(out, "rl_tasks.jsonl"), rl_tasks)
+    with open(os.path.join(out, "sft.jsonl"), "w") as f:
+        for chat in calculator.sft_conversations(sft_tasks, args.sft_tool_fraction, seed=args.seed):
+            f.write(json.dumps({"messages": chat, "tools": calculator.TOOLS}) + "\n")
+    print(f"[demo] 1/5 tiny model (hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
+    base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
+                            num_hidden_layers=args.num_layers, intermediate_size=2 * args.hidden_size)
+    print(f"[demo] 2/5 supervised warm-start: {args.sft_steps} steps, tool used in {args.sft_tool_fraction:.0%} "
+          "of the examples", flush=True)
+    sft_dir = os.path.join(out, "sft_model")
+    subprocess.run([sys.executable, "-m", "forge_megatron.training.sft", "--hf-checkpoint", base,
+                    "--data", os.path.join(out, "sft.jsonl"), "--out", sft_dir, "--steps", str(args.sft_steps),
+                    "--seed", str(args.seed)], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "2", "MASTER_PORT": str(_free_port())})
+    return sft_dir, os.path.join(out, "rl_tasks.jsonl")
+
+
+def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path: str) -> str:
+    """Steps 3-4. Returns the metrics JSONL path."""
+    out, logs = args.out, os.path.join(args.out, "logs")
+    os.makedirs(logs, exist_ok=True)
+    print("[demo] 3/5 starting forge-engine, gateway + data pool, calculator agent", flush=True)
+    engine = procs.server("forge-engine", "forge_megatron.rollout.engine_server", ["--model-path", sft_dir])
+    pool_addr = f"tcp://127.0.0.1:{_free_port()}"
+    gateway = procs.server("gateway+pool", "forge_megatron.agents.middleware_node",
+                           ["--model-path", sft_dir, "--engines", engine, "--pool-bind", pool_addr,
+                            "--pool-db", os.path.join(out, "pool.sqlite"), "--rollout-batch-groups",
+                            str(args.groups_per_step), "--window-fraction", "1.0", "--max-staleness", "1",
+                            "--train-batch-groups", str(args.groups_per_step), "--default-max-tokens", "48"])
+    agent = procs.server("calculator agent", "forge_megatron.agents.calculator", ["--serve"])
+    print(f"[demo] 4/5 RL: {args.steps} steps x {args.groups_per_step} tasks x {args.group_size} episodes", flush=True)
+    procs.start("rollout driver", [sys.executable, "-m", "forge_megatron.agents.driver", "--gateway-url", gateway,
+                                   "--tasks", tasks_path, "--group-size", str(args.group_size),
+                                   "--max-inflight-groups", str(args.groups_per_step), "--agent-url", agent + "/",
+                                   "--pool-addr", pool_addr, "--seed", str(args.seed)],
+                log_path=os.path.join(logs, "driver.log"))
+    metrics = os.path.join(out, "metrics.jsonl")
+    trainer = procs.start("trainer", [
+        sys.executable, os.path.join(ROOT, "scripts", "train_forge.py"), "--hf-checkpoint", sft_dir,
+        "--position-embedding-type", "rope", "--lr", str(args.lr), "--lr-decay-style", "constant",
+        "--train-iters", str(args.steps), "--clip-grad", "1.0", "--weight-decay", "0.0",
+        "--pool-addr", pool_addr, "--gateway-url", gateway, "--engine-urls", engine,
+        "--weight-sync-transport", "disk", "--weight-sync-dir", os.path.join(out, "weight_sync"),
+        "--train-batch-groups", str(args.groups_per_step), "--tree-token-budget", "16384",
+        "--metrics-jsonl", metrics, "--log-interval", "1", "--seed", str(args.seed)],
+        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
+             "LOCAL_RANK": "0"})
+    deadline = time.time() + args.timeout_s
+    for line in trainer.stdout:
+        if line.startswith("[forge-train]") or "Error" in line or "Traceback" in line:
+            print(line.rstrip(), flush=True)
+        if time.time() > deadline:
+            raise TimeoutError(f"the demo did not finish within {args.timeout_s:.0f}s")
+    if trainer.wait() != 0:
+        raise RuntimeError(f"the trainer failed (exit {trainer.returncode}); logs in {logs}")
+    return metrics
+
+
+def summarise(args: argparse.Namespace, metrics_path: str, wall_s: float) -> dict:
+    """Step 5: metrics.json and reward_curve.png."""
+    with open(metrics_path) as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    if not steps:
+        raise RuntimeError(f"{metrics_path} is empty: no training step finished")
+    k = max(1, len(steps) // 4)
+    first = sum(s["success_rate"] for s in steps[:k]) / k
+    last = sum(s["success_rate"] for s in steps[-k:]) / k
+    summary = {"first_success_rate": first, "last_success_rate": last, "steps": len(steps), "wall_s": wall_s,
+               "window_steps": k, "success_rate": [s["success_rate"] for s in steps],
+               "reward_mean": [s["reward_mean"] for s in steps], "merge_ratio": [s["merge_ratio"] for s in steps],
+               "staleness_mean": [s["staleness_mean"] for s in steps]}
+    with open(os.path.join(args.out, "metrics.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    plot(steps, os.path.join(args.out, "reward_curve.png"))
+    return summary
+
+
+def plot(steps: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [s["step"] for s in steps]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(xs, [s["success_rate"] for s in steps], marker="o", label="task success rate")
+    ax.plot(xs, [s["reward_mean"] for s in steps], linestyle="--", label="mean reward")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("forge_megatron demo: calculator agent, CISPO on CPU")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.time()
+    if os.path.isdir(args.out):
+        shutil.rmtree(args.out)  # idempotent: every run starts from scratch
+    os.makedirs(args.out)
+    procs = Processes()
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        sft_dir, tasks_path = prepare(args)
+        metrics_path = run_rl(args, procs, sft_dir, tasks_path)
+    finally:
+        procs.stop_all()
+    summary = summarise(args, metrics_path, time.time() - start)
+    print(f"[demo] 5/5 success rate: first {summary['window_steps']} steps {summary['first_success_rate']:.2f} -> "
+          f"last {summary['window_steps']} steps {summary['last_success_rate']:.2f} over {summary['steps']} RL steps "
+          f"in {summary['wall_s']:.0f}s", flush=True)
+    print(f"[demo] wrote {args.out}/metrics.json and {args.out}/reward_curve.png; every process stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
