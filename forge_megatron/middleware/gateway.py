@@ -224,6 +224,7 @@ class Gateway:
         self.context_length = config.context_length or int(
             getattr(AutoConfig.from_pretrained(config.model_path), "max_position_embeddings", 4096))
         self.parser = get_parser(config.tool_parser)
+        self.no_parser = get_parser("none")  # tool_choice "none"
         self.fleet = EngineFleet(config.engine_urls, FleetConfig(max_attempts=config.engine_attempts,
                                                                  health_interval_s=config.health_interval_s))
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model_path))
@@ -307,8 +308,11 @@ class Gateway:
     def finish(self, sess: Session, turn: _Turn, continues: bool, result, started: float,
                req: ChatRequest) -> tuple[dict, str]:
         """Parse the completion, record the call, return (assistant message, OpenAI finish_reason)."""
+        if len(result.logprobs) != len(result.output_ids):
+            raise ApiError(502, f"the engine returned {len(result.logprobs)} logprobs for {len(result.output_ids)} "
+                                "tokens", "engine_error", code="bad_engine_response")
         text = self.renderer.completion_text(result.output_ids, result.finish_reason)
-        parsed = self.parser.parse(text) if req.tool_choice != "none" else get_parser("none").parse(text)
+        parsed = (self.parser if req.tool_choice != "none" else self.no_parser).parse(text)
         message = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls

@@ -264,6 +264,31 @@ def test_pause_holds_calls_and_resume_sets_policy_version(stack):
     assert calls(gw, s)[0]["policy_version"] == 5
 
 
+def test_call_aborted_by_engine_pause_is_reissued(stack):
+    """An engine paused with mode=abort (as a weight update does) aborts the call; the gateway re-issues it."""
+    gw, engines = stack
+    s = new_session(gw)
+    served_before = sum(e.served for e in gw.gateway.fleet.engines)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=client(s).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "long"}], max_tokens=300, seed=4,
+        extra_body={"ignore_eos": True})))
+    t.start()
+    deadline = time.time() + 60
+    busy = None
+    while busy is None and time.time() < deadline:
+        busy = next((h for h in engines if any(len(r.output_ids) > 2 for r in list(h.engine.running.values()))), None)
+        time.sleep(0.002)
+    assert http(busy.url + "/pause_generation", {"mode": "abort"})[1]["success"]
+    time.sleep(0.1)
+    http(busy.url + "/continue_generation", {})
+    t.join(60)
+    assert out["r"].usage.completion_tokens == 300
+    [call] = calls(gw, s)
+    assert len(call["completion_ids"]) == 300 and len(call["logprobs"]) == 300
+    assert sum(e.served for e in gw.gateway.fleet.engines) - served_before == 2  # the aborted call + the re-issue
+
+
 def test_bounded_pause_wait_gives_503(model_dir):
     e = start_engine(model_dir, in_process=True)
     gw = start_gateway(model_dir, [e.url], in_process=True)
