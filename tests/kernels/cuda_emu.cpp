@@ -5,8 +5,8 @@
 // its warp and reads its partner's value; a scheduler resumes fibers until all wait, then releases every
 // group whose live members all wait at the same kind of barrier (a divergent barrier aborts as a deadlock).
 // Dynamic shared memory is one static array (blocks run one after another).
-// fp32 instantiations only (the low-precision paths differ only in load/store conversions). Exposed through a C ABI
-// for ctypes; every entry point returns 0 on success, 1 on a bad head dim.
+// fp32, fp16 and bf16 instantiations, head dims 32 and 64. Exposed through a C ABI for ctypes; every entry point
+// returns 0 on success, 1 on an unsupported head dim or dtype code.
 // Layouts as in tree_attn.h: q/o/dq/dO [T, N, H], k/v/dk/dv [T, K, H], sub_end [T], lse/delta [N, T].
 
 #include <cuda_bf16.h>
@@ -168,22 +168,38 @@ void block_bounds(TreeAttnParams& p, std::vector<int>& kmin, std::vector<int>& k
   p.kmax = kmax.data();
 }
 
-template <int H>
-void forward(TreeAttnParams p) {
+template <typename scalar_t, int H>
+void run_typed(TreeAttnParams p, bool backward) {
   std::vector<int> kmin, kmax;
   block_bounds(p, kmin, kmax);
-  launch(tiles(p.T), p.N, detail::kThreads, [&] { detail::fwd_kernel<float, H>(p); });
+  if (!backward) {
+    launch(tiles(p.T), p.N, detail::kThreads, [&] { detail::fwd_kernel<scalar_t, H>(p); });
+    return;
+  }
+  launch(tiles(p.T), p.N, detail::kThreads, [&] { detail::bwd_dq_kernel<scalar_t, H>(p); });
+  launch(tiles(p.T), p.K, detail::kThreads, [&] { detail::bwd_dkdv_kernel<scalar_t, H>(p); });
 }
 
-template <int H>
-void backward(TreeAttnParams p) {
-  std::vector<int> kmin, kmax;
-  block_bounds(p, kmin, kmax);
-  launch(tiles(p.T), p.N, detail::kThreads, [&] { detail::bwd_dq_kernel<float, H>(p); });
-  launch(tiles(p.T), p.K, detail::kThreads, [&] { detail::bwd_dkdv_kernel<float, H>(p); });
+// dtype: 0 fp32, 1 fp16, 2 bf16 (tensors in that dtype; lse/delta always fp32). Head dims 32 and 64.
+template <typename scalar_t>
+int run_head_dim(const TreeAttnParams& p, bool backward) {
+  switch (p.H) {
+    case 32: run_typed<scalar_t, 32>(p, backward); return 0;
+    case 64: run_typed<scalar_t, 64>(p, backward); return 0;
+    default: return 1;
+  }
 }
 
-TreeAttnParams params(const float* q, const float* k, const float* v, const int* sub_end, int T, int N, int K, int H,
+int run(const TreeAttnParams& p, int dtype, bool backward) {
+  switch (dtype) {
+    case 0: return run_head_dim<float>(p, backward);
+    case 1: return run_head_dim<__half>(p, backward);
+    case 2: return run_head_dim<__nv_bfloat16>(p, backward);
+    default: return 1;
+  }
+}
+
+TreeAttnParams params(const void* q, const void* k, const void* v, const int* sub_end, int T, int N, int K, int H,
                       float scale) {
   TreeAttnParams p;
   p.q = q;
@@ -209,21 +225,17 @@ extern "C" int emu_block_bounds(const int* sub_end, int T, int* kmin, int* kmax)
   return 0;
 }
 
-extern "C" int emu_fwd(const float* q, const float* k, const float* v, const int* sub_end, float* o, float* lse, int T,
-                       int N, int K, int H, float scale) {
+extern "C" int emu_fwd(const void* q, const void* k, const void* v, const int* sub_end, void* o, float* lse, int T,
+                       int N, int K, int H, float scale, int dtype) {
   TreeAttnParams p = params(q, k, v, sub_end, T, N, K, H, scale);
   p.o = o;
   p.lse = lse;
-  switch (H) {
-    case 32: forward<32>(p); return 0;
-    case 64: forward<64>(p); return 0;
-    default: return 1;
-  }
+  return run(p, dtype, /*backward=*/false);
 }
 
-extern "C" int emu_bwd(const float* d_o, const float* q, const float* k, const float* v, const float* lse,
-                       const float* delta, const int* sub_end, float* dq, float* dk, float* dv, int T, int N, int K,
-                       int H, float scale) {
+extern "C" int emu_bwd(const void* d_o, const void* q, const void* k, const void* v, const float* lse,
+                       const float* delta, const int* sub_end, void* dq, void* dk, void* dv, int T, int N, int K,
+                       int H, float scale, int dtype) {
   TreeAttnParams p = params(q, k, v, sub_end, T, N, K, H, scale);
   p.d_o = d_o;
   p.lse = const_cast<float*>(lse);
@@ -231,9 +243,5 @@ extern "C" int emu_bwd(const float* d_o, const float* q, const float* k, const f
   p.dq = dq;
   p.dk = dk;
   p.dv = dv;
-  switch (H) {
-    case 32: backward<32>(p); return 0;
-    case 64: backward<64>(p); return 0;
-    default: return 1;
-  }
+  return run(p, dtype, /*backward=*/true);
 }

@@ -6,7 +6,8 @@ also need the extension built: `python setup.py build_ext --inplace` on a CUDA m
 The emulation tests compile the real kernel source (csrc/tree_attn/tree_attn_kernels.cuh, fp32 instantiations) with
 the host compiler and tests/kernels/cuda_emu.cpp, which runs every CUDA thread as a fiber with real barriers and
 warp shuffles, and check forward and backward against the reference: the kernels' indexing, tile skipping, masking,
-online softmax and GQA reduction are tested on every CI machine that has the CUDA headers (any machine with nvcc).
+online softmax, GQA reduction and fp16/bf16 conversions are tested on every CI machine that has the CUDA headers
+(any machine with nvcc).
 """
 
 import ctypes
@@ -68,6 +69,9 @@ def _ptr(x: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(x.data_ptr())
 
 
+_EMU_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
 class _Emulated(torch.autograd.Function):
     """The CUDA kernels run by the emulator, wired like the real op: forward saves lse, backward uses delta."""
 
@@ -76,7 +80,7 @@ class _Emulated(torch.autograd.Function):
         T, N, H = q_TNH.shape
         o_TNH, lse_NT = torch.empty_like(q_TNH), torch.empty(N, T)
         rc = lib.emu_fwd(_ptr(q_TNH), _ptr(k_TKH), _ptr(v_TKH), _ptr(sub_end_T), _ptr(o_TNH), _ptr(lse_NT),
-                         T, N, k_TKH.shape[1], H, ctypes.c_float(scale))
+                         T, N, k_TKH.shape[1], H, ctypes.c_float(scale), _EMU_DTYPES[q_TNH.dtype])
         assert rc == 0, f"emu_fwd rejected head_dim {H}"
         ctx.save_for_backward(q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T)
         ctx.lib, ctx.scale = lib, scale
@@ -86,12 +90,12 @@ class _Emulated(torch.autograd.Function):
     def backward(ctx, do_TNH):
         q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T = ctx.saved_tensors
         do_TNH = do_TNH.contiguous()
-        delta_NT = (do_TNH * o_TNH).sum(-1).t().contiguous()
+        delta_NT = (do_TNH.float() * o_TNH.float()).sum(-1).t().contiguous()
         dq, dk, dv = torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
         T, N, H = q_TNH.shape
         rc = ctx.lib.emu_bwd(_ptr(do_TNH), _ptr(q_TNH), _ptr(k_TKH), _ptr(v_TKH), _ptr(lse_NT), _ptr(delta_NT),
                              _ptr(sub_end_T), _ptr(dq), _ptr(dk), _ptr(dv), T, N, k_TKH.shape[1], H,
-                             ctypes.c_float(ctx.scale))
+                             ctypes.c_float(ctx.scale), _EMU_DTYPES[q_TNH.dtype])
         assert rc == 0
         return None, dq, dk, dv, None, None
 
@@ -112,6 +116,11 @@ def test_emulated_cuda_kernels_match_reference(emu, case):
 
 def test_emulated_cuda_kernels_gqa_head_dim_64_and_scale(emu):
     check_against_reference(_emulated_attention(emu), CASES["grpo"], N=4, K=2, H=64, dtype=torch.float32, scale=0.2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_emulated_cuda_kernels_low_precision(emu, dtype):
+    check_against_reference(_emulated_attention(emu), CASES["many_roots"], N=2, K=1, H=32, dtype=dtype)
 
 
 def test_emulated_block_bounds(emu):
