@@ -289,6 +289,33 @@ def test_call_aborted_by_engine_pause_is_reissued(stack):
     assert sum(e.served for e in gw.gateway.fleet.engines) - served_before == 2  # the aborted call + the re-issue
 
 
+def test_weight_update_cycle_records_new_policy_version(tmp_path, model_dir):
+    """pause gateway -> engine loads new weights (weight_version 1) -> resume: later calls carry version 1 and
+    logprobs of the new weights."""
+    new_dir = build_tiny_model(str(tmp_path / "v1"), seed=9)
+    e = start_engine(model_dir, in_process=True)
+    gw = start_gateway(model_dir, [e.url], in_process=True)
+    try:
+        s = new_session(gw)
+        c = client(s)
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=3)
+        http(gw.url + "/forge/admin/pause", {"drain_timeout_s": 5})
+        assert http(e.url + "/update_weights_from_disk", {"model_path": new_dir, "weight_version": "1"})[1]["success"]
+        http(gw.url + "/forge/admin/resume", {"policy_version": 1})
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "b"}], max_tokens=3)
+        first, second = calls(gw, s)
+        assert first["policy_version"] == 0 and second["policy_version"] == 1
+        m = AutoModelForCausalLM.from_pretrained(new_dir).eval()
+        ids = second["prompt_ids"] + second["completion_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(m(torch.tensor([ids])).logits[0, len(second["prompt_ids"]) - 1:-1], -1)
+        ref = logp[torch.arange(3), torch.tensor(second["completion_ids"])]
+        assert second["logprobs"] == pytest.approx(ref.tolist(), abs=1e-4)
+    finally:
+        gw.stop()
+        e.stop()
+
+
 def test_bounded_pause_wait_gives_503(model_dir):
     e = start_engine(model_dir, in_process=True)
     gw = start_gateway(model_dir, [e.url], in_process=True)
