@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The README's main command. Idempotent: sets up .venv on first use.
-# For now this runs the most complete real path that exists: a few training steps of a tiny Megatron-Core GPT
-# on this machine through forge_megatron's CPU patches. The end-to-end RL demo replaces it (issue 9).
+# The README's main command: the whole agent-RL loop on CPU, for real, in a few minutes on 2 cores.
+#   tiny model -> supervised warm-start (Megatron) -> forge-engine + gateway/data pool + calculator agent (openai
+#   client, black box) -> rollout driver -> Megatron trainer (CISPO on prefix trees) -> weight sync every step.
+# Prints progress; writes runs/demo/{metrics.json, reward_curve.png, metrics.jsonl, logs/} (or --out DIR).
+# Idempotent: sets up .venv on first use and starts each run from scratch; stops every process it started.
+# Options are forge_megatron.training.demo's (python -m forge_megatron.training.demo --help).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup_env.sh"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
-echo "[demo] running: tiny Megatron-Core GPT, 30 Adam steps on CPU (scripts/megatron_smoke.py)"
-python scripts/megatron_smoke.py --steps 30 "$@"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec python -m forge_megatron.training.demo "$@"

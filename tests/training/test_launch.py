@@ -90,3 +90,22 @@ def test_dry_run_rejects_inconsistent_layouts(env, message):
     out = _dry_run(**env)
     assert out.returncode != 0
     assert re.search(message, out.stderr), out.stderr
+
+
+def test_run_local_dry_run_is_consistent():
+    script = os.path.join(ROOT, "scripts", "run_local.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    env = {**os.environ, "HF_CHECKPOINT": "/models/m", "TASKS": "tasks.jsonl", "AGENT_URL": "http://127.0.0.1:9/",
+           "NUM_ENGINES": "2", "NPROC": "4", "TP": "2", "MODEL": "tiny"}
+    out = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    cmds = _commands(out.stdout)
+    engines = [c for c in cmds if "forge_megatron.rollout.engine_server" in c]
+    urls = [f"http://127.0.0.1:{c[c.index('--port') + 1]}" for c in engines]
+    assert len(set(urls)) == 2
+    (trainer,) = [c for c in cmds if c[0] == "torchrun"]
+    args = arguments.parse_args(trainer[trainer.index(next(a for a in trainer if a.endswith("train_forge.py"))) + 1:])
+    assert args.engine_urls == urls and args.tensor_model_parallel_size == 2 and args.num_layers == 2
+    arguments.parallel_config(args).data_parallel_size(int(trainer[trainer.index("--nproc-per-node") + 1]))
+    bad = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, env={**env, "TP": "3"})
+    assert bad.returncode != 0 and "TP*PP*CP=3 must divide NPROC=4" in bad.stderr

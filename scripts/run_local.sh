@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Agent RL on one machine: rollout engine(s), gateway + data pool, the rollout driver with your agent, and the trainer
+# (torchrun, NPROC ranks). Every process is stopped on exit (success, error or Ctrl-C).
+#
+#   HF_CHECKPOINT=/models/Qwen3-8B MODEL=qwen3-8B TASKS=tasks.jsonl NPROC=4 TP=2 ENGINE=sglang bash scripts/run_local.sh
+#   bash scripts/run_local.sh --dry-run      # print the commands only
+#
+# Settings (environment): HF_CHECKPOINT (required), MODEL (scripts/models/<MODEL>.sh, optional: the HF config is the
+# architecture), TASKS (tasks JSONL), ENGINE (forge = CPU reference engine | sglang), NUM_ENGINES, NPROC, TP, PP, EP,
+# CP, AGENT_CMD or AGENT_URL, GROUP_SIZE, GROUPS_PER_STEP, TRAIN_ITERS, LR, RUN_DIR, EXTRA_TRAIN_ARGS.
+set -euo pipefail
+DRY_RUN=0
+[ "${1:-}" = "--dry-run" ] && DRY_RUN=1
+[ "$DRY_RUN" = 1 ] || [ $# -eq 0 ] || { echo "run_local.sh: unknown argument $1 (only --dry-run)" >&2; exit 2; }
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HF_CHECKPOINT="${HF_CHECKPOINT:?set HF_CHECKPOINT to a HF model directory}"
+MODEL="${MODEL:-}"
+TASKS="${TASKS:?set TASKS to a tasks JSONL file}"
+ENGINE="${ENGINE:-forge}"
+NUM_ENGINES="${NUM_ENGINES:-1}"
+NPROC="${NPROC:-1}"; TP="${TP:-1}"; PP="${PP:-1}"; EP="${EP:-1}"; CP="${CP:-1}"
+AGENT_CMD="${AGENT_CMD:-}"; AGENT_URL="${AGENT_URL:-}"
+GROUP_SIZE="${GROUP_SIZE:-8}"; GROUPS_PER_STEP="${GROUPS_PER_STEP:-4}"
+TRAIN_ITERS="${TRAIN_ITERS:-100}"; LR="${LR:-1e-6}"
+RUN_DIR="${RUN_DIR:-$ROOT/runs/local}"
+EXTRA_TRAIN_ARGS="${EXTRA_TRAIN_ARGS:-}"
+ENGINE_PORT="${ENGINE_PORT:-30000}"; GATEWAY_PORT="${GATEWAY_PORT:-8000}"; POOL_PORT="${POOL_PORT:-5555}"
+
+if [ -n "$AGENT_CMD" ]; then AGENT=(--agent-command "$AGENT_CMD")
+elif [ -n "$AGENT_URL" ]; then AGENT=(--agent-url "$AGENT_URL")
+else echo "run_local.sh: set AGENT_CMD (a program) or AGENT_URL (an HTTP agent service)" >&2; exit 2; fi
+(( NPROC % (TP * PP * CP) == 0 )) || { echo "run_local.sh: TP*PP*CP=$((TP * PP * CP)) must divide NPROC=$NPROC" >&2; exit 1; }
+
+PIDS=()
+show() { printf '+'; printf ' %q' "$@"; }
+run_bg() {
+  local name="$1"; shift
+  show "$@"; echo " &> $RUN_DIR/logs/$name.log &"
+  [ "$DRY_RUN" = 1 ] && return 0
+  setsid "$@" &> "$RUN_DIR/logs/$name.log" &
+  PIDS+=($!)
+}
+wait_http() {
+  echo "+ wait_http $1"
+  [ "$DRY_RUN" = 1 ] && return 0
+  for _ in $(seq 600); do curl -sf -o /dev/null "$1" && return 0; sleep 1; done
+  echo "run_local.sh: $1 did not come up (see $RUN_DIR/logs)" >&2; exit 1
+}
+teardown() {
+  local rc=$?
+  for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+  sleep 2
+  for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
+  exit "$rc"
+}
+[ "$DRY_RUN" = 1 ] || { mkdir -p "$RUN_DIR/logs"; trap teardown EXIT INT TERM; }
+
+ENGINE_URLS=()
+for ((e = 0; e < NUM_ENGINES; e++)); do
+  port=$((ENGINE_PORT + e))
+  if [ "$ENGINE" = sglang ]; then
+    run_bg "engine-$e" env CUDA_VISIBLE_DEVICES="$((NPROC + e))" python -m sglang.launch_server \
+      --model-path "$HF_CHECKPOINT" --host 127.0.0.1 --port "$port"
+  else
+    run_bg "engine-$e" python -m forge_megatron.rollout.engine_server --model-path "$HF_CHECKPOINT" \
+      --host 127.0.0.1 --port "$port"
+  fi
+  ENGINE_URLS+=("http://127.0.0.1:$port")
+done
+for url in "${ENGINE_URLS[@]}"; do wait_http "$url/health"; done
+ENGINES_CSV="$(IFS=,; echo "${ENGINE_URLS[*]}")"
+GATEWAY_URL="http://127.0.0.1:$GATEWAY_PORT"
+POOL_ADDR="tcp://127.0.0.1:$POOL_PORT"
+
+run_bg middleware python -m forge_megatron.agents.middleware_node --model-path "$HF_CHECKPOINT" \
+  --engines "$ENGINES_CSV" --port "$GATEWAY_PORT" --pool-bind "$POOL_ADDR" --pool-db "$RUN_DIR/pool.sqlite" \
+  --rollout-batch-groups "$GROUPS_PER_STEP" --train-batch-groups "$GROUPS_PER_STEP" --max-staleness 2
+wait_http "$GATEWAY_URL/v1/models"
+run_bg driver python -m forge_megatron.agents.driver --gateway-url "$GATEWAY_URL" --tasks "$TASKS" \
+  --group-size "$GROUP_SIZE" --max-inflight-groups "$GROUPS_PER_STEP" --pool-addr "$POOL_ADDR" "${AGENT[@]}"
+
+MODEL_ARGS=()
+# shellcheck disable=SC1090
+[ -n "$MODEL" ] && source "$ROOT/scripts/models/$MODEL.sh"
+# shellcheck disable=SC2206
+EXTRA=($EXTRA_TRAIN_ARGS)
+TRAIN_CMD=(torchrun --nproc-per-node "$NPROC" "$ROOT/scripts/train_forge.py" "${MODEL_ARGS[@]}"
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+  --expert-model-parallel-size "$EP" --context-parallel-size "$CP"
+  --hf-checkpoint "$HF_CHECKPOINT" --lr "$LR" --train-iters "$TRAIN_ITERS"
+  --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 20
+  --metrics-jsonl "$RUN_DIR/metrics.jsonl" --pool-addr "$POOL_ADDR" --gateway-url "$GATEWAY_URL"
+  --engine-urls "$ENGINES_CSV" --weight-sync-transport distributed --train-batch-groups "$GROUPS_PER_STEP"
+  --group-size "$GROUP_SIZE" "${EXTRA[@]}")
+show "${TRAIN_CMD[@]}"; echo
+[ "$DRY_RUN" = 1 ] && exit 0
+"${TRAIN_CMD[@]}"
