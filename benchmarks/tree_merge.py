@@ -200,7 +200,7 @@ def run(args) -> dict:
     out = {
         "workload": os.path.basename(args.workload), "samples": len(samples),
         "total_tokens": layout.total_tokens, "unique_tokens": layout.unique_tokens, "bound": round(bound, 3),
-        "naive_s": round(naive_s, 4), "naive_packed_s": round(packed_s, 4), "tree_s": round(tree_s, 4),
+        "naive_s": round(naive_s, 6), "naive_packed_s": round(packed_s, 6), "tree_s": round(tree_s, 6),
         "speedup": round(naive_s / tree_s, 3), "speedup_over_bound": round(naive_s / tree_s / bound, 3),
         "speedup_packed": round(packed_s / tree_s, 3), "speedup_packed_over_bound": round(packed_s / tree_s / bound, 3),
         "max_abs_logprob_diff": max((logp_tree - logp_naive).abs().max().item(),
