@@ -1,6 +1,7 @@
-"""Checkpoint conversion (0 GPUs; 1-2 gloo ranks): HF -> Megatron -> HF is bit-exact for every family and layout,
-resharding keeps every tensor, the converted Megatron model (TP=1, TP=2, PP=2, EP=2) computes the HF model's
-logits, and bad inputs fail with errors that name the problem.
+"""Checkpoint conversion (0 GPUs; 1 gloo rank): HF -> Megatron -> HF is bit-exact for every family and layout,
+resharding keeps every tensor, the converted Megatron model of every family computes the HF model's
+logits, and bad inputs fail with errors that name the problem. (TP=2 / PP=2 / EP=2 models loaded from converted
+checkpoints are compared with the HF original in tests/weight_sync, which starts those trainers anyway.)
 """
 
 import glob
@@ -15,7 +16,6 @@ from safetensors.torch import load_file, save_file
 from forge_megatron.bridge import MappingError, ParallelLayout, UnsupportedModelError
 from forge_megatron.convert import checkpoint as ckpt
 from forge_megatron.convert.cli import main as cli_main
-from forge_megatron.mcore.parallel import ParallelConfig
 from tests.convert.mcore_forward import forward_logits, load_converted
 from tests.dist_utils import run_distributed
 
@@ -128,23 +128,6 @@ def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
     for arch in archs:
         diff = (out[arch] - _hf_logits(hf_dirs[arch])).abs().max().item()
         assert diff <= 1e-4, (arch, diff)
-
-
-@pytest.mark.parametrize("archs,parallel", [
-    (("qwen2", "qwen3_moe"), ParallelConfig(tp=2)),
-    (("llama", "qwen3_moe"), ParallelConfig(pp=2)),
-    (("qwen3_moe",), ParallelConfig(ep=2)),
-], ids=["tp2", "pp2", "ep2"])
-def test_sharded_megatron_logits_equal_hf(hf_dirs, tmp_path, archs, parallel):
-    layout = ParallelLayout(parallel.tp, parallel.pp, parallel.ep)
-    outs = run_distributed(_megatron_logits_body, world_size=2, parallel=parallel,
-                           mcore_dirs=_convert_all(hf_dirs, tmp_path, archs, layout))
-    for arch in archs:
-        ref = _hf_logits(hf_dirs[arch])
-        got = [o[arch] for o in outs if o[arch] is not None]
-        assert got
-        for logits in got:
-            assert (logits - ref).abs().max().item() <= 1e-4, arch
 
 
 # ------------------------------------------------------------------------------------------------ bad input

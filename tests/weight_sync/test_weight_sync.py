@@ -1,6 +1,7 @@
 """Weight sync from a sharded Megatron trainer to forge-engine (0 GPUs; 1-2 gloo trainer ranks + CPU engines).
 
-After a sync from a TP=2 / PP=2 / EP=2 trainer whose weights moved away from the engine's, the engine's logprobs of
+A TP=2 / PP=2 / EP=2 trainer loaded from a forge-convert checkpoint scores tokens like the HF original. After a
+sync from such a trainer whose weights moved away from the engine's, the engine's logprobs of
 its own greedy continuation equal the trainer's (<= 1e-5), for the distributed (broadcast) and the disk transport;
 an engine killed between buckets is excluded (the others get every tensor and the new version) and is re-synced
 once it is back; bad configs fail with messages that name the field.
@@ -22,6 +23,7 @@ from tests.dist_utils import run_distributed
 
 PROMPT = [5, 17, 42, 99, 7, 256, 31, 64]
 NEW = 5
+TAIL = [3, 1, 4, 1, 5]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +106,9 @@ def _sync(model, bridge, version, **cfg):
 
 def _sync_body(rank, world_size, mcore_dir, engine_url, disk_dir):
     bridge, model = load_converted(mcore_dir)
+    results = {"converted": _engine_vs_trainer(model, engine_url)}  # the engine serves the HF original
     _perturb(model, 0.05)
-    results = {"before": _engine_vs_trainer(model, engine_url)}
+    results["before"] = _engine_vs_trainer(model, engine_url)
     for version, transport in ((1, "distributed"), (2, "disk")):
         report = _sync(model, bridge, version, engine_urls=[engine_url], transport=transport, disk_dir=disk_dir)
         results[transport] = (report, _engine_vs_trainer(model, engine_url))
@@ -115,6 +118,8 @@ def _sync_body(rank, world_size, mcore_dir, engine_url, disk_dir):
 
 def _check_synced(results):
     r0 = results[0]
+    (lps_hf, _), trainer_converted = r0["converted"]
+    assert max(abs(a - b) for a, b in zip(lps_hf, trainer_converted)) <= 1e-5  # the sharded conversion is exact
     (lps_before, _), trainer_before = r0["before"]
     assert max(abs(a - b) for a, b in zip(lps_before, trainer_before)) > 1e-3  # the trainer really moved
     for version, transport in ((1, "distributed"), (2, "disk")):
@@ -151,6 +156,7 @@ def _moe_export_body(rank, world_size, mcore_dir, out_dir):
     from forge_megatron.weight_sync.gather import iter_model_buckets
 
     bridge, model = load_converted(mcore_dir)
+    converted = _trainer_logprobs(model, TAIL)
     _perturb(model, 0.05)
     names, received = [], {}
     for bucket in iter_model_buckets(bridge, [model], bucket_bytes=40_000):
@@ -160,29 +166,34 @@ def _moe_export_body(rank, world_size, mcore_dir, out_dir):
         save_file(received, os.path.join(out_dir, "model.safetensors"))
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(bridge.hf_config, f)
-    return names, _trainer_logprobs(model, [3, 1, 4, 1, 5])
+    return names, converted, _trainer_logprobs(model, TAIL)
 
 
 def test_ep2_moe_experts_gathered_with_global_ids(models, tmp_path):
     """The EP=2 trainer's tensors, loaded by transformers (which maps SGLang's per-expert checkpoint names onto its
     fused experts), give the trainer's logprobs. forge-engine cannot load per-expert names yet (docs/weight_sync.md)."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     mcore = str(tmp_path / "mcore")
     ckpt.hf_to_megatron(models["qwen3_moe"], mcore, ParallelLayout(ep=2))
-    (names, trainer), (names1, _) = run_distributed(_moe_export_body, world_size=2, parallel=ParallelConfig(ep=2),
+    (names, converted, trainer), (names1, _, _) = run_distributed(_moe_export_body, world_size=2, parallel=ParallelConfig(ep=2),
                                                     mcore_dir=mcore, out_dir=str(tmp_path))
     assert names1 == []  # only rank 0 receives
     reference = load_file(os.path.join(models["qwen3_moe"], "model.safetensors"))
     assert sorted(names) == sorted(reference)  # all 4 experts of every layer, each once, HF checkpoint names
     assert [n for n in names if ".experts." in n] == names[-len([n for n in names if ".experts." in n]):]
-    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    ids = torch.tensor([PROMPT + [3, 1, 4, 1, 5]])
+    for hf_dir, want in ((models["qwen3_moe"], converted), (str(tmp_path), trainer)):  # before / after the update
+        got = _hf_logprobs(hf_dir)
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, hf_dir
+
+
+def _hf_logprobs(hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
-    hf = [logp[len(PROMPT) - 1 + i, t].item() for i, t in enumerate([3, 1, 4, 1, 5])]
-    assert max(abs(a - b) for a, b in zip(hf, trainer)) <= 1e-5
+        logp = torch.log_softmax(model(input_ids=torch.tensor([PROMPT + TAIL])).logits[0].double(), dim=-1)
+    return [logp[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(TAIL)]
 
 
 # ------------------------------------------------------------------------------------------ engine failures

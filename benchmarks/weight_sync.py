@@ -1,0 +1,120 @@
+"""Weight-sync throughput: a full sync (gather -> HF names -> buckets -> pause/flush -> broadcast to forge-engine ->
+continue) vs a raw broadcast of the same bytes, in the same bucket sizes, over the same transport (a gloo group on
+CPU, NCCL on GPUs), measured side by side in one run; bucket sizes swept.
+
+    python benchmarks/weight_sync.py [--hidden 512 --layers 4 --buckets-mb 4,32,128 --repeats 3]
+
+Prints ONE JSON line: bytes, sync_gbps, raw_gbps, ratio (at the best bucket size), and the sweep.
+Receivers: one forge-engine subprocess (sync) and one bare receiver process (raw), each one rank of its group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+
+import torch
+
+
+def _raw_receiver(port: int, sizes: list[int], repeats: int) -> None:
+    from forge_megatron.rollout.weight_group import broadcast_tensor, init_weight_update_group
+
+    torch.set_num_threads(1)
+    group = init_weight_update_group("127.0.0.1", port, 1, 2, group_name="raw")
+    for _ in range(repeats):
+        for n in sizes:
+            broadcast_tensor(group, torch.empty(n, dtype=torch.uint8), src=0)
+
+
+def _raw_gbps(buckets, repeats: int) -> float:
+    """Broadcast the packed buckets to a bare receiver; best of ``repeats`` passes."""
+    from forge_megatron.weight_sync.buckets import pack
+    from forge_megatron.weight_sync.transport import free_port, make_group
+
+    flat = [pack(b) for b in buckets]
+    port = free_port("127.0.0.1")
+    proc = mp.get_context("spawn").Process(target=_raw_receiver, args=(port, [f.numel() for f in flat], repeats))
+    proc.start()
+    store, group = make_group("127.0.0.1", port, 2, "raw", "gloo", 120.0)
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for f in flat:
+            group.broadcast([f], opts).wait()
+        best = min(best, time.perf_counter() - t0)
+    proc.join(timeout=60)
+    del store, group
+    return sum(f.numel() for f in flat) / best / 1e9
+
+
+def _setup(args, root: str):
+    from forge_megatron.convert import checkpoint as ckpt
+    from forge_megatron.mcore.model import build_gpt
+    from forge_megatron.mcore.parallel import ParallelConfig, initialize
+    from forge_megatron.models.tiny import build_tiny_model
+
+    hf_dir = build_tiny_model(os.path.join(root, "hf"), arch="qwen2", hidden_size=args.hidden,
+                              intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
+                              num_attention_heads=8, num_key_value_heads=4)
+    ckpt.hf_to_megatron(hf_dir, os.path.join(root, "mcore"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1")
+    initialize(ParallelConfig())
+    bridge, _ = ckpt.read_meta(os.path.join(root, "mcore"))
+    model = build_gpt(bridge.cfg).eval()
+    model.load_state_dict(ckpt.load_rank_state(os.path.join(root, "mcore"), 0, 0, 0))
+    return hf_dir, bridge, model
+
+
+def _port() -> int:
+    from forge_megatron.weight_sync.transport import free_port
+
+    return free_port("127.0.0.1")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--buckets-mb", default="4,32,128", help="comma-separated bucket sizes in MiB")
+    p.add_argument("--repeats", type=int, default=3, help="passes per measurement (best is reported)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    from forge_megatron.rollout.launch import start_engine
+    from forge_megatron.weight_sync import WeightSyncConfig, WeightSyncer
+    from forge_megatron.weight_sync.gather import iter_model_buckets
+
+    with tempfile.TemporaryDirectory() as root:
+        hf_dir, bridge, model = _setup(args, root)
+        engine = start_engine(hf_dir)
+        sweep = []
+        try:
+            for mb in (float(x) for x in args.buckets_mb.split(",")):
+                bucket_bytes = int(mb * (1 << 20))
+                buckets = list(iter_model_buckets(bridge, [model], bucket_bytes))
+                syncer = WeightSyncer(WeightSyncConfig(engine_urls=[engine.url], bucket_bytes=bucket_bytes), bridge)
+                try:
+                    syncer.sync([model], 0)  # warm-up: builds the group
+                    reports = [syncer.sync([model], v + 1) for v in range(args.repeats)]
+                finally:
+                    syncer.close()
+                best = min(reports, key=lambda r: r.seconds)
+                raw = _raw_gbps(buckets, args.repeats)
+                sync_gbps = best.bytes / best.seconds / 1e9
+                sweep.append({"bucket_mb": mb, "buckets": best.buckets, "sync_gbps": round(sync_gbps, 4),
+                              "raw_gbps": round(raw, 4), "ratio": round(sync_gbps / raw, 3)})
+        finally:
+            engine.stop()
+    top = max(sweep, key=lambda s: s["ratio"])
+    print(json.dumps({"benchmark": "weight_sync", "transport": "distributed/gloo", "engines": 1,
+                      "bytes": best.bytes, "sync_gbps": top["sync_gbps"], "raw_gbps": top["raw_gbps"],
+                      "ratio": top["ratio"], "bucket_mb": top["bucket_mb"], "sweep": sweep}))
+
+
+if __name__ == "__main__":
+    main()
