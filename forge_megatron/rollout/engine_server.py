@@ -236,12 +236,9 @@ class ReferenceEngine:
         _require(mode in PAUSE_MODES, f"mode must be one of {PAUSE_MODES}, got {mode!r}")
         self.pause_mode = mode
         self.resumed.clear()
-        for req in self.running.values():
-            if mode == "abort":
-                req.aborted = True
-            elif mode == "retract":
-                req.past = None  # recomputed from the tokens after continue_generation
         if mode == "abort":
+            for req in self.running.values():
+                req.aborted = True
             self.resumed.set()  # wake the aborted requests; new ones wait on the pause flag below
             self.resumed.clear()
 
@@ -369,6 +366,8 @@ async def flush_cache(request, eng):
 async def pause_generation(request, eng):
     body = await _json_body(request)
     eng.pause(body.get("mode", "abort"))
+    if eng.pause_mode == "retract":  # on the worker, after any step in flight: KV recomputed on continue
+        await eng.run(eng.flush_cache)
     return _ok(f"paused ({eng.pause_mode})")
 
 

@@ -133,7 +133,7 @@ def test_bad_generate_requests_are_400(engine, body, field):
         SamplingParams(temperature=-1)
 
 
-def _long_request_and_pause(handle, mode):
+def _long_request_and_pause(handle, mode, flush=False):
     """Start a long seeded request, pause with ``mode`` mid-way, continue; return (result, result without pause)."""
     async def go():
         c = SGLangClient(handle.url)
@@ -145,8 +145,14 @@ def _long_request_and_pause(handle, mode):
         held = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 2, "sampling_seed": 1}))
         await asyncio.sleep(0.2)
         assert not held.done()  # new requests wait while paused
-        if mode == "retract":
+        held_reqs = list(handle.engine.running.values())
+        if mode == "retract":  # KV caches dropped, recomputed on continue
+            assert held_reqs and all(r.past is None for r in held_reqs)
+        if mode == "in_place":  # KV caches kept
+            assert held_reqs and all(r.past is not None for r in held_reqs)
+        if flush:
             await c.flush_cache()
+            assert all(r.past is None for r in held_reqs)
         await c.continue_generation()
         res, _ = await task, await held
         ref = await c.generate(PROMPT, sp)
@@ -161,9 +167,9 @@ def test_pause_abort_returns_aborted_requests(engine):
     assert 2 <= len(res.output_ids) < 300 and res.output_ids == ref.output_ids[:len(res.output_ids)]
 
 
-@pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_pause_keep_modes_resume_exactly(engine, mode):
-    res, ref = _long_request_and_pause(engine, mode)
+@pytest.mark.parametrize("mode, flush", [("in_place", False), ("in_place", True), ("retract", False)])
+def test_pause_keep_modes_resume_exactly(engine, mode, flush):
+    res, ref = _long_request_and_pause(engine, mode, flush)
     assert res.finish_type == "length"
     assert res.output_ids == ref.output_ids
     assert res.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
