@@ -75,9 +75,14 @@ def micro_batch_of(samples: list, domains: list[str]):
 
 
 def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: int, domains: list[str]) -> RankBatch:
-    """Split a pool batch over DP ranks by group and pack this rank's share into micro-batches."""
+    """Split a pool batch over DP ranks by group and pack this rank's share into micro-batches.
+
+    ``domains`` (the names behind the per-domain metric ids) grows with new domains in batch order, which is the
+    same on every rank.
+    """
     from forge_megatron.tree import pack_micro_batches
 
+    domains.extend(sorted({s.domain for s in batch.samples} - set(domains)))
     groups = sorted(set(s.group_index for s in batch.samples))
     mine = set(groups[dp_rank::dp_size])
     samples = [s for s in batch.samples if s.group_index in mine and len(s.tokens) >= 2]
@@ -113,7 +118,7 @@ class Trainer:
         self.bridge = Bridge(args.hf_checkpoint)
         self.cfg = model_config(args, self.bridge)
         self.loss_cfg = arguments.loss_config(args)
-        self.domains = sorted(args.domain_ratios) or ["default"]
+        self.domains = sorted(args.domain_ratios)
         self.model, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(args, self.cfg)
         self.iteration, self.policy_version, self.last_batch_id = 0, 0, None
         self.pool = self._pool_client() if self.rank == 0 else None
