@@ -44,6 +44,22 @@ def workload_lengths(args) -> tuple[torch.Tensor, list[int]]:
     return torch.full((T,), T, dtype=torch.int32), [P + c * R for c in range(1, C + 1)]
 
 
+def tile_counts(sub_end_T: torch.Tensor, block: int) -> dict[str, int]:
+    """How many causal block x block tiles are empty (skipped), full (unmasked) or partial (masked), by the rule of
+    docs/prefix_tree.md: empty if max(sub_end[keys]) <= q_lo, full if k_hi - 1 <= q_lo and min(sub_end[keys]) >= q_hi."""
+    T = sub_end_T.shape[0]
+    padded = F.pad(sub_end_T.long(), (0, -T % block), value=-1).view(-1, block)
+    kmax_B = padded.amax(1)
+    kmin_B = torch.where(padded < 0, T + 1, padded).amin(1)
+    lo_B = torch.arange(padded.shape[0], device=sub_end_T.device) * block
+    q_lo, k_lo = lo_B[:, None], lo_B[None, :]
+    q_hi = (q_lo + block).clamp(max=T)
+    causal = k_lo < q_hi
+    empty = causal & (kmax_B[None, :] <= q_lo)
+    full = causal & ~empty & (k_lo + block - 1 <= q_lo) & (kmin_B[None, :] >= q_hi)
+    return {"empty": int(empty.sum()), "full": int(full.sum()), "partial": int((causal & ~empty & ~full).sum())}
+
+
 def _time_ms(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
     fn()  # warm-up (compilation, autotuning, allocator)
     times = []
@@ -157,6 +173,7 @@ def run(args) -> dict:
         "bench": "tree_attention", "device": str(device), "gpu": env.probe_cuda().detail if device.type == "cuda" else "",
         "workload": args.workload, "dtype": str(dtype).replace("torch.", ""), "N": N, "K": K, "H": H,
         "tree_tokens": T, "per_sample_tokens": S, "tree_pairs": tree_pairs, "per_sample_pairs": sample_pairs,
+        "tiles_64": tile_counts(sub_end_T, 64),
         "backends": results, "baseline": baseline, "best_tree_backend": best,
         # >= 0.7 is the GPU target: tree kernel efficiency per attended pair relative to the per-sample kernel.
         "tflops_ratio_fwd_bwd": round(results[best]["fwd_bwd_tflops"] / results[baseline]["fwd_bwd_tflops"], 4),

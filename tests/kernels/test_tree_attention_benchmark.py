@@ -26,3 +26,5 @@ def test_benchmark_prints_one_json_line(workload):
     # Merging shares prefixes: the tree attends strictly fewer pairs than the unmerged samples.
     assert out["tree_pairs"] < out["per_sample_pairs"] and out["tree_tokens"] < out["per_sample_tokens"]
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_tflops"] > 0 for r in out["backends"].values())
+    blocks = -(-out["tree_tokens"] // 64)
+    assert sum(out["tiles_64"].values()) == blocks * (blocks + 1) // 2  # every causal tile classified once
