@@ -91,6 +91,15 @@ def test_fake_tensor_shapes():
     assert o.shape == (7, 4, 16) and lse.shape == (4, 7) and lse.dtype == torch.float32
 
 
+def test_unsupported_sizes_raise():
+    q = torch.zeros(3, 1, 512)
+    with pytest.raises(ValueError, match="head_dim 512 is not supported by the Triton tree attention kernel"):
+        tree_attention_triton(q, q, q, torch.full((3,), 3, dtype=torch.int32))
+    huge = torch.empty(2**31 // 64 + 1, 1, 64, device="meta")
+    with pytest.raises(ValueError, match="int32 offsets"):
+        triton_kernel._launch_config(huge)
+
+
 def test_empty_input():
     q, k, v = random_qkv(0, 2, 1, 16, torch.float32)
     assert tree_attention_triton(q, k, v, torch.empty(0, dtype=torch.int32)).shape == (0, 2, 16)

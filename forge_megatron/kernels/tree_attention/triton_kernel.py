@@ -219,6 +219,9 @@ def _launch_config(q_TNH: torch.Tensor) -> dict:
     H = q_TNH.shape[2]
     if H > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {H} is not supported by the Triton tree attention kernel (max {MAX_HEAD_DIM})")
+    if q_TNH.numel() >= 2**31:
+        raise ValueError(f"q has {q_TNH.numel()} elements; the Triton kernel uses int32 offsets (< 2^31): "
+                         "split the micro-batch")
     if _interpreting():
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_H=max(16, triton.next_power_of_2(H)), COMPUTE=tl.float32,
                     DOT_PRECISION="ieee")
