@@ -28,6 +28,16 @@ def test_low_precision_inputs(dtype):
     check_against_reference(tree_attention_triton, CASES["random_trie"], N=2, K=1, H=32, dtype=dtype)
 
 
+@pytest.mark.parametrize("block_m,block_n", [(64, 64), (32, 64), (64, 32)])
+def test_other_block_shapes(monkeypatch, block_m, block_n):
+    """The GPU block size (64) and unequal query/key blocks give the same result (interpreter, fp32 math)."""
+    import triton.language as tl
+
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=32, COMPUTE=tl.float32, DOT_PRECISION="ieee")
+    monkeypatch.setattr(triton_kernel, "_launch_config", lambda q: cfg)
+    check_against_reference(tree_attention_triton, CASES["many_roots"], N=4, K=2, H=32, dtype=torch.float32)
+
+
 def test_softmax_scale():
     check_against_reference(tree_attention_triton, CASES["many_roots"], N=2, K=1, H=16, dtype=torch.float32,
                             scale=0.05)
