@@ -82,6 +82,8 @@ class PoolServer:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, poll_interval_s: float = 0.01) -> None:
         if max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
+        if curve_keys is not None and not curve_keys.allowed_clients:
+            raise ValueError("server CurveKeys need allowed_clients (the client public keys to accept)")
         self.pool = pool
         self.bind = bind
         self.curve_keys = curve_keys
@@ -91,6 +93,7 @@ class PoolServer:
         self._ctx = zmq.Context()
         self._stop = threading.Event()
         self._ready = threading.Event()
+        self._bind_error: zmq.ZMQError | None = None
         self._thread: threading.Thread | None = None
         # rid -> (client identity, num_groups, arrival, deadline) of parked get_batch requests
         self._waiters: dict[str, tuple[bytes, int, float, float]] = {}
@@ -114,6 +117,9 @@ class PoolServer:
         self._thread.start()
         if not self._ready.wait(timeout=30):
             raise RuntimeError(f"pool server did not bind {self.bind} within 30 s")
+        if self._bind_error is not None:
+            self._ctx.term()
+            raise RuntimeError(f"pool server cannot bind {self.bind}: {self._bind_error}")
         return self
 
     def stop(self) -> None:
@@ -130,14 +136,25 @@ class PoolServer:
             sock.curve_server = True
             sock.curve_publickey = self.curve_keys.public
             sock.curve_secretkey = self.curve_keys.secret
-        sock.bind(self.bind)
+        try:
+            sock.bind(self.bind)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return sock
 
     def serve(self) -> None:
         auth = self._start_auth()
-        sock = self._socket()
-        self._ready.set()
+        try:
+            sock = self._socket()
+        except zmq.ZMQError as exc:
+            self._bind_error = exc
+            if auth is not None:
+                auth.stop()
+            return
+        finally:
+            self._ready.set()
         try:
             while not self._stop.is_set():
                 if sock.poll(int(self.poll_interval_s * 1000)):

@@ -259,3 +259,13 @@ def test_forge_pool_process_with_curve_key_files(tmp_path):
         client.close()
         stop_process(proc)
     assert proc.returncode == 0  # SIGTERM: clean shutdown
+
+
+def test_server_errors_are_clear(served):
+    pool, server, client = served
+    with pytest.raises(RuntimeError, match=f"pool server cannot bind {server.address}: Address already in use"):
+        PoolServer(pool, bind=server.address).start().stop()
+    with pytest.raises(ValueError, match="server CurveKeys need allowed_clients"):
+        PoolServer(pool, curve_keys=CurveKeys(*zmq.curve_keypair()))
+    with pytest.raises(ValueError, match="max_message_bytes must be >= 1024, got 10"):
+        PoolServer(pool, max_message_bytes=10)
