@@ -149,6 +149,21 @@ def test_tool_round_trip_is_one_segment(stack):
     assert ep.ended_at >= ep.started_at > 0 and ep.metadata["k"] == 1
 
 
+def test_tool_choice_none_and_malformed_calls(stack):
+    gw, _ = stack
+    s = new_session(gw)
+    c = client(s)
+    r = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="none", temperature=0,
+                                  max_tokens=60)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == TOOL_CALL_TEXT
+    cut = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=6)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    assert cut.choices[0].message.content.startswith("<tool_call>")  # unclosed: malformed, kept as text
+    end(gw, s)
+    ep = episode(gw, s)
+    assert ep.num_tool_calls == 0 and ep.num_malformed_tool_calls == 1
+
+
 def test_streaming_matches_non_streaming(stack):
     gw, _ = stack
     s = new_session(gw)
@@ -396,6 +411,10 @@ def test_no_engine_gives_503(model_dir):
         with pytest.raises(openai.InternalServerError) as e:
             client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
         assert e.value.status_code == 503 and e.value.body["code"] == "engine_unavailable"
+        with pytest.raises(openai.InternalServerError) as e:
+            client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                              stream=True)
+        assert e.value.status_code == 503
     finally:
         gw.stop()
 
