@@ -668,10 +668,14 @@ class JsonlSink(ListSink):
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-gateway %(message)s")
-    config = GatewayConfig(
-        model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u], host=args.host,
-        port=args.port, public_url=args.public_url, admin_token=args.admin_token, tool_parser=args.tool_parser,
-        context_length=args.context_length, default_max_tokens=args.default_max_tokens, pause_wait_s=args.pause_wait_s)
+    try:
+        config = GatewayConfig(
+            model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u], host=args.host,
+            port=args.port, public_url=args.public_url, admin_token=args.admin_token, tool_parser=args.tool_parser,
+            context_length=args.context_length, default_max_tokens=args.default_max_tokens,
+            pause_wait_s=args.pause_wait_s)
+    except ValueError as exc:
+        raise SystemExit(f"forge-gateway: {exc}") from exc
     sink = JsonlSink(args.episodes_jsonl) if args.episodes_jsonl else ListSink()
     gw = Gateway(config, sink=sink)
     asyncio.run(serve(gw, ready=print_ready))

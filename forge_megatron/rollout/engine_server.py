@@ -467,7 +467,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-engine %(message)s")
     t0 = time.time()
-    engine = ReferenceEngine(args.model_path, context_length=args.context_length)
+    try:
+        engine = ReferenceEngine(args.model_path, context_length=args.context_length)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"forge-engine: {exc}") from exc
     log.info("loaded %s in %.1fs", args.model_path, time.time() - t0)
     from forge_megatron.rollout.launch import print_ready
 

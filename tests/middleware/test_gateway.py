@@ -516,3 +516,10 @@ def test_gateway_cli_subprocess_writes_episodes_jsonl(tmp_path, stack, model_dir
     [line] = out.read_text().splitlines()
     ep = json.loads(line)
     assert ep["episode_id"] == s["session_id"] and ep["num_tool_calls"] == 1 and len(ep["segments"]) == 1
+
+
+def test_cli_reports_bad_configuration(model_dir):
+    from forge_megatron.middleware.gateway import main
+
+    with pytest.raises(SystemExit, match="forge-gateway: admin_token is required"):
+        main(["--model-path", model_dir, "--engines", "http://127.0.0.1:9", "--host", "0.0.0.0"])

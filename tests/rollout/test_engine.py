@@ -241,3 +241,10 @@ def test_engine_cli_help_teaches():
     from forge_megatron.rollout.engine_server import build_parser
     text = build_parser().format_help()
     assert "--model-path" in text and "SGLang" in text and "--port" in text
+
+
+def test_engine_cli_reports_missing_model(tmp_path):
+    from forge_megatron.rollout.engine_server import main
+
+    with pytest.raises(SystemExit, match="forge-engine: --model-path .* is not a directory"):
+        main(["--model-path", str(tmp_path / "missing")])
