@@ -144,8 +144,7 @@ class WeightSyncer:
 
     # --- rank 0: protocol steps ----------------------------------------------------------------------------------
     def _prepare(self, report: SyncReport) -> list[str]:
-        back = [u for u in self.excluded if self.http.healthy(u)]
-        self.excluded -= set(back)
+        self.excluded = set(self.http.unhealthy(self.excluded))
         live = [u for u in self.cfg.engine_urls if u not in self.excluded]
         if self.cfg.gateway_url:
             self.http.post(self.cfg.gateway_url, "/forge/admin/pause", {})
@@ -172,7 +171,8 @@ class WeightSyncer:
         else:  # out of attempts: whoever holds partial weights stays paused until a later sync succeeds
             self.excluded.update(live)
         if self.cfg.gateway_url:
-            self.http.post(self.cfg.gateway_url, "/forge/admin/resume", {"policy_version": self.policy_version})
+            version = {} if self.policy_version is None else {"policy_version": self.policy_version}
+            self.http.post(self.cfg.gateway_url, "/forge/admin/resume", version)
         report.excluded = sorted(self.excluded)
 
     # --- all ranks: one pass over the model ----------------------------------------------------------------------

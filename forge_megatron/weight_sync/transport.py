@@ -70,6 +70,11 @@ class EngineHTTP:
         except (urllib.error.URLError, OSError):
             return False
 
+    def unhealthy(self, urls) -> list[str]:
+        """The URLs among ``urls`` that do not answer ``/health`` (probed concurrently)."""
+        futures = {u: self.pool.submit(self.healthy, u) for u in urls}
+        return [u for u, f in futures.items() if not f.result()]
+
     def submit_all(self, urls, route: str, body_of) -> dict:
         """Start ``POST route`` on every URL (``body_of(i, url)`` gives the body); returns {url: future}."""
         return {u: self.pool.submit(self.post, u, route, body_of(i, u)) for i, u in enumerate(urls)}
@@ -149,7 +154,7 @@ class DistributedTransport:
         self.version = version
 
     def send(self, bucket) -> None:
-        dead = [u for u in self.members if not self.http.healthy(u)]
+        dead = self.http.unhealthy(self.members)
         if dead:
             raise EngineFailure(dead, "not healthy before a bucket")
         body = {**describe(bucket), "group_name": self.group_name, "flush_cache": False}
@@ -163,7 +168,7 @@ class DistributedTransport:
                 self.group.broadcast([t], opts).wait()
         except Exception as exc:  # noqa: BLE001 - the group is unusable after a failed collective
             self.group = None
-            raise EngineFailure([u for u in self.members if not self.http.healthy(u)] or self.members,
+            raise EngineFailure(self.http.unhealthy(self.members) or self.members,
                                 f"broadcast failed: {exc}") from exc
         self.http.wait_all(futures, "/update_weights_from_distributed")
 

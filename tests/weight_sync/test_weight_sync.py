@@ -3,7 +3,8 @@
 A TP=2 / PP=2 / EP=2 trainer loaded from a forge-convert checkpoint scores tokens like the HF original. After a
 sync from such a trainer whose weights moved away from the engine's, the engine's logprobs of
 its own greedy continuation equal the trainer's (<= 1e-5), for the distributed (broadcast) and the disk transport;
-an engine killed between buckets is excluded (the others get every tensor and the new version) and is re-synced
+the gateway is paused during the sync and resumed with the new policy version; an engine killed between buckets is
+excluded (the others get every tensor and the new version) and is re-synced
 once it is back; bad configs fail with messages that name the field.
 """
 
@@ -104,14 +105,18 @@ def _sync(model, bridge, version, **cfg):
     return report
 
 
-def _sync_body(rank, world_size, mcore_dir, engine_url, disk_dir):
+def _sync_body(rank, world_size, mcore_dir, engine_url, disk_dir, gateway_url):
     bridge, model = load_converted(mcore_dir)
     results = {"converted": _engine_vs_trainer(model, engine_url)}  # the engine serves the HF original
     _perturb(model, 0.05)
     results["before"] = _engine_vs_trainer(model, engine_url)
     for version, transport in ((1, "distributed"), (2, "disk")):
-        report = _sync(model, bridge, version, engine_urls=[engine_url], transport=transport, disk_dir=disk_dir)
+        report = _sync(model, bridge, version, engine_urls=[engine_url], transport=transport, disk_dir=disk_dir,
+                       gateway_url=gateway_url)
         results[transport] = (report, _engine_vs_trainer(model, engine_url))
+        if rank == 0:
+            with urllib.request.urlopen(gateway_url + "/forge/admin/state", timeout=10) as resp:
+                results[transport + "_gateway"] = json.loads(resp.read())
         _perturb(model, 0.05)
     return results
 
@@ -128,6 +133,8 @@ def _check_synced(results):
         assert report.excluded == [] and len(report.updated) == 1 and report.bytes > 0 and report.buckets > 1
         diff = max(abs(a - b) for a, b in zip(lps, trainer))
         assert diff <= 1e-5, (transport, diff)
+        gateway = r0[transport + "_gateway"]
+        assert gateway["policy_version"] == version and gateway["paused"] is False
 
 
 @pytest.mark.parametrize("arch,parallel", [
@@ -135,15 +142,17 @@ def _check_synced(results):
     ("qwen3_tied", ParallelConfig(pp=2)),
 ], ids=["tp2", "pp2-tied"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
-    from forge_megatron.rollout.launch import start_engine
+    from forge_megatron.rollout.launch import start_engine, start_gateway
 
     mcore = str(tmp_path / "mcore")
     ckpt.hf_to_megatron(models[arch], mcore, ParallelLayout(parallel.tp, parallel.pp, parallel.ep))
     engine = start_engine(models[arch], in_process=True)
+    gateway = start_gateway(models[arch], [engine.url], in_process=True)
     try:
         results = run_distributed(_sync_body, world_size=2, parallel=parallel, mcore_dir=mcore,
-                                  engine_url=engine.url, disk_dir=str(tmp_path / "disk"))
+                                  engine_url=engine.url, disk_dir=str(tmp_path / "disk"), gateway_url=gateway.url)
     finally:
+        gateway.stop()
         engine.stop()
     _check_synced(results)
     assert os.listdir(tmp_path / "disk") == ["policy_2"]  # older versions are cleaned up
