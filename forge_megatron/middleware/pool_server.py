@@ -50,8 +50,38 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-retries", type=int, default=0, help="failed episodes per group that reopen their slot")
     b.add_argument("--episode-timeout-s", type=float, default=None, help="running episodes older than this time out")
     b.add_argument("--min-finished-episodes", type=int, default=1, help="a completed group with fewer fails")
+    r = p.add_argument_group("rewards (forge_megatron.algo.rewards.RewardConfig; see docs/algorithms.md)")
+    r.add_argument("--reward-fn", default=None, help="user reward function 'package.module:function'")
+    r.add_argument("--completion-time-bound", type=float, default=0.0,
+                   help="largest bonus for the fastest successful episode of a group (0 = off)")
+    r.add_argument("--process-weight", action="append", default=[], metavar="NAME=W", type=_process_weight,
+                   help="weight of a process term, e.g. malformed_tool_calls=-0.2 (repeatable; adds to the defaults)")
+    r.add_argument("--gamma", type=float, default=1.0, help="reward-to-go discount across segments")
+    r.add_argument("--estimator", default="grpo", help="advantage baseline: grpo (group mean) or rloo")
+    r.add_argument("--no-std-normalize", action="store_true", help="do not divide advantages by the group std")
+    r.add_argument("--singleton-group", default="zero", help="group of one episode: zero, raw or error")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def _process_weight(item: str) -> tuple[str, float]:
+    name, _, value = item.partition("=")
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = None
+    if not name or weight is None:
+        raise argparse.ArgumentTypeError(f"must look like NAME=NUMBER, got {item!r}")
+    return name, weight
+
+
+def _reward_config(args: argparse.Namespace):
+    from forge_megatron.algo.rewards import DEFAULT_PROCESS_WEIGHTS, RewardConfig
+
+    return RewardConfig(process_weights={**DEFAULT_PROCESS_WEIGHTS, **dict(args.process_weight)},
+                        completion_time_bound=args.completion_time_bound, gamma=args.gamma, estimator=args.estimator,
+                        std_normalize=not args.no_std_normalize, singleton_group=args.singleton_group,
+                        reward_fn=args.reward_fn)
 
 
 def _read_keys(path: str) -> list[bytes]:
@@ -80,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                             generation_batch_groups=args.generation_batch_groups,
                             max_inflight_groups=args.max_inflight_groups, max_staleness=args.max_staleness,
                             train_batch_groups=args.train_batch_groups, max_retries=args.max_retries,
-                            episode_timeout_s=args.episode_timeout_s, min_finished_episodes=args.min_finished_episodes)
+                            episode_timeout_s=args.episode_timeout_s, min_finished_episodes=args.min_finished_episodes,
+                            reward=_reward_config(args))
     except ValueError as exc:
         raise SystemExit(f"forge-pool: {exc}") from exc
     pool = DataPool(config)

@@ -15,6 +15,7 @@ from pool_cases import (
     fill_group, free_port, make_episode, produce_groups, start_pool_process, stop_process, train_then_hang,
 )
 
+from forge_megatron.middleware import pool_server
 from forge_megatron.middleware.pool import DataPool, PoolConfig
 from forge_megatron.middleware.transport import CurveKeys, PoolClient, PoolError, PoolServer
 from forge_megatron.middleware.wire import PROTOCOL_VERSION, WireError, pack, unpack
@@ -213,6 +214,27 @@ def test_forge_pool_help_teaches():
     bad = subprocess.run([sys.executable, "-m", "forge_megatron.middleware.pool_server", "--window", "2.5"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "window must be an int >= 1 or 'inf', got '2.5'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--estimator", "median"], "estimator must be one of"),
+     (["--process-weight", "malformed_tool_calls"], "must look like NAME=NUMBER, got 'malformed_tool_calls'"),
+     (["--process-weight", "=1"], "must look like NAME=NUMBER, got '=1'"),
+     (["--reward-fn", "no_such_module:f"], "cannot import module 'no_such_module'")],
+)
+def test_forge_pool_reward_flags_are_checked(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exc:
+        pool_server.main(["--db", os.fspath(tmp_path / "pool.sqlite"), *flags])
+    assert message in str(exc.value) + capsys.readouterr().err
+
+
+def test_forge_pool_reward_flags_reach_the_pool():
+    args = pool_server.build_parser().parse_args(["--process-weight", "malformed_tool_calls=-0.7",
+                                                  "--completion-time-bound", "0.25", "--estimator", "rloo"])
+    cfg = pool_server._reward_config(args)
+    assert cfg.process_weights["malformed_tool_calls"] == -0.7 and cfg.process_weights["language_mixing"] == -0.5
+    assert (cfg.completion_time_bound, cfg.estimator) == (0.25, "rloo")
 
 
 def test_resent_get_batch_returns_the_same_batch(served):
