@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -111,7 +111,7 @@ class ChatRequest:
     sampling: dict
     stream: bool
     include_usage: bool = False
-    extra: dict = field(default_factory=dict)
+    logprobs: bool = False  # return OpenAI choice.logprobs (non-streaming; no top_logprobs)
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -134,9 +134,12 @@ def parse_chat_request(body: dict, default_max_tokens: int) -> ChatRequest:
         raise _bad("tool_choice", "tool_choice must be 'none', 'auto', 'required' or {type, function: {name}}")
     if body.get("n", 1) != 1:
         raise _bad("n", "only n=1 is supported")
+    if body.get("top_logprobs"):
+        raise _bad("top_logprobs", "top_logprobs is not supported (logprobs of the sampled tokens only)")
     return ChatRequest(messages=messages, tools=tools or None, tool_choice=tool_choice,
                        sampling=_sampling_params(body, default_max_tokens), stream=_flag(body, "stream"),
-                       include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
+                       include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
+                       logprobs=_flag(body, "logprobs"))
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -333,6 +336,15 @@ class Gateway:
         except (TypeError, ValueError):
             return self.policy_version
 
+    def openai_logprobs(self, turn: _Turn, logprobs: list[float]) -> dict:
+        """OpenAI ``choice.logprobs`` for the sampled tokens (each token decoded alone)."""
+        tok = self.renderer.tok
+        content = []
+        for token_id, lp in zip(turn.completion_ids, logprobs):
+            text = tok.decode([token_id], skip_special_tokens=False)
+            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        return {"content": content}
+
     def usage(self, turn: _Turn) -> dict:
         n_prompt, n_out = len(turn.prompt_ids), len(turn.completion_ids)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
@@ -407,7 +419,8 @@ async def chat_completions(request: web.Request, gw: Gateway) -> web.StreamRespo
         gw.inflight -= 1
     return web.json_response({
         "id": _completion_id(), "object": "chat.completion", "created": int(time.time()), "model": gw.model_name,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                     "logprobs": gw.openai_logprobs(turn, sess.calls[-1].logprobs) if req.logprobs else None}],
         "usage": gw.usage(turn),
     })
 

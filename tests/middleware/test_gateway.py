@@ -117,6 +117,9 @@ def test_plain_chat_records_the_engines_tokens(stack, model_dir):
         "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "sampling_seed": 11}})
     assert status == 200 and direct["output_ids"] == call["completion_ids"]
     assert http(gw.url + "/v1/models", method="GET")[1]["data"][0]["id"] == gw.gateway.model_name
+    r2 = client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                           max_tokens=12, temperature=1.0, seed=11, logprobs=True)
+    assert [t.logprob for t in r2.choices[0].logprobs.content] == calls(gw, s)[1]["logprobs"] == call["logprobs"]
 
 
 def test_tool_round_trip_is_one_segment(stack):
@@ -365,6 +368,7 @@ def chat_raw(gw, key, raw):
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
 ])
 def test_schema_errors_name_the_field(stack, body, param):
     gw, _ = stack
