@@ -1,0 +1,88 @@
+"""Bridge unit tests (0 GPUs, no process groups): HF config -> GPTConfig per family, refusals of options the shared
+layout cannot express, and the tensor transforms (QKV per query group, GLU halves, TP split/join) against
+hand-built layouts.
+"""
+
+import pytest
+import torch
+
+from forge_megatron.bridge import Bridge, MappingError, ParallelLayout, UnsupportedModelError, gpt_config_from_hf
+from forge_megatron.models.tiny import tiny_config
+
+
+def _hf(arch, **kw):
+    cfg = tiny_config(arch, **kw).to_dict()
+    cfg["architectures"] = {"qwen2": ["Qwen2ForCausalLM"], "llama": ["LlamaForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
+                            "qwen3_moe": ["Qwen3MoeForCausalLM"]}[arch]
+    return cfg
+
+
+def test_config_per_family():
+    q2, ll, q3, moe = (gpt_config_from_hf(_hf(a)) for a in ("qwen2", "llama", "qwen3", "qwen3_moe"))
+    assert (q2.add_qkv_bias, q2.qk_layernorm, q2.num_moe_experts) == (True, False, None)
+    assert (ll.add_qkv_bias, ll.qk_layernorm) == (False, False)
+    assert (q3.add_qkv_bias, q3.qk_layernorm, q3.head_dim) == (False, True, 16)
+    assert (moe.num_moe_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (4, 2, 32)
+    assert moe.moe_router_pre_softmax is False  # norm_topk_prob=True: softmax over the top-k logits
+    assert gpt_config_from_hf(_hf("qwen3_moe", norm_topk_prob=False)).moe_router_pre_softmax is True
+    assert gpt_config_from_hf(_hf("llama", rope_theta=500000.0)).rotary_base == 500000.0
+    assert gpt_config_from_hf(_hf("llama", attention_bias=True)).add_qkv_bias is True
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture 'MistralForCausalLM'"),
+    ({"architectures": []}, "no 'architectures' entry"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "RoPE scaling type 'llama3'"),
+    ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+    ({"use_sliding_window": True}, "use_sliding_window=True"),
+])
+def test_unsupported_options_are_refused(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        gpt_config_from_hf({**_hf("llama"), **change})
+
+
+def test_moe_with_dense_layers_is_refused():
+    with pytest.raises(UnsupportedModelError, match="dense layers"):
+        gpt_config_from_hf(_hf("qwen3_moe", mlp_only_layers=[0]))
+
+
+def test_qkv_is_grouped_per_query_group():
+    bridge = Bridge(_hf("qwen2"))  # 4 heads, 2 groups, head dim 16
+    h, d = 16, 64
+    q = torch.arange(4 * h * d, dtype=torch.float32).reshape(4 * h, d)
+    k, v = -torch.arange(2 * h * d, dtype=torch.float32).reshape(2 * h, d), torch.rand(2 * h, d)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    hf = {"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
+          "model.layers.0.self_attn.v_proj.weight": v}
+    qkv = bridge.from_hf(name, hf)
+    expected = torch.cat([q[:2 * h], k[:h], v[:h], q[2 * h:], k[h:], v[h:]])  # [q0 q1 k0 v0 | q2 q3 k1 v1]
+    assert torch.equal(qkv, expected)
+    assert all(torch.equal(a, hf[n]) for n, a in bridge.to_hf(name, qkv).items())
+
+
+def test_tp_split_and_join_are_inverse():
+    bridge = Bridge(_hf("qwen3_moe"))
+    full = torch.randn(64, 64)
+    fc1 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+    shards = bridge.tp_split(fc1, full, 2)
+    assert torch.equal(shards[1], torch.cat([full[16:32], full[48:64]]))  # [gate_1; up_1]
+    assert torch.equal(bridge.tp_join(fc1, shards), full)
+    proj = "decoder.layers.0.self_attention.linear_proj.weight"
+    assert torch.equal(bridge.tp_split(proj, full, 4)[2], full[:, 32:48])
+    router = "decoder.layers.0.mlp.router.weight"
+    assert all(s is full for s in bridge.tp_split(router, full, 2))
+
+
+def test_names_offsets_and_ownership():
+    bridge = Bridge(_hf("qwen3_moe"))
+    layout = ParallelLayout(pp=2, ep=2)
+    assert bridge.rename("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", 1, 2) == \
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert bridge.expert_rank("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight", layout) == 1
+    stage1 = bridge.stage_names(layout, 1)
+    assert stage1[-2:] == ["decoder.final_layernorm.weight", "output_layer.weight"]
+    assert "embedding.word_embeddings.weight" not in stage1 and all(".layers.0." not in n for n in stage1)
+    assert len(bridge.canonical_names()) == 2 + 1 + 2 * (4 + 2 + 1 + 2 * 4)  # embed, norm, head + 2 layers
+    with pytest.raises(MappingError, match="has no mapping for family 'qwen3_moe'"):
+        bridge.rule("decoder.layers.0.mlp.linear_fc1.weight")
