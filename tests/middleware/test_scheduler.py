@@ -102,6 +102,9 @@ def test_pool_window_rules(tmp_path):
         fill_group(pool, g, 2)
     batch = pool.next_batch(2, timeout_s=0)
     assert batch is None  # only group 1 is inside [head, head + 2]; group 3 is beyond
+    m = pool.metrics()
+    assert (m["head"], m["window"], m["window_ready"], m["window_pending"], m["queue_depth"]) == (idx[0], 3, 1, 3, 3)
+    assert m["window_occupancy"] == pytest.approx(1 / 3)
     batch = pool.next_batch(1, timeout_s=0)
     assert batch.group_indices == [idx[1]] and batch.metrics["head"] == idx[0]
     fill_group(pool, gids[0], 2)

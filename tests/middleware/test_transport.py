@@ -54,7 +54,10 @@ def test_batch_round_trip_matches_pool(served):
         assert got.reward == pytest.approx(want.reward) and got.sample_weight == pytest.approx(want.sample_weight)
     assert not batch.samples[0].tokens.flags.owndata  # a view of the received frame, not a copy
     assert client.commit(batch.batch_id) == 1
-    assert client.metrics()["groups"]["committed"] == 1
+    assert client.can_admit() is True
+    client.set_policy_version(3)
+    metrics = client.metrics()
+    assert metrics["groups"]["committed"] == 1 and metrics["policy_version"] == 3
 
 
 def test_waiting_get_batch_does_not_block_other_requests(served):
