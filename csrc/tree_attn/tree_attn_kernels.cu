@@ -20,17 +20,14 @@ cudaError_t launch(Kernel kernel, dim3 grid, size_t smem_bytes, cudaStream_t str
 
 template <typename scalar_t, int H>
 cudaError_t fwd_typed(const TreeAttnParams& p, cudaStream_t stream) {
-  const size_t smem = sizeof(float) * kTile * (3 * H + 1) + sizeof(int) * kTile;
-  return launch(fwd_kernel<scalar_t, H>, dim3(num_tiles(p.T), p.N), smem, stream, p);
+  return launch(fwd_kernel<scalar_t, H>, dim3(num_tiles(p.T), p.N), fwd_smem_bytes<H>(), stream, p);
 }
 
 template <typename scalar_t, int H>
 cudaError_t bwd_typed(const TreeAttnParams& p, cudaStream_t stream) {
-  const size_t smem = sizeof(float) * kTile * (4 * H + 2) + sizeof(int) * kTile;
-  cudaError_t err = launch(bwd_dq_kernel<scalar_t, H>, dim3(num_tiles(p.T), p.N), smem, stream, p);
+  cudaError_t err = launch(bwd_dq_kernel<scalar_t, H>, dim3(num_tiles(p.T), p.N), dq_smem_bytes<H>(), stream, p);
   if (err != cudaSuccess) return err;
-  const size_t smem_kv = sizeof(float) * kTile * (4 * H + 4) + sizeof(int) * kTile;
-  return launch(bwd_dkdv_kernel<scalar_t, H>, dim3(num_tiles(p.T), p.K), smem_kv, stream, p);
+  return launch(bwd_dkdv_kernel<scalar_t, H>, dim3(num_tiles(p.T), p.K), dkdv_smem_bytes<H>(), stream, p);
 }
 
 template <typename scalar_t, int H>

@@ -24,6 +24,7 @@
 
 #include <cfloat>
 #include <climits>
+#include <cstddef>
 
 #include "tree_attn.h"
 
@@ -116,6 +117,14 @@ __global__ void block_bounds_kernel(const int* sub_end, int* kmin, int* kmax, in
   kmin[b] = lo;
   kmax[b] = hi;
 }
+
+// Dynamic shared memory of each kernel, matching the layouts written at the top of the kernels.
+template <int H>
+constexpr size_t fwd_smem_bytes() { return sizeof(float) * kTile * (3 * H + 1) + sizeof(int) * kTile; }
+template <int H>
+constexpr size_t dq_smem_bytes() { return sizeof(float) * kTile * (4 * H + 2) + sizeof(int) * kTile; }
+template <int H>
+constexpr size_t dkdv_smem_bytes() { return sizeof(float) * kTile * (4 * H + 4) + sizeof(int) * kTile; }
 
 // grid (ceil(T / 32), N). Shared: q [32][H], k [32][H+1], v [32][H], sub_end [32].
 template <typename scalar_t, int H>

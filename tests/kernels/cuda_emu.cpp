@@ -4,9 +4,11 @@
 // (ucontext) on one OS thread; __syncthreads waits for the whole block and a warp shuffle writes its value, waits for
 // its warp and reads its partner's value; a scheduler resumes fibers until all wait, then releases every
 // group whose live members all wait at the same kind of barrier (a divergent barrier aborts as a deadlock).
-// Dynamic shared memory is one static array (blocks run one after another).
+// Dynamic shared memory is one static array (blocks run one after another); the part past what the real launcher
+// allocates is poisoned with NaN and checked after every block.
 // fp32, fp16 and bf16 instantiations, head dims 32 and 64. Exposed through a C ABI for ctypes; every entry point
-// returns 0 on success, 1 on an unsupported head dim or dtype code.
+// returns 0 on success, 1 on an unsupported head dim or dtype code, 2 if a kernel wrote shared memory past what its
+// launcher allocates.
 // Layouts as in tree_attn.h: q/o/dq/dO [T, N, H], k/v/dk/dv [T, K, H], sub_end [T], lse/delta [N, T].
 
 #include <cuda_bf16.h>
@@ -145,13 +147,21 @@ namespace {
 using forge::TreeAttnParams;
 namespace detail = forge::tree_attn_detail;
 
-// Run `kernel` over a (gx, gy) grid of blocks of `threads` threads, one block at a time.
-void launch(int gx, int gy, int threads, const std::function<void()>& kernel) {
+bool smem_overflow = false;  // set when a kernel wrote shared memory past its launcher's allocation
+
+// Run `kernel` over a (gx, gy) grid of blocks of `threads` threads, one block at a time. Shared memory past the
+// `smem_bytes` the real launcher allocates holds NaN (reads poison the outputs) and must stay NaN (no stray writes).
+void launch(int gx, int gy, int threads, size_t smem_bytes, const std::function<void()>& kernel) {
+  constexpr size_t capacity = sizeof(detail::smem) / sizeof(float);
+  const size_t used = (smem_bytes + sizeof(float) - 1) / sizeof(float);
   emu_block_dim = {threads, 1, 1};
   for (int by = 0; by < gy; ++by) {
     for (int bx = 0; bx < gx; ++bx) {
+      std::fill(detail::smem + used, detail::smem + capacity, NAN);
       emu_block_idx = {bx, by, 0};
       emu::run_block(threads, kernel);
+      if (!std::all_of(detail::smem + used, detail::smem + capacity, [](float x) { return std::isnan(x); }))
+        smem_overflow = true;
     }
   }
 }
@@ -163,7 +173,7 @@ void block_bounds(TreeAttnParams& p, std::vector<int>& kmin, std::vector<int>& k
   kmax.assign(tiles(p.T), -1);
   int* lo = kmin.data();
   int* hi = kmax.data();
-  launch((tiles(p.T) + 127) / 128, 1, 128, [&] { detail::block_bounds_kernel(p.sub_end, lo, hi, p.T); });
+  launch((tiles(p.T) + 127) / 128, 1, 128, 0, [&] { detail::block_bounds_kernel(p.sub_end, lo, hi, p.T); });
   p.kmin = kmin.data();
   p.kmax = kmax.data();
 }
@@ -173,11 +183,12 @@ void run_typed(TreeAttnParams p, bool backward) {
   std::vector<int> kmin, kmax;
   block_bounds(p, kmin, kmax);
   if (!backward) {
-    launch(tiles(p.T), p.N, detail::kThreads, [&] { detail::fwd_kernel<scalar_t, H>(p); });
+    launch(tiles(p.T), p.N, detail::kThreads, detail::fwd_smem_bytes<H>(), [&] { detail::fwd_kernel<scalar_t, H>(p); });
     return;
   }
-  launch(tiles(p.T), p.N, detail::kThreads, [&] { detail::bwd_dq_kernel<scalar_t, H>(p); });
-  launch(tiles(p.T), p.K, detail::kThreads, [&] { detail::bwd_dkdv_kernel<scalar_t, H>(p); });
+  launch(tiles(p.T), p.N, detail::kThreads, detail::dq_smem_bytes<H>(), [&] { detail::bwd_dq_kernel<scalar_t, H>(p); });
+  launch(tiles(p.T), p.K, detail::kThreads, detail::dkdv_smem_bytes<H>(),
+         [&] { detail::bwd_dkdv_kernel<scalar_t, H>(p); });
 }
 
 // dtype: 0 fp32, 1 fp16, 2 bf16 (tensors in that dtype; lse/delta always fp32). Head dims 32 and 64.
@@ -190,13 +201,19 @@ int run_head_dim(const TreeAttnParams& p, bool backward) {
   }
 }
 
-int run(const TreeAttnParams& p, int dtype, bool backward) {
+int run_dtype(const TreeAttnParams& p, int dtype, bool backward) {
   switch (dtype) {
     case 0: return run_head_dim<float>(p, backward);
     case 1: return run_head_dim<__half>(p, backward);
     case 2: return run_head_dim<__nv_bfloat16>(p, backward);
     default: return 1;
   }
+}
+
+int run(const TreeAttnParams& p, int dtype, bool backward) {
+  smem_overflow = false;
+  const int rc = run_dtype(p, dtype, backward);
+  return rc != 0 ? rc : (smem_overflow ? 2 : 0);
 }
 
 TreeAttnParams params(const void* q, const void* k, const void* v, const int* sub_end, int T, int N, int K, int H,

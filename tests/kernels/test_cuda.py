@@ -81,7 +81,7 @@ class _Emulated(torch.autograd.Function):
         o_TNH, lse_NT = torch.empty_like(q_TNH), torch.empty(N, T)
         rc = lib.emu_fwd(_ptr(q_TNH), _ptr(k_TKH), _ptr(v_TKH), _ptr(sub_end_T), _ptr(o_TNH), _ptr(lse_NT),
                          T, N, k_TKH.shape[1], H, ctypes.c_float(scale), _EMU_DTYPES[q_TNH.dtype])
-        assert rc == 0, f"emu_fwd rejected head_dim {H}"
+        assert rc == 0, f"emu_fwd returned {rc} (1: unsupported head_dim {H}, 2: shared memory overflow)"
         ctx.save_for_backward(q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T)
         ctx.lib, ctx.scale = lib, scale
         return o_TNH
@@ -96,7 +96,7 @@ class _Emulated(torch.autograd.Function):
         rc = ctx.lib.emu_bwd(_ptr(do_TNH), _ptr(q_TNH), _ptr(k_TKH), _ptr(v_TKH), _ptr(lse_NT), _ptr(delta_NT),
                              _ptr(sub_end_T), _ptr(dq), _ptr(dk), _ptr(dv), T, N, k_TKH.shape[1], H,
                              ctypes.c_float(ctx.scale), _EMU_DTYPES[q_TNH.dtype])
-        assert rc == 0
+        assert rc == 0, f"emu_bwd returned {rc} (1: unsupported head_dim {H}, 2: shared memory overflow)"
         return None, dq, dk, dv, None, None
 
 
