@@ -236,13 +236,13 @@ class Trainer:
         if ok:
             self.scheduler.step(increment=1)
         t2 = time.perf_counter()
+        metrics = batch_metrics(rb, mb_metrics, self.policy_version)  # staleness w.r.t. the weights trained
         self.iteration += 1
         self.last_batch_id = batch.batch_id
         sync_s = 0.0
         if self.syncer is not None and self.iteration % self.args.weight_sync_interval == 0:
             sync_s = self._sync()
         ckpt_s = self._maybe_save()
-        metrics = batch_metrics(rb, mb_metrics, self.policy_version)
         metrics.update(iteration=self.iteration, policy_version=self.policy_version, grad_norm=float(grad_norm or 0.0),
                        update_ok=bool(ok), lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
                        wait_s=t1 - t0, forward_backward_s=t2 - t1, sync_s=sync_s, checkpoint_s=ckpt_s,
