@@ -142,3 +142,19 @@ def test_simulation_uses_the_rule_and_orders_policies():
     assert strict["staleness_max"] <= windowed["staleness_max"] < greedy["staleness_max"]
     assert greedy["length_bias"] < windowed["length_bias"] and greedy["length_bias"] < strict["length_bias"]
     assert strict["throughput"] <= windowed["throughput"] <= greedy["throughput"]
+
+
+def test_simulation_reads_measured_durations(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "scheduler.py")
+    good, bad = tmp_path / "durations.txt", tmp_path / "bad.txt"
+    good.write_text("\n".join(["1.0"] * 30 + ["12.0"] * 2))  # mostly fast, a few stragglers
+    bad.write_text("1.0\n-2.0\n")
+    out = subprocess.run([sys.executable, script, "--groups", "200", "--durations", os.fspath(good)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    result = json.loads(out)
+    assert result["config"]["dist"] == "file"
+    greedy, strict = result["greedy"], result["strict"]
+    assert greedy["throughput"] > strict["throughput"] and greedy["length_bias"] < strict["length_bias"]
+    err = subprocess.run([sys.executable, script, "--durations", os.fspath(bad)], capture_output=True, text=True,
+                         timeout=120)
+    assert err.returncode != 0 and "need positive numbers, one per line" in err.stderr
