@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -63,6 +64,7 @@ class GatewayConfig:
     pause_wait_s: float = 120.0  # how long a call waits for resume before 503
     engine_attempts: int = 3  # engines tried per call
     health_interval_s: float = 2.0
+    keep_ended_sessions: int = 1000  # ended sessions kept for GET /forge/sessions/{id}; older ones are forgotten
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -72,7 +74,7 @@ class GatewayConfig:
         if not _is_loopback(self.host) and not self.admin_token:
             raise ValueError(f"admin_token is required when host {self.host!r} is not a loopback address")
         get_parser(self.tool_parser)
-        for name in ("default_max_tokens", "max_body_bytes", "engine_attempts"):
+        for name in ("default_max_tokens", "max_body_bytes", "engine_attempts", "keep_ended_sessions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.pause_wait_s < 0:
@@ -234,6 +236,7 @@ class Gateway:
         self.groups: dict[str, dict] = {}
         self.sessions: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}
+        self.ended_ids: deque[str] = deque()  # oldest first; bounded by keep_ended_sessions
         self.policy_version = 0
         self.resumed = asyncio.Event()
         self.resumed.set()
@@ -281,6 +284,14 @@ class Gateway:
         if open_only and sess.ended:
             raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
         return sess
+
+    def retire(self, sess: Session) -> None:
+        """Remember ``sess`` as ended; forget the oldest ended sessions beyond ``keep_ended_sessions``."""
+        self.fleet.forget(sess.session_id)
+        self.ended_ids.append(sess.session_id)
+        while len(self.ended_ids) > self.config.keep_ended_sessions:
+            old = self.sessions.pop(self.ended_ids.popleft())
+            self.by_key.pop(old.api_key, None)
 
     # --- one chat call ----------------------------------------------------------------------------------------
     def prepare(self, sess: Session, req: ChatRequest) -> tuple[_Turn, bool, dict]:
@@ -584,7 +595,7 @@ async def end_session(request: web.Request, gw: Gateway) -> web.Response:
     except SchemaError as exc:
         raise ApiError(409, f"the episode sink rejected the episode: {exc}", param="episode",
                        code="episode_rejected") from exc
-    gw.fleet.forget(sess.session_id)
+    gw.retire(sess)
     return web.json_response({"session_id": sess.session_id, "status": status, "sink": outcome or "accepted",
                               "num_segments": len(episode.segments), "num_calls": len(sess.calls)})
 

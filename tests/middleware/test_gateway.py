@@ -423,6 +423,22 @@ def test_no_engine_gives_503(model_dir):
         gw.stop()
 
 
+def test_ended_sessions_are_forgotten_beyond_the_bound(model_dir):
+    gw = start_gateway(model_dir, ["http://127.0.0.1:9"], in_process=True)
+    gw.gateway.config.keep_ended_sessions = 1
+    try:
+        a, b = new_session(gw), new_session(gw)
+        assert end(gw, a, "aborted")[0] == 200 and end(gw, b, "failed")[0] == 200
+        assert http(f"{gw.url}/forge/sessions/{a['session_id']}", method="GET")[0] == 404  # forgotten
+        assert http(f"{gw.url}/forge/sessions/{b['session_id']}", method="GET")[1]["status"] == "failed"
+        assert [e.status for e in gw.gateway.sink.episodes] == ["aborted", "failed"]
+        assert set(gw.gateway.by_key) == {b["api_key"]}
+    finally:
+        gw.stop()
+    with pytest.raises(ValueError, match="keep_ended_sessions must be >= 1"):
+        GatewayConfig(model_path=model_dir, engine_urls=["http://x"], keep_ended_sessions=0)
+
+
 def test_admin_token_and_loopback_rule(model_dir):
     with pytest.raises(ValueError, match="admin_token is required when host '0.0.0.0'"):
         GatewayConfig(model_path=model_dir, engine_urls=["http://x"], host="0.0.0.0")
