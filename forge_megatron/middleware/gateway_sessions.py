@@ -173,6 +173,8 @@ class Session:
         """Append call ``call`` (whose prompt is ``turn.prompt_ids``) to the current or a new segment."""
         if continues and self.segments:
             seg = self.segments[-1]
+            if turn.prompt_ids[:len(seg.tokens)] != seg.tokens:
+                raise RuntimeError("continuation prompt does not extend the segment (gateway bug)")
             seg.add_prompt(turn.prompt_ids[len(seg.tokens):])
         else:
             seg = SegmentBuilder()
