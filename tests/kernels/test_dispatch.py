@@ -81,3 +81,14 @@ def test_cuda_tensors_use_a_gpu_backend(inputs, no_env):
     assert dispatch.choose_backend(q.device)[0] in ("cuda", "triton", "segment")
     # fp32 inputs: compiled kernels may run their dots in TF32 (10-bit mantissa), hence the loose tolerance
     torch.testing.assert_close(o.cpu(), tree_attention_reference(*inputs), rtol=0, atol=5e-3)
+
+
+def test_cuda_backend_needs_the_built_extension_not_just_the_module():
+    from forge_megatron.kernels.tree_attention import dispatch
+    from forge_megatron.utils import env
+
+    if env.has_cuda_ext():
+        pytest.skip("the CUDA extension is built here")
+    assert "cuda" not in dispatch.available_backends("cuda")
+    with pytest.raises(RuntimeError, match="cuda"):
+        dispatch.choose_backend(torch.device("cpu"), "cuda")

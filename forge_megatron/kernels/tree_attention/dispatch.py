@@ -3,8 +3,10 @@
 Choice, first match wins:
 1. the ``backend`` argument;
 2. the environment variable FORGE_TREE_ATTN_BACKEND ("reference" | "segment" | "triton" | "cuda");
-3. automatic: "cuda" (forge_megatron._C_tree_attn built, CUDA tensors) -> "triton" (CUDA tensors, triton
-   importable) -> "segment" (exact, any device). "reference" (dense T x T mask) only on request.
+3. automatic on CUDA tensors: "triton" (triton importable) -> "cuda" (forge_megatron._C_tree_attn built) ->
+   "segment" (exact, any device); on CPU: "segment". "reference" (dense T x T mask) only on request.
+   The CUDA kernel moves ahead of Triton once its GPU tests have passed on a GPU machine (``CUDA_VALIDATED``;
+   benchmarks/gpu_check.sh runs them): until then it is used only when asked for.
 The Triton and CUDA backends live in their own modules and are imported lazily; a module that is absent or fails
 to import makes its backend unavailable. Each (backend, device type) choice is logged once.
 
@@ -27,6 +29,8 @@ from forge_megatron.utils import env
 
 ENV_VAR = "FORGE_TREE_ATTN_BACKEND"
 BACKENDS = ("reference", "segment", "triton", "cuda")
+# Flip to True once `pytest -m gpu tests/kernels/test_cuda.py` has passed on an H100/H200 (benchmarks/gpu_check.sh).
+CUDA_VALIDATED = False
 _COMPILED = {  # backend -> (module, function, what env.require names when it is missing)
     "triton": ("forge_megatron.kernels.tree_attention.triton_kernel", "tree_attention_triton", "triton"),
     "cuda": ("forge_megatron.kernels.tree_attention.cuda", "tree_attention_cuda", "cuda_ext"),
@@ -60,7 +64,7 @@ def choose_backend(device: torch.device, backend: str | None = None) -> tuple[st
     if from_env:
         return _requested(from_env, f"{ENV_VAR}={from_env}"), f"{ENV_VAR}={from_env}"
     if device.type == "cuda":
-        for name in ("cuda", "triton"):
+        for name in ("cuda", "triton") if CUDA_VALIDATED else ("triton", "cuda"):
             if name in available_backends(device):
                 return name, "automatic"
     return "segment", "automatic"
@@ -73,9 +77,16 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
     names = ["reference", "segment"]
     if _load(*_COMPILED["triton"][:2])[0] is not None and (device_type == "cuda" or interpreted):
         names.append("triton")
-    if _load(*_COMPILED["cuda"][:2])[0] is not None and device_type == "cuda":
+    if device_type == "cuda" and _load(*_COMPILED["cuda"][:2])[0] is not None and _cuda_ext_ready():
         names.append("cuda")
     return names
+
+
+def _cuda_ext_ready() -> bool:
+    """The cuda module always imports; the backend needs the compiled extension and a device too."""
+    from forge_megatron.kernels.tree_attention import cuda as cuda_backend
+
+    return cuda_backend.is_available()
 
 
 def _requested(name: str, source: str) -> str:
@@ -83,8 +94,10 @@ def _requested(name: str, source: str) -> str:
         raise ValueError(f"unknown tree attention backend {name!r} (from {source}); choose one of {BACKENDS}")
     if name in _COMPILED:
         module, fn, requirement = _COMPILED[name]
-        if _load(module, fn)[0] is None:
+        if _load(module, fn)[0] is None or (name == "cuda" and not _cuda_ext_ready()):
             env.require(requirement, f"tree attention backend {name!r}")
+            if name == "cuda":
+                env.require("cuda", "tree attention backend 'cuda'")
             raise RuntimeError(f"tree attention backend {name!r} is unavailable: {_load(module, fn)[1]}")
     return name
 
