@@ -10,6 +10,13 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Triton kernels run under the interpreter on CPU machines. It must be set before any @triton.jit function is
+# defined, i.e. before any test module (of any directory) imports forge_megatron.kernels.tree_attention.triton_kernel.
+from forge_megatron.utils import env as _env  # noqa: E402
+
+if not _env.has_cuda():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 
 def pytest_collection_modifyitems(config, items):
     from forge_megatron.utils import env
