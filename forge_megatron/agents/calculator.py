@@ -49,20 +49,20 @@ def calculate(expr: str) -> str:
     return str(OPS[m.group(2)](int(m.group(1)), int(m.group(3))))
 
 
-def make_tasks(n: int, seed: int = 0, max_operand: int = 49, ops: str = "+", domain: str = "math") -> list[Task]:
-    """``n`` distinct arithmetic tasks, deterministic for ``seed``."""
+def make_tasks(n: int, seed: int = 0, max_operand: int = 49, ops: str = "+", domain: str = "math",
+               result_digits: int | None = 2) -> list[Task]:
+    """``n`` distinct arithmetic tasks, deterministic for ``seed``.
+
+    ``result_digits`` keeps only tasks whose value has that many digits (None: any): with a fixed answer length the
+    tool result sits at a fixed distance from every answer digit, which a tiny model learns to copy quickly.
+    """
     rng = random.Random(seed)
-    if n > (max_operand + 1) ** 2 * len(ops):
-        raise ValueError(f"only {(max_operand + 1) ** 2 * len(ops)} distinct tasks exist, asked for {n}")
-    seen, tasks = set(), []
-    while len(tasks) < n:
-        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
-        expr = f"{a}{op}{b}"
-        if expr in seen:
-            continue
-        seen.add(expr)
-        tasks.append(Task(task_id=f"calc-{len(tasks)}", prompt=expr, domain=domain, answer=calculate(expr)))
-    return tasks
+    pool = [f"{a}{op}{b}" for a in range(max_operand + 1) for b in range(max_operand + 1) for op in ops]
+    pool = [e for e in pool if result_digits is None or len(calculate(e)) == result_digits]
+    if n > len(pool):
+        raise ValueError(f"only {len(pool)} distinct tasks exist, asked for {n}")
+    return [Task(task_id=f"calc-{i}", prompt=e, domain=domain, answer=calculate(e))
+            for i, e in enumerate(rng.sample(pool, n))]
 
 
 def tool_call_message() -> dict:
