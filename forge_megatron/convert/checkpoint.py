@@ -261,3 +261,19 @@ def load_rank_state(mcore_dir: str, tp: int, pp: int, ep: int) -> dict:
     """The ``model`` state dict of rank (tp, pp, ep), ready for ``model.load_state_dict(..., strict=True)``."""
     _, layout = read_meta(mcore_dir)
     return torch.load(rank_file(mcore_dir, layout, tp, pp, ep), map_location="cpu", weights_only=True)["model"]
+
+
+def load_into(model, mcore_dir: str) -> None:
+    """Load the shard of the calling rank (its TP/PP/EP ranks in Megatron's parallel state) into ``model``, a
+    ``GPTModel`` built from ``read_meta(mcore_dir)[0].cfg`` under the checkpoint's layout (strict)."""
+    from megatron.core import parallel_state as ps
+
+    _, layout = read_meta(mcore_dir)
+    here = ParallelLayout(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                          ps.get_expert_model_parallel_world_size())
+    if here != layout:
+        raise ValueError(f"checkpoint {mcore_dir!r} has layout {layout}, this job runs {here}; "
+                         f"reshard it first (forge-convert reshard)")
+    model.load_state_dict(load_rank_state(mcore_dir, ps.get_tensor_model_parallel_rank(),
+                                          ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()),
+                          strict=True)

@@ -7,6 +7,8 @@ memory held in flight.
 Relay: only global rank 0 talks to the engines. Stage s > 0's lead packs each bucket into one flat byte tensor plus
 a JSON header (names, dtypes, shapes; never pickle) and sends both to rank 0 with point-to-point ``send``; a zero
 header ends the stage. Rank 0 unpacks them as views into the received buffer (no copy per tensor).
+
+Legend: B = bytes of a packed bucket.
 """
 
 from __future__ import annotations

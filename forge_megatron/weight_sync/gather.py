@@ -44,7 +44,7 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def _params(bridge: Bridge, chunk, experts: bool):
-    """(local name, canonical name, param) of ``chunk``, expert or non-expert ones only."""
+    """(canonical name, param) of ``chunk``, expert or non-expert ones only (expert ids still local)."""
     model = unwrap(chunk)
     layers = model.decoder.layers if hasattr(model, "decoder") else []
     layer_offset = layers[0].layer_number - 1 if len(layers) else 0
@@ -53,7 +53,7 @@ def _params(bridge: Bridge, chunk, experts: bool):
             continue  # the last stage's copy of the tied embedding
         canonical = bridge.rename(local, layer_offset, 0)
         if bridge.is_expert(canonical) == experts:
-            yield local, canonical, p
+            yield canonical, p
 
 
 def iter_dense(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
@@ -62,7 +62,7 @@ def iter_dense(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
 
     tp_group = ps.get_tensor_model_parallel_group()
     for chunk in chunks:
-        for _, name, p in _params(bridge, chunk, experts=False):
+        for name, p in _params(bridge, chunk, experts=False):
             t = p.detach() if dtype is None else p.detach().to(dtype)
             if getattr(p, "tensor_model_parallel", False):
                 t = bridge.tp_join(name, _all_gather(t, tp_group))
@@ -77,7 +77,7 @@ def iter_experts(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
     ep_group = ps.get_expert_model_parallel_group()
     local_experts = (bridge.cfg.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
     for chunk in chunks:
-        for _, name, p in _params(bridge, chunk, experts=True):
+        for name, p in _params(bridge, chunk, experts=True):
             t = p.detach() if dtype is None else p.detach().to(dtype)
             t = bridge.tp_join(name, _all_gather(t, etp_group))
             for ep_rank, full in enumerate(_all_gather(t, ep_group)):

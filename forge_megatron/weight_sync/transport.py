@@ -206,7 +206,8 @@ class DiskTransport:
 
     def send(self, bucket) -> None:
         fname = f"bucket-{len(set(self.weight_map.values())):05d}.safetensors"
-        save_file({n: t.contiguous() for n, t in bucket}, os.path.join(self.dir, fname), metadata={"format": "pt"})
+        save_file({n: t.cpu().contiguous() for n, t in bucket}, os.path.join(self.dir, fname),
+                  metadata={"format": "pt"})
         self.weight_map.update({n: fname for n, _ in bucket})
         self.total += sum(nbytes(t) for _, t in bucket)
 

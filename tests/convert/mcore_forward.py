@@ -31,8 +31,6 @@ def forward_logits(model, tokens_bs: torch.Tensor):
 
 def load_converted(mcore_dir: str):
     """Build this rank's model from a checkpoint written by forge-convert and load its shard (strict)."""
-    from megatron.core import parallel_state as ps
-
     from forge_megatron.convert import checkpoint as ckpt
     from forge_megatron.mcore.cpu_compat import cuda_factories_to_cpu
     from forge_megatron.mcore.model import build_gpt
@@ -40,7 +38,5 @@ def load_converted(mcore_dir: str):
     bridge, _ = ckpt.read_meta(mcore_dir)
     with cuda_factories_to_cpu():  # tied embeddings with PP > 1 call .cuda() at construction
         model = build_gpt(bridge.cfg).eval()
-    state = ckpt.load_rank_state(mcore_dir, ps.get_tensor_model_parallel_rank(),
-                                 ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank())
-    model.load_state_dict(state, strict=True)
+    ckpt.load_into(model, mcore_dir)
     return bridge, model

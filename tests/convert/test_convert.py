@@ -104,12 +104,17 @@ def _hf_logits(hf_dir):
         return model(input_ids=_tokens()).logits
 
 
-def _megatron_logits_body(rank, world_size, mcore_dirs):
-    """Load each converted checkpoint into a Megatron model for this rank and return the full logits."""
+def _megatron_logits_body(rank, world_size, mcore_dirs, tp2_dir):
+    """Load each converted checkpoint into a Megatron model for this rank and return the full logits; also return
+    the error of loading a TP=2 checkpoint into this TP=1 job."""
     out = {}
     for key, d in mcore_dirs.items():
         _, model = load_converted(d)
         out[key] = forward_logits(model, _tokens())
+    try:
+        load_converted(tp2_dir)
+    except ValueError as exc:
+        out["layout_error"] = str(exc)
     return out
 
 
@@ -123,11 +128,14 @@ def _convert_all(hf_dirs, root, archs, layout):
 
 def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
     archs = ARCHS + ("qwen3_tied",)
-    (out,) = run_distributed(_megatron_logits_body, world_size=1,
+    ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "tp2"), ParallelLayout(tp=2))
+    (out,) = run_distributed(_megatron_logits_body, world_size=1, tp2_dir=str(tmp_path / "tp2"),
                              mcore_dirs=_convert_all(hf_dirs, tmp_path, archs, ParallelLayout()))
     for arch in archs:
         diff = (out[arch] - _hf_logits(hf_dirs[arch])).abs().max().item()
         assert diff <= 1e-4, (arch, diff)
+    assert "has layout ParallelLayout(tp=2, pp=1, ep=1), this job runs ParallelLayout(tp=1, pp=1, ep=1)" in \
+        out["layout_error"]
 
 
 # ------------------------------------------------------------------------------------------------ bad input
