@@ -1,11 +1,12 @@
 """The demo's task and black-box agent: integer arithmetic with a calculator tool, over the official ``openai`` client.
 
 Task: the user message is an expression like ``12+7``; the answer is its value. The agent offers the model one
-tool, ``calculator``, which evaluates the task's expression (the agent scaffold knows its task, the tool takes no
-arguments: a tiny model learns the call format in a few SFT steps, copying an expression into JSON takes far longer).
-A good episode is two calls: the model calls the tool, the agent returns the value in a tool message, the model
-answers with it. The model may also answer directly (a tiny model cannot add two-digit numbers itself, so direct
-answers are mostly wrong): learning to use the tool is what RL must teach.
+tool, ``calculator``, which evaluates the task's expression (the agent scaffold knows its task; the tool takes no
+arguments). If the model calls it, the agent submits the calculator's output as its answer, like agents that submit
+what their code execution printed; otherwise it submits the model's text. A tiny model cannot add two-digit numbers
+itself, so direct answers are mostly wrong: learning to use the tool is what RL must teach. (A tiny model learns the
+call format in a few SFT steps; copying numbers from the context into its answer takes it far longer, so the task
+does not ask for it.)
 
 Run as a program it is a black-box agent for :class:`forge_megatron.agents.runner.CommandAgent`: it reads
 ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (the official client's own variables) and ``FORGE_TASK_PROMPT``, and prints
@@ -14,7 +15,7 @@ its final answer as the last line of stdout. With ``--serve`` it is a black-box 
 ``POST / {"task", "base_url", "api_key"}`` -> ``{"output"}``.
 
 :func:`sft_conversations` writes the demo's supervised warm-start data: a fraction ``tool_fraction`` of the
-conversations use the tool, the rest answer directly (with the correct value, which the model cannot compute), so
+conversations call the tool, the rest answer directly (with the correct value, which the model cannot compute), so
 the warm-started policy uses the tool only part of the time and RL has room to raise the success rate.
 """
 
@@ -77,27 +78,20 @@ def sft_conversations(tasks: list[Task], tool_fraction: float, seed: int = 0) ->
     for task in tasks:
         user = {"role": "user", "content": task.prompt}
         if rng.random() < tool_fraction:
-            chats.append([user, tool_call_message(), {"role": "tool", "content": task.answer},
-                          {"role": "assistant", "content": task.answer}])
+            chats.append([user, tool_call_message()])
         else:
             chats.append([user, {"role": "assistant", "content": task.answer}])
     return chats
 
 
-def solve(prompt: str, client, model: str = "forge", max_turns: int = 3, max_tokens: int = 48,
-          temperature: float = 1.0) -> str:
-    """Run the agent loop with an ``openai.OpenAI`` client; returns the final answer text."""
-    messages = [{"role": "user", "content": prompt}]
-    for _ in range(max_turns):
-        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens,
-                                               temperature=temperature).choices[0].message
-        if not reply.tool_calls:
-            return (reply.content or "").strip()
-        messages.append({"role": "assistant", "content": reply.content or "",
-                         "tool_calls": [tc.model_dump() for tc in reply.tool_calls]})
-        for tc in reply.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": tc.id, "content": _run_tool(tc.function, prompt)})
-    return ""
+def solve(prompt: str, client, model: str = "forge", max_tokens: int = 48, temperature: float = 1.0) -> str:
+    """One model call with an ``openai.OpenAI`` client: the calculator's output if the model called it, else the
+    model's text."""
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], tools=TOOLS,
+                                           max_tokens=max_tokens, temperature=temperature).choices[0].message
+    if reply.tool_calls:
+        return _run_tool(reply.tool_calls[0].function, prompt)
+    return (reply.content or "").strip()
 
 
 def _run_tool(function, task_prompt: str) -> str:

@@ -211,6 +211,10 @@ class Trainer:
 
         from forge_megatron.mcore.forward import make_tree_forward_step
 
+        if self.args.pipeline_model_parallel_size > 1:
+            raise NotImplementedError("--old-logprobs recompute with PP > 1 needs the logprobs sent back from the "
+                                      "last stage; use --old-logprobs rollout")
+
         def keep(logp_M, entropy_M, mb):
             mb.extras["old_logp_M"] = logp_M.detach()
             return logp_M.sum() * 0.0, {}
@@ -219,9 +223,6 @@ class Trainer:
             forward_step_func=make_tree_forward_step(keep), data_iterator=iter(rb.micro_batches), model=[self.ddp],
             num_microbatches=len(rb.micro_batches),
             seq_length=max(mb.layout.unique_tokens for mb in rb.micro_batches), micro_batch_size=1, forward_only=True)
-        if self.args.pipeline_model_parallel_size > 1:
-            raise NotImplementedError("--old-logprobs recompute with PP > 1 needs the logprobs sent back from the "
-                                      "last stage; use --old-logprobs rollout")
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
