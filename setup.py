@@ -96,6 +96,7 @@ setup(
         "numpy>=1.24",
         "aiohttp>=3.9",
         "tqdm",
+        "psutil",  # megatron.core.dist_checkpointing (torch_dist) writer
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "triton>=3.0", "openai>=1.0", "pybind11>=2.12", "matplotlib"],

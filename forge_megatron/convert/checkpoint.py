@@ -149,14 +149,20 @@ def stage_inputs(bridge: Bridge, layout: ParallelLayout, pp: int) -> list[str]:
     return names + [EMBEDDING] if _needs_tied_head(bridge, layout, pp) else names
 
 
-def save_megatron_stage(bridge: Bridge, full: dict, layout: ParallelLayout, pp: int, out_dir: str) -> None:
+def save_rank_state(bridge: Bridge, layout: ParallelLayout, tp: int, pp: int, ep: int, state: dict,
+                    out_dir: str) -> None:
+    """Write one rank's local model state dict (and the tracker file) in the ``torch`` format."""
     meta = {"hf_config": bridge.hf_config, "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep}}
+    path = rank_file(out_dir, layout, tp, pp, ep)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"model": state, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "forge_bridge": meta}, path)
+    _write_tracker(out_dir)
+
+
+def save_megatron_stage(bridge: Bridge, full: dict, layout: ParallelLayout, pp: int, out_dir: str) -> None:
     for tp in range(layout.tp):
         for ep in range(layout.ep):
-            path = rank_file(out_dir, layout, tp, pp, ep)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save({"model": local_state(bridge, full, layout, tp, pp, ep), "checkpoint_version": CHECKPOINT_VERSION,
-                        "iteration": 0, "forge_bridge": meta}, path)
+            save_rank_state(bridge, layout, tp, pp, ep, local_state(bridge, full, layout, tp, pp, ep), out_dir)
 
 
 def _write_tracker(out_dir: str) -> None:
@@ -230,7 +236,6 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelL
     extra = reader.names() - used - ({"lm_head.weight"} if bridge.cfg.tie_word_embeddings else set())
     if extra:
         raise MappingError(f"HF tensor(s) {sorted(extra)[:5]} are not used by the {bridge.family.name!r} mapping")
-    _write_tracker(out_dir)
 
 
 def megatron_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> None:
@@ -254,7 +259,6 @@ def reshard(mcore_dir: str, out_dir: str, layout: ParallelLayout) -> None:
         full.update(load_megatron_stage(bridge, mcore_dir, src, pp))
     for pp in tqdm(range(layout.pp), desc="writing stages", unit="stage"):
         save_megatron_stage(bridge, {n: full[n] for n in stage_inputs(bridge, layout, pp)}, layout, pp, out_dir)
-    _write_tracker(out_dir)
 
 
 def load_rank_state(mcore_dir: str, tp: int, pp: int, ep: int) -> dict:

@@ -1,0 +1,115 @@
+"""Megatron ``torch_dist`` checkpoints <-> the per-rank ``torch`` format, through Megatron's own dist_checkpointing.
+
+``torch_dist`` stores every tensor once with its global shape, so it loads into any TP/PP/EP layout; Megatron writes
+it collectively from a live model (``model.sharded_state_dict()``). This tool therefore runs as a job with one
+process per rank of the layout (world size = tp * pp * ep; the EP ranks come from data parallelism, dp = ep):
+
+    torchrun --nproc-per-node 4 -m forge_megatron.convert.torch_dist to-torch-dist --mcore-dir CKPT --out DIST
+    torchrun --nproc-per-node 2 -m forge_megatron.convert.torch_dist from-torch-dist --dist-dir DIST/ \\
+        --hf-config MODEL_DIR --out CKPT2 --tp 2
+
+``to-torch-dist`` reads a ``forge-convert`` checkpoint with its own layout and saves it as ``torch_dist``;
+``from-torch-dist`` loads a ``torch_dist`` directory (ours, or a training checkpoint's ``iter_XXXXXXX``) into the
+layout given and writes the ``torch`` format, which ``forge-convert mcore-to-hf`` turns into HF safetensors.
+On CPU it runs on gloo; Megatron's writer needs ``psutil`` and starts helper processes, so the ranks must not be
+daemonic processes (torchrun's are not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from forge_megatron.bridge import Bridge, ParallelLayout
+from forge_megatron.convert import checkpoint as ckpt
+
+
+def _start(layout: ParallelLayout) -> None:
+    from forge_megatron.mcore.parallel import ParallelConfig, initialize
+
+    initialize(ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep))
+    import torch.distributed as dist
+
+    want = layout.tp * layout.pp * layout.ep
+    if dist.get_world_size() != want:
+        raise ValueError(f"run with tp*pp*ep = {want} processes for layout {layout}, got {dist.get_world_size()}")
+
+
+def _build(bridge: Bridge):
+    from forge_megatron.mcore.cpu_compat import cuda_factories_to_cpu
+    from forge_megatron.mcore.model import build_gpt
+
+    with cuda_factories_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda() on construction
+        return build_gpt(bridge.cfg)
+
+
+def to_torch_dist(mcore_dir: str, out_dir: str) -> None:
+    """Collective: save the ``torch`` checkpoint ``mcore_dir`` as ``torch_dist`` in ``out_dir``."""
+    from megatron.core import dist_checkpointing
+
+    from forge_megatron.mcore.cpu_compat import cuda_factories_to_cpu
+
+    bridge, layout = ckpt.read_meta(mcore_dir)
+    _start(layout)
+    model = _build(bridge)
+    ckpt.load_into(model, mcore_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    with cuda_factories_to_cpu():
+        dist_checkpointing.save(model.sharded_state_dict(), out_dir)
+
+
+def from_torch_dist(dist_dir: str, hf_config: str, out_dir: str, layout: ParallelLayout) -> None:
+    """Collective: load ``torch_dist`` ``dist_dir`` into ``layout`` and write it in the ``torch`` format."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from forge_megatron.mcore.cpu_compat import cuda_factories_to_cpu
+
+    bridge = Bridge(hf_config)
+    bridge.check_layout(layout)
+    _start(layout)
+    model = _build(bridge)
+    with cuda_factories_to_cpu():
+        state = dist_checkpointing.load(model.sharded_state_dict(), dist_dir)
+    model.load_state_dict(state, strict=False)
+    tp, pp, ep = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                  ps.get_expert_model_parallel_rank())
+    ckpt.save_rank_state(bridge, layout, tp, pp, ep, model.state_dict(), out_dir)
+    dist.barrier()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m forge_megatron.convert.torch_dist", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("to-torch-dist", help="forge-convert torch checkpoint -> torch_dist (world = tp*pp*ep)")
+    p.add_argument("--mcore-dir", required=True)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("from-torch-dist", help="torch_dist -> torch checkpoint with --tp/--pp/--ep (world = tp*pp*ep)")
+    p.add_argument("--dist-dir", required=True, help="directory with .metadata and *.distcp files")
+    p.add_argument("--hf-config", required=True, help="HF model directory or config.json describing the model")
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from forge_megatron.mcore.parallel import destroy
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "to-torch-dist":
+            to_torch_dist(args.mcore_dir, args.out)
+        else:
+            from_torch_dist(args.dist_dir, args.hf_config, args.out, ParallelLayout(args.tp, args.pp, args.ep))
+    finally:
+        destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
