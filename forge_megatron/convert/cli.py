@@ -4,7 +4,8 @@
     forge-convert mcore-to-hf --mcore-dir ckpt/qwen3 --out Qwen3-8B-rl
     forge-convert reshard --mcore-dir ckpt/qwen3 --out ckpt/qwen3-tp8 --tp 8 --pp 1
 
-Megatron checkpoints are written in the per-rank ``torch`` format (``--ckpt-format torch``); see docs/conversion.md.
+Megatron checkpoints are written in the per-rank ``torch`` format (``--ckpt-format torch``); for ``torch_dist`` run
+``torchrun ... -m forge_megatron.convert.torch_dist`` (see docs/conversion.md).
 """
 
 from __future__ import annotations
