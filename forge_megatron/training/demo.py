@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3, help="RL learning rate")
+    p.add_argument("--weight-sync-transport", default="disk", choices=["disk", "distributed"],
+                   help="safetensors through a directory, or a gloo broadcast group with the engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up (and clean up) after this long")
     return p
@@ -139,7 +141,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         "--position-embedding-type", "rope", "--lr", str(args.lr), "--lr-decay-style", "constant",
         "--train-iters", str(args.steps), "--clip-grad", "1.0", "--weight-decay", "0.0",
         "--pool-addr", pool_addr, "--gateway-url", gateway, "--engine-urls", engine,
-        "--weight-sync-transport", "disk", "--weight-sync-dir", os.path.join(out, "weight_sync"),
+        "--weight-sync-transport", args.weight_sync_transport, "--weight-sync-dir", os.path.join(out, "weight_sync"),
         "--train-batch-groups", str(args.groups_per_step), "--tree-token-budget", "16384",
         "--metrics-jsonl", metrics, "--log-interval", "1", "--seed", str(args.seed)],
         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",

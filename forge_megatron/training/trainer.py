@@ -101,6 +101,40 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     return RankBatch(mbs, num_loss_tokens, samples, batch.batch_id, batch.metrics)
 
 
+def batch_loss_config(loss_cfg, rb: RankBatch):
+    """token_mean over the whole rank batch = a constant normaliser (the batch's loss tokens)."""
+    from dataclasses import replace
+
+    if loss_cfg.norm != "token_mean":
+        return loss_cfg
+    return replace(loss_cfg, norm="constant", norm_constant=max(rb.num_loss_tokens, 1.0))
+
+
+def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str]) -> list[dict]:
+    """Forward and backward of every micro-batch through Megatron's schedule; per-micro-batch loss metrics."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from forge_megatron.algo.losses import policy_loss
+    from forge_megatron.mcore.forward import make_tree_forward_step
+
+    num_mb = len(rb.micro_batches)
+    cfg = batch_loss_config(loss_cfg, rb)
+
+    def loss_fn(logp_M, entropy_M, mb):
+        x = mb.extras
+        old = x.get("old_logp_M", x["rollout_logp_M"])
+        loss, metrics = policy_loss(
+            logp_M, old, x["advantages_M"], x["loss_mask_M"], x["cu_seqlens_S1"], cfg,
+            rollout_logp_M=x["rollout_logp_M"], entropy_M=entropy_M, sample_weight_S=x["sample_weight_S"],
+            domain_ids_S=x["domain_ids_S"], domain_names=domains)
+        return loss * (num_mb if cfg.norm == "constant" else 1), metrics
+
+    step = make_tree_forward_step(loss_fn, with_entropy=loss_cfg.entropy_coef > 0)
+    return get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(rb.micro_batches), model=[ddp], num_microbatches=num_mb,
+        seq_length=max(mb.layout.unique_tokens for mb in rb.micro_batches), micro_batch_size=1, forward_only=False)
+
+
 # -------------------------------------------------------------------------------------------------- trainer
 class Trainer:
     """Owns the model, optimizer, pool connection and weight syncer of one rank."""
@@ -171,39 +205,9 @@ class Trainer:
         return broadcast_batch(batch)
 
     def forward_backward(self, rb: RankBatch) -> list[dict]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from forge_megatron.algo.losses import policy_loss
-        from forge_megatron.mcore.forward import make_tree_forward_step
-
         if self.args.old_logprobs == "recompute":
             self._recompute_old_logprobs(rb)
-        num_mb = len(rb.micro_batches)
-        cfg = self._batch_loss_config(rb)
-        with_entropy = self.loss_cfg.entropy_coef > 0
-
-        def loss_fn(logp_M, entropy_M, mb):
-            x = mb.extras
-            old = x.get("old_logp_M", x["rollout_logp_M"])
-            loss, metrics = policy_loss(
-                logp_M, old, x["advantages_M"], x["loss_mask_M"], x["cu_seqlens_S1"], cfg,
-                rollout_logp_M=x["rollout_logp_M"], entropy_M=entropy_M, sample_weight_S=x["sample_weight_S"],
-                domain_ids_S=x["domain_ids_S"], domain_names=self.domains)
-            return loss * (num_mb if cfg.norm == "constant" else 1), metrics
-
-        step = make_tree_forward_step(loss_fn, with_entropy=with_entropy)
-        return get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(rb.micro_batches), model=[self.ddp],
-            num_microbatches=num_mb, seq_length=max(mb.layout.unique_tokens for mb in rb.micro_batches),
-            micro_batch_size=1, forward_only=False)
-
-    def _batch_loss_config(self, rb: RankBatch):
-        """token_mean over the whole rank batch = constant normaliser (the batch's loss tokens)."""
-        from dataclasses import replace
-
-        if self.loss_cfg.norm != "token_mean":
-            return self.loss_cfg
-        return replace(self.loss_cfg, norm="constant", norm_constant=max(rb.num_loss_tokens, 1.0))
+        return forward_backward(self.ddp, rb, self.loss_cfg, self.domains)
 
     @torch.no_grad()
     def _recompute_old_logprobs(self, rb: RankBatch) -> None:

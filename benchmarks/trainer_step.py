@@ -1,0 +1,99 @@
+"""One trainer forward+backward on an agent batch, with and without prefix-tree merging, side by side.
+
+Workload (the demo's shape): ``--groups`` tasks x ``--group-size`` episodes; every episode is the rendered chat prompt
+of the calculator agent (the tools system prompt, shared by all episodes, plus a short user expression) followed by a
+random ``--completion-tokens`` completion. The same batch goes through ``training.trainer.forward_backward`` (Megatron
+schedule, CISPO loss, tree forward) packed as prefix forests under ``--token-budget`` (merged) and as one sample per
+micro-batch (unmerged, what ``--no-tree-merging`` does). The two losses must agree (exactness); the times are medians
+of ``--repeats`` runs after one warm-up. Prints one JSON line.
+
+    python benchmarks/trainer_step.py [--groups 4 --group-size 8 --completion-tokens 24]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def make_batch(tokenizer, groups: int, group_size: int, completion_tokens: int, seed: int):
+    from forge_megatron.agents import calculator
+    from forge_megatron.middleware.batch import TrainBatch, TrainSample
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for g, task in enumerate(calculator.make_tasks(groups, seed=seed)):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": task.prompt}], tools=calculator.TOOLS,
+                                               tokenize=True, add_generation_prompt=True, return_dict=False)
+        for e in range(group_size):
+            tokens = np.array(prompt + rng.integers(10, len(tokenizer), completion_tokens).tolist(), dtype=np.int32)
+            mask = np.r_[np.zeros(len(prompt)), np.ones(completion_tokens)].astype(np.uint8)
+            samples.append(TrainSample(
+                tokens=tokens, loss_mask=mask, rollout_logprobs=np.where(mask, -3.0, 0.0).astype(np.float32),
+                policy_versions=np.where(mask, 0, -1).astype(np.int32),
+                advantages=np.where(mask, rng.standard_normal(), 0.0).astype(np.float32), sample_weight=1.0,
+                group_index=g, episode_id=f"{g}-{e}", domain="math", reward=float(e % 2)))
+    return TrainBatch(batch_id=1, samples=samples, group_indices=list(range(groups)))
+
+
+def time_step(ddp, rb, loss_cfg, repeats: int) -> tuple[float, float]:
+    from forge_megatron.training.trainer import forward_backward
+
+    times, loss = [], None
+    for i in range(repeats + 1):
+        ddp.zero_grad_buffer()
+        t0 = time.perf_counter()
+        metrics = forward_backward(ddp, rb, loss_cfg, ["math"])
+        if i:
+            times.append(time.perf_counter() - t0)
+        loss = sum(m["loss"] for m in metrics)  # token_mean: each micro-batch's share of the batch loss
+    return statistics.median(times), loss
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--completion-tokens", type=int, default=24)
+    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29547"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.mcore import parallel
+    from forge_megatron.models.tiny import build_tiny_model, build_tiny_tokenizer
+    from forge_megatron.training import arguments
+    from forge_megatron.training.trainer import build_model_and_optimizer, rank_batch
+
+    parallel.initialize(seed=a.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(os.path.join(tmp, "m"))
+        args = arguments.build_parser().parse_args(["--hf-checkpoint", model_dir, "--lr", "1e-4", "--train-iters", "1"])
+        _, ddp, _, _ = build_model_and_optimizer(args, Bridge(model_dir).cfg)
+        batch = make_batch(build_tiny_tokenizer(), a.groups, a.group_size, a.completion_tokens, a.seed)
+        loss_cfg = arguments.loss_config(args)
+        merged = rank_batch(batch, a.token_budget, True, 0, 1, ["math"])
+        unmerged = rank_batch(batch, a.token_budget, False, 0, 1, ["math"])
+        merged_s, merged_loss = time_step(ddp, merged, loss_cfg, a.repeats)
+        unmerged_s, unmerged_loss = time_step(ddp, unmerged, loss_cfg, a.repeats)
+    parallel.destroy()
+    total = sum(mb.layout.total_tokens for mb in merged.micro_batches)
+    unique = sum(mb.layout.unique_tokens for mb in merged.micro_batches)
+    print(json.dumps({
+        "samples": len(batch.samples), "total_tokens": total, "unique_tokens": unique, "bound": total / unique,
+        "micro_batches_merged": len(merged.micro_batches), "micro_batches_unmerged": len(unmerged.micro_batches),
+        "merged_s": merged_s, "unmerged_s": unmerged_s, "speedup": unmerged_s / merged_s,
+        "loss_merged": merged_loss, "loss_unmerged": unmerged_loss, "loss_abs_diff": abs(merged_loss - unmerged_loss),
+    }))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
