@@ -121,7 +121,7 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str]) -> list[d
     cfg = batch_loss_config(loss_cfg, rb)
 
     def loss_fn(logp_M, entropy_M, mb):
-        x = mb.extras
+        x = {k: v.to(logp_M.device) for k, v in mb.extras.items()}
         old = x.get("old_logp_M", x["rollout_logp_M"])
         loss, metrics = policy_loss(
             logp_M, old, x["advantages_M"], x["loss_mask_M"], x["cu_seqlens_S1"], cfg,
@@ -364,7 +364,8 @@ def make_syncer(args: argparse.Namespace, bridge):
 
     cfg = WeightSyncConfig(engine_urls=args.engine_urls, transport=args.weight_sync_transport,
                            bucket_bytes=int(args.weight_sync_bucket_mb * (1 << 20)), gateway_url=args.gateway_url,
-                           gateway_token=os.environ.get("FORGE_ADMIN_TOKEN"), disk_dir=args.weight_sync_dir)
+                           gateway_token=os.environ.get("FORGE_ADMIN_TOKEN"), disk_dir=args.weight_sync_dir,
+                           master_addr=args.weight_sync_master_addr)
     return WeightSyncer(cfg, bridge)
 
 

@@ -74,6 +74,7 @@ def test_dry_run_plan_is_consistent(layout):
             args.context_parallel_size) == (layout["TP"], layout["PP"], layout["EP"], layout["CP"])
     assert sorted(args.engine_urls) == engine_urls
     assert args.pool_addr == f"tcp://{middle}:5555" and args.gateway_url == f"http://{middle}:8000"
+    assert args.weight_sync_master_addr == train[0]  # engines join the weight-update group at trainer rank 0
     world = nnodes * nproc
     arguments.parallel_config(args).data_parallel_size(world)  # raises if the layout does not divide
     assert f"DP={world // (layout['TP'] * layout['PP'] * layout['CP'])}" in out.stdout
