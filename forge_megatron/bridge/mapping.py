@@ -41,7 +41,8 @@ class MappingError(ValueError):
 class Rule:
     """One canonical Megatron parameter and the HF tensor(s) it is made of.
 
-    ``join``: ``copy`` (one HF tensor), ``qkv`` (q, k, v grouped per query group), ``glu`` (gate, up stacked).
+    ``join``: ``copy`` (one HF tensor), ``qkv`` (q, k, v grouped per query group), ``glu`` (gate, up stacked),
+    ``vocab`` (rows past the HF vocabulary are Megatron's padding: zeros in, dropped out).
     ``tp``: ``rep`` (replicated), ``col`` (dim 0), ``row`` (dim 1), ``glu`` (gate and up halves split separately).
     """
 
@@ -106,20 +107,28 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
                  "glu", "glu"),
             Rule(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + "mlp.down_proj.weight",), tp="row"),
         ]
-    top = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp="col"),
+    top = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "col"),
            Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
     if not cfg.tie_word_embeddings:
-        top.append(Rule("output_layer.weight", ("lm_head.weight",), tp="col"))
+        top.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", "col"))
     return top[:1] + attn + mlp + top[1:]
 
 
 class Bridge:
-    """HF <-> Megatron-Core mapping for one model (built from its HF config)."""
+    """HF <-> Megatron-Core mapping for one model (built from its HF config).
+
+    ``gpt_overrides`` change the Megatron side's :class:`GPTConfig`; ``vocab_size=`` larger than the HF vocabulary
+    is Megatron's padded vocabulary (``make_vocab_size_divisible_by``): padding rows are zeros on import and dropped
+    on export.
+    """
 
     def __init__(self, hf_config, **gpt_overrides):
         self.hf_config = load_hf_config(hf_config)
         self.family = family_of(self.hf_config)
         self.cfg = gpt_config_from_hf(self.hf_config, **gpt_overrides)
+        self.hf_vocab = self.hf_config["vocab_size"]
+        if self.cfg.vocab_size < self.hf_vocab:
+            raise ValueError(f"vocab_size {self.cfg.vocab_size} is smaller than the HF vocabulary ({self.hf_vocab})")
         self.rules = _rules(self.cfg, self.family)
         self._patterns = [(_pattern(r.mcore), r) for r in self.rules]
 
@@ -160,6 +169,8 @@ class Bridge:
             parts = self._split_qkv(tensor)
         elif rule.join == "glu":
             parts = tensor.chunk(2, dim=0)
+        elif rule.join == "vocab":
+            parts = (tensor[: self.hf_vocab],)
         else:
             parts = (tensor,)
         return {n: p.contiguous() for n, p in zip(names, parts)}
@@ -178,6 +189,9 @@ class Bridge:
             parts.append(t)
         if rule.join == "qkv":
             return self._join_qkv(*parts)
+        if rule.join == "vocab" and self.cfg.vocab_size > self.hf_vocab:
+            padding = parts[0].new_zeros(self.cfg.vocab_size - self.hf_vocab, *parts[0].shape[1:])
+            return torch.cat([parts[0], padding])
         return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
 
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
@@ -186,7 +200,7 @@ class Bridge:
         d, h, g, n = cfg.hidden_size, cfg.head_dim, cfg.num_query_groups, cfg.num_attention_heads
         f = cfg.moe_ffn_hidden_size if ".experts." in hf_name else cfg.ffn_hidden_size
         table = {
-            "embed_tokens.weight": (cfg.vocab_size, d), "lm_head.weight": (cfg.vocab_size, d),
+            "embed_tokens.weight": (self.hf_vocab, d), "lm_head.weight": (self.hf_vocab, d),
             "norm.weight": (d,), "layernorm.weight": (d,),
             "q_proj.weight": (n * h, d), "k_proj.weight": (g * h, d), "v_proj.weight": (g * h, d),
             "q_proj.bias": (n * h,), "k_proj.bias": (g * h,), "v_proj.bias": (g * h,),

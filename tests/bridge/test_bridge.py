@@ -86,3 +86,13 @@ def test_names_offsets_and_ownership():
     assert len(bridge.canonical_names()) == 2 + 1 + 2 * (4 + 2 + 1 + 2 * 4)  # embed, norm, head + 2 layers
     with pytest.raises(MappingError, match="has no mapping for family 'qwen3_moe'"):
         bridge.rule("decoder.layers.0.mlp.linear_fc1.weight")
+
+
+def test_padded_vocabulary_rows_are_zero_in_and_dropped_out():
+    bridge = Bridge(_hf("llama", vocab_size=400), vocab_size=512)  # Megatron pads to a multiple of 128
+    emb = torch.randn(400, 64)
+    full = bridge.from_hf("embedding.word_embeddings.weight", {"model.embed_tokens.weight": emb})
+    assert full.shape == (512, 64) and torch.equal(full[:400], emb) and not full[400:].any()
+    assert torch.equal(bridge.to_hf("output_layer.weight", full)["lm_head.weight"], emb)
+    with pytest.raises(ValueError, match=r"vocab_size 300 is smaller than the HF vocabulary \(400\)"):
+        Bridge(_hf("llama", vocab_size=400), vocab_size=300)

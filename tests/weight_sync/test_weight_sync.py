@@ -1,4 +1,4 @@
-"""Weight sync from a sharded Megatron trainer to forge-engine (0 GPUs; 1-2 gloo trainer ranks + CPU engines).
+"""Weight sync from a sharded Megatron trainer to forge-engine (0 GPUs; 1-4 gloo trainer ranks + CPU engines).
 
 A TP=2 / PP=2 / EP=2 trainer loaded from a forge-convert checkpoint scores tokens like the HF original. After a
 sync from such a trainer whose weights moved away from the engine's, the engine's logprobs of
@@ -159,7 +159,7 @@ def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
 
 
 def _moe_export_body(rank, world_size, mcore_dir, out_dir):
-    """EP=2: every expert reaches rank 0 under its global id; rank 0 writes what an engine would receive."""
+    """Every expert reaches rank 0 under its global id; rank 0 writes what an engine would receive."""
     from safetensors.torch import save_file
 
     from forge_megatron.weight_sync.gather import iter_model_buckets
@@ -178,16 +178,17 @@ def _moe_export_body(rank, world_size, mcore_dir, out_dir):
     return names, converted, _trainer_logprobs(model, TAIL)
 
 
-def test_ep2_moe_experts_gathered_with_global_ids(models, tmp_path):
-    """The EP=2 trainer's tensors, loaded by transformers (which maps SGLang's per-expert checkpoint names onto its
+def test_tp2_ep2_moe_experts_gathered_with_global_ids(models, tmp_path):
+    """The TP=2 x EP=2 trainer's tensors (expert-TP gather, then EP gather; DP=2 so half the ranks only help), loaded by transformers (which maps SGLang's per-expert checkpoint names onto its
     fused experts), give the trainer's logprobs. forge-engine cannot load per-expert names yet (docs/weight_sync.md)."""
     from safetensors.torch import load_file
 
     mcore = str(tmp_path / "mcore")
-    ckpt.hf_to_megatron(models["qwen3_moe"], mcore, ParallelLayout(ep=2))
-    (names, converted, trainer), (names1, _, _) = run_distributed(_moe_export_body, world_size=2, parallel=ParallelConfig(ep=2),
-                                                    mcore_dir=mcore, out_dir=str(tmp_path))
-    assert names1 == []  # only rank 0 receives
+    ckpt.hf_to_megatron(models["qwen3_moe"], mcore, ParallelLayout(tp=2, ep=2))
+    (names, converted, trainer), *others = run_distributed(_moe_export_body, world_size=4,
+                                                           parallel=ParallelConfig(tp=2, ep=2),
+                                                           mcore_dir=mcore, out_dir=str(tmp_path))
+    assert all(o[0] == [] for o in others)  # only rank 0 receives
     reference = load_file(os.path.join(models["qwen3_moe"], "model.safetensors"))
     assert sorted(names) == sorted(reference)  # all 4 experts of every layer, each once, HF checkpoint names
     assert [n for n in names if ".experts." in n] == names[-len([n for n in names if ".experts." in n]):]
