@@ -127,7 +127,7 @@ class WeightSyncer:
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         report = SyncReport(policy_version=self.policy_version)
         start = time.perf_counter()
-        live = self._prepare(report) if self.rank == 0 else []
+        live = self._prepare() if self.rank == 0 else []
         while _bcast_flag(bool(live)):
             report.attempts += 1
             ok = self._send_pass(chunks, live, policy_version, report, on_bucket)
@@ -143,11 +143,10 @@ class WeightSyncer:
         return report
 
     # --- rank 0: protocol steps ----------------------------------------------------------------------------------
-    def _prepare(self, report: SyncReport) -> list[str]:
+    def _prepare(self) -> list[str]:
         self.excluded = set(self.http.unhealthy(self.excluded))
         live = [u for u in self.cfg.engine_urls if u not in self.excluded]
-        if self.cfg.gateway_url:
-            self.http.post(self.cfg.gateway_url, "/forge/admin/pause", {})
+        self._gateway("/forge/admin/pause", {})
         for route, body in (("/pause_generation", {"mode": self.cfg.pause_mode}), ("/flush_cache", None)):
             live = self._call_live(live, route, body)
         return live
@@ -170,22 +169,30 @@ class WeightSyncer:
             report.updated = live
         else:  # out of attempts: whoever holds partial weights stays paused until a later sync succeeds
             self.excluded.update(live)
-        if self.cfg.gateway_url:
-            version = {} if self.policy_version is None else {"policy_version": self.policy_version}
-            self.http.post(self.cfg.gateway_url, "/forge/admin/resume", version)
+        self._gateway("/forge/admin/resume", {} if self.policy_version is None else
+                      {"policy_version": self.policy_version})
         report.excluded = sorted(self.excluded)
+
+    def _gateway(self, route: str, body: dict) -> None:
+        """Tell the gateway (if any); a gateway that does not answer must not stop the sync (engines are paused)."""
+        if not self.cfg.gateway_url:
+            return
+        try:
+            self.http.post(self.cfg.gateway_url, route, body)
+        except RuntimeError as exc:
+            log.warning("weight sync: gateway %s%s failed: %s", self.cfg.gateway_url, route, exc)
 
     # --- all ranks: one pass over the model ----------------------------------------------------------------------
     def _send_pass(self, chunks, live, version, report, on_bucket) -> bool:
         """Gather and deliver every tensor once; True on rank 0 if every engine in ``live`` got all of them."""
         failure = None
         if self.rank == 0:
-            failure = self._try(self.transport.begin, live, version)
+            failure = _attempt(live, self.transport.begin, live, version)
         sent_bytes, sent = 0, 0
         for bucket in iter_model_buckets(self.bridge, chunks, self.cfg.bucket_bytes, self.dtype):
             if failure is not None:
                 continue  # keep taking part in the gathers; the pass is repeated
-            failure = self._try(self.transport.send, bucket)
+            failure = _attempt(live, self.transport.send, bucket)
             if failure is None:
                 sent_bytes += sum(bk.nbytes(t) for _, t in bucket)
                 sent += 1
@@ -193,26 +200,30 @@ class WeightSyncer:
                     on_bucket(sent - 1, bucket)
         if self.rank != 0:
             return True
-        failure = failure or self._try(self.transport.finish)
+        failure = failure or _attempt(live, self.transport.finish)
         if failure is not None:
             self._exclude(failure)
             return False
         report.bytes, report.buckets = sent_bytes, sent
         return True
 
-    @staticmethod
-    def _try(fn, *args) -> EngineFailure | None:
-        try:
-            fn(*args)
-        except EngineFailure as exc:
-            return exc
-        return None
-
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
             self.http.close()
             self.transport = self.http = None
+
+
+def _attempt(live: list[str], fn, *args) -> EngineFailure | None:
+    """Run a transport step on rank 0; any error becomes a failure of the engines it concerns (all of ``live`` if it
+    does not say), so rank 0 never leaves the collective that the other ranks are in."""
+    try:
+        fn(*args)
+    except EngineFailure as exc:
+        return exc
+    except Exception as exc:  # noqa: BLE001 - e.g. the group's port is taken; retried with a new group
+        return EngineFailure(live, f"{type(exc).__name__}: {exc}")
+    return None
 
 
 def _bcast_flag(flag: bool) -> bool:
