@@ -23,6 +23,7 @@ Legend: M = next-token targets of the samples of a micro-batch, S = samples, S1 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
@@ -236,7 +237,7 @@ class Trainer:
                         self.domains)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mb_metrics = self.forward_backward(rb)
+        mb_metrics = pipeline_loss_metrics(self.forward_backward(rb))
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -322,7 +323,8 @@ def model_config(args: argparse.Namespace, bridge):
                                  f"{args.hf_checkpoint} has {getattr(cfg, name)}")
     overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
     if args.pipeline_model_parallel_size > 1:
-        overrides["extra"] = {**cfg.extra, "variable_seq_lengths": True}
+        # tree micro-batches differ in length; Megatron accepts that only with the all-to-all MoE dispatcher
+        overrides["extra"] = {**cfg.extra, "variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
     return replace(cfg, **overrides)
 
 
@@ -367,6 +369,23 @@ def make_syncer(args: argparse.Namespace, bridge):
                            gateway_token=os.environ.get("FORGE_ADMIN_TOKEN"), disk_dir=args.weight_sync_dir,
                            master_addr=args.weight_sync_master_addr)
     return WeightSyncer(cfg, bridge)
+
+
+def pipeline_loss_metrics(mb_metrics: list[dict]) -> list[dict]:
+    """Under PP only the last stage computes the loss: its mean metrics go to every stage (JSON bytes, no pickle)."""
+    from megatron.core import parallel_state as ps
+
+    from forge_megatron.training.metrics import mean_of_dicts
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return mb_metrics
+    group, last = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
+    payload = json.dumps(mean_of_dicts(mb_metrics)).encode() if ps.is_pipeline_last_stage() else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=last, group=group)
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=last, group=group)
+    return [json.loads(buf.numpy().tobytes())]
 
 
 def broadcast_batch(batch):
