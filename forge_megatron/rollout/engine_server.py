@@ -29,6 +29,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -252,14 +253,39 @@ class ReferenceEngine:
             req.past = None
 
     def load_state(self, named: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors into the model; all names and shapes are checked before anything is written.
+
+        Checkpoints and SGLang name MoE experts one by one (``mlp.experts.{e}.{gate,up,down}_proj.weight``);
+        transformers >= 5 stores them fused per layer (``mlp.experts.gate_up_proj`` [E, 2I, H] with gate rows
+        first, ``mlp.experts.down_proj`` [E, H, I]). Per-expert names are written into the fused slices.
+        """
         params = self.model.state_dict()
+        writes = []  # (destination view, tensor)
         for name, tensor in named.items():
-            _require(name in params, f"unknown parameter name {name!r}")
-            _require(tuple(params[name].shape) == tuple(tensor.shape),
-                     f"shape of {name!r} is {tuple(tensor.shape)}, the model has {tuple(params[name].shape)}")
+            dest = self._destination(params, name)
+            _require(tuple(dest.shape) == tuple(tensor.shape),
+                     f"shape of {name!r} is {tuple(tensor.shape)}, the model has {tuple(dest.shape)}")
+            writes.append((dest, tensor))
         with torch.no_grad():
-            for name, tensor in named.items():
-                params[name].copy_(tensor.to(params[name].dtype))
+            for dest, tensor in writes:
+                dest.copy_(tensor.to(dest.dtype))
+
+    @staticmethod
+    def _destination(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        if name in params:
+            return params[name]
+        m = _PER_EXPERT.fullmatch(name)
+        if m is not None:
+            prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+            fused = params.get(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+            if fused is not None:
+                _require(expert < fused.shape[0], f"{name!r}: expert {expert} >= num_experts {fused.shape[0]}")
+                if proj == "down_proj":
+                    return fused[expert]
+                half = fused.shape[1] // 2
+                return fused[expert, :half] if proj == "gate_proj" else fused[expert, half:]
+        _require(False, f"unknown parameter name {name!r}")
+        raise AssertionError  # unreachable
 
     def load_from_disk(self, model_path: str) -> None:
         from safetensors.torch import load_file
@@ -280,6 +306,9 @@ class ReferenceEngine:
             broadcast_tensor(self.weight_group, buf, src=0)
             named[name] = buf
         self.load_state(named)
+
+
+_PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 def _eos_ids(config, tokenizer) -> set[int]:

@@ -248,3 +248,35 @@ def test_engine_cli_reports_missing_model(tmp_path):
 
     with pytest.raises(SystemExit, match="forge-engine: --model-path .* is not a directory"):
         main(["--model-path", str(tmp_path / "missing")])
+
+
+def test_moe_per_expert_names_load_into_fused_experts(tmp_path):
+    """Checkpoints and SGLang name experts one by one; transformers 5 fuses them per layer. Both must load."""
+    from forge_megatron.rollout.engine_server import ReferenceEngine
+
+    d = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe")
+    eng = ReferenceEngine(d)
+    try:
+        fused = eng.model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
+        n_exp, two_i, hidden = fused.shape
+        inter = two_i // 2
+        g = torch.Generator().manual_seed(0)
+        gate, up = torch.randn(inter, hidden, generator=g), torch.randn(inter, hidden, generator=g)
+        down = torch.randn(hidden, inter, generator=g)
+        pre = "model.layers.0.mlp.experts.3"
+        eng.load_state({f"{pre}.gate_proj.weight": gate, f"{pre}.up_proj.weight": up, f"{pre}.down_proj.weight": down})
+        sd = eng.model.state_dict()
+        assert torch.equal(sd["model.layers.0.mlp.experts.gate_up_proj"][3], torch.cat([gate, up]))
+        assert torch.equal(sd["model.layers.0.mlp.experts.down_proj"][3], down)
+        # Reference semantics: HF's expert forward takes gate from the first half of gate_up_proj.
+        x = torch.randn(1, hidden, generator=g)
+        h_gate, h_up = torch.nn.functional.linear(x, sd["model.layers.0.mlp.experts.gate_up_proj"][3]).chunk(2, -1)
+        assert torch.allclose(h_gate, x @ gate.T) and torch.allclose(h_up, x @ up.T)
+        with pytest.raises(RequestError, match="expert 9 >= num_experts"):
+            eng.load_state({"model.layers.0.mlp.experts.9.gate_proj.weight": gate})
+        with pytest.raises(RequestError, match="shape of"):
+            eng.load_state({f"{pre}.down_proj.weight": gate})
+        with pytest.raises(RequestError, match="unknown parameter name"):
+            eng.load_state({"model.layers.0.mlp.experts.1.bogus_proj.weight": gate})
+    finally:
+        eng.worker.shutdown()

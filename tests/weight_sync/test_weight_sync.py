@@ -180,7 +180,8 @@ def _moe_export_body(rank, world_size, mcore_dir, out_dir):
 
 def test_tp2_ep2_moe_experts_gathered_with_global_ids(models, tmp_path):
     """The TP=2 x EP=2 trainer's tensors (expert-TP gather, then EP gather; DP=2 so half the ranks only help), loaded by transformers (which maps SGLang's per-expert checkpoint names onto its
-    fused experts), give the trainer's logprobs. forge-engine cannot load per-expert names yet (docs/weight_sync.md)."""
+    fused experts) and by forge-engine's loader (same per-expert names), give the trainer's logprobs."""
+    from forge_megatron.rollout.engine_server import ReferenceEngine
     from safetensors.torch import load_file
 
     mcore = str(tmp_path / "mcore")
@@ -195,12 +196,20 @@ def test_tp2_ep2_moe_experts_gathered_with_global_ids(models, tmp_path):
     for hf_dir, want in ((models["qwen3_moe"], converted), (str(tmp_path), trainer)):  # before / after the update
         got = _hf_logprobs(hf_dir)
         assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, hf_dir
+    engine = ReferenceEngine(models["qwen3_moe"])
+    try:
+        engine.load_from_disk(str(tmp_path))  # per-expert names -> fused expert tensors
+        got = _hf_logprobs(None, model=engine.model)
+    finally:
+        engine.worker.shutdown()
+    assert max(abs(a - b) for a, b in zip(got, trainer)) <= 1e-5
 
 
-def _hf_logprobs(hf_dir):
+def _hf_logprobs(hf_dir, model=None):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=torch.tensor([PROMPT + TAIL])).logits[0].double(), dim=-1)
     return [logp[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(TAIL)]
