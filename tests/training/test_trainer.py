@@ -137,3 +137,20 @@ def test_tp2_and_pp2_train_like_one_rank(tmp_path, parallel):
             pool.stop()
     assert len(losses["single"]) == 2 and all(np.isfinite(losses["parallel"]))
     assert losses["parallel"] == pytest.approx(losses["single"], abs=1e-5)  # step 2 also checks the optimizer update
+
+
+def test_recomputed_old_logprobs_give_unit_ratios(setup):
+    """--old-logprobs recompute: pi_old is the current policy before the update, so every ratio is 1 at step 1; with
+    the recorded rollout logprobs (-5 per token here) the ratios are far from 1."""
+    model_dir, pool, run_dir = setup
+    feed_groups(pool.client, 2, np.random.default_rng(5))
+    ratios = {}
+    for mode in ("recompute", "rollout"):
+        cmd = [sys.executable, TRAIN, *_train_cmd(model_dir, pool, f"{run_dir}/{mode}", iters=1, groups=1,
+                                                 extra=["--old-logprobs", mode])]
+        out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        (step,) = _steps(f"{run_dir}/{mode}/metrics.jsonl")
+        ratios[mode] = (step["ratio_mean"], step["ratio_max"], step["clip_frac_high"])
+    assert ratios["recompute"] == pytest.approx((1.0, 1.0, 0.0), abs=1e-5)
+    assert abs(ratios["rollout"][0] - 1.0) > 0.3  # exp(logp + 5), logp of a random tiny model ~ -log(vocab) ~ -6

@@ -1,0 +1,51 @@
+"""Trainer metrics: per-episode rewards by domain, staleness, the JSONL/tensorboard writer. CPU, 0 GPUs."""
+
+import argparse
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from forge_megatron.middleware.batch import TrainSample
+from forge_megatron.training.metrics import MetricsWriter, reward_metrics, staleness_metrics
+
+
+def _sample(episode, domain, reward, versions, mask):
+    n = len(versions)
+    return TrainSample(tokens=np.arange(n, dtype=np.int32), loss_mask=np.array(mask, dtype=np.uint8),
+                       rollout_logprobs=np.zeros(n, np.float32), policy_versions=np.array(versions, np.int32),
+                       advantages=np.zeros(n, np.float32), sample_weight=1.0, group_index=0, episode_id=episode,
+                       domain=domain, reward=reward)
+
+
+def test_rewards_count_each_episode_once_per_domain():
+    samples = [_sample("a", "math", 1.0, [0, 1], [0, 1]), _sample("a", "math", 1.0, [0, 1], [0, 1]),  # 2 segments
+               _sample("b", "math", -0.1, [0, 1], [0, 1]), _sample("c", "qa", 0.5, [0, 2], [0, 1])]
+    m = reward_metrics(samples)
+    assert m["episodes"] == 3
+    assert m["reward_mean"] == pytest.approx((1.0 - 0.1 + 0.5) / 3) and m["success_rate"] == pytest.approx(2 / 3)
+    assert m["math/success_rate"] == 0.5 and m["qa/reward_mean"] == 0.5
+
+
+def test_staleness_uses_trained_tokens_only():
+    samples = [_sample("a", "d", 1.0, [-1, 3, 5], [0, 1, 1]), _sample("b", "d", 1.0, [-1, 6], [0, 1])]
+    assert staleness_metrics(samples, policy_version=6) == {"staleness_mean": pytest.approx(4 / 3), "staleness_max": 3.0}
+
+
+def test_writer_jsonl_and_tensorboard(tmp_path):
+    args = argparse.Namespace(metrics_jsonl=str(tmp_path / "m.jsonl"), tensorboard_dir=None, wandb_project=None,
+                              wandb_exp_name="")
+    w = MetricsWriter(args)
+    w.write(1, {"loss": 0.5, "group_indices": [3, 4], "note": "dropped"})
+    w.close()
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {"step": 1, "loss": 0.5, "group_indices": [3, 4]}
+    args.metrics_jsonl, args.tensorboard_dir = None, str(tmp_path / "tb")
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(RuntimeError, match="pip install tensorboard"):
+            MetricsWriter(args)
+    else:
+        w = MetricsWriter(args)
+        w.write(1, {"loss": 0.5})
+        w.close()
+        assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
