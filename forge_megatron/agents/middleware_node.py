@@ -51,14 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def pool_config(args: argparse.Namespace) -> PoolConfig:
-    from forge_megatron.algo.rewards import RewardConfig
+    from forge_megatron.training.arguments import reward_config
 
-    reward = RewardConfig(estimator=args.advantage_estimator, completion_time_bound=args.completion_time_bound)
-    reward.process_weights.update(args.reward_weights)
     return PoolConfig(db_path=args.pool_db, window_fraction=args.window_fraction,
                       generation_batch_groups=args.rollout_batch_groups, max_inflight_groups=args.max_inflight_groups,
                       max_staleness=args.max_staleness, train_batch_groups=args.train_batch_groups,
-                      episode_timeout_s=args.episode_timeout_s, reward=reward)
+                      episode_timeout_s=args.episode_timeout_s, reward=reward_config(args))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -126,3 +126,15 @@ def test_driver_feeds_groups_with_backpressure(stack):
     assert driver.success_rate() is not None
     with pytest.raises(ValueError, match="domains without tasks"):
         RolloutDriver(gw, None, tasks, 2, domain_ratios={"code": 1.0})
+
+
+def test_middleware_node_pool_settings(tmp_path):
+    from forge_megatron.agents.middleware_node import build_parser, pool_config
+
+    args = build_parser().parse_args(["--model-path", "m", "--engines", "http://127.0.0.1:1", "--pool-db",
+                                      str(tmp_path / "p.sqlite"), "--window-fraction", "0.5", "--rollout-batch-groups",
+                                      "6", "--reward-weights", "malformed_tool_calls=-0.3", "--advantage-estimator",
+                                      "rloo", "--max-staleness", "2"])
+    cfg = pool_config(args)
+    assert cfg.window_groups == 3 and cfg.max_staleness == 2  # W = ceil(0.5 * 6)
+    assert cfg.reward.estimator == "rloo" and cfg.reward.process_weights["malformed_tool_calls"] == -0.3
