@@ -113,8 +113,6 @@ def batch_loss_config(loss_cfg, rb: RankBatch):
 
 def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str]) -> list[dict]:
     """Forward and backward of every micro-batch through Megatron's schedule; per-micro-batch loss metrics."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from forge_megatron.algo.losses import policy_loss
     from forge_megatron.mcore.forward import make_tree_forward_step
 
@@ -130,10 +128,17 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str]) -> list[d
             domain_ids_S=x["domain_ids_S"], domain_names=domains)
         return loss * (num_mb if cfg.norm == "constant" else 1), metrics
 
-    step = make_tree_forward_step(loss_fn, with_entropy=loss_cfg.entropy_coef > 0)
+    return run_schedule(ddp, rb, make_tree_forward_step(loss_fn, with_entropy=loss_cfg.entropy_coef > 0))
+
+
+def run_schedule(ddp, rb: RankBatch, forward_step, forward_only: bool = False) -> list[dict]:
+    """Megatron's forward(-backward) schedule (pipelined when PP > 1) over the rank batch's micro-batches."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     return get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(rb.micro_batches), model=[ddp], num_microbatches=num_mb,
-        seq_length=max(mb.layout.unique_tokens for mb in rb.micro_batches), micro_batch_size=1, forward_only=False)
+        forward_step_func=forward_step, data_iterator=iter(rb.micro_batches), model=[ddp],
+        num_microbatches=len(rb.micro_batches), seq_length=max(mb.layout.unique_tokens for mb in rb.micro_batches),
+        micro_batch_size=1, forward_only=forward_only)
 
 
 # -------------------------------------------------------------------------------------------------- trainer
@@ -212,8 +217,6 @@ class Trainer:
 
     @torch.no_grad()
     def _recompute_old_logprobs(self, rb: RankBatch) -> None:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         from forge_megatron.mcore.forward import make_tree_forward_step
 
         if self.args.pipeline_model_parallel_size > 1:
@@ -224,10 +227,7 @@ class Trainer:
             mb.extras["old_logp_M"] = logp_M.detach()
             return logp_M.sum() * 0.0, {}
 
-        get_forward_backward_func()(
-            forward_step_func=make_tree_forward_step(keep), data_iterator=iter(rb.micro_batches), model=[self.ddp],
-            num_microbatches=len(rb.micro_batches),
-            seq_length=max(mb.layout.unique_tokens for mb in rb.micro_batches), micro_batch_size=1, forward_only=True)
+        run_schedule(self.ddp, rb, make_tree_forward_step(keep), forward_only=True)
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
@@ -292,7 +292,7 @@ class Trainer:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-        if self.syncer is not None and hasattr(self.syncer, "close"):
+        if self.syncer is not None:
             self.syncer.close()
         if self.pool is not None:
             self.pool.close()
