@@ -35,7 +35,7 @@ def test_bash_syntax():
     dict(ROLLOUT_NODES=2, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=2, TP=2, PP=1, EP=1, CP=1, MODEL="qwen3-8B"),
     dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B"),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
-         USE_ROUTER=1),
+         USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3"),
 ])
 def test_dry_run_plan_is_consistent(layout):
     out = _dry_run(**layout)
@@ -75,6 +75,11 @@ def test_dry_run_plan_is_consistent(layout):
     assert sorted(args.engine_urls) == engine_urls
     assert args.pool_addr == f"tcp://{middle}:5555" and args.gateway_url == f"http://{middle}:8000"
     assert args.weight_sync_master_addr == train[0]  # engines join the weight-update group at trainer rank 0
+    (driver,) = [c for c in cmds if "forge_megatron.agents.driver" in c]
+    assert driver[driver.index("--pool-addr") + 1] == args.pool_addr  # the driver obeys the pool's admission control
+    if layout.get("DOMAIN_RATIOS"):
+        assert driver[driver.index("--domain-ratios") + 1] == layout["DOMAIN_RATIOS"]
+        assert args.domain_ratios == {"math": 0.7, "qa": 0.3}
     world = nnodes * nproc
     arguments.parallel_config(args).data_parallel_size(world)  # raises if the layout does not divide
     assert f"DP={world // (layout['TP'] * layout['PP'] * layout['CP'])}" in out.stdout
