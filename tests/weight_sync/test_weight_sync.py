@@ -83,7 +83,9 @@ def _engine_vs_trainer(model, url):
         engine = (lps, version)
     torch.distributed.broadcast(ids, src=0)
     mine = _trainer_logprobs(model, ids.tolist())
-    last_rank = ps.get_pipeline_model_parallel_last_rank() if ps.get_tensor_model_parallel_rank() == 0 else None
+    # Rank 0's model replica (DP rank 0, TP rank 0) answers; other DP replicas (e.g. EP=2 with DP=2) stay quiet.
+    first_replica = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    last_rank = ps.get_pipeline_model_parallel_last_rank() if first_replica else None
     if torch.distributed.get_rank() == 0 and last_rank != 0:  # engine answer is on rank 0, trainer's on the last stage
         got = torch.empty(NEW, dtype=torch.float64)
         torch.distributed.recv(got, src=last_rank)
@@ -140,7 +142,8 @@ def _check_synced(results):
 @pytest.mark.parametrize("arch,parallel", [
     ("qwen2", ParallelConfig(tp=2)),
     ("qwen3_tied", ParallelConfig(pp=2)),
-], ids=["tp2", "pp2-tied"])
+    ("qwen3_moe", ParallelConfig(ep=2)),
+], ids=["tp2", "pp2-tied", "ep2-moe"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
