@@ -122,7 +122,7 @@ def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float,
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             if (step + 1) % log_every == 0 or step == 0:
                 print(f"[sft] step {step + 1}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)", flush=True)
         export_hf(model, bridge, hf_dir, out_dir)
