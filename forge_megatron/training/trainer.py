@@ -46,10 +46,12 @@ class RankBatch:
     """The samples this rank trains on in one iteration, as micro-batches, plus the batch-level normaliser."""
 
     micro_batches: list
-    num_loss_tokens: float
+    num_loss_tokens: float  # loss tokens of this rank's share
     samples: list
     batch_id: int
     pool_metrics: dict = field(default_factory=dict)
+    global_loss_tokens: float | None = None  # loss tokens of the whole batch, over every DP rank
+    dp_size: int = 1
 
 
 def _targets(arr: np.ndarray) -> torch.Tensor:
@@ -99,16 +101,34 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
         parts = [[i] for i in range(len(samples))]
     mbs = [micro_batch_of([samples[i] for i in part], domains) for part in parts]
     num_loss_tokens = float(sum(mb.extras["loss_mask_M"].sum() for mb in mbs))
-    return RankBatch(mbs, num_loss_tokens, samples, batch.batch_id, batch.metrics)
+    return RankBatch(mbs, num_loss_tokens, samples, batch.batch_id, batch.metrics,
+                     global_loss_tokens=_sum_over_dp(num_loss_tokens, dp_size), dp_size=dp_size)
+
+
+def _sum_over_dp(value: float, dp_size: int) -> float:
+    """Sum of ``value`` over the data-parallel ranks (DP ranks hold different groups of one batch)."""
+    if dp_size == 1 or not dist.is_initialized():
+        return value
+    from megatron.core import parallel_state as ps
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return float(t.item())
 
 
 def batch_loss_config(loss_cfg, rb: RankBatch):
-    """token_mean over the whole rank batch = a constant normaliser (the batch's loss tokens)."""
+    """CISPO's token mean over the *whole batch* as a constant normaliser on every rank.
+
+    L = (1/G) sum over all G loss tokens of the batch. Megatron's DDP averages gradients over the D data-parallel
+    ranks, so rank r contributes (D/G) sum over its own tokens: normaliser G/D. Dividing by the rank's own count
+    instead would weight the ranks' tokens unequally whenever their token counts differ.
+    """
     from dataclasses import replace
 
     if loss_cfg.norm != "token_mean":
         return loss_cfg
-    return replace(loss_cfg, norm="constant", norm_constant=max(rb.num_loss_tokens, 1.0))
+    total = rb.global_loss_tokens if rb.global_loss_tokens is not None else rb.num_loss_tokens
+    return replace(loss_cfg, norm="constant", norm_constant=max(total, 1.0) / rb.dp_size)
 
 
 def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str]) -> list[dict]:

@@ -46,10 +46,15 @@ class PoolProcess:
 
 
 def feed_groups(client: PoolClient, num_groups: int, rng: np.random.Generator, vocab: int = 300,
-                group_size: int = 4, prompt_len: int = 12, completion_len: int = 6) -> list[str]:
-    """Register ``num_groups`` groups of ``group_size`` finished episodes (shared prompt, varied completions)."""
+                group_size: int = 4, prompt_len: int = 12, completion_len: int | tuple[int, ...] = 6) -> list[str]:
+    """Register ``num_groups`` groups of ``group_size`` finished episodes (shared prompt, varied completions).
+
+    ``completion_len`` may be a tuple: group g then gets completions of ``completion_len[g % len]`` tokens.
+    """
     group_ids = []
-    for _ in range(num_groups):
+    lens = completion_len if isinstance(completion_len, tuple) else (completion_len,)
+    for g in range(num_groups):
+        completion_len = lens[g % len(lens)]
         prompt = rng.integers(10, vocab, size=prompt_len).tolist()
         gid = client.register_group(f"task-{uuid.uuid4().hex[:6]}", group_size, "default")
         for e in range(group_size):

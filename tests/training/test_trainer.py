@@ -139,6 +139,32 @@ def test_tp2_and_pp2_train_like_one_rank(tmp_path, parallel):
     assert losses["parallel"] == pytest.approx(losses["single"], abs=1e-5)  # step 2 also checks the optimizer update
 
 
+def test_dp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
+    """CISPO's token mean is over the whole batch: two DP ranks holding groups with different token counts must
+    produce the gradient one rank computes on the full batch (grad norm of the DP-reduced gradient, two steps)."""
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    norms, tokens = {}, {}
+    for name, nproc in (("single", 1), ("dp2", 2)):
+        pool = PoolProcess(str(tmp_path / f"{name}.sqlite"))
+        try:
+            feed_groups(pool.client, 4, np.random.default_rng(5), completion_len=(6, 11))
+            run_dir = str(tmp_path / name)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                   str(free_port()), TRAIN, *_train_cmd(model_dir, pool, run_dir, iters=2, groups=2)]
+            out = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                                 timeout=300)
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+            steps = _steps(f"{run_dir}/metrics.jsonl")
+            norms[name] = [s["grad_norm"] for s in steps]
+            tokens[name] = [s["loss_tokens"] for s in steps]
+        finally:
+            pool.stop()
+    # rank 0 of the DP=2 run holds one of the two groups, and the groups' token counts differ
+    assert all(0 < d < s for d, s in zip(tokens["dp2"], tokens["single"]))
+    assert any(2 * d != s for d, s in zip(tokens["dp2"], tokens["single"]))
+    assert norms["dp2"] == pytest.approx(norms["single"], rel=1e-5)
+
+
 def test_recomputed_old_logprobs_give_unit_ratios(setup):
     """--old-logprobs recompute: pi_old is the current policy before the update, so every ratio is 1 at step 1; with
     the recorded rollout logprobs (-5 per token here) the ratios are far from 1."""
