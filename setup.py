@@ -109,6 +109,8 @@ setup(
             "forge-gateway=forge_megatron.middleware.gateway:main",
             "forge-pool=forge_megatron.middleware.pool_server:main",
             "forge-convert=forge_megatron.convert.cli:main",
+            "forge-node=forge_megatron.agents.middleware_node:main",
+            "forge-rollout=forge_megatron.agents.driver:main",
         ]
     },
 )
