@@ -25,7 +25,7 @@ from forge_megatron.middleware.transport import PoolServer
 def build_parser() -> argparse.ArgumentParser:
     from forge_megatron.training.arguments import name_float_pairs
 
-    p = argparse.ArgumentParser(prog="forge-middleware", description=__doc__,
+    p = argparse.ArgumentParser(prog="forge-node", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("gateway")
     g.add_argument("--model-path", required=True, help="local HF directory with the tokenizer and chat template")
@@ -61,7 +61,7 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-middleware %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-node %(message)s")
     pool = DataPool(pool_config(args))
     server = PoolServer(pool, bind=args.pool_bind).start()
     gateway = Gateway(GatewayConfig(model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u],
