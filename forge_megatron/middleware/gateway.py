@@ -15,8 +15,12 @@ Routes
   POST /forge/sessions/{id}/end {status}                      -> the episode goes to the sink
   POST /forge/admin/pause {drain_timeout_s}, POST /forge/admin/resume {policy_version}, GET /forge/admin/state
 
-While paused (weights being updated) new calls wait up to ``pause_wait_s`` instead of failing; a call whose engine
-aborted it for an update is re-issued after resume. ``/forge/*`` needs the admin token when one is configured, and one
+``tool_choice`` "required" or {"type": "function", "function": {"name": X}} is enforced by forcing a prefix: the
+parser's tool-call opening (``ToolParser.forced_prefix``) is appended to the prompt ids, so it is prompt (loss mask 0,
+policy version -1; the policy did not sample it), the engine continues from it, and the parser reads prefix +
+completion. While paused (weights being updated) new calls wait up to ``pause_wait_s`` instead of failing; a call
+whose engine aborted it for an update is re-issued after resume (a streaming one too, while nothing of it has reached
+the client yet; otherwise the stream ends with an OpenAI-style error event, code ``aborted``). ``/forge/*`` needs the admin token when one is configured, and one
 must be configured when binding beyond loopback. Errors use OpenAI's body ``{"error": {message, type, param, code}}``.
 """
 
@@ -36,7 +40,7 @@ from aiohttp import web
 
 from forge_megatron.middleware.gateway_sessions import CallRecord, ChatRenderer, Session, _Turn
 from forge_megatron.middleware.schema import EPISODE_STATUSES, EpisodeSink, ListSink, SchemaError
-from forge_megatron.middleware.tool_parsers import get_parser
+from forge_megatron.middleware.tool_parsers import CannotForceToolCall, get_parser
 from forge_megatron.rollout.launch import print_ready, serve_app
 from forge_megatron.rollout.sglang_client import EngineFleet, EngineRequestError, FleetConfig, NoEngineAvailable
 
@@ -98,9 +102,16 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> web.Response:
-        return web.json_response({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                            "code": self.code}}, status=self.status)
+        return web.json_response(self.body(), status=self.status)
+
+
+def _too_many_aborts() -> ApiError:
+    return ApiError(503, f"the call was aborted by weight updates {ABORT_RETRIES} times; retry it later",
+                    "service_unavailable", code="aborted")
 
 
 @dataclass
@@ -114,6 +125,19 @@ class ChatRequest:
     stream: bool
     include_usage: bool = False
     logprobs: bool = False  # return OpenAI choice.logprobs (non-streaming; no top_logprobs)
+
+
+@dataclass
+class _Call:
+    """One chat call in flight. ``turn.prompt_ids`` end with the ids of ``forced_text`` while ``turn.prompt_text``
+    is the template's rendering without it: the forced text is the start of the assistant turn that the next call
+    renders after ``prompt_text``."""
+
+    turn: _Turn
+    continues: bool  # extends the session's current segment
+    sampling: dict  # engine sampling_params (max_new_tokens clamped to the context)
+    forced_text: str  # tool-call opening appended to the prompt ('' unless tool_choice forces a call)
+    started: float
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -130,10 +154,7 @@ def parse_chat_request(body: dict, default_max_tokens: int) -> ChatRequest:
     if tools is not None and (not isinstance(tools, list) or not all(
             isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name") for t in tools)):
         raise _bad("tools", "tools must be an array of {type: 'function', function: {name, ...}}")
-    tool_choice = body.get("tool_choice", "auto")
-    if tool_choice not in ("none", "auto", "required") and not (
-            isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict)):
-        raise _bad("tool_choice", "tool_choice must be 'none', 'auto', 'required' or {type, function: {name}}")
+    tool_choice = _tool_choice(body.get("tool_choice", "auto"), tools)
     if body.get("n", 1) != 1:
         raise _bad("n", "only n=1 is supported")
     if body.get("top_logprobs"):
@@ -142,6 +163,22 @@ def parse_chat_request(body: dict, default_max_tokens: int) -> ChatRequest:
                        sampling=_sampling_params(body, default_max_tokens), stream=_flag(body, "stream"),
                        include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
                        logprobs=_flag(body, "logprobs"))
+
+
+def _tool_choice(choice, tools: list | None):
+    """'none' | 'auto' | 'required' | {type: 'function', function: {name}} naming one of ``tools``."""
+    if choice in ("none", "auto"):
+        return choice
+    if choice != "required" and not (isinstance(choice, dict) and isinstance(choice.get("function"), dict)):
+        raise _bad("tool_choice", "tool_choice must be 'none', 'auto', 'required' or {type, function: {name}}")
+    if not tools:
+        raise _bad("tool_choice", "tool_choice 'required' or a named function needs a non-empty tools array")
+    if isinstance(choice, dict):
+        names = [t["function"]["name"] for t in tools]
+        if choice["function"].get("name") not in names:
+            raise _bad("tool_choice", f"tool_choice names function {choice['function'].get('name')!r}, which is "
+                                      f"not in tools {names}")
+    return choice
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -294,8 +331,10 @@ class Gateway:
             self.by_key.pop(old.api_key, None)
 
     # --- one chat call ----------------------------------------------------------------------------------------
-    def prepare(self, sess: Session, req: ChatRequest) -> tuple[_Turn, bool, dict]:
+    def prepare(self, sess: Session, req: ChatRequest) -> _Call:
         text, prompt_ids, continues = self.renderer.prompt_ids(sess.last_turn, req.messages, req.tools)
+        forced = self.forced_text(req)
+        prompt_ids = prompt_ids + self.renderer.encode(forced)
         room = self.context_length - len(prompt_ids)
         if room < 1:
             raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; the context length is {self.context_length}",
@@ -303,40 +342,52 @@ class Gateway:
         sampling = {**req.sampling, "max_new_tokens": min(req.sampling["max_new_tokens"], room)}
         turn = _Turn(messages=req.messages, tools=req.tools, prompt_text=text, prompt_ids=prompt_ids,
                      completion_ids=[], assistant_message={})
-        return turn, continues, sampling
+        return _Call(turn=turn, continues=continues, sampling=sampling, forced_text=forced, started=time.time())
 
-    async def generate(self, sess: Session, turn: _Turn, sampling: dict):
+    def forced_text(self, req: ChatRequest) -> str:
+        """The parser's tool-call opening when tool_choice forces a call, else ''."""
+        if req.tool_choice in ("none", "auto"):
+            return ""
+        name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+        try:
+            return self.parser.forced_prefix(name)
+        except CannotForceToolCall as exc:
+            raise _bad("tool_choice", f"tool_choice {req.tool_choice!r} cannot be enforced: {exc}") from exc
+
+    async def generate(self, sess: Session, call: _Call):
         """Call an engine (failover inside the fleet); re-issue calls aborted by a weight update after resume."""
         for _ in range(ABORT_RETRIES):
             await self.wait_resumed()
             try:
-                result = await self.fleet.generate(turn.prompt_ids, sampling, session_key=sess.session_id)
+                result = await self.fleet.generate(call.turn.prompt_ids, call.sampling, session_key=sess.session_id)
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
             if result.finish_type != "abort":
                 return result
             await asyncio.sleep(0.01)
-        raise ApiError(503, "the call was aborted by weight updates too many times", "service_unavailable",
-                       code="aborted")
+        raise _too_many_aborts()
 
-    def finish(self, sess: Session, turn: _Turn, continues: bool, result, started: float,
-               req: ChatRequest) -> tuple[dict, str]:
+    def text_of(self, call: _Call, result) -> str:
+        """What the parser reads: the forced text + the visible completion text."""
+        return call.forced_text + self.renderer.completion_text(result.output_ids, result.finish_reason)
+
+    def finish(self, sess: Session, call: _Call, result, req: ChatRequest) -> tuple[dict, str]:
         """Parse the completion, record the call, return (assistant message, OpenAI finish_reason)."""
         if len(result.logprobs) != len(result.output_ids):
             raise ApiError(502, f"the engine returned {len(result.logprobs)} logprobs for {len(result.output_ids)} "
                                 "tokens", "engine_error", code="bad_engine_response")
-        text = self.renderer.completion_text(result.output_ids, result.finish_reason)
-        parsed = (self.parser if req.tool_choice != "none" else self.no_parser).parse(text)
+        parsed = (self.parser if req.tool_choice != "none" else self.no_parser).parse(self.text_of(call, result))
         message = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls
         finish = "tool_calls" if parsed.tool_calls else ("length" if result.finish_type == "length" else "stop")
+        turn = call.turn
         turn.completion_ids = list(result.output_ids)
         turn.assistant_message = message
-        sess.record(turn, continues, CallRecord(
+        sess.record(turn, call.continues, CallRecord(
             prompt_ids=turn.prompt_ids, completion_ids=turn.completion_ids, logprobs=list(result.logprobs),
             policy_version=self.version_of(result), finish_reason=finish, engine_url=result.engine_url,
-            segment_index=-1, started_at=started, ended_at=time.time(), num_tool_calls=len(parsed.tool_calls),
+            segment_index=-1, started_at=call.started, ended_at=time.time(), num_tool_calls=len(parsed.tool_calls),
             num_malformed_tool_calls=parsed.num_malformed))
         return message, finish
 
@@ -420,19 +471,18 @@ async def chat_completions(request: web.Request, gw: Gateway) -> web.StreamRespo
         async with sess.lock:
             if sess.ended:
                 raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
-            turn, continues, sampling = gw.prepare(sess, req)
+            call = gw.prepare(sess, req)
             if req.stream:
-                return await _stream(request, gw, sess, req, turn, continues, sampling)
-            started = time.time()
-            result = await gw.generate(sess, turn, sampling)
-            message, finish = gw.finish(sess, turn, continues, result, started, req)
+                return await _stream(request, gw, sess, req, call)
+            result = await gw.generate(sess, call)
+            message, finish = gw.finish(sess, call, result, req)
     finally:
         gw.inflight -= 1
     return web.json_response({
         "id": _completion_id(), "object": "chat.completion", "created": int(time.time()), "model": gw.model_name,
         "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                     "logprobs": gw.openai_logprobs(turn, sess.calls[-1].logprobs) if req.logprobs else None}],
-        "usage": gw.usage(turn),
+                     "logprobs": gw.openai_logprobs(call.turn, sess.calls[-1].logprobs) if req.logprobs else None}],
+        "usage": gw.usage(call.turn),
     })
 
 
@@ -453,8 +503,14 @@ def _emit_upto(text: str, holds: list[str]) -> int:
     return end
 
 
-async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, turn: _Turn, continues: bool,
-                  sampling: dict) -> web.StreamResponse:
+def _sse(body: dict) -> bytes:
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _Call) -> web.StreamResponse:
+    """Stream one call as SSE chunks. Content is held back at the tool-call marker and stop strings; tool calls
+    arrive as one tool_calls delta at the end. A call the engine aborts (weights update) is re-issued after resume
+    while no content has been sent; after that it ends with an OpenAI-style error event."""
     cid, created = _completion_id(), int(time.time())
 
     def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
@@ -462,34 +518,45 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, turn: _
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
         if usage is not None:
             body["choices"], body["usage"] = [], usage
-        return f"data: {json.dumps(body)}\n\n".encode()
+        return _sse(body)
 
-    holds = [s for s in [gw.parser.start_marker if req.tool_choice != "none" else None, *sampling.get("stop", [])] if s]
-    started = time.time()
+    holds = [s for s in [gw.parser.start_marker if req.tool_choice != "none" else None,
+                         *call.sampling.get("stop", [])] if s]
     resp = None
     sent = 0
-    result = None
     try:
-        async for result in gw.fleet.generate_stream(turn.prompt_ids, sampling, session_key=sess.session_id):
-            if resp is None:
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-                await resp.prepare(request)
-                await resp.write(chunk({"role": "assistant", "content": ""}))
-            text = gw.renderer.completion_text(result.output_ids, result.finish_reason)
-            upto = _emit_upto(text, holds)
-            if upto > sent:
-                await resp.write(chunk({"content": text[sent:upto]}))
-                sent = upto
-        if result is None or result.finish_type == "abort":
-            raise ApiError(503, "the call was aborted (weights update); retry", "service_unavailable", code="aborted")
+        for _ in range(ABORT_RETRIES):
+            await gw.wait_resumed()
+            result = None
+            async for result in gw.fleet.generate_stream(call.turn.prompt_ids, call.sampling,
+                                                         session_key=sess.session_id):
+                if resp is None:
+                    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+                    await resp.prepare(request)
+                    await resp.write(chunk({"role": "assistant", "content": ""}))
+                text = gw.text_of(call, result)
+                upto = _emit_upto(text, holds)
+                if upto > sent:
+                    await resp.write(chunk({"content": text[sent:upto]}))
+                    sent = upto
+            if result is not None and result.finish_type != "abort":
+                break
+            if sent:
+                raise ApiError(503, f"the engine aborted the call (weights update) after {sent} characters were "
+                                    "streamed; send the call again", "service_unavailable", code="aborted")
+            await asyncio.sleep(0.01)
+        else:
+            raise _too_many_aborts()
     except (NoEngineAvailable, EngineRequestError, ApiError) as exc:
         err = exc if isinstance(exc, ApiError) else _engine_error(exc)
         if resp is None:
             raise err from exc
-        await resp.write(f"data: {json.dumps({'error': {'message': err.message, 'code': err.code}})}\n\n".encode())
+        await resp.write(_sse(err.body()))
+        await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-    message, finish = gw.finish(sess, turn, continues, result, started, req)
+    message, finish = gw.finish(sess, call, result, req)
     content = message["content"] or ""
     if len(content) > sent:
         await resp.write(chunk({"content": content[sent:]}))
@@ -497,7 +564,7 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, turn: _
         await resp.write(chunk({"tool_calls": [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]}))
     await resp.write(chunk({}, finish))
     if req.include_usage:
-        await resp.write(chunk({}, usage=gw.usage(turn)))
+        await resp.write(chunk({}, usage=gw.usage(call.turn)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

@@ -8,6 +8,11 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
 Hermes-2-Pro and the Qwen2.5/Qwen3 chat templates. A block that is not such JSON, or an unclosed ``<tool_call>``, is
 malformed: it is counted and its text stays in ``content`` so the agent sees what the model wrote.
 Register others with :func:`register_parser`.
+
+*Forcing a call* (``tool_choice`` "required" or a named function) needs no constrained decoding: the gateway appends
+:meth:`ToolParser.forced_prefix` to the prompt ids and parses prefix + completion. For Hermes/Qwen the prefix is what
+the chat template writes at the start of an assistant tool call, ``<tool_call>\n`` and, for a named function,
+``{"name": "<name>", "arguments": `` after it, so the next turn's rendered history matches the ids the engine saw.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ class ParsedCompletion:
     num_malformed: int = 0
 
 
+class CannotForceToolCall(ValueError):
+    """The parser has no text that commits a model to a tool call."""
+
+
 class ToolParser:
     """Base: no tool calls; ``start_marker`` is where streaming must stop emitting content (None: never)."""
 
@@ -33,6 +42,11 @@ class ToolParser:
 
     def parse(self, text: str) -> ParsedCompletion:
         return ParsedCompletion(content=text)
+
+    def forced_prefix(self, function_name: str | None = None) -> str:
+        """Text that, appended to the prompt, commits the model to a tool call (to ``function_name`` when given)."""
+        raise CannotForceToolCall(f"tool parser {self.name!r} cannot force a tool call; use tool_choice 'auto' or "
+                                  "'none', or serve with a parser that can (e.g. --tool-parser hermes)")
 
 
 class HermesToolParser(ToolParser):
@@ -60,6 +74,11 @@ class HermesToolParser(ToolParser):
         if calls:
             content = content.strip() or None
         return ParsedCompletion(content=content, tool_calls=calls, num_malformed=malformed)
+
+    def forced_prefix(self, function_name: str | None = None) -> str:
+        if function_name is None:
+            return self.start_marker + "\n"
+        return f'{self.start_marker}\n{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments": '
 
 
 def _call_from_json(body: str) -> dict | None:
