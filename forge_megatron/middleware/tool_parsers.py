@@ -12,7 +12,10 @@ Register others with :func:`register_parser`.
 *Forcing a call* (``tool_choice`` "required" or a named function) needs no constrained decoding: the gateway appends
 :meth:`ToolParser.forced_prefix` to the prompt ids and parses prefix + completion. For Hermes/Qwen the prefix is what
 the chat template writes at the start of an assistant tool call, ``<tool_call>\n`` and, for a named function,
-``{"name": "<name>", "arguments": `` after it, so the next turn's rendered history matches the ids the engine saw.
+``{"name": "<name>", "arguments":`` after it, so the forced text + completion is the text the template renders for
+that call on the next turn. The named prefix stops before the template's space after ``"arguments":``: byte-level
+BPE merges that space with the next character (`` {"``), so a prompt ending in a lone space token is one the model
+never saw in training (a tiny model continued it with garbage); the model writes `` {`` itself.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ class HermesToolParser(ToolParser):
     def forced_prefix(self, function_name: str | None = None) -> str:
         if function_name is None:
             return self.start_marker + "\n"
-        return f'{self.start_marker}\n{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments": '
+        return f'{self.start_marker}\n{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments":'
 
 
 def _call_from_json(body: str) -> dict | None:

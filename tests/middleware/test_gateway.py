@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_megatron.middleware.gateway import ApiError, GatewayConfig, parse_chat_request
 from forge_megatron.middleware.gateway_sessions import ChatRenderer
-from forge_megatron.middleware.tool_parsers import get_parser
+from forge_megatron.middleware.tool_parsers import CannotForceToolCall, get_parser
 from forge_megatron.models.tiny import build_tiny_model, finetune_on_chats
 from forge_megatron.rollout.launch import start_engine, start_engines, start_gateway
 
@@ -88,6 +88,17 @@ def episode(gw, s):
     return next(e for e in gw.gateway.sink.episodes if e.episode_id == s["session_id"])
 
 
+def busy_engine(engines, min_tokens=2, timeout_s=60):
+    """The in-process engine handle serving a request that has sampled more than ``min_tokens`` tokens."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for h in engines:
+            if any(len(r.output_ids) > min_tokens for r in list(h.engine.running.values())):
+                return h
+        time.sleep(0.002)
+    pytest.fail("no engine started serving the call")
+
+
 def as_message(choice_message):
     return choice_message.model_dump(exclude_none=True)
 
@@ -150,6 +161,84 @@ def test_tool_round_trip_is_one_segment(stack):
     assert ep.num_tool_calls == 1 and ep.num_malformed_tool_calls == 0 and ep.reward == 1.0
     assert ep.reward_terms == {"format": 0.5} and ep.domain == "agent" and ep.status == "finished"
     assert ep.ended_at >= ep.started_at > 0 and ep.metadata["k"] == 1
+
+
+def test_tool_choice_required_then_auto_is_one_segment(stack, model_dir):
+    """The forced <tool_call> opening is prompt (mask 0, version -1), the completion continues it, and the next
+    turn's history (rendered by the chat template) equals the ids the engine saw, token for token."""
+    gw, _ = stack
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    forced_ids = tok.encode(get_parser("hermes").forced_prefix(), add_special_tokens=False)
+    s = new_session(gw)
+    c = client(s)
+    r1 = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required", temperature=0,
+                                   max_tokens=60)
+    [tc] = r1.choices[0].message.tool_calls
+    assert r1.choices[0].finish_reason == "tool_calls"
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Paris"}
+    msgs = USER + [as_message(r1.choices[0].message), {"role": "tool", "tool_call_id": tc.id, "content": TOOL_RESULT}]
+    r2 = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, temperature=0, max_tokens=30)
+    assert r2.choices[0].message.content == FINAL_ANSWER
+    first, second = gw.gateway.sessions[s["session_id"]].calls
+    rendered = tok.apply_chat_template(USER, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert first.prompt_ids == rendered + forced_ids  # the policy did not sample the opening
+    assert first.completion_ids[0] not in forced_ids and r1.usage.prompt_tokens == len(first.prompt_ids)
+    assert tok.decode(second.prompt_ids) == tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True,
+                                                                     tokenize=False)
+    assert end(gw, s)[0] == 200
+    [seg] = episode(gw, s).segments
+    n0p, n0c, n1p = len(first.prompt_ids), len(first.completion_ids), len(second.prompt_ids)
+    assert seg.tokens == second.prompt_ids + second.completion_ids
+    assert seg.loss_mask == [0] * n0p + [1] * n0c + [0] * (n1p - n0p - n0c) + [1] * len(second.completion_ids)
+    assert seg.policy_versions[n0p - len(forced_ids):n0p] == [-1] * len(forced_ids)
+    assert seg.rollout_logprobs[n0p - len(forced_ids):n0p] == [0.0] * len(forced_ids)
+    assert seg.rollout_logprobs[n0p:n0p + n0c] == first.logprobs
+
+
+def test_named_tool_choice_streams_like_non_streaming(stack, model_dir):
+    gw, _ = stack
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    s = new_session(gw)
+    c = client(s)
+    kw = dict(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=60,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [full] = c.chat.completions.create(**kw).choices[0].message.tool_calls
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    [streamed] = [t for ch in chunks if ch.choices for t in (ch.choices[0].delta.tool_calls or [])]
+    assert (streamed.function.name, streamed.function.arguments) == (full.function.name, full.function.arguments)
+    assert full.function.name == "get_weather" and json.loads(full.function.arguments) == {"city": "Paris"}
+    assert [call["num_tool_calls"] for call in calls(gw, s)] == [1, 1]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
+    # a chat the model answers without calling: the named choice makes it attempt exactly one get_weather call
+    # (the tiny model was never trained on it, so the attempt may be malformed JSON, which counts as a malformed call)
+    hello = [{"role": "user", "content": "Hello"}]
+    for choice in ("auto", kw["tool_choice"]):
+        c.chat.completions.create(**{**kw, "messages": hello, "tool_choice": choice})
+    unforced, forced_hello = calls(gw, s)[-2:]
+    assert unforced["num_tool_calls"] + unforced["num_malformed_tool_calls"] == 0
+    assert forced_hello["num_tool_calls"] + forced_hello["num_malformed_tool_calls"] == 1
+    forced = tok.encode('<tool_call>\n{"name": "get_weather", "arguments":', add_special_tokens=False)
+    assert [call["prompt_ids"][-len(forced):] == forced for call in calls(gw, s)] == [True, True, False, True]
+
+
+def test_tool_choice_that_cannot_be_enforced_is_a_400(stack, model_dir):
+    gw, _ = stack
+    s = new_session(gw)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for body, says in [({"tools": TOOLS, "tool_choice": named}, "'get_time', which is not in tools ['get_weather']"),
+                       ({"tool_choice": "required"}, "needs a non-empty tools array")]:
+        status, err = chat_raw(gw, s["api_key"], json.dumps({"messages": USER, **body}).encode())
+        assert status == 400 and err["error"]["param"] == "tool_choice" and says in err["error"]["message"]
+    plain = start_gateway(model_dir, ["http://127.0.0.1:9"], in_process=True)
+    plain.gateway.parser = get_parser("none")
+    try:
+        s = new_session(plain)
+        status, err = chat_raw(plain, s["api_key"], json.dumps(
+            {"messages": USER, "tools": TOOLS, "tool_choice": "required"}).encode())
+        assert status == 400 and err["error"]["param"] == "tool_choice"
+        assert "tool parser 'none' cannot force a tool call" in err["error"]["message"]
+    finally:
+        plain.stop()
 
 
 def test_tool_choice_none_and_malformed_calls(stack):
@@ -292,11 +381,7 @@ def test_call_aborted_by_engine_pause_is_reissued(stack):
         model="tiny", messages=[{"role": "user", "content": "long"}], max_tokens=300, seed=4,
         extra_body={"ignore_eos": True})))
     t.start()
-    deadline = time.time() + 60
-    busy = None
-    while busy is None and time.time() < deadline:
-        busy = next((h for h in engines if any(len(r.output_ids) > 2 for r in list(h.engine.running.values()))), None)
-        time.sleep(0.002)
+    busy = busy_engine(engines)
     assert http(busy.url + "/pause_generation", {"mode": "abort"})[1]["success"]
     time.sleep(0.1)
     http(busy.url + "/continue_generation", {})
@@ -305,6 +390,61 @@ def test_call_aborted_by_engine_pause_is_reissued(stack):
     [call] = calls(gw, s)
     assert len(call["completion_ids"]) == 300 and len(call["logprobs"]) == 300
     assert sum(e.served for e in gw.gateway.fleet.engines) - served_before == 2  # the aborted call + the re-issue
+
+
+def test_streaming_call_aborted_before_any_content_is_reissued(stack):
+    """tool_choice 'required' holds every character back (the forced text starts with <tool_call>), so an abort
+    reaches the gateway before the client saw content: the call is re-issued and the stream ends normally."""
+    gw, engines = stack
+    s = new_session(gw)
+    served_before = sum(e.served for e in gw.gateway.fleet.engines)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(chunks=list(client(s).chat.completions.create(
+        model="tiny", messages=USER, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=300,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))))
+    t.start()
+    busy = busy_engine(engines)
+    assert http(busy.url + "/pause_generation", {"mode": "abort"})[1]["success"]
+    time.sleep(0.1)
+    http(busy.url + "/continue_generation", {})
+    t.join(60)
+    chunks = out["chunks"]
+    assert chunks[-1].usage.completion_tokens == 300
+    [call] = calls(gw, s)
+    assert len(call["completion_ids"]) == 300 and call["num_tool_calls"] == 1
+    [tc] = [t for ch in chunks if ch.choices for t in (ch.choices[0].delta.tool_calls or [])]
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Paris"}
+    assert sum(e.served for e in gw.gateway.fleet.engines) - served_before == 2  # the aborted stream + the re-issue
+
+
+def test_streaming_call_aborted_after_content_ends_with_an_openai_error(stack):
+    gw, engines = stack
+    s = new_session(gw)
+    got_content, out = threading.Event(), {}
+
+    def consume():
+        stream = client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "long"}],
+                                                   max_tokens=1000, seed=4, stream=True,
+                                                   extra_body={"ignore_eos": True})
+        try:
+            for ch in stream:
+                if ch.choices and ch.choices[0].delta.content:
+                    got_content.set()
+        except openai.APIError as exc:
+            out["error"] = exc
+        got_content.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert got_content.wait(60)
+    busy = busy_engine(engines)
+    assert http(busy.url + "/pause_generation", {"mode": "abort"})[1]["success"]
+    t.join(60)
+    http(busy.url + "/continue_generation", {})
+    err = out["error"]
+    assert err.body["code"] == "aborted" and err.body["type"] == "service_unavailable"
+    assert "aborted the call (weights update) after" in err.message and "characters were streamed" in err.message
+    assert calls(gw, s) == []  # nothing recorded for a call the client did not get
 
 
 def test_weight_update_cycle_records_new_policy_version(tmp_path, model_dir):
@@ -465,6 +605,20 @@ def test_hermes_parser():
     bad = p.parse('<tool_call>{"name": 3}</tool_call> and <tool_call>{"name": "g"')
     assert bad.tool_calls == [] and bad.num_malformed == 2 and "<tool_call>" in bad.content
     assert get_parser("none").parse("<tool_call>{}</tool_call>").tool_calls == []
+
+
+def test_hermes_forced_prefix_is_how_the_template_opens_a_tool_call(model_dir):
+    """The forced text must be the start of the template's assistant tool call, or the next turn would not extend
+    the recorded ids."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    (_, _), (after, _) = scripted_chats()
+    head = tok.apply_chat_template(USER, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    turn = tok.apply_chat_template(after[:2], tools=TOOLS, tokenize=False)[len(head):]
+    p = get_parser("qwen")
+    assert turn.startswith(p.forced_prefix()) and turn.startswith(p.forced_prefix("get_weather"))
+    assert p.forced_prefix("get_weather") == '<tool_call>\n{"name": "get_weather", "arguments":'
+    with pytest.raises(CannotForceToolCall, match="tool parser 'none' cannot force a tool call"):
+        get_parser("none").forced_prefix()
 
 
 def test_parse_chat_request_defaults():
