@@ -19,9 +19,10 @@ Routes
 parser's tool-call opening (``ToolParser.forced_prefix``) is appended to the prompt ids, so it is prompt (loss mask 0,
 policy version -1; the policy did not sample it), the engine continues from it, and the parser reads prefix +
 completion. While paused (weights being updated) new calls wait up to ``pause_wait_s`` instead of failing; a call
-whose engine aborted it for an update is re-issued after resume (a streaming one too, while nothing of it has reached
-the client yet; otherwise the stream ends with an OpenAI-style error event, code ``aborted``). ``/forge/*`` needs the admin token when one is configured, and one
-must be configured when binding beyond loopback. Errors use OpenAI's body ``{"error": {message, type, param, code}}``.
+whose engine aborted it for an update is re-issued after resume (a streaming one too, while none of its content has
+reached the client; otherwise the stream ends with an OpenAI-style error event, code ``aborted``). ``/forge/*`` needs
+the admin token when one is configured, and one must be configured when binding beyond loopback. Errors use OpenAI's
+body ``{"error": {message, type, param, code}}``.
 """
 
 from __future__ import annotations
@@ -241,7 +242,8 @@ def _normalise_message(m, i: int) -> dict:
         raise _bad(f"{where}.content", f"{where}.content is required")
     out = {"role": "system" if role == "developer" else role, "content": content or ""}
     if role == "assistant" and m.get("tool_calls"):
-        out["tool_calls"] = [_normalise_tool_call(tc, f"{where}.tool_calls[{j}]") for j, tc in enumerate(m["tool_calls"])]
+        out["tool_calls"] = [_normalise_tool_call(tc, f"{where}.tool_calls[{j}]")
+                             for j, tc in enumerate(m["tool_calls"])]
     if role == "tool":
         out["tool_call_id"] = m.get("tool_call_id")
     return out
@@ -364,6 +366,27 @@ class Gateway:
                 raise _engine_error(exc) from exc
             if result.finish_type != "abort":
                 return result
+            await asyncio.sleep(0.01)
+        raise _too_many_aborts()
+
+    async def generate_streamed(self, sess: Session, call: _Call, on_partial):
+        """:meth:`generate` for streaming: ``await on_partial(result)`` sees each cumulative engine chunk and returns
+        how many content characters the client has; an aborted call is re-issued only while that is 0."""
+        sent = 0
+        for _ in range(ABORT_RETRIES):
+            await self.wait_resumed()
+            result = None
+            try:
+                async for result in self.fleet.generate_stream(call.turn.prompt_ids, call.sampling,
+                                                               session_key=sess.session_id):
+                    sent = await on_partial(result)
+            except (NoEngineAvailable, EngineRequestError) as exc:
+                raise _engine_error(exc) from exc
+            if result is not None and result.finish_type != "abort":
+                return result
+            if sent:
+                raise ApiError(503, f"the engine aborted the call (weights update) after {sent} characters were "
+                                    "streamed; send the call again", "service_unavailable", code="aborted")
             await asyncio.sleep(0.01)
         raise _too_many_aborts()
 
@@ -509,8 +532,8 @@ def _sse(body: dict) -> bytes:
 
 async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _Call) -> web.StreamResponse:
     """Stream one call as SSE chunks. Content is held back at the tool-call marker and stop strings; tool calls
-    arrive as one tool_calls delta at the end. A call the engine aborts (weights update) is re-issued after resume
-    while no content has been sent; after that it ends with an OpenAI-style error event."""
+    arrive as one tool_calls delta at the end. Errors after the response has started (e.g. an abort once content was
+    sent) end it with an OpenAI-style error event."""
     cid, created = _completion_id(), int(time.time())
 
     def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
@@ -524,39 +547,30 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
                          *call.sampling.get("stop", [])] if s]
     resp = None
     sent = 0
-    try:
-        for _ in range(ABORT_RETRIES):
-            await gw.wait_resumed()
-            result = None
-            async for result in gw.fleet.generate_stream(call.turn.prompt_ids, call.sampling,
-                                                         session_key=sess.session_id):
-                if resp is None:
-                    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
-                    await resp.prepare(request)
-                    await resp.write(chunk({"role": "assistant", "content": ""}))
-                text = gw.text_of(call, result)
-                upto = _emit_upto(text, holds)
-                if upto > sent:
-                    await resp.write(chunk({"content": text[sent:upto]}))
-                    sent = upto
-            if result is not None and result.finish_type != "abort":
-                break
-            if sent:
-                raise ApiError(503, f"the engine aborted the call (weights update) after {sent} characters were "
-                                    "streamed; send the call again", "service_unavailable", code="aborted")
-            await asyncio.sleep(0.01)
-        else:
-            raise _too_many_aborts()
-    except (NoEngineAvailable, EngineRequestError, ApiError) as exc:
-        err = exc if isinstance(exc, ApiError) else _engine_error(exc)
+
+    async def on_partial(result) -> int:
+        nonlocal resp, sent
         if resp is None:
-            raise err from exc
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            await resp.write(chunk({"role": "assistant", "content": ""}))
+        text = gw.text_of(call, result)
+        upto = _emit_upto(text, holds)
+        if upto > sent:
+            await resp.write(chunk({"content": text[sent:upto]}))
+            sent = upto
+        return sent
+
+    try:
+        result = await gw.generate_streamed(sess, call, on_partial)
+        message, finish = gw.finish(sess, call, result, req)
+    except ApiError as err:
+        if resp is None:
+            raise
         await resp.write(_sse(err.body()))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-    message, finish = gw.finish(sess, call, result, req)
     content = message["content"] or ""
     if len(content) > sent:
         await resp.write(chunk({"content": content[sent:]}))
