@@ -19,7 +19,9 @@ fails groups running longer than T (the pool's ``episode_timeout_s``), which als
 Reported per policy: throughput (trained groups per mean rollout duration), work_throughput (rollout time of the
 trained groups per unit time: trained tokens if tokens scale with duration), idle_fraction (trainer time spent
 waiting), staleness_mean / staleness_max (versions, over trained groups), length_bias = mean duration of the
-groups trained in the first K batches / population mean (1 = unbiased, < 1 = favours short rollouts),
+groups trained in the first K batches / mean duration of all groups the policy started (1 = unbiased, < 1 =
+favours short rollouts; the started groups are a prefix of the shared sequence, so with Pareto tails their mean
+is not exactly 1),
 length_bias_all (the same over the whole run: dropped stragglers never train), timed_out_fraction and
 dropped_fraction (of started groups), wasted_fraction (rollout time of timed-out and dropped groups / rollout time
 of all groups that ended).
@@ -125,15 +127,15 @@ def simulate(d: np.ndarray, window: float, args: argparse.Namespace) -> dict[str
         if not trainer_busy:
             try_train()
         launch()
-    k = args.bias_batches * B
+    k, started_mean = args.bias_batches * B, float(np.mean(d[:next_idx]))
     return {
         "throughput": len(consumed_lags) / now,
         "idle_fraction": idle / now,
         "staleness_mean": float(np.mean(consumed_lags)),
         "staleness_max": int(np.max(consumed_lags)),
-        "length_bias": float(np.mean(consumed_durations[:k]) / d.mean()),
-        "length_bias_all": float(np.mean(consumed_durations) / d.mean()),
-        "work_throughput": useful_s / d.mean() / now,
+        "length_bias": float(np.mean(consumed_durations[:k])) / started_mean,
+        "length_bias_all": float(np.mean(consumed_durations)) / started_mean,
+        "work_throughput": useful_s / now,
         "timed_out_fraction": timed_out / next_idx,
         "dropped_fraction": dropped / next_idx,
         "wasted_fraction": wasted_s / (useful_s + wasted_s),

@@ -64,9 +64,9 @@ def test_equal_staleness_charges_greedy_for_stragglers():
     assert greedy["dropped_fraction"] > 0 and greedy["wasted_fraction"] > 0
     assert greedy["length_bias_all"] < free["greedy"]["length_bias_all"]  # the dropped groups were long
     assert greedy["length_bias_all"] < capped["windowed"]["length_bias_all"]
-    for policy in POLICIES:  # trained rollout time = trained groups x their mean duration (population mean 1)
-        row = capped[policy]
-        assert row["work_throughput"] == pytest.approx(row["throughput"] * row["length_bias_all"])
+    # Rollout time per trained group (work / groups) is shorter for greedy: it trains the short rollouts.
+    per_group = {p: capped[p]["work_throughput"] / capped[p]["throughput"] for p in POLICIES}
+    assert per_group["greedy"] < per_group["windowed"]
 
 
 @pytest.mark.parametrize(
