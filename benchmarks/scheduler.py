@@ -184,13 +184,13 @@ def parse_args() -> argparse.Namespace:
     args.concurrency = args.concurrency or args.generation_batch_groups
     args.train_batch_groups = args.train_batch_groups or args.generation_batch_groups
     args.step_s = args.train_batch_groups / args.concurrency / args.trainer_speed
-    args.W = window_size(args.window, args.window_fraction, args.generation_batch_groups)
+    args.window_groups = window_size(args.window, args.window_fraction, args.generation_batch_groups)
     if args.max_lag is not None and args.max_lag < 0:
         raise SystemExit(f"--max-lag must be >= 0, got {args.max_lag}")
     if args.keep_stale:
         args.max_lag = None
     elif args.max_lag is None:
-        bound = staleness_bound(args.max_staleness, args.W, args.train_batch_groups)
+        bound = staleness_bound(args.max_staleness, args.window_groups, args.train_batch_groups)
         args.max_lag = None if math.isinf(bound) else bound
     return args
 
@@ -198,9 +198,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     d = durations(args, np.random.default_rng(args.seed))
-    windows = {"strict": 1.0, "windowed": args.W, "greedy": math.inf}
+    windows = {"strict": 1.0, "windowed": args.window_groups, "greedy": math.inf}
     result = {name: simulate(d, w, args) for name, w in windows.items()}
-    result["config"] = {"window": args.W, "dist": "file" if args.durations else args.dist,
+    result["config"] = {"window": args.window_groups, "dist": "file" if args.durations else args.dist,
                         "generation_batch_groups": args.generation_batch_groups, "concurrency": args.concurrency,
                         "train_batch_groups": args.train_batch_groups, "max_staleness": args.max_staleness,
                         "max_lag": args.max_lag, "timeout": args.timeout, "step_s": args.step_s,
