@@ -83,7 +83,10 @@ class PoolConfig:
     window: float | int | str | None = None  # explicit W (int >= 1, inf / "inf" = greedy); None or 0: use fraction
     generation_batch_groups: int = 16  # N: groups the rollout side generates per policy version
     max_inflight_groups: int | None = None  # can_admit() is False while this many groups are running
-    max_staleness: int | None = None  # can_admit() is False when a new group would be trained this many versions late
+    # Admission bound s: can_admit() is False once undelivered + 1 > (s + 1) * train_batch_groups. Delivered in order
+    # (strict FIFO) a group then trains at most s + 1 versions late; a window W adds ceil((W - 1) / B) versions;
+    # greedy (W = inf) has no bound (see docs/middleware.md).
+    max_staleness: int | None = None
     train_batch_groups: int | None = None  # groups per trainer step for the staleness estimate (default N)
     max_retries: int = 0  # failed episodes per group that reopen their slot for a new episode
     episode_timeout_s: float | None = None  # running episodes (and idle groups) older than this time out
