@@ -287,14 +287,8 @@ def _patch_moe():
                         async_op=async_op)
 
     all_to_all_single._forge_cpu_wrapped = True
+    # tensor_parallel.mappings calls torch.distributed.all_to_all_single through the module: this reaches it.
     dist.all_to_all_single = all_to_all_single
-    try:
-        from megatron.core.tensor_parallel import mappings
-
-        if getattr(mappings, "torch", None) is not None:
-            pass  # mappings calls torch.distributed.all_to_all_single through the module: patched above
-    except ImportError:  # pragma: no cover
-        pass
 
 
 def apply() -> bool:
