@@ -38,7 +38,7 @@ import math
 
 import numpy as np
 
-from forge_megatron.middleware.scheduler import PendingGroup, admit, select_groups, window_size
+from forge_megatron.middleware.scheduler import PendingGroup, admit, exceeds_lag, select_groups, window_size
 
 
 def durations(args: argparse.Namespace, rng: np.random.Generator) -> np.ndarray:
@@ -85,7 +85,7 @@ def simulate(d: np.ndarray, window: float, args: argparse.Namespace) -> dict[str
     def drop_stale() -> None:
         """Abort running groups and discard finished ones that can no longer be trained within ``max_lag``."""
         nonlocal dropped, wasted_s
-        for i in [i for i in pending if version - start_version[i] > max_lag]:
+        for i in [i for i in pending if exceeds_lag(start_version[i], version, max_lag)]:
             pending.remove(i)
             wasted_s += d[i] if i in finished else now - start_time[i]
             finished.discard(i)
@@ -122,8 +122,7 @@ def simulate(d: np.ndarray, window: float, args: argparse.Namespace) -> dict[str
             wasted_s += args.timeout
         else:
             trainer_busy, trainer_free_at, version = False, now, version + 1
-            if max_lag is not None:
-                drop_stale()
+            drop_stale()
         if not trainer_busy:
             try_train()
         launch()

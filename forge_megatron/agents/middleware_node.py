@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-inflight-groups", type=int, default=None)
     d.add_argument("--max-staleness", type=int, default=None)
     d.add_argument("--train-batch-groups", type=int, default=None)
+    d.add_argument("--max-lag", type=int, default=None,
+                   help="drop undelivered groups registered more than this many policy versions ago (see forge-pool)")
     d.add_argument("--episode-timeout-s", type=float, default=None)
     d.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo"])
     d.add_argument("--reward-weights", type=name_float_pairs, default={})
@@ -56,7 +58,7 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
     return PoolConfig(db_path=args.pool_db, window_fraction=args.window_fraction,
                       generation_batch_groups=args.rollout_batch_groups, max_inflight_groups=args.max_inflight_groups,
                       max_staleness=args.max_staleness, train_batch_groups=args.train_batch_groups,
-                      episode_timeout_s=args.episode_timeout_s, reward=reward_config(args))
+                      max_lag=args.max_lag, episode_timeout_s=args.episode_timeout_s, reward=reward_config(args))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,8 @@ stopped (one pool per database file, enforced with a flock). A *group* is the G 
 (``idx``) in registration order; it is the scheduling unit.
 
 Group states:  running -> finished | failed -> delivered -> committed   (requeue: delivered -> finished)
-Episode states: running -> finished | failed | timed_out | aborted
+               running | finished -> stale                                 (staleness guarantee, ``max_lag``)
+Episode states: running -> finished | failed | timed_out | aborted | late
 
 Failure policy (a crashed agent never blocks the head):
   * a failed / timed_out / aborted episode uses one of the group's ``max_retries``; while retries remain its slot
@@ -21,6 +22,14 @@ Rewards and advantages come from the algorithm layer (``batch.score_episodes``) 
 Delivery is at-least-once until the trainer commits: ``commit`` marks batches contained in a checkpoint,
 ``requeue_uncommitted`` returns every delivered-not-committed group after a trainer restart from its last checkpoint.
 A ``request_id`` passed to ``next_batch``/``register_group`` makes a resent request return the original result.
+
+Staleness guarantee (``max_lag``): each group records ``admitted_version``, the policy version when it was
+registered. When the policy version is set (and before each selection), every group never delivered whose
+``scheduler.exceeds_lag(admitted_version, version, max_lag)`` holds, i.e. version - admitted_version > max_lag,
+becomes ``stale``: it leaves the window like a failed group, so no delivered group trained at version v started
+before v - max_lag, whatever the window. Episodes of a stale group that arrive later are acknowledged "late". The
+finished episodes a stale group received (before or after the drop) and their sampled tokens are counted as
+wasted in ``metrics()``. A group delivered once (even if requeued after a trainer restart) is never dropped.
 
 Backpressure (``can_admit``): ``scheduler.admit`` with running groups < ``max_inflight_groups`` and, with
 ``max_staleness`` = s, undelivered + 1 <= (s + 1) * train_batch_groups.
@@ -42,13 +51,19 @@ from typing import Any, Iterable
 import msgpack
 
 from forge_megatron.middleware.batch import TrainBatch, group_samples, group_staleness, score_episodes
-from forge_megatron.middleware.scheduler import PendingGroup, admit, select_groups, window_occupancy, window_size
+from forge_megatron.middleware.scheduler import (
+    PendingGroup, admit, exceeds_lag, select_groups, window_occupancy, window_size,
+)
 from forge_megatron.middleware.schema import Episode, EpisodeSink, SchemaError
-from forge_megatron.middleware.wire import blob_to_wire, episode_from_blob, episode_to_blob
+from forge_megatron.middleware.wire import (
+    EPISODE_FIELDS, blob_to_wire, episode_from_blob, episode_to_blob, episode_to_wire,
+)
 
 log = logging.getLogger(__name__)
 
 FAILED_EPISODE_STATUSES = ("failed", "timed_out", "aborted")
+GROUP_STATES = ("running", "finished", "failed", "stale", "delivered", "committed")
+_LOSS_MASK = [name for name, _ in EPISODE_FIELDS].index("loss_mask")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -88,6 +103,9 @@ class PoolConfig:
     # greedy (W = inf) has no bound (see docs/middleware.md).
     max_staleness: int | None = None
     train_batch_groups: int | None = None  # groups per trainer step for the staleness estimate (default N)
+    # Staleness guarantee L: an undelivered group started at policy version v0 is dropped (state "stale") once the
+    # version passes v0 + L, so every delivered group trains at most L versions after it started. None: never drop.
+    max_lag: int | None = None
     max_retries: int = 0  # failed episodes per group that reopen their slot for a new episode
     episode_timeout_s: float | None = None  # running episodes (and idle groups) older than this time out
     min_finished_episodes: int = 1  # a completed group with fewer finished episodes fails
@@ -102,6 +120,9 @@ class PoolConfig:
         _positive_or_none("episode_timeout_s", self.episode_timeout_s)
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if self.max_lag is not None and (isinstance(self.max_lag, bool) or not isinstance(self.max_lag, int)
+                                         or self.max_lag < 0):
+            raise ValueError(f"max_lag must be an int >= 0 or None, got {self.max_lag!r}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.min_finished_episodes < 1:
@@ -128,6 +149,11 @@ def _group_idx(group_id: str) -> int:
     if not (isinstance(group_id, str) and group_id.startswith("g") and group_id[1:].isdigit()):
         raise SchemaError(f"group_id {group_id!r} is not a pool group id (expected 'g' + digits)")
     return int(group_id[1:])
+
+
+def _sampled_tokens(arrays: list) -> int:
+    """Policy-sampled tokens (loss_mask = 1) of an episode in wire form."""
+    return int(arrays[_LOSS_MASK].sum())
 
 
 def _lock_database(db_path: str):
@@ -179,6 +205,10 @@ class DataPool(EpisodeSink):
         value = self._one("SELECT value FROM kv WHERE key = ?", (key,))
         return default if value is None else int(value)
 
+    def _kv_add(self, key: str, amount: int) -> None:
+        self._db.execute("INSERT INTO kv VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = value + excluded.value",
+                         (key, amount))
+
     @property
     def policy_version(self) -> int:
         with self._cond:
@@ -216,8 +246,8 @@ class DataPool(EpisodeSink):
 
     def submit_episode(self, episode: Episode) -> str:
         """Record a finished or failed episode. Returns 'accepted', 'duplicate' (same id already closed) or 'late'
-        (it timed out, or its group completed while it ran; dropped). Raises SchemaError for an invalid episode, an
-        unknown group, or an episode never started that finds no open slot."""
+        (it timed out, its group completed while it ran, or its group is stale; dropped). Raises SchemaError for an
+        invalid episode, an unknown group, or an episode never started that finds no open slot."""
         episode.validate()
         with self._tx() as db:
             idx = _group_idx(episode.group_id)
@@ -227,7 +257,11 @@ class DataPool(EpisodeSink):
             if prior is not None and prior[1] != idx:
                 raise SchemaError(f"episode {episode.episode_id} was started in group {group_id_of(prior[1])}, "
                                   f"not {episode.group_id}")
-            if prior is not None and (prior[0] == "timed_out" or prior[0] == "running" and state != "running"):
+            if state == "stale" and (prior is None or prior[0] == "running"):
+                self._record_late(episode, idx)
+                return "late"
+            if prior is not None and (prior[0] in ("timed_out", "late")
+                                      or prior[0] == "running" and state != "running"):
                 return "late"
             if prior is not None and prior[0] != "running":
                 return "duplicate"
@@ -244,6 +278,17 @@ class DataPool(EpisodeSink):
                        (episode.episode_id, idx, episode.status, episode.episode_id, episode.started_at, seq, blob))
             self._close_slot(idx, episode.status)
         return "accepted"
+
+    def _record_late(self, episode: Episode, idx: int) -> None:
+        """An episode of a stale group: remembered as 'late' (a resend stays late), its rollout counted as wasted."""
+        self._db.execute("INSERT OR REPLACE INTO episodes (episode_id, group_idx, state, started_at)"
+                         " VALUES (?, ?, 'late', ?)", (episode.episode_id, idx, episode.started_at))
+        if episode.status == "finished":
+            self._count_wasted(_sampled_tokens(episode_to_wire(episode)[1]))
+
+    def _count_wasted(self, tokens: int) -> None:
+        self._kv_add("stale_episodes", 1)
+        self._kv_add("stale_tokens", tokens)
 
     def _running_group(self, group_id: str) -> int:
         idx = _group_idx(group_id)
@@ -332,6 +377,27 @@ class DataPool(EpisodeSink):
         return closed
 
     # ------------------------------------------------------------------ scheduling
+    def _drop_stale(self) -> None:
+        """Staleness guarantee: never-delivered groups that can no longer train within ``max_lag`` become stale."""
+        max_lag = self.config.max_lag
+        if max_lag is None:
+            return
+        with self._cond:
+            version = self._kv("policy_version")
+            rows = self._db.execute("SELECT idx, admitted_version FROM groups"
+                                    " WHERE state IN ('running', 'finished') AND batch_id IS NULL").fetchall()
+            stale = [idx for idx, start in rows if exceeds_lag(start, version, max_lag)]
+            if not stale:
+                return
+            with self._tx() as db:
+                for idx in stale:
+                    db.execute("UPDATE groups SET state = 'stale' WHERE idx = ?", (idx,))
+                    for _, blob in self._finished_blobs(idx):
+                        self._count_wasted(_sampled_tokens(blob_to_wire(blob)[1]))
+            log.warning("dropped %d stale groups (started more than %d versions before %d): %s", len(stale), max_lag,
+                        version, ", ".join(map(group_id_of, stale)))
+            self._cond.notify_all()
+
     def _pending(self) -> list[PendingGroup]:
         rows = self._db.execute("SELECT idx, state FROM groups WHERE state IN ('running', 'finished') ORDER BY idx")
         return [PendingGroup(idx, state == "finished") for idx, state in rows]
@@ -352,6 +418,7 @@ class DataPool(EpisodeSink):
             raise ValueError(f"policy version must be an int >= 0, got {version!r}")
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO kv VALUES ('policy_version', ?)", (version,))
+        self._drop_stale()
 
     def next_batch(self, num_groups: int, timeout_s: float | None = None, request_id: str | None = None,
                    waited_s: float = 0.0) -> TrainBatch | None:
@@ -372,6 +439,7 @@ class DataPool(EpisodeSink):
                     return self.load_batch(batch_id)
             while True:
                 self._maybe_sweep()
+                self._drop_stale()
                 pending = self._pending()
                 chosen = select_groups(pending, self.config.window_groups, num_groups)
                 if len(chosen) == num_groups:
@@ -447,11 +515,12 @@ class DataPool(EpisodeSink):
                 raise ValueError(f"batch {batch_id} was requeued after a trainer restart and cannot be committed")
 
     def requeue_uncommitted(self) -> list[int]:
-        """Trainer restarted from its last checkpoint: delivered-not-committed groups become deliverable again."""
+        """Trainer restarted from its last checkpoint: delivered-not-committed groups become deliverable again.
+
+        They keep their ``batch_id`` (the batch that delivered them first), which exempts them from ``max_lag``."""
         with self._tx() as db:
             indices = [r[0] for r in db.execute("SELECT idx FROM groups WHERE state = 'delivered' ORDER BY idx")]
-            db.execute("UPDATE groups SET state = 'finished', batch_id = NULL, staleness = NULL"
-                       " WHERE state = 'delivered'")
+            db.execute("UPDATE groups SET state = 'finished', staleness = NULL WHERE state = 'delivered'")
             # Forget their request ids: a late resend must not get a batch the trainer no longer owns.
             db.execute("UPDATE batches SET state = 'requeued', request_id = NULL WHERE state = 'delivered'")
             self._cond.notify_all()
@@ -466,7 +535,8 @@ class DataPool(EpisodeSink):
             running = self._one("SELECT COUNT(*) FROM episodes WHERE group_idx = ? AND state = 'running'", (idx,))
             open_slots = size - finished - closed - running if state == "running" else 0
             return {"group_id": group_id, "index": idx, "state": state, "size": size, "finished": finished,
-                    "closed_empty": closed, "running": running, "open_slots": max(0, open_slots)}
+                    "closed_empty": closed, "running": running, "open_slots": max(0, open_slots),
+                    "start_version": self._one("SELECT admitted_version FROM groups WHERE idx = ?", (idx,))}
 
     def metrics(self) -> dict[str, Any]:
         with self._cond:
@@ -477,7 +547,7 @@ class DataPool(EpisodeSink):
                                    " WHERE state IN ('delivered', 'committed')").fetchone()
             window = self.config.window_groups
             return {
-                "groups": {s: counts.get(s, 0) for s in ("running", "finished", "failed", "delivered", "committed")},
+                "groups": {s: counts.get(s, 0) for s in GROUP_STATES},
                 "queue_depth": counts.get("finished", 0),
                 "head": pending[0].index if pending else None,
                 "window": window,
@@ -485,6 +555,9 @@ class DataPool(EpisodeSink):
                 "window_pending": pending_in_window,
                 "window_occupancy": ready_in_window / min(window, max(1, len(pending))),
                 "policy_version": self._kv("policy_version"),
+                "max_lag": self.config.max_lag,
+                "stale_episodes": self._kv("stale_episodes"),
+                "stale_tokens": self._kv("stale_tokens"),
                 "staleness_mean": float(lag[0] or 0.0),
                 "staleness_max": int(lag[1] or 0),
                 "trainer_wait_total_s": self._wait_total_s,

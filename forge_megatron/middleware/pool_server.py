@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-staleness", type=int, default=None, help="stop admitting when new groups would lag this "
                    "many policy versions")
     b.add_argument("--train-batch-groups", type=int, default=None, help="groups per trainer step (staleness estimate)")
+    b.add_argument("--max-lag", type=int, default=None, help="staleness guarantee: drop (state 'stale') every "
+                   "undelivered group registered more than this many policy versions ago; default: never drop")
     b.add_argument("--max-retries", type=int, default=0, help="failed episodes per group that reopen their slot")
     b.add_argument("--episode-timeout-s", type=float, default=None, help="running episodes older than this time out")
     b.add_argument("--min-finished-episodes", type=int, default=1, help="a completed group with fewer fails")
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         config = PoolConfig(db_path=args.db, window_fraction=args.window_fraction, window=args.window,
                             generation_batch_groups=args.generation_batch_groups,
                             max_inflight_groups=args.max_inflight_groups, max_staleness=args.max_staleness,
-                            train_batch_groups=args.train_batch_groups, max_retries=args.max_retries,
+                            train_batch_groups=args.train_batch_groups, max_lag=args.max_lag,
+                            max_retries=args.max_retries,
                             episode_timeout_s=args.episode_timeout_s, min_finished_episodes=args.min_finished_episodes,
                             reward=_reward_config(args))
     except ValueError as exc:

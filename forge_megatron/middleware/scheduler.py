@@ -1,8 +1,8 @@
 """Windowed FIFO selection: which finished groups the trainer may take next.
 
 Groups are numbered in submission order. ``head`` is the oldest group that is still *pending* (running or
-finished, i.e. not yet delivered and not failed). The trainer may take any finished group whose index i
-satisfies
+finished, i.e. not yet delivered, failed or dropped as stale). The trainer may take any finished group whose
+index i satisfies
 
     head <= i <= head + W - 1,        W = ceil(window_fraction * N)   (N = generation batch size in groups)
 
@@ -14,6 +14,10 @@ rollouts). Inside the window the oldest finished groups are taken first.
 Admission (backpressure): a new group may start while fewer than ``max_inflight`` groups run and, with a
 staleness limit s and ``per_step`` groups consumed per trainer step, the groups queued ahead of it fit in s + 1
 steps:  undelivered + 1 <= (s + 1) * per_step.
+
+Staleness guarantee (``max_lag``): a group started under policy version v0 and still undelivered when the policy
+reaches version v can only be trained at a version >= v, so once  v - v0 > max_lag  it can never meet the
+guarantee and is dropped (``exceeds_lag``); delivered groups are never dropped.
 
 This module is pure logic (no database, no clock) so the data pool and the discrete-event simulation in
 ``benchmarks/scheduler.py`` share exactly the same rule.
@@ -79,6 +83,12 @@ def window_occupancy(pending: list[PendingGroup], window: float) -> tuple[int, i
     limit = pending[0].index + window
     inside = [g for g in pending if g.index < limit]
     return sum(g.finished for g in inside), len(inside)
+
+
+def exceeds_lag(start_version: int, version: int, max_lag: int | None) -> bool:
+    """Whether an undelivered group started at ``start_version`` can no longer train within ``max_lag`` versions
+    now that the policy is at ``version`` (None = no guarantee: never)."""
+    return max_lag is not None and version - start_version > max_lag
 
 
 def admit(running: int, undelivered: int, max_inflight: int | None, max_staleness: int | None, per_step: int) -> bool:
