@@ -11,8 +11,9 @@ v and trained at version v' has lag (staleness) v' - v. All three policies see t
 Equal staleness: admission alone bounds the lag only for in-order delivery (strict: s + 1; window W:
 s + 1 + ceil((W - 1) / B), see ``staleness_bound``); greedy passes a straggler without limit. So every policy
 also enforces ``max_lag`` the way greedy systems bound staleness: when the version advances, a pending group that
-can no longer be trained within ``max_lag`` versions is dropped (aborted if still running), freeing its slot and
-wasting the rollout time spent on it. The default ``max_lag`` is the windowed policy's own bound, so strict and
+can no longer be trained within ``max_lag`` versions (``scheduler.exceeds_lag``, the rule the pool applies with
+``PoolConfig.max_lag``) is dropped (aborted if still running), freeing its slot and wasting the rollout time spent
+on it. The default ``max_lag`` is the windowed policy's own bound, so strict and
 windowed never drop and greedy pays for the same guarantee. ``--keep-stale`` turns dropping off; ``--timeout T``
 fails groups running longer than T (the pool's ``episode_timeout_s``), which also wastes their rollout time.
 
