@@ -62,7 +62,6 @@ from forge_megatron.middleware.wire import (
 log = logging.getLogger(__name__)
 
 FAILED_EPISODE_STATUSES = ("failed", "timed_out", "aborted")
-GROUP_STATES = ("running", "finished", "failed", "stale", "delivered", "committed")
 _LOSS_MASK = [name for name, _ in EPISODE_FIELDS].index("loss_mask")
 
 _SCHEMA = """
@@ -547,7 +546,7 @@ class DataPool(EpisodeSink):
                                    " WHERE state IN ('delivered', 'committed')").fetchone()
             window = self.config.window_groups
             return {
-                "groups": {s: counts.get(s, 0) for s in GROUP_STATES},
+                "groups": {s: counts.get(s, 0) for s in ("running", "finished", "failed", "delivered", "committed")},
                 "queue_depth": counts.get("finished", 0),
                 "head": pending[0].index if pending else None,
                 "window": window,
@@ -556,6 +555,7 @@ class DataPool(EpisodeSink):
                 "window_occupancy": ready_in_window / min(window, max(1, len(pending))),
                 "policy_version": self._kv("policy_version"),
                 "max_lag": self.config.max_lag,
+                "stale_groups": counts.get("stale", 0),
                 "stale_episodes": self._kv("stale_episodes"),
                 "stale_tokens": self._kv("stale_tokens"),
                 "staleness_mean": float(lag[0] or 0.0),

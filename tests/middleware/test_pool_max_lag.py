@@ -88,7 +88,7 @@ def test_greedy_with_max_lag_never_delivers_older_groups(tmp_path):
         unbounded.close()
         bounded.close()
     assert max(lags) <= 2 and len(lags) >= 30
-    assert metrics["groups"]["stale"] > 0 and metrics["staleness_max"] <= 2
+    assert metrics["stale_groups"] > 0 and metrics["staleness_max"] <= 2
     assert metrics["max_lag"] == 2
 
 
@@ -106,7 +106,7 @@ def test_stale_groups_leave_window_and_late_episodes_are_acknowledged(make_pool)
     pool.set_policy_version(2)  # old started at 0: 2 - 0 > 1, it can no longer train in time; young (1) can
     assert pool.group_status(old) | {"state": "stale", "open_slots": 0, "start_version": 0} == pool.group_status(old)
     metrics = pool.metrics()
-    assert metrics["head"] == _index(young) and metrics["groups"]["stale"] == 1
+    assert metrics["head"] == _index(young) and metrics["stale_groups"] == 1
     assert (metrics["stale_episodes"], metrics["stale_tokens"]) == (1, _sampled(done))
     late = [make_episode(old, "a", seed=2, length=14), make_episode(old, "c", seed=3, length=16)]
     assert [pool.submit_episode(ep) for ep in late] == ["late", "late"]
@@ -130,7 +130,7 @@ def test_delivered_groups_are_never_dropped(make_pool):
     assert pool.requeue_uncommitted() == [_index(gid)]  # trainer restart: served again, still not stale
     pool.set_policy_version(6)
     assert pool.next_batch(1, timeout_s=0).group_indices == [_index(gid)]
-    assert pool.metrics()["groups"]["stale"] == 0
+    assert pool.metrics()["stale_groups"] == 0
 
 
 def test_stale_state_survives_restart_and_applies_to_old_groups(make_pool):
@@ -139,7 +139,7 @@ def test_stale_state_survives_restart_and_applies_to_old_groups(make_pool):
     fill_group(pool, dropped, 2)
     pool.set_policy_version(3)
     kept_new = pool.register_group("t2", 2)
-    assert pool.metrics()["groups"]["stale"] == 0
+    assert pool.metrics()["stale_groups"] == 0
     pool.close()
     pool = make_pool(max_lag=2)
     assert pool.next_batch(1, timeout_s=0) is None  # the selection itself enforces the new guarantee
@@ -149,7 +149,7 @@ def test_stale_state_survives_restart_and_applies_to_old_groups(make_pool):
     pool.close()
     pool = make_pool(max_lag=2)
     metrics = pool.metrics()
-    assert (metrics["groups"]["stale"], metrics["stale_episodes"], metrics["stale_tokens"]) == (2, 2, tokens)
+    assert (metrics["stale_groups"], metrics["stale_episodes"], metrics["stale_tokens"]) == (2, 2, tokens)
     assert pool.submit_episode(make_episode(kept, "x")) == "late"
     fill_group(pool, kept_new, 2, version=3)
     assert pool.next_batch(1, timeout_s=0).group_indices == [_index(kept_new)]
@@ -172,7 +172,7 @@ def test_max_lag_through_forge_pool_process(tmp_path):
         batch = client.get_batch(1, timeout_s=5.0)
         assert batch.group_indices == [_index(young)] and batch.metrics["staleness_max"] == 0
         metrics = client.metrics()
-        assert (metrics["groups"]["stale"], metrics["stale_episodes"], metrics["max_lag"]) == (1, 1, 1)
+        assert (metrics["stale_groups"], metrics["stale_episodes"], metrics["max_lag"]) == (1, 1, 1)
     finally:
         if client is not None:
             client.close()
