@@ -361,7 +361,8 @@ def test_pause_holds_calls_and_resume_sets_policy_version(stack):
     assert http(gw.url + "/forge/admin/pause", {"drain_timeout_s": 1.0})[1] == {"paused": True, "inflight": 0}
     out = {}
     t = threading.Thread(target=lambda: out.update(r=client(s).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3)))
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+        extra_body={"ignore_eos": True})))  # sampled: without ignore_eos the model may stop early
     t.start()
     time.sleep(0.3)
     assert t.is_alive() and http(gw.url + "/forge/admin/state", method="GET")[1]["paused"] is True
