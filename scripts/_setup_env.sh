@@ -1,5 +1,5 @@
 # Sourced by scripts/test.sh and scripts/demo.sh: create .venv if missing and install what the project needs.
-# Idempotent: a stamp file keyed on setup.py's hash skips the install when nothing changed.
+# Idempotent: a stamp keyed on the hashes of setup.py, pyproject.toml and csrc/ skips the install when nothing changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -11,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY="$ROOT/.venv/bin/python"
 STAMP=.venv/.forge_installed
-WANT="$(cat setup.py pyproject.toml | sha256sum | cut -c1-16)-$(find csrc -type f \( -name '*.cpp' -o -name '*.h' \) -exec sha256sum {} + 2>/dev/null | sort | sha256sum | cut -c1-16)"
+WANT="$(cat setup.py pyproject.toml | sha256sum | cut -c1-16)-$(find csrc -type f -exec sha256sum {} + 2>/dev/null | sort | sha256sum | cut -c1-16)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[setup] installing dependencies into .venv (first run takes about a minute)"
   "$VPY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
