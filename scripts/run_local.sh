@@ -7,7 +7,9 @@
 #
 # Settings (environment): HF_CHECKPOINT (required), MODEL (scripts/models/<MODEL>.sh, optional: the HF config is the
 # architecture), TASKS (tasks JSONL), ENGINE (forge = CPU reference engine | sglang), NUM_ENGINES, NPROC, TP, PP, EP,
-# CP, AGENT_CMD or AGENT_URL, GROUP_SIZE, GROUPS_PER_STEP, TRAIN_ITERS, LR, RUN_DIR, DOMAIN_RATIOS, EXTRA_TRAIN_ARGS.
+# CP, AGENT_CMD or AGENT_URL, GROUP_SIZE, GROUPS_PER_STEP, TRAIN_ITERS, LR, RUN_DIR, DOMAIN_RATIOS, EXTRA_TRAIN_ARGS,
+# POOL_ARGS (window and reward settings, e.g. "--window-fraction 0.5 --advantage-estimator rloo": applied by the data
+# pool, given to the trainer too, which checks them against the pool).
 set -euo pipefail
 DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
@@ -25,6 +27,7 @@ GROUP_SIZE="${GROUP_SIZE:-8}"; GROUPS_PER_STEP="${GROUPS_PER_STEP:-4}"
 TRAIN_ITERS="${TRAIN_ITERS:-100}"; LR="${LR:-1e-6}"
 RUN_DIR="${RUN_DIR:-$ROOT/runs/local}"
 EXTRA_TRAIN_ARGS="${EXTRA_TRAIN_ARGS:-}"
+POOL_ARGS="${POOL_ARGS:-}"
 DOMAIN_RATIOS="${DOMAIN_RATIOS:-}"
 ENGINE_PORT="${ENGINE_PORT:-30000}"; GATEWAY_PORT="${GATEWAY_PORT:-8000}"; POOL_PORT="${POOL_PORT:-5555}"
 
@@ -74,9 +77,11 @@ ENGINES_CSV="$(IFS=,; echo "${ENGINE_URLS[*]}")"
 GATEWAY_URL="http://127.0.0.1:$GATEWAY_PORT"
 POOL_ADDR="tcp://127.0.0.1:$POOL_PORT"
 
+# shellcheck disable=SC2206
+POOLX=($POOL_ARGS)
 run_bg middleware python -m forge_megatron.agents.middleware_node --model-path "$HF_CHECKPOINT" \
   --engines "$ENGINES_CSV" --port "$GATEWAY_PORT" --pool-bind "$POOL_ADDR" --pool-db "$RUN_DIR/pool.sqlite" \
-  --rollout-batch-groups "$GROUPS_PER_STEP" --train-batch-groups "$GROUPS_PER_STEP" --max-staleness 2
+  --rollout-batch-groups "$GROUPS_PER_STEP" --train-batch-groups "$GROUPS_PER_STEP" --max-staleness 2 "${POOLX[@]}"
 wait_http "$GATEWAY_URL/v1/models"
 run_bg driver python -m forge_megatron.agents.driver --gateway-url "$GATEWAY_URL" --tasks "$TASKS" \
   --group-size "$GROUP_SIZE" --max-inflight-groups "$GROUPS_PER_STEP" --pool-addr "$POOL_ADDR" "${AGENT[@]}" \
@@ -94,7 +99,8 @@ TRAIN_CMD=(torchrun --nproc-per-node "$NPROC" "$ROOT/scripts/train_forge.py" "${
   --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 20
   --metrics-jsonl "$RUN_DIR/metrics.jsonl" --pool-addr "$POOL_ADDR" --gateway-url "$GATEWAY_URL"
   --engine-urls "$ENGINES_CSV" --weight-sync-transport distributed --train-batch-groups "$GROUPS_PER_STEP"
-  --group-size "$GROUP_SIZE" ${DOMAIN_RATIOS:+--domain-ratios "$DOMAIN_RATIOS"} "${EXTRA[@]}")
+  --rollout-batch-groups "$GROUPS_PER_STEP" --group-size "$GROUP_SIZE" ${DOMAIN_RATIOS:+--domain-ratios "$DOMAIN_RATIOS"}
+  "${POOLX[@]}" "${EXTRA[@]}")
 show "${TRAIN_CMD[@]}"; echo
 [ "$DRY_RUN" = 1 ] && exit 0
 "${TRAIN_CMD[@]}"

@@ -562,7 +562,18 @@ class DataPool(EpisodeSink):
                 "staleness_max": int(lag[1] or 0),
                 "trainer_wait_total_s": self._wait_total_s,
                 "trainer_wait_last_s": self._last_wait_s,
+                "config": self.config_summary(),
             }
+
+    def config_summary(self) -> dict[str, Any]:
+        """The settings a trainer must agree with (it checks them at start-up: training.arguments)."""
+        r = self._reward_config
+        return {
+            "window": self.config.window_groups, "window_fraction": self.config.window_fraction,
+            "generation_batch_groups": self.config.generation_batch_groups,
+            "advantage_estimator": r.estimator, "process_weights": dict(r.process_weights),
+            "completion_time_bound": r.completion_time_bound,
+        }
 
     def close(self) -> None:
         with self._cond:

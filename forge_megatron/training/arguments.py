@@ -125,7 +125,12 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="lower clip epsilon (default: the loss's recommended value, CISPO: off)")
     g.add_argument("--rl-eps-high", type=float, default=None,
                    help="upper clip epsilon (default: the loss's recommended value, CISPO: 0.28)")
-    g.add_argument("--rl-loss-norm", default="token_mean", choices=NORMS, help="loss normalisation")
+    g.add_argument("--rl-loss-norm", default="token_mean", choices=NORMS,
+                   help="loss normalisation: token_mean (CISPO: all loss tokens of the batch), seq_mean, or constant "
+                        "(divide by --rl-loss-norm-constant)")
+    g.add_argument("--rl-loss-norm-constant", type=float, default=None,
+                   help="divisor of the summed token loss over the whole batch with --rl-loss-norm constant, e.g. "
+                        "the expected loss tokens per batch (invariant to how the batch is split)")
     g.add_argument("--rl-kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0: off)")
     g.add_argument("--rl-entropy-coef", type=float, default=0.0, help="entropy bonus coefficient (0: off)")
     g.add_argument("--rl-tis-cap", type=float, default=None,
@@ -133,14 +138,21 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--old-logprobs", default="rollout", choices=OLD_LOGPROBS,
                    help="'rollout': the engines' recorded logprobs are pi_old (fully async); 'recompute': a "
                         "no-grad forward of the current weights before the update gives pi_old")
-    g.add_argument("--advantage-estimator", default="grpo", choices=ADVANTAGE_ESTIMATORS,
-                   help="group baseline: grpo (mean) or rloo (leave-one-out)")
-    g.add_argument("--reward-weights", type=name_float_pairs, default={},
-                   help="process reward weights, e.g. malformed_tool_calls=-0.1,language_mixing=-0.5")
-    g.add_argument("--completion-time-bound", type=float, default=0.0,
-                   help="largest completion-time bonus for fast successful episodes (0: off)")
-    g.add_argument("--window-fraction", type=float, default=0.3,
-                   help="windowed FIFO: W = ceil(fraction * rollout batch groups)")
+    # The pool (forge-node / forge-pool) computes rewards and advantages and applies the window; these flags must
+    # agree with it. The trainer checks every one given here against the pool at start-up (check_pool_config), and
+    # the launch scripts pass the same values to both.
+    g.add_argument("--advantage-estimator", default=None, choices=ADVANTAGE_ESTIMATORS,
+                   help="group baseline: grpo (mean) or rloo (leave-one-out); applied by the pool, checked here "
+                        "(default: the pool's, grpo)")
+    g.add_argument("--reward-weights", type=name_float_pairs, default=None,
+                   help="process reward weights, e.g. malformed_tool_calls=-0.1,language_mixing=-0.5; applied by the "
+                        "pool, checked here")
+    g.add_argument("--completion-time-bound", type=float, default=None,
+                   help="largest completion-time bonus for fast successful episodes (0: off); applied by the pool, "
+                        "checked here (default: the pool's, 0)")
+    g.add_argument("--window-fraction", type=float, default=None,
+                   help="windowed FIFO: W = ceil(fraction * rollout batch groups); applied by the pool, checked here "
+                        "(default: the pool's, 0.3)")
     g.add_argument("--rollout-batch-groups", type=int, default=16,
                    help="N: groups the rollout side generates per policy version")
     g.add_argument("--train-batch-groups", type=int, default=None,
@@ -209,7 +221,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.train_batch_groups is not None and args.train_batch_groups < 1:
         raise ValueError(f"--train-batch-groups must be >= 1, got {args.train_batch_groups}")
-    if not 0 < args.window_fraction:
+    if args.window_fraction is not None and not 0 < args.window_fraction:
         raise ValueError(f"--window-fraction must be > 0, got {args.window_fraction}")
     if args.weight_sync_transport == "disk" and not args.weight_sync_dir:
         raise ValueError("--weight-sync-transport disk needs --weight-sync-dir")
@@ -242,6 +254,7 @@ def loss_config(args: argparse.Namespace):
         eps_low=eps_low if args.rl_eps_low is None else args.rl_eps_low,
         eps_high=eps_high if args.rl_eps_high is None else args.rl_eps_high,
         norm=args.rl_loss_norm,
+        norm_constant=args.rl_loss_norm_constant,
         kl_coef=args.rl_kl_coef,
         entropy_coef=args.rl_entropy_coef,
         tis_cap=args.rl_tis_cap,
@@ -249,12 +262,31 @@ def loss_config(args: argparse.Namespace):
 
 
 def reward_config(args: argparse.Namespace):
-    """``algo.RewardConfig`` from --advantage-estimator, --reward-weights, --completion-time-bound."""
+    """``algo.RewardConfig`` from --advantage-estimator, --reward-weights, --completion-time-bound (unset: defaults)."""
     from forge_megatron.algo.rewards import RewardConfig
 
-    cfg = RewardConfig(estimator=args.advantage_estimator, completion_time_bound=args.completion_time_bound)
-    cfg.process_weights.update(args.reward_weights)
+    kwargs = {}
+    if args.advantage_estimator is not None:
+        kwargs["estimator"] = args.advantage_estimator
+    if args.completion_time_bound is not None:
+        kwargs["completion_time_bound"] = args.completion_time_bound
+    cfg = RewardConfig(**kwargs)
+    cfg.process_weights.update(args.reward_weights or {})
     return cfg
+
+
+def check_pool_config(args: argparse.Namespace, pool: dict) -> None:
+    """Raise if a pool-side setting given to the trainer differs from what the pool (``metrics()["config"]``) uses."""
+    wanted = {"advantage_estimator": args.advantage_estimator, "completion_time_bound": args.completion_time_bound,
+              "window_fraction": args.window_fraction}
+    wrong = [f"--{k.replace('_', '-')} {v} (pool: {pool.get(k)})" for k, v in wanted.items()
+             if v is not None and pool.get(k) != v]
+    weights = pool.get("process_weights", {})
+    wrong += [f"--reward-weights {k}={v} (pool: {weights.get(k)})" for k, v in (args.reward_weights or {}).items()
+              if weights.get(k) != v]
+    if wrong:
+        raise ValueError("the data pool is configured differently from these trainer flags: " + "; ".join(wrong)
+                         + ". Pass the same values to forge-node / forge-pool, or drop them here.")
 
 
 def parallel_config(args: argparse.Namespace):

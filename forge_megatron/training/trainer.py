@@ -122,9 +122,12 @@ def batch_loss_config(loss_cfg, rb: RankBatch):
     L = (1/G) sum over all G loss tokens of the batch. Megatron's DDP averages gradients over the D data-parallel
     ranks, so rank r contributes (D/G) sum over its own tokens: normaliser G/D. Dividing by the rank's own count
     instead would weight the ranks' tokens unequally whenever their token counts differ.
+    With ``constant`` the user's divisor C plays the role of G (rank normaliser C / D).
     """
     from dataclasses import replace
 
+    if loss_cfg.norm == "constant":
+        return replace(loss_cfg, norm_constant=loss_cfg.norm_constant / rb.dp_size)
     if loss_cfg.norm != "token_mean":
         return loss_cfg
     total = rb.global_loss_tokens if rb.global_loss_tokens is not None else rb.num_loss_tokens
@@ -204,6 +207,7 @@ class Trainer:
             self._log(f"resumed from {self.args.load} at iteration {iteration} (policy version "
                       f"{self.policy_version}, last batch {self.last_batch_id})")
         if self.pool is not None:
+            arguments.check_pool_config(self.args, self.pool.metrics().get("config", {}))
             requeued = self.pool.requeue_uncommitted()
             self.pool.set_policy_version(self.policy_version)
             if requeued:

@@ -102,3 +102,40 @@ def test_model_arrays_build_gpt_configs():
         cfg = arguments.gpt_config(args, vocab_size=vocab)
         assert cfg.num_layers == args.num_layers and cfg.vocab_size == (args.vocab_size or vocab)
     assert cfg.add_qkv_bias is True and cfg.num_query_groups == 4  # qwen2.5-7B is last
+
+
+def test_pool_side_flags_are_checked_against_the_pool(tmp_path):
+    from forge_megatron.middleware.pool import DataPool, PoolConfig
+
+    pool = DataPool(PoolConfig(db_path=str(tmp_path / "p.sqlite"), window_fraction=0.5, generation_batch_groups=8,
+                               reward=arguments.reward_config(arguments.parse_args(
+                                   MINIMAL + ["--advantage-estimator", "rloo", "--reward-weights",
+                                              "language_mixing=-1.0"]))))
+    try:
+        cfg = pool.metrics()["config"]
+    finally:
+        pool.close()
+    assert cfg["window"] == 4 and cfg["advantage_estimator"] == "rloo"
+    arguments.check_pool_config(arguments.parse_args(MINIMAL), cfg)  # nothing given: the pool's settings rule
+    arguments.check_pool_config(arguments.parse_args(MINIMAL + ["--window-fraction", "0.5", "--advantage-estimator",
+                                                                "rloo", "--reward-weights", "language_mixing=-1"]), cfg)
+    bad = arguments.parse_args(MINIMAL + ["--window-fraction", "0.3", "--reward-weights", "language_mixing=-0.5",
+                                          "--completion-time-bound", "0.2"])
+    with pytest.raises(ValueError, match=r"--completion-time-bound 0.2 \(pool: 0.0\); --window-fraction 0.3 "
+                                         r"\(pool: 0.5\); --reward-weights language_mixing=-0.5 \(pool: -1.0\)"):
+        arguments.check_pool_config(bad, cfg)
+
+
+def test_constant_loss_norm_takes_its_divisor_and_is_split_over_dp():
+    from forge_megatron.training.trainer import RankBatch, batch_loss_config
+
+    with pytest.raises(ValueError, match="norm_constant"):
+        arguments.loss_config(arguments.parse_args(MINIMAL + ["--rl-loss-norm", "constant"]))
+    cfg = arguments.loss_config(arguments.parse_args(MINIMAL + ["--rl-loss-norm", "constant",
+                                                                "--rl-loss-norm-constant", "1000"]))
+    rb = RankBatch(micro_batches=[], num_loss_tokens=300.0, samples=[], batch_id=0, global_loss_tokens=800.0,
+                   dp_size=2)
+    assert batch_loss_config(cfg, rb).norm_constant == 500.0  # C / DP: DDP averages the DP ranks' gradients
+    token_mean = arguments.loss_config(arguments.parse_args(MINIMAL))
+    out = batch_loss_config(token_mean, rb)
+    assert out.norm == "constant" and out.norm_constant == 400.0  # G / DP, G = loss tokens of the whole batch
