@@ -1,7 +1,6 @@
 """Tasks, agent runners (white-box, black-box command, black-box HTTP service), timeouts and the rollout driver,
 against a real forge-engine and a real forge-gateway over HTTP. CPU, 0 GPUs."""
 
-import json
 import sys
 import threading
 

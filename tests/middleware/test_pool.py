@@ -1,6 +1,5 @@
 """Data pool on a real SQLite database: scoring, failure policy, timeouts, delivery guarantees, recovery."""
 
-import os
 import threading
 import time
 
@@ -12,24 +11,6 @@ from forge_megatron.algo.rewards import RewardConfig, score_group
 from forge_megatron.middleware.batch import episode_outcome
 from forge_megatron.middleware.pool import DataPool, PoolConfig
 from forge_megatron.middleware.schema import SchemaError
-
-
-@pytest.fixture
-def db(tmp_path):
-    return os.fspath(tmp_path / "pool.sqlite")
-
-
-@pytest.fixture
-def make_pool(db):
-    pools = []
-
-    def make(**kw):
-        pools.append(DataPool(PoolConfig(db_path=db, **kw)))
-        return pools[-1]
-
-    yield make
-    for pool in pools:
-        pool.close()
 
 
 @pytest.mark.parametrize(

@@ -15,24 +15,6 @@ from forge_megatron.middleware.transport import PoolClient
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def db(tmp_path):
-    return os.fspath(tmp_path / "pool.sqlite")
-
-
-@pytest.fixture
-def make_pool(db):
-    pools = []
-
-    def make(**kw):
-        pools.append(DataPool(PoolConfig(db_path=db, **kw)))
-        return pools[-1]
-
-    yield make
-    for pool in pools:
-        pool.close()
-
-
 def _index(group_id: str) -> int:
     return int(group_id[1:])
 

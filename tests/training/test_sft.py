@@ -1,7 +1,6 @@
 """Supervised warm-start: the loss mask covers exactly the assistant turns, and a short run on a Megatron model
 lowers the loss and exports a HF checkpoint that transformers loads. CPU, 0 GPUs."""
 
-import os
 
 import torch
 
