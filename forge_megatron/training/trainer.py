@@ -243,10 +243,8 @@ class Trainer:
     def _recompute_old_logprobs(self, rb: RankBatch) -> None:
         from forge_megatron.mcore.forward import make_tree_forward_step
 
-        if self.args.pipeline_model_parallel_size > 1:
-            raise NotImplementedError("--old-logprobs recompute with PP > 1 needs the logprobs sent back from the "
-                                      "last stage; use --old-logprobs rollout")
-
+        # Only the last pipeline stage computes the loss, and it is also the stage whose forward-only pass stores
+        # old_logp_M on its micro-batches here: nothing has to travel between stages.
         def keep(logp_M, entropy_M, mb):
             mb.extras["old_logp_M"] = logp_M.detach()
             return logp_M.sum() * 0.0, {}
