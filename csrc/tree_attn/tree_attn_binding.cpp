@@ -2,8 +2,10 @@
 //
 // The one place that checks inputs: device, dtype, contiguity, shapes, supported head dim, GQA divisibility.
 // Every failed check raises with a message naming the offending argument. Kernels take raw pointers (tree_attn.h).
-//   fwd(q [T,N,H], k [T,K,H], v [T,K,H], sub_end int32 [T], scale, stream) -> [o [T,N,H], lse fp32 [N,T]]
-//   bwd(dO, q, k, v, o, lse, sub_end, scale, stream) -> [dq, dk, dv]
+//   fwd(q [T,N,H], k [T,K,H], v [T,K,H], sub_end int32 [T], scale, stream, impl) -> [o [T,N,H], lse fp32 [N,T]]
+//   bwd(dO, q, k, v, o, lse, sub_end, scale, stream, impl) -> [dq, dk, dv]
+//   mma_unsupported(q, k, v) -> "" when the tensor-core kernels can run these inputs, else the reason
+// impl: "auto" (tensor cores for fp16/bf16 on sm_80+, else SIMT), "simt", or "mma" (an error where unsupported).
 // `stream` is the caller's torch.cuda.current_stream().cuda_stream, and the caller makes q's device current: this
 // keeps the file free of c10/cuda headers, which the CPU torch wheel ships incomplete, so it compiles on every CI
 // machine (tests/kernels/test_cuda_compile.py).
@@ -11,6 +13,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 #include "tree_attn.h"
@@ -71,6 +74,21 @@ TreeAttnParams check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return p;
 }
 
+forge::TreeAttnImpl parse_impl(const std::string& impl) {
+  if (impl == "auto") return forge::TreeAttnImpl::kAuto;
+  if (impl == "simt") return forge::TreeAttnImpl::kSimt;
+  if (impl == "mma") return forge::TreeAttnImpl::kMma;
+  TORCH_CHECK(false, "tree_attn: impl must be \"auto\", \"simt\" or \"mma\", got \"", impl, "\"");
+}
+
+void set_impl(TreeAttnParams& p, const at::Tensor& q, const std::string& impl) {
+  p.impl = parse_impl(impl);
+  if (p.impl == forge::TreeAttnImpl::kMma) {
+    const char* why = forge::tree_attn_mma_unsupported(p, kernel_dtype(q));
+    TORCH_CHECK(why == nullptr, "tree_attn: impl=\"mma\" (tensor cores) cannot run here: ", why ? why : "");
+  }
+}
+
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "tree_attn: ", what, " launch failed: ", cudaGetErrorString(err));
 }
@@ -88,8 +106,9 @@ std::pair<at::Tensor, at::Tensor> block_bounds(const at::Tensor& sub_end, TreeAt
 }
 
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sub_end,
-                            double scale, int64_t stream_handle) {
+                            double scale, int64_t stream_handle, const std::string& impl) {
   TreeAttnParams p = check_qkv(q, k, v, sub_end, scale);
+  set_impl(p, q, impl);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   auto o = at::empty_like(q);
   auto lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
@@ -102,7 +121,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 
 std::vector<at::Tensor> bwd(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& o, const at::Tensor& lse, const at::Tensor& sub_end, double scale,
-                            int64_t stream_handle) {
+                            int64_t stream_handle, const std::string& impl) {
   TreeAttnParams p = check_qkv(q, k, v, sub_end, scale);
   for (auto [x, name] : {std::pair{&d_o, "dO"}, {&o, "o"}}) {
     check_cuda_contiguous(*x, name, q);
@@ -120,6 +139,12 @@ std::vector<at::Tensor> bwd(const at::Tensor& d_o, const at::Tensor& q, const at
   auto dv = at::empty_like(v);
   auto bounds = block_bounds(sub_end, p, stream);
   p.d_o = d_o.data_ptr();
+  set_impl(p, q, impl);
+  at::Tensor dq_accum;  // the tensor-core backward adds dQ into a zeroed fp32 buffer
+  if (forge::tree_attn_uses_mma(p, kernel_dtype(q))) {
+    dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    p.dq_accum = dq_accum.data_ptr<float>();
+  }
   p.lse = lse.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
   p.dq = dq.data_ptr();
@@ -129,13 +154,25 @@ std::vector<at::Tensor> bwd(const at::Tensor& d_o, const at::Tensor& q, const at
   return {dq, dk, dv};
 }
 
+std::string mma_unsupported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TreeAttnParams p;
+  p.H = static_cast<int>(q.size(-1));
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  const char* why = forge::tree_attn_mma_unsupported(p, kernel_dtype(q));
+  return why ? why : "";
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "forge_megatron CUDA tree attention (FlashAttention-2 style, tile skipping by sub_end block bounds)";
+  m.doc() = "forge_megatron CUDA tree attention (FlashAttention-2 style, tensor cores or SIMT, tile skipping by sub_end block bounds)";
   m.def("fwd", &fwd, "tree attention forward -> [o, lse]", py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("sub_end"), py::arg("scale"), py::arg("stream"));
+        py::arg("sub_end"), py::arg("scale"), py::arg("stream"), py::arg("impl") = "auto");
   m.def("bwd", &bwd, "tree attention backward -> [dq, dk, dv]", py::arg("d_o"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("sub_end"), py::arg("scale"),
-        py::arg("stream"));
+        py::arg("stream"), py::arg("impl") = "auto");
+  m.def("mma_unsupported", &mma_unsupported, "why the tensor-core kernels cannot run q/k/v here (\"\" if they can)",
+        py::arg("q"), py::arg("k"), py::arg("v"));
 }

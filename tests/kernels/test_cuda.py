@@ -70,20 +70,21 @@ def _ptr(x: torch.Tensor) -> ctypes.c_void_p:
 
 
 _EMU_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_EMU_IMPLS = {"simt": 0, "mma": 1}
 
 
 class _Emulated(torch.autograd.Function):
     """The CUDA kernels run by the emulator, wired like the real op: forward saves lse, backward uses delta."""
 
     @staticmethod
-    def forward(ctx, lib, q_TNH, k_TKH, v_TKH, sub_end_T, scale):
+    def forward(ctx, lib, impl, q_TNH, k_TKH, v_TKH, sub_end_T, scale):
         T, N, H = q_TNH.shape
         o_TNH, lse_NT = torch.empty_like(q_TNH), torch.empty(N, T)
         rc = lib.emu_fwd(_ptr(q_TNH), _ptr(k_TKH), _ptr(v_TKH), _ptr(sub_end_T), _ptr(o_TNH), _ptr(lse_NT),
-                         T, N, k_TKH.shape[1], H, ctypes.c_float(scale), _EMU_DTYPES[q_TNH.dtype])
-        assert rc == 0, f"emu_fwd returned {rc} (1: unsupported head_dim {H}, 2: shared memory overflow)"
+                         T, N, k_TKH.shape[1], H, ctypes.c_float(scale), _EMU_DTYPES[q_TNH.dtype], _EMU_IMPLS[impl])
+        assert rc == 0, f"emu_fwd returned {rc} (1: unsupported head_dim {H} / dtype / impl, 2: shared memory overflow)"
         ctx.save_for_backward(q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T)
-        ctx.lib, ctx.scale = lib, scale
+        ctx.lib, ctx.impl, ctx.scale = lib, impl, scale
         return o_TNH
 
     @staticmethod
@@ -95,15 +96,15 @@ class _Emulated(torch.autograd.Function):
         T, N, H = q_TNH.shape
         rc = ctx.lib.emu_bwd(_ptr(do_TNH), _ptr(q_TNH), _ptr(k_TKH), _ptr(v_TKH), _ptr(lse_NT), _ptr(delta_NT),
                              _ptr(sub_end_T), _ptr(dq), _ptr(dk), _ptr(dv), T, N, k_TKH.shape[1], H,
-                             ctypes.c_float(ctx.scale), _EMU_DTYPES[q_TNH.dtype])
-        assert rc == 0, f"emu_bwd returned {rc} (1: unsupported head_dim {H}, 2: shared memory overflow)"
-        return None, dq, dk, dv, None, None
+                             ctypes.c_float(ctx.scale), _EMU_DTYPES[q_TNH.dtype], _EMU_IMPLS[ctx.impl])
+        assert rc == 0, f"emu_bwd returned {rc} (1: unsupported head_dim {H} / dtype / impl, 2: shared memory overflow)"
+        return None, None, dq, dk, dv, None, None
 
 
-def _emulated_attention(lib):
+def _emulated_attention(lib, impl="simt"):
     def attention(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=None):
         scale = softmax_scale if softmax_scale is not None else q_TNH.shape[2] ** -0.5
-        return _Emulated.apply(lib, q_TNH.contiguous(), k_TKH.contiguous(), v_TKH.contiguous(),
+        return _Emulated.apply(lib, impl, q_TNH.contiguous(), k_TKH.contiguous(), v_TKH.contiguous(),
                                sub_end_T.contiguous(), scale)
 
     return attention
@@ -121,6 +122,65 @@ def test_emulated_cuda_kernels_gqa_head_dim_64_and_scale(emu):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_emulated_cuda_kernels_low_precision(emu, dtype):
     check_against_reference(_emulated_attention(emu), CASES["many_roots"], N=2, K=1, H=32, dtype=dtype)
+
+
+# Tensor-core kernels (tree_attn_mma.cuh): fragments, ldmatrix, cp.async ordering and the atomic dQ, emulated lane by
+# lane. Forests wider than one 64-token tile (grpo: 97+ tokens, long_chain: 77) exercise skipped, full and partial
+# tiles at warp granularity; the GQA case sums dK/dV over two query heads and dQ over two key blocks.
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_emulated_mma_kernels_match_reference(emu, case, dtype):
+    check_against_reference(_emulated_attention(emu, "mma"), CASES[case], N=2, K=1, H=32, dtype=dtype)
+
+
+@pytest.mark.parametrize("H,scale", [(64, 0.2), (128, None)])
+def test_emulated_mma_kernels_head_dims_gqa_and_scale(emu, H, scale):
+    """H = 64 and 128 use different backward query tiles (64 and 32) and dQ warp splits (4x1 and 2x2)."""
+    se = sub_end_from_samples([list(range(70)) + [100 + i] + list(range(i % 3 * 7)) for i in range(3)])
+    check_against_reference(_emulated_attention(emu, "mma"), se, N=4, K=2, H=H, dtype=torch.bfloat16, scale=scale)
+
+
+def _fa2_numerics(q, k, v, do, sub_end, scale):
+    """FlashAttention-2's backward roundings simulated in fp32 torch: delta = rowsum(dO * O) from the output O rounded
+    to the input dtype, P rounded before P^T dO, dS rounded before dS K and dS^T Q; outputs rounded."""
+    dt, T, N, K = q.dtype, q.shape[0], q.shape[1], k.shape[1]
+    i = torch.arange(T)
+    vis = (i[None, :] <= i[:, None]) & (i[:, None] < sub_end[None, :].long())
+    qf, kf, vf, dof = (x.float() for x in (q, k, v, do))
+    kr, vr = kf.repeat_interleave(N // K, 1), vf.repeat_interleave(N // K, 1)
+    p = torch.softmax(torch.einsum("inh,jnh->nij", qf, kr).mul(scale).masked_fill(~vis, float("-inf")), -1)
+    o = torch.einsum("nij,jnh->inh", p, vr).to(dt)
+    delta = (dof * o.float()).sum(-1).t()
+    ds = (p * (torch.einsum("inh,jnh->nij", dof, vr) - delta[:, :, None])).to(dt).float()
+    dq = torch.einsum("nij,jnh->inh", ds, kr) * scale
+    dk = (torch.einsum("nij,inh->jnh", ds, qf) * scale).unflatten(1, (K, N // K)).sum(2)
+    dv = torch.einsum("nij,inh->jnh", p.to(dt).float(), dof).unflatten(1, (K, N // K)).sum(2)
+    return o, dq.to(dt), dk.to(dt), dv.to(dt)
+
+
+def test_emulated_mma_kernels_follow_flash_attention_numerics(emu):
+    """With a sharp softmax (scale 0.2 at H = 128: logits with standard deviation 2.3) FlashAttention-2's bf16
+    roundings (delta from the bf16 output, bf16 dS) put dq about 1.3x over the 2x-low-precision budget of
+    check_against_reference. The kernels must then agree with those roundings simulated in torch to within two bf16
+    ulps of each output's largest value (the simulation and the kernels differ only in summation order)."""
+    se = sub_end_from_samples([list(range(70)) + [100 + i] + list(range(i % 3 * 7)) for i in range(3)])
+    q, k, v = random_qkv(se.shape[0], 4, 2, 128, torch.bfloat16)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o = _emulated_attention(emu, "mma")(q, k, v, se, softmax_scale=0.2)
+    got = (o, *torch.autograd.grad(o, (q, k, v), do))
+    for name, g, want in zip(("o", "dq", "dk", "dv"), got, _fa2_numerics(q.detach(), k.detach(), v.detach(), do, se, 0.2)):
+        ulp = 2.0 ** (torch.frexp(want.float().abs().max()).exponent.item() - 8)
+        err = (g.float() - want.float()).abs().max().item()
+        assert err <= 2 * ulp, f"{name}: {err:.3g} from FlashAttention-2 numerics (2 ulp = {2 * ulp:.3g})"
+
+
+def test_emulated_mma_rejects_fp32(emu):
+    q, k, v = random_qkv(5, 1, 1, 32, torch.float32)
+    o, lse = torch.empty_like(q), torch.empty(1, 5)
+    se = torch.full((5,), 5, dtype=torch.int32)
+    assert emu.emu_fwd(_ptr(q), _ptr(k), _ptr(v), _ptr(se), _ptr(o), _ptr(lse), 5, 1, 1, 32, ctypes.c_float(1.0), 0,
+                       1) == 1
 
 
 def test_emulated_block_bounds(emu):
@@ -144,12 +204,61 @@ def _gpu_grpo_forest(n_samples: int, prompt: int, completion: int) -> torch.Tens
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["mma", "simt"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("H", [64, 128])
-def test_gpu_matches_reference(dtype, H):
+def test_gpu_matches_reference(dtype, H, impl, monkeypatch):
     _needs_cuda_ext()
+    monkeypatch.setenv(cuda.IMPL_ENV_VAR, impl)
     for se in (*CASES.values(), _gpu_grpo_forest(8, 700, 300)):
         check_against_reference(cuda.tree_attention_cuda, se, N=8, K=2, H=H, dtype=dtype, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_auto_uses_tensor_cores_for_bf16():
+    _needs_cuda_ext()
+    from forge_megatron import _C_tree_attn
+
+    q, k, v = random_qkv(64, 4, 2, 128, torch.bfloat16, "cuda")
+    assert _C_tree_attn.mma_unsupported(q, k, v) == ""
+    assert "float16 or bfloat16" in _C_tree_attn.mma_unsupported(q.float(), k.float(), v.float())
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)  # 2 bytes off alignment
+    assert "16-byte aligned" in _C_tree_attn.mma_unsupported(shifted, k, v)
+
+
+@pytest.mark.gpu
+def test_gpu_forced_mma_on_fp32_raises(monkeypatch):
+    _needs_cuda_ext()
+    monkeypatch.setenv(cuda.IMPL_ENV_VAR, "mma")
+    q, k, v = random_qkv(16, 2, 1, 64, torch.float32, "cuda")
+    with pytest.raises(RuntimeError, match=r"impl=\"mma\" \(tensor cores\) cannot run here: .*not float32"):
+        cuda.tree_attention_cuda(q, k, v, torch.full((16,), 16, dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_mma_follows_flash_attention_numerics(monkeypatch):
+    _needs_cuda_ext()
+    monkeypatch.setenv(cuda.IMPL_ENV_VAR, "mma")
+    se = _gpu_grpo_forest(4, 300, 200)
+    q, k, v = random_qkv(se.shape[0], 8, 2, 128, torch.bfloat16, "cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o = cuda.tree_attention_cuda(q, k, v, se.cuda(), softmax_scale=0.2)
+    got = (o, *torch.autograd.grad(o, (q, k, v), do))
+    want = _fa2_numerics(*(x.detach().cpu() for x in (q, k, v, do)), se, 0.2)
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+        ulp = 2.0 ** (torch.frexp(w.float().abs().max()).exponent.item() - 8)
+        assert (g.float().cpu() - w.float()).abs().max().item() <= 2 * ulp, name
+
+
+def test_implementation_env_var(monkeypatch):
+    monkeypatch.delenv(cuda.IMPL_ENV_VAR, raising=False)
+    assert cuda.implementation() == "auto"
+    monkeypatch.setenv(cuda.IMPL_ENV_VAR, " MMA ")
+    assert cuda.implementation() == "mma"
+    monkeypatch.setenv(cuda.IMPL_ENV_VAR, "wgmma")
+    with pytest.raises(ValueError, match="FORGE_TREE_ATTN_CUDA_IMPL='wgmma' is not one of auto, simt, mma"):
+        cuda.implementation()
 
 
 @pytest.mark.gpu
@@ -196,3 +305,5 @@ def test_gpu_binding_rejects_bad_inputs_loudly():
         _C_tree_attn.fwd(q, k3, k3, se, 0.125, stream)
     with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
         _C_tree_attn.fwd(q.cpu(), k, v, se, 0.125, stream)
+    with pytest.raises(RuntimeError, match='impl must be "auto", "simt" or "mma"'):
+        _C_tree_attn.fwd(q, k, v, se, 0.125, stream, "fast")

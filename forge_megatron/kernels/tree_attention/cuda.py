@@ -2,14 +2,19 @@
 
 Same contract as the Triton backend: key j is visible to query i  <=>  j <= i < sub_end[j]; forward returns
 o = softmax(scale q k^T, masked) v and saves lse for a FlashAttention-2 backward (dq, dk, dv; dk/dv summed over the
-query heads of each GQA group). Empty 32x32 tiles are skipped and full ones run unmasked, by per-block
-min/max(sub_end) computed on the device. The extension is built by setup.py only where CUDA torch and nvcc exist;
-``is_available()`` says whether it can run here. Head dims 32, 64, 128; fp16/bf16/fp32 with fp32 accumulation.
+query heads of each GQA group). Empty tiles are skipped and full ones run unmasked, by per-block min/max(sub_end)
+computed on the device. Two implementations (csrc/tree_attn): tensor cores (mma.sync m16n8k16, fp16/bf16 on sm_80+,
+64x64 tiles classified per warp, atomic fp32 dQ) and SIMT (any dtype, 32x32 tiles). The environment variable
+FORGE_TREE_ATTN_CUDA_IMPL picks one: "auto" (default: tensor cores where they can run), "simt" or "mma" (an error
+where they cannot). The extension is built by setup.py only where CUDA torch and nvcc exist; ``is_available()`` says
+whether it can run here. Head dims 32, 64, 128; fp16/bf16/fp32 with fp32 accumulation.
 
 Legend: T = packed tree tokens, N = query heads, K = key/value heads, H = head dim.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -17,6 +22,16 @@ from forge_megatron.kernels.tree_attention.ops import make_public_entry, registe
 from forge_megatron.utils import env
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
+IMPL_ENV_VAR = "FORGE_TREE_ATTN_CUDA_IMPL"
+IMPLS = ("auto", "simt", "mma")
+
+
+def implementation() -> str:
+    """The kernel implementation FORGE_TREE_ATTN_CUDA_IMPL asks for ("auto" when unset)."""
+    impl = os.environ.get(IMPL_ENV_VAR, "auto").strip().lower() or "auto"
+    if impl not in IMPLS:
+        raise ValueError(f"{IMPL_ENV_VAR}={impl!r} is not one of {', '.join(IMPLS)}")
+    return impl
 
 
 def is_available() -> bool:
@@ -47,14 +62,15 @@ def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
     ext = _extension()
     _check_supported(q_TNH)
     with torch.cuda.device(q_TNH.device):
-        o_TNH, lse_NT = ext.fwd(q_TNH, k_TKH, v_TKH, sub_end_T, scale, _stream(q_TNH))
+        o_TNH, lse_NT = ext.fwd(q_TNH, k_TKH, v_TKH, sub_end_T, scale, _stream(q_TNH), implementation())
     return o_TNH, lse_NT
 
 
 def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
     ext = _extension()
     with torch.cuda.device(q_TNH.device):
-        dq, dk, dv = ext.bwd(do_TNH.contiguous(), q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, _stream(q_TNH))
+        dq, dk, dv = ext.bwd(do_TNH.contiguous(), q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, _stream(q_TNH),
+                             implementation())
     return dq, dk, dv
 
 
