@@ -19,7 +19,9 @@ Legend: T = tree tokens, S = total per-sample tokens, N = query heads, K = key/v
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 from typing import Callable
@@ -102,8 +104,31 @@ def tree_backends(device: torch.device) -> dict[str, Callable]:
     from forge_megatron.kernels.tree_attention import cuda
 
     if cuda.is_available():
-        found["cuda"] = cuda.tree_attention_cuda
+        found["cuda"] = cuda.tree_attention_cuda  # FORGE_TREE_ATTN_CUDA_IMPL=auto: tensor cores for fp16/bf16
+        found["cuda_simt"] = cuda.tree_attention_cuda  # run with FORGE_TREE_ATTN_CUDA_IMPL=simt (see CUDA_IMPL)
     return found
+
+
+CUDA_IMPL = {"cuda": "auto", "cuda_simt": "simt"}  # backend name -> FORGE_TREE_ATTN_CUDA_IMPL while it is timed
+
+
+@contextlib.contextmanager
+def _cuda_impl(name: str):
+    """Set FORGE_TREE_ATTN_CUDA_IMPL for the whole forward and backward of a CUDA backend, then restore it."""
+    from forge_megatron.kernels.tree_attention.cuda import IMPL_ENV_VAR
+
+    if name not in CUDA_IMPL:
+        yield
+        return
+    old = os.environ.get(IMPL_ENV_VAR)
+    os.environ[IMPL_ENV_VAR] = CUDA_IMPL[name]
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(IMPL_ENV_VAR, None)
+        else:
+            os.environ[IMPL_ENV_VAR] = old
 
 
 def per_sample_backends(lengths: list[int], device: torch.device) -> dict[str, Callable]:
@@ -160,14 +185,15 @@ def run(args) -> dict:
         segment_o = tree_attention_segment(*tree_qkv, sub_end_T).float()
     for name, fn in tree_backends(device).items():
         attn = lambda q, k, v, fn=fn: fn(q, k, v, sub_end_T)  # noqa: E731
-        results[name] = _rates(tree_pairs, N, H, *_fwd_and_fwd_bwd(attn, tree_qkv, device, args.repeat))
-        with torch.no_grad():
-            results[name]["max_abs_diff_vs_segment"] = float((attn(*tree_qkv).float() - segment_o).abs().max())
+        with _cuda_impl(name):
+            results[name] = _rates(tree_pairs, N, H, *_fwd_and_fwd_bwd(attn, tree_qkv, device, args.repeat))
+            with torch.no_grad():
+                results[name]["max_abs_diff_vs_segment"] = float((attn(*tree_qkv).float() - segment_o).abs().max())
     for name, fn in per_sample_backends(lengths, device).items():
         results[name] = _rates(sample_pairs, N, H, *_fwd_and_fwd_bwd(fn, sample_qkv, device, args.repeat))
 
     baseline = "flash_attn_varlen" if "flash_attn_varlen" in results else "sdpa_per_sample"
-    tree_names = [n for n in ("cuda", "triton", "segment") if n in results]
+    tree_names = [n for n in ("cuda", "cuda_simt", "triton", "segment") if n in results]
     best = max(tree_names, key=lambda n: results[n]["fwd_bwd_tflops"])
     return {
         "bench": "tree_attention", "device": str(device), "gpu": env.probe_cuda().detail if device.type == "cuda" else "",
