@@ -140,6 +140,19 @@ def test_emulated_mma_kernels_head_dims_gqa_and_scale(emu, H, scale):
     check_against_reference(_emulated_attention(emu, "mma"), se, N=4, K=2, H=H, dtype=torch.bfloat16, scale=scale)
 
 
+@pytest.mark.parametrize("impl", ["mma", "simt"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("forest", ["long_prefix", "chains_of_100"])
+def test_emulated_kernels_full_and_straddling_tiles(emu, dtype, forest, impl):
+    """long_prefix: a 200-token shared prompt, whose key tiles are full (unmasked) for every later warp of queries,
+    next to partial and skipped tiles among the completions. chains_of_100: three disjoint 100-token chains, so a
+    whole 64-key tile lies before a warp of queries in which its subtrees end (rows 96-111 in the forward, query tile
+    64-127 in the backward): that tile is partial for the warp, and treating it as full would leak attention."""
+    samples = {"long_prefix": [list(range(200)) + [1000 + i] + list(range(2000, 2000 + 30 + 9 * i)) for i in range(3)],
+               "chains_of_100": [[r] + list(range(100, 199)) for r in range(3)]}[forest]
+    check_against_reference(_emulated_attention(emu, impl), sub_end_from_samples(samples), N=2, K=1, H=32, dtype=dtype)
+
+
 def _fa2_numerics(q, k, v, do, sub_end, scale):
     """FlashAttention-2's backward roundings simulated in fp32 torch: delta = rowsum(dO * O) from the output O rounded
     to the input dtype, P rounded before P^T dO, dS rounded before dS K and dS^T Q; outputs rounded."""
