@@ -78,10 +78,20 @@ def check_targets(rows_M: torch.Tensor, targets_M: torch.Tensor, vocab_size: int
 
 # -------------------------------------------------------------------------------------------- tree forward
 def tree_model_inputs(layout, backend: str | None = None, device=None) -> dict:
-    """Keyword arguments for ``GPTModel.forward`` on one tree-packed micro-batch (batch of 1, T tokens)."""
+    """Keyword arguments for ``GPTModel.forward`` on one tree-packed micro-batch (batch of 1, T tokens).
+
+    Under context parallelism (CP = C) the tokens are this CP rank's shard of the tree padded to a multiple of C
+    (forge_megatron.mcore.context_parallel)."""
+    from forge_megatron.mcore.context_parallel import cp_world, pad_zeros, shard_range
+
     params = tree_packed_seq_params(layout, backend=backend, device=device)
+    tokens_T = layout.tokens.to(device)
+    cp, rank, _ = cp_world()
+    if cp > 1:
+        lo, hi = shard_range(tokens_T.numel(), cp, rank)
+        tokens_T = pad_zeros(tokens_T, cp)[lo:hi]
     return dict(
-        input_ids=layout.tokens.to(device)[None],
+        input_ids=tokens_T[None],
         position_ids=params.position_ids[None],
         attention_mask=None,
         packed_seq_params=params,
@@ -89,9 +99,28 @@ def tree_model_inputs(layout, backend: str | None = None, device=None) -> dict:
 
 
 def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = False):
-    """GPTModel's last-stage output [1, T, V] -> (logp_M, entropy_M | None) in next_token_index() order."""
+    """GPTModel's last-stage output [1, T, V] -> (logp_M, entropy_M | None) in next_token_index() order.
+
+    Under context parallelism the logits are this CP rank's rows [lo, hi) of the padded tree: it scores the
+    targets predicted from its rows, and the partial vectors are summed over the CP group (identity backward),
+    so every CP rank returns the same full logp_M and gradients reach only its own rows."""
+    from forge_megatron.mcore.context_parallel import cp_world, shard_range, sum_over_cp
+
     pred_nodes_M, targets_M, _ = layout.next_token_index()
-    return vocab_parallel_logprobs(logits_1TV[0], pred_nodes_M, targets_M, with_entropy)
+    cp, rank, _ = cp_world()
+    if cp == 1:
+        return vocab_parallel_logprobs(logits_1TV[0], pred_nodes_M, targets_M, with_entropy)
+    lo, hi = shard_range(layout.tokens.numel(), cp, rank)
+    if logits_1TV.shape[1] != hi - lo:
+        raise ValueError(f"CP rank {rank} expects logits for its {hi - lo} tokens, got {tuple(logits_1TV.shape)}")
+    local_M = (pred_nodes_M >= lo) & (pred_nodes_M < hi)
+    logp_m, entropy_m = vocab_parallel_logprobs(logits_1TV[0], pred_nodes_M[local_M] - lo, targets_M[local_M],
+                                                with_entropy)
+    local_M = local_M.to(logp_m.device)
+    logp_M = sum_over_cp(logp_m.new_zeros(local_M.shape).masked_scatter(local_M, logp_m))
+    entropy_M = (sum_over_cp(entropy_m.new_zeros(local_M.shape).masked_scatter(local_M, entropy_m))
+                 if with_entropy else None)
+    return logp_M, entropy_M
 
 
 def tree_logprobs(model, layout, with_entropy: bool = False, backend: str | None = None):

@@ -14,6 +14,10 @@ A micro-batch of samples merged into a prefix forest (forge_megatron.tree) runs 
    ([T, 1, 1, dim]); every pipeline stage has its own decoder and rotary module, so every stage applies it.
 3. Nothing else: linear layers, norms and MoE routing act per token and see each unique token once.
 
+Context parallelism (CP > 1): each CP rank holds a contiguous shard of the padded tree and TreeAttention trades
+tokens for heads around the kernel (forge_megatron.mcore.context_parallel); ``sub_end`` is then the whole padded
+tree and ``position_ids`` this rank's shard.
+
 The packed params keep ``qkv_format="sbhd"`` on purpose: Megatron's SelfAttention then keeps q/k/v as
 [s, b, heads, dim] with b == 1 and applies RoPE in the plain (non-"thd") path, which indexes the rotary table
 by row; the depth-indexed table makes row i carry depth(i).
@@ -44,7 +48,8 @@ class TreePackedSeqParams(PackedSeqParams):
         position_ids: int64 [T], depth of each token (its RoPE position).
         backend: tree-attention backend name passed to the dispatcher (None = its default choice).
     ``max_seqlen_q``/``max_seqlen_kv`` are max depth + 1 (the longest sample), which is the rotary table
-    length Megatron asks for.
+    length Megatron asks for. Under context parallelism (CP = C) ``sub_end`` covers the whole tree padded to a
+    multiple of C and ``position_ids`` only this rank's T_pad / C tokens.
     """
 
     sub_end: torch.Tensor = None
@@ -54,18 +59,28 @@ class TreePackedSeqParams(PackedSeqParams):
     def __post_init__(self):
         if self.sub_end is None or self.position_ids is None:
             raise ValueError("TreePackedSeqParams needs sub_end and position_ids (build it with tree_packed_seq_params)")
-        if self.sub_end.dim() != 1 or self.sub_end.shape != self.position_ids.shape:
+        T, Tl = self.sub_end.numel(), self.position_ids.numel()
+        if self.sub_end.dim() != 1 or self.position_ids.dim() != 1 or (Tl and T % Tl) or (Tl == 0 and T):
             raise ValueError(
-                f"sub_end and position_ids must be 1-D of the same length, got {tuple(self.sub_end.shape)} "
-                f"and {tuple(self.position_ids.shape)}"
+                f"sub_end and position_ids must be 1-D, of the same length (or, under context parallelism, "
+                f"position_ids one CP shard of sub_end), got {tuple(self.sub_end.shape)} and "
+                f"{tuple(self.position_ids.shape)}"
             )
 
 
 def tree_packed_seq_params(layout, backend: str | None = None, device=None) -> TreePackedSeqParams:
-    """Packed-sequence params for a ``forge_megatron.tree.TreeLayout`` (tensors moved to ``device``)."""
+    """Packed-sequence params for a ``forge_megatron.tree.TreeLayout`` (tensors moved to ``device``).
+
+    Under context parallelism: the padded tree's ``sub_end`` and this CP rank's shard of ``position_ids``."""
+    from forge_megatron.mcore.context_parallel import cp_world, pad_sub_end, pad_zeros, shard_range
+
     sub_end_T = layout.sub_end.to(device=device, dtype=torch.int32)
     position_ids_T = layout.position_ids.to(device=device, dtype=torch.int64)
     longest = int(position_ids_T.max()) + 1 if position_ids_T.numel() else 1
+    cp, rank, _ = cp_world()
+    if cp > 1:
+        lo, hi = shard_range(sub_end_T.numel(), cp, rank)
+        position_ids_T, sub_end_T = pad_zeros(position_ids_T, cp)[lo:hi], pad_sub_end(sub_end_T, cp)
     return TreePackedSeqParams(
         qkv_format="sbhd", max_seqlen_q=longest, max_seqlen_kv=longest,
         sub_end=sub_end_T, position_ids=position_ids_T, backend=backend,
@@ -84,8 +99,6 @@ class TreeAttention(MegatronModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(f"TreeAttention does not support context parallelism (cp={config.context_parallel_size})")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"TreeAttention does not support attention dropout; set attention_dropout=0 (got {dropout})")
@@ -102,15 +115,17 @@ class TreeAttention(MegatronModule):
             )
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("TreeAttention takes its mask from sub_end: pass attention_mask=None and no attention_bias")
+        from forge_megatron.mcore.context_parallel import cp_world, tree_attention_cp
+
         T, b = query.shape[:2]
-        if b != 1 or T != packed_seq_params.sub_end.numel():
+        cp = cp_world()[0]
+        if b != 1 or T * cp != packed_seq_params.sub_end.numel():
+            shard = f" / {cp} CP ranks" if cp > 1 else ""
             raise ValueError(
                 f"TreeAttention expects query [T, 1, heads, dim] with T = {packed_seq_params.sub_end.numel()} tree "
-                f"tokens, got {tuple(query.shape)}"
+                f"tokens{shard}, got {tuple(query.shape)}"
             )
-        from forge_megatron.kernels.tree_attention import tree_attention
-
-        o_TNH = tree_attention(
+        o_TNH = tree_attention_cp(
             query[:, 0], key[:, 0], value[:, 0], packed_seq_params.sub_end,
             softmax_scale=self.softmax_scale, backend=packed_seq_params.backend,
         )
@@ -152,6 +167,10 @@ def use_depth_rope(model):
     rotary = getattr(model, "rotary_pos_emb", None)
     if rotary is None or getattr(model, "position_embedding_type", None) != "rope":
         raise ValueError("use_depth_rope needs a GPTModel built with position_embedding_type='rope'")
+    # Under context parallelism Megatron slices the rotary table zig-zag for this CP rank (sequence offsets); the
+    # tree indexes the whole table by each local token's depth instead, so the module must return it unsliced.
+    if hasattr(rotary, "cp_group"):
+        rotary.cp_group = None
 
     def index_rope_by_depth(module, args, kwargs):
         params = kwargs.get("packed_seq_params")

@@ -25,7 +25,8 @@ def test_params_from_layout_carry_depth_and_sub_end():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(position_ids=torch.arange(3)), "needs sub_end and position_ids"),
     (dict(sub_end=torch.full((3,), 3, dtype=torch.int32), position_ids=torch.arange(4)),
-     r"sub_end and position_ids must be 1-D of the same length, got \(3,\) and \(4,\)"),
+     r"sub_end and position_ids must be 1-D, of the same length \(or, under context parallelism, position_ids one "
+     r"CP shard of sub_end\), got \(3,\) and \(4,\)"),
 ])
 def test_params_validation_messages(kwargs, message):
     from forge_megatron.mcore.tree_attention import TreePackedSeqParams

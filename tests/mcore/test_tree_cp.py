@@ -1,0 +1,101 @@
+"""Context parallelism for tree-packed micro-batches equals CP = 1 (fp32, CPU, gloo; 0 GPUs, 1, 2 and 4 ranks).
+
+The same tree GPTModel weights run one forest at CP = 1 and sharded over CP = 2 / 4 ranks (tokens split, heads
+traded by all-to-all around the tree kernel, forge_megatron.mcore.context_parallel). Checked: per-sample logprobs
+and entropies (every CP rank returns the full vector), and parameter gradients of a per-sample weighted loss summed
+over the CP ranks, against CP = 1; for both ways of moving key/value heads (all-to-all when CP divides them,
+all-gather when they divide CP), for trees whose length is not a multiple of CP (padding) and for a tree shorter
+than the CP size times a tile.
+"""
+
+import pytest
+import torch
+
+from forge_megatron.mcore.parallel import ParallelConfig
+from tests.dist_utils import run_distributed
+from tests.mcore.test_tree_exact import _cfg, _weighted_loss, _weights, all_samples, forest_cases
+
+LOGP_ATOL = 1e-5
+GRAD_RTOL = 1e-5
+
+
+def _forests():
+    """T = 5 for "tiny": under CP = 4 two ranks hold one real token and a padding root, two only padding."""
+    return {"all": all_samples(7), "deep_chain": forest_cases(3)["deep_chain"],
+            "tiny": [[1, 2, 3], [1, 2, 4, 5]]}
+
+
+def _run(state_path, kv_heads, save):
+    """Per forest: (logp_M, entropy_M, {param: grad summed over CP ranks}) on this rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from forge_megatron.mcore.forward import tree_logprobs, tree_model_inputs
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.tree import build_tree
+
+    torch.manual_seed(3)
+    model = build_tree_gpt(_cfg(num_query_groups=kv_heads))
+    if save:
+        torch.save(model.state_dict(), state_path)
+    else:
+        model.load_state_dict(torch.load(state_path))
+    out = {}
+    for name, samples in _forests().items():
+        layout = build_tree(samples)
+        model.zero_grad()
+        logp, ent = tree_logprobs(model, layout, with_entropy=True)
+        _weighted_loss(logp, layout, _weights(samples)).backward()
+        grads = {}
+        for pname, p in model.named_parameters():
+            g = p.grad.clone()
+            if ps.get_context_parallel_world_size() > 1:
+                dist.all_reduce(g, group=ps.get_context_parallel_group())
+            grads[pname] = g
+        local = tree_model_inputs(layout)["input_ids"].shape[1]
+        out[name] = (logp.detach(), ent.detach(), grads, (layout.unique_tokens, local))
+    return out
+
+
+def _body(rank, world_size, state_path, kv_heads, save):
+    return _run(state_path, kv_heads, save)
+
+
+@pytest.mark.parametrize("cp,kv_heads", [(2, 2), (2, 1), (4, 2)])
+def test_cp_equals_cp1(tmp_path, cp, kv_heads):
+    """(2, 2): k/v all-to-all; (2, 1) and (4, 2): k/v all-gathered, each rank keeping its one KV head."""
+    state = str(tmp_path / "model.pt")
+    (want,) = run_distributed(_body, world_size=1, state_path=state, kv_heads=kv_heads, save=True)
+    got = run_distributed(_body, world_size=cp, parallel=ParallelConfig(cp=cp), state_path=state, kv_heads=kv_heads,
+                          save=False, timeout_s=400)
+    for rank, result in enumerate(got):
+        for name, (logp, ent, grads, (T, local)) in result.items():
+            w_logp, w_ent, w_grads, _ = want[name]
+            assert local == -(-T // cp), (rank, name, T, local)  # this rank really held one shard of the tree
+            assert (logp - w_logp).abs().max().item() <= LOGP_ATOL, (rank, name)
+            assert (ent - w_ent).abs().max().item() <= LOGP_ATOL, (rank, name)
+            for pname, g in grads.items():
+                ref = w_grads[pname]
+                rel = ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                assert rel <= GRAD_RTOL, (rank, name, pname, rel)
+
+
+def test_cp_head_requirements_are_explained():
+    from forge_megatron.mcore.context_parallel import check_heads
+
+    check_heads(8, 2, 4)
+    check_heads(8, 8, 4)
+    with pytest.raises(ValueError, match=r"cp=3 must divide the query heads per tensor-parallel rank \(8\)"):
+        check_heads(8, 2, 3)
+    with pytest.raises(ValueError, match=r"cp=4 must divide, or be a multiple of, the key/value heads .* \(6\)"):
+        check_heads(12, 6, 4)
+
+
+def test_padding_makes_single_token_roots():
+    from forge_megatron.mcore.context_parallel import pad_sub_end, pad_zeros, shard_range
+
+    se = torch.tensor([3, 2, 3, 5, 5], dtype=torch.int32)
+    assert pad_sub_end(se, 4).tolist() == [3, 2, 3, 5, 5, 6, 7, 8]
+    assert pad_zeros(torch.tensor([7, 8, 9, 1, 2]), 4).tolist() == [7, 8, 9, 1, 2, 0, 0, 0]
+    assert [shard_range(5, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert pad_sub_end(se, 5).tolist() == se.tolist()
