@@ -53,7 +53,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     par.add_argument("--expert-model-parallel-size", type=int, default=1)
-    par.add_argument("--context-parallel-size", type=int, default=1)
+    par.add_argument("--context-parallel-size", type=int, default=1,
+                     help="CP ranks per tree-packed micro-batch: each holds a contiguous shard of the tree's tokens and "
+                          "attention trades tokens for heads (all-to-all), so CP must divide the attention heads per "
+                          "TP rank and divide, or be a multiple of, the key/value heads per TP rank")
     par.add_argument("--use-distributed-optimizer", action="store_true")
 
     net = parser.add_argument_group("network size (Megatron)")

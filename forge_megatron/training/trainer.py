@@ -141,6 +141,9 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str]) -> list[d
 
     num_mb = len(rb.micro_batches)
     cfg = batch_loss_config(loss_cfg, rb)
+    # Under context parallelism every CP rank computes this same loss (logp_M is summed over the CP group) and
+    # back-propagates only into its own token shard; DDP averages over the DP x CP ranks and Megatron's schedule
+    # multiplies each micro-batch loss by the CP size, so the shards' gradients add up (tested against one rank).
 
     def loss_fn(logp_M, entropy_M, mb):
         x = {k: v.to(logp_M.device) for k, v in mb.extras.items()}
@@ -343,6 +346,12 @@ def model_config(args: argparse.Namespace, bridge):
             if getattr(flags, name) != getattr(cfg, name):
                 raise ValueError(f"{name}: the model flags say {getattr(flags, name)}, the HF checkpoint "
                                  f"{args.hf_checkpoint} has {getattr(cfg, name)}")
+    if args.context_parallel_size > 1:
+        from forge_megatron.mcore.context_parallel import check_heads
+
+        tp = args.tensor_model_parallel_size
+        check_heads(cfg.num_attention_heads // tp, max(1, (cfg.num_query_groups or cfg.num_attention_heads) // tp),
+                    args.context_parallel_size)
     overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
     if args.pipeline_model_parallel_size > 1:
         # tree micro-batches differ in length; Megatron accepts that only with the all-to-all MoE dispatcher

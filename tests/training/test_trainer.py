@@ -139,18 +139,19 @@ def test_tp2_and_pp2_train_like_one_rank(tmp_path, parallel):
     assert losses["parallel"] == pytest.approx(losses["single"], abs=1e-5)  # step 2 also checks the optimizer update
 
 
-def test_dp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
+def test_dp2_and_cp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
     """CISPO's token mean is over the whole batch: two DP ranks holding groups with different token counts must
-    produce the gradient one rank computes on the full batch (grad norm of the DP-reduced gradient, two steps)."""
+    produce the gradient one rank computes on the full batch (grad norm of the DP-reduced gradient, two steps).
+    Two context-parallel ranks, each holding half of every tree, must produce it too."""
     model_dir = build_tiny_model(str(tmp_path / "model"))
     norms, tokens = {}, {}
-    for name, nproc in (("single", 1), ("dp2", 2)):
+    for name, nproc, extra in (("single", 1, []), ("dp2", 2, []), ("cp2", 2, ["--context-parallel-size", "2"])):
         pool = PoolProcess(str(tmp_path / f"{name}.sqlite"))
         try:
             feed_groups(pool.client, 4, np.random.default_rng(5), completion_len=(6, 11))
             run_dir = str(tmp_path / name)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                   str(free_port()), TRAIN, *_train_cmd(model_dir, pool, run_dir, iters=2, groups=2)]
+                   str(free_port()), TRAIN, *_train_cmd(model_dir, pool, run_dir, iters=2, groups=2, extra=extra)]
             out = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                                  timeout=300)
             assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -163,6 +164,8 @@ def test_dp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
     assert all(0 < d < s for d, s in zip(tokens["dp2"], tokens["single"]))
     assert any(2 * d != s for d, s in zip(tokens["dp2"], tokens["single"]))
     assert norms["dp2"] == pytest.approx(norms["single"], rel=1e-5)
+    assert tokens["cp2"] == tokens["single"]  # CP ranks score every target of the batch
+    assert norms["cp2"] == pytest.approx(norms["single"], rel=1e-5)
 
 
 def test_recomputed_old_logprobs_give_unit_ratios(setup):
