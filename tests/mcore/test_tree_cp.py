@@ -36,6 +36,7 @@ def _run(state_path, kv_heads, save):
 
     torch.manual_seed(3)
     model = build_tree_gpt(_cfg(num_query_groups=kv_heads))
+    state_path = f"{state_path}.tp{ps.get_tensor_model_parallel_rank()}"  # TP shards differ; CP ranks share one
     if save:
         torch.save(model.state_dict(), state_path)
     else:
@@ -54,6 +55,7 @@ def _run(state_path, kv_heads, save):
             grads[pname] = g
         local = tree_model_inputs(layout)["input_ids"].shape[1]
         out[name] = (logp.detach(), ent.detach(), grads, (layout.unique_tokens, local))
+    out["tp_rank"] = ps.get_tensor_model_parallel_rank()
     return out
 
 
@@ -61,16 +63,22 @@ def _body(rank, world_size, state_path, kv_heads, save):
     return _run(state_path, kv_heads, save)
 
 
-@pytest.mark.parametrize("cp,kv_heads", [(2, 2), (2, 1), (4, 2)])
-def test_cp_equals_cp1(tmp_path, cp, kv_heads):
-    """(2, 2): k/v all-to-all; (2, 1) and (4, 2): k/v all-gathered, each rank keeping its one KV head."""
+@pytest.mark.parametrize("cp,tp,kv_heads", [(2, 1, 2), (2, 1, 1), (4, 1, 2), (2, 2, 2)])
+def test_cp_equals_cp1(tmp_path, cp, tp, kv_heads):
+    """(2, 1, 2): k/v all-to-all; (2, 1, 1) and (4, 1, 2): k/v all-gathered, each rank keeping its one KV head;
+    (2, 2, 2): TP = 2 x CP = 2 on 4 ranks against TP = 2 alone (2 query and 1 KV head per TP rank, vocab-parallel
+    logprobs summed over CP), each rank against the CP = 1 rank with its TP rank."""
     state = str(tmp_path / "model.pt")
-    (want,) = run_distributed(_body, world_size=1, state_path=state, kv_heads=kv_heads, save=True)
-    got = run_distributed(_body, world_size=cp, parallel=ParallelConfig(cp=cp), state_path=state, kv_heads=kv_heads,
-                          save=False, timeout_s=400)
+    want = run_distributed(_body, world_size=tp, parallel=ParallelConfig(tp=tp), state_path=state, kv_heads=kv_heads,
+                           save=True)
+    want = {w.pop("tp_rank"): w for w in want}
+    got = run_distributed(_body, world_size=cp * tp, parallel=ParallelConfig(tp=tp, cp=cp), state_path=state,
+                          kv_heads=kv_heads, save=False, timeout_s=400)
+    assert sorted(r["tp_rank"] for r in got) == sorted(list(range(tp)) * cp)
     for rank, result in enumerate(got):
+        base = want[result.pop("tp_rank")]
         for name, (logp, ent, grads, (T, local)) in result.items():
-            w_logp, w_ent, w_grads, _ = want[name]
+            w_logp, w_ent, w_grads, _ = base[name]
             assert local == -(-T // cp), (rank, name, T, local)  # this rank really held one shard of the tree
             assert (logp - w_logp).abs().max().item() <= LOGP_ATOL, (rank, name)
             assert (ent - w_ent).abs().max().item() <= LOGP_ATOL, (rank, name)

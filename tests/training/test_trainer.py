@@ -142,10 +142,12 @@ def test_tp2_and_pp2_train_like_one_rank(tmp_path, parallel):
 def test_dp2_and_cp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
     """CISPO's token mean is over the whole batch: two DP ranks holding groups with different token counts must
     produce the gradient one rank computes on the full batch (grad norm of the DP-reduced gradient, two steps).
-    Two context-parallel ranks, each holding half of every tree, must produce it too."""
+    Two context-parallel ranks, each holding half of every tree, must produce it too, also under PP = 2."""
     model_dir = build_tiny_model(str(tmp_path / "model"))
     norms, tokens = {}, {}
-    for name, nproc, extra in (("single", 1, []), ("dp2", 2, []), ("cp2", 2, ["--context-parallel-size", "2"])):
+    runs = (("single", 1, []), ("dp2", 2, []), ("cp2", 2, ["--context-parallel-size", "2"]),
+            ("pp2cp2", 4, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]))
+    for name, nproc, extra in runs:
         pool = PoolProcess(str(tmp_path / f"{name}.sqlite"))
         try:
             feed_groups(pool.client, 4, np.random.default_rng(5), completion_len=(6, 11))
@@ -166,6 +168,7 @@ def test_dp2_and_cp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
     assert norms["dp2"] == pytest.approx(norms["single"], rel=1e-5)
     assert tokens["cp2"] == tokens["single"]  # CP ranks score every target of the batch
     assert norms["cp2"] == pytest.approx(norms["single"], rel=1e-5)
+    assert norms["pp2cp2"] == pytest.approx(norms["single"], rel=1e-5)
 
 
 def test_recomputed_old_logprobs_give_unit_ratios(setup):
