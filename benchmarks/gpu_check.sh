@@ -4,7 +4,9 @@
 #   2. runs the `gpu` tests of the kernels (GPU_CHECK_TESTS=tests runs every area's gpu tests),
 #   3. runs benchmarks/tree_attention.py on the GRPO and agentic workloads (one JSON line each).
 # Everything goes to the log file (GPU_CHECK_LOG, default runs/gpu_check.log); copy the JSON lines to docs/benchmarks.md.
-# Needs a CUDA build of torch, triton and nvcc in the active Python environment. Exit status: non-zero if any step failed.
+# Needs a CUDA build of torch, triton, pybind11, ninja, pytest (+ pytest-timeout) and nvcc; megatron-core and pyzmq are
+# not needed. PYTHON picks the interpreter (default python3: on the lent H200 image that is the one holding PyTorch).
+# Exit status: non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG="${GPU_CHECK_LOG:-runs/gpu_check.log}"
@@ -24,12 +26,13 @@ step() {  # step NAME TIMEOUT_S CMD...
   [ "$rc" -eq 0 ] || failed=1
 }
 
-step "environment" 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -m forge_megatron.env"
+PY="${PYTHON:-python3}"
+step "environment" 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -m forge_megatron.env"
 step "build CUDA extension" 180 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
-  python setup.py build_ext --inplace
-step "gpu tests" 150 python -m pytest -q -m gpu -rs --timeout=140 "$TESTS"
-step "benchmark grpo" 60 python benchmarks/tree_attention.py --workload grpo
-step "benchmark agentic" 60 python benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
+  "$PY" setup.py build_ext --inplace
+step "gpu tests" 150 "$PY" -m pytest -q -m gpu -rs --timeout=140 -p no:cacheprovider "$TESTS"
+step "benchmark grpo" 60 "$PY" benchmarks/tree_attention.py --workload grpo
+step "benchmark agentic" 60 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
 
 echo "gpu_check: $([ $failed -eq 0 ] && echo PASSED || echo FAILED), log in $LOG" | tee -a "$LOG"
 exit $failed
