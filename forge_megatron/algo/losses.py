@@ -23,7 +23,7 @@ Reduction with sample weights ``w_i`` (an episode split into n segments has ``w 
 mask ``m``:
 
     token_mean   L = sum_i w_i sum_t m_it l_it / sum_i sum_t m_it              (the CISPO normaliser)
-    seq_mean     L = sum_i w_i (sum_t m_it l_it / sum_t m_it) / sum_i w_i
+    seq_mean     L = sum_i w_i (sum_t m_it l_it / sum_t m_it) / W,    W = norm_constant or sum_i w_i
     constant     L = sum_i w_i sum_t m_it l_it / norm_constant                 (gradient-accumulation invariant)
 
 With ``norm="seq_mean"`` and a constant advantage per sample, GSPO's token form equals the sequence objective
@@ -69,7 +69,9 @@ class LossConfig:
     norm: str = "token_mean"
     """"token_mean" | "seq_mean" | "constant"."""
     norm_constant: float | None = None
-    """Divisor for ``norm="constant"`` (e.g. the max tokens of a global batch)."""
+    """Divisor for ``norm="constant"`` (e.g. the max tokens of a global batch). With ``norm="seq_mean"`` it replaces
+    this call's ``sum_i w_i`` (the trainer passes the whole batch's, so every sequence weighs the same whichever
+    micro-batch or data-parallel rank it lands in)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy (needs ``ref_logp_M``)."""
     kl_type: str = "k3"
@@ -95,6 +97,8 @@ class LossConfig:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.norm == "constant" and not (self.norm_constant is not None and self.norm_constant > 0):
             raise ValueError(f"norm='constant' needs norm_constant > 0, got {self.norm_constant}")
+        if self.norm_constant is not None and not self.norm_constant > 0:
+            raise ValueError(f"norm_constant must be > 0, got {self.norm_constant}")
         if self.kl_type not in KL_TYPES:
             raise ValueError(f"kl_type must be one of {KL_TYPES}, got {self.kl_type!r}")
         if not self.kl_coef >= 0 or not self.entropy_coef >= 0:
@@ -184,7 +188,7 @@ class _Batch:
         """Mask, sample weights and the configured normaliser (module docstring)."""
         norm = self.cfg.norm
         if norm == "seq_mean":
-            denom = self.sample_weight_S.sum()
+            denom = self.cfg.norm_constant if self.cfg.norm_constant is not None else self.sample_weight_S.sum()
             if denom == 0:
                 raise ValueError("sample_weight_S sums to 0: seq_mean normaliser is 0")
             mean_S = self.per_sample_sum(x_M * self.mask_M) / self.per_sample_sum(self.mask_M).clamp(min=1.0)

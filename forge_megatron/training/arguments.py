@@ -129,8 +129,9 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rl-eps-high", type=float, default=None,
                    help="upper clip epsilon (default: the loss's recommended value, CISPO: 0.28)")
     g.add_argument("--rl-loss-norm", default="token_mean", choices=NORMS,
-                   help="loss normalisation: token_mean (CISPO: all loss tokens of the batch), seq_mean, or constant "
-                        "(divide by --rl-loss-norm-constant)")
+                   help="loss normalisation over the whole batch (all micro-batches and DP ranks): token_mean (CISPO: "
+                        "divide by all loss tokens), seq_mean (mean over sequences, weighted by sample weight, of "
+                        "each sequence's token mean), or constant (divide by --rl-loss-norm-constant)")
     g.add_argument("--rl-loss-norm-constant", type=float, default=None,
                    help="divisor of the summed token loss over the whole batch with --rl-loss-norm constant, e.g. "
                         "the expected loss tokens per batch (invariant to how the batch is split)")
@@ -231,6 +232,9 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.weight_sync_transport != "none" and not args.engine_urls:
         raise ValueError(f"--weight-sync-transport {args.weight_sync_transport} needs --engine-urls "
                          "(or use --weight-sync-transport none)")
+    if args.rl_loss_norm_constant is not None and args.rl_loss_norm != "constant":
+        raise ValueError(f"--rl-loss-norm-constant is used only with --rl-loss-norm constant (got --rl-loss-norm "
+                         f"{args.rl_loss_norm})")
     if args.lr is None:
         raise ValueError("--lr is required")
     if args.train_iters is None or args.train_iters < 1:

@@ -52,6 +52,7 @@ class RankBatch:
     pool_metrics: dict = field(default_factory=dict)
     global_loss_tokens: float | None = None  # loss tokens of the whole batch, over every DP rank
     dp_size: int = 1
+    global_sample_weight: float | None = None  # sum of the sample weights of the whole batch, over every DP rank
 
 
 def _targets(arr: np.ndarray) -> torch.Tensor:
@@ -101,19 +102,21 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
         parts = [[i] for i in range(len(samples))]
     mbs = [micro_batch_of([samples[i] for i in part], domains) for part in parts]
     num_loss_tokens = float(sum(mb.extras["loss_mask_M"].sum() for mb in mbs))
-    return RankBatch(mbs, num_loss_tokens, samples, batch.batch_id, batch.metrics,
-                     global_loss_tokens=_sum_over_dp(num_loss_tokens, dp_size), dp_size=dp_size)
+    sample_weight = float(sum(mb.extras["sample_weight_S"].double().sum() for mb in mbs))
+    global_tokens, global_weight = _sum_over_dp([num_loss_tokens, sample_weight], dp_size)
+    return RankBatch(mbs, num_loss_tokens, samples, batch.batch_id, batch.metrics, global_loss_tokens=global_tokens,
+                     dp_size=dp_size, global_sample_weight=global_weight)
 
 
-def _sum_over_dp(value: float, dp_size: int) -> float:
-    """Sum of ``value`` over the data-parallel ranks (DP ranks hold different groups of one batch)."""
+def _sum_over_dp(values: list[float], dp_size: int) -> list[float]:
+    """Sums of ``values`` over the data-parallel ranks (DP ranks hold different groups of one batch)."""
     if dp_size == 1 or not dist.is_initialized():
-        return value
+        return list(values)
     from megatron.core import parallel_state as ps
 
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, group=ps.get_data_parallel_group())
-    return float(t.item())
+    return t.tolist()
 
 
 def batch_loss_config(loss_cfg, rb: RankBatch):
@@ -122,12 +125,19 @@ def batch_loss_config(loss_cfg, rb: RankBatch):
     L = (1/G) sum over all G loss tokens of the batch. Megatron's DDP averages gradients over the D data-parallel
     ranks, so rank r contributes (D/G) sum over its own tokens: normaliser G/D. Dividing by the rank's own count
     instead would weight the ranks' tokens unequally whenever their token counts differ.
-    With ``constant`` the user's divisor C plays the role of G (rank normaliser C / D).
+    With ``constant`` the user's divisor C plays the role of G (rank normaliser C / D). ``seq_mean`` likewise divides by
+    the batch's summed sample weight W (rank normaliser W / D) instead of each micro-batch's own.
     """
     from dataclasses import replace
 
     if loss_cfg.norm == "constant":
         return replace(loss_cfg, norm_constant=loss_cfg.norm_constant / rb.dp_size)
+    if loss_cfg.norm == "seq_mean":
+        weight = rb.global_sample_weight if rb.global_sample_weight is not None else float(
+            sum(mb.extras["sample_weight_S"].double().sum() for mb in rb.micro_batches))
+        if weight <= 0:
+            raise ValueError(f"batch {rb.batch_id}: sample weights sum to {weight}: the seq_mean normaliser is 0")
+        return replace(loss_cfg, norm_constant=weight / rb.dp_size)
     if loss_cfg.norm != "token_mean":
         return loss_cfg
     total = rb.global_loss_tokens if rb.global_loss_tokens is not None else rb.num_loss_tokens
@@ -152,7 +162,8 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str]) -> list[d
             logp_M, old, x["advantages_M"], x["loss_mask_M"], x["cu_seqlens_S1"], cfg,
             rollout_logp_M=x["rollout_logp_M"], entropy_M=entropy_M, sample_weight_S=x["sample_weight_S"],
             domain_ids_S=x["domain_ids_S"], domain_names=domains)
-        return loss * (num_mb if cfg.norm == "constant" else 1), metrics
+        # A batch-wide normaliser: undo Megatron's division of each micro-batch loss by the micro-batch count.
+        return loss * (num_mb if cfg.norm_constant is not None else 1), metrics
 
     return run_schedule(ddp, rb, make_tree_forward_step(loss_fn, with_entropy=loss_cfg.entropy_coef > 0))
 

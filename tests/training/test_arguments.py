@@ -76,6 +76,7 @@ def test_forge_values_parse():
     (["--weight-sync-transport", "distributed"], "needs --engine-urls"),
     (["--save-interval", "2"], "--save-interval needs --save"),
     (["--train-iters", "0"], "--train-iters must be >= 1"),
+    (["--rl-loss-norm-constant", "100"], "--rl-loss-norm-constant is used only with --rl-loss-norm constant"),
 ])
 def test_bad_values_are_named(extra, message):
     with pytest.raises(ValueError, match=message):
@@ -139,3 +140,10 @@ def test_constant_loss_norm_takes_its_divisor_and_is_split_over_dp():
     token_mean = arguments.loss_config(arguments.parse_args(MINIMAL))
     out = batch_loss_config(token_mean, rb)
     assert out.norm == "constant" and out.norm_constant == 400.0  # G / DP, G = loss tokens of the whole batch
+    seq_mean = arguments.loss_config(arguments.parse_args(MINIMAL + ["--rl-loss-norm", "seq_mean"]))
+    rb.global_sample_weight = 12.0
+    out = batch_loss_config(seq_mean, rb)
+    assert out.norm == "seq_mean" and out.norm_constant == 6.0  # W / DP, W = sample weights of the whole batch
+    rb.global_sample_weight = 0.0
+    with pytest.raises(ValueError, match="sample weights sum to 0.0: the seq_mean normaliser is 0"):
+        batch_loss_config(seq_mean, rb)

@@ -171,6 +171,29 @@ def test_dp2_and_cp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
     assert norms["pp2cp2"] == pytest.approx(norms["single"], rel=1e-5)
 
 
+@pytest.mark.parametrize("norm", ["seq_mean", "token_mean"])
+def test_batch_normaliser_does_not_depend_on_micro_batching(tmp_path, norm):
+    """One optimizer step over the same batch, packed into one micro-batch or into several holding different numbers
+    of sequences (--tree-token-budget): the gradient must be the same, i.e. the normaliser is the batch's."""
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    norms = {}
+    for budget in (4096, 40):
+        pool = PoolProcess(str(tmp_path / f"{budget}.sqlite"))
+        try:
+            feed_groups(pool.client, 3, np.random.default_rng(7), completion_len=(3, 14, 8))
+            run_dir = str(tmp_path / f"b{budget}")
+            cmd = [sys.executable, TRAIN, *_train_cmd(model_dir, pool, run_dir, iters=1, groups=3,
+                                                     extra=["--rl-loss-norm", norm, "--tree-token-budget", str(budget)])]
+            out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+            (step,) = _steps(f"{run_dir}/metrics.jsonl")
+            norms[budget] = (step["grad_norm"], step["micro_batches"])
+        finally:
+            pool.stop()
+    assert norms[4096][1] == 1 and norms[40][1] > 2
+    assert norms[40][0] == pytest.approx(norms[4096][0], rel=1e-5)
+
+
 def test_recomputed_old_logprobs_give_unit_ratios(setup):
     """--old-logprobs recompute: pi_old is the current policy before the update, so every ratio is 1 at step 1; with
     the recorded rollout logprobs (-5 per token here) the ratios are far from 1."""
