@@ -9,6 +9,7 @@
 # Exit status: non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout itself, built in place: no pip install needed
 LOG="${GPU_CHECK_LOG:-runs/gpu_check.log}"
 mkdir -p "$(dirname "$LOG")"
 TESTS="${GPU_CHECK_TESTS:-tests/kernels}"
