@@ -25,17 +25,34 @@ def _forests():
             "tiny": [[1, 2, 3], [1, 2, 4, 5]]}
 
 
-def _run(state_path, kv_heads, save):
+def _model(kv_heads, moe):
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+
+    if not moe:
+        return build_tree_gpt(_cfg(num_query_groups=kv_heads))
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from forge_megatron.mcore.model import build_gpt, transformer_config
+    from forge_megatron.mcore.tree_attention import swap_core_attention, use_depth_rope
+
+    cfg = _cfg(num_query_groups=kv_heads, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+               extra={"moe_layer_freq": [0, 1]})
+    model = build_gpt(cfg, spec=swap_core_attention(get_gpt_decoder_block_spec(transformer_config(cfg),
+                                                                               use_transformer_engine=False)))
+    use_depth_rope(model)
+    return model
+
+
+def _run(state_path, kv_heads, save, moe=False):
     """Per forest: (logp_M, entropy_M, {param: grad summed over CP ranks}) on this rank."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from forge_megatron.mcore.forward import tree_logprobs, tree_model_inputs
-    from forge_megatron.mcore.tree_attention import build_tree_gpt
     from forge_megatron.tree import build_tree
 
     torch.manual_seed(3)
-    model = build_tree_gpt(_cfg(num_query_groups=kv_heads))
+    model = _model(kv_heads, moe)
     state_path = f"{state_path}.tp{ps.get_tensor_model_parallel_rank()}"  # TP shards differ; CP ranks share one
     if save:
         torch.save(model.state_dict(), state_path)
@@ -59,21 +76,23 @@ def _run(state_path, kv_heads, save):
     return out
 
 
-def _body(rank, world_size, state_path, kv_heads, save):
-    return _run(state_path, kv_heads, save)
+def _body(rank, world_size, state_path, kv_heads, save, moe):
+    return _run(state_path, kv_heads, save, moe)
 
 
-@pytest.mark.parametrize("cp,tp,kv_heads", [(2, 1, 2), (2, 1, 1), (4, 1, 2), (2, 2, 2)])
-def test_cp_equals_cp1(tmp_path, cp, tp, kv_heads):
+@pytest.mark.parametrize("cp,tp,kv_heads,moe", [(2, 1, 2, False), (2, 1, 1, False), (4, 1, 2, False),
+                                                 (2, 2, 2, False), (2, 1, 2, True)])
+def test_cp_equals_cp1(tmp_path, cp, tp, kv_heads, moe):
     """(2, 1, 2): k/v all-to-all; (2, 1, 1) and (4, 1, 2): k/v all-gathered, each rank keeping its one KV head;
     (2, 2, 2): TP = 2 x CP = 2 on 4 ranks against TP = 2 alone (2 query and 1 KV head per TP rank, vocab-parallel
-    logprobs summed over CP), each rank against the CP = 1 rank with its TP rank."""
+    logprobs summed over CP), each rank against the CP = 1 rank with its TP rank; MoE: a dense then a MoE layer
+    (4 experts, top-2) routing each CP shard's tokens (router auxiliary losses are off in the fp32 test config)."""
     state = str(tmp_path / "model.pt")
     want = run_distributed(_body, world_size=tp, parallel=ParallelConfig(tp=tp), state_path=state, kv_heads=kv_heads,
-                           save=True)
+                           save=True, moe=moe)
     want = {w.pop("tp_rank"): w for w in want}
     got = run_distributed(_body, world_size=cp * tp, parallel=ParallelConfig(tp=tp, cp=cp), state_path=state,
-                          kv_heads=kv_heads, save=False, timeout_s=400)
+                          kv_heads=kv_heads, save=False, moe=moe, timeout_s=400)
     assert sorted(r["tp_rank"] for r in got) == sorted(list(range(tp)) * cp)
     for rank, result in enumerate(got):
         base = want[result.pop("tp_rank")]
