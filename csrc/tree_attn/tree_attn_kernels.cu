@@ -52,8 +52,9 @@ cudaError_t bwd_typed(const TreeAttnParams& p, cudaStream_t stream) {
 
 template <typename scalar_t, int H>
 cudaError_t fwd_mma_typed(const TreeAttnParams& p, cudaStream_t stream) {
-  return launch(fwd_mma_kernel<scalar_t, H>, dim3((p.T + kMmaBlock - 1) / kMmaBlock, p.N),
-                fwd_mma_smem_bytes<scalar_t, H>(), stream, p, kMmaThreads);
+  constexpr int BQ = FwdTile<H>::BQ;
+  return launch(fwd_mma_kernel<scalar_t, H>, dim3((p.T + BQ - 1) / BQ, p.N), fwd_mma_smem_bytes<scalar_t, H>(), stream,
+                p, kMmaThreads);
 }
 
 template <typename scalar_t, int H>

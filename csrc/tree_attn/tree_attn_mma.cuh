@@ -7,7 +7,8 @@
 // sub_end) are per 32 keys; a 64-key tile combines two. Classification is per warp (16 rows), so a warp whose rows
 // see nothing in a tile skips its matrix products and a warp whose rows see every key runs unmasked.
 //
-// Forward: grid (ceil(T / 64), N), 4 warps x 16 queries. Q stays in registers; per live 64-key tile: S = Q K^T
+// Forward: grid (ceil(T / BQ), N), 4 warps x 32 queries at H <= 64 (two m-tiles of 16 rows per warp, so every K and V
+// fragment read from shared memory feeds two products) or 16 at H = 128 (FwdTile). Per live 64-key tile: S = Q K^T
 // (while V is in flight), online softmax in base 2, O += P V with P converted in registers from the S accumulator
 // layout to the A-operand layout; K of the next live tile is loaded while P V runs.
 // Backward: grid (ceil(T / 64), K), 4 warps x 16 keys; loops over the query heads of the GQA group and over the
@@ -31,7 +32,7 @@ namespace forge::tree_attn_detail {
 
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = kMmaWarps * 32;
-constexpr int kMmaBlock = 64;  // queries per forward block, keys per tile (forward) and per block (backward)
+constexpr int kMmaBlock = 64;  // keys per backward block (forward tiles: FwdTile)
 
 // Queries per backward tile: 64, or 32 for H = 128 so that dK, dV, S^T and dP^T fit in registers.
 template <int H>
@@ -66,11 +67,12 @@ __device__ __forceinline__ void key_bounds(const TreeAttnParams& p, int k_lo, in
   }
 }
 
-// The first 64-key tile at or after `kb` that some query in [q_lo, q_hi) can see, or -1.
+// The first `BC`-key tile at or after `kb` that some query in [q_lo, q_hi) can see, or -1.
+template <int BC>
 __device__ __forceinline__ int next_live_tile(const TreeAttnParams& p, int kb, int q_lo, int q_hi) {
-  for (; kb * kMmaBlock < q_hi; ++kb) {
+  for (; kb * BC < q_hi; ++kb) {
     int lo, hi;
-    key_bounds(p, kb * kMmaBlock, kMmaBlock, lo, hi);
+    key_bounds(p, kb * BC, BC, lo, hi);
     if (hi > q_lo) return kb;
   }
   return -1;
@@ -85,19 +87,28 @@ __device__ __forceinline__ void accum_to_a(uint32_t (&a)[4], const float (&lo)[4
   a[3] = pack2<scalar_t>(hi[2], hi[3]);
 }
 
-// acc[0..NT) (16 x 8*NT) += a (one 16x16 A fragment: columns [16 kc, 16 kc + 16)) * B, where B^T is rows
-// [0, 8*NT) x the same columns of shared `b_s` (row stride ld): one k-step of the "x . y^T" product S = Q K^T.
-template <typename scalar_t, int NT>
-__device__ __forceinline__ void mma_kstep_bt(float (&acc)[NT][4], const uint32_t (&a)[4], const scalar_t* b_s, int ld,
-                                             int kc) {
+// An accumulator or fragment array seen as MT = 1 of the m-tile-generic helpers below.
+template <int N>
+__device__ __forceinline__ auto& one_m(float (&x)[N][4]) { return reinterpret_cast<float (&)[1][N][4]>(x); }
+__device__ __forceinline__ auto& one_m(uint32_t (&a)[4]) { return reinterpret_cast<uint32_t (&)[1][4]>(a); }
+
+// acc[mt][0..NT) (MT m-tiles of 16 x 8*NT) += a[mt] (16x16 A fragments: columns [16 kc, 16 kc + 16)) * B, where
+// B^T is rows [0, 8*NT) x the same columns of shared `b_s` (row stride ld): one k-step of the "x . y^T" product
+// S = Q K^T. Each B fragment read from shared memory serves all MT m-tiles.
+template <typename scalar_t, int MT, int NT>
+__device__ __forceinline__ void mma_kstep_bt(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4], const scalar_t* b_s,
+                                             int ld, int kc) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int j = 0; j < NT; j += 2) {
     uint32_t b[4];
     ldmatrix_x4(b, b_s + (j * 8 + (lane / 16) * 8 + lane % 8) * ld + kc * 16 + ((lane / 8) % 2) * 8);
     const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-    mma_16816<scalar_t>(acc[j], a, b0);
-    mma_16816<scalar_t>(acc[j + 1], a, b1);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma_16816<scalar_t>(acc[mt][j], a[mt], b0);
+      mma_16816<scalar_t>(acc[mt][j + 1], a[mt], b1);
+    }
   }
 }
 
@@ -108,14 +119,8 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const scalar_t* a_s, in
   ldmatrix_x4(a, a_s + (row0 + ((lane / 8) % 2) * 8 + lane % 8) * ld + kc * 16 + (lane / 16) * 8);
 }
 
-// acc (16 x 8*NT) += A B^T over 16*KC columns, A in registers (fragments `a`), B^T rows in shared memory.
-template <typename scalar_t, int KC, int NT>
-__device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const uint32_t (&a)[KC][4], const scalar_t* b_s, int ld) {
-#pragma unroll
-  for (int kc = 0; kc < KC; ++kc) mma_kstep_bt<scalar_t, NT>(acc, a[kc], b_s, ld, kc);
-}
-
-// The same with A read from shared memory one k-step at a time (rows [a_row0, a_row0 + 16) of `a_s`).
+// acc (16 x 8*NT) += A B^T over 16*KC columns, A read from shared memory one k-step at a time (rows
+// [a_row0, a_row0 + 16) of `a_s`), B^T rows in shared memory.
 template <typename scalar_t, int KC, int NT>
 __device__ __forceinline__ void mma_abt_s(float (&acc)[NT][4], const scalar_t* a_s, int a_row0, const scalar_t* b_s,
                                           int ld) {
@@ -123,34 +128,52 @@ __device__ __forceinline__ void mma_abt_s(float (&acc)[NT][4], const scalar_t* a
   for (int kc = 0; kc < KC; ++kc) {
     uint32_t a[4];
     load_a<scalar_t>(a, a_s, ld, a_row0, kc);
-    mma_kstep_bt<scalar_t, NT>(acc, a, b_s, ld, kc);
+    mma_kstep_bt<scalar_t, 1, NT>(one_m(acc), one_m(a), b_s, ld, kc);
   }
 }
 
-// acc[0..NT) (16 x 8*NT) += A (16 x 16*KC from the fp32 accumulator `x`, NT_X = 2*KC tiles) * B where B's rows
-// (k) are rows [0, 16*KC) of shared `b_s` and its columns (n) are columns [col0, col0 + 8*NT): the "P V" product.
-template <typename scalar_t, int KC, int NT>
-__device__ __forceinline__ void mma_ab(float (&acc)[NT][4], const float (&x)[2 * KC][4], const scalar_t* b_s, int ld,
-                                       int col0) {
+// acc[mt][0..NT) (16 x 8*NT each) += A_mt (16 x 16*KC from the fp32 accumulator x[mt], 2*KC tiles) * B where B's
+// rows (k) are rows [0, 16*KC) of shared `b_s` and its columns (n) are [col0, col0 + 8*NT): the "P V" product.
+template <typename scalar_t, int MT, int KC, int NT>
+__device__ __forceinline__ void mma_ab(float (&acc)[MT][NT][4], const float (&x)[MT][2 * KC][4], const scalar_t* b_s,
+                                       int ld, int col0) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int kc = 0; kc < KC; ++kc) {
-    uint32_t a[4];
-    accum_to_a<scalar_t>(a, x[2 * kc], x[2 * kc + 1]);
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) accum_to_a<scalar_t>(a[mt], x[mt][2 * kc], x[mt][2 * kc + 1]);
 #pragma unroll
     for (int j = 0; j < NT; j += 2) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, b_s + (kc * 16 + ((lane / 8) % 2) * 8 + lane % 8) * ld + col0 + (j + lane / 16) * 8);
       const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-      mma_16816<scalar_t>(acc[j], a, b0);
-      mma_16816<scalar_t>(acc[j + 1], a, b1);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_16816<scalar_t>(acc[mt][j], a[mt], b0);
+        mma_16816<scalar_t>(acc[mt][j + 1], a[mt], b1);
+      }
     }
   }
 }
 
+// Forward tile shape per head dim. H <= 64: MT = 2 m-tiles of 16 rows per warp, 128 queries per block, as
+// FlashAttention-2 does (each K/V fragment read from shared memory feeds two products), 64 keys per tile.
+// H = 128: MT = 1 (64 queries per block): with MT = 2 and 32-key tiles (FlashAttention-2's A100/H100 choice) this
+// code needs 255 registers and spills 120 bytes at sm_90, against 182 registers and no spill for MT = 1; which is
+// faster is for the GPU benchmark to say (benchmarks/gpu_check.sh), both are correct (tested in emulation).
+// Q stays in registers while its fragments take at most 32 of them, else it is read from shared memory per k-step.
+template <int H>
+struct FwdTile {
+  static constexpr int MT = H >= 128 ? 1 : 2;
+  static constexpr int BC = 64;
+  static constexpr int BQ = kMmaWarps * 16 * MT;
+  static constexpr bool kQInRegs = MT * (H / 16) * 4 <= 32;
+};
+
 template <typename scalar_t, int H>
 constexpr size_t fwd_mma_smem_bytes() {
-  return sizeof(scalar_t) * 3 * kMmaBlock * (H + 8) + sizeof(int) * kMmaBlock;
+  return sizeof(scalar_t) * (FwdTile<H>::BQ + 2 * FwdTile<H>::BC) * (H + 8) + sizeof(int) * FwdTile<H>::BC;
 }
 
 template <typename scalar_t, int H>
@@ -160,105 +183,132 @@ constexpr size_t bwd_mma_smem_bytes() {
          sizeof(int) * kMmaBlock;
 }
 
-// grid (ceil(T / 64), N). Shared: q, k, v [64][H + 8] scalar_t, sub_end [64].
+// grid (ceil(T / BQ), N). Shared: q [BQ][H + 8], k, v [BC][H + 8] (scalar_t), sub_end [BC].
 template <typename scalar_t, int H>
 __global__ void __launch_bounds__(kMmaThreads) fwd_mma_kernel(TreeAttnParams p) {
-  constexpr int LD = H + 8, KC = H / 16, NT = kMmaBlock / 8, HT = H / 8;
+  using Tile = FwdTile<H>;
+  constexpr int MT = Tile::MT, BC = Tile::BC, BQ = Tile::BQ;
+  constexpr int LD = H + 8, KC = H / 16, NT = BC / 8, HT = H / 8;
+  constexpr int QR = Tile::kQInRegs ? MT : 1, QK = Tile::kQInRegs ? KC : 1;  // Q fragments kept in registers
   extern __shared__ float smem[];
   auto* q_s = reinterpret_cast<scalar_t*>(smem);
-  scalar_t* k_s = q_s + kMmaBlock * LD;
-  scalar_t* v_s = k_s + kMmaBlock * LD;
-  int* se_s = reinterpret_cast<int*>(v_s + kMmaBlock * LD);
+  scalar_t* k_s = q_s + BQ * LD;
+  scalar_t* v_s = k_s + BC * LD;
+  int* se_s = reinterpret_cast<int*>(v_s + BC * LD);
 
   const int n = blockIdx.y, kv = n / (p.N / p.K);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const int q_lo = blockIdx.x * kMmaBlock, q_hi = min(q_lo + kMmaBlock, p.T);
-  const int w_lo = q_lo + warp * 16, w_hi = w_lo + 16;  // this warp's query rows (w_hi may pass T)
-  const int rows[2] = {w_lo + g, w_lo + g + 8};
+  const int q_lo = blockIdx.x * BQ, q_hi = min(q_lo + BQ, p.T);
+  const int w_row0 = warp * 16 * MT;                               // this warp's first row in the block
+  const int w_lo = q_lo + w_row0, w_hi = w_lo + 16 * MT;           // its query rows (w_hi may pass T)
   const float qk_scale = p.scale * kLog2e;
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
 
-  int kb = next_live_tile(p, 0, q_lo, q_hi);
-  cp_async_rows<scalar_t, H, kMmaBlock>(q_s, q, q_lo, p.T, p.N, n);
+  int kb = next_live_tile<BC>(p, 0, q_lo, q_hi);
+  cp_async_rows<scalar_t, H, BQ>(q_s, q, q_lo, p.T, p.N, n);
   if (kb >= 0) {
-    cp_async_rows<scalar_t, H, kMmaBlock>(k_s, k, kb * kMmaBlock, p.T, p.K, kv);
-    if (threadIdx.x < kMmaBlock) se_s[threadIdx.x] = kb * kMmaBlock + threadIdx.x < p.T ? p.sub_end[kb * kMmaBlock + threadIdx.x] : 0;
+    cp_async_rows<scalar_t, H, BC>(k_s, k, kb * BC, p.T, p.K, kv);
+    if (threadIdx.x < BC) se_s[threadIdx.x] = kb * BC + threadIdx.x < p.T ? p.sub_end[kb * BC + threadIdx.x] : 0;
   }
   cp_async_commit();
 
-  uint32_t qf[KC][4];
-  float o[HT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  uint32_t qf[QR][QK][4];
+  float o[MT][HT][4], m[MT][2], l[MT][2];
 #pragma unroll
-  for (int j = 0; j < HT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  bool q_loaded = false;
+  for (int mt = 0; mt < MT; ++mt) {
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+#pragma unroll
+    for (int j = 0; j < HT; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+  }
+  bool q_loaded = !Tile::kQInRegs;
 
   while (kb >= 0) {
-    const int k_lo = kb * kMmaBlock;
+    const int k_lo = kb * BC;
     int kmin, kmax;
-    key_bounds(p, k_lo, kMmaBlock, kmin, kmax);
-    cp_async_rows<scalar_t, H, kMmaBlock>(v_s, v, k_lo, p.T, p.K, kv);
+    key_bounds(p, k_lo, BC, kmin, kmax);
+    cp_async_rows<scalar_t, H, BC>(v_s, v, k_lo, p.T, p.K, kv);
     cp_async_commit();
     cp_async_wait<1>();  // Q, K and sub_end of this tile have landed (V may still be in flight)
     __syncthreads();
     if (!q_loaded) {
 #pragma unroll
-      for (int kc = 0; kc < KC; ++kc) load_a<scalar_t>(qf[kc], q_s, LD, warp * 16, kc);
+      for (int mt = 0; mt < QR; ++mt)
+#pragma unroll
+        for (int kc = 0; kc < QK; ++kc) load_a<scalar_t>(qf[mt][kc], q_s, LD, w_row0 + 16 * mt, kc);
       q_loaded = true;
     }
-    const bool live = k_lo < w_hi && kmax > w_lo;                          // some row may see some key
-    const bool full = k_lo + kMmaBlock - 1 <= w_lo && kmin >= w_hi;      // every row sees every key
-    float s[NT][4];
+    const bool live = k_lo < w_hi && kmax > w_lo;                  // some row may see some key
+    const bool full = k_lo + BC - 1 <= w_lo && kmin >= w_hi;       // every row sees every key
+    float s[MT][NT][4];
     if (live) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-      mma_abt<scalar_t, KC, NT>(s, qf, k_s, LD);
-      float mx[2] = {-INFINITY, -INFINITY};
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
+        for (int j = 0; j < NT; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = j * 8 + 2 * t4 + (e & 1), i = rows[e / 2];
-          float x = s[j][e] * qk_scale;
-          if (!full && !visible(i, k_lo + key, se_s[key])) x = -INFINITY;
-          s[j][e] = x;
-          mx[e / 2] = fmaxf(mx[e / 2], x);
+      for (int kc = 0; kc < KC; ++kc) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if constexpr (Tile::kQInRegs) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) a[mt][r] = qf[mt][kc][r];
+          } else {
+            load_a<scalar_t>(a[mt], q_s, LD, w_row0 + 16 * mt, kc);
+          }
         }
+        mma_kstep_bt<scalar_t, MT, NT>(s, a, k_s, LD, kc);
       }
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 2));
-        const float m_new = fmaxf(m[r], mx[r]);
-        const float base = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
-        const float alpha = exp2f(m[r] - base);
-        m[r] = m_new;
-        l[r] *= alpha;  // per-lane partial row sums; the 4 lanes of a row are added at the end
-#pragma unroll
-        for (int j = 0; j < HT; ++j) {
-          o[j][2 * r] *= alpha;
-          o[j][2 * r + 1] *= alpha;
-        }
+      for (int mt = 0; mt < MT; ++mt) {
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-          s[j][2 * r] = exp2f(s[j][2 * r] - base);
-          s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - base);
-          l[r] += s[j][2 * r] + s[j][2 * r + 1];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = j * 8 + 2 * t4 + (e & 1), i = w_lo + 16 * mt + g + 8 * (e / 2);
+            float x = s[mt][j][e] * qk_scale;
+            if (!full && !visible(i, k_lo + key, se_s[key])) x = -INFINITY;
+            s[mt][j][e] = x;
+            mx[e / 2] = fmaxf(mx[e / 2], x);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 1));
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 2));
+          const float m_new = fmaxf(m[mt][r], mx[r]);
+          const float base = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
+          const float alpha = exp2f(m[mt][r] - base);
+          m[mt][r] = m_new;
+          l[mt][r] *= alpha;  // per-lane partial row sums; the 4 lanes of a row are added at the end
+#pragma unroll
+          for (int j = 0; j < HT; ++j) {
+            o[mt][j][2 * r] *= alpha;
+            o[mt][j][2 * r + 1] *= alpha;
+          }
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            s[mt][j][2 * r] = exp2f(s[mt][j][2 * r] - base);
+            s[mt][j][2 * r + 1] = exp2f(s[mt][j][2 * r + 1] - base);
+            l[mt][r] += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
+          }
         }
       }
     }
     __syncthreads();  // every warp is done with k_s and se_s
-    const int next = next_live_tile(p, kb + 1, q_lo, q_hi);
+    const int next = next_live_tile<BC>(p, kb + 1, q_lo, q_hi);
     if (next >= 0) {
-      cp_async_rows<scalar_t, H, kMmaBlock>(k_s, k, next * kMmaBlock, p.T, p.K, kv);
-      if (threadIdx.x < kMmaBlock)
-        se_s[threadIdx.x] = next * kMmaBlock + threadIdx.x < p.T ? p.sub_end[next * kMmaBlock + threadIdx.x] : 0;
+      cp_async_rows<scalar_t, H, BC>(k_s, k, next * BC, p.T, p.K, kv);
+      if (threadIdx.x < BC) se_s[threadIdx.x] = next * BC + threadIdx.x < p.T ? p.sub_end[next * BC + threadIdx.x] : 0;
     }
     cp_async_commit();
     cp_async_wait<1>();  // V of this tile has landed
     __syncthreads();
-    if (live) mma_ab<scalar_t, NT / 2, HT>(o, s, v_s, LD, 0);
+    if (live) mma_ab<scalar_t, MT, NT / 2, HT>(o, s, v_s, LD, 0);
     __syncthreads();  // every warp is done with v_s
     kb = next;
   }
@@ -266,18 +316,22 @@ __global__ void __launch_bounds__(kMmaThreads) fwd_mma_kernel(TreeAttnParams p) 
 
   auto* out = static_cast<scalar_t*>(p.o);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(kFullMask, l[r], 1);
-    l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
-    const int i = rows[r];
-    if (i >= p.T) continue;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int j = 0; j < HT; ++j) {
-      const uint32_t packed = pack2<scalar_t>(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
-      memcpy(out + (static_cast<long>(i) * p.N + n) * H + j * 8 + 2 * t4, &packed, sizeof(packed));
+    for (int r = 0; r < 2; ++r) {
+      l[mt][r] += __shfl_xor_sync(kFullMask, l[mt][r], 1);
+      l[mt][r] += __shfl_xor_sync(kFullMask, l[mt][r], 2);
+      const int i = w_lo + 16 * mt + g + 8 * r;
+      if (i >= p.T) continue;
+      const float inv = l[mt][r] > 0.f ? 1.f / l[mt][r] : 0.f;
+#pragma unroll
+      for (int j = 0; j < HT; ++j) {
+        const uint32_t packed = pack2<scalar_t>(o[mt][j][2 * r] * inv, o[mt][j][2 * r + 1] * inv);
+        memcpy(out + (static_cast<long>(i) * p.N + n) * H + j * 8 + 2 * t4, &packed, sizeof(packed));
+      }
+      if (t4 == 0)
+        p.lse[static_cast<long>(n) * p.T + i] = l[mt][r] > 0.f ? (m[mt][r] + log2f(l[mt][r])) * kLn2 : -INFINITY;
     }
-    if (t4 == 0) p.lse[static_cast<long>(n) * p.T + i] = l[r] > 0.f ? (m[r] + log2f(l[r])) * kLn2 : -INFINITY;
   }
 }
 
@@ -353,8 +407,8 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_mma_kernel(TreeAttnParams p) 
             dpt[j][e] = pt * (dpt[j][e] - delta_s[qq]);  // dS^T
           }
         }
-        mma_ab<scalar_t, QT / 2, HT>(dv, st, do_s, LD, 0);   // dV += P^T dO
-        mma_ab<scalar_t, QT / 2, HT>(dk, dpt, q_s, LD, 0);   // dK += dS^T Q
+        mma_ab<scalar_t, 1, QT / 2, HT>(one_m(dv), one_m(st), do_s, LD, 0);   // dV += P^T dO
+        mma_ab<scalar_t, 1, QT / 2, HT>(one_m(dk), one_m(dpt), q_s, LD, 0);   // dK += dS^T Q
 #pragma unroll
         for (int j = 0; j < QT; ++j) {
 #pragma unroll

@@ -348,7 +348,8 @@ void run_mma(TreeAttnParams p, bool backward) {
   block_bounds(p, kmin, kmax);
   const int blocks = (p.T + detail::kMmaBlock - 1) / detail::kMmaBlock;
   if (!backward) {
-    launch(blocks, p.N, detail::kMmaThreads, detail::fwd_mma_smem_bytes<scalar_t, H>(),
+    constexpr int BQ = detail::FwdTile<H>::BQ;
+    launch((p.T + BQ - 1) / BQ, p.N, detail::kMmaThreads, detail::fwd_mma_smem_bytes<scalar_t, H>(),
            [&] { detail::fwd_mma_kernel<scalar_t, H>(p); });
     return;
   }

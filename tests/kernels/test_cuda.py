@@ -142,14 +142,15 @@ def test_emulated_mma_kernels_head_dims_gqa_and_scale(emu, H, scale):
 
 @pytest.mark.parametrize("impl", ["mma", "simt"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("forest", ["long_prefix", "chains_of_100"])
+@pytest.mark.parametrize("forest", ["long_prefix", "chains"])
 def test_emulated_kernels_full_and_straddling_tiles(emu, dtype, forest, impl):
     """long_prefix: a 200-token shared prompt, whose key tiles are full (unmasked) for every later warp of queries,
-    next to partial and skipped tiles among the completions. chains_of_100: three disjoint 100-token chains, so a
-    whole 64-key tile lies before a warp of queries in which its subtrees end (rows 96-111 in the forward, query tile
-    64-127 in the backward): that tile is partial for the warp, and treating it as full would leak attention."""
+    next to partial and skipped tiles among the completions. chains: disjoint chains of 90, 100 and 110 tokens
+    (subtrees ending at 90, 190, 300), so a whole 64-key tile lies before a warp of queries in which its subtrees end
+    (rows 80-95 of a 16-row warp, rows 64-95 of a 32-row warp, 16-31 rows in; query tile 64-127 in the backward):
+    that tile is partial for the warp, and treating it as full would leak attention."""
     samples = {"long_prefix": [list(range(200)) + [1000 + i] + list(range(2000, 2000 + 30 + 9 * i)) for i in range(3)],
-               "chains_of_100": [[r] + list(range(100, 199)) for r in range(3)]}[forest]
+               "chains": [[r] + list(range(100, 100 + 89 + 10 * r)) for r in range(3)]}[forest]
     check_against_reference(_emulated_attention(emu, impl), sub_end_from_samples(samples), N=2, K=1, H=32, dtype=dtype)
 
 
