@@ -383,19 +383,20 @@ def test_seq_mean_with_a_batch_normaliser_is_split_invariant():
     whole batch's summed weight add up to the whole batch's seq_mean (per-part means would weight parts equally)."""
     torch.manual_seed(0)
     lengths = [3, 5, 2, 4, 6]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    M = int(cu[-1])
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    M = cu[-1]
     logp_M, adv_M = -torch.rand(M), torch.randn(M)
     mask_M = (torch.rand(M) > 0.2).float()
     w_S = torch.tensor([1.0, 0.5, 0.5, 2.0, 1.0])
     whole, _ = _loss(logp_M, logp_M.detach() - 0.1, adv_M, mask_M, cu, LossConfig(norm="seq_mean"), sample_weight_S=w_S)
     parts = []
     for lo, hi in ((0, 1), (1, 5)):  # 1 and 4 sequences
-        a, b = int(cu[lo]), int(cu[hi])
+        a, b = cu[lo], cu[hi]
+        cu_part = [c - a for c in cu[lo:hi + 1]]
         cfg = LossConfig(norm="seq_mean", norm_constant=float(w_S.sum()))
-        part, _ = _loss(logp_M[a:b], logp_M[a:b].detach() - 0.1, adv_M[a:b], mask_M[a:b], cu[lo:hi + 1] - a, cfg,
+        part, _ = _loss(logp_M[a:b], logp_M[a:b].detach() - 0.1, adv_M[a:b], mask_M[a:b], cu_part, cfg,
                         sample_weight_S=w_S[lo:hi])
-        unnormalised, _ = _loss(logp_M[a:b], logp_M[a:b].detach() - 0.1, adv_M[a:b], mask_M[a:b], cu[lo:hi + 1] - a,
+        unnormalised, _ = _loss(logp_M[a:b], logp_M[a:b].detach() - 0.1, adv_M[a:b], mask_M[a:b], cu_part,
                                 LossConfig(norm="seq_mean"), sample_weight_S=w_S[lo:hi])
         parts.append((part, unnormalised))
     assert sum(p for p, _ in parts).item() == pytest.approx(whole.item(), rel=1e-6)
