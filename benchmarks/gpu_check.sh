@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# One-shot GPU check for the tree-attention kernels on a single H100/H200 (< 8 minutes):
-#   1. builds the CUDA extension in place (forge_megatron._C_tree_attn, sm_90 unless FORGE_CUDA_ARCH_LIST says else),
-#   2. runs the `gpu` tests of the kernels (GPU_CHECK_TESTS=tests runs every area's gpu tests),
-#   3. runs benchmarks/tree_attention.py on the GRPO and agentic workloads (one JSON line each).
+# One-shot GPU check on a single H100/H200 (under 10 minutes in the worst case, about 5 typically):
+#   1. installs the wheels in .whl/ if present (benchmarks/gpu_wheels.sh fetches megatron-core and pyzmq for the
+#      lent image; carry .whl on the device call),
+#   2. builds the CUDA extension in place (forge_megatron._C_tree_attn, sm_90 unless FORGE_CUDA_ARCH_LIST says else),
+#   3. runs the `gpu` tests of the kernels (GPU_CHECK_TESTS=tests runs every area's gpu tests),
+#   4. runs benchmarks/tree_attention.py on the GRPO and agentic workloads (one JSON line each),
+#   5. runs the trainer on the GPU against the same steps on CPU (tests/training/test_gpu_trainer.py; skipped
+#      without megatron-core and pyzmq).
 # Everything goes to the log file (GPU_CHECK_LOG, default runs/gpu_check.log); copy the JSON lines to docs/benchmarks.md.
 # Needs a CUDA build of torch, triton, pybind11, ninja, pytest (+ pytest-timeout) and nvcc; megatron-core and pyzmq are
 # not needed. PYTHON picks the interpreter (default python3: on the lent H200 image that is the one holding PyTorch).
@@ -28,12 +32,19 @@ step() {  # step NAME TIMEOUT_S CMD...
 }
 
 PY="${PYTHON:-python3}"
-step "environment" 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -m forge_megatron.env"
-step "build CUDA extension" 180 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+step "environment" 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -m forge_megatron.env"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  step "install carried wheels" 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/forge_site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/forge_site"
+fi
+step "build CUDA extension" 150 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
   "$PY" setup.py build_ext --inplace
 step "gpu tests" 150 "$PY" -m pytest -q -m gpu -rs --timeout=140 -p no:cacheprovider "$TESTS"
-step "benchmark grpo" 60 "$PY" benchmarks/tree_attention.py --workload grpo
-step "benchmark agentic" 60 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
+step "benchmark grpo" 45 "$PY" benchmarks/tree_attention.py --workload grpo
+step "benchmark agentic" 45 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
+step "trainer on GPU vs CPU" 100 "$PY" -m pytest -q -m gpu -rs --timeout=95 -p no:cacheprovider \
+  tests/training/test_gpu_trainer.py
 
 echo "gpu_check: $([ $failed -eq 0 ] && echo PASSED || echo FAILED), log in $LOG" | tee -a "$LOG"
 exit $failed

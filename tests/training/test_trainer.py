@@ -2,9 +2,7 @@
 the checkpoint with the pool re-serving exactly the uncommitted groups; DP=2 under torchrun keeps replicas equal.
 CPU, 0 GPUs (gloo)."""
 
-import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -17,36 +15,10 @@ import torch
 from forge_megatron.models.tiny import build_tiny_model
 
 from .pool_feed import PoolProcess, feed_groups, free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRAIN = os.path.join(ROOT, "scripts", "train_forge.py")
-
-
-def _model_args() -> list[str]:
-    script = os.path.join(ROOT, "scripts", "models", "tiny.sh")
-    out = subprocess.run(["bash", "-c", f'source {shlex.quote(script)}; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
-                         capture_output=True, text=True, check=True)
-    return out.stdout.split()
-
-
-def _train_cmd(model_dir, pool, run_dir, iters, groups, extra=()):
-    return [*_model_args(), "--hf-checkpoint", model_dir, "--lr", "1e-3", "--train-iters", str(iters),
-            "--save", f"{run_dir}/ckpt", "--load", f"{run_dir}/ckpt", "--save-interval", "2",
-            "--pool-addr", pool.addr, "--weight-sync-transport", "none", "--train-batch-groups", str(groups),
-            "--log-interval", "1", "--metrics-jsonl", f"{run_dir}/metrics.jsonl", "--batch-timeout-s", "120", *extra]
-
-
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-
-
-def _steps(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
+from .trainer_run import TRAIN
+from .trainer_run import read_steps as _steps
+from .trainer_run import train_cmd as _train_cmd
+from .trainer_run import train_env as _env
 
 @pytest.fixture()
 def setup(tmp_path):

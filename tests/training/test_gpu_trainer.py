@@ -1,0 +1,56 @@
+"""The trainer on one CUDA GPU against the same steps on CPU. GPUs needed: 1 (marked gpu, skipped elsewhere).
+
+The CUDA run takes every GPU code path the CPU tests cannot: NCCL process groups, the model, DDP buffers and the
+optimizer on the device, tree attention through a compiled backend (Triton, or the CUDA extension when validated),
+and bf16. Two steps of the tiny model on the same pool batches (a fresh pool per run, fed identically; two CPU runs
+give identical metrics): fp32 on the GPU must reproduce the CPU run's loss and gradient norm to 1e-3 relative (no
+TF32: torch leaves it off for matmuls and the kernels use IEEE fp32 dots for fp32 inputs); bf16 its gradient norm to
+10 % and its loss to 0.02 absolute (the loss is a small difference of terms, as group advantages have zero mean, so a
+relative bound would be meaningless). Needs megatron-core and pyzmq (benchmarks/gpu_wheels.sh fetches them for the
+lent GPU image, benchmarks/gpu_check.sh installs them).
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("megatron.core", reason="needs megatron-core")
+pytest.importorskip("zmq", reason="needs pyzmq")
+
+from forge_megatron.models.tiny import build_tiny_model  # noqa: E402
+
+from .pool_feed import PoolProcess, feed_groups  # noqa: E402
+from .trainer_run import TRAIN, read_steps, train_cmd, train_env  # noqa: E402
+
+
+def _run(tmp_path, model_dir, name: str, env_extra: dict, extra: list[str]) -> list[dict]:
+    pool = PoolProcess(str(tmp_path / f"{name}.sqlite"))
+    try:
+        feed_groups(pool.client, 2, np.random.default_rng(11), completion_len=(5, 9))
+        run_dir = str(tmp_path / name)
+        cmd = [sys.executable, TRAIN, *train_cmd(model_dir, pool, run_dir, iters=2, groups=1, extra=extra)]
+        out = subprocess.run(cmd, env={**train_env(), **env_extra}, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        steps = read_steps(f"{run_dir}/metrics.jsonl")
+        assert len(steps) == 2, steps
+        return steps
+    finally:
+        pool.stop()
+
+
+def test_gpu_steps_match_cpu(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    cpu = _run(tmp_path, model_dir, "cpu", {"CUDA_VISIBLE_DEVICES": ""}, [])
+    gpu = _run(tmp_path, model_dir, "gpu", {}, [])
+    bf16 = _run(tmp_path, model_dir, "bf16", {}, ["--bf16"])
+    for steps, loss_tol, norm_rel in ((gpu, {"rel": 1e-3, "abs": 1e-4}, 1e-3), (bf16, {"abs": 2e-2}, 0.1)):
+        for want, got in zip(cpu, steps):
+            assert got["batch_id"] == want["batch_id"] and got["loss_tokens"] == want["loss_tokens"]
+            assert got["loss"] == pytest.approx(want["loss"], **loss_tol)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=norm_rel)

@@ -1,0 +1,40 @@
+"""Command lines and metrics of scripts/train_forge.py runs, shared by the trainer tests."""
+
+import json
+import os
+import shlex
+import subprocess
+
+from .pool_feed import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN = os.path.join(ROOT, "scripts", "train_forge.py")
+
+
+def model_args() -> list[str]:
+    script = os.path.join(ROOT, "scripts", "models", "tiny.sh")
+    out = subprocess.run(["bash", "-c", f'source {shlex.quote(script)}; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def train_cmd(model_dir, pool, run_dir, iters, groups, extra=()):
+    """train_forge.py arguments for the tiny model against ``pool``: metrics to ``run_dir``/metrics.jsonl."""
+    return [*model_args(), "--hf-checkpoint", model_dir, "--lr", "1e-3", "--train-iters", str(iters),
+            "--save", f"{run_dir}/ckpt", "--load", f"{run_dir}/ckpt", "--save-interval", "2",
+            "--pool-addr", pool.addr, "--weight-sync-transport", "none", "--train-batch-groups", str(groups),
+            "--log-interval", "1", "--metrics-jsonl", f"{run_dir}/metrics.jsonl", "--batch-timeout-s", "120", *extra]
+
+
+def train_env():
+    """Environment of a one-process trainer run (torch.distributed variables set, one OpenMP thread)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+
+
+def read_steps(path):
+    """The per-step metric dicts of a metrics.jsonl (none if the file does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
