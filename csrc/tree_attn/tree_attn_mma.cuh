@@ -180,7 +180,7 @@ template <typename scalar_t, int H>
 constexpr size_t bwd_mma_smem_bytes() {
   constexpr int BQ = mma_bwd_q_tile<H>();
   return sizeof(scalar_t) * ((2 * kMmaBlock + 2 * BQ) * (H + 8) + kMmaBlock * (BQ + 8)) + sizeof(float) * 2 * BQ +
-         sizeof(int) * kMmaBlock;
+         sizeof(int) * (kMmaBlock + kMmaWarps);
 }
 
 // grid (ceil(T / BQ), N). Shared: q [BQ][H + 8], k, v [BC][H + 8] (scalar_t), sub_end [BC].
@@ -336,11 +336,14 @@ __global__ void __launch_bounds__(kMmaThreads) fwd_mma_kernel(TreeAttnParams p) 
 }
 
 // grid (ceil(T / 64), K). Shared: k, v [64][H + 8], q, dO [BQ][H + 8], dS^T [64][BQ + 8] (scalar_t),
-// lse * log2(e), delta [BQ] (fp32), sub_end [64]. dq_accum must be zero on entry.
+// lse * log2(e), delta [BQ] (fp32), sub_end [64], live [4] (warp w's 16 keys see some query of the tile).
+// dq_accum must be zero on entry. The dQ product skips the 16-key k-steps of warps that saw nothing (their dS rows
+// are not even written) and the whole product, atomics included, when no warp did.
 template <typename scalar_t, int H>
 __global__ void __launch_bounds__(kMmaThreads) bwd_mma_kernel(TreeAttnParams p) {
   constexpr int BQ = mma_bwd_q_tile<H>(), LD = H + 8, LDS = BQ + 8, KC = H / 16, QT = BQ / 8, HT = H / 8;
   constexpr int WQ = BQ / 16, WH = kMmaWarps / WQ, HW = H / WH;  // dQ: warps along queries x along head dim
+  static_assert(kMmaBlock == 16 * kMmaWarps, "dQ's k-step kc covers the keys of warp kc");
   extern __shared__ float smem[];
   auto* k_s = reinterpret_cast<scalar_t*>(smem);
   scalar_t* v_s = k_s + kMmaBlock * LD;
@@ -350,6 +353,7 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_mma_kernel(TreeAttnParams p) 
   auto* lse_s = reinterpret_cast<float*>(ds_s + kMmaBlock * LDS);
   float* delta_s = lse_s + BQ;
   int* se_s = reinterpret_cast<int*>(delta_s + BQ);
+  int* live_s = se_s + kMmaBlock;
 
   const int kvh = blockIdx.y, group = p.N / p.K;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
@@ -417,17 +421,18 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_mma_kernel(TreeAttnParams p) 
             memcpy(ds_s + (warp * 16 + g + 8 * r) * LDS + j * 8 + 2 * t4, &packed, sizeof(packed));
           }
         }
-      } else {
-        for (int idx = lane; idx < 16 * BQ; idx += 32) ds_s[(warp * 16 + idx / BQ) * LDS + idx % BQ] = from_float<scalar_t>(0.f);
       }
-      __syncthreads();  // dS^T of all 64 keys is in shared memory
-      // dQ[q_lo + wq*16 .. +16, wh*HW .. +HW) += dS (16 x 64 keys) K (64 x HW)
+      if (lane == 0) live_s[warp] = live;
+      __syncthreads();  // dS^T of the live warps' keys and their flags are in shared memory
+      if (!(live_s[0] | live_s[1] | live_s[2] | live_s[3])) continue;  // block-uniform: no query sees the block
+      // dQ[q_lo + wq*16 .. +16, wh*HW .. +HW) += dS (16 x 64 keys) K (64 x HW), over the live 16-key groups
       const int wq = warp % WQ, wh = warp / WQ;
       float dq[HW / 8][4];
 #pragma unroll
       for (int j = 0; j < HW / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
 #pragma unroll
-      for (int kc = 0; kc < kMmaBlock / 16; ++kc) {
+      for (int kc = 0; kc < kMmaBlock / 16; ++kc) {  // k-step kc = the 16 keys of warp kc
+        if (!live_s[kc]) continue;
         uint32_t a[4];  // dS rows = queries, columns = keys, read transposed from dS^T [key][query]
         ldmatrix_x4_trans(a, ds_s + (kc * 16 + (lane / 16) * 8 + lane % 8) * LDS + wq * 16 + ((lane / 8) % 2) * 8);
 #pragma unroll

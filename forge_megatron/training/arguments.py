@@ -163,7 +163,8 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="groups per optimizer step (default: the global batch size, else rollout batch groups)")
     g.add_argument("--group-size", type=int, default=8, help="rollouts per task (GRPO group size)")
     g.add_argument("--tree-token-budget", type=int, default=8192,
-                   help="unique (merged) tokens per micro-batch; one sample must fit")
+                   help="unique (merged) tokens per micro-batch, the whole tree (under context parallelism each CP "
+                        "rank holds 1/CP of them); one sample must fit")
     g.add_argument("--no-tree-merging", action="store_false", dest="tree_merging",
                    help="train every sample as its own causal sequence (for comparison)")
     g.add_argument("--weight-sync-interval", type=int, default=1, help="push weights to the engines every k steps")
