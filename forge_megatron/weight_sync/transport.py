@@ -3,7 +3,9 @@
 Two transports with one interface, ``begin(urls, version) -> send(bucket)* -> finish()``:
 
 - :class:`DistributedTransport`: a process group between the trainer (rank 0) and every engine rank, made with
-  ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend}``;
+  ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend}``
+  and built on the trainer's side exactly as SGLang builds the engines' (``weight_group.custom_group``); group names
+  carry a per-run token, so a restarted trainer never asks long-lived engines for a name they already hold;
   per bucket ``POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache}`` to every
   engine while the trainer broadcasts each tensor from rank 0, in order (SGLang's protocol); NCCL on GPUs, gloo on
   CPU. ``finish`` sends an empty update carrying ``weight_version``. A bucket is only announced after every engine
@@ -16,9 +18,9 @@ Failures name the engine: :class:`EngineFailure` carries the URLs that failed.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
+import secrets
 import shutil
 import socket
 import urllib.error
@@ -104,15 +106,11 @@ def free_port(host: str) -> int:
 
 
 def make_group(host: str, port: int, world_size: int, group_name: str, backend: str, timeout_s: float):
-    """Host (rank 0) a standalone process group at ``host:port`` that engines join through SGLang's API."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-    prefixed = dist.PrefixStore(f"{group_name}/", store)
-    if backend == "nccl":
-        group = dist.ProcessGroupNCCL(prefixed, 0, world_size)
-    else:
-        group = dist.ProcessGroupGloo(prefixed, 0, world_size, timeout)
-    return store, group
+    """Host (rank 0) a standalone process group at ``host:port`` that engines join through SGLang's API, built
+    exactly as SGLang builds its side (:func:`forge_megatron.rollout.weight_group.custom_group`). (store, group)."""
+    from forge_megatron.rollout.weight_group import custom_group
+
+    return custom_group(host, port, 0, world_size, group_name, backend, timeout_s)
 
 
 class DistributedTransport:
@@ -126,10 +124,11 @@ class DistributedTransport:
         self.store = None
         self.generation = 0
         self.version = None
+        self.run_token = secrets.token_hex(4)  # engines outlive trainer restarts and refuse a group name twice
 
     @property
     def group_name(self) -> str:
-        return f"forge_weights_{self.generation}"
+        return f"forge_weights_{self.run_token}_{self.generation}"
 
     def _open(self, urls: tuple[str, ...]) -> None:
         """(Re)build the group for exactly ``urls`` (a new name and port each time, so stale members cannot join)."""

@@ -296,3 +296,56 @@ def test_config_errors(kwargs, message):
     base = dict(engine_urls=["http://127.0.0.1:1"])
     with pytest.raises(ValueError, match=message):
         WeightSyncConfig(**{**base, **kwargs})
+
+
+# An engine-side peer built the way SGLang's ``init_custom_process_group`` builds it (rendezvous over tcp://, the
+# store wrapped in PrefixStore(group_name), then torch's group constructor), written out here on its own so that a
+# change on the trainer's side that SGLang would not match fails this test instead of hanging a real sync.
+_SGLANG_STYLE_PEER = """
+import datetime, inspect, sys
+import torch, torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+port, name = int(sys.argv[1]), sys.argv[2]
+timeout = datetime.timedelta(seconds=30)
+store, rank, world = next(dist.rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
+store.set_timeout(timeout)
+store = PrefixStore(name, store)
+opt = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters else "pg_options"
+made = _new_process_group_helper(2, 1, [], Backend("gloo"), store, group_name=name, timeout=timeout, **{opt: None})
+group = made[0] if isinstance(made, tuple) else made
+t = torch.zeros(3)
+opts = dist.BroadcastOptions()
+opts.rootRank = 0
+group.broadcast([t], opts).wait()
+print(t.tolist())
+"""
+
+
+def test_trainer_group_meets_an_sglang_built_engine_group():
+    import subprocess
+    import sys
+    import uuid
+
+    from forge_megatron.weight_sync.transport import free_port, make_group
+
+    port, name = free_port("127.0.0.1"), f"forge_weights_test_{uuid.uuid4().hex[:6]}"
+    peer = subprocess.Popen([sys.executable, "-c", _SGLANG_STYLE_PEER, str(port), name], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        store, group = make_group("127.0.0.1", port, 2, name, "gloo", timeout_s=30)
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        group.broadcast([torch.tensor([1.0, 2.0, 3.0])], opts).wait()
+        out, err = peer.communicate(timeout=60)
+    finally:
+        peer.kill()
+    assert peer.returncode == 0, err[-2000:]
+    assert out.strip() == "[1.0, 2.0, 3.0]"
+
+
+def test_group_names_are_unique_per_trainer_run():
+    from forge_megatron.weight_sync.transport import DistributedTransport
+
+    a, b = DistributedTransport(WeightSyncConfig(engine_urls=["http://x"]), None), \
+        DistributedTransport(WeightSyncConfig(engine_urls=["http://x"]), None)
+    assert a.group_name != b.group_name and a.group_name.startswith("forge_weights_")
