@@ -189,6 +189,11 @@ def run(args) -> dict:
             results[name] = _rates(tree_pairs, N, H, *_fwd_and_fwd_bwd(attn, tree_qkv, device, args.repeat))
             with torch.no_grad():
                 results[name]["max_abs_diff_vs_segment"] = float((attn(*tree_qkv).float() - segment_o).abs().max())
+    if "cuda" in results:  # which implementation "auto" ran: the tensor cores, or SIMT and why
+        from forge_megatron import _C_tree_attn
+
+        why = _C_tree_attn.mma_unsupported(*tree_qkv)
+        results["cuda"]["impl"] = "mma" if not why else f"simt ({why})"
     for name, fn in per_sample_backends(lengths, device).items():
         results[name] = _rates(sample_pairs, N, H, *_fwd_and_fwd_bwd(fn, sample_qkv, device, args.repeat))
 
