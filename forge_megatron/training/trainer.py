@@ -213,6 +213,9 @@ class Trainer:
         iteration = latest_iteration(self.args.load)
         if iteration is None:
             load_hf_weights(self.model, self.bridge, self.args.hf_checkpoint)
+            # With --bf16 Megatron's optimizer keeps fp32 master copies made when it was built (from Megatron's own
+            # init); without this the first step would write those back over the HF weights. No-op in fp32.
+            self.optimizer.reload_model_params()
             self._log(f"initialised from HF checkpoint {self.args.hf_checkpoint}")
         else:
             state = load_checkpoint(self.args.load, iteration, self.ddp, self.optimizer, self.scheduler)

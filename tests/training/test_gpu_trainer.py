@@ -27,12 +27,18 @@ from .pool_feed import PoolProcess, feed_groups  # noqa: E402
 from .trainer_run import TRAIN, read_steps, train_cmd, train_env  # noqa: E402
 
 
-def _run(tmp_path, model_dir, name: str, env_extra: dict, extra: list[str]) -> list[dict]:
+def _run(tmp_path, model_dir, name: str, env_extra: dict, extra: list[str], same_group_twice: bool = False,
+         lr: str = "1e-3") -> list[dict]:
     pool = PoolProcess(str(tmp_path / f"{name}.sqlite"))
     try:
-        feed_groups(pool.client, 2, np.random.default_rng(11), completion_len=(5, 9))
+        if same_group_twice:
+            for _ in range(2):
+                feed_groups(pool.client, 1, np.random.default_rng(5))
+        else:
+            feed_groups(pool.client, 2, np.random.default_rng(11), completion_len=(5, 9))
         run_dir = str(tmp_path / name)
         cmd = [sys.executable, TRAIN, *train_cmd(model_dir, pool, run_dir, iters=2, groups=1, extra=extra)]
+        cmd[cmd.index("--lr") + 1] = lr
         out = subprocess.run(cmd, env={**train_env(), **env_extra}, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         steps = read_steps(f"{run_dir}/metrics.jsonl")
@@ -54,3 +60,15 @@ def test_gpu_steps_match_cpu(tmp_path):
             assert got["batch_id"] == want["batch_id"] and got["loss_tokens"] == want["loss_tokens"]
             assert got["loss"] == pytest.approx(want["loss"], **loss_tol)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=norm_rel)
+
+
+def test_gpu_bf16_first_step_keeps_the_hf_weights(tmp_path):
+    """--bf16: Megatron's optimizer keeps fp32 master weights made when it is built; after loading the HF checkpoint
+    they must be refreshed, or the first step writes Megatron's random init back. Same group twice at lr 1e-9: the
+    second step (after one update) must score it as the first did (it would not, on re-initialised weights)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    first, second = _run(tmp_path, model_dir, "bf16_same", {}, ["--bf16"], same_group_twice=True, lr="1e-9")
+    assert second["loss"] == pytest.approx(first["loss"], abs=2e-3)
+    assert second["grad_norm"] == pytest.approx(first["grad_norm"], rel=2e-2)
