@@ -67,6 +67,15 @@ def initialize(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234, ti
     model_parallel_cuda_manual_seed(seed)
 
 
+def comm_device(group=None) -> torch.device:
+    """Where a collective's tensors over ``group`` (default: the default group) must live: the current GPU under NCCL,
+    which refuses CPU tensors, else the CPU. Every collective on small bookkeeping tensors goes through this, so the
+    gloo-tested code also runs under NCCL."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def destroy() -> None:
     from megatron.core import parallel_state
 

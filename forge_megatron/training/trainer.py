@@ -114,9 +114,12 @@ def _sum_over_dp(values: list[float], dp_size: int) -> list[float]:
         return list(values)
     from megatron.core import parallel_state as ps
 
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
-    return t.tolist()
+    from forge_megatron.mcore.parallel import comm_device
+
+    group = ps.get_data_parallel_group()
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device(group))
+    dist.all_reduce(t, group=group)
+    return t.cpu().tolist()
 
 
 def batch_loss_config(loss_cfg, rb: RankBatch):
@@ -424,33 +427,42 @@ def pipeline_loss_metrics(mb_metrics: list[dict]) -> list[dict]:
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return mb_metrics
+    from forge_megatron.mcore.parallel import comm_device
+
     group, last = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
+    dev = comm_device(group)
     payload = json.dumps(mean_of_dicts(mb_metrics)).encode() if ps.is_pipeline_last_stage() else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
     dist.broadcast(size, src=last, group=group)
-    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(int(size), dtype=torch.uint8)
+    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if payload
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
     dist.broadcast(buf, src=last, group=group)
-    return [json.loads(buf.numpy().tobytes())]
+    return [json.loads(buf.cpu().numpy().tobytes())]
 
 
 def broadcast_batch(batch):
-    """Rank 0's TrainBatch to every rank: wire frames (msgpack + raw arrays) as byte tensors, no pickle."""
+    """Rank 0's TrainBatch to every rank: wire frames (msgpack + raw arrays) as byte tensors, no pickle (on the
+    GPU under NCCL, which takes no CPU tensors)."""
     from forge_megatron.middleware.wire import batch_from_wire, batch_to_wire, pack, unpack
 
     if dist.get_world_size() == 1:
         return batch
+    from forge_megatron.mcore.parallel import comm_device
+
+    dev = comm_device()
     frames = [bytes(memoryview(f)) for f in pack(*batch_to_wire(batch))] if dist.get_rank() == 0 else []
-    sizes = torch.tensor([len(f) for f in frames] if frames else [], dtype=torch.int64)
-    count = torch.tensor([len(frames)], dtype=torch.int64)
+    sizes = torch.tensor([len(f) for f in frames] if frames else [], dtype=torch.int64, device=dev)
+    count = torch.tensor([len(frames)], dtype=torch.int64, device=dev)
     dist.broadcast(count, src=0)
     if dist.get_rank() != 0:
-        sizes = torch.zeros(int(count), dtype=torch.int64)
+        sizes = torch.zeros(int(count.item()), dtype=torch.int64, device=dev)
     dist.broadcast(sizes, src=0)
     out = []
-    for i, n in enumerate(sizes.tolist()):
-        buf = torch.frombuffer(bytearray(frames[i]), dtype=torch.uint8) if frames else torch.empty(n, dtype=torch.uint8)
+    for i, n in enumerate(sizes.cpu().tolist()):
+        buf = (torch.frombuffer(bytearray(frames[i]), dtype=torch.uint8).to(dev) if frames
+               else torch.empty(n, dtype=torch.uint8, device=dev))
         dist.broadcast(buf, src=0)
-        out.append(buf.numpy().tobytes())
+        out.append(buf.cpu().numpy().tobytes())
     header, arrays = unpack(out, max_bytes=1 << 34)
     return batch_from_wire(header, arrays)
 

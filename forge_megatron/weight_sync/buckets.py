@@ -64,9 +64,9 @@ def unpack(meta: dict, data_B: torch.Tensor):
 
 def comm_device() -> torch.device:
     """Where point-to-point tensors must live for the default group's backend (NCCL: the current GPU)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    from forge_megatron.mcore.parallel import comm_device as device_for
+
+    return device_for()
 
 
 def send_bucket(bucket, dst: int) -> None:
