@@ -106,6 +106,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     io.add_argument("--save", default=None)
     io.add_argument("--load", default=None)
     io.add_argument("--save-interval", type=int, default=None)
+    io.add_argument("--exit-interval", type=int, default=None,
+                    help="stop after an iteration divisible by this, saving a checkpoint first when --save is set "
+                         "(e.g. to end inside a slurm time limit; resume with the same flags)")
     io.add_argument("--log-interval", type=int, default=100)
     io.add_argument("--tensorboard-dir", default=None)
     io.add_argument("--wandb-project", default=None)
@@ -242,6 +245,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--train-iters must be >= 1, got {args.train_iters}")
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise ValueError(f"--exit-interval must be >= 1, got {args.exit_interval}")
     for name, ratio in args.domain_ratios.items():
         if ratio < 0:
             raise ValueError(f"--domain-ratios: ratio of {name!r} is negative ({ratio})")

@@ -2,7 +2,11 @@
 
 Megatron's ``dist_checkpointing`` does not run on CPU (see docs/training.md), so forge keeps the format simple and
 robust everywhere: ``<save>/iter_<NNNNNNN>/rank_<RRRRR>.pt`` holds this rank's model and optimizer state, the LR
-scheduler, the iteration, the policy version and the id of the last data-pool batch trained on. Rank 0 writes
+scheduler, the iteration, the policy version and the id of the last data-pool batch trained on. Megatron's distributed
+optimizer (``--use-distributed-optimizer``) keeps its fp32 master weights and Adam moments sharded outside
+``state_dict()``: they go to ``rank_<RRRRR>_optim_params.pt`` through its own ``save_parameter_state`` /
+``load_parameter_state`` (gathered to, and written by, the data-parallel rank 0 of each optimizer's group), as in
+Megatron-LM's torch-format checkpoints; without them a resumed run would write stale masters over the model. Rank 0 writes
 ``<save>/latest`` (the iteration) only after every rank has written its file, so a crash mid-save leaves the previous
 checkpoint as the one that loads. A resumed job must use the same parallel layout.
 
@@ -29,6 +33,15 @@ def _rank_file(root: str, iteration: int) -> str:
     return os.path.join(_iter_dir(root, iteration), f"rank_{dist.get_rank():05d}.pt")
 
 
+def _param_state_file(root: str, iteration: int) -> str:
+    return os.path.join(_iter_dir(root, iteration), f"rank_{dist.get_rank():05d}_optim_params.pt")
+
+
+def has_sharded_param_state(optimizer) -> bool:
+    """Whether (any optimizer chained in) ``optimizer`` is Megatron's distributed optimizer."""
+    return any(hasattr(o, "get_parameter_state_dp_zero") for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict) -> str:
     """Write this rank's state; rank 0 moves ``latest`` once all ranks are done. Returns the iteration dir."""
     path = _rank_file(root, iteration)
@@ -38,6 +51,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     tmp = path + ".tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)
+    if has_sharded_param_state(optimizer):  # collective over each optimizer's data-parallel group
+        optimizer.save_parameter_state(_param_state_file(root, iteration))
     dist.barrier()
     if dist.get_rank() == 0:
         marker = os.path.join(root, LATEST)
@@ -73,6 +88,8 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler) -> d
                          f"{dist.get_world_size()}: resume with the same layout")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    if has_sharded_param_state(optimizer):
+        optimizer.load_parameter_state(_param_state_file(root, iteration))
     scheduler.load_state_dict(state["scheduler"])
     return state
 

@@ -310,10 +310,15 @@ class Trainer:
             self.pool.set_policy_version(self.policy_version)
         return time.perf_counter() - t0
 
+    def _exiting(self) -> bool:
+        """--exit-interval reached before --train-iters: stop after this iteration."""
+        a = self.args
+        return bool(a.exit_interval) and self.iteration % a.exit_interval == 0 and self.iteration < a.train_iters
+
     def _maybe_save(self) -> float:
         a = self.args
         if a.save is None or not (self.iteration % (a.save_interval or a.train_iters) == 0
-                                  or self.iteration == a.train_iters):
+                                  or self.iteration == a.train_iters or self._exiting()):
             return 0.0
         t0 = time.perf_counter()
         save_checkpoint(a.save, self.iteration, self.ddp, self.optimizer, self.scheduler,
@@ -329,6 +334,9 @@ class Trainer:
             m = self.train_step()
             if self.rank == 0 and (self.iteration % self.args.log_interval == 0 or self.iteration == 1):
                 self._log(progress_line(m))
+            if self._exiting():
+                self._log(f"--exit-interval {self.args.exit_interval}: stopping after iteration {self.iteration}")
+                break
         self.close()
 
     def close(self) -> None:

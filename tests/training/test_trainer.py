@@ -166,6 +166,37 @@ def test_batch_normaliser_does_not_depend_on_micro_batching(tmp_path, norm):
     assert norms[40][0] == pytest.approx(norms[4096][0], rel=1e-5)
 
 
+def test_exit_and_resume_continues_the_same_run_exactly(tmp_path):
+    """--exit-interval 2 of a 4-iteration run saves and stops after iteration 2; resuming with the same flags trains
+    iterations 3 and 4 exactly as an uninterrupted run does, to fp32 round-off: the model, LR schedule, pool position
+    and policy version show in step 3, the Adam moments only in step 4 (step 3's update). (Changing --train-iters
+    instead would change the LR decay.)"""
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    steps = {}
+    for name, exits in (("straight", [None]), ("resumed", [2, None])):
+        pool = PoolProcess(str(tmp_path / f"{name}.sqlite"))
+        try:
+            feed_groups(pool.client, 4, np.random.default_rng(11), completion_len=(5, 9))
+            run_dir = str(tmp_path / name)
+            for exit_at in exits:
+                extra = ["--exit-interval", str(exit_at)] if exit_at else []
+                cmd = [sys.executable, TRAIN, *_train_cmd(model_dir, pool, run_dir, iters=4, groups=1, extra=extra)]
+                out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+                assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+                if exit_at:
+                    assert "--exit-interval 2: stopping after iteration 2" in out.stdout
+                    assert len(_steps(f"{run_dir}/metrics.jsonl")) == 2
+            steps[name] = _steps(f"{run_dir}/metrics.jsonl")
+        finally:
+            pool.stop()
+    assert len(steps["resumed"]) == len(steps["straight"]) == 4
+    for a, b in zip(steps["straight"], steps["resumed"]):
+        assert (a["batch_id"], a["policy_version"]) == (b["batch_id"], b["policy_version"])
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["lr"] == pytest.approx(a["lr"], rel=1e-9)
+
+
 def test_recomputed_old_logprobs_give_unit_ratios(setup):
     """--old-logprobs recompute: pi_old is the current policy before the update, so every ratio is 1 at step 1; with
     the recorded rollout logprobs (-5 per token here) the ratios are far from 1."""
