@@ -175,7 +175,8 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="distributed broadcast, safetensors on shared disk, or none")
     g.add_argument("--weight-sync-dir", default=None, help="shared directory for --weight-sync-transport disk")
     g.add_argument("--weight-sync-master-addr", default="127.0.0.1",
-                   help="address of trainer rank 0 that engines join for the distributed weight-update group")
+                   help="address of trainer rank 0 that engines join for the distributed weight-update group; "
+                        "'auto': rank 0's own hostname (multi-node: torchrun's rendezvous may put rank 0 on any node)")
     g.add_argument("--weight-sync-bucket-mb", type=float, default=512.0, help="bucket size of the weight sync")
     g.add_argument("--domain-ratios", type=name_float_pairs, default={},
                    help="task mix per domain, e.g. math=0.7,qa=0.3 (also sets the per-domain metrics)")

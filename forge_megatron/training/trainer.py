@@ -416,6 +416,14 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg):
     return model, ddp, optimizer, scheduler
 
 
+def weight_sync_master_addr(flag: str) -> str:
+    """--weight-sync-master-addr: as given, or with 'auto' this host's name (called on rank 0, which hosts the group;
+    with torchrun's c10d rendezvous rank 0 can be on any node, so a fixed address may point elsewhere)."""
+    import socket
+
+    return socket.gethostname() if flag == "auto" else flag
+
+
 def make_syncer(args: argparse.Namespace, bridge):
     """The weight syncer of ``--weight-sync-transport`` (forge_megatron.weight_sync)."""
     from forge_megatron.weight_sync import WeightSyncConfig, WeightSyncer
@@ -423,7 +431,7 @@ def make_syncer(args: argparse.Namespace, bridge):
     cfg = WeightSyncConfig(engine_urls=args.engine_urls, transport=args.weight_sync_transport,
                            bucket_bytes=int(args.weight_sync_bucket_mb * (1 << 20)), gateway_url=args.gateway_url,
                            gateway_token=os.environ.get("FORGE_ADMIN_TOKEN"), disk_dir=args.weight_sync_dir,
-                           master_addr=args.weight_sync_master_addr)
+                           master_addr=weight_sync_master_addr(args.weight_sync_master_addr))
     return WeightSyncer(cfg, bridge)
 
 

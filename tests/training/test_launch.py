@@ -74,7 +74,9 @@ def test_dry_run_plan_is_consistent(layout):
             args.context_parallel_size) == (layout["TP"], layout["PP"], layout["EP"], layout["CP"])
     assert sorted(args.engine_urls) == engine_urls
     assert args.pool_addr == f"tcp://{middle}:5555" and args.gateway_url == f"http://{middle}:8000"
-    assert args.weight_sync_master_addr == train[0]  # engines join the weight-update group at trainer rank 0
+    # engines join the weight-update group where trainer rank 0 runs, which torchrun's c10d rendezvous may put on any
+    # trainer node: rank 0 names itself
+    assert args.weight_sync_master_addr == "auto"
     (driver,) = [c for c in cmds if "forge_megatron.agents.driver" in c]
     assert driver[driver.index("--pool-addr") + 1] == args.pool_addr  # the driver obeys the pool's admission control
     if layout.get("DOMAIN_RATIOS"):
@@ -115,3 +117,12 @@ def test_run_local_dry_run_is_consistent():
     arguments.parallel_config(args).data_parallel_size(int(trainer[trainer.index("--nproc-per-node") + 1]))
     bad = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, env={**env, "TP": "3"})
     assert bad.returncode != 0 and "TP*PP*CP=3 must divide NPROC=4" in bad.stderr
+
+
+def test_auto_weight_sync_master_addr_is_this_host():
+    import socket
+
+    from forge_megatron.training.trainer import weight_sync_master_addr
+
+    assert weight_sync_master_addr("auto") == socket.gethostname()
+    assert weight_sync_master_addr("10.0.0.5") == "10.0.0.5"
