@@ -127,10 +127,10 @@ def local_state(bridge: Bridge, full: dict[str, torch.Tensor], layout: ParallelL
     expert_offset = ep * bridge.local_experts(layout)
     state = {}
     for name in bridge.stage_names(layout, pp):
-        tensor = full[name]
         owner = bridge.expert_rank(name, layout)
         if owner is not None and owner != ep:
             continue
+        tensor = full[name]
         local = bridge.rename(name, -layer_offset, -expert_offset)
         state[local] = bridge.tp_split(name, tensor, layout.tp)[tp].clone()
     if _needs_tied_head(bridge, layout, pp):

@@ -104,13 +104,15 @@ def load_hf_weights(model, bridge, hf_dir: str) -> None:
     layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(),
                             pp=ps.get_pipeline_model_parallel_world_size(),
                             ep=ps.get_expert_model_parallel_world_size())
-    pp = ps.get_pipeline_model_parallel_rank()
+    pp, ep = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     reader = HFReader(hf_dir)
     full = {}
     for name in stage_inputs(bridge, layout, pp):
+        owner = bridge.expert_rank(name, layout)
+        if owner is not None and owner != ep:
+            continue  # another EP rank's expert: never read (MoE checkpoints are mostly experts)
         full[name] = bridge.from_hf(name, reader.get(bridge.hf_names(name)))
-    state = local_state(bridge, full, layout, ps.get_tensor_model_parallel_rank(), pp,
-                        ps.get_expert_model_parallel_rank())
+    state = local_state(bridge, full, layout, ps.get_tensor_model_parallel_rank(), pp, ep)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith("_extra_state")]
     unexpected = [u for u in unexpected if not u.endswith("_extra_state")]

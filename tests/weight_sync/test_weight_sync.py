@@ -349,3 +349,41 @@ def test_group_names_are_unique_per_trainer_run():
     a, b = DistributedTransport(WeightSyncConfig(engine_urls=["http://x"]), None), \
         DistributedTransport(WeightSyncConfig(engine_urls=["http://x"]), None)
     assert a.group_name != b.group_name and a.group_name.startswith("forge_weights_")
+
+
+def _hf_load_body(rank, world_size, hf_dir, mcore_dir):
+    """load_hf_weights at EP=2 vs the converter's shard of the same rank; and which HF tensors it read."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.convert import checkpoint as conv
+    from forge_megatron.mcore.model import build_gpt
+    from forge_megatron.training.checkpoint import load_hf_weights
+
+    bridge = Bridge(hf_dir)
+    model = build_gpt(bridge.cfg)
+    read = []
+    original = conv.HFReader.get
+
+    def spy(self, names):
+        read.extend(names)
+        return original(self, names)
+
+    conv.HFReader.get = spy
+    try:
+        load_hf_weights(model, bridge, hf_dir)
+    finally:
+        conv.HFReader.get = original
+    want = conv.load_rank_state(mcore_dir, 0, 0, rank)
+    got = model.state_dict()
+    diff = max((got[k] - v).abs().max().item() for k, v in want.items() if torch.is_tensor(v))
+    return diff, sorted(n for n in read if ".experts." in n)
+
+
+def test_hf_weights_load_at_ep2_reads_only_own_experts(models, tmp_path):
+    """Each EP rank loads exactly its shard (as forge-convert writes it) and reads none of the other rank's experts."""
+    mcore = str(tmp_path / "mcore")
+    ckpt.hf_to_megatron(models["qwen3_moe"], mcore, ParallelLayout(1, 1, 2))
+    results = run_distributed(_hf_load_body, world_size=2, parallel=ParallelConfig(ep=2), hf_dir=models["qwen3_moe"],
+                              mcore_dir=mcore)
+    (diff0, experts0), (diff1, experts1) = results
+    assert diff0 == 0.0 and diff1 == 0.0
+    assert experts0 and experts1 and not set(experts0) & set(experts1)
