@@ -58,6 +58,14 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                           "attention trades tokens for heads (all-to-all), so CP must divide the attention heads per "
                           "TP rank and divide, or be a multiple of, the key/value heads per TP rank")
     par.add_argument("--use-distributed-optimizer", action="store_true")
+    par.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                     help="activation recomputation: 'full' re-runs whole transformer layers in the backward (memory "
+                          "for long trees), 'selective' only core attention")
+    par.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                     help="with --recompute-granularity full: recompute layers in uniform chunks, or the first "
+                          "--recompute-num-layers layers of each pipeline stage")
+    par.add_argument("--recompute-num-layers", type=int, default=None,
+                     help="layers per recomputed chunk (uniform) or recomputed layers per stage (block)")
 
     net = parser.add_argument_group("network size (Megatron)")
     net.add_argument("--num-layers", type=int, default=None)

@@ -378,9 +378,15 @@ def model_config(args: argparse.Namespace, bridge):
         check_heads(cfg.num_attention_heads // tp, max(1, (cfg.num_query_groups or cfg.num_attention_heads) // tp),
                     args.context_parallel_size)
     overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
+    extra = dict(cfg.extra)
     if args.pipeline_model_parallel_size > 1:
         # tree micro-batches differ in length; Megatron accepts that only with the all-to-all MoE dispatcher
-        overrides["extra"] = {**cfg.extra, "variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+        extra.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    if args.recompute_granularity is not None:  # Megatron's TransformerConfig checks the combination
+        extra.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                     recompute_num_layers=args.recompute_num_layers)
+    if extra != cfg.extra:
+        overrides["extra"] = extra
     return replace(cfg, **overrides)
 
 
