@@ -71,30 +71,18 @@ def pad_sub_end(sub_end_T: torch.Tensor, cp: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------- collectives
-class _SeqToHeads(torch.autograd.Function):
-    """[T_l, X, H] (this rank's tokens, all X heads) -> [C * T_l, X / C, H] (all tokens, this rank's heads)."""
+class _AllToAll(torch.autograd.Function):
+    """``to_heads``: [T_l, X, H] (this rank's tokens, all X heads) -> [C * T_l, X / C, H] (all tokens, this rank's
+    heads); otherwise the inverse. The backward is the other direction."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """The inverse of :class:`_SeqToHeads`."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return _heads_to_seq(y, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad.contiguous(), ctx.group), None, None
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -178,12 +166,12 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
     if sub_end_T.numel() != C * Tl:
         raise ValueError(f"CP rank holds {Tl} tokens but sub_end has {sub_end_T.numel()} (expected {C} x {Tl}): "
                          "shard the micro-batch with forge_megatron.mcore.forward.tree_model_inputs")
-    q = _SeqToHeads.apply(q_TlNH, group)
+    q = _AllToAll.apply(q_TlNH, group, True)
     if K % C == 0:
-        k, v = _SeqToHeads.apply(k_TlKH, group), _SeqToHeads.apply(v_TlKH, group)
+        k, v = _AllToAll.apply(k_TlKH, group, True), _AllToAll.apply(v_TlKH, group, True)
     else:  # K divides C: this rank's N/C query heads all use KV head r*K/C
         head = rank * K // C
         k = _GatherSeq.apply(k_TlKH, group)[:, head:head + 1]
         v = _GatherSeq.apply(v_TlKH, group)[:, head:head + 1]
     o = tree_attention(q, k, v, sub_end_T, softmax_scale=softmax_scale, backend=backend)
-    return _HeadsToSeq.apply(o.contiguous(), group)
+    return _AllToAll.apply(o.contiguous(), group, False)

@@ -10,9 +10,6 @@ relative bound would be meaningless). Needs megatron-core and pyzmq (benchmarks/
 lent GPU image, benchmarks/gpu_check.sh installs them).
 """
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -23,32 +20,24 @@ pytest.importorskip("zmq", reason="needs pyzmq")
 
 from forge_megatron.models.tiny import build_tiny_model  # noqa: E402
 
-from .pool_feed import PoolProcess, feed_groups  # noqa: E402
-from .trainer_run import TRAIN, read_steps, train_cmd, train_env  # noqa: E402
+from .pool_feed import feed_groups  # noqa: E402
+from .trainer_run import run_on_fresh_pool  # noqa: E402
 
 
 def _run(tmp_path, model_dir, name: str, env_extra: dict, extra: list[str], same_group_twice: bool = False,
          lr: str = "1e-3", iters: int = 2, exits=(None,)) -> list[dict]:
     """Train ``iters`` steps in one process per entry of ``exits`` (--exit-interval, None: to the end)."""
-    pool = PoolProcess(str(tmp_path / f"{name}.sqlite"))
-    try:
+    def feed(client):
         if same_group_twice:
             for _ in range(2):
-                feed_groups(pool.client, 1, np.random.default_rng(5))
+                feed_groups(client, 1, np.random.default_rng(5))
         else:
-            feed_groups(pool.client, iters, np.random.default_rng(11), completion_len=(5, 9))
-        run_dir = str(tmp_path / name)
-        for exit_at in exits:
-            stop = ["--exit-interval", str(exit_at)] if exit_at else []
-            cmd = [sys.executable, TRAIN, *train_cmd(model_dir, pool, run_dir, iters=iters, groups=1, extra=extra + stop)]
-            cmd[cmd.index("--lr") + 1] = lr
-            out = subprocess.run(cmd, env={**train_env(), **env_extra}, capture_output=True, text=True, timeout=300)
-            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-        steps = read_steps(f"{run_dir}/metrics.jsonl")
-        assert len(steps) == iters, steps
-        return steps
-    finally:
-        pool.stop()
+            feed_groups(client, iters, np.random.default_rng(11), completion_len=(5, 9))
+
+    steps, _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=iters, groups=1, extra=extra, exits=exits,
+                                    env_extra=env_extra, lr=lr)
+    assert len(steps) == iters, steps
+    return steps
 
 
 def test_gpu_steps_match_cpu(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from forge_megatron.models.tiny import build_tiny_model
 
 from .pool_feed import PoolProcess, feed_groups, free_port
-from .trainer_run import TRAIN
+from .trainer_run import TRAIN, run_on_fresh_pool
 from .trainer_run import read_steps as _steps
 from .trainer_run import train_cmd as _train_cmd
 from .trainer_run import train_env as _env
@@ -95,18 +95,9 @@ def test_tp2_and_pp2_train_like_one_rank(tmp_path, parallel):
     model_dir = build_tiny_model(str(tmp_path / "model"))
     losses = {}
     for name, nproc, extra in (("single", 1, []), ("parallel", 2, parallel)):
-        pool = PoolProcess(str(tmp_path / f"{name}.sqlite"))
-        try:
-            feed_groups(pool.client, 2, np.random.default_rng(3))
-            run_dir = str(tmp_path / name)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                   str(free_port()), TRAIN, *_train_cmd(model_dir, pool, run_dir, iters=2, groups=1, extra=extra)]
-            out = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                                 timeout=300)
-            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-            losses[name] = [s["loss"] for s in _steps(f"{run_dir}/metrics.jsonl")]
-        finally:
-            pool.stop()
+        steps, _, _ = run_on_fresh_pool(tmp_path, name, model_dir, lambda c: feed_groups(c, 2, np.random.default_rng(3)),
+                                        iters=2, groups=1, extra=extra, nproc=nproc)
+        losses[name] = [s["loss"] for s in steps]
     assert len(losses["single"]) == 2 and all(np.isfinite(losses["parallel"]))
     assert losses["parallel"] == pytest.approx(losses["single"], abs=1e-5)  # step 2 also checks the optimizer update
 
@@ -120,20 +111,11 @@ def test_dp2_and_cp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
     runs = (("single", 1, []), ("dp2", 2, []), ("cp2", 2, ["--context-parallel-size", "2"]),
             ("pp2cp2", 4, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]))
     for name, nproc, extra in runs:
-        pool = PoolProcess(str(tmp_path / f"{name}.sqlite"))
-        try:
-            feed_groups(pool.client, 4, np.random.default_rng(5), completion_len=(6, 11))
-            run_dir = str(tmp_path / name)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                   str(free_port()), TRAIN, *_train_cmd(model_dir, pool, run_dir, iters=2, groups=2, extra=extra)]
-            out = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                                 timeout=300)
-            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-            steps = _steps(f"{run_dir}/metrics.jsonl")
-            norms[name] = [s["grad_norm"] for s in steps]
-            tokens[name] = [s["loss_tokens"] for s in steps]
-        finally:
-            pool.stop()
+        steps, _, _ = run_on_fresh_pool(
+            tmp_path, name, model_dir, lambda c: feed_groups(c, 4, np.random.default_rng(5), completion_len=(6, 11)),
+            iters=2, groups=2, extra=extra, nproc=nproc)
+        norms[name] = [s["grad_norm"] for s in steps]
+        tokens[name] = [s["loss_tokens"] for s in steps]
     # rank 0 of the DP=2 run holds one of the two groups, and the groups' token counts differ
     assert all(0 < d < s for d, s in zip(tokens["dp2"], tokens["single"]))
     assert any(2 * d != s for d, s in zip(tokens["dp2"], tokens["single"]))
@@ -150,18 +132,11 @@ def test_batch_normaliser_does_not_depend_on_micro_batching(tmp_path, norm):
     model_dir = build_tiny_model(str(tmp_path / "model"))
     norms = {}
     for budget in (4096, 40):
-        pool = PoolProcess(str(tmp_path / f"{budget}.sqlite"))
-        try:
-            feed_groups(pool.client, 3, np.random.default_rng(7), completion_len=(3, 14, 8))
-            run_dir = str(tmp_path / f"b{budget}")
-            cmd = [sys.executable, TRAIN, *_train_cmd(model_dir, pool, run_dir, iters=1, groups=3,
-                                                     extra=["--rl-loss-norm", norm, "--tree-token-budget", str(budget)])]
-            out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-            (step,) = _steps(f"{run_dir}/metrics.jsonl")
-            norms[budget] = (step["grad_norm"], step["micro_batches"])
-        finally:
-            pool.stop()
+        (step,), _, _ = run_on_fresh_pool(
+            tmp_path, f"b{budget}", model_dir,
+            lambda c: feed_groups(c, 3, np.random.default_rng(7), completion_len=(3, 14, 8)), iters=1, groups=3,
+            extra=["--rl-loss-norm", norm, "--tree-token-budget", str(budget)])
+        norms[budget] = (step["grad_norm"], step["micro_batches"])
     assert norms[4096][1] == 1 and norms[40][1] > 2
     assert norms[40][0] == pytest.approx(norms[4096][0], rel=1e-5)
 
@@ -174,21 +149,12 @@ def test_exit_and_resume_continues_the_same_run_exactly(tmp_path):
     model_dir = build_tiny_model(str(tmp_path / "model"))
     steps = {}
     for name, exits in (("straight", [None]), ("resumed", [2, None])):
-        pool = PoolProcess(str(tmp_path / f"{name}.sqlite"))
-        try:
-            feed_groups(pool.client, 4, np.random.default_rng(11), completion_len=(5, 9))
-            run_dir = str(tmp_path / name)
-            for exit_at in exits:
-                extra = ["--exit-interval", str(exit_at)] if exit_at else []
-                cmd = [sys.executable, TRAIN, *_train_cmd(model_dir, pool, run_dir, iters=4, groups=1, extra=extra)]
-                out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-                assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-                if exit_at:
-                    assert "--exit-interval 2: stopping after iteration 2" in out.stdout
-                    assert len(_steps(f"{run_dir}/metrics.jsonl")) == 2
-            steps[name] = _steps(f"{run_dir}/metrics.jsonl")
-        finally:
-            pool.stop()
+        steps[name], stdouts, counts = run_on_fresh_pool(
+            tmp_path, name, model_dir, lambda c: feed_groups(c, 4, np.random.default_rng(11), completion_len=(5, 9)),
+            iters=4, groups=1, exits=exits)
+        if name == "resumed":
+            assert "--exit-interval 2: stopping after iteration 2" in stdouts[0]
+            assert counts[0] == 2
     assert len(steps["resumed"]) == len(steps["straight"]) == 4
     for a, b in zip(steps["straight"], steps["resumed"]):
         assert (a["batch_id"], a["policy_version"]) == (b["batch_id"], b["policy_version"])

@@ -38,3 +38,37 @@ def read_steps(path):
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def run_on_fresh_pool(tmp_path, name: str, model_dir: str, feed, *, iters: int, groups: int, extra=(), nproc: int = 1,
+                      exits=(None,), env_extra: dict | None = None, lr: str | None = None):
+    """Start a forge-pool process, ``feed(client)`` it, and train ``iters`` iterations of the tiny model on it: one
+    process (or ``nproc`` under torchrun) per entry of ``exits`` (--exit-interval N, None: to the end), all in
+    ``tmp_path/name``. Returns (metric steps, stdout of each process, steps written after each process)."""
+    import sys
+
+    from .pool_feed import PoolProcess
+
+    pool = PoolProcess(str(tmp_path / f"{name}.sqlite"))
+    try:
+        feed(pool.client)
+        run_dir = str(tmp_path / name)
+        stdouts, counts = [], []
+        for exit_at in exits:
+            stop = ["--exit-interval", str(exit_at)] if exit_at else []
+            args = train_cmd(model_dir, pool, run_dir, iters=iters, groups=groups, extra=[*extra, *stop])
+            if lr is not None:
+                args[args.index("--lr") + 1] = lr
+            if nproc == 1:
+                cmd, env = [sys.executable, TRAIN, *args], train_env()
+            else:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                       str(free_port()), TRAIN, *args]
+                env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            out = subprocess.run(cmd, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+            stdouts.append(out.stdout)
+            counts.append(len(read_steps(f"{run_dir}/metrics.jsonl")))
+        return read_steps(f"{run_dir}/metrics.jsonl"), stdouts, counts
+    finally:
+        pool.stop()
