@@ -7,13 +7,9 @@ token of every sample passing through i. With ``(pred_nodes_M, targets_M) = layo
     entropy_m = lse(pred_m) - sum_v p[pred_m, v] z[pred_m, v]
 
 At a branch point one row is scored against several targets: only the scalars z[pred_m, y_m] are gathered,
-never an M x V matrix. Under tensor parallelism each rank holds a vocabulary slice of z; nothing gathers the
-full vocabulary: lse uses all-reduce(max) (detached: it only shifts the exponent) and all-reduce(sum exp),
-the target logit comes from the rank owning its slice and is summed over ranks, and the entropy term
-sum_v exp(z - max) z likewise. The sums go through Megatron's ``reduce_from_tensor_model_parallel_region``
-(all-reduce forward, identity backward: every rank computes the same replicated loss from the sums), so
-autograd is exact. Autograd also sums the gradient of a shared row over the samples that use it, which is
-why merged training equals unmerged training.
+never an M x V matrix, and autograd sums the gradient of a shared row over the samples that use it, which is
+why merged training equals unmerged training. The vocabulary-parallel math (TP slices of z, chunked rows, an
+explicit backward that keeps no rows x vocabulary tensor alive) is in ``forge_megatron.mcore.logprobs``.
 
 ``make_tree_forward_step`` wraps this for Megatron's pipeline schedules; ``sample_logprobs_unmerged`` runs
 each sample alone through a causal model: the oracle the tree path is tested against.
@@ -28,52 +24,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
+from forge_megatron.mcore.logprobs import check_targets, vocab_parallel_logprobs  # noqa: F401 (re-exported)
 from forge_megatron.mcore.model import causal_mask
 from forge_megatron.mcore.tree_attention import tree_packed_seq_params
-
-
-# ------------------------------------------------------------------------------------- vocab-parallel math
-def vocab_parallel_logprobs(logits_TV: torch.Tensor, rows_M: torch.Tensor, targets_M: torch.Tensor,
-                            with_entropy: bool = False):
-    """logp_M (and entropy_M) of ``targets_M`` under rows ``rows_M`` of TP-sharded logits; full-vocab exact."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
-    check_targets(rows_M, targets_M, logits_TV.shape[-1] * ps.get_tensor_model_parallel_world_size())
-    logits_TV = logits_TV.float()
-    max_T = logits_TV.detach().max(dim=-1).values
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-    shifted_TV = logits_TV - max_T[:, None]
-    exp_TV = shifted_TV.exp()
-    sum_exp_T = reduce_from_tensor_model_parallel_region(exp_TV.sum(dim=-1))
-    lse_T = max_T + sum_exp_T.log()
-
-    vocab_start = ps.get_tensor_model_parallel_rank() * logits_TV.shape[-1]
-    local_M = targets_M.to(logits_TV.device) - vocab_start
-    owned_M = (local_M >= 0) & (local_M < logits_TV.shape[-1])
-    rows_M = rows_M.to(logits_TV.device)
-    picked_M = logits_TV[rows_M, local_M.clamp(0, logits_TV.shape[-1] - 1)] * owned_M
-    target_logit_M = reduce_from_tensor_model_parallel_region(picked_M)
-    logp_M = target_logit_M - lse_T[rows_M]
-    if not with_entropy:
-        return logp_M, None
-    # sum_v p z = max + sum_v exp(z - max) (z - max) / sum_exp
-    weighted_T = reduce_from_tensor_model_parallel_region((exp_TV * shifted_TV).sum(dim=-1))
-    entropy_T = sum_exp_T.log() - weighted_T / sum_exp_T
-    return logp_M, entropy_T[rows_M]
-
-
-def check_targets(rows_M: torch.Tensor, targets_M: torch.Tensor, vocab_size: int) -> None:
-    """Targets outside the vocabulary would silently score 0 on every rank: refuse them."""
-    if rows_M.shape != targets_M.shape or rows_M.dim() != 1:
-        raise ValueError(f"rows and targets must be 1-D of the same length, got {tuple(rows_M.shape)} "
-                         f"and {tuple(targets_M.shape)}")
-    if targets_M.numel() and (int(targets_M.min()) < 0 or int(targets_M.max()) >= vocab_size):
-        raise ValueError(f"target token ids must lie in [0, {vocab_size}) (the model's vocabulary), got "
-                         f"[{int(targets_M.min())}, {int(targets_M.max())}]")
 
 
 # -------------------------------------------------------------------------------------------- tree forward
@@ -98,7 +52,8 @@ def tree_model_inputs(layout, backend: str | None = None, device=None) -> dict:
     )
 
 
-def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = False):
+def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = False,
+                         inplace_backward: bool = False):
     """GPTModel's last-stage output [1, T, V] -> (logp_M, entropy_M | None) in next_token_index() order.
 
     Under context parallelism the logits are this CP rank's rows [lo, hi) of the padded tree: it scores the
@@ -109,13 +64,14 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
     pred_nodes_M, targets_M, _ = layout.next_token_index()
     cp, rank, _ = cp_world()
     if cp == 1:
-        return vocab_parallel_logprobs(logits_1TV[0], pred_nodes_M, targets_M, with_entropy)
+        return vocab_parallel_logprobs(logits_1TV[0], pred_nodes_M, targets_M, with_entropy,
+                                       inplace_backward=inplace_backward)
     lo, hi = shard_range(layout.tokens.numel(), cp, rank)
     if logits_1TV.shape[1] != hi - lo:
         raise ValueError(f"CP rank {rank} expects logits for its {hi - lo} tokens, got {tuple(logits_1TV.shape)}")
     local_M = (pred_nodes_M >= lo) & (pred_nodes_M < hi)
     logp_m, entropy_m = vocab_parallel_logprobs(logits_1TV[0], pred_nodes_M[local_M] - lo, targets_M[local_M],
-                                                with_entropy)
+                                                with_entropy, inplace_backward=inplace_backward)
     local_M = local_M.to(logp_m.device)
     logp_M = sum_over_cp(logp_m.new_zeros(local_M.shape).masked_scatter(local_M, logp_m))
     entropy_M = (sum_over_cp(entropy_m.new_zeros(local_M.shape).masked_scatter(local_M, entropy_m))
@@ -181,7 +137,9 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
         output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device))
 
         def loss_func(logits_1TV):
-            logp_M, entropy_M = logprobs_from_logits(logits_1TV, micro_batch.layout, with_entropy)
+            # The logits are read by nothing after the loss: the backward may write dL/dlogits over them.
+            logp_M, entropy_M = logprobs_from_logits(logits_1TV, micro_batch.layout, with_entropy,
+                                                     inplace_backward=True)
             return loss_fn(logp_M, entropy_M, micro_batch)
 
         return output, loss_func
