@@ -1,18 +1,21 @@
-"""Memory and time of per-token logprobs + entropy, forward and backward: chunked op vs the plain formulation.
+"""Memory and time of per-token logprobs + entropy, forward and backward: plain, chunked and fused side by side.
 
-Both compute, for every row of a [T, V] logits tensor, the log-probability of a target token and the entropy,
+All three compute, for every row of a [T, V] logits tensor, the log-probability of a target token and the entropy,
 then backpropagate a random upstream gradient through both:
 
 - ``plain``: upcast, shift by the row max, exp, sum, gather (and exp * shifted for the entropy) under autograd:
   what ``vocab_parallel_logprobs`` did before it was chunked (kept here as the baseline);
-- ``chunked``: ``forge_megatron.mcore.logprobs.vocab_parallel_logprobs`` (``--chunk-mib`` fp32 per chunk,
-  ``--inplace`` writes dL/dlogits over the logits as the trainer does).
+- ``chunked``: ``forge_megatron.mcore.logprobs.vocab_parallel_logprobs`` on the logits (``--chunk-mib`` fp32 per
+  chunk; dL/dlogits written over the logits unless ``--no-inplace``), the trainer's ``--no-fused-logprobs`` path;
+- ``fused``: ``linear_vocab_parallel_logprobs``, the output layer fused in (the trainer's default): the logits are
+  made chunk by chunk and never exist at once.
 
-The logits come out of an output layer (hidden [T, H] @ W [H, V], as in the model) and the gradient flows back
+The logits come out of an output layer (hidden [T, H] @ W^T, W [V, H], as in the model) and the gradient flows back
 into it. Each variant runs in its own child process (same seed, same inputs), so the peak memory of one does not
-hide the other's: on CUDA ``max_memory_allocated``, on CPU the growth of the peak resident set, both over the
-inputs; both peaks include the logits and dL/dlogits, which any formulation has. Times are medians of ``--repeats`` after a warm-up. The children also report the
-logprobs and a slice of the gradient, compared in the parent. Prints one JSON line.
+hide another's: on CUDA ``max_memory_allocated``, on CPU the growth of the peak resident set (with a fixed glibc mmap
+threshold, so freed buffers leave), both over the inputs. The plain and chunked peaks include the logits; the fused
+one has none. Times are medians of ``--repeats`` after a warm-up. The children also report the logprobs and the
+first rows of the hidden-state gradient, compared with the plain variant's in the parent. Prints one JSON line.
 
     OMP_NUM_THREADS=1 python benchmarks/logprobs.py [--rows 4096 --vocab 32768 --dtype float32 --device cpu]
 """
@@ -27,6 +30,9 @@ import sys
 import time
 
 import torch
+
+
+VARIANTS = ("plain", "chunked", "fused")
 
 
 def plain_logprobs(logits_TV, rows_M, targets_M):
@@ -48,14 +54,14 @@ def peak_bytes(device) -> int:
 
 
 def child(args) -> dict:
-    from forge_megatron.mcore.logprobs import vocab_parallel_logprobs
+    from forge_megatron.mcore.logprobs import linear_vocab_parallel_logprobs, vocab_parallel_logprobs
 
     device = torch.device(args.device)
     g = torch.Generator(device="cpu").manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    # The logits come out of an output layer, as in the model: hidden [T, H] @ W [H, V].
+    # The logits come out of an output layer, as in the model: hidden [T, H] @ W^T, W [V, H].
     hidden = (torch.randn(args.rows, args.hidden, generator=g)).to(device=device, dtype=dtype).requires_grad_(True)
-    weight = (torch.randn(args.hidden, args.vocab, generator=g) * 2 / args.hidden ** 0.5).to(
+    weight = (torch.randn(args.vocab, args.hidden, generator=g) * 2 / args.hidden ** 0.5).to(
         device=device, dtype=dtype).requires_grad_(True)
     rows_M = torch.arange(args.rows - 1, device=device)
     targets_M = torch.randint(0, args.vocab, (args.rows - 1,), generator=g).to(device)
@@ -64,7 +70,11 @@ def child(args) -> dict:
     chunk_rows = max(1, (args.chunk_mib << 20) // (4 * args.vocab))
 
     def loss():  # the logits live only inside: after it returns, only what autograd saved is left
-        logits = hidden @ weight
+        if args.variant == "fused":
+            logp, ent = linear_vocab_parallel_logprobs(hidden, weight, rows_M, targets_M, with_entropy=True,
+                                                       chunk_rows=chunk_rows)
+            return (logp * grad_logp).sum() + (ent * grad_ent).sum(), logp.detach()
+        logits = hidden @ weight.t()
         if args.variant == "plain":
             logp, ent = plain_logprobs(logits, rows_M, targets_M)
         else:
@@ -110,34 +120,40 @@ def main() -> None:
     p.add_argument("--no-inplace", dest="inplace", action="store_false",
                    help="chunked: allocate dL/dlogits instead of writing it over the logits")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variant", choices=["plain", "chunked"], help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child mode
     args = p.parse_args()
     if args.variant:
         print(json.dumps(child(args)))
         return
 
     results = {}
-    for variant in ("plain", "chunked"):
+    for variant in VARIANTS:
         cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant] + sys.argv[1:]
         # A fixed mmap threshold makes glibc return every large buffer when it is freed, so the CPU peak resident
         # set counts live tensors, not allocator caching.
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536"))
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
-    plain, chunked = results["plain"], results["chunked"]
+    plain = results["plain"]
     logits_bytes = args.rows * args.vocab * torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    diff = lambda key: max(abs(a - b) for ra, rb in zip(plain[key], chunked[key])  # noqa: E731
-                           for a, b in zip(ra if isinstance(ra, list) else [ra], rb if isinstance(rb, list) else [rb]))
-    print(json.dumps({
-        "benchmark": "logprobs", "device": args.device, "dtype": args.dtype, "rows": args.rows, "vocab": args.vocab,
-        "logits_mib": round(logits_bytes / 2**20, 1), "chunk_mib": args.chunk_mib, "inplace": args.inplace,
-        "plain_peak_mib": round(plain["peak_extra_bytes"] / 2**20, 1),
-        "chunked_peak_mib": round(chunked["peak_extra_bytes"] / 2**20, 1),
-        "memory_ratio": round(plain["peak_extra_bytes"] / max(1, chunked["peak_extra_bytes"]), 2),
-        "plain_s": round(plain["seconds"], 4), "chunked_s": round(chunked["seconds"], 4),
-        "time_ratio": round(chunked["seconds"] / plain["seconds"], 3),
-        "max_abs_diff_logp": diff("logp"), "max_abs_diff_grad": diff("grad_head"),
-    }))
+
+    def max_diff(key, other):
+        flat = lambda x: [v for row in x for v in (row if isinstance(row, list) else [row])]  # noqa: E731
+        return max(abs(a - b) for a, b in zip(flat(plain[key]), flat(other[key])))
+
+    line = {"benchmark": "logprobs", "device": args.device, "dtype": args.dtype, "rows": args.rows,
+            "vocab": args.vocab, "hidden": args.hidden, "logits_mib": round(logits_bytes / 2**20, 1),
+            "chunk_mib": args.chunk_mib, "inplace": args.inplace}
+    for name, r in results.items():
+        line[f"{name}_peak_mib"] = round(r["peak_extra_bytes"] / 2**20, 1)
+        line[f"{name}_s"] = round(r["seconds"], 4)
+    for name in VARIANTS[1:]:
+        r = results[name]
+        line[f"{name}_memory_ratio"] = round(plain["peak_extra_bytes"] / max(1, r["peak_extra_bytes"]), 2)
+        line[f"{name}_time_ratio"] = round(r["seconds"] / plain["seconds"], 3)
+        line[f"{name}_max_abs_diff_logp"] = max_diff("logp", r)
+        line[f"{name}_max_abs_diff_grad"] = max_diff("grad_head", r)
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

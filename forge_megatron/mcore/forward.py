@@ -20,12 +20,17 @@ L = length of one sample, S = samples.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from forge_megatron.mcore.logprobs import check_targets, vocab_parallel_logprobs  # noqa: F401 (re-exported)
+from forge_megatron.mcore.logprobs import (  # noqa: F401 (check_targets re-exported)
+    check_targets,
+    linear_vocab_parallel_logprobs,
+    vocab_parallel_logprobs,
+)
 from forge_megatron.mcore.model import causal_mask
 from forge_megatron.mcore.tree_attention import tree_packed_seq_params
 
@@ -53,25 +58,31 @@ def tree_model_inputs(layout, backend: str | None = None, device=None) -> dict:
 
 
 def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = False,
-                         inplace_backward: bool = False):
+                         inplace_backward: bool = False, output_weight: torch.Tensor | None = None):
     """GPTModel's last-stage output [1, T, V] -> (logp_M, entropy_M | None) in next_token_index() order.
 
-    Under context parallelism the logits are this CP rank's rows [lo, hi) of the padded tree: it scores the
+    With ``output_weight`` (see :func:`output_layer_deferred`) the output is the output layer's input [1, T, H]
+    instead, and the logits are made chunk by chunk inside the loss (``linear_vocab_parallel_logprobs``).
+
+    Under context parallelism the output holds this CP rank's rows [lo, hi) of the padded tree: it scores the
     targets predicted from its rows, and the partial vectors are summed over the CP group (identity backward),
     so every CP rank returns the same full logp_M and gradients reach only its own rows."""
     from forge_megatron.mcore.context_parallel import cp_world, shard_range, sum_over_cp
 
+    def score(out_TX, rows_M, targets_M):
+        if output_weight is not None:
+            return linear_vocab_parallel_logprobs(out_TX, output_weight, rows_M, targets_M, with_entropy)
+        return vocab_parallel_logprobs(out_TX, rows_M, targets_M, with_entropy, inplace_backward=inplace_backward)
+
     pred_nodes_M, targets_M, _ = layout.next_token_index()
     cp, rank, _ = cp_world()
     if cp == 1:
-        return vocab_parallel_logprobs(logits_1TV[0], pred_nodes_M, targets_M, with_entropy,
-                                       inplace_backward=inplace_backward)
+        return score(logits_1TV[0], pred_nodes_M, targets_M)
     lo, hi = shard_range(layout.tokens.numel(), cp, rank)
     if logits_1TV.shape[1] != hi - lo:
         raise ValueError(f"CP rank {rank} expects logits for its {hi - lo} tokens, got {tuple(logits_1TV.shape)}")
     local_M = (pred_nodes_M >= lo) & (pred_nodes_M < hi)
-    logp_m, entropy_m = vocab_parallel_logprobs(logits_1TV[0], pred_nodes_M[local_M] - lo, targets_M[local_M],
-                                                with_entropy, inplace_backward=inplace_backward)
+    logp_m, entropy_m = score(logits_1TV[0], pred_nodes_M[local_M] - lo, targets_M[local_M])
     local_M = local_M.to(logp_m.device)
     logp_M = sum_over_cp(logp_m.new_zeros(local_M.shape).masked_scatter(local_M, logp_m))
     entropy_M = (sum_over_cp(entropy_m.new_zeros(local_M.shape).masked_scatter(local_M, entropy_m))
@@ -79,15 +90,61 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
     return logp_M, entropy_M
 
 
-def tree_logprobs(model, layout, with_entropy: bool = False, backend: str | None = None):
+def _gpt_output_layer(model):
+    """The ColumnParallelLinear output layer under Megatron's wrappers (DDP, Float16Module); None off the last
+    pipeline stage, where GPTModel has none."""
+    while not hasattr(model, "output_layer") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "output_layer", None)
+
+
+@contextmanager
+def output_layer_deferred(model, enabled: bool = True):
+    """While active, the model's output layer hands back its input instead of the logits, and the weight it would
+    have used (its own, or the embedding's when they are tied) is yielded in ``captured["weight"]``, for
+    ``logprobs_from_logits(..., output_weight=...)`` to fuse the output layer into the loss. GPTModel then returns
+    the final hidden states [1, T, H] (transposed and, under Float16Module, upcast exactly as it would the logits).
+    Yields None (and changes nothing) when disabled or off the last pipeline stage."""
+    layer = _gpt_output_layer(model) if enabled else None
+    if layer is None:
+        yield None
+        return
+    captured = {}
+
+    def forward(input_, weight=None, runtime_gather_output=None):
+        if runtime_gather_output or getattr(layer, "sequence_parallel", False) or layer.bias is not None:
+            raise ValueError("the fused output layer needs a bias-free, non-sequence-parallel output layer whose "
+                             "logits stay vocabulary-parallel (run without fused logprobs)")
+        captured["weight"] = weight if weight is not None else layer.weight
+        return input_, None
+
+    layer.forward = forward  # an instance attribute shadows the class's forward; removed again below
+    try:
+        yield captured
+    finally:
+        del layer.forward
+
+
+def _captured_weight(captured: dict | None):
+    if captured is None:
+        return None
+    if "weight" not in captured:
+        raise RuntimeError("the model's forward did not go through its output layer; cannot fuse it into the loss")
+    return captured["weight"]
+
+
+def tree_logprobs(model, layout, with_entropy: bool = False, backend: str | None = None,
+                  fused_output: bool = True):
     """Run a tree-packed micro-batch through a (single-stage) tree GPTModel; per-sample logprobs, differentiable.
 
     ``model`` is built with ``build_tree_gpt`` (tree layer spec + depth RoPE). Returns (logp_M, entropy_M | None)
-    aligned with ``layout.next_token_index()``.
+    aligned with ``layout.next_token_index()``. ``fused_output`` fuses the output layer into the logprobs
+    (:func:`output_layer_deferred`): same values, no [T, vocabulary] logits.
     """
     device = next(model.parameters()).device
-    logits_1TV = model(**tree_model_inputs(layout, backend=backend, device=device))
-    return logprobs_from_logits(logits_1TV, layout, with_entropy)
+    with output_layer_deferred(model, fused_output) as captured:
+        out_1TX = model(**tree_model_inputs(layout, backend=backend, device=device))
+    return logprobs_from_logits(out_1TX, layout, with_entropy, output_weight=_captured_weight(captured))
 
 
 def sample_logprobs_unmerged(model, samples, with_entropy: bool = False):
@@ -117,13 +174,16 @@ class TreeMicroBatch:
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TreeMicroBatch], tuple]
 
 
-def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend: str | None = None):
+def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend: str | None = None,
+                           fused_output: bool = True):
     """A ``forward_step_func(data_iterator, model)`` for ``megatron.core.pipeline_parallel.get_forward_backward_func``.
 
     The iterator yields :class:`TreeMicroBatch`. On the last pipeline stage the returned loss function maps
-    the logits to ``loss_fn(logp_M, entropy_M, micro_batch) -> (loss, metrics)``; Megatron then divides
+    the model's output to ``loss_fn(logp_M, entropy_M, micro_batch) -> (loss, metrics)``; Megatron then divides
     ``loss`` by the number of micro-batches. Stages exchange [T, 1, hidden] with T varying per micro-batch,
-    so under PP the model's config needs ``variable_seq_lengths=True``.
+    so under PP the model's config needs ``variable_seq_lengths=True``. ``fused_output`` (default) fuses the
+    output layer into the logprobs, so no [T, vocabulary] logits exist at any time; without it the logits are
+    scored chunk by chunk and dL/dlogits is written over them.
     """
 
     def forward_step(data_iterator, model):
@@ -134,12 +194,14 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
         if config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths:
             raise ValueError("tree micro-batches vary in length: build the model with variable_seq_lengths=True under PP")
         device = next(model.parameters()).device
-        output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device))
+        with output_layer_deferred(model, fused_output) as captured:
+            output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device))
+        weight = _captured_weight(captured)
 
-        def loss_func(logits_1TV):
-            # The logits are read by nothing after the loss: the backward may write dL/dlogits over them.
-            logp_M, entropy_M = logprobs_from_logits(logits_1TV, micro_batch.layout, with_entropy,
-                                                     inplace_backward=True)
+        def loss_func(output_1TX):
+            # Unfused, the logits are read by nothing after the loss: the backward may write dL/dlogits over them.
+            logp_M, entropy_M = logprobs_from_logits(output_1TX, micro_batch.layout, with_entropy,
+                                                     inplace_backward=True, output_weight=weight)
             return loss_fn(logp_M, entropy_M, micro_batch)
 
         return output, loss_func

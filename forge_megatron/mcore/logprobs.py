@@ -70,120 +70,207 @@ def _chunks(n: int, chunk_rows: int):
         yield lo, min(lo + chunk_rows, n)
 
 
-class _Rows:
-    """The distinct rows to score, in increasing order, read chunk by chunk (slices when they are all rows)."""
+class _Targets:
+    """The distinct rows to score (increasing) and, per target, its row's position among them, its column in this
+    rank's vocabulary slice and whether this rank owns it; targets grouped by chunk of rows."""
 
-    def __init__(self, rows_M: torch.Tensor, num_rows: int):
+    def __init__(self, rows_M, targets_M, num_rows: int, vocab_slice: int, rank: int, chunk_rows: int, device):
+        rows_M, targets_M = rows_M.to(device), targets_M.to(device)
         self.U, self.pos_M = torch.unique(rows_M, sorted=True, return_inverse=True)
         self.dense = self.U.numel() == num_rows  # every row is scored: chunks are plain slices
+        local_M = targets_M - rank * vocab_slice
+        self.owned_M = (local_M >= 0) & (local_M < vocab_slice)
+        self.local_M = local_M.clamp(0, vocab_slice - 1)
+        self.chunk_rows = chunk_rows
+        self.order_M = torch.argsort(self.pos_M, stable=True)
+        edges = torch.arange(0, self.U.numel() + chunk_rows, chunk_rows, device=device)
+        self.bounds = torch.searchsorted(self.pos_M[self.order_M], edges).tolist()
 
-    def read(self, z_TV: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """A fresh fp32 copy of the chunk's rows (callers work on it in place)."""
-        if self.dense:
-            return z_TV[lo:hi].to(torch.float32, copy=True)
-        return z_TV.index_select(0, self.U[lo:hi]).float()
+    def chunks(self):
+        """(k, lo, hi, targets in the chunk, their rows within the chunk)."""
+        for k, (lo, hi) in enumerate(_chunks(self.U.numel(), self.chunk_rows)):
+            m = self.order_M[self.bounds[k]:self.bounds[k + 1]]
+            yield lo, hi, m, self.pos_M[m] - lo
 
-    def write(self, out_TV: torch.Tensor, lo: int, hi: int, grad_CV: torch.Tensor) -> None:
+    def fresh_fp32(self, x_T: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """An fp32 copy of rows U[lo:hi] of x that the caller may overwrite."""
         if self.dense:
-            out_TV[lo:hi] = grad_CV
+            return x_T[lo:hi].to(torch.float32, copy=True)
+        return x_T.index_select(0, self.U[lo:hi]).float()  # index_select already copies
+
+    def select(self, x_T: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Rows U[lo:hi] of x (a view when every row is scored)."""
+        return x_T[lo:hi] if self.dense else x_T.index_select(0, self.U[lo:hi])
+
+
+def _forward(read, t: _Targets, with_entropy: bool, device):
+    """logp_M, entropy_M | None and the per-row statistics the backward needs; ``read(lo, hi)`` gives a fresh fp32
+    [C, V] chunk of this rank's logits for rows U[lo:hi]."""
+    world, _, group = _tp()
+    n_u = t.U.numel()
+    max_U = torch.empty(n_u, dtype=torch.float32, device=device)
+    sum_exp_U = torch.empty_like(max_U)
+    sum_exp_z_U = torch.empty_like(max_U) if with_entropy else None  # sum exp(z - max) (z - max)
+    target_M = torch.zeros(t.pos_M.shape, dtype=torch.float32, device=device)
+    for lo, hi, m, r in t.chunks():
+        z_CV = read(lo, hi)
+        target_M[m] = z_CV[r, t.local_M[m]] * t.owned_M[m]  # only the owning rank contributes the target logit
+        m_C = z_CV.max(dim=-1).values
+        z_CV -= m_C[:, None]
+        exp_CV = z_CV.exp() if with_entropy else z_CV.exp_()
+        sum_exp_U[lo:hi] = exp_CV.sum(dim=-1)
+        if with_entropy:
+            sum_exp_z_U[lo:hi] = exp_CV.mul_(z_CV).sum(dim=-1)
+        max_U[lo:hi] = m_C
+        del z_CV, exp_CV
+    if world > 1:
+        # Rescale every rank's sums to the global max: sum exp(z - M) = exp(m - M) sum exp(z - m), and
+        # sum exp(z - M)(z - M) = exp(m - M) [sum exp(z - m)(z - m) + (m - M) sum exp(z - m)].
+        local_max_U = max_U.clone()
+        dist.all_reduce(max_U, op=dist.ReduceOp.MAX, group=group)
+        delta_U = local_max_U - max_U
+        scale_U = delta_U.exp()
+        if with_entropy:
+            sum_exp_z_U = (sum_exp_z_U + delta_U * sum_exp_U) * scale_U
+            dist.all_reduce(sum_exp_z_U, group=group)
+        sum_exp_U *= scale_U
+        dist.all_reduce(sum_exp_U, group=group)
+        dist.all_reduce(target_M, group=group)
+    log_sum_exp_U = sum_exp_U.log()
+    logp_M = target_M - (max_U + log_sum_exp_U)[t.pos_M]
+    if not with_entropy:
+        return logp_M, None, (max_U, log_sum_exp_U, max_U)  # (the third slot is unused without entropy)
+    ez_minus_max_U = sum_exp_z_U / sum_exp_U  # E[z] - max
+    entropy_M = (log_sum_exp_U - ez_minus_max_U)[t.pos_M]
+    return logp_M, entropy_M, (max_U, log_sum_exp_U, ez_minus_max_U)
+
+
+def _backward_chunks(read, t: _Targets, stats, grad_logp_M, grad_entropy_M):
+    """Yield (lo, hi, dL/dz for rows U[lo:hi] in fp32) chunk by chunk, recomputing the softmax from ``read``."""
+    max_U, log_sum_exp_U, ez_minus_max_U = stats
+    c_U = torch.zeros_like(max_U).index_add_(0, t.pos_M, grad_logp_M.float())
+    e_U = (torch.zeros_like(max_U).index_add_(0, t.pos_M, grad_entropy_M.float())
+           if grad_entropy_M is not None else None)
+    g_M = grad_logp_M.float() * t.owned_M  # only the rank owning a target gets its one-hot term
+    for lo, hi, m, r in t.chunks():
+        z_CV = read(lo, hi)
+        z_CV -= max_U[lo:hi, None]  # z - max
+        p_CV = (z_CV - log_sum_exp_U[lo:hi, None]).exp_()
+        if e_U is not None:
+            # -c p + e p (E[z] - z) = p (e (E[z] - max - (z - max)) - c)
+            z_CV.neg_().add_(ez_minus_max_U[lo:hi, None]).mul_(e_U[lo:hi, None]).sub_(c_U[lo:hi, None])
+            grad_CV = p_CV.mul_(z_CV)
         else:
-            out_TV.index_copy_(0, self.U[lo:hi], grad_CV.to(out_TV.dtype))
+            grad_CV = p_CV.mul_(-c_U[lo:hi, None])
+        del z_CV
+        grad_CV.index_put_((r, t.local_M[m]), g_M[m], accumulate=True)
+        yield lo, hi, grad_CV
+        del grad_CV, p_CV
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
+    """Logprobs/entropy from this rank's logits [T, V]."""
+
     @staticmethod
     def forward(ctx, logits_TV, rows_M, targets_M, with_entropy, chunk_rows, inplace_backward):
-        world, rank, group = _tp()
-        V = logits_TV.shape[-1]
-        rows = _Rows(rows_M, logits_TV.shape[0])
-        n_u = rows.U.numel()
-        max_U = torch.empty(n_u, dtype=torch.float32, device=logits_TV.device)
-        sum_exp_U = torch.empty_like(max_U)
-        sum_exp_z_U = torch.empty_like(max_U) if with_entropy else None  # sum exp(z - max) (z - max)
-        for lo, hi in _chunks(n_u, chunk_rows):
-            z_CV = rows.read(logits_TV, lo, hi)
-            m_C = z_CV.max(dim=-1).values
-            z_CV -= m_C[:, None]
-            exp_CV = z_CV.exp() if with_entropy else z_CV.exp_()
-            sum_exp_U[lo:hi] = exp_CV.sum(dim=-1)
-            if with_entropy:
-                sum_exp_z_U[lo:hi] = exp_CV.mul_(z_CV).sum(dim=-1)
-            max_U[lo:hi] = m_C
-            del z_CV, exp_CV
-        if world > 1:
-            # Rescale every rank's sums to the global max: sum exp(z - M) = exp(m - M) sum exp(z - m), and
-            # sum exp(z - M)(z - M) = exp(m - M) [sum exp(z - m)(z - m) + (m - M) sum exp(z - m)].
-            local_max_U = max_U.clone()
-            dist.all_reduce(max_U, op=dist.ReduceOp.MAX, group=group)
-            delta_U = local_max_U - max_U
-            scale_U = delta_U.exp()
-            if with_entropy:
-                sum_exp_z_U = (sum_exp_z_U + delta_U * sum_exp_U) * scale_U
-                dist.all_reduce(sum_exp_z_U, group=group)
-            sum_exp_U *= scale_U
-            dist.all_reduce(sum_exp_U, group=group)
-        log_sum_exp_U = sum_exp_U.log()
+        _, rank, _ = _tp()
+        t = _Targets(rows_M, targets_M, logits_TV.shape[0], logits_TV.shape[-1], rank, chunk_rows, logits_TV.device)
 
-        local_M = targets_M.to(logits_TV.device) - rank * V
-        owned_M = (local_M >= 0) & (local_M < V)
-        local_M = local_M.clamp(0, V - 1)
-        rows_M = rows_M.to(logits_TV.device)
-        target_M = logits_TV[rows_M, local_M].float() * owned_M
-        if world > 1:
-            dist.all_reduce(target_M, group=group)
-        pos_M = rows.pos_M.to(logits_TV.device)
-        logp_M = target_M - (max_U + log_sum_exp_U)[pos_M]
+        def read(lo, hi):
+            return t.fresh_fp32(logits_TV, lo, hi)
 
-        ctx.rows, ctx.chunk_rows, ctx.inplace = rows, chunk_rows, inplace_backward
-        ctx.with_entropy = with_entropy
-        ez_minus_max_U = sum_exp_z_U / sum_exp_U if with_entropy else None  # E[z] - max
-        ctx.save_for_backward(logits_TV, local_M, owned_M, pos_M, max_U, log_sum_exp_U,
-                              ez_minus_max_U if with_entropy else max_U)
-        if not with_entropy:
-            return logp_M
-        entropy_U = log_sum_exp_U - ez_minus_max_U
-        return logp_M, entropy_U[pos_M]
+        logp_M, entropy_M, stats = _forward(read, t, with_entropy, logits_TV.device)
+        ctx.t, ctx.inplace, ctx.with_entropy = t, inplace_backward, with_entropy
+        ctx.save_for_backward(logits_TV, *stats)
+        return (logp_M, entropy_M) if with_entropy else logp_M
 
     @staticmethod
     def backward(ctx, grad_logp_M, grad_entropy_M=None):
-        logits_TV, local_M, owned_M, pos_M, max_U, log_sum_exp_U, ez_minus_max_U = ctx.saved_tensors
-        rows, chunk_rows = ctx.rows, ctx.chunk_rows
-        n_u = rows.U.numel()
-        c_U = torch.zeros_like(max_U).index_add_(0, pos_M, grad_logp_M.float())
-        e_U = (torch.zeros_like(max_U).index_add_(0, pos_M, grad_entropy_M.float())
-               if ctx.with_entropy and grad_entropy_M is not None else None)
-        g_M = grad_logp_M.float() * owned_M  # only the rank owning a target gets its one-hot term
-        order_M = torch.argsort(pos_M, stable=True)  # targets grouped by chunk: a slice per chunk
-        bounds = torch.searchsorted(pos_M[order_M], torch.arange(0, n_u + chunk_rows, chunk_rows,
-                                                                 device=pos_M.device)).tolist()
+        logits_TV, *stats = ctx.saved_tensors
+        t = ctx.t
+
+        def read(lo, hi):
+            return t.fresh_fp32(logits_TV, lo, hi)
+
         if ctx.inplace:
             out_TV = logits_TV
-            if not rows.dense:  # rows that score nothing get no gradient
+            if not t.dense:  # rows that score nothing get no gradient
                 unused_T = torch.ones(out_TV.shape[0], dtype=torch.bool, device=out_TV.device)
-                unused_T[rows.U] = False
+                unused_T[t.U] = False
                 out_TV.masked_fill_(unused_T[:, None], 0)
         else:
             out_TV = torch.zeros_like(logits_TV)
-        for k, (lo, hi) in enumerate(_chunks(n_u, chunk_rows)):
-            z_CV = rows.read(logits_TV, lo, hi)
-            z_CV -= max_U[lo:hi, None]  # z - max
-            p_CV = (z_CV - log_sum_exp_U[lo:hi, None]).exp_()
-            if e_U is not None:
-                # -c p + e p (E[z] - z) = p (e (E[z] - max - (z - max)) - c)
-                z_CV.neg_().add_(ez_minus_max_U[lo:hi, None]).mul_(e_U[lo:hi, None]).sub_(c_U[lo:hi, None])
-                grad_CV = p_CV.mul_(z_CV)
+        # Each chunk's rows are read before its gradient is written, and chunks are disjoint: safe in place.
+        for lo, hi, grad_CV in _backward_chunks(read, t, stats, grad_logp_M,
+                                                grad_entropy_M if ctx.with_entropy else None):
+            if t.dense:
+                out_TV[lo:hi] = grad_CV
             else:
-                grad_CV = p_CV.mul_(-c_U[lo:hi, None])
-            del z_CV
-            m = order_M[bounds[k]:bounds[k + 1]]
-            grad_CV.index_put_((pos_M[m] - lo, local_M[m]), g_M[m], accumulate=True)
-            rows.write(out_TV, lo, hi, grad_CV)
-            del grad_CV, p_CV
+                out_TV.index_copy_(0, t.U[lo:hi], grad_CV.to(out_TV.dtype))
         return out_TV, None, None, None, None, None
+
+
+def _output_layer_rows(t: _Targets, hidden_TH, weight_VH):
+    def read(lo, hi):  # the output layer's matmul, in its dtype, on the chunk's rows; fp32 result
+        return (t.select(hidden_TH, lo, hi).to(weight_VH.dtype) @ weight_VH.t()).float()
+
+    return read
+
+
+class _LinearVocabParallelLogprobs(torch.autograd.Function):
+    """Logprobs/entropy from hidden states [T, H] and this rank's output weight [V, H]: logits made chunk by chunk,
+    never all at once, and made again in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows):
+        _, rank, _ = _tp()
+        t = _Targets(rows_M, targets_M, hidden_TH.shape[0], weight_VH.shape[0], rank, chunk_rows, hidden_TH.device)
+
+        logp_M, entropy_M, stats = _forward(_output_layer_rows(t, hidden_TH, weight_VH), t, with_entropy,
+                                            hidden_TH.device)
+        ctx.t, ctx.with_entropy = t, with_entropy
+        ctx.save_for_backward(hidden_TH, weight_VH, *stats)
+        return (logp_M, entropy_M) if with_entropy else logp_M
+
+    @staticmethod
+    def backward(ctx, grad_logp_M, grad_entropy_M=None):
+        hidden_TH, weight_VH, *stats = ctx.saved_tensors
+        t = ctx.t
+        grad_hidden_TH = torch.zeros_like(hidden_TH) if ctx.needs_input_grad[0] else None
+        # Chunks add up in fp32 (the unfused matmul accumulates in fp32 too), then one rounding to the weight's dtype.
+        grad_weight_VH = (torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
+                          if ctx.needs_input_grad[1] else None)
+
+        read = _output_layer_rows(t, hidden_TH, weight_VH)
+        for lo, hi, grad_CV in _backward_chunks(read, t, stats, grad_logp_M,
+                                                grad_entropy_M if ctx.with_entropy else None):
+            g_CV = grad_CV.to(weight_VH.dtype)
+            if grad_hidden_TH is not None:
+                g_CH = (g_CV @ weight_VH).to(hidden_TH.dtype)
+                if t.dense:
+                    grad_hidden_TH[lo:hi] = g_CH
+                else:
+                    grad_hidden_TH.index_copy_(0, t.U[lo:hi], g_CH)
+            if grad_weight_VH is not None:
+                grad_weight_VH += g_CV.t() @ t.select(hidden_TH, lo, hi).to(weight_VH.dtype)
+        if grad_weight_VH is not None:
+            grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
+        return grad_hidden_TH, grad_weight_VH, None, None, None, None
 
 
 def default_chunk_rows(vocab_slice: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * max(1, vocab_slice)))
+
+
+def _checked(rows_M, targets_M, num_rows: int, vocab_slice: int, tp: int, chunk_rows: int | None):
+    check_targets(rows_M, targets_M, vocab_slice * tp)
+    if rows_M.numel() and (int(rows_M.min()) < 0 or int(rows_M.max()) >= num_rows):
+        raise ValueError(f"rows must lie in [0, {num_rows}), got [{int(rows_M.min())}, {int(rows_M.max())}]")
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(vocab_slice)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    return rows_M.to(torch.int64), targets_M.to(torch.int64), int(chunk_rows)
 
 
 def vocab_parallel_logprobs(logits_TV: torch.Tensor, rows_M: torch.Tensor, targets_M: torch.Tensor,
@@ -194,19 +281,36 @@ def vocab_parallel_logprobs(logits_TV: torch.Tensor, rows_M: torch.Tensor, targe
     ``logits_TV`` is this rank's vocabulary slice (all of it without TP). ``chunk_rows`` bounds the rows processed
     at once (default: ``DEFAULT_CHUNK_BYTES`` of fp32); see the module docstring for ``inplace_backward``.
     """
-    from megatron.core import parallel_state as ps
-
-    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    world, _, _ = _tp()
     if logits_TV.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab slice], got {tuple(logits_TV.shape)}")
-    check_targets(rows_M, targets_M, logits_TV.shape[-1] * tp)
-    if rows_M.numel() and (int(rows_M.min()) < 0 or int(rows_M.max()) >= logits_TV.shape[0]):
-        raise ValueError(f"rows must lie in [0, {logits_TV.shape[0]}), got [{int(rows_M.min())}, "
-                         f"{int(rows_M.max())}]")
-    if chunk_rows is None:
-        chunk_rows = default_chunk_rows(logits_TV.shape[-1])
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    out = _VocabParallelLogprobs.apply(logits_TV, rows_M.to(torch.int64), targets_M.to(torch.int64),
-                                       with_entropy, int(chunk_rows), inplace_backward)
+    rows_M, targets_M, chunk_rows = _checked(rows_M, targets_M, logits_TV.shape[0], logits_TV.shape[-1], world,
+                                             chunk_rows)
+    out = _VocabParallelLogprobs.apply(logits_TV, rows_M, targets_M, with_entropy, chunk_rows, inplace_backward)
+    return out if with_entropy else (out, None)
+
+
+def linear_vocab_parallel_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, rows_M: torch.Tensor,
+                                   targets_M: torch.Tensor, with_entropy: bool = False,
+                                   chunk_rows: int | None = None):
+    """As :func:`vocab_parallel_logprobs` of ``hidden_TH @ weight_VH.T`` (the output layer fused in), without ever
+    holding those logits: each chunk of rows is multiplied out, reduced and dropped, and multiplied out again in the
+    backward (one extra output-layer matmul).
+
+    ``weight_VH`` is this TP rank's vocabulary slice of the output weight (``ColumnParallelLinear.weight``, or the
+    embedding weight when they are tied); the matmul runs in its dtype, as the output layer's does. Under TP the
+    hidden states are the same on every rank: their gradient is summed over the TP group here, as
+    ``ColumnParallelLinear``'s backward does.
+    """
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    world, _, _ = _tp()
+    if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(f"hidden must be [rows, H] and weight [vocab slice, H], got {tuple(hidden_TH.shape)} "
+                         f"and {tuple(weight_VH.shape)}")
+    rows_M, targets_M, chunk_rows = _checked(rows_M, targets_M, hidden_TH.shape[0], weight_VH.shape[0], world,
+                                             chunk_rows)
+    if world > 1:
+        hidden_TH = copy_to_tensor_model_parallel_region(hidden_TH)  # identity forward, all-reduce backward
+    out = _LinearVocabParallelLogprobs.apply(hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows)
     return out if with_entropy else (out, None)

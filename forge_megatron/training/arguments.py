@@ -178,6 +178,10 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "rank holds 1/CP of them); one sample must fit")
     g.add_argument("--no-tree-merging", action="store_false", dest="tree_merging",
                    help="train every sample as its own causal sequence (for comparison)")
+    g.add_argument("--no-fused-logprobs", action="store_false", dest="fused_logprobs",
+                   help="run Megatron's output layer and score its [tokens, vocabulary] logits (in chunks); by "
+                        "default the output layer is fused into the logprobs, chunk by chunk, so those logits never "
+                        "exist at once (same values; one extra output-layer matmul in the backward)")
     g.add_argument("--weight-sync-interval", type=int, default=1, help="push weights to the engines every k steps")
     g.add_argument("--weight-sync-transport", default="distributed", choices=SYNC_TRANSPORTS,
                    help="distributed broadcast, safetensors on shared disk, or none")

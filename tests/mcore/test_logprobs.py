@@ -191,3 +191,133 @@ def test_tensor_parallel_matches_the_full_vocabulary(with_entropy):
         for logp_err, ent_err, grad_err, grad_scale in per_rank.values():
             assert logp_err <= 5e-6 and ent_err <= 5e-6 and grad_err <= 2e-6, per_rank
             assert grad_scale > 0.01  # each rank's slice really carries gradient
+
+
+# ------------------------------------------------------------------------------- output layer fused into the loss
+H = 16
+
+
+def _linear_case(seed: int, vocab: int = V, all_rows: bool = False, weight_dtype=torch.float32):
+    logits_TV, rows_M, targets_M, grad_logp_M, grad_ent_M = _case(seed, all_rows=all_rows, vocab=vocab)
+    g = torch.Generator().manual_seed(seed + 100)
+    hidden_TH = torch.randn(T, H, generator=g)
+    weight_VH = (torch.randn(vocab, H, generator=g) * 0.8).to(weight_dtype)
+    return hidden_TH, weight_VH, rows_M, targets_M, grad_logp_M, grad_ent_M
+
+
+def _linear_reference(hidden_TH, weight_VH, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy, vocab_slice=None):
+    """Plain autograd: logits = hidden @ W^T in W's dtype, log_softmax in fp32. Returns values and both gradients
+    (the weight's restricted to ``vocab_slice`` rows when given)."""
+    h = hidden_TH.clone().requires_grad_(True)
+    w = weight_VH.clone().requires_grad_(True)
+    z = (h.to(w.dtype) @ w.t()).float()
+    logp, ent, _ = _reference(z, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy)
+    logsm = z.log_softmax(-1)
+    loss = (logsm[rows_M, targets_M] * grad_logp_M).sum()
+    if with_entropy:
+        loss = loss + (-(logsm.exp() * logsm).sum(-1)[rows_M] * grad_ent_M).sum()
+    loss.backward()
+    w_grad = w.grad if vocab_slice is None else w.grad[vocab_slice]
+    return logp, ent, h.grad, w_grad
+
+
+def _linear_fused(hidden_TH, weight_VH, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy, **kw):
+    from forge_megatron.mcore.logprobs import linear_vocab_parallel_logprobs
+
+    h = hidden_TH.clone().requires_grad_(True)
+    w = weight_VH.clone().requires_grad_(True)
+    logp, ent = linear_vocab_parallel_logprobs(h, w, rows_M, targets_M, with_entropy=with_entropy, **kw)
+    loss = (logp * grad_logp_M).sum() + ((ent * grad_ent_M).sum() if with_entropy else 0)
+    loss.backward()
+    return logp.detach(), (ent.detach() if with_entropy else None), h.grad, w.grad
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("chunk_rows", [1, 4, None])
+@pytest.mark.parametrize("all_rows", [False, True])
+def test_fused_output_layer_matches_logits_then_log_softmax(with_entropy, chunk_rows, all_rows):
+    case = _linear_case(5, all_rows=all_rows)
+    ref = _linear_reference(*case, with_entropy)
+    got = _linear_fused(*case, with_entropy, chunk_rows=chunk_rows)
+    for name, a, b in zip(("logp", "entropy", "hidden grad", "weight grad"), got, ref):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+    if not all_rows:
+        assert got[2][0].abs().max() == 0 and got[2][5].abs().max() == 0  # unscored rows: no hidden gradient
+
+
+def test_fused_output_layer_bf16_weight():
+    """bf16 weight (the output layer under --bf16): the matmul runs in bf16 as the layer's would; the weight
+    gradient is summed over chunks in fp32 and rounded once."""
+    case = _linear_case(6, all_rows=True, weight_dtype=torch.bfloat16)
+    ref = _linear_reference(*case, True)
+    got = _linear_fused(*case, True, chunk_rows=3)
+    assert got[3].dtype == torch.bfloat16 and got[2].dtype == torch.float32
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-5)
+    for a, b in ((got[2], ref[2]), (got[3].float(), ref[3].float())):
+        torch.testing.assert_close(a, b, rtol=0, atol=2 ** -7 * b.abs().max().item())
+
+
+def test_fused_output_layer_refuses_mismatched_shapes():
+    from forge_megatron.mcore.logprobs import linear_vocab_parallel_logprobs
+
+    with pytest.raises(ValueError, match=r"hidden must be \[rows, H\] and weight \[vocab slice, H\]"):
+        linear_vocab_parallel_logprobs(torch.zeros(4, H), torch.zeros(V, H + 1), torch.tensor([0]), torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"target token ids must lie in \[0, 50\)"):
+        linear_vocab_parallel_logprobs(torch.zeros(4, H), torch.zeros(V, H), torch.tensor([0]), torch.tensor([V]))
+
+
+def _body_tp_linear(rank, world_size):
+    case = list(_linear_case(7, vocab=2 * V))
+    case[1][8] += 3.0  # two large vocabulary rows, one per rank: the row maxima land on either rank
+    case[1][V + 3] += 3.0
+    mine = slice(rank * V, (rank + 1) * V)
+    ref = _linear_reference(*case, True, vocab_slice=mine)
+    local = list(case)
+    local[1] = case[1][mine].contiguous()
+    got = _linear_fused(*local, True, chunk_rows=5)
+    # the hidden gradient is the sum over both vocabulary slices (all-reduced over TP); the weight's is this slice's
+    return [(a - b).abs().max().item() for a, b in zip(got, ref)] + [got[3].abs().max().item()]
+
+
+def test_fused_output_layer_tensor_parallel():
+    for errs in run_distributed(_body_tp_linear, world_size=2, parallel=ParallelConfig(tp=2)):
+        assert max(errs[:4]) <= 1e-5 and errs[4] > 0.01, errs
+
+
+# ---------------------------------------------------------------------------------- in the model (GPTModel)
+def _body_model(rank, world_size, tie):
+    from forge_megatron.mcore.forward import _gpt_output_layer, tree_logprobs
+    from forge_megatron.tree import build_tree
+    from tests.mcore.test_tree_exact import _cfg, _twin_models, _weighted_loss, _weights, all_samples
+
+    tree, _ = _twin_models(_cfg(tie_word_embeddings=tie))
+    samples = all_samples(8)
+    layout = build_tree(samples)
+    w_S = _weights(samples)
+    out = {}
+    for fused in (False, True):
+        tree.zero_grad()
+        logp, ent = tree_logprobs(tree, layout, with_entropy=True, fused_output=fused)
+        (_weighted_loss(logp, layout, w_S) + ent.sum()).backward()
+        out[fused] = (logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in tree.named_parameters()})
+    layer = _gpt_output_layer(tree)
+    (lp0, e0, g0), (lp1, e1, g1) = out[False], out[True]
+    return {
+        "logp": (lp1 - lp0).abs().max().item(), "entropy": (e1 - e0).abs().max().item(),
+        "grad": max(((g1[n] - g0[n]).abs().max() / g0[n].abs().max().clamp_min(1e-12)).item() for n in g0),
+        "output_grads": [n for n in g0 if ("output_layer" in n or "word_embeddings" in n) and g0[n].abs().sum() > 0],
+        "restored": "forward" not in vars(layer),
+    }
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tie", [False, True])
+def test_fused_output_layer_in_gptmodel_equals_the_unfused_forward(tp, tie):
+    """tree_logprobs with the output layer fused into the loss: same logprobs, entropies and every parameter's
+    gradient as Megatron's own output layer followed by the logits op, with tied or untied embeddings."""
+    for res in run_distributed(_body_model, world_size=tp, parallel=ParallelConfig(tp=tp), tie=tie):
+        assert res["logp"] <= 1e-5 and res["entropy"] <= 1e-5 and res["grad"] <= 1e-5, res
+        assert res["restored"]
+        assert len(res["output_grads"]) == (1 if tie else 2), res  # the tied weight gets both uses' gradients
