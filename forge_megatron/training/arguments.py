@@ -178,6 +178,10 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "rank holds 1/CP of them); one sample must fit")
     g.add_argument("--no-tree-merging", action="store_false", dest="tree_merging",
                    help="train every sample as its own causal sequence (for comparison)")
+    g.add_argument("--dp-balance", default="cost", choices=["cost", "round-robin"],
+                   help="how a batch's groups are split over the data-parallel ranks: 'cost' gives every rank groups "
+                        "of near-equal estimated compute (tree tokens and attended pairs), 'round-robin' deals them "
+                        "in order")
     g.add_argument("--no-fused-logprobs", action="store_false", dest="fused_logprobs",
                    help="run Megatron's output layer and score its [tokens, vocabulary] logits (in chunks); by "
                         "default the output layer is fused into the logprobs, chunk by chunk, so those logits never "

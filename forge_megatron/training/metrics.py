@@ -61,6 +61,10 @@ def batch_metrics(rank_batch, micro_batch_metrics: list[dict], policy_version: i
     out = {"samples": len(rank_batch.samples), "micro_batches": len(rank_batch.micro_batches),
            "total_tokens": int(total), "unique_tokens": int(unique), "merge_ratio": total / max(unique, 1),
            "loss_tokens": rank_batch.num_loss_tokens, "batch_id": rank_batch.batch_id}
+    if len(getattr(rank_batch, "dp_loads", [])) > 1:
+        from forge_megatron.training.balance import imbalance
+
+        out["dp_load_imbalance"] = imbalance(rank_batch.dp_loads)  # slowest DP rank's estimated compute / mean
     out.update(reward_metrics(rank_batch.samples))
     out.update(staleness_metrics(rank_batch.samples, policy_version))
     out.update(mean_of_dicts(micro_batch_metrics))  # empty on non-last pipeline stages

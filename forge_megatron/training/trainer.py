@@ -3,7 +3,8 @@ weight sync -> checkpoint.
 
 One iteration:
   1. wait   rank 0 pulls ``train_batch_groups`` groups from the data pool over ZeroMQ and broadcasts the batch
-            (msgpack header + raw arrays, never pickle) to every rank; DP rank d trains on groups d, d + DP, ...
+            (msgpack header + raw arrays, never pickle) to every rank; the groups are split over the DP ranks by
+            estimated compute (``--dp-balance``, :mod:`forge_megatron.training.balance`)
   2. pack   the rank's samples are packed into micro-batches of at most ``--tree-token-budget`` unique tokens and
             each micro-batch becomes one prefix forest (``--no-tree-merging``: one sample per micro-batch);
   3. f/b    Megatron's ``get_forward_backward_func`` runs the micro-batches (PP schedules included); per sample the
@@ -53,6 +54,7 @@ class RankBatch:
     global_loss_tokens: float | None = None  # loss tokens of the whole batch, over every DP rank
     dp_size: int = 1
     global_sample_weight: float | None = None  # sum of the sample weights of the whole batch, over every DP rank
+    dp_loads: list = field(default_factory=list)  # estimated compute of every DP rank's share (training.balance)
 
 
 def _targets(arr: np.ndarray) -> torch.Tensor:
@@ -78,18 +80,27 @@ def micro_batch_of(samples: list, domains: list[str]):
     return TreeMicroBatch(layout=layout, extras=extras)
 
 
-def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: int, domains: list[str]) -> RankBatch:
+def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: int, domains: list[str],
+               balance: str = "cost", hidden_size: int = 1) -> RankBatch:
     """Split a pool batch over DP ranks by group and pack this rank's share into micro-batches.
 
+    ``balance``: ``cost`` gives each DP rank groups of near-equal estimated compute (:mod:`training.balance`, with
+    the model's ``hidden_size``), ``round-robin`` deals them in index order. Every rank computes the same split.
     ``domains`` (the names behind the per-domain metric ids) grows with new domains in batch order, which is the
     same on every rank.
     """
+    from forge_megatron.training.balance import assign_groups
     from forge_megatron.tree import pack_micro_batches
 
     domains.extend(sorted({s.domain for s in batch.samples} - set(domains)))
+    trainable = [s for s in batch.samples if len(s.tokens) >= 2]
+    by_group: dict = {}
+    for s in trainable:
+        by_group.setdefault(s.group_index, []).append(s.tokens)
     groups = sorted(set(s.group_index for s in batch.samples))
-    mine = set(groups[dp_rank::dp_size])
-    samples = [s for s in batch.samples if s.group_index in mine and len(s.tokens) >= 2]
+    parts, loads = assign_groups(by_group, dp_size, balance, hidden_size, merging)
+    mine = set(parts[dp_rank])
+    samples = [s for s in trainable if s.group_index in mine]
     if not samples:
         raise RuntimeError(f"DP rank {dp_rank} got no trainable samples from batch {batch.batch_id} "
                            f"({len(groups)} groups for {dp_size} DP ranks): raise --train-batch-groups")
@@ -105,7 +116,7 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     sample_weight = float(sum(mb.extras["sample_weight_S"].double().sum() for mb in mbs))
     global_tokens, global_weight = _sum_over_dp([num_loss_tokens, sample_weight], dp_size)
     return RankBatch(mbs, num_loss_tokens, samples, batch.batch_id, batch.metrics, global_loss_tokens=global_tokens,
-                     dp_size=dp_size, global_sample_weight=global_weight)
+                     dp_size=dp_size, global_sample_weight=global_weight, dp_loads=loads)
 
 
 def _sum_over_dp(values: list[float], dp_size: int) -> list[float]:
@@ -282,7 +293,7 @@ class Trainer:
         batch = self.next_batch()
         t1 = time.perf_counter()
         rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
-                        self.domains)
+                        self.domains, self.args.dp_balance, self.cfg.hidden_size)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         mb_metrics = pipeline_loss_metrics(self.forward_backward(rb))
