@@ -112,9 +112,11 @@ def output_layer_deferred(model, enabled: bool = True):
     captured = {}
 
     def forward(input_, weight=None, runtime_gather_output=None):
-        if runtime_gather_output or getattr(layer, "sequence_parallel", False) or layer.bias is not None:
+        if (runtime_gather_output or getattr(layer, "sequence_parallel", False) or layer.bias is not None
+                or getattr(getattr(layer, "config", None), "mtp_num_layers", None)):
             raise ValueError("the fused output layer needs a bias-free, non-sequence-parallel output layer whose "
-                             "logits stay vocabulary-parallel (run without fused logprobs)")
+                             "logits stay vocabulary-parallel, and no multi-token prediction (run without fused "
+                             "logprobs)")
         captured["weight"] = weight if weight is not None else layer.weight
         return input_, None
 

@@ -321,3 +321,25 @@ def test_fused_output_layer_in_gptmodel_equals_the_unfused_forward(tp, tie):
         assert res["logp"] <= 1e-5 and res["entropy"] <= 1e-5 and res["grad"] <= 1e-5, res
         assert res["restored"]
         assert len(res["output_grads"]) == (1 if tie else 2), res  # the tied weight gets both uses' gradients
+
+
+def _body_refusal(rank, world_size):
+    from forge_megatron.mcore.forward import _gpt_output_layer, tree_logprobs
+    from forge_megatron.tree import build_tree
+    from tests.mcore.test_tree_exact import _cfg, _twin_models, all_samples
+
+    tree, _ = _twin_models(_cfg())
+    layer = _gpt_output_layer(tree)
+    layer.sequence_parallel = True  # what the fused path cannot reproduce (it would need the SP gather)
+    try:
+        tree_logprobs(tree, build_tree(all_samples(1)))
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    return message, "forward" not in vars(layer)
+
+
+def test_fused_output_layer_refuses_what_it_cannot_reproduce():
+    ((message, restored),) = run_distributed(_body_refusal, world_size=1)
+    assert "non-sequence-parallel output layer" in message and "run without fused logprobs" in message
+    assert restored  # the output layer is itself again after the error
