@@ -81,7 +81,8 @@ def main() -> None:
         for i in range(a.repeats + 1):  # the first pass warms up
             for m in modes:
                 for r, rb in enumerate(shares[m]):
-                    ddp.zero_grad_buffer()
+                    for d in ddp:
+                        d.zero_grad_buffer()
                     t0 = time.perf_counter()
                     forward_backward(ddp, rb, loss_cfg, ["math"])
                     if i:

@@ -46,7 +46,8 @@ def time_step(ddp, rb, loss_cfg, repeats: int) -> tuple[float, float]:
 
     times, loss = [], None
     for i in range(repeats + 1):
-        ddp.zero_grad_buffer()
+        for d in ddp:
+            d.zero_grad_buffer()
         t0 = time.perf_counter()
         metrics = forward_backward(ddp, rb, loss_cfg, ["math"])
         if i:

@@ -271,8 +271,12 @@ class Bridge:
 
     def stage_names(self, layout: ParallelLayout, pp_rank: int) -> list[str]:
         """Canonical names held by pipeline stage ``pp_rank`` (embedding first stage, head and final norm last)."""
-        names = self.canonical_names(self.stage_layers(layout, pp_rank))
-        first, last = pp_rank == 0, pp_rank == layout.pp - 1
+        return self.piece_names(self.stage_layers(layout, pp_rank), pp_rank == 0, pp_rank == layout.pp - 1)
+
+    def piece_names(self, layers: range, first: bool, last: bool) -> list[str]:
+        """Canonical names of a model piece holding ``layers`` (a pipeline stage, or one virtual-pipeline chunk of
+        it): the embedding when it is the ``first`` piece, the final norm and the head when it is the ``last``."""
+        names = self.canonical_names(layers)
         if first:
             names.insert(0, "embedding.word_embeddings.weight")
         if last:

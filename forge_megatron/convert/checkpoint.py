@@ -123,30 +123,41 @@ def _with_extra_state(state: dict) -> dict:
 def local_state(bridge: Bridge, full: dict[str, torch.Tensor], layout: ParallelLayout, tp: int, pp: int,
                 ep: int) -> dict[str, torch.Tensor]:
     """The local state dict of rank (tp, pp, ep) from the full canonical tensors of stage ``pp``."""
-    layer_offset = bridge.stage_layers(layout, pp).start
+    return piece_state(bridge, full, layout, tp, ep, bridge.stage_layers(layout, pp), pp == 0, pp == layout.pp - 1)
+
+
+def piece_state(bridge: Bridge, full: dict[str, torch.Tensor], layout: ParallelLayout, tp: int, ep: int,
+                layers: range, first: bool, last: bool) -> dict[str, torch.Tensor]:
+    """The local state dict of the model piece (a stage or a virtual-pipeline chunk) holding global ``layers``, on
+    rank (tp, ep), from the full canonical tensors of :func:`piece_inputs`."""
     expert_offset = ep * bridge.local_experts(layout)
     state = {}
-    for name in bridge.stage_names(layout, pp):
+    for name in bridge.piece_names(layers, first, last):
         owner = bridge.expert_rank(name, layout)
         if owner is not None and owner != ep:
             continue
         tensor = full[name]
-        local = bridge.rename(name, -layer_offset, -expert_offset)
+        local = bridge.rename(name, -layers.start, -expert_offset)
         state[local] = bridge.tp_split(name, tensor, layout.tp)[tp].clone()
-    if _needs_tied_head(bridge, layout, pp):
+    if _tied_head(bridge, first, last):
         state[TIED_HEAD] = full[EMBEDDING].chunk(layout.tp, dim=0)[tp].clone()
     return _with_extra_state(state)
 
 
-def _needs_tied_head(bridge: Bridge, layout: ParallelLayout, pp: int) -> bool:
-    """With tied embeddings and PP > 1, Megatron's last stage keeps its own copy of the embedding as the head."""
-    return bridge.cfg.tie_word_embeddings and layout.pp > 1 and pp == layout.pp - 1
+def piece_inputs(bridge: Bridge, layers: range, first: bool, last: bool) -> list[str]:
+    """Canonical tensors needed to write a model piece (its own, plus the embedding for a tied head)."""
+    names = bridge.piece_names(layers, first, last)
+    return names + [EMBEDDING] if _tied_head(bridge, first, last) else names
+
+
+def _tied_head(bridge: Bridge, first: bool, last: bool) -> bool:
+    """With tied embeddings, a last piece that is not also the first keeps its own copy of the embedding as head."""
+    return bridge.cfg.tie_word_embeddings and last and not first
 
 
 def stage_inputs(bridge: Bridge, layout: ParallelLayout, pp: int) -> list[str]:
     """Canonical tensors needed to write stage ``pp`` (its own, plus the embedding for a tied head)."""
-    names = bridge.stage_names(layout, pp)
-    return names + [EMBEDDING] if _needs_tied_head(bridge, layout, pp) else names
+    return piece_inputs(bridge, bridge.stage_layers(layout, pp), pp == 0, pp == layout.pp - 1)
 
 
 def save_rank_state(bridge: Bridge, layout: ParallelLayout, tp: int, pp: int, ep: int, state: dict,

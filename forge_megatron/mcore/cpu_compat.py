@@ -21,6 +21,8 @@ Patches (megatron-core 0.16.x; 0.17-0.19 have the same spots unless noted):
        pipelining_with_interleaving} create ``total_num_tokens`` with ``device="cuda"``; optimizer constructors,
        step() and grad scalers create scalars with ``device='cuda'``. These run under :func:`cuda_factories_to_cpu`,
        a TorchFunctionMode that rewrites ``device="cuda"`` factory arguments (and ``Tensor.cuda()``) to the CPU.
+       ``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings under PP) calls ``weight.data.cuda()``
+       and runs under it too.
   6. optimizer.clip_grads.clip_grad_by_total_norm_fp32 asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``;
        replaced by the same scaling on CPU tensors.
   7. MoE: moe_utils references ``te_general_gemm`` when Transformer Engine is absent (NameError in 0.16.1's
@@ -259,6 +261,14 @@ def _patch_schedules_and_optimizer():
         cls = getattr(param_and_grad_buffer, cls_name, None)
         if cls is not None:
             cls.__init__ = _run_on_cpu(cls.__dict__["__init__"])
+
+    # Tied embeddings with PP > 1: the first and last stage's copies are all-reduced at construction after
+    # ``weight.data.cuda()``.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    if "setup_embeddings_and_output_layer" in LanguageModule.__dict__:
+        LanguageModule.setup_embeddings_and_output_layer = _run_on_cpu(
+            LanguageModule.__dict__["setup_embeddings_and_output_layer"])
 
 
 # ------------------------------------------------------------------------------------------------- MoE

@@ -171,6 +171,8 @@ class TreeMicroBatch:
 
     layout: object
     extras: dict = field(default_factory=dict)
+    fixed_length: bool = False
+    """Every micro-batch of the step has this layout's length (padded): needed under PP without variable lengths."""
 
 
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TreeMicroBatch], tuple]
@@ -193,8 +195,9 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
         if not isinstance(micro_batch, TreeMicroBatch):
             raise TypeError(f"tree forward step expects TreeMicroBatch items, got {type(micro_batch).__name__}")
         config = model.config  # GPTModel and Megatron's wrappers (DDP, Float16Module) all carry it
-        if config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths:
-            raise ValueError("tree micro-batches vary in length: build the model with variable_seq_lengths=True under PP")
+        if config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths and not micro_batch.fixed_length:
+            raise ValueError("tree micro-batches vary in length: build the model with variable_seq_lengths=True under "
+                             "PP, or pad every micro-batch of the step to one length (TreeMicroBatch.fixed_length)")
         device = next(model.parameters()).device
         with output_layer_deferred(model, fused_output) as captured:
             output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device))

@@ -100,6 +100,13 @@ def transformer_config(cfg: GPTConfig, **overrides):
         pipeline_dtype=cfg.params_dtype,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        # The interleaved schedule decides every chunk's sends and receives from this: it must match the parallel
+        # state (without it, a VPP job deadlocks in its first pipeline exchange).
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        # With PP = 2 the previous and next stage are one rank: only the unbatched exchange (which tells the two
+        # directions apart) is safe, and it is Megatron-LM's default for the interleaved schedule.
+        overlap_p2p_comm=bool(ps.get_virtual_pipeline_model_parallel_world_size()),
+        batch_p2p_comm=not ps.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
         sequence_parallel=False,

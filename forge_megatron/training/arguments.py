@@ -57,6 +57,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                      help="CP ranks per tree-packed micro-batch: each holds a contiguous shard of the tree's tokens and "
                           "attention trades tokens for heads (all-to-all), so CP must divide the attention heads per "
                           "TP rank and divide, or be a multiple of, the key/value heads per TP rank")
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                     help="interleaved pipeline: layers per virtual stage (each PP rank holds num_layers / (PP * this) "
+                          "model chunks); needs PP >= 2. The micro-batches of a step are then padded to one length "
+                          "and their number split up to a multiple of PP, as the interleaved schedule requires")
+    par.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                     help="interleaved pipeline: model chunks per PP rank (instead of "
+                          "--num-layers-per-virtual-pipeline-stage)")
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                      help="activation recomputation: 'full' re-runs whole transformer layers in the backward (memory "
@@ -319,11 +326,39 @@ def check_pool_config(args: argparse.Namespace, pool: dict) -> None:
                          + ". Pass the same values to forge-node / forge-pool, or drop them here.")
 
 
-def parallel_config(args: argparse.Namespace):
+def parallel_config(args: argparse.Namespace, num_layers: int | None = None):
+    """Model-parallel sizes from the flags; ``num_layers`` (the model's) is needed for virtual pipeline stages."""
     from forge_megatron.mcore.parallel import ParallelConfig
 
     return ParallelConfig(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                          ep=args.expert_model_parallel_size, cp=args.context_parallel_size)
+                          ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
+                          vpp=virtual_pipeline_size(args, num_layers))
+
+
+def virtual_pipeline_size(args: argparse.Namespace, num_layers: int | None) -> int | None:
+    """Model chunks per PP rank from --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank
+    (None: no interleaving)."""
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    chunks = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if per_stage is None and chunks is None:
+        return None
+    if per_stage is not None and chunks is not None:
+        raise ValueError("give --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank, "
+                         "not both")
+    pp = args.pipeline_model_parallel_size
+    if pp < 2:
+        raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
+    if num_layers is None:
+        raise ValueError("the model's number of layers is needed to lay out virtual pipeline stages")
+    if per_stage is not None:
+        if per_stage < 1 or num_layers % (pp * per_stage):
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_stage}: the model's {num_layers} layers "
+                             f"do not split into {pp} pipeline ranks x chunks of {per_stage} layers")
+        chunks = num_layers // (pp * per_stage)
+    if chunks < 1 or num_layers % (pp * chunks):
+        raise ValueError(f"{chunks} virtual stages per pipeline rank: the model's {num_layers} layers do not split "
+                         f"into {pp} x {chunks} equal chunks")
+    return chunks if chunks > 1 else None
 
 
 def gpt_config(args: argparse.Namespace, vocab_size: int):

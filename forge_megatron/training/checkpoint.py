@@ -42,11 +42,19 @@ def has_sharded_param_state(optimizer) -> bool:
     return any(hasattr(o, "get_parameter_state_dp_zero") for o in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _chunks(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict) -> str:
-    """Write this rank's state; rank 0 moves ``latest`` once all ranks are done. Returns the iteration dir."""
+    """Write this rank's state (``model``: the model or its list of virtual-pipeline chunks); rank 0 moves ``latest``
+    once all ranks are done. Returns the iteration dir."""
     path = _rank_file(root, iteration)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    state = {"iteration": iteration, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+    chunks = _chunks(model)
+    weights = {"model": chunks[0].state_dict()} if len(chunks) == 1 else {
+        "model_chunks": [c.state_dict() for c in chunks]}  # virtual-pipeline chunks, in order
+    state = {"iteration": iteration, **weights, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(), **extra}
     tmp = path + ".tmp"
     torch.save(state, tmp)
@@ -86,7 +94,13 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler) -> d
     if state["world_size"] != dist.get_world_size():
         raise ValueError(f"checkpoint {path} was saved by {state['world_size']} ranks, this job has "
                          f"{dist.get_world_size()}: resume with the same layout")
-    model.load_state_dict(state["model"])
+    chunks = _chunks(model)
+    saved = [state["model"]] if "model" in state else state["model_chunks"]
+    if len(saved) != len(chunks):
+        raise ValueError(f"checkpoint {path} holds {len(saved)} model chunk(s), this job has {len(chunks)}: resume "
+                         f"with the same virtual-pipeline layout")
+    for chunk, weights in zip(chunks, saved):
+        chunk.load_state_dict(weights)
     optimizer.load_state_dict(state["optimizer"])
     if has_sharded_param_state(optimizer):
         optimizer.load_parameter_state(_param_state_file(root, iteration))
@@ -94,28 +108,40 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler) -> d
     return state
 
 
-def load_hf_weights(model, bridge, hf_dir: str) -> None:
-    """Load a HF safetensors checkpoint into this rank's shard of a live Megatron model (any TP/PP/EP)."""
+def load_hf_weights(model_chunks, bridge, hf_dir: str) -> None:
+    """Load a HF safetensors checkpoint into this rank's shard of a live Megatron model (any TP/PP/VPP/EP).
+
+    ``model_chunks`` is the rank's model or its list of virtual-pipeline chunks; each chunk is filled by the layers
+    it really holds (its layers' global numbers), with the embedding if it is the first piece of the model and the
+    final norm and head if it is the last."""
     from megatron.core import parallel_state as ps
 
     from forge_megatron.bridge import ParallelLayout
-    from forge_megatron.convert.checkpoint import HFReader, local_state, stage_inputs
+    from forge_megatron.convert.checkpoint import HFReader, piece_inputs, piece_state
+    from forge_megatron.weight_sync.gather import unwrap
 
     layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(),
                             pp=ps.get_pipeline_model_parallel_world_size(),
                             ep=ps.get_expert_model_parallel_world_size())
-    pp, ep = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    ep = ps.get_expert_model_parallel_rank()
     reader = HFReader(hf_dir)
-    full = {}
-    for name in stage_inputs(bridge, layout, pp):
-        owner = bridge.expert_rank(name, layout)
-        if owner is not None and owner != ep:
-            continue  # another EP rank's expert: never read (MoE checkpoints are mostly experts)
-        full[name] = bridge.from_hf(name, reader.get(bridge.hf_names(name)))
-    state = local_state(bridge, full, layout, ps.get_tensor_model_parallel_rank(), pp, ep)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.endswith("_extra_state")]
-    unexpected = [u for u in unexpected if not u.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"HF checkpoint {hf_dir} does not fit the model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+    for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
+        gpt = unwrap(chunk)
+        numbers = [layer.layer_number for layer in gpt.decoder.layers]
+        if numbers and numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+            raise ValueError(f"a model chunk's layers are not consecutive: {numbers}")
+        layers = range(numbers[0] - 1, numbers[0] - 1 + len(numbers)) if numbers else range(0)
+        first, last = gpt.pre_process, gpt.post_process
+        full = {}
+        for name in piece_inputs(bridge, layers, first, last):
+            owner = bridge.expert_rank(name, layout)
+            if owner is not None and owner != ep:
+                continue  # another EP rank's expert: never read (MoE checkpoints are mostly experts)
+            full[name] = bridge.from_hf(name, reader.get(bridge.hf_names(name)))
+        state = piece_state(bridge, full, layout, ps.get_tensor_model_parallel_rank(), ep, layers, first, last)
+        missing, unexpected = gpt.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        unexpected = [u for u in unexpected if not u.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"HF checkpoint {hf_dir} does not fit the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")

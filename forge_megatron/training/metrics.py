@@ -4,8 +4,10 @@ Weights & Biases (``--wandb-project``, if installed), the same flags as Megatron
 Per step (rank 0's DP share of the batch):
   reward_mean, success_rate (reward > 0) overall and ``<domain>/reward_mean``, ``<domain>/success_rate`` per domain,
   computed once per episode (an episode's segments share its reward);
-  loss terms averaged over micro-batches (``loss``, ``pg_loss``, ``clip_frac_low/high``, ``ratio_mean/max``,
-  ``entropy`` ...; per-domain ``<domain>/<term>`` from ``algo.policy_loss``);
+  loss terms combined over micro-batches so that they do not depend on the micro-batching
+  (:func:`combine_micro_batch_metrics`: ``loss``, ``pg_loss``, ``entropy`` summed as shares of the batch,
+  ``clip_frac_low/high``, ``ratio_mean`` ... token-weighted, ``ratio_max`` the maximum; per-domain
+  ``<domain>/<term>`` from ``algo.policy_loss``);
   staleness_mean / staleness_max: policy version now minus the version that sampled each trained token;
   total_tokens (what unmerged training would process) vs unique_tokens (what the trees hold) and their ratio;
   the time split wait / forward-backward / sync / checkpoint and tokens/s (added by the trainer).
@@ -45,13 +47,33 @@ def staleness_metrics(samples, policy_version: int) -> dict[str, float]:
     return {"staleness_mean": float(lags.mean()), "staleness_max": float(lags.max())}
 
 
-def mean_of_dicts(dicts: list[dict]) -> dict[str, float]:
-    sums: dict[str, list[float]] = defaultdict(list)
-    for d in dicts:
-        for k, v in d.items():
-            if isinstance(v, (int, float)):
-                sums[k].append(float(v))
-    return {k: float(np.mean(v)) for k, v in sums.items()}
+BATCH_SHARES = ("loss", "pg_loss", "kl", "entropy")
+"""Loss terms that ``algo.policy_loss`` reduces with the whole batch's normaliser in the trainer: each micro-batch
+reports its share, so the rank's value is their sum."""
+
+
+def combine_micro_batch_metrics(dicts: list[dict]) -> dict[str, float]:
+    """One rank's metrics from its micro-batches' ``policy_loss`` metrics, independent of how the batch was split:
+    batch-normalised loss terms and token counts add up, maxima take the maximum, and every other term (token means:
+    ratios, clip fractions, per-domain means) is averaged weighted by the tokens it was taken over (``num_tokens``,
+    or ``<domain>/num_tokens`` for ``<domain>/...``)."""
+    keys = list(dict.fromkeys(k for d in dicts for k, v in d.items() if isinstance(v, (int, float))))
+    out = {}
+    for key in keys:
+        present = [d for d in dicts if isinstance(d.get(key), (int, float))]
+        values = [float(d[key]) for d in present]
+        prefix, _, term = key.rpartition("/")
+        if term in BATCH_SHARES or term == "num_tokens":
+            out[key] = float(np.sum(values))
+        elif term.endswith("_max"):
+            out[key] = float(np.max(values))
+        elif term.endswith("_min"):
+            out[key] = float(np.min(values))
+        else:
+            count_key = f"{prefix}/num_tokens" if prefix else "num_tokens"
+            weights = [float(d.get(count_key, 1.0)) for d in present]
+            out[key] = float(np.average(values, weights=weights)) if sum(weights) > 0 else float(np.mean(values))
+    return out
 
 
 def batch_metrics(rank_batch, micro_batch_metrics: list[dict], policy_version: int) -> dict:
@@ -67,7 +89,7 @@ def batch_metrics(rank_batch, micro_batch_metrics: list[dict], policy_version: i
         out["dp_load_imbalance"] = imbalance(rank_batch.dp_loads)  # slowest DP rank's estimated compute / mean
     out.update(reward_metrics(rank_batch.samples))
     out.update(staleness_metrics(rank_batch.samples, policy_version))
-    out.update(mean_of_dicts(micro_batch_metrics))  # empty on non-last pipeline stages
+    out.update(combine_micro_batch_metrics(micro_batch_metrics))  # empty on non-last pipeline stages
     out.setdefault("loss", float("nan"))
     out.setdefault("clip_frac_high", float("nan"))
     return out

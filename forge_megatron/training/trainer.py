@@ -81,13 +81,14 @@ def micro_batch_of(samples: list, domains: list[str]):
 
 
 def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: int, domains: list[str],
-               balance: str = "cost", hidden_size: int = 1) -> RankBatch:
+               balance: str = "cost", hidden_size: int = 1, interleaved_pp: int | None = None) -> RankBatch:
     """Split a pool batch over DP ranks by group and pack this rank's share into micro-batches.
 
     ``balance``: ``cost`` gives each DP rank groups of near-equal estimated compute (:mod:`training.balance`, with
     the model's ``hidden_size``), ``round-robin`` deals them in index order. Every rank computes the same split.
     ``domains`` (the names behind the per-domain metric ids) grows with new domains in batch order, which is the
-    same on every rank.
+    same on every rank. ``interleaved_pp`` (the PP size, for the interleaved schedule) makes the number of
+    micro-batches a multiple of it (splitting the largest ones) and pads every micro-batch to the longest one.
     """
     from forge_megatron.training.balance import assign_groups
     from forge_megatron.tree import pack_micro_batches
@@ -111,12 +112,33 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
         if too_long:
             raise ValueError(f"a sample has {too_long[0]} tokens, more than --tree-token-budget {token_budget}")
         parts = [[i] for i in range(len(samples))]
+    if interleaved_pp:
+        parts = split_to_multiple(parts, interleaved_pp, batch.batch_id)
     mbs = [micro_batch_of([samples[i] for i in part], domains) for part in parts]
+    if interleaved_pp:
+        length = max(mb.layout.unique_tokens for mb in mbs)
+        for mb in mbs:
+            mb.layout, mb.fixed_length = mb.layout.padded(length), True
     num_loss_tokens = float(sum(mb.extras["loss_mask_M"].sum() for mb in mbs))
     sample_weight = float(sum(mb.extras["sample_weight_S"].double().sum() for mb in mbs))
     global_tokens, global_weight = _sum_over_dp([num_loss_tokens, sample_weight], dp_size)
     return RankBatch(mbs, num_loss_tokens, samples, batch.batch_id, batch.metrics, global_loss_tokens=global_tokens,
                      dp_size=dp_size, global_sample_weight=global_weight, dp_loads=loads)
+
+
+def split_to_multiple(parts: list[list[int]], multiple: int, batch_id=None) -> list[list[int]]:
+    """Split the micro-batches holding most samples in two (order kept) until their number is a multiple of
+    ``multiple``: Megatron's interleaved schedule runs micro-batches in groups of PP."""
+    parts = [list(p) for p in parts]
+    while len(parts) % multiple:
+        i = max(range(len(parts)), key=lambda j: (len(parts[j]), -j))
+        if len(parts[i]) < 2:
+            raise ValueError(f"the interleaved pipeline needs a multiple of {multiple} micro-batches, but this rank's "
+                             f"share of batch {batch_id} has only {sum(map(len, parts))} samples in {len(parts)} "
+                             f"micro-batches: raise --train-batch-groups or lower --tree-token-budget")
+        half = (len(parts[i]) + 1) // 2
+        parts[i:i + 1] = [parts[i][:half], parts[i][half:]]
+    return parts
 
 
 def _sum_over_dp(values: list[float], dp_size: int) -> list[float]:
@@ -188,11 +210,15 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
 
 
 def run_schedule(ddp, rb: RankBatch, forward_step, forward_only: bool = False) -> list[dict]:
-    """Megatron's forward(-backward) schedule (pipelined when PP > 1) over the rank batch's micro-batches."""
+    """Megatron's forward(-backward) schedule (pipelined when PP > 1, interleaved when ``ddp`` lists several
+    virtual-pipeline chunks) over the rank batch's micro-batches."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    chunks = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
+    # every chunk reads the micro-batches (the tree's mask and depths are needed in every stage's attention)
+    data = [iter(rb.micro_batches) for _ in chunks] if len(chunks) > 1 else iter(rb.micro_batches)
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(rb.micro_batches), model=[ddp],
+        forward_step_func=forward_step, data_iterator=data, model=chunks,
         num_microbatches=len(rb.micro_batches), seq_length=max(mb.layout.unique_tokens for mb in rb.micro_batches),
         micro_batch_size=1, forward_only=forward_only)
 
@@ -208,14 +234,16 @@ class Trainer:
         from forge_megatron.mcore import parallel
 
         self.args = args
-        parallel.initialize(arguments.parallel_config(args), seed=args.seed)
+        self.bridge = Bridge(args.hf_checkpoint)
+        parallel.initialize(arguments.parallel_config(args, self.bridge.cfg.num_layers), seed=args.seed)
         self.rank = dist.get_rank()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.bridge = Bridge(args.hf_checkpoint)
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.cfg = model_config(args, self.bridge)
         self.loss_cfg = arguments.loss_config(args)
         self.domains = sorted(args.domain_ratios)
-        self.model, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(args, self.cfg)
+        # model chunks (one per virtual pipeline stage; one without interleaving) and their DDP wrappers
+        self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(args, self.cfg)
         self.iteration, self.policy_version, self.last_batch_id = 0, 0, None
         self.pool = self._pool_client() if self.rank == 0 else None
         self.syncer = make_syncer(args, self.bridge) if args.weight_sync_transport != "none" else None
@@ -231,7 +259,7 @@ class Trainer:
     def _resume_or_init(self) -> None:
         iteration = latest_iteration(self.args.load)
         if iteration is None:
-            load_hf_weights(self.model, self.bridge, self.args.hf_checkpoint)
+            load_hf_weights(self.chunks, self.bridge, self.args.hf_checkpoint)
             # With --bf16 Megatron's optimizer keeps fp32 master copies made when it was built (from Megatron's own
             # init); without this the first step would write those back over the HF weights. No-op in fp32.
             self.optimizer.reload_model_params()
@@ -293,8 +321,10 @@ class Trainer:
         batch = self.next_batch()
         t1 = time.perf_counter()
         rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
-                        self.domains, self.args.dp_balance, self.cfg.hidden_size)
-        self.ddp.zero_grad_buffer()
+                        self.domains, self.args.dp_balance, self.cfg.hidden_size,
+                        interleaved_pp=self.pp_size if len(self.chunks) > 1 else None)
+        for chunk in self.ddp:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         mb_metrics = pipeline_loss_metrics(self.forward_backward(rb))
         ok, grad_norm, _ = self.optimizer.step()
@@ -320,7 +350,7 @@ class Trainer:
 
     def _sync(self) -> float:
         t0 = time.perf_counter()
-        report = self.syncer.sync([self.model], self.policy_version + 1)
+        report = self.syncer.sync(self.chunks, self.policy_version + 1)
         if report.policy_version is not None:
             self.policy_version = report.policy_version
         if self.pool is not None:
@@ -396,7 +426,11 @@ def model_config(args: argparse.Namespace, bridge):
                     args.context_parallel_size)
     overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
     extra = dict(cfg.extra)
-    if args.pipeline_model_parallel_size > 1:
+    if arguments.virtual_pipeline_size(args, cfg.num_layers):
+        # Interleaved: the micro-batches of a step are padded to one length (rank_batch), because Megatron's exchange
+        # of variable shapes mixes up the two directions when PP = 2.
+        extra.update(variable_seq_lengths=False)
+    elif args.pipeline_model_parallel_size > 1:
         # tree micro-batches differ in length; Megatron accepts that only with the all-to-all MoE dispatcher
         extra.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     if args.recompute_granularity is not None:  # Megatron's TransformerConfig checks the combination
@@ -415,28 +449,34 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg):
     from forge_megatron.mcore.tree_attention import build_tree_gpt
     from forge_megatron.utils.env import has_cuda
 
-    model = build_tree_gpt(cfg)
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    chunks = [build_tree_gpt(cfg) if vpp is None else build_tree_gpt(cfg, vp_stage=v) for v in range(vpp or 1)]
     if has_cuda():
-        model.cuda()
-    ddp = DistributedDataParallel(
-        model.config,
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer),
-        model)
+        for chunk in chunks:
+            chunk.cuda()
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               use_distributed_optimizer=args.use_distributed_optimizer)
+    # As Megatron-LM does: only the first chunk's gradient buckets are overlapped with the backward.
+    ddp = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=v > 0)
+           for v, chunk in enumerate(chunks)]
     opt_cfg = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                               adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                               clip_grad=args.clip_grad, bf16=args.bf16,
                               use_distributed_optimizer=args.use_distributed_optimizer)
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    optimizer = get_megatron_optimizer(opt_cfg, ddp)
     # What Megatron-LM's training loop wires up: the schedules call these to reduce DP (and EP/TP-shared) grads
     # after the last micro-batch and to scale the loss for mixed precision.
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = ddp.no_sync
-    model.config.grad_scale_func = optimizer.scale_loss
+    for chunk in chunks:
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+        chunk.config.no_sync_func = ddp[0].no_sync if len(ddp) == 1 else [d.no_sync for d in ddp]
+        chunk.config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.train_iters, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant")
-    return model, ddp, optimizer, scheduler
+    return chunks, ddp, optimizer, scheduler
 
 
 def weight_sync_master_addr(flag: str) -> str:
@@ -459,10 +499,10 @@ def make_syncer(args: argparse.Namespace, bridge):
 
 
 def pipeline_loss_metrics(mb_metrics: list[dict]) -> list[dict]:
-    """Under PP only the last stage computes the loss: its mean metrics go to every stage (JSON bytes, no pickle)."""
+    """Under PP only the last stage computes the loss: its combined metrics go to every stage (JSON, no pickle)."""
     from megatron.core import parallel_state as ps
 
-    from forge_megatron.training.metrics import mean_of_dicts
+    from forge_megatron.training.metrics import combine_micro_batch_metrics
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return mb_metrics
@@ -470,7 +510,7 @@ def pipeline_loss_metrics(mb_metrics: list[dict]) -> list[dict]:
 
     group, last = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
     dev = comm_device(group)
-    payload = json.dumps(mean_of_dicts(mb_metrics)).encode() if ps.is_pipeline_last_stage() else b""
+    payload = json.dumps(combine_micro_batch_metrics(mb_metrics)).encode() if ps.is_pipeline_last_stage() else b""
     size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
     dist.broadcast(size, src=last, group=group)
     buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if payload

@@ -89,6 +89,22 @@ class TreeLayout:
         target_offsets_S1 = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(counts_S, 0)])
         return pred_nodes_M, targets_M, target_offsets_S1
 
+    def padded(self, length: int) -> "TreeLayout":
+        """This forest plus ``length - T`` padding tokens, each a single-token root (token 0, depth 0, visible only to
+        itself, in no sample): same samples, same logprobs, a fixed length (what a fixed-shape pipeline needs)."""
+        extra = length - self.unique_tokens
+        if extra < 0:
+            raise ValueError(f"cannot pad a forest of {self.unique_tokens} tokens to {length}")
+        if extra == 0:
+            return self
+        T = self.unique_tokens
+        return TreeLayout(
+            tokens=torch.cat([self.tokens, self.tokens.new_zeros(extra)]),
+            position_ids=torch.cat([self.position_ids, self.position_ids.new_zeros(extra)]),
+            sub_end=torch.cat([self.sub_end, torch.arange(T + 1, length + 1, dtype=self.sub_end.dtype,
+                                                          device=self.sub_end.device)]),
+            sample_offsets=self.sample_offsets, sample_nodes=self.sample_nodes)
+
     def to(self, device) -> "TreeLayout":
         """A copy with every array on ``device``."""
         return TreeLayout(*(getattr(self, f).to(device) for f in _FIELDS))

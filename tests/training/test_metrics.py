@@ -49,3 +49,20 @@ def test_writer_jsonl_and_tensorboard(tmp_path):
         w.write(1, {"loss": 0.5})
         w.close()
         assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+
+
+def test_micro_batch_metrics_combine_like_one_micro_batch():
+    """Loss shares add up, token means are weighted by their tokens (per domain by the domain's), maxima are maxima."""
+    from forge_megatron.training.metrics import combine_micro_batch_metrics
+
+    a = {"loss": 0.25, "pg_loss": 0.3, "entropy": 0.5, "num_tokens": 30.0, "ratio_mean": 1.0, "ratio_max": 1.5,
+         "math/num_tokens": 10.0, "math/ratio": 2.0}
+    b = {"loss": 0.5, "pg_loss": 0.4, "entropy": 0.25, "num_tokens": 10.0, "ratio_mean": 3.0, "ratio_max": 1.2,
+         "math/num_tokens": 30.0, "math/ratio": 1.0, "qa/num_tokens": 5.0, "qa/ratio": 4.0}
+    out = combine_micro_batch_metrics([a, b])
+    assert out["loss"] == 0.75 and out["pg_loss"] == pytest.approx(0.7) and out["entropy"] == 0.75
+    assert out["num_tokens"] == 40.0 and out["ratio_mean"] == pytest.approx((30 * 1 + 10 * 3) / 40)
+    assert out["ratio_max"] == 1.5
+    assert out["math/ratio"] == pytest.approx((10 * 2 + 30 * 1) / 40) and out["math/num_tokens"] == 40.0
+    assert out["qa/ratio"] == 4.0 and out["qa/num_tokens"] == 5.0  # only in one micro-batch
+    assert combine_micro_batch_metrics([a]) == a

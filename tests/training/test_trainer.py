@@ -102,6 +102,30 @@ def test_tp2_and_pp2_train_like_one_rank(tmp_path, parallel):
     assert losses["parallel"] == pytest.approx(losses["single"], abs=1e-5)  # step 2 also checks the optimizer update
 
 
+def test_interleaved_pipeline_trains_like_one_rank_and_resumes(tmp_path):
+    """PP = 2 with two virtual stages per rank (4 layers: rank 0 holds layers 1 and 3, rank 1 layers 2 and 4),
+    Megatron's interleaved schedule, micro-batches split to a multiple of PP and padded to one length: the same
+    losses and gradient norms as one rank, also when the run stops after step 1 (checkpoint of both chunks) and
+    resumes; the HF weights reach both chunks of each rank."""
+    model_dir = build_tiny_model(str(tmp_path / "model"), num_hidden_layers=4)
+    four = ["--num-layers", "4"]  # after scripts/models/tiny.sh's 2
+    vpp = four + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    runs = (("single", 1, four, (None,)), ("vpp", 2, vpp, (None,)), ("vpp_resumed", 2, vpp, (1, None)))
+    steps = {}
+    for name, nproc, extra, exits in runs:
+        steps[name], stdouts, _ = run_on_fresh_pool(
+            tmp_path, name, model_dir, lambda c: feed_groups(c, 3, np.random.default_rng(9), completion_len=(4, 12)),
+            iters=2, groups=1, extra=extra, nproc=nproc, exits=exits)
+        if name == "vpp_resumed":
+            assert "resumed from" in stdouts[1]
+    for name in ("vpp", "vpp_resumed"):
+        assert len(steps[name]) == 2
+        for a, b in zip(steps["single"], steps[name]):
+            assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+            assert b["micro_batches"] % 2 == 0
+
+
 def test_dp2_and_cp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
     """CISPO's token mean is over the whole batch: two DP ranks holding groups with different token counts must
     produce the gradient one rank computes on the full batch (grad norm of the DP-reduced gradient, two steps).
@@ -136,9 +160,13 @@ def test_batch_normaliser_does_not_depend_on_micro_batching(tmp_path, norm):
             tmp_path, f"b{budget}", model_dir,
             lambda c: feed_groups(c, 3, np.random.default_rng(7), completion_len=(3, 14, 8)), iters=1, groups=3,
             extra=["--rl-loss-norm", norm, "--tree-token-budget", str(budget)])
-        norms[budget] = (step["grad_norm"], step["micro_batches"])
+        norms[budget] = (step["grad_norm"], step["micro_batches"], step["loss"], step["ratio_mean"],
+                         step["num_tokens"])
     assert norms[4096][1] == 1 and norms[40][1] > 2
     assert norms[40][0] == pytest.approx(norms[4096][0], rel=1e-5)
+    # the logged loss terms do not depend on the micro-batching either (shares summed, token means weighted)
+    for i in (2, 3, 4):
+        assert norms[40][i] == pytest.approx(norms[4096][i], rel=1e-5, abs=1e-7)
 
 
 def test_fused_logprobs_train_like_megatrons_output_layer(tmp_path):
