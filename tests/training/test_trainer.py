@@ -108,7 +108,7 @@ def test_interleaved_pipeline_trains_like_one_rank_and_resumes(tmp_path):
     losses and gradient norms as one rank, also when the run stops after step 1 (checkpoint of both chunks) and
     resumes; the HF weights reach both chunks of each rank."""
     model_dir = build_tiny_model(str(tmp_path / "model"), num_hidden_layers=4)
-    four = ["--num-layers", "4"]  # after scripts/models/tiny.sh's 2
+    four = ["--num-layers", "4", "--old-logprobs", "recompute"]  # after tiny.sh's 2; also a forward-only schedule
     vpp = four + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     runs = (("single", 1, four, (None,)), ("vpp", 2, vpp, (None,)), ("vpp_resumed", 2, vpp, (1, None)))
     steps = {}
@@ -124,6 +124,7 @@ def test_interleaved_pipeline_trains_like_one_rank_and_resumes(tmp_path):
             assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
             assert b["micro_batches"] % 2 == 0
+    assert steps["vpp"][0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # pi_old recomputed through the chunks
 
 
 def test_dp2_and_cp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
