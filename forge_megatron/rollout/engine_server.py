@@ -238,7 +238,7 @@ class ReferenceEngine:
         self.pause_mode = mode
         self.resumed.clear()
         if mode == "abort":
-            for req in self.running.values():
+            for req in list(self.running.values()):
                 req.aborted = True
             self.resumed.set()  # wake the aborted requests; new ones wait on the pause flag below
             self.resumed.clear()
@@ -248,8 +248,11 @@ class ReferenceEngine:
         self.resumed.set()
 
     def flush_cache(self) -> None:
-        """Drop the KV caches of requests held by a pause (they are re-encoded on continue)."""
-        for req in self.running.values():
+        """Drop the KV caches of requests held by a pause (they are re-encoded on continue).
+
+        Runs on the worker thread while the event loop adds and removes running requests: iterate over a snapshot
+        (iterating the live dict raised "dictionary changed size during iteration", a 500 on /pause_generation)."""
+        for req in list(self.running.values()):
             req.past = None
 
     def load_state(self, named: dict[str, torch.Tensor]) -> None:

@@ -11,8 +11,10 @@ Protocol (global rank 0 drives it; every rank takes part in the gathers):
      then ``POST /flush_cache``;
   3. send every parameter: per pipeline stage, non-expert tensors then expert tensors (separate buckets), stage s's
      buckets relayed from its lead to rank 0 (see :mod:`buckets`), delivered by the transport;
-  4. an engine that fails in 2-3 is excluded and left paused (it serves nothing with half-updated weights); the
-     send is repeated from the start for the engines still in service, up to ``max_attempts`` passes;
+  4. an engine that fails in 2 is excluded and resumed at once (no weight reached it: it goes on serving the previous
+     version, tagged as such); one that fails in 3 is excluded and left paused (it serves nothing with
+     half-updated weights); the send is repeated from the start for the engines still in service, up to
+     ``max_attempts`` passes;
   5. ``POST /continue_generation`` on the updated engines, gateway ``POST /forge/admin/resume {policy_version}``.
 
 The policy version becomes ``policy_version`` only if every engine in service ended with the full new weights;
@@ -148,8 +150,20 @@ class WeightSyncer:
         live = [u for u in self.cfg.engine_urls if u not in self.excluded]
         self._gateway("/forge/admin/pause", {})
         for route, body in (("/pause_generation", {"mode": self.cfg.pause_mode}), ("/flush_cache", None)):
+            before = live
             live = self._call_live(live, route, body)
+            self._release([u for u in before if u not in live])
         return live
+
+    def _release(self, urls: list[str]) -> None:
+        """Engines that failed before any weight reached them still hold the previous weights whole: let them go on
+        serving (best effort; a dead one just fails again). Left paused, a fleet whose only engine failed here would
+        produce no rollouts, the trainer would wait for a batch and no later sync would come to re-include it."""
+        for url in urls:
+            try:
+                self.http.call_all([url], "/continue_generation", None)
+            except EngineFailure as exc:
+                log.warning("weight sync: %s stays paused: %s", url, exc)
 
     def _call_live(self, live: list[str], route: str, body) -> list[str]:
         try:

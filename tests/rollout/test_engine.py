@@ -280,3 +280,40 @@ def test_moe_per_expert_names_load_into_fused_experts(tmp_path):
             eng.load_state({"model.layers.0.mlp.experts.1.bogus_proj.weight": gate})
     finally:
         eng.worker.shutdown()
+
+
+def test_flush_and_pause_survive_requests_coming_and_going(engine):
+    """flush_cache runs on the worker thread while the event loop adds and removes running requests; iterating the
+    live dict raised "dictionary changed size during iteration" (a 500 on /pause_generation that left the demo's
+    only engine excluded). A request whose cache drop makes another request arrive reproduces it deterministically."""
+    eng = engine.engine
+    saved = eng.running
+
+    class Arriving:
+        aborted = False
+
+        def __init__(self, name):
+            self.name = name
+
+        @property
+        def past(self):
+            return None
+
+        @past.setter
+        def past(self, value):  # another request arrives while the loop is dropping caches
+            eng.running[f"{self.name}+"] = Arriving(f"{self.name}+")
+
+        def __setattr__(self, key, value):
+            if key == "aborted":
+                eng.running[f"{self.name}*"] = Arriving(f"{self.name}*")
+            object.__setattr__(self, key, value)
+
+    try:
+        eng.running = {"a": Arriving("a"), "b": Arriving("b")}
+        eng.flush_cache()
+        assert {"a+", "b+"} <= set(eng.running)
+        eng.pause("abort")
+        assert {"a*", "b*"} <= set(eng.running)
+    finally:
+        eng.running = saved
+        eng.resume()

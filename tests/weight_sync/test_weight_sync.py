@@ -281,6 +281,55 @@ def test_engine_killed_during_sync_is_excluded_then_resynced(models, tmp_path):
         assert version == "3" and max(abs(a - b) for a, b in zip(lps, trainer)) <= 1e-5, key
 
 
+def _pause_failure_body(rank, world_size, mcore_dir, url):
+    from forge_megatron.weight_sync import WeightSyncer
+
+    bridge, model = load_converted(mcore_dir)
+    _perturb(model, 0.05)
+    syncer = WeightSyncer(WeightSyncConfig(engine_urls=[url], bucket_bytes=40_000, timeout_s=30), bridge)
+    out = {}
+    try:
+        out["failed"] = syncer.sync([model], 1)  # the engine's first /pause_generation answers 500
+        out["still_serving"] = _engine_greedy(url)  # would time out if the engine had been left paused
+        out["resync"] = syncer.sync([model], 2)
+        out["after"] = _engine_vs_trainer(model, url)
+    finally:
+        syncer.close()
+    return out
+
+
+def test_engine_failing_to_pause_keeps_serving_then_resyncs(models, tmp_path):
+    """An engine whose pause fails (HTTP 500; here its cache flush raises once) received no weights: it is excluded,
+    resumed at once so that rollouts go on with the previous weights (left paused, a one-engine fleet would stall
+    with the trainer waiting for a batch), and the next sync takes it back and updates it."""
+    from forge_megatron.rollout.launch import start_engine
+
+    mcore = str(tmp_path / "mcore")
+    ckpt.hf_to_megatron(models["qwen2"], mcore)
+    engine = start_engine(models["qwen2"], in_process=True)
+    flush, failures = engine.engine.flush_cache, []
+
+    def flush_failing_once():
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected flush failure")
+        flush()
+
+    engine.engine.flush_cache = flush_failing_once
+    try:
+        (out,) = run_distributed(_pause_failure_body, world_size=1, mcore_dir=mcore, url=engine.url)
+    finally:
+        engine.stop()
+    failed = out["failed"]
+    assert failed.excluded == [engine.url] and failed.updated == [] and failed.policy_version is None
+    ids, lps, version = out["still_serving"]
+    assert len(ids) == NEW and version != "1"  # generating, with the weights it had
+    resync = out["resync"]
+    assert resync.excluded == [] and resync.updated == [engine.url] and resync.policy_version == 2
+    (lps, version), trainer = out["after"]
+    assert version == "2" and max(abs(a - b) for a, b in zip(lps, trainer)) <= 1e-5
+
+
 # ------------------------------------------------------------------------------------------------ bad config
 @pytest.mark.parametrize("kwargs,message", [
     (dict(engine_urls=[]), "engine_urls must be a non-empty list"),
