@@ -127,6 +127,26 @@ def test_interleaved_pipeline_trains_like_one_rank_and_resumes(tmp_path):
     assert steps["vpp"][0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # pi_old recomputed through the chunks
 
 
+def test_tied_embeddings_under_pp_and_vpp_train_like_one_rank(tmp_path):
+    """Tied input/output embeddings: under PP the last stage keeps its own copy of the embedding as head, made equal
+    to the first stage's at construction (an all-reduce that used to crash on CPU: Megatron calls .cuda() there) and
+    kept equal by the embedding-gradient all-reduce. PP = 2 and PP = 2 x VPP = 2 match one rank over two steps."""
+    model_dir = build_tiny_model(str(tmp_path / "model"), num_hidden_layers=4, tie_word_embeddings=True)
+    four = ["--num-layers", "4"]
+    runs = (("single", 1, four), ("pp2", 2, four + ["--pipeline-model-parallel-size", "2"]),
+            ("vpp", 2, four + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]))
+    steps = {}
+    for name, nproc, extra in runs:
+        steps[name], _, _ = run_on_fresh_pool(
+            tmp_path, name, model_dir, lambda c: feed_groups(c, 3, np.random.default_rng(9), completion_len=(4, 12)),
+            iters=2, groups=1, extra=extra, nproc=nproc)
+    for name in ("pp2", "vpp"):
+        assert len(steps[name]) == 2
+        for a, b in zip(steps["single"], steps[name]):
+            assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
 def test_dp2_and_cp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
     """CISPO's token mean is over the whole batch: two DP ranks holding groups with different token counts must
     produce the gradient one rank computes on the full batch (grad norm of the DP-reduced gradient, two steps).
