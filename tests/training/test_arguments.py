@@ -147,3 +147,30 @@ def test_constant_loss_norm_takes_its_divisor_and_is_split_over_dp():
     rb.global_sample_weight = 0.0
     with pytest.raises(ValueError, match="sample weights sum to 0.0: the seq_mean normaliser is 0"):
         batch_loss_config(seq_mean, rb)
+
+
+@pytest.mark.parametrize("extra,layers,expected", [
+    ([], 8, None),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"], 8, 2),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "4"], 8, 4),
+    (["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "2"], 8, None),  # 1 chunk
+])
+def test_virtual_pipeline_size(extra, layers, expected):
+    args = arguments.parse_args(MINIMAL + extra)
+    assert arguments.virtual_pipeline_size(args, layers) == expected
+    assert arguments.parallel_config(args, layers).vpp == expected
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--num-virtual-stages-per-pipeline-rank", "2"], "not both"),
+    (["--num-virtual-stages-per-pipeline-rank", "2"], r"need --pipeline-model-parallel-size >= 2"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+     "8 layers do not split into 2 pipeline ranks x chunks of 3 layers"),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3"],
+     r"do not split into 2 x 3 equal chunks"),
+])
+def test_virtual_pipeline_errors_are_named(extra, message):
+    args = arguments.parse_args(MINIMAL + extra)
+    with pytest.raises(ValueError, match=message):
+        arguments.virtual_pipeline_size(args, 8)

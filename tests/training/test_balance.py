@@ -108,3 +108,15 @@ def test_rank_batch_splits_the_same_way_on_every_rank():
     dealt = rank_batch(batch, 4096, True, 0, 2, [], balance="round-robin", hidden_size=8)
     assert sorted({s.group_index for s in dealt.samples}) == [0, 2, 4]
     assert imbalance(dealt.dp_loads) > imbalance(shares[0].dp_loads)
+
+
+def test_split_to_multiple_keeps_order_and_names_the_problem():
+    from forge_megatron.training.trainer import split_to_multiple
+
+    parts = [[0, 1, 2, 3], [4], [5, 6]]
+    out = split_to_multiple(parts, 2)
+    assert out == [[0, 1], [2, 3], [4], [5, 6]] and [i for p in out for i in p] == list(range(7))
+    assert split_to_multiple(parts, 3) == parts
+    assert len(split_to_multiple([[0, 1, 2, 3, 4]], 4)) == 4
+    with pytest.raises(ValueError, match="needs a multiple of 2 micro-batches.*only 1 samples in 1 micro-batches"):
+        split_to_multiple([[0]], 2, batch_id=7)

@@ -71,3 +71,28 @@ def test_sample_over_budget_and_bad_arguments():
         pack_micro_batches([[1]], 0)
     with pytest.raises(ValueError, match="keys has 1 entries but there are 2 samples"):
         pack_micro_batches([[1], [2]], 4, keys=[0])
+
+
+def test_padded_layout_keeps_every_sample_and_attention():
+    """Padding a forest with single-token roots (fixed-length pipelines) changes no sample, no target and no output
+    of the real tokens; each padding token sees only itself."""
+    import torch
+
+    from forge_megatron.kernels.tree_attention import tree_attention_reference
+    from forge_megatron.tree import build_tree
+
+    layout = build_tree([[1, 2, 3, 4], [1, 2, 5], [6, 7]])
+    padded = layout.padded(layout.unique_tokens + 3)
+    assert padded.unique_tokens == layout.unique_tokens + 3 and layout.padded(layout.unique_tokens) is layout
+    for a, b in zip(layout.next_token_index(), padded.next_token_index()):
+        assert torch.equal(a, b)
+    T, P = layout.unique_tokens, padded.unique_tokens
+    assert padded.sub_end[T:].tolist() == list(range(T + 1, P + 1)) and padded.position_ids[T:].tolist() == [0] * 3
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(P, 2, 8, generator=g) for _ in range(3))
+    out_p = tree_attention_reference(q, k, v, padded.sub_end)
+    out = tree_attention_reference(q[:T], k[:T], v[:T], layout.sub_end)
+    torch.testing.assert_close(out_p[:T], out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out_p[T:], v[T:], rtol=0, atol=1e-6)  # alone: attends to itself only
+    with pytest.raises(ValueError, match="cannot pad a forest of 7 tokens to 5"):
+        layout.padded(5)
