@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_CHUNK_BYTES = 256 << 20
-"""fp32 working set of one chunk of rows (the forward needs one such buffer, the backward two)."""
+"""fp32 working set of one chunk of rows (the forward needs one such buffer, two with the entropy; the backward
+two)."""
 
 
 def check_targets(rows_M: torch.Tensor, targets_M: torch.Tensor, vocab_size: int) -> None:
@@ -87,7 +88,7 @@ class _Targets:
         self.bounds = torch.searchsorted(self.pos_M[self.order_M], edges).tolist()
 
     def chunks(self):
-        """(k, lo, hi, targets in the chunk, their rows within the chunk)."""
+        """(lo, hi, the targets scored on rows U[lo:hi], their rows within the chunk) per chunk of rows."""
         for k, (lo, hi) in enumerate(_chunks(self.U.numel(), self.chunk_rows)):
             m = self.order_M[self.bounds[k]:self.bounds[k + 1]]
             yield lo, hi, m, self.pos_M[m] - lo
@@ -114,7 +115,8 @@ def _forward(read, t: _Targets, with_entropy: bool, device):
     target_M = torch.zeros(t.pos_M.shape, dtype=torch.float32, device=device)
     for lo, hi, m, r in t.chunks():
         z_CV = read(lo, hi)
-        target_M[m] = z_CV[r, t.local_M[m]] * t.owned_M[m]  # only the owning rank contributes the target logit
+        # only the owning rank contributes the target logit (where, not a product: -inf * 0 would be NaN)
+        target_M[m] = torch.where(t.owned_M[m], z_CV[r, t.local_M[m]], 0.0)
         m_C = z_CV.max(dim=-1).values
         z_CV -= m_C[:, None]
         exp_CV = z_CV.exp() if with_entropy else z_CV.exp_()
