@@ -44,8 +44,8 @@ step "build CUDA extension" 110 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST
 step "gpu tests" 110 "$PY" -m pytest -q -m gpu -rs --timeout=100 -p no:cacheprovider "$TESTS"
 step "benchmark grpo" 35 "$PY" benchmarks/tree_attention.py --workload grpo
 step "benchmark agentic" 35 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
-step "benchmark logprobs" 30 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
-step "trainer on GPU" 210 "$PY" -m pytest -q -m gpu -rs --timeout=150 -p no:cacheprovider \
+step "benchmark logprobs" 40 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
+step "trainer on GPU" 200 "$PY" -m pytest -q -m gpu -rs --timeout=150 -p no:cacheprovider \
   tests/training/test_gpu_trainer.py
 
 echo "gpu_check: $([ $failed -eq 0 ] && echo PASSED || echo FAILED), log in $LOG" | tee -a "$LOG"
