@@ -199,22 +199,31 @@ def read_meta(mcore_dir: str) -> tuple[Bridge, ParallelLayout]:
 
 def load_megatron_stage(bridge: Bridge, mcore_dir: str, layout: ParallelLayout, pp: int) -> dict[str, torch.Tensor]:
     """Full canonical tensors of stage ``pp``: TP shards joined, experts renamed to global ids."""
+    def state(tp: int, ep: int) -> dict:
+        path = rank_file(mcore_dir, layout, tp, pp, ep)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"missing checkpoint file {path!r} for layout {layout}")
+        return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+    return join_piece(bridge, layout, state, bridge.stage_layers(layout, pp), pp == 0, pp == layout.pp - 1,
+                      f"stage {pp} of {mcore_dir!r}")
+
+
+def join_piece(bridge: Bridge, layout: ParallelLayout, state, layers: range, first: bool, last: bool,
+               where: str) -> dict[str, torch.Tensor]:
+    """Full canonical tensors of one model piece (a pipeline stage or a virtual-pipeline chunk holding global
+    ``layers``) from ``state(tp, ep)``, the local state dict of each of its TP x EP shards: TP shards joined,
+    layers and experts renamed to global numbers, checked against the names the piece must hold."""
     per_name: dict[str, list] = {}
-    layer_offset = bridge.stage_layers(layout, pp).start
     for ep in range(layout.ep):
         for tp in range(layout.tp):
-            path = rank_file(mcore_dir, layout, tp, pp, ep)
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"missing checkpoint file {path!r} for layout {layout}")
-            model = torch.load(path, map_location="cpu", weights_only=True)["model"]
-            for local, t in model.items():
+            for local, t in state(tp, ep).items():
                 if t is None or local.endswith("._extra_state") or local == TIED_HEAD and bridge.cfg.tie_word_embeddings:
                     continue
-                name = bridge.rename(local, layer_offset, ep * bridge.local_experts(layout))
+                name = bridge.rename(local, layers.start, ep * bridge.local_experts(layout))
                 shards = per_name.setdefault(name, [[None] * layout.tp for _ in range(layout.ep)])
                 shards[ep][tp] = t
-    expected = set(bridge.stage_names(layout, pp))
-    _check_names(expected, set(per_name), f"stage {pp} of {mcore_dir!r}")
+    _check_names(set(bridge.piece_names(layers, first, last)), set(per_name), where)
     full = {}
     for name, by_ep in per_name.items():
         owner = bridge.expert_rank(name, layout)

@@ -3,6 +3,7 @@
     forge-convert hf-to-mcore --hf-dir Qwen3-8B --out ckpt/qwen3 --tp 4 --pp 2
     forge-convert mcore-to-hf --mcore-dir ckpt/qwen3 --out Qwen3-8B-rl
     forge-convert reshard --mcore-dir ckpt/qwen3 --out ckpt/qwen3-tp8 --tp 8 --pp 1
+    forge-convert trainer-to-hf --save-dir runs/x/checkpoints --out Qwen3-8B-rl-step500 [--iteration 500]
 
 Megatron checkpoints are written in the per-rank ``torch`` format (``--ckpt-format torch``); for ``torch_dist`` run
 ``torchrun ... -m forge_megatron.convert.torch_dist`` (see docs/conversion.md).
@@ -34,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mcore-dir", required=True, help="Megatron checkpoint written by forge-convert")
     p.add_argument("--out", required=True, help="output HF directory")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GiB (default 5)")
+    p = sub.add_parser("trainer-to-hf", help="forge trainer checkpoint (<save>/iter_N/rank_R.pt, any TP/PP/VPP/EP) "
+                                             "-> HF safetensors directory with the tokenizer: the RL policy")
+    p.add_argument("--save-dir", required=True, help="the trainer's --save directory")
+    p.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
+    p.add_argument("--out", required=True, help="output HF directory")
+    p.add_argument("--tokenizer-from", default=None,
+                   help="copy tokenizer files from this directory (default: the run's --hf-checkpoint, if present)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GiB (default 5)")
     p = sub.add_parser("reshard", help="Megatron torch checkpoint -> the same with another TP/PP/EP layout")
     p.add_argument("--mcore-dir", required=True, help="Megatron checkpoint written by forge-convert")
     p.add_argument("--out", required=True, help="output Megatron checkpoint directory")
@@ -50,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint.hf_to_megatron(args.hf_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep))
         elif args.command == "mcore-to-hf":
             checkpoint.megatron_to_hf(args.mcore_dir, args.out, int(args.max_shard_gb * (1 << 30)))
+        elif args.command == "trainer-to-hf":
+            from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+
+            summary = export_trainer_checkpoint(args.save_dir, args.out, args.iteration, args.tokenizer_from,
+                                                int(args.max_shard_gb * (1 << 30)))
+            print(f"forge-convert: iteration {summary['iteration']} (policy version {summary['policy_version']}), "
+                  f"layout {summary['layout']}, {summary['tensors']} tensors, tokenizer from "
+                  f"{summary['tokenizer_from'] or '(none found)'}")
         else:
             checkpoint.reshard(args.mcore_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep))
     except (MappingError, UnsupportedModelError, ValueError, FileNotFoundError) as exc:

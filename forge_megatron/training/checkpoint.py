@@ -8,7 +8,8 @@ optimizer (``--use-distributed-optimizer``) keeps its fp32 master weights and Ad
 ``load_parameter_state`` (gathered to, and written by, the data-parallel rank 0 of each optimizer's group), as in
 Megatron-LM's torch-format checkpoints; without them a resumed run would write stale masters over the model. Rank 0 writes
 ``<save>/latest`` (the iteration) only after every rank has written its file, so a crash mid-save leaves the previous
-checkpoint as the one that loads. A resumed job must use the same parallel layout.
+checkpoint as the one that loads. A resumed job must use the same parallel layout. ``rank_<RRRRR>.json`` records the
+rank's coordinates in the job and the HF config, for ``forge-convert trainer-to-hf`` (an offline HF export).
 
 After a checkpoint is complete the trainer commits the pool's delivered batches up to that batch id; on resume it
 asks the pool to re-serve everything delivered but not committed (``requeue_uncommitted``), so no group is lost and
@@ -17,6 +18,7 @@ none is trained twice across a restart.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -46,11 +48,34 @@ def _chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict) -> str:
+def rank_coordinates() -> dict:
+    """This rank's place in the job (what an offline export needs to pick and join the shards)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "rank": dist.get_rank(), "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "layout": {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+                   "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
+                   "dp": ps.get_data_parallel_world_size(),
+                   "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1},
+    }
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict,
+                    meta: dict | None = None) -> str:
     """Write this rank's state (``model``: the model or its list of virtual-pipeline chunks); rank 0 moves ``latest``
-    once all ranks are done. Returns the iteration dir."""
+    once all ranks are done. Returns the iteration dir.
+
+    Next to ``rank_<R>.pt`` goes ``rank_<R>.json``: the rank's coordinates (:func:`rank_coordinates`) plus ``meta``
+    (the trainer adds the HF config and checkpoint path), which ``forge-convert trainer-to-hf`` reads to export the
+    weights without loading every rank's optimizer state."""
     path = _rank_file(root, iteration)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path[:-len(".pt")] + ".json.tmp", "w") as f:
+        json.dump({**rank_coordinates(), "iteration": iteration, **(meta or {})}, f)
+    os.replace(path[:-len(".pt")] + ".json.tmp", path[:-len(".pt")] + ".json")
     chunks = _chunks(model)
     weights = {"model": chunks[0].state_dict()} if len(chunks) == 1 else {
         "model_chunks": [c.state_dict() for c in chunks]}  # virtual-pipeline chunks, in order

@@ -369,7 +369,9 @@ class Trainer:
             return 0.0
         t0 = time.perf_counter()
         save_checkpoint(a.save, self.iteration, self.ddp, self.optimizer, self.scheduler,
-                        {"policy_version": self.policy_version, "last_batch_id": self.last_batch_id})
+                        {"policy_version": self.policy_version, "last_batch_id": self.last_batch_id},
+                        meta={"hf_config": self.bridge.hf_config, "hf_checkpoint": os.path.abspath(a.hf_checkpoint),
+                              "policy_version": self.policy_version})
         if self.pool is not None and self.last_batch_id is not None:
             self.pool.commit(up_to_batch_id=self.last_batch_id)
         self._log(f"checkpoint iteration {self.iteration} saved to {a.save}; pool committed up to batch "

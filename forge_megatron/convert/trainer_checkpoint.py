@@ -1,0 +1,131 @@
+"""Export a forge trainer checkpoint (``<save>/iter_<N>/rank_<R>.pt``) to a Hugging Face safetensors directory.
+
+The RL run's policy, ready to serve or evaluate, without a GPU or the job's process layout: every rank wrote a
+``rank_<R>.json`` next to its ``.pt`` (its TP/PP/EP/DP/CP coordinates, the layout with the virtual-pipeline size,
+the HF config and the HF checkpoint the run started from). One shard per (TP, PP, EP) coordinate is opened
+(memory-mapped: the optimizer state in the same file is never read), its model chunks are joined piece by piece
+(pipeline stage, or virtual-pipeline chunk v of stage p holding layers ``(v * PP + p) * L_c ...``) exactly as
+``forge-convert mcore-to-hf`` joins a Megatron checkpoint, and written with the HF names. Tokenizer files are copied
+from the run's HF checkpoint when it is still there (or from ``tokenizer_from``).
+
+    forge-convert trainer-to-hf --save-dir runs/x/checkpoints --out models/policy-500 [--iteration 500]
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import torch
+
+from forge_megatron.bridge import Bridge, MappingError, ParallelLayout
+from forge_megatron.convert.checkpoint import join_piece, save_hf
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+def _latest(save_dir: str) -> int:
+    from forge_megatron.training.checkpoint import latest_iteration
+
+    iteration = latest_iteration(save_dir)
+    if iteration is None:
+        raise FileNotFoundError(f"{save_dir!r} has no complete trainer checkpoint (no 'latest' marker)")
+    return iteration
+
+
+def read_rank_metadata(save_dir: str, iteration: int) -> list[dict]:
+    """The ``rank_<R>.json`` files of one checkpoint, checked to describe one complete job."""
+    it_dir = os.path.join(save_dir, f"iter_{iteration:07d}")
+    if not os.path.isdir(it_dir):
+        raise FileNotFoundError(f"no checkpoint directory {it_dir!r}")
+    metas = []
+    for path in sorted(glob.glob(os.path.join(it_dir, "rank_*.json"))):
+        with open(path) as f:
+            metas.append(json.load(f))
+    if not metas:
+        raise FileNotFoundError(f"{it_dir!r} has no rank_*.json (written by trainers from 2026-11-30 on); an older "
+                                f"checkpoint cannot be exported offline: resume it for one step to rewrite it")
+    layout = metas[0]["layout"]
+    if any(m["layout"] != layout for m in metas):
+        raise ValueError(f"{it_dir!r}: the ranks disagree on the parallel layout")
+    world = layout["tp"] * layout["pp"] * layout["cp"] * layout["dp"]
+    if len(metas) != world:
+        raise FileNotFoundError(f"{it_dir!r} holds {len(metas)} rank files, the job had {world} ranks")
+    return metas
+
+
+def _model_chunks(path: str) -> list[dict]:
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    chunks = [state["model"]] if "model" in state else state["model_chunks"]
+    return [{_strip_wrappers(k): v for k, v in chunk.items()} for chunk in chunks]
+
+
+def _strip_wrappers(key: str) -> str:
+    """DDP and Float16Module each add ``module.`` in front of the GPTModel's own names."""
+    while key.startswith("module."):
+        key = key[len("module."):]
+    return key
+
+
+def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None = None,
+                              tokenizer_from: str | None = None, max_shard_bytes: int = 5 << 30) -> dict:
+    """Write the model of trainer checkpoint ``iteration`` (default: the latest) as HF safetensors in ``out_dir``.
+    Returns a summary (iteration, policy version, layout, tensors written, tokenizer source)."""
+    iteration = _latest(save_dir) if iteration is None else iteration
+    metas = read_rank_metadata(save_dir, iteration)
+    layout = metas[0]["layout"]
+    if "hf_config" not in metas[0]:
+        raise MappingError("the checkpoint's rank_*.json has no hf_config")
+    bridge = Bridge(metas[0]["hf_config"])
+    pl = ParallelLayout(layout["tp"], layout["pp"], layout["ep"])
+    P, V = layout["pp"], layout.get("vpp", 1)
+    if bridge.cfg.num_layers % (P * V):
+        raise ValueError(f"{bridge.cfg.num_layers} layers do not split into {P} x {V} pipeline chunks")
+    per_chunk = bridge.cfg.num_layers // (P * V)
+    # one shard per (tp, pp, ep): the lowest global rank holding it (any data-parallel replica has the same weights)
+    owner: dict[tuple[int, int, int], int] = {}
+    for m in sorted(metas, key=lambda m: m["rank"]):
+        owner.setdefault((m["tp"], m["pp"], m["ep"]), m["rank"])
+    it_dir = os.path.join(save_dir, f"iter_{iteration:07d}")
+    cache: dict[int, list[dict]] = {}
+
+    def chunks_of(tp: int, pp: int, ep: int) -> list[dict]:
+        if (tp, pp, ep) not in owner:
+            raise FileNotFoundError(f"{it_dir!r} has no shard for TP {tp}, PP {pp}, EP {ep}")
+        rank = owner[(tp, pp, ep)]
+        if rank not in cache:
+            cache[rank] = _model_chunks(os.path.join(it_dir, f"rank_{rank:05d}.pt"))
+            if len(cache[rank]) != V:
+                raise ValueError(f"rank {rank} holds {len(cache[rank])} model chunks, the layout says {V}")
+        return cache[rank]
+
+    count = [0]
+
+    def tensors():
+        for p in range(P):
+            for v in range(V):
+                start = (v * P + p) * per_chunk
+                full = join_piece(bridge, pl, lambda tp, ep: chunks_of(tp, p, ep)[v], range(start, start + per_chunk),
+                                  p == 0 and v == 0, p == P - 1 and v == V - 1,
+                                  f"pipeline rank {p}, chunk {v} of {it_dir!r}")
+                for name, t in full.items():
+                    for hf_name, hf_t in bridge.to_hf(name, t).items():
+                        count[0] += 1
+                        yield hf_name, hf_t
+            cache.clear()  # one stage's shards in memory at a time
+
+    save_hf(tensors(), out_dir, bridge.hf_config, max_shard_bytes)
+    source = tokenizer_from or metas[0].get("hf_checkpoint")
+    copied = []
+    if source and os.path.isdir(source):
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copy2(os.path.join(source, name), os.path.join(out_dir, name))
+                copied.append(name)
+    elif tokenizer_from:
+        raise FileNotFoundError(f"--tokenizer-from {tokenizer_from!r} is not a directory")
+    return {"iteration": iteration, "policy_version": metas[0].get("policy_version"), "layout": layout,
+            "tensors": count[0], "tokenizer_from": source if copied else None, "tokenizer_files": copied}
