@@ -88,7 +88,8 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     the model's ``hidden_size``), ``round-robin`` deals them in index order. Every rank computes the same split.
     ``domains`` (the names behind the per-domain metric ids) grows with new domains in batch order, which is the
     same on every rank. ``interleaved_pp`` (the PP size, for the interleaved schedule) makes the number of
-    micro-batches a multiple of it (splitting the largest ones) and pads every micro-batch to the longest one.
+    micro-batches a multiple of it (splitting the largest ones); with PP = 2 it also pads every micro-batch to the
+    longest one (:func:`interleaved_needs_fixed_length`).
     """
     from forge_megatron.training.balance import assign_groups
     from forge_megatron.tree import pack_micro_batches
@@ -115,7 +116,7 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     if interleaved_pp:
         parts = split_to_multiple(parts, interleaved_pp, batch.batch_id)
     mbs = [micro_batch_of([samples[i] for i in part], domains) for part in parts]
-    if interleaved_pp:
+    if interleaved_pp and interleaved_needs_fixed_length(interleaved_pp):
         length = max(mb.layout.unique_tokens for mb in mbs)
         for mb in mbs:
             mb.layout, mb.fixed_length = mb.layout.padded(length), True
@@ -124,6 +125,13 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     global_tokens, global_weight = _sum_over_dp([num_loss_tokens, sample_weight], dp_size)
     return RankBatch(mbs, num_loss_tokens, samples, batch.batch_id, batch.metrics, global_loss_tokens=global_tokens,
                      dp_size=dp_size, global_sample_weight=global_weight, dp_loads=loads)
+
+
+def interleaved_needs_fixed_length(pp: int) -> bool:
+    """With PP = 2 a stage's previous and next stage are the same rank, and megatron-core's exchange of variable
+    shapes (batched, one tag) then mixes up the two directions: the interleaved schedule needs one length per step.
+    With PP >= 3 the neighbours differ and variable lengths are exchanged safely (no padding compute)."""
+    return pp == 2
 
 
 def split_to_multiple(parts: list[list[int]], multiple: int, batch_id=None) -> list[list[int]]:
@@ -428,9 +436,9 @@ def model_config(args: argparse.Namespace, bridge):
                     args.context_parallel_size)
     overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
     extra = dict(cfg.extra)
-    if arguments.virtual_pipeline_size(args, cfg.num_layers):
-        # Interleaved: the micro-batches of a step are padded to one length (rank_batch), because Megatron's exchange
-        # of variable shapes mixes up the two directions when PP = 2.
+    if (arguments.virtual_pipeline_size(args, cfg.num_layers)
+            and interleaved_needs_fixed_length(args.pipeline_model_parallel_size)):
+        # Interleaved with PP = 2: the micro-batches of a step are padded to one length (rank_batch).
         extra.update(variable_seq_lengths=False)
     elif args.pipeline_model_parallel_size > 1:
         # tree micro-batches differ in length; Megatron accepts that only with the all-to-all MoE dispatcher

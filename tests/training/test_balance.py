@@ -105,6 +105,12 @@ def test_rank_batch_splits_the_same_way_on_every_rank():
     assert ids[0] == ["0-0", "0-1"]
     assert shares[0].dp_loads == shares[1].dp_loads  # every rank computes the same split
     assert shares[0].dp_loads[0] == group_cost([s.tokens for s in samples if s.group_index == 0], 8)
+    # interleaved pipeline: micro-batches split to a multiple of PP; padded to one length only with PP = 2
+    for pp, padded in ((2, True), (4, False)):
+        rb = rank_batch(batch, 320, True, 0, 1, [], hidden_size=8, interleaved_pp=pp)
+        lengths = {mb.layout.unique_tokens for mb in rb.micro_batches}
+        assert len(rb.micro_batches) % pp == 0 and (len(lengths) == 1) == padded, (pp, lengths)
+        assert all(mb.fixed_length == padded for mb in rb.micro_batches)
     dealt = rank_batch(batch, 4096, True, 0, 2, [], balance="round-robin", hidden_size=8)
     assert sorted({s.group_index for s in dealt.samples}) == [0, 2, 4]
     assert imbalance(dealt.dp_loads) > imbalance(shares[0].dp_loads)

@@ -127,6 +127,27 @@ def test_interleaved_pipeline_trains_like_one_rank_and_resumes(tmp_path):
     assert steps["vpp"][0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # pi_old recomputed through the chunks
 
 
+def test_interleaved_pipeline_over_four_stages_keeps_variable_lengths(tmp_path):
+    """PP = 4 x VPP = 2 (8 layers, one per chunk): the neighbours of a stage are different ranks, so micro-batches
+    keep their own lengths (not padded: see test_balance.py) and the variable shapes travel safely; losses and
+    gradient norms equal one rank's."""
+    model_dir = build_tiny_model(str(tmp_path / "model"), num_hidden_layers=8)
+    eight = ["--num-layers", "8"]
+    runs = (("single", 1, eight),
+            ("pp4vpp2", 4, eight + ["--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank",
+                                    "2", "--tree-token-budget", "40"]))
+    steps = {}
+    for name, nproc, extra in runs:
+        steps[name], _, _ = run_on_fresh_pool(
+            tmp_path, name, model_dir, lambda c: feed_groups(c, 3, np.random.default_rng(9), completion_len=(4, 12)),
+            iters=2, groups=1, extra=extra, nproc=nproc)
+    for a, b in zip(steps["single"], steps["pp4vpp2"]):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["micro_batches"] % 4 == 0 and b["micro_batches"] > 1
+    assert steps["pp4vpp2"][0]["total_tokens"] == steps["single"][0]["total_tokens"]
+
+
 def test_tied_embeddings_under_pp_and_vpp_train_like_one_rank(tmp_path):
     """Tied input/output embeddings: under PP the last stage keeps its own copy of the embedding as head, made equal
     to the first stage's at construction (an all-reduce that used to crash on CPU: Megatron calls .cuda() there) and
