@@ -59,8 +59,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                           "TP rank and divide, or be a multiple of, the key/value heads per TP rank")
     par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                      help="interleaved pipeline: layers per virtual stage (each PP rank holds num_layers / (PP * this) "
-                          "model chunks); needs PP >= 2. The micro-batches of a step are then padded to one length "
-                          "and their number split up to a multiple of PP, as the interleaved schedule requires")
+                          "model chunks); needs PP >= 2. The number of micro-batches is then split up to a "
+                          "multiple of PP, as the interleaved schedule requires (with PP = 2 they are also padded to "
+                          "one length)")
     par.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                      help="interleaved pipeline: model chunks per PP rank (instead of "
                           "--num-layers-per-virtual-pipeline-stage)")
