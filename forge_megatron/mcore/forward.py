@@ -173,6 +173,8 @@ class TreeMicroBatch:
     extras: dict = field(default_factory=dict)
     fixed_length: bool = False
     """Every micro-batch of the step has this layout's length (padded): needed under PP without variable lengths."""
+    pad_tokens: int = 0
+    """Padding roots at the end of ``layout`` (not real tokens: left out of the token metrics)."""
 
 
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TreeMicroBatch], tuple]

@@ -79,10 +79,13 @@ def combine_micro_batch_metrics(dicts: list[dict]) -> dict[str, float]:
 def batch_metrics(rank_batch, micro_batch_metrics: list[dict], policy_version: int) -> dict:
     """Everything except timings for one step (see the module docstring)."""
     total = sum(mb.layout.total_tokens for mb in rank_batch.micro_batches)
-    unique = sum(mb.layout.unique_tokens for mb in rank_batch.micro_batches)
+    pad = sum(getattr(mb, "pad_tokens", 0) for mb in rank_batch.micro_batches)  # fixed-length pipelines only
+    unique = sum(mb.layout.unique_tokens for mb in rank_batch.micro_batches) - pad
     out = {"samples": len(rank_batch.samples), "micro_batches": len(rank_batch.micro_batches),
            "total_tokens": int(total), "unique_tokens": int(unique), "merge_ratio": total / max(unique, 1),
            "loss_tokens": rank_batch.num_loss_tokens, "batch_id": rank_batch.batch_id}
+    if pad:
+        out["pad_tokens"] = int(pad)  # computed but not real: the interleaved pipeline's fixed length (PP = 2)
     if len(getattr(rank_batch, "dp_loads", [])) > 1:
         from forge_megatron.training.balance import imbalance
 

@@ -119,6 +119,7 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     if interleaved_pp and interleaved_needs_fixed_length(interleaved_pp):
         length = max(mb.layout.unique_tokens for mb in mbs)
         for mb in mbs:
+            mb.pad_tokens = length - mb.layout.unique_tokens
             mb.layout, mb.fixed_length = mb.layout.padded(length), True
     num_loss_tokens = float(sum(mb.extras["loss_mask_M"].sum() for mb in mbs))
     sample_weight = float(sum(mb.extras["sample_weight_S"].double().sum() for mb in mbs))

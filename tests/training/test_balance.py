@@ -111,6 +111,10 @@ def test_rank_batch_splits_the_same_way_on_every_rank():
         lengths = {mb.layout.unique_tokens for mb in rb.micro_batches}
         assert len(rb.micro_batches) % pp == 0 and (len(lengths) == 1) == padded, (pp, lengths)
         assert all(mb.fixed_length == padded for mb in rb.micro_batches)
+        # every real tree token lies on some sample; the padding roots (at the end) on none
+        assert all(mb.layout.unique_tokens - mb.pad_tokens == int(mb.layout.sample_nodes.max()) + 1
+                   for mb in rb.micro_batches)
+        assert (sum(mb.pad_tokens for mb in rb.micro_batches) > 0) == padded
     dealt = rank_batch(batch, 4096, True, 0, 2, [], balance="round-robin", hidden_size=8)
     assert sorted({s.group_index for s in dealt.samples}) == [0, 2, 4]
     assert imbalance(dealt.dp_loads) > imbalance(shares[0].dp_loads)
