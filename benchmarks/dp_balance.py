@@ -17,8 +17,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
-import time
 
 import numpy as np
 
@@ -56,24 +54,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29548"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
+    from trainer_step import tiny_trainer, timed_step  # benchmarks/ is on sys.path when run as a script
 
-    from forge_megatron.bridge import Bridge
-    from forge_megatron.mcore import parallel
-    from forge_megatron.models.tiny import build_tiny_model
-    from forge_megatron.training import arguments
     from forge_megatron.training.balance import imbalance
-    from forge_megatron.training.trainer import build_model_and_optimizer, forward_backward, rank_batch
+    from forge_megatron.training.trainer import rank_batch
 
-    parallel.initialize(seed=a.seed)
     modes = ("round-robin", "cost")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(os.path.join(tmp, "m"))
-        cfg = Bridge(model_dir).cfg
-        args = arguments.build_parser().parse_args(["--hf-checkpoint", model_dir, "--lr", "1e-4", "--train-iters", "1"])
-        _, ddp, _, _ = build_model_and_optimizer(args, cfg)
-        loss_cfg = arguments.loss_config(args)
+    with tiny_trainer(a.seed, 29548) as (cfg, ddp, loss_cfg):
         batch = make_batch(a.groups, a.group_size, a.prompt, a.median, a.sigma, a.max_len, cfg.vocab_size, a.seed)
         shares = {m: [rank_batch(batch, a.token_budget, True, r, a.dp, ["math"], balance=m,
                                  hidden_size=cfg.hidden_size) for r in range(a.dp)] for m in modes}
@@ -81,13 +68,9 @@ def main() -> None:
         for i in range(a.repeats + 1):  # the first pass warms up
             for m in modes:
                 for r, rb in enumerate(shares[m]):
-                    for d in ddp:
-                        d.zero_grad_buffer()
-                    t0 = time.perf_counter()
-                    forward_backward(ddp, rb, loss_cfg, ["math"])
+                    seconds, _ = timed_step(ddp, rb, loss_cfg)
                     if i:
-                        times[m][r].append(time.perf_counter() - t0)
-    parallel.destroy()
+                        times[m][r].append(seconds)
 
     out = {"benchmark": "dp_balance", "dp": a.dp, "groups": a.groups, "group_size": a.group_size,
            "sigma": a.sigma, "hidden": cfg.hidden_size, "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)}

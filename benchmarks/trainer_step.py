@@ -11,6 +11,7 @@ of ``--repeats`` runs after one warm-up. Prints one JSON line.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -41,17 +42,49 @@ def make_batch(tokenizer, groups: int, group_size: int, completion_tokens: int, 
     return TrainBatch(batch_id=1, samples=samples, group_indices=list(range(groups)))
 
 
-def time_step(ddp, rb, loss_cfg, repeats: int) -> tuple[float, float]:
+@contextlib.contextmanager
+def tiny_trainer(seed: int, master_port: int):
+    """One-process Megatron set-up with the tiny model built from the trainer's own code paths: yields
+    (model config, DDP chunks, loss config); also used by benchmarks/dp_balance.py."""
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(master_port)), ("RANK", "0"),
+                       ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.mcore import parallel
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.training import arguments
+    from forge_megatron.training.trainer import build_model_and_optimizer
+
+    parallel.initialize(seed=seed)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = build_tiny_model(os.path.join(tmp, "m"))
+            cfg = Bridge(model_dir).cfg
+            args = arguments.build_parser().parse_args(["--hf-checkpoint", model_dir, "--lr", "1e-4",
+                                                        "--train-iters", "1"])
+            _, ddp, _, _ = build_model_and_optimizer(args, cfg)
+            yield cfg, ddp, arguments.loss_config(args)
+    finally:
+        parallel.destroy()
+
+
+def timed_step(ddp, rb, loss_cfg) -> tuple[float, list[dict]]:
+    """Seconds and micro-batch metrics of one forward+backward of ``rb`` (gradients zeroed first)."""
     from forge_megatron.training.trainer import forward_backward
 
+    for d in ddp:
+        d.zero_grad_buffer()
+    t0 = time.perf_counter()
+    metrics = forward_backward(ddp, rb, loss_cfg, ["math"])
+    return time.perf_counter() - t0, metrics
+
+
+def time_step(ddp, rb, loss_cfg, repeats: int) -> tuple[float, float]:
     times, loss = [], None
     for i in range(repeats + 1):
-        for d in ddp:
-            d.zero_grad_buffer()
-        t0 = time.perf_counter()
-        metrics = forward_backward(ddp, rb, loss_cfg, ["math"])
+        seconds, metrics = timed_step(ddp, rb, loss_cfg)
         if i:
-            times.append(time.perf_counter() - t0)
+            times.append(seconds)
         loss = sum(m["loss"] for m in metrics)  # token_mean: each micro-batch's share of the batch loss
     return statistics.median(times), loss
 
@@ -65,27 +98,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29547"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
+    from forge_megatron.models.tiny import build_tiny_tokenizer
+    from forge_megatron.training.trainer import rank_batch
 
-    from forge_megatron.bridge import Bridge
-    from forge_megatron.mcore import parallel
-    from forge_megatron.models.tiny import build_tiny_model, build_tiny_tokenizer
-    from forge_megatron.training import arguments
-    from forge_megatron.training.trainer import build_model_and_optimizer, rank_batch
-
-    parallel.initialize(seed=a.seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(os.path.join(tmp, "m"))
-        args = arguments.build_parser().parse_args(["--hf-checkpoint", model_dir, "--lr", "1e-4", "--train-iters", "1"])
-        _, ddp, _, _ = build_model_and_optimizer(args, Bridge(model_dir).cfg)
+    with tiny_trainer(a.seed, 29547) as (_, ddp, loss_cfg):
         batch = make_batch(build_tiny_tokenizer(), a.groups, a.group_size, a.completion_tokens, a.seed)
-        loss_cfg = arguments.loss_config(args)
         merged = rank_batch(batch, a.token_budget, True, 0, 1, ["math"])
         unmerged = rank_batch(batch, a.token_budget, False, 0, 1, ["math"])
         merged_s, merged_loss = time_step(ddp, merged, loss_cfg, a.repeats)
         unmerged_s, unmerged_loss = time_step(ddp, unmerged, loss_cfg, a.repeats)
-    parallel.destroy()
     total = sum(mb.layout.total_tokens for mb in merged.micro_batches)
     unique = sum(mb.layout.unique_tokens for mb in merged.micro_batches)
     print(json.dumps({

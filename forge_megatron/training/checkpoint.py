@@ -143,20 +143,16 @@ def load_hf_weights(model_chunks, bridge, hf_dir: str) -> None:
 
     from forge_megatron.bridge import ParallelLayout
     from forge_megatron.convert.checkpoint import HFReader, piece_inputs, piece_state
-    from forge_megatron.weight_sync.gather import unwrap
+    from forge_megatron.weight_sync.gather import global_layers, unwrap
 
     layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(),
                             pp=ps.get_pipeline_model_parallel_world_size(),
                             ep=ps.get_expert_model_parallel_world_size())
     ep = ps.get_expert_model_parallel_rank()
     reader = HFReader(hf_dir)
-    for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
+    for chunk in _chunks(model_chunks):
         gpt = unwrap(chunk)
-        numbers = [layer.layer_number for layer in gpt.decoder.layers]
-        if numbers and numbers != list(range(numbers[0], numbers[0] + len(numbers))):
-            raise ValueError(f"a model chunk's layers are not consecutive: {numbers}")
-        layers = range(numbers[0] - 1, numbers[0] - 1 + len(numbers)) if numbers else range(0)
-        first, last = gpt.pre_process, gpt.post_process
+        layers, first, last = global_layers(gpt), gpt.pre_process, gpt.post_process
         full = {}
         for name in piece_inputs(bridge, layers, first, last):
             owner = bridge.expert_rank(name, layout)

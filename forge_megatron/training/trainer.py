@@ -219,15 +219,14 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
 
 
 def run_schedule(ddp, rb: RankBatch, forward_step, forward_only: bool = False) -> list[dict]:
-    """Megatron's forward(-backward) schedule (pipelined when PP > 1, interleaved when ``ddp`` lists several
-    virtual-pipeline chunks) over the rank batch's micro-batches."""
+    """Megatron's forward(-backward) schedule over the rank batch's micro-batches; ``ddp`` is the list of DDP model
+    chunks from :func:`build_model_and_optimizer` (pipelined when PP > 1, interleaved with several chunks)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    chunks = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
     # every chunk reads the micro-batches (the tree's mask and depths are needed in every stage's attention)
-    data = [iter(rb.micro_batches) for _ in chunks] if len(chunks) > 1 else iter(rb.micro_batches)
+    data = [iter(rb.micro_batches) for _ in ddp] if len(ddp) > 1 else iter(rb.micro_batches)
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data, model=chunks,
+        forward_step_func=forward_step, data_iterator=data, model=list(ddp),
         num_microbatches=len(rb.micro_batches), seq_length=max(mb.layout.unique_tokens for mb in rb.micro_batches),
         micro_batch_size=1, forward_only=forward_only)
 

@@ -28,6 +28,15 @@ def unwrap(chunk):
     return chunk
 
 
+def global_layers(model) -> range:
+    """Global (0-based) numbers of the transformer layers a model chunk holds: Megatron numbers each layer by its
+    place in the whole model, so PP stages and virtual-pipeline chunks know their own."""
+    numbers = [layer.layer_number - 1 for layer in unwrap(model).decoder.layers]
+    if numbers and numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+        raise ValueError(f"a model chunk's layers are not consecutive: {[n + 1 for n in numbers]}")
+    return range(numbers[0], numbers[-1] + 1) if numbers else range(0)
+
+
 def is_stage_lead() -> bool:
     from megatron.core import parallel_state as ps
 
@@ -46,8 +55,7 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
 def _params(bridge: Bridge, chunk, experts: bool):
     """(canonical name, param) of ``chunk``, expert or non-expert ones only (expert ids still local)."""
     model = unwrap(chunk)
-    layers = model.decoder.layers if hasattr(model, "decoder") else []
-    layer_offset = layers[0].layer_number - 1 if len(layers) else 0
+    layer_offset = global_layers(model).start if hasattr(model, "decoder") else 0
     for local, p in model.named_parameters():
         if local == "output_layer.weight" and bridge.cfg.tie_word_embeddings:
             continue  # the last stage's copy of the tied embedding
