@@ -84,9 +84,9 @@ def _port() -> int:
 def _measure(bridge, model, url: str, bucket_bytes: int, repeats: int) -> dict:
     """Alternate raw and sync passes (same buckets, same transport); best of ``repeats`` each."""
     from forge_megatron.weight_sync import WeightSyncConfig, WeightSyncer
-    from forge_megatron.weight_sync.gather import iter_model_buckets
+    from forge_megatron.weight_sync.gather import iter_stage_buckets
 
-    raw = RawBroadcast(list(iter_model_buckets(bridge, [model], bucket_bytes)), repeats)
+    raw = RawBroadcast(list(iter_stage_buckets(bridge, [model], bucket_bytes)), repeats)
     syncer = WeightSyncer(WeightSyncConfig(engine_urls=[url], bucket_bytes=bucket_bytes), bridge)
     try:
         syncer.sync([model], 0)  # warm-up: builds the group

@@ -143,7 +143,7 @@ class ReferenceEngine:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.running: dict[str, _Request] = {}
-        self.weight_group = None
+        self.weight_groups: dict[str, object] = {}  # by group name, as SGLang keeps them (one per trainer stage)
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -301,12 +301,15 @@ class ReferenceEngine:
             named.update(load_file(os.path.join(model_path, f)))
         self.load_state(named)
 
-    def receive_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
-        _require(self.weight_group is not None, "no weight update group: call /init_weights_update_group first")
+    def receive_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                            group_name: str = "weight_update_group") -> None:
+        group = self.weight_groups.get(group_name)
+        _require(group is not None, f"no weight update group {group_name!r}: call /init_weights_update_group first "
+                                    f"(groups: {sorted(self.weight_groups)})")
         named = {}
         for name, dtype, shape in zip(names, dtypes, shapes):
             buf = torch.empty(shape, dtype=_DTYPES[dtype])
-            broadcast_tensor(self.weight_group, buf, src=0)
+            broadcast_tensor(group, buf, src=0)
             named[name] = buf
         self.load_state(named)
 
@@ -431,10 +434,11 @@ async def init_group(request, eng):
     body = await _json_body(request)
     for key in ("master_address", "master_port", "rank_offset", "world_size"):
         _require(key in body, f"{key} is required")
+    name = body.get("group_name", "weight_update_group")
     try:
-        eng.weight_group = await asyncio.to_thread(
+        eng.weight_groups[name] = await asyncio.to_thread(
             init_weight_update_group, body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-            int(body["world_size"]), body.get("group_name", "weight_update_group"), body.get("backend", "gloo"))
+            int(body["world_size"]), name, body.get("backend", "gloo"))
     except (ValueError, RuntimeError) as exc:
         return web.json_response({"success": False, "message": f"init_weights_update_group failed: {exc}"}, 400)
     return _ok("weight update group initialised")
@@ -448,7 +452,7 @@ async def update_from_distributed(request, eng):
              "names, dtypes and shapes must be lists")
     _require(len(names) == len(dtypes) == len(shapes), "names, dtypes and shapes must have the same length")
     _require(all(d in _DTYPES for d in dtypes), f"dtypes must be among {sorted(_DTYPES)}")
-    await eng.run(eng.receive_distributed, names, dtypes, shapes)
+    await eng.run(eng.receive_distributed, names, dtypes, shapes, body.get("group_name", "weight_update_group"))
     if body.get("flush_cache", True):
         await eng.run(eng.flush_cache)
     _set_version(eng, body)

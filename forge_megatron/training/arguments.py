@@ -197,10 +197,12 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--weight-sync-interval", type=int, default=1, help="push weights to the engines every k steps")
     g.add_argument("--weight-sync-transport", default="distributed", choices=SYNC_TRANSPORTS,
                    help="distributed broadcast, safetensors on shared disk, or none")
-    g.add_argument("--weight-sync-dir", default=None, help="shared directory for --weight-sync-transport disk")
+    g.add_argument("--weight-sync-dir", default=None, help="directory for --weight-sync-transport disk, shared by the engines and "
+                   "the trainer's nodes (each pipeline stage's lead writes its own files)")
     g.add_argument("--weight-sync-master-addr", default="127.0.0.1",
-                   help="address of trainer rank 0 that engines join for the distributed weight-update group; "
-                        "'auto': rank 0's own hostname (multi-node: torchrun's rendezvous may put rank 0 on any node)")
+                   help="address at which each pipeline stage's lead hosts its weight-update group (engines join "
+                        "one group per stage); 'auto': each lead's own hostname (multi-node: use 'auto'). A lead that "
+                        "cannot listen on the given address uses the one it routes to the engines through")
     g.add_argument("--weight-sync-bucket-mb", type=float, default=512.0, help="bucket size of the weight sync")
     g.add_argument("--domain-ratios", type=name_float_pairs, default={},
                    help="task mix per domain, e.g. math=0.7,qa=0.3 (also sets the per-domain metrics)")

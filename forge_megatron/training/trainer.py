@@ -490,8 +490,10 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg):
 
 
 def weight_sync_master_addr(flag: str) -> str:
-    """--weight-sync-master-addr: as given, or with 'auto' this host's name (called on rank 0, which hosts the group;
-    with torchrun's c10d rendezvous rank 0 can be on any node, so a fixed address may point elsewhere)."""
+    """--weight-sync-master-addr: as given, or with 'auto' this host's name. Called on every rank: each pipeline
+    stage's lead hosts its stage's weight-update group, so with 'auto' each advertises its own node (with torchrun's
+    c10d rendezvous rank 0 can be on any node, so a fixed address may point elsewhere; a lead that cannot listen on
+    a fixed address uses the one it routes to the engines through)."""
     import socket
 
     return socket.gethostname() if flag == "auto" else flag

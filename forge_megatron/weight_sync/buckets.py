@@ -1,12 +1,12 @@
-"""Fixed-size buckets of named tensors, and their relay from each pipeline stage's lead to the sending rank.
+"""Fixed-size buckets of named tensors, and the small JSON messages between pipeline-stage leads and rank 0.
 
 A bucket is a list of ``(name, tensor)`` whose bytes add up to at most ``bucket_bytes`` (a tensor larger than that
 gets a bucket of its own). Each bucket costs one engine request, so buckets trade request overhead against
 memory held in flight.
 
-Relay: only global rank 0 talks to the engines. Stage s > 0's lead packs each bucket into one flat byte tensor plus
-a JSON header (names, dtypes, shapes; never pickle) and sends both to rank 0 with point-to-point ``send``; a zero
-header ends the stage. Rank 0 unpacks them as views into the received buffer (no copy per tensor).
+Every pipeline stage's lead sends its own buckets to the engines; only their descriptions (names, dtypes, shapes)
+and short control messages travel to global rank 0, which drives the engines' HTTP protocol. Those go as JSON over
+point-to-point ``send``/``recv`` of the default group (never pickle).
 
 Legend: B = bytes of a packed bucket.
 """
@@ -51,17 +51,6 @@ def pack(bucket) -> torch.Tensor:
     return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
 
 
-def unpack(meta: dict, data_B: torch.Tensor):
-    """Inverse of :func:`pack` with the header from :func:`describe`."""
-    out, start = [], 0
-    for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
-        dt = DTYPES[dtype]
-        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-        out.append((name, data_B[start:start + n].view(dt).reshape(shape)))
-        start += n
-    return out
-
-
 def comm_device() -> torch.device:
     """Where point-to-point tensors must live for the default group's backend (NCCL: the current GPU)."""
     from forge_megatron.mcore.parallel import comm_device as device_for
@@ -69,30 +58,25 @@ def comm_device() -> torch.device:
     return device_for()
 
 
-def send_bucket(bucket, dst: int) -> None:
+def send_json(obj: dict, dst: int) -> None:
+    """Send a small JSON message to global rank ``dst`` point-to-point over the default group (never pickle)."""
     dev = comm_device()
-    header = json.dumps(describe(bucket)).encode()
-    data_B = pack(bucket).to(dev)
-    dist.send(torch.tensor([len(header), data_B.numel()], dtype=torch.int64, device=dev), dst)
-    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev), dst)
-    dist.send(data_B, dst)
+    data = json.dumps(obj).encode()
+    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=dev), dst)
+    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev), dst)
 
 
-def send_end(dst: int) -> None:
-    dist.send(torch.zeros(2, dtype=torch.int64, device=comm_device()), dst)
-
-
-def recv_buckets(src: int):
-    """Yield the buckets that ``src`` sends with :func:`send_bucket` until :func:`send_end`."""
+def recv_json(src: int) -> dict:
+    """Receive one :func:`send_json` message from global rank ``src``."""
     dev = comm_device()
-    while True:
-        sizes = torch.empty(2, dtype=torch.int64, device=dev)
-        dist.recv(sizes, src)
-        n_header, n_data = (int(x) for x in sizes)
-        if n_header == 0:
-            return
-        header = torch.empty(n_header, dtype=torch.uint8, device=dev)
-        dist.recv(header, src)
-        data_B = torch.empty(n_data, dtype=torch.uint8, device=dev)
-        dist.recv(data_B, src)
-        yield unpack(json.loads(bytes(header.cpu().tolist())), data_B)
+    size = torch.empty(1, dtype=torch.int64, device=dev)
+    dist.recv(size, src)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    dist.recv(data, src)
+    return json.loads(bytes(data.cpu().tolist()))
+
+
+def meta_bytes(meta: dict) -> int:
+    """Bytes of the tensors a :func:`describe` header announces."""
+    return sum(int(torch.Size(shape).numel()) * torch.empty((), dtype=DTYPES[dtype]).element_size()
+               for dtype, shape in zip(meta["dtypes"], meta["shapes"]))

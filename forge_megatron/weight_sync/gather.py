@@ -1,7 +1,8 @@
 """Full HF-named tensors from a live TP/PP/EP-sharded Megatron model (a collective over the model's ranks).
 
 Every rank of a pipeline stage walks its parameters in the same order and takes part in the gathers; the result
-(``(hf_name, tensor)`` pairs) is only kept by the stage *lead* (TP rank 0, DP rank 0, CP rank 0), which sends it on:
+(``(hf_name, tensor)`` pairs) is only sent on by the stage *lead* (TP rank 0, DP rank 0, CP rank 0), straight to the
+engines (see :mod:`forge_megatron.weight_sync.syncer`):
 
 - non-expert parameter: all-gather over the TP group, then :meth:`Bridge.tp_join` (QKV groups, GLU halves);
 - expert parameter: all-gather over the expert-TP group, joined the same way, then all-gather over the EP group:
@@ -92,25 +93,14 @@ def iter_experts(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
                 yield from bridge.to_hf(bridge.rename(name, 0, ep_rank * local_experts), full).items()
 
 
-def iter_model_buckets(bridge: Bridge, chunks, bucket_bytes: int, dtype: torch.dtype | None = None):
-    """Collective over all trainer ranks: yields, on global rank 0 only, every HF tensor of the model in buckets.
+def iter_stage_buckets(bridge: Bridge, chunks, bucket_bytes: int, dtype: torch.dtype | None = None):
+    """Collective over the ranks of this rank's pipeline stage: yields every HF tensor the stage holds (all its
+    chunks), in buckets of at most ``bucket_bytes``, non-expert buckets first, then expert buckets.
 
-    Stage by stage (rank 0's own first), non-expert buckets then expert buckets; stage s > 0's lead relays its
-    buckets to rank 0. Other ranks yield nothing but must run the generator to its end (they take part in gathers).
+    Every rank of the stage must run the generator to its end (they take part in the gathers); only the stage
+    lead's buckets (:func:`is_stage_lead`) are sent to the engines.
     """
-    from megatron.core import parallel_state as ps
-
     from forge_megatron.weight_sync import buckets as bk
 
-    lead, rank = is_stage_lead(), dist.get_rank()
     for stream in (iter_dense, iter_experts):
-        for bucket in bk.make_buckets(stream(bridge, chunks, dtype), bucket_bytes):
-            if lead and rank == 0:
-                yield bucket
-            elif lead:
-                bk.send_bucket(bucket, dst=0)
-    if lead and rank != 0:
-        bk.send_end(dst=0)
-    if rank == 0:
-        for src in dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[1:]:
-            yield from bk.recv_buckets(src)
+        yield from bk.make_buckets(stream(bridge, chunks, dtype), bucket_bytes)

@@ -9,8 +9,9 @@ Protocol (global rank 0 drives it; every rank takes part in the gathers):
      (they get the full weights like everyone else: that is their re-sync);
   2. gateway ``POST /forge/admin/pause`` (when ``gateway_url`` is set); every engine ``POST /pause_generation``
      then ``POST /flush_cache``;
-  3. send every parameter: per pipeline stage, non-expert tensors then expert tensors (separate buckets), stage s's
-     buckets relayed from its lead to rank 0 (see :mod:`buckets`), delivered by the transport;
+  3. send every parameter: each pipeline stage's lead sends its own stage's tensors (non-expert buckets, then expert
+     buckets) over its own weight-update group (or writes its own files), stage after stage, while rank 0 announces
+     each bucket to the engines (see :mod:`transport`); nothing is relayed through rank 0;
   4. an engine that fails in 2 is excluded and resumed at once (no weight reached it: it goes on serving the previous
      version, tagged as such); one that fails in 3 is excluded and left paused (it serves nothing with
      half-updated weights); the send is repeated from the start for the engines still in service, up to
@@ -32,8 +33,10 @@ import torch.distributed as dist
 
 from forge_megatron.bridge import Bridge
 from forge_megatron.weight_sync import buckets as bk
-from forge_megatron.weight_sync.gather import iter_model_buckets
-from forge_megatron.weight_sync.transport import DiskTransport, DistributedTransport, EngineFailure, EngineHTTP
+from forge_megatron.weight_sync.gather import is_stage_lead, iter_stage_buckets
+from forge_megatron.weight_sync.transport import (
+    DiskTransport, DistributedTransport, EngineFailure, EngineHTTP, LocalLink, RemoteLink, StageSender, serve_stage,
+)
 
 log = logging.getLogger("forge.weight_sync")
 
@@ -51,8 +54,10 @@ class WeightSyncConfig:
     disk_dir: str | None = None  # transport="disk": a directory every engine can read
     gateway_url: str | None = None  # paused/resumed around the sync when set
     gateway_token: str | None = None  # the gateway's admin token, if it has one
-    master_addr: str = "127.0.0.1"  # where the trainer hosts the weight-update group (reachable by engines)
-    master_port: int | None = None  # None: a free port per group; else master_port + k for the k-th group
+    master_addr: str = "127.0.0.1"  # where stage leads host their weight-update groups (reachable by engines);
+    # a lead that cannot listen on it (another node) uses the address it routes to the engines through
+    master_port: int | None = None  # None: a free port per group; else master_port + (k - 1) * PP + s for stage s's
+    # group of the k-th generation
     backend: str | None = None  # weight-update group backend; None: "nccl" with CUDA, else "gloo"
     ranks_per_engine: int = 1  # GPUs (TP ranks) of one engine: each joins the group
     pause_mode: str = "retract"  # SGLang /pause_generation mode
@@ -109,6 +114,14 @@ class WeightSyncer:
         self.bridge = hf_config_or_bridge if isinstance(hf_config_or_bridge, Bridge) else Bridge(hf_config_or_bridge)
         self.dtype = bk.DTYPES[config.dtype] if config.dtype else None
         self.rank = dist.get_rank()
+        self.sender = self.leads = None
+        if is_stage_lead():
+            from megatron.core import parallel_state as ps
+
+            self.sender = StageSender(config, ps.get_pipeline_model_parallel_rank(),
+                                      ps.get_pipeline_model_parallel_world_size())
+            if self.rank == 0:  # rank 0's pipeline: one lead per stage, in stage order
+                self.leads = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
         self.policy_version: int | None = None
         self.excluded: set[str] = set()
         self.http = self.transport = None
@@ -124,7 +137,8 @@ class WeightSyncer:
     def sync(self, model_chunks, policy_version: int, on_bucket=None) -> SyncReport:
         """Send ``model_chunks`` (this rank's model chunk list) to every engine as ``policy_version``.
 
-        ``on_bucket(index, bucket)``, if given, is called on rank 0 after each delivered bucket (progress/logging).
+        ``on_bucket(index, meta)``, if given, is called on rank 0 after each delivered bucket, with the bucket's
+        ``{stage, names, dtypes, shapes}`` (progress/logging).
         """
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         report = SyncReport(policy_version=self.policy_version)
@@ -199,33 +213,71 @@ class WeightSyncer:
     # --- all ranks: one pass over the model ----------------------------------------------------------------------
     def _send_pass(self, chunks, live, version, report, on_bucket) -> bool:
         """Gather and deliver every tensor once; True on rank 0 if every engine in ``live`` got all of them."""
-        failure = None
+        generation, failure = -1, None
         if self.rank == 0:
             failure = _attempt(live, self.transport.begin, live, version)
-        sent_bytes, sent = 0, 0
-        for bucket in iter_model_buckets(self.bridge, chunks, self.cfg.bucket_bytes, self.dtype):
-            if failure is not None:
-                continue  # keep taking part in the gathers; the pass is repeated
-            failure = _attempt(live, self.transport.send, bucket)
-            if failure is None:
-                sent_bytes += sum(bk.nbytes(t) for _, t in bucket)
-                sent += 1
-                if on_bucket is not None:
-                    on_bucket(sent - 1, bucket)
+            generation = -1 if failure is not None else self.transport.generation
+        generation = _bcast_int(generation)
+        if generation < 0:  # nothing was sent: every rank skips the pass
+            if self.rank == 0:
+                self._exclude(failure)
+            return self.rank != 0
+        driver = _PassDriver(self.transport, live, on_bucket) if self.rank == 0 else None
+        buckets = iter_stage_buckets(self.bridge, chunks, self.cfg.bucket_bytes, self.dtype)
+        if self.sender is not None:
+            self.sender.run(buckets, LocalLink(driver) if self.rank == 0 else RemoteLink(), generation)
+        else:
+            for _ in buckets:  # the gathers of this rank's stage
+                pass
         if self.rank != 0:
             return True
-        failure = failure or _attempt(live, self.transport.finish)
+        for stage, lead in enumerate(self.leads[1:], start=1):
+            serve_stage(driver, stage, lead)
+        failure = driver.failure or _attempt(live, self.transport.finish)
         if failure is not None:
             self._exclude(failure)
             return False
-        report.bytes, report.buckets = sent_bytes, sent
+        report.bytes, report.buckets = driver.bytes, driver.buckets
         return True
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
         if self.transport is not None:
             self.transport.close()
             self.http.close()
             self.transport = self.http = None
+
+
+class _PassDriver:
+    """Rank 0's answers to the stage leads during one pass (see :mod:`transport` for the messages): the first
+    failure anywhere stops every stage's sending; delivered buckets are counted."""
+
+    def __init__(self, transport, live: list[str], on_bucket=None):
+        self.transport, self.live, self.on_bucket = transport, live, on_bucket
+        self.failure: EngineFailure | None = None
+        self.bytes = self.buckets = 0
+        self.announced = None
+
+    def __call__(self, stage: int, msg: dict) -> dict:
+        if self.failure is not None:
+            return {"go": False}
+        try:
+            reply = self.transport.handle(stage, msg)
+        except EngineFailure as exc:
+            self.failure = exc
+            return {"go": False}
+        except Exception as exc:  # noqa: BLE001 - an engine request that could not even start, a bad message
+            self.failure = EngineFailure(self.live, f"{type(exc).__name__}: {exc}")
+            return {"go": False}
+        if msg["op"] == "bucket":
+            self.announced = {"stage": stage, **{k: msg[k] for k in ("names", "dtypes", "shapes")}}
+        elif msg["op"] == "delivered":
+            self.bytes += bk.meta_bytes(self.announced)
+            self.buckets += 1
+            if self.on_bucket is not None:
+                self.on_bucket(self.buckets - 1, self.announced)
+        return reply
 
 
 def _attempt(live: list[str], fn, *args) -> EngineFailure | None:
@@ -242,12 +294,16 @@ def _attempt(live: list[str], fn, *args) -> EngineFailure | None:
 
 def _bcast_flag(flag: bool) -> bool:
     """Rank 0's ``flag`` on every rank of the default group."""
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=bk.comm_device())
+    return bool(_bcast_int(int(flag)))
+
+
+def _bcast_int(value: int) -> int:
+    """Rank 0's ``value`` on every rank of the default group."""
+    t = torch.tensor([value], dtype=torch.int64, device=bk.comm_device())
     dist.broadcast(t, src=0)
-    return bool(t.item())
+    return int(t.item())
 
 
 def _bcast_version(current: int | None) -> int | None:
-    t = torch.tensor([-1 if current is None else current], dtype=torch.int64, device=bk.comm_device())
-    dist.broadcast(t, src=0)
-    return None if t.item() < 0 else int(t.item())
+    value = _bcast_int(-1 if current is None else current)
+    return None if value < 0 else value

@@ -154,26 +154,30 @@ def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     try:
         results = run_distributed(_sync_body, world_size=2, parallel=parallel, mcore_dir=mcore,
                                   engine_url=engine.url, disk_dir=str(tmp_path / "disk"), gateway_url=gateway.url)
+        groups = sorted(engine.engine.weight_groups)
     finally:
         gateway.stop()
         engine.stop()
     _check_synced(results)
     assert os.listdir(tmp_path / "disk") == ["policy_2"]  # older versions are cleaned up
+    # One weight-update group per pipeline stage, each hosted by that stage's lead (nothing relayed through rank 0).
+    assert [g.rsplit("_", 1)[1] for g in groups] == [f"s{s}" for s in range(parallel.pp)], groups
 
 
 def _moe_export_body(rank, world_size, mcore_dir, out_dir):
     """Every expert reaches rank 0 under its global id; rank 0 writes what an engine would receive."""
     from safetensors.torch import save_file
 
-    from forge_megatron.weight_sync.gather import iter_model_buckets
+    from forge_megatron.weight_sync.gather import is_stage_lead, iter_stage_buckets
 
     bridge, model = load_converted(mcore_dir)
     converted = _trainer_logprobs(model, TAIL)
     _perturb(model, 0.05)
     names, received = [], {}
-    for bucket in iter_model_buckets(bridge, [model], bucket_bytes=40_000):
-        names += [n for n, _ in bucket]
-        received.update((n, t.clone()) for n, t in bucket)
+    for bucket in iter_stage_buckets(bridge, [model], bucket_bytes=40_000):
+        if is_stage_lead():  # the others only take part in the gathers
+            names += [n for n, _ in bucket]
+            received.update((n, t.clone()) for n, t in bucket)
     if rank == 0:
         save_file(received, os.path.join(out_dir, "model.safetensors"))
         with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -192,7 +196,7 @@ def test_tp2_ep2_moe_experts_gathered_with_global_ids(models, tmp_path):
     (names, converted, trainer), *others = run_distributed(_moe_export_body, world_size=4,
                                                            parallel=ParallelConfig(tp=2, ep=2),
                                                            mcore_dir=mcore, out_dir=str(tmp_path))
-    assert all(o[0] == [] for o in others)  # only rank 0 receives
+    assert all(o[0] == [] for o in others)  # only rank 0 leads the (only) stage
     reference = load_file(os.path.join(models["qwen3_moe"], "model.safetensors"))
     assert sorted(names) == sorted(reference)  # all 4 experts of every layer, each once, HF checkpoint names
     assert [n for n in names if ".experts." in n] == names[-len([n for n in names if ".experts." in n]):]
@@ -228,45 +232,65 @@ def _kill_body(rank, world_size, mcore_dir, model_dir, urls, victim_pid, victim_
     bridge, model = load_converted(mcore_dir)
     _perturb(model, 0.05)
     syncer = WeightSyncer(WeightSyncConfig(engine_urls=urls, bucket_bytes=40_000, timeout_s=60), bridge)
-    killed = []
+    killed, stages = [], []
+    last_stage = world_size - 1  # PP = world_size here: kill while the last stage's lead is sending
 
-    def kill_after_first(index, bucket):
-        if index == 0 and not killed:
+    def kill_after_first(index, meta):
+        stages.append(meta["stage"])
+        if meta["stage"] == last_stage and not killed:
             os.killpg(victim_pid, signal.SIGKILL)
             killed.append(index)
 
     out = {}
     try:
         out["first"] = syncer.sync([model], 1, on_bucket=kill_after_first)
+        out["stages"] = stages
         out["survivor"] = _engine_vs_trainer(model, urls[0])
         out["while_down"] = syncer.sync([model], 2)
-        restarted = ProcessServer("forge_megatron.rollout.engine_server",
-                                  ["--model-path", model_dir, "--port", str(victim_port)])
+        restarted = None
+        if rank == 0:  # the other ranks only take part in the syncs' gathers
+            restarted = ProcessServer("forge_megatron.rollout.engine_server",
+                                      ["--model-path", model_dir, "--port", str(victim_port)])
         try:
             _perturb(model, 0.05)
             out["resync"] = syncer.sync([model], 3)
             out["restarted"] = _engine_vs_trainer(model, urls[1])
             out["survivor3"] = _engine_vs_trainer(model, urls[0])
         finally:
-            restarted.stop()
+            if restarted is not None:
+                restarted.stop()
     finally:
         syncer.close()
     return out
 
 
-def test_engine_killed_during_sync_is_excluded_then_resynced(models, tmp_path):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_engine_killed_during_sync_is_excluded_then_resynced(models, tmp_path, pp):
+    """With PP = 2 the engine dies while stage 1's lead sends: stage 1 stops, rank 0 retries with new groups on both
+    stages for the survivor, and later re-syncs the restarted engine over both stages' groups."""
     from forge_megatron.rollout.launch import start_engine
 
     mcore = str(tmp_path / "mcore")
-    ckpt.hf_to_megatron(models["qwen2"], mcore)
+    ckpt.hf_to_megatron(models["qwen2"], mcore, ParallelLayout(pp=pp))
     keep = start_engine(models["qwen2"], in_process=True)
-    victim = start_engine(models["qwen2"])  # a subprocess that the trainer kills mid-sync
+    # A subprocess that the trainer kills mid-sync and the test restarts on the same port: a port outside the
+    # ephemeral range, which the new groups' stores and connections draw from after the kill.
+    victim = start_engine(models["qwen2"], extra_args=["--port", str(_port_below_ephemeral_range())])
     try:
-        (out,) = run_distributed(_kill_body, world_size=1, mcore_dir=mcore, model_dir=models["qwen2"],
-                                 urls=[keep.url, victim.url], victim_pid=victim.proc.pid, victim_port=victim.port)
+        out, *_ = run_distributed(_kill_body, world_size=pp, parallel=ParallelConfig(pp=pp), mcore_dir=mcore,
+                                  model_dir=models["qwen2"], urls=[keep.url, victim.url],
+                                  victim_pid=victim.proc.pid, victim_port=victim.port)
+        groups = sorted(keep.engine.weight_groups)
     finally:
         keep.stop()
         victim.kill()
+    # Pass 1 sent stage by stage up to the last stage's first bucket, then failed; pass 2 sent every stage again.
+    stages = out["stages"]
+    k = stages.index(pp - 1)
+    assert stages[:k + 1] == sorted(stages[:k + 1]) and stages[k + 1] == 0
+    assert stages[k + 1:] == sorted(stages[k + 1:]) and stages[-1] == pp - 1
+    # Generations: pass 1 (both engines), pass 2 (survivor), sync 3 (both again), each with a group per stage.
+    assert len(groups) == 3 * pp and {g.rsplit("_", 1)[1] for g in groups} == {f"s{s}" for s in range(pp)}
     first = out["first"]
     assert first.excluded == [victim.url] and first.updated == [keep.url]
     assert first.policy_version == 1 and first.attempts == 2
@@ -279,6 +303,22 @@ def test_engine_killed_during_sync_is_excluded_then_resynced(models, tmp_path):
     for key in ("restarted", "survivor3"):
         (lps, version), trainer = out[key]
         assert version == "3" and max(abs(a - b) for a, b in zip(lps, trainer)) <= 1e-5, key
+
+
+def _port_below_ephemeral_range() -> int:
+    import random
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _pause_failure_body(rank, world_size, mcore_dir, url):
@@ -327,6 +367,57 @@ def test_engine_failing_to_pause_keeps_serving_then_resyncs(models, tmp_path):
     resync = out["resync"]
     assert resync.excluded == [] and resync.updated == [engine.url] and resync.policy_version == 2
     (lps, version), trainer = out["after"]
+    assert version == "2" and max(abs(a - b) for a, b in zip(lps, trainer)) <= 1e-5
+
+
+def _lead_failure_body(rank, world_size, mcore_dir, url, disk_dir):
+    from forge_megatron.weight_sync import WeightSyncer
+    from forge_megatron.weight_sync.transport import StageSender
+
+    bridge, model = load_converted(mcore_dir)
+    _perturb(model, 0.05)
+    if rank == 1:  # stage 1's lead fails to write its second bucket, once
+        deliver, calls = StageSender._deliver, []
+
+        def failing(self, bucket, reply):
+            calls.append(1)
+            if len(calls) == 2:
+                raise OSError("injected: disk full")
+            return deliver(self, bucket, reply)
+
+        StageSender._deliver = failing
+    syncer = WeightSyncer(WeightSyncConfig(engine_urls=[url], transport="disk", disk_dir=disk_dir,
+                                           bucket_bytes=40_000, timeout_s=30), bridge)
+    out = {}
+    try:
+        out["failed"] = syncer.sync([model], 1)
+        out["resync"] = syncer.sync([model], 2)
+        out["after"] = _engine_vs_trainer(model, url)
+    finally:
+        syncer.close()
+    return out
+
+
+def test_stage_lead_failure_fails_the_sync_on_every_rank_then_resyncs(models, tmp_path):
+    """PP = 2, disk transport: stage 1's lead fails to write a bucket. Rank 0 hears of it, the sync fails on every
+    rank (no version advance, the engine is excluded and holds partial weights paused), the other ranks finish
+    their gathers without hanging, and the next sync brings the engine to the trainer's weights."""
+    from forge_megatron.rollout.launch import start_engine
+
+    mcore = str(tmp_path / "mcore")
+    ckpt.hf_to_megatron(models["qwen2"], mcore, ParallelLayout(pp=2))
+    engine = start_engine(models["qwen2"], in_process=True)
+    try:
+        r0, r1 = run_distributed(_lead_failure_body, world_size=2, parallel=ParallelConfig(pp=2), mcore_dir=mcore,
+                                 url=engine.url, disk_dir=str(tmp_path / "disk"))
+    finally:
+        engine.stop()
+    failed = r0["failed"]
+    assert failed.policy_version is None and failed.updated == [] and failed.excluded == [engine.url]
+    assert r1["failed"].policy_version is None  # every rank agrees
+    resync = r0["resync"]
+    assert resync.policy_version == 2 and resync.updated == [engine.url] and resync.excluded == []
+    (lps, version), trainer = r0["after"]
     assert version == "2" and max(abs(a - b) for a, b in zip(lps, trainer)) <= 1e-5
 
 
@@ -397,7 +488,19 @@ def test_group_names_are_unique_per_trainer_run():
 
     a, b = DistributedTransport(WeightSyncConfig(engine_urls=["http://x"]), None), \
         DistributedTransport(WeightSyncConfig(engine_urls=["http://x"]), None)
-    assert a.group_name != b.group_name and a.group_name.startswith("forge_weights_")
+    assert a.group_name(0) != b.group_name(0) and a.group_name(0).startswith("forge_weights_")
+    assert a.group_name(0) != a.group_name(1)  # one group per pipeline stage
+    before = a.group_name(0)
+    a.begin(["http://x"], 1)
+    assert a.group_name(0) != before  # each generation of groups gets new names
+
+
+def test_stage_leads_advertise_an_address_they_can_listen_on():
+    from forge_megatron.weight_sync.transport import advertised_addr
+
+    assert advertised_addr("127.0.0.1", "http://10.1.2.3:30000") == "127.0.0.1"
+    # An address of another machine (TEST-NET-1): use the interface that reaches the engines instead.
+    assert advertised_addr("192.0.2.1", "http://127.0.0.1:30000") == "127.0.0.1"
 
 
 def _hf_load_body(rank, world_size, hf_dir, mcore_dir):
