@@ -8,7 +8,12 @@ then backpropagate a random upstream gradient through both:
 - ``chunked``: ``forge_megatron.mcore.logprobs.vocab_parallel_logprobs`` on the logits (``--chunk-mib`` fp32 per
   chunk; dL/dlogits written over the logits unless ``--no-inplace``), the trainer's ``--no-fused-logprobs`` path;
 - ``fused``: ``linear_vocab_parallel_logprobs``, the output layer fused in (the trainer's default): the logits are
-  made chunk by chunk and never exist at once.
+  made chunk by chunk and never exist at once;
+- ``fused_fp32``: the same with the output layer's matmul in fp32 (the trainer's ``--fp32-lm-head``); differs from
+  ``fused`` only with ``--dtype bfloat16``.
+
+Each variant also reports ``logp_err_fp64``: the largest error of its logprobs (first 256 rows) against fp64 math on
+the same operands, which shows what the fp32 head buys in precision next to what it costs in time and memory.
 
 The logits come out of an output layer (hidden [T, H] @ W^T, W [V, H], as in the model) and the gradient flows back
 into it. Each variant runs in its own child process (same seed, same inputs), so the peak memory of one does not
@@ -32,7 +37,7 @@ import time
 import torch
 
 
-VARIANTS = ("plain", "chunked", "fused")
+VARIANTS = ("plain", "chunked", "fused", "fused_fp32")
 
 
 def plain_logprobs(logits_TV, rows_M, targets_M):
@@ -70,9 +75,10 @@ def child(args) -> dict:
     chunk_rows = max(1, (args.chunk_mib << 20) // (4 * args.vocab))
 
     def loss():  # the logits live only inside: after it returns, only what autograd saved is left
-        if args.variant == "fused":
+        if args.variant.startswith("fused"):
             logp, ent = linear_vocab_parallel_logprobs(hidden, weight, rows_M, targets_M, with_entropy=True,
-                                                       chunk_rows=chunk_rows)
+                                                       chunk_rows=chunk_rows, compute_dtype=torch.float32
+                                                       if args.variant == "fused_fp32" else None)
             return (logp * grad_logp).sum() + (ent * grad_ent).sum(), logp.detach()
         logits = hidden @ weight.t()
         if args.variant == "plain":
@@ -104,7 +110,12 @@ def child(args) -> dict:
         if i:
             times.append(time.perf_counter() - t0)
         del total
+    n = min(256, args.rows - 1)
+    with torch.no_grad():
+        exact = (hidden[:n].double() @ weight.double().t()).log_softmax(-1)[rows_M[:n], targets_M[:n]]
+    err = (logp[:n].double() - exact).abs().max().item()
     return {"peak_extra_bytes": max(0, peak_bytes(device) - base), "seconds": statistics.median(times),
+            "logp_err_fp64": err,
             "logp": logp.float().cpu().tolist(), "grad_head": hidden.grad[:8].float().cpu().tolist()}
 
 
@@ -147,6 +158,7 @@ def main() -> None:
     for name, r in results.items():
         line[f"{name}_peak_mib"] = round(r["peak_extra_bytes"] / 2**20, 1)
         line[f"{name}_s"] = round(r["seconds"], 4)
+        line[f"{name}_logp_err_fp64"] = float(f"{r['logp_err_fp64']:.3g}")
     for name in VARIANTS[1:]:
         r = results[name]
         line[f"{name}_memory_ratio"] = round(plain["peak_extra_bytes"] / max(1, r["peak_extra_bytes"]), 2)

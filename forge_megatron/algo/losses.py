@@ -310,6 +310,22 @@ def _clip_stats(ratio_M: torch.Tensor, adv_M: torch.Tensor, batch: _Batch) -> di
     }
 
 
+def _rollout_mismatch(logp_M: torch.Tensor, rollout_logp_M: torch.Tensor, batch: _Batch) -> dict[str, torch.Tensor]:
+    """How far the trainer's log-probabilities of the sampled tokens are from the engine's, over the loss tokens:
+    mean and max of ``|logp - rollout_logp|``, and ``rollout_kl``, the k3 estimate of KL(rollout || trainer) (the
+    tokens were sampled by the rollout policy: ``E[r - 1 - log r]`` with ``r = pi / pi_rollout``). Tokens sampled by
+    the current weights measure numerical mismatch alone (precision, kernels; see ``--fp32-lm-head``); stale
+    tokens add the policy's change since."""
+    d_M = logp_M - rollout_logp_M
+    abs_M = d_M.abs()
+    d_M = d_M.clamp(-20.0, 20.0)  # exp() of a wild mismatch must not make the metric inf
+    return {
+        "rollout_logp_abs_diff": batch.masked_mean(abs_M),
+        "rollout_logp_abs_diff_max": torch.where(batch.mask_M > 0, abs_M, 0.0).max(),
+        "rollout_kl": batch.masked_mean(torch.expm1(d_M) - d_M),
+    }
+
+
 def policy_loss(
     logp_M: torch.Tensor,
     old_logp_M: torch.Tensor,
@@ -347,6 +363,8 @@ def policy_loss(
         pg_M = pg_M * tis_M
         stats["tis_weight_mean"] = batch.masked_mean(tis_M)
         stats["tis_clip_frac"] = batch.masked_mean((tis_M >= cfg.tis_cap).float())
+    if rollout_logp_M is not None:
+        stats.update(_rollout_mismatch(logp_M.detach(), rollout_logp_M.detach().float(), batch))
     loss = stats["pg_loss"] = batch.reduce(pg_M)
     per_token = {"pg_loss": pg_M.detach(), "advantage": adv_M, "ratio": ratio_M.detach()}
     if ref_logp_M is not None:

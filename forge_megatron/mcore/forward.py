@@ -58,11 +58,13 @@ def tree_model_inputs(layout, backend: str | None = None, device=None) -> dict:
 
 
 def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = False,
-                         inplace_backward: bool = False, output_weight: torch.Tensor | None = None):
+                         inplace_backward: bool = False, output_weight: torch.Tensor | None = None,
+                         head_dtype: torch.dtype | None = None):
     """GPTModel's last-stage output [1, T, V] -> (logp_M, entropy_M | None) in next_token_index() order.
 
     With ``output_weight`` (see :func:`output_layer_deferred`) the output is the output layer's input [1, T, H]
-    instead, and the logits are made chunk by chunk inside the loss (``linear_vocab_parallel_logprobs``).
+    instead, and the logits are made chunk by chunk inside the loss (``linear_vocab_parallel_logprobs``), their
+    matmul in ``head_dtype`` if given (``torch.float32``: an fp32 LM head) and else in the weight's dtype.
 
     Under context parallelism the output holds this CP rank's rows [lo, hi) of the padded tree: it scores the
     targets predicted from its rows, and the partial vectors are summed over the CP group (identity backward),
@@ -71,11 +73,15 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
 
     def score(out_TX, rows_M, targets_M):
         if output_weight is not None:
-            return linear_vocab_parallel_logprobs(out_TX, output_weight, rows_M, targets_M, with_entropy)
+            return linear_vocab_parallel_logprobs(out_TX, output_weight, rows_M, targets_M, with_entropy,
+                                                  compute_dtype=head_dtype)
         return vocab_parallel_logprobs(out_TX, rows_M, targets_M, with_entropy, inplace_backward=inplace_backward)
 
     pred_nodes_M, targets_M, _ = layout.next_token_index()
     cp, rank, _ = cp_world()
+    if head_dtype is not None and output_weight is None:
+        raise ValueError("an LM head dtype needs the fused output layer (output_weight): Megatron's own output layer "
+                         "computes in the weight's dtype")
     if cp == 1:
         return score(logits_1TV[0], pred_nodes_M, targets_M)
     lo, hi = shard_range(layout.tokens.numel(), cp, rank)
@@ -136,17 +142,19 @@ def _captured_weight(captured: dict | None):
 
 
 def tree_logprobs(model, layout, with_entropy: bool = False, backend: str | None = None,
-                  fused_output: bool = True):
+                  fused_output: bool = True, head_dtype: torch.dtype | None = None):
     """Run a tree-packed micro-batch through a (single-stage) tree GPTModel; per-sample logprobs, differentiable.
 
     ``model`` is built with ``build_tree_gpt`` (tree layer spec + depth RoPE). Returns (logp_M, entropy_M | None)
     aligned with ``layout.next_token_index()``. ``fused_output`` fuses the output layer into the logprobs
-    (:func:`output_layer_deferred`): same values, no [T, vocabulary] logits.
+    (:func:`output_layer_deferred`): same values, no [T, vocabulary] logits; ``head_dtype`` (fused only) runs its
+    matmul in that dtype (``torch.float32``: an fp32 LM head).
     """
     device = next(model.parameters()).device
     with output_layer_deferred(model, fused_output) as captured:
         out_1TX = model(**tree_model_inputs(layout, backend=backend, device=device))
-    return logprobs_from_logits(out_1TX, layout, with_entropy, output_weight=_captured_weight(captured))
+    return logprobs_from_logits(out_1TX, layout, with_entropy, output_weight=_captured_weight(captured),
+                                head_dtype=head_dtype)
 
 
 def sample_logprobs_unmerged(model, samples, with_entropy: bool = False):
@@ -181,7 +189,7 @@ LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TreeMicroBatch], tuple]
 
 
 def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend: str | None = None,
-                           fused_output: bool = True):
+                           fused_output: bool = True, head_dtype: torch.dtype | None = None):
     """A ``forward_step_func(data_iterator, model)`` for ``megatron.core.pipeline_parallel.get_forward_backward_func``.
 
     The iterator yields :class:`TreeMicroBatch`. On the last pipeline stage the returned loss function maps
@@ -189,7 +197,8 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
     ``loss`` by the number of micro-batches. Stages exchange [T, 1, hidden] with T varying per micro-batch,
     so under PP the model's config needs ``variable_seq_lengths=True``. ``fused_output`` (default) fuses the
     output layer into the logprobs, so no [T, vocabulary] logits exist at any time; without it the logits are
-    scored chunk by chunk and dL/dlogits is written over them.
+    scored chunk by chunk and dL/dlogits is written over them. ``head_dtype`` (fused only): the dtype of the
+    output layer's matmul (``torch.float32``: an fp32 LM head); default the weight's.
     """
 
     def forward_step(data_iterator, model):
@@ -208,7 +217,8 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
         def loss_func(output_1TX):
             # Unfused, the logits are read by nothing after the loss: the backward may write dL/dlogits over them.
             logp_M, entropy_M = logprobs_from_logits(output_1TX, micro_batch.layout, with_entropy,
-                                                     inplace_backward=True, output_weight=weight)
+                                                     inplace_backward=True, output_weight=weight,
+                                                     head_dtype=head_dtype)
             return loss_fn(logp_M, entropy_M, micro_batch)
 
         return output, loss_func

@@ -212,9 +212,14 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         return out_TV, None, None, None, None, None
 
 
-def _output_layer_rows(t: _Targets, hidden_TH, weight_VH):
-    def read(lo, hi):  # the output layer's matmul, in its dtype, on the chunk's rows; fp32 result
-        return (t.select(hidden_TH, lo, hi).to(weight_VH.dtype) @ weight_VH.t()).float()
+def _head_weight(weight_VH, compute_dtype):
+    """The output weight in the dtype the output layer's matmul runs in (its own unless ``compute_dtype`` says)."""
+    return weight_VH if compute_dtype is None or compute_dtype == weight_VH.dtype else weight_VH.to(compute_dtype)
+
+
+def _output_layer_rows(t: _Targets, hidden_TH, w_VH):
+    def read(lo, hi):  # the output layer's matmul, in w_VH's dtype, on the chunk's rows; fp32 result
+        return (t.select(hidden_TH, lo, hi).to(w_VH.dtype) @ w_VH.t()).float()
 
     return read
 
@@ -224,13 +229,13 @@ class _LinearVocabParallelLogprobs(torch.autograd.Function):
     never all at once, and made again in the backward."""
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows):
+    def forward(ctx, hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows, compute_dtype):
         _, rank, _ = _tp()
         t = _Targets(rows_M, targets_M, hidden_TH.shape[0], weight_VH.shape[0], rank, chunk_rows, hidden_TH.device)
 
-        logp_M, entropy_M, stats = _forward(_output_layer_rows(t, hidden_TH, weight_VH), t, with_entropy,
-                                            hidden_TH.device)
-        ctx.t, ctx.with_entropy = t, with_entropy
+        read = _output_layer_rows(t, hidden_TH, _head_weight(weight_VH, compute_dtype))
+        logp_M, entropy_M, stats = _forward(read, t, with_entropy, hidden_TH.device)
+        ctx.t, ctx.with_entropy, ctx.compute_dtype = t, with_entropy, compute_dtype  # an upcast weight is not kept
         ctx.save_for_backward(hidden_TH, weight_VH, *stats)
         return (logp_M, entropy_M) if with_entropy else logp_M
 
@@ -243,21 +248,22 @@ class _LinearVocabParallelLogprobs(torch.autograd.Function):
         grad_weight_VH = (torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
                           if ctx.needs_input_grad[1] else None)
 
-        read = _output_layer_rows(t, hidden_TH, weight_VH)
+        w_VH = _head_weight(weight_VH, ctx.compute_dtype)
+        read = _output_layer_rows(t, hidden_TH, w_VH)
         for lo, hi, grad_CV in _backward_chunks(read, t, stats, grad_logp_M,
                                                 grad_entropy_M if ctx.with_entropy else None):
-            g_CV = grad_CV.to(weight_VH.dtype)
+            g_CV = grad_CV.to(w_VH.dtype)
             if grad_hidden_TH is not None:
-                g_CH = (g_CV @ weight_VH).to(hidden_TH.dtype)
+                g_CH = (g_CV @ w_VH).to(hidden_TH.dtype)
                 if t.dense:
                     grad_hidden_TH[lo:hi] = g_CH
                 else:
                     grad_hidden_TH.index_copy_(0, t.U[lo:hi], g_CH)
             if grad_weight_VH is not None:
-                grad_weight_VH += g_CV.t() @ t.select(hidden_TH, lo, hi).to(weight_VH.dtype)
+                grad_weight_VH += g_CV.t() @ t.select(hidden_TH, lo, hi).to(w_VH.dtype)
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
-        return grad_hidden_TH, grad_weight_VH, None, None, None, None
+        return grad_hidden_TH, grad_weight_VH, None, None, None, None, None
 
 
 def default_chunk_rows(vocab_slice: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -294,13 +300,16 @@ def vocab_parallel_logprobs(logits_TV: torch.Tensor, rows_M: torch.Tensor, targe
 
 def linear_vocab_parallel_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, rows_M: torch.Tensor,
                                    targets_M: torch.Tensor, with_entropy: bool = False,
-                                   chunk_rows: int | None = None):
+                                   chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None):
     """As :func:`vocab_parallel_logprobs` of ``hidden_TH @ weight_VH.T`` (the output layer fused in), without ever
     holding those logits: each chunk of rows is multiplied out, reduced and dropped, and multiplied out again in the
     backward (one extra output-layer matmul).
 
     ``weight_VH`` is this TP rank's vocabulary slice of the output weight (``ColumnParallelLinear.weight``, or the
-    embedding weight when they are tied); the matmul runs in its dtype, as the output layer's does. Under TP the
+    embedding weight when they are tied); the matmul runs in its dtype, as the output layer's does, or in
+    ``compute_dtype`` (``torch.float32``: an fp32 LM head, as SGLang's ``--enable-fp32-lm-head`` on the rollout side;
+    MiniMax-M1 traced most of the training/inference probability mismatch of bf16 models to the head's precision).
+    The upcast weight exists during the forward and again during the backward, not in between. Under TP the
     hidden states are the same on every rank: their gradient is summed over the TP group here, as
     ``ColumnParallelLinear``'s backward does.
     """
@@ -314,5 +323,6 @@ def linear_vocab_parallel_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Ten
                                              chunk_rows)
     if world > 1:
         hidden_TH = copy_to_tensor_model_parallel_region(hidden_TH)  # identity forward, all-reduce backward
-    out = _LinearVocabParallelLogprobs.apply(hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows)
+    out = _LinearVocabParallelLogprobs.apply(hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows,
+                                             compute_dtype)
     return out if with_entropy else (out, None)

@@ -194,6 +194,13 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run Megatron's output layer and score its [tokens, vocabulary] logits (in chunks); by "
                         "default the output layer is fused into the logprobs, chunk by chunk, so those logits never "
                         "exist at once (same values; one extra output-layer matmul in the backward)")
+    g.add_argument("--fp32-lm-head", action="store_true",
+                   help="compute the output layer (LM head) in fp32 in the loss: the bf16 weight and the final hidden "
+                        "states are upcast for its matmul (MiniMax-M1 traced most of the training/inference "
+                        "probability mismatch of bf16 models to the head's precision). Pair it with SGLang's "
+                        "--enable-fp32-lm-head (forge.sbatch: FP32_LM_HEAD=1). Needs the fused logprobs; costs an fp32 "
+                        "copy of the head's vocabulary slice during the loss and fp32 matmuls there. Watch "
+                        "rollout_logp_abs_diff and rollout_kl")
     g.add_argument("--weight-sync-interval", type=int, default=1, help="push weights to the engines every k steps")
     g.add_argument("--weight-sync-transport", default="distributed", choices=SYNC_TRANSPORTS,
                    help="distributed broadcast, safetensors on shared disk, or none")
@@ -258,6 +265,9 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--train-batch-groups must be >= 1, got {args.train_batch_groups}")
     if args.window_fraction is not None and not 0 < args.window_fraction:
         raise ValueError(f"--window-fraction must be > 0, got {args.window_fraction}")
+    if args.fp32_lm_head and not args.fused_logprobs:
+        raise ValueError("--fp32-lm-head needs the fused logprobs (drop --no-fused-logprobs): Megatron's own output "
+                         "layer computes in the weight's dtype")
     if args.weight_sync_transport == "disk" and not args.weight_sync_dir:
         raise ValueError("--weight-sync-transport disk needs --weight-sync-dir")
     if args.weight_sync_transport != "none" and not args.engine_urls:

@@ -189,12 +189,13 @@ def batch_loss_config(loss_cfg, rb: RankBatch):
     return replace(loss_cfg, norm="constant", norm_constant=max(total, 1.0) / rb.dp_size)
 
 
-def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_logprobs: bool = True) -> list[dict]:
+def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_logprobs: bool = True,
+                     head_dtype: torch.dtype | None = None) -> list[dict]:
     """Forward and backward of every micro-batch through Megatron's schedule; per-micro-batch loss metrics.
 
     ``fused_logprobs``: the output layer is fused into the logprobs (no [tokens, vocabulary] logits at any time,
     mcore.forward.output_layer_deferred); otherwise Megatron's output layer makes the logits and they are scored
-    chunk by chunk."""
+    chunk by chunk. ``head_dtype`` (fused only): the output layer's matmul dtype (``torch.float32``: fp32 LM head)."""
     from forge_megatron.algo.losses import policy_loss
     from forge_megatron.mcore.forward import make_tree_forward_step
 
@@ -215,7 +216,7 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
         return loss * (num_mb if cfg.norm_constant is not None else 1), metrics
 
     return run_schedule(ddp, rb, make_tree_forward_step(loss_fn, with_entropy=loss_cfg.entropy_coef > 0,
-                                                        fused_output=fused_logprobs))
+                                                        fused_output=fused_logprobs, head_dtype=head_dtype))
 
 
 def run_schedule(ddp, rb: RankBatch, forward_step, forward_only: bool = False) -> list[dict]:
@@ -309,7 +310,12 @@ class Trainer:
     def forward_backward(self, rb: RankBatch) -> list[dict]:
         if self.args.old_logprobs == "recompute":
             self._recompute_old_logprobs(rb)
-        return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs)
+        return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs,
+                                self.head_dtype)
+
+    @property
+    def head_dtype(self) -> torch.dtype | None:
+        return torch.float32 if getattr(self.args, "fp32_lm_head", False) else None
 
     @torch.no_grad()
     def _recompute_old_logprobs(self, rb: RankBatch) -> None:
@@ -321,8 +327,8 @@ class Trainer:
             mb.extras["old_logp_M"] = logp_M.detach()
             return logp_M.sum() * 0.0, {}
 
-        run_schedule(self.ddp, rb, make_tree_forward_step(keep, fused_output=self.args.fused_logprobs),
-                     forward_only=True)
+        run_schedule(self.ddp, rb, make_tree_forward_step(keep, fused_output=self.args.fused_logprobs,
+                                                          head_dtype=self.head_dtype), forward_only=True)
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()

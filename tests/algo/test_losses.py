@@ -228,6 +228,25 @@ def test_truncated_importance_weights_scale_token_loss():
     assert m["tis_weight_mean"] == pytest.approx(sum(w) / 2, rel=1e-6)
 
 
+def test_rollout_mismatch_metrics():
+    """|logp - rollout_logp| (mean, max) and the k3 estimate of KL(rollout || trainer), over loss tokens only;
+    identical probabilities give exact zeros, and the loss does not depend on them (metrics only)."""
+    logp_M = _t(-1.0, -2.0, -0.5, requires_grad=True)
+    rollout_M = _t(-1.5, -2.0, -9.0)  # the third token is masked out
+    mask_M = _t(1, 1, 0)
+    _, same = _loss(logp_M, logp_M.detach(), _t(1.0, 1.0, 1.0), mask_M, [0, 3], LossConfig(),
+                    rollout_logp_M=logp_M.detach())
+    assert same["rollout_logp_abs_diff"] == 0.0 and same["rollout_kl"] == 0.0 and same["rollout_logp_abs_diff_max"] == 0
+    loss_a, m = _loss(logp_M, logp_M.detach(), _t(1.0, 1.0, 1.0), mask_M, [0, 3], LossConfig(),
+                      rollout_logp_M=rollout_M)
+    d = [0.5, 0.0]
+    assert m["rollout_logp_abs_diff"] == pytest.approx(sum(d) / 2, rel=1e-6)
+    assert m["rollout_logp_abs_diff_max"] == pytest.approx(0.5, rel=1e-6)
+    assert m["rollout_kl"] == pytest.approx(sum(math.exp(x) - 1 - x for x in d) / 2, rel=1e-6)
+    loss_b, _ = _loss(logp_M, logp_M.detach(), _t(1.0, 1.0, 1.0), mask_M, [0, 3], LossConfig())
+    assert "rollout_kl" not in _ and loss_a.item() == loss_b.item()
+
+
 def test_log_ratio_clamp_keeps_loss_finite():
     logp_M = _t(0.0, requires_grad=True)
     for loss_type in ("cispo", "ppo", "gspo"):

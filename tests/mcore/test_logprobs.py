@@ -259,6 +259,25 @@ def test_fused_output_layer_bf16_weight():
         torch.testing.assert_close(a, b, rtol=0, atol=2 ** -7 * b.abs().max().item())
 
 
+def test_fp32_lm_head_computes_the_bf16_output_layer_in_fp32():
+    """compute_dtype=float32 with a bf16 weight and bf16-valued hidden states (--fp32-lm-head): the values and both
+    gradients are those of the same math done in fp32 from the upcast operands (<= 1e-5), the gradients keep the
+    operands' dtypes; and the logprobs are much closer to fp64 than the bf16 head's (the point of it)."""
+    hidden_TH, weight_VH, *rest = _linear_case(7, vocab=512, all_rows=True, weight_dtype=torch.bfloat16)
+    hidden_TH = (hidden_TH * 2).to(torch.bfloat16).float()  # bf16 hidden states, upcast as Float16Module hands them
+    case = (hidden_TH, weight_VH, *rest)
+    fp32 = _linear_fused(*case, True, chunk_rows=3, compute_dtype=torch.float32)
+    ref = _linear_reference(hidden_TH, weight_VH.float(), *rest, True)  # the fp32 matmul of the same operands
+    assert fp32[3].dtype == torch.bfloat16 and fp32[2].dtype == torch.float32
+    for name, a, b in zip(("logp", "entropy", "hidden grad"), fp32[:3], ref[:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+    torch.testing.assert_close(fp32[3].float(), ref[3].to(torch.bfloat16).float(), rtol=0, atol=0)  # one rounding
+    exact = _linear_reference(hidden_TH.double(), weight_VH.double(), *rest, False)[0]
+    bf16 = _linear_fused(*case, False)[0]
+    err_fp32, err_bf16 = (fp32[0].double() - exact).abs().max(), (bf16.double() - exact).abs().max()
+    assert err_fp32 < 1e-4 < err_bf16 and err_fp32 * 100 < err_bf16, (err_fp32, err_bf16)
+
+
 def test_fused_output_layer_refuses_mismatched_shapes():
     from forge_megatron.mcore.logprobs import linear_vocab_parallel_logprobs
 
@@ -321,6 +340,40 @@ def test_fused_output_layer_in_gptmodel_equals_the_unfused_forward(tp, tie):
         assert res["logp"] <= 1e-5 and res["entropy"] <= 1e-5 and res["grad"] <= 1e-5, res
         assert res["restored"]
         assert len(res["output_grads"]) == (1 if tie else 2), res  # the tied weight gets both uses' gradients
+
+
+def _body_fp32_head(rank, world_size):
+    from forge_megatron.mcore.forward import _gpt_output_layer, output_layer_deferred, tree_logprobs, tree_model_inputs
+    from forge_megatron.tree import build_tree
+    from tests.mcore.test_tree_exact import _cfg, _twin_models, all_samples
+
+    tree, _ = _twin_models(_cfg(vocab_size=512, hidden_size=64))
+    tree.to(torch.bfloat16)
+    layout = build_tree(all_samples(8))
+    with torch.no_grad():
+        with output_layer_deferred(tree) as captured:
+            hidden_TH = tree(**tree_model_inputs(layout, device=torch.device("cpu")))[0]
+        rows_M, targets_M, _ = layout.next_token_index()
+        exact_M = (hidden_TH.double() @ captured["weight"].double().t()).log_softmax(-1)[rows_M, targets_M]
+        bf16_M, _ = tree_logprobs(tree, layout)
+        fp32_M, _ = tree_logprobs(tree, layout, head_dtype=torch.float32)
+    try:
+        tree_logprobs(tree, layout, fused_output=False, head_dtype=torch.float32)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return {"bf16": (bf16_M.double() - exact_M).abs().max().item(),
+            "fp32": (fp32_M.double() - exact_M).abs().max().item(), "refused": refused,
+            "restored": "forward" not in vars(_gpt_output_layer(tree))}
+
+
+def test_fp32_lm_head_through_a_bf16_gptmodel():
+    """A bf16 tree GPTModel: tree_logprobs(head_dtype=float32) scores the model's own final hidden states with the
+    output layer in fp32 (equal to fp64 math on the same bf16 operands), the default bf16 head does not; the
+    unfused path refuses a head dtype (Megatron's output layer computes in the weight's dtype)."""
+    (res,) = run_distributed(_body_fp32_head, world_size=1)
+    assert res["fp32"] <= 1e-4 < res["bf16"], res
+    assert res["refused"] and "needs the fused output layer" in res["refused"] and res["restored"]
 
 
 def _body_refusal(rank, world_size):

@@ -77,6 +77,7 @@ def test_forge_values_parse():
     (["--save-interval", "2"], "--save-interval needs --save"),
     (["--train-iters", "0"], "--train-iters must be >= 1"),
     (["--rl-loss-norm-constant", "100"], "--rl-loss-norm-constant is used only with --rl-loss-norm constant"),
+    (["--fp32-lm-head", "--no-fused-logprobs"], "--fp32-lm-head needs the fused logprobs"),
 ])
 def test_bad_values_are_named(extra, message):
     with pytest.raises(ValueError, match=message):

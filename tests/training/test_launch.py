@@ -33,7 +33,8 @@ def test_bash_syntax():
 
 @pytest.mark.parametrize("layout", [
     dict(ROLLOUT_NODES=2, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=2, TP=2, PP=1, EP=1, CP=1, MODEL="qwen3-8B"),
-    dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B"),
+    dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B",
+         FP32_LM_HEAD=1),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
          USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3"),
 ])
@@ -74,9 +75,11 @@ def test_dry_run_plan_is_consistent(layout):
             args.context_parallel_size) == (layout["TP"], layout["PP"], layout["EP"], layout["CP"])
     assert sorted(args.engine_urls) == engine_urls
     assert args.pool_addr == f"tcp://{middle}:5555" and args.gateway_url == f"http://{middle}:8000"
-    # engines join the weight-update group where trainer rank 0 runs, which torchrun's c10d rendezvous may put on any
-    # trainer node: rank 0 names itself
+    # engines join one weight-update group per pipeline stage, hosted by that stage's lead, which torchrun's c10d
+    # rendezvous may put on any trainer node: every lead names itself
     assert args.weight_sync_master_addr == "auto"
+    fp32_head = layout.get("FP32_LM_HEAD") == 1  # both sides or neither
+    assert args.fp32_lm_head is fp32_head and all(("--enable-fp32-lm-head" in c) is fp32_head for c in engines)
     (driver,) = [c for c in cmds if "forge_megatron.agents.driver" in c]
     assert driver[driver.index("--pool-addr") + 1] == args.pool_addr  # the driver obeys the pool's admission control
     if layout.get("DOMAIN_RATIOS"):

@@ -214,19 +214,23 @@ def test_batch_normaliser_does_not_depend_on_micro_batching(tmp_path, norm):
 def test_fused_logprobs_train_like_megatrons_output_layer(tmp_path):
     """The default (output layer fused into the logprobs) and --no-fused-logprobs (Megatron's output layer, then the
     logits) train the same two steps: loss, entropy (bonus on, so its gradient counts), pi_old recomputed through the
-    forward-only schedule (unit ratios at step 1) and gradient norms, to fp32 round-off."""
+    forward-only schedule (unit ratios at step 1) and gradient norms, to fp32 round-off. --fp32-lm-head reaches the
+    loss on both passes and, on an fp32 model, changes nothing. The training/inference mismatch is logged."""
     model_dir = build_tiny_model(str(tmp_path / "model"))
     steps = {}
-    for name, extra in (("fused", []), ("unfused", ["--no-fused-logprobs"])):
+    for name, extra in (("fused", []), ("unfused", ["--no-fused-logprobs"]), ("fp32_head", ["--fp32-lm-head"])):
         steps[name], _, _ = run_on_fresh_pool(
             tmp_path, name, model_dir, lambda c: feed_groups(c, 2, np.random.default_rng(13), completion_len=(4, 11)),
             iters=2, groups=1,
             extra=extra + ["--rl-entropy-coef", "0.01", "--old-logprobs", "recompute"])
-    assert len(steps["fused"]) == len(steps["unfused"]) == 2
-    for a, b in zip(steps["fused"], steps["unfused"]):
-        for key in ("loss", "entropy", "ratio_mean", "grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert len(steps["fused"]) == len(steps["unfused"]) == len(steps["fp32_head"]) == 2
+    for other in ("unfused", "fp32_head"):
+        for a, b in zip(steps["fused"], steps[other]):
+            for key in ("loss", "entropy", "ratio_mean", "grad_norm", "rollout_logp_abs_diff", "rollout_kl"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (other, key)
     assert steps["fused"][0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    first = steps["fused"][0]  # feed_groups' rollout logprobs are not the model's: a mismatch to see
+    assert first["rollout_logp_abs_diff_max"] >= first["rollout_logp_abs_diff"] > 0 and first["rollout_kl"] > 0
 
 
 def test_exit_and_resume_continues_the_same_run_exactly(tmp_path):
