@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--admin-token", default=os.environ.get("FORGE_ADMIN_TOKEN"))
     g.add_argument("--tool-parser", default="hermes")
     g.add_argument("--default-max-tokens", type=int, default=1024)
+    g.add_argument("--return-routed-experts", action="store_true",
+                   help="MoE: keep each token's routed experts in the episodes (rollout routing replay; the engines "
+                        "need --enable-return-routed-experts, the trainer --routing-replay)")
     d = p.add_argument_group("data pool")
     d.add_argument("--pool-bind", default="tcp://127.0.0.1:5555")
     d.add_argument("--pool-db", default="pool.sqlite")
@@ -68,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     server = PoolServer(pool, bind=args.pool_bind).start()
     gateway = Gateway(GatewayConfig(model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u],
                                     host=args.host, port=args.port, admin_token=args.admin_token,
-                                    tool_parser=args.tool_parser, default_max_tokens=args.default_max_tokens),
+                                    tool_parser=args.tool_parser, default_max_tokens=args.default_max_tokens,
+                                    return_routed_experts=args.return_routed_experts),
                       sink=pool)
     print(f"forge-pool serving on {server.address}", flush=True)
     try:

@@ -16,6 +16,9 @@ Episode -> EpisodeOutcome mapping (the pool's contract with the algorithm layer)
   domain          = episode.domain
   metadata        = the group's task metadata updated with episode.metadata (for a user reward function)
 
+Routed experts (rollout routing replay), when the episodes carry them, travel as one more int16 array
+[T, layers, topk] next to the per-token ones (``-1`` rows where nothing was recorded).
+
 Legend: L = tokens of one segment, T = tokens of all samples of a batch concatenated, S = samples.
 """
 
@@ -55,6 +58,7 @@ class TrainSample:
     episode_id: str
     domain: str
     reward: float
+    routed_experts: np.ndarray | None = None  # int16 [L, layers, topk] (rollout routing replay), -1: not recorded
 
 
 @dataclass
@@ -66,7 +70,8 @@ class TrainBatch:
 
     @property
     def num_bytes(self) -> int:
-        return sum(getattr(s, name).nbytes for s in self.samples for name, _ in TOKEN_FIELDS)
+        return sum(getattr(s, name).nbytes for s in self.samples for name, _ in TOKEN_FIELDS) + \
+            sum(s.routed_experts.nbytes for s in self.samples if s.routed_experts is not None)
 
 
 def episode_outcome(episode: Episode, task_metadata: dict | None = None):
@@ -106,13 +111,16 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
     """One :class:`TrainSample` per segment of every scored episode.
 
     ``episodes`` are in wire form (``wire.episode_to_wire``): a header with ``episode_id``, ``domain`` and
-    ``segment_lengths``, and the four per-token arrays of all segments concatenated; samples are views of them.
+    ``segment_lengths``, and the four per-token arrays of all segments concatenated (plus the routed experts when
+    the header has ``routing_shape``); samples are views of them.
     """
     samples = []
     for e, (meta, arrays_T) in enumerate(episodes):
         bounds = np.cumsum([0] + list(meta["segment_lengths"]))
+        routing = meta.get("routing_shape")
+        routed_T = arrays_T[4].reshape(-1, *routing) if routing else None
         for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            tokens_L, loss_mask_L, logprobs_L, versions_L = (a[lo:hi] for a in arrays_T)
+            tokens_L, loss_mask_L, logprobs_L, versions_L = (a[lo:hi] for a in arrays_T[:4])
             advantage = np.float32(scores["segment_advantages"][e][s])
             samples.append(
                 TrainSample(
@@ -126,6 +134,7 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
                     episode_id=meta["episode_id"],
                     domain=meta["domain"],
                     reward=scores["rewards"][e],
+                    routed_experts=None if routed_T is None else routed_T[lo:hi],
                 )
             )
     return samples

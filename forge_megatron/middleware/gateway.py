@@ -37,6 +37,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 from aiohttp import web
 
 from forge_megatron.middleware.gateway_sessions import CallRecord, ChatRenderer, Session, _Turn
@@ -70,6 +71,7 @@ class GatewayConfig:
     engine_attempts: int = 3  # engines tried per call
     health_interval_s: float = 2.0
     keep_ended_sessions: int = 1000  # ended sessions kept for GET /forge/sessions/{id}; older ones are forgotten
+    return_routed_experts: bool = False  # MoE: record each token's experts for rollout routing replay (R3)
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -265,8 +267,15 @@ class Gateway:
         self.config = config
         self.sink = sink if sink is not None else ListSink()
         self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(config.model_path))
-        self.context_length = config.context_length or int(
-            getattr(AutoConfig.from_pretrained(config.model_path), "max_position_embeddings", 4096))
+        model_config = AutoConfig.from_pretrained(config.model_path)
+        self.context_length = config.context_length or int(getattr(model_config, "max_position_embeddings", 4096))
+        self.routing_shape = None  # (layers, topk) when recording routed experts
+        if config.return_routed_experts:
+            top_k = getattr(model_config, "num_experts_per_tok", None)
+            if not top_k:
+                raise ValueError(f"return_routed_experts: {config.model_path} is not a MoE model "
+                                 "(config.json has no num_experts_per_tok)")
+            self.routing_shape = (int(model_config.num_hidden_layers), int(top_k))
         self.parser = get_parser(config.tool_parser)
         self.no_parser = get_parser("none")  # tool_choice "none"
         self.fleet = EngineFleet(config.engine_urls, FleetConfig(max_attempts=config.engine_attempts,
@@ -361,7 +370,8 @@ class Gateway:
         for _ in range(ABORT_RETRIES):
             await self.wait_resumed()
             try:
-                result = await self.fleet.generate(call.turn.prompt_ids, call.sampling, session_key=sess.session_id)
+                result = await self.fleet.generate(call.turn.prompt_ids, call.sampling, session_key=sess.session_id,
+                                                   return_routed_experts=self.routing_shape is not None)
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
             if result.finish_type != "abort":
@@ -377,8 +387,9 @@ class Gateway:
             await self.wait_resumed()
             result = None
             try:
-                async for result in self.fleet.generate_stream(call.turn.prompt_ids, call.sampling,
-                                                               session_key=sess.session_id):
+                async for result in self.fleet.generate_stream(
+                        call.turn.prompt_ids, call.sampling, session_key=sess.session_id,
+                        return_routed_experts=self.routing_shape is not None):
                     sent = await on_partial(result)
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
@@ -405,14 +416,31 @@ class Gateway:
             message["tool_calls"] = parsed.tool_calls
         finish = "tool_calls" if parsed.tool_calls else ("length" if result.finish_type == "length" else "stop")
         turn = call.turn
+        routed = self.routed_experts_of(turn.prompt_ids, result)
         turn.completion_ids = list(result.output_ids)
         turn.assistant_message = message
-        sess.record(turn, call.continues, CallRecord(
+        sess.record(turn, call.continues, routed=routed, call=CallRecord(
             prompt_ids=turn.prompt_ids, completion_ids=turn.completion_ids, logprobs=list(result.logprobs),
             policy_version=self.version_of(result), finish_reason=finish, engine_url=result.engine_url,
             segment_index=-1, started_at=call.started, ended_at=time.time(), num_tool_calls=len(parsed.tool_calls),
             num_malformed_tool_calls=parsed.num_malformed))
         return message, finish
+
+    def routed_experts_of(self, prompt_ids: list[int], result):
+        """int16 [prompt + output - 1, layers, topk] of the call (None when not recording); a clear 502 when the
+        engine did not return them (SGLang needs --enable-return-routed-experts) or returned another shape."""
+        if self.routing_shape is None:
+            return None
+        flat = result.routed_experts
+        rows = len(prompt_ids) + len(result.output_ids) - 1
+        if flat is None:
+            raise ApiError(502, f"engine {result.engine_url} returned no routed_experts: start SGLang with "
+                                "--enable-return-routed-experts (or run the gateway without --return-routed-experts)",
+                           "engine_error", code="bad_engine_response")
+        if flat.size != rows * self.routing_shape[0] * self.routing_shape[1]:
+            raise ApiError(502, f"engine {result.engine_url} returned {flat.size} routed expert ids, expected {rows} "
+                                f"tokens x {list(self.routing_shape)}", "engine_error", code="bad_engine_response")
+        return flat.reshape(rows, *self.routing_shape).astype(np.int16)
 
     def version_of(self, result) -> int:
         """The engine's weight_version when it is an integer (set by weight sync), else the gateway's version."""
@@ -752,6 +780,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None, help="max prompt tokens + new tokens")
     p.add_argument("--default-max-tokens", type=int, default=1024)
     p.add_argument("--pause-wait-s", type=float, default=120.0, help="how long calls wait while paused")
+    p.add_argument("--return-routed-experts", action="store_true",
+                   help="MoE models: ask the engines for each token's routed experts and keep them in the episodes "
+                        "for rollout routing replay (trainer --routing-replay; SGLang --enable-return-routed-experts)")
     p.add_argument("--episodes-jsonl", default=None,
                    help="append finished episodes to this JSONL file (default: keep them in memory)")
     return p
@@ -778,7 +809,7 @@ def main(argv: list[str] | None = None) -> None:
             model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u], host=args.host,
             port=args.port, public_url=args.public_url, admin_token=args.admin_token, tool_parser=args.tool_parser,
             context_length=args.context_length, default_max_tokens=args.default_max_tokens,
-            pause_wait_s=args.pause_wait_s)
+            pause_wait_s=args.pause_wait_s, return_routed_experts=args.return_routed_experts)
     except ValueError as exc:
         raise SystemExit(f"forge-gateway: {exc}") from exc
     sink = JsonlSink(args.episodes_jsonl) if args.episodes_jsonl else ListSink()

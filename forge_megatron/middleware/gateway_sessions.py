@@ -29,6 +29,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from forge_megatron.middleware.schema import Episode, Segment
 
 
@@ -65,13 +67,28 @@ class _Turn:
 
 
 class SegmentBuilder:
-    """Accumulates the per-token fields of one segment."""
+    """Accumulates the per-token fields of one segment.
+
+    Routed experts (rollout routing replay): each call reports the routing of its whole sequence (the segment so
+    far plus its new prompt and completion, minus the last token); a position keeps the routing of the first call
+    that processed it, the forward whose output the sampled tokens there were drawn from (later calls get that
+    prefix from the engine's prefix cache in the common case)."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.routed: list[np.ndarray] = []  # int16 [n, layers, topk] chunks, positions [0, routed_rows)
+        self.routed_rows = 0
+
+    def add_routing(self, rows: np.ndarray | None) -> None:
+        """Routing of positions [0, len(rows)) of the segment as one call saw them; new positions are kept."""
+        if rows is None:
+            return
+        if rows.shape[0] > self.routed_rows:
+            self.routed.append(rows[self.routed_rows:])
+            self.routed_rows = rows.shape[0]
 
     def add_prompt(self, ids: list[int]) -> None:
         self._add(ids, 0, [0.0] * len(ids), -1)
@@ -88,8 +105,14 @@ class SegmentBuilder:
         self.versions += [version] * len(ids)
 
     def to_segment(self) -> Segment:
+        routed = None
+        if self.routed:  # the last token (and any position no call reported) has no routing: -1
+            shape = self.routed[0].shape[1:]
+            missing = np.full((len(self.tokens) - self.routed_rows, *shape), -1, dtype=np.int16)
+            routed = np.concatenate(self.routed + [missing])
         return Segment(tokens=list(self.tokens), loss_mask=list(self.loss_mask),
-                       rollout_logprobs=list(self.logprobs), policy_versions=list(self.versions))
+                       rollout_logprobs=list(self.logprobs), policy_versions=list(self.versions),
+                       routed_experts=routed)
 
 
 class ChatRenderer:
@@ -169,8 +192,9 @@ class Session:
     def ended(self) -> bool:
         return self.status is not None
 
-    def record(self, turn: _Turn, continues: bool, call: CallRecord) -> None:
-        """Append call ``call`` (whose prompt is ``turn.prompt_ids``) to the current or a new segment."""
+    def record(self, turn: _Turn, continues: bool, call: CallRecord, routed: np.ndarray | None = None) -> None:
+        """Append call ``call`` (whose prompt is ``turn.prompt_ids``) to the current or a new segment; ``routed``:
+        the call's routed experts [prompt + completion - 1, layers, topk], if recorded."""
         if continues and self.segments:
             seg = self.segments[-1]
             if turn.prompt_ids[:len(seg.tokens)] != seg.tokens:
@@ -181,6 +205,7 @@ class Session:
             self.segments.append(seg)
             seg.add_prompt(turn.prompt_ids)
         seg.add_completion(call.completion_ids, call.logprobs, call.policy_version)
+        seg.add_routing(routed)
         call.segment_index = len(self.segments) - 1
         self.calls.append(call)
         self.last_turn = turn

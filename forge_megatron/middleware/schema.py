@@ -10,6 +10,10 @@ Per-token fields of a segment are aligned with ``tokens`` (length L):
   rollout_logprobs[t] log pi_rollout(tokens[t] | tokens[:t]) for sampled tokens, 0.0 elsewhere
   policy_versions[t]  version of the weights that sampled token t, -1 elsewhere
 
+Optionally, for MoE models served with routed-expert capture (rollout routing replay, R3):
+  routed_experts[t]   int16 [layers, topk]: the experts the engine routed token t to in each layer, -1 where none
+                      was recorded (dense layers, the last token, calls without capture); the trainer replays them
+
 A *group* is the G episodes of one task (GRPO group); groups are the data pool's scheduling unit.
 Everything here converts to and from plain msgpack-able dicts (never pickle), with validation.
 """
@@ -19,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 SCHEMA_VERSION = 1
 
@@ -42,10 +48,24 @@ class Segment:
     policy_versions: list[int]
     # Optional per-segment reward term (e.g. a process reward for this turn range); summed into reward-to-go.
     reward: float | None = None
+    # Optional int16 [L, layers, topk] experts the engine routed each token to (-1: not recorded); see the docstring.
+    routed_experts: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.routed_experts is not None and not isinstance(self.routed_experts, np.ndarray):
+            try:  # from JSON: nested lists
+                self.routed_experts = np.asarray(self.routed_experts, dtype=np.int16)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise SchemaError(f"routed_experts is not an int array: {exc}") from exc
 
     def validate(self, where: str = "segment") -> None:
         n = len(self.tokens)
         _check(n > 0, f"{where}.tokens is empty")
+        r = self.routed_experts
+        if r is not None:
+            _check(r.dtype == np.int16 and r.ndim == 3 and r.shape[0] == n and r.shape[2] > 0,
+                   f"{where}.routed_experts must be int16 [tokens={n}, layers, topk], got {r.dtype}{list(r.shape)}")
+            _check(bool((r >= -1).all()), f"{where}.routed_experts has ids below -1")
         for name in ("loss_mask", "rollout_logprobs", "policy_versions"):
             _check(len(getattr(self, name)) == n, f"{where}.{name} has length {len(getattr(self, name))}, tokens has {n}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.tokens), f"{where}.tokens must be non-negative ints")
@@ -93,7 +113,11 @@ class Episode:
         return max(0.0, self.ended_at - self.started_at)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain (JSON-able) form; routed experts become nested lists."""
         d = asdict(self)
+        for seg in d["segments"]:
+            if seg["routed_experts"] is not None:
+                seg["routed_experts"] = seg["routed_experts"].tolist()
         d["schema_version"] = SCHEMA_VERSION
         return d
 

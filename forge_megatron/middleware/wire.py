@@ -10,7 +10,9 @@ declared dtype and shape need. Failures raise :class:`WireError` whose message n
 returns it to the sender and keeps serving.
 
 Episodes and batches concatenate their per-token arrays (T = all tokens of all segments/samples) with per-item
-lengths in the header, so a batch is five frames whatever its number of samples.
+lengths in the header, so a batch is five frames whatever its number of samples. Routed experts (rollout routing
+replay), when any item has them, are one more int16 frame [T * layers * topk] with ``routing_shape`` = [layers, topk]
+in the header; items without them get ``-1`` rows (nothing recorded: the trainer routes those tokens itself).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from forge_megatron.middleware.batch import TOKEN_FIELDS, TrainBatch, TrainSampl
 from forge_megatron.middleware.schema import SCHEMA_VERSION, Episode
 
 PROTOCOL_VERSION = 1
-ALLOWED_DTYPES = ("int32", "uint8", "float32", "int64", "float64")
+ALLOWED_DTYPES = ("int32", "uint8", "float32", "int64", "float64", "int16")
 EPISODE_FIELDS = TOKEN_FIELDS[:4]  # an episode has no advantages yet
 
 
@@ -109,6 +111,33 @@ def _lengths(meta: dict, key: str, where: str) -> list[int]:
     return lengths
 
 
+def _routing_frame(items: list[tuple[np.ndarray | None, int]], meta: dict, where: str) -> list[np.ndarray]:
+    """[] when no item has routed experts; else one flat int16 frame of every item's rows (``-1`` rows for items
+    without), and ``meta["routing_shape"]`` set."""
+    shapes = {tuple(r.shape[1:]) for r, _ in items if r is not None}
+    if not shapes:
+        return []
+    if len(shapes) > 1:
+        raise WireError(f"{where}: routed_experts of different shapes {sorted(shapes)} (one model per run)")
+    shape = list(shapes.pop())
+    meta["routing_shape"] = shape
+    rows = [np.asarray(r, dtype=np.int16) if r is not None else np.full((n, *shape), -1, np.int16) for r, n in items]
+    return [np.ascontiguousarray(np.concatenate(rows)).reshape(-1)]
+
+
+def _take_routing(meta: dict, arrays: list[np.ndarray], total: int, where: str):
+    """(per-token arrays, routed experts [total, layers, topk] or None): splits off the routing frame."""
+    shape = meta.pop("routing_shape", None)
+    if shape is None:
+        return arrays, None
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) and d > 0 for d in shape)):
+        raise WireError(f"{where} field 'routing_shape' must be [layers, topk] (positive ints), got {shape!r}")
+    if not arrays or arrays[-1].dtype != np.int16 or arrays[-1].size != total * shape[0] * shape[1]:
+        raise WireError(f"{where} routed experts must be int16[{total * shape[0] * shape[1]}] "
+                        f"({total} tokens x {shape}) as the last array")
+    return arrays[:-1], arrays[-1].reshape(total, *shape)
+
+
 def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]:
     meta = {f.name: getattr(episode, f.name) for f in dataclasses.fields(Episode) if f.name != "segments"}
     meta["schema_version"] = SCHEMA_VERSION
@@ -116,6 +145,7 @@ def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]
     meta["segment_rewards"] = [s.reward for s in episode.segments]
     arrays = [np.concatenate([np.asarray(getattr(s, name), dtype=dtype) for s in episode.segments])
               if episode.segments else np.zeros(0, dtype) for name, dtype in EPISODE_FIELDS]
+    arrays += _routing_frame([(s.routed_experts, len(s.tokens)) for s in episode.segments], meta, "episode")
     return meta, arrays
 
 
@@ -129,10 +159,13 @@ def episode_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> Episode
     if len(rewards) != len(lengths):
         raise WireError(f"episode has {len(lengths)} segment_lengths but {len(rewards)} segment_rewards")
     del meta["segment_lengths"], meta["segment_rewards"]
+    arrays, routed_T = _take_routing(meta, arrays, sum(lengths), "episode")
     parts = _split(arrays, lengths, EPISODE_FIELDS, "episode")
+    bounds = np.cumsum([0] + lengths)
     meta["segments"] = [
-        {name: a.tolist() for (name, _), a in zip(EPISODE_FIELDS, part)} | {"reward": r}
-        for part, r in zip(parts, rewards)
+        {name: a.tolist() for (name, _), a in zip(EPISODE_FIELDS, part)}
+        | {"reward": r, "routed_experts": None if routed_T is None else routed_T[lo:hi].copy()}
+        for part, r, lo, hi in zip(parts, rewards, bounds[:-1], bounds[1:])
     ]
     return Episode.from_dict(meta)
 
@@ -146,7 +179,8 @@ def episode_to_blob(episode: Episode) -> bytes:
 def blob_to_wire(blob: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     """Header and (read-only) arrays of a stored episode, without rebuilding the Episode."""
     d = msgpack.unpackb(blob, raw=False)
-    return d["meta"], [np.frombuffer(b, dtype=dtype) for b, (_, dtype) in zip(d["arrays"], EPISODE_FIELDS)]
+    dtypes = [dtype for _, dtype in EPISODE_FIELDS] + ([np.int16] if d["meta"].get("routing_shape") else [])
+    return d["meta"], [np.frombuffer(b, dtype=dtype) for b, dtype in zip(d["arrays"], dtypes)]
 
 
 def episode_from_blob(blob: bytes) -> Episode:
@@ -163,6 +197,7 @@ def batch_to_wire(batch: TrainBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
               for name, dtype in TOKEN_FIELDS]
     meta = {"batch_id": batch.batch_id, "group_indices": batch.group_indices, "metrics": batch.metrics,
             "samples": samples}
+    arrays += _routing_frame([(s.routed_experts, s.tokens.shape[0]) for s in batch.samples], meta, "batch")
     return meta, arrays
 
 
@@ -174,11 +209,15 @@ def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatc
     keys = set(_SAMPLE_KEYS) | {"length"}
     if not all(isinstance(s, dict) and keys <= s.keys() for s in samples_meta):
         raise WireError(f"batch samples must be maps with the keys {sorted(keys)}")
-    parts = _split(arrays, _lengths({"lengths": [s["length"] for s in samples_meta]}, "lengths", "batch"),
-                   TOKEN_FIELDS, "batch")
+    lengths = _lengths({"lengths": [s["length"] for s in samples_meta]}, "lengths", "batch")
+    meta = dict(meta)
+    arrays, routed_T = _take_routing(meta, arrays, sum(lengths), "batch")
+    parts = _split(arrays, lengths, TOKEN_FIELDS, "batch")
+    bounds = np.cumsum([0] + lengths)
     samples = [
-        TrainSample(**{name: a for (name, _), a in zip(TOKEN_FIELDS, part)}, **{k: s[k] for k in _SAMPLE_KEYS})
-        for part, s in zip(parts, samples_meta)
+        TrainSample(**{name: a for (name, _), a in zip(TOKEN_FIELDS, part)}, **{k: s[k] for k in _SAMPLE_KEYS},
+                    routed_experts=None if routed_T is None else routed_T[lo:hi])
+        for part, s, lo, hi in zip(parts, samples_meta, bounds[:-1], bounds[1:])
     ]
     return TrainBatch(batch_id=field(meta, "batch_id", int, "batch"), samples=samples,
                       group_indices=field(meta, "group_indices", list, "batch"),

@@ -18,6 +18,13 @@ thread) always lands between two steps, never inside one. Per step, with logits 
 
 so the recorded logprob is the policy's own probability of the sampled token, which is what the trainer recomputes.
 
+Routed experts (MoE models, ``--enable-return-routed-experts``, request ``return_routed_experts: true``; SGLang's
+names): a forward hook on every layer's router records the top-k expert ids of each token it processes, by
+position; the response's ``meta_info["routed_experts"]`` is base64 of int32 [prompt + output - 1, layers, topk]
+(the last token is never fed to the model), -1 in dense layers. A position processed again (its KV cache dropped by
+a retracting pause, then recomputed, possibly with new weights) keeps the latest routing, as SGLang's per-slot
+capture does.
+
 Tensor legend: V = vocabulary, S = sequence (prompt or step tokens).
 """
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import inspect
 import json
 import logging
@@ -120,12 +128,13 @@ class _Request:
     past: object = None  # transformers cache; None -> the next step re-encodes everything
     finish: dict | None = None
     aborted: bool = False
+    routed: list | None = None  # return_routed_experts: [(first position, int32 [n, layers, topk])] per forward
 
 
 class ReferenceEngine:
     """Model, tokenizer and request state; every model touch runs on the single worker thread."""
 
-    def __init__(self, model_path: str, context_length: int | None = None):
+    def __init__(self, model_path: str, context_length: int | None = None, return_routed_experts: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if not os.path.isdir(model_path):
@@ -144,6 +153,36 @@ class ReferenceEngine:
         self.resumed.set()
         self.running: dict[str, _Request] = {}
         self.weight_groups: dict[str, object] = {}  # by group name, as SGLang keeps them (one per trainer stage)
+        self.routers = self._find_routers() if return_routed_experts else None
+        if return_routed_experts and not self.routers:
+            raise ValueError(f"--enable-return-routed-experts: {model_path} has no MoE router (model.layers.*.mlp.gate)")
+        self._captured: dict[int, torch.Tensor] | None = None  # layer -> top-k ids of the forward in progress
+
+    # --- routed experts -----------------------------------------------------------------------------------------
+    def _find_routers(self) -> dict[int, object]:
+        """Layer index -> its MoE router (a module returning (logits, weights, top-k ids)), hooked to record."""
+        routers = {}
+        for i, layer in enumerate(self.model.model.layers):
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if gate is not None and hasattr(gate, "top_k"):
+                gate.register_forward_hook(self._record_router(i))
+                routers[i] = gate
+        return routers
+
+    def _record_router(self, layer: int):
+        def hook(module, args, output):
+            if self._captured is not None:
+                self._captured[layer] = output[-1].reshape(-1, module.top_k).to(torch.int32)
+        return hook
+
+    def routed_experts(self, req: _Request) -> torch.Tensor:
+        """int32 [prompt + output - 1, layers, topk] for ``req``; later forwards of a position overwrite earlier."""
+        n = len(req.input_ids) + len(req.output_ids) - 1
+        top_k = next(iter(self.routers.values())).top_k
+        out = torch.full((n, len(self.model.model.layers), top_k), -1, dtype=torch.int32)
+        for start, ids in req.routed:
+            out[start:start + ids.shape[0]] = ids[: max(0, n - start)]
+        return out
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -159,9 +198,14 @@ class ReferenceEngine:
         _require(len(ids) + params.max_new_tokens <= self.context_length,
                  f"input_ids ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceed the context "
                  f"length ({self.context_length} tokens)")
+        want_routing = body.get("return_routed_experts", False)
+        _require(isinstance(want_routing, bool), "return_routed_experts must be a boolean")
+        _require(not want_routing or self.routers is not None,
+                 "return_routed_experts needs the server started with --enable-return-routed-experts")
         seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(4), "little")
         gen = torch.Generator().manual_seed(seed)
-        return _Request(rid=str(body.get("rid") or uuid.uuid4().hex), input_ids=list(ids), params=params, gen=gen)
+        return _Request(rid=str(body.get("rid") or uuid.uuid4().hex), input_ids=list(ids), params=params, gen=gen,
+                        routed=[] if want_routing else None)
 
     def _step(self, req: _Request) -> None:
         """One decode step on the worker thread: forward the tokens not yet in the cache, sample one token."""
@@ -170,8 +214,18 @@ class ReferenceEngine:
             new_S = torch.tensor([all_ids])
         else:
             new_S = torch.tensor([all_ids[-1:]])
-        with torch.no_grad():
-            out = self.model(input_ids=new_S, use_cache=True, **{self.cache_kw: req.past})
+        self._captured = {} if req.routed is not None else None
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=new_S, use_cache=True, **{self.cache_kw: req.past})
+            if req.routed is not None:
+                ids = torch.full((new_S.shape[1], len(self.model.model.layers), next(iter(self.routers.values())).top_k),
+                                 -1, dtype=torch.int32)
+                for layer, top in self._captured.items():
+                    ids[:, layer] = top
+                req.routed.append((len(all_ids) - new_S.shape[1], ids))
+        finally:
+            self._captured = None
         req.past = out.get("cache", None) or out.get("past_key_values")
         token, logprob = sample_next(out.logits[0, -1].float(), req.params, req.gen)
         req.output_ids.append(token)
@@ -215,6 +269,7 @@ class ReferenceEngine:
             await self.resumed.wait()
 
     def response(self, req: _Request, return_logprob: bool) -> dict:
+        """SGLang's /generate answer; ``routed_experts`` (base64 int32) when the request asked for them."""
         out_ids = req.output_ids
         text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
         matched = (req.finish or {}).get("matched")
@@ -230,6 +285,8 @@ class ReferenceEngine:
         }
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, out_ids)]
+        if req.routed is not None:
+            meta["routed_experts"] = base64.b64encode(self.routed_experts(req).numpy().tobytes()).decode("ascii")
         return {"text": text, "output_ids": list(out_ids), "meta_info": meta}
 
     # --- control ----------------------------------------------------------------------------------------------
@@ -488,6 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000, help="TCP port (0 picks a free one; the chosen port is printed)")
     p.add_argument("--context-length", type=int, default=None, help="max prompt + new tokens (default: model config)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE models: record every token's top-k experts per layer, returned to requests that set "
+                        "return_routed_experts (SGLang's flag; used for rollout routing replay)")
     return p
 
 
@@ -504,8 +564,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-engine %(message)s")
     t0 = time.time()
     try:
-        engine = ReferenceEngine(args.model_path, context_length=args.context_length)
-    except FileNotFoundError as exc:
+        engine = ReferenceEngine(args.model_path, context_length=args.context_length,
+                                 return_routed_experts=args.enable_return_routed_experts)
+    except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"forge-engine: {exc}") from exc
     log.info("loaded %s in %.1fs", args.model_path, time.time() - t0)
     from forge_megatron.rollout.launch import print_ready

@@ -135,7 +135,7 @@ def start_engine(model_dir: str, in_process: bool = False, host: str = "127.0.0.
     if in_process:
         from forge_megatron.rollout.engine_server import ReferenceEngine, serve
 
-        engine = ReferenceEngine(model_dir)
+        engine = ReferenceEngine(model_dir, return_routed_experts="--enable-return-routed-experts" in (extra_args or []))
         server = ThreadServer(lambda ready: serve(engine, host, 0, ready), host=host)
         server.engine = engine
         return server
@@ -157,7 +157,8 @@ def start_gateway(model_dir: str, engine_urls: list[str], in_process: bool = Fal
     if in_process:
         from forge_megatron.middleware.gateway import Gateway, GatewayConfig, serve
 
-        gw = Gateway(GatewayConfig(model_path=model_dir, engine_urls=list(engine_urls), host=host, port=0), sink=sink)
+        gw = Gateway(GatewayConfig(model_path=model_dir, engine_urls=list(engine_urls), host=host, port=0,
+                                   return_routed_experts="--return-routed-experts" in (extra_args or [])), sink=sink)
         server = ThreadServer(lambda ready: serve(gw, ready), host=host)
         server.gateway = gw
         return server

@@ -4,7 +4,8 @@ Field names follow SGLang (python/sglang/srt/managers/io_struct.py, entrypoints/
 ``/generate`` takes ``input_ids``, ``sampling_params`` {temperature, top_p, top_k, max_new_tokens, stop,
 stop_token_ids, ...}, ``return_logprob``, ``stream``, ``rid``; it answers ``output_ids``, ``text`` and ``meta_info``
 {finish_reason {type: stop|length|abort, matched}, prompt_tokens, completion_tokens, output_token_logprobs
-[[logprob, token_id, text], ...], weight_version}. Control routes: ``/health``, ``/get_model_info``,
+[[logprob, token_id, text], ...], weight_version, routed_experts (with ``return_routed_experts``: base64 int32
+[prompt + output - 1, layers, topk], the server started with ``--enable-return-routed-experts``)}. Control routes: ``/health``, ``/get_model_info``,
 ``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` {mode}, ``/continue_generation``,
 ``/update_weights_from_disk`` {model_path, weight_version, flush_cache, abort_all_requests},
 ``/init_weights_update_group`` {master_address, master_port, rank_offset, world_size, group_name, backend},
@@ -18,6 +19,7 @@ The fleet routes each call to the least-loaded live engine, but keeps a session 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections import OrderedDict
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import aiohttp
+import numpy as np
 
 
 class EngineError(RuntimeError):
@@ -49,6 +52,7 @@ class GenerateResult:
     weight_version: str | None
     text: str
     engine_url: str = ""
+    routed_experts: "np.ndarray | None" = None  # flat int32 (SGLang: [prompt + output - 1, layers, topk]), if asked
 
     @property
     def finish_type(self) -> str:
@@ -70,7 +74,21 @@ class GenerateResult:
             weight_version=meta.get("weight_version"),
             text=body.get("text", ""),
             engine_url=engine_url,
+            routed_experts=_decode_routed_experts(meta.get("routed_experts"), engine_url),
         )
+
+
+def _decode_routed_experts(value, engine_url: str):
+    """SGLang's ``meta_info["routed_experts"]``: base64 of int32 bytes -> flat int32 array (None if absent)."""
+    if value is None:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (TypeError, ValueError) as exc:
+        raise EngineError(f"{engine_url}: routed_experts is not base64: {exc}") from exc
+    if len(raw) % 4:
+        raise EngineError(f"{engine_url}: routed_experts has {len(raw)} bytes, not a whole number of int32")
+    return np.frombuffer(raw, dtype=np.int32)
 
 
 class SGLangClient:
@@ -101,19 +119,24 @@ class SGLangClient:
             raise EngineError(f"{self.url}{route} failed: {type(exc).__name__}: {exc}") from exc
 
     async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
-                       rid: str | None = None) -> GenerateResult:
+                       rid: str | None = None, return_routed_experts: bool = False) -> GenerateResult:
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if rid:
             body["rid"] = rid
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         return GenerateResult.from_response(await self._call("POST", "/generate", body), self.url)
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
-                              rid: str | None = None) -> AsyncIterator[GenerateResult]:
+                              rid: str | None = None, return_routed_experts: bool = False
+                              ) -> AsyncIterator[GenerateResult]:
         """Yield the cumulative result after each chunk SGLang streams (``stream: true``, SSE ``data:`` lines)."""
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob,
                 "stream": True}
         if rid:
             body["rid"] = rid
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         try:
             async with self._http().post(self.url + "/generate", json=body) as resp:
                 if resp.status != 200:
@@ -276,12 +299,13 @@ class EngineFleet:
             yield eng
 
     async def generate(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
-                       return_logprob: bool = True) -> GenerateResult:
+                       return_logprob: bool = True, return_routed_experts: bool = False) -> GenerateResult:
         errors = []
         for eng in self._candidates(session_key):
             eng.inflight += 1
             try:
-                result = await eng.client.generate(input_ids, sampling_params, return_logprob)
+                result = await eng.client.generate(input_ids, sampling_params, return_logprob,
+                                                   return_routed_experts=return_routed_experts)
                 eng.served += 1
                 return result
             except EngineError as exc:
@@ -292,14 +316,16 @@ class EngineFleet:
         raise NoEngineAvailable(f"generate failed on every engine tried: {errors or 'no live engine'}")
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
-                              return_logprob: bool = True) -> AsyncIterator[GenerateResult]:
+                              return_logprob: bool = True, return_routed_experts: bool = False
+                              ) -> AsyncIterator[GenerateResult]:
         """Stream from one engine; fail over only while nothing has been yielded yet."""
         errors = []
         for eng in self._candidates(session_key):
             eng.inflight += 1
             yielded = False
             try:
-                async for partial in eng.client.generate_stream(input_ids, sampling_params, return_logprob):
+                async for partial in eng.client.generate_stream(input_ids, sampling_params, return_logprob,
+                                                                return_routed_experts=return_routed_experts):
                     yielded = True
                     yield partial
                 eng.served += 1

@@ -672,6 +672,74 @@ def test_episodes_reach_the_data_pool(tmp_path, model_dir):
         pool.close()
 
 
+def test_routed_experts_reach_the_trainer_batch(tmp_path):
+    """Rollout routing replay, gateway to batch: a MoE engine returns each call's routed experts, the gateway keeps
+    them per segment (first call to process a position wins; the last token has none), and the data pool hands
+    them to the trainer next to the tokens, equal (as sets per token) to the routers' choice in a teacher-forced HF
+    forward of each sample. A rewritten context starts a second segment with its own routing. The episode's JSON
+    form round-trips them."""
+    from forge_megatron.middleware.pool import DataPool, PoolConfig
+    from forge_megatron.middleware.schema import Episode
+    from tests.rollout.test_engine import _routers_topk
+
+    moe = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", sampling_seed=0)
+    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), generation_batch_groups=1))
+    e = start_engine(moe, in_process=True, extra_args=["--enable-return-routed-experts"])
+    gw = start_gateway(moe, [e.url], in_process=True, sink=pool, extra_args=["--return-routed-experts"])
+    try:
+        s = new_session(gw)
+        c = client(s)
+        msgs = [{"role": "user", "content": "Step one"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, seed=1)
+        msgs += [as_message(r.choices[0].message), {"role": "user", "content": "Step two"}]
+        c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, seed=2)
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Summary. Three"}], max_tokens=6,
+                                  seed=3)
+        http(f"{gw.url}/forge/sessions/{s['session_id']}/reward", {"reward": 1.0})
+        assert end(gw, s)[1]["sink"] == "accepted"
+        batch = pool.next_batch(1, timeout_s=10)
+        ep = gw.gateway.sessions[s["session_id"]].to_episode()
+    finally:
+        gw.stop()
+        e.stop()
+        pool.close()
+    model = AutoModelForCausalLM.from_pretrained(moe).eval()
+    layers, top_k = model.config.num_hidden_layers, model.config.num_experts_per_tok
+    assert len(batch.samples) == 2  # two segments
+    for smp in batch.samples:
+        routed = torch.from_numpy(smp.routed_experts.astype("int32"))
+        assert routed.shape == (len(smp.tokens), layers, top_k)
+        assert (routed[-1] == -1).all() and (routed[:-1] >= 0).all()
+        want = _routers_topk(model, smp.tokens[:-1].tolist()).to(torch.int32)
+        assert torch.equal(routed[:-1].sort(-1).values, want.sort(-1).values)
+    back = Episode.from_dict(json.loads(json.dumps(ep.to_dict())))
+    assert all((a.routed_experts == b.routed_experts).all() for a, b in zip(back.segments, ep.segments))
+
+
+def test_segment_routing_keeps_the_first_call_that_processed_a_position():
+    """A later call's routing of an earlier position (recomputed, e.g. under new weights after a cache miss) does not
+    replace what the call that sampled from it saw; new positions are appended; the last token has none."""
+    import numpy as np
+
+    from forge_megatron.middleware.gateway_sessions import SegmentBuilder
+
+    b = SegmentBuilder()
+    b.add_prompt([1, 2, 3])
+    b.add_completion([4, 5], [-0.1, -0.2], 0)
+    first = np.arange(8, dtype=np.int16).reshape(4, 2, 1)  # positions 0..3 (token 5 was not fed)
+    b.add_routing(first)
+    b.add_prompt([6])
+    b.add_completion([7], [-0.3], 1)
+    b.add_routing(np.full((6, 2, 1), 9, np.int16))  # positions 0..5, the first four recomputed differently
+    routed = b.to_segment().routed_experts
+    assert routed.shape == (7, 2, 1) and routed.dtype == np.int16
+    np.testing.assert_array_equal(routed[:4], first)
+    assert (routed[4:6] == 9).all() and (routed[6] == -1).all()
+    plain = SegmentBuilder()
+    plain.add_prompt([1])
+    assert plain.to_segment().routed_experts is None  # nothing recorded: no routing at all
+
+
 def test_gateway_cli_subprocess_writes_episodes_jsonl(tmp_path, stack, model_dir):
     """forge-gateway as its console entry point (a subprocess) with the JSONL sink, in front of a running engine."""
     from forge_megatron.middleware.gateway import build_parser

@@ -128,6 +128,35 @@ def test_invalid_episode_is_rejected_by_schema(served):
     assert client.group_status(gid)["finished"] == 0
 
 
+def test_routed_experts_travel_from_episode_to_batch(served):
+    """Routed experts (rollout routing replay) over the real sockets and database: an episode with routing on one of
+    its two segments, another with none; the batch carries every sample's rows, -1 where none were recorded. A
+    routing frame that does not match its header is refused by name and the pool keeps serving."""
+    from forge_megatron.middleware.wire import episode_to_wire
+
+    pool, server, client = served
+    gid = client.register_group("t", 2)
+    with_routing, without = make_episode(gid, "e0", segments=2, seed=1), make_episode(gid, "e1", seed=2)
+    rng = np.random.default_rng(0)
+    seg = with_routing.segments[1]
+    seg.routed_experts = rng.integers(-1, 16, size=(len(seg.tokens), 3, 2)).astype(np.int16)
+    assert client.submit_episode(with_routing) == "accepted" and client.submit_episode(without) == "accepted"
+    batch = client.get_batch(1, timeout_s=5.0)
+    by_tokens = {tuple(smp.tokens.tolist()): smp.routed_experts for smp in batch.samples}
+    np.testing.assert_array_equal(by_tokens[tuple(seg.tokens)], seg.routed_experts)
+    for other in (with_routing.segments[0], without.segments[0]):
+        got = by_tokens[tuple(other.tokens)]
+        assert got.shape == (len(other.tokens), 3, 2) and (got == -1).all()
+
+    meta, arrays = episode_to_wire(make_episode(gid, "e9", seed=3))
+    meta["routing_shape"] = [3, 2]
+    arrays.append(np.zeros(5, np.int16))  # not tokens x 3 x 2
+    frames = [_header(op="submit_episode", episode=meta, arrays=[[a.dtype.name, list(a.shape)] for a in arrays])]
+    reply = _raw_request(server.address, frames + [a.tobytes() for a in arrays])
+    assert reply["ok"] is False and "routed experts must be int16[72]" in reply["error"]
+    assert client.ping() == {"pool": "forge"}
+
+
 def test_wire_rejects_unknown_dtype_on_send():
     with pytest.raises(WireError, match="array dtype complex64 is not allowed"):
         pack({"op": "x"}, [np.zeros(2, np.complex64)])

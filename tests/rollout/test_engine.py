@@ -317,3 +317,77 @@ def test_flush_and_pause_survive_requests_coming_and_going(engine):
     finally:
         eng.running = saved
         eng.resume()
+
+
+def _routers_topk(model, ids):
+    """Top-k expert ids [len(ids), layers, topk] of a full teacher-forced forward (HF, no cache)."""
+    got = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, out[-1]))
+             for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack([got[i].reshape(len(ids), -1) for i in range(len(model.model.layers))], dim=1)
+
+
+def test_routed_experts_are_the_models_own_routing(tmp_path):
+    """return_routed_experts (MoE, --enable-return-routed-experts): base64 int32 [prompt + output - 1, layers, topk],
+    equal (as sets per token) to the routers' choice in one teacher-forced HF forward of the whole sequence, across
+    a retracting pause that recomputes the KV cache mid-generation; refused without the server flag, and a dense
+    model cannot enable it."""
+    import base64
+    import json
+    import urllib.request
+
+    import numpy as np
+
+    from forge_megatron.rollout.engine_server import ReferenceEngine
+
+    d = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", sampling_seed=0)
+    h = start_engine(d, in_process=True, extra_args=["--enable-return-routed-experts"])
+    plain = start_engine(d, in_process=True)
+    try:
+        def post(url, body):
+            req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    return 200, json.loads(resp.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+
+        body = {"input_ids": PROMPT, "return_routed_experts": True,
+                "sampling_params": {"max_new_tokens": 9, "temperature": 1.0, "sampling_seed": 3, "ignore_eos": True}}
+        status, out = post(h.url, body)
+        assert status == 200
+        model = h.engine.model
+        layers, top_k = len(model.model.layers), model.config.num_experts_per_tok
+        ids = PROMPT + out["output_ids"]
+        routed = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
+        routed = torch.from_numpy(routed.copy()).reshape(len(ids) - 1, layers, top_k)
+        want = _routers_topk(model, ids[:-1])
+        assert torch.equal(routed.sort(-1).values, want.to(torch.int32).sort(-1).values)
+        assert routed.min() >= 0 and routed.max() < model.config.num_experts
+
+        # A retracting pause mid-generation drops the KV cache; positions are recomputed and still recorded.
+        eng = h.engine
+        req = eng.new_request(body)
+        eng._step(req)
+        eng._step(req)
+        eng.flush_cache()
+        while req.finish is None:
+            eng._step(req)
+        again = eng.routed_experts(req)
+        full = PROMPT + req.output_ids
+        assert torch.equal(again.sort(-1).values, _routers_topk(model, full[:-1]).to(torch.int32).sort(-1).values)
+
+        status, err = post(plain.url, body)
+        assert status == 400 and "--enable-return-routed-experts" in err["error"]["message"]
+    finally:
+        h.stop()
+        plain.stop()
+    with pytest.raises(ValueError, match="no MoE router"):
+        ReferenceEngine(build_tiny_model(str(tmp_path / "dense")), return_routed_experts=True)
