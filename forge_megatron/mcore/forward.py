@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from forge_megatron.mcore import routing_replay
 from forge_megatron.mcore.logprobs import (  # noqa: F401 (check_targets re-exported)
     check_targets,
     linear_vocab_parallel_logprobs,
@@ -183,6 +184,9 @@ class TreeMicroBatch:
     """Every micro-batch of the step has this layout's length (padded): needed under PP without variable lengths."""
     pad_tokens: int = 0
     """Padding roots at the end of ``layout`` (not real tokens: left out of the token metrics)."""
+    routing: torch.Tensor | None = None
+    """int16 [T, layers, topk] experts recorded by the rollout engine for the tree tokens (-1: route them here);
+    replayed by the routers that ``routing_replay.install`` prepared (mcore/routing_replay.py)."""
 
 
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TreeMicroBatch], tuple]
@@ -210,8 +214,10 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
             raise ValueError("tree micro-batches vary in length: build the model with variable_seq_lengths=True under "
                              "PP, or pad every micro-batch of the step to one length (TreeMicroBatch.fixed_length)")
         device = next(model.parameters()).device
+        routing_replay.set_micro_batch(model, micro_batch.routing, micro_batch.layout.unique_tokens)
         with output_layer_deferred(model, fused_output) as captured:
             output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device))
+        routing_replay.after_forward(model)
         weight = _captured_weight(captured)
 
         def loss_func(output_1TX):

@@ -194,6 +194,12 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run Megatron's output layer and score its [tokens, vocabulary] logits (in chunks); by "
                         "default the output layer is fused into the logprobs, chunk by chunk, so those logits never "
                         "exist at once (same values; one extra output-layer matmul in the backward)")
+    g.add_argument("--routing-replay", action="store_true",
+                   help="MoE: route every token to the experts the rollout engine used for it (rollout routing replay, "
+                        "R3), from the routed experts the gateway records (SGLang --enable-return-routed-experts, "
+                        "gateway --return-routed-experts; forge.sbatch: ROUTING_REPLAY=1). Tokens without a record "
+                        "are routed by the trainer. Logs routing_mismatch: the share of replayed (token, layer) "
+                        "rows the trainer's router would have routed differently")
     g.add_argument("--fp32-lm-head", action="store_true",
                    help="compute the output layer (LM head) in fp32 in the loss: the bf16 weight and the final hidden "
                         "states are upcast for its matmul (MiniMax-M1 traced most of the training/inference "

@@ -62,8 +62,9 @@ def _targets(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr[1:]))
 
 
-def micro_batch_of(samples: list, domains: list[str]):
-    """One ``TreeMicroBatch``: the prefix forest of ``samples`` and their per-target loss inputs."""
+def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = False):
+    """One ``TreeMicroBatch``: the prefix forest of ``samples`` and their per-target loss inputs (and, with
+    ``routing_replay``, the tree tokens' recorded experts: mcore/routing_replay.py)."""
     from forge_megatron.mcore.forward import TreeMicroBatch
     from forge_megatron.tree import build_tree
 
@@ -77,11 +78,17 @@ def micro_batch_of(samples: list, domains: list[str]):
         "sample_weight_S": torch.tensor([s.sample_weight for s in samples], dtype=torch.float32),
         "domain_ids_S": torch.tensor([domains.index(s.domain) for s in samples], dtype=torch.int64),
     }
-    return TreeMicroBatch(layout=layout, extras=extras)
+    routing = None
+    if routing_replay:
+        from forge_megatron.mcore.routing_replay import tree_routing
+
+        routing = tree_routing(layout, [getattr(s, "routed_experts", None) for s in samples])
+    return TreeMicroBatch(layout=layout, extras=extras, routing=routing)
 
 
 def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: int, domains: list[str],
-               balance: str = "cost", hidden_size: int = 1, interleaved_pp: int | None = None) -> RankBatch:
+               balance: str = "cost", hidden_size: int = 1, interleaved_pp: int | None = None,
+               routing_replay: bool = False) -> RankBatch:
     """Split a pool batch over DP ranks by group and pack this rank's share into micro-batches.
 
     ``balance``: ``cost`` gives each DP rank groups of near-equal estimated compute (:mod:`training.balance`, with
@@ -89,7 +96,8 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     ``domains`` (the names behind the per-domain metric ids) grows with new domains in batch order, which is the
     same on every rank. ``interleaved_pp`` (the PP size, for the interleaved schedule) makes the number of
     micro-batches a multiple of it (splitting the largest ones); with PP = 2 it also pads every micro-batch to the
-    longest one (:func:`interleaved_needs_fixed_length`).
+    longest one (:func:`interleaved_needs_fixed_length`). ``routing_replay`` attaches the samples' recorded experts
+    to the micro-batches.
     """
     from forge_megatron.training.balance import assign_groups
     from forge_megatron.tree import pack_micro_batches
@@ -115,7 +123,7 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
         parts = [[i] for i in range(len(samples))]
     if interleaved_pp:
         parts = split_to_multiple(parts, interleaved_pp, batch.batch_id)
-    mbs = [micro_batch_of([samples[i] for i in part], domains) for part in parts]
+    mbs = [micro_batch_of([samples[i] for i in part], domains, routing_replay) for part in parts]
     if interleaved_pp and interleaved_needs_fixed_length(interleaved_pp):
         length = max(mb.layout.unique_tokens for mb in mbs)
         for mb in mbs:
@@ -224,6 +232,9 @@ def run_schedule(ddp, rb: RankBatch, forward_step, forward_only: bool = False) -
     chunks from :func:`build_model_and_optimizer` (pipelined when PP > 1, interleaved with several chunks)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from forge_megatron.mcore import routing_replay
+
+    routing_replay.reset(ddp)  # no recomputation queue left over from an earlier run (e.g. a forward-only pass)
     # every chunk reads the micro-batches (the tree's mask and depths are needed in every stage's attention)
     data = [iter(rb.micro_batches) for _ in ddp] if len(ddp) > 1 else iter(rb.micro_batches)
     return get_forward_backward_func()(
@@ -253,6 +264,12 @@ class Trainer:
         self.domains = sorted(args.domain_ratios)
         # model chunks (one per virtual pipeline stage; one without interleaving) and their DDP wrappers
         self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(args, self.cfg)
+        if getattr(args, "routing_replay", False):
+            from forge_megatron.mcore import routing_replay
+
+            if not self.bridge.cfg.num_moe_experts:
+                raise ValueError("--routing-replay needs a MoE model (the HF config has no experts)")
+            routing_replay.install(self.chunks)
         self.iteration, self.policy_version, self.last_batch_id = 0, 0, None
         self.pool = self._pool_client() if self.rank == 0 else None
         self.syncer = make_syncer(args, self.bridge) if args.weight_sync_transport != "none" else None
@@ -336,7 +353,8 @@ class Trainer:
         t1 = time.perf_counter()
         rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
                         self.domains, self.args.dp_balance, self.cfg.hidden_size,
-                        interleaved_pp=self.pp_size if len(self.chunks) > 1 else None)
+                        interleaved_pp=self.pp_size if len(self.chunks) > 1 else None,
+                        routing_replay=getattr(self.args, "routing_replay", False))
         for chunk in self.ddp:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -346,6 +364,8 @@ class Trainer:
             self.scheduler.step(increment=1)
         t2 = time.perf_counter()
         metrics = batch_metrics(rb, mb_metrics, self.policy_version)  # staleness w.r.t. the weights trained
+        if getattr(self.args, "routing_replay", False):
+            metrics.update(self._routing_metrics())
         self.iteration += 1
         self.last_batch_id = batch.batch_id
         sync_s = 0.0
@@ -361,6 +381,17 @@ class Trainer:
         if self.writer is not None:
             self.writer.write(self.iteration, metrics)
         return metrics
+
+    def _routing_metrics(self) -> dict:
+        """Rollout routing replay, over every rank: the share of (token, MoE layer) rows replayed from the engine's
+        record whose expert set the trainer's router would have chosen differently (what replay removes)."""
+        from forge_megatron.mcore import routing_replay
+        from forge_megatron.mcore.parallel import comm_device
+
+        counts = torch.tensor(routing_replay.read_counts(self.chunks), dtype=torch.float64, device=comm_device())
+        dist.all_reduce(counts)  # every rank's own tokens (TP replicas count theirs too: the ratio is unchanged)
+        rows, mismatched = counts.tolist()
+        return {"routing_replayed_rows": rows, "routing_mismatch": mismatched / rows if rows else 0.0}
 
     def _sync(self) -> float:
         t0 = time.perf_counter()

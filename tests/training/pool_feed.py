@@ -45,24 +45,38 @@ class PoolProcess:
         self.proc.wait(timeout=30)
 
 
+def _routing_rows(rng: np.random.Generator, n: int, routing: tuple[int, int, int]) -> np.ndarray:
+    """Random distinct experts per (token, layer): int16 [n, layers, topk] (``routing`` = layers, experts, topk)."""
+    layers, experts, top_k = routing
+    return np.argsort(rng.random((n, layers, experts)), axis=-1)[..., :top_k].astype(np.int16)
+
+
 def feed_groups(client: PoolClient, num_groups: int, rng: np.random.Generator, vocab: int = 300,
-                group_size: int = 4, prompt_len: int = 12, completion_len: int | tuple[int, ...] = 6) -> list[str]:
+                group_size: int = 4, prompt_len: int = 12, completion_len: int | tuple[int, ...] = 6,
+                routing: tuple[int, int, int] | None = None) -> list[str]:
     """Register ``num_groups`` groups of ``group_size`` finished episodes (shared prompt, varied completions).
 
     ``completion_len`` may be a tuple: group g then gets completions of ``completion_len[g % len]`` tokens.
+    ``routing`` = (layers, experts, topk): the segments carry random routed experts (one set of rows for the shared
+    prompt, the last token unrecorded), as a MoE engine with --enable-return-routed-experts would record.
     """
     group_ids = []
     lens = completion_len if isinstance(completion_len, tuple) else (completion_len,)
     for g in range(num_groups):
         completion_len = lens[g % len(lens)]
         prompt = rng.integers(10, vocab, size=prompt_len).tolist()
+        prompt_rows = _routing_rows(rng, prompt_len, routing) if routing else None
         gid = client.register_group(f"task-{uuid.uuid4().hex[:6]}", group_size, "default")
         for e in range(group_size):
             completion = rng.integers(10, vocab, size=completion_len).tolist()
             n = prompt_len + completion_len
+            routed = None
+            if routing:
+                routed = np.concatenate([prompt_rows, _routing_rows(rng, completion_len, routing)])
+                routed[-1] = -1
             seg = Segment(tokens=prompt + completion, loss_mask=[0] * prompt_len + [1] * completion_len,
                           rollout_logprobs=[0.0] * prompt_len + [-5.0] * completion_len,
-                          policy_versions=[-1] * prompt_len + [0] * completion_len)
+                          policy_versions=[-1] * prompt_len + [0] * completion_len, routed_experts=routed)
             eid = uuid.uuid4().hex
             client.episode_started(gid, eid)
             now = time.time()

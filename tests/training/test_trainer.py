@@ -233,6 +233,32 @@ def test_fused_logprobs_train_like_megatrons_output_layer(tmp_path):
     assert first["rollout_logp_abs_diff_max"] >= first["rollout_logp_abs_diff"] > 0 and first["rollout_kl"] > 0
 
 
+def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_path):
+    """--routing-replay on the tiny MoE model, episodes carrying recorded experts: one rank, and PP = 2 with several
+    micro-batches in flight (1F1B) and full recomputation (each recompute in the backward must replay its own
+    micro-batch's rows), train the same two steps (loss, grad norm, routing mismatch). Without replay the same data
+    trains differently, and the logged mismatch says how many replayed rows the router would have routed otherwise."""
+    model_dir = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
+    steps = {}
+    for name, extra, nproc in (
+            ("one", ["--routing-replay", "--tree-token-budget", "18"], 1),  # the same micro-batches as pp2
+            ("pp2", ["--routing-replay", "--pipeline-model-parallel-size", "2", "--tree-token-budget", "18",
+                     "--recompute-granularity", "full", "--recompute-method", "uniform",
+                     "--recompute-num-layers", "1"], 2),
+            ("natural", [], 1)):
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, extra=extra,
+                                              nproc=nproc, model=[])
+    assert [len(v) for v in steps.values()] == [2, 2, 2]
+    assert steps["pp2"][0]["micro_batches"] > 2  # several micro-batches in flight in the pipeline
+    for a, b in zip(steps["one"], steps["pp2"]):
+        for key in ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    first = steps["one"][0]
+    assert first["routing_replayed_rows"] > 0 and 0 < first["routing_mismatch"] < 1  # random rows: many differ
+    assert abs(steps["natural"][0]["loss"] - first["loss"]) > 1e-4 and "routing_mismatch" not in steps["natural"][0]
+
+
 def test_exit_and_resume_continues_the_same_run_exactly(tmp_path):
     """--exit-interval 2 of a 4-iteration run saves and stops after iteration 2; resuming with the same flags trains
     iterations 3 and 4 exactly as an uninterrupted run does, to fp32 round-off: the model, LR schedule, pool position

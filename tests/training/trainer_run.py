@@ -18,9 +18,10 @@ def model_args() -> list[str]:
     return out.stdout.split()
 
 
-def train_cmd(model_dir, pool, run_dir, iters, groups, extra=()):
-    """train_forge.py arguments for the tiny model against ``pool``: metrics to ``run_dir``/metrics.jsonl."""
-    return [*model_args(), "--hf-checkpoint", model_dir, "--lr", "1e-3", "--train-iters", str(iters),
+def train_cmd(model_dir, pool, run_dir, iters, groups, extra=(), model=None):
+    """train_forge.py arguments for the tiny model against ``pool``: metrics to ``run_dir``/metrics.jsonl.
+    ``model``: the network flags (default the tiny dense model's; [] takes the architecture from the checkpoint)."""
+    return [*(model_args() if model is None else model), "--hf-checkpoint", model_dir, "--lr", "1e-3", "--train-iters", str(iters),
             "--save", f"{run_dir}/ckpt", "--load", f"{run_dir}/ckpt", "--save-interval", "2",
             "--pool-addr", pool.addr, "--weight-sync-transport", "none", "--train-batch-groups", str(groups),
             "--log-interval", "1", "--metrics-jsonl", f"{run_dir}/metrics.jsonl", "--batch-timeout-s", "120", *extra]
@@ -41,7 +42,7 @@ def read_steps(path):
 
 
 def run_on_fresh_pool(tmp_path, name: str, model_dir: str, feed, *, iters: int, groups: int, extra=(), nproc: int = 1,
-                      exits=(None,), env_extra: dict | None = None, lr: str | None = None):
+                      exits=(None,), env_extra: dict | None = None, lr: str | None = None, model=None):
     """Start a forge-pool process, ``feed(client)`` it, and train ``iters`` iterations of the tiny model on it: one
     process (or ``nproc`` under torchrun) per entry of ``exits`` (--exit-interval N, None: to the end), all in
     ``tmp_path/name``. Returns (metric steps, stdout of each process, steps written after each process)."""
@@ -56,7 +57,7 @@ def run_on_fresh_pool(tmp_path, name: str, model_dir: str, feed, *, iters: int, 
         stdouts, counts = [], []
         for exit_at in exits:
             stop = ["--exit-interval", str(exit_at)] if exit_at else []
-            args = train_cmd(model_dir, pool, run_dir, iters=iters, groups=groups, extra=[*extra, *stop])
+            args = train_cmd(model_dir, pool, run_dir, iters=iters, groups=groups, extra=[*extra, *stop], model=model)
             if lr is not None:
                 args[args.index("--lr") + 1] = lr
             if nproc == 1:

@@ -1,0 +1,185 @@
+"""Rollout routing replay (R3) for MoE models: the trainer routes each token to the experts the rollout engine used.
+
+Why: an MoE router's top-k is discontinuous, so the small numerical differences between the inference engine
+and the trainer (kernels, precision, batch shapes) flip expert choices for some tokens, and the trainer then
+scores the sampled tokens with a different network from the one that sampled them: importance ratios drift for
+reasons that have nothing to do with the policy's change, and MoE RL destabilises. SGLang records every token's
+top-k experts per layer (``--enable-return-routed-experts``); the gateway keeps them per segment
+(``Segment.routed_experts``, int16 [L, layers, topk], -1 where nothing was recorded) and the trainer replays them.
+
+How, on a tree-packed micro-batch:
+
+- :func:`tree_routing`: every tree token takes the routing of the first sample row that recorded one (samples
+  sharing a prefix share those tokens; with one policy version their rows agree, otherwise the first in the batch
+  wins). Tokens without a recorded row (the last token of a sample, padding) keep -1.
+- :class:`TreeRoutingReplay` replaces Megatron's ``TopKRouter.router_replay`` (megatron-core >= 0.16 calls it for
+  the top-k of every routed forward): rows with recorded experts use them, and their routing weights are the
+  router's own scores at those experts (so the router still learns); rows with -1 use the router's own top-k.
+- Megatron's pipeline schedules run forwards and backwards of different micro-batches interleaved. The forward
+  step sets each chunk's routers to its micro-batch's rows; activation recomputation re-runs a layer's forward
+  inside the backward, in the order the micro-batches went forward, so every forward also queues its rows and a
+  forward run while the schedule is in its backward phase takes the oldest queued rows (Megatron's own replay does
+  the same). :func:`reset` empties the queues at the start of each schedule run.
+- Under context parallelism each rank routes its own shard of the padded tree: the rows are padded and sliced the
+  same way.
+
+The replay also counts how often the router's own top-k set differs from the replayed one (``mismatch``): the
+training/inference routing mismatch that R3 removes, per (token, layer).
+
+Legend: T tree tokens (padded to the micro-batch's length), L model layers, K experts per token (top-k).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+
+
+class TreeRoutingReplay:
+    """Stands in for Megatron's ``RouterReplay`` on one router (see the module docstring)."""
+
+    def __init__(self, layer: int):
+        self.layer = layer  # global (0-based) layer number: the column of the recorded rows
+        self.target: torch.Tensor | None = None  # int64 [tokens, K] of the micro-batch going forward; -1 rows: own
+        self.queued: deque = deque()  # targets of forwarded micro-batches, for recomputation in the backward
+        self.in_backward = False
+        self.rows = 0  # (token, layer) rows replayed since the last read of the counters
+        self.mismatched = 0  # of which the router's own top-k set differed
+
+    def set_target(self, target: torch.Tensor | None) -> None:
+        self.target = target
+        self.queued.append(target)
+        self.in_backward = False
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        target = self.queued.popleft() if self.in_backward and self.queued else self.target
+        if target is None:
+            return probs, own
+        if target.shape != own.shape:
+            raise RuntimeError(f"routing replay: layer {self.layer + 1} routes {tuple(own.shape)} tokens x experts but "
+                               f"{tuple(target.shape)} were recorded (is sequence parallelism on? it is not supported)")
+        target = target.to(own.device)
+        recorded = (target >= 0).all(dim=-1, keepdim=True)
+        if not self.in_backward:  # count each token once, not again when recomputed
+            differs = (own.sort(dim=-1).values != target.sort(dim=-1).values).any(dim=-1, keepdim=True)
+            self.rows += int(recorded.sum())
+            self.mismatched += int((differs & recorded).sum())
+        idx = torch.where(recorded, target.to(own.dtype), own)
+        return scores.gather(1, idx), idx
+
+
+def _unwrap(model):
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def moe_routers(model) -> list[tuple[int, object]]:
+    """(global 0-based layer number, TopKRouter) of every MoE layer of a model chunk."""
+    out = []
+    for layer in _unwrap(model).decoder.layers:
+        router = getattr(getattr(layer, "mlp", None), "router", None)
+        if router is not None:
+            out.append((layer.layer_number - 1, router))
+    return out
+
+
+def install(models) -> int:
+    """Give every MoE router of ``models`` (a rank's model chunks) a :class:`TreeRoutingReplay`; returns how many."""
+    count = 0
+    for model in models:
+        for layer, router in moe_routers(model):
+            if not hasattr(router, "router_replay"):
+                raise RuntimeError("routing replay needs megatron-core >= 0.16 (TopKRouter.router_replay)")
+            if getattr(router.config, "moe_router_fusion", False):
+                raise ValueError("routing replay does not work with the fused router (moe_router_fusion)")
+            router.router_replay = TreeRoutingReplay(layer)
+            count += 1
+    return count
+
+
+def _replays(model) -> list[TreeRoutingReplay]:
+    return [r.router_replay for _, r in moe_routers(model) if isinstance(r.router_replay, TreeRoutingReplay)]
+
+
+def reset(models) -> None:
+    """Before a schedule run: no queued rows, no counts carried over from forward-only passes."""
+    for model in models:
+        for replay in _replays(model):
+            replay.target, replay.in_backward = None, False
+            replay.queued.clear()
+
+
+def set_micro_batch(model, routing_TLK: torch.Tensor | None, num_tokens: int) -> None:
+    """Before ``model``'s forward of a micro-batch of ``num_tokens`` tree tokens (padded length): each router of the
+    chunk gets its layer's rows (under CP, this rank's shard); None routes every token by the router itself."""
+    replays = _replays(model)
+    if not replays:
+        return
+    local = None
+    if routing_TLK is not None:
+        from forge_megatron.mcore.context_parallel import cp_world, padded_length, shard_range
+
+        cp, rank, _ = cp_world()
+        total = padded_length(num_tokens, cp)
+        if routing_TLK.shape[0] > total:
+            raise ValueError(f"routing replay: {routing_TLK.shape[0]} recorded rows for {total} tree tokens")
+        pad = routing_TLK.new_full((total - routing_TLK.shape[0], *routing_TLK.shape[1:]), -1)
+        lo, hi = shard_range(num_tokens, cp, rank)
+        local = torch.cat([routing_TLK, pad])[lo:hi]
+        device = next(model.parameters()).device
+        local = local.to(device=device, dtype=torch.int64)
+    for replay in replays:
+        if local is not None and replay.layer >= local.shape[1]:
+            raise ValueError(f"routing replay: layer {replay.layer + 1} has no recorded column (rows have "
+                             f"{local.shape[1]} layers)")
+        replay.set_target(None if local is None else local[:, replay.layer].contiguous())
+
+
+def after_forward(model) -> None:
+    """After ``model``'s forward: what runs next (until the next forward) is the backward phase."""
+    for replay in _replays(model):
+        replay.in_backward = True
+
+
+def read_counts(models) -> tuple[int, int]:
+    """(rows replayed, rows whose own top-k differed) since the last read, over ``models``; resets the counts."""
+    rows = mismatched = 0
+    for model in models:
+        for replay in _replays(model):
+            rows, mismatched = rows + replay.rows, mismatched + replay.mismatched
+            replay.rows = replay.mismatched = 0
+    return rows, mismatched
+
+
+def tree_routing(layout, routed: list) -> torch.Tensor | None:
+    """int16 [T, L, K] routing of ``layout``'s tree tokens from its samples' rows (``routed``: one int16 [L_s, L, K]
+    array or None per sample, in the layout's sample order): each tree token takes the first recorded row (-1 rows
+    do not count) in sample order; None when no sample has routing."""
+    shapes = {tuple(r.shape[1:]) for r in routed if r is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"routing replay: samples recorded different [layers, topk] shapes {sorted(shapes)}")
+    shape = shapes.pop()
+    nodes_P = layout.sample_nodes.cpu().numpy().astype(np.int64)
+    lengths = np.diff(layout.sample_offsets.cpu().numpy())
+    if len(routed) != len(lengths):
+        raise ValueError(f"routing replay: {len(routed)} routing arrays for {len(lengths)} samples")
+    for s, (r, n) in enumerate(zip(routed, lengths)):
+        if r is not None and r.shape[0] != n:
+            raise ValueError(f"routing replay: sample {s} has {n} tokens but {r.shape[0]} recorded rows")
+    rows_P = np.concatenate([np.asarray(r, dtype=np.int16) if r is not None else np.full((n, *shape), -1, np.int16)
+                             for r, n in zip(routed, lengths)])
+    recorded_P = (rows_P >= 0).any(axis=(1, 2))  # dense layers' columns are -1 in a recorded row
+    # First recorded row per tree token: sort by (node, unrecorded, position) and keep each node's first.
+    order = np.lexsort((np.arange(nodes_P.size), ~recorded_P, nodes_P))
+    nodes_sorted = nodes_P[order]
+    first = order[np.r_[True, nodes_sorted[1:] != nodes_sorted[:-1]]]
+    out = np.full((layout.unique_tokens, *shape), -1, np.int16)
+    keep = first[recorded_P[first]]
+    out[nodes_P[keep]] = rows_P[keep]
+    return torch.from_numpy(out)
