@@ -234,9 +234,9 @@ def test_fused_logprobs_train_like_megatrons_output_layer(tmp_path):
 
 
 def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_path):
-    """--routing-replay on the tiny MoE model, episodes carrying recorded experts: one rank, and PP = 2 with several
+    """--routing-replay on the tiny MoE model, episodes carrying recorded experts: one rank, PP = 2 with several
     micro-batches in flight (1F1B) and full recomputation (each recompute in the backward must replay its own
-    micro-batch's rows), train the same two steps (loss, grad norm, routing mismatch). Without replay the same data
+    micro-batch's rows), and CP = 2 (each rank its shard's rows) train the same two steps (loss, grad norm, routing mismatch). Without replay the same data
     trains differently, and the logged mismatch says how many replayed rows the router would have routed otherwise."""
     model_dir = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
@@ -246,14 +246,16 @@ def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_pat
             ("pp2", ["--routing-replay", "--pipeline-model-parallel-size", "2", "--tree-token-budget", "18",
                      "--recompute-granularity", "full", "--recompute-method", "uniform",
                      "--recompute-num-layers", "1"], 2),
+            ("cp2", ["--routing-replay", "--context-parallel-size", "2", "--tree-token-budget", "18"], 2),
             ("natural", [], 1)):
         steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, extra=extra,
                                               nproc=nproc, model=[])
-    assert [len(v) for v in steps.values()] == [2, 2, 2]
+    assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
     assert steps["pp2"][0]["micro_batches"] > 2  # several micro-batches in flight in the pipeline
-    for a, b in zip(steps["one"], steps["pp2"]):
-        for key in ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    for other in ("pp2", "cp2"):  # CP: each rank replays the rows of its shard of the padded tree
+        for a, b in zip(steps["one"], steps[other]):
+            for key in ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (other, key)
     first = steps["one"][0]
     assert first["routing_replayed_rows"] > 0 and 0 < first["routing_mismatch"] < 1  # random rows: many differ
     assert abs(steps["natural"][0]["loss"] - first["loss"]) > 1e-4 and "routing_mismatch" not in steps["natural"][0]
