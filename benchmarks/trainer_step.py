@@ -43,9 +43,10 @@ def make_batch(tokenizer, groups: int, group_size: int, completion_tokens: int, 
 
 
 @contextlib.contextmanager
-def tiny_trainer(seed: int, master_port: int):
-    """One-process Megatron set-up with the tiny model built from the trainer's own code paths: yields
-    (model config, DDP chunks, loss config); also used by benchmarks/dp_balance.py."""
+def tiny_trainer(seed: int, master_port: int, arch: str = "qwen2", **model_overrides):
+    """One-process Megatron set-up with the tiny model (``arch``, config ``model_overrides``) built from the trainer's
+    own code paths: yields (model config, DDP chunks, loss config); also used by benchmarks/dp_balance.py and
+    benchmarks/routing_replay.py."""
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(master_port)), ("RANK", "0"),
                        ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
@@ -58,7 +59,7 @@ def tiny_trainer(seed: int, master_port: int):
     parallel.initialize(seed=seed)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            model_dir = build_tiny_model(os.path.join(tmp, "m"))
+            model_dir = build_tiny_model(os.path.join(tmp, "m"), arch=arch, **model_overrides)
             cfg = Bridge(model_dir).cfg
             args = arguments.build_parser().parse_args(["--hf-checkpoint", model_dir, "--lr", "1e-4",
                                                         "--train-iters", "1"])
