@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from aiohttp import web
 
 from forge_megatron.rollout.weight_group import broadcast_tensor, init_weight_update_group
@@ -502,6 +503,20 @@ async def init_group(request, eng):
 
 
 @_handler
+async def destroy_group(request, eng):
+    """SGLang's ``/destroy_weights_update_group {group_name}``: leave and forget a weight-update group."""
+    body = await _json_body(request)
+    name = body.get("group_name", "weight_update_group")
+    group = eng.weight_groups.pop(name, None)
+    _require(group is not None, f"no weight update group {name!r} (groups: {sorted(eng.weight_groups)})")
+    try:
+        dist.destroy_process_group(group)
+    except Exception as exc:  # noqa: BLE001 - forgotten either way
+        log.warning("destroying weight update group %s: %s", name, exc)
+    return _ok(f"weight update group {name} destroyed")
+
+
+@_handler
 async def update_from_distributed(request, eng):
     body = await _json_body(request)
     names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
@@ -530,6 +545,7 @@ def make_app(engine: ReferenceEngine, max_body_bytes: int = 64 << 20) -> web.App
     app.router.add_post("/continue_generation", continue_generation)
     app.router.add_post("/update_weights_from_disk", update_from_disk)
     app.router.add_post("/init_weights_update_group", init_group)
+    app.router.add_post("/destroy_weights_update_group", destroy_group)
     app.router.add_post("/update_weights_from_distributed", update_from_distributed)
     return app
 

@@ -39,6 +39,7 @@ Failures name the engine: :class:`EngineFailure` carries the URLs that failed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -53,6 +54,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from forge_megatron.weight_sync.buckets import describe, meta_bytes, recv_json, send_json
+
+log = logging.getLogger("forge.weight_sync")
 
 
 class EngineFailure(RuntimeError):
@@ -169,6 +172,7 @@ class DistributedTransport:
         self.version = None
         self.pending = None  # (route, {url: future}) between a request and its sender's report
         self.run_token = secrets.token_hex(4)  # engines outlive trainer restarts and refuse a group name twice
+        self.held: dict[str, set[str]] = {}  # engine -> names of our groups it joined (dropped on a new generation)
 
     def group_name(self, stage: int) -> str:
         return f"forge_weights_{self.run_token}_{self.generation}_s{stage}"
@@ -178,10 +182,22 @@ class DistributedTransport:
         new groups with new names and ports, whenever the members changed or a group broke)."""
         urls = tuple(urls)
         if urls != self.members or self.broken:
+            self._drop_old_groups(urls)
             self.generation += 1
             self.members, self.broken = urls, False
         self.version = version
         return self.generation
+
+    def _drop_old_groups(self, urls) -> None:
+        """Ask the engines of the new generation to destroy the groups of ours they still hold
+        (``/destroy_weights_update_group {group_name}``, SGLang's route; each group holds communicator memory on
+        every engine GPU). Best effort: an engine without the route (older SGLang) just keeps them."""
+        for url in urls:
+            for name in sorted(self.held.pop(url, ())):
+                try:
+                    self.http.post(url, "/destroy_weights_update_group", {"group_name": name}, timeout_s=10.0)
+                except RuntimeError as exc:
+                    log.warning("weight sync: %s kept group %s: %s", url, name, exc)
 
     def handle(self, stage: int, msg: dict) -> dict:
         """One sender message of stage ``stage``; the reply. Raises :class:`EngineFailure`."""
@@ -217,6 +233,9 @@ class DistributedTransport:
                 raise EngineFailure(failed or self.http.unhealthy(self.members) or self.members,
                                     f"stage {stage}'s lead: {msg['error']}")
             self.http.wait_all(futures, route)
+            if op == "opened":
+                for url in futures:
+                    self.held.setdefault(url, set()).add(self.group_name(stage))
             return {"go": True}
         raise ValueError(f"unknown weight-sync message {op!r}")
 
@@ -343,9 +362,19 @@ class StageSender:
                 ok = self._send(link, bucket)
         link.end()
 
+    def _drop_group(self, destroy: bool = True) -> None:
+        """Release this lead's side of its group (NCCL communicators hold GPU memory); best effort. A group that
+        saw a failed collective is only let go (``destroy=False``): shutting it down could wait on its dead work."""
+        if self.group is not None and destroy:
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception as exc:  # noqa: BLE001 - a broken group may refuse; it is dropped either way
+                log.debug("weight sync: destroying the old group: %s", exc)
+        self.store = self.group = None
+
     def _open(self, link, generation: int) -> bool:
         cfg = self.cfg
-        self.store = self.group = None
+        self._drop_group()
         if self.addr is None:
             self.addr = advertised_addr(cfg.master_addr, cfg.engine_urls[0])
         port = (cfg.master_port + (generation - 1) * self.stages + self.stage if cfg.master_port
@@ -364,7 +393,7 @@ class StageSender:
             return False
         status, _ = _run(self._deliver, bucket, reply)
         if not status["ok"]:
-            self.store = self.group = None  # a group that saw a failed collective is not used again
+            self._drop_group(destroy=False)  # a group that saw a failed collective is not used again
         return link.request({"op": "delivered", **status})["go"] and status["ok"]
 
     def _deliver(self, bucket, reply: dict) -> bool:
@@ -380,7 +409,7 @@ class StageSender:
         return True
 
     def close(self) -> None:
-        self.store = self.group = None
+        self._drop_group()
 
 
 def _run(fn, *args) -> tuple[dict, object]:

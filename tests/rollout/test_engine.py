@@ -227,14 +227,24 @@ def test_update_weights_from_distributed_over_gloo(tmp_path, model_dir):
             await upd
             send.join()
             res = await c.generate(PROMPT, {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+            destroyed = await c._call("POST", "/destroy_weights_update_group", {"group_name": "wg"})
+            gone = []
+            for route, body in (("/destroy_weights_update_group", {"group_name": "wg"}),
+                                ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
+                                                                      "group_name": "wg"})):
+                with pytest.raises(EngineRequestError) as err:
+                    await c._call("POST", route, body)
+                gone.append(str(err.value))
             await c.close()
-            return res
-        res = run(go())
+            return res, destroyed, gone
+        res, destroyed, gone = run(go())
     finally:
         h.stop()
     ref_ids, ref_lp = hf_greedy_and_logprobs(other, PROMPT, 8)
     assert res.output_ids == ref_ids and res.logprobs == pytest.approx(ref_lp, abs=1e-4)
     assert res.weight_version == "3"
+    assert destroyed["success"] is True  # SGLang's /destroy_weights_update_group; the group is then unknown
+    assert all("no weight update group 'wg'" in g for g in gone), gone
 
 
 def test_engine_cli_help_teaches():

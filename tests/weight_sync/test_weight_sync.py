@@ -289,8 +289,10 @@ def test_engine_killed_during_sync_is_excluded_then_resynced(models, tmp_path, p
     k = stages.index(pp - 1)
     assert stages[:k + 1] == sorted(stages[:k + 1]) and stages[k + 1] == 0
     assert stages[k + 1:] == sorted(stages[k + 1:]) and stages[-1] == pp - 1
-    # Generations: pass 1 (both engines), pass 2 (survivor), sync 3 (both again), each with a group per stage.
-    assert len(groups) == 3 * pp and {g.rsplit("_", 1)[1] for g in groups} == {f"s{s}" for s in range(pp)}
+    # Generations: pass 1 (both engines), pass 2 (survivor), sync 3 (both again), each with a group per stage; each
+    # new generation had the engines destroy the groups of the old ones (/destroy_weights_update_group).
+    assert len(groups) == pp and {g.rsplit("_", 1)[1] for g in groups} == {f"s{s}" for s in range(pp)}, groups
+    assert len({g.rsplit("_", 2)[1] for g in groups}) == 1 and groups[0].rsplit("_", 2)[1] == "3", groups
     first = out["first"]
     assert first.excluded == [victim.url] and first.updated == [keep.url]
     assert first.policy_version == 1 and first.attempts == 2
