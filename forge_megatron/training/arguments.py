@@ -154,7 +154,14 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rl-loss-norm-constant", type=float, default=None,
                    help="divisor of the summed token loss over the whole batch with --rl-loss-norm constant, e.g. "
                         "the expected loss tokens per batch (invariant to how the batch is split)")
-    g.add_argument("--rl-kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0: off)")
+    g.add_argument("--rl-kl-coef", type=float, default=0.0,
+                   help="KL-to-reference coefficient (0: off). The reference is a frozen copy of the model loaded "
+                        "from --ref-hf-checkpoint (default --hf-checkpoint), with the policy's parallel layout: one "
+                        "more copy of the weights and one forward-only pass per step")
+    g.add_argument("--rl-kl-type", default="k3", choices=["k1", "k3"],
+                   help="KL estimator per token: k3 = exp(ref - logp) - (ref - logp) - 1 (non-negative), k1 = logp - ref")
+    g.add_argument("--ref-hf-checkpoint", default=None,
+                   help="HF directory of the KL reference (same architecture); default --hf-checkpoint")
     g.add_argument("--rl-entropy-coef", type=float, default=0.0, help="entropy bonus coefficient (0: off)")
     g.add_argument("--rl-tis-cap", type=float, default=None,
                    help="truncated importance weight cap on exp(old - rollout logprob) (default off)")
@@ -271,6 +278,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--train-batch-groups must be >= 1, got {args.train_batch_groups}")
     if args.window_fraction is not None and not 0 < args.window_fraction:
         raise ValueError(f"--window-fraction must be > 0, got {args.window_fraction}")
+    if args.ref_hf_checkpoint and not args.rl_kl_coef > 0:
+        raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0")
     if args.fp32_lm_head and not args.fused_logprobs:
         raise ValueError("--fp32-lm-head needs the fused logprobs (drop --no-fused-logprobs): Megatron's own output "
                          "layer computes in the weight's dtype")
@@ -312,6 +321,7 @@ def loss_config(args: argparse.Namespace):
         norm=args.rl_loss_norm,
         norm_constant=args.rl_loss_norm_constant,
         kl_coef=args.rl_kl_coef,
+        kl_type=args.rl_kl_type,
         entropy_coef=args.rl_entropy_coef,
         tis_cap=args.rl_tis_cap,
     )

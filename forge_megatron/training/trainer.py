@@ -219,7 +219,7 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
         loss, metrics = policy_loss(
             logp_M, old, x["advantages_M"], x["loss_mask_M"], x["cu_seqlens_S1"], cfg,
             rollout_logp_M=x["rollout_logp_M"], entropy_M=entropy_M, sample_weight_S=x["sample_weight_S"],
-            domain_ids_S=x["domain_ids_S"], domain_names=domains)
+            domain_ids_S=x["domain_ids_S"], domain_names=domains, ref_logp_M=x.get("ref_logp_M"))
         # A batch-wide normaliser: undo Megatron's division of each micro-batch loss by the micro-batch count.
         return loss * (num_mb if cfg.norm_constant is not None else 1), metrics
 
@@ -264,12 +264,16 @@ class Trainer:
         self.domains = sorted(args.domain_ratios)
         # model chunks (one per virtual pipeline stage; one without interleaving) and their DDP wrappers
         self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(args, self.cfg)
+        # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
+        self.ref_chunks = build_reference_model(self.cfg) if self.loss_cfg.kl_coef > 0 else None
         if getattr(args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay
 
             if not self.bridge.cfg.num_moe_experts:
                 raise ValueError("--routing-replay needs a MoE model (the HF config has no experts)")
             routing_replay.install(self.chunks)
+            if self.ref_chunks is not None:  # the reference scores the sampled tokens through the same experts
+                routing_replay.install(self.ref_chunks)
         self.iteration, self.policy_version, self.last_batch_id = 0, 0, None
         self.pool = self._pool_client() if self.rank == 0 else None
         self.syncer = make_syncer(args, self.bridge) if args.weight_sync_transport != "none" else None
@@ -283,6 +287,10 @@ class Trainer:
         return PoolClient(self.args.pool_addr, timeout_s=30.0, retries=20)
 
     def _resume_or_init(self) -> None:
+        if self.ref_chunks is not None:  # always the given checkpoint, also on resume: the reference never moves
+            ref = self.args.ref_hf_checkpoint or self.args.hf_checkpoint
+            load_hf_weights(self.ref_chunks, self.bridge, ref)
+            self._log(f"reference model for the KL term loaded from {ref}")
         iteration = latest_iteration(self.args.load)
         if iteration is None:
             load_hf_weights(self.chunks, self.bridge, self.args.hf_checkpoint)
@@ -326,7 +334,9 @@ class Trainer:
 
     def forward_backward(self, rb: RankBatch) -> list[dict]:
         if self.args.old_logprobs == "recompute":
-            self._recompute_old_logprobs(rb)
+            self._forward_only_logprobs(self.ddp, rb, "old_logp_M")
+        if self.ref_chunks is not None:
+            self._forward_only_logprobs(self.ref_chunks, rb, "ref_logp_M")
         return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs,
                                 self.head_dtype)
 
@@ -335,17 +345,20 @@ class Trainer:
         return torch.float32 if getattr(self.args, "fp32_lm_head", False) else None
 
     @torch.no_grad()
-    def _recompute_old_logprobs(self, rb: RankBatch) -> None:
+    def _forward_only_logprobs(self, chunks, rb: RankBatch, key: str) -> None:
+        """Per-target logprobs of ``chunks`` (the policy for pi_old, or the reference model) stored as
+        ``mb.extras[key]`` on every micro-batch of ``rb``, through a forward-only schedule."""
         from forge_megatron.mcore.forward import make_tree_forward_step
 
         # Only the last pipeline stage computes the loss, and it is also the stage whose forward-only pass stores
-        # old_logp_M on its micro-batches here: nothing has to travel between stages.
+        # the logprobs on its micro-batches here: nothing has to travel between stages.
         def keep(logp_M, entropy_M, mb):
-            mb.extras["old_logp_M"] = logp_M.detach()
+            mb.extras[key] = logp_M.detach()
             return logp_M.sum() * 0.0, {}
 
-        run_schedule(self.ddp, rb, make_tree_forward_step(keep, fused_output=self.args.fused_logprobs,
-                                                          head_dtype=self.head_dtype), forward_only=True)
+        with torch.no_grad():
+            run_schedule(chunks, rb, make_tree_forward_step(keep, fused_output=self.args.fused_logprobs,
+                                                            head_dtype=self.head_dtype), forward_only=True)
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
@@ -524,6 +537,25 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg):
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.train_iters, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant")
     return chunks, ddp, optimizer, scheduler
+
+
+def build_reference_model(cfg) -> list:
+    """This rank's chunks of a frozen copy of the model (the KL reference): the policy's layout and chunking, in
+    eval mode, no gradients. Costs one more copy of the weights (no gradients, no optimizer state) and one
+    forward-only pass per step."""
+    from megatron.core import parallel_state as ps
+
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.utils.env import has_cuda
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    chunks = [build_tree_gpt(cfg) if vpp is None else build_tree_gpt(cfg, vp_stage=v) for v in range(vpp or 1)]
+    for chunk in chunks:
+        if has_cuda():
+            chunk.cuda()
+        chunk.eval()
+        chunk.requires_grad_(False)
+    return chunks
 
 
 def weight_sync_master_addr(flag: str) -> str:

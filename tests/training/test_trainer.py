@@ -261,6 +261,30 @@ def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_pat
     assert abs(steps["natural"][0]["loss"] - first["loss"]) > 1e-4 and "routing_mismatch" not in steps["natural"][0]
 
 
+def test_kl_to_a_frozen_reference(tmp_path):
+    """--rl-kl-coef: a frozen copy of the HF model scores every batch. Step 1 (policy == reference): KL exactly 0,
+    the same loss and gradient as without the term; step 2: KL > 0 and a different loss. PP = 2 trains the same, and
+    a run stopped after step 1 and resumed still compares with the initial model (not the resumed policy)."""
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(3), completion_len=(5, 7))  # noqa: E731
+    kl = ["--rl-kl-coef", "0.5", "--old-logprobs", "recompute"]
+    runs = {}
+    for name, extra, nproc, exits in (("plain", ["--old-logprobs", "recompute"], 1, (None,)), ("kl", kl, 1, (None,)),
+                                      ("kl_pp2", kl + ["--pipeline-model-parallel-size", "2"], 2, (None,)),
+                                      ("kl_resumed", kl, 1, (1, None))):
+        runs[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, extra=extra,
+                                             nproc=nproc, exits=exits, lr="1e-2")
+    plain, with_kl = runs["plain"], runs["kl"]
+    assert with_kl[0]["kl"] == 0.0 and "kl" not in plain[0]
+    for key in ("loss", "grad_norm"):
+        assert with_kl[0][key] == pytest.approx(plain[0][key], rel=1e-6, abs=1e-9), key
+    assert with_kl[1]["kl"] > 1e-6 and abs(with_kl[1]["loss"] - plain[1]["loss"]) > 1e-7
+    for other in ("kl_pp2", "kl_resumed"):
+        for a, b in zip(with_kl, runs[other]):
+            for key in ("loss", "kl", "grad_norm"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-8), (other, key)
+
+
 def test_exit_and_resume_continues_the_same_run_exactly(tmp_path):
     """--exit-interval 2 of a 4-iteration run saves and stops after iteration 2; resuming with the same flags trains
     iterations 3 and 4 exactly as an uninterrupted run does, to fp32 round-off: the model, LR schedule, pool position
