@@ -103,7 +103,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     net.add_argument("--bf16", action="store_true")
 
     train = parser.add_argument_group("training (Megatron)")
-    train.add_argument("--micro-batch-size", type=int, default=None)
+    train.add_argument("--micro-batch-size", type=int, default=None,
+                       help="accepted from Megatron launch lines as 1 only: forge packs each micro-batch as one "
+                            "prefix forest of up to --tree-token-budget unique tokens")
     train.add_argument("--global-batch-size", type=int, default=None)
     train.add_argument("--train-iters", type=int, default=None)
     train.add_argument("--lr", type=float, default=None)
@@ -129,7 +131,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     io.add_argument("--tensorboard-dir", default=None)
     io.add_argument("--wandb-project", default=None)
     io.add_argument("--wandb-exp-name", default="")
-    io.add_argument("--tokenizer-model", default=None)
+    io.add_argument("--tokenizer-model", default=None,
+                    help="accepted from Megatron launch lines and not used: the tokenizer and chat template come "
+                         "with --hf-checkpoint (and the gateway's --model-path)")
     return parser
 
 
@@ -278,6 +282,9 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--train-batch-groups must be >= 1, got {args.train_batch_groups}")
     if args.window_fraction is not None and not 0 < args.window_fraction:
         raise ValueError(f"--window-fraction must be > 0, got {args.window_fraction}")
+    if args.micro_batch_size not in (None, 1):
+        raise ValueError(f"--micro-batch-size {args.micro_batch_size}: forge packs every micro-batch as one prefix "
+                         "forest; size them with --tree-token-budget (unique tokens per micro-batch)")
     if args.ref_hf_checkpoint and not args.rl_kl_coef > 0:
         raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0")
     if args.fp32_lm_head and not args.fused_logprobs:

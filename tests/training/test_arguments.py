@@ -78,6 +78,8 @@ def test_forge_values_parse():
     (["--train-iters", "0"], "--train-iters must be >= 1"),
     (["--rl-loss-norm-constant", "100"], "--rl-loss-norm-constant is used only with --rl-loss-norm constant"),
     (["--fp32-lm-head", "--no-fused-logprobs"], "--fp32-lm-head needs the fused logprobs"),
+    (["--micro-batch-size", "4"], "size them with --tree-token-budget"),
+    (["--ref-hf-checkpoint", "/x"], "--ref-hf-checkpoint is used only with --rl-kl-coef > 0"),
 ])
 def test_bad_values_are_named(extra, message):
     with pytest.raises(ValueError, match=message):
