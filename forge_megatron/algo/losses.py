@@ -16,7 +16,8 @@ Per token t of sample i (``r = exp(clamp(logp - old_logp, -c, c))``, ``sg`` = st
 
 CISPO has no min(): a token whose ratio is clipped still gets gradient ``-w A`` through ``logp``, only its weight
 ``w`` is capped. Optional terms per token: truncated importance weight ``tis_it = min(exp(old - rollout), cap)``
-(detached) multiplying ``l_it``; ``+ kl_coef * kl_it`` with ``k1 = logp - ref`` or
+(detached) multiplying ``l_it``; the mismatch mask ``k_it = [low <= exp(old - rollout) <= high]`` (IcePop)
+multiplying ``l_it`` (masked tokens still count in the normaliser); ``+ kl_coef * kl_it`` with ``k1 = logp - ref`` or
 ``k3 = exp(ref - logp) - (ref - logp) - 1``; ``- entropy_coef * H_it``.
 
 Reduction with sample weights ``w_i`` (an episode split into n segments has ``w = 1/n`` per segment) and loss
@@ -39,7 +40,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from forge_megatron.algo.offpolicy import truncated_is_weights
+from forge_megatron.algo.offpolicy import mismatch_mask, truncated_is_weights
 
 __all__ = ["LossConfig", "policy_loss", "sample_index"]
 
@@ -80,6 +81,9 @@ class LossConfig:
     """Weight of the entropy bonus (needs ``entropy_M``)."""
     tis_cap: float | None = None
     """Truncated importance weight cap: ``w = min(exp(old_logp - rollout_logp), cap)`` (needs ``rollout_logp_M``)."""
+    mismatch_band: tuple[float, float] | None = None
+    """(low, high): tokens whose ``exp(old_logp - rollout_logp)`` lies outside get no policy-gradient loss (IcePop;
+    needs ``rollout_logp_M``); e.g. (0.5, 2.0)."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -107,6 +111,10 @@ class LossConfig:
             )
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        if self.mismatch_band is not None:
+            if len(self.mismatch_band) != 2 or not 0 < self.mismatch_band[0] < 1 < self.mismatch_band[1]:
+                raise ValueError(f"mismatch_band must be (low, high) with 0 < low < 1 < high, got {self.mismatch_band}")
+            self.mismatch_band = (float(self.mismatch_band[0]), float(self.mismatch_band[1]))
 
     @classmethod
     def recommended(cls, loss_type: str, **overrides) -> "LossConfig":
@@ -275,8 +283,8 @@ def _check_domains(domain_ids_S: torch.Tensor, domain_names: list[str] | None, n
 
 def _check_required(cfg: LossConfig, named_M: dict[str, torch.Tensor]) -> None:
     """Every configured term has its input."""
-    if cfg.tis_cap is not None and "rollout_logp_M" not in named_M:
-        raise ValueError("tis_cap is set but rollout_logp_M was not given")
+    if (cfg.tis_cap is not None or cfg.mismatch_band is not None) and "rollout_logp_M" not in named_M:
+        raise ValueError("tis_cap / mismatch_band is set but rollout_logp_M was not given")
     if cfg.kl_coef > 0 and "ref_logp_M" not in named_M:
         raise ValueError("kl_coef > 0 but ref_logp_M was not given")
     if cfg.entropy_coef > 0 and "entropy_M" not in named_M:
@@ -363,6 +371,10 @@ def policy_loss(
         pg_M = pg_M * tis_M
         stats["tis_weight_mean"] = batch.masked_mean(tis_M)
         stats["tis_clip_frac"] = batch.masked_mean((tis_M >= cfg.tis_cap).float())
+    if cfg.mismatch_band is not None:
+        keep_M = mismatch_mask(old_logp_M, rollout_logp_M.float(), *cfg.mismatch_band)
+        pg_M = pg_M * keep_M
+        stats["mismatch_masked_frac"] = batch.masked_mean(1.0 - keep_M)
     if rollout_logp_M is not None:
         stats.update(_rollout_mismatch(logp_M.detach(), rollout_logp_M.detach().float(), batch))
     loss = stats["pg_loss"] = batch.reduce(pg_M)

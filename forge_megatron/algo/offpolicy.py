@@ -1,13 +1,16 @@
-"""Off-policy control: truncated importance weights and dropping stale samples.
+"""Off-policy control: truncated importance weights, mismatch masking and dropping stale samples.
 
 With asynchronous rollouts a token may have been sampled by weights several versions older than the ones being
 trained (every token records its ``policy_version``; -1 marks tokens that were not sampled, e.g. prompts).
 
     truncated IS weight   w_t = min(exp(old_logp_t - rollout_logp_t), cap)        (no gradient)
+    mismatch mask         k_t = [low <= exp(old_logp_t - rollout_logp_t) <= high]  (no gradient)
     staleness of a sample current_version - min_t policy_version_t   over sampled tokens (version >= 0)
 
 ``w`` corrects for the rollout engine's distribution differing from the trainer's behaviour policy (different
-kernels, precision, or weights); the cap bounds its variance. A sample whose staleness exceeds the limit is
+kernels, precision, or weights); the cap bounds its variance. ``k`` instead drops the tokens whose two
+probabilities disagree too much in either direction (IcePop, from the Ring-1T report): their gradient is the
+least trustworthy, and a truncated weight would still push them. A sample whose staleness exceeds the limit is
 dropped before training.
 
 Legend: M = next-token positions of all samples concatenated.
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["truncated_is_weights", "staleness", "drop_stale"]
+__all__ = ["truncated_is_weights", "mismatch_mask", "staleness", "drop_stale"]
 
 
 def truncated_is_weights(old_logp_M: torch.Tensor, rollout_logp_M: torch.Tensor, cap: float) -> torch.Tensor:
@@ -29,6 +32,14 @@ def truncated_is_weights(old_logp_M: torch.Tensor, rollout_logp_M: torch.Tensor,
         raise ValueError(f"tis cap must be > 0, got {cap}")
     log_w_M = (old_logp_M - rollout_logp_M).detach().clamp(max=math.log(cap))
     return torch.exp(log_w_M)
+
+
+def mismatch_mask(old_logp_M: torch.Tensor, rollout_logp_M: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """1.0 where ``low <= exp(old_logp - rollout_logp) <= high``, else 0.0 (float, detached)."""
+    if not 0 < low < 1 < high:
+        raise ValueError(f"the mismatch band must satisfy 0 < low < 1 < high, got ({low}, {high})")
+    log_r_M = (old_logp_M - rollout_logp_M).detach()
+    return ((log_r_M >= math.log(low)) & (log_r_M <= math.log(high))).float()
 
 
 def staleness(policy_versions: Sequence[int], current_version: int) -> int:

@@ -169,6 +169,9 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rl-entropy-coef", type=float, default=0.0, help="entropy bonus coefficient (0: off)")
     g.add_argument("--rl-tis-cap", type=float, default=None,
                    help="truncated importance weight cap on exp(old - rollout logprob) (default off)")
+    g.add_argument("--rl-mismatch-band", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="mask the policy-gradient loss of tokens whose exp(old - rollout logprob) lies outside "
+                        "[LOW, HIGH] (IcePop; e.g. 0.5 2.0); logs mismatch_masked_frac (default off)")
     g.add_argument("--old-logprobs", default="rollout", choices=OLD_LOGPROBS,
                    help="'rollout': the engines' recorded logprobs are pi_old (fully async); 'recompute': a "
                         "no-grad forward of the current weights before the update gives pi_old")
@@ -282,6 +285,12 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--train-batch-groups must be >= 1, got {args.train_batch_groups}")
     if args.window_fraction is not None and not 0 < args.window_fraction:
         raise ValueError(f"--window-fraction must be > 0, got {args.window_fraction}")
+    if args.rl_mismatch_band is not None and not 0 < args.rl_mismatch_band[0] < 1 < args.rl_mismatch_band[1]:
+        raise ValueError(f"--rl-mismatch-band LOW HIGH needs 0 < LOW < 1 < HIGH, got {args.rl_mismatch_band}")
+    try:
+        loss_config(args)
+    except ValueError as exc:
+        raise ValueError(f"the --rl-* loss flags: {exc}") from exc
     if args.micro_batch_size not in (None, 1):
         raise ValueError(f"--micro-batch-size {args.micro_batch_size}: forge packs every micro-batch as one prefix "
                          "forest; size them with --tree-token-budget (unique tokens per micro-batch)")
@@ -331,6 +340,7 @@ def loss_config(args: argparse.Namespace):
         kl_type=args.rl_kl_type,
         entropy_coef=args.rl_entropy_coef,
         tis_cap=args.rl_tis_cap,
+        mismatch_band=tuple(args.rl_mismatch_band) if args.rl_mismatch_band else None,
     )
 
 

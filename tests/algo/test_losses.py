@@ -247,6 +247,25 @@ def test_rollout_mismatch_metrics():
     assert "rollout_kl" not in _ and loss_a.item() == loss_b.item()
 
 
+def test_mismatch_band_masks_tokens_outside_it():
+    """IcePop: tokens whose exp(old - rollout) lies outside [low, high] get no policy-gradient loss or gradient; the
+    rest are untouched and the normaliser still counts every masked-in loss token."""
+    logp_M = _t(-1.0, -1.0, -1.0, -1.0, requires_grad=True)
+    old_M = _t(-1.0, -1.0, -1.0, -1.0)
+    rollout_M = _t(-1.0, -1.0 - math.log(3.0), -1.0 + math.log(4.0), -1.2)  # r = 1, 3, 1/4, e^0.2
+    cfg = LossConfig(mismatch_band=(0.5, 2.0))
+    loss, m = _loss(logp_M, old_M, _t(1.0, 1.0, 1.0, 1.0), _t(1, 1, 1, 1), [0, 4], cfg, rollout_logp_M=rollout_M)
+    assert loss.item() == pytest.approx(2 / 4, rel=1e-6)  # two kept tokens, -A * logp = 1 each, over 4 tokens
+    loss.backward()
+    assert logp_M.grad.tolist() == pytest.approx([-0.25, 0.0, 0.0, -0.25], abs=1e-7)
+    assert m["mismatch_masked_frac"] == pytest.approx(0.5)
+    for band in ((1.5, 2.0), (0.5, 0.9), (0.5,)):
+        with pytest.raises(ValueError, match="mismatch_band must be"):
+            LossConfig(mismatch_band=band)
+    with pytest.raises(ValueError, match="rollout_logp_M was not given"):
+        _loss(logp_M, old_M, _t(1.0, 1.0, 1.0, 1.0), _t(1, 1, 1, 1), [0, 4], cfg)
+
+
 def test_log_ratio_clamp_keeps_loss_finite():
     logp_M = _t(0.0, requires_grad=True)
     for loss_type in ("cispo", "ppo", "gspo"):
@@ -434,7 +453,7 @@ def test_seq_mean_with_all_zero_sample_weights():
 @pytest.mark.parametrize(
     "cfg, message",
     [
-        (LossConfig(tis_cap=2.0), "tis_cap is set but rollout_logp_M was not given"),
+        (LossConfig(tis_cap=2.0), "tis_cap / mismatch_band is set but rollout_logp_M was not given"),
         (LossConfig(kl_coef=0.1), "kl_coef > 0 but ref_logp_M was not given"),
         (LossConfig(entropy_coef=0.1), "entropy_coef > 0 but entropy_M was not given"),
     ],
