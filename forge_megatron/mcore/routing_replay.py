@@ -5,7 +5,8 @@ and the trainer (kernels, precision, batch shapes) flip expert choices for some 
 scores the sampled tokens with a different network from the one that sampled them: importance ratios drift for
 reasons that have nothing to do with the policy's change, and MoE RL destabilises. SGLang records every token's
 top-k experts per layer (``--enable-return-routed-experts``); the gateway keeps them per segment
-(``Segment.routed_experts``, int16 [L, layers, topk], -1 where nothing was recorded) and the trainer replays them.
+(``Segment.routed_experts``, int8/int16 [L, layers, topk], -1 where nothing was recorded) and the trainer replays
+them.
 
 How, on a tree-packed micro-batch:
 
@@ -156,7 +157,7 @@ def read_counts(models) -> tuple[int, int]:
 
 
 def tree_routing(layout, routed: list) -> torch.Tensor | None:
-    """int16 [T, L, K] routing of ``layout``'s tree tokens from its samples' rows (``routed``: one int16 [L_s, L, K]
+    """int16 [T, L, K] routing of ``layout``'s tree tokens from its samples' rows (``routed``: one int8/int16 [L_s, L, K]
     array or None per sample, in the layout's sample order): each tree token takes the first recorded row (-1 rows
     do not count) in sample order; None when no sample has routing."""
     shapes = {tuple(r.shape[1:]) for r in routed if r is not None}

@@ -16,7 +16,7 @@ Episode -> EpisodeOutcome mapping (the pool's contract with the algorithm layer)
   domain          = episode.domain
   metadata        = the group's task metadata updated with episode.metadata (for a user reward function)
 
-Routed experts (rollout routing replay), when the episodes carry them, travel as one more int16 array
+Routed experts (rollout routing replay), when the episodes carry them, travel as one more int8/int16 array
 [T, layers, topk] next to the per-token ones (``-1`` rows where nothing was recorded).
 
 Legend: L = tokens of one segment, T = tokens of all samples of a batch concatenated, S = samples.
@@ -58,7 +58,7 @@ class TrainSample:
     episode_id: str
     domain: str
     reward: float
-    routed_experts: np.ndarray | None = None  # int16 [L, layers, topk] (rollout routing replay), -1: not recorded
+    routed_experts: np.ndarray | None = None  # int8/int16 [L, layers, topk] (routing replay), -1: not recorded
 
 
 @dataclass

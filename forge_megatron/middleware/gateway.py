@@ -276,6 +276,9 @@ class Gateway:
                 raise ValueError(f"return_routed_experts: {config.model_path} is not a MoE model "
                                  "(config.json has no num_experts_per_tok)")
             self.routing_shape = (int(model_config.num_hidden_layers), int(top_k))
+            experts = getattr(model_config, "num_experts", None) or getattr(model_config, "n_routed_experts", None)
+            # ids and -1 fit in int8 up to 128 experts: half the bytes through the pool and to the trainer
+            self.routing_dtype = np.int8 if experts and int(experts) <= 128 else np.int16
         self.parser = get_parser(config.tool_parser)
         self.no_parser = get_parser("none")  # tool_choice "none"
         self.fleet = EngineFleet(config.engine_urls, FleetConfig(max_attempts=config.engine_attempts,
@@ -427,7 +430,7 @@ class Gateway:
         return message, finish
 
     def routed_experts_of(self, prompt_ids: list[int], result):
-        """int16 [prompt + output - 1, layers, topk] of the call (None when not recording); a clear 502 when the
+        """int8/int16 [prompt + output - 1, layers, topk] of the call (None when not recording); a clear 502 when the
         engine did not return them (SGLang needs --enable-return-routed-experts) or returned another shape."""
         if self.routing_shape is None:
             return None
@@ -440,7 +443,7 @@ class Gateway:
         if flat.size != rows * self.routing_shape[0] * self.routing_shape[1]:
             raise ApiError(502, f"engine {result.engine_url} returned {flat.size} routed expert ids, expected {rows} "
                                 f"tokens x {list(self.routing_shape)}", "engine_error", code="bad_engine_response")
-        return flat.reshape(rows, *self.routing_shape).astype(np.int16)
+        return flat.reshape(rows, *self.routing_shape).astype(self.routing_dtype)
 
     def version_of(self, result) -> int:
         """The engine's weight_version when it is an integer (set by weight sync), else the gateway's version."""

@@ -79,7 +79,7 @@ class SegmentBuilder:
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
-        self.routed: list[np.ndarray] = []  # int16 [n, layers, topk] chunks, positions [0, routed_rows)
+        self.routed: list[np.ndarray] = []  # int8/int16 [n, layers, topk] chunks, positions [0, routed_rows)
         self.routed_rows = 0
 
     def add_routing(self, rows: np.ndarray | None) -> None:
@@ -108,7 +108,7 @@ class SegmentBuilder:
         routed = None
         if self.routed:  # the last token (and any position no call reported) has no routing: -1
             shape = self.routed[0].shape[1:]
-            missing = np.full((len(self.tokens) - self.routed_rows, *shape), -1, dtype=np.int16)
+            missing = np.full((len(self.tokens) - self.routed_rows, *shape), -1, dtype=self.routed[0].dtype)
             routed = np.concatenate(self.routed + [missing])
         return Segment(tokens=list(self.tokens), loss_mask=list(self.loss_mask),
                        rollout_logprobs=list(self.logprobs), policy_versions=list(self.versions),

@@ -11,8 +11,9 @@ Per-token fields of a segment are aligned with ``tokens`` (length L):
   policy_versions[t]  version of the weights that sampled token t, -1 elsewhere
 
 Optionally, for MoE models served with routed-expert capture (rollout routing replay, R3):
-  routed_experts[t]   int16 [layers, topk]: the experts the engine routed token t to in each layer, -1 where none
-                      was recorded (dense layers, the last token, calls without capture); the trainer replays them
+  routed_experts[t]   int8/int16 [layers, topk]: the experts the engine routed token t to in each layer, -1 where
+                      none was recorded (dense layers, the last token, calls without capture); the trainer replays
+                      them (int8 when the model has at most 128 experts)
 
 A *group* is the G episodes of one task (GRPO group); groups are the data pool's scheduling unit.
 Everything here converts to and from plain msgpack-able dicts (never pickle), with validation.
@@ -29,6 +30,7 @@ import numpy as np
 SCHEMA_VERSION = 1
 
 EPISODE_STATUSES = ("finished", "failed", "timed_out", "aborted")
+ROUTING_DTYPES = (np.dtype(np.int8), np.dtype(np.int16))  # routed expert ids: int8 up to 128 experts
 
 
 class SchemaError(ValueError):
@@ -48,7 +50,7 @@ class Segment:
     policy_versions: list[int]
     # Optional per-segment reward term (e.g. a process reward for this turn range); summed into reward-to-go.
     reward: float | None = None
-    # Optional int16 [L, layers, topk] experts the engine routed each token to (-1: not recorded); see the docstring.
+    # Optional int8/int16 [L, layers, topk] experts the engine routed each token to (-1: not recorded); see above.
     routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -63,8 +65,8 @@ class Segment:
         _check(n > 0, f"{where}.tokens is empty")
         r = self.routed_experts
         if r is not None:
-            _check(r.dtype == np.int16 and r.ndim == 3 and r.shape[0] == n and r.shape[2] > 0,
-                   f"{where}.routed_experts must be int16 [tokens={n}, layers, topk], got {r.dtype}{list(r.shape)}")
+            _check(r.dtype in ROUTING_DTYPES and r.ndim == 3 and r.shape[0] == n and r.shape[2] > 0,
+                   f"{where}.routed_experts must be int8/int16 [tokens={n}, layers, topk], got {r.dtype}{list(r.shape)}")
             _check(bool((r >= -1).all()), f"{where}.routed_experts has ids below -1")
         for name in ("loss_mask", "rollout_logprobs", "policy_versions"):
             _check(len(getattr(self, name)) == n, f"{where}.{name} has length {len(getattr(self, name))}, tokens has {n}")

@@ -11,8 +11,9 @@ returns it to the sender and keeps serving.
 
 Episodes and batches concatenate their per-token arrays (T = all tokens of all segments/samples) with per-item
 lengths in the header, so a batch is five frames whatever its number of samples. Routed experts (rollout routing
-replay), when any item has them, are one more int16 frame [T * layers * topk] with ``routing_shape`` = [layers, topk]
-in the header; items without them get ``-1`` rows (nothing recorded: the trainer routes those tokens itself).
+replay), when any item has them, are one more int8 or int16 frame [T * layers * topk] with ``routing_shape`` =
+[layers, topk] and ``routing_dtype`` in the header; items without them get ``-1`` rows (nothing recorded: the trainer
+routes those tokens itself).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ import msgpack
 import numpy as np
 
 from forge_megatron.middleware.batch import TOKEN_FIELDS, TrainBatch, TrainSample
-from forge_megatron.middleware.schema import SCHEMA_VERSION, Episode
+from forge_megatron.middleware.schema import ROUTING_DTYPES, SCHEMA_VERSION, Episode
 
 PROTOCOL_VERSION = 1
-ALLOWED_DTYPES = ("int32", "uint8", "float32", "int64", "float64", "int16")
+ALLOWED_DTYPES = ("int32", "uint8", "float32", "int64", "float64", "int16", "int8")
 EPISODE_FIELDS = TOKEN_FIELDS[:4]  # an episode has no advantages yet
 
 
@@ -112,28 +113,34 @@ def _lengths(meta: dict, key: str, where: str) -> list[int]:
 
 
 def _routing_frame(items: list[tuple[np.ndarray | None, int]], meta: dict, where: str) -> list[np.ndarray]:
-    """[] when no item has routed experts; else one flat int16 frame of every item's rows (``-1`` rows for items
-    without), and ``meta["routing_shape"]`` set."""
+    """[] when no item has routed experts; else one flat int8/int16 frame (the widest of the items') of every item's
+    rows (``-1`` rows for items without), and ``meta["routing_shape"]`` / ``meta["routing_dtype"]`` set."""
     shapes = {tuple(r.shape[1:]) for r, _ in items if r is not None}
     if not shapes:
         return []
     if len(shapes) > 1:
         raise WireError(f"{where}: routed_experts of different shapes {sorted(shapes)} (one model per run)")
     shape = list(shapes.pop())
-    meta["routing_shape"] = shape
-    rows = [np.asarray(r, dtype=np.int16) if r is not None else np.full((n, *shape), -1, np.int16) for r, n in items]
+    dtype = np.result_type(*[r.dtype for r, _ in items if r is not None])
+    if dtype not in ROUTING_DTYPES:
+        raise WireError(f"{where}: routed_experts must be int8 or int16, got {dtype}")
+    meta["routing_shape"], meta["routing_dtype"] = shape, dtype.name
+    rows = [np.asarray(r, dtype=dtype) if r is not None else np.full((n, *shape), -1, dtype) for r, n in items]
     return [np.ascontiguousarray(np.concatenate(rows)).reshape(-1)]
 
 
 def _take_routing(meta: dict, arrays: list[np.ndarray], total: int, where: str):
     """(per-token arrays, routed experts [total, layers, topk] or None): splits off the routing frame."""
     shape = meta.pop("routing_shape", None)
+    dtype = meta.pop("routing_dtype", "int16")
     if shape is None:
         return arrays, None
     if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) and d > 0 for d in shape)):
         raise WireError(f"{where} field 'routing_shape' must be [layers, topk] (positive ints), got {shape!r}")
-    if not arrays or arrays[-1].dtype != np.int16 or arrays[-1].size != total * shape[0] * shape[1]:
-        raise WireError(f"{where} routed experts must be int16[{total * shape[0] * shape[1]}] "
+    if dtype not in ("int8", "int16"):
+        raise WireError(f"{where} field 'routing_dtype' must be 'int8' or 'int16', got {dtype!r}")
+    if not arrays or arrays[-1].dtype != np.dtype(dtype) or arrays[-1].size != total * shape[0] * shape[1]:
+        raise WireError(f"{where} routed experts must be {dtype}[{total * shape[0] * shape[1]}] "
                         f"({total} tokens x {shape}) as the last array")
     return arrays[:-1], arrays[-1].reshape(total, *shape)
 
@@ -179,7 +186,8 @@ def episode_to_blob(episode: Episode) -> bytes:
 def blob_to_wire(blob: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     """Header and (read-only) arrays of a stored episode, without rebuilding the Episode."""
     d = msgpack.unpackb(blob, raw=False)
-    dtypes = [dtype for _, dtype in EPISODE_FIELDS] + ([np.int16] if d["meta"].get("routing_shape") else [])
+    routing = [np.dtype(d["meta"].get("routing_dtype", "int16"))] if d["meta"].get("routing_shape") else []
+    dtypes = [dtype for _, dtype in EPISODE_FIELDS] + routing
     return d["meta"], [np.frombuffer(b, dtype=dtype) for b, dtype in zip(d["arrays"], dtypes)]
 
 

@@ -707,6 +707,7 @@ def test_routed_experts_reach_the_trainer_batch(tmp_path):
     layers, top_k = model.config.num_hidden_layers, model.config.num_experts_per_tok
     assert len(batch.samples) == 2  # two segments
     for smp in batch.samples:
+        assert smp.routed_experts.dtype == "int8"  # 4 experts: one byte per id
         routed = torch.from_numpy(smp.routed_experts.astype("int32"))
         assert routed.shape == (len(smp.tokens), layers, top_k)
         assert (routed[-1] == -1).all() and (routed[:-1] >= 0).all()

@@ -139,21 +139,26 @@ def test_routed_experts_travel_from_episode_to_batch(served):
     with_routing, without = make_episode(gid, "e0", segments=2, seed=1), make_episode(gid, "e1", seed=2)
     rng = np.random.default_rng(0)
     seg = with_routing.segments[1]
-    seg.routed_experts = rng.integers(-1, 16, size=(len(seg.tokens), 3, 2)).astype(np.int16)
+    seg.routed_experts = rng.integers(-1, 16, size=(len(seg.tokens), 3, 2)).astype(np.int8)  # <= 128 experts: int8
     assert client.submit_episode(with_routing) == "accepted" and client.submit_episode(without) == "accepted"
     batch = client.get_batch(1, timeout_s=5.0)
     by_tokens = {tuple(smp.tokens.tolist()): smp.routed_experts for smp in batch.samples}
     np.testing.assert_array_equal(by_tokens[tuple(seg.tokens)], seg.routed_experts)
+    assert by_tokens[tuple(seg.tokens)].dtype == np.int8  # one byte per id all the way to the trainer
     for other in (with_routing.segments[0], without.segments[0]):
         got = by_tokens[tuple(other.tokens)]
         assert got.shape == (len(other.tokens), 3, 2) and (got == -1).all()
 
     meta, arrays = episode_to_wire(make_episode(gid, "e9", seed=3))
     meta["routing_shape"] = [3, 2]
-    arrays.append(np.zeros(5, np.int16))  # not tokens x 3 x 2
-    frames = [_header(op="submit_episode", episode=meta, arrays=[[a.dtype.name, list(a.shape)] for a in arrays])]
-    reply = _raw_request(server.address, frames + [a.tobytes() for a in arrays])
-    assert reply["ok"] is False and "routed experts must be int16[72]" in reply["error"]
+    for frame, dtype, message in ((np.zeros(5, np.int16), "int16", "routed experts must be int16[72]"),
+                                  (np.zeros(72, np.int16), "int8", "routed experts must be int8[72]"),
+                                  (np.zeros(72, np.int16), "int32", "'routing_dtype' must be 'int8' or 'int16'")):
+        bad = arrays + [frame]
+        header = _header(op="submit_episode", episode={**meta, "routing_dtype": dtype},
+                         arrays=[[a.dtype.name, list(a.shape)] for a in bad])
+        reply = _raw_request(server.address, [header] + [a.tobytes() for a in bad])
+        assert reply["ok"] is False and message in reply["error"], reply
     assert client.ping() == {"pool": "forge"}
 
 
