@@ -2,7 +2,8 @@
 
 The tiny Qwen3-MoE model (``--experts``, ``--topk``, ``--layers``, ``--hidden``) trains the calculator-shaped batch of
 benchmarks/trainer_step.py (``--groups`` x ``--group-size`` episodes sharing a system prompt), each sample carrying
-random recorded experts (int16 [tokens, layers, topk], the last token unrecorded). Side by side, alternating, in one
+random recorded experts (int8 [tokens, layers, topk] up to 128 experts, as the gateway records them; the last token
+unrecorded). Side by side, alternating, in one
 process: ``natural`` (every router picks its own top-k) and ``replay`` (``--routing-replay``: the recorded experts,
 mcore/routing_replay.py); also the time to pack the batch into micro-batches with and without building the tree's
 routing rows (``tree_routing``). Times are medians of ``--repeats`` after one warm-up. Prints one JSON line.
@@ -45,9 +46,10 @@ def main() -> None:
     with tiny_trainer(a.seed, 29561, arch="qwen3_moe", **model) as (_, ddp, loss_cfg):
         batch = make_batch(build_tiny_tokenizer(), a.groups, a.group_size, a.completion_tokens, a.seed)
         rng = np.random.default_rng(a.seed)
+        dtype = np.int8 if a.experts <= 128 else np.int16  # what the gateway records
         for s in batch.samples:
             rows = np.argsort(rng.random((len(s.tokens), a.layers, a.experts)), axis=-1)[..., :a.topk]
-            s.routed_experts = rows.astype(np.int16)
+            s.routed_experts = rows.astype(dtype)
             s.routed_experts[-1] = -1
         routing_replay.install(ddp)
         pack = {False: [], True: []}
@@ -70,7 +72,7 @@ def main() -> None:
         "natural_s": round(natural_s, 4), "replay_s": round(replay_s, 4),
         "replay_time_ratio": round(replay_s / natural_s, 3),
         "pack_s": round(statistics.median(pack[False]), 4), "pack_replay_s": round(statistics.median(pack[True]), 4),
-        "routing_bytes_per_token": 2 * a.layers * a.topk,
+        "routing_bytes_per_token": np.dtype(dtype).itemsize * a.layers * a.topk,
         "random_rows_mismatch": round(mismatched / max(rows, 1), 3),
     }))
 
