@@ -318,20 +318,30 @@ def _clip_stats(ratio_M: torch.Tensor, adv_M: torch.Tensor, batch: _Batch) -> di
     }
 
 
-def _rollout_mismatch(logp_M: torch.Tensor, rollout_logp_M: torch.Tensor, batch: _Batch) -> dict[str, torch.Tensor]:
+def _rollout_mismatch(logp_M: torch.Tensor, rollout_logp_M: torch.Tensor, batch: _Batch,
+                      on_policy_M: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """How far the trainer's log-probabilities of the sampled tokens are from the engine's, over the loss tokens:
     mean and max of ``|logp - rollout_logp|``, and ``rollout_kl``, the k3 estimate of KL(rollout || trainer) (the
     tokens were sampled by the rollout policy: ``E[r - 1 - log r]`` with ``r = pi / pi_rollout``). Tokens sampled by
     the current weights measure numerical mismatch alone (precision, kernels; see ``--fp32-lm-head``); stale
-    tokens add the policy's change since."""
+    tokens add the policy's change since. With ``on_policy_M`` (1 for tokens sampled by the weights being trained)
+    the same terms over those tokens alone come as ``onpolicy/...`` with their count ``onpolicy/num_tokens``."""
     d_M = logp_M - rollout_logp_M
     abs_M = d_M.abs()
     d_M = d_M.clamp(-20.0, 20.0)  # exp() of a wild mismatch must not make the metric inf
-    return {
+    k3_M = torch.expm1(d_M) - d_M
+    out = {
         "rollout_logp_abs_diff": batch.masked_mean(abs_M),
         "rollout_logp_abs_diff_max": torch.where(batch.mask_M > 0, abs_M, 0.0).max(),
-        "rollout_kl": batch.masked_mean(torch.expm1(d_M) - d_M),
+        "rollout_kl": batch.masked_mean(k3_M),
     }
+    if on_policy_M is not None:
+        mask_M = batch.mask_M * on_policy_M.to(batch.mask_M.device).float()
+        n = mask_M.sum()
+        out.update({"onpolicy/num_tokens": n,
+                    "onpolicy/rollout_logp_abs_diff": (abs_M * mask_M).sum() / n.clamp(min=1.0),
+                    "onpolicy/rollout_kl": (k3_M * mask_M).sum() / n.clamp(min=1.0)})
+    return out
 
 
 def policy_loss(
@@ -348,8 +358,12 @@ def policy_loss(
     sample_weight_S: torch.Tensor | None = None,
     domain_ids_S: torch.Tensor | None = None,
     domain_names: list[str] | None = None,
+    on_policy_M: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss (to minimise) and float metrics. See the module docstring for the formulas.
+
+    ``on_policy_M`` (optional, metrics only) marks the tokens sampled by the weights being trained: the
+    training/inference mismatch is then also reported over them alone (``onpolicy/...``).
 
     ``old_logp_M``, ``advantages_M``, ``rollout_logp_M`` and ``ref_logp_M`` are treated as constants (detached).
     ``entropy_M`` keeps its gradient (the entropy bonus trains through it). Everything is computed in fp32.
@@ -376,7 +390,7 @@ def policy_loss(
         pg_M = pg_M * keep_M
         stats["mismatch_masked_frac"] = batch.masked_mean(1.0 - keep_M)
     if rollout_logp_M is not None:
-        stats.update(_rollout_mismatch(logp_M.detach(), rollout_logp_M.detach().float(), batch))
+        stats.update(_rollout_mismatch(logp_M.detach(), rollout_logp_M.detach().float(), batch, on_policy_M))
     loss = stats["pg_loss"] = batch.reduce(pg_M)
     per_token = {"pg_loss": pg_M.detach(), "advantage": adv_M, "ratio": ratio_M.detach()}
     if ref_logp_M is not None:

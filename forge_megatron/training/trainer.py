@@ -73,6 +73,7 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
     extras = {
         "loss_mask_M": torch.cat([_targets(s.loss_mask).float() for s in samples]),
         "rollout_logp_M": torch.cat([_targets(s.rollout_logprobs).float() for s in samples]),
+        "policy_versions_M": torch.cat([_targets(s.policy_versions).long() for s in samples]),
         "advantages_M": torch.cat([_targets(s.advantages).float() for s in samples]),
         "cu_seqlens_S1": torch.cat([torch.zeros(1, dtype=torch.int64), lengths_S.cumsum(0)]),
         "sample_weight_S": torch.tensor([s.sample_weight for s in samples], dtype=torch.float32),
@@ -198,12 +199,14 @@ def batch_loss_config(loss_cfg, rb: RankBatch):
 
 
 def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_logprobs: bool = True,
-                     head_dtype: torch.dtype | None = None) -> list[dict]:
+                     head_dtype: torch.dtype | None = None, policy_version: int | None = None) -> list[dict]:
     """Forward and backward of every micro-batch through Megatron's schedule; per-micro-batch loss metrics.
 
     ``fused_logprobs``: the output layer is fused into the logprobs (no [tokens, vocabulary] logits at any time,
     mcore.forward.output_layer_deferred); otherwise Megatron's output layer makes the logits and they are scored
-    chunk by chunk. ``head_dtype`` (fused only): the output layer's matmul dtype (``torch.float32``: fp32 LM head)."""
+    chunk by chunk. ``head_dtype`` (fused only): the output layer's matmul dtype (``torch.float32``: fp32 LM head).
+    ``policy_version``: the version of the weights being trained; tokens it sampled get the ``onpolicy/...``
+    training/inference mismatch metrics."""
     from forge_megatron.algo.losses import policy_loss
     from forge_megatron.mcore.forward import make_tree_forward_step
 
@@ -219,7 +222,8 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
         loss, metrics = policy_loss(
             logp_M, old, x["advantages_M"], x["loss_mask_M"], x["cu_seqlens_S1"], cfg,
             rollout_logp_M=x["rollout_logp_M"], entropy_M=entropy_M, sample_weight_S=x["sample_weight_S"],
-            domain_ids_S=x["domain_ids_S"], domain_names=domains, ref_logp_M=x.get("ref_logp_M"))
+            domain_ids_S=x["domain_ids_S"], domain_names=domains, ref_logp_M=x.get("ref_logp_M"),
+            on_policy_M=None if policy_version is None else x["policy_versions_M"] == policy_version)
         # A batch-wide normaliser: undo Megatron's division of each micro-batch loss by the micro-batch count.
         return loss * (num_mb if cfg.norm_constant is not None else 1), metrics
 
@@ -338,7 +342,7 @@ class Trainer:
         if self.ref_chunks is not None:
             self._forward_only_logprobs(self.ref_chunks, rb, "ref_logp_M")
         return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs,
-                                self.head_dtype)
+                                self.head_dtype, self.policy_version)
 
     @property
     def head_dtype(self) -> torch.dtype | None:

@@ -245,6 +245,11 @@ def test_rollout_mismatch_metrics():
     assert m["rollout_kl"] == pytest.approx(sum(math.exp(x) - 1 - x for x in d) / 2, rel=1e-6)
     loss_b, _ = _loss(logp_M, logp_M.detach(), _t(1.0, 1.0, 1.0), mask_M, [0, 3], LossConfig())
     assert "rollout_kl" not in _ and loss_a.item() == loss_b.item()
+    # Over the tokens sampled by the weights being trained alone (the second here): numerical mismatch only.
+    _, m = _loss(logp_M, logp_M.detach(), _t(1.0, 1.0, 1.0), mask_M, [0, 3], LossConfig(),
+                 rollout_logp_M=rollout_M, on_policy_M=torch.tensor([False, True, True]))
+    assert m["onpolicy/num_tokens"] == 1 and m["onpolicy/rollout_logp_abs_diff"] == 0.0
+    assert m["onpolicy/rollout_kl"] == 0.0 and m["rollout_logp_abs_diff"] == pytest.approx(0.25, rel=1e-6)
 
 
 def test_mismatch_band_masks_tokens_outside_it():

@@ -231,6 +231,9 @@ def test_fused_logprobs_train_like_megatrons_output_layer(tmp_path):
     assert steps["fused"][0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     first = steps["fused"][0]  # feed_groups' rollout logprobs are not the model's: a mismatch to see
     assert first["rollout_logp_abs_diff_max"] >= first["rollout_logp_abs_diff"] > 0 and first["rollout_kl"] > 0
+    # every fed token says version 0, the version being trained (no weight sync here): all of them are on-policy
+    assert first["onpolicy/num_tokens"] == first["num_tokens"] > 0
+    assert first["onpolicy/rollout_kl"] == pytest.approx(first["rollout_kl"], rel=1e-6)
 
 
 def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_path):
