@@ -1,6 +1,8 @@
 """The end-to-end CPU demo behind ``bash scripts/demo.sh``: agent RL for real, every component its own process.
 
-    1. model    a tiny Qwen2-style HF model with forge's byte-level BPE tokenizer (random weights)
+    1. model    a tiny Qwen2-style HF model with forge's byte-level BPE tokenizer (random weights); with ``--moe`` a
+                tiny Qwen3-MoE model, and rollout routing replay on: the engine records every token's experts, the
+                gateway keeps them, the trainer replays them (``routing_mismatch`` in the metrics)
     2. SFT      a short supervised warm-start on a Megatron model (forge_megatron.training.sft): the calculator
                 task's format, tool call included, but only ``--sft-tool-fraction`` of the examples use the tool,
                 the others answer directly (which a tiny model gets wrong), so RL has headroom
@@ -43,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3, help="RL learning rate")
+    p.add_argument("--moe", action="store_true",
+                   help="a tiny Qwen3-MoE model (4 experts, top-2) with rollout routing replay end to end")
     p.add_argument("--weight-sync-transport", default="disk", choices=["disk", "distributed"],
                    help="safetensors through a directory, or a gloo broadcast group with the engine")
     p.add_argument("--seed", type=int, default=0)
@@ -103,9 +107,12 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
     with open(os.path.join(out, "sft.jsonl"), "w") as f:
         for chat in calculator.sft_conversations(sft_tasks, args.sft_tool_fraction, seed=args.seed):
             f.write(json.dumps({"messages": chat, "tools": calculator.TOOLS}) + "\n")
-    print(f"[demo] 1/5 tiny model (hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
+    kind = "MoE, 4 experts top-2, " if args.moe else ""
+    print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
+    arch = dict(arch="qwen3_moe", moe_intermediate_size=args.hidden_size) if args.moe else \
+        dict(intermediate_size=2 * args.hidden_size)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
-                            num_hidden_layers=args.num_layers, intermediate_size=2 * args.hidden_size)
+                            num_hidden_layers=args.num_layers, **arch)
     print(f"[demo] 2/5 supervised warm-start: {args.sft_steps} steps, tool used in {args.sft_tool_fraction:.0%} "
           "of the examples", flush=True)
     sft_dir = os.path.join(out, "sft_model")
@@ -121,13 +128,15 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
     out, logs = args.out, os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
     print("[demo] 3/5 starting forge-engine, gateway + data pool, calculator agent", flush=True)
-    engine = procs.server("forge-engine", "forge_megatron.rollout.engine_server", ["--model-path", sft_dir])
+    replay = ["--enable-return-routed-experts"] if args.moe else []
+    engine = procs.server("forge-engine", "forge_megatron.rollout.engine_server", ["--model-path", sft_dir, *replay])
     pool_addr = f"tcp://127.0.0.1:{_free_port()}"
     gateway = procs.server("gateway+pool", "forge_megatron.agents.middleware_node",
                            ["--model-path", sft_dir, "--engines", engine, "--pool-bind", pool_addr,
                             "--pool-db", os.path.join(out, "pool.sqlite"), "--rollout-batch-groups",
                             str(args.groups_per_step), "--window-fraction", "1.0", "--max-staleness", "1",
-                            "--train-batch-groups", str(args.groups_per_step), "--default-max-tokens", "48"])
+                            "--train-batch-groups", str(args.groups_per_step), "--default-max-tokens", "48",
+                            *(["--return-routed-experts"] if args.moe else [])])
     agent = procs.server("calculator agent", "forge_megatron.agents.calculator", ["--serve"])
     print(f"[demo] 4/5 RL: {args.steps} steps x {args.groups_per_step} tasks x {args.group_size} episodes", flush=True)
     procs.start("rollout driver", [sys.executable, "-m", "forge_megatron.agents.driver", "--gateway-url", gateway,
@@ -143,7 +152,8 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         "--pool-addr", pool_addr, "--gateway-url", gateway, "--engine-urls", engine,
         "--weight-sync-transport", args.weight_sync_transport, "--weight-sync-dir", os.path.join(out, "weight_sync"),
         "--train-batch-groups", str(args.groups_per_step), "--tree-token-budget", "16384",
-        "--metrics-jsonl", metrics, "--log-interval", "1", "--seed", str(args.seed)],
+        "--metrics-jsonl", metrics, "--log-interval", "1", "--seed", str(args.seed),
+        *(["--routing-replay"] if args.moe else [])],
         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
              "LOCAL_RANK": "0"})
     deadline = time.time() + args.timeout_s
@@ -170,6 +180,8 @@ def summarise(args: argparse.Namespace, metrics_path: str, wall_s: float) -> dic
                "window_steps": k, "success_rate": [s["success_rate"] for s in steps],
                "reward_mean": [s["reward_mean"] for s in steps], "merge_ratio": [s["merge_ratio"] for s in steps],
                "staleness_mean": [s["staleness_mean"] for s in steps]}
+    if "routing_mismatch" in steps[0]:
+        summary["routing_mismatch"] = [s["routing_mismatch"] for s in steps]
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot(steps, os.path.join(args.out, "reward_curve.png"))
@@ -216,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] 5/5 success rate: first {summary['window_steps']} steps {summary['first_success_rate']:.2f} -> "
           f"last {summary['window_steps']} steps {summary['last_success_rate']:.2f} over {summary['steps']} RL steps "
           f"in {summary['wall_s']:.0f}s", flush=True)
+    if "routing_mismatch" in summary:
+        mismatch = summary["routing_mismatch"]
+        print(f"[demo] routing replay: {sum(mismatch) / len(mismatch):.3f} of the replayed (token, layer) rows would "
+              "have gone to other experts without it (tokens sampled before the last update)", flush=True)
     print(f"[demo] wrote {args.out}/metrics.json and {args.out}/reward_curve.png; every process stopped", flush=True)
     return 0
 

@@ -50,3 +50,20 @@ def test_short_demo_runs_the_whole_loop(tmp_path):
             assert key in s
     driver_log = (out / "logs" / "driver.log").read_text()
     assert "Traceback" not in driver_log
+
+
+def test_short_moe_demo_replays_the_engines_routing(tmp_path):
+    """``--moe``: the same loop on a tiny Qwen3-MoE model with rollout routing replay through every process (engine
+    recording experts, gateway keeping them, pool, trainer replaying). Step 1 trains the weights that sampled its
+    tokens, in fp32 on both sides: every replayed row is the trainer's own routing and the logprobs agree."""
+    out = tmp_path / "moe_run"
+    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--moe", "--out", str(out), "--steps", "2",
+           "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "[demo] routing replay:" in proc.stdout
+    assert not _processes_mentioning(str(out)), "a demo process outlived the demo"
+    summary = json.loads((out / "metrics.json").read_text())
+    assert len(summary["routing_mismatch"]) == 2 and summary["routing_mismatch"][0] == 0.0
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["routing_replayed_rows"] > 0 and first["rollout_logp_abs_diff"] < 1e-4
