@@ -341,6 +341,10 @@ class Trainer:
             self._forward_only_logprobs(self.ddp, rb, "old_logp_M")
         if self.ref_chunks is not None:
             self._forward_only_logprobs(self.ref_chunks, rb, "ref_logp_M")
+        if getattr(self.args, "routing_replay", False):
+            from forge_megatron.mcore import routing_replay
+
+            routing_replay.read_counts(self.chunks)  # the routing metrics count the training pass only
         return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs,
                                 self.head_dtype, self.policy_version)
 
