@@ -5,7 +5,8 @@
 #   2. builds the CUDA extension in place (forge_megatron._C_tree_attn, sm_90 unless FORGE_CUDA_ARCH_LIST says else),
 #   3. runs the `gpu` tests of the kernels (GPU_CHECK_TESTS=tests runs every area's gpu tests),
 #   4. runs benchmarks/tree_attention.py on the GRPO and agentic workloads (one JSON line each),
-#   5. runs benchmarks/logprobs.py (chunked vs plain logprobs+entropy at 16k rows x 152k vocabulary, bf16),
+#   5. runs benchmarks/logprobs.py (plain, chunked, fused and fused with an fp32 LM head: logprobs+entropy at 16k
+#      rows x 152k vocabulary, bf16; memory, time and error against fp64),
 #   6. runs the trainer on the GPU (tests/training/test_gpu_trainer.py: fp32 and bf16 steps against CPU, bf16 keeps
 #      the HF weights, distributed-optimizer checkpoints resume exactly; skipped without megatron-core and pyzmq).
 # Everything goes to the log file (GPU_CHECK_LOG, default runs/gpu_check.log); copy the JSON lines to docs/benchmarks.md.
@@ -44,8 +45,8 @@ step "build CUDA extension" 110 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST
 step "gpu tests" 110 "$PY" -m pytest -q -m gpu -rs --timeout=100 -p no:cacheprovider "$TESTS"
 step "benchmark grpo" 35 "$PY" benchmarks/tree_attention.py --workload grpo
 step "benchmark agentic" 35 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
-step "benchmark logprobs" 40 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
-step "trainer on GPU" 200 "$PY" -m pytest -q -m gpu -rs --timeout=150 -p no:cacheprovider \
+step "benchmark logprobs" 50 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
+step "trainer on GPU" 190 "$PY" -m pytest -q -m gpu -rs --timeout=150 -p no:cacheprovider \
   tests/training/test_gpu_trainer.py
 
 echo "gpu_check: $([ $failed -eq 0 ] && echo PASSED || echo FAILED), log in $LOG" | tee -a "$LOG"
