@@ -228,14 +228,17 @@ class DistributedTransport:
             return {"go": True}
         if op in ("opened", "delivered"):
             (route, futures), self.pending = self.pending, None
-            if not msg["ok"]:
-                failed = [u for u, f in futures.items() if f.done() and f.exception() is not None]
-                raise EngineFailure(failed or self.http.unhealthy(self.members) or self.members,
-                                    f"stage {stage}'s lead: {msg['error']}")
-            self.http.wait_all(futures, route)
-            if op == "opened":
-                for url in futures:
-                    self.held.setdefault(url, set()).add(self.group_name(stage))
+            try:
+                if not msg["ok"]:
+                    failed = [u for u, f in futures.items() if f.done() and f.exception() is not None]
+                    raise EngineFailure(failed or self.http.unhealthy(self.members) or self.members,
+                                        f"stage {stage}'s lead: {msg['error']}")
+                self.http.wait_all(futures, route)
+            finally:
+                if op == "opened":  # whoever joined holds the group, also when others failed: drop it later
+                    for url, f in futures.items():
+                        if f.done() and f.exception() is None:
+                            self.held.setdefault(url, set()).add(self.group_name(stage))
             return {"go": True}
         raise ValueError(f"unknown weight-sync message {op!r}")
 
