@@ -816,7 +816,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         raise SystemExit(f"forge-gateway: {exc}") from exc
     sink = JsonlSink(args.episodes_jsonl) if args.episodes_jsonl else ListSink()
-    gw = Gateway(config, sink=sink)
+    try:
+        gw = Gateway(config, sink=sink)
+    except ValueError as exc:  # e.g. --return-routed-experts on a dense model
+        raise SystemExit(f"forge-gateway: {exc}") from exc
     asyncio.run(serve(gw, ready=print_ready))
 
 

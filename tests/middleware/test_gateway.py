@@ -767,3 +767,5 @@ def test_cli_reports_bad_configuration(model_dir):
 
     with pytest.raises(SystemExit, match="forge-gateway: admin_token is required"):
         main(["--model-path", model_dir, "--engines", "http://127.0.0.1:9", "--host", "0.0.0.0"])
+    with pytest.raises(SystemExit, match="forge-gateway: return_routed_experts: .* is not a MoE model"):
+        main(["--model-path", model_dir, "--engines", "http://127.0.0.1:9", "--return-routed-experts"])
