@@ -581,15 +581,22 @@ def weight_sync_master_addr(flag: str) -> str:
     return socket.gethostname() if flag == "auto" else flag
 
 
+def weight_sync_config(args: argparse.Namespace):
+    """``WeightSyncConfig`` from the --weight-sync-* flags."""
+    from forge_megatron.weight_sync import WeightSyncConfig
+
+    return WeightSyncConfig(engine_urls=args.engine_urls, transport=args.weight_sync_transport,
+                            bucket_bytes=int(args.weight_sync_bucket_mb * (1 << 20)), gateway_url=args.gateway_url,
+                            gateway_token=os.environ.get("FORGE_ADMIN_TOKEN"), disk_dir=args.weight_sync_dir,
+                            master_addr=weight_sync_master_addr(args.weight_sync_master_addr),
+                            pause_mode=args.weight_sync_pause_mode)
+
+
 def make_syncer(args: argparse.Namespace, bridge):
     """The weight syncer of ``--weight-sync-transport`` (forge_megatron.weight_sync)."""
-    from forge_megatron.weight_sync import WeightSyncConfig, WeightSyncer
+    from forge_megatron.weight_sync import WeightSyncer
 
-    cfg = WeightSyncConfig(engine_urls=args.engine_urls, transport=args.weight_sync_transport,
-                           bucket_bytes=int(args.weight_sync_bucket_mb * (1 << 20)), gateway_url=args.gateway_url,
-                           gateway_token=os.environ.get("FORGE_ADMIN_TOKEN"), disk_dir=args.weight_sync_dir,
-                           master_addr=weight_sync_master_addr(args.weight_sync_master_addr))
-    return WeightSyncer(cfg, bridge)
+    return WeightSyncer(weight_sync_config(args), bridge)
 
 
 def pipeline_loss_metrics(mb_metrics: list[dict]) -> list[dict]:

@@ -70,6 +70,16 @@ def test_forge_values_parse():
     assert arguments.reward_config(args).process_weights["malformed_tool_calls"] == -0.2
 
 
+def test_weight_sync_flags_reach_the_syncer_config():
+    from forge_megatron.training.trainer import weight_sync_config
+
+    args = arguments.parse_args(MINIMAL + ["--engine-urls", "http://a:1", "--weight-sync-pause-mode", "abort",
+                                           "--weight-sync-bucket-mb", "64", "--weight-sync-master-addr", "10.0.0.7"])
+    cfg = weight_sync_config(args)
+    assert (cfg.pause_mode, cfg.bucket_bytes, cfg.master_addr) == ("abort", 64 << 20, "10.0.0.7")
+    assert weight_sync_config(arguments.parse_args(MINIMAL + ["--engine-urls", "http://a:1"])).pause_mode == "retract"
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--tree-token-budget", "0"], "--tree-token-budget must be >= 1"),
     (["--weight-sync-transport", "disk", "--engine-urls", "http://a:1"], "needs --weight-sync-dir"),
