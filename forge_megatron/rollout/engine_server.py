@@ -21,9 +21,9 @@ so the recorded logprob is the policy's own probability of the sampled token, wh
 Routed experts (MoE models, ``--enable-return-routed-experts``, request ``return_routed_experts: true``; SGLang's
 names): a forward hook on every layer's router records the top-k expert ids of each token it processes, by
 position; the response's ``meta_info["routed_experts"]`` is base64 of int32 [prompt + output - 1, layers, topk]
-(the last token is never fed to the model), -1 in dense layers. A position processed again (its KV cache dropped by
-a retracting pause, then recomputed, possibly with new weights) keeps the latest routing, as SGLang's per-slot
-capture does.
+(the last token is never fed to the model), -1 in dense layers; a stream carries it in its last chunk only. A
+position processed again (its KV cache dropped by a retracting pause, then recomputed, possibly with new weights)
+keeps the latest routing, as SGLang's per-slot capture does.
 
 Tensor legend: V = vocabulary, S = sequence (prompt or step tokens).
 """
@@ -286,7 +286,7 @@ class ReferenceEngine:
         }
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, out_ids)]
-        if req.routed is not None:
+        if req.routed is not None and req.finish is not None:  # once, with the last chunk of a stream
             meta["routed_experts"] = base64.b64encode(self.routed_experts(req).numpy().tobytes()).decode("ascii")
         return {"text": text, "output_ids": list(out_ids), "meta_info": meta}
 

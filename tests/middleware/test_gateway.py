@@ -692,7 +692,8 @@ def test_routed_experts_reach_the_trainer_batch(tmp_path):
         msgs = [{"role": "user", "content": "Step one"}]
         r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, seed=1)
         msgs += [as_message(r.choices[0].message), {"role": "user", "content": "Step two"}]
-        c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, seed=2)
+        for _ in c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, seed=2, stream=True):
+            pass  # streamed: the engine sends the routing with its last chunk
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Summary. Three"}], max_tokens=6,
                                   seed=3)
         http(f"{gw.url}/forge/sessions/{s['session_id']}/reward", {"reward": 1.0})
