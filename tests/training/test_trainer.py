@@ -269,6 +269,26 @@ def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_pat
     assert abs(steps["natural"][0]["loss"] - first["loss"]) > 1e-4 and "routing_mismatch" not in steps["natural"][0]
 
 
+def test_routing_replay_under_the_interleaved_pipeline(tmp_path):
+    """--routing-replay with PP = 2 x VPP = 2 on a 4-layer MoE model: each model chunk's routers take their own
+    layers' rows, micro-batches padded to one length (padding rows routed by the router), and the step equals one
+    rank's (loss, grad norm, routing counts)."""
+    model_dir = build_tiny_model(str(tmp_path / "moe4"), arch="qwen3_moe", seed=3, num_hidden_layers=4)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(8), completion_len=(4, 5), routing=(4, 4, 2))  # noqa
+    steps = {}
+    for name, extra, nproc in (("one", [], 1), ("vpp", ["--pipeline-model-parallel-size", "2",
+                                                        "--num-virtual-stages-per-pipeline-rank", "2"], 2)):
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=1, groups=2, nproc=nproc,
+                                              extra=["--routing-replay", "--tree-token-budget", "18", *extra],
+                                              model=[])
+    one, vpp = steps["one"][0], steps["vpp"][0]
+    assert vpp["pad_tokens"] == 4  # the four 16-token micro-batches padded to the 17-token ones
+    for key in ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows"):
+        assert vpp[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
+    # 8 samples, one per micro-batch; recorded tokens (the last unrecorded) x 4 layers
+    assert one["routing_replayed_rows"] == (4 * (12 + 3) + 4 * (12 + 4)) * 4
+
+
 def test_kl_to_a_frozen_reference(tmp_path):
     """--rl-kl-coef: a frozen copy of the HF model scores every batch. Step 1 (policy == reference): KL exactly 0,
     the same loss and gradient as without the term; step 2: KL > 0 and a different loss. PP = 2 trains the same, and
