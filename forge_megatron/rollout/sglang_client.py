@@ -9,6 +9,7 @@ stop_token_ids, ...}, ``return_logprob``, ``stream``, ``rid``; it answers ``outp
 ``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` {mode}, ``/continue_generation``,
 ``/update_weights_from_disk`` {model_path, weight_version, flush_cache, abort_all_requests},
 ``/init_weights_update_group`` {master_address, master_port, rank_offset, world_size, group_name, backend},
+``/destroy_weights_update_group`` {group_name},
 ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache, weight_version}.
 
 The fleet routes each call to the least-loaded live engine, but keeps a session on the engine it used before
