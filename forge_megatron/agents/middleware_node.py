@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("data pool")
     d.add_argument("--pool-bind", default="tcp://127.0.0.1:5555")
     d.add_argument("--pool-db", default="pool.sqlite")
+    d.add_argument("--keep-trajectories", action="store_true",
+                   help="keep episodes' tokens after their group is committed or dropped (default: delete them then)")
     d.add_argument("--window-fraction", type=float, default=0.3)
     d.add_argument("--rollout-batch-groups", type=int, default=16, help="N of the window W = ceil(fraction * N)")
     d.add_argument("--max-inflight-groups", type=int, default=None)
@@ -61,7 +63,8 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
     return PoolConfig(db_path=args.pool_db, window_fraction=args.window_fraction,
                       generation_batch_groups=args.rollout_batch_groups, max_inflight_groups=args.max_inflight_groups,
                       max_staleness=args.max_staleness, train_batch_groups=args.train_batch_groups,
-                      max_lag=args.max_lag, episode_timeout_s=args.episode_timeout_s, reward=reward_config(args))
+                      max_lag=args.max_lag, episode_timeout_s=args.episode_timeout_s, reward=reward_config(args),
+                      keep_trajectories=args.keep_trajectories)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -109,6 +109,10 @@ class PoolConfig:
     episode_timeout_s: float | None = None  # running episodes (and idle groups) older than this time out
     min_finished_episodes: int = 1  # a completed group with fewer finished episodes fails
     reward: Any = None  # forge_megatron.algo.rewards.RewardConfig; None -> RewardConfig()
+    # Keep every episode's tokens (and routed experts) after its group is committed or dropped, for offline analysis.
+    # False: they are deleted then (trained and checkpointed, or never to be trained), so the database stops growing
+    # with the run; group states, scores and batch metrics stay.
+    keep_trajectories: bool = False
 
     def __post_init__(self) -> None:
         if not self.db_path:
@@ -324,6 +328,8 @@ class DataPool(EpisodeSink):
             return
         if finished < self.config.min_finished_episodes:
             self._db.execute("UPDATE groups SET state = 'failed' WHERE idx = ?", (idx,))
+            if not self.config.keep_trajectories:  # never to be trained
+                self._db.execute("UPDATE episodes SET blob = NULL WHERE group_idx = ?", (idx,))
             log.warning("group %s failed: %d of %d episodes finished", group_id_of(idx), finished, size)
         else:
             blobs = self._finished_blobs(idx)
@@ -393,6 +399,8 @@ class DataPool(EpisodeSink):
                     db.execute("UPDATE groups SET state = 'stale' WHERE idx = ?", (idx,))
                     for _, blob in self._finished_blobs(idx):
                         self._count_wasted(_sampled_tokens(blob_to_wire(blob)[1]))
+                    if not self.config.keep_trajectories:
+                        db.execute("UPDATE episodes SET blob = NULL WHERE group_idx = ?", (idx,))
             log.warning("dropped %d stale groups (started more than %d versions before %d): %s", len(stale), max_lag,
                         version, ", ".join(map(group_id_of, stale)))
             self._cond.notify_all()
@@ -482,6 +490,10 @@ class DataPool(EpisodeSink):
             if row is None:
                 raise ValueError(f"unknown batch_id {batch_id}")
             indices = msgpack.unpackb(row[0])
+            state = self._one("SELECT state FROM batches WHERE batch_id = ?", (batch_id,))
+            if state == "committed" and not self.config.keep_trajectories:
+                raise ValueError(f"batch {batch_id} is committed and its trajectories were deleted "
+                                 "(PoolConfig.keep_trajectories / --keep-trajectories keeps them)")
             samples = [s for idx in indices for s in self._group_samples(idx)]
         return TrainBatch(batch_id=batch_id, samples=samples, group_indices=indices,
                           metrics=msgpack.unpackb(row[1], strict_map_key=False))
@@ -503,6 +515,9 @@ class DataPool(EpisodeSink):
                 db.execute("UPDATE batches SET state = 'committed' WHERE batch_id = ?", (batch_id,))
                 committed += db.execute("UPDATE groups SET state = 'committed'"
                                         " WHERE batch_id = ? AND state = 'delivered'", (batch_id,)).rowcount
+                if not self.config.keep_trajectories:
+                    db.execute("UPDATE episodes SET blob = NULL WHERE group_idx IN"
+                               " (SELECT idx FROM groups WHERE batch_id = ? AND state = 'committed')", (batch_id,))
         return committed
 
     def _check_committable(self, ids: list[int]) -> None:

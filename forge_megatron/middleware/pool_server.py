@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bind", default="tcp://127.0.0.1:5555",
                    help="ZeroMQ endpoint; keep 127.0.0.1 unless you enable CURVE (--curve-secret-file)")
     g.add_argument("--max-message-mb", type=float, default=1024.0, help="largest request accepted, in MiB")
+    g.add_argument("--keep-trajectories", action="store_true",
+                   help="keep every episode's tokens after its group is committed (trained and checkpointed) or "
+                        "dropped; by default they are deleted then, so the database does not grow with the run")
     g.add_argument("--curve-secret-file", help="file with two lines: server public key, server secret key (z85); "
                    "enables CURVE encryption")
     g.add_argument("--curve-clients-file", help="file with one allowed client public key (z85) per line")
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                             train_batch_groups=args.train_batch_groups, max_lag=args.max_lag,
                             max_retries=args.max_retries,
                             episode_timeout_s=args.episode_timeout_s, min_finished_episodes=args.min_finished_episodes,
+                            keep_trajectories=args.keep_trajectories,
                             reward=_reward_config(args))
     except ValueError as exc:
         raise SystemExit(f"forge-pool: {exc}") from exc

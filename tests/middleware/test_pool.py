@@ -155,6 +155,42 @@ def test_commit_and_requeue_return_exactly_uncommitted(make_pool):
     assert pool.metrics()["groups"]["committed"] == 6
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_committed_and_dropped_trajectories_are_deleted_unless_kept(make_pool, db, keep):
+    """The database must not grow with the run: a committed group's episodes (trained and checkpointed) and a failed
+    group's lose their tokens; their states, scores and the batch records stay, and the pool reopens on them.
+    keep_trajectories keeps everything (offline analysis)."""
+    import sqlite3
+
+    pool = make_pool(window="inf", keep_trajectories=keep, min_finished_episodes=2)
+    b1, b2 = _deliver_batches(pool, 2)
+    failed = pool.register_group("doomed", 2)
+    pool.submit_episode(make_episode(failed, "d0"))
+    pool.submit_episode(make_episode(failed, "d1", status="failed"))
+    assert pool.commit(b1.batch_id) == 2
+
+    def stored(group_indices):
+        with sqlite3.connect(db) as con:
+            marks = ",".join("?" * len(group_indices))
+            return con.execute(f"SELECT COUNT(*) FROM episodes WHERE blob IS NOT NULL AND group_idx IN ({marks})",
+                               group_indices).fetchone()[0]
+
+    assert stored(b1.group_indices) == (4 if keep else 0)  # committed
+    assert stored([int(failed[1:])]) == (1 if keep else 0)  # failed: never to be trained
+    assert stored(b2.group_indices) == 4  # delivered, not committed: a trainer restart may need them again
+    if keep:
+        assert len(pool.load_batch(b1.batch_id).samples) == 4
+    else:
+        with pytest.raises(ValueError, match=f"batch {b1.batch_id} is committed and its trajectories were deleted"):
+            pool.load_batch(b1.batch_id)
+    metrics = pool.metrics()
+    pool.close()
+    reopened = make_pool(window="inf", keep_trajectories=keep, min_finished_episodes=2)
+    assert reopened.metrics()["groups"] == metrics["groups"]
+    assert reopened.requeue_uncommitted() == b2.group_indices
+    assert reopened.next_batch(2, timeout_s=0).group_indices == b2.group_indices  # still servable
+
+
 def test_restart_recovers_state_and_request_ids(make_pool):
     pool = make_pool(window="inf")
     b1, b2 = _deliver_batches(pool, 2)
