@@ -187,6 +187,8 @@ class TreeMicroBatch:
     routing: torch.Tensor | None = None
     """int16 [T, layers, topk] experts recorded by the rollout engine for the tree tokens (-1: route them here);
     replayed by the routers that ``routing_replay.install`` prepared (mcore/routing_replay.py)."""
+    routing_stats: dict = field(default_factory=dict)
+    """``tree_routing``'s counts: tree tokens shared by recorded samples, and those whose samples' rows disagree."""
 
 
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TreeMicroBatch], tuple]

@@ -156,10 +156,14 @@ def read_counts(models) -> tuple[int, int]:
     return rows, mismatched
 
 
-def tree_routing(layout, routed: list) -> torch.Tensor | None:
+def tree_routing(layout, routed: list, stats: dict | None = None) -> torch.Tensor | None:
     """int16 [T, L, K] routing of ``layout``'s tree tokens from its samples' rows (``routed``: one int8/int16 [L_s, L, K]
     array or None per sample, in the layout's sample order): each tree token takes the first recorded row (-1 rows
-    do not count) in sample order; None when no sample has routing."""
+    do not count) in sample order; None when no sample has routing.
+
+    ``stats`` (a dict, optional) gets ``shared``: tree tokens recorded by two samples or more, and ``conflicts``: those
+    whose samples' rows disagree (as expert sets). One forward per shared token can replay only one of them, so a
+    conflicting sample is scored through routing its engine did not use there."""
     shapes = {tuple(r.shape[1:]) for r in routed if r is not None}
     if not shapes:
         return None
@@ -183,4 +187,11 @@ def tree_routing(layout, routed: list) -> torch.Tensor | None:
     out = np.full((layout.unique_tokens, *shape), -1, np.int16)
     keep = first[recorded_P[first]]
     out[nodes_P[keep]] = rows_P[keep]
+    if stats is not None:
+        chosen_P = out[nodes_P]  # each sample token's tree row
+        counted_P = recorded_P & (chosen_P >= 0).any(axis=(1, 2))
+        differs_P = counted_P & (np.sort(rows_P, axis=-1) != np.sort(chosen_P, axis=-1)).any(axis=(1, 2))
+        recorded_per_node = np.bincount(nodes_P[counted_P], minlength=layout.unique_tokens)
+        stats["shared"] = stats.get("shared", 0) + int((recorded_per_node >= 2).sum())
+        stats["conflicts"] = stats.get("conflicts", 0) + int(np.unique(nodes_P[differs_P]).size)
     return torch.from_numpy(out)

@@ -79,12 +79,12 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
         "sample_weight_S": torch.tensor([s.sample_weight for s in samples], dtype=torch.float32),
         "domain_ids_S": torch.tensor([domains.index(s.domain) for s in samples], dtype=torch.int64),
     }
-    routing = None
+    routing, stats = None, {}
     if routing_replay:
         from forge_megatron.mcore.routing_replay import tree_routing
 
-        routing = tree_routing(layout, [getattr(s, "routed_experts", None) for s in samples])
-    return TreeMicroBatch(layout=layout, extras=extras, routing=routing)
+        routing = tree_routing(layout, [getattr(s, "routed_experts", None) for s in samples], stats)
+    return TreeMicroBatch(layout=layout, extras=extras, routing=routing, routing_stats=stats)
 
 
 def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: int, domains: list[str],
@@ -386,7 +386,7 @@ class Trainer:
         t2 = time.perf_counter()
         metrics = batch_metrics(rb, mb_metrics, self.policy_version)  # staleness w.r.t. the weights trained
         if getattr(self.args, "routing_replay", False):
-            metrics.update(self._routing_metrics())
+            metrics.update(self._routing_metrics(rb))
         self.iteration += 1
         self.last_batch_id = batch.batch_id
         sync_s = 0.0
@@ -403,16 +403,21 @@ class Trainer:
             self.writer.write(self.iteration, metrics)
         return metrics
 
-    def _routing_metrics(self) -> dict:
+    def _routing_metrics(self, rb: RankBatch) -> dict:
         """Rollout routing replay, over every rank: the share of (token, MoE layer) rows replayed from the engine's
-        record whose expert set the trainer's router would have chosen differently (what replay removes)."""
+        record whose expert set the trainer's router would have chosen differently (what replay removes); and, on
+        this rank, the share of shared-prefix tree tokens whose samples recorded different experts (only one set can
+        be replayed for them)."""
         from forge_megatron.mcore import routing_replay
         from forge_megatron.mcore.parallel import comm_device
 
         counts = torch.tensor(routing_replay.read_counts(self.chunks), dtype=torch.float64, device=comm_device())
         dist.all_reduce(counts)  # every rank's own tokens (TP replicas count theirs too: the ratio is unchanged)
         rows, mismatched = counts.tolist()
-        return {"routing_replayed_rows": rows, "routing_mismatch": mismatched / rows if rows else 0.0}
+        shared = sum(mb.routing_stats.get("shared", 0) for mb in rb.micro_batches)
+        conflicts = sum(mb.routing_stats.get("conflicts", 0) for mb in rb.micro_batches)
+        return {"routing_replayed_rows": rows, "routing_mismatch": mismatched / rows if rows else 0.0,
+                "routing_prefix_conflicts": conflicts / shared if shared else 0.0}
 
     def _sync(self) -> float:
         t0 = time.perf_counter()

@@ -196,15 +196,21 @@ def test_tree_routing_takes_the_first_recorded_row():
     a = np.array([[[0, 1]], [[2, 3]], [[-1, -1]]], np.int16)  # 1, 2, 3 (last token unrecorded)
     b = np.array([[[5, 6]], [[7, 8]], [[-1, -1]]], np.int16)  # disagrees on the shared 1, 2: the first sample wins
     c = np.array([[[-1, -1]], [[-1, -1]]], np.int16)  # nothing recorded
-    got = tree_routing(layout, [a, b, c]).numpy()
+    stats = {}
+    got = tree_routing(layout, [a, b, c], stats).numpy()
+    assert stats == {"shared": 2, "conflicts": 2}  # tokens 1 and 2: recorded by a and b, differently
     nodes = layout.sample_nodes.numpy()
     assert got[nodes[0]].tolist() == [[0, 1]] and got[nodes[1]].tolist() == [[2, 3]]
     assert got[nodes[4]].tolist() == [[2, 3]]  # b's view of the shared token 2 is the same tree token
     assert got[nodes[2]].tolist() == [[-1, -1]] and got[nodes[5]].tolist() == [[-1, -1]]  # last tokens
     assert got[nodes[7]].tolist() == [[-1, -1]]  # c recorded nothing
     # a -1 row earlier in sample order does not hide a recorded one
-    got = tree_routing(layout, [c[:1].repeat(3, 0), b, None]).numpy()
-    assert got[nodes[0]].tolist() == [[5, 6]]
+    stats = {}
+    got = tree_routing(layout, [c[:1].repeat(3, 0), b, None], stats).numpy()
+    assert got[nodes[0]].tolist() == [[5, 6]] and stats == {"shared": 0, "conflicts": 0}
+    stats = {}
+    tree_routing(layout, [a, np.array([[[1, 0]], [[3, 2]], [[9, 9]]], np.int16), None], stats)
+    assert stats == {"shared": 2, "conflicts": 0}  # the same experts in another order agree
     assert tree_routing(layout, [None, None, None]) is None
     with pytest.raises(ValueError, match="sample 0 has 3 tokens but 2 recorded rows"):
         tree_routing(layout, [a[:2], b, c])

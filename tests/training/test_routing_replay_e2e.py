@@ -61,5 +61,6 @@ def test_engine_routing_is_the_trainers_own(tmp_path):
     assert replay["samples"] == 4 and replay["routing_replayed_rows"] > 100
     assert replay["routing_mismatch"] <= 0.02, replay  # the same network on both sides: the rows line up
     assert replay["rollout_logp_abs_diff"] <= 1e-4, replay  # and the engine's logprobs are the trainer's
+    assert replay["routing_prefix_conflicts"] == 0.0  # a group's episodes recorded the same experts for the prompt
     assert replay["loss"] == pytest.approx(natural["loss"], rel=1e-3, abs=1e-4)
     assert np.isfinite(replay["grad_norm"]) and replay["grad_norm"] > 0

@@ -262,6 +262,7 @@ def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_pat
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (other, key)
     first = steps["one"][0]
     assert 0 < first["routing_mismatch"] < 1  # random rows: many differ
+    assert first["routing_prefix_conflicts"] == 0.0  # one set of prompt rows per group
     # Rows counted once per training pass (not again for pi_old's forward-only pass): a group of 4 episodes, 12
     # prompt + c completion tokens, one sample per micro-batch under the budget, the last token unrecorded:
     # 4 x (12 + c - 1) tokens x 2 layers, c = 4 and 5 for the two groups.
