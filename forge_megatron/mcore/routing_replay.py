@@ -27,6 +27,13 @@ How, on a tree-packed micro-batch:
 The replay also counts how often the router's own top-k set differs from the replayed one (``mismatch``): the
 training/inference routing mismatch that R3 removes, per (token, layer).
 
+Prefix merging runs one forward per shared token, so where the samples through a token recorded different experts
+(engines routing one prompt differently from request to request, or samples of different policy versions) only one
+record can be replayed. With ``split`` (trainer ``--routing-replay-split``) the trie is built on (token, expert set)
+keys instead (:func:`routing_keys`, :func:`split_tree`): samples share a prefix only as far as their records agree,
+so every sample is scored through exactly its own engine's experts, at the cost of the merging lost where they
+disagree.
+
 Legend: T tree tokens (padded to the micro-batch's length), L model layers, K experts per token (top-k).
 """
 
@@ -195,3 +202,36 @@ def tree_routing(layout, routed: list, stats: dict | None = None) -> torch.Tenso
         stats["shared"] = stats.get("shared", 0) + int((recorded_per_node >= 2).sum())
         stats["conflicts"] = stats.get("conflicts", 0) + int(np.unique(nodes_P[differs_P]).size)
     return torch.from_numpy(out)
+
+
+def routing_keys(tokens: list, routed: list) -> list[np.ndarray]:
+    """Per sample, int64 keys that are equal exactly where (token id, recorded expert sets) are: a trie built on
+    them merges two samples' prefixes only as far as their records agree. ``tokens``: token arrays; ``routed``:
+    int8/int16 [L_s, L, K] arrays or None (unrecorded: -1). Expert order within a top-k does not matter."""
+    shapes = {tuple(r.shape[1:]) for r in routed if r is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"routing replay: samples recorded different [layers, topk] shapes {sorted(shapes)}")
+    width = int(np.prod(shapes.pop())) if shapes else 0
+    cols = []
+    for t, r in zip(tokens, routed):
+        t = np.asarray(t, dtype=np.int64)
+        rows = (np.full((t.size, width), -1, np.int64) if r is None else
+                np.sort(np.asarray(r, dtype=np.int64), axis=-1).reshape(t.size, width))
+        cols.append(np.concatenate([t[:, None], rows], axis=1))
+    _, ids = np.unique(np.concatenate(cols), axis=0, return_inverse=True)
+    ids = ids.reshape(-1)
+    bounds = np.cumsum([0] + [c.shape[0] for c in cols])
+    return [ids[lo:hi].astype(np.int64) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def split_tree(tokens: list, routed: list):
+    """The prefix forest of ``tokens`` merged only where the recorded experts agree (see :func:`routing_keys`), with
+    the real token ids in its layout."""
+    from dataclasses import replace
+
+    from forge_megatron.tree import build_tree
+
+    layout = build_tree(routing_keys(tokens, routed))
+    tokens_T = torch.empty_like(layout.tokens)
+    tokens_T[layout.sample_nodes] = torch.from_numpy(np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens]))
+    return replace(layout, tokens=tokens_T)

@@ -214,6 +214,10 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "gateway --return-routed-experts; forge.sbatch: ROUTING_REPLAY=1). Tokens without a record "
                         "are routed by the trainer. Logs routing_mismatch: the share of replayed (token, layer) "
                         "rows the trainer's router would have routed differently")
+    g.add_argument("--routing-replay-split", action="store_true",
+                   help="with --routing-replay: merge samples' shared prefixes only as far as their recorded experts "
+                        "agree, so every sample is scored through exactly its engine's routing (costs the merging "
+                        "lost where they disagree; routing_prefix_conflicts shows how often that is)")
     g.add_argument("--fp32-lm-head", action="store_true",
                    help="compute the output layer (LM head) in fp32 in the loss: the bf16 weight and the final hidden "
                         "states are upcast for its matmul (MiniMax-M1 traced most of the training/inference "
@@ -296,6 +300,8 @@ def validate_args(args: argparse.Namespace) -> None:
         loss_config(args)
     except ValueError as exc:
         raise ValueError(f"the --rl-* loss flags: {exc}") from exc
+    if args.routing_replay_split and not args.routing_replay:
+        raise ValueError("--routing-replay-split needs --routing-replay")
     if args.micro_batch_size not in (None, 1):
         raise ValueError(f"--micro-batch-size {args.micro_batch_size}: forge packs every micro-batch as one prefix "
                          "forest; size them with --tree-token-budget (unique tokens per micro-batch)")

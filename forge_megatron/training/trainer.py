@@ -62,13 +62,19 @@ def _targets(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr[1:]))
 
 
-def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = False):
+def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = False, split: bool = False):
     """One ``TreeMicroBatch``: the prefix forest of ``samples`` and their per-target loss inputs (and, with
-    ``routing_replay``, the tree tokens' recorded experts: mcore/routing_replay.py)."""
+    ``routing_replay``, the tree tokens' recorded experts: mcore/routing_replay.py; ``split`` merges prefixes only
+    where the recorded experts agree)."""
     from forge_megatron.mcore.forward import TreeMicroBatch
     from forge_megatron.tree import build_tree
 
-    layout = build_tree([s.tokens.astype(np.int64) for s in samples])
+    if routing_replay and split:
+        from forge_megatron.mcore.routing_replay import split_tree
+
+        layout = split_tree([s.tokens for s in samples], [getattr(s, "routed_experts", None) for s in samples])
+    else:
+        layout = build_tree([s.tokens.astype(np.int64) for s in samples])
     lengths_S = torch.tensor([len(s.tokens) - 1 for s in samples], dtype=torch.int64)
     extras = {
         "loss_mask_M": torch.cat([_targets(s.loss_mask).float() for s in samples]),
@@ -89,7 +95,7 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
 
 def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: int, domains: list[str],
                balance: str = "cost", hidden_size: int = 1, interleaved_pp: int | None = None,
-               routing_replay: bool = False) -> RankBatch:
+               routing_replay: bool = False, routing_split: bool = False) -> RankBatch:
     """Split a pool batch over DP ranks by group and pack this rank's share into micro-batches.
 
     ``balance``: ``cost`` gives each DP rank groups of near-equal estimated compute (:mod:`training.balance`, with
@@ -98,7 +104,7 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     same on every rank. ``interleaved_pp`` (the PP size, for the interleaved schedule) makes the number of
     micro-batches a multiple of it (splitting the largest ones); with PP = 2 it also pads every micro-batch to the
     longest one (:func:`interleaved_needs_fixed_length`). ``routing_replay`` attaches the samples' recorded experts
-    to the micro-batches.
+    to the micro-batches; ``routing_split`` also packs and merges them only where those records agree.
     """
     from forge_megatron.training.balance import assign_groups
     from forge_megatron.tree import pack_micro_batches
@@ -116,7 +122,12 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
         raise RuntimeError(f"DP rank {dp_rank} got no trainable samples from batch {batch.batch_id} "
                            f"({len(groups)} groups for {dp_size} DP ranks): raise --train-batch-groups")
     if merging:
-        parts = pack_micro_batches([s.tokens for s in samples], token_budget, keys=[s.group_index for s in samples])
+        seqs = [s.tokens for s in samples]
+        if routing_replay and routing_split:  # the budget counts the tree that will be built
+            from forge_megatron.mcore.routing_replay import routing_keys
+
+            seqs = routing_keys(seqs, [getattr(s, "routed_experts", None) for s in samples])
+        parts = pack_micro_batches(seqs, token_budget, keys=[s.group_index for s in samples])
     else:
         too_long = [len(s.tokens) for s in samples if len(s.tokens) > token_budget]
         if too_long:
@@ -124,7 +135,7 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
         parts = [[i] for i in range(len(samples))]
     if interleaved_pp:
         parts = split_to_multiple(parts, interleaved_pp, batch.batch_id)
-    mbs = [micro_batch_of([samples[i] for i in part], domains, routing_replay) for part in parts]
+    mbs = [micro_batch_of([samples[i] for i in part], domains, routing_replay, routing_split) for part in parts]
     if interleaved_pp and interleaved_needs_fixed_length(interleaved_pp):
         length = max(mb.layout.unique_tokens for mb in mbs)
         for mb in mbs:
@@ -375,7 +386,8 @@ class Trainer:
         rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
                         self.domains, self.args.dp_balance, self.cfg.hidden_size,
                         interleaved_pp=self.pp_size if len(self.chunks) > 1 else None,
-                        routing_replay=getattr(self.args, "routing_replay", False))
+                        routing_replay=getattr(self.args, "routing_replay", False),
+                        routing_split=getattr(self.args, "routing_replay_split", False))
         for chunk in self.ddp:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

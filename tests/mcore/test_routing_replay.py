@@ -171,6 +171,54 @@ def _body(rank, world_size, hf_dir):
     return out
 
 
+def _split_body(rank, world_size, hf_dir):
+    """Two samples sharing a prompt whose records disagree at one prompt token: merged (one record replayed for the
+    shared token) the second sample is scored through routing its engine did not use; split (--routing-replay-split)
+    every sample equals HF forced to its own records."""
+    from transformers import AutoModelForCausalLM
+
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.mcore import routing_replay
+    from forge_megatron.mcore.forward import tree_logprobs
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.training.checkpoint import load_hf_weights
+
+    bridge = Bridge(hf_dir)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    layers, experts, top_k = hf.config.num_hidden_layers, hf.config.num_experts, hf.config.num_experts_per_tok
+    model = build_tree_gpt(bridge.cfg)
+    load_hf_weights([model], bridge, hf_dir)
+    routing_replay.install([model])
+    samples = SAMPLES[:2]
+    layout = build_tree(samples)
+    _, rows = _forced_rows(layout, layers, experts, top_k, seed=2, holes=False)
+    rows[1][3] = (rows[0][3] + 1) % experts  # prompt token 3 disagrees (other distinct experts, every layer)
+    want = _hf_logprobs_forced(hf, samples, rows)
+    out = {}
+    for name, lay in (("merged", layout), ("split", routing_replay.split_tree(samples, rows))):
+        stats = {}
+        routing = tree_routing(lay, rows, stats)
+        routing_replay.set_micro_batch(model, routing, lay.unique_tokens)
+        with torch.no_grad():
+            logp, _ = tree_logprobs(model, lay)
+        routing_replay.after_forward(model)
+        n0 = len(samples[0]) - 1
+        err = (logp.double() - want).abs()
+        out[name] = {"first": err[:n0].max().item(), "second": err[n0:].max().item(), "tokens": lay.unique_tokens,
+                     "conflicts": stats["conflicts"]}
+    out["total"] = sum(len(x) for x in samples)
+    return out
+
+
+def test_split_trees_replay_every_samples_own_record(hf_dir):
+    (res,) = run_distributed(_split_body, world_size=1, hf_dir=hf_dir)
+    merged, split = res["merged"], res["split"]
+    assert merged["conflicts"] == 1 and merged["first"] <= 1e-5 and merged["second"] > 1e-4, res
+    assert split["conflicts"] == 0 and split["first"] <= 1e-5 and split["second"] <= 1e-5, res
+    # the prompt is shared up to the disagreeing token (3 tokens), then the samples part
+    assert split["tokens"] == res["total"] - 3 and merged["tokens"] < split["tokens"], res
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     from forge_megatron.models.tiny import build_tiny_model
@@ -214,3 +262,37 @@ def test_tree_routing_takes_the_first_recorded_row():
     assert tree_routing(layout, [None, None, None]) is None
     with pytest.raises(ValueError, match="sample 0 has 3 tokens but 2 recorded rows"):
         tree_routing(layout, [a[:2], b, c])
+
+
+def test_rank_batch_packs_and_merges_by_records_with_split():
+    """rank_batch with routing_split: the packer and the trie see (token, expert set) keys, so a sample whose prompt
+    record disagrees from one position on gets its own copy of the rest of the prompt, and no shared tree token
+    keeps disagreeing records; without split the trie merges the prompt and counts the conflict."""
+    from forge_megatron.middleware.batch import TrainBatch, TrainSample
+    from forge_megatron.training.trainer import rank_batch
+
+    g = np.random.default_rng(0)
+    prompt = g.integers(10, 200, 12)
+    prompt_rows = np.argsort(g.random((12, 2, 4)), axis=-1)[..., :2].astype(np.int8)
+    samples = []
+    for e in range(4):
+        tokens = np.r_[prompt, g.integers(10, 200, 4)].astype(np.int32)
+        rows = np.concatenate([prompt_rows, np.argsort(g.random((4, 2, 4)), -1)[..., :2].astype(np.int8)])
+        if e == 2:
+            rows[5] = (rows[5] + 1) % 4  # this episode's engine routed prompt token 5 elsewhere
+        rows[-1] = -1
+        mask = np.r_[np.zeros(12), np.ones(4)].astype(np.uint8)
+        samples.append(TrainSample(tokens=tokens, loss_mask=mask, rollout_logprobs=np.zeros(16, np.float32),
+                                   policy_versions=np.zeros(16, np.int32), advantages=np.zeros(16, np.float32),
+                                   sample_weight=1.0, group_index=0, episode_id=str(e), domain="d", reward=0.0,
+                                   routed_experts=rows))
+    batch = TrainBatch(batch_id=1, samples=samples, group_indices=[0])
+    merged = rank_batch(batch, 4096, True, 0, 1, [], routing_replay=True)
+    split = rank_batch(batch, 4096, True, 0, 1, [], routing_replay=True, routing_split=True)
+    (m,), (s_,) = merged.micro_batches, split.micro_batches
+    assert m.layout.unique_tokens == 12 + 4 * 4 and m.routing_stats == {"shared": 12, "conflicts": 1}
+    assert s_.layout.unique_tokens == 12 + 4 * 4 + (12 - 5) and s_.routing_stats["conflicts"] == 0
+    for mb in (m, s_):  # the layout carries the real token ids either way (samples in packing order)
+        lay = mb.layout
+        got = [tuple(lay.tokens.numpy()[lay.sample_nodes.numpy()[lay.sample_slice(i)]]) for i in range(4)]
+        assert sorted(got) == sorted(tuple(x.tokens.tolist()) for x in samples)

@@ -90,6 +90,7 @@ def test_weight_sync_flags_reach_the_syncer_config():
     (["--rl-loss-norm-constant", "100"], "--rl-loss-norm-constant is used only with --rl-loss-norm constant"),
     (["--fp32-lm-head", "--no-fused-logprobs"], "--fp32-lm-head needs the fused logprobs"),
     (["--micro-batch-size", "4"], "size them with --tree-token-budget"),
+    (["--routing-replay-split"], "--routing-replay-split needs --routing-replay"),
     (["--rl-mismatch-band", "2", "3"], "--rl-mismatch-band LOW HIGH needs 0 < LOW < 1 < HIGH"),
     (["--rl-tis-cap", "0"], "the --rl-\\* loss flags: tis_cap must be > 0"),
     (["--ref-hf-checkpoint", "/x"], "--ref-hf-checkpoint is used only with --rl-kl-coef > 0"),
