@@ -53,8 +53,9 @@ class TreeRoutingReplay:
         self.target: torch.Tensor | None = None  # int64 [tokens, K] of the micro-batch going forward; -1 rows: own
         self.queued: deque = deque()  # targets of forwarded micro-batches, for recomputation in the backward
         self.in_backward = False
-        self.rows = 0  # (token, layer) rows replayed since the last read of the counters
-        self.mismatched = 0  # of which the router's own top-k set differed
+        # [rows replayed, of which the router's own top-k set differed] since the last read; kept on the device so
+        # that counting never waits for the GPU (read once per step by read_counts)
+        self.counts: torch.Tensor | None = None
 
     def set_target(self, target: torch.Tensor | None) -> None:
         self.target = target
@@ -73,8 +74,8 @@ class TreeRoutingReplay:
         recorded = (target >= 0).all(dim=-1, keepdim=True)
         if not self.in_backward:  # count each token once, not again when recomputed
             differs = (own.sort(dim=-1).values != target.sort(dim=-1).values).any(dim=-1, keepdim=True)
-            self.rows += int(recorded.sum())
-            self.mismatched += int((differs & recorded).sum())
+            step = torch.stack([recorded.sum(), (differs & recorded).sum()])
+            self.counts = step if self.counts is None else self.counts + step
         idx = torch.where(recorded, target.to(own.dtype), own)
         return scores.gather(1, idx), idx
 
@@ -114,7 +115,7 @@ def _replays(model) -> list[TreeRoutingReplay]:
 
 
 def reset(models) -> None:
-    """Before a schedule run: no queued rows, no counts carried over from forward-only passes."""
+    """Before a schedule run: no rows left queued by an earlier run (a forward-only pass queues and never pops)."""
     for model in models:
         for replay in _replays(model):
             replay.target, replay.in_backward = None, False
@@ -155,12 +156,16 @@ def after_forward(model) -> None:
 
 def read_counts(models) -> tuple[int, int]:
     """(rows replayed, rows whose own top-k differed) since the last read, over ``models``; resets the counts."""
-    rows = mismatched = 0
+    counts = []
     for model in models:
         for replay in _replays(model):
-            rows, mismatched = rows + replay.rows, mismatched + replay.mismatched
-            replay.rows = replay.mismatched = 0
-    return rows, mismatched
+            if replay.counts is not None:
+                counts.append(replay.counts)
+                replay.counts = None
+    if not counts:
+        return 0, 0
+    rows, mismatched = torch.stack(counts).sum(dim=0).tolist()  # one wait for the device
+    return int(rows), int(mismatched)
 
 
 def tree_routing(layout, routed: list, stats: dict | None = None) -> torch.Tensor | None:
