@@ -46,7 +46,8 @@ PAUSE_MODES = ("abort", "in_place", "retract")
 
 @dataclass
 class WeightSyncConfig:
-    """How weights reach the engines. ``engine_urls`` and the HTTP settings are used on global rank 0 only."""
+    """How weights reach the engines; the same on every rank. ``engine_urls`` and the HTTP settings are used on
+    global rank 0 (the stage leads read the first URL to find their route to the engines)."""
 
     engine_urls: list[str]
     transport: str = "distributed"  # "distributed" (process-group broadcast) | "disk" (safetensors on shared disk)
