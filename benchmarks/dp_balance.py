@@ -23,7 +23,8 @@ import numpy as np
 
 def make_batch(groups: int, group_size: int, prompt: int, median: int, sigma: float, max_len: int, vocab: int,
                seed: int):
-    from forge_megatron.middleware.batch import TrainBatch, TrainSample
+    from forge_megatron.middleware.batch import TrainBatch
+    from trainer_step import synthetic_sample  # benchmarks/ is on sys.path when run as a script
 
     rng = np.random.default_rng(seed)
     samples = []
@@ -31,13 +32,7 @@ def make_batch(groups: int, group_size: int, prompt: int, median: int, sigma: fl
         prompt_ids = rng.integers(10, vocab, prompt)
         length = int(min(max_len, max(2, rng.lognormal(np.log(median), sigma))))
         for e in range(group_size):
-            tokens = np.r_[prompt_ids, rng.integers(10, vocab, length)].astype(np.int32)
-            mask = np.r_[np.zeros(prompt), np.ones(length)].astype(np.uint8)
-            samples.append(TrainSample(
-                tokens=tokens, loss_mask=mask, rollout_logprobs=np.where(mask, -3.0, 0.0).astype(np.float32),
-                policy_versions=np.where(mask, 0, -1).astype(np.int32),
-                advantages=np.where(mask, rng.standard_normal(), 0.0).astype(np.float32), sample_weight=1.0,
-                group_index=g, episode_id=f"{g}-{e}", domain="math", reward=float(e % 2)))
+            samples.append(synthetic_sample(prompt_ids, rng.integers(10, vocab, length), g, e, rng))
     return TrainBatch(batch_id=1, samples=samples, group_indices=list(range(groups)))
 
 

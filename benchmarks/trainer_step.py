@@ -22,9 +22,23 @@ import time
 import numpy as np
 
 
+def synthetic_sample(prompt, completion, g: int, e: int, rng: np.random.Generator):
+    """Episode ``e`` of group ``g``: ``prompt`` (not trained) + ``completion`` (trained, logprob -3, version 0, one
+    random advantage); also used by benchmarks/dp_balance.py."""
+    from forge_megatron.middleware.batch import TrainSample
+
+    tokens = np.r_[np.asarray(prompt), np.asarray(completion)].astype(np.int32)
+    mask = np.r_[np.zeros(len(prompt)), np.ones(len(completion))].astype(np.uint8)
+    return TrainSample(
+        tokens=tokens, loss_mask=mask, rollout_logprobs=np.where(mask, -3.0, 0.0).astype(np.float32),
+        policy_versions=np.where(mask, 0, -1).astype(np.int32),
+        advantages=np.where(mask, rng.standard_normal(), 0.0).astype(np.float32), sample_weight=1.0,
+        group_index=g, episode_id=f"{g}-{e}", domain="math", reward=float(e % 2))
+
+
 def make_batch(tokenizer, groups: int, group_size: int, completion_tokens: int, seed: int):
     from forge_megatron.agents import calculator
-    from forge_megatron.middleware.batch import TrainBatch, TrainSample
+    from forge_megatron.middleware.batch import TrainBatch
 
     rng = np.random.default_rng(seed)
     samples = []
@@ -32,13 +46,8 @@ def make_batch(tokenizer, groups: int, group_size: int, completion_tokens: int, 
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": task.prompt}], tools=calculator.TOOLS,
                                                tokenize=True, add_generation_prompt=True, return_dict=False)
         for e in range(group_size):
-            tokens = np.array(prompt + rng.integers(10, len(tokenizer), completion_tokens).tolist(), dtype=np.int32)
-            mask = np.r_[np.zeros(len(prompt)), np.ones(completion_tokens)].astype(np.uint8)
-            samples.append(TrainSample(
-                tokens=tokens, loss_mask=mask, rollout_logprobs=np.where(mask, -3.0, 0.0).astype(np.float32),
-                policy_versions=np.where(mask, 0, -1).astype(np.int32),
-                advantages=np.where(mask, rng.standard_normal(), 0.0).astype(np.float32), sample_weight=1.0,
-                group_index=g, episode_id=f"{g}-{e}", domain="math", reward=float(e % 2)))
+            completion = rng.integers(10, len(tokenizer), completion_tokens)
+            samples.append(synthetic_sample(prompt, completion, g, e, rng))
     return TrainBatch(batch_id=1, samples=samples, group_indices=list(range(groups)))
 
 
