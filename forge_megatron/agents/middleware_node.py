@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--return-routed-experts", action="store_true",
                    help="MoE: keep each token's routed experts in the episodes (rollout routing replay; the engines "
                         "need --enable-return-routed-experts, the trainer --routing-replay)")
+    g.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
+                   help="re-issue calls aborted by a weight update from their prompt (default: go on from the tokens "
+                        "already sampled, each keeping its policy version and logprob)")
     d = p.add_argument_group("data pool")
     d.add_argument("--pool-bind", default="tcp://127.0.0.1:5555")
     d.add_argument("--pool-db", default="pool.sqlite")
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     gateway = Gateway(GatewayConfig(model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u],
                                     host=args.host, port=args.port, admin_token=args.admin_token,
                                     tool_parser=args.tool_parser, default_max_tokens=args.default_max_tokens,
-                                    return_routed_experts=args.return_routed_experts),
+                                    return_routed_experts=args.return_routed_experts,
+                                    resume_aborted=args.resume_aborted),
                       sink=pool)
     print(f"forge-pool serving on {server.address}", flush=True)
     try:

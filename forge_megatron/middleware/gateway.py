@@ -19,8 +19,10 @@ Routes
 parser's tool-call opening (``ToolParser.forced_prefix``) is appended to the prompt ids, so it is prompt (loss mask 0,
 policy version -1; the policy did not sample it), the engine continues from it, and the parser reads prefix +
 completion. While paused (weights being updated) new calls wait up to ``pause_wait_s`` instead of failing; a call
-whose engine aborted it for an update is re-issued after resume (a streaming one too, while none of its content has
-reached the client; otherwise the stream ends with an OpenAI-style error event, code ``aborted``). ``/forge/*`` needs
+whose engine aborted it for an update goes on after resume from the tokens it had sampled (prompt + those tokens as
+input, the parts joined into one completion with per-token policy versions; a stream continues unbroken), or with
+``resume_aborted=False`` is re-issued from its prompt (a stream that had sent content then ends with an
+OpenAI-style error event, code ``aborted``). ``/forge/*`` needs
 the admin token when one is configured, and one must be configured when binding beyond loopback. Errors use OpenAI's
 body ``{"error": {message, type, param, code}}``.
 """
@@ -35,7 +37,7 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from aiohttp import web
@@ -72,6 +74,8 @@ class GatewayConfig:
     health_interval_s: float = 2.0
     keep_ended_sessions: int = 1000  # ended sessions kept for GET /forge/sessions/{id}; older ones are forgotten
     return_routed_experts: bool = False  # MoE: record each token's experts for rollout routing replay (R3)
+    resume_aborted: bool = True  # a call aborted by a weight update goes on from the tokens it sampled (partial
+    # rollout: per-token versions and logprobs stay exact); False: it is re-issued from its prompt
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -141,6 +145,8 @@ class _Call:
     sampling: dict  # engine sampling_params (max_new_tokens clamped to the context)
     forced_text: str  # tool-call opening appended to the prompt ('' unless tool_choice forces a call)
     started: float
+    done: list = field(default_factory=list)  # [(GenerateResult, version)] of aborted parts kept (resume_aborted)
+    versions: list[int] = field(default_factory=list)  # per completion token, set when the generation is complete
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -292,6 +298,8 @@ class Gateway:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.inflight = 0
+        # engine aborts seen (weight updates); sampled tokens kept across them / thrown away (not resuming)
+        self.stats = {"aborts": 0, "resumed_tokens": 0, "discarded_tokens": 0}
         self.base_url = config.public_url or f"http://{config.host}:{config.port}"
 
     # --- pause / resume ---------------------------------------------------------------------------------------
@@ -369,73 +377,198 @@ class Gateway:
             raise _bad("tool_choice", f"tool_choice {req.tool_choice!r} cannot be enforced: {exc}") from exc
 
     async def generate(self, sess: Session, call: _Call):
-        """Call an engine (failover inside the fleet); re-issue calls aborted by a weight update after resume."""
-        for _ in range(ABORT_RETRIES):
+        """Call an engine (failover inside the fleet) until the completion is whole. A part aborted by a weight
+        update is kept and continued after resume (``resume_aborted``), or dropped and re-issued; the call fails
+        after ``ABORT_RETRIES`` aborts in a row that kept no new token."""
+        idle = 0
+        while True:
             await self.wait_resumed()
+            ids, sampling = self.next_request(call)
+            if self.kept_is_whole(call, sampling):
+                return self.complete(call, None)
             try:
-                result = await self.fleet.generate(call.turn.prompt_ids, call.sampling, session_key=sess.session_id,
+                result = await self.fleet.generate(ids, sampling, session_key=sess.session_id,
                                                    return_routed_experts=self.routing_shape is not None)
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
             if result.finish_type != "abort":
-                return result
+                return self.complete(call, result)
+            idle = 0 if self.keep_aborted(call, len(ids), result) else idle + 1
+            if idle >= ABORT_RETRIES:
+                raise _too_many_aborts()
             await asyncio.sleep(0.01)
-        raise _too_many_aborts()
 
     async def generate_streamed(self, sess: Session, call: _Call, on_partial):
-        """:meth:`generate` for streaming: ``await on_partial(result)`` sees each cumulative engine chunk and returns
-        how many content characters the client has; an aborted call is re-issued only while that is 0."""
-        sent = 0
-        for _ in range(ABORT_RETRIES):
+        """:meth:`generate` for streaming: ``await on_partial(result)`` sees the completion so far after each engine
+        chunk (kept parts included) and returns how many content characters the client has. Without
+        ``resume_aborted`` an aborted call is re-issued only while that is 0."""
+        sent, idle = 0, 0
+        while True:
             await self.wait_resumed()
+            ids, sampling = self.next_request(call)
+            if self.kept_is_whole(call, sampling):
+                return self.complete(call, None)
             result = None
             try:
                 async for result in self.fleet.generate_stream(
-                        call.turn.prompt_ids, call.sampling, session_key=sess.session_id,
+                        ids, sampling, session_key=sess.session_id,
                         return_routed_experts=self.routing_shape is not None):
-                    sent = await on_partial(result)
+                    sent = await on_partial(self.joined(call, result))
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
             if result is not None and result.finish_type != "abort":
-                return result
-            if sent:
+                return self.complete(call, result)
+            kept = result is not None and self.keep_aborted(call, len(ids), result)
+            if sent and not self.config.resume_aborted:
                 raise ApiError(503, f"the engine aborted the call (weights update) after {sent} characters were "
                                     "streamed; send the call again", "service_unavailable", code="aborted")
+            idle = 0 if kept else idle + 1
+            if idle >= ABORT_RETRIES:
+                raise _too_many_aborts()
             await asyncio.sleep(0.01)
-        raise _too_many_aborts()
+
+    # --- aborted calls: keep the sampled part, go on from it --------------------------------------------------
+    def next_request(self, call: _Call) -> tuple[list[int], dict]:
+        """Input ids and sampling params of the next engine request: the prompt and the kept parts' tokens, with
+        what is left of ``max_new_tokens``."""
+        if not call.done:
+            return call.turn.prompt_ids, call.sampling
+        kept = [t for part, _ in call.done for t in part.output_ids]
+        return call.turn.prompt_ids + kept, {**call.sampling, "max_new_tokens": call.sampling["max_new_tokens"] -
+                                             len(kept)}
+
+    def kept_is_whole(self, call: _Call, sampling: dict) -> bool:
+        """The kept parts end the completion already: no budget left, or an end-of-turn token last."""
+        return bool(call.done) and (sampling["max_new_tokens"] <= 0 or self.ends_turn(call, call.done[-1][0]))
+
+    def ends_turn(self, call: _Call, part) -> bool:
+        return part.output_ids[-1] in self.renderer.eot_ids and not call.sampling.get("ignore_eos")
+
+    def keep_aborted(self, call: _Call, n_input: int, result) -> bool:
+        """An engine aborted a part of ``call`` (a weight update paused it) after sampling ``result.output_ids``;
+        keep them (True) when resuming and there are any, with the version that sampled them."""
+        self.stats["aborts"] += 1
+        if not self.config.resume_aborted or not result.output_ids:
+            self.stats["discarded_tokens"] += len(result.output_ids)
+            return False
+        self.check_part(result)
+        if self.routing_shape is not None:  # validate now: the rows are cut from it when the parts are joined
+            self.routed_experts_of(n_input, result)
+        call.done.append((result, self.version_of(result)))
+        self.stats["resumed_tokens"] += len(result.output_ids)
+        return True
+
+    def check_part(self, result) -> None:
+        if len(result.logprobs) != len(result.output_ids):
+            raise ApiError(502, f"the engine returned {len(result.logprobs)} logprobs for {len(result.output_ids)} "
+                                "tokens", "engine_error", code="bad_engine_response")
+
+    def joined(self, call: _Call, result):
+        """``result`` after the kept parts: ids and logprobs concatenated (no routing; for streaming views)."""
+        if not call.done:
+            return result
+        parts = [p for p, _ in call.done] + ([result] if result is not None else [])
+        return replace(parts[-1], output_ids=[t for p in parts for t in p.output_ids],
+                       logprobs=[x for p in parts for x in p.logprobs], routed_experts=None,
+                       prompt_tokens=call.done[0][0].prompt_tokens,
+                       completion_tokens=sum(len(p.output_ids) for p in parts))
+
+    def complete(self, call: _Call, result):
+        """The whole completion of ``call`` from its kept parts and the last engine answer (None when the kept
+        parts used the whole budget): tokens, logprobs, routing rows, per-token versions in ``call.versions``, and
+        a stop string that only the joined text contains cut as the engine would have."""
+        if result is not None:
+            self.check_part(result)
+        if not call.done:
+            call.versions = [self.version_of(result)] * len(result.output_ids)
+            return result
+        parts = call.done + ([(result, self.version_of(result))] if result is not None else [])
+        joined = self.joined(call, result)
+        call.versions = [v for p, v in parts for _ in p.output_ids]
+        if result is None:  # see kept_is_whole
+            last = call.done[-1][0]
+            joined = replace(joined, finish_reason={"type": "stop", "matched": last.output_ids[-1]}
+                             if self.ends_turn(call, last) else {"type": "length", "length": len(joined.output_ids)})
+        if self.routing_shape is not None:
+            joined.routed_experts = self.joined_routing(call, parts)
+        stop = self.stop_across_parts(joined.output_ids, [len(p.output_ids) for p, _ in parts],
+                                      call.sampling.get("stop") or [])
+        if stop is not None:
+            n, matched = stop
+            joined = replace(joined, output_ids=joined.output_ids[:n], logprobs=joined.logprobs[:n],
+                             completion_tokens=n, finish_reason={"type": "stop", "matched": matched})
+            call.versions = call.versions[:n]
+            if joined.routed_experts is not None:
+                rows = len(call.turn.prompt_ids) + n - 1
+                joined.routed_experts = joined.routed_experts[:rows * self.routing_shape[0] * self.routing_shape[1]]
+        return joined
+
+    def joined_routing(self, call: _Call, parts) -> np.ndarray:
+        """Rows [0, prompt + output - 1) of the joined completion: each position from the part that sampled the
+        token after it (part i answers for its input length n_i and k_i tokens: rows [n_i - 1, n_i + k_i - 1),
+        the first part from row 0, the last to its end)."""
+        rows, n = [], len(call.turn.prompt_ids)
+        for i, (part, _) in enumerate(parts):
+            full = self.routed_experts_of(n, part)
+            start = 0 if i == 0 else n - 1
+            end = full.shape[0] if i == len(parts) - 1 else n + len(part.output_ids) - 1
+            rows.append(full[start:end])
+            n += len(part.output_ids)
+        return np.concatenate(rows).astype(np.int32).reshape(-1)
+
+    def stop_across_parts(self, ids: list[int], sizes: list[int], stops: list[str]) -> tuple[int, str] | None:
+        """(tokens to keep, matched string) for the earliest stop string that ends in a later part than it starts:
+        the engine checks stop strings within each request's own output only."""
+        if not stops or len(sizes) < 2:
+            return None
+        span = 4 * max(len(s) for s in stops) + 1  # tokens a stop string can cover (byte-level pieces included)
+        best = None
+        boundary = 0
+        for size in sizes[:-1]:
+            boundary += size
+            lo = max(0, boundary - span)
+            for n in range(boundary + 1, min(len(ids), boundary + span) + 1):
+                if best is not None and n >= best[0]:
+                    break
+                text = self.renderer.tok.decode(ids[lo:n], skip_special_tokens=False)
+                hit = [s for s in stops if s in text]
+                if hit:
+                    best = (n, min(hit, key=text.index))
+                    break
+        return best
 
     def text_of(self, call: _Call, result) -> str:
         """What the parser reads: the forced text + the visible completion text."""
         return call.forced_text + self.renderer.completion_text(result.output_ids, result.finish_reason)
 
     def finish(self, sess: Session, call: _Call, result, req: ChatRequest) -> tuple[dict, str]:
-        """Parse the completion, record the call, return (assistant message, OpenAI finish_reason)."""
-        if len(result.logprobs) != len(result.output_ids):
-            raise ApiError(502, f"the engine returned {len(result.logprobs)} logprobs for {len(result.output_ids)} "
-                                "tokens", "engine_error", code="bad_engine_response")
+        """Parse the completion (``result`` from :meth:`generate`), record the call, return (assistant message,
+        OpenAI finish_reason)."""
         parsed = (self.parser if req.tool_choice != "none" else self.no_parser).parse(self.text_of(call, result))
         message = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls
         finish = "tool_calls" if parsed.tool_calls else ("length" if result.finish_type == "length" else "stop")
         turn = call.turn
-        routed = self.routed_experts_of(turn.prompt_ids, result)
+        routed = self.routed_experts_of(len(turn.prompt_ids), result)
         turn.completion_ids = list(result.output_ids)
         turn.assistant_message = message
         sess.record(turn, call.continues, routed=routed, call=CallRecord(
             prompt_ids=turn.prompt_ids, completion_ids=turn.completion_ids, logprobs=list(result.logprobs),
-            policy_version=self.version_of(result), finish_reason=finish, engine_url=result.engine_url,
-            segment_index=-1, started_at=call.started, ended_at=time.time(), num_tool_calls=len(parsed.tool_calls),
+            policy_version=max(call.versions, default=self.version_of(result)), policy_versions=list(call.versions),
+            resumed=len(call.done), finish_reason=finish, engine_url=result.engine_url, segment_index=-1,
+            started_at=call.started, ended_at=time.time(), num_tool_calls=len(parsed.tool_calls),
             num_malformed_tool_calls=parsed.num_malformed))
         return message, finish
 
-    def routed_experts_of(self, prompt_ids: list[int], result):
-        """int8/int16 [prompt + output - 1, layers, topk] of the call (None when not recording); a clear 502 when the
-        engine did not return them (SGLang needs --enable-return-routed-experts) or returned another shape."""
+    def routed_experts_of(self, n_input: int, result):
+        """int8/int16 [input + output - 1, layers, topk] of an engine answer to ``n_input`` ids (None when not
+        recording); a clear 502 when the engine did not return them (SGLang needs --enable-return-routed-experts) or
+        returned another shape."""
         if self.routing_shape is None:
             return None
         flat = result.routed_experts
-        rows = len(prompt_ids) + len(result.output_ids) - 1
+        rows = n_input + len(result.output_ids) - 1
         if flat is None:
             raise ApiError(502, f"engine {result.engine_url} returned no routed_experts: start SGLang with "
                                 "--enable-return-routed-experts (or run the gateway without --return-routed-experts)",
@@ -733,7 +866,7 @@ async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
     return web.json_response({
         "paused": not gw.resumed.is_set(), "policy_version": gw.policy_version, "inflight": gw.inflight,
         "sessions_open": sum(not s.ended for s in gw.sessions.values()),
-        "sessions_ended": sum(s.ended for s in gw.sessions.values()),
+        "sessions_ended": sum(s.ended for s in gw.sessions.values()), **gw.stats,
         "engines": [{"url": e.url, "up": e.up, "inflight": e.inflight, "served": e.served, "failures": e.failures}
                     for e in gw.fleet.engines],
     })
@@ -786,6 +919,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--return-routed-experts", action="store_true",
                    help="MoE models: ask the engines for each token's routed experts and keep them in the episodes "
                         "for rollout routing replay (trainer --routing-replay; SGLang --enable-return-routed-experts)")
+    p.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
+                   help="re-issue a call that an engine aborted for a weight update from its prompt, dropping the "
+                        "tokens it had sampled (default: go on from them, each token keeping the policy version and "
+                        "logprob it was sampled with, a stream without a break)")
     p.add_argument("--episodes-jsonl", default=None,
                    help="append finished episodes to this JSONL file (default: keep them in memory)")
     return p
@@ -812,7 +949,8 @@ def main(argv: list[str] | None = None) -> None:
             model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u], host=args.host,
             port=args.port, public_url=args.public_url, admin_token=args.admin_token, tool_parser=args.tool_parser,
             context_length=args.context_length, default_max_tokens=args.default_max_tokens,
-            pause_wait_s=args.pause_wait_s, return_routed_experts=args.return_routed_experts)
+            pause_wait_s=args.pause_wait_s, return_routed_experts=args.return_routed_experts,
+            resume_aborted=args.resume_aborted)
     except ValueError as exc:
         raise SystemExit(f"forge-gateway: {exc}") from exc
     sink = JsonlSink(args.episodes_jsonl) if args.episodes_jsonl else ListSink()

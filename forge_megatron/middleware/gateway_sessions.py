@@ -41,7 +41,7 @@ class CallRecord:
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
-    policy_version: int
+    policy_version: int  # the newest version that sampled any of its tokens
     finish_reason: str
     engine_url: str
     segment_index: int
@@ -49,6 +49,8 @@ class CallRecord:
     ended_at: float
     num_tool_calls: int = 0
     num_malformed_tool_calls: int = 0
+    policy_versions: list[int] | None = None  # per completion token (None: all policy_version)
+    resumed: int = 0  # times the call went on after an engine aborted it (weight updates)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -93,16 +95,18 @@ class SegmentBuilder:
     def add_prompt(self, ids: list[int]) -> None:
         self._add(ids, 0, [0.0] * len(ids), -1)
 
-    def add_completion(self, ids: list[int], logprobs: list[float], version: int) -> None:
+    def add_completion(self, ids: list[int], logprobs: list[float], version: int | list[int]) -> None:
+        """``version``: of every token, or per token (a call resumed across a weight update)."""
         self._add(ids, 1, logprobs, version)
 
-    def _add(self, ids: list[int], mask: int, logprobs: list[float], version: int) -> None:
-        if len(logprobs) != len(ids):
-            raise ValueError(f"{len(ids)} tokens but {len(logprobs)} logprobs")
+    def _add(self, ids: list[int], mask: int, logprobs: list[float], version: int | list[int]) -> None:
+        versions = [version] * len(ids) if isinstance(version, int) else list(version)
+        if len(logprobs) != len(ids) or len(versions) != len(ids):
+            raise ValueError(f"{len(ids)} tokens but {len(logprobs)} logprobs and {len(versions)} versions")
         self.tokens += ids
         self.loss_mask += [mask] * len(ids)
         self.logprobs += list(logprobs)
-        self.versions += [version] * len(ids)
+        self.versions += versions
 
     def to_segment(self) -> Segment:
         routed = None
@@ -204,7 +208,8 @@ class Session:
             seg = SegmentBuilder()
             self.segments.append(seg)
             seg.add_prompt(turn.prompt_ids)
-        seg.add_completion(call.completion_ids, call.logprobs, call.policy_version)
+        seg.add_completion(call.completion_ids, call.logprobs,
+                           call.policy_versions if call.policy_versions is not None else call.policy_version)
         seg.add_routing(routed)
         call.segment_index = len(self.segments) - 1
         self.calls.append(call)

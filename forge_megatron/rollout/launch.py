@@ -158,7 +158,8 @@ def start_gateway(model_dir: str, engine_urls: list[str], in_process: bool = Fal
         from forge_megatron.middleware.gateway import Gateway, GatewayConfig, serve
 
         gw = Gateway(GatewayConfig(model_path=model_dir, engine_urls=list(engine_urls), host=host, port=0,
-                                   return_routed_experts="--return-routed-experts" in (extra_args or [])), sink=sink)
+                                   return_routed_experts="--return-routed-experts" in (extra_args or []),
+                                   resume_aborted="--no-resume-aborted" not in (extra_args or [])), sink=sink)
         server = ThreadServer(lambda ready: serve(gw, ready), host=host)
         server.gateway = gw
         return server

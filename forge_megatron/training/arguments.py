@@ -235,11 +235,12 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "one group per stage); 'auto': each lead's own hostname (multi-node: use 'auto'). A lead that "
                         "cannot listen on the given address uses the one it routes to the engines through")
     g.add_argument("--weight-sync-bucket-mb", type=float, default=512.0, help="bucket size of the weight sync")
-    g.add_argument("--weight-sync-pause-mode", default="retract", choices=["retract", "in_place", "abort"],
-                   help="SGLang /pause_generation mode around a sync: 'retract' (in-flight calls wait, their KV cache "
-                        "is recomputed with the new weights) and 'in_place' keep the tokens sampled so far, so a call "
-                        "spanning a sync mixes two policy versions; 'abort' ends them and the gateway re-issues them "
-                        "after the sync (single-version completions, the aborted tokens wasted)")
+    g.add_argument("--weight-sync-pause-mode", default="abort", choices=["abort", "retract", "in_place"],
+                   help="SGLang /pause_generation mode around a sync: 'abort' ends in-flight calls and the gateway "
+                        "goes on from their sampled tokens after the sync, so every token keeps the policy version "
+                        "that sampled it; 'retract' (KV cache recomputed with the new weights) and 'in_place' keep "
+                        "the calls inside the engine, which reports one version per call (its tokens sampled before "
+                        "the sync are counted as the new version)")
     g.add_argument("--domain-ratios", type=name_float_pairs, default={},
                    help="task mix per domain, e.g. math=0.7,qa=0.3 (also sets the per-domain metrics)")
     g.add_argument("--batch-timeout-s", type=float, default=600.0, help="longest wait for a batch from the pool")

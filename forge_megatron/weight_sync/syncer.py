@@ -61,7 +61,7 @@ class WeightSyncConfig:
     # group of the k-th generation
     backend: str | None = None  # weight-update group backend; None: "nccl" with CUDA, else "gloo"
     ranks_per_engine: int = 1  # GPUs (TP ranks) of one engine: each joins the group
-    pause_mode: str = "retract"  # SGLang /pause_generation mode
+    pause_mode: str = "abort"  # SGLang /pause_generation mode (the gateway continues aborted calls)
     dtype: str | None = None  # cast before sending ("bfloat16", ...); None: the parameters' dtype
     max_attempts: int = 2  # send passes per sync when engines fail mid-way
     timeout_s: float = 120.0  # HTTP calls and group collectives

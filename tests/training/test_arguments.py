@@ -74,11 +74,11 @@ def test_weight_sync_flags_reach_the_syncer_config():
     from forge_megatron.training.trainer import weight_sync_config
 
     sync = ["--engine-urls", "http://a:1", "--weight-sync-transport", "distributed"]
-    args = arguments.parse_args(MINIMAL + sync + ["--weight-sync-pause-mode", "abort",
+    args = arguments.parse_args(MINIMAL + sync + ["--weight-sync-pause-mode", "retract",
                                            "--weight-sync-bucket-mb", "64", "--weight-sync-master-addr", "10.0.0.7"])
     cfg = weight_sync_config(args)
-    assert (cfg.pause_mode, cfg.bucket_bytes, cfg.master_addr) == ("abort", 64 << 20, "10.0.0.7")
-    assert weight_sync_config(arguments.parse_args(MINIMAL + sync)).pause_mode == "retract"
+    assert (cfg.pause_mode, cfg.bucket_bytes, cfg.master_addr) == ("retract", 64 << 20, "10.0.0.7")
+    assert weight_sync_config(arguments.parse_args(MINIMAL + sync)).pause_mode == "abort"
 
 
 @pytest.mark.parametrize("extra, message", [
