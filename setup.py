@@ -97,6 +97,7 @@ setup(
         "aiohttp>=3.9",
         "tqdm",
         "psutil",  # megatron.core.dist_checkpointing (torch_dist) writer
+        "accelerate",  # transformers loads FP8 checkpoints (forge-engine serving one) only with it
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "triton>=3.0", "openai>=1.0", "pybind11>=2.12", "matplotlib"],

@@ -301,3 +301,47 @@ def load_into(model, mcore_dir: str) -> None:
     model.load_state_dict(load_rank_state(mcore_dir, ps.get_tensor_model_parallel_rank(),
                                           ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()),
                           strict=True)
+
+
+# --- FP8 serving checkpoint -----------------------------------------------------------------------------------
+def hf_to_fp8(hf_dir: str, out_dir: str, block: tuple[int, int] = (128, 128), skip: tuple[str, ...] = (),
+              max_shard_bytes: int = 5 << 30) -> dict:
+    """Write a block-wise FP8 copy of the HF checkpoint ``hf_dir`` (what ``--weight-sync-fp8`` sends, see
+    :mod:`forge_megatron.weight_sync.fp8`) for SGLang to serve: projection weights as float8_e4m3fn +
+    ``weight_scale_inv``, the rest unchanged, config.json with the ``quantization_config``, the tokenizer files
+    copied. Tensors are read and quantized one at a time. Returns a summary (tensors, quantized, bytes in and out)."""
+    from forge_megatron.convert.trainer_checkpoint import TOKENIZER_FILES
+    from forge_megatron.weight_sync.fp8 import Fp8Config, quantize_named
+
+    if os.path.abspath(hf_dir) == os.path.abspath(out_dir):
+        raise ValueError("--out must differ from --hf-dir")
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    if hf_config.get("quantization_config"):
+        raise ValueError(f"{hf_dir!r} is already quantized ({hf_config['quantization_config'].get('quant_method')})")
+    cfg = Fp8Config(block=tuple(block), skip=tuple(skip))
+    reader = HFReader(hf_dir)
+    stats = {"tensors": 0, "quantized": 0, "bytes_in": 0, "bytes_out": 0}
+
+    def tensors():
+        def one_by_one():
+            for name in sorted(reader.names()):
+                t = reader.get([name])[name]
+                stats["tensors"] += 1
+                stats["bytes_in"] += t.numel() * t.element_size()
+                yield name, t
+
+        for item in quantize_named(one_by_one(), cfg):
+            group = item if isinstance(item, list) else [item]
+            stats["quantized"] += isinstance(item, list)
+            for name, t in group:
+                stats["bytes_out"] += t.numel() * t.element_size()
+                yield name, t
+
+    save_hf(tensors(), out_dir, {**hf_config, "quantization_config": cfg.hf_dict()}, max_shard_bytes,
+            total=len(reader.names()))
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            with open(os.path.join(hf_dir, name), "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
+                dst.write(src.read())
+    return stats

@@ -4,6 +4,7 @@
     forge-convert mcore-to-hf --mcore-dir ckpt/qwen3 --out Qwen3-8B-rl
     forge-convert reshard --mcore-dir ckpt/qwen3 --out ckpt/qwen3-tp8 --tp 8 --pp 1
     forge-convert trainer-to-hf --save-dir runs/x/checkpoints --out Qwen3-8B-rl-step500 [--iteration 500]
+    forge-convert hf-to-fp8 --hf-dir Qwen3-30B-A3B --out Qwen3-30B-A3B-FP8 [--block 128 128]
 
 Megatron checkpoints are written in the per-rank ``torch`` format (``--ckpt-format torch``); for ``torch_dist`` run
 ``torchrun ... -m forge_megatron.convert.torch_dist`` (see docs/conversion.md).
@@ -43,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-from", default=None,
                    help="copy tokenizer files from this directory (default: the run's --hf-checkpoint, if present)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GiB (default 5)")
+    p = sub.add_parser("hf-to-fp8", help="HF directory -> block-wise FP8 copy for SGLang to serve (the trainer's "
+                                         "--weight-sync-fp8 then sends weights in the same format)")
+    p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + *.safetensors, unquantized)")
+    p.add_argument("--out", required=True, help="output HF directory (with quantization_config and the tokenizer)")
+    p.add_argument("--block", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLS"),
+                   help="weight_block_size: one float32 scale per ROWS x COLS block (default 128 128)")
+    p.add_argument("--skip", default="", help="comma-separated module names (or parts of names) to keep "
+                                              "unquantized (modules_to_not_convert)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GiB (default 5)")
     p = sub.add_parser("reshard", help="Megatron torch checkpoint -> the same with another TP/PP/EP layout")
     p.add_argument("--mcore-dir", required=True, help="Megatron checkpoint written by forge-convert")
     p.add_argument("--out", required=True, help="output Megatron checkpoint directory")
@@ -67,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"forge-convert: iteration {summary['iteration']} (policy version {summary['policy_version']}), "
                   f"layout {summary['layout']}, {summary['tensors']} tensors, tokenizer from "
                   f"{summary['tokenizer_from'] or '(none found)'}")
+        elif args.command == "hf-to-fp8":
+            s = checkpoint.hf_to_fp8(args.hf_dir, args.out, tuple(args.block),
+                                     tuple(x for x in args.skip.split(",") if x), int(args.max_shard_gb * (1 << 30)))
+            print(f"forge-convert: {s['quantized']} of {s['tensors']} tensors to FP8 (block {args.block}), "
+                  f"{s['bytes_in'] / 2**20:.1f} MiB -> {s['bytes_out'] / 2**20:.1f} MiB")
         else:
             checkpoint.reshard(args.mcore_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep))
     except (MappingError, UnsupportedModelError, ValueError, FileNotFoundError) as exc:

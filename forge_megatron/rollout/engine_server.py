@@ -48,11 +48,13 @@ import torch.distributed as dist
 from aiohttp import web
 
 from forge_megatron.rollout.weight_group import broadcast_tensor, init_weight_update_group
+from forge_megatron.weight_sync.fp8 import FP8_DTYPE, Fp8Config, dequantize_named
 
 log = logging.getLogger("forge.engine")
 
 PAUSE_MODES = ("abort", "in_place", "retract")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+           "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 class RequestError(ValueError):
@@ -141,7 +143,11 @@ class ReferenceEngine:
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"--model-path {model_path!r} is not a directory")
         self.model_path = model_path
+        # an FP8 checkpoint (quantization_config fp8, block-wise) is dequantized by transformers on CPU: the engine
+        # computes with the FP8-rounded weights, and updates must come as FP8 weights + scales, as SGLang loads them
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        with open(os.path.join(model_path, "config.json")) as f:  # transformers drops it once dequantized
+            self.fp8 = Fp8Config.from_hf(json.load(f).get("quantization_config"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.context_length = context_length or int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.eos_ids = _eos_ids(self.model.config, self.tokenizer)
@@ -319,7 +325,23 @@ class ReferenceEngine:
         Checkpoints and SGLang name MoE experts one by one (``mlp.experts.{e}.{gate,up,down}_proj.weight``);
         transformers >= 5 stores them fused per layer (``mlp.experts.gate_up_proj`` [E, 2I, H] with gate rows
         first, ``mlp.experts.down_proj`` [E, H, I]). Per-expert names are written into the fused slices.
+
+        FP8 (the engine serves an FP8 checkpoint): projection weights must arrive as float8_e4m3fn with their
+        ``weight_scale_inv`` in the same request, on the checkpoint's block grid, and are dequantized; an engine
+        serving an unquantized checkpoint refuses FP8 weights (SGLang would load them wrongly or fail).
         """
+        if self.fp8 is not None:
+            plain = [n for n, t in named.items() if self.fp8.quantizes(n, t) and t.dtype != FP8_DTYPE]
+            if plain:
+                raise RequestError(f"this engine serves an FP8 checkpoint (weight_block_size {list(self.fp8.block)}): "
+                                   f"{plain[0]!r} must come as float8_e4m3fn with its weight_scale_inv (trainer "
+                                   "--weight-sync-fp8)")
+        try:
+            named, n_fp8 = dequantize_named(named, block=self.fp8.block if self.fp8 else None)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
+        _require(not n_fp8 or self.fp8 is not None,
+                 "this engine serves a checkpoint without an fp8 quantization_config: send unquantized weights")
         params = self.model.state_dict()
         writes = []  # (destination view, tensor)
         for name, tensor in named.items():

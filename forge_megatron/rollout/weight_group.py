@@ -61,6 +61,8 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
 
 def broadcast_tensor(group: dist.ProcessGroup, tensor, src: int = 0) -> None:
     """Broadcast ``tensor`` in place from ``src`` over ``group`` (a standalone group: ranks are group ranks)."""
+    from forge_megatron.weight_sync.buckets import wire_view
+
     opts = dist.BroadcastOptions()
     opts.rootRank = src
-    group.broadcast([tensor], opts).wait()
+    group.broadcast([wire_view(tensor, "gloo")], opts).wait()

@@ -16,7 +16,9 @@ Value syntax of the mapping flags: ``--reward-weights malformed_tool_calls=-0.1,
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 from collections.abc import Sequence
 
 from forge_megatron.algo.losses import LOSS_TYPES, NORMS, RECOMMENDED_EPS
@@ -235,6 +237,12 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "one group per stage); 'auto': each lead's own hostname (multi-node: use 'auto'). A lead that "
                         "cannot listen on the given address uses the one it routes to the engines through")
     g.add_argument("--weight-sync-bucket-mb", type=float, default=512.0, help="bucket size of the weight sync")
+    g.add_argument("--weight-sync-fp8", default=None, metavar="CHECKPOINT",
+                   help="the engines serve a block-wise FP8 checkpoint (its directory or config.json; e.g. made by "
+                        "forge-convert hf-to-fp8): send projection weights quantized as that checkpoint stores them "
+                        "(float8_e4m3fn + weight_scale_inv per block of its weight_block_size; embeddings, LM head, "
+                        "norms, routers and its modules_to_not_convert unquantized). About half the bytes of a bf16 "
+                        "sync; the FP8 rounding shows up in rollout_logp_abs_diff / rollout_kl")
     g.add_argument("--weight-sync-pause-mode", default="abort", choices=["abort", "retract", "in_place"],
                    help="SGLang /pause_generation mode around a sync: 'abort' ends in-flight calls and the gateway "
                         "goes on from their sampled tokens after the sync, so every token keeps the policy version "
@@ -284,6 +292,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def weight_sync_fp8(path: str | None):
+    """The :class:`Fp8Config` of the FP8 checkpoint at ``path`` (a directory or its config.json), None without a
+    path; ValueError naming --weight-sync-fp8 when it is not a block-wise FP8 checkpoint."""
+    from forge_megatron.weight_sync.fp8 import Fp8Config
+
+    if path is None:
+        return None
+    config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(config_path) as f:
+            qc = json.load(f).get("quantization_config")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--weight-sync-fp8 {path}: cannot read {config_path}: {exc}") from exc
+    try:
+        fp8 = Fp8Config.from_hf(qc)
+    except ValueError as exc:
+        raise ValueError(f"--weight-sync-fp8 {path}: {exc}") from exc
+    if fp8 is None:
+        raise ValueError(f"--weight-sync-fp8 {path}: {config_path} has no quantization_config (not an FP8 checkpoint)")
+    return fp8
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Cross-flag checks; raises ValueError naming the flag."""
     if args.hf_checkpoint is None:
@@ -311,6 +341,10 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.fp32_lm_head and not args.fused_logprobs:
         raise ValueError("--fp32-lm-head needs the fused logprobs (drop --no-fused-logprobs): Megatron's own output "
                          "layer computes in the weight's dtype")
+    if args.weight_sync_fp8 is not None:
+        if args.weight_sync_transport == "none":
+            raise ValueError("--weight-sync-fp8 needs a weight sync (--weight-sync-transport distributed or disk)")
+        weight_sync_fp8(args.weight_sync_fp8)
     if args.weight_sync_transport == "disk" and not args.weight_sync_dir:
         raise ValueError("--weight-sync-transport disk needs --weight-sync-dir")
     if args.weight_sync_transport != "none" and not args.engine_urls:

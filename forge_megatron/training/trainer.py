@@ -606,7 +606,8 @@ def weight_sync_config(args: argparse.Namespace):
                             bucket_bytes=int(args.weight_sync_bucket_mb * (1 << 20)), gateway_url=args.gateway_url,
                             gateway_token=os.environ.get("FORGE_ADMIN_TOKEN"), disk_dir=args.weight_sync_dir,
                             master_addr=weight_sync_master_addr(args.weight_sync_master_addr),
-                            pause_mode=args.weight_sync_pause_mode)
+                            pause_mode=args.weight_sync_pause_mode,
+                            fp8=arguments.weight_sync_fp8(args.weight_sync_fp8))
 
 
 def make_syncer(args: argparse.Namespace, bridge):

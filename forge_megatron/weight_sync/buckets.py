@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-               torch.float64: "float64"}
+               torch.float64: "float64", torch.float8_e4m3fn: "float8_e4m3fn"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
@@ -28,16 +28,24 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def make_buckets(named, bucket_bytes: int):
-    """Group a stream of ``(name, tensor)`` into lists of at most ``bucket_bytes`` bytes."""
+    """Group a stream of ``(name, tensor)`` into lists of at most ``bucket_bytes`` bytes. An item may also be a
+    list of ``(name, tensor)`` that must travel in one bucket (an FP8 weight and its scales)."""
     bucket, size = [], 0
-    for name, t in named:
-        if bucket and size + nbytes(t) > bucket_bytes:
+    for item in named:
+        group = item if isinstance(item, list) else [item]
+        n = sum(nbytes(t) for _, t in group)
+        if bucket and size + n > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes(t)
+        bucket.extend(group)
+        size += n
     if bucket:
         yield bucket
+
+
+def wire_view(t: torch.Tensor, backend: str) -> torch.Tensor:
+    """What goes into a broadcast: gloo has no float8 type, so FP8 travels as its bytes (same on both sides)."""
+    return t.view(torch.uint8) if backend == "gloo" and t.dtype == torch.float8_e4m3fn else t
 
 
 def describe(bucket) -> dict:

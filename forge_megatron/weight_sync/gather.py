@@ -93,14 +93,18 @@ def iter_experts(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
                 yield from bridge.to_hf(bridge.rename(name, 0, ep_rank * local_experts), full).items()
 
 
-def iter_stage_buckets(bridge: Bridge, chunks, bucket_bytes: int, dtype: torch.dtype | None = None):
+def iter_stage_buckets(bridge: Bridge, chunks, bucket_bytes: int, dtype: torch.dtype | None = None, fp8=None):
     """Collective over the ranks of this rank's pipeline stage: yields every HF tensor the stage holds (all its
-    chunks), in buckets of at most ``bucket_bytes``, non-expert buckets first, then expert buckets.
+    chunks), in buckets of at most ``bucket_bytes``, non-expert buckets first, then expert buckets. With ``fp8``
+    (an :class:`~forge_megatron.weight_sync.fp8.Fp8Config`) projection weights go as float8 + block scales, each
+    weight in the bucket of its scales.
 
     Every rank of the stage must run the generator to its end (they take part in the gathers); only the stage
     lead's buckets (:func:`is_stage_lead`) are sent to the engines.
     """
     from forge_megatron.weight_sync import buckets as bk
+    from forge_megatron.weight_sync.fp8 import quantize_named
 
     for stream in (iter_dense, iter_experts):
-        yield from bk.make_buckets(stream(bridge, chunks, dtype), bucket_bytes)
+        named = stream(bridge, chunks, dtype)
+        yield from bk.make_buckets(named if fp8 is None else quantize_named(named, fp8), bucket_bytes)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from forge_megatron.bridge import Bridge
 from forge_megatron.weight_sync import buckets as bk
+from forge_megatron.weight_sync.fp8 import Fp8Config
 from forge_megatron.weight_sync.gather import is_stage_lead, iter_stage_buckets
 from forge_megatron.weight_sync.transport import (
     DiskTransport, DistributedTransport, EngineFailure, EngineHTTP, LocalLink, RemoteLink, StageSender, serve_stage,
@@ -63,6 +64,7 @@ class WeightSyncConfig:
     ranks_per_engine: int = 1  # GPUs (TP ranks) of one engine: each joins the group
     pause_mode: str = "abort"  # SGLang /pause_generation mode (the gateway continues aborted calls)
     dtype: str | None = None  # cast before sending ("bfloat16", ...); None: the parameters' dtype
+    fp8: Fp8Config | None = None  # engines serve a block-wise FP8 checkpoint: projection weights go as FP8 + scales
     max_attempts: int = 2  # send passes per sync when engines fail mid-way
     timeout_s: float = 120.0  # HTTP calls and group collectives
 
@@ -80,6 +82,10 @@ class WeightSyncConfig:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
+            raise ValueError(f"fp8 must be an Fp8Config or None, got {self.fp8!r}")
+        if self.dtype == "float8_e4m3fn":
+            raise ValueError("dtype float8_e4m3fn would drop the scales: set fp8=Fp8Config(...) instead")
         if self.dtype is not None and self.dtype not in bk.DTYPES:
             raise ValueError(f"dtype must be one of {sorted(bk.DTYPES)} or None, got {self.dtype!r}")
         if self.backend is None:
@@ -224,7 +230,8 @@ class WeightSyncer:
                 self._exclude(failure)
             return self.rank != 0
         driver = _PassDriver(self.transport, live, on_bucket) if self.rank == 0 else None
-        buckets = iter_stage_buckets(self.bridge, chunks, self.cfg.bucket_bytes, self.dtype)
+        buckets = iter_stage_buckets(self.bridge, chunks, self.cfg.bucket_bytes, self.dtype,
+                                     self.cfg.fp8 if self.sender is not None else None)  # only leads send
         if self.sender is not None:
             self.sender.run(buckets, LocalLink(driver) if self.rank == 0 else RemoteLink(), generation)
         else:

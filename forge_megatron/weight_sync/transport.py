@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from forge_megatron.weight_sync.buckets import describe, meta_bytes, recv_json, send_json
+from forge_megatron.weight_sync.buckets import describe, meta_bytes, recv_json, send_json, wire_view
 
 log = logging.getLogger("forge.weight_sync")
 
@@ -295,8 +295,11 @@ class DiskTransport:
     def finish(self) -> None:
         with open(os.path.join(self.dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": self.total}, "weight_map": self.weight_map}, f)
+        config = dict(self.hf_config)
+        if self.cfg.fp8 is not None:  # the files hold FP8 weights: say so as an FP8 checkpoint does
+            config["quantization_config"] = self.cfg.fp8.hf_dict()
         with open(os.path.join(self.dir, "config.json"), "w") as f:
-            json.dump(self.hf_config, f)
+            json.dump(config, f)
         self.http.call_all(self.urls, "/update_weights_from_disk",
                            {"model_path": self.dir, "weight_version": str(self.version), "flush_cache": True})
         self._remove_older()
@@ -408,7 +411,7 @@ class StageSender:
         opts.rootRank = 0
         for _, t in bucket:
             t = t.contiguous() if device is None else t.to(device).contiguous()
-            self.group.broadcast([t], opts).wait()
+            self.group.broadcast([wire_view(t, self.cfg.backend)], opts).wait()
         return True
 
     def close(self) -> None:

@@ -81,6 +81,28 @@ def test_weight_sync_flags_reach_the_syncer_config():
     assert weight_sync_config(arguments.parse_args(MINIMAL + sync)).pause_mode == "abort"
 
 
+def test_weight_sync_fp8_reads_the_engines_checkpoint_config(tmp_path):
+    import json
+
+    from forge_megatron.training.trainer import weight_sync_config
+    from forge_megatron.weight_sync.fp8 import Fp8Config
+
+    sync = ["--engine-urls", "http://a:1", "--weight-sync-transport", "distributed"]
+    fp8_dir, plain_dir = tmp_path / "fp8", tmp_path / "plain"
+    fp8_dir.mkdir(), plain_dir.mkdir()
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 32], "modules_to_not_convert": ["mlp.gate"]}
+    (fp8_dir / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    (plain_dir / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    for path in (str(fp8_dir), str(fp8_dir / "config.json")):
+        cfg = weight_sync_config(arguments.parse_args(MINIMAL + sync + ["--weight-sync-fp8", path]))
+        assert cfg.fp8 == Fp8Config(block=(64, 32), skip=("mlp.gate",))
+    assert weight_sync_config(arguments.parse_args(MINIMAL + sync)).fp8 is None
+    for extra, message in [([str(plain_dir)], "has no quantization_config"), ([str(tmp_path / "nope")], "cannot read"),
+                           ([str(fp8_dir), "--weight-sync-transport", "none"], "needs a weight sync")]:
+        with pytest.raises(ValueError, match=message):
+            arguments.parse_args(MINIMAL + sync + ["--weight-sync-fp8", *extra])
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--tree-token-budget", "0"], "--tree-token-budget must be >= 1"),
     (["--weight-sync-transport", "disk", "--engine-urls", "http://a:1"], "needs --weight-sync-dir"),

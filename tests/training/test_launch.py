@@ -94,6 +94,27 @@ def test_dry_run_plan_is_consistent(layout):
     assert set(rollout).isdisjoint(train) and middle not in rollout + train
 
 
+def test_dry_run_with_an_fp8_rollout_checkpoint(tmp_path):
+    """ROLLOUT_FP8_CHECKPOINT: the engines serve it, the trainer syncs FP8 weights in its format, the gateway keeps
+    the HF checkpoint's tokenizer and template."""
+    import json
+
+    fp8 = tmp_path / "Qwen3-30B-A3B-FP8"
+    fp8.mkdir()
+    (fp8 / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
+    out = _dry_run(MODEL="qwen3-30B-A3B", EP=4, ROLLOUT_FP8_CHECKPOINT=str(fp8), HF_CHECKPOINT="/models/Qwen3-30B-A3B")
+    assert out.returncode == 0, out.stderr
+    cmds = _commands(out.stdout)
+    engines = [c for c in cmds if "sglang.launch_server" in c]
+    assert engines and all(c[c.index("--model-path") + 1] == str(fp8) for c in engines)
+    (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
+    assert mid[mid.index("--model-path") + 1] == "/models/Qwen3-30B-A3B"
+    (trainer,) = [c for c in cmds if "torchrun" in c]
+    args = arguments.parse_args(trainer[next(i for i, a in enumerate(trainer) if a.endswith("train_forge.py")) + 1:])
+    assert args.weight_sync_fp8 == str(fp8) and args.hf_checkpoint == "/models/Qwen3-30B-A3B"
+
+
 @pytest.mark.parametrize("env, message", [
     (dict(TP=3), "TP\\*PP\\*CP=3 must divide the 16 trainer GPUs"),
     (dict(ENGINE_TP=3), "ENGINE_TP=3 must divide GPUS_PER_NODE=8"),
