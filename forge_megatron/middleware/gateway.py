@@ -448,12 +448,17 @@ class Gateway:
         """An engine aborted a part of ``call`` (a weight update paused it) after sampling ``result.output_ids``;
         keep them (True) when resuming and there are any, with the version that sampled them."""
         self.stats["aborts"] += 1
-        if not self.config.resume_aborted or not result.output_ids:
+        keep = self.config.resume_aborted and bool(result.output_ids)
+        if keep and self.routing_shape is not None:  # the rows are cut from it when the parts are joined
+            try:
+                self.routed_experts_of(n_input, result)
+            except ApiError as exc:  # an engine that reports no routing for aborted requests: start over
+                log.warning("aborted part dropped, its routing is unusable: %s", exc.message)
+                keep = False
+        if not keep:
             self.stats["discarded_tokens"] += len(result.output_ids)
             return False
         self.check_part(result)
-        if self.routing_shape is not None:  # validate now: the rows are cut from it when the parts are joined
-            self.routed_experts_of(n_input, result)
         call.done.append((result, self.version_of(result)))
         self.stats["resumed_tokens"] += len(result.output_ids)
         return True

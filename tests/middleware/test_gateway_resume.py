@@ -279,3 +279,36 @@ def new_call_with(parts):
     for p in parts:
         call.done.append((part(p, 0), 0))
     return call
+
+
+def test_routing_rows_of_joined_parts_and_parts_without_routing(moe_dirs):
+    """Three parts over a 3-token prompt: row p comes from the part that sampled token p + 1 (part i answered rows
+    [0, n_i + k_i - 1) for its n_i input ids); an aborted part whose engine sent no routing is dropped (counted),
+    not kept without it."""
+    import numpy as np
+
+    gw = Gateway(GatewayConfig(model_path=moe_dirs[0], engine_urls=["http://127.0.0.1:9"],
+                               return_routed_experts=True))
+    layers, top_k = gw.routing_shape
+
+    def routed(n_rows, tag):  # every id of part `tag` is tag (a valid expert id), so rows tell their part
+        return np.full(n_rows * layers * top_k, tag, dtype=np.int32)
+
+    call = new_call()
+    sizes = [2, 3, 4]
+    n = 3
+    for i, k in enumerate(sizes[:-1]):
+        p = part(range(10 * i, 10 * i + k), i)
+        p.routed_experts = routed(n + k - 1, i)
+        assert gw.keep_aborted(call, n, p)
+        n += k
+    last = part(range(20, 24), 2, {"type": "length"})
+    last.routed_experts = routed(n + sizes[-1] - 1, 2)
+    result = gw.complete(call, last)
+    rows = gw.routed_experts_of(3, result)
+    assert rows.shape == (3 + sum(sizes) - 1, layers, top_k)
+    assert [int(r[0, 0]) for r in rows] == [0] * 4 + [1] * 3 + [2] * 4  # cuts at n_i - 1: rows 4 and 7
+    assert call.versions == [0, 0, 1, 1, 1, 2, 2, 2, 2]
+    dropped = new_call()
+    assert not gw.keep_aborted(dropped, 3, part([1, 2], 0)) and dropped.done == []
+    assert gw.stats["discarded_tokens"] == 2 and gw.stats["resumed_tokens"] == 5
