@@ -6,13 +6,15 @@
     2. SFT      a short supervised warm-start on a Megatron model (forge_megatron.training.sft): the calculator
                 task's format, tool call included, but only ``--sft-tool-fraction`` of the examples use the tool,
                 the others answer directly (which a tiny model gets wrong), so RL has headroom
-    3. serve    forge-engine (CPU reference engine, SGLang API) with the SFT weights; the middleware node
+    3. serve    forge-engine (CPU reference engine, SGLang API) with the SFT weights (with ``--fp8`` a block-wise
+                FP8 copy of them, and the trainer syncs FP8 weights); the middleware node
                 (forge-gateway with the data pool embedded, ZeroMQ for the trainer); the calculator agent as a
                 black-box HTTP service that only knows the official ``openai`` client
     4. RL       the rollout driver keeps the pool fed (groups of ``--group-size`` episodes per task); the Megatron
                 trainer (scripts/train_forge.py) pulls batches, trains with CISPO on prefix trees and pushes its
                 weights to the engine every step
-    5. report   success rate of the first vs the last steps, ``reward_curve.png`` and ``metrics.json`` in ``--out``
+    5. report   success rate of the first vs the last steps, ``reward_curve.png`` and ``metrics.json`` in ``--out``;
+                how many engine calls the weight syncs cut and how many sampled tokens the gateway kept
 
 Every process is started in its own process group and stopped at the end, also on errors and Ctrl-C.
 """
@@ -27,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 from forge_megatron.agents import calculator
 from forge_megatron.agents.tasks import write_tasks
@@ -47,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3, help="RL learning rate")
     p.add_argument("--moe", action="store_true",
                    help="a tiny Qwen3-MoE model (4 experts, top-2) with rollout routing replay end to end")
+    p.add_argument("--fp8", action="store_true",
+                   help="the engine serves a block-wise FP8 copy of the SFT model (forge-convert hf-to-fp8, 32 x 32 "
+                        "blocks) and the trainer syncs FP8 weights to it (--weight-sync-fp8)")
     p.add_argument("--weight-sync-transport", default="disk", choices=["disk", "distributed"],
                    help="safetensors through a directory, or a gloo broadcast group with the engine")
     p.add_argument("--seed", type=int, default=0)
@@ -129,7 +135,15 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
     os.makedirs(logs, exist_ok=True)
     print("[demo] 3/5 starting forge-engine, gateway + data pool, calculator agent", flush=True)
     replay = ["--enable-return-routed-experts"] if args.moe else []
-    engine = procs.server("forge-engine", "forge_megatron.rollout.engine_server", ["--model-path", sft_dir, *replay])
+    served = sft_dir
+    if args.fp8:
+        from forge_megatron.convert.checkpoint import hf_to_fp8
+
+        served = sft_dir + "_fp8"
+        stats = hf_to_fp8(sft_dir, served, block=(32, 32))
+        print(f"[demo]     FP8 copy for the engine: {stats['quantized']} weights quantized, "
+              f"{stats['bytes_in'] / 2**20:.2f} -> {stats['bytes_out'] / 2**20:.2f} MiB", flush=True)
+    engine = procs.server("forge-engine", "forge_megatron.rollout.engine_server", ["--model-path", served, *replay])
     pool_addr = f"tcp://127.0.0.1:{_free_port()}"
     gateway = procs.server("gateway+pool", "forge_megatron.agents.middleware_node",
                            ["--model-path", sft_dir, "--engines", engine, "--pool-bind", pool_addr,
@@ -153,7 +167,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         "--weight-sync-transport", args.weight_sync_transport, "--weight-sync-dir", os.path.join(out, "weight_sync"),
         "--train-batch-groups", str(args.groups_per_step), "--tree-token-budget", "16384",
         "--metrics-jsonl", metrics, "--log-interval", "1", "--seed", str(args.seed),
-        *(["--routing-replay"] if args.moe else [])],
+        *(["--routing-replay"] if args.moe else []), *(["--weight-sync-fp8", served] if args.fp8 else [])],
         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
              "LOCAL_RANK": "0"})
     deadline = time.time() + args.timeout_s
@@ -164,11 +178,13 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
             raise TimeoutError(f"the demo did not finish within {args.timeout_s:.0f}s")
     if trainer.wait() != 0:
         raise RuntimeError(f"the trainer failed (exit {trainer.returncode}); logs in {logs}")
-    return metrics
+    with urllib.request.urlopen(gateway + "/forge/admin/state", timeout=10) as resp:
+        state = json.loads(resp.read())
+    return metrics, {k: state[k] for k in ("aborts", "resumed_tokens", "discarded_tokens")}
 
 
-def summarise(args: argparse.Namespace, metrics_path: str, wall_s: float) -> dict:
-    """Step 5: metrics.json and reward_curve.png."""
+def summarise(args: argparse.Namespace, metrics_path: str, wall_s: float, gateway: dict | None = None) -> dict:
+    """Step 5: metrics.json and reward_curve.png. ``gateway``: its abort counters (calls cut by weight syncs)."""
     with open(metrics_path) as f:
         steps = [json.loads(line) for line in f if line.strip()]
     if not steps:
@@ -182,6 +198,9 @@ def summarise(args: argparse.Namespace, metrics_path: str, wall_s: float) -> dic
                "staleness_mean": [s["staleness_mean"] for s in steps]}
     if "routing_mismatch" in steps[0]:
         summary["routing_mismatch"] = [s["routing_mismatch"] for s in steps]
+    # engine vs trainer logprob gap on tokens the trained weights sampled (None where a step had none): numerics only
+    summary["onpolicy_logp_abs_diff"] = [s.get("onpolicy/rollout_logp_abs_diff") for s in steps]
+    summary.update(gateway or {})
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot(steps, os.path.join(args.out, "reward_curve.png"))
@@ -221,10 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         sft_dir, tasks_path = prepare(args)
-        metrics_path = run_rl(args, procs, sft_dir, tasks_path)
+        metrics_path, gateway = run_rl(args, procs, sft_dir, tasks_path)
     finally:
         procs.stop_all()
-    summary = summarise(args, metrics_path, time.time() - start)
+    summary = summarise(args, metrics_path, time.time() - start, gateway)
     print(f"[demo] 5/5 success rate: first {summary['window_steps']} steps {summary['first_success_rate']:.2f} -> "
           f"last {summary['window_steps']} steps {summary['last_success_rate']:.2f} over {summary['steps']} RL steps "
           f"in {summary['wall_s']:.0f}s", flush=True)
@@ -232,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         mismatch = summary["routing_mismatch"]
         print(f"[demo] routing replay: {sum(mismatch) / len(mismatch):.3f} of the replayed (token, layer) rows would "
               "have gone to other experts without it (tokens sampled before the last update)", flush=True)
+    print(f"[demo] partial rollout: the weight syncs cut {summary['aborts']} engine calls; the gateway kept their "
+          f"{summary['resumed_tokens']} sampled tokens and went on from them", flush=True)
+    diff = [d for d in summary["onpolicy_logp_abs_diff"] if d is not None]
+    if args.fp8 and diff:
+        print(f"[demo] FP8 engine: |engine - trainer| logprob {sum(diff) / len(diff):.4f} per on-policy token (the FP8 "
+              "rounding of the weights; an fp32 engine shows ~1e-6)", flush=True)
     print(f"[demo] wrote {args.out}/metrics.json and {args.out}/reward_curve.png; every process stopped", flush=True)
     return 0
 
