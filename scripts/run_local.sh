@@ -92,6 +92,7 @@ MODEL_ARGS=()
 [ -n "$MODEL" ] && source "$ROOT/scripts/models/$MODEL.sh"
 # shellcheck disable=SC2206
 EXTRA=($EXTRA_TRAIN_ARGS)
+[ "$TP" -gt 1 ] && EXTRA+=(--sequence-parallel)  # with TP (Megatron's MoE layer needs it under TP)
 TRAIN_CMD=(torchrun --nproc-per-node "$NPROC" "$ROOT/scripts/train_forge.py" "${MODEL_ARGS[@]}"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
   --expert-model-parallel-size "$EP" --context-parallel-size "$CP"

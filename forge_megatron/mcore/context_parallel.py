@@ -47,26 +47,39 @@ def cp_world() -> tuple[int, int, object]:
     return size, ps.get_context_parallel_rank(), ps.get_context_parallel_group()
 
 
-def padded_length(T: int, cp: int) -> int:
-    return -(-T // cp) * cp
+def seq_multiple(config=None) -> int:
+    """Tree micro-batches are padded to a multiple of this: the CP size, times the TP size when the model runs
+    with sequence parallelism (``config.sequence_parallel``: each TP rank then holds 1/TP of a CP shard's tokens
+    outside attention)."""
+    from megatron.core import parallel_state as ps
+
+    cp = cp_world()[0]
+    if config is not None and getattr(config, "sequence_parallel", False):
+        return cp * ps.get_tensor_model_parallel_world_size()
+    return cp
 
 
-def shard_range(T: int, cp: int, rank: int) -> tuple[int, int]:
-    """[lo, hi) of the padded tree held by CP rank ``rank``."""
-    local = padded_length(T, cp) // cp
+def padded_length(T: int, multiple: int) -> int:
+    return -(-T // multiple) * multiple
+
+
+def shard_range(T: int, cp: int, rank: int, multiple: int | None = None) -> tuple[int, int]:
+    """[lo, hi) of the tree, padded to ``multiple`` (default ``cp``, which must divide it), held by CP rank
+    ``rank``."""
+    local = padded_length(T, multiple or cp) // cp
     return rank * local, (rank + 1) * local
 
 
-def pad_zeros(x_T: torch.Tensor, cp: int) -> torch.Tensor:
+def pad_zeros(x_T: torch.Tensor, multiple: int) -> torch.Tensor:
     """Per-token values (token ids, depths) of the padded tree: zeros for the padding."""
-    extra = padded_length(x_T.numel(), cp) - x_T.numel()
+    extra = padded_length(x_T.numel(), multiple) - x_T.numel()
     return x_T if extra == 0 else torch.cat([x_T, x_T.new_zeros(extra)])
 
 
-def pad_sub_end(sub_end_T: torch.Tensor, cp: int) -> torch.Tensor:
+def pad_sub_end(sub_end_T: torch.Tensor, multiple: int) -> torch.Tensor:
     """``sub_end`` of the padded tree: every padding token is a single-token root (sees only itself)."""
     T = sub_end_T.numel()
-    pad_idx = torch.arange(T + 1, padded_length(T, cp) + 1, device=sub_end_T.device, dtype=sub_end_T.dtype)
+    pad_idx = torch.arange(T + 1, padded_length(T, multiple) + 1, device=sub_end_T.device, dtype=sub_end_T.dtype)
     return torch.cat([sub_end_T, pad_idx])
 
 

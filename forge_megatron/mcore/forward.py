@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from forge_megatron.mcore import routing_replay
+from forge_megatron.mcore.context_parallel import seq_multiple
 from forge_megatron.mcore.logprobs import (  # noqa: F401 (check_targets re-exported)
     check_targets,
     linear_vocab_parallel_logprobs,
@@ -37,19 +38,21 @@ from forge_megatron.mcore.tree_attention import tree_packed_seq_params
 
 
 # -------------------------------------------------------------------------------------------- tree forward
-def tree_model_inputs(layout, backend: str | None = None, device=None) -> dict:
+def tree_model_inputs(layout, backend: str | None = None, device=None, multiple: int | None = None) -> dict:
     """Keyword arguments for ``GPTModel.forward`` on one tree-packed micro-batch (batch of 1, T tokens).
 
-    Under context parallelism (CP = C) the tokens are this CP rank's shard of the tree padded to a multiple of C
-    (forge_megatron.mcore.context_parallel)."""
+    The tree is padded with single-token roots to a multiple of ``multiple`` (default the CP size C; with sequence
+    parallelism C x TP, see ``context_parallel.seq_multiple``); under context parallelism the tokens are this CP
+    rank's shard of it (forge_megatron.mcore.context_parallel)."""
     from forge_megatron.mcore.context_parallel import cp_world, pad_zeros, shard_range
 
-    params = tree_packed_seq_params(layout, backend=backend, device=device)
+    params = tree_packed_seq_params(layout, backend=backend, device=device, multiple=multiple)
     tokens_T = layout.tokens.to(device)
     cp, rank, _ = cp_world()
-    if cp > 1:
-        lo, hi = shard_range(tokens_T.numel(), cp, rank)
-        tokens_T = pad_zeros(tokens_T, cp)[lo:hi]
+    multiple = multiple or cp
+    if multiple > 1:
+        lo, hi = shard_range(tokens_T.numel(), cp, rank, multiple)
+        tokens_T = pad_zeros(tokens_T, multiple)[lo:hi]
     return dict(
         input_ids=tokens_T[None],
         position_ids=params.position_ids[None],
@@ -60,7 +63,7 @@ def tree_model_inputs(layout, backend: str | None = None, device=None) -> dict:
 
 def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = False,
                          inplace_backward: bool = False, output_weight: torch.Tensor | None = None,
-                         head_dtype: torch.dtype | None = None):
+                         head_dtype: torch.dtype | None = None, multiple: int | None = None):
     """GPTModel's last-stage output [1, T, V] -> (logp_M, entropy_M | None) in next_token_index() order.
 
     With ``output_weight`` (see :func:`output_layer_deferred`) the output is the output layer's input [1, T, H]
@@ -69,7 +72,8 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
 
     Under context parallelism the output holds this CP rank's rows [lo, hi) of the padded tree: it scores the
     targets predicted from its rows, and the partial vectors are summed over the CP group (identity backward),
-    so every CP rank returns the same full logp_M and gradients reach only its own rows."""
+    so every CP rank returns the same full logp_M and gradients reach only its own rows. ``multiple``: the padding
+    multiple the inputs were built with (:func:`tree_model_inputs`); padding rows are never scored."""
     from forge_megatron.mcore.context_parallel import cp_world, shard_range, sum_over_cp
 
     def score(out_TX, rows_M, targets_M):
@@ -85,7 +89,7 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
                          "computes in the weight's dtype")
     if cp == 1:
         return score(logits_1TV[0], pred_nodes_M, targets_M)
-    lo, hi = shard_range(layout.tokens.numel(), cp, rank)
+    lo, hi = shard_range(layout.tokens.numel(), cp, rank, multiple)
     if logits_1TV.shape[1] != hi - lo:
         raise ValueError(f"CP rank {rank} expects logits for its {hi - lo} tokens, got {tuple(logits_1TV.shape)}")
     local_M = (pred_nodes_M >= lo) & (pred_nodes_M < hi)
@@ -119,12 +123,18 @@ def output_layer_deferred(model, enabled: bool = True):
     captured = {}
 
     def forward(input_, weight=None, runtime_gather_output=None):
-        if (runtime_gather_output or getattr(layer, "sequence_parallel", False) or layer.bias is not None
+        if (runtime_gather_output or layer.bias is not None
                 or getattr(getattr(layer, "config", None), "mtp_num_layers", None)):
-            raise ValueError("the fused output layer needs a bias-free, non-sequence-parallel output layer whose "
-                             "logits stay vocabulary-parallel, and no multi-token prediction (run without fused "
-                             "logprobs)")
+            raise ValueError("the fused output layer needs a bias-free output layer whose logits stay "
+                             "vocabulary-parallel, and no multi-token prediction (run without fused logprobs)")
         captured["weight"] = weight if weight is not None else layer.weight
+        if getattr(layer, "sequence_parallel", False):
+            # all-gather the TP ranks' token slices, as the layer itself would. The backward only takes this rank's
+            # slice: the fused logprobs already sum the vocabulary slices' partial gradients over TP (an all-reduce
+            # where the layer reduce-scatters; one [T, hidden] tensor per micro-batch)
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False)
         return input_, None
 
     layer.forward = forward  # an instance attribute shadows the class's forward; removed again below
@@ -152,10 +162,11 @@ def tree_logprobs(model, layout, with_entropy: bool = False, backend: str | None
     matmul in that dtype (``torch.float32``: an fp32 LM head).
     """
     device = next(model.parameters()).device
+    multiple = seq_multiple(model.config)
     with output_layer_deferred(model, fused_output) as captured:
-        out_1TX = model(**tree_model_inputs(layout, backend=backend, device=device))
+        out_1TX = model(**tree_model_inputs(layout, backend=backend, device=device, multiple=multiple))
     return logprobs_from_logits(out_1TX, layout, with_entropy, output_weight=_captured_weight(captured),
-                                head_dtype=head_dtype)
+                                head_dtype=head_dtype, multiple=multiple)
 
 
 def sample_logprobs_unmerged(model, samples, with_entropy: bool = False):
@@ -216,9 +227,10 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
             raise ValueError("tree micro-batches vary in length: build the model with variable_seq_lengths=True under "
                              "PP, or pad every micro-batch of the step to one length (TreeMicroBatch.fixed_length)")
         device = next(model.parameters()).device
-        routing_replay.set_micro_batch(model, micro_batch.routing, micro_batch.layout.unique_tokens)
+        multiple = seq_multiple(config)
+        routing_replay.set_micro_batch(model, micro_batch.routing, micro_batch.layout.unique_tokens, multiple)
         with output_layer_deferred(model, fused_output) as captured:
-            output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device))
+            output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device, multiple=multiple))
         routing_replay.after_forward(model)
         weight = _captured_weight(captured)
 
@@ -226,7 +238,7 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
             # Unfused, the logits are read by nothing after the loss: the backward may write dL/dlogits over them.
             logp_M, entropy_M = logprobs_from_logits(output_1TX, micro_batch.layout, with_entropy,
                                                      inplace_backward=True, output_weight=weight,
-                                                     head_dtype=head_dtype)
+                                                     head_dtype=head_dtype, multiple=multiple)
             return loss_fn(logp_M, entropy_M, micro_batch)
 
         return output, loss_func

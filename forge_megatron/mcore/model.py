@@ -155,9 +155,12 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     tcfg = transformer_config(cfg, **config_overrides)
+    spec = spec if spec is not None else layer_spec(cfg)
+    if tcfg.sequence_parallel:
+        spec = sequence_parallel_norms(spec, tcfg, vp_stage)
     kwargs = dict(
         config=tcfg,
-        transformer_layer_spec=spec if spec is not None else layer_spec(cfg),
+        transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
@@ -170,6 +173,53 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     if vp_stage is not None:
         kwargs["vp_stage"] = vp_stage
     return GPTModel(**kwargs)
+
+
+class SequenceParallelNorm:
+    """torch's RMSNorm / LayerNorm for the local spec under sequence parallelism (Megatron's ``WrappedTorchNorm``
+    refuses it, and apex / Transformer Engine norms are GPU-only). Under SP each TP rank normalises its own slice of
+    the tokens, so its weight gradient is partial: the weight is marked ``sequence_parallel`` and Megatron's
+    ``finalize_model_grads`` sums it over the TP group, as it does for TE's and apex's norms."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
+            raise ValueError("zero-centered gamma and memory-efficient layer norm need Transformer Engine's norms")
+        kind = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = kind(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def sequence_parallel_norms(spec, config, vp_stage: int | None = None):
+    """``spec`` with Megatron's torch-norm wrapper (which asserts SP is off) replaced by
+    :class:`SequenceParallelNorm` everywhere, final layer norm included (as a block spec of this stage's layers).
+    Specs whose norms support SP themselves (Transformer Engine, apex) are returned unchanged."""
+    import dataclasses
+
+    from megatron.core.transformer import transformer_block as tb
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def swap(x):
+        if x is WrappedTorchNorm:
+            return SequenceParallelNorm
+        if isinstance(x, ModuleSpec):
+            return dataclasses.replace(x, module=swap(x.module), submodules=swap(x.submodules))
+        if isinstance(x, list):
+            return [swap(v) for v in x]
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return dataclasses.replace(x, **{f.name: swap(getattr(x, f.name)) for f in dataclasses.fields(x)
+                                             if f.init})
+        return x
+
+    if not isinstance(spec, tb.TransformerBlockSubmodules):
+        if tb.LayerNormImpl is not WrappedTorchNorm:
+            return spec  # Transformer Engine / apex norms: SP is theirs
+        spec = tb.TransformerBlockSubmodules(layer_specs=[spec] * tb.get_num_layers_to_build(config, vp_stage),
+                                             layer_norm=WrappedTorchNorm)
+    return swap(spec)
 
 
 def causal_mask(seq_len: int, device=None) -> torch.Tensor:

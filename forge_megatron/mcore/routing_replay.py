@@ -69,7 +69,8 @@ class TreeRoutingReplay:
             return probs, own
         if target.shape != own.shape:
             raise RuntimeError(f"routing replay: layer {self.layer + 1} routes {tuple(own.shape)} tokens x experts but "
-                               f"{tuple(target.shape)} were recorded (is sequence parallelism on? it is not supported)")
+                               f"{tuple(target.shape)} were recorded (set_micro_batch must be given the padding multiple "
+                               "the model inputs were built with)")
         target = target.to(own.device)
         recorded = (target >= 0).all(dim=-1, keepdim=True)
         if not self.in_backward:  # count each token once, not again when recomputed
@@ -122,9 +123,11 @@ def reset(models) -> None:
             replay.queued.clear()
 
 
-def set_micro_batch(model, routing_TLK: torch.Tensor | None, num_tokens: int) -> None:
-    """Before ``model``'s forward of a micro-batch of ``num_tokens`` tree tokens (padded length): each router of the
-    chunk gets its layer's rows (under CP, this rank's shard); None routes every token by the router itself."""
+def set_micro_batch(model, routing_TLK: torch.Tensor | None, num_tokens: int, multiple: int | None = None) -> None:
+    """Before ``model``'s forward of a micro-batch of ``num_tokens`` tree tokens, padded to ``multiple`` (default
+    the CP size; ``context_parallel.seq_multiple``): each router of the chunk gets its layer's rows (under CP this
+    rank's shard, under sequence parallelism this TP rank's slice of it: the tokens its router sees); None routes
+    every token by the router itself."""
     replays = _replays(model)
     if not replays:
         return
@@ -133,11 +136,17 @@ def set_micro_batch(model, routing_TLK: torch.Tensor | None, num_tokens: int) ->
         from forge_megatron.mcore.context_parallel import cp_world, padded_length, shard_range
 
         cp, rank, _ = cp_world()
-        total = padded_length(num_tokens, cp)
+        multiple = multiple or cp
+        total = padded_length(num_tokens, multiple)
         if routing_TLK.shape[0] > total:
             raise ValueError(f"routing replay: {routing_TLK.shape[0]} recorded rows for {total} tree tokens")
         pad = routing_TLK.new_full((total - routing_TLK.shape[0], *routing_TLK.shape[1:]), -1)
-        lo, hi = shard_range(num_tokens, cp, rank)
+        lo, hi = shard_range(num_tokens, cp, rank, multiple)
+        if getattr(model.config, "sequence_parallel", False):  # the router sees this TP rank's slice of the shard
+            from megatron.core import parallel_state as ps
+
+            tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            lo, hi = lo + tp_rank * (hi - lo) // tp, lo + (tp_rank + 1) * (hi - lo) // tp
         local = torch.cat([routing_TLK, pad])[lo:hi]
         device = next(model.parameters()).device
         local = local.to(device=device, dtype=torch.int64)

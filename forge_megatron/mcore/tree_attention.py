@@ -68,19 +68,22 @@ class TreePackedSeqParams(PackedSeqParams):
             )
 
 
-def tree_packed_seq_params(layout, backend: str | None = None, device=None) -> TreePackedSeqParams:
+def tree_packed_seq_params(layout, backend: str | None = None, device=None,
+                           multiple: int | None = None) -> TreePackedSeqParams:
     """Packed-sequence params for a ``forge_megatron.tree.TreeLayout`` (tensors moved to ``device``).
 
-    Under context parallelism: the padded tree's ``sub_end`` and this CP rank's shard of ``position_ids``."""
+    The tree is padded to a multiple of ``multiple`` (default the CP size; ``context_parallel.seq_multiple``);
+    under context parallelism ``position_ids`` is this CP rank's shard of the padded tree."""
     from forge_megatron.mcore.context_parallel import cp_world, pad_sub_end, pad_zeros, shard_range
 
     sub_end_T = layout.sub_end.to(device=device, dtype=torch.int32)
     position_ids_T = layout.position_ids.to(device=device, dtype=torch.int64)
     longest = int(position_ids_T.max()) + 1 if position_ids_T.numel() else 1
     cp, rank, _ = cp_world()
-    if cp > 1:
-        lo, hi = shard_range(sub_end_T.numel(), cp, rank)
-        position_ids_T, sub_end_T = pad_zeros(position_ids_T, cp)[lo:hi], pad_sub_end(sub_end_T, cp)
+    multiple = multiple or cp
+    if multiple > 1:
+        lo, hi = shard_range(sub_end_T.numel(), cp, rank, multiple)
+        position_ids_T, sub_end_T = pad_zeros(position_ids_T, multiple)[lo:hi], pad_sub_end(sub_end_T, multiple)
     return TreePackedSeqParams(
         qkv_format="sbhd", max_seqlen_q=longest, max_seqlen_kv=longest,
         sub_end=sub_end_T, position_ids=position_ids_T, backend=backend,

@@ -53,6 +53,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     """The subset of Megatron-LM's flags forge uses, with Megatron-LM's names and defaults."""
     par = parser.add_argument_group("distributed (Megatron)")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--sequence-parallel", action="store_true",
+                     help="with TP > 1: outside attention each TP rank holds 1/TP of the tree's tokens (norms, "
+                          "residual stream, MLP/MoE inputs; all-gathered into the TP-split linear layers and "
+                          "reduce-scattered after them), so those activations shrink by TP. Megatron-Core's MoE layer "
+                          "refuses to train with TP > 1 without it. Trees are padded to a multiple of TP x CP")
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     par.add_argument("--expert-model-parallel-size", type=int, default=1)
     par.add_argument("--context-parallel-size", type=int, default=1,

@@ -424,7 +424,8 @@ class Trainer:
         from forge_megatron.mcore.parallel import comm_device
 
         counts = torch.tensor(routing_replay.read_counts(self.chunks), dtype=torch.float64, device=comm_device())
-        dist.all_reduce(counts)  # every rank's own tokens (TP replicas count theirs too: the ratio is unchanged)
+        # every rank's own tokens (without sequence parallelism TP replicas count theirs too: the ratio is unchanged)
+        dist.all_reduce(counts)
         rows, mismatched = counts.tolist()
         shared = sum(mb.routing_stats.get("shared", 0) for mb in rb.micro_batches)
         conflicts = sum(mb.routing_stats.get("conflicts", 0) for mb in rb.micro_batches)
@@ -516,6 +517,12 @@ def model_config(args: argparse.Namespace, bridge):
                     args.context_parallel_size)
     overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
     extra = dict(cfg.extra)
+    if args.tensor_model_parallel_size > 1:
+        if cfg.num_moe_experts and not args.sequence_parallel:
+            raise ValueError(f"{args.hf_checkpoint} is a MoE model: with --tensor-model-parallel-size "
+                             f"{args.tensor_model_parallel_size} it needs --sequence-parallel (Megatron-Core's MoE "
+                             "layer does not train under TP without it)")
+        extra.update(sequence_parallel=args.sequence_parallel)
     if (arguments.virtual_pipeline_size(args, cfg.num_layers)
             and interleaved_needs_fixed_length(args.pipeline_model_parallel_size)):
         # Interleaved with PP = 2: the micro-batches of a step are padded to one length (rank_batch).

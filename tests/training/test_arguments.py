@@ -213,3 +213,22 @@ def test_virtual_pipeline_errors_are_named(extra, message):
     args = arguments.parse_args(MINIMAL + extra)
     with pytest.raises(ValueError, match=message):
         arguments.virtual_pipeline_size(args, 8)
+
+
+def test_moe_under_tensor_parallelism_needs_sequence_parallel(tmp_path):
+    """Megatron-Core's MoE layer refuses to train with TP > 1 and no SP (each TP rank would dispatch its copy of
+    every token): the trainer says so before building anything, and sets sequence_parallel when asked."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.training.trainer import model_config
+
+    moe = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe")
+    dense = build_tiny_model(str(tmp_path / "dense"))
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    with pytest.raises(ValueError, match="is a MoE model: with --tensor-model-parallel-size 2 it needs --sequence-parallel"):
+        model_config(arguments.parse_args(MINIMAL + tp2), Bridge(moe))
+    cfg = model_config(arguments.parse_args(MINIMAL + tp2 + ["--sequence-parallel"]), Bridge(moe))
+    assert cfg.extra["sequence_parallel"] is True
+    assert model_config(arguments.parse_args(MINIMAL + tp2), Bridge(dense)).extra["sequence_parallel"] is False
+    assert "sequence_parallel" not in model_config(arguments.parse_args(MINIMAL + ["--sequence-parallel"]),
+                                                   Bridge(dense)).extra  # TP = 1: nothing to split

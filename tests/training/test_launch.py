@@ -78,6 +78,7 @@ def test_dry_run_plan_is_consistent(layout):
     # engines join one weight-update group per pipeline stage, hosted by that stage's lead, which torchrun's c10d
     # rendezvous may put on any trainer node: every lead names itself
     assert args.weight_sync_master_addr == "auto"
+    assert args.sequence_parallel is (layout["TP"] > 1)  # SP with TP (MoE under TP cannot train without it)
     fp32_head = layout.get("FP32_LM_HEAD") == 1  # both sides or neither
     assert args.fp32_lm_head is fp32_head and all(("--enable-fp32-lm-head" in c) is fp32_head for c in engines)
     replay = layout.get("ROUTING_REPLAY") == 1  # engines record, the gateway keeps, the trainer replays: all or none
@@ -141,6 +142,7 @@ def test_run_local_dry_run_is_consistent():
     (trainer,) = [c for c in cmds if c[0] == "torchrun"]
     args = arguments.parse_args(trainer[trainer.index(next(a for a in trainer if a.endswith("train_forge.py"))) + 1:])
     assert args.engine_urls == urls and args.tensor_model_parallel_size == 2 and args.num_layers == 2
+    assert args.sequence_parallel
     arguments.parallel_config(args).data_parallel_size(int(trainer[trainer.index("--nproc-per-node") + 1]))
     bad = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, env={**env, "TP": "3"})
     assert bad.returncode != 0 and "TP*PP*CP=3 must divide NPROC=4" in bad.stderr
