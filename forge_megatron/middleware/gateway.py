@@ -8,8 +8,9 @@ OpenAI schema, and records every call (prompt ids, completion ids, logprobs, pol
 
 Routes
   POST /v1/chat/completions, GET /v1/models                 (also under /s/<session key>/v1/...)
+  POST /v1/messages   Anthropic's Messages API, same sessions and recording (``anthropic_api``)
   POST /forge/groups {task_id, size, domain, metadata}        -> {group_id}
-  POST /forge/sessions {group_id, metadata}                   -> {session_id, api_key, base_url}
+  POST /forge/sessions {group_id, metadata}                   -> {session_id, api_key, base_url, anthropic_base_url}
   GET  /forge/sessions/{id}                                   -> the call records
   POST /forge/sessions/{id}/reward {reward, terms}
   POST /forge/sessions/{id}/end {status}                      -> the episode goes to the sink
@@ -804,7 +805,8 @@ async def create_session(request: web.Request, gw: Gateway) -> web.Response:
     gw.by_key[sess.api_key] = sess
     group["sessions"] += 1
     return web.json_response({"session_id": sess.session_id, "api_key": sess.api_key,
-                              "base_url": f"{gw.base_url}/s/{sess.api_key}/v1"})
+                              "base_url": f"{gw.base_url}/s/{sess.api_key}/v1",
+                              "anthropic_base_url": f"{gw.base_url}/s/{sess.api_key}"})
 
 
 @_admin
@@ -880,8 +882,11 @@ async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
 def make_app(gw: Gateway) -> web.Application:
     app = web.Application(client_max_size=gw.config.max_body_bytes)
     app[GATEWAY] = gw
+    from forge_megatron.middleware import anthropic_api
+
     for prefix in ("", "/s/{key}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
+        app.router.add_post(prefix + "/v1/messages", anthropic_api.messages)  # Anthropic Messages API
         app.router.add_get(prefix + "/v1/models", list_models)
     app.router.add_post("/forge/groups", create_group)
     app.router.add_post("/forge/sessions", create_session)

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from forge_megatron.middleware.gateway import ApiError, GatewayConfig, parse_chat_request
 from forge_megatron.middleware.gateway_sessions import ChatRenderer
 from forge_megatron.middleware.tool_parsers import CannotForceToolCall, get_parser
-from forge_megatron.models.tiny import build_tiny_model, finetune_on_chats
+from forge_megatron.models.tiny import build_tiny_model
 from forge_megatron.rollout.launch import start_engine, start_engines, start_gateway
 
 TOOLS = [{"type": "function", "function": {
@@ -36,22 +36,6 @@ def scripted_chats():
         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
     after = USER + [call, {"role": "tool", "tool_call_id": "c1", "content": TOOL_RESULT}]
     return [(USER, TOOL_CALL_TEXT), (after, FINAL_ANSWER)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = build_tiny_model(str(tmp_path_factory.mktemp("scripted")), seed=0)
-    return finetune_on_chats(d, scripted_chats(), tools=TOOLS, steps=100, lr=5e-3)
-
-
-@pytest.fixture(scope="module")
-def stack(model_dir):
-    engines = [start_engine(model_dir, in_process=True) for _ in range(2)]
-    gw = start_gateway(model_dir, [e.url for e in engines], in_process=True)
-    yield gw, engines
-    gw.stop()
-    for e in engines:
-        e.stop()
 
 
 def http(url, body=None, method="POST", headers=None, raw=None):

@@ -1,0 +1,318 @@
+"""Anthropic Messages API on the gateway: ``POST /v1/messages`` for agents written against Anthropic's SDK.
+
+Agents built on the ``anthropic`` client (and scaffolds that only speak this API) run against the gateway with
+``base_url = <gateway>/s/<session key>`` (``anthropic_base_url`` in the session reply; the key may also come as
+``x-api-key`` or a bearer token). Each request is translated into the gateway's OpenAI form and served by the same
+path (chat template, token-in/token-out engine call, tool parser, recording, pause / partial rollout), so an episode
+may mix both APIs and a conversation continues its segment exactly as through ``/v1/chat/completions``.
+
+Request -> OpenAI form:
+  system (string or text blocks)          -> a leading system message
+  user text / tool_result blocks          -> user message / one tool message per result (tool_call_id = tool_use_id)
+  assistant text / tool_use blocks        -> assistant content + tool_calls (arguments = JSON of ``input``, as the
+                                             gateway's parser writes them, so the re-rendered turn is the sampled one)
+  tools [{name, description, input_schema}] -> function tools; tool_choice auto | any | tool | none
+  max_tokens (required), stop_sequences, temperature, top_p, top_k, stream
+  thinking blocks of earlier turns are dropped (the model's template decides what it renders); images, documents
+  and other block types are a 400 naming the block.
+Reply: content blocks (text, then tool_use {id, name, input}), stop_reason end_turn | tool_use | max_tokens |
+stop_sequence (with stop_sequence), usage {input_tokens, output_tokens}. Streaming follows Anthropic's events:
+message_start, content_block_start / content_block_delta (text_delta, input_json_delta) / content_block_stop,
+message_delta (stop_reason, usage), message_stop; an error after the stream started is an ``error`` event.
+Errors: ``{"type": "error", "error": {"type", "message"}}`` with the gateway's status codes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from aiohttp import web
+
+from forge_megatron.middleware.gateway import (
+    GATEWAY, ApiError, ChatRequest, Gateway, _body, _emit_upto, parse_chat_request,
+)
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                409: "invalid_request_error", 413: "request_too_large", 502: "api_error", 503: "overloaded_error"}
+
+
+def error_body(exc: ApiError) -> dict:
+    kind = _ERROR_TYPES.get(exc.status, "api_error")
+    message = exc.message if exc.param is None else f"{exc.param}: {exc.message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def _text_of(blocks, where: str) -> str:
+    """A string, or text blocks joined."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise _bad(where, f"{where} must be a string or an array of text blocks")
+    parts = []
+    for i, b in enumerate(blocks):
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise _bad(f"{where}[{i}]", f"{where}[{i}] must be a text block {{type: 'text', text: str}}")
+        parts.append(b["text"])
+    return "".join(parts)
+
+
+def _tool_call(block: dict, where: str) -> dict:
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) or not block["name"]:
+        raise _bad(where, f"{where} (tool_use) needs string id and name")
+    if not isinstance(block.get("input"), dict):
+        raise _bad(f"{where}.input", f"{where}.input must be an object")
+    return {"id": block["id"], "type": "function",
+            "function": {"name": block["name"], "arguments": json.dumps(block["input"], ensure_ascii=False)}}
+
+
+def _messages(body: dict) -> list[dict]:
+    out = []
+    system = body.get("system")
+    if system is not None:
+        text = _text_of(system, "system")
+        if text:
+            out.append({"role": "system", "content": text})
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "messages must be a non-empty array")
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise _bad(f"{where}.role", f"{where}.role must be 'user' or 'assistant'")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise _bad(f"{where}.content", f"{where}.content must be a string or an array of content blocks")
+        texts, calls = [], []
+        for j, b in enumerate(content):
+            at = f"{where}.content[{j}]"
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text" and isinstance(b.get("text"), str):
+                texts.append(b["text"])
+            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+                continue
+            elif kind == "tool_use" and m["role"] == "assistant":
+                calls.append(_tool_call(b, at))
+            elif kind == "tool_result" and m["role"] == "user":
+                if texts:  # text before a result: keep the order
+                    out.append({"role": "user", "content": "".join(texts)})
+                    texts = []
+                if not isinstance(b.get("tool_use_id"), str):
+                    raise _bad(f"{at}.tool_use_id", f"{at}.tool_use_id must be a string")
+                result = _text_of(b.get("content", ""), f"{at}.content")
+                if b.get("is_error"):
+                    result = f"Error: {result}"
+                out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": result})
+            else:
+                raise _bad(at, f"{at}: block type {kind!r} is not supported in a {m['role']} message (text, "
+                               "tool_use and thinking for the assistant; text and tool_result for the user)")
+        if m["role"] == "assistant":
+            # as the gateway's parser returns them: content stripped or None next to tool calls
+            text = "".join(texts)
+            out.append({"role": "assistant", "content": (text.strip() or None) if calls else text,
+                        **({"tool_calls": calls} if calls else {})})
+        elif texts:
+            out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _tools(body: dict):
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", "tools must be an array of {name, description, input_schema}")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise _bad(f"tools[{i}]", f"tools[{i}] needs a name")
+        if t.get("type") not in (None, "custom"):
+            raise _bad(f"tools[{i}].type", f"tools[{i}]: server tools ({t['type']!r}) are not supported")
+        fn = {"name": t["name"]}  # OpenAI's key order: the template renders the tools as JSON
+        if t.get("description"):
+            fn["description"] = t["description"]
+        fn["parameters"] = t.get("input_schema") or {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(body: dict):
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if mapped is None:
+        raise _bad("tool_choice", "tool_choice must be {type: 'auto' | 'any' | 'tool' (with name) | 'none'}")
+    return mapped
+
+
+def parse_messages_request(body: dict, default_max_tokens: int) -> ChatRequest:
+    """Validate an Anthropic Messages body and return the gateway's ChatRequest for it (400s name the field)."""
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise _bad("max_tokens", f"max_tokens is required: an integer >= 1, got {max_tokens!r}")
+    stop = body.get("stop_sequences")
+    if stop is not None and not isinstance(stop, list):
+        raise _bad("stop_sequences", "stop_sequences must be an array of strings")
+    openai_body = {"messages": _messages(body), "max_tokens": max_tokens, "stream": body.get("stream", False)}
+    tools = _tools(body)
+    if tools:
+        openai_body["tools"] = tools
+        openai_body["tool_choice"] = _tool_choice(body)
+    elif body.get("tool_choice") not in (None, {"type": "auto"}, {"type": "none"}):
+        raise _bad("tool_choice", "tool_choice 'any' or a named tool needs a non-empty tools array")
+    for name in ("temperature", "top_p", "top_k"):
+        if body.get(name) is not None:
+            openai_body[name] = body[name]
+    if stop:
+        openai_body["stop"] = stop
+    return parse_chat_request(openai_body, default_max_tokens)
+
+
+def stop_reason(finish: str, result) -> tuple[str, str | None]:
+    """(Anthropic stop_reason, stop_sequence) from the gateway's OpenAI finish reason and the engine result."""
+    if finish == "tool_calls":
+        return "tool_use", None
+    if finish == "length":
+        return "max_tokens", None
+    matched = (result.finish_reason or {}).get("matched")
+    if isinstance(matched, str):
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def content_blocks(message: dict) -> list[dict]:
+    blocks = []
+    calls = message.get("tool_calls") or []
+    if message.get("content") or not calls:
+        blocks.append({"type": "text", "text": message.get("content") or ""})
+    for tc in calls:
+        blocks.append({"type": "tool_use", "id": tc["id"], "name": tc["function"]["name"],
+                       "input": json.loads(tc["function"]["arguments"])})
+    return blocks
+
+
+def _message_id() -> str:
+    return f"msg_{os.urandom(12).hex()}"
+
+
+def _session_key(request: web.Request) -> str | None:
+    key = request.match_info.get("key") or request.headers.get("x-api-key")
+    if key is None:
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth.startswith("Bearer ") else None
+    return key
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    gw: Gateway = request.app[GATEWAY]
+    try:
+        sess = gw.session_for_key(_session_key(request))
+        req = parse_messages_request(await _body(request), gw.config.default_max_tokens)
+        await gw.wait_resumed()
+        gw.inflight += 1
+        try:
+            async with sess.lock:
+                if sess.ended:
+                    raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
+                call = gw.prepare(sess, req)
+                if req.stream:
+                    return await _stream(request, gw, sess, req, call)
+                result = await gw.generate(sess, call)
+                message, finish = gw.finish(sess, call, result, req)
+        finally:
+            gw.inflight -= 1
+    except ApiError as exc:
+        return web.json_response(error_body(exc), status=exc.status)
+    reason, sequence = stop_reason(finish, result)
+    usage = gw.usage(call.turn)
+    return web.json_response({
+        "id": _message_id(), "type": "message", "role": "assistant", "model": gw.model_name,
+        "content": content_blocks(message), "stop_reason": reason, "stop_sequence": sequence,
+        "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
+    })
+
+
+def _event(kind: str, body: dict) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **body})}\n\n".encode()
+
+
+async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.StreamResponse:
+    """Anthropic's event stream for one call: text deltas as the engine produces them (held back at the tool-call
+    marker and stop sequences, like the OpenAI stream), tool_use blocks whole at the end."""
+    holds = [s for s in [gw.parser.start_marker if req.tool_choice != "none" else None,
+                         *call.sampling.get("stop", [])] if s]
+    resp = None
+    sent = 0
+    text_open = False
+
+    async def start() -> None:
+        nonlocal resp
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await resp.write(_event("message_start", {"message": {
+            "id": _message_id(), "type": "message", "role": "assistant", "model": gw.model_name, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(call.turn.prompt_ids), "output_tokens": 0}}}))
+
+    async def text_delta(text: str) -> None:
+        nonlocal text_open
+        if not text_open:
+            await resp.write(_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
+            text_open = True
+        if text:
+            await resp.write(_event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}))
+
+    async def on_partial(result) -> int:
+        nonlocal sent
+        if resp is None:
+            await start()
+        text = gw.text_of(call, result)
+        upto = _emit_upto(text, holds)
+        if upto > sent and text[:upto].strip():  # no text block for the whitespace before a tool call
+            await text_delta(text[sent:upto])
+            sent = upto
+        return sent
+
+    try:
+        result = await gw.generate_streamed(sess, call, on_partial)
+        message, finish = gw.finish(sess, call, result, req)
+    except ApiError as err:
+        if resp is None:
+            raise
+        await resp.write(_event("error", {"error": error_body(err)["error"]}))
+        await resp.write_eof()
+        return resp
+    if resp is None:
+        await start()
+    blocks = content_blocks(message)
+    if blocks[0]["type"] == "text":
+        await text_delta(blocks[0]["text"][sent:])
+        blocks = blocks[1:]
+    index = 0
+    if text_open:
+        await resp.write(_event("content_block_stop", {"index": 0}))
+        index = 1
+    for block in blocks:
+        await resp.write(_event("content_block_start", {"index": index, "content_block": {
+            "type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}}))
+        await resp.write(_event("content_block_delta", {"index": index, "delta": {
+            "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}}))
+        await resp.write(_event("content_block_stop", {"index": index}))
+        index += 1
+    reason, sequence = stop_reason(finish, result)
+    await resp.write(_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                              "usage": {"output_tokens": len(call.turn.completion_ids)}}))
+    await resp.write(_event("message_stop", {}))
+    await resp.write_eof()
+    return resp
