@@ -20,6 +20,8 @@ stop_sequence (with stop_sequence), usage {input_tokens, output_tokens}. Streami
 message_start, content_block_start / content_block_delta (text_delta, input_json_delta) / content_block_stop,
 message_delta (stop_reason, usage), message_stop; an error after the stream started is an ``error`` event.
 Errors: ``{"type": "error", "error": {"type", "message"}}`` with the gateway's status codes.
+``POST /v1/messages/count_tokens`` answers ``{input_tokens}``: the prompt the same request would send (nothing is
+recorded).
 """
 
 from __future__ import annotations
@@ -241,6 +243,20 @@ async def messages(request: web.Request) -> web.StreamResponse:
         "content": content_blocks(message), "stop_reason": reason, "stop_sequence": sequence,
         "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
     })
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/messages/count_tokens``: the prompt tokens a Messages request would send to the engine (rendered
+    with the chat template, the tools included; a continuation counts the whole rendered prompt). Records nothing."""
+    gw: Gateway = request.app[GATEWAY]
+    try:
+        sess = gw.session_for_key(_session_key(request))
+        body = await _body(request)
+        req = parse_messages_request({**body, "max_tokens": body.get("max_tokens") or 1}, gw.config.default_max_tokens)
+        _, prompt_ids, _ = gw.renderer.prompt_ids(sess.last_turn, req.messages, req.tools)
+    except ApiError as exc:
+        return web.json_response(error_body(exc), status=exc.status)
+    return web.json_response({"input_tokens": len(prompt_ids) + len(gw.renderer.encode(gw.forced_text(req)))})
 
 
 def _event(kind: str, body: dict) -> bytes:

@@ -887,6 +887,7 @@ def make_app(gw: Gateway) -> web.Application:
     for prefix in ("", "/s/{key}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
         app.router.add_post(prefix + "/v1/messages", anthropic_api.messages)  # Anthropic Messages API
+        app.router.add_post(prefix + "/v1/messages/count_tokens", anthropic_api.count_tokens)
         app.router.add_get(prefix + "/v1/models", list_models)
     app.router.add_post("/forge/groups", create_group)
     app.router.add_post("/forge/sessions", create_session)

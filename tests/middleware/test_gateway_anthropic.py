@@ -134,3 +134,13 @@ def test_api_key_header_and_unknown_keys(stack):
         anthropic.Anthropic(base_url=gw.url, api_key="nope", max_retries=0).messages.create(
             model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     assert json.loads(json.dumps(calls(gw, s)))[0]["completion_ids"]
+
+
+def test_count_tokens_is_the_prompt_the_call_sends(stack):
+    gw, _ = stack
+    s = new_session(gw)
+    c = a_client(s)
+    counted = c.messages.count_tokens(model="tiny", messages=USER, tools=A_TOOLS)
+    first = c.messages.create(model="tiny", max_tokens=64, messages=USER, tools=A_TOOLS, extra_body=GREEDY)
+    [call] = calls(gw, s)  # counting recorded nothing
+    assert counted.input_tokens == len(call["prompt_ids"]) == first.usage.input_tokens
