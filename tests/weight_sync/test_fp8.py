@@ -270,3 +270,15 @@ def test_trainer_sync_sends_what_the_fp8_checkpoint_of_its_weights_holds(moe, tm
         assert report.bytes == sum(t.numel() * t.element_size() for t in ref.values())
         assert report.bytes == full_bytes - proj_bytes * 3 // 4 + scale_bytes  # 1 byte per fp32 projection weight
 
+
+
+@pytest.mark.gpu
+def test_quantize_on_the_gpu_equals_the_cpu():
+    """Stage leads quantize gathered tensors on their GPU: the same bytes and scales as on the CPU (IEEE division and
+    round-to-nearest-even casts on both), partial edge blocks included."""
+    torch.manual_seed(1)
+    w = (torch.randn(300, 700) * torch.logspace(-2, 1, 700)).to(torch.bfloat16)
+    q, s = quantize(w, (128, 128))
+    q_gpu, s_gpu = quantize(w.cuda(), (128, 128))
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_gpu.cpu(), s)
+    assert torch.equal(dequantize(q_gpu, s_gpu, (128, 128)).cpu(), dequantize(q, s, (128, 128)))
