@@ -12,7 +12,7 @@ Request -> OpenAI form:
   assistant text / tool_use blocks        -> assistant content + tool_calls (arguments = JSON of ``input``, as the
                                              gateway's parser writes them, so the re-rendered turn is the sampled one)
   tools [{name, description, input_schema}] -> function tools; tool_choice auto | any | tool | none
-  max_tokens (required), stop_sequences, temperature, top_p, top_k, stream
+  max_tokens (required), stop_sequences, temperature, top_p, top_k, stream; extension: ignore_eos
   thinking blocks of earlier turns are dropped (the model's template decides what it renders); images, documents
   and other block types are a 400 naming the block.
 Reply: content blocks (text, then tool_use {id, name, input}), stop_reason end_turn | tool_use | max_tokens |
@@ -173,7 +173,7 @@ def parse_messages_request(body: dict, default_max_tokens: int) -> ChatRequest:
         openai_body["tool_choice"] = _tool_choice(body)
     elif body.get("tool_choice") not in (None, {"type": "auto"}, {"type": "none"}):
         raise _bad("tool_choice", "tool_choice 'any' or a named tool needs a non-empty tools array")
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", "top_k", "ignore_eos"):  # ignore_eos: the SGLang/vLLM extension
         if body.get(name) is not None:
             openai_body[name] = body[name]
     if stop:

@@ -97,9 +97,9 @@ def test_system_blocks_stop_sequences_and_max_tokens(stack):
     prompt = gw.gateway.renderer.tok.decode(calls(gw, s)[-1]["prompt_ids"])
     assert "You are terse." in prompt and "Let me see." in prompt and "And now?" in prompt
     assert r.content[0].type == "text"
-    r = c.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}],
+    r = c.messages.create(model="tiny", max_tokens=40, messages=[{"role": "user", "content": "hi"}],
                           extra_body={**GREEDY, "ignore_eos": True})
-    assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 3
+    assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 40
 
 
 @pytest.mark.parametrize("body, status, kind, words", [
