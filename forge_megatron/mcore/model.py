@@ -194,8 +194,9 @@ class SequenceParallelNorm:
 
 def sequence_parallel_norms(spec, config, vp_stage: int | None = None):
     """``spec`` with Megatron's torch-norm wrapper (which asserts SP is off) replaced by
-    :class:`SequenceParallelNorm` everywhere, final layer norm included (as a block spec of this stage's layers).
-    Specs whose norms support SP themselves (Transformer Engine, apex) are returned unchanged."""
+    :class:`SequenceParallelNorm` wherever it appears, and the final layer norm too when Megatron would build it
+    with that wrapper (the layer spec then becomes a block spec of this stage's layers). Norms that support SP
+    themselves (Transformer Engine, apex) are kept."""
     import dataclasses
 
     from megatron.core.transformer import transformer_block as tb
@@ -214,11 +215,9 @@ def sequence_parallel_norms(spec, config, vp_stage: int | None = None):
                                              if f.init})
         return x
 
-    if not isinstance(spec, tb.TransformerBlockSubmodules):
-        if tb.LayerNormImpl is not WrappedTorchNorm:
-            return spec  # Transformer Engine / apex norms: SP is theirs
+    if not isinstance(spec, tb.TransformerBlockSubmodules) and tb.LayerNormImpl is WrappedTorchNorm:
         spec = tb.TransformerBlockSubmodules(layer_specs=[spec] * tb.get_num_layers_to_build(config, vp_stage),
-                                             layer_norm=WrappedTorchNorm)
+                                             layer_norm=WrappedTorchNorm)  # the final norm Megatron would build
     return swap(spec)
 
 
