@@ -90,15 +90,19 @@ def test_dp2_replicas_stay_equal(setup):
 
 
 @pytest.mark.parametrize("parallel", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"],
-                                      ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
-                         ids=["tp2", "pp2", "tp2-sp"])
+                                      ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                      ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                       "--pipeline-model-parallel-size", "2"]],
+                         ids=["tp2", "pp2", "tp2-sp", "tp2-sp-pp2"])
 def test_tp2_and_pp2_train_like_one_rank(tmp_path, parallel):
-    """Same batches, same HF initialisation: TP=2 / PP=2 / TP=2 with sequence parallelism (gloo, Megatron's
-    schedules) match a single rank's losses and gradient norms; step 2 also checks the optimizer update (under SP
-    the norms' partial gradients must have been summed over TP)."""
+    """Same batches, same HF initialisation: TP=2 / PP=2 / TP=2 with sequence parallelism / TP=2 x PP=2 with SP
+    (4 ranks: the stages exchange [T / TP, 1, hidden] slices of variable length) (gloo, Megatron's schedules) match
+    a single rank's losses and gradient norms; step 2 also checks the optimizer update (under SP the norms' partial
+    gradients must have been summed over TP)."""
     model_dir = build_tiny_model(str(tmp_path / "model"))
     runs = {}
-    for name, nproc, extra in (("single", 1, []), ("parallel", 2, parallel)):
+    nproc = 2 * (1 + ("--pipeline-model-parallel-size" in parallel and "--tensor-model-parallel-size" in parallel))
+    for name, nproc, extra in (("single", 1, []), ("parallel", nproc, parallel)):
         steps, _, _ = run_on_fresh_pool(tmp_path, name, model_dir, lambda c: feed_groups(c, 2, np.random.default_rng(3)),
                                         iters=2, groups=1, extra=extra, nproc=nproc)
         runs[name] = steps
