@@ -32,7 +32,7 @@ import os
 from aiohttp import web
 
 from forge_megatron.middleware.gateway import (
-    GATEWAY, ApiError, ChatRequest, Gateway, _body, _emit_upto, parse_chat_request,
+    GATEWAY, ApiError, ChatRequest, Gateway, _body, _emit_upto, parse_chat_request, serve_call, stream_holds,
 )
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -221,21 +221,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
     try:
         sess = gw.session_for_key(_session_key(request))
         req = parse_messages_request(await _body(request), gw.config.default_max_tokens)
-        await gw.wait_resumed()
-        gw.inflight += 1
-        try:
-            async with sess.lock:
-                if sess.ended:
-                    raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
-                call = gw.prepare(sess, req)
-                if req.stream:
-                    return await _stream(request, gw, sess, req, call)
-                result = await gw.generate(sess, call)
-                message, finish = gw.finish(sess, call, result, req)
-        finally:
-            gw.inflight -= 1
+        served = await serve_call(gw, sess, req, lambda sess, req, call: _stream(request, gw, sess, req, call))
     except ApiError as exc:
         return web.json_response(error_body(exc), status=exc.status)
+    if not isinstance(served, tuple):
+        return served
+    call, result, message, finish = served
     reason, sequence = stop_reason(finish, result)
     usage = gw.usage(call.turn)
     return web.json_response({
@@ -266,8 +257,7 @@ def _event(kind: str, body: dict) -> bytes:
 async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.StreamResponse:
     """Anthropic's event stream for one call: text deltas as the engine produces them (held back at the tool-call
     marker and stop sequences, like the OpenAI stream), tool_use blocks whole at the end."""
-    holds = [s for s in [gw.parser.start_marker if req.tool_choice != "none" else None,
-                         *call.sampling.get("stop", [])] if s]
+    holds = stream_holds(gw, req, call)
     resp = None
     sent = 0
     text_open = False

@@ -654,10 +654,10 @@ def _completion_id() -> str:
     return f"chatcmpl-{os.urandom(12).hex()}"
 
 
-@_api
-async def chat_completions(request: web.Request, gw: Gateway) -> web.StreamResponse:
-    sess = gw.session_for_key(request.match_info.get("key") or _bearer(request))
-    req = parse_chat_request(await _body(request), gw.config.default_max_tokens)
+async def serve_call(gw: Gateway, sess: Session, req: ChatRequest, stream):
+    """One call of ``sess`` under its lock (counted in flight, waiting out a pause): ``await stream(sess, req,
+    call)``'s response when ``req.stream``, else ``(call, result, message, finish)`` once it is recorded. Shared by
+    the OpenAI and Anthropic routes."""
     await gw.wait_resumed()
     gw.inflight += 1
     try:
@@ -666,11 +666,27 @@ async def chat_completions(request: web.Request, gw: Gateway) -> web.StreamRespo
                 raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
             call = gw.prepare(sess, req)
             if req.stream:
-                return await _stream(request, gw, sess, req, call)
+                return await stream(sess, req, call)
             result = await gw.generate(sess, call)
-            message, finish = gw.finish(sess, call, result, req)
+            return (call, result, *gw.finish(sess, call, result, req))
     finally:
         gw.inflight -= 1
+
+
+def stream_holds(gw: Gateway, req: ChatRequest, call: _Call) -> list[str]:
+    """Strings a stream must not emit past (nor a partial one at the end): the tool-call marker, the stops."""
+    return [s for s in [gw.parser.start_marker if req.tool_choice != "none" else None,
+                        *call.sampling.get("stop", [])] if s]
+
+
+@_api
+async def chat_completions(request: web.Request, gw: Gateway) -> web.StreamResponse:
+    sess = gw.session_for_key(request.match_info.get("key") or _bearer(request))
+    req = parse_chat_request(await _body(request), gw.config.default_max_tokens)
+    served = await serve_call(gw, sess, req, lambda sess, req, call: _stream(request, gw, sess, req, call))
+    if not isinstance(served, tuple):
+        return served
+    call, _, message, finish = served
     return web.json_response({
         "id": _completion_id(), "object": "chat.completion", "created": int(time.time()), "model": gw.model_name,
         "choices": [{"index": 0, "message": message, "finish_reason": finish,
@@ -713,8 +729,7 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
             body["choices"], body["usage"] = [], usage
         return _sse(body)
 
-    holds = [s for s in [gw.parser.start_marker if req.tool_choice != "none" else None,
-                         *call.sampling.get("stop", [])] if s]
+    holds = stream_holds(gw, req, call)
     resp = None
     sent = 0
 

@@ -43,21 +43,14 @@ def _model(kv_heads, moe):
     return model
 
 
-def _run(state_path, kv_heads, save, moe=False):
-    """Per forest: (logp_M, entropy_M, {param: grad summed over CP ranks}) on this rank."""
+def forest_runs(model, groups_of):
+    """Per forest of ``_forests()``: (logp, entropy, {param: gradient}, layout) of a weighted per-sample loss, each
+    parameter's gradient all-reduced over the process groups ``groups_of(name, param)`` names."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    from forge_megatron.mcore.forward import tree_logprobs, tree_model_inputs
+    from forge_megatron.mcore.forward import tree_logprobs
     from forge_megatron.tree import build_tree
 
-    torch.manual_seed(3)
-    model = _model(kv_heads, moe)
-    state_path = f"{state_path}.tp{ps.get_tensor_model_parallel_rank()}"  # TP shards differ; CP ranks share one
-    if save:
-        torch.save(model.state_dict(), state_path)
-    else:
-        model.load_state_dict(torch.load(state_path))
     out = {}
     for name, samples in _forests().items():
         layout = build_tree(samples)
@@ -67,11 +60,31 @@ def _run(state_path, kv_heads, save, moe=False):
         grads = {}
         for pname, p in model.named_parameters():
             g = p.grad.clone()
-            if ps.get_context_parallel_world_size() > 1:
-                dist.all_reduce(g, group=ps.get_context_parallel_group())
+            for group in groups_of(pname, p):
+                dist.all_reduce(g, group=group)
             grads[pname] = g
+        out[name] = (logp.detach(), ent.detach(), grads, layout)
+    return out
+
+
+def _run(state_path, kv_heads, save, moe=False):
+    """Per forest: (logp_M, entropy_M, {param: grad summed over CP ranks}) on this rank."""
+    from megatron.core import parallel_state as ps
+
+    from forge_megatron.mcore.forward import tree_model_inputs
+
+    torch.manual_seed(3)
+    model = _model(kv_heads, moe)
+    state_path = f"{state_path}.tp{ps.get_tensor_model_parallel_rank()}"  # TP shards differ; CP ranks share one
+    if save:
+        torch.save(model.state_dict(), state_path)
+    else:
+        model.load_state_dict(torch.load(state_path))
+    cp_group = [ps.get_context_parallel_group()] if ps.get_context_parallel_world_size() > 1 else []
+    out = {}
+    for name, (logp, ent, grads, layout) in forest_runs(model, lambda pname, p: cp_group).items():
         local = tree_model_inputs(layout)["input_ids"].shape[1]
-        out[name] = (logp.detach(), ent.detach(), grads, (layout.unique_tokens, local))
+        out[name] = (logp, ent, grads, (layout.unique_tokens, local))
     out["tp_rank"] = ps.get_tensor_model_parallel_rank()
     return out
 

@@ -13,8 +13,8 @@ import torch
 
 from forge_megatron.mcore.parallel import ParallelConfig
 from tests.dist_utils import run_distributed
-from tests.mcore.test_tree_cp import _forests
-from tests.mcore.test_tree_exact import _cfg, _weighted_loss, _weights
+from tests.mcore.test_tree_cp import forest_runs
+from tests.mcore.test_tree_exact import _cfg
 
 ATOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -39,11 +39,8 @@ def _model(sp: bool, moe: bool):
 
 def _body(rank, world_size, state_path, sp, moe):
     """Per forest on this rank: (logp, entropy, {param: gradient after the TP sums}, tokens the embedding held)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from forge_megatron.mcore.forward import tree_logprobs
-    from forge_megatron.tree import build_tree
 
     torch.manual_seed(3)
     model = _model(sp, moe)
@@ -58,22 +55,14 @@ def _body(rank, world_size, state_path, sp, moe):
     held = []
     model.embedding.register_forward_hook(lambda m, a, out: held.append(out.shape[0]))
     tp_group = ps.get_tensor_model_parallel_group()
-    out = {}
-    for name, samples in _forests().items():
-        layout = build_tree(samples)
-        model.zero_grad()
-        logp, ent = tree_logprobs(model, layout, with_entropy=True)
-        _weighted_loss(logp, layout, _weights(samples)).backward()
-        grads = {}
-        for pname, p in model.named_parameters():
-            g = p.grad.clone()
-            # what finalize_model_grads sums over TP: sequence-parallel params (SP on) and the q/k norms
-            if (sp and getattr(p, "sequence_parallel", False)) or "q_layernorm" in pname or "k_layernorm" in pname:
-                dist.all_reduce(g, group=tp_group)
-            if ps.get_context_parallel_world_size() > 1:
-                dist.all_reduce(g, group=ps.get_context_parallel_group())
-            grads[pname] = g
-        out[name] = (logp.detach(), ent.detach(), grads, held[-1], layout.unique_tokens)
+    cp_group = [ps.get_context_parallel_group()] if ps.get_context_parallel_world_size() > 1 else []
+
+    def groups_of(pname, p):  # what finalize_model_grads sums over TP: sequence-parallel params (SP on), q/k norms
+        tp = (sp and getattr(p, "sequence_parallel", False)) or "q_layernorm" in pname or "k_layernorm" in pname
+        return ([tp_group] if tp else []) + cp_group
+
+    out = {name: (logp, ent, grads, held[i], layout.unique_tokens)
+           for i, (name, (logp, ent, grads, layout)) in enumerate(forest_runs(model, groups_of).items())}
     out["tp_rank"] = ps.get_tensor_model_parallel_rank()
     return out
 

@@ -83,6 +83,38 @@ def busy_engine(engines, min_tokens=2, timeout_s=60):
     pytest.fail("no engine started serving the call")
 
 
+def abort_busy_call(engines, min_tokens=2, hold_s=0.05, resume=True):
+    """What a weight update does to a call in flight: pause the engine serving it (once it has sampled more than
+    ``min_tokens`` tokens) with mode=abort, then, unless ``resume`` is False, continue after ``hold_s``."""
+    busy = busy_engine(engines, min_tokens)
+    assert http(busy.url + "/pause_generation", {"mode": "abort"})[1]["success"]
+    if resume:
+        time.sleep(hold_s)
+        http(busy.url + "/continue_generation", {})
+    return busy
+
+
+def stream_in_thread(session, **kw):
+    """Consume a chat stream on a thread: (thread, event set once content arrived, out {text, finish, error})."""
+    got_content, out = threading.Event(), {"text": ""}
+
+    def consume():
+        try:
+            for ch in client(session).chat.completions.create(model="tiny", stream=True, **kw):
+                if ch.choices and ch.choices[0].delta.content:
+                    out["text"] += ch.choices[0].delta.content
+                    got_content.set()
+                if ch.choices and ch.choices[0].finish_reason:
+                    out["finish"] = ch.choices[0].finish_reason
+        except openai.APIError as exc:
+            out["error"] = exc
+        got_content.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    return t, got_content, out
+
+
 def as_message(choice_message):
     return choice_message.model_dump(exclude_none=True)
 
@@ -367,10 +399,7 @@ def test_call_aborted_by_engine_pause_is_reissued(stack):
         model="tiny", messages=[{"role": "user", "content": "long"}], max_tokens=300, seed=4,
         extra_body={"ignore_eos": True})))
     t.start()
-    busy = busy_engine(engines)
-    assert http(busy.url + "/pause_generation", {"mode": "abort"})[1]["success"]
-    time.sleep(0.1)
-    http(busy.url + "/continue_generation", {})
+    abort_busy_call(engines, hold_s=0.1)
     t.join(60)
     assert out["r"].usage.completion_tokens == 300
     [call] = calls(gw, s)
@@ -389,10 +418,7 @@ def test_streaming_call_aborted_before_any_content_is_reissued(stack):
         model="tiny", messages=USER, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=300,
         stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))))
     t.start()
-    busy = busy_engine(engines)
-    assert http(busy.url + "/pause_generation", {"mode": "abort"})[1]["success"]
-    time.sleep(0.1)
-    http(busy.url + "/continue_generation", {})
+    abort_busy_call(engines, hold_s=0.1)
     t.join(60)
     chunks = out["chunks"]
     assert chunks[-1].usage.completion_tokens == 300

@@ -6,9 +6,7 @@ the weights that sampled it, the rest those of the new weights, and the per-toke
 """
 
 import threading
-import time
 
-import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,7 +16,9 @@ from forge_megatron.middleware.gateway_sessions import _Turn
 from forge_megatron.models.tiny import build_tiny_model
 from forge_megatron.rollout.launch import start_engine, start_gateway
 from forge_megatron.rollout.sglang_client import GenerateResult
-from tests.middleware.test_gateway import busy_engine, calls, client, end, episode, http, new_session
+from tests.middleware.test_gateway import (
+    abort_busy_call, busy_engine, calls, client, end, episode, http, new_session, stream_in_thread,
+)
 from tests.rollout.test_engine import _routers_topk
 
 LONG = [{"role": "user", "content": "long"}]
@@ -117,30 +117,11 @@ def test_stream_goes_on_through_aborts(plain_stack):
     client read is the recorded completion's text."""
     gw, e = plain_stack
     s = new_session(gw)
-    got_content, out = threading.Event(), {"text": ""}
-
-    def consume():
-        stream = client(s).chat.completions.create(model="tiny", messages=LONG, max_tokens=400, seed=4, stream=True,
-                                                   tool_choice="none", tools=[{"type": "function", "function": {
-                                                       "name": "f", "parameters": {"type": "object"}}}],
-                                                   extra_body={"ignore_eos": True})
-        try:
-            for ch in stream:
-                if ch.choices and ch.choices[0].delta.content:
-                    out["text"] += ch.choices[0].delta.content
-                    got_content.set()
-                if ch.choices and ch.choices[0].finish_reason:
-                    out["finish"] = ch.choices[0].finish_reason
-        except openai.APIError as exc:
-            out["error"] = exc
-        got_content.set()
-
-    t = threading.Thread(target=consume)
-    t.start()
+    t, got_content, out = stream_in_thread(
+        s, messages=LONG, max_tokens=400, seed=4, tool_choice="none", extra_body={"ignore_eos": True},
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
     assert got_content.wait(60)
-    assert http(busy_engine([e]).url + "/pause_generation", {"mode": "abort"})[1]["success"]
-    time.sleep(0.05)
-    http(e.url + "/continue_generation", {})
+    abort_busy_call([e])
     t.join(60)
     assert "error" not in out, out
     [call] = calls(gw, s)
@@ -154,10 +135,7 @@ def test_aborts_that_make_progress_do_not_count_against_the_retry_limit(plain_st
     s = new_session(gw)
     t, out = call_in_thread(s, max_tokens=600, seed=5, extra_body={"ignore_eos": True})
     for _ in range(ABORT_RETRIES + 1):
-        busy_engine([e], min_tokens=2)  # the current part has sampled something
-        assert http(e.url + "/pause_generation", {"mode": "abort"})[1]["success"]
-        time.sleep(0.02)
-        http(e.url + "/continue_generation", {})
+        abort_busy_call([e], hold_s=0.02)  # once the current part has sampled something
     t.join(60)
     assert "error" not in out, out
     [call] = calls(gw, s)
@@ -173,10 +151,7 @@ def test_without_resume_aborted_calls_start_over(plain_stack, moe_dirs):
     try:
         s = new_session(gw)
         t, out = call_in_thread(s, max_tokens=300, seed=4, extra_body={"ignore_eos": True})
-        busy_engine([e], min_tokens=5)
-        assert http(e.url + "/pause_generation", {"mode": "abort"})[1]["success"]
-        time.sleep(0.05)
-        http(e.url + "/continue_generation", {})
+        abort_busy_call([e], min_tokens=5)
         t.join(60)
         assert out["r"].usage.completion_tokens == 300
         [call] = calls(gw, s)
@@ -184,23 +159,10 @@ def test_without_resume_aborted_calls_start_over(plain_stack, moe_dirs):
         assert http(gw.url + "/forge/admin/state", method="GET")[1]["discarded_tokens"] > 5
 
         s = new_session(gw)
-        got_content, out = threading.Event(), {}
-
-        def consume():
-            stream = client(s).chat.completions.create(model="tiny", messages=LONG, max_tokens=1000, seed=4,
-                                                       stream=True, extra_body={"ignore_eos": True})
-            try:
-                for ch in stream:
-                    if ch.choices and ch.choices[0].delta.content:
-                        got_content.set()
-            except openai.APIError as exc:
-                out["error"] = exc
-            got_content.set()
-
-        t = threading.Thread(target=consume)
-        t.start()
+        t, got_content, out = stream_in_thread(s, messages=LONG, max_tokens=1000, seed=4,
+                                               extra_body={"ignore_eos": True})
         assert got_content.wait(60)
-        assert http(busy_engine([e]).url + "/pause_generation", {"mode": "abort"})[1]["success"]
+        abort_busy_call([e], resume=False)
         t.join(60)
         http(e.url + "/continue_generation", {})
         err = out["error"]
