@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-lag", type=int, default=None,
                    help="drop undelivered groups registered more than this many policy versions ago (see forge-pool)")
     d.add_argument("--episode-timeout-s", type=float, default=None)
+    d.add_argument("--drop-zero-advantage-groups", action="store_true",
+                   help="dynamic sampling: do not deliver groups whose advantages are all zero (every episode solved the task, or none did, with equal rewards; no policy-gradient signal): they leave the window and admission starts another task; counted as filtered_* in the pool metrics")
     d.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo"])
     d.add_argument("--reward-weights", type=name_float_pairs, default={})
     d.add_argument("--completion-time-bound", type=float, default=0.0)
@@ -67,7 +69,8 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
                       generation_batch_groups=args.rollout_batch_groups, max_inflight_groups=args.max_inflight_groups,
                       max_staleness=args.max_staleness, train_batch_groups=args.train_batch_groups,
                       max_lag=args.max_lag, episode_timeout_s=args.episode_timeout_s, reward=reward_config(args),
-                      keep_trajectories=args.keep_trajectories)
+                      keep_trajectories=args.keep_trajectories,
+                      drop_zero_advantage_groups=args.drop_zero_advantage_groups)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -98,9 +98,11 @@ def score_episodes(episodes: list[Episode], reward_config, task_metadata: dict |
     """Score a completed group; returns plain lists (stored in the pool's database as msgpack)."""
     from forge_megatron.algo.rewards import score_group
 
-    scores = score_group([episode_outcome(ep, task_metadata) for ep in episodes], reward_config)
+    outcomes = [episode_outcome(ep, task_metadata) for ep in episodes]
+    scores = score_group(outcomes, reward_config)
     return {
         "rewards": [float(r) for r in scores.rewards],
+        "successes": [bool(o.success) for o in outcomes],
         "segment_advantages": [[float(a) for a in row] for row in scores.segment_advantages],
         "segment_weights": [[float(w) for w in row] for row in scores.segment_weights],
     }

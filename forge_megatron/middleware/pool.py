@@ -6,6 +6,7 @@ stopped (one pool per database file, enforced with a flock). A *group* is the G 
 
 Group states:  running -> finished | failed -> delivered -> committed   (requeue: delivered -> finished)
                running | finished -> stale                                 (staleness guarantee, ``max_lag``)
+               running -> filtered                          (no learning signal, ``drop_zero_advantage_groups``)
 Episode states: running -> finished | failed | timed_out | aborted | late
 
 Failure policy (a crashed agent never blocks the head):
@@ -30,6 +31,16 @@ becomes ``stale``: it leaves the window like a failed group, so no delivered gro
 before v - max_lag, whatever the window. Episodes of a stale group that arrive later are acknowledged "late". The
 finished episodes a stale group received (before or after the drop) and their sampled tokens are counted as
 wasted in ``metrics()``. A group delivered once (even if requeued after a trainer restart) is never dropped.
+
+Dynamic sampling (``drop_zero_advantage_groups``, DAPO's filter): a group whose every advantage is zero (within
+``ZERO_ADVANTAGE_TOL``; e.g. all G episodes solved the task, or all failed, with equal composite rewards) gives the
+policy-gradient loss nothing but still costs a trainer step its share of compute and, under a token-mean loss,
+dilutes the other groups' gradient. With the option on, such a group becomes ``filtered`` when it completes: it
+leaves the window and the undelivered count like a failed group, so admission starts another task in its place and
+every delivered batch holds ``num_groups`` groups that carry signal. ``metrics()`` counts them, split into
+``filtered_solved`` (every episode succeeded: the task is too easy) and ``filtered_unsolved`` (none did: too hard),
+with the episodes and sampled tokens spent on them. KL and entropy terms of the loss do see such groups; the filter
+is about the policy gradient only, so it is off by default.
 
 Backpressure (``can_admit``): ``scheduler.admit`` with running groups < ``max_inflight_groups`` and, with
 ``max_staleness`` = s, undelivered + 1 <= (s + 1) * train_batch_groups.
@@ -62,6 +73,9 @@ from forge_megatron.middleware.wire import (
 log = logging.getLogger(__name__)
 
 FAILED_EPISODE_STATUSES = ("failed", "timed_out", "aborted")
+ZERO_ADVANTAGE_TOL = 1e-6
+"""|advantage| at or below this counts as zero for ``drop_zero_advantage_groups`` (advantages of a tied group are
+round-off away from zero: a group mean of equal floats need not equal them exactly)."""
 _LOSS_MASK = [name for name, _ in EPISODE_FIELDS].index("loss_mask")
 
 _SCHEMA = """
@@ -113,6 +127,9 @@ class PoolConfig:
     # False: they are deleted then (trained and checkpointed, or never to be trained), so the database stops growing
     # with the run; group states, scores and batch metrics stay.
     keep_trajectories: bool = False
+    # Dynamic sampling: completed groups whose advantages are all zero (no policy-gradient signal) are not delivered
+    # (state "filtered"); admission replaces them. See the module docstring.
+    drop_zero_advantage_groups: bool = False
 
     def __post_init__(self) -> None:
         if not self.db_path:
@@ -157,6 +174,11 @@ def _group_idx(group_id: str) -> int:
 def _sampled_tokens(arrays: list) -> int:
     """Policy-sampled tokens (loss_mask = 1) of an episode in wire form."""
     return int(arrays[_LOSS_MASK].sum())
+
+
+def _no_signal(scores: dict) -> bool:
+    """True when every segment advantage of a scored group is zero (``ZERO_ADVANTAGE_TOL``)."""
+    return all(abs(a) <= ZERO_ADVANTAGE_TOL for row in scores["segment_advantages"] for a in row)
 
 
 def _lock_database(db_path: str):
@@ -336,9 +358,25 @@ class DataPool(EpisodeSink):
             task_metadata = msgpack.unpackb(self._one("SELECT metadata FROM groups WHERE idx = ?", (idx,)))
             scores = score_episodes([episode_from_blob(b) for _, b in blobs], self._reward_config, task_metadata)
             scores["episode_ids"] = [eid for eid, _ in blobs]
-            self._db.execute("UPDATE groups SET state = 'finished', scores = ? WHERE idx = ?",
-                             (msgpack.packb(scores), idx))
+            state = "finished"
+            if self.config.drop_zero_advantage_groups and _no_signal(scores):
+                state = "filtered"
+                self._count_filtered(scores, blobs)
+            self._db.execute("UPDATE groups SET state = ?, scores = ? WHERE idx = ?",
+                             (state, msgpack.packb(scores), idx))
+            if state == "filtered" and not self.config.keep_trajectories:
+                self._db.execute("UPDATE episodes SET blob = NULL WHERE group_idx = ?", (idx,))
         self._cond.notify_all()
+
+    def _count_filtered(self, scores: dict, blobs: list[tuple[str, bytes]]) -> None:
+        """Metrics of a filtered group: its episodes and sampled tokens, and whether it was solved by all or none."""
+        successes = scores["successes"]
+        self._kv_add("filtered_episodes", len(blobs))
+        self._kv_add("filtered_tokens", sum(_sampled_tokens(blob_to_wire(b)[1]) for _, b in blobs))
+        if all(successes):
+            self._kv_add("filtered_solved", 1)
+        elif not any(successes):
+            self._kv_add("filtered_unsolved", 1)
 
     def _finished_blobs(self, idx: int) -> list[tuple[str, bytes]]:
         return self._db.execute("SELECT episode_id, blob FROM episodes WHERE group_idx = ? AND state = 'finished'"
@@ -466,7 +504,8 @@ class DataPool(EpisodeSink):
         metrics = {"policy_version": version, "head": head, "window": self.config.window_groups,
                    "wait_s": waited_s, "staleness_mean": sum(staleness) / len(staleness),
                    "staleness_max": max(staleness), "group_staleness": staleness,
-                   "domain_samples": dict(Counter(s.domain for g in groups for s in g))}
+                   "domain_samples": dict(Counter(s.domain for g in groups for s in g)),
+                   "filtered_groups_total": self._one("SELECT COUNT(*) FROM groups WHERE state = 'filtered'")}
         with self._tx() as db:
             cur = db.execute("INSERT INTO batches (request_id, state, group_indices, metrics, created_at)"
                              " VALUES (?, 'delivered', ?, ?, ?)",
@@ -573,6 +612,11 @@ class DataPool(EpisodeSink):
                 "stale_groups": counts.get("stale", 0),
                 "stale_episodes": self._kv("stale_episodes"),
                 "stale_tokens": self._kv("stale_tokens"),
+                "filtered_groups": counts.get("filtered", 0),
+                "filtered_solved": self._kv("filtered_solved"),
+                "filtered_unsolved": self._kv("filtered_unsolved"),
+                "filtered_episodes": self._kv("filtered_episodes"),
+                "filtered_tokens": self._kv("filtered_tokens"),
                 "staleness_mean": float(lag[0] or 0.0),
                 "staleness_max": int(lag[1] or 0),
                 "trainer_wait_total_s": self._wait_total_s,
@@ -588,6 +632,7 @@ class DataPool(EpisodeSink):
             "generation_batch_groups": self.config.generation_batch_groups,
             "advantage_estimator": r.estimator, "process_weights": dict(r.process_weights),
             "completion_time_bound": r.completion_time_bound,
+            "drop_zero_advantage_groups": self.config.drop_zero_advantage_groups,
         }
 
     def close(self) -> None:

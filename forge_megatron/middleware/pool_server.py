@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-retries", type=int, default=0, help="failed episodes per group that reopen their slot")
     b.add_argument("--episode-timeout-s", type=float, default=None, help="running episodes older than this time out")
     b.add_argument("--min-finished-episodes", type=int, default=1, help="a completed group with fewer fails")
+    b.add_argument("--drop-zero-advantage-groups", action="store_true",
+                   help="dynamic sampling: do not deliver groups whose advantages are all zero (every episode solved the task, or none did, with equal rewards; no policy-gradient signal): they leave the window and admission starts another task; counted as filtered_* in the pool metrics")
     r = p.add_argument_group("rewards (forge_megatron.algo.rewards.RewardConfig; see docs/algorithms.md)")
     r.add_argument("--reward-fn", default=None, help="user reward function 'package.module:function'")
     r.add_argument("--completion-time-bound", type=float, default=0.0,
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_retries=args.max_retries,
                             episode_timeout_s=args.episode_timeout_s, min_finished_episodes=args.min_finished_episodes,
                             keep_trajectories=args.keep_trajectories,
+                            drop_zero_advantage_groups=args.drop_zero_advantage_groups,
                             reward=_reward_config(args))
     except ValueError as exc:
         raise SystemExit(f"forge-pool: {exc}") from exc

@@ -137,3 +137,6 @@ def test_middleware_node_pool_settings(tmp_path):
     cfg = pool_config(args)
     assert cfg.window_groups == 3 and cfg.max_staleness == 2  # W = ceil(0.5 * 6)
     assert cfg.reward.estimator == "rloo" and cfg.reward.process_weights["malformed_tool_calls"] == -0.3
+    assert not cfg.drop_zero_advantage_groups
+    assert pool_config(build_parser().parse_args(["--model-path", "m", "--engines", "http://127.0.0.1:1",
+                                                  "--drop-zero-advantage-groups"])).drop_zero_advantage_groups

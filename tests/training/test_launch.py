@@ -36,7 +36,7 @@ def test_bash_syntax():
     dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B",
          FP32_LM_HEAD=1),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
-         USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1),
+         USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1),
 ])
 def test_dry_run_plan_is_consistent(layout):
     out = _dry_run(**layout)
@@ -84,6 +84,10 @@ def test_dry_run_plan_is_consistent(layout):
     replay = layout.get("ROUTING_REPLAY") == 1  # engines record, the gateway keeps, the trainer replays: all or none
     assert args.routing_replay is replay and all(("--enable-return-routed-experts" in c) is replay for c in engines)
     assert ("--return-routed-experts" in mid) is replay
+    from forge_megatron.agents.middleware_node import build_parser as node_parser
+
+    node = node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:])  # valid flags
+    assert node.drop_zero_advantage_groups is (layout.get("DROP_ZERO_ADVANTAGE_GROUPS") == 1)
     (driver,) = [c for c in cmds if "forge_megatron.agents.driver" in c]
     assert driver[driver.index("--pool-addr") + 1] == args.pool_addr  # the driver obeys the pool's admission control
     if layout.get("DOMAIN_RATIOS"):
