@@ -112,6 +112,7 @@ setup(
             "forge-convert=forge_megatron.convert.cli:main",
             "forge-node=forge_megatron.agents.middleware_node:main",
             "forge-rollout=forge_megatron.agents.driver:main",
+            "forge-eval=forge_megatron.agents.evaluate:main",
             "forge-sft=forge_megatron.training.sft:main",
         ]
     },

@@ -8,6 +8,9 @@ policy lag of what the trainer receives stays bounded.
 
     python -m forge_megatron.agents.driver --gateway-url http://127.0.0.1:8000 --tasks tasks.jsonl \\
         --group-size 8 --agent-command "python -m forge_megatron.agents.calculator"
+
+With ``--eval-tasks heldout.jsonl`` it also evaluates the served policy on held-out tasks at version 0 and every
+``--eval-every-versions`` versions, in gateway eval sessions that are never trained on (``agents/evaluate.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Callable
 
 from forge_megatron.agents.gateway_api import GatewayClient, GatewayError
 from forge_megatron.agents.runner import (
-    CommandAgent, EpisodeReport, HttpAgent, PythonAgent, Verifier, exact_match, load_callable, run_episode,
+    EpisodeReport, Verifier, add_agent_arguments, build_agent, exact_match, load_callable, run_episode,
 )
 from forge_megatron.agents.tasks import Task, by_domain, load_tasks
 from forge_megatron.algo.domains import DomainMixer
@@ -119,17 +122,6 @@ class RolloutDriver:
         return sum(r.reward > 0 for r in done) / len(done) if done else None
 
 
-def build_agent(args: argparse.Namespace):
-    chosen = [x for x in (args.agent_command, args.agent_url, args.agent_python) if x]
-    if len(chosen) != 1:
-        raise SystemExit("give exactly one of --agent-command, --agent-url, --agent-python")
-    if args.agent_command:
-        return CommandAgent(args.agent_command)
-    if args.agent_url:
-        return HttpAgent(args.agent_url)
-    return PythonAgent(load_callable(args.agent_python))
-
-
 def build_parser() -> argparse.ArgumentParser:
     from forge_megatron.training.arguments import name_float_pairs
 
@@ -143,12 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episode-timeout-s", type=float, default=300.0)
     p.add_argument("--domain-ratios", type=name_float_pairs, default=None, help="e.g. math=0.7,qa=0.3")
     p.add_argument("--pool-addr", default=None, help="data pool ZeroMQ address: respect its admission control")
-    p.add_argument("--agent-command", help="black-box agent program (gets OPENAI_BASE_URL / OPENAI_API_KEY)")
-    p.add_argument("--agent-url", help="black-box agent HTTP service")
-    p.add_argument("--agent-python", help="white-box agent 'module:function'")
+    add_agent_arguments(p)
     p.add_argument("--verifier", default=None, help="'module:function' (task, output) -> reward; default exact match")
     p.add_argument("--max-groups", type=int, default=None, help="stop after this many groups (default: run until killed)")
     p.add_argument("--seed", type=int, default=0)
+    from forge_megatron.agents.evaluate import add_eval_arguments
+
+    add_eval_arguments(p, periodic=True)
     return p
 
 
@@ -161,15 +154,24 @@ def main(argv: list[str] | None = None) -> int:
 
         client = PoolClient(args.pool_addr)
         can_admit = client.can_admit
+    gateway, agent = GatewayClient(args.gateway_url, args.admin_token), build_agent(args)
+    verifier = load_callable(args.verifier) if args.verifier else exact_match
     driver = RolloutDriver(
-        GatewayClient(args.gateway_url, args.admin_token), build_agent(args), load_tasks(args.tasks), args.group_size,
-        verifier=load_callable(args.verifier) if args.verifier else exact_match,
+        gateway, agent, load_tasks(args.tasks), args.group_size, verifier=verifier,
         max_inflight_groups=args.max_inflight_groups, episode_timeout_s=args.episode_timeout_s,
         domain_ratios=args.domain_ratios, can_admit=can_admit, seed=args.seed,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.eval_tasks:
+        from forge_megatron.agents.evaluate import PeriodicEval
+
+        if args.eval_samples < 1 or args.eval_concurrency < 1 or args.eval_every_versions < 1:
+            raise SystemExit("--eval-samples, --eval-concurrency and --eval-every-versions must be >= 1")
+        PeriodicEval(gateway, agent, load_tasks(args.eval_tasks), args.eval_every_versions, args.eval_samples,
+                     verifier, args.eval_timeout_s or args.episode_timeout_s, args.eval_concurrency,
+                     args.eval_output, args.eval_at_start).start(stop)
     reporter = threading.Thread(target=_report, args=(driver, stop), daemon=True)
     reporter.start()
     driver.run(stop, args.max_groups)

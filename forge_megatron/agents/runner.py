@@ -17,6 +17,7 @@ scores the final answer with a verifier (``verifier(task, output) -> reward``, d
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -57,6 +58,8 @@ class EpisodeReport:
     reward: float | None
     output: str | None
     duration_s: float
+    completion_tokens: int = 0  # tokens the policy sampled in the episode
+    policy_versions: list[int] = field(default_factory=list)  # [oldest, newest] version that sampled them
 
 
 def exact_match(task: Task, output: str | None) -> float:
@@ -153,10 +156,15 @@ class HttpAgent:
         return EpisodeResult(output=answer.get("output"), reward=answer.get("reward"))
 
 
-def run_episode(gateway: GatewayClient, agent, task: Task, group_id: str, verifier: Verifier = exact_match,
+def run_episode(gateway: GatewayClient, agent, task: Task, group_id: str | None, verifier: Verifier = exact_match,
                 timeout_s: float = 300.0) -> EpisodeReport:
-    """Open a session, run the agent, score it, set the reward, end the session. Never raises for agent faults."""
-    session = gateway.open_session(group_id, {"task_id": task.task_id})
+    """Open a session, run the agent, score it, set the reward, end the session. Never raises for agent faults.
+
+    ``group_id`` None: an evaluation episode (``GatewayClient.open_eval_session``), never trained on."""
+    if group_id is None:
+        session = gateway.open_eval_session(task.task_id, task.domain, {"task_id": task.task_id})
+    else:
+        session = gateway.open_session(group_id, {"task_id": task.task_id})
     started = time.time()
     result = agent.run(task, session, timeout_s)
     reward = None
@@ -167,11 +175,30 @@ def run_episode(gateway: GatewayClient, agent, task: Task, group_id: str, verifi
         log.warning("episode %s of task %s %s: %s", session.session_id, task.task_id, result.status, result.error)
     status = result.status
     try:
-        gateway.end_session(session.session_id, status)
+        ended = gateway.end_session(session.session_id, status)
     except GatewayError as exc:
         if exc.status != 400 or status != "finished":
             raise
         status = "failed"  # the agent finished without a single model call: nothing to train on
-        gateway.end_session(session.session_id, status)
+        ended = gateway.end_session(session.session_id, status)
     return EpisodeReport(task.task_id, task.domain, session.session_id, status, reward, result.output,
-                         time.time() - started)
+                         time.time() - started, int(ended.get("completion_tokens", 0)),
+                         list(ended.get("policy_versions", [])))
+
+
+def add_agent_arguments(p: argparse.ArgumentParser) -> None:
+    """The three ways to name an agent on a command line (exactly one is given)."""
+    p.add_argument("--agent-command", help="black-box agent program (gets OPENAI_BASE_URL / OPENAI_API_KEY)")
+    p.add_argument("--agent-url", help="black-box agent HTTP service")
+    p.add_argument("--agent-python", help="white-box agent 'module:function'")
+
+
+def build_agent(args: argparse.Namespace):
+    chosen = [x for x in (args.agent_command, args.agent_url, args.agent_python) if x]
+    if len(chosen) != 1:
+        raise SystemExit("give exactly one of --agent-command, --agent-url, --agent-python")
+    if args.agent_command:
+        return CommandAgent(args.agent_command)
+    if args.agent_url:
+        return HttpAgent(args.agent_url)
+    return PythonAgent(load_callable(args.agent_python))

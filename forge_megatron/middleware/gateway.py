@@ -11,9 +11,12 @@ Routes
   POST /v1/messages   Anthropic's Messages API, same sessions and recording (``anthropic_api``)
   POST /forge/groups {task_id, size, domain, metadata}        -> {group_id}
   POST /forge/sessions {group_id, metadata}                   -> {session_id, api_key, base_url, anthropic_base_url}
+  POST /forge/sessions {eval: true, task_id, domain, metadata} -> an evaluation session: served and recorded the same
+                                                                 way, never sent to the sink (not trained on)
   GET  /forge/sessions/{id}                                   -> the call records
   POST /forge/sessions/{id}/reward {reward, terms}
-  POST /forge/sessions/{id}/end {status}                      -> the episode goes to the sink
+  POST /forge/sessions/{id}/end {status}                      -> the episode goes to the sink; answers with the
+                                                                 policy versions that sampled it
   POST /forge/admin/pause {drain_timeout_s}, POST /forge/admin/resume {policy_version}, GET /forge/admin/state
 
 ``tool_choice`` "required" or {"type": "function", "function": {"name": X}} is enforced by forcing a prefix: the
@@ -803,25 +806,43 @@ async def create_group(request: web.Request, gw: Gateway) -> web.Response:
 @_admin
 async def create_session(request: web.Request, gw: Gateway) -> web.Response:
     body = await _body(request)
-    group = gw.groups.get(body.get("group_id"))
-    if group is None:
-        raise ApiError(404, f"unknown group_id {body.get('group_id')!r}: create it with POST /forge/groups",
-                       param="group_id", code="group_not_found")
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise _bad("metadata", "metadata must be an object")
-    sess = Session(group_id=body["group_id"], task_id=group["task_id"], domain=group["domain"], metadata=metadata)
-    try:
-        await asyncio.to_thread(gw.sink.episode_started, sess.group_id, sess.session_id)
-    except SchemaError as exc:  # e.g. the pool closed the group (timed out, completed)
-        raise ApiError(409, f"the episode sink refused the session: {exc}", param="group_id",
-                       code="group_closed") from exc
+    evaluation = body.get("eval", False)
+    if not isinstance(evaluation, bool):
+        raise _bad("eval", "eval must be true or false")
+    if evaluation:
+        sess = _eval_session(body, metadata)
+    else:
+        group = gw.groups.get(body.get("group_id"))
+        if group is None:
+            raise ApiError(404, f"unknown group_id {body.get('group_id')!r}: create it with POST /forge/groups",
+                           param="group_id", code="group_not_found")
+        sess = Session(group_id=body["group_id"], task_id=group["task_id"], domain=group["domain"], metadata=metadata)
+        try:
+            await asyncio.to_thread(gw.sink.episode_started, sess.group_id, sess.session_id)
+        except SchemaError as exc:  # e.g. the pool closed the group (timed out, completed)
+            raise ApiError(409, f"the episode sink refused the session: {exc}", param="group_id",
+                           code="group_closed") from exc
+        group["sessions"] += 1
     gw.sessions[sess.session_id] = sess
     gw.by_key[sess.api_key] = sess
-    group["sessions"] += 1
     return web.json_response({"session_id": sess.session_id, "api_key": sess.api_key,
                               "base_url": f"{gw.base_url}/s/{sess.api_key}/v1",
                               "anthropic_base_url": f"{gw.base_url}/s/{sess.api_key}"})
+
+
+def _eval_session(body: dict, metadata: dict) -> Session:
+    """An evaluation episode: no group, nothing for the sink; the task is named in the request itself."""
+    if body.get("group_id") is not None:
+        raise _bad("group_id", "an eval session belongs to no group: give task_id and domain instead of group_id")
+    task_id, domain = body.get("task_id"), body.get("domain", "default")
+    if not isinstance(task_id, str) or not task_id:
+        raise _bad("task_id", "an eval session needs task_id, a non-empty string")
+    if not isinstance(domain, str) or not domain:
+        raise _bad("domain", "domain must be a non-empty string")
+    return Session(group_id="", task_id=task_id, domain=domain, metadata=metadata, evaluation=True)
 
 
 @_admin
@@ -856,15 +877,18 @@ async def end_session(request: web.Request, gw: Gateway) -> web.Response:
         raise _bad("status", "the session made no calls; end it as failed or aborted")
     async with sess.lock:
         sess.status, sess.ended_at = status, time.time()
-    episode = sess.to_episode()
-    try:
-        outcome = await asyncio.to_thread(gw.sink.submit_episode, episode)
-    except SchemaError as exc:
-        raise ApiError(409, f"the episode sink rejected the episode: {exc}", param="episode",
-                       code="episode_rejected") from exc
+    if sess.evaluation:
+        outcome = "eval"
+    else:
+        try:
+            outcome = await asyncio.to_thread(gw.sink.submit_episode, sess.to_episode())
+        except SchemaError as exc:
+            raise ApiError(409, f"the episode sink rejected the episode: {exc}", param="episode",
+                           code="episode_rejected") from exc
     gw.retire(sess)
     return web.json_response({"session_id": sess.session_id, "status": status, "sink": outcome or "accepted",
-                              "num_segments": len(episode.segments), "num_calls": len(sess.calls)})
+                              "num_segments": len(sess.segments), "num_calls": len(sess.calls),
+                              **sess.sampled_stats()})
 
 
 @_admin

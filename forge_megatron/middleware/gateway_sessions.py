@@ -190,6 +190,7 @@ class Session:
     reward_terms: dict = field(default_factory=dict)
     status: str | None = None  # set when ended
     ended_at: float = 0.0
+    evaluation: bool = False  # an eval session: served and recorded like any other, never sent to the sink
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # one call at a time per session
 
     @property
@@ -225,7 +226,13 @@ class Session:
             metadata={**self.metadata, "num_calls": len(self.calls)},
         )
 
+    def sampled_stats(self) -> dict:
+        """Policy-sampled tokens and the oldest/newest policy version that sampled them ([] when none did)."""
+        versions = [v for seg in self.segments for v, m in zip(seg.versions, seg.loss_mask) if m]
+        return {"completion_tokens": len(versions),
+                "policy_versions": [min(versions), max(versions)] if versions else []}
+
     def summary(self) -> dict:
-        return {"session_id": self.session_id, "group_id": self.group_id, "status": self.status,
-                "reward": self.reward, "num_segments": len(self.segments),
+        return {"session_id": self.session_id, "group_id": self.group_id, "eval": self.evaluation,
+                "status": self.status, "reward": self.reward, "num_segments": len(self.segments),
                 "calls": [c.to_dict() for c in self.calls]}

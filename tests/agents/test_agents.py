@@ -8,10 +8,9 @@ import pytest
 
 from forge_megatron.agents import calculator
 from forge_megatron.agents.driver import RolloutDriver
-from forge_megatron.agents.gateway_api import GatewayClient, GatewayError
+from forge_megatron.agents.gateway_api import GatewayError
 from forge_megatron.agents.runner import CommandAgent, EpisodeResult, HttpAgent, PythonAgent, exact_match, run_episode
 from forge_megatron.agents.tasks import Task, TaskError, load_tasks, write_tasks
-from forge_megatron.middleware.schema import ListSink
 
 
 def test_tasks_round_trip_and_errors(tmp_path):
@@ -42,22 +41,6 @@ def test_calculator_tool_and_tasks():
     assert all(c[1]["content"] == t.answer for c, t in zip(chats, tasks) if not c[1].get("tool_calls"))
     assert all(len(t.answer) == 2 for t in tasks)
     assert exact_match(tasks[0], f" {tasks[0].answer}\n") == 1.0 and exact_match(tasks[0], "nope") == 0.0
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    from forge_megatron.models.tiny import build_tiny_model
-    from forge_megatron.rollout.launch import ProcessServer, start_engine, start_gateway
-
-    model_dir = build_tiny_model(str(tmp_path_factory.mktemp("tiny")))
-    engine = start_engine(model_dir, in_process=True)
-    sink = ListSink()
-    gateway = start_gateway(model_dir, [engine.url], in_process=True, sink=sink)
-    agent_service = ProcessServer("forge_megatron.agents.calculator", ["--serve"])
-    yield {"gateway": GatewayClient(gateway.url), "sink": sink, "agent_url": agent_service.url + "/"}
-    agent_service.stop()
-    gateway.stop()
-    engine.stop()
 
 
 def _white_box(task, session):

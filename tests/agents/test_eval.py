@@ -1,0 +1,178 @@
+"""Evaluation (agents/evaluate.py): pass@k, gateway eval sessions that never reach the sink, evaluate() and the
+periodic evaluator against a real forge-engine and forge-gateway. CPU, 0 GPUs."""
+
+import itertools
+import json
+import threading
+import time
+
+import pytest
+
+from forge_megatron.agents.evaluate import PeriodicEval, evaluate, pass_at_k, pass_ks, summarise
+from forge_megatron.agents.gateway_api import GatewayError
+from forge_megatron.agents.runner import EpisodeReport, EpisodeResult, PythonAgent, run_episode
+from forge_megatron.agents.tasks import Task
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 6])
+def test_pass_at_k_is_the_subset_probability(n):
+    for c in range(n + 1):
+        outcomes = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(range(n), k))
+            expected = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+            assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    with pytest.raises(ValueError, match="pass@k needs"):
+        pass_at_k(3, 4, 1)
+    assert pass_ks(1) == [1] and pass_ks(4) == [1, 2, 4] and pass_ks(6) == [1, 2, 4, 6]
+
+
+def _report(task_id, status="finished", reward=1.0, tokens=10, versions=(3, 3)):
+    return EpisodeReport(task_id, "d", "s", status, reward, "x", 2.0, tokens, list(versions))
+
+
+def test_summarise_counts_failures_as_unsuccessful():
+    reports = [_report("a"), _report("a", reward=0.0), _report("b", status="timed_out", reward=None, tokens=0,
+                                                                   versions=()),
+               _report("b", versions=(4, 5))]
+    out = summarise(reports, samples=2)
+    assert out["pass@1"] == pytest.approx((0.5 + 0.5) / 2) and out["pass@2"] == pytest.approx(1.0)
+    assert out["finished"] == pytest.approx(0.75) and out["mean_reward"] == pytest.approx(2 / 3)
+    assert out["completion_tokens_mean"] == pytest.approx(10) and out["policy_versions"] == [3, 5]
+    assert (out["tasks"], out["episodes"]) == (2, 4)
+
+
+def _one_call(session):
+    import openai
+
+    with openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0) as client:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1"}], max_tokens=4)
+
+
+def test_eval_sessions_are_served_but_never_reach_the_sink(stack):
+    gw, sink = stack["gateway"], stack["sink"]
+    before = len(sink.episodes)
+    session = gw.open_eval_session("held-out-1", "math", {"k": 1})
+    _one_call(session)
+    ended = gw.end_session(session.session_id)
+    assert ended["sink"] == "eval" and ended["num_calls"] == 1
+    assert ended["completion_tokens"] > 0 and len(ended["policy_versions"]) == 2
+    assert len(sink.episodes) == before  # not trained on
+    summary = gw.request("GET", f"/forge/sessions/{session.session_id}")
+    assert summary["eval"] is True and len(summary["calls"]) == 1
+    for body, message in [({"eval": True, "task_id": "t", "group_id": "g000000001"}, "belongs to no group"),
+                          ({"eval": True}, "needs task_id"),
+                          ({"eval": "yes", "task_id": "t"}, "eval must be true or false"),
+                          ({"eval": True, "task_id": "t", "domain": ""}, "domain must be a non-empty string")]:
+        with pytest.raises(GatewayError, match=message) as err:
+            gw.request("POST", "/forge/sessions", body)
+        assert err.value.status == 400
+    group = gw.create_group("trained", 1)  # a training session still reaches the sink, with its versions
+    train = gw.open_session(group)
+    _one_call(train)
+    assert gw.end_session(train.session_id)["sink"] == "accepted" and len(sink.episodes) == before + 1
+
+
+class _Scripted:
+    """One real model call per episode, then an answer fixed by the task's domain: 'easy' always right, 'hard' never,
+    'coin' right on every second episode of each task."""
+
+    def __init__(self):
+        self.lock, self.seen = threading.Lock(), {}
+
+    def __call__(self, task, session):
+        _one_call(session)
+        with self.lock:
+            n = self.seen[task.task_id] = self.seen.get(task.task_id, 0) + 1
+        right = task.domain == "easy" or (task.domain == "coin" and n % 2 == 0)
+        return EpisodeResult(output=task.answer if right else "wrong")
+
+
+TASKS = [Task(task_id=f"{d}-{i}", prompt="1+1", domain=d, answer="2") for d in ("easy", "hard", "coin") for i in range(2)]
+
+
+def test_evaluate_reports_pass_at_k_per_domain(stack):
+    gw, sink = stack["gateway"], stack["sink"]
+    before = len(sink.episodes)
+    result = evaluate(gw, PythonAgent(_Scripted()), TASKS, samples=4, concurrency=4)
+    assert len(sink.episodes) == before and result["episodes"] == 24 and result["samples"] == 4
+    domains = result["domains"]
+    assert [domains[d]["pass@1"] for d in ("easy", "hard", "coin")] == [1.0, 0.0, 0.5]
+    assert domains["coin"]["pass@2"] == pytest.approx(1 - 1 / 6)  # 2 of 4 right: C(2,2)/C(4,2) pairs miss
+    assert domains["coin"]["pass@4"] == 1.0 and domains["hard"]["pass@4"] == 0.0
+    assert result["pass@1"] == pytest.approx(0.5) and result["finished"] == 1.0
+    assert result["mean_reward"] == pytest.approx(0.5) and result["completion_tokens_mean"] > 0
+    assert result["policy_version"] == gw.state()["policy_version"]
+    crashing = PythonAgent(lambda task, session: 1 / 0)  # agent bugs count as unsuccessful episodes
+    failed = evaluate(gw, crashing, TASKS[:1], samples=2)
+    assert failed["pass@1"] == 0.0 and failed["finished"] == 0.0 and failed["mean_reward"] is None
+    assert len(sink.episodes) == before
+
+
+def test_periodic_eval_follows_the_policy_version(stack, tmp_path):
+    gw = stack["gateway"]
+    start = gw.state()["policy_version"]
+    out = tmp_path / "evals.jsonl"
+    periodic = PeriodicEval(gw, PythonAgent(_Scripted()), TASKS[:2], every_versions=2, output=str(out), poll_s=0.05)
+    periodic.next_due = start  # the run's first evaluation
+    stop = threading.Event()
+    thread = periodic.start(stop)
+    try:
+        def wait_for(count):
+            deadline = time.time() + 60
+            while len(periodic.results) < count:
+                assert time.time() < deadline, "no evaluation came"
+                time.sleep(0.05)
+
+        wait_for(1)
+        gw.resume(start + 1)  # not a multiple of 2 past the last evaluation: nothing
+        time.sleep(0.5)
+        assert len(periodic.results) == 1
+        gw.resume(start + 3)  # passed start + 2: one evaluation, the next one due at start + 4
+        wait_for(2)
+        gw.resume(start + 4)
+        wait_for(3)
+    finally:
+        stop.set()
+        thread.join(60)
+        gw.resume(start)
+    assert [r["policy_version"] for r in periodic.results] == [start, start + 3, start + 4]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["policy_version"] for r in lines] == [start, start + 3, start + 4]
+    assert all(r["pass@1"] == 1.0 and "domains" not in r for r in lines)  # one domain: no breakdown
+    with pytest.raises(ValueError, match="every_versions must be >= 1"):
+        PeriodicEval(gw, None, TASKS, every_versions=0)
+
+
+def test_run_episode_reports_sampled_versions(stack):
+    gw = stack["gateway"]
+    report = run_episode(gw, PythonAgent(lambda t, s: (_one_call(s), "2")[1]), TASKS[0], None)
+    assert report.status == "finished" and report.reward == 1.0
+    assert report.completion_tokens > 0 and len(report.policy_versions) == 2
+
+
+def cli_agent(task, session):
+    """The white-box agent of the forge-eval CLI test (imported by name)."""
+    _one_call(session)
+    return task.answer if task.domain == "easy" else "wrong"
+
+
+def test_forge_eval_cli(stack, tmp_path, capsys):
+    from forge_megatron.agents.driver import build_parser as driver_parser
+    from forge_megatron.agents.evaluate import main
+    from forge_megatron.agents.tasks import write_tasks
+
+    tasks = tmp_path / "heldout.jsonl"
+    write_tasks(str(tasks), [TASKS[0], TASKS[2]])
+    out = tmp_path / "evals.jsonl"
+    argv = ["--gateway-url", stack["gateway"].base_url, "--tasks", str(tasks), "--agent-python",
+            "tests.agents.test_eval:cli_agent", "--eval-samples", "2", "--eval-output", str(out)]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == json.loads(out.read_text())
+    assert printed["pass@1"] == 0.5 and printed["domains"]["easy"]["pass@2"] == 1.0 and printed["episodes"] == 4
+    with pytest.raises(SystemExit, match="must be >= 1"):
+        main(argv[:-4] + ["--eval-samples", "0"])
+    args = driver_parser().parse_args(["--gateway-url", "u", "--tasks", "t", "--agent-url", "a", "--eval-tasks",
+                                       str(tasks), "--eval-every-versions", "5", "--no-eval-at-start"])
+    assert (args.eval_tasks, args.eval_every_versions, args.eval_at_start) == (str(tasks), 5, False)
