@@ -14,7 +14,9 @@
                 trainer (scripts/train_forge.py) pulls batches, trains with CISPO on prefix trees and pushes its
                 weights to the engine every step
     5. report   success rate of the first vs the last steps, ``reward_curve.png`` and ``metrics.json`` in ``--out``;
-                how many engine calls the weight syncs cut and how many sampled tokens the gateway kept
+                how many engine calls the weight syncs cut and how many sampled tokens the gateway kept; pass@1 on
+                ``--eval-tasks`` held-out tasks (never trained on: gateway eval sessions) before RL, every
+                ``--eval-every`` versions during it (the rollout driver's periodic evaluation) and after it
 
 Every process is started in its own process group and stopped at the end, also on errors and Ctrl-C.
 """
@@ -55,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocks) and the trainer syncs FP8 weights to it (--weight-sync-fp8)")
     p.add_argument("--weight-sync-transport", default="disk", choices=["disk", "distributed"],
                    help="safetensors through a directory, or a gloo broadcast group with the engine")
+    p.add_argument("--eval-tasks", type=int, default=32,
+                   help="held-out tasks (no SFT or RL task among them) evaluated before, during and after RL "
+                        "(0: no evaluation; at most 45)")
+    p.add_argument("--eval-every", type=int, default=20, help="policy versions between evaluations during RL")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up (and clean up) after this long")
     return p
@@ -107,9 +113,11 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
     from forge_megatron.models.tiny import build_tiny_model
 
     out = args.out
-    tasks = calculator.make_tasks(2400, seed=args.seed)
-    sft_tasks, rl_tasks = tasks[:2000], tasks[2000:]
+    tasks = calculator.make_tasks(2400 + args.eval_tasks, seed=args.seed)  # the first 2400 do not depend on the count
+    sft_tasks, rl_tasks, heldout = tasks[:2000], tasks[2000:2400], tasks[2400:]
     write_tasks(os.path.join(out, "rl_tasks.jsonl"), rl_tasks)
+    if heldout:
+        write_tasks(os.path.join(out, "heldout_tasks.jsonl"), heldout)
     with open(os.path.join(out, "sft.jsonl"), "w") as f:
         for chat in calculator.sft_conversations(sft_tasks, args.sft_tool_fraction, seed=args.seed):
             f.write(json.dumps({"messages": chat, "tools": calculator.TOOLS}) + "\n")
@@ -152,11 +160,18 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
                             "--train-batch-groups", str(args.groups_per_step), "--default-max-tokens", "48",
                             *(["--return-routed-experts"] if args.moe else [])])
     agent = procs.server("calculator agent", "forge_megatron.agents.calculator", ["--serve"])
+    evals_path = os.path.join(out, "evals.jsonl")
+    eval_flags = []
+    if args.eval_tasks:
+        heldout = os.path.join(out, "heldout_tasks.jsonl")
+        held_out_eval(gateway, agent, heldout, evals_path)
+        eval_flags = ["--eval-tasks", heldout, "--eval-every-versions", str(args.eval_every), "--no-eval-at-start",
+                      "--eval-output", evals_path]
     print(f"[demo] 4/5 RL: {args.steps} steps x {args.groups_per_step} tasks x {args.group_size} episodes", flush=True)
     procs.start("rollout driver", [sys.executable, "-m", "forge_megatron.agents.driver", "--gateway-url", gateway,
                                    "--tasks", tasks_path, "--group-size", str(args.group_size),
                                    "--max-inflight-groups", str(args.groups_per_step), "--agent-url", agent + "/",
-                                   "--pool-addr", pool_addr, "--seed", str(args.seed)],
+                                   "--pool-addr", pool_addr, "--seed", str(args.seed), *eval_flags],
                 log_path=os.path.join(logs, "driver.log"))
     metrics = os.path.join(out, "metrics.jsonl")
     trainer = procs.start("trainer", [
@@ -178,9 +193,26 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
             raise TimeoutError(f"the demo did not finish within {args.timeout_s:.0f}s")
     if trainer.wait() != 0:
         raise RuntimeError(f"the trainer failed (exit {trainer.returncode}); logs in {logs}")
+    if args.eval_tasks:
+        held_out_eval(gateway, agent, os.path.join(out, "heldout_tasks.jsonl"), evals_path)
     with urllib.request.urlopen(gateway + "/forge/admin/state", timeout=10) as resp:
         state = json.loads(resp.read())
     return metrics, {k: state[k] for k in ("aborts", "resumed_tokens", "discarded_tokens")}
+
+
+def held_out_eval(gateway: str, agent: str, tasks_path: str, evals_path: str) -> dict:
+    """Evaluate the served policy on the held-out tasks (gateway eval sessions); appended to ``evals_path``."""
+    from forge_megatron.agents.evaluate import append_jsonl, evaluate
+    from forge_megatron.agents.gateway_api import GatewayClient
+    from forge_megatron.agents.runner import HttpAgent
+    from forge_megatron.agents.tasks import load_tasks
+
+    result = evaluate(GatewayClient(gateway), HttpAgent(agent + "/"), load_tasks(tasks_path), samples=1,
+                      timeout_s=120.0, concurrency=8)
+    append_jsonl(evals_path, result)
+    print(f"[demo]     held-out evaluation at policy version {result['policy_version']}: pass@1 "
+          f"{result['pass@1']:.2f} on {result['tasks']} tasks never trained on ({result['wall_s']:.0f}s)", flush=True)
+    return result
 
 
 def summarise(args: argparse.Namespace, metrics_path: str, wall_s: float, gateway: dict | None = None) -> dict:
@@ -201,13 +233,20 @@ def summarise(args: argparse.Namespace, metrics_path: str, wall_s: float, gatewa
     # engine vs trainer logprob gap on tokens the trained weights sampled (None where a step had none): numerics only
     summary["onpolicy_logp_abs_diff"] = [s.get("onpolicy/rollout_logp_abs_diff") for s in steps]
     summary.update(gateway or {})
+    evals_path = os.path.join(args.out, "evals.jsonl")
+    if os.path.exists(evals_path):  # before RL, the driver's periodic ones, after RL
+        with open(evals_path) as f:  # one per version: the driver's own evaluation at the last one may be there too
+            by_version = {r["policy_version"]: r for r in map(json.loads, filter(str.strip, f))}
+        evals = [by_version[v] for v in sorted(by_version)]
+        summary["evals"] = [{k: r[k] for k in ("policy_version", "policy_versions", "pass@1", "mean_reward", "tasks")}
+                            for r in evals]
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    plot(steps, os.path.join(args.out, "reward_curve.png"))
+    plot(steps, os.path.join(args.out, "reward_curve.png"), summary.get("evals", []))
     return summary
 
 
-def plot(steps: list[dict], path: str) -> None:
+def plot(steps: list[dict], path: str, evals: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -217,6 +256,9 @@ def plot(steps: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(xs, [s["success_rate"] for s in steps], marker="o", label="task success rate")
     ax.plot(xs, [s["reward_mean"] for s in steps], linestyle="--", label="mean reward")
+    if evals:
+        ax.plot([e["policy_version"] for e in evals], [e["pass@1"] for e in evals], marker="s", linestyle=":",
+                label="held-out pass@1")
     ax.set_xlabel("RL step")
     ax.set_ylim(-0.05, 1.05)
     ax.set_title("forge_megatron demo: calculator agent, CISPO on CPU")
@@ -232,6 +274,9 @@ def _interrupt(*_):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not 0 <= args.eval_tasks <= 45 or args.eval_every < 1:
+        raise SystemExit("--eval-tasks must lie in [0, 45] (the calculator has 2445 tasks, 2400 go to SFT and RL) "
+                         "and --eval-every must be >= 1")
     start = time.time()
     if os.path.isdir(args.out):
         shutil.rmtree(args.out)  # idempotent: every run starts from scratch
@@ -251,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         mismatch = summary["routing_mismatch"]
         print(f"[demo] routing replay: {sum(mismatch) / len(mismatch):.3f} of the replayed (token, layer) rows would "
               "have gone to other experts without it (tokens sampled before the last update)", flush=True)
+    if len(summary.get("evals", [])) >= 2:
+        first_eval, last_eval = summary["evals"][0], summary["evals"][-1]
+        print(f"[demo] held-out tasks (never trained on): pass@1 {first_eval['pass@1']:.2f} at policy version "
+              f"{first_eval['policy_version']} -> {last_eval['pass@1']:.2f} at version {last_eval['policy_version']}",
+              flush=True)
     print(f"[demo] partial rollout: the weight syncs cut {summary['aborts']} engine calls; the gateway kept their "
           f"{summary['resumed_tokens']} sampled tokens and went on from them", flush=True)
     diff = [d for d in summary["onpolicy_logp_abs_diff"] if d is not None]

@@ -26,7 +26,7 @@ def _processes_mentioning(text: str) -> list[str]:
 def test_short_demo_runs_the_whole_loop(tmp_path):
     out = tmp_path / "demo_run"
     cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--out", str(out), "--steps", "3", "--sft-steps", "20",
-           "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400"]
+           "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400", "--eval-tasks", "8", "--eval-every", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for stage in ("1/5", "2/5", "3/5", "4/5", "5/5"):
@@ -50,6 +50,15 @@ def test_short_demo_runs_the_whole_loop(tmp_path):
             assert key in s
     driver_log = (out / "logs" / "driver.log").read_text()
     assert "Traceback" not in driver_log
+    # held-out evaluation before RL, after RL (final weights) and, by the driver once the version reached 2, during it
+    # (that one is recorded only if it finished before the demo stopped the driver)
+    versions = [e["policy_version"] for e in summary["evals"]]
+    assert versions[0] == 0 and versions[-1] == 3 and all(v >= 2 for v in versions[1:-1]) and len(versions) <= 3
+    assert all(e["tasks"] == 8 and 0.0 <= e["pass@1"] <= 1.0 for e in summary["evals"])
+    assert "[demo] held-out tasks (never trained on): pass@1" in proc.stdout
+    held_out = {json.loads(line)["task_id"] for line in (out / "heldout_tasks.jsonl").read_text().splitlines()}
+    trained = {json.loads(line)["task_id"] for line in (out / "rl_tasks.jsonl").read_text().splitlines()}
+    assert len(held_out) == 8 and not held_out & trained
 
 
 def test_short_moe_demo_replays_the_engines_routing(tmp_path):

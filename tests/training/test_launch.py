@@ -36,7 +36,8 @@ def test_bash_syntax():
     dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B",
          FP32_LM_HEAD=1),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
-         USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1),
+         USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1,
+         EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5),
 ])
 def test_dry_run_plan_is_consistent(layout):
     out = _dry_run(**layout)
@@ -90,6 +91,12 @@ def test_dry_run_plan_is_consistent(layout):
     assert node.drop_zero_advantage_groups is (layout.get("DROP_ZERO_ADVANTAGE_GROUPS") == 1)
     (driver,) = [c for c in cmds if "forge_megatron.agents.driver" in c]
     assert driver[driver.index("--pool-addr") + 1] == args.pool_addr  # the driver obeys the pool's admission control
+    from forge_megatron.agents.driver import build_parser as driver_parser
+
+    rollout_args = driver_parser().parse_args(driver[driver.index("forge_megatron.agents.driver") + 1:])
+    assert rollout_args.eval_tasks == layout.get("EVAL_TASKS")  # held-out evaluation only when asked for
+    if layout.get("EVAL_TASKS"):
+        assert rollout_args.eval_every_versions == layout["EVAL_EVERY"] and rollout_args.eval_output.endswith("evals.jsonl")
     if layout.get("DOMAIN_RATIOS"):
         assert driver[driver.index("--domain-ratios") + 1] == layout["DOMAIN_RATIOS"]
         assert args.domain_ratios == {"math": 0.7, "qa": 0.3}
