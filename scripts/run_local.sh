@@ -9,7 +9,9 @@
 # architecture), TASKS (tasks JSONL), ENGINE (forge = CPU reference engine | sglang), NUM_ENGINES, NPROC, TP, PP, EP,
 # CP, AGENT_CMD or AGENT_URL, GROUP_SIZE, GROUPS_PER_STEP, TRAIN_ITERS, LR, RUN_DIR, DOMAIN_RATIOS, EXTRA_TRAIN_ARGS,
 # POOL_ARGS (window and reward settings, e.g. "--window-fraction 0.5 --advantage-estimator rloo": applied by the data
-# pool, given to the trainer too, which checks them against the pool).
+# pool, given to the trainer too, which checks them against the pool), POLICY_SAMPLING (default 1: training calls are
+# sampled from the policy whatever temperature the agent asks; 0: as the agent asks), EVAL_TASKS (held-out tasks JSONL,
+# evaluated every EVAL_EVERY policy versions into RUN_DIR/evals.jsonl).
 set -euo pipefail
 DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
@@ -29,6 +31,7 @@ RUN_DIR="${RUN_DIR:-$ROOT/runs/local}"
 EXTRA_TRAIN_ARGS="${EXTRA_TRAIN_ARGS:-}"
 POOL_ARGS="${POOL_ARGS:-}"
 DOMAIN_RATIOS="${DOMAIN_RATIOS:-}"
+POLICY_SAMPLING="${POLICY_SAMPLING:-1}"; EVAL_TASKS="${EVAL_TASKS:-}"; EVAL_EVERY="${EVAL_EVERY:-10}"
 ENGINE_PORT="${ENGINE_PORT:-30000}"; GATEWAY_PORT="${GATEWAY_PORT:-8000}"; POOL_PORT="${POOL_PORT:-5555}"
 
 if [ -n "$AGENT_CMD" ]; then AGENT=(--agent-command "$AGENT_CMD")
@@ -79,13 +82,19 @@ POOL_ADDR="tcp://127.0.0.1:$POOL_PORT"
 
 # shellcheck disable=SC2206
 POOLX=($POOL_ARGS)
+NODE_FLAGS=()  # gateway flags: the trainer, which gets POOL_ARGS too, never sees them
+[ "$POLICY_SAMPLING" = 1 ] && NODE_FLAGS+=(--policy-sampling)
+DRIVER_FLAGS=()
+[ -n "$EVAL_TASKS" ] && DRIVER_FLAGS+=(--eval-tasks "$EVAL_TASKS" --eval-every-versions "$EVAL_EVERY"
+                                       --eval-output "$RUN_DIR/evals.jsonl")
 run_bg middleware python -m forge_megatron.agents.middleware_node --model-path "$HF_CHECKPOINT" \
   --engines "$ENGINES_CSV" --port "$GATEWAY_PORT" --pool-bind "$POOL_ADDR" --pool-db "$RUN_DIR/pool.sqlite" \
-  --rollout-batch-groups "$GROUPS_PER_STEP" --train-batch-groups "$GROUPS_PER_STEP" --max-staleness 2 "${POOLX[@]}"
+  --rollout-batch-groups "$GROUPS_PER_STEP" --train-batch-groups "$GROUPS_PER_STEP" --max-staleness 2 "${POOLX[@]}" \
+  ${NODE_FLAGS[@]+"${NODE_FLAGS[@]}"}
 wait_http "$GATEWAY_URL/v1/models"
 run_bg driver python -m forge_megatron.agents.driver --gateway-url "$GATEWAY_URL" --tasks "$TASKS" \
   --group-size "$GROUP_SIZE" --max-inflight-groups "$GROUPS_PER_STEP" --pool-addr "$POOL_ADDR" "${AGENT[@]}" \
-  ${DOMAIN_RATIOS:+--domain-ratios "$DOMAIN_RATIOS"}
+  ${DOMAIN_RATIOS:+--domain-ratios "$DOMAIN_RATIOS"} ${DRIVER_FLAGS[@]+"${DRIVER_FLAGS[@]}"}
 
 MODEL_ARGS=()
 # shellcheck disable=SC1090

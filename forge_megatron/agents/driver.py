@@ -165,13 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if args.eval_tasks:
-        from forge_megatron.agents.evaluate import PeriodicEval
+        from forge_megatron.agents.evaluate import PeriodicEval, eval_sampling
 
         if args.eval_samples < 1 or args.eval_concurrency < 1 or args.eval_every_versions < 1:
             raise SystemExit("--eval-samples, --eval-concurrency and --eval-every-versions must be >= 1")
         PeriodicEval(gateway, agent, load_tasks(args.eval_tasks), args.eval_every_versions, args.eval_samples,
                      verifier, args.eval_timeout_s or args.episode_timeout_s, args.eval_concurrency,
-                     args.eval_output, args.eval_at_start).start(stop)
+                     args.eval_output, args.eval_at_start, sampling=eval_sampling(args)).start(stop)
     reporter = threading.Thread(target=_report, args=(driver, stop), daemon=True)
     reporter.start()
     driver.run(stop, args.max_groups)

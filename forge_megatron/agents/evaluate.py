@@ -19,6 +19,11 @@ tasks and per domain:
   ``policy_versions``  [oldest, newest] policy version that sampled any token of the evaluation (a weight sync during
                      the evaluation shows as a range)
 
+Sampling: eval calls use the agent's own temperature / top_p / top_k unless ``--eval-temperature`` (``--eval-top-p``,
+``--eval-top-k``) is given; the gateway then applies it to every call of the session (temperature 0: greedy
+pass@1, the usual report; pass@k for k > 1 needs temperature > 0). Eval sessions are exempt from the gateway's
+``--policy-sampling`` rule for training calls.
+
 Standalone, against whatever the engines serve (e.g. a converted checkpoint before training):
 
     forge-eval --gateway-url http://127.0.0.1:8000 --tasks heldout.jsonl --samples 4 \\
@@ -91,8 +96,10 @@ def summarise(reports: list[EpisodeReport], samples: int) -> dict:
 
 
 def evaluate(gateway: GatewayClient, agent, tasks: list[Task], samples: int = 1, verifier: Verifier = exact_match,
-             timeout_s: float = 300.0, concurrency: int = 8, stop: threading.Event | None = None) -> dict | None:
+             timeout_s: float = 300.0, concurrency: int = 8, stop: threading.Event | None = None,
+             sampling: dict | None = None) -> dict | None:
     """Run every task ``samples`` times in eval sessions; the summary overall and per domain (``domains``).
+    ``sampling`` ({temperature, top_p, top_k}) replaces the agent's values on every call (e.g. temperature 0).
 
     Returns None when ``stop`` was set before every episode ran (the partial result would be biased)."""
     if samples < 1 or concurrency < 1:
@@ -106,7 +113,7 @@ def evaluate(gateway: GatewayClient, agent, tasks: list[Task], samples: int = 1,
         if stop is not None and stop.is_set():
             return None
         try:
-            return run_episode(gateway, agent, task, None, verifier, timeout_s)
+            return run_episode(gateway, agent, task, None, verifier, timeout_s, sampling)
         except GatewayError as exc:  # the gateway refused or lost the session: an unsuccessful episode
             log.warning("eval episode of task %s lost: %s", task.task_id, exc)
             return EpisodeReport(task.task_id, task.domain, "", "lost", None, None, 0.0)
@@ -118,7 +125,7 @@ def evaluate(gateway: GatewayClient, agent, tasks: list[Task], samples: int = 1,
         return None
     domains = sorted({t.domain for t in tasks})
     result = {"policy_version": version, **summarise(reports, samples), "samples": samples,
-              "wall_s": time.time() - started}
+              "sampling": dict(sampling or {}), "wall_s": time.time() - started}
     if len(domains) > 1:
         result["domains"] = {d: summarise([r for r in reports if r.domain == d], samples) for d in domains}
     return result
@@ -147,7 +154,7 @@ class PeriodicEval:
     def __init__(self, gateway: GatewayClient, agent, tasks: list[Task], every_versions: int, samples: int = 1,
                  verifier: Verifier = exact_match, timeout_s: float = 300.0, concurrency: int = 8,
                  output: str | None = None, at_start: bool = True, poll_s: float = 1.0,
-                 on_result: Callable[[dict], None] | None = None):
+                 on_result: Callable[[dict], None] | None = None, sampling: dict | None = None):
         if every_versions < 1:
             raise ValueError(f"every_versions must be >= 1, got {every_versions}")
         if not tasks:
@@ -158,6 +165,7 @@ class PeriodicEval:
         self.next_due = 0 if at_start else every_versions
         self.results: list[dict] = []
         self.on_result = on_result
+        self.sampling = sampling
 
     def due(self, version: int) -> bool:
         return version >= self.next_due
@@ -178,7 +186,7 @@ class PeriodicEval:
 
     def run_once(self, stop: threading.Event | None = None) -> dict | None:
         result = evaluate(self.gateway, self.agent, self.tasks, self.samples, self.verifier, self.timeout_s,
-                          self.concurrency, stop)
+                          self.concurrency, stop, self.sampling)
         if result is None:
             log.info("eval interrupted (stopping); not recorded")
             return None
@@ -203,6 +211,10 @@ def add_eval_arguments(p: argparse.ArgumentParser, periodic: bool) -> None:
     g.add_argument("--eval-timeout-s", type=float, default=None,
                    help="per-episode timeout (default: the rollout episode timeout, 300 s standalone)")
     g.add_argument("--eval-output", default=None, help="append one JSON line per evaluation to this file")
+    g.add_argument("--eval-temperature", type=float, default=None,
+                   help="sample evaluation calls at this temperature whatever the agent asks (0: greedy)")
+    g.add_argument("--eval-top-p", type=float, default=None, help="the same for top_p")
+    g.add_argument("--eval-top-k", type=int, default=None, help="the same for top_k (-1: off)")
     if periodic:
         g.add_argument("--eval-tasks", default=None, help="held-out tasks JSONL (same format as --tasks); "
                        "enables periodic evaluation")
@@ -210,6 +222,12 @@ def add_eval_arguments(p: argparse.ArgumentParser, periodic: bool) -> None:
                        help="evaluate at policy version 0 and whenever the version reaches the next multiple of this")
         g.add_argument("--no-eval-at-start", dest="eval_at_start", action="store_false",
                        help="skip the evaluation at version 0")
+
+
+def eval_sampling(args: argparse.Namespace) -> dict:
+    """The ``--eval-temperature/top-p/top-k`` overrides that were given."""
+    pairs = (("temperature", args.eval_temperature), ("top_p", args.eval_top_p), ("top_k", args.eval_top_k))
+    return {name: value for name, value in pairs if value is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-eval %(message)s", stream=sys.stderr)
     result = evaluate(GatewayClient(args.gateway_url, args.admin_token), build_agent(args), load_tasks(args.tasks),
                       args.eval_samples, load_callable(args.verifier) if args.verifier else exact_match,
-                      args.eval_timeout_s or 300.0, args.eval_concurrency)
+                      args.eval_timeout_s or 300.0, args.eval_concurrency, sampling=eval_sampling(args))
     log.info(format_result(result))
     if args.eval_output:
         append_jsonl(args.eval_output, result)

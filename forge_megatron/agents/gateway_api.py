@@ -2,7 +2,7 @@
 
     POST /forge/groups {task_id, size, domain, metadata} -> {group_id}
     POST /forge/sessions {group_id, metadata}             -> {session_id, api_key, base_url}
-    POST /forge/sessions {eval: true, task_id, domain, metadata}   (evaluation: never trained on)
+    POST /forge/sessions {eval: true, task_id, domain, metadata, sampling}   (evaluation: never trained on)
     POST /forge/sessions/{id}/reward {reward, terms}
     POST /forge/sessions/{id}/end {status}
 
@@ -64,10 +64,14 @@ class GatewayClient:
         out = self.request("POST", "/forge/sessions", {"group_id": group_id, "metadata": metadata or {}})
         return AgentSession(out["session_id"], out["api_key"], out["base_url"], group_id)
 
-    def open_eval_session(self, task_id: str, domain: str = "default", metadata: dict | None = None) -> AgentSession:
-        """A session whose episode is served and recorded like a training one but never reaches the data pool."""
-        out = self.request("POST", "/forge/sessions", {"eval": True, "task_id": task_id, "domain": domain,
-                                                       "metadata": metadata or {}})
+    def open_eval_session(self, task_id: str, domain: str = "default", metadata: dict | None = None,
+                          sampling: dict | None = None) -> AgentSession:
+        """A session whose episode is served and recorded like a training one but never reaches the data pool;
+        ``sampling`` ({temperature, top_p, top_k}) replaces the agent's values on every call."""
+        body = {"eval": True, "task_id": task_id, "domain": domain, "metadata": metadata or {}}
+        if sampling:
+            body["sampling"] = sampling
+        out = self.request("POST", "/forge/sessions", body)
         return AgentSession(out["session_id"], out["api_key"], out["base_url"], "")
 
     def set_reward(self, session_id: str, reward: float | None, terms: dict[str, float] | None = None) -> None:

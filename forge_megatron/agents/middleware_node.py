@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
                    help="re-issue calls aborted by a weight update from their prompt (default: go on from the tokens "
                         "already sampled, each keeping its policy version and logprob)")
+    g.add_argument("--policy-sampling", action="store_true",
+                   help="sample every training call from the policy itself (temperature 1, top_p 1, no top_k), "
+                        "whatever the agent asks, so recorded logprobs are the sampler's (eval sessions exempt)")
     d = p.add_argument_group("data pool")
     d.add_argument("--pool-bind", default="tcp://127.0.0.1:5555")
     d.add_argument("--pool-db", default="pool.sqlite")
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                                     host=args.host, port=args.port, admin_token=args.admin_token,
                                     tool_parser=args.tool_parser, default_max_tokens=args.default_max_tokens,
                                     return_routed_experts=args.return_routed_experts,
-                                    resume_aborted=args.resume_aborted),
+                                    resume_aborted=args.resume_aborted, policy_sampling=args.policy_sampling),
                       sink=pool)
     print(f"forge-pool serving on {server.address}", flush=True)
     try:

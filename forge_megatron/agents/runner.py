@@ -157,12 +157,13 @@ class HttpAgent:
 
 
 def run_episode(gateway: GatewayClient, agent, task: Task, group_id: str | None, verifier: Verifier = exact_match,
-                timeout_s: float = 300.0) -> EpisodeReport:
+                timeout_s: float = 300.0, eval_sampling: dict | None = None) -> EpisodeReport:
     """Open a session, run the agent, score it, set the reward, end the session. Never raises for agent faults.
 
-    ``group_id`` None: an evaluation episode (``GatewayClient.open_eval_session``), never trained on."""
+    ``group_id`` None: an evaluation episode (``GatewayClient.open_eval_session``, with ``eval_sampling``
+    overriding the agent's temperature / top_p / top_k), never trained on."""
     if group_id is None:
-        session = gateway.open_eval_session(task.task_id, task.domain, {"task_id": task.task_id})
+        session = gateway.open_eval_session(task.task_id, task.domain, {"task_id": task.task_id}, eval_sampling)
     else:
         session = gateway.open_session(group_id, {"task_id": task.task_id})
     started = time.time()

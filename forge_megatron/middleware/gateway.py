@@ -26,7 +26,17 @@ completion. While paused (weights being updated) new calls wait up to ``pause_wa
 whose engine aborted it for an update goes on after resume from the tokens it had sampled (prompt + those tokens as
 input, the parts joined into one completion with per-token policy versions; a stream continues unbroken), or with
 ``resume_aborted=False`` is re-issued from its prompt (a stream that had sent content then ends with an
-OpenAI-style error event, code ``aborted``). ``/forge/*`` needs
+OpenAI-style error event, code ``aborted``).
+
+Sampling parameters of training calls. Engines return the logprob of each sampled token under the policy itself
+(temperature-free, like SGLang's default), and the trainer treats those as the behaviour policy's. That holds only
+when the engine samples from the policy: temperature 1, top_p 1, no top_k. Agents often ask otherwise (temperature
+0.2 for "reliable" tool use); their tokens then come from another distribution and the importance ratios the loss
+uses are off. With ``policy_sampling`` the gateway samples every training call at temperature 1, top_p 1, no
+top_k whatever the agent sent (``stats["policy_sampling_overrides"]`` counts calls it changed); without it, it
+counts such calls as ``stats["tempered_calls"]`` and warns once. Evaluation sessions are never trained on: they
+honour the agent's values, or the session's own ``sampling`` given when it was opened (e.g. temperature 0 for
+greedy evaluation). ``/forge/*`` needs
 the admin token when one is configured, and one must be configured when binding beyond loopback. Errors use OpenAI's
 body ``{"error": {message, type, param, code}}``.
 """
@@ -80,6 +90,9 @@ class GatewayConfig:
     return_routed_experts: bool = False  # MoE: record each token's experts for rollout routing replay (R3)
     resume_aborted: bool = True  # a call aborted by a weight update goes on from the tokens it sampled (partial
     # rollout: per-token versions and logprobs stay exact); False: it is re-issued from its prompt
+    # Training calls sample from the policy itself (temperature 1, top_p 1, no top_k) whatever the agent asks: the
+    # engine's logprobs are the policy's, so only then are they the sampling distribution's (see the module doc).
+    policy_sampling: bool = False
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -146,7 +159,7 @@ class _Call:
 
     turn: _Turn
     continues: bool  # extends the session's current segment
-    sampling: dict  # engine sampling_params (max_new_tokens clamped to the context)
+    sampling: dict  # engine sampling_params (max_new_tokens clamped to the context, the session's rules applied)
     forced_text: str  # tool-call opening appended to the prompt ('' unless tool_choice forces a call)
     started: float
     done: list = field(default_factory=list)  # [(GenerateResult, version)] of aborted parts kept (resume_aborted)
@@ -209,6 +222,31 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     if isinstance(value, bool) or not isinstance(value, kinds) or not lo <= value <= hi:
         raise _bad(name, f"{name} must be {'an integer' if integer else 'a number'} in [{lo}, {hi}], got {value!r}")
     return value
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+
+
+def from_policy(sampling: dict) -> bool:
+    """True when engine sampling params draw from the policy itself (temperature 1, top_p 1, no top_k)."""
+    return sampling.get("temperature", 1.0) == 1.0 and sampling.get("top_p", 1.0) == 1.0 and \
+        sampling.get("top_k", -1) in (-1, 0)
+
+
+def session_sampling(body) -> dict:
+    """Validated sampling overrides of an eval session (``{temperature, top_p, top_k}``, each optional)."""
+    if body is None:
+        return {}
+    if not isinstance(body, dict) or set(body) - set(SAMPLING_KEYS):
+        raise _bad("sampling", f"sampling must be an object with some of {list(SAMPLING_KEYS)}")
+    out = {}
+    if "temperature" in body:
+        out["temperature"] = float(_number(body, "temperature", 1.0, 0.0, 2.0))
+    if "top_p" in body:
+        out["top_p"] = float(_number(body, "top_p", 1.0, 1e-9, 1.0))
+    if "top_k" in body:
+        out["top_k"] = _number(body, "top_k", -1, -1, 1 << 30, integer=True)
+    return out
 
 
 def _sampling_params(body: dict, default_max_tokens: int) -> dict:
@@ -303,7 +341,8 @@ class Gateway:
         self.resumed.set()
         self.inflight = 0
         # engine aborts seen (weight updates); sampled tokens kept across them / thrown away (not resuming)
-        self.stats = {"aborts": 0, "resumed_tokens": 0, "discarded_tokens": 0}
+        self.stats = {"aborts": 0, "resumed_tokens": 0, "discarded_tokens": 0, "policy_sampling_overrides": 0,
+                      "tempered_calls": 0}
         self.base_url = config.public_url or f"http://{config.host}:{config.port}"
 
     # --- pause / resume ---------------------------------------------------------------------------------------
@@ -365,10 +404,30 @@ class Gateway:
         if room < 1:
             raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; the context length is {self.context_length}",
                            param="messages", code="context_length_exceeded")
-        sampling = {**req.sampling, "max_new_tokens": min(req.sampling["max_new_tokens"], room)}
+        sampling = self.sampling_for(sess, {**req.sampling, "max_new_tokens": min(req.sampling["max_new_tokens"], room)})
         turn = _Turn(messages=req.messages, tools=req.tools, prompt_text=text, prompt_ids=prompt_ids,
                      completion_ids=[], assistant_message={})
         return _Call(turn=turn, continues=continues, sampling=sampling, forced_text=forced, started=time.time())
+
+    def sampling_for(self, sess: Session, sampling: dict) -> dict:
+        """The module's rule on sampling parameters: an eval session's own values; a training call from the policy
+        itself under ``policy_sampling``, otherwise as asked and counted when it is not from the policy."""
+        if sess.evaluation:
+            return {**sampling, **sess.sampling}
+        if self.config.policy_sampling:
+            policy = {k: v for k, v in sampling.items() if k != "top_k"}
+            policy.update(temperature=1.0, top_p=1.0)
+            if policy != sampling:
+                self.stats["policy_sampling_overrides"] += 1
+            return policy
+        if not from_policy(sampling):
+            self.stats["tempered_calls"] += 1
+            if self.stats["tempered_calls"] == 1:
+                log.warning("a training call asked for temperature %s, top_p %s, top_k %s: its tokens are not sampled "
+                            "from the policy, so its logprobs are not the sampler's; start the gateway with "
+                            "--policy-sampling to sample training calls from the policy (counted as tempered_calls)",
+                            sampling["temperature"], sampling["top_p"], sampling.get("top_k"))
+        return sampling
 
     def forced_text(self, req: ChatRequest) -> str:
         """The parser's tool-call opening when tool_choice forces a call, else ''."""
@@ -567,7 +626,8 @@ class Gateway:
             policy_version=max(call.versions, default=self.version_of(result)), policy_versions=list(call.versions),
             resumed=len(call.done), finish_reason=finish, engine_url=result.engine_url, segment_index=-1,
             started_at=call.started, ended_at=time.time(), num_tool_calls=len(parsed.tool_calls),
-            num_malformed_tool_calls=parsed.num_malformed))
+            num_malformed_tool_calls=parsed.num_malformed,
+            sampling={k: call.sampling[k] for k in SAMPLING_KEYS if k in call.sampling}))
         return message, finish
 
     def routed_experts_of(self, n_input: int, result):
@@ -814,6 +874,9 @@ async def create_session(request: web.Request, gw: Gateway) -> web.Response:
         raise _bad("eval", "eval must be true or false")
     if evaluation:
         sess = _eval_session(body, metadata)
+    elif body.get("sampling") is not None:
+        raise _bad("sampling", "only eval sessions take sampling overrides (training calls follow the gateway's "
+                               "--policy-sampling rule)")
     else:
         group = gw.groups.get(body.get("group_id"))
         if group is None:
@@ -842,7 +905,8 @@ def _eval_session(body: dict, metadata: dict) -> Session:
         raise _bad("task_id", "an eval session needs task_id, a non-empty string")
     if not isinstance(domain, str) or not domain:
         raise _bad("domain", "domain must be a non-empty string")
-    return Session(group_id="", task_id=task_id, domain=domain, metadata=metadata, evaluation=True)
+    return Session(group_id="", task_id=task_id, domain=domain, metadata=metadata, evaluation=True,
+                   sampling=session_sampling(body.get("sampling")))
 
 
 @_admin
@@ -969,6 +1033,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--return-routed-experts", action="store_true",
                    help="MoE models: ask the engines for each token's routed experts and keep them in the episodes "
                         "for rollout routing replay (trainer --routing-replay; SGLang --enable-return-routed-experts)")
+    p.add_argument("--policy-sampling", action="store_true",
+                   help="sample every training call from the policy itself (temperature 1, top_p 1, no top_k), "
+                        "whatever the agent asks, so recorded logprobs are the sampler's (eval sessions exempt)")
     p.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
                    help="re-issue a call that an engine aborted for a weight update from its prompt, dropping the "
                         "tokens it had sampled (default: go on from them, each token keeping the policy version and "
@@ -1000,7 +1067,7 @@ def main(argv: list[str] | None = None) -> None:
             port=args.port, public_url=args.public_url, admin_token=args.admin_token, tool_parser=args.tool_parser,
             context_length=args.context_length, default_max_tokens=args.default_max_tokens,
             pause_wait_s=args.pause_wait_s, return_routed_experts=args.return_routed_experts,
-            resume_aborted=args.resume_aborted)
+            resume_aborted=args.resume_aborted, policy_sampling=args.policy_sampling)
     except ValueError as exc:
         raise SystemExit(f"forge-gateway: {exc}") from exc
     sink = JsonlSink(args.episodes_jsonl) if args.episodes_jsonl else ListSink()

@@ -51,6 +51,7 @@ class CallRecord:
     num_malformed_tool_calls: int = 0
     policy_versions: list[int] | None = None  # per completion token (None: all policy_version)
     resumed: int = 0  # times the call went on after an engine aborted it (weight updates)
+    sampling: dict | None = None  # temperature / top_p / top_k the engine sampled with
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -191,6 +192,7 @@ class Session:
     status: str | None = None  # set when ended
     ended_at: float = 0.0
     evaluation: bool = False  # an eval session: served and recorded like any other, never sent to the sink
+    sampling: dict = field(default_factory=dict)  # an eval session's sampling overrides (temperature, top_p, top_k)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # one call at a time per session
 
     @property

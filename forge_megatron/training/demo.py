@@ -158,6 +158,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
                             "--pool-db", os.path.join(out, "pool.sqlite"), "--rollout-batch-groups",
                             str(args.groups_per_step), "--window-fraction", "1.0", "--max-staleness", "1",
                             "--train-batch-groups", str(args.groups_per_step), "--default-max-tokens", "48",
+                            "--policy-sampling",
                             *(["--return-routed-experts"] if args.moe else [])])
     agent = procs.server("calculator agent", "forge_megatron.agents.calculator", ["--serve"])
     evals_path = os.path.join(out, "evals.jsonl")

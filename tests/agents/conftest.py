@@ -17,7 +17,8 @@ def stack(tmp_path_factory):
     sink = ListSink()
     gateway = start_gateway(model_dir, [engine.url], in_process=True, sink=sink)
     agent_service = ProcessServer("forge_megatron.agents.calculator", ["--serve"])
-    yield {"gateway": GatewayClient(gateway.url), "sink": sink, "agent_url": agent_service.url + "/"}
+    yield {"gateway": GatewayClient(gateway.url), "sink": sink, "agent_url": agent_service.url + "/",
+           "server": gateway.gateway}
     agent_service.stop()
     gateway.stop()
     engine.stop()

@@ -176,3 +176,58 @@ def test_forge_eval_cli(stack, tmp_path, capsys):
     args = driver_parser().parse_args(["--gateway-url", "u", "--tasks", "t", "--agent-url", "a", "--eval-tasks",
                                        str(tasks), "--eval-every-versions", "5", "--no-eval-at-start"])
     assert (args.eval_tasks, args.eval_every_versions, args.eval_at_start) == (str(tasks), 5, False)
+
+
+def _completions(gw, session, n, **params):
+    """``n`` calls of the same one-message chat with seeds 0..n-1; the sampled ids of each and the recorded sampling."""
+    import openai
+
+    with openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0) as client:
+        for seed in range(n):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "3+4"}], max_tokens=8,
+                                           seed=seed, **params)
+    calls = gw.request("GET", f"/forge/sessions/{session.session_id}")["calls"]
+    return [tuple(c["completion_ids"]) for c in calls], [c["sampling"] for c in calls]
+
+
+def test_eval_session_sampling_replaces_the_agents(stack):
+    gw = stack["gateway"]
+    greedy = gw.open_eval_session("t", "math", sampling={"temperature": 0.0})
+    ids, used = _completions(gw, greedy, 4, temperature=1.0)  # the agent asks for sampling, the session says greedy
+    assert len(set(ids)) == 1 and all(u == {"temperature": 0.0, "top_p": 1.0} for u in used)
+    plain = gw.open_eval_session("t", "math")
+    ids, used = _completions(gw, plain, 4, temperature=1.0)
+    assert len(set(ids)) > 1 and all(u["temperature"] == 1.0 for u in used)  # the agent's values otherwise
+    for s in (greedy, plain):
+        gw.end_session(s.session_id)
+    group = gw.create_group("t", 1)
+    for body, message in [({"eval": True, "task_id": "t", "sampling": {"temperature": 3}}, "temperature must be"),
+                          ({"eval": True, "task_id": "t", "sampling": {"seed": 1}}, "sampling must be an object"),
+                          ({"group_id": group, "sampling": {"temperature": 0}}, "only eval sessions take sampling")]:
+        with pytest.raises(GatewayError, match=message) as err:
+            gw.request("POST", "/forge/sessions", body)
+        assert err.value.status == 400
+
+
+@pytest.mark.parametrize("policy_sampling", [False, True])
+def test_training_calls_sample_from_the_policy(stack, policy_sampling):
+    """An agent asking for greedy decoding: with policy_sampling its training calls are sampled at temperature 1 (the
+    distribution the recorded logprobs belong to); without it they are greedy and counted as tempered."""
+    gw, server = stack["gateway"], stack["server"]
+    server.config.policy_sampling = policy_sampling
+    try:
+        before = dict(server.stats)
+        session = gw.open_session(gw.create_group("policy", 1))
+        ids, used = _completions(gw, session, 4, temperature=0.0, top_p=0.5, extra_body={"top_k": 3})
+        gw.end_session(session.session_id)
+    finally:
+        server.config.policy_sampling = False
+    overrides = server.stats["policy_sampling_overrides"] - before["policy_sampling_overrides"]
+    tempered = server.stats["tempered_calls"] - before["tempered_calls"]
+    if policy_sampling:
+        assert len(set(ids)) > 1 and all(u == {"temperature": 1.0, "top_p": 1.0} for u in used)
+        assert (overrides, tempered) == (4, 0)
+    else:
+        assert len(set(ids)) == 1 and all(u == {"temperature": 0.0, "top_p": 0.5, "top_k": 3} for u in used)
+        assert (overrides, tempered) == (0, 4)
+    assert {"policy_sampling_overrides", "tempered_calls"} <= set(gw.state())
