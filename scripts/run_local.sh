@@ -11,7 +11,8 @@
 # POOL_ARGS (window and reward settings, e.g. "--window-fraction 0.5 --advantage-estimator rloo": applied by the data
 # pool, given to the trainer too, which checks them against the pool), POLICY_SAMPLING (default 1: training calls are
 # sampled from the policy whatever temperature the agent asks; 0: as the agent asks), EVAL_TASKS (held-out tasks JSONL,
-# evaluated every EVAL_EVERY policy versions into RUN_DIR/evals.jsonl).
+# evaluated every EVAL_EVERY policy versions into RUN_DIR/evals.jsonl), EPISODE_TIMEOUT_S (driver-side episode limit,
+# default 1800; the pool times out what is idle for twice that, e.g. after a driver crash).
 set -euo pipefail
 DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
@@ -32,6 +33,7 @@ EXTRA_TRAIN_ARGS="${EXTRA_TRAIN_ARGS:-}"
 POOL_ARGS="${POOL_ARGS:-}"
 DOMAIN_RATIOS="${DOMAIN_RATIOS:-}"
 POLICY_SAMPLING="${POLICY_SAMPLING:-1}"; EVAL_TASKS="${EVAL_TASKS:-}"; EVAL_EVERY="${EVAL_EVERY:-10}"
+EPISODE_TIMEOUT_S="${EPISODE_TIMEOUT_S:-1800}"
 ENGINE_PORT="${ENGINE_PORT:-30000}"; GATEWAY_PORT="${GATEWAY_PORT:-8000}"; POOL_PORT="${POOL_PORT:-5555}"
 
 if [ -n "$AGENT_CMD" ]; then AGENT=(--agent-command "$AGENT_CMD")
@@ -90,10 +92,12 @@ DRIVER_FLAGS=()
 run_bg middleware python -m forge_megatron.agents.middleware_node --model-path "$HF_CHECKPOINT" \
   --engines "$ENGINES_CSV" --port "$GATEWAY_PORT" --pool-bind "$POOL_ADDR" --pool-db "$RUN_DIR/pool.sqlite" \
   --rollout-batch-groups "$GROUPS_PER_STEP" --train-batch-groups "$GROUPS_PER_STEP" --max-staleness 2 "${POOLX[@]}" \
+  --episode-timeout-s "$((EPISODE_TIMEOUT_S * 2))" \
   ${NODE_FLAGS[@]+"${NODE_FLAGS[@]}"}
 wait_http "$GATEWAY_URL/v1/models"
 run_bg driver python -m forge_megatron.agents.driver --gateway-url "$GATEWAY_URL" --tasks "$TASKS" \
   --group-size "$GROUP_SIZE" --max-inflight-groups "$GROUPS_PER_STEP" --pool-addr "$POOL_ADDR" "${AGENT[@]}" \
+  --episode-timeout-s "$EPISODE_TIMEOUT_S" \
   ${DOMAIN_RATIOS:+--domain-ratios "$DOMAIN_RATIOS"} ${DRIVER_FLAGS[@]+"${DRIVER_FLAGS[@]}"}
 
 MODEL_ARGS=()

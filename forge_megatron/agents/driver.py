@@ -72,6 +72,9 @@ class RolloutDriver:
         except GatewayError as exc:
             log.warning("episode of task %s lost: %s", task.task_id, exc)
             return
+        except Exception:  # noqa: BLE001 - a bug must not silently end the group's thread; the pool times it out
+            log.exception("episode of task %s crashed", task.task_id)
+            return
         with self._lock:
             self.reports.append(report)
 

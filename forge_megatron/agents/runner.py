@@ -13,6 +13,9 @@ Three kinds of agents, one contract (``agent.run(task, session, timeout_s) -> Ep
 The trajectory itself is recorded by the gateway from the agent's API calls; the runner only opens the session,
 scores the final answer with a verifier (``verifier(task, output) -> reward``, default: exact match with
 ``task.answer``), sets the reward and ends the session with the episode's status (finished, failed, timed_out).
+Whatever goes wrong on the agent's side ends the session: an agent that raises or cannot start (a missing
+program), a verifier that raises, returns something other than a finite number, or takes longer than
+``verifier_timeout_s``, all end it as ``failed`` with the reason logged, so its group never waits for it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -156,8 +160,45 @@ class HttpAgent:
         return EpisodeResult(output=answer.get("output"), reward=answer.get("reward"))
 
 
+def _call_with_timeout(fn: Callable, args: tuple, timeout_s: float, what: str):
+    """``fn(*args)`` on a worker thread; TimeoutError after ``timeout_s`` (the thread is abandoned, daemon)."""
+    box: list = []
+
+    def target():
+        try:
+            box.append((True, fn(*args)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box.append((False, exc))
+
+    worker = threading.Thread(target=target, daemon=True, name=what)
+    worker.start()
+    worker.join(timeout_s)
+    if not box:
+        raise TimeoutError(f"{what} gave no answer within {timeout_s:.0f}s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def score(verifier: Verifier, task: Task, output, timeout_s: float) -> float:
+    """The verifier's reward for ``output``: a finite number, within ``timeout_s``; raises ValueError otherwise."""
+    try:
+        reward = _call_with_timeout(verifier, (task, output), timeout_s, f"verifier of {task.task_id}")
+    except Exception as exc:  # noqa: BLE001 - any verifier fault fails the episode
+        raise ValueError(f"verifier failed: {type(exc).__name__}: {exc}") from exc
+    return _finite(reward, "the verifier")
+
+
+def _finite(reward, source: str) -> float:
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise ValueError(f"{source} returned the reward {reward!r}, not a finite number")
+    return float(reward)
+
+
 def run_episode(gateway: GatewayClient, agent, task: Task, group_id: str | None, verifier: Verifier = exact_match,
-                timeout_s: float = 300.0, eval_sampling: dict | None = None) -> EpisodeReport:
+                timeout_s: float = 300.0, eval_sampling: dict | None = None,
+                verifier_timeout_s: float = 60.0) -> EpisodeReport:
     """Open a session, run the agent, score it, set the reward, end the session. Never raises for agent faults.
 
     ``group_id`` None: an evaluation episode (``GatewayClient.open_eval_session``, with ``eval_sampling``
@@ -167,10 +208,18 @@ def run_episode(gateway: GatewayClient, agent, task: Task, group_id: str | None,
     else:
         session = gateway.open_session(group_id, {"task_id": task.task_id})
     started = time.time()
-    result = agent.run(task, session, timeout_s)
+    try:
+        result = agent.run(task, session, timeout_s)
+    except Exception as exc:  # noqa: BLE001 - e.g. the agent program does not exist: the episode fails, not the run
+        result = EpisodeResult(status="failed", error=f"the agent could not run: {type(exc).__name__}: {exc}")
     reward = None
     if result.status == "finished":
-        reward = result.reward if result.reward is not None else verifier(task, result.output)
+        try:
+            reward = _finite(result.reward, "the agent") if result.reward is not None else \
+                score(verifier, task, result.output, verifier_timeout_s)
+        except ValueError as exc:
+            result = EpisodeResult(output=result.output, status="failed", error=str(exc))
+    if result.status == "finished":
         gateway.set_reward(session.session_id, reward, result.terms)
     elif result.error:
         log.warning("episode %s of task %s %s: %s", session.session_id, task.task_id, result.status, result.error)

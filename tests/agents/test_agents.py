@@ -123,3 +123,35 @@ def test_middleware_node_pool_settings(tmp_path):
     assert not cfg.drop_zero_advantage_groups
     assert pool_config(build_parser().parse_args(["--model-path", "m", "--engines", "http://127.0.0.1:1",
                                                   "--drop-zero-advantage-groups"])).drop_zero_advantage_groups
+
+
+def test_agent_and_verifier_faults_end_the_session_as_failed(stack, caplog):
+    """A missing agent program, a verifier that raises, returns a non-number or hangs, a white-box agent reporting a
+    NaN reward: each episode ends as failed (its group does not wait for it) and the runner returns normally."""
+    import time
+
+    gw, sink = stack["gateway"], stack["sink"]
+    task = Task(task_id="faulty", prompt="1+1", answer="2")
+
+    def answers(task, session):
+        _white_box(task, session)  # one real model call
+        return "2"
+
+    def raising(task, output):
+        raise RuntimeError("sandbox crashed")
+
+    cases = [(CommandAgent(["/nonexistent/agent-binary"]), exact_match, "could not run"),
+             (PythonAgent(answers), raising, "sandbox crashed"),
+             (PythonAgent(answers), lambda t, o: "yes", "not a finite number"),
+             (PythonAgent(answers), lambda t, o: threading.Event().wait(30), "no answer within"),
+             (PythonAgent(lambda t, s: EpisodeResult(output="2", reward=float("nan"))), exact_match, "not a finite")]
+    group = gw.create_group(task.task_id, len(cases))
+    before = len(sink.episodes)
+    for agent, verifier, reason in cases:
+        start = time.monotonic()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="forge.agents"):
+            report = run_episode(gw, agent, task, group, verifier, timeout_s=60, verifier_timeout_s=0.5)
+        assert report.status == "failed" and report.reward is None
+        assert time.monotonic() - start < 20 and reason in caplog.text  # the reason is logged
+    assert [e.status for e in sink.episodes[before:]] == ["failed"] * len(cases)

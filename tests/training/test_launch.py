@@ -27,8 +27,13 @@ def _commands(stdout: str) -> list[list[str]]:
     return cmds
 
 
-def test_bash_syntax():
+def test_bash_syntax_and_help():
     assert subprocess.run(["bash", "-n", SBATCH]).returncode == 0
+    shown = subprocess.run(["bash", SBATCH, "--help"], capture_output=True, text=True).stdout
+    with open(SBATCH) as f:
+        header = [line.rstrip("\n") for line in f.readlines()[1:] if line.startswith("#")]
+    settings = header[:next(i for i, line in enumerate(header) if "Without slurm" in line) + 1]
+    assert shown.splitlines() == settings  # --help shows the whole header, nothing cut off
 
 
 @pytest.mark.parametrize("layout", [
@@ -96,6 +101,8 @@ def test_dry_run_plan_is_consistent(layout):
 
     rollout_args = driver_parser().parse_args(driver[driver.index("forge_megatron.agents.driver") + 1:])
     assert rollout_args.eval_tasks == layout.get("EVAL_TASKS")  # held-out evaluation only when asked for
+    # the pool times out what a crashed driver leaves running, later than the driver itself would
+    assert node.episode_timeout_s == 2 * rollout_args.episode_timeout_s == 3600
     if layout.get("EVAL_TASKS"):
         assert rollout_args.eval_every_versions == layout["EVAL_EVERY"] and rollout_args.eval_output.endswith("evals.jsonl")
     if layout.get("DOMAIN_RATIOS"):
