@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 SINGLETON_MODES = ("zero", "raw", "error")
 RESERVED_TERMS = ("outcome", "completion_time", "segment_rewards")
-DEFAULT_PROCESS_WEIGHTS = {"malformed_tool_calls": -0.1, "failed_tool_calls": 0.0, "language_mixing": -0.5}
+DEFAULT_PROCESS_WEIGHTS = {"malformed_tool_calls": -0.1, "failed_tool_calls": 0.0, "language_mixing": -0.5,
+                           "truncated_calls": 0.0}
 
 
 @dataclass
@@ -170,6 +171,7 @@ class ProcessContext:
     tool_calls: int = 0
     malformed_tool_calls: int = 0
     failed_tool_calls: int = 0
+    truncated_calls: int = 0  # calls cut at max_tokens (overlong answers: DAPO penalises them)
 
 
 PROCESS_TERMS: dict[str, Callable[[ProcessContext], float]] = {}
@@ -222,6 +224,11 @@ def _malformed_tool_calls(ctx: ProcessContext) -> float:
 @register_process_term("failed_tool_calls")
 def _failed_tool_calls(ctx: ProcessContext) -> float:
     return float(ctx.failed_tool_calls)
+
+
+@register_process_term("truncated_calls")
+def _truncated_calls(ctx: ProcessContext) -> float:
+    return float(ctx.truncated_calls)
 
 
 @register_process_term("language_mixing")

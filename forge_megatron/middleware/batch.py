@@ -11,7 +11,8 @@ Episode -> EpisodeOutcome mapping (the pool's contract with the algorithm layer)
   success         = episode.metadata["success"] when present, else outcome_reward > 0
   duration_s      = episode.ended_at - episode.started_at
   num_segments    = len(episode.segments)
-  process_terms   = episode.reward_terms plus {"malformed_tool_calls": num_malformed_tool_calls}
+  process_terms   = episode.reward_terms plus {"malformed_tool_calls": num_malformed_tool_calls,
+                                               "truncated_calls": num_truncated_calls}
   segment_rewards = [segment.reward or 0.0 per segment]
   domain          = episode.domain
   metadata        = the group's task metadata updated with episode.metadata (for a user reward function)
@@ -82,6 +83,7 @@ def episode_outcome(episode: Episode, task_metadata: dict | None = None):
     success = bool(episode.metadata.get("success", reward > 0))
     terms = {k: float(v) for k, v in episode.reward_terms.items()}
     terms["malformed_tool_calls"] = float(episode.num_malformed_tool_calls)
+    terms["truncated_calls"] = float(episode.num_truncated_calls)
     return EpisodeOutcome(
         outcome_reward=reward,
         success=success,

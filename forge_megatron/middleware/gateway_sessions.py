@@ -225,6 +225,7 @@ class Session:
             reward=self.reward, reward_terms=dict(self.reward_terms), started_at=self.started_at,
             ended_at=self.ended_at, num_tool_calls=sum(c.num_tool_calls for c in self.calls),
             num_malformed_tool_calls=sum(c.num_malformed_tool_calls for c in self.calls),
+            num_truncated_calls=sum(c.finish_reason == "length" for c in self.calls),
             metadata={**self.metadata, "num_calls": len(self.calls)},
         )
 

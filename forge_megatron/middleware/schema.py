@@ -95,6 +95,7 @@ class Episode:
     ended_at: float = 0.0  # wall clock of session end
     num_tool_calls: int = 0
     num_malformed_tool_calls: int = 0
+    num_truncated_calls: int = 0  # calls that ended at max_tokens (finish_reason "length")
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:

@@ -751,3 +751,27 @@ def test_cli_reports_bad_configuration(model_dir):
         main(["--model-path", model_dir, "--engines", "http://127.0.0.1:9", "--host", "0.0.0.0"])
     with pytest.raises(SystemExit, match="forge-gateway: return_routed_experts: .* is not a MoE model"):
         main(["--model-path", model_dir, "--engines", "http://127.0.0.1:9", "--return-routed-experts"])
+
+
+def test_calls_cut_at_max_tokens_are_counted_and_can_be_penalised(stack):
+    """A call that ends at max_tokens counts in Episode.num_truncated_calls; the pool's scoring turns it into the
+    ``truncated_calls`` process term, which ``--reward-weights truncated_calls=W`` weighs (0 by default)."""
+    from forge_megatron.algo.rewards import RewardConfig, score_group
+    from forge_megatron.middleware.batch import episode_outcome
+
+    gw, _ = stack
+    s = new_session(gw)
+    for max_tokens in (2, 64):  # the first is cut (finish_reason length); the second may end by itself
+        r = client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                              max_tokens=max_tokens, temperature=0.0)
+        if max_tokens == 2:
+            assert r.choices[0].finish_reason == "length"
+    finishes = [c["finish_reason"] for c in calls(gw, s)]
+    end(gw, s)
+    ep = episode(gw, s)
+    assert ep.num_truncated_calls == finishes.count("length") >= 1
+    outcome = episode_outcome(ep)
+    assert outcome.process_terms["truncated_calls"] == ep.num_truncated_calls
+    weighted = score_group([outcome], RewardConfig(process_weights={"truncated_calls": -0.5}, singleton_group="raw"))
+    assert weighted.terms[0]["truncated_calls"] == -0.5 * ep.num_truncated_calls
+    assert "truncated_calls" in score_group([outcome], RewardConfig(singleton_group="raw")).terms[0]  # weight 0
