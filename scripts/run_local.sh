@@ -92,7 +92,7 @@ DRIVER_FLAGS=()
 run_bg middleware python -m forge_megatron.agents.middleware_node --model-path "$HF_CHECKPOINT" \
   --engines "$ENGINES_CSV" --port "$GATEWAY_PORT" --pool-bind "$POOL_ADDR" --pool-db "$RUN_DIR/pool.sqlite" \
   --rollout-batch-groups "$GROUPS_PER_STEP" --train-batch-groups "$GROUPS_PER_STEP" --max-staleness 2 "${POOLX[@]}" \
-  --episode-timeout-s "$((EPISODE_TIMEOUT_S * 2))" \
+  --episode-timeout-s "$((EPISODE_TIMEOUT_S * 2))" --session-idle-timeout-s "$((EPISODE_TIMEOUT_S * 2))" \
   ${NODE_FLAGS[@]+"${NODE_FLAGS[@]}"}
 wait_http "$GATEWAY_URL/v1/models"
 run_bg driver python -m forge_megatron.agents.driver --gateway-url "$GATEWAY_URL" --tasks "$TASKS" \

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy-sampling", action="store_true",
                    help="sample every training call from the policy itself (temperature 1, top_p 1, no top_k), "
                         "whatever the agent asks, so recorded logprobs are the sampler's (eval sessions exempt)")
+    g.add_argument("--session-idle-timeout-s", type=float, default=None,
+                   help="end open sessions with no call for this long as timed_out (their agent or driver died); "
+                        "default: never")
     d = p.add_argument_group("data pool")
     d.add_argument("--pool-bind", default="tcp://127.0.0.1:5555")
     d.add_argument("--pool-db", default="pool.sqlite")
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
                                     host=args.host, port=args.port, admin_token=args.admin_token,
                                     tool_parser=args.tool_parser, default_max_tokens=args.default_max_tokens,
                                     return_routed_experts=args.return_routed_experts,
-                                    resume_aborted=args.resume_aborted, policy_sampling=args.policy_sampling),
+                                    resume_aborted=args.resume_aborted, policy_sampling=args.policy_sampling,
+                                    session_idle_timeout_s=args.session_idle_timeout_s),
                       sink=pool)
     print(f"forge-pool serving on {server.address}", flush=True)
     try:

@@ -93,6 +93,9 @@ class GatewayConfig:
     # Training calls sample from the policy itself (temperature 1, top_p 1, no top_k) whatever the agent asks: the
     # engine's logprobs are the policy's, so only then are they the sampling distribution's (see the module doc).
     policy_sampling: bool = False
+    # Open sessions with no call for this long (none in flight) are ended as timed_out and sent to the sink, so
+    # sessions whose agent or driver died do not stay in memory for the rest of the run. None: never.
+    session_idle_timeout_s: float | None = None
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -107,6 +110,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.pause_wait_s < 0:
             raise ValueError(f"pause_wait_s must be >= 0, got {self.pause_wait_s}")
+        if self.session_idle_timeout_s is not None and not self.session_idle_timeout_s > 0:
+            raise ValueError(f"session_idle_timeout_s must be > 0 or None, got {self.session_idle_timeout_s}")
 
 
 def _is_loopback(host: str) -> bool:
@@ -342,7 +347,8 @@ class Gateway:
         self.inflight = 0
         # engine aborts seen (weight updates); sampled tokens kept across them / thrown away (not resuming)
         self.stats = {"aborts": 0, "resumed_tokens": 0, "discarded_tokens": 0, "policy_sampling_overrides": 0,
-                      "tempered_calls": 0}
+                      "tempered_calls": 0, "reaped_sessions": 0}
+        self._reaper: asyncio.Task | None = None
         self.base_url = config.public_url or f"http://{config.host}:{config.port}"
 
     # --- pause / resume ---------------------------------------------------------------------------------------
@@ -386,6 +392,59 @@ class Gateway:
         if open_only and sess.ended:
             raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
         return sess
+
+    async def close_session(self, sess: Session, status: str) -> str:
+        """End ``sess`` with ``status`` (after a call in flight) and send its episode to the sink (not an eval
+        session's); returns the sink's answer. SchemaError when the sink refuses it (the session stays ended)."""
+        async with sess.lock:
+            sess.status, sess.ended_at = status, time.time()
+            sess.last_active = sess.ended_at
+        outcome = "eval"
+        if not sess.evaluation:
+            outcome = await asyncio.to_thread(self.sink.submit_episode, sess.to_episode())
+        self.retire(sess)
+        return outcome or "accepted"
+
+    async def reap_idle_sessions(self, now: float | None = None) -> int:
+        """End open sessions idle for ``session_idle_timeout_s`` (no call in flight) as timed_out."""
+        timeout = self.config.session_idle_timeout_s
+        if timeout is None:
+            return 0
+        now = time.time() if now is None else now
+        idle = [s for s in self.sessions.values()
+                if not s.ended and not s.lock.locked() and now - s.last_active > timeout]
+        for sess in idle:
+            if sess.ended or sess.lock.locked():  # a call or an end arrived meanwhile
+                continue
+            try:
+                outcome = await self.close_session(sess, "timed_out")
+            except SchemaError as exc:
+                outcome = f"refused ({exc})"
+                self.retire(sess)
+            self.stats["reaped_sessions"] += 1
+            log.warning("session %s (task %s) had no call for %.0fs: ended as timed_out; sink: %s", sess.session_id,
+                        sess.task_id, now - sess.last_active, outcome)
+        return len(idle)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            timeout = self.config.session_idle_timeout_s
+            await asyncio.sleep(5.0 if timeout is None else min(60.0, max(0.05, timeout / 4)))
+            try:
+                await self.reap_idle_sessions()
+            except Exception:  # noqa: BLE001 - the reaper must outlive a sink hiccup
+                log.exception("reaping idle sessions failed")
+
+    def start_background(self) -> None:
+        """Engine health checks and the idle-session reaper, on the running event loop."""
+        self.fleet.start_health_loop()
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def stop_background(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+        await self.fleet.close()
 
     def retire(self, sess: Session) -> None:
         """Remember ``sess`` as ended; forget the oldest ended sessions beyond ``keep_ended_sessions``."""
@@ -721,6 +780,7 @@ async def serve_call(gw: Gateway, sess: Session, req: ChatRequest, stream):
     """One call of ``sess`` under its lock (counted in flight, waiting out a pause): ``await stream(sess, req,
     call)``'s response when ``req.stream``, else ``(call, result, message, finish)`` once it is recorded. Shared by
     the OpenAI and Anthropic routes."""
+    sess.last_active = time.time()  # also while it waits out a pause: not idle
     await gw.wait_resumed()
     gw.inflight += 1
     try:
@@ -734,6 +794,7 @@ async def serve_call(gw: Gateway, sess: Session, req: ChatRequest, stream):
             return (call, result, *gw.finish(sess, call, result, req))
     finally:
         gw.inflight -= 1
+        sess.last_active = time.time()
 
 
 def stream_holds(gw: Gateway, req: ChatRequest, call: _Call) -> list[str]:
@@ -939,18 +1000,12 @@ async def end_session(request: web.Request, gw: Gateway) -> web.Response:
         raise _bad("status", f"status must be one of {EPISODE_STATUSES}, got {status!r}")
     if status == "finished" and not sess.segments:
         raise _bad("status", "the session made no calls; end it as failed or aborted")
-    async with sess.lock:
-        sess.status, sess.ended_at = status, time.time()
-    if sess.evaluation:
-        outcome = "eval"
-    else:
-        try:
-            outcome = await asyncio.to_thread(gw.sink.submit_episode, sess.to_episode())
-        except SchemaError as exc:
-            raise ApiError(409, f"the episode sink rejected the episode: {exc}", param="episode",
-                           code="episode_rejected") from exc
-    gw.retire(sess)
-    return web.json_response({"session_id": sess.session_id, "status": status, "sink": outcome or "accepted",
+    try:
+        outcome = await gw.close_session(sess, status)
+    except SchemaError as exc:
+        raise ApiError(409, f"the episode sink rejected the episode: {exc}", param="episode",
+                       code="episode_rejected") from exc
+    return web.json_response({"session_id": sess.session_id, "status": status, "sink": outcome,
                               "num_segments": len(sess.segments), "num_calls": len(sess.calls),
                               **sess.sampled_stats()})
 
@@ -1008,9 +1063,9 @@ async def serve(gw: Gateway, ready=None) -> None:
     def started(port: int) -> None:
         if gw.config.public_url is None:
             gw.base_url = f"http://{gw.config.host}:{port}"
-        gw.fleet.start_health_loop()
+        gw.start_background()
 
-    await serve_app(make_app(gw), gw.config.host, gw.config.port, ready, started=started, stopping=gw.fleet.close)
+    await serve_app(make_app(gw), gw.config.host, gw.config.port, ready, started=started, stopping=gw.stop_background)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1036,6 +1091,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy-sampling", action="store_true",
                    help="sample every training call from the policy itself (temperature 1, top_p 1, no top_k), "
                         "whatever the agent asks, so recorded logprobs are the sampler's (eval sessions exempt)")
+    p.add_argument("--session-idle-timeout-s", type=float, default=None,
+                   help="end open sessions with no call for this long as timed_out (their agent or driver died); "
+                        "default: never")
     p.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
                    help="re-issue a call that an engine aborted for a weight update from its prompt, dropping the "
                         "tokens it had sampled (default: go on from them, each token keeping the policy version and "
@@ -1067,7 +1125,8 @@ def main(argv: list[str] | None = None) -> None:
             port=args.port, public_url=args.public_url, admin_token=args.admin_token, tool_parser=args.tool_parser,
             context_length=args.context_length, default_max_tokens=args.default_max_tokens,
             pause_wait_s=args.pause_wait_s, return_routed_experts=args.return_routed_experts,
-            resume_aborted=args.resume_aborted, policy_sampling=args.policy_sampling)
+            resume_aborted=args.resume_aborted, policy_sampling=args.policy_sampling,
+            session_idle_timeout_s=args.session_idle_timeout_s)
     except ValueError as exc:
         raise SystemExit(f"forge-gateway: {exc}") from exc
     sink = JsonlSink(args.episodes_jsonl) if args.episodes_jsonl else ListSink()

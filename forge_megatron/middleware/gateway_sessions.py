@@ -184,6 +184,7 @@ class Session:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     api_key: str = field(default_factory=lambda: "forge-" + secrets.token_urlsafe(24))
     started_at: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.time)  # start of the session or of its latest call, or its end
     calls: list[CallRecord] = field(default_factory=list)
     segments: list[SegmentBuilder] = field(default_factory=list)
     last_turn: _Turn | None = None

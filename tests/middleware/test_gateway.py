@@ -775,3 +775,36 @@ def test_calls_cut_at_max_tokens_are_counted_and_can_be_penalised(stack):
     weighted = score_group([outcome], RewardConfig(process_weights={"truncated_calls": -0.5}, singleton_group="raw"))
     assert weighted.terms[0]["truncated_calls"] == -0.5 * ep.num_truncated_calls
     assert "truncated_calls" in score_group([outcome], RewardConfig(singleton_group="raw")).terms[0]  # weight 0
+
+
+def test_idle_sessions_are_reaped_as_timed_out(model_dir, stack):
+    """session_idle_timeout_s: a session whose agent went silent is ended as timed_out and its episode reaches the
+    sink (so its group completes); a session that keeps calling is left alone; the silent agent's next call gets a
+    404 naming the end."""
+    from forge_megatron.middleware.gateway import Gateway, GatewayConfig, serve
+    from forge_megatron.rollout.launch import ThreadServer
+
+    _, engines = stack
+    gw = Gateway(GatewayConfig(model_path=model_dir, engine_urls=[engines[0].url], port=0,
+                               session_idle_timeout_s=0.6))
+    server = ThreadServer(lambda ready: serve(gw, ready))
+    server.gateway = gw
+    try:
+        silent, busy = new_session(server), new_session(server)
+        ask = dict(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=2, temperature=0.0)
+        client(silent).chat.completions.create(**ask)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # the busy agent calls every ~0.2 s, well inside the timeout
+            client(busy).chat.completions.create(**ask)
+            time.sleep(0.2)
+        reaped = {e.episode_id: e for e in gw.sink.episodes}
+        assert silent["session_id"] in reaped and reaped[silent["session_id"]].status == "timed_out"
+        assert len(reaped[silent["session_id"]].segments) == 1  # its call was kept
+        assert busy["session_id"] not in reaped and gw.stats["reaped_sessions"] == 1
+        with pytest.raises(openai.NotFoundError, match="has ended"):
+            client(silent).chat.completions.create(**ask)
+        assert end(server, busy)[0] == 200
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="session_idle_timeout_s must be > 0"):
+        GatewayConfig(model_path=model_dir, engine_urls=["http://x"], session_idle_timeout_s=0)

@@ -102,7 +102,7 @@ def test_dry_run_plan_is_consistent(layout):
     rollout_args = driver_parser().parse_args(driver[driver.index("forge_megatron.agents.driver") + 1:])
     assert rollout_args.eval_tasks == layout.get("EVAL_TASKS")  # held-out evaluation only when asked for
     # the pool times out what a crashed driver leaves running, later than the driver itself would
-    assert node.episode_timeout_s == 2 * rollout_args.episode_timeout_s == 3600
+    assert node.episode_timeout_s == node.session_idle_timeout_s == 2 * rollout_args.episode_timeout_s == 3600
     if layout.get("EVAL_TASKS"):
         assert rollout_args.eval_every_versions == layout["EVAL_EVERY"] and rollout_args.eval_output.endswith("evals.jsonl")
     if layout.get("DOMAIN_RATIOS"):
