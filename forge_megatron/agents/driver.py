@@ -9,6 +9,12 @@ policy lag of what the trainer receives stays bounded.
     python -m forge_megatron.agents.driver --gateway-url http://127.0.0.1:8000 --tasks tasks.jsonl \\
         --group-size 8 --agent-command "python -m forge_megatron.agents.calculator"
 
+Curriculum (``--retire-solved-after N``): a task whose last N groups were solved by every episode (finished, reward
+> 0) is retired: no more groups of it, since they would give no policy-gradient signal (the pool's dynamic sampling
+would drop them after paying for the rollouts). With ``--retired-tasks FILE`` retired task ids are appended there
+and read back at start, so a restarted driver keeps its curriculum. A domain whose tasks are all retired leaves the
+mix (the others keep their relative ratios); once every task is retired the driver stops starting groups.
+
 With ``--eval-tasks heldout.jsonl`` it also evaluates the served policy on held-out tasks at version 0 and every
 ``--eval-every-versions`` versions, in gateway eval sessions that are never trained on (``agents/evaluate.py``).
 """
@@ -40,9 +46,11 @@ class RolloutDriver:
     def __init__(self, gateway: GatewayClient, agent, tasks: list[Task], group_size: int,
                  verifier: Verifier = exact_match, max_inflight_groups: int = 4, episode_timeout_s: float = 300.0,
                  domain_ratios: dict[str, float] | None = None, can_admit: Callable[[], bool] | None = None,
-                 seed: int = 0):
+                 seed: int = 0, retire_solved_after: int = 0, retired_tasks_path: str | None = None):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if retire_solved_after < 0:
+            raise ValueError(f"retire_solved_after must be >= 0, got {retire_solved_after}")
         if max_inflight_groups < 1:
             raise ValueError(f"max_inflight_groups must be >= 1, got {max_inflight_groups}")
         self.gateway, self.agent, self.verifier = gateway, agent, verifier
@@ -52,7 +60,11 @@ class RolloutDriver:
         missing = sorted(set(ratios) - set(self.pools))
         if missing:
             raise ValueError(f"domain_ratios name domains without tasks: {missing}")
+        self.ratios, self.seed = dict(ratios), seed
         self.mixer = DomainMixer(ratios, seed=seed)
+        self.retire_solved_after, self.retired_tasks_path = retire_solved_after, retired_tasks_path
+        self.retired: set[str] = set()
+        self._solved_streak: dict[str, int] = {}
         self.can_admit = can_admit or (lambda: True)
         self.reports: deque[EpisodeReport] = deque(maxlen=10000)
         self.groups_started = 0
@@ -60,29 +72,71 @@ class RolloutDriver:
         self._queue: deque[tuple[str, Task]] = deque()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_inflight_groups * group_size, thread_name_prefix="episode")
+        if retired_tasks_path and os.path.exists(retired_tasks_path):
+            with open(retired_tasks_path) as f:
+                known = {t.task_id for t in tasks}
+                self._retire({line.strip() for line in f if line.strip() in known}, persist=False)
+
+    @property
+    def exhausted(self) -> bool:
+        """Every task is retired: nothing left to start."""
+        return not any(self.pools.values())
+
+    def _retire(self, task_ids: set[str], persist: bool = True) -> None:
+        """Take ``task_ids`` out of the pools; domains left without tasks leave the mix. Caller holds no lock."""
+        with self._lock:
+            new = task_ids - self.retired
+            if not new:
+                return
+            self.retired |= new
+            for domain in list(self.pools):
+                self.pools[domain] = [t for t in self.pools[domain] if t.task_id not in new]
+            live = {d: r for d, r in self.ratios.items() if self.pools.get(d)}
+            if sum(live.values()) > 0:  # a fresh mixer over the remaining pools (seeded by progress)
+                self.mixer = DomainMixer(live, seed=self.seed + len(self.retired))
+            else:  # only domains the ratios exclude have tasks left: nothing to draw
+                self.pools = {d: [] for d in self.pools}
+            self._queue = deque(item for item in self._queue if item[1].task_id not in new)
+            if persist and self.retired_tasks_path:
+                with open(self.retired_tasks_path, "a") as f:
+                    f.writelines(f"{task_id}\n" for task_id in sorted(new))
+        log.info("retired %d task(s) solved by every episode of their last %d groups: %s (%d retired, %d left)",
+                 len(new), self.retire_solved_after, ", ".join(sorted(new)[:5]) + (" ..." if len(new) > 5 else ""),
+                 len(self.retired), sum(len(p) for p in self.pools.values()))
 
     def _run_group(self, task: Task, group_id: str) -> None:
         episodes = [self._pool.submit(self._episode, task, group_id) for _ in range(self.group_size)]
-        for fut in episodes:
-            fut.result()
+        reports = [fut.result() for fut in episodes]
+        if self.retire_solved_after:
+            solved = len(reports) == self.group_size and all(
+                r is not None and r.status == "finished" and r.reward is not None and r.reward > 0 for r in reports)
+            with self._lock:
+                streak = self._solved_streak[task.task_id] = (self._solved_streak.get(task.task_id, 0) + 1) * solved
+            if streak >= self.retire_solved_after:
+                self._retire({task.task_id})
 
-    def _episode(self, task: Task, group_id: str) -> None:
+    def _episode(self, task: Task, group_id: str) -> EpisodeReport | None:
         try:
             report = run_episode(self.gateway, self.agent, task, group_id, self.verifier, self.episode_timeout_s)
         except GatewayError as exc:
             log.warning("episode of task %s lost: %s", task.task_id, exc)
-            return
+            return None
         except Exception:  # noqa: BLE001 - a bug must not silently end the group's thread; the pool times it out
             log.exception("episode of task %s crashed", task.task_id)
-            return
+            return None
         with self._lock:
             self.reports.append(report)
+        return report
 
-    def _next_task(self) -> tuple[str, Task]:
-        """Tasks come in mixed batches of ``2 * max_inflight_groups`` so each batch holds the domain ratios."""
-        if not self._queue:
-            self._queue.extend(self.mixer.draw(self.pools, 2 * self.max_inflight_groups))
-        return self._queue.popleft()
+    def _next_task(self) -> tuple[str, Task] | None:
+        """Tasks come in mixed batches of ``2 * max_inflight_groups`` so each batch holds the domain ratios; None
+        once every task is retired."""
+        with self._lock:
+            if not any(self.pools.values()):
+                return None
+            if not self._queue:
+                self._queue.extend(self.mixer.draw(self.pools, 2 * self.max_inflight_groups))
+            return self._queue.popleft()
 
     def _wait_for_slot(self, stop: threading.Event) -> bool:
         while not stop.is_set():
@@ -104,7 +158,12 @@ class RolloutDriver:
         groups = ThreadPoolExecutor(max_workers=self.max_inflight_groups, thread_name_prefix="group")
         try:
             while (max_groups is None or self.groups_started < max_groups) and self._wait_for_slot(stop):
-                domain, task = self._next_task()
+                picked = self._next_task()
+                if picked is None:
+                    log.warning("every task is retired (solved by every episode of its last %d groups): no more "
+                                "groups to start", self.retire_solved_after)
+                    break
+                domain, task = picked
                 try:
                     group_id = self.gateway.create_group(task.task_id, self.group_size, domain, task.metadata)
                 except GatewayError as exc:
@@ -142,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier", default=None, help="'module:function' (task, output) -> reward; default exact match")
     p.add_argument("--max-groups", type=int, default=None, help="stop after this many groups (default: run until killed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--retire-solved-after", type=int, default=0, metavar="N",
+                   help="curriculum: stop drawing a task once its last N groups were solved by every episode "
+                        "(0: never)")
+    p.add_argument("--retired-tasks", default=None, metavar="FILE",
+                   help="append retired task ids here and skip the ones listed at start (survives restarts)")
     from forge_megatron.agents.evaluate import add_eval_arguments
 
     add_eval_arguments(p, periodic=True)
@@ -163,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway, agent, load_tasks(args.tasks), args.group_size, verifier=verifier,
         max_inflight_groups=args.max_inflight_groups, episode_timeout_s=args.episode_timeout_s,
         domain_ratios=args.domain_ratios, can_admit=can_admit, seed=args.seed,
+        retire_solved_after=args.retire_solved_after, retired_tasks_path=args.retired_tasks,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -184,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
 def _report(driver: RolloutDriver, stop: threading.Event, every_s: float = 10.0) -> None:
     while not stop.wait(every_s):
         rate = driver.success_rate(last=200)
-        log.info("groups started %d, episodes done %d, success (last 200) %s", driver.groups_started,
-                 len(driver.reports), "-" if rate is None else f"{rate:.2f}")
+        log.info("groups started %d, episodes done %d, success (last 200) %s%s", driver.groups_started,
+                 len(driver.reports), "-" if rate is None else f"{rate:.2f}",
+                 f", tasks retired {len(driver.retired)}" if driver.retire_solved_after else "")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def test_bash_syntax_and_help():
          FP32_LM_HEAD=1, POLICY_SAMPLING=0),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
          USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1,
-         EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5),
+         EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5, RETIRE_SOLVED_AFTER=3),
 ])
 def test_dry_run_plan_is_consistent(layout):
     out = _dry_run(**layout)
@@ -101,6 +101,8 @@ def test_dry_run_plan_is_consistent(layout):
 
     rollout_args = driver_parser().parse_args(driver[driver.index("forge_megatron.agents.driver") + 1:])
     assert rollout_args.eval_tasks == layout.get("EVAL_TASKS")  # held-out evaluation only when asked for
+    assert rollout_args.retire_solved_after == layout.get("RETIRE_SOLVED_AFTER", 0)
+    assert (rollout_args.retired_tasks or "").endswith("retired_tasks.txt") is bool(layout.get("RETIRE_SOLVED_AFTER"))
     # the pool times out what a crashed driver leaves running, later than the driver itself would
     assert node.episode_timeout_s == node.session_idle_timeout_s == 2 * rollout_args.episode_timeout_s == 3600
     if layout.get("EVAL_TASKS"):
