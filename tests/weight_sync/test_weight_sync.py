@@ -444,7 +444,7 @@ def test_config_errors(kwargs, message):
 # store wrapped in PrefixStore(group_name), then torch's group constructor), written out here on its own so that a
 # change on the trainer's side that SGLang would not match fails this test instead of hanging a real sync.
 _SGLANG_STYLE_PEER = """
-import datetime, inspect, sys
+import datetime, inspect, os, sys
 import torch, torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 port, name = int(sys.argv[1]), sys.argv[2]
@@ -459,7 +459,10 @@ t = torch.zeros(3)
 opts = dist.BroadcastOptions()
 opts.rootRank = 0
 group.broadcast([t], opts).wait()
-print(t.tolist())
+print(t.tolist(), flush=True)
+# An engine keeps its groups for its lifetime; skip the interpreter teardown, where gloo's destructor can race the
+# trainer's end of the pair and abort ("terminate called without an active exception", seen under load).
+os._exit(0)
 """
 
 
