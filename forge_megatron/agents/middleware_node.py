@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 
-from forge_megatron.middleware.gateway import Gateway, GatewayConfig, serve
+from forge_megatron.middleware.gateway import Gateway, GatewayConfig, add_session_options, serve, session_options
 from forge_megatron.middleware.pool import DataPool, PoolConfig
 from forge_megatron.middleware.transport import PoolServer
 
@@ -33,20 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     g.add_argument("--admin-token", default=os.environ.get("FORGE_ADMIN_TOKEN"))
-    g.add_argument("--tool-parser", default="hermes")
-    g.add_argument("--default-max-tokens", type=int, default=1024)
-    g.add_argument("--return-routed-experts", action="store_true",
-                   help="MoE: keep each token's routed experts in the episodes (rollout routing replay; the engines "
-                        "need --enable-return-routed-experts, the trainer --routing-replay)")
-    g.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
-                   help="re-issue calls aborted by a weight update from their prompt (default: go on from the tokens "
-                        "already sampled, each keeping its policy version and logprob)")
-    g.add_argument("--policy-sampling", action="store_true",
-                   help="sample every training call from the policy itself (temperature 1, top_p 1, no top_k), "
-                        "whatever the agent asks, so recorded logprobs are the sampler's (eval sessions exempt)")
-    g.add_argument("--session-idle-timeout-s", type=float, default=None,
-                   help="end open sessions with no call for this long as timed_out (their agent or driver died); "
-                        "default: never")
+    add_session_options(g)
     d = p.add_argument_group("data pool")
     d.add_argument("--pool-bind", default="tcp://127.0.0.1:5555")
     d.add_argument("--pool-db", default="pool.sqlite")
@@ -86,10 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     server = PoolServer(pool, bind=args.pool_bind).start()
     gateway = Gateway(GatewayConfig(model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u],
                                     host=args.host, port=args.port, admin_token=args.admin_token,
-                                    tool_parser=args.tool_parser, default_max_tokens=args.default_max_tokens,
-                                    return_routed_experts=args.return_routed_experts,
-                                    resume_aborted=args.resume_aborted, policy_sampling=args.policy_sampling,
-                                    session_idle_timeout_s=args.session_idle_timeout_s),
+                                    **session_options(args)),
                       sink=pool)
     print(f"forge-pool serving on {server.address}", flush=True)
     try:

@@ -1068,23 +1068,11 @@ async def serve(gw: Gateway, ready=None) -> None:
     await serve_app(make_app(gw), gw.config.host, gw.config.port, ready, started=started, stopping=gw.stop_background)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="forge-gateway",
-        description="OpenAI-compatible gateway that records agent calls as training episodes. Example: "
-                    "forge-gateway --model-path /tmp/tiny --engines http://127.0.0.1:30000 --port 8000",
-    )
-    p.add_argument("--model-path", required=True, help="local HF directory with the tokenizer and chat template")
-    p.add_argument("--engines", required=True, help="comma-separated SGLang/forge-engine URLs")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others need --admin-token)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one; printed as FORGE_READY)")
-    p.add_argument("--public-url", default=None, help="base URL handed to agents (default http://host:port)")
-    p.add_argument("--admin-token", default=os.environ.get("FORGE_ADMIN_TOKEN"),
-                   help="token for /forge/* (env FORGE_ADMIN_TOKEN); required beyond loopback")
+def add_session_options(p) -> None:
+    """How calls are parsed, sampled and recorded: the flags forge-gateway and forge-node share."""
     p.add_argument("--tool-parser", default="hermes", help="tool-call parser: hermes|qwen|none or a registered one")
-    p.add_argument("--context-length", type=int, default=None, help="max prompt tokens + new tokens")
-    p.add_argument("--default-max-tokens", type=int, default=1024)
-    p.add_argument("--pause-wait-s", type=float, default=120.0, help="how long calls wait while paused")
+    p.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="max_tokens of a call that sets neither max_tokens nor max_completion_tokens")
     p.add_argument("--return-routed-experts", action="store_true",
                    help="MoE models: ask the engines for each token's routed experts and keep them in the episodes "
                         "for rollout routing replay (trainer --routing-replay; SGLang --enable-return-routed-experts)")
@@ -1098,6 +1086,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-issue a call that an engine aborted for a weight update from its prompt, dropping the "
                         "tokens it had sampled (default: go on from them, each token keeping the policy version and "
                         "logprob it was sampled with, a stream without a break)")
+
+
+def session_options(args: argparse.Namespace) -> dict:
+    """The GatewayConfig fields of :func:`add_session_options`' flags."""
+    return dict(tool_parser=args.tool_parser, default_max_tokens=args.default_max_tokens,
+                return_routed_experts=args.return_routed_experts, resume_aborted=args.resume_aborted,
+                policy_sampling=args.policy_sampling, session_idle_timeout_s=args.session_idle_timeout_s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="forge-gateway",
+        description="OpenAI-compatible gateway that records agent calls as training episodes. Example: "
+                    "forge-gateway --model-path /tmp/tiny --engines http://127.0.0.1:30000 --port 8000",
+    )
+    p.add_argument("--model-path", required=True, help="local HF directory with the tokenizer and chat template")
+    p.add_argument("--engines", required=True, help="comma-separated SGLang/forge-engine URLs")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others need --admin-token)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one; printed as FORGE_READY)")
+    p.add_argument("--public-url", default=None, help="base URL handed to agents (default http://host:port)")
+    p.add_argument("--admin-token", default=os.environ.get("FORGE_ADMIN_TOKEN"),
+                   help="token for /forge/* (env FORGE_ADMIN_TOKEN); required beyond loopback")
+    p.add_argument("--context-length", type=int, default=None, help="max prompt tokens + new tokens")
+    p.add_argument("--pause-wait-s", type=float, default=120.0, help="how long calls wait while paused")
+    add_session_options(p)
     p.add_argument("--episodes-jsonl", default=None,
                    help="append finished episodes to this JSONL file (default: keep them in memory)")
     return p
@@ -1122,11 +1135,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = GatewayConfig(
             model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u], host=args.host,
-            port=args.port, public_url=args.public_url, admin_token=args.admin_token, tool_parser=args.tool_parser,
-            context_length=args.context_length, default_max_tokens=args.default_max_tokens,
-            pause_wait_s=args.pause_wait_s, return_routed_experts=args.return_routed_experts,
-            resume_aborted=args.resume_aborted, policy_sampling=args.policy_sampling,
-            session_idle_timeout_s=args.session_idle_timeout_s)
+            port=args.port, public_url=args.public_url, admin_token=args.admin_token,
+            context_length=args.context_length, pause_wait_s=args.pause_wait_s, **session_options(args))
     except ValueError as exc:
         raise SystemExit(f"forge-gateway: {exc}") from exc
     sink = JsonlSink(args.episodes_jsonl) if args.episodes_jsonl else ListSink()
