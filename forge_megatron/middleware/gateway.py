@@ -249,8 +249,8 @@ def session_sampling(body) -> dict:
         out["temperature"] = float(_number(body, "temperature", 1.0, 0.0, 2.0))
     if "top_p" in body:
         out["top_p"] = float(_number(body, "top_p", 1.0, 1e-9, 1.0))
-    if "top_k" in body:
-        out["top_k"] = _number(body, "top_k", -1, -1, 1 << 30, integer=True)
+    if "top_k" in body:  # 0 and -1 both mean off (SGLang's spelling: -1)
+        out["top_k"] = _number(body, "top_k", -1, -1, 1 << 30, integer=True) or -1
     return out
 
 
@@ -413,18 +413,20 @@ class Gateway:
         now = time.time() if now is None else now
         idle = [s for s in self.sessions.values()
                 if not s.ended and not s.lock.locked() and now - s.last_active > timeout]
+        reaped = 0
         for sess in idle:
-            if sess.ended or sess.lock.locked():  # a call or an end arrived meanwhile
+            if sess.ended or sess.lock.locked() or now - sess.last_active <= timeout:  # a call or an end meanwhile
                 continue
             try:
                 outcome = await self.close_session(sess, "timed_out")
             except SchemaError as exc:
                 outcome = f"refused ({exc})"
                 self.retire(sess)
+            reaped += 1
             self.stats["reaped_sessions"] += 1
             log.warning("session %s (task %s) had no call for %.0fs: ended as timed_out; sink: %s", sess.session_id,
                         sess.task_id, now - sess.last_active, outcome)
-        return len(idle)
+        return reaped
 
     async def _reap_forever(self) -> None:
         while True:
