@@ -31,7 +31,10 @@ Standalone, against whatever the engines serve (e.g. a converted checkpoint befo
 
 Periodically during training, from the rollout driver: ``forge-rollout ... --eval-tasks heldout.jsonl
 --eval-every-versions 10`` (:class:`PeriodicEval`: version 0 first, then each time the gateway's policy version
-reaches the next multiple; evaluations that would overlap are skipped, not queued). Evaluation episodes share the
+reaches the next multiple; evaluations that would overlap are skipped, not queued). Every result is also published
+to the gateway (``POST /forge/evals``), where a trainer started with ``--gateway-url`` picks it up and logs it with
+its next step as ``eval/pass@1``, ``eval/<domain>/pass@1``, ... (tensorboard, wandb, metrics JSONL; the
+evaluation's own version as ``eval/policy_version``). Evaluation episodes share the
 engines with rollouts, so they slow rollouts down while they run: size ``--eval-samples`` and the task set to that.
 """
 
@@ -140,6 +143,14 @@ def format_result(result: dict) -> str:
             f"({result['episodes']} episodes, {result['wall_s']:.1f}s)")
 
 
+def publish(gateway: GatewayClient, result: dict) -> None:
+    """Give the result to the gateway (``POST /forge/evals``): the trainer logs it as ``eval/*`` metrics."""
+    try:
+        gateway.publish_eval(result)
+    except GatewayError as exc:  # the result is in the log and the JSONL anyway
+        log.warning("could not publish the evaluation to the gateway: %s", exc)
+
+
 def append_jsonl(path: str, record: dict) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
@@ -194,6 +205,7 @@ class PeriodicEval:
         log.info(format_result(result))
         if self.output:
             append_jsonl(self.output, result)
+        publish(self.gateway, result)
         if self.on_result is not None:
             self.on_result(result)
         return result
@@ -253,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info(format_result(result))
     if args.eval_output:
         append_jsonl(args.eval_output, result)
+    publish(GatewayClient(args.gateway_url, args.admin_token), result)
     print(json.dumps(result), flush=True)
     return 0
 

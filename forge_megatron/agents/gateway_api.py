@@ -80,6 +80,14 @@ class GatewayClient:
     def end_session(self, session_id: str, status: str = "finished") -> dict:
         return self.request("POST", f"/forge/sessions/{session_id}/end", {"status": status})
 
+    def publish_eval(self, result: dict) -> int:
+        """Hand an evaluation result to the gateway, where the trainer picks it up for its metrics."""
+        return self.request("POST", "/forge/evals", result)["id"]
+
+    def evals(self, after: int = 0) -> list[dict]:
+        """Evaluation results published after id ``after``, oldest first."""
+        return self.request("GET", f"/forge/evals?after={int(after)}")["evals"]
+
     def state(self) -> dict:
         return self.request("GET", "/forge/admin/state")
 

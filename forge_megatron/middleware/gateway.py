@@ -18,6 +18,8 @@ Routes
   POST /forge/sessions/{id}/end {status}                      -> the episode goes to the sink; answers with the
                                                                  policy versions that sampled it
   POST /forge/admin/pause {drain_timeout_s}, POST /forge/admin/resume {policy_version}, GET /forge/admin/state
+  POST /forge/evals {policy_version, pass@1, ...} -> {id};  GET /forge/evals?after=ID -> {evals: [...]}
+                      evaluation results (agents/evaluate.py publishes them, the trainer logs them), last 1000 kept
 
 ``tool_choice`` "required" or {"type": "function", "function": {"name": X}} is enforced by forcing a prefix: the
 parser's tool-call opening (``ToolParser.forced_prefix``) is appended to the prompt ids, so it is prompt (loss mask 0,
@@ -349,6 +351,8 @@ class Gateway:
         self.stats = {"aborts": 0, "resumed_tokens": 0, "discarded_tokens": 0, "policy_sampling_overrides": 0,
                       "tempered_calls": 0, "reaped_sessions": 0}
         self._reaper: asyncio.Task | None = None
+        self.evals: deque[dict] = deque(maxlen=1000)  # published evaluation results, each with an increasing id
+        self._eval_ids = 0
         self.base_url = config.public_url or f"http://{config.host}:{config.port}"
 
     # --- pause / resume ---------------------------------------------------------------------------------------
@@ -1029,6 +1033,28 @@ async def admin_resume(request: web.Request, gw: Gateway) -> web.Response:
 
 
 @_admin
+async def publish_eval(request: web.Request, gw: Gateway) -> web.Response:
+    body = await _body(request)
+    version = body.get("policy_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise _bad("policy_version", "an evaluation result needs policy_version, an integer >= 0")
+    if len(json.dumps(body)) > 1 << 20:
+        raise _bad("body", "an evaluation result is at most 1 MiB of JSON")
+    gw._eval_ids += 1
+    gw.evals.append({**body, "id": gw._eval_ids})
+    return web.json_response({"id": gw._eval_ids})
+
+
+@_admin
+async def list_evals(request: web.Request, gw: Gateway) -> web.Response:
+    try:
+        after = int(request.query.get("after", "0"))
+    except ValueError:
+        raise _bad("after", "after must be an integer (the last id already seen)") from None
+    return web.json_response({"evals": [e for e in gw.evals if e["id"] > after]})
+
+
+@_admin
 async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
     return web.json_response({
         "paused": not gw.resumed.is_set(), "policy_version": gw.policy_version, "inflight": gw.inflight,
@@ -1054,6 +1080,8 @@ def make_app(gw: Gateway) -> web.Application:
     app.router.add_get("/forge/sessions/{sid}", get_session)
     app.router.add_post("/forge/sessions/{sid}/reward", set_reward)
     app.router.add_post("/forge/sessions/{sid}/end", end_session)
+    app.router.add_post("/forge/evals", publish_eval)
+    app.router.add_get("/forge/evals", list_evals)
     app.router.add_post("/forge/admin/pause", admin_pause)
     app.router.add_post("/forge/admin/resume", admin_resume)
     app.router.add_get("/forge/admin/state", admin_state)

@@ -203,14 +203,16 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
 
 def held_out_eval(gateway: str, agent: str, tasks_path: str, evals_path: str) -> dict:
     """Evaluate the served policy on the held-out tasks (gateway eval sessions); appended to ``evals_path``."""
-    from forge_megatron.agents.evaluate import append_jsonl, evaluate
+    from forge_megatron.agents.evaluate import append_jsonl, evaluate, publish
     from forge_megatron.agents.gateway_api import GatewayClient
     from forge_megatron.agents.runner import HttpAgent
     from forge_megatron.agents.tasks import load_tasks
 
-    result = evaluate(GatewayClient(gateway), HttpAgent(agent + "/"), load_tasks(tasks_path), samples=1,
-                      timeout_s=120.0, concurrency=8)
+    client = GatewayClient(gateway)
+    result = evaluate(client, HttpAgent(agent + "/"), load_tasks(tasks_path), samples=1, timeout_s=120.0,
+                      concurrency=8)
     append_jsonl(evals_path, result)
+    publish(client, result)  # the trainer logs it with its next step (eval/pass@1 in metrics.jsonl)
     print(f"[demo]     held-out evaluation at policy version {result['policy_version']}: pass@1 "
           f"{result['pass@1']:.2f} on {result['tasks']} tasks never trained on ({result['wall_s']:.0f}s)", flush=True)
     return result

@@ -10,12 +10,14 @@ Per step (rank 0's DP share of the batch):
   ``<domain>/<term>`` from ``algo.policy_loss``);
   staleness_mean / staleness_max: policy version now minus the version that sampled each trained token;
   total_tokens (what unmerged training would process) vs unique_tokens (what the trees hold) and their ratio;
-  the time split wait / forward-backward / sync / checkpoint and tokens/s (added by the trainer).
+  the time split wait / forward-backward / sync / checkpoint and tokens/s (added by the trainer);
+  ``eval/*`` when a held-out evaluation was published to the gateway since the last step (:class:`EvalFeed`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import defaultdict
 
@@ -96,6 +98,52 @@ def batch_metrics(rank_batch, micro_batch_metrics: list[dict], policy_version: i
     out.setdefault("loss", float("nan"))
     out.setdefault("clip_frac_high", float("nan"))
     return out
+
+
+EVAL_KEYS = ("policy_version", "finished", "mean_reward", "completion_tokens_mean", "duration_s_mean", "wall_s")
+
+
+def eval_metrics(result: dict) -> dict[str, float]:
+    """``eval/*`` metrics of one published evaluation result (agents/evaluate.py): pass@k and the EVAL_KEYS, overall
+    and per domain (``eval/<domain>/pass@1``); missing or None values are left out."""
+    def numbers(record: dict, prefix: str) -> dict[str, float]:
+        return {f"{prefix}{k}": float(v) for k, v in record.items()
+                if (k.startswith("pass@") or k in EVAL_KEYS) and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    out = numbers(result, "eval/")
+    for domain, record in (result.get("domains") or {}).items():
+        if isinstance(record, dict):
+            out.update(numbers(record, f"eval/{domain}/"))
+    return out
+
+
+class EvalFeed:
+    """Polls the gateway for evaluation results published since the last poll (``GET /forge/evals``); the trainer
+    logs the newest with its step. An unreachable gateway costs a warning, never the step."""
+
+    def __init__(self, gateway_url: str, token: str | None = None, timeout_s: float = 2.0):
+        self.url, self.token, self.timeout_s = gateway_url.rstrip("/"), token, timeout_s
+        self.last_id = 0
+        self._warned = False
+
+    def poll(self) -> dict[str, float]:
+        import urllib.request
+
+        req = urllib.request.Request(f"{self.url}/forge/evals?after={self.last_id}")
+        if self.token:
+            req.add_header("X-Forge-Admin-Token", self.token)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                evals = json.loads(resp.read())["evals"]
+        except (OSError, ValueError, KeyError) as exc:
+            if not self._warned:
+                logging.getLogger("forge.train").warning("cannot read evaluation results from %s: %s", self.url, exc)
+                self._warned = True
+            return {}
+        if not evals:
+            return {}
+        self.last_id = max(e["id"] for e in evals)
+        return eval_metrics(max(evals, key=lambda e: e["id"]))
 
 
 class MetricsWriter:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from forge_megatron.training import arguments
 from forge_megatron.training.checkpoint import latest_iteration, load_checkpoint, load_hf_weights, save_checkpoint
-from forge_megatron.training.metrics import MetricsWriter, batch_metrics
+from forge_megatron.training.metrics import EvalFeed, MetricsWriter, batch_metrics
 
 log = logging.getLogger("forge.trainer")
 
@@ -293,6 +293,8 @@ class Trainer:
         self.pool = self._pool_client() if self.rank == 0 else None
         self.syncer = make_syncer(args, self.bridge) if args.weight_sync_transport != "none" else None
         self.writer = MetricsWriter(args) if self.rank == 0 else None
+        self.evals = EvalFeed(args.gateway_url, os.environ.get("FORGE_ADMIN_TOKEN")) \
+            if self.rank == 0 and args.gateway_url else None
         self._resume_or_init()
 
     # -- set-up ------------------------------------------------------------------------------------------
@@ -411,6 +413,8 @@ class Trainer:
                        tokens_per_s=metrics["total_tokens"] / max(t2 - t1, 1e-9))
         metrics.update({f"pool/{k}": v for k, v in batch.metrics.items() if isinstance(v, (int, float))})
         metrics["group_indices"] = list(batch.group_indices)
+        if self.evals is not None:  # held-out evaluations published since the last step (agents/evaluate.py)
+            metrics.update(self.evals.poll())
         if self.writer is not None:
             self.writer.write(self.iteration, metrics)
         return metrics
@@ -485,15 +489,17 @@ class Trainer:
 
 
 def progress_line(m: dict) -> str:
-    """One console line per step; the training/inference mismatch (``rollout_kl``) and the routing mismatch show
-    when they were measured."""
+    """One console line per step; the training/inference mismatch (``rollout_kl``), the routing mismatch and a
+    held-out evaluation published since the last step show when they were measured."""
     mismatch = f" | rollout_kl {m['rollout_kl']:.2e}" if "rollout_kl" in m else ""
     if "routing_mismatch" in m:
         mismatch += f" routing {m['routing_mismatch']:.3f}"
+    held_out = f" | eval pass@1 {m['eval/pass@1']:.2f} (v{m['eval/policy_version']:.0f})" \
+        if "eval/pass@1" in m and "eval/policy_version" in m else ""
     return (f"iter {m['iteration']} | reward {m['reward_mean']:.3f} | success {m['success_rate']:.2f} | "
             f"loss {m['loss']:.4f} | clip_hi {m['clip_frac_high']:.3f}{mismatch} | tokens {m['total_tokens']} "
             f"(unique {m['unique_tokens']}) | wait {m['wait_s']:.1f}s fb {m['forward_backward_s']:.1f}s "
-            f"sync {m['sync_s']:.1f}s | v{m['policy_version']}")
+            f"sync {m['sync_s']:.1f}s | v{m['policy_version']}{held_out}")
 
 
 # ---------------------------------------------------------------------------------------- building blocks

@@ -231,3 +231,27 @@ def test_training_calls_sample_from_the_policy(stack, policy_sampling):
         assert len(set(ids)) == 1 and all(u == {"temperature": 0.0, "top_p": 0.5, "top_k": 3} for u in used)
         assert (overrides, tempered) == (0, 4)
     assert {"policy_sampling_overrides", "tempered_calls"} <= set(gw.state())
+
+
+def test_published_evaluations_reach_the_trainers_metrics(stack):
+    """PeriodicEval/forge-eval publish each result to the gateway; the trainer's EvalFeed reads the ones it has not
+    seen and turns the newest into eval/* metrics (overall and per domain); bad results are refused."""
+    from forge_megatron.training.metrics import EvalFeed, eval_metrics
+
+    gw = stack["gateway"]
+    feed = EvalFeed(gw.base_url)
+    feed.poll()  # whatever earlier tests published
+    assert feed.poll() == {}
+    first = evaluate(gw, PythonAgent(_Scripted()), TASKS, samples=2)
+    periodic = PeriodicEval(gw, PythonAgent(_Scripted()), TASKS, every_versions=1)
+    second = periodic.run_once()  # publishes
+    gw.publish_eval(first)
+    got = feed.poll()  # two new results: the newest (first, published last) is logged
+    assert got == eval_metrics(first) and feed.poll() == {}
+    assert got["eval/easy/pass@1"] == 1.0 and got["eval/hard/pass@1"] == 0.0 and got["eval/pass@2"] == 2 / 3
+    assert got["eval/policy_version"] == first["policy_version"] and "eval/tasks" not in got
+    assert [e["pass@1"] for e in gw.evals(after=0)][-2:] == [second["pass@1"], first["pass@1"]]
+    for bad, message in [({"pass@1": 1.0}, "needs policy_version"), ({"policy_version": -1}, "needs policy_version")]:
+        with pytest.raises(GatewayError, match=message):
+            gw.publish_eval(bad)
+    assert EvalFeed("http://127.0.0.1:9").poll() == {}  # unreachable: no metrics, no exception

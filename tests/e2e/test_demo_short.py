@@ -59,6 +59,8 @@ def test_short_demo_runs_the_whole_loop(tmp_path):
     held_out = {json.loads(line)["task_id"] for line in (out / "heldout_tasks.jsonl").read_text().splitlines()}
     trained = {json.loads(line)["task_id"] for line in (out / "rl_tasks.jsonl").read_text().splitlines()}
     assert len(held_out) == 8 and not held_out & trained
+    # the pre-RL evaluation was published to the gateway and the trainer logged it with its first step
+    assert steps[0]["eval/policy_version"] == 0 and steps[0]["eval/pass@1"] == summary["evals"][0]["pass@1"]
 
 
 def test_short_moe_demo_replays_the_engines_routing(tmp_path):

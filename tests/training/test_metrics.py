@@ -66,3 +66,14 @@ def test_micro_batch_metrics_combine_like_one_micro_batch():
     assert out["math/ratio"] == pytest.approx((10 * 2 + 30 * 1) / 40) and out["math/num_tokens"] == 40.0
     assert out["qa/ratio"] == 4.0 and out["qa/num_tokens"] == 5.0  # only in one micro-batch
     assert combine_micro_batch_metrics([a]) == a
+
+
+def test_progress_line_shows_a_held_out_evaluation_when_one_arrived():
+    from forge_megatron.training.trainer import progress_line
+
+    m = {"iteration": 3, "reward_mean": 0.5, "success_rate": 0.5, "loss": -0.1, "clip_frac_high": 0.0,
+         "total_tokens": 100, "unique_tokens": 40, "wait_s": 0.1, "forward_backward_s": 0.2, "sync_s": 0.0,
+         "policy_version": 3}
+    assert "eval" not in progress_line(m)
+    line = progress_line({**m, "eval/pass@1": 0.8125, "eval/policy_version": 2.0})
+    assert line.endswith("| v3 | eval pass@1 0.81 (v2)")
