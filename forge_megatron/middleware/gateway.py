@@ -19,6 +19,8 @@ Routes
                                                                  policy versions that sampled it
   POST /forge/admin/pause {drain_timeout_s}, POST /forge/admin/resume {policy_version}, GET /forge/admin/state
   POST /forge/evals {policy_version, pass@1, ...} -> {id};  GET /forge/evals?after=ID -> {evals: [...]}
+  GET  /metrics       Prometheus text format: the gateway's counters and gauges, the engines', and the data pool's
+                      when it is the sink (forge-node); admin token like /forge/* when one is set
                       evaluation results (agents/evaluate.py publishes them, the trainer logs them), last 1000 kept
 
 ``tool_choice`` "required" or {"type": "function", "function": {"name": X}} is enforced by forcing a prefix: the
@@ -349,7 +351,8 @@ class Gateway:
         self.inflight = 0
         # engine aborts seen (weight updates); sampled tokens kept across them / thrown away (not resuming)
         self.stats = {"aborts": 0, "resumed_tokens": 0, "discarded_tokens": 0, "policy_sampling_overrides": 0,
-                      "tempered_calls": 0, "reaped_sessions": 0}
+                      "tempered_calls": 0, "reaped_sessions": 0, "calls": 0, "prompt_tokens": 0,
+                      "completion_tokens": 0}
         self._reaper: asyncio.Task | None = None
         self.evals: deque[dict] = deque(maxlen=1000)  # published evaluation results, each with an increasing id
         self._eval_ids = 0
@@ -683,6 +686,9 @@ class Gateway:
             message["tool_calls"] = parsed.tool_calls
         finish = "tool_calls" if parsed.tool_calls else ("length" if result.finish_type == "length" else "stop")
         turn = call.turn
+        self.stats["calls"] += 1
+        self.stats["prompt_tokens"] += len(turn.prompt_ids)
+        self.stats["completion_tokens"] += len(result.output_ids)
         routed = self.routed_experts_of(len(turn.prompt_ids), result)
         turn.completion_ids = list(result.output_ids)
         turn.assistant_message = message
@@ -1065,6 +1071,68 @@ async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
     })
 
 
+_METRIC_HELP = {
+    "calls": ("counter", "chat calls served and recorded"),
+    "prompt_tokens": ("counter", "prompt tokens of the calls served"),
+    "completion_tokens": ("counter", "tokens the engines sampled for the calls served"),
+    "aborts": ("counter", "engine aborts seen (weight updates)"),
+    "resumed_tokens": ("counter", "sampled tokens kept across aborts (partial rollout)"),
+    "discarded_tokens": ("counter", "sampled tokens thrown away by aborts (--no-resume-aborted)"),
+    "policy_sampling_overrides": ("counter", "training calls whose sampling --policy-sampling changed"),
+    "tempered_calls": ("counter", "training calls not sampled from the policy (logprobs are not the sampler's)"),
+    "reaped_sessions": ("counter", "sessions ended as timed_out for being idle"),
+}
+_POOL_GAUGES = ("queue_depth", "window", "window_ready", "window_pending", "window_occupancy", "policy_version",
+                "stale_groups", "stale_episodes", "stale_tokens", "filtered_groups", "filtered_solved",
+                "filtered_unsolved", "filtered_episodes", "filtered_tokens", "staleness_mean", "staleness_max",
+                "trainer_wait_total_s", "trainer_wait_last_s")
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(gw: Gateway, pool_metrics: dict | None = None) -> str:
+    """The gateway's (and the pool's) state in Prometheus' text exposition format."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.extend([f"# HELP forge_{name} {help_text}", f"# TYPE forge_{name} {kind}"])
+        lines.extend(f"forge_{name}{labels} {float(value):g}" for labels, value in samples)
+
+    for key, (kind, help_text) in _METRIC_HELP.items():
+        metric(f"gateway_{key}_total" if kind == "counter" else f"gateway_{key}", kind, help_text,
+               [("", gw.stats[key])])
+    metric("gateway_policy_version", "gauge", "policy version the gateway was last resumed with",
+           [("", gw.policy_version)])
+    metric("gateway_paused", "gauge", "1 while a weight update holds new calls", [("", not gw.resumed.is_set())])
+    metric("gateway_inflight_calls", "gauge", "calls being served", [("", gw.inflight)])
+    metric("gateway_open_sessions", "gauge", "sessions not ended", [("", sum(not s.ended for s in gw.sessions.values()))])
+    engines = [(f'{{engine="{_label(e.url)}"}}', e) for e in gw.fleet.engines]
+    metric("engine_up", "gauge", "1 when the engine answers its health check", [(lb, e.up) for lb, e in engines])
+    metric("engine_inflight_calls", "gauge", "requests in flight on the engine", [(lb, e.inflight) for lb, e in engines])
+    metric("engine_served_total", "counter", "requests the engine answered", [(lb, e.served) for lb, e in engines])
+    metric("engine_failures_total", "counter", "requests to the engine that failed", [(lb, e.failures) for lb, e in engines])
+    if pool_metrics is not None:
+        groups = pool_metrics.get("groups", {})
+        metric("pool_groups", "gauge", "data pool groups per state",
+               [(f'{{state="{_label(state)}"}}', n) for state, n in sorted(groups.items())])
+        for key in _POOL_GAUGES:
+            value = pool_metrics.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                metric(f"pool_{key}", "gauge", f"data pool {key.replace('_', ' ')}", [("", value)])
+    return "\n".join(lines) + "\n"
+
+
+@_admin
+async def prometheus_metrics(request: web.Request, gw: Gateway) -> web.Response:
+    pool = None
+    if callable(getattr(gw.sink, "metrics", None)):  # the data pool embedded in this process (forge-node)
+        pool = await asyncio.to_thread(gw.sink.metrics)
+    return web.Response(text=prometheus_text(gw, pool), content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Format": "0.0.4"})
+
+
 def make_app(gw: Gateway) -> web.Application:
     app = web.Application(client_max_size=gw.config.max_body_bytes)
     app[GATEWAY] = gw
@@ -1082,6 +1150,7 @@ def make_app(gw: Gateway) -> web.Application:
     app.router.add_post("/forge/sessions/{sid}/end", end_session)
     app.router.add_post("/forge/evals", publish_eval)
     app.router.add_get("/forge/evals", list_evals)
+    app.router.add_get("/metrics", prometheus_metrics)
     app.router.add_post("/forge/admin/pause", admin_pause)
     app.router.add_post("/forge/admin/resume", admin_resume)
     app.router.add_get("/forge/admin/state", admin_state)

@@ -642,6 +642,9 @@ def test_episodes_reach_the_data_pool(tmp_path, model_dir):
             http(f"{gw.url}/forge/sessions/{s['session_id']}/reward", {"reward": reward})
             assert end(gw, s)[1]["sink"] == "accepted"
         assert pool.group_status(g["group_id"])["finished"] == 2
+        scraped = scrape(gw.url)  # forge-node's /metrics carries the pool's state too
+        assert scraped['forge_pool_groups{state="finished"}'] == 1 and scraped["forge_pool_queue_depth"] == 1
+        assert scraped["forge_gateway_calls_total"] == 2 and scraped["forge_pool_filtered_groups"] == 0
         batch = pool.next_batch(1, timeout_s=10)
         recorded = {sid: sess.segments[0].tokens for sid, sess in gw.gateway.sessions.items()}
         assert {smp.episode_id: smp.tokens.tolist() for smp in batch.samples} == recorded
@@ -808,3 +811,36 @@ def test_idle_sessions_are_reaped_as_timed_out(model_dir, stack):
         server.stop()
     with pytest.raises(ValueError, match="session_idle_timeout_s must be > 0"):
         GatewayConfig(model_path=model_dir, engine_urls=["http://x"], session_idle_timeout_s=0)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """GET /metrics, parsed: ``{"name{labels}": value}``; every sample has HELP and TYPE lines before it."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    out, typed = {}, set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            assert key.split("{")[0] in typed, key
+            out[key] = float(value)
+    return out
+
+
+def test_prometheus_metrics_match_the_admin_state(stack):
+    gw, engines = stack
+    s = new_session(gw)
+    client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=3)
+    _, state = http(gw.url + "/forge/admin/state", method="GET")
+    scraped = scrape(gw.url)
+    for key in ("calls", "prompt_tokens", "completion_tokens", "aborts", "tempered_calls", "reaped_sessions"):
+        assert scraped[f"forge_gateway_{key}_total"] == state[key]
+    assert state["calls"] >= 1 and state["completion_tokens"] >= 1
+    assert scraped["forge_gateway_open_sessions"] == state["sessions_open"] >= 1
+    assert scraped["forge_gateway_paused"] == 0 and scraped["forge_gateway_policy_version"] == state["policy_version"]
+    for e in engines:
+        assert scraped[f'forge_engine_up{{engine="{e.url}"}}'] == 1
+    assert not any(k.startswith("forge_pool_") for k in scraped)  # a ListSink has no pool state
+    end(gw, s)
