@@ -190,7 +190,10 @@ class PeriodicEval:
                 stop.wait(max(self.poll_s, 1.0))
                 continue
             if self.due(version):
-                self.run_once(stop)
+                try:
+                    self.run_once(stop)
+                except Exception:  # noqa: BLE001 - a failed evaluation must not end periodic evaluation
+                    log.exception("evaluation at policy version %d failed; the next one is still due", version)
                 # skip versions passed while evaluating: the next evaluation is at the next multiple still ahead
                 self.next_due = (version // self.every + 1) * self.every
             stop.wait(self.poll_s)

@@ -255,3 +255,35 @@ def test_published_evaluations_reach_the_trainers_metrics(stack):
         with pytest.raises(GatewayError, match=message):
             gw.publish_eval(bad)
     assert EvalFeed("http://127.0.0.1:9").poll() == {}  # unreachable: no metrics, no exception
+
+
+def test_periodic_eval_survives_a_failed_evaluation(stack, caplog):
+    """An evaluation that raises (here its result hook: a dashboard that is down) is logged, and the loop keeps
+    evaluating at the next versions instead of its thread dying silently."""
+    gw = stack["gateway"]
+    calls = []
+
+    def broken_hook(result):
+        calls.append(result["policy_version"])
+        raise RuntimeError("dashboard down")
+
+    periodic = PeriodicEval(gw, PythonAgent(_Scripted()), TASKS[:1], every_versions=1, poll_s=0.05,
+                            on_result=broken_hook)
+    start = gw.state()["policy_version"]
+    periodic.next_due = start
+    stop = threading.Event()
+    thread = periodic.start(stop)
+    try:
+        deadline = time.time() + 60
+        while not calls:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        gw.resume(start + 1)
+        while len(calls) < 2:  # still evaluating after the first one raised
+            assert time.time() < deadline
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(60)
+        gw.resume(start)
+    assert calls[:2] == [start, start + 1] and "dashboard down" in caplog.text
