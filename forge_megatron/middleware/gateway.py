@@ -236,6 +236,15 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 
 
+def continuation_seed(seed: int, part: int) -> int:
+    """Seed of part ``part`` (>= 1) of a seeded call resumed after aborts: deterministic, distinct per part, within
+    the request seed's range [0, 2**63)."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{seed}:{part}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 def from_policy(sampling: dict) -> bool:
     """True when engine sampling params draw from the policy itself (temperature 1, top_p 1, no top_k)."""
     return sampling.get("temperature", 1.0) == 1.0 and sampling.get("top_p", 1.0) == 1.0 and \
@@ -561,12 +570,15 @@ class Gateway:
     # --- aborted calls: keep the sampled part, go on from it --------------------------------------------------
     def next_request(self, call: _Call) -> tuple[list[int], dict]:
         """Input ids and sampling params of the next engine request: the prompt and the kept parts' tokens, with
-        what is left of ``max_new_tokens``."""
+        what is left of ``max_new_tokens``. A seeded call's continuation gets a seed of its own (derived from the
+        request's seed and the number of parts), so it does not replay the random stream the first part consumed."""
         if not call.done:
             return call.turn.prompt_ids, call.sampling
         kept = [t for part, _ in call.done for t in part.output_ids]
-        return call.turn.prompt_ids + kept, {**call.sampling, "max_new_tokens": call.sampling["max_new_tokens"] -
-                                             len(kept)}
+        sampling = {**call.sampling, "max_new_tokens": call.sampling["max_new_tokens"] - len(kept)}
+        if "sampling_seed" in sampling:
+            sampling["sampling_seed"] = continuation_seed(sampling["sampling_seed"], len(call.done))
+        return call.turn.prompt_ids + kept, sampling
 
     def kept_is_whole(self, call: _Call, sampling: dict) -> bool:
         """The kept parts end the completion already: no budget left, or an end-of-turn token last."""

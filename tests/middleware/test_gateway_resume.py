@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from forge_megatron.middleware.gateway import ABORT_RETRIES, Gateway, GatewayConfig, _Call
+from forge_megatron.middleware.gateway import ABORT_RETRIES, Gateway, GatewayConfig, _Call, continuation_seed
 from forge_megatron.middleware.gateway_sessions import _Turn
 from forge_megatron.models.tiny import build_tiny_model
 from forge_megatron.rollout.launch import start_engine, start_gateway
@@ -85,11 +85,20 @@ def test_call_spanning_a_weight_update_keeps_each_tokens_version_logprob_and_exp
         stats = http(gw.url + "/forge/admin/state", method="GET")[1]
         assert end(gw, s)[0] == 200
         [seg] = episode(gw, s).segments
+        # the continuation was sampled with a seed of its own (not a replay of the first part's random stream):
+        # asking the updated engine for it directly with that seed gives exactly the resumed tokens
+        k = call["policy_versions"].count(0)
+        seed = continuation_seed(3, 1)
+        assert seed != 3 and 0 <= seed < 1 << 63 and seed == continuation_seed(3, 1) != continuation_seed(3, 2)
+        status, direct = http(e.url + "/generate", {
+            "input_ids": call["prompt_ids"] + call["completion_ids"][:k], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 160 - k, "temperature": 1.0, "top_p": 1.0, "sampling_seed": seed,
+                                "ignore_eos": True}})
+        assert status == 200 and direct["output_ids"] == call["completion_ids"][k:]
     finally:
         gw.stop()
         e.stop()
     versions = call["policy_versions"]
-    k = versions.count(0)
     assert 5 < k < 160 and versions == [0] * k + [1] * (160 - k)
     assert call["resumed"] == 1 and call["policy_version"] == 1
     assert stats["aborts"] == 1 and stats["resumed_tokens"] == k and stats["discarded_tokens"] == 0
