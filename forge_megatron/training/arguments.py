@@ -205,6 +205,10 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tree-token-budget", type=int, default=8192,
                    help="unique (merged) tokens per micro-batch, the whole tree (under context parallelism each CP "
                         "rank holds 1/CP of them); one sample must fit")
+    g.add_argument("--overlong-samples", default="drop", choices=["drop", "error"],
+                   help="a sample longer than --tree-token-budget fits no micro-batch: drop leaves it out of training "
+                        "(counted as overlong_samples, warned about), error stops the run (which would then meet the "
+                        "same batch again after a restart)")
     g.add_argument("--no-tree-merging", action="store_false", dest="tree_merging",
                    help="train every sample as its own causal sequence (for comparison)")
     g.add_argument("--dp-balance", default="cost", choices=["cost", "round-robin"],

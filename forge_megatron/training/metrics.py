@@ -85,7 +85,8 @@ def batch_metrics(rank_batch, micro_batch_metrics: list[dict], policy_version: i
     unique = sum(mb.layout.unique_tokens for mb in rank_batch.micro_batches) - pad
     out = {"samples": len(rank_batch.samples), "micro_batches": len(rank_batch.micro_batches),
            "total_tokens": int(total), "unique_tokens": int(unique), "merge_ratio": total / max(unique, 1),
-           "loss_tokens": rank_batch.num_loss_tokens, "batch_id": rank_batch.batch_id}
+           "loss_tokens": rank_batch.num_loss_tokens, "batch_id": rank_batch.batch_id,
+           "overlong_samples": getattr(rank_batch, "overlong_samples", 0)}
     if pad:
         out["pad_tokens"] = int(pad)  # computed but not real: the interleaved pipeline's fixed length (PP = 2)
     if len(getattr(rank_batch, "dp_loads", [])) > 1:

@@ -55,6 +55,7 @@ class RankBatch:
     dp_size: int = 1
     global_sample_weight: float | None = None  # sum of the sample weights of the whole batch, over every DP rank
     dp_loads: list = field(default_factory=list)  # estimated compute of every DP rank's share (training.balance)
+    overlong_samples: int = 0  # samples of the whole batch left out for exceeding the token budget
 
 
 def _targets(arr: np.ndarray) -> torch.Tensor:
@@ -95,7 +96,7 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
 
 def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: int, domains: list[str],
                balance: str = "cost", hidden_size: int = 1, interleaved_pp: int | None = None,
-               routing_replay: bool = False, routing_split: bool = False) -> RankBatch:
+               routing_replay: bool = False, routing_split: bool = False, overlong: str = "drop") -> RankBatch:
     """Split a pool batch over DP ranks by group and pack this rank's share into micro-batches.
 
     ``balance``: ``cost`` gives each DP rank groups of near-equal estimated compute (:mod:`training.balance`, with
@@ -105,12 +106,27 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     micro-batches a multiple of it (splitting the largest ones); with PP = 2 it also pads every micro-batch to the
     longest one (:func:`interleaved_needs_fixed_length`). ``routing_replay`` attaches the samples' recorded experts
     to the micro-batches; ``routing_split`` also packs and merges them only where those records agree.
+    ``overlong``: a sample longer than ``token_budget`` cannot fit in any micro-batch; ``drop`` leaves it out (on
+    every rank alike, counted in ``overlong_samples``, warned about), ``error`` raises. A crash here would come back
+    with the same batch after every restart, so ``drop`` is the default.
     """
     from forge_megatron.training.balance import assign_groups
     from forge_megatron.tree import pack_micro_batches
 
     domains.extend(sorted({s.domain for s in batch.samples} - set(domains)))
     trainable = [s for s in batch.samples if len(s.tokens) >= 2]
+    too_long = [s for s in trainable if len(s.tokens) > token_budget]
+    if too_long:
+        longest = max(len(s.tokens) for s in too_long)
+        if overlong == "error":
+            raise ValueError(f"batch {batch.batch_id}: {len(too_long)} sample(s) longer than --tree-token-budget "
+                             f"{token_budget} (the longest has {longest} tokens); raise the budget or use "
+                             "--overlong-samples drop")
+        if dp_rank == 0:
+            log.warning("batch %d: %d sample(s) longer than --tree-token-budget %d (up to %d tokens) left out of "
+                        "training; raise the budget to the gateway's context length to train them",
+                        batch.batch_id, len(too_long), token_budget, longest)
+        trainable = [s for s in trainable if len(s.tokens) <= token_budget]
     by_group: dict = {}
     for s in trainable:
         by_group.setdefault(s.group_index, []).append(s.tokens)
@@ -120,7 +136,8 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     samples = [s for s in trainable if s.group_index in mine]
     if not samples:
         raise RuntimeError(f"DP rank {dp_rank} got no trainable samples from batch {batch.batch_id} "
-                           f"({len(groups)} groups for {dp_size} DP ranks): raise --train-batch-groups")
+                           f"({len(groups)} groups for {dp_size} DP ranks, {len(too_long)} sample(s) over the token "
+                           "budget left out): raise --train-batch-groups or --tree-token-budget")
     if merging:
         seqs = [s.tokens for s in samples]
         if routing_replay and routing_split:  # the budget counts the tree that will be built
@@ -129,9 +146,6 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
             seqs = routing_keys(seqs, [getattr(s, "routed_experts", None) for s in samples])
         parts = pack_micro_batches(seqs, token_budget, keys=[s.group_index for s in samples])
     else:
-        too_long = [len(s.tokens) for s in samples if len(s.tokens) > token_budget]
-        if too_long:
-            raise ValueError(f"a sample has {too_long[0]} tokens, more than --tree-token-budget {token_budget}")
         parts = [[i] for i in range(len(samples))]
     if interleaved_pp:
         parts = split_to_multiple(parts, interleaved_pp, batch.batch_id)
@@ -145,7 +159,8 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     sample_weight = float(sum(mb.extras["sample_weight_S"].double().sum() for mb in mbs))
     global_tokens, global_weight = _sum_over_dp([num_loss_tokens, sample_weight], dp_size)
     return RankBatch(mbs, num_loss_tokens, samples, batch.batch_id, batch.metrics, global_loss_tokens=global_tokens,
-                     dp_size=dp_size, global_sample_weight=global_weight, dp_loads=loads)
+                     dp_size=dp_size, global_sample_weight=global_weight, dp_loads=loads,
+                     overlong_samples=len(too_long))
 
 
 def interleaved_needs_fixed_length(pp: int) -> bool:
@@ -295,6 +310,11 @@ class Trainer:
         self.writer = MetricsWriter(args) if self.rank == 0 else None
         self.evals = EvalFeed(args.gateway_url, os.environ.get("FORGE_ADMIN_TOKEN")) \
             if self.rank == 0 and args.gateway_url else None
+        context = self.bridge.cfg.max_position_embeddings
+        if args.tree_token_budget < context:  # the gateway lets a segment grow up to the context length
+            fate = "an error" if getattr(args, "overlong_samples", "drop") == "error" else "left out"
+            self._log(f"note: --tree-token-budget {args.tree_token_budget} is below the model's context length "
+                      f"{context}; longer samples are {fate} (--overlong-samples; counted as overlong_samples)")
         self._resume_or_init()
 
     # -- set-up ------------------------------------------------------------------------------------------
@@ -389,7 +409,8 @@ class Trainer:
                         self.domains, self.args.dp_balance, self.cfg.hidden_size,
                         interleaved_pp=self.pp_size if len(self.chunks) > 1 else None,
                         routing_replay=getattr(self.args, "routing_replay", False),
-                        routing_split=getattr(self.args, "routing_replay_split", False))
+                        routing_split=getattr(self.args, "routing_replay_split", False),
+                        overlong=getattr(self.args, "overlong_samples", "drop"))
         for chunk in self.ddp:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

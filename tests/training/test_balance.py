@@ -130,3 +130,33 @@ def test_split_to_multiple_keeps_order_and_names_the_problem():
     assert len(split_to_multiple([[0, 1, 2, 3, 4]], 4)) == 4
     with pytest.raises(ValueError, match="needs a multiple of 2 micro-batches.*only 1 samples in 1 micro-batches"):
         split_to_multiple([[0]], 2, batch_id=7)
+
+
+def test_samples_over_the_token_budget_are_left_out_or_refused():
+    """A sample longer than the budget fits no micro-batch: by default every rank leaves it out alike (counted), and
+    the rest of its group still trains; ``overlong="error"`` names the flags instead."""
+    from forge_megatron.middleware.batch import TrainBatch, TrainSample
+    from forge_megatron.training.metrics import batch_metrics
+    from forge_megatron.training.trainer import rank_batch
+
+    rng = np.random.default_rng(1)
+    samples = []
+    for g, n in enumerate((40, 500, 30, 35)):  # group 1's first sample is over the 256-token budget
+        for e in range(2):
+            length = n if e == 0 else 20
+            samples.append(TrainSample(tokens=rng.integers(0, 50, length).astype(np.int32),
+                                       loss_mask=np.ones(length, np.uint8), rollout_logprobs=np.zeros(length, np.float32),
+                                       policy_versions=np.zeros(length, np.int32),
+                                       advantages=np.ones(length, np.float32), sample_weight=1.0, group_index=g,
+                                       episode_id=f"{g}-{e}", domain="d", reward=1.0))
+    batch = TrainBatch(batch_id=7, samples=samples, group_indices=[0, 1, 2, 3])
+    shares = [rank_batch(batch, 256, merging, r, 2, [], hidden_size=8) for merging in (True, False) for r in range(2)]
+    for a, b in (shares[:2], shares[2:]):
+        kept = sorted(s.episode_id for rb in (a, b) for s in rb.samples)
+        assert kept == sorted(f"{g}-{e}" for g in range(4) for e in range(2) if (g, e) != (1, 0))
+        assert a.overlong_samples == b.overlong_samples == 1
+        assert all(mb.layout.unique_tokens <= 256 for rb in (a, b) for mb in rb.micro_batches)
+    assert batch_metrics(shares[0], [], 0)["overlong_samples"] == 1
+    with pytest.raises(ValueError, match="1 sample.* longer than --tree-token-budget 256 .*500 tokens.*--overlong"):
+        rank_batch(batch, 256, True, 0, 2, [], hidden_size=8, overlong="error")
+    assert rank_batch(batch, 512, True, 0, 1, [], hidden_size=8).overlong_samples == 0
