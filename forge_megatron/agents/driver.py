@@ -100,9 +100,11 @@ class RolloutDriver:
             if persist and self.retired_tasks_path:
                 with open(self.retired_tasks_path, "a") as f:
                     f.writelines(f"{task_id}\n" for task_id in sorted(new))
-        log.info("retired %d task(s) solved by every episode of their last %d groups: %s (%d retired, %d left)",
-                 len(new), self.retire_solved_after, ", ".join(sorted(new)[:5]) + (" ..." if len(new) > 5 else ""),
-                 len(self.retired), sum(len(p) for p in self.pools.values()))
+        why = f"solved by every episode of their last {self.retire_solved_after} groups" if persist else \
+            f"listed in {self.retired_tasks_path}"
+        log.info("retired %d task(s) %s: %s (%d retired, %d left)", len(new), why,
+                 ", ".join(sorted(new)[:5]) + (" ..." if len(new) > 5 else ""), len(self.retired),
+                 sum(len(p) for p in self.pools.values()))
 
     def _run_group(self, task: Task, group_id: str) -> None:
         episodes = [self._pool.submit(self._episode, task, group_id) for _ in range(self.group_size)]

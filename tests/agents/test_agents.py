@@ -11,6 +11,7 @@ from forge_megatron.agents.driver import RolloutDriver
 from forge_megatron.agents.gateway_api import GatewayError
 from forge_megatron.agents.runner import CommandAgent, EpisodeResult, HttpAgent, PythonAgent, exact_match, run_episode
 from forge_megatron.agents.tasks import Task, TaskError, load_tasks, write_tasks
+from tests.agents.agent_cases import Scripted
 
 
 def test_tasks_round_trip_and_errors(tmp_path):
@@ -161,14 +162,12 @@ def test_driver_retires_tasks_every_episode_solves(stack, tmp_path):
     """--retire-solved-after 2: 'easy' tasks (always answered right) leave after two fully solved groups each, the
     'hard' ones keep coming; the retired ids persist, and a new driver reading them starts without those tasks. Once
     every task of a domain is retired the domain leaves the mix; once all are, the driver stops."""
-    from tests.agents.test_eval import _Scripted
-
     gw = stack["gateway"]
     tasks = [Task(task_id=f"easy-{i}", prompt="1+1", domain="easy", answer="2") for i in range(2)] + \
             [Task(task_id=f"hard-{i}", prompt="1+1", domain="hard", answer="2") for i in range(2)]
     retired_file = tmp_path / "retired.txt"
     kw = dict(group_size=2, max_inflight_groups=1, retire_solved_after=2, retired_tasks_path=str(retired_file))
-    driver = RolloutDriver(gw, PythonAgent(_Scripted()), tasks, **kw)
+    driver = RolloutDriver(gw, PythonAgent(Scripted()), tasks, **kw)
     driver.run(threading.Event(), max_groups=12)
     started = [r.task_id for r in driver.reports]
     assert driver.retired == {"easy-0", "easy-1"}
@@ -176,11 +175,11 @@ def test_driver_retires_tasks_every_episode_solves(stack, tmp_path):
     for task_id in ("easy-0", "easy-1"):  # exactly two groups (of two episodes) each, then no more
         assert started.count(task_id) == 4
     assert started[-4:] and all(t.startswith("hard") for t in started[-4:])
-    again = RolloutDriver(gw, PythonAgent(_Scripted()), tasks, **kw)
+    again = RolloutDriver(gw, PythonAgent(Scripted()), tasks, **kw)
     assert again.retired == {"easy-0", "easy-1"} and set(again.pools) == {"easy", "hard"}
     assert not again.pools["easy"] and {t.task_id for t in again.pools["hard"]} == {"hard-0", "hard-1"}
     everything_easy = [Task(task_id=f"e-{i}", prompt="1+1", domain="easy", answer="2") for i in range(2)]
-    solver = RolloutDriver(gw, PythonAgent(_Scripted()), everything_easy, group_size=1, max_inflight_groups=1,
+    solver = RolloutDriver(gw, PythonAgent(Scripted()), everything_easy, group_size=1, max_inflight_groups=1,
                            retire_solved_after=1)
     solver.run(threading.Event(), max_groups=50)
     assert solver.exhausted and solver.groups_started == 2  # one solved group each, then nothing left to start

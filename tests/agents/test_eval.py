@@ -10,8 +10,9 @@ import pytest
 
 from forge_megatron.agents.evaluate import PeriodicEval, evaluate, pass_at_k, pass_ks, summarise
 from forge_megatron.agents.gateway_api import GatewayError
-from forge_megatron.agents.runner import EpisodeReport, EpisodeResult, PythonAgent, run_episode
+from forge_megatron.agents.runner import EpisodeReport, PythonAgent, run_episode
 from forge_megatron.agents.tasks import Task
+from tests.agents.agent_cases import Scripted, one_call
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 6])
@@ -42,18 +43,11 @@ def test_summarise_counts_failures_as_unsuccessful():
     assert (out["tasks"], out["episodes"]) == (2, 4)
 
 
-def _one_call(session):
-    import openai
-
-    with openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0) as client:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1"}], max_tokens=4)
-
-
 def test_eval_sessions_are_served_but_never_reach_the_sink(stack):
     gw, sink = stack["gateway"], stack["sink"]
     before = len(sink.episodes)
     session = gw.open_eval_session("held-out-1", "math", {"k": 1})
-    _one_call(session)
+    one_call(session)
     ended = gw.end_session(session.session_id)
     assert ended["sink"] == "eval" and ended["num_calls"] == 1
     assert ended["completion_tokens"] > 0 and len(ended["policy_versions"]) == 2
@@ -69,23 +63,8 @@ def test_eval_sessions_are_served_but_never_reach_the_sink(stack):
         assert err.value.status == 400
     group = gw.create_group("trained", 1)  # a training session still reaches the sink, with its versions
     train = gw.open_session(group)
-    _one_call(train)
+    one_call(train)
     assert gw.end_session(train.session_id)["sink"] == "accepted" and len(sink.episodes) == before + 1
-
-
-class _Scripted:
-    """One real model call per episode, then an answer fixed by the task's domain: 'easy' always right, 'hard' never,
-    'coin' right on every second episode of each task."""
-
-    def __init__(self):
-        self.lock, self.seen = threading.Lock(), {}
-
-    def __call__(self, task, session):
-        _one_call(session)
-        with self.lock:
-            n = self.seen[task.task_id] = self.seen.get(task.task_id, 0) + 1
-        right = task.domain == "easy" or (task.domain == "coin" and n % 2 == 0)
-        return EpisodeResult(output=task.answer if right else "wrong")
 
 
 TASKS = [Task(task_id=f"{d}-{i}", prompt="1+1", domain=d, answer="2") for d in ("easy", "hard", "coin") for i in range(2)]
@@ -94,7 +73,7 @@ TASKS = [Task(task_id=f"{d}-{i}", prompt="1+1", domain=d, answer="2") for d in (
 def test_evaluate_reports_pass_at_k_per_domain(stack):
     gw, sink = stack["gateway"], stack["sink"]
     before = len(sink.episodes)
-    result = evaluate(gw, PythonAgent(_Scripted()), TASKS, samples=4, concurrency=4)
+    result = evaluate(gw, PythonAgent(Scripted()), TASKS, samples=4, concurrency=4)
     assert len(sink.episodes) == before and result["episodes"] == 24 and result["samples"] == 4
     domains = result["domains"]
     assert [domains[d]["pass@1"] for d in ("easy", "hard", "coin")] == [1.0, 0.0, 0.5]
@@ -113,7 +92,7 @@ def test_periodic_eval_follows_the_policy_version(stack, tmp_path):
     gw = stack["gateway"]
     start = gw.state()["policy_version"]
     out = tmp_path / "evals.jsonl"
-    periodic = PeriodicEval(gw, PythonAgent(_Scripted()), TASKS[:2], every_versions=2, output=str(out), poll_s=0.05)
+    periodic = PeriodicEval(gw, PythonAgent(Scripted()), TASKS[:2], every_versions=2, output=str(out), poll_s=0.05)
     periodic.next_due = start  # the run's first evaluation
     stop = threading.Event()
     thread = periodic.start(stop)
@@ -146,14 +125,14 @@ def test_periodic_eval_follows_the_policy_version(stack, tmp_path):
 
 def test_run_episode_reports_sampled_versions(stack):
     gw = stack["gateway"]
-    report = run_episode(gw, PythonAgent(lambda t, s: (_one_call(s), "2")[1]), TASKS[0], None)
+    report = run_episode(gw, PythonAgent(lambda t, s: (one_call(s), "2")[1]), TASKS[0], None)
     assert report.status == "finished" and report.reward == 1.0
     assert report.completion_tokens > 0 and len(report.policy_versions) == 2
 
 
 def cli_agent(task, session):
     """The white-box agent of the forge-eval CLI test (imported by name)."""
-    _one_call(session)
+    one_call(session)
     return task.answer if task.domain == "easy" else "wrong"
 
 
@@ -242,8 +221,8 @@ def test_published_evaluations_reach_the_trainers_metrics(stack):
     feed = EvalFeed(gw.base_url)
     feed.poll()  # whatever earlier tests published
     assert feed.poll() == {}
-    first = evaluate(gw, PythonAgent(_Scripted()), TASKS, samples=2)
-    periodic = PeriodicEval(gw, PythonAgent(_Scripted()), TASKS, every_versions=1)
+    first = evaluate(gw, PythonAgent(Scripted()), TASKS, samples=2)
+    periodic = PeriodicEval(gw, PythonAgent(Scripted()), TASKS, every_versions=1)
     second = periodic.run_once()  # publishes
     gw.publish_eval(first)
     got = feed.poll()  # two new results: the newest (first, published last) is logged
@@ -267,7 +246,7 @@ def test_periodic_eval_survives_a_failed_evaluation(stack, caplog):
         calls.append(result["policy_version"])
         raise RuntimeError("dashboard down")
 
-    periodic = PeriodicEval(gw, PythonAgent(_Scripted()), TASKS[:1], every_versions=1, poll_s=0.05,
+    periodic = PeriodicEval(gw, PythonAgent(Scripted()), TASKS[:1], every_versions=1, poll_s=0.05,
                             on_result=broken_hook)
     start = gw.state()["policy_version"]
     periodic.next_due = start
