@@ -62,6 +62,22 @@ def test_automatic_on_cuda_prefers_compiled_then_segment(no_env, monkeypatch):
     assert available_backends("cpu")[:2] == ["reference", "segment"]
 
 
+def test_suffix_queries_pass_over_cuda(no_env, monkeypatch):
+    """The CUDA kernel takes one query per key: calls with fewer queries go to Triton (or segment) even where CUDA
+    is validated and preferred, and the CUDA backend refuses them by name."""
+    from forge_megatron.kernels.tree_attention import cuda as cuda_backend
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(dispatch, "CUDA_VALIDATED", True)
+    monkeypatch.setattr(dispatch, "available_backends", lambda device=None: list(dispatch.BACKENDS))
+    assert dispatch.choose_backend(cuda)[0] == "cuda"
+    assert dispatch.choose_backend(cuda, suffix_queries=True)[0] == "triton"
+    monkeypatch.setattr(dispatch, "available_backends", lambda device=None: ["reference", "segment", "cuda"])
+    assert dispatch.choose_backend(cuda, suffix_queries=True)[0] == "segment"
+    with pytest.raises(ValueError, match="needs one query per key token \\(5\\), got 3 queries"):
+        cuda_backend._check_supported(torch.zeros(3, 2, 32), torch.zeros(5, 1, 32))
+
+
 def test_choice_logged_once(inputs, no_env, caplog):
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
         tree_attention(*inputs)

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from tree_cases import check_against_reference
+from tree_cases import check_against_reference, check_suffix_queries
 
 from forge_megatron.kernels.tree_attention import segment
 from forge_megatron.kernels.tree_attention.segment import Forest, tree_attention_segment
@@ -47,6 +47,24 @@ def test_low_precision_tolerance_rule(kind, dtype):
 def test_softmax_scale():
     sub_end = sub_end_of(KINDS["grpo"])
     check_against_reference(tree_attention_segment, sub_end, N=4, K=2, H=16, dtype=torch.float32, scale=0.37)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "agentic", "long_chain", "many_roots", "random"])
+def test_suffix_queries(kind):
+    """q holds only the last tokens of the keys' tree (context parallelism's all-gather mode): the chain holding
+    the first query is cut there, earlier chains are keys only."""
+    check_suffix_queries(tree_attention_segment, sub_end_of(KINDS[kind]), N=4, K=2, H=16)
+
+
+def test_reference_suffix_queries():
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    check_suffix_queries(tree_attention_reference, sub_end_of(KINDS["agentic"]), N=4, K=1, H=16)
+
+
+def test_suffix_queries_long_chain_blocks(monkeypatch):
+    monkeypatch.setattr(segment, "QUERY_BLOCK", 3)
+    check_suffix_queries(tree_attention_segment, sub_end_of(KINDS["agentic"]), N=2, K=1, H=16, seed=3)
 
 
 def test_long_chain_blocks_on_random_forests(monkeypatch):

@@ -5,7 +5,13 @@ GPUs needed: 0 for the unmarked tests (interpreter), 1 for the `gpu` ones.
 
 import pytest
 import torch
-from tree_cases import check_against_reference, forest_cases, random_qkv, sub_end_from_samples
+from tree_cases import (
+    check_against_reference,
+    check_suffix_queries,
+    forest_cases,
+    random_qkv,
+    sub_end_from_samples,
+)
 
 from forge_megatron.kernels.tree_attention import triton_kernel
 from forge_megatron.kernels.tree_attention.triton_kernel import key_block_bounds, tree_attention_triton
@@ -34,8 +40,24 @@ def test_other_block_shapes(monkeypatch, block_m, block_n):
     import triton.language as tl
 
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=32, COMPUTE=tl.float32, DOT_PRECISION="ieee")
-    monkeypatch.setattr(triton_kernel, "_launch_config", lambda q: cfg)
+    monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T: cfg)
     check_against_reference(tree_attention_triton, CASES["many_roots"], N=4, K=2, H=32, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("case", ["long_chain", "grpo", "many_roots", "random_trie"])
+def test_suffix_queries(case):
+    """q holds only the last tokens of the keys' tree (CP all-gather mode): query tiles start at an unaligned
+    position, the dK/dV loop starts at the first query block that can see each key block."""
+    check_suffix_queries(tree_attention_triton, CASES[case], N=4, K=2, H=16)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(32, 64), (64, 32)])
+def test_suffix_queries_unequal_blocks(monkeypatch, block_m, block_n):
+    import triton.language as tl
+
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=16, COMPUTE=tl.float32, DOT_PRECISION="ieee")
+    monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T: cfg)
+    check_suffix_queries(tree_attention_triton, CASES["grpo"], N=2, K=1, H=16, seed=4)
 
 
 def test_softmax_scale():
@@ -69,7 +91,7 @@ def _tile_kinds(sub_end: torch.Tensor, block: int) -> set[str]:
 
 
 def test_cases_cover_every_tile_kind():
-    block = triton_kernel._launch_config(torch.empty(1, 1, 32))["BLOCK_N"]
+    block = triton_kernel._launch_config(torch.empty(1, 1, 32), 1)["BLOCK_N"]
     kinds = set().union(*(_tile_kinds(se, block) for se in CASES.values()))
     assert kinds == {"empty", "full", "partial"}
 
@@ -107,7 +129,7 @@ def test_unsupported_sizes_raise():
         tree_attention_triton(q, q, q, torch.full((3,), 3, dtype=torch.int32))
     huge = torch.empty(2**31 // 64 + 1, 1, 64, device="meta")
     with pytest.raises(ValueError, match="int32 offsets"):
-        triton_kernel._launch_config(huge)
+        triton_kernel._launch_config(huge, huge.shape[0])
 
 
 def test_empty_input():
@@ -122,6 +144,7 @@ def test_empty_input():
     (dict(q=torch.zeros(5, 4, 16, dtype=torch.int32)), "q has dtype torch.int32; supported"),
     (dict(v=torch.zeros(5, 2, 16, dtype=torch.float16)), "q, k, v must share a dtype"),
     (dict(q=torch.zeros(5, 64)), "q must be 3-D [T, heads, head_dim], got shape (5, 64)"),
+    (dict(q=torch.zeros(6, 4, 16)), "k/v need q's head_dim and at least as many tokens"),
     (dict(scale=-1.0), "softmax_scale must be positive and finite, got -1.0"),
 ])
 def test_bad_input_errors(change, message):

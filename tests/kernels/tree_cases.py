@@ -84,6 +84,37 @@ def check_against_reference(fn, sub_end, N, K, H, dtype, device="cpu", scale=Non
         assert err <= budget, f"{name}: max error {err:.3g} exceeds {budget:.3g} ({dtype}, T={sub_end.shape[0]})"
 
 
+def suffix_windows(T: int) -> list[tuple[int, int]]:
+    """(q_start, end) query windows of a T-token tree for the suffix-query tests: tokens [q_start, end) are the
+    queries and [0, end) the keys. Covers the whole tree, a window that is a tile-unaligned suffix, one cut before
+    the end (subtrees continuing past it) and single tokens."""
+    third = max(1, T // 3)
+    return sorted({(0, T), (third + 1, T), (third, min(T, 2 * third + 5)), (T - 1, T), (third, third + 1)})
+
+
+def check_suffix_queries(fn, sub_end, N, K, H, dtype=torch.float32, device="cpu", seed=0, atol=2e-5):
+    """fn(q[a:b], k[:b], v[:b], min(sub_end[:b], b)) equals rows [a, b) of full tree attention, forward and
+    backward (dq of those rows, and dk, dv of keys [0, b) summed over those queries only), for every window."""
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    T = sub_end.shape[0]
+    q, k, v = random_qkv(T, N, K, H, torch.float32, device, seed)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    for a, b in suffix_windows(T):
+        do_window = torch.zeros_like(do)
+        do_window[a:b] = do[a:b]
+        o, dq, dk, dv = _forward_backward(tree_attention_reference, q, k, v, sub_end.to(device), do_window, None)
+        want = (o[a:b], dq[a:b], dk[:b], dv[:b])
+        if b < T:
+            assert dk[b:].abs().max().item() == 0.0  # the oracle: keys past the window get nothing from it
+        cut = torch.clamp(sub_end[:b], max=b).to(device)
+        got = _forward_backward(fn, *(x.to(dtype) for x in (q[a:b], k[:b], v[:b])), cut, do[a:b].to(dtype), None)
+        for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+            assert g.shape == w.shape, (name, a, b, tuple(g.shape), tuple(w.shape))
+            err = (g.float() - w).abs().max().item() if g.numel() else 0.0
+            assert err <= atol, f"{name}: queries [{a}, {b}) of T = {T}: max error {err:.3g} > {atol}"
+
+
 def cuda_include_dir() -> str:
     """The CUDA toolkit's include directory (cuda_runtime.h, cuda_fp16.h), found from CUDA_HOME or nvcc."""
     from forge_megatron.utils import env

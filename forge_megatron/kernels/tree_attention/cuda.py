@@ -47,7 +47,11 @@ def _extension():
     return _C_tree_attn
 
 
-def _check_supported(q_TNH: torch.Tensor) -> None:
+def _check_supported(q_TNH: torch.Tensor, k_TKH: torch.Tensor) -> None:
+    if q_TNH.shape[0] != k_TKH.shape[0]:
+        raise ValueError(f"the CUDA tree attention kernel needs one query per key token ({k_TKH.shape[0]}), got "
+                         f"{q_TNH.shape[0]} queries: suffix queries (context parallelism's all-gather mode) run on "
+                         "the triton or segment backend")
     if q_TNH.device.type != "cuda":
         raise ValueError(f"the CUDA tree attention kernel needs CUDA tensors, got q on {q_TNH.device}")
     if q_TNH.shape[2] not in SUPPORTED_HEAD_DIMS:
@@ -60,7 +64,7 @@ def _stream(q_TNH: torch.Tensor) -> int:
 
 def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
     ext = _extension()
-    _check_supported(q_TNH)
+    _check_supported(q_TNH, k_TKH)
     with torch.cuda.device(q_TNH.device):
         o_TNH, lse_NT = ext.fwd(q_TNH, k_TKH, v_TKH, sub_end_T, scale, _stream(q_TNH), implementation())
     return o_TNH, lse_NT
@@ -77,4 +81,5 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
 tree_attention_cuda_op = register_tree_attention_ops("cuda", _forward, _backward)
 tree_attention_cuda = make_public_entry(tree_attention_cuda_op)
 tree_attention_cuda.__doc__ = """Tree attention through the CUDA kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
-softmax_scale=None) -> o_TNH; differentiable in q, k, v; CUDA tensors; head_dim 32/64/128; N % K == 0."""
+softmax_scale=None) -> o_TNH; differentiable in q, k, v; CUDA tensors; head_dim 32/64/128; N % K == 0; as many
+queries as keys (no suffix queries yet)."""

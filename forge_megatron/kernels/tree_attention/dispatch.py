@@ -6,7 +6,8 @@ Choice, first match wins:
 3. automatic on CUDA tensors: "triton" (triton importable) -> "cuda" (forge_megatron._C_tree_attn built) ->
    "segment" (exact, any device); on CPU: "segment". "reference" (dense T x T mask) only on request.
    The CUDA kernel moves ahead of Triton once its GPU tests have passed on a GPU machine (``CUDA_VALIDATED``;
-   benchmarks/gpu_check.sh runs them): until then it is used only when asked for.
+   benchmarks/gpu_check.sh runs them): until then it is used only when asked for. Calls with suffix queries (fewer
+   queries than keys, ops.py) never choose it automatically: it does not take them.
 The Triton and CUDA backends live in their own modules and are imported lazily; a module that is absent or fails
 to import makes its backend unavailable. Each (backend, device type) choice is logged once.
 
@@ -48,16 +49,20 @@ def tree_attention(
     softmax_scale: float | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Tree attention over a DFS-ordered forest (key j visible to query i iff j <= i < sub_end[j]). Returns o_TNH."""
-    name, why = choose_backend(q_TNH.device, backend)
+    """Tree attention over a DFS-ordered forest (key j visible to query i iff j <= i < sub_end[j]). Returns o_TNH.
+
+    q may hold only the last tokens of the keys' tree (suffix queries, see ops.py); the automatic choice then
+    passes over the CUDA kernel, which does not take them."""
+    name, why = choose_backend(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0])
     if (name, q_TNH.device.type) not in _logged:
         _logged.add((name, q_TNH.device.type))
         log.info("tree attention backend %r on %s (%s)", name, q_TNH.device.type, why)
     return _function(name)(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=softmax_scale)
 
 
-def choose_backend(device: torch.device, backend: str | None = None) -> tuple[str, str]:
-    """(backend name, why it was chosen) for tensors on ``device``."""
+def choose_backend(device: torch.device, backend: str | None = None,
+                   suffix_queries: bool = False) -> tuple[str, str]:
+    """(backend name, why it was chosen) for tensors on ``device``; ``suffix_queries``: fewer queries than keys."""
     if backend is not None:
         return _requested(backend, "backend argument"), "backend argument"
     from_env = os.environ.get(ENV_VAR)
@@ -65,7 +70,7 @@ def choose_backend(device: torch.device, backend: str | None = None) -> tuple[st
         return _requested(from_env, f"{ENV_VAR}={from_env}"), f"{ENV_VAR}={from_env}"
     if device.type == "cuda":
         for name in ("cuda", "triton") if CUDA_VALIDATED else ("triton", "cuda"):
-            if name in available_backends(device):
+            if name in available_backends(device) and not (suffix_queries and name == "cuda"):
                 return name, "automatic"
     return "segment", "automatic"
 

@@ -9,6 +9,12 @@ an autograd formula that calls the backward op (FlashAttention-2: P is recompute
 Semantics (docs/prefix_tree.md): key j is visible to query i  <=>  j <= i < sub_end[j];
 o_i = sum_j softmax_j(scale * q_i . k_j) v_j over visible j; lse_i = log sum_j exp(scale * q_i . k_j).
 
+Suffix queries: k, v and sub_end cover tree tokens [0, T) and q may cover only the last Tq of them, the tokens
+[T - Tq, T) (bottom-right aligned, as FlashAttention aligns seqlen_q < seqlen_k): o and lse then have Tq rows and
+dk, dv hold those queries' contributions to every key. Context parallelism's all-gather mode runs each rank's shard
+of queries this way against the keys before and in it (clamping sub_end to T: a subtree that continues past the
+tokens given ends at T as far as they are concerned).
+
 Legend: T = packed tree tokens, N = query heads, K = key/value heads (N % K == 0), H = head dim.
 """
 
@@ -33,11 +39,13 @@ def check_inputs(q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, 
             raise ValueError(f"{name} has dtype {x.dtype}; supported: float16, bfloat16, float32")
         if x.device != q_TNH.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q_TNH.device}")
-    T, N, H = q_TNH.shape
+    Tq, N, H = q_TNH.shape
     if k_TKH.shape != v_TKH.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k_TKH.shape)} and {tuple(v_TKH.shape)}")
-    if k_TKH.shape[0] != T or k_TKH.shape[2] != H:
-        raise ValueError(f"k/v shape {tuple(k_TKH.shape)} does not match q shape {tuple(q_TNH.shape)} in T or head_dim")
+    T = k_TKH.shape[0]
+    if T < Tq or k_TKH.shape[2] != H:
+        raise ValueError(f"k/v shape {tuple(k_TKH.shape)} does not match q shape {tuple(q_TNH.shape)}: k/v need q's "
+                         "head_dim and at least as many tokens (the queries are the last tokens of the keys' tree)")
     if not (k_TKH.dtype == v_TKH.dtype == q_TNH.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q_TNH.dtype}, {k_TKH.dtype}, {v_TKH.dtype}")
     K = k_TKH.shape[1]
@@ -77,8 +85,8 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
 
     @fwd_op.register_fake
     def _(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
-        T, N, _ = q_TNH.shape
-        return torch.empty_like(q_TNH), q_TNH.new_empty((N, T), dtype=torch.float32)
+        Tq, N, _ = q_TNH.shape
+        return torch.empty_like(q_TNH), q_TNH.new_empty((N, Tq), dtype=torch.float32)
 
     @torch.library.custom_op(bwd_name, mutates_args=())
     def bwd_op(

@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 
 
-def tree_mask(sub_end_T: torch.Tensor) -> torch.Tensor:
-    """Boolean [T, T] mask, True where query i may attend key j."""
+def tree_mask(sub_end_T: torch.Tensor, num_queries: int | None = None) -> torch.Tensor:
+    """Boolean [Tq, T] mask, True where query i may attend key j; the queries are the last ``num_queries`` (default
+    all T) tokens."""
     T = sub_end_T.shape[0]
-    idx = torch.arange(T, device=sub_end_T.device)
-    q = idx[:, None]
-    k = idx[None, :]
-    return (k <= q) & (q < sub_end_T.to(idx.dtype)[None, :])
+    Tq = T if num_queries is None else num_queries
+    k = torch.arange(T, device=sub_end_T.device)[None, :]
+    q = torch.arange(T - Tq, T, device=sub_end_T.device)[:, None]
+    return (k <= q) & (q < sub_end_T.to(k.dtype)[None, :])
 
 
 def tree_attention_reference(
@@ -31,19 +32,22 @@ def tree_attention_reference(
     sub_end_T: torch.Tensor,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """Exact tree attention through SDPA with a dense boolean mask. Returns o_TNH."""
-    T, N, H = q_TNH.shape
-    K = k_TKH.shape[1]
+    """Exact tree attention through SDPA with a dense boolean mask. Returns o_TNH.
+
+    q may hold only the last Tq of the T tokens k, v and sub_end describe (suffix queries, see ops.py)."""
+    Tq, N, H = q_TNH.shape
+    T, K = k_TKH.shape[:2]
     if N % K != 0:
         raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({K})")
-    if sub_end_T.shape != (T,):
-        raise ValueError(f"sub_end must have shape [{T}], got {tuple(sub_end_T.shape)}")
+    if sub_end_T.shape != (T,) or Tq > T:
+        raise ValueError(f"sub_end must have shape [{T}] (the keys' tokens) and q at most {T} rows, got sub_end "
+                         f"{tuple(sub_end_T.shape)} and q {tuple(q_TNH.shape)}")
     scale = softmax_scale if softmax_scale is not None else H ** -0.5
     rep = N // K
     k_TNH = k_TKH.repeat_interleave(rep, dim=1)
     v_TNH = v_TKH.repeat_interleave(rep, dim=1)
-    mask_TT = tree_mask(sub_end_T)
+    mask_QT = tree_mask(sub_end_T, Tq)
     o_NTH = F.scaled_dot_product_attention(
-        q_TNH.transpose(0, 1), k_TNH.transpose(0, 1), v_TNH.transpose(0, 1), attn_mask=mask_TT, scale=scale
+        q_TNH.transpose(0, 1), k_TNH.transpose(0, 1), v_TNH.transpose(0, 1), attn_mask=mask_QT, scale=scale
     )
     return o_NTH.transpose(0, 1)

@@ -9,7 +9,8 @@ whose first token has depth d_c sees its ancestor path (d_c keys) plus its own t
     o_i = softmax(q_i K_c^T * scale + mask) V_c,   K_c = keys of path(c) ++ chain(c),   key m visible to the
     r-th query of the chain  <=>  m <= d_c + r
 
-so the work is sum_c L_c (d_c + L_c) ~ sum_t depth(t), not T^2. Everything is derived from sub_end with
+so the work is sum_c L_c (d_c + L_c) ~ sum_t depth(t), not T^2. Suffix queries (q holds only the last Tq tokens,
+see ops.py) cut the chains at the first query and skip those before it. Everything is derived from sub_end with
 vectorised torch ops (no Python loop over chains):
 - depth_T by a difference array: each j adds 1 on (j, sub_end[j]);
 - the ancestor of token i at depth m is the last token at depth m that is <= i: one searchsorted in the tokens
@@ -49,12 +50,15 @@ def tree_attention_segment(
     scale = resolve_scale(softmax_scale, q_TNH.shape[2])
     if q_TNH.shape[0] == 0:
         return q_TNH.clone()
-    forest = Forest(sub_end_T)
+    q_start = k_TKH.shape[0] - q_TNH.shape[0]  # suffix queries: q holds tokens [q_start, T)
+    forest = Forest(sub_end_T, q_start)
     groups = list(forest.short_chain_groups())
     chains = forest.long_chains()
     arange = functools.partial(torch.arange, device=sub_end_T.device)
     q_idx = [g.q_idx_BL.flatten() for g in groups] + [arange(start, end) for start, end in chains]
     key_idx = [g.key_idx_BJ.flatten() for g in groups] + [forest.path_keys(start, end) for start, end in chains]
+    if q_start:
+        q_idx = [idx - q_start for idx in q_idx]
     # One gather per input, then views: per-piece indexing would give every piece a T-sized gradient buffer.
     # 16-bit inputs are computed in fp32: a key shared by many chains sums one partial gradient per chain, and
     # rounding each partial to 16 bits would double the error of the same math done in one pass.
@@ -73,9 +77,10 @@ def tree_attention_segment(
         outs.append(o_BLNH[g.row_valid_BL])
     n = len(groups)
     for idx_L, q_LNH, k_JKH, v_JKH in zip(q_idx[n:], q_parts[n:], k_parts[n:], v_parts[n:]):
-        rows.append(idx_L)
+        rows.append(idx_L + q_start)
         outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale))
-    return torch.zeros_like(q_TNH, dtype=work).index_copy(0, torch.cat(rows), torch.cat(outs)).to(q_TNH.dtype)
+    rows_Q = torch.cat(rows) - q_start
+    return torch.zeros_like(q_TNH, dtype=work).index_copy(0, rows_Q, torch.cat(outs)).to(q_TNH.dtype)
 
 
 def _gather_split(x_T, idx_list: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -105,9 +110,12 @@ class ChainGroup(NamedTuple):
 
 
 class Forest:
-    """Chains, depths and ancestor lookup of a DFS-ordered forest, derived from sub_end alone (and validated)."""
+    """Chains, depths and ancestor lookup of a DFS-ordered forest, derived from sub_end alone (and validated).
 
-    def __init__(self, sub_end_T: torch.Tensor):
+    With ``q_start`` > 0 only tokens [q_start, T) are queries: the chains are cut at q_start and those before it
+    dropped (their tokens stay keys: ancestors of the queries)."""
+
+    def __init__(self, sub_end_T: torch.Tensor, q_start: int = 0):
         sub_end_T = sub_end_T.long()
         T = sub_end_T.numel()
         device = sub_end_T.device
@@ -123,6 +131,10 @@ class Forest:
         self.sorted_key_T, self.order_T = torch.sort(self.depth_T * T + idx_T)
         is_start_T = torch.ones(T, dtype=torch.bool, device=device)
         is_start_T[1:] = sub_end_T[1:] != sub_end_T[:-1]
+        if q_start:
+            is_start_T[:q_start] = False
+            if q_start < T:
+                is_start_T[q_start] = True
         self.start_C = torch.nonzero(is_start_T).flatten()
         self.end_C = torch.cat([self.start_C[1:], torch.tensor([T], device=device)])
         self._check_nested(sub_end_T)

@@ -14,7 +14,11 @@ dQ = scale dS K, dK = scale dS^T Q. dK/dV are summed over the N/K query heads of
 one program, so no atomics are needed. Loads are upcast to fp32 under TRITON_INTERPRET=1 (bf16 arithmetic is wrong
 in the interpreter) and for fp32 inputs; on GPU fp16/bf16 tiles go to tl.dot natively with fp32 accumulation.
 
-Legend: T = packed tree tokens, N = query heads, K = key/value heads, H = head dim, B = key blocks.
+Suffix queries (ops.py): the TQ query rows are tree tokens [T - TQ, T); query tiles are laid from T - TQ, the mask
+and the tile tests use tree positions, rows of q/o/lse are positions minus T - TQ.
+
+Legend: T = packed tree tokens (keys), TQ = query rows, N = query heads, K = key/value heads, H = head dim,
+B = key blocks.
 """
 
 from __future__ import annotations
@@ -69,10 +73,10 @@ def _store_rows(PTR, x, offs_t, T, stride_t, offs_h, H):
 
 
 @triton.jit
-def _row_stats(LSE, DELTA, n, offs_m, T):
-    """Saved log-sum-exp (converted to base 2) and delta = rowsum(dO * O) of query rows offs_m, head n."""
-    lse2 = tl.load(LSE + n * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + n * T + offs_m, mask=offs_m < T, other=0.0)
+def _row_stats(LSE, DELTA, n, rows_m, TQ):
+    """Saved log-sum-exp (converted to base 2) and delta = rowsum(dO * O) of query rows rows_m, head n."""
+    lse2 = tl.load(LSE + n * TQ + rows_m, mask=rows_m < TQ, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + n * TQ + rows_m, mask=rows_m < TQ, other=0.0)
     return lse2, delta
 
 
@@ -89,17 +93,18 @@ def _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, 
 @triton.jit
 def _fwd_kernel(
     Q, K, V, SUB_END, KMIN, KMAX, O, LSE,
-    T, H, qk_scale,
+    T, TQ, H, qk_scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     n = tl.program_id(1)
-    q_lo = tl.program_id(0) * BLOCK_M
+    q0 = T - TQ  # the TQ queries are tree tokens [q0, T); row r of Q, O and LSE is token q0 + r
+    q_lo = q0 + tl.program_id(0) * BLOCK_M
     q_hi = tl.minimum(q_lo + BLOCK_M, T)
     offs_m = q_lo + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
-    q = _load_rows(Q + n * stride_qn, offs_m, T, stride_qt, offs_h, H, COMPUTE)
+    q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
     K_head = K + (n // GROUP) * stride_kn
     V_head = V + (n // GROUP) * stride_kn
 
@@ -124,26 +129,27 @@ def _fwd_kernel(
             m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    _store_rows(O + n * stride_on, acc / l_safe[:, None], offs_m, T, stride_ot, offs_h, H)
-    tl.store(LSE + n * T + offs_m, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=offs_m < T)
+    _store_rows(O + n * stride_on, acc / l_safe[:, None], offs_m - q0, TQ, stride_ot, offs_h, H)
+    tl.store(LSE + n * TQ + offs_m - q0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=offs_m < T)
 
 
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DQ,
-    T, H, qk_scale, scale,
+    T, TQ, H, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     n = tl.program_id(1)
-    q_lo = tl.program_id(0) * BLOCK_M
+    q0 = T - TQ
+    q_lo = q0 + tl.program_id(0) * BLOCK_M
     q_hi = tl.minimum(q_lo + BLOCK_M, T)
     offs_m = q_lo + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
-    q = _load_rows(Q + n * stride_qn, offs_m, T, stride_qt, offs_h, H, COMPUTE)
-    do = _load_rows(DO + n * stride_qn, offs_m, T, stride_qt, offs_h, H, COMPUTE)
-    lse2, delta = _row_stats(LSE, DELTA, n, offs_m, T)
+    q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
+    do = _load_rows(DO + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
+    lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
     K_head = K + (n // GROUP) * stride_kn
     V_head = V + (n // GROUP) * stride_kn
 
@@ -158,13 +164,13 @@ def _bwd_dq_kernel(
                                qk_scale, BLOCK_N, DOT_PRECISION)
             ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
             dq += tl.dot(ds.to(COMPUTE), k, input_precision=DOT_PRECISION)
-    _store_rows(DQ + n * stride_qn, dq * scale, offs_m, T, stride_qt, offs_h, H)
+    _store_rows(DQ + n * stride_qn, dq * scale, offs_m - q0, TQ, stride_qt, offs_h, H)
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DK, DV,
-    T, H, qk_scale, scale,
+    T, TQ, H, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -177,20 +183,23 @@ def _bwd_dkdv_kernel(
     k = _load_rows(K + kv * stride_kn, offs_n, T, stride_kt, offs_h, H, COMPUTE)
     v = _load_rows(V + kv * stride_kn, offs_n, T, stride_kt, offs_h, H, COMPUTE)
     kmin = tl.load(KMIN + kb)
-    # Queries that see any key of this block lie in [k_lo, max(sub_end)): the loop visits only those blocks.
-    qb_end = tl.cdiv(tl.load(KMAX + kb), BLOCK_M)
+    # Queries that see any key of this block lie in [k_lo, max(sub_end)), and the queries are tokens [q0, T): the
+    # loop visits only the query blocks (tiled from q0) that overlap both.
+    q0 = T - TQ
+    qb_start = (tl.maximum(k_lo, q0) - q0) // BLOCK_M
+    qb_end = tl.maximum(tl.cdiv(tl.load(KMAX + kb) - q0, BLOCK_M), 0)
 
     dk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
     for g in range(GROUP):
         n = kv * GROUP + g
-        for qb in range(k_lo // BLOCK_M, qb_end):
-            q_lo = qb * BLOCK_M
+        for qb in range(qb_start, qb_end):
+            q_lo = q0 + qb * BLOCK_M
             q_hi = tl.minimum(q_lo + BLOCK_M, T)
             offs_m = q_lo + tl.arange(0, BLOCK_M)
-            q = _load_rows(Q + n * stride_qn, offs_m, T, stride_qt, offs_h, H, COMPUTE)
-            do = _load_rows(DO + n * stride_qn, offs_m, T, stride_qt, offs_h, H, COMPUTE)
-            lse2, delta = _row_stats(LSE, DELTA, n, offs_m, T)
+            q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
+            do = _load_rows(DO + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
+            lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
             p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale, BLOCK_N,
                                DOT_PRECISION)
             dv += tl.dot(tl.trans(p.to(COMPUTE)), do, input_precision=DOT_PRECISION)
@@ -214,14 +223,14 @@ def gpu_launch_config(head_dim: int, compute: tl.dtype) -> dict:
     )
 
 
-def _launch_config(q_TNH: torch.Tensor) -> dict:
+def _launch_config(q_TNH: torch.Tensor, T: int) -> dict:
     """GPU config for q's dtype; under the CPU interpreter big blocks and fp32 math (bf16 math is wrong there)."""
     H = q_TNH.shape[2]
     if H > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {H} is not supported by the Triton tree attention kernel (max {MAX_HEAD_DIM})")
-    if q_TNH.numel() >= 2**31:
-        raise ValueError(f"q has {q_TNH.numel()} elements; the Triton kernel uses int32 offsets (< 2^31): "
-                         "split the micro-batch")
+    if T * q_TNH.shape[1] * H >= 2**31:
+        raise ValueError(f"{T} tokens x {q_TNH.shape[1]} heads x head_dim {H} needs offsets >= 2^31; the Triton "
+                         "kernel uses int32 offsets: split the micro-batch")
     if _interpreting():
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_H=max(16, triton.next_power_of_2(H)), COMPUTE=tl.float32,
                     DOT_PRECISION="ieee")
@@ -240,17 +249,18 @@ def key_block_bounds(sub_end_T: torch.Tensor, block_n: int) -> tuple[torch.Tenso
 
 
 def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
-    T, N, H = q_TNH.shape
+    Tq, N, H = q_TNH.shape
+    T = k_TKH.shape[0]
     o_TNH = torch.empty_like(q_TNH)
-    lse_NT = torch.empty((N, T), dtype=torch.float32, device=q_TNH.device)
-    if T == 0:
+    lse_NT = torch.empty((N, Tq), dtype=torch.float32, device=q_TNH.device)
+    if Tq == 0:
         return o_TNH, lse_NT
-    cfg = _launch_config(q_TNH)
+    cfg = _launch_config(q_TNH, T)
     kmin_B, kmax_B = key_block_bounds(sub_end_T, cfg["BLOCK_N"])
-    grid = (triton.cdiv(T, cfg["BLOCK_M"]), N)
+    grid = (triton.cdiv(Tq, cfg["BLOCK_M"]), N)
     _fwd_kernel[grid](
         q_TNH, k_TKH, v_TKH, sub_end_T, kmin_B, kmax_B, o_TNH, lse_NT,
-        T, H, scale * LOG2E,
+        T, Tq, H, scale * LOG2E,
         q_TNH.stride(0), q_TNH.stride(1), k_TKH.stride(0), k_TKH.stride(1), o_TNH.stride(0), o_TNH.stride(1),
         GROUP=N // k_TKH.shape[1], **cfg,
     )
@@ -258,19 +268,19 @@ def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
 
 
 def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
-    T, N, H = q_TNH.shape
-    K = k_TKH.shape[1]
+    Tq, N, H = q_TNH.shape
+    T, K = k_TKH.shape[:2]
     dq_TNH, dk_TKH, dv_TKH = torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
-    if T == 0:
-        return dq_TNH, dk_TKH, dv_TKH
+    if Tq == 0:
+        return dq_TNH, dk_TKH.zero_(), dv_TKH.zero_()
     do_TNH = do_TNH.contiguous()
     delta_NT = (do_TNH.float() * o_TNH.float()).sum(-1).transpose(0, 1).contiguous()
-    cfg = _launch_config(q_TNH)
+    cfg = _launch_config(q_TNH, T)
     kmin_B, kmax_B = key_block_bounds(sub_end_T, cfg["BLOCK_N"])
-    common = dict(T=T, H=H, qk_scale=scale * LOG2E, scale=scale, stride_qt=q_TNH.stride(0),
+    common = dict(T=T, TQ=Tq, H=H, qk_scale=scale * LOG2E, scale=scale, stride_qt=q_TNH.stride(0),
                   stride_qn=q_TNH.stride(1), stride_kt=k_TKH.stride(0), stride_kn=k_TKH.stride(1),
                   GROUP=N // K, **cfg)
-    _bwd_dq_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), N)](
+    _bwd_dq_kernel[(triton.cdiv(Tq, cfg["BLOCK_M"]), N)](
         q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dq_TNH, **common
     )
     _bwd_dkdv_kernel[(kmin_B.shape[0], K)](
@@ -282,4 +292,5 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
 tree_attention_triton_op = register_tree_attention_ops("triton", _forward, _backward)
 tree_attention_triton = make_public_entry(tree_attention_triton_op)
 tree_attention_triton.__doc__ = """Tree attention through the Triton kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
-softmax_scale=None) -> o_TNH; differentiable in q, k, v; fp16/bf16/fp32; N % K == 0; head_dim <= 256."""
+softmax_scale=None) -> o_TNH; differentiable in q, k, v; fp16/bf16/fp32; N % K == 0; head_dim <= 256; q may hold
+only the last tokens of the keys' tree (suffix queries, see ops.py)."""
