@@ -1,24 +1,32 @@
-"""Context parallelism (CP) for tree-packed micro-batches: all-to-all around the tree attention kernel.
+"""Context parallelism (CP) for tree-packed micro-batches: each rank holds a zig-zag shard of the tree's tokens.
 
 With CP = C ranks (Megatron's context-parallel group), a tree-packed micro-batch of T tokens in DFS order is
-padded to T_pad = ceil(T / C) * C with single-token roots (token 0, depth 0, visible only to itself, never a
-target) and cut into C contiguous shards of T_l = T_pad / C tokens; CP rank r embeds, normalises, runs the
-MLP/MoE layers and the output layer for tokens [r T_l, (r + 1) T_l) only, so activation memory per rank is
-divided by C. Attention needs all keys: around the kernel each rank trades its token shard of every head for
-every token of 1/C of the heads (one all-to-all each for q, k, v, and one back for the output; DeepSpeed-Ulysses'
-scheme), then runs the unchanged tree kernel over the whole tree for its heads:
+padded to T_pad, a multiple of 2C, with single-token roots (token 0, depth 0, visible only to itself, never a
+target) and cut into 2C chunks of T_pad / 2C tokens; CP rank r holds chunks r and 2C - 1 - r (T_l = T_pad / C
+tokens, Megatron's zig-zag split). It embeds, normalises, runs the MLP/MoE layers and the output layer for those
+tokens only, so activation memory per rank is divided by C. Attention needs all keys; two ways to get them
+(``cp_comm_type``, Megatron's config field; None or "auto" picks a2a where the heads allow it, else all_gather):
 
-    q [T_l, N, H] --all-to-all--> [T_pad, N/C, H]    (k, v alike when C divides K; see below)
-    o = tree_attention(q, k, v, sub_end_Tpad)          (any backend, the mask needs no change)
-    o [T_pad, N/C, H] --all-to-all--> [T_l, N, H]
+* ``a2a`` (DeepSpeed-Ulysses): each rank trades its tokens of every head for every token of 1/C of the heads
+  (one all-to-all each for q, k, v and one back for the output), puts the chunks back in DFS order and runs the
+  unchanged tree kernel over the whole tree for its heads:
 
-Heads, not tokens, are split inside attention, so the work is balanced whatever the tree's shape (causal
-ring attention over a DFS order would need zig-zag balancing and a kernel taking query offsets). Requirements:
-C divides the query heads per TP rank N; for key/value heads K, either C divides K (all-to-all) or K divides C
-(GQA with few KV heads: k and v are all-gathered along the sequence and each rank keeps the one KV head its query
-heads use). The backward of each all-to-all is the reverse all-to-all and that of the all-gather a
-reduce-scatter, so autograd is exact: CP ranks' parameter gradients sum to the CP = 1 gradient (Megatron's DDP
-reduces over the data-parallel-with-CP group).
+      q [T_l, N, H] --all-to-all--> [T_pad, N/C, H]  (k, v alike when C divides K; all-gathered when K divides C)
+      o = tree_attention(q, k, v, sub_end_Tpad)
+      o [T_pad, N/C, H] --all-to-all--> [T_l, N, H]
+
+  Heads, not tokens, are split inside attention, so the work is balanced whatever the tree's shape. It needs C to
+  divide the query heads per TP rank N, and C to divide, or be a multiple of, the key/value heads per TP rank K.
+* ``all_gather`` (any head count): k and v are all-gathered ([T_pad, K, H] on every rank, saved for the backward)
+  and each of the rank's two chunks attends as *suffix queries* (kernels/tree_attention/ops.py): chunk [a, b)
+  against keys [0, b) with sub_end clamped to b. Under a causal mask over a DFS order the cost of a query grows
+  with its depth, and the zig-zag split gives every rank one early and one late chunk: exactly balanced for one
+  long chain (a long agent episode), near balanced for trees (benchmarks/cp_balance.py). The backward of the
+  all-gather reduce-scatters dk and dv. Costs T_pad x K x H x 2 of gathered keys per layer, where a2a moves q,
+  k, v and o but only 1/C of them.
+
+Either way autograd is exact: CP ranks' parameter gradients sum to the CP = 1 gradient (Megatron's DDP reduces
+over the data-parallel-with-CP group).
 
 Per-sample logprobs: each rank scores the next-token targets whose predicting row is local and the partial
 vectors are summed over the CP group (all-reduce forward, identity backward, like Megatron's TP reductions), so
@@ -48,26 +56,42 @@ def cp_world() -> tuple[int, int, object]:
 
 
 def seq_multiple(config=None) -> int:
-    """Tree micro-batches are padded to a multiple of this: the CP size, times the TP size when the model runs
-    with sequence parallelism (``config.sequence_parallel``: each TP rank then holds 1/TP of a CP shard's tokens
-    outside attention)."""
+    """Tree micro-batches are padded to a multiple of this: 2 x the CP size (two zig-zag chunks per rank; 1
+    without CP), times the TP size when the model runs with sequence parallelism (``config.sequence_parallel``:
+    each TP rank then holds 1/TP of a CP shard's tokens outside attention)."""
     from megatron.core import parallel_state as ps
 
-    cp = cp_world()[0]
+    multiple = default_multiple(cp_world()[0])
     if config is not None and getattr(config, "sequence_parallel", False):
-        return cp * ps.get_tensor_model_parallel_world_size()
-    return cp
+        return multiple * ps.get_tensor_model_parallel_world_size()
+    return multiple
 
 
 def padded_length(T: int, multiple: int) -> int:
     return -(-T // multiple) * multiple
 
 
-def shard_range(T: int, cp: int, rank: int, multiple: int | None = None) -> tuple[int, int]:
-    """[lo, hi) of the tree, padded to ``multiple`` (default ``cp``, which must divide it), held by CP rank
-    ``rank``."""
-    local = padded_length(T, multiple or cp) // cp
-    return rank * local, (rank + 1) * local
+def shard_ranges(T: int, cp: int, rank: int, multiple: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two [lo, hi) chunks of the tree, padded to ``multiple`` (default 2 x ``cp``, which must divide it),
+    held by CP rank ``rank``: chunks ``rank`` and 2 cp - 1 - ``rank`` of 2 cp."""
+    multiple = multiple or 2 * cp
+    if multiple % (2 * cp):
+        raise ValueError(f"the padding multiple ({multiple}) must be a multiple of 2 x CP ({2 * cp})")
+    chunk = padded_length(T, multiple) // (2 * cp)
+    late = 2 * cp - 1 - rank
+    return (rank * chunk, (rank + 1) * chunk), (late * chunk, (late + 1) * chunk)
+
+
+def take_shard(x_T: torch.Tensor, cp: int, rank: int, multiple: int | None = None) -> torch.Tensor:
+    """This rank's rows of per-token values (token ids, depths, routing) of the padded tree ``x_T``."""
+    (a0, a1), (b0, b1) = shard_ranges(x_T.shape[0], cp, rank, multiple)
+    return torch.cat([x_T[a0:a1], x_T[b0:b1]])
+
+
+def shard_positions(T: int, cp: int, rank: int, multiple: int | None = None, device=None) -> torch.Tensor:
+    """Tree positions of this rank's local rows, in local order (int64 [T_l])."""
+    (a0, a1), (b0, b1) = shard_ranges(T, cp, rank, multiple)
+    return torch.cat([torch.arange(a0, a1, device=device), torch.arange(b0, b1, device=device)])
 
 
 def pad_zeros(x_T: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -81,6 +105,18 @@ def pad_sub_end(sub_end_T: torch.Tensor, multiple: int) -> torch.Tensor:
     T = sub_end_T.numel()
     pad_idx = torch.arange(T + 1, padded_length(T, multiple) + 1, device=sub_end_T.device, dtype=sub_end_T.dtype)
     return torch.cat([sub_end_T, pad_idx])
+
+
+def ranks_to_tree_order(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """Rows gathered rank by rank ([C x T_l, ...], rank s's two chunks in its local order) -> tree (DFS) order."""
+    x_C2 = x.reshape(cp, 2, x.shape[0] // (2 * cp), *x.shape[1:])
+    return torch.cat([x_C2[:, 0], x_C2[:, 1].flip(0)]).reshape(x.shape)
+
+
+def tree_to_ranks_order(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """The inverse of :func:`ranks_to_tree_order`."""
+    x_2C = x.reshape(2 * cp, x.shape[0] // (2 * cp), *x.shape[1:])
+    return torch.stack([x_2C[:cp], x_2C[cp:].flip(0)], dim=1).reshape(x.shape)
 
 
 # --------------------------------------------------------------------------------------- collectives
@@ -149,25 +185,45 @@ def _heads_to_seq(y_TXcH: torch.Tensor, group) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(T // C, C * Xc, H)
 
 
+def default_multiple(cp: int) -> int:
+    """The padding multiple without sequence parallelism: 2 x CP (two chunks per rank), 1 without CP."""
+    return 2 * cp if cp > 1 else 1
+
+
 def sum_over_cp(x: torch.Tensor) -> torch.Tensor:
     """Sum of ``x`` over the CP group (identity backward); ``x`` itself when CP is 1."""
     size, _, group = cp_world()
     return x if size == 1 else _SumIdentityBackward.apply(x, group)
 
 
+COMM_TYPES = ("a2a", "all_gather")
+
+
 def check_heads(N: int, K: int, cp: int) -> None:
-    """Raise unless CP can split these heads (N query and K key/value heads per TP rank)."""
+    """Raise unless the a2a mode can split these heads (N query and K key/value heads per TP rank)."""
     if N % cp:
-        raise ValueError(f"context parallelism splits attention heads across CP ranks: cp={cp} must divide the "
-                         f"query heads per tensor-parallel rank ({N})")
+        raise ValueError(f"cp_comm_type a2a splits attention heads across CP ranks: cp={cp} must divide the query "
+                         f"heads per tensor-parallel rank ({N}); all_gather works with any head count")
     if K % cp and cp % K:
-        raise ValueError(f"cp={cp} must divide, or be a multiple of, the key/value heads per tensor-parallel rank "
-                         f"({K})")
+        raise ValueError(f"cp_comm_type a2a: cp={cp} must divide, or be a multiple of, the key/value heads per "
+                         f"tensor-parallel rank ({K}); all_gather works with any head count")
+
+
+def resolve_comm_type(comm_type: str | None, N: int, K: int, cp: int) -> str:
+    """"a2a" or "all_gather" for Megatron's ``cp_comm_type`` (None or "auto": a2a where the heads allow it)."""
+    if comm_type in (None, "auto"):
+        return "a2a" if N % cp == 0 and (K % cp == 0 or cp % K == 0) else "all_gather"
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"tree attention supports cp_comm_type a2a or all_gather (or auto), got {comm_type!r} "
+                         "(Megatron's p2p ring and a2a+p2p are not implemented for trees)")
+    if comm_type == "a2a":
+        check_heads(N, K, cp)
+    return comm_type
 
 
 # ------------------------------------------------------------------------------------------ attention
-def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, backend=None):
-    """Tree attention for this CP rank's token shard: o [T_l, N, H] over the whole padded tree ``sub_end_T``."""
+def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, backend=None, comm_type=None):
+    """Tree attention for this CP rank's zig-zag shard: o [T_l, N, H] over the whole padded tree ``sub_end_T``."""
     from forge_megatron.kernels.tree_attention import tree_attention
 
     C, rank, group = cp_world()
@@ -175,16 +231,25 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
     K = k_TlKH.shape[1]
     if C == 1:
         return tree_attention(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=softmax_scale, backend=backend)
-    check_heads(N, K, C)
-    if sub_end_T.numel() != C * Tl:
-        raise ValueError(f"CP rank holds {Tl} tokens but sub_end has {sub_end_T.numel()} (expected {C} x {Tl}): "
-                         "shard the micro-batch with forge_megatron.mcore.forward.tree_model_inputs")
-    q = _AllToAll.apply(q_TlNH, group, True)
+    mode = resolve_comm_type(comm_type, N, K, C)
+    if sub_end_T.numel() != C * Tl or Tl % 2:
+        raise ValueError(f"CP rank holds {Tl} tokens but sub_end has {sub_end_T.numel()} (expected {C} x {Tl}, "
+                         "two chunks each): shard the micro-batch with forge_megatron.mcore.forward.tree_model_inputs")
+    if mode == "all_gather":
+        k = ranks_to_tree_order(_GatherSeq.apply(k_TlKH, group), C)
+        v = ranks_to_tree_order(_GatherSeq.apply(v_TlKH, group), C)
+        outs = []
+        for (lo, hi), q_part in zip(shard_ranges(C * Tl, C, rank), q_TlNH.split(Tl // 2)):
+            outs.append(tree_attention(q_part, k[:hi], v[:hi], sub_end_T[:hi].clamp(max=hi),
+                                       softmax_scale=softmax_scale, backend=backend))
+        return torch.cat(outs)
+    q = ranks_to_tree_order(_AllToAll.apply(q_TlNH, group, True), C)
     if K % C == 0:
-        k, v = _AllToAll.apply(k_TlKH, group, True), _AllToAll.apply(v_TlKH, group, True)
+        k = ranks_to_tree_order(_AllToAll.apply(k_TlKH, group, True), C)
+        v = ranks_to_tree_order(_AllToAll.apply(v_TlKH, group, True), C)
     else:  # K divides C: this rank's N/C query heads all use KV head r*K/C
         head = rank * K // C
-        k = _GatherSeq.apply(k_TlKH, group)[:, head:head + 1]
-        v = _GatherSeq.apply(v_TlKH, group)[:, head:head + 1]
+        k = ranks_to_tree_order(_GatherSeq.apply(k_TlKH, group)[:, head:head + 1], C)
+        v = ranks_to_tree_order(_GatherSeq.apply(v_TlKH, group)[:, head:head + 1], C)
     o = tree_attention(q, k, v, sub_end_T, softmax_scale=softmax_scale, backend=backend)
-    return _AllToAll.apply(o.contiguous(), group, False)
+    return _AllToAll.apply(tree_to_ranks_order(o, C).contiguous(), group, False)

@@ -41,18 +41,17 @@ from forge_megatron.mcore.tree_attention import tree_packed_seq_params
 def tree_model_inputs(layout, backend: str | None = None, device=None, multiple: int | None = None) -> dict:
     """Keyword arguments for ``GPTModel.forward`` on one tree-packed micro-batch (batch of 1, T tokens).
 
-    The tree is padded with single-token roots to a multiple of ``multiple`` (default the CP size C; with sequence
-    parallelism C x TP, see ``context_parallel.seq_multiple``); under context parallelism the tokens are this CP
-    rank's shard of it (forge_megatron.mcore.context_parallel)."""
-    from forge_megatron.mcore.context_parallel import cp_world, pad_zeros, shard_range
+    The tree is padded with single-token roots to a multiple of ``multiple`` (default 2 x the CP size C; with
+    sequence parallelism 2 C x TP, see ``context_parallel.seq_multiple``); under context parallelism the tokens are
+    this CP rank's zig-zag shard of it (forge_megatron.mcore.context_parallel)."""
+    from forge_megatron.mcore.context_parallel import cp_world, default_multiple, pad_zeros, take_shard
 
     params = tree_packed_seq_params(layout, backend=backend, device=device, multiple=multiple)
     tokens_T = layout.tokens.to(device)
     cp, rank, _ = cp_world()
-    multiple = multiple or cp
+    multiple = multiple or default_multiple(cp)
     if multiple > 1:
-        lo, hi = shard_range(tokens_T.numel(), cp, rank, multiple)
-        tokens_T = pad_zeros(tokens_T, multiple)[lo:hi]
+        tokens_T = take_shard(pad_zeros(tokens_T, multiple), cp, rank, multiple)
     return dict(
         input_ids=tokens_T[None],
         position_ids=params.position_ids[None],
@@ -70,11 +69,11 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
     instead, and the logits are made chunk by chunk inside the loss (``linear_vocab_parallel_logprobs``), their
     matmul in ``head_dtype`` if given (``torch.float32``: an fp32 LM head) and else in the weight's dtype.
 
-    Under context parallelism the output holds this CP rank's rows [lo, hi) of the padded tree: it scores the
-    targets predicted from its rows, and the partial vectors are summed over the CP group (identity backward),
+    Under context parallelism the output holds this CP rank's rows of the padded tree (two zig-zag chunks): it
+    scores the targets predicted from its rows, and the partial vectors are summed over the CP group (identity backward),
     so every CP rank returns the same full logp_M and gradients reach only its own rows. ``multiple``: the padding
     multiple the inputs were built with (:func:`tree_model_inputs`); padding rows are never scored."""
-    from forge_megatron.mcore.context_parallel import cp_world, shard_range, sum_over_cp
+    from forge_megatron.mcore.context_parallel import cp_world, shard_ranges, sum_over_cp
 
     def score(out_TX, rows_M, targets_M):
         if output_weight is not None:
@@ -89,11 +88,15 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
                          "computes in the weight's dtype")
     if cp == 1:
         return score(logits_1TV[0], pred_nodes_M, targets_M)
-    lo, hi = shard_range(layout.tokens.numel(), cp, rank, multiple)
-    if logits_1TV.shape[1] != hi - lo:
-        raise ValueError(f"CP rank {rank} expects logits for its {hi - lo} tokens, got {tuple(logits_1TV.shape)}")
-    local_M = (pred_nodes_M >= lo) & (pred_nodes_M < hi)
-    logp_m, entropy_m = score(logits_1TV[0], pred_nodes_M[local_M] - lo, targets_M[local_M])
+    (a0, a1), (b0, b1) = shard_ranges(layout.tokens.numel(), cp, rank, multiple)
+    if logits_1TV.shape[1] != (a1 - a0) + (b1 - b0):
+        raise ValueError(f"CP rank {rank} expects logits for its {(a1 - a0) + (b1 - b0)} tokens, got "
+                         f"{tuple(logits_1TV.shape)}")
+    early_M = (pred_nodes_M >= a0) & (pred_nodes_M < a1)
+    late_M = (pred_nodes_M >= b0) & (pred_nodes_M < b1)
+    local_M = early_M | late_M
+    local_rows_M = torch.where(early_M, pred_nodes_M - a0, pred_nodes_M - b0 + (a1 - a0))  # row in [early, late]
+    logp_m, entropy_m = score(logits_1TV[0], local_rows_M[local_M], targets_M[local_M])
     local_M = local_M.to(logp_m.device)
     logp_M = sum_over_cp(logp_m.new_zeros(local_M.shape).masked_scatter(local_M, logp_m))
     entropy_M = (sum_over_cp(entropy_m.new_zeros(local_M.shape).masked_scatter(local_M, entropy_m))

@@ -125,7 +125,7 @@ def reset(models) -> None:
 
 def set_micro_batch(model, routing_TLK: torch.Tensor | None, num_tokens: int, multiple: int | None = None) -> None:
     """Before ``model``'s forward of a micro-batch of ``num_tokens`` tree tokens, padded to ``multiple`` (default
-    the CP size; ``context_parallel.seq_multiple``): each router of the chunk gets its layer's rows (under CP this
+    2 x the CP size; ``context_parallel.seq_multiple``): each router of the chunk gets its layer's rows (under CP this
     rank's shard, under sequence parallelism this TP rank's slice of it: the tokens its router sees); None routes
     every token by the router itself."""
     replays = _replays(model)
@@ -133,21 +133,23 @@ def set_micro_batch(model, routing_TLK: torch.Tensor | None, num_tokens: int, mu
         return
     local = None
     if routing_TLK is not None:
-        from forge_megatron.mcore.context_parallel import cp_world, padded_length, shard_range
+        from forge_megatron.mcore.context_parallel import cp_world, default_multiple, padded_length, take_shard
 
         cp, rank, _ = cp_world()
-        multiple = multiple or cp
+        multiple = multiple or default_multiple(cp)
         total = padded_length(num_tokens, multiple)
         if routing_TLK.shape[0] > total:
             raise ValueError(f"routing replay: {routing_TLK.shape[0]} recorded rows for {total} tree tokens")
         pad = routing_TLK.new_full((total - routing_TLK.shape[0], *routing_TLK.shape[1:]), -1)
-        lo, hi = shard_range(num_tokens, cp, rank, multiple)
+        local = torch.cat([routing_TLK, pad])
+        if cp > 1:
+            local = take_shard(local, cp, rank, multiple)
         if getattr(model.config, "sequence_parallel", False):  # the router sees this TP rank's slice of the shard
             from megatron.core import parallel_state as ps
 
             tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-            lo, hi = lo + tp_rank * (hi - lo) // tp, lo + (tp_rank + 1) * (hi - lo) // tp
-        local = torch.cat([routing_TLK, pad])[lo:hi]
+            n = local.shape[0]
+            local = local[tp_rank * n // tp:(tp_rank + 1) * n // tp]
         device = next(model.parameters()).device
         local = local.to(device=device, dtype=torch.int64)
     for replay in replays:

@@ -72,18 +72,18 @@ def tree_packed_seq_params(layout, backend: str | None = None, device=None,
                            multiple: int | None = None) -> TreePackedSeqParams:
     """Packed-sequence params for a ``forge_megatron.tree.TreeLayout`` (tensors moved to ``device``).
 
-    The tree is padded to a multiple of ``multiple`` (default the CP size; ``context_parallel.seq_multiple``);
-    under context parallelism ``position_ids`` is this CP rank's shard of the padded tree."""
-    from forge_megatron.mcore.context_parallel import cp_world, pad_sub_end, pad_zeros, shard_range
+    The tree is padded to a multiple of ``multiple`` (default 2 x the CP size; ``context_parallel.seq_multiple``);
+    under context parallelism ``position_ids`` is this CP rank's zig-zag shard of the padded tree."""
+    from forge_megatron.mcore.context_parallel import cp_world, default_multiple, pad_sub_end, pad_zeros, take_shard
 
     sub_end_T = layout.sub_end.to(device=device, dtype=torch.int32)
     position_ids_T = layout.position_ids.to(device=device, dtype=torch.int64)
     longest = int(position_ids_T.max()) + 1 if position_ids_T.numel() else 1
     cp, rank, _ = cp_world()
-    multiple = multiple or cp
+    multiple = multiple or default_multiple(cp)
     if multiple > 1:
-        lo, hi = shard_range(sub_end_T.numel(), cp, rank, multiple)
-        position_ids_T, sub_end_T = pad_zeros(position_ids_T, multiple)[lo:hi], pad_sub_end(sub_end_T, multiple)
+        position_ids_T = take_shard(pad_zeros(position_ids_T, multiple), cp, rank, multiple)
+        sub_end_T = pad_sub_end(sub_end_T, multiple)
     return TreePackedSeqParams(
         qkv_format="sbhd", max_seqlen_q=longest, max_seqlen_kv=longest,
         sub_end=sub_end_T, position_ids=position_ids_T, backend=backend,
@@ -108,6 +108,7 @@ class TreeAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.cp_comm_type = cp_comm_type  # context parallelism: a2a, all_gather or None/auto (context_parallel.py)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -130,7 +131,7 @@ class TreeAttention(MegatronModule):
             )
         o_TNH = tree_attention_cp(
             query[:, 0], key[:, 0], value[:, 0], packed_seq_params.sub_end,
-            softmax_scale=self.softmax_scale, backend=packed_seq_params.backend,
+            softmax_scale=self.softmax_scale, backend=packed_seq_params.backend, comm_type=self.cp_comm_type,
         )
         return o_TNH.reshape(T, 1, -1)
 

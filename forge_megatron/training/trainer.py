@@ -536,14 +536,18 @@ def model_config(args: argparse.Namespace, bridge):
             if getattr(flags, name) != getattr(cfg, name):
                 raise ValueError(f"{name}: the model flags say {getattr(flags, name)}, the HF checkpoint "
                                  f"{args.hf_checkpoint} has {getattr(cfg, name)}")
+    extra = dict(cfg.extra)
     if args.context_parallel_size > 1:
-        from forge_megatron.mcore.context_parallel import check_heads
+        from forge_megatron.mcore.context_parallel import resolve_comm_type
 
         tp = args.tensor_model_parallel_size
-        check_heads(cfg.num_attention_heads // tp, max(1, (cfg.num_query_groups or cfg.num_attention_heads) // tp),
-                    args.context_parallel_size)
+        comm = resolve_comm_type(getattr(args, "cp_comm_type", "auto"), cfg.num_attention_heads // tp,
+                                 max(1, (cfg.num_query_groups or cfg.num_attention_heads) // tp),
+                                 args.context_parallel_size)
+        extra.update(cp_comm_type=comm)  # Megatron hands it to every layer's core attention (TreeAttention)
+        log.info("context parallelism %d: attention %s (--cp-comm-type %s)", args.context_parallel_size, comm,
+                 getattr(args, "cp_comm_type", "auto"))
     overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
-    extra = dict(cfg.extra)
     if args.tensor_model_parallel_size > 1:
         if cfg.num_moe_experts and not args.sequence_parallel:
             raise ValueError(f"{args.hf_checkpoint} is a MoE model: with --tensor-model-parallel-size "

@@ -20,16 +20,18 @@ ATOL = 1e-5
 GRAD_RTOL = 1e-5
 
 
-def _model(sp: bool, moe: bool):
+def _model(sp: bool, moe: bool, comm=None):
     from forge_megatron.mcore.model import build_gpt, transformer_config
     from forge_megatron.mcore.tree_attention import build_tree_gpt, swap_core_attention, use_depth_rope
 
-    cfg = _cfg(qk_layernorm=True, add_qkv_bias=False)
+    extra = {"cp_comm_type": comm} if comm else {}
+    cfg = _cfg(qk_layernorm=True, add_qkv_bias=False, extra=extra)
     if not moe:
         return build_tree_gpt(cfg, sequence_parallel=sp)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    cfg = _cfg(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, extra={"moe_layer_freq": [0, 1]})
+    cfg = _cfg(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+               extra={"moe_layer_freq": [0, 1], **extra})
     model = build_gpt(cfg, spec=swap_core_attention(get_gpt_decoder_block_spec(transformer_config(cfg),
                                                                                use_transformer_engine=False)),
                       sequence_parallel=sp)
@@ -37,13 +39,13 @@ def _model(sp: bool, moe: bool):
     return model
 
 
-def _body(rank, world_size, state_path, sp, moe):
+def _body(rank, world_size, state_path, sp, moe, comm=None):
     """Per forest on this rank: (logp, entropy, {param: gradient after the TP sums}, tokens the embedding held)."""
     from megatron.core import parallel_state as ps
 
 
     torch.manual_seed(3)
-    model = _model(sp, moe)
+    model = _model(sp, moe, comm if ps.get_context_parallel_world_size() > 1 else None)
     # Megatron's MoE layer refuses to train under TP without SP (the reason for SP): the reference runs in eval mode,
     # which changes nothing else here (no dropout, no token dropping, aux losses off)
     model.train(sp)
@@ -67,18 +69,20 @@ def _body(rank, world_size, state_path, sp, moe):
     return out
 
 
-@pytest.mark.parametrize("cp,moe", [(1, False), (1, True), (2, False)], ids=["tp2", "tp2-moe", "tp2-cp2"])
-def test_sequence_parallel_equals_tp_alone(tmp_path, cp, moe):
+@pytest.mark.parametrize("cp,moe,comm", [(1, False, None), (1, True, None), (2, False, None), (2, True, "all_gather")],
+                         ids=["tp2", "tp2-moe", "tp2-cp2", "tp2-cp2-moe-allgather"])
+def test_sequence_parallel_equals_tp_alone(tmp_path, cp, moe, comm):
     state = str(tmp_path / "model.pt")
     want = run_distributed(_body, world_size=2, parallel=ParallelConfig(tp=2), state_path=state, sp=False, moe=moe)
     want = {w.pop("tp_rank"): w for w in want}
     got = run_distributed(_body, world_size=2 * cp, parallel=ParallelConfig(tp=2, cp=cp), state_path=state, sp=True,
-                          moe=moe, timeout_s=400)
+                          moe=moe, comm=comm, timeout_s=400)
     for rank, result in enumerate(got):
         base = want[result.pop("tp_rank")]
         for name, (logp, ent, grads, held, T) in result.items():
             w_logp, w_ent, w_grads, w_held, _ = base[name]
-            assert w_held == T and held == -(-T // (2 * cp)), (rank, name, T, held)  # a TP (x CP) slice of the tree
+            multiple = 2 * (2 * cp if cp > 1 else 1)  # TP x (2 CP zig-zag chunks)
+            assert w_held == T and held == -(-T // multiple) * multiple // (2 * cp), (rank, name, T, held)
             assert (logp - w_logp).abs().max().item() <= ATOL, (rank, name)
             assert (ent - w_ent).abs().max().item() <= ATOL, (rank, name)
             for pname, g in grads.items():

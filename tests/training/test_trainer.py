@@ -185,11 +185,13 @@ def test_tied_embeddings_under_pp_and_vpp_train_like_one_rank(tmp_path):
 def test_dp2_and_cp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
     """CISPO's token mean is over the whole batch: two DP ranks holding groups with different token counts must
     produce the gradient one rank computes on the full batch (grad norm of the DP-reduced gradient, two steps).
-    Two context-parallel ranks, each holding half of every tree, must produce it too, also under PP = 2."""
+    Two context-parallel ranks, each holding half of every tree, must produce it too (a2a), also under PP = 2 with
+    keys and values all-gathered (--cp-comm-type all_gather)."""
     model_dir = build_tiny_model(str(tmp_path / "model"))
     norms, tokens = {}, {}
     runs = (("single", 1, []), ("dp2", 2, []), ("cp2", 2, ["--context-parallel-size", "2"]),
-            ("pp2cp2", 4, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]))
+            ("pp2cp2", 4, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                           "--cp-comm-type", "all_gather"]))
     for name, nproc, extra in runs:
         steps, _, _ = run_on_fresh_pool(
             tmp_path, name, model_dir, lambda c: feed_groups(c, 4, np.random.default_rng(5), completion_len=(6, 11)),
