@@ -210,7 +210,10 @@ def check_heads(N: int, K: int, cp: int) -> None:
 
 
 def resolve_comm_type(comm_type: str | None, N: int, K: int, cp: int) -> str:
-    """"a2a" or "all_gather" for Megatron's ``cp_comm_type`` (None or "auto": a2a where the heads allow it)."""
+    """"a2a" or "all_gather" for Megatron's ``cp_comm_type`` (None or "auto": a2a where the heads allow it;
+    "allgather", Megatron-LM's command-line spelling, is "all_gather")."""
+    if comm_type == "allgather":
+        comm_type = "all_gather"
     if comm_type in (None, "auto"):
         return "a2a" if N % cp == 0 and (K % cp == 0 or cp % K == 0) else "all_gather"
     if comm_type not in COMM_TYPES:

@@ -63,11 +63,12 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     par.add_argument("--context-parallel-size", type=int, default=1,
                      help="CP ranks per tree-packed micro-batch: each holds 1/CP of the tree's tokens (two chunks, "
                           "zig-zag) outside attention; --cp-comm-type says how attention gets the other keys")
-    par.add_argument("--cp-comm-type", default="auto", choices=["auto", "a2a", "all_gather"],
+    par.add_argument("--cp-comm-type", default="auto", choices=["auto", "a2a", "all_gather", "allgather"],
                      help="context parallelism inside attention. a2a: trade tokens for heads (all-to-all; CP must "
                           "divide the query heads per TP rank and divide, or be a multiple of, the key/value heads "
                           "per TP rank); all_gather: all-gather keys and values, any head count (more memory: every "
-                          "rank keeps all keys of its layer for the backward). auto: a2a where the heads allow it")
+                          "rank keeps all keys of its layer for the backward; allgather is the same). auto: a2a where the heads "
+                          "allow it")
     par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                      help="interleaved pipeline: layers per virtual stage (each PP rank holds num_layers / (PP * this) "
                           "model chunks); needs PP >= 2. The number of micro-batches is then split up to a "

@@ -144,7 +144,7 @@ def test_cp_head_requirements_are_explained():
         check_heads(12, 6, 4)
     assert resolve_comm_type(None, 8, 2, 4) == resolve_comm_type("auto", 8, 8, 4) == "a2a"
     assert resolve_comm_type("auto", 8, 2, 3) == resolve_comm_type(None, 4, 1, 8) == "all_gather"
-    assert resolve_comm_type("all_gather", 8, 2, 4) == "all_gather"
+    assert resolve_comm_type("all_gather", 8, 2, 4) == resolve_comm_type("allgather", 8, 2, 4) == "all_gather"
     with pytest.raises(ValueError, match="cp=3 must divide"):
         resolve_comm_type("a2a", 8, 2, 3)
     with pytest.raises(ValueError, match="supports cp_comm_type a2a or all_gather .* got 'p2p'"):
