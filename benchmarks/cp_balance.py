@@ -3,15 +3,17 @@
 Under ``--cp-comm-type all_gather`` every CP rank attends its own queries against all keys before them, so its
 attention work is the number of (query, visible key) pairs of its tokens, sum over its queries of depth + 1; a CP
 step waits for the slowest rank. Contiguous shards of a DFS order give the last rank the deepest tokens (a chain
-of T tokens split over C ranks: the last rank has 2C - 1 times the first one's work); the zig-zag split (rank r
-holds chunks r and 2C - 1 - r of 2C, forge_megatron.mcore.context_parallel) pairs early and late chunks. The a2a
-mode splits heads instead of tokens and is balanced by construction: it is the reference line.
+of T tokens split over C ranks: the last rank has 2C - 1 times the first one's work); one zig-zag round (rank r
+holds chunks r and 2C - 1 - r of 2C, Megatron's split) pairs early and late chunks; the trainer repeats it
+``ROUNDS`` times over 2 ROUNDS C chunks (``zigzag``, forge_megatron.mcore.context_parallel), which also evens out
+the depth pattern of trees. The a2a mode splits heads instead of tokens and is balanced by construction: it is
+the reference line.
 
 Per workload and CP size: the counted imbalance (slowest rank's pairs over the mean) of both splits, and, measured
 in this process one rank after the other (``--measure``), each rank's forward+backward time of its attention with
 the segment backend (suffix queries against the gathered keys, exactly what each rank runs), the step time (the
 slowest rank), the same for the a2a split (the whole tree with N / C heads) and ``speedup`` = contiguous step time
-/ zig-zag step time. Workloads: ``chain`` (one agent episode, every call extending the last: one long chain),
+/ the trainer's (``zigzag``) step time. Workloads: ``chain`` (one agent episode, every call extending the last: one long chain),
 ``grpo`` (one prompt of T / 4 tokens and 8 completions), ``batch`` (8 GRPO groups of 4 with lognormal completion
 lengths, packed into one micro-batch). Prints one JSON line.
 
@@ -43,11 +45,14 @@ def workloads(T: int, seed: int) -> dict[str, list[list[int]]]:
 
 
 def splits(T_pad: int, cp: int) -> dict[str, list[list[tuple[int, int]]]]:
-    """Query ranges per rank for each split."""
+    """Query ranges per rank for each split: contiguous shards, one zig-zag round (chunks r and 2C - 1 - r of 2C)
+    and the trainer's split (``context_parallel.ROUNDS`` rounds)."""
     from forge_megatron.mcore.context_parallel import shard_ranges
 
-    local = T_pad // cp
+    local, half = T_pad // cp, T_pad // (2 * cp)
     return {"contiguous": [[(r * local, (r + 1) * local)] for r in range(cp)],
+            "zigzag_1round": [[(r * half, (r + 1) * half), ((2 * cp - 1 - r) * half, (2 * cp - r) * half)]
+                              for r in range(cp)],
             "zigzag": [list(shard_ranges(T_pad, cp, r)) for r in range(cp)]}
 
 
@@ -80,7 +85,7 @@ def main() -> None:
     args = p.parse_args()
 
     from forge_megatron.kernels.tree_attention.segment import Forest
-    from forge_megatron.mcore.context_parallel import pad_sub_end, padded_length
+    from forge_megatron.mcore.context_parallel import ROUNDS, default_multiple, pad_sub_end, padded_length
     from forge_megatron.tree import build_tree
 
     results = {}
@@ -89,8 +94,8 @@ def main() -> None:
         T = layout.unique_tokens
         results[name] = {"tokens": T}
         for cp in args.cps:
-            T_pad = padded_length(T, 2 * cp)
-            sub_end = pad_sub_end(layout.sub_end.to(torch.int32), 2 * cp)
+            T_pad = padded_length(T, default_multiple(cp))
+            sub_end = pad_sub_end(layout.sub_end.to(torch.int32), default_multiple(cp))
             pairs_T = (Forest(sub_end).depth_T + 1).double()  # visible keys of every query
             row = {}
             for split, ranks in splits(T_pad, cp).items():
@@ -111,7 +116,7 @@ def main() -> None:
                                                             v[:, :kv], sub_end, args.repeats), 4)}
                 row["speedup"] = round(row["contiguous"]["step_s"] / row["zigzag"]["step_s"], 3)
             results[name][str(cp)] = row
-    print(json.dumps({"benchmark": "cp_balance", "heads": args.heads, "kv_heads": args.kv_heads,
+    print(json.dumps({"benchmark": "cp_balance", "rounds": ROUNDS, "heads": args.heads, "kv_heads": args.kv_heads,
                       "head_dim": args.head_dim, "threads": torch.get_num_threads(), "results": results}))
 
 

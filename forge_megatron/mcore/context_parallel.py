@@ -1,11 +1,12 @@
-"""Context parallelism (CP) for tree-packed micro-batches: each rank holds a zig-zag shard of the tree's tokens.
+"""Context parallelism (CP) for tree-packed micro-batches: each rank holds zig-zag chunks of the tree's tokens.
 
 With CP = C ranks (Megatron's context-parallel group), a tree-packed micro-batch of T tokens in DFS order is
-padded to T_pad, a multiple of 2C, with single-token roots (token 0, depth 0, visible only to itself, never a
-target) and cut into 2C chunks of T_pad / 2C tokens; CP rank r holds chunks r and 2C - 1 - r (T_l = T_pad / C
-tokens, Megatron's zig-zag split). It embeds, normalises, runs the MLP/MoE layers and the output layer for those
-tokens only, so activation memory per rank is divided by C. Attention needs all keys; two ways to get them
-(``cp_comm_type``, Megatron's config field; None or "auto" picks a2a where the heads allow it, else all_gather):
+padded to T_pad, a multiple of 2 R C (R = ``ROUNDS`` = 4), with single-token roots (token 0, depth 0, visible only
+to itself, never a target) and cut into 2 R C chunks; of every 2C consecutive chunks CP rank r holds the r-th and
+the (2C - 1 - r)-th (Megatron's zig-zag split, repeated R times), T_l = T_pad / C tokens in all. It embeds,
+normalises, runs the MLP/MoE layers and the output layer for those tokens only, so activation memory per rank is
+divided by C. Attention needs all keys; two ways to get them (``cp_comm_type``, Megatron's config field; None or
+"auto" picks a2a where the heads allow it, else all_gather):
 
 * ``a2a`` (DeepSpeed-Ulysses): each rank trades its tokens of every head for every token of 1/C of the heads
   (one all-to-all each for q, k, v and one back for the output), puts the chunks back in DFS order and runs the
@@ -18,12 +19,12 @@ tokens only, so activation memory per rank is divided by C. Attention needs all 
   Heads, not tokens, are split inside attention, so the work is balanced whatever the tree's shape. It needs C to
   divide the query heads per TP rank N, and C to divide, or be a multiple of, the key/value heads per TP rank K.
 * ``all_gather`` (any head count): k and v are all-gathered ([T_pad, K, H] on every rank, saved for the backward)
-  and each of the rank's two chunks attends as *suffix queries* (kernels/tree_attention/ops.py): chunk [a, b)
-  against keys [0, b) with sub_end clamped to b. Under a causal mask over a DFS order the cost of a query grows
-  with its depth, and the zig-zag split gives every rank one early and one late chunk: exactly balanced for one
-  long chain (a long agent episode), near balanced for trees (benchmarks/cp_balance.py). The backward of the
-  all-gather reduce-scatters dk and dv. Costs T_pad x K x H x 2 of gathered keys per layer, where a2a moves q,
-  k, v and o but only 1/C of them.
+  and each of the rank's chunks attends as *suffix queries* (kernels/tree_attention/ops.py): chunk [a, b) against
+  keys [0, b) with sub_end clamped to b. Under a causal mask over a DFS order the cost of a query grows with its
+  depth; the zig-zag chunks give every rank early and late ones: exactly balanced for one long chain (a long agent
+  episode), near balanced for trees (see ``ROUNDS``; benchmarks/cp_balance.py). The backward of the all-gather
+  reduce-scatters dk and dv. Costs T_pad x K x H x 2 of gathered keys per layer, where a2a moves q, k, v and o but
+  only 1/C of them.
 
 Either way autograd is exact: CP ranks' parameter gradients sum to the CP = 1 gradient (Megatron's DDP reduces
 over the data-parallel-with-CP group).
@@ -55,10 +56,24 @@ def cp_world() -> tuple[int, int, object]:
     return size, ps.get_context_parallel_rank(), ps.get_context_parallel_group()
 
 
+ROUNDS = 4
+"""Zig-zag rounds: the padded tree is cut into 2 x ROUNDS x C chunks and every run of 2C consecutive chunks is
+dealt zig-zag (rank r takes chunks r and 2C - 1 - r of it), so each rank holds 2 x ROUNDS chunks. One round balances
+a chain exactly; trees (depth rising within each branch and falling back at the next) need finer interleaving:
+counted attention imbalance of a GRPO group at C = 8 is 1.23 with one round and 1.00 with four, of a packed batch
+of groups 1.44 and 1.14 (benchmarks/cp_balance.py). Costs: padding to a multiple of 2 x ROUNDS x C (x TP) tokens,
+and 2 x ROUNDS kernel calls per layer in all_gather mode."""
+
+
+def default_multiple(cp: int) -> int:
+    """The padding multiple without sequence parallelism: 2 x ROUNDS x CP (the chunks), 1 without CP."""
+    return 2 * ROUNDS * cp if cp > 1 else 1
+
+
 def seq_multiple(config=None) -> int:
-    """Tree micro-batches are padded to a multiple of this: 2 x the CP size (two zig-zag chunks per rank; 1
-    without CP), times the TP size when the model runs with sequence parallelism (``config.sequence_parallel``:
-    each TP rank then holds 1/TP of a CP shard's tokens outside attention)."""
+    """Tree micro-batches are padded to a multiple of this: :func:`default_multiple` (1 without CP), times the TP
+    size when the model runs with sequence parallelism (``config.sequence_parallel``: each TP rank then holds 1/TP
+    of a CP shard's tokens outside attention)."""
     from megatron.core import parallel_state as ps
 
     multiple = default_multiple(cp_world()[0])
@@ -71,27 +86,30 @@ def padded_length(T: int, multiple: int) -> int:
     return -(-T // multiple) * multiple
 
 
-def shard_ranges(T: int, cp: int, rank: int, multiple: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The two [lo, hi) chunks of the tree, padded to ``multiple`` (default 2 x ``cp``, which must divide it),
-    held by CP rank ``rank``: chunks ``rank`` and 2 cp - 1 - ``rank`` of 2 cp."""
-    multiple = multiple or 2 * cp
-    if multiple % (2 * cp):
-        raise ValueError(f"the padding multiple ({multiple}) must be a multiple of 2 x CP ({2 * cp})")
-    chunk = padded_length(T, multiple) // (2 * cp)
-    late = 2 * cp - 1 - rank
-    return (rank * chunk, (rank + 1) * chunk), (late * chunk, (late + 1) * chunk)
+def shard_ranges(T: int, cp: int, rank: int, multiple: int | None = None) -> list[tuple[int, int]]:
+    """The 2 x ROUNDS [lo, hi) chunks of the tree, padded to ``multiple`` (default :func:`default_multiple`, which
+    must divide it), held by CP rank ``rank``, in its local order: of every 2 cp consecutive chunks, the ``rank``-th
+    and the (2 cp - 1 - ``rank``)-th."""
+    multiple = multiple or default_multiple(cp)
+    if multiple % default_multiple(cp):
+        raise ValueError(f"the padding multiple ({multiple}) must be a multiple of 2 x {ROUNDS} rounds x CP "
+                         f"({default_multiple(cp)})")
+    chunk = padded_length(T, multiple) // default_multiple(cp)
+    out = []
+    for g in range(ROUNDS):
+        for c in (g * 2 * cp + rank, g * 2 * cp + 2 * cp - 1 - rank):
+            out.append((c * chunk, (c + 1) * chunk))
+    return out
 
 
 def take_shard(x_T: torch.Tensor, cp: int, rank: int, multiple: int | None = None) -> torch.Tensor:
     """This rank's rows of per-token values (token ids, depths, routing) of the padded tree ``x_T``."""
-    (a0, a1), (b0, b1) = shard_ranges(x_T.shape[0], cp, rank, multiple)
-    return torch.cat([x_T[a0:a1], x_T[b0:b1]])
+    return torch.cat([x_T[lo:hi] for lo, hi in shard_ranges(x_T.shape[0], cp, rank, multiple)])
 
 
 def shard_positions(T: int, cp: int, rank: int, multiple: int | None = None, device=None) -> torch.Tensor:
     """Tree positions of this rank's local rows, in local order (int64 [T_l])."""
-    (a0, a1), (b0, b1) = shard_ranges(T, cp, rank, multiple)
-    return torch.cat([torch.arange(a0, a1, device=device), torch.arange(b0, b1, device=device)])
+    return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in shard_ranges(T, cp, rank, multiple)])
 
 
 def pad_zeros(x_T: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -108,15 +126,19 @@ def pad_sub_end(sub_end_T: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def ranks_to_tree_order(x: torch.Tensor, cp: int) -> torch.Tensor:
-    """Rows gathered rank by rank ([C x T_l, ...], rank s's two chunks in its local order) -> tree (DFS) order."""
-    x_C2 = x.reshape(cp, 2, x.shape[0] // (2 * cp), *x.shape[1:])
-    return torch.cat([x_C2[:, 0], x_C2[:, 1].flip(0)]).reshape(x.shape)
+    """Rows gathered rank by rank ([C x T_l, ...], each rank's chunks in its local order) -> tree (DFS) order."""
+    x_CR2 = x.reshape(cp, ROUNDS, 2, x.shape[0] // default_multiple(cp), *x.shape[1:])
+    early = x_CR2[:, :, 0].transpose(0, 1)         # [R, C, chunk]: chunk g 2C + s of rank s
+    late = x_CR2[:, :, 1].flip(0).transpose(0, 1)  # [R, C, chunk]: chunk g 2C + C + s' of rank C - 1 - s'
+    return torch.cat([early, late], dim=1).reshape(x.shape)
 
 
 def tree_to_ranks_order(x: torch.Tensor, cp: int) -> torch.Tensor:
     """The inverse of :func:`ranks_to_tree_order`."""
-    x_2C = x.reshape(2 * cp, x.shape[0] // (2 * cp), *x.shape[1:])
-    return torch.stack([x_2C[:cp], x_2C[cp:].flip(0)], dim=1).reshape(x.shape)
+    x_R2C = x.reshape(ROUNDS, 2 * cp, x.shape[0] // default_multiple(cp), *x.shape[1:])
+    early = x_R2C[:, :cp].transpose(0, 1)
+    late = x_R2C[:, cp:].transpose(0, 1).flip(0)
+    return torch.stack([early, late], dim=2).reshape(x.shape)
 
 
 # --------------------------------------------------------------------------------------- collectives
@@ -185,11 +207,6 @@ def _heads_to_seq(y_TXcH: torch.Tensor, group) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(T // C, C * Xc, H)
 
 
-def default_multiple(cp: int) -> int:
-    """The padding multiple without sequence parallelism: 2 x CP (two chunks per rank), 1 without CP."""
-    return 2 * cp if cp > 1 else 1
-
-
 def sum_over_cp(x: torch.Tensor) -> torch.Tensor:
     """Sum of ``x`` over the CP group (identity backward); ``x`` itself when CP is 1."""
     size, _, group = cp_world()
@@ -235,14 +252,15 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
     if C == 1:
         return tree_attention(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=softmax_scale, backend=backend)
     mode = resolve_comm_type(comm_type, N, K, C)
-    if sub_end_T.numel() != C * Tl or Tl % 2:
+    if sub_end_T.numel() != C * Tl or Tl % (2 * ROUNDS):
         raise ValueError(f"CP rank holds {Tl} tokens but sub_end has {sub_end_T.numel()} (expected {C} x {Tl}, "
-                         "two chunks each): shard the micro-batch with forge_megatron.mcore.forward.tree_model_inputs")
+                         f"{2 * ROUNDS} chunks each): shard the micro-batch with "
+                         "forge_megatron.mcore.forward.tree_model_inputs")
     if mode == "all_gather":
         k = ranks_to_tree_order(_GatherSeq.apply(k_TlKH, group), C)
         v = ranks_to_tree_order(_GatherSeq.apply(v_TlKH, group), C)
         outs = []
-        for (lo, hi), q_part in zip(shard_ranges(C * Tl, C, rank), q_TlNH.split(Tl // 2)):
+        for (lo, hi), q_part in zip(shard_ranges(C * Tl, C, rank), q_TlNH.split(Tl // (2 * ROUNDS))):
             outs.append(tree_attention(q_part, k[:hi], v[:hi], sub_end_T[:hi].clamp(max=hi),
                                        softmax_scale=softmax_scale, backend=backend))
         return torch.cat(outs)

@@ -41,9 +41,10 @@ from forge_megatron.mcore.tree_attention import tree_packed_seq_params
 def tree_model_inputs(layout, backend: str | None = None, device=None, multiple: int | None = None) -> dict:
     """Keyword arguments for ``GPTModel.forward`` on one tree-packed micro-batch (batch of 1, T tokens).
 
-    The tree is padded with single-token roots to a multiple of ``multiple`` (default 2 x the CP size C; with
-    sequence parallelism 2 C x TP, see ``context_parallel.seq_multiple``); under context parallelism the tokens are
-    this CP rank's zig-zag shard of it (forge_megatron.mcore.context_parallel)."""
+    The tree is padded with single-token roots to a multiple of ``multiple`` (default
+    ``context_parallel.default_multiple``, 1 without CP; with sequence parallelism times TP, see
+    ``context_parallel.seq_multiple``); under context parallelism the tokens are this CP rank's zig-zag chunks of
+    it (forge_megatron.mcore.context_parallel)."""
     from forge_megatron.mcore.context_parallel import cp_world, default_multiple, pad_zeros, take_shard
 
     params = tree_packed_seq_params(layout, backend=backend, device=device, multiple=multiple)
@@ -69,11 +70,11 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
     instead, and the logits are made chunk by chunk inside the loss (``linear_vocab_parallel_logprobs``), their
     matmul in ``head_dtype`` if given (``torch.float32``: an fp32 LM head) and else in the weight's dtype.
 
-    Under context parallelism the output holds this CP rank's rows of the padded tree (two zig-zag chunks): it
+    Under context parallelism the output holds this CP rank's rows of the padded tree (its zig-zag chunks): it
     scores the targets predicted from its rows, and the partial vectors are summed over the CP group (identity backward),
     so every CP rank returns the same full logp_M and gradients reach only its own rows. ``multiple``: the padding
     multiple the inputs were built with (:func:`tree_model_inputs`); padding rows are never scored."""
-    from forge_megatron.mcore.context_parallel import cp_world, shard_ranges, sum_over_cp
+    from forge_megatron.mcore.context_parallel import cp_world, shard_positions, sum_over_cp
 
     def score(out_TX, rows_M, targets_M):
         if output_weight is not None:
@@ -88,15 +89,16 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
                          "computes in the weight's dtype")
     if cp == 1:
         return score(logits_1TV[0], pred_nodes_M, targets_M)
-    (a0, a1), (b0, b1) = shard_ranges(layout.tokens.numel(), cp, rank, multiple)
-    if logits_1TV.shape[1] != (a1 - a0) + (b1 - b0):
-        raise ValueError(f"CP rank {rank} expects logits for its {(a1 - a0) + (b1 - b0)} tokens, got "
+    T = layout.tokens.numel()
+    positions = shard_positions(T, cp, rank, multiple)
+    if logits_1TV.shape[1] != positions.numel():
+        raise ValueError(f"CP rank {rank} expects logits for its {positions.numel()} tokens, got "
                          f"{tuple(logits_1TV.shape)}")
-    early_M = (pred_nodes_M >= a0) & (pred_nodes_M < a1)
-    late_M = (pred_nodes_M >= b0) & (pred_nodes_M < b1)
-    local_M = early_M | late_M
-    local_rows_M = torch.where(early_M, pred_nodes_M - a0, pred_nodes_M - b0 + (a1 - a0))  # row in [early, late]
-    logp_m, entropy_m = score(logits_1TV[0], local_rows_M[local_M], targets_M[local_M])
+    row_of = torch.full((positions.numel() * cp,), -1, dtype=torch.long)  # the padded tree
+    row_of[positions] = torch.arange(positions.numel())  # tree position -> local row (-1: another rank's)
+    rows_M = row_of[pred_nodes_M.cpu()].to(pred_nodes_M.device)
+    local_M = rows_M >= 0
+    logp_m, entropy_m = score(logits_1TV[0], rows_M[local_M], targets_M[local_M])
     local_M = local_M.to(logp_m.device)
     logp_M = sum_over_cp(logp_m.new_zeros(local_M.shape).masked_scatter(local_M, logp_m))
     entropy_M = (sum_over_cp(entropy_m.new_zeros(local_M.shape).masked_scatter(local_M, entropy_m))

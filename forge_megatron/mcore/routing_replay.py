@@ -125,7 +125,7 @@ def reset(models) -> None:
 
 def set_micro_batch(model, routing_TLK: torch.Tensor | None, num_tokens: int, multiple: int | None = None) -> None:
     """Before ``model``'s forward of a micro-batch of ``num_tokens`` tree tokens, padded to ``multiple`` (default
-    2 x the CP size; ``context_parallel.seq_multiple``): each router of the chunk gets its layer's rows (under CP this
+    ``context_parallel.default_multiple``; ``context_parallel.seq_multiple``): each router of the chunk gets its layer's rows (under CP this
     rank's shard, under sequence parallelism this TP rank's slice of it: the tokens its router sees); None routes
     every token by the router itself."""
     replays = _replays(model)

@@ -72,8 +72,9 @@ def tree_packed_seq_params(layout, backend: str | None = None, device=None,
                            multiple: int | None = None) -> TreePackedSeqParams:
     """Packed-sequence params for a ``forge_megatron.tree.TreeLayout`` (tensors moved to ``device``).
 
-    The tree is padded to a multiple of ``multiple`` (default 2 x the CP size; ``context_parallel.seq_multiple``);
-    under context parallelism ``position_ids`` is this CP rank's zig-zag shard of the padded tree."""
+    The tree is padded to a multiple of ``multiple`` (default ``context_parallel.default_multiple``; see
+    ``context_parallel.seq_multiple``); under context parallelism ``position_ids`` is this CP rank's zig-zag chunks
+    of the padded tree."""
     from forge_megatron.mcore.context_parallel import cp_world, default_multiple, pad_sub_end, pad_zeros, take_shard
 
     sub_end_T = layout.sub_end.to(device=device, dtype=torch.int32)

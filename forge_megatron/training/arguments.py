@@ -57,11 +57,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                      help="with TP > 1: outside attention each TP rank holds 1/TP of the tree's tokens (norms, "
                           "residual stream, MLP/MoE inputs; all-gathered into the TP-split linear layers and "
                           "reduce-scattered after them), so those activations shrink by TP. Megatron-Core's MoE layer "
-                          "refuses to train with TP > 1 without it. Trees are padded to a multiple of TP (x 2 CP with CP)")
+                          "refuses to train with TP > 1 without it. Trees are padded to a multiple of TP (x 8 CP with CP)")
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     par.add_argument("--expert-model-parallel-size", type=int, default=1)
     par.add_argument("--context-parallel-size", type=int, default=1,
-                     help="CP ranks per tree-packed micro-batch: each holds 1/CP of the tree's tokens (two chunks, "
+                     help="CP ranks per tree-packed micro-batch: each holds 1/CP of the tree's tokens (eight chunks, "
                           "zig-zag) outside attention; --cp-comm-type says how attention gets the other keys")
     par.add_argument("--cp-comm-type", default="auto", choices=["auto", "a2a", "all_gather", "allgather"],
                      help="context parallelism inside attention. a2a: trade tokens for heads (all-to-all; CP must "

@@ -12,6 +12,7 @@ the CP size times a tile.
 import pytest
 import torch
 
+from forge_megatron.mcore.context_parallel import default_multiple, padded_length
 from forge_megatron.mcore.parallel import ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.mcore.test_tree_exact import _cfg, _weighted_loss, _weights, all_samples, forest_cases
@@ -123,7 +124,7 @@ def test_cp_equals_cp1(tmp_path, cp, tp, heads, kv_heads, moe, comm):
         base = want[result.pop("tp_rank")]
         for name, (logp, ent, grads, (T, local)) in result.items():
             w_logp, w_ent, w_grads, _ = base[name]
-            assert local == -(-T // (2 * cp)) * 2, (rank, name, T, local)  # this rank held two chunks of the tree
+            assert local == padded_length(T, default_multiple(cp)) // cp, (rank, name, T, local)  # its chunks only
             assert (logp - w_logp).abs().max().item() <= LOGP_ATOL, (rank, name)
             assert (ent - w_ent).abs().max().item() <= LOGP_ATOL, (rank, name)
             for pname, g in grads.items():
@@ -161,28 +162,37 @@ def test_padding_makes_single_token_roots():
 
 
 def test_zigzag_shards_and_orders():
-    """Rank r holds chunks r and 2C - 1 - r of the padded tree; the rank-major gather order and the tree order
-    convert into each other; every position is held by exactly one rank."""
-    from forge_megatron.mcore.context_parallel import (
-        ranks_to_tree_order,
-        shard_positions,
-        shard_ranges,
-        take_shard,
-        tree_to_ranks_order,
-    )
+    """Of every 2C consecutive chunks rank r holds the r-th and the (2C - 1 - r)-th (ROUNDS times); the rank-major
+    gather order and the tree order convert into each other; every position is held by exactly one rank."""
+    from forge_megatron.mcore import context_parallel as cpm
 
-    assert [shard_ranges(5, 2, r) for r in range(2)] == [((0, 2), (6, 8)), ((2, 4), (4, 6))]
-    assert [shard_ranges(13, 4, r, 16) for r in range(4)] == [((0, 2), (14, 16)), ((2, 4), (12, 14)),
-                                                              ((4, 6), (10, 12)), ((6, 8), (8, 10))]
-    with pytest.raises(ValueError, match="must be a multiple of 2 x CP"):
-        shard_ranges(13, 4, 0, 12)
-    for cp, multiple in ((2, 4), (3, 6), (4, 16)):
-        x = torch.arange(48) * 10
-        shards = [take_shard(x, cp, r, multiple) for r in range(cp)]
-        positions = [shard_positions(48, cp, r, multiple) for r in range(cp)]
+    R = cpm.ROUNDS
+    assert cpm.default_multiple(1) == 1 and cpm.default_multiple(4) == 8 * R
+    chunk = 13 // (4 * R) + 1  # T = 13 padded to a multiple of 2 R C with C = 2
+    got = [cpm.shard_ranges(13, 2, r) for r in range(2)]
+    for r in range(2):
+        want = [c for g in range(R) for c in (4 * g + r, 4 * g + 3 - r)]
+        assert got[r] == [(c * chunk, (c + 1) * chunk) for c in want]
+    with pytest.raises(ValueError, match="must be a multiple of 2 x .* rounds x CP"):
+        cpm.shard_ranges(13, 4, 0, 12)
+    for cp, multiple in ((2, 4 * R), (3, 6 * R), (4, 16 * R)):
+        T = 3 * multiple
+        x = torch.arange(T) * 10
+        shards = [cpm.take_shard(x, cp, r, multiple) for r in range(cp)]
+        positions = [cpm.shard_positions(T, cp, r, multiple) for r in range(cp)]
         for shard, pos in zip(shards, positions):
             assert torch.equal(shard, x[pos])
         gathered = torch.cat(shards)  # what an all-gather over the CP group returns
-        assert torch.equal(ranks_to_tree_order(gathered, cp), x)
-        assert torch.equal(tree_to_ranks_order(x, cp), gathered)
-        assert sorted(torch.cat(positions).tolist()) == list(range(48))
+        assert torch.equal(cpm.ranks_to_tree_order(gathered, cp), x)
+        assert torch.equal(cpm.tree_to_ranks_order(x, cp), gathered)
+        assert sorted(torch.cat(positions).tolist()) == list(range(T))
+
+
+def test_chunks_balance_a_chain_exactly():
+    """Attention work of a query = its depth + 1: on a chain every rank's chunks sum to the same work."""
+    from forge_megatron.mcore import context_parallel as cpm
+
+    for cp in (2, 4, 8):
+        T = cpm.default_multiple(cp) * 5
+        work = [sum(p + 1 for p in cpm.shard_positions(T, cp, r).tolist()) for r in range(cp)]
+        assert len(set(work)) == 1, (cp, work)

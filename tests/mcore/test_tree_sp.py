@@ -11,6 +11,7 @@ length is not a multiple of TP (or of TP x CP) exercise the padding.
 import pytest
 import torch
 
+from forge_megatron.mcore.context_parallel import default_multiple, padded_length
 from forge_megatron.mcore.parallel import ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.mcore.test_tree_cp import forest_runs
@@ -81,8 +82,8 @@ def test_sequence_parallel_equals_tp_alone(tmp_path, cp, moe, comm):
         base = want[result.pop("tp_rank")]
         for name, (logp, ent, grads, held, T) in result.items():
             w_logp, w_ent, w_grads, w_held, _ = base[name]
-            multiple = 2 * (2 * cp if cp > 1 else 1)  # TP x (2 CP zig-zag chunks)
-            assert w_held == T and held == -(-T // multiple) * multiple // (2 * cp), (rank, name, T, held)
+            multiple = 2 * default_multiple(cp)  # TP x (the zig-zag chunks under CP)
+            assert w_held == T and held == padded_length(T, multiple) // (2 * cp), (rank, name, T, held)
             assert (logp - w_logp).abs().max().item() <= ATOL, (rank, name)
             assert (ent - w_ent).abs().max().item() <= ATOL, (rank, name)
             for pname, g in grads.items():
