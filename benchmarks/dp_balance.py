@@ -4,10 +4,13 @@ A DP step lasts as long as its slowest rank. One heavy-tailed agent batch (``--g
 ``--group-size`` episodes; each group's completion length drawn from a lognormal with median ``--median`` tokens and
 ``--sigma``, capped at ``--max-len``) is split over ``--dp`` ranks by ``training.trainer.rank_batch`` both ways, and
 every rank's share runs one real forward+backward (Megatron schedule, tree packing, CISPO) of the tiny model in this
-process, one share after the other. Per mode: the measured time of every share (median of ``--repeats``, the modes
-interleaved in each repeat), the step time = the slowest share, and the measured and estimated imbalance (slowest
-over mean). ``speedup`` = round-robin step time / cost step time; ``cost_time_corr`` = correlation of the estimated
-cost with the measured time over all shares (how good the cost model is). Prints one JSON line.
+process, one share after the other. Modes: ``round-robin``, ``cost-groups`` (whole groups by estimated cost) and
+``cost`` (the default: also deals the episodes of a group costing more than a rank's share to several ranks). Per
+mode: the measured time of every share (median of ``--repeats``, the modes interleaved in each repeat), the step
+time = the slowest share, the measured and estimated imbalance (slowest over mean) and the groups split.
+``speedup`` = round-robin step time / cost step time, ``speedup_split`` = cost-groups step time / cost step time;
+``cost_time_corr`` = correlation of the estimated cost with the measured time over all shares (how good the cost
+model is). Prints one JSON line.
 
     OMP_NUM_THREADS=1 python benchmarks/dp_balance.py [--dp 4 --groups 32 --sigma 1.0]
 """
@@ -54,7 +57,7 @@ def main() -> None:
     from forge_megatron.training.balance import imbalance
     from forge_megatron.training.trainer import rank_batch
 
-    modes = ("round-robin", "cost")
+    modes = ("round-robin", "cost-groups", "cost")
     with tiny_trainer(a.seed, 29548) as (cfg, ddp, loss_cfg):
         batch = make_batch(a.groups, a.group_size, a.prompt, a.median, a.sigma, a.max_len, cfg.vocab_size, a.seed)
         shares = {m: [rank_batch(batch, a.token_budget, True, r, a.dp, ["math"], balance=m,
@@ -75,10 +78,12 @@ def main() -> None:
         loads = shares[m][0].dp_loads
         out[m] = {"step_s": round(max(share_s), 4), "share_s": [round(s, 4) for s in share_s],
                   "imbalance_measured": round(imbalance(share_s), 3), "imbalance_estimated": round(imbalance(loads), 3),
-                  "unique_tokens": [sum(mb.layout.unique_tokens for mb in rb.micro_batches) for rb in shares[m]]}
+                  "unique_tokens": [sum(mb.layout.unique_tokens for mb in rb.micro_batches) for rb in shares[m]],
+                  "split_groups": shares[m][0].dp_split_groups}
         est += loads
         meas += share_s
     out["speedup"] = round(out["round-robin"]["step_s"] / out["cost"]["step_s"], 3)
+    out["speedup_split"] = round(out["cost-groups"]["step_s"] / out["cost"]["step_s"], 3)
     out["cost_time_corr"] = round(float(np.corrcoef(est, meas)[0, 1]), 3)
     print(json.dumps(out))
 

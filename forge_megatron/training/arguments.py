@@ -216,10 +216,11 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "same batch again after a restart)")
     g.add_argument("--no-tree-merging", action="store_false", dest="tree_merging",
                    help="train every sample as its own causal sequence (for comparison)")
-    g.add_argument("--dp-balance", default="cost", choices=["cost", "round-robin"],
-                   help="how a batch's groups are split over the data-parallel ranks: 'cost' gives every rank groups "
-                        "of near-equal estimated compute (tree tokens and attended pairs), 'round-robin' deals them "
-                        "in order")
+    g.add_argument("--dp-balance", default="cost", choices=["cost", "cost-groups", "round-robin"],
+                   help="how a batch's groups are split over the data-parallel ranks: 'cost' gives every rank work "
+                        "of near-equal estimated compute (tree tokens and attended pairs), dealing the episodes of a "
+                        "group that costs more than a rank's share to several ranks (logged as dp_split_groups); "
+                        "'cost-groups' keeps every group on one rank; 'round-robin' deals groups in order")
     g.add_argument("--no-fused-logprobs", action="store_false", dest="fused_logprobs",
                    help="run Megatron's output layer and score its [tokens, vocabulary] logits (in chunks); by "
                         "default the output layer is fused into the logprobs, chunk by chunk, so those logits never "

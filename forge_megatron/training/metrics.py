@@ -93,6 +93,7 @@ def batch_metrics(rank_batch, micro_batch_metrics: list[dict], policy_version: i
         from forge_megatron.training.balance import imbalance
 
         out["dp_load_imbalance"] = imbalance(rank_batch.dp_loads)  # slowest DP rank's estimated compute / mean
+        out["dp_split_groups"] = getattr(rank_batch, "dp_split_groups", 0)  # groups dealt to several DP ranks
     out.update(reward_metrics(rank_batch.samples))
     out.update(staleness_metrics(rank_batch.samples, policy_version))
     out.update(combine_micro_batch_metrics(micro_batch_metrics))  # empty on non-last pipeline stages

@@ -56,6 +56,7 @@ class RankBatch:
     global_sample_weight: float | None = None  # sum of the sample weights of the whole batch, over every DP rank
     dp_loads: list = field(default_factory=list)  # estimated compute of every DP rank's share (training.balance)
     overlong_samples: int = 0  # samples of the whole batch left out for exceeding the token budget
+    dp_split_groups: int = 0  # groups whose episodes were dealt to several DP ranks (training.balance)
 
 
 def _targets(arr: np.ndarray) -> torch.Tensor:
@@ -100,7 +101,9 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     """Split a pool batch over DP ranks by group and pack this rank's share into micro-batches.
 
     ``balance``: ``cost`` gives each DP rank groups of near-equal estimated compute (:mod:`training.balance`, with
-    the model's ``hidden_size``), ``round-robin`` deals them in index order. Every rank computes the same split.
+    the model's ``hidden_size``), dealing the episodes of a group that costs more than a rank's share to several
+    ranks; ``cost-groups`` keeps groups whole; ``round-robin`` deals them in index order. Every rank computes the
+    same split.
     ``domains`` (the names behind the per-domain metric ids) grows with new domains in batch order, which is the
     same on every rank. ``interleaved_pp`` (the PP size, for the interleaved schedule) makes the number of
     micro-batches a multiple of it (splitting the largest ones); with PP = 2 it also pads every micro-batch to the
@@ -110,7 +113,7 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     every rank alike, counted in ``overlong_samples``, warned about), ``error`` raises. A crash here would come back
     with the same batch after every restart, so ``drop`` is the default.
     """
-    from forge_megatron.training.balance import assign_groups
+    from forge_megatron.training.balance import assign_episodes
     from forge_megatron.tree import pack_micro_batches
 
     domains.extend(sorted({s.domain for s in batch.samples} - set(domains)))
@@ -129,11 +132,13 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
         trainable = [s for s in trainable if len(s.tokens) <= token_budget]
     by_group: dict = {}
     for s in trainable:
-        by_group.setdefault(s.group_index, []).append(s.tokens)
+        by_group.setdefault(s.group_index, {}).setdefault(s.episode_id, []).append(s.tokens)
     groups = sorted(set(s.group_index for s in batch.samples))
-    parts, loads = assign_groups(by_group, dp_size, balance, hidden_size, merging)
-    mine = set(parts[dp_rank])
-    samples = [s for s in trainable if s.group_index in mine]
+    parts, loads = assign_episodes(by_group, dp_size, balance, hidden_size, merging)
+    whole = {u.group for u in parts[dp_rank] if u.episodes is None}
+    pieces = {(u.group, e) for u in parts[dp_rank] if u.episodes is not None for e in u.episodes}
+    samples = [s for s in trainable if s.group_index in whole or (s.group_index, s.episode_id) in pieces]
+    split_groups = len({u.group for part in parts for u in part if u.episodes is not None})
     if not samples:
         raise RuntimeError(f"DP rank {dp_rank} got no trainable samples from batch {batch.batch_id} "
                            f"({len(groups)} groups for {dp_size} DP ranks, {len(too_long)} sample(s) over the token "
@@ -160,7 +165,7 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
     global_tokens, global_weight = _sum_over_dp([num_loss_tokens, sample_weight], dp_size)
     return RankBatch(mbs, num_loss_tokens, samples, batch.batch_id, batch.metrics, global_loss_tokens=global_tokens,
                      dp_size=dp_size, global_sample_weight=global_weight, dp_loads=loads,
-                     overlong_samples=len(too_long))
+                     overlong_samples=len(too_long), dp_split_groups=split_groups)
 
 
 def interleaved_needs_fixed_length(pp: int) -> bool:

@@ -82,6 +82,48 @@ def test_assign_groups_modes():
         assign_groups(groups, 2, "cost", hidden_size=None)
 
 
+def _group(prompt, completions, seed):
+    rng = np.random.default_rng(seed)
+    return {f"e{i}": [list(prompt) + rng.integers(100, 200, n).tolist()] for i, n in enumerate(completions)}
+
+
+def test_assign_episodes_splits_a_group_over_its_share():
+    """A group costing more than a rank's share is dealt out by episodes; each piece is costed as its own tree (the
+    prompt paid once per piece); the pieces and the whole groups partition the batch's episodes."""
+    from forge_megatron.training.balance import assign_episodes
+
+    prompt = list(range(10, 60))
+    batch = {0: _group(prompt, [400, 380, 420, 390], 0), 1: _group(prompt[:20], [30, 40], 1),
+             2: _group(prompt[:20], [25], 2), 3: _group(prompt[:20], [50, 10], 3)}
+    shares, loads = assign_episodes(batch, 2, "cost", hidden_size=4)
+    whole, whole_loads = assign_episodes(batch, 2, "cost-groups", hidden_size=4)
+    assert all(u.episodes is None for part in whole for u in part)
+    assert max(loads) < max(whole_loads) and loads == [sum(u.cost for u in part) for part in shares]
+    pieces = [u for part in shares for u in part if u.episodes is not None]
+    assert {u.group for u in pieces} == {0} and len(pieces) == 2
+    for u in pieces:
+        assert u.cost == group_cost([q for e in sorted(u.episodes) for q in batch[0][e]], 4)
+    held = sorted((u.group, e) for part in shares for u in part
+                  for e in (sorted(batch[u.group]) if u.episodes is None else u.episodes))
+    assert held == sorted((g, e) for g in batch for e in batch[g])  # every episode exactly once
+
+
+def test_assign_episodes_keeps_a_group_whole_when_splitting_does_not_pay():
+    """Two episodes sharing a 1000-token prompt: each piece would pay the prompt again, so the estimated slowest
+    rank would not improve; a single-episode group (its segments share the history) is never split."""
+    from forge_megatron.training.balance import assign_episodes
+
+    shared = {0: _group(range(1000), [1, 1], 0), 1: _group(range(5), [5], 1)}
+    shares, loads = assign_episodes(shared, 2, "cost", hidden_size=4)
+    assert all(u.episodes is None for part in shares for u in part)
+    assert loads == assign_episodes(shared, 2, "cost-groups", hidden_size=4)[1]
+    one_episode = {0: {"e": [list(range(300)), list(range(320))]}, 1: _group(range(5), [5], 1)}
+    shares, _ = assign_episodes(one_episode, 2, "cost", hidden_size=4)
+    assert all(u.episodes is None for part in shares for u in part)
+    with pytest.raises(ValueError, match="DP balance mode must be one of"):
+        assign_episodes(one_episode, 2, "greedy", hidden_size=4)
+
+
 def test_rank_batch_splits_the_same_way_on_every_rank():
     """Both DP ranks' shares of one batch are disjoint, cover every trainable sample, and the long group sits alone."""
     from forge_megatron.middleware.batch import TrainBatch, TrainSample
@@ -99,12 +141,20 @@ def test_rank_batch_splits_the_same_way_on_every_rank():
                                        sample_weight=1.0, group_index=g, episode_id=f"{g}-{e}", domain="d",
                                        reward=1.0))
     batch = TrainBatch(batch_id=1, samples=samples, group_indices=list(lengths))
-    shares = [rank_batch(batch, 4096, True, r, 2, [], hidden_size=8) for r in range(2)]
+    shares = [rank_batch(batch, 4096, True, r, 2, [], balance="cost-groups", hidden_size=8) for r in range(2)]
     ids = [sorted(s.episode_id for s in rb.samples) for rb in shares]
     assert not set(ids[0]) & set(ids[1]) and len(ids[0]) + len(ids[1]) == len(samples)
     assert ids[0] == ["0-0", "0-1"]
     assert shares[0].dp_loads == shares[1].dp_loads  # every rank computes the same split
     assert shares[0].dp_loads[0] == group_cost([s.tokens for s in samples if s.group_index == 0], 8)
+    assert shares[0].dp_split_groups == 0
+    # cost (the default): group 0 costs more than a rank's share, so its two episodes go to different ranks
+    split = [rank_batch(batch, 4096, True, r, 2, [], hidden_size=8) for r in range(2)]
+    split_ids = [sorted(s.episode_id for s in rb.samples) for rb in split]
+    assert sorted(split_ids[0] + split_ids[1]) == sorted(s.episode_id for s in samples)
+    assert [i for i in split_ids[0] if i.startswith("0-")] and [i for i in split_ids[1] if i.startswith("0-")]
+    assert split[0].dp_split_groups == split[1].dp_split_groups == 1
+    assert max(split[0].dp_loads) < max(shares[0].dp_loads)
     # interleaved pipeline: micro-batches split to a multiple of PP; padded to one length only with PP = 2
     for pp, padded in ((2, True), (4, False)):
         rb = rank_batch(batch, 320, True, 0, 1, [], hidden_size=8, interleaved_pp=pp)

@@ -207,6 +207,23 @@ def test_dp2_and_cp2_gradients_equal_one_rank_on_the_same_batches(tmp_path):
     assert norms["pp2cp2"] == pytest.approx(norms["single"], rel=1e-5)
 
 
+def test_dp2_with_a_split_group_equals_one_rank(tmp_path):
+    """A group costing more than a DP rank's share is dealt out by episodes (--dp-balance cost): the two ranks then
+    each train part of it, and the DP-reduced gradient must still be the one rank's on the same batches."""
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    runs = {}
+    for name, nproc in (("single", 1), ("dp2", 2)):
+        steps, _, _ = run_on_fresh_pool(
+            tmp_path, name, model_dir,
+            lambda c: feed_groups(c, 4, np.random.default_rng(7), completion_len=(4, 40)),
+            iters=2, groups=2, nproc=nproc)
+        runs[name] = steps
+    assert [s["dp_split_groups"] for s in runs["dp2"]] == [1, 1]  # the 40-token group went to both ranks
+    assert all(s["dp_load_imbalance"] < 1.3 for s in runs["dp2"])
+    for a, b in zip(runs["single"], runs["dp2"]):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)  # (loss is each rank's share)
+
+
 @pytest.mark.parametrize("norm", ["seq_mean", "token_mean"])
 def test_batch_normaliser_does_not_depend_on_micro_batching(tmp_path, norm):
     """One optimizer step over the same batch, packed into one micro-batch or into several holding different numbers
