@@ -178,6 +178,10 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="KL estimator per token: k3 = exp(ref - logp) - (ref - logp) - 1 (non-negative), k1 = logp - ref")
     g.add_argument("--ref-hf-checkpoint", default=None,
                    help="HF directory of the KL reference (same architecture); default --hf-checkpoint")
+    g.add_argument("--ref-offload", action="store_true",
+                   help="keep the KL reference's weights in (pinned) host memory and copy them to the GPU only for "
+                        "its forward pass each step: frees one copy of this rank's weights for training, costs one "
+                        "host-to-device copy of them per step")
     g.add_argument("--rl-entropy-coef", type=float, default=0.0, help="entropy bonus coefficient (0: off)")
     g.add_argument("--rl-tis-cap", type=float, default=None,
                    help="truncated importance weight cap on exp(old - rollout logprob) (default off)")
@@ -353,6 +357,8 @@ def validate_args(args: argparse.Namespace) -> None:
                          "forest; size them with --tree-token-budget (unique tokens per micro-batch)")
     if args.ref_hf_checkpoint and not args.rl_kl_coef > 0:
         raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0")
+    if getattr(args, "ref_offload", False) and not args.rl_kl_coef > 0:
+        raise ValueError("--ref-offload offloads the KL reference model, which exists only with --rl-kl-coef > 0")
     if args.fp32_lm_head and not args.fused_logprobs:
         raise ValueError("--fp32-lm-head needs the fused logprobs (drop --no-fused-logprobs): Megatron's own output "
                          "layer computes in the weight's dtype")

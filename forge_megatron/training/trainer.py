@@ -24,6 +24,7 @@ Legend: M = next-token targets of the samples of a micro-batch, S = samples, S1 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -301,6 +302,7 @@ class Trainer:
         self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(args, self.cfg)
         # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
         self.ref_chunks = build_reference_model(self.cfg) if self.loss_cfg.kl_coef > 0 else None
+        self.ref_offload = None  # --ref-offload: HostOffload of ref_chunks, made once their weights are loaded
         if getattr(args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay
 
@@ -333,6 +335,12 @@ class Trainer:
             ref = self.args.ref_hf_checkpoint or self.args.hf_checkpoint
             load_hf_weights(self.ref_chunks, self.bridge, ref)
             self._log(f"reference model for the KL term loaded from {ref}")
+            if getattr(self.args, "ref_offload", False):
+                from forge_megatron.training.offload import HostOffload
+
+                self.ref_offload = HostOffload(self.ref_chunks)
+                self._log(f"reference model offloaded to host memory ({self.ref_offload.nbytes / 2**20:.1f} MiB "
+                          "on this rank; on the device only for its forward pass)")
         iteration = latest_iteration(self.args.load)
         if iteration is None:
             load_hf_weights(self.chunks, self.bridge, self.args.hf_checkpoint)
@@ -378,7 +386,8 @@ class Trainer:
         if self.args.old_logprobs == "recompute":
             self._forward_only_logprobs(self.ddp, rb, "old_logp_M")
         if self.ref_chunks is not None:
-            self._forward_only_logprobs(self.ref_chunks, rb, "ref_logp_M")
+            with self.ref_offload.resident() if self.ref_offload is not None else contextlib.nullcontext():
+                self._forward_only_logprobs(self.ref_chunks, rb, "ref_logp_M")
         if getattr(self.args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay
 

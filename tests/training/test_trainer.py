@@ -330,16 +330,19 @@ def test_routing_replay_under_the_interleaved_pipeline(tmp_path):
 def test_kl_to_a_frozen_reference(tmp_path):
     """--rl-kl-coef: a frozen copy of the HF model scores every batch. Step 1 (policy == reference): KL exactly 0,
     the same loss and gradient as without the term; step 2: KL > 0 and a different loss. PP = 2 trains the same, and
-    a run stopped after step 1 and resumed still compares with the initial model (not the resumed policy)."""
+    a run stopped after step 1 and resumed still compares with the initial model (not the resumed policy), here with
+    the reference's weights offloaded to host memory between its passes (--ref-offload)."""
     model_dir = build_tiny_model(str(tmp_path / "model"))
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(3), completion_len=(5, 7))  # noqa: E731
     kl = ["--rl-kl-coef", "0.5", "--old-logprobs", "recompute"]
     runs = {}
     for name, extra, nproc, exits in (("plain", ["--old-logprobs", "recompute"], 1, (None,)), ("kl", kl, 1, (None,)),
                                       ("kl_pp2", kl + ["--pipeline-model-parallel-size", "2"], 2, (None,)),
-                                      ("kl_resumed", kl, 1, (1, None))):
-        runs[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, extra=extra,
-                                             nproc=nproc, exits=exits, lr="1e-2")
+                                      ("kl_resumed", kl + ["--ref-offload"], 1, (1, None))):
+        runs[name], stdouts, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, extra=extra,
+                                                   nproc=nproc, exits=exits, lr="1e-2")
+        assert all(("reference model offloaded to host memory" in out) == ("--ref-offload" in extra)
+                   for out in stdouts), name
     plain, with_kl = runs["plain"], runs["kl"]
     assert with_kl[0]["kl"] == 0.0 and "kl" not in plain[0]
     for key in ("loss", "grad_norm"):
