@@ -173,6 +173,16 @@ def test_gpu_matches_reference(dtype, H):
         check_against_reference(tree_attention_triton, se, N=8, K=2, H=H, dtype=dtype, device="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 128])
+def test_gpu_suffix_queries(H):
+    """Suffix queries compiled for the GPU (64-wide tiles, ieee fp32 dots) against rows of the full reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for se in (CASES["grpo"], _gpu_forest(8, 700, 300, 0)):
+        check_suffix_queries(tree_attention_triton, se, N=8, K=2, H=H, device="cuda", atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype,head_dim", [("bf16", 128), ("fp32", 64)])
 def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim):
     """The GPU code path (native low-precision tl.dot, ieee fp32 dots) lowers to a cubin: TTIR -> PTX -> ptxas."""
