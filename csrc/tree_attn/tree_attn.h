@@ -1,7 +1,8 @@
 // Tree attention CUDA kernels: launcher interface shared by tree_attn_kernels.cu and tree_attn_binding.cpp.
 //
 // Raw pointers only (no torch headers), so the .cu file compiles standalone with nvcc.
-// Layout (contiguous): q, o, dq [T, N, H]; k, v, dk, dv [T, K, H]; sub_end [T] int32; lse, delta [N, T] fp32.
+// Layout (contiguous): q, o, dq, dO [Tq, N, H]; k, v, dk, dv [T, K, H]; sub_end [T] int32; lse, delta [N, Tq] fp32.
+// The Tq queries are tree tokens [T - Tq, T) (Tq = T: every token; Tq < T: suffix queries, SIMT kernels only).
 // Key j is visible to query i  <=>  j <= i < sub_end[j]. lse is the natural-log row log-sum-exp of scale * q.k.
 #pragma once
 
@@ -34,6 +35,7 @@ struct TreeAttnParams {
   const float* delta = nullptr;  // rowsum(dO * O), backward only
   float* dq_accum = nullptr;     // tensor-core backward only: fp32 [T, N, H], zero on entry
   int T = 0, N = 0, K = 0, H = 0;
+  int Tq = 0;                    // queries: tree tokens [T - Tq, T); rows of q, o, dq, dO, lse, delta
   float scale = 1.f;
   TreeAttnImpl impl = TreeAttnImpl::kAuto;
 };

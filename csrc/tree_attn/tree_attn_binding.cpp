@@ -2,8 +2,9 @@
 //
 // The one place that checks inputs: device, dtype, contiguity, shapes, supported head dim, GQA divisibility.
 // Every failed check raises with a message naming the offending argument. Kernels take raw pointers (tree_attn.h).
-//   fwd(q [T,N,H], k [T,K,H], v [T,K,H], sub_end int32 [T], scale, stream, impl) -> [o [T,N,H], lse fp32 [N,T]]
+//   fwd(q [Tq,N,H], k [T,K,H], v [T,K,H], sub_end int32 [T], scale, stream, impl) -> [o [Tq,N,H], lse fp32 [N,Tq]]
 //   bwd(dO, q, k, v, o, lse, sub_end, scale, stream, impl) -> [dq, dk, dv]
+// Tq <= T: the queries are tree tokens [T - Tq, T) (suffix queries, SIMT kernels only; Tq = T: every token).
 //   mma_unsupported(q, k, v) -> "" when the tensor-core kernels can run these inputs, else the reason
 // impl: "auto" (tensor cores for fp16/bf16 on sm_80+, else SIMT), "simt", or "mma" (an error where unsupported).
 // `stream` is the caller's torch.cuda.current_stream().cuda_stream, and the caller makes q's device current: this
@@ -48,10 +49,10 @@ TreeAttnParams check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 " but q has ", q.scalar_type());
   }
   kernel_dtype(q);
-  const int64_t T = q.size(0), N = q.size(1), H = q.size(2), K = k.size(1);
+  const int64_t Tq = q.size(0), N = q.size(1), H = q.size(2), K = k.size(1), T = k.size(0);
   TORCH_CHECK(k.sizes() == v.sizes(), "tree_attn: k and v shapes differ: ", k.sizes(), " vs ", v.sizes());
-  TORCH_CHECK(k.size(0) == T && k.size(2) == H, "tree_attn: k/v shape ", k.sizes(), " does not match q shape ",
-              q.sizes(), " in T or head_dim");
+  TORCH_CHECK(T >= Tq && k.size(2) == H, "tree_attn: k/v shape ", k.sizes(), " does not match q shape ", q.sizes(),
+              ": k/v need q's head_dim and at least as many tokens");
   TORCH_CHECK(K > 0 && N % K == 0, "tree_attn: query heads (", N, ") must be a multiple of key/value heads (", K, ")");
   TORCH_CHECK(forge::tree_attn_head_dim_supported(static_cast<int>(H)), "tree_attn: head_dim ", H,
               " is not supported by the CUDA kernel (supported: 32, 64, 128)");
@@ -63,6 +64,7 @@ TreeAttnParams check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK(scale > 0, "tree_attn: softmax scale must be positive, got ", scale);
   TreeAttnParams p;
   p.T = static_cast<int>(T);
+  p.Tq = static_cast<int>(Tq);
   p.N = static_cast<int>(N);
   p.K = static_cast<int>(K);
   p.H = static_cast<int>(H);

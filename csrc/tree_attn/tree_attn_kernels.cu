@@ -40,12 +40,12 @@ bool mma_built_for_sm80() {
 
 template <typename scalar_t, int H>
 cudaError_t fwd_typed(const TreeAttnParams& p, cudaStream_t stream) {
-  return launch(fwd_kernel<scalar_t, H>, dim3(num_tiles(p.T), p.N), fwd_smem_bytes<H>(), stream, p);
+  return launch(fwd_kernel<scalar_t, H>, dim3(num_tiles(p.Tq), p.N), fwd_smem_bytes<H>(), stream, p);
 }
 
 template <typename scalar_t, int H>
 cudaError_t bwd_typed(const TreeAttnParams& p, cudaStream_t stream) {
-  cudaError_t err = launch(bwd_dq_kernel<scalar_t, H>, dim3(num_tiles(p.T), p.N), dq_smem_bytes<H>(), stream, p);
+  cudaError_t err = launch(bwd_dq_kernel<scalar_t, H>, dim3(num_tiles(p.Tq), p.N), dq_smem_bytes<H>(), stream, p);
   if (err != cudaSuccess) return err;
   return launch(bwd_dkdv_kernel<scalar_t, H>, dim3(num_tiles(p.T), p.K), dkdv_smem_bytes<H>(), stream, p);
 }
@@ -90,7 +90,8 @@ cudaError_t run_head_dim(const TreeAttnParams& p, bool backward, bool mma, cudaS
 }
 
 cudaError_t run(const TreeAttnParams& p, TreeAttnDType dtype, bool backward, cudaStream_t stream) {
-  if (p.T == 0) return cudaSuccess;
+  if (p.Tq == 0) return cudaSuccess;
+  if (p.Tq < 0 || p.Tq > p.T) return cudaErrorInvalidValue;
   if (p.impl == TreeAttnImpl::kMma && tree_attn_mma_unsupported(p, dtype) != nullptr) return cudaErrorInvalidValue;
   const bool mma = tree_attn_uses_mma(p, dtype);
   switch (dtype) {
@@ -106,6 +107,7 @@ cudaError_t run(const TreeAttnParams& p, TreeAttnDType dtype, bool backward, cud
 const char* tree_attn_mma_unsupported(const TreeAttnParams& p, TreeAttnDType dtype) {
   if (dtype == TreeAttnDType::kFloat32) return "the tensor-core kernels take float16 or bfloat16 inputs, not float32";
   if (!tree_attn_head_dim_supported(p.H)) return "head_dim is not 32, 64 or 128";
+  if (p.Tq != p.T) return "suffix queries (fewer queries than keys) run on the SIMT kernels";
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.d_o))
     return "q, k, v and dO must start at 16-byte aligned addresses";
   int device = 0, major = 0;

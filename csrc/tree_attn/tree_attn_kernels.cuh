@@ -15,7 +15,9 @@
 // Thread mapping (4 warps, 8 rows per warp): a lane owns one partner token of the current 32-wide tile for the
 // dot products (q_i . k_lane) and H/32 columns of the accumulators; probabilities are broadcast with shuffles.
 // Shared-memory rows read per lane are padded to H + 1 floats to avoid bank conflicts.
-// Tensor names: T tokens, N query heads, K kv heads, H head dim (see tree_attn.h for layouts).
+// Suffix queries (Tq < T): the Tq query rows are tree tokens [q0, T), q0 = T - Tq; query tiles are laid from q0,
+// the mask and the tile tests use tree positions, rows of q/o/dq/dO/lse/delta are positions minus q0.
+// Tensor names: T tokens (keys), Tq queries, N query heads, K kv heads, H head dim (see tree_attn.h for layouts).
 
 #pragma once
 
@@ -126,7 +128,7 @@ constexpr size_t dq_smem_bytes() { return sizeof(float) * kTile * (4 * H + 2) + 
 template <int H>
 constexpr size_t dkdv_smem_bytes() { return sizeof(float) * kTile * (4 * H + 4) + sizeof(int) * kTile; }
 
-// grid (ceil(T / 32), N). Shared: q [32][H], k [32][H+1], v [32][H], sub_end [32].
+// grid (ceil(Tq / 32), N). Shared: q [32][H], k [32][H+1], v [32][H], sub_end [32].
 template <typename scalar_t, int H>
 __global__ void __launch_bounds__(kThreads) fwd_kernel(TreeAttnParams p) {
   constexpr int C = H / 32;
@@ -138,13 +140,14 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(TreeAttnParams p) {
 
   const int n = blockIdx.y, kv = n / (p.N / p.K);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int q_lo = blockIdx.x * kTile, q_hi = min(q_lo + kTile, p.T);
+  const int q0 = p.T - p.Tq;
+  const int q_lo = q0 + blockIdx.x * kTile, q_hi = min(q_lo + kTile, p.T);
   const float qk_scale = p.scale * kLog2e;
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
 
-  load_tile<scalar_t, H>(q_s, H, q, q_lo, p.T, p.N, n);
+  load_tile<scalar_t, H>(q_s, H, q, q_lo - q0, p.Tq, p.N, n);
   float m[kRows], l[kRows], acc[kRows][C];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -185,16 +188,16 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(TreeAttnParams p) {
   auto* o = static_cast<scalar_t*>(p.o);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int i = q_lo + warp * kRows + r;
-    if (i >= p.T) continue;
+    const int i = q_lo + warp * kRows + r - q0;  // query row
+    if (i >= p.Tq) continue;
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
 #pragma unroll
     for (int c = 0; c < C; ++c) o[(static_cast<long>(i) * p.N + n) * H + c * 32 + lane] = from_float<scalar_t>(acc[r][c] * inv);
-    if (lane == 0) p.lse[static_cast<long>(n) * p.T + i] = (m[r] + log2f(l[r])) * kLn2;
+    if (lane == 0) p.lse[static_cast<long>(n) * p.Tq + i] = (m[r] + log2f(l[r])) * kLn2;
   }
 }
 
-// grid (ceil(T / 32), N). Shared: q [32][H], dO [32][H], k [32][H+1], v [32][H+1], sub_end [32].
+// grid (ceil(Tq / 32), N). Shared: q [32][H], dO [32][H], k [32][H+1], v [32][H+1], sub_end [32].
 template <typename scalar_t, int H>
 __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(TreeAttnParams p) {
   constexpr int C = H / 32;
@@ -207,17 +210,18 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(TreeAttnParams p) {
 
   const int n = blockIdx.y, kv = n / (p.N / p.K);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int q_lo = blockIdx.x * kTile, q_hi = min(q_lo + kTile, p.T);
+  const int q0 = p.T - p.Tq;
+  const int q_lo = q0 + blockIdx.x * kTile, q_hi = min(q_lo + kTile, p.T);
   const float qk_scale = p.scale * kLog2e;
 
-  load_tile<scalar_t, H>(q_s, H, static_cast<const scalar_t*>(p.q), q_lo, p.T, p.N, n);
-  load_tile<scalar_t, H>(do_s, H, static_cast<const scalar_t*>(p.d_o), q_lo, p.T, p.N, n);
+  load_tile<scalar_t, H>(q_s, H, static_cast<const scalar_t*>(p.q), q_lo - q0, p.Tq, p.N, n);
+  load_tile<scalar_t, H>(do_s, H, static_cast<const scalar_t*>(p.d_o), q_lo - q0, p.Tq, p.N, n);
   float lse2[kRows], delta[kRows], dq[kRows][C];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int i = q_lo + warp * kRows + r;
-    lse2[r] = i < p.T ? p.lse[static_cast<long>(n) * p.T + i] * kLog2e : 0.f;
-    delta[r] = i < p.T ? p.delta[static_cast<long>(n) * p.T + i] : 0.f;
+    const int i = q_lo + warp * kRows + r - q0;  // query row
+    lse2[r] = i < p.Tq ? p.lse[static_cast<long>(n) * p.Tq + i] * kLog2e : 0.f;
+    delta[r] = i < p.Tq ? p.delta[static_cast<long>(n) * p.Tq + i] : 0.f;
 #pragma unroll
     for (int c = 0; c < C; ++c) dq[r][c] = 0.f;
   }
@@ -246,8 +250,8 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(TreeAttnParams p) {
   auto* dq_out = static_cast<scalar_t*>(p.dq);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int i = q_lo + warp * kRows + r;
-    if (i >= p.T) continue;
+    const int i = q_lo + warp * kRows + r - q0;  // query row
+    if (i >= p.Tq) continue;
 #pragma unroll
     for (int c = 0; c < C; ++c)
       dq_out[(static_cast<long>(i) * p.N + n) * H + c * 32 + lane] = from_float<scalar_t>(dq[r][c] * p.scale);
@@ -255,7 +259,8 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(TreeAttnParams p) {
 }
 
 // grid (ceil(T / 32), K). Shared: k [32][H], v [32][H], q [32][H+1], dO [32][H+1], lse, delta [32], sub_end [32].
-// Queries that see any key of the block lie in [k_lo, max(sub_end)), so only those query tiles are visited.
+// Queries that see any key of the block lie in [k_lo, max(sub_end)), and queries are tokens [q0, T): only the query
+// tiles from max(k_lo, q0) to max(sub_end) are visited.
 template <typename scalar_t, int H>
 __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(TreeAttnParams p) {
   constexpr int C = H / 32;
@@ -270,7 +275,7 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(TreeAttnParams p) {
 
   const int kb = blockIdx.x, kv = blockIdx.y, group = p.N / p.K;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int k_lo = kb * kTile, kmin = p.kmin[kb], q_end = p.kmax[kb];
+  const int k_lo = kb * kTile, kmin = p.kmin[kb], q_end = p.kmax[kb], q0 = p.T - p.Tq;
   const float qk_scale = p.scale * kLog2e;
 
   load_tile<scalar_t, H>(k_s, H, static_cast<const scalar_t*>(p.k), k_lo, p.T, p.K, kv);
@@ -284,14 +289,14 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(TreeAttnParams p) {
 
   for (int g = 0; g < group; ++g) {
     const int n = kv * group + g;
-    for (int q_lo = k_lo; q_lo < q_end; q_lo += kTile) {
+    for (int q_lo = max(k_lo, q0); q_lo < q_end; q_lo += kTile) {
       const int q_hi = min(q_lo + kTile, p.T);
       const bool full = tile_is_full(q_lo, q_hi, k_lo, kmin);
       __syncthreads();
-      load_tile<scalar_t, H>(q_s, H + 1, static_cast<const scalar_t*>(p.q), q_lo, p.T, p.N, n);
-      load_tile<scalar_t, H>(do_s, H + 1, static_cast<const scalar_t*>(p.d_o), q_lo, p.T, p.N, n);
-      load_vec<float>(lse_s, p.lse + static_cast<long>(n) * p.T, q_lo, p.T, 0.f);
-      load_vec<float>(delta_s, p.delta + static_cast<long>(n) * p.T, q_lo, p.T, 0.f);
+      load_tile<scalar_t, H>(q_s, H + 1, static_cast<const scalar_t*>(p.q), q_lo - q0, p.Tq, p.N, n);
+      load_tile<scalar_t, H>(do_s, H + 1, static_cast<const scalar_t*>(p.d_o), q_lo - q0, p.Tq, p.N, n);
+      load_vec<float>(lse_s, p.lse + static_cast<long>(n) * p.Tq, q_lo - q0, p.Tq, 0.f);
+      load_vec<float>(delta_s, p.delta + static_cast<long>(n) * p.Tq, q_lo - q0, p.Tq, 0.f);
       __syncthreads();
       const int i = q_lo + lane;
 #pragma unroll

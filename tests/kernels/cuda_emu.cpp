@@ -333,10 +333,10 @@ void run_simt(TreeAttnParams p, bool backward) {
   std::vector<int> kmin, kmax;
   block_bounds(p, kmin, kmax);
   if (!backward) {
-    launch(tiles(p.T), p.N, detail::kThreads, detail::fwd_smem_bytes<H>(), [&] { detail::fwd_kernel<scalar_t, H>(p); });
+    launch(tiles(p.Tq), p.N, detail::kThreads, detail::fwd_smem_bytes<H>(), [&] { detail::fwd_kernel<scalar_t, H>(p); });
     return;
   }
-  launch(tiles(p.T), p.N, detail::kThreads, detail::dq_smem_bytes<H>(), [&] { detail::bwd_dq_kernel<scalar_t, H>(p); });
+  launch(tiles(p.Tq), p.N, detail::kThreads, detail::dq_smem_bytes<H>(), [&] { detail::bwd_dq_kernel<scalar_t, H>(p); });
   launch(tiles(p.T), p.K, detail::kThreads, detail::dkdv_smem_bytes<H>(),
          [&] { detail::bwd_dkdv_kernel<scalar_t, H>(p); });
 }
@@ -362,9 +362,11 @@ void run_mma(TreeAttnParams p, bool backward) {
          [&] { detail::dq_convert_kernel<scalar_t>(p.dq_accum, static_cast<scalar_t*>(p.dq), count, p.scale); });
 }
 
-// impl: 0 SIMT (fp32, fp16, bf16; head dims 32, 64), 1 tensor cores (fp16, bf16; head dims 32, 64, 128).
+// impl: 0 SIMT (fp32, fp16, bf16; head dims 32, 64), 1 tensor cores (fp16, bf16; head dims 32, 64, 128; Tq = T,
+// as tree_attn_mma_unsupported requires).
 template <typename scalar_t>
 int run_head_dim(const TreeAttnParams& p, bool backward, int impl) {
+  if (impl == 1 && p.Tq != p.T) return 1;
   if (impl == 0) {
     switch (p.H) {
       case 32: run_simt<scalar_t, 32>(p, backward); return 0;
@@ -401,14 +403,15 @@ int run(const TreeAttnParams& p, int dtype, bool backward, int impl) {
   return rc != 0 ? rc : (smem_overflow ? 2 : 0);
 }
 
-TreeAttnParams params(const void* q, const void* k, const void* v, const int* sub_end, int T, int N, int K, int H,
-                      float scale) {
+TreeAttnParams params(const void* q, const void* k, const void* v, const int* sub_end, int T, int Tq, int N, int K,
+                      int H, float scale) {
   TreeAttnParams p;
   p.q = q;
   p.k = k;
   p.v = v;
   p.sub_end = sub_end;
   p.T = T;
+  p.Tq = Tq;
   p.N = N;
   p.K = K;
   p.H = H;
@@ -419,7 +422,7 @@ TreeAttnParams params(const void* q, const void* k, const void* v, const int* su
 }  // namespace
 
 extern "C" int emu_block_bounds(const int* sub_end, int T, int* kmin, int* kmax) {
-  TreeAttnParams p = params(nullptr, nullptr, nullptr, sub_end, T, 1, 1, 32, 1.f);
+  TreeAttnParams p = params(nullptr, nullptr, nullptr, sub_end, T, T, 1, 1, 32, 1.f);
   std::vector<int> lo, hi;
   block_bounds(p, lo, hi);
   std::copy(lo.begin(), lo.end(), kmin);
@@ -427,18 +430,19 @@ extern "C" int emu_block_bounds(const int* sub_end, int T, int* kmin, int* kmax)
   return 0;
 }
 
+// T keys, Tq queries (tokens [T - Tq, T)).
 extern "C" int emu_fwd(const void* q, const void* k, const void* v, const int* sub_end, void* o, float* lse, int T,
-                       int N, int K, int H, float scale, int dtype, int impl) {
-  TreeAttnParams p = params(q, k, v, sub_end, T, N, K, H, scale);
+                       int Tq, int N, int K, int H, float scale, int dtype, int impl) {
+  TreeAttnParams p = params(q, k, v, sub_end, T, Tq, N, K, H, scale);
   p.o = o;
   p.lse = lse;
   return run(p, dtype, /*backward=*/false, impl);
 }
 
 extern "C" int emu_bwd(const void* d_o, const void* q, const void* k, const void* v, const float* lse,
-                       const float* delta, const int* sub_end, void* dq, void* dk, void* dv, int T, int N, int K,
-                       int H, float scale, int dtype, int impl) {
-  TreeAttnParams p = params(q, k, v, sub_end, T, N, K, H, scale);
+                       const float* delta, const int* sub_end, void* dq, void* dk, void* dv, int T, int Tq, int N,
+                       int K, int H, float scale, int dtype, int impl) {
+  TreeAttnParams p = params(q, k, v, sub_end, T, Tq, N, K, H, scale);
   p.d_o = d_o;
   p.lse = const_cast<float*>(lse);
   p.delta = delta;

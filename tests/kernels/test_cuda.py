@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tree_cases import check_against_reference, cuda_include_dir, forest_cases, random_qkv, sub_end_from_samples
+from tree_cases import (
+    check_against_reference,
+    check_suffix_queries,
+    cuda_include_dir,
+    forest_cases,
+    random_qkv,
+    sub_end_from_samples,
+)
 
 from forge_megatron.kernels.tree_attention import cuda
 from forge_megatron.utils import env
@@ -78,10 +85,11 @@ class _Emulated(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, lib, impl, q_TNH, k_TKH, v_TKH, sub_end_T, scale):
-        T, N, H = q_TNH.shape
-        o_TNH, lse_NT = torch.empty_like(q_TNH), torch.empty(N, T)
+        Tq, N, H = q_TNH.shape
+        o_TNH, lse_NT = torch.empty_like(q_TNH), torch.empty(N, Tq)
         rc = lib.emu_fwd(_ptr(q_TNH), _ptr(k_TKH), _ptr(v_TKH), _ptr(sub_end_T), _ptr(o_TNH), _ptr(lse_NT),
-                         T, N, k_TKH.shape[1], H, ctypes.c_float(scale), _EMU_DTYPES[q_TNH.dtype], _EMU_IMPLS[impl])
+                         k_TKH.shape[0], Tq, N, k_TKH.shape[1], H, ctypes.c_float(scale), _EMU_DTYPES[q_TNH.dtype],
+                         _EMU_IMPLS[impl])
         assert rc == 0, f"emu_fwd returned {rc} (1: unsupported head_dim {H} / dtype / impl, 2: shared memory overflow)"
         ctx.save_for_backward(q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T)
         ctx.lib, ctx.impl, ctx.scale = lib, impl, scale
@@ -93,9 +101,9 @@ class _Emulated(torch.autograd.Function):
         do_TNH = do_TNH.contiguous()
         delta_NT = (do_TNH.float() * o_TNH.float()).sum(-1).t().contiguous()
         dq, dk, dv = torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
-        T, N, H = q_TNH.shape
+        Tq, N, H = q_TNH.shape
         rc = ctx.lib.emu_bwd(_ptr(do_TNH), _ptr(q_TNH), _ptr(k_TKH), _ptr(v_TKH), _ptr(lse_NT), _ptr(delta_NT),
-                             _ptr(sub_end_T), _ptr(dq), _ptr(dk), _ptr(dv), T, N, k_TKH.shape[1], H,
+                             _ptr(sub_end_T), _ptr(dq), _ptr(dk), _ptr(dv), k_TKH.shape[0], Tq, N, k_TKH.shape[1], H,
                              ctypes.c_float(ctx.scale), _EMU_DTYPES[q_TNH.dtype], _EMU_IMPLS[ctx.impl])
         assert rc == 0, f"emu_bwd returned {rc} (1: unsupported head_dim {H} / dtype / impl, 2: shared memory overflow)"
         return None, None, dq, dk, dv, None, None
@@ -193,8 +201,23 @@ def test_emulated_mma_rejects_fp32(emu):
     q, k, v = random_qkv(5, 1, 1, 32, torch.float32)
     o, lse = torch.empty_like(q), torch.empty(1, 5)
     se = torch.full((5,), 5, dtype=torch.int32)
-    assert emu.emu_fwd(_ptr(q), _ptr(k), _ptr(v), _ptr(se), _ptr(o), _ptr(lse), 5, 1, 1, 32, ctypes.c_float(1.0), 0,
-                       1) == 1
+    assert emu.emu_fwd(_ptr(q), _ptr(k), _ptr(v), _ptr(se), _ptr(o), _ptr(lse), 5, 5, 1, 1, 32, ctypes.c_float(1.0),
+                       0, 1) == 1
+
+
+@pytest.mark.parametrize("case", ["long_chain", "grpo", "many_roots", "random_trie"])
+def test_emulated_simt_kernels_suffix_queries(emu, case):
+    """Suffix queries (CP all-gather mode) on the SIMT kernels: query tiles laid from T - Tq, the dK/dV loop starting
+    at max(k_lo, T - Tq), rows of q/o/lse offset; against rows of the full reference, forward and backward."""
+    check_suffix_queries(_emulated_attention(emu), CASES[case], N=2, K=1, H=32)
+
+
+def test_emulated_mma_refuses_suffix_queries(emu):
+    q, k, v = random_qkv(5, 1, 1, 32, torch.float16)
+    o, lse = torch.empty_like(q[2:]), torch.empty(1, 3)
+    se = torch.full((5,), 5, dtype=torch.int32)
+    assert emu.emu_fwd(_ptr(q[2:].contiguous()), _ptr(k), _ptr(v), _ptr(se), _ptr(o), _ptr(lse), 5, 3, 1, 1, 32,
+                       ctypes.c_float(1.0), 1, 1) == 1
 
 
 def test_emulated_block_bounds(emu):

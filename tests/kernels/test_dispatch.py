@@ -63,8 +63,8 @@ def test_automatic_on_cuda_prefers_compiled_then_segment(no_env, monkeypatch):
 
 
 def test_suffix_queries_pass_over_cuda(no_env, monkeypatch):
-    """The CUDA kernel takes one query per key: calls with fewer queries go to Triton (or segment) even where CUDA
-    is validated and preferred, and the CUDA backend refuses them by name."""
+    """The CUDA kernel takes suffix queries only on its SIMT path: calls with fewer queries go to Triton (or
+    segment) even where CUDA is validated and preferred, and forcing its tensor cores on them is refused by name."""
     from forge_megatron.kernels.tree_attention import cuda as cuda_backend
 
     cuda = torch.device("cuda")
@@ -74,7 +74,8 @@ def test_suffix_queries_pass_over_cuda(no_env, monkeypatch):
     assert dispatch.choose_backend(cuda, suffix_queries=True)[0] == "triton"
     monkeypatch.setattr(dispatch, "available_backends", lambda device=None: ["reference", "segment", "cuda"])
     assert dispatch.choose_backend(cuda, suffix_queries=True)[0] == "segment"
-    with pytest.raises(ValueError, match="needs one query per key token \\(5\\), got 3 queries"):
+    monkeypatch.setenv(cuda_backend.IMPL_ENV_VAR, "mma")
+    with pytest.raises(ValueError, match="need one query per key token \\(5\\), got 3 queries"):
         cuda_backend._check_supported(torch.zeros(3, 2, 32), torch.zeros(5, 1, 32))
 
 

@@ -7,7 +7,8 @@ computed on the device. Two implementations (csrc/tree_attn): tensor cores (mma.
 64x64 tiles classified per warp, atomic fp32 dQ) and SIMT (any dtype, 32x32 tiles). The environment variable
 FORGE_TREE_ATTN_CUDA_IMPL picks one: "auto" (default: tensor cores where they can run), "simt" or "mma" (an error
 where they cannot). The extension is built by setup.py only where CUDA torch and nvcc exist; ``is_available()`` says
-whether it can run here. Head dims 32, 64, 128; fp16/bf16/fp32 with fp32 accumulation.
+whether it can run here. Head dims 32, 64, 128; fp16/bf16/fp32 with fp32 accumulation. Suffix queries (fewer
+queries than keys, ops.py) run on the SIMT kernels only ("auto" picks them; "mma" refuses).
 
 Legend: T = packed tree tokens, N = query heads, K = key/value heads, H = head dim.
 """
@@ -48,10 +49,10 @@ def _extension():
 
 
 def _check_supported(q_TNH: torch.Tensor, k_TKH: torch.Tensor) -> None:
-    if q_TNH.shape[0] != k_TKH.shape[0]:
-        raise ValueError(f"the CUDA tree attention kernel needs one query per key token ({k_TKH.shape[0]}), got "
-                         f"{q_TNH.shape[0]} queries: suffix queries (context parallelism's all-gather mode) run on "
-                         "the triton or segment backend")
+    if q_TNH.shape[0] != k_TKH.shape[0] and implementation() == "mma":
+        raise ValueError(f"{IMPL_ENV_VAR}=mma: the tensor-core kernels need one query per key token "
+                         f"({k_TKH.shape[0]}), got {q_TNH.shape[0]} queries; suffix queries (context parallelism's "
+                         "all-gather mode) run on the SIMT kernels (auto) or the triton backend")
     if q_TNH.device.type != "cuda":
         raise ValueError(f"the CUDA tree attention kernel needs CUDA tensors, got q on {q_TNH.device}")
     if q_TNH.shape[2] not in SUPPORTED_HEAD_DIMS:
@@ -81,5 +82,5 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
 tree_attention_cuda_op = register_tree_attention_ops("cuda", _forward, _backward)
 tree_attention_cuda = make_public_entry(tree_attention_cuda_op)
 tree_attention_cuda.__doc__ = """Tree attention through the CUDA kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
-softmax_scale=None) -> o_TNH; differentiable in q, k, v; CUDA tensors; head_dim 32/64/128; N % K == 0; as many
-queries as keys (no suffix queries yet)."""
+softmax_scale=None) -> o_TNH; differentiable in q, k, v; CUDA tensors; head_dim 32/64/128; N % K == 0; q may hold
+only the last tokens of the keys' tree (suffix queries, see ops.py: SIMT kernels only)."""

@@ -7,7 +7,7 @@ Choice, first match wins:
    "segment" (exact, any device); on CPU: "segment". "reference" (dense T x T mask) only on request.
    The CUDA kernel moves ahead of Triton once its GPU tests have passed on a GPU machine (``CUDA_VALIDATED``;
    benchmarks/gpu_check.sh runs them): until then it is used only when asked for. Calls with suffix queries (fewer
-   queries than keys, ops.py) never choose it automatically: it does not take them.
+   queries than keys, ops.py) never choose it automatically: it takes them only on its SIMT path.
 The Triton and CUDA backends live in their own modules and are imported lazily; a module that is absent or fails
 to import makes its backend unavailable. Each (backend, device type) choice is logged once.
 
@@ -52,7 +52,7 @@ def tree_attention(
     """Tree attention over a DFS-ordered forest (key j visible to query i iff j <= i < sub_end[j]). Returns o_TNH.
 
     q may hold only the last tokens of the keys' tree (suffix queries, see ops.py); the automatic choice then
-    passes over the CUDA kernel, which does not take them."""
+    passes over the CUDA kernel, which takes them on its SIMT path only (no tensor cores)."""
     name, why = choose_backend(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0])
     if (name, q_TNH.device.type) not in _logged:
         _logged.add((name, q_TNH.device.type))
