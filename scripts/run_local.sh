@@ -10,7 +10,8 @@
 # CP, AGENT_CMD or AGENT_URL, GROUP_SIZE, GROUPS_PER_STEP, TRAIN_ITERS, LR, RUN_DIR, DOMAIN_RATIOS, EXTRA_TRAIN_ARGS,
 # POOL_ARGS (window and reward settings, e.g. "--window-fraction 0.5 --advantage-estimator rloo": applied by the data
 # pool, given to the trainer too, which checks them against the pool), POLICY_SAMPLING (default 1: training calls are
-# sampled from the policy whatever temperature the agent asks; 0: as the agent asks), EVAL_TASKS (held-out tasks JSONL,
+# sampled at ROLLOUT_TEMPERATURE, default 1, whatever temperature the agent asks; 0: as the agent asks; the trainer
+# scores tokens at ROLLOUT_TEMPERATURE either way), EVAL_TASKS (held-out tasks JSONL,
 # evaluated every EVAL_EVERY policy versions into RUN_DIR/evals.jsonl), EPISODE_TIMEOUT_S (driver-side episode limit,
 # default 1800; the pool times out what is idle for twice that, e.g. after a driver crash).
 set -euo pipefail
@@ -32,7 +33,7 @@ RUN_DIR="${RUN_DIR:-$ROOT/runs/local}"
 EXTRA_TRAIN_ARGS="${EXTRA_TRAIN_ARGS:-}"
 POOL_ARGS="${POOL_ARGS:-}"
 DOMAIN_RATIOS="${DOMAIN_RATIOS:-}"
-POLICY_SAMPLING="${POLICY_SAMPLING:-1}"; EVAL_TASKS="${EVAL_TASKS:-}"; EVAL_EVERY="${EVAL_EVERY:-10}"
+POLICY_SAMPLING="${POLICY_SAMPLING:-1}"; ROLLOUT_TEMPERATURE="${ROLLOUT_TEMPERATURE:-1}"; EVAL_TASKS="${EVAL_TASKS:-}"; EVAL_EVERY="${EVAL_EVERY:-10}"
 EPISODE_TIMEOUT_S="${EPISODE_TIMEOUT_S:-1800}"
 ENGINE_PORT="${ENGINE_PORT:-30000}"; GATEWAY_PORT="${GATEWAY_PORT:-8000}"; POOL_PORT="${POOL_PORT:-5555}"
 
@@ -86,6 +87,7 @@ POOL_ADDR="tcp://127.0.0.1:$POOL_PORT"
 POOLX=($POOL_ARGS)
 NODE_FLAGS=()  # gateway flags: the trainer, which gets POOL_ARGS too, never sees them
 [ "$POLICY_SAMPLING" = 1 ] && NODE_FLAGS+=(--policy-sampling)
+NODE_FLAGS+=(--policy-temperature "$ROLLOUT_TEMPERATURE")
 DRIVER_FLAGS=()
 [ -n "$EVAL_TASKS" ] && DRIVER_FLAGS+=(--eval-tasks "$EVAL_TASKS" --eval-every-versions "$EVAL_EVERY"
                                        --eval-output "$RUN_DIR/evals.jsonl")
@@ -106,6 +108,7 @@ MODEL_ARGS=()
 # shellcheck disable=SC2206
 EXTRA=($EXTRA_TRAIN_ARGS)
 [ "$TP" -gt 1 ] && EXTRA+=(--sequence-parallel)  # with TP (Megatron's MoE layer needs it under TP)
+EXTRA+=(--rollout-temperature "$ROLLOUT_TEMPERATURE")  # the temperature the engines sample (and score) at
 TRAIN_CMD=(torchrun --nproc-per-node "$NPROC" "$ROOT/scripts/train_forge.py" "${MODEL_ARGS[@]}"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
   --expert-model-parallel-size "$EP" --context-parallel-size "$CP"

@@ -63,8 +63,10 @@ def tree_model_inputs(layout, backend: str | None = None, device=None, multiple:
 
 def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = False,
                          inplace_backward: bool = False, output_weight: torch.Tensor | None = None,
-                         head_dtype: torch.dtype | None = None, multiple: int | None = None):
-    """GPTModel's last-stage output [1, T, V] -> (logp_M, entropy_M | None) in next_token_index() order.
+                         head_dtype: torch.dtype | None = None, multiple: int | None = None,
+                         temperature: float = 1.0):
+    """GPTModel's last-stage output [1, T, V] -> (logp_M, entropy_M | None) in next_token_index() order, scored
+    under softmax(logits / ``temperature``) (mcore/logprobs.py; 1: the model's own distribution).
 
     With ``output_weight`` (see :func:`output_layer_deferred`) the output is the output layer's input [1, T, H]
     instead, and the logits are made chunk by chunk inside the loss (``linear_vocab_parallel_logprobs``), their
@@ -79,8 +81,9 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
     def score(out_TX, rows_M, targets_M):
         if output_weight is not None:
             return linear_vocab_parallel_logprobs(out_TX, output_weight, rows_M, targets_M, with_entropy,
-                                                  compute_dtype=head_dtype)
-        return vocab_parallel_logprobs(out_TX, rows_M, targets_M, with_entropy, inplace_backward=inplace_backward)
+                                                  compute_dtype=head_dtype, temperature=temperature)
+        return vocab_parallel_logprobs(out_TX, rows_M, targets_M, with_entropy, inplace_backward=inplace_backward,
+                                       temperature=temperature)
 
     pred_nodes_M, targets_M, _ = layout.next_token_index()
     cp, rank, _ = cp_world()
@@ -158,7 +161,7 @@ def _captured_weight(captured: dict | None):
 
 
 def tree_logprobs(model, layout, with_entropy: bool = False, backend: str | None = None,
-                  fused_output: bool = True, head_dtype: torch.dtype | None = None):
+                  fused_output: bool = True, head_dtype: torch.dtype | None = None, temperature: float = 1.0):
     """Run a tree-packed micro-batch through a (single-stage) tree GPTModel; per-sample logprobs, differentiable.
 
     ``model`` is built with ``build_tree_gpt`` (tree layer spec + depth RoPE). Returns (logp_M, entropy_M | None)
@@ -171,7 +174,7 @@ def tree_logprobs(model, layout, with_entropy: bool = False, backend: str | None
     with output_layer_deferred(model, fused_output) as captured:
         out_1TX = model(**tree_model_inputs(layout, backend=backend, device=device, multiple=multiple))
     return logprobs_from_logits(out_1TX, layout, with_entropy, output_weight=_captured_weight(captured),
-                                head_dtype=head_dtype, multiple=multiple)
+                                head_dtype=head_dtype, multiple=multiple, temperature=temperature)
 
 
 def sample_logprobs_unmerged(model, samples, with_entropy: bool = False):
@@ -211,7 +214,8 @@ LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TreeMicroBatch], tuple]
 
 
 def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend: str | None = None,
-                           fused_output: bool = True, head_dtype: torch.dtype | None = None):
+                           fused_output: bool = True, head_dtype: torch.dtype | None = None,
+                           temperature: float = 1.0):
     """A ``forward_step_func(data_iterator, model)`` for ``megatron.core.pipeline_parallel.get_forward_backward_func``.
 
     The iterator yields :class:`TreeMicroBatch`. On the last pipeline stage the returned loss function maps
@@ -220,7 +224,8 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
     so under PP the model's config needs ``variable_seq_lengths=True``. ``fused_output`` (default) fuses the
     output layer into the logprobs, so no [T, vocabulary] logits exist at any time; without it the logits are
     scored chunk by chunk and dL/dlogits is written over them. ``head_dtype`` (fused only): the dtype of the
-    output layer's matmul (``torch.float32``: an fp32 LM head); default the weight's.
+    output layer's matmul (``torch.float32``: an fp32 LM head); default the weight's. ``temperature``: tokens are
+    scored under softmax(logits / temperature), the rollout temperature (``--rollout-temperature``).
     """
 
     def forward_step(data_iterator, model):
@@ -243,7 +248,8 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
             # Unfused, the logits are read by nothing after the loss: the backward may write dL/dlogits over them.
             logp_M, entropy_M = logprobs_from_logits(output_1TX, micro_batch.layout, with_entropy,
                                                      inplace_backward=True, output_weight=weight,
-                                                     head_dtype=head_dtype, multiple=multiple)
+                                                     head_dtype=head_dtype, multiple=multiple,
+                                                     temperature=temperature)
             return loss_fn(logp_M, entropy_M, micro_batch)
 
         return output, loss_func

@@ -26,6 +26,10 @@ rank that owns it (all-reduce(sum)). Every rank then holds the same replicated l
 writes only its own slice of dL/dz: the same contract as Megatron's ``reduce_from_tensor_model_parallel_region``
 (all-reduce forward, identity backward).
 
+``temperature`` T scores the tokens under softmax(z / T), the distribution an engine samples from at temperature T
+and whose logprobs SGLang returns by default: every chunk of logits is divided by T as it is read, and the
+gradient with respect to the raw logits is the one with respect to z / T divided by T.
+
 ``inplace_backward=True`` writes dL/dz into the logits' own storage, as Megatron's vocab-parallel cross entropy
 does: the model's output layer does not need its output for its backward, so the buffer is free by then, and
 the backward then allocates no rows x vocabulary tensor at all. Only for logits that nothing else reads after the
@@ -170,19 +174,26 @@ def _backward_chunks(read, t: _Targets, stats, grad_logp_M, grad_entropy_M):
         del grad_CV, p_CV
 
 
+def _tempered(read, temperature: float):
+    """``read`` with its chunks divided by ``temperature`` (in place: they are fresh fp32 copies)."""
+    if temperature == 1.0:
+        return read
+    return lambda lo, hi: read(lo, hi).div_(temperature)
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     """Logprobs/entropy from this rank's logits [T, V]."""
 
     @staticmethod
-    def forward(ctx, logits_TV, rows_M, targets_M, with_entropy, chunk_rows, inplace_backward):
+    def forward(ctx, logits_TV, rows_M, targets_M, with_entropy, chunk_rows, inplace_backward, temperature):
         _, rank, _ = _tp()
         t = _Targets(rows_M, targets_M, logits_TV.shape[0], logits_TV.shape[-1], rank, chunk_rows, logits_TV.device)
 
         def read(lo, hi):
             return t.fresh_fp32(logits_TV, lo, hi)
 
-        logp_M, entropy_M, stats = _forward(read, t, with_entropy, logits_TV.device)
-        ctx.t, ctx.inplace, ctx.with_entropy = t, inplace_backward, with_entropy
+        logp_M, entropy_M, stats = _forward(_tempered(read, temperature), t, with_entropy, logits_TV.device)
+        ctx.t, ctx.inplace, ctx.with_entropy, ctx.temperature = t, inplace_backward, with_entropy, temperature
         ctx.save_for_backward(logits_TV, *stats)
         return (logp_M, entropy_M) if with_entropy else logp_M
 
@@ -203,13 +214,15 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         else:
             out_TV = torch.zeros_like(logits_TV)
         # Each chunk's rows are read before its gradient is written, and chunks are disjoint: safe in place.
-        for lo, hi, grad_CV in _backward_chunks(read, t, stats, grad_logp_M,
+        for lo, hi, grad_CV in _backward_chunks(_tempered(read, ctx.temperature), t, stats, grad_logp_M,
                                                 grad_entropy_M if ctx.with_entropy else None):
+            if ctx.temperature != 1.0:
+                grad_CV.div_(ctx.temperature)  # d(z / T) / dz
             if t.dense:
                 out_TV[lo:hi] = grad_CV
             else:
                 out_TV.index_copy_(0, t.U[lo:hi], grad_CV.to(out_TV.dtype))
-        return out_TV, None, None, None, None, None
+        return out_TV, None, None, None, None, None, None
 
 
 def _head_weight(weight_VH, compute_dtype):
@@ -229,13 +242,14 @@ class _LinearVocabParallelLogprobs(torch.autograd.Function):
     never all at once, and made again in the backward."""
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows, compute_dtype):
+    def forward(ctx, hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows, compute_dtype, temperature):
         _, rank, _ = _tp()
         t = _Targets(rows_M, targets_M, hidden_TH.shape[0], weight_VH.shape[0], rank, chunk_rows, hidden_TH.device)
 
-        read = _output_layer_rows(t, hidden_TH, _head_weight(weight_VH, compute_dtype))
+        read = _tempered(_output_layer_rows(t, hidden_TH, _head_weight(weight_VH, compute_dtype)), temperature)
         logp_M, entropy_M, stats = _forward(read, t, with_entropy, hidden_TH.device)
         ctx.t, ctx.with_entropy, ctx.compute_dtype = t, with_entropy, compute_dtype  # an upcast weight is not kept
+        ctx.temperature = temperature
         ctx.save_for_backward(hidden_TH, weight_VH, *stats)
         return (logp_M, entropy_M) if with_entropy else logp_M
 
@@ -249,9 +263,11 @@ class _LinearVocabParallelLogprobs(torch.autograd.Function):
                           if ctx.needs_input_grad[1] else None)
 
         w_VH = _head_weight(weight_VH, ctx.compute_dtype)
-        read = _output_layer_rows(t, hidden_TH, w_VH)
+        read = _tempered(_output_layer_rows(t, hidden_TH, w_VH), ctx.temperature)
         for lo, hi, grad_CV in _backward_chunks(read, t, stats, grad_logp_M,
                                                 grad_entropy_M if ctx.with_entropy else None):
+            if ctx.temperature != 1.0:
+                grad_CV.div_(ctx.temperature)  # d(z / T) / dz
             g_CV = grad_CV.to(w_VH.dtype)
             if grad_hidden_TH is not None:
                 g_CH = (g_CV @ w_VH).to(hidden_TH.dtype)
@@ -263,11 +279,16 @@ class _LinearVocabParallelLogprobs(torch.autograd.Function):
                 grad_weight_VH += g_CV.t() @ t.select(hidden_TH, lo, hi).to(w_VH.dtype)
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
-        return grad_hidden_TH, grad_weight_VH, None, None, None, None, None
+        return grad_hidden_TH, grad_weight_VH, None, None, None, None, None, None
 
 
 def default_chunk_rows(vocab_slice: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * max(1, vocab_slice)))
+
+
+def _check_temperature(temperature) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature <= 2:
+        raise ValueError(f"temperature must be in (0, 2], got {temperature!r}")
 
 
 def _checked(rows_M, targets_M, num_rows: int, vocab_slice: int, tp: int, chunk_rows: int | None):
@@ -283,24 +304,28 @@ def _checked(rows_M, targets_M, num_rows: int, vocab_slice: int, tp: int, chunk_
 
 def vocab_parallel_logprobs(logits_TV: torch.Tensor, rows_M: torch.Tensor, targets_M: torch.Tensor,
                             with_entropy: bool = False, chunk_rows: int | None = None,
-                            inplace_backward: bool = False):
+                            inplace_backward: bool = False, temperature: float = 1.0):
     """(logp_M, entropy_M | None) of ``targets_M`` under rows ``rows_M`` of TP-sharded logits; full-vocab exact.
 
     ``logits_TV`` is this rank's vocabulary slice (all of it without TP). ``chunk_rows`` bounds the rows processed
-    at once (default: ``DEFAULT_CHUNK_BYTES`` of fp32); see the module docstring for ``inplace_backward``.
+    at once (default: ``DEFAULT_CHUNK_BYTES`` of fp32); see the module docstring for ``inplace_backward`` and
+    ``temperature``.
     """
     world, _, _ = _tp()
+    _check_temperature(temperature)
     if logits_TV.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab slice], got {tuple(logits_TV.shape)}")
     rows_M, targets_M, chunk_rows = _checked(rows_M, targets_M, logits_TV.shape[0], logits_TV.shape[-1], world,
                                              chunk_rows)
-    out = _VocabParallelLogprobs.apply(logits_TV, rows_M, targets_M, with_entropy, chunk_rows, inplace_backward)
+    out = _VocabParallelLogprobs.apply(logits_TV, rows_M, targets_M, with_entropy, chunk_rows, inplace_backward,
+                                       float(temperature))
     return out if with_entropy else (out, None)
 
 
 def linear_vocab_parallel_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, rows_M: torch.Tensor,
                                    targets_M: torch.Tensor, with_entropy: bool = False,
-                                   chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None):
+                                   chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None,
+                                   temperature: float = 1.0):
     """As :func:`vocab_parallel_logprobs` of ``hidden_TH @ weight_VH.T`` (the output layer fused in), without ever
     holding those logits: each chunk of rows is multiplied out, reduced and dropped, and multiplied out again in the
     backward (one extra output-layer matmul).
@@ -316,6 +341,7 @@ def linear_vocab_parallel_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Ten
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
     world, _, _ = _tp()
+    _check_temperature(temperature)
     if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
         raise ValueError(f"hidden must be [rows, H] and weight [vocab slice, H], got {tuple(hidden_TH.shape)} "
                          f"and {tuple(weight_VH.shape)}")
@@ -324,5 +350,5 @@ def linear_vocab_parallel_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Ten
     if world > 1:
         hidden_TH = copy_to_tensor_model_parallel_region(hidden_TH)  # identity forward, all-reduce backward
     out = _LinearVocabParallelLogprobs.apply(hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows,
-                                             compute_dtype)
+                                             compute_dtype, float(temperature))
     return out if with_entropy else (out, None)

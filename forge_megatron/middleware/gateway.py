@@ -32,13 +32,15 @@ input, the parts joined into one completion with per-token policy versions; a st
 ``resume_aborted=False`` is re-issued from its prompt (a stream that had sent content then ends with an
 OpenAI-style error event, code ``aborted``).
 
-Sampling parameters of training calls. Engines return the logprob of each sampled token under the policy itself
-(temperature-free, like SGLang's default), and the trainer treats those as the behaviour policy's. That holds only
-when the engine samples from the policy: temperature 1, top_p 1, no top_k. Agents often ask otherwise (temperature
-0.2 for "reliable" tool use); their tokens then come from another distribution and the importance ratios the loss
-uses are off. With ``policy_sampling`` the gateway samples every training call at temperature 1, top_p 1, no
-top_k whatever the agent sent (``stats["policy_sampling_overrides"]`` counts calls it changed); without it, it
-counts such calls as ``stats["tempered_calls"]`` and warns once. Evaluation sessions are never trained on: they
+Sampling parameters of training calls. SGLang returns the logprob of each sampled token under softmax(z / T), the
+distribution at the call's temperature T before any top_p / top_k cut, and the trainer scores tokens under
+softmax(z / T_train) (``--rollout-temperature``, default 1). Recorded and trained logprobs agree, and the tokens come
+from the distribution the recorded logprobs describe, only when a call samples at T_train with top_p 1 and no
+top_k: the *policy temperature* (``GatewayConfig.policy_temperature``, ``--policy-temperature``). Agents often ask
+otherwise (temperature 0.2 for "reliable" tool use); their importance ratios are then off. With
+``policy_sampling`` the gateway samples every training call at the policy temperature, top_p 1, no top_k whatever
+the agent sent (``stats["policy_sampling_overrides"]`` counts calls it changed); without it, it counts other calls
+as ``stats["tempered_calls"]`` and warns once. Evaluation sessions are never trained on: they
 honour the agent's values, or the session's own ``sampling`` given when it was opened (e.g. temperature 0 for
 greedy evaluation). ``/forge/*`` needs
 the admin token when one is configured, and one must be configured when binding beyond loopback. Errors use OpenAI's
@@ -94,9 +96,10 @@ class GatewayConfig:
     return_routed_experts: bool = False  # MoE: record each token's experts for rollout routing replay (R3)
     resume_aborted: bool = True  # a call aborted by a weight update goes on from the tokens it sampled (partial
     # rollout: per-token versions and logprobs stay exact); False: it is re-issued from its prompt
-    # Training calls sample from the policy itself (temperature 1, top_p 1, no top_k) whatever the agent asks: the
-    # engine's logprobs are the policy's, so only then are they the sampling distribution's (see the module doc).
+    # Training calls sample from the trained policy (policy_temperature, top_p 1, no top_k) whatever the agent asks:
+    # only then are the engine's logprobs those of the distribution sampled and of the one trained (module doc).
     policy_sampling: bool = False
+    policy_temperature: float = 1.0  # the trainer's --rollout-temperature (see the module docstring)
     # Open sessions with no call for this long (none in flight) are ended as timed_out and sent to the sink, so
     # sessions whose agent or driver died do not stay in memory for the rest of the run. None: never.
     session_idle_timeout_s: float | None = None
@@ -116,6 +119,8 @@ class GatewayConfig:
             raise ValueError(f"pause_wait_s must be >= 0, got {self.pause_wait_s}")
         if self.session_idle_timeout_s is not None and not self.session_idle_timeout_s > 0:
             raise ValueError(f"session_idle_timeout_s must be > 0 or None, got {self.session_idle_timeout_s}")
+        if not (isinstance(self.policy_temperature, (int, float)) and 0 < self.policy_temperature <= 2):
+            raise ValueError(f"policy_temperature must be in (0, 2], got {self.policy_temperature!r}")
 
 
 def _is_loopback(host: str) -> bool:
@@ -245,9 +250,10 @@ def continuation_seed(seed: int, part: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def from_policy(sampling: dict) -> bool:
-    """True when engine sampling params draw from the policy itself (temperature 1, top_p 1, no top_k)."""
-    return sampling.get("temperature", 1.0) == 1.0 and sampling.get("top_p", 1.0) == 1.0 and \
+def from_policy(sampling: dict, temperature: float = 1.0) -> bool:
+    """True when engine sampling params draw from the trained policy: the policy ``temperature``, top_p 1, no
+    top_k."""
+    return sampling.get("temperature", 1.0) == temperature and sampling.get("top_p", 1.0) == 1.0 and \
         sampling.get("top_k", -1) in (-1, 0)
 
 
@@ -491,19 +497,21 @@ class Gateway:
         itself under ``policy_sampling``, otherwise as asked and counted when it is not from the policy."""
         if sess.evaluation:
             return {**sampling, **sess.sampling}
+        policy_t = self.config.policy_temperature
         if self.config.policy_sampling:
             policy = {k: v for k, v in sampling.items() if k != "top_k"}
-            policy.update(temperature=1.0, top_p=1.0)
+            policy.update(temperature=policy_t, top_p=1.0)
             if policy != sampling:
                 self.stats["policy_sampling_overrides"] += 1
             return policy
-        if not from_policy(sampling):
+        if not from_policy(sampling, policy_t):
             self.stats["tempered_calls"] += 1
             if self.stats["tempered_calls"] == 1:
                 log.warning("a training call asked for temperature %s, top_p %s, top_k %s: its tokens are not sampled "
-                            "from the policy, so its logprobs are not the sampler's; start the gateway with "
-                            "--policy-sampling to sample training calls from the policy (counted as tempered_calls)",
-                            sampling["temperature"], sampling["top_p"], sampling.get("top_k"))
+                            "from the trained policy (temperature %s, top_p 1, no top_k), so the importance ratios "
+                            "are off; start the gateway with --policy-sampling to sample training calls from it "
+                            "(counted as tempered_calls)",
+                            sampling["temperature"], sampling["top_p"], sampling.get("top_k"), policy_t)
         return sampling
 
     def forced_text(self, req: ChatRequest) -> str:
@@ -1091,7 +1099,8 @@ _METRIC_HELP = {
     "resumed_tokens": ("counter", "sampled tokens kept across aborts (partial rollout)"),
     "discarded_tokens": ("counter", "sampled tokens thrown away by aborts (--no-resume-aborted)"),
     "policy_sampling_overrides": ("counter", "training calls whose sampling --policy-sampling changed"),
-    "tempered_calls": ("counter", "training calls not sampled from the policy (logprobs are not the sampler's)"),
+    "tempered_calls": ("counter", "training calls not sampled from the trained policy (--policy-temperature, top_p 1, "
+                                  "no top_k): their importance ratios are off"),
     "reaped_sessions": ("counter", "sessions ended as timed_out for being idle"),
 }
 _POOL_GAUGES = ("queue_depth", "window", "window_ready", "window_pending", "window_occupancy", "policy_version",
@@ -1188,8 +1197,13 @@ def add_session_options(p) -> None:
                    help="MoE models: ask the engines for each token's routed experts and keep them in the episodes "
                         "for rollout routing replay (trainer --routing-replay; SGLang --enable-return-routed-experts)")
     p.add_argument("--policy-sampling", action="store_true",
-                   help="sample every training call from the policy itself (temperature 1, top_p 1, no top_k), "
-                        "whatever the agent asks, so recorded logprobs are the sampler's (eval sessions exempt)")
+                   help="sample every training call from the trained policy (--policy-temperature, top_p 1, no "
+                        "top_k), whatever the agent asks, so recorded logprobs are the sampler's and the trainer's "
+                        "(eval sessions exempt)")
+    p.add_argument("--policy-temperature", type=float, default=1.0,
+                   help="the temperature the trainer scores tokens at (its --rollout-temperature, default 1): "
+                        "--policy-sampling samples training calls at it, and calls at another one count as "
+                        "tempered_calls")
     p.add_argument("--session-idle-timeout-s", type=float, default=None,
                    help="end open sessions with no call for this long as timed_out (their agent or driver died); "
                         "default: never")
@@ -1203,7 +1217,8 @@ def session_options(args: argparse.Namespace) -> dict:
     """The GatewayConfig fields of :func:`add_session_options`' flags."""
     return dict(tool_parser=args.tool_parser, default_max_tokens=args.default_max_tokens,
                 return_routed_experts=args.return_routed_experts, resume_aborted=args.resume_aborted,
-                policy_sampling=args.policy_sampling, session_idle_timeout_s=args.session_idle_timeout_s)
+                policy_sampling=args.policy_sampling, policy_temperature=args.policy_temperature,
+                session_idle_timeout_s=args.session_idle_timeout_s)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,11 +12,16 @@ Decoding: every request decodes token by token with its own KV cache. Each forwa
 job on one worker thread, so concurrent requests interleave step by step and a weight update (also a job on that
 thread) always lands between two steps, never inside one. Per step, with logits z over the vocabulary:
 
-  logprob(token) = log_softmax(z)[token]                 (temperature-free, like SGLang's default)
   sample:  z' = z / temperature, keep the top_k largest, keep the smallest set with cumulative prob >= top_p,
            token ~ softmax(z')   (temperature 0 -> argmax)     with a torch.Generator seeded per request
+  logprob(token) = log_softmax(z')[token] before the top_k / top_p cut, i.e. of the tempered distribution;
+           temperature 0: log_softmax(z)[token]
 
-so the recorded logprob is the policy's own probability of the sampled token, which is what the trainer recomputes.
+which is what SGLang's sampler returns by default (it divides the logits by the temperature, takes the softmax and
+returns its log). With SGLANG_RETURN_ORIGINAL_LOGPROB=1 in the environment (SGLang's switch, read here too) the
+logprob is log_softmax(z)[token] at every temperature. The trainer scores tokens under softmax(z / T) with
+``--rollout-temperature T`` (default 1), so the recorded logprob is the sampler's probability of the token exactly
+when the call sampled at T without top_k / top_p: what the gateway's ``--policy-sampling`` enforces.
 
 Routed experts (MoE models, ``--enable-return-routed-experts``, request ``return_routed_experts: true``; SGLang's
 names): a forward hook on every layer's router records the top-k expert ids of each token it processes, by
@@ -101,13 +106,23 @@ def _require(cond: bool, msg: str) -> None:
         raise RequestError(msg)
 
 
-def sample_next(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
-    """Pick the next token from fp32 logits; return (token, temperature-free logprob of that token)."""
-    logp_V = torch.log_softmax(logits_V, dim=-1)
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
+def return_original_logprob() -> bool:
+    """SGLang's switch: logprobs of the untempered distribution (SGLANG_RETURN_ORIGINAL_LOGPROB=1/true)."""
+    return os.environ.get(ORIGINAL_LOGPROB_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def sample_next(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+                original_logprob: bool = False) -> tuple[int, float]:
+    """Pick the next token from fp32 logits; return (token, its logprob under softmax(z / temperature), or under
+    softmax(z) when greedy or with ``original_logprob``: SGLang's two conventions)."""
     if params.temperature == 0:
         token = int(torch.argmax(logits_V))
-        return token, float(logp_V[token])
+        return token, float(torch.log_softmax(logits_V, dim=-1)[token])
     z_V = logits_V / params.temperature
+    logp_V = torch.log_softmax(logits_V if original_logprob else z_V, dim=-1)
     if params.top_k > 0 and params.top_k < z_V.numel():
         kth = torch.topk(z_V, params.top_k).values[-1]
         z_V = z_V.masked_fill(z_V < kth, float("-inf"))
@@ -143,6 +158,7 @@ class ReferenceEngine:
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"--model-path {model_path!r} is not a directory")
         self.model_path = model_path
+        self.original_logprob = return_original_logprob()  # SGLANG_RETURN_ORIGINAL_LOGPROB, read at start as SGLang
         # an FP8 checkpoint (quantization_config fp8, block-wise) is dequantized by transformers on CPU: the engine
         # computes with the FP8-rounded weights, and updates must come as FP8 weights + scales, as SGLang loads them
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -234,7 +250,7 @@ class ReferenceEngine:
         finally:
             self._captured = None
         req.past = out.get("cache", None) or out.get("past_key_values")
-        token, logprob = sample_next(out.logits[0, -1].float(), req.params, req.gen)
+        token, logprob = sample_next(out.logits[0, -1].float(), req.params, req.gen, self.original_logprob)
         req.output_ids.append(token)
         req.logprobs.append(logprob)
         req.finish = self._finish_reason(req, token)

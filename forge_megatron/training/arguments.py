@@ -178,6 +178,10 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="KL estimator per token: k3 = exp(ref - logp) - (ref - logp) - 1 (non-negative), k1 = logp - ref")
     g.add_argument("--ref-hf-checkpoint", default=None,
                    help="HF directory of the KL reference (same architecture); default --hf-checkpoint")
+    g.add_argument("--rollout-temperature", type=float, default=1.0,
+                   help="score tokens under softmax(logits / T): the temperature the rollouts sample at (gateway "
+                        "--policy-temperature with --policy-sampling), whose logprobs SGLang returns by default; "
+                        "old, reference and entropy terms use it too")
     g.add_argument("--ref-offload", action="store_true",
                    help="keep the KL reference's weights in (pinned) host memory and copy them to the GPU only for "
                         "its forward pass each step: frees one copy of this rank's weights for training, costs one "
@@ -357,6 +361,8 @@ def validate_args(args: argparse.Namespace) -> None:
                          "forest; size them with --tree-token-budget (unique tokens per micro-batch)")
     if args.ref_hf_checkpoint and not args.rl_kl_coef > 0:
         raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0")
+    if not 0 < getattr(args, "rollout_temperature", 1.0) <= 2:
+        raise ValueError(f"--rollout-temperature must be in (0, 2], got {args.rollout_temperature}")
     if getattr(args, "ref_offload", False) and not args.rl_kl_coef > 0:
         raise ValueError("--ref-offload offloads the KL reference model, which exists only with --rl-kl-coef > 0")
     if args.fp32_lm_head and not args.fused_logprobs:

@@ -231,14 +231,16 @@ def batch_loss_config(loss_cfg, rb: RankBatch):
 
 
 def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_logprobs: bool = True,
-                     head_dtype: torch.dtype | None = None, policy_version: int | None = None) -> list[dict]:
+                     head_dtype: torch.dtype | None = None, policy_version: int | None = None,
+                     temperature: float = 1.0) -> list[dict]:
     """Forward and backward of every micro-batch through Megatron's schedule; per-micro-batch loss metrics.
 
     ``fused_logprobs``: the output layer is fused into the logprobs (no [tokens, vocabulary] logits at any time,
     mcore.forward.output_layer_deferred); otherwise Megatron's output layer makes the logits and they are scored
     chunk by chunk. ``head_dtype`` (fused only): the output layer's matmul dtype (``torch.float32``: fp32 LM head).
     ``policy_version``: the version of the weights being trained; tokens it sampled get the ``onpolicy/...``
-    training/inference mismatch metrics."""
+    training/inference mismatch metrics. ``temperature``: tokens are scored under softmax(logits / temperature)
+    (``--rollout-temperature``)."""
     from forge_megatron.algo.losses import policy_loss
     from forge_megatron.mcore.forward import make_tree_forward_step
 
@@ -260,7 +262,8 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
         return loss * (num_mb if cfg.norm_constant is not None else 1), metrics
 
     return run_schedule(ddp, rb, make_tree_forward_step(loss_fn, with_entropy=loss_cfg.entropy_coef > 0,
-                                                        fused_output=fused_logprobs, head_dtype=head_dtype))
+                                                        fused_output=fused_logprobs, head_dtype=head_dtype,
+                                                        temperature=temperature))
 
 
 def run_schedule(ddp, rb: RankBatch, forward_step, forward_only: bool = False) -> list[dict]:
@@ -393,7 +396,11 @@ class Trainer:
 
             routing_replay.read_counts(self.chunks)  # the routing metrics count the training pass only
         return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs,
-                                self.head_dtype, self.policy_version)
+                                self.head_dtype, self.policy_version, self.temperature)
+
+    @property
+    def temperature(self) -> float:
+        return float(getattr(self.args, "rollout_temperature", 1.0))
 
     @property
     def head_dtype(self) -> torch.dtype | None:
@@ -413,7 +420,8 @@ class Trainer:
 
         with torch.no_grad():
             run_schedule(chunks, rb, make_tree_forward_step(keep, fused_output=self.args.fused_logprobs,
-                                                            head_dtype=self.head_dtype), forward_only=True)
+                                                            head_dtype=self.head_dtype, temperature=self.temperature),
+                         forward_only=True)
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()

@@ -212,6 +212,30 @@ def test_training_calls_sample_from_the_policy(stack, policy_sampling):
     assert {"policy_sampling_overrides", "tempered_calls"} <= set(gw.state())
 
 
+@pytest.mark.parametrize("policy_sampling", [False, True])
+def test_policy_temperature_is_the_trainers(stack, policy_sampling):
+    """--policy-temperature 0.7 (the trainer's --rollout-temperature): policy sampling samples training calls at 0.7;
+    without it, calls at 0.7 are from the policy and calls at 1 are counted as tempered."""
+    gw, server = stack["gateway"], stack["server"]
+    server.config.policy_sampling, server.config.policy_temperature = policy_sampling, 0.7
+    try:
+        before = dict(server.stats)
+        session = gw.open_session(gw.create_group("policy-t", 1))
+        _, used = _completions(gw, session, 2, temperature=0.7)
+        _, used_t1 = _completions(gw, session, 2, temperature=1.0)
+        used_t1 = used_t1[2:]  # the session's calls so far: the first two were at 0.7
+        gw.end_session(session.session_id)
+    finally:
+        server.config.policy_sampling, server.config.policy_temperature = False, 1.0
+    overrides = server.stats["policy_sampling_overrides"] - before["policy_sampling_overrides"]
+    tempered = server.stats["tempered_calls"] - before["tempered_calls"]
+    assert all(u["temperature"] == 0.7 for u in used)
+    if policy_sampling:
+        assert all(u["temperature"] == 0.7 for u in used_t1) and (overrides, tempered) == (2, 0)
+    else:
+        assert all(u["temperature"] == 1.0 for u in used_t1) and (overrides, tempered) == (0, 2)
+
+
 def test_published_evaluations_reach_the_trainers_metrics(stack):
     """PeriodicEval/forge-eval publish each result to the gateway; the trainer's EvalFeed reads the ones it has not
     seen and turns the newest into eval/* metrics (overall and per domain); bad results are refused."""

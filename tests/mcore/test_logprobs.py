@@ -31,9 +31,9 @@ def _case(seed: int, dtype=torch.float32, all_rows: bool = False, vocab: int = V
     return logits_TV, rows_M, targets_M, grad_logp_M, grad_ent_M
 
 
-def _reference(logits_TV, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy):
+def _reference(logits_TV, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy, temperature=1.0):
     z = logits_TV.detach().float().requires_grad_(True)
-    logsm = z.log_softmax(-1)
+    logsm = (z / temperature).log_softmax(-1)
     logp = logsm[rows_M, targets_M]
     loss = (logp * grad_logp_M).sum()
     ent = None
@@ -87,6 +87,27 @@ def test_inplace_backward_writes_the_same_gradient_into_the_logits(all_rows, dty
     torch.testing.assert_close(logp, ref_logp, rtol=0, atol=2e-6)
     tol = 2e-6 if dtype == torch.float32 else 2 ** -8 * ref_grad.abs().max().item()
     torch.testing.assert_close(grad_inplace.float(), ref_grad, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.4])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_temperature_scores_the_tempered_distribution(temperature, inplace):
+    """--rollout-temperature: logp and entropy of softmax(z / T), and the gradient with respect to the raw logits,
+    as autograd through the division gives them (plainly different from T = 1)."""
+    case = _case(6)
+    ref_logp, ref_ent, ref_grad = _reference(*case, True, temperature)
+    leaf = case[0].clone().requires_grad_(True)
+    z = leaf * 1
+    logp, ent = vocab_parallel_logprobs(z, *case[1:3], with_entropy=True, chunk_rows=4, inplace_backward=inplace,
+                                        temperature=temperature)
+    ((logp * case[3]).sum() + (ent * case[4]).sum()).backward()
+    torch.testing.assert_close(logp.detach(), ref_logp, rtol=0, atol=2e-6)
+    torch.testing.assert_close(ent.detach(), ref_ent, rtol=0, atol=2e-6)
+    torch.testing.assert_close(leaf.grad, ref_grad, rtol=0, atol=2e-6)
+    untempered = _reference(*case, True)[0]
+    assert (logp.detach() - untempered).abs().max() > 0.1
+    with pytest.raises(ValueError, match="temperature must be in \\(0, 2\\]"):
+        vocab_parallel_logprobs(case[0], *case[1:3], temperature=0.0)
 
 
 def test_gradient_through_one_output_only():
@@ -164,7 +185,7 @@ def test_keeps_no_rows_by_vocabulary_tensor_but_the_logits(with_entropy):
 
 
 # ------------------------------------------------------------------------------------------ TP = 2 (gloo)
-def _body_tp(rank, world_size, with_entropy):
+def _body_tp(rank, world_size, with_entropy, temperature=1.0):
     from megatron.core import parallel_state as ps
 
     assert ps.get_tensor_model_parallel_world_size() == 2
@@ -174,9 +195,9 @@ def _body_tp(rank, world_size, with_entropy):
         full_TV = case[0]
         full_TV[4, :V] -= 30  # row 4's max lies on rank 1 only: the ranks' maxima differ
         full_TV[6, V:] += 30  # and row 6's on rank 0
-        ref_logp, ref_ent, ref_grad = _reference(*case, with_entropy)
+        ref_logp, ref_ent, ref_grad = _reference(*case, with_entropy, temperature)
         mine = (full_TV[:, rank * V:(rank + 1) * V].contiguous(),) + case[1:]
-        logp, ent, grad, _ = _fused(*mine, with_entropy, chunk_rows=chunk_rows)
+        logp, ent, grad, _ = _fused(*mine, with_entropy, chunk_rows=chunk_rows, temperature=temperature)
         ref_slice = ref_grad[:, rank * V:(rank + 1) * V]
         out[all_rows] = ((logp - ref_logp).abs().max().item(),
                          (ent - ref_ent).abs().max().item() if with_entropy else 0.0,
@@ -184,9 +205,10 @@ def _body_tp(rank, world_size, with_entropy):
     return out
 
 
-@pytest.mark.parametrize("with_entropy", [False, True])
-def test_tensor_parallel_matches_the_full_vocabulary(with_entropy):
-    results = run_distributed(_body_tp, world_size=2, parallel=ParallelConfig(tp=2), with_entropy=with_entropy)
+@pytest.mark.parametrize("with_entropy,temperature", [(False, 1.0), (True, 1.0), (True, 0.7)])
+def test_tensor_parallel_matches_the_full_vocabulary(with_entropy, temperature):
+    results = run_distributed(_body_tp, world_size=2, parallel=ParallelConfig(tp=2), with_entropy=with_entropy,
+                              temperature=temperature)
     for per_rank in results:
         for logp_err, ent_err, grad_err, grad_scale in per_rank.values():
             assert logp_err <= 5e-6 and ent_err <= 5e-6 and grad_err <= 2e-6, per_rank
@@ -205,14 +227,15 @@ def _linear_case(seed: int, vocab: int = V, all_rows: bool = False, weight_dtype
     return hidden_TH, weight_VH, rows_M, targets_M, grad_logp_M, grad_ent_M
 
 
-def _linear_reference(hidden_TH, weight_VH, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy, vocab_slice=None):
-    """Plain autograd: logits = hidden @ W^T in W's dtype, log_softmax in fp32. Returns values and both gradients
-    (the weight's restricted to ``vocab_slice`` rows when given)."""
+def _linear_reference(hidden_TH, weight_VH, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy, vocab_slice=None,
+                      temperature=1.0):
+    """Plain autograd: logits = hidden @ W^T in W's dtype, log_softmax in fp32 (of logits / ``temperature``). Returns
+    values and both gradients (the weight's restricted to ``vocab_slice`` rows when given)."""
     h = hidden_TH.clone().requires_grad_(True)
     w = weight_VH.clone().requires_grad_(True)
     z = (h.to(w.dtype) @ w.t()).float()
-    logp, ent, _ = _reference(z, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy)
-    logsm = z.log_softmax(-1)
+    logp, ent, _ = _reference(z, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy, temperature)
+    logsm = (z / temperature).log_softmax(-1)
     loss = (logsm[rows_M, targets_M] * grad_logp_M).sum()
     if with_entropy:
         loss = loss + (-(logsm.exp() * logsm).sum(-1)[rows_M] * grad_ent_M).sum()
@@ -244,6 +267,15 @@ def test_fused_output_layer_matches_logits_then_log_softmax(with_entropy, chunk_
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
     if not all_rows:
         assert got[2][0].abs().max() == 0 and got[2][5].abs().max() == 0  # unscored rows: no hidden gradient
+
+
+def test_fused_output_layer_with_temperature():
+    case = _linear_case(8)
+    ref = _linear_reference(*case, True, temperature=0.75)
+    got = _linear_fused(*case, True, chunk_rows=3, temperature=0.75)
+    for name, a, b in zip(("logp", "entropy", "hidden grad", "weight grad"), got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+    assert (got[0] - _linear_reference(*case, True)[0]).abs().max() > 0.1
 
 
 def test_fused_output_layer_bf16_weight():

@@ -568,6 +568,9 @@ def test_admin_token_and_loopback_rule(model_dir):
         GatewayConfig(model_path=model_dir, engine_urls=[])
     with pytest.raises(ValueError, match="unknown tool parser 'nope'"):
         GatewayConfig(model_path=model_dir, engine_urls=["http://x"], tool_parser="nope")
+    for bad in (0.0, -1.0, 2.5):
+        with pytest.raises(ValueError, match="policy_temperature must be in \\(0, 2\\]"):
+            GatewayConfig(model_path=model_dir, engine_urls=["http://x"], policy_temperature=bad)
     gw = start_gateway(model_dir, ["http://127.0.0.1:9"], in_process=True)
     gw.gateway.config.admin_token = "sekret"
     try:

@@ -49,10 +49,10 @@ def hf_greedy_and_logprobs(model_dir, prompt, n):
     return out, teacher_forced_logprobs(m, prompt, out)
 
 
-def teacher_forced_logprobs(model, prompt, completion):
+def teacher_forced_logprobs(model, prompt, completion, temperature=1.0):
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0].float()
-    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, dim=-1)
     return logp[torch.arange(len(completion)), torch.tensor(completion)].tolist()
 
 
@@ -65,14 +65,17 @@ def test_greedy_tokens_and_logprobs_match_hf(engine, model_dir):
     assert res.prompt_tokens == len(PROMPT) and res.completion_tokens == 12
 
 
-def test_sampled_logprobs_are_temperature_free_and_seeded(engine, model_dir):
+def test_sampled_logprobs_are_tempered_and_seeded(engine, model_dir):
+    """As SGLang's sampler by default: the logprob of the distribution sampled from, softmax(z / T), before the
+    top_p cut (the teacher-forced logits divided by T give the same numbers; undivided ones do not)."""
     a = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, sampling_seed=5, ignore_eos=True))
     b = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, sampling_seed=5, ignore_eos=True))
     c = run(_gen(engine.url, temperature=1.3, top_p=0.9, max_new_tokens=10, sampling_seed=6, ignore_eos=True))
     assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
     assert a.output_ids != c.output_ids
     m = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    assert a.logprobs == pytest.approx(teacher_forced_logprobs(m, PROMPT, a.output_ids), abs=1e-4)
+    assert a.logprobs == pytest.approx(teacher_forced_logprobs(m, PROMPT, a.output_ids, 1.3), abs=1e-4)
+    assert a.logprobs != pytest.approx(teacher_forced_logprobs(m, PROMPT, a.output_ids), abs=1e-3)
 
 
 def test_concurrent_requests_equal_sequential(engine):
@@ -94,9 +97,21 @@ def test_sample_next_filters():
     top_p = {sample_next(logits_V, SamplingParams(top_p=0.6), gen)[0] for _ in range(300)}
     top_k = {sample_next(logits_V, SamplingParams(top_k=3), gen)[0] for _ in range(300)}
     assert top_p == {0, 1} and top_k == {0, 1, 2}
-    token, lp = sample_next(logits_V, SamplingParams(temperature=0.1), gen)
-    assert lp == pytest.approx(float(logits_V[token]), abs=1e-6)  # logprob ignores temperature
-    assert sample_next(logits_V, SamplingParams(temperature=0), gen)[0] == 0
+    token, lp = sample_next(logits_V, SamplingParams(temperature=0.5), gen)
+    assert lp == pytest.approx(float(torch.log_softmax(logits_V / 0.5, -1)[token]), abs=1e-6)  # SGLang's default
+    token, lp = sample_next(logits_V, SamplingParams(temperature=0.5), gen, original_logprob=True)
+    assert lp == pytest.approx(float(logits_V[token]), abs=1e-6)  # SGLANG_RETURN_ORIGINAL_LOGPROB=1
+    token, lp = sample_next(logits_V, SamplingParams(temperature=0), gen)
+    assert token == 0 and lp == pytest.approx(float(logits_V[0]), abs=1e-6)  # greedy: untempered, as SGLang
+
+
+def test_original_logprob_switch_reads_sglangs_variable(monkeypatch):
+    from forge_megatron.rollout.engine_server import ORIGINAL_LOGPROB_ENV, return_original_logprob
+
+    assert ORIGINAL_LOGPROB_ENV == "SGLANG_RETURN_ORIGINAL_LOGPROB"
+    for value, want in (("1", True), ("True", True), ("0", False), ("", False)):
+        monkeypatch.setenv(ORIGINAL_LOGPROB_ENV, value)
+        assert return_original_logprob() is want
 
 
 def test_stop_token_ids_and_stop_strings(engine, model_dir):

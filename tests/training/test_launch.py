@@ -39,7 +39,7 @@ def test_bash_syntax_and_help():
 @pytest.mark.parametrize("layout", [
     dict(ROLLOUT_NODES=2, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=2, TP=2, PP=1, EP=1, CP=1, MODEL="qwen3-8B"),
     dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B",
-         FP32_LM_HEAD=1, POLICY_SAMPLING=0),
+         FP32_LM_HEAD=1, POLICY_SAMPLING=0, ROLLOUT_TEMPERATURE=0.8),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
          USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1,
          EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5, RETIRE_SOLVED_AFTER=3),
@@ -95,6 +95,8 @@ def test_dry_run_plan_is_consistent(layout):
     node = node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:])  # valid flags
     assert node.drop_zero_advantage_groups is (layout.get("DROP_ZERO_ADVANTAGE_GROUPS") == 1)
     assert node.policy_sampling is (layout.get("POLICY_SAMPLING", 1) == 1)  # on unless turned off
+    # the gateway samples training calls at the temperature the trainer scores them at
+    assert node.policy_temperature == args.rollout_temperature == float(layout.get("ROLLOUT_TEMPERATURE", 1))
     (driver,) = [c for c in cmds if "forge_megatron.agents.driver" in c]
     assert driver[driver.index("--pool-addr") + 1] == args.pool_addr  # the driver obeys the pool's admission control
     from forge_megatron.agents.driver import build_parser as driver_parser
@@ -171,10 +173,14 @@ def test_run_local_dry_run_is_consistent():
     (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
     assert node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:]).policy_sampling
     with_eval = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=60,
-                               env={**env, "EVAL_TASKS": "heldout.jsonl", "POLICY_SAMPLING": "0"})
+                               env={**env, "EVAL_TASKS": "heldout.jsonl", "POLICY_SAMPLING": "0",
+                                    "ROLLOUT_TEMPERATURE": "0.6"})
     cmds = _commands(with_eval.stdout)
     (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
-    assert not node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:]).policy_sampling
+    node = node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:])
+    assert not node.policy_sampling and node.policy_temperature == 0.6
+    (trainer,) = [c for c in cmds if "train_forge.py" in " ".join(c)]
+    assert trainer[trainer.index("--rollout-temperature") + 1] == "0.6"
     (driver,) = [c for c in cmds if "forge_megatron.agents.driver" in c]
     rollout = driver_parser().parse_args(driver[driver.index("forge_megatron.agents.driver") + 1:])
     assert (rollout.eval_tasks, rollout.eval_every_versions) == ("heldout.jsonl", 10)

@@ -269,6 +269,53 @@ def test_fused_logprobs_train_like_megatrons_output_layer(tmp_path):
     assert first["onpolicy/rollout_kl"] == pytest.approx(first["rollout_kl"], rel=1e-6)
 
 
+def _feed_engine_rollouts(client, model_dir: str, temperature: float, groups: int = 2, group_size: int = 3):
+    """Finished episodes whose completions and logprobs the reference engine sampled at ``temperature`` from the
+    model the trainer starts from (what a gateway with --policy-sampling --policy-temperature records)."""
+    import time
+    import uuid
+
+    from forge_megatron.middleware.schema import Episode, Segment
+    from forge_megatron.rollout.engine_server import ReferenceEngine
+
+    engine = ReferenceEngine(model_dir)
+    rng = np.random.default_rng(21)
+    for g in range(groups):
+        prompt = rng.integers(10, 200, size=8).tolist()
+        gid = client.register_group(f"task-{g}", group_size, "default")
+        for e in range(group_size):
+            req = engine.new_request({"input_ids": prompt, "sampling_params": {
+                "temperature": temperature, "max_new_tokens": 6, "sampling_seed": 10 * g + e, "ignore_eos": True}})
+            while req.finish is None:
+                engine._step(req)
+            n = len(req.output_ids)
+            seg = Segment(tokens=prompt + req.output_ids, loss_mask=[0] * len(prompt) + [1] * n,
+                          rollout_logprobs=[0.0] * len(prompt) + list(req.logprobs),
+                          policy_versions=[-1] * len(prompt) + [0] * n)
+            eid = uuid.uuid4().hex
+            client.episode_started(gid, eid)
+            now = time.time()
+            client.submit_episode(Episode(episode_id=eid, group_id=gid, task_id=f"task-{g}", segments=[seg],
+                                          reward=float(e % 2), started_at=now - 1, ended_at=now))
+
+
+def test_rollout_temperature_scores_what_the_engine_sampled(tmp_path):
+    """Rollouts sampled at temperature 0.7 carry SGLang-style logprobs of softmax(z / 0.7). A trainer started from
+    the sampling weights with --rollout-temperature 0.7 scores the same numbers (mismatch ~0 at step 1, unit
+    ratios); at the default 1 it scores another distribution, and the mismatch shows."""
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    steps = {}
+    for name, extra in (("t07", ["--rollout-temperature", "0.7"]), ("t1", [])):
+        steps[name], _, _ = run_on_fresh_pool(
+            tmp_path, name, model_dir, lambda c: _feed_engine_rollouts(c, model_dir, 0.7), iters=1, groups=2,
+            extra=extra + ["--rl-entropy-coef", "0.01"])
+    matched, default = steps["t07"][0], steps["t1"][0]
+    assert matched["rollout_logp_abs_diff"] < 1e-4 and matched["rollout_logp_abs_diff_max"] < 1e-3
+    assert matched["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert default["rollout_logp_abs_diff"] > 100 * matched["rollout_logp_abs_diff"] + 1e-2
+    assert matched["entropy"] != pytest.approx(default["entropy"], rel=1e-3)  # the entropy term is tempered too
+
+
 def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_path):
     """--routing-replay on the tiny MoE model, episodes carrying recorded experts: one rank, PP = 2 with several
     micro-batches in flight (1F1B) and full recomputation (each recompute in the backward must replay its own
