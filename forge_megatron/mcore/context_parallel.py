@@ -61,7 +61,7 @@ ROUNDS = 4
 dealt zig-zag (rank r takes chunks r and 2C - 1 - r of it), so each rank holds 2 x ROUNDS chunks. One round balances
 a chain exactly; trees (depth rising within each branch and falling back at the next) need finer interleaving:
 counted attention imbalance of a GRPO group at C = 8 is 1.23 with one round and 1.00 with four, of a packed batch
-of groups 1.44 and 1.14 (benchmarks/cp_balance.py). Costs: padding to a multiple of 2 x ROUNDS x C (x TP) tokens,
+of groups 1.42 and 1.14 (benchmarks/cp_balance.py). Costs: padding to a multiple of 2 x ROUNDS x C (x TP) tokens,
 and 2 x ROUNDS kernel calls per layer in all_gather mode."""
 
 

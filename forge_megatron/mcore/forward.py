@@ -97,9 +97,10 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
     if logits_1TV.shape[1] != positions.numel():
         raise ValueError(f"CP rank {rank} expects logits for its {positions.numel()} tokens, got "
                          f"{tuple(logits_1TV.shape)}")
-    row_of = torch.full((positions.numel() * cp,), -1, dtype=torch.long)  # the padded tree
-    row_of[positions] = torch.arange(positions.numel())  # tree position -> local row (-1: another rank's)
-    rows_M = row_of[pred_nodes_M.cpu()].to(pred_nodes_M.device)
+    device = pred_nodes_M.device
+    row_of = torch.full((positions.numel() * cp,), -1, dtype=torch.long, device=device)  # the padded tree
+    row_of[positions.to(device)] = torch.arange(positions.numel(), device=device)  # position -> local row (-1: not here)
+    rows_M = row_of[pred_nodes_M]
     local_M = rows_M >= 0
     logp_m, entropy_m = score(logits_1TV[0], rows_M[local_M], targets_M[local_M])
     local_M = local_M.to(logp_m.device)

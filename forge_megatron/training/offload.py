@@ -36,8 +36,7 @@ class HostOffload:
         self.device = torch.device(device) if device is not None else (
             self.tensors[0].device if self.tensors else torch.device("cpu"))
         pin = torch.cuda.is_available() and self.device.type == "cuda"
-        self.host = [t.detach().to("cpu", copy=True).pin_memory() if pin else t.detach().to("cpu", copy=True)
-                     for t in self.tensors]
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t.detach()) for t in self.tensors]
         self.resident_now = True
         self.offload()
 
