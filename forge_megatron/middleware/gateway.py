@@ -1088,6 +1088,8 @@ async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
         "sessions_ended": sum(s.ended for s in gw.sessions.values()), **gw.stats,
         "engines": [{"url": e.url, "up": e.up, "inflight": e.inflight, "served": e.served, "failures": e.failures}
                     for e in gw.fleet.engines],
+        # what the trainer checks against its own flags at start (--rollout-temperature)
+        "config": {"policy_sampling": gw.config.policy_sampling, "policy_temperature": gw.config.policy_temperature},
     })
 
 

@@ -445,6 +445,16 @@ def check_pool_config(args: argparse.Namespace, pool: dict) -> None:
                          + ". Pass the same values to forge-node / forge-pool, or drop them here.")
 
 
+def check_gateway_config(args: argparse.Namespace, gateway: dict) -> None:
+    """Raise if the gateway (``/forge/admin/state``'s ``config``) samples training calls at another temperature than
+    the one this trainer scores them at: every importance ratio would be off without any error."""
+    temperature = gateway.get("policy_temperature")
+    if temperature is not None and float(temperature) != float(getattr(args, "rollout_temperature", 1.0)):
+        raise ValueError(f"the gateway's --policy-temperature is {temperature} but this trainer's "
+                         f"--rollout-temperature is {args.rollout_temperature}: give both the same value (the "
+                         "launchers' ROLLOUT_TEMPERATURE does)")
+
+
 def parallel_config(args: argparse.Namespace, num_layers: int | None = None):
     """Model-parallel sizes from the flags; ``num_layers`` (the model's) is needed for virtual pipeline stages."""
     from forge_megatron.mcore.parallel import ParallelConfig

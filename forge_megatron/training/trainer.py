@@ -363,8 +363,23 @@ class Trainer:
             self.pool.set_policy_version(self.policy_version)
             if requeued:
                 self._log(f"pool re-serves {len(requeued)} delivered-but-uncommitted groups")
+        if self.rank == 0 and self.args.gateway_url:
+            self._check_gateway()
         if iteration is not None and self.syncer is not None:
             self._sync()  # the engines may still serve weights newer than this checkpoint
+
+    def _check_gateway(self) -> None:
+        """The gateway must sample training calls at this trainer's --rollout-temperature (a gateway that cannot be
+        reached now is only warned about: weight sync will find it, or say so)."""
+        from forge_megatron.agents.gateway_api import GatewayClient
+
+        try:
+            state = GatewayClient(self.args.gateway_url, os.environ.get("FORGE_ADMIN_TOKEN"), timeout_s=10.0).state()
+        except Exception as exc:  # noqa: BLE001 - unreachable or refusing: not a reason to stop here
+            log.warning("could not read %s/forge/admin/state to check its sampling temperature: %s",
+                        self.args.gateway_url, exc)
+            return
+        arguments.check_gateway_config(self.args, state.get("config", {}))
 
     def _log(self, message: str) -> None:
         if self.rank == 0:

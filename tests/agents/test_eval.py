@@ -212,6 +212,22 @@ def test_training_calls_sample_from_the_policy(stack, policy_sampling):
     assert {"policy_sampling_overrides", "tempered_calls"} <= set(gw.state())
 
 
+def test_trainer_checks_the_gateways_temperature(stack):
+    """/forge/admin/state says how training calls are sampled; a trainer whose --rollout-temperature differs refuses
+    to start (arguments.check_gateway_config, called by the trainer at start with --gateway-url)."""
+    from forge_megatron.training import arguments
+
+    gw, server = stack["gateway"], stack["server"]
+    config = gw.state()["config"]
+    assert config == {"policy_sampling": server.config.policy_sampling, "policy_temperature": 1.0}
+    base = ["--hf-checkpoint", "/x", "--lr", "1e-6", "--train-iters", "1", "--weight-sync-transport", "none"]
+    arguments.check_gateway_config(arguments.parse_args(base), config)
+    arguments.check_gateway_config(arguments.parse_args(base + ["--rollout-temperature", "0.7"]), {})  # old gateway
+    with pytest.raises(ValueError, match="gateway's --policy-temperature is 1.0 but this trainer's "
+                                         "--rollout-temperature is 0.7"):
+        arguments.check_gateway_config(arguments.parse_args(base + ["--rollout-temperature", "0.7"]), config)
+
+
 @pytest.mark.parametrize("policy_sampling", [False, True])
 def test_policy_temperature_is_the_trainers(stack, policy_sampling):
     """--policy-temperature 0.7 (the trainer's --rollout-temperature): policy sampling samples training calls at 0.7;
