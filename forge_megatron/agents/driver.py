@@ -32,7 +32,8 @@ from typing import Callable
 
 from forge_megatron.agents.gateway_api import GatewayClient, GatewayError
 from forge_megatron.agents.runner import (
-    EpisodeReport, Verifier, add_agent_arguments, build_agent, exact_match, load_callable, run_episode,
+    DomainVerifier, EpisodeReport, Verifier, add_agent_arguments, add_verifier_argument, build_agent, build_verifier,
+    exact_match, run_episode,
 )
 from forge_megatron.agents.tasks import Task, by_domain, load_tasks
 from forge_megatron.algo.domains import DomainMixer
@@ -200,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--domain-ratios", type=name_float_pairs, default=None, help="e.g. math=0.7,qa=0.3")
     p.add_argument("--pool-addr", default=None, help="data pool ZeroMQ address: respect its admission control")
     add_agent_arguments(p)
-    p.add_argument("--verifier", default=None, help="'module:function' (task, output) -> reward; default exact match")
+    add_verifier_argument(p)
     p.add_argument("--max-groups", type=int, default=None, help="stop after this many groups (default: run until killed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--retire-solved-after", type=int, default=0, metavar="N",
@@ -224,9 +225,16 @@ def main(argv: list[str] | None = None) -> int:
         client = PoolClient(args.pool_addr)
         can_admit = client.can_admit
     gateway, agent = GatewayClient(args.gateway_url, args.admin_token), build_agent(args)
-    verifier = load_callable(args.verifier) if args.verifier else exact_match
+    tasks = load_tasks(args.tasks)
+    eval_tasks = load_tasks(args.eval_tasks) if args.eval_tasks else []
+    try:
+        verifier = build_verifier(args.verifier)
+        if isinstance(verifier, DomainVerifier):
+            verifier.check_domains(tasks, eval_tasks)
+    except ValueError as exc:
+        raise SystemExit(f"forge-rollout: {exc}") from exc
     driver = RolloutDriver(
-        gateway, agent, load_tasks(args.tasks), args.group_size, verifier=verifier,
+        gateway, agent, tasks, args.group_size, verifier=verifier,
         max_inflight_groups=args.max_inflight_groups, episode_timeout_s=args.episode_timeout_s,
         domain_ratios=args.domain_ratios, can_admit=can_admit, seed=args.seed,
         retire_solved_after=args.retire_solved_after, retired_tasks_path=args.retired_tasks,
@@ -239,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.eval_samples < 1 or args.eval_concurrency < 1 or args.eval_every_versions < 1:
             raise SystemExit("--eval-samples, --eval-concurrency and --eval-every-versions must be >= 1")
-        PeriodicEval(gateway, agent, load_tasks(args.eval_tasks), args.eval_every_versions, args.eval_samples,
+        PeriodicEval(gateway, agent, eval_tasks, args.eval_every_versions, args.eval_samples,
                      verifier, args.eval_timeout_s or args.episode_timeout_s, args.eval_concurrency,
                      args.eval_output, args.eval_at_start, sampling=eval_sampling(args)).start(stop)
     reporter = threading.Thread(target=_report, args=(driver, stop), daemon=True)

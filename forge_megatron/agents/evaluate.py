@@ -53,7 +53,8 @@ from typing import Callable
 
 from forge_megatron.agents.gateway_api import GatewayClient, GatewayError
 from forge_megatron.agents.runner import (
-    EpisodeReport, Verifier, add_agent_arguments, build_agent, exact_match, load_callable, run_episode,
+    DomainVerifier, EpisodeReport, Verifier, add_agent_arguments, add_verifier_argument, build_agent, build_verifier,
+    exact_match, run_episode,
 )
 from forge_megatron.agents.tasks import Task, load_tasks
 
@@ -252,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-token", default=os.environ.get("FORGE_ADMIN_TOKEN"))
     p.add_argument("--tasks", required=True, help="held-out tasks JSONL (task_id, prompt, domain, answer, metadata)")
     add_agent_arguments(p)
-    p.add_argument("--verifier", default=None, help="'module:function' (task, output) -> reward; default exact match")
+    add_verifier_argument(p)
     add_eval_arguments(p, periodic=False)
     return p
 
@@ -262,8 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_samples < 1 or args.eval_concurrency < 1:
         raise SystemExit("--eval-samples and --eval-concurrency must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-eval %(message)s", stream=sys.stderr)
-    result = evaluate(GatewayClient(args.gateway_url, args.admin_token), build_agent(args), load_tasks(args.tasks),
-                      args.eval_samples, load_callable(args.verifier) if args.verifier else exact_match,
+    tasks = load_tasks(args.tasks)
+    try:
+        verifier = build_verifier(args.verifier)
+        if isinstance(verifier, DomainVerifier):
+            verifier.check_domains(tasks)
+    except ValueError as exc:
+        raise SystemExit(f"forge-eval: {exc}") from exc
+    result = evaluate(GatewayClient(args.gateway_url, args.admin_token), build_agent(args), tasks,
+                      args.eval_samples, verifier,
                       args.eval_timeout_s or 300.0, args.eval_concurrency, sampling=eval_sampling(args))
     log.info(format_result(result))
     if args.eval_output:

@@ -86,6 +86,51 @@ def load_callable(path: str) -> Callable:
     return fn
 
 
+class DomainVerifier:
+    """Mixed-domain training: each task is scored by its domain's verifier (``verifiers[task.domain]``), tasks of
+    other domains by ``default``."""
+
+    def __init__(self, verifiers: dict[str, Verifier], default: Verifier = exact_match):
+        self.verifiers, self.default = dict(verifiers), default
+
+    def __call__(self, task: Task, output) -> float:
+        return self.verifiers.get(task.domain, self.default)(task, output)
+
+    def check_domains(self, *task_lists: list[Task]) -> None:
+        """Raise when a verifier names a domain no task has (a typo would score that domain by exact match)."""
+        known = {t.domain for tasks in task_lists for t in tasks}
+        unknown = sorted(set(self.verifiers) - known)
+        if unknown:
+            raise ValueError(f"--verifier names domain(s) {unknown} that no task has (task domains: {sorted(known)})")
+
+
+def build_verifier(specs: list[str] | None) -> Verifier:
+    """``--verifier`` values -> one verifier: ``module:function`` scores every domain, ``DOMAIN=module:function``
+    scores that domain (repeat for several); domains without one use the unprefixed verifier, else exact match."""
+    default, per_domain = None, {}
+    for spec in specs or []:
+        domain, sep, path = spec.partition("=")
+        if not sep:
+            if default is not None:
+                raise ValueError(f"--verifier: two verifiers for every domain ({spec!r}); prefix one with DOMAIN=")
+            default = load_callable(spec)
+        elif not domain or domain in per_domain:
+            raise ValueError(f"--verifier {spec!r}: " + ("empty domain" if not domain else
+                                                           f"domain {domain!r} already has a verifier"))
+        else:
+            per_domain[domain] = load_callable(path)
+    if not per_domain:
+        return default or exact_match
+    return DomainVerifier(per_domain, default or exact_match)
+
+
+def add_verifier_argument(p) -> None:
+    p.add_argument("--verifier", action="append", default=None, metavar="[DOMAIN=]MODULE:FUNCTION",
+                   help="(task, output) -> reward. Unprefixed: every domain; DOMAIN=...: that domain's tasks "
+                        "(repeat for mixed-domain training, e.g. --verifier math=my.rewards:math "
+                        "--verifier code=my.rewards:unit_tests). Default: exact match with the task's answer")
+
+
 class PythonAgent:
     """White-box agent: a callable run in a worker thread; past the timeout its episode is ended as timed_out."""
 
