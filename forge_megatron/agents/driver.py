@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         verifier = build_verifier(args.verifier)
         if isinstance(verifier, DomainVerifier):
             verifier.check_domains(tasks, eval_tasks)
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:  # a bad spec, a misspelt domain, a module that does not import
         raise SystemExit(f"forge-rollout: {exc}") from exc
     driver = RolloutDriver(
         gateway, agent, tasks, args.group_size, verifier=verifier,

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         verifier = build_verifier(args.verifier)
         if isinstance(verifier, DomainVerifier):
             verifier.check_domains(tasks)
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:  # a bad spec, a misspelt domain, a module that does not import
         raise SystemExit(f"forge-eval: {exc}") from exc
     result = evaluate(GatewayClient(args.gateway_url, args.admin_token), build_agent(args), tasks,
                       args.eval_samples, verifier,

@@ -60,6 +60,8 @@ def test_cli_refuses_a_domain_no_task_has(tmp_path, prog):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"task_id": "a", "prompt": "3+4", "domain": "math", "answer": "7"}) + "\n")
     main = importlib.import_module(f"forge_megatron.agents.{prog}").main
+    base = ["--gateway-url", "http://127.0.0.1:9", "--tasks", str(tasks), "--agent-python", f"{HERE}:by_length"]
     with pytest.raises(SystemExit, match=r"names domain\(s\) \['maths'\] that no task has"):
-        main(["--gateway-url", "http://127.0.0.1:9", "--tasks", str(tasks), "--agent-python", f"{HERE}:by_length",
-              "--verifier", f"maths={HERE}:by_length"])
+        main(base + ["--verifier", f"maths={HERE}:by_length"])
+    with pytest.raises(SystemExit, match="No module named 'no_such_rewards'"):
+        main(base + ["--verifier", "math=no_such_rewards:score"])
