@@ -86,19 +86,9 @@ def balanced_partition(costs: Sequence[float], parts: int) -> list[list[int]]:
     return [sorted(part) for part in out]
 
 
-def assign_groups(group_samples: dict, dp_size: int, mode: str, hidden_size: int, merging: bool = True):
-    """Split the groups of a batch over DP ranks.
-
-    ``group_samples`` maps group index -> list of token sequences. Returns (groups of each rank, estimated cost of
-    each rank). ``mode`` is ``cost`` (balanced) or ``round-robin`` (rank d takes the d-th, (d + D)-th, ... group in
-    index order).
-    """
-    _check(mode, hidden_size)
-    groups = sorted(group_samples)
-    return _whole_groups(groups, [group_cost(group_samples[g], hidden_size, merging) for g in groups], dp_size, mode)
-
-
 def _whole_groups(groups: list, costs: list[float], dp_size: int, mode: str):
+    """Whole groups per rank: by cost (largest first to the least-loaded rank) or, ``round-robin``, the d-th,
+    (d + D)-th, ... group in index order to rank d. Returns (groups of each rank, estimated cost of each rank)."""
     if mode == "round-robin":
         parts = [list(range(d, len(groups), dp_size)) for d in range(dp_size)]
     else:

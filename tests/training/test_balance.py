@@ -6,7 +6,13 @@ import itertools
 import numpy as np
 import pytest
 
-from forge_megatron.training.balance import assign_groups, balanced_partition, group_cost, imbalance
+from forge_megatron.training.balance import assign_episodes, balanced_partition, group_cost, imbalance
+
+
+def assign_groups(group_samples, dp_size, mode, hidden_size):
+    """Groups of each rank and their loads, one episode per group (so nothing can be split)."""
+    shares, loads = assign_episodes({g: {"e": seqs} for g, seqs in group_samples.items()}, dp_size, mode, hidden_size)
+    return [[u.group for u in part] for part in shares], loads
 
 
 def _best_max_load(costs, parts):

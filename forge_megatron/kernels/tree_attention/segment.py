@@ -73,14 +73,13 @@ def tree_attention_segment(
             q_part.view(B, L, *q_TNH.shape[1:]), k_part.view(B, J, *k_TKH.shape[1:]),
             v_part.view(B, J, *v_TKH.shape[1:]), g.allowed_BLJ, scale,
         )
-        rows.append(g.q_idx_BL[g.row_valid_BL])
+        rows.append(g.q_idx_BL[g.row_valid_BL] - q_start)  # q's rows
         outs.append(o_BLNH[g.row_valid_BL])
     n = len(groups)
     for idx_L, q_LNH, k_JKH, v_JKH in zip(q_idx[n:], q_parts[n:], k_parts[n:], v_parts[n:]):
-        rows.append(idx_L + q_start)
+        rows.append(idx_L)  # already q's rows
         outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale))
-    rows_Q = torch.cat(rows) - q_start
-    return torch.zeros_like(q_TNH, dtype=work).index_copy(0, rows_Q, torch.cat(outs)).to(q_TNH.dtype)
+    return torch.zeros_like(q_TNH, dtype=work).index_copy(0, torch.cat(rows), torch.cat(outs)).to(q_TNH.dtype)
 
 
 def _gather_split(x_T, idx_list: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
