@@ -69,12 +69,14 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-node %(message)s")
+    try:  # bad gateway settings (an unknown parser, ...) stop it before the pool starts
+        config = GatewayConfig(model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u],
+                               host=args.host, port=args.port, admin_token=args.admin_token, **session_options(args))
+    except ValueError as exc:
+        raise SystemExit(f"forge-node: {exc}") from exc
     pool = DataPool(pool_config(args))
     server = PoolServer(pool, bind=args.pool_bind).start()
-    gateway = Gateway(GatewayConfig(model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u],
-                                    host=args.host, port=args.port, admin_token=args.admin_token,
-                                    **session_options(args)),
-                      sink=pool)
+    gateway = Gateway(config, sink=pool)
     print(f"forge-pool serving on {server.address}", flush=True)
     try:
         asyncio.run(serve(gateway, ready=lambda port: print(f"FORGE_READY port={port}", flush=True)))

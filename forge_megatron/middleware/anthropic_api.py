@@ -11,14 +11,18 @@ Request -> OpenAI form:
   user text / tool_result blocks          -> user message / one tool message per result (tool_call_id = tool_use_id)
   assistant text / tool_use blocks        -> assistant content + tool_calls (arguments = JSON of ``input``, as the
                                              gateway's parser writes them, so the re-rendered turn is the sampled one)
+  assistant thinking blocks               -> reasoning_content (the chat template renders it back, so a turn the
+                                             gateway answered with a thinking block continues its segment);
+                                             redacted_thinking blocks are dropped
   tools [{name, description, input_schema}] -> function tools; tool_choice auto | any | tool | none
   max_tokens (required), stop_sequences, temperature, top_p, top_k, stream; extension: ignore_eos
-  thinking blocks of earlier turns are dropped (the model's template decides what it renders); images, documents
-  and other block types are a 400 naming the block.
-Reply: content blocks (text, then tool_use {id, name, input}), stop_reason end_turn | tool_use | max_tokens |
-stop_sequence (with stop_sequence), usage {input_tokens, output_tokens}. Streaming follows Anthropic's events:
-message_start, content_block_start / content_block_delta (text_delta, input_json_delta) / content_block_stop,
-message_delta (stop_reason, usage), message_stop; an error after the stream started is an ``error`` event.
+  images, documents and other block types are a 400 naming the block.
+Reply: content blocks (a thinking block when the gateway has a reasoning parser and the model wrote a reasoning
+block, then text, then tool_use {id, name, input}), stop_reason end_turn | tool_use | max_tokens | stop_sequence
+(with stop_sequence), usage {input_tokens, output_tokens}. Thinking blocks carry an empty ``signature`` (nothing
+verifies it here). Streaming follows Anthropic's events: message_start, content_block_start / content_block_delta
+(thinking_delta and signature_delta, text_delta, input_json_delta) / content_block_stop, message_delta
+(stop_reason, usage), message_stop; an error after the stream started is an ``error`` event.
 Errors: ``{"type": "error", "error": {"type", "message"}}`` with the gateway's status codes.
 ``POST /v1/messages/count_tokens`` answers ``{input_tokens}``: the prompt the same request would send (nothing is
 recorded).
@@ -92,13 +96,17 @@ def _messages(body: dict) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise _bad(f"{where}.content", f"{where}.content must be a string or an array of content blocks")
-        texts, calls = [], []
+        texts, calls, thinking = [], [], []
         for j, b in enumerate(content):
             at = f"{where}.content[{j}]"
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text" and isinstance(b.get("text"), str):
                 texts.append(b["text"])
-            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+            elif kind == "thinking" and m["role"] == "assistant":
+                if not isinstance(b.get("thinking"), str):
+                    raise _bad(f"{at}.thinking", f"{at}.thinking must be a string")
+                thinking.append(b["thinking"])
+            elif kind == "redacted_thinking" and m["role"] == "assistant":
                 continue
             elif kind == "tool_use" and m["role"] == "assistant":
                 calls.append(_tool_call(b, at))
@@ -119,6 +127,7 @@ def _messages(body: dict) -> list[dict]:
             # as the gateway's parser returns them: content stripped or None next to tool calls
             text = "".join(texts)
             out.append({"role": "assistant", "content": (text.strip() or None) if calls else text,
+                        **({"reasoning_content": "".join(thinking)} if thinking else {}),
                         **({"tool_calls": calls} if calls else {})})
         elif texts:
             out.append({"role": "user", "content": "".join(texts)})
@@ -195,6 +204,8 @@ def stop_reason(finish: str, result) -> tuple[str, str | None]:
 
 def content_blocks(message: dict) -> list[dict]:
     blocks = []
+    if message.get("reasoning_content") is not None:
+        blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
         blocks.append({"type": "text", "text": message.get("content") or ""})
@@ -244,7 +255,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         sess = gw.session_for_key(_session_key(request))
         body = await _body(request)
         req = parse_messages_request({**body, "max_tokens": body.get("max_tokens") or 1}, gw.config.default_max_tokens)
-        _, prompt_ids, _ = gw.renderer.prompt_ids(sess.last_turn, req.messages, req.tools)
+        _, prompt_ids, _ = gw.renderer.prompt_ids(sess.last_turn, req.messages, req.tools, gw.template_kwargs(req))
     except ApiError as exc:
         return web.json_response(error_body(exc), status=exc.status)
     return web.json_response({"input_tokens": len(prompt_ids) + len(gw.renderer.encode(gw.forced_text(req)))})
@@ -255,12 +266,12 @@ def _event(kind: str, body: dict) -> bytes:
 
 
 async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.StreamResponse:
-    """Anthropic's event stream for one call: text deltas as the engine produces them (held back at the tool-call
-    marker and stop sequences, like the OpenAI stream), tool_use blocks whole at the end."""
+    """Anthropic's event stream for one call: thinking and text deltas as the engine produces them (text held back
+    at the tool-call marker and stop sequences, like the OpenAI stream), tool_use blocks whole at the end."""
     holds = stream_holds(gw, req, call)
     resp = None
-    sent = 0
-    text_open = False
+    sent = sent_thinking = 0
+    block = {"index": -1, "type": None}  # the open content block
 
     async def start() -> None:
         nonlocal resp
@@ -271,24 +282,43 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.Str
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": len(call.turn.prompt_ids), "output_tokens": 0}}}))
 
-    async def text_delta(text: str) -> None:
-        nonlocal text_open
-        if not text_open:
-            await resp.write(_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
-            text_open = True
+    async def close_block() -> None:
+        if block["type"] == "thinking":
+            await resp.write(_event("content_block_delta", {"index": block["index"], "delta": {
+                "type": "signature_delta", "signature": ""}}))
+        if block["type"] is not None:
+            await resp.write(_event("content_block_stop", {"index": block["index"]}))
+        block["type"] = None
+
+    async def delta(kind: str, text: str) -> None:
+        """Append ``text`` to the open block of ``kind`` ("thinking" or "text"), opening one first."""
+        if block["type"] != kind:
+            await close_block()
+            block["index"] += 1
+            block["type"] = kind
+            empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                {"type": "text", "text": ""}
+            await resp.write(_event("content_block_start", {"index": block["index"], "content_block": empty}))
         if text:
-            await resp.write(_event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}))
+            field = "thinking" if kind == "thinking" else "text"
+            await resp.write(_event("content_block_delta", {"index": block["index"], "delta": {
+                "type": f"{field}_delta", field: text}}))
 
     async def on_partial(result) -> int:
-        nonlocal sent
+        nonlocal sent, sent_thinking
         if resp is None:
             await start()
-        text = gw.text_of(call, result)
+        reasoning, text = gw.split_reasoning(call, req, gw.text_of(call, result), final=False)
+        if reasoning is not None and sent == 0:
+            upto = _emit_upto(reasoning, [])
+            if upto > sent_thinking or (block["type"] is None and block["index"] < 0):
+                await delta("thinking", reasoning[sent_thinking:upto])
+                sent_thinking = max(sent_thinking, upto)
         upto = _emit_upto(text, holds)
         if upto > sent and text[:upto].strip():  # no text block for the whitespace before a tool call
-            await text_delta(text[sent:upto])
+            await delta("text", text[sent:upto])
             sent = upto
-        return sent
+        return sent + sent_thinking
 
     try:
         result = await gw.generate_streamed(sess, call, on_partial)
@@ -302,18 +332,20 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.Str
     if resp is None:
         await start()
     blocks = content_blocks(message)
-    if blocks[0]["type"] == "text":
-        await text_delta(blocks[0]["text"][sent:])
+    if blocks and blocks[0]["type"] == "thinking":
+        if block["type"] == "thinking" or block["index"] < 0:
+            await delta("thinking", blocks[0]["thinking"][sent_thinking:])
         blocks = blocks[1:]
-    index = 0
-    if text_open:
-        await resp.write(_event("content_block_stop", {"index": 0}))
-        index = 1
-    for block in blocks:
+    if blocks and blocks[0]["type"] == "text":
+        await delta("text", blocks[0]["text"][sent:])
+        blocks = blocks[1:]
+    await close_block()
+    index = block["index"] + 1
+    for b in blocks:
         await resp.write(_event("content_block_start", {"index": index, "content_block": {
-            "type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}}))
+            "type": "tool_use", "id": b["id"], "name": b["name"], "input": {}}}))
         await resp.write(_event("content_block_delta", {"index": index, "delta": {
-            "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}}))
+            "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}}))
         await resp.write(_event("content_block_stop", {"index": index}))
         index += 1
     reason, sequence = stop_reason(finish, result)

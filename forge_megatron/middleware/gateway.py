@@ -64,7 +64,8 @@ from aiohttp import web
 
 from forge_megatron.middleware.gateway_sessions import CallRecord, ChatRenderer, Session, _Turn
 from forge_megatron.middleware.schema import EPISODE_STATUSES, EpisodeSink, ListSink, SchemaError
-from forge_megatron.middleware.tool_parsers import CannotForceToolCall, get_parser
+from forge_megatron.middleware.reasoning_parsers import get_reasoning_parser, reasoning_parser_names
+from forge_megatron.middleware.tool_parsers import CannotForceToolCall, get_parser, parser_names
 from forge_megatron.rollout.launch import print_ready, serve_app
 from forge_megatron.rollout.sglang_client import EngineFleet, EngineRequestError, FleetConfig, NoEngineAvailable
 
@@ -84,7 +85,9 @@ class GatewayConfig:
     port: int = 8000
     public_url: str | None = None  # base of the URLs handed to agents (default http://host:port)
     admin_token: str | None = None  # required for /forge/* when set; must be set when host is not loopback
-    tool_parser: str = "hermes"
+    tool_parser: str = "hermes"  # tool_parsers.py: the served model family's tool-call format
+    reasoning_parser: str | None = None  # reasoning_parsers.py: answer thinking blocks as reasoning_content
+    chat_template_kwargs: dict = field(default_factory=dict)  # extra template variables; a request's own win
     served_model_name: str | None = None  # /v1/models id (default: the model directory name)
     context_length: int | None = None  # default: max_position_embeddings from config.json
     default_max_tokens: int = 1024  # when the request sets neither max_tokens nor max_completion_tokens
@@ -112,6 +115,9 @@ class GatewayConfig:
         if not _is_loopback(self.host) and not self.admin_token:
             raise ValueError(f"admin_token is required when host {self.host!r} is not a loopback address")
         get_parser(self.tool_parser)
+        get_reasoning_parser(self.reasoning_parser)
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {self.chat_template_kwargs!r}")
         for name in ("default_max_tokens", "max_body_bytes", "engine_attempts", "keep_ended_sessions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -163,6 +169,8 @@ class ChatRequest:
     stream: bool
     include_usage: bool = False
     logprobs: bool = False  # return OpenAI choice.logprobs (non-streaming; no top_logprobs)
+    separate_reasoning: bool = True  # SGLang's field: thinking blocks as reasoning_content (with a reasoning parser)
+    template_kwargs: dict = field(default_factory=dict)  # SGLang's chat_template_kwargs (e.g. enable_thinking)
 
 
 @dataclass
@@ -176,6 +184,7 @@ class _Call:
     sampling: dict  # engine sampling_params (max_new_tokens clamped to the context, the session's rules applied)
     forced_text: str  # tool-call opening appended to the prompt ('' unless tool_choice forces a call)
     started: float
+    reasoning_open: bool = False  # the completion starts inside a reasoning block (the prompt opened it)
     done: list = field(default_factory=list)  # [(GenerateResult, version)] of aborted parts kept (resume_aborted)
     versions: list[int] = field(default_factory=list)  # per completion token, set when the generation is complete
 
@@ -199,10 +208,15 @@ def parse_chat_request(body: dict, default_max_tokens: int) -> ChatRequest:
         raise _bad("n", "only n=1 is supported")
     if body.get("top_logprobs"):
         raise _bad("top_logprobs", "top_logprobs is not supported (logprobs of the sampled tokens only)")
+    template_kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
+        raise _bad("chat_template_kwargs", "chat_template_kwargs must be an object of template variables")
     return ChatRequest(messages=messages, tools=tools or None, tool_choice=tool_choice,
                        sampling=_sampling_params(body, default_max_tokens), stream=_flag(body, "stream"),
                        include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
-                       logprobs=_flag(body, "logprobs"))
+                       logprobs=_flag(body, "logprobs"),
+                       separate_reasoning=_flag(body, "separate_reasoning", default=True),
+                       template_kwargs=template_kwargs)
 
 
 def _tool_choice(choice, tools: list | None):
@@ -221,8 +235,8 @@ def _tool_choice(choice, tools: list | None):
     return choice
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
     if not isinstance(value, bool):
         raise _bad(name, f"{name} must be a boolean")
     return value
@@ -312,9 +326,14 @@ def _normalise_message(m, i: int) -> dict:
         content = "".join(p["text"] for p in content)
     if content is not None and not isinstance(content, str):
         raise _bad(f"{where}.content", f"{where}.content must be a string, an array of text parts, or null")
-    if content is None and not (role == "assistant" and m.get("tool_calls")):
+    reasoning = m.get("reasoning_content", m.get("reasoning")) if role == "assistant" else None
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise _bad(f"{where}.reasoning_content", f"{where}.reasoning_content must be a string or null")
+    if content is None and not (role == "assistant" and (m.get("tool_calls") or reasoning is not None)):
         raise _bad(f"{where}.content", f"{where}.content is required")
     out = {"role": "system" if role == "developer" else role, "content": content or ""}
+    if reasoning is not None:  # the template renders it back (reasoning_parsers.py: multi-turn fidelity)
+        out["reasoning_content"] = reasoning
     if role == "assistant" and m.get("tool_calls"):
         out["tool_calls"] = [_normalise_tool_call(tc, f"{where}.tool_calls[{j}]")
                              for j, tc in enumerate(m["tool_calls"])]
@@ -352,6 +371,7 @@ class Gateway:
             # ids and -1 fit in int8 up to 128 experts: half the bytes through the pool and to the trainer
             self.routing_dtype = np.int8 if experts and int(experts) <= 128 else np.int16
         self.parser = get_parser(config.tool_parser)
+        self.reasoning = get_reasoning_parser(config.reasoning_parser)
         self.no_parser = get_parser("none")  # tool_choice "none"
         self.fleet = EngineFleet(config.engine_urls, FleetConfig(max_attempts=config.engine_attempts,
                                                                  health_interval_s=config.health_interval_s))
@@ -479,9 +499,19 @@ class Gateway:
             self.by_key.pop(old.api_key, None)
 
     # --- one chat call ----------------------------------------------------------------------------------------
+    def template_kwargs(self, req: ChatRequest) -> dict:
+        return {**self.config.chat_template_kwargs, **req.template_kwargs}
+
     def prepare(self, sess: Session, req: ChatRequest) -> _Call:
-        text, prompt_ids, continues = self.renderer.prompt_ids(sess.last_turn, req.messages, req.tools)
+        kwargs = self.template_kwargs(req)
+        text, prompt_ids, continues = self.renderer.prompt_ids(sess.last_turn, req.messages, req.tools, kwargs)
         forced = self.forced_text(req)
+        reasoning_open = self.reasoning is not None and self.reasoning.opens(text)
+        if forced and reasoning_open:
+            raise _bad("tool_choice", f"tool_choice {req.tool_choice!r} cannot be enforced: the chat template opens "
+                                      f"a reasoning block ({self.reasoning.start}) at the end of the prompt, and a "
+                                      "tool call cannot start inside it; use tool_choice 'auto' or turn thinking off "
+                                      "(e.g. chat_template_kwargs {\"enable_thinking\": false})")
         prompt_ids = prompt_ids + self.renderer.encode(forced)
         room = self.context_length - len(prompt_ids)
         if room < 1:
@@ -489,8 +519,9 @@ class Gateway:
                            param="messages", code="context_length_exceeded")
         sampling = self.sampling_for(sess, {**req.sampling, "max_new_tokens": min(req.sampling["max_new_tokens"], room)})
         turn = _Turn(messages=req.messages, tools=req.tools, prompt_text=text, prompt_ids=prompt_ids,
-                     completion_ids=[], assistant_message={})
-        return _Call(turn=turn, continues=continues, sampling=sampling, forced_text=forced, started=time.time())
+                     completion_ids=[], assistant_message={}, template_kwargs=kwargs)
+        return _Call(turn=turn, continues=continues, sampling=sampling, forced_text=forced, started=time.time(),
+                     reasoning_open=reasoning_open)
 
     def sampling_for(self, sess: Session, sampling: dict) -> dict:
         """The module's rule on sampling parameters: an eval session's own values; a training call from the policy
@@ -519,8 +550,9 @@ class Gateway:
         if req.tool_choice in ("none", "auto"):
             return ""
         name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+        prior = sum(len(m.get("tool_calls") or []) for m in req.messages)
         try:
-            return self.parser.forced_prefix(name)
+            return self.parser.forced_prefix(name, prior_calls=prior)
         except CannotForceToolCall as exc:
             raise _bad("tool_choice", f"tool_choice {req.tool_choice!r} cannot be enforced: {exc}") from exc
 
@@ -694,14 +726,24 @@ class Gateway:
         return best
 
     def text_of(self, call: _Call, result) -> str:
-        """What the parser reads: the forced text + the visible completion text."""
+        """What the parsers read: the forced text + the visible completion text."""
         return call.forced_text + self.renderer.completion_text(result.output_ids, result.finish_reason)
+
+    def split_reasoning(self, call: _Call, req: ChatRequest, text: str, final: bool = True):
+        """(reasoning or None, the rest) of a completion's text under the reasoning parser (reasoning_parsers.py);
+        (None, text) without one or when the request asks for the raw text (``separate_reasoning`` false)."""
+        if self.reasoning is None or not req.separate_reasoning:
+            return None, text
+        return self.reasoning.split(text, call.reasoning_open, final=final)
 
     def finish(self, sess: Session, call: _Call, result, req: ChatRequest) -> tuple[dict, str]:
         """Parse the completion (``result`` from :meth:`generate`), record the call, return (assistant message,
         OpenAI finish_reason)."""
-        parsed = (self.parser if req.tool_choice != "none" else self.no_parser).parse(self.text_of(call, result))
+        reasoning, text = self.split_reasoning(call, req, self.text_of(call, result))
+        parsed = (self.parser if req.tool_choice != "none" else self.no_parser).parse(text, req.tools)
         message = {"role": "assistant", "content": parsed.content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls
         finish = "tool_calls" if parsed.tool_calls else ("length" if result.finish_type == "length" else "stop")
@@ -887,20 +929,25 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
 
     holds = stream_holds(gw, req, call)
     resp = None
-    sent = 0
+    sent = sent_reasoning = 0
 
     async def on_partial(result) -> int:
-        nonlocal resp, sent
+        nonlocal resp, sent, sent_reasoning
         if resp is None:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
             await resp.write(chunk({"role": "assistant", "content": ""}))
-        text = gw.text_of(call, result)
+        reasoning, text = gw.split_reasoning(call, req, gw.text_of(call, result), final=False)
+        if reasoning is not None:
+            upto = _emit_upto(reasoning, [])
+            if upto > sent_reasoning:
+                await resp.write(chunk({"reasoning_content": reasoning[sent_reasoning:upto]}))
+                sent_reasoning = upto
         upto = _emit_upto(text, holds)
         if upto > sent:
             await resp.write(chunk({"content": text[sent:upto]}))
             sent = upto
-        return sent
+        return sent + sent_reasoning
 
     try:
         result = await gw.generate_streamed(sess, call, on_partial)
@@ -912,6 +959,9 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+    reasoning = message.get("reasoning_content") or ""
+    if len(reasoning) > sent_reasoning:
+        await resp.write(chunk({"reasoning_content": reasoning[sent_reasoning:]}))
     content = message["content"] or ""
     if len(content) > sent:
         await resp.write(chunk({"content": content[sent:]}))
@@ -1190,9 +1240,28 @@ async def serve(gw: Gateway, ready=None) -> None:
     await serve_app(make_app(gw), gw.config.host, gw.config.port, ready, started=started, stopping=gw.stop_background)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_session_options(p) -> None:
     """How calls are parsed, sampled and recorded: the flags forge-gateway and forge-node share."""
-    p.add_argument("--tool-parser", default="hermes", help="tool-call parser: hermes|qwen|none or a registered one")
+    p.add_argument("--tool-parser", default="hermes", metavar="NAME",
+                   help="the served model's tool-call format (SGLang's --tool-call-parser names): "
+                        + ", ".join(parser_names()) + " (default hermes)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="answer the model's thinking block as reasoning_content (Anthropic: thinking blocks) and parse "
+                        "tool calls after it (SGLang's --reasoning-parser names): "
+                        + ", ".join(reasoning_parser_names()) + " (default: none, the text as generated)")
+    p.add_argument("--chat-template-kwargs", type=_json_object, default={}, metavar="JSON",
+                   help='extra chat-template variables for every call, e.g. \'{"enable_thinking": false}\' '
+                        "(a request's own chat_template_kwargs win)")
     p.add_argument("--default-max-tokens", type=int, default=1024,
                    help="max_tokens of a call that sets neither max_tokens nor max_completion_tokens")
     p.add_argument("--return-routed-experts", action="store_true",
@@ -1217,7 +1286,8 @@ def add_session_options(p) -> None:
 
 def session_options(args: argparse.Namespace) -> dict:
     """The GatewayConfig fields of :func:`add_session_options`' flags."""
-    return dict(tool_parser=args.tool_parser, default_max_tokens=args.default_max_tokens,
+    return dict(tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
+                chat_template_kwargs=args.chat_template_kwargs, default_max_tokens=args.default_max_tokens,
                 return_routed_experts=args.return_routed_experts, resume_aborted=args.resume_aborted,
                 policy_sampling=args.policy_sampling, policy_temperature=args.policy_temperature,
                 session_idle_timeout_s=args.session_idle_timeout_s)

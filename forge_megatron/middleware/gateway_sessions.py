@@ -24,6 +24,7 @@ and that is exactly the "new segment" case.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 import uuid
@@ -67,6 +68,7 @@ class _Turn:
     prompt_ids: list[int]
     completion_ids: list[int]
     assistant_message: dict
+    template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables it was rendered with
 
 
 class SegmentBuilder:
@@ -120,6 +122,30 @@ class SegmentBuilder:
                        routed_experts=routed)
 
 
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates expect them: tool-call ``arguments`` given as a JSON object string (the OpenAI
+    wire form) become the object, as SGLang and vLLM pass them (templates that write arguments as XML iterate over
+    them; JSON templates write ``arguments | tojson``, the same text as the string the gateway returned)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls and any(isinstance((c.get("function") or {}).get("arguments"), str) for c in calls):
+            m = {**m, "tool_calls": [_with_object_arguments(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _with_object_arguments(call: dict) -> dict:
+    fn = call.get("function") or {}
+    if not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
+
+
 class ChatRenderer:
     """Chat template + tokenizer of the served model (a local HF directory)."""
 
@@ -132,26 +158,32 @@ class ChatRenderer:
         self.eot = tokenizer.eos_token
         self.eot_ids = {tokenizer.eos_token_id}
 
-    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                                            tokenize=False)
+    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool,
+               template_kwargs: dict | None = None) -> str:
+        """The chat template's text; ``template_kwargs`` are extra template variables (e.g. Qwen3's
+        ``enable_thinking``: SGLang's ``chat_template_kwargs``)."""
+        return self.tok.apply_chat_template(_template_messages(messages), tools=tools or None,
+                                            add_generation_prompt=add_generation_prompt, tokenize=False,
+                                            **(template_kwargs or {}))
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
-    def prompt_ids(self, prev: _Turn | None, messages: list[dict], tools: list | None) -> tuple[str, list[int], bool]:
+    def prompt_ids(self, prev: _Turn | None, messages: list[dict], tools: list | None,
+                   template_kwargs: dict | None = None) -> tuple[str, list[int], bool]:
         """Render ``messages``; return (text, prompt ids, continues_previous) following the module rule."""
-        text = self.render(messages, tools, add_generation_prompt=True)
-        spliced = self._continuation(prev, text, tools) if prev is not None else None
+        text = self.render(messages, tools, add_generation_prompt=True, template_kwargs=template_kwargs)
+        spliced = self._continuation(prev, text, tools, template_kwargs or {}) if prev is not None else None
         if spliced is not None:
             return text, spliced, True
         return text, self.encode(text), False
 
-    def _continuation(self, prev: _Turn, text: str, tools: list | None) -> list[int] | None:
-        if (tools or None) != (prev.tools or None) or len(text) <= len(prev.prompt_text) or \
-                not text.startswith(prev.prompt_text):
+    def _continuation(self, prev: _Turn, text: str, tools: list | None, template_kwargs: dict) -> list[int] | None:
+        if (tools or None) != (prev.tools or None) or template_kwargs != prev.template_kwargs or \
+                len(text) <= len(prev.prompt_text) or not text.startswith(prev.prompt_text):
             return None  # cheap rejections before rendering the previous turn
-        with_answer = self.render(prev.messages + [prev.assistant_message], prev.tools, add_generation_prompt=False)
+        with_answer = self.render(prev.messages + [prev.assistant_message], prev.tools, add_generation_prompt=False,
+                                  template_kwargs=prev.template_kwargs)
         if not with_answer.startswith(prev.prompt_text) or not text.startswith(with_answer):
             return None
         answer = with_answer[len(prev.prompt_text):]

@@ -1,21 +1,56 @@
-"""Tool-call parsers: completion text -> (content, OpenAI tool calls), pluggable by name.
+"""Tool-call parsers: completion text -> (content, OpenAI tool calls), one per model family's chat format.
 
 Black-box agents speak the OpenAI schema, models speak their chat format. A parser turns the text a model generated
 into ``content`` plus ``tool_calls`` [{id, type: "function", function: {name, arguments: <JSON string>}}], and counts
-malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
+malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``). The names are SGLang's
+``--tool-call-parser`` names, so an engine and the gateway in front of it are configured alike:
 
-``hermes`` (alias ``qwen``): each call is ``<tool_call>{"name": str, "arguments": object}</tool_call>``, as in
-Hermes-2-Pro and the Qwen2.5/Qwen3 chat templates. A block that is not such JSON, or an unclosed ``<tool_call>``, is
-malformed: it is counted and its text stays in ``content`` so the agent sees what the model wrote.
+  name (aliases)             model families            a call as the model writes it
+  hermes (qwen, qwen25)      Hermes-2-Pro, Qwen2.5/3   <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>
+  qwen3_coder                Qwen3-Coder, Qwen3.5      <tool_call>\\n<function=f>\\n<parameter=a>\\nV\\n</parameter>\\n
+                                                       </function>\\n</tool_call>
+  glm45 (glm)                GLM-4.5, GLM-4.6          <tool_call>f\\n<arg_key>a</arg_key>\\n<arg_value>V</arg_value>\\n
+                                                       </tool_call>
+  glm47                      GLM-4.7, GLM-5            the same without the newlines
+  minimax-m2 (minimax_m2)    MiniMax-M2                <minimax:tool_call>\\n<invoke name="f">\\n<parameter name="a">V
+                                                       </parameter>\\n</invoke>\\n</minimax:tool_call>
+  kimi_k2                    Kimi-K2                   <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0
+                                                       <|tool_call_argument_begin|>{...}<|tool_call_end|>
+                                                       <|tool_calls_section_end|>
+  deepseekv31                DeepSeek-V3.1             <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}
+                                                       <｜tool▁call▁end｜><｜tool▁calls▁end｜>
+  deepseekv3                 DeepSeek-V3 (0324), R1    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f
+                                                       \\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+  none                       -                         no tool calls (tool_choice "none" uses it too)
+
 Register others with :func:`register_parser`.
 
+*Blocks and content.* Every format opens a call (or a section of calls) with a marker and closes it with another.
+Text outside the blocks is ``content`` (stripped, or None, when there are calls). A block that does not parse (bad
+JSON, no function name, an argument tag left open) or calls a function the request has no tool for is malformed:
+counted, and its text stays in ``content`` so the agent sees what the model wrote; so does a block opened and never
+closed (cut by max_tokens). ``start_marker`` is
+where a stream must stop emitting content.
+
+*Typed arguments.* The XML formats (qwen3_coder, glm45/47, minimax-m2) write every argument as text; the value is
+read against the tool's JSON schema (``parameters.properties[name]``: ``type``, a list of types, ``anyOf`` /
+``oneOf``, ``enum``): a string parameter keeps the text as written (one newline on each side dropped for
+qwen3_coder, whose template puts them there); integer, number, boolean, null, object and array parameters take the
+text as JSON when it is one of the allowed types. A value that fits none of them is passed on as the text and the
+call counts as malformed (the tool will likely refuse it; the episode's process reward can see it). Parameters the
+schema does not name are read as JSON when they parse, else kept as text.
+
+*Tool call ids.* Kimi-K2 writes its own ids (``functions.f:0``, the index counting calls across the conversation)
+and its template renders them back, so those ids are kept; the other formats have no id in the text and get a
+fresh ``call_...`` one.
+
 *Forcing a call* (``tool_choice`` "required" or a named function) needs no constrained decoding: the gateway appends
-:meth:`ToolParser.forced_prefix` to the prompt ids and parses prefix + completion. For Hermes/Qwen the prefix is what
-the chat template writes at the start of an assistant tool call, ``<tool_call>\n`` and, for a named function,
-``{"name": "<name>", "arguments":`` after it, so the forced text + completion is the text the template renders for
-that call on the next turn. The named prefix stops before the template's space after ``"arguments":``: byte-level
-BPE merges that space with the next character (`` {"``), so a prompt ending in a lone space token is one the model
-never saw in training (a tiny model continued it with garbage); the model writes `` {`` itself.
+:meth:`ToolParser.forced_prefix` to the prompt ids and parses prefix + completion. The prefix is what the family's
+chat template writes at the start of an assistant tool call (and, for a named function, up to where the arguments
+begin), so the forced text + completion is the text the template renders for that call on the next turn. For
+Hermes/Qwen the named prefix stops before the template's space after ``"arguments":``: byte-level BPE merges that
+space with the next character (`` {"``), so a prompt ending in a lone space token is one the model never saw in
+training (a tiny model continued it with garbage); the model writes `` {`` itself.
 """
 
 from __future__ import annotations
@@ -37,40 +72,65 @@ class CannotForceToolCall(ValueError):
     """The parser has no text that commits a model to a tool call."""
 
 
+class _Malformed(Exception):
+    """A call block that does not parse (internal to the parsers)."""
+
+
+def _call(name: str, args: dict, call_id: str | None = None) -> dict:
+    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
 class ToolParser:
     """Base: no tool calls; ``start_marker`` is where streaming must stop emitting content (None: never)."""
 
     name = "none"
     start_marker: str | None = None
 
-    def parse(self, text: str) -> ParsedCompletion:
+    def parse(self, text: str, tools: list | None = None) -> ParsedCompletion:
+        """Split ``text`` into content and tool calls; ``tools`` (the request's OpenAI tools) type XML arguments."""
         return ParsedCompletion(content=text)
 
-    def forced_prefix(self, function_name: str | None = None) -> str:
-        """Text that, appended to the prompt, commits the model to a tool call (to ``function_name`` when given)."""
+    def forced_prefix(self, function_name: str | None = None, prior_calls: int = 0) -> str:
+        """Text that, appended to the prompt, commits the model to a tool call (to ``function_name`` when given);
+        ``prior_calls``: tool calls earlier in the conversation (formats whose call ids count them)."""
         raise CannotForceToolCall(f"tool parser {self.name!r} cannot force a tool call; use tool_choice 'auto' or "
                                   "'none', or serve with a parser that can (e.g. --tool-parser hermes)")
 
 
-class HermesToolParser(ToolParser):
-    name = "hermes"
-    start_marker = "<tool_call>"
-    end_marker = "</tool_call>"
+class BlockToolParser(ToolParser):
+    """Formats whose calls sit in ``start_marker`` ... ``end_marker`` blocks; subclasses read one block's body
+    (:meth:`calls_in`: the calls it holds, or raise _Malformed)."""
 
-    def parse(self, text: str) -> ParsedCompletion:
-        pattern = re.compile(re.escape(self.start_marker) + r"(.*?)" + re.escape(self.end_marker), re.DOTALL)
+    end_marker: str = ""
+
+    def parse(self, text: str, tools: list | None = None) -> ParsedCompletion:
+        schemas = _schemas(tools)
         calls, kept, malformed, pos = [], [], 0, 0
-        for m in pattern.finditer(text):
-            kept.append(text[pos:m.start()])
-            call = _call_from_json(m.group(1))
-            if call is None:
+        start, end = self.start_marker, self.end_marker
+        while True:
+            at = text.find(start, pos)
+            if at < 0:
+                break
+            close = text.find(end, at + len(start))
+            if close < 0:  # opened but never closed (e.g. cut by max_tokens)
+                break
+            kept.append(text[pos:at])
+            block_end = close + len(end)
+            try:
+                found, bad = self.calls_in(text[at + len(start):close], schemas)
+                if not found:
+                    raise _Malformed("no call in the block")
+                if schemas and any(c["function"]["name"] not in schemas for c in found):
+                    raise _Malformed("a call to a function the request has no tool for")
+                calls += found
+                malformed += bad
+            except _Malformed:
                 malformed += 1
-                kept.append(m.group(0))
-            else:
-                calls.append(call)
-            pos = m.end()
+                kept.append(text[at:block_end])
+            pos = block_end
         rest = text[pos:]
-        if self.start_marker in rest:  # opened but never closed (e.g. cut by max_tokens)
+        if start in rest:
             malformed += 1
         kept.append(rest)
         content = "".join(kept)
@@ -78,32 +138,293 @@ class HermesToolParser(ToolParser):
             content = content.strip() or None
         return ParsedCompletion(content=content, tool_calls=calls, num_malformed=malformed)
 
-    def forced_prefix(self, function_name: str | None = None) -> str:
+    def calls_in(self, body: str, schemas: dict) -> tuple[list[dict], int]:
+        """(calls, how many of them have arguments that do not fit their schema) of one block's body."""
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------------------------ JSON formats
+def _json_call(body: str) -> dict:
+    """{"name": str, "arguments" | "parameters": object or its JSON string} -> one call."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise _Malformed(str(exc)) from exc
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        raise _Malformed("no function name")
+    return _call(obj["name"], _json_args(obj.get("arguments", obj.get("parameters", {}))))
+
+
+def _json_args(args) -> dict:
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as exc:
+            raise _Malformed(str(exc)) from exc
+    if not isinstance(args, dict):
+        raise _Malformed("arguments are not an object")
+    return args
+
+
+class HermesToolParser(BlockToolParser):
+    name = "hermes"
+    start_marker = "<tool_call>"
+    end_marker = "</tool_call>"
+
+    def calls_in(self, body, schemas):
+        return [_json_call(body)], 0
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
         if function_name is None:
             return self.start_marker + "\n"
         return f'{self.start_marker}\n{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments":'
 
 
-def _call_from_json(body: str) -> dict | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+class KimiK2ToolParser(BlockToolParser):
+    """A section of ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>``
+    calls; the id ``functions.NAME:IDX`` is the model's own (the template renders it back)."""
+
+    name = "kimi_k2"
+    start_marker = "<|tool_calls_section_begin|>"
+    end_marker = "<|tool_calls_section_end|>"
+    _CALL = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)"
+                       r"<\|tool_call_end\|>", re.DOTALL)
+    _ID = re.compile(r"^(?:functions\.)?(?P<name>[^:\s]+):(?P<index>\d+)$")
+
+    def calls_in(self, body, schemas):
+        calls = []
+        for m in self._CALL.finditer(body):
+            ident = self._ID.match(m.group("id"))
+            if ident is None:
+                raise _Malformed(f"tool call id {m.group('id')!r}")
+            calls.append(_call(ident.group("name"), _json_args(m.group("args").strip()), call_id=m.group("id")))
+        if not calls or self._CALL.sub("", body).strip():
+            raise _Malformed("text between the calls of a section")
+        return calls, 0
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker
+        return (f"{self.start_marker}<|tool_call_begin|>functions.{function_name}:{prior_calls}"
+                "<|tool_call_argument_begin|>")
+
+
+class DeepSeekV31ToolParser(BlockToolParser):
+    """A section of ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>`` calls."""
+
+    name = "deepseekv31"
+    start_marker = "<｜tool▁calls▁begin｜>"
+    end_marker = "<｜tool▁calls▁end｜>"
+    call_open, sep, call_close = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+    def calls_in(self, body, schemas):
+        pattern = re.compile(re.escape(self.call_open) + r"(.*?)" + re.escape(self.call_close), re.DOTALL)
+        calls = [self.one_call(m.group(1)) for m in pattern.finditer(body)]
+        if not calls or pattern.sub("", body).strip():
+            raise _Malformed("text between the calls of a section")
+        return calls, 0
+
+    def one_call(self, inner: str) -> dict:
+        name, sep, args = inner.partition(self.sep)
+        if not sep or not name.strip():
+            raise _Malformed("no function name")
+        return _call(name.strip(), _json_args(args.strip()))
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker
+        return f"{self.start_marker}{self.call_open}{function_name}{self.sep}"
+
+
+class DeepSeekV3ToolParser(DeepSeekV31ToolParser):
+    """DeepSeek-V3 (0324) / R1: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{json}\\n```<｜tool▁call▁end｜>``."""
+
+    name = "deepseekv3"
+    _INNER = re.compile(r"^\s*function\s*<｜tool▁sep｜>(?P<name>[^\n]+)\n```(?:json)?\n(?P<args>.*)\n```\s*$", re.DOTALL)
+
+    def one_call(self, inner):
+        m = self._INNER.match(inner)
+        if m is None or not m.group("name").strip():
+            raise _Malformed("not function<sep>NAME and a ```json block")
+        return _call(m.group("name").strip(), _json_args(m.group("args").strip()))
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker
+        return f"{self.start_marker}{self.call_open}function{self.sep}{function_name}\n```json\n"
+
+
+# ------------------------------------------------------------------------------------------------- XML formats
+def _schemas(tools: list | None) -> dict:
+    """{function name: {parameter: JSON schema}} of OpenAI tools."""
+    out = {}
+    for t in tools or []:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+            props = params.get("properties")
+            out[fn["name"]] = props if isinstance(props, dict) else {}
+    return out
+
+
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "null": type(None),
+               "object": dict, "array": list}
+
+
+def schema_types(schema) -> set[str] | None:
+    """JSON types a parameter schema allows (``type``, type lists, anyOf/oneOf/allOf, enum); None: unknown."""
+    if not isinstance(schema, dict):
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
+    types: set[str] = set()
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        types.add(kind)
+    elif isinstance(kind, list):
+        types.update(k for k in kind if isinstance(k, str))
+    for value in schema.get("enum") or []:
+        types.add(next(k for k, py in _JSON_TYPES.items()
+                       if isinstance(value, py) and not (k in ("integer", "number") and isinstance(value, bool))))
+    for key in ("anyOf", "oneOf", "allOf"):
+        for sub in schema.get(key) or []:
+            types |= schema_types(sub) or set()
+    if not types and ("properties" in schema):
+        types.add("object")
+    return types or None
+
+
+def typed_value(text: str, schema) -> tuple[object, bool]:
+    """(value, fits) of an argument written as ``text`` for a parameter with JSON ``schema`` (module docstring)."""
+    types = schema_types(schema)
+    if types is None:
         try:
-            args = json.loads(args)
+            return json.loads(text), True
         except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+            return text, True
+    if types - {"string"}:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = _NOT_JSON
+        if value is not _NOT_JSON:
+            for kind in types - {"string"}:
+                py = _JSON_TYPES.get(kind)
+                if py is not None and isinstance(value, py) and not (isinstance(value, bool) and kind != "boolean"):
+                    return value, True
+    return text, "string" in types
 
 
-_PARSERS: dict[str, type[ToolParser]] = {"none": ToolParser, "hermes": HermesToolParser, "qwen": HermesToolParser}
+_NOT_JSON = object()
+
+
+class _XmlToolParser(BlockToolParser):
+    """Formats that write one (name, {parameter: text}) per call; subclasses split a block into those."""
+
+    strip_newlines = False  # drop one newline at each end of a value (the template writes them)
+
+    def calls_in(self, body, schemas):
+        calls, bad = [], 0
+        for name, raw_args in self.split_calls(body):
+            if not name:
+                raise _Malformed("no function name")
+            args, props, fits_all = {}, schemas.get(name, {}), True
+            for key, raw in raw_args:
+                if self.strip_newlines:
+                    raw = raw[1:] if raw.startswith("\n") else raw
+                    raw = raw[:-1] if raw.endswith("\n") else raw
+                args[key], fits = typed_value(raw, props.get(key))
+                fits_all &= fits
+            calls.append(_call(name, args))
+            bad += not fits_all
+        return calls, bad
+
+    def split_calls(self, body: str) -> list[tuple[str, list[tuple[str, str]]]]:
+        raise NotImplementedError
+
+
+def _pairs(body: str, pattern: re.Pattern, junk_ok: str = r"\s*") -> list[tuple[str, str]]:
+    """(key, value) of every match of ``pattern`` in ``body``; anything else but whitespace is malformed."""
+    pairs = [(m.group(1).strip(), m.group(2)) for m in pattern.finditer(body)]
+    if not re.fullmatch(junk_ok, pattern.sub("", body)):
+        raise _Malformed("text outside the argument tags")
+    return pairs
+
+
+class Qwen3CoderToolParser(_XmlToolParser):
+    """``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>``."""
+
+    name = "qwen3_coder"
+    start_marker = "<tool_call>"
+    end_marker = "</tool_call>"
+    strip_newlines = True
+    _FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)
+    _PARAM = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+
+    def split_calls(self, body):
+        found = [(m.group(1).strip(), _pairs(m.group(2), self._PARAM)) for m in self._FUNCTION.finditer(body)]
+        if not found or self._FUNCTION.sub("", body).strip():
+            raise _Malformed("not <function=NAME>...</function>")
+        return found
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker + "\n"
+        return f"{self.start_marker}\n<function={function_name}>\n"
+
+
+class Glm45ToolParser(_XmlToolParser):
+    """``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...</tool_call>`` (GLM-4.7: no
+    newlines)."""
+
+    name = "glm45"
+    start_marker = "<tool_call>"
+    end_marker = "</tool_call>"
+    name_end = "\n"
+    _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def split_calls(self, body):
+        cut = body.find("<arg_key>")
+        head, args = (body, "") if cut < 0 else (body[:cut], body[cut:])
+        return [(head.strip(), _pairs(args, self._ARG))]
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker
+        return f"{self.start_marker}{function_name}{self.name_end}"
+
+
+class Glm47ToolParser(Glm45ToolParser):
+    name = "glm47"
+    name_end = ""
+
+
+class MinimaxM2ToolParser(_XmlToolParser):
+    """``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="KEY">VALUE</parameter>\\n...</invoke>\\n
+    </minimax:tool_call>`` (several invokes per block allowed)."""
+
+    name = "minimax-m2"
+    start_marker = "<minimax:tool_call>"
+    end_marker = "</minimax:tool_call>"
+    _INVOKE = re.compile(r'<invoke name="([^"]*)">(.*?)</invoke>', re.DOTALL)
+    _PARAM = re.compile(r'<parameter name="([^"]*)">(.*?)</parameter>', re.DOTALL)
+
+    def split_calls(self, body):
+        found = [(m.group(1).strip(), _pairs(m.group(2), self._PARAM)) for m in self._INVOKE.finditer(body)]
+        if not found or self._INVOKE.sub("", body).strip():
+            raise _Malformed('not <invoke name="NAME">...</invoke>')
+        return found
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker + "\n"
+        return f'{self.start_marker}\n<invoke name="{function_name}">\n'
+
+
+_PARSERS: dict[str, type[ToolParser]] = {
+    "none": ToolParser, "hermes": HermesToolParser, "qwen": HermesToolParser, "qwen25": HermesToolParser,
+    "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser, "glm": Glm45ToolParser,
+    "glm47": Glm47ToolParser, "minimax-m2": MinimaxM2ToolParser, "minimax_m2": MinimaxM2ToolParser,
+    "kimi_k2": KimiK2ToolParser, "deepseekv31": DeepSeekV31ToolParser, "deepseekv3": DeepSeekV3ToolParser,
+}
 
 
 def register_parser(name: str, cls: type[ToolParser]) -> None:
@@ -111,7 +432,11 @@ def register_parser(name: str, cls: type[ToolParser]) -> None:
     _PARSERS[name] = cls
 
 
+def parser_names() -> list[str]:
+    return sorted(_PARSERS)
+
+
 def get_parser(name: str) -> ToolParser:
     if name not in _PARSERS:
-        raise ValueError(f"unknown tool parser {name!r}; available: {sorted(_PARSERS)}")
+        raise ValueError(f"unknown tool parser {name!r}; available: {parser_names()}")
     return _PARSERS[name]()

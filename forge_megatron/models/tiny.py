@@ -176,12 +176,12 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     return out_dir
 
 
-def finetune_on_chats(model_dir: str, chats: list[tuple[list[dict], str]], tools: list | None = None,
+def finetune_on_chats(model_dir: str, chats: list[tuple], tools: list | None = None,
                       steps: int = 100, lr: float = 5e-3, seed: int = 0) -> str:
     """Teach the model in ``model_dir`` to answer each chat with its fixed text (greedy), in place; return the dir.
 
-    ``chats`` are (messages before the assistant turn, assistant text) pairs; the loss is on the answer and the
-    end-of-turn token only. A few hundred Adam steps on CPU make the tiny model reproduce them exactly, which gives
+    ``chats`` are (messages before the assistant turn, assistant text) pairs, or triples whose third item holds
+    extra chat-template variables for that chat; the loss is on the answer and the end-of-turn token only. A few hundred Adam steps on CPU make the tiny model reproduce them exactly, which gives
     tests and demos a model with real weights and logprobs but a known output (e.g. a tool call).
     """
     import torch
@@ -190,8 +190,9 @@ def finetune_on_chats(model_dir: str, chats: list[tuple[list[dict], str]], tools
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     batch = []
-    for messages, answer in chats:
-        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    for messages, answer, *kwargs in chats:
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                       **(kwargs[0] if kwargs else {}))
         prompt = tok.encode(text, add_special_tokens=False)
         target = tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
         batch.append((torch.tensor([prompt + target]), torch.tensor([[-100] * len(prompt) + target])))

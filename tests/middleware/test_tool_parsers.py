@@ -1,0 +1,179 @@
+"""Tool-call parsers of every model family (middleware/tool_parsers.py).
+
+Each family's calls are written here by a small Jinja writer of our own that lays a call out the way that family's
+chat template renders an assistant tool call (the format facts in the module docstring). Parsing the written text
+must give back the calls, with arguments typed by the tools' schemas, and writing the parsed calls again must give
+the same text: that is what lets the gateway continue a segment across turns."""
+
+import json
+import random
+
+import jinja2
+import pytest
+
+from forge_megatron.middleware.tool_parsers import (
+    CannotForceToolCall, get_parser, parser_names, schema_types, typed_value,
+)
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "ratio": {"type": "number"}, "tags": {"type": "array", "items": {"type": "string"}},
+        "where": {"type": "object"}, "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "level": {"enum": [1, 2, 3]}, "zip": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+        "query": {"type": "string"}, "limit": {"type": ["integer", "null"]}}}}},
+]
+
+_VALUE = "{% if v is string %}{{ v }}{% else %}{{ v | tojson }}{% endif %}"
+WRITERS = {  # family -> Jinja for a list of calls ({name, arguments: dict}) as its template writes them
+    "hermes": '{% for c in calls %}{% if not loop.first %}\n{% endif %}<tool_call>\n{"name": "{{ c.name }}", '
+              '"arguments": {{ c.arguments | tojson }}}\n</tool_call>{% endfor %}',
+    "qwen3_coder": "{% for c in calls %}{% if not loop.first %}\n{% endif %}<tool_call>\n<function={{ c.name }}>\n"
+                   "{% for k, v in c.arguments.items() %}<parameter={{ k }}>\n" + _VALUE + "\n</parameter>\n"
+                   "{% endfor %}</function>\n</tool_call>{% endfor %}",
+    "glm45": "{% for c in calls %}\n<tool_call>{{ c.name }}\n{% for k, v in c.arguments.items() %}<arg_key>{{ k }}"
+             "</arg_key>\n<arg_value>" + _VALUE + "</arg_value>\n{% endfor %}</tool_call>{% endfor %}",
+    "glm47": "{% for c in calls %}<tool_call>{{ c.name }}{% for k, v in c.arguments.items() %}<arg_key>{{ k }}"
+             "</arg_key><arg_value>" + _VALUE + "</arg_value>{% endfor %}</tool_call>{% endfor %}",
+    "minimax-m2": '<minimax:tool_call>\n{% for c in calls %}<invoke name="{{ c.name }}">\n'
+                  '{% for k, v in c.arguments.items() %}<parameter name="{{ k }}">' + _VALUE + '</parameter>\n'
+                  "{% endfor %}</invoke>\n{% endfor %}</minimax:tool_call>",
+    "kimi_k2": "<|tool_calls_section_begin|>{% for c in calls %}<|tool_call_begin|>{{ c.id }}"
+               "<|tool_call_argument_begin|>{{ c.arguments | tojson }}<|tool_call_end|>{% endfor %}"
+               "<|tool_calls_section_end|>",
+    "deepseekv31": "<｜tool▁calls▁begin｜>{% for c in calls %}<｜tool▁call▁begin｜>{{ c.name }}<｜tool▁sep｜>"
+                   "{{ c.arguments | tojson }}<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>",
+    "deepseekv3": "<｜tool▁calls▁begin｜>{% for c in calls %}<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ c.name }}\n"
+                  "```json\n{{ c.arguments | tojson }}\n```<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>",
+}
+XML = ("qwen3_coder", "glm45", "glm47", "minimax-m2")
+_env = jinja2.Environment()
+_env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
+
+
+def write(family: str, calls: list[dict]) -> str:
+    return _env.from_string(WRITERS[family]).render(calls=calls)
+
+
+def parsed_calls(parsed) -> list[dict]:
+    return [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"]), "id": c["id"]}
+            for c in parsed.tool_calls]
+
+
+def random_arguments(rng: random.Random) -> dict:
+    pool = {
+        "city": lambda: rng.choice(["Paris", "São Paulo", "New\nYork", "x <y> & z", "123", "true", "  spaced  "]),
+        "days": lambda: rng.randint(-5, 400), "metric": lambda: rng.random() < 0.5,
+        "ratio": lambda: rng.choice([0.25, 3, -1.5e-3]), "tags": lambda: rng.sample(["a", "b", "c d"], 2),
+        "where": lambda: {"lat": 1.5, "names": ["x"]}, "note": lambda: rng.choice([None, "hi", "null-ish"]),
+        "level": lambda: rng.choice([1, 2, 3]), "zip": lambda: rng.choice(["01234", "75001"]),
+    }
+    keys = rng.sample(sorted(pool), rng.randint(1, len(pool)))
+    return {k: pool[k]() for k in keys}
+
+
+@pytest.mark.parametrize("family", sorted(WRITERS))
+def test_parse_inverts_the_family_format_and_writes_back_the_same_text(family):
+    rng = random.Random(family)
+    p = get_parser(family)
+    for trial in range(25):
+        calls = [{"name": "get_weather", "arguments": random_arguments(rng), "id": f"functions.get_weather:{i}"}
+                 for i in range(rng.randint(1, 3))]
+        text = write(family, calls)
+        lead = rng.choice(["", "Let me check.", "Sure, calling it now:\n"])
+        got = p.parse(lead + text, TOOLS)
+        assert [(c["name"], c["arguments"]) for c in parsed_calls(got)] == \
+            [(c["name"], c["arguments"]) for c in calls], (trial, text)
+        assert got.num_malformed == 0 and got.content == (lead.strip() or None)
+        # the parsed calls, written again (as the template renders them next turn), are the sampled text
+        assert write(family, parsed_calls(got)) == text
+        if family == "kimi_k2":
+            assert [c["id"] for c in got.tool_calls] == [c["id"] for c in calls]  # the model's own ids are kept
+        else:
+            assert all(c["id"].startswith("call_") for c in got.tool_calls)
+
+
+def test_calls_to_tools_the_request_does_not_have_are_malformed():
+    p = get_parser("hermes")
+    text = '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>'
+    got = p.parse(text, TOOLS)
+    assert got.tool_calls == [] and got.num_malformed == 1 and got.content == text
+    assert p.parse(text).tool_calls[0]["function"]["name"] == "launch_rockets"  # no tools given: any name
+
+
+def test_every_registered_name_parses_or_is_none():
+    assert {"hermes", "qwen", "qwen25", "qwen3_coder", "glm", "glm45", "glm47", "minimax-m2", "kimi_k2",
+            "deepseekv3", "deepseekv31", "none"} <= set(parser_names())
+    with pytest.raises(ValueError, match="unknown tool parser 'nope'; available: .*qwen3_coder"):
+        get_parser("nope")
+
+
+@pytest.mark.parametrize("family", XML)
+def test_xml_arguments_are_typed_by_the_schema(family):
+    p = get_parser(family)
+    text = write(family, [{"name": "get_weather", "arguments": {
+        "city": "123", "zip": "01234", "days": 3, "metric": False, "ratio": 2.5, "tags": ["a"], "where": {"k": 1},
+        "note": None, "level": 2}}, {"name": "search", "arguments": {"query": "true", "limit": None}}])
+    got = p.parse(text, TOOLS)
+    assert got.num_malformed == 0
+    [weather, search] = parsed_calls(got)
+    assert weather["arguments"] == {"city": "123", "zip": "01234", "days": 3, "metric": False, "ratio": 2.5,
+                                    "tags": ["a"], "where": {"k": 1}, "note": None, "level": 2}
+    assert search["arguments"] == {"query": "true", "limit": None}
+    # without tools (no schema) values are read as JSON where they parse: "123" would become 123
+    assert json.loads(p.parse(text).tool_calls[0]["function"]["arguments"])["city"] == 123
+
+
+@pytest.mark.parametrize("family", XML)
+def test_xml_value_that_fits_no_type_is_passed_on_and_counted(family):
+    text = write(family, [{"name": "get_weather", "arguments": {"days": "three", "city": "Rome"}}])
+    got = get_parser(family).parse(text, TOOLS)
+    assert parsed_calls(got)[0]["arguments"] == {"days": "three", "city": "Rome"}
+    assert got.num_malformed == 1
+
+
+def test_typed_value_rules():
+    assert typed_value("5", {"type": "integer"}) == (5, True)
+    assert typed_value("5.0", {"type": "integer"}) == ("5.0", False)
+    assert typed_value("5", {"type": "number"}) == (5, True)
+    assert typed_value("true", {"type": "integer"}) == ("true", False)  # a bool is not an integer
+    assert typed_value("true", {"type": "boolean"}) == (True, True)
+    assert typed_value("null", {"type": ["integer", "null"]}) == (None, True)
+    assert typed_value("null", {"type": "string"}) == ("null", True)
+    assert typed_value("[1]", {"type": "array"}) == ([1], True)
+    assert typed_value("2", {"enum": [1, 2]}) == (2, True)
+    assert typed_value("b", {"enum": ["a", "b"]}) == ("b", True)
+    assert typed_value("x", {"oneOf": [{"type": "integer"}, {"type": "string"}]}) == ("x", True)
+    assert typed_value("{", None) == ("{", True)
+    assert schema_types({"properties": {}}) == {"object"} and schema_types({"description": "d"}) is None
+
+
+@pytest.mark.parametrize("family", sorted(WRITERS))
+def test_malformed_and_unclosed_blocks_stay_in_content(family):
+    p = get_parser(family)
+    good = write(family, [{"name": "search", "arguments": {"query": "q"}, "id": "functions.search:0"}])
+    start, end = p.start_marker, p.end_marker
+    broken = {"hermes": f'{start}{{"name": 3}}{end}', "kimi_k2": f"{start}<|tool_call_begin|>bad id"
+              "<|tool_call_argument_begin|>{}<|tool_call_end|>" + end}.get(family, f"{start}garbage{end}")
+    got = p.parse(f"a {broken} b {good}", TOOLS)
+    assert [c["function"]["name"] for c in got.tool_calls] == ["search"] and got.num_malformed == 1
+    assert broken in got.content
+    cut = good[:len(good) - len(end) - 1]  # cut by max_tokens before the closing marker
+    got = p.parse("hi " + cut, TOOLS)
+    assert got.tool_calls == [] and got.num_malformed == 1 and got.content == "hi " + cut
+    assert p.parse("no calls here", TOOLS).content == "no calls here"
+
+
+@pytest.mark.parametrize("family", sorted(WRITERS))
+def test_forced_prefix_starts_the_written_call_and_parses_with_the_completion(family):
+    p = get_parser(family)
+    call = {"name": "search", "arguments": {"query": "weather"}, "id": "functions.search:2"}
+    text = write(family, [call]).lstrip("\n")
+    for name in (None, "search"):
+        prefix = p.forced_prefix(name, prior_calls=2)
+        assert text.startswith(prefix), (prefix, text)
+        got = p.parse(prefix + text[len(prefix):], TOOLS)
+        assert [(c["name"], c["arguments"]) for c in parsed_calls(got)] == [("search", {"query": "weather"})]
+    with pytest.raises(CannotForceToolCall):
+        get_parser("none").forced_prefix()
