@@ -150,16 +150,18 @@ def start_engines(model_dir: str, n: int, host: str = "127.0.0.1", extra_args: l
 
 
 def start_gateway(model_dir: str, engine_urls: list[str], in_process: bool = False, host: str = "127.0.0.1",
-                  sink=None, extra_args: list[str] | None = None):
+                  sink=None, extra_args: list[str] | None = None, config: dict | None = None):
     """Start a forge-gateway in front of ``engine_urls``. In-process gateways send episodes to ``sink``
-    (default: a ListSink, reachable as ``handle.gateway.sink``); subprocess gateways use their CLI options."""
+    (default: a ListSink, reachable as ``handle.gateway.sink``) and take GatewayConfig fields in ``config``;
+    subprocess gateways use their CLI options."""
     urls = ",".join(engine_urls)
     if in_process:
         from forge_megatron.middleware.gateway import Gateway, GatewayConfig, serve
 
         gw = Gateway(GatewayConfig(model_path=model_dir, engine_urls=list(engine_urls), host=host, port=0,
                                    return_routed_experts="--return-routed-experts" in (extra_args or []),
-                                   resume_aborted="--no-resume-aborted" not in (extra_args or [])), sink=sink)
+                                   resume_aborted="--no-resume-aborted" not in (extra_args or []),
+                                   **(config or {})), sink=sink)
         server = ThreadServer(lambda ready: serve(gw, ready), host=host)
         server.gateway = gw
         return server

@@ -1,0 +1,208 @@
+"""A reasoning model with XML tool calls through the gateway, end to end (OpenAI and Anthropic clients).
+
+The tiny model gets a chat template of our own in the Qwen3 / Qwen3-Coder layout (``<think>`` blocks rendered from
+``reasoning_content``, ``<tool_call><function=...><parameter=...>`` calls, ``enable_thinking`` and a variant whose
+generation prompt opens the block) and is fine-tuned to answer three fixed chats; the gateway serves it with
+``tool_parser="qwen3_coder"`` and ``reasoning_parser="qwen3"``. Checked: reasoning_content and schema-typed tool
+arguments in answers and streams, the next turn (reasoning sent back) continuing the sampled segment, a turn without
+it starting a new one, thinking blocks on /v1/messages, chat_template_kwargs from the request and the gateway.
+"""
+
+import json
+
+import anthropic
+import pytest
+from transformers import AutoTokenizer
+
+from forge_megatron.models.tiny import build_tiny_model, finetune_on_chats
+from forge_megatron.rollout.launch import start_engine, start_gateway
+from tests.middleware.test_gateway import calls, client, end, http, new_session
+
+TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{%- for t in tools %}{{- '\\n' + (t | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall one as <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n"
+    "</function>\\n</tool_call><|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role in ['system', 'user'] %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if m.reasoning_content is defined and m.reasoning_content is not none %}"
+    "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- m.content or '' }}"
+    "{%- for tc in m.tool_calls or [] %}{%- if m.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n<function=' + tc.function.name + '>\\n' }}"
+    "{%- for k, v in tc.function.arguments | items %}{{- '<parameter=' + k + '>\\n' }}"
+    "{%- if v is string %}{{- v }}{%- else %}{{- v | tojson }}{%- endif %}{{- '\\n</parameter>\\n' }}{%- endfor %}"
+    "{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- elif think_in_prompt is defined and think_in_prompt %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+PLAN, CALL = "I should check the weather.", {"city": "Paris", "days": 3}
+CALL_TEXT = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+             "</parameter>\n</function>\n</tool_call>")
+RESULT, PLAN2, ANSWER = "sunny, 22C", "Sunny.", "It is sunny."
+HELLO = [{"role": "user", "content": "Say hello."}]
+GREEDY = dict(temperature=0, max_tokens=256)
+
+
+def scripted_chats():
+    call = {"role": "assistant", "content": "", "reasoning_content": PLAN, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": CALL}}]}
+    return [(USER, f"<think>\n{PLAN}\n</think>\n\n{CALL_TEXT}"),
+            (USER + [call, {"role": "tool", "tool_call_id": "c1", "content": RESULT}],
+             f"<think>\n{PLAN2}\n</think>\n\n{ANSWER}"),
+            (HELLO, "Let me think.\n</think>\n\nHello.", {"think_in_prompt": True})]
+
+
+@pytest.fixture(scope="module")
+def thinking_stack(tmp_path_factory):
+    d = build_tiny_model(str(tmp_path_factory.mktemp("thinking")), seed=1)
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(d)
+    finetune_on_chats(d, scripted_chats(), tools=TOOLS, steps=150, lr=5e-3)
+    engine = start_engine(d, in_process=True)
+    gw = start_gateway(d, [engine.url], in_process=True,
+                       config={"tool_parser": "qwen3_coder", "reasoning_parser": "qwen3"})
+    yield gw
+    gw.stop()
+    engine.stop()
+
+
+def follow_up(first_message: dict) -> list[dict]:
+    return USER + [first_message, {"role": "tool", "tool_call_id": first_message["tool_calls"][0]["id"],
+                                   "content": RESULT}]
+
+
+def test_reasoning_and_typed_tool_call_then_the_answer_in_one_segment(thinking_stack):
+    gw = thinking_stack
+    s = new_session(gw)
+    c = client(s)
+    r1 = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, **GREEDY)
+    m1 = r1.choices[0].message.model_dump(exclude_none=True)
+    assert m1["reasoning_content"] == PLAN and "content" not in m1 and r1.choices[0].finish_reason == "tool_calls"
+    [tc] = m1["tool_calls"]
+    assert tc["function"]["name"] == "get_weather" and json.loads(tc["function"]["arguments"]) == CALL  # days: int
+    r2 = c.chat.completions.create(model="tiny", messages=follow_up(m1), tools=TOOLS, **GREEDY)
+    m2 = r2.choices[0].message.model_dump(exclude_none=True)
+    assert (m2["reasoning_content"], m2["content"]) == (PLAN2, ANSWER)
+    recorded = calls(gw, s)
+    assert [x["segment_index"] for x in recorded] == [0, 0]  # the reasoning sent back re-renders the sampled tokens
+    assert recorded[1]["prompt_ids"][:len(recorded[0]["prompt_ids"]) + len(recorded[0]["completion_ids"])] == \
+        recorded[0]["prompt_ids"] + recorded[0]["completion_ids"]
+    tok = gw.gateway.renderer.tok
+    assert tok.decode(recorded[0]["completion_ids"]).startswith(f"<think>\n{PLAN}\n</think>\n\n<tool_call>")
+    assert end(gw, s)[0] == 200
+    assert gw.gateway.sink.episodes[-1].num_malformed_tool_calls == 0
+
+
+def test_a_turn_sent_back_without_its_reasoning_starts_a_new_segment(thinking_stack):
+    gw = thinking_stack
+    s = new_session(gw)
+    c = client(s)
+    m1 = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, **GREEDY).choices[0].message
+    m1 = m1.model_dump(exclude_none=True)
+    m1.pop("reasoning_content")
+    c.chat.completions.create(model="tiny", messages=follow_up(m1), tools=TOOLS, **GREEDY)
+    assert [x["segment_index"] for x in calls(gw, s)] == [0, 1]
+
+
+def test_streams_give_reasoning_content_deltas_then_content_and_tool_calls(thinking_stack):
+    gw = thinking_stack
+    c = client(new_session(gw))
+    seen = {"reasoning": "", "content": "", "tool_calls": [], "order": []}
+    for ch in c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, stream=True, **GREEDY):
+        if not ch.choices:
+            continue
+        delta = ch.choices[0].delta.model_dump(exclude_none=True)
+        for key, field in (("reasoning", "reasoning_content"), ("content", "content")):
+            if delta.get(field):
+                seen[key] += delta[field]
+                seen["order"].append(key)
+        seen["tool_calls"] += delta.get("tool_calls", [])
+    assert seen["reasoning"] == PLAN and seen["content"] == "" and seen["order"][0] == "reasoning"
+    assert len(seen["order"]) > 1  # streamed in pieces, not one chunk at the end
+    [tc] = seen["tool_calls"]
+    assert json.loads(tc["function"]["arguments"]) == CALL
+
+
+def test_separate_reasoning_false_gives_the_raw_text(thinking_stack):
+    gw = thinking_stack
+    c = client(new_session(gw))
+    r = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, extra_body={"separate_reasoning": False},
+                                  **GREEDY)
+    m = r.choices[0].message.model_dump(exclude_none=True)
+    assert "reasoning_content" not in m and m["content"] == f"<think>\n{PLAN}\n</think>"
+    assert json.loads(m["tool_calls"][0]["function"]["arguments"]) == CALL
+
+
+def test_a_prompt_that_opens_the_block_and_template_kwargs(thinking_stack):
+    gw = thinking_stack
+    s = new_session(gw)
+    c = client(s)
+    opened = {"chat_template_kwargs": {"think_in_prompt": True}}
+    m = c.chat.completions.create(model="tiny", messages=HELLO, tools=TOOLS, extra_body=opened,
+                                  **GREEDY).choices[0].message
+    assert (m.model_dump()["reasoning_content"], m.content) == ("Let me think.", "Hello.")
+    tok = gw.gateway.renderer.tok
+    assert tok.decode(calls(gw, s)[0]["prompt_ids"]).endswith("<|im_start|>assistant\n<think>\n")
+    with pytest.raises(Exception, match="opens a reasoning block"):  # a forced tool call cannot start in it
+        c.chat.completions.create(model="tiny", messages=HELLO, tools=TOOLS, tool_choice="required",
+                                  extra_body=opened, **GREEDY)
+    gw.gateway.config.chat_template_kwargs = {"think_in_prompt": True}  # the gateway's default ...
+    try:
+        m = c.chat.completions.create(model="tiny", messages=HELLO, tools=TOOLS, **GREEDY).choices[0].message
+        assert m.content == "Hello."
+        c.chat.completions.create(model="tiny", messages=HELLO, extra_body={  # ... and a request overriding it
+            "chat_template_kwargs": {"think_in_prompt": False, "enable_thinking": False}}, max_tokens=4)
+        assert tok.decode(calls(gw, s)[-1]["prompt_ids"]).endswith("assistant\n<think>\n\n</think>\n\n")
+    finally:
+        gw.gateway.config.chat_template_kwargs = {}
+    status, err = http(s["base_url"] + "/chat/completions", {"messages": HELLO, "chat_template_kwargs": [1]},
+                       headers={"Authorization": "Bearer " + s["api_key"]})
+    assert status == 400 and err["error"]["param"] == "chat_template_kwargs"
+
+
+A_TOOLS = [{"name": "get_weather", "description": TOOLS[0]["function"]["description"],
+            "input_schema": TOOLS[0]["function"]["parameters"]}]
+
+
+def test_anthropic_thinking_blocks_round_trip_and_stream(thinking_stack):
+    gw = thinking_stack
+    s = new_session(gw)
+    c = anthropic.Anthropic(base_url=s["anthropic_base_url"], api_key="ignored", max_retries=0, timeout=60)
+    first = c.messages.create(model="tiny", max_tokens=256, messages=USER, tools=A_TOOLS,
+                              extra_body={"temperature": 0})
+    assert [b.type for b in first.content] == ["thinking", "tool_use"] and first.stop_reason == "tool_use"
+    assert first.content[0].thinking == PLAN and first.content[1].input == CALL
+    follow = USER + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": first.content[1].id,
+                                                   "content": RESULT}]}]
+    second = c.messages.create(model="tiny", max_tokens=256, messages=follow, tools=A_TOOLS,
+                               extra_body={"temperature": 0})
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in second.content] == \
+        [("thinking", PLAN2), ("text", ANSWER)]
+    assert [x["segment_index"] for x in calls(gw, s)] == [0, 0]  # thinking blocks sent back continue the segment
+
+    events = []
+    with c.messages.stream(model="tiny", max_tokens=256, messages=follow, tools=A_TOOLS,
+                           extra_body={"temperature": 0}) as st:
+        for ev in st:
+            if ev.type == "content_block_delta":
+                events.append(ev.delta.type)
+        final = st.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in second.content]
+    assert events[0] == "thinking_delta" and "signature_delta" in events and events[-1] == "text_delta"
+    first_stream = c.messages.create(model="tiny", max_tokens=256, messages=USER, tools=A_TOOLS, stream=True,
+                                     extra_body={"temperature": 0})
+    kinds = [ev.content_block.type for ev in first_stream if ev.type == "content_block_start"]
+    assert kinds == ["thinking", "tool_use"]
