@@ -13,7 +13,9 @@
 # sampled at ROLLOUT_TEMPERATURE, default 1, whatever temperature the agent asks; 0: as the agent asks; the trainer
 # scores tokens at ROLLOUT_TEMPERATURE either way), EVAL_TASKS (held-out tasks JSONL,
 # evaluated every EVAL_EVERY policy versions into RUN_DIR/evals.jsonl), EPISODE_TIMEOUT_S (driver-side episode limit,
-# default 1800; the pool times out what is idle for twice that, e.g. after a driver crash).
+# default 1800; the pool times out what is idle for twice that, e.g. after a driver crash), TOOL_PARSER and
+# REASONING_PARSER (the model's tool-call and thinking formats: the gateway's --tool-parser / --reasoning-parser;
+# defaults from scripts/models/<MODEL>.sh when MODEL is set, else hermes and none), CHAT_TEMPLATE_KWARGS (JSON).
 set -euo pipefail
 DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
@@ -22,6 +24,10 @@ DRY_RUN=0
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HF_CHECKPOINT="${HF_CHECKPOINT:?set HF_CHECKPOINT to a HF model directory}"
 MODEL="${MODEL:-}"
+MODEL_ARGS=()
+# shellcheck disable=SC1090
+[ -n "$MODEL" ] && source "$ROOT/scripts/models/$MODEL.sh"  # MODEL_ARGS, the model's TOOL_PARSER / REASONING_PARSER
+TOOL_PARSER="${TOOL_PARSER:-hermes}"; REASONING_PARSER="${REASONING_PARSER:-}"; CHAT_TEMPLATE_KWARGS="${CHAT_TEMPLATE_KWARGS:-}"
 TASKS="${TASKS:?set TASKS to a tasks JSONL file}"
 ENGINE="${ENGINE:-forge}"
 NUM_ENGINES="${NUM_ENGINES:-1}"
@@ -87,7 +93,9 @@ POOL_ADDR="tcp://127.0.0.1:$POOL_PORT"
 POOLX=($POOL_ARGS)
 NODE_FLAGS=()  # gateway flags: the trainer, which gets POOL_ARGS too, never sees them
 [ "$POLICY_SAMPLING" = 1 ] && NODE_FLAGS+=(--policy-sampling)
-NODE_FLAGS+=(--policy-temperature "$ROLLOUT_TEMPERATURE")
+NODE_FLAGS+=(--policy-temperature "$ROLLOUT_TEMPERATURE" --tool-parser "$TOOL_PARSER")
+[ -n "$REASONING_PARSER" ] && NODE_FLAGS+=(--reasoning-parser "$REASONING_PARSER")
+[ -n "$CHAT_TEMPLATE_KWARGS" ] && NODE_FLAGS+=(--chat-template-kwargs "$CHAT_TEMPLATE_KWARGS")
 DRIVER_FLAGS=()
 [ -n "$EVAL_TASKS" ] && DRIVER_FLAGS+=(--eval-tasks "$EVAL_TASKS" --eval-every-versions "$EVAL_EVERY"
                                        --eval-output "$RUN_DIR/evals.jsonl")
@@ -102,9 +110,6 @@ run_bg driver python -m forge_megatron.agents.driver --gateway-url "$GATEWAY_URL
   --episode-timeout-s "$EPISODE_TIMEOUT_S" \
   ${DOMAIN_RATIOS:+--domain-ratios "$DOMAIN_RATIOS"} ${DRIVER_FLAGS[@]+"${DRIVER_FLAGS[@]}"}
 
-MODEL_ARGS=()
-# shellcheck disable=SC1090
-[ -n "$MODEL" ] && source "$ROOT/scripts/models/$MODEL.sh"
 # shellcheck disable=SC2206
 EXTRA=($EXTRA_TRAIN_ARGS)
 [ "$TP" -gt 1 ] && EXTRA+=(--sequence-parallel)  # with TP (Megatron's MoE layer needs it under TP)

@@ -18,3 +18,5 @@ MODEL_ARGS=(
   --disable-bias-linear
   --add-qkv-bias
 )
+# Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them)
+TOOL_PARSER="${TOOL_PARSER:-hermes}"; REASONING_PARSER="${REASONING_PARSER:-}"

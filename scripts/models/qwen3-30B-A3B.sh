@@ -22,3 +22,5 @@ MODEL_ARGS=(
   --moe-router-topk 8
   --moe-ffn-hidden-size 768
 )
+# Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them)
+TOOL_PARSER="${TOOL_PARSER:-hermes}"; REASONING_PARSER="${REASONING_PARSER:-qwen3}"

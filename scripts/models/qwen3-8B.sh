@@ -19,3 +19,5 @@ MODEL_ARGS=(
   --rotary-base 1000000
   --disable-bias-linear
 )
+# Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them)
+TOOL_PARSER="${TOOL_PARSER:-hermes}"; REASONING_PARSER="${REASONING_PARSER:-qwen3}"

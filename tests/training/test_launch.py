@@ -97,6 +97,9 @@ def test_dry_run_plan_is_consistent(layout):
     assert node.policy_sampling is (layout.get("POLICY_SAMPLING", 1) == 1)  # on unless turned off
     # the gateway samples training calls at the temperature the trainer scores them at
     assert node.policy_temperature == args.rollout_temperature == float(layout.get("ROLLOUT_TEMPERATURE", 1))
+    # the model script's output formats (Qwen3: thinking blocks as reasoning_content)
+    assert (node.tool_parser, node.reasoning_parser) == \
+        ("hermes", "qwen3" if layout["MODEL"].startswith("qwen3") else None)
     (driver,) = [c for c in cmds if "forge_megatron.agents.driver" in c]
     assert driver[driver.index("--pool-addr") + 1] == args.pool_addr  # the driver obeys the pool's admission control
     from forge_megatron.agents.driver import build_parser as driver_parser
@@ -174,11 +177,14 @@ def test_run_local_dry_run_is_consistent():
     assert node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:]).policy_sampling
     with_eval = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=60,
                                env={**env, "EVAL_TASKS": "heldout.jsonl", "POLICY_SAMPLING": "0",
-                                    "ROLLOUT_TEMPERATURE": "0.6"})
+                                    "ROLLOUT_TEMPERATURE": "0.6", "TOOL_PARSER": "qwen3_coder",
+                                    "REASONING_PARSER": "qwen3", "CHAT_TEMPLATE_KWARGS": '{"enable_thinking": false}'})
     cmds = _commands(with_eval.stdout)
     (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
     node = node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:])
     assert not node.policy_sampling and node.policy_temperature == 0.6
+    assert (node.tool_parser, node.reasoning_parser, node.chat_template_kwargs) == \
+        ("qwen3_coder", "qwen3", {"enable_thinking": False})
     (trainer,) = [c for c in cmds if "train_forge.py" in " ".join(c)]
     assert trainer[trainer.index("--rollout-temperature") + 1] == "0.6"
     (driver,) = [c for c in cmds if "forge_megatron.agents.driver" in c]
