@@ -18,13 +18,14 @@ divided by C. Attention needs all keys; two ways to get them (``cp_comm_type``, 
 
   Heads, not tokens, are split inside attention, so the work is balanced whatever the tree's shape. It needs C to
   divide the query heads per TP rank N, and C to divide, or be a multiple of, the key/value heads per TP rank K.
-* ``all_gather`` (any head count): k and v are all-gathered ([T_pad, K, H] on every rank, saved for the backward)
-  and each of the rank's chunks attends as *suffix queries* (kernels/tree_attention/ops.py): chunk [a, b) against
-  keys [0, b) with sub_end clamped to b. Under a causal mask over a DFS order the cost of a query grows with its
-  depth; the zig-zag chunks give every rank early and late ones: exactly balanced for one long chain (a long agent
-  episode), near balanced for trees (see ``ROUNDS``; benchmarks/cp_balance.py). The backward of the all-gather
-  reduce-scatters dk and dv. Costs T_pad x K x H x 2 of gathered keys per layer, where a2a moves q, k, v and o but
-  only 1/C of them.
+* ``all_gather`` (any head count): k and v are all-gathered ([T_pad, K, H] on every rank, gathered again in the
+  backward rather than saved: ``_GatheredKVAttention``) and each of the rank's chunks attends as *suffix queries*
+  (kernels/tree_attention/ops.py): chunk [a, b) against keys [0, b) with sub_end clamped to b. Under a causal mask
+  over a DFS order the cost of a query grows with its depth; the zig-zag chunks give every rank early and late
+  ones: exactly balanced for one long chain (a long agent episode), near balanced for trees (see ``ROUNDS``;
+  benchmarks/cp_balance.py). The backward reduce-scatters dk and dv. Moves T_pad x K x H x 2 of gathered keys per
+  layer forward and again backward (held only while that layer's attention runs), where a2a moves q, k, v and o
+  but only 1/C of them.
 
 Either way autograd is exact: CP ranks' parameter gradients sum to the CP = 1 gradient (Megatron's DDP reduces
 over the data-parallel-with-CP group).
@@ -189,6 +190,87 @@ class _SumIdentityBackward(torch.autograd.Function):
         return grad, None
 
 
+def _gather_tree_order(x_TlXH: torch.Tensor, group) -> torch.Tensor:
+    """This rank's rows -> the whole padded tree's rows, in tree (DFS) order (no autograd)."""
+    C = dist.get_world_size(group)
+    out = x_TlXH.new_empty((C * x_TlXH.shape[0], *x_TlXH.shape[1:]))
+    dist.all_gather_into_tensor(out, x_TlXH.contiguous(), group=group)
+    return ranks_to_tree_order(out, C)
+
+
+def _chunks(sub_end_T: torch.Tensor, Tl: int, C: int, rank: int):
+    """(rows of this rank's q, keys end hi, sub_end clamped to hi) of each of its chunks: the chunk [lo, hi) of the
+    tree attends as suffix queries to keys [0, hi)."""
+    step = Tl // (2 * ROUNDS)
+    for i, (lo, hi) in enumerate(shard_ranges(C * Tl, C, rank)):
+        yield slice(i * step, (i + 1) * step), hi, sub_end_T[:hi].clamp(max=hi)
+
+
+class _GatheredKVAttention(torch.autograd.Function):
+    """all_gather mode: k and v are all-gathered and each of the rank's chunks attends as suffix queries to the keys
+    before and in it. Only this rank's k and v are saved (with o and, for compiled kernels, the log-sum-exp): the
+    backward gathers them again, runs each chunk's backward (compiled kernels from the saved o and lse; the autograd
+    backends recompute their forward) and reduce-scatters dk and dv. Per layer that keeps T_l rows of keys and values
+    for the backward instead of T_pad (C times fewer), for one more all-gather in the backward (what Transformer
+    Engine's all-gather context parallelism does too)."""
+
+    @staticmethod
+    def forward(ctx, q, k_local, v_local, sub_end_T, scale, backend, group, rank):
+        from forge_megatron.kernels.tree_attention.dispatch import function_of, raw_ops
+        from forge_megatron.kernels.tree_attention.ops import check_inputs
+
+        C = dist.get_world_size(group)
+        k, v = _gather_tree_order(k_local, group), _gather_tree_order(v_local, group)
+        raw = raw_ops(backend)
+        outs, lses = [], []
+        for rows, hi, se in _chunks(sub_end_T, q.shape[0], C, rank):
+            if raw is None:
+                outs.append(function_of(backend)(q[rows], k[:hi], v[:hi], se, softmax_scale=scale))
+            else:
+                check_inputs(q[rows], k[:hi], v[:hi], se)
+                o, lse = raw[0](q[rows].contiguous(), k[:hi], v[:hi], se.contiguous(), scale)
+                outs.append(o)
+                lses.append(lse)
+        o = torch.cat(outs)
+        ctx.save_for_backward(q, k_local, v_local, sub_end_T, o, *lses)
+        ctx.scale, ctx.backend, ctx.group, ctx.rank = scale, backend, group, rank
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        from forge_megatron.kernels.tree_attention.dispatch import function_of, raw_ops
+
+        q, k_local, v_local, sub_end_T, o, *lses = ctx.saved_tensors
+        group, C = ctx.group, dist.get_world_size(ctx.group)
+        k, v = _gather_tree_order(k_local, group), _gather_tree_order(v_local, group)
+        raw = raw_ops(ctx.backend)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        do = do.contiguous()
+        for i, (rows, hi, se) in enumerate(_chunks(sub_end_T, q.shape[0], C, ctx.rank)):
+            if raw is None:
+                with torch.enable_grad():
+                    qi, ki, vi = (x.detach().requires_grad_() for x in (q[rows], k[:hi], v[:hi]))
+                    oi = function_of(ctx.backend)(qi, ki, vi, se, softmax_scale=ctx.scale)
+                    dqi, dki, dvi = torch.autograd.grad(oi, (qi, ki, vi), do[rows])
+            else:
+                dqi, dki, dvi = raw[1](do[rows].contiguous(), q[rows].contiguous(), k[:hi], v[:hi],
+                                       o[rows].contiguous(), lses[i], se.contiguous(), ctx.scale)
+            dq[rows] = dqi
+            dk[:hi] += dki
+            dv[:hi] += dvi
+        dk_local, dv_local = (_scatter_tree_order(x, group) for x in (dk, dv))
+        return dq, dk_local, dv_local, None, None, None, None, None
+
+
+def _scatter_tree_order(x_TXH: torch.Tensor, group) -> torch.Tensor:
+    """Gradients of the whole tree's rows (tree order) -> this rank's rows, summed over the CP ranks."""
+    C = dist.get_world_size(group)
+    send = tree_to_ranks_order(x_TXH, C).contiguous()
+    out = send.new_empty((send.shape[0] // C, *send.shape[1:]))
+    dist.reduce_scatter_tensor(out, send, group=group)
+    return out
+
+
 def _seq_to_heads(x_TlXH: torch.Tensor, group) -> torch.Tensor:
     C = dist.get_world_size(group)
     Tl, X, H = x_TlXH.shape
@@ -257,13 +339,12 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
                          f"{2 * ROUNDS} chunks each): shard the micro-batch with "
                          "forge_megatron.mcore.forward.tree_model_inputs")
     if mode == "all_gather":
-        k = ranks_to_tree_order(_GatherSeq.apply(k_TlKH, group), C)
-        v = ranks_to_tree_order(_GatherSeq.apply(v_TlKH, group), C)
-        outs = []
-        for (lo, hi), q_part in zip(shard_ranges(C * Tl, C, rank), q_TlNH.split(Tl // (2 * ROUNDS))):
-            outs.append(tree_attention(q_part, k[:hi], v[:hi], sub_end_T[:hi].clamp(max=hi),
-                                       softmax_scale=softmax_scale, backend=backend))
-        return torch.cat(outs)
+        from forge_megatron.kernels.tree_attention.dispatch import resolve
+        from forge_megatron.kernels.tree_attention.ops import resolve_scale
+
+        name = resolve(q_TlNH.device, backend, suffix_queries=True)
+        scale = resolve_scale(softmax_scale, H)
+        return _GatheredKVAttention.apply(q_TlNH, k_TlKH, v_TlKH, sub_end_T, scale, name, group, rank)
     q = ranks_to_tree_order(_AllToAll.apply(q_TlNH, group, True), C)
     if K % C == 0:
         k = ranks_to_tree_order(_AllToAll.apply(k_TlKH, group, True), C)

@@ -53,11 +53,17 @@ def tree_attention(
 
     q may hold only the last tokens of the keys' tree (suffix queries, see ops.py); the automatic choice then
     passes over the CUDA kernel, which takes them on its SIMT path only (no tensor cores)."""
-    name, why = choose_backend(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0])
-    if (name, q_TNH.device.type) not in _logged:
-        _logged.add((name, q_TNH.device.type))
-        log.info("tree attention backend %r on %s (%s)", name, q_TNH.device.type, why)
+    name = resolve(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0])
     return _function(name)(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=softmax_scale)
+
+
+def resolve(device: torch.device, backend: str | None = None, suffix_queries: bool = False) -> str:
+    """:func:`choose_backend`'s name, logging each (backend, device type) choice once."""
+    name, why = choose_backend(device, backend, suffix_queries=suffix_queries)
+    if (name, device.type) not in _logged:
+        _logged.add((name, device.type))
+        log.info("tree attention backend %r on %s (%s)", name, device.type, why)
+    return name
 
 
 def choose_backend(device: torch.device, backend: str | None = None,
@@ -105,6 +111,22 @@ def _requested(name: str, source: str) -> str:
                 env.require("cuda", "tree attention backend 'cuda'")
             raise RuntimeError(f"tree attention backend {name!r} is unavailable: {_load(module, fn)[1]}")
     return name
+
+
+def raw_ops(name: str):
+    """(forward, backward) ops of a compiled backend (ops.py: forward -> (o, lse), backward from the saved o and
+    lse), for callers that manage their own saved tensors (context parallelism's all-gather mode); None for the
+    autograd backends ("reference", "segment"), whose backward is recomputed instead."""
+    if name not in _COMPILED:
+        return None
+    _function(name)  # importing the module registers its ops
+    namespace = torch.ops.forge
+    return getattr(namespace, f"tree_attn_{name}_fwd"), getattr(namespace, f"tree_attn_{name}_bwd")
+
+
+def function_of(name: str) -> Callable[..., torch.Tensor]:
+    """The public (q, k, v, sub_end, softmax_scale=None) -> o function of backend ``name``."""
+    return _function(name)
 
 
 def _function(name: str) -> Callable[..., torch.Tensor]:

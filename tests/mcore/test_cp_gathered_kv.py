@@ -1,0 +1,70 @@
+"""Context parallelism's all-gather mode keeps only this rank's keys and values for the backward.
+
+``tree_attention_cp(..., comm_type="all_gather")`` on C gloo ranks against tree attention over the whole padded
+tree on one process: the output rows and dq of this rank's chunks, and dk / dv of its rows (the reduce-scatter sums
+every rank's queries' contributions), for the autograd backends (segment, reference: the backward recomputes) and
+the Triton kernels under TRITON_INTERPRET=1 (forward and backward ops from the saved o and lse). What the backward
+keeps is checked with saved-tensor hooks: no saved tensor lives in a buffer as large as the gathered [T_pad, K, H]
+keys (which used to be saved, or views of them, per layer). Heads: N = K, so this rank's q and o buffers are
+smaller than the gathered keys.
+"""
+
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+SAMPLES = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 17], [9, 10, 18, 19]]
+
+
+def _body(rank, world_size, backend):
+    if backend == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"
+    from forge_megatron.kernels.tree_attention import tree_attention
+    from forge_megatron.mcore.context_parallel import (
+        default_multiple, pad_sub_end, padded_length, take_shard, tree_attention_cp,
+    )
+    from forge_megatron.tree import build_tree
+
+    layout = build_tree(SAMPLES)
+    multiple = default_multiple(world_size)
+    sub_end = pad_sub_end(torch.as_tensor(layout.sub_end, dtype=torch.int32), multiple)
+    T_pad, N, K, H = padded_length(len(layout.sub_end), multiple), 4, 4, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v, w = (torch.randn(T_pad, heads, H, generator=g) for heads in (N, K, K, N))
+
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    o_ref = tree_attention(*full, sub_end, backend=backend)
+    (o_ref * w).sum().backward()
+
+    local = [take_shard(x, world_size, rank).clone().requires_grad_() for x in (q, k, v)]
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o = tree_attention_cp(*local, sub_end, backend=backend, comm_type="all_gather")
+    (o * take_shard(w, world_size, rank)).sum().backward()
+    shard = [take_shard(x, world_size, rank) for x in (o_ref.detach(), *(x.grad for x in full))]
+    errors = [(a - b).abs().max().item() for a, b in zip([o.detach(), *(x.grad for x in local)], shard)]
+    return {"errors": errors, "largest_saved": max(saved), "gathered_kv": T_pad * K * H * k.element_size()}
+
+
+@pytest.mark.parametrize("backend,cp", [("segment", 2), ("segment", 4), ("reference", 2), ("triton", 2)])
+def test_all_gather_mode_equals_whole_tree_and_saves_only_local_rows(backend, cp):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    results = run_distributed(_body, world_size=cp, parallel=_parallel(cp), backend=backend, timeout_s=400)
+    for r in results:
+        assert max(r["errors"]) < 2e-5, r  # o, dq, dk, dv of this rank's rows
+        assert r["largest_saved"] < r["gathered_kv"], r
+
+
+def _parallel(cp):
+    from forge_megatron.mcore.parallel import ParallelConfig
+
+    return ParallelConfig(cp=cp)
