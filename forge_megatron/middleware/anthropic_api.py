@@ -36,7 +36,7 @@ import os
 from aiohttp import web
 
 from forge_megatron.middleware.gateway import (
-    GATEWAY, ApiError, ChatRequest, Gateway, _body, _emit_upto, parse_chat_request, serve_call, stream_holds,
+    GATEWAY, ApiError, ChatRequest, Gateway, _body, parse_chat_request, serve_call, stream_holds,
 )
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -308,16 +308,14 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.Str
         nonlocal sent, sent_thinking
         if resp is None:
             await start()
-        reasoning, text = gw.split_reasoning(call, req, gw.text_of(call, result), final=False)
+        reasoning, text = gw.stream_views(call, req, result, holds)
         if reasoning is not None and sent == 0:
-            upto = _emit_upto(reasoning, [])
-            if upto > sent_thinking or (block["type"] is None and block["index"] < 0):
-                await delta("thinking", reasoning[sent_thinking:upto])
-                sent_thinking = max(sent_thinking, upto)
-        upto = _emit_upto(text, holds)
-        if upto > sent and text[:upto].strip():  # no text block for the whitespace before a tool call
-            await delta("text", text[sent:upto])
-            sent = upto
+            if len(reasoning) > sent_thinking or (block["type"] is None and block["index"] < 0):
+                await delta("thinking", reasoning[sent_thinking:])
+                sent_thinking = max(sent_thinking, len(reasoning))
+        if len(text) > sent and text.strip():  # no text block for the whitespace before a tool call
+            await delta("text", text[sent:])
+            sent = len(text)
         return sent + sent_thinking
 
     try:

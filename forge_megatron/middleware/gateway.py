@@ -62,7 +62,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from aiohttp import web
 
-from forge_megatron.middleware.gateway_sessions import CallRecord, ChatRenderer, Session, _Turn
+from forge_megatron.middleware.gateway_sessions import CallRecord, ChatRenderer, Session, _Turn, model_end_ids
 from forge_megatron.middleware.schema import EPISODE_STATUSES, EpisodeSink, ListSink, SchemaError
 from forge_megatron.middleware.reasoning_parsers import get_reasoning_parser, reasoning_parser_names
 from forge_megatron.middleware.tool_parsers import CannotForceToolCall, get_parser, parser_names
@@ -357,7 +357,8 @@ class Gateway:
 
         self.config = config
         self.sink = sink if sink is not None else ListSink()
-        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(config.model_path))
+        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(config.model_path),
+                                     end_ids=model_end_ids(config.model_path))
         model_config = AutoConfig.from_pretrained(config.model_path)
         self.context_length = config.context_length or int(getattr(model_config, "max_position_embeddings", 4096))
         self.routing_shape = None  # (layers, topk) when recording routed experts
@@ -372,7 +373,7 @@ class Gateway:
             self.routing_dtype = np.int8 if experts and int(experts) <= 128 else np.int16
         self.parser = get_parser(config.tool_parser)
         self.reasoning = get_reasoning_parser(config.reasoning_parser)
-        self.no_parser = get_parser("none")  # tool_choice "none"
+        self.no_parser = self.parser.without_calls()  # tool_choice "none"
         self.fleet = EngineFleet(config.engine_urls, FleetConfig(max_attempts=config.engine_attempts,
                                                                  health_interval_s=config.health_interval_s))
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model_path))
@@ -736,11 +737,23 @@ class Gateway:
             return None, text
         return self.reasoning.split(text, call.reasoning_open, final=final)
 
+    def parser_for(self, req: ChatRequest):
+        return self.parser if req.tool_choice != "none" else self.no_parser
+
+    def stream_views(self, call: _Call, req: ChatRequest, result, holds: list[str]) -> tuple[str | None, str]:
+        """(reasoning, content) of a completion so far that a stream may give out: each extends the one given for
+        a shorter completion (held back at partial markers, the tool-call marker and stop strings ``holds``)."""
+        reasoning, text = self.split_reasoning(call, req, self.text_of(call, result), final=False)
+        if reasoning is not None:
+            reasoning = reasoning[:_emit_upto(reasoning, [])]
+        shown = self.parser_for(req).streamable(text)
+        return reasoning, shown[:_emit_upto(shown, holds)]
+
     def finish(self, sess: Session, call: _Call, result, req: ChatRequest) -> tuple[dict, str]:
         """Parse the completion (``result`` from :meth:`generate`), record the call, return (assistant message,
         OpenAI finish_reason)."""
         reasoning, text = self.split_reasoning(call, req, self.text_of(call, result))
-        parsed = (self.parser if req.tool_choice != "none" else self.no_parser).parse(text, req.tools)
+        parsed = self.parser_for(req).parse(text, req.tools)
         message = {"role": "assistant", "content": parsed.content}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
@@ -937,16 +950,13 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
             await resp.write(chunk({"role": "assistant", "content": ""}))
-        reasoning, text = gw.split_reasoning(call, req, gw.text_of(call, result), final=False)
-        if reasoning is not None:
-            upto = _emit_upto(reasoning, [])
-            if upto > sent_reasoning:
-                await resp.write(chunk({"reasoning_content": reasoning[sent_reasoning:upto]}))
-                sent_reasoning = upto
-        upto = _emit_upto(text, holds)
-        if upto > sent:
-            await resp.write(chunk({"content": text[sent:upto]}))
-            sent = upto
+        reasoning, text = gw.stream_views(call, req, result, holds)
+        if reasoning is not None and len(reasoning) > sent_reasoning:
+            await resp.write(chunk({"reasoning_content": reasoning[sent_reasoning:]}))
+            sent_reasoning = len(reasoning)
+        if len(text) > sent:
+            await resp.write(chunk({"content": text[sent:]}))
+            sent = len(text)
         return sent + sent_reasoning
 
     try:

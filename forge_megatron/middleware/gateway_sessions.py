@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import time
 import uuid
@@ -125,14 +126,34 @@ class SegmentBuilder:
 def _template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates expect them: tool-call ``arguments`` given as a JSON object string (the OpenAI
     wire form) become the object, as SGLang and vLLM pass them (templates that write arguments as XML iterate over
-    them; JSON templates write ``arguments | tojson``, the same text as the string the gateway returned)."""
+    them; JSON templates write ``arguments | tojson``, the same text as the string the gateway returned), and
+    ``reasoning_content`` is also given as ``thinking`` (the field gpt-oss's template renders; transformers >= 5 does
+    the same)."""
     out = []
     for m in messages:
         calls = m.get("tool_calls")
         if calls and any(isinstance((c.get("function") or {}).get("arguments"), str) for c in calls):
             m = {**m, "tool_calls": [_with_object_arguments(c) for c in calls]}
+        if m.get("reasoning_content") is not None and "thinking" not in m:
+            m = {**m, "thinking": m["reasoning_content"]}  # gpt-oss's template reads the reasoning from "thinking"
         out.append(m)
     return out
+
+
+def model_end_ids(model_path: str) -> list[int]:
+    """End-of-turn ids a model declares besides its tokenizer's eos: ``eos_token_id`` (an id or a list) of its
+    generation_config.json and config.json, as SGLang stops on them (gpt-oss: ``<|return|>`` and ``<|call|>``)."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(model_path, name)) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
+                ids.append(i)
+    return ids
 
 
 def _with_object_arguments(call: dict) -> dict:
@@ -149,14 +170,17 @@ def _with_object_arguments(call: dict) -> dict:
 class ChatRenderer:
     """Chat template + tokenizer of the served model (a local HF directory)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, end_ids: list[int] | tuple[int, ...] = ()):
+        """``end_ids``: more end-of-turn token ids than the tokenizer's eos (the model's generation_config eos
+        list, e.g. gpt-oss's ``<|call|>`` next to ``<|return|>``: :func:`model_end_ids`)."""
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template")
         if tokenizer.eos_token is None:
             raise ValueError("the tokenizer has no eos_token (needed as the end-of-turn marker)")
         self.tok = tokenizer
         self.eot = tokenizer.eos_token
-        self.eot_ids = {tokenizer.eos_token_id}
+        self.eot_ids = {tokenizer.eos_token_id, *(i for i in end_ids if 0 <= i < len(tokenizer))}
+        self.eot_texts = sorted({tokenizer.decode([i], skip_special_tokens=False) for i in self.eot_ids} - {""})
 
     def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool,
                template_kwargs: dict | None = None) -> str:
@@ -187,11 +211,11 @@ class ChatRenderer:
         if not with_answer.startswith(prev.prompt_text) or not text.startswith(with_answer):
             return None
         answer = with_answer[len(prev.prompt_text):]
-        cut = answer.rfind(self.eot)
+        cut, eot = max((answer.rfind(t), t) for t in self.eot_texts)
         if cut < 0:
             return None
         ends_turn = bool(prev.completion_ids) and prev.completion_ids[-1] in self.eot_ids
-        tail = answer[cut + len(self.eot):] if ends_turn else answer[cut:]
+        tail = answer[cut + len(eot):] if ends_turn else answer[cut:]
         return prev.prompt_ids + prev.completion_ids + self.encode(tail + text[len(with_answer):])
 
     def completion_text(self, ids: list[int], finish: dict) -> str:

@@ -11,6 +11,7 @@ false gets the raw text as content. Training is unaffected: the recorded tokens 
   deepseek-v3                                                starts with it
   qwen3-thinking, deepseek-r1           <think> </think>     always (their templates open the block in the prompt)
   kimi                                  ◁think▷ ◁/think▷     as qwen3
+  gpt-oss                               harmony channels     the analysis messages are the reasoning (harmony.py)
 
 Where the block starts is read from the rendered prompt, not assumed per family: a chat template that ends the
 generation prompt with the start marker (DeepSeek-R1, Qwen3-Thinking-2507, GLM with thinking on) leaves the model
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from forge_megatron.middleware import harmony
 
 
 class Split(NamedTuple):
@@ -90,6 +93,21 @@ def _partial_suffix(text: str, markers: list[str | None]) -> int:
     return best
 
 
+@dataclass(frozen=True)
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss: the ``analysis`` channel's messages are the reasoning, the other messages are left (as written) to
+    the tool parser (harmony.py). A completion never starts inside a block: every message names its channel."""
+
+    start: str = "<|channel|>analysis<|message|>"
+    end: str = "<|end|>"
+
+    def opens(self, prompt_text: str) -> bool:
+        return False
+
+    def split(self, text: str, open_at_start: bool, final: bool = True) -> Split:
+        return Split(*harmony.reasoning_and_rest(text, final=final))
+
+
 _PARSERS = {
     "qwen3": ReasoningParser("qwen3", tool_start="<tool_call>"),
     "qwen3-thinking": ReasoningParser("qwen3-thinking", always=True, tool_start="<tool_call>"),
@@ -99,6 +117,7 @@ _PARSERS = {
     "kimi_k2": ReasoningParser("kimi_k2", tool_start="<|tool_calls_section_begin|>"),
     "kimi": ReasoningParser("kimi", start="◁think▷", end="◁/think▷"),
     "minimax": ReasoningParser("minimax"),
+    "gpt-oss": HarmonyReasoningParser("gpt-oss"),
 }
 
 

@@ -21,6 +21,8 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
                                                        <｜tool▁call▁end｜><｜tool▁calls▁end｜>
   deepseekv3                 DeepSeek-V3 (0324), R1    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f
                                                        \\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+  gpt-oss (gpt_oss)          gpt-oss (harmony)         <|start|>assistant<|channel|>commentary to=functions.f
+                                                       <|constrain|>json<|message|>{...}<|call|>  (harmony.py)
   none                       -                         no tool calls (tool_choice "none" uses it too)
 
 Register others with :func:`register_parser`.
@@ -60,6 +62,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from forge_megatron.middleware import harmony
+
 
 @dataclass
 class ParsedCompletion:
@@ -90,6 +94,14 @@ class ToolParser:
     def parse(self, text: str, tools: list | None = None) -> ParsedCompletion:
         """Split ``text`` into content and tool calls; ``tools`` (the request's OpenAI tools) type XML arguments."""
         return ParsedCompletion(content=text)
+
+    def streamable(self, text: str) -> str:
+        """The content a stream may give out so far (before holding back at ``start_marker`` and stop strings)."""
+        return text
+
+    def without_calls(self) -> ToolParser:
+        """The parser for tool_choice "none": no tool calls read."""
+        return ToolParser()
 
     def forced_prefix(self, function_name: str | None = None, prior_calls: int = 0) -> str:
         """Text that, appended to the prompt, commits the model to a tool call (to ``function_name`` when given);
@@ -419,11 +431,57 @@ class MinimaxM2ToolParser(_XmlToolParser):
         return f'{self.start_marker}\n<invoke name="{function_name}">\n'
 
 
+# --------------------------------------------------------------------------------------------- harmony (gpt-oss)
+class GptOssToolParser(ToolParser):
+    """gpt-oss's harmony format: a message to ``functions.NAME`` is a call (rules in harmony.py)."""
+
+    name = "gpt-oss"
+
+    def __init__(self, calls: bool = True):
+        self.calls = calls
+
+    def parse(self, text, tools=None):
+        schemas = _schemas(tools)
+        pieces, calls, malformed = [], [], 0
+        for m in harmony.split_messages(text):
+            if m.recipient is not None and self.calls and m.header_done:
+                name = m.recipient.removeprefix("functions.")
+                try:
+                    if not name:
+                        raise _Malformed("no function name")
+                    if schemas and name not in schemas:
+                        raise _Malformed("a call to a function the request has no tool for")
+                    calls.append(_call(name, _json_args(m.body.strip() or "{}")))
+                except _Malformed:
+                    malformed += 1
+                    pieces.append(("raw", m.raw))
+            elif m.plain or not m.header_done or m.channel == "analysis" or m.recipient is not None:
+                pieces.append(("raw", m.raw))
+            else:
+                pieces.append(("body", m.body))
+        content = harmony.join_content(pieces)
+        if calls:
+            content = content.strip() or None
+        return ParsedCompletion(content=content, tool_calls=calls, num_malformed=malformed)
+
+    def streamable(self, text):
+        return harmony.stream_content(text, calls=self.calls)
+
+    def without_calls(self):
+        return GptOssToolParser(calls=False)
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return f"{harmony.CHANNEL}commentary to=functions."
+        return f"{harmony.CHANNEL}commentary to=functions.{function_name} {harmony.CONSTRAIN}json{harmony.MESSAGE}"
+
+
 _PARSERS: dict[str, type[ToolParser]] = {
     "none": ToolParser, "hermes": HermesToolParser, "qwen": HermesToolParser, "qwen25": HermesToolParser,
     "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser, "glm": Glm45ToolParser,
     "glm47": Glm47ToolParser, "minimax-m2": MinimaxM2ToolParser, "minimax_m2": MinimaxM2ToolParser,
     "kimi_k2": KimiK2ToolParser, "deepseekv31": DeepSeekV31ToolParser, "deepseekv3": DeepSeekV3ToolParser,
+    "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser,
 }
 
 
