@@ -18,7 +18,8 @@ Routes
   POST /forge/sessions/{id}/end {status}                      -> the episode goes to the sink; answers with the
                                                                  policy versions that sampled it
   POST /forge/admin/pause {drain_timeout_s}, POST /forge/admin/resume {policy_version}, GET /forge/admin/state
-  POST /forge/evals {policy_version, pass@1, ...} -> {id};  GET /forge/evals?after=ID -> {evals: [...]}
+  POST /forge/evals {policy_version, pass@1, ...} -> {id, gateway};  GET /forge/evals?after=ID -> {evals, gateway}
+                    (kept in memory, the last 1000; ``gateway`` changes when the gateway restarts, ids start again)
   GET  /metrics       Prometheus text format: the gateway's counters and gauges, the engines', and the data pool's
                       when it is the sink (forge-node); admin token like /forge/* when one is set
                       evaluation results (agents/evaluate.py publishes them, the trainer logs them), last 1000 kept
@@ -56,6 +57,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -392,6 +394,7 @@ class Gateway:
         self._reaper: asyncio.Task | None = None
         self.evals: deque[dict] = deque(maxlen=1000)  # published evaluation results, each with an increasing id
         self._eval_ids = 0
+        self.instance = uuid.uuid4().hex[:16]  # tells readers of the eval ids that this gateway restarted
         self.base_url = config.public_url or f"http://{config.host}:{config.port}"
 
     # --- pause / resume ---------------------------------------------------------------------------------------
@@ -1128,7 +1131,7 @@ async def publish_eval(request: web.Request, gw: Gateway) -> web.Response:
         raise _bad("body", "an evaluation result is at most 1 MiB of JSON")
     gw._eval_ids += 1
     gw.evals.append({**body, "id": gw._eval_ids})
-    return web.json_response({"id": gw._eval_ids})
+    return web.json_response({"id": gw._eval_ids, "gateway": gw.instance})
 
 
 @_admin
@@ -1137,7 +1140,7 @@ async def list_evals(request: web.Request, gw: Gateway) -> web.Response:
         after = int(request.query.get("after", "0"))
     except ValueError:
         raise _bad("after", "after must be an integer (the last id already seen)") from None
-    return web.json_response({"evals": [e for e in gw.evals if e["id"] > after]})
+    return web.json_response({"evals": [e for e in gw.evals if e["id"] > after], "gateway": gw.instance})
 
 
 @_admin

@@ -121,23 +121,36 @@ def eval_metrics(result: dict) -> dict[str, float]:
 
 class EvalFeed:
     """Polls the gateway for evaluation results published since the last poll (``GET /forge/evals``); the trainer
-    logs the newest with its step. An unreachable gateway costs a warning, never the step."""
+    logs the newest with its step. An unreachable gateway costs a warning, never the step. A gateway that restarted
+    (another ``gateway`` instance id in the answer) numbers its results from 1 again: they are read from the first."""
 
     def __init__(self, gateway_url: str, token: str | None = None, timeout_s: float = 2.0):
         self.url, self.token, self.timeout_s = gateway_url.rstrip("/"), token, timeout_s
         self.last_id = 0
+        self.gateway: str | None = None  # the gateway instance the ids belong to
         self._warned = False
 
-    def poll(self) -> dict[str, float]:
+    def _fetch(self, after: int) -> dict:
         import urllib.request
 
-        req = urllib.request.Request(f"{self.url}/forge/evals?after={self.last_id}")
+        req = urllib.request.Request(f"{self.url}/forge/evals?after={after}")
         if self.token:
             req.add_header("X-Forge-Admin-Token", self.token)
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            return json.loads(resp.read())
+
+    def poll(self) -> dict[str, float]:
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                evals = json.loads(resp.read())["evals"]
-        except (OSError, ValueError, KeyError) as exc:
+            answer = self._fetch(self.last_id)
+            if answer.get("gateway") != self.gateway:
+                if self.gateway is not None and self.last_id:  # a restarted gateway numbers results from 1 again
+                    logging.getLogger("forge.train").info("the gateway at %s restarted: reading its evaluation "
+                                                          "results from the first", self.url)
+                    self.last_id = 0
+                    answer = self._fetch(0)
+                self.gateway = answer.get("gateway")
+            evals = answer["evals"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             if not self._warned:
                 logging.getLogger("forge.train").warning("cannot read evaluation results from %s: %s", self.url, exc)
                 self._warned = True

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from forge_megatron.agents.evaluate import PeriodicEval, evaluate, pass_at_k, pass_ks, summarise
-from forge_megatron.agents.gateway_api import GatewayError
+from forge_megatron.agents.gateway_api import GatewayClient, GatewayError
 from forge_megatron.agents.runner import EpisodeReport, PythonAgent, run_episode
 from forge_megatron.agents.tasks import Task
 from tests.agents.agent_cases import Scripted, one_call
@@ -274,6 +274,30 @@ def test_published_evaluations_reach_the_trainers_metrics(stack):
         with pytest.raises(GatewayError, match=message):
             gw.publish_eval(bad)
     assert EvalFeed("http://127.0.0.1:9").poll() == {}  # unreachable: no metrics, no exception
+
+
+def test_the_trainers_eval_feed_reads_a_restarted_gateway_from_its_first_result(stack, tmp_path):
+    """A gateway restarted at the same address numbers its results from 1 again: the feed, whose last id is past
+    them, notices the new instance id and reads them (it used to wait until the new ids passed the old ones)."""
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.rollout.launch import start_gateway
+    from forge_megatron.training.metrics import EvalFeed, eval_metrics
+
+    gw = stack["gateway"]
+    for version in (1, 2, 3):
+        gw.publish_eval({"policy_version": version, "pass@1": 0.5})
+    feed = EvalFeed(gw.base_url)
+    assert feed.poll()["eval/policy_version"] == 3 and feed.last_id >= 3 and feed.gateway is not None
+    engine_url = stack["server"].fleet.engines[0].url
+    restarted = start_gateway(build_tiny_model(str(tmp_path / "m")), [engine_url], in_process=True)
+    try:
+        feed.url = restarted.url  # the same trainer flag, a new gateway process behind it
+        assert feed.poll() == {}  # nothing published yet (and no stale replay of the old instance's ids)
+        GatewayClient(restarted.url).publish_eval({"policy_version": 7, "pass@1": 0.25})
+        assert feed.poll() == eval_metrics({"policy_version": 7, "pass@1": 0.25}) and feed.last_id == 1
+        assert feed.poll() == {}
+    finally:
+        restarted.stop()
 
 
 def test_periodic_eval_survives_a_failed_evaluation(stack, caplog):
