@@ -4,8 +4,8 @@ Why a registry: Llama, Qwen2, Qwen3 and Qwen3-MoE share one decoder layout (RMSN
 GQA attention, SwiGLU MLP) and differ in a few switches: a bias on the fused QKV projection (Qwen2), per-head
 RMSNorm on queries and keys before RoPE (Qwen3: ``q_norm``/``k_norm``), and a routed expert MLP (Qwen3-MoE).
 A new family is one more :class:`Family` entry; anything in a config that the shared layout cannot express
-(another activation, RoPE scaling, sliding windows, dense layers inside a MoE model) is refused by name rather
-than converted into a model that silently computes something else.
+(another activation, sliding windows, dense layers inside a MoE model, RoPE scaling other than linear / llama3 /
+yarn: mcore/rope.py) is refused by name rather than converted into a model that silently computes something else.
 
 Router equivalence used for Qwen3-MoE: HF computes ``p = softmax(z)``, keeps the top-k and, with
 ``norm_topk_prob``, divides by their sum, which equals Megatron's ``softmax(topk(z))``
@@ -73,11 +73,23 @@ def family_of(hf: dict) -> Family:
 def rope_theta(hf: dict) -> float:
     """RoPE base from either the classic ``rope_theta`` field or transformers 5's ``rope_parameters``."""
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise UnsupportedModelError(f"RoPE scaling type {rope_type!r} is not supported (only plain RoPE)")
     return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def rope_scaling(hf: dict) -> dict | None:
+    """The config's RoPE scaling (``rope_scaling``, or transformers 5's ``rope_parameters``) checked by
+    mcore/rope.py: linear, llama3 and yarn are mapped; None for plain RoPE."""
+    from forge_megatron.mcore import rope
+
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported (RoPE on the whole head only)")
+    if "original_max_position_embeddings" in hf and rope.rope_type(params) in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", hf["original_max_position_embeddings"])
+    try:
+        return rope.check(params, hf.get("max_position_embeddings", 4096))
+    except ValueError as exc:
+        raise UnsupportedModelError(str(exc)) from exc
 
 
 def _refuse_unsupported(hf: dict, family: Family) -> None:
@@ -120,6 +132,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         add_bias_linear=False,
         qk_layernorm=family.qk_norm,
         rotary_base=rope_theta(hf),
+        rope_scaling=rope_scaling(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
     if family.moe:

@@ -32,6 +32,7 @@ class GPTConfig:
     add_bias_linear: bool = False
     qk_layernorm: bool = False  # Qwen3
     rotary_base: float = 10000.0
+    rope_scaling: dict | None = None  # HF RoPE scaling (linear / llama3 / yarn: mcore/rope.py); None: plain RoPE
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
     # MoE (num_moe_experts=None: dense)
@@ -59,6 +60,9 @@ class GPTConfig:
             )
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm', got {self.normalization!r}")
+        from forge_megatron.mcore import rope
+
+        self.rope_scaling = rope.check(self.rope_scaling, self.max_position_embeddings)
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) > num_moe_experts ({self.num_moe_experts})")
 
@@ -71,6 +75,8 @@ def transformer_config(cfg: GPTConfig, **overrides):
     """Megatron ``TransformerConfig`` for ``cfg`` under the current parallel state."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
+
+    from forge_megatron.mcore import rope
 
     kwargs = dict(
         num_layers=cfg.num_layers,
@@ -110,6 +116,7 @@ def transformer_config(cfg: GPTConfig, **overrides):
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
         sequence_parallel=False,
+        softmax_scale=rope.softmax_scale(cfg.rope_scaling, cfg.head_dim),  # YaRN's attention factor; else None
     )
     if cfg.num_moe_experts is not None:
         kwargs.update(
@@ -172,7 +179,12 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     )
     if vp_stage is not None:
         kwargs["vp_stage"] = vp_stage
-    return GPTModel(**kwargs)
+    model = GPTModel(**kwargs)
+    if cfg.rope_scaling is not None:
+        from forge_megatron.mcore import rope
+
+        rope.apply(model, cfg.rope_scaling, cfg.rotary_base, cfg.head_dim)
+    return model
 
 
 class SequenceParallelNorm:

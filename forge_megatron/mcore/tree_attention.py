@@ -108,7 +108,9 @@ class TreeAttention(MegatronModule):
             raise ValueError(f"TreeAttention does not support attention dropout; set attention_dropout=0 (got {dropout})")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        if softmax_scale is None:  # Megatron passes config.softmax_scale (YaRN sets it: mcore/rope.py)
+            softmax_scale = getattr(config, "softmax_scale", None) or config.kv_channels ** -0.5
+        self.softmax_scale = softmax_scale
         self.cp_comm_type = cp_comm_type  # context parallelism: a2a, all_gather or None/auto (context_parallel.py)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

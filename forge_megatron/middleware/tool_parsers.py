@@ -21,6 +21,8 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
                                                        <｜tool▁call▁end｜><｜tool▁calls▁end｜>
   deepseekv3                 DeepSeek-V3 (0324), R1    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f
                                                        \\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+  llama3                     Llama 3.1-3.3             {"name": "f", "parameters": {...}}  (the whole answer; ; between
+                                                       calls; optionally after <|python_tag|>)
   gpt-oss (gpt_oss)          gpt-oss (harmony)         <|start|>assistant<|channel|>commentary to=functions.f
                                                        <|constrain|>json<|message|>{...}<|call|>  (harmony.py)
   none                       -                         no tool calls (tool_choice "none" uses it too)
@@ -78,6 +80,10 @@ class CannotForceToolCall(ValueError):
 
 class _Malformed(Exception):
     """A call block that does not parse (internal to the parsers)."""
+
+
+class _UnknownTool(_Malformed):
+    """A well-formed call to a function the request has no tool for."""
 
 
 def _call(name: str, args: dict, call_id: str | None = None) -> dict:
@@ -431,6 +437,62 @@ class MinimaxM2ToolParser(_XmlToolParser):
         return f'{self.start_marker}\n<invoke name="{function_name}">\n'
 
 
+# ---------------------------------------------------------------------------------------------- Llama 3.1-3.3
+class Llama3ToolParser(ToolParser):
+    """Llama 3.1-3.3 JSON tool calling: the whole answer is ``{"name": "f", "parameters": {...}}`` (several joined
+    by ``;``), optionally after ``<|python_tag|>``; text before a ``<|python_tag|>`` is content. An answer that
+    starts with ``{`` but is not such calls is content (a JSON answer), one after ``<|python_tag|>`` is malformed."""
+
+    name = "llama3"
+    tag = start_marker = "<|python_tag|>"  # streams hold back at it (and at a partial one)
+
+    def parse(self, text, tools=None):
+        schemas = _schemas(tools)
+        at = text.find(self.tag)
+        lead, body = (text[:at], text[at + len(self.tag):]) if at >= 0 else ("", text)
+        if at < 0 and not body.lstrip().startswith("{"):
+            return ParsedCompletion(content=text)
+        try:
+            calls = self.calls_in(body, schemas)
+        except _Malformed as exc:  # after the tag, or a call to an unknown tool: a malformed call
+            return ParsedCompletion(content=text, num_malformed=int(at >= 0 or isinstance(exc, _UnknownTool)))
+        return ParsedCompletion(content=lead.strip() or None, tool_calls=calls)
+
+    @staticmethod
+    def calls_in(body: str, schemas: dict) -> list[dict]:
+        decoder, calls, pos = json.JSONDecoder(), [], 0
+        while True:
+            while pos < len(body) and body[pos] in " \t\n\r;":
+                pos += 1
+            if pos == len(body):
+                break
+            try:
+                obj, pos = decoder.raw_decode(body, pos)
+            except json.JSONDecodeError as exc:
+                raise _Malformed(str(exc)) from exc
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"] or \
+                    not ({"parameters", "arguments"} & set(obj)) or set(obj) - {"name", "parameters", "arguments"}:
+                raise _Malformed("not {name, parameters}")
+            if schemas and obj["name"] not in schemas:
+                raise _UnknownTool("a call to a function the request has no tool for")
+            calls.append(_call(obj["name"], _json_args(obj.get("parameters", obj.get("arguments")))))
+        if not calls:
+            raise _Malformed("no call")
+        return calls
+
+    def streamable(self, text):
+        head = text.lstrip()
+        if not head or head.startswith("{"):
+            return ""  # may be a call: held until the answer is whole
+        at = text.find(self.tag)
+        return text if at < 0 else text[:at]
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return '{"name": "'
+        return f'{{"name": {json.dumps(function_name, ensure_ascii=False)}, "parameters":'
+
+
 # --------------------------------------------------------------------------------------------- harmony (gpt-oss)
 class GptOssToolParser(ToolParser):
     """gpt-oss's harmony format: a message to ``functions.NAME`` is a call (rules in harmony.py)."""
@@ -481,7 +543,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser, "glm": Glm45ToolParser,
     "glm47": Glm47ToolParser, "minimax-m2": MinimaxM2ToolParser, "minimax_m2": MinimaxM2ToolParser,
     "kimi_k2": KimiK2ToolParser, "deepseekv31": DeepSeekV31ToolParser, "deepseekv3": DeepSeekV3ToolParser,
-    "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser,
+    "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser, "llama3": Llama3ToolParser,
 }
 
 

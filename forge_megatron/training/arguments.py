@@ -105,6 +105,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     net.add_argument("--position-embedding-type", default="learned_absolute",
                      choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"])
     net.add_argument("--rotary-base", type=int, default=10000)
+    net.add_argument("--use-rope-scaling", action="store_true",
+                     help="Llama 3.1-style RoPE scaling (Megatron's flag: low/high frequency factors 1 and 4 over "
+                          "8192 original positions); the HF checkpoint's own rope_scaling is what the model uses, "
+                          "this flag must agree with it. YaRN and linear scaling come from the checkpoint only")
+    net.add_argument("--rope-scaling-factor", type=float, default=8.0, help="factor of --use-rope-scaling")
     net.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     net.add_argument("--add-qkv-bias", action="store_true")
     net.add_argument("--qk-layernorm", action="store_true")
@@ -516,6 +521,9 @@ def gpt_config(args: argparse.Namespace, vocab_size: int):
         add_bias_linear=args.add_bias_linear,
         qk_layernorm=args.qk_layernorm,
         rotary_base=float(args.rotary_base),
+        rope_scaling={"rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        if args.use_rope_scaling else None,
         tie_word_embeddings=not args.untie_embeddings_and_output_weights,
         init_method_std=args.init_method_std,
         num_moe_experts=args.num_experts,

@@ -569,7 +569,11 @@ def model_config(args: argparse.Namespace, bridge):
     if args.num_layers is not None:
         flags = arguments.gpt_config(args, vocab_size=cfg.vocab_size)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                     "vocab_size", "head_dim", "qk_layernorm", "add_qkv_bias", "num_moe_experts"):
+                     "vocab_size", "head_dim", "qk_layernorm", "add_qkv_bias", "num_moe_experts", "rotary_base",
+                     "rope_scaling"):
+            if name == "rope_scaling" and not args.use_rope_scaling and \
+                    (cfg.rope_scaling or {}).get("rope_type") in ("yarn", "linear"):
+                continue  # no Megatron flag expresses these: the checkpoint's scaling is used
             if getattr(flags, name) != getattr(cfg, name):
                 raise ValueError(f"{name}: the model flags say {getattr(flags, name)}, the HF checkpoint "
                                  f"{args.hf_checkpoint} has {getattr(cfg, name)}")

@@ -27,13 +27,24 @@ def test_config_per_family():
     assert gpt_config_from_hf(_hf("qwen3_moe", norm_topk_prob=False)).moe_router_pre_softmax is True
     assert gpt_config_from_hf(_hf("llama", rope_theta=500000.0)).rotary_base == 500000.0
     assert gpt_config_from_hf(_hf("llama", attention_bias=True)).add_qkv_bias is True
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cfg = gpt_config_from_hf({**_hf("llama"), "rope_scaling": llama31, "rope_theta": 500000.0})
+    assert (cfg.rope_scaling, cfg.rotary_base) == (llama31, 500000.0)
+    old_style = gpt_config_from_hf({**_hf("qwen2"), "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                                     "original_max_position_embeddings": 32768}})
+    assert old_style.rope_scaling["rope_type"] == "yarn"
+    assert gpt_config_from_hf(_hf("qwen3")).rope_scaling is None  # transformers 5 writes a "default" entry
 
 
 @pytest.mark.parametrize("change,message", [
     ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture 'MistralForCausalLM'"),
     ({"architectures": []}, "no 'architectures' entry"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "RoPE scaling type 'llama3'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "RoPE scaling type 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3' needs 'low_freq_factor'"),
+    ({"rope_scaling": {"type": "yarn"}}, "'yarn' needs a positive 'factor'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"use_sliding_window": True}, "use_sliding_window=True"),
 ])

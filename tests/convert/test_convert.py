@@ -21,6 +21,13 @@ from tests.dist_utils import run_distributed
 
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
 SEQ = 12
+# long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
+ROPE_SCALED = [
+    ("llama_llama3", "llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8}),
+    ("qwen2_yarn", "qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    ("qwen3_linear", "qwen3", {"rope_type": "linear", "factor": 2.0}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +38,9 @@ def hf_dirs(tmp_path_factory):
     dirs = {arch: build_tiny_model(str(root / arch), arch=arch, seed=1, with_tokenizer=False) for arch in ARCHS}
     dirs["qwen3_tied"] = build_tiny_model(str(root / "qwen3_tied"), arch="qwen3", seed=2, with_tokenizer=False,
                                           tie_word_embeddings=True)
+    for name, arch, params in ROPE_SCALED:
+        dirs[name] = build_tiny_model(str(root / name), arch=arch, seed=3, with_tokenizer=False,
+                                      rope_parameters={**params, "rope_theta": 10000.0})
     return dirs
 
 
@@ -127,7 +137,7 @@ def _convert_all(hf_dirs, root, archs, layout):
 
 
 def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
-    archs = ARCHS + ("qwen3_tied",)
+    archs = ARCHS + ("qwen3_tied",) + tuple(name for name, _, _ in ROPE_SCALED)
     ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "tp2"), ParallelLayout(tp=2))
     (out,) = run_distributed(_megatron_logits_body, world_size=1, tp2_dir=str(tmp_path / "tp2"),
                              mcore_dirs=_convert_all(hf_dirs, tmp_path, archs, ParallelLayout()))

@@ -137,6 +137,12 @@ def _body_one_rank(rank, world_size):
     out["moe_layers"] = [type(layer.mlp).__name__ for layer in moe_tree.decoder.layers]
     out["errors"] = _error_messages(tree, causal, layout)
     out["rope_by_offset"] = _offset_rope_error(tree, causal)
+    # YaRN-scaled RoPE (mcore/rope.py): scaled frequencies indexed by depth, the attention factor as softmax scale
+    yarn_tree, yarn_causal = _twin_models(_cfg(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                             "original_max_position_embeddings": 8}))
+    out["yarn"] = _exactness(yarn_tree, yarn_causal, all_samples(1))
+    out["yarn_scales"] = [m.decoder.layers[0].self_attention.core_attention.softmax_scale
+                          for m in (yarn_tree, yarn_causal)]
     return out
 
 
@@ -309,6 +315,17 @@ def test_moe_tree_equals_unmerged(one_rank):
     assert one_rank["moe_layers"] == ["MLP", "MoELayer"]
     logp, ent, grad, _, _ = one_rank["moe"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["moe"]
+
+
+def test_yarn_scaled_rope_tree_equals_unmerged(one_rank):
+    import math
+
+    from forge_megatron.mcore import rope
+
+    logp, ent, grad, _, _ = one_rank["yarn"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["yarn"]
+    m = rope.attention_factor({"rope_type": "yarn", "factor": 4.0})
+    assert m > 1 and one_rank["yarn_scales"] == [pytest.approx(m * m / math.sqrt(8))] * 2  # head dim 8
 
 
 def test_rope_must_follow_depth_not_offset(one_rank):

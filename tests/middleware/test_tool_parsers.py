@@ -177,3 +177,46 @@ def test_forced_prefix_starts_the_written_call_and_parses_with_the_completion(fa
         assert [(c["name"], c["arguments"]) for c in parsed_calls(got)] == [("search", {"query": "weather"})]
     with pytest.raises(CannotForceToolCall):
         get_parser("none").forced_prefix()
+
+
+# ------------------------------------------------------------------------------------- Llama 3.1-3.3 (llama3)
+LLAMA3 = '{"name": "{{ c.name }}", "parameters": {{ c.arguments | tojson }}}'  # how its template writes a call
+
+
+def test_llama3_json_calls_round_trip_and_tagged_ones():
+    p, rng = get_parser("llama3"), random.Random("llama3")
+    for trial in range(25):
+        calls = [{"name": rng.choice(["get_weather", "search"]), "arguments": random_arguments(rng)}
+                 for _ in range(rng.randint(1, 3))]
+        text = "; ".join(_env.from_string(LLAMA3).render(c=c) for c in calls)
+        lead = rng.choice(["", "<|python_tag|>", "Checking.<|python_tag|>"])
+        got = p.parse(lead + text, TOOLS)
+        assert [(c["name"], c["arguments"]) for c in parsed_calls(got)] == \
+            [(c["name"], c["arguments"]) for c in calls], (trial, text)
+        assert got.num_malformed == 0 and got.content == ("Checking." if lead.startswith("C") else None)
+        assert _env.from_string(LLAMA3).render(c=parsed_calls(got)[0]) == text.split("; ")[0]
+    arguments_key = p.parse('{"name": "search", "arguments": {"query": "q"}}', TOOLS)
+    assert parsed_calls(arguments_key)[0]["arguments"] == {"query": "q"}
+
+
+def test_llama3_answers_that_are_not_calls():
+    p = get_parser("llama3")
+    for text in ("The answer is 4.", '{"answer": 4}', '{"name": "search"}', "{not json"):
+        got = p.parse(text, TOOLS)  # JSON answers and lookalikes are content, not malformed calls
+        assert (got.content, got.tool_calls, got.num_malformed) == (text, [], 0), text
+    for text in ('<|python_tag|>{"answer": 4}', '{"name": "launch", "parameters": {}}',
+                 '{"name": "search", "parameters": {"query": "q"}} trailing words'):
+        got = p.parse(text, TOOLS)  # after the tag, to an unknown tool, or with text after the call: malformed
+        assert (got.content, got.tool_calls, got.num_malformed) == (text, [], int("launch" in text or "<|" in text))
+    assert p.parse('{"name": "launch", "parameters": {}}').tool_calls[0]["function"]["name"] == "launch"
+
+
+def test_llama3_streams_hold_back_what_may_be_a_call():
+    p = get_parser("llama3")
+    assert p.streamable("The answer") == "The answer" and p.streamable("  {\"na") == "" and p.streamable("") == ""
+    assert p.streamable("Checking.<|python_tag|>{") == "Checking." and p.start_marker == "<|python_tag|>"
+    call = '{"name": "search", "parameters": {"query": "weather"}}'
+    for name in (None, "search"):
+        prefix = p.forced_prefix(name)
+        assert call.startswith(prefix)
+        assert parsed_calls(p.parse(prefix + call[len(prefix):], TOOLS))[0]["arguments"] == {"query": "weather"}

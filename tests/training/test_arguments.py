@@ -135,13 +135,19 @@ def test_missing_checkpoint_and_bad_pairs():
 def test_model_arrays_build_gpt_configs():
     import shlex
 
-    for name, vocab in (("tiny", 300), ("qwen3-8B", 0), ("qwen3-30B-A3B", 0), ("qwen2.5-7B", 0)):
+    for name, vocab in (("tiny", 300), ("qwen3-8B", 0), ("qwen3-30B-A3B", 0), ("llama3.1-8B", 0), ("qwen2.5-7B", 0)):
         script = os.path.join(ROOT, "scripts", "models", f"{name}.sh")
         out = subprocess.run(["bash", "-c", f'source {shlex.quote(script)}; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
                              capture_output=True, text=True, check=True)
         args = arguments.parse_args(MINIMAL + out.stdout.split())
         cfg = arguments.gpt_config(args, vocab_size=vocab)
         assert cfg.num_layers == args.num_layers and cfg.vocab_size == (args.vocab_size or vocab)
+        if name == "llama3.1-8B":  # Llama 3.1's own rope_scaling entry
+            assert cfg.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+            assert cfg.rotary_base == 500000.0
+        else:
+            assert cfg.rope_scaling is None
     assert cfg.add_qkv_bias is True and cfg.num_query_groups == 4  # qwen2.5-7B is last
 
 
@@ -233,3 +239,33 @@ def test_moe_under_tensor_parallelism_needs_sequence_parallel(tmp_path):
     assert model_config(arguments.parse_args(MINIMAL + tp2), Bridge(dense)).extra["sequence_parallel"] is False
     assert "sequence_parallel" not in model_config(arguments.parse_args(MINIMAL + ["--sequence-parallel"]),
                                                    Bridge(dense)).extra  # TP = 1: nothing to split
+
+
+def test_model_flags_must_agree_with_the_checkpoints_rope():
+    """The trainer takes the architecture from the HF checkpoint; Megatron flags that say otherwise (base, Llama 3.1
+    RoPE scaling) stop it. YaRN / linear scaling, which no Megatron flag expresses, come from the checkpoint."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.training.trainer import model_config
+
+    def hf(**params):
+        cfg = tiny_config("llama", rope_parameters={"rope_theta": 500000.0, **params}).to_dict()
+        return {**cfg, "architectures": ["LlamaForCausalLM"]}
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--ffn-hidden-size", "128", "--position-embedding-type", "rope",
+             "--rotary-base", "500000"]
+    args = arguments.parse_args(MINIMAL + flags + ["--use-rope-scaling"])
+    assert model_config(args, Bridge(hf(**llama3))).rope_scaling == llama3
+    with pytest.raises(ValueError, match="rope_scaling: the model flags say None"):
+        model_config(arguments.parse_args(MINIMAL + flags), Bridge(hf(**llama3)))
+    with pytest.raises(ValueError, match="rope_scaling: the model flags say"):
+        model_config(arguments.parse_args(MINIMAL + flags + ["--use-rope-scaling", "--rope-scaling-factor", "32"]),
+                     Bridge(hf(**llama3)))
+    with pytest.raises(ValueError, match="rotary_base: the model flags say 10000.0"):
+        model_config(arguments.parse_args(MINIMAL + [f for f in flags if f not in ("--rotary-base", "500000")]),
+                     Bridge(hf(**llama3)))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert model_config(arguments.parse_args(MINIMAL + flags), Bridge(hf(**yarn))).rope_scaling["rope_type"] == "yarn"

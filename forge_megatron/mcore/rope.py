@@ -1,0 +1,132 @@
+"""RoPE frequency scaling of Hugging Face checkpoints: ``linear``, ``llama3`` and ``yarn``.
+
+Long-context checkpoints stretch RoPE by changing its inverse frequencies (Llama 3.1-3.3: ``llama3``; Qwen2.5 / Qwen3
+with a ``rope_scaling`` entry for 128k contexts, and many others: ``yarn``; older ones: ``linear``). The trainer must
+rotate exactly as the engines do, or every logprob is off. Megatron's ``RotaryEmbedding`` computes its table as
+``outer(positions, inv_freq)``, so a scaled model is the same module with other ``inv_freq`` (:func:`apply`), which
+also serves the tree's depth positions unchanged (tree_attention.use_depth_rope indexes that table). YaRN also
+multiplies cos and sin by an attention factor m; with RoPE on the whole head that scales every query-key product
+by m^2, which is the softmax scale m^2 / sqrt(head_dim) (:func:`softmax_scale`).
+
+The formulas are the ones of Hugging Face's rope initialisers (``modeling_rope_utils``), which is what the tests
+compare with, token for token. Types whose frequencies depend on the sequence length at run time (``dynamic``,
+``longrope``) are refused (``ValueError``: the bridge reports it as unsupported).
+
+``params`` below is the HF dict (``rope_scaling`` or transformers 5's ``rope_parameters``): ``rope_type`` (or
+``type``), ``factor``, and per type ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``
+(llama3, yarn), ``beta_fast``, ``beta_slow``, ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``
+(yarn).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SCALED_TYPES = ("linear", "llama3", "yarn")
+
+
+def rope_type(params: dict | None) -> str:
+    params = params or {}
+    return params.get("rope_type") or params.get("type") or "default"
+
+
+def check(params: dict | None, max_position_embeddings: int) -> dict | None:
+    """``params`` normalised for :func:`inv_freq` (None for plain RoPE); ValueError naming what is missing or
+    unsupported."""
+    kind = rope_type(params)
+    if kind == "default":
+        return None
+    if kind not in SCALED_TYPES:
+        raise ValueError(f"RoPE scaling type {kind!r} is not supported (supported: default, "
+                         f"{', '.join(SCALED_TYPES)})")
+    out = {k: v for k, v in params.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    out["rope_type"] = kind
+    factor = out.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise ValueError(f"RoPE scaling {kind!r} needs a positive 'factor', got {factor!r}")
+    if kind == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in out:
+                raise ValueError(f"RoPE scaling 'llama3' needs {key!r}")
+        if out["high_freq_factor"] <= out["low_freq_factor"]:
+            raise ValueError("RoPE scaling 'llama3' needs high_freq_factor > low_freq_factor")
+    if kind == "yarn":
+        out.setdefault("original_max_position_embeddings", max_position_embeddings)
+    return out
+
+
+def inv_freq(params: dict | None, base: float, dim: int) -> torch.Tensor:
+    """fp32 inverse frequencies [dim / 2] of RoPE with base ``base`` over ``dim`` rotated channels, scaled per
+    ``params`` (from :func:`check`; None: plain RoPE)."""
+    plain = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = rope_type(params)
+    if kind == "default":
+        return plain
+    factor = float(params["factor"])
+    if kind == "linear":
+        return plain / factor
+    if kind == "llama3":
+        old = params["original_max_position_embeddings"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        wavelen = 2 * math.pi / plain
+        scaled = torch.where(wavelen > old / low, plain / factor, plain)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(medium, blended, scaled)
+    # yarn: interpolate the low frequencies, keep the high ones, blend linearly between two correction dims
+    original = params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies as trained), 0: interpolate by the factor
+    return plain / factor * (1 - keep) + plain * keep
+
+
+def attention_factor(params: dict | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for the other types)."""
+    if rope_type(params) != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    return mscale(factor)
+
+
+def softmax_scale(params: dict | None, head_dim: int) -> float | None:
+    """The attention softmax scale that stands for YaRN's scaled cos/sin (None: Megatron's 1 / sqrt(head_dim))."""
+    m = attention_factor(params)
+    return None if m == 1.0 else m * m / math.sqrt(head_dim)
+
+
+def apply(model, params: dict | None, base: float, head_dim: int) -> None:
+    """Give ``model``'s (a GPTModel stage) rotary embedding the scaled inverse frequencies (no-op for plain RoPE)."""
+    if rope_type(params) == "default":
+        return
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None:
+        raise ValueError("RoPE scaling needs a GPTModel built with position_embedding_type='rope'")
+    old = rotary.inv_freq
+    new = inv_freq(params, base, head_dim)
+    if new.shape != old.shape:
+        raise ValueError(f"RoPE scaling: {tuple(new.shape)} frequencies for a table of {tuple(old.shape)}")
+    rotary.inv_freq = new.to(device=old.device, dtype=old.dtype)
+    if hasattr(rotary.forward, "cache_clear"):  # Megatron memoises the table per length
+        rotary.forward.cache_clear()
