@@ -1,11 +1,16 @@
 """Model families the bridge knows, and the translation of a Hugging Face ``config.json`` into a :class:`GPTConfig`.
 
-Why a registry: Llama, Qwen2, Qwen3 and Qwen3-MoE share one decoder layout (RMSNorm, RoPE with rotate-half,
+Why a registry: Llama, Qwen2, Qwen3, Qwen3-MoE and GLM-4.5 share one decoder layout (RMSNorm, RoPE with rotate-half,
 GQA attention, SwiGLU MLP) and differ in a few switches: a bias on the fused QKV projection (Qwen2), per-head
 RMSNorm on queries and keys before RoPE (Qwen3: ``q_norm``/``k_norm``), and a routed expert MLP (Qwen3-MoE).
 A new family is one more :class:`Family` entry; anything in a config that the shared layout cannot express
 (another activation, sliding windows, dense layers inside a MoE model, RoPE scaling other than linear / llama3 /
 yarn: mcore/rope.py) is refused by name rather than converted into a model that silently computes something else.
+
+GLM-4.5 (``glm4_moe``, docs/conversion.md): RoPE on the first ``partial_rotary_factor`` of each head, the first
+``first_k_dense_replace`` layers dense, a shared expert next to the routed ones, and a sigmoid router choosing by
+sigmoid(z) + ``e_score_correction_bias`` and weighting by the normalised sigmoid scores times
+``routed_scaling_factor``: Megatron's sigmoid score function with expert bias and top-k scaling computes the same.
 
 Router equivalence used for Qwen3-MoE: HF computes ``p = softmax(z)``, keeps the top-k and, with
 ``norm_topk_prob``, divides by their sum, which equals Megatron's ``softmax(topk(z))``
@@ -19,6 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from forge_megatron.mcore import rope
 from forge_megatron.mcore.model import GPTConfig
 
 
@@ -28,8 +34,11 @@ class Family:
 
     name: str
     qkv_bias: bool | None  # None: read ``attention_bias`` from the config
-    qk_norm: bool
+    qk_norm: bool | None  # None: read ``use_qk_norm`` from the config
     moe: bool
+    # GLM-4.5-style MoE: sigmoid router with a score-correction bias, shared experts, the first layers dense,
+    # RoPE on part of the head (see the module docstring)
+    glm_moe: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -37,6 +46,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True, qk_norm=False, moe=False),
     "Qwen3ForCausalLM": Family("qwen3", qkv_bias=None, qk_norm=True, moe=False),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", qkv_bias=None, qk_norm=True, moe=True),
+    "Glm4MoeForCausalLM": Family("glm4_moe", qkv_bias=None, qk_norm=None, moe=True, glm_moe=True),
 }
 
 
@@ -79,17 +89,19 @@ def rope_theta(hf: dict) -> float:
 def rope_scaling(hf: dict) -> dict | None:
     """The config's RoPE scaling (``rope_scaling``, or transformers 5's ``rope_parameters``) checked by
     mcore/rope.py: linear, llama3 and yarn are mapped; None for plain RoPE."""
-    from forge_megatron.mcore import rope
-
     params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported (RoPE on the whole head only)")
     if "original_max_position_embeddings" in hf and rope.rope_type(params) in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings", hf["original_max_position_embeddings"])
     try:
         return rope.check(params, hf.get("max_position_embeddings", 4096))
     except ValueError as exc:
         raise UnsupportedModelError(str(exc)) from exc
+
+
+def partial_rotary(hf: dict) -> float:
+    """The fraction of each head RoPE rotates (``partial_rotary_factor``, top level or in ``rope_parameters``)."""
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0)
 
 
 def _refuse_unsupported(hf: dict, family: Family) -> None:
@@ -101,12 +113,29 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                     "an attention output bias)")
     if hf.get("use_sliding_window"):
         raise UnsupportedModelError("use_sliding_window=True is not supported")
-    if family.moe:
+    if partial_rotary(hf) != 1.0 and not family.glm_moe:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
+    if family.moe and not family.glm_moe:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
         if hf.get("shared_expert_intermediate_size"):
             raise UnsupportedModelError("shared experts are not supported by the qwen3_moe family")
+    if family.glm_moe:
+        topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
+        if groups > 1 and topk // group_topk != 2:
+            raise UnsupportedModelError(f"n_group={groups} with num_experts_per_tok // topk_group != 2: HF scores a "
+                                        "group by its top 2 experts, Megatron by its top topk // group_topk")
+        if bool(hf.get("norm_topk_prob", True)) != (topk > 1):
+            raise UnsupportedModelError(f"norm_topk_prob={hf.get('norm_topk_prob')} with num_experts_per_tok={topk} "
+                                        "is not supported: Megatron's sigmoid router normalises the top-k scores "
+                                        "exactly when k > 1")
+        if hf.get("n_shared_experts", 1) < 1:
+            raise UnsupportedModelError("n_shared_experts=0 is not supported by the glm4_moe family")
+        if rope.rope_type(hf.get("rope_scaling") or hf.get("rope_parameters")) == "yarn" and \
+                partial_rotary(hf) != 1.0:
+            raise UnsupportedModelError("YaRN with partial rotary is not supported (its attention factor would "
+                                        "scale the rotated channels only)")
 
 
 def gpt_config_from_hf(source, **overrides) -> GPTConfig:
@@ -130,12 +159,35 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         swiglu=True,
         add_qkv_bias=qkv_bias,
         add_bias_linear=False,
-        qk_layernorm=family.qk_norm,
+        qk_layernorm=family.qk_norm if family.qk_norm is not None else bool(hf.get("use_qk_norm", False)),
+        rotary_percent=partial_rotary(hf),
         rotary_base=rope_theta(hf),
         rope_scaling=rope_scaling(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
-    if family.moe:
+    if family.glm_moe:
+        dense = int(hf.get("first_k_dense_replace", 0))
+        if not 0 <= dense < hf["num_hidden_layers"]:
+            raise UnsupportedModelError(f"first_k_dense_replace={dense} leaves no MoE layer")
+        groups = hf.get("n_group") or 1
+        scaling = float(hf.get("routed_scaling_factor", 1.0) or 1.0)
+        kwargs.update(
+            num_moe_experts=hf["n_routed_experts"],
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            moe_shared_ffn_hidden_size=hf["moe_intermediate_size"] * hf.get("n_shared_experts", 1),
+            moe_dense_layers=dense,
+            extra={
+                "moe_router_score_function": "sigmoid",
+                "moe_router_enable_expert_bias": True,  # HF's e_score_correction_bias (selection only)
+                "moe_router_bias_update_rate": 0.0,  # kept as the checkpoint has it: RL does not rebalance
+                "moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None,
+                "moe_router_num_groups": groups if groups > 1 else None,
+                "moe_router_group_topk": hf.get("topk_group") if groups > 1 else None,
+                "moe_router_dtype": "fp32",  # HF computes the router logits in fp32
+            },
+        )
+    elif family.moe:
         norm_topk = bool(hf.get("norm_topk_prob", False))
         kwargs.update(
             num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 renamed it
@@ -144,5 +196,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             moe_router_pre_softmax=not norm_topk,
             moe_router_topk_renorm=norm_topk,
         )
+    if "extra" in overrides:
+        overrides = {**overrides, "extra": {**kwargs.get("extra", {}), **overrides["extra"]}}
     kwargs.update(overrides)
     return GPTConfig(**kwargs)

@@ -50,6 +50,7 @@ class Rule:
     hf: tuple[str, ...]
     join: str = "copy"
     tp: str = "rep"
+    layers: str = "all"  # "dense" / "moe": only layers with a dense MLP / a MoE layer have it
 
     @property
     def is_expert(self) -> bool:
@@ -93,20 +94,29 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if cfg.qk_layernorm:
         attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + "self_attn.q_norm.weight",)),
                  Rule(LAYER + "self_attention.k_layernorm.weight", (HF_LAYER + "self_attn.k_norm.weight",))]
+    dense = [
+        Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_proj.weight", HF_LAYER + "mlp.up_proj.weight"),
+             "glu", "glu", layers="dense"),
+        Rule(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + "mlp.down_proj.weight",), tp="row", layers="dense"),
+    ]
+    mlp = dense
     if family.moe:
         hf_expert = HF_LAYER + "mlp.experts.{expert}."
-        mlp = [
-            Rule(LAYER + "mlp.router.weight", (HF_LAYER + "mlp.gate.weight",)),
+        mlp = (dense if cfg.moe_dense_layers else []) + [
+            Rule(LAYER + "mlp.router.weight", (HF_LAYER + "mlp.gate.weight",), layers="moe"),
             Rule(LAYER + EXPERT + "linear_fc1.weight", (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"),
-                 "glu", "glu"),
-            Rule(LAYER + EXPERT + "linear_fc2.weight", (hf_expert + "down_proj.weight",), tp="row"),
+                 "glu", "glu", layers="moe"),
+            Rule(LAYER + EXPERT + "linear_fc2.weight", (hf_expert + "down_proj.weight",), tp="row", layers="moe"),
         ]
-    else:
-        mlp = [
-            Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_proj.weight", HF_LAYER + "mlp.up_proj.weight"),
-                 "glu", "glu"),
-            Rule(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + "mlp.down_proj.weight",), tp="row"),
-        ]
+        if cfg.extra.get("moe_router_enable_expert_bias"):  # a buffer: selection only, no gradient
+            mlp.append(Rule(LAYER + "mlp.router.expert_bias", (HF_LAYER + "mlp.gate.e_score_correction_bias",),
+                            layers="moe"))
+        if cfg.moe_shared_ffn_hidden_size:
+            shared = HF_LAYER + "mlp.shared_experts."
+            mlp += [Rule(LAYER + "mlp.shared_experts.linear_fc1.weight",
+                         (shared + "gate_proj.weight", shared + "up_proj.weight"), "glu", "glu", layers="moe"),
+                    Rule(LAYER + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), tp="row",
+                         layers="moe")]
     top = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "col"),
            Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
     if not cfg.tie_word_embeddings:
@@ -152,9 +162,26 @@ class Bridge:
                     names.append(rule.mcore)
                 continue
             for layer in range(cfg.num_layers) if layers is None else layers:
+                if not self.layer_has(rule, layer):
+                    continue
                 for expert in (experts if rule.is_expert else [None]):
                     names.append(rule.mcore.format(layer=layer, expert=expert))
         return names
+
+    def is_mtp_tensor(self, hf_name: str) -> bool:
+        """A tensor of the multi-token-prediction layers some checkpoints append (GLM-4.5, DeepSeek-V3:
+        ``num_nextn_predict_layers`` layers numbered from ``num_hidden_layers``): the trainer neither trains nor
+        exports them (SGLang uses them for speculative decoding only)."""
+        extra = int(self.hf_config.get("num_nextn_predict_layers") or 0)
+        m = re.match(r"model\.layers\.(\d+)\.", hf_name)
+        return bool(extra and m) and self.cfg.num_layers <= int(m.group(1)) < self.cfg.num_layers + extra
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` has a MoE MLP (the first ``moe_dense_layers`` of a MoE model do not)."""
+        return bool(self.cfg.num_moe_experts) and layer >= self.cfg.moe_dense_layers
+
+    def layer_has(self, rule: Rule, layer: int) -> bool:
+        return rule.layers == "all" or (rule.layers == "moe") == self.is_moe_layer(layer)
 
     def hf_names(self, name: str) -> list[str]:
         rule, idx = self.rule(name)
@@ -198,7 +225,8 @@ class Bridge:
         """The shape the config implies for HF tensor ``hf_name``."""
         cfg = self.cfg
         d, h, g, n = cfg.hidden_size, cfg.head_dim, cfg.num_query_groups, cfg.num_attention_heads
-        f = cfg.moe_ffn_hidden_size if ".experts." in hf_name else cfg.ffn_hidden_size
+        f = cfg.moe_shared_ffn_hidden_size if ".shared_experts." in hf_name else \
+            cfg.moe_ffn_hidden_size if ".experts." in hf_name else cfg.ffn_hidden_size
         table = {
             "embed_tokens.weight": (self.hf_vocab, d), "lm_head.weight": (self.hf_vocab, d),
             "norm.weight": (d,), "layernorm.weight": (d,),
@@ -206,7 +234,7 @@ class Bridge:
             "q_proj.bias": (n * h,), "k_proj.bias": (g * h,), "v_proj.bias": (g * h,),
             "o_proj.weight": (d, n * h), "q_norm.weight": (h,), "k_norm.weight": (h,),
             "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f),
-            "gate.weight": (cfg.num_moe_experts or 0, d),
+            "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
         }
         for suffix in sorted(table, key=len, reverse=True):  # q_norm.weight before norm.weight
             if hf_name.endswith(suffix):
@@ -238,6 +266,8 @@ class Bridge:
         if cfg.num_moe_experts:
             checks += [("num_moe_experts", cfg.num_moe_experts, "ep", layout.ep),
                        ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, "tp", layout.tp)]
+            if cfg.moe_shared_ffn_hidden_size:
+                checks.append(("moe_shared_ffn_hidden_size", cfg.moe_shared_ffn_hidden_size, "tp", layout.tp))
         elif layout.ep > 1:
             raise ValueError(f"ep={layout.ep} needs a MoE model; {self.family.name!r} config has no experts")
         for what, size, axis, parts in checks:

@@ -254,6 +254,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelL
         used.update(hf_names)
         save_megatron_stage(bridge, full, layout, pp, out_dir)
     extra = reader.names() - used - ({"lm_head.weight"} if bridge.cfg.tie_word_embeddings else set())
+    extra = {n for n in extra if not bridge.is_mtp_tensor(n)}
     if extra:
         raise MappingError(f"HF tensor(s) {sorted(extra)[:5]} are not used by the {bridge.family.name!r} mapping")
 

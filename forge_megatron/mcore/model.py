@@ -33,6 +33,7 @@ class GPTConfig:
     qk_layernorm: bool = False  # Qwen3
     rotary_base: float = 10000.0
     rope_scaling: dict | None = None  # HF RoPE scaling (linear / llama3 / yarn: mcore/rope.py); None: plain RoPE
+    rotary_percent: float = 1.0  # the fraction of each head RoPE rotates (its first channels; GLM-4.5: 0.5)
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
     # MoE (num_moe_experts=None: dense)
@@ -43,6 +44,8 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_router_pre_softmax: bool = False  # Qwen3-MoE: softmax over all experts then top-k (False), renormalised
     moe_router_topk_renorm: bool = True  # norm_topk_prob in HF Qwen3-MoE
+    moe_shared_ffn_hidden_size: int | None = None  # shared experts' MLP width (GLM-4.5); None: no shared experts
+    moe_dense_layers: int = 0  # the first layers of a MoE model that have a dense MLP (GLM-4.5's first_k_dense)
     params_dtype: torch.dtype = torch.float32
     bf16: bool = False
     extra: dict = field(default_factory=dict)  # passed through to TransformerConfig
@@ -116,7 +119,8 @@ def transformer_config(cfg: GPTConfig, **overrides):
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
         sequence_parallel=False,
-        softmax_scale=rope.softmax_scale(cfg.rope_scaling, cfg.head_dim),  # YaRN's attention factor; else None
+        # YaRN's attention factor (whole-head RoPE only: families.py refuses it with partial rotary); else None
+        softmax_scale=rope.softmax_scale(cfg.rope_scaling, cfg.head_dim),
     )
     if cfg.num_moe_experts is not None:
         kwargs.update(
@@ -128,15 +132,27 @@ def transformer_config(cfg: GPTConfig, **overrides):
             moe_router_pre_softmax=cfg.moe_router_pre_softmax,
             moe_grouped_gemm=False,
             moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+            moe_shared_expert_intermediate_size=cfg.moe_shared_ffn_hidden_size,
         )
+        if cfg.moe_dense_layers:
+            kwargs["moe_layer_freq"] = [0] * cfg.moe_dense_layers + [1] * (cfg.num_layers - cfg.moe_dense_layers)
     kwargs.update(cfg.extra)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(cfg: GPTConfig, use_te: bool = False):
-    """The standard (causal) layer spec: local Megatron-Core modules, or Transformer Engine's when asked."""
+def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None):
+    """The standard (causal) layer spec: local Megatron-Core modules, or Transformer Engine's when asked. A MoE
+    model with dense first layers gets Megatron's block spec of this pipeline stage's (``vp_stage``'s) layers."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if cfg.num_moe_experts and cfg.moe_dense_layers:
+        if use_te:
+            from forge_megatron.utils import env
+
+            env.require("te", "the Transformer Engine layer spec")
+        return specs.get_gpt_decoder_block_spec(transformer_config(cfg), use_transformer_engine=use_te,
+                                                normalization=cfg.normalization, vp_stage=vp_stage)
 
     if use_te:
         from forge_megatron.utils import env
@@ -162,7 +178,7 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     tcfg = transformer_config(cfg, **config_overrides)
-    spec = spec if spec is not None else layer_spec(cfg)
+    spec = spec if spec is not None else layer_spec(cfg, vp_stage=vp_stage)
     if tcfg.sequence_parallel:
         spec = sequence_parallel_norms(spec, tcfg, vp_stage)
     kwargs = dict(
@@ -176,6 +192,7 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
+        rotary_percent=cfg.rotary_percent,
     )
     if vp_stage is not None:
         kwargs["vp_stage"] = vp_stage
@@ -183,7 +200,7 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     if cfg.rope_scaling is not None:
         from forge_megatron.mcore import rope
 
-        rope.apply(model, cfg.rope_scaling, cfg.rotary_base, cfg.head_dim)
+        rope.apply(model, cfg.rope_scaling, cfg.rotary_base, int(cfg.head_dim * cfg.rotary_percent))
     return model
 
 

@@ -140,12 +140,12 @@ class TreeAttention(MegatronModule):
 
 
 # ------------------------------------------------------------------------------------------------ specs
-def tree_layer_spec(cfg: GPTConfig, use_te: bool = False):
-    """``layer_spec(cfg, use_te)`` with every self-attention's core_attention swapped for TreeAttention.
+def tree_layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None):
+    """``layer_spec(cfg, use_te, vp_stage)`` with every self-attention's core_attention swapped for TreeAttention.
 
     Works on a single layer ModuleSpec (dense or MoE) and on a block spec holding ``layer_specs``.
     """
-    return swap_core_attention(layer_spec(cfg, use_te=use_te))
+    return swap_core_attention(layer_spec(cfg, use_te=use_te, vp_stage=vp_stage))
 
 
 def swap_core_attention(spec):
@@ -192,6 +192,6 @@ def use_depth_rope(model):
 
 def build_tree_gpt(cfg: GPTConfig, use_te: bool = False, **kwargs):
     """``build_gpt`` with the tree layer spec and depth RoPE: this rank's stage of a tree-packed GPTModel."""
-    model = build_gpt(cfg, spec=tree_layer_spec(cfg, use_te=use_te), **kwargs)
+    model = build_gpt(cfg, spec=tree_layer_spec(cfg, use_te=use_te, vp_stage=kwargs.get("vp_stage")), **kwargs)
     use_depth_rope(model)
     return model

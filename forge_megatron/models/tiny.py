@@ -31,7 +31,7 @@ SPECIAL_TOKENS = (
     "<tool_response>",
     "</tool_response>",
 )
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe")
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
 _CORPUS = [
@@ -144,6 +144,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
              "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
         ),
+        # GLM-4.5 layout: layer 0 dense, layer 1 MoE (sigmoid router + score bias, a shared expert), half-head RoPE
+        "glm4_moe": (
+            transformers.Glm4MoeConfig,
+            {"head_dim": 16, "partial_rotary_factor": 0.5, "n_routed_experts": 4, "n_shared_experts": 1,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
+             "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "use_qk_norm": True,
+             "attention_bias": True},
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -167,6 +175,10 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
         raise ValueError(f"vocab_size {config.vocab_size} is smaller than the tokenizer's {len(tok)} tokens")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # routers' score-correction biases (zeros when initialised): make them matter
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape) * 0.1)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     if with_tokenizer:

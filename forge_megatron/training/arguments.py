@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 from collections.abc import Sequence
 
 from forge_megatron.algo.losses import LOSS_TYPES, NORMS, RECOMMENDED_EPS
@@ -117,6 +118,17 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     net.add_argument("--num-experts", type=int, default=None)
     net.add_argument("--moe-router-topk", type=int, default=2)
     net.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    net.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                     help="shared experts' MLP width (GLM-4.5: n_shared_experts x moe_intermediate_size)")
+    net.add_argument("--moe-layer-freq", default="1",
+                     help="which layers are MoE, as Megatron writes it: 1 (all), or '([0]*K+[1]*M)' for K dense "
+                          "layers first (GLM-4.5's first_k_dense_replace); other patterns are refused")
+    net.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    net.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                     help="the router's score-correction bias (GLM-4.5's e_score_correction_bias; kept fixed)")
+    net.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    net.add_argument("--rotary-percent", type=float, default=1.0,
+                     help="fraction of each head RoPE rotates (GLM-4.5: 0.5)")
     net.add_argument("--bf16", action="store_true")
 
     train = parser.add_argument_group("training (Megatron)")
@@ -495,6 +507,22 @@ def virtual_pipeline_size(args: argparse.Namespace, num_layers: int | None) -> i
     return chunks if chunks > 1 else None
 
 
+def dense_prefix(moe_layer_freq: str, num_layers: int) -> int:
+    """The number of dense layers before the MoE ones that Megatron's ``--moe-layer-freq`` describes."""
+    text = str(moe_layer_freq).replace(" ", "")
+    if text == "1":
+        return 0
+    m = re.fullmatch(r"\(?\[0\]\*(\d+)\+\[1\]\*(\d+)\)?", text)
+    if m is None:
+        raise ValueError(f"--moe-layer-freq {moe_layer_freq!r}: only 1 or '([0]*K+[1]*M)' (K dense layers, then "
+                         "MoE layers) are supported")
+    dense, moe = int(m.group(1)), int(m.group(2))
+    if dense + moe != num_layers or moe < 1:
+        raise ValueError(f"--moe-layer-freq {moe_layer_freq!r} describes {dense + moe} layers ({moe} MoE); the model "
+                         f"has {num_layers}")
+    return dense
+
+
 def gpt_config(args: argparse.Namespace, vocab_size: int):
     """``mcore.model.GPTConfig`` from Megatron's network-size flags (the arrays of scripts/models/<model>.sh)."""
     from forge_megatron.mcore.model import GPTConfig
@@ -529,5 +557,12 @@ def gpt_config(args: argparse.Namespace, vocab_size: int):
         num_moe_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_ffn_hidden_size=args.moe_shared_expert_intermediate_size,
+        moe_dense_layers=dense_prefix(args.moe_layer_freq, args.num_layers) if args.num_experts else 0,
+        rotary_percent=args.rotary_percent,
+        extra={"moe_router_score_function": args.moe_router_score_function,
+               "moe_router_enable_expert_bias": args.moe_router_enable_expert_bias,
+               "moe_router_topk_scaling_factor": args.moe_router_topk_scaling_factor}
+        if args.num_experts and args.moe_router_score_function == "sigmoid" else {},
         bf16=args.bf16,
     )

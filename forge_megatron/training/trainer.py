@@ -561,6 +561,13 @@ def progress_line(m: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------- building blocks
+def _router(cfg) -> tuple:
+    """What the Megatron router flags can say about a config: score function, expert bias, top-k scaling."""
+    return (cfg.extra.get("moe_router_score_function", "softmax"),
+            bool(cfg.extra.get("moe_router_enable_expert_bias", False)),
+            cfg.extra.get("moe_router_topk_scaling_factor"))
+
+
 def model_config(args: argparse.Namespace, bridge):
     """The HF checkpoint's architecture; Megatron's network flags, when given, must agree with it."""
     from dataclasses import replace
@@ -570,13 +577,16 @@ def model_config(args: argparse.Namespace, bridge):
         flags = arguments.gpt_config(args, vocab_size=cfg.vocab_size)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "vocab_size", "head_dim", "qk_layernorm", "add_qkv_bias", "num_moe_experts", "rotary_base",
-                     "rope_scaling"):
+                     "rope_scaling", "rotary_percent", "moe_shared_ffn_hidden_size", "moe_dense_layers",
+                     "router"):
             if name == "rope_scaling" and not args.use_rope_scaling and \
                     (cfg.rope_scaling or {}).get("rope_type") in ("yarn", "linear"):
                 continue  # no Megatron flag expresses these: the checkpoint's scaling is used
-            if getattr(flags, name) != getattr(cfg, name):
-                raise ValueError(f"{name}: the model flags say {getattr(flags, name)}, the HF checkpoint "
-                                 f"{args.hf_checkpoint} has {getattr(cfg, name)}")
+            said, has = (_router(flags), _router(cfg)) if name == "router" else \
+                (getattr(flags, name), getattr(cfg, name))
+            if said != has:
+                raise ValueError(f"{name}: the model flags say {said}, the HF checkpoint "
+                                 f"{args.hf_checkpoint} has {has}")
     extra = dict(cfg.extra)
     if args.context_parallel_size > 1:
         from forge_megatron.mcore.context_parallel import resolve_comm_type

@@ -54,7 +54,11 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def _params(bridge: Bridge, chunk, experts: bool):
-    """(canonical name, param) of ``chunk``, expert or non-expert ones only (expert ids still local)."""
+    """(canonical name, param) of ``chunk``, expert or non-expert ones only (expert ids still local), and the
+    buffers the bridge maps to HF tensors (a MoE router's score-correction bias: GLM-4.5's
+    ``e_score_correction_bias``, replicated)."""
+    from forge_megatron.bridge import MappingError
+
     model = unwrap(chunk)
     layer_offset = global_layers(model).start if hasattr(model, "decoder") else 0
     for local, p in model.named_parameters():
@@ -63,6 +67,15 @@ def _params(bridge: Bridge, chunk, experts: bool):
         canonical = bridge.rename(local, layer_offset, 0)
         if bridge.is_expert(canonical) == experts:
             yield canonical, p
+    if experts:
+        return
+    for local, buf in model.named_buffers():
+        if not local.endswith(".expert_bias"):
+            continue
+        try:
+            yield bridge.rename(local, layer_offset, 0), buf
+        except MappingError:
+            continue
 
 
 def iter_dense(bridge: Bridge, chunks, dtype: torch.dtype | None = None):

@@ -44,13 +44,52 @@ def test_config_per_family():
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "RoPE scaling type 'dynamic'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3' needs 'low_freq_factor'"),
     ({"rope_scaling": {"type": "yarn"}}, "'yarn' needs a positive 'factor'"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor != 1 is not supported for this family"),
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"use_sliding_window": True}, "use_sliding_window=True"),
 ])
 def test_unsupported_options_are_refused(change, message):
     with pytest.raises(UnsupportedModelError, match=message):
         gpt_config_from_hf({**_hf("llama"), **change})
+
+
+def _glm(**kw):
+    return {**tiny_config("glm4_moe", **kw).to_dict(), "architectures": ["Glm4MoeForCausalLM"]}
+
+
+def test_glm4_moe_config_maps_to_megatrons_sigmoid_router_shared_experts_and_dense_layers():
+    cfg = gpt_config_from_hf(_glm())
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.ffn_hidden_size) == (4, 2, 32, 128)
+    assert (cfg.moe_dense_layers, cfg.moe_shared_ffn_hidden_size, cfg.rotary_percent) == (1, 32, 0.5)
+    assert (cfg.add_qkv_bias, cfg.qk_layernorm) == (True, True)
+    assert cfg.extra == {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                         "moe_router_bias_update_rate": 0.0, "moe_router_topk_scaling_factor": 2.5,
+                         "moe_router_num_groups": None, "moe_router_group_topk": None, "moe_router_dtype": "fp32"}
+    assert gpt_config_from_hf(_glm(use_qk_norm=False, routed_scaling_factor=1.0)).extra[
+        "moe_router_topk_scaling_factor"] is None
+    grouped = gpt_config_from_hf(_glm(n_routed_experts=8, n_group=2, topk_group=1)).extra
+    assert (grouped["moe_router_num_groups"], grouped["moe_router_group_topk"]) == (2, 1)  # top-2 / 1 group = 2
+    bridge = Bridge(_glm())
+    layer0 = [n for n in bridge.canonical_names() if ".layers.0." in n]
+    layer1 = [n for n in bridge.canonical_names() if ".layers.1." in n]
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in layer0 and not any("router" in n for n in layer0)
+    assert {"decoder.layers.1.mlp.router.expert_bias", "decoder.layers.1.mlp.shared_experts.linear_fc1.weight"} \
+        <= set(layer1) and "decoder.layers.1.mlp.linear_fc1.weight" not in layer1
+    assert bridge.hf_names("decoder.layers.1.mlp.router.expert_bias") == \
+        ["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bridge.hf_shape("model.layers.1.mlp.shared_experts.up_proj.weight") == (32, 64)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"n_routed_experts": 8, "n_group": 2, "topk_group": 2}, "topk_group != 2"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ({"n_shared_experts": 0}, "n_shared_experts=0"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "YaRN with partial rotary"),
+])
+def test_glm4_moe_options_megatron_cannot_match_are_refused(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        gpt_config_from_hf({**_glm(), **change})
 
 
 def test_moe_with_dense_layers_is_refused():

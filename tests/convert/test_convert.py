@@ -19,7 +19,7 @@ from forge_megatron.convert.cli import main as cli_main
 from tests.convert.mcore_forward import forward_logits, load_converted
 from tests.dist_utils import run_distributed
 
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -61,7 +61,7 @@ def _assert_bit_exact(src, dst):
 LAYOUTS = [
     ("qwen2", ParallelLayout(tp=2)), ("qwen2", ParallelLayout(pp=2)), ("llama", ParallelLayout(tp=2, pp=2)),
     ("qwen3", ParallelLayout()), ("qwen3_tied", ParallelLayout(tp=2, pp=2)), ("qwen3_moe", ParallelLayout(ep=2)),
-    ("qwen3_moe", ParallelLayout(tp=2, pp=2, ep=2)),
+    ("qwen3_moe", ParallelLayout(tp=2, pp=2, ep=2)), ("glm4_moe", ParallelLayout(tp=2, pp=2, ep=2)),
 ]
 
 
@@ -146,6 +146,24 @@ def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
         assert diff <= 1e-4, (arch, diff)
     assert "has layout ParallelLayout(tp=2, pp=1, ep=1), this job runs ParallelLayout(tp=1, pp=1, ep=1)" in \
         out["layout_error"]
+
+
+def test_glm_multi_token_prediction_layers_are_left_out(tmp_path):
+    """GLM-4.5 checkpoints append num_nextn_predict_layers MTP layers (layer index num_hidden_layers, ...): the
+    conversion leaves them out; any other tensor it does not use is still an error."""
+    from forge_megatron.models.tiny import build_tiny_model
+
+    d = build_tiny_model(str(tmp_path / "glm"), arch="glm4_moe", seed=1, with_tokenizer=False,
+                         num_nextn_predict_layers=1)
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)  # the MTP layer's own projection
+    save_file(tensors, path, metadata={"format": "pt"})
+    ckpt.hf_to_megatron(d, str(tmp_path / "out"))
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)  # past the MTP layers: not expected
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(MappingError, match=r"model.layers.3.eh_proj.weight.*not used by the 'glm4_moe' mapping"):
+        ckpt.hf_to_megatron(d, str(tmp_path / "out2"))
 
 
 # ------------------------------------------------------------------------------------------------ bad input

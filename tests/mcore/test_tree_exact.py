@@ -143,6 +143,16 @@ def _body_one_rank(rank, world_size):
     out["yarn"] = _exactness(yarn_tree, yarn_causal, all_samples(1))
     out["yarn_scales"] = [m.decoder.layers[0].self_attention.core_attention.softmax_scale
                           for m in (yarn_tree, yarn_causal)]
+    # the GLM-4.5 layout from its HF config: RoPE on half of each head, a dense layer then a sigmoid-routed MoE
+    # layer with a shared expert (Megatron's block spec)
+    from forge_megatron.bridge import gpt_config_from_hf
+    from forge_megatron.models.tiny import tiny_config
+
+    glm = {**tiny_config("glm4_moe", vocab_size=VOCAB).to_dict(), "architectures": ["Glm4MoeForCausalLM"]}
+    glm_tree, glm_causal = _twin_models(gpt_config_from_hf(glm))
+    out["glm4_moe"] = _exactness(glm_tree, glm_causal, all_samples(3))
+    out["glm4_moe_layers"] = [type(layer.mlp).__name__ for layer in glm_tree.decoder.layers]
+    out["glm4_moe_rotary_dim"] = glm_tree.rotary_pos_emb.inv_freq.numel() * 2
     return out
 
 
@@ -326,6 +336,12 @@ def test_yarn_scaled_rope_tree_equals_unmerged(one_rank):
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["yarn"]
     m = rope.attention_factor({"rope_type": "yarn", "factor": 4.0})
     assert m > 1 and one_rank["yarn_scales"] == [pytest.approx(m * m / math.sqrt(8))] * 2  # head dim 8
+
+
+def test_glm4_moe_tree_equals_unmerged(one_rank):
+    assert one_rank["glm4_moe_layers"] == ["MLP", "MoELayer"] and one_rank["glm4_moe_rotary_dim"] == 8  # of 16
+    logp, ent, grad, _, _ = one_rank["glm4_moe"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["glm4_moe"]
 
 
 def test_rope_must_follow_depth_not_offset(one_rank):

@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -135,7 +136,8 @@ def test_missing_checkpoint_and_bad_pairs():
 def test_model_arrays_build_gpt_configs():
     import shlex
 
-    for name, vocab in (("tiny", 300), ("qwen3-8B", 0), ("qwen3-30B-A3B", 0), ("llama3.1-8B", 0), ("qwen2.5-7B", 0)):
+    for name, vocab in (("tiny", 300), ("qwen3-8B", 0), ("qwen3-30B-A3B", 0), ("llama3.1-8B", 0), ("glm4.5-air", 0),
+                        ("qwen2.5-7B", 0)):
         script = os.path.join(ROOT, "scripts", "models", f"{name}.sh")
         out = subprocess.run(["bash", "-c", f'source {shlex.quote(script)}; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
                              capture_output=True, text=True, check=True)
@@ -148,6 +150,9 @@ def test_model_arrays_build_gpt_configs():
             assert cfg.rotary_base == 500000.0
         else:
             assert cfg.rope_scaling is None
+        if name == "glm4.5-air":  # the GLM-4.5 MoE layout from Megatron's flags
+            assert (cfg.moe_dense_layers, cfg.moe_shared_ffn_hidden_size, cfg.rotary_percent) == (1, 1408, 0.5)
+            assert cfg.extra["moe_router_score_function"] == "sigmoid" and cfg.extra["moe_router_enable_expert_bias"]
     assert cfg.add_qkv_bias is True and cfg.num_query_groups == 4  # qwen2.5-7B is last
 
 
@@ -269,3 +274,31 @@ def test_model_flags_must_agree_with_the_checkpoints_rope():
                      Bridge(hf(**llama3)))
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     assert model_config(arguments.parse_args(MINIMAL + flags), Bridge(hf(**yarn))).rope_scaling["rope_type"] == "yarn"
+
+
+def test_moe_layer_freq_names_a_dense_prefix_or_is_refused():
+    assert arguments.dense_prefix("1", 4) == 0 and arguments.dense_prefix("([0]*3+[1]*89)", 92) == 3
+    for bad, message in (("2", "only 1 or"), ("([0]*1+[1]*3)", "describes 4 layers"), ("[1,0]", "only 1 or")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            arguments.dense_prefix(bad, 5 if bad == "([0]*1+[1]*3)" else 2)
+
+
+def test_glm_flags_must_agree_with_the_checkpoint():
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.training.trainer import model_config
+
+    hf = {**tiny_config("glm4_moe").to_dict(), "architectures": ["Glm4MoeForCausalLM"]}
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--ffn-hidden-size", "128", "--kv-channels", "16", "--qk-layernorm",
+             "--add-qkv-bias", "--position-embedding-type", "rope", "--num-experts", "4", "--moe-ffn-hidden-size",
+             "32", "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "([0]*1+[1]*1)",
+             "--rotary-percent", "0.5", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+             "--moe-router-topk-scaling-factor", "2.5"]
+    assert model_config(arguments.parse_args(MINIMAL + flags), Bridge(hf)).moe_dense_layers == 1
+    for drop, field in ((["--rotary-percent", "0.5"], "rotary_percent"),
+                        (["--moe-layer-freq", "([0]*1+[1]*1)"], "moe_dense_layers"),
+                        (["--moe-router-enable-expert-bias"], "router")):
+        wrong = [f for f in flags if f not in drop]
+        with pytest.raises(ValueError, match=f"{field}: the model flags say"):
+            model_config(arguments.parse_args(MINIMAL + wrong), Bridge(hf))

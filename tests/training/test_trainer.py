@@ -354,6 +354,35 @@ def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_pat
     assert abs(steps["natural"][0]["loss"] - first["loss"]) > 1e-4 and "routing_mismatch" not in steps["natural"][0]
 
 
+def test_glm4_moe_trains_the_same_under_pipeline_tensor_and_expert_parallelism(tmp_path):
+    """The GLM-4.5 layout (dense layer 0, then a MoE layer with a sigmoid router, score-correction bias, routed
+    scaling and a shared expert; RoPE on half of each head) through the trainer with routing replay: one rank,
+    PP = 2 (the dense and the MoE layer on different stages), TP = 2 with sequence parallelism and EP = 2 train the
+    same two steps; only the MoE layer replays rows."""
+    model_dir = build_tiny_model(str(tmp_path / "glm"), arch="glm4_moe", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
+    steps = {}
+    for name, extra, nproc in (
+            ("one", [], 1),
+            ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+            ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+            ("ep2", ["--expert-model-parallel-size", "2"], 2)):
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
+                                              model=[])
+    assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
+    for other in ("pp2", "tp2sp", "ep2"):
+        # EP = 2 runs as DP = 2 (experts split over the two data-parallel ranks): its loss and row counts are rank
+        # 0's share of the batch; the DP-reduced gradient is the whole batch's
+        keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
+        for a, b in zip(steps["one"], steps[other]):
+            for key in keys:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    # one MoE layer of two: half the rows the two-layer Qwen3-MoE test replays on the same data
+    assert sorted(s["routing_replayed_rows"] for s in steps["one"]) == [60, 64]
+    assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
+
+
 def test_routing_replay_under_the_interleaved_pipeline(tmp_path):
     """--routing-replay with PP = 2 x VPP = 2 on a 4-layer MoE model: each model chunk's routers take their own
     layers' rows, micro-batches padded to one length (padding rows routed by the router), and the step equals one

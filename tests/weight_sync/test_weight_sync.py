@@ -36,6 +36,7 @@ def models(tmp_path_factory):
         "qwen2": build_tiny_model(str(root / "qwen2"), arch="qwen2", seed=3),
         "qwen3_tied": build_tiny_model(str(root / "qwen3_tied"), arch="qwen3", seed=4, tie_word_embeddings=True),
         "qwen3_moe": build_tiny_model(str(root / "qwen3_moe"), arch="qwen3_moe", seed=5),
+        "glm4_moe": build_tiny_model(str(root / "glm4_moe"), arch="glm4_moe", seed=6),
     }
 
 
@@ -59,6 +60,9 @@ def _perturb(model, scale):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.sin(p * 1000.0))
+        for name, buf in model.named_buffers():  # MoE routers' score-correction biases are synced too
+            if name.endswith(".expert_bias"):
+                buf.add_(scale * torch.sin(buf * 1000.0 + 1.0))
 
 
 def _trainer_logprobs(model, output_ids):
@@ -143,7 +147,8 @@ def _check_synced(results):
     ("qwen2", ParallelConfig(tp=2)),
     ("qwen3_tied", ParallelConfig(pp=2)),
     ("qwen3_moe", ParallelConfig(ep=2)),
-], ids=["tp2", "pp2-tied", "ep2-moe"])
+    ("glm4_moe", ParallelConfig(pp=2)),
+], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
