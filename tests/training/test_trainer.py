@@ -357,8 +357,8 @@ def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_pat
 def test_glm4_moe_trains_the_same_under_pipeline_tensor_and_expert_parallelism(tmp_path):
     """The GLM-4.5 layout (dense layer 0, then a MoE layer with a sigmoid router, score-correction bias, routed
     scaling and a shared expert; RoPE on half of each head) through the trainer with routing replay: one rank,
-    PP = 2 (the dense and the MoE layer on different stages), TP = 2 with sequence parallelism and EP = 2 train the
-    same two steps; only the MoE layer replays rows."""
+    PP = 2 (the dense and the MoE layer on different stages), TP = 2 with sequence parallelism, CP = 2 and EP = 2
+    train the same two steps; only the MoE layer replays rows."""
     model_dir = build_tiny_model(str(tmp_path / "glm"), arch="glm4_moe", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
     steps = {}
@@ -366,12 +366,13 @@ def test_glm4_moe_trains_the_same_under_pipeline_tensor_and_expert_parallelism(t
             ("one", [], 1),
             ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
             ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+            ("cp2", ["--context-parallel-size", "2"], 2),  # partial RoPE indexed by depth on each CP shard
             ("ep2", ["--expert-model-parallel-size", "2"], 2)):
         steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
                                               extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
                                               model=[])
-    assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
-    for other in ("pp2", "tp2sp", "ep2"):
+    assert [len(v) for v in steps.values()] == [2, 2, 2, 2, 2]
+    for other in ("pp2", "tp2sp", "cp2", "ep2"):
         # EP = 2 runs as DP = 2 (experts split over the two data-parallel ranks): its loss and row counts are rank
         # 0's share of the batch; the DP-reduced gradient is the whole batch's
         keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
