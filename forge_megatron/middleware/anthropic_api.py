@@ -36,7 +36,8 @@ import os
 from aiohttp import web
 
 from forge_megatron.middleware.gateway import (
-    GATEWAY, ApiError, ChatRequest, Gateway, _body, parse_chat_request, serve_call, stream_holds,
+    GATEWAY, ApiError, ChatRequest, Gateway, _body, adopt_streamed_calls, parse_chat_request, serve_call,
+    stream_holds,
 )
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -267,11 +268,14 @@ def _event(kind: str, body: dict) -> bytes:
 
 async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.StreamResponse:
     """Anthropic's event stream for one call: thinking and text deltas as the engine produces them (text held back
-    at the tool-call marker and stop sequences, like the OpenAI stream), tool_use blocks whole at the end."""
+    at the tool-call marker and stop sequences, like the OpenAI stream), each tool_use block whole as soon as its
+    call's block closes (formats without closing markers: at the end)."""
     holds = stream_holds(gw, req, call)
     resp = None
     sent = sent_thinking = 0
     block = {"index": -1, "type": None}  # the open content block
+    sent_calls: list[dict] = []  # tool_use blocks sent as their calls' blocks closed
+    closed = 0
 
     async def start() -> None:
         nonlocal resp
@@ -304,8 +308,17 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.Str
             await resp.write(_event("content_block_delta", {"index": block["index"], "delta": {
                 "type": f"{field}_delta", field: text}}))
 
+    async def tool_use(tc: dict) -> None:
+        await close_block()
+        block["index"] += 1
+        await resp.write(_event("content_block_start", {"index": block["index"], "content_block": {
+            "type": "tool_use", "id": tc["id"], "name": tc["function"]["name"], "input": {}}}))
+        await resp.write(_event("content_block_delta", {"index": block["index"], "delta": {
+            "type": "input_json_delta", "partial_json": tc["function"]["arguments"]}}))
+        await resp.write(_event("content_block_stop", {"index": block["index"]}))
+
     async def on_partial(result) -> int:
-        nonlocal sent, sent_thinking
+        nonlocal sent, sent_thinking, closed
         if resp is None:
             await start()
         reasoning, text = gw.stream_views(call, req, result, holds)
@@ -316,7 +329,11 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.Str
         if len(text) > sent and text.strip():  # no text block for the whitespace before a tool call
             await delta("text", text[sent:])
             sent = len(text)
-        return sent + sent_thinking
+        closed, calls = gw.stream_calls(call, req, result, closed)
+        for tc in (calls or [])[len(sent_calls):]:
+            await tool_use(tc)
+            sent_calls.append(tc)
+        return sent + sent_thinking + len(sent_calls)
 
     try:
         result = await gw.generate_streamed(sess, call, on_partial)
@@ -329,23 +346,20 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.Str
         return resp
     if resp is None:
         await start()
+    calls = adopt_streamed_calls(message, sent_calls)
     blocks = content_blocks(message)
     if blocks and blocks[0]["type"] == "thinking":
         if block["type"] == "thinking" or block["index"] < 0:
             await delta("thinking", blocks[0]["thinking"][sent_thinking:])
         blocks = blocks[1:]
     if blocks and blocks[0]["type"] == "text":
-        await delta("text", blocks[0]["text"][sent:])
+        rest = blocks[0]["text"][sent:]
+        if rest or not sent_calls:  # text after calls already sent opens a block of its own
+            await delta("text", rest)
         blocks = blocks[1:]
+    for tc in calls[len(sent_calls):]:
+        await tool_use(tc)
     await close_block()
-    index = block["index"] + 1
-    for b in blocks:
-        await resp.write(_event("content_block_start", {"index": index, "content_block": {
-            "type": "tool_use", "id": b["id"], "name": b["name"], "input": {}}}))
-        await resp.write(_event("content_block_delta", {"index": index, "delta": {
-            "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}}))
-        await resp.write(_event("content_block_stop", {"index": index}))
-        index += 1
     reason, sequence = stop_reason(finish, result)
     await resp.write(_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                               "usage": {"output_tokens": len(call.turn.completion_ids)}}))

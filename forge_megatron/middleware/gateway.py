@@ -752,6 +752,18 @@ class Gateway:
         shown = self.parser_for(req).streamable(text)
         return reasoning, shown[:_emit_upto(shown, holds)]
 
+    def stream_calls(self, call: _Call, req: ChatRequest, result, closed: int) -> tuple[int, list[dict] | None]:
+        """(blocks closed, the tool calls in them) of a completion so far, for parsers with ``streams_calls`` (a
+        call whose block has closed is final); calls None when no block closed since ``closed`` were."""
+        parser = self.parser_for(req)
+        if not parser.streams_calls:
+            return closed, None
+        _, text = self.split_reasoning(call, req, self.text_of(call, result), final=False)
+        now = text.count(parser.end_marker)
+        if now <= closed:  # nothing new: skip the parse
+            return closed, None
+        return now, parser.parse(text, req.tools).tool_calls
+
     def finish(self, sess: Session, call: _Call, result, req: ChatRequest) -> tuple[dict, str]:
         """Parse the completion (``result`` from :meth:`generate`), record the call, return (assistant message,
         OpenAI finish_reason)."""
@@ -931,8 +943,8 @@ def _sse(body: dict) -> bytes:
 
 
 async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _Call) -> web.StreamResponse:
-    """Stream one call as SSE chunks. Content is held back at the tool-call marker and stop strings; tool calls
-    arrive as one tool_calls delta at the end. Errors after the response has started (e.g. an abort once content was
+    """Stream one call as SSE chunks. Content is held back at the tool-call marker and stop strings; each tool call
+    is sent as one tool_calls delta when its block closes (formats without closing markers: at the end). Errors after the response has started (e.g. an abort once content was
     sent) end it with an OpenAI-style error event."""
     cid, created = _completion_id(), int(time.time())
 
@@ -946,9 +958,11 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
     holds = stream_holds(gw, req, call)
     resp = None
     sent = sent_reasoning = 0
+    sent_calls: list[dict] = []  # tool calls sent as their blocks closed, before the completion ended
+    closed = 0  # call blocks closed so far
 
     async def on_partial(result) -> int:
-        nonlocal resp, sent, sent_reasoning
+        nonlocal resp, sent, sent_reasoning, closed
         if resp is None:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
@@ -960,7 +974,11 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
         if len(text) > sent:
             await resp.write(chunk({"content": text[sent:]}))
             sent = len(text)
-        return sent + sent_reasoning
+        closed, calls = gw.stream_calls(call, req, result, closed)
+        for tc in (calls or [])[len(sent_calls):]:
+            await resp.write(chunk({"tool_calls": [{"index": len(sent_calls), **tc}]}))
+            sent_calls.append(tc)
+        return sent + sent_reasoning + len(sent_calls)
 
     try:
         result = await gw.generate_streamed(sess, call, on_partial)
@@ -978,14 +996,28 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
     content = message["content"] or ""
     if len(content) > sent:
         await resp.write(chunk({"content": content[sent:]}))
-    if message.get("tool_calls"):
-        await resp.write(chunk({"tool_calls": [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]}))
+    calls = adopt_streamed_calls(message, sent_calls)
+    if len(calls) > len(sent_calls):
+        await resp.write(chunk({"tool_calls": [{"index": i, **tc} for i, tc in enumerate(calls)
+                                               if i >= len(sent_calls)]}))
     await resp.write(chunk({}, finish))
     if req.include_usage:
         await resp.write(chunk({}, usage=gw.usage(call.turn)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def adopt_streamed_calls(message: dict, sent: list[dict]) -> list[dict]:
+    """The message's tool calls, the ones a stream already sent keeping the ids it sent them with (each parse
+    names calls afresh); the message is the turn's record, so the next call renders those ids."""
+    calls = message.get("tool_calls") or []
+    for tc, early in zip(calls, sent):
+        if tc["function"] != early["function"]:
+            log.warning("a streamed tool call changed when the completion ended: %s -> %s", early, tc)
+            break
+        tc["id"] = early["id"]
+    return calls
 
 
 def _engine_error(exc: Exception) -> ApiError:

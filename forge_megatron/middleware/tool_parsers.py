@@ -96,6 +96,9 @@ class ToolParser:
 
     name = "none"
     start_marker: str | None = None
+    # parse() of a completion so far gives the finished completion's first calls (closed blocks do not change):
+    # streams send each call as soon as its block closes
+    streams_calls = False
 
     def parse(self, text: str, tools: list | None = None) -> ParsedCompletion:
         """Split ``text`` into content and tool calls; ``tools`` (the request's OpenAI tools) type XML arguments."""
@@ -121,6 +124,7 @@ class BlockToolParser(ToolParser):
     (:meth:`calls_in`: the calls it holds, or raise _Malformed)."""
 
     end_marker: str = ""
+    streams_calls = True
 
     def parse(self, text: str, tools: list | None = None) -> ParsedCompletion:
         schemas = _schemas(tools)

@@ -18,6 +18,8 @@ from forge_megatron.models.tiny import build_tiny_model, finetune_on_chats
 from forge_megatron.rollout.launch import start_engine, start_gateway
 from tests.middleware.test_gateway import calls, client, end, http, new_session
 
+calls_of = calls
+
 TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
     "{%- for t in tools %}{{- '\\n' + (t | tojson) }}{%- endfor %}"
@@ -51,6 +53,8 @@ CALL_TEXT = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</pa
              "</parameter>\n</function>\n</tool_call>")
 RESULT, PLAN2, ANSWER = "sunny, 22C", "Sunny.", "It is sunny."
 HELLO = [{"role": "user", "content": "Say hello."}]
+TWO = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+CALL_ROME = CALL_TEXT.replace("Paris", "Rome")
 GREEDY = dict(temperature=0, max_tokens=256)
 
 
@@ -60,7 +64,8 @@ def scripted_chats():
     return [(USER, f"<think>\n{PLAN}\n</think>\n\n{CALL_TEXT}"),
             (USER + [call, {"role": "tool", "tool_call_id": "c1", "content": RESULT}],
              f"<think>\n{PLAN2}\n</think>\n\n{ANSWER}"),
-            (HELLO, "Let me think.\n</think>\n\nHello.", {"think_in_prompt": True})]
+            (HELLO, "Let me think.\n</think>\n\nHello.", {"think_in_prompt": True}),
+            (TWO, f"<think>\nBoth.\n</think>\n\n{CALL_TEXT}\n{CALL_ROME}")]
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +140,42 @@ def test_streams_give_reasoning_content_deltas_then_content_and_tool_calls(think
     assert json.loads(tc["function"]["arguments"]) == CALL
 
 
+def test_each_tool_call_is_streamed_when_its_block_closes_with_the_ids_the_turn_keeps(thinking_stack):
+    gw = thinking_stack
+    s = new_session(gw)
+    c = client(s)
+    chunks = [ch.choices[0].delta.model_dump(exclude_none=True) for ch in c.chat.completions.create(
+        model="tiny", messages=TWO, tools=TOOLS, stream=True, **GREEDY) if ch.choices]
+    with_calls = [i for i, d in enumerate(chunks) if d.get("tool_calls")]
+    assert len(with_calls) == 2  # a delta per call
+    calls = [d["tool_calls"][0] for d in (chunks[i] for i in with_calls)]
+    assert [tc["index"] for tc in calls] == [0, 1]
+    assert [json.loads(tc["function"]["arguments"])["city"] for tc in calls] == ["Paris", "Rome"]
+    # what the stream sees after each sampled token: the first call is final as soon as its block closes, long
+    # before the completion ends
+    from types import SimpleNamespace
+
+    from forge_megatron.middleware.gateway import parse_chat_request
+
+    req = parse_chat_request({"messages": TWO, "tools": TOOLS}, 64)
+    ids = calls_of(gw, s)[0]["completion_ids"]
+    seen, closed = [], 0
+    for n in range(1, len(ids) + 1):
+        closed, got = gw.gateway.stream_calls(SimpleNamespace(forced_text="", reasoning_open=False), req,
+                                              SimpleNamespace(output_ids=ids[:n], finish_reason=None), closed)
+        if got is not None:
+            seen.append((n, [json.loads(tc["function"]["arguments"])["city"] for tc in got]))
+    assert [cities for _, cities in seen] == [["Paris"], ["Paris", "Rome"]]
+    assert seen[0][0] < seen[1][0] - 10  # Paris's call was out while Rome's was still being sampled
+    # the turn is recorded with the streamed ids: sending the calls back with them continues the segment
+    message = {"role": "assistant", "content": None, "reasoning_content": "Both.",
+               "tool_calls": [{k: tc[k] for k in ("id", "type", "function")} for tc in calls]}
+    follow = TWO + [message] + [{"role": "tool", "tool_call_id": tc["id"], "content": RESULT} for tc in calls]
+    c.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, max_tokens=4, temperature=0)
+    assert [x["segment_index"] for x in calls_of(gw, s)] == [0, 0]
+    assert gw.gateway.sessions[s["session_id"]].calls[0].num_tool_calls == 2
+
+
 def test_separate_reasoning_false_gives_the_raw_text(thinking_stack):
     gw = thinking_stack
     c = client(new_session(gw))
@@ -206,3 +247,9 @@ def test_anthropic_thinking_blocks_round_trip_and_stream(thinking_stack):
                                      extra_body={"temperature": 0})
     kinds = [ev.content_block.type for ev in first_stream if ev.type == "content_block_start"]
     assert kinds == ["thinking", "tool_use"]
+    with c.messages.stream(model="tiny", max_tokens=256, messages=TWO, tools=A_TOOLS,
+                           extra_body={"temperature": 0}) as st:  # two calls, each block as its call closes
+        starts = [(ev.index, ev.content_block.type) for ev in st if ev.type == "content_block_start"]
+        final = st.get_final_message()
+    assert starts == [(0, "thinking"), (1, "tool_use"), (2, "tool_use")]
+    assert [b.input["city"] for b in final.content[1:]] == ["Paris", "Rome"]
