@@ -50,8 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3, help="RL learning rate")
-    p.add_argument("--moe", action="store_true",
-                   help="a tiny Qwen3-MoE model (4 experts, top-2) with rollout routing replay end to end")
+    p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None, choices=["qwen3_moe", "glm4_moe"],
+                   help="a tiny MoE model (4 experts, top-2) with rollout routing replay end to end: Qwen3-MoE "
+                        "(default), or glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
+                        "score-correction bias, a shared expert, RoPE on half of each head)")
     p.add_argument("--fp8", action="store_true",
                    help="the engine serves a block-wise FP8 copy of the SFT model (forge-convert hf-to-fp8, 32 x 32 "
                         "blocks) and the trainer syncs FP8 weights to it (--weight-sync-fp8)")
@@ -121,9 +123,9 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
     with open(os.path.join(out, "sft.jsonl"), "w") as f:
         for chat in calculator.sft_conversations(sft_tasks, args.sft_tool_fraction, seed=args.seed):
             f.write(json.dumps({"messages": chat, "tools": calculator.TOOLS}) + "\n")
-    kind = "MoE, 4 experts top-2, " if args.moe else ""
+    kind = f"{args.moe} MoE, 4 experts top-2, " if args.moe else ""
     print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
-    arch = dict(arch="qwen3_moe", moe_intermediate_size=args.hidden_size) if args.moe else \
+    arch = dict(arch=args.moe, moe_intermediate_size=args.hidden_size) if args.moe else \
         dict(intermediate_size=2 * args.hidden_size)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
                             num_hidden_layers=args.num_layers, **arch)
