@@ -1,6 +1,6 @@
 """Model families the bridge knows, and the translation of a Hugging Face ``config.json`` into a :class:`GPTConfig`.
 
-Why a registry: Llama, Qwen2, Qwen3, Qwen3-MoE and GLM-4.5 share one decoder layout (RMSNorm, RoPE with rotate-half,
+Why a registry: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and GLM-4.5 share one decoder layout (RMSNorm, RoPE with rotate-half,
 GQA attention, SwiGLU MLP) and differ in a few switches: a bias on the fused QKV projection (Qwen2), per-head
 RMSNorm on queries and keys before RoPE (Qwen3: ``q_norm``/``k_norm``), and a routed expert MLP (Qwen3-MoE).
 A new family is one more :class:`Family` entry; anything in a config that the shared layout cannot express
@@ -47,6 +47,8 @@ FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family("qwen3", qkv_bias=None, qk_norm=True, moe=False),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", qkv_bias=None, qk_norm=True, moe=True),
     "Glm4MoeForCausalLM": Family("glm4_moe", qkv_bias=None, qk_norm=None, moe=True, glm_moe=True),
+    # Mistral-Small / Devstral / Magistral text models: the Llama layout (sliding windows refused below)
+    "MistralForCausalLM": Family("mistral", qkv_bias=None, qk_norm=False, moe=False),
 }
 
 
@@ -113,6 +115,10 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                     "an attention output bias)")
     if hf.get("use_sliding_window"):
         raise UnsupportedModelError("use_sliding_window=True is not supported")
+    window = hf.get("sliding_window") if family.name == "mistral" else None
+    if window is not None and window < hf.get("max_position_embeddings", 0):
+        raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
+                                    "Mistral-Small 3 / Devstral configs have none)")
     if partial_rotary(hf) != 1.0 and not family.glm_moe:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
     if family.moe and not family.glm_moe:

@@ -23,6 +23,8 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
                                                        \\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
   llama3                     Llama 3.1-3.3             {"name": "f", "parameters": {...}}  (the whole answer; ; between
                                                        calls; optionally after <|python_tag|>)
+  mistral                    Mistral-Small 3, Devstral [TOOL_CALLS][{"name": "f", "arguments": {...}}]  (up to v7
+                             Magistral                 tokenizers) or [TOOL_CALLS]f[ARGS]{...}  (v11)
   gpt-oss (gpt_oss)          gpt-oss (harmony)         <|start|>assistant<|channel|>commentary to=functions.f
                                                        <|constrain|>json<|message|>{...}<|call|>  (harmony.py)
   none                       -                         no tool calls (tool_choice "none" uses it too)
@@ -497,6 +499,71 @@ class Llama3ToolParser(ToolParser):
         return f'{{"name": {json.dumps(function_name, ensure_ascii=False)}, "parameters":'
 
 
+# -------------------------------------------------------------------------------------------------- Mistral
+class MistralToolParser(ToolParser):
+    """Mistral-Small 3.x, Devstral, Magistral: after ``[TOOL_CALLS]`` either a JSON array of
+    ``{"name", "arguments"[, "id"]}`` (tokenizers up to v7) or ``NAME[ARGS]{json}`` calls, each after its own
+    ``[TOOL_CALLS]`` (v11; ``NAME[CALL_ID]ID[ARGS]{json}`` where the model writes ids). Text before the first marker is
+    content. Ids: the model's own when it writes them, else 9 letters and digits, the only ids Mistral's chat
+    templates accept when the calls come back."""
+
+    name = "mistral"
+    start_marker = "[TOOL_CALLS]"
+    _V11 = re.compile(r"^\s*(?P<name>[^\[\]\s]+)\s*(?:\[CALL_ID\](?P<id>[^\[]*))?\[ARGS\](?P<args>.*)$", re.DOTALL)
+
+    def parse(self, text, tools=None):
+        at = text.find(self.start_marker)
+        if at < 0:
+            return ParsedCompletion(content=text)
+        schemas = _schemas(tools)
+        try:
+            calls = self.calls_in(text[at:], schemas)
+        except _Malformed:
+            return ParsedCompletion(content=text, num_malformed=1)
+        return ParsedCompletion(content=text[:at].strip() or None, tool_calls=calls)
+
+    def calls_in(self, body: str, schemas: dict) -> list[dict]:
+        parts = [p for p in body.split(self.start_marker)[1:]]
+        found = []
+        if parts and parts[0].lstrip().startswith("["):  # one JSON array of calls
+            if len(parts) > 1:
+                raise _Malformed("a second [TOOL_CALLS] after a JSON array")
+            try:
+                items, end = json.JSONDecoder().raw_decode(parts[0].lstrip())
+            except json.JSONDecodeError as exc:
+                raise _Malformed(str(exc)) from exc
+            if parts[0].lstrip()[end:].strip() or not isinstance(items, list) or not items:
+                raise _Malformed("not one JSON array of calls")
+            for item in items:
+                if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+                    raise _Malformed("a call without a name")
+                found.append((item["name"], item.get("arguments", {}), item.get("id")))
+        else:
+            for part in parts:
+                m = self._V11.match(part)
+                if m is None:
+                    raise _Malformed("not NAME[ARGS]{...}")
+                found.append((m.group("name"), m.group("args").strip(), m.group("id")))
+        calls = []
+        for name, args, call_id in found:
+            if schemas and name not in schemas:
+                raise _Malformed("a call to a function the request has no tool for")
+            ok_id = isinstance(call_id, str) and call_id.strip().isalnum()
+            calls.append(_call(name, _json_args(args), call_id.strip() if ok_id else _mistral_id()))
+        return calls
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker
+        raise CannotForceToolCall("the mistral parser forces a call only with tool_choice 'required' (how a named "
+                                  "call continues depends on the tokenizer version: a JSON array or NAME[ARGS])")
+
+
+def _mistral_id() -> str:
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    return "".join(alphabet[b % len(alphabet)] for b in uuid.uuid4().bytes[:9])
+
+
 # --------------------------------------------------------------------------------------------- harmony (gpt-oss)
 class GptOssToolParser(ToolParser):
     """gpt-oss's harmony format: a message to ``functions.NAME`` is a call (rules in harmony.py)."""
@@ -548,6 +615,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "glm47": Glm47ToolParser, "minimax-m2": MinimaxM2ToolParser, "minimax_m2": MinimaxM2ToolParser,
     "kimi_k2": KimiK2ToolParser, "deepseekv31": DeepSeekV31ToolParser, "deepseekv3": DeepSeekV3ToolParser,
     "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser, "llama3": Llama3ToolParser,
+    "mistral": MistralToolParser,
 }
 
 

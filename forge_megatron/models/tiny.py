@@ -31,7 +31,7 @@ SPECIAL_TOKENS = (
     "<tool_response>",
     "</tool_response>",
 )
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral")
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
 _CORPUS = [
@@ -144,6 +144,7 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
              "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
         ),
+        "mistral": (transformers.MistralConfig, {"head_dim": 16, "sliding_window": None}),
         # GLM-4.5 layout: layer 0 dense, layer 1 MoE (sigmoid router + score bias, a shared expert), half-head RoPE
         "glm4_moe": (
             transformers.Glm4MoeConfig,

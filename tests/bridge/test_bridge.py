@@ -13,7 +13,7 @@ from forge_megatron.models.tiny import tiny_config
 def _hf(arch, **kw):
     cfg = tiny_config(arch, **kw).to_dict()
     cfg["architectures"] = {"qwen2": ["Qwen2ForCausalLM"], "llama": ["LlamaForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
-                            "qwen3_moe": ["Qwen3MoeForCausalLM"]}[arch]
+                            "qwen3_moe": ["Qwen3MoeForCausalLM"], "mistral": ["MistralForCausalLM"]}[arch]
     return cfg
 
 
@@ -38,7 +38,7 @@ def test_config_per_family():
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture 'MistralForCausalLM'"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
     ({"architectures": []}, "no 'architectures' entry"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "RoPE scaling type 'dynamic'"),
@@ -90,6 +90,14 @@ def test_glm4_moe_config_maps_to_megatrons_sigmoid_router_shared_experts_and_den
 def test_glm4_moe_options_megatron_cannot_match_are_refused(change, message):
     with pytest.raises(UnsupportedModelError, match=message):
         gpt_config_from_hf({**_glm(), **change})
+
+
+def test_mistral_is_the_llama_layout_without_a_sliding_window():
+    cfg = gpt_config_from_hf(_hf("mistral"))
+    assert (cfg.add_qkv_bias, cfg.qk_layernorm, cfg.head_dim, cfg.rope_scaling) == (False, False, 16, None)
+    with pytest.raises(UnsupportedModelError, match="sliding_window=512 is not supported"):
+        gpt_config_from_hf({**_hf("mistral"), "sliding_window": 512})
+    assert gpt_config_from_hf({**_hf("mistral"), "sliding_window": 4096}).num_layers == 2  # >= the context: none
 
 
 def test_moe_with_dense_layers_is_refused():

@@ -19,7 +19,7 @@ from forge_megatron.convert.cli import main as cli_main
 from tests.convert.mcore_forward import forward_logits, load_converted
 from tests.dist_utils import run_distributed
 
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [

@@ -220,3 +220,41 @@ def test_llama3_streams_hold_back_what_may_be_a_call():
         prefix = p.forced_prefix(name)
         assert call.startswith(prefix)
         assert parsed_calls(p.parse(prefix + call[len(prefix):], TOOLS))[0]["arguments"] == {"query": "weather"}
+
+
+# ------------------------------------------------------------------------------------------------ Mistral
+MISTRAL_V7 = '[TOOL_CALLS][{% for c in calls %}{% if not loop.first %}, {% endif %}{"name": "{{ c.name }}", ' \
+             '"arguments": {{ c.arguments | tojson }}, "id": "{{ c.id }}"}{% endfor %}]'
+MISTRAL_V11 = '{% for c in calls %}[TOOL_CALLS]{{ c.name }}[ARGS]{{ c.arguments | tojson }}{% endfor %}'
+
+
+@pytest.mark.parametrize("writer", [MISTRAL_V7, MISTRAL_V11], ids=["json-array", "v11"])
+def test_mistral_calls_round_trip_with_template_acceptable_ids(writer):
+    p, rng = get_parser("mistral"), random.Random("mistral")
+    for trial in range(20):
+        calls = [{"name": rng.choice(["get_weather", "search"]), "arguments": random_arguments(rng),
+                  "id": f"a{trial:02d}b{i}xyz9"[:9]} for i in range(rng.randint(1, 3))]
+        text = _env.from_string(writer).render(calls=calls)
+        lead = rng.choice(["", "On it."])
+        got = p.parse(lead + text, TOOLS)
+        assert [(c["name"], c["arguments"]) for c in parsed_calls(got)] == \
+            [(c["name"], c["arguments"]) for c in calls], (trial, text)
+        assert got.num_malformed == 0 and got.content == (lead or None)
+        if writer == MISTRAL_V7:  # the model's ids are kept, and render back to the same text
+            assert [c["id"] for c in got.tool_calls] == [c["id"] for c in calls]
+            assert _env.from_string(writer).render(calls=parsed_calls(got)) == text
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got.tool_calls)  # Mistral templates demand it
+
+
+def test_mistral_malformed_calls_and_forcing():
+    p = get_parser("mistral")
+    for bad in ('[TOOL_CALLS][{"name": "search", "arguments": {"query": ', '[TOOL_CALLS]search{"query": "q"}',
+                '[TOOL_CALLS][{"name": "launch", "arguments": {}}]', '[TOOL_CALLS][{"arguments": {}}]'):
+        got = p.parse("x " + bad, TOOLS)
+        assert (got.tool_calls, got.num_malformed, got.content) == ([], 1, "x " + bad), bad
+    got = p.parse('[TOOL_CALLS]search[CALL_ID]q1w2e3r4t[ARGS]{"query": "q"}', TOOLS)
+    assert got.tool_calls[0]["id"] == "q1w2e3r4t"
+    assert p.parse("plain answer", TOOLS).content == "plain answer" and p.start_marker == "[TOOL_CALLS]"
+    assert p.forced_prefix() == "[TOOL_CALLS]"
+    with pytest.raises(CannotForceToolCall, match="only with tool_choice 'required'"):
+        p.forced_prefix("search")
