@@ -23,6 +23,7 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
                                                        \\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
   llama3                     Llama 3.1-3.3             {"name": "f", "parameters": {...}}  (the whole answer; ; between
                                                        calls; optionally after <|python_tag|>)
+  pythonic                   Llama 3.2 / 3.3 / 4       [get_weather(city="Paris", days=3), search(query="x")]
   mistral                    Mistral-Small 3, Devstral [TOOL_CALLS][{"name": "f", "arguments": {...}}]  (up to v7
                              Magistral                 tokenizers) or [TOOL_CALLS]f[ARGS]{...}  (v11)
   gpt-oss (gpt_oss)          gpt-oss (harmony)         <|start|>assistant<|channel|>commentary to=functions.f
@@ -61,6 +62,7 @@ training (a tiny model continued it with garbage); the model writes `` {`` itsel
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -499,6 +501,57 @@ class Llama3ToolParser(ToolParser):
         return f'{{"name": {json.dumps(function_name, ensure_ascii=False)}, "parameters":'
 
 
+class PythonicToolParser(ToolParser):
+    """Llama 3.2 / 3.3 / 4 "pythonic" calls: the whole answer is a Python list of calls with literal keyword
+    arguments, ``[get_weather(city="Paris", days=3), search(query="x")]`` (Llama 4 may wrap it in
+    ``<|python_start|>`` ... ``<|python_end|>``). Read with Python's parser and ``ast.literal_eval`` (nothing is
+    evaluated); an answer that is not such a list is content, one whose calls do not read is malformed."""
+
+    name = "pythonic"
+    _WRAP = ("<|python_start|>", "<|python_end|>")
+
+    def parse(self, text, tools=None):
+        body = text.strip()
+        if body.startswith(self._WRAP[0]):
+            body = body[len(self._WRAP[0]):].removesuffix(self._WRAP[1]).strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            return ParsedCompletion(content=text)
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except SyntaxError:
+            return ParsedCompletion(content=text)  # e.g. a bracketed answer that is not Python
+        if not isinstance(tree, ast.List) or not tree.elts or not all(isinstance(e, ast.Call) for e in tree.elts):
+            return ParsedCompletion(content=text)
+        schemas = _schemas(tools)
+        calls = []
+        try:
+            for node in tree.elts:
+                if not isinstance(node.func, ast.Name) or node.args:
+                    raise _Malformed("calls are NAME(key=value, ...)")
+                if schemas and node.func.id not in schemas:
+                    raise _Malformed("a call to a function the request has no tool for")
+                try:
+                    args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+                except ValueError as exc:
+                    raise _Malformed(f"an argument is not a literal: {exc}") from exc
+                if len(args) != len(node.keywords):
+                    raise _Malformed("**kwargs")
+                try:
+                    calls.append(_call(node.func.id, args))
+                except (TypeError, ValueError) as exc:  # a set, bytes, a complex number: no JSON for it
+                    raise _Malformed(str(exc)) from exc
+        except _Malformed:
+            return ParsedCompletion(content=text, num_malformed=1)
+        return ParsedCompletion(content=None, tool_calls=calls)
+
+    def streamable(self, text):
+        head = text.lstrip()
+        return "" if not head or head.startswith(("[", "<|python_start|>"[:len(head)])) else text
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        return "[" if function_name is None else f"[{function_name}("
+
+
 # -------------------------------------------------------------------------------------------------- Mistral
 class MistralToolParser(ToolParser):
     """Mistral-Small 3.x, Devstral, Magistral: after ``[TOOL_CALLS]`` either a JSON array of
@@ -615,7 +668,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "glm47": Glm47ToolParser, "minimax-m2": MinimaxM2ToolParser, "minimax_m2": MinimaxM2ToolParser,
     "kimi_k2": KimiK2ToolParser, "deepseekv31": DeepSeekV31ToolParser, "deepseekv3": DeepSeekV3ToolParser,
     "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser, "llama3": Llama3ToolParser,
-    "mistral": MistralToolParser,
+    "mistral": MistralToolParser, "pythonic": PythonicToolParser,
 }
 
 

@@ -258,3 +258,37 @@ def test_mistral_malformed_calls_and_forcing():
     assert p.forced_prefix() == "[TOOL_CALLS]"
     with pytest.raises(CannotForceToolCall, match="only with tool_choice 'required'"):
         p.forced_prefix("search")
+
+
+# ------------------------------------------------------------------------------------ pythonic (Llama 3.2+)
+def _pythonic(calls):
+    return "[" + ", ".join(f"{c['name']}(" + ", ".join(f"{k}={v!r}" for k, v in c["arguments"].items()) + ")"
+                           for c in calls) + "]"
+
+
+def test_pythonic_calls_round_trip_and_nothing_is_evaluated():
+    p, rng = get_parser("pythonic"), random.Random("pythonic")
+    for trial in range(25):
+        calls = [{"name": rng.choice(["get_weather", "search"]), "arguments": random_arguments(rng)}
+                 for _ in range(rng.randint(1, 3))]
+        text = _pythonic(calls)
+        for wrapped in (text, f"<|python_start|>{text}<|python_end|>", f"\n {text}\n"):
+            got = p.parse(wrapped, TOOLS)
+            assert [(c["name"], c["arguments"]) for c in parsed_calls(got)] == \
+                [(c["name"], c["arguments"]) for c in calls], (trial, wrapped)
+            assert got.num_malformed == 0 and got.content is None
+    for text in ("The answer is [4].", "[1, 2]", "[not python", "Sure: [search(query='x')]"):
+        got = p.parse(text, TOOLS)  # not a call list as the whole answer: content
+        assert (got.content, got.tool_calls, got.num_malformed) == (text, [], 0), text
+    for text in ("[search(__import__('os').system('true'))]", "[search(query=open('x').read())]",
+                 "[launch(now=True)]", "[search(query={1, 2})]", "[x.search(query='q')]"):
+        got = p.parse(text, TOOLS)  # calls that do not read as literal calls to known tools: malformed
+        assert (got.content, got.tool_calls, got.num_malformed) == (text, [], 1), text
+
+
+def test_pythonic_streams_hold_back_a_possible_call_list_and_force_it():
+    p = get_parser("pythonic")
+    assert p.streamable("Hello") == "Hello" and p.streamable(" [sea") == "" and p.streamable("<|pyth") == ""
+    assert p.forced_prefix() == "[" and p.forced_prefix("search") == "[search("
+    got = p.parse(p.forced_prefix("search") + "query='weather')]", TOOLS)
+    assert parsed_calls(got)[0]["arguments"] == {"query": "weather"}
