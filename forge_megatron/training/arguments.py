@@ -127,6 +127,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     net.add_argument("--moe-router-enable-expert-bias", action="store_true",
                      help="the router's score-correction bias (GLM-4.5's e_score_correction_bias; kept fixed)")
     net.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    net.add_argument("--moe-router-bias-update-rate", type=float, default=None,
+                     help="let the router's score-correction bias keep balancing the experts during RL (Megatron's "
+                          "auxiliary-loss-free balancing: bias += rate x sign(mean load - load) per step; the "
+                          "biases are weight-synced to the engines). Default: kept as the checkpoint has it (0)")
     net.add_argument("--rotary-percent", type=float, default=1.0,
                      help="fraction of each head RoPE rotates (GLM-4.5: 0.5)")
     net.add_argument("--bf16", action="store_true")

@@ -588,6 +588,14 @@ def model_config(args: argparse.Namespace, bridge):
                 raise ValueError(f"{name}: the model flags say {said}, the HF checkpoint "
                                  f"{args.hf_checkpoint} has {has}")
     extra = dict(cfg.extra)
+    rate = getattr(args, "moe_router_bias_update_rate", None)
+    if rate is not None:
+        if not cfg.extra.get("moe_router_enable_expert_bias"):
+            raise ValueError(f"--moe-router-bias-update-rate: {args.hf_checkpoint} has no router score-correction "
+                             "bias (GLM-4.5-style sigmoid routers have one)")
+        if rate < 0:
+            raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got {rate}")
+        extra.update(moe_router_bias_update_rate=rate)
     if args.context_parallel_size > 1:
         from forge_megatron.mcore.context_parallel import resolve_comm_type
 

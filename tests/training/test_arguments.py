@@ -302,3 +302,17 @@ def test_glm_flags_must_agree_with_the_checkpoint():
         wrong = [f for f in flags if f not in drop]
         with pytest.raises(ValueError, match=f"{field}: the model flags say"):
             model_config(arguments.parse_args(MINIMAL + wrong), Bridge(hf))
+
+
+def test_router_bias_update_rate_needs_a_bias():
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.training.trainer import model_config
+
+    glm = Bridge({**tiny_config("glm4_moe").to_dict(), "architectures": ["Glm4MoeForCausalLM"]})
+    assert model_config(arguments.parse_args(MINIMAL), glm).extra["moe_router_bias_update_rate"] == 0.0
+    cfg = model_config(arguments.parse_args(MINIMAL + ["--moe-router-bias-update-rate", "0.001"]), glm)
+    assert cfg.extra["moe_router_bias_update_rate"] == 0.001
+    qwen = Bridge({**tiny_config("qwen3_moe").to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
+    with pytest.raises(ValueError, match="has no router score-correction bias"):
+        model_config(arguments.parse_args(MINIMAL + ["--moe-router-bias-update-rate", "0.001"]), qwen)

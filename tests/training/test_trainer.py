@@ -384,6 +384,29 @@ def test_glm4_moe_trains_the_same_under_pipeline_tensor_and_expert_parallelism(t
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
 
 
+def test_glm_router_biases_stay_or_keep_balancing_as_asked(tmp_path):
+    """The score-correction biases of a GLM-4.5 router stay as the checkpoint has them by default; with
+    --moe-router-bias-update-rate r Megatron's auxiliary-loss-free balancing moves each by -r, 0 or +r per step,
+    and the trainer's checkpoint (what forge-convert exports, what the syncer sends) holds the moved biases."""
+    from safetensors.torch import load_file
+
+    from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+
+    model_dir = build_tiny_model(str(tmp_path / "glm"), arch="glm4_moe", seed=2)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    base = load_file(os.path.join(model_dir, "model.safetensors"))[name]
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5))  # noqa
+    moved = {}
+    for run, extra in (("frozen", []), ("balancing", ["--moe-router-bias-update-rate", "0.01"])):
+        run_on_fresh_pool(tmp_path, run, model_dir, feed, iters=2, groups=1, model=[],
+                          extra=extra + ["--tree-token-budget", "18"])
+        export_trainer_checkpoint(str(tmp_path / run / "ckpt"), str(tmp_path / f"{run}_hf"))
+        moved[run] = load_file(str(tmp_path / f"{run}_hf" / "model-00001-of-00001.safetensors"))[name] - base
+    assert torch.equal(moved["frozen"], torch.zeros_like(base))
+    steps = moved["balancing"] / 0.01  # two updates of -1, 0 or +1 each
+    assert steps.abs().max() > 0.5 and torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() < 2.001
+
+
 def test_routing_replay_under_the_interleaved_pipeline(tmp_path):
     """--routing-replay with PP = 2 x VPP = 2 on a 4-layer MoE model: each model chunk's routers take their own
     layers' rows, micro-batches padded to one length (padding rows routed by the router), and the step equals one
