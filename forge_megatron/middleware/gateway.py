@@ -944,8 +944,8 @@ def _sse(body: dict) -> bytes:
 
 async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _Call) -> web.StreamResponse:
     """Stream one call as SSE chunks. Content is held back at the tool-call marker and stop strings; each tool call
-    is sent as one tool_calls delta when its block closes (formats without closing markers: at the end). Errors after the response has started (e.g. an abort once content was
-    sent) end it with an OpenAI-style error event."""
+    is sent as one tool_calls delta when its block closes (formats without closing markers: at the end). Errors
+    after the response has started (e.g. an abort once content was sent) end it with an OpenAI-style error event."""
     cid, created = _completion_id(), int(time.time())
 
     def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
