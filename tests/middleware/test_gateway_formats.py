@@ -14,8 +14,8 @@ import anthropic
 import pytest
 from transformers import AutoTokenizer
 
-from forge_megatron.models.tiny import build_tiny_model, finetune_on_chats
-from forge_megatron.rollout.launch import start_engine, start_gateway
+from forge_megatron.models.tiny import build_tiny_model
+from tests.middleware.served_tiny import fine_tuned_gateway, tool_follow_up
 from tests.middleware.test_gateway import calls, client, end, http, new_session
 
 calls_of = calls
@@ -74,18 +74,13 @@ def thinking_stack(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(d)
     tok.chat_template = TEMPLATE
     tok.save_pretrained(d)
-    finetune_on_chats(d, scripted_chats(), tools=TOOLS, steps=150, lr=5e-3)
-    engine = start_engine(d, in_process=True)
-    gw = start_gateway(d, [engine.url], in_process=True,
-                       config={"tool_parser": "qwen3_coder", "reasoning_parser": "qwen3"})
-    yield gw
-    gw.stop()
-    engine.stop()
+    formats = {"tool_parser": "qwen3_coder", "reasoning_parser": "qwen3"}
+    with fine_tuned_gateway(d, scripted_chats(), TOOLS, formats) as gw:
+        yield gw
 
 
 def follow_up(first_message: dict) -> list[dict]:
-    return USER + [first_message, {"role": "tool", "tool_call_id": first_message["tool_calls"][0]["id"],
-                                   "content": RESULT}]
+    return tool_follow_up(USER, first_message, RESULT)
 
 
 def test_reasoning_and_typed_tool_call_then_the_answer_in_one_segment(thinking_stack):

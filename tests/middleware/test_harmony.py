@@ -19,8 +19,8 @@ import pytest
 from forge_megatron.middleware import harmony
 from forge_megatron.middleware.reasoning_parsers import get_reasoning_parser
 from forge_megatron.middleware.tool_parsers import get_parser
-from forge_megatron.models.tiny import build_tiny_model, build_tiny_tokenizer, finetune_on_chats
-from forge_megatron.rollout.launch import start_engine, start_gateway
+from forge_megatron.models.tiny import build_tiny_model, build_tiny_tokenizer
+from tests.middleware.served_tiny import fine_tuned_gateway, tool_follow_up
 from tests.middleware.test_gateway import calls, client, end, http, new_session
 
 TOOLS = [{"type": "function", "function": {
@@ -140,7 +140,8 @@ SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>
 TEMPLATE = (
     "{%- set ns = namespace(tool='') %}"
     "{%- if tools %}{{- '<|start|>developer<|message|># Tools\\nnamespace functions {\\n' }}"
-    "{%- for t in tools %}{{- 'type ' + t.function.name + ' = (_: ' + (t.function.parameters | tojson) + ') => any;\\n' }}"
+    "{%- for t in tools %}"
+    "{{- 'type ' + t.function.name + ' = (_: ' + (t.function.parameters | tojson) + ') => any;\\n' }}"
     "{%- endfor %}{{- '} // namespace functions<|end|>' }}{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'user' %}{{- '<|start|>user<|message|>' + m.content + '<|end|>' }}"
@@ -180,17 +181,13 @@ def harmony_stack(tmp_path_factory):
     ends = tok.convert_tokens_to_ids(["<|return|>", "<|call|>"])
     build_tiny_model(d, seed=2, with_tokenizer=False, vocab_size=len(tok), eos_token_id=ends)
     tok.save_pretrained(d)
-    finetune_on_chats(d, scripted_chats(), tools=TOOLS, steps=150, lr=5e-3)
-    engine = start_engine(d, in_process=True)
-    gw = start_gateway(d, [engine.url], in_process=True,
-                       config={"tool_parser": "gpt-oss", "reasoning_parser": "gpt-oss"})
-    yield gw
-    gw.stop()
-    engine.stop()
+    formats = {"tool_parser": "gpt-oss", "reasoning_parser": "gpt-oss"}
+    with fine_tuned_gateway(d, scripted_chats(), TOOLS, formats) as gw:
+        yield gw
 
 
 def follow_up(first: dict) -> list[dict]:
-    return USER + [first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": RESULT}]
+    return tool_follow_up(USER, first, RESULT)
 
 
 def test_harmony_tool_loop_is_one_segment_and_a_final_answer_ends_it(harmony_stack):
