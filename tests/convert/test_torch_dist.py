@@ -31,10 +31,13 @@ def _torchrun(args, nproc):
     assert proc.returncode == 0, out[-3000:]
 
 
-def test_torch_dist_round_trip_across_layouts(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_torch_dist_round_trip_across_layouts(tmp_path, arch):
+    """GLM-4.5 layout too: a dense layer, shared experts and the routers' expert_bias buffers go through
+    dist_checkpointing's sharded state dict."""
     from forge_megatron.models.tiny import build_tiny_model
 
-    hf = build_tiny_model(str(tmp_path / "hf"), arch="qwen3_moe", seed=6, with_tokenizer=False)
+    hf = build_tiny_model(str(tmp_path / "hf"), arch=arch, seed=6, with_tokenizer=False)
     ckpt.hf_to_megatron(hf, str(tmp_path / "tp2"), ParallelLayout(tp=2))
     _torchrun(["to-torch-dist", "--mcore-dir", str(tmp_path / "tp2"), "--out", str(tmp_path / "dist")], 2)
     assert os.path.isfile(tmp_path / "dist" / ".metadata")
