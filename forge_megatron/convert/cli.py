@@ -8,6 +8,10 @@
 
 Megatron checkpoints are written in the per-rank ``torch`` format (``--ckpt-format torch``); for ``torch_dist`` run
 ``torchrun ... -m forge_megatron.convert.torch_dist`` (see docs/conversion.md).
+
+Architectures: LlamaForCausalLM (Llama 3.1-3.3 RoPE scaling included), MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM, Qwen3MoeForCausalLM, Glm4MoeForCausalLM (GLM-4.5 / 4.6 / 4.7; MTP layers left out). Options the
+Megatron model cannot compute exactly are refused by name (docs/conversion.md).
 """
 
 from __future__ import annotations

@@ -204,6 +204,13 @@ def test_parallel_size_must_divide(hf_dirs, tmp_path):
         ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "o"), ParallelLayout(ep=2))
 
 
+def test_cli_help_names_every_architecture_the_bridge_converts():
+    from forge_megatron.bridge import FAMILIES
+    from forge_megatron.convert import cli
+
+    assert [a for a in FAMILIES if a not in cli.__doc__] == []
+
+
 def test_cli_round_trip_and_error_exit(hf_dirs, tmp_path, capsys):
     assert cli_main(["hf-to-mcore", "--hf-dir", hf_dirs["llama"], "--out", str(tmp_path / "m"), "--tp", "2"]) == 0
     assert cli_main(["reshard", "--mcore-dir", str(tmp_path / "m"), "--out", str(tmp_path / "r"), "--pp", "2"]) == 0
