@@ -21,6 +21,9 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
                                                        <｜tool▁call▁end｜><｜tool▁calls▁end｜>
   deepseekv3                 DeepSeek-V3 (0324), R1    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f
                                                        \\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+  deepseekv32 (deepseekv4)   DeepSeek-V3.2 (V4)        <｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter
+                                                       name="a" string="true">V</｜DSML｜parameter>\n</｜DSML｜invoke>\n
+                                                       </｜DSML｜function_calls>  (V4: tool_calls)
   llama3                     Llama 3.1-3.3             {"name": "f", "parameters": {...}}  (the whole answer; ; between
                                                        calls; optionally after <|python_tag|>)
   pythonic                   Llama 3.2 / 3.3 / 4       [get_weather(city="Paris", days=3), search(query="x")]
@@ -662,13 +665,73 @@ class GptOssToolParser(ToolParser):
         return f"{harmony.CHANNEL}commentary to=functions.{function_name} {harmony.CONSTRAIN}json{harmony.MESSAGE}"
 
 
+class DeepSeekV32ToolParser(BlockToolParser):
+    """DeepSeek-V3.2's DSML: ``<｜DSML｜function_calls>`` then per call ``<｜DSML｜invoke name="f">`` with
+    ``<｜DSML｜parameter name="a" string="true|false">V</｜DSML｜parameter>`` lines: ``string="true"`` values are the
+    text as written, ``string="false"`` ones JSON (a value that does not parse makes the call malformed). DeepSeek-V4
+    (``deepseekv4``) wraps the same calls in ``tool_calls``."""
+
+    name = "deepseekv32"
+    D = "｜DSML｜"
+    wrapper = "function_calls"
+    _INVOKE = re.compile(r'<｜DSML｜invoke name="([^"]*)">(.*?)</｜DSML｜invoke>', re.DOTALL)
+    _PARAM = re.compile(r'<｜DSML｜parameter name="([^"]*)" string="(true|false)">(.*?)</｜DSML｜parameter>', re.DOTALL)
+
+    @property
+    def start_marker(self):
+        return f"<{self.D}{self.wrapper}>"
+
+    @property
+    def end_marker(self):
+        return f"</{self.D}{self.wrapper}>"
+
+    def calls_in(self, body, schemas):
+        calls = []
+        for m in self._INVOKE.finditer(body):
+            name, inner = m.group(1).strip(), m.group(2)
+            if not name:
+                raise _Malformed("no function name")
+            args = {}
+            for key, is_string, raw in _pairs_of(inner, self._PARAM):
+                if is_string == "true":
+                    args[key] = raw
+                else:
+                    try:
+                        args[key] = json.loads(raw)
+                    except json.JSONDecodeError as exc:
+                        raise _Malformed(f"parameter {key!r} is not JSON: {exc}") from exc
+            calls.append(_call(name, args))
+        if not calls or self._INVOKE.sub("", body).strip():
+            raise _Malformed("not <invoke name=...>...</invoke>")
+        return calls, 0
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker + "\n"
+        return f'{self.start_marker}\n<{self.D}invoke name="{function_name}">\n'
+
+
+class DeepSeekV4ToolParser(DeepSeekV32ToolParser):
+    name = "deepseekv4"
+    wrapper = "tool_calls"
+
+
+def _pairs_of(body: str, pattern: re.Pattern) -> list[tuple[str, ...]]:
+    """The groups of every match of ``pattern`` in ``body``; anything else but whitespace is malformed."""
+    found = [tuple(g for g in m.groups()) for m in pattern.finditer(body)]
+    if pattern.sub("", body).strip():
+        raise _Malformed("text outside the parameter tags")
+    return found
+
+
 _PARSERS: dict[str, type[ToolParser]] = {
     "none": ToolParser, "hermes": HermesToolParser, "qwen": HermesToolParser, "qwen25": HermesToolParser,
     "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser, "glm": Glm45ToolParser,
     "glm47": Glm47ToolParser, "minimax-m2": MinimaxM2ToolParser, "minimax_m2": MinimaxM2ToolParser,
     "kimi_k2": KimiK2ToolParser, "deepseekv31": DeepSeekV31ToolParser, "deepseekv3": DeepSeekV3ToolParser,
     "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser, "llama3": Llama3ToolParser,
-    "mistral": MistralToolParser, "pythonic": PythonicToolParser,
+    "mistral": MistralToolParser, "pythonic": PythonicToolParser, "deepseekv32": DeepSeekV32ToolParser,
+    "deepseekv4": DeepSeekV4ToolParser,
 }
 
 

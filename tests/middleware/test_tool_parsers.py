@@ -46,7 +46,12 @@ WRITERS = {  # family -> Jinja for a list of calls ({name, arguments: dict}) as 
                    "{{ c.arguments | tojson }}<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>",
     "deepseekv3": "<｜tool▁calls▁begin｜>{% for c in calls %}<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ c.name }}\n"
                   "```json\n{{ c.arguments | tojson }}\n```<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>",
+    "deepseekv32": "<｜DSML｜function_calls>\n{% for c in calls %}<｜DSML｜invoke name=\"{{ c.name }}\">\n"
+                   "{% for k, v in c.arguments.items() %}<｜DSML｜parameter name=\"{{ k }}\" string=\""
+                   "{{ 'true' if v is string else 'false' }}\">" + _VALUE + "</｜DSML｜parameter>\n{% endfor %}"
+                   "</｜DSML｜invoke>\n{% endfor %}</｜DSML｜function_calls>",
 }
+WRITERS["deepseekv4"] = WRITERS["deepseekv32"].replace("function_calls", "tool_calls")
 XML = ("qwen3_coder", "glm45", "glm47", "minimax-m2")
 _env = jinja2.Environment()
 _env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
@@ -292,3 +297,15 @@ def test_pythonic_streams_hold_back_a_possible_call_list_and_force_it():
     assert p.forced_prefix() == "[" and p.forced_prefix("search") == "[search("
     got = p.parse(p.forced_prefix("search") + "query='weather')]", TOOLS)
     assert parsed_calls(got)[0]["arguments"] == {"query": "weather"}
+
+
+
+def test_dsml_string_attribute_types_the_value():
+    p = get_parser("deepseekv32")
+    text = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+            '<｜DSML｜parameter name="zip" string="true">01234</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+    assert parsed_calls(p.parse(text, TOOLS))[0]["arguments"] == {"zip": "01234", "days": 3}
+    bad = text.replace('string="false">3<', 'string="false">three<')
+    got = p.parse(bad, TOOLS)
+    assert (got.tool_calls, got.num_malformed, got.content) == ([], 1, bad)
