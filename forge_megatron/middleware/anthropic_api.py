@@ -256,7 +256,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         sess = gw.session_for_key(_session_key(request))
         body = await _body(request)
         req = parse_messages_request({**body, "max_tokens": body.get("max_tokens") or 1}, gw.config.default_max_tokens)
-        _, prompt_ids, _ = gw.renderer.prompt_ids(sess.last_turn, req.messages, req.tools, gw.template_kwargs(req))
+        _, prompt_ids, _ = gw.prompt_of(sess, req)
     except ApiError as exc:
         return web.json_response(error_body(exc), status=exc.status)
     return web.json_response({"input_tokens": len(prompt_ids) + len(gw.renderer.encode(gw.forced_text(req)))})

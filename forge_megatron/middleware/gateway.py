@@ -64,7 +64,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from aiohttp import web
 
-from forge_megatron.middleware.gateway_sessions import CallRecord, ChatRenderer, Session, _Turn, model_end_ids
+from forge_megatron.middleware.gateway_sessions import (
+    CallRecord, ChatRenderer, Session, TemplateRenderError, _Turn, model_end_ids,
+)
 from forge_megatron.middleware.schema import EPISODE_STATUSES, EpisodeSink, ListSink, SchemaError
 from forge_megatron.middleware.reasoning_parsers import get_reasoning_parser, reasoning_parser_names
 from forge_megatron.middleware.tool_parsers import CannotForceToolCall, get_parser, parser_names
@@ -506,9 +508,17 @@ class Gateway:
     def template_kwargs(self, req: ChatRequest) -> dict:
         return {**self.config.chat_template_kwargs, **req.template_kwargs}
 
+    def prompt_of(self, sess: Session, req: ChatRequest) -> tuple[str, list[int], bool]:
+        """(prompt text, prompt ids, continues the session's segment) of a request; a 400 naming the chat template's
+        own message when the template refuses the messages."""
+        try:
+            return self.renderer.prompt_ids(sess.last_turn, req.messages, req.tools, self.template_kwargs(req))
+        except TemplateRenderError as exc:
+            raise ApiError(400, str(exc), param="messages", code="chat_template_error") from exc
+
     def prepare(self, sess: Session, req: ChatRequest) -> _Call:
         kwargs = self.template_kwargs(req)
-        text, prompt_ids, continues = self.renderer.prompt_ids(sess.last_turn, req.messages, req.tools, kwargs)
+        text, prompt_ids, continues = self.prompt_of(sess, req)
         forced = self.forced_text(req)
         reasoning_open = self.reasoning is not None and self.reasoning.opens(text)
         if forced and reasoning_open:

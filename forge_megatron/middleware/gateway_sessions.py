@@ -167,6 +167,10 @@ def _with_object_arguments(call: dict) -> dict:
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
+class TemplateRenderError(ValueError):
+    """The model's chat template refused the messages (its ``raise_exception``, or a value it cannot render)."""
+
+
 class ChatRenderer:
     """Chat template + tokenizer of the served model (a local HF directory)."""
 
@@ -186,9 +190,16 @@ class ChatRenderer:
                template_kwargs: dict | None = None) -> str:
         """The chat template's text; ``template_kwargs`` are extra template variables (e.g. Qwen3's
         ``enable_thinking``: SGLang's ``chat_template_kwargs``)."""
-        return self.tok.apply_chat_template(_template_messages(messages), tools=tools or None,
-                                            add_generation_prompt=add_generation_prompt, tokenize=False,
-                                            **(template_kwargs or {}))
+        import jinja2
+
+        try:
+            return self.tok.apply_chat_template(_template_messages(messages), tools=tools or None,
+                                                add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                **(template_kwargs or {}))
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            # e.g. Mistral's "Tool call IDs should be alphanumeric strings with length 9!", gpt-oss's "Cannot pass
+            # both content and thinking ...", Llama 3.1's "This model only supports single tool-calls at once!"
+            raise TemplateRenderError(f"the model's chat template refused the messages: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -206,8 +217,11 @@ class ChatRenderer:
         if (tools or None) != (prev.tools or None) or template_kwargs != prev.template_kwargs or \
                 len(text) <= len(prev.prompt_text) or not text.startswith(prev.prompt_text):
             return None  # cheap rejections before rendering the previous turn
-        with_answer = self.render(prev.messages + [prev.assistant_message], prev.tools, add_generation_prompt=False,
-                                  template_kwargs=prev.template_kwargs)
+        try:
+            with_answer = self.render(prev.messages + [prev.assistant_message], prev.tools,
+                                      add_generation_prompt=False, template_kwargs=prev.template_kwargs)
+        except TemplateRenderError:
+            return None  # the previous turn does not render as a history: the new prompt starts a segment
         if not with_answer.startswith(prev.prompt_text) or not text.startswith(with_answer):
             return None
         answer = with_answer[len(prev.prompt_text):]

@@ -248,3 +248,38 @@ def test_anthropic_thinking_blocks_round_trip_and_stream(thinking_stack):
         final = st.get_final_message()
     assert starts == [(0, "thinking"), (1, "tool_use"), (2, "tool_use")]
     assert [b.input["city"] for b in final.content[1:]] == ["Paris", "Rome"]
+
+
+def test_a_template_that_refuses_the_messages_is_a_400_naming_its_reason(thinking_stack):
+    """Chat templates raise on histories they cannot render (Mistral: tool call ids of 9 characters; gpt-oss: content
+    and thinking on one tool-call turn; Llama 3.1: one call per turn): a 400 with the template's own message on both
+    APIs (count_tokens too), and the session goes on serving."""
+    gw = thinking_stack
+    tok = gw.gateway.renderer.tok
+    saved = tok.chat_template
+    tok.chat_template = ("{%- for m in messages %}{%- if m.tool_calls %}"
+                         "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+                         "{%- endif %}{{- m.content }}{%- endfor %}")
+    try:
+        s = new_session(gw)
+        history = USER + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": RESULT}]
+        status, err = http(s["base_url"] + "/chat/completions", {"messages": history, "max_tokens": 4},
+                           headers={"Authorization": "Bearer " + s["api_key"]})
+        assert status == 400 and err["error"]["code"] == "chat_template_error", err
+        assert "alphanumeric strings with length 9" in err["error"]["message"] and err["error"]["param"] == "messages"
+        a = anthropic.Anthropic(base_url=s["anthropic_base_url"], api_key="ignored", max_retries=0, timeout=60)
+        follow = USER + [{"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather",
+                                                            "input": {}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                                       "content": RESULT}]}]
+        for call in (lambda: a.messages.count_tokens(model="tiny", messages=follow, tools=A_TOOLS),
+                     lambda: a.messages.create(model="tiny", max_tokens=4, messages=follow, tools=A_TOOLS)):
+            with pytest.raises(anthropic.BadRequestError, match="length 9"):
+                call()
+        status, ok = http(s["base_url"] + "/chat/completions", {"messages": USER, "max_tokens": 2},
+                          headers={"Authorization": "Bearer " + s["api_key"]})
+        assert status == 200, ok
+    finally:
+        tok.chat_template = saved
