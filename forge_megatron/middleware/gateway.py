@@ -9,6 +9,7 @@ OpenAI schema, and records every call (prompt ids, completion ids, logprobs, pol
 Routes
   POST /v1/chat/completions, GET /v1/models                 (also under /s/<session key>/v1/...)
   POST /v1/messages   Anthropic's Messages API, same sessions and recording (``anthropic_api``)
+  POST /v1/completions  a raw prompt (text or token ids; no template, no parsers) for agents that render their own
   POST /forge/groups {task_id, size, domain, metadata}        -> {group_id}
   POST /forge/sessions {group_id, metadata}                   -> {session_id, api_key, base_url, anthropic_base_url}
   POST /forge/sessions {eval: true, task_id, domain, metadata} -> an evaluation session: served and recorded the same
@@ -175,6 +176,9 @@ class ChatRequest:
     logprobs: bool = False  # return OpenAI choice.logprobs (non-streaming; no top_logprobs)
     separate_reasoning: bool = True  # SGLang's field: thinking blocks as reasoning_content (with a reasoning parser)
     template_kwargs: dict = field(default_factory=dict)  # SGLang's chat_template_kwargs (e.g. enable_thinking)
+    # /v1/completions: the prompt as text or token ids (messages empty, no template, no parsers)
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
 
 
 @dataclass
@@ -221,6 +225,37 @@ def parse_chat_request(body: dict, default_max_tokens: int) -> ChatRequest:
                        logprobs=_flag(body, "logprobs"),
                        separate_reasoning=_flag(body, "separate_reasoning", default=True),
                        template_kwargs=template_kwargs)
+
+
+def parse_completion_request(body: dict, default_max_tokens: int, vocab_size: int) -> ChatRequest:
+    """Validate an OpenAI (legacy) completions body: ``prompt`` is a string, an array of one string, or an array of
+    token ids (sent to the engine as they are); raise ApiError(400) naming the offending field."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    text, ids = None, None
+    if isinstance(prompt, str) and prompt:
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise _bad("prompt", f"prompt token ids must lie in [0, {vocab_size})")
+        ids = list(prompt)
+    else:
+        raise _bad("prompt", "prompt must be a non-empty string or array of token ids (one prompt per call)")
+    for name in ("echo", "suffix"):
+        if body.get(name):
+            raise _bad(name, f"{name} is not supported")
+    for name in ("n", "best_of"):
+        if body.get(name, 1) != 1:
+            raise _bad(name, f"only {name}=1 is supported")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or
+                                 not 0 <= logprobs <= 1):
+        raise _bad("logprobs", "logprobs must be 0 or 1 (the sampled tokens' logprobs; no top alternatives)")
+    return ChatRequest(messages=[], tools=None, tool_choice="none", sampling=_sampling_params(body, default_max_tokens),
+                       stream=_flag(body, "stream"),
+                       include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
+                       logprobs=logprobs is not None, separate_reasoning=False, prompt=text, prompt_ids=ids)
 
 
 def _tool_choice(choice, tools: list | None):
@@ -365,6 +400,7 @@ class Gateway:
                                      end_ids=model_end_ids(config.model_path))
         model_config = AutoConfig.from_pretrained(config.model_path)
         self.context_length = config.context_length or int(getattr(model_config, "max_position_embeddings", 4096))
+        self.vocab_size = int(getattr(model_config, "vocab_size", 0) or len(self.renderer.tok))
         self.routing_shape = None  # (layers, topk) when recording routed experts
         if config.return_routed_experts:
             top_k = getattr(model_config, "num_experts_per_tok", None)
@@ -511,6 +547,8 @@ class Gateway:
     def prompt_of(self, sess: Session, req: ChatRequest) -> tuple[str, list[int], bool]:
         """(prompt text, prompt ids, continues the session's segment) of a request; a 400 naming the chat template's
         own message when the template refuses the messages."""
+        if req.prompt is not None or req.prompt_ids is not None:
+            return self.renderer.raw_prompt_ids(sess.last_turn, req.prompt, req.prompt_ids)
         try:
             return self.renderer.prompt_ids(sess.last_turn, req.messages, req.tools, self.template_kwargs(req))
         except TemplateRenderError as exc:
@@ -834,6 +872,13 @@ class Gateway:
             content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
         return {"content": content}
 
+    def legacy_logprobs(self, turn: _Turn, logprobs: list[float]) -> dict:
+        """Completions ``choice.logprobs`` for the sampled tokens (each token decoded alone)."""
+        tok = self.renderer.tok
+        tokens = [tok.decode([t], skip_special_tokens=False) for t in turn.completion_ids]
+        offsets = [len(turn.prompt_text) + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
     def usage(self, turn: _Turn) -> dict:
         n_prompt, n_out = len(turn.prompt_ids), len(turn.completion_ids)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
@@ -884,8 +929,8 @@ def _bearer(request: web.Request) -> str | None:
     return auth[7:].strip() if auth.startswith("Bearer ") else None
 
 
-def _completion_id() -> str:
-    return f"chatcmpl-{os.urandom(12).hex()}"
+def _completion_id(kind: str = "chatcmpl") -> str:
+    return f"{kind}-{os.urandom(12).hex()}"
 
 
 async def serve_call(gw: Gateway, sess: Session, req: ChatRequest, stream):
@@ -929,6 +974,76 @@ async def chat_completions(request: web.Request, gw: Gateway) -> web.StreamRespo
                      "logprobs": gw.openai_logprobs(call.turn, sess.calls[-1].logprobs) if req.logprobs else None}],
         "usage": gw.usage(call.turn),
     })
+
+
+@_api
+async def completions(request: web.Request, gw: Gateway) -> web.StreamResponse:
+    """``POST /v1/completions``: a raw prompt (text or token ids) for agents that render their own prompts."""
+    sess = gw.session_for_key(request.match_info.get("key") or _bearer(request))
+    req = parse_completion_request(await _body(request), gw.config.default_max_tokens, gw.vocab_size)
+    served = await serve_call(gw, sess, req, lambda sess, req, call: _stream_text(request, gw, sess, req, call))
+    if not isinstance(served, tuple):
+        return served
+    call, _, message, finish = served
+    return web.json_response({
+        "id": _completion_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+        "model": gw.model_name,
+        "choices": [{"index": 0, "text": message["content"] or "", "finish_reason": _text_finish(finish),
+                     "logprobs": gw.legacy_logprobs(call.turn, sess.calls[-1].logprobs) if req.logprobs else None}],
+        "usage": gw.usage(call.turn),
+    })
+
+
+def _text_finish(finish: str) -> str:
+    return "length" if finish == "length" else "stop"
+
+
+async def _stream_text(request, gw: Gateway, sess: Session, req: ChatRequest, call: _Call) -> web.StreamResponse:
+    """A completions stream: text deltas held back at stop strings, then the finish reason (and usage)."""
+    cid, created = _completion_id("cmpl"), int(time.time())
+
+    def chunk(text: str, finish: str | None = None, usage: dict | None = None) -> bytes:
+        body = {"id": cid, "object": "text_completion", "created": created, "model": gw.model_name,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+        if usage is not None:
+            body["choices"], body["usage"] = [], usage
+        return _sse(body)
+
+    holds = stream_holds(gw, req, call)
+    resp = None
+    sent = 0
+
+    async def on_partial(result) -> int:
+        nonlocal resp, sent
+        if resp is None:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+        _, text = gw.stream_views(call, req, result, holds)
+        if len(text) > sent:
+            await resp.write(chunk(text[sent:]))
+            sent = len(text)
+        return sent
+
+    try:
+        result = await gw.generate_streamed(sess, call, on_partial)
+        message, finish = gw.finish(sess, call, result, req)
+    except ApiError as err:
+        if resp is None:
+            raise
+        await resp.write(_sse(err.body()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    if resp is None:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+    text = message["content"] or ""
+    await resp.write(chunk(text[sent:], _text_finish(finish)))
+    if req.include_usage:
+        await resp.write(chunk("", usage=gw.usage(call.turn)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 def _emit_upto(text: str, holds: list[str]) -> int:
@@ -1268,6 +1383,7 @@ def make_app(gw: Gateway) -> web.Application:
 
     for prefix in ("", "/s/{key}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
+        app.router.add_post(prefix + "/v1/completions", completions)  # raw prompts (text or token ids)
         app.router.add_post(prefix + "/v1/messages", anthropic_api.messages)  # Anthropic Messages API
         app.router.add_post(prefix + "/v1/messages/count_tokens", anthropic_api.count_tokens)
         app.router.add_get(prefix + "/v1/models", list_models)

@@ -213,6 +213,24 @@ class ChatRenderer:
             return text, spliced, True
         return text, self.encode(text), False
 
+    def raw_prompt_ids(self, prev: _Turn | None, text: str | None,
+                       ids: list[int] | None) -> tuple[str, list[int], bool]:
+        """(text, prompt ids, continues_previous) of a raw prompt (``/v1/completions``). Token ids are taken as they
+        are and continue the previous call when they start with its prompt + completion ids; a text continues it
+        when it starts with the previous prompt text + the decoded completion ids (the sampled tokens, stop tokens
+        included): those ids are kept and only the rest is tokenised. Anything else starts a new segment."""
+        if prev is not None and prev.messages:
+            prev = None  # a chat turn: its prompt was rendered by the template, not comparable
+        if ids is not None:
+            done = prev.prompt_ids + prev.completion_ids if prev is not None else None
+            text = self.tok.decode(ids, skip_special_tokens=False)
+            return text, list(ids), done is not None and len(ids) > len(done) and ids[:len(done)] == done
+        if prev is not None:
+            done_text = prev.prompt_text + self.tok.decode(prev.completion_ids, skip_special_tokens=False)
+            if len(text) > len(done_text) and text.startswith(done_text):
+                return text, prev.prompt_ids + prev.completion_ids + self.encode(text[len(done_text):]), True
+        return text, self.encode(text), False
+
     def _continuation(self, prev: _Turn, text: str, tools: list | None, template_kwargs: dict) -> list[int] | None:
         if (tools or None) != (prev.tools or None) or template_kwargs != prev.template_kwargs or \
                 len(text) <= len(prev.prompt_text) or not text.startswith(prev.prompt_text):
