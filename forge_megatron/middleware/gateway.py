@@ -876,7 +876,10 @@ class Gateway:
         """Completions ``choice.logprobs`` for the sampled tokens (each token decoded alone)."""
         tok = self.renderer.tok
         tokens = [tok.decode([t], skip_special_tokens=False) for t in turn.completion_ids]
-        offsets = [len(turn.prompt_text) + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+        offsets, at = [], len(turn.prompt_text)
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
         return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
 
     def usage(self, turn: _Turn) -> dict:
