@@ -23,7 +23,9 @@ def test_text_prompt_and_its_continuation_keep_the_sampled_tokens(stack, model_d
     tok = AutoTokenizer.from_pretrained(model_dir)
     [first] = calls(gw, s)
     assert first["prompt_ids"] == tok.encode(PROMPT, add_special_tokens=False)
-    assert r1.choices[0].logprobs.token_logprobs == first["logprobs"]
+    lp = r1.choices[0].logprobs
+    assert lp.token_logprobs == first["logprobs"] and lp.tokens == [tok.decode([t]) for t in first["completion_ids"]]
+    assert lp.text_offset == [len(PROMPT) + len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
     assert r1.usage.completion_tokens == len(first["completion_ids"])
     # the agent appends to what the model wrote (the sampled tokens, decoded) and asks again
     sampled = tok.decode(first["completion_ids"], skip_special_tokens=False)
