@@ -1019,27 +1019,19 @@ async def _stream_text(request, gw: Gateway, sess: Session, req: ChatRequest, ca
     async def on_partial(result) -> int:
         nonlocal resp, sent
         if resp is None:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
+            resp = await _sse_response(request)
         _, text = gw.stream_views(call, req, result, holds)
         if len(text) > sent:
             await resp.write(chunk(text[sent:]))
             sent = len(text)
         return sent
 
-    try:
-        result = await gw.generate_streamed(sess, call, on_partial)
-        message, finish = gw.finish(sess, call, result, req)
-    except ApiError as err:
-        if resp is None:
-            raise
-        await resp.write(_sse(err.body()))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+    done = await _generate_or_error_event(gw, sess, req, call, on_partial, lambda: resp)
+    if done is None:
         return resp
+    _, message, finish = done
     if resp is None:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        resp = await _sse_response(request)
     text = message["content"] or ""
     await resp.write(chunk(text[sent:], _text_finish(finish)))
     if req.include_usage:
@@ -1070,6 +1062,28 @@ def _sse(body: dict) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
+async def _sse_response(request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+async def _generate_or_error_event(gw: Gateway, sess: Session, req: ChatRequest, call: _Call, on_partial, started):
+    """(result, message, finish) of a streamed call; None once a started SSE response (``started()``) has been ended
+    with an OpenAI-style error event (an error before anything was sent is raised: a plain error response)."""
+    try:
+        result = await gw.generate_streamed(sess, call, on_partial)
+        return (result, *gw.finish(sess, call, result, req))
+    except ApiError as err:
+        resp = started()
+        if resp is None:
+            raise
+        await resp.write(_sse(err.body()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return None
+
+
 async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _Call) -> web.StreamResponse:
     """Stream one call as SSE chunks. Content is held back at the tool-call marker and stop strings; each tool call
     is sent as one tool_calls delta when its block closes (formats without closing markers: at the end). Errors
@@ -1092,8 +1106,7 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
     async def on_partial(result) -> int:
         nonlocal resp, sent, sent_reasoning, closed
         if resp is None:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
+            resp = await _sse_response(request)
             await resp.write(chunk({"role": "assistant", "content": ""}))
         reasoning, text = gw.stream_views(call, req, result, holds)
         if reasoning is not None and len(reasoning) > sent_reasoning:
@@ -1108,16 +1121,10 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
             sent_calls.append(tc)
         return sent + sent_reasoning + len(sent_calls)
 
-    try:
-        result = await gw.generate_streamed(sess, call, on_partial)
-        message, finish = gw.finish(sess, call, result, req)
-    except ApiError as err:
-        if resp is None:
-            raise
-        await resp.write(_sse(err.body()))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+    done = await _generate_or_error_event(gw, sess, req, call, on_partial, lambda: resp)
+    if done is None:
         return resp
+    _, message, finish = done
     reasoning = message.get("reasoning_content") or ""
     if len(reasoning) > sent_reasoning:
         await resp.write(chunk({"reasoning_content": reasoning[sent_reasoning:]}))
