@@ -197,10 +197,9 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     if vp_stage is not None:
         kwargs["vp_stage"] = vp_stage
     model = GPTModel(**kwargs)
-    if cfg.rope_scaling is not None:
-        from forge_megatron.mcore import rope
+    from forge_megatron.mcore import rope
 
-        rope.apply(model, cfg.rope_scaling, cfg.rotary_base, int(cfg.head_dim * cfg.rotary_percent))
+    rope.apply(model, cfg.rope_scaling, cfg.rotary_base, int(cfg.head_dim * cfg.rotary_percent))
     return model
 
 

@@ -116,15 +116,16 @@ def softmax_scale(params: dict | None, head_dim: int) -> float | None:
     return None if m == 1.0 else m * m / math.sqrt(head_dim)
 
 
-def apply(model, params: dict | None, base: float, head_dim: int) -> None:
-    """Give ``model``'s (a GPTModel stage) rotary embedding the scaled inverse frequencies (no-op for plain RoPE)."""
+def apply(model, params: dict | None, base: float, dim: int) -> None:
+    """Give ``model``'s (a GPTModel stage) rotary embedding the scaled inverse frequencies over its ``dim`` rotated
+    channels per head (no-op for plain RoPE)."""
     if rope_type(params) == "default":
         return
     rotary = getattr(model, "rotary_pos_emb", None)
     if rotary is None:
         raise ValueError("RoPE scaling needs a GPTModel built with position_embedding_type='rope'")
     old = rotary.inv_freq
-    new = inv_freq(params, base, head_dim)
+    new = inv_freq(params, base, dim)
     if new.shape != old.shape:
         raise ValueError(f"RoPE scaling: {tuple(new.shape)} frequencies for a table of {tuple(old.shape)}")
     rotary.inv_freq = new.to(device=old.device, dtype=old.dtype)

@@ -14,8 +14,10 @@ the rendering of (previous messages + the assistant message we returned), the ne
 
   p_{k-1} + c_{k-1} + ids(rendered text after that assistant turn)
 
-where the text after the turn starts right after the end-of-turn marker (``eos_token``, e.g. ``<|im_end|>``) when the
-sampled ids already end with it, and at the marker otherwise (then the template's marker is a prompt token). The
+where the text after the turn starts right after the end-of-turn marker (the tokenizer's ``eos_token``, e.g.
+``<|im_end|>``, or another end-of-turn id the model declares, e.g. gpt-oss's ``<|call|>``: :func:`model_end_ids`)
+when the sampled ids already end with one, and at the marker otherwise (then the template's marker is a prompt
+token). The
 boundary is always at a special token, so tokenising the remainder alone equals tokenising it in context. Only a
 history that renders differently (the agent rewrote or compressed it, or changed the tools) is tokenised afresh,
 and that is exactly the "new segment" case.
@@ -182,7 +184,6 @@ class ChatRenderer:
         if tokenizer.eos_token is None:
             raise ValueError("the tokenizer has no eos_token (needed as the end-of-turn marker)")
         self.tok = tokenizer
-        self.eot = tokenizer.eos_token
         self.eot_ids = {tokenizer.eos_token_id, *(i for i in end_ids if 0 <= i < len(tokenizer))}
         self.eot_texts = sorted({tokenizer.decode([i], skip_special_tokens=False) for i in self.eot_ids} - {""})
 

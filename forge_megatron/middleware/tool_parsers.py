@@ -370,9 +370,10 @@ class _XmlToolParser(BlockToolParser):
         raise NotImplementedError
 
 
-def _pairs(body: str, pattern: re.Pattern, junk_ok: str = r"\s*") -> list[tuple[str, str]]:
-    """(key, value) of every match of ``pattern`` in ``body``; anything else but whitespace is malformed."""
-    pairs = [(m.group(1).strip(), m.group(2)) for m in pattern.finditer(body)]
+def _pairs(body: str, pattern: re.Pattern, junk_ok: str = r"\s*") -> list[tuple[str, ...]]:
+    """(key, the other groups...) of every match of ``pattern`` in ``body``; anything else but whitespace is
+    malformed."""
+    pairs = [(m.group(1).strip(), *m.groups()[1:]) for m in pattern.finditer(body)]
     if not re.fullmatch(junk_ok, pattern.sub("", body)):
         raise _Malformed("text outside the argument tags")
     return pairs
@@ -672,18 +673,10 @@ class DeepSeekV32ToolParser(BlockToolParser):
     (``deepseekv4``) wraps the same calls in ``tool_calls``."""
 
     name = "deepseekv32"
-    D = "｜DSML｜"
-    wrapper = "function_calls"
+    start_marker = "<｜DSML｜function_calls>"
+    end_marker = "</｜DSML｜function_calls>"
     _INVOKE = re.compile(r'<｜DSML｜invoke name="([^"]*)">(.*?)</｜DSML｜invoke>', re.DOTALL)
     _PARAM = re.compile(r'<｜DSML｜parameter name="([^"]*)" string="(true|false)">(.*?)</｜DSML｜parameter>', re.DOTALL)
-
-    @property
-    def start_marker(self):
-        return f"<{self.D}{self.wrapper}>"
-
-    @property
-    def end_marker(self):
-        return f"</{self.D}{self.wrapper}>"
 
     def calls_in(self, body, schemas):
         calls = []
@@ -692,7 +685,7 @@ class DeepSeekV32ToolParser(BlockToolParser):
             if not name:
                 raise _Malformed("no function name")
             args = {}
-            for key, is_string, raw in _pairs_of(inner, self._PARAM):
+            for key, is_string, raw in _pairs(inner, self._PARAM):
                 if is_string == "true":
                     args[key] = raw
                 else:
@@ -708,20 +701,13 @@ class DeepSeekV32ToolParser(BlockToolParser):
     def forced_prefix(self, function_name=None, prior_calls=0):
         if function_name is None:
             return self.start_marker + "\n"
-        return f'{self.start_marker}\n<{self.D}invoke name="{function_name}">\n'
+        return f'{self.start_marker}\n<｜DSML｜invoke name="{function_name}">\n'
 
 
 class DeepSeekV4ToolParser(DeepSeekV32ToolParser):
     name = "deepseekv4"
-    wrapper = "tool_calls"
-
-
-def _pairs_of(body: str, pattern: re.Pattern) -> list[tuple[str, ...]]:
-    """The groups of every match of ``pattern`` in ``body``; anything else but whitespace is malformed."""
-    found = [tuple(g for g in m.groups()) for m in pattern.finditer(body)]
-    if pattern.sub("", body).strip():
-        raise _Malformed("text outside the parameter tags")
-    return found
+    start_marker = "<｜DSML｜tool_calls>"
+    end_marker = "</｜DSML｜tool_calls>"
 
 
 _PARSERS: dict[str, type[ToolParser]] = {

@@ -57,8 +57,6 @@ def _params(bridge: Bridge, chunk, experts: bool):
     """(canonical name, param) of ``chunk``, expert or non-expert ones only (expert ids still local), and the
     buffers the bridge maps to HF tensors (a MoE router's score-correction bias: GLM-4.5's
     ``e_score_correction_bias``, replicated)."""
-    from forge_megatron.bridge import MappingError
-
     model = unwrap(chunk)
     layer_offset = global_layers(model).start if hasattr(model, "decoder") else 0
     for local, p in model.named_parameters():
@@ -70,12 +68,8 @@ def _params(bridge: Bridge, chunk, experts: bool):
     if experts:
         return
     for local, buf in model.named_buffers():
-        if not local.endswith(".expert_bias"):
-            continue
-        try:
+        if local.endswith(".expert_bias"):  # the bridge maps it whenever the router has one
             yield bridge.rename(local, layer_offset, 0), buf
-        except MappingError:
-            continue
 
 
 def iter_dense(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
