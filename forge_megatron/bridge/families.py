@@ -7,6 +7,12 @@ A new family is one more :class:`Family` entry; anything in a config that the sh
 (another activation, sliding windows, dense layers inside a MoE model, RoPE scaling other than linear / llama3 /
 yarn: mcore/rope.py) is refused by name rather than converted into a model that silently computes something else.
 
+Multi-latent attention (``deepseek_v3``: DeepSeek-V3 / V3.1, Kimi-K2, Moonlight; ``glm4_moe_lite``: GLM-4.7-Flash):
+Megatron's MLA with the same down/up projections and latent norms, RoPE on the last ``qk_rope_head_dim`` channels of
+each query/key head with the rotated key shared by every head. DeepSeek checkpoints rotate interleaved channel pairs
+(``rope_interleave``), which is what Megatron's MLA does; YaRN's softmax factor mscale(factor, mscale_all_dim)^2 is
+Megatron's too. Their MoE is the GLM-4.5 one below.
+
 GLM-4.5 (``glm4_moe``, docs/conversion.md): RoPE on the first ``partial_rotary_factor`` of each head, the first
 ``first_k_dense_replace`` layers dense, a shared expert next to the routed ones, and a sigmoid router choosing by
 sigmoid(z) + ``e_score_correction_bias`` and weighting by the normalised sigmoid scores times
@@ -36,9 +42,10 @@ class Family:
     qkv_bias: bool | None  # None: read ``attention_bias`` from the config
     qk_norm: bool | None  # None: read ``use_qk_norm`` from the config
     moe: bool
-    # GLM-4.5-style MoE: sigmoid router with a score-correction bias, shared experts, the first layers dense,
-    # RoPE on part of the head (see the module docstring)
-    glm_moe: bool = False
+    # DeepSeek-V3-style MoE (GLM-4.5, DeepSeek-V3, Kimi-K2): sigmoid router with a score-correction bias, shared
+    # experts, the first layers dense (see the module docstring)
+    sigmoid_router: bool = False
+    mla: bool = False  # multi-latent attention (DeepSeek-V3 layout)
 
 
 FAMILIES: dict[str, Family] = {
@@ -46,7 +53,12 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True, qk_norm=False, moe=False),
     "Qwen3ForCausalLM": Family("qwen3", qkv_bias=None, qk_norm=True, moe=False),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", qkv_bias=None, qk_norm=True, moe=True),
-    "Glm4MoeForCausalLM": Family("glm4_moe", qkv_bias=None, qk_norm=None, moe=True, glm_moe=True),
+    "Glm4MoeForCausalLM": Family("glm4_moe", qkv_bias=None, qk_norm=None, moe=True, sigmoid_router=True),
+    # DeepSeek-V3 / V3.1 / Kimi-K2 / Moonlight (Kimi's configs name this architecture too) and GLM-4.7-Flash
+    "DeepseekV3ForCausalLM": Family("deepseek_v3", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
+                                    mla=True),
+    "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
+                                     mla=True),
     # Mistral-Small / Devstral / Magistral text models: the Llama layout (sliding windows refused below)
     "MistralForCausalLM": Family("mistral", qkv_bias=None, qk_norm=False, moe=False),
 }
@@ -119,15 +131,28 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral configs have none)")
-    if partial_rotary(hf) != 1.0 and not family.glm_moe:
+    if partial_rotary(hf) != 1.0 and family.name != "glm4_moe":
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
-    if family.moe and not family.glm_moe:
+    if family.moe and not family.sigmoid_router:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
         if hf.get("shared_expert_intermediate_size"):
             raise UnsupportedModelError("shared experts are not supported by the qwen3_moe family")
-    if family.glm_moe:
+    if family.mla:
+        if hf.get("attention_bias"):
+            raise UnsupportedModelError("attention_bias=True is not supported with multi-latent attention")
+        if not hf.get("rope_interleave", True):
+            raise UnsupportedModelError("rope_interleave=False is not supported: Megatron's multi-latent attention "
+                                        "rotates interleaved channel pairs, as DeepSeek checkpoints do")
+        if hf.get("num_key_value_heads", hf["num_attention_heads"]) != hf["num_attention_heads"]:
+            raise UnsupportedModelError("multi-latent attention needs num_key_value_heads == num_attention_heads")
+        if rope.attention_factor(hf.get("rope_scaling") or hf.get("rope_parameters")) != 1.0:
+            raise UnsupportedModelError("YaRN with mscale != mscale_all_dim is not supported with multi-latent "
+                                        "attention (its attention factor scales the rotated channels only)")
+        if hf.get("index_topk") or hf.get("index_n_heads"):
+            raise UnsupportedModelError("DeepSeek sparse attention (an indexer: DeepSeek-V3.2) is not supported")
+    if family.sigmoid_router:
         topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
         if groups > 1 and topk // group_topk != 2:
             raise UnsupportedModelError(f"n_group={groups} with num_experts_per_tok // topk_group != 2: HF scores a "
@@ -137,11 +162,24 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                         "is not supported: Megatron's sigmoid router normalises the top-k scores "
                                         "exactly when k > 1")
         if hf.get("n_shared_experts", 1) < 1:
-            raise UnsupportedModelError("n_shared_experts=0 is not supported by the glm4_moe family")
+            raise UnsupportedModelError(f"n_shared_experts=0 is not supported by the {family.name} family")
         if rope.rope_type(hf.get("rope_scaling") or hf.get("rope_parameters")) == "yarn" and \
                 partial_rotary(hf) != 1.0:
             raise UnsupportedModelError("YaRN with partial rotary is not supported (its attention factor would "
                                         "scale the rotated channels only)")
+
+
+def dense_layers(hf: dict) -> int:
+    """How many first layers of a DeepSeek-style MoE model have a dense MLP: ``first_k_dense_replace``, or the
+    dense prefix of ``mlp_layer_types`` (transformers' GLM-4.7-Flash config; a dense layer after a MoE one is
+    refused)."""
+    types = hf.get("mlp_layer_types")
+    if types is None:
+        return int(hf.get("first_k_dense_replace", 1 if hf.get("model_type") == "glm4_moe_lite" else 0))
+    dense = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+    if any(t != "sparse" for t in types[dense:]) or len(types) != hf["num_hidden_layers"]:
+        raise UnsupportedModelError(f"mlp_layer_types {types} is not some dense layers then MoE ('sparse') ones")
+    return dense
 
 
 def gpt_config_from_hf(source, **overrides) -> GPTConfig:
@@ -171,8 +209,15 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         rope_scaling=rope_scaling(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
-    if family.glm_moe:
-        dense = int(hf.get("first_k_dense_replace", 0))
+    if family.mla:
+        kwargs.update(
+            num_query_groups=heads, kv_channels=hf["v_head_dim"],
+            kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"), qk_head_dim=hf["qk_nope_head_dim"],
+            qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+            qk_layernorm=True,  # Megatron builds MLA's latent norms (q_a_layernorm, kv_a_layernorm) under this switch
+        )
+    if family.sigmoid_router:
+        dense = dense_layers(hf)
         if not 0 <= dense < hf["num_hidden_layers"]:
             raise UnsupportedModelError(f"first_k_dense_replace={dense} leaves no MoE layer")
         groups = hf.get("n_group") or 1

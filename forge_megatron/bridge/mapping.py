@@ -80,7 +80,28 @@ def _pattern(template: str) -> re.Pattern:
     return re.compile(escaped + "$")
 
 
+def _mla_rules(cfg: GPTConfig) -> list[Rule]:
+    """Multi-latent attention: Megatron's local spec splits the down projections over TP by rows (column-parallel,
+    outputs all-gathered) like the up projections; the latent norms are replicated."""
+    attn = HF_LAYER + "self_attn."
+    if cfg.q_lora_rank is None:
+        query = [Rule(LAYER + "self_attention.linear_q_proj.weight", (attn + "q_proj.weight",), tp="col")]
+    else:
+        query = [Rule(LAYER + "self_attention.linear_q_down_proj.weight", (attn + "q_a_proj.weight",), tp="col"),
+                 Rule(LAYER + "self_attention.q_layernorm.weight", (attn + "q_a_layernorm.weight",)),
+                 Rule(LAYER + "self_attention.linear_q_up_proj.weight", (attn + "q_b_proj.weight",), tp="col")]
+    return [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",))] + query + [
+        Rule(LAYER + "self_attention.linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",), tp="col"),
+        Rule(LAYER + "self_attention.kv_layernorm.weight", (attn + "kv_a_layernorm.weight",)),
+        Rule(LAYER + "self_attention.linear_kv_up_proj.weight", (attn + "kv_b_proj.weight",), tp="col"),
+        Rule(LAYER + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), tp="row"),
+        Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
+    ]
+
+
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    if family.mla:
+        return _with_mlp_and_ends(cfg, family, _mla_rules(cfg))
     attn = [
         Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
         Rule(LAYER + "self_attention.linear_qkv.weight",
@@ -94,6 +115,11 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if cfg.qk_layernorm:
         attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + "self_attn.q_norm.weight",)),
                  Rule(LAYER + "self_attention.k_layernorm.weight", (HF_LAYER + "self_attn.k_norm.weight",))]
+    return _with_mlp_and_ends(cfg, family, attn)
+
+
+def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list[Rule]:
+    """The embedding, ``attn`` (one layer's attention rules), the MLP rules, the final norm and the head."""
     dense = [
         Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_proj.weight", HF_LAYER + "mlp.up_proj.weight"),
              "glu", "glu", layers="dense"),
@@ -236,6 +262,16 @@ class Bridge:
             "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f),
             "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
         }
+        if cfg.multi_latent_attention:
+            qk = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+            table.update({
+                "q_proj.weight": (n * qk, d), "q_a_proj.weight": (cfg.q_lora_rank, d),
+                "q_a_layernorm.weight": (cfg.q_lora_rank,), "q_b_proj.weight": (n * qk, cfg.q_lora_rank),
+                "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, d),
+                "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+                "kv_b_proj.weight": (n * (cfg.qk_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                "o_proj.weight": (d, n * cfg.v_head_dim),
+            })
         for suffix in sorted(table, key=len, reverse=True):  # q_norm.weight before norm.weight
             if hf_name.endswith(suffix):
                 return table[suffix]
@@ -263,6 +299,11 @@ class Bridge:
             ("vocab_size", cfg.vocab_size, "tp", layout.tp),
             ("ffn_hidden_size", cfg.ffn_hidden_size, "tp", layout.tp),
         ]
+        if cfg.multi_latent_attention:  # the down projections are column-parallel too (_mla_rules)
+            checks.append(("kv_lora_rank + qk_pos_emb_head_dim", cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, "tp",
+                           layout.tp))
+            if cfg.q_lora_rank is not None:
+                checks.append(("q_lora_rank", cfg.q_lora_rank, "tp", layout.tp))
         if cfg.num_moe_experts:
             checks += [("num_moe_experts", cfg.num_moe_experts, "ep", layout.ep),
                        ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, "tp", layout.tp)]

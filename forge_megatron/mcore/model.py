@@ -46,6 +46,15 @@ class GPTConfig:
     moe_router_topk_renorm: bool = True  # norm_topk_prob in HF Qwen3-MoE
     moe_shared_ffn_hidden_size: int | None = None  # shared experts' MLP width (GLM-4.5); None: no shared experts
     moe_dense_layers: int = 0  # the first layers of a MoE model that have a dense MLP (GLM-4.5's first_k_dense)
+    # Multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight; Megatron's MLA names): keys and values come from a
+    # kv_lora_rank-wide latent, queries from a q_lora_rank-wide one (None: projected directly); a query/key head is
+    # qk_head_dim channels without RoPE then qk_pos_emb_head_dim rotated ones (the rotated key is shared by every
+    # head); a value head is v_head_dim wide. kv_lora_rank=None: standard attention.
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     params_dtype: torch.dtype = torch.float32
     bf16: bool = False
     extra: dict = field(default_factory=dict)  # passed through to TransformerConfig
@@ -66,12 +75,32 @@ class GPTConfig:
         from forge_megatron.mcore import rope
 
         self.rope_scaling = rope.check(self.rope_scaling, self.max_position_embeddings)
+        if self.multi_latent_attention:
+            if self.num_query_groups != self.num_attention_heads:
+                raise ValueError("multi-latent attention has one key/value head per query head: num_query_groups "
+                                 f"({self.num_query_groups}) must equal num_attention_heads ({self.num_attention_heads})")
+            if rope.attention_factor(self.rope_scaling) != 1.0:
+                raise ValueError("multi-latent attention with a YaRN attention factor != 1 (mscale != mscale_all_dim) is "
+                                 "not supported: it scales the rotated channels of each head only")
+            if self.rotary_percent != 1.0:
+                raise ValueError("multi-latent attention rotates all qk_pos_emb_head_dim channels: rotary_percent must be 1")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) > num_moe_experts ({self.num_moe_experts})")
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def multi_latent_attention(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels RoPE rotates per head: MLA's positional part, else ``rotary_percent`` of the head."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
+        return int(self.head_dim * self.rotary_percent)
 
 
 def transformer_config(cfg: GPTConfig, **overrides):
@@ -122,6 +151,22 @@ def transformer_config(cfg: GPTConfig, **overrides):
         # YaRN's attention factor (whole-head RoPE only: families.py refuses it with partial rotary); else None
         softmax_scale=rope.softmax_scale(cfg.rope_scaling, cfg.head_dim),
     )
+    config_class = TransformerConfig
+    if cfg.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        params = cfg.rope_scaling or {}
+        kwargs.update(
+            q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_head_dim,
+            qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
+            # Megatron's plain rotary module, given the checkpoint's (scaled) frequencies by rope.apply; YaRN's
+            # softmax scale mscale(factor, mscale_all_dim)^2 / sqrt(q_head_dim), as HF computes it, comes from these
+            # two (1 / sqrt(q_head_dim) when mscale_all_dim is 0: HF's rule too)
+            rope_type="rope", softmax_scale=None,
+            rotary_scaling_factor=float(params.get("factor", 1.0)) if rope.rope_type(params) != "default" else 1.0,
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0) if rope.rope_type(params) != "default" else 0.0,
+        )
     if cfg.num_moe_experts is not None:
         kwargs.update(
             num_moe_experts=cfg.num_moe_experts,
@@ -138,12 +183,68 @@ def transformer_config(cfg: GPTConfig, **overrides):
             kwargs["moe_layer_freq"] = [0] * cfg.moe_dense_layers + [1] * (cfg.num_layers - cfg.moe_dense_layers)
     kwargs.update(cfg.extra)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return config_class(**kwargs)
+
+
+class LatentCoreAttention(torch.nn.Module):
+    """Causal core attention for multi-latent attention in the local spec (Megatron's ``DotProductAttention``
+    assumes one head size; MLA's query/key heads are wider than its value heads). Inputs [s, b, heads, dim] as
+    Megatron's MLA hands them, with the boolean mask convention (True = masked; None = causal). Training uses
+    TreeAttention instead (tree_attention.py); this serves the plain causal model (conversion checks, evaluation)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None):
+        super().__init__()
+        if config.context_parallel_size > 1:
+            raise ValueError("the causal multi-latent attention model has no context parallelism (the tree model has)")
+        self.config = config
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise ValueError("the causal multi-latent attention model takes no packed sequences (use the tree model)")
+        s, b = query.shape[:2]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, dim]
+        if attention_mask is None:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask,
+                                                                 scale=self.softmax_scale)
+        return o.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def _latent_core_attention(spec):
+    """``spec`` (a layer or block spec) with MLA's core attention the local :class:`LatentCoreAttention`."""
+    import dataclasses
+
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=[_latent_core_attention(s) for s in spec.layer_specs])
+    attn = spec.submodules.self_attention
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, self_attention=dataclasses.replace(
+            attn, submodules=dataclasses.replace(attn.submodules, core_attention=LatentCoreAttention))))
 
 
 def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None):
     """The standard (causal) layer spec: local Megatron-Core modules, or Transformer Engine's when asked. A MoE
     model with dense first layers gets Megatron's block spec of this pipeline stage's (``vp_stage``'s) layers."""
+    spec = _layer_spec(cfg, use_te, vp_stage)
+    if not cfg.multi_latent_attention:
+        return spec
+    from forge_megatron.utils import env
+
+    if not env.has_te():
+        # Without Transformer Engine Megatron's TE names are placeholders that MLA's isinstance checks reject.
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
+    return spec if use_te else _latent_core_attention(spec)
+
+
+def _layer_spec(cfg: GPTConfig, use_te: bool, vp_stage: int | None):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if cfg.num_moe_experts and cfg.moe_dense_layers:
@@ -159,11 +260,12 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
 
         env.require("te", "the Transformer Engine layer spec")
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=cfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm
+            num_experts=cfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
+            multi_latent_attention=cfg.multi_latent_attention,
         )
     return specs.get_gpt_layer_local_spec(
         num_experts=cfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
-        normalization=cfg.normalization,
+        normalization=cfg.normalization, multi_latent_attention=cfg.multi_latent_attention,
     )
 
 
@@ -199,7 +301,7 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     model = GPTModel(**kwargs)
     from forge_megatron.mcore import rope
 
-    rope.apply(model, cfg.rope_scaling, cfg.rotary_base, int(cfg.head_dim * cfg.rotary_percent))
+    rope.apply(model, cfg.rope_scaling, cfg.rotary_base, cfg.rotary_dim)
     return model
 
 

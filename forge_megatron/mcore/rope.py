@@ -116,18 +116,30 @@ def softmax_scale(params: dict | None, head_dim: int) -> float | None:
     return None if m == 1.0 else m * m / math.sqrt(head_dim)
 
 
+def rotary_modules(model) -> list:
+    """The rotary embedding modules of ``model`` (a GPTModel stage): the model's own, or, under multi-latent
+    attention (which rotates inside each attention layer), every layer's."""
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is not None:
+        return [rotary]
+    decoder = getattr(model, "decoder", None)
+    return [layer.self_attention.rotary_pos_emb for layer in getattr(decoder, "layers", [])
+            if getattr(layer.self_attention, "rotary_pos_emb", None) is not None]
+
+
 def apply(model, params: dict | None, base: float, dim: int) -> None:
-    """Give ``model``'s (a GPTModel stage) rotary embedding the scaled inverse frequencies over its ``dim`` rotated
+    """Give ``model``'s (a GPTModel stage) rotary embeddings the scaled inverse frequencies over its ``dim`` rotated
     channels per head (no-op for plain RoPE)."""
     if rope_type(params) == "default":
         return
-    rotary = getattr(model, "rotary_pos_emb", None)
-    if rotary is None:
+    modules = rotary_modules(model)
+    if not modules:
         raise ValueError("RoPE scaling needs a GPTModel built with position_embedding_type='rope'")
-    old = rotary.inv_freq
     new = inv_freq(params, base, dim)
-    if new.shape != old.shape:
-        raise ValueError(f"RoPE scaling: {tuple(new.shape)} frequencies for a table of {tuple(old.shape)}")
-    rotary.inv_freq = new.to(device=old.device, dtype=old.dtype)
-    if hasattr(rotary.forward, "cache_clear"):  # Megatron memoises the table per length
-        rotary.forward.cache_clear()
+    for rotary in modules:
+        old = rotary.inv_freq
+        if new.shape != old.shape:
+            raise ValueError(f"RoPE scaling: {tuple(new.shape)} frequencies for a table of {tuple(old.shape)}")
+        rotary.inv_freq = new.to(device=old.device, dtype=old.dtype)
+        if hasattr(rotary.forward, "cache_clear"):  # Megatron memoises the table per length
+            rotary.forward.cache_clear()

@@ -14,6 +14,13 @@ A micro-batch of samples merged into a prefix forest (forge_megatron.tree) runs 
    ([T, 1, 1, dim]); every pipeline stage has its own decoder and rotary module, so every stage applies it.
 3. Nothing else: linear layers, norms and MoE routing act per token and see each unique token once.
 
+Multi-latent attention (DeepSeek-V3 / Kimi-K2, ``GPTConfig.kv_lora_rank``) rotates inside each attention layer with
+its own rotary module, so :func:`use_depth_rope` indexes each layer's table by depth instead (a hook on the layer
+reads the packed params, one on its rotary module returns ``table[position_ids]``). Given packed-sequence params,
+Megatron's MLA hands core attention [T, heads, dim] (no batch dim), keys of qk_head_dim + qk_pos_emb_head_dim
+channels and values of v_head_dim: :class:`TreeAttention` pads the narrower of the two with zero channels (zero
+terms in every dot product, zero output channels, dropped) so every backend runs one head size.
+
 Context parallelism (CP > 1): each CP rank holds a contiguous shard of the padded tree and TreeAttention trades
 tokens for heads around the kernel (forge_megatron.mcore.context_parallel); ``sub_end`` is then the whole padded
 tree and ``position_ids`` this rank's shard.
@@ -101,7 +108,8 @@ class TreeAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -124,6 +132,13 @@ class TreeAttention(MegatronModule):
             raise ValueError("TreeAttention takes its mask from sub_end: pass attention_mask=None and no attention_bias")
         from forge_megatron.mcore.context_parallel import cp_world, tree_attention_cp
 
+        if query.dim() == 3:  # multi-latent attention drops the batch dim when given packed-sequence params
+            query, key, value = query[:, None], key[:, None], value[:, None]
+        qk_dim, v_dim = query.shape[-1], value.shape[-1]
+        if v_dim < qk_dim:  # MLA: zero channels make one head size (see the module docstring)
+            value = torch.nn.functional.pad(value, (0, qk_dim - v_dim))
+        elif v_dim > qk_dim:
+            query, key = (torch.nn.functional.pad(x, (0, v_dim - qk_dim)) for x in (query, key))
         T, b = query.shape[:2]
         cp = cp_world()[0]
         if b != 1 or T * cp != packed_seq_params.sub_end.numel():
@@ -136,7 +151,7 @@ class TreeAttention(MegatronModule):
             query[:, 0], key[:, 0], value[:, 0], packed_seq_params.sub_end,
             softmax_scale=self.softmax_scale, backend=packed_seq_params.backend, comm_type=self.cp_comm_type,
         )
-        return o_TNH.reshape(T, 1, -1)
+        return o_TNH[..., :v_dim].reshape(T, 1, -1)
 
 
 # ------------------------------------------------------------------------------------------------ specs
@@ -169,8 +184,10 @@ def swap_core_attention(spec):
 def use_depth_rope(model):
     """Make ``model`` (a GPTModel stage) rotate tree tokens by depth when given TreePackedSeqParams.
 
-    Returns the hook handle. Calls without TreePackedSeqParams are left untouched.
+    Returns a handle whose ``remove()`` undoes it. Calls without TreePackedSeqParams are left untouched.
     """
+    if getattr(model.config, "multi_latent_attention", False):
+        return _use_depth_rope_mla(model)
     rotary = getattr(model, "rotary_pos_emb", None)
     if rotary is None or getattr(model, "position_embedding_type", None) != "rope":
         raise ValueError("use_depth_rope needs a GPTModel built with position_embedding_type='rope'")
@@ -188,6 +205,43 @@ def use_depth_rope(model):
         return args, kwargs
 
     return model.decoder.register_forward_pre_hook(index_rope_by_depth, with_kwargs=True)
+
+
+class _Handles:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _use_depth_rope_mla(model):
+    """Depth RoPE for multi-latent attention: every layer asks its own rotary module for the table (of
+    ``max_seqlen_q`` rows) and applies it to [T, heads, dim] tensors, so the module returns ``table[position_ids]``
+    as [T, 1, D] while its layer runs with TreePackedSeqParams. The positions are read per layer call, so a layer
+    recomputed in the backward pass (activation checkpointing) gets its own micro-batch's again."""
+    handles = []
+    for layer in model.decoder.layers:
+        attention = layer.self_attention
+        rotary = attention.rotary_pos_emb
+        if hasattr(rotary, "cp_group"):
+            rotary.cp_group = None  # as above: the whole table, indexed by depth
+        positions = {}
+
+        def read_params(module, args, kwargs, positions=positions):
+            params = kwargs.get("packed_seq_params")
+            positions["T"] = params.position_ids if isinstance(params, TreePackedSeqParams) else None
+
+        def index_by_depth(module, args, table_P11D, positions=positions):
+            position_ids = positions.get("T")
+            if position_ids is None:
+                return None
+            return table_P11D[position_ids.to(table_P11D.device), 0]  # [T, 1, D]
+
+        handles += [attention.register_forward_pre_hook(read_params, with_kwargs=True),
+                    rotary.register_forward_hook(index_by_depth)]
+    return _Handles(handles)
 
 
 def build_tree_gpt(cfg: GPTConfig, use_te: bool = False, **kwargs):

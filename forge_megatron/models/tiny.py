@@ -31,7 +31,7 @@ SPECIAL_TOKENS = (
     "<tool_response>",
     "</tool_response>",
 )
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite")
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
 _CORPUS = [
@@ -152,6 +152,23 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "use_qk_norm": True,
              "attention_bias": True},
+        ),
+        # DeepSeek-V3 layout: multi-latent attention (query and key/value latents, 24-channel query/key heads of
+        # which 8 rotated, 12-channel value heads), layer 0 dense, grouped sigmoid routing (2 groups, 1 chosen)
+        "deepseek_v3": (
+            transformers.DeepseekV3Config,
+            {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
+             "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True},
+        ),
+        # GLM-4.7-Flash layout: multi-latent attention with queries projected directly (no query latent)
+        "glm4_moe_lite": (
+            transformers.Glm4MoeLiteConfig,
+            {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "n_shared_experts": 1,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"],
+             "norm_topk_prob": True, "routed_scaling_factor": 1.8},
         ),
     }
     if arch not in per_arch:

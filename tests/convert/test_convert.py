@@ -19,7 +19,7 @@ from forge_megatron.convert.cli import main as cli_main
 from tests.convert.mcore_forward import forward_logits, load_converted
 from tests.dist_utils import run_distributed
 
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -27,6 +27,9 @@ ROPE_SCALED = [
                                "original_max_position_embeddings": 8}),
     ("qwen2_yarn", "qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
     ("qwen3_linear", "qwen3", {"rope_type": "linear", "factor": 2.0}),
+    # DeepSeek-V3 / Kimi-K2 style: YaRN on the rotated channels, softmax scale mscale(factor, mscale_all_dim)^2
+    ("deepseek_yarn", "deepseek_v3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
 ]
 
 
@@ -62,6 +65,7 @@ LAYOUTS = [
     ("qwen2", ParallelLayout(tp=2)), ("qwen2", ParallelLayout(pp=2)), ("llama", ParallelLayout(tp=2, pp=2)),
     ("qwen3", ParallelLayout()), ("qwen3_tied", ParallelLayout(tp=2, pp=2)), ("qwen3_moe", ParallelLayout(ep=2)),
     ("qwen3_moe", ParallelLayout(tp=2, pp=2, ep=2)), ("glm4_moe", ParallelLayout(tp=2, pp=2, ep=2)),
+    ("deepseek_v3", ParallelLayout(tp=2, pp=2, ep=2)), ("glm4_moe_lite", ParallelLayout(tp=2)),
 ]
 
 

@@ -153,6 +153,17 @@ def _body_one_rank(rank, world_size):
     out["glm4_moe"] = _exactness(glm_tree, glm_causal, all_samples(3))
     out["glm4_moe_layers"] = [type(layer.mlp).__name__ for layer in glm_tree.decoder.layers]
     out["glm4_moe_rotary_dim"] = glm_tree.rotary_pos_emb.inv_freq.numel() * 2
+    # DeepSeek-V3 layout (multi-latent attention: per-layer rotary tables indexed by depth, value heads narrower
+    # than query/key heads) with YaRN, and the same model rotating by packed offset as the negative control
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+    ds = {**tiny_config("deepseek_v3", vocab_size=VOCAB, rope_parameters=yarn).to_dict(),
+          "architectures": ["DeepseekV3ForCausalLM"]}
+    ds_tree, ds_causal = _twin_models(gpt_config_from_hf(ds))
+    out["deepseek_v3"] = _exactness(ds_tree, ds_causal, all_samples(3))
+    out["deepseek_v3_modules"] = [type(ds_tree.decoder.layers[0].self_attention.core_attention).__name__,
+                                  type(ds_causal.decoder.layers[0].self_attention.core_attention).__name__]
+    out["deepseek_v3_by_offset"] = _offset_rope_error(ds_tree, ds_causal)
     return out
 
 
@@ -342,6 +353,15 @@ def test_glm4_moe_tree_equals_unmerged(one_rank):
     assert one_rank["glm4_moe_layers"] == ["MLP", "MoELayer"] and one_rank["glm4_moe_rotary_dim"] == 8  # of 16
     logp, ent, grad, _, _ = one_rank["glm4_moe"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["glm4_moe"]
+
+
+def test_multi_latent_attention_tree_equals_unmerged(one_rank):
+    """DeepSeek-V3's MLA (query/key heads 24 wide, value heads 12) with YaRN: tree == each sample alone, and
+    rotating by packed offset instead of depth is visibly wrong (the per-layer rotary hooks do the work)."""
+    assert one_rank["deepseek_v3_modules"] == ["TreeAttention", "LatentCoreAttention"]
+    logp, ent, grad, _, _ = one_rank["deepseek_v3"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["deepseek_v3"]
+    assert one_rank["deepseek_v3_by_offset"] > 20 * LOGP_ATOL
 
 
 def test_rope_must_follow_depth_not_offset(one_rank):
