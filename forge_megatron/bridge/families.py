@@ -150,6 +150,9 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if rope.attention_factor(hf.get("rope_scaling") or hf.get("rope_parameters")) != 1.0:
             raise UnsupportedModelError("YaRN with mscale != mscale_all_dim is not supported with multi-latent "
                                         "attention (its attention factor scales the rotated channels only)")
+        if hf.get("scoring_func", "sigmoid") != "sigmoid":
+            raise UnsupportedModelError(f"scoring_func={hf['scoring_func']!r} is not supported (DeepSeek-V3-style "
+                                        "sigmoid routers only)")
         if hf.get("index_topk") or hf.get("index_n_heads"):
             raise UnsupportedModelError("DeepSeek sparse attention (an indexer: DeepSeek-V3.2) is not supported")
     if family.sigmoid_router:

@@ -81,17 +81,17 @@ def _pattern(template: str) -> re.Pattern:
 
 
 def _mla_rules(cfg: GPTConfig) -> list[Rule]:
-    """Multi-latent attention: Megatron's local spec splits the down projections over TP by rows (column-parallel,
-    outputs all-gathered) like the up projections; the latent norms are replicated."""
+    """Multi-latent attention: the up projections are column-parallel, the down projections and the latent norms
+    replicated (mcore/model.py ``_local_mla``; Transformer Engine's spec replicates them too)."""
     attn = HF_LAYER + "self_attn."
     if cfg.q_lora_rank is None:
         query = [Rule(LAYER + "self_attention.linear_q_proj.weight", (attn + "q_proj.weight",), tp="col")]
     else:
-        query = [Rule(LAYER + "self_attention.linear_q_down_proj.weight", (attn + "q_a_proj.weight",), tp="col"),
+        query = [Rule(LAYER + "self_attention.linear_q_down_proj.weight", (attn + "q_a_proj.weight",)),
                  Rule(LAYER + "self_attention.q_layernorm.weight", (attn + "q_a_layernorm.weight",)),
                  Rule(LAYER + "self_attention.linear_q_up_proj.weight", (attn + "q_b_proj.weight",), tp="col")]
     return [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",))] + query + [
-        Rule(LAYER + "self_attention.linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",), tp="col"),
+        Rule(LAYER + "self_attention.linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",)),
         Rule(LAYER + "self_attention.kv_layernorm.weight", (attn + "kv_a_layernorm.weight",)),
         Rule(LAYER + "self_attention.linear_kv_up_proj.weight", (attn + "kv_b_proj.weight",), tp="col"),
         Rule(LAYER + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), tp="row"),
@@ -299,11 +299,6 @@ class Bridge:
             ("vocab_size", cfg.vocab_size, "tp", layout.tp),
             ("ffn_hidden_size", cfg.ffn_hidden_size, "tp", layout.tp),
         ]
-        if cfg.multi_latent_attention:  # the down projections are column-parallel too (_mla_rules)
-            checks.append(("kv_lora_rank + qk_pos_emb_head_dim", cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, "tp",
-                           layout.tp))
-            if cfg.q_lora_rank is not None:
-                checks.append(("q_lora_rank", cfg.q_lora_rank, "tp", layout.tp))
         if cfg.num_moe_experts:
             checks += [("num_moe_experts", cfg.num_moe_experts, "ep", layout.ep),
                        ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, "tp", layout.tp)]

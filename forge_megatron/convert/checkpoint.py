@@ -109,13 +109,18 @@ def rank_file(root: str, layout: ParallelLayout, tp: int, pp: int, ep: int) -> s
     return os.path.join(rank_dir(root, layout, tp, pp, ep), "model_optim_rng.pt")
 
 
+# multi-latent attention's down projections: plain replicated torch linears in the local spec (mcore/model.py)
+_PLAIN_LINEARS = ("linear_q_down_proj", "linear_kv_down_proj")
+
+
 def _with_extra_state(state: dict) -> dict:
     """Add the ``_extra_state`` entries that Megatron's linear layers put in their state dict (None locally)."""
     out = {}
     for name, t in state.items():
         out[name] = t
         module = name.rsplit(".", 1)[0]
-        if module.rsplit(".", 1)[-1].startswith(("linear_", "output_layer")):
+        leaf = module.rsplit(".", 1)[-1]
+        if leaf.startswith(("linear_", "output_layer")) and leaf not in _PLAIN_LINEARS:
             out[module + "._extra_state"] = None
     return out
 

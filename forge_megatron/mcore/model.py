@@ -216,16 +216,27 @@ class LatentCoreAttention(torch.nn.Module):
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def _latent_core_attention(spec):
-    """``spec`` (a layer or block spec) with MLA's core attention the local :class:`LatentCoreAttention`."""
+def _local_mla(spec):
+    """``spec`` (a layer or block spec) with multi-latent attention made trainable in the local spec: the core
+    attention :class:`LatentCoreAttention`, and the down projections replicated linears (what Transformer Engine's
+    spec uses too). Megatron's local spec makes them column-parallel and all-gathers their outputs, whose backward
+    keeps only this rank's slice of the rotated key's gradient although every TP rank's heads use the whole of it:
+    under TP the shared-key projection would train on a fraction of its gradient. Replicated, the rotated key is
+    all-gathered over the sequence-parallel region instead (its backward sums the ranks' parts) and the weights,
+    marked sequence-parallel, have their gradients summed over TP. That needs sequence parallelism under TP, which the
+    trainer requires of MoE models anyway (every MLA family is one)."""
     import dataclasses
 
+    from megatron.core.post_training.modelopt.layers import Linear
+
     if hasattr(spec, "layer_specs"):
-        return dataclasses.replace(spec, layer_specs=[_latent_core_attention(s) for s in spec.layer_specs])
+        return dataclasses.replace(spec, layer_specs=[_local_mla(s) for s in spec.layer_specs])
     attn = spec.submodules.self_attention
+    subs = dataclasses.replace(attn.submodules, core_attention=LatentCoreAttention, linear_kv_down_proj=Linear)
+    if subs.linear_q_down_proj is not None:
+        subs = dataclasses.replace(subs, linear_q_down_proj=Linear)
     return dataclasses.replace(spec, submodules=dataclasses.replace(
-        spec.submodules, self_attention=dataclasses.replace(
-            attn, submodules=dataclasses.replace(attn.submodules, core_attention=LatentCoreAttention))))
+        spec.submodules, self_attention=dataclasses.replace(attn, submodules=subs)))
 
 
 def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None):
@@ -241,7 +252,7 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from megatron.core.transformer import multi_latent_attention
 
         multi_latent_attention.HAVE_TE = False
-    return spec if use_te else _latent_core_attention(spec)
+    return spec if use_te else _local_mla(spec)
 
 
 def _layer_spec(cfg: GPTConfig, use_te: bool, vp_stage: int | None):

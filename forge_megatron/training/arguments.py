@@ -127,12 +127,25 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     net.add_argument("--moe-router-enable-expert-bias", action="store_true",
                      help="the router's score-correction bias (GLM-4.5's e_score_correction_bias; kept fixed)")
     net.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    net.add_argument("--moe-router-num-groups", type=int, default=None,
+                     help="expert groups of group-limited routing (DeepSeek-V3 / Kimi-K2: n_group)")
+    net.add_argument("--moe-router-group-topk", type=int, default=None,
+                     help="groups each token may choose from (DeepSeek-V3: topk_group)")
     net.add_argument("--moe-router-bias-update-rate", type=float, default=None,
                      help="let the router's score-correction bias keep balancing the experts during RL (Megatron's "
                           "auxiliary-loss-free balancing: bias += rate x sign(mean load - load) per step; the "
                           "biases are weight-synced to the engines). Default: kept as the checkpoint has it (0)")
     net.add_argument("--rotary-percent", type=float, default=1.0,
                      help="fraction of each head RoPE rotates (GLM-4.5: 0.5)")
+    net.add_argument("--multi-latent-attention", action="store_true",
+                     help="DeepSeek-V3 / Kimi-K2 multi-latent attention (with --q-lora-rank, --kv-lora-rank, "
+                          "--qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim; YaRN comes from the checkpoint)")
+    net.add_argument("--q-lora-rank", type=int, default=None, help="query latent width (none: queries projected "
+                                                                    "directly)")
+    net.add_argument("--kv-lora-rank", type=int, default=32, help="key/value latent width")
+    net.add_argument("--qk-head-dim", type=int, default=128, help="query/key channels without RoPE per head")
+    net.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="query/key channels with RoPE per head")
+    net.add_argument("--v-head-dim", type=int, default=128, help="value channels per head")
     net.add_argument("--bf16", action="store_true")
 
     train = parser.add_argument_group("training (Megatron)")
@@ -543,7 +556,10 @@ def gpt_config(args: argparse.Namespace, vocab_size: int):
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        kv_channels=args.kv_channels,
+        kv_channels=args.v_head_dim if args.multi_latent_attention else args.kv_channels,
+        **(dict(kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank, qk_head_dim=args.qk_head_dim,
+                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)
+           if args.multi_latent_attention else {}),
         vocab_size=args.vocab_size or vocab_size,
         max_position_embeddings=args.max_position_embeddings or args.seq_length or 4096,
         normalization=args.normalization,
@@ -566,7 +582,9 @@ def gpt_config(args: argparse.Namespace, vocab_size: int):
         rotary_percent=args.rotary_percent,
         extra={"moe_router_score_function": args.moe_router_score_function,
                "moe_router_enable_expert_bias": args.moe_router_enable_expert_bias,
-               "moe_router_topk_scaling_factor": args.moe_router_topk_scaling_factor}
+               "moe_router_topk_scaling_factor": args.moe_router_topk_scaling_factor,
+               "moe_router_num_groups": args.moe_router_num_groups,
+               "moe_router_group_topk": args.moe_router_group_topk}
         if args.num_experts and args.moe_router_score_function == "sigmoid" else {},
         bf16=args.bf16,
     )

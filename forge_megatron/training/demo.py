@@ -50,10 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3, help="RL learning rate")
-    p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None, choices=["qwen3_moe", "glm4_moe"],
+    p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
+                   choices=["qwen3_moe", "glm4_moe", "deepseek_v3"],
                    help="a tiny MoE model (4 experts, top-2) with rollout routing replay end to end: Qwen3-MoE "
-                        "(default), or glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
-                        "score-correction bias, a shared expert, RoPE on half of each head)")
+                        "(default); glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
+                        "score-correction bias, a shared expert, RoPE on half of each head); deepseek_v3: the "
+                        "DeepSeek-V3 / Kimi-K2 layout (the same MoE with grouped routing, multi-latent attention)")
     p.add_argument("--fp8", action="store_true",
                    help="the engine serves a block-wise FP8 copy of the SFT model (forge-convert hf-to-fp8, 32 x 32 "
                         "blocks) and the trainer syncs FP8 weights to it (--weight-sync-fp8)")

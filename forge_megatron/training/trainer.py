@@ -562,10 +562,11 @@ def progress_line(m: dict) -> str:
 
 # ---------------------------------------------------------------------------------------- building blocks
 def _router(cfg) -> tuple:
-    """What the Megatron router flags can say about a config: score function, expert bias, top-k scaling."""
+    """What the Megatron router flags can say about a config: score function, expert bias, top-k scaling, groups."""
     return (cfg.extra.get("moe_router_score_function", "softmax"),
             bool(cfg.extra.get("moe_router_enable_expert_bias", False)),
-            cfg.extra.get("moe_router_topk_scaling_factor"))
+            cfg.extra.get("moe_router_topk_scaling_factor"),
+            cfg.extra.get("moe_router_num_groups"), cfg.extra.get("moe_router_group_topk"))
 
 
 def model_config(args: argparse.Namespace, bridge):
@@ -575,10 +576,14 @@ def model_config(args: argparse.Namespace, bridge):
     cfg = bridge.cfg
     if args.num_layers is not None:
         flags = arguments.gpt_config(args, vocab_size=cfg.vocab_size)
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                     "vocab_size", "head_dim", "qk_layernorm", "add_qkv_bias", "num_moe_experts", "rotary_base",
-                     "rope_scaling", "rotary_percent", "moe_shared_ffn_hidden_size", "moe_dense_layers",
+        for name in ("multi_latent_attention", "kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                     "v_head_dim", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                     "ffn_hidden_size", "vocab_size", "head_dim", "qk_layernorm", "add_qkv_bias", "num_moe_experts",
+                     "rotary_base", "rope_scaling", "rotary_percent", "moe_shared_ffn_hidden_size", "moe_dense_layers",
                      "router"):
+            if name in ("q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim") and \
+                    not cfg.multi_latent_attention:
+                continue  # MLA's sizes (kv_lora_rank is None without it: compared above)
             if name == "rope_scaling" and not args.use_rope_scaling and \
                     (cfg.rope_scaling or {}).get("rope_type") in ("yarn", "linear"):
                 continue  # no Megatron flag expresses these: the checkpoint's scaling is used

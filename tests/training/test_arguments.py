@@ -137,7 +137,7 @@ def test_model_arrays_build_gpt_configs():
     import shlex
 
     for name, vocab in (("tiny", 300), ("qwen3-8B", 0), ("qwen3-30B-A3B", 0), ("llama3.1-8B", 0), ("glm4.5-air", 0),
-                        ("devstral-small", 0), ("qwen2.5-7B", 0)):
+                        ("devstral-small", 0), ("deepseek-v3", 0), ("moonlight-16B-A3B", 0), ("qwen2.5-7B", 0)):
         script = os.path.join(ROOT, "scripts", "models", f"{name}.sh")
         out = subprocess.run(["bash", "-c", f'source {shlex.quote(script)}; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
                              capture_output=True, text=True, check=True)
@@ -153,6 +153,12 @@ def test_model_arrays_build_gpt_configs():
         if name == "glm4.5-air":  # the GLM-4.5 MoE layout from Megatron's flags
             assert (cfg.moe_dense_layers, cfg.moe_shared_ffn_hidden_size, cfg.rotary_percent) == (1, 1408, 0.5)
             assert cfg.extra["moe_router_score_function"] == "sigmoid" and cfg.extra["moe_router_enable_expert_bias"]
+        if name == "deepseek-v3":  # multi-latent attention and group-limited routing from Megatron's flags
+            assert cfg.multi_latent_attention and (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.head_dim) == (1536, 512, 128)
+            assert (cfg.extra["moe_router_num_groups"], cfg.extra["moe_router_group_topk"]) == (8, 4)
+            assert cfg.moe_dense_layers == 3 and cfg.num_query_groups == 128
+        if name == "moonlight-16B-A3B":
+            assert cfg.multi_latent_attention and cfg.q_lora_rank is None
     assert cfg.add_qkv_bias is True and cfg.num_query_groups == 4  # qwen2.5-7B is last
 
 
@@ -300,6 +306,32 @@ def test_glm_flags_must_agree_with_the_checkpoint():
                         (["--moe-layer-freq", "([0]*1+[1]*1)"], "moe_dense_layers"),
                         (["--moe-router-enable-expert-bias"], "router")):
         wrong = [f for f in flags if f not in drop]
+        with pytest.raises(ValueError, match=f"{field}: the model flags say"):
+            model_config(arguments.parse_args(MINIMAL + wrong), Bridge(hf))
+
+
+def test_deepseek_v3_flags_must_agree_with_the_checkpoint():
+    """Multi-latent attention's sizes and group-limited routing are compared with the checkpoint like the rest."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.training.trainer import model_config
+
+    hf = {**tiny_config("deepseek_v3").to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+             "--qk-layernorm", "--position-embedding-type", "rope", "--multi-latent-attention", "--q-lora-rank", "32",
+             "--kv-lora-rank", "24", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
+             "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "32",
+             "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-router-score-function", "sigmoid",
+             "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "2.5",
+             "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"]
+    cfg = model_config(arguments.parse_args(MINIMAL + flags), Bridge(hf))
+    assert cfg.multi_latent_attention and cfg.v_head_dim == 12
+    for change, field in ((["--multi-latent-attention"], "multi_latent_attention"),
+                          (["--v-head-dim", "12"], "v_head_dim"),
+                          (["--q-lora-rank", "32"], "q_lora_rank"),
+                          (["--moe-router-num-groups", "2"], "router")):
+        at = flags.index(change[0])
+        wrong = flags[:at] + flags[at + len(change):]
         with pytest.raises(ValueError, match=f"{field}: the model flags say"):
             model_config(arguments.parse_args(MINIMAL + wrong), Bridge(hf))
 

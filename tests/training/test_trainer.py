@@ -354,12 +354,14 @@ def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_pat
     assert abs(steps["natural"][0]["loss"] - first["loss"]) > 1e-4 and "routing_mismatch" not in steps["natural"][0]
 
 
-def test_glm4_moe_trains_the_same_under_pipeline_tensor_and_expert_parallelism(tmp_path):
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_sigmoid_router_moe_trains_the_same_under_pipeline_tensor_and_expert_parallelism(tmp_path, arch):
     """The GLM-4.5 layout (dense layer 0, then a MoE layer with a sigmoid router, score-correction bias, routed
-    scaling and a shared expert; RoPE on half of each head) through the trainer with routing replay: one rank,
-    PP = 2 (the dense and the MoE layer on different stages), TP = 2 with sequence parallelism, CP = 2 and EP = 2
-    train the same two steps; only the MoE layer replays rows."""
-    model_dir = build_tiny_model(str(tmp_path / "glm"), arch="glm4_moe", seed=2)
+    scaling and a shared expert; RoPE on half of each head) and the DeepSeek-V3 one (the same MoE with grouped
+    routing, multi-latent attention) through the trainer with routing replay: one rank, PP = 2 (the dense and the
+    MoE layer on different stages), TP = 2 with sequence parallelism (MLA's down projections split and gathered),
+    CP = 2 and EP = 2 train the same two steps; only the MoE layer replays rows."""
+    model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
     steps = {}
     for name, extra, nproc in (
@@ -407,12 +409,12 @@ def test_glm_router_biases_stay_or_keep_balancing_as_asked(tmp_path):
     assert steps.abs().max() > 0.5 and torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() < 2.001
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
 def test_routing_replay_under_the_interleaved_pipeline(tmp_path, arch):
     """--routing-replay with PP = 2 x VPP = 2 on a 4-layer MoE model: each model chunk's routers take their own
     layers' rows, micro-batches padded to one length (padding rows routed by the router), and the step equals one
-    rank's (loss, grad norm, routing counts). GLM-4.5 layout: layer 0 (the first chunk of rank 0) is dense, so each
-    chunk builds its own layers from Megatron's block spec."""
+    rank's (loss, grad norm, routing counts). GLM-4.5 and DeepSeek-V3 layouts: layer 0 (the first chunk of rank 0) is
+    dense, so each chunk builds its own layers from Megatron's block spec (DeepSeek-V3: each its own rotary tables)."""
     model_dir = build_tiny_model(str(tmp_path / "moe4"), arch=arch, seed=3, num_hidden_layers=4)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(8), completion_len=(4, 5), routing=(4, 4, 2))  # noqa
     steps = {}
@@ -426,7 +428,7 @@ def test_routing_replay_under_the_interleaved_pipeline(tmp_path, arch):
     for key in ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows"):
         assert vpp[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
     # 8 samples, one per micro-batch; recorded tokens (the last unrecorded) x 4 MoE layers (GLM: 3)
-    assert one["routing_replayed_rows"] == (4 * (12 + 3) + 4 * (12 + 4)) * (3 if arch == "glm4_moe" else 4)
+    assert one["routing_replayed_rows"] == (4 * (12 + 3) + 4 * (12 + 4)) * (4 if arch == "qwen3_moe" else 3)
 
 
 def test_kl_to_a_frozen_reference(tmp_path):

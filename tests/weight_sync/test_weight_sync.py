@@ -37,6 +37,7 @@ def models(tmp_path_factory):
         "qwen3_tied": build_tiny_model(str(root / "qwen3_tied"), arch="qwen3", seed=4, tie_word_embeddings=True),
         "qwen3_moe": build_tiny_model(str(root / "qwen3_moe"), arch="qwen3_moe", seed=5),
         "glm4_moe": build_tiny_model(str(root / "glm4_moe"), arch="glm4_moe", seed=6),
+        "deepseek_v3": build_tiny_model(str(root / "deepseek_v3"), arch="deepseek_v3", seed=7),
     }
 
 
@@ -148,7 +149,8 @@ def _check_synced(results):
     ("qwen3_tied", ParallelConfig(pp=2)),
     ("qwen3_moe", ParallelConfig(ep=2)),
     ("glm4_moe", ParallelConfig(pp=2)),
-], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe"])
+    ("deepseek_v3", ParallelConfig(tp=2)),  # MLA: up projections gathered over TP, latents replicated
+], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
