@@ -79,6 +79,20 @@ def test_suffix_queries_pass_over_cuda(no_env, monkeypatch):
         cuda_backend._check_supported(torch.zeros(3, 2, 32), torch.zeros(5, 1, 32))
 
 
+def test_head_sizes_a_kernel_does_not_take_pass_over_it(no_env, monkeypatch):
+    """Multi-latent attention's 192-channel query/key heads: not the CUDA kernel's (32 / 64 / 128) even where it is
+    validated and preferred; Triton takes them (up to 256); beyond that the exact segment backend."""
+    from forge_megatron.kernels.tree_attention import cuda as cuda_backend
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(dispatch, "CUDA_VALIDATED", True)
+    monkeypatch.setattr(dispatch, "available_backends", lambda device=None: list(dispatch.BACKENDS))
+    assert dispatch.HEAD_DIMS["cuda"] == cuda_backend.SUPPORTED_HEAD_DIMS
+    triton_kernel = pytest.importorskip("forge_megatron.kernels.tree_attention.triton_kernel")
+    assert max(dispatch.HEAD_DIMS["triton"]) == triton_kernel.MAX_HEAD_DIM
+    assert [dispatch.choose_backend(cuda, head_dim=h)[0] for h in (128, 192, 320)] == ["cuda", "triton", "segment"]
+
+
 def test_choice_logged_once(inputs, no_env, caplog):
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
         tree_attention(*inputs)

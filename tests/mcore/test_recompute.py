@@ -1,13 +1,24 @@
 """Activation recomputation (Megatron's recompute_granularity) with tree packing: same gradients, and the layers
-really run again in the backward (fp32, CPU, 1 rank). The trainer's --recompute-* flags feed these config fields."""
+really run again in the backward (fp32, CPU, 1 rank), for standard and multi-latent attention (whose per-layer
+depth RoPE must find its micro-batch's positions again when a layer reruns). The trainer's --recompute-* flags feed
+these config fields."""
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
 from tests.mcore.test_tree_exact import _cfg, _weighted_loss, _weights, all_samples
 
 
-def _body(rank, world_size):
+def _mla_cfg(extra):
+    from forge_megatron.bridge import gpt_config_from_hf
+    from forge_megatron.models.tiny import tiny_config
+
+    hf = {**tiny_config("deepseek_v3", vocab_size=96).to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    return gpt_config_from_hf(hf, extra=extra)
+
+
+def _body(rank, world_size, mla):
     from forge_megatron.mcore.forward import tree_logprobs
     from forge_megatron.mcore.tree_attention import build_tree_gpt
     from forge_megatron.tree import build_tree
@@ -19,9 +30,13 @@ def _body(rank, world_size):
     for name, extra in (("plain", {}),
                         ("full", {"recompute_granularity": "full", "recompute_method": "uniform",
                                   "recompute_num_layers": 1}),
-                        ("selective", {"recompute_granularity": "selective"})):
+                        ("selective", {"recompute_granularity": "selective"}),
+                        ("up_proj", {"recompute_granularity": "selective",
+                                     "recompute_modules": ["core_attn", "mla_up_proj"]})):
+        if name == "up_proj" and not mla:
+            continue
         torch.manual_seed(3)
-        model = build_tree_gpt(_cfg(extra=extra))
+        model = build_tree_gpt(_mla_cfg(extra) if mla else _cfg(extra=extra))
         if state is None:
             state = model.state_dict()
         model.load_state_dict(state)
@@ -35,12 +50,13 @@ def _body(rank, world_size):
     return out
 
 
-def test_recompute_keeps_gradients_and_reruns_layers():
-    (out,) = run_distributed(_body, world_size=1)
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_recompute_keeps_gradients_and_reruns_layers(mla):
+    (out,) = run_distributed(_body, world_size=1, mla=mla)
     plain_layer, plain_attn, plain_grads = out["plain"]
     assert (plain_layer, plain_attn) == (1, 1)
     assert out["full"][0] == 2  # the whole layer ran again in the backward
     assert out["selective"][:2] == (1, 2)  # only core attention ran again
-    for name in ("full", "selective"):
+    for name in ("full", "selective") + (("up_proj",) if mla else ()):
         grads = out[name][2]
         assert max((grads[k] - g).abs().max().item() for k, g in plain_grads.items()) <= 1e-6, name

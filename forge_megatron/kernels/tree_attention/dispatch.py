@@ -7,7 +7,9 @@ Choice, first match wins:
    "segment" (exact, any device); on CPU: "segment". "reference" (dense T x T mask) only on request.
    The CUDA kernel moves ahead of Triton once its GPU tests have passed on a GPU machine (``CUDA_VALIDATED``;
    benchmarks/gpu_check.sh runs them): until then it is used only when asked for. Calls with suffix queries (fewer
-   queries than keys, ops.py) never choose it automatically: it takes them only on its SIMT path.
+   queries than keys, ops.py) never choose it automatically: it takes them only on its SIMT path. A head size a
+   kernel does not take (CUDA: 32 / 64 / 128; Triton: up to 256; multi-latent attention's query/key heads are
+   192 wide) passes over it too.
 The Triton and CUDA backends live in their own modules and are imported lazily; a module that is absent or fails
 to import makes its backend unavailable. Each (backend, device type) choice is logged once.
 
@@ -30,6 +32,8 @@ from forge_megatron.utils import env
 
 ENV_VAR = "FORGE_TREE_ATTN_BACKEND"
 BACKENDS = ("reference", "segment", "triton", "cuda")
+# Head sizes each compiled kernel takes (cuda.py, triton_kernel.py); other sizes go to the next backend.
+HEAD_DIMS = {"cuda": (32, 64, 128), "triton": range(1, 257)}
 # Flip to True once `pytest -m gpu tests/kernels/test_cuda.py` has passed on an H100/H200 (benchmarks/gpu_check.sh).
 CUDA_VALIDATED = False
 _COMPILED = {  # backend -> (module, function, what env.require names when it is missing)
@@ -53,22 +57,24 @@ def tree_attention(
 
     q may hold only the last tokens of the keys' tree (suffix queries, see ops.py); the automatic choice then
     passes over the CUDA kernel, which takes them on its SIMT path only (no tensor cores)."""
-    name = resolve(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0])
+    name = resolve(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0], head_dim=q_TNH.shape[2])
     return _function(name)(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=softmax_scale)
 
 
-def resolve(device: torch.device, backend: str | None = None, suffix_queries: bool = False) -> str:
+def resolve(device: torch.device, backend: str | None = None, suffix_queries: bool = False,
+            head_dim: int | None = None) -> str:
     """:func:`choose_backend`'s name, logging each (backend, device type) choice once."""
-    name, why = choose_backend(device, backend, suffix_queries=suffix_queries)
+    name, why = choose_backend(device, backend, suffix_queries=suffix_queries, head_dim=head_dim)
     if (name, device.type) not in _logged:
         _logged.add((name, device.type))
         log.info("tree attention backend %r on %s (%s)", name, device.type, why)
     return name
 
 
-def choose_backend(device: torch.device, backend: str | None = None,
-                   suffix_queries: bool = False) -> tuple[str, str]:
-    """(backend name, why it was chosen) for tensors on ``device``; ``suffix_queries``: fewer queries than keys."""
+def choose_backend(device: torch.device, backend: str | None = None, suffix_queries: bool = False,
+                   head_dim: int | None = None) -> tuple[str, str]:
+    """(backend name, why it was chosen) for tensors on ``device``; ``suffix_queries``: fewer queries than keys;
+    ``head_dim``: the query/key head size (None: any)."""
     if backend is not None:
         return _requested(backend, "backend argument"), "backend argument"
     from_env = os.environ.get(ENV_VAR)
@@ -76,7 +82,8 @@ def choose_backend(device: torch.device, backend: str | None = None,
         return _requested(from_env, f"{ENV_VAR}={from_env}"), f"{ENV_VAR}={from_env}"
     if device.type == "cuda":
         for name in ("cuda", "triton") if CUDA_VALIDATED else ("triton", "cuda"):
-            if name in available_backends(device) and not (suffix_queries and name == "cuda"):
+            if name in available_backends(device) and not (suffix_queries and name == "cuda") \
+                    and (head_dim is None or head_dim in HEAD_DIMS[name]):
                 return name, "automatic"
     return "segment", "automatic"
 
