@@ -53,6 +53,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from forge_megatron.rollout.weight_group import broadcast_tensor, init_weight_update_group
+from forge_megatron.weight_sync.buckets import missing_partners
 from forge_megatron.weight_sync.fp8 import FP8_DTYPE, Fp8Config, dequantize_named
 
 log = logging.getLogger("forge.engine")
@@ -358,6 +359,11 @@ class ReferenceEngine:
             raise RequestError(str(exc)) from exc
         _require(not n_fp8 or self.fp8 is not None,
                  "this engine serves a checkpoint without an fp8 quantization_config: send unquantized weights")
+        if getattr(self.model.config, "q_lora_rank", None) is not None:
+            missing = missing_partners(named)
+            if missing:
+                raise RequestError(f"{missing[0]!r} must come in the same request: SGLang fuses each layer's q_a_proj "
+                                   "and kv_a_proj_with_mqa as both arrive in one load (one without the other is lost)")
         params = self.model.state_dict()
         writes = []  # (destination view, tensor)
         for name, tensor in named.items():

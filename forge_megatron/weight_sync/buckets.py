@@ -27,6 +27,54 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# Tensors an engine must receive in one request. SGLang's DeepSeek-V2/V3 loader (models with a query latent: DeepSeek-V3,
+# Kimi-K2) fuses each layer's q_a_proj and kv_a_proj_with_mqa into one projection as both arrive within one
+# load_weights call, i.e. one update request; a request holding one of them without the other loses it.
+LOADED_TOGETHER = (("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa."),)
+
+
+def together(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """(the layer prefix, the group) when ``name`` belongs to a :data:`LOADED_TOGETHER` group, else None."""
+    for group in LOADED_TOGETHER:
+        for member in group:
+            if member in name:
+                return name.split(member)[0], group
+    return None
+
+
+def missing_partners(names) -> list[str]:
+    """For a request's tensor names: the group members (``<prefix><member>weight``) that must come with them and
+    do not."""
+    names = set(names)
+    missing = []
+    for name in sorted(names):
+        found = together(name)
+        if found is not None:
+            prefix, group = found
+            missing += [prefix + m + "weight" for m in group if prefix + m + "weight" not in names]
+    return sorted(set(missing))
+
+
+def keep_together(named):
+    """Pass a stream of ``(name, tensor)`` items (or lists of them, see :func:`make_buckets`) through, holding the
+    members of each :data:`LOADED_TOGETHER` group back until the whole group has come and yielding them as one
+    list item, so no bucket splits them."""
+    held: dict[str, list] = {}
+    for item in named:
+        group_items = item if isinstance(item, list) else [item]
+        found = together(group_items[0][0])
+        if found is None:
+            yield item
+            continue
+        prefix, group = found
+        held.setdefault(prefix, []).extend(group_items)
+        names = {n for n, _ in held[prefix]}
+        if all(any(n.startswith(prefix + m) for n in names) for m in group):
+            yield held.pop(prefix)
+    for rest in held.values():  # an incomplete group (a model without the partner): as it is
+        yield rest
+
+
 def make_buckets(named, bucket_bytes: int):
     """Group a stream of ``(name, tensor)`` into lists of at most ``bucket_bytes`` bytes. An item may also be a
     list of ``(name, tensor)`` that must travel in one bucket (an FP8 weight and its scales)."""

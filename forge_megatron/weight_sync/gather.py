@@ -104,7 +104,7 @@ def iter_stage_buckets(bridge: Bridge, chunks, bucket_bytes: int, dtype: torch.d
     """Collective over the ranks of this rank's pipeline stage: yields every HF tensor the stage holds (all its
     chunks), in buckets of at most ``bucket_bytes``, non-expert buckets first, then expert buckets. With ``fp8``
     (an :class:`~forge_megatron.weight_sync.fp8.Fp8Config`) projection weights go as float8 + block scales, each
-    weight in the bucket of its scales.
+    weight in the bucket of its scales; tensors SGLang fuses on load go in one bucket (``buckets.LOADED_TOGETHER``).
 
     Every rank of the stage must run the generator to its end (they take part in the gathers); only the stage
     lead's buckets (:func:`is_stage_lead`) are sent to the engines.
@@ -114,4 +114,5 @@ def iter_stage_buckets(bridge: Bridge, chunks, bucket_bytes: int, dtype: torch.d
 
     for stream in (iter_dense, iter_experts):
         named = stream(bridge, chunks, dtype)
-        yield from bk.make_buckets(named if fp8 is None else quantize_named(named, fp8), bucket_bytes)
+        named = named if fp8 is None else quantize_named(named, fp8)
+        yield from bk.make_buckets(bk.keep_together(named), bucket_bytes)

@@ -100,10 +100,10 @@ def _engine_vs_trainer(model, url):
     return engine, mine
 
 
-def _sync(model, bridge, version, **cfg):
+def _sync(model, bridge, version, bucket_bytes=40_000, **cfg):
     from forge_megatron.weight_sync import WeightSyncer
 
-    syncer = WeightSyncer(WeightSyncConfig(bucket_bytes=40_000, timeout_s=60, **cfg), bridge)
+    syncer = WeightSyncer(WeightSyncConfig(bucket_bytes=bucket_bytes, timeout_s=60, **cfg), bridge)
     try:
         report = syncer.sync([model], policy_version=version)
     finally:
@@ -112,14 +112,14 @@ def _sync(model, bridge, version, **cfg):
     return report
 
 
-def _sync_body(rank, world_size, mcore_dir, engine_url, disk_dir, gateway_url):
+def _sync_body(rank, world_size, mcore_dir, engine_url, disk_dir, gateway_url, bucket_bytes):
     bridge, model = load_converted(mcore_dir)
     results = {"converted": _engine_vs_trainer(model, engine_url)}  # the engine serves the HF original
     _perturb(model, 0.05)
     results["before"] = _engine_vs_trainer(model, engine_url)
     for version, transport in ((1, "distributed"), (2, "disk")):
         report = _sync(model, bridge, version, engine_urls=[engine_url], transport=transport, disk_dir=disk_dir,
-                       gateway_url=gateway_url)
+                       gateway_url=gateway_url, bucket_bytes=bucket_bytes)
         results[transport] = (report, _engine_vs_trainer(model, engine_url))
         if rank == 0:
             with urllib.request.urlopen(gateway_url + "/forge/admin/state", timeout=10) as resp:
@@ -159,8 +159,11 @@ def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     engine = start_engine(models[arch], in_process=True)
     gateway = start_gateway(models[arch], [engine.url], in_process=True)
     try:
+        # DeepSeek-V3: buckets smaller than two query/key-value down projections (8 KiB each), which the engine (as
+        # SGLang) must receive in one request: only keeping them together passes
         results = run_distributed(_sync_body, world_size=2, parallel=parallel, mcore_dir=mcore,
-                                  engine_url=engine.url, disk_dir=str(tmp_path / "disk"), gateway_url=gateway.url)
+                                  engine_url=engine.url, disk_dir=str(tmp_path / "disk"), gateway_url=gateway.url,
+                                  bucket_bytes=9_000 if arch == "deepseek_v3" else 40_000)
         groups = sorted(engine.engine.weight_groups)
     finally:
         gateway.stop()
@@ -169,6 +172,39 @@ def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     assert os.listdir(tmp_path / "disk") == ["policy_2"]  # older versions are cleaned up
     # One weight-update group per pipeline stage, each hosted by that stage's lead (nothing relayed through rank 0).
     assert [g.rsplit("_", 1)[1] for g in groups] == [f"s{s}" for s in range(parallel.pp)], groups
+
+
+def test_tensors_sglang_fuses_on_load_travel_in_one_bucket(models):
+    """q_a_proj and kv_a_proj_with_mqa of a layer (SGLang's DeepSeek loader fuses them within one load call) share a
+    bucket however small the buckets, FP8 scales included; without keep_together they would not; the engine refuses
+    a request holding one of them alone, naming the other."""
+    from forge_megatron.rollout.engine_server import ReferenceEngine, RequestError
+    from forge_megatron.weight_sync import buckets as bk
+    from forge_megatron.weight_sync.fp8 import Fp8Config, quantize_named
+
+    layer = "model.layers.1.self_attn."
+    named = [(layer + "q_a_proj.weight", torch.ones(32, 64)), (layer + "q_a_layernorm.weight", torch.ones(32)),
+             (layer + "q_b_proj.weight", torch.ones(96, 32)), (layer + "kv_a_proj_with_mqa.weight", torch.ones(32, 64)),
+             ("model.norm.weight", torch.ones(64))]
+
+    def bucket_of(buckets, suffix):
+        return next(i for i, b in enumerate(buckets) for n, _ in b if n.endswith(suffix))
+
+    plain = list(bk.make_buckets(iter(named), 9_000))
+    assert bucket_of(plain, "q_a_proj.weight") != bucket_of(plain, "kv_a_proj_with_mqa.weight")  # the control
+    for stream in (iter(named), quantize_named(iter(named), Fp8Config(block=(32, 32)))):
+        kept = list(bk.make_buckets(bk.keep_together(stream), 9_000))
+        together = kept[bucket_of(kept, "q_a_proj.weight")]
+        assert {n[len(layer):] for n, _ in together} >= {"q_a_proj.weight", "kv_a_proj_with_mqa.weight"}
+        sent = [n for b in kept for n, _ in b if not n.endswith("weight_scale_inv")]
+        assert sorted(sent) == sorted(n for n, _ in named)  # nothing lost or repeated
+    engine = ReferenceEngine(models["deepseek_v3"])
+    alone = {layer + "q_a_proj.weight": torch.zeros(32, 64)}
+    with pytest.raises(RequestError, match=r"'model.layers.1.self_attn.kv_a_proj_with_mqa.weight' must come in the same "
+                                           r"request"):
+        engine.load_state(alone)
+    engine.load_state({**alone, layer + "kv_a_proj_with_mqa.weight": torch.zeros(32, 64)})
+    assert engine.model.state_dict()[layer + "q_a_proj.weight"].abs().sum() == 0
 
 
 def _moe_export_body(rank, world_size, mcore_dir, out_dir):
