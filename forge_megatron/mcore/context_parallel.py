@@ -342,7 +342,8 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
         from forge_megatron.kernels.tree_attention.dispatch import resolve
         from forge_megatron.kernels.tree_attention.ops import resolve_scale
 
-        name = resolve(q_TlNH.device, backend, suffix_queries=True, head_dim=q_TlNH.shape[2])
+        name = resolve(q_TlNH.device, backend, suffix_queries=True, head_dim=q_TlNH.shape[2],
+                       v_head_dim=v_TlKH.shape[2])
         scale = resolve_scale(softmax_scale, H)
         return _GatheredKVAttention.apply(q_TlNH, k_TlKH, v_TlKH, sub_end_T, scale, name, group, rank)
     q = ranks_to_tree_order(_AllToAll.apply(q_TlNH, group, True), C)

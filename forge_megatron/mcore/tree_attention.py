@@ -18,8 +18,8 @@ Multi-latent attention (DeepSeek-V3 / Kimi-K2, ``GPTConfig.kv_lora_rank``) rotat
 its own rotary module, so :func:`use_depth_rope` indexes each layer's table by depth instead (a hook on the layer
 reads the packed params, one on its rotary module returns ``table[position_ids]``). Given packed-sequence params,
 Megatron's MLA hands core attention [T, heads, dim] (no batch dim), keys of qk_head_dim + qk_pos_emb_head_dim
-channels and values of v_head_dim: :class:`TreeAttention` pads the narrower of the two with zero channels (zero
-terms in every dot product, zero output channels, dropped) so every backend runs one head size.
+channels and values of v_head_dim: the kernels take value heads of their own size (the CUDA kernel excepted, which
+the automatic choice then passes over).
 
 Context parallelism (CP > 1): each CP rank holds a contiguous shard of the padded tree and TreeAttention trades
 tokens for heads around the kernel (forge_megatron.mcore.context_parallel); ``sub_end`` is then the whole padded
@@ -134,11 +134,6 @@ class TreeAttention(MegatronModule):
 
         if query.dim() == 3:  # multi-latent attention drops the batch dim when given packed-sequence params
             query, key, value = query[:, None], key[:, None], value[:, None]
-        qk_dim, v_dim = query.shape[-1], value.shape[-1]
-        if v_dim < qk_dim:  # MLA: zero channels make one head size (see the module docstring)
-            value = torch.nn.functional.pad(value, (0, qk_dim - v_dim))
-        elif v_dim > qk_dim:
-            query, key = (torch.nn.functional.pad(x, (0, v_dim - qk_dim)) for x in (query, key))
         T, b = query.shape[:2]
         cp = cp_world()[0]
         if b != 1 or T * cp != packed_seq_params.sub_end.numel():
@@ -151,7 +146,7 @@ class TreeAttention(MegatronModule):
             query[:, 0], key[:, 0], value[:, 0], packed_seq_params.sub_end,
             softmax_scale=self.softmax_scale, backend=packed_seq_params.backend, comm_type=self.cp_comm_type,
         )
-        return o_TNH[..., :v_dim].reshape(T, 1, -1)
+        return o_TNH.reshape(T, 1, -1)
 
 
 # ------------------------------------------------------------------------------------------------ specs

@@ -56,6 +56,18 @@ def test_suffix_queries(kind):
     check_suffix_queries(tree_attention_segment, sub_end_of(KINDS[kind]), N=4, K=2, H=16)
 
 
+@pytest.mark.parametrize("H,Hv", [(24, 16), (16, 24)])
+def test_value_heads_of_another_size(monkeypatch, H, Hv):
+    """Multi-latent attention's value heads (narrower, or wider, than query/key heads): whole forests, long chains
+    in query blocks and suffix queries, forward and backward."""
+    check_against_reference(tree_attention_segment, sub_end_of(KINDS["random"]), N=4, K=2, H=H, Hv=Hv,
+                            dtype=torch.float32)
+    check_suffix_queries(tree_attention_segment, sub_end_of(KINDS["agentic"]), N=2, K=1, H=H, Hv=Hv)
+    monkeypatch.setattr(segment, "QUERY_BLOCK", 8)
+    check_against_reference(tree_attention_segment, sub_end_of(KINDS["agentic"]), N=2, K=1, H=H, Hv=Hv,
+                            dtype=torch.float32)
+
+
 def test_reference_suffix_queries():
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 

@@ -29,6 +29,14 @@ def test_head_dims_and_group_sizes(N, K, H):
     check_against_reference(tree_attention_triton, CASES["grpo"], N=N, K=K, H=H, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("H,Hv", [(24, 16), (16, 24), (48, 32)])
+def test_value_heads_of_another_size(H, Hv):
+    """Multi-latent attention: value heads narrower (DeepSeek: 192 / 128) or wider than query/key heads, GQA,
+    forward and backward, whole trees and suffix queries."""
+    check_against_reference(tree_attention_triton, CASES["random_trie"], N=4, K=2, H=H, Hv=Hv, dtype=torch.float32)
+    check_suffix_queries(tree_attention_triton, CASES["grpo"], N=2, K=1, H=H, Hv=Hv)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_inputs(dtype):
     check_against_reference(tree_attention_triton, CASES["random_trie"], N=2, K=1, H=32, dtype=dtype)
@@ -39,8 +47,8 @@ def test_other_block_shapes(monkeypatch, block_m, block_n):
     """The GPU block size (64) and unequal query/key blocks give the same result (interpreter, fp32 math)."""
     import triton.language as tl
 
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=32, COMPUTE=tl.float32, DOT_PRECISION="ieee")
-    monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T: cfg)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=32, BLOCK_HV=32, COMPUTE=tl.float32, DOT_PRECISION="ieee")
+    monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T, v_head_dim=None: cfg)
     check_against_reference(tree_attention_triton, CASES["many_roots"], N=4, K=2, H=32, dtype=torch.float32)
 
 
@@ -55,8 +63,8 @@ def test_suffix_queries(case):
 def test_suffix_queries_unequal_blocks(monkeypatch, block_m, block_n):
     import triton.language as tl
 
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=16, COMPUTE=tl.float32, DOT_PRECISION="ieee")
-    monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T: cfg)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=16, BLOCK_HV=16, COMPUTE=tl.float32, DOT_PRECISION="ieee")
+    monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T, v_head_dim=None: cfg)
     check_suffix_queries(tree_attention_triton, CASES["grpo"], N=2, K=1, H=16, seed=4)
 
 
@@ -121,6 +129,10 @@ def test_fake_tensor_shapes():
         q, k, v = torch.empty(7, 4, 16), torch.empty(7, 2, 16), torch.empty(7, 2, 16)
         o, lse = triton_kernel.tree_attention_triton_op(q, k, v, torch.empty(7, dtype=torch.int32), 0.25)
     assert o.shape == (7, 4, 16) and lse.shape == (4, 7) and lse.dtype == torch.float32
+    with FakeTensorMode():
+        q, k, v = torch.empty(7, 4, 16), torch.empty(7, 2, 16), torch.empty(7, 2, 8)
+        o, _ = triton_kernel.tree_attention_triton_op(q, k, v, torch.empty(7, dtype=torch.int32), 0.25)
+    assert o.shape == (7, 4, 8)  # the values' head size
 
 
 def test_unsupported_sizes_raise():
@@ -183,7 +195,7 @@ def test_gpu_suffix_queries(H):
         check_suffix_queries(tree_attention_triton, se, N=8, K=2, H=H, device="cuda", atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,head_dim", [("bf16", 128), ("fp32", 64)])
+@pytest.mark.parametrize("dtype,head_dim", [("bf16", "128"), ("fp32", "64"), ("bf16", "192x128")])
 def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim):
     """The GPU code path (native low-precision tl.dot, ieee fp32 dots) lowers to a cubin: TTIR -> PTX -> ptxas."""
     import os
@@ -193,7 +205,7 @@ def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim):
 
     script = Path(__file__).with_name("triton_aot.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", str(head_dim)],
+    proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", head_dim],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {line.split()[2] for line in proc.stdout.splitlines()}

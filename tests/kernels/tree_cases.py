@@ -52,11 +52,13 @@ def forest_cases() -> dict[str, torch.Tensor]:
     }
 
 
-def random_qkv(T: int, N: int, K: int, H: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+def random_qkv(T: int, N: int, K: int, H: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
+               Hv: int | None = None):
+    """q [T, N, H], k [T, K, H], v [T, K, Hv] (Hv = H unless given: multi-latent attention's narrower values)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(T, N, H, generator=g)
     k = torch.randn(T, K, H, generator=g)
-    v = torch.randn(T, K, H, generator=g)
+    v = torch.randn(T, K, Hv or H, generator=g)
     return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))
 
 
@@ -66,14 +68,15 @@ def _forward_backward(fn, q, k, v, sub_end, do, scale):
     return (o, *torch.autograd.grad(o, (q, k, v), do))
 
 
-def check_against_reference(fn, sub_end, N, K, H, dtype, device="cpu", scale=None, seed=0):
+def check_against_reference(fn, sub_end, N, K, H, dtype, device="cpu", scale=None, seed=0, Hv=None):
     """Assert fn matches the fp32 reference, forward and backward, by the FlashAttention tolerance rule:
     error(fn) <= 2 * error(reference computed in `dtype`) + 1e-5, per output (o, dq, dk, dv)."""
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 
     sub_end = sub_end.to(device)
-    q, k, v = random_qkv(sub_end.shape[0], N, K, H, dtype, device, seed)
-    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
+    q, k, v = random_qkv(sub_end.shape[0], N, K, H, dtype, device, seed, Hv)
+    do = torch.randn((*q.shape[:2], v.shape[2]), generator=torch.Generator().manual_seed(seed + 1)).to(
+        device=device, dtype=dtype)
     got = _forward_backward(fn, q, k, v, sub_end, do, scale)
     exact = _forward_backward(tree_attention_reference, q.float(), k.float(), v.float(), sub_end, do.float(), scale)
     lowp = _forward_backward(tree_attention_reference, q, k, v, sub_end, do, scale)
@@ -92,14 +95,14 @@ def suffix_windows(T: int) -> list[tuple[int, int]]:
     return sorted({(0, T), (third + 1, T), (third, min(T, 2 * third + 5)), (T - 1, T), (third, third + 1)})
 
 
-def check_suffix_queries(fn, sub_end, N, K, H, dtype=torch.float32, device="cpu", seed=0, atol=2e-5):
+def check_suffix_queries(fn, sub_end, N, K, H, dtype=torch.float32, device="cpu", seed=0, atol=2e-5, Hv=None):
     """fn(q[a:b], k[:b], v[:b], min(sub_end[:b], b)) equals rows [a, b) of full tree attention, forward and
     backward (dq of those rows, and dk, dv of keys [0, b) summed over those queries only), for every window."""
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 
     T = sub_end.shape[0]
-    q, k, v = random_qkv(T, N, K, H, torch.float32, device, seed)
-    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    q, k, v = random_qkv(T, N, K, H, torch.float32, device, seed, Hv)
+    do = torch.randn((*q.shape[:2], v.shape[2]), generator=torch.Generator().manual_seed(seed + 1)).to(device)
     for a, b in suffix_windows(T):
         do_window = torch.zeros_like(do)
         do_window[a:b] = do[a:b]

@@ -5,7 +5,9 @@ every kernel through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cub
 that only the GPU path exercises (native fp16/bf16 tl.dot, input_precision, scf.if around dots) is checked on CPU
 machines. Prints one line per kernel: dtype, head dim, name, shared memory bytes.
 
-  python tests/kernels/triton_aot.py [--arch 90] [--dtypes bf16 fp32] [--head-dims 64 128]
+  python tests/kernels/triton_aot.py [--arch 90] [--dtypes bf16 fp32] [--head-dims 64 128 192x128]
+
+A head dim ``HxHV`` compiles query/key heads of H channels with value heads of HV (multi-latent attention).
 """
 
 from __future__ import annotations
@@ -55,19 +57,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "fp32"], choices=sorted(COMPUTE))
-    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    p.add_argument("--head-dims", nargs="+", default=["64", "128"], help="H, or HxHV for value heads of HV")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter cannot compile kernels for a GPU target")
     bounds = compile_kernel(tk._key_block_bounds_kernel, "i32", dict(BLOCK_N=64), args.arch, 4)
     print(f"-- -- _key_block_bounds_kernel shared={bounds.metadata.shared}")
     for dtype in args.dtypes:
-        for H in args.head_dims:
-            cfg = tk.gpu_launch_config(H, COMPUTE[dtype])
+        for dims in args.head_dims:
+            H, _, HV = dims.partition("x")
+            cfg = tk.gpu_launch_config(int(H), COMPUTE[dtype], int(HV) if HV else None)
             num_warps = cfg.pop("num_warps")
             for fn in (tk._fwd_kernel, tk._bwd_dq_kernel, tk._bwd_dkdv_kernel):
                 kernel = compile_kernel(fn, dtype, dict(GROUP=4, **cfg), args.arch, num_warps)
-                print(f"{dtype} {H} {fn.fn.__name__} shared={kernel.metadata.shared}")
+                print(f"{dtype} {dims} {fn.fn.__name__} shared={kernel.metadata.shared}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from tests.dist_utils import run_distributed
 SAMPLES = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 17], [9, 10, 18, 19]]
 
 
-def _body(rank, world_size, backend):
+def _body(rank, world_size, backend, Hv):
     if backend == "triton":
         os.environ["TRITON_INTERPRET"] = "1"
     from forge_megatron.kernels.tree_attention import tree_attention
@@ -33,7 +33,7 @@ def _body(rank, world_size, backend):
     sub_end = pad_sub_end(torch.as_tensor(layout.sub_end, dtype=torch.int32), multiple)
     T_pad, N, K, H = padded_length(len(layout.sub_end), multiple), 4, 4, 16
     g = torch.Generator().manual_seed(0)
-    q, k, v, w = (torch.randn(T_pad, heads, H, generator=g) for heads in (N, K, K, N))
+    q, k, v, w = (torch.randn(T_pad, heads, dim, generator=g) for heads, dim in ((N, H), (K, H), (K, Hv), (N, Hv)))
 
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     o_ref = tree_attention(*full, sub_end, backend=backend)
@@ -54,11 +54,13 @@ def _body(rank, world_size, backend):
     return {"errors": errors, "largest_saved": max(saved), "gathered_kv": T_pad * K * H * k.element_size()}
 
 
-@pytest.mark.parametrize("backend,cp", [("segment", 2), ("segment", 4), ("reference", 2), ("triton", 2)])
-def test_all_gather_mode_equals_whole_tree_and_saves_only_local_rows(backend, cp):
+@pytest.mark.parametrize("backend,cp,Hv", [("segment", 2, 16), ("segment", 4, 16), ("reference", 2, 16),
+                                           ("triton", 2, 16), ("segment", 2, 8), ("triton", 2, 8)])
+def test_all_gather_mode_equals_whole_tree_and_saves_only_local_rows(backend, cp, Hv):
+    """Hv = 8: value heads narrower than query/key heads (multi-latent attention)."""
     if backend == "triton":
         pytest.importorskip("triton")
-    results = run_distributed(_body, world_size=cp, parallel=_parallel(cp), backend=backend, timeout_s=400)
+    results = run_distributed(_body, world_size=cp, parallel=_parallel(cp), backend=backend, Hv=Hv, timeout_s=400)
     for r in results:
         assert max(r["errors"]) < 2e-5, r  # o, dq, dk, dv of this rank's rows
         assert r["largest_saved"] < r["gathered_kv"], r

@@ -48,7 +48,7 @@ def _extension():
     return _C_tree_attn
 
 
-def _check_supported(q_TNH: torch.Tensor, k_TKH: torch.Tensor) -> None:
+def _check_supported(q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor | None = None) -> None:
     if q_TNH.shape[0] != k_TKH.shape[0] and implementation() == "mma":
         raise ValueError(f"{IMPL_ENV_VAR}=mma: the tensor-core kernels need one query per key token "
                          f"({k_TKH.shape[0]}), got {q_TNH.shape[0]} queries; suffix queries (context parallelism's "
@@ -57,6 +57,9 @@ def _check_supported(q_TNH: torch.Tensor, k_TKH: torch.Tensor) -> None:
         raise ValueError(f"the CUDA tree attention kernel needs CUDA tensors, got q on {q_TNH.device}")
     if q_TNH.shape[2] not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {q_TNH.shape[2]} is not supported by the CUDA kernel (supported: 32, 64, 128)")
+    if v_TKH is not None and v_TKH.shape[2] != q_TNH.shape[2]:
+        raise ValueError(f"the CUDA kernel needs value heads as wide as query/key heads, got {v_TKH.shape[2]} and "
+                         f"{q_TNH.shape[2]} (multi-latent attention: the triton or segment backend)")
 
 
 def _stream(q_TNH: torch.Tensor) -> int:
@@ -65,7 +68,7 @@ def _stream(q_TNH: torch.Tensor) -> int:
 
 def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
     ext = _extension()
-    _check_supported(q_TNH, k_TKH)
+    _check_supported(q_TNH, k_TKH, v_TKH)
     with torch.cuda.device(q_TNH.device):
         o_TNH, lse_NT = ext.fwd(q_TNH, k_TKH, v_TKH, sub_end_T, scale, _stream(q_TNH), implementation())
     return o_TNH, lse_NT

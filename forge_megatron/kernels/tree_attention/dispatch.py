@@ -8,8 +8,8 @@ Choice, first match wins:
    The CUDA kernel moves ahead of Triton once its GPU tests have passed on a GPU machine (``CUDA_VALIDATED``;
    benchmarks/gpu_check.sh runs them): until then it is used only when asked for. Calls with suffix queries (fewer
    queries than keys, ops.py) never choose it automatically: it takes them only on its SIMT path. A head size a
-   kernel does not take (CUDA: 32 / 64 / 128; Triton: up to 256; multi-latent attention's query/key heads are
-   192 wide) passes over it too.
+   kernel does not take (CUDA: 32 / 64 / 128 and values as wide as keys; Triton: up to 256; multi-latent
+   attention's query/key heads are 192 wide, its value heads 128) passes over it too.
 The Triton and CUDA backends live in their own modules and are imported lazily; a module that is absent or fails
 to import makes its backend unavailable. Each (backend, device type) choice is logged once.
 
@@ -57,14 +57,16 @@ def tree_attention(
 
     q may hold only the last tokens of the keys' tree (suffix queries, see ops.py); the automatic choice then
     passes over the CUDA kernel, which takes them on its SIMT path only (no tensor cores)."""
-    name = resolve(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0], head_dim=q_TNH.shape[2])
+    name = resolve(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0], head_dim=q_TNH.shape[2],
+                   v_head_dim=v_TKH.shape[2])
     return _function(name)(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=softmax_scale)
 
 
 def resolve(device: torch.device, backend: str | None = None, suffix_queries: bool = False,
-            head_dim: int | None = None) -> str:
+            head_dim: int | None = None, v_head_dim: int | None = None) -> str:
     """:func:`choose_backend`'s name, logging each (backend, device type) choice once."""
-    name, why = choose_backend(device, backend, suffix_queries=suffix_queries, head_dim=head_dim)
+    name, why = choose_backend(device, backend, suffix_queries=suffix_queries, head_dim=head_dim,
+                               v_head_dim=v_head_dim)
     if (name, device.type) not in _logged:
         _logged.add((name, device.type))
         log.info("tree attention backend %r on %s (%s)", name, device.type, why)
@@ -72,9 +74,9 @@ def resolve(device: torch.device, backend: str | None = None, suffix_queries: bo
 
 
 def choose_backend(device: torch.device, backend: str | None = None, suffix_queries: bool = False,
-                   head_dim: int | None = None) -> tuple[str, str]:
+                   head_dim: int | None = None, v_head_dim: int | None = None) -> tuple[str, str]:
     """(backend name, why it was chosen) for tensors on ``device``; ``suffix_queries``: fewer queries than keys;
-    ``head_dim``: the query/key head size (None: any)."""
+    ``head_dim`` / ``v_head_dim``: the query/key and value head sizes (None: any)."""
     if backend is not None:
         return _requested(backend, "backend argument"), "backend argument"
     from_env = os.environ.get(ENV_VAR)
@@ -83,7 +85,9 @@ def choose_backend(device: torch.device, backend: str | None = None, suffix_quer
     if device.type == "cuda":
         for name in ("cuda", "triton") if CUDA_VALIDATED else ("triton", "cuda"):
             if name in available_backends(device) and not (suffix_queries and name == "cuda") \
-                    and (head_dim is None or head_dim in HEAD_DIMS[name]):
+                    and (head_dim is None or head_dim in HEAD_DIMS[name]) \
+                    and (v_head_dim is None or v_head_dim in HEAD_DIMS[name]) \
+                    and not (name == "cuda" and None not in (head_dim, v_head_dim) and head_dim != v_head_dim):
                 return name, "automatic"
     return "segment", "automatic"
 

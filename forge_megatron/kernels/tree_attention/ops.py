@@ -15,7 +15,11 @@ dk, dv hold those queries' contributions to every key. Context parallelism's all
 of queries this way against the keys before and in it (clamping sub_end to T: a subtree that continues past the
 tokens given ends at T as far as they are concerned).
 
-Legend: T = packed tree tokens, N = query heads, K = key/value heads (N % K == 0), H = head dim.
+Value heads may be narrower (or wider) than query/key heads (multi-latent attention: 192-channel queries and keys,
+128-channel values): o and dv then have the values' head size Hv.
+
+Legend: T = packed tree tokens, N = query heads, K = key/value heads (N % K == 0), H = query/key head dim,
+Hv = value head dim.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ def check_inputs(q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, 
         if x.device != q_TNH.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q_TNH.device}")
     Tq, N, H = q_TNH.shape
-    if k_TKH.shape != v_TKH.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k_TKH.shape)} and {tuple(v_TKH.shape)}")
+    if k_TKH.shape[:2] != v_TKH.shape[:2]:
+        raise ValueError(f"k and v must have the same tokens and heads, got {tuple(k_TKH.shape)} and "
+                         f"{tuple(v_TKH.shape)}")
     T = k_TKH.shape[0]
     if T < Tq or k_TKH.shape[2] != H:
         raise ValueError(f"k/v shape {tuple(k_TKH.shape)} does not match q shape {tuple(q_TNH.shape)}: k/v need q's "
@@ -86,7 +91,7 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
     @fwd_op.register_fake
     def _(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
         Tq, N, _ = q_TNH.shape
-        return torch.empty_like(q_TNH), q_TNH.new_empty((N, Tq), dtype=torch.float32)
+        return q_TNH.new_empty((Tq, N, v_TKH.shape[2])), q_TNH.new_empty((N, Tq), dtype=torch.float32)
 
     @torch.library.custom_op(bwd_name, mutates_args=())
     def bwd_op(

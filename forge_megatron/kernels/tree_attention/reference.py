@@ -35,7 +35,7 @@ def tree_attention_reference(
     """Exact tree attention through SDPA with a dense boolean mask. Returns o_TNH.
 
     q may hold only the last Tq of the T tokens k, v and sub_end describe (suffix queries, see ops.py)."""
-    Tq, N, H = q_TNH.shape
+    Tq, N, H = q_TNH.shape  # v may have another head size (o takes it)
     T, K = k_TKH.shape[:2]
     if N % K != 0:
         raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({K})")

@@ -48,8 +48,9 @@ def tree_attention_segment(
     """Exact tree attention, cost ~ sum of token depths. Returns o_TNH; differentiable in q, k, v."""
     check_inputs(q_TNH, k_TKH, v_TKH, sub_end_T)
     scale = resolve_scale(softmax_scale, q_TNH.shape[2])
+    Hv = v_TKH.shape[2]
     if q_TNH.shape[0] == 0:
-        return q_TNH.clone()
+        return q_TNH.new_zeros((0, q_TNH.shape[1], Hv))
     q_start = k_TKH.shape[0] - q_TNH.shape[0]  # suffix queries: q holds tokens [q_start, T)
     forest = Forest(sub_end_T, q_start)
     groups = list(forest.short_chain_groups())
@@ -79,7 +80,8 @@ def tree_attention_segment(
     for idx_L, q_LNH, k_JKH, v_JKH in zip(q_idx[n:], q_parts[n:], k_parts[n:], v_parts[n:]):
         rows.append(idx_L)  # already q's rows
         outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale))
-    return torch.zeros_like(q_TNH, dtype=work).index_copy(0, torch.cat(rows), torch.cat(outs)).to(q_TNH.dtype)
+    o_TNH = q_TNH.new_zeros((q_TNH.shape[0], q_TNH.shape[1], Hv), dtype=work)
+    return o_TNH.index_copy(0, torch.cat(rows), torch.cat(outs)).to(q_TNH.dtype)
 
 
 def _gather_split(x_T, idx_list: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -205,14 +207,14 @@ class Forest:
 def _attend(q_BLNH, k_BJKH, v_BJKH, allowed_BLJ, scale: float) -> torch.Tensor:
     """Masked attention of B independent query/key sets, GQA by folding R query heads into the query rows."""
     B, L, N, H = q_BLNH.shape
-    K = k_BJKH.shape[2]
+    K, Hv = k_BJKH.shape[2], v_BJKH.shape[3]
     R = N // K
     q_BKRH = q_BLNH.view(B, L, K, R, H).permute(0, 2, 3, 1, 4).reshape(B, K, R * L, H)
     mask_B1RJ = allowed_BLJ.repeat(1, R, 1)[:, None]
     o_BKRH = F.scaled_dot_product_attention(
         q_BKRH, k_BJKH.transpose(1, 2), v_BJKH.transpose(1, 2), attn_mask=mask_B1RJ, scale=scale
     )
-    return o_BKRH.view(B, K, R, L, H).permute(0, 3, 1, 2, 4).reshape(B, L, N, H)
+    return o_BKRH.view(B, K, R, L, Hv).permute(0, 3, 1, 2, 4).reshape(B, L, N, Hv)
 
 
 def _bottom_right_causal(L: int, J: int, device) -> torch.Tensor:

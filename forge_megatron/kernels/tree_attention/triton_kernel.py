@@ -17,8 +17,11 @@ in the interpreter) and for fp32 inputs; on GPU fp16/bf16 tiles go to tl.dot nat
 Suffix queries (ops.py): the TQ query rows are tree tokens [T - TQ, T); query tiles are laid from T - TQ, the mask
 and the tile tests use tree positions, rows of q/o/lse are positions minus T - TQ.
 
-Legend: T = packed tree tokens (keys), TQ = query rows, N = query heads, K = key/value heads, H = head dim,
-B = key blocks.
+Value heads may differ in size from query/key heads (multi-latent attention: H = 192, HV = 128): v, o, dO and dV
+tiles are BLOCK_HV wide, q, k, dQ and dK tiles BLOCK_H.
+
+Legend: T = packed tree tokens (keys), TQ = query rows, N = query heads, K = key/value heads, H = query/key head dim,
+HV = value head dim, B = key blocks.
 """
 
 from __future__ import annotations
@@ -93,10 +96,10 @@ def _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, 
 @triton.jit
 def _fwd_kernel(
     Q, K, V, SUB_END, KMIN, KMAX, O, LSE,
-    T, TQ, H, qk_scale,
-    stride_qt, stride_qn, stride_kt, stride_kn, stride_ot, stride_on,
+    T, TQ, H, HV, qk_scale,
+    stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     n = tl.program_id(1)
     q0 = T - TQ  # the TQ queries are tree tokens [q0, T); row r of Q, O and LSE is token q0 + r
@@ -104,19 +107,20 @@ def _fwd_kernel(
     q_hi = tl.minimum(q_lo + BLOCK_M, T)
     offs_m = q_lo + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
+    offs_hv = tl.arange(0, BLOCK_HV)
     q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
     K_head = K + (n // GROUP) * stride_kn
-    V_head = V + (n // GROUP) * stride_kn
+    V_head = V + (n // GROUP) * stride_vn
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
     for kb in range(0, tl.cdiv(q_hi, BLOCK_N)):
         if tl.load(KMAX + kb) > q_lo:  # otherwise the tile is empty
             k_lo = kb * BLOCK_N
             offs_n = k_lo + tl.arange(0, BLOCK_N)
             k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
-            v = _load_rows(V_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
+            v = _load_rows(V_head, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if not _tile_is_full(q_lo, q_hi, k_lo, tl.load(KMIN + kb), BLOCK_N):
                 s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T), s, float("-inf"))
@@ -129,17 +133,17 @@ def _fwd_kernel(
             m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    _store_rows(O + n * stride_on, acc / l_safe[:, None], offs_m - q0, TQ, stride_ot, offs_h, H)
+    _store_rows(O + n * stride_on, acc / l_safe[:, None], offs_m - q0, TQ, stride_ot, offs_hv, HV)
     tl.store(LSE + n * TQ + offs_m - q0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=offs_m < T)
 
 
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DQ,
-    T, TQ, H, qk_scale, scale,
-    stride_qt, stride_qn, stride_kt, stride_kn,
+    T, TQ, H, HV, qk_scale, scale,
+    stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     n = tl.program_id(1)
     q0 = T - TQ
@@ -147,11 +151,12 @@ def _bwd_dq_kernel(
     q_hi = tl.minimum(q_lo + BLOCK_M, T)
     offs_m = q_lo + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
+    offs_hv = tl.arange(0, BLOCK_HV)
     q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
-    do = _load_rows(DO + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
+    do = _load_rows(DO + n * stride_on, offs_m - q0, TQ, stride_ot, offs_hv, HV, COMPUTE)
     lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
     K_head = K + (n // GROUP) * stride_kn
-    V_head = V + (n // GROUP) * stride_kn
+    V_head = V + (n // GROUP) * stride_vn
 
     dq = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     for kb in range(0, tl.cdiv(q_hi, BLOCK_N)):
@@ -159,7 +164,7 @@ def _bwd_dq_kernel(
             k_lo = kb * BLOCK_N
             offs_n = k_lo + tl.arange(0, BLOCK_N)
             k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
-            v = _load_rows(V_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
+            v = _load_rows(V_head, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
             p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, tl.load(KMIN + kb), SUB_END, T,
                                qk_scale, BLOCK_N, DOT_PRECISION)
             ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
@@ -170,18 +175,19 @@ def _bwd_dq_kernel(
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DK, DV,
-    T, TQ, H, qk_scale, scale,
-    stride_qt, stride_qn, stride_kt, stride_kn,
+    T, TQ, H, HV, qk_scale, scale,
+    stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     kb = tl.program_id(0)
     kv = tl.program_id(1)
     k_lo = kb * BLOCK_N
     offs_n = k_lo + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
+    offs_hv = tl.arange(0, BLOCK_HV)
     k = _load_rows(K + kv * stride_kn, offs_n, T, stride_kt, offs_h, H, COMPUTE)
-    v = _load_rows(V + kv * stride_kn, offs_n, T, stride_kt, offs_h, H, COMPUTE)
+    v = _load_rows(V + kv * stride_vn, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
     kmin = tl.load(KMIN + kb)
     # Queries that see any key of this block lie in [k_lo, max(sub_end)), and the queries are tokens [q0, T): the
     # loop visits only the query blocks (tiled from q0) that overlap both.
@@ -190,7 +196,7 @@ def _bwd_dkdv_kernel(
     qb_end = tl.maximum(tl.cdiv(tl.load(KMAX + kb) - q0, BLOCK_M), 0)
 
     dk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_HV], tl.float32)
     for g in range(GROUP):
         n = kv * GROUP + g
         for qb in range(qb_start, qb_end):
@@ -198,7 +204,7 @@ def _bwd_dkdv_kernel(
             q_hi = tl.minimum(q_lo + BLOCK_M, T)
             offs_m = q_lo + tl.arange(0, BLOCK_M)
             q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
-            do = _load_rows(DO + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
+            do = _load_rows(DO + n * stride_on, offs_m - q0, TQ, stride_ot, offs_hv, HV, COMPUTE)
             lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
             p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale, BLOCK_N,
                                DOT_PRECISION)
@@ -206,35 +212,38 @@ def _bwd_dkdv_kernel(
             ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(COMPUTE)), q, input_precision=DOT_PRECISION)
     _store_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
-    _store_rows(DV + kv * stride_kn, dv, offs_n, T, stride_kt, offs_h, H)
+    _store_rows(DV + kv * stride_vn, dv, offs_n, T, stride_vt, offs_hv, HV)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def gpu_launch_config(head_dim: int, compute: tl.dtype) -> dict:
+def gpu_launch_config(head_dim: int, compute: tl.dtype, v_head_dim: int | None = None) -> dict:
     """Block sizes, warps and dot precision of a GPU launch; ``compute`` is the dtype fed to tl.dot."""
     block_h = max(16, triton.next_power_of_2(head_dim))
+    block_hv = max(16, triton.next_power_of_2(v_head_dim or head_dim))
     return dict(
-        BLOCK_M=64, BLOCK_N=64, BLOCK_H=block_h, COMPUTE=compute,
+        BLOCK_M=64, BLOCK_N=64, BLOCK_H=block_h, BLOCK_HV=block_hv, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else None,  # fp32 inputs: exact fp32, not TF32
-        num_warps=8 if block_h >= 128 else 4,
+        num_warps=8 if max(block_h, block_hv) >= 128 else 4,
     )
 
 
-def _launch_config(q_TNH: torch.Tensor, T: int) -> dict:
+def _launch_config(q_TNH: torch.Tensor, T: int, v_head_dim: int | None = None) -> dict:
     """GPU config for q's dtype; under the CPU interpreter big blocks and fp32 math (bf16 math is wrong there)."""
     H = q_TNH.shape[2]
-    if H > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {H} is not supported by the Triton tree attention kernel (max {MAX_HEAD_DIM})")
-    if T * q_TNH.shape[1] * H >= 2**31:
-        raise ValueError(f"{T} tokens x {q_TNH.shape[1]} heads x head_dim {H} needs offsets >= 2^31; the Triton "
-                         "kernel uses int32 offsets: split the micro-batch")
+    v_head_dim = v_head_dim or H
+    if max(H, v_head_dim) > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {max(H, v_head_dim)} is not supported by the Triton tree attention kernel (max "
+                         f"{MAX_HEAD_DIM})")
+    if T * q_TNH.shape[1] * max(H, v_head_dim) >= 2**31:
+        raise ValueError(f"{T} tokens x {q_TNH.shape[1]} heads x head_dim {max(H, v_head_dim)} needs offsets >= 2^31; "
+                         "the Triton kernel uses int32 offsets: split the micro-batch")
     if _interpreting():
-        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_H=max(16, triton.next_power_of_2(H)), COMPUTE=tl.float32,
-                    DOT_PRECISION="ieee")
-    return gpu_launch_config(H, _TL_DTYPES[q_TNH.dtype])
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_H=max(16, triton.next_power_of_2(H)),
+                    BLOCK_HV=max(16, triton.next_power_of_2(v_head_dim)), COMPUTE=tl.float32, DOT_PRECISION="ieee")
+    return gpu_launch_config(H, _TL_DTYPES[q_TNH.dtype], v_head_dim)
 
 
 def key_block_bounds(sub_end_T: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,19 +259,19 @@ def key_block_bounds(sub_end_T: torch.Tensor, block_n: int) -> tuple[torch.Tenso
 
 def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
     Tq, N, H = q_TNH.shape
-    T = k_TKH.shape[0]
-    o_TNH = torch.empty_like(q_TNH)
+    T, HV = k_TKH.shape[0], v_TKH.shape[2]
+    o_TNH = q_TNH.new_empty((Tq, N, HV))
     lse_NT = torch.empty((N, Tq), dtype=torch.float32, device=q_TNH.device)
     if Tq == 0:
         return o_TNH, lse_NT
-    cfg = _launch_config(q_TNH, T)
+    cfg = _launch_config(q_TNH, T, HV)
     kmin_B, kmax_B = key_block_bounds(sub_end_T, cfg["BLOCK_N"])
     grid = (triton.cdiv(Tq, cfg["BLOCK_M"]), N)
     _fwd_kernel[grid](
         q_TNH, k_TKH, v_TKH, sub_end_T, kmin_B, kmax_B, o_TNH, lse_NT,
-        T, Tq, H, scale * LOG2E,
-        q_TNH.stride(0), q_TNH.stride(1), k_TKH.stride(0), k_TKH.stride(1), o_TNH.stride(0), o_TNH.stride(1),
-        GROUP=N // k_TKH.shape[1], **cfg,
+        T, Tq, H, HV, scale * LOG2E,
+        q_TNH.stride(0), q_TNH.stride(1), k_TKH.stride(0), k_TKH.stride(1), v_TKH.stride(0), v_TKH.stride(1),
+        o_TNH.stride(0), o_TNH.stride(1), GROUP=N // k_TKH.shape[1], **cfg,
     )
     return o_TNH, lse_NT
 
@@ -270,16 +279,18 @@ def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
 def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
     Tq, N, H = q_TNH.shape
     T, K = k_TKH.shape[:2]
+    HV = v_TKH.shape[2]
     dq_TNH, dk_TKH, dv_TKH = torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
     if Tq == 0:
         return dq_TNH, dk_TKH.zero_(), dv_TKH.zero_()
     do_TNH = do_TNH.contiguous()
     delta_NT = (do_TNH.float() * o_TNH.float()).sum(-1).transpose(0, 1).contiguous()
-    cfg = _launch_config(q_TNH, T)
+    cfg = _launch_config(q_TNH, T, HV)
     kmin_B, kmax_B = key_block_bounds(sub_end_T, cfg["BLOCK_N"])
-    common = dict(T=T, TQ=Tq, H=H, qk_scale=scale * LOG2E, scale=scale, stride_qt=q_TNH.stride(0),
+    common = dict(T=T, TQ=Tq, H=H, HV=HV, qk_scale=scale * LOG2E, scale=scale, stride_qt=q_TNH.stride(0),
                   stride_qn=q_TNH.stride(1), stride_kt=k_TKH.stride(0), stride_kn=k_TKH.stride(1),
-                  GROUP=N // K, **cfg)
+                  stride_vt=v_TKH.stride(0), stride_vn=v_TKH.stride(1), stride_ot=do_TNH.stride(0),
+                  stride_on=do_TNH.stride(1), GROUP=N // K, **cfg)
     _bwd_dq_kernel[(triton.cdiv(Tq, cfg["BLOCK_M"]), N)](
         q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dq_TNH, **common
     )
@@ -292,5 +303,5 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
 tree_attention_triton_op = register_tree_attention_ops("triton", _forward, _backward)
 tree_attention_triton = make_public_entry(tree_attention_triton_op)
 tree_attention_triton.__doc__ = """Tree attention through the Triton kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
-softmax_scale=None) -> o_TNH; differentiable in q, k, v; fp16/bf16/fp32; N % K == 0; head_dim <= 256; q may hold
-only the last tokens of the keys' tree (suffix queries, see ops.py)."""
+softmax_scale=None) -> o_TNH; differentiable in q, k, v; fp16/bf16/fp32; N % K == 0; head dims <= 256 (values may be
+narrower or wider than queries and keys); q may hold only the last tokens of the keys' tree (suffix queries, ops.py)."""
