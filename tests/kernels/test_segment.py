@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from tree_cases import check_against_reference, check_suffix_queries
+from tree_cases import check_against_reference, check_sinks_and_window, check_suffix_queries
 
 from forge_megatron.kernels.tree_attention import segment
 from forge_megatron.kernels.tree_attention.segment import Forest, tree_attention_segment
@@ -66,6 +66,17 @@ def test_value_heads_of_another_size(monkeypatch, H, Hv):
     monkeypatch.setattr(segment, "QUERY_BLOCK", 8)
     check_against_reference(tree_attention_segment, sub_end_of(KINDS["agentic"]), N=2, K=1, H=H, Hv=Hv,
                             dtype=torch.float32)
+
+
+@pytest.mark.parametrize("window,with_sinks", [(3, True), (3, False), (None, True), (1, True), (1000, False)])
+def test_sinks_and_sliding_window(monkeypatch, window, with_sinks):
+    """gpt-oss attention: per-head sink logits in the softmax and a sliding window by depth (each sample's window),
+    against the reference and the reference against a one-query-at-a-time oracle; long chains in query blocks too."""
+    check_sinks_and_window(tree_attention_segment, sub_end_of(KINDS["random"]), N=4, K=2, H=16, window=window,
+                           with_sinks=with_sinks)
+    monkeypatch.setattr(segment, "QUERY_BLOCK", 4)
+    check_sinks_and_window(tree_attention_segment, sub_end_of(KINDS["agentic"][:3]), N=2, K=1, H=8, Hv=12,
+                           window=window, with_sinks=with_sinks)
 
 
 def test_reference_suffix_queries():

@@ -7,6 +7,7 @@ import pytest
 import torch
 from tree_cases import (
     check_against_reference,
+    check_sinks_and_window,
     check_suffix_queries,
     forest_cases,
     random_qkv,
@@ -35,6 +36,29 @@ def test_value_heads_of_another_size(H, Hv):
     forward and backward, whole trees and suffix queries."""
     check_against_reference(tree_attention_triton, CASES["random_trie"], N=4, K=2, H=H, Hv=Hv, dtype=torch.float32)
     check_suffix_queries(tree_attention_triton, CASES["grpo"], N=2, K=1, H=H, Hv=Hv)
+
+
+@pytest.mark.parametrize("case,window,with_sinks", [("random_trie", 3, True), ("grpo", 5, False),
+                                                    ("many_roots", None, True), ("long_chain", 40, True)])
+def test_sinks_and_sliding_window(case, window, with_sinks):
+    """gpt-oss attention (sinks start the online softmax, windows mask by depth) against the reference, the sinks'
+    gradient included, and the reference against the one-query-at-a-time oracle."""
+    check_sinks_and_window(tree_attention_triton, CASES[case], N=4, K=2, H=16, window=window, with_sinks=with_sinks)
+
+
+def test_sinks_and_window_with_suffix_queries_and_narrow_values():
+    """The all-gather CP mode's suffix queries with sinks and a window (depths from the clamped sub_end)."""
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    sub_end = CASES["grpo"]
+    T = sub_end.shape[0]
+    q, k, v = random_qkv(T, 4, 2, 16, torch.float32, Hv=8)
+    sinks = torch.randn(4)
+    for a, b in ((10, T), (5, 30)):
+        cut = torch.clamp(sub_end[:b], max=b)
+        want = tree_attention_reference(q, k, v, sub_end, sinks=sinks, window=4)[a:b]
+        got = tree_attention_triton(q[a:b], k[:b], v[:b], cut, sinks=sinks, window=4)
+        assert (got - want).abs().max().item() <= 2e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -195,8 +219,9 @@ def test_gpu_suffix_queries(H):
         check_suffix_queries(tree_attention_triton, se, N=8, K=2, H=H, device="cuda", atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,head_dim", [("bf16", "128"), ("fp32", "64"), ("bf16", "192x128")])
-def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim):
+@pytest.mark.parametrize("dtype,head_dim,window", [("bf16", "128", None), ("fp32", "64", None),
+                                                   ("bf16", "192x128", None), ("bf16", "64", 128)])
+def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window):
     """The GPU code path (native low-precision tl.dot, ieee fp32 dots) lowers to a cubin: TTIR -> PTX -> ptxas."""
     import os
     import subprocess
@@ -205,7 +230,8 @@ def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim):
 
     script = Path(__file__).with_name("triton_aot.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", head_dim],
+    extra = ["--sinks-window", str(window)] if window else []
+    proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", head_dim, *extra],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {line.split()[2] for line in proc.stdout.splitlines()}

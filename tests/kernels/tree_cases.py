@@ -128,3 +128,49 @@ def cuda_include_dir() -> str:
     found = [c for c in candidates if (c / "cuda_runtime.h").exists()]
     assert found, f"cuda_runtime.h not found in {candidates}"
     return str(found[0])
+
+
+def sinks_window_oracle(q, k, v, sub_end, scale, sinks, window):
+    """o [T, N, Hv] by the definition, one query at a time (independent of every backend's masks): query i sees the
+    tokens j <= i whose subtree holds it and, with ``window``, whose depth is less than ``window`` below i's; the
+    softmax has the head's sink logit as one more term without a value."""
+    T, N, _ = q.shape
+    R = N // k.shape[1]
+    se = sub_end.tolist()
+    depth = [sum(1 for j in range(i) if se[j] > i) for i in range(T)]
+    out = torch.zeros(T, N, v.shape[2], dtype=torch.float64)
+    for i in range(T):
+        seen = [j for j in range(i + 1) if se[j] > i and (not window or depth[i] - depth[j] < window)]
+        for n in range(N):
+            s = torch.stack([(q[i, n].double() @ k[j, n // R].double()) * scale for j in seen])
+            if sinks is not None:
+                s = torch.cat([sinks[n].double().reshape(1), s])
+            p = s.softmax(0)[1:] if sinks is not None else s.softmax(0)
+            out[i, n] = (p[:, None] * torch.stack([v[j, n // R].double() for j in seen])).sum(0)
+    return out
+
+
+def check_sinks_and_window(fn, sub_end, N, K, H, window, with_sinks=True, dtype=torch.float32, seed=0, atol=2e-5,
+                           Hv=None):
+    """fn(q, k, v, sub_end, sinks=..., window=...) against the fp32 reference with the same options (forward and
+    backward, the sinks' gradient included), and the reference's output against :func:`sinks_window_oracle`."""
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    q, k, v = random_qkv(sub_end.shape[0], N, K, H, dtype, "cpu", seed, Hv)
+    sinks = torch.randn(N, generator=torch.Generator().manual_seed(seed + 2)) if with_sinks else None
+    do = torch.randn((*q.shape[:2], v.shape[2]), generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+
+    def run(f, q, k, v, sinks, do):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)] + \
+            ([sinks.detach().requires_grad_()] if sinks is not None else [])
+        o = f(*leaves[:3], sub_end, softmax_scale=0.3, sinks=leaves[3] if sinks is not None else None, window=window)
+        return (o, *torch.autograd.grad(o, leaves, do))
+
+    got = run(fn, q, k, v, sinks, do)
+    want = run(tree_attention_reference, q.float(), k.float(), v.float(), sinks, do.float())
+    for name, g, w in zip(("o", "dq", "dk", "dv", "dsinks"), got, want):
+        assert g.shape == w.shape, name
+        err = (g.float() - w).abs().max().item()
+        assert err <= atol, f"{name}: max error {err:.3g} > {atol} (window {window}, sinks {with_sinks})"
+    oracle = sinks_window_oracle(q.float(), k.float(), v.float(), sub_end, 0.3, sinks, window)
+    assert (want[0].double() - oracle).abs().max().item() <= 1e-5

@@ -24,8 +24,8 @@ from triton.compiler import ASTSource
 from forge_megatron.kernels.tree_attention import triton_kernel as tk
 
 TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-INT_POINTER_ARGS = {"SUB_END", "KMIN", "KMAX"}
-FP32_POINTER_ARGS = {"LSE", "DELTA"}
+INT_POINTER_ARGS = {"SUB_END", "KMIN", "KMAX", "DEPTH"}
+FP32_POINTER_ARGS = {"LSE", "DELTA", "SINKS"}
 FLOAT_ARGS = {"qk_scale", "scale"}
 COMPUTE = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
 
@@ -58,6 +58,8 @@ def main() -> None:
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "fp32"], choices=sorted(COMPUTE))
     p.add_argument("--head-dims", nargs="+", default=["64", "128"], help="H, or HxHV for value heads of HV")
+    p.add_argument("--sinks-window", type=int, default=None, metavar="W",
+                   help="compile the variants with attention sinks and a sliding window of W (gpt-oss)")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter cannot compile kernels for a GPU target")
@@ -68,8 +70,10 @@ def main() -> None:
             H, _, HV = dims.partition("x")
             cfg = tk.gpu_launch_config(int(H), COMPUTE[dtype], int(HV) if HV else None)
             num_warps = cfg.pop("num_warps")
+            window = args.sinks_window or 0
             for fn in (tk._fwd_kernel, tk._bwd_dq_kernel, tk._bwd_dkdv_kernel):
-                kernel = compile_kernel(fn, dtype, dict(GROUP=4, **cfg), args.arch, num_warps)
+                extra = dict(HAS_SINKS=window > 0) if fn is tk._fwd_kernel else {}
+                kernel = compile_kernel(fn, dtype, dict(GROUP=4, WINDOW=window, **extra, **cfg), args.arch, num_warps)
                 print(f"{dtype} {dims} {fn.fn.__name__} shared={kernel.metadata.shared}")
 
 

@@ -66,15 +66,18 @@ def _stream(q_TNH: torch.Tensor) -> int:
     return torch.cuda.current_stream(q_TNH.device).cuda_stream
 
 
-def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
+def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0):
     ext = _extension()
     _check_supported(q_TNH, k_TKH, v_TKH)
+    if sinks_N is not None or window:
+        raise ValueError("the CUDA tree attention kernel has no attention sinks or sliding windows (gpt-oss): use "
+                         "the triton or segment backend")
     with torch.cuda.device(q_TNH.device):
         o_TNH, lse_NT = ext.fwd(q_TNH, k_TKH, v_TKH, sub_end_T, scale, _stream(q_TNH), implementation())
     return o_TNH, lse_NT
 
 
-def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
+def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0):
     ext = _extension()
     with torch.cuda.device(q_TNH.device):
         dq, dk, dv = ext.bwd(do_TNH.contiguous(), q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, _stream(q_TNH),

@@ -52,21 +52,26 @@ def tree_attention(
     sub_end_T: torch.Tensor,
     softmax_scale: float | None = None,
     backend: str | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Tree attention over a DFS-ordered forest (key j visible to query i iff j <= i < sub_end[j]). Returns o_TNH.
 
     q may hold only the last tokens of the keys' tree (suffix queries, see ops.py); the automatic choice then
-    passes over the CUDA kernel, which takes them on its SIMT path only (no tensor cores)."""
+    passes over the CUDA kernel, which takes them on its SIMT path only (no tensor cores). ``sinks`` (per query
+    head) and ``window`` (positions): gpt-oss's attention (ops.py); the CUDA kernel has neither."""
     name = resolve(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0], head_dim=q_TNH.shape[2],
-                   v_head_dim=v_TKH.shape[2])
-    return _function(name)(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=softmax_scale)
+                   v_head_dim=v_TKH.shape[2], sinks_or_window=sinks is not None or bool(window))
+    if sinks is None and not window:
+        return _function(name)(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=softmax_scale)
+    return _function(name)(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=softmax_scale, sinks=sinks, window=window)
 
 
 def resolve(device: torch.device, backend: str | None = None, suffix_queries: bool = False,
-            head_dim: int | None = None, v_head_dim: int | None = None) -> str:
+            head_dim: int | None = None, v_head_dim: int | None = None, sinks_or_window: bool = False) -> str:
     """:func:`choose_backend`'s name, logging each (backend, device type) choice once."""
     name, why = choose_backend(device, backend, suffix_queries=suffix_queries, head_dim=head_dim,
-                               v_head_dim=v_head_dim)
+                               v_head_dim=v_head_dim, sinks_or_window=sinks_or_window)
     if (name, device.type) not in _logged:
         _logged.add((name, device.type))
         log.info("tree attention backend %r on %s (%s)", name, device.type, why)
@@ -74,9 +79,11 @@ def resolve(device: torch.device, backend: str | None = None, suffix_queries: bo
 
 
 def choose_backend(device: torch.device, backend: str | None = None, suffix_queries: bool = False,
-                   head_dim: int | None = None, v_head_dim: int | None = None) -> tuple[str, str]:
+                   head_dim: int | None = None, v_head_dim: int | None = None,
+                   sinks_or_window: bool = False) -> tuple[str, str]:
     """(backend name, why it was chosen) for tensors on ``device``; ``suffix_queries``: fewer queries than keys;
-    ``head_dim`` / ``v_head_dim``: the query/key and value head sizes (None: any)."""
+    ``head_dim`` / ``v_head_dim``: the query/key and value head sizes (None: any); ``sinks_or_window``: attention
+    sinks or a sliding window (not the CUDA kernel's)."""
     if backend is not None:
         return _requested(backend, "backend argument"), "backend argument"
     from_env = os.environ.get(ENV_VAR)
@@ -87,7 +94,8 @@ def choose_backend(device: torch.device, backend: str | None = None, suffix_quer
             if name in available_backends(device) and not (suffix_queries and name == "cuda") \
                     and (head_dim is None or head_dim in HEAD_DIMS[name]) \
                     and (v_head_dim is None or v_head_dim in HEAD_DIMS[name]) \
-                    and not (name == "cuda" and None not in (head_dim, v_head_dim) and head_dim != v_head_dim):
+                    and not (name == "cuda" and None not in (head_dim, v_head_dim) and head_dim != v_head_dim) \
+                    and not (name == "cuda" and sinks_or_window):
                 return name, "automatic"
     return "segment", "automatic"
 

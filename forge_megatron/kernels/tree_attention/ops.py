@@ -1,8 +1,8 @@
 """torch.library plumbing shared by the compiled tree-attention backends (Triton, CUDA).
 
 Each backend supplies two plain functions and gets back one differentiable, ``torch.compile``-traceable op:
-  forward  (q_TNH, k_TKH, v_TKH, sub_end_T, scale) -> (o_TNH, lse_NT)
-  backward (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale) -> (dq_TNH, dk_TKH, dv_TKH)
+  forward  (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window) -> (o_TNH, lse_NT)
+  backward (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window) -> (dq_TNH, dk_TKH, dv_TKH)
 registered as ``forge::tree_attn_<name>_fwd`` / ``_bwd`` custom ops with fake (shape-only) implementations and
 an autograd formula that calls the backward op (FlashAttention-2: P is recomputed from the saved LSE).
 
@@ -14,6 +14,14 @@ Suffix queries: k, v and sub_end cover tree tokens [0, T) and q may cover only t
 dk, dv hold those queries' contributions to every key. Context parallelism's all-gather mode runs each rank's shard
 of queries this way against the keys before and in it (clamping sub_end to T: a subtree that continues past the
 tokens given ends at T as far as they are concerned).
+
+Attention sinks and sliding windows (gpt-oss; Megatron's ``softmax_type="learnable"`` and ``window_size``):
+- ``sinks_N`` (None: none): a learned logit per query head that joins every row's softmax denominator and carries no
+  value: o_i = sum_j exp(s_ij) v_j / (exp(sink_n) + sum_j exp(s_ij)); lse includes it. Its gradient needs no kernel:
+  do_i . do_i/dsink = -p_sink,i (do_i . o_i), so dsink_n = -sum_i exp(sink_n - lse_ni) delta_ni with
+  delta = rowsum(dO * O), and dq/dk/dv keep FlashAttention's formulas (P recomputed from the lse that holds the sink).
+- ``window`` (0: none): key j is visible to query i only if depth(i) - depth(j) < window as well (depths are the
+  tokens' positions in their samples, :func:`depths`), i.e. each sample's sliding window.
 
 Value heads may be narrower (or wider) than query/key heads (multi-latent attention: 192-channel queries and keys,
 128-channel values): o and dv then have the values' head size Hv.
@@ -64,6 +72,37 @@ def check_inputs(q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, 
         raise ValueError(f"sub_end is on {sub_end_T.device} but q is on {q_TNH.device}")
 
 
+def depths(sub_end_T: torch.Tensor) -> torch.Tensor:
+    """int32 [T] depth of every token (its position in each sample holding it): token j adds one to the tokens of
+    (j, sub_end[j]), a difference array."""
+    T = sub_end_T.shape[0]
+    idx_T = torch.arange(T, device=sub_end_T.device)
+    diff = torch.zeros(T + 1, dtype=torch.int64, device=sub_end_T.device)
+    diff.index_add_(0, idx_T + 1, torch.ones_like(idx_T))
+    diff.index_add_(0, sub_end_T.long(), -torch.ones_like(idx_T))
+    return torch.cumsum(diff, 0)[:T].to(torch.int32)
+
+
+def check_extras(q_TNH: torch.Tensor, sinks_N: torch.Tensor | None, window: int | None) -> int:
+    """Validate sinks and window; return the window as an int (0: none)."""
+    if sinks_N is not None:
+        if sinks_N.shape != (q_TNH.shape[1],):
+            raise ValueError(f"sinks must have one logit per query head, shape [{q_TNH.shape[1]}], got "
+                             f"{tuple(sinks_N.shape)}")
+        if sinks_N.device != q_TNH.device:
+            raise ValueError(f"sinks are on {sinks_N.device} but q is on {q_TNH.device}")
+    window = int(window or 0)
+    if window < 0:
+        raise ValueError(f"window must be >= 1 (or None / 0 for none), got {window}")
+    return window
+
+
+def sink_grad(sinks_N: torch.Tensor, lse_NT: torch.Tensor, do_TNH: torch.Tensor, o_TNH: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks from the forward's lse (which includes the sinks) and delta = rowsum(dO * O)."""
+    delta_NT = (do_TNH.float() * o_TNH.float()).sum(-1).transpose(0, 1)
+    return -(torch.exp(sinks_N.float()[:, None] - lse_NT) * delta_NT).sum(-1).to(sinks_N.dtype)
+
+
 def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
     """The softmax scale: 1/sqrt(H) unless given; must be positive and finite."""
     if softmax_scale is None:
@@ -77,19 +116,21 @@ def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
 def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_impl: BackwardImpl):
     """Register ``forge::tree_attn_{name}_fwd/_bwd`` and return the differentiable forward op.
 
-    The returned op maps (q_TNH, k_TKH, v_TKH, sub_end_T, scale) -> (o_TNH, lse_NT); gradients flow to q, k, v.
+    The returned op maps (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0) -> (o_TNH, lse_NT);
+    gradients flow to q, k, v and the sinks.
     """
     fwd_name = f"forge::tree_attn_{name}_fwd"
     bwd_name = f"forge::tree_attn_{name}_bwd"
 
     @torch.library.custom_op(fwd_name, mutates_args=())
     def fwd_op(
-        q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, sub_end_T: torch.Tensor, scale: float
+        q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, sub_end_T: torch.Tensor, scale: float,
+        sinks_N: torch.Tensor | None = None, window: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return forward_impl(q_TNH, k_TKH, v_TKH, sub_end_T, scale)
+        return forward_impl(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window)
 
     @fwd_op.register_fake
-    def _(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
+    def _(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0):
         Tq, N, _ = q_TNH.shape
         return q_TNH.new_empty((Tq, N, v_TKH.shape[2])), q_TNH.new_empty((N, Tq), dtype=torch.float32)
 
@@ -103,31 +144,38 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
         lse_NT: torch.Tensor,
         sub_end_T: torch.Tensor,
         scale: float,
+        window: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return backward_impl(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale)
+        return backward_impl(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window)
 
     @bwd_op.register_fake
-    def _(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
+    def _(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0):
         return torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
 
     def setup_context(ctx, inputs, output):
-        q_TNH, k_TKH, v_TKH, sub_end_T, scale = inputs
+        q_TNH, k_TKH, v_TKH, sub_end_T, scale = inputs[:5]
+        sinks_N, window = (list(inputs[5:]) + [None, 0])[:2]
         o_TNH, lse_NT = output
-        ctx.save_for_backward(q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T)
-        ctx.scale = scale
+        ctx.has_sinks = sinks_N is not None
+        ctx.save_for_backward(q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T,
+                              *([sinks_N] if sinks_N is not None else []))
+        ctx.scale, ctx.window = scale, window
 
     def backward(ctx, do_TNH, _dlse_NT):
         # lse is an auxiliary output for the backward pass; gradients through it are not supported.
-        q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T = ctx.saved_tensors
-        dq, dk, dv = bwd_op(do_TNH.contiguous(), q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, ctx.scale)
-        return dq, dk, dv, None, None
+        q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, *sinks = ctx.saved_tensors
+        do_TNH = do_TNH.contiguous()
+        dq, dk, dv = bwd_op(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, ctx.scale, ctx.window)
+        dsinks = sink_grad(sinks[0], lse_NT, do_TNH, o_TNH) if ctx.has_sinks else None
+        return dq, dk, dv, None, None, dsinks, None
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
     return fwd_op
 
 
 def make_public_entry(fwd_op) -> Callable[..., torch.Tensor]:
-    """Wrap a registered forward op into the public ``(q, k, v, sub_end, softmax_scale=None) -> o`` function."""
+    """Wrap a registered forward op into the public ``(q, k, v, sub_end, softmax_scale=None, sinks=None,
+    window=None) -> o`` function."""
 
     def tree_attention(
         q_TNH: torch.Tensor,
@@ -135,10 +183,14 @@ def make_public_entry(fwd_op) -> Callable[..., torch.Tensor]:
         v_TKH: torch.Tensor,
         sub_end_T: torch.Tensor,
         softmax_scale: float | None = None,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         check_inputs(q_TNH, k_TKH, v_TKH, sub_end_T)
+        window = check_extras(q_TNH, sinks, window)
         scale = resolve_scale(softmax_scale, q_TNH.shape[2])
-        o_TNH, _ = fwd_op(q_TNH.contiguous(), k_TKH.contiguous(), v_TKH.contiguous(), sub_end_T.contiguous(), scale)
+        o_TNH, _ = fwd_op(q_TNH.contiguous(), k_TKH.contiguous(), v_TKH.contiguous(), sub_end_T.contiguous(), scale,
+                          None if sinks is None else sinks.contiguous(), window)
         return o_TNH
 
     return tree_attention

@@ -15,14 +15,20 @@ import torch
 import torch.nn.functional as F
 
 
-def tree_mask(sub_end_T: torch.Tensor, num_queries: int | None = None) -> torch.Tensor:
+def tree_mask(sub_end_T: torch.Tensor, num_queries: int | None = None, window: int | None = None) -> torch.Tensor:
     """Boolean [Tq, T] mask, True where query i may attend key j; the queries are the last ``num_queries`` (default
-    all T) tokens."""
+    all T) tokens; with ``window`` only keys less than ``window`` positions above the query (ops.py)."""
+    from forge_megatron.kernels.tree_attention.ops import depths
+
     T = sub_end_T.shape[0]
     Tq = T if num_queries is None else num_queries
     k = torch.arange(T, device=sub_end_T.device)[None, :]
     q = torch.arange(T - Tq, T, device=sub_end_T.device)[:, None]
-    return (k <= q) & (q < sub_end_T.to(k.dtype)[None, :])
+    mask = (k <= q) & (q < sub_end_T.to(k.dtype)[None, :])
+    if window:
+        depth_T = depths(sub_end_T).long()
+        mask &= (depth_T[T - Tq:, None] - depth_T[None, :]) < window
+    return mask
 
 
 def tree_attention_reference(
@@ -31,10 +37,14 @@ def tree_attention_reference(
     v_TKH: torch.Tensor,
     sub_end_T: torch.Tensor,
     softmax_scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Exact tree attention through SDPA with a dense boolean mask. Returns o_TNH.
+    """Exact tree attention through SDPA with a dense boolean mask (with ``sinks``: an explicit softmax with one
+    more column per head). Returns o_TNH.
 
-    q may hold only the last Tq of the T tokens k, v and sub_end describe (suffix queries, see ops.py)."""
+    q may hold only the last Tq of the T tokens k, v and sub_end describe (suffix queries, see ops.py); sinks and
+    window as in ops.py."""
     Tq, N, H = q_TNH.shape  # v may have another head size (o takes it)
     T, K = k_TKH.shape[:2]
     if N % K != 0:
@@ -46,8 +56,14 @@ def tree_attention_reference(
     rep = N // K
     k_TNH = k_TKH.repeat_interleave(rep, dim=1)
     v_TNH = v_TKH.repeat_interleave(rep, dim=1)
-    mask_QT = tree_mask(sub_end_T, Tq)
-    o_NTH = F.scaled_dot_product_attention(
-        q_TNH.transpose(0, 1), k_TNH.transpose(0, 1), v_TNH.transpose(0, 1), attn_mask=mask_QT, scale=scale
-    )
-    return o_NTH.transpose(0, 1)
+    mask_QT = tree_mask(sub_end_T, Tq, window)
+    if sinks is None:
+        o_NTH = F.scaled_dot_product_attention(
+            q_TNH.transpose(0, 1), k_TNH.transpose(0, 1), v_TNH.transpose(0, 1), attn_mask=mask_QT, scale=scale
+        )
+        return o_NTH.transpose(0, 1)
+    s_NQT = torch.einsum("qnh,tnh->nqt", q_TNH, k_TNH) * scale
+    s_NQT = s_NQT.masked_fill(~mask_QT, float("-inf"))
+    sink_NQ1 = sinks.to(s_NQT.dtype)[:, None, None].expand(-1, Tq, 1)
+    p_NQT = torch.cat([sink_NQ1, s_NQT], dim=-1).softmax(-1)[..., 1:]
+    return torch.einsum("nqt,tnh->qnh", p_NQT, v_TNH)

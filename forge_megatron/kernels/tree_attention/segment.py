@@ -20,6 +20,8 @@ vectorised torch ops (no Python loop over chains):
 - a long chain gathers its keys once and runs its queries in blocks of QUERY_BLOCK against prefixes of them.
 GQA without repeating K/V: the N/K query heads that share a key head become extra query rows.
 Autograd flows through the gathers, SDPA and the final index_copy, so backward is exact too.
+Sliding windows (ops.py) narrow each chain's mask by key depth; attention sinks replace SDPA by an explicit softmax
+with one more column per head (autograd gives the sinks their gradient).
 
 Legend: T = tree tokens, N = query heads, K = key/value heads, H = head dim, C = chains, B = chains in a group,
 L = padded queries per chain, J = padded keys per chain, R = N // K query heads per key head.
@@ -33,7 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from forge_megatron.kernels.tree_attention.ops import check_inputs, resolve_scale
+from forge_megatron.kernels.tree_attention.ops import check_extras, check_inputs, resolve_scale
 
 QUERY_BLOCK = 512  # chains longer than this are processed alone, in query blocks of this size
 
@@ -44,16 +46,20 @@ def tree_attention_segment(
     v_TKH: torch.Tensor,
     sub_end_T: torch.Tensor,
     softmax_scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Exact tree attention, cost ~ sum of token depths. Returns o_TNH; differentiable in q, k, v."""
+    """Exact tree attention, cost ~ sum of token depths. Returns o_TNH; differentiable in q, k, v (and the sinks);
+    sinks and window as in ops.py."""
     check_inputs(q_TNH, k_TKH, v_TKH, sub_end_T)
+    window = check_extras(q_TNH, sinks, window)
     scale = resolve_scale(softmax_scale, q_TNH.shape[2])
     Hv = v_TKH.shape[2]
     if q_TNH.shape[0] == 0:
         return q_TNH.new_zeros((0, q_TNH.shape[1], Hv))
     q_start = k_TKH.shape[0] - q_TNH.shape[0]  # suffix queries: q holds tokens [q_start, T)
     forest = Forest(sub_end_T, q_start)
-    groups = list(forest.short_chain_groups())
+    groups = list(forest.short_chain_groups(window))
     chains = forest.long_chains()
     arange = functools.partial(torch.arange, device=sub_end_T.device)
     q_idx = [g.q_idx_BL.flatten() for g in groups] + [arange(start, end) for start, end in chains]
@@ -64,6 +70,7 @@ def tree_attention_segment(
     # 16-bit inputs are computed in fp32: a key shared by many chains sums one partial gradient per chain, and
     # rounding each partial to 16 bits would double the error of the same math done in one pass.
     work = torch.float32 if q_TNH.element_size() < 4 else q_TNH.dtype
+    sinks = None if sinks is None else sinks.to(work)
     q_parts = _gather_split(q_TNH, q_idx, work)
     k_parts, v_parts = _gather_split(k_TKH, key_idx, work), _gather_split(v_TKH, key_idx, work)
     rows, outs = [], []
@@ -72,14 +79,14 @@ def tree_attention_segment(
         J = g.key_idx_BJ.shape[1]
         o_BLNH = _attend(
             q_part.view(B, L, *q_TNH.shape[1:]), k_part.view(B, J, *k_TKH.shape[1:]),
-            v_part.view(B, J, *v_TKH.shape[1:]), g.allowed_BLJ, scale,
+            v_part.view(B, J, *v_TKH.shape[1:]), g.allowed_BLJ, scale, sinks,
         )
         rows.append(g.q_idx_BL[g.row_valid_BL] - q_start)  # q's rows
         outs.append(o_BLNH[g.row_valid_BL])
     n = len(groups)
     for idx_L, q_LNH, k_JKH, v_JKH in zip(q_idx[n:], q_parts[n:], k_parts[n:], v_parts[n:]):
         rows.append(idx_L)  # already q's rows
-        outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale))
+        outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale, sinks, window))
     o_TNH = q_TNH.new_zeros((q_TNH.shape[0], q_TNH.shape[1], Hv), dtype=work)
     return o_TNH.index_copy(0, torch.cat(rows), torch.cat(outs)).to(q_TNH.dtype)
 
@@ -89,14 +96,15 @@ def _gather_split(x_T, idx_list: list[torch.Tensor], dtype: torch.dtype) -> tupl
     return x_T.to(dtype)[torch.cat(idx_list)].split([idx.numel() for idx in idx_list])
 
 
-def _attend_long_chain(q_LNH, k_JKH, v_JKH, scale: float) -> torch.Tensor:
-    """One chain (its queries are the last L of its J keys), in query blocks against prefixes of the keys."""
+def _attend_long_chain(q_LNH, k_JKH, v_JKH, scale: float, sinks=None, window: int = 0) -> torch.Tensor:
+    """One chain (its queries are the last L of its J keys; key m has depth m), in query blocks against prefixes
+    of the keys."""
     L, J = q_LNH.shape[0], k_JKH.shape[0]
     outs = []
     for a, q_block in zip(range(0, L, QUERY_BLOCK), q_LNH.split(QUERY_BLOCK)):
         n_keys = J - L + a + q_block.shape[0]
-        allowed_LJ = _bottom_right_causal(q_block.shape[0], n_keys, q_LNH.device)
-        o_BLNH = _attend(q_block[None], k_JKH[None, :n_keys], v_JKH[None, :n_keys], allowed_LJ[None], scale)
+        allowed_LJ = _bottom_right_causal(q_block.shape[0], n_keys, q_LNH.device, window)
+        o_BLNH = _attend(q_block[None], k_JKH[None, :n_keys], v_JKH[None, :n_keys], allowed_LJ[None], scale, sinks)
         outs.append(o_BLNH[0])
     return torch.cat(outs)
 
@@ -173,8 +181,9 @@ class Forest:
         is_long_C = (self.end_C - self.start_C) > QUERY_BLOCK
         return list(zip(self.start_C[is_long_C].tolist(), self.end_C[is_long_C].tolist()))
 
-    def short_chain_groups(self):
-        """Yield one ChainGroup per bucket of short chains (equal padded query and key counts)."""
+    def short_chain_groups(self, window: int = 0):
+        """Yield one ChainGroup per bucket of short chains (equal padded query and key counts); with ``window``
+        the masks keep only keys less than ``window`` levels above each query."""
         length_C = self.end_C - self.start_C
         short_C = torch.nonzero(length_C <= QUERY_BLOCK).flatten()
         if short_C.numel() == 0:
@@ -188,9 +197,9 @@ class Forest:
         for b in range(buckets.numel()):
             members = torch.nonzero(bucket_of_C == b).flatten()
             L, J = int(padded_L_C[members[0]]), int(padded_J_C[members[0]])
-            yield self._group(start_C[members], length_C[members], last_C[members], n_keys_C[members], L, J)
+            yield self._group(start_C[members], length_C[members], last_C[members], n_keys_C[members], L, J, window)
 
-    def _group(self, start_B, length_B, last_B, n_keys_B, L: int, J: int):
+    def _group(self, start_B, length_B, last_B, n_keys_B, L: int, J: int, window: int = 0):
         r_L = torch.arange(L, device=self.device)
         m_J = torch.arange(J, device=self.device)
         row_valid_BL = r_L[None, :] < length_B[:, None]
@@ -201,27 +210,42 @@ class Forest:
         first_depth_B = n_keys_B - length_B
         causal_BLJ = m_J[None, None, :] <= (first_depth_B[:, None, None] + r_L[None, :, None])
         allowed_BLJ = key_valid_BJ[:, None, :] & causal_BLJ  # padded rows see real keys: never an empty softmax
+        if window:  # key m (depth m) within the window of the query at depth first + r; padded rows exempt
+            in_window_BLJ = m_J[None, None, :] > (first_depth_B[:, None, None] + r_L[None, :, None] - window)
+            allowed_BLJ = allowed_BLJ & (in_window_BLJ | ~row_valid_BL[:, :, None])
         return ChainGroup(q_idx_BL, row_valid_BL, key_idx_BJ, allowed_BLJ)
 
 
-def _attend(q_BLNH, k_BJKH, v_BJKH, allowed_BLJ, scale: float) -> torch.Tensor:
-    """Masked attention of B independent query/key sets, GQA by folding R query heads into the query rows."""
+def _attend(q_BLNH, k_BJKH, v_BJKH, allowed_BLJ, scale: float, sinks=None) -> torch.Tensor:
+    """Masked attention of B independent query/key sets, GQA by folding R query heads into the query rows (head
+    n = key head n // R, row r * L + l of it); ``sinks``: one more softmax column per head, without a value."""
     B, L, N, H = q_BLNH.shape
     K, Hv = k_BJKH.shape[2], v_BJKH.shape[3]
     R = N // K
     q_BKRH = q_BLNH.view(B, L, K, R, H).permute(0, 2, 3, 1, 4).reshape(B, K, R * L, H)
     mask_B1RJ = allowed_BLJ.repeat(1, R, 1)[:, None]
-    o_BKRH = F.scaled_dot_product_attention(
-        q_BKRH, k_BJKH.transpose(1, 2), v_BJKH.transpose(1, 2), attn_mask=mask_B1RJ, scale=scale
-    )
+    if sinks is None:
+        o_BKRH = F.scaled_dot_product_attention(
+            q_BKRH, k_BJKH.transpose(1, 2), v_BJKH.transpose(1, 2), attn_mask=mask_B1RJ, scale=scale
+        )
+    else:
+        s_BKRJ = (q_BKRH @ k_BJKH.permute(0, 2, 3, 1)) * scale
+        s_BKRJ = s_BKRJ.masked_fill(~mask_B1RJ, float("-inf"))
+        sink_1KR1 = sinks.view(K, R, 1).expand(K, R, L).reshape(1, K, R * L, 1).expand(B, -1, -1, -1)
+        p_BKRJ = torch.cat([sink_1KR1, s_BKRJ], dim=-1).softmax(-1)[..., 1:]
+        o_BKRH = p_BKRJ @ v_BJKH.transpose(1, 2)
     return o_BKRH.view(B, K, R, L, Hv).permute(0, 3, 1, 2, 4).reshape(B, L, N, Hv)
 
 
-def _bottom_right_causal(L: int, J: int, device) -> torch.Tensor:
-    """[L, J] mask: query r sees keys m <= J - L + r (the queries are the last L of the J keys)."""
+def _bottom_right_causal(L: int, J: int, device, window: int = 0) -> torch.Tensor:
+    """[L, J] mask: query r sees keys m <= J - L + r (the queries are the last L of the J keys), and with
+    ``window`` only m > J - L + r - window."""
     r_L = torch.arange(L, device=device)
     m_J = torch.arange(J, device=device)
-    return m_J[None, :] <= (J - L + r_L[:, None])
+    allowed = m_J[None, :] <= (J - L + r_L[:, None])
+    if window:
+        allowed &= m_J[None, :] > (J - L + r_L[:, None] - window)
+    return allowed
 
 
 def _round_up(x: torch.Tensor) -> torch.Tensor:

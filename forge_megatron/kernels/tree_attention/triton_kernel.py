@@ -17,6 +17,11 @@ in the interpreter) and for fp32 inputs; on GPU fp16/bf16 tiles go to tl.dot nat
 Suffix queries (ops.py): the TQ query rows are tree tokens [T - TQ, T); query tiles are laid from T - TQ, the mask
 and the tile tests use tree positions, rows of q/o/lse are positions minus T - TQ.
 
+Attention sinks (ops.py) start each row's online softmax at the head's sink logit with nothing accumulated
+(m = sink, l = 1), so o and lse include them and the backward is unchanged (its P comes from that lse). A sliding
+window (WINDOW > 0) masks keys whose depth (DEPTH, ops.depths) is WINDOW or more below the query's; every tile is then
+masked element-wise (no full-tile fast path).
+
 Value heads may differ in size from query/key heads (multi-latent attention: H = 192, HV = 128): v, o, dO and dV
 tiles are BLOCK_HV wide, q, k, dQ and dK tiles BLOCK_H.
 
@@ -32,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_megatron.kernels.tree_attention.ops import make_public_entry, register_tree_attention_ops
+from forge_megatron.kernels.tree_attention.ops import depths, make_public_entry, register_tree_attention_ops
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -51,15 +56,21 @@ def _key_block_bounds_kernel(SUB_END, KMIN, KMAX, T, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_visible(offs_m, offs_n, SUB_END, T):
-    """Element mask of a partial tile: j <= i < sub_end[j] (sub_end of padded keys reads as 0 -> invisible)."""
+def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, WINDOW: tl.constexpr):
+    """Element mask of a partial tile: j <= i < sub_end[j] (sub_end of padded keys reads as 0 -> invisible), and
+    with a window depth[i] - depth[j] < WINDOW."""
     se = tl.load(SUB_END + offs_n, mask=offs_n < T, other=0)
-    return (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
+    visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
+    if WINDOW > 0:
+        dq = tl.load(DEPTH + offs_m, mask=offs_m < T, other=0)
+        dk = tl.load(DEPTH + offs_n, mask=offs_n < T, other=0)
+        visible = visible & ((dq[:, None] - dk[None, :]) < WINDOW)
+    return visible
 
 
 @triton.jit
-def _tile_is_full(q_lo, q_hi, k_lo, kmin, BLOCK_N: tl.constexpr):
-    return (k_lo + BLOCK_N - 1 <= q_lo) & (kmin >= q_hi)
+def _tile_is_full(q_lo, q_hi, k_lo, kmin, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    return (k_lo + BLOCK_N - 1 <= q_lo) & (kmin >= q_hi) & (WINDOW == 0)
 
 
 @triton.jit
@@ -84,22 +95,23 @@ def _row_stats(LSE, DELTA, n, rows_m, TQ):
 
 
 @triton.jit
-def _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale,
-                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale, DEPTH,
+                   WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Recomputed softmax probabilities P = 2^(s - lse2) of one tile, zero where the tree mask hides the key."""
     p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
-    if not _tile_is_full(q_lo, q_hi, k_lo, kmin, BLOCK_N):
-        p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T), p, 0.0)
+    if not _tile_is_full(q_lo, q_hi, k_lo, kmin, BLOCK_N, WINDOW):
+        p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, WINDOW), p, 0.0)
     return p
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, SUB_END, KMIN, KMAX, O, LSE,
+    Q, K, V, SUB_END, KMIN, KMAX, O, LSE, SINKS, DEPTH,
     T, TQ, H, HV, qk_scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     n = tl.program_id(1)
     q0 = T - TQ  # the TQ queries are tree tokens [q0, T); row r of Q, O and LSE is token q0 + r
@@ -112,8 +124,12 @@ def _fwd_kernel(
     K_head = K + (n // GROUP) * stride_kn
     V_head = V + (n // GROUP) * stride_vn
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink's term: exp(sink) in the denominator, no value
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINKS + n).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
     for kb in range(0, tl.cdiv(q_hi, BLOCK_N)):
         if tl.load(KMAX + kb) > q_lo:  # otherwise the tile is empty
@@ -122,8 +138,8 @@ def _fwd_kernel(
             k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
             v = _load_rows(V_head, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            if not _tile_is_full(q_lo, q_hi, k_lo, tl.load(KMIN + kb), BLOCK_N):
-                s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T), s, float("-inf"))
+            if not _tile_is_full(q_lo, q_hi, k_lo, tl.load(KMIN + kb), BLOCK_N, WINDOW):
+                s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, WINDOW), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
@@ -139,11 +155,11 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DQ,
+    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DQ, DEPTH,
     T, TQ, H, HV, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
 ):
     n = tl.program_id(1)
     q0 = T - TQ
@@ -166,7 +182,7 @@ def _bwd_dq_kernel(
             k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
             v = _load_rows(V_head, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
             p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, tl.load(KMIN + kb), SUB_END, T,
-                               qk_scale, BLOCK_N, DOT_PRECISION)
+                               qk_scale, DEPTH, WINDOW, BLOCK_N, DOT_PRECISION)
             ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
             dq += tl.dot(ds.to(COMPUTE), k, input_precision=DOT_PRECISION)
     _store_rows(DQ + n * stride_qn, dq * scale, offs_m - q0, TQ, stride_qt, offs_h, H)
@@ -174,11 +190,11 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DK, DV,
+    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DK, DV, DEPTH,
     T, TQ, H, HV, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
 ):
     kb = tl.program_id(0)
     kv = tl.program_id(1)
@@ -206,8 +222,8 @@ def _bwd_dkdv_kernel(
             q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
             do = _load_rows(DO + n * stride_on, offs_m - q0, TQ, stride_ot, offs_hv, HV, COMPUTE)
             lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
-            p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale, BLOCK_N,
-                               DOT_PRECISION)
+            p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale, DEPTH,
+                               WINDOW, BLOCK_N, DOT_PRECISION)
             dv += tl.dot(tl.trans(p.to(COMPUTE)), do, input_precision=DOT_PRECISION)
             ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(COMPUTE)), q, input_precision=DOT_PRECISION)
@@ -257,7 +273,12 @@ def key_block_bounds(sub_end_T: torch.Tensor, block_n: int) -> tuple[torch.Tenso
     return kmin_B, kmax_B
 
 
-def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
+def _depth_arg(sub_end_T: torch.Tensor, window: int) -> torch.Tensor:
+    """The depth array the window mask reads (a placeholder pointer without a window)."""
+    return depths(sub_end_T) if window else sub_end_T
+
+
+def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0):
     Tq, N, H = q_TNH.shape
     T, HV = k_TKH.shape[0], v_TKH.shape[2]
     o_TNH = q_TNH.new_empty((Tq, N, HV))
@@ -269,14 +290,16 @@ def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale):
     grid = (triton.cdiv(Tq, cfg["BLOCK_M"]), N)
     _fwd_kernel[grid](
         q_TNH, k_TKH, v_TKH, sub_end_T, kmin_B, kmax_B, o_TNH, lse_NT,
+        sinks_N if sinks_N is not None else lse_NT, _depth_arg(sub_end_T, window),
         T, Tq, H, HV, scale * LOG2E,
         q_TNH.stride(0), q_TNH.stride(1), k_TKH.stride(0), k_TKH.stride(1), v_TKH.stride(0), v_TKH.stride(1),
-        o_TNH.stride(0), o_TNH.stride(1), GROUP=N // k_TKH.shape[1], **cfg,
+        o_TNH.stride(0), o_TNH.stride(1), GROUP=N // k_TKH.shape[1], HAS_SINKS=sinks_N is not None,
+        WINDOW=int(window), **cfg,
     )
     return o_TNH, lse_NT
 
 
-def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
+def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0):
     Tq, N, H = q_TNH.shape
     T, K = k_TKH.shape[:2]
     HV = v_TKH.shape[2]
@@ -290,12 +313,13 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
     common = dict(T=T, TQ=Tq, H=H, HV=HV, qk_scale=scale * LOG2E, scale=scale, stride_qt=q_TNH.stride(0),
                   stride_qn=q_TNH.stride(1), stride_kt=k_TKH.stride(0), stride_kn=k_TKH.stride(1),
                   stride_vt=v_TKH.stride(0), stride_vn=v_TKH.stride(1), stride_ot=do_TNH.stride(0),
-                  stride_on=do_TNH.stride(1), GROUP=N // K, **cfg)
+                  stride_on=do_TNH.stride(1), GROUP=N // K, WINDOW=int(window), **cfg)
+    depth_T = _depth_arg(sub_end_T, window)
     _bwd_dq_kernel[(triton.cdiv(Tq, cfg["BLOCK_M"]), N)](
-        q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dq_TNH, **common
+        q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dq_TNH, depth_T, **common
     )
     _bwd_dkdv_kernel[(kmin_B.shape[0], K)](
-        q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dk_TKH, dv_TKH, **common
+        q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dk_TKH, dv_TKH, depth_T, **common
     )
     return dq_TNH, dk_TKH, dv_TKH
 
@@ -303,5 +327,5 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale):
 tree_attention_triton_op = register_tree_attention_ops("triton", _forward, _backward)
 tree_attention_triton = make_public_entry(tree_attention_triton_op)
 tree_attention_triton.__doc__ = """Tree attention through the Triton kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
-softmax_scale=None) -> o_TNH; differentiable in q, k, v; fp16/bf16/fp32; N % K == 0; head dims <= 256 (values may be
+softmax_scale=None, sinks=None, window=None) -> o_TNH; differentiable in q, k, v (and sinks); fp16/bf16/fp32; N % K == 0; head dims <= 256 (values may be
 narrower or wider than queries and keys); q may hold only the last tokens of the keys' tree (suffix queries, ops.py)."""
