@@ -215,51 +215,64 @@ class _GatheredKVAttention(torch.autograd.Function):
     Engine's all-gather context parallelism does too)."""
 
     @staticmethod
-    def forward(ctx, q, k_local, v_local, sub_end_T, scale, backend, group, rank):
+    def forward(ctx, q, k_local, v_local, sub_end_T, scale, backend, group, rank, sinks=None, window=0):
         from forge_megatron.kernels.tree_attention.dispatch import function_of, raw_ops
         from forge_megatron.kernels.tree_attention.ops import check_inputs
 
         C = dist.get_world_size(group)
         k, v = _gather_tree_order(k_local, group), _gather_tree_order(v_local, group)
         raw = raw_ops(backend)
+        extras = {} if sinks is None and not window else {"sinks": sinks, "window": window}
         outs, lses = [], []
         for rows, hi, se in _chunks(sub_end_T, q.shape[0], C, rank):
             if raw is None:
-                outs.append(function_of(backend)(q[rows], k[:hi], v[:hi], se, softmax_scale=scale))
+                outs.append(function_of(backend)(q[rows], k[:hi], v[:hi], se, softmax_scale=scale, **extras))
             else:
                 check_inputs(q[rows], k[:hi], v[:hi], se)
-                o, lse = raw[0](q[rows].contiguous(), k[:hi], v[:hi], se.contiguous(), scale)
+                o, lse = raw[0](q[rows].contiguous(), k[:hi], v[:hi], se.contiguous(), scale, sinks, window)
                 outs.append(o)
                 lses.append(lse)
         o = torch.cat(outs)
-        ctx.save_for_backward(q, k_local, v_local, sub_end_T, o, *lses)
-        ctx.scale, ctx.backend, ctx.group, ctx.rank = scale, backend, group, rank
+        ctx.has_sinks = sinks is not None
+        ctx.save_for_backward(q, k_local, v_local, sub_end_T, o, *([sinks] if sinks is not None else []), *lses)
+        ctx.scale, ctx.backend, ctx.group, ctx.rank, ctx.window = scale, backend, group, rank, window
         return o
 
     @staticmethod
     def backward(ctx, do):
         from forge_megatron.kernels.tree_attention.dispatch import function_of, raw_ops
 
-        q, k_local, v_local, sub_end_T, o, *lses = ctx.saved_tensors
+        from forge_megatron.kernels.tree_attention.ops import sink_grad
+
+        q, k_local, v_local, sub_end_T, o, *rest = ctx.saved_tensors
+        sinks, lses = (rest[0], rest[1:]) if ctx.has_sinks else (None, rest)
         group, C = ctx.group, dist.get_world_size(ctx.group)
         k, v = _gather_tree_order(k_local, group), _gather_tree_order(v_local, group)
         raw = raw_ops(ctx.backend)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dsinks = torch.zeros_like(sinks) if sinks is not None else None
+        extras = {} if sinks is None and not ctx.window else {"window": ctx.window}
         do = do.contiguous()
         for i, (rows, hi, se) in enumerate(_chunks(sub_end_T, q.shape[0], C, ctx.rank)):
             if raw is None:
                 with torch.enable_grad():
-                    qi, ki, vi = (x.detach().requires_grad_() for x in (q[rows], k[:hi], v[:hi]))
-                    oi = function_of(ctx.backend)(qi, ki, vi, se, softmax_scale=ctx.scale)
-                    dqi, dki, dvi = torch.autograd.grad(oi, (qi, ki, vi), do[rows])
+                    leaves = [x.detach().requires_grad_() for x in (q[rows], k[:hi], v[:hi])]
+                    if sinks is not None:
+                        leaves.append(sinks.detach().requires_grad_())
+                        extras["sinks"] = leaves[3]
+                    oi = function_of(ctx.backend)(*leaves[:3], se, softmax_scale=ctx.scale, **extras)
+                    dqi, dki, dvi, *dsi = torch.autograd.grad(oi, leaves, do[rows])
             else:
                 dqi, dki, dvi = raw[1](do[rows].contiguous(), q[rows].contiguous(), k[:hi], v[:hi],
-                                       o[rows].contiguous(), lses[i], se.contiguous(), ctx.scale)
+                                       o[rows].contiguous(), lses[i], se.contiguous(), ctx.scale, ctx.window)
+                dsi = [sink_grad(sinks, lses[i], do[rows], o[rows])] if sinks is not None else []
             dq[rows] = dqi
             dk[:hi] += dki
             dv[:hi] += dvi
+            if dsinks is not None:
+                dsinks += dsi[0]
         dk_local, dv_local = (_scatter_tree_order(x, group) for x in (dk, dv))
-        return dq, dk_local, dv_local, None, None, None, None, None
+        return dq, dk_local, dv_local, None, None, None, None, None, dsinks, None
 
 
 def _scatter_tree_order(x_TXH: torch.Tensor, group) -> torch.Tensor:
@@ -324,15 +337,19 @@ def resolve_comm_type(comm_type: str | None, N: int, K: int, cp: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------ attention
-def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, backend=None, comm_type=None):
-    """Tree attention for this CP rank's zig-zag shard: o [T_l, N, H] over the whole padded tree ``sub_end_T``."""
+def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, backend=None, comm_type=None,
+                      sinks=None, window=None):
+    """Tree attention for this CP rank's zig-zag shard: o [T_l, N, Hv] over the whole padded tree ``sub_end_T``;
+    ``sinks`` [N] and ``window``: gpt-oss attention (kernels/tree_attention/ops.py)."""
     from forge_megatron.kernels.tree_attention import tree_attention
 
     C, rank, group = cp_world()
     Tl, N, H = q_TlNH.shape
     K = k_TlKH.shape[1]
+    extras = {} if sinks is None and not window else {"sinks": sinks, "window": window}
     if C == 1:
-        return tree_attention(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=softmax_scale, backend=backend)
+        return tree_attention(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=softmax_scale, backend=backend,
+                              **extras)
     mode = resolve_comm_type(comm_type, N, K, C)
     if sub_end_T.numel() != C * Tl or Tl % (2 * ROUNDS):
         raise ValueError(f"CP rank holds {Tl} tokens but sub_end has {sub_end_T.numel()} (expected {C} x {Tl}, "
@@ -343,9 +360,10 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
         from forge_megatron.kernels.tree_attention.ops import resolve_scale
 
         name = resolve(q_TlNH.device, backend, suffix_queries=True, head_dim=q_TlNH.shape[2],
-                       v_head_dim=v_TlKH.shape[2])
+                       v_head_dim=v_TlKH.shape[2], sinks_or_window=bool(extras))
         scale = resolve_scale(softmax_scale, H)
-        return _GatheredKVAttention.apply(q_TlNH, k_TlKH, v_TlKH, sub_end_T, scale, name, group, rank)
+        return _GatheredKVAttention.apply(q_TlNH, k_TlKH, v_TlKH, sub_end_T, scale, name, group, rank, sinks,
+                                          int(window or 0))
     q = ranks_to_tree_order(_AllToAll.apply(q_TlNH, group, True), C)
     if K % C == 0:
         k = ranks_to_tree_order(_AllToAll.apply(k_TlKH, group, True), C)
@@ -354,5 +372,7 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
         head = rank * K // C
         k = ranks_to_tree_order(_GatherSeq.apply(k_TlKH, group)[:, head:head + 1], C)
         v = ranks_to_tree_order(_GatherSeq.apply(v_TlKH, group)[:, head:head + 1], C)
-    o = tree_attention(q, k, v, sub_end_T, softmax_scale=softmax_scale, backend=backend)
+    if sinks is not None:  # this rank's heads after the all-to-all: chunk `rank` of the local heads
+        extras["sinks"] = sinks[rank * (N // C):(rank + 1) * (N // C)]
+    o = tree_attention(q, k, v, sub_end_T, softmax_scale=softmax_scale, backend=backend, **extras)
     return _AllToAll.apply(tree_to_ranks_order(o, C).contiguous(), group, False)

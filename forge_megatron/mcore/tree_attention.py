@@ -14,6 +14,11 @@ A micro-batch of samples merged into a prefix forest (forge_megatron.tree) runs 
    ([T, 1, 1, dim]); every pipeline stage has its own decoder and rotary module, so every stage applies it.
 3. Nothing else: linear layers, norms and MoE routing act per token and see each unique token once.
 
+gpt-oss attention: Megatron's ``softmax_type="learnable"`` (a sink logit per head, the parameter
+``core_attention.softmax_offset`` as in Megatron's DotProductAttention; "off-by-one": a zero logit) and sliding
+windows (``window_size=(W - 1, 0)`` on the layers ``window_attn_skip_freq`` selects) go to the kernels as sinks and a
+window by depth (each sample's own window: kernels/tree_attention/ops.py).
+
 Multi-latent attention (DeepSeek-V3 / Kimi-K2, ``GPTConfig.kv_lora_rank``) rotates inside each attention layer with
 its own rotary module, so :func:`use_depth_rope` indexes each layer's table by depth instead (a hook on the layer
 reads the packed params, one on its rotary module returns ``table[position_ids]``). Given packed-sequence params,
@@ -120,6 +125,25 @@ class TreeAttention(MegatronModule):
             softmax_scale = getattr(config, "softmax_scale", None) or config.kv_channels ** -0.5
         self.softmax_scale = softmax_scale
         self.cp_comm_type = cp_comm_type  # context parallelism: a2a, all_gather or None/auto (context_parallel.py)
+        self.window = _layer_window(config, self.layer_number)
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        heads = config.num_attention_heads // config.tensor_model_parallel_size
+        if softmax_type == "learnable":  # gpt-oss sinks: split over TP by heads like the query heads
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset.data)
+            else:
+                torch.nn.init.zeros_(self.softmax_offset)
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads, dtype=config.params_dtype), persistent=False)
+        elif softmax_type == "vanilla":
+            self.softmax_offset = None
+        else:
+            raise ValueError(f"TreeAttention: softmax_type {softmax_type!r} is not supported (vanilla, off-by-one, "
+                             "learnable)")
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -145,8 +169,49 @@ class TreeAttention(MegatronModule):
         o_TNH = tree_attention_cp(
             query[:, 0], key[:, 0], value[:, 0], packed_seq_params.sub_end,
             softmax_scale=self.softmax_scale, backend=packed_seq_params.backend, comm_type=self.cp_comm_type,
+            sinks=self.softmax_offset, window=self.window,
         )
         return o_TNH.reshape(T, 1, -1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The sink logits split over TP by heads (as Megatron's DotProductAttention declares them)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True) if isinstance(self.softmax_offset, torch.nn.Parameter) \
+            else {}
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   **_sharded_kwargs(self, metadata))
+
+
+def _sharded_kwargs(module, metadata) -> dict:
+    """The process-group arguments Megatron's make_sharded_tensors_for_checkpoint takes in this version."""
+    import inspect
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    params = inspect.signature(make_sharded_tensors_for_checkpoint).parameters
+    kwargs = {}
+    if "tp_group" in params:
+        kwargs["tp_group"] = ps.get_tensor_model_parallel_group()
+    if "dp_cp_group" in params:
+        kwargs["dp_cp_group"] = (metadata or {}).get("dp_cp_group") or \
+            ps.get_data_parallel_group(with_context_parallel=True)
+    return kwargs
+
+
+def _layer_window(config, layer_number: int) -> int:
+    """The sliding window (in positions: a query sees itself and the window - 1 before it) of this layer, 0 for
+    none, from Megatron's ``window_size=(left, right)`` and ``window_attn_skip_freq``."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    window_size = getattr(config, "window_size", None)
+    if not is_layer_window_attention(window_size, getattr(config, "window_attn_skip_freq", None), layer_number):
+        return 0
+    left, right = window_size
+    if right != 0:
+        raise ValueError(f"TreeAttention: window_size {tuple(window_size)} looks ahead; only causal windows (left, 0)")
+    return 0 if left < 0 else left + 1
 
 
 # ------------------------------------------------------------------------------------------------ specs

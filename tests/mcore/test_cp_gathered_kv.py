@@ -19,7 +19,7 @@ from tests.dist_utils import run_distributed
 SAMPLES = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 17], [9, 10, 18, 19]]
 
 
-def _body(rank, world_size, backend, Hv):
+def _body(rank, world_size, backend, Hv, gpt_oss=False, comm="all_gather"):
     if backend == "triton":
         os.environ["TRITON_INTERPRET"] = "1"
     from forge_megatron.kernels.tree_attention import tree_attention
@@ -35,9 +35,15 @@ def _body(rank, world_size, backend, Hv):
     g = torch.Generator().manual_seed(0)
     q, k, v, w = (torch.randn(T_pad, heads, dim, generator=g) for heads, dim in ((N, H), (K, H), (K, Hv), (N, Hv)))
 
+    # gpt-oss: a sink logit per head and a window of 3 positions (the sinks' gradient: each rank's queries' part)
+    sinks = torch.randn(N, generator=g) if gpt_oss else None
+    extras = {"sinks": sinks.clone().requires_grad_(), "window": 3} if gpt_oss else {}
     full = [x.clone().requires_grad_() for x in (q, k, v)]
-    o_ref = tree_attention(*full, sub_end, backend=backend)
+    o_ref = tree_attention(*full, sub_end, backend=backend, **extras)
     (o_ref * w).sum().backward()
+    full_dsinks = extras["sinks"].grad if gpt_oss else None
+    if gpt_oss:
+        extras = {"sinks": sinks.clone().requires_grad_(), "window": 3}
 
     local = [take_shard(x, world_size, rank).clone().requires_grad_() for x in (q, k, v)]
     saved = []
@@ -47,11 +53,12 @@ def _body(rank, world_size, backend, Hv):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        o = tree_attention_cp(*local, sub_end, backend=backend, comm_type="all_gather")
+        o = tree_attention_cp(*local, sub_end, backend=backend, comm_type=comm, **extras)
     (o * take_shard(w, world_size, rank)).sum().backward()
     shard = [take_shard(x, world_size, rank) for x in (o_ref.detach(), *(x.grad for x in full))]
     errors = [(a - b).abs().max().item() for a, b in zip([o.detach(), *(x.grad for x in local)], shard)]
-    return {"errors": errors, "largest_saved": max(saved), "gathered_kv": T_pad * K * H * k.element_size()}
+    return {"errors": errors, "largest_saved": max(saved), "gathered_kv": T_pad * K * H * k.element_size(),
+            "dsinks": extras["sinks"].grad if gpt_oss else None, "full_dsinks": full_dsinks}
 
 
 @pytest.mark.parametrize("backend,cp,Hv", [("segment", 2, 16), ("segment", 4, 16), ("reference", 2, 16),
@@ -64,6 +71,20 @@ def test_all_gather_mode_equals_whole_tree_and_saves_only_local_rows(backend, cp
     for r in results:
         assert max(r["errors"]) < 2e-5, r  # o, dq, dk, dv of this rank's rows
         assert r["largest_saved"] < r["gathered_kv"], r
+
+
+@pytest.mark.parametrize("backend,comm", [("segment", "all_gather"), ("triton", "all_gather"), ("segment", "a2a")])
+def test_sinks_and_sliding_window_under_context_parallelism(backend, comm):
+    """gpt-oss attention under CP = 2: o, dq, dk, dv of this rank's rows equal the whole tree's, and the ranks'
+    sink gradients (each from its own queries; Megatron's DP x CP reduction sums them) add up to the whole tree's."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    results = run_distributed(_body, world_size=2, parallel=_parallel(2), backend=backend, Hv=8, gpt_oss=True,
+                              comm=comm, timeout_s=400)
+    for r in results:
+        assert max(r["errors"]) < 2e-5, r
+    total = sum(r["dsinks"] for r in results)
+    assert (total - results[0]["full_dsinks"]).abs().max().item() < 2e-5 and total.abs().sum() > 0
 
 
 def _parallel(cp):

@@ -164,6 +164,18 @@ def _body_one_rank(rank, world_size):
     out["deepseek_v3_modules"] = [type(ds_tree.decoder.layers[0].self_attention.core_attention).__name__,
                                   type(ds_causal.decoder.layers[0].self_attention.core_attention).__name__]
     out["deepseek_v3_by_offset"] = _offset_rope_error(ds_tree, ds_causal)
+    # gpt-oss attention: learned sinks (Megatron's softmax_type="learnable") and a 3-position sliding window on every
+    # other layer; the oracle is Megatron's own attention with the same config (SoftmaxOne, sliding-window mask)
+    oss_cfg = _cfg(extra={"softmax_type": "learnable", "window_size": (2, 0), "window_attn_skip_freq": 2})
+    oss_tree, oss_causal = _twin_models(oss_cfg)
+    with torch.no_grad():  # sinks as large as trained ones (initialised ~0.02, they would hardly matter)
+        for layer in oss_tree.decoder.layers:
+            layer.self_attention.core_attention.softmax_offset.normal_(0.0, 2.0)
+    oss_causal.load_state_dict(oss_tree.state_dict())
+    out["gpt_oss"] = _exactness(oss_tree, oss_causal, all_samples(3))
+    out["gpt_oss_windows"] = [layer.self_attention.core_attention.window for layer in oss_tree.decoder.layers]
+    out["gpt_oss_sink_grads"] = [layer.self_attention.core_attention.softmax_offset.grad.abs().sum().item()
+                                 for layer in oss_tree.decoder.layers]
     return out
 
 
@@ -362,6 +374,15 @@ def test_multi_latent_attention_tree_equals_unmerged(one_rank):
     logp, ent, grad, _, _ = one_rank["deepseek_v3"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["deepseek_v3"]
     assert one_rank["deepseek_v3_by_offset"] > 20 * LOGP_ATOL
+
+
+def test_gpt_oss_sinks_and_sliding_window_tree_equals_unmerged(one_rank):
+    """Megatron's learnable softmax offsets (gpt-oss sinks) and sliding windows through TreeAttention equal each
+    sample alone through Megatron's own attention: logprobs, entropies and every gradient (the sinks' included)."""
+    assert one_rank["gpt_oss_windows"] == [3, 0]  # layer 1 windowed, layer 2 (2 % 2 == 0) full
+    logp, ent, grad, _, _ = one_rank["gpt_oss"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["gpt_oss"]
+    assert min(one_rank["gpt_oss_sink_grads"]) > 0
 
 
 def test_rope_must_follow_depth_not_offset(one_rank):
