@@ -15,7 +15,8 @@
 # evaluated every EVAL_EVERY policy versions into RUN_DIR/evals.jsonl), EPISODE_TIMEOUT_S (driver-side episode limit,
 # default 1800; the pool times out what is idle for twice that, e.g. after a driver crash), TOOL_PARSER and
 # REASONING_PARSER (the model's tool-call and thinking formats: the gateway's --tool-parser / --reasoning-parser;
-# defaults from scripts/models/<MODEL>.sh when MODEL is set, else hermes and none), CHAT_TEMPLATE_KWARGS (JSON).
+# defaults from scripts/models/<MODEL>.sh when MODEL is set, else hermes and none), CHAT_TEMPLATE_KWARGS (JSON),
+# TRUST_REMOTE_CODE (1: SGLang and the gateway run the tokenizer/config code the checkpoint ships, e.g. Kimi-K2).
 set -euo pipefail
 DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
@@ -72,12 +73,14 @@ teardown() {
 }
 [ "$DRY_RUN" = 1 ] || { mkdir -p "$RUN_DIR/logs"; trap teardown EXIT INT TERM; }
 
+SGLANG_FLAGS=()
+[ "${TRUST_REMOTE_CODE:-0}" = 1 ] && SGLANG_FLAGS+=(--trust-remote-code)
 ENGINE_URLS=()
 for ((e = 0; e < NUM_ENGINES; e++)); do
   port=$((ENGINE_PORT + e))
   if [ "$ENGINE" = sglang ]; then
     run_bg "engine-$e" env CUDA_VISIBLE_DEVICES="$((NPROC + e))" python -m sglang.launch_server \
-      --model-path "$HF_CHECKPOINT" --host 127.0.0.1 --port "$port"
+      --model-path "$HF_CHECKPOINT" --host 127.0.0.1 --port "$port" ${SGLANG_FLAGS[@]+"${SGLANG_FLAGS[@]}"}
   else
     run_bg "engine-$e" python -m forge_megatron.rollout.engine_server --model-path "$HF_CHECKPOINT" \
       --host 127.0.0.1 --port "$port"
@@ -96,6 +99,7 @@ NODE_FLAGS=()  # gateway flags: the trainer, which gets POOL_ARGS too, never see
 NODE_FLAGS+=(--policy-temperature "$ROLLOUT_TEMPERATURE" --tool-parser "$TOOL_PARSER")
 [ -n "$REASONING_PARSER" ] && NODE_FLAGS+=(--reasoning-parser "$REASONING_PARSER")
 [ -n "$CHAT_TEMPLATE_KWARGS" ] && NODE_FLAGS+=(--chat-template-kwargs "$CHAT_TEMPLATE_KWARGS")
+[ "${TRUST_REMOTE_CODE:-0}" = 1 ] && NODE_FLAGS+=(--trust-remote-code)
 DRIVER_FLAGS=()
 [ -n "$EVAL_TASKS" ] && DRIVER_FLAGS+=(--eval-tasks "$EVAL_TASKS" --eval-every-versions "$EVAL_EVERY"
                                        --eval-output "$RUN_DIR/evals.jsonl")

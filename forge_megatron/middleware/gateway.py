@@ -111,6 +111,9 @@ class GatewayConfig:
     # Open sessions with no call for this long (none in flight) are ended as timed_out and sent to the sink, so
     # sessions whose agent or driver died do not stay in memory for the rest of the run. None: never.
     session_idle_timeout_s: float | None = None
+    # Run the Python code a checkpoint ships for its tokenizer or config (Kimi-K2's tiktoken tokenizer, configs of
+    # model types transformers does not know), from model_path only: nothing is downloaded. SGLang's flag.
+    trust_remote_code: bool = False
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -396,9 +399,17 @@ class Gateway:
 
         self.config = config
         self.sink = sink if sink is not None else ListSink()
-        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(config.model_path),
-                                     end_ids=model_end_ids(config.model_path))
-        model_config = AutoConfig.from_pretrained(config.model_path)
+        remote = dict(trust_remote_code=config.trust_remote_code)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(config.model_path, **remote)
+            model_config = AutoConfig.from_pretrained(config.model_path, **remote)
+        except ValueError as exc:
+            if not config.trust_remote_code and "trust_remote_code" in str(exc):
+                raise ValueError(f"{config.model_path} ships its own tokenizer or config code (e.g. Kimi-K2): start "
+                                 "with --trust-remote-code to run it (from that directory; nothing is downloaded)"
+                                 ) from exc
+            raise
+        self.renderer = ChatRenderer(tokenizer, end_ids=model_end_ids(config.model_path))
         self.context_length = config.context_length or int(getattr(model_config, "max_position_embeddings", 4096))
         self.vocab_size = int(getattr(model_config, "vocab_size", 0) or len(self.renderer.tok))
         self.routing_shape = None  # (layers, topk) when recording routed experts
@@ -1459,6 +1470,9 @@ def add_session_options(p) -> None:
     p.add_argument("--session-idle-timeout-s", type=float, default=None,
                    help="end open sessions with no call for this long as timed_out (their agent or driver died); "
                         "default: never")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the tokenizer / config code the checkpoint ships (Kimi-K2's tokenizer), from "
+                        "--model-path only (SGLang's flag; the engines need it too)")
     p.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
                    help="re-issue a call that an engine aborted for a weight update from its prompt, dropping the "
                         "tokens it had sampled (default: go on from them, each token keeping the policy version and "
@@ -1471,7 +1485,7 @@ def session_options(args: argparse.Namespace) -> dict:
                 chat_template_kwargs=args.chat_template_kwargs, default_max_tokens=args.default_max_tokens,
                 return_routed_experts=args.return_routed_experts, resume_aborted=args.resume_aborted,
                 policy_sampling=args.policy_sampling, policy_temperature=args.policy_temperature,
-                session_idle_timeout_s=args.session_idle_timeout_s)
+                session_idle_timeout_s=args.session_idle_timeout_s, trust_remote_code=args.trust_remote_code)
 
 
 def build_parser() -> argparse.ArgumentParser:

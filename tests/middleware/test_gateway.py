@@ -847,3 +847,27 @@ def test_prometheus_metrics_match_the_admin_state(stack):
         assert scraped[f'forge_engine_up{{engine="{e.url}"}}'] == 1
     assert not any(k.startswith("forge_pool_") for k in scraped)  # a ListSink has no pool state
     end(gw, s)
+
+
+def test_checkpoint_code_runs_only_when_trusted(tmp_path):
+    """A checkpoint whose config class ships as its own Python file (Kimi-K2's kind): without --trust-remote-code
+    the gateway refuses with a message that names the flag; with it, the config loads from the directory."""
+    import json
+    import shutil
+
+    from forge_megatron.middleware.gateway import Gateway, GatewayConfig
+    from forge_megatron.models.tiny import build_tiny_tokenizer, tiny_config
+
+    d = tmp_path / "remote_model"
+    build_tiny_tokenizer(str(d))
+    config = {**tiny_config("qwen2").to_dict(), "model_type": "forge_remote", "max_position_embeddings": 777,
+              "auto_map": {"AutoConfig": "configuration_forge_remote.ForgeRemoteConfig"}}
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "configuration_forge_remote.py").write_text(
+        "from transformers import PretrainedConfig\n\n\n"
+        "class ForgeRemoteConfig(PretrainedConfig):\n    model_type = 'forge_remote'\n")
+    with pytest.raises(ValueError, match="ships its own tokenizer or config code .* start with --trust-remote-code"):
+        Gateway(GatewayConfig(model_path=str(d), engine_urls=["http://127.0.0.1:9"]))
+    gw = Gateway(GatewayConfig(model_path=str(d), engine_urls=["http://127.0.0.1:9"], trust_remote_code=True))
+    assert gw.context_length == 777
+    shutil.rmtree(d)

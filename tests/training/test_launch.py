@@ -39,7 +39,7 @@ def test_bash_syntax_and_help():
 @pytest.mark.parametrize("layout", [
     dict(ROLLOUT_NODES=2, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=2, TP=2, PP=1, EP=1, CP=1, MODEL="qwen3-8B"),
     dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B",
-         FP32_LM_HEAD=1, POLICY_SAMPLING=0, ROLLOUT_TEMPERATURE=0.8),
+         FP32_LM_HEAD=1, POLICY_SAMPLING=0, ROLLOUT_TEMPERATURE=0.8, TRUST_REMOTE_CODE=1),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
          USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1,
          EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5, RETIRE_SOLVED_AFTER=3),
@@ -93,6 +93,8 @@ def test_dry_run_plan_is_consistent(layout):
     from forge_megatron.agents.middleware_node import build_parser as node_parser
 
     node = node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:])  # valid flags
+    remote = layout.get("TRUST_REMOTE_CODE") == 1  # the checkpoint's own code runs in the engines and the gateway
+    assert node.trust_remote_code is remote and all(("--trust-remote-code" in c) is remote for c in engines)
     assert node.drop_zero_advantage_groups is (layout.get("DROP_ZERO_ADVANTAGE_GROUPS") == 1)
     assert node.policy_sampling is (layout.get("POLICY_SAMPLING", 1) == 1)  # on unless turned off
     # the gateway samples training calls at the temperature the trainer scores them at
