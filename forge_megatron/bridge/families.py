@@ -13,6 +13,14 @@ each query/key head with the rotated key shared by every head. DeepSeek checkpoi
 (``rope_interleave``), which is what Megatron's MLA does; YaRN's softmax factor mscale(factor, mscale_all_dim)^2 is
 Megatron's too. Their MoE is the GLM-4.5 one below.
 
+gpt-oss (``gpt_oss``): QKV and output projections with biases, a learned sink logit per head (Megatron's
+``softmax_type="learnable"``: the core attention's ``softmax_offset``), a 128-position sliding window on the layers
+``layer_types`` marks ``sliding_attention`` (``window_size=(W - 1, 0)`` with a per-layer ``window_attn_skip_freq``
+list), a router with a bias choosing the top-k logits and softmaxing them, and experts with biases whose gate and up
+columns are interleaved in HF's fused tensors, computing (clamp(up) + 1) * g * sigmoid(1.702 g), g = clamp(gate, max=7)
+(Megatron's quick_gelu GLU with ``glu_linear_offset=1`` and ``activation_func_clamp_value``). Megatron has expert
+biases only without expert tensor parallelism, so TP must be 1 (EP, PP, CP as usual).
+
 GLM-4.5 (``glm4_moe``, docs/conversion.md): RoPE on the first ``partial_rotary_factor`` of each head, the first
 ``first_k_dense_replace`` layers dense, a shared expert next to the routed ones, and a sigmoid router choosing by
 sigmoid(z) + ``e_score_correction_bias`` and weighting by the normalised sigmoid scores times
@@ -46,6 +54,7 @@ class Family:
     # experts, the first layers dense (see the module docstring)
     sigmoid_router: bool = False
     mla: bool = False  # multi-latent attention (DeepSeek-V3 layout)
+    gpt_oss: bool = False  # sinks, sliding windows, biased experts with interleaved fused HF tensors
 
 
 FAMILIES: dict[str, Family] = {
@@ -59,6 +68,7 @@ FAMILIES: dict[str, Family] = {
                                     mla=True),
     "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                      mla=True),
+    "GptOssForCausalLM": Family("gpt_oss", qkv_bias=None, qk_norm=False, moe=True, gpt_oss=True),
     # Mistral-Small / Devstral / Magistral text models: the Llama layout (sliding windows refused below)
     "MistralForCausalLM": Family("mistral", qkv_bias=None, qk_norm=False, moe=False),
 }
@@ -133,7 +143,18 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                     "Mistral-Small 3 / Devstral configs have none)")
     if partial_rotary(hf) != 1.0 and family.name != "glm4_moe":
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
-    if family.moe and not family.sigmoid_router:
+    if family.gpt_oss:
+        if float(hf.get("swiglu_alpha", 1.702)) != 1.702:
+            raise UnsupportedModelError(f"swiglu_alpha={hf['swiglu_alpha']} is not supported (Megatron's quick_gelu "
+                                        "uses 1.702, gpt-oss's value)")
+        kinds = set(hf.get("layer_types") or [])
+        if not kinds <= {"sliding_attention", "full_attention"}:
+            raise UnsupportedModelError(f"layer_types {sorted(kinds)}: only sliding_attention and full_attention")
+        quant = (hf.get("quantization_config") or {}).get("quant_method")
+        if quant:
+            raise UnsupportedModelError(f"a {quant} checkpoint: convert a bf16 copy (transformers' Mxfp4Config("
+                                        "dequantize=True), then save_pretrained) for training")
+    if family.moe and not family.sigmoid_router and not family.gpt_oss:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
@@ -219,6 +240,23 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
             qk_layernorm=True,  # Megatron builds MLA's latent norms (q_a_layernorm, kv_a_layernorm) under this switch
         )
+    if family.gpt_oss:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        window = int(hf.get("sliding_window") or 0)
+        types = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+        kwargs.update(
+            num_moe_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["intermediate_size"], moe_router_pre_softmax=False,  # top-k logits, softmaxed
+            add_bias_linear=True,  # o_proj, router and expert biases (Megatron has no switch for each)
+            extra={
+                "softmax_type": "learnable",  # the sinks
+                "window_size": (window - 1, 0) if window else None,
+                "window_attn_skip_freq": [int(t == "sliding_attention") for t in types] if window else None,
+                "activation_func": quick_gelu, "glu_linear_offset": 1.0,
+                "activation_func_clamp_value": float(hf.get("swiglu_limit", 7.0)),
+            },
+        )
     if family.sigmoid_router:
         dense = dense_layers(hf)
         if not 0 <= dense < hf["num_hidden_layers"]:
@@ -241,7 +279,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                 "moe_router_dtype": "fp32",  # HF computes the router logits in fp32
             },
         )
-    elif family.moe:
+    elif family.moe and not family.gpt_oss:
         norm_topk = bool(hf.get("norm_topk_prob", False))
         kwargs.update(
             num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 renamed it

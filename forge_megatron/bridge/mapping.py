@@ -42,7 +42,10 @@ class Rule:
     """One canonical Megatron parameter and the HF tensor(s) it is made of.
 
     ``join``: ``copy`` (one HF tensor), ``qkv`` (q, k, v grouped per query group), ``glu`` (gate, up stacked),
-    ``vocab`` (rows past the HF vocabulary are Megatron's padding: zeros in, dropped out).
+    ``vocab`` (rows past the HF vocabulary are Megatron's padding: zeros in, dropped out); for HF tensors that hold
+    every expert of a layer (gpt-oss), expert e's slice of it: ``experts_glu`` ([E, D, 2F] with gate and up columns
+    interleaved -> [gate; up] rows), ``experts_glu_bias`` ([E, 2F] interleaved), ``experts_t`` ([E, F, D] ->
+    its transpose), ``experts_row`` ([E, D] -> row e). :meth:`Bridge.export` stacks them back.
     ``tp``: ``rep`` (replicated), ``col`` (dim 0), ``row`` (dim 1), ``glu`` (gate and up halves split separately).
     """
 
@@ -55,6 +58,11 @@ class Rule:
     @property
     def is_expert(self) -> bool:
         return "{expert}" in self.mcore
+
+    @property
+    def fused(self) -> bool:
+        """The HF tensor holds every expert of the layer (one slice per canonical expert parameter)."""
+        return self.join.startswith("experts_")
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,34 @@ def _mla_rules(cfg: GPTConfig) -> list[Rule]:
     ]
 
 
+def _gpt_oss_rules(cfg: GPTConfig) -> list[Rule]:
+    """gpt-oss: biased attention with sinks, a biased router and experts fused per layer in the HF checkpoint."""
+    attn, mlp = HF_LAYER + "self_attn.", HF_LAYER + "mlp."
+    rules = [
+        Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
+        Rule(LAYER + "self_attention.linear_qkv.weight", tuple(attn + f"{p}_proj.weight" for p in "qkv"), "qkv", "col"),
+        Rule(LAYER + "self_attention.linear_qkv.bias", tuple(attn + f"{p}_proj.bias" for p in "qkv"), "qkv", "col"),
+        Rule(LAYER + "self_attention.core_attention.softmax_offset", (attn + "sinks",), tp="col"),
+        Rule(LAYER + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), tp="row"),
+        Rule(LAYER + "self_attention.linear_proj.bias", (attn + "o_proj.bias",)),
+        Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
+        Rule(LAYER + "mlp.router.weight", (mlp + "router.weight",)),
+        Rule(LAYER + "mlp.router.bias", (mlp + "router.bias",)),
+        Rule(LAYER + EXPERT + "linear_fc1.weight", (mlp + "experts.gate_up_proj",), "experts_glu", "glu"),
+        Rule(LAYER + EXPERT + "linear_fc1.bias", (mlp + "experts.gate_up_proj_bias",), "experts_glu_bias", "glu"),
+        Rule(LAYER + EXPERT + "linear_fc2.weight", (mlp + "experts.down_proj",), "experts_t", "row"),
+        Rule(LAYER + EXPERT + "linear_fc2.bias", (mlp + "experts.down_proj_bias",), "experts_row"),
+    ]
+    top = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "col"),
+           Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
+    if not cfg.tie_word_embeddings:
+        top.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", "col"))
+    return top[:1] + rules + top[1:]
+
+
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    if family.gpt_oss:
+        return _gpt_oss_rules(cfg)
     if family.mla:
         return _with_mlp_and_ends(cfg, family, _mla_rules(cfg))
     attn = [
@@ -215,8 +250,11 @@ class Bridge:
 
     # --- full tensors ---------------------------------------------------------------------------------------
     def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Full canonical Megatron tensor -> {HF name: tensor}."""
+        """Full canonical Megatron tensor -> {HF name: tensor}. Parameters whose HF tensor holds every expert of a
+        layer (``Rule.fused``) go through :meth:`export`, which stacks the experts."""
         rule, _ = self.rule(name)
+        if rule.fused:
+            raise MappingError(f"{name!r} is one expert's slice of a fused HF tensor: use Bridge.export")
         names = self.hf_names(name)
         if rule.join == "qkv":
             parts = self._split_qkv(tensor)
@@ -228,9 +266,48 @@ class Bridge:
             parts = (tensor,)
         return {n: p.contiguous() for n, p in zip(names, parts)}
 
+    def export(self, items):
+        """(canonical name, full tensor) pairs -> (HF name, tensor) pairs, in order; the experts of a fused HF tensor
+        are held until all of its layer's experts have come, then sent stacked (they come together in practice:
+        the converter and the weight gather produce every expert of a parameter in a row)."""
+        held: dict[str, dict[int, torch.Tensor]] = {}
+        experts = self.cfg.num_moe_experts or 0
+        for name, tensor in items:
+            rule, idx = self.rule(name)
+            if not rule.fused:
+                yield from self.to_hf(name, tensor).items()
+                continue
+            hf_name = self.hf_names(name)[0]
+            pieces = held.setdefault(hf_name, {})
+            pieces[idx["expert"]] = self._fused_piece(rule.join, tensor)
+            if len(pieces) == experts:
+                yield hf_name, torch.stack([pieces.pop(e) for e in range(experts)]).contiguous()
+                del held[hf_name]
+        if held:
+            name, pieces = next(iter(held.items()))
+            raise MappingError(f"{name!r}: only experts {sorted(pieces)} of {experts} were exported")
+
+    @staticmethod
+    def _fused_piece(join: str, t: torch.Tensor) -> torch.Tensor:
+        """Expert e's canonical tensor -> its slice of the fused HF tensor."""
+        if join in ("experts_glu", "experts_glu_bias"):
+            gate, up = t.chunk(2, dim=0)
+            inter = torch.stack([gate, up], dim=1).reshape(-1, *t.shape[1:])  # rows g0, u0, g1, u1, ...
+            return inter.t() if join == "experts_glu" else inter
+        return t.t() if join == "experts_t" else t
+
+    @staticmethod
+    def _from_fused(join: str, fused: torch.Tensor, expert: int) -> torch.Tensor:
+        x = fused[expert]
+        if join == "experts_glu":
+            return torch.cat([x[:, 0::2].t(), x[:, 1::2].t()]).contiguous()
+        if join == "experts_glu_bias":
+            return torch.cat([x[0::2], x[1::2]]).contiguous()
+        return x.t().contiguous() if join == "experts_t" else x.clone()
+
     def from_hf(self, name: str, hf: dict[str, torch.Tensor]) -> torch.Tensor:
         """{HF name: tensor} (must hold this parameter's HF tensors) -> full canonical Megatron tensor."""
-        rule, _ = self.rule(name)
+        rule, idx = self.rule(name)
         parts = []
         for hf_name in self.hf_names(name):
             if hf_name not in hf:
@@ -240,6 +317,8 @@ class Bridge:
             if tuple(t.shape) != want:
                 raise MappingError(f"HF tensor {hf_name!r} has shape {tuple(t.shape)}, the config implies {want}")
             parts.append(t)
+        if rule.fused:
+            return self._from_fused(rule.join, parts[0], idx["expert"])
         if rule.join == "qkv":
             return self._join_qkv(*parts)
         if rule.join == "vocab" and self.cfg.vocab_size > self.hf_vocab:
@@ -262,6 +341,10 @@ class Bridge:
             "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f),
             "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
         }
+        e = cfg.num_moe_experts or 0
+        table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
+                      "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),
+                      "experts.down_proj": (e, f, d), "experts.down_proj_bias": (e, d)})
         if cfg.multi_latent_attention:
             qk = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
             table.update({
@@ -306,6 +389,9 @@ class Bridge:
                 checks.append(("moe_shared_ffn_hidden_size", cfg.moe_shared_ffn_hidden_size, "tp", layout.tp))
         elif layout.ep > 1:
             raise ValueError(f"ep={layout.ep} needs a MoE model; {self.family.name!r} config has no experts")
+        if self.family.gpt_oss and layout.tp > 1:
+            raise ValueError(f"tp={layout.tp}: gpt-oss trains with TP = 1 (Megatron has expert biases only without "
+                             "expert tensor parallelism); use EP, PP and CP")
         for what, size, axis, parts in checks:
             if size % parts:
                 raise ValueError(f"{axis}={parts} does not divide {what}={size}")

@@ -20,6 +20,7 @@ and ``config.json``.
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import torch
@@ -54,6 +55,8 @@ class HFReader:
                     weight_map.update({k: fname for k in f.keys()})
         self.dir = hf_dir
         self.weight_map = weight_map
+        # The last tensors read: a gpt-oss fused expert tensor is asked for once per expert (each takes its slice)
+        self._recent: dict[str, torch.Tensor] = {}
 
     def names(self) -> set[str]:
         return set(self.weight_map)
@@ -61,13 +64,15 @@ class HFReader:
     def get(self, names) -> dict[str, torch.Tensor]:
         """Load ``names`` (missing ones are left out: the bridge reports them by name)."""
         by_file: dict[str, list[str]] = {}
+        out = {n: self._recent[n] for n in names if n in self._recent}
         for n in names:
-            if n in self.weight_map:
+            if n in self.weight_map and n not in out:
                 by_file.setdefault(self.weight_map[n], []).append(n)
-        out = {}
         for fname, wanted in by_file.items():
             with safe_open(os.path.join(self.dir, fname), "pt") as f:
                 out.update({n: f.get_tensor(n) for n in wanted})
+        self._recent = {n: t for n, t in out.items() if ".experts." in n and "experts.{" not in n and
+                        not re.search(r"\.experts\.\d+\.", n)}
         return out
 
 
@@ -270,8 +275,7 @@ def megatron_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30)
 
     def tensors():
         for pp in range(layout.pp):
-            for name, t in load_megatron_stage(bridge, mcore_dir, layout, pp).items():
-                yield from bridge.to_hf(name, t).items()
+            yield from bridge.export(load_megatron_stage(bridge, mcore_dir, layout, pp).items())
 
     save_hf(tensors(), out_dir, bridge.hf_config, max_shard_bytes)
 

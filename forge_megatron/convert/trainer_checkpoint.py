@@ -111,10 +111,9 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
                 full = join_piece(bridge, pl, lambda tp, ep: chunks_of(tp, p, ep)[v], range(start, start + per_chunk),
                                   p == 0 and v == 0, p == P - 1 and v == V - 1,
                                   f"pipeline rank {p}, chunk {v} of {it_dir!r}")
-                for name, t in full.items():
-                    for hf_name, hf_t in bridge.to_hf(name, t).items():
-                        count[0] += 1
-                        yield hf_name, hf_t
+                for hf_name, hf_t in bridge.export(full.items()):
+                    count[0] += 1
+                    yield hf_name, hf_t
             cache.clear()  # one stage's shards in memory at a time
 
     save_hf(tensors(), out_dir, bridge.hf_config, max_shard_bytes)

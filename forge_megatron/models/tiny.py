@@ -31,7 +31,7 @@ SPECIAL_TOKENS = (
     "<tool_response>",
     "</tool_response>",
 )
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss")
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
 _CORPUS = [
@@ -170,6 +170,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"],
              "norm_topk_prob": True, "routed_scaling_factor": 1.8},
         ),
+        # gpt-oss layout: sinks, a 4-position window on layer 0, biased router and experts (fused in HF), YaRN
+        "gpt_oss": (
+            transformers.GptOssConfig,
+            {"head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+             "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True,
+             "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 512, "rope_theta": 150000.0}},
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -197,6 +205,11 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape) * 0.1)
+        for name, p in model.named_parameters():  # gpt-oss: sinks as large as trained ones, biases that matter
+            if name.endswith(".sinks"):
+                p.copy_(torch.randn(p.shape))
+            elif name.endswith(("_proj_bias", "router.bias")):
+                p.copy_(torch.randn(p.shape) * 0.1)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     if with_tokenizer:

@@ -80,8 +80,7 @@ def export_hf(model, bridge, src_dir: str, out_dir: str) -> None:
     from forge_megatron.convert.checkpoint import save_hf
 
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    pairs = [(hf_name, t.detach().float().cpu()) for name, tensor in state.items()
-             for hf_name, t in bridge.to_hf(name, tensor).items()]
+    pairs = [(hf_name, t.detach().float().cpu()) for hf_name, t in bridge.export(state.items())]
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     save_hf(pairs, out_dir, bridge.hf_config, total=len(pairs))

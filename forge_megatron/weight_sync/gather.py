@@ -92,12 +92,17 @@ def iter_experts(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
     etp_group = ps.get_expert_tensor_parallel_group()
     ep_group = ps.get_expert_model_parallel_group()
     local_experts = (bridge.cfg.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
-    for chunk in chunks:
-        for name, p in _params(bridge, chunk, experts=True):
-            t = p.detach() if dtype is None else p.detach().to(dtype)
-            t = bridge.tp_join(name, _all_gather(t, etp_group))
-            for ep_rank, full in enumerate(_all_gather(t, ep_group)):
-                yield from bridge.to_hf(bridge.rename(name, 0, ep_rank * local_experts), full).items()
+    def canonical():
+        for chunk in chunks:
+            for name, p in _params(bridge, chunk, experts=True):
+                t = p.detach() if dtype is None else p.detach().to(dtype)
+                t = bridge.tp_join(name, _all_gather(t, etp_group))
+                for ep_rank, full in enumerate(_all_gather(t, ep_group)):
+                    yield bridge.rename(name, 0, ep_rank * local_experts), full
+
+    # gpt-oss's HF tensors hold every expert of a layer: export stacks them (every expert of a parameter comes in a
+    # row here: the local experts one after the other, each all-gathered over EP)
+    yield from bridge.export(canonical())
 
 
 def iter_stage_buckets(bridge: Bridge, chunks, bucket_bytes: int, dtype: torch.dtype | None = None, fp8=None):

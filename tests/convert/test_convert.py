@@ -19,7 +19,7 @@ from forge_megatron.convert.cli import main as cli_main
 from tests.convert.mcore_forward import forward_logits, load_converted
 from tests.dist_utils import run_distributed
 
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -41,6 +41,9 @@ def hf_dirs(tmp_path_factory):
     dirs = {arch: build_tiny_model(str(root / arch), arch=arch, seed=1, with_tokenizer=False) for arch in ARCHS}
     dirs["qwen3_tied"] = build_tiny_model(str(root / "qwen3_tied"), arch="qwen3", seed=2, with_tokenizer=False,
                                           tie_word_embeddings=True)
+    # gpt-oss with a clamp that bites (activations of random weights are ~0.1): Megatron's clamped quick-GELU GLU
+    dirs["gpt_oss_clamped"] = build_tiny_model(str(root / "gpt_oss_clamped"), arch="gpt_oss", seed=4,
+                                               with_tokenizer=False, swiglu_limit=0.02)
     for name, arch, params in ROPE_SCALED:
         dirs[name] = build_tiny_model(str(root / name), arch=arch, seed=3, with_tokenizer=False,
                                       rope_parameters={**params, "rope_theta": 10000.0})
@@ -66,6 +69,7 @@ LAYOUTS = [
     ("qwen3", ParallelLayout()), ("qwen3_tied", ParallelLayout(tp=2, pp=2)), ("qwen3_moe", ParallelLayout(ep=2)),
     ("qwen3_moe", ParallelLayout(tp=2, pp=2, ep=2)), ("glm4_moe", ParallelLayout(tp=2, pp=2, ep=2)),
     ("deepseek_v3", ParallelLayout(tp=2, pp=2, ep=2)), ("glm4_moe_lite", ParallelLayout(tp=2)),
+    ("gpt_oss", ParallelLayout(pp=2, ep=2)),  # experts fused per layer in HF: sliced on import, stacked on export
 ]
 
 
@@ -141,7 +145,7 @@ def _convert_all(hf_dirs, root, archs, layout):
 
 
 def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
-    archs = ARCHS + ("qwen3_tied",) + tuple(name for name, _, _ in ROPE_SCALED)
+    archs = ARCHS + ("qwen3_tied", "gpt_oss_clamped") + tuple(name for name, _, _ in ROPE_SCALED)
     ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "tp2"), ParallelLayout(tp=2))
     (out,) = run_distributed(_megatron_logits_body, world_size=1, tp2_dir=str(tmp_path / "tp2"),
                              mcore_dirs=_convert_all(hf_dirs, tmp_path, archs, ParallelLayout()))
