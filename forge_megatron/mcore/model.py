@@ -313,7 +313,25 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     from forge_megatron.mcore import rope
 
     rope.apply(model, cfg.rope_scaling, cfg.rotary_base, cfg.rotary_dim)
+    if cfg.num_moe_experts and cfg.add_bias_linear:
+        _own_expert_outputs(model)
     return model
+
+
+def _own_expert_outputs(model) -> None:
+    """Experts with biases (gpt-oss) when neither TP nor EP splits them: Megatron's expert MLP adds the routing-
+    weighted bias to fc2's output in place, and that output is then the very tensor the TP all-reduce (a no-op at
+    TP = 1) handed back, which autograd forbids modifying. A forward hook gives the MLP its own copy."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    def own_copy(module, args, output):
+        out, bias = output
+        return out.clone(), bias
+
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear) and module.is_expert and not module.explicit_expert_comm \
+                and module.skip_bias_add and module.bias is not None:
+            module.register_forward_hook(own_copy)
 
 
 class SequenceParallelNorm:

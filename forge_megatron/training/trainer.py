@@ -613,6 +613,10 @@ def model_config(args: argparse.Namespace, bridge):
                  getattr(args, "cp_comm_type", "auto"))
     overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
     if args.tensor_model_parallel_size > 1:
+        if bridge.family.gpt_oss:
+            raise ValueError(f"{args.hf_checkpoint} is a gpt-oss model: it trains with --tensor-model-parallel-size 1 "
+                             "(Megatron has expert biases only without expert tensor parallelism); use "
+                             "--expert-model-parallel-size, --pipeline-model-parallel-size and context parallelism")
         if cfg.num_moe_experts and not args.sequence_parallel:
             raise ValueError(f"{args.hf_checkpoint} is a MoE model: with --tensor-model-parallel-size "
                              f"{args.tensor_model_parallel_size} it needs --sequence-parallel (Megatron-Core's MoE "

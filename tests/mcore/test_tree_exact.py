@@ -176,6 +176,11 @@ def _body_one_rank(rank, world_size):
     out["gpt_oss_windows"] = [layer.self_attention.core_attention.window for layer in oss_tree.decoder.layers]
     out["gpt_oss_sink_grads"] = [layer.self_attention.core_attention.softmax_offset.grad.abs().sum().item()
                                  for layer in oss_tree.decoder.layers]
+    # the whole gpt-oss layout from its HF config: YaRN, biased experts with the clamped GLU, a biased router
+    hf = {**tiny_config("gpt_oss", vocab_size=VOCAB, swiglu_limit=0.05).to_dict(),
+          "architectures": ["GptOssForCausalLM"]}
+    hf_tree, hf_causal = _twin_models(gpt_config_from_hf(hf))
+    out["gpt_oss_hf"] = _exactness(hf_tree, hf_causal, all_samples(3))
     return out
 
 
@@ -383,6 +388,8 @@ def test_gpt_oss_sinks_and_sliding_window_tree_equals_unmerged(one_rank):
     logp, ent, grad, _, _ = one_rank["gpt_oss"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["gpt_oss"]
     assert min(one_rank["gpt_oss_sink_grads"]) > 0
+    logp, ent, grad, _, _ = one_rank["gpt_oss_hf"]  # the whole layout from a HF config
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["gpt_oss_hf"]
 
 
 def test_rope_must_follow_depth_not_offset(one_rank):

@@ -386,6 +386,39 @@ def test_sigmoid_router_moe_trains_the_same_under_pipeline_tensor_and_expert_par
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
 
 
+def test_gpt_oss_trains_the_same_under_pipeline_expert_and_context_parallelism(tmp_path):
+    """The gpt-oss layout (sinks, a sliding window on layer 0, biased router and experts, the clamped GLU) through
+    the trainer with routing replay: one rank, PP = 2, EP = 2 and CP = 2 (sinks and windows on each CP rank's
+    shard) train the same two steps; TP > 1 is refused by name."""
+    model_dir = build_tiny_model(str(tmp_path / "gpt_oss"), arch="gpt_oss", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
+    steps = {}
+    for name, extra, nproc in (
+            ("one", [], 1),
+            ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+            ("cp2", ["--context-parallel-size", "2"], 2),
+            ("ep2", ["--expert-model-parallel-size", "2"], 2)):
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
+                                              model=[])
+    assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
+    for other in ("pp2", "cp2", "ep2"):
+        keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
+        for a, b in zip(steps["one"], steps[other]):
+            for key in keys:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.training import arguments
+    from forge_megatron.training.trainer import model_config
+
+    args = arguments.parse_args(["--hf-checkpoint", model_dir, "--lr", "1e-4", "--train-iters", "3",
+                                 "--weight-sync-transport", "none", "--tensor-model-parallel-size", "2",
+                                 "--sequence-parallel"])
+    with pytest.raises(ValueError, match="gpt-oss model: it trains with --tensor-model-parallel-size 1"):
+        model_config(args, Bridge(model_dir))
+
+
 def test_glm_router_biases_stay_or_keep_balancing_as_asked(tmp_path):
     """The score-correction biases of a GLM-4.5 router stay as the checkpoint has them by default; with
     --moe-router-bias-update-rate r Megatron's auxiliary-loss-free balancing moves each by -r, 0 or +r per step,

@@ -38,6 +38,7 @@ def models(tmp_path_factory):
         "qwen3_moe": build_tiny_model(str(root / "qwen3_moe"), arch="qwen3_moe", seed=5),
         "glm4_moe": build_tiny_model(str(root / "glm4_moe"), arch="glm4_moe", seed=6),
         "deepseek_v3": build_tiny_model(str(root / "deepseek_v3"), arch="deepseek_v3", seed=7),
+        "gpt_oss": build_tiny_model(str(root / "gpt_oss"), arch="gpt_oss", seed=8),
     }
 
 
@@ -150,7 +151,8 @@ def _check_synced(results):
     ("qwen3_moe", ParallelConfig(ep=2)),
     ("glm4_moe", ParallelConfig(pp=2)),
     ("deepseek_v3", ParallelConfig(tp=2)),  # MLA: up projections gathered over TP, latents replicated
-], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3"])
+    ("gpt_oss", ParallelConfig(ep=2)),  # every expert of a layer in one HF tensor (SGLang's gpt-oss loader's names)
+], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
