@@ -51,11 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3, help="RL learning rate")
     p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
-                   choices=["qwen3_moe", "glm4_moe", "deepseek_v3"],
+                   choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"],
                    help="a tiny MoE model (4 experts, top-2) with rollout routing replay end to end: Qwen3-MoE "
                         "(default); glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
                         "score-correction bias, a shared expert, RoPE on half of each head); deepseek_v3: the "
-                        "DeepSeek-V3 / Kimi-K2 layout (the same MoE with grouped routing, multi-latent attention)")
+                        "DeepSeek-V3 / Kimi-K2 layout (the same MoE with grouped routing, multi-latent attention); gpt_oss: "
+                        "attention sinks, a sliding window on every other layer, biased experts with the clamped GLU")
     p.add_argument("--fp8", action="store_true",
                    help="the engine serves a block-wise FP8 copy of the SFT model (forge-convert hf-to-fp8, 32 x 32 "
                         "blocks) and the trainer syncs FP8 weights to it (--weight-sync-fp8)")
@@ -127,7 +128,8 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
             f.write(json.dumps({"messages": chat, "tools": calculator.TOOLS}) + "\n")
     kind = f"{args.moe} MoE, 4 experts top-2, " if args.moe else ""
     print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
-    arch = dict(arch=args.moe, moe_intermediate_size=args.hidden_size) if args.moe else \
+    width = "intermediate_size" if args.moe == "gpt_oss" else "moe_intermediate_size"  # gpt-oss: experts only
+    arch = dict(arch=args.moe, **{width: args.hidden_size}) if args.moe else \
         dict(intermediate_size=2 * args.hidden_size)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
                             num_hidden_layers=args.num_layers, **arch)

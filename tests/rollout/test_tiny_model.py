@@ -65,7 +65,8 @@ def test_tiny_model_loads_and_is_deterministic(tmp_path, arch):
     m1 = AutoModelForCausalLM.from_pretrained(d1)
     m2 = AutoModelForCausalLM.from_pretrained(d2)
     assert m1.config.hidden_size == 64 and m1.config.num_hidden_layers == 2
-    assert m1.config.num_key_value_heads == 2 and not m1.config.tie_word_embeddings
+    mla = arch in ("deepseek_v3", "glm4_moe_lite")  # multi-latent attention: a key/value head per query head
+    assert m1.config.num_key_value_heads == (4 if mla else 2) and not m1.config.tie_word_embeddings
     assert m1.config.vocab_size == len(AutoTokenizer.from_pretrained(d1))
     for (n1, p1), (n2, p2) in zip(m1.state_dict().items(), m2.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)

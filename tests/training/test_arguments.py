@@ -137,7 +137,8 @@ def test_model_arrays_build_gpt_configs():
     import shlex
 
     for name, vocab in (("tiny", 300), ("qwen3-8B", 0), ("qwen3-30B-A3B", 0), ("llama3.1-8B", 0), ("glm4.5-air", 0),
-                        ("devstral-small", 0), ("deepseek-v3", 0), ("moonlight-16B-A3B", 0), ("qwen2.5-7B", 0)):
+                        ("devstral-small", 0), ("deepseek-v3", 0), ("moonlight-16B-A3B", 0), ("gpt-oss-20b", 0),
+                        ("qwen2.5-7B", 0)):
         script = os.path.join(ROOT, "scripts", "models", f"{name}.sh")
         out = subprocess.run(["bash", "-c", f'source {shlex.quote(script)}; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
                              capture_output=True, text=True, check=True)
@@ -159,6 +160,8 @@ def test_model_arrays_build_gpt_configs():
             assert cfg.moe_dense_layers == 3 and cfg.num_query_groups == 128
         if name == "moonlight-16B-A3B":
             assert cfg.multi_latent_attention and cfg.q_lora_rank is None
+        if name == "gpt-oss-20b":  # biases everywhere, GQA 64 / 8 of 64 channels
+            assert cfg.add_bias_linear and cfg.add_qkv_bias and (cfg.num_query_groups, cfg.head_dim) == (8, 64)
     assert cfg.add_qkv_bias is True and cfg.num_query_groups == 4  # qwen2.5-7B is last
 
 
