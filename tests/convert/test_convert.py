@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from forge_megatron.bridge import MappingError, ParallelLayout, UnsupportedModelError
+from forge_megatron.bridge import Bridge, MappingError, ParallelLayout, UnsupportedModelError
 from forge_megatron.convert import checkpoint as ckpt
 from forge_megatron.convert.cli import main as cli_main
 from tests.convert.mcore_forward import forward_logits, load_converted
@@ -210,6 +210,12 @@ def test_parallel_size_must_divide(hf_dirs, tmp_path):
         ckpt.hf_to_megatron(hf_dirs["qwen3_moe"], str(tmp_path / "o"), ParallelLayout(ep=3))
     with pytest.raises(ValueError, match="ep=2 needs a MoE model"):
         ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "o"), ParallelLayout(ep=2))
+    with pytest.raises(ValueError, match="tp=2: gpt-oss trains with TP = 1"):
+        ckpt.hf_to_megatron(hf_dirs["gpt_oss"], str(tmp_path / "o"), ParallelLayout(tp=2))
+    mxfp4 = {**json.load(open(os.path.join(hf_dirs["gpt_oss"], "config.json"))),
+             "quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(UnsupportedModelError, match="a mxfp4 checkpoint: convert a bf16 copy"):
+        Bridge(mxfp4)
 
 
 def test_cli_help_names_every_architecture_the_bridge_converts():
