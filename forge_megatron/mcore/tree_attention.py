@@ -173,32 +173,6 @@ class TreeAttention(MegatronModule):
         )
         return o_TNH.reshape(T, 1, -1)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        """The sink logits split over TP by heads (as Megatron's DotProductAttention declares them)."""
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-        state = self.state_dict(prefix="", keep_vars=True) if isinstance(self.softmax_offset, torch.nn.Parameter) \
-            else {}
-        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets,
-                                                   **_sharded_kwargs(self, metadata))
-
-
-def _sharded_kwargs(module, metadata) -> dict:
-    """The process-group arguments Megatron's make_sharded_tensors_for_checkpoint takes in this version."""
-    import inspect
-
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-    params = inspect.signature(make_sharded_tensors_for_checkpoint).parameters
-    kwargs = {}
-    if "tp_group" in params:
-        kwargs["tp_group"] = ps.get_tensor_model_parallel_group()
-    if "dp_cp_group" in params:
-        kwargs["dp_cp_group"] = (metadata or {}).get("dp_cp_group") or \
-            ps.get_data_parallel_group(with_context_parallel=True)
-    return kwargs
-
 
 def _layer_window(config, layer_number: int) -> int:
     """The sliding window (in positions: a query sees itself and the window - 1 before it) of this layer, 0 for
