@@ -419,7 +419,8 @@ class Gateway:
                 raise ValueError(f"return_routed_experts: {config.model_path} is not a MoE model "
                                  "(config.json has no num_experts_per_tok)")
             self.routing_shape = (int(model_config.num_hidden_layers), int(top_k))
-            experts = getattr(model_config, "num_experts", None) or getattr(model_config, "n_routed_experts", None)
+            experts = getattr(model_config, "num_experts", None) or getattr(model_config, "n_routed_experts", None) \
+                or getattr(model_config, "num_local_experts", None)  # Qwen3 / DeepSeek, GLM / gpt-oss, Mixtral
             # ids and -1 fit in int8 up to 128 experts: half the bytes through the pool and to the trainer
             self.routing_dtype = np.int8 if experts and int(experts) <= 128 else np.int16
         self.parser = get_parser(config.tool_parser)

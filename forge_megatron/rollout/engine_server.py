@@ -179,7 +179,8 @@ class ReferenceEngine:
         self.weight_groups: dict[str, object] = {}  # by group name, as SGLang keeps them (one per trainer stage)
         self.routers = self._find_routers() if return_routed_experts else None
         if return_routed_experts and not self.routers:
-            raise ValueError(f"--enable-return-routed-experts: {model_path} has no MoE router (model.layers.*.mlp.gate)")
+            raise ValueError(f"--enable-return-routed-experts: {model_path} has no MoE router "
+                             "(model.layers.*.mlp.gate or .router)")
         self._captured: dict[int, torch.Tensor] | None = None  # layer -> top-k ids of the forward in progress
 
     # --- routed experts -----------------------------------------------------------------------------------------
@@ -187,7 +188,8 @@ class ReferenceEngine:
         """Layer index -> its MoE router (a module returning (logits, weights, top-k ids)), hooked to record."""
         routers = {}
         for i, layer in enumerate(self.model.model.layers):
-            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            mlp = getattr(layer, "mlp", None)
+            gate = getattr(mlp, "gate", None) or getattr(mlp, "router", None)  # gpt-oss names it router
             if gate is not None and hasattr(gate, "top_k"):
                 gate.register_forward_hook(self._record_router(i))
                 routers[i] = gate
