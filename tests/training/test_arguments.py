@@ -339,6 +339,24 @@ def test_deepseek_v3_flags_must_agree_with_the_checkpoint():
             model_config(arguments.parse_args(MINIMAL + wrong), Bridge(hf))
 
 
+def test_gpt_oss_flags_must_agree_with_the_checkpoint():
+    """gpt-oss-20b.sh's kind of flags (biases on, GQA, the experts' width) against a gpt-oss checkpoint; what no
+    Megatron-LM flag here expresses (sinks, windows, the clamped GLU, YaRN) comes from the checkpoint."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.training.trainer import model_config
+
+    hf = {**tiny_config("gpt_oss").to_dict(), "architectures": ["GptOssForCausalLM"]}
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--ffn-hidden-size", "32", "--kv-channels", "16", "--add-qkv-bias",
+             "--position-embedding-type", "rope", "--rotary-base", "150000", "--num-experts", "4",
+             "--moe-ffn-hidden-size", "32"]
+    cfg = model_config(arguments.parse_args(MINIMAL + flags), Bridge(hf))
+    assert cfg.extra["softmax_type"] == "learnable" and cfg.extra["window_size"] == (3, 0)
+    with pytest.raises(ValueError, match="add_qkv_bias: the model flags say False"):
+        model_config(arguments.parse_args(MINIMAL + [f for f in flags if f != "--add-qkv-bias"]), Bridge(hf))
+
+
 def test_router_bias_update_rate_needs_a_bias():
     from forge_megatron.bridge import Bridge
     from forge_megatron.models.tiny import tiny_config
