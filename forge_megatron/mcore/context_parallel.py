@@ -241,7 +241,6 @@ class _GatheredKVAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         from forge_megatron.kernels.tree_attention.dispatch import function_of, raw_ops
-
         from forge_megatron.kernels.tree_attention.ops import sink_grad
 
         q, k_local, v_local, sub_end_T, o, *rest = ctx.saved_tensors

@@ -78,12 +78,14 @@ class GPTConfig:
         if self.multi_latent_attention:
             if self.num_query_groups != self.num_attention_heads:
                 raise ValueError("multi-latent attention has one key/value head per query head: num_query_groups "
-                                 f"({self.num_query_groups}) must equal num_attention_heads ({self.num_attention_heads})")
+                                 f"({self.num_query_groups}) must equal num_attention_heads "
+                                 f"({self.num_attention_heads})")
             if rope.attention_factor(self.rope_scaling) != 1.0:
-                raise ValueError("multi-latent attention with a YaRN attention factor != 1 (mscale != mscale_all_dim) is "
-                                 "not supported: it scales the rotated channels of each head only")
+                raise ValueError("multi-latent attention with a YaRN attention factor != 1 (mscale != mscale_all_dim) "
+                                 "is not supported: it scales the rotated channels of each head only")
             if self.rotary_percent != 1.0:
-                raise ValueError("multi-latent attention rotates all qk_pos_emb_head_dim channels: rotary_percent must be 1")
+                raise ValueError("multi-latent attention rotates all qk_pos_emb_head_dim channels: rotary_percent "
+                                 "must be 1")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) > num_moe_experts ({self.num_moe_experts})")
 

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a tiny MoE model (4 experts, top-2) with rollout routing replay end to end: Qwen3-MoE "
                         "(default); glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
                         "score-correction bias, a shared expert, RoPE on half of each head); deepseek_v3: the "
-                        "DeepSeek-V3 / Kimi-K2 layout (the same MoE with grouped routing, multi-latent attention); gpt_oss: "
+                        "DeepSeek-V3 / Kimi-K2 layout (the same MoE with grouped routing, multi-latent attention); "
+                        "gpt_oss: "
                         "attention sinks, a sliding window on every other layer, biased experts with the clamped GLU")
     p.add_argument("--fp8", action="store_true",
                    help="the engine serves a block-wise FP8 copy of the SFT model (forge-convert hf-to-fp8, 32 x 32 "

@@ -27,8 +27,8 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# Tensors an engine must receive in one request. SGLang's DeepSeek-V2/V3 loader (models with a query latent: DeepSeek-V3,
-# Kimi-K2) fuses each layer's q_a_proj and kv_a_proj_with_mqa into one projection as both arrive within one
+# Tensors an engine must receive in one request. SGLang's DeepSeek-V2/V3 loader (models with a query latent:
+# DeepSeek-V3, Kimi-K2) fuses each layer's q_a_proj and kv_a_proj_with_mqa into one projection as both arrive within one
 # load_weights call, i.e. one update request; a request holding one of them without the other loses it.
 LOADED_TOGETHER = (("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa."),)
 

@@ -327,5 +327,6 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, wind
 tree_attention_triton_op = register_tree_attention_ops("triton", _forward, _backward)
 tree_attention_triton = make_public_entry(tree_attention_triton_op)
 tree_attention_triton.__doc__ = """Tree attention through the Triton kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
-softmax_scale=None, sinks=None, window=None) -> o_TNH; differentiable in q, k, v (and sinks); fp16/bf16/fp32; N % K == 0; head dims <= 256 (values may be
-narrower or wider than queries and keys); q may hold only the last tokens of the keys' tree (suffix queries, ops.py)."""
+softmax_scale=None, sinks=None, window=None) -> o_TNH; differentiable in q, k, v (and sinks); fp16/bf16/fp32;
+N % K == 0; head dims <= 256 (values may be narrower or wider than queries and keys); q may hold only the last tokens
+of the keys' tree (suffix queries, ops.py); sinks and sliding windows as ops.py describes."""
