@@ -18,7 +18,7 @@ tokens given ends at T as far as they are concerned).
 Attention sinks and sliding windows (gpt-oss; Megatron's ``softmax_type="learnable"`` and ``window_size``):
 - ``sinks_N`` (None: none): a learned logit per query head that joins every row's softmax denominator and carries no
   value: o_i = sum_j exp(s_ij) v_j / (exp(sink_n) + sum_j exp(s_ij)); lse includes it. Its gradient needs no kernel:
-  do_i . do_i/dsink = -p_sink,i (do_i . o_i), so dsink_n = -sum_i exp(sink_n - lse_ni) delta_ni with
+  do_i/dsink_n = -p_sink,i o_i with p_sink,i = exp(sink_n - lse_ni), so dL/dsink_n = -sum_i p_sink,i delta_ni with
   delta = rowsum(dO * O), and dq/dk/dv keep FlashAttention's formulas (P recomputed from the lse that holds the sink).
 - ``window`` (0: none): key j is visible to query i only if depth(i) - depth(j) < window as well (depths are the
   tokens' positions in their samples, :func:`depths`), i.e. each sample's sliding window.
