@@ -268,8 +268,8 @@ class Bridge:
 
     def export(self, items):
         """(canonical name, full tensor) pairs -> (HF name, tensor) pairs, in order; the experts of a fused HF tensor
-        are held until all of its layer's experts have come, then sent stacked (they come together in practice:
-        the converter and the weight gather produce every expert of a parameter in a row)."""
+        are held until all of its layer's experts have come, then sent stacked (the converter and the weight gather
+        produce a layer's experts together, so one layer's are held at a time)."""
         held: dict[str, dict[int, torch.Tensor]] = {}
         experts = self.cfg.num_moe_experts or 0
         for name, tensor in items:

@@ -100,8 +100,8 @@ def iter_experts(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
                 for ep_rank, full in enumerate(_all_gather(t, ep_group)):
                     yield bridge.rename(name, 0, ep_rank * local_experts), full
 
-    # gpt-oss's HF tensors hold every expert of a layer: export stacks them (every expert of a parameter comes in a
-    # row here: the local experts one after the other, each all-gathered over EP)
+    # gpt-oss's HF tensors hold every expert of a layer: export holds a layer's expert slices until the last local
+    # expert's (each all-gathered over EP) has come, then stacks them: one layer's experts in memory at a time
     yield from bridge.export(canonical())
 
 
