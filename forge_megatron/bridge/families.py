@@ -152,8 +152,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError(f"layer_types {sorted(kinds)}: only sliding_attention and full_attention")
         quant = (hf.get("quantization_config") or {}).get("quant_method")
         if quant:
-            raise UnsupportedModelError(f"a {quant} checkpoint: convert a bf16 copy (transformers' Mxfp4Config("
-                                        "dequantize=True), then save_pretrained) for training")
+            raise UnsupportedModelError(f"a {quant} checkpoint: train and serve a bf16 copy "
+                                        "(forge-convert mxfp4-to-bf16 --hf-dir DIR --out DIR_BF16)")
     if family.moe and not family.sigmoid_router and not family.gpt_oss:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "

@@ -355,3 +355,64 @@ def hf_to_fp8(hf_dir: str, out_dir: str, block: tuple[int, int] = (128, 128), sk
             with open(os.path.join(hf_dir, name), "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
                 dst.write(src.read())
     return stats
+
+
+# MXFP4 (OCP microscaling, gpt-oss's released checkpoints): 4-bit e2m1 values, two per byte (low nibble first), one
+# shared power-of-two scale per 32 values stored as a biased exponent (e8m0, bias 127).
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``*_blocks`` uint8 [..., R, G, 16] and ``*_scales`` uint8 [..., R, G] -> [..., G * 32, R] in ``dtype`` (the
+    last two dims transposed: the layout of the bf16 parameter, e.g. gpt-oss ``gate_up_proj`` [E, D, 2F])."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks [..., G, 16] and scales [..., G] (uint8) do not match: "
+                         f"{tuple(blocks.shape)} {blocks.dtype}, {tuple(scales.shape)} {scales.dtype}")
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
+    values = values.flatten(-2) * torch.exp2(scales.float() - 127.0)[..., None]  # [..., G, 32]
+    return values.flatten(-2).transpose(-1, -2).to(dtype).contiguous()
+
+
+def mxfp4_to_bf16(hf_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> dict:
+    """Write a bf16 copy of an MXFP4 HF checkpoint (gpt-oss as released: each ``X_blocks`` / ``X_scales`` pair becomes
+    the bf16 tensor ``X``; the rest is copied; config.json without its ``quantization_config``; the tokenizer files
+    copied). One tensor at a time, so a 120B checkpoint needs memory for one layer's experts, not the model.
+    Returns a summary (tensors in, dequantized, bytes out)."""
+    from forge_megatron.convert.trainer_checkpoint import TOKENIZER_FILES
+
+    if os.path.abspath(hf_dir) == os.path.abspath(out_dir):
+        raise ValueError("--out must differ from --hf-dir")
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    quant = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if quant != "mxfp4":
+        raise ValueError(f"{hf_dir!r} is not an MXFP4 checkpoint (quantization_config quant_method: {quant})")
+    reader = HFReader(hf_dir)
+    names = reader.names()
+    stats = {"tensors": len(names), "dequantized": 0, "bytes_out": 0}
+
+    def tensors():
+        for name in sorted(names):
+            if name.endswith("_scales") and name[: -len("_scales")] + "_blocks" in names:
+                continue
+            if name.endswith("_blocks"):
+                base = name[: -len("_blocks")]
+                if base + "_scales" not in names:
+                    raise ValueError(f"{name!r} has no {base + '_scales'!r} beside it")
+                got = reader.get([name, base + "_scales"])
+                t = dequantize_mxfp4(got[name], got[base + "_scales"])
+                name = base
+                stats["dequantized"] += 1
+            else:
+                t = reader.get([name])[name]
+            stats["bytes_out"] += t.numel() * t.element_size()
+            yield name, t
+
+    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    save_hf(tensors(), out_dir, config, max_shard_bytes, total=len(names))
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            with open(os.path.join(hf_dir, name), "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
+                dst.write(src.read())
+    return stats

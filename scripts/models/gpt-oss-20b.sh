@@ -1,8 +1,8 @@
 # gpt-oss-20b (HF openai/gpt-oss-20b config.json; gpt-oss-120b: --num-layers 36 --num-experts 128): 64 query and 8
 # key/value heads of 64 channels with biases and a learned sink per head, a 128-token sliding window on every other
 # layer (from the checkpoint's layer_types), 32 biased experts top-4 with the clamped GLU, YaRN (factor 32) from the
-# checkpoint. Train a bf16 copy (the official checkpoint is MXFP4: transformers' Mxfp4Config(dequantize=True) and
-# save_pretrained), with TP = 1 (expert biases need it) and EP / PP / CP. The trainer checks these flags against the
+# checkpoint. Train (and serve) a bf16 copy: the released checkpoint is MXFP4 (forge-convert mxfp4-to-bf16 --hf-dir
+# gpt-oss-20b --out gpt-oss-20b-bf16); TP = 1 (expert biases need it), EP / PP / CP. The trainer checks these flags against the
 # checkpoint's config and names any field that differs. Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=(
   --num-layers 24

@@ -214,8 +214,58 @@ def test_parallel_size_must_divide(hf_dirs, tmp_path):
         ckpt.hf_to_megatron(hf_dirs["gpt_oss"], str(tmp_path / "o"), ParallelLayout(tp=2))
     mxfp4 = {**json.load(open(os.path.join(hf_dirs["gpt_oss"], "config.json"))),
              "quantization_config": {"quant_method": "mxfp4"}}
-    with pytest.raises(UnsupportedModelError, match="a mxfp4 checkpoint: convert a bf16 copy"):
+    with pytest.raises(UnsupportedModelError, match="a mxfp4 checkpoint: train and serve a bf16 copy"):
         Bridge(mxfp4)
+
+
+def _to_mxfp4(w_EDF: torch.Tensor):
+    """A test-side MXFP4 quantiser (the released gpt-oss layout): the bf16 parameter [E, D, F] transposed to
+    [E, F, D], 32-value blocks along D, each scaled by 2^e so its largest value fits 6, rounded to the nearest e2m1
+    value, two per byte (low nibble first), e stored as e + 127."""
+    from forge_megatron.convert.checkpoint import FP4_E2M1
+
+    x = w_EDF.float().transpose(1, 2)  # [E, F, D]
+    E, F, D = x.shape
+    x = x.reshape(E, F, D // 32, 32)
+    e = torch.ceil(torch.log2(x.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    lut = torch.tensor(FP4_E2M1)
+    idx = ((x / torch.exp2(e)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # [E, F, G, 32]
+    blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    return blocks.contiguous(), (e + 127).to(torch.uint8).contiguous()
+
+
+def test_mxfp4_checkpoints_become_bf16_copies(hf_dirs, tmp_path):
+    """forge-convert mxfp4-to-bf16 on a gpt-oss checkpoint in the released MXFP4 layout: the dequantisation equals
+    transformers' own (bit for bit), the copy has no quantization_config, keeps every other tensor, and converts and
+    computes like the bf16 model it encodes."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from forge_megatron.convert.checkpoint import HFReader, dequantize_mxfp4, save_hf
+
+    src = hf_dirs["gpt_oss"]
+    tensors = _hf_tensors(src)
+    config = json.load(open(os.path.join(src, "config.json")))
+    packed, expected = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = _to_mxfp4(t)
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+            assert torch.equal(dequantize_mxfp4(blocks, scales), expected[name])
+            assert (expected[name].float() - t).abs().max() < t.abs().max() / 4  # really an encoding of t
+        else:
+            packed[name] = t
+    mx = tmp_path / "mxfp4"
+    save_hf(packed.items(), str(mx), {**config, "quantization_config": {"quant_method": "mxfp4"}})
+    assert cli_main(["mxfp4-to-bf16", "--hf-dir", str(mx), "--out", str(tmp_path / "bf16")]) == 0
+    out = _hf_tensors(tmp_path / "bf16")
+    assert set(out) == set(tensors)
+    for name, t in out.items():
+        assert torch.equal(t, expected.get(name, tensors[name])), name
+    assert "quantization_config" not in json.load(open(tmp_path / "bf16" / "config.json"))
+    ckpt.hf_to_megatron(str(tmp_path / "bf16"), str(tmp_path / "m"), ParallelLayout(ep=2))  # trains as gpt-oss
+    assert HFReader(str(tmp_path / "bf16")).names() == set(tensors)
+    assert cli_main(["mxfp4-to-bf16", "--hf-dir", src, "--out", str(tmp_path / "x")]) == 2  # not MXFP4: refused
 
 
 def test_cli_help_names_every_architecture_the_bridge_converts():
