@@ -37,6 +37,9 @@ EMBEDDING = "embedding.word_embeddings.weight"
 
 
 # --- HF side -------------------------------------------------------------------------------------------------
+_FUSED_EXPERTS = re.compile(r"\.experts\.[a-z_]+$")  # a tensor of every expert of a layer (gpt-oss)
+
+
 class HFReader:
     """Lazy reader of the tensors of a HF safetensors directory (single file or sharded with an index)."""
 
@@ -71,8 +74,7 @@ class HFReader:
         for fname, wanted in by_file.items():
             with safe_open(os.path.join(self.dir, fname), "pt") as f:
                 out.update({n: f.get_tensor(n) for n in wanted})
-        self._recent = {n: t for n, t in out.items() if ".experts." in n and "experts.{" not in n and
-                        not re.search(r"\.experts\.\d+\.", n)}
+        self._recent = {n: t for n, t in out.items() if _FUSED_EXPERTS.search(n)}
         return out
 
 

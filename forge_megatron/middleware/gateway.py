@@ -1015,15 +1015,7 @@ def _text_finish(finish: str) -> str:
 
 async def _stream_text(request, gw: Gateway, sess: Session, req: ChatRequest, call: _Call) -> web.StreamResponse:
     """A completions stream: text deltas held back at stop strings, then the finish reason (and usage)."""
-    cid, created = _completion_id("cmpl"), int(time.time())
-
-    def chunk(text: str, finish: str | None = None, usage: dict | None = None) -> bytes:
-        body = {"id": cid, "object": "text_completion", "created": created, "model": gw.model_name,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
-        if usage is not None:
-            body["choices"], body["usage"] = [], usage
-        return _sse(body)
-
+    chunk = _chunk_maker(gw, "cmpl", "text_completion", "text")
     holds = stream_holds(gw, req, call)
     resp = None
     sent = 0
@@ -1074,6 +1066,21 @@ def _sse(body: dict) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
+def _chunk_maker(gw: Gateway, id_kind: str, obj: str, field: str):
+    """The SSE chunk writer of one streamed call: ``chunk(value, finish=None, usage=None)`` puts ``value`` in the
+    choice's ``field`` (chat: ``delta``, completions: ``text``); a usage chunk has no choices."""
+    cid, created = _completion_id(id_kind), int(time.time())
+
+    def chunk(value, finish: str | None = None, usage: dict | None = None) -> bytes:
+        body = {"id": cid, "object": obj, "created": created, "model": gw.model_name,
+                "choices": [{"index": 0, field: value, "finish_reason": finish, "logprobs": None}]}
+        if usage is not None:
+            body["choices"], body["usage"] = [], usage
+        return _sse(body)
+
+    return chunk
+
+
 async def _sse_response(request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -1100,15 +1107,7 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
     """Stream one call as SSE chunks. Content is held back at the tool-call marker and stop strings; each tool call
     is sent as one tool_calls delta when its block closes (formats without closing markers: at the end). Errors
     after the response has started (e.g. an abort once content was sent) end it with an OpenAI-style error event."""
-    cid, created = _completion_id(), int(time.time())
-
-    def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
-        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": gw.model_name,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-        if usage is not None:
-            body["choices"], body["usage"] = [], usage
-        return _sse(body)
-
+    chunk = _chunk_maker(gw, "chatcmpl", "chat.completion.chunk", "delta")
     holds = stream_holds(gw, req, call)
     resp = None
     sent = sent_reasoning = 0

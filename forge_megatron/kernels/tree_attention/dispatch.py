@@ -26,14 +26,16 @@ from collections.abc import Callable
 
 import torch
 
+from forge_megatron.kernels.tree_attention.cuda import SUPPORTED_HEAD_DIMS
 from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 from forge_megatron.kernels.tree_attention.segment import tree_attention_segment
 from forge_megatron.utils import env
 
 ENV_VAR = "FORGE_TREE_ATTN_BACKEND"
 BACKENDS = ("reference", "segment", "triton", "cuda")
-# Head sizes each compiled kernel takes (cuda.py, triton_kernel.py); other sizes go to the next backend.
-HEAD_DIMS = {"cuda": (32, 64, 128), "triton": range(1, 257)}
+# Head sizes each compiled kernel takes; other sizes go to the next backend. triton_kernel.MAX_HEAD_DIM is 256 (that
+# module needs triton to import; a test checks the two agree).
+HEAD_DIMS = {"cuda": SUPPORTED_HEAD_DIMS, "triton": range(1, 257)}
 # Flip to True once `pytest -m gpu tests/kernels/test_cuda.py` has passed on an H100/H200 (benchmarks/gpu_check.sh).
 CUDA_VALIDATED = False
 _COMPILED = {  # backend -> (module, function, what env.require names when it is missing)
