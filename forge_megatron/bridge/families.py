@@ -26,6 +26,13 @@ GLM-4.5 (``glm4_moe``, docs/conversion.md): RoPE on the first ``partial_rotary_f
 sigmoid(z) + ``e_score_correction_bias`` and weighting by the normalised sigmoid scores times
 ``routed_scaling_factor``: Megatron's sigmoid score function with expert bias and top-k scaling computes the same.
 
+MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
+(``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
+with a score-correction bias (normalised top-k, no scaling, no groups, no shared expert), RoPE on the first
+``rotary_dim`` channels of each head, and query/key RMSNorms over all heads of a token at once
+(``qk_norm_type: per_layer``; mcore/qk_norm.py, TP-aware) rather than per head. The MTP modules
+(``num_mtp_modules`` layers after the last) are left out as for GLM-4.5.
+
 Router equivalence used for Qwen3-MoE: HF computes ``p = softmax(z)``, keeps the top-k and, with
 ``norm_topk_prob``, divides by their sum, which equals Megatron's ``softmax(topk(z))``
 (``moe_router_pre_softmax=False``); without ``norm_topk_prob`` HF keeps the un-normalised top-k of the softmax,
@@ -55,6 +62,7 @@ class Family:
     sigmoid_router: bool = False
     mla: bool = False  # multi-latent attention (DeepSeek-V3 layout)
     gpt_oss: bool = False  # sinks, sliding windows, biased experts with interleaved fused HF tensors
+    minimax: bool = False  # MiniMax-M2: Mixtral expert names, no shared expert, q/k RMSNorm over all heads
 
 
 FAMILIES: dict[str, Family] = {
@@ -68,6 +76,8 @@ FAMILIES: dict[str, Family] = {
                                     mla=True),
     "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                      mla=True),
+    "MiniMaxM2ForCausalLM": Family("minimax_m2", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,
+                                   minimax=True),
     "GptOssForCausalLM": Family("gpt_oss", qkv_bias=None, qk_norm=False, moe=True, gpt_oss=True),
     # Mistral-Small / Devstral / Magistral text models: the Llama layout (sliding windows refused below)
     "MistralForCausalLM": Family("mistral", qkv_bias=None, qk_norm=False, moe=False),
@@ -123,9 +133,13 @@ def rope_scaling(hf: dict) -> dict | None:
 
 
 def partial_rotary(hf: dict) -> float:
-    """The fraction of each head RoPE rotates (``partial_rotary_factor``, top level or in ``rope_parameters``)."""
+    """The fraction of each head RoPE rotates (``partial_rotary_factor``, top level or in ``rope_parameters``; or
+    MiniMax-M2's ``rotary_dim`` channels of ``head_dim``)."""
     params = hf.get("rope_parameters") or {}
-    return float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0)
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if factor is None and hf.get("rotary_dim"):
+        factor = hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    return float(factor or 1.0)
 
 
 def _refuse_unsupported(hf: dict, family: Family) -> None:
@@ -141,7 +155,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral configs have none)")
-    if partial_rotary(hf) != 1.0 and family.name != "glm4_moe":
+    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2"):
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
     if family.gpt_oss:
         if float(hf.get("swiglu_alpha", 1.702)) != 1.702:
@@ -176,6 +190,20 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                         "sigmoid routers only)")
         if hf.get("index_topk") or hf.get("index_n_heads"):
             raise UnsupportedModelError("DeepSeek sparse attention (an indexer: DeepSeek-V3.2) is not supported")
+    if family.minimax:
+        if hf.get("qk_norm_type", "per_layer") != "per_layer" or not hf.get("use_qk_norm", True):
+            raise UnsupportedModelError(f"qk_norm_type={hf.get('qk_norm_type')!r}, use_qk_norm="
+                                        f"{hf.get('use_qk_norm')}: MiniMax-M2 models normalise q and k over all "
+                                        "heads (per_layer), as transformers' and SGLang's implementations do")
+        if hf.get("scoring_func", "sigmoid") != "sigmoid" or not hf.get("use_routing_bias", True):
+            raise UnsupportedModelError(f"scoring_func={hf.get('scoring_func')!r}, use_routing_bias="
+                                        f"{hf.get('use_routing_bias')}: only the sigmoid router with a score-"
+                                        "correction bias (MiniMax-M2's) is supported")
+        if hf.get("shared_intermediate_size") or hf.get("n_shared_experts"):
+            raise UnsupportedModelError("shared experts are not supported by the minimax_m2 family")
+        if any(t != 1 for t in hf.get("attn_type_list") or []):
+            raise UnsupportedModelError("attn_type_list with linear (lightning) attention layers (MiniMax-01 / M1) "
+                                        "is not supported: full attention only")
     if family.sigmoid_router:
         topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
         if groups > 1 and topk // group_topk != 2:
@@ -185,7 +213,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError(f"norm_topk_prob={hf.get('norm_topk_prob')} with num_experts_per_tok={topk} "
                                         "is not supported: Megatron's sigmoid router normalises the top-k scores "
                                         "exactly when k > 1")
-        if hf.get("n_shared_experts", 1) < 1:
+        if hf.get("n_shared_experts", 1) < 1 and not family.minimax:
             raise UnsupportedModelError(f"n_shared_experts=0 is not supported by the {family.name} family")
         if rope.rope_type(hf.get("rope_scaling") or hf.get("rope_parameters")) == "yarn" and \
                 partial_rotary(hf) != 1.0:
@@ -228,6 +256,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         add_qkv_bias=qkv_bias,
         add_bias_linear=False,
         qk_layernorm=family.qk_norm if family.qk_norm is not None else bool(hf.get("use_qk_norm", False)),
+        qk_layernorm_all_heads=family.minimax,
         rotary_percent=partial_rotary(hf),
         rotary_base=rope_theta(hf),
         rope_scaling=rope_scaling(hf),
@@ -263,11 +292,12 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             raise UnsupportedModelError(f"first_k_dense_replace={dense} leaves no MoE layer")
         groups = hf.get("n_group") or 1
         scaling = float(hf.get("routed_scaling_factor", 1.0) or 1.0)
+        expert_width = hf["intermediate_size"] if family.minimax else hf["moe_intermediate_size"]
         kwargs.update(
-            num_moe_experts=hf["n_routed_experts"],
+            num_moe_experts=hf["num_local_experts"] if family.minimax else hf["n_routed_experts"],
             moe_router_topk=hf["num_experts_per_tok"],
-            moe_ffn_hidden_size=hf["moe_intermediate_size"],
-            moe_shared_ffn_hidden_size=hf["moe_intermediate_size"] * hf.get("n_shared_experts", 1),
+            moe_ffn_hidden_size=expert_width,
+            moe_shared_ffn_hidden_size=None if family.minimax else expert_width * hf.get("n_shared_experts", 1),
             moe_dense_layers=dense,
             extra={
                 "moe_router_score_function": "sigmoid",

@@ -147,7 +147,7 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if cfg.add_qkv_bias:
         attn.append(Rule(LAYER + "self_attention.linear_qkv.bias",
                          tuple(HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", "col"))
-    if cfg.qk_layernorm:
+    if cfg.qk_layernorm:  # replicated, also over all heads (MiniMax-M2: mcore/qk_norm.py says why)
         attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + "self_attn.q_norm.weight",)),
                  Rule(LAYER + "self_attention.k_layernorm.weight", (HF_LAYER + "self_attn.k_norm.weight",))]
     return _with_mlp_and_ends(cfg, family, attn)
@@ -162,16 +162,20 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
     ]
     mlp = dense
     if family.moe:
-        hf_expert = HF_LAYER + "mlp.experts.{expert}."
+        # MiniMax-M2 keeps Mixtral's names: block_sparse_moe, experts' w1 (gate), w3 (up), w2 (down), and the
+        # score-correction bias on the block rather than on its gate
+        moe = HF_LAYER + ("block_sparse_moe." if family.minimax else "mlp.")
+        gate, up, down = ("w1", "w3", "w2") if family.minimax else ("gate_proj", "up_proj", "down_proj")
+        hf_expert = moe + "experts.{expert}."
         mlp = (dense if cfg.moe_dense_layers else []) + [
-            Rule(LAYER + "mlp.router.weight", (HF_LAYER + "mlp.gate.weight",), layers="moe"),
-            Rule(LAYER + EXPERT + "linear_fc1.weight", (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"),
+            Rule(LAYER + "mlp.router.weight", (moe + "gate.weight",), layers="moe"),
+            Rule(LAYER + EXPERT + "linear_fc1.weight", (hf_expert + f"{gate}.weight", hf_expert + f"{up}.weight"),
                  "glu", "glu", layers="moe"),
-            Rule(LAYER + EXPERT + "linear_fc2.weight", (hf_expert + "down_proj.weight",), tp="row", layers="moe"),
+            Rule(LAYER + EXPERT + "linear_fc2.weight", (hf_expert + f"{down}.weight",), tp="row", layers="moe"),
         ]
         if cfg.extra.get("moe_router_enable_expert_bias"):  # a buffer: selection only, no gradient
-            mlp.append(Rule(LAYER + "mlp.router.expert_bias", (HF_LAYER + "mlp.gate.e_score_correction_bias",),
-                            layers="moe"))
+            bias = moe + ("e_score_correction_bias" if family.minimax else "gate.e_score_correction_bias")
+            mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))
         if cfg.moe_shared_ffn_hidden_size:
             shared = HF_LAYER + "mlp.shared_experts."
             mlp += [Rule(LAYER + "mlp.shared_experts.linear_fc1.weight",
@@ -231,9 +235,10 @@ class Bridge:
 
     def is_mtp_tensor(self, hf_name: str) -> bool:
         """A tensor of the multi-token-prediction layers some checkpoints append (GLM-4.5, DeepSeek-V3:
-        ``num_nextn_predict_layers`` layers numbered from ``num_hidden_layers``): the trainer neither trains nor
-        exports them (SGLang uses them for speculative decoding only)."""
-        extra = int(self.hf_config.get("num_nextn_predict_layers") or 0)
+        ``num_nextn_predict_layers``, MiniMax-M2: ``num_mtp_modules`` layers numbered from ``num_hidden_layers``):
+        the trainer neither trains nor exports them (SGLang uses them for speculative decoding only)."""
+        hf = self.hf_config
+        extra = int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_modules") or 0)
         m = re.match(r"model\.layers\.(\d+)\.", hf_name)
         return bool(extra and m) and self.cfg.num_layers <= int(m.group(1)) < self.cfg.num_layers + extra
 
@@ -339,8 +344,11 @@ class Bridge:
             "q_proj.bias": (n * h,), "k_proj.bias": (g * h,), "v_proj.bias": (g * h,),
             "o_proj.weight": (d, n * h), "q_norm.weight": (h,), "k_norm.weight": (h,),
             "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f),
+            "w1.weight": (f, d), "w3.weight": (f, d), "w2.weight": (d, f),
             "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
         }
+        if cfg.qk_layernorm_all_heads:
+            table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})
         e = cfg.num_moe_experts or 0
         table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),

@@ -31,6 +31,9 @@ class GPTConfig:
     add_qkv_bias: bool = True  # Qwen2: True, Llama/Qwen3: False
     add_bias_linear: bool = False
     qk_layernorm: bool = False  # Qwen3
+    # MiniMax-M2: one RMSNorm over all query heads of a token (and one over all key heads) instead of one per head
+    # (mcore/qk_norm.py); needs qk_layernorm
+    qk_layernorm_all_heads: bool = False
     rotary_base: float = 10000.0
     rope_scaling: dict | None = None  # HF RoPE scaling (linear / llama3 / yarn: mcore/rope.py); None: plain RoPE
     rotary_percent: float = 1.0  # the fraction of each head RoPE rotates (its first channels; GLM-4.5: 0.5)
@@ -86,6 +89,10 @@ class GPTConfig:
             if self.rotary_percent != 1.0:
                 raise ValueError("multi-latent attention rotates all qk_pos_emb_head_dim channels: rotary_percent "
                                  "must be 1")
+        if self.qk_layernorm_all_heads and (not self.qk_layernorm or self.multi_latent_attention
+                                            or self.normalization != "RMSNorm"):
+            raise ValueError("qk_layernorm_all_heads is an RMSNorm over all query / key heads: it needs "
+                             "qk_layernorm, RMSNorm and standard (not multi-latent) attention")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) > num_moe_experts ({self.num_moe_experts})")
 
@@ -227,16 +234,26 @@ def _local_mla(spec):
     all-gathered over the sequence-parallel region instead (its backward sums the ranks' parts) and the weights,
     marked sequence-parallel, have their gradients summed over TP. That needs sequence parallelism under TP, which the
     trainer requires of MoE models anyway (every MLA family is one)."""
-    import dataclasses
-
     from megatron.core.post_training.modelopt.layers import Linear
 
+    def local(attn_subs):
+        swap = {"core_attention": LatentCoreAttention, "linear_kv_down_proj": Linear}
+        if attn_subs.linear_q_down_proj is not None:
+            swap["linear_q_down_proj"] = Linear
+        return swap
+
+    return _with_attention_submodules(spec, local)
+
+
+def _with_attention_submodules(spec, swaps):
+    """``spec`` (a layer or block spec) with each self-attention's submodules updated by ``swaps(submodules)``, a
+    dict of field -> module."""
+    import dataclasses
+
     if hasattr(spec, "layer_specs"):
-        return dataclasses.replace(spec, layer_specs=[_local_mla(s) for s in spec.layer_specs])
+        return dataclasses.replace(spec, layer_specs=[_with_attention_submodules(s, swaps) for s in spec.layer_specs])
     attn = spec.submodules.self_attention
-    subs = dataclasses.replace(attn.submodules, core_attention=LatentCoreAttention, linear_kv_down_proj=Linear)
-    if subs.linear_q_down_proj is not None:
-        subs = dataclasses.replace(subs, linear_q_down_proj=Linear)
+    subs = dataclasses.replace(attn.submodules, **swaps(attn.submodules))
     return dataclasses.replace(spec, submodules=dataclasses.replace(
         spec.submodules, self_attention=dataclasses.replace(attn, submodules=subs)))
 
@@ -245,6 +262,11 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
     """The standard (causal) layer spec: local Megatron-Core modules, or Transformer Engine's when asked. A MoE
     model with dense first layers gets Megatron's block spec of this pipeline stage's (``vp_stage``'s) layers."""
     spec = _layer_spec(cfg, use_te, vp_stage)
+    if cfg.qk_layernorm_all_heads:
+        from forge_megatron.mcore.qk_norm import KeyNormAllHeads, QueryNormAllHeads
+
+        spec = _with_attention_submodules(spec, lambda subs: {"q_layernorm": QueryNormAllHeads,
+                                                              "k_layernorm": KeyNormAllHeads})
     if not cfg.multi_latent_attention:
         return spec
     from forge_megatron.utils import env

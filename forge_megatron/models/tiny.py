@@ -31,7 +31,8 @@ SPECIAL_TOKENS = (
     "<tool_response>",
     "</tool_response>",
 )
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
+         "minimax_m2")
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
 _CORPUS = [
@@ -178,6 +179,13 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "truncate": False, "original_max_position_embeddings": 512, "rope_theta": 150000.0}},
         ),
+        # MiniMax-M2 layout: every layer MoE (sigmoid router + score bias, Mixtral names), RoPE on 8 of 16 channels,
+        # q/k RMSNorm over all heads
+        "minimax_m2": (
+            transformers.MiniMaxM2Config,
+            {"head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+             "rotary_dim": 8},
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -210,6 +218,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape))
             elif name.endswith(("_proj_bias", "router.bias")):
                 p.copy_(torch.randn(p.shape) * 0.1)
+            elif arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     if with_tokenizer:

@@ -343,7 +343,8 @@ class ReferenceEngine:
 
         Checkpoints and SGLang name MoE experts one by one (``mlp.experts.{e}.{gate,up,down}_proj.weight``);
         transformers >= 5 stores them fused per layer (``mlp.experts.gate_up_proj`` [E, 2I, H] with gate rows
-        first, ``mlp.experts.down_proj`` [E, H, I]). Per-expert names are written into the fused slices.
+        first, ``mlp.experts.down_proj`` [E, H, I]). Per-expert names are written into the fused slices; Mixtral-
+        style names (MiniMax-M2's ``block_sparse_moe.experts.{e}.w1/w3/w2``) too.
 
         FP8 (the engine serves an FP8 checkpoint): projection weights must arrive as float8_e4m3fn with their
         ``weight_scale_inv`` in the same request, on the checkpoint's block grid, and are dequantized; an engine
@@ -379,6 +380,9 @@ class ReferenceEngine:
 
     @staticmethod
     def _destination(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        if name in params:
+            return params[name]
+        name = _in_memory_name(name)
         if name in params:
             return params[name]
         m = _PER_EXPERT.fullmatch(name)
@@ -419,6 +423,19 @@ class ReferenceEngine:
 
 
 _PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_MIXTRAL_EXPERT = re.compile(r"(.+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _in_memory_name(name: str) -> str:
+    """A checkpoint name in Mixtral's style (MiniMax-M2: ``block_sparse_moe``, experts' ``w1`` gate, ``w3`` up,
+    ``w2`` down; SGLang loads these names) as transformers >= 5 holds it (``mlp``, ``gate_proj`` / ``up_proj`` /
+    ``down_proj`` slices of the fused expert tensors)."""
+    m = _MIXTRAL_EXPERT.fullmatch(name)
+    if m is not None:
+        return f"{m.group(1)}.mlp.experts.{m.group(2)}.{_MIXTRAL_PROJ[m.group(3)]}.weight"
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
 
 
 def _eos_ids(config, tokenizer) -> set[int]:

@@ -114,6 +114,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     net.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     net.add_argument("--add-qkv-bias", action="store_true")
     net.add_argument("--qk-layernorm", action="store_true")
+    net.add_argument("--qk-layernorm-all-heads", action="store_true",
+                     help="with --qk-layernorm: one RMSNorm over all query heads of a token and one over all key "
+                          "heads (MiniMax-M2's qk_norm_type per_layer; a forge flag, Megatron has no such norm) "
+                          "instead of one per head")
     net.add_argument("--init-method-std", type=float, default=0.02)
     net.add_argument("--num-experts", type=int, default=None)
     net.add_argument("--moe-router-topk", type=int, default=2)
@@ -568,6 +572,7 @@ def gpt_config(args: argparse.Namespace, vocab_size: int):
         add_qkv_bias=args.add_qkv_bias,
         add_bias_linear=args.add_bias_linear,
         qk_layernorm=args.qk_layernorm,
+        qk_layernorm_all_heads=args.qk_layernorm_all_heads,
         rotary_base=float(args.rotary_base),
         rope_scaling={"rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

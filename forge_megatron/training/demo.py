@@ -51,13 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3, help="RL learning rate")
     p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
-                   choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"],
+                   choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2"],
                    help="a tiny MoE model (4 experts, top-2) with rollout routing replay end to end: Qwen3-MoE "
                         "(default); glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
                         "score-correction bias, a shared expert, RoPE on half of each head); deepseek_v3: the "
                         "DeepSeek-V3 / Kimi-K2 layout (the same MoE with grouped routing, multi-latent attention); "
-                        "gpt_oss: "
-                        "attention sinks, a sliding window on every other layer, biased experts with the clamped GLU")
+                        "gpt_oss: attention sinks, a sliding window on every other layer, biased experts with the "
+                        "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
+                        "q/k RMSNorms over all heads)")
     p.add_argument("--fp8", action="store_true",
                    help="the engine serves a block-wise FP8 copy of the SFT model (forge-convert hf-to-fp8, 32 x 32 "
                         "blocks) and the trainer syncs FP8 weights to it (--weight-sync-fp8)")
@@ -129,7 +130,8 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
             f.write(json.dumps({"messages": chat, "tools": calculator.TOOLS}) + "\n")
     kind = f"{args.moe} MoE, 4 experts top-2, " if args.moe else ""
     print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
-    width = "intermediate_size" if args.moe == "gpt_oss" else "moe_intermediate_size"  # gpt-oss: experts only
+    # gpt-oss and MiniMax-M2: every layer MoE, intermediate_size is the experts' width
+    width = "intermediate_size" if args.moe in ("gpt_oss", "minimax_m2") else "moe_intermediate_size"
     arch = dict(arch=args.moe, **{width: args.hidden_size}) if args.moe else \
         dict(intermediate_size=2 * args.hidden_size)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,

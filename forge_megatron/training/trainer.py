@@ -578,9 +578,9 @@ def model_config(args: argparse.Namespace, bridge):
         flags = arguments.gpt_config(args, vocab_size=cfg.vocab_size)
         for name in ("multi_latent_attention", "kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                      "v_head_dim", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                     "ffn_hidden_size", "vocab_size", "head_dim", "qk_layernorm", "add_qkv_bias", "num_moe_experts",
-                     "rotary_base", "rope_scaling", "rotary_percent", "moe_shared_ffn_hidden_size", "moe_dense_layers",
-                     "router"):
+                     "ffn_hidden_size", "vocab_size", "head_dim", "qk_layernorm", "qk_layernorm_all_heads",
+                     "add_qkv_bias", "num_moe_experts", "rotary_base", "rope_scaling", "rotary_percent",
+                     "moe_shared_ffn_hidden_size", "moe_dense_layers", "router"):
             if name in ("q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim") and \
                     not cfg.multi_latent_attention:
                 continue  # MLA's sizes (kv_lora_rank is None without it: compared above)

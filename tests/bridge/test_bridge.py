@@ -92,6 +92,44 @@ def test_glm4_moe_options_megatron_cannot_match_are_refused(change, message):
         gpt_config_from_hf({**_glm(), **change})
 
 
+def _minimax(**kw):
+    return {**tiny_config("minimax_m2", **kw).to_dict(), "architectures": ["MiniMaxM2ForCausalLM"]}
+
+
+def test_minimax_m2_config_maps_to_all_heads_qk_norms_and_mixtral_expert_names():
+    cfg = gpt_config_from_hf(_minimax())
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_dense_layers) == (4, 2, 32, 0)
+    assert (cfg.qk_layernorm, cfg.qk_layernorm_all_heads, cfg.add_qkv_bias, cfg.rotary_dim) == (True, True, False, 8)
+    assert cfg.moe_shared_ffn_hidden_size is None and cfg.extra["moe_router_topk_scaling_factor"] is None
+    assert cfg.extra["moe_router_score_function"] == "sigmoid" and cfg.extra["moe_router_enable_expert_bias"]
+    # the released configs give the rotary width as rotary_dim only
+    raw = {k: v for k, v in _minimax().items() if k != "rope_parameters"}
+    assert gpt_config_from_hf({**raw, "rope_theta": 5e6, "rotary_dim": 8}).rotary_percent == 0.5
+    bridge = Bridge(_minimax(num_mtp_modules=1))
+    assert bridge.hf_names("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight") == \
+        ["model.layers.1.block_sparse_moe.experts.3.w1.weight", "model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    assert bridge.hf_names("decoder.layers.0.mlp.router.expert_bias") == \
+        ["model.layers.0.block_sparse_moe.e_score_correction_bias"]
+    assert bridge.hf_shape("model.layers.0.self_attn.q_norm.weight") == (64,)  # 4 heads x 16
+    assert bridge.hf_shape("model.layers.0.self_attn.k_norm.weight") == (32,)  # 2 key heads x 16
+    q_norm = "decoder.layers.0.self_attention.q_layernorm.weight"
+    assert all(torch.equal(t, torch.arange(64.0)) for t in bridge.tp_split(q_norm, torch.arange(64.0), 2))  # whole
+    assert bridge.is_mtp_tensor("model.layers.2.self_attn.q_proj.weight")  # layer num_hidden_layers: an MTP module
+    assert not bridge.is_mtp_tensor("model.layers.3.self_attn.q_proj.weight")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"qk_norm_type": "per_head"}, "qk_norm_type='per_head'"),
+    ({"use_routing_bias": False}, "use_routing_bias=False"),
+    ({"shared_intermediate_size": 64}, "shared experts are not supported by the minimax_m2 family"),
+    ({"attn_type_list": [0, 1]}, "lightning"),
+    ({"num_experts_per_tok": 1}, "norm_topk_prob"),
+])
+def test_minimax_m2_options_megatron_cannot_match_are_refused(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        gpt_config_from_hf({**_minimax(), **change})
+
+
 def test_mistral_is_the_llama_layout_without_a_sliding_window():
     cfg = gpt_config_from_hf(_hf("mistral"))
     assert (cfg.add_qkv_bias, cfg.qk_layernorm, cfg.head_dim, cfg.rope_scaling) == (False, False, 16, None)

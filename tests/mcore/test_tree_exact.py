@@ -153,6 +153,11 @@ def _body_one_rank(rank, world_size):
     out["glm4_moe"] = _exactness(glm_tree, glm_causal, all_samples(3))
     out["glm4_moe_layers"] = [type(layer.mlp).__name__ for layer in glm_tree.decoder.layers]
     out["glm4_moe_rotary_dim"] = glm_tree.rotary_pos_emb.inv_freq.numel() * 2
+    # MiniMax-M2 layout: every layer sigmoid-routed MoE, q/k RMSNorms over all heads, RoPE on half of each head
+    mm = {**tiny_config("minimax_m2", vocab_size=VOCAB).to_dict(), "architectures": ["MiniMaxM2ForCausalLM"]}
+    mm_tree, mm_causal = _twin_models(gpt_config_from_hf(mm))
+    out["minimax_m2"] = _exactness(mm_tree, mm_causal, all_samples(3))
+    out["minimax_m2_norms"] = type(mm_tree.decoder.layers[0].self_attention.q_layernorm).__name__
     # DeepSeek-V3 layout (multi-latent attention: per-layer rotary tables indexed by depth, value heads narrower
     # than query/key heads) with YaRN, and the same model rotating by packed offset as the negative control
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0,
@@ -364,6 +369,12 @@ def test_yarn_scaled_rope_tree_equals_unmerged(one_rank):
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["yarn"]
     m = rope.attention_factor({"rope_type": "yarn", "factor": 4.0})
     assert m > 1 and one_rank["yarn_scales"] == [pytest.approx(m * m / math.sqrt(8))] * 2  # head dim 8
+
+
+def test_minimax_m2_tree_equals_unmerged(one_rank):
+    assert one_rank["minimax_m2_norms"] == "QueryNormAllHeads"
+    logp, ent, grad, _, _ = one_rank["minimax_m2"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["minimax_m2"]
 
 
 def test_glm4_moe_tree_equals_unmerged(one_rank):

@@ -138,7 +138,7 @@ def test_model_arrays_build_gpt_configs():
 
     for name, vocab in (("tiny", 300), ("qwen3-8B", 0), ("qwen3-30B-A3B", 0), ("llama3.1-8B", 0), ("glm4.5-air", 0),
                         ("devstral-small", 0), ("deepseek-v3", 0), ("moonlight-16B-A3B", 0), ("gpt-oss-20b", 0),
-                        ("qwen2.5-7B", 0)):
+                        ("minimax-m2", 0), ("qwen2.5-7B", 0)):
         script = os.path.join(ROOT, "scripts", "models", f"{name}.sh")
         out = subprocess.run(["bash", "-c", f'source {shlex.quote(script)}; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
                              capture_output=True, text=True, check=True)
@@ -160,6 +160,9 @@ def test_model_arrays_build_gpt_configs():
             assert cfg.moe_dense_layers == 3 and cfg.num_query_groups == 128
         if name == "moonlight-16B-A3B":
             assert cfg.multi_latent_attention and cfg.q_lora_rank is None
+        if name == "minimax-m2":  # every layer MoE, q/k norms over all heads, RoPE on half of each head
+            assert cfg.qk_layernorm_all_heads and cfg.moe_dense_layers == 0 and cfg.rotary_percent == 0.5
+            assert cfg.moe_shared_ffn_hidden_size is None and cfg.num_moe_experts == 256
         if name == "gpt-oss-20b":  # biases everywhere, GQA 64 / 8 of 64 channels
             assert cfg.add_bias_linear and cfg.add_qkv_bias and (cfg.num_query_groups, cfg.head_dim) == (8, 64)
     assert cfg.add_qkv_bias is True and cfg.num_query_groups == 4  # qwen2.5-7B is last
@@ -337,6 +340,33 @@ def test_deepseek_v3_flags_must_agree_with_the_checkpoint():
         wrong = flags[:at] + flags[at + len(change):]
         with pytest.raises(ValueError, match=f"{field}: the model flags say"):
             model_config(arguments.parse_args(MINIMAL + wrong), Bridge(hf))
+
+
+def test_minimax_m2_flags_must_agree_with_the_checkpoint():
+    """minimax-m2.sh's kind of flags against a MiniMax-M2 checkpoint: the all-heads q/k norm is a forge flag,
+    compared like Megatron's."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.training.trainer import model_config
+
+    hf = {**tiny_config("minimax_m2").to_dict(), "architectures": ["MiniMaxM2ForCausalLM"]}
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--ffn-hidden-size", "32", "--kv-channels", "16", "--qk-layernorm",
+             "--qk-layernorm-all-heads", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--rotary-base", "5000000",
+             "--rotary-percent", "0.5", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
+             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+    cfg = model_config(arguments.parse_args(MINIMAL + flags), Bridge(hf))
+    assert cfg.qk_layernorm_all_heads and cfg.rotary_dim == 8
+    for drop, field in ((["--qk-layernorm-all-heads"], "qk_layernorm_all_heads"),
+                        (["--rotary-percent", "0.5"], "rotary_percent"),
+                        (["--moe-router-enable-expert-bias"], "router")):
+        wrong = [f for f in flags if f not in drop]
+        with pytest.raises(ValueError, match=f"{field}: the model flags say"):
+            model_config(arguments.parse_args(MINIMAL + wrong), Bridge(hf))
+    with pytest.raises(ValueError, match="qk_layernorm_all_heads is an RMSNorm over all query / key heads: it needs "
+                                         "qk_layernorm"):
+        arguments.gpt_config(arguments.parse_args(MINIMAL + [f for f in flags if f != "--qk-layernorm"]), 400)
 
 
 def test_gpt_oss_flags_must_agree_with_the_checkpoint():

@@ -419,6 +419,30 @@ def test_gpt_oss_trains_the_same_under_pipeline_expert_and_context_parallelism(t
         model_config(args, Bridge(model_dir))
 
 
+def test_minimax_m2_trains_the_same_under_tensor_and_expert_parallelism(tmp_path):
+    """The MiniMax-M2 layout (q/k RMSNorms over all heads, every layer sigmoid-routed MoE, RoPE on half of each head)
+    through the trainer with routing replay: TP = 2 with sequence parallelism (each rank normalises its heads by the
+    all-reduced sum of squares, whose backward all-reduces too) and EP = 2 train the same two steps as one rank."""
+    model_dir = build_tiny_model(str(tmp_path / "minimax_m2"), arch="minimax_m2", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
+    steps = {}
+    for name, extra, nproc in (
+            ("one", [], 1),
+            ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+            ("ep2", ["--expert-model-parallel-size", "2"], 2)):
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
+                                              model=[])
+    assert [len(v) for v in steps.values()] == [2, 2, 2]
+    for other in ("tp2sp", "ep2"):
+        keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
+        for a, b in zip(steps["one"], steps[other]):
+            for key in keys:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    assert sorted(s["routing_replayed_rows"] for s in steps["one"]) == [120, 128]  # both layers MoE
+    assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
+
+
 def test_glm_router_biases_stay_or_keep_balancing_as_asked(tmp_path):
     """The score-correction biases of a GLM-4.5 router stay as the checkpoint has them by default; with
     --moe-router-bias-update-rate r Megatron's auxiliary-loss-free balancing moves each by -r, 0 or +r per step,

@@ -39,6 +39,7 @@ def models(tmp_path_factory):
         "glm4_moe": build_tiny_model(str(root / "glm4_moe"), arch="glm4_moe", seed=6),
         "deepseek_v3": build_tiny_model(str(root / "deepseek_v3"), arch="deepseek_v3", seed=7),
         "gpt_oss": build_tiny_model(str(root / "gpt_oss"), arch="gpt_oss", seed=8),
+        "minimax_m2": build_tiny_model(str(root / "minimax_m2"), arch="minimax_m2", seed=9),
     }
 
 
@@ -152,7 +153,8 @@ def _check_synced(results):
     ("glm4_moe", ParallelConfig(pp=2)),
     ("deepseek_v3", ParallelConfig(tp=2)),  # MLA: up projections gathered over TP, latents replicated
     ("gpt_oss", ParallelConfig(ep=2)),  # every expert of a layer in one HF tensor (SGLang's gpt-oss loader's names)
-], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss"])
+    ("minimax_m2", ParallelConfig(tp=2)),  # q/k norm slices gathered over TP; Mixtral names (block_sparse_moe, w1..3)
+], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
