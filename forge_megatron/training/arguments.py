@@ -114,10 +114,6 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     net.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     net.add_argument("--add-qkv-bias", action="store_true")
     net.add_argument("--qk-layernorm", action="store_true")
-    net.add_argument("--qk-layernorm-all-heads", action="store_true",
-                     help="with --qk-layernorm: one RMSNorm over all query heads of a token and one over all key "
-                          "heads (MiniMax-M2's qk_norm_type per_layer; a forge flag, Megatron has no such norm) "
-                          "instead of one per head")
     net.add_argument("--init-method-std", type=float, default=0.02)
     net.add_argument("--num-experts", type=int, default=None)
     net.add_argument("--moe-router-topk", type=int, default=2)
@@ -193,6 +189,10 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hf-checkpoint", default=None,
                    help="HF model directory: tokenizer, architecture and initial weights (also what engines load)")
     g.add_argument("--pool-addr", default="tcp://127.0.0.1:5555", help="ZeroMQ address of the data pool")
+    g.add_argument("--qk-layernorm-all-heads", action="store_true",
+                   help="network size, with --qk-layernorm: one RMSNorm over all query heads of a token and one over "
+                        "all key heads (MiniMax-M2's qk_norm_type per_layer; Megatron-LM has no such norm) instead "
+                        "of one per head; checked against the checkpoint like Megatron's network flags")
     g.add_argument("--gateway-url", default=None, help="forge-gateway base URL (paused/resumed around weight sync)")
     g.add_argument("--engine-urls", type=_url_list, default=[],
                    help="comma-separated SGLang / forge-engine URLs that receive weight updates")
