@@ -105,7 +105,8 @@ def evaluate(gateway: GatewayClient, agent, tasks: list[Task], samples: int = 1,
     """Run every task ``samples`` times in eval sessions; the summary overall and per domain (``domains``).
     ``sampling`` ({temperature, top_p, top_k}) replaces the agent's values on every call (e.g. temperature 0).
 
-    Returns None when ``stop`` was set before every episode ran (the partial result would be biased)."""
+    Returns None when ``stop`` was set before every episode ran, or while one that did not finish was running
+    (stopping may be what cut it): the partial result would be biased."""
     if samples < 1 or concurrency < 1:
         raise ValueError(f"samples and concurrency must be >= 1, got {samples} and {concurrency}")
     if not tasks:
@@ -125,7 +126,8 @@ def evaluate(gateway: GatewayClient, agent, tasks: list[Task], samples: int = 1,
     jobs = [task for task in tasks for _ in range(samples)]
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eval") as pool:
         reports = list(pool.map(one, jobs))
-    if any(r is None for r in reports):
+    if any(r is None for r in reports) or (stop is not None and stop.is_set()
+                                           and any(r.status != "finished" for r in reports)):
         return None
     domains = sorted({t.domain for t in tasks})
     result = {"policy_version": version, **summarise(reports, samples), "samples": samples,

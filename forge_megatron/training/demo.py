@@ -95,11 +95,13 @@ class Processes:
         return proc
 
     def stop_all(self) -> None:
+        """Last started first, each waited for before the next: the rollout driver stops (an evaluation it is
+        running is interrupted and not recorded) while the gateway and the agent it talks to still answer; stopped
+        together, its episodes cut by the gateway's exit were scored as failures."""
+        deadline = time.time() + 10
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.time() + 10
-        for _, proc in self.procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:

@@ -300,6 +300,23 @@ def test_the_trainers_eval_feed_reads_a_restarted_gateway_from_its_first_result(
         restarted.stop()
 
 
+def test_an_evaluation_cut_by_stopping_is_not_recorded(stack):
+    """Stopping while an episode runs (a demo or job shutting down, its gateway going away) can fail that episode:
+    the result would score a shutdown as the model's failure, so evaluate() returns None; the same failure without
+    a stop is an unsuccessful episode as usual."""
+    gw = stack["gateway"]
+    stop = threading.Event()
+
+    def cut(task, session):
+        one_call(session)
+        stop.set()  # the job is told to stop while this episode runs, and the episode does not finish
+        raise ConnectionError("agent service went away")
+
+    assert evaluate(gw, PythonAgent(cut), TASKS[:1], samples=1, stop=stop) is None
+    failed = evaluate(gw, PythonAgent(cut), TASKS[:1], samples=1, stop=None)
+    assert failed["finished"] == 0.0 and failed["pass@1"] == 0.0
+
+
 def test_periodic_eval_survives_a_failed_evaluation(stack, caplog):
     """An evaluation that raises (here its result hook: a dashboard that is down) is logged, and the loop keeps
     evaluating at the next versions instead of its thread dying silently."""

@@ -31,11 +31,12 @@ def _torchrun(args, nproc):
     assert proc.returncode == 0, out[-3000:]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v3", "minimax_m2"])
 def test_torch_dist_round_trip_across_layouts(tmp_path, arch):
     """GLM-4.5 layout too: a dense layer, shared experts and the routers' expert_bias buffers go through
     dist_checkpointing's sharded state dict; DeepSeek-V3: multi-latent attention's replicated down projections and
-    latent norms next to its TP-split up projections."""
+    latent norms next to its TP-split up projections; MiniMax-M2: the all-heads q/k norm weights, whole on each TP
+    rank."""
     from forge_megatron.models.tiny import build_tiny_model
 
     hf = build_tiny_model(str(tmp_path / "hf"), arch=arch, seed=6, with_tokenizer=False)
