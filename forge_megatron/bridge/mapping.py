@@ -201,6 +201,9 @@ class Bridge:
         self.hf_config = load_hf_config(hf_config)
         self.family = family_of(self.hf_config)
         self.cfg = gpt_config_from_hf(self.hf_config, **gpt_overrides)
+        # A block-wise FP8 checkpoint is read dequantized (convert/checkpoint.py HFReader): the model, and every
+        # checkpoint written from it, is unquantized, so its config must not say fp8
+        self.source_quantization = self.hf_config.pop("quantization_config", None)
         self.hf_vocab = self.hf_config["vocab_size"]
         if self.cfg.vocab_size < self.hf_vocab:
             raise ValueError(f"vocab_size {self.cfg.vocab_size} is smaller than the HF vocabulary ({self.hf_vocab})")

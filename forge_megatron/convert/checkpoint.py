@@ -41,7 +41,13 @@ _FUSED_EXPERTS = re.compile(r"\.experts\.[a-z_]+$")  # a tensor of every expert 
 
 
 class HFReader:
-    """Lazy reader of the tensors of a HF safetensors directory (single file or sharded with an index)."""
+    """Lazy reader of the tensors of a HF safetensors directory (single file or sharded with an index).
+
+    Block-wise FP8 checkpoints (``quantization_config.quant_method: fp8`` with ``weight_block_size``: the releases of
+    DeepSeek-V3, Kimi-K2, MiniMax-M2, Qwen3-*-FP8) are read dequantized: each float8_e4m3fn weight comes back as
+    ``weight * weight_scale_inv`` block by block in the checkpoint's ``torch_dtype`` (bf16 by default) and the scale
+    tensors are not listed, so training and conversion start from the published FP8 files (the engines serve them;
+    ``--weight-sync-fp8`` quantizes the updates back to the same grid)."""
 
     def __init__(self, hf_dir: str):
         index = os.path.join(hf_dir, "model.safetensors.index.json")
@@ -60,12 +66,18 @@ class HFReader:
         self.weight_map = weight_map
         # The last tensors read: a gpt-oss fused expert tensor is asked for once per expert (each takes its slice)
         self._recent: dict[str, torch.Tensor] = {}
+        self.fp8, self.fp8_dtype = _fp8_source(hf_dir)
 
     def names(self) -> set[str]:
-        return set(self.weight_map)
+        """The tensors of the checkpoint (an FP8 checkpoint's scales are part of their weights, not listed)."""
+        from forge_megatron.weight_sync.fp8 import SCALE_SUFFIX
+
+        if self.fp8 is None:
+            return set(self.weight_map)
+        return {n for n in self.weight_map if not n.endswith(SCALE_SUFFIX)}
 
     def get(self, names) -> dict[str, torch.Tensor]:
-        """Load ``names`` (missing ones are left out: the bridge reports them by name)."""
+        """Load ``names`` (missing ones are left out: the bridge reports them by name); FP8 weights dequantized."""
         by_file: dict[str, list[str]] = {}
         out = {n: self._recent[n] for n in names if n in self._recent}
         for n in names:
@@ -74,8 +86,44 @@ class HFReader:
         for fname, wanted in by_file.items():
             with safe_open(os.path.join(self.dir, fname), "pt") as f:
                 out.update({n: f.get_tensor(n) for n in wanted})
+        if self.fp8 is not None:
+            out = self._dequantized(out)
         self._recent = {n: t for n, t in out.items() if _FUSED_EXPERTS.search(n)}
         return out
+
+    def _dequantized(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from forge_megatron.weight_sync.fp8 import FP8_DTYPE, dequantize, scale_name
+
+        for name, t in out.items():
+            if t.dtype != FP8_DTYPE:
+                continue
+            scale = scale_name(name)
+            if scale not in self.weight_map:
+                raise MappingError(f"float8 tensor {name!r} of the FP8 checkpoint {self.dir!r} has no {scale!r}")
+            with safe_open(os.path.join(self.dir, self.weight_map[scale]), "pt") as f:
+                scales = f.get_tensor(scale)
+            try:
+                out[name] = dequantize(t, scales, self.fp8.block, self.fp8_dtype)
+            except ValueError as exc:
+                raise MappingError(f"{name!r} in {self.dir!r}: {exc}") from exc
+        return out
+
+
+def _fp8_source(hf_dir: str):
+    """(Fp8Config, dtype to dequantize into) of a block-wise FP8 checkpoint directory, (None, None) otherwise."""
+    from forge_megatron.weight_sync.fp8 import Fp8Config
+
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        return None, None
+    with open(path) as f:
+        config = json.load(f)
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8":
+        return None, None
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(
+        config.get("torch_dtype") or config.get("dtype"), torch.bfloat16)
+    return Fp8Config.from_hf(quant), dtype
 
 
 def save_hf(tensors, out_dir: str, hf_config: dict, max_shard_bytes: int = 5 << 30, total: int | None = None) -> None:

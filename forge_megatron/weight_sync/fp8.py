@@ -9,8 +9,9 @@ An FP8 checkpoint stores each quantized linear weight ``W`` [rows, cols] as ``<m
 
 SGLang loads such checkpoints, and such weight updates, by those names. Quantized here: 2-D projection weights
 (module names ending in ``proj``: attention q/k/v/o, the dense MLP's and every expert's gate/up/down, MLA's
-``kv_a_proj_with_mqa``...); embeddings, the LM head, norms and MoE routers stay in the sync dtype, as in the
-published FP8 checkpoints, and so does any module named in ``modules_to_not_convert``.
+``kv_a_proj_with_mqa``...; Mixtral-named experts' ``w1`` / ``w2`` / ``w3``: MiniMax-M2); embeddings, the LM head,
+norms and MoE routers stay in the sync dtype, as in the published FP8 checkpoints, and so does any module named in
+``modules_to_not_convert``.
 
 Scale per block: ``amax / 448`` (448 is e4m3's largest finite value), so each block's largest entry maps to +-448
 and nothing saturates. Sending FP8 halves the bytes of a bf16 sync for the quantized weights (plus 4 bytes per
@@ -28,7 +29,9 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 SCALE_SUFFIX = "weight_scale_inv"
-_PROJ = re.compile(r"(.*proj(?:_with_mqa)?)\.weight")
+# projections: attention and MLP ``*_proj`` (MLA's ``kv_a_proj_with_mqa``), and Mixtral-named experts (MiniMax-M2's
+# ``experts.{e}.w1`` / ``w2`` / ``w3``)
+_PROJ = re.compile(r"(.*(?:proj(?:_with_mqa)?|\.experts\.\d+\.w[123]))\.weight")
 
 
 @dataclass(frozen=True)

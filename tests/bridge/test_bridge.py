@@ -130,6 +130,18 @@ def test_minimax_m2_options_megatron_cannot_match_are_refused(change, message):
         gpt_config_from_hf({**_minimax(), **change})
 
 
+def test_quantized_checkpoints_other_than_block_fp8_are_refused():
+    """Block-wise FP8 checkpoints are read dequantized (tests/weight_sync/test_fp8.py); the bridge's own config is
+    then unquantized. Other methods, and FP8 without blocks, are refused by name."""
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    bridge = Bridge({**_hf("qwen3"), "quantization_config": fp8})
+    assert "quantization_config" not in bridge.hf_config and bridge.source_quantization == fp8
+    with pytest.raises(UnsupportedModelError, match="a awq checkpoint: only block-wise fp8"):
+        gpt_config_from_hf({**_hf("qwen3"), "quantization_config": {"quant_method": "awq"}})
+    with pytest.raises(UnsupportedModelError, match="no weight_block_size"):
+        gpt_config_from_hf({**_hf("qwen3"), "quantization_config": {"quant_method": "fp8"}})
+
+
 def test_mistral_is_the_llama_layout_without_a_sliding_window():
     cfg = gpt_config_from_hf(_hf("mistral"))
     assert (cfg.add_qkv_bias, cfg.qk_layernorm, cfg.head_dim, cfg.rope_scaling) == (False, False, 16, None)

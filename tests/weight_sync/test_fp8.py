@@ -165,6 +165,53 @@ def test_fp8_checkpoint_loads_in_transformers_as_our_dequantization(moe, tmp_pat
     assert convert_main(["hf-to-fp8", "--hf-dir", moe["v0_fp8"], "--out", str(tmp_path / "again")]) == 2
 
 
+def _logits_body(rank, world_size, mcore_dir, tokens):
+    from tests.convert.mcore_forward import forward_logits
+
+    _, model = load_converted(mcore_dir)
+    return forward_logits(model, tokens)
+
+
+def test_training_starts_from_a_published_fp8_checkpoint(tmp_path):
+    """DeepSeek-V3, Kimi-K2 and MiniMax-M2 are published as block-wise FP8 only: the bridge's reader dequantizes
+    them (scales are part of their weights, not unused tensors), the converted Megatron model computes what
+    transformers computes from the FP8 files, and what is written back is unquantized (no fp8
+    quantization_config over bf16/fp32 tensors). MiniMax-M2's Mixtral-named experts (w1/w2/w3) are FP8 too."""
+    from forge_megatron.models.tiny import build_tiny_model
+
+    src = build_tiny_model(str(tmp_path / "mm"), arch="minimax_m2", seed=3, with_tokenizer=False)
+    fp8_dir = _to_fp8(src, str(tmp_path / "mm_fp8"))
+    fp8 = _tensors(fp8_dir)
+    quantized = {n for n, t in fp8.items() if t.dtype == FP8_DTYPE}
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in quantized
+    assert "model.layers.1.block_sparse_moe.gate.weight" not in quantized  # routers stay unquantized
+    ckpt.hf_to_megatron(fp8_dir, str(tmp_path / "mcore"), ParallelLayout(ep=2))
+    bridge, _ = ckpt.read_meta(str(tmp_path / "mcore"))
+    assert "quantization_config" not in bridge.hf_config
+    ckpt.megatron_to_hf(str(tmp_path / "mcore"), str(tmp_path / "back"))
+    back, ours = _tensors(str(tmp_path / "back")), dequantize_named(fp8)[0]
+    assert set(back) == set(ours) and all(torch.equal(back[n], ours[n]) for n in ours)
+    with open(tmp_path / "back" / "config.json") as f:
+        assert "quantization_config" not in json.load(f)
+    ckpt.hf_to_megatron(fp8_dir, str(tmp_path / "one"))
+    tokens = torch.randint(0, 400, (2, 12), generator=torch.Generator().manual_seed(0))
+    (logits,) = run_distributed(_logits_body, world_size=1, mcore_dir=str(tmp_path / "one"), tokens=tokens)
+    with torch.no_grad():
+        want = _hf(fp8_dir)(input_ids=tokens).logits
+        unquantized = _hf(src)(input_ids=tokens).logits
+    assert (logits - want).abs().max().item() <= 1e-4
+    assert (unquantized - want).abs().max().item() > 1e-3  # the FP8 weights are really what was read
+    broken = str(tmp_path / "broken")
+    os.makedirs(broken)
+    save_file({n: t for n, t in fp8.items() if n != "model.layers.0.self_attn.q_proj.weight_scale_inv"},
+              os.path.join(broken, "model.safetensors"))
+    with open(os.path.join(fp8_dir, "config.json")) as f, open(os.path.join(broken, "config.json"), "w") as g:
+        g.write(f.read())
+    with pytest.raises(ckpt.MappingError, match="'model.layers.0.self_attn.q_proj.weight' of the FP8 checkpoint .* "
+                                                "has no 'model.layers.0.self_attn.q_proj.weight_scale_inv'"):
+        ckpt.hf_to_megatron(broken, str(tmp_path / "no"))
+
+
 # --- the engine ---------------------------------------------------------------------------------------------------
 def test_fp8_engine_takes_fp8_updates_and_refuses_mismatched_ones(moe, tmp_path):
     from forge_megatron.rollout.launch import start_engine
