@@ -98,12 +98,11 @@ class Processes:
         """Last started first, each waited for before the next: the rollout driver stops (an evaluation it is
         running is interrupted and not recorded) while the gateway and the agent it talks to still answer; stopped
         together, its episodes cut by the gateway's exit were scored as failures."""
-        deadline = time.time() + 10
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(timeout=max(0.1, deadline - time.time()))
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
