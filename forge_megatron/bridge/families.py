@@ -168,15 +168,15 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if quant:
             raise UnsupportedModelError(f"a {quant} checkpoint: train and serve a bf16 copy "
                                         "(forge-convert mxfp4-to-bf16 --hf-dir DIR --out DIR_BF16)")
-    quant = hf.get("quantization_config") or {}
-    if quant and not family.gpt_oss:  # gpt-oss: its MXFP4 message above
+    quantization = hf.get("quantization_config") or {}
+    if quantization and not family.gpt_oss:  # gpt-oss: its MXFP4 message above
         from forge_megatron.weight_sync.fp8 import Fp8Config
 
-        if quant.get("quant_method") != "fp8":
-            raise UnsupportedModelError(f"a {quant.get('quant_method')} checkpoint: only block-wise fp8 checkpoints "
-                                        "are read (dequantized); convert others to bf16 first")
+        if quantization.get("quant_method") != "fp8":
+            raise UnsupportedModelError(f"a {quantization.get('quant_method')} checkpoint: only block-wise fp8 "
+                                        "checkpoints are read (dequantized); convert others to bf16 first")
         try:
-            Fp8Config.from_hf(quant)
+            Fp8Config.from_hf(quantization)
         except ValueError as exc:
             raise UnsupportedModelError(f"fp8 checkpoint: {exc}") from exc
     if family.moe and not family.sigmoid_router and not family.gpt_oss:

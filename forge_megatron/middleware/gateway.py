@@ -9,6 +9,8 @@ OpenAI schema, and records every call (prompt ids, completion ids, logprobs, pol
 Routes
   POST /v1/chat/completions, GET /v1/models                 (also under /s/<session key>/v1/...)
   POST /v1/messages   Anthropic's Messages API, same sessions and recording (``anthropic_api``)
+  POST /v1/responses  OpenAI's Responses API (Codex CLI, the Agents SDK), same sessions and recording
+                      (``responses_api``)
   POST /v1/completions  a raw prompt (text or token ids; no template, no parsers) for agents that render their own
   POST /forge/groups {task_id, size, domain, metadata}        -> {group_id}
   POST /forge/sessions {group_id, metadata}                   -> {session_id, api_key, base_url, anthropic_base_url}
@@ -1400,10 +1402,11 @@ async def prometheus_metrics(request: web.Request, gw: Gateway) -> web.Response:
 def make_app(gw: Gateway) -> web.Application:
     app = web.Application(client_max_size=gw.config.max_body_bytes)
     app[GATEWAY] = gw
-    from forge_megatron.middleware import anthropic_api
+    from forge_megatron.middleware import anthropic_api, responses_api
 
     for prefix in ("", "/s/{key}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
+        app.router.add_post(prefix + "/v1/responses", responses_api.responses)  # OpenAI Responses API
         app.router.add_post(prefix + "/v1/completions", completions)  # raw prompts (text or token ids)
         app.router.add_post(prefix + "/v1/messages", anthropic_api.messages)  # Anthropic Messages API
         app.router.add_post(prefix + "/v1/messages/count_tokens", anthropic_api.count_tokens)

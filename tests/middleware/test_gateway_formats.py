@@ -105,6 +105,30 @@ def test_reasoning_and_typed_tool_call_then_the_answer_in_one_segment(thinking_s
     assert gw.gateway.sink.episodes[-1].num_malformed_tool_calls == 0
 
 
+def test_responses_api_reasoning_items_continue_the_segment(thinking_stack):
+    """/v1/responses: the reasoning block comes back as a reasoning item (content reasoning_text) before the
+    function_call item; sent back as input, both rebuild the assistant turn the model sampled (one segment), streamed
+    too, where reasoning_text deltas come first."""
+    gw = thinking_stack
+    s = new_session(gw)
+    c = client(s)
+    r_tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    first = c.responses.create(model="tiny", input=USER, tools=r_tools, temperature=0, max_output_tokens=256)
+    assert [i.type for i in first.output] == ["reasoning", "function_call"]
+    assert first.output[0].content[0].text == PLAN and json.loads(first.output[1].arguments) == CALL
+    follow = USER + [i.model_dump(exclude_none=True) for i in first.output] + [
+        {"type": "function_call_output", "call_id": first.output[1].call_id, "output": RESULT}]
+    events = list(c.responses.create(model="tiny", input=follow, tools=r_tools, temperature=0, max_output_tokens=256,
+                                     stream=True))
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == ANSWER
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == PLAN2
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert [x["segment_index"] for x in calls(gw, s)] == [0, 0]
+    assert end(gw, s)[0] == 200
+
+
 def test_a_turn_sent_back_without_its_reasoning_starts_a_new_segment(thinking_stack):
     gw = thinking_stack
     s = new_session(gw)

@@ -1,0 +1,123 @@
+"""The gateway's OpenAI Responses API (``/v1/responses``) with the official ``openai`` client.
+
+The tiny model fine-tuned to answer a fixed chat with a tool call and then an answer (test_gateway's fixture) is
+driven through Responses items: sending a response's output items back as input continues the segment, and what the
+gateway records is exactly what the chat-completions path records for the same conversation; streaming gives the
+non-streaming response.
+"""
+
+import json
+
+import pytest
+
+from tests.middleware.test_gateway import (
+    FINAL_ANSWER, TOOL_RESULT, TOOLS, USER, calls, client, end, episode, http, new_session,
+)
+
+R_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def _items(response) -> list[dict]:
+    """A response's output items as input items (what store: false clients send back)."""
+    return [item.model_dump(exclude_none=True) for item in response.output]
+
+
+def _round_trip(c, **kw):
+    first = c.responses.create(model="tiny", input=USER, tools=R_TOOLS, temperature=0, max_output_tokens=64, **kw)
+    [fc] = [i for i in first.output if i.type == "function_call"]
+    follow = USER + _items(first) + [{"type": "function_call_output", "call_id": fc.call_id, "output": TOOL_RESULT}]
+    second = c.responses.create(model="tiny", input=follow, tools=R_TOOLS, temperature=0, max_output_tokens=64, **kw)
+    return first, second
+
+
+def test_tool_round_trip_records_what_the_chat_path_records(stack):
+    gw, _ = stack
+    s = new_session(gw)
+    first, second = _round_trip(client(s))
+    [fc] = [i for i in first.output if i.type == "function_call"]
+    assert first.status == "completed" and fc.name == "get_weather" and json.loads(fc.arguments) == {"city": "Paris"}
+    assert first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    assert first.usage.total_tokens == first.usage.input_tokens + first.usage.output_tokens
+    assert second.status == "completed" and [i.type for i in second.output] == ["message"]
+    assert second.output_text == FINAL_ANSWER  # the client's own aggregation of output_text parts
+    r_calls = calls(gw, s)
+    assert [c["segment_index"] for c in r_calls] == [0, 0]  # the function_call_output continued the segment
+    assert end(gw, s)[0] == 200
+
+    o = new_session(gw)  # the same conversation through /v1/chat/completions
+    oc = client(o)
+    r1 = oc.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=64)
+    msg = r1.choices[0].message.model_dump(exclude_none=True)
+    oc.chat.completions.create(model="tiny", temperature=0, max_tokens=64, tools=TOOLS, messages=USER + [
+        msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": TOOL_RESULT}])
+    o_calls = calls(gw, o)
+    for a, b in zip(r_calls, o_calls):
+        assert a["prompt_ids"] == b["prompt_ids"] and a["completion_ids"] == b["completion_ids"]
+    assert end(gw, o)[0] == 200
+    assert episode(gw, s).segments[0].tokens == episode(gw, o).segments[0].tokens
+
+
+def test_streaming_gives_the_non_streaming_response(stack):
+    gw, _ = stack
+    s = new_session(gw)
+    c = client(s)
+    events = list(c.responses.create(model="tiny", input=USER, tools=R_TOOLS, temperature=0, max_output_tokens=64,
+                                     stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = events[-1].response
+    [fc] = [i for i in streamed.output if i.type == "function_call"]
+    assert json.loads(fc.arguments) == {"city": "Paris"}
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == fc.arguments and done.item_id == fc.id
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == [i.type for i in streamed.output]  # every item announced, in order
+    follow = USER + _items(streamed) + [{"type": "function_call_output", "call_id": fc.call_id,
+                                         "output": [{"type": "input_text", "text": TOOL_RESULT}]}]
+    events = list(c.responses.create(model="tiny", input=follow, tools=R_TOOLS, temperature=0, max_output_tokens=64,
+                                     stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == final.output_text == FINAL_ANSWER
+    [text_done] = [e for e in events if e.type == "response.output_text.done"]
+    assert text_done.text == FINAL_ANSWER
+    assert [c["segment_index"] for c in calls(gw, s)] == [0, 0]
+
+
+def test_instructions_developer_messages_and_max_output_tokens(stack):
+    gw, _ = stack
+    s = new_session(gw)
+    c = client(s)
+    c.responses.create(model="tiny", temperature=0, max_output_tokens=5, instructions="You are terse.",
+                       input=[{"role": "developer", "content": "Answer in English."},
+                              {"role": "user", "content": [{"type": "input_text", "text": "And now?"}]}])
+    prompt = gw.gateway.renderer.tok.decode(calls(gw, s)[-1]["prompt_ids"])
+    assert prompt.index("You are terse.") < prompt.index("Answer in English.") < prompt.index("And now?")
+    r = c.responses.create(model="tiny", input="hi", max_output_tokens=40, extra_body={"ignore_eos": True})
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 40
+    events = list(c.responses.create(model="tiny", input="hi", max_output_tokens=7, stream=True,
+                                     extra_body={"ignore_eos": True}))
+    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 7
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"input": []}, "input must be a string or a non-empty array"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "part type 'input_image' is not supported"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tool type 'web_search' is not supported"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "stores no responses"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "item type 'item_reference' is not supported"),
+    ({"input": "x", "tool_choice": "required"}, "needs a non-empty tools array"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "arguments must be a string"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_bad_requests_name_the_field(stack, body, words):
+    gw, _ = stack
+    s = new_session(gw)
+    code, reply = http(s["base_url"] + "/responses", body)
+    assert code == 400 and words in reply["error"]["message"], reply
+    assert reply["error"]["type"] == "invalid_request_error"
+    code, reply = http(s["base_url"].replace(s["api_key"], "nope") + "/responses", {"input": "x"})
+    assert code == 401
