@@ -28,7 +28,8 @@ sigmoid(z) + ``e_score_correction_bias`` and weighting by the normalised sigmoid
 
 MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
 (``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
-with a score-correction bias (normalised top-k, no scaling, no groups, no shared expert), RoPE on the first
+with a score-correction bias (normalised top-k; no groups and no scaling: transformers and SGLang ignore
+``routed_scaling_factor`` and ``n_group`` for this architecture; no shared expert), RoPE on the first
 ``rotary_dim`` channels of each head, and query/key RMSNorms over all heads of a token at once
 (``qk_norm_type: per_layer``; mcore/qk_norm.py, TP-aware) rather than per head. The MTP modules
 (``num_mtp_modules`` layers after the last) are left out as for GLM-4.5.
@@ -217,6 +218,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                         "is not supported: full attention only")
     if family.sigmoid_router:
         topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
+        if family.minimax:
+            groups = 1
         if groups > 1 and topk // group_topk != 2:
             raise UnsupportedModelError(f"n_group={groups} with num_experts_per_tok // topk_group != 2: HF scores a "
                                         "group by its top 2 experts, Megatron by its top topk // group_topk")
@@ -303,6 +306,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             raise UnsupportedModelError(f"first_k_dense_replace={dense} leaves no MoE layer")
         groups = hf.get("n_group") or 1
         scaling = float(hf.get("routed_scaling_factor", 1.0) or 1.0)
+        if family.minimax:  # transformers' and SGLang's MiniMax-M2 routers use neither field, whatever it says
+            groups, scaling = 1, 1.0
         expert_width = hf["intermediate_size"] if family.minimax else hf["moe_intermediate_size"]
         kwargs.update(
             num_moe_experts=hf["num_local_experts"] if family.minimax else hf["n_routed_experts"],

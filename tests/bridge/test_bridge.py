@@ -101,6 +101,9 @@ def test_minimax_m2_config_maps_to_all_heads_qk_norms_and_mixtral_expert_names()
     assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_dense_layers) == (4, 2, 32, 0)
     assert (cfg.qk_layernorm, cfg.qk_layernorm_all_heads, cfg.add_qkv_bias, cfg.rotary_dim) == (True, True, False, 8)
     assert cfg.moe_shared_ffn_hidden_size is None and cfg.extra["moe_router_topk_scaling_factor"] is None
+    # fields transformers' and SGLang's MiniMax-M2 routers do not read are not applied either
+    ignored = gpt_config_from_hf({**_minimax(), "routed_scaling_factor": 2.0, "n_group": 4, "topk_group": 1}).extra
+    assert ignored["moe_router_topk_scaling_factor"] is None and ignored["moe_router_num_groups"] is None
     assert cfg.extra["moe_router_score_function"] == "sigmoid" and cfg.extra["moe_router_enable_expert_bias"]
     # the released configs give the rotary width as rotary_dim only
     raw = {k: v for k, v in _minimax().items() if k != "rope_parameters"}
