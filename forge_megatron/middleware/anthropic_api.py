@@ -36,8 +36,8 @@ import os
 from aiohttp import web
 
 from forge_megatron.middleware.gateway import (
-    GATEWAY, ApiError, ChatRequest, Gateway, _body, adopt_streamed_calls, parse_chat_request, serve_call,
-    stream_holds,
+    GATEWAY, ApiError, ChatRequest, Gateway, StreamProgress, _body, adopt_streamed_calls, parse_chat_request,
+    serve_call,
 )
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -270,12 +270,9 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.Str
     """Anthropic's event stream for one call: thinking and text deltas as the engine produces them (text held back
     at the tool-call marker and stop sequences, like the OpenAI stream), each tool_use block whole as soon as its
     call's block closes (formats without closing markers: at the end)."""
-    holds = stream_holds(gw, req, call)
+    progress = StreamProgress(gw, req, call)
     resp = None
-    sent = sent_thinking = 0
     block = {"index": -1, "type": None}  # the open content block
-    sent_calls: list[dict] = []  # tool_use blocks sent as their calls' blocks closed
-    closed = 0
 
     async def start() -> None:
         nonlocal resp
@@ -318,22 +315,16 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.Str
         await resp.write(_event("content_block_stop", {"index": block["index"]}))
 
     async def on_partial(result) -> int:
-        nonlocal sent, sent_thinking, closed
         if resp is None:
             await start()
-        reasoning, text = gw.stream_views(call, req, result, holds)
-        if reasoning is not None and sent == 0:
-            if len(reasoning) > sent_thinking or (block["type"] is None and block["index"] < 0):
-                await delta("thinking", reasoning[sent_thinking:])
-                sent_thinking = max(sent_thinking, len(reasoning))
-        if len(text) > sent and text.strip():  # no text block for the whitespace before a tool call
-            await delta("text", text[sent:])
-            sent = len(text)
-        closed, calls = gw.stream_calls(call, req, result, closed)
-        for tc in (calls or [])[len(sent_calls):]:
+        thinking, text, calls = progress.step(result)
+        if thinking is not None and (thinking or block["index"] < 0):  # a thinking block opens as soon as one starts
+            await delta("thinking", thinking)
+        if text:
+            await delta("text", text)
+        for tc in calls:
             await tool_use(tc)
-            sent_calls.append(tc)
-        return sent + sent_thinking + len(sent_calls)
+        return progress.sent
 
     try:
         result = await gw.generate_streamed(sess, call, on_partial)
@@ -346,18 +337,18 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.Str
         return resp
     if resp is None:
         await start()
-    calls = adopt_streamed_calls(message, sent_calls)
+    calls = adopt_streamed_calls(message, progress.calls)
     blocks = content_blocks(message)
     if blocks and blocks[0]["type"] == "thinking":
         if block["type"] == "thinking" or block["index"] < 0:
-            await delta("thinking", blocks[0]["thinking"][sent_thinking:])
+            await delta("thinking", blocks[0]["thinking"][progress.reasoning:])
         blocks = blocks[1:]
     if blocks and blocks[0]["type"] == "text":
-        rest = blocks[0]["text"][sent:]
-        if rest or not sent_calls:  # text after calls already sent opens a block of its own
+        rest = blocks[0]["text"][progress.content:]
+        if rest or not progress.calls:  # text after calls already sent opens a block of its own
             await delta("text", rest)
         blocks = blocks[1:]
-    for tc in calls[len(sent_calls):]:
+    for tc in calls[len(progress.calls):]:
         await tool_use(tc)
     await close_block()
     reason, sequence = stop_reason(finish, result)

@@ -1156,6 +1156,39 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
     return resp
 
 
+class StreamProgress:
+    """What an API adapter's stream (Anthropic's, the Responses API's) has sent of one answer: reasoning and content
+    characters, and whole tool calls, each as soon as its call's block closes. :meth:`step` returns what is new."""
+
+    def __init__(self, gw: Gateway, req: ChatRequest, call: _Call):
+        self.gw, self.req, self.call = gw, req, call
+        self.holds = stream_holds(gw, req, call)
+        self.reasoning = self.content = 0  # characters sent
+        self.calls: list[dict] = []  # tool calls sent
+        self._closed = 0
+
+    def step(self, result) -> tuple[str | None, str, list[dict]]:
+        """(new reasoning: None while the answer has no reasoning block or content has started, new content, newly
+        closed tool calls) of a partial engine result. Content is held back at the tool-call marker and the stop
+        strings, and whitespace alone (before a tool call) is not content."""
+        reasoning, text = self.gw.stream_views(self.call, self.req, result, self.holds)
+        new_reasoning = None
+        if reasoning is not None and self.content == 0:
+            new_reasoning = reasoning[self.reasoning:]
+            self.reasoning = max(self.reasoning, len(reasoning))
+        new_text = ""
+        if len(text) > self.content and text.strip():
+            new_text, self.content = text[self.content:], len(text)
+        self._closed, calls = self.gw.stream_calls(self.call, self.req, result, self._closed)
+        new_calls = (calls or [])[len(self.calls):]
+        self.calls += new_calls
+        return new_reasoning, new_text, new_calls
+
+    @property
+    def sent(self) -> int:
+        return self.content + self.reasoning + len(self.calls)
+
+
 def adopt_streamed_calls(message: dict, sent: list[dict]) -> list[dict]:
     """The message's tool calls, the ones a stream already sent keeping the ids it sent them with (each parse
     names calls afresh); the message is the turn's record, so the next call renders those ids."""

@@ -41,8 +41,8 @@ from aiohttp import web
 
 from forge_megatron.middleware.anthropic_api import _session_key
 from forge_megatron.middleware.gateway import (
-    GATEWAY, ApiError, ChatRequest, Gateway, _body, adopt_streamed_calls, parse_chat_request, serve_call,
-    stream_holds,
+    GATEWAY, ApiError, ChatRequest, Gateway, StreamProgress, _body, adopt_streamed_calls, parse_chat_request,
+    serve_call,
 )
 
 
@@ -262,15 +262,12 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call, body: dict
     """The Responses event stream for one call: reasoning and text deltas as the engine produces them (text held back
     at the tool-call marker and stop sequences, like the chat stream), each function_call item whole as soon as its
     call's block closes (formats without closing markers: at the end)."""
-    holds = stream_holds(gw, req, call)
+    progress = StreamProgress(gw, req, call)
     rid, created = _id("resp"), int(time.time())
     resp = None
     seq = 0
-    sent = sent_reasoning = 0
     done: list[dict] = []  # finished output items
     item: dict | None = None  # the open reasoning or message item
-    sent_calls: list[dict] = []
-    closed = 0
 
     async def event(kind: str, **fields) -> None:
         nonlocal seq
@@ -345,21 +342,16 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call, body: dict
         done.append(full)
 
     async def on_partial(result) -> int:
-        nonlocal sent, sent_reasoning, closed
         if resp is None:
             await start()
-        reasoning, text = gw.stream_views(call, req, result, holds)
-        if reasoning is not None and sent == 0 and len(reasoning) > sent_reasoning:
-            await delta("reasoning", reasoning[sent_reasoning:])
-            sent_reasoning = len(reasoning)
-        if len(text) > sent and text.strip():  # no message item for the whitespace before a tool call
-            await delta("message", text[sent:])
-            sent = len(text)
-        closed, calls = gw.stream_calls(call, req, result, closed)
-        for tc in (calls or [])[len(sent_calls):]:
+        reasoning, text, calls = progress.step(result)
+        if reasoning:
+            await delta("reasoning", reasoning)
+        if text:
+            await delta("message", text)
+        for tc in calls:
             await function_call(tc)
-            sent_calls.append(tc)
-        return sent + sent_reasoning + len(sent_calls)
+        return progress.sent
 
     try:
         result = await gw.generate_streamed(sess, call, on_partial)
@@ -372,16 +364,16 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call, body: dict
         return resp
     if resp is None:
         await start()
-    calls = adopt_streamed_calls(message, sent_calls)
+    calls = adopt_streamed_calls(message, progress.calls)
     if message.get("reasoning_content") is not None and (item is None and not done or
                                                          (item or {}).get("type") == "reasoning"):
-        await delta("reasoning", message["reasoning_content"][sent_reasoning:])
+        await delta("reasoning", message["reasoning_content"][progress.reasoning:])
     content = message.get("content") or ""
     has_message = (item or {}).get("type") == "message" or any(d["type"] == "message" for d in done)
-    if content[sent:] or not (calls or has_message):  # as output_items(); text after sent calls: an item of its own
-        await delta("message", content[sent:])
+    if content[progress.content:] or not (calls or has_message):  # as output_items(); after sent calls: a new item
+        await delta("message", content[progress.content:])
     await close_item()
-    for tc in calls[len(sent_calls):]:
+    for tc in calls[len(progress.calls):]:
         await function_call(tc)
     usage = _usage(len(call.turn.prompt_ids), len(call.turn.completion_ids))
     final = _response(gw, body, rid, created, "completed", done, usage, finish)
