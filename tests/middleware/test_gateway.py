@@ -72,6 +72,24 @@ def episode(gw, s):
     return next(e for e in gw.gateway.sink.episodes if e.episode_id == s["session_id"])
 
 
+def assert_records_like_the_chat_path(gw, s):
+    """Session ``s`` (ended) held the scripted tool round trip through another API: run the same conversation
+    through /v1/chat/completions and check that both recorded the same prompt and completion ids, segment tokens
+    included."""
+    o = new_session(gw)
+    oc = client(o)
+    r1 = oc.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=64)
+    msg = r1.choices[0].message.model_dump(exclude_none=True)
+    oc.chat.completions.create(model="tiny", temperature=0, max_tokens=64, tools=TOOLS, messages=USER + [
+        msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": TOOL_RESULT}])
+    ours, chat = calls(gw, s), calls(gw, o)
+    assert len(ours) == len(chat) == 2
+    for a, b in zip(ours, chat):
+        assert a["prompt_ids"] == b["prompt_ids"] and a["completion_ids"] == b["completion_ids"]
+    assert end(gw, o)[0] == 200
+    assert episode(gw, s).segments[0].tokens == episode(gw, o).segments[0].tokens
+
+
 def busy_engine(engines, min_tokens=2, timeout_s=60):
     """The in-process engine handle serving a request that has sampled more than ``min_tokens`` tokens."""
     deadline = time.time() + timeout_s

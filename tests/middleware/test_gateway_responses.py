@@ -11,7 +11,8 @@ import json
 import pytest
 
 from tests.middleware.test_gateway import (
-    FINAL_ANSWER, TOOL_RESULT, TOOLS, USER, calls, client, end, episode, http, new_session,
+    FINAL_ANSWER, TOOL_RESULT, TOOLS, USER, assert_records_like_the_chat_path, calls, client, end, http,
+    new_session,
 )
 
 R_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
@@ -43,18 +44,7 @@ def test_tool_round_trip_records_what_the_chat_path_records(stack):
     r_calls = calls(gw, s)
     assert [c["segment_index"] for c in r_calls] == [0, 0]  # the function_call_output continued the segment
     assert end(gw, s)[0] == 200
-
-    o = new_session(gw)  # the same conversation through /v1/chat/completions
-    oc = client(o)
-    r1 = oc.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=64)
-    msg = r1.choices[0].message.model_dump(exclude_none=True)
-    oc.chat.completions.create(model="tiny", temperature=0, max_tokens=64, tools=TOOLS, messages=USER + [
-        msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": TOOL_RESULT}])
-    o_calls = calls(gw, o)
-    for a, b in zip(r_calls, o_calls):
-        assert a["prompt_ids"] == b["prompt_ids"] and a["completion_ids"] == b["completion_ids"]
-    assert end(gw, o)[0] == 200
-    assert episode(gw, s).segments[0].tokens == episode(gw, o).segments[0].tokens
+    assert_records_like_the_chat_path(gw, s)
 
 
 def test_streaming_gives_the_non_streaming_response(stack):
