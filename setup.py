@@ -114,6 +114,7 @@ setup(
             "forge-rollout=forge_megatron.agents.driver:main",
             "forge-eval=forge_megatron.agents.evaluate:main",
             "forge-sft=forge_megatron.training.sft:main",
+            "forge-plan=forge_megatron.training.plan:main",
         ]
     },
 )

@@ -1,0 +1,218 @@
+"""``forge-plan``: what a model and a parallel layout put on each GPU, before a job waits in the queue for them.
+
+    forge-plan --hf-checkpoint /models/MiniMax-M2 --world-size 64 --tensor-model-parallel-size 4 \\
+        --pipeline-model-parallel-size 2 --expert-model-parallel-size 16 --use-distributed-optimizer --bf16 \\
+        --tree-token-budget 32768 --recompute-granularity full --gpu-memory-gib 141
+
+It takes the trainer's own flags (unknown ones are ignored, so a training command line can be reused as is, with
+``--world-size`` added) and prints, per pipeline rank, the parameters that rank holds and the memory they need:
+
+* parameters, exactly: every Megatron tensor of the rank's layers is shaped through the bridge's own HF mapping (on
+  the meta device: nothing is allocated or read but config.json) and split as the checkpoint conversion splits it
+  (TP by rows or columns, EP by whole experts, PP by layers, the embedding on the first rank and the head on the
+  last, the head again on the last rank for tied embeddings under PP). ``tests/training/test_plan.py`` compares
+  the counts with models built by Megatron under TP, PP, EP and VPP.
+* static memory, from the trainer's settings: weights (bf16 or fp32), fp32 gradient buffers (the trainer reduces
+  gradients in fp32), Adam (fp32 moments, plus an fp32 master copy of bf16 weights) divided over the data-parallel
+  replicas with ``--use-distributed-optimizer`` (dense tensors over DP x CP, expert tensors over the expert-data-
+  parallel group DP x CP / EP), and a second copy of the weights for ``--rl-kl-coef`` > 0 (the frozen reference).
+* activations, a rough estimate only: the tokens one micro-batch puts on a rank (``--tree-token-budget`` / CP, and /
+  TP outside attention with sequence parallelism) times the bytes a layer keeps per token for its backward (with
+  ``--recompute-granularity full`` the layer inputs of the rank's layers plus one layer's working set; otherwise
+  about 34 x hidden bytes per token for attention and dense MLP blocks, after Korthikanti et al. 2022 with
+  flash-style attention, and 3 x top-k x expert width x 2 bytes for a MoE block's expert activations), times the
+  micro-batches in flight (PP of them on the first pipeline rank under the 1F1B schedule). Treat it as the order of
+  magnitude; the static part decides whether a layout can work at all.
+
+The verdict compares the total with ``--gpu-memory-gib`` less 10 % (allocator fragmentation, NCCL buffers, the
+CUDA context). ``--json`` prints the plan as one JSON object instead of the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+GIB = 1 << 30
+
+
+def _shapes(bridge, names: list[str], tp: int) -> dict[str, tuple[int, ...]]:
+    """TP-local shape of each canonical tensor in ``names``, through the bridge's HF mapping on the meta device.
+    Tensors of one rule share a shape (every layer, every expert), so each rule is shaped once."""
+    import torch
+
+    by_rule: dict[int, tuple[int, ...]] = {}
+    out = {}
+    for name in names:
+        rule, _ = bridge.rule(name)
+        key = id(rule)
+        if key not in by_rule:
+            hf = {h: torch.empty(bridge.hf_shape(h), device="meta") for h in bridge.hf_names(name)}
+            full = bridge.from_hf(name, hf)
+            by_rule[key] = tuple(bridge.tp_split(name, full, tp)[0].shape)
+        out[name] = by_rule[key]
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def rank_layers(num_layers: int, pp: int, vpp: int | None, pp_rank: int) -> list[int]:
+    """Global layers a pipeline rank holds: one contiguous block, or with VPP its ``vpp`` chunks r, r + pp, ..."""
+    chunks = vpp or 1
+    per = num_layers // (pp * chunks)
+    return [layer for v in range(chunks) for layer in range((v * pp + pp_rank) * per, (v * pp + pp_rank + 1) * per)]
+
+
+def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None = None) -> dict[str, int]:
+    """{"dense", "expert", "buffers"}: elements this (TP, EP) rank of pipeline rank ``pp_rank`` holds. Buffers are
+    the routers' score-correction biases (state, not parameters)."""
+    cfg = bridge.cfg
+    layers = rank_layers(cfg.num_layers, pp, vpp, pp_rank)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    names = bridge.canonical_names(layers)
+    if first:
+        names.insert(0, "embedding.word_embeddings.weight")
+    if last:
+        names.append("decoder.final_layernorm.weight")
+        if not cfg.tie_word_embeddings:
+            names.append("output_layer.weight")
+    shapes = _shapes(bridge, names, tp)
+    out = {"dense": 0, "expert": 0, "buffers": 0}
+    for name in names:
+        n = _numel(shapes[name])
+        if name.endswith("router.expert_bias"):
+            out["buffers"] += n
+        elif bridge.is_expert(name):
+            out["expert"] += n // ep  # every EP rank holds 1/EP of each layer's experts
+        else:
+            out["dense"] += n
+    if last and cfg.tie_word_embeddings and pp > 1:  # Megatron's head keeps its own copy of the tied embedding
+        out["dense"] += _numel(_shapes(bridge, ["embedding.word_embeddings.weight"], tp)[
+            "embedding.word_embeddings.weight"])
+    return out
+
+
+def _activation_bytes(cfg, layers: list[int], moe_layers: int, tokens: float, tp: int, sp: bool,
+                      recompute: str | None, in_flight: int) -> float:
+    """Rough activation memory of one pipeline rank (see the module docstring)."""
+    h = cfg.hidden_size
+    outside = tokens / (tp if sp else 1)  # tokens a rank holds outside attention
+    if recompute == "full":
+        kept = len(layers) * outside * h * 2  # each layer's input, bf16
+        working = tokens * 34 * h / tp  # one layer re-run in the backward
+        return kept * in_flight + working
+    per_token = 34 * h / tp
+    dense = len(layers) - moe_layers
+    moe_extra = 3 * cfg.moe_router_topk * (cfg.moe_ffn_hidden_size or 0) * 2 / tp if moe_layers else 0.0
+    return (dense * per_token + moe_layers * (per_token + moe_extra)) * tokens * in_flight
+
+
+def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,
+         bf16: bool = True, distributed_optimizer: bool = False, kl_reference: bool = False,
+         tokens: int = 8192, recompute: str | None = None, sequence_parallel: bool = False,
+         gpu_memory_gib: float = 80.0) -> dict:
+    """The plan as a dict: layout, per pipeline rank parameters and memory (GiB), and the verdict."""
+    from forge_megatron.bridge import ParallelLayout
+    from forge_megatron.mcore.parallel import ParallelConfig
+
+    cfg = bridge.cfg
+    dp = ParallelConfig(tp=tp, pp=pp, ep=ep, cp=cp).data_parallel_size(world)
+    bridge.check_layout(ParallelLayout(tp=tp, pp=pp, ep=ep))
+    if cfg.num_layers % (pp * (vpp or 1)):
+        raise ValueError(f"pp x vpp = {pp * (vpp or 1)} does not divide num_layers={cfg.num_layers}")
+    weight_bytes = 2 if bf16 else 4
+    opt_bytes = 12 if bf16 else 8  # fp32 Adam moments, and an fp32 master copy of bf16 weights
+    dense_shards = dp * cp if distributed_optimizer else 1
+    expert_shards = max(1, dp * cp // ep) if distributed_optimizer else 1
+    budget = gpu_memory_gib * 0.9
+    ranks = []
+    for r in range(pp):
+        params = rank_params(bridge, tp, pp, ep, r, vpp)
+        n = params["dense"] + params["expert"]
+        layers = rank_layers(cfg.num_layers, pp, vpp, r)
+        moe = sum(bridge.is_moe_layer(layer) for layer in layers)
+        in_flight = min(pp - r, pp) if pp > 1 else 1  # 1F1B: the first rank holds PP micro-batches' activations
+        static = {
+            "weights": n * weight_bytes + params["buffers"] * 4,
+            "grads": n * 4,
+            "optimizer": params["dense"] * opt_bytes / dense_shards + params["expert"] * opt_bytes / expert_shards,
+            "reference": n * weight_bytes if kl_reference else 0,
+        }
+        act = _activation_bytes(cfg, layers, moe, tokens / cp, tp, sequence_parallel, recompute, in_flight)
+        total = sum(static.values()) + act
+        ranks.append({"pp_rank": r, "layers": len(layers), "moe_layers": moe, "params_dense": params["dense"],
+                      "params_expert": params["expert"], **{f"{k}_gib": v / GIB for k, v in static.items()},
+                      "activations_gib_estimate": act / GIB, "total_gib": total / GIB,
+                      "fits": total / GIB <= budget})
+    return {
+        "model": bridge.family.name, "world_size": world, "tp": tp, "pp": pp, "ep": ep, "cp": cp, "dp": dp,
+        "vpp": vpp, "bf16": bf16, "distributed_optimizer": distributed_optimizer, "kl_reference": kl_reference,
+        "tree_token_budget": tokens, "recompute": recompute, "sequence_parallel": sequence_parallel,
+        "gpu_memory_gib": gpu_memory_gib, "budget_gib": budget, "ranks": ranks,
+        "fits": all(x["fits"] for x in ranks),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="forge-plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-checkpoint", required=True, help="HF model directory (or its config.json)")
+    p.add_argument("--world-size", type=int, required=True, help="GPUs of the training job")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights (the trainer's --bf16; fp32 otherwise)")
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--rl-kl-coef", type=float, default=0.0, help="> 0: a frozen reference copy of the weights")
+    p.add_argument("--tree-token-budget", type=int, default=8192, help="unique tokens per micro-batch")
+    p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100 80, H200 141)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    return p
+
+
+def _table(result: dict) -> str:
+    head = (f"{result['model']}: world {result['world_size']} = TP {result['tp']} x PP {result['pp']} x CP "
+            f"{result['cp']} x DP {result['dp']} (EP {result['ep']}{', VPP ' + str(result['vpp']) if result['vpp'] else ''})"
+            f"; {'bf16' if result['bf16'] else 'fp32'} weights, "
+            f"{'distributed' if result['distributed_optimizer'] else 'replicated'} Adam, "
+            f"{result['tree_token_budget']} tree tokens per micro-batch, recompute {result['recompute'] or 'none'}")
+    cols = ("pp_rank", "layers", "params_dense", "params_expert", "weights_gib", "grads_gib", "optimizer_gib",
+            "reference_gib", "activations_gib_estimate", "total_gib")
+    lines = [head, "  ".join(f"{c:>14}" for c in cols)]
+    for r in result["ranks"]:
+        lines.append("  ".join(f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]:>14,}" for c in cols))
+    verdict = "fits" if result["fits"] else "does NOT fit"
+    lines.append(f"{verdict} in {result['gpu_memory_gib']:g} GiB per GPU (budget {result['budget_gib']:.1f} GiB: "
+                 "10 % kept for fragmentation, NCCL and the CUDA context; activations are a rough estimate)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, _ = build_parser().parse_known_args(argv)
+    from forge_megatron.bridge import Bridge, MappingError, UnsupportedModelError
+
+    try:
+        result = plan(Bridge(args.hf_checkpoint), args.world_size, args.tensor_model_parallel_size,
+                      args.pipeline_model_parallel_size, args.expert_model_parallel_size, args.context_parallel_size,
+                      args.num_virtual_stages_per_pipeline_rank, args.bf16, args.use_distributed_optimizer,
+                      args.rl_kl_coef > 0, args.tree_token_budget, args.recompute_granularity,
+                      args.sequence_parallel, args.gpu_memory_gib)
+    except (ValueError, FileNotFoundError, MappingError, UnsupportedModelError) as exc:
+        print(f"forge-plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else _table(result))
+    return 0 if result["fits"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""forge-plan (training/plan.py): the parameters it puts on each rank are those of the models Megatron builds under
+the same layout (TP, PP, EP, VPP, tied embeddings under PP, dense and MoE layers, the routers' bias buffers), its
+static memory is that arithmetic, and the CLI says what does not fit or cannot be laid out."""
+
+import json
+
+import pytest
+
+from forge_megatron.bridge import Bridge
+from forge_megatron.mcore.parallel import ParallelConfig
+from forge_megatron.models.tiny import tiny_config
+from forge_megatron.training import plan
+from tests.dist_utils import run_distributed
+
+ARCHS = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
+
+
+def _hf(arch, **kw):
+    return {**tiny_config(arch, **kw).to_dict(), "architectures": [ARCHS[arch]]}
+
+
+def _built_body(rank, world_size, hf, vpp):
+    """What this rank's Megatron model chunks hold: dense and expert parameters, and the routers' bias buffers."""
+    from megatron.core import parallel_state as ps
+
+    from forge_megatron.mcore.cpu_compat import cuda_factories_to_cpu
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+
+    cfg = Bridge(hf).cfg
+    with cuda_factories_to_cpu():  # tied embeddings under PP call .cuda() at construction
+        chunks = [build_tree_gpt(cfg) if vpp is None else build_tree_gpt(cfg, vp_stage=v) for v in range(vpp or 1)]
+    out = {"dense": 0, "expert": 0, "buffers": 0, "pp_rank": ps.get_pipeline_model_parallel_rank(),
+           "tp_rank": ps.get_tensor_model_parallel_rank()}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            out["expert" if ".mlp.experts." in name else "dense"] += p.numel()
+        out["buffers"] += sum(b.numel() for n, b in chunk.named_buffers() if n.endswith("expert_bias"))
+    return out
+
+
+@pytest.mark.parametrize("arch,kw,parallel,world", [
+    ("glm4_moe", {"num_hidden_layers": 4}, ParallelConfig(tp=2, pp=2), 4),  # dense layer 0, shared experts, biases
+    ("minimax_m2", {}, ParallelConfig(ep=2), 2),  # experts split over EP, all-heads q/k norm weights whole
+    ("qwen3", {"num_hidden_layers": 4, "tie_word_embeddings": True}, ParallelConfig(pp=2, vpp=2), 2),
+], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2"])
+def test_parameters_per_rank_are_what_megatron_builds(arch, kw, parallel, world):
+    hf = _hf(arch, **kw)
+    built = run_distributed(_built_body, world_size=world, parallel=parallel, hf=hf, vpp=parallel.vpp)
+    bridge = Bridge(hf)
+    for got in built:
+        want = plan.rank_params(bridge, parallel.tp, parallel.pp, parallel.ep, got["pp_rank"], parallel.vpp)
+        assert want == {k: got[k] for k in ("dense", "expert", "buffers")}, (got, want)
+    if arch == "minimax_m2":
+        assert built[0]["expert"] > 0 and built[0]["buffers"] == 2 * 4  # two MoE layers' biases over 4 experts
+
+
+def test_static_memory_is_the_trainers_arithmetic():
+    bridge = Bridge(_hf("minimax_m2"))
+    p = plan.plan(bridge, world=4, ep=2, bf16=True, distributed_optimizer=True, kl_reference=True, tokens=64)
+    [rank] = p["ranks"]
+    params = plan.rank_params(bridge, 1, 1, 2, 0)
+    n = params["dense"] + params["expert"]
+    gib = plan.GIB
+    assert p["dp"] == 4 and rank["weights_gib"] == pytest.approx((n * 2 + params["buffers"] * 4) / gib)
+    assert rank["grads_gib"] == pytest.approx(n * 4 / gib) and rank["reference_gib"] == pytest.approx(n * 2 / gib)
+    # Adam in fp32 with a master copy: dense over DP x CP = 4 replicas, experts over DP x CP / EP = 2
+    assert rank["optimizer_gib"] == pytest.approx((params["dense"] * 12 / 4 + params["expert"] * 12 / 2) / gib)
+    fp32 = plan.plan(bridge, world=4, ep=2, bf16=False, tokens=64)["ranks"][0]
+    assert fp32["optimizer_gib"] == pytest.approx(n * 8 / gib) and fp32["weights_gib"] > rank["weights_gib"]
+    full = plan.plan(bridge, world=4, ep=2, tokens=64, recompute="full")["ranks"][0]
+    assert 0 < full["activations_gib_estimate"] < rank["activations_gib_estimate"]
+
+
+def test_cli_tables_json_and_errors(tmp_path, capsys):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(_hf("glm4_moe", num_hidden_layers=4)))
+    common = ["--hf-checkpoint", str(d), "--world-size", "8", "--tensor-model-parallel-size", "2",
+              "--pipeline-model-parallel-size", "2", "--lr", "1e-5", "--train-iters", "9"]  # trainer flags: ignored
+    assert plan.main(common) == 0
+    out = capsys.readouterr().out
+    assert "TP 2 x PP 2 x CP 1 x DP 2" in out and "fits in 80 GiB per GPU" in out
+    assert plan.main(common + ["--json", "--gpu-memory-gib", "1e-6"]) == 1  # does not fit: exit 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["fits"] is False and [r["pp_rank"] for r in result["ranks"]] == [0, 1]
+    assert plan.main(common + ["--world-size", "6"]) == 2  # the last value counts, as in argparse
+    assert "world size 6 is not divisible by tp*pp*cp = 4" in capsys.readouterr().err
+    assert plan.main(common + ["--expert-model-parallel-size", "3"]) == 2
+    assert "ep=3 must divide dp*cp = 2" in capsys.readouterr().err
