@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
@@ -202,9 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     from forge_megatron.bridge import Bridge, MappingError, UnsupportedModelError
 
     try:
-        result = plan(Bridge(args.hf_checkpoint), args.world_size, args.tensor_model_parallel_size,
+        bridge = Bridge(args.hf_checkpoint)
+        vpp = args.num_virtual_stages_per_pipeline_rank
+        if args.num_layers_per_virtual_pipeline_stage:  # Megatron's other spelling of the interleaved schedule
+            vpp = bridge.cfg.num_layers // (args.pipeline_model_parallel_size
+                                            * args.num_layers_per_virtual_pipeline_stage)
+        result = plan(bridge, args.world_size, args.tensor_model_parallel_size,
                       args.pipeline_model_parallel_size, args.expert_model_parallel_size, args.context_parallel_size,
-                      args.num_virtual_stages_per_pipeline_rank, args.bf16, args.use_distributed_optimizer,
+                      vpp, args.bf16, args.use_distributed_optimizer,
                       args.rl_kl_coef > 0, args.tree_token_budget, args.recompute_granularity,
                       args.sequence_parallel, args.gpu_memory_gib)
     except (ValueError, FileNotFoundError, MappingError, UnsupportedModelError) as exc:

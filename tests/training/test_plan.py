@@ -83,6 +83,8 @@ def test_cli_tables_json_and_errors(tmp_path, capsys):
     assert plan.main(common + ["--json", "--gpu-memory-gib", "1e-6"]) == 1  # does not fit: exit 1
     result = json.loads(capsys.readouterr().out)
     assert result["fits"] is False and [r["pp_rank"] for r in result["ranks"]] == [0, 1]
+    assert plan.main(common + ["--json", "--num-layers-per-virtual-pipeline-stage", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["vpp"] == 2  # 4 layers / (PP 2 x 1 layer per stage)
     assert plan.main(common + ["--world-size", "6"]) == 2  # the last value counts, as in argparse
     assert "world size 6 is not divisible by tp*pp*cp = 4" in capsys.readouterr().err
     assert plan.main(common + ["--expert-model-parallel-size", "3"]) == 2
