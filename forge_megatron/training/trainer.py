@@ -300,6 +300,8 @@ class Trainer:
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.cfg = model_config(args, self.bridge)
         self.loss_cfg = arguments.loss_config(args)
+        if self.rank == 0:
+            self._log_memory_plan()
         self.domains = sorted(args.domain_ratios)
         # model chunks (one per virtual pipeline stage; one without interleaving) and their DDP wrappers
         self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(args, self.cfg)
@@ -328,6 +330,27 @@ class Trainer:
         self._resume_or_init()
 
     # -- set-up ------------------------------------------------------------------------------------------
+    def _log_memory_plan(self) -> None:
+        """What forge-plan says this layout puts on each GPU (parameters exactly, memory roughly), in the log."""
+        from forge_megatron.training import plan
+
+        a = self.args
+        try:
+            result = plan.plan(self.bridge, dist.get_world_size(), a.tensor_model_parallel_size,
+                               a.pipeline_model_parallel_size, a.expert_model_parallel_size, a.context_parallel_size,
+                               arguments.virtual_pipeline_size(a, self.bridge.cfg.num_layers), a.bf16,
+                               a.use_distributed_optimizer, self.loss_cfg.kl_coef > 0, a.tree_token_budget,
+                               a.recompute_granularity, bool(getattr(a, "sequence_parallel", False)))
+        except Exception as exc:  # noqa: BLE001 - a report, never a reason to stop
+            log.warning("memory plan unavailable: %s", exc)
+            return
+        for r in result["ranks"]:
+            static = r["weights_gib"] + r["grads_gib"] + r["optimizer_gib"] + r["reference_gib"]
+            self._log(f"memory plan, pipeline rank {r['pp_rank']}: {r['params_dense'] + r['params_expert']:,} "
+                      f"parameters per GPU ({r['params_expert']:,} in experts), {static:.2f} GiB of weights, "
+                      f"gradients and optimizer state, about {r['activations_gib_estimate']:.2f} GiB of "
+                      "activations (forge-plan)")
+
     def _pool_client(self):
         from forge_megatron.middleware.transport import PoolClient
 

@@ -425,14 +425,20 @@ def test_minimax_m2_trains_the_same_under_tensor_and_expert_parallelism(tmp_path
     all-reduced sum of squares, whose backward all-reduces too) and EP = 2 train the same two steps as one rank."""
     model_dir = build_tiny_model(str(tmp_path / "minimax_m2"), arch="minimax_m2", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
-    steps = {}
+    steps, logs = {}, {}
     for name, extra, nproc in (
             ("one", [], 1),
             ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
             ("ep2", ["--expert-model-parallel-size", "2"], 2)):
-        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
-                                              extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
-                                              model=[])
+        steps[name], logs[name], _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1,
+                                                       nproc=nproc, model=[],
+                                                       extra=extra + ["--routing-replay", "--tree-token-budget", "18"])
+    # the start-up log says what forge-plan says each GPU holds
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.training.plan import rank_params
+
+    held = rank_params(Bridge(model_dir), 2, 1, 1, 0)
+    assert f"memory plan, pipeline rank 0: {held['dense'] + held['expert']:,} parameters per GPU" in logs["tp2sp"][0]
     assert [len(v) for v in steps.values()] == [2, 2, 2]
     for other in ("tp2sp", "ep2"):
         keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
