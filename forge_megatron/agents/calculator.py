@@ -10,7 +10,9 @@ does not ask for it.)
 
 Run as a program it is a black-box agent for :class:`forge_megatron.agents.runner.CommandAgent`: it reads
 ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (the official client's own variables) and ``FORGE_TASK_PROMPT``, and prints
-its final answer as the last line of stdout. With ``--serve`` it is a black-box agent *service* for
+its final answer as the last line of stdout; ``--api responses`` makes it call the model through the Responses API
+(``client.responses.create``, as Codex-style agents do) instead of chat completions. With ``--serve`` it is a
+black-box agent *service* for
 :class:`~forge_megatron.agents.runner.HttpAgent` (one long-lived process instead of one process per episode):
 ``POST / {"task", "base_url", "api_key"}`` -> ``{"output"}``.
 
@@ -84,9 +86,23 @@ def sft_conversations(tasks: list[Task], tool_fraction: float, seed: int = 0) ->
     return chats
 
 
-def solve(prompt: str, client, model: str = "forge", max_tokens: int = 48, temperature: float = 1.0) -> str:
-    """One model call with an ``openai.OpenAI`` client: the calculator's output if the model called it, else the
-    model's text."""
+APIS = ("chat", "responses")
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat tool form
+
+
+def solve(prompt: str, client, model: str = "forge", max_tokens: int = 48, temperature: float = 1.0,
+          api: str = "chat") -> str:
+    """One model call with an ``openai.OpenAI`` client, through chat completions or the Responses API (``api``):
+    the calculator's output if the model called it, else the model's text."""
+    if api == "responses":
+        reply = client.responses.create(model=model, input=prompt, tools=RESPONSES_TOOLS,
+                                        max_output_tokens=max_tokens, temperature=temperature)
+        calls = [item for item in reply.output if item.type == "function_call"]
+        if calls:
+            return _run_tool(calls[0], prompt)
+        return reply.output_text.strip()
+    if api != "chat":
+        raise ValueError(f"api must be one of {APIS}, got {api!r}")
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], tools=TOOLS,
                                            max_tokens=max_tokens, temperature=temperature).choices[0].message
     if reply.tool_calls:
@@ -95,7 +111,8 @@ def solve(prompt: str, client, model: str = "forge", max_tokens: int = 48, tempe
 
 
 def _run_tool(function, task_prompt: str) -> str:
-    """The calculator evaluates the task's expression; a wrong tool name or non-JSON arguments get an error."""
+    """The calculator evaluates the task's expression; a wrong tool name or non-JSON arguments get an error.
+    ``function``: a chat tool call's function or a Responses function_call item (both have name and arguments)."""
     if function.name != TOOL_NAME:
         return f"error: unknown tool {function.name!r}"
     try:
@@ -106,6 +123,8 @@ def _run_tool(function, task_prompt: str) -> str:
 
 
 class _AgentHandler(BaseHTTPRequestHandler):
+    api = "chat"  # set by main(--api)
+
     def do_POST(self):  # noqa: N802 - http.server's naming
         import openai
 
@@ -116,7 +135,7 @@ class _AgentHandler(BaseHTTPRequestHandler):
             return self._answer(400, {"error": f"expected {{task: {{prompt}}, base_url, api_key}}: {exc}"})
         client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=120.0, max_retries=0)
         try:
-            output = solve(prompt, client)
+            output = solve(prompt, client, api=self.api)
         except openai.OpenAIError as exc:
             return self._answer(502, {"error": str(exc)})
         finally:
@@ -144,9 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve", action="store_true", help="run as an HTTP agent service instead of one episode")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--api", choices=APIS, default="chat",
+                   help="how the agent calls the model: chat completions, or the Responses API (as Codex-style "
+                        "agents do); the gateway records both alike")
     args = p.parse_args(argv)
     if args.serve:
-        server = ThreadingHTTPServer((args.host, args.port), _AgentHandler)
+        handler = type("_Handler", (_AgentHandler,), {"api": args.api})
+        server = ThreadingHTTPServer((args.host, args.port), handler)
         print(f"FORGE_READY port={server.server_address[1]}", flush=True)
         server.serve_forever()
         return 0
@@ -154,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if prompt is None:
         raise SystemExit("FORGE_TASK_PROMPT is not set (run me through forge's CommandAgent)")
     client = openai.OpenAI(timeout=120.0, max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
-    print(solve(prompt, client, model=os.environ.get("FORGE_MODEL", "forge")))
+    print(solve(prompt, client, model=os.environ.get("FORGE_MODEL", "forge"), api=args.api))
     return 0
 
 

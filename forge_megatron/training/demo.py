@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "gpt_oss: attention sinks, a sliding window on every other layer, biased experts with the "
                         "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
                         "q/k RMSNorms over all heads)")
+    p.add_argument("--agent-api", choices=calculator.APIS, default="chat",
+                   help="how the calculator agent calls the model: chat completions (default) or the OpenAI "
+                        "Responses API (Codex-style agents); the gateway records and trains both alike")
     p.add_argument("--fp8", action="store_true",
                    help="the engine serves a block-wise FP8 copy of the SFT model (forge-convert hf-to-fp8, 32 x 32 "
                         "blocks) and the trainer syncs FP8 weights to it (--weight-sync-fp8)")
@@ -170,7 +173,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
                             "--train-batch-groups", str(args.groups_per_step), "--default-max-tokens", "48",
                             "--policy-sampling",
                             *(["--return-routed-experts"] if args.moe else [])])
-    agent = procs.server("calculator agent", "forge_megatron.agents.calculator", ["--serve"])
+    agent = procs.server("calculator agent", "forge_megatron.agents.calculator", ["--serve", "--api", args.agent_api])
     evals_path = os.path.join(out, "evals.jsonl")
     eval_flags = []
     if args.eval_tasks:

@@ -74,6 +74,30 @@ def test_white_box_and_black_box_episodes_are_recorded(stack):
         assert r.reward == exact_match(task, r.output) and episodes[r.session_id].reward == r.reward
 
 
+def test_the_agent_through_the_responses_api_records_what_chat_records(stack):
+    """The calculator agent with --api responses (client.responses.create, as Codex-style agents call models): at
+    temperature 0 it gives the same answer as through chat completions, and the episodes hold the same tokens."""
+    import openai
+
+    gw, sink = stack["gateway"], stack["sink"]
+    task = calculator.make_tasks(1, seed=7)[0]
+    group = gw.create_group(task.task_id, 2, task.domain)
+    before = len(sink.episodes)
+    outputs = {}
+    for api in calculator.APIS:
+        def agent(t, session, api=api):
+            with openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0) as client:
+                outputs[api] = calculator.solve(t.prompt, client, max_tokens=16, temperature=0.0, api=api)
+            return EpisodeResult(output=outputs[api])
+        assert run_episode(gw, PythonAgent(agent), task, group).status == "finished"
+    chat, responses = sink.episodes[before:before + 2]
+    assert outputs["chat"] == outputs["responses"]
+    assert [s.tokens for s in chat.segments] == [s.tokens for s in responses.segments]
+    assert [s.loss_mask for s in chat.segments] == [s.loss_mask for s in responses.segments]
+    with pytest.raises(ValueError, match="api must be one of"):
+        calculator.solve("1+1", None, api="grpc")
+
+
 def test_timeouts_and_failures_end_the_episode(stack):
     gw, sink = stack["gateway"], stack["sink"]
     task = Task(task_id="slow", prompt="1+1", answer="2")
