@@ -4,6 +4,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -142,6 +143,35 @@ def test_dry_run_with_an_fp8_rollout_checkpoint(tmp_path):
     (trainer,) = [c for c in cmds if "torchrun" in c]
     args = arguments.parse_args(trainer[next(i for i, a in enumerate(trainer) if a.endswith("train_forge.py")) + 1:])
     assert args.weight_sync_fp8 == str(fp8) and args.hf_checkpoint == "/models/Qwen3-30B-A3B"
+
+
+def test_dry_run_checks_the_memory_plan(tmp_path):
+    """With the checkpoint's config.json at hand the plan includes forge-plan's table; a layout that may not fit
+    is warned of, one the model cannot take stops the job; without a config the check is skipped, said so."""
+    import json
+
+    from forge_megatron.models.tiny import tiny_config
+
+    hf = tmp_path / "tiny"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({**tiny_config("qwen3").to_dict(),
+                                                "architectures": ["Qwen3ForCausalLM"]}))
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # this venv's python
+    base = dict(MODEL="tiny", HF_CHECKPOINT=str(hf), TRAIN_NODES=1, GPUS_PER_NODE=2, ENGINE_TP=1, TP=2, PP=1,
+                EP=1, CP=1, PATH=path)
+    out = _dry_run(**base)
+    assert out.returncode == 0, out.stderr
+    assert "plan: qwen3: world 2 = TP 2 x PP 1 x CP 1 x DP 1" in out.stdout and "plan: fits in 80 GiB" in out.stdout
+    out = _dry_run(**base, GPU_MEMORY_GIB="0.000001")
+    assert out.returncode == 0 and "plan: WARNING: the trainer may not fit" in out.stdout
+    out = _dry_run(**{**base, "TP": 1, "PP": 2})  # the tiny model's 2 layers over PP 2 work; 3 heads would not
+    assert out.returncode == 0, out.stderr
+    (hf / "config.json").write_text(json.dumps({**tiny_config("qwen3", num_key_value_heads=1).to_dict(),
+                                                "architectures": ["Qwen3ForCausalLM"]}))
+    out = _dry_run(**base)
+    assert out.returncode != 0 and "tp=2 does not divide num_query_groups=1" in out.stderr + out.stdout
+    out = _dry_run(**{**base, "HF_CHECKPOINT": str(tmp_path / "absent")})
+    assert out.returncode == 0 and "memory per trainer GPU not checked" in out.stdout
 
 
 @pytest.mark.parametrize("env, message", [
