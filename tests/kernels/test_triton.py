@@ -46,6 +46,19 @@ def test_sinks_and_sliding_window(case, window, with_sinks):
     check_sinks_and_window(tree_attention_triton, CASES[case], N=4, K=2, H=16, window=window, with_sinks=with_sinks)
 
 
+@pytest.mark.parametrize("window", [5, 34, 200])
+def test_window_skips_tiles_far_above_their_queries(window):
+    """A 160-token chain (an agent episode) under the interpreter's 32 x 32 tiles: with a window of W levels the
+    kernels skip the key tiles that every query of a tile sees W or more levels above it, and still equal the
+    reference, forward and backward (W = 34 is the boundary: query 96 and key 63 are 33 levels apart, so the tile of
+    keys 32-63 must be computed for queries 96-127); fewer tiles are computed than without a window, as many when the
+    window spans the chain."""
+    sub_end = sub_end_from_samples([list(range(160))])
+    live, without = triton_kernel.window_live_tiles(sub_end, window, 32, 32)
+    assert without == 15 and live == {5: 9, 34: 12, 200: 15}[window]
+    check_sinks_and_window(tree_attention_triton, sub_end, N=2, K=1, H=16, window=window, with_sinks=True)
+
+
 def test_sinks_and_window_with_suffix_queries_and_narrow_values():
     """The all-gather CP mode's suffix queries with sinks and a window (depths from the clamped sub_end)."""
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference

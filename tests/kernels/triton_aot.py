@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from forge_megatron.kernels.tree_attention import triton_kernel as tk
 
 TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-INT_POINTER_ARGS = {"SUB_END", "KMIN", "KMAX", "DEPTH"}
+INT_POINTER_ARGS = {"SUB_END", "KMIN", "KMAX", "DEPTH", "KDMAX", "QDMIN"}
 FP32_POINTER_ARGS = {"LSE", "DELTA", "SINKS"}
 FLOAT_ARGS = {"qk_scale", "scale"}
 COMPUTE = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}

@@ -20,7 +20,10 @@ and the tile tests use tree positions, rows of q/o/lse are positions minus T - T
 Attention sinks (ops.py) start each row's online softmax at the head's sink logit with nothing accumulated
 (m = sink, l = 1), so o and lse include them and the backward is unchanged (its P comes from that lse). A sliding
 window (WINDOW > 0) masks keys whose depth (DEPTH, ops.depths) is WINDOW or more below the query's; every tile is then
-masked element-wise (no full-tile fast path).
+masked element-wise (no full-tile fast path), and a tile whose keys all lie WINDOW or more levels above every query
+of it (max depth of the key block, KDMAX, + WINDOW <= min depth of the query block, QDMIN) is skipped like an empty
+one: along an agent episode's chain depth grows with position, so a windowed layer visits about T x W / BLOCK^2
+tiles instead of T^2 / 2 BLOCK^2 (``window_live_tiles`` counts them).
 
 Value heads may differ in size from query/key heads (multi-latent attention: H = 192, HV = 128): v, o, dO and dV
 tiles are BLOCK_HV wide, q, k, dQ and dK tiles BLOCK_H.
@@ -106,7 +109,7 @@ def _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, SUB_END, KMIN, KMAX, O, LSE, SINKS, DEPTH,
+    Q, K, V, SUB_END, KMIN, KMAX, O, LSE, SINKS, DEPTH, KDMAX, QDMIN,
     T, TQ, H, HV, qk_scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -131,8 +134,13 @@ def _fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
+    if WINDOW > 0:
+        qdmin = tl.load(QDMIN + tl.program_id(0))
     for kb in range(0, tl.cdiv(q_hi, BLOCK_N)):
-        if tl.load(KMAX + kb) > q_lo:  # otherwise the tile is empty
+        live = tl.load(KMAX + kb) > q_lo  # otherwise the tile is empty
+        if WINDOW > 0:  # or every key is WINDOW or more levels above every query
+            live = live & (tl.load(KDMAX + kb) + WINDOW > qdmin)
+        if live:
             k_lo = kb * BLOCK_N
             offs_n = k_lo + tl.arange(0, BLOCK_N)
             k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
@@ -155,7 +163,7 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DQ, DEPTH,
+    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DQ, DEPTH, KDMAX, QDMIN,
     T, TQ, H, HV, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -175,8 +183,13 @@ def _bwd_dq_kernel(
     V_head = V + (n // GROUP) * stride_vn
 
     dq = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    if WINDOW > 0:
+        qdmin = tl.load(QDMIN + tl.program_id(0))
     for kb in range(0, tl.cdiv(q_hi, BLOCK_N)):
-        if tl.load(KMAX + kb) > q_lo:  # otherwise the tile is empty
+        live = tl.load(KMAX + kb) > q_lo  # otherwise the tile is empty
+        if WINDOW > 0:  # or every key is WINDOW or more levels above every query
+            live = live & (tl.load(KDMAX + kb) + WINDOW > qdmin)
+        if live:
             k_lo = kb * BLOCK_N
             offs_n = k_lo + tl.arange(0, BLOCK_N)
             k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
@@ -190,7 +203,7 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DK, DV, DEPTH,
+    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DK, DV, DEPTH, KDMAX, QDMIN,
     T, TQ, H, HV, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -213,20 +226,27 @@ def _bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_HV], tl.float32)
+    if WINDOW > 0:
+        kdmax = tl.load(KDMAX + kb)
     for g in range(GROUP):
         n = kv * GROUP + g
         for qb in range(qb_start, qb_end):
-            q_lo = q0 + qb * BLOCK_M
-            q_hi = tl.minimum(q_lo + BLOCK_M, T)
-            offs_m = q_lo + tl.arange(0, BLOCK_M)
-            q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
-            do = _load_rows(DO + n * stride_on, offs_m - q0, TQ, stride_ot, offs_hv, HV, COMPUTE)
-            lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
-            p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale, DEPTH,
-                               WINDOW, BLOCK_N, DOT_PRECISION)
-            dv += tl.dot(tl.trans(p.to(COMPUTE)), do, input_precision=DOT_PRECISION)
-            ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(COMPUTE)), q, input_precision=DOT_PRECISION)
+            if WINDOW > 0:  # a query block whose every query is WINDOW or more levels below every key: skipped
+                live = tl.load(QDMIN + qb) < kdmax + WINDOW
+            else:
+                live = qb >= qb_start
+            if live:
+                q_lo = q0 + qb * BLOCK_M
+                q_hi = tl.minimum(q_lo + BLOCK_M, T)
+                offs_m = q_lo + tl.arange(0, BLOCK_M)
+                q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
+                do = _load_rows(DO + n * stride_on, offs_m - q0, TQ, stride_ot, offs_hv, HV, COMPUTE)
+                lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
+                p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale,
+                                   DEPTH, WINDOW, BLOCK_N, DOT_PRECISION)
+                dv += tl.dot(tl.trans(p.to(COMPUTE)), do, input_precision=DOT_PRECISION)
+                ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
+                dk += tl.dot(tl.trans(ds.to(COMPUTE)), q, input_precision=DOT_PRECISION)
     _store_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
     _store_rows(DV + kv * stride_vn, dv, offs_n, T, stride_vt, offs_hv, HV)
 
@@ -273,9 +293,37 @@ def key_block_bounds(sub_end_T: torch.Tensor, block_n: int) -> tuple[torch.Tenso
     return kmin_B, kmax_B
 
 
-def _depth_arg(sub_end_T: torch.Tensor, window: int) -> torch.Tensor:
-    """The depth array the window mask reads (a placeholder pointer without a window)."""
-    return depths(sub_end_T) if window else sub_end_T
+def _depth_args(sub_end_T: torch.Tensor, window: int, TQ: int, block_m: int, block_n: int):
+    """(DEPTH, KDMAX, QDMIN) for the window: every token's depth, the max depth of each key block and the min depth
+    of each query block (queries are the last TQ tokens, tiled from T - TQ); placeholder pointers without a
+    window."""
+    if not window:
+        return sub_end_T, sub_end_T, sub_end_T
+    depth_T = depths(sub_end_T)
+    T = depth_T.shape[0]
+    keys = torch.full((triton.cdiv(T, block_n) * block_n,), -1, dtype=torch.int32, device=depth_T.device)
+    keys[:T] = depth_T
+    queries = torch.full((triton.cdiv(TQ, block_m) * block_m,), 2**31 - 1, dtype=torch.int32, device=depth_T.device)
+    queries[:TQ] = depth_T[T - TQ:]
+    return depth_T, keys.view(-1, block_n).amax(1), queries.view(-1, block_m).amin(1)
+
+
+def window_live_tiles(sub_end_T: torch.Tensor, window: int, block_m: int, block_n: int) -> tuple[int, int]:
+    """(tiles the forward computes with this window, tiles it computes without one) for a whole tree: the same
+    tests as the kernel (empty by sub_end, and by depth with a window). For benchmarks and tests."""
+    T = sub_end_T.shape[0]
+    kmax = torch.zeros(triton.cdiv(T, block_n) * block_n, dtype=torch.int64)
+    kmax[:T] = sub_end_T.long().cpu()
+    kmax = kmax.view(-1, block_n).amax(1)
+    _, kdmax, qdmin = _depth_args(sub_end_T.cpu(), window or 1, T, block_m, block_n)
+    live = without = 0
+    for qb in range(triton.cdiv(T, block_m)):
+        q_lo, q_hi = qb * block_m, min(qb * block_m + block_m, T)
+        for kb in range(triton.cdiv(q_hi, block_n)):
+            if int(kmax[kb]) > q_lo:
+                without += 1
+                live += not window or int(kdmax[kb]) + window > int(qdmin[qb])
+    return live, without
 
 
 def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0):
@@ -290,7 +338,7 @@ def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0):
     grid = (triton.cdiv(Tq, cfg["BLOCK_M"]), N)
     _fwd_kernel[grid](
         q_TNH, k_TKH, v_TKH, sub_end_T, kmin_B, kmax_B, o_TNH, lse_NT,
-        sinks_N if sinks_N is not None else lse_NT, _depth_arg(sub_end_T, window),
+        sinks_N if sinks_N is not None else lse_NT, *_depth_args(sub_end_T, window, Tq, cfg["BLOCK_M"], cfg["BLOCK_N"]),
         T, Tq, H, HV, scale * LOG2E,
         q_TNH.stride(0), q_TNH.stride(1), k_TKH.stride(0), k_TKH.stride(1), v_TKH.stride(0), v_TKH.stride(1),
         o_TNH.stride(0), o_TNH.stride(1), GROUP=N // k_TKH.shape[1], HAS_SINKS=sinks_N is not None,
@@ -314,12 +362,12 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, wind
                   stride_qn=q_TNH.stride(1), stride_kt=k_TKH.stride(0), stride_kn=k_TKH.stride(1),
                   stride_vt=v_TKH.stride(0), stride_vn=v_TKH.stride(1), stride_ot=do_TNH.stride(0),
                   stride_on=do_TNH.stride(1), GROUP=N // K, WINDOW=int(window), **cfg)
-    depth_T = _depth_arg(sub_end_T, window)
+    depth = _depth_args(sub_end_T, window, Tq, cfg["BLOCK_M"], cfg["BLOCK_N"])
     _bwd_dq_kernel[(triton.cdiv(Tq, cfg["BLOCK_M"]), N)](
-        q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dq_TNH, depth_T, **common
+        q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dq_TNH, *depth, **common
     )
     _bwd_dkdv_kernel[(kmin_B.shape[0], K)](
-        q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dk_TKH, dv_TKH, depth_T, **common
+        q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dk_TKH, dv_TKH, *depth, **common
     )
     return dq_TNH, dk_TKH, dv_TKH
 
