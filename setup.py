@@ -100,7 +100,9 @@ setup(
         "accelerate",  # transformers loads FP8 checkpoints (forge-engine serving one) only with it
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "triton>=3.0", "openai>=1.0", "anthropic>=0.40", "pybind11>=2.12", "matplotlib"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "triton>=3.0", "openai>=1.0", "anthropic>=0.40",
+                 "pybind11>=2.12", "matplotlib",
+                 "compressed-tensors"],  # the reference for int4-to-bf16's dequantisation
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={

@@ -173,9 +173,12 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if quantization and not family.gpt_oss:  # gpt-oss: its MXFP4 message above
         from forge_megatron.weight_sync.fp8 import Fp8Config
 
-        if quantization.get("quant_method") != "fp8":
-            raise UnsupportedModelError(f"a {quantization.get('quant_method')} checkpoint: only block-wise fp8 "
-                                        "checkpoints are read (dequantized); convert others to bf16 first")
+        method = quantization.get("quant_method")
+        if method != "fp8":
+            hint = " (compressed-tensors int4, e.g. Kimi-K2-Thinking: forge-convert int4-to-bf16 --hf-dir DIR --out " \
+                   "DIR_BF16)" if method == "compressed-tensors" else ""
+            raise UnsupportedModelError(f"a {method} checkpoint: only block-wise fp8 checkpoints are read "
+                                        f"(dequantized); train and serve a bf16 copy of others{hint}")
         try:
             Fp8Config.from_hf(quantization)
         except ValueError as exc:

@@ -429,8 +429,6 @@ def mxfp4_to_bf16(hf_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> 
     the bf16 tensor ``X``; the rest is copied; config.json without its ``quantization_config``; the tokenizer files
     copied). One tensor at a time, so a 120B checkpoint needs memory for one layer's experts, not the model.
     Returns a summary (tensors in, dequantized, bytes out)."""
-    from forge_megatron.convert.trainer_checkpoint import TOKENIZER_FILES
-
     if os.path.abspath(hf_dir) == os.path.abspath(out_dir):
         raise ValueError("--out must differ from --hf-dir")
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -459,10 +457,91 @@ def mxfp4_to_bf16(hf_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> 
             stats["bytes_out"] += t.numel() * t.element_size()
             yield name, t
 
+    _write_unquantized(hf_dir, out_dir, hf_config, tensors(), len(names), max_shard_bytes)
+    return stats
+
+
+def _write_unquantized(hf_dir: str, out_dir: str, hf_config: dict, tensors, total: int, max_shard_bytes: int) -> None:
+    """Save dequantized ``tensors`` with the config less its ``quantization_config``, and copy the tokenizer."""
+    from forge_megatron.convert.trainer_checkpoint import TOKENIZER_FILES
+
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
-    save_hf(tensors(), out_dir, config, max_shard_bytes, total=len(names))
+    save_hf(tensors, out_dir, config, max_shard_bytes, total=total)
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(hf_dir, name)):
             with open(os.path.join(hf_dir, name), "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
                 dst.write(src.read())
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, shape, group_size: int) -> torch.Tensor:
+    """bf16 [rows, cols] of a compressed-tensors ``pack-quantized`` int4 weight: eight 4-bit values per int32 along
+    each row, value i at bits 4i..4i+3 stored as q + 8 (q in [-8, 7]); symmetric, one scale per ``group_size``
+    columns: w = q x scale[row, col // group_size]. Bit operations, so the host's byte order does not matter."""
+    rows, cols = (int(x) for x in shape)
+    if packed.dtype != torch.int32 or packed.shape[0] != rows or packed.shape[1] * 8 < cols:
+        raise ValueError(f"packed int4 weight {tuple(packed.shape)} {packed.dtype} does not hold a [{rows}, {cols}] "
+                         "weight (int32, eight values per word)")
+    if scale.shape != (rows, -(-cols // group_size)):
+        raise ValueError(f"int4 scales {tuple(scale.shape)} are not one per {group_size} columns of [{rows}, {cols}]")
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    q = ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(rows, -1)[:, :cols] - 8
+    full = scale.float().repeat_interleave(group_size, dim=1)[:, :cols]
+    return (q.float() * full).to(torch.bfloat16)
+
+
+def _int4_group_size(quantization: dict) -> int:
+    """The group size of a compressed-tensors int4 config this converter reads (pack-quantized, symmetric, group
+    strategy); a clear error for anything else."""
+    if quantization.get("quant_method") != "compressed-tensors" or quantization.get("format") != "pack-quantized":
+        raise ValueError(f"not a compressed-tensors pack-quantized checkpoint (quant_method "
+                         f"{quantization.get('quant_method')!r}, format {quantization.get('format')!r})")
+    sizes = set()
+    for name, group in (quantization.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        if (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy")) != (4, "int", True, "group") \
+                or group.get("input_activations"):
+            raise ValueError(f"config group {name!r}: only 4-bit symmetric group-wise integer weights without "
+                             f"activation quantization are read, got weights {w}")
+        sizes.add(int(w["group_size"]))
+    if len(sizes) != 1:
+        raise ValueError(f"expected one int4 group size, got {sorted(sizes) or 'none'}")
+    return sizes.pop()
+
+
+def int4_to_bf16(hf_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> dict:
+    """Write a bf16 copy of a compressed-tensors int4 checkpoint (Kimi-K2-Thinking as released: each
+    ``X.weight_packed`` / ``X.weight_scale`` / ``X.weight_shape`` triple becomes the bf16 ``X.weight``; the rest is
+    copied; config.json without its ``quantization_config``; the tokenizer files copied), one tensor at a time.
+    Returns a summary (tensors in, dequantized, bytes out)."""
+    if os.path.abspath(hf_dir) == os.path.abspath(out_dir):
+        raise ValueError("--out must differ from --hf-dir")
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    group_size = _int4_group_size(hf_config.get("quantization_config") or {})
+    reader = HFReader(hf_dir)
+    names = reader.names()
+    stats = {"tensors": len(names), "dequantized": 0, "bytes_out": 0}
+    parts = (".weight_packed", ".weight_scale", ".weight_shape")
+
+    def tensors():
+        for name in sorted(names):
+            if name.endswith(parts[1:]) and name.rsplit(".", 1)[0] + parts[0] in names:
+                continue
+            if name.endswith(parts[0]):
+                base = name[: -len(parts[0])]
+                missing = [base + p for p in parts if base + p not in names]
+                if missing or base + ".weight_zero_point" in names:
+                    raise ValueError(f"{name!r}: " + (f"{missing[0]!r} is missing" if missing else
+                                                       "asymmetric int4 (a weight_zero_point) is not supported"))
+                got = reader.get([base + p for p in parts])
+                t = dequantize_int4(got[base + parts[0]], got[base + parts[1]], got[base + parts[2]].tolist(),
+                                    group_size)
+                name = base + ".weight"
+                stats["dequantized"] += 1
+            else:
+                t = reader.get([name])[name]
+            stats["bytes_out"] += t.numel() * t.element_size()
+            yield name, t
+
+    _write_unquantized(hf_dir, out_dir, hf_config, tensors(), len(names), max_shard_bytes)
     return stats

@@ -6,6 +6,7 @@
     forge-convert trainer-to-hf --save-dir runs/x/checkpoints --out Qwen3-8B-rl-step500 [--iteration 500]
     forge-convert hf-to-fp8 --hf-dir Qwen3-30B-A3B --out Qwen3-30B-A3B-FP8 [--block 128 128]
     forge-convert mxfp4-to-bf16 --hf-dir gpt-oss-20b --out gpt-oss-20b-bf16
+    forge-convert int4-to-bf16 --hf-dir Kimi-K2-Thinking --out Kimi-K2-Thinking-bf16
 
 Megatron checkpoints are written in the per-rank ``torch`` format (``--ckpt-format torch``); for ``torch_dist`` run
 ``torchrun ... -m forge_megatron.convert.torch_dist`` (see docs/conversion.md).
@@ -66,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-dir", required=True, help="HF model directory with quantization_config quant_method mxfp4")
     p.add_argument("--out", required=True, help="output HF directory (bf16, no quantization_config, the tokenizer)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GiB (default 5)")
+    p = sub.add_parser("int4-to-bf16", help="compressed-tensors int4 HF checkpoint (Kimi-K2-Thinking as released) -> "
+                                            "bf16 copy to train and serve for RL (tensor by tensor)")
+    p.add_argument("--hf-dir", required=True, help="HF model directory with quantization_config quant_method "
+                                                   "compressed-tensors, format pack-quantized (int4, symmetric, groups)")
+    p.add_argument("--out", required=True, help="output HF directory (bf16, no quantization_config, the tokenizer)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GiB (default 5)")
     p = sub.add_parser("reshard", help="Megatron torch checkpoint -> the same with another TP/PP/EP layout")
     p.add_argument("--mcore-dir", required=True, help="Megatron checkpoint written by forge-convert")
     p.add_argument("--out", required=True, help="output Megatron checkpoint directory")
@@ -95,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
                                      tuple(x for x in args.skip.split(",") if x), int(args.max_shard_gb * (1 << 30)))
             print(f"forge-convert: {s['quantized']} of {s['tensors']} tensors to FP8 (block {args.block}), "
                   f"{s['bytes_in'] / 2**20:.1f} MiB -> {s['bytes_out'] / 2**20:.1f} MiB")
-        elif args.command == "mxfp4-to-bf16":
-            s = checkpoint.mxfp4_to_bf16(args.hf_dir, args.out, int(args.max_shard_gb * (1 << 30)))
-            print(f"forge-convert: {s['dequantized']} MXFP4 tensors to bf16 ({s['tensors']} tensors read), "
+        elif args.command in ("mxfp4-to-bf16", "int4-to-bf16"):
+            kind = "MXFP4" if args.command == "mxfp4-to-bf16" else "int4"
+            convert = checkpoint.mxfp4_to_bf16 if kind == "MXFP4" else checkpoint.int4_to_bf16
+            s = convert(args.hf_dir, args.out, int(args.max_shard_gb * (1 << 30)))
+            print(f"forge-convert: {s['dequantized']} {kind} tensors to bf16 ({s['tensors']} tensors read), "
                   f"{s['bytes_out'] / 2**30:.2f} GiB written")
         else:
             checkpoint.reshard(args.mcore_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep))

@@ -139,7 +139,7 @@ def test_quantized_checkpoints_other_than_block_fp8_are_refused():
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     bridge = Bridge({**_hf("qwen3"), "quantization_config": fp8})
     assert "quantization_config" not in bridge.hf_config and bridge.source_quantization == fp8
-    with pytest.raises(UnsupportedModelError, match="a awq checkpoint: only block-wise fp8"):
+    with pytest.raises(UnsupportedModelError, match="a awq checkpoint: only block-wise fp8 checkpoints are read"):
         gpt_config_from_hf({**_hf("qwen3"), "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(UnsupportedModelError, match="no weight_block_size"):
         gpt_config_from_hf({**_hf("qwen3"), "quantization_config": {"quant_method": "fp8"}})

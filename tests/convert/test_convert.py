@@ -270,6 +270,62 @@ def test_mxfp4_checkpoints_become_bf16_copies(hf_dirs, tmp_path):
     assert cli_main(["mxfp4-to-bf16", "--hf-dir", src, "--out", str(tmp_path / "x")]) == 2  # not MXFP4: refused
 
 
+def test_int4_checkpoints_become_bf16_copies(hf_dirs, tmp_path):
+    """forge-convert int4-to-bf16 on a DeepSeek-V3-layout checkpoint (Kimi-K2-Thinking's) in compressed-tensors'
+    pack-quantized int4 format, packed by the compressed-tensors library itself: the dequantisation equals the
+    library's (bit for bit), the copy has no quantization_config, keeps every other tensor and converts as the model
+    it encodes; asymmetric and other formats are refused by name."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    from forge_megatron.convert.checkpoint import dequantize_int4, save_hf
+
+    group = 32
+    src = hf_dirs["deepseek_v3"]
+    tensors = _hf_tensors(src)
+    config = json.load(open(os.path.join(src, "config.json")))
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
+    packed, expected = {}, {}
+    for name, t in tensors.items():
+        if name.endswith("proj.weight") and t.dim() == 2 and t.shape[1] % group == 0:  # Linear layers
+            w = t.float()
+            scale = (w.reshape(w.shape[0], -1, group).abs().amax(-1) / 7.0).clamp_min(1e-8).to(torch.bfloat16)
+            full = scale.float().repeat_interleave(group, dim=1)
+            q = torch.round(w / full).clamp(-8, 7).to(torch.int8)
+            base = name[: -len(".weight")]
+            packed[base + ".weight_packed"] = pack_to_int32(q, 4)
+            packed[base + ".weight_scale"] = scale
+            packed[base + ".weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int32)
+            unpacked = unpack_from_int32(packed[base + ".weight_packed"], 4, t.shape)
+            expected[name] = dequantize(unpacked, scale, args=args, dtype=torch.bfloat16)
+            assert torch.equal(dequantize_int4(packed[base + ".weight_packed"], scale, t.shape, group),
+                               expected[name]), name
+            assert (expected[name].float() - w).abs().max() <= w.abs().max() / 4  # really an encoding of t
+        else:
+            packed[name] = t
+    assert len(expected) > 10
+    quantization = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                       "strategy": "group", "group_size": group}}}}
+    q_dir = tmp_path / "int4"
+    save_hf(packed.items(), str(q_dir), {**config, "quantization_config": quantization})
+    with pytest.raises(UnsupportedModelError, match="a compressed-tensors checkpoint: .* forge-convert int4-to-bf16"):
+        Bridge(str(q_dir))  # not trained as is: the bridge points to the copy
+    assert cli_main(["int4-to-bf16", "--hf-dir", str(q_dir), "--out", str(tmp_path / "bf16")]) == 0
+    out = _hf_tensors(tmp_path / "bf16")
+    assert set(out) == set(tensors)
+    for name, t in out.items():
+        assert torch.equal(t, expected.get(name, tensors[name])), name
+    assert "quantization_config" not in json.load(open(tmp_path / "bf16" / "config.json"))
+    ckpt.hf_to_megatron(str(tmp_path / "bf16"), str(tmp_path / "m"), ParallelLayout(ep=2))
+    asym = json.loads(json.dumps(quantization))
+    asym["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    save_hf(packed.items(), str(tmp_path / "asym"), {**config, "quantization_config": asym})
+    assert cli_main(["int4-to-bf16", "--hf-dir", str(tmp_path / "asym"), "--out", str(tmp_path / "x")]) == 2
+    assert cli_main(["int4-to-bf16", "--hf-dir", src, "--out", str(tmp_path / "y")]) == 2  # not int4: refused
+
+
 def test_cli_help_names_every_architecture_the_bridge_converts():
     from forge_megatron.bridge import FAMILIES
     from forge_megatron.convert import cli
