@@ -63,10 +63,11 @@ def _text(content, where: str, kinds: tuple[str, ...]) -> str:
     parts = []
     for i, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else None
-        if kind not in kinds or not isinstance(p.get("text"), str):
+        text = p.get("refusal" if kind == "refusal" else "text") if isinstance(p, dict) else None
+        if kind not in kinds or not isinstance(text, str):
             raise _bad(f"{where}[{i}]", f"{where}[{i}]: part type {kind!r} is not supported here (text parts: "
                                         f"{', '.join(kinds)})")
-        parts.append(p["text"])
+        parts.append(text)
     return "".join(parts)
 
 
