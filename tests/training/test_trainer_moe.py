@@ -1,0 +1,194 @@
+"""The trainer with MoE models as a real process against a real forge-pool process: rollout routing replay under
+pipeline, tensor, context, expert and interleaved-pipeline parallelism, and the model families with their own MoE
+layouts (GLM-4.5, DeepSeek-V3, gpt-oss, MiniMax-M2), each equal to one rank. Split from test_trainer.py so the two
+pytest workers share the trainer runs. CPU, 0 GPUs (gloo)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from forge_megatron.models.tiny import build_tiny_model
+
+from .pool_feed import feed_groups
+from .trainer_run import run_on_fresh_pool
+
+
+def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_path):
+    """--routing-replay on the tiny MoE model, episodes carrying recorded experts: one rank, PP = 2 with several
+    micro-batches in flight (1F1B) and full recomputation (each recompute in the backward must replay its own
+    micro-batch's rows), and CP = 2 (each rank its shard's rows) train the same two steps (loss, grad norm, routing mismatch). Without replay the same data
+    trains differently, and the logged mismatch says how many replayed rows the router would have routed otherwise."""
+    model_dir = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
+    steps = {}
+    for name, extra, nproc in (
+            ("one", ["--routing-replay", "--tree-token-budget", "18"], 1),  # the same micro-batches as pp2
+            ("pp2", ["--routing-replay", "--pipeline-model-parallel-size", "2", "--tree-token-budget", "18",
+                     "--recompute-granularity", "full", "--recompute-method", "uniform",
+                     "--recompute-num-layers", "1"], 2),
+            ("cp2", ["--routing-replay", "--context-parallel-size", "2", "--tree-token-budget", "18"], 2),
+            # TP = 2 with sequence parallelism: each TP rank's router replays its slice of the tokens
+            ("tp2sp", ["--routing-replay", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--tree-token-budget", "18"], 2),
+            ("natural", [], 1)):
+        # pi_old recomputed: a forward-only pass with replay before each update (its rows are not counted again)
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1,
+                                              extra=extra + ["--old-logprobs", "recompute"], nproc=nproc, model=[])
+    assert [len(v) for v in steps.values()] == [2, 2, 2, 2, 2]
+    assert steps["pp2"][0]["micro_batches"] > 2  # several micro-batches in flight in the pipeline
+    for other in ("pp2", "cp2", "tp2sp"):  # CP: each rank replays the rows of its shard of the padded tree
+        for a, b in zip(steps["one"], steps[other]):
+            for key in ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows"):
+                # the loss (~1e-2 here) sums O(1) terms that nearly cancel: fp32 reduction order moves it ~1e-7
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    first = steps["one"][0]
+    assert 0 < first["routing_mismatch"] < 1  # random rows: many differ
+    assert first["routing_prefix_conflicts"] == 0.0  # one set of prompt rows per group
+    # Rows counted once per training pass (not again for pi_old's forward-only pass): a group of 4 episodes, 12
+    # prompt + c completion tokens, one sample per micro-batch under the budget, the last token unrecorded:
+    # 4 x (12 + c - 1) tokens x 2 layers, c = 4 and 5 for the two groups.
+    assert sorted(s["routing_replayed_rows"] for s in steps["one"]) == [120, 128]
+    assert abs(steps["natural"][0]["loss"] - first["loss"]) > 1e-4 and "routing_mismatch" not in steps["natural"][0]
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_sigmoid_router_moe_trains_the_same_under_pipeline_tensor_and_expert_parallelism(tmp_path, arch):
+    """The GLM-4.5 layout (dense layer 0, then a MoE layer with a sigmoid router, score-correction bias, routed
+    scaling and a shared expert; RoPE on half of each head) and the DeepSeek-V3 one (the same MoE with grouped
+    routing, multi-latent attention) through the trainer with routing replay: one rank, PP = 2 (the dense and the
+    MoE layer on different stages), TP = 2 with sequence parallelism (MLA's down projections split and gathered),
+    CP = 2 and EP = 2 train the same two steps; only the MoE layer replays rows."""
+    model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
+    steps = {}
+    for name, extra, nproc in (
+            ("one", [], 1),
+            ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+            ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+            ("cp2", ["--context-parallel-size", "2"], 2),  # partial RoPE indexed by depth on each CP shard
+            ("ep2", ["--expert-model-parallel-size", "2"], 2)):
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
+                                              model=[])
+    assert [len(v) for v in steps.values()] == [2, 2, 2, 2, 2]
+    for other in ("pp2", "tp2sp", "cp2", "ep2"):
+        # EP = 2 runs as DP = 2 (experts split over the two data-parallel ranks): its loss and row counts are rank
+        # 0's share of the batch; the DP-reduced gradient is the whole batch's
+        keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
+        for a, b in zip(steps["one"], steps[other]):
+            for key in keys:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    # one MoE layer of two: half the rows the two-layer Qwen3-MoE test replays on the same data
+    assert sorted(s["routing_replayed_rows"] for s in steps["one"]) == [60, 64]
+    assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
+
+
+def test_gpt_oss_trains_the_same_under_pipeline_expert_and_context_parallelism(tmp_path):
+    """The gpt-oss layout (sinks, a sliding window on layer 0, biased router and experts, the clamped GLU) through
+    the trainer with routing replay: one rank, PP = 2, EP = 2 and CP = 2 (sinks and windows on each CP rank's
+    shard) train the same two steps; TP > 1 is refused by name."""
+    model_dir = build_tiny_model(str(tmp_path / "gpt_oss"), arch="gpt_oss", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
+    steps = {}
+    for name, extra, nproc in (
+            ("one", [], 1),
+            ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+            ("cp2", ["--context-parallel-size", "2"], 2),
+            ("ep2", ["--expert-model-parallel-size", "2"], 2)):
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
+                                              model=[])
+    assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
+    for other in ("pp2", "cp2", "ep2"):
+        keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
+        for a, b in zip(steps["one"], steps[other]):
+            for key in keys:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.training import arguments
+    from forge_megatron.training.trainer import model_config
+
+    args = arguments.parse_args(["--hf-checkpoint", model_dir, "--lr", "1e-4", "--train-iters", "3",
+                                 "--weight-sync-transport", "none", "--tensor-model-parallel-size", "2",
+                                 "--sequence-parallel"])
+    with pytest.raises(ValueError, match="gpt-oss model: it trains with --tensor-model-parallel-size 1"):
+        model_config(args, Bridge(model_dir))
+
+
+def test_minimax_m2_trains_the_same_under_tensor_and_expert_parallelism(tmp_path):
+    """The MiniMax-M2 layout (q/k RMSNorms over all heads, every layer sigmoid-routed MoE, RoPE on half of each head)
+    through the trainer with routing replay: TP = 2 with sequence parallelism (each rank normalises its heads by the
+    all-reduced sum of squares, whose backward all-reduces too) and EP = 2 train the same two steps as one rank."""
+    model_dir = build_tiny_model(str(tmp_path / "minimax_m2"), arch="minimax_m2", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
+    steps, logs = {}, {}
+    for name, extra, nproc in (
+            ("one", [], 1),
+            ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+            ("ep2", ["--expert-model-parallel-size", "2"], 2)):
+        steps[name], logs[name], _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1,
+                                                       nproc=nproc, model=[],
+                                                       extra=extra + ["--routing-replay", "--tree-token-budget", "18"])
+    # the start-up log says what forge-plan says each GPU holds
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.training.plan import rank_params
+
+    held = rank_params(Bridge(model_dir), 2, 1, 1, 0)
+    assert f"memory plan, pipeline rank 0: {held['dense'] + held['expert']:,} parameters per GPU" in logs["tp2sp"][0]
+    assert [len(v) for v in steps.values()] == [2, 2, 2]
+    for other in ("tp2sp", "ep2"):
+        keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
+        for a, b in zip(steps["one"], steps[other]):
+            for key in keys:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    assert sorted(s["routing_replayed_rows"] for s in steps["one"]) == [120, 128]  # both layers MoE
+    assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
+
+
+def test_glm_router_biases_stay_or_keep_balancing_as_asked(tmp_path):
+    """The score-correction biases of a GLM-4.5 router stay as the checkpoint has them by default; with
+    --moe-router-bias-update-rate r Megatron's auxiliary-loss-free balancing moves each by -r, 0 or +r per step,
+    and the trainer's checkpoint (what forge-convert exports, what the syncer sends) holds the moved biases."""
+    from safetensors.torch import load_file
+
+    from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+
+    model_dir = build_tiny_model(str(tmp_path / "glm"), arch="glm4_moe", seed=2)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    base = load_file(os.path.join(model_dir, "model.safetensors"))[name]
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5))  # noqa
+    moved = {}
+    for run, extra in (("frozen", []), ("balancing", ["--moe-router-bias-update-rate", "0.01"])):
+        run_on_fresh_pool(tmp_path, run, model_dir, feed, iters=2, groups=1, model=[],
+                          extra=extra + ["--tree-token-budget", "18"])
+        export_trainer_checkpoint(str(tmp_path / run / "ckpt"), str(tmp_path / f"{run}_hf"))
+        moved[run] = load_file(str(tmp_path / f"{run}_hf" / "model-00001-of-00001.safetensors"))[name] - base
+    assert torch.equal(moved["frozen"], torch.zeros_like(base))
+    steps = moved["balancing"] / 0.01  # two updates of -1, 0 or +1 each
+    assert steps.abs().max() > 0.5 and torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() < 2.001
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+def test_routing_replay_under_the_interleaved_pipeline(tmp_path, arch):
+    """--routing-replay with PP = 2 x VPP = 2 on a 4-layer MoE model: each model chunk's routers take their own
+    layers' rows, micro-batches padded to one length (padding rows routed by the router), and the step equals one
+    rank's (loss, grad norm, routing counts). GLM-4.5 layout: layer 0 (the first chunk of rank 0) is dense, so each
+    chunk builds its own layers from Megatron's block spec; DeepSeek-V3 too, with multi-latent attention (each
+    chunk's per-layer depth rotary tables)."""
+    model_dir = build_tiny_model(str(tmp_path / "moe4"), arch=arch, seed=3, num_hidden_layers=4)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(8), completion_len=(4, 5), routing=(4, 4, 2))  # noqa
+    steps = {}
+    for name, extra, nproc in (("one", [], 1), ("vpp", ["--pipeline-model-parallel-size", "2",
+                                                        "--num-virtual-stages-per-pipeline-rank", "2"], 2)):
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=1, groups=2, nproc=nproc,
+                                              extra=["--routing-replay", "--tree-token-budget", "18", *extra],
+                                              model=[])
+    one, vpp = steps["one"][0], steps["vpp"][0]
+    assert vpp["pad_tokens"] == 4  # the four 16-token micro-batches padded to the 17-token ones
+    for key in ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows"):
+        assert vpp[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
+    # 8 samples, one per micro-batch; recorded tokens (the last unrecorded) x 4 MoE layers (GLM: 3)
+    assert one["routing_replayed_rows"] == (4 * (12 + 3) + 4 * (12 + 4)) * (4 if arch == "qwen3_moe" else 3)
