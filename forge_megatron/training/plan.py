@@ -19,9 +19,9 @@ It takes the trainer's own flags (unknown ones are ignored, so a training comman
 * activations, a rough estimate only: the tokens one micro-batch puts on a rank (``--tree-token-budget`` / CP, and /
   TP outside attention with sequence parallelism) times the bytes a layer keeps per token for its backward (with
   ``--recompute-granularity full`` the layer inputs of the rank's layers plus one layer's working set; otherwise
-  about 34 x hidden bytes per token for attention and dense MLP blocks, after Korthikanti et al. 2022 with
-  flash-style attention, and 3 x top-k x expert width x 2 bytes for a MoE block's expert activations), times the
-  micro-batches in flight (PP of them on the first pipeline rank under the 1F1B schedule). Treat it as the order of
+  about 34 x hidden / TP bytes per token per layer with sequence parallelism, (10 + 24 / TP) x hidden without,
+  after Korthikanti et al. 2022 with flash-style attention, and 3 x top-k x expert width x 2 / TP bytes for a MoE
+  block's expert activations), times the micro-batches in flight (PP - r of them on pipeline rank r under 1F1B). Treat it as the order of
   magnitude; the static part decides whether a layout can work at all.
 
 The verdict compares the total with ``--gpu-memory-gib`` less 10 % (allocator fragmentation, NCCL buffers, the
@@ -103,11 +103,13 @@ def _activation_bytes(cfg, layers: list[int], moe_layers: int, tokens: float, tp
     """Rough activation memory of one pipeline rank (see the module docstring)."""
     h = cfg.hidden_size
     outside = tokens / (tp if sp else 1)  # tokens a rank holds outside attention
+    # bytes a layer keeps per token (Korthikanti et al., flash-style attention): 34 h / TP with sequence
+    # parallelism, (10 + 24 / TP) h without (the norms' and dropout's activations are then not split)
+    per_token = 34 * h / tp if sp or tp == 1 else (10 + 24 / tp) * h
     if recompute == "full":
         kept = len(layers) * outside * h * 2  # each layer's input, bf16
-        working = tokens * 34 * h / tp  # one layer re-run in the backward
+        working = tokens * per_token  # one layer re-run in the backward
         return kept * in_flight + working
-    per_token = 34 * h / tp
     dense = len(layers) - moe_layers
     moe_extra = 3 * cfg.moe_router_topk * (cfg.moe_ffn_hidden_size or 0) * 2 / tp if moe_layers else 0.0
     return (dense * per_token + moe_layers * (per_token + moe_extra)) * tokens * in_flight
@@ -137,7 +139,7 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
         n = params["dense"] + params["expert"]
         layers = rank_layers(cfg.num_layers, pp, vpp, r)
         moe = sum(bridge.is_moe_layer(layer) for layer in layers)
-        in_flight = min(pp - r, pp) if pp > 1 else 1  # 1F1B: the first rank holds PP micro-batches' activations
+        in_flight = pp - r  # 1F1B: pipeline rank r holds the activations of PP - r micro-batches
         static = {
             "weights": n * weight_bytes + params["buffers"] * 4,
             "grads": n * 4,
