@@ -370,7 +370,6 @@ def hf_to_fp8(hf_dir: str, out_dir: str, block: tuple[int, int] = (128, 128), sk
     :mod:`forge_megatron.weight_sync.fp8`) for SGLang to serve: projection weights as float8_e4m3fn +
     ``weight_scale_inv``, the rest unchanged, config.json with the ``quantization_config``, the tokenizer files
     copied. Tensors are read and quantized one at a time. Returns a summary (tensors, quantized, bytes in and out)."""
-    from forge_megatron.convert.trainer_checkpoint import TOKENIZER_FILES
     from forge_megatron.weight_sync.fp8 import Fp8Config, quantize_named
 
     if os.path.abspath(hf_dir) == os.path.abspath(out_dir):
@@ -400,10 +399,7 @@ def hf_to_fp8(hf_dir: str, out_dir: str, block: tuple[int, int] = (128, 128), sk
 
     save_hf(tensors(), out_dir, {**hf_config, "quantization_config": cfg.hf_dict()}, max_shard_bytes,
             total=len(reader.names()))
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(hf_dir, name)):
-            with open(os.path.join(hf_dir, name), "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
-                dst.write(src.read())
+    _copy_tokenizer(hf_dir, out_dir)
     return stats
 
 
@@ -436,37 +432,48 @@ def mxfp4_to_bf16(hf_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> 
     quant = (hf_config.get("quantization_config") or {}).get("quant_method")
     if quant != "mxfp4":
         raise ValueError(f"{hf_dir!r} is not an MXFP4 checkpoint (quantization_config quant_method: {quant})")
+    return _dequantized_copy(hf_dir, out_dir, hf_config, ("_blocks", "_scales"), lambda base: base,
+                             lambda blocks, scales: dequantize_mxfp4(blocks, scales), max_shard_bytes)
+
+
+def _dequantized_copy(hf_dir: str, out_dir: str, hf_config: dict, parts: tuple[str, ...], out_name, dequant,
+                      max_shard_bytes: int, check=None) -> dict:
+    """Copy the checkpoint ``hf_dir`` to ``out_dir`` tensor by tensor, each quantized group (``base + parts[0]`` and
+    its companions ``base + parts[1:]``) replaced by ``out_name(base)`` = ``dequant(*group)``; the config less its
+    ``quantization_config``; the tokenizer files. ``check(base, names)`` may refuse a group. Returns a summary."""
     reader = HFReader(hf_dir)
     names = reader.names()
     stats = {"tensors": len(names), "dequantized": 0, "bytes_out": 0}
 
     def tensors():
         for name in sorted(names):
-            if name.endswith("_scales") and name[: -len("_scales")] + "_blocks" in names:
-                continue
-            if name.endswith("_blocks"):
-                base = name[: -len("_blocks")]
-                if base + "_scales" not in names:
-                    raise ValueError(f"{name!r} has no {base + '_scales'!r} beside it")
-                got = reader.get([name, base + "_scales"])
-                t = dequantize_mxfp4(got[name], got[base + "_scales"])
-                name = base
+            base = next((name[: -len(p)] for p in parts[1:] if name.endswith(p)), None)
+            if base is not None and base + parts[0] in names:
+                continue  # a companion, read with its group
+            if name.endswith(parts[0]):
+                base = name[: -len(parts[0])]
+                missing = [base + p for p in parts if base + p not in names]
+                if missing:
+                    raise ValueError(f"{name!r} has no {missing[0]!r} beside it")
+                if check is not None:
+                    check(base, names)
+                got = reader.get([base + p for p in parts])
+                t, name = dequant(*(got[base + p] for p in parts)), out_name(base)
                 stats["dequantized"] += 1
             else:
                 t = reader.get([name])[name]
             stats["bytes_out"] += t.numel() * t.element_size()
             yield name, t
 
-    _write_unquantized(hf_dir, out_dir, hf_config, tensors(), len(names), max_shard_bytes)
+    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    save_hf(tensors(), out_dir, config, max_shard_bytes, total=len(names))
+    _copy_tokenizer(hf_dir, out_dir)
     return stats
 
 
-def _write_unquantized(hf_dir: str, out_dir: str, hf_config: dict, tensors, total: int, max_shard_bytes: int) -> None:
-    """Save dequantized ``tensors`` with the config less its ``quantization_config``, and copy the tokenizer."""
+def _copy_tokenizer(hf_dir: str, out_dir: str) -> None:
     from forge_megatron.convert.trainer_checkpoint import TOKENIZER_FILES
 
-    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
-    save_hf(tensors, out_dir, config, max_shard_bytes, total=total)
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(hf_dir, name)):
             with open(os.path.join(hf_dir, name), "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
@@ -518,30 +525,12 @@ def int4_to_bf16(hf_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> d
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_config = json.load(f)
     group_size = _int4_group_size(hf_config.get("quantization_config") or {})
-    reader = HFReader(hf_dir)
-    names = reader.names()
-    stats = {"tensors": len(names), "dequantized": 0, "bytes_out": 0}
-    parts = (".weight_packed", ".weight_scale", ".weight_shape")
 
-    def tensors():
-        for name in sorted(names):
-            if name.endswith(parts[1:]) and name.rsplit(".", 1)[0] + parts[0] in names:
-                continue
-            if name.endswith(parts[0]):
-                base = name[: -len(parts[0])]
-                missing = [base + p for p in parts if base + p not in names]
-                if missing or base + ".weight_zero_point" in names:
-                    raise ValueError(f"{name!r}: " + (f"{missing[0]!r} is missing" if missing else
-                                                       "asymmetric int4 (a weight_zero_point) is not supported"))
-                got = reader.get([base + p for p in parts])
-                t = dequantize_int4(got[base + parts[0]], got[base + parts[1]], got[base + parts[2]].tolist(),
-                                    group_size)
-                name = base + ".weight"
-                stats["dequantized"] += 1
-            else:
-                t = reader.get([name])[name]
-            stats["bytes_out"] += t.numel() * t.element_size()
-            yield name, t
+    def symmetric(base: str, names: set[str]) -> None:
+        if base + ".weight_zero_point" in names:
+            raise ValueError(f"{base!r}: asymmetric int4 (a weight_zero_point) is not supported")
 
-    _write_unquantized(hf_dir, out_dir, hf_config, tensors(), len(names), max_shard_bytes)
-    return stats
+    return _dequantized_copy(
+        hf_dir, out_dir, hf_config, (".weight_packed", ".weight_scale", ".weight_shape"), lambda base: base + ".weight",
+        lambda packed, scale, shape: dequantize_int4(packed, scale, shape.tolist(), group_size), max_shard_bytes,
+        check=symmetric)
