@@ -6,5 +6,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 python -m forge_megatron.env
 # No path: pytest takes testpaths (tests/) from pyproject.toml; a path argument narrows the run.
 # Two pytest workers (FORGE_TEST_WORKERS, 0: one process), each taking whole files (module fixtures built once): most
-# tests wait on subprocesses, servers and sockets, so two workers on two cores take about 0.6x the time of one.
+# tests wait on subprocesses, servers and sockets, so two workers on two cores take about 0.7x the time of one.
 python -m pytest -q -ra --timeout=600 -n "${FORGE_TEST_WORKERS:-2}" --dist loadfile "$@"
