@@ -118,16 +118,18 @@ def test_gpt_oss_trains_the_same_under_pipeline_expert_and_context_parallelism(t
         model_config(args, Bridge(model_dir))
 
 
-def test_minimax_m2_trains_the_same_under_tensor_and_expert_parallelism(tmp_path):
+def test_minimax_m2_trains_the_same_under_tensor_context_and_expert_parallelism(tmp_path):
     """The MiniMax-M2 layout (q/k RMSNorms over all heads, every layer sigmoid-routed MoE, RoPE on half of each head)
     through the trainer with routing replay: TP = 2 with sequence parallelism (each rank normalises its heads by the
-    all-reduced sum of squares, whose backward all-reduces too) and EP = 2 train the same two steps as one rank."""
+    all-reduced sum of squares, whose backward all-reduces too), CP = 2 and EP = 2 train the same two steps as one
+    rank."""
     model_dir = build_tiny_model(str(tmp_path / "minimax_m2"), arch="minimax_m2", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
     steps, logs = {}, {}
     for name, extra, nproc in (
             ("one", [], 1),
             ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+            ("cp2", ["--context-parallel-size", "2"], 2),  # each CP rank normalises its own tokens' heads
             ("ep2", ["--expert-model-parallel-size", "2"], 2)):
         steps[name], logs[name], _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1,
                                                        nproc=nproc, model=[],
@@ -138,8 +140,8 @@ def test_minimax_m2_trains_the_same_under_tensor_and_expert_parallelism(tmp_path
 
     held = rank_params(Bridge(model_dir), 2, 1, 1, 0)
     assert f"memory plan, pipeline rank 0: {held['dense'] + held['expert']:,} parameters per GPU" in logs["tp2sp"][0]
-    assert [len(v) for v in steps.values()] == [2, 2, 2]
-    for other in ("tp2sp", "ep2"):
+    assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
+    for other in ("tp2sp", "cp2", "ep2"):
         keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
         for a, b in zip(steps["one"], steps[other]):
             for key in keys:
