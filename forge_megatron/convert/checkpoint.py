@@ -77,36 +77,40 @@ class HFReader:
         return {n for n in self.weight_map if not n.endswith(SCALE_SUFFIX)}
 
     def get(self, names) -> dict[str, torch.Tensor]:
-        """Load ``names`` (missing ones are left out: the bridge reports them by name); FP8 weights dequantized."""
+        """Load ``names`` (missing ones are left out: the bridge reports them by name); FP8 weights dequantized, their
+        scales read in the same pass over the files."""
+        from forge_megatron.weight_sync.fp8 import scale_name
+
+        names = list(names)
+        scales = [scale_name(n) for n in names if n.endswith("weight")] if self.fp8 is not None else []
         by_file: dict[str, list[str]] = {}
         out = {n: self._recent[n] for n in names if n in self._recent}
-        for n in names:
+        for n in names + scales:
             if n in self.weight_map and n not in out:
                 by_file.setdefault(self.weight_map[n], []).append(n)
         for fname, wanted in by_file.items():
             with safe_open(os.path.join(self.dir, fname), "pt") as f:
                 out.update({n: f.get_tensor(n) for n in wanted})
         if self.fp8 is not None:
-            out = self._dequantized(out)
+            out = self._dequantized(out, set(scales) - set(names))
         self._recent = {n: t for n, t in out.items() if _FUSED_EXPERTS.search(n)}
         return out
 
-    def _dequantized(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _dequantized(self, out: dict[str, torch.Tensor], scale_names: set[str]) -> dict[str, torch.Tensor]:
+        """``out`` with every float8 weight joined to its scales (loaded with it), the scales themselves left out."""
         from forge_megatron.weight_sync.fp8 import FP8_DTYPE, dequantize, scale_name
 
         for name, t in out.items():
             if t.dtype != FP8_DTYPE:
                 continue
             scale = scale_name(name)
-            if scale not in self.weight_map:
+            if scale not in out:
                 raise MappingError(f"float8 tensor {name!r} of the FP8 checkpoint {self.dir!r} has no {scale!r}")
-            with safe_open(os.path.join(self.dir, self.weight_map[scale]), "pt") as f:
-                scales = f.get_tensor(scale)
             try:
-                out[name] = dequantize(t, scales, self.fp8.block, self.fp8_dtype)
+                out[name] = dequantize(t, out[scale], self.fp8.block, self.fp8_dtype)
             except ValueError as exc:
                 raise MappingError(f"{name!r} in {self.dir!r}: {exc}") from exc
-        return out
+        return {n: t for n, t in out.items() if n not in scale_names}
 
 
 def _fp8_source(hf_dir: str):
