@@ -1,0 +1,271 @@
+"""The gated delta rule (Gated DeltaNet, the linear-attention layers of Qwen3.5 / Qwen3-Next) over a prefix forest.
+
+A linear-attention layer carries a recurrent state along the sequence instead of attending to every earlier key,
+so a prefix tree cannot be trained with a mask: token i must start from the state its *parent* left, and two
+children of one token start from the same state. Merged training stays exactly equal to training each sample
+alone if the recurrence runs along every root-to-leaf path, which is what this module computes.
+
+Per value head, with the state S a [dk, dv] matrix, q and k L2-normalised and q scaled by 1 / sqrt(dk):
+
+    S_i = exp(g_i) * S_parent(i) + k_i (beta_i * (v_i - exp(g_i) * S_parent(i)^T k_i))^T
+    o_i = S_i^T q_i                                     (S of a root's parent: zeros)
+
+and the layer's short causal convolution (kernel K, depthwise) reads the token's K - 1 nearest *ancestors*
+rather than the K - 1 previous tokens of the packed sequence.
+
+The forest (DFS pre-order, each token's ``depth``) is cut into **segments**: maximal runs of tokens each the only
+child of the one before. A segment starts at a root or at a child of a branch point (a token with two or more
+children) and ends at a branch point or a leaf, so the state a segment starts from is always the final state of
+its parent segment. Segments are processed in **levels** (a segment's level is its parent segment's plus one):
+the segments of one level are padded to one length and run together by the chunked form of the rule with their
+parents' final states as initial states. A GRPO group (one prompt, G completions) is two levels; an agent episode
+whose calls extend one another, a few more. Padding (g = 0, beta = 0, zero k and v) leaves a state unchanged, so
+the final state of a padded segment is that of its last real token.
+
+Chunked form (chunk of C tokens, cumulative log decay G_t = g_1 + ... + g_t inside the chunk, Dec[t, s] =
+exp(G_t - G_s) for s <= t, initial state S0):
+
+    A   = strictly_lower(diag(beta) K K^T * Dec)        U = (I + A)^-1 diag(beta) V
+    W   = (I + A)^-1 diag(beta exp(G)) K                 V' = U - W S0
+    O   = diag(exp(G)) Q S0 + lower(Q K^T * Dec) V'     S_C = exp(G_C) S0 + (diag(exp(G_C - G)) K)^T V'
+
+(the WY / UT form of Yang et al., "Gated Delta Networks", 2024). Everything here is plain torch in fp32 with
+autograd, on any device; :func:`recurrent_reference` is the token-by-token definition the tests compare against.
+
+Legend: T = tree tokens, H = value heads, Hk = key heads (H / Hk value heads share one key head), dk / dv = key /
+value head dims, K = conv kernel, C = conv channels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def tree_parents(depth: torch.Tensor) -> torch.Tensor:
+    """Parent of every token of a DFS pre-order forest given each token's depth (-1 for roots, depth 0).
+
+    In pre-order the parent of a token at depth d > 0 is the last token before it at depth d - 1 (every token in
+    between lies in the parent's subtree, deeper than d - 1)."""
+    depth = depth.reshape(-1).long()
+    T = depth.numel()
+    if T == 0:
+        return depth.new_empty(0)
+    idx = torch.arange(T, device=depth.device)
+    keys = (depth * T + idx).sort().values  # tokens grouped by depth, in order inside a depth
+    pos = torch.searchsorted(keys, (depth - 1) * T + idx) - 1  # last key below "depth d - 1, before i"
+    cand = keys[pos.clamp(min=0)]
+    found = (depth > 0) & (pos >= 0) & (torch.div(cand, T, rounding_mode="floor") == depth - 1)
+    return torch.where(found, cand % T, torch.full_like(idx, -1))
+
+
+@dataclass
+class Level:
+    """Segments of one level: ``tokens`` [B, L] their tree tokens (T = padding), ``segments`` [B] their ids,
+    ``parents`` [B] the id of the segment each continues (-1: starts from a zero state)."""
+
+    tokens: torch.Tensor
+    segments: torch.Tensor
+    parents: torch.Tensor
+
+
+@dataclass
+class RecurrencePlan:
+    """How to run a recurrence over a forest of ``num_tokens`` tokens: the levels of segments and, for the short
+    convolution, every token's ``ancestors`` [T, K] (column a: the ancestor a levels up, itself first; T where a
+    path is shorter). Build it once per micro-batch (:func:`plan_tree` / :func:`plan_chains`); every linear-
+    attention layer of the model uses it."""
+
+    num_tokens: int
+    num_segments: int
+    levels: list[Level]
+    ancestors: torch.Tensor
+    chunk: int
+    _segment_level: list[tuple[int, int]] = field(default_factory=list, repr=False)  # id -> (level, row)
+
+
+def plan_tree(depth: torch.Tensor, conv_kernel: int = 4, chunk: int = 64) -> RecurrencePlan:
+    """The plan for a DFS pre-order forest whose tokens have depths ``depth`` [T] (a tree layout's position ids)."""
+    return _plan(tree_parents(depth), conv_kernel, chunk)
+
+
+def plan_chains(seq_len: int, batch: int, conv_kernel: int = 4, chunk: int = 64, device=None) -> RecurrencePlan:
+    """The plan for ``batch`` independent sequences of ``seq_len`` tokens, tokens numbered ``b * seq_len + s``."""
+    idx = torch.arange(batch * seq_len, device=device)
+    parent = torch.where(idx % seq_len == 0, torch.full_like(idx, -1), idx - 1)
+    return _plan(parent, conv_kernel, chunk)
+
+
+def _plan(parent: torch.Tensor, conv_kernel: int, chunk: int) -> RecurrencePlan:
+    if chunk < 1 or conv_kernel < 1:
+        raise ValueError(f"chunk ({chunk}) and conv_kernel ({conv_kernel}) must be >= 1")
+    device = parent.device
+    T = parent.numel()
+    idx = torch.arange(T, device=device)
+    up = torch.cat([torch.where(parent < 0, torch.full_like(parent, T), parent), parent.new_tensor([T])])
+    ancestors = [torch.cat([idx, idx.new_tensor([T])])]
+    for _ in range(conv_kernel - 1):
+        ancestors.append(up[ancestors[-1]])
+    ancestors = torch.stack(ancestors, dim=1)[:T]
+    if T == 0:
+        return RecurrencePlan(0, 0, [], ancestors, chunk)
+
+    children = torch.bincount(parent[parent >= 0], minlength=T)
+    branch_before = torch.cat([children.new_zeros(1, dtype=torch.bool), children[:-1] >= 2])
+    start = (parent < 0) | (parent != idx - 1) | branch_before
+    seg_of = torch.cumsum(start.long(), 0) - 1
+    starts = start.nonzero().flatten()
+    ends = torch.cat([starts[1:], starts.new_tensor([T])])
+    seg_parent = torch.where(parent[starts] >= 0, seg_of[parent[starts].clamp(min=0)], torch.full_like(starts, -1))
+
+    starts_l, lengths_l, parents_l = starts.tolist(), (ends - starts).tolist(), seg_parent.tolist()
+    level_of: list[int] = []
+    for p in parents_l:  # a parent segment precedes its children in pre-order
+        level_of.append(0 if p < 0 else level_of[p] + 1)
+    by_level: list[list[int]] = [[] for _ in range(max(level_of) + 1)]
+    for s, lv in enumerate(level_of):
+        by_level[lv].append(s)
+
+    levels, where = [], [(0, 0)] * len(level_of)
+    for lv, segs in enumerate(by_level):
+        longest = max(lengths_l[s] for s in segs)
+        width = -(-longest // chunk) * chunk
+        tokens = torch.full((len(segs), width), T, dtype=torch.long)
+        for row, s in enumerate(segs):
+            tokens[row, : lengths_l[s]] = torch.arange(starts_l[s], starts_l[s] + lengths_l[s])
+            where[s] = (lv, row)
+        levels.append(Level(tokens.to(device), torch.tensor(segs, device=device),
+                            torch.tensor([parents_l[s] for s in segs], device=device)))
+    return RecurrencePlan(T, len(level_of), levels, ancestors, chunk, where)
+
+
+# ------------------------------------------------------------------------------------------------ convolution
+def tree_causal_conv(x: torch.Tensor, weight: torch.Tensor, plan: RecurrencePlan,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal convolution along every token's ancestor path: x [T, C], weight [C, K] (HF's Conv1d weight
+    [C, 1, K] squeezed: column K - 1 multiplies the token itself, column K - 1 - a its a-th ancestor) -> [T, C]."""
+    T, C = x.shape
+    K = weight.shape[1]
+    if plan.ancestors.shape[1] < K:
+        raise ValueError(f"the plan was built for a kernel of {plan.ancestors.shape[1]}, the weight has {K}")
+    padded = torch.cat([x, x.new_zeros(1, C)])
+    out = None
+    for a in range(K):
+        term = padded.index_select(0, plan.ancestors[:, a]) * weight[:, K - 1 - a]
+        out = term if out is None else out + term
+    return out if bias is None else out + bias
+
+
+# ------------------------------------------------------------------------------------------- the delta rule
+def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64):
+    """The gated delta rule on [B, L, H, d] sequences in chunks (L a multiple of ``chunk``; q / k already normalised
+    and q scaled; g, beta [B, L, H]; ``initial_state`` [B, H, dk, dv] or None). Returns (o [B, L, H, dv], the final
+    state [B, H, dk, dv]), in fp32."""
+    B, L, H, dk = k.shape
+    dv = v.shape[-1]
+    if L % chunk:
+        raise ValueError(f"sequence length {L} is not a multiple of the chunk ({chunk})")
+    n = L // chunk
+
+    def chunks(x):  # [B, L, H, ...] -> [B, H, n, chunk, ...]
+        x = x.float().transpose(1, 2)
+        return x.reshape(B, H, n, chunk, *x.shape[3:])
+
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    G = g.cumsum(-1)  # [B, H, n, C]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    dec = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # [.., C, C], 0 above
+    k_beta = k * beta.unsqueeze(-1)
+    A = (k_beta @ k.transpose(-1, -2) * dec).tril(-1)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    system = eye + A
+    U = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(system, k_beta * G.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    attn = q @ k.transpose(-1, -2) * dec
+    q_dec = q * G.exp().unsqueeze(-1)
+    k_dec = k * (G[..., -1:] - G).exp().unsqueeze(-1)
+    chunk_decay = G[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
+
+    state = q.new_zeros(B, H, dk, dv) if initial_state is None else initial_state.float()
+    outs = []
+    for i in range(n):
+        v_new = U[:, :, i] - W[:, :, i] @ state
+        outs.append(q_dec[:, :, i] @ state + attn[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).reshape(B, H, L, dv).transpose(1, 2)
+    return o, state
+
+
+def _prepare(q, k, g, beta, heads: int, scale: float | None, l2norm: bool):
+    """q, k [.., Hk, dk] -> normalised, scaled, repeated to ``heads``; g, beta in fp32."""
+    q, k = q.float(), k.float()
+    if l2norm:  # as the FLA kernels and transformers compute it
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if q.shape[-2] != heads:
+        if heads % q.shape[-2]:
+            raise ValueError(f"{heads} value heads are not a multiple of {q.shape[-2]} key heads")
+        rep = heads // q.shape[-2]
+        q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
+    return q, k, g.float(), beta.float()
+
+
+def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrencePlan, scale: float | None = None,
+                          l2norm: bool = True) -> torch.Tensor:
+    """The gated delta rule along every path of the forest ``plan`` describes: q, k [T, Hk, dk], v [T, H, dv],
+    g (log decay, <= 0), beta [T, H] -> o [T, H, dv] in v's dtype (computed in fp32)."""
+    T, H, dv = v.shape
+    if q.shape[0] != T or plan.num_tokens != T:
+        raise ValueError(f"{q.shape[0]} query rows, {T} value rows, a plan for {plan.num_tokens} tokens")
+    q, k, g, beta = _prepare(q, k, g, beta, H, scale, l2norm)
+    pad = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # noqa: E731  row T: padding
+    q, k, vf, g, beta = pad(q), pad(k), pad(v.float()), pad(g), pad(beta)
+    finals: list[torch.Tensor] = []
+    out_rows, out_vals = [], []
+    dk = k.shape[-1]
+    for level in plan.levels:
+        rows = level.tokens  # [B, L]
+        init = None
+        if bool((level.parents >= 0).any()):
+            init = q.new_zeros(rows.shape[0], H, dk, dv)
+            for src in sorted({plan._segment_level[p][0] for p in level.parents.tolist() if p >= 0}):
+                pick = [(i, plan._segment_level[p][1]) for i, p in enumerate(level.parents.tolist())
+                        if p >= 0 and plan._segment_level[p][0] == src]
+                dst = torch.tensor([i for i, _ in pick], device=q.device)
+                init = init.index_copy(0, dst, finals[src][torch.tensor([r for _, r in pick], device=q.device)])
+        chunk = min(plan.chunk, rows.shape[1])
+        o, final = chunked_gated_delta(q[rows], k[rows], vf[rows], g[rows], beta[rows], init, chunk)
+        finals.append(final)
+        out_rows.append(rows.reshape(-1))
+        out_vals.append(o.reshape(-1, H, dv))
+    out = vf.new_zeros(T + 1, H, dv).index_copy(0, torch.cat(out_rows), torch.cat(out_vals))
+    return out[:T].to(v.dtype)
+
+
+def recurrent_reference(q, k, v, g, beta, parent: torch.Tensor, scale: float | None = None,
+                        l2norm: bool = True) -> torch.Tensor:
+    """Token-by-token definition over a forest (``parent`` [T], -1 for roots): the state of every token is kept,
+    so this is for tests at small sizes."""
+    T, H, dv = v.shape
+    q, k, g, beta = _prepare(q, k, g, beta, H, scale, l2norm)
+    v = v.float()
+    states, out = [], []
+    for i in range(T):
+        p = int(parent[i])
+        S = states[p] if p >= 0 else v.new_zeros(H, k.shape[-1], dv)
+        S = S * g[i].exp()[:, None, None]
+        delta = (v[i] - torch.einsum("hkv,hk->hv", S, k[i])) * beta[i][:, None]
+        S = S + k[i][:, :, None] * delta[:, None, :]
+        states.append(S)
+        out.append(torch.einsum("hkv,hk->hv", S, q[i]))
+    return torch.stack(out) if out else v.new_zeros(0, H, dv)
+
+
+def gate_and_decay(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """Gated DeltaNet's per-head log decay g = -exp(A_log) * softplus(a + dt_bias) and write strength
+    beta = sigmoid(b), in fp32."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.float().sigmoid()

@@ -1,0 +1,147 @@
+"""The gated delta rule over prefix forests (kernels/gated_delta.py) against transformers' Qwen3.5 functions run on
+each sample alone, and against the token-by-token definition; forward and gradients."""
+
+import pytest
+import torch
+
+from forge_megatron.kernels import gated_delta as gd
+from forge_megatron.tree import build_tree
+
+hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+
+def _samples(seed: int, vocab: int = 5):
+    """Samples that share prefixes in every way a batch does: a GRPO group, an agent episode whose calls extend each
+    other, a sample that is a prefix of another, duplicates and an unrelated one."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    prompt = rand(13)
+    group = [prompt + rand(int(n)) for n in torch.randint(1, 30, (4,), generator=g)]
+    call1 = rand(7) + rand(40)
+    episode = [call1, call1 + rand(9), call1 + rand(3) + rand(70)]
+    return group + episode + [prompt[:5], group[0], rand(1), rand(20)]
+
+
+def _inputs(T, Hk, H, dk, dv, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, Hk, dk, generator=g, dtype=dtype)
+    k = torch.randn(T, Hk, dk, generator=g, dtype=dtype)
+    v = torch.randn(T, H, dv, generator=g, dtype=dtype)
+    a, b = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    A_log, dt_bias = torch.rand(H, generator=g).log(), torch.randn(H, generator=g)
+    decay, beta = gd.gate_and_decay(a, b, A_log, dt_bias)
+    return q, k, v, decay, beta
+
+
+def test_parents_from_depths():
+    layout = build_tree(_samples(0))
+    parent = gd.tree_parents(layout.position_ids)
+    # every sample's tokens, in order, are a root-to-leaf chain of parents
+    for s in range(layout.num_samples):
+        nodes = layout.sample_nodes[layout.sample_offsets[s]:layout.sample_offsets[s + 1]].tolist()
+        assert parent[nodes[0]] == -1
+        assert [int(parent[n]) for n in nodes[1:]] == nodes[:-1]
+    # and parent / sub_end agree: i lies in its parent's subtree, right after it or after a sibling's subtree
+    sub_end = layout.sub_end.long()
+    for i, p in enumerate(parent.tolist()):
+        if p >= 0:
+            assert p < i < sub_end[p]
+
+
+@pytest.mark.parametrize("chunk", [4, 16, 64])
+def test_tree_rule_equals_each_sample_alone(chunk):
+    samples = _samples(1)
+    layout = build_tree(samples)
+    T, Hk, H, dk, dv = layout.unique_tokens, 2, 4, 8, 6
+    q, k, v, decay, beta = _inputs(T, Hk, H, dk, dv)
+    plan = gd.plan_tree(layout.position_ids, chunk=chunk)
+    assert len(plan.levels) >= 3  # the episode's calls nest
+    out = gd.tree_gated_delta_rule(q, k, v, decay, beta, plan)
+
+    ref = gd.recurrent_reference(q, k, v, decay, beta, gd.tree_parents(layout.position_ids))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for s in range(layout.num_samples):  # transformers' own chunked function on the sample alone
+        nodes = layout.sample_nodes[layout.sample_offsets[s]:layout.sample_offsets[s + 1]]
+        alone, _ = hf.torch_chunk_gated_delta_rule(q[nodes][None], k[nodes][None], v[nodes][None],
+                                                   g=decay[nodes][None], beta=beta[nodes][None],
+                                                   use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[nodes], alone[0], rtol=1e-4, atol=1e-5)
+
+
+def test_tree_rule_gradients_equal_unmerged():
+    """Merged training is exact: the gradient of a loss summed over samples equals the sum of each sample's."""
+    samples = _samples(2)
+    layout = build_tree(samples)
+    T, Hk, H, dk, dv = layout.unique_tokens, 1, 2, 8, 4
+    inputs = [x.requires_grad_() for x in _inputs(T, Hk, H, dk, dv, seed=3)]
+    w = torch.randn(layout.total_tokens, H, dv)
+    plan = gd.plan_tree(layout.position_ids, chunk=8)
+    out = gd.tree_gated_delta_rule(*inputs, plan)
+    (out[layout.sample_nodes] * w).sum().backward()
+    merged = [x.grad.clone() for x in inputs]
+
+    for x in inputs:
+        x.grad = None
+    total = 0
+    for s in range(layout.num_samples):
+        lo, hi = layout.sample_offsets[s], layout.sample_offsets[s + 1]
+        nodes = layout.sample_nodes[lo:hi]
+        parts = [x[nodes][None] for x in inputs]
+        alone, _ = hf.torch_recurrent_gated_delta_rule(*parts[:3], g=parts[3], beta=parts[4],
+                                                       use_qk_l2norm_in_kernel=True)
+        total = total + (alone[0] * w[lo:hi]).sum()
+    total.backward()
+    for got, want in zip(merged, [x.grad for x in inputs]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_initial_and_final_states_match_transformers():
+    q, k, v, decay, beta = _inputs(40, 2, 2, 8, 8, seed=4)
+    qn, kn, _, _ = gd._prepare(q, k, decay, beta, 2, None, True)
+    init = torch.randn(1, 2, 8, 8)
+    pad = lambda x: torch.cat([x, x.new_zeros(8, *x.shape[1:])])[None]  # noqa: E731  40 -> 48, padding
+    o, final = gd.chunked_gated_delta(pad(qn), pad(kn), pad(v), pad(decay), pad(beta), init, chunk=16)
+    want_o, want_final = hf.torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g=decay[None],
+                                                             beta=beta[None], initial_state=init,
+                                                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(o[:, :40], want_o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(final, want_final, rtol=1e-4, atol=1e-5)  # padding left the state as it was
+
+
+def test_chains_plan_matches_batched_sequences():
+    B, S = 3, 21
+    q, k, v, decay, beta = _inputs(B * S, 2, 4, 8, 8, seed=5)
+    out = gd.tree_gated_delta_rule(q, k, v, decay, beta, gd.plan_chains(S, B, chunk=8))
+    want, _ = hf.torch_chunk_gated_delta_rule(*(x.reshape(B, S, *x.shape[1:]) for x in (q, k, v)),
+                                              g=decay.reshape(B, S, -1), beta=beta.reshape(B, S, -1),
+                                              use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out.reshape(B, S, 4, 8), want, rtol=1e-4, atol=1e-5)
+
+
+def test_tree_conv_equals_each_sample_alone():
+    samples = _samples(6)
+    layout = build_tree(samples)
+    T, C, K = layout.unique_tokens, 10, 4
+    g = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(T, C, generator=g), torch.randn(C, K, generator=g)
+    plan = gd.plan_tree(layout.position_ids, conv_kernel=K)
+    out = gd.tree_causal_conv(x, weight, plan)
+    for s in range(layout.num_samples):
+        nodes = layout.sample_nodes[layout.sample_offsets[s]:layout.sample_offsets[s + 1]]
+        alone = hf.causal_conv1d_fn(x[nodes].t()[None], weight)  # no activation
+        torch.testing.assert_close(out[nodes], alone[0].t(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="kernel of 2"):
+        gd.tree_causal_conv(x, weight, gd.plan_tree(layout.position_ids, conv_kernel=2))
+
+
+def test_levels_group_segments_by_depth():
+    # one prompt, three completions: the prompt is level 0 (one segment), the completions level 1
+    layout = build_tree([[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 3, 7, 8, 9]])
+    plan = gd.plan_tree(layout.position_ids, chunk=4)
+    assert plan.num_segments == 4
+    assert [lv.tokens.shape for lv in plan.levels] == [torch.Size([1, 4]), torch.Size([3, 4])]
+    assert plan.levels[1].parents.tolist() == [0, 0, 0]
+    assert (plan.levels[0].tokens[0, :3] == torch.tensor([0, 1, 2])).all()
+    assert (plan.levels[0].tokens[0, 3:] == layout.unique_tokens).all()  # padding
+    empty = gd.plan_tree(torch.zeros(0, dtype=torch.long))
+    assert empty.num_segments == 0 and empty.levels == []
