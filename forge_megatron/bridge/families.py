@@ -64,6 +64,8 @@ class Family:
     mla: bool = False  # multi-latent attention (DeepSeek-V3 layout)
     gpt_oss: bool = False  # sinks, sliding windows, biased experts with interleaved fused HF tensors
     minimax: bool = False  # MiniMax-M2: Mixtral expert names, no shared expert, q/k RMSNorm over all heads
+    # Qwen3.5: Gated DeltaNet layers between gated full-attention ones, zero-centred norms (mcore/gated_delta_net.py)
+    gated_delta: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -79,6 +81,8 @@ FAMILIES: dict[str, Family] = {
                                      mla=True),
     "MiniMaxM2ForCausalLM": Family("minimax_m2", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,
                                    minimax=True),
+    # Qwen3.5 text models (dense): 3 of every 4 layers Gated DeltaNet (linear attention), the others gated attention
+    "Qwen3_5ForCausalLM": Family("qwen3_5", qkv_bias=None, qk_norm=True, moe=False, gated_delta=True),
     "GptOssForCausalLM": Family("gpt_oss", qkv_bias=None, qk_norm=False, moe=True, gpt_oss=True),
     # Mistral-Small / Devstral / Magistral text models: the Llama layout (sliding windows refused below)
     "MistralForCausalLM": Family("mistral", qkv_bias=None, qk_norm=False, moe=False),
@@ -156,7 +160,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral configs have none)")
-    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2"):
+    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "qwen3_5"):
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
     if family.gpt_oss:
         if float(hf.get("swiglu_alpha", 1.702)) != 1.702:
@@ -219,6 +223,16 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if any(t != 1 for t in hf.get("attn_type_list") or []):
             raise UnsupportedModelError("attn_type_list with linear (lightning) attention layers (MiniMax-01 / M1) "
                                         "is not supported: full attention only")
+    if family.gated_delta:
+        kinds = set(hf.get("layer_types") or [])
+        if not kinds <= {"linear_attention", "full_attention"}:
+            raise UnsupportedModelError(f"layer_types {sorted(kinds)}: only linear_attention and full_attention")
+        if len(hf.get("layer_types") or []) != hf["num_hidden_layers"]:
+            raise UnsupportedModelError("layer_types must name the kind of every one of num_hidden_layers layers")
+        if hf.get("linear_num_value_heads", 1) % hf.get("linear_num_key_heads", 1):
+            raise UnsupportedModelError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        # rope_parameters' mrope_section: a text token has the same position on mRoPE's three axes, so its
+        # rotation is plain RoPE (partial_rotary_factor of each head)
     if family.sigmoid_router:
         topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
         if family.minimax:
@@ -285,6 +299,14 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"), qk_head_dim=hf["qk_nope_head_dim"],
             qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
             qk_layernorm=True,  # Megatron builds MLA's latent norms (q_a_layernorm, kv_a_layernorm) under this switch
+        )
+    if family.gated_delta:
+        kwargs.update(
+            zero_centered_norm=True, attention_output_gate=True,
+            linear_attention=tuple(t == "linear_attention" for t in hf["layer_types"]),
+            linear_num_key_heads=hf["linear_num_key_heads"], linear_num_value_heads=hf["linear_num_value_heads"],
+            linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
+            linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
         )
     if family.gpt_oss:
         from megatron.core.fusions.fused_bias_geglu import quick_gelu

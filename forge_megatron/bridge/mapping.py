@@ -53,7 +53,8 @@ class Rule:
     hf: tuple[str, ...]
     join: str = "copy"
     tp: str = "rep"
-    layers: str = "all"  # "dense" / "moe": only layers with a dense MLP / a MoE layer have it
+    layers: str = "all"  # "dense" / "moe": only layers with a dense MLP / a MoE layer have it; "linear" / "full":
+    # only Gated DeltaNet / full-attention layers of a hybrid model
 
     @property
     def is_expert(self) -> bool:
@@ -132,7 +133,33 @@ def _gpt_oss_rules(cfg: GPTConfig) -> list[Rule]:
     return top[:1] + rules + top[1:]
 
 
+def _gated_delta_rules(cfg: GPTConfig) -> list[Rule]:
+    """Qwen3.5: Gated DeltaNet layers (``linear_attn``: four input projections regrouped per key head, the
+    depthwise convolution likewise) and gated full-attention layers (``q_proj`` holds each head's query then its
+    gate: ``qkv_gate``)."""
+    lin, attn = HF_LAYER + "linear_attn.", HF_LAYER + "self_attn."
+    gdn = LAYER + "self_attention."
+    return [
+        Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
+        Rule(gdn + "in_proj.weight", tuple(lin + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), "gdn_in",
+             "col", layers="linear"),
+        Rule(gdn + "conv1d_weight", (lin + "conv1d.weight",), "gdn_conv", "col", layers="linear"),
+        Rule(gdn + "A_log", (lin + "A_log",), tp="col", layers="linear"),
+        Rule(gdn + "dt_bias", (lin + "dt_bias",), tp="col", layers="linear"),
+        Rule(gdn + "norm_weight", (lin + "norm.weight",), layers="linear"),
+        Rule(gdn + "out_proj.weight", (lin + "out_proj.weight",), tp="row", layers="linear"),
+        Rule(gdn + "linear_qkv.weight", tuple(attn + f"{p}_proj.weight" for p in "qkv"), "qkv_gate", "col",
+             layers="full"),
+        Rule(gdn + "linear_proj.weight", (attn + "o_proj.weight",), tp="row", layers="full"),
+        Rule(gdn + "q_layernorm.weight", (attn + "q_norm.weight",), layers="full"),
+        Rule(gdn + "k_layernorm.weight", (attn + "k_norm.weight",), layers="full"),
+        Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
+    ]
+
+
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    if family.gated_delta:
+        return _with_mlp_and_ends(cfg, family, _gated_delta_rules(cfg))
     if family.gpt_oss:
         return _gpt_oss_rules(cfg)
     if family.mla:
@@ -238,9 +265,12 @@ class Bridge:
 
     def is_mtp_tensor(self, hf_name: str) -> bool:
         """A tensor of the multi-token-prediction layers some checkpoints append (GLM-4.5, DeepSeek-V3:
-        ``num_nextn_predict_layers``, MiniMax-M2: ``num_mtp_modules`` layers numbered from ``num_hidden_layers``):
-        the trainer neither trains nor exports them (SGLang uses them for speculative decoding only)."""
+        ``num_nextn_predict_layers``, MiniMax-M2: ``num_mtp_modules`` layers numbered from ``num_hidden_layers``;
+        Qwen3.5: ``mtp.*``): the trainer neither trains nor exports them (SGLang uses them for speculative decoding
+        only)."""
         hf = self.hf_config
+        if self.family.gated_delta and hf_name.startswith("mtp."):
+            return True
         extra = int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_modules") or 0)
         m = re.match(r"model\.layers\.(\d+)\.", hf_name)
         return bool(extra and m) and self.cfg.num_layers <= int(m.group(1)) < self.cfg.num_layers + extra
@@ -250,6 +280,8 @@ class Bridge:
         return bool(self.cfg.num_moe_experts) and layer >= self.cfg.moe_dense_layers
 
     def layer_has(self, rule: Rule, layer: int) -> bool:
+        if rule.layers in ("linear", "full"):
+            return (rule.layers == "linear") == bool(self.cfg.linear_attention and self.cfg.linear_attention[layer])
         return rule.layers == "all" or (rule.layers == "moe") == self.is_moe_layer(layer)
 
     def hf_names(self, name: str) -> list[str]:
@@ -266,6 +298,12 @@ class Bridge:
         names = self.hf_names(name)
         if rule.join == "qkv":
             parts = self._split_qkv(tensor)
+        elif rule.join == "qkv_gate":
+            parts = self._split_qkv_gate(tensor)
+        elif rule.join == "gdn_in":
+            parts = self._split_gdn_in(tensor)
+        elif rule.join == "gdn_conv":
+            parts = (self._split_gdn_conv(tensor),)
         elif rule.join == "glu":
             parts = tensor.chunk(2, dim=0)
         elif rule.join == "vocab":
@@ -329,6 +367,12 @@ class Bridge:
             return self._from_fused(rule.join, parts[0], idx["expert"])
         if rule.join == "qkv":
             return self._join_qkv(*parts)
+        if rule.join == "qkv_gate":
+            return self._join_qkv_gate(*parts)
+        if rule.join == "gdn_in":
+            return self._join_gdn_in(*parts)
+        if rule.join == "gdn_conv":
+            return self._join_gdn_conv(parts[0])
         if rule.join == "vocab" and self.cfg.vocab_size > self.hf_vocab:
             padding = parts[0].new_zeros(self.cfg.vocab_size - self.hf_vocab, *parts[0].shape[1:])
             return torch.cat([parts[0], padding])
@@ -352,6 +396,15 @@ class Bridge:
         }
         if cfg.qk_layernorm_all_heads:
             table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})
+        if cfg.attention_output_gate:
+            table["q_proj.weight"] = (2 * n * h, d)
+        if cfg.hybrid:
+            nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            table.update({"in_proj_qkv.weight": (2 * nk * dk + nv * dv, d), "in_proj_z.weight": (nv * dv, d),
+                          "in_proj_b.weight": (nv, d), "in_proj_a.weight": (nv, d),
+                          "conv1d.weight": (2 * nk * dk + nv * dv, 1, cfg.linear_conv_kernel), "A_log": (nv,),
+                          "dt_bias": (nv,), "linear_attn.norm.weight": (dv,), "out_proj.weight": (d, nv * dv)})
         e = cfg.num_moe_experts or 0
         table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),
@@ -383,6 +436,54 @@ class Bridge:
         per_group = [t.reshape(g, -1, *t.shape[1:]) for t in (q, k, v)]
         return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
 
+    def _join_qkv_gate(self, q_gate, k, v):
+        """Gated attention: HF's ``q_proj`` rows are, per head, its query then its gate; Megatron's fused QKV holds
+        per query group its heads' queries, their gates, then the key and the value."""
+        n, h = self.cfg.num_attention_heads, self.cfg.head_dim
+        pairs = q_gate.reshape(n, 2, h, *q_gate.shape[1:])
+        q, gate = pairs[:, 0].reshape(n * h, *q_gate.shape[1:]), pairs[:, 1].reshape(n * h, *q_gate.shape[1:])
+        g = self.cfg.num_query_groups
+        per_group = [t.reshape(g, -1, *t.shape[1:]) for t in (q, gate, k, v)]
+        return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
+
+    def _split_qkv_gate(self, fused):
+        cfg = self.cfg
+        n, g, h = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
+        q_per_g = n // g
+        grouped = fused.reshape(g, (2 * q_per_g + 2) * h, *fused.shape[1:])
+        q, gate, k, v = grouped.split([q_per_g * h, q_per_g * h, h, h], dim=1)
+        q_gate = torch.stack([q.reshape(n, h, *fused.shape[1:]), gate.reshape(n, h, *fused.shape[1:])], dim=1)
+        return [q_gate.reshape(2 * n * h, *fused.shape[1:])] + [t.reshape(-1, *fused.shape[1:]) for t in (k, v)]
+
+    def _gdn_sizes(self):
+        cfg = self.cfg
+        nk, r = cfg.linear_num_key_heads, cfg.linear_num_value_heads // cfg.linear_num_key_heads
+        return nk, r, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+
+    def _join_gdn_in(self, qkv, z, b, a):
+        """HF's four Gated DeltaNet input projections -> one, grouped per key head: [q | k | v | z | b | a]."""
+        nk, r, dk, dv = self._gdn_sizes()
+        q, k, v = qkv.split([nk * dk, nk * dk, nk * r * dv])
+        parts = [t.reshape(nk, -1, t.shape[-1]) for t in (q, k, v, z, b, a)]
+        return torch.cat(parts, dim=1).reshape(-1, qkv.shape[-1])
+
+    def _split_gdn_in(self, fused):
+        nk, r, dk, dv = self._gdn_sizes()
+        q, k, v, z, b, a = fused.reshape(nk, -1, fused.shape[-1]).split([dk, dk, r * dv, r * dv, r, r], dim=1)
+        flat = lambda t: t.reshape(-1, fused.shape[-1])  # noqa: E731
+        return [torch.cat([flat(q), flat(k), flat(v)]), flat(z), flat(b), flat(a)]
+
+    def _join_gdn_conv(self, conv):
+        """HF's depthwise conv weight [C, 1, K], channels [q | k | v] -> [C, K] grouped per key head."""
+        nk, r, dk, dv = self._gdn_sizes()
+        q, k, v = conv[:, 0].split([nk * dk, nk * dk, nk * r * dv])
+        return torch.cat([t.reshape(nk, -1, conv.shape[-1]) for t in (q, k, v)], dim=1).reshape(-1, conv.shape[-1])
+
+    def _split_gdn_conv(self, conv):
+        nk, r, dk, dv = self._gdn_sizes()
+        q, k, v = conv.reshape(nk, -1, conv.shape[-1]).split([dk, dk, r * dv], dim=1)
+        return torch.cat([t.reshape(-1, conv.shape[-1]) for t in (q, k, v)])[:, None]
+
     # --- sharding -------------------------------------------------------------------------------------------
     def check_layout(self, layout: ParallelLayout) -> None:
         """Raise ValueError naming the size that ``layout`` does not divide."""
@@ -393,6 +494,8 @@ class Bridge:
             ("vocab_size", cfg.vocab_size, "tp", layout.tp),
             ("ffn_hidden_size", cfg.ffn_hidden_size, "tp", layout.tp),
         ]
+        if cfg.hybrid:
+            checks.append(("linear_num_key_heads", cfg.linear_num_key_heads, "tp", layout.tp))
         if cfg.num_moe_experts:
             checks += [("num_moe_experts", cfg.num_moe_experts, "ep", layout.ep),
                        ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, "tp", layout.tp)]

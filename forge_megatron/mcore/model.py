@@ -58,6 +58,17 @@ class GPTConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # Qwen3.5 / Qwen3-Next: norms scale by (1 + weight) (weights stored zero-centred), a sigmoid gate on every
+    # attention head's output (the query projection's second half), and Gated DeltaNet (linear attention) layers
+    # where ``linear_attention[i]`` is true (mcore/gated_delta_net.py); the linear_* sizes are theirs
+    zero_centered_norm: bool = False
+    attention_output_gate: bool = False
+    linear_attention: tuple[bool, ...] | None = None
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_conv_kernel: int = 4
     params_dtype: torch.dtype = torch.float32
     bf16: bool = False
     extra: dict = field(default_factory=dict)  # passed through to TransformerConfig
@@ -93,12 +104,27 @@ class GPTConfig:
                                             or self.normalization != "RMSNorm"):
             raise ValueError("qk_layernorm_all_heads is an RMSNorm over all query / key heads: it needs "
                              "qk_layernorm, RMSNorm and standard (not multi-latent) attention")
+        if self.linear_attention is not None:
+            self.linear_attention = tuple(bool(x) for x in self.linear_attention)
+            if len(self.linear_attention) != self.num_layers:
+                raise ValueError(f"linear_attention has {len(self.linear_attention)} entries for {self.num_layers} "
+                                 "layers")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                                 f"linear_num_key_heads ({self.linear_num_key_heads})")
+            if self.multi_latent_attention or self.num_moe_experts is not None:
+                raise ValueError("Gated DeltaNet layers are supported in dense models with standard attention")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) > num_moe_experts ({self.num_moe_experts})")
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layers are Gated DeltaNet (linear attention) layers."""
+        return bool(self.linear_attention) and any(self.linear_attention)
 
     @property
     def multi_latent_attention(self) -> bool:
@@ -176,6 +202,14 @@ def transformer_config(cfg: GPTConfig, **overrides):
             rotary_scaling_factor=float(params.get("factor", 1.0)) if rope.rope_type(params) != "default" else 1.0,
             mscale_all_dim=float(params.get("mscale_all_dim") or 0.0) if rope.rope_type(params) != "default" else 0.0,
         )
+    if cfg.zero_centered_norm:
+        kwargs["layernorm_zero_centered_gamma"] = True
+    if cfg.attention_output_gate:
+        kwargs["attention_output_gate"] = True
+    if cfg.hybrid:
+        kwargs.update(linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
+                      linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
+                      linear_conv_kernel_dim=cfg.linear_conv_kernel)
     if cfg.num_moe_experts is not None:
         kwargs.update(
             num_moe_experts=cfg.num_moe_experts,
@@ -250,9 +284,13 @@ def _with_attention_submodules(spec, swaps):
     dict of field -> module."""
     import dataclasses
 
+    from forge_megatron.mcore.gated_delta_net import is_gated_delta_net
+
     if hasattr(spec, "layer_specs"):
         return dataclasses.replace(spec, layer_specs=[_with_attention_submodules(s, swaps) for s in spec.layer_specs])
     attn = spec.submodules.self_attention
+    if is_gated_delta_net(attn):
+        return spec
     subs = dataclasses.replace(attn.submodules, **swaps(attn.submodules))
     return dataclasses.replace(spec, submodules=dataclasses.replace(
         spec.submodules, self_attention=dataclasses.replace(attn, submodules=subs)))
@@ -262,6 +300,8 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
     """The standard (causal) layer spec: local Megatron-Core modules, or Transformer Engine's when asked. A MoE
     model with dense first layers gets Megatron's block spec of this pipeline stage's (``vp_stage``'s) layers."""
     spec = _layer_spec(cfg, use_te, vp_stage)
+    if cfg.hybrid:
+        spec = _hybrid_block_spec(cfg, spec, vp_stage)
     if cfg.qk_layernorm_all_heads:
         from forge_megatron.mcore.qk_norm import KeyNormAllHeads, QueryNormAllHeads
 
@@ -279,9 +319,31 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
     return spec if use_te else _local_mla(spec)
 
 
+def _hybrid_block_spec(cfg: GPTConfig, spec, vp_stage: int | None):
+    """The block spec of this pipeline stage's layers, each a copy of the layer spec ``spec`` whose self-attention
+    is a Gated DeltaNet where ``cfg.linear_attention`` says so."""
+    import dataclasses
+
+    from megatron.core.transformer import transformer_block as tb
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from forge_megatron.mcore.gated_delta_net import gated_delta_net_spec
+
+    tcfg = transformer_config(cfg)
+    linear = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                      self_attention=gated_delta_net_spec()))
+    offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
+    layers = cfg.linear_attention[offset: offset + tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage)]
+    return tb.TransformerBlockSubmodules(layer_specs=[linear if x else spec for x in layers],
+                                         layer_norm=tb.LayerNormImpl)
+
+
 def _layer_spec(cfg: GPTConfig, use_te: bool, vp_stage: int | None):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    if cfg.hybrid and use_te:
+        raise ValueError("Gated DeltaNet models build with the local spec (Megatron's own linears), not Transformer "
+                         "Engine's")
     if cfg.num_moe_experts and cfg.moe_dense_layers:
         if use_te:
             from forge_megatron.utils import env
@@ -316,7 +378,7 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     tcfg = transformer_config(cfg, **config_overrides)
     spec = spec if spec is not None else layer_spec(cfg, vp_stage=vp_stage)
-    if tcfg.sequence_parallel:
+    if tcfg.sequence_parallel or tcfg.layernorm_zero_centered_gamma:
         spec = sequence_parallel_norms(spec, tcfg, vp_stage)
     kwargs = dict(
         config=tcfg,
@@ -358,18 +420,39 @@ def _own_expert_outputs(model) -> None:
             module.register_forward_hook(own_copy)
 
 
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm scaling by (1 + weight), the weight stored zero-centred (Qwen3.5 / Qwen3-Next; Megatron's
+    ``layernorm_zero_centered_gamma``), computed as transformers does: normalise and scale in fp32, then cast."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class SequenceParallelNorm:
-    """torch's RMSNorm / LayerNorm for the local spec under sequence parallelism (Megatron's ``WrappedTorchNorm``
-    refuses it, and apex / Transformer Engine norms are GPU-only). Under SP each TP rank normalises its own slice of
-    the tokens, so its weight gradient is partial: the weight is marked ``sequence_parallel`` and Megatron's
-    ``finalize_model_grads`` sums it over the TP group, as it does for TE's and apex's norms."""
+    """torch's RMSNorm / LayerNorm (or :class:`ZeroCenteredRMSNorm`) for the local spec under sequence parallelism
+    or zero-centred gamma (Megatron's ``WrappedTorchNorm`` refuses both, and apex / Transformer Engine norms are
+    GPU-only). Under SP each TP rank normalises its own slice of the tokens, so its weight gradient is partial: the
+    weight is marked ``sequence_parallel`` and Megatron's ``finalize_model_grads`` sums it over the TP group, as it
+    does for TE's and apex's norms."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
-        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
-            raise ValueError("zero-centered gamma and memory-efficient layer norm need Transformer Engine's norms")
-        kind = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
-        norm = kind(hidden_size, eps=eps)
+        if config.memory_efficient_layer_norm:
+            raise ValueError("memory-efficient layer norm needs Transformer Engine's norms")
+        if config.layernorm_zero_centered_gamma:
+            if config.normalization != "RMSNorm":
+                raise ValueError("zero-centred gamma is supported for RMSNorm only")
+            norm = ZeroCenteredRMSNorm(hidden_size, eps=eps)
+        else:
+            kind = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+            norm = kind(hidden_size, eps=eps)
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
         return norm

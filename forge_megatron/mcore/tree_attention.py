@@ -201,8 +201,12 @@ def swap_core_attention(spec):
     """A copy of a Megatron layer (or block) spec whose self-attention uses TreeAttention; the input is untouched."""
     if hasattr(spec, "layer_specs"):
         return dataclasses.replace(spec, layer_specs=[swap_core_attention(s) for s in spec.layer_specs])
+    from forge_megatron.mcore.gated_delta_net import is_gated_delta_net
+
     layer_subs = spec.submodules
     attn = getattr(layer_subs, "self_attention", None)
+    if is_gated_delta_net(attn):  # a linear-attention layer follows the tree by itself (packed params)
+        return spec
     if attn is None or not dataclasses.is_dataclass(getattr(attn, "submodules", None)) \
             or not hasattr(attn.submodules, "core_attention"):
         raise TypeError(f"cannot find self_attention.submodules.core_attention in layer spec {spec!r}")

@@ -624,6 +624,11 @@ def model_config(args: argparse.Namespace, bridge):
         if rate < 0:
             raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got {rate}")
         extra.update(moe_router_bias_update_rate=rate)
+    if args.context_parallel_size > 1 and cfg.hybrid:
+        raise ValueError(f"{args.hf_checkpoint} has Gated DeltaNet (linear attention) layers: they do not train under "
+                         "context parallelism (a recurrence runs along each whole root-to-leaf path); use "
+                         "--tensor-model-parallel-size (with --sequence-parallel for long trees), pipeline and data "
+                         "parallelism")
     if args.context_parallel_size > 1:
         from forge_megatron.mcore.context_parallel import resolve_comm_type
 

@@ -158,6 +158,14 @@ def _body_one_rank(rank, world_size):
     mm_tree, mm_causal = _twin_models(gpt_config_from_hf(mm))
     out["minimax_m2"] = _exactness(mm_tree, mm_causal, all_samples(3))
     out["minimax_m2_norms"] = type(mm_tree.decoder.layers[0].self_attention.q_layernorm).__name__
+    # Qwen3.5 layout: a Gated DeltaNet layer (the recurrence and its convolution along every root-to-leaf path)
+    # then gated full attention; the trees here nest several levels of segments
+    q35 = {**tiny_config("qwen3_5", vocab_size=VOCAB).to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
+    q35_tree, q35_causal = _twin_models(gpt_config_from_hf(q35))
+    out["qwen3_5"] = _exactness(q35_tree, q35_causal, all_samples(3))
+    out["qwen3_5_mixers"] = [type(layer.self_attention).__name__ for layer in q35_tree.decoder.layers]
+    out["qwen3_5_grads"] = {name: ((pa.grad - pb.grad).abs().max() / pb.grad.abs().max()).item()
+                            for (name, pa), pb in zip(q35_tree.named_parameters(), q35_causal.parameters())}
     # DeepSeek-V3 layout (multi-latent attention: per-layer rotary tables indexed by depth, value heads narrower
     # than query/key heads) with YaRN, and the same model rotating by packed offset as the negative control
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0,
@@ -375,6 +383,20 @@ def test_minimax_m2_tree_equals_unmerged(one_rank):
     assert one_rank["minimax_m2_norms"] == "QueryNormAllHeads"
     logp, ent, grad, _, _ = one_rank["minimax_m2"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["minimax_m2"]
+
+
+def test_qwen3_5_gated_delta_net_tree_equals_unmerged(one_rank):
+    assert one_rank["qwen3_5_mixers"] == ["TreeGatedDeltaNet", "SelfAttention"]
+    logp, ent, _, _, _ = one_rank["qwen3_5"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL, one_rank["qwen3_5"]
+    # The decay parameters' gradients are sums over every token of terms that largely cancel (their totals are
+    # ~1e-2 against ~15 for the projections): the tree's chunks (per segment) and the samples' (per sequence) sum
+    # them in different orders, so they agree to fp32 rounding of the terms, not of the sum (the kernel's own test,
+    # tests/kernels/test_gated_delta.py, checks the decay gradients against transformers per sample)
+    grads = one_rank["qwen3_5_grads"]
+    assert len(grads) > 10
+    for name, diff in grads.items():
+        assert diff <= (1e-4 if name.endswith(("A_log", "dt_bias")) else GRAD_RTOL), (name, diff)
 
 
 def test_glm4_moe_tree_equals_unmerged(one_rank):

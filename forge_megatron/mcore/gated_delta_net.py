@@ -1,0 +1,157 @@
+"""Gated DeltaNet layers (Qwen3.5 / Qwen3-Next linear attention) inside Megatron-Core, trained on prefix trees.
+
+:class:`TreeGatedDeltaNet` takes a transformer layer's ``self_attention`` slot (same call, returns
+``(output, bias)``). Given :class:`~forge_megatron.mcore.tree_attention.TreePackedSeqParams` it runs the short
+convolution and the gated delta rule along every root-to-leaf path of the prefix forest
+(:mod:`forge_megatron.kernels.gated_delta`), so a merged tree trains exactly as its samples would alone; without
+packed params each batch row is one causal sequence (conversion checks, evaluation).
+
+Parameters, in a layout tensor parallelism splits by whole key-head groups (H / Hk value heads per key head,
+Qwen3.5's grouping) so a TP rank's contiguous slice of every tensor is its own heads:
+
+- ``in_proj`` (column-parallel): per key-head group ``[q (dk) | k (dk) | v (r dv) | z (r dv) | b (r) | a (r)]``,
+  r = H / Hk (transformers' ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` regrouped by the bridge);
+- ``conv1d_weight`` [C, K], its channels per group ``[q | k | v]`` (HF's depthwise ``conv1d.weight`` [C, 1, K]);
+- ``A_log``, ``dt_bias`` [H] per value head; ``norm_weight`` [dv], the gated RMSNorm's, whole on every rank (each
+  rank's heads use all of it: its gradient is all-reduced over TP in the backward);
+- ``out_proj`` (row-parallel) [D, H dv].
+
+Context parallelism would cut a recurrence between ranks: refused at build time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from forge_megatron.kernels import gated_delta as gd
+
+
+@dataclass
+class GatedDeltaNetSubmodules:
+    in_proj: ModuleSpec | type = None
+    out_proj: ModuleSpec | type = None
+
+
+def group_width(config) -> int:
+    """Rows of ``in_proj`` per key-head group."""
+    r = config.linear_num_value_heads // config.linear_num_key_heads
+    return 2 * config.linear_key_head_dim + 2 * r * config.linear_value_head_dim + 2 * r
+
+
+def conv_group_width(config) -> int:
+    """Convolution channels per key-head group (q, k and its value heads)."""
+    r = config.linear_num_value_heads // config.linear_num_key_heads
+    return 2 * config.linear_key_head_dim + r * config.linear_value_head_dim
+
+
+class TreeGatedDeltaNet(MegatronModule):
+    """A Gated DeltaNet token mixer over prefix forests; hidden states [s, b, D] -> ([s, b, D], bias)."""
+
+    def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int | None = None,
+                 pg_collection=None, cp_comm_type=None):
+        super().__init__(config=config)
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, \
+            set_tensor_model_parallel_attributes
+
+        if config.context_parallel_size > 1:
+            raise ValueError("Gated DeltaNet (linear attention) layers do not run under context parallelism: the "
+                             "recurrence runs along whole root-to-leaf paths (use TP, SP, PP and DP)")
+        self.layer_number = layer_number
+        tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        tp = tp_group.size() if tp_group is not None else ps.get_tensor_model_parallel_world_size()
+        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        if nv % nk or nk % tp:
+            raise ValueError(f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk}), "
+                             f"and that of the tensor-parallel size ({tp})")
+        self.dk, self.dv, self.kernel = config.linear_key_head_dim, config.linear_value_head_dim, \
+            config.linear_conv_kernel_dim
+        self.r, self.nk_local = nv // nk, nk // tp
+        self.nv_local = self.nk_local * self.r
+        self.eps = config.layernorm_epsilon
+        linear_kwargs = dict(config=config, init_method=config.init_method, bias=False, is_expert=False)
+        if tp_group is not None:
+            linear_kwargs["tp_group"] = tp_group
+        self.in_proj = build_module(submodules.in_proj, config.hidden_size, nk * group_width(config),
+                                    gather_output=False, skip_bias_add=False, tp_comm_buffer_name="fc1",
+                                    **linear_kwargs)
+        self.out_proj = build_module(submodules.out_proj, nv * self.dv, config.hidden_size,
+                                     input_is_parallel=True, skip_bias_add=True, tp_comm_buffer_name="fc2",
+                                     **{**linear_kwargs, "init_method": config.output_layer_init_method})
+
+        conv_channels = nk * conv_group_width(config)
+        dtype = config.params_dtype
+        self.conv1d_weight = torch.nn.Parameter(torch.empty(conv_channels // tp, self.kernel, dtype=dtype))
+        _initialize_affine_weight_cpu(self.conv1d_weight, conv_channels, self.kernel, conv_channels // tp, 0,
+                                      lambda w: torch.nn.init.uniform_(w, -self.kernel ** -0.5, self.kernel ** -0.5),
+                                      params_dtype=dtype)
+        self.A_log = torch.nn.Parameter(torch.empty(self.nv_local, dtype=dtype))
+        self.dt_bias = torch.nn.Parameter(torch.empty(self.nv_local, dtype=dtype))
+        with torch.no_grad():  # Qwen3.5's initialisation: A uniform in (0, 16), dt_bias ones
+            self.A_log.copy_(torch.empty(self.nv_local).uniform_(1e-2, 16).log())
+            self.dt_bias.fill_(1.0)
+        for p in (self.A_log, self.dt_bias):
+            set_tensor_model_parallel_attributes(p, True, 0, 1)
+        self.norm_weight = torch.nn.Parameter(torch.ones(self.dv, dtype=dtype))
+
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **unused):
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        proj, _ = self.in_proj(hidden_states)  # [s, b, nk_local * group]
+        s, b = proj.shape[:2]
+        T = s * b
+        x = proj.transpose(0, 1).reshape(T, self.nk_local, -1)  # token b * s + i: row b's sequence in order
+        rv = self.r * self.dv
+        q, k, v, z, beta_in, a = x.split([self.dk, self.dk, rv, rv, self.r, self.r], dim=-1)
+        plan = self._plan(packed_seq_params, s, b, proj.device)
+
+        qkv = torch.cat([q, k, v], dim=-1).reshape(T, -1)
+        qkv = F.silu(gd.tree_causal_conv(qkv, self.conv1d_weight.to(qkv.dtype), plan))
+        q, k, v = qkv.reshape(T, self.nk_local, -1).split([self.dk, self.dk, rv], dim=-1)
+        decay, beta = gd.gate_and_decay(a.reshape(T, self.nv_local), beta_in.reshape(T, self.nv_local),
+                                        self.A_log, self.dt_bias)
+        o = gd.tree_gated_delta_rule(q, k, v.reshape(T, self.nv_local, self.dv), decay, beta, plan)
+
+        # gated RMSNorm over each head (transformers' order: normalise in fp32, weight in the input dtype, then
+        # the SiLU gate in fp32); the weight is shared by every head of every TP rank
+        weight = copy_to_tensor_model_parallel_region(self.norm_weight)
+        of = o.float()
+        normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
+        o = ((weight * normed) * F.silu(z.reshape(T, self.nv_local, self.dv).float())).to(o.dtype)
+        o = o.reshape(b, s, -1).transpose(0, 1)
+        return self.out_proj(o)
+
+    def _plan(self, packed_seq_params, s: int, b: int, device) -> gd.RecurrencePlan:
+        from forge_megatron.mcore.tree_attention import TreePackedSeqParams
+
+        if packed_seq_params is None:
+            return gd.plan_chains(s, b, self.kernel, device=device)
+        if not isinstance(packed_seq_params, TreePackedSeqParams):
+            raise ValueError("Gated DeltaNet layers take TreePackedSeqParams (a prefix tree) or no packed params "
+                             f"(causal rows), got {type(packed_seq_params).__name__}")
+        if b != 1 or packed_seq_params.position_ids.numel() != s:
+            raise ValueError(f"a tree is one sequence of {packed_seq_params.position_ids.numel()} tokens; got "
+                             f"hidden states [{s}, {b}]")
+        # every linear-attention layer of the micro-batch shares one plan
+        key = ("gated_delta_plan", self.kernel)
+        cache = packed_seq_params.__dict__.setdefault("_recurrence_plans", {})
+        if key not in cache:
+            cache[key] = gd.plan_tree(packed_seq_params.position_ids.to(device), self.kernel)
+        return cache[key]
+
+
+def gated_delta_net_spec():
+    """The ``self_attention`` spec of a Gated DeltaNet layer (Megatron's local linears)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return ModuleSpec(module=TreeGatedDeltaNet,
+                      submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))
+
+
+def is_gated_delta_net(attn_spec) -> bool:
+    return getattr(attn_spec, "module", None) is TreeGatedDeltaNet
