@@ -65,6 +65,7 @@ class TreeGatedDeltaNet(MegatronModule):
         self.layer_number = layer_number
         tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         tp = tp_group.size() if tp_group is not None else ps.get_tensor_model_parallel_world_size()
+        self.tp_group = tp_group if tp_group is not None else ps.get_tensor_model_parallel_group(check_initialized=False)
         nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
         if nv % nk or nk % tp:
             raise ValueError(f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk}), "
@@ -125,6 +126,23 @@ class TreeGatedDeltaNet(MegatronModule):
         o = ((weight * normed) * F.silu(z.reshape(T, self.nv_local, self.dv).float())).to(o.dtype)
         o = o.reshape(b, s, -1).transpose(0, 1)
         return self.out_proj(o)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Megatron's dist-checkpoint view: the convolution and the per-head decay parameters split over TP along
+        dim 0 (the default would call them replicated), the gated norm's weight replicated, the linears their own."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, \
+            make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        own = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        out = make_sharded_tensors_for_checkpoint(own, prefix, {"conv1d_weight": 0, "A_log": 0, "dt_bias": 0},
+                                                  sharded_offsets, tp_group=self.tp_group,
+                                                  dp_cp_group=metadata["dp_cp_group"])
+        for name, module in self.named_children():
+            out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                  tp_group=self.tp_group))
+        return out
 
     def _plan(self, packed_seq_params, s: int, b: int, device) -> gd.RecurrencePlan:
         from forge_megatron.mcore.tree_attention import TreePackedSeqParams

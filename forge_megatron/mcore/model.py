@@ -210,6 +210,11 @@ def transformer_config(cfg: GPTConfig, **overrides):
         kwargs.update(linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
                       linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
                       linear_conv_kernel_dim=cfg.linear_conv_kernel)
+        # dist checkpoints key each layer on its own (the Gated DeltaNet's parameters are in some layers only);
+        # Megatron spells the switch this way in 0.16
+        for name in ("hetereogenous_dist_checkpoint", "heterogeneous_dist_checkpoint"):
+            if name in TransformerConfig.__dataclass_fields__:
+                kwargs[name] = True
     if cfg.num_moe_experts is not None:
         kwargs.update(
             num_moe_experts=cfg.num_moe_experts,

@@ -31,20 +31,22 @@ def _torchrun(args, nproc):
     assert proc.returncode == 0, out[-3000:]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v3", "minimax_m2"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v3", "minimax_m2", "qwen3_5"])
 def test_torch_dist_round_trip_across_layouts(tmp_path, arch):
     """GLM-4.5 layout too: a dense layer, shared experts and the routers' expert_bias buffers go through
     dist_checkpointing's sharded state dict; DeepSeek-V3: multi-latent attention's replicated down projections and
     latent norms next to its TP-split up projections; MiniMax-M2: the all-heads q/k norm weights, whole on each TP
-    rank."""
+    rank; Qwen3.5: the Gated DeltaNet's TP-split convolution and decay parameters next to its replicated norm
+    (qwen3_5 has no experts: its second job is PP = 2, the linear-attention layer and the full one apart)."""
     from forge_megatron.models.tiny import build_tiny_model
 
     hf = build_tiny_model(str(tmp_path / "hf"), arch=arch, seed=6, with_tokenizer=False)
     ckpt.hf_to_megatron(hf, str(tmp_path / "tp2"), ParallelLayout(tp=2))
     _torchrun(["to-torch-dist", "--mcore-dir", str(tmp_path / "tp2"), "--out", str(tmp_path / "dist")], 2)
     assert os.path.isfile(tmp_path / "dist" / ".metadata")
+    flag, layout = (["--pp", "2"], ParallelLayout(pp=2)) if arch == "qwen3_5" else (["--ep", "2"], ParallelLayout(ep=2))
     _torchrun(["from-torch-dist", "--dist-dir", str(tmp_path / "dist"), "--hf-config", hf,
-               "--out", str(tmp_path / "ep2"), "--ep", "2"], 2)
-    assert ckpt.read_meta(str(tmp_path / "ep2"))[1] == ParallelLayout(ep=2)
+               "--out", str(tmp_path / "ep2"), *flag], 2)
+    assert ckpt.read_meta(str(tmp_path / "ep2"))[1] == layout
     ckpt.megatron_to_hf(str(tmp_path / "ep2"), str(tmp_path / "back"))
     _assert_bit_exact(hf, tmp_path / "back")
