@@ -40,6 +40,7 @@ def models(tmp_path_factory):
         "deepseek_v3": build_tiny_model(str(root / "deepseek_v3"), arch="deepseek_v3", seed=7),
         "gpt_oss": build_tiny_model(str(root / "gpt_oss"), arch="gpt_oss", seed=8),
         "minimax_m2": build_tiny_model(str(root / "minimax_m2"), arch="minimax_m2", seed=9),
+        "qwen3_5": build_tiny_model(str(root / "qwen3_5"), arch="qwen3_5", seed=10),
     }
 
 
@@ -154,7 +155,9 @@ def _check_synced(results):
     ("deepseek_v3", ParallelConfig(tp=2)),  # MLA: up projections gathered over TP, latents replicated
     ("gpt_oss", ParallelConfig(ep=2)),  # every expert of a layer in one HF tensor (SGLang's gpt-oss loader's names)
     ("minimax_m2", ParallelConfig(tp=2)),  # q/k norm slices gathered over TP; Mixtral names (block_sparse_moe, w1..3)
-], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2"])
+    ("qwen3_5", ParallelConfig(tp=2)),  # Gated DeltaNet projections gathered over TP and split back into HF's four
+], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
+        "tp2-qwen3-5"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
