@@ -83,6 +83,9 @@ FAMILIES: dict[str, Family] = {
                                    minimax=True),
     # Qwen3.5 text models (dense): 3 of every 4 layers Gated DeltaNet (linear attention), the others gated attention
     "Qwen3_5ForCausalLM": Family("qwen3_5", qkv_bias=None, qk_norm=True, moe=False, gated_delta=True),
+    # Qwen3.5 MoE text models (35B-A3B, 122B-A10B, 397B-A17B): the same layers, every MLP softmax-routed experts
+    # (top-k renormalised) plus one shared expert behind a sigmoid gate
+    "Qwen3_5MoeForCausalLM": Family("qwen3_5_moe", qkv_bias=None, qk_norm=True, moe=True, gated_delta=True),
     "GptOssForCausalLM": Family("gpt_oss", qkv_bias=None, qk_norm=False, moe=True, gpt_oss=True),
     # Mistral-Small / Devstral / Magistral text models: the Llama layout (sliding windows refused below)
     "MistralForCausalLM": Family("mistral", qkv_bias=None, qk_norm=False, moe=False),
@@ -160,7 +163,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral configs have none)")
-    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "qwen3_5"):
+    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2") and not family.gated_delta:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
     if family.gpt_oss:
         if float(hf.get("swiglu_alpha", 1.702)) != 1.702:
@@ -191,7 +194,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
-        if hf.get("shared_expert_intermediate_size"):
+        if hf.get("shared_expert_intermediate_size") and not family.gated_delta:
             raise UnsupportedModelError("shared experts are not supported by the qwen3_moe family")
     if family.mla:
         if hf.get("attention_bias"):
@@ -351,7 +354,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             },
         )
     elif family.moe and not family.gpt_oss:
-        norm_topk = bool(hf.get("norm_topk_prob", False))
+        # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob)
+        norm_topk = True if family.gated_delta else bool(hf.get("norm_topk_prob", False))
         kwargs.update(
             num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 renamed it
             moe_router_topk=hf["num_experts_per_tok"],
@@ -359,6 +363,9 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             moe_router_pre_softmax=not norm_topk,
             moe_router_topk_renorm=norm_topk,
         )
+        if family.gated_delta and hf.get("shared_expert_intermediate_size"):
+            kwargs.update(moe_shared_ffn_hidden_size=hf["shared_expert_intermediate_size"],
+                          extra={**kwargs.get("extra", {}), "moe_shared_expert_gate": True})
     if "extra" in overrides:
         overrides = {**overrides, "extra": {**kwargs.get("extra", {}), **overrides["extra"]}}
     kwargs.update(overrides)

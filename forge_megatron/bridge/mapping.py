@@ -204,11 +204,15 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
             bias = moe + ("e_score_correction_bias" if family.minimax else "gate.e_score_correction_bias")
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))
         if cfg.moe_shared_ffn_hidden_size:
-            shared = HF_LAYER + "mlp.shared_experts."
+            # Qwen3.5-MoE: one ``shared_expert`` whose output a sigmoid gate scales (Megatron's gate_weight)
+            shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta else "mlp.shared_experts.")
             mlp += [Rule(LAYER + "mlp.shared_experts.linear_fc1.weight",
                          (shared + "gate_proj.weight", shared + "up_proj.weight"), "glu", "glu", layers="moe"),
                     Rule(LAYER + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), tp="row",
                          layers="moe")]
+            if cfg.extra.get("moe_shared_expert_gate"):
+                mlp.append(Rule(LAYER + "mlp.shared_experts.gate_weight", (HF_LAYER + "mlp.shared_expert_gate.weight",),
+                                layers="moe"))
     top = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "col"),
            Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
     if not cfg.tie_word_embeddings:
@@ -382,7 +386,7 @@ class Bridge:
         """The shape the config implies for HF tensor ``hf_name``."""
         cfg = self.cfg
         d, h, g, n = cfg.hidden_size, cfg.head_dim, cfg.num_query_groups, cfg.num_attention_heads
-        f = cfg.moe_shared_ffn_hidden_size if ".shared_experts." in hf_name else \
+        f = cfg.moe_shared_ffn_hidden_size if (".shared_experts." in hf_name or ".shared_expert." in hf_name) else \
             cfg.moe_ffn_hidden_size if ".experts." in hf_name else cfg.ffn_hidden_size
         table = {
             "embed_tokens.weight": (self.hf_vocab, d), "lm_head.weight": (self.hf_vocab, d),
@@ -393,6 +397,7 @@ class Bridge:
             "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f),
             "w1.weight": (f, d), "w3.weight": (f, d), "w2.weight": (d, f),
             "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
+            "shared_expert_gate.weight": (1, d),
         }
         if cfg.qk_layernorm_all_heads:
             table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})

@@ -29,8 +29,9 @@ exp(G_t - G_s) for s <= t, initial state S0):
     W   = (I + A)^-1 diag(beta exp(G)) K                 V' = U - W S0
     O   = diag(exp(G)) Q S0 + lower(Q K^T * Dec) V'     S_C = exp(G_C) S0 + (diag(exp(G_C - G)) K)^T V'
 
-(the WY / UT form of Yang et al., "Gated Delta Networks", 2024). Everything here is plain torch in fp32 with
-autograd, on any device; :func:`recurrent_reference` is the token-by-token definition the tests compare against.
+(the WY / UT form of Yang et al., "Gated Delta Networks", 2024). Everything here is plain torch with autograd, on
+any device, computed in fp32 (fp64 for fp64 inputs, which the tests use to tell rounding from error);
+:func:`recurrent_reference` is the token-by-token definition the tests compare against.
 
 Legend: T = tree tokens, H = value heads, Hk = key heads (H / Hk value heads share one key head), dk / dv = key /
 value head dims, K = conv kernel, C = conv channels.
@@ -159,18 +160,23 @@ def tree_causal_conv(x: torch.Tensor, weight: torch.Tensor, plan: RecurrencePlan
 
 
 # ------------------------------------------------------------------------------------------- the delta rule
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64):
     """The gated delta rule on [B, L, H, d] sequences in chunks (L a multiple of ``chunk``; q / k already normalised
     and q scaled; g, beta [B, L, H]; ``initial_state`` [B, H, dk, dv] or None). Returns (o [B, L, H, dv], the final
-    state [B, H, dk, dv]), in fp32."""
+    state [B, H, dk, dv]), in fp32 (fp64 for fp64 inputs)."""
     B, L, H, dk = k.shape
+    cd = _compute_dtype(v)
     dv = v.shape[-1]
     if L % chunk:
         raise ValueError(f"sequence length {L} is not a multiple of the chunk ({chunk})")
     n = L // chunk
 
     def chunks(x):  # [B, L, H, ...] -> [B, H, n, chunk, ...]
-        x = x.float().transpose(1, 2)
+        x = x.to(cd).transpose(1, 2)
         return x.reshape(B, H, n, chunk, *x.shape[3:])
 
     q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
@@ -188,7 +194,7 @@ def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64):
     k_dec = k * (G[..., -1:] - G).exp().unsqueeze(-1)
     chunk_decay = G[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
 
-    state = q.new_zeros(B, H, dk, dv) if initial_state is None else initial_state.float()
+    state = q.new_zeros(B, H, dk, dv) if initial_state is None else initial_state.to(cd)
     outs = []
     for i in range(n):
         v_new = U[:, :, i] - W[:, :, i] @ state
@@ -199,8 +205,9 @@ def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64):
 
 
 def _prepare(q, k, g, beta, heads: int, scale: float | None, l2norm: bool):
-    """q, k [.., Hk, dk] -> normalised, scaled, repeated to ``heads``; g, beta in fp32."""
-    q, k = q.float(), k.float()
+    """q, k [.., Hk, dk] -> normalised, scaled, repeated to ``heads``; g, beta in the compute dtype."""
+    cd = _compute_dtype(q)
+    q, k = q.to(cd), k.to(cd)
     if l2norm:  # as the FLA kernels and transformers compute it
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
@@ -210,7 +217,7 @@ def _prepare(q, k, g, beta, heads: int, scale: float | None, l2norm: bool):
             raise ValueError(f"{heads} value heads are not a multiple of {q.shape[-2]} key heads")
         rep = heads // q.shape[-2]
         q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
-    return q, k, g.float(), beta.float()
+    return q, k, g.to(cd), beta.to(cd)
 
 
 def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrencePlan, scale: float | None = None,
@@ -222,7 +229,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrencePlan, scale: float |
         raise ValueError(f"{q.shape[0]} query rows, {T} value rows, a plan for {plan.num_tokens} tokens")
     q, k, g, beta = _prepare(q, k, g, beta, H, scale, l2norm)
     pad = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # noqa: E731  row T: padding
-    q, k, vf, g, beta = pad(q), pad(k), pad(v.float()), pad(g), pad(beta)
+    q, k, vf, g, beta = pad(q), pad(k), pad(v.to(q.dtype)), pad(g), pad(beta)
     finals: list[torch.Tensor] = []
     out_rows, out_vals = [], []
     dk = k.shape[-1]
@@ -251,7 +258,7 @@ def recurrent_reference(q, k, v, g, beta, parent: torch.Tensor, scale: float | N
     so this is for tests at small sizes."""
     T, H, dv = v.shape
     q, k, g, beta = _prepare(q, k, g, beta, H, scale, l2norm)
-    v = v.float()
+    v = v.to(q.dtype)
     states, out = [], []
     for i in range(T):
         p = int(parent[i])
@@ -266,6 +273,7 @@ def recurrent_reference(q, k, v, g, beta, parent: torch.Tensor, scale: float | N
 
 def gate_and_decay(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     """Gated DeltaNet's per-head log decay g = -exp(A_log) * softplus(a + dt_bias) and write strength
-    beta = sigmoid(b), in fp32."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return g, b.float().sigmoid()
+    beta = sigmoid(b), in fp32 (fp64 for fp64 inputs)."""
+    cd = _compute_dtype(a)
+    g = -A_log.to(cd).exp() * F.softplus(a.to(cd) + dt_bias.to(cd))
+    return g, b.to(cd).sigmoid()

@@ -112,8 +112,9 @@ class GPTConfig:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                                  f"linear_num_key_heads ({self.linear_num_key_heads})")
-            if self.multi_latent_attention or self.num_moe_experts is not None:
-                raise ValueError("Gated DeltaNet layers are supported in dense models with standard attention")
+            if self.multi_latent_attention or self.moe_dense_layers:
+                raise ValueError("Gated DeltaNet layers are supported with standard attention, in dense models or "
+                                 "MoE models whose every layer is MoE")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) > num_moe_experts ({self.num_moe_experts})")
 

@@ -32,7 +32,7 @@ SPECIAL_TOKENS = (
     "</tool_response>",
 )
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
-         "minimax_m2", "qwen3_5")
+         "minimax_m2", "qwen3_5", "qwen3_5_moe")
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
 _CORPUS = [
@@ -196,6 +196,17 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                  "mrope_section": [1, 1, 0], "mrope_interleaved": True}},
         ),
+        # Qwen3.5-MoE layout: the same two layers, each MLP 4 experts (top-2, renormalised) and a shared expert
+        # behind a sigmoid gate
+        "qwen3_5_moe": (
+            transformers.Qwen3_5MoeTextConfig,
+            {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+             "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+             "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 48,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True}},
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -230,7 +241,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape) * 0.1)
             elif arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
-            elif arch == "qwen3_5" and name.endswith("norm.weight"):
+            elif arch.startswith("qwen3_5") and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if "linear_attn" in name else 0.0))  # (1 + w) or w
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

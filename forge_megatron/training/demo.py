@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "gpt_oss: attention sinks, a sliding window on every other layer, biased experts with the "
                         "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
                         "q/k RMSNorms over all heads)")
+    p.add_argument("--arch", choices=["qwen2", "qwen3_5"], default="qwen2",
+                   help="the dense model's layout: qwen2 (default), or qwen3_5: the Qwen3.5 hybrid (Gated DeltaNet "
+                        "linear-attention layers trained on prefix trees, every fourth layer, and the last, gated full "
+                        "attention; zero-centred norms)")
     p.add_argument("--agent-api", choices=calculator.APIS, default="chat",
                    help="how the calculator agent calls the model: chat completions (default) or the OpenAI "
                         "Responses API (Codex-style agents); the gateway records and trains both alike")
@@ -133,11 +137,16 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
         for chat in calculator.sft_conversations(sft_tasks, args.sft_tool_fraction, seed=args.seed):
             f.write(json.dumps({"messages": chat, "tools": calculator.TOOLS}) + "\n")
     kind = f"{args.moe} MoE, 4 experts top-2, " if args.moe else ""
-    print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
     # gpt-oss and MiniMax-M2: every layer MoE, intermediate_size is the experts' width
     width = "intermediate_size" if args.moe in ("gpt_oss", "minimax_m2") else "moe_intermediate_size"
     arch = dict(arch=args.moe, **{width: args.hidden_size}) if args.moe else \
-        dict(intermediate_size=2 * args.hidden_size)
+        dict(arch=args.arch, intermediate_size=2 * args.hidden_size)
+    if args.arch == "qwen3_5":
+        every = min(4, args.num_layers)
+        arch["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                               for i in range(args.num_layers)]
+        kind = "Qwen3.5 hybrid: Gated DeltaNet + gated attention, "
+    print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
                             num_hidden_layers=args.num_layers, **arch)
     print(f"[demo] 2/5 supervised warm-start: {args.sft_steps} steps, tool used in {args.sft_tool_fraction:.0%} "
@@ -293,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.eval_tasks <= 45 or args.eval_every < 1:
         raise SystemExit("--eval-tasks must lie in [0, 45] (the calculator has 2445 tasks, 2400 go to SFT and RL) "
                          "and --eval-every must be >= 1")
+    if args.moe and args.arch != "qwen2":
+        raise SystemExit(f"--moe {args.moe} and --arch {args.arch}: the MoE layouts are their own architectures; "
+                         "give one of the two")
     start = time.time()
     if os.path.isdir(args.out):
         shutil.rmtree(args.out)  # idempotent: every run starts from scratch

@@ -145,3 +145,37 @@ def test_levels_group_segments_by_depth():
     assert (plan.levels[0].tokens[0, 3:] == layout.unique_tokens).all()  # padding
     empty = gd.plan_tree(torch.zeros(0, dtype=torch.long))
     assert empty.num_segments == 0 and empty.levels == []
+
+
+def test_decay_parameter_gradients_are_exact_in_float64():
+    """A_log and dt_bias get their gradients as sums over every token of terms that largely cancel, so in fp32 the
+    tree (chunks per segment) and the samples alone (chunks per sequence) agree only to the rounding of the terms.
+    In fp64 the two agree to 1e-10: the model-level tests' looser bound on these two gradients is rounding."""
+    samples = _samples(8)
+    layout = build_tree(samples)
+    T, Hk, H, dk, dv = layout.unique_tokens, 2, 4, 8, 6
+    g = torch.Generator().manual_seed(9)
+    q, k = torch.randn(T, Hk, dk, generator=g, dtype=torch.float64), torch.randn(T, Hk, dk, generator=g,
+                                                                                   dtype=torch.float64)
+    v = torch.randn(T, H, dv, generator=g, dtype=torch.float64)
+    a, b = torch.randn(T, H, generator=g, dtype=torch.float64), torch.randn(T, H, generator=g, dtype=torch.float64)
+    A_log = torch.rand(H, generator=g, dtype=torch.float64).log().requires_grad_()
+    dt_bias = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(layout.total_tokens, H, dv, generator=g, dtype=torch.float64)
+
+    decay, beta = gd.gate_and_decay(a, b, A_log, dt_bias)
+    out = gd.tree_gated_delta_rule(q, k, v, decay, beta, gd.plan_tree(layout.position_ids, chunk=8))
+    assert out.dtype == torch.float64
+    (out[layout.sample_nodes] * w).sum().backward()
+    merged = A_log.grad.clone(), dt_bias.grad.clone()
+    A_log.grad = dt_bias.grad = None
+    total = 0
+    for s in range(layout.num_samples):
+        lo, hi = layout.sample_offsets[s], layout.sample_offsets[s + 1]
+        nodes = layout.sample_nodes[lo:hi]
+        chain = torch.arange(len(nodes)) - 1
+        d, bt = gd.gate_and_decay(a[nodes], b[nodes], A_log, dt_bias)
+        total = total + (gd.recurrent_reference(q[nodes], k[nodes], v[nodes], d, bt, chain) * w[lo:hi]).sum()
+    total.backward()
+    torch.testing.assert_close(merged[0], A_log.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(merged[1], dt_bias.grad, rtol=1e-10, atol=1e-12)

@@ -166,6 +166,13 @@ def _body_one_rank(rank, world_size):
     out["qwen3_5_mixers"] = [type(layer.self_attention).__name__ for layer in q35_tree.decoder.layers]
     out["qwen3_5_grads"] = {name: ((pa.grad - pb.grad).abs().max() / pb.grad.abs().max()).item()
                             for (name, pa), pb in zip(q35_tree.named_parameters(), q35_causal.parameters())}
+    q35m = {**tiny_config("qwen3_5_moe", vocab_size=VOCAB).to_dict(), "architectures": ["Qwen3_5MoeForCausalLM"]}
+    q35m_tree, q35m_causal = _twin_models(gpt_config_from_hf(q35m))
+    out["qwen3_5_moe"] = _exactness(q35m_tree, q35m_causal, all_samples(4))
+    out["qwen3_5_moe_grads"] = {name: ((pa.grad - pb.grad).abs().max() / pb.grad.abs().max()).item()
+                                for (name, pa), pb in zip(q35m_tree.named_parameters(), q35m_causal.parameters())
+                                if pb.grad is not None}
+    out["qwen3_5_moe_layers"] = [type(layer.mlp).__name__ for layer in q35m_tree.decoder.layers]
     # DeepSeek-V3 layout (multi-latent attention: per-layer rotary tables indexed by depth, value heads narrower
     # than query/key heads) with YaRN, and the same model rotating by packed offset as the negative control
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0,
@@ -391,12 +398,17 @@ def test_qwen3_5_gated_delta_net_tree_equals_unmerged(one_rank):
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL, one_rank["qwen3_5"]
     # The decay parameters' gradients are sums over every token of terms that largely cancel (their totals are
     # ~1e-2 against ~15 for the projections): the tree's chunks (per segment) and the samples' (per sequence) sum
-    # them in different orders, so they agree to fp32 rounding of the terms, not of the sum (the kernel's own test,
-    # tests/kernels/test_gated_delta.py, checks the decay gradients against transformers per sample)
-    grads = one_rank["qwen3_5_grads"]
-    assert len(grads) > 10
-    for name, diff in grads.items():
-        assert diff <= (1e-4 if name.endswith(("A_log", "dt_bias")) else GRAD_RTOL), (name, diff)
+    # them in different orders, so they agree to fp32 rounding of the terms, not of the sum (in fp64 the kernel's
+    # tree and per-sample decay gradients agree to 1e-10: tests/kernels/test_gated_delta.py)
+    for case in ("qwen3_5", "qwen3_5_moe"):
+        grads = one_rank[case + "_grads"]
+        assert len(grads) > 10
+        for name, diff in grads.items():
+            assert diff <= (5e-4 if name.endswith(("A_log", "dt_bias")) else GRAD_RTOL), (case, name, diff)
+    assert one_rank["qwen3_5_moe_layers"] == ["MoELayer", "MoELayer"]
+    assert any("shared_experts.gate_weight" in name for name in one_rank["qwen3_5_moe_grads"])
+    logp, ent, _, _, _ = one_rank["qwen3_5_moe"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL, one_rank["qwen3_5_moe"]
 
 
 def test_glm4_moe_tree_equals_unmerged(one_rank):
