@@ -66,6 +66,9 @@ class Family:
     minimax: bool = False  # MiniMax-M2: Mixtral expert names, no shared expert, q/k RMSNorm over all heads
     # Qwen3.5: Gated DeltaNet layers between gated full-attention ones, zero-centred norms (mcore/gated_delta_net.py)
     gated_delta: bool = False
+    # a vision-language checkpoint: the language model's config is ``text_config``, its tensors are under
+    # ``model.language_model.`` (text_view / Bridge.hf_prefix)
+    multimodal: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -83,6 +86,12 @@ FAMILIES: dict[str, Family] = {
                                    minimax=True),
     # Qwen3.5 text models (dense): 3 of every 4 layers Gated DeltaNet (linear attention), the others gated attention
     "Qwen3_5ForCausalLM": Family("qwen3_5", qkv_bias=None, qk_norm=True, moe=False, gated_delta=True),
+    # Qwen3.5 as released: the language models above inside a vision-language checkpoint (``text_config``; tensors
+    # under ``model.language_model.``, the vision tower under ``model.visual.``): the language model trains
+    "Qwen3_5ForConditionalGeneration": Family("qwen3_5", qkv_bias=None, qk_norm=True, moe=False, gated_delta=True,
+                                              multimodal=True),
+    "Qwen3_5MoeForConditionalGeneration": Family("qwen3_5_moe", qkv_bias=None, qk_norm=True, moe=True,
+                                                 gated_delta=True, multimodal=True),
     # Qwen3.5 MoE text models (35B-A3B, 122B-A10B, 397B-A17B): the same layers, every MLP softmax-routed experts
     # (top-k renormalised) plus one shared expert behind a sigmoid gate
     "Qwen3_5MoeForCausalLM": Family("qwen3_5_moe", qkv_bias=None, qk_norm=True, moe=True, gated_delta=True),
@@ -109,6 +118,19 @@ def load_hf_config(source) -> dict:
         raise FileNotFoundError(f"no HF config at {path!r} (expected a model directory with config.json)")
     with open(path) as f:
         return json.load(f)
+
+
+def text_view(hf: dict) -> dict:
+    """The language model's config of a vision-language checkpoint (its ``text_config`` with the top level's
+    ``architectures`` and ``tie_word_embeddings``); any other config as it is."""
+    if not family_of(hf).multimodal:
+        return hf
+    if not isinstance(hf.get("text_config"), dict):
+        raise UnsupportedModelError(f"{hf['architectures'][0]} config has no text_config")
+    text = dict(hf["text_config"])
+    text["architectures"] = hf["architectures"]
+    text["tie_word_embeddings"] = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return text
 
 
 def family_of(hf: dict) -> Family:
@@ -270,7 +292,7 @@ def dense_layers(hf: dict) -> int:
 
 def gpt_config_from_hf(source, **overrides) -> GPTConfig:
     """The :class:`GPTConfig` that computes exactly what the HF model of ``source`` computes."""
-    hf = load_hf_config(source)
+    hf = text_view(load_hf_config(source))
     family = family_of(hf)
     _refuse_unsupported(hf, family)
     heads = hf["num_attention_heads"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_megatron.bridge.families import Family, family_of, gpt_config_from_hf, load_hf_config
+from forge_megatron.bridge.families import Family, family_of, gpt_config_from_hf, load_hf_config, text_view
 from forge_megatron.mcore.model import GPTConfig
 
 LAYER = "decoder.layers.{layer}."
@@ -235,7 +235,10 @@ class Bridge:
         # A block-wise FP8 checkpoint is read dequantized (convert/checkpoint.py HFReader): the model, and every
         # checkpoint written from it, is unquantized, so its config must not say fp8
         self.source_quantization = self.hf_config.pop("quantization_config", None)
-        self.hf_vocab = self.hf_config["vocab_size"]
+        # a vision-language checkpoint (Qwen3.5 as released): its language model's tensors are under
+        # model.language_model. (the head is lm_head as usual); the vision tower is neither trained nor exported
+        self.hf_prefix = "model.language_model." if self.family.multimodal else "model."
+        self.hf_vocab = text_view(self.hf_config)["vocab_size"]
         if self.cfg.vocab_size < self.hf_vocab:
             raise ValueError(f"vocab_size {self.cfg.vocab_size} is smaller than the HF vocabulary ({self.hf_vocab})")
         self.rules = _rules(self.cfg, self.family)
@@ -276,8 +279,13 @@ class Bridge:
         if self.family.gated_delta and hf_name.startswith("mtp."):
             return True
         extra = int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_modules") or 0)
-        m = re.match(r"model\.layers\.(\d+)\.", hf_name)
+        m = re.match(re.escape(self.hf_prefix) + r"layers\.(\d+)\.", hf_name)
         return bool(extra and m) and self.cfg.num_layers <= int(m.group(1)) < self.cfg.num_layers + extra
+
+    def is_left_out(self, hf_name: str) -> bool:
+        """A checkpoint tensor the trainer neither trains nor exports: multi-token-prediction layers
+        (:meth:`is_mtp_tensor`) and a vision-language checkpoint's vision tower (``model.visual.``)."""
+        return self.is_mtp_tensor(hf_name) or (self.family.multimodal and hf_name.startswith("model.visual."))
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` has a MoE MLP (the first ``moe_dense_layers`` of a MoE model do not)."""
@@ -290,7 +298,10 @@ class Bridge:
 
     def hf_names(self, name: str) -> list[str]:
         rule, idx = self.rule(name)
-        return [t.format(**idx) for t in rule.hf]
+        names = [t.format(**idx) for t in rule.hf]
+        if self.hf_prefix != "model.":
+            names = [self.hf_prefix + n[len("model."):] if n.startswith("model.") else n for n in names]
+        return names
 
     # --- full tensors ---------------------------------------------------------------------------------------
     def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -318,18 +318,39 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelL
         used.update(hf_names)
         save_megatron_stage(bridge, full, layout, pp, out_dir)
     extra = reader.names() - used - ({"lm_head.weight"} if bridge.cfg.tie_word_embeddings else set())
-    extra = {n for n in extra if not bridge.is_mtp_tensor(n)}
+    extra = {n for n in extra if not bridge.is_left_out(n)}
     if extra:
         raise MappingError(f"HF tensor(s) {sorted(extra)[:5]} are not used by the {bridge.family.name!r} mapping")
 
 
-def megatron_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> None:
-    """Convert a Megatron ``torch`` checkpoint written with any layout to a sharded HF safetensors directory."""
+def vision_tower(bridge: Bridge, hf_dir: str | None, batch: int = 64):
+    """(name, tensor) pairs of the vision tower of the vision-language checkpoint at ``hf_dir`` (Qwen3.5 as released:
+    ``model.visual.``), which RL on text leaves as it is, to complete an export; nothing for other models. A
+    vision-language model exported without ``hf_dir`` raises, naming the flag, rather than writing a checkpoint whose
+    vision tower would load randomly initialised."""
+    if not bridge.family.multimodal:
+        return iter(())
+    if not hf_dir or not os.path.isdir(hf_dir):
+        raise ValueError(f"{bridge.hf_config['architectures'][0]} is a vision-language checkpoint: the export needs "
+                         "the original checkpoint to copy its vision tower from (--vision-from HF_DIR; the trainer's "
+                         f"--hf-checkpoint by default), got {hf_dir!r}")
+    reader = HFReader(hf_dir)
+    names = sorted(n for n in reader.names() if n.startswith("model.visual."))
+    if not names:
+        raise ValueError(f"{hf_dir!r} has no model.visual.* tensors (not the checkpoint this model came from?)")
+    return (item for i in range(0, len(names), batch) for item in reader.get(names[i:i + batch]).items())
+
+
+def megatron_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30, vision_from: str | None = None) -> None:
+    """Convert a Megatron ``torch`` checkpoint written with any layout to a sharded HF safetensors directory (a
+    vision-language model's vision tower copied from ``vision_from``, the HF checkpoint it was converted from)."""
     bridge, layout = read_meta(mcore_dir)
+    vision = vision_tower(bridge, vision_from)  # checks the source before anything is written
 
     def tensors():
         for pp in range(layout.pp):
             yield from bridge.export(load_megatron_stage(bridge, mcore_dir, layout, pp).items())
+        yield from vision
 
     save_hf(tensors(), out_dir, bridge.hf_config, max_shard_bytes)
 

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mcore-dir", required=True, help="Megatron checkpoint written by forge-convert")
     p.add_argument("--out", required=True, help="output HF directory")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GiB (default 5)")
+    p.add_argument("--vision-from", default=None,
+                   help="vision-language checkpoints (Qwen3.5 as released): the HF checkpoint the model was converted "
+                        "from, whose vision tower (not trained) is copied into the output")
     p = sub.add_parser("trainer-to-hf", help="forge trainer checkpoint (<save>/iter_N/rank_R.pt, any TP/PP/VPP/EP) "
                                              "-> HF safetensors directory with the tokenizer: the RL policy")
     p.add_argument("--save-dir", required=True, help="the trainer's --save directory")
@@ -53,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-from", default=None,
                    help="copy tokenizer files from this directory (default: the run's --hf-checkpoint, if present)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GiB (default 5)")
+    p.add_argument("--vision-from", default=None,
+                   help="vision-language checkpoints (Qwen3.5 as released): copy the vision tower (not trained) from "
+                        "this HF checkpoint (default: the run's --hf-checkpoint)")
     p = sub.add_parser("hf-to-fp8", help="HF directory -> block-wise FP8 copy for SGLang to serve (the trainer's "
                                          "--weight-sync-fp8 then sends weights in the same format)")
     p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + *.safetensors, unquantized)")
@@ -88,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf-to-mcore":
             checkpoint.hf_to_megatron(args.hf_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep))
         elif args.command == "mcore-to-hf":
-            checkpoint.megatron_to_hf(args.mcore_dir, args.out, int(args.max_shard_gb * (1 << 30)))
+            checkpoint.megatron_to_hf(args.mcore_dir, args.out, int(args.max_shard_gb * (1 << 30)), args.vision_from)
         elif args.command == "trainer-to-hf":
             from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
 
             summary = export_trainer_checkpoint(args.save_dir, args.out, args.iteration, args.tokenizer_from,
-                                                int(args.max_shard_gb * (1 << 30)))
+                                                int(args.max_shard_gb * (1 << 30)), args.vision_from)
             print(f"forge-convert: iteration {summary['iteration']} (policy version {summary['policy_version']}), "
                   f"layout {summary['layout']}, {summary['tensors']} tensors, tokenizer from "
                   f"{summary['tokenizer_from'] or '(none found)'}")

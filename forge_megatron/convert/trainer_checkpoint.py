@@ -21,7 +21,7 @@ import shutil
 import torch
 
 from forge_megatron.bridge import Bridge, MappingError, ParallelLayout
-from forge_megatron.convert.checkpoint import join_piece, save_hf
+from forge_megatron.convert.checkpoint import join_piece, save_hf, vision_tower
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
@@ -71,7 +71,8 @@ def _strip_wrappers(key: str) -> str:
 
 
 def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None = None,
-                              tokenizer_from: str | None = None, max_shard_bytes: int = 5 << 30) -> dict:
+                              tokenizer_from: str | None = None, max_shard_bytes: int = 5 << 30,
+                              vision_from: str | None = None) -> dict:
     """Write the model of trainer checkpoint ``iteration`` (default: the latest) as HF safetensors in ``out_dir``.
     Returns a summary (iteration, policy version, layout, tensors written, tokenizer source)."""
     iteration = _latest(save_dir) if iteration is None else iteration
@@ -116,7 +117,14 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
                     yield hf_name, hf_t
             cache.clear()  # one stage's shards in memory at a time
 
-    save_hf(tensors(), out_dir, bridge.hf_config, max_shard_bytes)
+    # a vision-language model (Qwen3.5 as released): its vision tower, untouched by RL, from the run's checkpoint
+    vision = vision_tower(bridge, vision_from or metas[0].get("hf_checkpoint"))
+
+    def with_vision():
+        yield from tensors()
+        yield from vision
+
+    save_hf(with_vision(), out_dir, bridge.hf_config, max_shard_bytes)
     source = tokenizer_from or metas[0].get("hf_checkpoint")
     copied = []
     if source and os.path.isdir(source):

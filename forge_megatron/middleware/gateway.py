@@ -411,6 +411,8 @@ class Gateway:
                                  "with --trust-remote-code to run it (from that directory; nothing is downloaded)"
                                  ) from exc
             raise
+        if hasattr(model_config, "get_text_config"):  # a vision-language checkpoint (Qwen3.5): its language model's
+            model_config = model_config.get_text_config()
         self.renderer = ChatRenderer(tokenizer, end_ids=model_end_ids(config.model_path))
         self.context_length = config.context_length or int(getattr(model_config, "max_position_embeddings", 4096))
         self.vocab_size = int(getattr(model_config, "vocab_size", 0) or len(self.renderer.tok))

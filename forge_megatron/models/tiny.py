@@ -32,7 +32,11 @@ SPECIAL_TOKENS = (
     "</tool_response>",
 )
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
-         "minimax_m2", "qwen3_5", "qwen3_5_moe")
+         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl")
+# vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
+# Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
+_VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+       "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
 _CORPUS = [
@@ -119,8 +123,17 @@ def build_tiny_tokenizer(out_dir: str | None = None, vocab_size: int = 400):
 
 
 def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings: bool = False, **overrides):
-    """The HF config of a tiny model of family ``arch`` (one of :data:`ARCHS`); ``overrides`` set config fields."""
+    """The HF config of a tiny model of family ``arch`` (one of :data:`ARCHS`); ``overrides`` set config fields (of
+    the language model's ``text_config`` for a vision-language arch)."""
     import transformers
+
+    if arch in _VL:
+        text_arch, config_class, _ = _VL[arch]
+        text = tiny_config(text_arch, vocab_size, tie_word_embeddings, **overrides).to_dict()
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                      patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+        return getattr(transformers, config_class)(text_config=text, vision_config=vision,
+                                                   tie_word_embeddings=tie_word_embeddings)
 
     common = dict(
         vocab_size=vocab_size,
@@ -226,10 +239,16 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     tok = build_tiny_tokenizer()
     overrides.setdefault("vocab_size", len(tok))
     config = tiny_config(arch, tie_word_embeddings=tie_word_embeddings, **overrides)
-    if config.vocab_size < len(tok):
-        raise ValueError(f"vocab_size {config.vocab_size} is smaller than the tokenizer's {len(tok)} tokens")
+    if config.get_text_config().vocab_size < len(tok):
+        raise ValueError(f"vocab_size {config.get_text_config().vocab_size} is smaller than the tokenizer's "
+                         f"{len(tok)} tokens")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch in _VL:
+        import transformers
+
+        model = getattr(transformers, _VL[arch][2])(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # routers' score-correction biases (zeros when initialised): make them matter
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

@@ -430,7 +430,10 @@ _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 def _in_memory_name(name: str) -> str:
     """A checkpoint name in Mixtral's style (MiniMax-M2: ``block_sparse_moe``, experts' ``w1`` gate, ``w3`` up,
     ``w2`` down; SGLang loads these names) as transformers >= 5 holds it (``mlp``, ``gate_proj`` / ``up_proj`` /
-    ``down_proj`` slices of the fused expert tensors)."""
+    ``down_proj`` slices of the fused expert tensors); a multimodal checkpoint's language model
+    (``model.language_model.``: Qwen3.5) as the text model this engine loads from it holds it (``model.``)."""
+    if name.startswith("model.language_model."):
+        name = "model." + name[len("model.language_model."):]
     m = _MIXTRAL_EXPERT.fullmatch(name)
     if m is not None:
         return f"{m.group(1)}.mlp.experts.{m.group(2)}.{_MIXTRAL_PROJ[m.group(3)]}.weight"

@@ -20,7 +20,7 @@ from tests.convert.mcore_forward import forward_logits, load_converted
 from tests.dist_utils import run_distributed
 
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
-         "minimax_m2", "qwen3_5", "qwen3_5_moe")
+         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -40,6 +40,8 @@ def hf_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     dirs = {arch: build_tiny_model(str(root / arch), arch=arch, seed=1, with_tokenizer=False) for arch in ARCHS}
+    dirs["qwen3_5_moe_vl"] = build_tiny_model(str(root / "qwen3_5_moe_vl"), arch="qwen3_5_moe_vl", seed=1,
+                                              with_tokenizer=False)
     dirs["qwen3_tied"] = build_tiny_model(str(root / "qwen3_tied"), arch="qwen3", seed=2, with_tokenizer=False,
                                           tie_word_embeddings=True)
     # gpt-oss with a clamp that bites (activations of random weights are ~0.1): Megatron's clamped quick-GELU GLU
@@ -74,6 +76,7 @@ LAYOUTS = [
     ("minimax_m2", ParallelLayout(tp=2, pp=2, ep=2)),  # q/k norm weights split with the heads
     ("qwen3_5", ParallelLayout(tp=2, pp=2)),  # Gated DeltaNet projections regrouped per key head, gated q_proj
     ("qwen3_5_moe", ParallelLayout(tp=2, ep=2)),  # ... with experts and a gated shared expert
+    ("qwen3_5_moe_vl", ParallelLayout(tp=2, ep=2)),  # as released: model.language_model.*, the vision tower copied
 ]
 
 
@@ -82,11 +85,28 @@ def test_round_trip_bit_exact(hf_dirs, tmp_path, arch, layout):
     ckpt.hf_to_megatron(hf_dirs[arch], str(tmp_path / "mcore"), layout)
     n_files = len(glob.glob(str(tmp_path / "mcore/release/mp_rank_*/model_optim_rng.pt")))
     assert n_files == layout.tp * layout.pp * layout.ep
-    ckpt.megatron_to_hf(str(tmp_path / "mcore"), str(tmp_path / "hf"), max_shard_bytes=64 << 10)
+    ckpt.megatron_to_hf(str(tmp_path / "mcore"), str(tmp_path / "hf"), max_shard_bytes=64 << 10,
+                        vision_from=hf_dirs[arch] if arch.endswith("_vl") else None)
     _assert_bit_exact(hf_dirs[arch], tmp_path / "hf")
     index = json.load(open(tmp_path / "hf/model.safetensors.index.json"))
     assert len(set(index["weight_map"].values())) > 1  # really sharded
     assert json.load(open(tmp_path / "hf/config.json")) == json.load(open(os.path.join(hf_dirs[arch], "config.json")))
+
+
+def test_vision_language_export_needs_the_vision_tower(hf_dirs, tmp_path):
+    """Qwen3.5 as released: the language model converts (the vision tower is not trained), and an export without
+    the checkpoint to copy the vision tower from is refused before anything is written, naming the flag."""
+    ckpt.hf_to_megatron(hf_dirs["qwen3_5_vl"], str(tmp_path / "mcore"))
+    bridge, _ = ckpt.read_meta(str(tmp_path / "mcore"))
+    assert bridge.hf_prefix == "model.language_model." and bridge.cfg.hybrid
+    with pytest.raises(ValueError, match="vision-language checkpoint: the export needs the original checkpoint"):
+        ckpt.megatron_to_hf(str(tmp_path / "mcore"), str(tmp_path / "hf"))
+    assert not os.path.exists(tmp_path / "hf")
+    with pytest.raises(ValueError, match="has no model.visual"):
+        ckpt.megatron_to_hf(str(tmp_path / "mcore"), str(tmp_path / "hf"), vision_from=hf_dirs["qwen3_5"])
+    assert cli_main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"),
+                     "--vision-from", hf_dirs["qwen3_5_vl"]]) == 0
+    _assert_bit_exact(hf_dirs["qwen3_5_vl"], tmp_path / "hf")
 
 
 def test_reshard_then_export_is_bit_exact(hf_dirs, tmp_path):
