@@ -146,6 +146,22 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     net.add_argument("--qk-head-dim", type=int, default=128, help="query/key channels without RoPE per head")
     net.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="query/key channels with RoPE per head")
     net.add_argument("--v-head-dim", type=int, default=128, help="value channels per head")
+    net.add_argument("--apply-layernorm-1p", action="store_true",
+                     help="norms scale by (1 + weight), weights stored zero-centred (Qwen3.5)")
+    net.add_argument("--attention-output-gate", action="store_true",
+                     help="a sigmoid gate on every attention head's output, from the query projection (Qwen3.5)")
+    net.add_argument("--moe-shared-expert-gate", action="store_true",
+                     help="a sigmoid gate on the shared expert's output (Qwen3.5-MoE)")
+    net.add_argument("--experimental-attention-variant", default=None, choices=["gated_delta_net"],
+                     help="gated_delta_net: Gated DeltaNet (linear attention) layers between full-attention ones "
+                          "(Qwen3.5), trained on prefix trees along every root-to-leaf path; with --linear-*")
+    net.add_argument("--linear-attention-freq", type=int, default=None,
+                     help="every N-th layer is full attention, the others Gated DeltaNet (Qwen3.5: 4)")
+    net.add_argument("--linear-conv-kernel-dim", type=int, default=4, help="Gated DeltaNet short convolution width")
+    net.add_argument("--linear-key-head-dim", type=int, default=128)
+    net.add_argument("--linear-value-head-dim", type=int, default=128)
+    net.add_argument("--linear-num-key-heads", type=int, default=16)
+    net.add_argument("--linear-num-value-heads", type=int, default=32)
     net.add_argument("--bf16", action="store_true")
 
     train = parser.add_argument_group("training (Megatron)")
@@ -554,6 +570,24 @@ def gpt_config(args: argparse.Namespace, vocab_size: int):
     if args.position_embedding_type != "rope":
         raise ValueError(f"forge models use --position-embedding-type rope (tree positions are depths), "
                          f"got {args.position_embedding_type!r}")
+    hybrid = {}
+    if args.experimental_attention_variant == "gated_delta_net":
+        freq = args.linear_attention_freq
+        if not freq or freq < 1:
+            raise ValueError("--experimental-attention-variant gated_delta_net needs --linear-attention-freq N (every "
+                             "N-th layer full attention; Qwen3.5: 4)")
+        hybrid = dict(linear_attention=tuple((i + 1) % freq != 0 for i in range(args.num_layers)),
+                      linear_num_key_heads=args.linear_num_key_heads, linear_num_value_heads=args.linear_num_value_heads,
+                      linear_key_head_dim=args.linear_key_head_dim, linear_value_head_dim=args.linear_value_head_dim,
+                      linear_conv_kernel=args.linear_conv_kernel_dim)
+    extra = {"moe_router_score_function": args.moe_router_score_function,
+             "moe_router_enable_expert_bias": args.moe_router_enable_expert_bias,
+             "moe_router_topk_scaling_factor": args.moe_router_topk_scaling_factor,
+             "moe_router_num_groups": args.moe_router_num_groups,
+             "moe_router_group_topk": args.moe_router_group_topk} \
+        if args.num_experts and args.moe_router_score_function == "sigmoid" else {}
+    if args.num_experts and args.moe_shared_expert_gate:
+        extra["moe_shared_expert_gate"] = True
     return GPTConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -585,11 +619,9 @@ def gpt_config(args: argparse.Namespace, vocab_size: int):
         moe_shared_ffn_hidden_size=args.moe_shared_expert_intermediate_size,
         moe_dense_layers=dense_prefix(args.moe_layer_freq, args.num_layers) if args.num_experts else 0,
         rotary_percent=args.rotary_percent,
-        extra={"moe_router_score_function": args.moe_router_score_function,
-               "moe_router_enable_expert_bias": args.moe_router_enable_expert_bias,
-               "moe_router_topk_scaling_factor": args.moe_router_topk_scaling_factor,
-               "moe_router_num_groups": args.moe_router_num_groups,
-               "moe_router_group_topk": args.moe_router_group_topk}
-        if args.num_experts and args.moe_router_score_function == "sigmoid" else {},
+        zero_centered_norm=args.apply_layernorm_1p,
+        attention_output_gate=args.attention_output_gate,
+        extra=extra,
         bf16=args.bf16,
+        **hybrid,
     )

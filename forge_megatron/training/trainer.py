@@ -603,15 +603,25 @@ def model_config(args: argparse.Namespace, bridge):
                      "v_head_dim", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                      "ffn_hidden_size", "vocab_size", "head_dim", "qk_layernorm", "qk_layernorm_all_heads",
                      "add_qkv_bias", "num_moe_experts", "rotary_base", "rope_scaling", "rotary_percent",
-                     "moe_shared_ffn_hidden_size", "moe_dense_layers", "router"):
+                     "moe_shared_ffn_hidden_size", "moe_dense_layers", "router", "zero_centered_norm",
+                     "attention_output_gate", "shared_expert_gate", "linear_attention", "linear_num_key_heads",
+                     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel"):
             if name in ("q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim") and \
                     not cfg.multi_latent_attention:
                 continue  # MLA's sizes (kv_lora_rank is None without it: compared above)
+            if name.startswith("linear_") and name != "linear_attention" and not cfg.hybrid:
+                continue  # Gated DeltaNet sizes (linear_attention says whether there are such layers)
             if name == "rope_scaling" and not args.use_rope_scaling and \
                     (cfg.rope_scaling or {}).get("rope_type") in ("yarn", "linear"):
                 continue  # no Megatron flag expresses these: the checkpoint's scaling is used
-            said, has = (_router(flags), _router(cfg)) if name == "router" else \
-                (getattr(flags, name), getattr(cfg, name))
+            if name == "router":
+                said, has = _router(flags), _router(cfg)
+            elif name == "shared_expert_gate":
+                said, has = (bool(c.extra.get("moe_shared_expert_gate")) for c in (flags, cfg))
+            elif name == "linear_attention":
+                said, has = (tuple(c.linear_attention or ()) if c.hybrid else () for c in (flags, cfg))
+            else:
+                said, has = getattr(flags, name), getattr(cfg, name)
             if said != has:
                 raise ValueError(f"{name}: the model flags say {said}, the HF checkpoint "
                                  f"{args.hf_checkpoint} has {has}")

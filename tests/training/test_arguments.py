@@ -138,7 +138,7 @@ def test_model_arrays_build_gpt_configs():
 
     for name, vocab in (("tiny", 300), ("qwen3-8B", 0), ("qwen3-30B-A3B", 0), ("llama3.1-8B", 0), ("glm4.5-air", 0),
                         ("devstral-small", 0), ("deepseek-v3", 0), ("moonlight-16B-A3B", 0), ("gpt-oss-20b", 0),
-                        ("minimax-m2", 0), ("qwen2.5-7B", 0)):
+                        ("minimax-m2", 0), ("qwen3.5-27B", 0), ("qwen2.5-7B", 0)):
         script = os.path.join(ROOT, "scripts", "models", f"{name}.sh")
         out = subprocess.run(["bash", "-c", f'source {shlex.quote(script)}; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
                              capture_output=True, text=True, check=True)
@@ -163,6 +163,10 @@ def test_model_arrays_build_gpt_configs():
         if name == "minimax-m2":  # every layer MoE, q/k norms over all heads, RoPE on half of each head
             assert cfg.qk_layernorm_all_heads and cfg.moe_dense_layers == 0 and cfg.rotary_percent == 0.5
             assert cfg.moe_shared_ffn_hidden_size is None and cfg.num_moe_experts == 256
+        if name == "qwen3.5-27B":  # 48 Gated DeltaNet layers, every 4th gated full attention, zero-centred norms
+            assert cfg.hybrid and sum(cfg.linear_attention) == 48 and not cfg.linear_attention[3]
+            assert cfg.zero_centered_norm and cfg.attention_output_gate and cfg.rotary_percent == 0.25
+            assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (16, 48)
         if name == "gpt-oss-20b":  # biases everywhere, GQA 64 / 8 of 64 channels
             assert cfg.add_bias_linear and cfg.add_qkv_bias and (cfg.num_query_groups, cfg.head_dim) == (8, 64)
     assert cfg.add_qkv_bias is True and cfg.num_query_groups == 4  # qwen2.5-7B is last
@@ -367,6 +371,41 @@ def test_minimax_m2_flags_must_agree_with_the_checkpoint():
     with pytest.raises(ValueError, match="qk_layernorm_all_heads is an RMSNorm over all query / key heads: it needs "
                                          "qk_layernorm"):
         arguments.gpt_config(arguments.parse_args(MINIMAL + [f for f in flags if f != "--qk-layernorm"]), 400)
+
+
+def test_qwen3_5_flags_must_agree_with_the_checkpoint():
+    """qwen3.5-27B.sh's kind of flags (Megatron-LM's gated_delta_net variant) against a Qwen3.5-MoE checkpoint as
+    released (vision-language): which layers are Gated DeltaNet, their sizes, the zero-centred norms, the attention
+    output gate and the shared expert's gate are compared field by field."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.training.trainer import model_config
+
+    hf = {**tiny_config("qwen3_5_moe_vl").to_dict(), "architectures": ["Qwen3_5MoeForConditionalGeneration"]}
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--ffn-hidden-size", "128", "--kv-channels", "16", "--qk-layernorm",
+             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--rotary-percent", "0.25",
+             "--apply-layernorm-1p", "--attention-output-gate", "--experimental-attention-variant", "gated_delta_net",
+             "--linear-attention-freq", "2", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+             "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--num-experts", "4",
+             "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "48", "--moe-shared-expert-gate"]
+    cfg = model_config(arguments.parse_args(MINIMAL + flags), Bridge(hf))
+    assert cfg.linear_attention == (True, False) and cfg.extra["moe_shared_expert_gate"]
+    for drop, field in ((["--apply-layernorm-1p"], "zero_centered_norm"),
+                        (["--attention-output-gate"], "attention_output_gate"),
+                        (["--moe-shared-expert-gate"], "shared_expert_gate")):
+        wrong = [f for f in flags if f not in drop]
+        with pytest.raises(ValueError, match=f"{field}: the model flags say"):
+            model_config(arguments.parse_args(MINIMAL + wrong), Bridge(hf))
+    for change, field in ((("--linear-attention-freq", "2"), "linear_attention"),
+                          (("--linear-num-value-heads", "4"), "linear_num_value_heads")):
+        i = flags.index(change[0])
+        wrong = flags[:i + 1] + ["1" if field == "linear_attention" else "8"] + flags[i + 2:]
+        with pytest.raises(ValueError, match=f"{field}: the model flags say"):
+            model_config(arguments.parse_args(MINIMAL + wrong), Bridge(hf))
+    without = flags[:flags.index("--linear-attention-freq")] + flags[flags.index("--linear-num-key-heads"):]
+    with pytest.raises(ValueError, match="gated_delta_net needs --linear-attention-freq"):
+        arguments.gpt_config(arguments.parse_args(MINIMAL + without), 400)
 
 
 def test_gpt_oss_flags_must_agree_with_the_checkpoint():

@@ -12,7 +12,8 @@ from forge_megatron.models.tiny import tiny_config
 from forge_megatron.training import plan
 from tests.dist_utils import run_distributed
 
-ARCHS = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
+ARCHS = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
+         "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 
 
 def _hf(arch, **kw):
@@ -42,7 +43,10 @@ def _built_body(rank, world_size, hf, vpp):
     ("glm4_moe", {"num_hidden_layers": 4}, ParallelConfig(tp=2, pp=2), 4),  # dense layer 0, shared experts, biases
     ("minimax_m2", {}, ParallelConfig(ep=2), 2),  # experts split over EP, all-heads q/k norm weights whole
     ("qwen3", {"num_hidden_layers": 4, "tie_word_embeddings": True}, ParallelConfig(pp=2, vpp=2), 2),
-], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2"])
+    # Gated DeltaNet layers (convolution and decay parameters split over TP, the gated norm whole), a gated q_proj,
+    # experts and a gated shared expert
+    ("qwen3_5_moe", {}, ParallelConfig(tp=2), 2),
+], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2", "qwen3_5_moe-tp2"])
 def test_parameters_per_rank_are_what_megatron_builds(arch, kw, parallel, world):
     hf = _hf(arch, **kw)
     built = run_distributed(_built_body, world_size=world, parallel=parallel, hf=hf, vpp=parallel.vpp)
