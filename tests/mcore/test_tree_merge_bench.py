@@ -29,12 +29,14 @@ def _unique_prefixes(samples):
     return len({tuple(s[: i + 1]) for s in samples for i in range(len(s))})
 
 
-def test_jsonl_workload_with_loss_mask(tmp_path):
+@pytest.mark.parametrize("arch", ["gpt", "qwen3_5"])
+def test_jsonl_workload_with_loss_mask(tmp_path, arch):
     samples = [[5, 6, 7, 8, 9], [5, 6, 7, 1, 2, 3], [5, 6, 7, 8, 9], [40, 41, 42]]
     path = tmp_path / "work.jsonl"
     path.write_text("\n".join(json.dumps({"tokens": s, "loss_mask": [0] * 3 + [1] * (len(s) - 3)}) for s in samples))
-    cmd = [sys.executable, str(SCRIPT), "--workload", str(path), "--check", "--repeats", "1", "--layers", "1",
-           "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--vocab", "64"]
+    cmd = [sys.executable, str(SCRIPT), "--workload", str(path), "--check", "--repeats", "1", "--layers",
+           "2" if arch == "qwen3_5" else "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--vocab", "64",
+           "--arch", arch]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -46,6 +48,8 @@ def test_jsonl_workload_with_loss_mask(tmp_path):
     assert out["bound"] == pytest.approx(out["total_tokens"] / out["unique_tokens"], abs=1e-3)
     assert out["speedup"] == pytest.approx(out["naive_s"] / out["tree_s"], rel=1e-2)
     assert out["max_abs_logprob_diff"] <= 1e-5 and out["max_rel_grad_diff"] <= 1e-5
+    assert out["arch"] == arch and (out.get("max_rel_grad_diff_decay", 0.0) <= 1e-3)
+    assert ("max_rel_grad_diff_decay" in out) == (arch == "qwen3_5")
 
 
 @pytest.mark.parametrize("line, message", [
