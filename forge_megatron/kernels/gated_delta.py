@@ -17,10 +17,11 @@ The forest (DFS pre-order, each token's ``depth``) is cut into **segments**: max
 child of the one before. A segment starts at a root or at a child of a branch point (a token with two or more
 children) and ends at a branch point or a leaf, so the state a segment starts from is always the final state of
 its parent segment. Segments are processed in **levels** (a segment's level is its parent segment's plus one):
-the segments of one level are padded to one length and run together by the chunked form of the rule with their
-parents' final states as initial states. A GRPO group (one prompt, G completions) is two levels; an agent episode
-whose calls extend one another, a few more. Padding (g = 0, beta = 0, zero k and v) leaves a state unchanged, so
-the final state of a padded segment is that of its last real token.
+the segments of one level run together by the chunked form of the rule with their parents' final states as initial
+states, in batches of similar length (a batch's segments are at least half as long as its longest, so padding at
+most doubles the work however uneven a level is). A GRPO group (one prompt, G completions) is two levels; an agent
+episode whose calls extend one another, a few more. Padding (g = 0, beta = 0, zero k and v) leaves a state
+unchanged, so the final state of a padded segment is that of its last real token.
 
 Chunked form (chunk of C tokens, cumulative log decay G_t = g_1 + ... + g_t inside the chunk, Dec[t, s] =
 exp(G_t - G_s) for s <= t, initial state S0):
@@ -64,8 +65,9 @@ def tree_parents(depth: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Level:
-    """Segments of one level: ``tokens`` [B, L] their tree tokens (T = padding), ``segments`` [B] their ids,
-    ``parents`` [B] the id of the segment each continues (-1: starts from a zero state)."""
+    """A batch of segments of one level, run together: ``tokens`` [B, L] their tree tokens (T = padding),
+    ``segments`` [B] their ids, ``parents`` [B] the id of the segment each continues (-1: starts from a zero
+    state; always in an earlier batch)."""
 
     tokens: torch.Tensor
     segments: torch.Tensor
@@ -81,10 +83,10 @@ class RecurrencePlan:
 
     num_tokens: int
     num_segments: int
-    levels: list[Level]
+    levels: list[Level]  # batches of segments, parents' batches first
     ancestors: torch.Tensor
     chunk: int
-    _segment_level: list[tuple[int, int]] = field(default_factory=list, repr=False)  # id -> (level, row)
+    _segment_level: list[tuple[int, int]] = field(default_factory=list, repr=False)  # id -> (batch, row)
 
 
 def plan_tree(depth: torch.Tensor, conv_kernel: int = 4, chunk: int = 64) -> RecurrencePlan:
@@ -130,16 +132,29 @@ def _plan(parent: torch.Tensor, conv_kernel: int, chunk: int) -> RecurrencePlan:
         by_level[lv].append(s)
 
     levels, where = [], [(0, 0)] * len(level_of)
-    for lv, segs in enumerate(by_level):
-        longest = max(lengths_l[s] for s in segs)
-        width = -(-longest // chunk) * chunk
-        tokens = torch.full((len(segs), width), T, dtype=torch.long)
-        for row, s in enumerate(segs):
-            tokens[row, : lengths_l[s]] = torch.arange(starts_l[s], starts_l[s] + lengths_l[s])
-            where[s] = (lv, row)
-        levels.append(Level(tokens.to(device), torch.tensor(segs, device=device),
-                            torch.tensor([parents_l[s] for s in segs], device=device)))
+    for segs in by_level:
+        for batch in _similar_lengths(segs, lengths_l):
+            width = -(-lengths_l[batch[0]] // chunk) * chunk
+            tokens = torch.full((len(batch), width), T, dtype=torch.long)
+            for row, s in enumerate(batch):
+                tokens[row, : lengths_l[s]] = torch.arange(starts_l[s], starts_l[s] + lengths_l[s])
+                where[s] = (len(levels), row)
+            levels.append(Level(tokens.to(device), torch.tensor(batch, device=device),
+                                torch.tensor([parents_l[s] for s in batch], device=device)))
     return RecurrencePlan(T, len(level_of), levels, ancestors, chunk, where)
+
+
+def _similar_lengths(segs: list[int], lengths: list[int]) -> list[list[int]]:
+    """``segs`` (one level) longest first, cut into batches whose segments are at least half as long as the batch's
+    longest: padding to the longest at most doubles a batch's tokens, and there are at most log2(longest / shortest)
+    + 1 batches."""
+    batches: list[list[int]] = []
+    for s in sorted(segs, key=lambda s: -lengths[s]):
+        if batches and 2 * lengths[s] >= lengths[batches[-1][0]]:
+            batches[-1].append(s)
+        else:
+            batches.append([s])
+    return batches
 
 
 # ------------------------------------------------------------------------------------------------ convolution

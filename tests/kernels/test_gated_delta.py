@@ -134,15 +134,23 @@ def test_tree_conv_equals_each_sample_alone():
         gd.tree_causal_conv(x, weight, gd.plan_tree(layout.position_ids, conv_kernel=2))
 
 
-def test_levels_group_segments_by_depth():
-    # one prompt, three completions: the prompt is level 0 (one segment), the completions level 1
+def test_levels_group_segments_by_depth_and_length():
+    # one prompt, three completions (2, 1 and 3 tokens): the prompt is level 0 (one segment), the completions
+    # level 1, run in batches of similar length (3 and 2 together, 1 alone: padding at most doubles a batch)
     layout = build_tree([[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 3, 7, 8, 9]])
     plan = gd.plan_tree(layout.position_ids, chunk=4)
     assert plan.num_segments == 4
-    assert [lv.tokens.shape for lv in plan.levels] == [torch.Size([1, 4]), torch.Size([3, 4])]
-    assert plan.levels[1].parents.tolist() == [0, 0, 0]
+    assert [lv.tokens.shape for lv in plan.levels] == [torch.Size([1, 4]), torch.Size([2, 4]), torch.Size([1, 4])]
+    assert [lv.parents.tolist() for lv in plan.levels] == [[-1], [0, 0], [0]]
+    assert [(lv.tokens < layout.unique_tokens).sum(1).tolist() for lv in plan.levels] == [[3], [3, 2], [1]]
     assert (plan.levels[0].tokens[0, :3] == torch.tensor([0, 1, 2])).all()
     assert (plan.levels[0].tokens[0, 3:] == layout.unique_tokens).all()  # padding
+    # a level of one long segment and many short ones is not padded to the long one
+    prompt = list(range(10, 20))
+    uneven = [prompt + list(range(100, 400))] + [prompt + [i, i + 1] for i in range(500, 540, 2)]
+    plan = gd.plan_tree(build_tree(uneven).position_ids, chunk=4)
+    padded = sum(lv.tokens.numel() for lv in plan.levels)
+    assert padded <= 2 * build_tree(uneven).unique_tokens + 4 * plan.num_segments
     empty = gd.plan_tree(torch.zeros(0, dtype=torch.long))
     assert empty.num_segments == 0 and empty.levels == []
 
