@@ -86,6 +86,9 @@ FAMILIES: dict[str, Family] = {
                                    minimax=True),
     # Qwen3.5 text models (dense): 3 of every 4 layers Gated DeltaNet (linear attention), the others gated attention
     "Qwen3_5ForCausalLM": Family("qwen3_5", qkv_bias=None, qk_norm=True, moe=False, gated_delta=True),
+    # Qwen3-Next (80B-A3B): Qwen3.5-MoE's layers with Gated DeltaNet's input projections fused per key head in the
+    # checkpoint (in_proj_qkvz, in_proj_ba)
+    "Qwen3NextForCausalLM": Family("qwen3_next", qkv_bias=None, qk_norm=True, moe=True, gated_delta=True),
     # Qwen3.5 as released: the language models above inside a vision-language checkpoint (``text_config``; tensors
     # under ``model.language_model.``, the vision tower under ``model.visual.``): the language model trains
     "Qwen3_5ForConditionalGeneration": Family("qwen3_5", qkv_bias=None, qk_norm=True, moe=False, gated_delta=True,
@@ -376,8 +379,9 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             },
         )
     elif family.moe and not family.gpt_oss:
-        # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob)
-        norm_topk = True if family.gated_delta else bool(hf.get("norm_topk_prob", False))
+        # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
+        # Qwen3-Next's does unless its config says otherwise
+        norm_topk = bool(hf.get("norm_topk_prob", True)) if family.gated_delta else bool(hf.get("norm_topk_prob", False))
         kwargs.update(
             num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 renamed it
             moe_router_topk=hf["num_experts_per_tok"],

@@ -133,16 +133,21 @@ def _gpt_oss_rules(cfg: GPTConfig) -> list[Rule]:
     return top[:1] + rules + top[1:]
 
 
-def _gated_delta_rules(cfg: GPTConfig) -> list[Rule]:
+def _gated_delta_rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     """Qwen3.5: Gated DeltaNet layers (``linear_attn``: four input projections regrouped per key head, the
-    depthwise convolution likewise) and gated full-attention layers (``q_proj`` holds each head's query then its
-    gate: ``qkv_gate``)."""
+    depthwise convolution likewise; Qwen3-Next's two are grouped per key head already) and gated full-attention
+    layers (``q_proj`` holds each head's query then its gate: ``qkv_gate``)."""
     lin, attn = HF_LAYER + "linear_attn.", HF_LAYER + "self_attn."
     gdn = LAYER + "self_attention."
+    if family.name == "qwen3_next":
+        in_proj = Rule(gdn + "in_proj.weight", (lin + "in_proj_qkvz.weight", lin + "in_proj_ba.weight"),
+                       "gdn_in_grouped", "col", layers="linear")
+    else:
+        in_proj = Rule(gdn + "in_proj.weight", tuple(lin + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+                       "gdn_in", "col", layers="linear")
     return [
         Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
-        Rule(gdn + "in_proj.weight", tuple(lin + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), "gdn_in",
-             "col", layers="linear"),
+        in_proj,
         Rule(gdn + "conv1d_weight", (lin + "conv1d.weight",), "gdn_conv", "col", layers="linear"),
         Rule(gdn + "A_log", (lin + "A_log",), tp="col", layers="linear"),
         Rule(gdn + "dt_bias", (lin + "dt_bias",), tp="col", layers="linear"),
@@ -159,7 +164,7 @@ def _gated_delta_rules(cfg: GPTConfig) -> list[Rule]:
 
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if family.gated_delta:
-        return _with_mlp_and_ends(cfg, family, _gated_delta_rules(cfg))
+        return _with_mlp_and_ends(cfg, family, _gated_delta_rules(cfg, family))
     if family.gpt_oss:
         return _gpt_oss_rules(cfg)
     if family.mla:
@@ -317,6 +322,8 @@ class Bridge:
             parts = self._split_qkv_gate(tensor)
         elif rule.join == "gdn_in":
             parts = self._split_gdn_in(tensor)
+        elif rule.join == "gdn_in_grouped":
+            parts = self._split_gdn_in_grouped(tensor)
         elif rule.join == "gdn_conv":
             parts = (self._split_gdn_conv(tensor),)
         elif rule.join == "glu":
@@ -386,6 +393,8 @@ class Bridge:
             return self._join_qkv_gate(*parts)
         if rule.join == "gdn_in":
             return self._join_gdn_in(*parts)
+        if rule.join == "gdn_in_grouped":
+            return self._join_gdn_in_grouped(*parts)
         if rule.join == "gdn_conv":
             return self._join_gdn_conv(parts[0])
         if rule.join == "vocab" and self.cfg.vocab_size > self.hf_vocab:
@@ -417,7 +426,8 @@ class Bridge:
         if cfg.hybrid:
             nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
             dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-            table.update({"in_proj_qkv.weight": (2 * nk * dk + nv * dv, d), "in_proj_z.weight": (nv * dv, d),
+            table.update({"in_proj_qkvz.weight": (2 * nk * dk + 2 * nv * dv, d), "in_proj_ba.weight": (2 * nv, d),
+                          "in_proj_qkv.weight": (2 * nk * dk + nv * dv, d), "in_proj_z.weight": (nv * dv, d),
                           "in_proj_b.weight": (nv, d), "in_proj_a.weight": (nv, d),
                           "conv1d.weight": (2 * nk * dk + nv * dv, 1, cfg.linear_conv_kernel), "A_log": (nv,),
                           "dt_bias": (nv,), "linear_attn.norm.weight": (dv,), "out_proj.weight": (d, nv * dv)})
@@ -488,6 +498,18 @@ class Bridge:
         q, k, v, z, b, a = fused.reshape(nk, -1, fused.shape[-1]).split([dk, dk, r * dv, r * dv, r, r], dim=1)
         flat = lambda t: t.reshape(-1, fused.shape[-1])  # noqa: E731
         return [torch.cat([flat(q), flat(k), flat(v)]), flat(z), flat(b), flat(a)]
+
+    def _join_gdn_in_grouped(self, qkvz, ba):
+        """Qwen3-Next's ``in_proj_qkvz`` ([q | k | v | z] per key head) and ``in_proj_ba`` ([b | a] per key head)
+        -> one projection, [q | k | v | z | b | a] per key head."""
+        nk = self._gdn_sizes()[0]
+        return torch.cat([qkvz.reshape(nk, -1, qkvz.shape[-1]), ba.reshape(nk, -1, ba.shape[-1])],
+                         dim=1).reshape(-1, qkvz.shape[-1])
+
+    def _split_gdn_in_grouped(self, fused):
+        nk, r, dk, dv = self._gdn_sizes()
+        qkvz, ba = fused.reshape(nk, -1, fused.shape[-1]).split([2 * dk + 2 * r * dv, 2 * r], dim=1)
+        return [qkvz.reshape(-1, fused.shape[-1]), ba.reshape(-1, fused.shape[-1])]
 
     def _join_gdn_conv(self, conv):
         """HF's depthwise conv weight [C, 1, K], channels [q | k | v] -> [C, K] grouped per key head."""

@@ -32,7 +32,7 @@ SPECIAL_TOKENS = (
     "</tool_response>",
 )
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
-         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl")
+         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -220,6 +220,15 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                  "mrope_section": [1, 1, 0], "mrope_interleaved": True}},
         ),
+        # Qwen3-Next layout: Qwen3.5-MoE's, the Gated DeltaNet input projections fused per key head (qkvz, ba)
+        "qwen3_next": (
+            transformers.Qwen3NextConfig,
+            {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+             "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+             "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 48, "norm_topk_prob": True, "decoder_sparse_step": 1,
+             "mlp_only_layers": [], "partial_rotary_factor": 0.25},
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -260,7 +269,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape) * 0.1)
             elif arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
-            elif arch.startswith("qwen3_5") and name.endswith("norm.weight"):
+            elif arch.startswith(("qwen3_5", "qwen3_next")) and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if "linear_attn" in name else 0.0))  # (1 + w) or w
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
