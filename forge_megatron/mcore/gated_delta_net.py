@@ -16,7 +16,13 @@ Qwen3.5's grouping) so a TP rank's contiguous slice of every tensor is its own h
   rank's heads use all of it: its gradient is all-reduced over TP in the backward);
 - ``out_proj`` (row-parallel) [D, H dv].
 
-Context parallelism would cut a recurrence between ranks: refused at build time.
+Context parallelism (CP = C): a CP rank holds zig-zag chunks of the tree's tokens, but the recurrence needs whole
+paths. Heads are independent, so the layer trades tokens for heads as tree attention's a2a mode does
+(mcore/context_parallel.py): after ``in_proj`` one all-to-all gives every rank all tokens (back in DFS order) of
+1/C of its key-head groups, the convolution, the recurrence and the gated norm run on those with their slices of
+``conv1d_weight``, ``A_log`` and ``dt_bias``, and one all-to-all returns the rank's tokens of every head before
+``out_proj``. C must divide the key heads per TP rank. Each rank's gradients reach only its slices; Megatron sums
+gradients over the data-parallel-with-CP group, which completes them.
 """
 
 from __future__ import annotations
@@ -59,9 +65,6 @@ class TreeGatedDeltaNet(MegatronModule):
         from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, \
             set_tensor_model_parallel_attributes
 
-        if config.context_parallel_size > 1:
-            raise ValueError("Gated DeltaNet (linear attention) layers do not run under context parallelism: the "
-                             "recurrence runs along whole root-to-leaf paths (use TP, SP, PP and DP)")
         self.layer_number = layer_number
         tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         tp = tp_group.size() if tp_group is not None else ps.get_tensor_model_parallel_world_size()
@@ -74,6 +77,12 @@ class TreeGatedDeltaNet(MegatronModule):
             config.linear_conv_kernel_dim
         self.r, self.nk_local = nv // nk, nk // tp
         self.nv_local = self.nk_local * self.r
+        self.conv_group = conv_group_width(config)
+        cp = config.context_parallel_size
+        if self.nk_local % cp:
+            raise ValueError(f"context parallelism {cp} splits the Gated DeltaNet's key heads per tensor-parallel rank "
+                             f"({self.nk_local} = linear_num_key_heads {nk} / TP {tp}) across CP ranks: CP must "
+                             "divide them")
         self.eps = config.layernorm_epsilon
         linear_kwargs = dict(config=config, init_method=config.init_method, bias=False, is_expert=False)
         if tp_group is not None:
@@ -103,27 +112,40 @@ class TreeGatedDeltaNet(MegatronModule):
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **unused):
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
+        from forge_megatron.mcore import context_parallel as cpm
+
         proj, _ = self.in_proj(hidden_states)  # [s, b, nk_local * group]
         s, b = proj.shape[:2]
-        T = s * b
-        x = proj.transpose(0, 1).reshape(T, self.nk_local, -1)  # token b * s + i: row b's sequence in order
+        x = proj.transpose(0, 1).reshape(s * b, self.nk_local, -1)  # token b * s + i: row b's sequence in order
+        C, rank, group = cpm.cp_world()
+        if C > 1:  # this rank's tokens of every key-head group -> every token (DFS order) of 1/C of the groups
+            if packed_seq_params is None:
+                raise ValueError("Gated DeltaNet layers run under context parallelism on trees only "
+                                 "(TreePackedSeqParams)")
+            x = cpm.ranks_to_tree_order(cpm._AllToAll.apply(x.contiguous(), group, True), C)
+        T, nk = x.shape[0], x.shape[1]  # the key-head groups this rank runs
+        # this rank's slices of the per-head parameters (all of them without CP)
+        heads = slice(rank * nk * self.r, (rank + 1) * nk * self.r)
+        conv_rows = slice(rank * nk * self.conv_group, (rank + 1) * nk * self.conv_group)
         rv = self.r * self.dv
         q, k, v, z, beta_in, a = x.split([self.dk, self.dk, rv, rv, self.r, self.r], dim=-1)
-        plan = self._plan(packed_seq_params, s, b, proj.device)
+        plan = self._plan(packed_seq_params, s, b, proj.device, T)
 
         qkv = torch.cat([q, k, v], dim=-1).reshape(T, -1)
-        qkv = F.silu(gd.tree_causal_conv(qkv, self.conv1d_weight.to(qkv.dtype), plan))
-        q, k, v = qkv.reshape(T, self.nk_local, -1).split([self.dk, self.dk, rv], dim=-1)
-        decay, beta = gd.gate_and_decay(a.reshape(T, self.nv_local), beta_in.reshape(T, self.nv_local),
-                                        self.A_log, self.dt_bias)
-        o = gd.tree_gated_delta_rule(q, k, v.reshape(T, self.nv_local, self.dv), decay, beta, plan)
+        qkv = F.silu(gd.tree_causal_conv(qkv, self.conv1d_weight[conv_rows].to(qkv.dtype), plan))
+        q, k, v = qkv.reshape(T, nk, -1).split([self.dk, self.dk, rv], dim=-1)
+        decay, beta = gd.gate_and_decay(a.reshape(T, nk * self.r), beta_in.reshape(T, nk * self.r),
+                                        self.A_log[heads], self.dt_bias[heads])
+        o = gd.tree_gated_delta_rule(q, k, v.reshape(T, nk * self.r, self.dv), decay, beta, plan)
 
         # gated RMSNorm over each head (transformers' order: normalise in fp32, weight in the input dtype, then
         # the SiLU gate in fp32); the weight is shared by every head of every TP rank
         weight = copy_to_tensor_model_parallel_region(self.norm_weight)
         of = o.float()
         normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
-        o = ((weight * normed) * F.silu(z.reshape(T, self.nv_local, self.dv).float())).to(o.dtype)
+        o = ((weight * normed) * F.silu(z.reshape(T, nk * self.r, self.dv).float())).to(o.dtype)
+        if C > 1:  # back to this rank's tokens of every head
+            o = cpm._AllToAll.apply(cpm.tree_to_ranks_order(o.reshape(T, nk, rv), C).contiguous(), group, False)
         o = o.reshape(b, s, -1).transpose(0, 1)
         return self.out_proj(o)
 
@@ -144,7 +166,9 @@ class TreeGatedDeltaNet(MegatronModule):
                                                   tp_group=self.tp_group))
         return out
 
-    def _plan(self, packed_seq_params, s: int, b: int, device) -> gd.RecurrencePlan:
+    def _plan(self, packed_seq_params, s: int, b: int, device, T: int) -> gd.RecurrencePlan:
+        """The recurrence plan of the ``T`` tokens this rank runs: causal rows, or the (whole padded) tree."""
+        from forge_megatron.mcore import context_parallel as cpm
         from forge_megatron.mcore.tree_attention import TreePackedSeqParams
 
         if packed_seq_params is None:
@@ -159,7 +183,13 @@ class TreeGatedDeltaNet(MegatronModule):
         key = ("gated_delta_plan", self.kernel)
         cache = packed_seq_params.__dict__.setdefault("_recurrence_plans", {})
         if key not in cache:
-            cache[key] = gd.plan_tree(packed_seq_params.position_ids.to(device), self.kernel)
+            depth = packed_seq_params.position_ids.to(device)
+            C, _, group = cpm.cp_world()
+            if C > 1:  # this rank's shard of the depths -> the whole padded tree's, in DFS order
+                depth = cpm._gather_tree_order(depth[:, None, None], group).reshape(-1)
+            if depth.numel() != T:
+                raise ValueError(f"the tree has {depth.numel()} tokens, the layer runs {T}")
+            cache[key] = gd.plan_tree(depth, self.kernel)
         return cache[key]
 
 

@@ -634,11 +634,12 @@ def model_config(args: argparse.Namespace, bridge):
         if rate < 0:
             raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got {rate}")
         extra.update(moe_router_bias_update_rate=rate)
-    if args.context_parallel_size > 1 and cfg.hybrid:
-        raise ValueError(f"{args.hf_checkpoint} has Gated DeltaNet (linear attention) layers: they do not train under "
-                         "context parallelism (a recurrence runs along each whole root-to-leaf path); use "
-                         "--tensor-model-parallel-size (with --sequence-parallel for long trees), pipeline and data "
-                         "parallelism")
+    if args.context_parallel_size > 1 and cfg.hybrid and \
+            (cfg.linear_num_key_heads // args.tensor_model_parallel_size) % args.context_parallel_size:
+        raise ValueError(f"{args.hf_checkpoint} has Gated DeltaNet (linear attention) layers: under context "
+                         f"parallelism each CP rank runs the whole tree for its share of their key heads, so "
+                         f"--context-parallel-size {args.context_parallel_size} must divide the key heads per "
+                         f"tensor-parallel rank ({cfg.linear_num_key_heads} / {args.tensor_model_parallel_size})")
     if args.context_parallel_size > 1:
         from forge_megatron.mcore.context_parallel import resolve_comm_type
 

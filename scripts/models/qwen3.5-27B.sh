@@ -2,8 +2,8 @@
 # language model trains, its vision tower is copied on export): 64 layers, every 4th gated full attention (24 query
 # heads, 4 key/value heads of 256 channels, RoPE on a quarter of each head), the other 48 Gated DeltaNet linear
 # attention (16 key heads, 48 value heads, 128 channels each) trained on prefix trees along every root-to-leaf path;
-# norms scale by (1 + weight). TP must divide the 4 key/value heads and the 16 linear key heads; no context
-# parallelism (the recurrence runs along whole paths: use TP with --sequence-parallel for long trees). The trainer
+# norms scale by (1 + weight). TP must divide the 4 key/value heads and the 16 linear key heads, and CP the linear
+# key heads per TP rank (each CP rank runs the whole tree for its share of them). The trainer
 # checks these flags against the checkpoint's config and names any field that differs; the MTP layer is left out.
 # Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=(
