@@ -25,17 +25,26 @@ def free_port() -> int:
 class PoolProcess:
     """``forge-pool`` in its own process group; ``stop()`` kills the group."""
 
-    def __init__(self, db: str, generation_batch_groups: int = 4):
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "forge_megatron.middleware.pool_server", "--db", db, "--bind", self.addr,
-             "--generation-batch-groups", str(generation_batch_groups), "--window", "inf"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-        line = self.proc.stdout.readline()
-        if "serving" not in line:
+    def __init__(self, db: str, generation_batch_groups: int = 4, attempts: int = 3):
+        for attempt in range(attempts):
+            # a free port can be taken by another process (another test worker) before the pool binds it: then
+            # start again on another port
+            self.addr = f"tcp://127.0.0.1:{free_port()}"
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "forge_megatron.middleware.pool_server", "--db", db, "--bind", self.addr,
+                 "--generation-batch-groups", str(generation_batch_groups), "--window", "inf"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"})
+            line = self.proc.stdout.readline()
+            if "serving" in line:
+                break
+            try:  # the rest of what it printed (the pool exits after an error)
+                output = line + self.proc.communicate(timeout=20)[0]
+            except subprocess.TimeoutExpired:
+                output = line
             self.stop()
-            raise RuntimeError(f"forge-pool did not start: {line}")
+            if "Address already in use" not in output or attempt == attempts - 1:
+                raise RuntimeError(f"forge-pool did not start:\n{output[-3000:]}")
         self.client = PoolClient(self.addr, timeout_s=10.0)
 
     def stop(self) -> None:
