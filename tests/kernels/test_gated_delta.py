@@ -187,3 +187,22 @@ def test_decay_parameter_gradients_are_exact_in_float64():
     total.backward()
     torch.testing.assert_close(merged[0], A_log.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(merged[1], dt_bias.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_rule_on_cuda_matches_the_fp64_reference(dtype):
+    """The same forest on a GPU (bf16 inputs as the trainer's, fp32 inside) against the fp64 definition on CPU;
+    gradients too."""
+    samples = _samples(10)
+    layout = build_tree(samples)
+    T, Hk, H, dk, dv = layout.unique_tokens, 2, 4, 16, 16
+    dev = [x.to("cuda", dtype if i < 3 else torch.float32).requires_grad_()
+           for i, x in enumerate(_inputs(T, Hk, H, dk, dv, seed=11))]
+    ref = gd.recurrent_reference(*(x.detach().cpu().double() for x in dev), gd.tree_parents(layout.position_ids))
+    out = gd.tree_gated_delta_rule(*dev, gd.plan_tree(layout.position_ids.cuda()))
+    assert out.dtype == dtype and out.is_cuda
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=tol, atol=tol)
+    out.float().square().sum().backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in dev)
