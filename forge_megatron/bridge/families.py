@@ -381,7 +381,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
     elif family.moe and not family.gpt_oss:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
         # Qwen3-Next's does unless its config says otherwise
-        norm_topk = bool(hf.get("norm_topk_prob", True)) if family.gated_delta else bool(hf.get("norm_topk_prob", False))
+        norm_topk = bool(hf.get("norm_topk_prob", family.gated_delta))
         kwargs.update(
             num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 renamed it
             moe_router_topk=hf["num_experts_per_tok"],

@@ -248,6 +248,12 @@ class Bridge:
             raise ValueError(f"vocab_size {self.cfg.vocab_size} is smaller than the HF vocabulary ({self.hf_vocab})")
         self.rules = _rules(self.cfg, self.family)
         self._patterns = [(_pattern(r.mcore), r) for r in self.rules]
+        # joins that regroup HF tensors into one Megatron tensor: (split Megatron -> HF parts, join HF parts -> one)
+        self._layouts = {"qkv": (self._split_qkv, self._join_qkv),
+                         "qkv_gate": (self._split_qkv_gate, self._join_qkv_gate),
+                         "gdn_in": (self._split_gdn_in, self._join_gdn_in),
+                         "gdn_in_grouped": (self._split_gdn_in_grouped, self._join_gdn_in_grouped),
+                         "gdn_conv": (self._split_gdn_conv, self._join_gdn_conv)}
 
     # --- names ----------------------------------------------------------------------------------------------
     def rule(self, name: str) -> tuple[Rule, dict]:
@@ -316,16 +322,8 @@ class Bridge:
         if rule.fused:
             raise MappingError(f"{name!r} is one expert's slice of a fused HF tensor: use Bridge.export")
         names = self.hf_names(name)
-        if rule.join == "qkv":
-            parts = self._split_qkv(tensor)
-        elif rule.join == "qkv_gate":
-            parts = self._split_qkv_gate(tensor)
-        elif rule.join == "gdn_in":
-            parts = self._split_gdn_in(tensor)
-        elif rule.join == "gdn_in_grouped":
-            parts = self._split_gdn_in_grouped(tensor)
-        elif rule.join == "gdn_conv":
-            parts = (self._split_gdn_conv(tensor),)
+        if rule.join in self._layouts:
+            parts = self._layouts[rule.join][0](tensor)
         elif rule.join == "glu":
             parts = tensor.chunk(2, dim=0)
         elif rule.join == "vocab":
@@ -387,16 +385,8 @@ class Bridge:
             parts.append(t)
         if rule.fused:
             return self._from_fused(rule.join, parts[0], idx["expert"])
-        if rule.join == "qkv":
-            return self._join_qkv(*parts)
-        if rule.join == "qkv_gate":
-            return self._join_qkv_gate(*parts)
-        if rule.join == "gdn_in":
-            return self._join_gdn_in(*parts)
-        if rule.join == "gdn_in_grouped":
-            return self._join_gdn_in_grouped(*parts)
-        if rule.join == "gdn_conv":
-            return self._join_gdn_conv(parts[0])
+        if rule.join in self._layouts:
+            return self._layouts[rule.join][1](*parts)
         if rule.join == "vocab" and self.cfg.vocab_size > self.hf_vocab:
             padding = parts[0].new_zeros(self.cfg.vocab_size - self.hf_vocab, *parts[0].shape[1:])
             return torch.cat([parts[0], padding])
@@ -520,7 +510,7 @@ class Bridge:
     def _split_gdn_conv(self, conv):
         nk, r, dk, dv = self._gdn_sizes()
         q, k, v = conv.reshape(nk, -1, conv.shape[-1]).split([dk, dk, r * dv], dim=1)
-        return torch.cat([t.reshape(-1, conv.shape[-1]) for t in (q, k, v)])[:, None]
+        return [torch.cat([t.reshape(-1, conv.shape[-1]) for t in (q, k, v)])[:, None]]
 
     # --- sharding -------------------------------------------------------------------------------------------
     def check_layout(self, layout: ParallelLayout) -> None:

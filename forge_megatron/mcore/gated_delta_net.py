@@ -68,7 +68,8 @@ class TreeGatedDeltaNet(MegatronModule):
         self.layer_number = layer_number
         tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         tp = tp_group.size() if tp_group is not None else ps.get_tensor_model_parallel_world_size()
-        self.tp_group = tp_group if tp_group is not None else ps.get_tensor_model_parallel_group(check_initialized=False)
+        self.tp_group = tp_group if tp_group is not None else \
+            ps.get_tensor_model_parallel_group(check_initialized=False)
         nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
         if nv % nk or nk % tp:
             raise ValueError(f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk}), "
