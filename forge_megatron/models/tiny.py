@@ -149,6 +149,13 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
         eos_token_id=2,  # <|im_end|>
         pad_token_id=0,  # <|endoftext|>
     )
+    hybrid = {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+              "linear_conv_kernel_dim": 4}
+    hybrid_moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48}
+    qwen3_5_rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                    "mrope_section": [1, 1, 0], "mrope_interleaved": True}
     per_arch = {
         "qwen2": (transformers.Qwen2Config, {}),
         "llama": (transformers.LlamaConfig, {}),
@@ -201,33 +208,15 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
         ),
         # Qwen3.5 layout (text): a Gated DeltaNet layer (2 key heads of 8, 4 value heads of 8, conv kernel 4) then a
         # gated full-attention one; zero-centred norms; RoPE on a quarter of each 16-channel head
-        "qwen3_5": (
-            transformers.Qwen3_5TextConfig,
-            {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
-             "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-             "linear_conv_kernel_dim": 4,
-             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True}},
-        ),
+        "qwen3_5": (transformers.Qwen3_5TextConfig, {**hybrid, "rope_parameters": qwen3_5_rope}),
         # Qwen3.5-MoE layout: the same two layers, each MLP 4 experts (top-2, renormalised) and a shared expert
         # behind a sigmoid gate
-        "qwen3_5_moe": (
-            transformers.Qwen3_5MoeTextConfig,
-            {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
-             "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-             "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-             "shared_expert_intermediate_size": 48,
-             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True}},
-        ),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, {**hybrid, **hybrid_moe, "rope_parameters": qwen3_5_rope}),
         # Qwen3-Next layout: Qwen3.5-MoE's, the Gated DeltaNet input projections fused per key head (qkvz, ba)
         "qwen3_next": (
             transformers.Qwen3NextConfig,
-            {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
-             "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-             "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-             "shared_expert_intermediate_size": 48, "norm_topk_prob": True, "decoder_sparse_step": 1,
-             "mlp_only_layers": [], "partial_rotary_factor": 0.25},
+            {**hybrid, **hybrid_moe, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+             "partial_rotary_factor": 0.25},
         ),
     }
     if arch not in per_arch:

@@ -9,7 +9,7 @@ import pytest
 from forge_megatron.models.tiny import build_tiny_model
 
 from .pool_feed import feed_groups
-from .trainer_run import run_on_fresh_pool
+from .trainer_run import REPLAY_KEYS, assert_same_as_one_rank, run_on_fresh_pool
 
 
 def test_qwen3_5_trains_the_same_under_pipeline_and_tensor_parallelism(tmp_path):
@@ -26,10 +26,7 @@ def test_qwen3_5_trains_the_same_under_pipeline_and_tensor_parallelism(tmp_path)
                                               extra=extra + ["--tree-token-budget", "18"], model=[])
     assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
     assert steps["one"][0]["grad_norm"] > 0
-    for other in ("pp2", "tp2sp", "cp2"):
-        for a, b in zip(steps["one"], steps[other]):
-            for key in ("loss", "grad_norm"):
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    assert_same_as_one_rank(steps, ("pp2", "tp2sp", "cp2"))
 
     from forge_megatron.bridge import Bridge
     from forge_megatron.training import arguments
@@ -58,11 +55,6 @@ def test_qwen3_5_moe_trains_the_same_under_tensor_expert_and_pipeline_parallelis
                                               extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
                                               model=[])
     assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
-    for other in ("tp2sp", "ep2", "pp2"):
-        # EP = 2 runs as DP = 2: its loss and row counts are rank 0's share; the reduced gradient is the batch's
-        keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
-        for a, b in zip(steps["one"], steps[other]):
-            for key in keys:
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    assert_same_as_one_rank(steps, ("tp2sp", "ep2", "pp2"), REPLAY_KEYS)
     assert sorted(s["routing_replayed_rows"] for s in steps["one"]) == [120, 128]  # both layers MoE
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1

@@ -12,7 +12,7 @@ import torch
 from forge_megatron.models.tiny import build_tiny_model
 
 from .pool_feed import feed_groups
-from .trainer_run import run_on_fresh_pool
+from .trainer_run import REPLAY_KEYS, assert_same_as_one_rank, run_on_fresh_pool
 
 
 def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_path):
@@ -38,11 +38,8 @@ def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_pat
                                               extra=extra + ["--old-logprobs", "recompute"], nproc=nproc, model=[])
     assert [len(v) for v in steps.values()] == [2, 2, 2, 2, 2]
     assert steps["pp2"][0]["micro_batches"] > 2  # several micro-batches in flight in the pipeline
-    for other in ("pp2", "cp2", "tp2sp"):  # CP: each rank replays the rows of its shard of the padded tree
-        for a, b in zip(steps["one"], steps[other]):
-            for key in ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows"):
-                # the loss (~1e-2 here) sums O(1) terms that nearly cancel: fp32 reduction order moves it ~1e-7
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    # CP: each rank replays the rows of its shard of the padded tree
+    assert_same_as_one_rank(steps, ("pp2", "cp2", "tp2sp"), REPLAY_KEYS)
     first = steps["one"][0]
     assert 0 < first["routing_mismatch"] < 1  # random rows: many differ
     assert first["routing_prefix_conflicts"] == 0.0  # one set of prompt rows per group
@@ -73,13 +70,7 @@ def test_sigmoid_router_moe_trains_the_same_under_pipeline_tensor_and_expert_par
                                               extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
                                               model=[])
     assert [len(v) for v in steps.values()] == [2, 2, 2, 2, 2]
-    for other in ("pp2", "tp2sp", "cp2", "ep2"):
-        # EP = 2 runs as DP = 2 (experts split over the two data-parallel ranks): its loss and row counts are rank
-        # 0's share of the batch; the DP-reduced gradient is the whole batch's
-        keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
-        for a, b in zip(steps["one"], steps[other]):
-            for key in keys:
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    assert_same_as_one_rank(steps, ("pp2", "tp2sp", "cp2", "ep2"), REPLAY_KEYS)
     # one MoE layer of two: half the rows the two-layer Qwen3-MoE test replays on the same data
     assert sorted(s["routing_replayed_rows"] for s in steps["one"]) == [60, 64]
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
@@ -101,11 +92,7 @@ def test_gpt_oss_trains_the_same_under_pipeline_expert_and_context_parallelism(t
                                               extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
                                               model=[])
     assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
-    for other in ("pp2", "cp2", "ep2"):
-        keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
-        for a, b in zip(steps["one"], steps[other]):
-            for key in keys:
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    assert_same_as_one_rank(steps, ("pp2", "cp2", "ep2"), REPLAY_KEYS)
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
     from forge_megatron.bridge import Bridge
     from forge_megatron.training import arguments
@@ -141,11 +128,7 @@ def test_minimax_m2_trains_the_same_under_tensor_context_and_expert_parallelism(
     held = rank_params(Bridge(model_dir), 2, 1, 1, 0)
     assert f"memory plan, pipeline rank 0: {held['dense'] + held['expert']:,} parameters per GPU" in logs["tp2sp"][0]
     assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
-    for other in ("tp2sp", "cp2", "ep2"):
-        keys = ("grad_norm",) if other == "ep2" else ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
-        for a, b in zip(steps["one"], steps[other]):
-            for key in keys:
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+    assert_same_as_one_rank(steps, ("tp2sp", "cp2", "ep2"), REPLAY_KEYS)
     assert sorted(s["routing_replayed_rows"] for s in steps["one"]) == [120, 128]  # both layers MoE
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
 

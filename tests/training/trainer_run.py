@@ -73,3 +73,20 @@ def run_on_fresh_pool(tmp_path, name: str, model_dir: str, feed, *, iters: int, 
         return read_steps(f"{run_dir}/metrics.jsonl"), stdouts, counts
     finally:
         pool.stop()
+
+
+REPLAY_KEYS = ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
+
+
+def assert_same_as_one_rank(steps: dict, runs, keys=("loss", "grad_norm"), data_parallel=("ep2",)) -> None:
+    """Each run in ``runs`` trained the same steps as ``steps["one"]``: ``keys`` equal to fp32 reduction order (the
+    loss, ~1e-2 here, sums O(1) terms that nearly cancel: summed in another order it moves ~1e-7). A run in
+    ``data_parallel`` (EP = 2 runs as DP = 2: its loss and row counts are rank 0's share of the batch) is compared
+    by the DP-reduced gradient norm only."""
+    import pytest
+
+    for other in runs:
+        assert len(steps[other]) == len(steps["one"]), other
+        for a, b in zip(steps["one"], steps[other]):
+            for key in ("grad_norm",) if other in data_parallel else keys:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
