@@ -301,6 +301,23 @@ def _heads_to_seq(y_TXcH: torch.Tensor, group) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(T // C, C * Xc, H)
 
 
+def tokens_to_heads(x_TlXH: torch.Tensor, group) -> torch.Tensor:
+    """This CP rank's tokens of all X heads [T_l, X, H] -> every token of the padded tree, in DFS order, of 1/C of
+    the heads [T_pad, X / C, H] (one all-to-all; its backward is the inverse)."""
+    return ranks_to_tree_order(_AllToAll.apply(x_TlXH.contiguous(), group, True), dist.get_world_size(group))
+
+
+def heads_to_tokens(y_TXcH: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of :func:`tokens_to_heads`: [T_pad, X / C, H] in DFS order -> this rank's tokens [T_l, X, H]."""
+    return _AllToAll.apply(tree_to_ranks_order(y_TXcH, dist.get_world_size(group)).contiguous(), group, False)
+
+
+def gather_tree(x_Tl: torch.Tensor, group) -> torch.Tensor:
+    """Per-token values of this CP rank's tokens [T_l] -> the whole padded tree's [T_pad], in DFS order (no
+    autograd: depths, token ids)."""
+    return _gather_tree_order(x_Tl[:, None, None], group).reshape(-1)
+
+
 def sum_over_cp(x: torch.Tensor) -> torch.Tensor:
     """Sum of ``x`` over the CP group (identity backward); ``x`` itself when CP is 1."""
     size, _, group = cp_world()
@@ -363,10 +380,9 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
         scale = resolve_scale(softmax_scale, H)
         return _GatheredKVAttention.apply(q_TlNH, k_TlKH, v_TlKH, sub_end_T, scale, name, group, rank, sinks,
                                           int(window or 0))
-    q = ranks_to_tree_order(_AllToAll.apply(q_TlNH, group, True), C)
+    q = tokens_to_heads(q_TlNH, group)
     if K % C == 0:
-        k = ranks_to_tree_order(_AllToAll.apply(k_TlKH, group, True), C)
-        v = ranks_to_tree_order(_AllToAll.apply(v_TlKH, group, True), C)
+        k, v = tokens_to_heads(k_TlKH, group), tokens_to_heads(v_TlKH, group)
     else:  # K divides C: this rank's N/C query heads all use KV head r*K/C
         head = rank * K // C
         k = ranks_to_tree_order(_GatherSeq.apply(k_TlKH, group)[:, head:head + 1], C)
@@ -374,4 +390,4 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
     if sinks is not None:  # this rank's heads after the all-to-all: chunk `rank` of the local heads
         extras["sinks"] = sinks[rank * (N // C):(rank + 1) * (N // C)]
     o = tree_attention(q, k, v, sub_end_T, softmax_scale=softmax_scale, backend=backend, **extras)
-    return _AllToAll.apply(tree_to_ranks_order(o, C).contiguous(), group, False)
+    return heads_to_tokens(o, group)

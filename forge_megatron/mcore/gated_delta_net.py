@@ -123,7 +123,7 @@ class TreeGatedDeltaNet(MegatronModule):
             if packed_seq_params is None:
                 raise ValueError("Gated DeltaNet layers run under context parallelism on trees only "
                                  "(TreePackedSeqParams)")
-            x = cpm.ranks_to_tree_order(cpm._AllToAll.apply(x.contiguous(), group, True), C)
+            x = cpm.tokens_to_heads(x, group)
         T, nk = x.shape[0], x.shape[1]  # the key-head groups this rank runs
         # this rank's slices of the per-head parameters (all of them without CP)
         heads = slice(rank * nk * self.r, (rank + 1) * nk * self.r)
@@ -146,7 +146,7 @@ class TreeGatedDeltaNet(MegatronModule):
         normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
         o = ((weight * normed) * F.silu(z.reshape(T, nk * self.r, self.dv).float())).to(o.dtype)
         if C > 1:  # back to this rank's tokens of every head
-            o = cpm._AllToAll.apply(cpm.tree_to_ranks_order(o.reshape(T, nk, rv), C).contiguous(), group, False)
+            o = cpm.heads_to_tokens(o.reshape(T, nk, rv), group)
         o = o.reshape(b, s, -1).transpose(0, 1)
         return self.out_proj(o)
 
@@ -187,7 +187,7 @@ class TreeGatedDeltaNet(MegatronModule):
             depth = packed_seq_params.position_ids.to(device)
             C, _, group = cpm.cp_world()
             if C > 1:  # this rank's shard of the depths -> the whole padded tree's, in DFS order
-                depth = cpm._gather_tree_order(depth[:, None, None], group).reshape(-1)
+                depth = cpm.gather_tree(depth, group)
             if depth.numel() != T:
                 raise ValueError(f"the tree has {depth.numel()} tokens, the layer runs {T}")
             cache[key] = gd.plan_tree(depth, self.kernel)
