@@ -72,6 +72,7 @@ class Level:
     tokens: torch.Tensor
     segments: torch.Tensor
     parents: torch.Tensor
+    chunk: int  # the chunked rule's chunk for this batch: the plan's, or less for short segments (L a multiple)
 
 
 @dataclass
@@ -134,13 +135,15 @@ def _plan(parent: torch.Tensor, conv_kernel: int, chunk: int) -> RecurrencePlan:
     levels, where = [], [(0, 0)] * len(level_of)
     for segs in by_level:
         for batch in _similar_lengths(segs, lengths_l):
-            width = -(-lengths_l[batch[0]] // chunk) * chunk
+            longest = lengths_l[batch[0]]
+            step = min(chunk, 1 << (longest - 1).bit_length())  # short segments: a smaller chunk, less padding
+            width = -(-longest // step) * step
             tokens = torch.full((len(batch), width), T, dtype=torch.long)
             for row, s in enumerate(batch):
                 tokens[row, : lengths_l[s]] = torch.arange(starts_l[s], starts_l[s] + lengths_l[s])
                 where[s] = (len(levels), row)
             levels.append(Level(tokens.to(device), torch.tensor(batch, device=device),
-                                torch.tensor([parents_l[s] for s in batch], device=device)))
+                                torch.tensor([parents_l[s] for s in batch], device=device), step))
     return RecurrencePlan(T, len(level_of), levels, ancestors, chunk, where)
 
 
@@ -258,8 +261,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrencePlan, scale: float |
                         if p >= 0 and plan._segment_level[p][0] == src]
                 dst = torch.tensor([i for i, _ in pick], device=q.device)
                 init = init.index_copy(0, dst, finals[src][torch.tensor([r for _, r in pick], device=q.device)])
-        chunk = min(plan.chunk, rows.shape[1])
-        o, final = chunked_gated_delta(q[rows], k[rows], vf[rows], g[rows], beta[rows], init, chunk)
+        o, final = chunked_gated_delta(q[rows], k[rows], vf[rows], g[rows], beta[rows], init, level.chunk)
         finals.append(final)
         out_rows.append(rows.reshape(-1))
         out_vals.append(o.reshape(-1, H, dv))

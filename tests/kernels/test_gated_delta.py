@@ -140,11 +140,14 @@ def test_levels_group_segments_by_depth_and_length():
     layout = build_tree([[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 3, 7, 8, 9]])
     plan = gd.plan_tree(layout.position_ids, chunk=4)
     assert plan.num_segments == 4
-    assert [lv.tokens.shape for lv in plan.levels] == [torch.Size([1, 4]), torch.Size([2, 4]), torch.Size([1, 4])]
+    # chunks of at most 4, smaller for shorter segments: widths 4 (3 tokens), 4 (3 and 2), 1 (1 token)
+    assert [lv.tokens.shape for lv in plan.levels] == [torch.Size([1, 4]), torch.Size([2, 4]), torch.Size([1, 1])]
+    assert [lv.chunk for lv in plan.levels] == [4, 4, 1]
     assert [lv.parents.tolist() for lv in plan.levels] == [[-1], [0, 0], [0]]
     assert [(lv.tokens < layout.unique_tokens).sum(1).tolist() for lv in plan.levels] == [[3], [3, 2], [1]]
     assert (plan.levels[0].tokens[0, :3] == torch.tensor([0, 1, 2])).all()
     assert (plan.levels[0].tokens[0, 3:] == layout.unique_tokens).all()  # padding
+    assert gd.plan_tree(layout.position_ids, chunk=64).levels[1].tokens.shape == (2, 4)  # not padded to 64
     # a level of one long segment and many short ones is not padded to the long one
     prompt = list(range(10, 20))
     uneven = [prompt + list(range(100, 400))] + [prompt + [i, i + 1] for i in range(500, 540, 2)]
