@@ -5,7 +5,8 @@
 ``body(rank, world_size, **kwargs)`` must be a module-level function (it is pickled by name into the
 children). Its return value (picklable) comes back per rank. If any rank raises, the others are killed and
 the child's traceback is re-raised here; a rank that hangs past ``timeout_s`` fails the test and every
-child process is killed, so no process outlives a failing test.
+child process is killed, so no process outlives a failing test. A rendezvous port taken by another process before
+the ranks bind it (two test workers choosing at once) starts the run again on another port (``attempts``).
 """
 
 from __future__ import annotations
@@ -48,8 +49,21 @@ def _child(rank, world_size, port, parallel, seed, body, kwargs, queue):
         queue.put((rank, "error", traceback.format_exc()))
 
 
+class _PortTaken(RuntimeError):
+    """The rendezvous port was taken by another process between choosing it and binding it."""
+
+
 def run_distributed(body, world_size: int, parallel: ParallelConfig = ParallelConfig(), seed: int = 1234,
-                    timeout_s: float = 240.0, **kwargs):
+                    timeout_s: float = 240.0, attempts: int = 3, **kwargs):
+    for attempt in range(attempts):
+        try:
+            return _run_once(body, world_size, parallel, seed, timeout_s, kwargs)
+        except _PortTaken:  # another test worker bound the free port first: start again on another one
+            if attempt == attempts - 1:
+                raise
+
+
+def _run_once(body, world_size, parallel, seed, timeout_s, kwargs):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -78,6 +92,8 @@ def run_distributed(body, world_size: int, parallel: ParallelConfig = ParallelCo
                     raise RuntimeError(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
                 continue
             if status == "error":
+                if "init_process_group" in payload and "EADDRINUSE" in payload:
+                    raise _PortTaken(f"rank {rank} could not rendezvous:\n{payload}")
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             results[rank] = pickle.loads(payload)
     finally:
