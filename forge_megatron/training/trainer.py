@@ -618,8 +618,9 @@ def model_config(args: argparse.Namespace, bridge):
                 said, has = _router(flags), _router(cfg)
             elif name == "shared_expert_gate":
                 said, has = (bool(c.extra.get("moe_shared_expert_gate")) for c in (flags, cfg))
-            elif name == "linear_attention":
-                said, has = (tuple(c.linear_attention or ()) if c.hybrid else () for c in (flags, cfg))
+            elif name == "linear_attention":  # per layer: L(inear, Gated DeltaNet) or F(ull attention)
+                said, has = ("".join("LF"[not x] for x in c.linear_attention) if c.hybrid else "all full attention"
+                             for c in (flags, cfg))
             else:
                 said, has = getattr(flags, name), getattr(cfg, name)
             if said != has:
