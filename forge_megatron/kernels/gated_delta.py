@@ -73,6 +73,8 @@ class Level:
     segments: torch.Tensor
     parents: torch.Tensor
     chunk: int  # the chunked rule's chunk for this batch: the plan's, or less for short segments (L a multiple)
+    # where the initial states come from: (earlier batch, rows of this batch, rows of that batch's final states)
+    sources: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -87,7 +89,7 @@ class RecurrencePlan:
     levels: list[Level]  # batches of segments, parents' batches first
     ancestors: torch.Tensor
     chunk: int
-    _segment_level: list[tuple[int, int]] = field(default_factory=list, repr=False)  # id -> (batch, row)
+    rows: torch.Tensor | None = None  # every batch's tokens flattened, in batch order (where outputs go)
 
 
 def plan_tree(depth: torch.Tensor, conv_kernel: int = 4, chunk: int = 64) -> RecurrencePlan:
@@ -142,9 +144,18 @@ def _plan(parent: torch.Tensor, conv_kernel: int, chunk: int) -> RecurrencePlan:
             for row, s in enumerate(batch):
                 tokens[row, : lengths_l[s]] = torch.arange(starts_l[s], starts_l[s] + lengths_l[s])
                 where[s] = (len(levels), row)
+            sources: dict[int, tuple[list[int], list[int]]] = {}
+            for row, s in enumerate(batch):
+                if parents_l[s] >= 0:
+                    src, src_row = where[parents_l[s]]
+                    sources.setdefault(src, ([], []))[0].append(row)
+                    sources[src][1].append(src_row)
             levels.append(Level(tokens.to(device), torch.tensor(batch, device=device),
-                                torch.tensor([parents_l[s] for s in batch], device=device), step))
-    return RecurrencePlan(T, len(level_of), levels, ancestors, chunk, where)
+                                torch.tensor([parents_l[s] for s in batch], device=device), step,
+                                [(src, torch.tensor(dst, device=device), torch.tensor(rows, device=device))
+                                 for src, (dst, rows) in sorted(sources.items())]))
+    return RecurrencePlan(T, len(level_of), levels, ancestors, chunk,
+                          torch.cat([lv.tokens.reshape(-1) for lv in levels]))
 
 
 def _similar_lengths(segs: list[int], lengths: list[int]) -> list[list[int]]:
@@ -249,23 +260,18 @@ def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrencePlan, scale: float |
     pad = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # noqa: E731  row T: padding
     q, k, vf, g, beta = pad(q), pad(k), pad(v.to(q.dtype)), pad(g), pad(beta)
     finals: list[torch.Tensor] = []
-    out_rows, out_vals = [], []
+    out_vals = []
     dk = k.shape[-1]
     for level in plan.levels:
         rows = level.tokens  # [B, L]
         init = None
-        if bool((level.parents >= 0).any()):
-            init = q.new_zeros(rows.shape[0], H, dk, dv)
-            for src in sorted({plan._segment_level[p][0] for p in level.parents.tolist() if p >= 0}):
-                pick = [(i, plan._segment_level[p][1]) for i, p in enumerate(level.parents.tolist())
-                        if p >= 0 and plan._segment_level[p][0] == src]
-                dst = torch.tensor([i for i, _ in pick], device=q.device)
-                init = init.index_copy(0, dst, finals[src][torch.tensor([r for _, r in pick], device=q.device)])
+        for src, dst, src_rows in level.sources:  # parents' final states (zeros for roots)
+            init = q.new_zeros(rows.shape[0], H, dk, dv) if init is None else init
+            init = init.index_copy(0, dst, finals[src][src_rows])
         o, final = chunked_gated_delta(q[rows], k[rows], vf[rows], g[rows], beta[rows], init, level.chunk)
         finals.append(final)
-        out_rows.append(rows.reshape(-1))
         out_vals.append(o.reshape(-1, H, dv))
-    out = vf.new_zeros(T + 1, H, dv).index_copy(0, torch.cat(out_rows), torch.cat(out_vals))
+    out = vf.new_zeros(T + 1, H, dv).index_copy(0, plan.rows, torch.cat(out_vals))
     return out[:T].to(v.dtype)
 
 
