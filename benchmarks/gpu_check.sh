@@ -7,7 +7,9 @@
 #   4. runs benchmarks/tree_attention.py on the GRPO and agentic workloads (one JSON line each),
 #   5. runs benchmarks/logprobs.py (plain, chunked, fused and fused with an fp32 LM head: logprobs+entropy at 16k
 #      rows x 152k vocabulary, bf16; memory, time and error against fp64),
-#   6. runs the trainer on the GPU (tests/training/test_gpu_trainer.py: fp32 and bf16 steps against CPU, bf16 keeps
+#   6. runs benchmarks/gated_delta.py (Qwen3.5's linear-attention recurrence: autograd loop, torch scan and the Triton
+#      scan kernels, forward + backward at 4 x 8192 tokens, 8 heads of 128),
+#   7. runs the trainer on the GPU (tests/training/test_gpu_trainer.py: fp32 and bf16 steps against CPU, bf16 keeps
 #      the HF weights, distributed-optimizer checkpoints resume exactly; skipped without megatron-core and pyzmq).
 # Everything goes to the log file (GPU_CHECK_LOG, default runs/gpu_check.log); copy the JSON lines to docs/benchmarks.md.
 # Needs a CUDA build of torch, triton, pybind11, ninja, pytest (+ pytest-timeout) and nvcc; megatron-core and pyzmq are
@@ -34,7 +36,7 @@ step() {  # step NAME TIMEOUT_S CMD...
 }
 
 PY="${PYTHON:-python3}"
-step "environment" 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -m forge_megatron.env"
+step "environment" 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -m forge_megatron.env"
 if compgen -G ".whl/*.whl" > /dev/null; then
   step "install carried wheels" 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/forge_site .whl/*.whl
@@ -46,7 +48,8 @@ step "gpu tests" 110 "$PY" -m pytest -q -m gpu -rs --timeout=100 -p no:cacheprov
 step "benchmark grpo" 35 "$PY" benchmarks/tree_attention.py --workload grpo
 step "benchmark agentic" 35 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
 step "benchmark logprobs" 50 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
-step "trainer on GPU" 190 "$PY" -m pytest -q -m gpu -rs --timeout=150 -p no:cacheprovider \
+step "benchmark gated delta" 20 "$PY" benchmarks/gated_delta.py --device cuda --batch 4 --len 8192 --heads 8
+step "trainer on GPU" 180 "$PY" -m pytest -q -m gpu -rs --timeout=150 -p no:cacheprovider \
   tests/training/test_gpu_trainer.py
 
 echo "gpu_check: $([ $failed -eq 0 ] && echo PASSED || echo FAILED), log in $LOG" | tee -a "$LOG"

@@ -30,8 +30,10 @@ exp(G_t - G_s) for s <= t, initial state S0):
     W   = (I + A)^-1 diag(beta exp(G)) K                 V' = U - W S0
     O   = diag(exp(G)) Q S0 + lower(Q K^T * Dec) V'     S_C = exp(G_C) S0 + (diag(exp(G_C - G)) K)^T V'
 
-(the WY / UT form of Yang et al., "Gated Delta Networks", 2024). Everything here is plain torch with autograd, on
-any device, computed in fp32 (fp64 for fp64 inputs, which the tests use to tell rounding from error);
+(the WY / UT form of Yang et al., "Gated Delta Networks", 2024). The terms inside a chunk are torch ops under
+autograd, batched over every chunk; the scan over chunks (the products with S0, chunk after chunk) has a
+hand-written backward (:class:`_ChunkScan`) and runs as a torch loop or as Triton kernels (gated_delta_triton.py;
+:func:`scan_backend` picks). Computed in fp32 (fp64 for fp64 inputs, which the tests use to tell rounding from error);
 :func:`recurrent_reference` is the token-by-token definition the tests compare against.
 
 Legend: T = tree tokens, H = value heads, Hk = key heads (H / Hk value heads share one key head), dk / dv = key /
@@ -40,6 +42,8 @@ value head dims, K = conv kernel, C = conv channels.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -193,10 +197,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64):
+def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64, backend: str | None = None):
     """The gated delta rule on [B, L, H, d] sequences in chunks (L a multiple of ``chunk``; q / k already normalised
     and q scaled; g, beta [B, L, H]; ``initial_state`` [B, H, dk, dv] or None). Returns (o [B, L, H, dv], the final
-    state [B, H, dk, dv]), in fp32 (fp64 for fp64 inputs)."""
+    state [B, H, dk, dv]), in fp32 (fp64 for fp64 inputs). ``backend`` runs the scan over chunks (see
+    :func:`scan_backend`)."""
     B, L, H, dk = k.shape
     cd = _compute_dtype(v)
     dv = v.shape[-1]
@@ -204,12 +209,12 @@ def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64):
         raise ValueError(f"sequence length {L} is not a multiple of the chunk ({chunk})")
     n = L // chunk
 
-    def chunks(x):  # [B, L, H, ...] -> [B, H, n, chunk, ...]
+    def chunks(x):  # [B, L, H, ...] -> [B * H, n, chunk, ...]
         x = x.to(cd).transpose(1, 2)
-        return x.reshape(B, H, n, chunk, *x.shape[3:])
+        return x.reshape(B * H, n, chunk, *x.shape[3:]).contiguous()
 
     q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
-    G = g.cumsum(-1)  # [B, H, n, C]
+    G = g.cumsum(-1)  # [BH, n, C]
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     dec = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # [.., C, C], 0 above
     k_beta = k * beta.unsqueeze(-1)
@@ -221,16 +226,112 @@ def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64):
     attn = q @ k.transpose(-1, -2) * dec
     q_dec = q * G.exp().unsqueeze(-1)
     k_dec = k * (G[..., -1:] - G).exp().unsqueeze(-1)
-    chunk_decay = G[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
+    chunk_decay = G[..., -1].exp()  # [BH, n]
+    state = None if initial_state is None else initial_state.to(cd).reshape(B * H, dk, dv)
+    name = scan_backend(q.device, cd, chunk, dk, backend)
+    o, final = _ChunkScan.apply(U, W, q_dec, attn, k_dec, chunk_decay, state, name)
+    return o.reshape(B, H, L, dv).transpose(1, 2), final.reshape(B, H, dk, dv)
 
-    state = q.new_zeros(B, H, dk, dv) if initial_state is None else initial_state.to(cd)
-    outs = []
+
+# ------------------------------------------------------------------------------------------- scan over chunks
+SCAN_BACKEND_ENV = "FORGE_GDN_BACKEND"
+SCAN_BACKENDS = ("torch", "triton")
+
+
+def scan_backend(device: torch.device, dtype: torch.dtype, chunk: int, dk: int, backend: str | None = None) -> str:
+    """Who runs the scan over chunks: the ``backend`` argument, else ``FORGE_GDN_BACKEND``, else "triton" on CUDA
+    (when triton imports) and "torch" elsewhere. Calls the Triton kernels do not take (fp64, chunks shorter than 16
+    tokens: one-chunk segments, key heads over 256) run on "torch" whatever was asked: both compute the same."""
+    name = backend or os.environ.get(SCAN_BACKEND_ENV) or None
+    if name is not None and name not in SCAN_BACKENDS:
+        raise ValueError(f"unknown gated delta scan backend {name!r}; choose one of {SCAN_BACKENDS}")
+    if name is None:
+        name = "triton" if device.type == "cuda" and _triton_scan() is not None else "torch"
+    if name == "triton":
+        kernels = _triton_scan()
+        if kernels is None:
+            raise RuntimeError(f"gated delta scan backend 'triton' is unavailable: {_triton_scan.why}")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("gated delta scan backend 'triton' runs on CUDA tensors (or on CPU under "
+                               "TRITON_INTERPRET=1, for tests)")
+        if not kernels.supports(chunk, dk, dtype):
+            return "torch"
+    return name
+
+
+@functools.cache
+def _triton_scan():
+    try:
+        from forge_megatron.kernels import gated_delta_triton
+    except Exception as exc:  # noqa: BLE001 - a missing or broken triton must not break the layer
+        _triton_scan.why = f"{type(exc).__name__}: {exc}"
+        return None
+    return gated_delta_triton
+
+
+def _scan_forward_torch(U, W, KD, decay, S0):
+    """The Triton forward scan's definition (gated_delta_triton.py), a loop over chunks."""
+    BH, n, _, dv = U.shape
+    S = U.new_zeros(BH, W.shape[-1], dv) if S0 is None else S0
+    S_all, Vn = U.new_empty(BH, n, *S.shape[1:]), torch.empty_like(U)
     for i in range(n):
-        v_new = U[:, :, i] - W[:, :, i] @ state
-        outs.append(q_dec[:, :, i] @ state + attn[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
-    o = torch.stack(outs, dim=2).reshape(B, H, L, dv).transpose(1, 2)
-    return o, state
+        S_all[:, i] = S
+        Vn[:, i] = U[:, i] - W[:, i] @ S
+        S = S * decay[:, i, None, None] + KD[:, i].transpose(-1, -2) @ Vn[:, i]
+    return S_all, Vn, S
+
+
+def _scan_backward_torch(X, Y, W, KD, decay, dS):
+    """The Triton backward scan's definition, a loop over chunks in reverse."""
+    BH, n, _, dv = X.shape
+    dS = X.new_zeros(BH, W.shape[-1], dv) if dS is None else dS
+    dVn, dS_next = torch.empty_like(X), X.new_empty(BH, n, *dS.shape[1:])
+    for i in reversed(range(n)):
+        dS_next[:, i] = dS
+        dVn[:, i] = X[:, i] + KD[:, i] @ dS
+        dS = Y[:, i] + dS * decay[:, i, None, None] - W[:, i].transpose(-1, -2) @ dVn[:, i]
+    return dVn, dS_next, dS
+
+
+class _ChunkScan(torch.autograd.Function):
+    """The chunks' outputs and the final state from the per-chunk terms (chunk i, state S_i before it):
+
+        Vn_i = U_i - W_i S_i      O_i = Qd_i S_i + attn_i Vn_i      S_{i+1} = decay_i S_i + KD_i^T Vn_i
+
+    with a hand-written backward that keeps nothing per chunk between forward and backward: the states are
+    recomputed by a second forward scan, then one reverse scan gives every chunk's dVn and dS_{i+1}, from which the
+    remaining gradients are batched products over all chunks. (Autograd through the loop kept every chunk's state
+    and Vn, and ran a dozen small kernels per chunk in the backward.)"""
+
+    @staticmethod
+    def forward(ctx, U, W, Qd, attn, KD, decay, S0, backend):
+        scan_fwd = _triton_scan().scan_forward if backend == "triton" else _scan_forward_torch
+        U, W, Qd, attn, KD, decay = (x.contiguous() for x in (U, W, Qd, attn, KD, decay))
+        S0 = None if S0 is None else S0.contiguous()
+        S_all, Vn, final = scan_fwd(U, W, KD, decay, S0)
+        O = torch.baddbmm(attn.flatten(0, 1) @ Vn.flatten(0, 1), Qd.flatten(0, 1), S_all.flatten(0, 1))
+        ctx.save_for_backward(U, W, Qd, attn, KD, decay, S0)
+        ctx.backend = backend
+        return O.view_as(Vn), final
+
+    @staticmethod
+    def backward(ctx, dO, dfinal):
+        U, W, Qd, attn, KD, decay, S0 = ctx.saved_tensors
+        triton_scan = _triton_scan() if ctx.backend == "triton" else None
+        scan_fwd = triton_scan.scan_forward if triton_scan else _scan_forward_torch
+        scan_bwd = triton_scan.scan_backward if triton_scan else _scan_backward_torch
+        S_all, Vn, _ = scan_fwd(U, W, KD, decay, S0)
+        dO = torch.zeros_like(U) if dO is None else dO.contiguous()
+        mT = lambda x: x.transpose(-1, -2)  # noqa: E731
+        X, Y = mT(attn) @ dO, mT(Qd) @ dO
+        dVn, dS_next, dS0 = scan_bwd(X, Y, W, KD, decay, None if dfinal is None else dfinal.contiguous())
+        dU = dVn
+        dW = -(dVn @ mT(S_all))
+        dQd = dO @ mT(S_all)
+        dattn = dO @ mT(Vn)
+        dKD = Vn @ mT(dS_next)
+        ddecay = (S_all * dS_next).sum((-1, -2))
+        return dU, dW, dQd, dattn, dKD, ddecay, None if S0 is None else dS0, None
 
 
 def _prepare(q, k, g, beta, heads: int, scale: float | None, l2norm: bool):
@@ -250,9 +351,10 @@ def _prepare(q, k, g, beta, heads: int, scale: float | None, l2norm: bool):
 
 
 def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrencePlan, scale: float | None = None,
-                          l2norm: bool = True) -> torch.Tensor:
+                          l2norm: bool = True, backend: str | None = None) -> torch.Tensor:
     """The gated delta rule along every path of the forest ``plan`` describes: q, k [T, Hk, dk], v [T, H, dv],
-    g (log decay, <= 0), beta [T, H] -> o [T, H, dv] in v's dtype (computed in fp32)."""
+    g (log decay, <= 0), beta [T, H] -> o [T, H, dv] in v's dtype (computed in fp32). ``backend``: who scans
+    the chunks (:func:`scan_backend`)."""
     T, H, dv = v.shape
     if q.shape[0] != T or plan.num_tokens != T:
         raise ValueError(f"{q.shape[0]} query rows, {T} value rows, a plan for {plan.num_tokens} tokens")
@@ -268,7 +370,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrencePlan, scale: float |
         for src, dst, src_rows in level.sources:  # parents' final states (zeros for roots)
             init = q.new_zeros(rows.shape[0], H, dk, dv) if init is None else init
             init = init.index_copy(0, dst, finals[src][src_rows])
-        o, final = chunked_gated_delta(q[rows], k[rows], vf[rows], g[rows], beta[rows], init, level.chunk)
+        o, final = chunked_gated_delta(q[rows], k[rows], vf[rows], g[rows], beta[rows], init, level.chunk, backend)
         finals.append(final)
         out_vals.append(o.reshape(-1, H, dv))
     out = vf.new_zeros(T + 1, H, dv).index_copy(0, plan.rows, torch.cat(out_vals))

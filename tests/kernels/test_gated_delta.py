@@ -192,6 +192,112 @@ def test_decay_parameter_gradients_are_exact_in_float64():
     torch.testing.assert_close(merged[1], dt_bias.grad, rtol=1e-10, atol=1e-12)
 
 
+def _chunk_inputs(B, L, H, dk, dv, seed, dtype=torch.float32):
+    """Normalised keys and queries (as the layer's), decays and write strengths, an initial state."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)  # noqa: E731
+    q = torch.nn.functional.normalize(rand(B, L, H, dk), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(rand(B, L, H, dk), dim=-1)
+    decay = -torch.rand(B, L, H, generator=g, dtype=dtype)
+    beta = torch.rand(B, L, H, generator=g, dtype=dtype)
+    return [q, k, rand(B, L, H, dv), decay, beta, rand(B, H, dk, dv)]
+
+
+def test_chunk_scan_backward_passes_gradcheck():
+    """The scan's hand-written backward (recomputed states, one reverse scan) against finite differences, in fp64,
+    through every input: q, k, v, decays, write strengths and the initial state."""
+    inputs = [x.requires_grad_() for x in _chunk_inputs(2, 12, 2, 3, 4, seed=20, dtype=torch.float64)]
+    assert torch.autograd.gradcheck(lambda *xs: gd.chunked_gated_delta(*xs, chunk=4, backend="torch"), inputs)
+
+
+def test_chunk_scan_saves_nothing_per_chunk():
+    """What the backward keeps does not grow with the number of chunks beyond the per-token inputs: no state per
+    chunk is saved (a [dk, dv] state per chunk is what autograd through the loop kept, with every chunk's Vn)."""
+    def saved_state_tensors(L):
+        inputs = [x.requires_grad_() for x in _chunk_inputs(1, L, 2, 8, 8, seed=21)]
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            gd.chunked_gated_delta(*inputs, chunk=4, backend="torch")
+        return sum(1 for shape in shapes if shape[-2:] == (8, 8))  # states are [.., dk, dv] = [.., 8, 8]
+
+    assert saved_state_tensors(8) == saved_state_tensors(64) == 1  # the initial state, whatever the length
+
+
+@pytest.mark.parametrize("B,L,H,dk,dv,chunk", [(2, 48, 3, 24, 40, 16), (1, 64, 2, 130, 100, 32),
+                                               (2, 128, 1, 16, 16, 64)])
+def test_triton_scan_matches_torch(B, L, H, dk, dv, chunk):
+    """The Triton scans (interpreter on CPU) against the torch scans: outputs, final state and the gradients of
+    every input. Shapes cover masked key / value blocks (24 x 40), several value blocks with the 256-wide key block
+    (130 x 100) and one block at chunk 64."""
+    inputs = _chunk_inputs(B, L, H, dk, dv, seed=22)
+    g = torch.Generator().manual_seed(23)
+    w_o, w_s = torch.randn(B, L, H, dv, generator=g), torch.randn(B, H, dk, dv, generator=g)
+    results = {}
+    for backend in ("torch", "triton"):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        o, final = gd.chunked_gated_delta(*xs, chunk=chunk, backend=backend)
+        grads = torch.autograd.grad((o * w_o).sum() + (final * w_s).sum(), xs)
+        results[backend] = (o, final, *grads)
+    for name, a, b in zip(["o", "final", "dq", "dk", "dv", "ddecay", "dbeta", "dstate"], results["torch"],
+                          results["triton"]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_triton_scan_over_a_forest_equals_the_definition():
+    """The forest's levels with the Triton scan (segments of 16 tokens or more; shorter ones take the torch scan
+    whatever is asked) against the token-by-token definition, forward and gradients."""
+    layout = build_tree(_samples(24))
+    T, Hk, H, dk, dv = layout.unique_tokens, 2, 4, 16, 16
+    inputs = [x.requires_grad_() for x in _inputs(T, Hk, H, dk, dv, seed=25)]
+    plan = gd.plan_tree(layout.position_ids, chunk=16)
+    assert any(level.chunk == 16 and level.tokens.shape[1] > 16 for level in plan.levels)  # Triton runs, n > 1
+    out = gd.tree_gated_delta_rule(*inputs, plan, backend="triton")
+    ref = gd.recurrent_reference(*inputs, gd.tree_parents(layout.position_ids))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    w = torch.randn_like(out)
+    grads = torch.autograd.grad((out * w).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * w).sum(), inputs)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_scan_backend_choice(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(gd.SCAN_BACKEND_ENV, raising=False)
+    assert gd.scan_backend(cpu, torch.float32, 64, 128) == "torch"  # automatic on CPU
+    assert gd.scan_backend(cpu, torch.float32, 64, 128, "triton") == "triton"  # interpreter (conftest)
+    assert gd.scan_backend(cpu, torch.float64, 64, 128, "triton") == "torch"  # fp64: the kernels are fp32
+    assert gd.scan_backend(cpu, torch.float32, 8, 128, "triton") == "torch"  # a one-chunk segment under 16 tokens
+    assert gd.scan_backend(cpu, torch.float32, 64, 512, "triton") == "torch"  # key heads over 256
+    monkeypatch.setenv(gd.SCAN_BACKEND_ENV, "triton")
+    assert gd.scan_backend(cpu, torch.float32, 64, 128) == "triton"
+    monkeypatch.setenv(gd.SCAN_BACKEND_ENV, "fla")
+    with pytest.raises(ValueError, match="unknown gated delta scan backend 'fla'"):
+        gd.scan_backend(cpu, torch.float32, 64, 128)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="runs on CUDA tensors"):
+        gd.scan_backend(cpu, torch.float32, 64, 128, "triton")
+
+
+@pytest.mark.parametrize("shape", ["128x128x64", "256x256x64", "24x40x16"])
+def test_triton_scan_compiles_for_sm90_without_gpu(shape):
+    """The scan kernels lower to an sm_90 cubin (ieee fp32 dots, two pipeline stages) and fit an H100's shared
+    memory (227 KiB per block) at the head sizes of Qwen3.5 / Qwen3-Next (128) and the largest taken (256)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("triton_aot.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script), "--gated-delta", shape], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert {line[2] for line in lines} == {"_scan_fwd_kernel", "_scan_bwd_kernel"}
+    assert all(int(line[3].removeprefix("shared=")) <= 227 * 1024 for line in lines), proc.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tree_rule_on_cuda_matches_the_fp64_reference(dtype):
@@ -203,6 +309,7 @@ def test_tree_rule_on_cuda_matches_the_fp64_reference(dtype):
     dev = [x.to("cuda", dtype if i < 3 else torch.float32).requires_grad_()
            for i, x in enumerate(_inputs(T, Hk, H, dk, dv, seed=11))]
     ref = gd.recurrent_reference(*(x.detach().cpu().double() for x in dev), gd.tree_parents(layout.position_ids))
+    assert gd.scan_backend(dev[0].device, torch.float32, 64, dk) == "triton"  # the automatic choice on CUDA
     out = gd.tree_gated_delta_rule(*dev, gd.plan_tree(layout.position_ids.cuda()))
     assert out.dtype == dtype and out.is_cuda
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4

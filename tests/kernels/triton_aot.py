@@ -53,6 +53,22 @@ def compile_kernel(fn, dtype: str, constexprs: dict, arch: int, num_warps: int):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
 
 
+def compile_gated_delta(shapes: list[str], arch: int) -> None:
+    from forge_megatron.kernels import gated_delta_triton as gt
+
+    for shape in shapes:
+        dk, dv, chunk = (int(x) for x in shape.split("x"))
+        bk, bv = gt.blocks(dk, dv)
+        for fn, flag in ((gt._scan_fwd_kernel, "HAS_S0"), (gt._scan_bwd_kernel, "HAS_DS_FINAL")):
+            constexprs = dict(C=chunk, BK=bk, BV=bv, PRECISION="ieee", **{flag: True})
+            sig = {name: "constexpr" if name in constexprs else "i32" if name in ("n_chunks", "dk", "dv") else "*fp32"
+                   for name in inspect.signature(fn.fn).parameters}
+            src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                    options=gt.launch_options(bk, bv))
+            print(f"fp32 {shape} {fn.fn.__name__} shared={kernel.metadata.shared}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90)
@@ -60,9 +76,15 @@ def main() -> None:
     p.add_argument("--head-dims", nargs="+", default=["64", "128"], help="H, or HxHV for value heads of HV")
     p.add_argument("--sinks-window", type=int, default=None, metavar="W",
                    help="compile the variants with attention sinks and a sliding window of W (gpt-oss)")
+    p.add_argument("--gated-delta", nargs="+", default=None, metavar="DKxDVxC",
+                   help="instead: the gated delta rule's scan kernels (kernels/gated_delta_triton.py) for key dim DK, "
+                        "value dim DV and chunk C (fp32), e.g. 128x128x64")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter cannot compile kernels for a GPU target")
+    if args.gated_delta:
+        compile_gated_delta(args.gated_delta, args.arch)
+        return
     bounds = compile_kernel(tk._key_block_bounds_kernel, "i32", dict(BLOCK_N=64), args.arch, 4)
     print(f"-- -- _key_block_bounds_kernel shared={bounds.metadata.shared}")
     for dtype in args.dtypes:
