@@ -7,10 +7,13 @@ Variants, all on the same inputs (B sequences of L tokens, H value heads, key / 
   for the backward, which runs a dozen small kernels per chunk;
 - ``torch_scan``: ``chunked_gated_delta(backend="torch")``, the CPU path: the same loops without autograd, the states
   recomputed in the backward, one reverse scan, the other gradients batched over chunks;
-- ``triton_scan``: ``backend="triton"`` (CUDA only; the kernels are tested on CPU under the interpreter, not timed).
+- ``triton_scan``: ``backend="triton"`` (CUDA only; the kernels are tested on CPU under the interpreter, not timed);
+- ``*_recompute``: the same under a non-reentrant activation checkpoint, as the layer runs it
+  (``tree_gated_delta_rule(recompute=True)``, the default): only the inputs wait for the backward.
 
-Per variant: ``ms`` (median forward + backward of ``--repeats`` after a warm-up), ``saved_mib`` (distinct storages
-autograd keeps from forward to backward, the layer's activation memory for this op) and ``max_err`` (largest
+Per variant: ``ms`` (median forward + backward of ``--repeats`` after a warm-up), ``saved_mib`` (memory the forward
+made that is still alive when it returns, its outputs excluded: what waits for the backward beyond the inputs (which
+every variant keeps too; ``config.input_mib``), counted by a dispatch mode in an untimed pass) and ``max_err`` (largest
 difference of the output and of every input's gradient from ``autograd_loop``'s). Ratios ``*_speedup`` and
 ``*_saved_ratio`` are against ``autograd_loop``. Prints one JSON line.
 
@@ -18,11 +21,16 @@ difference of the output and of every input's gradient from ``autograd_loop``'s)
 """
 
 import argparse
+import gc
 import json
 import statistics
 import time
+import weakref
 
 import torch
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from forge_megatron.kernels import gated_delta as gd
 
@@ -55,19 +63,45 @@ def autograd_loop(q, k, v, g, beta, initial_state, chunk):
     return torch.stack(outs, dim=2).reshape(B, H, L, dv).transpose(1, 2), state
 
 
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages created under this mode that are still alive (weakref finalizers count them out);
+    ``existing`` tensors' storages (the inputs: an op may return a view of one) are never counted."""
+
+    def __init__(self, existing=()):
+        super().__init__()
+        self.live, self.seen = 0, {t.untyped_storage().data_ptr() for t in existing}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                self.seen.add(key)
+                self.live += nbytes
+                weakref.finalize(storage, self._freed, key, nbytes)
+        return out
+
+    def _freed(self, key, nbytes):
+        self.live -= nbytes
+        self.seen.discard(key)
+
+
+def held_bytes(fn, inputs):
+    """Memory made by the forward and still alive when it returns, outputs excluded: what waits for the backward."""
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    with LiveBytes(xs) as mode:
+        outs = fn(*xs)
+    gc.collect()
+    return mode.live - sum(o.untyped_storage().nbytes() for o in outs)
+
+
 def run(fn, inputs, weights, repeats, device):
     def once():
         xs = [x.detach().clone().requires_grad_() for x in inputs]
-        storages = {}
-
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            o, final = fn(*xs)
+        o, final = fn(*xs)
         grads = torch.autograd.grad((o * weights[0]).sum() + (final * weights[1]).sum(), xs)
-        return o.detach(), grads, sum(storages.values())
+        return o.detach(), grads
 
     once()  # warm-up (and the Triton compile)
     times = []
@@ -75,11 +109,11 @@ def run(fn, inputs, weights, repeats, device):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        o, grads, saved = once()
+        o, grads = once()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, saved, o, grads
+    return statistics.median(times) * 1e3, held_bytes(fn, inputs), o, grads
 
 
 def main() -> None:
@@ -105,10 +139,17 @@ def main() -> None:
     inputs = [x.to(device) for x in (q, k, v, decay, beta, state)]
     weights = [torch.randn(B, L, H, dv, generator=g).to(device), torch.randn(B, H, dk, dv, generator=g).to(device)]
 
+    def scan(backend, recompute=False):
+        fn = lambda *xs: gd.chunked_gated_delta(*xs, chunk=args.chunk, backend=backend)  # noqa: E731
+        if recompute:
+            return lambda *xs: torch.utils.checkpoint.checkpoint(fn, *xs, use_reentrant=False)
+        return fn
+
     variants = {"autograd_loop": lambda *xs: autograd_loop(*xs, args.chunk),
-                "torch_scan": lambda *xs: gd.chunked_gated_delta(*xs, chunk=args.chunk, backend="torch")}
+                "torch_scan": scan("torch"), "torch_scan_recompute": scan("torch", recompute=True)}
     if device.type == "cuda":
-        variants["triton_scan"] = lambda *xs: gd.chunked_gated_delta(*xs, chunk=args.chunk, backend="triton")
+        variants["triton_scan"] = scan("triton")
+        variants["triton_scan_recompute"] = scan("triton", recompute=True)
     out = {}
     base = None
     for name, fn in variants.items():
@@ -121,7 +162,7 @@ def main() -> None:
         out[f"{name}_speedup"] = out["autograd_loop"]["ms"] / out[name]["ms"]
         out[f"{name}_saved_ratio"] = out[name]["saved_mib"] / out["autograd_loop"]["saved_mib"]
     out["config"] = dict(batch=B, len=L, heads=H, dk=dk, dv=dv, chunk=args.chunk, device=str(device),
-                         chunks=L // args.chunk)
+                         chunks=L // args.chunk, input_mib=sum(x.nbytes for x in inputs) / 2**20)
     print(json.dumps(out))
 
 

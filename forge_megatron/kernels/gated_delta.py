@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 def tree_parents(depth: torch.Tensor) -> torch.Tensor:
@@ -351,13 +352,26 @@ def _prepare(q, k, g, beta, heads: int, scale: float | None, l2norm: bool):
 
 
 def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrencePlan, scale: float | None = None,
-                          l2norm: bool = True, backend: str | None = None) -> torch.Tensor:
+                          l2norm: bool = True, backend: str | None = None, recompute: bool = True) -> torch.Tensor:
     """The gated delta rule along every path of the forest ``plan`` describes: q, k [T, Hk, dk], v [T, H, dv],
     g (log decay, <= 0), beta [T, H] -> o [T, H, dv] in v's dtype (computed in fp32). ``backend``: who scans
-    the chunks (:func:`scan_backend`)."""
+    the chunks (:func:`scan_backend`).
+
+    ``recompute`` (default): keep only the inputs for the backward and compute the rest again there (a
+    non-reentrant activation checkpoint around this function). The fp32 terms inside the chunks that autograd would
+    keep otherwise come to about 1.8k floats per token and value head at dk = dv = 128, more than the rest of a
+    decoder layer at long contexts (benchmarks/gated_delta.py); the price is this function's forward run twice."""
     T, H, dv = v.shape
     if q.shape[0] != T or plan.num_tokens != T:
         raise ValueError(f"{q.shape[0]} query rows, {T} value rows, a plan for {plan.num_tokens} tokens")
+    if recompute and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
+        return torch.utils.checkpoint.checkpoint(_tree_rule, q, k, v, g, beta, plan, scale, l2norm, backend,
+                                                 use_reentrant=False)
+    return _tree_rule(q, k, v, g, beta, plan, scale, l2norm, backend)
+
+
+def _tree_rule(q, k, v, g, beta, plan: RecurrencePlan, scale, l2norm, backend) -> torch.Tensor:
+    T, H, dv = v.shape
     q, k, g, beta = _prepare(q, k, g, beta, H, scale, l2norm)
     pad = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # noqa: E731  row T: padding
     q, k, vf, g, beta = pad(q), pad(k), pad(v.to(q.dtype)), pad(g), pad(beta)

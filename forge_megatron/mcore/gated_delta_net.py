@@ -137,7 +137,10 @@ class TreeGatedDeltaNet(MegatronModule):
         q, k, v = qkv.reshape(T, nk, -1).split([self.dk, self.dk, rv], dim=-1)
         decay, beta = gd.gate_and_decay(a.reshape(T, nk * self.r), beta_in.reshape(T, nk * self.r),
                                         self.A_log[heads], self.dt_bias[heads])
-        o = gd.tree_gated_delta_rule(q, k, v.reshape(T, nk * self.r, self.dv), decay, beta, plan)
+        # the recurrence keeps only its inputs for the backward (kernels/gated_delta.py); under Megatron's full
+        # recomputation the whole layer reruns before its backward anyway, so a second checkpoint would only rerun it
+        o = gd.tree_gated_delta_rule(q, k, v.reshape(T, nk * self.r, self.dv), decay, beta, plan,
+                                     recompute=self.config.recompute_granularity != "full")
 
         # gated RMSNorm over each head (transformers' order: normalise in fp32, weight in the input dtype, then
         # the SiLU gate in fp32); the weight is shared by every head of every TP rank

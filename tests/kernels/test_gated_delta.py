@@ -1,8 +1,14 @@
 """The gated delta rule over prefix forests (kernels/gated_delta.py) against transformers' Qwen3.5 functions run on
 each sample alone, and against the token-by-token definition; forward and gradients."""
 
+import gc
+import weakref
+
 import pytest
 import torch
+import torch.utils._pytree
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from forge_megatron.kernels import gated_delta as gd
 from forge_megatron.tree import build_tree
@@ -221,6 +227,57 @@ def test_chunk_scan_saves_nothing_per_chunk():
         return sum(1 for shape in shapes if shape[-2:] == (8, 8))  # states are [.., dk, dv] = [.., 8, 8]
 
     assert saved_state_tensors(8) == saved_state_tensors(64) == 1  # the initial state, whatever the length
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages created under this mode that are still alive (weakref finalizers count them out);
+    ``existing`` tensors' storages (the inputs: an op may return a view of one) are never counted."""
+
+    def __init__(self, existing=()):
+        super().__init__()
+        self.live, self.seen = 0, {t.untyped_storage().data_ptr() for t in existing}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                self.seen.add(key)
+                self.live += nbytes
+                weakref.finalize(storage, self._freed, key, nbytes)
+        return out
+
+    def _freed(self, key, nbytes):
+        self.live -= nbytes
+        self.seen.discard(key)
+
+
+def test_recompute_keeps_only_the_inputs():
+    """By default the forest rule keeps nothing but its inputs for the backward (an activation checkpoint): between
+    forward and backward the only memory it made that is still alive is its output. The gradients are bit-identical
+    to keeping everything."""
+    layout = build_tree(_samples(26))
+    inputs = _inputs(layout.unique_tokens, 2, 4, 16, 16, seed=27)
+    plan = gd.plan_tree(layout.position_ids, chunk=16)
+    live, grads = {}, {}
+    for recompute in (False, True):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        with _LiveBytes(xs) as mode:
+            out = gd.tree_gated_delta_rule(*xs, plan, recompute=recompute)
+        gc.collect()
+        live[recompute] = mode.live - out.untyped_storage().nbytes()
+        grads[recompute] = torch.autograd.grad(out.square().sum(), xs)
+    assert live[False] > 10 * out.untyped_storage().nbytes()  # every chunk's terms, without recomputation
+    assert live[True] == 0
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)
+    # inside an outer reentrant checkpoint (Megatron's recomputation), the two nest
+    xs = [x.clone().requires_grad_() for x in inputs]
+    out = torch.utils.checkpoint.checkpoint(lambda *ys: gd.tree_gated_delta_rule(*ys, plan), *xs, use_reentrant=True)
+    out.square().sum().backward()
+    for x, b in zip(xs, grads[False]):
+        assert torch.equal(x.grad, b)
 
 
 @pytest.mark.parametrize("B,L,H,dk,dv,chunk", [(2, 48, 3, 24, 40, 16), (1, 64, 2, 130, 100, 32),
