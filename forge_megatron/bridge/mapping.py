@@ -68,16 +68,32 @@ class Rule:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A TP/PP/EP layout of a checkpoint (DP and CP replicas hold copies, so they do not appear)."""
+    """A TP/PP/EP layout of a checkpoint (DP and CP replicas hold copies, so they do not appear). ``etp``: the
+    experts' TP size, TP (None) or 1 (each expert whole; every TP rank's file then holds its EP rank's experts
+    whole, as Megatron-LM's per-rank checkpoints do)."""
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int | None = None
 
     def __post_init__(self):
         for name in ("tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)  # the default: experts split as the rest
+        if self.etp not in (1, self.tp):
+            raise ValueError(f"expert tensor parallel size {self.etp} must be 1 or the TP size ({self.tp})")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp
+
+    def as_dict(self) -> dict:
+        """For checkpoint metadata (``etp`` only when it differs from TP, so older readers see what they knew)."""
+        out = {"tp": self.tp, "pp": self.pp, "ep": self.ep}
+        return out if self.expert_tp == self.tp else {**out, "etp": self.expert_tp}
 
     def ranks(self):
         """Every (tp_rank, pp_rank, ep_rank) that holds a distinct shard, in file-name order."""
@@ -526,17 +542,33 @@ class Bridge:
             checks.append(("linear_num_key_heads", cfg.linear_num_key_heads, "tp", layout.tp))
         if cfg.num_moe_experts:
             checks += [("num_moe_experts", cfg.num_moe_experts, "ep", layout.ep),
-                       ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, "tp", layout.tp)]
+                       ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, "etp", layout.expert_tp)]
             if cfg.moe_shared_ffn_hidden_size:
                 checks.append(("moe_shared_ffn_hidden_size", cfg.moe_shared_ffn_hidden_size, "tp", layout.tp))
         elif layout.ep > 1:
             raise ValueError(f"ep={layout.ep} needs a MoE model; {self.family.name!r} config has no experts")
-        if self.family.gpt_oss and layout.tp > 1:
-            raise ValueError(f"tp={layout.tp}: gpt-oss trains with TP = 1 (Megatron has expert biases only without "
-                             "expert tensor parallelism); use EP, PP and CP")
+        if (self.family.gpt_oss or (cfg.num_moe_experts and cfg.add_bias_linear)) and layout.expert_tp > 1:
+            raise ValueError(f"tp={layout.tp}: the experts have biases, which Megatron supports only without expert "
+                             "tensor parallelism: add --expert-tensor-parallel-size 1 (or use TP = 1)")
+        elif layout.expert_tp != layout.tp and not cfg.num_moe_experts:
+            raise ValueError(f"etp={layout.expert_tp} needs a MoE model; {self.family.name!r} config has no experts")
         for what, size, axis, parts in checks:
             if size % parts:
                 raise ValueError(f"{axis}={parts} does not divide {what}={size}")
+
+    def shard(self, name: str, full: torch.Tensor, layout: ParallelLayout, tp_rank: int) -> torch.Tensor:
+        """TP rank ``tp_rank``'s piece of canonical tensor ``name`` under ``layout``: experts are split over the
+        experts' TP size, so with ETP = 1 every TP rank holds them whole."""
+        if layout.expert_tp == 1 and self.is_expert(name):
+            return full
+        return self.tp_split(name, full, layout.tp)[tp_rank]
+
+    def unshard(self, name: str, shards: list[torch.Tensor], layout: ParallelLayout) -> torch.Tensor:
+        """The full tensor from every TP rank's piece (:meth:`shard`'s inverse; with ETP = 1 an expert's pieces are
+        copies)."""
+        if layout.expert_tp == 1 and self.is_expert(name):
+            return shards[0]
+        return self.tp_join(name, shards)
 
     def tp_split(self, name: str, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
         kind = self.rule(name)[0].tp

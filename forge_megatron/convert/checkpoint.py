@@ -202,7 +202,7 @@ def piece_state(bridge: Bridge, full: dict[str, torch.Tensor], layout: ParallelL
             continue
         tensor = full[name]
         local = bridge.rename(name, -layers.start, -expert_offset)
-        state[local] = bridge.tp_split(name, tensor, layout.tp)[tp].clone()
+        state[local] = bridge.shard(name, tensor, layout, tp).clone()
     if _tied_head(bridge, first, last):
         state[TIED_HEAD] = full[EMBEDDING].chunk(layout.tp, dim=0)[tp].clone()
     return _with_extra_state(state)
@@ -227,7 +227,7 @@ def stage_inputs(bridge: Bridge, layout: ParallelLayout, pp: int) -> list[str]:
 def save_rank_state(bridge: Bridge, layout: ParallelLayout, tp: int, pp: int, ep: int, state: dict,
                     out_dir: str) -> None:
     """Write one rank's local model state dict (and the tracker file) in the ``torch`` format."""
-    meta = {"hf_config": bridge.hf_config, "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep}}
+    meta = {"hf_config": bridge.hf_config, "layout": layout.as_dict()}
     path = rank_file(out_dir, layout, tp, pp, ep)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save({"model": state, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "forge_bridge": meta}, path)
@@ -263,9 +263,11 @@ def read_meta(mcore_dir: str) -> tuple[Bridge, ParallelLayout]:
 
 def load_megatron_stage(bridge: Bridge, mcore_dir: str, layout: ParallelLayout, pp: int) -> dict[str, torch.Tensor]:
     """Full canonical tensors of stage ``pp``: TP shards joined, experts renamed to global ids."""
-    def state(tp: int, ep: int) -> dict:
+    def state(tp: int, ep: int) -> dict | None:
         path = rank_file(mcore_dir, layout, tp, pp, ep)
         if not os.path.isfile(path):
+            if layout.expert_tp == 1 and layout.tp > 1:
+                return None  # expert TP 1: a job's EP group spans its TP ranks, so not every pair had a rank
             raise FileNotFoundError(f"missing checkpoint file {path!r} for layout {layout}")
         return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
@@ -276,22 +278,29 @@ def load_megatron_stage(bridge: Bridge, mcore_dir: str, layout: ParallelLayout, 
 def join_piece(bridge: Bridge, layout: ParallelLayout, state, layers: range, first: bool, last: bool,
                where: str) -> dict[str, torch.Tensor]:
     """Full canonical tensors of one model piece (a pipeline stage or a virtual-pipeline chunk holding global
-    ``layers``) from ``state(tp, ep)``, the local state dict of each of its TP x EP shards: TP shards joined,
-    layers and experts renamed to global numbers, checked against the names the piece must hold."""
-    per_name: dict[str, list] = {}
+    ``layers``) from ``state(tp, ep)``, the local state dict of each of its TP x EP shards (None for a pair no rank
+    held: with expert TP 1 the EP group spans the TP ranks): TP shards joined, layers and experts renamed to global
+    numbers, checked against the names the piece must hold. A dense tensor comes from any EP rank's copy of each TP
+    shard, an expert from its own EP rank."""
+    per_name: dict[str, dict[int, torch.Tensor]] = {}
     for ep in range(layout.ep):
         for tp in range(layout.tp):
-            for local, t in state(tp, ep).items():
+            local_state = state(tp, ep)
+            for local, t in (local_state or {}).items():
                 if t is None or local.endswith("._extra_state") or local == TIED_HEAD and bridge.cfg.tie_word_embeddings:
                     continue
                 name = bridge.rename(local, layers.start, ep * bridge.local_experts(layout))
-                shards = per_name.setdefault(name, [[None] * layout.tp for _ in range(layout.ep)])
-                shards[ep][tp] = t
+                per_name.setdefault(name, {}).setdefault(tp, t)
     _check_names(set(bridge.piece_names(layers, first, last)), set(per_name), where)
     full = {}
-    for name, by_ep in per_name.items():
-        owner = bridge.expert_rank(name, layout)
-        full[name] = bridge.tp_join(name, by_ep[owner if owner is not None else 0])
+    for name, by_tp in per_name.items():
+        if layout.expert_tp == 1 and bridge.is_expert(name):
+            full[name] = next(iter(by_tp.values()))  # whole on every TP rank of its EP rank
+            continue
+        missing = [tp for tp in range(layout.tp) if tp not in by_tp]
+        if missing:
+            raise MappingError(f"{where}: no TP shard {missing} of {name}")
+        full[name] = bridge.unshard(name, [by_tp[tp] for tp in range(layout.tp)], layout)
     return full
 
 
@@ -379,7 +388,7 @@ def load_into(model, mcore_dir: str) -> None:
 
     _, layout = read_meta(mcore_dir)
     here = ParallelLayout(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                          ps.get_expert_model_parallel_world_size())
+                          ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
     if here != layout:
         raise ValueError(f"checkpoint {mcore_dir!r} has layout {layout}, this job runs {here}; "
                          f"reshard it first (forge-convert reshard)")

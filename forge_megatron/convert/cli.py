@@ -33,6 +33,9 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the output (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the output (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size of the output, MoE only (default 1)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="expert tensor-parallel size of the output, MoE only: the TP size (default) or 1 (each "
+                        "expert whole, Megatron-LM's --expert-tensor-parallel-size 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "hf-to-mcore":
-            checkpoint.hf_to_megatron(args.hf_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep))
+            checkpoint.hf_to_megatron(args.hf_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep, args.etp))
         elif args.command == "mcore-to-hf":
             checkpoint.megatron_to_hf(args.mcore_dir, args.out, int(args.max_shard_gb * (1 << 30)), args.vision_from)
         elif args.command == "trainer-to-hf":
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"forge-convert: {s['dequantized']} {kind} tensors to bf16 ({s['tensors']} tensors read), "
                   f"{s['bytes_out'] / 2**30:.2f} GiB written")
         else:
-            checkpoint.reshard(args.mcore_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep))
+            checkpoint.reshard(args.mcore_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep, args.etp))
     except (MappingError, UnsupportedModelError, ValueError, FileNotFoundError) as exc:
         print(f"forge-convert: error: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 ``torch_dist`` stores every tensor once with its global shape, so it loads into any TP/PP/EP layout; Megatron writes
 it collectively from a live model (``model.sharded_state_dict()``). This tool therefore runs as a job with one
-process per rank of the layout (world size = tp * pp * ep; the EP ranks come from data parallelism, dp = ep):
+process per rank of the layout (world size = tp * pp * ep; the EP ranks come from data parallelism, dp = ep; with
+``--etp 1``, experts whole and the EP group spanning the TP ranks, pp * lcm(tp, ep)):
 
     torchrun --nproc-per-node 4 -m forge_megatron.convert.torch_dist to-torch-dist --mcore-dir CKPT --out DIST
     torchrun --nproc-per-node 2 -m forge_megatron.convert.torch_dist from-torch-dist --dist-dir DIST/ \\
@@ -18,6 +19,7 @@ daemonic processes (torchrun's are not).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -28,12 +30,28 @@ from forge_megatron.convert import checkpoint as ckpt
 def _start(layout: ParallelLayout) -> None:
     from forge_megatron.mcore.parallel import ParallelConfig, initialize
 
-    initialize(ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep))
     import torch.distributed as dist
 
-    want = layout.tp * layout.pp * layout.ep
+    want = world_size(layout)
+    if dist.is_initialized() and dist.get_world_size() != want:
+        raise ValueError(f"run with {want} processes for layout {layout} ({_world_rule(layout)}), got "
+                         f"{dist.get_world_size()}")
+    initialize(ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp))
     if dist.get_world_size() != want:
-        raise ValueError(f"run with tp*pp*ep = {want} processes for layout {layout}, got {dist.get_world_size()}")
+        raise ValueError(f"run with {want} processes for layout {layout} ({_world_rule(layout)}), got "
+                         f"{dist.get_world_size()}")
+
+
+def world_size(layout: ParallelLayout) -> int:
+    """Processes that hold every shard of ``layout`` once: tp x pp x ep, or with expert TP 1 (the EP group spanning
+    the TP ranks) pp x lcm(tp, ep)."""
+    if layout.expert_tp == 1 and layout.tp > 1:
+        return layout.pp * math.lcm(layout.tp, layout.ep)
+    return layout.tp * layout.pp * layout.ep
+
+
+def _world_rule(layout: ParallelLayout) -> str:
+    return "pp*lcm(tp, ep) with etp 1" if layout.expert_tp == 1 and layout.tp > 1 else "tp*pp*ep"
 
 
 def _build(bridge: Bridge):
@@ -84,16 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m forge_megatron.convert.torch_dist", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("to-torch-dist", help="forge-convert torch checkpoint -> torch_dist (world = tp*pp*ep)")
+    p = sub.add_parser("to-torch-dist", help="forge-convert torch checkpoint -> torch_dist (world = tp*pp*ep; "
+                                             "pp*lcm(tp, ep) with etp 1)")
     p.add_argument("--mcore-dir", required=True)
     p.add_argument("--out", required=True)
-    p = sub.add_parser("from-torch-dist", help="torch_dist -> torch checkpoint with --tp/--pp/--ep (world = tp*pp*ep)")
+    p = sub.add_parser("from-torch-dist", help="torch_dist -> torch checkpoint with --tp/--pp/--ep/--etp (world = "
+                                               "tp*pp*ep; pp*lcm(tp, ep) with --etp 1)")
     p.add_argument("--dist-dir", required=True, help="directory with .metadata and *.distcp files")
     p.add_argument("--hf-config", required=True, help="HF model directory or config.json describing the model")
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=None, help="expert TP of the output: TP (default) or 1 (world = "
+                                                           "pp*lcm(tp, ep))")
     return parser
 
 
@@ -105,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "to-torch-dist":
             to_torch_dist(args.mcore_dir, args.out)
         else:
-            from_torch_dist(args.dist_dir, args.hf_config, args.out, ParallelLayout(args.tp, args.pp, args.ep))
+            from_torch_dist(args.dist_dir, args.hf_config, args.out, ParallelLayout(args.tp, args.pp, args.ep, args.etp))
     finally:
         destroy()
     return 0

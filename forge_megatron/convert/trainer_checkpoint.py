@@ -81,7 +81,7 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
     if "hf_config" not in metas[0]:
         raise MappingError("the checkpoint's rank_*.json has no hf_config")
     bridge = Bridge(metas[0]["hf_config"])
-    pl = ParallelLayout(layout["tp"], layout["pp"], layout["ep"])
+    pl = ParallelLayout(layout["tp"], layout["pp"], layout["ep"], layout.get("etp"))
     P, V = layout["pp"], layout.get("vpp", 1)
     if bridge.cfg.num_layers % (P * V):
         raise ValueError(f"{bridge.cfg.num_layers} layers do not split into {P} x {V} pipeline chunks")
@@ -93,8 +93,10 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
     it_dir = os.path.join(save_dir, f"iter_{iteration:07d}")
     cache: dict[int, list[dict]] = {}
 
-    def chunks_of(tp: int, pp: int, ep: int) -> list[dict]:
+    def chunks_of(tp: int, pp: int, ep: int) -> list[dict] | None:
         if (tp, pp, ep) not in owner:
+            if pl.expert_tp == 1 and pl.tp > 1:
+                return None  # expert TP 1: the EP group spans the TP ranks, so not every pair is a rank
             raise FileNotFoundError(f"{it_dir!r} has no shard for TP {tp}, PP {pp}, EP {ep}")
         rank = owner[(tp, pp, ep)]
         if rank not in cache:
@@ -109,7 +111,8 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
         for p in range(P):
             for v in range(V):
                 start = (v * P + p) * per_chunk
-                full = join_piece(bridge, pl, lambda tp, ep: chunks_of(tp, p, ep)[v], range(start, start + per_chunk),
+                full = join_piece(bridge, pl, lambda tp, ep: (chunks_of(tp, p, ep) or [None] * V)[v],
+                                  range(start, start + per_chunk),
                                   p == 0 and v == 0, p == P - 1 and v == V - 1,
                                   f"pipeline rank {p}, chunk {v} of {it_dir!r}")
                 for hf_name, hf_t in bridge.export(full.items()):

@@ -182,6 +182,7 @@ def transformer_config(cfg: GPTConfig, **overrides):
         overlap_p2p_comm=bool(ps.get_virtual_pipeline_model_parallel_world_size()),
         batch_p2p_comm=not ps.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
         sequence_parallel=False,
         # YaRN's attention factor (whole-head RoPE only: families.py refuses it with partial rotary); else None
@@ -407,7 +408,35 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     rope.apply(model, cfg.rope_scaling, cfg.rotary_base, cfg.rotary_dim)
     if cfg.num_moe_experts and cfg.add_bias_linear:
         _own_expert_outputs(model)
+    if cfg.num_moe_experts:
+        _reduce_whole_experts_over_tp(model)
     return model
+
+
+def _reduce_whole_experts_over_tp(model) -> None:
+    """Experts whole (expert TP 1) under TP > 1: every TP rank runs its experts on its own share of the tokens
+    (sequence parallelism), so each holds a part of its experts' gradients, to be summed over the expert-data-
+    parallel group (which then spans the TP ranks); two of Megatron-Core's markings get this wrong, and the trainer
+    tests caught both in the gradient norm:
+
+    - expert parameters go to that group only when EP > 1 (``allreduce = False``); with EP = 1 they join the dense
+      buffers, reduced over DP alone, and each TP rank would step with its own part;
+    - an expert's fc2 bias is marked ``sequence_parallel`` like any row-parallel bias, so the TP all-reduce meant for
+      norms sums it again over the TP ranks: twice its gradient with EP = 1, and with EP > 1 the sum of different
+      experts' biases (each TP rank then holds other experts); and, not being split, it counts as a copy on every
+      TP rank but the first, so the gradient norm (clipping) leaves it out there: other experts' biases with EP > 1,
+      a rank-dependent clipping factor (replicas drifting apart) with EP = 1.
+
+    Mark them as expert-data-parallel, not sequence-parallel, and never a TP copy (the expert-TP group is one rank)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_tensor_parallel_world_size() == ps.get_tensor_model_parallel_world_size():
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in f".{name}":
+            param.allreduce = False
+            param.sequence_parallel = False
+            param.tensor_model_parallel = True  # unique in its expert-TP group (of one): counted in the grad norm
 
 
 def _own_expert_outputs(model) -> None:

@@ -16,26 +16,40 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Model-parallel sizes. DP is whatever is left: world_size / (tp * pp * cp)."""
+    """Model-parallel sizes. DP is whatever is left: world_size / (tp * pp * cp).
+
+    ``etp``: tensor parallelism of the experts (Megatron's expert_tensor_parallel_size), the TP size (None, the
+    default) or 1: each expert whole on its EP rank, the usual layout for large MoE models (no TP collectives inside
+    the experts; the EP group then spans the TP ranks, so EP may go up to dp * cp * tp)."""
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     cp: int = 1
     vpp: int | None = None
+    etp: int | None = None
 
     def __post_init__(self):
         for name in ("tp", "pp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.etp is not None and self.etp not in (1, self.tp):
+            raise ValueError(f"expert tensor parallel size {self.etp} must be 1 or the TP size ({self.tp})")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     def data_parallel_size(self, world_size: int) -> int:
         mp = self.tp * self.pp * self.cp
         if world_size % mp:
             raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {mp}")
         dp = world_size // mp
-        if (dp * self.cp) % self.ep and self.ep > 1:
-            raise ValueError(f"ep={self.ep} must divide dp*cp = {dp * self.cp}")
+        # the experts' layout: etp x ep x pp x expert-DP ranks, over the same world
+        expert_ranks = dp * self.cp * self.tp // self.expert_tp
+        if self.ep > 1 and expert_ranks % self.ep:
+            what = "dp*cp" if self.expert_tp == self.tp else "dp*cp*tp (expert TP 1)"
+            raise ValueError(f"ep={self.ep} must divide {what} = {expert_ranks}")
         return dp
 
 
@@ -63,6 +77,7 @@ def initialize(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234, ti
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp,
     )
     model_parallel_cuda_manual_seed(seed)
 

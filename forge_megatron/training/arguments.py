@@ -61,6 +61,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                           "refuses to train with TP > 1 without it. Trees are padded to a multiple of TP (x 8 CP with CP)")
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     par.add_argument("--expert-model-parallel-size", type=int, default=1)
+    par.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                     help="tensor parallelism inside the experts (MoE): the TP size (default) or 1, each expert "
+                          "whole on its EP rank (no TP collectives inside the experts; the EP group then spans the "
+                          "TP ranks, so EP may be as large as DP x CP x TP). Needed for experts with biases "
+                          "(gpt-oss) under TP")
     par.add_argument("--context-parallel-size", type=int, default=1,
                      help="CP ranks per tree-packed micro-batch: each holds 1/CP of the tree's tokens (eight chunks, "
                           "zig-zag) outside attention; --cp-comm-type says how attention gets the other keys")
@@ -410,6 +415,10 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"the --rl-* loss flags: {exc}") from exc
     if args.routing_replay_split and not args.routing_replay:
         raise ValueError("--routing-replay-split needs --routing-replay")
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if etp is not None and etp not in (1, args.tensor_model_parallel_size):
+        raise ValueError(f"--expert-tensor-parallel-size {etp}: forge supports 1 (experts whole) or the TP size "
+                         f"({args.tensor_model_parallel_size})")
     if args.micro_batch_size not in (None, 1):
         raise ValueError(f"--micro-batch-size {args.micro_batch_size}: forge packs every micro-batch as one prefix "
                          "forest; size them with --tree-token-budget (unique tokens per micro-batch)")
@@ -515,6 +524,7 @@ def parallel_config(args: argparse.Namespace, num_layers: int | None = None):
 
     return ParallelConfig(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                           ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
+                          etp=getattr(args, "expert_tensor_parallel_size", None),
                           vpp=virtual_pipeline_size(args, num_layers))
 
 

@@ -59,7 +59,8 @@ def rank_coordinates() -> dict:
         "layout": {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
                    "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
                    "dp": ps.get_data_parallel_world_size(),
-                   "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1},
+                   "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+                   "etp": ps.get_expert_tensor_parallel_world_size()},
     }
 
 
@@ -119,6 +120,17 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler) -> d
     if state["world_size"] != dist.get_world_size():
         raise ValueError(f"checkpoint {path} was saved by {state['world_size']} ranks, this job has "
                          f"{dist.get_world_size()}: resume with the same layout")
+    meta_path = path[:-len(".pt")] + ".json"
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            saved_layout = json.load(f)["layout"]
+        here = rank_coordinates()["layout"]
+        saved_layout.setdefault("etp", saved_layout["tp"])  # written before expert TP was recorded: TP
+        if saved_layout != here:
+            differ = ", ".join(f"{k} {saved_layout.get(k)} -> {here[k]}" for k in here if saved_layout.get(k) != here[k])
+            raise ValueError(f"checkpoint {path} was saved under another parallel layout ({differ}): resume with "
+                             "the same one (or export it with forge-convert trainer-to-hf and start from the HF "
+                             "weights)")
     chunks = _chunks(model)
     saved = [state["model"]] if "model" in state else state["model_chunks"]
     if len(saved) != len(chunks):
@@ -147,7 +159,8 @@ def load_hf_weights(model_chunks, bridge, hf_dir: str) -> None:
 
     layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(),
                             pp=ps.get_pipeline_model_parallel_world_size(),
-                            ep=ps.get_expert_model_parallel_world_size())
+                            ep=ps.get_expert_model_parallel_world_size(),
+                            etp=ps.get_expert_tensor_parallel_world_size())
     ep = ps.get_expert_model_parallel_rank()
     reader = HFReader(hf_dir)
     for chunk in _chunks(model_chunks):

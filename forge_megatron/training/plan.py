@@ -37,10 +37,15 @@ import sys
 GIB = 1 << 30
 
 
-def _shapes(bridge, names: list[str], tp: int) -> dict[str, tuple[int, ...]]:
-    """TP-local shape of each canonical tensor in ``names``, through the bridge's HF mapping on the meta device.
-    Tensors of one rule share a shape (every layer, every expert), so each rule is shaped once."""
+def _shapes(bridge, names: list[str], tp: int, etp: int | None = None) -> dict[str, tuple[int, ...]]:
+    """TP-local shape of each canonical tensor in ``names`` (experts split over ``etp``, TP when None), through the
+    bridge's HF mapping on the meta device. Tensors of one rule share a shape (every layer, every expert), so each
+    rule is shaped once."""
     import torch
+
+    from forge_megatron.bridge import ParallelLayout
+
+    layout = ParallelLayout(tp=tp, etp=etp)
 
     by_rule: dict[int, tuple[int, ...]] = {}
     out = {}
@@ -50,7 +55,7 @@ def _shapes(bridge, names: list[str], tp: int) -> dict[str, tuple[int, ...]]:
         if key not in by_rule:
             hf = {h: torch.empty(bridge.hf_shape(h), device="meta") for h in bridge.hf_names(name)}
             full = bridge.from_hf(name, hf)
-            by_rule[key] = tuple(bridge.tp_split(name, full, tp)[0].shape)
+            by_rule[key] = tuple(bridge.shard(name, full, layout, 0).shape)
         out[name] = by_rule[key]
     return out
 
@@ -69,9 +74,10 @@ def rank_layers(num_layers: int, pp: int, vpp: int | None, pp_rank: int) -> list
     return [layer for v in range(chunks) for layer in range((v * pp + pp_rank) * per, (v * pp + pp_rank + 1) * per)]
 
 
-def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None = None) -> dict[str, int]:
-    """{"dense", "expert", "buffers"}: elements this (TP, EP) rank of pipeline rank ``pp_rank`` holds. Buffers are
-    the routers' score-correction biases (state, not parameters)."""
+def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None = None,
+                etp: int | None = None) -> dict[str, int]:
+    """{"dense", "expert", "buffers"}: elements this (TP, EP) rank of pipeline rank ``pp_rank`` holds (experts split
+    over ``etp`` ranks, TP when None). Buffers are the routers' score-correction biases (state, not parameters)."""
     cfg = bridge.cfg
     layers = rank_layers(cfg.num_layers, pp, vpp, pp_rank)
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -82,7 +88,7 @@ def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None
         names.append("decoder.final_layernorm.weight")
         if not cfg.tie_word_embeddings:
             names.append("output_layer.weight")
-    shapes = _shapes(bridge, names, tp)
+    shapes = _shapes(bridge, names, tp, etp)
     out = {"dense": 0, "expert": 0, "buffers": 0}
     for name in names:
         n = _numel(shapes[name])
@@ -118,24 +124,26 @@ def _activation_bytes(cfg, layers: list[int], moe_layers: int, tokens: float, tp
 def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,
          bf16: bool = True, distributed_optimizer: bool = False, kl_reference: bool = False,
          tokens: int = 8192, recompute: str | None = None, sequence_parallel: bool = False,
-         gpu_memory_gib: float = 80.0) -> dict:
+         gpu_memory_gib: float = 80.0, etp: int | None = None) -> dict:
     """The plan as a dict: layout, per pipeline rank parameters and memory (GiB), and the verdict."""
     from forge_megatron.bridge import ParallelLayout
     from forge_megatron.mcore.parallel import ParallelConfig
 
     cfg = bridge.cfg
-    dp = ParallelConfig(tp=tp, pp=pp, ep=ep, cp=cp).data_parallel_size(world)
-    bridge.check_layout(ParallelLayout(tp=tp, pp=pp, ep=ep))
+    parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp)
+    dp = parallel.data_parallel_size(world)
+    bridge.check_layout(ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp))
     if cfg.num_layers % (pp * (vpp or 1)):
         raise ValueError(f"pp x vpp = {pp * (vpp or 1)} does not divide num_layers={cfg.num_layers}")
     weight_bytes = 2 if bf16 else 4
     opt_bytes = 12 if bf16 else 8  # fp32 Adam moments, and an fp32 master copy of bf16 weights
     dense_shards = dp * cp if distributed_optimizer else 1
-    expert_shards = max(1, dp * cp // ep) if distributed_optimizer else 1
+    # the experts' data-parallel group: the ranks holding the same experts, dp * cp * tp / (etp * ep)
+    expert_shards = max(1, dp * cp * tp // (parallel.expert_tp * ep)) if distributed_optimizer else 1
     budget = gpu_memory_gib * 0.9
     ranks = []
     for r in range(pp):
-        params = rank_params(bridge, tp, pp, ep, r, vpp)
+        params = rank_params(bridge, tp, pp, ep, r, vpp, etp)
         n = params["dense"] + params["expert"]
         layers = rank_layers(cfg.num_layers, pp, vpp, r)
         moe = sum(bridge.is_moe_layer(layer) for layer in layers)
@@ -154,6 +162,7 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                       "fits": total / GIB <= budget})
     return {
         "model": bridge.family.name, "world_size": world, "tp": tp, "pp": pp, "ep": ep, "cp": cp, "dp": dp,
+        "etp": parallel.expert_tp,
         "vpp": vpp, "bf16": bf16, "distributed_optimizer": distributed_optimizer, "kl_reference": kl_reference,
         "tree_token_budget": tokens, "recompute": recompute, "sequence_parallel": sequence_parallel,
         "gpu_memory_gib": gpu_memory_gib, "budget_gib": budget, "ranks": ranks,
@@ -171,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="1 or the TP size (default)")
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--bf16", action="store_true", help="bf16 weights (the trainer's --bf16; fp32 otherwise)")
@@ -185,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _table(result: dict) -> str:
     head = (f"{result['model']}: world {result['world_size']} = TP {result['tp']} x PP {result['pp']} x CP "
-            f"{result['cp']} x DP {result['dp']} (EP {result['ep']}{', VPP ' + str(result['vpp']) if result['vpp'] else ''})"
+            f"{result['cp']} x DP {result['dp']} (EP {result['ep']}"
+            f"{', expert TP ' + str(result['etp']) if result.get('etp', result['tp']) != result['tp'] else ''}"
+            f"{', VPP ' + str(result['vpp']) if result['vpp'] else ''})"
             f"; {'bf16' if result['bf16'] else 'fp32'} weights, "
             f"{'distributed' if result['distributed_optimizer'] else 'replicated'} Adam, "
             f"{result['tree_token_budget']} tree tokens per micro-batch, recompute {result['recompute'] or 'none'}")
@@ -214,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                       args.pipeline_model_parallel_size, args.expert_model_parallel_size, args.context_parallel_size,
                       vpp, args.bf16, args.use_distributed_optimizer,
                       args.rl_kl_coef > 0, args.tree_token_budget, args.recompute_granularity,
-                      args.sequence_parallel, args.gpu_memory_gib)
+                      args.sequence_parallel, args.gpu_memory_gib, args.expert_tensor_parallel_size)
     except (ValueError, FileNotFoundError, MappingError, UnsupportedModelError) as exc:
         print(f"forge-plan: error: {exc}", file=sys.stderr)
         return 2

@@ -340,7 +340,8 @@ class Trainer:
                                a.pipeline_model_parallel_size, a.expert_model_parallel_size, a.context_parallel_size,
                                arguments.virtual_pipeline_size(a, self.bridge.cfg.num_layers), a.bf16,
                                a.use_distributed_optimizer, self.loss_cfg.kl_coef > 0, a.tree_token_budget,
-                               a.recompute_granularity, bool(getattr(a, "sequence_parallel", False)))
+                               a.recompute_granularity, bool(getattr(a, "sequence_parallel", False)),
+                               etp=getattr(a, "expert_tensor_parallel_size", None))
         except Exception as exc:  # noqa: BLE001 - a report, never a reason to stop
             log.warning("memory plan unavailable: %s", exc)
             return
@@ -652,11 +653,14 @@ def model_config(args: argparse.Namespace, bridge):
         log.info("context parallelism %d: attention %s (--cp-comm-type %s)", args.context_parallel_size, comm,
                  getattr(args, "cp_comm_type", "auto"))
     overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if etp is not None and etp != args.tensor_model_parallel_size and not cfg.num_moe_experts:
+        raise ValueError(f"--expert-tensor-parallel-size {etp}: {args.hf_checkpoint} has no experts")
     if args.tensor_model_parallel_size > 1:
-        if bridge.family.gpt_oss:
-            raise ValueError(f"{args.hf_checkpoint} is a gpt-oss model: it trains with --tensor-model-parallel-size 1 "
-                             "(Megatron has expert biases only without expert tensor parallelism); use "
-                             "--expert-model-parallel-size, --pipeline-model-parallel-size and context parallelism")
+        if (bridge.family.gpt_oss or (cfg.num_moe_experts and cfg.add_bias_linear)) and etp != 1:
+            raise ValueError(f"{args.hf_checkpoint} has experts with biases, which Megatron trains only without "
+                             "expert tensor parallelism: with --tensor-model-parallel-size "
+                             f"{args.tensor_model_parallel_size} add --expert-tensor-parallel-size 1")
         if cfg.num_moe_experts and not args.sequence_parallel:
             raise ValueError(f"{args.hf_checkpoint} is a MoE model: with --tensor-model-parallel-size "
                              f"{args.tensor_model_parallel_size} it needs --sequence-parallel (Megatron-Core's MoE "

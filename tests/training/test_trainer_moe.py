@@ -76,23 +76,37 @@ def test_sigmoid_router_moe_trains_the_same_under_pipeline_tensor_and_expert_par
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
 
 
-def test_gpt_oss_trains_the_same_under_pipeline_expert_and_context_parallelism(tmp_path):
+def test_gpt_oss_trains_the_same_under_pipeline_expert_context_and_tensor_parallelism(tmp_path):
     """The gpt-oss layout (sinks, a sliding window on layer 0, biased router and experts, the clamped GLU) through
-    the trainer with routing replay: one rank, PP = 2, EP = 2 and CP = 2 (sinks and windows on each CP rank's
-    shard) train the same two steps; TP > 1 is refused by name."""
+    the trainer with routing replay: one rank, PP = 2, EP = 2, CP = 2 (sinks and windows on each CP rank's shard)
+    and TP = 2 with the experts whole (--expert-tensor-parallel-size 1: Megatron has expert biases only then; the
+    sinks split with the heads), alone and with EP = 2 over the two TP ranks, train the same two steps, with the
+    gradient clipped (every rank must clip by the same norm, or the expert replicas of TP ranks drift apart); TP = 2
+    with the experts split is refused by name."""
     model_dir = build_tiny_model(str(tmp_path / "gpt_oss"), arch="gpt_oss", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
     steps = {}
     for name, extra, nproc in (
             ("one", [], 1),
             ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
             ("cp2", ["--context-parallel-size", "2"], 2),
-            ("ep2", ["--expert-model-parallel-size", "2"], 2)):
+            ("ep2", ["--expert-model-parallel-size", "2"], 2),
+            ("tp2_etp1", tp2, 2),
+            ("tp2_ep2_etp1", tp2 + ["--expert-model-parallel-size", "2"], 2)):
         steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
-                                              extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
-                                              model=[])
-    assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
-    assert_same_as_one_rank(steps, ("pp2", "cp2", "ep2"), REPLAY_KEYS)
+                                              extra=extra + ["--routing-replay", "--tree-token-budget", "18",
+                                                             "--clip-grad", "0.5"], model=[])
+    assert [len(v) for v in steps.values()] == [2] * 6
+    assert steps["one"][0]["grad_norm"] > 0.5  # clipped
+    # the TP ranks' copies of the whole experts stayed equal (both reduced and clipped the same)
+    states = [torch.load(tmp_path / "tp2_etp1" / "ckpt" / "iter_0000002" / f"rank_{r:05d}.pt", weights_only=False)
+              for r in range(2)]
+    experts = [k for k in states[0]["model"] if ".mlp.experts." in k and not k.endswith("_extra_state")]
+    assert any(k.endswith("linear_fc2.bias") for k in experts)
+    for k in experts:
+        assert torch.equal(states[0]["model"][k], states[1]["model"][k]), k
+    assert_same_as_one_rank(steps, ("pp2", "cp2", "ep2", "tp2_etp1", "tp2_ep2_etp1"), REPLAY_KEYS)
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
     from forge_megatron.bridge import Bridge
     from forge_megatron.training import arguments
@@ -101,7 +115,7 @@ def test_gpt_oss_trains_the_same_under_pipeline_expert_and_context_parallelism(t
     args = arguments.parse_args(["--hf-checkpoint", model_dir, "--lr", "1e-4", "--train-iters", "3",
                                  "--weight-sync-transport", "none", "--tensor-model-parallel-size", "2",
                                  "--sequence-parallel"])
-    with pytest.raises(ValueError, match="gpt-oss model: it trains with --tensor-model-parallel-size 1"):
+    with pytest.raises(ValueError, match="experts with biases.*add --expert-tensor-parallel-size 1"):
         model_config(args, Bridge(model_dir))
 
 
