@@ -6,7 +6,7 @@
 #   bash scripts/run_local.sh --dry-run      # print the commands only
 #
 # Settings (environment): HF_CHECKPOINT (required), MODEL (scripts/models/<MODEL>.sh, optional: the HF config is the
-# architecture), TASKS (tasks JSONL), ENGINE (forge = CPU reference engine | sglang), NUM_ENGINES, NPROC, TP, PP, EP,
+# architecture), TASKS (tasks JSONL), ENGINE (forge = CPU reference engine | sglang), NUM_ENGINES, NPROC, TP, PP, EP, ETP,
 # CP, AGENT_CMD or AGENT_URL, GROUP_SIZE, GROUPS_PER_STEP, TRAIN_ITERS, LR, RUN_DIR, DOMAIN_RATIOS, EXTRA_TRAIN_ARGS,
 # POOL_ARGS (window and reward settings, e.g. "--window-fraction 0.5 --advantage-estimator rloo": applied by the data
 # pool, given to the trainer too, which checks them against the pool), POLICY_SAMPLING (default 1: training calls are
@@ -32,7 +32,7 @@ TOOL_PARSER="${TOOL_PARSER:-hermes}"; REASONING_PARSER="${REASONING_PARSER:-}"; 
 TASKS="${TASKS:?set TASKS to a tasks JSONL file}"
 ENGINE="${ENGINE:-forge}"
 NUM_ENGINES="${NUM_ENGINES:-1}"
-NPROC="${NPROC:-1}"; TP="${TP:-1}"; PP="${PP:-1}"; EP="${EP:-1}"; CP="${CP:-1}"
+NPROC="${NPROC:-1}"; TP="${TP:-1}"; PP="${PP:-1}"; EP="${EP:-1}"; CP="${CP:-1}"; ETP="${ETP:-}"
 AGENT_CMD="${AGENT_CMD:-}"; AGENT_URL="${AGENT_URL:-}"
 GROUP_SIZE="${GROUP_SIZE:-8}"; GROUPS_PER_STEP="${GROUPS_PER_STEP:-4}"
 TRAIN_ITERS="${TRAIN_ITERS:-100}"; LR="${LR:-1e-6}"
@@ -120,7 +120,7 @@ EXTRA=($EXTRA_TRAIN_ARGS)
 EXTRA+=(--rollout-temperature "$ROLLOUT_TEMPERATURE")  # the temperature the engines sample (and score) at
 TRAIN_CMD=(torchrun --nproc-per-node "$NPROC" "$ROOT/scripts/train_forge.py" "${MODEL_ARGS[@]}"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-  --expert-model-parallel-size "$EP" --context-parallel-size "$CP"
+  --expert-model-parallel-size "$EP" ${ETP:+--expert-tensor-parallel-size "$ETP"} --context-parallel-size "$CP"
   --hf-checkpoint "$HF_CHECKPOINT" --lr "$LR" --train-iters "$TRAIN_ITERS"
   --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 20
   --metrics-jsonl "$RUN_DIR/metrics.jsonl" --pool-addr "$POOL_ADDR" --gateway-url "$GATEWAY_URL"

@@ -64,6 +64,16 @@ def rank_coordinates() -> dict:
     }
 
 
+def check_resume_layout(saved: dict, here: dict, path: str) -> None:
+    """Refuse to resume a checkpoint written under another parallel layout (same world size, other TP / PP / EP /
+    CP / expert-TP split: the shards would not fit, or worse, would), naming what changed."""
+    saved = {**saved, "etp": saved.get("etp", saved["tp"])}  # written before expert TP was recorded: TP
+    if saved != here:
+        differ = ", ".join(f"{k} {saved.get(k)} -> {here[k]}" for k in here if saved.get(k) != here[k])
+        raise ValueError(f"checkpoint {path} was saved under another parallel layout ({differ}): resume with the "
+                         "same one (or export it with forge-convert trainer-to-hf and start from the HF weights)")
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict,
                     meta: dict | None = None) -> str:
     """Write this rank's state (``model``: the model or its list of virtual-pipeline chunks); rank 0 moves ``latest``
@@ -123,14 +133,7 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler) -> d
     meta_path = path[:-len(".pt")] + ".json"
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
-            saved_layout = json.load(f)["layout"]
-        here = rank_coordinates()["layout"]
-        saved_layout.setdefault("etp", saved_layout["tp"])  # written before expert TP was recorded: TP
-        if saved_layout != here:
-            differ = ", ".join(f"{k} {saved_layout.get(k)} -> {here[k]}" for k in here if saved_layout.get(k) != here[k])
-            raise ValueError(f"checkpoint {path} was saved under another parallel layout ({differ}): resume with "
-                             "the same one (or export it with forge-convert trainer-to-hf and start from the HF "
-                             "weights)")
+            check_resume_layout(json.load(f)["layout"], rank_coordinates()["layout"], path)
     chunks = _chunks(model)
     saved = [state["model"]] if "model" in state else state["model_chunks"]
     if len(saved) != len(chunks):

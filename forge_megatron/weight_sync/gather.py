@@ -77,10 +77,14 @@ def iter_dense(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
     for chunk in chunks:
         for name, p in _params(bridge, chunk, experts=False):
             t = p.detach() if dtype is None else p.detach().to(dtype)
-            if getattr(p, "tensor_model_parallel", False):
+            # split or not as the bridge's rule says (the layout conversion is tested against): a module that does
+            # not mark its TP-split parameter (Megatron's DotProductAttention and its softmax_offset, gpt-oss's
+            # sinks) would otherwise reach the engines as one rank's slice
+            if tp > 1 and bridge.rule(name)[0].tp != "rep":
                 t = bridge.tp_join(name, _all_gather(t, tp_group))
             yield from bridge.to_hf(name, t).items()
 

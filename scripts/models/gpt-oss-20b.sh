@@ -2,7 +2,8 @@
 # key/value heads of 64 channels with biases and a learned sink per head, a 128-token sliding window on every other
 # layer (from the checkpoint's layer_types), 32 biased experts top-4 with the clamped GLU, YaRN (factor 32) from the
 # checkpoint. Train (and serve) a bf16 copy: the released checkpoint is MXFP4 (forge-convert mxfp4-to-bf16 --hf-dir
-# gpt-oss-20b --out gpt-oss-20b-bf16); TP = 1 (expert biases need it), EP / PP / CP. The trainer checks these flags against the
+# gpt-oss-20b --out gpt-oss-20b-bf16); TP > 1 needs --expert-tensor-parallel-size 1 (Megatron has expert biases only with
+# whole experts), EP / PP / CP as usual. The trainer checks these flags against the
 # checkpoint's config and names any field that differs. Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=(
   --num-layers 24

@@ -78,10 +78,13 @@ LAYOUTS = [
     ("qwen3_5_moe", ParallelLayout(tp=2, ep=2)),  # ... with experts and a gated shared expert
     ("qwen3_5_moe_vl", ParallelLayout(tp=2, ep=2)),  # as released: model.language_model.*, the vision tower copied
     ("qwen3_next", ParallelLayout(tp=2, pp=2)),  # Gated DeltaNet projections fused per key head in the checkpoint
+    # experts whole on every TP rank (expert TP 1): gpt-oss's biased experts under TP
+    ("qwen3_moe", ParallelLayout(tp=2, ep=2, etp=1)), ("gpt_oss", ParallelLayout(tp=2, pp=2, ep=2, etp=1)),
 ]
 
 
-@pytest.mark.parametrize("arch,layout", LAYOUTS, ids=[f"{a}-tp{l.tp}pp{l.pp}ep{l.ep}" for a, l in LAYOUTS])
+@pytest.mark.parametrize("arch,layout", LAYOUTS, ids=[f"{a}-tp{l.tp}pp{l.pp}ep{l.ep}" + ("etp1" if l.etp != l.tp else "")
+                                                      for a, l in LAYOUTS])
 def test_round_trip_bit_exact(hf_dirs, tmp_path, arch, layout):
     ckpt.hf_to_megatron(hf_dirs[arch], str(tmp_path / "mcore"), layout)
     n_files = len(glob.glob(str(tmp_path / "mcore/release/mp_rank_*/model_optim_rng.pt")))
@@ -177,7 +180,7 @@ def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
     for arch in archs:
         diff = (out[arch] - _hf_logits(hf_dirs[arch])).abs().max().item()
         assert diff <= 1e-4, (arch, diff)
-    assert "has layout ParallelLayout(tp=2, pp=1, ep=1), this job runs ParallelLayout(tp=1, pp=1, ep=1)" in \
+    assert "has layout ParallelLayout(tp=2, pp=1, ep=1, etp=2), this job runs ParallelLayout(tp=1, pp=1, ep=1, etp=1)" in \
         out["layout_error"]
 
 
@@ -235,8 +238,12 @@ def test_parallel_size_must_divide(hf_dirs, tmp_path):
         ckpt.hf_to_megatron(hf_dirs["qwen3_moe"], str(tmp_path / "o"), ParallelLayout(ep=3))
     with pytest.raises(ValueError, match="ep=2 needs a MoE model"):
         ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "o"), ParallelLayout(ep=2))
-    with pytest.raises(ValueError, match="tp=2: gpt-oss trains with TP = 1"):
+    with pytest.raises(ValueError, match="tp=2: the experts have biases.*add --expert-tensor-parallel-size 1"):
         ckpt.hf_to_megatron(hf_dirs["gpt_oss"], str(tmp_path / "o"), ParallelLayout(tp=2))
+    with pytest.raises(ValueError, match="etp=1 needs a MoE model"):
+        ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "o"), ParallelLayout(tp=2, etp=1))
+    with pytest.raises(ValueError, match="expert tensor parallel size 2 must be 1 or the TP size \\(4\\)"):
+        ParallelLayout(tp=4, etp=2)
     mxfp4 = {**json.load(open(os.path.join(hf_dirs["gpt_oss"], "config.json"))),
              "quantization_config": {"quant_method": "mxfp4"}}
     with pytest.raises(UnsupportedModelError, match="a mxfp4 checkpoint: train and serve a bf16 copy"):

@@ -438,3 +438,24 @@ def test_router_bias_update_rate_needs_a_bias():
     qwen = Bridge({**tiny_config("qwen3_moe").to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
     with pytest.raises(ValueError, match="has no router score-correction bias"):
         model_config(arguments.parse_args(MINIMAL + ["--moe-router-bias-update-rate", "0.001"]), qwen)
+
+
+def test_expert_tensor_parallel_flag_and_resume_layout():
+    """--expert-tensor-parallel-size takes 1 or the TP size (Megatron-LM's flag), reaches the parallel config, and a
+    checkpoint saved under another expert-TP split (same world size) is refused on resume, naming the change;
+    checkpoints written before the field existed read as expert TP = TP."""
+    from forge_megatron.training.checkpoint import check_resume_layout
+
+    base = ["--hf-checkpoint", "m", "--lr", "1e-4", "--train-iters", "3", "--weight-sync-transport", "none",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    args = arguments.parse_args(base + ["--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"])
+    arguments.validate_args(args)
+    parallel = arguments.parallel_config(args)
+    assert (parallel.tp, parallel.ep, parallel.expert_tp) == (2, 2, 1) and parallel.data_parallel_size(2) == 1
+    assert arguments.parallel_config(arguments.parse_args(base)).expert_tp == 2  # default: the TP size
+    with pytest.raises(ValueError, match="--expert-tensor-parallel-size 4: forge supports 1 .* or the TP size \\(2\\)"):
+        arguments.validate_args(arguments.parse_args(base + ["--expert-tensor-parallel-size", "4"]))
+    layout = {"tp": 2, "pp": 1, "ep": 1, "cp": 1, "dp": 1, "vpp": 1}
+    check_resume_layout(layout, {**layout, "etp": 2}, "ckpt")  # an older checkpoint: expert TP = TP
+    with pytest.raises(ValueError, match="another parallel layout \\(etp 2 -> 1\\)"):
+        check_resume_layout(layout, {**layout, "etp": 1}, "ckpt")

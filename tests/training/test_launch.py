@@ -44,6 +44,9 @@ def test_bash_syntax_and_help():
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
          USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1,
          EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5, RETIRE_SOLVED_AFTER=3),
+    # experts whole, EP 16 over DP x TP = 4 x 4 (EP could not exceed DP = 4 with the experts split over TP)
+    dict(ROLLOUT_NODES=1, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=8, TP=4, PP=1, EP=16, CP=1, ETP=1,
+         MODEL="qwen3-30B-A3B"),
 ])
 def test_dry_run_plan_is_consistent(layout):
     out = _dry_run(**layout)
@@ -80,6 +83,7 @@ def test_dry_run_plan_is_consistent(layout):
     args = arguments.parse_args(argv)  # the trainer command line is valid for train_forge.py
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size,
             args.context_parallel_size) == (layout["TP"], layout["PP"], layout["EP"], layout["CP"])
+    assert args.expert_tensor_parallel_size == layout.get("ETP")
     assert sorted(args.engine_urls) == engine_urls
     assert args.pool_addr == f"tcp://{middle}:5555" and args.gateway_url == f"http://{middle}:8000"
     # engines join one weight-update group per pipeline stage, hosted by that stage's lead, which torchrun's c10d
@@ -178,6 +182,8 @@ def test_dry_run_checks_the_memory_plan(tmp_path):
     (dict(TP=3), "TP\\*PP\\*CP=3 must divide the 16 trainer GPUs"),
     (dict(ENGINE_TP=3), "ENGINE_TP=3 must divide GPUS_PER_NODE=8"),
     (dict(EP=3), "EP=3 must divide DP\\*CP=8"),
+    (dict(EP=32, ETP=1), "EP=32 must divide DP\\*CP\\*TP=16 \\(ETP=1\\)"),
+    (dict(ETP=4), "ETP=4: the experts' TP size is 1 or TP \\(2\\)"),
     (dict(DRY_NODES="a b c"), "need 5 nodes"),
 ])
 def test_dry_run_rejects_inconsistent_layouts(env, message):

@@ -46,13 +46,16 @@ def _built_body(rank, world_size, hf, vpp):
     # Gated DeltaNet layers (convolution and decay parameters split over TP, the gated norm whole), a gated q_proj,
     # experts and a gated shared expert
     ("qwen3_5_moe", {}, ParallelConfig(tp=2), 2),
-], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2", "qwen3_5_moe-tp2"])
+    # experts whole on their EP rank, the EP group over the TP ranks (--expert-tensor-parallel-size 1)
+    ("glm4_moe", {}, ParallelConfig(tp=2, ep=2, etp=1), 2),
+], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2", "qwen3_5_moe-tp2", "glm4_moe-tp2ep2etp1"])
 def test_parameters_per_rank_are_what_megatron_builds(arch, kw, parallel, world):
     hf = _hf(arch, **kw)
     built = run_distributed(_built_body, world_size=world, parallel=parallel, hf=hf, vpp=parallel.vpp)
     bridge = Bridge(hf)
     for got in built:
-        want = plan.rank_params(bridge, parallel.tp, parallel.pp, parallel.ep, got["pp_rank"], parallel.vpp)
+        want = plan.rank_params(bridge, parallel.tp, parallel.pp, parallel.ep, got["pp_rank"], parallel.vpp,
+                                parallel.etp)
         assert want == {k: got[k] for k in ("dense", "expert", "buffers")}, (got, want)
     if arch == "minimax_m2":
         assert built[0]["expert"] > 0 and built[0]["buffers"] == 2 * 4  # two MoE layers' biases over 4 experts
@@ -73,6 +76,14 @@ def test_static_memory_is_the_trainers_arithmetic():
     assert fp32["optimizer_gib"] == pytest.approx(n * 8 / gib) and fp32["weights_gib"] > rank["weights_gib"]
     full = plan.plan(bridge, world=4, ep=2, tokens=64, recompute="full")["ranks"][0]
     assert 0 < full["activations_gib_estimate"] < rank["activations_gib_estimate"]
+    # TP 2 with the experts whole: each rank holds twice the expert elements, sharded over DP x CP x TP / EP = 2
+    etp1 = plan.plan(bridge, world=4, tp=2, ep=2, etp=1, distributed_optimizer=True, tokens=64)
+    whole = plan.rank_params(bridge, 2, 1, 2, 0, etp=1)
+    assert etp1["etp"] == 1 and whole["expert"] == 2 * plan.rank_params(bridge, 2, 1, 2, 0)["expert"]
+    assert etp1["ranks"][0]["optimizer_gib"] == pytest.approx(
+        (whole["dense"] * 12 / 2 + whole["expert"] * 12 / 2) / gib)
+    with pytest.raises(ValueError, match="ep=4 must divide dp\\*cp\\*tp \\(expert TP 1\\) = 2"):
+        plan.plan(bridge, world=2, tp=2, ep=4, etp=1)
 
 
 def test_cli_tables_json_and_errors(tmp_path, capsys):

@@ -156,13 +156,15 @@ def _check_synced(results):
     ("gpt_oss", ParallelConfig(ep=2)),  # every expert of a layer in one HF tensor (SGLang's gpt-oss loader's names)
     ("minimax_m2", ParallelConfig(tp=2)),  # q/k norm slices gathered over TP; Mixtral names (block_sparse_moe, w1..3)
     ("qwen3_5", ParallelConfig(tp=2)),  # Gated DeltaNet projections gathered over TP and split back into HF's four
+    # experts whole (expert TP 1), the EP group over the TP ranks: attention gathered over TP, experts over EP
+    ("gpt_oss", ParallelConfig(tp=2, ep=2, etp=1)),
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
-        "tp2-qwen3-5"])
+        "tp2-qwen3-5", "tp2ep2etp1-gpt-oss"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
     mcore = str(tmp_path / "mcore")
-    ckpt.hf_to_megatron(models[arch], mcore, ParallelLayout(parallel.tp, parallel.pp, parallel.ep))
+    ckpt.hf_to_megatron(models[arch], mcore, ParallelLayout(parallel.tp, parallel.pp, parallel.ep, parallel.etp))
     engine = start_engine(models[arch], in_process=True)
     gateway = start_gateway(models[arch], [engine.url], in_process=True)
     try:
