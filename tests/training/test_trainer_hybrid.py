@@ -41,8 +41,9 @@ def test_qwen3_5_trains_the_same_under_pipeline_and_tensor_parallelism(tmp_path)
 
 def test_qwen3_5_moe_trains_the_same_under_tensor_expert_and_pipeline_parallelism(tmp_path):
     """The Qwen3.5-MoE layout (the same hybrid layers, each MLP routed experts plus a shared expert behind a sigmoid
-    gate) with rollout routing replay: TP = 2 with sequence parallelism, EP = 2 and PP = 2 train the same two steps as
-    one rank; both layers replay their rows."""
+    gate) with rollout routing replay: TP = 2 with sequence parallelism, EP = 2, PP = 2 and TP = 2 x EP = 2 with the
+    experts whole (the shared expert still split over TP) train the same two steps as one rank; both layers replay
+    their rows."""
     model_dir = build_tiny_model(str(tmp_path / "qwen3_5_moe"), arch="qwen3_5_moe", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
     steps = {}
@@ -50,11 +51,13 @@ def test_qwen3_5_moe_trains_the_same_under_tensor_expert_and_pipeline_parallelis
             ("one", [], 1),
             ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
             ("ep2", ["--expert-model-parallel-size", "2"], 2),
-            ("pp2", ["--pipeline-model-parallel-size", "2"], 2)):
+            ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+            ("tp2_ep2_etp1", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 2)):
         steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
                                               extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
                                               model=[])
-    assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
-    assert_same_as_one_rank(steps, ("tp2sp", "ep2", "pp2"), REPLAY_KEYS)
+    assert [len(v) for v in steps.values()] == [2, 2, 2, 2, 2]
+    assert_same_as_one_rank(steps, ("tp2sp", "ep2", "pp2", "tp2_ep2_etp1"), REPLAY_KEYS)
     assert sorted(s["routing_replayed_rows"] for s in steps["one"]) == [120, 128]  # both layers MoE
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
