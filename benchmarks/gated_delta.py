@@ -18,6 +18,11 @@ difference of the output and of every input's gradient from ``autograd_loop``'s)
 ``*_saved_ratio`` are against ``autograd_loop``. Prints one JSON line.
 
     OMP_NUM_THREADS=1 python benchmarks/gated_delta.py [--batch 2 --len 2048 --heads 4 --dk 128 --dv 128 --chunk 64]
+
+``--layer``: instead, the bytes per token a bf16 Gated DeltaNet mixer (mcore/gated_delta_net.py, one rank, a tiny
+Qwen3.5 with hidden 256, 4 key heads of 32, 8 value heads of 32) keeps from its forward to its backward, with its
+recurrence and gated norm recomputed (the default) and without (what the layer keeps when Megatron's full
+recomputation is on and reruns it anyway), next to forge-plan's estimate and the attention layer's mixer.
 """
 
 import argparse
@@ -116,6 +121,64 @@ def run(fn, inputs, weights, repeats, device):
     return statistics.median(times) * 1e3, held_bytes(fn, inputs), o, grads
 
 
+def layer_memory() -> dict:
+    """Bytes per token kept by the mixers of a tiny bf16 Qwen3.5 (layer 0 linear attention, layer 1 attention)."""
+    import copy
+
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.mcore.forward import tree_logprobs
+    from forge_megatron.mcore.parallel import ParallelConfig, destroy, initialize
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.training.plan import gated_delta_net_bytes
+    from forge_megatron.tree import build_tree
+
+    import os
+    import socket
+
+    with socket.socket() as sock:  # one process: its own rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    initialize(ParallelConfig())
+    try:
+        hf = {**tiny_config("qwen3_5", vocab_size=96, hidden_size=256, linear_num_key_heads=4, linear_key_head_dim=32,
+                            linear_num_value_heads=8, linear_value_head_dim=32).to_dict(),
+              "architectures": ["Qwen3_5ForCausalLM"]}
+        cfg = Bridge(hf).cfg
+        cfg.bf16, cfg.params_dtype = True, torch.bfloat16
+        layout = build_tree([list(range(90)) * 10 + [1] * 100, list(range(90)) * 10 + [2] * 50])
+        out = {"plan_estimate": gated_delta_net_bytes(cfg, tp=1, sp=False), "tokens": layout.unique_tokens}
+        for name, inner_recompute in (("gated_delta_net", True), ("gated_delta_net_no_recompute", False),
+                                      ("attention", True)):
+            torch.manual_seed(0)
+            model = build_tree_gpt(cfg).to(torch.bfloat16)
+            mixer = model.decoder.layers[1 if name == "attention" else 0].self_attention
+            if not inner_recompute:  # what the layer keeps when Megatron's full recomputation reruns it
+                mixer.config = copy.copy(mixer.config)
+                mixer.config.recompute_granularity = "full"
+            mode, held = LiveBytes(), {}
+
+            def before(*_):
+                gc.collect()
+                held["before"] = mode.live
+
+            def after(module, args, result):
+                gc.collect()
+                held["after"] = mode.live - result[0].untyped_storage().nbytes()
+
+            mixer.register_forward_pre_hook(before)
+            mixer.register_forward_hook(after)
+            with mode:
+                tree_logprobs(model, layout)
+            out[name] = (held["after"] - held["before"]) / layout.unique_tokens
+        return out
+    finally:
+        destroy()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=2, help="sequences (segments of one level of a forest)")
@@ -126,7 +189,11 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layer", action="store_true", help="bytes per token the layer keeps (see above)")
     args = p.parse_args()
+    if args.layer:
+        print(json.dumps(layer_memory()))
+        return
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     B, L, H, dk, dv = args.batch, args.len, args.heads, args.dk, args.dv

@@ -178,18 +178,62 @@ def _similar_lengths(segs: list[int], lengths: list[int]) -> list[list[int]]:
 
 # ------------------------------------------------------------------------------------------------ convolution
 def tree_causal_conv(x: torch.Tensor, weight: torch.Tensor, plan: RecurrencePlan,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """Depthwise causal convolution along every token's ancestor path: x [T, C], weight [C, K] (HF's Conv1d weight
-    [C, 1, K] squeezed: column K - 1 multiplies the token itself, column K - 1 - a its a-th ancestor) -> [T, C]."""
-    T, C = x.shape
+    [C, 1, K] squeezed: column K - 1 multiplies the token itself, column K - 1 - a its a-th ancestor) -> [T, C];
+    ``silu``: followed by SiLU (Gated DeltaNet's q, k, v).
+
+    The backward keeps only x and the weight (:class:`_TreeConv`) and computes the convolution again: autograd
+    through the K gathered copies kept all K of them, and the SiLU its input, K + 1 times the memory of x."""
     K = weight.shape[1]
     if plan.ancestors.shape[1] < K:
         raise ValueError(f"the plan was built for a kernel of {plan.ancestors.shape[1]}, the weight has {K}")
-    padded = torch.cat([x, x.new_zeros(1, C)])
-    out = None
-    for a in range(K):
-        term = padded.index_select(0, plan.ancestors[:, a]) * weight[:, K - 1 - a]
-        out = term if out is None else out + term
+    return _TreeConv.apply(x, weight, bias, plan.ancestors[:, :K], silu)
+
+
+class _TreeConv(torch.autograd.Function):
+    """pre[t] = sum_a x[anc[t, a]] * w[:, K - 1 - a] + bias (anc = T: a zero row), out = pre or silu(pre), with
+
+        dpre = dout (* silu'(pre))      dx[j] = sum_{(t, a): anc[t, a] = j} dpre[t] * w[:, K - 1 - a]
+        dw[:, K - 1 - a] = sum_t dpre[t] * x[anc[t, a]]                 dbias = sum_t dpre[t]
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ancestors, silu):
+        ctx.save_for_backward(x, weight, bias, ancestors)
+        ctx.silu = silu
+        pre = _conv(x, weight, bias, ancestors)
+        return F.silu(pre) if silu else pre
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias, ancestors = ctx.saved_tensors
+        T, C = x.shape
+        K = weight.shape[1]
+        dpre = dout
+        if ctx.silu:  # silu'(p) = sigmoid(p) (1 + p (1 - sigmoid(p))), in fp32
+            p = _conv(x, weight, bias, ancestors).float()
+            sig = torch.sigmoid(p)
+            dpre = (dout.float() * sig * (1 + p * (1 - sig))).to(dout.dtype)
+        padded = torch.cat([x, x.new_zeros(1, C)])
+        dx = x.new_zeros(T + 1, C) if ctx.needs_input_grad[0] else None
+        dw = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        for a in range(K):
+            rows = ancestors[:, a]
+            if dx is not None:
+                dx.index_add_(0, rows, dpre * weight[:, K - 1 - a])
+            if dw is not None:
+                dw[:, K - 1 - a] = (dpre * padded.index_select(0, rows)).sum(0)
+        dbias = dpre.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return (None if dx is None else dx[:T]), dw, dbias, None, None
+
+
+def _conv(x, weight, bias, ancestors):
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    K = weight.shape[1]
+    out = padded.index_select(0, ancestors[:, 0]) * weight[:, K - 1]
+    for a in range(1, K):
+        out += padded.index_select(0, ancestors[:, a]) * weight[:, K - 1 - a]
     return out if bias is None else out + bias
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -133,21 +134,22 @@ class TreeGatedDeltaNet(MegatronModule):
         plan = self._plan(packed_seq_params, s, b, proj.device, T)
 
         qkv = torch.cat([q, k, v], dim=-1).reshape(T, -1)
-        qkv = F.silu(gd.tree_causal_conv(qkv, self.conv1d_weight[conv_rows].to(qkv.dtype), plan))
+        qkv = gd.tree_causal_conv(qkv, self.conv1d_weight[conv_rows].to(qkv.dtype), plan, silu=True)
         q, k, v = qkv.reshape(T, nk, -1).split([self.dk, self.dk, rv], dim=-1)
         decay, beta = gd.gate_and_decay(a.reshape(T, nk * self.r), beta_in.reshape(T, nk * self.r),
                                         self.A_log[heads], self.dt_bias[heads])
-        # the recurrence keeps only its inputs for the backward (kernels/gated_delta.py); under Megatron's full
-        # recomputation the whole layer reruns before its backward anyway, so a second checkpoint would only rerun it
-        o = gd.tree_gated_delta_rule(q, k, v.reshape(T, nk * self.r, self.dv), decay, beta, plan,
-                                     recompute=self.config.recompute_granularity != "full")
-
-        # gated RMSNorm over each head (transformers' order: normalise in fp32, weight in the input dtype, then
-        # the SiLU gate in fp32); the weight is shared by every head of every TP rank
+        # the recurrence and the gated norm keep only their inputs for the backward and run again there (their fp32
+        # intermediates come to several times the layer's input; benchmarks/gated_delta.py, docs/prefix_tree.md);
+        # under Megatron's full recomputation the whole layer reruns before its backward anyway
+        recompute = self.config.recompute_granularity != "full"
+        o = gd.tree_gated_delta_rule(q, k, v.reshape(T, nk * self.r, self.dv), decay, beta, plan, recompute=recompute)
+        # the norm's weight is shared by every head of every TP rank: its gradient is summed over TP
         weight = copy_to_tensor_model_parallel_region(self.norm_weight)
-        of = o.float()
-        normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
-        o = ((weight * normed) * F.silu(z.reshape(T, nk * self.r, self.dv).float())).to(o.dtype)
+        z = z.reshape(T, nk * self.r, self.dv).contiguous()  # its own copy: the projection's output can go
+        if recompute and torch.is_grad_enabled():
+            o = torch.utils.checkpoint.checkpoint(gated_rms_norm, o, z, weight, self.eps, use_reentrant=False)
+        else:
+            o = gated_rms_norm(o, z, weight, self.eps)
         if C > 1:  # back to this rank's tokens of every head
             o = cpm.heads_to_tokens(o.reshape(T, nk, rv), group)
         o = o.reshape(b, s, -1).transpose(0, 1)
@@ -195,6 +197,14 @@ class TreeGatedDeltaNet(MegatronModule):
                 raise ValueError(f"the tree has {depth.numel()} tokens, the layer runs {T}")
             cache[key] = gd.plan_tree(depth, self.kernel)
         return cache[key]
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated RMSNorm over each head's last dim, in transformers' order: normalise in fp32, weight in the input dtype,
+    then the SiLU gate of ``z`` in fp32; the result in o's dtype."""
+    of = o.float()
+    normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)).to(o.dtype)
+    return ((weight * normed) * F.silu(z.float())).to(o.dtype)
 
 
 def gated_delta_net_spec():

@@ -21,7 +21,8 @@ It takes the trainer's own flags (unknown ones are ignored, so a training comman
   ``--recompute-granularity full`` the layer inputs of the rank's layers plus one layer's working set; otherwise
   about 34 x hidden / TP bytes per token per layer with sequence parallelism, (10 + 24 / TP) x hidden without,
   after Korthikanti et al. 2022 with flash-style attention, and 3 x top-k x expert width x 2 / TP bytes for a MoE
-  block's expert activations), times the micro-batches in flight (PP - r of them on pipeline rank r under 1F1B). Treat it as the order of
+  block's expert activations; a Gated DeltaNet layer's mixer counted by :func:`gated_delta_net_bytes` instead of
+  attention's 11 x hidden / TP), times the micro-batches in flight (PP - r of them on pipeline rank r under 1F1B). Treat it as the order of
   magnitude; the static part decides whether a layout can work at all.
 
 The verdict compares the total with ``--gpu-memory-gib`` less 10 % (allocator fragmentation, NCCL buffers, the
@@ -104,6 +105,18 @@ def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None
     return out
 
 
+def gated_delta_net_bytes(cfg, tp: int, sp: bool) -> float:
+    """Bytes a Gated DeltaNet mixer (mcore/gated_delta_net.py, bf16) keeps per token for its backward on one TP
+    rank, with its recurrence and gated norm recomputed (the default): the input projection's input (split by SP),
+    the convolution's input and its SiLU output (q, k, v: the recurrence's saved inputs), the decays and write
+    strengths (fp32, a few per value head), the recurrence's output, the gate z and the output projection's input.
+    A test compares it with what the layer really keeps (tests/training/test_plan.py)."""
+    h = cfg.hidden_size
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    channels = nk * 2 * cfg.linear_key_head_dim + nv * cfg.linear_value_head_dim  # q, k, v
+    return 2 * h / (tp if sp else 1) + (4 * channels + 6 * nv * cfg.linear_value_head_dim + 16 * nv) / tp
+
+
 def _activation_bytes(cfg, layers: list[int], moe_layers: int, tokens: float, tp: int, sp: bool,
                       recompute: str | None, in_flight: int) -> float:
     """Rough activation memory of one pipeline rank (see the module docstring)."""
@@ -118,7 +131,10 @@ def _activation_bytes(cfg, layers: list[int], moe_layers: int, tokens: float, tp
         return kept * in_flight + working
     dense = len(layers) - moe_layers
     moe_extra = 3 * cfg.moe_router_topk * (cfg.moe_ffn_hidden_size or 0) * 2 / tp if moe_layers else 0.0
-    return (dense * per_token + moe_layers * (per_token + moe_extra)) * tokens * in_flight
+    # linear-attention layers: their mixer's bytes instead of attention's 11 h / TP
+    linear = sum(bool(cfg.linear_attention[layer]) for layer in layers) if cfg.hybrid else 0
+    linear_extra = gated_delta_net_bytes(cfg, tp, sp) - 11 * h / tp if linear else 0.0
+    return (dense * per_token + moe_layers * (per_token + moe_extra) + linear * linear_extra) * tokens * in_flight
 
 
 def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,

@@ -140,6 +140,22 @@ def test_tree_conv_equals_each_sample_alone():
         gd.tree_causal_conv(x, weight, gd.plan_tree(layout.position_ids, conv_kernel=2))
 
 
+def test_tree_conv_backward_passes_gradcheck():
+    """The convolution's hand-written backward (it keeps x, not the K gathered copies) against finite differences
+    in fp64, over a forest with branch points, roots and paths shorter than the kernel."""
+    layout = build_tree(_samples(28)[:6])
+    plan = gd.plan_tree(layout.position_ids, conv_kernel=4)
+    g = torch.Generator().manual_seed(29)
+    x = torch.randn(layout.unique_tokens, 3, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(3, 4, generator=g, dtype=torch.float64).requires_grad_()
+    bias = torch.randn(3, generator=g, dtype=torch.float64).requires_grad_()
+    for silu in (False, True):  # SiLU fused in (Gated DeltaNet's q, k, v): recomputed in the backward too
+        assert torch.autograd.gradcheck(lambda *xs: gd.tree_causal_conv(xs[0], xs[1], plan, xs[2], silu=silu),
+                                        (x, w, bias))
+    out = gd.tree_causal_conv(x, w, plan, bias, silu=True)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gd.tree_causal_conv(x, w, plan, bias)))
+
+
 def test_levels_group_segments_by_depth_and_length():
     # one prompt, three completions (2, 1 and 3 tokens): the prompt is level 0 (one segment), the completions
     # level 1, run in batches of similar length (3 and 2 together, 1 alone: padding at most doubles a batch)
