@@ -30,14 +30,12 @@ import gc
 import json
 import statistics
 import time
-import weakref
 
 import torch
 import torch.utils.checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from forge_megatron.kernels import gated_delta as gd
+from forge_megatron.utils.memory import LiveBytes, held_by_module
 
 
 def autograd_loop(q, k, v, g, beta, initial_state, chunk):
@@ -66,30 +64,6 @@ def autograd_loop(q, k, v, g, beta, initial_state, chunk):
         outs.append(q_dec[:, :, i] @ state + attn[:, :, i] @ v_new)
         state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
     return torch.stack(outs, dim=2).reshape(B, H, L, dv).transpose(1, 2), state
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages created under this mode that are still alive (weakref finalizers count them out);
-    ``existing`` tensors' storages (the inputs: an op may return a view of one) are never counted."""
-
-    def __init__(self, existing=()):
-        super().__init__()
-        self.live, self.seen = 0, {t.untyped_storage().data_ptr() for t in existing}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
-                storage = t.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-                self.seen.add(key)
-                self.live += nbytes
-                weakref.finalize(storage, self._freed, key, nbytes)
-        return out
-
-    def _freed(self, key, nbytes):
-        self.live -= nbytes
-        self.seen.discard(key)
 
 
 def held_bytes(fn, inputs):
@@ -159,21 +133,11 @@ def layer_memory() -> dict:
             if not inner_recompute:  # what the layer keeps when Megatron's full recomputation reruns it
                 mixer.config = copy.copy(mixer.config)
                 mixer.config.recompute_granularity = "full"
-            mode, held = LiveBytes(), {}
-
-            def before(*_):
-                gc.collect()
-                held["before"] = mode.live
-
-            def after(module, args, result):
-                gc.collect()
-                held["after"] = mode.live - result[0].untyped_storage().nbytes()
-
-            mixer.register_forward_pre_hook(before)
-            mixer.register_forward_hook(after)
+            mode = LiveBytes()
+            held = held_by_module(mixer, mode)
             with mode:
                 tree_logprobs(model, layout)
-            out[name] = (held["after"] - held["before"]) / layout.unique_tokens
+            out[name] = held["held"] / layout.unique_tokens
         return out
     finally:
         destroy()

@@ -2,16 +2,14 @@
 each sample alone, and against the token-by-token definition; forward and gradients."""
 
 import gc
-import weakref
 
 import pytest
 import torch
-import torch.utils._pytree
 import torch.utils.checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from forge_megatron.kernels import gated_delta as gd
 from forge_megatron.tree import build_tree
+from forge_megatron.utils.memory import LiveBytes
 
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
@@ -245,30 +243,6 @@ def test_chunk_scan_saves_nothing_per_chunk():
     assert saved_state_tensors(8) == saved_state_tensors(64) == 1  # the initial state, whatever the length
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Bytes of the storages created under this mode that are still alive (weakref finalizers count them out);
-    ``existing`` tensors' storages (the inputs: an op may return a view of one) are never counted."""
-
-    def __init__(self, existing=()):
-        super().__init__()
-        self.live, self.seen = 0, {t.untyped_storage().data_ptr() for t in existing}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
-                storage = t.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-                self.seen.add(key)
-                self.live += nbytes
-                weakref.finalize(storage, self._freed, key, nbytes)
-        return out
-
-    def _freed(self, key, nbytes):
-        self.live -= nbytes
-        self.seen.discard(key)
-
-
 def test_recompute_keeps_only_the_inputs():
     """By default the forest rule keeps nothing but its inputs for the backward (an activation checkpoint): between
     forward and backward the only memory it made that is still alive is its output. The gradients are bit-identical
@@ -279,7 +253,7 @@ def test_recompute_keeps_only_the_inputs():
     live, grads = {}, {}
     for recompute in (False, True):
         xs = [x.clone().requires_grad_() for x in inputs]
-        with _LiveBytes(xs) as mode:
+        with LiveBytes(xs) as mode:
             out = gd.tree_gated_delta_rule(*xs, plan, recompute=recompute)
         gc.collect()
         live[recompute] = mode.live - out.untyped_storage().nbytes()

@@ -109,55 +109,23 @@ def test_cli_tables_json_and_errors(tmp_path, capsys):
 def _gated_delta_net_held_body(rank, world_size, hf):
     """Bytes per token a bf16 Gated DeltaNet mixer keeps from its forward to its backward (its output excluded),
     counted by a dispatch mode over the storages it creates (weak references count the freed ones out)."""
-    import gc
-    import weakref
-
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
 
     from forge_megatron.mcore.forward import tree_logprobs
     from forge_megatron.mcore.tree_attention import build_tree_gpt
     from forge_megatron.tree import build_tree
-
-    class Live(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.live, self.seen = 0, set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
-                    storage = t.untyped_storage()
-                    self.seen.add(storage.data_ptr())
-                    self.live += storage.nbytes()
-                    weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
-            return out
-
-        def _freed(self, key, nbytes):
-            self.live -= nbytes
-            self.seen.discard(key)
+    from forge_megatron.utils.memory import LiveBytes, held_by_module
 
     cfg = Bridge(hf).cfg
     cfg.bf16, cfg.params_dtype = True, torch.bfloat16
     model = build_tree_gpt(cfg).to(torch.bfloat16)
     layout = build_tree([list(range(90)) * 10 + [1] * 100, list(range(90)) * 10 + [2] * 50])
-    mode, held = Live(), {}
+    mode = LiveBytes()
     mixer = model.decoder.layers[0].self_attention
-    def before(*_):
-        gc.collect()
-        held["before"] = mode.live
-
-    def after(module, args, out):
-        gc.collect()
-        held["after"] = mode.live - out[0].untyped_storage().nbytes()
-
-    mixer.register_forward_pre_hook(before)
-    mixer.register_forward_hook(after)
+    held = held_by_module(mixer, mode)
     with mode:
         tree_logprobs(model, layout)
-    return {"per_token": (held["after"] - held["before"]) / layout.unique_tokens, "mixer": type(mixer).__name__}
+    return {"per_token": held["held"] / layout.unique_tokens, "mixer": type(mixer).__name__}
 
 
 def test_gated_delta_net_activation_estimate_is_what_the_layer_keeps():
