@@ -27,6 +27,7 @@ gradients over the data-parallel-with-CP group, which completes them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -177,8 +178,8 @@ class TreeGatedDeltaNet(MegatronModule):
         from forge_megatron.mcore import context_parallel as cpm
         from forge_megatron.mcore.tree_attention import TreePackedSeqParams
 
-        if packed_seq_params is None:
-            return gd.plan_chains(s, b, self.kernel, device=device)
+        if packed_seq_params is None:  # every layer of a forward asks for the same one: built once
+            return _chain_plan(s, b, self.kernel, torch.device(device))
         if not isinstance(packed_seq_params, TreePackedSeqParams):
             raise ValueError("Gated DeltaNet layers take TreePackedSeqParams (a prefix tree) or no packed params "
                              f"(causal rows), got {type(packed_seq_params).__name__}")
@@ -197,6 +198,12 @@ class TreeGatedDeltaNet(MegatronModule):
                 raise ValueError(f"the tree has {depth.numel()} tokens, the layer runs {T}")
             cache[key] = gd.plan_tree(depth, self.kernel)
         return cache[key]
+
+
+@functools.lru_cache(maxsize=8)
+def _chain_plan(s: int, b: int, kernel: int, device: torch.device) -> gd.RecurrencePlan:
+    """The plan of ``b`` causal rows of ``s`` tokens (conversion checks, evaluation): read-only, so shared."""
+    return gd.plan_chains(s, b, kernel, device=device)
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
