@@ -32,11 +32,8 @@ def _start(layout: ParallelLayout) -> None:
 
     import torch.distributed as dist
 
-    want = world_size(layout)
-    if dist.is_initialized() and dist.get_world_size() != want:
-        raise ValueError(f"run with {want} processes for layout {layout} ({_world_rule(layout)}), got "
-                         f"{dist.get_world_size()}")
     initialize(ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp))
+    want = world_size(layout)
     if dist.get_world_size() != want:
         raise ValueError(f"run with {want} processes for layout {layout} ({_world_rule(layout)}), got "
                          f"{dist.get_world_size()}")
@@ -127,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "to-torch-dist":
             to_torch_dist(args.mcore_dir, args.out)
         else:
-            from_torch_dist(args.dist_dir, args.hf_config, args.out, ParallelLayout(args.tp, args.pp, args.ep, args.etp))
+            layout = ParallelLayout(args.tp, args.pp, args.ep, args.etp)
+            from_torch_dist(args.dist_dir, args.hf_config, args.out, layout)
     finally:
         destroy()
     return 0
