@@ -563,13 +563,6 @@ class Bridge:
             return full
         return self.tp_split(name, full, layout.tp)[tp_rank]
 
-    def unshard(self, name: str, shards: list[torch.Tensor], layout: ParallelLayout) -> torch.Tensor:
-        """The full tensor from every TP rank's piece (:meth:`shard`'s inverse; with ETP = 1 an expert's pieces are
-        copies)."""
-        if layout.expert_tp == 1 and self.is_expert(name):
-            return shards[0]
-        return self.tp_join(name, shards)
-
     def tp_split(self, name: str, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
         kind = self.rule(name)[0].tp
         if kind == "rep" or tp == 1:

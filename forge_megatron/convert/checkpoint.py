@@ -300,7 +300,7 @@ def join_piece(bridge: Bridge, layout: ParallelLayout, state, layers: range, fir
         missing = [tp for tp in range(layout.tp) if tp not in by_tp]
         if missing:
             raise MappingError(f"{where}: no TP shard {missing} of {name}")
-        full[name] = bridge.unshard(name, [by_tp[tp] for tp in range(layout.tp)], layout)
+        full[name] = bridge.tp_join(name, [by_tp[tp] for tp in range(layout.tp)])
     return full
 
 

@@ -25,17 +25,11 @@ Legend: BH = sequences x value heads, n = chunks, C = chunk, dk / dv = key / val
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 MAX_KEY_DIM = 256  # the whole key dimension of a state block lives in registers
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
