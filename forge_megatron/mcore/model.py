@@ -416,8 +416,8 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
 def _reduce_whole_experts_over_tp(model) -> None:
     """Experts whole (expert TP 1) under TP > 1: every TP rank runs its experts on its own share of the tokens
     (sequence parallelism), so each holds a part of its experts' gradients, to be summed over the expert-data-
-    parallel group (which then spans the TP ranks); two of Megatron-Core's markings get this wrong, and the trainer
-    tests caught both in the gradient norm:
+    parallel group (which then spans the TP ranks); three of Megatron-Core's parameter markings get this wrong, and
+    the trainer tests caught them (gradient norm; the TP ranks' expert copies after clipped steps):
 
     - expert parameters go to that group only when EP > 1 (``allreduce = False``); with EP = 1 they join the dense
       buffers, reduced over DP alone, and each TP rank would step with its own part;
