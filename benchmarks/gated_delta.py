@@ -108,11 +108,10 @@ def layer_memory() -> dict:
     from forge_megatron.tree import build_tree
 
     import os
-    import socket
 
-    with socket.socket() as sock:  # one process: its own rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from forge_megatron.utils.ports import free_port
+
+    port = free_port()  # one process: its own rendezvous
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"), ("WORLD_SIZE", "1"),
                        ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)

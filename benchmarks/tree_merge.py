@@ -39,6 +39,8 @@ import time
 
 import torch
 
+from forge_megatron.utils.ports import free_port
+
 LOGP_TOL = 1e-5
 GRAD_TOL = 1e-5
 DECAY_GRAD_TOL = 1e-3
@@ -268,7 +270,7 @@ def main(argv=None) -> int:
     from forge_megatron.mcore import parallel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     parallel.initialize(parallel.ParallelConfig())
@@ -282,12 +284,6 @@ def main(argv=None) -> int:
     return 0 if exact or not args.check else 1
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ class RawBroadcast:
 
     def __init__(self, buckets, repeats: int):
         from forge_megatron.weight_sync.buckets import pack
-        from forge_megatron.weight_sync.transport import free_port, make_group
+        from forge_megatron.utils.ports import free_port
+        from forge_megatron.weight_sync.transport import make_group
 
         self.flat = [pack(b) for b in buckets]
         port = free_port("127.0.0.1")
@@ -76,7 +77,7 @@ def _setup(args, root: str):
 
 
 def _port() -> int:
-    from forge_megatron.weight_sync.transport import free_port
+    from forge_megatron.utils.ports import free_port
 
     return free_port("127.0.0.1")
 

@@ -14,16 +14,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 
 from forge_megatron.mcore.parallel import ParallelConfig
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from forge_megatron.utils.ports import free_port  # noqa: F401 (the tests' import point)
 
 
 def _child(rank, world_size, port, parallel, seed, body, kwargs, queue):

@@ -95,7 +95,7 @@ def solve(prompt: str, client, model: str = "forge", max_tokens: int = 48, tempe
     """One model call with an ``openai.OpenAI`` client, through chat completions or the Responses API (``api``):
     the calculator's output if the model called it, else the model's text."""
     if api == "responses":
-        reply = client.responses.create(model=model, input=prompt, tools=RESPONSES_TOOLS,
+        reply = client.responses.create(model=model, input=prompt, tools=RESPONSES_TOOLS, store=False,
                                         max_output_tokens=max_tokens, temperature=temperature)
         calls = [item for item in reply.output if item.type == "function_call"]
         if calls:

@@ -10,7 +10,7 @@ Routes
   POST /v1/chat/completions, GET /v1/models                 (also under /s/<session key>/v1/...)
   POST /v1/messages   Anthropic's Messages API, same sessions and recording (``anthropic_api``)
   POST /v1/responses  OpenAI's Responses API (Codex CLI, the Agents SDK), same sessions and recording
-                      (``responses_api``)
+                      (``responses_api``); GET / DELETE /v1/responses/{id}: the session's stored responses
   POST /v1/completions  a raw prompt (text or token ids; no template, no parsers) for agents that render their own
   POST /forge/groups {task_id, size, domain, metadata}        -> {group_id}
   POST /forge/sessions {group_id, metadata}                   -> {session_id, api_key, base_url, anthropic_base_url}
@@ -1442,6 +1442,8 @@ def make_app(gw: Gateway) -> web.Application:
     for prefix in ("", "/s/{key}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
         app.router.add_post(prefix + "/v1/responses", responses_api.responses)  # OpenAI Responses API
+        app.router.add_get(prefix + "/v1/responses/{rid}", responses_api.get_response)  # stored responses
+        app.router.add_delete(prefix + "/v1/responses/{rid}", responses_api.delete_response)
         app.router.add_post(prefix + "/v1/completions", completions)  # raw prompts (text or token ids)
         app.router.add_post(prefix + "/v1/messages", anthropic_api.messages)  # Anthropic Messages API
         app.router.add_post(prefix + "/v1/messages/count_tokens", anthropic_api.count_tokens)

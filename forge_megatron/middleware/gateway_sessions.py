@@ -284,6 +284,7 @@ class Session:
     evaluation: bool = False  # an eval session: served and recorded like any other, never sent to the sink
     sampling: dict = field(default_factory=dict)  # an eval session's sampling overrides (temperature, top_p, top_k)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # one call at a time per session
+    responses: dict = field(default_factory=dict, repr=False)  # Responses API: stored responses by id
 
     @property
     def ended(self) -> bool:

@@ -274,7 +274,7 @@ def finetune_on_chats(model_dir: str, chats: list[tuple], tools: list | None = N
     """Teach the model in ``model_dir`` to answer each chat with its fixed text (greedy), in place; return the dir.
 
     ``chats`` are (messages before the assistant turn, assistant text) pairs, or triples whose third item holds
-    extra chat-template variables for that chat; the loss is on the answer and the end-of-turn token only (the
+    extra chat-template variables for that chat (``tools`` there replaces ``tools`` for that chat); the loss is on the answer and the end-of-turn token only (the
     tokenizer's eos is appended unless the answer ends with one of the model's end-of-turn tokens already, e.g. a
     harmony ``<|call|>``). A few hundred Adam steps on CPU make the tiny model reproduce them exactly, which gives
     tests and demos a model with real weights and logprobs but a known output (e.g. a tool call).
@@ -289,8 +289,9 @@ def finetune_on_chats(model_dir: str, chats: list[tuple], tools: list | None = N
     ends = {tok.eos_token_id, *model_end_ids(model_dir)}
     batch = []
     for messages, answer, *kwargs in chats:
-        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                       **(kwargs[0] if kwargs else {}))
+        extra = dict(kwargs[0]) if kwargs else {}
+        text = tok.apply_chat_template(messages, tools=extra.pop("tools", tools), add_generation_prompt=True,
+                                       tokenize=False, **extra)
         prompt = tok.encode(text, add_special_tokens=False)
         target = tok.encode(answer, add_special_tokens=False)
         if not target or target[-1] not in ends:  # an answer may end with another end-of-turn token itself

@@ -35,6 +35,7 @@ import urllib.request
 
 from forge_megatron.agents import calculator
 from forge_megatron.agents.tasks import write_tasks
+from forge_megatron.utils.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -115,14 +116,6 @@ class Processes:
                 proc.wait()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def prepare(args: argparse.Namespace) -> tuple[str, str]:
     """Steps 1-2: the base model, the task files, the SFT model. Returns (sft model dir, RL tasks file)."""
     from forge_megatron.models.tiny import build_tiny_model
@@ -155,7 +148,7 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
     subprocess.run([sys.executable, "-m", "forge_megatron.training.sft", "--hf-checkpoint", base,
                     "--data", os.path.join(out, "sft.jsonl"), "--out", sft_dir, "--steps", str(args.sft_steps),
                     "--seed", str(args.seed)], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "2", "MASTER_PORT": str(_free_port())})
+                   env={**os.environ, "OMP_NUM_THREADS": "2", "MASTER_PORT": str(free_port())})
     return sft_dir, os.path.join(out, "rl_tasks.jsonl")
 
 
@@ -174,7 +167,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         print(f"[demo]     FP8 copy for the engine: {stats['quantized']} weights quantized, "
               f"{stats['bytes_in'] / 2**20:.2f} -> {stats['bytes_out'] / 2**20:.2f} MiB", flush=True)
     engine = procs.server("forge-engine", "forge_megatron.rollout.engine_server", ["--model-path", served, *replay])
-    pool_addr = f"tcp://127.0.0.1:{_free_port()}"
+    pool_addr = f"tcp://127.0.0.1:{free_port()}"
     gateway = procs.server("gateway+pool", "forge_megatron.agents.middleware_node",
                            ["--model-path", sft_dir, "--engines", engine, "--pool-bind", pool_addr,
                             "--pool-db", os.path.join(out, "pool.sqlite"), "--rollout-batch-groups",
@@ -206,7 +199,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         "--train-batch-groups", str(args.groups_per_step), "--tree-token-budget", "16384",
         "--metrics-jsonl", metrics, "--log-interval", "1", "--seed", str(args.seed),
         *(["--routing-replay"] if args.moe else []), *(["--weight-sync-fp8", served] if args.fp8 else [])],
-        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
+        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
              "LOCAL_RANK": "0"})
     deadline = time.time() + args.timeout_s
     for line in trainer.stdout:

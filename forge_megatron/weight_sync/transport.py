@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from forge_megatron.utils.ports import free_port
 from forge_megatron.weight_sync.buckets import describe, meta_bytes, recv_json, send_json, wire_view
 
 log = logging.getLogger("forge.weight_sync")
@@ -121,12 +122,6 @@ class EngineHTTP:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def bindable(host: str) -> bool:

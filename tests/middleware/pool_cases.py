@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from forge_megatron.middleware.schema import Episode, Segment
+from forge_megatron.utils.ports import free_port  # noqa: F401 (the tests' import point)
 
 
 def make_segment(rng: np.random.Generator, length: int, version: int) -> Segment:
@@ -65,14 +66,6 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
         proc.wait(timeout=20)
     if proc.stdout is not None:
         proc.stdout.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(cond, timeout_s: float = 20.0, interval_s: float = 0.02) -> None:

@@ -2,10 +2,11 @@
 
 The tiny model gets a chat template of our own in the Qwen3 / Qwen3-Coder layout (``<think>`` blocks rendered from
 ``reasoning_content``, ``<tool_call><function=...><parameter=...>`` calls, ``enable_thinking`` and a variant whose
-generation prompt opens the block) and is fine-tuned to answer three fixed chats; the gateway serves it with
+generation prompt opens the block) and is fine-tuned to answer six fixed chats; the gateway serves it with
 ``tool_parser="qwen3_coder"`` and ``reasoning_parser="qwen3"``. Checked: reasoning_content and schema-typed tool
 arguments in answers and streams, the next turn (reasoning sent back) continuing the sampled segment, a turn without
-it starting a new one, thinking blocks on /v1/messages, chat_template_kwargs from the request and the gateway.
+it starting a new one, thinking blocks on /v1/messages, chat_template_kwargs from the request and the gateway,
+and a Codex-style Responses conversation (a custom tool, reasoning sent back encrypted).
 """
 
 import json
@@ -56,6 +57,13 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 TWO = [{"role": "user", "content": "Weather in Paris and Rome?"}]
 CALL_ROME = CALL_TEXT.replace("Paris", "Rome")
 GREEDY = dict(temperature=0, max_tokens=256)
+# a Codex-style free-form tool (Responses API custom tool): the model sees it as a function of one string
+R_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+               "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"}}
+FIX = [{"role": "user", "content": "Fix the typo in a.txt."}]
+PATCH = "*** Begin Patch\n*** Update File: a.txt\n-teh\n+the\n*** End Patch"
+PLAN_FIX, PATCHED, FIXED = "Patch it.", "Done.", "Fixed the typo."
 
 
 def scripted_chats():
@@ -65,7 +73,23 @@ def scripted_chats():
             (USER + [call, {"role": "tool", "tool_call_id": "c1", "content": RESULT}],
              f"<think>\n{PLAN2}\n</think>\n\n{ANSWER}"),
             (HELLO, "Let me think.\n</think>\n\nHello.", {"think_in_prompt": True}),
-            (TWO, f"<think>\nBoth.\n</think>\n\n{CALL_TEXT}\n{CALL_ROME}")]
+            (TWO, f"<think>\nBoth.\n</think>\n\n{CALL_TEXT}\n{CALL_ROME}")] + patch_chats()
+
+
+def patch_chats():
+    """The custom tool's call and the answer after its output, under the tools the gateway renders for
+    R_TOOLS + [APPLY_PATCH] (custom tool: its ``input`` parameter, as the XML format writes a string)."""
+    from forge_megatron.middleware.responses_api import chat_tools, custom_arguments
+
+    tools = chat_tools({"tools": R_TOOLS + [APPLY_PATCH]})[0]
+    call = {"role": "assistant", "content": "", "reasoning_content": PLAN_FIX, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "apply_patch",
+                                                      "arguments": json.loads(custom_arguments(PATCH))}}]}
+    text = (f"<think>\n{PLAN_FIX}\n</think>\n\n<tool_call>\n<function=apply_patch>\n<parameter=input>\n{PATCH}\n"
+            "</parameter>\n</function>\n</tool_call>")
+    return [(FIX, text, {"tools": tools}),
+            (FIX + [call, {"role": "tool", "tool_call_id": "c1", "content": PATCHED}],
+             f"<think>\nFixed.\n</think>\n\n{FIXED}", {"tools": tools})]
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +151,44 @@ def test_responses_api_reasoning_items_continue_the_segment(thinking_stack):
     assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
     assert [x["segment_index"] for x in calls(gw, s)] == [0, 0]
     assert end(gw, s)[0] == 200
+
+
+def test_custom_tool_and_encrypted_reasoning_continue_the_segment(thinking_stack):
+    """As Codex CLI drives the Responses API (store false, include reasoning.encrypted_content, a free-form custom
+    tool: apply_patch), with reasoning items sent back as clients of OpenAI's hosted models send them (id, summary
+    and encrypted_content; no text). The call comes out as a custom_tool_call whose input is the patch text, streamed
+    with custom_tool_call_input events; the sealed reasoning restores the sampled turn, so the follow-up continues
+    the segment; a tampered seal is a 400."""
+    gw = thinking_stack
+    s = new_session(gw)
+    c = client(s)
+    kw = dict(model="tiny", tools=R_TOOLS + [APPLY_PATCH], temperature=0, max_output_tokens=256, store=False,
+              include=["reasoning.encrypted_content"])
+    first = c.responses.create(input=FIX, **kw)
+    assert [i.type for i in first.output] == ["reasoning", "custom_tool_call"]
+    reasoning, patch = first.output
+    assert reasoning.content[0].text == PLAN_FIX and reasoning.encrypted_content
+    assert (patch.name, patch.input) == ("apply_patch", PATCH)
+    events = list(c.responses.create(input=FIX, stream=True, **kw))
+    streamed = events[-1].response
+    assert [i.type for i in streamed.output] == ["reasoning", "custom_tool_call"] and streamed.output[1].input == PATCH
+    [done] = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done.input == PATCH == "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta")
+    [sealed] = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "reasoning"]
+    assert sealed.encrypted_content  # the completed item carries it (the added one cannot)
+    codex_reasoning = {"type": "reasoning", "id": reasoning.id, "summary": [],
+                       "encrypted_content": reasoning.encrypted_content}  # no content: the text is in the seal
+    follow = FIX + [codex_reasoning, patch.model_dump(exclude_none=True),
+                    {"type": "custom_tool_call_output", "call_id": patch.call_id, "output": PATCHED}]
+    second = c.responses.create(input=follow, **kw)
+    assert [i.type for i in second.output] == ["reasoning", "message"] and second.output_text == FIXED
+    assert [x["segment_index"] for x in calls(gw, s)] == [0, 1, 1]  # the first call, then the streamed one continued
+    tampered = dict(codex_reasoning, encrypted_content=reasoning.encrypted_content[:-2] + "00")
+    status, err = http(s["base_url"] + "/responses", {**{k: v for k, v in kw.items() if k != "model"},
+                                                      "input": FIX + [tampered] + follow[2:]})
+    assert status == 400 and err["error"]["param"] == "input[1].encrypted_content", err
+    assert end(gw, s)[0] == 200
+    assert gw.gateway.sink.episodes[-1].num_malformed_tool_calls == 0
 
 
 def test_a_turn_sent_back_without_its_reasoning_starts_a_new_segment(thinking_stack):

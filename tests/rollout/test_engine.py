@@ -13,6 +13,7 @@ from forge_megatron.rollout.engine_server import SamplingParams, RequestError, s
 from forge_megatron.rollout.launch import start_engine
 from forge_megatron.rollout.sglang_client import EngineRequestError, SGLangClient
 from forge_megatron.rollout.weight_group import broadcast_tensor, init_weight_update_group
+from forge_megatron.utils.ports import free_port
 
 PROMPT = [7, 30, 41, 5, 99, 12]
 
@@ -211,13 +212,6 @@ def test_update_weights_from_disk_swaps_weights(tmp_path, model_dir):
     assert version == "7" and res.weight_version == "7"
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_update_weights_from_distributed_over_gloo(tmp_path, model_dir):
     """This process plays the trainer (rank 0); a forge-engine subprocess joins as rank 1 and receives tensors."""
     other = build_tiny_model(str(tmp_path / "other"), sampling_seed=2)
@@ -225,7 +219,7 @@ def test_update_weights_from_distributed_over_gloo(tmp_path, model_dir):
     names = list(new_sd)
     h = start_engine(model_dir)
     try:
-        port = _free_port()
+        port = free_port()
         holder = {}
         t = threading.Thread(target=lambda: holder.update(pg=init_weight_update_group("127.0.0.1", port, 0, 2, "wg")))
         t.start()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,12 +13,7 @@ import numpy as np
 
 from forge_megatron.middleware.schema import Episode, Segment
 from forge_megatron.middleware.transport import PoolClient
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from forge_megatron.utils.ports import free_port
 
 
 class PoolProcess:

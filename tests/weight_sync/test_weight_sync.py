@@ -18,6 +18,7 @@ import torch
 from forge_megatron.bridge import ParallelLayout
 from forge_megatron.convert import checkpoint as ckpt
 from forge_megatron.mcore.parallel import ParallelConfig
+from forge_megatron.utils.ports import free_port
 from forge_megatron.weight_sync import WeightSyncConfig
 from tests.convert.mcore_forward import forward_logits, load_converted
 from tests.dist_utils import run_distributed
@@ -325,9 +326,9 @@ def test_engine_killed_during_sync_is_excluded_then_resynced(models, tmp_path, p
     mcore = str(tmp_path / "mcore")
     ckpt.hf_to_megatron(models["qwen2"], mcore, ParallelLayout(pp=pp))
     keep = start_engine(models["qwen2"], in_process=True)
-    # A subprocess that the trainer kills mid-sync and the test restarts on the same port: a port outside the
-    # ephemeral range, which the new groups' stores and connections draw from after the kill.
-    victim = start_engine(models["qwen2"], extra_args=["--port", str(_port_below_ephemeral_range())])
+    # A subprocess that the trainer kills mid-sync and the test restarts on the same port: free_port draws it from
+    # outside the ephemeral range, which the new groups' stores and connections draw from after the kill.
+    victim = start_engine(models["qwen2"], extra_args=["--port", str(free_port())])
     try:
         out, *_ = run_distributed(_kill_body, world_size=pp, parallel=ParallelConfig(pp=pp), mcore_dir=mcore,
                                   model_dir=models["qwen2"], urls=[keep.url, victim.url],
@@ -357,22 +358,6 @@ def test_engine_killed_during_sync_is_excluded_then_resynced(models, tmp_path, p
     for key in ("restarted", "survivor3"):
         (lps, version), trainer = out[key]
         assert version == "3" and max(abs(a - b) for a, b in zip(lps, trainer)) <= 1e-5, key
-
-
-def _port_below_ephemeral_range() -> int:
-    import random
-    import socket
-
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
-    for port in random.sample(range(max(1024, low - 12000), low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _pause_failure_body(rank, world_size, mcore_dir, url):
@@ -523,7 +508,7 @@ def test_trainer_group_meets_an_sglang_built_engine_group():
     import sys
     import uuid
 
-    from forge_megatron.weight_sync.transport import free_port, make_group
+    from forge_megatron.weight_sync.transport import make_group
 
     port, name = free_port("127.0.0.1"), f"forge_weights_test_{uuid.uuid4().hex[:6]}"
     peer = subprocess.Popen([sys.executable, "-c", _SGLANG_STYLE_PEER, str(port), name], stdout=subprocess.PIPE,
