@@ -3,7 +3,8 @@
 Megatron-Core assumes CUDA in a handful of places. Each patch below names the Megatron function it works
 around and why. They are applied by :func:`apply` only when CUDA is absent (a CUDA machine never sees them),
 are idempotent, and change no math: they move allocations to the CPU, give the model-parallel RNG tracker a
-CPU generator, and turn CUDA streams/events/synchronisation into no-ops (CPU kernels are synchronous).
+CPU generator, turn CUDA streams/events/synchronisation into no-ops (CPU kernels are synchronous), and run
+Megatron's torch.compile'd fusions eagerly.
 
 Patches (megatron-core 0.16.x; 0.17-0.19 have the same spots unless noted):
   1. torch.cuda.current_device -> torch.device("cpu")
@@ -29,6 +30,12 @@ Patches (megatron-core 0.16.x; 0.17-0.19 have the same spots unless noted):
        router gemm); defined as None so the torch path is taken. torch.distributed.all_to_all_single on gloo
        rejects split sizes given as tensors (the all-to-all dispatcher keeps them as CPU tensors because
        maybe_move_tensor_to_cpu only converts CUDA tensors): converted to lists.
+  8. Megatron's ``jit_fuser`` is ``torch.compile`` (torch >= 2.2): the functions it decorates (quick_gelu, the
+       bias-GLU fusions, router helpers) are compiled by Inductor on first call, which on CPU costs seconds per
+       process (about 3 s for gpt-oss's clamped GLU in every trainer process) and needs a C++ toolchain, for no
+       gain on a CPU. TorchDynamo is turned off (``torch._dynamo.config.disable``), so they run eagerly: the same
+       function, unfused. This is the one patch that reaches beyond Megatron: torch.compile in a CPU process that
+       applied the patches runs eagerly.
 """
 
 from __future__ import annotations
@@ -313,6 +320,7 @@ def apply() -> bool:
     _patch_masks()
     _patch_schedules_and_optimizer()
     _patch_moe()
+    torch._dynamo.config.disable = True  # 8.
     _APPLIED = True
     log.info("forge_megatron: Megatron-Core CPU compatibility patches applied (no CUDA device)")
     return True

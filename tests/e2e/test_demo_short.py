@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,14 +64,14 @@ def test_short_demo_runs_the_whole_loop(tmp_path):
     assert steps[0]["eval/policy_version"] == 0 and steps[0]["eval/pass@1"] == summary["evals"][0]["pass@1"]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
-def test_short_moe_demo_replays_the_engines_routing(tmp_path, arch):
-    """``--moe ARCH``: the same loop on a tiny Qwen3-MoE or GLM-4.5-layout model with rollout routing replay through
-    every process (engine recording experts, gateway keeping them, pool, trainer replaying). Step 1 trains the
-    weights that sampled its tokens, in fp32 on both sides: every replayed row is the trainer's own routing and the
-    logprobs agree."""
+def test_short_moe_demo_replays_the_engines_routing(tmp_path):
+    """``--moe glm4_moe``: the same loop on a tiny GLM-4.5-layout model (a sigmoid router with score-correction
+    biases, a dense layer, a shared expert) with rollout routing replay through every process (engine recording
+    experts, gateway keeping them, pool, trainer replaying). Step 1 trains the weights that sampled its tokens, in
+    fp32 on both sides: every replayed row is the trainer's own routing and the logprobs agree. (Qwen3-MoE's softmax
+    router replays in tests/training and tests/middleware/test_gateway_resume.py.)"""
     out = tmp_path / "moe_run"
-    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--moe", arch, "--out", str(out), "--steps", "2",
+    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--moe", "glm4_moe", "--out", str(out), "--steps", "2",
            "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

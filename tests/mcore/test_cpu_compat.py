@@ -51,3 +51,15 @@ def test_rng_tracker_forks_reproducible_cpu_streams():
     fresh.add("region", 1234)
     with fresh.fork("region"):
         assert torch.equal(torch.rand(4), first)  # same seed, same stream
+
+
+def test_megatrons_compiled_fusions_run_eagerly():
+    """Megatron's jit_fuser (torch.compile) functions run as written: no Inductor compile in a CPU process."""
+    cpu_compat.apply()
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["frames"])
+    x = torch.randn(3, 8)
+    assert torch.equal(quick_gelu(x), x * torch.sigmoid(1.702 * x))
+    assert dict(counters["frames"]) == before  # dynamo saw no frame

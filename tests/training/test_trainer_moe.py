@@ -50,14 +50,13 @@ def test_routing_replay_trains_the_same_under_pipeline_and_recomputation(tmp_pat
     assert abs(steps["natural"][0]["loss"] - first["loss"]) > 1e-4 and "routing_mismatch" not in steps["natural"][0]
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
-def test_sigmoid_router_moe_trains_the_same_under_pipeline_tensor_and_expert_parallelism(tmp_path, arch):
-    """The GLM-4.5 layout (dense layer 0, then a MoE layer with a sigmoid router, score-correction bias, routed
-    scaling and a shared expert; RoPE on half of each head) and the DeepSeek-V3 one (the same MoE with grouped
-    routing, multi-latent attention) through the trainer with routing replay: one rank, PP = 2 (the dense and the
-    MoE layer on different stages), TP = 2 with sequence parallelism (MLA's down projections split and gathered),
-    CP = 2 and EP = 2 train the same two steps; only the MoE layer replays rows."""
-    model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=2)
+def test_sigmoid_router_moe_trains_the_same_under_pipeline_tensor_and_expert_parallelism(tmp_path):
+    """The DeepSeek-V3 layout (dense layer 0, then a MoE layer with a sigmoid router, score-correction bias, grouped
+    routing, routed scaling and a shared expert; multi-latent attention) through the trainer with routing replay:
+    one rank, PP = 2 (the dense and the MoE layer on different stages), TP = 2 with sequence parallelism (MLA's down
+    projections split and gathered), CP = 2 and EP = 2 train the same two steps; only the MoE layer replays rows.
+    (GLM-4.5's MoE layer is this one without groups; its partial RoPE under CP is MiniMax-M2's, tested below.)"""
+    model_dir = build_tiny_model(str(tmp_path / "deepseek_v3"), arch="deepseek_v3", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
     steps = {}
     for name, extra, nproc in (
@@ -78,9 +77,10 @@ def test_sigmoid_router_moe_trains_the_same_under_pipeline_tensor_and_expert_par
 
 def test_gpt_oss_trains_the_same_under_pipeline_expert_context_and_tensor_parallelism(tmp_path):
     """The gpt-oss layout (sinks, a sliding window on layer 0, biased router and experts, the clamped GLU) through
-    the trainer with routing replay: one rank, PP = 2, EP = 2, CP = 2 (sinks and windows on each CP rank's shard)
-    and TP = 2 with the experts whole (--expert-tensor-parallel-size 1: Megatron has expert biases only then; the
-    sinks split with the heads), alone and with EP = 2 over the two TP ranks, train the same two steps, with the
+    the trainer with routing replay: one rank, PP = 2, CP = 2 (sinks and windows on each CP rank's shard) and TP = 2
+    with the experts whole (--expert-tensor-parallel-size 1: Megatron has expert biases only then; the sinks split
+    with the heads), alone and with EP = 2 over the two TP ranks (the biased experts split by EP), train the same
+    two steps, with the
     gradient clipped (every rank must clip by the same norm, or the expert replicas of TP ranks drift apart); TP = 2
     with the experts split is refused by name."""
     model_dir = build_tiny_model(str(tmp_path / "gpt_oss"), arch="gpt_oss", seed=2)
@@ -91,13 +91,12 @@ def test_gpt_oss_trains_the_same_under_pipeline_expert_context_and_tensor_parall
             ("one", [], 1),
             ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
             ("cp2", ["--context-parallel-size", "2"], 2),
-            ("ep2", ["--expert-model-parallel-size", "2"], 2),
             ("tp2_etp1", tp2, 2),
             ("tp2_ep2_etp1", tp2 + ["--expert-model-parallel-size", "2"], 2)):
         steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
                                               extra=extra + ["--routing-replay", "--tree-token-budget", "18",
                                                              "--clip-grad", "0.5"], model=[])
-    assert [len(v) for v in steps.values()] == [2] * 6
+    assert [len(v) for v in steps.values()] == [2] * 5
     assert steps["one"][0]["grad_norm"] > 0.5  # clipped
     # the TP ranks' copies of the whole experts stayed equal (both reduced and clipped the same)
     states = [torch.load(tmp_path / "tp2_etp1" / "ckpt" / "iter_0000002" / f"rank_{r:05d}.pt", weights_only=False)
@@ -119,7 +118,7 @@ def test_gpt_oss_trains_the_same_under_pipeline_expert_context_and_tensor_parall
     assert set(exported["one"]) == set(exported["tp2_ep2_etp1"])
     for k, v in exported["one"].items():  # the same two steps, trained in another reduction order
         torch.testing.assert_close(exported["tp2_ep2_etp1"][k], v, rtol=1e-4, atol=1e-5, msg=k)
-    assert_same_as_one_rank(steps, ("pp2", "cp2", "ep2", "tp2_etp1", "tp2_ep2_etp1"), REPLAY_KEYS)
+    assert_same_as_one_rank(steps, ("pp2", "cp2", "tp2_etp1", "tp2_ep2_etp1"), REPLAY_KEYS)
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
     from forge_megatron.bridge import Bridge
     from forge_megatron.training import arguments
