@@ -206,6 +206,9 @@ def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
 def parse_chat_request(body: dict, default_max_tokens: int) -> ChatRequest:
     """Validate ``body`` (OpenAI fields); raise ApiError(400) naming the offending field."""
     msgs = body.get("messages")
@@ -224,6 +227,11 @@ def parse_chat_request(body: dict, default_max_tokens: int) -> ChatRequest:
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
         raise _bad("chat_template_kwargs", "chat_template_kwargs must be an object of template variables")
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # as SGLang and vLLM do: a template variable (gpt-oss's template writes "Reasoning: high")
+        if effort not in REASONING_EFFORTS:
+            raise _bad("reasoning_effort", f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}")
+        template_kwargs = {"reasoning_effort": effort, **template_kwargs}  # chat_template_kwargs win
     return ChatRequest(messages=messages, tools=tools or None, tool_choice=tool_choice,
                        sampling=_sampling_params(body, default_max_tokens), stream=_flag(body, "stream"),
                        include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
@@ -499,6 +507,7 @@ class Gateway:
         async with sess.lock:
             sess.status, sess.ended_at = status, time.time()
             sess.last_active = sess.ended_at
+            sess.responses.clear()  # an ended session serves no calls: its stored responses are unreachable
         outcome = "eval"
         if not sess.evaluation:
             outcome = await asyncio.to_thread(self.sink.submit_episode, sess.to_episode())

@@ -27,7 +27,8 @@ Request -> chat form:
                                              -> a function tool taking one string parameter ``input`` (described
                                                 by the format's grammar, which is shown to the model, not enforced)
   tool_choice auto | none | required | {type: function | custom, name}; max_output_tokens, temperature, top_p,
-  stream, store, include [reasoning.encrypted_content]; extension: ignore_eos
+  stream, store, include [reasoning.encrypted_content]; reasoning.effort -> the chat template variable
+  ``reasoning_effort`` (as chat completions' reasoning_effort); extension: ignore_eos
   other item, part and tool types (images, files, built-in tools), background, conversation and prompt are a 400
   naming them.
 Reply: a ``response`` object whose ``output`` holds a reasoning item (``content`` [reasoning_text]; with a reasoning
@@ -42,8 +43,8 @@ response.incomplete); an error after the stream started is an ``error`` event. E
 {message, type, param, code}}`` (the gateway's OpenAI error body).
 
 *Stored responses.* With ``store`` (true unless the request says false, as in the API) a response is kept in its
-session, so ``previous_response_id`` can continue it and ``GET /v1/responses/{id}`` return it, until the session is
-forgotten (``keep_ended_sessions``) or the response deleted. A stored response keeps only this request's input
+session, so ``previous_response_id`` can continue it and ``GET /v1/responses/{id}`` return it, until the session
+ends (an ended session serves nothing: they are dropped then) or the response is deleted. A stored response keeps only this request's input
 messages and its answer and points to its predecessor, so a chain of n calls costs O(n), not O(n^2). Responses of
 other sessions are not visible.
 
@@ -354,11 +355,17 @@ def parse_responses_request(body: dict, default_max_tokens: int,
     for name in ("temperature", "top_p", "ignore_eos"):  # ignore_eos: the SGLang/vLLM extension
         if body.get(name) is not None:
             chat[name] = body[name]
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise _bad("reasoning", "reasoning must be an object {effort, summary}")
+    if (reasoning or {}).get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
     try:
         req = parse_chat_request(chat, default_max_tokens)
     except ApiError as exc:
-        if exc.param == "max_tokens":
-            raise _bad("max_output_tokens", exc.message.replace("max_tokens", "max_output_tokens")) from exc
+        renamed = {"max_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort"}
+        if exc.param in renamed:
+            raise _bad(renamed[exc.param], exc.message.replace(exc.param, renamed[exc.param])) from exc
         raise
     return ResponsesRequest(chat=req, inputs=inputs, custom=custom, sealed=ENCRYPTED_REASONING in include,
                             store=store, previous=body.get("previous_response_id"))

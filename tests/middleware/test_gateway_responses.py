@@ -174,9 +174,11 @@ def test_stored_responses_chain_delete_and_stay_in_their_session(stack):
         client(other).responses.retrieve(second.id)  # another session's
     code, reply = http(s["base_url"] + "/responses", {"input": "x", "previous_response_id": third.id})
     assert code == 400 and reply["error"]["code"] == "previous_response_not_found", reply
+    sess = gw.gateway.sessions[s["session_id"]]
+    assert list(sess.responses) == [second.id]
     assert end(gw, s)[0] == 200
     code, _ = http(s["base_url"] + f"/responses/{second.id}", method="GET")
-    assert code == 404  # the session has ended
+    assert code == 404 and sess.responses == {}  # the session has ended: its stored responses are dropped
 
 
 def test_custom_tools_are_function_tools_with_one_string_input():
@@ -204,3 +206,25 @@ def test_custom_tools_are_function_tools_with_one_string_input():
     # arguments that are not exactly {input: string} come back as the model wrote them
     assert custom_input('{"input": "a", "more": 1}') == '{"input": "a", "more": 1}'
     assert custom_input("not json") == "not json" and custom_input('{"input": 3}') == '{"input": 3}'
+
+
+def test_reasoning_effort_is_the_template_variable_on_both_apis():
+    """reasoning_effort (chat) and reasoning.effort (Responses) become the chat template variable reasoning_effort,
+    as SGLang and vLLM pass it (gpt-oss's template writes it into its system message); chat_template_kwargs win."""
+    from forge_megatron.middleware.gateway import ApiError, parse_chat_request
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert parse_chat_request({"messages": msgs, "reasoning_effort": "high"}, 8).template_kwargs == {
+        "reasoning_effort": "high"}
+    both = parse_chat_request({"messages": msgs, "reasoning_effort": "high",
+                               "chat_template_kwargs": {"reasoning_effort": "low", "x": 1}}, 8)
+    assert both.template_kwargs == {"reasoning_effort": "low", "x": 1}
+    assert parse_chat_request({"messages": msgs}, 8).template_kwargs == {}
+    r = parse_responses_request({"input": "hi", "reasoning": {"effort": "low", "summary": "auto"}}, 8)
+    assert r.chat.template_kwargs == {"reasoning_effort": "low"}
+    with pytest.raises(ApiError, match="reasoning_effort must be one of") as e:
+        parse_chat_request({"messages": msgs, "reasoning_effort": "max"}, 8)
+    assert e.value.param == "reasoning_effort"
+    with pytest.raises(ApiError, match="reasoning.effort must be one of") as e:
+        parse_responses_request({"input": "hi", "reasoning": {"effort": "max"}}, 8)
+    assert e.value.param == "reasoning.effort"
