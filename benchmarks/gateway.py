@@ -11,6 +11,15 @@ Throughput: ``--concurrency`` callers (one gateway session each: calls within a 
 ``--calls`` calls per path.
 
     OMP_NUM_THREADS=1 python benchmarks/gateway.py --calls 300 --concurrency 8 --max-tokens 1
+
+``--multi-turn TURNS`` measures instead what grows with an agent's conversation: the gateway's work to turn the
+messages of call k into prompt ids (render the chat template over the whole history, render the previous turn with
+its answer for the segment rule, tokenise the new tail; ``ChatRenderer.prompt_ids``, in process: the tiny engine
+cannot prefill 100k-token prompts on a CPU in useful time). Each turn adds a tool call and a tool result of
+``--result-words`` words. Reported at a few turns: prompt tokens and characters, ``prepare_ms`` (that work, median
+of ``--repeats``) and ``render_ms`` (one render of the history alone).
+
+    python benchmarks/gateway.py --multi-turn 200
 """
 
 from __future__ import annotations
@@ -100,15 +109,74 @@ async def measure(engine_url: str, gateway_url: str, prompt_ids: list[int], args
             "gateway_cpu_ms_per_call": round(cpu_ms, 3)}
 
 
+def multi_turn(model: str, turns: int, result_words: int, repeats: int) -> dict:
+    """prepare_ms / render_ms of call k of one growing tool-calling conversation (see the module docstring)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from forge_megatron.middleware.gateway_sessions import ChatRenderer, _Turn
+
+    tok = AutoTokenizer.from_pretrained(model)
+    renderer = ChatRenderer(tok)
+    rng = random.Random(0)
+    words = "the file test error value patch result line function return import class output".split()
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    tools = [{"type": "function", "function": {"name": "shell", "description": "Run a shell command",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"cmd": {"type": "string"}}}}}]
+    messages = [{"role": "system", "content": text(300)}, {"role": "user", "content": text(100)}]
+    answer_ids = tok.encode('<tool_call>\n{"name": "shell", "arguments": {"cmd": "make test"}}\n</tool_call>',
+                            add_special_tokens=False) + [tok.eos_token_id]
+    at = sorted({t for t in (1, 10, 25, 50, 100, 200, 400) if t <= turns} | {turns})
+    out = {"turns": [], "prompt_tokens": [], "prompt_chars": [], "prepare_ms": [], "render_ms": [], "continues": []}
+    prev = None
+    for k in range(1, turns + 1):
+        if k in at:
+            times, render = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                prompt_text, prompt_ids, continues = renderer.prompt_ids(prev, messages, tools)
+                times.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                renderer.render(messages, tools, add_generation_prompt=True)
+                render.append(time.perf_counter() - t0)
+            out["turns"].append(k)
+            out["prompt_tokens"].append(len(prompt_ids))
+            out["prompt_chars"].append(len(prompt_text))
+            out["prepare_ms"].append(round(float(np.median(times)) * 1e3, 2))
+            out["render_ms"].append(round(float(np.median(render)) * 1e3, 2))
+            out["continues"].append(continues)
+        else:
+            prompt_text, prompt_ids, _ = renderer.prompt_ids(prev, messages, tools)
+        call = {"id": f"call{k}", "type": "function", "function": {"name": "shell", "arguments": '{"cmd": "make test"}'}}
+        answer = {"role": "assistant", "content": None, "tool_calls": [call]}
+        prev = _Turn(messages=list(messages), tools=tools, prompt_text=prompt_text, prompt_ids=prompt_ids,
+                     completion_ids=answer_ids, assistant_message=answer, template_kwargs={})
+        messages = messages + [answer, {"role": "tool", "tool_call_id": call["id"], "content": text(result_words)}]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=300, help="calls per path for latency and for throughput")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--concurrency", type=int, default=8, help="concurrent callers in the throughput phase")
     p.add_argument("--max-tokens", type=int, default=1, help="tokens generated per call")
+    p.add_argument("--multi-turn", type=int, default=0, metavar="TURNS",
+                   help="measure prompt preparation over a conversation of TURNS tool calls instead (in process)")
+    p.add_argument("--result-words", type=int, default=150, help="--multi-turn: words per tool result")
+    p.add_argument("--repeats", type=int, default=5, help="--multi-turn: timings per measured turn (median)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(os.path.join(tmp, "tiny"))
+        if args.multi_turn:
+            result = multi_turn(model, args.multi_turn, args.result_words, args.repeats)
+            print(json.dumps({**result, "result_words": args.result_words}))
+            return
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(model)
         prompt_ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),

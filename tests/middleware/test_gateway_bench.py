@@ -1,0 +1,19 @@
+"""benchmarks/gateway.py --multi-turn: the conversation it times is one the gateway continues as one segment."""
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gateway.py")
+
+
+def test_multi_turn_mode_times_one_growing_segment():
+    out = subprocess.run([sys.executable, SCRIPT, "--multi-turn", "12", "--result-words", "20", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["turns"] == [1, 10, 12]
+    assert result["continues"] == [False, True, True]  # every later call extends the first call's segment
+    assert result["prompt_tokens"] == sorted(set(result["prompt_tokens"]))  # grows turn by turn
+    assert all(ms > 0 for ms in result["prepare_ms"] + result["render_ms"])
