@@ -436,6 +436,8 @@ class Gateway:
             # ids and -1 fit in int8 up to 128 experts: half the bytes through the pool and to the trainer
             self.routing_dtype = np.int8 if experts and int(experts) <= 128 else np.int16
         self.parser = get_parser(config.tool_parser)
+        self.parser.learn_template(lambda messages, tools: self.renderer.render(messages, tools,
+                                                                                add_generation_prompt=False))
         self.reasoning = get_reasoning_parser(config.reasoning_parser)
         self.no_parser = self.parser.without_calls()  # tool_choice "none"
         self.fleet = EngineFleet(config.engine_urls, FleetConfig(max_attempts=config.engine_attempts,

@@ -119,6 +119,10 @@ class ToolParser:
         """The parser for tool_choice "none": no tool calls read."""
         return ToolParser()
 
+    def learn_template(self, render) -> None:
+        """Called once by the gateway with ``render(messages, tools) -> text`` (the served chat template, no
+        generation prompt), for formats whose written form depends on the template; the default needs nothing."""
+
     def forced_prefix(self, function_name: str | None = None, prior_calls: int = 0) -> str:
         """Text that, appended to the prompt, commits the model to a tool call (to ``function_name`` when given);
         ``prior_calls``: tool calls earlier in the conversation (formats whose call ids count them)."""
@@ -566,6 +570,8 @@ class MistralToolParser(ToolParser):
 
     name = "mistral"
     start_marker = "[TOOL_CALLS]"
+    named_prefix: tuple[str, str] | None = None  # (before, after) the function name: learn_template()
+    _PROBE_NAME, _PROBE_ID, _PROBE_ARGS = "forge_probe_fn", "pr0be1d42", {"forge_probe_arg": "v"}
     _V11 = re.compile(r"^\s*(?P<name>[^\[\]\s]+)\s*(?:\[CALL_ID\](?P<id>[^\[]*))?\[ARGS\](?P<args>.*)$", re.DOTALL)
 
     def parse(self, text, tools=None):
@@ -609,11 +615,43 @@ class MistralToolParser(ToolParser):
             calls.append(_call(name, _json_args(args), call_id.strip() if ok_id else _mistral_id()))
         return calls
 
+    def learn_template(self, render) -> None:
+        """How the template writes a call to a function named NAME, up to where the model's own part starts (its
+        call id, as v11 templates with [CALL_ID] write it, or the arguments): a JSON array (tokenizers up to v7:
+        ``[TOOL_CALLS][{"name": "NAME", "arguments": ``) or v11's ``[TOOL_CALLS]NAME[ARGS]``. Read off a probe call
+        rendered by the template; a template that refuses the probe or writes it otherwise leaves named forcing
+        off (tool_choice 'required' still works)."""
+        tool = {"type": "function", "function": {"name": self._PROBE_NAME, "description": "probe", "parameters": {
+            "type": "object", "properties": {"forge_probe_arg": {"type": "string"}}}}}
+        call = {"id": self._PROBE_ID, "type": "function",
+                "function": {"name": self._PROBE_NAME, "arguments": self._PROBE_ARGS}}
+        messages = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": self._PROBE_ID, "content": "probe"}]
+        try:
+            text = render(messages, [tool])
+        except Exception:  # noqa: BLE001 - any refusal: the format stays unknown
+            return
+        at = text.rfind(self.start_marker)
+        name_at = text.find(self._PROBE_NAME, at) if at >= 0 else -1
+        if name_at < 0:
+            return
+        after_name = name_at + len(self._PROBE_NAME)
+        cuts = [i for i in (text.find(self._PROBE_ID, after_name), text.find('{"forge_probe_arg"', after_name))
+                if i >= 0]
+        if not cuts:
+            return
+        self.named_prefix = (text[at:name_at], text[after_name:min(cuts)])
+
     def forced_prefix(self, function_name=None, prior_calls=0):
         if function_name is None:
             return self.start_marker
-        raise CannotForceToolCall("the mistral parser forces a call only with tool_choice 'required' (how a named "
-                                  "call continues depends on the tokenizer version: a JSON array or NAME[ARGS])")
+        if self.named_prefix is None:
+            raise CannotForceToolCall("the mistral parser forces a named call only when it has read from the chat "
+                                      "template how a call is written (a JSON array or NAME[ARGS]), and this "
+                                      "template did not show it; use tool_choice 'required'")
+        before, after = self.named_prefix
+        name = json.dumps(function_name, ensure_ascii=False)[1:-1] if before.endswith('"') else function_name
+        return before + name + after
 
 
 def _mistral_id() -> str:

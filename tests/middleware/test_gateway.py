@@ -889,3 +889,24 @@ def test_checkpoint_code_runs_only_when_trusted(tmp_path):
     gw = Gateway(GatewayConfig(model_path=str(d), engine_urls=["http://127.0.0.1:9"], trust_remote_code=True))
     assert gw.context_length == 777
     shutil.rmtree(d)
+
+
+def test_a_mistral_gateway_forces_named_calls_as_its_template_writes_them(tmp_path):
+    """Served with --tool-parser mistral, the gateway shows the parser its chat template: a named tool_choice is then
+    enforced with the template's own opening of that call (here v11's NAME[ARGS])."""
+    from transformers import AutoTokenizer
+
+    from forge_megatron.middleware.gateway import Gateway, GatewayConfig
+    from forge_megatron.models.tiny import build_tiny_tokenizer, tiny_config
+    from tests.middleware.test_tool_parsers import MISTRAL_V11, _mistral_chat_template
+
+    d = tmp_path / "mistral_like"
+    build_tiny_tokenizer(str(d))
+    (d / "config.json").write_text(json.dumps(tiny_config("qwen2").to_dict()))
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.chat_template = _mistral_chat_template(MISTRAL_V11) + "{% if add_generation_prompt %}{% endif %}"
+    tok.save_pretrained(d)
+    gw = Gateway(GatewayConfig(model_path=str(d), engine_urls=["http://127.0.0.1:9"], tool_parser="mistral"))
+    req = parse_chat_request({"messages": USER, "tools": TOOLS,
+                              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, 8)
+    assert gw.forced_text(req) == "[TOOL_CALLS]get_weather[ARGS]"

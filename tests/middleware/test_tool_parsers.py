@@ -261,8 +261,42 @@ def test_mistral_malformed_calls_and_forcing():
     assert got.tool_calls[0]["id"] == "q1w2e3r4t"
     assert p.parse("plain answer", TOOLS).content == "plain answer" and p.start_marker == "[TOOL_CALLS]"
     assert p.forced_prefix() == "[TOOL_CALLS]"
-    with pytest.raises(CannotForceToolCall, match="only with tool_choice 'required'"):
-        p.forced_prefix("search")
+    with pytest.raises(CannotForceToolCall, match="use tool_choice 'required'"):
+        p.forced_prefix("search")  # no template read (learn_template): the named call's form is unknown
+
+
+def _mistral_chat_template(call_writer: str) -> str:
+    """A Mistral-style chat template whose assistant tool calls are written by ``call_writer`` (over ``calls``)."""
+    return ("{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+            "{% elif m.role == 'assistant' %}{% set calls = m.tool_calls | map(attribute='function') | list %}"
+            "{% set ids = m.tool_calls | map(attribute='id') | list %}" + call_writer + "</s>"
+            "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]{% endif %}{% endfor %}")
+
+
+MISTRAL_V11_IDS = '{% for c in calls %}[TOOL_CALLS]{{ c.name }}[CALL_ID]{{ ids[loop.index0] }}[ARGS]' \
+                  '{{ c.arguments | tojson }}{% endfor %}'
+
+
+@pytest.mark.parametrize("writer", [MISTRAL_V7.replace('{{ c.id }}', '{{ ids[loop.index0] }}'), MISTRAL_V11,
+                                    MISTRAL_V11_IDS], ids=["json-array", "v11", "v11-call-ids"])
+def test_mistral_named_forcing_reads_the_call_form_off_the_template(writer):
+    """The gateway hands the parser its chat template (learn_template); the forced text for a named call is then how
+    that template starts a call to the function, up to the model's own part (its id, where the template has ids
+    the model writes, or the arguments), and the forced text plus the rest of the call parses as the call."""
+    p = get_parser("mistral")
+    template = _env.from_string(_mistral_chat_template(writer))
+    p.learn_template(lambda messages, tools: template.render(messages=messages, tools=tools))
+    call = {"name": "search", "arguments": {"query": "weather"}, "id": "k3j4h5g6f"}
+    written = _env.from_string(writer.replace("ids[loop.index0]", "c.id")).render(calls=[call])
+    prefix = p.forced_prefix("search")
+    assert written.startswith(prefix) and prefix.startswith("[TOOL_CALLS]") and "search" in prefix, (prefix, written)
+    assert "k3j4h5g6f" not in prefix and '"query"' not in prefix  # the model writes its id and arguments
+    [got] = parsed_calls(p.parse(prefix + written[len(prefix):], TOOLS))
+    assert (got["name"], got["arguments"]) == ("search", {"query": "weather"})
+    refusing = get_parser("mistral")
+    refusing.learn_template(lambda messages, tools: 1 / 0)  # a template that refuses the probe
+    with pytest.raises(CannotForceToolCall):
+        refusing.forced_prefix("search")
 
 
 # ------------------------------------------------------------------------------------ pythonic (Llama 3.2+)
