@@ -152,7 +152,8 @@ def multi_turn(model: str, turns: int, result_words: int, repeats: int) -> dict:
             out["continues"].append(continues)
         else:
             prompt_text, prompt_ids, _ = renderer.prompt_ids(prev, messages, tools)
-        call = {"id": f"call{k}", "type": "function", "function": {"name": "shell", "arguments": '{"cmd": "make test"}'}}
+        call = {"id": f"call{k}", "type": "function",
+                "function": {"name": "shell", "arguments": '{"cmd": "make test"}'}}
         answer = {"role": "assistant", "content": None, "tool_calls": [call]}
         prev = _Turn(messages=list(messages), tools=tools, prompt_text=prompt_text, prompt_ids=prompt_ids,
                      completion_ids=answer_ids, assistant_message=answer, template_kwargs={})

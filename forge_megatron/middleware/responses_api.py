@@ -44,9 +44,9 @@ response.incomplete); an error after the stream started is an ``error`` event. E
 
 *Stored responses.* With ``store`` (true unless the request says false, as in the API) a response is kept in its
 session, so ``previous_response_id`` can continue it and ``GET /v1/responses/{id}`` return it, until the session
-ends (an ended session serves nothing: they are dropped then) or the response is deleted. A stored response keeps only this request's input
-messages and its answer and points to its predecessor, so a chain of n calls costs O(n), not O(n^2). Responses of
-other sessions are not visible.
+ends (an ended session serves nothing, so they are dropped then) or the response is deleted. A stored response
+keeps only its request's input messages and its answer and points to its predecessor, so a chain of n calls costs
+O(n), not O(n^2). Responses of other sessions are not visible.
 
 *Encrypted reasoning.* Clients written for OpenAI's hosted models, which return no reasoning text, send a reasoning
 item back as its id, summary and ``encrypted_content`` only; without the text, the next prompt would not render the

@@ -274,10 +274,11 @@ def finetune_on_chats(model_dir: str, chats: list[tuple], tools: list | None = N
     """Teach the model in ``model_dir`` to answer each chat with its fixed text (greedy), in place; return the dir.
 
     ``chats`` are (messages before the assistant turn, assistant text) pairs, or triples whose third item holds
-    extra chat-template variables for that chat (``tools`` there replaces ``tools`` for that chat); the loss is on the answer and the end-of-turn token only (the
-    tokenizer's eos is appended unless the answer ends with one of the model's end-of-turn tokens already, e.g. a
-    harmony ``<|call|>``). A few hundred Adam steps on CPU make the tiny model reproduce them exactly, which gives
-    tests and demos a model with real weights and logprobs but a known output (e.g. a tool call).
+    extra chat-template variables for that chat (``tools`` there replaces ``tools`` for that chat); the loss is on
+    the answer and the end-of-turn token only (the tokenizer's eos is appended unless the answer ends with one of
+    the model's end-of-turn tokens already, e.g. a harmony ``<|call|>``). A few hundred Adam steps on CPU make the
+    tiny model reproduce them exactly, which gives tests and demos a model with real weights and logprobs but a
+    known output (e.g. a tool call).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

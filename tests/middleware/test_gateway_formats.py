@@ -182,8 +182,10 @@ def test_custom_tool_and_encrypted_reasoning_continue_the_segment(thinking_stack
                     {"type": "custom_tool_call_output", "call_id": patch.call_id, "output": PATCHED}]
     second = c.responses.create(input=follow, **kw)
     assert [i.type for i in second.output] == ["reasoning", "message"] and second.output_text == FIXED
-    assert [x["segment_index"] for x in calls(gw, s)] == [0, 1, 1]  # the first call, then the streamed one continued
-    tampered = dict(codex_reasoning, encrypted_content=reasoning.encrypted_content[:-2] + "00")
+    # the streamed call repeats the first one's prompt (a new segment); the follow-up continues the streamed call's
+    assert [x["segment_index"] for x in calls(gw, s)] == [0, 1, 1]
+    sealed_text = reasoning.encrypted_content
+    tampered = dict(codex_reasoning, encrypted_content=sealed_text[:-1] + ("1" if sealed_text[-1] == "0" else "0"))
     status, err = http(s["base_url"] + "/responses", {**{k: v for k, v in kw.items() if k != "model"},
                                                       "input": FIX + [tampered] + follow[2:]})
     assert status == 400 and err["error"]["param"] == "input[1].encrypted_content", err

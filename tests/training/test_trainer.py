@@ -137,7 +137,8 @@ def test_interleaved_pipeline_trains_like_one_rank_and_resumes(tmp_path):
             assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
             assert b["micro_batches"] % 2 == 0
-    assert steps["vpp_resumed"][0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # pi_old recomputed through the chunks
+    # pi_old recomputed through the chunks
+    assert steps["vpp_resumed"][0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
 def test_interleaved_pipeline_over_four_stages_keeps_variable_lengths(tmp_path):
