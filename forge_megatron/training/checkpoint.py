@@ -8,8 +8,10 @@ optimizer (``--use-distributed-optimizer``) keeps its fp32 master weights and Ad
 ``load_parameter_state`` (gathered to, and written by, the data-parallel rank 0 of each optimizer's group), as in
 Megatron-LM's torch-format checkpoints; without them a resumed run would write stale masters over the model. Rank 0 writes
 ``<save>/latest`` (the iteration) only after every rank has written its file, so a crash mid-save leaves the previous
-checkpoint as the one that loads. A resumed job must use the same parallel layout. ``rank_<RRRRR>.json`` records the
-rank's coordinates in the job and the HF config, for ``forge-convert trainer-to-hf`` (an offline HF export).
+checkpoint as the one that loads. ``rank_<RRRRR>.json`` records the rank's coordinates in the job and the HF config,
+for ``forge-convert trainer-to-hf`` (an offline HF export) and for resuming under another parallel layout: the file
+also holds the optimizer state keyed by parameter name (``param_states``; not with the distributed optimizer), from
+which :mod:`forge_megatron.training.reshard` rebuilds every rank's shards when the layout changed.
 
 After a checkpoint is complete the trainer commits the pool's delivered batches up to that batch id; on resume it
 asks the pool to re-serve everything delivered but not committed (``requeue_uncommitted``), so no group is lost and
@@ -64,14 +66,11 @@ def rank_coordinates() -> dict:
     }
 
 
-def check_resume_layout(saved: dict, here: dict, path: str) -> None:
-    """Refuse to resume a checkpoint written under another parallel layout (same world size, other TP / PP / EP /
-    CP / expert-TP split: the shards would not fit, or worse, would), naming what changed."""
+def layout_changes(saved: dict, here: dict) -> str:
+    """What differs between the layout a checkpoint was saved under and this job's ("tp 2 -> 1, pp 1 -> 2"; ""
+    when nothing does: then the rank files fit as they are)."""
     saved = {**saved, "etp": saved.get("etp", saved["tp"])}  # written before expert TP was recorded: TP
-    if saved != here:
-        differ = ", ".join(f"{k} {saved.get(k)} -> {here[k]}" for k in here if saved.get(k) != here[k])
-        raise ValueError(f"checkpoint {path} was saved under another parallel layout ({differ}): resume with the "
-                         "same one (or export it with forge-convert trainer-to-hf and start from the HF weights)")
+    return ", ".join(f"{k} {saved.get(k)} -> {here[k]}" for k in here if saved.get(k) != here[k])
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict,
@@ -92,6 +91,10 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
         "model_chunks": [c.state_dict() for c in chunks]}  # virtual-pipeline chunks, in order
     state = {"iteration": iteration, **weights, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(), **extra}
+    if not has_sharded_param_state(optimizer):  # the same tensors by parameter name: resume in another layout
+        from forge_megatron.training.reshard import param_states
+
+        state["param_states"] = param_states(chunks, optimizer)
     tmp = path + ".tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -121,19 +124,38 @@ def latest_iteration(root: str | None) -> int | None:
     return int(text)
 
 
-def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler) -> dict:
-    """Restore this rank's state; returns the saved dict (iteration, policy_version, last_batch_id, ...)."""
+def saved_layout(root: str, iteration: int) -> dict | None:
+    """The parallel layout checkpoint ``iteration`` was saved under (rank 0's rank_*.json; None before those)."""
+    meta_path = os.path.join(_iter_dir(root, iteration), "rank_00000.json")
+    if not os.path.isfile(meta_path):
+        return None
+    with open(meta_path) as f:
+        return json.load(f)["layout"]
+
+
+def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, log=None) -> dict:
+    """Restore this rank's state; returns the saved dict (iteration, policy_version, last_batch_id, ...). A
+    checkpoint saved under another parallel layout is resharded into this one (``reshard.load_resharded``; ``log``
+    is told so)."""
+    layout = saved_layout(root, iteration)
+    differ = layout_changes(layout, rank_coordinates()["layout"]) if layout is not None else ""
+    if differ:
+        from forge_megatron.convert.trainer_checkpoint import read_rank_metadata
+        from forge_megatron.training.reshard import load_resharded
+
+        if log is not None:
+            log(f"checkpoint {_iter_dir(root, iteration)} was saved under another parallel layout ({differ}): "
+                "resharding the model and optimizer state into this one")
+        return load_resharded(root, iteration, _chunks(model), optimizer, scheduler,
+                              read_rank_metadata(root, iteration))
     path = _rank_file(root, iteration)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path} is missing (was it saved with a different number of ranks?)")
     state = torch.load(path, map_location="cpu", weights_only=False)
     if state["world_size"] != dist.get_world_size():
         raise ValueError(f"checkpoint {path} was saved by {state['world_size']} ranks, this job has "
-                         f"{dist.get_world_size()}: resume with the same layout")
-    meta_path = path[:-len(".pt")] + ".json"
-    if os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            check_resume_layout(json.load(f)["layout"], rank_coordinates()["layout"], path)
+                         f"{dist.get_world_size()}, and it has no rank_*.json to reshard it by: resume with the "
+                         "layout it was saved in")
     chunks = _chunks(model)
     saved = [state["model"]] if "model" in state else state["model_chunks"]
     if len(saved) != len(chunks):

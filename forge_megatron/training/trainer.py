@@ -376,7 +376,7 @@ class Trainer:
             self.optimizer.reload_model_params()
             self._log(f"initialised from HF checkpoint {self.args.hf_checkpoint}")
         else:
-            state = load_checkpoint(self.args.load, iteration, self.ddp, self.optimizer, self.scheduler)
+            state = load_checkpoint(self.args.load, iteration, self.ddp, self.optimizer, self.scheduler, self._log)
             self.iteration, self.policy_version = state["iteration"], state["policy_version"]
             self.last_batch_id = state["last_batch_id"]
             self._log(f"resumed from {self.args.load} at iteration {iteration} (policy version "

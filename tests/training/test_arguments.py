@@ -442,9 +442,9 @@ def test_router_bias_update_rate_needs_a_bias():
 
 def test_expert_tensor_parallel_flag_and_resume_layout():
     """--expert-tensor-parallel-size takes 1 or the TP size (Megatron-LM's flag), reaches the parallel config, and a
-    checkpoint saved under another expert-TP split (same world size) is refused on resume, naming the change;
-    checkpoints written before the field existed read as expert TP = TP."""
-    from forge_megatron.training.checkpoint import check_resume_layout
+    checkpoint saved under another expert-TP split (same world size) is told apart (and resharded on resume),
+    naming the change; checkpoints written before the field existed read as expert TP = TP."""
+    from forge_megatron.training.checkpoint import layout_changes
 
     base = ["--hf-checkpoint", "m", "--lr", "1e-4", "--train-iters", "3", "--weight-sync-transport", "none",
             "--tensor-model-parallel-size", "2", "--sequence-parallel"]
@@ -456,6 +456,6 @@ def test_expert_tensor_parallel_flag_and_resume_layout():
     with pytest.raises(ValueError, match="--expert-tensor-parallel-size 4: forge supports 1 .* or the TP size \\(2\\)"):
         arguments.validate_args(arguments.parse_args(base + ["--expert-tensor-parallel-size", "4"]))
     layout = {"tp": 2, "pp": 1, "ep": 1, "cp": 1, "dp": 1, "vpp": 1}
-    check_resume_layout(layout, {**layout, "etp": 2}, "ckpt")  # an older checkpoint: expert TP = TP
-    with pytest.raises(ValueError, match="another parallel layout \\(etp 2 -> 1\\)"):
-        check_resume_layout(layout, {**layout, "etp": 1}, "ckpt")
+    assert layout_changes(layout, {**layout, "etp": 2}) == ""  # an older checkpoint: expert TP = TP
+    assert layout_changes(layout, {**layout, "etp": 1}) == "etp 2 -> 1"
+    assert layout_changes(layout, {**layout, "tp": 1, "pp": 2, "etp": 1}) == "tp 2 -> 1, pp 1 -> 2, etp 2 -> 1"

@@ -365,6 +365,26 @@ def test_exit_and_resume_continues_the_same_run_exactly(tmp_path):
         assert b["lr"] == pytest.approx(a["lr"], rel=1e-9)
 
 
+def test_resume_under_another_layout_continues_the_same_run(tmp_path):
+    """Saved after iteration 2 of 4 under TP = 2 and resumed under PP = 2: every rank's weights, Adam moments and
+    step counts are rebuilt from the other layout's shards (training/reshard.py), so iterations 3 and 4 equal the
+    uninterrupted one-rank run's (the moments show in step 4) with the same LR schedule and pool position."""
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    feed = lambda c: feed_groups(c, 4, np.random.default_rng(11), completion_len=(5, 9))  # noqa: E731
+    straight, _, _ = run_on_fresh_pool(tmp_path, "straight", model_dir, feed, iters=4, groups=1)
+    tp2, pp2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+    moved, stdouts, counts = run_on_fresh_pool(tmp_path, "moved", model_dir, feed, iters=4, groups=1,
+                                               exits=[(2, tp2, 2), (None, pp2, 2)])
+    assert counts[0] == 2 and "saved under another parallel layout (tp 2 -> 1, pp 1 -> 2, etp 2 -> 1)" in stdouts[1]
+    assert "resharding the model and optimizer state" in stdouts[1] and "resumed from" in stdouts[1]
+    assert len(moved) == len(straight) == 4
+    for a, b in zip(straight, moved):
+        assert (a["batch_id"], a["policy_version"]) == (b["batch_id"], b["policy_version"])
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["lr"] == pytest.approx(a["lr"], rel=1e-9)
+
+
 def test_recomputed_old_logprobs_give_unit_ratios(setup):
     """--old-logprobs recompute: pi_old is the current policy before the update, so every ratio is 1 at step 1; with
     the recorded rollout logprobs (-5 per token here) the ratios are far from 1."""

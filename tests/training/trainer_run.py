@@ -44,8 +44,9 @@ def read_steps(path):
 def run_on_fresh_pool(tmp_path, name: str, model_dir: str, feed, *, iters: int, groups: int, extra=(), nproc: int = 1,
                       exits=(None,), env_extra: dict | None = None, lr: str | None = None, model=None):
     """Start a forge-pool process, ``feed(client)`` it, and train ``iters`` iterations of the tiny model on it: one
-    process (or ``nproc`` under torchrun) per entry of ``exits`` (--exit-interval N, None: to the end), all in
-    ``tmp_path/name``. Returns (metric steps, stdout of each process, steps written after each process)."""
+    process (or ``nproc`` under torchrun) per entry of ``exits`` (--exit-interval N, None: to the end; or a tuple
+    (N or None, more flags, nproc) for a stage run in another layout), all in ``tmp_path/name``. Returns (metric
+    steps, stdout of each process, steps written after each process)."""
     import sys
 
     from .pool_feed import PoolProcess
@@ -55,15 +56,17 @@ def run_on_fresh_pool(tmp_path, name: str, model_dir: str, feed, *, iters: int, 
         feed(pool.client)
         run_dir = str(tmp_path / name)
         stdouts, counts = [], []
-        for exit_at in exits:
+        for stage in exits:
+            exit_at, more, procs = stage if isinstance(stage, tuple) else (stage, (), nproc)
             stop = ["--exit-interval", str(exit_at)] if exit_at else []
-            args = train_cmd(model_dir, pool, run_dir, iters=iters, groups=groups, extra=[*extra, *stop], model=model)
+            args = train_cmd(model_dir, pool, run_dir, iters=iters, groups=groups, extra=[*extra, *more, *stop],
+                             model=model)
             if lr is not None:
                 args[args.index("--lr") + 1] = lr
-            if nproc == 1:
+            if procs == 1:
                 cmd, env = [sys.executable, TRAIN, *args], train_env()
             else:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
                        str(free_port()), TRAIN, *args]
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
             out = subprocess.run(cmd, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=300)
