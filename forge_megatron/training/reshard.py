@@ -11,15 +11,17 @@ rearrangements ``forge-convert reshard`` applies to weights (moments and master 
 shape and split the same way). A tied output layer on the last stage (its own copy of the embedding, whose
 gradients Megatron keeps equal to the embedding's) takes the embedding's state.
 
-The fp32 masters of ``--bf16`` runs are restored the same way but untested (Megatron's bf16 optimizer does not build
-on CPU, and a layout change needs two GPUs). Not covered: Megatron's distributed optimizer (its state is sharded by bucket offsets, not by parameter; resume it
-in its own layout, or export with ``forge-convert trainer-to-hf`` and start from the HF weights), and checkpoints
-written before ``param_states`` existed (2026-12-01).
+The fp32 masters of ``--bf16`` runs are restored the same way but untested (Megatron's bf16 optimizer does not
+build on CPU, and a layout change needs two GPUs). Not covered: Megatron's distributed optimizer (its state is
+sharded by bucket offsets, not by parameter; resume it in its own layout, or export with ``forge-convert
+trainer-to-hf`` and start from the HF weights), and checkpoints written before ``param_states`` existed
+(2026-12-01).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -140,12 +142,28 @@ class _Source:
         return b.tp_join(name, [by_tp[tp] for tp in range(pl.tp)])
 
 
+class _Lazy(Mapping):
+    """Canonical weights read on demand: ``piece_state`` takes one at a time and keeps only this rank's shard."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read(name)
+
+    def __iter__(self):
+        raise TypeError("read one canonical tensor at a time")
+
+    def __len__(self) -> int:
+        raise TypeError("read one canonical tensor at a time")
+
+
 def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler, metas: list[dict]) -> dict:
     """Fill this rank's model, optimizer and scheduler from checkpoint ``iteration`` saved under another layout
     (``metas``: its rank_*.json); returns the saved run state of its rank 0 (iteration, policy version, ...)."""
     from megatron.core import parallel_state as ps
 
-    from forge_megatron.convert.checkpoint import EMBEDDING, TIED_HEAD, piece_inputs, piece_state
+    from forge_megatron.convert.checkpoint import EMBEDDING, TIED_HEAD, piece_state
     from forge_megatron.training.checkpoint import has_sharded_param_state
     from forge_megatron.weight_sync.gather import global_layers, unwrap
 
@@ -177,9 +195,8 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
         gpt = unwrap(chunk)
         layers, first, last = global_layers(gpt), gpt.pre_process, gpt.post_process
         pieces.append(layers)
-        full = {name: src.full(name, "weight") for name in piece_inputs(bridge, layers, first, last)
-                if bridge.expert_rank(name, here) in (None, ep)}
-        missing, unexpected = gpt.load_state_dict(piece_state(bridge, full, here, tp, ep, layers, first, last),
+        weights = _Lazy(lambda name: src.full(name, "weight"))
+        missing, unexpected = gpt.load_state_dict(piece_state(bridge, weights, here, tp, ep, layers, first, last),
                                                   strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
         unexpected = [u for u in unexpected if not u.endswith("_extra_state")]
