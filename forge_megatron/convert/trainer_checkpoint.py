@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import shutil
+from dataclasses import dataclass
 
 import torch
 
@@ -57,10 +58,39 @@ def read_rank_metadata(save_dir: str, iteration: int) -> list[dict]:
     return metas
 
 
-def _model_chunks(path: str) -> list[dict]:
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+@dataclass
+class SavedJob:
+    """How a checkpoint's job split the model: its layout, P pipeline stages of V chunks of ``per_chunk`` layers
+    (chunk v of stage p holds layers ``(v * P + p) * per_chunk ...``), and the lowest rank holding each (TP, PP, EP)
+    shard (any data-parallel replica has the same weights)."""
+
+    layout: ParallelLayout
+    P: int
+    V: int
+    per_chunk: int
+    owner: dict[tuple[int, int, int], int]
+
+
+def saved_job(metas: list[dict], bridge: Bridge) -> SavedJob:
+    layout = metas[0]["layout"]
+    P, V = layout["pp"], layout.get("vpp", 1)
+    if bridge.cfg.num_layers % (P * V):
+        raise ValueError(f"{bridge.cfg.num_layers} layers do not split into {P} x {V} pipeline chunks")
+    owner: dict[tuple[int, int, int], int] = {}
+    for m in sorted(metas, key=lambda m: m["rank"]):
+        owner.setdefault((m["tp"], m["pp"], m["ep"]), m["rank"])
+    return SavedJob(ParallelLayout(layout["tp"], P, layout["ep"], layout.get("etp")), P, V,
+                    bridge.cfg.num_layers // (P * V), owner)
+
+
+def model_chunks(state: dict) -> list[dict]:
+    """The model chunks of a rank file's state, with the names the GPTModel itself gives its tensors."""
     chunks = [state["model"]] if "model" in state else state["model_chunks"]
     return [{_strip_wrappers(k): v for k, v in chunk.items()} for chunk in chunks]
+
+
+def _model_chunks(path: str) -> list[dict]:
+    return model_chunks(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
 
 
 def _strip_wrappers(key: str) -> str:
@@ -81,15 +111,8 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
     if "hf_config" not in metas[0]:
         raise MappingError("the checkpoint's rank_*.json has no hf_config")
     bridge = Bridge(metas[0]["hf_config"])
-    pl = ParallelLayout(layout["tp"], layout["pp"], layout["ep"], layout.get("etp"))
-    P, V = layout["pp"], layout.get("vpp", 1)
-    if bridge.cfg.num_layers % (P * V):
-        raise ValueError(f"{bridge.cfg.num_layers} layers do not split into {P} x {V} pipeline chunks")
-    per_chunk = bridge.cfg.num_layers // (P * V)
-    # one shard per (tp, pp, ep): the lowest global rank holding it (any data-parallel replica has the same weights)
-    owner: dict[tuple[int, int, int], int] = {}
-    for m in sorted(metas, key=lambda m: m["rank"]):
-        owner.setdefault((m["tp"], m["pp"], m["ep"]), m["rank"])
+    job = saved_job(metas, bridge)
+    pl, P, V, per_chunk, owner = job.layout, job.P, job.V, job.per_chunk, job.owner
     it_dir = os.path.join(save_dir, f"iter_{iteration:07d}")
     cache: dict[int, list[dict]] = {}
 

@@ -71,17 +71,14 @@ class _Source:
     """The old layout's rank files (memory-mapped), asked for canonical tensors one at a time."""
 
     def __init__(self, root: str, iteration: int, metas: list[dict], bridge: Bridge):
+        from forge_megatron.convert.trainer_checkpoint import saved_job
+
         self.it_dir = os.path.join(root, f"iter_{iteration:07d}")
-        layout = metas[0]["layout"]
         self.bridge = bridge
-        self.layout = ParallelLayout(layout["tp"], layout["pp"], layout["ep"], layout.get("etp"))
-        self.P, self.V = layout["pp"], layout.get("vpp", 1)
-        self.per_chunk = bridge.cfg.num_layers // (self.P * self.V)
-        self.owner: dict[tuple[int, int, int], int] = {}
-        for m in sorted(metas, key=lambda m: m["rank"]):
-            self.owner.setdefault((m["tp"], m["pp"], m["ep"]), m["rank"])
+        job = saved_job(metas, bridge)
+        self.layout, self.P, self.V, self.per_chunk, self.owner = job.layout, job.P, job.V, job.per_chunk, job.owner
         self.files: dict[int, dict] = {}
-        self.weights: dict[tuple[int, int], dict] = {}  # (rank, chunk) -> its model state, wrapper prefixes gone
+        self.weights: dict[int, list[dict]] = {}  # rank -> its model chunks, wrapper prefixes gone
 
     def state(self, rank: int) -> dict:
         if rank not in self.files:
@@ -93,13 +90,11 @@ class _Source:
         return self.files[rank]
 
     def chunk_weights(self, rank: int, v: int) -> dict:
-        from forge_megatron.convert.trainer_checkpoint import _strip_wrappers
+        from forge_megatron.convert.trainer_checkpoint import model_chunks
 
-        if (rank, v) not in self.weights:
-            state = self.state(rank)
-            chunk = state["model"] if "model" in state else state["model_chunks"][v]
-            self.weights[(rank, v)] = {_strip_wrappers(k): t for k, t in chunk.items()}
-        return self.weights[(rank, v)]
+        if rank not in self.weights:
+            self.weights[rank] = model_chunks(self.state(rank))
+        return self.weights[rank][v]
 
     def _piece(self, name: str) -> tuple[int, int, range]:
         """(pipeline rank, virtual chunk, its global layers) of the piece holding canonical ``name``."""
