@@ -100,16 +100,15 @@ def _body(rank, world_size, state_path, kv_heads, save, moe, heads, comm):
 
 
 @pytest.mark.parametrize("cp,tp,heads,kv_heads,moe,comm", [
-    (2, 1, 4, 2, False, "a2a"), (2, 1, 4, 1, False, None), (4, 1, 4, 2, False, None), (2, 2, 4, 2, False, None),
-    (2, 1, 4, 2, True, None), (2, 1, 4, 2, False, "all_gather"), (4, 1, 2, 1, False, None),
-    (2, 2, 2, 2, False, None)])
+    (2, 1, 4, 2, True, "a2a"), (4, 1, 4, 2, False, None), (2, 1, 4, 2, False, "all_gather"),
+    (4, 1, 2, 1, False, None), (2, 2, 2, 2, False, None)])
 def test_cp_equals_cp1(tmp_path, cp, tp, heads, kv_heads, moe, comm):
-    """a2a (the automatic choice where heads allow): (2, 1, 4, 2) k/v all-to-all; (2, 1, 4, 1) and (4, 1, 4, 2): k/v
-    all-gathered, each rank keeping its one KV head; (2, 2, 4, 2): TP = 2 x CP = 2 on 4 ranks against TP = 2 alone
-    (2 query and 1 KV head per TP rank, vocab-parallel logprobs summed over CP), each rank against the CP = 1 rank
-    with its TP rank; MoE: a dense then a MoE layer (4 experts, top-2) routing each CP shard's tokens (router
-    auxiliary losses are off in the fp32 test config). all_gather: asked for with heads that a2a could split, chosen
-    automatically for CP = 4 with 2 query heads and 1 KV head, and under TP = 2 with one head per TP rank."""
+    """(2, 1, 4, 2) k/v all-to-all, on a dense then a MoE layer (4 experts, top-2) routing each CP shard's tokens
+    (router auxiliary losses are off in the fp32 test config); (4, 1, 4, 2): k/v all-gathered (automatic: 4 ranks,
+    2 KV heads), each rank keeping its KV head; all_gather: asked for with heads that a2a could split, chosen
+    automatically for CP = 4 with 2 query heads and 1 KV head, and under TP = 2 x CP = 2 (4 ranks) with one head per
+    TP rank, against TP = 2 alone (vocab-parallel logprobs summed over CP), each rank against the CP = 1 rank with
+    its TP rank. TP x CP with all-to-all: test_tree_sp.py."""
     state = str(tmp_path / "model.pt")
     want = run_distributed(_body, world_size=tp, parallel=ParallelConfig(tp=tp), state_path=state, kv_heads=kv_heads,
                            save=True, moe=moe, heads=heads, comm=comm)
