@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     g.add_argument("--admin-token", default=os.environ.get("FORGE_ADMIN_TOKEN"))
+    g.add_argument("--gateway-workers", type=int, default=1, metavar="N",
+                   help="serve sessions from N gateway processes behind this one (each session in one of them, "
+                        "episodes to the pool over ZeroMQ); one process prepares ~50 long-context calls/s "
+                        "(docs/middleware.md, multi-process gateway). Default 1: the gateway in this process")
     add_session_options(g)
     d = p.add_argument_group("data pool")
     d.add_argument("--pool-bind", default="tcp://127.0.0.1:5555")
@@ -74,12 +78,24 @@ def main(argv: list[str] | None = None) -> None:
                                host=args.host, port=args.port, admin_token=args.admin_token, **session_options(args))
     except ValueError as exc:
         raise SystemExit(f"forge-node: {exc}") from exc
+    if args.gateway_workers < 1:
+        raise SystemExit(f"forge-node: --gateway-workers must be >= 1, got {args.gateway_workers}")
     pool = DataPool(pool_config(args))
     server = PoolServer(pool, bind=args.pool_bind).start()
-    gateway = Gateway(config, sink=pool)
     print(f"forge-pool serving on {server.address}", flush=True)
+    ready = lambda port: print(f"FORGE_READY port={port}", flush=True)  # noqa: E731
     try:
-        asyncio.run(serve(gateway, ready=lambda port: print(f"FORGE_READY port={port}", flush=True)))
+        if args.gateway_workers > 1:  # the workers send episodes to this process's pool over ZeroMQ
+            from forge_megatron.middleware.gateway_front import GatewayFront, serve_front
+
+            addr = server.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
+            front = GatewayFront(config, args.gateway_workers, {"kind": "pool", "addr": addr}, pool=pool)
+            try:
+                asyncio.run(serve_front(front, ready=ready))
+            except RuntimeError as exc:  # a worker did not start: its own output says why
+                raise SystemExit(f"forge-node: {exc}") from exc
+        else:
+            asyncio.run(serve(Gateway(config, sink=pool), ready=ready))
     except KeyboardInterrupt:
         pass
     finally:

@@ -59,6 +59,7 @@ import ipaddress
 import json
 import logging
 import os
+import secrets
 import time
 import uuid
 from collections import deque
@@ -116,6 +117,9 @@ class GatewayConfig:
     # Run the Python code a checkpoint ships for its tokenizer or config (Kimi-K2's tiktoken tokenizer, configs of
     # model types transformers does not know), from model_path only: nothing is downloaded. SGLang's flag.
     trust_remote_code: bool = False
+    # Set by the front of a multi-process gateway (gateway_front.py) on each of its workers: session ids and API keys
+    # start with it, so the front routes a session's requests to the worker that holds the session.
+    worker_tag: str | None = None
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -137,6 +141,8 @@ class GatewayConfig:
             raise ValueError(f"session_idle_timeout_s must be > 0 or None, got {self.session_idle_timeout_s}")
         if not (isinstance(self.policy_temperature, (int, float)) and 0 < self.policy_temperature <= 2):
             raise ValueError(f"policy_temperature must be in (0, 2], got {self.policy_temperature!r}")
+        if self.worker_tag is not None and not (self.worker_tag.isascii() and self.worker_tag.isalnum()):
+            raise ValueError(f"worker_tag must be letters and digits, got {self.worker_tag!r}")
 
 
 def _is_loopback(host: str) -> bool:
@@ -485,6 +491,14 @@ class Gateway:
         self.resumed.set()
 
     # --- sessions ---------------------------------------------------------------------------------------------
+    def session_ids(self) -> dict:
+        """A new session's id and API key; a worker's (``worker_tag``) start with its tag: ``<tag>-<hex>`` and
+        ``forge-<tag>-<token>`` (see ``gateway_front.worker_tag_of``)."""
+        tag = self.config.worker_tag
+        if tag is None:
+            return {}
+        return {"session_id": f"{tag}-{uuid.uuid4().hex}", "api_key": f"forge-{tag}-{secrets.token_urlsafe(24)}"}
+
     def session_for_key(self, key: str | None) -> Session:
         sess = self.by_key.get(key or "")
         if sess is None:
@@ -1246,6 +1260,22 @@ async def create_group(request: web.Request, gw: Gateway) -> web.Response:
 
 
 @_admin
+async def adopt_group(request: web.Request, gw: Gateway) -> web.Response:
+    """A worker of a multi-process gateway takes over a group the sink already has (its first worker died and was
+    restarted): the front sends what POST /forge/groups was given. Nothing reaches the sink."""
+    if gw.config.worker_tag is None:
+        raise ApiError(404, "only the workers of a multi-process gateway adopt groups", code="not_a_worker")
+    body = await _body(request)
+    group_id, task_id, size = body.get("group_id"), body.get("task_id"), body.get("size")
+    if not isinstance(group_id, str) or not group_id or not isinstance(task_id, str) or \
+            isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise _bad("group", "adopting a group needs group_id, task_id and size")
+    gw.groups.setdefault(group_id, {"task_id": task_id, "size": size, "domain": str(body.get("domain", "default")),
+                                    "sessions": 0})
+    return web.json_response({"group_id": group_id})
+
+
+@_admin
 async def create_session(request: web.Request, gw: Gateway) -> web.Response:
     body = await _body(request)
     metadata = body.get("metadata") or {}
@@ -1255,7 +1285,7 @@ async def create_session(request: web.Request, gw: Gateway) -> web.Response:
     if not isinstance(evaluation, bool):
         raise _bad("eval", "eval must be true or false")
     if evaluation:
-        sess = _eval_session(body, metadata)
+        sess = _eval_session(body, metadata, gw.session_ids())
     elif body.get("sampling") is not None:
         raise _bad("sampling", "only eval sessions take sampling overrides (training calls follow the gateway's "
                                "--policy-sampling rule)")
@@ -1264,7 +1294,8 @@ async def create_session(request: web.Request, gw: Gateway) -> web.Response:
         if group is None:
             raise ApiError(404, f"unknown group_id {body.get('group_id')!r}: create it with POST /forge/groups",
                            param="group_id", code="group_not_found")
-        sess = Session(group_id=body["group_id"], task_id=group["task_id"], domain=group["domain"], metadata=metadata)
+        sess = Session(group_id=body["group_id"], task_id=group["task_id"], domain=group["domain"], metadata=metadata,
+                       **gw.session_ids())
         try:
             await asyncio.to_thread(gw.sink.episode_started, sess.group_id, sess.session_id)
         except SchemaError as exc:  # e.g. the pool closed the group (timed out, completed)
@@ -1278,7 +1309,7 @@ async def create_session(request: web.Request, gw: Gateway) -> web.Response:
                               "anthropic_base_url": f"{gw.base_url}/s/{sess.api_key}"})
 
 
-def _eval_session(body: dict, metadata: dict) -> Session:
+def _eval_session(body: dict, metadata: dict, ids: dict) -> Session:
     """An evaluation episode: no group, nothing for the sink; the task is named in the request itself."""
     if body.get("group_id") is not None:
         raise _bad("group_id", "an eval session belongs to no group: give task_id and domain instead of group_id")
@@ -1288,7 +1319,7 @@ def _eval_session(body: dict, metadata: dict) -> Session:
     if not isinstance(domain, str) or not domain:
         raise _bad("domain", "domain must be a non-empty string")
     return Session(group_id="", task_id=task_id, domain=domain, metadata=metadata, evaluation=True,
-                   sampling=session_sampling(body.get("sampling")))
+                   sampling=session_sampling(body.get("sampling")), **ids)
 
 
 @_admin
@@ -1426,20 +1457,32 @@ def prometheus_text(gw: Gateway, pool_metrics: dict | None = None) -> str:
     metric("engine_served_total", "counter", "requests the engine answered", [(lb, e.served) for lb, e in engines])
     metric("engine_failures_total", "counter", "requests to the engine that failed", [(lb, e.failures) for lb, e in engines])
     if pool_metrics is not None:
-        groups = pool_metrics.get("groups", {})
-        metric("pool_groups", "gauge", "data pool groups per state",
-               [(f'{{state="{_label(state)}"}}', n) for state, n in sorted(groups.items())])
-        for key in _POOL_GAUGES:
-            value = pool_metrics.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                metric(f"pool_{key}", "gauge", f"data pool {key.replace('_', ' ')}", [("", value)])
+        lines += pool_metric_lines(pool_metrics)
     return "\n".join(lines) + "\n"
+
+
+def pool_metric_lines(pool_metrics: dict) -> list[str]:
+    """The data pool's metrics (``DataPool.metrics()``) as Prometheus text lines."""
+    lines = []
+
+    def metric(name: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.extend([f"# HELP forge_{name} {help_text}", f"# TYPE forge_{name} gauge"])
+        lines.extend(f"forge_{name}{labels} {float(value):g}" for labels, value in samples)
+
+    metric("pool_groups", "data pool groups per state",
+           [(f'{{state="{_label(state)}"}}', n) for state, n in sorted(pool_metrics.get("groups", {}).items())])
+    for key in _POOL_GAUGES:
+        value = pool_metrics.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            metric(f"pool_{key}", f"data pool {key.replace('_', ' ')}", [("", value)])
+    return lines
 
 
 @_admin
 async def prometheus_metrics(request: web.Request, gw: Gateway) -> web.Response:
     pool = None
-    if callable(getattr(gw.sink, "metrics", None)):  # the data pool embedded in this process (forge-node)
+    if gw.config.worker_tag is None and callable(getattr(gw.sink, "metrics", None)):  # the data pool embedded in
+        # this process (forge-node); a worker's sink is the front's pool, which the front reports
         pool = await asyncio.to_thread(gw.sink.metrics)
     return web.Response(text=prometheus_text(gw, pool), content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
@@ -1460,6 +1503,7 @@ def make_app(gw: Gateway) -> web.Application:
         app.router.add_post(prefix + "/v1/messages/count_tokens", anthropic_api.count_tokens)
         app.router.add_get(prefix + "/v1/models", list_models)
     app.router.add_post("/forge/groups", create_group)
+    app.router.add_post("/forge/groups/adopt", adopt_group)
     app.router.add_post("/forge/sessions", create_session)
     app.router.add_get("/forge/sessions/{sid}", get_session)
     app.router.add_post("/forge/sessions/{sid}/reward", set_reward)
@@ -1554,6 +1598,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token for /forge/* (env FORGE_ADMIN_TOKEN); required beyond loopback")
     p.add_argument("--context-length", type=int, default=None, help="max prompt tokens + new tokens")
     p.add_argument("--pause-wait-s", type=float, default=120.0, help="how long calls wait while paused")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="serve sessions from N gateway processes behind this one (each session lives in one; agents "
+                        "get the worker's own base URL): one process prepares ~50 long-context calls/s. Default 1")
     add_session_options(p)
     p.add_argument("--episodes-jsonl", default=None,
                    help="append finished episodes to this JSONL file (default: keep them in memory)")
@@ -1563,14 +1610,22 @@ def build_parser() -> argparse.ArgumentParser:
 class JsonlSink(ListSink):
     """ListSink that also appends each episode as one JSON line (standalone runs without a data pool)."""
 
-    def __init__(self, path: str):
-        super().__init__()
+    def __init__(self, path: str, id_prefix: str = ""):
+        super().__init__(id_prefix)
         self.path = path
 
     def submit_episode(self, episode) -> None:
+        import fcntl
+
         super().submit_episode(episode)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(episode.to_dict()) + "\n")
+        line = (json.dumps(episode.to_dict()) + "\n").encode()
+        with open(self.path, "ab") as f:  # the workers of a multi-process gateway append to one file: whole lines
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                f.write(line)
+                f.flush()
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1583,6 +1638,18 @@ def main(argv: list[str] | None = None) -> None:
             context_length=args.context_length, pause_wait_s=args.pause_wait_s, **session_options(args))
     except ValueError as exc:
         raise SystemExit(f"forge-gateway: {exc}") from exc
+    if args.workers < 1:
+        raise SystemExit(f"forge-gateway: --workers must be >= 1, got {args.workers}")
+    if args.workers > 1:
+        from forge_megatron.middleware.gateway_front import GatewayFront, serve_front
+
+        spec = {"kind": "jsonl", "path": os.path.abspath(args.episodes_jsonl)} if args.episodes_jsonl else \
+            {"kind": "list"}
+        try:
+            asyncio.run(serve_front(GatewayFront(config, args.workers, spec), ready=print_ready))
+        except RuntimeError as exc:  # a worker did not start: its own output says why
+            raise SystemExit(f"forge-gateway: {exc}") from exc
+        return
     sink = JsonlSink(args.episodes_jsonl) if args.episodes_jsonl else ListSink()
     try:
         gw = Gateway(config, sink=sink)

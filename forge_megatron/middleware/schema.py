@@ -159,15 +159,16 @@ class EpisodeSink:
 class ListSink(EpisodeSink):
     """In-process sink that keeps episodes in a list (tests, single-process tools)."""
 
-    def __init__(self) -> None:
+    def __init__(self, id_prefix: str = "") -> None:
         self.episodes: list[Episode] = []
         self.groups: dict[str, dict] = {}
         self.started: list[tuple[str, str]] = []
+        self.id_prefix = id_prefix  # group ids unique across the workers of a multi-process gateway
 
     def register_group(self, task_id: str, size: int, domain: str = "default", metadata: dict | None = None) -> str:
         if size < 1:
             raise SchemaError(f"group size must be >= 1, got {size}")
-        group_id = f"g{len(self.groups):08d}"
+        group_id = f"{self.id_prefix}g{len(self.groups):08d}"
         self.groups[group_id] = {"task_id": task_id, "size": size, "domain": domain, "metadata": metadata or {}}
         return group_id
 

@@ -1,0 +1,219 @@
+"""A gateway in several processes (gateway_front.py): forge-gateway --workers 2 and forge-node --gateway-workers 2 as
+real processes in front of a real engine. Groups and sessions spread over the workers; calls go to a worker directly
+(its base_url) or through the front (path key, bearer key, streams, Anthropic's route); pause / resume reach every
+worker; /metrics labels each worker's series; episodes reach the JSONL file or the data pool from both; a worker
+killed with SIGKILL is started again (its sessions answer 410, its groups open sessions in the new worker, which
+comes back at the policy version of the others). CPU."""
+
+import json
+import os
+import signal
+import time
+
+import urllib.error
+import urllib.request
+
+import pytest
+
+from forge_megatron.middleware.gateway_front import merge_prometheus, worker_tag_of
+from forge_megatron.models.tiny import build_tiny_model
+from forge_megatron.rollout.launch import ProcessServer, start_engine
+
+TOKEN = "front-admin-token"
+ADMIN = {"X-Forge-Admin-Token": TOKEN}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model_dir = build_tiny_model(str(tmp_path_factory.mktemp("tiny")), seed=0)
+    eng = start_engine(model_dir, in_process=True)
+    yield model_dir, eng
+    eng.stop()
+
+
+class _Reply:
+    def __init__(self, status: int, text: str):
+        self.status_code, self.text = status, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def _http(method, url, body=None, headers=None, timeout=60) -> _Reply:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return _Reply(r.status, r.read().decode())
+    except urllib.error.HTTPError as exc:
+        return _Reply(exc.code, exc.read().decode())
+
+
+def _post(url, body=None, headers=ADMIN, ok=True):
+    r = _http("POST", url, body or {}, headers)
+    if ok:
+        assert r.status_code == 200, r.text
+    return r
+
+
+def _chat(base_url, key, content="hi", stream=False):
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "stream": stream}
+    r = _http("POST", base_url + "/chat/completions", body, {"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]["message"]["content"]
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    assert len(chunks) > 2  # streamed piece by piece through the front
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def _state(url):
+    r = _http("GET", url + "/forge/admin/state", headers=ADMIN)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_sessions_spread_over_workers_and_survive_a_worker_crash(engine, tmp_path):
+    model_dir, eng = engine
+    episodes = tmp_path / "episodes.jsonl"
+    front = ProcessServer("forge_megatron.middleware.gateway",
+                          ["--model-path", model_dir, "--engines", eng.url, "--workers", "2", "--admin-token", TOKEN,
+                           "--episodes-jsonl", str(episodes)])
+    try:
+        url = front.url
+        groups = [_post(url + "/forge/groups", {"task_id": f"t{i}", "size": 2}).json()["group_id"] for i in range(2)]
+        sessions = [_post(url + "/forge/sessions", {"group_id": g}).json() for g in groups for _ in range(2)]
+        tags = [worker_tag_of(s["session_id"]) for s in sessions]
+        assert tags[0] == tags[1] and tags[2] == tags[3] and {tags[0], tags[2]} == {"w0r0", "w1r0"}  # a group, a worker
+        assert all(worker_tag_of(s["api_key"]) == t for s, t in zip(sessions, tags))
+        ports = {s["base_url"].split("/s/")[0] for s in sessions}
+        assert len(ports) == 2 and url not in ports  # agents call the workers directly
+
+        # direct, through the front by path key, by bearer key, streamed; Anthropic's route through the front
+        assert _chat(sessions[0]["base_url"], sessions[0]["api_key"])
+        assert _chat(f"{url}/s/{sessions[1]['api_key']}/v1", "unused")
+        assert _chat(url + "/v1", sessions[2]["api_key"])
+        assert _chat(url + "/v1", sessions[3]["api_key"], stream=True)
+        r = _http("POST", f"{url}/s/{sessions[3]['api_key']}/v1/messages",
+                  {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hey"}]})
+        assert r.status_code == 200 and r.json()["type"] == "message", r.text
+        for s, n in zip(sessions, (1, 1, 1, 2)):  # recorded in the worker holding the session, read through the front
+            got = _http("GET", f"{url}/forge/sessions/{s['session_id']}", headers=ADMIN).json()
+            assert got["session_id"] == s["session_id"] and len(got["calls"]) == n, got
+
+        # bad keys and ids: the worker's 401, the front's 404; a malformed session body: the worker's 400
+        r = _http("POST", url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+                  {"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert _http("GET", url + "/forge/sessions/zzz", headers=ADMIN).status_code == 404
+        r = _post(url + "/forge/sessions", {"group_id": 5}, ok=False)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "group_not_found"
+        assert _post(url + "/forge/admin/pause", {}, headers={}, ok=False).status_code == 401
+
+        # pause and resume reach both workers; the front sums and labels
+        assert _post(url + "/forge/admin/pause", {"drain_timeout_s": 1}).json() == {"paused": True, "inflight": 0}
+        workers = _state(url)["workers"]
+        assert [w["tag"] for w in workers] == ["w0r0", "w1r0"] and all(_state(w["url"])["paused"] for w in workers)
+        assert _post(url + "/forge/admin/resume", {"policy_version": 3}).json()["policy_version"] == 3
+        state = _state(url)
+        assert not state["paused"] and state["policy_version"] == 3 and state["calls"] == 5
+        assert [_state(w["url"])["policy_version"] for w in workers] == [3, 3]
+        metrics = _http("GET", url + "/metrics", headers=ADMIN).text
+        assert metrics.count("# HELP forge_gateway_calls_total ") == 1
+        calls = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("forge_gateway_calls_total{")}
+        assert sorted(calls) == ['worker="0"', 'worker="1"'] and sum(calls.values()) == 5
+        assert "forge_gateway_workers 2" in metrics
+
+        # episodes from both workers reach the one file, whole lines
+        for s in sessions[:2] + sessions[2:3]:
+            assert _post(f"{url}/forge/sessions/{s['session_id']}/end", {"status": "finished"}).json()["sink"]
+        lines = episodes.read_text().splitlines()
+        assert sorted(json.loads(x)["episode_id"] for x in lines) == sorted(s["session_id"] for s in sessions[:3])
+
+        # SIGKILL the worker holding the last open session: started again under a new tag, at policy version 3
+        held = workers[int(tags[3][1])]
+        os.kill(held["pid"], signal.SIGKILL)
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            w = _state(url)["workers"][held["index"]]
+            if w["serving"] and w["tag"].endswith("r1"):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"worker {held['tag']} was not started again: {_state(url)['workers']}")
+        assert _state(w["url"])["policy_version"] == 3 and _state(url)["worker_restarts"] == 1
+        r = _http("POST", url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+                  {"Authorization": f"Bearer {sessions[3]['api_key']}"})
+        assert r.status_code == 410 and r.json()["error"]["code"] == "session_lost"
+        again = _post(url + "/forge/sessions", {"group_id": groups[1]}).json()  # the new worker adopts the group
+        assert worker_tag_of(again["session_id"]) == w["tag"]
+        assert _chat(again["base_url"], again["api_key"])
+        other = _post(url + "/forge/sessions", {"group_id": groups[0]}).json()  # the other worker is untouched
+        assert worker_tag_of(other["session_id"]) == tags[0] and _chat(other["base_url"], other["api_key"])
+        os.kill(front.proc.pid, signal.SIGKILL)  # the front alone, as an OOM kill would: its workers follow it
+    finally:
+        front.stop()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(w["pid"]) for w in workers + [w]):
+        time.sleep(0.1)
+    assert not any(_alive(w["pid"]) for w in workers + [w])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_forge_node_workers_send_episodes_to_its_pool(engine, tmp_path):
+    from forge_megatron.middleware.transport import PoolClient
+    from forge_megatron.utils.ports import free_port
+
+    model_dir, eng = engine
+    pool_addr = f"tcp://127.0.0.1:{free_port()}"
+    node = ProcessServer("forge_megatron.agents.middleware_node",
+                         ["--model-path", model_dir, "--engines", eng.url, "--gateway-workers", "2",
+                          "--pool-bind", pool_addr, "--pool-db", str(tmp_path / "pool.sqlite"),
+                          "--rollout-batch-groups", "2"])
+    client = PoolClient(pool_addr)
+    try:
+        url = node.url
+        gids = [_post(url + "/forge/groups", {"task_id": f"t{i}", "size": 2}, headers={}).json()["group_id"]
+                for i in range(2)]
+        ended = []
+        for gid in gids:
+            for reward in (0.0, 1.0):
+                s = _post(url + "/forge/sessions", {"group_id": gid}, headers={}).json()
+                assert _chat(s["base_url"], s["api_key"])
+                _post(f"{url}/forge/sessions/{s['session_id']}/reward", {"reward": reward}, headers={})
+                assert _post(f"{url}/forge/sessions/{s['session_id']}/end", {"status": "finished"},
+                             headers={}).json()["sink"] == "accepted"
+                ended.append(s["session_id"])
+        assert sorted({worker_tag_of(e) for e in ended}) == ["w0r0", "w1r0"]
+        assert all(client.group_status(g)["state"] == "finished" for g in gids)
+        batch = client.get_batch(2, timeout_s=10)  # scored by the pool: one episode of each group rewarded
+        assert batch is not None and sorted(x.episode_id for x in batch.samples) == sorted(ended)
+        assert sorted(set(x.group_index for x in batch.samples)) == sorted(batch.group_indices) and \
+            all(abs(x.advantages).max() > 0 for x in batch.samples)
+        metrics = _http("GET", url + "/metrics").text
+        assert metrics.count("# HELP forge_pool_groups ") == 1 and 'forge_pool_groups{state="delivered"} 2' in metrics
+        assert 'forge_gateway_calls_total{worker="0"} 2' in metrics and 'forge_gateway_calls_total{worker="1"} 2' in metrics
+    finally:
+        client.close()
+        node.stop()
+
+
+def test_merge_prometheus_labels_each_worker_and_keeps_one_help_line():
+    text = ("# HELP forge_x x\n# TYPE forge_x counter\nforge_x 1\n"
+            '# HELP forge_e e\n# TYPE forge_e gauge\nforge_e{engine="a"} 2\n')
+    merged = merge_prometheus([("0", text), ("1", text.replace(" 1\n", " 5\n"))])
+    assert merged == ["# HELP forge_x x", "# TYPE forge_x counter", 'forge_x{worker="0"} 1', 'forge_x{worker="1"} 5',
+                      "# HELP forge_e e", "# TYPE forge_e gauge", 'forge_e{worker="0",engine="a"} 2',
+                      'forge_e{worker="1",engine="a"} 2']
+    assert worker_tag_of("forge-w3r12-abc-def") == "w3r12" and worker_tag_of("w0r0-0123abcd") == "w0r0"
+    assert worker_tag_of("forge-Abc-xyz") is None and worker_tag_of("0123abcd") is None and worker_tag_of(None) is None
