@@ -20,6 +20,16 @@ cannot prefill 100k-token prompts on a CPU in useful time). Each turn adds a too
 of ``--repeats``) and ``render_ms`` (one render of the history alone).
 
     python benchmarks/gateway.py --multi-turn 200
+
+``--workers N`` measures how a gateway in N processes (``forge-gateway --workers N``, gateway_front.py) scales the
+work that grows with the conversation: ``--concurrency`` sessions each send Anthropic ``count_tokens`` calls for a
+conversation of ``--history-turns`` turns (the gateway renders the chat template over it and tokenises it, as for a
+call, without the engine: on a CPU machine the tiny engine's prefill would dominate). Side by side, in rounds:
+``one`` (one gateway process), ``workers`` (the N-worker gateway, each call sent to its session's worker, as agents
+do) and ``via_front`` (the same sessions' calls sent through the front, which forwards them). Calls/s are medians
+over ``--rounds``; on a machine with fewer free cores than N + 1 the speed-up is bounded by the cores.
+
+    python benchmarks/gateway.py --workers 2 --history-turns 50 --calls 200
 """
 
 from __future__ import annotations
@@ -161,6 +171,47 @@ def multi_turn(model: str, turns: int, result_words: int, repeats: int) -> dict:
     return out
 
 
+async def worker_scaling(one_url: str, front_url: str, args) -> dict:
+    """calls/s of count_tokens on a long conversation: one gateway process, the N workers directly, through the
+    front (module docstring)."""
+    import random
+
+    rng = random.Random(0)
+    words = "the file test error value patch result line function return import class output".split()
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    messages = [{"role": "user", "content": text(100)}]
+    for _ in range(args.history_turns):
+        messages += [{"role": "assistant", "content": text(30)}, {"role": "user", "content": text(args.result_words)}]
+    body = {"model": "tiny", "max_tokens": 1, "messages": messages}
+
+    async def sessions(http, url: str) -> list[str]:
+        out = []
+        for _ in range(args.concurrency):  # eval sessions: the front deals them to its workers in turn
+            async with http.post(url + "/forge/sessions", json={"eval": True, "task_id": "bench"}) as r:
+                out.append((await r.json())["anthropic_base_url"])
+        return out
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        bases = {"one": await sessions(http, one_url), "workers": await sessions(http, front_url)}
+        bases["via_front"] = [front_url + "/s/" + b.rsplit("/s/", 1)[1] for b in bases["workers"]]
+        async with http.post(bases["one"][0] + "/v1/messages/count_tokens", json=body) as r:
+            tokens = (await r.json())["input_tokens"]
+        rates: dict[str, list[float]] = {name: [] for name in bases}
+        for _ in range(args.rounds):
+            for name, urls in bases.items():
+                calls = [lambda u=u: _post(http, u + "/v1/messages/count_tokens", body) for u in urls]
+                rates[name].append(await _throughput(calls, args.calls))
+    med = {name: float(np.median(r)) for name, r in rates.items()}
+    return {"workers": args.workers, "one_calls_per_s": round(med["one"], 1),
+            "workers_calls_per_s": round(med["workers"], 1), "via_front_calls_per_s": round(med["via_front"], 1),
+            "speedup": round(med["workers"] / med["one"], 2), "via_front_speedup": round(med["via_front"] / med["one"], 2),
+            "prompt_tokens": tokens, "prompt_chars": sum(len(m["content"]) for m in messages),
+            "concurrency": args.concurrency, "calls": args.calls, "rounds": args.rounds, "cpus": os.cpu_count()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=300, help="calls per path for latency and for throughput")
@@ -171,6 +222,10 @@ def main() -> None:
                    help="measure prompt preparation over a conversation of TURNS tool calls instead (in process)")
     p.add_argument("--result-words", type=int, default=150, help="--multi-turn: words per tool result")
     p.add_argument("--repeats", type=int, default=5, help="--multi-turn: timings per measured turn (median)")
+    p.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="measure one gateway process against a gateway in N processes instead (module docstring)")
+    p.add_argument("--history-turns", type=int, default=50, help="--workers: turns of the conversation sent")
+    p.add_argument("--rounds", type=int, default=3, help="--workers: rounds of the three paths (median)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(os.path.join(tmp, "tiny"))
@@ -183,6 +238,17 @@ def main() -> None:
         prompt_ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
                                 add_special_tokens=False)
         engine = start_engine(model)
+        if args.workers:
+            one = start_gateway(model, [engine.url])
+            front = start_gateway(model, [engine.url], extra_args=["--workers", str(args.workers)])
+            try:
+                print(json.dumps({**asyncio.run(worker_scaling(one.url, front.url, args)),
+                                  "result_words": args.result_words}))
+            finally:
+                front.stop()
+                one.stop()
+                engine.stop()
+            return
         gateway = start_gateway(model, [engine.url])
         try:
             result = asyncio.run(measure(engine.url, gateway.url, prompt_ids, args, gateway.proc.pid))

@@ -16,7 +16,8 @@
 # default 1800; the pool times out what is idle for twice that, e.g. after a driver crash), TOOL_PARSER and
 # REASONING_PARSER (the model's tool-call and thinking formats: the gateway's --tool-parser / --reasoning-parser;
 # defaults from scripts/models/<MODEL>.sh when MODEL is set, else hermes and none), CHAT_TEMPLATE_KWARGS (JSON),
-# TRUST_REMOTE_CODE (1: SGLang and the gateway run the tokenizer/config code the checkpoint ships, e.g. Kimi-K2).
+# TRUST_REMOTE_CODE (1: SGLang and the gateway run the tokenizer/config code the checkpoint ships, e.g. Kimi-K2),
+# GATEWAY_WORKERS (N > 1: sessions served by N gateway processes behind the gateway port).
 set -euo pipefail
 DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
@@ -100,6 +101,7 @@ NODE_FLAGS+=(--policy-temperature "$ROLLOUT_TEMPERATURE" --tool-parser "$TOOL_PA
 [ -n "$REASONING_PARSER" ] && NODE_FLAGS+=(--reasoning-parser "$REASONING_PARSER")
 [ -n "$CHAT_TEMPLATE_KWARGS" ] && NODE_FLAGS+=(--chat-template-kwargs "$CHAT_TEMPLATE_KWARGS")
 [ "${TRUST_REMOTE_CODE:-0}" = 1 ] && NODE_FLAGS+=(--trust-remote-code)
+[ "${GATEWAY_WORKERS:-1}" -gt 1 ] && NODE_FLAGS+=(--gateway-workers "$GATEWAY_WORKERS")
 DRIVER_FLAGS=()
 [ -n "$EVAL_TASKS" ] && DRIVER_FLAGS+=(--eval-tasks "$EVAL_TASKS" --eval-every-versions "$EVAL_EVERY"
                                        --eval-output "$RUN_DIR/evals.jsonl")

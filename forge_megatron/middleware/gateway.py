@@ -1659,4 +1659,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # python -m runs this file as __main__, a second copy of the module: the Anthropic and Responses routes import
+    # forge_megatron.middleware.gateway and look the gateway up under that module's app key, so serve from it
+    from forge_megatron.middleware import gateway as _gateway
+
+    _gateway.main()

@@ -173,8 +173,8 @@ class GatewayFront:
                                    + "".join(tail)) from None
             if not line:
                 await w.proc.wait()
-                raise RuntimeError(f"gateway worker {w.tag} exited with {w.proc.returncode} before it served:\n"
-                                   + "".join(tail))
+                raise RuntimeError(f"gateway worker {w.tag} exited with {w.proc.returncode} before it served (its "
+                                   "error is above)" + "".join(["; its output:\n", *tail] if tail else []))
             text = line.decode(errors="replace")
             if text.startswith("FORGE_READY port="):
                 port = int(text.strip().split("=", 1)[1])
@@ -552,7 +552,11 @@ def serve_worker() -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s forge-gateway[{spec['tag']}] %(message)s")
     parent = int(os.environ.get("FORGE_GATEWAY_FRONT_PID", os.getppid()))
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    gw = Gateway(GatewayConfig(**spec["config"]), sink=_sink(spec["sink"], spec["tag"]))
+    try:
+        gw = Gateway(GatewayConfig(**spec["config"]), sink=_sink(spec["sink"], spec["tag"]))
+    except ValueError as exc:  # e.g. --return-routed-experts on a dense model: the front reports the exit
+        print(f"forge-gateway[{spec['tag']}]: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     asyncio.run(serve(gw, ready=print_ready))
 
 

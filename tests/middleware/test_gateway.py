@@ -760,6 +760,12 @@ def test_gateway_cli_subprocess_writes_episodes_jsonl(tmp_path, stack, model_dir
     try:
         s = new_session(gw)
         client(s).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=60)
+        # the routes of the other APIs find the gateway too (python -m runs the module as __main__, a second copy)
+        counted = urllib.request.Request(s["anthropic_base_url"] + "/v1/messages/count_tokens", method="POST",
+                                         data=json.dumps({"model": "tiny", "messages": USER}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(counted, timeout=30) as r:
+            assert json.loads(r.read())["input_tokens"] > 0
         assert end(gw, s)[0] == 200
     finally:
         gw.stop()

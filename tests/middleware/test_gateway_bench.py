@@ -17,3 +17,14 @@ def test_multi_turn_mode_times_one_growing_segment():
     assert result["continues"] == [False, True, True]  # every later call extends the first call's segment
     assert result["prompt_tokens"] == sorted(set(result["prompt_tokens"]))  # grows turn by turn
     assert all(ms > 0 for ms in result["prepare_ms"] + result["render_ms"])
+
+
+def test_workers_mode_measures_the_three_paths_on_one_conversation():
+    out = subprocess.run([sys.executable, SCRIPT, "--workers", "2", "--history-turns", "3", "--result-words", "10",
+                          "--calls", "8", "--concurrency", "2", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["workers"] == 2 and result["prompt_tokens"] > 50  # the whole conversation counted
+    assert all(result[k] > 0 for k in ("one_calls_per_s", "workers_calls_per_s", "via_front_calls_per_s"))
+    assert abs(result["speedup"] - result["workers_calls_per_s"] / result["one_calls_per_s"]) < 0.02

@@ -217,3 +217,20 @@ def test_merge_prometheus_labels_each_worker_and_keeps_one_help_line():
                       'forge_e{worker="1",engine="a"} 2']
     assert worker_tag_of("forge-w3r12-abc-def") == "w3r12" and worker_tag_of("w0r0-0123abcd") == "w0r0"
     assert worker_tag_of("forge-Abc-xyz") is None and worker_tag_of("0123abcd") is None and worker_tag_of(None) is None
+
+
+def test_a_worker_that_cannot_start_stops_the_gateway_with_its_reason(engine):
+    """--return-routed-experts on a dense model: each worker refuses; the front exits naming why, not hanging."""
+    import subprocess
+    import sys
+
+    model_dir, eng = engine
+    out = subprocess.run([sys.executable, "-m", "forge_megatron.middleware.gateway", "--model-path", model_dir,
+                          "--engines", eng.url, "--port", "0", "--workers", "2", "--return-routed-experts"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "FORGE_READY" not in out.stdout
+    assert "exited with 1 before it served" in out.stderr and "not a MoE model" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "forge_megatron.middleware.gateway", "--model-path", model_dir,
+                          "--engines", eng.url, "--workers", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--workers must be >= 1" in out.stderr

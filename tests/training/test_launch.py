@@ -40,7 +40,7 @@ def test_bash_syntax_and_help():
 @pytest.mark.parametrize("layout", [
     dict(ROLLOUT_NODES=2, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=2, TP=2, PP=1, EP=1, CP=1, MODEL="qwen3-8B"),
     dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B",
-         FP32_LM_HEAD=1, POLICY_SAMPLING=0, ROLLOUT_TEMPERATURE=0.8, TRUST_REMOTE_CODE=1),
+         FP32_LM_HEAD=1, POLICY_SAMPLING=0, ROLLOUT_TEMPERATURE=0.8, TRUST_REMOTE_CODE=1, GATEWAY_WORKERS=4),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
          USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1,
          EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5, RETIRE_SOLVED_AFTER=3),
@@ -102,6 +102,7 @@ def test_dry_run_plan_is_consistent(layout):
     assert node.trust_remote_code is remote and all(("--trust-remote-code" in c) is remote for c in engines)
     assert node.drop_zero_advantage_groups is (layout.get("DROP_ZERO_ADVANTAGE_GROUPS") == 1)
     assert node.policy_sampling is (layout.get("POLICY_SAMPLING", 1) == 1)  # on unless turned off
+    assert node.gateway_workers == layout.get("GATEWAY_WORKERS", 1)
     # the gateway samples training calls at the temperature the trainer scores them at
     assert node.policy_temperature == args.rollout_temperature == float(layout.get("ROLLOUT_TEMPERATURE", 1))
     # the model script's output formats (Qwen3: thinking blocks as reasoning_content)
@@ -212,15 +213,17 @@ def test_run_local_dry_run_is_consistent():
     from forge_megatron.agents.middleware_node import build_parser as node_parser
 
     (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
-    assert node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:]).policy_sampling
+    node = node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:])
+    assert node.policy_sampling and node.gateway_workers == 1
     with_eval = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=60,
                                env={**env, "EVAL_TASKS": "heldout.jsonl", "POLICY_SAMPLING": "0",
                                     "ROLLOUT_TEMPERATURE": "0.6", "TOOL_PARSER": "qwen3_coder",
-                                    "REASONING_PARSER": "qwen3", "CHAT_TEMPLATE_KWARGS": '{"enable_thinking": false}'})
+                                    "REASONING_PARSER": "qwen3", "CHAT_TEMPLATE_KWARGS": '{"enable_thinking": false}',
+                                    "GATEWAY_WORKERS": "3"})
     cmds = _commands(with_eval.stdout)
     (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
     node = node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:])
-    assert not node.policy_sampling and node.policy_temperature == 0.6
+    assert not node.policy_sampling and node.policy_temperature == 0.6 and node.gateway_workers == 3
     assert (node.tool_parser, node.reasoning_parser, node.chat_template_kwargs) == \
         ("qwen3_coder", "qwen3", {"enable_thinking": False})
     (trainer,) = [c for c in cmds if "train_forge.py" in " ".join(c)]
