@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out tasks (no SFT or RL task among them) evaluated before, during and after RL "
                         "(0: no evaluation; at most 45)")
     p.add_argument("--eval-every", type=int, default=20, help="policy versions between evaluations during RL")
+    p.add_argument("--gateway-workers", type=int, default=1, metavar="N",
+                   help="serve the agents' sessions from N gateway processes behind the gateway port (forge-node "
+                        "--gateway-workers; the driver, trainer and weight sync use the one URL as before)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up (and clean up) after this long")
     return p
@@ -173,7 +176,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
                             "--pool-db", os.path.join(out, "pool.sqlite"), "--rollout-batch-groups",
                             str(args.groups_per_step), "--window-fraction", "1.0", "--max-staleness", "1",
                             "--train-batch-groups", str(args.groups_per_step), "--default-max-tokens", "48",
-                            "--policy-sampling",
+                            "--policy-sampling", "--gateway-workers", str(args.gateway_workers),
                             *(["--return-routed-experts"] if args.moe else [])])
     agent = procs.server("calculator agent", "forge_megatron.agents.calculator", ["--serve", "--api", args.agent_api])
     evals_path = os.path.join(out, "evals.jsonl")

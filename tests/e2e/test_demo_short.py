@@ -26,7 +26,8 @@ def _processes_mentioning(text: str) -> list[str]:
 def test_short_demo_runs_the_whole_loop(tmp_path):
     out = tmp_path / "demo_run"
     cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--out", str(out), "--steps", "3", "--sft-steps", "20",
-           "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400", "--eval-tasks", "8", "--eval-every", "2"]
+           "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400", "--eval-tasks", "8", "--eval-every", "2",
+           "--gateway-workers", "2"]  # the sessions over two gateway processes; driver, trainer, sync: one URL
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for stage in ("1/5", "2/5", "3/5", "4/5", "5/5"):
@@ -61,6 +62,14 @@ def test_short_demo_runs_the_whole_loop(tmp_path):
     assert len(held_out) == 8 and not held_out & trained
     # the pre-RL evaluation was published to the gateway and the trainer logged it with its first step
     assert steps[0]["eval/policy_version"] == 0 and steps[0]["eval/pass@1"] == summary["evals"][0]["pass@1"]
+    # the episodes the pool received came from both gateway workers (their session ids carry the worker's tag)
+    import sqlite3
+
+    from forge_megatron.middleware.gateway_front import worker_tag_of
+
+    with sqlite3.connect(out / "pool.sqlite") as db:
+        ids = [row[0] for row in db.execute("SELECT episode_id FROM episodes")]
+    assert len(ids) >= 3 * 8 and {worker_tag_of(i) for i in ids} == {"w0r0", "w1r0"}, ids[:4]
 
 
 def test_short_moe_demo_replays_the_engines_routing(tmp_path):
