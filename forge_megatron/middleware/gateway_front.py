@@ -152,7 +152,8 @@ class GatewayFront:
         return {"config": fields, "sink": self.sink, "tag": w.tag}
 
     async def _start(self, w: _Worker) -> None:
-        """Start worker ``w`` and wait for its port (raise with its output when it dies first)."""
+        """Start worker ``w`` and wait for its port (raise with its output when it dies first); the caller marks it
+        ready."""
         w.ready, w.url = False, None
         w.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "forge_megatron.middleware.gateway_front", "--serve-worker",
@@ -179,7 +180,7 @@ class GatewayFront:
             if text.startswith("FORGE_READY port="):
                 port = int(text.strip().split("=", 1)[1])
                 host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
-                w.url, w.ready = f"http://{host}:{port}", True
+                w.url = f"http://{host}:{port}"
                 asyncio.get_running_loop().create_task(self._relay(w))
                 log.info("gateway worker %s (pid %d) serves on %s", w.tag, w.proc.pid, w.url)
                 return
@@ -197,6 +198,8 @@ class GatewayFront:
                                    timeout=ClientTimeout(total=None, sock_connect=10))
         try:
             await asyncio.gather(*(self._start(w) for w in self.workers))
+            for w in self.workers:
+                w.ready = True
         except BaseException:
             await self.stop()
             raise
@@ -218,12 +221,21 @@ class GatewayFront:
                 self.restarts_total += 1
                 try:
                     await self._start(w)
-                    if self.policy_version is not None:
-                        await self._json(w, "POST", "/forge/admin/resume", body={"policy_version": self.policy_version})
-                    if self.paused:
-                        await self._json(w, "POST", "/forge/admin/pause", body={"drain_timeout_s": 0})
+                    applied = None
+                    while applied != (self.paused, self.policy_version):  # a pause or resume may come meanwhile
+                        applied = (self.paused, self.policy_version)
+                        version = {} if applied[1] is None else {"policy_version": applied[1]}
+                        for path, body in (("resume", version), *((("pause", {"drain_timeout_s": 0}),)
+                                                                  if applied[0] else ())):
+                            status, answer = await self._json(w, "POST", f"/forge/admin/{path}", body=body)
+                            if status != 200:
+                                raise RuntimeError(f"{path} answered {status}: {answer}")
+                    w.ready = True  # only now: no call reaches it at another version or while the others pause
                 except Exception:  # noqa: BLE001 - the others keep serving; try again in a while
                     log.exception("gateway worker %s did not start again; next try in 5 s", w.tag)
+                    if w.proc.returncode is None:
+                        w.proc.kill()
+                        await w.proc.wait()
                     w.ready, w.retry_at = False, time.monotonic() + 5.0
 
     async def stop(self) -> None:

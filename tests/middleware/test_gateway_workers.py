@@ -132,8 +132,10 @@ def test_sessions_spread_over_workers_and_survive_a_worker_crash(engine, tmp_pat
         lines = episodes.read_text().splitlines()
         assert sorted(json.loads(x)["episode_id"] for x in lines) == sorted(s["session_id"] for s in sessions[:3])
 
-        # SIGKILL the worker holding the last open session: started again under a new tag, at policy version 3
+        # SIGKILL the worker holding the last open session during a pause: started again under a new tag, paused, at
+        # policy version 3, as the other worker is
         held = workers[int(tags[3][1])]
+        _post(url + "/forge/admin/pause", {"drain_timeout_s": 0})
         os.kill(held["pid"], signal.SIGKILL)
         deadline = time.time() + 90
         while time.time() < deadline:
@@ -143,7 +145,11 @@ def test_sessions_spread_over_workers_and_survive_a_worker_crash(engine, tmp_pat
             time.sleep(0.2)
         else:
             raise AssertionError(f"worker {held['tag']} was not started again: {_state(url)['workers']}")
-        assert _state(w["url"])["policy_version"] == 3 and _state(url)["worker_restarts"] == 1
+        restarted = _state(w["url"])
+        assert restarted["policy_version"] == 3 and restarted["paused"] and _state(url)["worker_restarts"] == 1
+        assert _post(url + "/forge/admin/resume", {"policy_version": 4}).json()["policy_version"] == 4
+        assert [(s["paused"], s["policy_version"]) for s in (_state(x["url"]) for x in _state(url)["workers"])] == \
+            [(False, 4), (False, 4)]
         r = _http("POST", url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
                   {"Authorization": f"Bearer {sessions[3]['api_key']}"})
         assert r.status_code == 410 and r.json()["error"]["code"] == "session_lost"
