@@ -117,6 +117,9 @@ class GatewayConfig:
     # Run the Python code a checkpoint ships for its tokenizer or config (Kimi-K2's tiktoken tokenizer, configs of
     # model types transformers does not know), from model_path only: nothing is downloaded. SGLang's flag.
     trust_remote_code: bool = False
+    # A new session opens on the engine its group's sessions use (one cached prefill of the task's shared prompt)
+    # unless that engine has more than this many calls in flight over the least-loaded one; None: least-loaded only.
+    group_affinity_slack: int | None = 32
     # Set by the front of a multi-process gateway (gateway_front.py) on each of its workers: session ids and API keys
     # start with it, so the front routes a session's requests to the worker that holds the session.
     worker_tag: str | None = None
@@ -141,6 +144,8 @@ class GatewayConfig:
             raise ValueError(f"session_idle_timeout_s must be > 0 or None, got {self.session_idle_timeout_s}")
         if not (isinstance(self.policy_temperature, (int, float)) and 0 < self.policy_temperature <= 2):
             raise ValueError(f"policy_temperature must be in (0, 2], got {self.policy_temperature!r}")
+        if self.group_affinity_slack is not None and self.group_affinity_slack < 0:
+            raise ValueError(f"group_affinity_slack must be >= 0 or None, got {self.group_affinity_slack}")
         if self.worker_tag is not None and not (self.worker_tag.isascii() and self.worker_tag.isalnum()):
             raise ValueError(f"worker_tag must be letters and digits, got {self.worker_tag!r}")
 
@@ -447,7 +452,8 @@ class Gateway:
         self.reasoning = get_reasoning_parser(config.reasoning_parser)
         self.no_parser = self.parser.without_calls()  # tool_choice "none"
         self.fleet = EngineFleet(config.engine_urls, FleetConfig(max_attempts=config.engine_attempts,
-                                                                 health_interval_s=config.health_interval_s))
+                                                                 health_interval_s=config.health_interval_s,
+                                                                 group_affinity_slack=config.group_affinity_slack))
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model_path))
         self.groups: dict[str, dict] = {}
         self.sessions: dict[str, Session] = {}
@@ -661,7 +667,8 @@ class Gateway:
                 return self.complete(call, None)
             try:
                 result = await self.fleet.generate(ids, sampling, session_key=sess.session_id,
-                                                   return_routed_experts=self.routing_shape is not None)
+                                                   return_routed_experts=self.routing_shape is not None,
+                                                   group_key=sess.group_id or None)
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
             if result.finish_type != "abort":
@@ -685,7 +692,7 @@ class Gateway:
             try:
                 async for result in self.fleet.generate_stream(
                         ids, sampling, session_key=sess.session_id,
-                        return_routed_experts=self.routing_shape is not None):
+                        return_routed_experts=self.routing_shape is not None, group_key=sess.group_id or None):
                     sent = await on_partial(self.joined(call, result))
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
@@ -1408,6 +1415,7 @@ async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
         "sessions_ended": sum(s.ended for s in gw.sessions.values()), **gw.stats,
         "engines": [{"url": e.url, "up": e.up, "inflight": e.inflight, "served": e.served, "failures": e.failures}
                     for e in gw.fleet.engines],
+        "group_affinity": dict(gw.fleet.affinity),  # new sessions placed on their group's engine / away from it
         # what the trainer checks against its own flags at start (--rollout-temperature)
         "config": {"policy_sampling": gw.config.policy_sampling, "policy_temperature": gw.config.policy_temperature},
     })
@@ -1565,6 +1573,10 @@ def add_session_options(p) -> None:
     p.add_argument("--session-idle-timeout-s", type=float, default=None,
                    help="end open sessions with no call for this long as timed_out (their agent or driver died); "
                         "default: never")
+    p.add_argument("--group-affinity-slack", type=int, default=32, metavar="N",
+                   help="open a session on the engine its group's sessions use (their shared prompt prefilled and "
+                        "cached once) unless it has more than N calls in flight over the least-loaded engine "
+                        "(default 32; -1: every new session to the least-loaded engine)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the tokenizer / config code the checkpoint ships (Kimi-K2's tokenizer), from "
                         "--model-path only (SGLang's flag; the engines need it too)")
@@ -1580,7 +1592,8 @@ def session_options(args: argparse.Namespace) -> dict:
                 chat_template_kwargs=args.chat_template_kwargs, default_max_tokens=args.default_max_tokens,
                 return_routed_experts=args.return_routed_experts, resume_aborted=args.resume_aborted,
                 policy_sampling=args.policy_sampling, policy_temperature=args.policy_temperature,
-                session_idle_timeout_s=args.session_idle_timeout_s, trust_remote_code=args.trust_remote_code)
+                session_idle_timeout_s=args.session_idle_timeout_s, trust_remote_code=args.trust_remote_code,
+                group_affinity_slack=None if args.group_affinity_slack < 0 else args.group_affinity_slack)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -439,6 +439,8 @@ class GatewayFront:
         for key, value in states[0].items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "policy_version":
                 out[key] = sum(s.get(key, 0) for s in states)
+        out["group_affinity"] = {k: sum((s.get("group_affinity") or {}).get(k, 0) for s in states)
+                                 for k in states[0].get("group_affinity") or {}}
         out["paused"] = any(s.get("paused") for s in states)
         out["policy_version"] = max(s.get("policy_version", 0) for s in states)
         engines: dict[str, dict] = {}

@@ -13,7 +13,9 @@ stop_token_ids, ...}, ``return_logprob``, ``stream``, ``rid``; it answers ``outp
 ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache, weight_version}.
 
 The fleet routes each call to the least-loaded live engine, but keeps a session on the engine it used before
-(its prefix cache holds the session's history). An engine that fails a call (connection refused/reset, timeout,
+(its prefix cache holds the session's history), and opens a session on the engine its group's sessions use (the G
+rollouts of a task share the task's prompt: one prefill of it, cached, instead of one per engine) unless that engine
+has more than ``group_affinity_slack`` calls in flight over the least-loaded one. An engine that fails a call (connection refused/reset, timeout,
 5xx) is marked down and the call is retried on another engine; a health loop marks engines back up.
 """
 
@@ -234,12 +236,25 @@ class FleetConfig:
     health_interval_s: float = 2.0  # how often down engines are probed
     max_sticky_sessions: int = 100_000  # LRU bound on the session -> engine map
     timeout_s: float = 600.0  # per /generate call
+    # A new session goes to its group's engine unless that one has more than this many calls in flight over the
+    # least-loaded engine (SGLang's cache-aware router balances on a similar absolute threshold, 32); None: each new
+    # session to the least-loaded engine.
+    group_affinity_slack: int | None = 32
 
     def __post_init__(self):
+        if self.group_affinity_slack is not None and self.group_affinity_slack < 0:
+            raise ValueError(f"group_affinity_slack must be >= 0 or None, got {self.group_affinity_slack}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+
+
+def _remember(lru: OrderedDict, key: str, value, bound: int) -> None:
+    lru[key] = value
+    lru.move_to_end(key)
+    while len(lru) > bound:
+        lru.popitem(last=False)
 
 
 class EngineFleet:
@@ -251,22 +266,33 @@ class EngineFleet:
         self.config = config or FleetConfig()
         self.engines = [EngineState(SGLangClient(u, self.config.timeout_s)) for u in urls]
         self.sticky: OrderedDict[str, EngineState] = OrderedDict()
+        self.group_sticky: OrderedDict[str, EngineState] = OrderedDict()  # a group's engine: its sessions' latest
+        self.affinity = {"followed": 0, "spilled": 0}  # new sessions placed with their group / away (load)
         self._health_task: asyncio.Task | None = None
 
     # --- routing ----------------------------------------------------------------------------------------------
-    def pick(self, session_key: str | None = None, exclude: set[str] = frozenset()) -> EngineState:
-        """The session's engine if it is live, else the live engine with the fewest in-flight calls."""
+    def pick(self, session_key: str | None = None, exclude: set[str] = frozenset(),
+             group_key: str | None = None) -> EngineState:
+        """The session's engine if it is live; else its group's engine if live and within ``group_affinity_slack``
+        calls of the least loaded; else the live engine with the fewest in-flight calls."""
         eng = self.sticky.get(session_key) if session_key else None
         if eng is None or not eng.up or eng.url in exclude:
             live = [e for e in self.engines if e.up and e.url not in exclude]
             if not live:
                 raise NoEngineAvailable(f"no live engine (down: {[e.url for e in self.engines if not e.up]})")
             eng = min(live, key=lambda e: (e.inflight, e.served))
+            slack = self.config.group_affinity_slack
+            mate = self.group_sticky.get(group_key) if group_key and slack is not None else None
+            if mate is not None and mate.up and mate.url not in exclude:
+                if mate.inflight <= eng.inflight + slack:
+                    eng = mate
+                    self.affinity["followed"] += 1
+                else:
+                    self.affinity["spilled"] += 1
+            if group_key:
+                _remember(self.group_sticky, group_key, eng, self.config.max_sticky_sessions)
         if session_key:
-            self.sticky[session_key] = eng
-            self.sticky.move_to_end(session_key)
-            while len(self.sticky) > self.config.max_sticky_sessions:
-                self.sticky.popitem(last=False)
+            _remember(self.sticky, session_key, eng, self.config.max_sticky_sessions)
         return eng
 
     def forget(self, session_key: str) -> None:
@@ -288,21 +314,22 @@ class EngineFleet:
         return [e.url for e in self.engines if e.up]
 
     # --- generation with failover -----------------------------------------------------------------------------
-    def _candidates(self, session_key: str | None):
+    def _candidates(self, session_key: str | None, group_key: str | None = None):
         """Engines to try for one call, in order, each at most once, up to ``max_attempts``."""
         tried: set[str] = set()
         for _ in range(self.config.max_attempts):
             try:
-                eng = self.pick(session_key, exclude=tried)
+                eng = self.pick(session_key, exclude=tried, group_key=group_key)
             except NoEngineAvailable:
                 return
             tried.add(eng.url)
             yield eng
 
     async def generate(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
-                       return_logprob: bool = True, return_routed_experts: bool = False) -> GenerateResult:
+                       return_logprob: bool = True, return_routed_experts: bool = False,
+                       group_key: str | None = None) -> GenerateResult:
         errors = []
-        for eng in self._candidates(session_key):
+        for eng in self._candidates(session_key, group_key):
             eng.inflight += 1
             try:
                 result = await eng.client.generate(input_ids, sampling_params, return_logprob,
@@ -317,11 +344,11 @@ class EngineFleet:
         raise NoEngineAvailable(f"generate failed on every engine tried: {errors or 'no live engine'}")
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
-                              return_logprob: bool = True, return_routed_experts: bool = False
-                              ) -> AsyncIterator[GenerateResult]:
+                              return_logprob: bool = True, return_routed_experts: bool = False,
+                              group_key: str | None = None) -> AsyncIterator[GenerateResult]:
         """Stream from one engine; fail over only while nothing has been yielded yet."""
         errors = []
-        for eng in self._candidates(session_key):
+        for eng in self._candidates(session_key, group_key):
             eng.inflight += 1
             yielded = False
             try:

@@ -916,3 +916,22 @@ def test_a_mistral_gateway_forces_named_calls_as_its_template_writes_them(tmp_pa
     req = parse_chat_request({"messages": USER, "tools": TOOLS,
                               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, 8)
     assert gw.forced_text(req) == "[TOOL_CALLS]get_weather[ARGS]"
+
+
+def test_a_groups_sessions_open_on_one_engine(stack):
+    """The sessions of a group (the G rollouts of one task, one shared prompt) open on the engine the first one used
+    (one prefill of the prompt, then SGLang's prefix cache); /forge/admin/state counts the placements."""
+    gw, _ = stack
+    before = http(gw.url + "/forge/admin/state", method="GET")[1]["group_affinity"]
+    engine_of = {}
+    for task in ("t1", "t2"):
+        _, g = http(gw.url + "/forge/groups", {"task_id": task, "size": 3})
+        for _ in range(3):
+            _, s = http(gw.url + "/forge/sessions", {"group_id": g["group_id"]})
+            client(s).chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+            engine_of.setdefault(task, set()).update(c["engine_url"] for c in calls(gw, s))
+            assert end(gw, s)[0] == 200
+    assert all(len(urls) == 1 for urls in engine_of.values())  # each group on one engine (other groups: the
+    # least-loaded engine, tests/rollout/test_fleet.py)
+    after = http(gw.url + "/forge/admin/state", method="GET")[1]["group_affinity"]
+    assert after["followed"] - before["followed"] == 4 and after["spilled"] == before["spilled"]

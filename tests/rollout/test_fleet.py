@@ -66,7 +66,37 @@ def test_failover_mark_down_and_back_up(engines):
     assert live == [engines[0].url] and back == [engines[0].url]
 
 
+def test_group_sessions_open_on_their_groups_engine_within_the_slack(engines):
+    """The G sessions of a group follow the first one's engine (one prefill of the shared prompt, cached) while it
+    has at most ``group_affinity_slack`` calls in flight over the least-loaded engine; past that a new session
+    spills to the least loaded (and its group follows it from then on); a session keeps its engine either way; with
+    the slack None every new session goes to the least loaded."""
+    async def go(slack):
+        fleet = EngineFleet([h.url for h in engines], FleetConfig(group_affinity_slack=slack))
+        first = await fleet.generate(PROMPT, {"max_new_tokens": 2}, session_key="a0", group_key="g")
+        # concurrent: the group's engine busy with its sessions' calls, the other idle
+        mates = await asyncio.gather(*(fleet.generate(PROMPT, {"max_new_tokens": 8}, session_key=f"a{i}",
+                                                      group_key="g") for i in range(1, 4)))
+        home = next(e for e in fleet.engines if e.url == first.engine_url)
+        home.inflight += 3  # three more calls in flight there than on the other (0): past a slack of 2
+        spilled = await fleet.generate(PROMPT, {"max_new_tokens": 2}, session_key="a4", group_key="g")
+        again = await fleet.generate(PROMPT, {"max_new_tokens": 2}, session_key="a0", group_key="g")
+        home.inflight -= 3
+        other = await fleet.generate(PROMPT, {"max_new_tokens": 2}, session_key="b0", group_key="h")
+        await fleet.close()
+        return first, mates, spilled, again, other, dict(fleet.affinity)
+    first, mates, spilled, again, other, affinity = asyncio.run(go(2))
+    assert {r.engine_url for r in mates} == {first.engine_url}  # concurrent, yet all on the group's engine
+    assert spilled.engine_url != first.engine_url and again.engine_url == first.engine_url
+    assert other.engine_url == spilled.engine_url  # another group: the least-served engine
+    assert affinity == {"followed": 3, "spilled": 1}
+    first, mates, *_ , affinity = asyncio.run(go(None))
+    assert {r.engine_url for r in mates} == {h.url for h in engines} and affinity == {"followed": 0, "spilled": 0}
+
+
 def test_fleet_config_validation():
+    with pytest.raises(ValueError, match="group_affinity_slack must be >= 0"):
+        FleetConfig(group_affinity_slack=-1)
     with pytest.raises(ValueError, match="max_attempts must be >= 1"):
         FleetConfig(max_attempts=0)
     with pytest.raises(ValueError, match="at least one engine"):
