@@ -125,7 +125,7 @@ def multi_turn(model: str, turns: int, result_words: int, repeats: int) -> dict:
 
     from transformers import AutoTokenizer
 
-    from forge_megatron.middleware.gateway_sessions import ChatRenderer, _Turn
+    from forge_megatron.middleware.gateway_sessions import CallRecord, ChatRenderer, Session, _Turn
 
     tok = AutoTokenizer.from_pretrained(model)
     renderer = ChatRenderer(tok)
@@ -144,6 +144,7 @@ def multi_turn(model: str, turns: int, result_words: int, repeats: int) -> dict:
     at = sorted({t for t in (1, 10, 25, 50, 100, 200, 400) if t <= turns} | {turns})
     out = {"turns": [], "prompt_tokens": [], "prompt_chars": [], "prepare_ms": [], "render_ms": [], "continues": []}
     prev = None
+    session, per_call_lists = Session(group_id="g", task_id="bench", domain="bench"), 0  # what the gateway keeps
     for k in range(1, turns + 1):
         if k in at:
             times, render = [], []
@@ -161,14 +162,43 @@ def multi_turn(model: str, turns: int, result_words: int, repeats: int) -> dict:
             out["render_ms"].append(round(float(np.median(render)) * 1e3, 2))
             out["continues"].append(continues)
         else:
-            prompt_text, prompt_ids, _ = renderer.prompt_ids(prev, messages, tools)
+            prompt_text, prompt_ids, continues = renderer.prompt_ids(prev, messages, tools)
         call = {"id": f"call{k}", "type": "function",
                 "function": {"name": "shell", "arguments": '{"cmd": "make test"}'}}
         answer = {"role": "assistant", "content": None, "tool_calls": [call]}
         prev = _Turn(messages=list(messages), tools=tools, prompt_text=prompt_text, prompt_ids=prompt_ids,
                      completion_ids=answer_ids, assistant_message=answer, template_kwargs={})
+        session.record(prev, continues, CallRecord(
+            prompt_ids=prompt_ids, completion_ids=answer_ids, logprobs=[-0.1] * len(answer_ids), policy_version=0,
+            finish_reason="tool_calls", engine_url="-", segment_index=-1, started_at=0.0, ended_at=0.0))
+        per_call_lists += 8 * (len(prompt_ids) + len(answer_ids))  # what lists of its own per call would point with
         messages = messages + [answer, {"role": "tool", "tool_call_id": call["id"], "content": text(result_words)}]
+    out["session_mib"] = round(held_bytes(session) / 2**20, 2)
+    out["per_call_lists_mib"] = round(per_call_lists / 2**20, 2)
     return out
+
+
+def held_bytes(root) -> int:
+    """Bytes of the objects reachable from ``root`` through lists, tuples, dicts, arrays and object attributes, each
+    counted once (what a session keeps alive)."""
+    import sys
+
+    seen, todo, total = set(), [root], 0
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, asyncio.Lock)) or callable(obj):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if isinstance(obj, dict):
+            todo += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set)):
+            todo += list(obj)
+        elif hasattr(obj, "__dict__"):
+            todo.append(obj.__dict__)
+        elif isinstance(obj, np.ndarray) and obj.base is not None:
+            todo.append(obj.base)
+    return total
 
 
 async def worker_scaling(one_url: str, front_url: str, args) -> dict:

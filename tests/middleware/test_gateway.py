@@ -167,8 +167,11 @@ def test_plain_chat_records_the_engines_tokens(stack, model_dir):
     assert [t.logprob for t in r2.choices[0].logprobs.content] == calls(gw, s)[1]["logprobs"] == call["logprobs"]
 
 
-def test_tool_round_trip_is_one_segment(stack):
+def test_tool_round_trip_is_one_segment(stack, model_dir):
+    """Two calls, one segment: the second prompt is the template's rendering of the history (the first call's
+    tokens as sampled, then the tool result), the segment holds both calls' tokens with the completions unmasked."""
     gw, _ = stack
+    tok = AutoTokenizer.from_pretrained(model_dir)
     s = new_session(gw)
     c = client(s)
     msgs = list(USER)
@@ -184,13 +187,18 @@ def test_tool_round_trip_is_one_segment(stack):
     assert end(gw, s)[0] == 200
     ep = episode(gw, s)
     [seg] = ep.segments
-    rec = gw.gateway.sessions[s["session_id"]].calls
-    assert rec[1].prompt_ids[:len(rec[0].prompt_ids) + len(rec[0].completion_ids)] == \
-        rec[0].prompt_ids + rec[0].completion_ids
-    assert seg.tokens == rec[1].prompt_ids + rec[1].completion_ids
-    n0p, n0c = len(rec[0].prompt_ids), len(rec[0].completion_ids)
-    assert seg.loss_mask == [0] * n0p + [1] * n0c + [0] * (len(rec[1].prompt_ids) - n0p - n0c) + \
-        [1] * len(rec[1].completion_ids)
+    rec = calls(gw, s)  # prompt and completion ids: positions of the segment (CallRecord)
+    assert rec[1]["prompt_ids"][:len(rec[0]["prompt_ids"]) + len(rec[0]["completion_ids"])] == \
+        rec[0]["prompt_ids"] + rec[0]["completion_ids"]
+    assert seg.tokens == rec[1]["prompt_ids"] + rec[1]["completion_ids"]
+    assert tok.decode(rec[0]["prompt_ids"]) == tok.apply_chat_template(USER, tools=TOOLS, add_generation_prompt=True,
+                                                                       tokenize=False)
+    assert tok.decode(rec[1]["prompt_ids"]) == tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True,
+                                                                       tokenize=False)
+    assert [len(r["completion_ids"]) for r in rec] == [r1.usage.completion_tokens, r2.usage.completion_tokens]
+    n0p, n0c = len(rec[0]["prompt_ids"]), len(rec[0]["completion_ids"])
+    assert seg.loss_mask == [0] * n0p + [1] * n0c + [0] * (len(rec[1]["prompt_ids"]) - n0p - n0c) + \
+        [1] * len(rec[1]["completion_ids"])
     assert [v for v, m in zip(seg.policy_versions, seg.loss_mask) if not m] == [-1] * seg.loss_mask.count(0)
     assert ep.num_tool_calls == 1 and ep.num_malformed_tool_calls == 0 and ep.reward == 1.0
     assert ep.reward_terms == {"format": 0.5} and ep.domain == "agent" and ep.status == "finished"
@@ -213,20 +221,20 @@ def test_tool_choice_required_then_auto_is_one_segment(stack, model_dir):
     msgs = USER + [as_message(r1.choices[0].message), {"role": "tool", "tool_call_id": tc.id, "content": TOOL_RESULT}]
     r2 = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, temperature=0, max_tokens=30)
     assert r2.choices[0].message.content == FINAL_ANSWER
-    first, second = gw.gateway.sessions[s["session_id"]].calls
+    first, second = calls(gw, s)
     rendered = tok.apply_chat_template(USER, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"]
-    assert first.prompt_ids == rendered + forced_ids  # the policy did not sample the opening
-    assert first.completion_ids[0] not in forced_ids and r1.usage.prompt_tokens == len(first.prompt_ids)
-    assert tok.decode(second.prompt_ids) == tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True,
-                                                                     tokenize=False)
+    assert first["prompt_ids"] == rendered + forced_ids  # the policy did not sample the opening
+    assert first["completion_ids"][0] not in forced_ids and r1.usage.prompt_tokens == len(first["prompt_ids"])
+    assert tok.decode(second["prompt_ids"]) == tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True,
+                                                                       tokenize=False)
     assert end(gw, s)[0] == 200
     [seg] = episode(gw, s).segments
-    n0p, n0c, n1p = len(first.prompt_ids), len(first.completion_ids), len(second.prompt_ids)
-    assert seg.tokens == second.prompt_ids + second.completion_ids
-    assert seg.loss_mask == [0] * n0p + [1] * n0c + [0] * (n1p - n0p - n0c) + [1] * len(second.completion_ids)
+    n0p, n0c, n1p = len(first["prompt_ids"]), len(first["completion_ids"]), len(second["prompt_ids"])
+    assert seg.tokens == second["prompt_ids"] + second["completion_ids"]
+    assert seg.loss_mask == [0] * n0p + [1] * n0c + [0] * (n1p - n0p - n0c) + [1] * len(second["completion_ids"])
     assert seg.policy_versions[n0p - len(forced_ids):n0p] == [-1] * len(forced_ids)
     assert seg.rollout_logprobs[n0p - len(forced_ids):n0p] == [0.0] * len(forced_ids)
-    assert seg.rollout_logprobs[n0p:n0p + n0c] == first.logprobs
+    assert seg.rollout_logprobs[n0p:n0p + n0c] == first["logprobs"]
 
 
 def test_named_tool_choice_streams_like_non_streaming(stack, model_dir):
@@ -346,9 +354,11 @@ def test_rewritten_history_starts_a_second_segment(stack):
     end(gw, s)
     ep = episode(gw, s)
     assert len(ep.segments) == 2
-    rec = gw.gateway.sessions[s["session_id"]].calls
-    assert ep.segments[1].tokens == rec[2].prompt_ids + rec[2].completion_ids
-    assert ep.segments[1].loss_mask == [0] * len(rec[2].prompt_ids) + [1] * len(rec[2].completion_ids)
+    rec = calls(gw, s)
+    assert ep.segments[1].tokens == rec[2]["prompt_ids"] + rec[2]["completion_ids"]
+    assert ep.segments[1].loss_mask == [0] * len(rec[2]["prompt_ids"]) + [1] * len(rec[2]["completion_ids"])
+    renderer = gw.gateway.renderer  # the rewritten history, rendered and tokenised from scratch
+    assert rec[2]["prompt_ids"] == renderer.encode(renderer.render(compressed, None, add_generation_prompt=True))
 
 
 def test_engine_killed_mid_episode_is_survived(tmp_path):
@@ -816,14 +826,14 @@ def test_idle_sessions_are_reaped_as_timed_out(model_dir, stack):
 
     _, engines = stack
     gw = Gateway(GatewayConfig(model_path=model_dir, engine_urls=[engines[0].url], port=0,
-                               session_idle_timeout_s=0.6))
+                               session_idle_timeout_s=1.5))  # a loaded 2-core machine: calls of ~1 s
     server = ThreadServer(lambda ready: serve(gw, ready))
     server.gateway = gw
     try:
         silent, busy = new_session(server), new_session(server)
         ask = dict(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=2, temperature=0.0)
         client(silent).chat.completions.create(**ask)
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + 3.5  # past the timeout and a reaper round (timeout / 4)
         while time.monotonic() < deadline:  # the busy agent calls every ~0.2 s, well inside the timeout
             client(busy).chat.completions.create(**ask)
             time.sleep(0.2)

@@ -17,6 +17,8 @@ def test_multi_turn_mode_times_one_growing_segment():
     assert result["continues"] == [False, True, True]  # every later call extends the first call's segment
     assert result["prompt_tokens"] == sorted(set(result["prompt_tokens"]))  # grows turn by turn
     assert all(ms > 0 for ms in result["prepare_ms"] + result["render_ms"])
+    # what a session keeps grows with the conversation once (its segment), not once per call
+    assert 0 < result["session_mib"] < result["per_call_lists_mib"]
 
 
 def test_workers_mode_measures_the_three_paths_on_one_conversation():
