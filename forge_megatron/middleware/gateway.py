@@ -62,7 +62,7 @@ import os
 import secrets
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -81,6 +81,7 @@ log = logging.getLogger("forge.gateway")
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 ABORT_RETRIES = 5
+MAX_GROUPS = 100_000  # groups a gateway remembers for opening sessions (a run's in flight are a few hundred)
 
 
 @dataclass
@@ -455,7 +456,7 @@ class Gateway:
                                                                  health_interval_s=config.health_interval_s,
                                                                  group_affinity_slack=config.group_affinity_slack))
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model_path))
-        self.groups: dict[str, dict] = {}
+        self.groups: OrderedDict[str, dict] = OrderedDict()  # the newest MAX_GROUPS (older ones are long done)
         self.sessions: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}
         self.ended_ids: deque[str] = deque()  # oldest first; bounded by keep_ended_sessions
@@ -497,6 +498,11 @@ class Gateway:
         self.resumed.set()
 
     # --- sessions ---------------------------------------------------------------------------------------------
+    def add_group(self, group_id: str, info: dict) -> None:
+        self.groups[group_id] = info
+        while len(self.groups) > MAX_GROUPS:
+            self.groups.popitem(last=False)
+
     def session_ids(self) -> dict:
         """A new session's id and API key; a worker's (``worker_tag``) start with its tag: ``<tag>-<hex>`` and
         ``forge-<tag>-<token>`` (see ``gateway_front.worker_tag_of``)."""
@@ -1262,7 +1268,7 @@ async def create_group(request: web.Request, gw: Gateway) -> web.Response:
         group_id = await asyncio.to_thread(gw.sink.register_group, task_id, size, domain, metadata)
     except SchemaError as exc:
         raise ApiError(400, str(exc), param="group") from exc
-    gw.groups[group_id] = {"task_id": task_id, "size": size, "domain": domain, "sessions": 0}
+    gw.add_group(group_id, {"task_id": task_id, "size": size, "domain": domain, "sessions": 0})
     return web.json_response({"group_id": group_id})
 
 
@@ -1277,8 +1283,9 @@ async def adopt_group(request: web.Request, gw: Gateway) -> web.Response:
     if not isinstance(group_id, str) or not group_id or not isinstance(task_id, str) or \
             isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise _bad("group", "adopting a group needs group_id, task_id and size")
-    gw.groups.setdefault(group_id, {"task_id": task_id, "size": size, "domain": str(body.get("domain", "default")),
-                                    "sessions": 0})
+    if group_id not in gw.groups:
+        gw.add_group(group_id, {"task_id": task_id, "size": size, "domain": str(body.get("domain", "default")),
+                                "sessions": 0})
     return web.json_response({"group_id": group_id})
 
 

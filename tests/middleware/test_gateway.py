@@ -945,3 +945,17 @@ def test_a_groups_sessions_open_on_one_engine(stack):
     # least-loaded engine, tests/rollout/test_fleet.py)
     after = http(gw.url + "/forge/admin/state", method="GET")[1]["group_affinity"]
     assert after["followed"] - before["followed"] == 4 and after["spilled"] == before["spilled"]
+
+
+def test_the_gateway_remembers_the_newest_groups_only(stack, monkeypatch):
+    """A long run registers groups without end: the gateway keeps the newest MAX_GROUPS (their sessions open), and
+    a session of a group older than that gets the unknown-group 404."""
+    from forge_megatron.middleware import gateway as gateway_module
+
+    gw, _ = stack
+    monkeypatch.setattr(gateway_module, "MAX_GROUPS", 2)
+    ids = [http(gw.url + "/forge/groups", {"task_id": f"old{i}", "size": 1})[1]["group_id"] for i in range(3)]
+    assert len(gw.gateway.groups) == 2 and ids[0] not in gw.gateway.groups
+    status, body = http(gw.url + "/forge/sessions", {"group_id": ids[0]})
+    assert status == 404 and body["error"]["code"] == "group_not_found"
+    assert http(gw.url + "/forge/sessions", {"group_id": ids[2]})[0] == 200
