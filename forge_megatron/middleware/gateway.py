@@ -535,12 +535,28 @@ class Gateway:
         async with sess.lock:
             sess.status, sess.ended_at = status, time.time()
             sess.last_active = sess.ended_at
-            sess.responses.clear()  # an ended session serves no calls: its stored responses are unreachable
+            stored, sess.responses = sess.responses, {}  # an ended session serves no calls: unreachable now
         outcome = "eval"
         if not sess.evaluation:
-            outcome = await asyncio.to_thread(self.sink.submit_episode, sess.to_episode())
+            try:
+                outcome = await self.to_sink("submit_episode", sess.to_episode())
+            except ApiError:  # the sink did not answer: the session stays open, so the end can be sent again
+                sess.status, sess.ended_at, sess.responses = None, 0.0, stored
+                raise
         self.retire(sess)
         return outcome or "accepted"
+
+    async def to_sink(self, method: str, *args):
+        """``sink.<method>(*args)`` in a worker thread. SchemaError is the sink's refusal; any other failure (a data
+        pool over ZeroMQ that does not answer: gateway workers) is a 503 ``sink_unavailable`` to retry."""
+        try:
+            return await asyncio.to_thread(getattr(self.sink, method), *args)
+        except SchemaError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - TimeoutError, ZMQError, OSError: all "not now"
+            raise ApiError(503, f"the episode sink did not answer {method} ({exc.__class__.__name__}: {exc}); "
+                                "nothing was lost: send the request again", "service_unavailable",
+                           code="sink_unavailable") from exc
 
     async def reap_idle_sessions(self, now: float | None = None) -> int:
         """End open sessions idle for ``session_idle_timeout_s`` (no call in flight) as timed_out."""
@@ -559,6 +575,9 @@ class Gateway:
             except SchemaError as exc:
                 outcome = f"refused ({exc})"
                 self.retire(sess)
+            except ApiError as exc:  # the sink did not answer: still open, ended on a later round
+                log.warning("session %s idle: %s", sess.session_id, exc.message)
+                continue
             reaped += 1
             self.stats["reaped_sessions"] += 1
             log.warning("session %s (task %s) had no call for %.0fs: ended as timed_out; sink: %s", sess.session_id,
@@ -1265,7 +1284,7 @@ async def create_group(request: web.Request, gw: Gateway) -> web.Response:
         raise _bad("domain", "domain must be a string")
     metadata = body.get("metadata") or {}
     try:
-        group_id = await asyncio.to_thread(gw.sink.register_group, task_id, size, domain, metadata)
+        group_id = await gw.to_sink("register_group", task_id, size, domain, metadata)
     except SchemaError as exc:
         raise ApiError(400, str(exc), param="group") from exc
     gw.add_group(group_id, {"task_id": task_id, "size": size, "domain": domain, "sessions": 0})
@@ -1311,7 +1330,7 @@ async def create_session(request: web.Request, gw: Gateway) -> web.Response:
         sess = Session(group_id=body["group_id"], task_id=group["task_id"], domain=group["domain"], metadata=metadata,
                        **gw.session_ids())
         try:
-            await asyncio.to_thread(gw.sink.episode_started, sess.group_id, sess.session_id)
+            await gw.to_sink("episode_started", sess.group_id, sess.session_id)
         except SchemaError as exc:  # e.g. the pool closed the group (timed out, completed)
             raise ApiError(409, f"the episode sink refused the session: {exc}", param="group_id",
                            code="group_closed") from exc

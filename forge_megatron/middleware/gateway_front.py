@@ -66,10 +66,12 @@ def worker_tag_of(key_or_id: str | None) -> str | None:
 class PoolSink(EpisodeSink):
     """The data pool over ZeroMQ as a worker's episode sink: one :class:`PoolClient` per thread (the gateway calls
     its sink from worker threads; a ZeroMQ socket belongs to one thread), the pool's refusals as SchemaError (the
-    gateway answers them 409, as with the pool in process)."""
+    gateway answers them 409, as with the pool in process). A pool that does not answer (TimeoutError after the
+    client's resends) is the gateway's 503 ``sink_unavailable``: the session stays open and the end can be sent
+    again; the pool dedups an episode it already has (by episode id)."""
 
-    def __init__(self, addr: str):
-        self.addr = addr
+    def __init__(self, addr: str, timeout_s: float = 10.0, retries: int = 3):
+        self.addr, self.timeout_s, self.retries = addr, timeout_s, retries
         self._local = threading.local()
 
     def _client(self):
@@ -77,7 +79,7 @@ class PoolSink(EpisodeSink):
         if client is None:
             from forge_megatron.middleware.transport import PoolClient
 
-            client = self._local.client = PoolClient(self.addr)
+            client = self._local.client = PoolClient(self.addr, timeout_s=self.timeout_s, retries=self.retries)
         return client
 
     def _call(self, method: str, *args):

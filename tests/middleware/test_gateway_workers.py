@@ -240,3 +240,52 @@ def test_a_worker_that_cannot_start_stops_the_gateway_with_its_reason(engine):
     out = subprocess.run([sys.executable, "-m", "forge_megatron.middleware.gateway", "--model-path", model_dir,
                           "--engines", eng.url, "--workers", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--workers must be >= 1" in out.stderr
+
+
+def test_a_pool_that_does_not_answer_loses_no_episode(engine, tmp_path):
+    """A gateway worker's sink is the pool over ZeroMQ (PoolSink). While the pool process is down, ending a session
+    answers 503 sink_unavailable and the session stays open (its calls, its episode); once the pool is back (same
+    database) the end goes through and the group completes; a new group while it is down is a 503 too."""
+    import asyncio
+
+    from forge_megatron.middleware.gateway import Gateway, GatewayConfig, serve
+    from forge_megatron.middleware.gateway_front import PoolSink
+    from forge_megatron.middleware.transport import PoolClient
+    from forge_megatron.rollout.launch import ThreadServer
+    from forge_megatron.utils.ports import free_port
+    from tests.middleware.pool_cases import start_pool_process, stop_process
+
+    model_dir, eng = engine
+    db, bind = str(tmp_path / "pool.sqlite"), f"tcp://127.0.0.1:{free_port()}"
+    pool = start_pool_process(db, bind)
+    gw = Gateway(GatewayConfig(model_path=model_dir, engine_urls=[eng.url], port=0, worker_tag="w0r0"),
+                 sink=PoolSink(bind, timeout_s=0.3, retries=1))
+    server = ThreadServer(lambda ready: serve(gw, ready))
+    try:
+        group = _post(server.url + "/forge/groups", {"task_id": "t", "size": 1}, headers={}).json()["group_id"]
+        s = _post(server.url + "/forge/sessions", {"group_id": group}, headers={}).json()
+        assert _chat(s["base_url"], s["api_key"])
+        stop_process(pool, signal.SIGKILL)
+        r = _post(f"{server.url}/forge/sessions/{s['session_id']}/end", {"status": "finished"}, headers={}, ok=False)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "sink_unavailable", r.text
+        r = _post(server.url + "/forge/groups", {"task_id": "t2", "size": 1}, headers={}, ok=False)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "sink_unavailable"
+        assert _chat(s["base_url"], s["api_key"], "still there?")  # the session is still open
+        pool = start_pool_process(db, bind)
+        ended = _post(f"{server.url}/forge/sessions/{s['session_id']}/end", {"status": "finished"}, headers={})
+        assert ended.json()["sink"] == "accepted" and ended.json()["num_calls"] == 2
+        client = PoolClient(bind)
+        try:
+            assert client.group_status(group)["state"] == "finished"
+        finally:
+            client.close()
+        # the idle reaper meets the same: a session it cannot end stays open (ended on a later round)
+        group = _post(server.url + "/forge/groups", {"task_id": "t3", "size": 1}, headers={}).json()["group_id"]
+        idle = gw.sessions[_post(server.url + "/forge/sessions", {"group_id": group}, headers={}).json()["session_id"]]
+        stop_process(pool, signal.SIGKILL)
+        gw.config.session_idle_timeout_s = 0.01
+        assert asyncio.run_coroutine_threadsafe(gw.reap_idle_sessions(time.time() + 1), server.loop).result(30) == 0
+        assert not idle.ended
+    finally:
+        server.stop()
+        stop_process(pool, signal.SIGKILL)
