@@ -401,22 +401,9 @@ class GatewayFront:
             status, answer = await self._post_raw(request, w, body)
         return web.json_response(answer, status=status)
 
-    async def pause(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        try:
-            sent = json.loads(body) if body else {}
-        except ValueError:
-            sent = None
-        if not isinstance(sent, dict):
-            return await self.forward(request, self._next(), body)  # the worker's 400
-        answers = await self._each("POST", "/forge/admin/pause", request, sent)
-        bad = _first_error(answers)
-        if bad is not None:
-            return bad
-        self.paused = True
-        return web.json_response({"paused": True, "inflight": sum(a.get("inflight", 0) for _, _, a in answers)})
-
-    async def resume(self, request: web.Request) -> web.Response:
+    async def _to_every_worker(self, request: web.Request, path: str) -> list | web.StreamResponse:
+        """The request's JSON body POSTed to ``path`` of every serving worker: their answers, or the response to
+        give (a worker's 400 for a body that is not a JSON object, the first worker's error)."""
         body = await request.read()
         try:
             sent = json.loads(body) if body else {}
@@ -424,10 +411,21 @@ class GatewayFront:
             sent = None
         if not isinstance(sent, dict):
             return await self.forward(request, self._next(), body)
-        answers = await self._each("POST", "/forge/admin/resume", request, sent)
-        bad = _first_error(answers)
-        if bad is not None:
-            return bad
+        answers = await self._each("POST", path, request, sent)
+        bad = _first_error(answers)  # (a response is a mapping: empty, it is falsy)
+        return answers if bad is None else bad
+
+    async def pause(self, request: web.Request) -> web.StreamResponse:
+        answers = await self._to_every_worker(request, "/forge/admin/pause")
+        if not isinstance(answers, list):
+            return answers
+        self.paused = True
+        return web.json_response({"paused": True, "inflight": sum(a.get("inflight", 0) for _, _, a in answers)})
+
+    async def resume(self, request: web.Request) -> web.StreamResponse:
+        answers = await self._to_every_worker(request, "/forge/admin/resume")
+        if not isinstance(answers, list):
+            return answers
         self.paused, self.policy_version = False, max(a.get("policy_version", 0) for _, _, a in answers)
         return web.json_response({"paused": False, "policy_version": self.policy_version})
 
