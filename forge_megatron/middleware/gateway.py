@@ -1490,6 +1490,8 @@ def prometheus_text(gw: Gateway, pool_metrics: dict | None = None) -> str:
     metric("engine_inflight_calls", "gauge", "requests in flight on the engine", [(lb, e.inflight) for lb, e in engines])
     metric("engine_served_total", "counter", "requests the engine answered", [(lb, e.served) for lb, e in engines])
     metric("engine_failures_total", "counter", "requests to the engine that failed", [(lb, e.failures) for lb, e in engines])
+    metric("engine_group_placements_total", "counter", "new sessions placed on their group's engine (followed) or "
+           "away from it for load (spilled)", [(f'{{placement="{k}"}}', v) for k, v in gw.fleet.affinity.items()])
     if pool_metrics is not None:
         lines += pool_metric_lines(pool_metrics)
     return "\n".join(lines) + "\n"

@@ -880,6 +880,8 @@ def test_prometheus_metrics_match_the_admin_state(stack):
     for e in engines:
         assert scraped[f'forge_engine_up{{engine="{e.url}"}}'] == 1
     assert not any(k.startswith("forge_pool_") for k in scraped)  # a ListSink has no pool state
+    for placement, n in state["group_affinity"].items():
+        assert scraped[f'forge_engine_group_placements_total{{placement="{placement}"}}'] == n
     end(gw, s)
 
 
