@@ -606,6 +606,7 @@ class Gateway:
 
     def retire(self, sess: Session) -> None:
         """Remember ``sess`` as ended; forget the oldest ended sessions beyond ``keep_ended_sessions``."""
+        sess.last_turn = None  # only a next call needs it (the history's text and ids: ~20% of a session's memory)
         self.fleet.forget(sess.session_id)
         self.ended_ids.append(sess.session_id)
         while len(self.ended_ids) > self.config.keep_ended_sessions:
