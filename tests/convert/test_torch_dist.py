@@ -55,17 +55,16 @@ def test_torch_dist_round_trip_across_layouts(tmp_path, arch):
 
 
 def test_torch_dist_with_whole_experts_under_tp(tmp_path):
-    """Expert TP 1 both ways: a TP = 2 x EP = 2 checkpoint with whole experts (the EP group over the two TP ranks:
-    2 processes, each rank one TP shard and one EP shard) saved as torch_dist, loaded back into TP = 2 x EP = 2 with
-    whole experts and into EP = 2 alone; all bit-exact in HF form."""
+    """Expert TP 1: a TP = 2 x EP = 2 checkpoint with whole experts (the EP group over the two TP ranks: 2 processes,
+    each rank one TP shard and one EP shard) saved as torch_dist and loaded into EP = 2 alone, bit-exact in HF
+    form."""
     from forge_megatron.models.tiny import build_tiny_model
 
     hf = build_tiny_model(str(tmp_path / "hf"), arch="gpt_oss", seed=6, with_tokenizer=False)
     whole = ParallelLayout(tp=2, ep=2, etp=1)
     ckpt.hf_to_megatron(hf, str(tmp_path / "etp1"), whole)
     _torchrun(["to-torch-dist", "--mcore-dir", str(tmp_path / "etp1"), "--out", str(tmp_path / "dist")], 2)
-    for name, flags, layout in (("back", ["--tp", "2", "--ep", "2", "--etp", "1"], whole),
-                                ("ep2", ["--ep", "2"], ParallelLayout(ep=2))):
+    for name, flags, layout in (("ep2", ["--ep", "2"], ParallelLayout(ep=2)),):
         _torchrun(["from-torch-dist", "--dist-dir", str(tmp_path / "dist"), "--hf-config", hf,
                    "--out", str(tmp_path / name), *flags], 2)
         assert ckpt.read_meta(str(tmp_path / name))[1] == layout

@@ -178,13 +178,13 @@ def test_glm_router_biases_stay_or_keep_balancing_as_asked(tmp_path):
     assert steps.abs().max() > 0.5 and torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() < 2.001
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
-def test_routing_replay_under_the_interleaved_pipeline(tmp_path, arch):
-    """--routing-replay with PP = 2 x VPP = 2 on a 4-layer MoE model: each model chunk's routers take their own
-    layers' rows, micro-batches padded to one length (padding rows routed by the router), and the step equals one
-    rank's (loss, grad norm, routing counts). GLM-4.5 layout: layer 0 (the first chunk of rank 0) is dense, so each
-    chunk builds its own layers from Megatron's block spec; DeepSeek-V3 too, with multi-latent attention (each
-    chunk's per-layer depth rotary tables)."""
+def test_routing_replay_under_the_interleaved_pipeline(tmp_path):
+    """--routing-replay with PP = 2 x VPP = 2 on a 4-layer DeepSeek-V3-layout model: each model chunk's routers take
+    their own layers' rows, micro-batches padded to one length (padding rows routed by the router), and the step
+    equals one rank's (loss, grad norm, routing counts). Layer 0 (the first chunk of rank 0) is dense, so each chunk
+    builds its own layers from Megatron's block spec (GLM-4.5's layout does the same), with multi-latent attention
+    (each chunk's per-layer depth rotary tables)."""
+    arch = "deepseek_v3"
     model_dir = build_tiny_model(str(tmp_path / "moe4"), arch=arch, seed=3, num_hidden_layers=4)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(8), completion_len=(4, 5), routing=(4, 4, 2))  # noqa
     steps = {}
@@ -197,8 +197,8 @@ def test_routing_replay_under_the_interleaved_pipeline(tmp_path, arch):
     assert vpp["pad_tokens"] == 4  # the four 16-token micro-batches padded to the 17-token ones
     for key in ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows"):
         assert vpp[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
-    # 8 samples, one per micro-batch; recorded tokens (the last unrecorded) x 4 MoE layers (GLM: 3)
-    assert one["routing_replayed_rows"] == (4 * (12 + 3) + 4 * (12 + 4)) * (4 if arch == "qwen3_moe" else 3)
+    # 8 samples, one per micro-batch; recorded tokens (the last unrecorded) x the 3 MoE layers
+    assert one["routing_replayed_rows"] == (4 * (12 + 3) + 4 * (12 + 4)) * 3
 
 
 def test_moe_resumes_under_another_layout(tmp_path):
