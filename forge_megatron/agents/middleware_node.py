@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     g.add_argument("--admin-token", default=os.environ.get("FORGE_ADMIN_TOKEN"))
+    g.add_argument("--public-url", default=None,
+                   help="base of the URLs handed to agents (default http://<host>:<port>; bound to 0.0.0.0: this "
+                        "machine's host name). With --gateway-workers, agents then call through this one URL")
     g.add_argument("--gateway-workers", type=int, default=1, metavar="N",
                    help="serve sessions from N gateway processes behind this one (each session in one of them, "
                         "episodes to the pool over ZeroMQ); one process prepares ~50 long-context calls/s "
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-node %(message)s")
     try:  # bad gateway settings (an unknown parser, ...) stop it before the pool starts
         config = GatewayConfig(model_path=args.model_path, engine_urls=[u for u in args.engines.split(",") if u],
-                               host=args.host, port=args.port, admin_token=args.admin_token, **session_options(args))
+                               host=args.host, port=args.port, admin_token=args.admin_token,
+                               public_url=args.public_url, **session_options(args))
     except ValueError as exc:
         raise SystemExit(f"forge-node: {exc}") from exc
     if args.gateway_workers < 1:

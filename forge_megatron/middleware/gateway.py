@@ -92,7 +92,7 @@ class GatewayConfig:
     engine_urls: list[str]  # SGLang-compatible engines
     host: str = "127.0.0.1"
     port: int = 8000
-    public_url: str | None = None  # base of the URLs handed to agents (default http://host:port)
+    public_url: str | None = None  # base of the URLs handed to agents (default: advertised_url(host, port))
     admin_token: str | None = None  # required for /forge/* when set; must be set when host is not loopback
     tool_parser: str = "hermes"  # tool_parsers.py: the served model family's tool-call format
     reasoning_parser: str | None = None  # reasoning_parsers.py: answer thinking blocks as reasoning_content
@@ -149,6 +149,16 @@ class GatewayConfig:
             raise ValueError(f"group_affinity_slack must be >= 0 or None, got {self.group_affinity_slack}")
         if self.worker_tag is not None and not (self.worker_tag.isascii() and self.worker_tag.isalnum()):
             raise ValueError(f"worker_tag must be letters and digits, got {self.worker_tag!r}")
+
+
+def advertised_url(host: str, port: int) -> str:
+    """The base URL handed to agents for a server bound to ``host``: bound to every interface (0.0.0.0, ::), the
+    machine's host name, which agents on this machine and on others resolve (``--public-url`` overrides)."""
+    import socket
+
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -472,7 +482,7 @@ class Gateway:
         self.evals: deque[dict] = deque(maxlen=1000)  # published evaluation results, each with an increasing id
         self._eval_ids = 0
         self.instance = uuid.uuid4().hex[:16]  # tells readers of the eval ids that this gateway restarted
-        self.base_url = config.public_url or f"http://{config.host}:{config.port}"
+        self.base_url = config.public_url or advertised_url(config.host, config.port)
 
     # --- pause / resume ---------------------------------------------------------------------------------------
     async def wait_resumed(self) -> None:
@@ -1558,7 +1568,7 @@ async def serve(gw: Gateway, ready=None) -> None:
     """Serve until cancelled; ``ready(port)`` is called once listening (port 0 picks a free one)."""
     def started(port: int) -> None:
         if gw.config.public_url is None:
-            gw.base_url = f"http://{gw.config.host}:{port}"
+            gw.base_url = advertised_url(gw.config.host, port)
         gw.start_background()
 
     await serve_app(make_app(gw), gw.config.host, gw.config.port, ready, started=started, stopping=gw.stop_background)
@@ -1635,7 +1645,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", required=True, help="comma-separated SGLang/forge-engine URLs")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others need --admin-token)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one; printed as FORGE_READY)")
-    p.add_argument("--public-url", default=None, help="base URL handed to agents (default http://host:port)")
+    p.add_argument("--public-url", default=None,
+                   help="base URL handed to agents (default http://host:port; bound to 0.0.0.0: this machine's host "
+                        "name); with --workers, agents then call through this one URL")
     p.add_argument("--admin-token", default=os.environ.get("FORGE_ADMIN_TOKEN"),
                    help="token for /forge/* (env FORGE_ADMIN_TOKEN); required beyond loopback")
     p.add_argument("--context-length", type=int, default=None, help="max prompt tokens + new tokens")

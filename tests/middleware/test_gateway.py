@@ -961,3 +961,17 @@ def test_the_gateway_remembers_the_newest_groups_only(stack, monkeypatch):
     status, body = http(gw.url + "/forge/sessions", {"group_id": ids[0]})
     assert status == 404 and body["error"]["code"] == "group_not_found"
     assert http(gw.url + "/forge/sessions", {"group_id": ids[2]})[0] == 200
+
+
+def test_urls_handed_to_agents_name_a_reachable_host():
+    """Bound to every interface, the gateway hands out this machine's host name (http://0.0.0.0:port reaches only
+    this machine); a loopback or named host as bound; IPv6 literals bracketed; forge-node takes --public-url."""
+    import socket
+
+    from forge_megatron.agents.middleware_node import build_parser as node_parser
+    from forge_megatron.middleware.gateway import advertised_url
+
+    assert advertised_url("0.0.0.0", 8000) == f"http://{socket.gethostname()}:8000"
+    assert advertised_url("127.0.0.1", 5) == "http://127.0.0.1:5" and advertised_url("::1", 5) == "http://[::1]:5"
+    args = node_parser().parse_args(["--model-path", "m", "--engines", "e", "--public-url", "http://gw.example:80"])
+    assert args.public_url == "http://gw.example:80"
