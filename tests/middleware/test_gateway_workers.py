@@ -58,14 +58,16 @@ def _post(url, body=None, headers=ADMIN, ok=True):
 
 
 def _chat(base_url, key, content="hi", stream=False):
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "stream": stream}
+    """One chat call of 4 tokens (ignore_eos: a random tiny model may end at once); its completion token count."""
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "ignore_eos": True, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
     r = _http("POST", base_url + "/chat/completions", body, {"Authorization": f"Bearer {key}"})
     assert r.status_code == 200, r.text
     if not stream:
-        return r.json()["choices"][0]["message"]["content"]
+        return r.json()["usage"]["completion_tokens"]
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
     assert len(chunks) > 2  # streamed piece by piece through the front
-    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return chunks[-1]["usage"]["completion_tokens"]
 
 
 def _state(url):
@@ -91,10 +93,10 @@ def test_sessions_spread_over_workers_and_survive_a_worker_crash(engine, tmp_pat
         assert len(ports) == 2 and url not in ports  # agents call the workers directly
 
         # direct, through the front by path key, by bearer key, streamed; Anthropic's route through the front
-        assert _chat(sessions[0]["base_url"], sessions[0]["api_key"])
-        assert _chat(f"{url}/s/{sessions[1]['api_key']}/v1", "unused")
-        assert _chat(url + "/v1", sessions[2]["api_key"])
-        assert _chat(url + "/v1", sessions[3]["api_key"], stream=True)
+        assert _chat(sessions[0]["base_url"], sessions[0]["api_key"]) == 4
+        assert _chat(f"{url}/s/{sessions[1]['api_key']}/v1", "unused") == 4
+        assert _chat(url + "/v1", sessions[2]["api_key"]) == 4
+        assert _chat(url + "/v1", sessions[3]["api_key"], stream=True) == 4
         r = _http("POST", f"{url}/s/{sessions[3]['api_key']}/v1/messages",
                   {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hey"}]})
         assert r.status_code == 200 and r.json()["type"] == "message", r.text
