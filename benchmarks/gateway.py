@@ -166,14 +166,18 @@ def multi_turn(model: str, turns: int, result_words: int, repeats: int) -> dict:
         call = {"id": f"call{k}", "type": "function",
                 "function": {"name": "shell", "arguments": '{"cmd": "make test"}'}}
         answer = {"role": "assistant", "content": None, "tool_calls": [call]}
-        prev = _Turn(messages=list(messages), tools=tools, prompt_text=prompt_text, prompt_ids=prompt_ids,
+        turn = _Turn(messages=list(messages), tools=tools, prompt_text=prompt_text, prompt_ids=prompt_ids,
                      completion_ids=answer_ids, assistant_message=answer, template_kwargs={})
-        session.record(prev, continues, CallRecord(
+        session.record(turn, continues, CallRecord(
             prompt_ids=prompt_ids, completion_ids=answer_ids, logprobs=[-0.1] * len(answer_ids), policy_version=0,
             finish_reason="tool_calls", engine_url="-", segment_index=-1, started_at=0.0, ended_at=0.0))
+        prev = session.last_turn  # what the gateway prepares the next call from
         per_call_lists += 8 * (len(prompt_ids) + len(answer_ids))  # what lists of its own per call would point with
         messages = messages + [answer, {"role": "tool", "tool_call_id": call["id"], "content": text(result_words)}]
     out["session_mib"] = round(held_bytes(session) / 2**20, 2)
+    # the segments' per-token fields: typed arrays, as kept, against the same fields as lists of Python numbers
+    out["segments_mib"] = round(held_bytes(session.segments) / 2**20, 2)
+    out["segments_as_lists_mib"] = round(held_bytes([s.to_segment() for s in session.segments]) / 2**20, 2)
     out["per_call_lists_mib"] = round(per_call_lists / 2**20, 2)
     return out
 

@@ -553,6 +553,9 @@ class Gateway:
             except ApiError:  # the sink did not answer: the session stays open, so the end can be sent again
                 sess.status, sess.ended_at, sess.responses = None, 0.0, stored
                 raise
+            except SchemaError:  # refused: ended for good, kept (and forgotten) like any ended session
+                self.retire(sess)
+                raise
         self.retire(sess)
         return outcome or "accepted"
 
@@ -584,7 +587,6 @@ class Gateway:
                 outcome = await self.close_session(sess, "timed_out")
             except SchemaError as exc:
                 outcome = f"refused ({exc})"
-                self.retire(sess)
             except ApiError as exc:  # the sink did not answer: still open, ended on a later round
                 log.warning("session %s idle: %s", sess.session_id, exc.message)
                 continue

@@ -26,11 +26,13 @@ and that is exactly the "new segment" case.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,19 +70,36 @@ class CallRecord:
 
 @dataclass
 class _Turn:
-    """What is needed to recognise the next call as a continuation of this one."""
+    """What is needed to recognise the next call as a continuation of this one. A call in flight holds its prompt
+    and completion ids as lists; the turn a session keeps for its next call (:meth:`Session.record`) points at the
+    segment instead, whose tokens end with exactly those ids (a long conversation's history is not held twice)."""
 
     messages: list[dict]
     tools: list | None
     prompt_text: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
+    prompt_ids: list[int] | None
+    completion_ids: list[int] | None
     assistant_message: dict
     template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables it was rendered with
+    segment: SegmentBuilder | None = None  # once recorded: prompt + completion ids are this segment's tokens
+    completion_len: int = 0  # once recorded: how many of them are the completion
+
+    def ids(self) -> list[int]:
+        """Prompt + completion ids."""
+        if self.segment is not None:
+            return self.segment.tokens.tolist()
+        return self.prompt_ids + self.completion_ids
+
+    def completion(self) -> list[int]:
+        if self.segment is not None:
+            tokens = self.segment.tokens
+            return tokens[len(tokens) - self.completion_len:].tolist()
+        return self.completion_ids
 
 
 class SegmentBuilder:
-    """Accumulates the per-token fields of one segment.
+    """Accumulates the per-token fields of one segment, as typed arrays (21 bytes a token; lists of Python ints and
+    floats take 50 or more: a gateway holds hundreds of long conversations, and the last ended ones).
 
     Routed experts (rollout routing replay): each call reports the routing of its whole sequence (the segment so
     far plus its new prompt and completion, minus the last token); a position keeps the routing of the first call
@@ -88,10 +107,10 @@ class SegmentBuilder:
     prefix from the engine's prefix cache in the common case)."""
 
     def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.loss_mask: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
+        self.tokens = array("i")  # int32 token ids
+        self.loss_mask = array("b")
+        self.logprobs = array("d")  # as the engine reported them (float64)
+        self.versions = array("q")  # policy versions (-1: not sampled)
         self.routed: list[np.ndarray] = []  # int8/int16 [n, layers, topk] chunks, positions [0, routed_rows)
         self.routed_rows = 0
 
@@ -104,20 +123,22 @@ class SegmentBuilder:
             self.routed_rows = rows.shape[0]
 
     def add_prompt(self, ids: list[int]) -> None:
-        self._add(ids, 0, [0.0] * len(ids), -1)
+        n = len(ids)
+        self.tokens.extend(ids)
+        self.loss_mask.frombytes(bytes(n))
+        self.logprobs.frombytes(bytes(8 * n))  # 0.0
+        self.versions.extend(array("q", [-1]) * n)
 
     def add_completion(self, ids: list[int], logprobs: list[float], version: int | list[int]) -> None:
         """``version``: of every token, or per token (a call resumed across a weight update)."""
-        self._add(ids, 1, logprobs, version)
-
-    def _add(self, ids: list[int], mask: int, logprobs: list[float], version: int | list[int]) -> None:
-        versions = [version] * len(ids) if isinstance(version, int) else list(version)
-        if len(logprobs) != len(ids) or len(versions) != len(ids):
-            raise ValueError(f"{len(ids)} tokens but {len(logprobs)} logprobs and {len(versions)} versions")
-        self.tokens += ids
-        self.loss_mask += [mask] * len(ids)
-        self.logprobs += list(logprobs)
-        self.versions += versions
+        n = len(ids)
+        versions = array("q", [version]) * n if isinstance(version, int) else array("q", version)
+        if len(logprobs) != n or len(versions) != n:
+            raise ValueError(f"{n} tokens but {len(logprobs)} logprobs and {len(versions)} versions")
+        self.tokens.extend(ids)
+        self.loss_mask.frombytes(b"\x01" * n)
+        self.logprobs.extend(logprobs)
+        self.versions.extend(versions)
 
     def to_segment(self) -> Segment:
         routed = None
@@ -125,8 +146,8 @@ class SegmentBuilder:
             shape = self.routed[0].shape[1:]
             missing = np.full((len(self.tokens) - self.routed_rows, *shape), -1, dtype=self.routed[0].dtype)
             routed = np.concatenate(self.routed + [missing])
-        return Segment(tokens=list(self.tokens), loss_mask=list(self.loss_mask),
-                       rollout_logprobs=list(self.logprobs), policy_versions=list(self.versions),
+        return Segment(tokens=self.tokens.tolist(), loss_mask=self.loss_mask.tolist(),
+                       rollout_logprobs=self.logprobs.tolist(), policy_versions=self.versions.tolist(),
                        routed_experts=routed)
 
 
@@ -228,13 +249,13 @@ class ChatRenderer:
         if prev is not None and prev.messages:
             prev = None  # a chat turn: its prompt was rendered by the template, not comparable
         if ids is not None:
-            done = prev.prompt_ids + prev.completion_ids if prev is not None else None
+            done = prev.ids() if prev is not None else None
             text = self.tok.decode(ids, skip_special_tokens=False)
             return text, list(ids), done is not None and len(ids) > len(done) and ids[:len(done)] == done
         if prev is not None:
-            done_text = prev.prompt_text + self.tok.decode(prev.completion_ids, skip_special_tokens=False)
+            done_text = prev.prompt_text + self.tok.decode(prev.completion(), skip_special_tokens=False)
             if len(text) > len(done_text) and text.startswith(done_text):
-                return text, prev.prompt_ids + prev.completion_ids + self.encode(text[len(done_text):]), True
+                return text, prev.ids() + self.encode(text[len(done_text):]), True
         return text, self.encode(text), False
 
     def _continuation(self, prev: _Turn, text: str, tools: list | None, template_kwargs: dict) -> list[int] | None:
@@ -252,9 +273,10 @@ class ChatRenderer:
         cut, eot = max((answer.rfind(t), t) for t in self.eot_texts)
         if cut < 0:
             return None
-        ends_turn = bool(prev.completion_ids) and prev.completion_ids[-1] in self.eot_ids
+        sampled = prev.completion()
+        ends_turn = bool(sampled) and sampled[-1] in self.eot_ids
         tail = answer[cut + len(eot):] if ends_turn else answer[cut:]
-        return prev.prompt_ids + prev.completion_ids + self.encode(tail + text[len(with_answer):])
+        return prev.ids() + self.encode(tail + text[len(with_answer):])
 
     def completion_text(self, ids: list[int], finish: dict) -> str:
         """Visible text of a completion: without a matched stop token, cut before a matched stop string."""
@@ -300,7 +322,7 @@ class Session:
         the call's routed experts [prompt + completion - 1, layers, topk], if recorded."""
         if continues and self.segments:
             seg = self.segments[-1]
-            if turn.prompt_ids[:len(seg.tokens)] != seg.tokens:
+            if array("i", turn.prompt_ids[:len(seg.tokens)]) != seg.tokens:
                 raise RuntimeError("continuation prompt does not extend the segment (gateway bug)")
             seg.add_prompt(turn.prompt_ids[len(seg.tokens):])
         else:
@@ -314,15 +336,16 @@ class Session:
         call.prompt_len, call.completion_len = len(turn.prompt_ids), len(call.completion_ids)
         call.prompt_ids = call.completion_ids = None  # in the segment now (class docstring)
         self.calls.append(call)
-        self.last_turn = turn
+        self.last_turn = dataclasses.replace(turn, prompt_ids=None, completion_ids=None, segment=seg,
+                                             completion_len=call.completion_len)
 
     def call_dict(self, call: CallRecord) -> dict:
         """A recorded call as a dict, its prompt and completion ids read back from its segment."""
         out = call.to_dict()
         if call.prompt_ids is None:
             tokens = self.segments[call.segment_index].tokens
-            out["prompt_ids"] = tokens[:call.prompt_len]
-            out["completion_ids"] = tokens[call.prompt_len:call.prompt_len + call.completion_len]
+            out["prompt_ids"] = tokens[:call.prompt_len].tolist()
+            out["completion_ids"] = tokens[call.prompt_len:call.prompt_len + call.completion_len].tolist()
         return out
 
     def to_episode(self) -> Episode:

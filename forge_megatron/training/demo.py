@@ -105,18 +105,28 @@ class Processes:
         self.procs.append((name, proc))
         return proc
 
+    def stop(self, name: str) -> None:
+        """Stop the process started as ``name`` (TERM, then KILL after 10 s)."""
+        for started, proc in self.procs:
+            if started == name:
+                self._stop(proc)
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
     def stop_all(self) -> None:
         """Last started first, each waited for before the next: the rollout driver stops (an evaluation it is
         running is interrupted and not recorded) while the gateway and the agent it talks to still answer; stopped
         together, its episodes cut by the gateway's exit were scored as failures."""
         for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            self._stop(proc)
 
 
 def prepare(args: argparse.Namespace) -> tuple[str, str]:
@@ -212,6 +222,9 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
             raise TimeoutError(f"the demo did not finish within {args.timeout_s:.0f}s")
     if trainer.wait() != 0:
         raise RuntimeError(f"the trainer failed (exit {trainer.returncode}); logs in {logs}")
+    # the driver is done: stopped, its evaluation of the last version (if it started one) is not recorded, and the
+    # one below, printed and in metrics.json, has the engine to itself
+    procs.stop("rollout driver")
     if args.eval_tasks:
         held_out_eval(gateway, agent, os.path.join(out, "heldout_tasks.jsonl"), evals_path)
     with urllib.request.urlopen(gateway + "/forge/admin/state", timeout=10) as resp:

@@ -5,6 +5,7 @@ trip uses the tiny model fine-tuned in the fixture to answer two fixed chats (re
 output). CPU only.
 """
 
+import dataclasses
 import json
 import threading
 import time
@@ -589,6 +590,35 @@ def test_ended_sessions_are_forgotten_beyond_the_bound(model_dir):
         GatewayConfig(model_path=model_dir, engine_urls=["http://x"], keep_ended_sessions=0)
 
 
+def test_a_refused_episode_is_a_409_and_its_session_is_kept_like_any_ended_one(model_dir):
+    """The sink's refusal (SchemaError) answers 409 episode_rejected; the session is ended and counts towards
+    keep_ended_sessions, so refused sessions do not pile up in memory."""
+    from forge_megatron.middleware.gateway import ListSink
+    from forge_megatron.middleware.schema import SchemaError
+
+    class RefusesAborted(ListSink):
+        def submit_episode(self, episode):
+            if episode.status == "aborted":
+                raise SchemaError("aborted episodes are not kept here")
+            return super().submit_episode(episode)
+
+    gw = start_gateway(model_dir, ["http://127.0.0.1:9"], in_process=True, sink=RefusesAborted())
+    gw.gateway.config.keep_ended_sessions = 1
+    try:
+        a, b = new_session(gw), new_session(gw)
+        status, err = end(gw, a, "aborted")
+        assert status == 409 and err["error"]["code"] == "episode_rejected"
+        assert "aborted episodes are not kept here" in err["error"]["message"]
+        assert http(f"{gw.url}/forge/sessions/{a['session_id']}", method="GET")[1]["status"] == "aborted"
+        assert end(gw, a, "failed")[1]["error"]["code"] == "session_ended"  # ended for good
+        assert end(gw, b, "failed")[0] == 200
+        assert http(f"{gw.url}/forge/sessions/{a['session_id']}", method="GET")[0] == 404  # forgotten in turn
+        assert set(gw.gateway.sessions) == {b["session_id"]} and set(gw.gateway.by_key) == {b["api_key"]}
+        assert [e.status for e in gw.gateway.sink.episodes] == ["failed"]
+    finally:
+        gw.stop()
+
+
 def test_admin_token_and_loopback_rule(model_dir):
     with pytest.raises(ValueError, match="admin_token is required when host '0.0.0.0'"):
         GatewayConfig(model_path=model_dir, engine_urls=["http://x"], host="0.0.0.0")
@@ -656,6 +686,24 @@ def test_renderer_splices_sampled_ids_when_turn_ends_without_eot(model_dir):
     assert ids2 == ids + sampled + r.encode("<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
     _, _, cont3 = r.prompt_ids(prev, nxt, TOOLS)  # tools changed -> new segment
     assert not cont3
+    # the turn a session keeps for its next call reads its ids from the segment (no lists of its own): same answer
+    from forge_megatron.middleware.gateway_sessions import CallRecord, Session
+    sess = Session(group_id="g", task_id="t", domain="d")
+    sess.record(prev, False, CallRecord(prompt_ids=ids, completion_ids=sampled, logprobs=[-0.5] * len(sampled),
+                                        policy_version=3, finish_reason="length", engine_url="-", segment_index=-1,
+                                        started_at=0.0, ended_at=0.0))
+    kept = sess.last_turn
+    assert kept.prompt_ids is None and kept.completion_ids is None and kept.segment is sess.segments[0]
+    assert kept.ids() == ids + sampled and kept.completion() == sampled
+    assert r.prompt_ids(kept, nxt, None) == r.prompt_ids(prev, nxt, None)
+    raw = dataclasses.replace(kept, messages=[])  # a /v1/completions turn: ids, or text, continue it
+    more = ids + sampled + [5, 6]
+    assert r.raw_prompt_ids(raw, None, more) == (r.tok.decode(more, skip_special_tokens=False), more, True)
+    assert r.raw_prompt_ids(raw, r.tok.decode(more, skip_special_tokens=False), None)[1:] == (more, True)
+    seg = sess.segments[0].to_segment()
+    assert seg.tokens == ids + sampled and seg.loss_mask == [0] * len(ids) + [1] * len(sampled)
+    assert seg.rollout_logprobs == [0.0] * len(ids) + [-0.5] * len(sampled)
+    assert seg.policy_versions == [-1] * len(ids) + [3] * len(sampled)
 
 
 def test_episodes_reach_the_data_pool(tmp_path, model_dir):
@@ -677,7 +725,7 @@ def test_episodes_reach_the_data_pool(tmp_path, model_dir):
         assert scraped['forge_pool_groups{state="finished"}'] == 1 and scraped["forge_pool_queue_depth"] == 1
         assert scraped["forge_gateway_calls_total"] == 2 and scraped["forge_pool_filtered_groups"] == 0
         batch = pool.next_batch(1, timeout_s=10)
-        recorded = {sid: sess.segments[0].tokens for sid, sess in gw.gateway.sessions.items()}
+        recorded = {sid: sess.segments[0].tokens.tolist() for sid, sess in gw.gateway.sessions.items()}
         assert {smp.episode_id: smp.tokens.tolist() for smp in batch.samples} == recorded
         status, err = http(gw.url + "/forge/sessions", {"group_id": g["group_id"]})
         assert status == 409 and err["error"]["code"] == "group_closed"  # the pool closed the completed group

@@ -19,6 +19,8 @@ def test_multi_turn_mode_times_one_growing_segment():
     assert all(ms > 0 for ms in result["prepare_ms"] + result["render_ms"])
     # what a session keeps grows with the conversation once (its segment), not once per call
     assert 0 < result["session_mib"] < result["per_call_lists_mib"]
+    # the segment's per-token fields as typed arrays: well under the same fields as lists of Python numbers
+    assert 0 < result["segments_mib"] < result["segments_as_lists_mib"] / 2
 
 
 def test_workers_mode_measures_the_three_paths_on_one_conversation():
