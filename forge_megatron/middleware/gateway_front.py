@@ -229,7 +229,8 @@ class GatewayFront:
                         version = {} if applied[1] is None else {"policy_version": applied[1]}
                         for path, body in (("resume", version), *((("pause", {"drain_timeout_s": 0}),)
                                                                   if applied[0] else ())):
-                            status, answer = await self._json(w, "POST", f"/forge/admin/{path}", body=body)
+                            status, answer = await self._json(w, "POST", f"/forge/admin/{path}",
+                                                              self._credentials(None), body=body)
                             if status != 200:
                                 raise RuntimeError(f"{path} answered {status}: {answer}")
                     w.ready = True  # only now: no call reaches it at another version or while the others pause
@@ -310,18 +311,31 @@ class GatewayFront:
             raise ApiError(503, f"gateway worker {w.tag} did not answer ({exc.__class__.__name__}); retry shortly",
                            "service_unavailable", code="worker_unavailable") from exc
 
-    async def _json(self, w: _Worker, method: str, path: str, request: web.Request | None = None,
+    async def _json(self, w: _Worker, method: str, path: str, headers: dict, data: bytes | None = None,
                     body: dict | None = None) -> tuple[int, dict]:
-        headers = {}
+        """(status, JSON answer) of worker ``w`` to one request (``data``: bytes as they came, or ``body`` as JSON);
+        an answer that is not JSON becomes an error object; a worker that does not answer is a 503."""
+        try:
+            async with self._http.request(method, w.url + path, data=data, json=body, headers=headers) as r:
+                try:
+                    return r.status, await r.json(content_type=None)
+                except ValueError:
+                    return r.status, {"error": {"message": await r.text(), "type": "worker_error"}}
+        except ClientConnectionError as exc:
+            raise ApiError(503, f"gateway worker {w.tag} did not answer ({exc.__class__.__name__}); retry shortly",
+                           "service_unavailable", code="worker_unavailable") from exc
+
+    def _credentials(self, request: web.Request | None) -> dict:
+        """The caller's credentials, for a request of the front's own to a worker (the front's admin token when
+        it acts on its own)."""
         if request is not None:
-            headers = {k: v for k in ("Authorization", "X-Forge-Admin-Token") if (v := request.headers.get(k))}
-        elif self.config.admin_token:
-            headers = {"X-Forge-Admin-Token": self.config.admin_token}
-        async with self._http.request(method, w.url + path, json=body, headers=headers) as r:
-            try:
-                return r.status, await r.json(content_type=None)
-            except ValueError:
-                return r.status, {"error": {"message": await r.text(), "type": "worker_error"}}
+            return {k: v for k in ("Authorization", "X-Forge-Admin-Token") if (v := request.headers.get(k))}
+        return {"X-Forge-Admin-Token": self.config.admin_token} if self.config.admin_token else {}
+
+    async def _post_raw(self, request: web.Request, w: _Worker, body: bytes) -> tuple[int, dict]:
+        """``request`` (its body already read) sent on to worker ``w``; its (status, JSON answer)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        return await self._json(w, "POST", request.rel_url.path_qs, headers, data=body)
 
     async def _each(self, method: str, path: str, request: web.Request, body: dict | None = None) -> list:
         """(worker, status, answer) of every serving worker that answered. One that did not has just exited: the
@@ -330,8 +344,8 @@ class GatewayFront:
 
         async def one(w):
             try:
-                return (w, *await self._json(w, method, path, request, body))
-            except ClientConnectionError:
+                return (w, *await self._json(w, method, path, self._credentials(request), body=body))
+            except ApiError:  # it did not answer
                 return None
         answers = [a for a in await asyncio.gather(*(one(w) for w in serving)) if a is not None]
         if not answers:
@@ -370,18 +384,6 @@ class GatewayFront:
         while len(self.groups) > MAX_GROUPS:
             self.groups.popitem(last=False)
 
-    async def _post_raw(self, request: web.Request, w: _Worker, body: bytes) -> tuple[int, dict]:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        try:
-            async with self._http.post(w.url + request.rel_url.path_qs, data=body, headers=headers) as r:
-                try:
-                    return r.status, await r.json(content_type=None)
-                except ValueError:
-                    return r.status, {"error": {"message": await r.text(), "type": "worker_error"}}
-        except ClientConnectionError as exc:
-            raise ApiError(503, f"gateway worker {w.tag} did not answer; retry shortly", "service_unavailable",
-                           code="worker_unavailable") from exc
-
     async def create_session(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         try:
@@ -394,8 +396,8 @@ class GatewayFront:
         status, answer = await self._post_raw(request, w, body)
         if status == 404 and placed and (answer.get("error") or {}).get("code") == "group_not_found":
             # the group's worker was started again since the group opened: the new one takes the group over
-            adopt_status, adopted = await self._json(w, "POST", "/forge/groups/adopt", request,
-                                                     {"group_id": group_id, **placed[1]})
+            adopt_status, adopted = await self._json(w, "POST", "/forge/groups/adopt", self._credentials(request),
+                                                     body={"group_id": group_id, **placed[1]})
             if adopt_status != 200:
                 return web.json_response(adopted, status=adopt_status)
             status, answer = await self._post_raw(request, w, body)
@@ -462,7 +464,7 @@ class GatewayFront:
 
     async def metrics(self, request: web.Request) -> web.Response:
         serving = [w for w in self.workers if w.ready]
-        headers = {k: v for k in ("Authorization", "X-Forge-Admin-Token") if (v := request.headers.get(k))}
+        headers = self._credentials(request)
 
         async def text(w):
             try:
