@@ -204,6 +204,9 @@ def transformer_config(cfg: GPTConfig, **overrides):
             rotary_scaling_factor=float(params.get("factor", 1.0)) if rope.rope_type(params) != "default" else 1.0,
             mscale_all_dim=float(params.get("mscale_all_dim") or 0.0) if rope.rope_type(params) != "default" else 0.0,
         )
+    if TransformerConfig.__dataclass_fields__.get("cuda_graph_scope") is not None and \
+            TransformerConfig.__dataclass_fields__["cuda_graph_scope"].default == "full":
+        kwargs["cuda_graph_scope"] = []  # 0.16's default "full" warns that it is deprecated; [] means the same
     if cfg.zero_centered_norm:
         kwargs["layernorm_zero_centered_gamma"] = True
     if cfg.attention_output_gate:
