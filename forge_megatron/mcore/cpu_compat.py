@@ -36,6 +36,12 @@ Patches (megatron-core 0.16.x; 0.17-0.19 have the same spots unless noted):
        gain on a CPU. TorchDynamo is turned off (``torch._dynamo.config.disable``), so they run eagerly: the same
        function, unfused. This is the one patch that reaches beyond Megatron: torch.compile in a CPU process that
        applied the patches runs eagerly.
+  9. Megatron's optimizers accept only CUDA tensor types: ``DistributedOptimizer._build_model_and_main_param_groups``
+       and ``Float16OptimizerWithFloat16Params`` compare ``param.type()`` with ``'torch.cuda.FloatTensor'`` /
+       ``'torch.cuda.BFloat16Tensor'``. Under the factory rewrite of patch 5 ``Tensor.type()`` (no argument) answers
+       with the CUDA name; every method of the distributed optimizer runs under it (it also allocates on
+       ``torch.cuda.current_device()``). gloo has the collectives it needs (reduce-scatter, all-gather into a tensor,
+       gather) in the torch installed here (2.13).
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # Megatron's dtype checks name CUDA types
+            name = func(*args)
+            return "torch.cuda." + name[len("torch."):] if not name.startswith("torch.cuda.") else name
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device="cpu")
         if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
@@ -261,6 +270,19 @@ def _patch_schedules_and_optimizer():
     if hasattr(clip_grads, "count_zeros_fp32"):
         clip_grads.count_zeros_fp32 = _run_on_cpu(clip_grads.count_zeros_fp32)
         mopt_impl.count_zeros_fp32 = clip_grads.count_zeros_fp32
+
+    # The distributed optimizer checks ``param.type()`` against CUDA type names and allocates with
+    # ``device=torch.cuda.current_device()``: every method of it runs under the rewrite.
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    for name, member in list(cls.__dict__.items()):
+        if isinstance(member, classmethod):
+            setattr(cls, name, classmethod(_run_on_cpu(member.__func__)))
+        elif isinstance(member, staticmethod):
+            setattr(cls, name, staticmethod(_run_on_cpu(member.__func__)))
+        elif callable(member) and not isinstance(member, type):
+            setattr(cls, name, _run_on_cpu(member))
 
     from megatron.core.distributed import param_and_grad_buffer
 

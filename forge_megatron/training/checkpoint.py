@@ -3,15 +3,16 @@
 Megatron's ``dist_checkpointing`` does not run on CPU (see docs/training.md), so forge keeps the format simple and
 robust everywhere: ``<save>/iter_<NNNNNNN>/rank_<RRRRR>.pt`` holds this rank's model and optimizer state, the LR
 scheduler, the iteration, the policy version and the id of the last data-pool batch trained on. Megatron's distributed
-optimizer (``--use-distributed-optimizer``) keeps its fp32 master weights and Adam moments sharded outside
-``state_dict()``: they go to ``rank_<RRRRR>_optim_params.pt`` through its own ``save_parameter_state`` /
-``load_parameter_state`` (gathered to, and written by, the data-parallel rank 0 of each optimizer's group), as in
-Megatron-LM's torch-format checkpoints; without them a resumed run would write stale masters over the model. Rank 0 writes
+optimizer (``--use-distributed-optimizer``) keeps its fp32 master weights and Adam moments sharded over the
+data-parallel ranks outside ``state_dict()``: they are gathered on the data-parallel rank 0 of each optimizer's group
+and written there by parameter name (``reshard.sharded_param_states``); without them a resumed run would write stale
+masters over the model (checkpoints of before 2026-12-02 hold them in ``rank_<RRRRR>_optim_params.pt``, Megatron's
+``save_parameter_state`` format, still read in their own layout). Rank 0 writes
 ``<save>/latest`` (the iteration) only after every rank has written its file, so a crash mid-save leaves the previous
 checkpoint as the one that loads. ``rank_<RRRRR>.json`` records the rank's coordinates in the job and the HF config,
 for ``forge-convert trainer-to-hf`` (an offline HF export) and for resuming under another parallel layout: the file
-also holds the optimizer state keyed by parameter name (``param_states``; not with the distributed optimizer), from
-which :mod:`forge_megatron.training.reshard` rebuilds every rank's shards when the layout changed.
+also holds the optimizer state keyed by parameter name (``param_states``), from which
+:mod:`forge_megatron.training.reshard` rebuilds every rank's shards when the layout or the optimizer changed.
 
 After a checkpoint is complete the trainer commits the pool's delivered batches up to that batch id; on resume it
 asks the pool to re-serve everything delivered but not committed (``requeue_uncommitted``), so no group is lost and
@@ -43,7 +44,9 @@ def _param_state_file(root: str, iteration: int) -> str:
 
 def has_sharded_param_state(optimizer) -> bool:
     """Whether (any optimizer chained in) ``optimizer`` is Megatron's distributed optimizer."""
-    return any(hasattr(o, "get_parameter_state_dp_zero") for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+    from forge_megatron.training.reshard import is_distributed
+
+    return any(is_distributed(o) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _chunks(model) -> list:
@@ -91,15 +94,16 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
         "model_chunks": [c.state_dict() for c in chunks]}  # virtual-pipeline chunks, in order
     state = {"iteration": iteration, **weights, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(), **extra}
-    if not has_sharded_param_state(optimizer):  # the same tensors by parameter name: resume in another layout
-        from forge_megatron.training.reshard import param_states
+    from forge_megatron.training.reshard import param_states, sharded_param_states
 
-        state["param_states"] = param_states(chunks, optimizer)
+    # the optimizer state by parameter name (resume in this layout or another, with either optimizer); the
+    # distributed optimizer's gathered on each data-parallel group's rank 0 (a collective)
+    sharded = has_sharded_param_state(optimizer)
+    state["param_states"] = (sharded_param_states if sharded else param_states)(chunks, optimizer)
+    state["sharded_optimizer"] = sharded
     tmp = path + ".tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)
-    if has_sharded_param_state(optimizer):  # collective over each optimizer's data-parallel group
-        optimizer.save_parameter_state(_param_state_file(root, iteration))
     dist.barrier()
     if dist.get_rank() == 0:
         marker = os.path.join(root, LATEST)
@@ -139,16 +143,23 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, log=
     is told so)."""
     layout = saved_layout(root, iteration)
     differ = layout_changes(layout, rank_coordinates()["layout"]) if layout is not None else ""
+    path = _rank_file(root, iteration)
+    sharded = has_sharded_param_state(optimizer)
+    if not differ and layout is not None and os.path.isfile(path):
+        saved_sharded = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("sharded_optimizer",
+                                                                                                sharded)
+        if saved_sharded != sharded:
+            differ = "optimizer " + ("distributed -> not" if saved_sharded else "not -> distributed")
     if differ:
         from forge_megatron.convert.trainer_checkpoint import read_rank_metadata
         from forge_megatron.training.reshard import load_resharded
 
         if log is not None:
-            log(f"checkpoint {_iter_dir(root, iteration)} was saved under another parallel layout ({differ}): "
-                "resharding the model and optimizer state into this one")
+            what = "with another optimizer" if differ.startswith("optimizer") else "under another parallel layout"
+            log(f"checkpoint {_iter_dir(root, iteration)} was saved {what} ({differ}): resharding the model and "
+                "optimizer state into this one")
         return load_resharded(root, iteration, _chunks(model), optimizer, scheduler,
                               read_rank_metadata(root, iteration))
-    path = _rank_file(root, iteration)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path} is missing (was it saved with a different number of ranks?)")
     state = torch.load(path, map_location="cpu", weights_only=False)
@@ -164,7 +175,11 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, log=
     for chunk, weights in zip(chunks, saved):
         chunk.load_state_dict(weights)
     optimizer.load_state_dict(state["optimizer"])
-    if has_sharded_param_state(optimizer):
+    if sharded and "sharded_optimizer" in state:
+        from forge_megatron.training.reshard import load_sharded_param_states
+
+        load_sharded_param_states(root, iteration, chunks, optimizer)
+    elif sharded:  # written before 2026-12-02: Megatron's own file of the gathered state
         optimizer.load_parameter_state(_param_state_file(root, iteration))
     scheduler.load_state_dict(state["scheduler"])
     return state

@@ -11,17 +11,18 @@ rearrangements ``forge-convert reshard`` applies to weights (moments and master 
 shape and split the same way). A tied output layer on the last stage (its own copy of the embedding, whose
 gradients Megatron keeps equal to the embedding's) takes the embedding's state.
 
-The fp32 masters of ``--bf16`` runs are restored the same way but untested (Megatron's bf16 optimizer does not
-build on CPU, and a layout change needs two GPUs). Not covered: Megatron's distributed optimizer (its state is
-sharded by bucket offsets, not by parameter; resume it in its own layout, or export with ``forge-convert
-trainer-to-hf`` and start from the HF weights), and checkpoints written before ``param_states`` existed
-(2026-12-01).
+The fp32 masters of ``--bf16`` runs are restored the same way. Megatron's distributed optimizer (state sharded
+over the data-parallel ranks) keeps the same ``param_states``, whole parameters gathered on each data-parallel
+group's rank 0 (:func:`sharded_param_states`); a rank of the new job takes its data-parallel slice of what it would
+hold whole, so either optimizer resumes the other's checkpoints, in any layout. Not covered: checkpoints written
+before ``param_states`` existed (2026-12-01; the distributed optimizer's before 2026-12-02).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -30,41 +31,183 @@ from forge_megatron.bridge import Bridge, ParallelLayout
 KINDS = ("exp_avg", "exp_avg_sq")
 
 
-def _param_rows(model_chunks, optimizer):
-    """(chunk index, local name, inner torch optimizer, stepped param q, model param p) of every parameter the
-    optimizer steps: q is the fp32 master copy of a half-precision p (Megatron's Float16 optimizer), else p."""
+class _Row(NamedTuple):
+    """One parameter the optimizer steps: chunk index ``v`` and local ``name`` of model parameter ``p``; ``opt`` the
+    Megatron optimizer (of a chain) holding it, ``inner`` its torch optimizer, ``q`` the tensor ``inner`` steps (the
+    fp32 master of a half-precision ``p``, else ``p``; with the distributed optimizer, this data-parallel rank's
+    slice ``flat`` of ``p`` flattened)."""
+
+    v: int
+    name: str
+    opt: object
+    inner: torch.optim.Optimizer
+    q: torch.Tensor
+    p: torch.nn.Parameter
+    flat: slice | None
+
+
+def _names(model_chunks) -> dict[int, tuple[int, str]]:
     from forge_megatron.weight_sync.gather import unwrap
 
-    names = {}
-    for v, chunk in enumerate(model_chunks):
-        for name, p in unwrap(chunk).named_parameters():
-            names[id(p)] = (v, name)
+    return {id(p): (v, name) for v, chunk in enumerate(model_chunks) for name, p in unwrap(chunk).named_parameters()}
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def is_distributed(opt) -> bool:
+    """Whether Megatron optimizer ``opt`` (one of a chain) is the distributed optimizer (state sharded over DP)."""
+    return hasattr(opt, "get_parameter_state_dp_zero")
+
+
+def _main_shards(opt) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(model parameter, the slice of it this data-parallel rank steps: an fp32 view of an fp32 parameter, the fp32
+    master of a half-precision one) of distributed optimizer ``opt``. Not through Megatron's
+    ``model_param_group_index_map``: when a parameter group mixes fp32 and half-precision parameters (forge keeps the
+    output layer in fp32 under --bf16) its group order does not match the optimizer's parameter list (fp32 shards
+    first), and Megatron's own ``save_parameter_state`` then copies other parameters' state (megatron-core 0.16)."""
+    if opt.config.use_precision_aware_optimizer:
+        raise NotImplementedError("checkpoints of the precision-aware distributed optimizer (its masters live in "
+                                  "the fused Adam): train without --use-precision-aware-optimizer")
+    pairs = []
+    for model_groups, main_groups in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                                      (opt.model_fp32_groups, opt.shard_fp32_groups)):
+        for model_group, main_group in zip(model_groups, main_groups):
+            pairs += zip(model_group, main_group)
+    return pairs
+
+
+def _param_rows(model_chunks, optimizer) -> list[_Row]:
+    names = _names(model_chunks)
     rows = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _sub_optimizers(optimizer):
+        if is_distributed(opt):
+            for p, q in _main_shards(opt):
+                span = opt._get_model_param_range_map(p)["param"]
+                rows.append(_Row(*names[id(p)], opt, opt.optimizer, q, p, slice(span.start, span.end)))
+            continue
         masters = {id(q): p for model_group, main_group in zip(getattr(opt, "float16_groups", []),
                                                                getattr(opt, "fp32_from_float16_groups", []))
                    for p, q in zip(model_group, main_group)}
         for group in opt.optimizer.param_groups:
             for q in group["params"]:
                 p = masters.get(id(q), q)
-                v, name = names[id(p)]
-                rows.append((v, name, opt.optimizer, q, p))
+                rows.append(_Row(*names[id(p)], opt, opt.optimizer, q, p, None))
     return rows
+
+
+def _half(p: torch.Tensor) -> bool:
+    """Whether the optimizer steps an fp32 master copy of ``p`` rather than ``p`` itself."""
+    return p.dtype in (torch.float16, torch.bfloat16)
 
 
 def param_states(model_chunks, optimizer) -> dict[str, dict]:
     """``"<chunk>:<name>"`` -> {exp_avg, exp_avg_sq, step, main (the fp32 master of a half-precision parameter)}:
-    the live tensors (no copies) of every parameter with optimizer state."""
+    the live tensors (no copies) of every parameter with optimizer state (not the distributed optimizer's:
+    :func:`sharded_param_states`)."""
     out = {}
-    for v, name, inner, q, p in _param_rows(model_chunks, optimizer):
-        state = inner.state.get(q)
+    for row in _param_rows(model_chunks, optimizer):
+        state = row.inner.state.get(row.q)
         if not state:
             continue  # no step taken yet
         entry = {k: state[k] for k in (*KINDS, "step") if k in state}
-        if q is not p:
-            entry["main"] = q
-        out[f"{v}:{name}"] = entry
+        if row.q is not row.p:
+            entry["main"] = row.q
+        out[f"{row.v}:{row.name}"] = entry
     return out
+
+
+def _step_of(opt) -> torch.Tensor | None:
+    """The Adam step count of Megatron optimizer ``opt`` (kept per parameter by torch's Adam, per group by fused
+    ones), as torch's Adam keeps it (a float tensor); None before the first step."""
+    for state in opt.optimizer.state.values():
+        if "step" in state:
+            return torch.as_tensor(state["step"], dtype=torch.float32).detach().clone().cpu()
+    for group in opt.optimizer.param_groups:
+        if group.get("step"):
+            return torch.tensor(float(group["step"]))
+    return None
+
+
+def sharded_param_states(model_chunks, optimizer) -> dict[str, dict]:
+    """The distributed optimizer's state as :func:`param_states` gives it, whole parameters (this rank's TP / EP
+    shard) by name. Each optimizer of the chain gathers, bucket by bucket, its data-parallel ranks' contiguous
+    shards of the master weights and moments on its data-parallel rank 0 (the gather of Megatron's
+    ``get_parameter_state_dp_zero``, a collective on every rank; over the gloo group when Megatron made one), which
+    returns views of its parameters in the gathered buckets (no copies); the others get ``{}`` for it. Resuming
+    reads every rank's slice, in this layout or another, from the holder's file."""
+    import torch.distributed as dist
+
+    names = _names(model_chunks)
+    out = {}
+    for opt in _sub_optimizers(optimizer):
+        if not is_distributed(opt):
+            continue
+        step = _step_of(opt)
+        if step is None:
+            continue  # no step taken yet (every rank of the group alike)
+        group = getattr(opt, "data_parallel_group_gloo", None) or opt.data_parallel_group
+        device = torch.device("cpu") if dist.get_backend(group) == "gloo" else \
+            torch.device("cuda", torch.cuda.current_device())
+        size, holder = group.size(), dist.get_process_group_ranks(group)[0]
+        mine = group.rank() == 0
+        main = dict(_main_shards(opt))
+        for index, buffer in enumerate(opt.buffers):
+            (bucket_maps,) = opt.gbuf_ranges[index].values()  # one dtype per buffer
+            for bucket, ranges in zip(buffer.buckets, bucket_maps):
+                local = bucket.grad_data.numel() // size
+                shard = torch.zeros(1 + len(KINDS), local, dtype=torch.float32)  # main, exp_avg, exp_avg_sq
+                for p, where in ranges["param_map"].items():
+                    q, span = main[p], where["gbuf_local"]
+                    state = opt.optimizer.state[q]
+                    for row, t in enumerate((q, *(state[k] for k in KINDS))):
+                        shard[row, span.start:span.end] = t.detach().reshape(-1).float().cpu()
+                parts = [torch.empty_like(shard, device=device) for _ in range(size)] if mine else None
+                dist.gather(shard.to(device), parts, dst=holder, group=group)
+                if not mine:
+                    continue
+                world = torch.cat([t.cpu() for t in parts], dim=1)  # [3, bucket numel]
+                for p in bucket.params_list:
+                    start = buffer.param_index_map[p][0] - bucket.offset
+                    view = world[:, start:start + p.numel()]
+                    v, name = names[id(p)]
+                    out[f"{v}:{name}"] = {"exp_avg": view[1].view(p.shape), "exp_avg_sq": view[2].view(p.shape),
+                                          "step": step, **({"main": view[0].view(p.shape)} if _half(p) else {})}
+    return out
+
+
+def restore(row: _Row, full, step: torch.Tensor) -> None:
+    """Set ``row``'s optimizer state from ``full(kind)`` (``kind`` one of KINDS or "main": the whole tensor of this
+    rank's TP / EP shard of the parameter) and the step count; the distributed optimizer takes its slice."""
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t if row.flat is None else t.reshape(-1)[row.flat]
+
+    with torch.no_grad():
+        if _half(row.p):  # the fp32 master of a half-precision parameter
+            row.q.copy_(take(full("main")))
+        state = {k: take(full(k)).to(row.q.dtype).clone() for k in KINDS}
+    row.inner.state[row.q] = {"step": step.clone(), **state}
+    if not isinstance(row.inner, (torch.optim.Adam, torch.optim.AdamW)):  # fused Adams count steps per group
+        for group in row.inner.param_groups:
+            group["step"] = int(step)
+
+
+def load_sharded_param_states(root: str, iteration: int, model_chunks, optimizer) -> None:
+    """The distributed optimizer's state in the layout it was saved in: every rank takes its slice of each
+    parameter's state from the rank file of its data-parallel group's rank 0 (:func:`sharded_param_states`)."""
+    import torch.distributed as dist
+
+    files: dict[int, dict] = {}
+    for row in _param_rows(model_chunks, optimizer):
+        holder = dist.get_process_group_ranks(row.opt.data_parallel_group)[0]
+        if holder not in files:
+            path = os.path.join(root, f"iter_{iteration:07d}", f"rank_{holder:05d}.pt")
+            files[holder] = torch.load(path, map_location="cpu", weights_only=False, mmap=True)["param_states"]
+        entry = files[holder].get(f"{row.v}:{row.name}")
+        if entry is None:
+            continue  # saved before the first step
+        restore(row, entry.__getitem__, entry["step"])
 
 
 class _Source:
@@ -77,6 +220,9 @@ class _Source:
         self.bridge = bridge
         job = saved_job(metas, bridge)
         self.layout, self.P, self.V, self.per_chunk, self.owner = job.layout, job.P, job.V, job.per_chunk, job.owner
+        self.replicas: dict[tuple[int, int, int], list[int]] = {}  # every rank holding each (TP, PP, EP) shard
+        for m in sorted(metas, key=lambda m: m["rank"]):
+            self.replicas.setdefault((m["tp"], m["pp"], m["ep"]), []).append(m["rank"])
         self.files: dict[int, dict] = {}
         self.weights: dict[int, list[dict]] = {}  # rank -> its model chunks, wrapper prefixes gone
 
@@ -86,8 +232,26 @@ class _Source:
             self.files[rank] = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
             if "param_states" not in self.files[rank] and self.files[rank].get("optimizer") is not None:
                 raise ValueError(f"{path} has no per-parameter optimizer state (written before 2026-12-01, or with "
-                                 "--use-distributed-optimizer): resume it in the layout it was saved in")
+                                 "--use-distributed-optimizer before 2026-12-02): resume it in the layout and with "
+                                 "the optimizer it was saved with")
         return self.files[rank]
+
+    def optimizer_state(self, coords: tuple[int, int, int], key: str) -> dict | None:
+        """The per-parameter optimizer state ``key`` ("<chunk>:<local name>") of the (TP, PP, EP) shard
+        ``coords``: any replica's (the distributed optimizer's is on its data-parallel rank 0 only)."""
+        for rank in self.replicas.get(coords, []):
+            found = self.state(rank)["param_states"].get(key)
+            if found is not None:
+                return found
+        return None
+
+    def step(self) -> torch.Tensor | None:
+        """The Adam step count (every parameter is stepped together); None if saved before the first step."""
+        for ranks in self.replicas.values():
+            for rank in ranks:
+                for entry in self.state(rank)["param_states"].values():
+                    return entry["step"]
+        return None
 
     def chunk_weights(self, rank: int, v: int) -> dict:
         from forge_megatron.convert.trainer_checkpoint import model_chunks
@@ -121,11 +285,10 @@ class _Source:
                 rank = self.owner.get((tp, p, ep))
                 if tp in by_tp or rank is None:
                     continue
-                state = self.state(rank)
                 if kind == "weight":
                     found = self.chunk_weights(rank, v).get(local)
                 else:
-                    found = state["param_states"].get(f"{v}:{local}", {}).get(kind)
+                    found = (self.optimizer_state((tp, p, ep), f"{v}:{local}") or {}).get(kind)
                 if found is not None:
                     by_tp[tp] = found
         if pl.expert_tp == 1 and b.is_expert(name) and by_tp:
@@ -159,13 +322,8 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
     from megatron.core import parallel_state as ps
 
     from forge_megatron.convert.checkpoint import EMBEDDING, TIED_HEAD, piece_state
-    from forge_megatron.training.checkpoint import has_sharded_param_state
     from forge_megatron.weight_sync.gather import global_layers, unwrap
 
-    if has_sharded_param_state(optimizer):
-        raise ValueError("resuming under another parallel layout needs per-parameter optimizer state, which "
-                         "Megatron's distributed optimizer does not keep: resume without --use-distributed-optimizer "
-                         "in the new layout, or in the checkpoint's own layout")
     if "hf_config" not in metas[0]:
         raise ValueError("the checkpoint's rank_*.json has no hf_config: resume it in the layout it was saved in")
     bridge = Bridge(metas[0]["hf_config"])
@@ -200,15 +358,10 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
                              f"{unexpected[:5]}")
     rank0 = src.state(src.owner[(0, 0, 0)])
     scheduler.load_state_dict(rank0["scheduler"])
-    saved = rank0["param_states"]
-    if not saved:
+    step = src.step()
+    if step is None:
         return rank0  # saved before the first step: no optimizer state yet
-    step = next(iter(saved.values()))["step"]  # every parameter is stepped together
-    for v, local, inner, q, p in _param_rows(model_chunks, optimizer):
-        name = canonical(local, pieces[v])
-        with torch.no_grad():
-            if q is not p:  # the fp32 master of a half-precision parameter
-                q.copy_(local_shard(name, local, src.full(name, "main")))
-            state = {k: local_shard(name, local, src.full(name, k)).to(q.dtype).clone() for k in KINDS}
-        inner.state[q] = {"step": step.clone(), **state}
+    for row in _param_rows(model_chunks, optimizer):
+        name = canonical(row.name, pieces[row.v])
+        restore(row, lambda kind: local_shard(name, row.name, src.full(name, kind)), step)
     return rank0

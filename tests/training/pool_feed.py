@@ -80,7 +80,7 @@ def feed_groups(client: PoolClient, num_groups: int, rng: np.random.Generator, v
             seg = Segment(tokens=prompt + completion, loss_mask=[0] * prompt_len + [1] * completion_len,
                           rollout_logprobs=[0.0] * prompt_len + [-5.0] * completion_len,
                           policy_versions=[-1] * prompt_len + [0] * completion_len, routed_experts=routed)
-            eid = uuid.uuid4().hex
+            eid = f"{gid}-e{e}"  # in the group's order (data-parallel ranks are dealt episodes by id)
             client.episode_started(gid, eid)
             now = time.time()
             client.submit_episode(Episode(episode_id=eid, group_id=gid, task_id="t", segments=[seg],

@@ -203,14 +203,15 @@ def test_routing_replay_under_the_interleaved_pipeline(tmp_path):
 
 def test_moe_resumes_under_another_layout(tmp_path):
     """A Qwen3-MoE run saved after iteration 2 of 4 under TP = 2 x EP = 2 with whole experts (the EP group over the
-    two TP ranks) and resumed under PP = 2: the dense weights are joined over TP, the experts over EP (global expert
-    numbers), then split by stage, with their Adam moments; iterations 3 and 4 equal the uninterrupted one-rank run's,
-    routing replay included."""
+    two TP ranks) and the distributed optimizer (a chain of two: dense and expert parameters), resumed under PP = 2
+    with the plain optimizer: the dense weights are joined over TP, the experts over EP (global expert numbers), then
+    split by stage, with their Adam moments; iterations 3 and 4 equal the uninterrupted one-rank run's, routing replay
+    included."""
     model_dir = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=2)
     feed = lambda c: feed_groups(c, 4, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
     extra = ["--routing-replay", "--tree-token-budget", "18"]
     whole = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
-             "--expert-model-parallel-size", "2"]
+             "--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
     steps = {}
     steps["one"], _, _ = run_on_fresh_pool(tmp_path, "one", model_dir, feed, iters=4, groups=1, extra=extra, model=[])
     steps["moved"], stdouts, counts = run_on_fresh_pool(
