@@ -64,8 +64,8 @@ def is_distributed(opt) -> bool:
 def _main_shards(opt) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """(model parameter, the slice of it this data-parallel rank steps: an fp32 view of an fp32 parameter, the fp32
     master of a half-precision one) of distributed optimizer ``opt``. Not through Megatron's
-    ``model_param_group_index_map``: when a parameter group mixes fp32 and half-precision parameters (forge keeps the
-    output layer in fp32 under --bf16) its group order does not match the optimizer's parameter list (fp32 shards
+    ``model_param_group_index_map``: when a parameter group mixes fp32 and half-precision parameters (the norms of forge's
+    models stay fp32 under --bf16) its group order does not match the optimizer's parameter list (fp32 shards
     first), and Megatron's own ``save_parameter_state`` then copies other parameters' state (megatron-core 0.16)."""
     if opt.config.use_precision_aware_optimizer:
         raise NotImplementedError("checkpoints of the precision-aware distributed optimizer (its masters live in "

@@ -56,8 +56,7 @@ def test_distributed_optimizer_checkpoints_resume_in_any_layout_and_with_either_
 
 def test_bf16_with_the_distributed_optimizer_resumes_like_an_uninterrupted_run(tmp_path):
     """--bf16 --use-distributed-optimizer (the slurm scripts' settings) under DP = 2: the fp32 masters of the bf16
-    weights are sharded with the moments (forge's fp32 output layer and norms in the same parameter groups as bf16
-    weights); four steps straight vs a stop after step 2 and a resume: steps 3 and 4 match (lost masters or moments
+    weights are sharded with the moments (the fp32 norm weights in the same parameter groups as bf16 weights); four steps straight vs a stop after step 2 and a resume: steps 3 and 4 match (lost masters or moments
     show in step 4). The same episodes reach the same ranks in both runs, so they agree to the last bit."""
     model_dir = build_tiny_model(str(tmp_path / "model"))
     extra = ["--bf16", *DIST]
