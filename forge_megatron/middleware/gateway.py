@@ -105,6 +105,7 @@ class GatewayConfig:
     engine_attempts: int = 3  # engines tried per call
     health_interval_s: float = 2.0
     keep_ended_sessions: int = 1000  # ended sessions kept for GET /forge/sessions/{id}; older ones are forgotten
+    keep_ended_mib: float = 1024.0  # ... and at most this much of their recorded tokens (MoE routing included)
     return_routed_experts: bool = False  # MoE: record each token's experts for rollout routing replay (R3)
     resume_aborted: bool = True  # a call aborted by a weight update goes on from the tokens it sampled (partial
     # rollout: per-token versions and logprobs stay exact); False: it is re-issued from its prompt
@@ -141,6 +142,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.pause_wait_s < 0:
             raise ValueError(f"pause_wait_s must be >= 0, got {self.pause_wait_s}")
+        if not self.keep_ended_mib >= 0:
+            raise ValueError(f"keep_ended_mib must be >= 0, got {self.keep_ended_mib}")
         if self.session_idle_timeout_s is not None and not self.session_idle_timeout_s > 0:
             raise ValueError(f"session_idle_timeout_s must be > 0 or None, got {self.session_idle_timeout_s}")
         if not (isinstance(self.policy_temperature, (int, float)) and 0 < self.policy_temperature <= 2):
@@ -469,7 +472,8 @@ class Gateway:
         self.groups: OrderedDict[str, dict] = OrderedDict()  # the newest MAX_GROUPS (older ones are long done)
         self.sessions: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}
-        self.ended_ids: deque[str] = deque()  # oldest first; bounded by keep_ended_sessions
+        self.ended_ids: deque[str] = deque()  # oldest first; bounded by keep_ended_sessions and keep_ended_mib
+        self.ended_bytes = 0  # recorded bytes of the sessions in ended_ids
         self.policy_version = 0
         self.resumed = asyncio.Event()
         self.resumed.set()
@@ -477,7 +481,7 @@ class Gateway:
         # engine aborts seen (weight updates); sampled tokens kept across them / thrown away (not resuming)
         self.stats = {"aborts": 0, "resumed_tokens": 0, "discarded_tokens": 0, "policy_sampling_overrides": 0,
                       "tempered_calls": 0, "reaped_sessions": 0, "calls": 0, "prompt_tokens": 0,
-                      "completion_tokens": 0}
+                      "completion_tokens": 0, "forgotten_sessions": 0}
         self._reaper: asyncio.Task | None = None
         self.evals: deque[dict] = deque(maxlen=1000)  # published evaluation results, each with an increasing id
         self._eval_ids = 0
@@ -617,13 +621,19 @@ class Gateway:
         await self.fleet.close()
 
     def retire(self, sess: Session) -> None:
-        """Remember ``sess`` as ended; forget the oldest ended sessions beyond ``keep_ended_sessions``."""
+        """Remember ``sess`` as ended; forget the oldest ended sessions beyond ``keep_ended_sessions`` or beyond
+        ``keep_ended_mib`` of recorded tokens (the newest is always kept: it has just been answered for)."""
         sess.last_turn = None  # only a next call needs it (the history's text and ids: ~20% of a session's memory)
         self.fleet.forget(sess.session_id)
         self.ended_ids.append(sess.session_id)
-        while len(self.ended_ids) > self.config.keep_ended_sessions:
+        self.ended_bytes += sess.recorded_bytes()
+        budget = self.config.keep_ended_mib * 2**20
+        while len(self.ended_ids) > self.config.keep_ended_sessions or \
+                (self.ended_bytes > budget and len(self.ended_ids) > 1):
             old = self.sessions.pop(self.ended_ids.popleft())
             self.by_key.pop(old.api_key, None)
+            self.ended_bytes -= old.recorded_bytes()
+            self.stats["forgotten_sessions"] += 1
 
     # --- one chat call ----------------------------------------------------------------------------------------
     def template_kwargs(self, req: ChatRequest) -> dict:
@@ -1452,6 +1462,7 @@ async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
         "paused": not gw.resumed.is_set(), "policy_version": gw.policy_version, "inflight": gw.inflight,
         "sessions_open": sum(not s.ended for s in gw.sessions.values()),
         "sessions_ended": sum(s.ended for s in gw.sessions.values()), **gw.stats,
+        "ended_sessions_mib": round(gw.ended_bytes / 2**20, 3),  # what the ended sessions kept hold
         "engines": [{"url": e.url, "up": e.up, "inflight": e.inflight, "served": e.served, "failures": e.failures}
                     for e in gw.fleet.engines],
         "group_affinity": dict(gw.fleet.affinity),  # new sessions placed on their group's engine / away from it
@@ -1471,6 +1482,8 @@ _METRIC_HELP = {
     "tempered_calls": ("counter", "training calls not sampled from the trained policy (--policy-temperature, top_p 1, "
                                   "no top_k): their importance ratios are off"),
     "reaped_sessions": ("counter", "sessions ended as timed_out for being idle"),
+    "forgotten_sessions": ("counter", "ended sessions forgotten (GET /forge/sessions/{id}: 404) beyond "
+                                      "--keep-ended-sessions / --keep-ended-mib"),
 }
 _POOL_GAUGES = ("queue_depth", "window", "window_ready", "window_pending", "window_occupancy", "policy_version",
                 "stale_groups", "stale_episodes", "stale_tokens", "filtered_groups", "filtered_solved",
@@ -1614,6 +1627,12 @@ def add_session_options(p) -> None:
     p.add_argument("--session-idle-timeout-s", type=float, default=None,
                    help="end open sessions with no call for this long as timed_out (their agent or driver died); "
                         "default: never")
+    p.add_argument("--keep-ended-sessions", type=int, default=1000, metavar="N",
+                   help="ended sessions kept for GET /forge/sessions/{id} (default 1000; older ones are forgotten)")
+    p.add_argument("--keep-ended-mib", type=float, default=1024.0, metavar="MIB",
+                   help="... and at most this much memory of their recorded tokens, logprobs, versions and MoE "
+                        "routing (default 1024; a 140k-token session takes ~3 MiB, ~50 more with routing replay "
+                        "on a 48-layer top-8 MoE)")
     p.add_argument("--group-affinity-slack", type=int, default=32, metavar="N",
                    help="open a session on the engine its group's sessions use (their shared prompt prefilled and "
                         "cached once) unless it has more than N calls in flight over the least-loaded engine "
@@ -1634,7 +1653,8 @@ def session_options(args: argparse.Namespace) -> dict:
                 return_routed_experts=args.return_routed_experts, resume_aborted=args.resume_aborted,
                 policy_sampling=args.policy_sampling, policy_temperature=args.policy_temperature,
                 session_idle_timeout_s=args.session_idle_timeout_s, trust_remote_code=args.trust_remote_code,
-                group_affinity_slack=None if args.group_affinity_slack < 0 else args.group_affinity_slack)
+                group_affinity_slack=None if args.group_affinity_slack < 0 else args.group_affinity_slack,
+                keep_ended_sessions=args.keep_ended_sessions, keep_ended_mib=args.keep_ended_mib)
 
 
 def build_parser() -> argparse.ArgumentParser:

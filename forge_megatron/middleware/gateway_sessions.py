@@ -140,6 +140,11 @@ class SegmentBuilder:
         self.logprobs.extend(logprobs)
         self.versions.extend(versions)
 
+    def nbytes(self) -> int:
+        """Memory of the recorded per-token fields and routing."""
+        return sum(a.itemsize * len(a) for a in (self.tokens, self.loss_mask, self.logprobs, self.versions)) + \
+            sum(r.nbytes for r in self.routed)
+
     def to_segment(self) -> Segment:
         routed = None
         if self.routed:  # the last token (and any position no call reported) has no routing: -1
@@ -338,6 +343,10 @@ class Session:
         self.calls.append(call)
         self.last_turn = dataclasses.replace(turn, prompt_ids=None, completion_ids=None, segment=seg,
                                              completion_len=call.completion_len)
+
+    def recorded_bytes(self) -> int:
+        """Memory of what the session recorded: its segments and, per call, its logprobs."""
+        return sum(seg.nbytes() for seg in self.segments) + sum(32 * len(c.logprobs) for c in self.calls)
 
     def call_dict(self, call: CallRecord) -> dict:
         """A recorded call as a dict, its prompt and completion ids read back from its segment."""

@@ -590,6 +590,39 @@ def test_ended_sessions_are_forgotten_beyond_the_bound(model_dir):
         GatewayConfig(model_path=model_dir, engine_urls=["http://x"], keep_ended_sessions=0)
 
 
+def test_ended_sessions_are_forgotten_beyond_the_memory_budget(stack, model_dir):
+    """--keep-ended-mib: the ended sessions' recorded tokens (typed arrays: 21 bytes a token, plus the calls'
+    logprobs) are counted; beyond the budget the oldest are forgotten, the newest always kept."""
+    _, engines = stack
+    gw = start_gateway(model_dir, [engines[0].url], in_process=True)
+    g = gw.gateway
+    try:
+        sessions = [new_session(gw) for _ in range(3)]
+        for s in sessions:
+            client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "q"}],
+                                              max_tokens=4, extra_body={"ignore_eos": True})
+        sizes = [g.sessions[s["session_id"]].recorded_bytes() for s in sessions]
+        one = g.sessions[sessions[0]["session_id"]]
+        assert sizes[0] == 21 * len(one.segments[0].tokens) + 32 * 4  # int32 id, int8 mask, f64 logprob, i64 version
+        g.config.keep_ended_mib = (sizes[1] + sizes[2] + 1) / 2**20  # the last two fit, not three
+        for s in sessions:
+            assert end(gw, s)[0] == 200
+        assert g.stats["forgotten_sessions"] == 1 and g.ended_bytes == sizes[1] + sizes[2]
+        kept = [http(f"{gw.url}/forge/sessions/{s['session_id']}", method="GET")[0] for s in sessions]
+        assert kept == [404, 200, 200]
+        state = http(gw.url + "/forge/admin/state", method="GET")[1]
+        assert state["ended_sessions_mib"] == round(g.ended_bytes / 2**20, 3) and state["forgotten_sessions"] == 1
+        g.config.keep_ended_mib = 0.0  # nothing but the newest
+        extra = new_session(gw)
+        assert end(gw, extra, "aborted")[0] == 200
+        assert list(g.ended_ids) == [extra["session_id"]] and g.ended_bytes == 0  # no call: nothing recorded
+        assert set(g.sessions) == {extra["session_id"]}
+    finally:
+        gw.stop()
+    with pytest.raises(ValueError, match="keep_ended_mib must be >= 0"):
+        GatewayConfig(model_path=model_dir, engine_urls=["http://x"], keep_ended_mib=-1)
+
+
 def test_a_refused_episode_is_a_409_and_its_session_is_kept_like_any_ended_one(model_dir):
     """The sink's refusal (SchemaError) answers 409 episode_rejected; the session is ended and counts towards
     keep_ended_sessions, so refused sessions do not pile up in memory."""
