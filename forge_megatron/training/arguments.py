@@ -84,6 +84,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                      help="interleaved pipeline: model chunks per PP rank (instead of "
                           "--num-layers-per-virtual-pipeline-stage)")
     par.add_argument("--use-distributed-optimizer", action="store_true")
+    par.add_argument("--overlap-grad-reduce", action="store_true",
+                     help="reduce (or, with the distributed optimizer, reduce-scatter) each gradient bucket over DP "
+                          "as soon as the backward has filled it, overlapped with the rest of the backward")
+    par.add_argument("--ddp-bucket-size", type=int, default=None,
+                     help="gradient bucket size in elements (default: Megatron's, 40M with --overlap-grad-reduce)")
     par.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                      help="activation recomputation: 'full' re-runs whole transformer layers in the backward (memory "
                           "for long trees), 'selective' only core attention")

@@ -305,6 +305,10 @@ class Trainer:
         self.domains = sorted(args.domain_ratios)
         # model chunks (one per virtual pipeline stage; one without interleaving) and their DDP wrappers
         self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(args, self.cfg)
+        if self.rank == 0 and getattr(args, "overlap_grad_reduce", False):
+            buckets = sum(len(b.buckets) for d in self.ddp for b in [*d.buffers, *d.expert_parallel_buffers])
+            self._log(f"--overlap-grad-reduce: {buckets} gradient bucket(s) on rank 0, each reduced over DP as soon as "
+                      "the backward has filled it")
         # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
         self.ref_chunks = build_reference_model(self.cfg) if self.loss_cfg.kl_coef > 0 else None
         self.ref_offload = None  # --ref-offload: HostOffload of ref_chunks, made once their weights are loaded
@@ -697,7 +701,9 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg):
         for chunk in chunks:
             chunk.cuda()
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                               use_distributed_optimizer=args.use_distributed_optimizer)
+                                               use_distributed_optimizer=args.use_distributed_optimizer,
+                                               overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
+                                               bucket_size=getattr(args, "ddp_bucket_size", None))
     # As Megatron-LM does: only the first chunk's gradient buckets are overlapped with the backward.
     ddp = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=v > 0)
            for v, chunk in enumerate(chunks)]
@@ -711,6 +717,8 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg):
     for chunk in chunks:
         chunk.config.finalize_model_grads_func = finalize_model_grads
         chunk.config.no_sync_func = ddp[0].no_sync if len(ddp) == 1 else [d.no_sync for d in ddp]
+        if ddp_config.overlap_grad_reduce:  # the pipeline schedules start each chunk's reduction when it is done
+            chunk.config.grad_sync_func = ddp[0].start_grad_sync if len(ddp) == 1 else [d.start_grad_sync for d in ddp]
         chunk.config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,

@@ -3,6 +3,8 @@ data-parallel ranks) and ``--bf16`` on CPU (gloo): checkpoints resume in the lay
 layout, and with or without the distributed optimizer, exactly as the run would have continued. Trainer processes
 against a forge-pool process; 2 ranks."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from .trainer_run import run_on_fresh_pool
 
 DIST = ["--use-distributed-optimizer"]
 TP2 = ["--tensor-model-parallel-size", "2"]
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]  # several buckets of the 125k-parameter model
 
 
 def _feed(iters):
@@ -27,13 +30,16 @@ def test_distributed_optimizer_checkpoints_resume_in_any_layout_and_with_either_
     data-parallel group's rank 0), the same again (each rank takes its slice back), TP = 2 with the plain optimizer
     (resharded from the holders' files), DP = 2 with the distributed optimizer (resharded into slices). A resume's
     weights show in the next step, its Adam moments and step count in the one after (its update): the gradient norms
-    of steps 2-5 must be the straight run's, to fp32 round-off (TP sums in another order)."""
+    of steps 2-5 must be the straight run's, to fp32 round-off (TP sums in another order). The second and last
+    stages reduce the gradients bucket by bucket during the backward (--overlap-grad-reduce): the same sums."""
     model_dir = build_tiny_model(str(tmp_path / "model"))
     straight, _, _ = run_on_fresh_pool(tmp_path, "straight", model_dir, _feed(5), iters=5, groups=1, nproc=2)
     moved, stdouts, counts = run_on_fresh_pool(
         tmp_path, "moved", model_dir, _feed(5), iters=5, groups=1,
-        exits=[(1, DIST, 2), (2, DIST, 2), (3, TP2, 2), (None, DIST, 2)])
+        exits=[(1, DIST, 2), (2, DIST + OVERLAP, 2), (3, TP2, 2), (None, DIST + OVERLAP, 2)])
     assert counts == [1, 2, 3, 5]
+    buckets = re.search(r"--overlap-grad-reduce: (\d+) gradient bucket\(s\) on rank 0", stdouts[1])
+    assert buckets and int(buckets.group(1)) > 1
     assert "resharding" not in stdouts[1]  # the same layout and optimizer: each rank reads its slices
     assert "was saved under another parallel layout (tp 1 -> 2, dp 2 -> 1, etp 1 -> 2)" in stdouts[2]
     assert "was saved under another parallel layout (tp 2 -> 1, dp 1 -> 2, etp 2 -> 1)" in stdouts[3]
