@@ -61,6 +61,56 @@ def test_parameters_per_rank_are_what_megatron_builds(arch, kw, parallel, world)
         assert built[0]["expert"] > 0 and built[0]["buffers"] == 2 * 4  # two MoE layers' biases over 4 experts
 
 
+def _optimizer_shard_body(rank, world_size, hf):
+    """Elements of fp32 state (per state tensor) this rank's distributed optimizer holds, dense and expert."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from forge_megatron.mcore.cpu_compat import cuda_factories_to_cpu
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.training.reshard import _main_shards, _sub_optimizers
+
+    with cuda_factories_to_cpu():
+        chunk = build_tree_gpt(Bridge(hf).cfg)
+    ddp = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                              use_distributed_optimizer=True), chunk)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True),
+                                       [ddp])
+    names = {id(p): name for name, p in chunk.named_parameters()}
+    out = {"dense": 0, "expert": 0, "pp_rank": ps.get_pipeline_model_parallel_rank()}
+    for opt in _sub_optimizers(optimizer):
+        for p, q in _main_shards(opt):
+            out["expert" if ".mlp.experts." in names[id(p)] else "dense"] += q.numel()
+    return out
+
+
+@pytest.mark.parametrize("arch,parallel,world", [
+    ("minimax_m2", ParallelConfig(ep=2), 2),  # dense state over DP = 2, the experts' over their own DP group of 1
+    ("glm4_moe", ParallelConfig(tp=2, ep=2, etp=1), 4),  # whole experts: their DP group is DP x TP / EP = 2
+], ids=["minimax_m2-ep2", "glm4_moe-tp2ep2etp1-dp2"])
+def test_distributed_optimizer_state_per_rank_is_what_megatron_shards(arch, parallel, world):
+    """forge-plan's Adam state per GPU with --use-distributed-optimizer against the state Megatron's distributed
+    optimizer really gives each rank (on CPU): equal shares of each data-parallel group, dense and expert apart
+    (each rank's share within its bucket padding of the even split)."""
+    hf = _hf(arch)
+    built = run_distributed(_optimizer_shard_body, world_size=world, parallel=parallel, hf=hf)
+    bridge = Bridge(hf)
+    planned = plan.plan(bridge, world=world, tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, etp=parallel.etp,
+                        bf16=False, distributed_optimizer=True, tokens=64)
+    params = plan.rank_params(bridge, parallel.tp, parallel.pp, parallel.ep, 0, None, parallel.etp)
+    dense_dp = planned["dp"]
+    expert_dp = dense_dp * parallel.tp // (parallel.expert_tp * parallel.ep)
+    for got in built:
+        assert abs(got["dense"] - params["dense"] / dense_dp) <= 128 * 4, (got, params, dense_dp)
+        assert abs(got["expert"] - params["expert"] / expert_dp) <= 128 * 4, (got, params, expert_dp)
+    assert sum(g["dense"] for g in built) == params["dense"] * world // dense_dp  # every element held once per group
+    assert sum(g["expert"] for g in built) == params["expert"] * world // expert_dp
+    # the plan's figure is that split: 8 bytes (two fp32 moments) per element held
+    assert planned["ranks"][0]["optimizer_gib"] * plan.GIB == pytest.approx(
+        8 * (params["dense"] / dense_dp + params["expert"] / expert_dp))
+
+
 def test_static_memory_is_the_trainers_arithmetic():
     bridge = Bridge(_hf("minimax_m2"))
     p = plan.plan(bridge, world=4, ep=2, bf16=True, distributed_optimizer=True, kl_reference=True, tokens=64)
