@@ -144,14 +144,16 @@ def sharded_param_states(model_chunks, optimizer) -> dict[str, dict]:
     for opt in _sub_optimizers(optimizer):
         if not is_distributed(opt):
             continue
-        step = _step_of(opt)
-        if step is None:
-            continue  # no step taken yet (every rank of the group alike)
         group = getattr(opt, "data_parallel_group_gloo", None) or opt.data_parallel_group
         device = torch.device("cpu") if dist.get_backend(group) == "gloo" else \
             torch.device("cuda", torch.cuda.current_device())
-        size, holder = group.size(), dist.get_process_group_ranks(group)[0]
-        mine = group.rank() == 0
+        size, holder, mine = group.size(), dist.get_global_rank(group, 0), group.rank() == 0
+        step = _step_of(opt)  # agreed over the group: a rank whose slices are all padding has no state of its own
+        agreed = torch.tensor([-1.0 if step is None else float(step)], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        if agreed.item() < 0:
+            continue  # no step taken yet
+        step = torch.tensor(agreed.item())
         main = dict(_main_shards(opt))
         for index, buffer in enumerate(opt.buffers):
             (bucket_maps,) = opt.gbuf_ranges[index].values()  # one dtype per buffer
@@ -160,9 +162,10 @@ def sharded_param_states(model_chunks, optimizer) -> dict[str, dict]:
                 shard = torch.zeros(1 + len(KINDS), local, dtype=torch.float32)  # main, exp_avg, exp_avg_sq
                 for p, where in ranges["param_map"].items():
                     q, span = main[p], where["gbuf_local"]
-                    state = opt.optimizer.state[q]
-                    for row, t in enumerate((q, *(state[k] for k in KINDS))):
-                        shard[row, span.start:span.end] = t.detach().reshape(-1).float().cpu()
+                    state = opt.optimizer.state.get(q, {})  # none for a parameter that never had a gradient
+                    for row, t in enumerate((q, *(state.get(k) for k in KINDS))):
+                        if t is not None:
+                            shard[row, span.start:span.end] = t.detach().reshape(-1).float().cpu()
                 parts = [torch.empty_like(shard, device=device) for _ in range(size)] if mine else None
                 dist.gather(shard.to(device), parts, dst=holder, group=group)
                 if not mine:
@@ -200,7 +203,7 @@ def load_sharded_param_states(root: str, iteration: int, model_chunks, optimizer
 
     files: dict[int, dict] = {}
     for row in _param_rows(model_chunks, optimizer):
-        holder = dist.get_process_group_ranks(row.opt.data_parallel_group)[0]
+        holder = dist.get_global_rank(row.opt.data_parallel_group, 0)
         if holder not in files:
             path = os.path.join(root, f"iter_{iteration:07d}", f"rank_{holder:05d}.pt")
             files[holder] = torch.load(path, map_location="cpu", weights_only=False, mmap=True)["param_states"]
