@@ -146,8 +146,9 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, log=
     path = _rank_file(root, iteration)
     sharded = has_sharded_param_state(optimizer)
     if not differ and layout is not None and os.path.isfile(path):
-        saved_sharded = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("sharded_optimizer",
-                                                                                                sharded)
+        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        saved_sharded = saved["sharded_optimizer"] if "sharded_optimizer" in saved else any(  # before 2026-12-02
+            name.endswith("_optim_params.pt") for name in os.listdir(_iter_dir(root, iteration)))
         if saved_sharded != sharded:
             differ = "optimizer " + ("distributed -> not" if saved_sharded else "not -> distributed")
     if differ:
