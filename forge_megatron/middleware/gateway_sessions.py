@@ -370,9 +370,10 @@ class Session:
 
     def sampled_stats(self) -> dict:
         """Policy-sampled tokens and the oldest/newest policy version that sampled them ([] when none did)."""
-        versions = [v for seg in self.segments for v, m in zip(seg.versions, seg.loss_mask) if m]
-        return {"completion_tokens": len(versions),
-                "policy_versions": [min(versions), max(versions)] if versions else []}
+        versions = np.concatenate([np.zeros(0, np.int64)] + [
+            np.frombuffer(seg.versions, np.int64)[np.frombuffer(seg.loss_mask, np.int8) > 0] for seg in self.segments])
+        return {"completion_tokens": int(versions.size),
+                "policy_versions": [int(versions.min()), int(versions.max())] if versions.size else []}
 
     def summary(self) -> dict:
         return {"session_id": self.session_id, "group_id": self.group_id, "eval": self.evaluation,
