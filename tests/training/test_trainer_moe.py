@@ -131,15 +131,19 @@ def test_gpt_oss_trains_the_same_under_pipeline_expert_context_and_tensor_parall
 def test_minimax_m2_trains_the_same_under_tensor_context_and_expert_parallelism(tmp_path):
     """The MiniMax-M2 layout (q/k RMSNorms over all heads, every layer sigmoid-routed MoE, RoPE on half of each head)
     through the trainer with routing replay: TP = 2 with sequence parallelism (each rank normalises its heads by the
-    all-reduced sum of squares, whose backward all-reduces too) and CP = 2 train the same two steps as one rank
-    (its experts are Qwen3-MoE's: EP in the DeepSeek-V3 and gpt-oss tests)."""
+    all-reduced sum of squares, whose backward all-reduces too), CP = 2, and all of TP = 2 x SP x CP = 2 with the
+    experts whole over EP = 2 (--expert-tensor-parallel-size 1: the experts' group spans the TP and CP ranks) train
+    the same two steps as one rank (its experts are Qwen3-MoE's: EP also in the DeepSeek-V3 and gpt-oss tests)."""
     model_dir = build_tiny_model(str(tmp_path / "minimax_m2"), arch="minimax_m2", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
     steps, logs = {}, {}
     for name, extra, nproc in (
             ("one", [], 1),
             ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
-            ("cp2", ["--context-parallel-size", "2"], 2)):  # each CP rank normalises its own tokens' heads
+            ("cp2", ["--context-parallel-size", "2"], 2),  # each CP rank normalises its own tokens' heads
+            ("tp2sp_cp2_ep2_etp1", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                    "--context-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                    "--expert-tensor-parallel-size", "1"], 4)):
         steps[name], logs[name], _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1,
                                                        nproc=nproc, model=[],
                                                        extra=extra + ["--routing-replay", "--tree-token-budget", "18"])
@@ -149,8 +153,8 @@ def test_minimax_m2_trains_the_same_under_tensor_context_and_expert_parallelism(
 
     held = rank_params(Bridge(model_dir), 2, 1, 1, 0)
     assert f"memory plan, pipeline rank 0: {held['dense'] + held['expert']:,} parameters per GPU" in logs["tp2sp"][0]
-    assert [len(v) for v in steps.values()] == [2, 2, 2]
-    assert_same_as_one_rank(steps, ("tp2sp", "cp2"), REPLAY_KEYS)
+    assert [len(v) for v in steps.values()] == [2, 2, 2, 2]
+    assert_same_as_one_rank(steps, ("tp2sp", "cp2", "tp2sp_cp2_ep2_etp1"), REPLAY_KEYS)
     assert sorted(s["routing_replayed_rows"] for s in steps["one"]) == [120, 128]  # both layers MoE
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
 
