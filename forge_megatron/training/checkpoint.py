@@ -49,6 +49,19 @@ def has_sharded_param_state(optimizer) -> bool:
     return any(is_distributed(o) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _half_params(chunks) -> bool:
+    """Whether the model trains half-precision weights (--bf16 / --fp16: the optimizer keeps fp32 masters)."""
+    return any(p.dtype in (torch.bfloat16, torch.float16) for c in chunks for p in c.parameters())
+
+
+def _saved_half(state: dict) -> bool:
+    if "half_params" in state:
+        return state["half_params"]
+    weights = [state["model"]] if "model" in state else state.get("model_chunks", [])  # before 2026-12-02
+    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16)
+               for chunk in weights for t in chunk.values())
+
+
 def _chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
@@ -101,6 +114,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     sharded = has_sharded_param_state(optimizer)
     state["param_states"] = (sharded_param_states if sharded else param_states)(chunks, optimizer)
     state["sharded_optimizer"] = sharded
+    state["half_params"] = _half_params(chunks)
     tmp = path + ".tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -151,12 +165,16 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, log=
             name.endswith("_optim_params.pt") for name in os.listdir(_iter_dir(root, iteration)))
         if saved_sharded != sharded:
             differ = "optimizer " + ("distributed -> not" if saved_sharded else "not -> distributed")
+        half = _half_params(_chunks(model))
+        if _saved_half(saved) != half:  # the optimizer keeps fp32 masters of half-precision weights, or not
+            differ = ", ".join(filter(None, [differ, "weights " + ("fp32 -> half" if half else "half -> fp32")]))
     if differ:
         from forge_megatron.convert.trainer_checkpoint import read_rank_metadata
         from forge_megatron.training.reshard import load_resharded
 
         if log is not None:
-            what = "with another optimizer" if differ.startswith("optimizer") else "under another parallel layout"
+            what = "with another optimizer or precision" if differ.startswith(("optimizer", "weights")) else \
+                "under another parallel layout"
             log(f"checkpoint {_iter_dir(root, iteration)} was saved {what} ({differ}): resharding the model and "
                 "optimizer state into this one")
         return load_resharded(root, iteration, _chunks(model), optimizer, scheduler,

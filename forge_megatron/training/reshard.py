@@ -248,13 +248,24 @@ class _Source:
                 return found
         return None
 
-    def step(self) -> torch.Tensor | None:
-        """The Adam step count (every parameter is stepped together); None if saved before the first step."""
+    def _entries(self) -> dict:
+        """The per-parameter optimizer states of the first rank file that has any ({} before the first step)."""
         for ranks in self.replicas.values():
             for rank in ranks:
-                for entry in self.state(rank)["param_states"].values():
-                    return entry["step"]
-        return None
+                if self.state(rank)["param_states"]:
+                    return self.state(rank)["param_states"]
+        return {}
+
+    def step(self) -> torch.Tensor | None:
+        """The Adam step count (every parameter is stepped together); None if saved before the first step."""
+        return next((entry["step"] for entry in self._entries().values()), None)
+
+    def half(self) -> bool:
+        """Whether the run trained half-precision weights (its optimizer kept fp32 masters: ``main``)."""
+        rank0 = self.state(self.owner[(0, 0, 0)])
+        if "half_params" in rank0:
+            return rank0["half_params"]
+        return any("main" in entry for entry in self._entries().values())  # before 2026-12-02
 
     def chunk_weights(self, rank: int, v: int) -> dict:
         from forge_megatron.convert.trainer_checkpoint import model_chunks
@@ -346,12 +357,28 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
             return full.chunk(here.tp, dim=0)[tp]
         return bridge.shard(name, full, here, tp)
 
+    src_half = src.half()
+    masters_to_weights = src_half and not any(_half(p) for c in model_chunks for p in c.parameters())
+
+    def weight(name: str) -> torch.Tensor:
+        if masters_to_weights:  # an fp32 job from a half-precision run: its fp32 masters, where it kept them
+            try:
+                return src.full(name, "main")
+            except ValueError:  # buffers, fp32 parameters (norms), parameters without optimizer state
+                pass
+        return src.full(name, "weight")
+
+    def state(name: str, kind: str) -> torch.Tensor:
+        if kind == "main" and not src_half:  # a half-precision job from an fp32 run: its weights are the masters
+            return src.full(name, "weight").float()
+        return src.full(name, kind)
+
     pieces = []
     for chunk in model_chunks:  # the weights (and buffers: routers' expert biases), as load_hf_weights fills them
         gpt = unwrap(chunk)
         layers, first, last = global_layers(gpt), gpt.pre_process, gpt.post_process
         pieces.append(layers)
-        weights = _Lazy(lambda name: src.full(name, "weight"))
+        weights = _Lazy(weight)
         missing, unexpected = gpt.load_state_dict(piece_state(bridge, weights, here, tp, ep, layers, first, last),
                                                   strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
@@ -366,5 +393,5 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
         return rank0  # saved before the first step: no optimizer state yet
     for row in _param_rows(model_chunks, optimizer):
         name = canonical(row.name, pieces[row.v])
-        restore(row, lambda kind: local_shard(name, row.name, src.full(name, kind)), step)
+        restore(row, lambda kind: local_shard(name, row.name, state(name, kind)), step)
     return rank0

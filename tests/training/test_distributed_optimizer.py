@@ -79,6 +79,22 @@ def test_bf16_with_the_distributed_optimizer_resumes_like_an_uninterrupted_run(t
     assert any("main" not in e for e in saved["param_states"].values())  # fp32 parameters are their own masters
 
 
+def test_a_run_resumes_in_another_precision(tmp_path):
+    """fp32 -> --bf16 -> fp32, one step each: the bf16 optimizer's fp32 masters come from the fp32 run's weights, the
+    fp32 run's weights from the bf16 run's masters (not its rounded bf16 weights), the moments travel as they are.
+    Against the straight fp32 run the steps differ by bf16 rounding only (a lost state would show far more)."""
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    straight, _, _ = run_on_fresh_pool(tmp_path, "straight", model_dir, _feed(4), iters=4, groups=1)
+    switched, stdouts, counts = run_on_fresh_pool(tmp_path, "switched", model_dir, _feed(4), iters=4, groups=1,
+                                                  exits=[(1, (), 1), (2, ["--bf16"], 1), (None, (), 1)])
+    assert counts == [1, 2, 4]
+    assert "saved with another optimizer or precision (weights fp32 -> half)" in stdouts[1]
+    assert "saved with another optimizer or precision (weights half -> fp32)" in stdouts[2]
+    for a, b in zip(straight, switched):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-3), a["step"]
+        assert b["loss"] == pytest.approx(a["loss"], abs=2e-3), a["step"]
+
+
 def test_bf16_first_step_keeps_the_hf_weights(tmp_path):
     """--bf16: Megatron's optimizer keeps fp32 master weights made when it is built; after loading the HF checkpoint
     they must be refreshed, or the first step writes Megatron's random init back. Same group twice at lr 1e-9: the
