@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import functools
 import ipaddress
 import json
 import logging
@@ -203,7 +205,8 @@ class ChatRequest:
     sampling: dict
     stream: bool
     include_usage: bool = False
-    logprobs: bool = False  # return OpenAI choice.logprobs (non-streaming; no top_logprobs)
+    logprobs: bool = False  # return OpenAI choice.logprobs (of the sampled tokens; streamed with their chunks)
+    top_logprobs: int = 0  # and, per token, this many most likely alternatives (chat top_logprobs, legacy logprobs=k)
     separate_reasoning: bool = True  # SGLang's field: thinking blocks as reasoning_content (with a reasoning parser)
     template_kwargs: dict = field(default_factory=dict)  # SGLang's chat_template_kwargs (e.g. enable_thinking)
     # /v1/completions: the prompt as text or token ids (messages empty, no template, no parsers)
@@ -223,6 +226,7 @@ class _Call:
     forced_text: str  # tool-call opening appended to the prompt ('' unless tool_choice forces a call)
     started: float
     reasoning_open: bool = False  # the completion starts inside a reasoning block (the prompt opened it)
+    top_logprobs: int = 0  # alternatives per token the engine is asked for (top_logprobs_num)
     done: list = field(default_factory=list)  # [(GenerateResult, version)] of aborted parts kept (resume_aborted)
     versions: list[int] = field(default_factory=list)  # per completion token, set when the generation is complete
 
@@ -232,6 +236,17 @@ def _bad(param: str, message: str) -> ApiError:
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs (the legacy completions' logprobs: 5)
+MAX_LEGACY_LOGPROBS = 5
+
+
+def _top_logprobs(body: dict, name: str, bound: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= bound:
+        raise _bad(name, f"{name} must be an integer in [0, {bound}]")
+    return value
 
 
 def parse_chat_request(body: dict, default_max_tokens: int) -> ChatRequest:
@@ -247,8 +262,9 @@ def parse_chat_request(body: dict, default_max_tokens: int) -> ChatRequest:
     tool_choice = _tool_choice(body.get("tool_choice", "auto"), tools)
     if body.get("n", 1) != 1:
         raise _bad("n", "only n=1 is supported")
-    if body.get("top_logprobs"):
-        raise _bad("top_logprobs", "top_logprobs is not supported (logprobs of the sampled tokens only)")
+    top = _top_logprobs(body, "top_logprobs", MAX_TOP_LOGPROBS)
+    if top and not _flag(body, "logprobs"):
+        raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
         raise _bad("chat_template_kwargs", "chat_template_kwargs must be an object of template variables")
@@ -260,7 +276,7 @@ def parse_chat_request(body: dict, default_max_tokens: int) -> ChatRequest:
     return ChatRequest(messages=messages, tools=tools or None, tool_choice=tool_choice,
                        sampling=_sampling_params(body, default_max_tokens), stream=_flag(body, "stream"),
                        include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
-                       logprobs=_flag(body, "logprobs"),
+                       logprobs=_flag(body, "logprobs"), top_logprobs=top,
                        separate_reasoning=_flag(body, "separate_reasoning", default=True),
                        template_kwargs=template_kwargs)
 
@@ -286,14 +302,12 @@ def parse_completion_request(body: dict, default_max_tokens: int, vocab_size: in
     for name in ("n", "best_of"):
         if body.get(name, 1) != 1:
             raise _bad(name, f"only {name}=1 is supported")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or
-                                 not 0 <= logprobs <= 1):
-        raise _bad("logprobs", "logprobs must be 0 or 1 (the sampled tokens' logprobs; no top alternatives)")
+    top = _top_logprobs(body, "logprobs", MAX_LEGACY_LOGPROBS)  # k: the sampled tokens' and k alternatives
     return ChatRequest(messages=[], tools=None, tool_choice="none", sampling=_sampling_params(body, default_max_tokens),
                        stream=_flag(body, "stream"),
                        include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
-                       logprobs=logprobs is not None, separate_reasoning=False, prompt=text, prompt_ids=ids)
+                       logprobs=body.get("logprobs") is not None, top_logprobs=top, separate_reasoning=False,
+                       prompt=text, prompt_ids=ids)
 
 
 def _tool_choice(choice, tools: list | None):
@@ -483,6 +497,7 @@ class Gateway:
                       "tempered_calls": 0, "reaped_sessions": 0, "calls": 0, "prompt_tokens": 0,
                       "completion_tokens": 0, "forgotten_sessions": 0}
         self._reaper: asyncio.Task | None = None
+        self._token_texts: dict[int, str] = {}  # token_text's cache (at most the vocabulary)
         self.evals: deque[dict] = deque(maxlen=1000)  # published evaluation results, each with an increasing id
         self._eval_ids = 0
         self.instance = uuid.uuid4().hex[:16]  # tells readers of the eval ids that this gateway restarted
@@ -668,7 +683,7 @@ class Gateway:
         turn = _Turn(messages=req.messages, tools=req.tools, prompt_text=text, prompt_ids=prompt_ids,
                      completion_ids=[], assistant_message={}, template_kwargs=kwargs)
         return _Call(turn=turn, continues=continues, sampling=sampling, forced_text=forced, started=time.time(),
-                     reasoning_open=reasoning_open)
+                     reasoning_open=reasoning_open, top_logprobs=req.top_logprobs if req.logprobs else 0)
 
     def sampling_for(self, sess: Session, sampling: dict) -> dict:
         """The module's rule on sampling parameters: an eval session's own values; a training call from the policy
@@ -716,7 +731,8 @@ class Gateway:
             try:
                 result = await self.fleet.generate(ids, sampling, session_key=sess.session_id,
                                                    return_routed_experts=self.routing_shape is not None,
-                                                   group_key=sess.group_id or None)
+                                                   group_key=sess.group_id or None,
+                                                   top_logprobs_num=call.top_logprobs)
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
             if result.finish_type != "abort":
@@ -740,7 +756,8 @@ class Gateway:
             try:
                 async for result in self.fleet.generate_stream(
                         ids, sampling, session_key=sess.session_id,
-                        return_routed_experts=self.routing_shape is not None, group_key=sess.group_id or None):
+                        return_routed_experts=self.routing_shape is not None, group_key=sess.group_id or None,
+                        top_logprobs_num=call.top_logprobs):
                     sent = await on_partial(self.joined(call, result))
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
@@ -789,23 +806,28 @@ class Gateway:
         if not keep:
             self.stats["discarded_tokens"] += len(result.output_ids)
             return False
-        self.check_part(result)
+        self.check_part(call, result)
         call.done.append((result, self.version_of(result)))
         self.stats["resumed_tokens"] += len(result.output_ids)
         return True
 
-    def check_part(self, result) -> None:
+    def check_part(self, call: _Call, result) -> None:
         if len(result.logprobs) != len(result.output_ids):
             raise ApiError(502, f"the engine returned {len(result.logprobs)} logprobs for {len(result.output_ids)} "
                                 "tokens", "engine_error", code="bad_engine_response")
+        if call.top_logprobs and len(result.top_logprobs or ()) != len(result.output_ids):
+            raise ApiError(502, f"the engine returned top logprobs for {len(result.top_logprobs or ())} of "
+                                f"{len(result.output_ids)} tokens (asked top_logprobs_num {call.top_logprobs})",
+                           "engine_error", code="bad_engine_response")
 
     def joined(self, call: _Call, result):
         """``result`` after the kept parts: ids and logprobs concatenated (no routing; for streaming views)."""
         if not call.done:
             return result
         parts = [p for p, _ in call.done] + ([result] if result is not None else [])
+        tops = None if any(p.top_logprobs is None for p in parts) else [x for p in parts for x in p.top_logprobs]
         return replace(parts[-1], output_ids=[t for p in parts for t in p.output_ids],
-                       logprobs=[x for p in parts for x in p.logprobs], routed_experts=None,
+                       logprobs=[x for p in parts for x in p.logprobs], routed_experts=None, top_logprobs=tops,
                        prompt_tokens=call.done[0][0].prompt_tokens,
                        completion_tokens=sum(len(p.output_ids) for p in parts))
 
@@ -814,7 +836,7 @@ class Gateway:
         parts used the whole budget): tokens, logprobs, routing rows, per-token versions in ``call.versions``, and
         a stop string that only the joined text contains cut as the engine would have."""
         if result is not None:
-            self.check_part(result)
+            self.check_part(call, result)
         if not call.done:
             call.versions = [self.version_of(result)] * len(result.output_ids)
             return result
@@ -832,6 +854,7 @@ class Gateway:
         if stop is not None:
             n, matched = stop
             joined = replace(joined, output_ids=joined.output_ids[:n], logprobs=joined.logprobs[:n],
+                             top_logprobs=None if joined.top_logprobs is None else joined.top_logprobs[:n],
                              completion_tokens=n, finish_reason={"type": "stop", "matched": matched})
             call.versions = call.versions[:n]
             if joined.routed_experts is not None:
@@ -959,24 +982,65 @@ class Gateway:
         except (TypeError, ValueError):
             return self.policy_version
 
-    def openai_logprobs(self, turn: _Turn, logprobs: list[float]) -> dict:
-        """OpenAI ``choice.logprobs`` for the sampled tokens (each token decoded alone)."""
-        tok = self.renderer.tok
-        content = []
-        for token_id, lp in zip(turn.completion_ids, logprobs):
-            text = tok.decode([token_id], skip_special_tokens=False)
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
-        return {"content": content}
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone (special tokens as their text), cached: a stream with top_logprobs asks for
+        (k + 1) tokens per position."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.renderer.tok.decode([token_id], skip_special_tokens=False)
+        return text
 
-    def legacy_logprobs(self, turn: _Turn, logprobs: list[float]) -> dict:
-        """Completions ``choice.logprobs`` for the sampled tokens (each token decoded alone)."""
-        tok = self.renderer.tok
-        tokens = [tok.decode([t], skip_special_tokens=False) for t in turn.completion_ids]
-        offsets, at = [], len(turn.prompt_text)
+    def openai_logprobs(self, ids: list[int], logprobs: list[float], top: list | None = None) -> dict:
+        """OpenAI ``choice.logprobs`` of the sampled tokens ``ids`` (each token decoded alone) and, with ``top`` (the
+        engine's per-position [(logprob, id), ...]), their most likely alternatives."""
+        def entry(token_id: int, lp: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for alp, a in top[i]] if top else []}
+                            for i, (t, lp) in enumerate(zip(ids, logprobs))]}
+
+    def text_token_span(self, call: _Call, req: ChatRequest, result, content: str,
+                        final: bool = True) -> tuple[int, int]:
+        """[lo, hi): the completion tokens whose text holds ``content`` (the answer's content, or what a stream has
+        sent of it), from the token its first character is in to the one its last is in: reasoning and tool-call
+        tokens are outside. Every prefix of the completion decodes to a prefix of its text, so both ends are found by
+        bisection (O(log n) decodes). Content the text does not contain as it is (a parser rewrote it) gets every
+        token."""
+        ids = result.output_ids
+        if not content:
+            return 0, 0
+        full = self.text_of(call, result)
+        _, rest = self.split_reasoning(call, req, full, final=final)
+        start = full.find(content, len(full) - len(rest) if full.endswith(rest) else 0)
+        if start < 0:
+            return 0, len(ids)
+        first = max(0, start - len(call.forced_text))  # in the completion's own text
+        last = first + len(content)
+        decoded = functools.lru_cache(maxsize=None)(
+            lambda k: len(self.renderer.tok.decode(ids[:k], skip_special_tokens=False)))
+        lo = bisect.bisect_right(range(len(ids)), first, key=lambda k: decoded(k + 1))
+        hi = min(len(ids), bisect.bisect_left(range(len(ids) + 1), last, key=decoded))
+        return lo, max(lo, hi)
+
+    def legacy_logprobs(self, ids: list[int], logprobs: list[float], top: list | None, offset: int) -> dict:
+        """Completions ``choice.logprobs`` of the sampled tokens ``ids`` (each decoded alone), the first at character
+        ``offset`` of prompt + completion; ``top_logprobs`` a {token text: logprob} per position (None without
+        ``top``; alternatives that decode to the same text keep the likelier)."""
+        tokens = [self.token_text(t) for t in ids]
+        offsets = []
         for t in tokens:
-            offsets.append(at)
-            at += len(t)
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+            offsets.append(offset)
+            offset += len(t)
+        tops = None
+        if top is not None:
+            tops = []
+            for alternatives in top:
+                named = {}
+                for alp, a in alternatives:
+                    named.setdefault(self.token_text(a), alp)
+                tops.append(named)
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": offsets}
 
     def usage(self, turn: _Turn) -> dict:
         n_prompt, n_out = len(turn.prompt_ids), len(turn.completion_ids)
@@ -1066,11 +1130,12 @@ async def chat_completions(request: web.Request, gw: Gateway) -> web.StreamRespo
     served = await serve_call(gw, sess, req, lambda sess, req, call: _stream(request, gw, sess, req, call))
     if not isinstance(served, tuple):
         return served
-    call, _, message, finish = served
+    call, result, message, finish = served
     return web.json_response({
         "id": _completion_id(), "object": "chat.completion", "created": int(time.time()), "model": gw.model_name,
         "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                     "logprobs": gw.openai_logprobs(call.turn, sess.calls[-1].logprobs) if req.logprobs else None}],
+                     "logprobs": gw.openai_logprobs(result.output_ids, result.logprobs, result.top_logprobs)
+                     if req.logprobs else None}],
         "usage": gw.usage(call.turn),
     })
 
@@ -1083,12 +1148,13 @@ async def completions(request: web.Request, gw: Gateway) -> web.StreamResponse:
     served = await serve_call(gw, sess, req, lambda sess, req, call: _stream_text(request, gw, sess, req, call))
     if not isinstance(served, tuple):
         return served
-    call, _, message, finish = served
+    call, result, message, finish = served
     return web.json_response({
         "id": _completion_id("cmpl"), "object": "text_completion", "created": int(time.time()),
         "model": gw.model_name,
         "choices": [{"index": 0, "text": message["content"] or "", "finish_reason": _text_finish(finish),
-                     "logprobs": gw.legacy_logprobs(call.turn, sess.calls[-1].logprobs) if req.logprobs else None}],
+                     "logprobs": gw.legacy_logprobs(result.output_ids, result.logprobs, result.top_logprobs,
+                                                    len(call.turn.prompt_text)) if req.logprobs else None}],
         "usage": gw.usage(call.turn),
     })
 
@@ -1101,6 +1167,7 @@ async def _stream_text(request, gw: Gateway, sess: Session, req: ChatRequest, ca
     """A completions stream: text deltas held back at stop strings, then the finish reason (and usage)."""
     chunk = _chunk_maker(gw, "cmpl", "text_completion", "text")
     holds = stream_holds(gw, req, call)
+    logprobs = StreamedLogprobs(gw, req, call, legacy=True)
     resp = None
     sent = 0
 
@@ -1110,7 +1177,7 @@ async def _stream_text(request, gw: Gateway, sess: Session, req: ChatRequest, ca
             resp = await _sse_response(request)
         _, text = gw.stream_views(call, req, result, holds)
         if len(text) > sent:
-            await resp.write(chunk(text[sent:]))
+            await resp.write(chunk(text[sent:], logprobs=logprobs.take(result)))
             sent = len(text)
         return sent
 
@@ -1121,7 +1188,7 @@ async def _stream_text(request, gw: Gateway, sess: Session, req: ChatRequest, ca
     if resp is None:
         resp = await _sse_response(request)
     text = message["content"] or ""
-    await resp.write(chunk(text[sent:], _text_finish(finish)))
+    await resp.write(chunk(text[sent:], _text_finish(finish), logprobs=logprobs.take(done[0])))
     if req.include_usage:
         await resp.write(chunk("", usage=gw.usage(call.turn)))
     await resp.write(b"data: [DONE]\n\n")
@@ -1151,18 +1218,45 @@ def _sse(body: dict) -> bytes:
 
 
 def _chunk_maker(gw: Gateway, id_kind: str, obj: str, field: str):
-    """The SSE chunk writer of one streamed call: ``chunk(value, finish=None, usage=None)`` puts ``value`` in the
-    choice's ``field`` (chat: ``delta``, completions: ``text``); a usage chunk has no choices."""
+    """The SSE chunk writer of one streamed call: ``chunk(value, finish=None, usage=None, logprobs=None)`` puts
+    ``value`` in the choice's ``field`` (chat: ``delta``, completions: ``text``); a usage chunk has no choices."""
     cid, created = _completion_id(id_kind), int(time.time())
 
-    def chunk(value, finish: str | None = None, usage: dict | None = None) -> bytes:
+    def chunk(value, finish: str | None = None, usage: dict | None = None, logprobs: dict | None = None) -> bytes:
         body = {"id": cid, "object": obj, "created": created, "model": gw.model_name,
-                "choices": [{"index": 0, field: value, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": 0, field: value, "finish_reason": finish, "logprobs": logprobs}]}
         if usage is not None:
             body["choices"], body["usage"] = [], usage
         return _sse(body)
 
     return chunk
+
+
+class StreamedLogprobs:
+    """The logprobs a stream owes (requests with ``logprobs``): each chunk written carries those of the tokens sampled
+    since the previous one that carried any (text held back at a stop string or a tool-call marker does not hold back
+    its tokens' logprobs), the finish chunk the rest, so the chunks' lists joined are the completion's."""
+
+    def __init__(self, gw: Gateway, req: ChatRequest, call: _Call, legacy: bool = False):
+        self.gw, self.on, self.legacy = gw, req.logprobs, legacy
+        self.sent = 0  # tokens whose logprobs were sent
+        self.offset = len(call.turn.prompt_text)  # legacy text_offset of the next token
+
+    def take(self, result) -> dict | None:
+        """``choice.logprobs`` of ``result``'s tokens not sent yet (None when off or there are none)."""
+        n = len(result.output_ids)
+        if not self.on or n <= self.sent:
+            return None
+        ids, lps = result.output_ids[self.sent:n], result.logprobs[self.sent:n]
+        top = result.top_logprobs[self.sent:n] if result.top_logprobs is not None else None
+        if top is not None and len(top) < len(ids):  # a chunk without them (the whole answer is checked at the end)
+            top = top + [[]] * (len(ids) - len(top))
+        self.sent = n
+        if not self.legacy:
+            return self.gw.openai_logprobs(ids, lps, top)
+        out = self.gw.legacy_logprobs(ids, lps, top, self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
 
 
 async def _sse_response(request) -> web.StreamResponse:
@@ -1193,6 +1287,7 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
     after the response has started (e.g. an abort once content was sent) end it with an OpenAI-style error event."""
     chunk = _chunk_maker(gw, "chatcmpl", "chat.completion.chunk", "delta")
     holds = stream_holds(gw, req, call)
+    logprobs = StreamedLogprobs(gw, req, call)
     resp = None
     sent = sent_reasoning = 0
     sent_calls: list[dict] = []  # tool calls sent as their blocks closed, before the completion ended
@@ -1203,17 +1298,20 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
         if resp is None:
             resp = await _sse_response(request)
             await resp.write(chunk({"role": "assistant", "content": ""}))
+        deltas = []
         reasoning, text = gw.stream_views(call, req, result, holds)
         if reasoning is not None and len(reasoning) > sent_reasoning:
-            await resp.write(chunk({"reasoning_content": reasoning[sent_reasoning:]}))
+            deltas.append({"reasoning_content": reasoning[sent_reasoning:]})
             sent_reasoning = len(reasoning)
         if len(text) > sent:
-            await resp.write(chunk({"content": text[sent:]}))
+            deltas.append({"content": text[sent:]})
             sent = len(text)
         closed, calls = gw.stream_calls(call, req, result, closed)
         for tc in (calls or [])[len(sent_calls):]:
-            await resp.write(chunk({"tool_calls": [{"index": len(sent_calls), **tc}]}))
+            deltas.append({"tool_calls": [{"index": len(sent_calls), **tc}]})
             sent_calls.append(tc)
+        for i, delta in enumerate(deltas):  # the new tokens' logprobs ride on the first
+            await resp.write(chunk(delta, logprobs=logprobs.take(result) if i == 0 else None))
         return sent + sent_reasoning + len(sent_calls)
 
     done = await _generate_or_error_event(gw, sess, req, call, on_partial, lambda: resp)
@@ -1230,7 +1328,7 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
     if len(calls) > len(sent_calls):
         await resp.write(chunk({"tool_calls": [{"index": i, **tc} for i, tc in enumerate(calls)
                                                if i >= len(sent_calls)]}))
-    await resp.write(chunk({}, finish))
+    await resp.write(chunk({}, finish, logprobs=logprobs.take(done[0])))
     if req.include_usage:
         await resp.write(chunk({}, usage=gw.usage(call.turn)))
     await resp.write(b"data: [DONE]\n\n")

@@ -27,12 +27,14 @@ Request -> chat form:
                                              -> a function tool taking one string parameter ``input`` (described
                                                 by the format's grammar, which is shown to the model, not enforced)
   tool_choice auto | none | required | {type: function | custom, name}; max_output_tokens, temperature, top_p,
-  stream, store, include [reasoning.encrypted_content]; reasoning.effort -> the chat template variable
-  ``reasoning_effort`` (as chat completions' reasoning_effort); extension: ignore_eos
+  stream, store, include [reasoning.encrypted_content, message.output_text.logprobs], top_logprobs;
+  reasoning.effort -> the chat template variable ``reasoning_effort`` (as chat completions' reasoning_effort);
+  extension: ignore_eos
   other item, part and tool types (images, files, built-in tools), background, conversation and prompt are a 400
   naming them.
 Reply: a ``response`` object whose ``output`` holds a reasoning item (``content`` [reasoning_text]; with a reasoning
-parser and a reasoning block; ``encrypted_content`` too when asked by ``include``), a message item (output_text) and
+parser and a reasoning block; ``encrypted_content`` too when asked by ``include``), a message item (output_text, with
+the logprobs of the tokens that wrote its text when asked: ``Gateway.text_token_span``) and
 one function_call item per call (a custom_tool_call item, ``input`` = the call's ``input`` argument, for a custom
 tool); ``status`` completed, or incomplete with ``incomplete_details.reason`` max_output_tokens; usage
 input/output/total tokens.
@@ -78,6 +80,7 @@ from forge_megatron.middleware.gateway import (
 CUSTOM_INPUT = "input"
 """The one string parameter of a custom tool's function form (its free-form input)."""
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
+TEXT_LOGPROBS = "message.output_text.logprobs"
 _SEAL_KEY = os.urandom(32)  # per process: a seal outlives neither the gateway nor, therefore, its sessions
 _SEAL_PREFIX = "forge1."
 
@@ -352,9 +355,11 @@ def parse_responses_request(body: dict, default_max_tokens: int,
         chat["tool_choice"] = _tool_choice(body.get("tool_choice"))
     elif _tool_choice(body.get("tool_choice")) not in ("auto", "none"):
         raise _bad("tool_choice", "tool_choice 'required' or a named tool needs a non-empty tools array")
-    for name in ("temperature", "top_p", "ignore_eos"):  # ignore_eos: the SGLang/vLLM extension
+    for name in ("temperature", "top_p", "ignore_eos", "top_logprobs"):  # ignore_eos: the SGLang/vLLM extension
         if body.get(name) is not None:
             chat[name] = body[name]
+    if TEXT_LOGPROBS in include or body.get("top_logprobs"):  # asking for alternatives asks for the logprobs
+        chat["logprobs"] = True
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise _bad("reasoning", "reasoning must be an object {effort, summary}")
@@ -389,8 +394,10 @@ def call_item(tc: dict, req: ResponsesRequest) -> dict:
             "status": "completed"}
 
 
-def output_items(message: dict, req: ResponsesRequest, status: str = "completed") -> list[dict]:
-    """The output items of one answer: reasoning, then the message, then one item per call."""
+def output_items(message: dict, req: ResponsesRequest, status: str = "completed",
+                 logprobs: list[dict] | None = None) -> list[dict]:
+    """The output items of one answer: reasoning, then the message (its text's ``logprobs``), then one item per
+    call."""
     items = []
     if message.get("reasoning_content") is not None:
         items.append(reasoning_item(_id("rs"), message["reasoning_content"], req, status))
@@ -398,8 +405,22 @@ def output_items(message: dict, req: ResponsesRequest, status: str = "completed"
     if message.get("content") or not calls:
         items.append({"type": "message", "id": _id("msg"), "role": "assistant", "status": status,
                       "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": [],
-                                   "logprobs": []}]})
+                                   "logprobs": logprobs or []}]})
     return items + [call_item(tc, req) for tc in calls]
+
+
+def text_logprobs(gw: Gateway, req: ResponsesRequest, call, result, content: str, start: int = 0,
+                  final: bool = True) -> tuple[list[dict], int]:
+    """(logprob entries of the tokens of ``content`` from token ``start`` on, the token after them): an output_text
+    part's ``logprobs`` (the API's chat-style entries, with top_logprobs), [] unless the request asked for them."""
+    if not req.chat.logprobs:
+        return [], start
+    lo, hi = gw.text_token_span(call, req.chat, result, content, final=final)
+    lo = max(lo, start)
+    if hi <= lo:
+        return [], start
+    top = result.top_logprobs[lo:hi] if result.top_logprobs is not None else None
+    return gw.openai_logprobs(result.output_ids[lo:hi], result.logprobs[lo:hi], top)["content"], hi
 
 
 def _response(gw: Gateway, body: dict, req: ResponsesRequest | None, rid: str, created: int, status: str,
@@ -458,7 +479,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
         return served
     call, result, message, finish = served
     usage = gw.usage(call.turn)
-    response = _response(gw, body, req, _id("resp"), int(time.time()), "completed", output_items(message, req),
+    logprobs, _ = text_logprobs(gw, req, call, result, message.get("content") or "")
+    response = _response(gw, body, req, _id("resp"), int(time.time()), "completed",
+                         output_items(message, req, logprobs=logprobs),
                          _usage(usage["prompt_tokens"], usage["completion_tokens"]), finish)
     keep(sess, req, previous, message, response)
     return web.json_response(response)
@@ -496,6 +519,8 @@ async def _stream(request, gw: Gateway, sess, req: ResponsesRequest, call, body:
     rid, created = _id("resp"), int(time.time())
     resp = None
     seq = 0
+    streamed = ""  # the message text sent so far (its tokens' logprobs ride on its deltas)
+    lp_next = 0  # the first token whose logprobs were not sent
     done: list[dict] = []  # finished output items
     item: dict | None = None  # the open reasoning or message item
 
@@ -524,23 +549,24 @@ async def _stream(request, gw: Gateway, sess, req: ResponsesRequest, call, body:
                         text=text)
             full = reasoning_item(item["id"], text, req)
         else:
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": item["logprobs"]}
             await event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                        text=text, logprobs=[])
+                        text=text, logprobs=item["logprobs"])
             full = {"type": "message", "id": item["id"], "role": "assistant", "status": "completed", "content": [part]}
         await event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
         await event("response.output_item.done", output_index=index, item=full)
         done.append(full)
         item = None
 
-    async def delta(kind: str, text: str) -> None:
-        """Append ``text`` to the open item of ``kind`` ("reasoning" or "message"), opening one first."""
+    async def delta(kind: str, text: str, logprobs: list[dict] = ()) -> None:
+        """Append ``text`` (and its tokens' ``logprobs``) to the open item of ``kind`` ("reasoning" or "message"),
+        opening one first."""
         nonlocal item
         index = len(done)
         if item is None or item["type"] != kind:
             await close_item()
             index = len(done)
-            item = {"type": kind, "id": _id("rs" if kind == "reasoning" else "msg"), "text": ""}
+            item = {"type": kind, "id": _id("rs" if kind == "reasoning" else "msg"), "text": "", "logprobs": []}
             if kind == "reasoning":
                 shell = {"type": "reasoning", "id": item["id"], "summary": [], "content": [], "status": "in_progress"}
                 part = {"type": "reasoning_text", "text": ""}
@@ -551,10 +577,11 @@ async def _stream(request, gw: Gateway, sess, req: ResponsesRequest, call, body:
             await event("response.output_item.added", output_index=index, item=shell)
             await event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
                         part=part)
+        item["logprobs"] += logprobs
         if text:
             item["text"] += text
             name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-            extra = {} if kind == "reasoning" else {"logprobs": []}
+            extra = {} if kind == "reasoning" else {"logprobs": list(logprobs)}
             await event(name, item_id=item["id"], output_index=index, content_index=0, delta=text, **extra)
 
     async def tool_call(tc: dict) -> None:
@@ -571,13 +598,16 @@ async def _stream(request, gw: Gateway, sess, req: ResponsesRequest, call, body:
         done.append(full)
 
     async def on_partial(result) -> int:
+        nonlocal streamed, lp_next
         if resp is None:
             await start()
         reasoning, text, calls = progress.step(result)
         if reasoning:
             await delta("reasoning", reasoning)
         if text:
-            await delta("message", text)
+            streamed += text
+            logprobs, lp_next = text_logprobs(gw, req, call, result, streamed, lp_next, final=False)
+            await delta("message", text, logprobs)
         for tc in calls:
             await tool_call(tc)
         return progress.sent
@@ -599,8 +629,11 @@ async def _stream(request, gw: Gateway, sess, req: ResponsesRequest, call, body:
         await delta("reasoning", message["reasoning_content"][progress.reasoning:])
     content = message.get("content") or ""
     has_message = (item or {}).get("type") == "message" or any(d["type"] == "message" for d in done)
+    logprobs, _ = text_logprobs(gw, req, call, result, content, lp_next)  # the content's tokens not sent yet
     if content[progress.content:] or not (calls or has_message):  # as output_items(); after sent calls: a new item
-        await delta("message", content[progress.content:])
+        await delta("message", content[progress.content:], logprobs)
+    elif logprobs and (item or {}).get("type") == "message":
+        item["logprobs"] += logprobs
     await close_item()
     for tc in calls[len(progress.calls):]:
         await tool_call(tc)

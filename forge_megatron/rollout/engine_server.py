@@ -3,8 +3,8 @@
 Tests and the demo need an engine that generates for real (tokens and logprobs come from the weights) and whose
 weights can be swapped by the trainer, without a GPU or SGLang. This server loads a HF causal LM from a local
 directory (transformers, fp32) and serves the subset of SGLang's native API that forge uses, with SGLang's field
-names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``stream``), ``/health``,
-``/get_model_info``, ``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` (mode abort|in_place|retract),
+names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``stream``),
+``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` (mode abort|in_place|retract),
 ``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``.
 
@@ -19,7 +19,8 @@ thread) always lands between two steps, never inside one. Per step, with logits 
 
 which is what SGLang's sampler returns by default (it divides the logits by the temperature, takes the softmax and
 returns its log). With SGLANG_RETURN_ORIGINAL_LOGPROB=1 in the environment (SGLang's switch, read here too) the
-logprob is log_softmax(z)[token] at every temperature. The trainer scores tokens under softmax(z / T) with
+logprob is log_softmax(z)[token] at every temperature. ``top_logprobs_num: n`` adds, per output token, the n most
+likely tokens of that same distribution (``meta_info["output_top_logprobs"]``: [[logprob, token_id, None], ...]). The trainer scores tokens under softmax(z / T) with
 ``--rollout-temperature T`` (default 1), so the recorded logprob is the sampler's probability of the token exactly
 when the call sampled at T without top_k / top_p: what the gateway's ``--policy-sampling`` enforces.
 
@@ -115,15 +116,29 @@ def return_original_logprob() -> bool:
     return os.environ.get(ORIGINAL_LOGPROB_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def scored_logprobs(logits_V: torch.Tensor, params: SamplingParams, original_logprob: bool = False) -> torch.Tensor:
+    """The distribution the engine reports logprobs of (sampled tokens and top alternatives alike): softmax(z / T),
+    or softmax(z) when greedy or with ``original_logprob`` (SGLang's two conventions)."""
+    if params.temperature == 0 or original_logprob:
+        return torch.log_softmax(logits_V, dim=-1)
+    return torch.log_softmax(logits_V / params.temperature, dim=-1)
+
+
+def top_logprobs(logp_V: torch.Tensor, n: int) -> list[list]:
+    """SGLang's ``output_top_logprobs`` entry of one position: [[logprob, token_id, None], ...], most likely first
+    (text None: SGLang fills it only with ``return_text_in_logprobs``)."""
+    values, ids = torch.topk(logp_V, min(n, logp_V.numel()))
+    return [[float(v), int(i), None] for v, i in zip(values, ids)]
+
+
 def sample_next(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator,
                 original_logprob: bool = False) -> tuple[int, float]:
-    """Pick the next token from fp32 logits; return (token, its logprob under softmax(z / temperature), or under
-    softmax(z) when greedy or with ``original_logprob``: SGLang's two conventions)."""
+    """Pick the next token from fp32 logits; return (token, its logprob under :func:`scored_logprobs`)."""
+    logp_V = scored_logprobs(logits_V, params, original_logprob)
     if params.temperature == 0:
         token = int(torch.argmax(logits_V))
-        return token, float(torch.log_softmax(logits_V, dim=-1)[token])
+        return token, float(logp_V[token])
     z_V = logits_V / params.temperature
-    logp_V = torch.log_softmax(logits_V if original_logprob else z_V, dim=-1)
     if params.top_k > 0 and params.top_k < z_V.numel():
         kth = torch.topk(z_V, params.top_k).values[-1]
         z_V = z_V.masked_fill(z_V < kth, float("-inf"))
@@ -148,6 +163,8 @@ class _Request:
     finish: dict | None = None
     aborted: bool = False
     routed: list | None = None  # return_routed_experts: [(first position, int32 [n, layers, topk])] per forward
+    top_n: int = 0  # top_logprobs_num
+    top: list = field(default_factory=list)  # per output token, its top_n alternatives (see top_logprobs)
 
 
 class ReferenceEngine:
@@ -228,10 +245,13 @@ class ReferenceEngine:
         _require(isinstance(want_routing, bool), "return_routed_experts must be a boolean")
         _require(not want_routing or self.routers is not None,
                  "return_routed_experts needs the server started with --enable-return-routed-experts")
+        top_n = body.get("top_logprobs_num") or 0
+        _require(isinstance(top_n, int) and not isinstance(top_n, bool) and 0 <= top_n <= vocab,
+                 f"top_logprobs_num must be an int in [0, {vocab}], got {top_n!r}")
         seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(4), "little")
         gen = torch.Generator().manual_seed(seed)
         return _Request(rid=str(body.get("rid") or uuid.uuid4().hex), input_ids=list(ids), params=params, gen=gen,
-                        routed=[] if want_routing else None)
+                        routed=[] if want_routing else None, top_n=top_n)
 
     def _step(self, req: _Request) -> None:
         """One decode step on the worker thread: forward the tokens not yet in the cache, sample one token."""
@@ -253,9 +273,12 @@ class ReferenceEngine:
         finally:
             self._captured = None
         req.past = out.get("cache", None) or out.get("past_key_values")
-        token, logprob = sample_next(out.logits[0, -1].float(), req.params, req.gen, self.original_logprob)
+        logits_V = out.logits[0, -1].float()
+        token, logprob = sample_next(logits_V, req.params, req.gen, self.original_logprob)
         req.output_ids.append(token)
         req.logprobs.append(logprob)
+        if req.top_n:
+            req.top.append(top_logprobs(scored_logprobs(logits_V, req.params, self.original_logprob), req.top_n))
         req.finish = self._finish_reason(req, token)
 
     def _finish_reason(self, req: _Request, token: int) -> dict | None:
@@ -311,6 +334,8 @@ class ReferenceEngine:
         }
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, out_ids)]
+            if req.top_n:
+                meta["output_top_logprobs"] = req.top
         if req.routed is not None and req.finish is not None:  # once, with the last chunk of a stream
             meta["routed_experts"] = base64.b64encode(self.routed_experts(req).numpy().tobytes()).decode("ascii")
         return {"text": text, "output_ids": list(out_ids), "meta_info": meta}

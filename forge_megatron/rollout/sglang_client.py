@@ -2,9 +2,10 @@
 
 Field names follow SGLang (python/sglang/srt/managers/io_struct.py, entrypoints/http_server.py):
 ``/generate`` takes ``input_ids``, ``sampling_params`` {temperature, top_p, top_k, max_new_tokens, stop,
-stop_token_ids, ...}, ``return_logprob``, ``stream``, ``rid``; it answers ``output_ids``, ``text`` and ``meta_info``
-{finish_reason {type: stop|length|abort, matched}, prompt_tokens, completion_tokens, output_token_logprobs
-[[logprob, token_id, text], ...], weight_version, routed_experts (with ``return_routed_experts``: base64 int32
+stop_token_ids, ...}, ``return_logprob``, ``top_logprobs_num``, ``stream``, ``rid``; it answers ``output_ids``, ``text``
+and ``meta_info`` {finish_reason {type: stop|length|abort, matched}, prompt_tokens, completion_tokens,
+output_token_logprobs [[logprob, token_id, text], ...], output_top_logprobs (per output token, a list of such
+triples, most likely first), weight_version, routed_experts (with ``return_routed_experts``: base64 int32
 [prompt + output - 1, layers, topk], the server started with ``--enable-return-routed-experts``)}. Control routes: ``/health``, ``/get_model_info``,
 ``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` {mode}, ``/continue_generation``,
 ``/update_weights_from_disk`` {model_path, weight_version, flush_cache, abort_all_requests},
@@ -56,6 +57,7 @@ class GenerateResult:
     text: str
     engine_url: str = ""
     routed_experts: "np.ndarray | None" = None  # flat int32 (SGLang: [prompt + output - 1, layers, topk]), if asked
+    top_logprobs: "list[list[tuple[float, int]]] | None" = None  # per output token, (logprob, id) most likely first
 
     @property
     def finish_type(self) -> str:
@@ -78,7 +80,20 @@ class GenerateResult:
             text=body.get("text", ""),
             engine_url=engine_url,
             routed_experts=_decode_routed_experts(meta.get("routed_experts"), engine_url),
+            top_logprobs=_top_logprobs(meta.get("output_top_logprobs"), engine_url),
         )
+
+
+def _top_logprobs(value, engine_url: str):
+    """SGLang's ``meta_info["output_top_logprobs"]`` -> per position [(logprob, token_id), ...] (None if absent; a
+    position SGLang reports as null has no alternatives)."""
+    if value is None:
+        return None
+    try:
+        return [[(float(t[0]), int(t[1])) for t in (pos or [])] for pos in value]
+    except (TypeError, ValueError, IndexError) as exc:
+        raise EngineError(f"{engine_url}: output_top_logprobs is not a list of [logprob, token_id, text] lists: "
+                          f"{exc}") from exc
 
 
 def _decode_routed_experts(value, engine_url: str):
@@ -121,25 +136,30 @@ class SGLangClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             raise EngineError(f"{self.url}{route} failed: {type(exc).__name__}: {exc}") from exc
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
-                       rid: str | None = None, return_routed_experts: bool = False) -> GenerateResult:
+    @staticmethod
+    def _generate_body(input_ids, sampling_params, return_logprob, rid, return_routed_experts, top_logprobs_num):
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if rid:
             body["rid"] = rid
         if return_routed_experts:
             body["return_routed_experts"] = True
+        if top_logprobs_num:
+            body["top_logprobs_num"] = top_logprobs_num
+        return body
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
+                       rid: str | None = None, return_routed_experts: bool = False,
+                       top_logprobs_num: int = 0) -> GenerateResult:
+        body = self._generate_body(input_ids, sampling_params, return_logprob, rid, return_routed_experts,
+                                   top_logprobs_num)
         return GenerateResult.from_response(await self._call("POST", "/generate", body), self.url)
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
-                              rid: str | None = None, return_routed_experts: bool = False
-                              ) -> AsyncIterator[GenerateResult]:
+                              rid: str | None = None, return_routed_experts: bool = False,
+                              top_logprobs_num: int = 0) -> AsyncIterator[GenerateResult]:
         """Yield the cumulative result after each chunk SGLang streams (``stream: true``, SSE ``data:`` lines)."""
-        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob,
-                "stream": True}
-        if rid:
-            body["rid"] = rid
-        if return_routed_experts:
-            body["return_routed_experts"] = True
+        body = {**self._generate_body(input_ids, sampling_params, return_logprob, rid, return_routed_experts,
+                                      top_logprobs_num), "stream": True}
         try:
             async with self._http().post(self.url + "/generate", json=body) as resp:
                 if resp.status != 200:
@@ -327,13 +347,14 @@ class EngineFleet:
 
     async def generate(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
                        return_logprob: bool = True, return_routed_experts: bool = False,
-                       group_key: str | None = None) -> GenerateResult:
+                       group_key: str | None = None, top_logprobs_num: int = 0) -> GenerateResult:
         errors = []
         for eng in self._candidates(session_key, group_key):
             eng.inflight += 1
             try:
                 result = await eng.client.generate(input_ids, sampling_params, return_logprob,
-                                                   return_routed_experts=return_routed_experts)
+                                                   return_routed_experts=return_routed_experts,
+                                                   top_logprobs_num=top_logprobs_num)
                 eng.served += 1
                 return result
             except EngineError as exc:
@@ -345,7 +366,8 @@ class EngineFleet:
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
                               return_logprob: bool = True, return_routed_experts: bool = False,
-                              group_key: str | None = None) -> AsyncIterator[GenerateResult]:
+                              group_key: str | None = None, top_logprobs_num: int = 0
+                              ) -> AsyncIterator[GenerateResult]:
         """Stream from one engine; fail over only while nothing has been yielded yet."""
         errors = []
         for eng in self._candidates(session_key, group_key):
@@ -353,7 +375,8 @@ class EngineFleet:
             yielded = False
             try:
                 async for partial in eng.client.generate_stream(input_ids, sampling_params, return_logprob,
-                                                                return_routed_experts=return_routed_experts):
+                                                                return_routed_experts=return_routed_experts,
+                                                                top_logprobs_num=top_logprobs_num):
                     yielded = True
                     yield partial
                 eng.served += 1

@@ -164,8 +164,37 @@ def test_plain_chat_records_the_engines_tokens(stack, model_dir):
     assert status == 200 and direct["output_ids"] == call["completion_ids"]
     assert http(gw.url + "/v1/models", method="GET")[1]["data"][0]["id"] == gw.gateway.model_name
     r2 = client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
-                                           max_tokens=12, temperature=1.0, seed=11, logprobs=True)
-    assert [t.logprob for t in r2.choices[0].logprobs.content] == calls(gw, s)[1]["logprobs"] == call["logprobs"]
+                                           max_tokens=12, temperature=1.0, seed=11, logprobs=True, top_logprobs=3)
+    content = r2.choices[0].logprobs.content
+    assert [t.logprob for t in content] == calls(gw, s)[1]["logprobs"] == call["logprobs"]
+    assert [t.token for t in content] == [tok.decode([i]) for i in call["completion_ids"]]
+    # top_logprobs: the 3 most likely tokens of each position's distribution, as the teacher-forced forward has them
+    logp = torch.log_softmax(logits[n_p - 1:-1], -1)
+    for pos, t in enumerate(content):
+        want = torch.topk(logp[pos], 3)
+        assert [a.token for a in t.top_logprobs] == [tok.decode([i]) for i in want.indices.tolist()]
+        assert [a.logprob for a in t.top_logprobs] == pytest.approx(want.values.tolist(), abs=1e-4)
+        assert t.top_logprobs[0].bytes == list(t.top_logprobs[0].token.encode())
+
+
+def test_streamed_logprobs_join_to_the_answers(stack):
+    """With logprobs, each streamed chunk carries the logprobs of the tokens sampled since the last one that did (the
+    finish chunk the rest): joined, they are the non-streamed answer's, top alternatives and legacy offsets too."""
+    gw, _ = stack
+    c = client(new_session(gw))
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=12, temperature=1.0,
+                seed=7, logprobs=True, top_logprobs=2)
+    whole = c.chat.completions.create(**chat).choices[0]
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(**chat, stream=True) if ch.choices]
+    joined = [t.model_dump() for ch in chunks if ch.logprobs for t in ch.logprobs.content]
+    assert joined == [t.model_dump() for t in whole.logprobs.content] and len(joined) > 2
+    assert sum(1 for ch in chunks if ch.logprobs) > 1  # spread over the chunks, not all at the end
+    text = dict(model="tiny", prompt="Q: What is 2 + 3?\nA:", max_tokens=10, temperature=1.0, seed=3, logprobs=2)
+    whole = c.completions.create(**text).choices[0].logprobs
+    pieces = [ch.choices[0].logprobs for ch in c.completions.create(**text, stream=True) if ch.choices]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for p in pieces if p for x in getattr(p, key)] == getattr(whole, key), key
+    assert all(0 < len(alternatives) <= 2 for alternatives in whole.top_logprobs)
 
 
 def test_tool_round_trip_is_one_segment(stack, model_dir):
@@ -519,7 +548,8 @@ def chat_raw(gw, key, raw):
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),  # without logprobs
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_schema_errors_name_the_field(stack, body, param):
     gw, _ = stack

@@ -26,6 +26,7 @@ def test_text_prompt_and_its_continuation_keep_the_sampled_tokens(stack, model_d
     lp = r1.choices[0].logprobs
     assert lp.token_logprobs == first["logprobs"] and lp.tokens == [tok.decode([t]) for t in first["completion_ids"]]
     assert lp.text_offset == [len(PROMPT) + len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert [len(alternatives) for alternatives in lp.top_logprobs] == [1] * len(lp.tokens)  # logprobs=1: the likeliest
     assert r1.usage.completion_tokens == len(first["completion_ids"])
     # the agent appends to what the model wrote (the sampled tokens, decoded) and asks again
     sampled = tok.decode(first["completion_ids"], skip_special_tokens=False)
@@ -69,7 +70,8 @@ def test_streamed_completion_equals_the_answer(stack):
     ({}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [1, 10 ** 9]}, "prompt"), ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "logprobs": 5}, "logprobs"), ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs"), ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
 ])
 def test_malformed_completions_are_400s(stack, body, param):
     gw, _ = stack

@@ -153,6 +153,40 @@ def test_responses_api_reasoning_items_continue_the_segment(thinking_stack):
     assert end(gw, s)[0] == 200
 
 
+def test_responses_text_logprobs_are_the_answer_tokens(thinking_stack):
+    """include message.output_text.logprobs (with top_logprobs): the output_text part carries the logprobs of the
+    tokens that wrote its text, as recorded, not those of the reasoning block or the end-of-turn token; streamed, the
+    output_text deltas carry them in order and the done event all of them."""
+    gw = thinking_stack
+    c = client(new_session(gw))
+    r_tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    first = c.responses.create(model="tiny", input=USER, tools=r_tools, temperature=0, max_output_tokens=256)
+    follow = USER + [i.model_dump(exclude_none=True) for i in first.output] + [
+        {"type": "function_call_output", "call_id": first.output[1].call_id, "output": RESULT}]
+    ask = dict(model="tiny", input=follow, tools=r_tools, temperature=0, max_output_tokens=256,
+               include=["message.output_text.logprobs"], top_logprobs=2)
+    s = new_session(gw)
+    second = client(s).responses.create(**ask)
+    assert [i.type for i in second.output] == ["reasoning", "message"]
+    part = second.output[1].content[0]
+    assert part.text == ANSWER and "".join(t.token for t in part.logprobs) == ANSWER
+    [rec] = calls(gw, s)
+    ids, n = rec["completion_ids"], len(part.logprobs)
+    tok = gw.gateway.renderer.tok
+    assert ids[-1] in gw.gateway.renderer.eot_ids  # the answer's tokens are the ones before the end of the turn
+    assert [t.token for t in part.logprobs] == [tok.decode([i]) for i in ids[-1 - n:-1]]
+    assert [t.logprob for t in part.logprobs] == rec["logprobs"][-1 - n:-1]
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in part.logprobs)
+    events = list(client(new_session(gw)).responses.create(**ask, stream=True))
+    streamed = [t.model_dump() for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    [text_done] = [e for e in events if e.type == "response.output_text.done"]
+    assert streamed == [t.model_dump() for t in text_done.logprobs] == [t.model_dump() for t in part.logprobs]
+    assert events[-1].response.output[1].content[0].logprobs == part.logprobs
+    plain = client(new_session(gw)).responses.create(**{k: v for k, v in ask.items()
+                                                       if k not in ("include", "top_logprobs")})
+    assert plain.output[1].content[0].logprobs == []
+
+
 def test_custom_tool_and_encrypted_reasoning_continue_the_segment(thinking_stack):
     """As Codex CLI drives the Responses API (store false, include reasoning.encrypted_content, a free-form custom
     tool: apply_patch), with reasoning items sent back as clients of OpenAI's hosted models send them (id, summary

@@ -117,6 +117,7 @@ def test_instructions_developer_messages_and_max_output_tokens(stack):
     ({"input": "x", "tool_choice": "required"}, "needs a non-empty tools array"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "arguments must be a string"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs must be an integer in [0, 20]"),
 ])
 def test_bad_requests_name_the_field(stack, body, words):
     gw, _ = stack

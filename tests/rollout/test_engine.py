@@ -79,6 +79,37 @@ def test_sampled_logprobs_are_tempered_and_seeded(engine, model_dir):
     assert a.logprobs != pytest.approx(teacher_forced_logprobs(m, PROMPT, a.output_ids), abs=1e-3)
 
 
+def test_top_logprobs_are_the_scored_distributions_most_likely(engine, model_dir):
+    """``top_logprobs_num`` (SGLang's field): per output token the n most likely tokens of the distribution the
+    sampled token is scored under (softmax(z / T)), most likely first, in ``output_top_logprobs``; streamed too."""
+    async def both():
+        c = SGLangClient(engine.url)
+        try:
+            sp = {"temperature": 1.3, "max_new_tokens": 6, "sampling_seed": 5, "ignore_eos": True}
+            whole = await c.generate(PROMPT, sp, top_logprobs_num=4)
+            parts = [r async for r in c.generate_stream(PROMPT, sp, top_logprobs_num=4)]
+            plain = await c.generate(PROMPT, sp)
+            return whole, parts, plain
+        finally:
+            await c.close()
+    whole, parts, plain = run(both())
+    assert plain.top_logprobs is None and plain.output_ids == whole.output_ids  # asking changes no sample
+    m = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = m(torch.tensor([PROMPT + whole.output_ids])).logits[0].float()
+    logp = torch.log_softmax(logits[len(PROMPT) - 1:-1] / 1.3, dim=-1)
+    assert len(whole.top_logprobs) == len(whole.output_ids) == 6
+    for pos, (top, token, lp) in enumerate(zip(whole.top_logprobs, whole.output_ids, whole.logprobs)):
+        want = torch.topk(logp[pos], 4)
+        assert [i for _, i in top] == want.indices.tolist()
+        assert [v for v, _ in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+        assert all(a[0] >= b[0] for a, b in zip(top, top[1:]))
+        if token in [i for _, i in top]:
+            assert dict((i, v) for v, i in top)[token] == pytest.approx(lp, abs=1e-6)
+    assert parts[-1].top_logprobs == whole.top_logprobs and parts[-1].output_ids == whole.output_ids
+    assert [len(p.top_logprobs) for p in parts] == [len(p.output_ids) for p in parts]
+
+
 def test_concurrent_requests_equal_sequential(engine):
     async def both():
         c = SGLangClient(engine.url)
@@ -135,6 +166,8 @@ def test_stop_token_ids_and_stop_strings(engine, model_dir):
     ({"input_ids": PROMPT, "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5000}}, "context length"),
     ({"input_ids": [10**6], "sampling_params": {}}, "outside"),
+    ({"input_ids": PROMPT, "sampling_params": {}, "top_logprobs_num": -1}, "top_logprobs_num"),
+    ({"input_ids": PROMPT, "sampling_params": {}, "top_logprobs_num": "5"}, "top_logprobs_num"),
 ])
 def test_bad_generate_requests_are_400(engine, body, field):
     async def call():
