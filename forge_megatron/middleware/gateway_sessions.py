@@ -43,13 +43,14 @@ from forge_megatron.middleware.schema import Episode, Segment
 @dataclass
 class CallRecord:
     """One /v1/chat/completions call as the trainer needs it. Once recorded (:meth:`Session.record`) its prompt and
-    completion ids are positions of its segment (``prompt_len``, ``completion_len``) rather than lists of their own:
-    each call of a long conversation would otherwise hold the whole history again (memory quadratic in the turns:
-    ~110 MiB for a 200-turn, 140k-token session); :meth:`Session.call_dict` gives them back."""
+    completion ids, logprobs and per-token versions are positions of its segment (``prompt_len``, ``completion_len``)
+    rather than lists of their own: each call of a long conversation would otherwise hold the whole history again
+    (memory quadratic in the turns: ~110 MiB for a 200-turn, 140k-token session), and Python lists of floats take 4x
+    the segment's typed arrays; :meth:`Session.call_dict` gives them back."""
 
     prompt_ids: list[int] | None
     completion_ids: list[int] | None
-    logprobs: list[float]
+    logprobs: list[float] | None
     policy_version: int  # the newest version that sampled any of its tokens
     finish_reason: str
     engine_url: str
@@ -339,22 +340,26 @@ class Session:
         seg.add_routing(routed)
         call.segment_index = len(self.segments) - 1
         call.prompt_len, call.completion_len = len(turn.prompt_ids), len(call.completion_ids)
-        call.prompt_ids = call.completion_ids = None  # in the segment now (class docstring)
+        call.prompt_ids = call.completion_ids = call.logprobs = call.policy_versions = None  # in the segment now
         self.calls.append(call)
         self.last_turn = dataclasses.replace(turn, prompt_ids=None, completion_ids=None, segment=seg,
                                              completion_len=call.completion_len)
 
     def recorded_bytes(self) -> int:
-        """Memory of what the session recorded: its segments and, per call, its logprobs."""
-        return sum(seg.nbytes() for seg in self.segments) + sum(32 * len(c.logprobs) for c in self.calls)
+        """Memory of what the session recorded: its segments' arrays (the call records hold positions of them)."""
+        return sum(seg.nbytes() for seg in self.segments)
 
     def call_dict(self, call: CallRecord) -> dict:
-        """A recorded call as a dict, its prompt and completion ids read back from its segment."""
+        """A recorded call as a dict, its prompt and completion ids, logprobs and per-token policy versions read back
+        from its segment."""
         out = call.to_dict()
         if call.prompt_ids is None:
-            tokens = self.segments[call.segment_index].tokens
-            out["prompt_ids"] = tokens[:call.prompt_len].tolist()
-            out["completion_ids"] = tokens[call.prompt_len:call.prompt_len + call.completion_len].tolist()
+            seg = self.segments[call.segment_index]
+            lo, hi = call.prompt_len, call.prompt_len + call.completion_len
+            out["prompt_ids"] = seg.tokens[:lo].tolist()
+            out["completion_ids"] = seg.tokens[lo:hi].tolist()
+            out["logprobs"] = seg.logprobs[lo:hi].tolist()
+            out["policy_versions"] = seg.versions[lo:hi].tolist()
         return out
 
     def to_episode(self) -> Episode:
