@@ -77,7 +77,9 @@ from forge_megatron.middleware.schema import EPISODE_STATUSES, EpisodeSink, List
 from forge_megatron.middleware.reasoning_parsers import get_reasoning_parser, reasoning_parser_names
 from forge_megatron.middleware.tool_parsers import CannotForceToolCall, get_parser, parser_names
 from forge_megatron.rollout.launch import print_ready, serve_app
-from forge_megatron.rollout.sglang_client import EngineFleet, EngineRequestError, FleetConfig, NoEngineAvailable
+from forge_megatron.rollout.sglang_client import (
+    EngineFleet, EngineRequestError, FleetConfig, NoEngineAvailable, SharedLoad,
+)
 
 log = logging.getLogger("forge.gateway")
 
@@ -127,6 +129,10 @@ class GatewayConfig:
     # Set by the front of a multi-process gateway (gateway_front.py) on each of its workers: session ids and API keys
     # start with it, so the front routes a session's requests to the worker that holds the session.
     worker_tag: str | None = None
+    # Set by the front on each worker too: the workers' shared table of calls in flight per engine (SharedLoad) and
+    # this worker's row of it, so each routes by the whole gateway's load.
+    engine_load_file: str | None = None
+    engine_load_row: int = 0
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -479,9 +485,11 @@ class Gateway:
                                                                                 add_generation_prompt=False))
         self.reasoning = get_reasoning_parser(config.reasoning_parser)
         self.no_parser = self.parser.without_calls()  # tool_choice "none"
+        shared = SharedLoad(config.engine_load_file, config.engine_load_row) if config.engine_load_file else None
         self.fleet = EngineFleet(config.engine_urls, FleetConfig(max_attempts=config.engine_attempts,
                                                                  health_interval_s=config.health_interval_s,
-                                                                 group_affinity_slack=config.group_affinity_slack))
+                                                                 group_affinity_slack=config.group_affinity_slack),
+                                 shared=shared)
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model_path))
         self.groups: OrderedDict[str, dict] = OrderedDict()  # the newest MAX_GROUPS (older ones are long done)
         self.sessions: dict[str, Session] = {}
@@ -1561,8 +1569,10 @@ async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
         "sessions_open": sum(not s.ended for s in gw.sessions.values()),
         "sessions_ended": sum(s.ended for s in gw.sessions.values()), **gw.stats,
         "ended_sessions_mib": round(gw.ended_bytes / 2**20, 3),  # what the ended sessions kept hold
-        "engines": [{"url": e.url, "up": e.up, "inflight": e.inflight, "served": e.served, "failures": e.failures}
-                    for e in gw.fleet.engines],
+        # inflight: this process's calls on the engine; load: what routing weighs (every worker's, in a multi-process
+        # gateway)
+        "engines": [{"url": e.url, "up": e.up, "inflight": e.inflight, "load": gw.fleet.load(e), "served": e.served,
+                     "failures": e.failures} for e in gw.fleet.engines],
         "group_affinity": dict(gw.fleet.affinity),  # new sessions placed on their group's engine / away from it
         # what the trainer checks against its own flags at start (--rollout-temperature)
         "config": {"policy_sampling": gw.config.policy_sampling, "policy_temperature": gw.config.policy_temperature},

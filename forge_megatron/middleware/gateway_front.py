@@ -22,6 +22,10 @@ Routing
   /metrics                  every worker's series with a ``worker`` label; the data pool's once (forge-node)
   /forge/evals              worker 0 (the eval log is not sharded)
 
+Engines. Each worker routes its calls over the engines itself, by the whole gateway's calls in flight on each: the
+front creates a small shared table (``SharedLoad``: a file in /dev/shm, one row per worker) that every worker adds its
+calls to and reads the sums of; a restarted worker zeroes its row.
+
 Workers and faults. A worker that exits is started again under a new tag: its open sessions are lost (calls and
 session requests for them answer 410 ``session_lost``; their groups are timed out by the pool's
 ``--episode-timeout-s``); new sessions of its groups open in the new worker, which adopts the groups
@@ -36,7 +40,9 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -46,6 +52,7 @@ from aiohttp import ClientConnectionError, ClientSession, ClientTimeout, TCPConn
 
 from forge_megatron.middleware.gateway import ApiError, GatewayConfig, pool_metric_lines
 from forge_megatron.middleware.schema import EpisodeSink, SchemaError
+from forge_megatron.rollout.sglang_client import SharedLoad
 
 log = logging.getLogger("forge.gateway")
 
@@ -146,11 +153,13 @@ class GatewayFront:
         self._http: ClientSession | None = None
         self._monitor: asyncio.Task | None = None
         self._stopping = False
+        self.load_file: str | None = None  # the workers' shared engine-load table (created at start)
 
     # --- workers ----------------------------------------------------------------------------------------------
     def worker_spec(self, w: _Worker) -> dict:
         fields = asdict(self.config)
-        fields.update(port=0, worker_tag=w.tag)  # public_url: the front's when given (agents reach only it)
+        fields.update(port=0, worker_tag=w.tag,  # public_url: the front's when given (agents reach only it)
+                      engine_load_file=self.load_file, engine_load_row=w.index)
         return {"config": fields, "sink": self.sink, "tag": w.tag}
 
     async def _start(self, w: _Worker) -> None:
@@ -196,6 +205,10 @@ class GatewayFront:
             pass
 
     async def start(self) -> None:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="forge-gateway-load-", dir=shm)
+        os.close(fd)
+        self.load_file = SharedLoad.create(path, len(self.workers), len(self.config.engine_urls))
         self._http = ClientSession(connector=TCPConnector(limit=0), auto_decompress=False,
                                    timeout=ClientTimeout(total=None, sock_connect=10))
         try:
@@ -256,6 +269,11 @@ class GatewayFront:
                     w.proc.kill()
         if self._http is not None:
             await self._http.close()
+        if self.load_file is not None:
+            try:
+                os.unlink(self.load_file)
+            except FileNotFoundError:
+                pass
 
     def _next(self) -> _Worker:
         """The next worker in turn that is serving (503 when none is)."""
@@ -460,6 +478,7 @@ class GatewayFront:
                            **({k: by_tag[w.tag][1].get(k) for k in ("sessions_open", "inflight", "calls")}
                               if w.tag in by_tag else {})} for w in self.workers]
         out["worker_restarts"] = self.restarts_total
+        out["engine_load_file"] = self.load_file  # the workers' shared calls-in-flight table
         return web.json_response(out)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -544,18 +563,47 @@ def merge_prometheus(texts: list[tuple[str, str]]) -> list[str]:
 
 
 async def serve_front(front: GatewayFront, ready=None) -> None:
-    """Start the workers, then serve the front until cancelled; ``ready(port)`` once listening."""
+    """Start the workers, then serve the front until cancelled or sent SIGTERM (then it stops its workers and removes
+    their shared table before it returns); ``ready(port)`` once listening."""
     from forge_megatron.rollout.launch import serve_app
 
-    await front.start()
-    await serve_app(front.app(), front.config.host, front.config.port, ready, stopping=front.stop)
+    terminated = []
+    task = asyncio.current_task()
+
+    def terminate() -> None:
+        terminated.append(True)
+        task.cancel()
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
+    except (NotImplementedError, RuntimeError, ValueError):  # not in the main thread: the caller's business
+        pass
+    try:
+        await front.start()
+        await serve_app(front.app(), front.config.host, front.config.port, ready, stopping=front.stop)
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
 
 
-def _watch_parent(parent: int) -> None:
-    """Exit when the front that started this worker is gone (killed -9 or otherwise)."""
+def _orphaned(parent: int, load_file: str | None) -> bool:
+    """Whether the front that started this worker is gone (killed -9 or otherwise); then the workers' shared load
+    table, which the front removes when it stops cleanly, is removed here."""
+    if os.getppid() == parent:
+        return False
+    if load_file:
+        try:
+            os.unlink(load_file)
+        except OSError:
+            pass
+    return True
+
+
+def _watch_parent(parent: int, load_file: str | None = None) -> None:
+    """Exit when the front is gone."""
     while True:
         time.sleep(0.5)
-        if os.getppid() != parent:
+        if _orphaned(parent, load_file):
             os._exit(0)
 
 
@@ -567,13 +615,23 @@ def serve_worker() -> None:
     spec = json.loads(sys.stdin.read())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s forge-gateway[{spec['tag']}] %(message)s")
     parent = int(os.environ.get("FORGE_GATEWAY_FRONT_PID", os.getppid()))
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    load_file = spec["config"].get("engine_load_file")
+    threading.Thread(target=_watch_parent, args=(parent, load_file), daemon=True).start()
     try:
         gw = Gateway(GatewayConfig(**spec["config"]), sink=_sink(spec["sink"], spec["tag"]))
     except ValueError as exc:  # e.g. --return-routed-experts on a dense model: the front reports the exit
         print(f"forge-gateway[{spec['tag']}]: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    asyncio.run(serve(gw, ready=print_ready))
+    async def until_terminated():  # SIGTERM (the front stopping it, or one to the whole group) stops serving
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        await serve(gw, ready=print_ready)
+
+    try:
+        asyncio.run(until_terminated())
+    except asyncio.CancelledError:
+        pass
+    finally:  # a front killed along with its group: the table is the workers' to remove
+        _orphaned(parent, load_file)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ The fleet routes each call to the least-loaded live engine, but keeps a session 
 (its prefix cache holds the session's history), and opens a session on the engine its group's sessions use (the G
 rollouts of a task share the task's prompt: one prefill of it, cached, instead of one per engine) unless that engine
 has more than ``group_affinity_slack`` calls in flight over the least-loaded one. An engine that fails a call (connection refused/reset, timeout,
-5xx) is marked down and the call is retried on another engine; a health loop marks engines back up.
+5xx) is marked down and the call is retried on another engine; a health loop marks engines back up. The processes of
+a multi-process gateway share their in-flight counts (:class:`SharedLoad`), so each routes by the whole gateway's
+load on every engine, not by its own calls alone.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import mmap
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -234,11 +237,51 @@ def _checked(body: dict) -> dict:
     return body
 
 
+class SharedLoad:
+    """In-flight calls per engine of every process of one gateway: an int64 [processes, engines] table in a file that
+    each process maps, adds its own calls to its own row of, and reads the column sums of (the front of a
+    multi-process gateway creates it, one row per worker). No locks: a row has one writer (its process's event
+    loop), and a read racing another process's update is off by that one call, which routing tolerates. A process
+    that attaches zeroes its row (a restarted worker's predecessor may have died with calls counted)."""
+
+    def __init__(self, path: str, row: int):
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), 0)
+        rows, engines = np.frombuffer(self._map, np.int64, count=2)
+        if not 0 <= row < rows:
+            raise ValueError(f"{path}: row {row} outside the table's {rows} rows")
+        self.table = np.frombuffer(self._map, np.int64, count=int(rows * engines), offset=16).reshape(rows, engines)
+        self.row = row
+        self.table[row] = 0
+
+    @staticmethod
+    def create(path: str, rows: int, engines: int) -> str:
+        """Write an all-zero table for ``rows`` processes and ``engines`` engines at ``path``; return the path."""
+        with open(path, "wb") as f:
+            f.write(np.array([rows, engines], np.int64).tobytes() + bytes(8 * rows * engines))
+        return path
+
+    @property
+    def engines(self) -> int:
+        return self.table.shape[1]
+
+    def add(self, engine: int, delta: int) -> None:
+        self.table[self.row, engine] += delta
+
+    def total(self, engine: int) -> int:
+        return int(self.table[:, engine].sum())
+
+    def close(self) -> None:
+        self.table = None
+        self._map.close()
+
+
 @dataclass
 class EngineState:
     client: SGLangClient
+    index: int = 0  # in the fleet's list (a column of its SharedLoad)
     up: bool = True
-    inflight: int = 0
+    inflight: int = 0  # this process's calls
     served: int = 0
     failures: int = 0
     down_since: float = 0.0
@@ -280,17 +323,29 @@ def _remember(lru: OrderedDict, key: str, value, bound: int) -> None:
 class EngineFleet:
     """Engines behind one interface: ``generate`` picks, calls, fails over; control calls go to every live engine."""
 
-    def __init__(self, urls: list[str], config: FleetConfig | None = None):
+    def __init__(self, urls: list[str], config: FleetConfig | None = None, shared: SharedLoad | None = None):
         if not urls:
             raise ValueError("EngineFleet needs at least one engine url")
+        if shared is not None and shared.engines != len(urls):
+            raise ValueError(f"the shared load table has {shared.engines} engines, the fleet {len(urls)}")
         self.config = config or FleetConfig()
-        self.engines = [EngineState(SGLangClient(u, self.config.timeout_s)) for u in urls]
+        self.shared = shared  # the gateway's other processes' calls too (SharedLoad)
+        self.engines = [EngineState(SGLangClient(u, self.config.timeout_s), index=i) for i, u in enumerate(urls)]
         self.sticky: OrderedDict[str, EngineState] = OrderedDict()
         self.group_sticky: OrderedDict[str, EngineState] = OrderedDict()  # a group's engine: its sessions' latest
         self.affinity = {"followed": 0, "spilled": 0}  # new sessions placed with their group / away (load)
         self._health_task: asyncio.Task | None = None
 
     # --- routing ----------------------------------------------------------------------------------------------
+    def load(self, eng: EngineState) -> int:
+        """Calls in flight on ``eng``: the whole gateway's with a shared table, else this process's."""
+        return self.shared.total(eng.index) if self.shared is not None else eng.inflight
+
+    def _busy(self, eng: EngineState, delta: int) -> None:
+        eng.inflight += delta
+        if self.shared is not None:
+            self.shared.add(eng.index, delta)
+
     def pick(self, session_key: str | None = None, exclude: set[str] = frozenset(),
              group_key: str | None = None) -> EngineState:
         """The session's engine if it is live; else its group's engine if live and within ``group_affinity_slack``
@@ -300,11 +355,12 @@ class EngineFleet:
             live = [e for e in self.engines if e.up and e.url not in exclude]
             if not live:
                 raise NoEngineAvailable(f"no live engine (down: {[e.url for e in self.engines if not e.up]})")
-            eng = min(live, key=lambda e: (e.inflight, e.served))
+            loads = {e.url: self.load(e) for e in live}
+            eng = min(live, key=lambda e: (loads[e.url], e.served))
             slack = self.config.group_affinity_slack
             mate = self.group_sticky.get(group_key) if group_key and slack is not None else None
             if mate is not None and mate.up and mate.url not in exclude:
-                if mate.inflight <= eng.inflight + slack:
+                if loads[mate.url] <= loads[eng.url] + slack:
                     eng = mate
                     self.affinity["followed"] += 1
                 else:
@@ -350,7 +406,7 @@ class EngineFleet:
                        group_key: str | None = None, top_logprobs_num: int = 0) -> GenerateResult:
         errors = []
         for eng in self._candidates(session_key, group_key):
-            eng.inflight += 1
+            self._busy(eng, 1)
             try:
                 result = await eng.client.generate(input_ids, sampling_params, return_logprob,
                                                    return_routed_experts=return_routed_experts,
@@ -361,7 +417,7 @@ class EngineFleet:
                 errors.append(str(exc))
                 self.mark_down(eng.url)
             finally:
-                eng.inflight -= 1
+                self._busy(eng, -1)
         raise NoEngineAvailable(f"generate failed on every engine tried: {errors or 'no live engine'}")
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
@@ -371,7 +427,7 @@ class EngineFleet:
         """Stream from one engine; fail over only while nothing has been yielded yet."""
         errors = []
         for eng in self._candidates(session_key, group_key):
-            eng.inflight += 1
+            self._busy(eng, 1)
             yielded = False
             try:
                 async for partial in eng.client.generate_stream(input_ids, sampling_params, return_logprob,
@@ -387,7 +443,7 @@ class EngineFleet:
                 if yielded:
                     raise
             finally:
-                eng.inflight -= 1
+                self._busy(eng, -1)
         raise NoEngineAvailable(f"generate failed on every engine tried: {errors or 'no live engine'}")
 
     # --- health and control -----------------------------------------------------------------------------------

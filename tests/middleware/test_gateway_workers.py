@@ -8,6 +8,7 @@ comes back at the policy version of the others). CPU."""
 import json
 import os
 import signal
+import threading
 import time
 
 import urllib.error
@@ -128,6 +129,25 @@ def test_sessions_spread_over_workers_and_survive_a_worker_crash(engine, tmp_pat
         assert sorted(calls) == ['worker="0"', 'worker="1"'] and sum(calls.values()) == 5
         assert "forge_gateway_workers 2" in metrics
 
+        # each worker routes by the whole gateway's calls in flight per engine (the front's shared table): a call one
+        # worker holds in the engine (paused in place) is in the other's load, not in its own inflight
+        peer = next(w["url"] for w in workers if w["tag"] != tags[0])
+        assert _http("POST", eng.url + "/pause_generation", {"mode": "in_place"}).status_code == 200
+        held_call = threading.Thread(target=_chat, args=(sessions[0]["base_url"], sessions[0]["api_key"]))
+        held_call.start()
+        try:
+            deadline = time.time() + 30
+            while _state(peer)["engines"][0]["load"] != 1 and time.time() < deadline:
+                time.sleep(0.05)
+            seen = _state(peer)["engines"][0]
+        finally:
+            assert _http("POST", eng.url + "/continue_generation", {}).status_code == 200
+            held_call.join(60)
+        assert (seen["load"], seen["inflight"]) == (1, 0)
+        assert _state(peer)["engines"][0]["load"] == 0
+        load_file = _state(url)["engine_load_file"]
+        assert os.path.isfile(load_file)
+
         # episodes from both workers reach the one file, whole lines
         for s in sessions[:2] + sessions[2:3]:
             assert _post(f"{url}/forge/sessions/{s['session_id']}/end", {"status": "finished"}).json()["sink"]
@@ -161,12 +181,17 @@ def test_sessions_spread_over_workers_and_survive_a_worker_crash(engine, tmp_pat
         other = _post(url + "/forge/sessions", {"group_id": groups[0]}).json()  # the other worker is untouched
         assert worker_tag_of(other["session_id"]) == tags[0] and _chat(other["base_url"], other["api_key"])
         os.kill(front.proc.pid, signal.SIGKILL)  # the front alone, as an OOM kill would: its workers follow it
+        front.proc.wait(10)
     finally:
         front.stop()
     deadline = time.time() + 10
     while time.time() < deadline and any(_alive(w["pid"]) for w in workers + [w]):
         time.sleep(0.1)
     assert not any(_alive(w["pid"]) for w in workers + [w])
+    deadline = time.time() + 5  # the workers removed their table when the front was killed
+    while time.time() < deadline and os.path.exists(load_file):
+        time.sleep(0.1)
+    assert not os.path.exists(load_file)
 
 
 def _alive(pid: int) -> bool:

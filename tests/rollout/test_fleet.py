@@ -8,7 +8,7 @@ import pytest
 
 from forge_megatron.models.tiny import build_tiny_model
 from forge_megatron.rollout.launch import start_engine
-from forge_megatron.rollout.sglang_client import EngineFleet, FleetConfig, NoEngineAvailable
+from forge_megatron.rollout.sglang_client import EngineFleet, FleetConfig, NoEngineAvailable, SharedLoad
 
 PROMPT = [3, 14, 15, 92]
 
@@ -92,6 +92,43 @@ def test_group_sessions_open_on_their_groups_engine_within_the_slack(engines):
     assert affinity == {"followed": 3, "spilled": 1}
     first, mates, *_ , affinity = asyncio.run(go(None))
     assert {r.engine_url for r in mates} == {h.url for h in engines} and affinity == {"followed": 0, "spilled": 0}
+
+
+def test_processes_sharing_a_load_table_route_by_the_whole_load(engines, tmp_path):
+    """Two fleets (two gateway workers) on one SharedLoad file: one's calls in flight steer the other's new sessions
+    to the other engine, group affinity weighs them too, a finished call is taken off, and a process that attaches
+    to a row (a restarted worker) starts it from zero. Without the table each sees only its own calls."""
+    urls = [h.url for h in engines]
+    path = SharedLoad.create(str(tmp_path / "load"), rows=2, engines=2)
+
+    async def go():
+        a = EngineFleet(urls, shared=SharedLoad(path, 0))
+        b = EngineFleet(urls, shared=SharedLoad(path, 1), config=FleetConfig(group_affinity_slack=1))
+        alone = EngineFleet(urls)
+        a._busy(a.engines[0], 3)  # worker a: three calls on engine 0
+        seen = [b.load(e) for e in b.engines], [alone.load(e) for e in alone.engines]
+        r = await b.generate(PROMPT, {"max_new_tokens": 2}, session_key="s1", group_key="g")
+        first = r.engine_url, alone.pick("x").url
+        a._busy(a.engines[0], -3)
+        a._busy(a.engines[1], 2)  # now engine 1 (group g's) is 2 busier than engine 0: past b's slack of 1
+        r = await b.generate(PROMPT, {"max_new_tokens": 2}, session_key="s2", group_key="g")
+        spilled = r.engine_url, dict(b.affinity)
+        after_calls = b.shared.table.tolist()
+        b._busy(b.engines[0], 5)  # b dies with calls counted ...
+        b.shared.close()
+        again = SharedLoad(path, 1)  # ... and is started again: its row from zero, a's kept
+        out = seen, first, spilled, after_calls, again.table.tolist()
+        for f in (a, b, alone):
+            await f.close()
+        return out
+    seen, first, spilled, after_calls, restarted = asyncio.run(go())
+    assert seen == ([3, 0], [0, 0])
+    assert first == (urls[1], urls[0])  # b avoids a's busy engine; a fleet of its own would not
+    assert spilled == (urls[0], {"followed": 0, "spilled": 1})
+    assert after_calls == [[0, 2], [0, 0]]  # b's finished calls were taken off its row
+    assert restarted == [[0, 2], [0, 0]]
+    with pytest.raises(ValueError, match="2 engines, the fleet 1"):
+        EngineFleet(urls[:1], shared=SharedLoad(path, 0))
 
 
 def test_fleet_config_validation():
