@@ -196,9 +196,23 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     io.add_argument("--save", default=None)
     io.add_argument("--load", default=None)
     io.add_argument("--save-interval", type=int, default=None)
+    io.add_argument("--async-save", action="store_true",
+                    help="write checkpoints in a background thread: at the save each rank copies its state to host "
+                         "memory (one more copy of it in RAM while it is written) and training goes on; latest "
+                         "moves, and the data pool commits the checkpoint's batches, once every rank has written "
+                         "(checked after each step), so an unfinished checkpoint never loads")
     io.add_argument("--exit-interval", type=int, default=None,
                     help="stop after an iteration divisible by this, saving a checkpoint first when --save is set "
                          "(e.g. to end inside a slurm time limit; resume with the same flags)")
+    io.add_argument("--exit-duration-in-mins", type=float, default=None,
+                    help="stop, with a checkpoint when --save is set, after the first iteration (or batch wait) that "
+                         "ends this many minutes after the trainer started (e.g. below a slurm time limit)")
+    io.add_argument("--exit-signal-handler", action="store_true",
+                    help="on --exit-signal stop after the current iteration (or at once while waiting for a batch), "
+                         "with a checkpoint when --save is set, and exit 0 (e.g. slurm's --signal before a time "
+                         "limit or a preemption)")
+    io.add_argument("--exit-signal", default="SIGTERM", choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"),
+                    help="the signal --exit-signal-handler catches (default SIGTERM)")
     io.add_argument("--log-interval", type=int, default=100)
     io.add_argument("--tensorboard-dir", default=None)
     io.add_argument("--wandb-project", default=None)
@@ -215,6 +229,9 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hf-checkpoint", default=None,
                    help="HF model directory: tokenizer, architecture and initial weights (also what engines load)")
     g.add_argument("--pool-addr", default="tcp://127.0.0.1:5555", help="ZeroMQ address of the data pool")
+    g.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
+                   help="keep only the newest K checkpoints under --save: once one is complete (latest), the "
+                        "iteration directories older than the newest K are deleted (default: keep all)")
     g.add_argument("--qk-layernorm-all-heads", action="store_true",
                    help="network size, with --qk-layernorm: one RMSNorm over all query heads of a token and one over "
                         "all key heads (MiniMax-M2's qk_norm_type per_layer; Megatron-LM has no such norm) instead "
@@ -454,8 +471,17 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--train-iters must be >= 1, got {args.train_iters}")
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")
+    if args.async_save and args.save is None:
+        raise ValueError("--async-save needs --save")
+    if args.keep_checkpoints is not None:
+        if args.keep_checkpoints < 1:
+            raise ValueError(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
+        if args.save is None:
+            raise ValueError("--keep-checkpoints needs --save")
     if args.exit_interval is not None and args.exit_interval < 1:
         raise ValueError(f"--exit-interval must be >= 1, got {args.exit_interval}")
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise ValueError(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
     for name, ratio in args.domain_ratios.items():
         if ratio < 0:
             raise ValueError(f"--domain-ratios: ratio of {name!r} is negative ({ratio})")

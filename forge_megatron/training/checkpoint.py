@@ -17,12 +17,23 @@ also holds the optimizer state keyed by parameter name (``param_states``), from 
 After a checkpoint is complete the trainer commits the pool's delivered batches up to that batch id; on resume it
 asks the pool to re-serve everything delivered but not committed (``requeue_uncommitted``), so no group is lost and
 none is trained twice across a restart.
+
+``--async-save`` (:class:`AsyncCheckpointSaver`): the rank's state is copied to host memory at the save (the
+collective parts, such as the distributed optimizer's gather, run then) and written by a background thread while
+training goes on; after each step the ranks agree (one all-reduce of two flags) whether every rank has written, and
+only then is ``latest`` moved and the pool committed, so an unfinished checkpoint is never the one that loads.
+``--keep-checkpoints K``: once a checkpoint is ``latest``, rank 0 deletes the iteration directories older than the
+newest K.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -89,19 +100,9 @@ def layout_changes(saved: dict, here: dict) -> str:
     return ", ".join(f"{k} {saved.get(k)} -> {here[k]}" for k in here if saved.get(k) != here[k])
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict,
-                    meta: dict | None = None) -> str:
-    """Write this rank's state (``model``: the model or its list of virtual-pipeline chunks); rank 0 moves ``latest``
-    once all ranks are done. Returns the iteration dir.
-
-    Next to ``rank_<R>.pt`` goes ``rank_<R>.json``: the rank's coordinates (:func:`rank_coordinates`) plus ``meta``
-    (the trainer adds the HF config and checkpoint path), which ``forge-convert trainer-to-hf`` reads to export the
-    weights without loading every rank's optimizer state."""
-    path = _rank_file(root, iteration)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path[:-len(".pt")] + ".json.tmp", "w") as f:
-        json.dump({**rank_coordinates(), "iteration": iteration, **(meta or {})}, f)
-    os.replace(path[:-len(".pt")] + ".json.tmp", path[:-len(".pt")] + ".json")
+def checkpoint_state(iteration: int, model, optimizer, scheduler, extra: dict) -> dict:
+    """This rank's checkpoint (``model``: the model or its list of virtual-pipeline chunks) as one dict of live
+    tensors. A collective with the distributed optimizer (its state is gathered)."""
     chunks = _chunks(model)
     weights = {"model": chunks[0].state_dict()} if len(chunks) == 1 else {
         "model_chunks": [c.state_dict() for c in chunks]}  # virtual-pipeline chunks, in order
@@ -115,17 +116,158 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     state["param_states"] = (sharded_param_states if sharded else param_states)(chunks, optimizer)
     state["sharded_optimizer"] = sharded
     state["half_params"] = _half_params(chunks)
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    return state
+
+
+def write_rank_files(root: str, iteration: int, rank: int, state: dict, meta: dict) -> None:
+    """``rank_<R>.json`` (``meta``: the rank's coordinates and what the trainer adds) and ``rank_<R>.pt`` (``state``),
+    each written whole or not at all (temporary file, then rename). No collectives: safe in a background thread."""
+    path = os.path.join(_iter_dir(root, iteration), f"rank_{rank:05d}.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path[:-len(".pt")] + ".json.tmp", "w") as f:
+        json.dump(meta, f)
+    os.replace(path[:-len(".pt")] + ".json.tmp", path[:-len(".pt")] + ".json")
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def publish_checkpoint(root: str, iteration: int, keep: int | None = None) -> list[int]:
+    """Every rank has written ``iteration``: rank 0 moves ``latest`` to it and, with ``keep``, deletes the older
+    checkpoints beyond the newest ``keep`` (:func:`prune_checkpoints`; what it deleted is returned on rank 0).
+    A collective (barriers before and after)."""
     dist.barrier()
+    removed = []
     if dist.get_rank() == 0:
         marker = os.path.join(root, LATEST)
         with open(marker + ".tmp", "w") as f:
             f.write(str(iteration))
         os.replace(marker + ".tmp", marker)
+        if keep is not None:
+            removed = prune_checkpoints(root, keep)
     dist.barrier()
+    return removed
+
+
+def saved_iterations(root: str) -> list[int]:
+    """The iterations with a directory under ``root`` (complete or not), in increasing order."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(d[len("iter_"):]) for d in os.listdir(root)
+                  if d.startswith("iter_") and d[len("iter_"):].isdigit())
+
+
+def prune_checkpoints(root: str, keep: int) -> list[int]:
+    """Delete the iteration directories under ``root`` older than the newest ``keep`` at or before ``latest`` (the
+    complete ones, as far as anything older than ``latest`` is); a directory newer than ``latest`` (a save under way or
+    cut short) is left alone. Returns the deleted iterations."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    latest = latest_iteration(root)
+    if latest is None:
+        return []
+    done = [i for i in saved_iterations(root) if i <= latest]
+    old = done[:-keep]
+    for i in old:
+        shutil.rmtree(_iter_dir(root, i), ignore_errors=True)
+    return old
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict,
+                    meta: dict | None = None, keep: int | None = None) -> str:
+    """Write this rank's state (``model``: the model or its list of virtual-pipeline chunks); rank 0 moves ``latest``
+    once all ranks are done (and with ``keep`` removes older checkpoints). Returns the iteration dir.
+
+    Next to ``rank_<R>.pt`` goes ``rank_<R>.json``: the rank's coordinates (:func:`rank_coordinates`) plus ``meta``
+    (the trainer adds the HF config and checkpoint path), which ``forge-convert trainer-to-hf`` reads to export the
+    weights without loading every rank's optimizer state."""
+    state = checkpoint_state(iteration, model, optimizer, scheduler, extra)
+    write_rank_files(root, iteration, dist.get_rank(), state,
+                     {**rank_coordinates(), "iteration": iteration, **(meta or {})})
+    publish_checkpoint(root, iteration, keep)
     return _iter_dir(root, iteration)
+
+
+def host_copy(obj, memo: dict | None = None):
+    """``obj`` (a checkpoint state: dicts, lists, tensors, numbers) with every tensor copied to host memory, so
+    training can go on changing the originals while the copy is written. A tensor reached twice is copied once (the
+    optimizer's state appears under two keys); a module state dict keeps its ``_metadata``."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.detach().to("cpu", copy=True)
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        out = (OrderedDict if isinstance(obj, OrderedDict) else dict)((k, host_copy(v, memo)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v, memo) for v in obj)
+    return obj
+
+
+class AsyncCheckpointSaver:
+    """``--async-save``: :meth:`save` copies this rank's state to host memory (the collectives of the save run then)
+    and writes it in a background thread; :meth:`poll`, called by every rank at the same points (after each step, and
+    with ``block=True`` before the next save and at the end), publishes the checkpoint once every rank has written it
+    (``latest``, retention, then ``on_published``: the trainer's pool commit). A write that fails on any rank fails
+    :meth:`poll` on every rank, with the rank and its error."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")  # the flags' all-reduce stays off the accelerator's backend
+        self.pending: dict | None = None
+
+    def save(self, root: str, iteration: int, model, optimizer, scheduler, extra: dict, meta: dict | None = None,
+             keep: int | None = None, on_published=None) -> float:
+        """Start writing checkpoint ``iteration``; returns the seconds the copy to host memory took."""
+        self.poll(block=True)
+        t0 = time.perf_counter()
+        state = host_copy(checkpoint_state(iteration, model, optimizer, scheduler, extra))
+        self.start(root, iteration, state, {**rank_coordinates(), "iteration": iteration, **(meta or {})}, keep,
+                   on_published)
+        return time.perf_counter() - t0
+
+    def start(self, root: str, iteration: int, state: dict, meta: dict, keep: int | None = None,
+              on_published=None) -> None:
+        """Write ``state`` (host memory, nothing else will change it) and ``meta`` as this rank's files of checkpoint
+        ``iteration`` in a background thread; :meth:`poll` publishes it."""
+        if self.pending is not None:
+            raise RuntimeError(f"checkpoint iteration {self.pending['iteration']} is still pending: poll(block=True) "
+                               "first")
+        job = {"root": root, "iteration": iteration, "keep": keep, "on_published": on_published, "error": None}
+
+        def write() -> None:
+            try:
+                write_rank_files(root, iteration, dist.get_rank(), state, meta)
+            except BaseException as exc:  # reported by poll() on every rank
+                job["error"] = f"{type(exc).__name__}: {exc}"
+
+        job["thread"] = threading.Thread(target=write, name=f"forge-ckpt-{iteration}", daemon=True)
+        job["thread"].start()
+        self.pending = job
+
+    def poll(self, block: bool = False) -> int | None:
+        """Publish the pending checkpoint if every rank has written it (``block``: wait for this rank's write
+        first); returns its iteration when published. A collective while a save is pending."""
+        job = self.pending
+        if job is None:
+            return None
+        if block:
+            job["thread"].join()
+        flags = torch.tensor([int(job["thread"].is_alive()), int(job["error"] is not None)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if flags[1]:
+            self.pending = None
+            mine = f"rank {dist.get_rank()}: {job['error']}" if job["error"] else "another rank's write failed"
+            raise RuntimeError(f"checkpoint iteration {job['iteration']} could not be written ({mine}); "
+                               f"{LATEST} still names the previous checkpoint")
+        if flags[0]:
+            return None  # a rank is still writing
+        self.pending = None
+        publish_checkpoint(job["root"], job["iteration"], job["keep"])
+        if job["on_published"] is not None:
+            job["on_published"]()
+        return job["iteration"]
 
 
 def latest_iteration(root: str | None) -> int | None:

@@ -15,7 +15,8 @@ One iteration:
   4. step   Megatron's optimizer (Adam; distributed optimizer on GPUs) and LR scheduler;
   5. sync   every ``--weight-sync-interval`` steps the new weights go to the engines and the policy version
             (gateway, pool) increments;
-  6. save   every ``--save-interval`` steps a checkpoint, then the pool commits the batches it contains.
+  6. save   every ``--save-interval`` steps a checkpoint, then the pool commits the batches it contains (with
+            ``--async-save`` written in the background and committed once every rank has written it).
 Metrics per step go to the JSONL file / tensorboard / wandb (:mod:`forge_megatron.training.metrics`).
 
 Legend: M = next-token targets of the samples of a micro-batch, S = samples, S1 = S + 1, L = one sample's tokens.
@@ -28,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from forge_megatron.training import arguments
-from forge_megatron.training.checkpoint import latest_iteration, load_checkpoint, load_hf_weights, save_checkpoint
+from forge_megatron.training.checkpoint import (
+    AsyncCheckpointSaver, latest_iteration, load_checkpoint, load_hf_weights, save_checkpoint,
+)
 from forge_megatron.training.metrics import EvalFeed, MetricsWriter, batch_metrics
 
 log = logging.getLogger("forge.trainer")
@@ -321,6 +325,16 @@ class Trainer:
             if self.ref_chunks is not None:  # the reference scores the sampled tokens through the same experts
                 routing_replay.install(self.ref_chunks)
         self.iteration, self.policy_version, self.last_batch_id = 0, 0, None
+        self.saved_at: int | None = None  # the iteration of the newest checkpoint this run wrote or resumed from
+        self.started = time.monotonic()
+        self.stop_reason: str | None = None  # this rank's: an exit signal, --exit-duration-in-mins
+        self.stopping = False  # agreed by every rank: save and stop after this iteration
+        self.watch_stop = bool(getattr(args, "exit_signal_handler", False) or
+                               getattr(args, "exit_duration_in_mins", None))
+        if getattr(args, "exit_signal_handler", False):
+            name = getattr(args, "exit_signal", "SIGTERM")
+            signal.signal(getattr(signal, name), lambda *_: setattr(self, "stop_reason", f"exit signal {name}"))
+        self.saver = AsyncCheckpointSaver() if getattr(args, "async_save", False) else None  # every rank: a group
         self.pool = self._pool_client() if self.rank == 0 else None
         self.syncer = make_syncer(args, self.bridge) if args.weight_sync_transport != "none" else None
         self.writer = MetricsWriter(args) if self.rank == 0 else None
@@ -382,6 +396,7 @@ class Trainer:
         else:
             state = load_checkpoint(self.args.load, iteration, self.ddp, self.optimizer, self.scheduler, self._log)
             self.iteration, self.policy_version = state["iteration"], state["policy_version"]
+            self.saved_at = self.iteration
             self.last_batch_id = state["last_batch_id"]
             self._log(f"resumed from {self.args.load} at iteration {iteration} (policy version "
                       f"{self.policy_version}, last batch {self.last_batch_id})")
@@ -415,7 +430,8 @@ class Trainer:
 
     # -- one iteration -----------------------------------------------------------------------------------
     def next_batch(self):
-        """Rank 0 waits for the pool's batch; every rank gets a copy (wire format over the process group)."""
+        """Rank 0 waits for the pool's batch; every rank gets a copy (wire format over the process group). None on
+        every rank when rank 0 was told to stop while waiting (an exit signal, --exit-duration-in-mins)."""
         batch = None
         if self.rank == 0:
             groups = arguments.train_batch_groups(self.args)
@@ -425,8 +441,28 @@ class Trainer:
                 if left <= 0:
                     raise TimeoutError(f"no batch of {groups} groups from {self.args.pool_addr} within "
                                        f"{self.args.batch_timeout_s:.0f}s (are rollouts running?)")
-                batch = self.pool.get_batch(groups, timeout_s=min(left, 20.0))
+                batch = self.pool.get_batch(groups, timeout_s=min(left, 2.0 if self.watch_stop else 20.0))
+                if batch is None and self._stop_asked():  # a batch that is there is trained (and saved) first
+                    break
         return broadcast_batch(batch)
+
+    def _stop_asked(self) -> bool:
+        """This rank was told to stop: an exit signal came, or --exit-duration-in-mins has passed."""
+        minutes = getattr(self.args, "exit_duration_in_mins", None)
+        if self.stop_reason is None and minutes and time.monotonic() - self.started >= 60 * minutes:
+            self.stop_reason = f"--exit-duration-in-mins {minutes:g}"
+        return self.stop_reason is not None
+
+    def _agree_to_stop(self) -> bool:
+        """Whether any rank was told to stop (one all-reduce when an exit signal or duration is configured)."""
+        if not self.watch_stop:
+            return False
+        from forge_megatron.mcore.parallel import comm_device
+
+        flag = torch.tensor([int(self._stop_asked())], dtype=torch.int32, device=comm_device())
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def forward_backward(self, rb: RankBatch) -> list[dict]:
         if self.args.old_logprobs == "recompute":
@@ -466,9 +502,13 @@ class Trainer:
                                                             head_dtype=self.head_dtype, temperature=self.temperature),
                          forward_only=True)
 
-    def train_step(self) -> dict:
+    def train_step(self) -> dict | None:
+        """One iteration; None when the trainer was told to stop while waiting for its batch."""
         t0 = time.perf_counter()
         batch = self.next_batch()
+        if batch is None:
+            self.stopping = True
+            return None
         t1 = time.perf_counter()
         rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
                         self.domains, self.args.dp_balance, self.cfg.hidden_size,
@@ -492,6 +532,7 @@ class Trainer:
         sync_s = 0.0
         if self.syncer is not None and self.iteration % self.args.weight_sync_interval == 0:
             sync_s = self._sync()
+        self.stopping = self._agree_to_stop()
         ckpt_s = self._maybe_save()
         metrics.update(iteration=self.iteration, policy_version=self.policy_version, grad_norm=float(grad_norm or 0.0),
                        update_ok=bool(ok), lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
@@ -532,37 +573,64 @@ class Trainer:
         return time.perf_counter() - t0
 
     def _exiting(self) -> bool:
-        """--exit-interval reached before --train-iters: stop after this iteration."""
+        """--exit-interval reached before --train-iters, or every rank agreed to stop: stop after this iteration."""
         a = self.args
-        return bool(a.exit_interval) and self.iteration % a.exit_interval == 0 and self.iteration < a.train_iters
+        return self.stopping or (
+            bool(a.exit_interval) and self.iteration % a.exit_interval == 0 and self.iteration < a.train_iters)
 
     def _maybe_save(self) -> float:
+        """Save at --save-interval, the last iteration and --exit-interval; the seconds training waited for it (with
+        --async-save: for the copy to host memory, and for an earlier save still being written). Publishes a
+        background save every rank has finished writing."""
         a = self.args
-        if a.save is None or not (self.iteration % (a.save_interval or a.train_iters) == 0
-                                  or self.iteration == a.train_iters or self._exiting()):
+        if a.save is None or self.saved_at == self.iteration or self.iteration == 0 or not (
+                self.iteration % (a.save_interval or a.train_iters) == 0 or self.iteration == a.train_iters
+                or self._exiting()):
+            if self.saver is not None:
+                self.saver.poll()
             return 0.0
+        self.saved_at = self.iteration
         t0 = time.perf_counter()
-        save_checkpoint(a.save, self.iteration, self.ddp, self.optimizer, self.scheduler,
-                        {"policy_version": self.policy_version, "last_batch_id": self.last_batch_id},
-                        meta={"hf_config": self.bridge.hf_config, "hf_checkpoint": os.path.abspath(a.hf_checkpoint),
-                              "policy_version": self.policy_version})
-        if self.pool is not None and self.last_batch_id is not None:
-            self.pool.commit(up_to_batch_id=self.last_batch_id)
-        self._log(f"checkpoint iteration {self.iteration} saved to {a.save}; pool committed up to batch "
-                  f"{self.last_batch_id}")
+        extra = {"policy_version": self.policy_version, "last_batch_id": self.last_batch_id}
+        meta = {"hf_config": self.bridge.hf_config, "hf_checkpoint": os.path.abspath(a.hf_checkpoint),
+                "policy_version": self.policy_version}
+        iteration, batch_id = self.iteration, self.last_batch_id
+
+        def commit() -> None:
+            if self.pool is not None and batch_id is not None:
+                self.pool.commit(up_to_batch_id=batch_id)
+            self._log(f"checkpoint iteration {iteration} saved to {a.save}; pool committed up to batch {batch_id}")
+
+        if self.saver is None:
+            save_checkpoint(a.save, iteration, self.ddp, self.optimizer, self.scheduler, extra, meta=meta,
+                            keep=getattr(a, "keep_checkpoints", None))
+            commit()
+        else:
+            copy_s = self.saver.save(a.save, iteration, self.ddp, self.optimizer, self.scheduler, extra, meta=meta,
+                                     keep=getattr(a, "keep_checkpoints", None), on_published=commit)
+            self._log(f"checkpoint iteration {iteration}: state copied to host memory in {copy_s:.2f}s, written in "
+                      "the background")
         return time.perf_counter() - t0
 
     def run(self) -> None:
         while self.iteration < self.args.train_iters:
             m = self.train_step()
-            if self.rank == 0 and (self.iteration % self.args.log_interval == 0 or self.iteration == 1):
+            if m is None:  # told to stop while waiting for a batch: the last iteration's checkpoint, if not saved
+                self._maybe_save()
+            elif self.rank == 0 and (self.iteration % self.args.log_interval == 0 or self.iteration == 1):
                 self._log(progress_line(m))
+            if self.stopping:
+                self._log(f"{self.stop_reason or 'another rank was told to stop'}: stopping after iteration "
+                          f"{self.iteration}" + (" (checkpoint saved)" if self.saved_at == self.iteration else ""))
+                break
             if self._exiting():
                 self._log(f"--exit-interval {self.args.exit_interval}: stopping after iteration {self.iteration}")
                 break
         self.close()
 
     def close(self) -> None:
+        if self.saver is not None:
+            self.saver.poll(block=True)  # the last checkpoint is published (latest, pool commit) before exiting
         if self.writer is not None:
             self.writer.close()
         if self.syncer is not None:
@@ -798,7 +866,7 @@ def pipeline_loss_metrics(mb_metrics: list[dict]) -> list[dict]:
 
 def broadcast_batch(batch):
     """Rank 0's TrainBatch to every rank: wire frames (msgpack + raw arrays) as byte tensors, no pickle (on the
-    GPU under NCCL, which takes no CPU tensors)."""
+    GPU under NCCL, which takes no CPU tensors). Rank 0's None (stop: no batch) is None on every rank."""
     from forge_megatron.middleware.wire import batch_from_wire, batch_to_wire, pack, unpack
 
     if dist.get_world_size() == 1:
@@ -806,10 +874,13 @@ def broadcast_batch(batch):
     from forge_megatron.mcore.parallel import comm_device
 
     dev = comm_device()
-    frames = [bytes(memoryview(f)) for f in pack(*batch_to_wire(batch))] if dist.get_rank() == 0 else []
+    frames = [bytes(memoryview(f)) for f in pack(*batch_to_wire(batch))] \
+        if dist.get_rank() == 0 and batch is not None else []
     sizes = torch.tensor([len(f) for f in frames] if frames else [], dtype=torch.int64, device=dev)
     count = torch.tensor([len(frames)], dtype=torch.int64, device=dev)
     dist.broadcast(count, src=0)
+    if int(count.item()) == 0:
+        return None
     if dist.get_rank() != 0:
         sizes = torch.zeros(int(count.item()), dtype=torch.int64, device=dev)
     dist.broadcast(sizes, src=0)

@@ -70,6 +70,47 @@ def test_kill_and_resume_continues_from_checkpoint(setup):
     assert not torch.equal(ckpt2[name], ckpt4[name])  # training moved the weights after the resume
 
 
+def test_exit_duration_and_exit_signal_stop_with_a_checkpoint(setup):
+    """--exit-duration-in-mins (Megatron's): the trainer saves and stops after the iteration that ends past it, exit
+    status 0. --exit-signal-handler, two ranks under torchrun: SIGTERM to torchrun (which passes it on) while rank 0
+    waits for a batch stops both at once (rank 0 broadcasts "no batch"), with a checkpoint of the last iteration (not
+    a save-interval one) and the pool committed up to it."""
+    model_dir, pool, run_dir = setup
+    rng = np.random.default_rng(1)
+    feed_groups(pool.client, 1, rng)
+    base = _train_cmd(model_dir, pool, run_dir, iters=8, groups=1)
+    first = subprocess.run([sys.executable, TRAIN, *base, "--exit-duration-in-mins", "0.0001"], env=_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "--exit-duration-in-mins 0.0001: stopping after iteration 1 (checkpoint saved)" in first.stdout
+    assert open(f"{run_dir}/ckpt/latest").read() == "1"  # not a save-interval (2) iteration
+
+    feed_groups(pool.client, 4, rng)  # iterations 2 (saved: interval) and 3 (2 groups each), then it waits
+    base[base.index("--train-batch-groups") + 1] = "2"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), TRAIN]
+    second = subprocess.Popen([*torchrun, *base, "--exit-signal-handler"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while len(_steps(f"{run_dir}/metrics.jsonl")) < 3:
+            assert second.poll() is None, second.stdout.read()
+            assert time.time() < deadline, "trainer made no progress"
+            time.sleep(0.3)
+        time.sleep(1.0)  # waiting for the batch of iteration 4 now
+        second.send_signal(signal.SIGTERM)
+        out, _ = second.communicate(timeout=60)
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+    assert "exit signal SIGTERM: stopping after iteration 3 (checkpoint saved)" in out, out[-3000:]
+    assert open(f"{run_dir}/ckpt/latest").read() == "3"
+    assert sorted(os.listdir(f"{run_dir}/ckpt/iter_0000003")) == [
+        "rank_00000.json", "rank_00000.pt", "rank_00001.json", "rank_00001.pt"]
+    groups = pool.client.metrics()["groups"]
+    assert (groups["committed"], groups["delivered"]) == (5, 0)  # nothing left to be trained again
+
+
 def test_dp2_replicas_stay_equal(setup):
     model_dir, pool, run_dir = setup
     feed_groups(pool.client, 4, np.random.default_rng(1))
@@ -323,20 +364,27 @@ def test_kl_to_a_frozen_reference(tmp_path):
 
 
 def test_exit_and_resume_continues_the_same_run_exactly(tmp_path):
-    """--exit-interval 2 of a 4-iteration run saves and stops after iteration 2; resuming with the same flags trains
-    iterations 3 and 4 exactly as an uninterrupted run does, to fp32 round-off: the model, LR schedule, pool position
-    and policy version show in step 3, the Adam moments only in step 4 (step 3's update). (Changing --train-iters
-    instead would change the LR decay.)"""
+    """--exit-interval 3 of a 5-iteration run saves and stops after iteration 3; resuming with the same flags trains
+    iterations 4 and 5 exactly as an uninterrupted run does, to fp32 round-off: the model, LR schedule, pool position
+    and policy version show in step 4, the Adam moments only in step 5 (step 4's update). (Changing --train-iters
+    instead would change the LR decay.) The resumed run saves with --async-save (iteration 2 written in the
+    background while step 3 trains, 3 at the exit) and --keep-checkpoints 1, the straight run synchronously."""
     model_dir = build_tiny_model(str(tmp_path / "model"))
     steps = {}
-    for name, exits in (("straight", [None]), ("resumed", [2, None])):
+    for name, exits, extra in (("straight", [None], ()),
+                               ("resumed", [3, None], ("--async-save", "--keep-checkpoints", "1"))):
         steps[name], stdouts, counts = run_on_fresh_pool(
-            tmp_path, name, model_dir, lambda c: feed_groups(c, 4, np.random.default_rng(11), completion_len=(5, 9)),
-            iters=4, groups=1, exits=exits)
+            tmp_path, name, model_dir, lambda c: feed_groups(c, 5, np.random.default_rng(11), completion_len=(5, 9)),
+            iters=5, groups=1, exits=exits, extra=extra)
         if name == "resumed":
-            assert "--exit-interval 2: stopping after iteration 2" in stdouts[0]
-            assert counts[0] == 2
-    assert len(steps["resumed"]) == len(steps["straight"]) == 4
+            assert "--exit-interval 3: stopping after iteration 3" in stdouts[0]
+            assert counts[0] == 3
+            for it in (2, 3):
+                assert f"checkpoint iteration {it}: state copied to host memory" in stdouts[0]
+                assert f"checkpoint iteration {it} saved to" in stdouts[0]  # published: latest, pool commit
+            assert "resumed from" in stdouts[1] and "at iteration 3" in stdouts[1]
+            assert sorted(os.listdir(tmp_path / name / "ckpt")) == ["iter_0000005", "latest"]  # keep 1
+    assert len(steps["resumed"]) == len(steps["straight"]) == 5
     for a, b in zip(steps["straight"], steps["resumed"]):
         assert (a["batch_id"], a["policy_version"]) == (b["batch_id"], b["policy_version"])
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
