@@ -20,6 +20,7 @@ import os
 from forge_megatron.middleware.gateway import Gateway, GatewayConfig, add_session_options, serve, session_options
 from forge_megatron.middleware.pool import DataPool, PoolConfig
 from forge_megatron.middleware.transport import PoolServer
+from forge_megatron.rollout.launch import until_terminated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             except RuntimeError as exc:  # a worker did not start: its own output says why
                 raise SystemExit(f"forge-node: {exc}") from exc
         else:
-            asyncio.run(serve(Gateway(config, sink=pool), ready=ready))
+            asyncio.run(until_terminated(serve(Gateway(config, sink=pool), ready=ready)))  # SIGTERM: exit 0
     except KeyboardInterrupt:
         pass
     finally:

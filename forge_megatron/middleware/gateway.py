@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import functools
 import ipaddress
 import json
 import logging
@@ -76,7 +75,7 @@ from forge_megatron.middleware.gateway_sessions import (
 from forge_megatron.middleware.schema import EPISODE_STATUSES, EpisodeSink, ListSink, SchemaError
 from forge_megatron.middleware.reasoning_parsers import get_reasoning_parser, reasoning_parser_names
 from forge_megatron.middleware.tool_parsers import CannotForceToolCall, get_parser, parser_names
-from forge_megatron.rollout.launch import print_ready, serve_app
+from forge_megatron.rollout.launch import print_ready, serve_app, until_terminated
 from forge_megatron.rollout.sglang_client import (
     EngineFleet, EngineRequestError, FleetConfig, NoEngineAvailable, SharedLoad,
 )
@@ -1008,27 +1007,33 @@ class Gateway:
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for alp, a in top[i]] if top else []}
                             for i, (t, lp) in enumerate(zip(ids, logprobs))]}
 
-    def text_token_span(self, call: _Call, req: ChatRequest, result, content: str,
-                        final: bool = True) -> tuple[int, int]:
+    def text_token_span(self, call: _Call, req: ChatRequest, result, content: str, final: bool = True,
+                        start: int = 0, cache: dict | None = None) -> tuple[int, int]:
         """[lo, hi): the completion tokens whose text holds ``content`` (the answer's content, or what a stream has
-        sent of it), from the token its first character is in to the one its last is in: reasoning and tool-call
-        tokens are outside. Every prefix of the completion decodes to a prefix of its text, so both ends are found by
-        bisection (O(log n) decodes). Content the text does not contain as it is (a parser rewrote it) gets every
-        token."""
+        sent of it), from the token its first character is in to the one its last is in, not before token
+        ``start``: reasoning and tool-call tokens are outside. Every prefix of the completion decodes to a prefix of
+        its text, so both ends are found by bisection over the prefixes' lengths (O(log n) decodes; ``cache`` keeps
+        them across the calls of one stream, whose earlier ids never change, so each delta decodes a few prefixes).
+        Content the text does not contain as it is (a parser rewrote it) gets every token from ``start``."""
         ids = result.output_ids
         if not content:
-            return 0, 0
+            return start, start
         full = self.text_of(call, result)
         _, rest = self.split_reasoning(call, req, full, final=final)
-        start = full.find(content, len(full) - len(rest) if full.endswith(rest) else 0)
-        if start < 0:
-            return 0, len(ids)
-        first = max(0, start - len(call.forced_text))  # in the completion's own text
+        at = full.find(content, len(full) - len(rest) if full.endswith(rest) else 0)
+        if at < 0:
+            return start, max(start, len(ids))
+        first = max(0, at - len(call.forced_text))  # in the completion's own text
         last = first + len(content)
-        decoded = functools.lru_cache(maxsize=None)(
-            lambda k: len(self.renderer.tok.decode(ids[:k], skip_special_tokens=False)))
-        lo = bisect.bisect_right(range(len(ids)), first, key=lambda k: decoded(k + 1))
-        hi = min(len(ids), bisect.bisect_left(range(len(ids) + 1), last, key=decoded))
+        cache = {} if cache is None else cache
+
+        def decoded(k: int) -> int:  # characters in the first k tokens' text
+            if k not in cache:
+                cache[k] = len(self.renderer.tok.decode(ids[:k], skip_special_tokens=False))
+            return cache[k]
+
+        lo = bisect.bisect_right(range(len(ids)), first, lo=min(start, len(ids)), key=lambda k: decoded(k + 1))
+        hi = min(len(ids), bisect.bisect_left(range(len(ids) + 1), last, lo=lo, key=decoded))
         return lo, max(lo, hi)
 
     def legacy_logprobs(self, ids: list[int], logprobs: list[float], top: list | None, offset: int) -> dict:
@@ -1839,7 +1844,7 @@ def main(argv: list[str] | None = None) -> None:
         gw = Gateway(config, sink=sink)
     except ValueError as exc:  # e.g. --return-routed-experts on a dense model
         raise SystemExit(f"forge-gateway: {exc}") from exc
-    asyncio.run(serve(gw, ready=print_ready))
+    asyncio.run(until_terminated(serve(gw, ready=print_ready)))  # SIGTERM: stops cleanly, exit 0
 
 
 if __name__ == "__main__":

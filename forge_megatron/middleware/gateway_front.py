@@ -40,7 +40,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
 import threading
@@ -565,25 +564,13 @@ def merge_prometheus(texts: list[tuple[str, str]]) -> list[str]:
 async def serve_front(front: GatewayFront, ready=None) -> None:
     """Start the workers, then serve the front until cancelled or sent SIGTERM (then it stops its workers and removes
     their shared table before it returns); ``ready(port)`` once listening."""
-    from forge_megatron.rollout.launch import serve_app
+    from forge_megatron.rollout.launch import serve_app, until_terminated
 
-    terminated = []
-    task = asyncio.current_task()
-
-    def terminate() -> None:
-        terminated.append(True)
-        task.cancel()
-
-    try:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
-    except (NotImplementedError, RuntimeError, ValueError):  # not in the main thread: the caller's business
-        pass
-    try:
+    async def run() -> None:
         await front.start()
         await serve_app(front.app(), front.config.host, front.config.port, ready, stopping=front.stop)
-    except asyncio.CancelledError:
-        if not terminated:
-            raise
+
+    await until_terminated(run())
 
 
 def _orphaned(parent: int, load_file: str | None) -> bool:
@@ -610,7 +597,7 @@ def _watch_parent(parent: int, load_file: str | None = None) -> None:
 def serve_worker() -> None:
     """``python -m forge_megatron.middleware.gateway_front --serve-worker``: one worker, its spec as JSON on stdin."""
     from forge_megatron.middleware.gateway import Gateway, serve
-    from forge_megatron.rollout.launch import print_ready
+    from forge_megatron.rollout.launch import print_ready, until_terminated
 
     spec = json.loads(sys.stdin.read())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s forge-gateway[{spec['tag']}] %(message)s")
@@ -622,14 +609,8 @@ def serve_worker() -> None:
     except ValueError as exc:  # e.g. --return-routed-experts on a dense model: the front reports the exit
         print(f"forge-gateway[{spec['tag']}]: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    async def until_terminated():  # SIGTERM (the front stopping it, or one to the whole group) stops serving
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-        await serve(gw, ready=print_ready)
-
-    try:
-        asyncio.run(until_terminated())
-    except asyncio.CancelledError:
-        pass
+    try:  # SIGTERM (the front stopping it, or one to the whole group) stops serving
+        asyncio.run(until_terminated(serve(gw, ready=print_ready)))
     finally:  # a front killed along with its group: the table is the workers' to remove
         _orphaned(parent, load_file)
 

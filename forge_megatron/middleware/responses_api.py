@@ -410,13 +410,13 @@ def output_items(message: dict, req: ResponsesRequest, status: str = "completed"
 
 
 def text_logprobs(gw: Gateway, req: ResponsesRequest, call, result, content: str, start: int = 0,
-                  final: bool = True) -> tuple[list[dict], int]:
+                  final: bool = True, cache: dict | None = None) -> tuple[list[dict], int]:
     """(logprob entries of the tokens of ``content`` from token ``start`` on, the token after them): an output_text
-    part's ``logprobs`` (the API's chat-style entries, with top_logprobs), [] unless the request asked for them."""
+    part's ``logprobs`` (the API's chat-style entries, with top_logprobs), [] unless the request asked for them;
+    ``cache``: a stream's (``Gateway.text_token_span``)."""
     if not req.chat.logprobs:
         return [], start
-    lo, hi = gw.text_token_span(call, req.chat, result, content, final=final)
-    lo = max(lo, start)
+    lo, hi = gw.text_token_span(call, req.chat, result, content, final=final, start=start, cache=cache)
     if hi <= lo:
         return [], start
     top = result.top_logprobs[lo:hi] if result.top_logprobs is not None else None
@@ -521,6 +521,7 @@ async def _stream(request, gw: Gateway, sess, req: ResponsesRequest, call, body:
     seq = 0
     streamed = ""  # the message text sent so far (its tokens' logprobs ride on its deltas)
     lp_next = 0  # the first token whose logprobs were not sent
+    decoded: dict[int, int] = {}  # characters in the completion's first k tokens (text_token_span)
     done: list[dict] = []  # finished output items
     item: dict | None = None  # the open reasoning or message item
 
@@ -606,7 +607,7 @@ async def _stream(request, gw: Gateway, sess, req: ResponsesRequest, call, body:
             await delta("reasoning", reasoning)
         if text:
             streamed += text
-            logprobs, lp_next = text_logprobs(gw, req, call, result, streamed, lp_next, final=False)
+            logprobs, lp_next = text_logprobs(gw, req, call, result, streamed, lp_next, final=False, cache=decoded)
             await delta("message", text, logprobs)
         for tc in calls:
             await tool_call(tc)
@@ -629,7 +630,7 @@ async def _stream(request, gw: Gateway, sess, req: ResponsesRequest, call, body:
         await delta("reasoning", message["reasoning_content"][progress.reasoning:])
     content = message.get("content") or ""
     has_message = (item or {}).get("type") == "message" or any(d["type"] == "message" for d in done)
-    logprobs, _ = text_logprobs(gw, req, call, result, content, lp_next)  # the content's tokens not sent yet
+    logprobs, _ = text_logprobs(gw, req, call, result, content, lp_next, cache=decoded)  # those not sent yet
     if content[progress.content:] or not (calls or has_message):  # as output_items(); after sent calls: a new item
         await delta("message", content[progress.content:], logprobs)
     elif logprobs and (item or {}).get("type") == "message":

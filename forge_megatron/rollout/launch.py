@@ -38,6 +38,30 @@ async def serve_app(app, host: str, port: int, ready=None, started=None, stoppin
         await runner.cleanup()
 
 
+async def until_terminated(server) -> None:
+    """Await ``server`` (a coroutine serving until cancelled, whose cleanup runs on cancellation) until it returns or
+    SIGTERM comes; then it is cancelled, its cleanup runs, and this returns normally, so a process stopped with
+    SIGTERM (scancel, a supervisor) closes what it holds and exits 0. The handler is installed only in the main
+    thread (servers on a test's event-loop thread are stopped by cancelling)."""
+    task = asyncio.ensure_future(server)
+    terminated = []
+
+    def terminate() -> None:
+        terminated.append(True)
+        task.cancel()
+
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGTERM, terminate)
+    except (NotImplementedError, RuntimeError, ValueError):
+        pass
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
+
+
 def print_ready(port: int) -> None:
     """The readiness line :class:`ProcessServer` waits for."""
     print(f"FORGE_READY port={port}", flush=True)

@@ -236,8 +236,29 @@ def test_forge_node_workers_send_episodes_to_its_pool(engine, tmp_path):
         metrics = _http("GET", url + "/metrics").text
         assert metrics.count("# HELP forge_pool_groups ") == 1 and 'forge_pool_groups{state="delivered"} 2' in metrics
         assert 'forge_gateway_calls_total{worker="0"} 2' in metrics and 'forge_gateway_calls_total{worker="1"} 2' in metrics
+        # SIGTERM to the node alone (scancel's signal): it stops its workers, removes their table, closes its pool
+        load_file = _state(url)["engine_load_file"]
+        workers = [w["pid"] for w in _state(url)["workers"]]
+        os.kill(node.proc.pid, signal.SIGTERM)
+        assert node.proc.wait(60) == 0
+        assert not os.path.exists(load_file) and not any(_alive(p) for p in workers)
+        assert not os.path.exists(tmp_path / "pool.sqlite-wal")  # the last connection closed: the WAL folded in
     finally:
         client.close()
+        node.stop()
+
+
+def test_forge_node_in_one_process_stops_cleanly_on_sigterm(engine, tmp_path):
+    model_dir, eng = engine
+    node = ProcessServer("forge_megatron.agents.middleware_node",
+                         ["--model-path", model_dir, "--engines", eng.url, "--pool-bind", "tcp://127.0.0.1:0",
+                          "--pool-db", str(tmp_path / "pool.sqlite")])
+    try:
+        _post(node.url + "/forge/groups", {"task_id": "t", "size": 1}, headers={})
+        os.kill(node.proc.pid, signal.SIGTERM)
+        assert node.proc.wait(60) == 0
+        assert not os.path.exists(tmp_path / "pool.sqlite-wal")
+    finally:
         node.stop()
 
 
