@@ -28,6 +28,15 @@ def setup(tmp_path):
     pool.stop()
 
 
+def _wait_for_steps(proc, metrics: str, n: int, timeout_s: float = 240) -> None:
+    """Until the trainer ``proc`` has written ``n`` steps to ``metrics`` (its output if it exits first)."""
+    deadline = time.time() + timeout_s
+    while len(_steps(metrics)) < n:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, "trainer made no progress"
+        time.sleep(0.3)
+
+
 def test_kill_and_resume_continues_from_checkpoint(setup):
     model_dir, pool, run_dir = setup
     rng = np.random.default_rng(0)
@@ -36,11 +45,7 @@ def test_kill_and_resume_continues_from_checkpoint(setup):
     first = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
     try:
-        deadline = time.time() + 240
-        while len(_steps(f"{run_dir}/metrics.jsonl")) < 3:
-            assert first.poll() is None, first.stdout.read()
-            assert time.time() < deadline, "trainer made no progress"
-            time.sleep(0.3)
+        _wait_for_steps(first, f"{run_dir}/metrics.jsonl", 3)
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # crash between checkpoints (saved at 2, trained 3)
         first.wait()
@@ -92,11 +97,7 @@ def test_exit_duration_and_exit_signal_stop_with_a_checkpoint(setup):
     second = subprocess.Popen([*torchrun, *base, "--exit-signal-handler"], env={**os.environ, "OMP_NUM_THREADS": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.time() + 240
-        while len(_steps(f"{run_dir}/metrics.jsonl")) < 3:
-            assert second.poll() is None, second.stdout.read()
-            assert time.time() < deadline, "trainer made no progress"
-            time.sleep(0.3)
+        _wait_for_steps(second, f"{run_dir}/metrics.jsonl", 3)
         time.sleep(1.0)  # waiting for the batch of iteration 4 now
         second.send_signal(signal.SIGTERM)
         out, _ = second.communicate(timeout=60)
