@@ -1257,7 +1257,7 @@ class StreamedLogprobs:
 
     def take(self, result) -> dict | None:
         """``choice.logprobs`` of ``result``'s tokens not sent yet (None when off or there are none)."""
-        n = len(result.output_ids)
+        n = min(len(result.output_ids), len(result.logprobs))  # a chunk's logprobs may trail its ids
         if not self.on or n <= self.sent:
             return None
         ids, lps = result.output_ids[self.sent:n], result.logprobs[self.sent:n]

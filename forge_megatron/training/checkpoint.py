@@ -198,9 +198,11 @@ def host_copy(obj, memo: dict | None = None):
         return memo[id(obj)]
     if isinstance(obj, dict):
         out = (OrderedDict if isinstance(obj, OrderedDict) else dict)((k, host_copy(v, memo)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):
+        if isinstance(out, OrderedDict) and hasattr(obj, "_metadata"):
             out._metadata = obj._metadata
         return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(host_copy(v, memo) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(host_copy(v, memo) for v in obj)
     return obj
