@@ -676,9 +676,9 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"forge-engine: {exc}") from exc
     log.info("loaded %s in %.1fs", args.model_path, time.time() - t0)
-    from forge_megatron.rollout.launch import print_ready
+    from forge_megatron.rollout.launch import print_ready, until_terminated
 
-    asyncio.run(serve(engine, args.host, args.port, ready=print_ready))
+    asyncio.run(until_terminated(serve(engine, args.host, args.port, ready=print_ready)))  # SIGTERM: exit 0
 
 
 if __name__ == "__main__":

@@ -119,16 +119,23 @@ def checkpoint_state(iteration: int, model, optimizer, scheduler, extra: dict) -
     return state
 
 
+def _write_whole(path: str, write) -> None:
+    """``write(file)`` into ``path`` whole or not at all: a temporary file, flushed to the storage (fsync: ``latest``
+    must never name files a node crash could still lose from the page cache), then renamed."""
+    with open(path + ".tmp", "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
 def write_rank_files(root: str, iteration: int, rank: int, state: dict, meta: dict) -> None:
     """``rank_<R>.json`` (``meta``: the rank's coordinates and what the trainer adds) and ``rank_<R>.pt`` (``state``),
-    each written whole or not at all (temporary file, then rename). No collectives: safe in a background thread."""
+    each written whole or not at all (:func:`_write_whole`). No collectives: safe in a background thread."""
     path = os.path.join(_iter_dir(root, iteration), f"rank_{rank:05d}.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path[:-len(".pt")] + ".json.tmp", "w") as f:
-        json.dump(meta, f)
-    os.replace(path[:-len(".pt")] + ".json.tmp", path[:-len(".pt")] + ".json")
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    _write_whole(path[:-len(".pt")] + ".json", lambda f: f.write(json.dumps(meta).encode()))
+    _write_whole(path, lambda f: torch.save(state, f))
 
 
 def publish_checkpoint(root: str, iteration: int, keep: int | None = None) -> list[int]:
@@ -138,10 +145,7 @@ def publish_checkpoint(root: str, iteration: int, keep: int | None = None) -> li
     dist.barrier()
     removed = []
     if dist.get_rank() == 0:
-        marker = os.path.join(root, LATEST)
-        with open(marker + ".tmp", "w") as f:
-            f.write(str(iteration))
-        os.replace(marker + ".tmp", marker)
+        _write_whole(os.path.join(root, LATEST), lambda f: f.write(str(iteration).encode()))
         if keep is not None:
             removed = prune_checkpoints(root, keep)
     dist.barrier()

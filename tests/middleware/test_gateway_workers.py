@@ -248,18 +248,23 @@ def test_forge_node_workers_send_episodes_to_its_pool(engine, tmp_path):
         node.stop()
 
 
-def test_forge_node_in_one_process_stops_cleanly_on_sigterm(engine, tmp_path):
-    model_dir, eng = engine
+def test_forge_node_and_forge_engine_stop_cleanly_on_sigterm(engine, tmp_path):
+    """scancel's signal to forge-node in one process (its pool closed: the WAL folded in) and to forge-engine: both
+    stop serving and exit 0."""
+    model_dir, _ = engine
+    eng = start_engine(model_dir)
     node = ProcessServer("forge_megatron.agents.middleware_node",
                          ["--model-path", model_dir, "--engines", eng.url, "--pool-bind", "tcp://127.0.0.1:0",
                           "--pool-db", str(tmp_path / "pool.sqlite")])
     try:
         _post(node.url + "/forge/groups", {"task_id": "t", "size": 1}, headers={})
-        os.kill(node.proc.pid, signal.SIGTERM)
-        assert node.proc.wait(60) == 0
+        for server in (node, eng):
+            os.kill(server.proc.pid, signal.SIGTERM)
+            assert server.proc.wait(60) == 0
         assert not os.path.exists(tmp_path / "pool.sqlite-wal")
     finally:
         node.stop()
+        eng.stop()
 
 
 def test_merge_prometheus_labels_each_worker_and_keeps_one_help_line():

@@ -93,3 +93,21 @@ def test_host_copy_is_a_snapshot_that_keeps_sharing_and_metadata():
     assert copy["optimizer"]["state"][0]["exp_avg"] is copy["by_name"]["w"]["exp_avg"]
     assert torch.equal(copy["model"]["weight"], torch.arange(3.0)) and copy["model"]._metadata == sd._metadata
     assert isinstance(copy["model"], OrderedDict) and copy["steps"][0] == 1 and copy["note"] == "x"
+
+
+def test_checkpoint_save_benchmark_runs_and_cleans_up(tmp_path):
+    """benchmarks/checkpoint_save.py at a small size: one JSON line with the keys docs/benchmarks.md reports, and
+    nothing left in the directory it wrote to."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "checkpoint_save.py"), "--state-mib", "4",
+                          "--tensors", "8", "--repeats", "1", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["state_mib"] == 4.0 and result["sync_save_s"] > 0 and result["async_write_s"] > 0
+    assert result["stall_ratio"] > 0 and result["async_stall_s"] > 0
+    assert os.listdir(tmp_path) == []
