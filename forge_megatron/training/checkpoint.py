@@ -197,8 +197,9 @@ def host_copy(obj, memo: dict | None = None):
     optimizer's state appears under two keys); a module state dict keeps its ``_metadata``."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = obj.detach().to("cpu", copy=True)
+        if id(obj) not in memo:  # a device tensor's move to the host is the copy
+            t = obj.detach()
+            memo[id(obj)] = t.clone() if t.device.type == "cpu" else t.to("cpu")
         return memo[id(obj)]
     if isinstance(obj, dict):
         out = (OrderedDict if isinstance(obj, OrderedDict) else dict)((k, host_copy(v, memo)) for k, v in obj.items())
