@@ -690,7 +690,7 @@ class Gateway:
         turn = _Turn(messages=req.messages, tools=req.tools, prompt_text=text, prompt_ids=prompt_ids,
                      completion_ids=[], assistant_message={}, template_kwargs=kwargs)
         return _Call(turn=turn, continues=continues, sampling=sampling, forced_text=forced, started=time.time(),
-                     reasoning_open=reasoning_open, top_logprobs=req.top_logprobs if req.logprobs else 0)
+                     reasoning_open=reasoning_open, top_logprobs=req.top_logprobs)
 
     def sampling_for(self, sess: Session, sampling: dict) -> dict:
         """The module's rule on sampling parameters: an eval session's own values; a training call from the policy

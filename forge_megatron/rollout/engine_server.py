@@ -132,9 +132,11 @@ def top_logprobs(logp_V: torch.Tensor, n: int) -> list[list]:
 
 
 def sample_next(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator,
-                original_logprob: bool = False) -> tuple[int, float]:
-    """Pick the next token from fp32 logits; return (token, its logprob under :func:`scored_logprobs`)."""
-    logp_V = scored_logprobs(logits_V, params, original_logprob)
+                original_logprob: bool = False, logp_V: torch.Tensor | None = None) -> tuple[int, float]:
+    """Pick the next token from fp32 logits; return (token, its logprob under :func:`scored_logprobs`, which the
+    caller may pass as ``logp_V`` when it needs it too)."""
+    if logp_V is None:
+        logp_V = scored_logprobs(logits_V, params, original_logprob)
     if params.temperature == 0:
         token = int(torch.argmax(logits_V))
         return token, float(logp_V[token])
@@ -274,11 +276,12 @@ class ReferenceEngine:
             self._captured = None
         req.past = out.get("cache", None) or out.get("past_key_values")
         logits_V = out.logits[0, -1].float()
-        token, logprob = sample_next(logits_V, req.params, req.gen, self.original_logprob)
+        logp_V = scored_logprobs(logits_V, req.params, self.original_logprob)
+        token, logprob = sample_next(logits_V, req.params, req.gen, logp_V=logp_V)
         req.output_ids.append(token)
         req.logprobs.append(logprob)
         if req.top_n:
-            req.top.append(top_logprobs(scored_logprobs(logits_V, req.params, self.original_logprob), req.top_n))
+            req.top.append(top_logprobs(logp_V, req.top_n))
         req.finish = self._finish_reason(req, token)
 
     def _finish_reason(self, req: _Request, token: int) -> dict | None:
