@@ -35,7 +35,14 @@ Patches (megatron-core 0.16.x; 0.17-0.19 have the same spots unless noted):
        process (about 3 s for gpt-oss's clamped GLU in every trainer process) and needs a C++ toolchain, for no
        gain on a CPU. TorchDynamo is turned off (``torch._dynamo.config.disable``), so they run eagerly: the same
        function, unfused. This is the one patch that reaches beyond Megatron: torch.compile in a CPU process that
-       applied the patches runs eagerly.
+       applied the patches runs eagerly. Importing Megatron also costs: ``@jit_fuser`` calls ``torch.compile`` on
+       about 40 functions at import time, and the first call imports TorchDynamo and Inductor (1.8 of Megatron's 3 s
+       import on this CPU, in every trainer process). :func:`defer_torch_compile` makes ``torch.compile`` of a plain
+       function lazy (the real ``torch.compile`` runs at the function's first call, which is all it does then
+       anyway; modules and other callables go to it at once, with TorchDynamo off once the patches are applied); a
+       CPU process that applied the patches then calls the function itself. ``import forge_megatron`` installs it, on a machine without an NVIDIA driver, just before
+       Megatron's ``megatron.core.jit`` is first imported (an import hook that removes itself), so it is in place
+       when Megatron binds ``jit_fuser``.
   9. Megatron's optimizers accept only CUDA tensor types: ``DistributedOptimizer._build_model_and_main_param_groups``
        and ``Float16OptimizerWithFloat16Params`` compare ``param.type()`` with ``'torch.cuda.FloatTensor'`` /
        ``'torch.cuda.BFloat16Tensor'``. Under the factory rewrite of patch 5 ``Tensor.type()`` (no argument) answers
@@ -48,7 +55,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -56,6 +65,40 @@ from torch.overrides import TorchFunctionMode
 log = logging.getLogger(__name__)
 
 _APPLIED = False
+
+
+# ------------------------------------------------------------------------------------------ lazy torch.compile
+def defer_torch_compile() -> None:
+    """Patch 8's import half: ``torch.compile(fn)`` of a plain function returns ``fn`` wrapped so that the real
+    ``torch.compile`` runs at the first call (once the patches are applied: ``fn`` itself runs, as TorchDynamo is
+    off then). Idempotent; the original is ``torch.compile._forge_original``."""
+    original = torch.compile
+    if getattr(original, "_forge_original", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def compile(model=None, **kwargs):
+        if model is None:  # decorator with arguments: @torch.compile(mode=...)
+            return lambda fn: compile(fn, **kwargs)
+        if not inspect.isfunction(model):
+            if _APPLIED:
+                torch._dynamo.config.disable = True
+            return original(model, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def run(*args, **kw):
+            nonlocal compiled
+            if _APPLIED:
+                return model(*args, **kw)
+            if compiled is None:
+                compiled = original(model, **kwargs)
+            return compiled(*args, **kw)
+
+        return run
+
+    compile._forge_original = original
+    torch.compile = compile
 
 
 # --------------------------------------------------------------------------------------------- device rewrite
@@ -342,7 +385,8 @@ def apply() -> bool:
     _patch_masks()
     _patch_schedules_and_optimizer()
     _patch_moe()
-    torch._dynamo.config.disable = True  # 8.
+    if "torch._dynamo" in sys.modules:  # 8. (not imported yet: the deferred torch.compile turns it off when it is)
+        torch._dynamo.config.disable = True
     _APPLIED = True
     log.info("forge_megatron: Megatron-Core CPU compatibility patches applied (no CUDA device)")
     return True

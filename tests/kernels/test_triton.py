@@ -144,9 +144,18 @@ def test_cases_cover_every_tile_kind():
 def test_torch_compile_traces_fwd_and_bwd():
     sub_end = CASES["grpo"]
     q, k, v = (x.requires_grad_() for x in random_qkv(sub_end.shape[0], 2, 1, 16, torch.float32))
-    compiled = torch.compile(tree_attention_triton, backend="aot_eager", fullgraph=True)
-    o = compiled(q, k, v, sub_end)
-    o.sum().backward()
+    from torch._dynamo.utils import counters
+
+    # the real torch.compile, with TorchDynamo on (a CPU process that applied forge's Megatron patches defers
+    # torch.compile and turns TorchDynamo off: that would run this eagerly and prove nothing)
+    compile_ = getattr(torch.compile, "_forge_original", torch.compile)
+    traced = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        compiled = compile_(tree_attention_triton, backend="aot_eager", fullgraph=True)
+        o = compiled(q, k, v, sub_end)
+        o.sum().backward()
+    assert counters["stats"]["unique_graphs"] > traced  # TorchDynamo traced it (fullgraph: in one graph)
     o_eager = tree_attention_triton(q, k, v, sub_end)
     assert torch.allclose(o, o_eager)
     assert q.grad is not None and k.grad.abs().sum() > 0
