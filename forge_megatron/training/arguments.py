@@ -87,6 +87,12 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     par.add_argument("--overlap-grad-reduce", action="store_true",
                      help="reduce (or, with the distributed optimizer, reduce-scatter) each gradient bucket over DP "
                           "as soon as the backward has filled it, overlapped with the rest of the backward")
+    par.add_argument("--overlap-param-gather", action="store_true",
+                     help="with --use-distributed-optimizer: all-gather each bucket of updated parameters during the "
+                          "next forward (each layer waits for its own bucket) instead of right after the optimizer "
+                          "step. An iteration that syncs weights to the engines or saves a checkpoint still gathers "
+                          "right after its step (they read the whole parameters): it saves time with "
+                          "--weight-sync-interval > 1")
     par.add_argument("--ddp-bucket-size", type=int, default=None,
                      help="gradient bucket size in elements (default: Megatron's, 40M with --overlap-grad-reduce)")
     par.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
@@ -441,6 +447,9 @@ def validate_args(args: argparse.Namespace) -> None:
     if etp is not None and etp not in (1, args.tensor_model_parallel_size):
         raise ValueError(f"--expert-tensor-parallel-size {etp}: forge supports 1 (experts whole) or the TP size "
                          f"({args.tensor_model_parallel_size})")
+    if getattr(args, "overlap_param_gather", False) and not args.use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (only its parameters are "
+                         "all-gathered after the step)")
     if args.micro_batch_size not in (None, 1):
         raise ValueError(f"--micro-batch-size {args.micro_batch_size}: forge packs every micro-batch as one prefix "
                          "forest; size them with --tree-token-budget (unique tokens per micro-batch)")

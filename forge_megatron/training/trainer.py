@@ -313,6 +313,10 @@ class Trainer:
             buckets = sum(len(b.buckets) for d in self.ddp for b in [*d.buffers, *d.expert_parallel_buffers])
             self._log(f"--overlap-grad-reduce: {buckets} gradient bucket(s) on rank 0, each reduced over DP as soon as "
                       "the backward has filled it")
+        if self.rank == 0 and getattr(args, "overlap_param_gather", False):
+            groups = sum(len(d.bucket_groups) + len(d.expert_parallel_bucket_groups) for d in self.ddp)
+            self._log(f"--overlap-param-gather: {groups} parameter bucket group(s) on rank 0, each all-gathered in the "
+                      "next forward (right after the step when the weights are synced or saved)")
         # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
         self.ref_chunks = build_reference_model(self.cfg) if self.loss_cfg.kl_coef > 0 else None
         self.ref_offload = None  # --ref-offload: HostOffload of ref_chunks, made once their weights are loaded
@@ -325,6 +329,7 @@ class Trainer:
             if self.ref_chunks is not None:  # the reference scores the sampled tokens through the same experts
                 routing_replay.install(self.ref_chunks)
         self.iteration, self.policy_version, self.last_batch_id = 0, 0, None
+        self.params_gathered = True  # False between an optimizer step and the all-gather --overlap-param-gather defers
         self.saved_at: int | None = None  # the iteration of the newest checkpoint this run wrote or resumed from
         self.started = time.monotonic()
         self.stop_reason: str | None = None  # this rank's: an exit signal, --exit-duration-in-mins
@@ -521,6 +526,7 @@ class Trainer:
         self.optimizer.zero_grad()
         mb_metrics = pipeline_loss_metrics(self.forward_backward(rb))
         ok, grad_norm, _ = self.optimizer.step()
+        self.params_gathered = not self.ddp[0].ddp_config.overlap_param_gather
         if ok:
             self.scheduler.step(increment=1)
         t2 = time.perf_counter()
@@ -563,8 +569,19 @@ class Trainer:
         return {"routing_replayed_rows": rows, "routing_mismatch": mismatched / rows if rows else 0.0,
                 "routing_prefix_conflicts": conflicts / shared if shared else 0.0}
 
+    def _gather_params(self) -> None:
+        """With --overlap-param-gather the step leaves each rank's parameters whole only in its own slice: the other
+        slices are all-gathered bucket by bucket in the next forward. Anything that reads whole parameters before
+        then (the weight sync, a checkpoint) gathers them here first, synchronously (the next forward then finds its
+        buckets gathered and waits for nothing)."""
+        if not self.params_gathered:
+            for ddp in self.ddp:
+                ddp.start_param_sync(force_sync=True)
+            self.params_gathered = True
+
     def _sync(self) -> float:
         t0 = time.perf_counter()
+        self._gather_params()
         report = self.syncer.sync(self.chunks, self.policy_version + 1)
         if report.policy_version is not None:
             self.policy_version = report.policy_version
@@ -591,6 +608,7 @@ class Trainer:
             return 0.0
         self.saved_at = self.iteration
         t0 = time.perf_counter()
+        self._gather_params()
         extra = {"policy_version": self.policy_version, "last_batch_id": self.last_batch_id}
         meta = {"hf_config": self.bridge.hf_config, "hf_checkpoint": os.path.abspath(a.hf_checkpoint),
                 "policy_version": self.policy_version}
@@ -771,6 +789,7 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg):
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                use_distributed_optimizer=args.use_distributed_optimizer,
                                                overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
+                                               overlap_param_gather=getattr(args, "overlap_param_gather", False),
                                                bucket_size=getattr(args, "ddp_bucket_size", None))
     # As Megatron-LM does: only the first chunk's gradient buckets are overlapped with the backward.
     ddp = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=v > 0)
@@ -778,7 +797,8 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg):
     opt_cfg = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                               adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                               clip_grad=args.clip_grad, bf16=args.bf16,
-                              use_distributed_optimizer=args.use_distributed_optimizer)
+                              use_distributed_optimizer=args.use_distributed_optimizer,
+                              overlap_param_gather=getattr(args, "overlap_param_gather", False))
     optimizer = get_megatron_optimizer(opt_cfg, ddp)
     # What Megatron-LM's training loop wires up: the schedules call these to reduce DP (and EP/TP-shared) grads
     # after the last micro-batch and to scale the loss for mixed precision.

@@ -110,6 +110,7 @@ def test_weight_sync_fp8_reads_the_engines_checkpoint_config(tmp_path):
     (["--weight-sync-transport", "distributed"], "needs --engine-urls"),
     (["--save-interval", "2"], "--save-interval needs --save"),
     (["--async-save"], "--async-save needs --save"),
+    (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
     (["--keep-checkpoints", "2"], "--keep-checkpoints needs --save"),
     (["--save", "/tmp/x", "--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1"),
     (["--train-iters", "0"], "--train-iters must be >= 1"),

@@ -109,3 +109,44 @@ def test_bf16_first_step_keeps_the_hf_weights(tmp_path):
                                       lr="1e-9")[0]
     assert second["loss"] == pytest.approx(first["loss"], abs=2e-3)
     assert second["grad_norm"] == pytest.approx(first["grad_norm"], rel=2e-2)
+
+
+def test_overlap_param_gather_trains_syncs_and_saves_what_the_plain_gather_does(tmp_path):
+    """--overlap-param-gather (with --overlap-grad-reduce, several buckets) under DP = 2 with the distributed
+    optimizer: after a step each rank holds only its own slice of the new weights until the next forward gathers
+    the rest bucket by bucket. Four steps, weights synced to an engine every second step, one checkpoint at the end,
+    against the same run (same buckets) gathering right after each step: the same gradient norms (steps 2 and 4 run on weights
+    gathered in their forward: stale slices would change them), bit-equal weights synced after step 4 (gathered
+    before the sync) and the same checkpoint (gathered before the save)."""
+    from safetensors.torch import load_file
+
+    from forge_megatron.rollout.launch import start_engine
+
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    engine = start_engine(model_dir, in_process=True)
+    runs = {}
+    try:
+        for name, extra in (("plain", DIST + OVERLAP), ("overlap", DIST + OVERLAP + ["--overlap-param-gather"])):
+            sync = ["--weight-sync-transport", "disk", "--weight-sync-dir", str(tmp_path / f"sync_{name}"),
+                    "--engine-urls", engine.url, "--weight-sync-interval", "2", "--save-interval", "4"]
+            runs[name] = run_on_fresh_pool(tmp_path, name, model_dir, _feed(4), iters=4, groups=1, nproc=2,
+                                           extra=extra + sync)
+    finally:
+        engine.stop()
+    (plain, _, _), (overlap, stdouts, _) = runs["plain"], runs["overlap"]
+    groups = re.search(r"--overlap-param-gather: (\d+) parameter bucket group\(s\) on rank 0", stdouts[0])
+    assert groups and int(groups.group(1)) > 1
+    assert [s["policy_version"] for s in overlap] == [0, 1, 1, 2]
+    for a, b in zip(plain, overlap):
+        assert b["grad_norm"] == a["grad_norm"] and b["loss"] == a["loss"], a["step"]
+    mine, theirs = ({k: v for f in sorted((tmp_path / f"sync_{n}" / "policy_2").glob("*.safetensors"))
+                     for k, v in load_file(f).items()} for n in ("overlap", "plain"))  # the newest sync is kept
+    assert sorted(mine) == sorted(theirs) and len(theirs) > 20
+    for key in theirs:
+        assert torch.equal(mine[key], theirs[key]), key
+    saved = [torch.load(tmp_path / n / "ckpt" / "iter_0000004" / "rank_00001.pt", weights_only=False)
+             for n in ("plain", "overlap")]
+    weights = [{k: v for k, v in model_chunks(state)[0].items() if isinstance(v, torch.Tensor)} for state in saved]
+    assert sorted(weights[0]) == sorted(weights[1]) and len(weights[0]) > 10
+    for key, a in weights[0].items():
+        assert torch.equal(a, weights[1][key]), key

@@ -40,7 +40,7 @@ def test_bash_syntax_and_help():
 @pytest.mark.parametrize("layout", [
     dict(ROLLOUT_NODES=2, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=2, TP=2, PP=1, EP=1, CP=1, MODEL="qwen3-8B"),
     dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B",
-         FP32_LM_HEAD=1, OVERLAP_GRAD_REDUCE=1, POLICY_SAMPLING=0, ROLLOUT_TEMPERATURE=0.8, TRUST_REMOTE_CODE=1, GATEWAY_WORKERS=4,
+         FP32_LM_HEAD=1, OVERLAP_GRAD_REDUCE=1, OVERLAP_PARAM_GATHER=1, WEIGHT_SYNC_INTERVAL=2, POLICY_SAMPLING=0, ROLLOUT_TEMPERATURE=0.8, TRUST_REMOTE_CODE=1, GATEWAY_WORKERS=4,
          SAVE_INTERVAL=25, KEEP_CHECKPOINTS=3, ASYNC_SAVE=1, EXIT_DURATION_MINS=1410),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
          USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1,
@@ -94,6 +94,8 @@ def test_dry_run_plan_is_consistent(layout):
     fp32_head = layout.get("FP32_LM_HEAD") == 1  # both sides or neither
     assert args.fp32_lm_head is fp32_head and all(("--enable-fp32-lm-head" in c) is fp32_head for c in engines)
     assert args.overlap_grad_reduce is (layout.get("OVERLAP_GRAD_REDUCE") == 1)
+    assert args.overlap_param_gather is (layout.get("OVERLAP_PARAM_GATHER") == 1) and args.use_distributed_optimizer
+    assert args.weight_sync_interval == layout.get("WEIGHT_SYNC_INTERVAL", 1)
     assert (args.save_interval, args.keep_checkpoints, args.async_save) == (
         layout.get("SAVE_INTERVAL", 50), layout.get("KEEP_CHECKPOINTS"), layout.get("ASYNC_SAVE") == 1)
     assert args.exit_signal_handler and args.exit_duration_in_mins == layout.get("EXIT_DURATION_MINS")
