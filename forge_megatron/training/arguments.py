@@ -238,6 +238,12 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
                    help="keep only the newest K checkpoints under --save: once one is complete (latest), the "
                         "iteration directories older than the newest K are deleted (default: keep all)")
+    g.add_argument("--exit-file", default=None, metavar="PATH",
+                   help="stop after the current iteration (or at once while waiting for a batch), with a checkpoint "
+                        "when --save is set, and exit 0 once this file exists (rank 0 looks after each iteration). "
+                        "A file left from before the start is removed. forge.sbatch creates it on the signal "
+                        "slurm sends before the time limit (sbatch --signal=B:USR1@SECONDS), while the data pool "
+                        "is still up to take the checkpoint's commit")
     g.add_argument("--qk-layernorm-all-heads", action="store_true",
                    help="network size, with --qk-layernorm: one RMSNorm over all query heads of a token and one over "
                         "all key heads (MiniMax-M2's qk_norm_type per_layer; Megatron-LM has no such norm) instead "

@@ -335,7 +335,11 @@ class Trainer:
         self.stop_reason: str | None = None  # this rank's: an exit signal, --exit-duration-in-mins
         self.stopping = False  # agreed by every rank: save and stop after this iteration
         self.watch_stop = bool(getattr(args, "exit_signal_handler", False) or
-                               getattr(args, "exit_duration_in_mins", None))
+                               getattr(args, "exit_duration_in_mins", None) or getattr(args, "exit_file", None))
+        self.exit_file = getattr(args, "exit_file", None) if self.rank == 0 else None
+        if self.exit_file and os.path.exists(self.exit_file):
+            os.remove(self.exit_file)
+            self._log(f"--exit-file {self.exit_file} was there before the start (left from an earlier run?): removed")
         if getattr(args, "exit_signal_handler", False):
             name = getattr(args, "exit_signal", "SIGTERM")
             signal.signal(getattr(signal, name), lambda *_: setattr(self, "stop_reason", f"exit signal {name}"))
@@ -452,10 +456,13 @@ class Trainer:
         return broadcast_batch(batch)
 
     def _stop_asked(self) -> bool:
-        """This rank was told to stop: an exit signal came, or --exit-duration-in-mins has passed."""
+        """This rank was told to stop: an exit signal came, --exit-duration-in-mins has passed, or (rank 0) the
+        --exit-file exists."""
         minutes = getattr(self.args, "exit_duration_in_mins", None)
         if self.stop_reason is None and minutes and time.monotonic() - self.started >= 60 * minutes:
             self.stop_reason = f"--exit-duration-in-mins {minutes:g}"
+        if self.stop_reason is None and self.exit_file and os.path.exists(self.exit_file):
+            self.stop_reason = f"--exit-file {self.exit_file}"
         return self.stop_reason is not None
 
     def _agree_to_stop(self) -> bool:

@@ -99,6 +99,7 @@ def test_dry_run_plan_is_consistent(layout):
     assert (args.save_interval, args.keep_checkpoints, args.async_save) == (
         layout.get("SAVE_INTERVAL", 50), layout.get("KEEP_CHECKPOINTS"), layout.get("ASYNC_SAVE") == 1)
     assert args.exit_signal_handler and args.exit_duration_in_mins == layout.get("EXIT_DURATION_MINS")
+    assert args.exit_file == f"{_run_dir(out.stdout)}/stop_training"  # what the USR1 trap creates
     replay = layout.get("ROUTING_REPLAY") == 1  # engines record, the gateway keeps, the trainer replays: all or none
     assert args.routing_replay is replay and all(("--enable-return-routed-experts" in c) is replay for c in engines)
     assert ("--return-routed-experts" in mid) is replay
@@ -249,3 +250,47 @@ def test_auto_weight_sync_master_addr_is_this_host():
 
     assert weight_sync_master_addr("auto") == socket.gethostname()
     assert weight_sync_master_addr("10.0.0.5") == "10.0.0.5"
+
+
+def _run_dir(stdout: str) -> str:
+    (trainer,) = [c for c in _commands(stdout) if "torchrun" in c]
+    return os.path.dirname(trainer[trainer.index("--save") + 1])
+
+
+def _function(name: str) -> str:
+    """The definition of a bash function of forge.sbatch (from ``name() {`` to the first line that is ``}``)."""
+    lines = open(SBATCH).read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{name}() {{"))
+    end = next(i for i in range(start, len(lines)) if lines[i] == "}")
+    return "\n".join(lines[start:end + 1])
+
+
+def test_the_time_limit_signal_reaches_a_trainer_that_is_running(tmp_path):
+    """slurm signals the batch script before the time limit (#SBATCH --signal=B:USR1@600). The script's USR1 trap
+    must run while the trainer runs (bash holds traps back until a foreground command ends, so the trainer runs in
+    the background and is waited for): it creates the trainer's --exit-file. Here the "trainer" waits for that file
+    and exits 3; the script's functions run it, the test sends USR1 to the script: the file appears, the script
+    goes on waiting and ends with the trainer's status."""
+    assert "#SBATCH --signal=B:USR1@600" in open(SBATCH).read()
+    stop = tmp_path / "stop_training"
+    trainer = (f"import os, time\nwhile not os.path.exists({str(stop)!r}): time.sleep(0.05)\n"
+               "time.sleep(0.5)\nprint('trainer: saved and stopped', flush=True)\nraise SystemExit(3)\n")
+    script = "\n".join([
+        "set -euo pipefail", "DRY_RUN=0", f"STOP_FILE={shlex.quote(str(stop))}", "show() { :; }",
+        _function("run_until_done"), _function("time_limit_near"), "trap time_limit_near USR1",
+        f"run_until_done {shlex.quote(sys.executable)} -c {shlex.quote(trainer)}", "echo not reached"])
+    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        import signal
+        import time
+
+        time.sleep(1.5)
+        assert proc.poll() is None and not stop.exists()
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert stop.exists()
+    assert "SIGUSR1 (the time limit is near)" in out and "trainer: saved and stopped" in out, out
+    assert proc.returncode == 3 and "not reached" not in out

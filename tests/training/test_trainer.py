@@ -111,6 +111,29 @@ def test_exit_duration_and_exit_signal_stop_with_a_checkpoint(setup):
     groups = pool.client.metrics()["groups"]
     assert (groups["committed"], groups["delivered"]) == (5, 0)  # nothing left to be trained again
 
+    # --exit-file (what forge.sbatch creates on slurm's signal before the time limit): a file left from before is
+    # removed at the start; one made while the trainer waits for its next batch stops it with a checkpoint
+    stop = os.path.join(run_dir, "stop_training")
+    open(stop, "w").close()
+    feed_groups(pool.client, 1, rng)  # iteration 4, then it waits
+    base[base.index("--train-batch-groups") + 1] = "1"
+    third = subprocess.Popen([sys.executable, TRAIN, *base, "--exit-file", stop], env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for_steps(third, f"{run_dir}/metrics.jsonl", 4)
+        assert not os.path.exists(stop)
+        time.sleep(1.0)
+        open(stop, "w").close()
+        out, _ = third.communicate(timeout=60)
+    finally:
+        if third.poll() is None:
+            os.killpg(third.pid, signal.SIGKILL)
+    assert third.returncode == 0, out[-3000:]
+    assert "was there before the start (left from an earlier run?): removed" in out
+    assert f"--exit-file {stop}: stopping after iteration 4 (checkpoint saved)" in out, out[-3000:]
+    assert open(f"{run_dir}/ckpt/latest").read() == "4"
+    assert pool.client.metrics()["groups"]["committed"] == 6
+
 
 def test_dp2_replicas_stay_equal(setup):
     model_dir, pool, run_dir = setup
