@@ -242,6 +242,13 @@ def _bad(param: str, message: str) -> ApiError:
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs (the legacy completions' logprobs: 5)
+# Sampling controls the gateway does not serve, with the values that leave sampling alone (those pass). Penalties,
+# logit biases and min_p would have the engine sample from another distribution than the policy's (the trainer
+# scores every token under the policy, at the policy temperature); a JSON response format would constrain decoding
+# to a grammar, so the model would be trained on tokens it was not free to choose. Anything else is a 400 naming the
+# field rather than a silently different completion.
+NEUTRAL_SAMPLING = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+                    "logit_bias": ({},), "response_format": ({"type": "text"},)}
 MAX_LEGACY_LOGPROBS = 5
 
 
@@ -383,7 +390,21 @@ def session_sampling(body) -> dict:
     return out
 
 
+def _refuse_unserved_sampling(body: dict) -> None:
+    """400 naming the first of ``NEUTRAL_SAMPLING``'s fields ``body`` sets to a value that changes sampling."""
+    for name, neutral in NEUTRAL_SAMPLING.items():
+        value = body.get(name)
+        if value is None or (not isinstance(value, bool) and value in neutral):
+            continue
+        if name == "response_format":
+            raise _bad(name, f"response_format {value!r} is not supported (plain text only): decoding constrained to a "
+                             "JSON grammar would train the model on tokens it was not free to choose")
+        raise _bad(name, f"{name} {value!r} is not supported (leave it out, or send {neutral[0]!r}): the engine would "
+                         "sample from another distribution than the policy's, which the trainer scores")
+
+
 def _sampling_params(body: dict, default_max_tokens: int) -> dict:
+    _refuse_unserved_sampling(body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     which = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     params = {

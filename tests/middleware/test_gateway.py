@@ -550,12 +550,28 @@ def chat_raw(gw, key, raw):
     ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),  # without logprobs
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    # sampling controls the gateway does not serve (they would sample off the policy, or constrain it)
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -1}, "frequency_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "min_p": 0.1}, "min_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_schema_errors_name_the_field(stack, body, param):
     gw, _ = stack
     s = new_session(gw)
     status, err = chat_raw(gw, s["api_key"], json.dumps(body).encode())
     assert status == 400 and err["error"]["param"] == param and param.split(".")[0] in err["error"]["message"]
+
+
+def test_neutral_values_of_unserved_sampling_controls_pass(stack):
+    """What SDKs and frameworks send by default (penalties 0, no logit bias, a text response format) is served:
+    only values that would change the sampled distribution are refused."""
+    gw, _ = stack
+    out = client(new_session(gw)).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3, presence_penalty=0,
+        frequency_penalty=0.0, logit_bias={}, response_format={"type": "text"}, extra_body={"repetition_penalty": 1.0})
+    assert out.usage.completion_tokens >= 1
 
 
 def test_bad_requests(stack):

@@ -71,7 +71,7 @@ def test_streamed_completion_equals_the_answer(stack):
     ({"prompt": [1, 10 ** 9]}, "prompt"), ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "logprobs": 6}, "logprobs"), ({"prompt": "x", "logprobs": True}, "logprobs"),
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": "x", "frequency_penalty": 0.3}, "frequency_penalty"),
 ])
 def test_malformed_completions_are_400s(stack, body, param):
     gw, _ = stack
