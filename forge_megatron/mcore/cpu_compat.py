@@ -40,9 +40,9 @@ Patches (megatron-core 0.16.x; 0.17-0.19 have the same spots unless noted):
        import on this CPU, in every trainer process). :func:`defer_torch_compile` makes ``torch.compile`` of a plain
        function lazy (the real ``torch.compile`` runs at the function's first call, which is all it does then
        anyway; modules and other callables go to it at once, with TorchDynamo off once the patches are applied); a
-       CPU process that applied the patches then calls the function itself. ``import forge_megatron`` installs it, on a machine without an NVIDIA driver, just before
-       Megatron's ``megatron.core.jit`` is first imported (an import hook that removes itself), so it is in place
-       when Megatron binds ``jit_fuser``.
+       CPU process that applied the patches then calls the function itself. ``import forge_megatron`` installs it,
+       on a machine without an NVIDIA driver, just before Megatron's ``megatron.core.jit`` is first imported (an
+       import hook that removes itself), so it is in place when Megatron binds ``jit_fuser``.
   9. Megatron's optimizers accept only CUDA tensor types: ``DistributedOptimizer._build_model_and_main_param_groups``
        and ``Float16OptimizerWithFloat16Params`` compare ``param.type()`` with ``'torch.cuda.FloatTensor'`` /
        ``'torch.cuda.BFloat16Tensor'``. Under the factory rewrite of patch 5 ``Tensor.type()`` (no argument) answers
