@@ -69,6 +69,9 @@ class Family:
     # a vision-language checkpoint: the language model's config is ``text_config``, its tensors are under
     # ``model.language_model.`` (text_view / Bridge.hf_prefix)
     multimodal: bool = False
+    # OLMo 2 / OLMo 3: RMSNorms after attention and MLP instead of before (mcore/post_norm.py), q/k RMSNorms over all
+    # heads; OLMo 3 also has sliding-window layers (``layer_types``) whose RoPE may differ from the others'
+    olmo: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -101,6 +104,8 @@ FAMILIES: dict[str, Family] = {
     "GptOssForCausalLM": Family("gpt_oss", qkv_bias=None, qk_norm=False, moe=True, gpt_oss=True),
     # Mistral-Small / Devstral / Magistral text models: the Llama layout (sliding windows refused below)
     "MistralForCausalLM": Family("mistral", qkv_bias=None, qk_norm=False, moe=False),
+    "Olmo2ForCausalLM": Family("olmo2", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
+    "Olmo3ForCausalLM": Family("olmo3", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
 }
 
 
@@ -147,16 +152,32 @@ def family_of(hf: dict) -> Family:
     return FAMILIES[archs[0]]
 
 
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def rope_parameters(hf: dict, layer_type: str = "full_attention") -> dict:
+    """transformers 5's ``rope_parameters`` of ``layer_type``'s layers: the dict itself, or, where a model gives
+    each layer type its own (OLMo 3: ``{"sliding_attention": {...}, "full_attention": {...}}``), that type's."""
+    params = hf.get("rope_parameters") or {}
+    if any(t in params for t in LAYER_TYPES):
+        return dict(params.get(layer_type) or {})
+    return dict(params)
+
+
 def rope_theta(hf: dict) -> float:
     """RoPE base from either the classic ``rope_theta`` field or transformers 5's ``rope_parameters``."""
-    params = hf.get("rope_parameters") or {}
-    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    return float(hf.get("rope_theta") or rope_parameters(hf).get("rope_theta") or 10000.0)
 
 
-def rope_scaling(hf: dict) -> dict | None:
+def rope_scaling(hf: dict, layer_type: str = "full_attention") -> dict | None:
     """The config's RoPE scaling (``rope_scaling``, or transformers 5's ``rope_parameters``) checked by
-    mcore/rope.py: linear, llama3 and yarn are mapped; None for plain RoPE."""
-    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    mcore/rope.py: linear, llama3 and yarn are mapped; None for plain RoPE. ``layer_type``: the RoPE of that kind
+    of layer in a model whose kinds differ (OLMo 3 scales its full-attention layers' only, and a top-level
+    ``rope_scaling`` means those)."""
+    if layer_type != "full_attention":
+        params = rope_parameters(hf, layer_type)
+    else:
+        params = dict(hf.get("rope_scaling") or rope_parameters(hf) or {})
     if "original_max_position_embeddings" in hf and rope.rope_type(params) in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings", hf["original_max_position_embeddings"])
     try:
@@ -168,7 +189,7 @@ def rope_scaling(hf: dict) -> dict | None:
 def partial_rotary(hf: dict) -> float:
     """The fraction of each head RoPE rotates (``partial_rotary_factor``, top level or in ``rope_parameters``; or
     MiniMax-M2's ``rotary_dim`` channels of ``head_dim``)."""
-    params = hf.get("rope_parameters") or {}
+    params = rope_parameters(hf)
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if factor is None and hf.get("rotary_dim"):
         factor = hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
@@ -229,7 +250,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                         "rotates interleaved channel pairs, as DeepSeek checkpoints do")
         if hf.get("num_key_value_heads", hf["num_attention_heads"]) != hf["num_attention_heads"]:
             raise UnsupportedModelError("multi-latent attention needs num_key_value_heads == num_attention_heads")
-        if rope.attention_factor(hf.get("rope_scaling") or hf.get("rope_parameters")) != 1.0:
+        if rope.attention_factor(hf.get("rope_scaling") or rope_parameters(hf)) != 1.0:
             raise UnsupportedModelError("YaRN with mscale != mscale_all_dim is not supported with multi-latent "
                                         "attention (its attention factor scales the rotated channels only)")
         if hf.get("scoring_func", "sigmoid") != "sigmoid":
@@ -251,6 +272,12 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if any(t != 1 for t in hf.get("attn_type_list") or []):
             raise UnsupportedModelError("attn_type_list with linear (lightning) attention layers (MiniMax-01 / M1) "
                                         "is not supported: full attention only")
+    if family.olmo:
+        kinds = set(hf.get("layer_types") or [])
+        if not kinds <= set(LAYER_TYPES):
+            raise UnsupportedModelError(f"layer_types {sorted(kinds)}: only sliding_attention and full_attention")
+        if hf.get("clip_qkv"):
+            raise UnsupportedModelError("clip_qkv (OLMo 1's clamped projections) is not supported")
     if family.gated_delta:
         kinds = set(hf.get("layer_types") or [])
         if not kinds <= {"linear_attention", "full_attention"}:
@@ -274,7 +301,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                         "exactly when k > 1")
         if hf.get("n_shared_experts", 1) < 1 and not family.minimax:
             raise UnsupportedModelError(f"n_shared_experts=0 is not supported by the {family.name} family")
-        if rope.rope_type(hf.get("rope_scaling") or hf.get("rope_parameters")) == "yarn" and \
+        if rope.rope_type(hf.get("rope_scaling") or rope_parameters(hf)) == "yarn" and \
                 partial_rotary(hf) != 1.0:
             raise UnsupportedModelError("YaRN with partial rotary is not supported (its attention factor would "
                                         "scale the rotated channels only)")
@@ -291,6 +318,16 @@ def dense_layers(hf: dict) -> int:
     if any(t != "sparse" for t in types[dense:]) or len(types) != hf["num_hidden_layers"]:
         raise UnsupportedModelError(f"mlp_layer_types {types} is not some dense layers then MoE ('sparse') ones")
     return dense
+
+
+def sliding_windows(hf: dict) -> dict:
+    """Megatron's switches for the ``sliding_window`` of the layers ``layer_types`` marks ``sliding_attention``
+    (gpt-oss, OLMo 3): ``window_size`` (W - 1 keys before the query, none after) and ``window_attn_skip_freq`` (one
+    entry per layer, 1 where the window applies); both None without a window."""
+    window = int(hf.get("sliding_window") or 0)
+    types = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+    return {"window_size": (window - 1, 0) if window else None,
+            "window_attn_skip_freq": [int(t == "sliding_attention") for t in types] if window else None}
 
 
 def gpt_config_from_hf(source, **overrides) -> GPTConfig:
@@ -315,7 +352,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         add_qkv_bias=qkv_bias,
         add_bias_linear=False,
         qk_layernorm=family.qk_norm if family.qk_norm is not None else bool(hf.get("use_qk_norm", False)),
-        qk_layernorm_all_heads=family.minimax,
+        qk_layernorm_all_heads=family.minimax or family.olmo,
+        post_norm=family.olmo,
         rotary_percent=partial_rotary(hf),
         rotary_base=rope_theta(hf),
         rope_scaling=rope_scaling(hf),
@@ -336,19 +374,21 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
             linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
         )
+    if family.olmo and hf.get("layer_types"):
+        kwargs["extra"] = sliding_windows(hf)
+        sliding = rope_scaling(hf, "sliding_attention")
+        if kwargs["extra"]["window_size"] and sliding != kwargs["rope_scaling"]:
+            kwargs["sliding_rope_scaling"] = sliding or {"rope_type": "default"}
     if family.gpt_oss:
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
-        window = int(hf.get("sliding_window") or 0)
-        types = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
         kwargs.update(
             num_moe_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
             moe_ffn_hidden_size=hf["intermediate_size"], moe_router_pre_softmax=False,  # top-k logits, softmaxed
             add_bias_linear=True,  # o_proj, router and expert biases (Megatron has no switch for each)
             extra={
                 "softmax_type": "learnable",  # the sinks
-                "window_size": (window - 1, 0) if window else None,
-                "window_attn_skip_freq": [int(t == "sliding_attention") for t in types] if window else None,
+                **sliding_windows(hf),
                 "activation_func": quick_gelu, "glu_linear_offset": 1.0,
                 "activation_func_clamp_value": float(hf.get("swiglu_limit", 7.0)),
             },

@@ -186,12 +186,16 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if family.mla:
         return _with_mlp_and_ends(cfg, family, _mla_rules(cfg))
     attn = [
-        Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
         Rule(LAYER + "self_attention.linear_qkv.weight",
              tuple(HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", "col"),
         Rule(LAYER + "self_attention.linear_proj.weight", (HF_LAYER + "self_attn.o_proj.weight",), tp="row"),
-        Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
     ]
+    if cfg.post_norm:  # OLMo: HF's post_attention_layernorm normalises the attention's output, not the MLP's input
+        attn += [Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
+                 Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_feedforward_layernorm.weight",))]
+    else:
+        attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
+                 Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",))]
     if cfg.add_qkv_bias:
         attn.append(Rule(LAYER + "self_attention.linear_qkv.bias",
                          tuple(HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", "col"))

@@ -34,8 +34,14 @@ class GPTConfig:
     # MiniMax-M2: one RMSNorm over all query heads of a token (and one over all key heads) instead of one per head
     # (mcore/qk_norm.py); needs qk_layernorm
     qk_layernorm_all_heads: bool = False
+    # OLMo 2 / OLMo 3: no norms before attention and MLP; RMSNorms on their outputs, before the residual adds
+    # (mcore/post_norm.py)
+    post_norm: bool = False
     rotary_base: float = 10000.0
     rope_scaling: dict | None = None  # HF RoPE scaling (linear / llama3 / yarn: mcore/rope.py); None: plain RoPE
+    # the sliding-window layers' RoPE scaling where it differs from the others' (OLMo 3: YaRN on the full-attention
+    # layers only; {"rope_type": "default"}: plain); None: every layer has ``rope_scaling``
+    sliding_rope_scaling: dict | None = None
     rotary_percent: float = 1.0  # the fraction of each head RoPE rotates (its first channels; GLM-4.5: 0.5)
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
@@ -89,6 +95,12 @@ class GPTConfig:
         from forge_megatron.mcore import rope
 
         self.rope_scaling = rope.check(self.rope_scaling, self.max_position_embeddings)
+        if self.sliding_rope_scaling is not None:
+            self.sliding_rope_scaling = rope.check(self.sliding_rope_scaling, self.max_position_embeddings) or \
+                {"rope_type": "default"}
+            if not self.extra.get("window_size") or self.multi_latent_attention:
+                raise ValueError("sliding_rope_scaling needs sliding-window layers (extra window_size) and standard "
+                                 "attention")
         if self.multi_latent_attention:
             if self.num_query_groups != self.num_attention_heads:
                 raise ValueError("multi-latent attention has one key/value head per query head: num_query_groups "
@@ -104,6 +116,9 @@ class GPTConfig:
                                             or self.normalization != "RMSNorm"):
             raise ValueError("qk_layernorm_all_heads is an RMSNorm over all query / key heads: it needs "
                              "qk_layernorm, RMSNorm and standard (not multi-latent) attention")
+        if self.post_norm and (self.add_bias_linear or self.multi_latent_attention or self.linear_attention):
+            raise ValueError("post_norm (OLMo's norms after attention and MLP) is supported with standard attention "
+                             "and no linear biases")
         if self.linear_attention is not None:
             self.linear_attention = tuple(bool(x) for x in self.linear_attention)
             if len(self.linear_attention) != self.num_layers:
@@ -310,6 +325,13 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
     """The standard (causal) layer spec: local Megatron-Core modules, or Transformer Engine's when asked. A MoE
     model with dense first layers gets Megatron's block spec of this pipeline stage's (``vp_stage``'s) layers."""
     spec = _layer_spec(cfg, use_te, vp_stage)
+    if cfg.post_norm:
+        if use_te:
+            raise ValueError("post-norm models (OLMo 2 / 3) build with the local spec: Transformer Engine's fuses "
+                             "the input norms into the projections")
+        from forge_megatron.mcore.post_norm import post_norm_spec
+
+        spec = post_norm_spec(spec)
     if cfg.hybrid:
         spec = _hybrid_block_spec(cfg, spec, vp_stage)
     if cfg.qk_layernorm_all_heads:
@@ -409,6 +431,9 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     from forge_megatron.mcore import rope
 
     rope.apply(model, cfg.rope_scaling, cfg.rotary_base, cfg.rotary_dim)
+    if cfg.sliding_rope_scaling is not None:
+        rope.apply_to_sliding_layers(model, cfg.sliding_rope_scaling, cfg.rope_scaling, cfg.rotary_base,
+                                     cfg.rotary_dim, cfg.head_dim)
     if cfg.num_moe_experts and cfg.add_bias_linear:
         _own_expert_outputs(model)
     if cfg.num_moe_experts:

@@ -143,3 +143,35 @@ def apply(model, params: dict | None, base: float, dim: int) -> None:
         rotary.inv_freq = new.to(device=old.device, dtype=old.dtype)
         if hasattr(rotary.forward, "cache_clear"):  # Megatron memoises the table per length
             rotary.forward.cache_clear()
+
+
+def apply_to_sliding_layers(model, sliding: dict | None, others: dict | None, base: float, dim: int,
+                            head_dim: int) -> None:
+    """Give the sliding-window layers of ``model`` (a GPTModel stage) RoPE scaled per ``sliding`` while the model's
+    table is scaled per ``others`` (OLMo 3 extends its context with YaRN on the full-attention layers only). Megatron
+    computes one table of angles ``position * inv_freq`` for every layer: a sliding layer's self-attention gets it
+    multiplied, column by column, by ``inv_freq(sliding) / inv_freq(others)`` (the table repeats the frequencies for
+    the two rotated halves), which are that layer's angles, and its core attention the softmax scale of
+    ``sliding``'s attention factor. Works on the depth-indexed table of the tree model as on the causal one."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    ratio = inv_freq(sliding, base, dim) / inv_freq(others, base, dim)
+    ratio_D = torch.cat([ratio, ratio])
+    scale = softmax_scale(sliding, head_dim) or head_dim ** -0.5
+    config = model.config
+
+    def rescale(module, args, kwargs):
+        table = kwargs.get("rotary_pos_emb")
+        if table is None:
+            return None
+        if isinstance(table, tuple):  # (query's, key's)
+            kwargs["rotary_pos_emb"] = tuple(t * ratio_D.to(t.device, t.dtype) for t in table)
+        else:
+            kwargs["rotary_pos_emb"] = table * ratio_D.to(table.device, table.dtype)
+        return args, kwargs
+
+    for layer in model.decoder.layers:
+        if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer.layer_number):
+            continue
+        layer.self_attention.core_attention.softmax_scale = scale
+        layer.self_attention.register_forward_pre_hook(rescale, with_kwargs=True)

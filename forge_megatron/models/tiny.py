@@ -32,7 +32,7 @@ SPECIAL_TOKENS = (
     "</tool_response>",
 )
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
-         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next")
+         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -218,6 +218,18 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             {**hybrid, **hybrid_moe, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
              "partial_rotary_factor": 0.25},
         ),
+        # OLMo 2 layout: norms after attention and MLP (none before), q/k RMSNorm over all heads
+        "olmo2": (transformers.Olmo2Config, {}),
+        # OLMo 3 layout: OLMo 2's with a 4-position window on layer 0 (plain RoPE there) and YaRN on the
+        # full-attention layer 1
+        "olmo3": (
+            transformers.Olmo3Config,
+            {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "original_max_position_embeddings": 512,
+                                                    "rope_theta": 10000.0}}},
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -256,8 +268,10 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape))
             elif name.endswith(("_proj_bias", "router.bias")):
                 p.copy_(torch.randn(p.shape) * 0.1)
-            elif arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif arch in ("minimax_m2", "olmo2", "olmo3") and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
+            elif arch in ("olmo2", "olmo3") and name.endswith("layernorm.weight"):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
             elif arch.startswith(("qwen3_5", "qwen3_next")) and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if "linear_attn" in name else 0.0))  # (1 + w) or w
     os.makedirs(out_dir, exist_ok=True)

@@ -158,6 +158,13 @@ def _body_one_rank(rank, world_size):
     mm_tree, mm_causal = _twin_models(gpt_config_from_hf(mm))
     out["minimax_m2"] = _exactness(mm_tree, mm_causal, all_samples(3))
     out["minimax_m2_norms"] = type(mm_tree.decoder.layers[0].self_attention.q_layernorm).__name__
+    # OLMo 3 layout: norms after attention and MLP, q/k norms over all heads, a 4-token window on layer 0 (plain
+    # RoPE there) and YaRN on the full-attention layer 1
+    olmo = {**tiny_config("olmo3", vocab_size=VOCAB).to_dict(), "architectures": ["Olmo3ForCausalLM"]}
+    olmo_tree, olmo_causal = _twin_models(gpt_config_from_hf(olmo))
+    out["olmo3"] = _exactness(olmo_tree, olmo_causal, all_samples(3))
+    out["olmo3_layers"] = [(type(layer).__name__, layer.self_attention.core_attention.softmax_scale)
+                           for layer in olmo_tree.decoder.layers]
     # Qwen3.5 layout: a Gated DeltaNet layer (the recurrence and its convolution along every root-to-leaf path)
     # then gated full attention; the trees here nest several levels of segments
     q35 = {**tiny_config("qwen3_5", vocab_size=VOCAB).to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
@@ -390,6 +397,19 @@ def test_minimax_m2_tree_equals_unmerged(one_rank):
     assert one_rank["minimax_m2_norms"] == "QueryNormAllHeads"
     logp, ent, grad, _, _ = one_rank["minimax_m2"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["minimax_m2"]
+
+
+def test_olmo3_tree_equals_unmerged(one_rank):
+    """Post-norm layers, a sliding window and per-layer-type RoPE (plain on the window layer, YaRN's frequencies
+    and softmax scale on the full one) on the tree as on each sample alone."""
+    from forge_megatron.mcore import rope
+
+    (kind0, scale0), (kind1, scale1) = one_rank["olmo3_layers"]
+    assert kind0 == kind1 == "PostNormTransformerLayer"
+    m = rope.attention_factor({"rope_type": "yarn", "factor": 4.0})
+    assert scale0 == pytest.approx(16 ** -0.5) and scale1 == pytest.approx(m * m / 4)  # head dim 16
+    logp, ent, grad, _, _ = one_rank["olmo3"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["olmo3"]
 
 
 def test_qwen3_5_gated_delta_net_tree_equals_unmerged(one_rank):

@@ -1,0 +1,74 @@
+"""Norms after attention and MLP instead of before them (OLMo 2 / OLMo 3's "reordered norm").
+
+A Llama-style layer normalises the input of each sublayer; OLMo 2 and OLMo 3 normalise each sublayer's output,
+before it joins the residual stream, and leave the stream itself un-normalised until the final norm:
+
+    pre-norm (Megatron's TransformerLayer)       post-norm (this module)
+    h = x + Attn(RMSNorm(x))                      h = x + RMSNorm_a(Attn(x))
+    y = h + MLP(RMSNorm(h))                       y = h + RMSNorm_m(MLP(h))
+
+Megatron-Core's layer has no norm after a sublayer, so :class:`PostNormTransformerLayer` adds two, built from the
+same norm spec as its input norms (which become identities) and applied by forward hooks on the attention and MLP
+modules: every other part of Megatron's layer (bias-dropout-add, recomputation, sequence parallelism, MoE) is left
+as it is. Under tensor parallelism the attention and MLP outputs are whole tokens again (all-reduced, or reduce-
+scattered over the sequence with sequence parallelism), so each norm sees the hidden vectors the unsplit model would;
+with sequence parallelism their weights are marked like the other norms' (mcore/model.py ``SequenceParallelNorm``)
+and their gradients summed over TP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+
+@dataclasses.dataclass
+class PostNormLayerSubmodules(TransformerLayerSubmodules):
+    """Megatron's layer submodules plus the norms applied to the attention and MLP outputs."""
+
+    post_self_attn_layernorm: ModuleSpec | type = IdentityOp
+    post_mlp_layernorm: ModuleSpec | type = IdentityOp
+
+
+class PostNormTransformerLayer(TransformerLayer):
+    """Megatron's TransformerLayer with ``post_self_attn_layernorm`` on the attention's output and
+    ``post_mlp_layernorm`` on the MLP's (module docstring). The sublayers must return no separate bias (OLMo has no
+    linear biases): the norm applies to the sum a bias would be part of."""
+
+    def __init__(self, config, submodules: PostNormLayerSubmodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.post_self_attn_layernorm = build_module(submodules.post_self_attn_layernorm, config=self.config,
+                                                     hidden_size=self.config.hidden_size,
+                                                     eps=self.config.layernorm_epsilon)
+        self.post_mlp_layernorm = build_module(submodules.post_mlp_layernorm, config=self.config,
+                                               hidden_size=self.config.hidden_size, eps=self.config.layernorm_epsilon)
+        self.self_attention.register_forward_hook(_normalise_output(self.post_self_attn_layernorm))
+        self.mlp.register_forward_hook(_normalise_output(self.post_mlp_layernorm))
+
+
+def _normalise_output(norm):
+    def hook(module, args, output):
+        out, bias = output
+        if bias is not None:
+            raise ValueError("a post-norm layer's sublayers must have no output bias (add_bias_linear=False)")
+        return norm(out), None
+
+    return hook
+
+
+def post_norm_spec(spec):
+    """``spec`` (a layer spec, or a block spec of layer specs) as post-norm layers: the input and pre-MLP norms
+    become identities, and their norm module normalises the attention and MLP outputs instead."""
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=[post_norm_spec(s) for s in spec.layer_specs])
+    subs = spec.submodules
+    norm = subs.pre_mlp_layernorm
+    if norm is IdentityOp:
+        raise TypeError(f"cannot find the norm module of layer spec {spec!r} (its pre_mlp_layernorm is an identity)")
+    fields = {f.name: getattr(subs, f.name) for f in dataclasses.fields(subs) if f.init}
+    fields.update(input_layernorm=IdentityOp, pre_mlp_layernorm=IdentityOp, post_self_attn_layernorm=norm,
+                  post_mlp_layernorm=norm)
+    return dataclasses.replace(spec, module=PostNormTransformerLayer, submodules=PostNormLayerSubmodules(**fields))
