@@ -34,6 +34,11 @@ with a score-correction bias (normalised top-k; no groups and no scaling: transf
 (``qk_norm_type: per_layer``; mcore/qk_norm.py, TP-aware) rather than per head. The MTP modules
 (``num_mtp_modules`` layers after the last) are left out as for GLM-4.5.
 
+OLMo 2 / OLMo 3 (``olmo2``, ``olmo3``): RMSNorms on the attention's and the MLP's outputs instead of their inputs
+(``post_norm``: mcore/post_norm.py), q/k RMSNorms over all heads (as MiniMax-M2); OLMo 3's ``layer_types`` put a
+sliding window on some layers (as gpt-oss), whose RoPE may differ from the full-attention layers' (its long-context
+releases scale only the latter with YaRN: ``sliding_rope_scaling``, mcore/rope.py ``apply_to_sliding_layers``).
+
 Router equivalence used for Qwen3-MoE: HF computes ``p = softmax(z)``, keeps the top-k and, with
 ``norm_topk_prob``, divides by their sum, which equals Megatron's ``softmax(topk(z))``
 (``moe_router_pre_softmax=False``); without ``norm_topk_prob`` HF keeps the un-normalised top-k of the softmax,

@@ -42,6 +42,7 @@ def models(tmp_path_factory):
         "gpt_oss": build_tiny_model(str(root / "gpt_oss"), arch="gpt_oss", seed=8),
         "minimax_m2": build_tiny_model(str(root / "minimax_m2"), arch="minimax_m2", seed=9),
         "qwen3_5": build_tiny_model(str(root / "qwen3_5"), arch="qwen3_5", seed=10),
+        "olmo3": build_tiny_model(str(root / "olmo3"), arch="olmo3", seed=11),
     }
 
 
@@ -159,8 +160,9 @@ def _check_synced(results):
     ("qwen3_5", ParallelConfig(tp=2)),  # Gated DeltaNet projections gathered over TP and split back into HF's four
     # experts whole (expert TP 1), the EP group over the TP ranks: attention gathered over TP, experts over EP
     ("gpt_oss", ParallelConfig(tp=2, ep=2, etp=1)),
+    ("olmo3", ParallelConfig(tp=2)),  # the norms after attention and MLP, q/k norms over all heads (TP slices)
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
-        "tp2-qwen3-5", "tp2ep2etp1-gpt-oss"])
+        "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
