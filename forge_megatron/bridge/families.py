@@ -39,6 +39,13 @@ OLMo 2 / OLMo 3 (``olmo2``, ``olmo3``): RMSNorms on the attention's and the MLP'
 sliding window on some layers (as gpt-oss), whose RoPE may differ from the full-attention layers' (its long-context
 releases scale only the latter with YaRN: ``sliding_rope_scaling``, mcore/rope.py ``apply_to_sliding_layers``).
 
+Gemma 3 (``gemma3``, text models: Gemma3ForCausalLM): norms before *and* after attention and MLP (the sandwich:
+``pre_norm`` and ``post_norm``), all of them (q/k per-head norms too) scaling by (1 + weight); GeGLU with the tanh
+GELU; the embedding multiplied by sqrt(hidden_size) (in the weights' dtype, as HF does); attention scaled by
+``query_pre_attn_scalar ** -0.5``; every ``sliding_window_pattern``-th layer global (``layer_types``), the others a
+``sliding_window`` with RoPE base ``rope_local_base_freq`` (10k) while the global ones have ``rope_theta`` (1M) and
+the checkpoint's ``rope_scaling`` (linear 8 on the larger models). Soft-capping (Gemma 2) is refused.
+
 Router equivalence used for Qwen3-MoE: HF computes ``p = softmax(z)``, keeps the top-k and, with
 ``norm_topk_prob``, divides by their sum, which equals Megatron's ``softmax(topk(z))``
 (``moe_router_pre_softmax=False``); without ``norm_topk_prob`` HF keeps the un-normalised top-k of the softmax,
@@ -77,6 +84,10 @@ class Family:
     # OLMo 2 / OLMo 3: RMSNorms after attention and MLP instead of before (mcore/post_norm.py), q/k RMSNorms over all
     # heads; OLMo 3 also has sliding-window layers (``layer_types``) whose RoPE may differ from the others'
     olmo: bool = False
+    # Gemma 3 (text): norms before and after attention and MLP (zero-centred), GeGLU (tanh GELU), the embedding
+    # scaled by sqrt(hidden_size), a softmax scale of query_pre_attn_scalar ** -0.5, and local sliding-window layers
+    # with their own RoPE base next to global ones
+    gemma: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -111,6 +122,7 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family("mistral", qkv_bias=None, qk_norm=False, moe=False),
     "Olmo2ForCausalLM": Family("olmo2", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
     "Olmo3ForCausalLM": Family("olmo3", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
+    "Gemma3ForCausalLM": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True),
 }
 
 
@@ -201,10 +213,30 @@ def partial_rotary(hf: dict) -> float:
     return float(factor or 1.0)
 
 
+def layer_types(hf: dict, family: Family) -> list[str] | None:
+    """Each layer's ``sliding_attention`` / ``full_attention`` (``layer_types``; older Gemma 3 configs give only
+    ``sliding_window_pattern``: every n-th layer full, default 6); None for models without them."""
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    if family.gemma:
+        n = int(hf.get("sliding_window_pattern") or 6)
+        return ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(hf["num_hidden_layers"])]
+    return None
+
+
 def _refuse_unsupported(hf: dict, family: Family) -> None:
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    wanted = "gelu_pytorch_tanh" if family.gemma else "silu"
+    if act != wanted:
+        glu = "GeGLU with the tanh GELU" if family.gemma else "SwiGLU with silu"
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported ({glu} only)")
+    if family.gemma:
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if hf.get(name) is not None:
+                raise UnsupportedModelError(f"{name}={hf[name]} is not supported (Gemma 2's soft-capping; Gemma 3 has "
+                                            "none)")
+        if hf.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("use_bidirectional_attention=True (an embedding model) is not supported")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=True is not supported (Megatron's add_bias_linear would also add "
                                     "an attention output bias)")
@@ -277,8 +309,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if any(t != 1 for t in hf.get("attn_type_list") or []):
             raise UnsupportedModelError("attn_type_list with linear (lightning) attention layers (MiniMax-01 / M1) "
                                         "is not supported: full attention only")
-    if family.olmo:
-        kinds = set(hf.get("layer_types") or [])
+    if family.olmo or family.gemma:
+        kinds = set(layer_types(hf, family) or [])
         if not kinds <= set(LAYER_TYPES):
             raise UnsupportedModelError(f"layer_types {sorted(kinds)}: only sliding_attention and full_attention")
         if hf.get("clip_qkv"):
@@ -358,7 +390,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         add_bias_linear=False,
         qk_layernorm=family.qk_norm if family.qk_norm is not None else bool(hf.get("use_qk_norm", False)),
         qk_layernorm_all_heads=family.minimax or family.olmo,
-        post_norm=family.olmo,
+        pre_norm=not family.olmo,
+        post_norm=family.olmo or family.gemma,
         rotary_percent=partial_rotary(hf),
         rotary_base=rope_theta(hf),
         rope_scaling=rope_scaling(hf),
@@ -379,11 +412,19 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
             linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
         )
-    if family.olmo and hf.get("layer_types"):
-        kwargs["extra"] = sliding_windows(hf)
+    if family.gemma:
+        kwargs.update(zero_centered_norm=True, activation="gelu_tanh", embedding_multiplier=hf["hidden_size"] ** 0.5,
+                      softmax_scale=float(hf.get("query_pre_attn_scalar") or kwargs["kv_channels"]) ** -0.5,
+                      tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                      rotary_base=float(hf.get("rope_theta") or rope_parameters(hf).get("rope_theta") or 1e6))
+    if (family.olmo or family.gemma) and layer_types(hf, family):
+        kwargs["extra"] = sliding_windows({**hf, "layer_types": layer_types(hf, family)})
         sliding = rope_scaling(hf, "sliding_attention")
-        if kwargs["extra"]["window_size"] and sliding != kwargs["rope_scaling"]:
-            kwargs["sliding_rope_scaling"] = sliding or {"rope_type": "default"}
+        sliding_base = float(rope_parameters(hf, "sliding_attention").get("rope_theta") or
+                             hf.get("rope_local_base_freq") or (1e4 if family.gemma else kwargs["rotary_base"]))
+        if kwargs["extra"]["window_size"] and (sliding != kwargs["rope_scaling"] or
+                                               sliding_base != kwargs["rotary_base"]):
+            kwargs.update(sliding_rope_scaling=sliding or {"rope_type": "default"}, sliding_rotary_base=sliding_base)
     if family.gpt_oss:
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 

@@ -190,9 +190,12 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
              tuple(HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", "col"),
         Rule(LAYER + "self_attention.linear_proj.weight", (HF_LAYER + "self_attn.o_proj.weight",), tp="row"),
     ]
-    if cfg.post_norm:  # OLMo: HF's post_attention_layernorm normalises the attention's output, not the MLP's input
+    if cfg.post_norm:  # OLMo, Gemma 3: HF's post_attention_layernorm normalises the attention's output
         attn += [Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
                  Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_feedforward_layernorm.weight",))]
+        if cfg.pre_norm:  # Gemma 3's sandwich: the MLP's input norm is pre_feedforward_layernorm
+            attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
+                     Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "pre_feedforward_layernorm.weight",))]
     else:
         attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
                  Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",))]

@@ -34,14 +34,20 @@ class GPTConfig:
     # MiniMax-M2: one RMSNorm over all query heads of a token (and one over all key heads) instead of one per head
     # (mcore/qk_norm.py); needs qk_layernorm
     qk_layernorm_all_heads: bool = False
-    # OLMo 2 / OLMo 3: no norms before attention and MLP; RMSNorms on their outputs, before the residual adds
-    # (mcore/post_norm.py)
+    # where a layer's norms sit (mcore/post_norm.py): before attention and MLP (pre_norm: Llama, Qwen, ...), on their
+    # outputs before the residual adds (post_norm without pre_norm: OLMo 2 / 3), or both (Gemma 3's sandwich)
+    pre_norm: bool = True
     post_norm: bool = False
+    activation: str = "silu"  # the GLU's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    # Gemma: the embedding's output is multiplied by this (sqrt(hidden_size), rounded to the weights' dtype as HF does)
+    embedding_multiplier: float | None = None
+    softmax_scale: float | None = None  # attention's scale before any YaRN factor; None: 1 / sqrt(head_dim)
     rotary_base: float = 10000.0
     rope_scaling: dict | None = None  # HF RoPE scaling (linear / llama3 / yarn: mcore/rope.py); None: plain RoPE
     # the sliding-window layers' RoPE scaling where it differs from the others' (OLMo 3: YaRN on the full-attention
     # layers only; {"rope_type": "default"}: plain); None: every layer has ``rope_scaling``
     sliding_rope_scaling: dict | None = None
+    sliding_rotary_base: float | None = None  # their RoPE base where it differs (Gemma 3: 10k local, 1M global)
     rotary_percent: float = 1.0  # the fraction of each head RoPE rotates (its first channels; GLM-4.5: 0.5)
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
@@ -117,8 +123,12 @@ class GPTConfig:
             raise ValueError("qk_layernorm_all_heads is an RMSNorm over all query / key heads: it needs "
                              "qk_layernorm, RMSNorm and standard (not multi-latent) attention")
         if self.post_norm and (self.add_bias_linear or self.multi_latent_attention or self.linear_attention):
-            raise ValueError("post_norm (OLMo's norms after attention and MLP) is supported with standard attention "
-                             "and no linear biases")
+            raise ValueError("post_norm (norms after attention and MLP: OLMo, Gemma 3) is supported with standard "
+                             "attention and no linear biases")
+        if not self.pre_norm and not self.post_norm:
+            raise ValueError("a layer needs its norms before (pre_norm) or after (post_norm) its sublayers, or both")
+        if self.activation not in ("silu", "gelu_tanh") or (self.activation != "silu" and not self.swiglu):
+            raise ValueError(f"activation must be 'silu' or, in a gated MLP, 'gelu_tanh'; got {self.activation!r}")
         if self.linear_attention is not None:
             self.linear_attention = tuple(bool(x) for x in self.linear_attention)
             if len(self.linear_attention) != self.num_layers:
@@ -154,6 +164,14 @@ class GPTConfig:
         return int(self.head_dim * self.rotary_percent)
 
 
+def _activation(cfg: GPTConfig):
+    import functools
+
+    if cfg.activation == "gelu_tanh":
+        return functools.partial(torch.nn.functional.gelu, approximate="tanh")
+    return torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu
+
+
 def transformer_config(cfg: GPTConfig, **overrides):
     """Megatron ``TransformerConfig`` for ``cfg`` under the current parallel state."""
     from megatron.core import parallel_state as ps
@@ -171,7 +189,7 @@ def transformer_config(cfg: GPTConfig, **overrides):
         normalization=cfg.normalization,
         layernorm_epsilon=cfg.norm_epsilon,
         gated_linear_unit=cfg.swiglu,
-        activation_func=torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu,
+        activation_func=_activation(cfg),
         add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias,
         qk_layernorm=cfg.qk_layernorm,
@@ -201,7 +219,7 @@ def transformer_config(cfg: GPTConfig, **overrides):
         context_parallel_size=ps.get_context_parallel_world_size(),
         sequence_parallel=False,
         # YaRN's attention factor (whole-head RoPE only: families.py refuses it with partial rotary); else None
-        softmax_scale=rope.softmax_scale(cfg.rope_scaling, cfg.head_dim),
+        softmax_scale=rope.softmax_scale(cfg.rope_scaling, cfg.head_dim, cfg.softmax_scale),
     )
     config_class = TransformerConfig
     if cfg.multi_latent_attention:
@@ -327,11 +345,11 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
     spec = _layer_spec(cfg, use_te, vp_stage)
     if cfg.post_norm:
         if use_te:
-            raise ValueError("post-norm models (OLMo 2 / 3) build with the local spec: Transformer Engine's fuses "
-                             "the input norms into the projections")
+            raise ValueError("post-norm models (OLMo 2 / 3, Gemma 3) build with the local spec: Transformer "
+                             "Engine's fuses the input norms into the projections")
         from forge_megatron.mcore.post_norm import post_norm_spec
 
-        spec = post_norm_spec(spec)
+        spec = post_norm_spec(spec, keep_pre_norms=cfg.pre_norm)
     if cfg.hybrid:
         spec = _hybrid_block_spec(cfg, spec, vp_stage)
     if cfg.qk_layernorm_all_heads:
@@ -433,7 +451,15 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     rope.apply(model, cfg.rope_scaling, cfg.rotary_base, cfg.rotary_dim)
     if cfg.sliding_rope_scaling is not None:
         rope.apply_to_sliding_layers(model, cfg.sliding_rope_scaling, cfg.rope_scaling, cfg.rotary_base,
-                                     cfg.rotary_dim, cfg.head_dim)
+                                     cfg.rotary_dim, cfg.head_dim, sliding_base=cfg.sliding_rotary_base,
+                                     base_scale=cfg.softmax_scale)
+    if cfg.embedding_multiplier is not None and getattr(model, "embedding", None) is not None:
+        multiplier = cfg.embedding_multiplier
+
+        def scale(module, args, output):  # in the output's dtype, as HF rounds sqrt(hidden) to the weights'
+            return output * torch.tensor(multiplier, dtype=output.dtype, device=output.device)
+
+        model.embedding.register_forward_hook(scale)
     if cfg.num_moe_experts and cfg.add_bias_linear:
         _own_expert_outputs(model)
     if cfg.num_moe_experts:

@@ -1,15 +1,16 @@
-"""Norms after attention and MLP instead of before them (OLMo 2 / OLMo 3's "reordered norm").
+"""Norms after attention and MLP (OLMo 2 / OLMo 3's "reordered norm"; with the usual ones too, Gemma 3's sandwich).
 
 A Llama-style layer normalises the input of each sublayer; OLMo 2 and OLMo 3 normalise each sublayer's output,
-before it joins the residual stream, and leave the stream itself un-normalised until the final norm:
+before it joins the residual stream, and leave the stream itself un-normalised until the final norm; Gemma 3 does
+both:
 
-    pre-norm (Megatron's TransformerLayer)       post-norm (this module)
-    h = x + Attn(RMSNorm(x))                      h = x + RMSNorm_a(Attn(x))
-    y = h + MLP(RMSNorm(h))                       y = h + RMSNorm_m(MLP(h))
+    pre-norm (Megatron's TransformerLayer)   post-norm (OLMo)               sandwich (Gemma 3)
+    h = x + Attn(RMSNorm(x))                  h = x + RMSNorm_a(Attn(x))     h = x + RMSNorm_a(Attn(RMSNorm(x)))
+    y = h + MLP(RMSNorm(h))                   y = h + RMSNorm_m(MLP(h))      y = h + RMSNorm_m(MLP(RMSNorm(h)))
 
 Megatron-Core's layer has no norm after a sublayer, so :class:`PostNormTransformerLayer` adds two, built from the
-same norm spec as its input norms (which become identities) and applied by forward hooks on the attention and MLP
-modules: every other part of Megatron's layer (bias-dropout-add, recomputation, sequence parallelism, MoE) is left
+same norm spec as its input norms (which become identities for OLMo) and applied by forward hooks on the attention
+and MLP modules: every other part of Megatron's layer (bias-dropout-add, recomputation, sequence parallelism, MoE) is left
 as it is. Under tensor parallelism the attention and MLP outputs are whole tokens again (all-reduced, or reduce-
 scattered over the sequence with sequence parallelism), so each norm sees the hidden vectors the unsplit model would;
 with sequence parallelism their weights are marked like the other norms' (mcore/model.py ``SequenceParallelNorm``)
@@ -59,16 +60,18 @@ def _normalise_output(norm):
     return hook
 
 
-def post_norm_spec(spec):
-    """``spec`` (a layer spec, or a block spec of layer specs) as post-norm layers: the input and pre-MLP norms
-    become identities, and their norm module normalises the attention and MLP outputs instead."""
+def post_norm_spec(spec, keep_pre_norms: bool = False):
+    """``spec`` (a layer spec, or a block spec of layer specs) as post-norm layers: their norm module normalises the
+    attention and MLP outputs too; the input and pre-MLP norms stay (``keep_pre_norms``: Gemma 3) or become
+    identities (OLMo)."""
     if hasattr(spec, "layer_specs"):
-        return dataclasses.replace(spec, layer_specs=[post_norm_spec(s) for s in spec.layer_specs])
+        return dataclasses.replace(spec, layer_specs=[post_norm_spec(s, keep_pre_norms) for s in spec.layer_specs])
     subs = spec.submodules
     norm = subs.pre_mlp_layernorm
     if norm is IdentityOp:
         raise TypeError(f"cannot find the norm module of layer spec {spec!r} (its pre_mlp_layernorm is an identity)")
     fields = {f.name: getattr(subs, f.name) for f in dataclasses.fields(subs) if f.init}
-    fields.update(input_layernorm=IdentityOp, pre_mlp_layernorm=IdentityOp, post_self_attn_layernorm=norm,
-                  post_mlp_layernorm=norm)
+    fields.update(post_self_attn_layernorm=norm, post_mlp_layernorm=norm)
+    if not keep_pre_norms:
+        fields.update(input_layernorm=IdentityOp, pre_mlp_layernorm=IdentityOp)
     return dataclasses.replace(spec, module=PostNormTransformerLayer, submodules=PostNormLayerSubmodules(**fields))

@@ -110,10 +110,13 @@ def attention_factor(params: dict | None) -> float:
     return mscale(factor)
 
 
-def softmax_scale(params: dict | None, head_dim: int) -> float | None:
-    """The attention softmax scale that stands for YaRN's scaled cos/sin (None: Megatron's 1 / sqrt(head_dim))."""
+def softmax_scale(params: dict | None, head_dim: int, base: float | None = None) -> float | None:
+    """The attention softmax scale that stands for YaRN's scaled cos/sin, times ``base`` (the model's own scale;
+    None: 1 / sqrt(head_dim)). None when both are Megatron's default 1 / sqrt(head_dim)."""
     m = attention_factor(params)
-    return None if m == 1.0 else m * m / math.sqrt(head_dim)
+    if m == 1.0 and base is None:
+        return None
+    return m * m * (base if base is not None else 1 / math.sqrt(head_dim))
 
 
 def rotary_modules(model) -> list:
@@ -146,18 +149,20 @@ def apply(model, params: dict | None, base: float, dim: int) -> None:
 
 
 def apply_to_sliding_layers(model, sliding: dict | None, others: dict | None, base: float, dim: int,
-                            head_dim: int) -> None:
-    """Give the sliding-window layers of ``model`` (a GPTModel stage) RoPE scaled per ``sliding`` while the model's
-    table is scaled per ``others`` (OLMo 3 extends its context with YaRN on the full-attention layers only). Megatron
-    computes one table of angles ``position * inv_freq`` for every layer: a sliding layer's self-attention gets it
-    multiplied, column by column, by ``inv_freq(sliding) / inv_freq(others)`` (the table repeats the frequencies for
-    the two rotated halves), which are that layer's angles, and its core attention the softmax scale of
-    ``sliding``'s attention factor. Works on the depth-indexed table of the tree model as on the causal one."""
+                            head_dim: int, sliding_base: float | None = None, base_scale: float | None = None) -> None:
+    """Give the sliding-window layers of ``model`` (a GPTModel stage) RoPE scaled per ``sliding`` with base
+    ``sliding_base`` (default ``base``) while the model's table is scaled per ``others`` with ``base`` (OLMo 3 extends
+    its context with YaRN on the full-attention layers only; Gemma 3's local layers have base 10k, its global ones
+    1M and linear scaling). Megatron computes one table of angles ``position * inv_freq`` for every layer: a sliding
+    layer's self-attention gets it multiplied, column by column, by ``inv_freq(sliding) / inv_freq(others)`` (the
+    table repeats the frequencies for the two rotated halves), which are that layer's angles, and its core attention
+    the softmax scale of ``sliding``'s attention factor (times ``base_scale``, the model's own). Works on the
+    depth-indexed table of the tree model as on the causal one."""
     from megatron.core.transformer.utils import is_layer_window_attention
 
-    ratio = inv_freq(sliding, base, dim) / inv_freq(others, base, dim)
+    ratio = inv_freq(sliding, sliding_base or base, dim) / inv_freq(others, base, dim)
     ratio_D = torch.cat([ratio, ratio])
-    scale = softmax_scale(sliding, head_dim) or head_dim ** -0.5
+    scale = softmax_scale(sliding, head_dim, base_scale) or head_dim ** -0.5
     config = model.config
 
     def rescale(module, args, kwargs):

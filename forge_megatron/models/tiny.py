@@ -32,7 +32,8 @@ SPECIAL_TOKENS = (
     "</tool_response>",
 )
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
-         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3")
+         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
+         "gemma3")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -230,6 +231,17 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                                                     "beta_slow": 1.0, "original_max_position_embeddings": 512,
                                                     "rope_theta": 10000.0}}},
         ),
+        # Gemma 3 layout (text): sandwich norms (1 + w), GeGLU, the embedding scaled by sqrt(64), attention scaled by
+        # 1 / sqrt(24) (not the head size 16), a 4-position window on layer 0 with RoPE base 10k, layer 1 global
+        # with base 1M and linear scaling 8, tied embeddings
+        "gemma3": (
+            transformers.Gemma3TextConfig,
+            {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4,
+             "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True,
+             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                    "rope_theta": 1000000.0}}},
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -272,6 +284,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
             elif arch in ("olmo2", "olmo3") and name.endswith("layernorm.weight"):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
+            elif arch == "gemma3" and name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters
             elif arch.startswith(("qwen3_5", "qwen3_next")) and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if "linear_attn" in name else 0.0))  # (1 + w) or w
     os.makedirs(out_dir, exist_ok=True)

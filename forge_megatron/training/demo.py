@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=None,
-                   help="RL learning rate (default 1e-3; 3e-4 with --arch olmo3, whose post-norm layers collapse at "
-                        "1e-3 here: success 0.31 -> 0.00 over 40 steps)")
+                   help="RL learning rate (default 1e-3; 3e-4 with --arch olmo3 / gemma3, whose norms after "
+                        "attention and MLP make these tiny models collapse at 1e-3: success 0.31 -> 0.00 over 40 "
+                        "steps; their gradients equal transformers')")
     p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
                    choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2"],
                    help="a tiny MoE model (4 experts, top-2) with rollout routing replay end to end: Qwen3-MoE "
@@ -62,12 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "gpt_oss: attention sinks, a sliding window on every other layer, biased experts with the "
                         "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
                         "q/k RMSNorms over all heads)")
-    p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3"], default="qwen2",
+    p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "gemma3"], default="qwen2",
                    help="the dense model's layout: qwen2 (default); qwen3_5: the Qwen3.5 hybrid (Gated DeltaNet "
                         "linear-attention layers trained on prefix trees, every fourth layer, and the last, gated full "
                         "attention; zero-centred norms); olmo3: the OLMo 3 layout (norms after attention and MLP, "
                         "q/k norms over all heads, a 32-token sliding window on three of every four layers with "
-                        "plain RoPE, YaRN on the full-attention ones)")
+                        "plain RoPE, YaRN on the full-attention ones); gemma3: the Gemma 3 text layout (norms before "
+                        "and after attention and MLP, GeGLU, the scaled embedding, a 32-token window with RoPE base "
+                        "10k on five of every six layers, base 1M on the others, tied embeddings)")
     p.add_argument("--agent-api", choices=calculator.APIS, default="chat",
                    help="how the calculator agent calls the model: chat completions (default) or the OpenAI "
                         "Responses API (Codex-style agents); the gateway records and trains both alike")
@@ -160,6 +163,10 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
         arch.update(sliding_window=32, layer_types=["full_attention" if (i + 1) % 4 == 0 or i + 1 == args.num_layers
                                                     else "sliding_attention" for i in range(args.num_layers)])
         kind = "OLMo 3: post-norm layers, sliding windows, "
+    if args.arch == "gemma3":
+        arch.update(sliding_window=32, layer_types=["full_attention" if (i + 1) % 6 == 0 or i + 1 == args.num_layers
+                                                    else "sliding_attention" for i in range(args.num_layers)])
+        kind = "Gemma 3: sandwich norms, GeGLU, sliding windows, "
     print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
                             num_hidden_layers=args.num_layers, **arch)
@@ -323,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--moe {args.moe} and --arch {args.arch}: the MoE layouts are their own architectures; "
                          "give one of the two")
     if args.lr is None:
-        args.lr = 3e-4 if args.arch == "olmo3" else 1e-3
+        args.lr = 3e-4 if args.arch in ("olmo3", "gemma3") else 1e-3
     start = time.time()
     if os.path.isdir(args.out):
         shutil.rmtree(args.out)  # idempotent: every run starts from scratch

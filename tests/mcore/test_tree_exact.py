@@ -165,6 +165,11 @@ def _body_one_rank(rank, world_size):
     out["olmo3"] = _exactness(olmo_tree, olmo_causal, all_samples(3))
     out["olmo3_layers"] = [(type(layer).__name__, layer.self_attention.core_attention.softmax_scale)
                            for layer in olmo_tree.decoder.layers]
+    # Gemma 3 layout: sandwich norms (1 + w), GeGLU, the scaled embedding, query_pre_attn_scalar, a window on layer 0
+    # with its own RoPE base, tied embeddings
+    gemma = {**tiny_config("gemma3", vocab_size=VOCAB).to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+    gemma_tree, gemma_causal = _twin_models(gpt_config_from_hf(gemma))
+    out["gemma3"] = _exactness(gemma_tree, gemma_causal, all_samples(3))
     # Qwen3.5 layout: a Gated DeltaNet layer (the recurrence and its convolution along every root-to-leaf path)
     # then gated full attention; the trees here nest several levels of segments
     q35 = {**tiny_config("qwen3_5", vocab_size=VOCAB).to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
@@ -410,6 +415,11 @@ def test_olmo3_tree_equals_unmerged(one_rank):
     assert scale0 == pytest.approx(16 ** -0.5) and scale1 == pytest.approx(m * m / 4)  # head dim 16
     logp, ent, grad, _, _ = one_rank["olmo3"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["olmo3"]
+
+
+def test_gemma3_tree_equals_unmerged(one_rank):
+    logp, ent, grad, _, _ = one_rank["gemma3"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["gemma3"]
 
 
 def test_qwen3_5_gated_delta_net_tree_equals_unmerged(one_rank):

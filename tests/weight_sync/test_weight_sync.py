@@ -43,6 +43,7 @@ def models(tmp_path_factory):
         "minimax_m2": build_tiny_model(str(root / "minimax_m2"), arch="minimax_m2", seed=9),
         "qwen3_5": build_tiny_model(str(root / "qwen3_5"), arch="qwen3_5", seed=10),
         "olmo3": build_tiny_model(str(root / "olmo3"), arch="olmo3", seed=11),
+        "gemma3": build_tiny_model(str(root / "gemma3"), arch="gemma3", seed=12),
     }
 
 
@@ -161,8 +162,9 @@ def _check_synced(results):
     # experts whole (expert TP 1), the EP group over the TP ranks: attention gathered over TP, experts over EP
     ("gpt_oss", ParallelConfig(tp=2, ep=2, etp=1)),
     ("olmo3", ParallelConfig(tp=2)),  # the norms after attention and MLP, q/k norms over all heads (TP slices)
+    ("gemma3", ParallelConfig(pp=2)),  # sandwich norms; the tied embedding sent once, from the first stage
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
-        "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3"])
+        "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
