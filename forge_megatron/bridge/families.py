@@ -81,6 +81,10 @@ class Family:
     # a vision-language checkpoint: the language model's config is ``text_config``, its tensors are under
     # ``model.language_model.`` (text_view / Bridge.hf_prefix)
     multimodal: bool = False
+    # a vision-language checkpoint's names: its language model's prefix (``text_prefix``; the head stays
+    # ``lm_head``) and what is the vision side (copied on export, neither trained nor synced)
+    text_prefix: str = "model.language_model."
+    vision_prefixes: tuple[str, ...] = ("model.visual.",)
     # OLMo 2 / OLMo 3: RMSNorms after attention and MLP instead of before (mcore/post_norm.py), q/k RMSNorms over all
     # heads; OLMo 3 also has sliding-window layers (``layer_types``) whose RoPE may differ from the others'
     olmo: bool = False
@@ -123,6 +127,11 @@ FAMILIES: dict[str, Family] = {
     "Olmo2ForCausalLM": Family("olmo2", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
     "Olmo3ForCausalLM": Family("olmo3", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
     "Gemma3ForCausalLM": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True),
+    # Gemma 3 4B-27B as released: the text model above under language_model.model. (tied head), a SigLIP vision
+    # tower and its projector beside it
+    "Gemma3ForConditionalGeneration": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True,
+                                             multimodal=True, text_prefix="language_model.model.",
+                                             vision_prefixes=("vision_tower.", "multi_modal_projector.")),
 }
 
 

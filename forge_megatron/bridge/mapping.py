@@ -263,9 +263,9 @@ class Bridge:
         # A block-wise FP8 checkpoint is read dequantized (convert/checkpoint.py HFReader): the model, and every
         # checkpoint written from it, is unquantized, so its config must not say fp8
         self.source_quantization = self.hf_config.pop("quantization_config", None)
-        # a vision-language checkpoint (Qwen3.5 as released): its language model's tensors are under
-        # model.language_model. (the head is lm_head as usual); the vision tower is neither trained nor exported
-        self.hf_prefix = "model.language_model." if self.family.multimodal else "model."
+        # a vision-language checkpoint (Qwen3.5, Gemma 3 as released): its language model's tensors are under
+        # Family.text_prefix (the head is lm_head as usual); the vision tower is neither trained nor exported
+        self.hf_prefix = self.family.text_prefix if self.family.multimodal else "model."
         self.hf_vocab = text_view(self.hf_config)["vocab_size"]
         if self.cfg.vocab_size < self.hf_vocab:
             raise ValueError(f"vocab_size {self.cfg.vocab_size} is smaller than the HF vocabulary ({self.hf_vocab})")
@@ -318,8 +318,9 @@ class Bridge:
 
     def is_left_out(self, hf_name: str) -> bool:
         """A checkpoint tensor the trainer neither trains nor exports: multi-token-prediction layers
-        (:meth:`is_mtp_tensor`) and a vision-language checkpoint's vision tower (``model.visual.``)."""
-        return self.is_mtp_tensor(hf_name) or (self.family.multimodal and hf_name.startswith("model.visual."))
+        (:meth:`is_mtp_tensor`) and a vision-language checkpoint's vision side (``Family.vision_prefixes``)."""
+        return self.is_mtp_tensor(hf_name) or (self.family.multimodal and
+                                               hf_name.startswith(self.family.vision_prefixes))
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` has a MoE MLP (the first ``moe_dense_layers`` of a MoE model do not)."""

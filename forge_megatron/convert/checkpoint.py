@@ -334,7 +334,8 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelL
 
 def vision_tower(bridge: Bridge, hf_dir: str | None, batch: int = 64):
     """(name, tensor) pairs of the vision tower of the vision-language checkpoint at ``hf_dir`` (Qwen3.5 as released:
-    ``model.visual.``), which RL on text leaves as it is, to complete an export; nothing for other models. A
+    ``model.visual.``; Gemma 3: ``vision_tower.`` and ``multi_modal_projector.``), which RL on text leaves as it is,
+    to complete an export; nothing for other models. A
     vision-language model exported without ``hf_dir`` raises, naming the flag, rather than writing a checkpoint whose
     vision tower would load randomly initialised."""
     if not bridge.family.multimodal:
@@ -344,9 +345,11 @@ def vision_tower(bridge: Bridge, hf_dir: str | None, batch: int = 64):
                          "the original checkpoint to copy its vision tower from (--vision-from HF_DIR; the trainer's "
                          f"--hf-checkpoint by default), got {hf_dir!r}")
     reader = HFReader(hf_dir)
-    names = sorted(n for n in reader.names() if n.startswith("model.visual."))
+    prefixes = bridge.family.vision_prefixes
+    names = sorted(n for n in reader.names() if n.startswith(prefixes))
     if not names:
-        raise ValueError(f"{hf_dir!r} has no model.visual.* tensors (not the checkpoint this model came from?)")
+        raise ValueError(f"{hf_dir!r} has no {' / '.join(p + '*' for p in prefixes)} tensors (not the checkpoint this "
+                         "model came from?)")
     return (item for i in range(0, len(names), batch) for item in reader.get(names[i:i + batch]).items())
 
 

@@ -33,10 +33,11 @@ SPECIAL_TOKENS = (
 )
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
-         "gemma3")
+         "gemma3", "gemma3_vl")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+       "gemma3_vl": ("gemma3", "Gemma3Config", "Gemma3ForConditionalGeneration"),
        "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
@@ -131,6 +132,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
     if arch in _VL:
         text_arch, config_class, _ = _VL[arch]
         text = tiny_config(text_arch, vocab_size, tie_word_embeddings, **overrides).to_dict()
+        if text_arch == "gemma3":  # a one-layer SigLIP tower, 4 tokens per image; the head tied, as released
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          image_size=16, patch_size=4)
+            return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                             tie_word_embeddings=True)
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
                       patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
         return getattr(transformers, config_class)(text_config=text, vision_config=vision,
@@ -284,7 +290,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
             elif arch in ("olmo2", "olmo3") and name.endswith("layernorm.weight"):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
-            elif arch == "gemma3" and name.endswith("norm.weight"):
+            elif arch.startswith("gemma3") and name.endswith("norm.weight") and "vision" not in name:
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters
             elif arch.startswith(("qwen3_5", "qwen3_next")) and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if "linear_attn" in name else 0.0))  # (1 + w) or w

@@ -185,8 +185,9 @@ class ReferenceEngine:
         with open(os.path.join(model_path, "config.json")) as f:  # transformers drops it once dequantized
             self.fp8 = Fp8Config.from_hf(json.load(f).get("quantization_config"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.context_length = context_length or int(getattr(self.model.config, "max_position_embeddings", 2048))
-        self.eos_ids = _eos_ids(self.model.config, self.tokenizer)
+        text_config = self.model.config.get_text_config()  # a vision-language model's (Gemma 3) language model's
+        self.context_length = context_length or int(getattr(text_config, "max_position_embeddings", 2048))
+        self.eos_ids = _eos_ids(text_config, self.tokenizer)
         # transformers >= 5.2x names the KV cache argument `cache`; older versions `past_key_values`
         self.cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forge-engine")
@@ -237,7 +238,7 @@ class ReferenceEngine:
         ids = body.get("input_ids")
         _require(isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids),
                  "input_ids must be a non-empty list of ints (text prompts are not supported)")
-        vocab = self.model.config.vocab_size
+        vocab = self.model.config.get_text_config().vocab_size
         _require(all(0 <= t < vocab for t in ids), f"input_ids has token ids outside [0, {vocab})")
         params = SamplingParams.from_dict(body.get("sampling_params"))
         _require(len(ids) + params.max_new_tokens <= self.context_length,
@@ -459,9 +460,12 @@ def _in_memory_name(name: str) -> str:
     """A checkpoint name in Mixtral's style (MiniMax-M2: ``block_sparse_moe``, experts' ``w1`` gate, ``w3`` up,
     ``w2`` down; SGLang loads these names) as transformers >= 5 holds it (``mlp``, ``gate_proj`` / ``up_proj`` /
     ``down_proj`` slices of the fused expert tensors); a multimodal checkpoint's language model
-    (``model.language_model.``: Qwen3.5) as the text model this engine loads from it holds it (``model.``)."""
+    (``model.language_model.``: Qwen3.5) as the text model this engine loads from it holds it (``model.``), and
+    Gemma 3's (``language_model.model.`` on disk) as its vision-language model holds it (``model.language_model.``)."""
     if name.startswith("model.language_model."):
         name = "model." + name[len("model.language_model."):]
+    elif name.startswith("language_model.model."):
+        name = "model.language_model." + name[len("language_model.model."):]
     m = _MIXTRAL_EXPERT.fullmatch(name)
     if m is not None:
         return f"{m.group(1)}.mlp.experts.{m.group(2)}.{_MIXTRAL_PROJ[m.group(3)]}.weight"
