@@ -116,6 +116,9 @@ FAMILIES: dict[str, Family] = {
     # under ``model.language_model.``, the vision tower under ``model.visual.``): the language model trains
     "Qwen3_5ForConditionalGeneration": Family("qwen3_5", qkv_bias=None, qk_norm=True, moe=False, gated_delta=True,
                                               multimodal=True),
+    # Qwen3-VL (dense: 2B-32B): a Qwen3 language model under model.language_model. beside model.visual.; a text
+    # token has one position on all three mRoPE axes, so its rotation is plain RoPE
+    "Qwen3VLForConditionalGeneration": Family("qwen3", qkv_bias=None, qk_norm=True, moe=False, multimodal=True),
     "Qwen3_5MoeForConditionalGeneration": Family("qwen3_5_moe", qkv_bias=None, qk_norm=True, moe=True,
                                                  gated_delta=True, multimodal=True),
     # Qwen3.5 MoE text models (35B-A3B, 122B-A10B, 397B-A17B): the same layers, every MLP softmax-routed experts

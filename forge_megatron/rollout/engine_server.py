@@ -173,7 +173,7 @@ class ReferenceEngine:
     """Model, tokenizer and request state; every model touch runs on the single worker thread."""
 
     def __init__(self, model_path: str, context_length: int | None = None, return_routed_experts: bool = False):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"--model-path {model_path!r} is not a directory")
@@ -181,7 +181,9 @@ class ReferenceEngine:
         self.original_logprob = return_original_logprob()  # SGLANG_RETURN_ORIGINAL_LOGPROB, read at start as SGLang
         # an FP8 checkpoint (quantization_config fp8, block-wise) is dequantized by transformers on CPU: the engine
         # computes with the FP8-rounded weights, and updates must come as FP8 weights + scales, as SGLang loads them
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        from forge_megatron.models import load_causal_lm
+
+        self.model = load_causal_lm(model_path, dtype=torch.float32).eval()  # Qwen3-VL: its whole model
         with open(os.path.join(model_path, "config.json")) as f:  # transformers drops it once dequantized
             self.fp8 = Fp8Config.from_hf(json.load(f).get("quantization_config"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -20,7 +20,7 @@ from tests.convert.mcore_forward import forward_logits, load_converted
 from tests.dist_utils import run_distributed
 
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
-         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next", "olmo2", "olmo3", "gemma3", "gemma3_vl")
+         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next", "olmo2", "olmo3", "gemma3", "gemma3_vl", "qwen3_vl")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -146,9 +146,9 @@ def _tokens():
 
 
 def _hf_logits(hf_dir):
-    from transformers import AutoModelForCausalLM
+    from forge_megatron.models import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = load_causal_lm(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(input_ids=_tokens()).logits
 
@@ -217,12 +217,12 @@ def test_megatron_gradients_equal_hf(hf_dirs, tmp_path):
     written out by ``save_pretrained`` in place of the weights, so they carry the checkpoint's names (transformers 5
     renames and fuses some families' tensors in memory) and the bridge's export of the Megatron gradients lines up
     with them name for name."""
-    from transformers import AutoModelForCausalLM
+    from forge_megatron.models import load_causal_lm
 
     (out,) = run_distributed(_megatron_grads_body, world_size=1,
                              mcore_dirs=_convert_all(hf_dirs, tmp_path, GRAD_ARCHS, ParallelLayout()))
     for arch in GRAD_ARCHS:
-        hf = AutoModelForCausalLM.from_pretrained(hf_dirs[arch], dtype=torch.float32)
+        hf = load_causal_lm(hf_dirs[arch], dtype=torch.float32)
         _sum_logprob(hf(input_ids=_tokens()).logits).backward()
         with torch.no_grad():
             for p in hf.parameters():

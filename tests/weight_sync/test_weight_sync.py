@@ -45,6 +45,7 @@ def models(tmp_path_factory):
         "olmo3": build_tiny_model(str(root / "olmo3"), arch="olmo3", seed=11),
         "gemma3": build_tiny_model(str(root / "gemma3"), arch="gemma3", seed=12),
         "gemma3_vl": build_tiny_model(str(root / "gemma3_vl"), arch="gemma3_vl", seed=13),
+        "qwen3_vl": build_tiny_model(str(root / "qwen3_vl"), arch="qwen3_vl", seed=14),
     }
 
 
@@ -167,8 +168,9 @@ def _check_synced(results):
     # as released: the engine serves the vision-language model; the language model's names as on disk
     # (language_model.model.*), the vision tower left as it is
     ("gemma3_vl", ParallelConfig(tp=2)),
+    ("qwen3_vl", ParallelConfig(pp=2)),  # an engine serving the whole vision-language model (no text-only class)
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
-        "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl"])
+        "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
