@@ -129,6 +129,11 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family("mistral", qkv_bias=None, qk_norm=False, moe=False),
     "Olmo2ForCausalLM": Family("olmo2", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
     "Olmo3ForCausalLM": Family("olmo3", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
+    # SmolLM3: the Llama layout with RoPE left out of every fourth layer (``no_rope_layers``: 0 = NoPE)
+    "SmolLM3ForCausalLM": Family("smollm3", qkv_bias=None, qk_norm=False, moe=False),
+    # Seed-OSS-36B: the Qwen2 layout (biases on q/k/v only) with 128-channel heads; its residual dropout is a
+    # training-time switch, off here as every dropout is
+    "SeedOssForCausalLM": Family("seed_oss", qkv_bias=None, qk_norm=False, moe=False),
     "Gemma3ForCausalLM": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True),
     # Gemma 3 4B-27B as released: the text model above under language_model.model. (tied head), a SigLIP vision
     # tower and its projector beside it
@@ -321,6 +326,9 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if any(t != 1 for t in hf.get("attn_type_list") or []):
             raise UnsupportedModelError("attn_type_list with linear (lightning) attention layers (MiniMax-01 / M1) "
                                         "is not supported: full attention only")
+    if hf.get("attention_out_bias"):
+        raise UnsupportedModelError("attention_out_bias=True is not supported (a bias on o_proj alone: Megatron's "
+                                    "add_bias_linear would add the MLP's too)")
     if family.olmo or family.gemma:
         kinds = set(layer_types(hf, family) or [])
         if not kinds <= set(LAYER_TYPES):
@@ -424,6 +432,10 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
             linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
         )
+    if family.name == "smollm3":
+        rope_layers = hf.get("no_rope_layers") or [int((i + 1) % int(hf.get("no_rope_layer_interval") or 4) != 0)
+                                                   for i in range(hf["num_hidden_layers"])]
+        kwargs["nope_layers"] = tuple(not x for x in rope_layers)
     if family.gemma:
         kwargs.update(zero_centered_norm=True, activation="gelu_tanh", embedding_multiplier=hf["hidden_size"] ** 0.5,
                       softmax_scale=float(hf.get("query_pre_attn_scalar") or kwargs["kv_channels"]) ** -0.5,

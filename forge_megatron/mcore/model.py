@@ -48,6 +48,8 @@ class GPTConfig:
     # layers only; {"rope_type": "default"}: plain); None: every layer has ``rope_scaling``
     sliding_rope_scaling: dict | None = None
     sliding_rotary_base: float | None = None  # their RoPE base where it differs (Gemma 3: 10k local, 1M global)
+    # layers that rotate nothing (SmolLM3's NoPE layers, every fourth): True where RoPE is left out; None: none
+    nope_layers: tuple[bool, ...] | None = None
     rotary_percent: float = 1.0  # the fraction of each head RoPE rotates (its first channels; GLM-4.5: 0.5)
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
@@ -122,6 +124,11 @@ class GPTConfig:
                                             or self.normalization != "RMSNorm"):
             raise ValueError("qk_layernorm_all_heads is an RMSNorm over all query / key heads: it needs "
                              "qk_layernorm, RMSNorm and standard (not multi-latent) attention")
+        if self.nope_layers is not None:
+            self.nope_layers = tuple(bool(x) for x in self.nope_layers)
+            if len(self.nope_layers) != self.num_layers or self.multi_latent_attention:
+                raise ValueError(f"nope_layers has {len(self.nope_layers)} entries for {self.num_layers} layers (and "
+                                 "needs standard attention)")
         if self.post_norm and (self.add_bias_linear or self.multi_latent_attention or self.linear_attention):
             raise ValueError("post_norm (norms after attention and MLP: OLMo, Gemma 3) is supported with standard "
                              "attention and no linear biases")
@@ -453,6 +460,8 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
         rope.apply_to_sliding_layers(model, cfg.sliding_rope_scaling, cfg.rope_scaling, cfg.rotary_base,
                                      cfg.rotary_dim, cfg.head_dim, sliding_base=cfg.sliding_rotary_base,
                                      base_scale=cfg.softmax_scale)
+    if cfg.nope_layers is not None and any(cfg.nope_layers):
+        rope.leave_out(model, cfg.nope_layers)
     if cfg.embedding_multiplier is not None and getattr(model, "embedding", None) is not None:
         multiplier = cfg.embedding_multiplier
 

@@ -180,3 +180,19 @@ def apply_to_sliding_layers(model, sliding: dict | None, others: dict | None, ba
             continue
         layer.self_attention.core_attention.softmax_scale = scale
         layer.self_attention.register_forward_pre_hook(rescale, with_kwargs=True)
+
+
+def leave_out(model, nope_layers) -> None:
+    """No RoPE in the layers of ``model`` (a GPTModel stage) that ``nope_layers`` (one flag per global layer) marks:
+    their self-attention is handed no rotary table (a pre-hook), so Megatron rotates nothing there (SmolLM3's NoPE
+    layers: position reaches them only through the causal, or tree, mask)."""
+
+    def no_rope(module, args, kwargs):
+        if kwargs.get("rotary_pos_emb") is None:
+            return None
+        kwargs["rotary_pos_emb"] = None
+        return args, kwargs
+
+    for layer in model.decoder.layers:
+        if nope_layers[layer.layer_number - 1]:
+            layer.self_attention.register_forward_pre_hook(no_rope, with_kwargs=True)

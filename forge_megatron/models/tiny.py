@@ -33,7 +33,7 @@ SPECIAL_TOKENS = (
 )
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
-         "gemma3", "gemma3_vl", "qwen3_vl")
+         "gemma3", "gemma3_vl", "qwen3_vl", "smollm3", "seed_oss")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -242,6 +242,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                                                     "beta_slow": 1.0, "original_max_position_embeddings": 512,
                                                     "rope_theta": 10000.0}}},
         ),
+        # SmolLM3 layout: Llama's with no RoPE in layer 1 (a NoPE layer: position only through the mask)
+        "smollm3": (transformers.SmolLM3Config, {"no_rope_layers": [1, 0]}),
+        # Seed-OSS layout: Qwen2's (biases on q/k/v, none on o_proj) with its own head size
+        "seed_oss": (transformers.SeedOssConfig, {"head_dim": 24, "attention_bias": True,
+                                                  "attention_out_bias": False}),
         # Gemma 3 layout (text): sandwich norms (1 + w), GeGLU, the embedding scaled by sqrt(64), attention scaled by
         # 1 / sqrt(24) (not the head size 16), a 4-position window on layer 0 with RoPE base 10k, layer 1 global
         # with base 1M and linear scaling 8, tied embeddings

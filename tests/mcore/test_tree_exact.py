@@ -170,6 +170,10 @@ def _body_one_rank(rank, world_size):
     gemma = {**tiny_config("gemma3", vocab_size=VOCAB).to_dict(), "architectures": ["Gemma3ForCausalLM"]}
     gemma_tree, gemma_causal = _twin_models(gpt_config_from_hf(gemma))
     out["gemma3"] = _exactness(gemma_tree, gemma_causal, all_samples(3))
+    # SmolLM3 layout: layer 1 without RoPE (position only through the tree's ancestor mask)
+    smol = {**tiny_config("smollm3", vocab_size=VOCAB).to_dict(), "architectures": ["SmolLM3ForCausalLM"]}
+    smol_tree, smol_causal = _twin_models(gpt_config_from_hf(smol))
+    out["smollm3"] = _exactness(smol_tree, smol_causal, all_samples(3))
     # Qwen3.5 layout: a Gated DeltaNet layer (the recurrence and its convolution along every root-to-leaf path)
     # then gated full attention; the trees here nest several levels of segments
     q35 = {**tiny_config("qwen3_5", vocab_size=VOCAB).to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
@@ -417,9 +421,10 @@ def test_olmo3_tree_equals_unmerged(one_rank):
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["olmo3"]
 
 
-def test_gemma3_tree_equals_unmerged(one_rank):
-    logp, ent, grad, _, _ = one_rank["gemma3"]
-    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["gemma3"]
+@pytest.mark.parametrize("arch", ["gemma3", "smollm3"])
+def test_gemma3_and_smollm3_trees_equal_unmerged(one_rank, arch):
+    logp, ent, grad, _, _ = one_rank[arch]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank[arch]
 
 
 def test_qwen3_5_gated_delta_net_tree_equals_unmerged(one_rank):
