@@ -117,6 +117,7 @@ _PARSERS = {
     "kimi_k2": ReasoningParser("kimi_k2", tool_start="<|tool_calls_section_begin|>"),
     "kimi": ReasoningParser("kimi", start="◁think▷", end="◁/think▷"),
     "minimax": ReasoningParser("minimax"),
+    "seed_oss": ReasoningParser("seed_oss", start="<seed:think>", end="</seed:think>", tool_start="<seed:tool_call>"),
     "gpt-oss": HarmonyReasoningParser("gpt-oss"),
 }
 

@@ -405,6 +405,14 @@ class Qwen3CoderToolParser(_XmlToolParser):
         return f"{self.start_marker}\n<function={function_name}>\n"
 
 
+class SeedOssToolParser(Qwen3CoderToolParser):
+    """Seed-OSS: Qwen3-Coder's calls in ``<seed:tool_call>`` ... ``</seed:tool_call>`` blocks."""
+
+    name = "seed_oss"
+    start_marker = "<seed:tool_call>"
+    end_marker = "</seed:tool_call>"
+
+
 class Glm45ToolParser(_XmlToolParser):
     """``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...</tool_call>`` (GLM-4.7: no
     newlines)."""
@@ -755,7 +763,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "kimi_k2": KimiK2ToolParser, "deepseekv31": DeepSeekV31ToolParser, "deepseekv3": DeepSeekV3ToolParser,
     "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser, "llama3": Llama3ToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "deepseekv32": DeepSeekV32ToolParser,
-    "deepseekv4": DeepSeekV4ToolParser,
+    "deepseekv4": DeepSeekV4ToolParser, "seed_oss": SeedOssToolParser,
 }
 
 

@@ -36,6 +36,9 @@ def test_tool_call_opening_ends_an_unclosed_block():
     assert kimi_k2.split("<think>x<|tool_calls_section_begin|>y", False) == Split("x", "<|tool_calls_section_begin|>y")
     kimi = get_reasoning_parser("kimi")
     assert kimi.split("◁think▷x◁/think▷y", False) == Split("x", "y")
+    seed = get_reasoning_parser("seed_oss")  # Seed-OSS: its own tags, its tool-call block ends an open one
+    assert seed.split("<seed:think>x</seed:think>y", False) == Split("x", "y")
+    assert seed.split("<seed:think>x<seed:tool_call>y", False) == Split("x", "<seed:tool_call>y")
 
 
 def test_names():
@@ -47,6 +50,7 @@ def test_names():
 
 
 @pytest.mark.parametrize("parser", [QWEN3, get_reasoning_parser("kimi"), get_reasoning_parser("deepseek-r1"),
+                                    get_reasoning_parser("seed_oss"),
                                     ReasoningParser("two-char", start="<<", end=">>", tool_start="@@")])
 def test_a_stream_only_ever_extends_what_it_gave_out(parser):
     """Cut a completion at every character: each partial split's reasoning and content extend the previous one's

@@ -52,7 +52,8 @@ WRITERS = {  # family -> Jinja for a list of calls ({name, arguments: dict}) as 
                    "</｜DSML｜invoke>\n{% endfor %}</｜DSML｜function_calls>",
 }
 WRITERS["deepseekv4"] = WRITERS["deepseekv32"].replace("function_calls", "tool_calls")
-XML = ("qwen3_coder", "glm45", "glm47", "minimax-m2")
+WRITERS["seed_oss"] = WRITERS["qwen3_coder"].replace("tool_call>", "seed:tool_call>")
+XML = ("qwen3_coder", "glm45", "glm47", "minimax-m2", "seed_oss")
 _env = jinja2.Environment()
 _env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
 
