@@ -463,3 +463,26 @@ def test_expert_tensor_parallel_flag_and_resume_layout():
     assert layout_changes(layout, {**layout, "etp": 2}) == ""  # an older checkpoint: expert TP = TP
     assert layout_changes(layout, {**layout, "etp": 1}) == "etp 2 -> 1"
     assert layout_changes(layout, {**layout, "tp": 1, "pp": 2, "etp": 1}) == "tp 2 -> 1, pp 1 -> 2, etp 2 -> 1"
+
+
+def test_every_model_script_sources_and_names_known_parsers():
+    """Each scripts/models/*.sh (what forge.sbatch and run_local.sh source by MODEL=...) sets MODEL_ARGS the trainer
+    parses (empty: the architecture comes from the checkpoint) and gateway formats that exist."""
+    import glob
+    import shlex
+
+    from forge_megatron.middleware.reasoning_parsers import get_reasoning_parser
+    from forge_megatron.middleware.tool_parsers import get_parser
+
+    scripts = sorted(glob.glob(os.path.join(ROOT, "scripts", "models", "*.sh")))
+    assert len(scripts) >= 15
+    for script in scripts:
+        out = subprocess.run(["bash", "-c", f'set -u; source {shlex.quote(script)}; printf "%s\\n" "${{MODEL_ARGS[@]}}"; '
+                              'echo "TOOL=$TOOL_PARSER"; echo "REASONING=$REASONING_PARSER"'],
+                             capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+        assert out.returncode == 0, (script, out.stderr)
+        lines = out.stdout.splitlines()
+        flags = [x for line in lines if not line.startswith(("TOOL=", "REASONING=")) for x in line.split()]
+        arguments.parse_args(MINIMAL + flags)
+        get_parser(next(line for line in lines if line.startswith("TOOL="))[len("TOOL="):])
+        get_reasoning_parser(next(line for line in lines if line.startswith("REASONING="))[len("REASONING="):])
