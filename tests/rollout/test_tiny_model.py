@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from forge_megatron.models import load_causal_lm
 from forge_megatron.models.tiny import ARCHS, SPECIAL_TOKENS, VOCAB_LIMIT, build_tiny_model, build_tiny_tokenizer
 
 
@@ -62,16 +63,17 @@ def test_chat_template_roles_tools_and_generation_prompt(tok_dir):
 def test_tiny_model_loads_and_is_deterministic(tmp_path, arch):
     d1 = build_tiny_model(str(tmp_path / "m1"), arch=arch, seed=3)
     d2 = build_tiny_model(str(tmp_path / "m2"), arch=arch, seed=3, with_tokenizer=False)
-    m1 = AutoModelForCausalLM.from_pretrained(d1)
-    m2 = AutoModelForCausalLM.from_pretrained(d2)
-    assert m1.config.hidden_size == 64 and m1.config.num_hidden_layers == 2
+    m1, m2 = load_causal_lm(d1), load_causal_lm(d2)  # Qwen3-VL: the image-text-to-text model
+    text = m1.config.get_text_config()  # a vision-language model's language model
+    assert text.hidden_size == 64 and text.num_hidden_layers == 2
     mla = arch in ("deepseek_v3", "glm4_moe_lite")  # multi-latent attention: a key/value head per query head
-    assert m1.config.num_key_value_heads == (4 if mla else 2) and not m1.config.tie_word_embeddings
-    assert m1.config.vocab_size == len(AutoTokenizer.from_pretrained(d1))
+    assert text.num_key_value_heads == (4 if mla else 2)
+    assert m1.config.tie_word_embeddings is arch.startswith("gemma3")  # Gemma ties them, as released
+    assert text.vocab_size == len(AutoTokenizer.from_pretrained(d1))
     for (n1, p1), (n2, p2) in zip(m1.state_dict().items(), m2.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
     ids = torch.tensor([[1, 5, 9, 2]])
-    assert m1(ids).logits.shape == (1, 4, m1.config.vocab_size)
+    assert m1(input_ids=ids).logits.shape == (1, 4, text.vocab_size)
     if arch == "qwen3_moe":
         assert m1.config.num_experts == 4 and m1.config.num_experts_per_tok == 2
 
