@@ -134,6 +134,9 @@ FAMILIES: dict[str, Family] = {
     # Seed-OSS-36B: the Qwen2 layout (biases on q/k/v only) with 128-channel heads; its residual dropout is a
     # training-time switch, off here as every dropout is
     "SeedOssForCausalLM": Family("seed_oss", qkv_bias=None, qk_norm=False, moe=False),
+    # GLM-4 dense (GLM-4-0414, GLM-Z1): norms before and after attention and MLP, the MLP's gate and up fused in
+    # one checkpoint tensor, RoPE on interleaved channel pairs of the first half of each head
+    "Glm4ForCausalLM": Family("glm4", qkv_bias=None, qk_norm=False, moe=False),
     "Gemma3ForCausalLM": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True),
     # Gemma 3 4B-27B as released: the text model above under language_model.model. (tied head), a SigLIP vision
     # tower and its projector beside it
@@ -263,7 +266,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral configs have none)")
-    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2") and not family.gated_delta:
+    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4") and not family.gated_delta:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
     if family.gpt_oss:
         if float(hf.get("swiglu_alpha", 1.702)) != 1.702:
@@ -432,6 +435,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
             linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
         )
+    if family.name == "glm4":
+        kwargs.update(pre_norm=True, post_norm=True, rotary_interleaved=True)
     if family.name == "smollm3":
         rope_layers = hf.get("no_rope_layers") or [int((i + 1) % int(hf.get("no_rope_layer_interval") or 4) != 0)
                                                    for i in range(hf["num_hidden_layers"])]

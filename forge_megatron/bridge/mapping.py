@@ -190,7 +190,12 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
              tuple(HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", "col"),
         Rule(LAYER + "self_attention.linear_proj.weight", (HF_LAYER + "self_attn.o_proj.weight",), tp="row"),
     ]
-    if cfg.post_norm:  # OLMo, Gemma 3: HF's post_attention_layernorm normalises the attention's output
+    if family.name == "glm4":  # GLM-4's sandwich names: post_attention_layernorm is the MLP's input norm
+        attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
+                 Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_self_attn_layernorm.weight",)),
+                 Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
+                 Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_mlp_layernorm.weight",))]
+    elif cfg.post_norm:  # OLMo, Gemma 3: HF's post_attention_layernorm normalises the attention's output
         attn += [Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
                  Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_feedforward_layernorm.weight",))]
         if cfg.pre_norm:  # Gemma 3's sandwich: the MLP's input norm is pre_feedforward_layernorm
@@ -210,9 +215,12 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
 
 def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list[Rule]:
     """The embedding, ``attn`` (one layer's attention rules), the MLP rules, the final norm and the head."""
+    fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_proj.weight", HF_LAYER + "mlp.up_proj.weight"),
+               "glu", "glu", layers="dense")
+    if family.name == "glm4":  # GLM-4 keeps [gate; up] in one tensor, Megatron's fc1 layout already
+        fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_up_proj.weight",), tp="glu", layers="dense")
     dense = [
-        Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_proj.weight", HF_LAYER + "mlp.up_proj.weight"),
-             "glu", "glu", layers="dense"),
+        fc1,
         Rule(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + "mlp.down_proj.weight",), tp="row", layers="dense"),
     ]
     mlp = dense
@@ -428,7 +436,7 @@ class Bridge:
             "q_proj.weight": (n * h, d), "k_proj.weight": (g * h, d), "v_proj.weight": (g * h, d),
             "q_proj.bias": (n * h,), "k_proj.bias": (g * h,), "v_proj.bias": (g * h,),
             "o_proj.weight": (d, n * h), "q_norm.weight": (h,), "k_norm.weight": (h,),
-            "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f),
+            "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f), "gate_up_proj.weight": (2 * f, d),
             "w1.weight": (f, d), "w3.weight": (f, d), "w2.weight": (d, f),
             "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
             "shared_expert_gate.weight": (1, d),

@@ -51,6 +51,7 @@ class GPTConfig:
     # layers that rotate nothing (SmolLM3's NoPE layers, every fourth): True where RoPE is left out; None: none
     nope_layers: tuple[bool, ...] | None = None
     rotary_percent: float = 1.0  # the fraction of each head RoPE rotates (its first channels; GLM-4.5: 0.5)
+    rotary_interleaved: bool = False  # rotate interleaved channel pairs (GLM-4 dense), not the two halves
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
     # MoE (num_moe_experts=None: dense)
@@ -103,6 +104,8 @@ class GPTConfig:
         from forge_megatron.mcore import rope
 
         self.rope_scaling = rope.check(self.rope_scaling, self.max_position_embeddings)
+        if self.rotary_interleaved and (self.multi_latent_attention or self.sliding_rope_scaling is not None):
+            raise ValueError("rotary_interleaved is supported with standard attention and one RoPE for every layer")
         if self.sliding_rope_scaling is not None:
             self.sliding_rope_scaling = rope.check(self.sliding_rope_scaling, self.max_position_embeddings) or \
                 {"rope_type": "default"}
@@ -249,6 +252,8 @@ def transformer_config(cfg: GPTConfig, **overrides):
         kwargs["cuda_graph_scope"] = []  # 0.16's default "full" warns that it is deprecated; [] means the same
     if cfg.zero_centered_norm:
         kwargs["layernorm_zero_centered_gamma"] = True
+    if cfg.rotary_interleaved:
+        kwargs["rotary_interleaved"] = True
     if cfg.attention_output_gate:
         kwargs["attention_output_gate"] = True
     if cfg.hybrid:

@@ -33,7 +33,7 @@ SPECIAL_TOKENS = (
 )
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
-         "gemma3", "gemma3_vl", "qwen3_vl", "smollm3", "seed_oss")
+         "gemma3", "gemma3_vl", "qwen3_vl", "smollm3", "seed_oss", "glm4")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -242,6 +242,10 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                                                     "beta_slow": 1.0, "original_max_position_embeddings": 512,
                                                     "rope_theta": 10000.0}}},
         ),
+        # GLM-4 dense layout: sandwich norms, fused gate/up, interleaved RoPE on half of each head, q/k/v biases
+        "glm4": (transformers.Glm4Config, {"head_dim": 16, "attention_bias": True,
+                                           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                               "partial_rotary_factor": 0.5}}),
         # SmolLM3 layout: Llama's with no RoPE in layer 1 (a NoPE layer: position only through the mask)
         "smollm3": (transformers.SmolLM3Config, {"no_rope_layers": [1, 0]}),
         # Seed-OSS layout: Qwen2's (biases on q/k/v, none on o_proj) with its own head size
@@ -298,7 +302,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape) * 0.1)
             elif arch in ("minimax_m2", "olmo2", "olmo3") and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
-            elif arch in ("olmo2", "olmo3") and name.endswith("layernorm.weight"):
+            elif arch in ("olmo2", "olmo3", "glm4") and name.endswith("layernorm.weight"):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
             elif arch.startswith("gemma3") and name.endswith("norm.weight") and "vision" not in name:
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters

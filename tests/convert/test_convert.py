@@ -20,7 +20,7 @@ from tests.convert.mcore_forward import forward_logits, load_converted
 from tests.dist_utils import run_distributed
 
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
-         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next", "olmo2", "olmo3", "gemma3", "gemma3_vl", "qwen3_vl", "smollm3", "seed_oss")
+         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next", "olmo2", "olmo3", "gemma3", "gemma3_vl", "qwen3_vl", "smollm3", "seed_oss", "glm4")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -80,6 +80,7 @@ LAYOUTS = [
     ("qwen3_next", ParallelLayout(tp=2, pp=2)),  # Gated DeltaNet projections fused per key head in the checkpoint
     ("olmo3", ParallelLayout(tp=2, pp=2)),  # norms after attention and MLP, q/k norms over all heads split with them
     ("gemma3", ParallelLayout(tp=2, pp=2)),  # sandwich norms, tied embeddings across the two stages
+    ("glm4", ParallelLayout(tp=2, pp=2)),  # GLM-4's fused gate/up split into Megatron's per-rank [gate_i; up_i]
     ("gemma3_vl", ParallelLayout(tp=2)),  # as released: language_model.model.*, the SigLIP tower and projector copied
     # experts whole on every TP rank (expert TP 1): gpt-oss's biased experts under TP
     ("qwen3_moe", ParallelLayout(tp=2, ep=2, etp=1)), ("gpt_oss", ParallelLayout(tp=2, pp=2, ep=2, etp=1)),

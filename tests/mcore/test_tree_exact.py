@@ -174,6 +174,10 @@ def _body_one_rank(rank, world_size):
     smol = {**tiny_config("smollm3", vocab_size=VOCAB).to_dict(), "architectures": ["SmolLM3ForCausalLM"]}
     smol_tree, smol_causal = _twin_models(gpt_config_from_hf(smol))
     out["smollm3"] = _exactness(smol_tree, smol_causal, all_samples(3))
+    # GLM-4 dense layout: sandwich norms, RoPE on interleaved pairs of half of each head (the depth-indexed table)
+    glm4 = {**tiny_config("glm4", vocab_size=VOCAB).to_dict(), "architectures": ["Glm4ForCausalLM"]}
+    glm4_tree, glm4_causal = _twin_models(gpt_config_from_hf(glm4))
+    out["glm4"] = _exactness(glm4_tree, glm4_causal, all_samples(3))
     # Qwen3.5 layout: a Gated DeltaNet layer (the recurrence and its convolution along every root-to-leaf path)
     # then gated full attention; the trees here nest several levels of segments
     q35 = {**tiny_config("qwen3_5", vocab_size=VOCAB).to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
@@ -421,8 +425,8 @@ def test_olmo3_tree_equals_unmerged(one_rank):
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["olmo3"]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "smollm3"])
-def test_gemma3_and_smollm3_trees_equal_unmerged(one_rank, arch):
+@pytest.mark.parametrize("arch", ["gemma3", "smollm3", "glm4"])
+def test_gemma3_smollm3_and_glm4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank[arch]
 
