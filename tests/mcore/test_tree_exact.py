@@ -165,19 +165,12 @@ def _body_one_rank(rank, world_size):
     out["olmo3"] = _exactness(olmo_tree, olmo_causal, all_samples(3))
     out["olmo3_layers"] = [(type(layer).__name__, layer.self_attention.core_attention.softmax_scale)
                            for layer in olmo_tree.decoder.layers]
-    # Gemma 3 layout: sandwich norms (1 + w), GeGLU, the scaled embedding, query_pre_attn_scalar, a window on layer 0
-    # with its own RoPE base, tied embeddings
-    gemma = {**tiny_config("gemma3", vocab_size=VOCAB).to_dict(), "architectures": ["Gemma3ForCausalLM"]}
-    gemma_tree, gemma_causal = _twin_models(gpt_config_from_hf(gemma))
-    out["gemma3"] = _exactness(gemma_tree, gemma_causal, all_samples(3))
-    # SmolLM3 layout: layer 1 without RoPE (position only through the tree's ancestor mask)
-    smol = {**tiny_config("smollm3", vocab_size=VOCAB).to_dict(), "architectures": ["SmolLM3ForCausalLM"]}
-    smol_tree, smol_causal = _twin_models(gpt_config_from_hf(smol))
-    out["smollm3"] = _exactness(smol_tree, smol_causal, all_samples(3))
-    # GLM-4 dense layout: sandwich norms, RoPE on interleaved pairs of half of each head (the depth-indexed table)
-    glm4 = {**tiny_config("glm4", vocab_size=VOCAB).to_dict(), "architectures": ["Glm4ForCausalLM"]}
-    glm4_tree, glm4_causal = _twin_models(gpt_config_from_hf(glm4))
-    out["glm4"] = _exactness(glm4_tree, glm4_causal, all_samples(3))
+    # Gemma 3: sandwich norms (1 + w), GeGLU, the scaled embedding, query_pre_attn_scalar, a window on layer 0 with
+    # its own RoPE base, tied embeddings; SmolLM3: layer 1 without RoPE (position only through the ancestor mask);
+    # GLM-4 dense: sandwich norms, RoPE on interleaved pairs of half of each head (the depth-indexed table)
+    for arch, cls in (("gemma3", "Gemma3ForCausalLM"), ("smollm3", "SmolLM3ForCausalLM"), ("glm4", "Glm4ForCausalLM")):
+        hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
+        out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Qwen3.5 layout: a Gated DeltaNet layer (the recurrence and its convolution along every root-to-leaf path)
     # then gated full attention; the trees here nest several levels of segments
     q35 = {**tiny_config("qwen3_5", vocab_size=VOCAB).to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
