@@ -92,6 +92,10 @@ class Family:
     # scaled by sqrt(hidden_size), a softmax scale of query_pre_attn_scalar ** -0.5, and local sliding-window layers
     # with their own RoPE base next to global ones
     gemma: bool = False
+    # Qwen3-VL-MoE: each layer's experts in two checkpoint tensors, ``experts.gate_up_proj`` [E, H, 2F] (gate columns
+    # first) and ``experts.down_proj`` [E, F, H], the transposes of the experts' linear weights; the router always
+    # renormalises its top-k probabilities
+    fused_experts: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -119,6 +123,9 @@ FAMILIES: dict[str, Family] = {
     # Qwen3-VL (dense: 2B-32B): a Qwen3 language model under model.language_model. beside model.visual.; a text
     # token has one position on all three mRoPE axes, so its rotation is plain RoPE
     "Qwen3VLForConditionalGeneration": Family("qwen3", qkv_bias=None, qk_norm=True, moe=False, multimodal=True),
+    # Qwen3-VL-MoE (30B-A3B, 235B-A22B): a Qwen3-MoE language model (experts fused on disk) beside model.visual.
+    "Qwen3VLMoeForConditionalGeneration": Family("qwen3_vl_moe", qkv_bias=None, qk_norm=True, moe=True,
+                                                 multimodal=True, fused_experts=True),
     "Qwen3_5MoeForConditionalGeneration": Family("qwen3_5_moe", qkv_bias=None, qk_norm=True, moe=True,
                                                  gated_delta=True, multimodal=True),
     # Qwen3.5 MoE text models (35B-A3B, 122B-A10B, 397B-A17B): the same layers, every MLP softmax-routed experts
@@ -495,8 +502,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
     elif family.moe and not family.gpt_oss:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
-        # Qwen3-Next's does unless its config says otherwise
-        norm_topk = bool(hf.get("norm_topk_prob", family.gated_delta))
+        # Qwen3-Next's does unless its config says otherwise; so does Qwen3-VL-MoE's (no such field either)
+        norm_topk = bool(hf.get("norm_topk_prob", family.gated_delta or family.fused_experts))
         kwargs.update(
             num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 renamed it
             moe_router_topk=hf["num_experts_per_tok"],

@@ -44,8 +44,8 @@ class Rule:
     ``join``: ``copy`` (one HF tensor), ``qkv`` (q, k, v grouped per query group), ``glu`` (gate, up stacked),
     ``vocab`` (rows past the HF vocabulary are Megatron's padding: zeros in, dropped out); for HF tensors that hold
     every expert of a layer (gpt-oss), expert e's slice of it: ``experts_glu`` ([E, D, 2F] with gate and up columns
-    interleaved -> [gate; up] rows), ``experts_glu_bias`` ([E, 2F] interleaved), ``experts_t`` ([E, F, D] ->
-    its transpose), ``experts_row`` ([E, D] -> row e). :meth:`Bridge.export` stacks them back.
+    interleaved -> [gate; up] rows), ``experts_glu_bias`` ([E, 2F] interleaved), ``experts_t`` (expert e's
+    transpose: [E, F, D] -> [D, F]; Qwen3-VL-MoE's [E, D, 2F] -> [2F, D], gate rows first), ``experts_row`` ([E, D] -> row e). :meth:`Bridge.export` stacks them back.
     ``tp``: ``rep`` (replicated), ``col`` (dim 0), ``row`` (dim 1), ``glu`` (gate and up halves split separately).
     """
 
@@ -236,6 +236,11 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
                  "glu", "glu", layers="moe"),
             Rule(LAYER + EXPERT + "linear_fc2.weight", (hf_expert + f"{down}.weight",), tp="row", layers="moe"),
         ]
+        if family.fused_experts:  # Qwen3-VL-MoE: [E, D, 2F] and [E, F, D], expert e's weights transposed
+            mlp[-2:] = [Rule(LAYER + EXPERT + "linear_fc1.weight", (moe + "experts.gate_up_proj",), "experts_t", "glu",
+                             layers="moe"),
+                        Rule(LAYER + EXPERT + "linear_fc2.weight", (moe + "experts.down_proj",), "experts_t", "row",
+                             layers="moe")]
         if cfg.extra.get("moe_router_enable_expert_bias"):  # a buffer: selection only, no gradient
             bias = moe + ("e_score_correction_bias" if family.minimax else "gate.e_score_correction_bias")
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))

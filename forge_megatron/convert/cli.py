@@ -13,6 +13,7 @@ Megatron checkpoints are written in the per-rank ``torch`` format (``--ckpt-form
 
 Architectures: LlamaForCausalLM (Llama 3.1-3.3 RoPE scaling included), MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM, Qwen3VLForConditionalGeneration (Qwen3-VL dense; the vision tower copied on export),
+Qwen3VLMoeForConditionalGeneration (Qwen3-VL-MoE; experts fused on disk; the vision tower copied on export),
 Qwen3MoeForCausalLM, Glm4MoeForCausalLM (GLM-4.5 / 4.6 / 4.7), DeepseekV3ForCausalLM (DeepSeek-V3 /
 V3.1, Kimi-K2, Moonlight: multi-latent attention), Glm4MoeLiteForCausalLM (GLM-4.7-Flash), MiniMaxM2ForCausalLM
 (MiniMax-M2 / M2.1 / M2.5), Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM and, as released,

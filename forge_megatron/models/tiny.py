@@ -33,12 +33,13 @@ SPECIAL_TOKENS = (
 )
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
-         "gemma3", "gemma3_vl", "qwen3_vl", "smollm3", "seed_oss", "glm4")
+         "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
        "gemma3_vl": ("gemma3", "Gemma3Config", "Gemma3ForConditionalGeneration"),
        "qwen3_vl": ("qwen3", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+       "qwen3_vl_moe": ("qwen3_moe", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
        "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
@@ -140,7 +141,10 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                                              tie_word_embeddings=True)
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
                       patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
-        if text_arch == "qwen3":  # Qwen3-VL: interleaved mRoPE over 8 frequency pairs, deepstack from block 0
+        if text_arch == "qwen3_moe":  # Qwen3-VL-MoE's router always renormalises (its config has no such field);
+            text.pop("norm_topk_prob", None)  # experts 24 wide: [E, 64, 48] on disk, not square as [E, 64, 64]
+            text["moe_intermediate_size"] = 24  # would be (transformers then cannot tell which way it lies)
+        if text_arch in ("qwen3", "qwen3_moe"):  # Qwen3-VL: interleaved mRoPE over 8 pairs, deepstack from block 0
             text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
                                        "mrope_interleaved": True}
             vision["deepstack_visual_indexes"] = [0]
@@ -278,6 +282,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     import torch
     from transformers import AutoModelForCausalLM
 
+    from forge_megatron.models import save_checkpoint
+
     tok = build_tiny_tokenizer()
     overrides.setdefault("vocab_size", len(tok))
     config = tiny_config(arch, tie_word_embeddings=tie_word_embeddings, **overrides)
@@ -309,7 +315,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             elif arch.startswith(("qwen3_5", "qwen3_next")) and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if "linear_attn" in name else 0.0))  # (1 + w) or w
     os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    save_checkpoint(model, out_dir)
     if with_tokenizer:
         tok.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "forge_tiny.json"), "w") as f:

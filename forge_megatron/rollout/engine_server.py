@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
+from forge_megatron.models import TRANSPOSED_EXPERTS
 from forge_megatron.rollout.weight_group import broadcast_tensor, init_weight_update_group
 from forge_megatron.weight_sync.buckets import missing_partners
 from forge_megatron.weight_sync.fp8 import FP8_DTYPE, Fp8Config, dequantize_named
@@ -375,7 +376,8 @@ class ReferenceEngine:
         Checkpoints and SGLang name MoE experts one by one (``mlp.experts.{e}.{gate,up,down}_proj.weight``);
         transformers >= 5 stores them fused per layer (``mlp.experts.gate_up_proj`` [E, 2I, H] with gate rows
         first, ``mlp.experts.down_proj`` [E, H, I]). Per-expert names are written into the fused slices; Mixtral-
-        style names (MiniMax-M2's ``block_sparse_moe.experts.{e}.w1/w3/w2``) too.
+        style names (MiniMax-M2's ``block_sparse_moe.experts.{e}.w1/w3/w2``) too. Qwen3-VL-MoE's checkpoints
+        hold the fused tensors transposed ([E, H, 2I], [E, I, H]): they are written through transposed views.
 
         FP8 (the engine serves an FP8 checkpoint): projection weights must arrive as float8_e4m3fn with their
         ``weight_scale_inv`` in the same request, on the checkpoint's block grid, and are dequantized; an engine
@@ -401,7 +403,7 @@ class ReferenceEngine:
         params = self.model.state_dict()
         writes = []  # (destination view, tensor)
         for name, tensor in named.items():
-            dest = self._destination(params, name)
+            dest = self._destination(params, name, self.model.config.model_type)
             _require(tuple(dest.shape) == tuple(tensor.shape),
                      f"shape of {name!r} is {tuple(tensor.shape)}, the model has {tuple(dest.shape)}")
             writes.append((dest, tensor))
@@ -410,7 +412,11 @@ class ReferenceEngine:
                 dest.copy_(tensor.to(dest.dtype))
 
     @staticmethod
-    def _destination(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    def _destination(params: dict[str, torch.Tensor], name: str, model_type: str) -> torch.Tensor:
+        if name.endswith(TRANSPOSED_EXPERTS.get(model_type, ())):  # Qwen3-VL-MoE: the checkpoint has transposes
+            dest = params.get(name, params.get(_in_memory_name(name)))
+            _require(dest is not None, f"unknown parameter name {name!r}")
+            return dest.transpose(1, 2)
         if name in params:
             return params[name]
         name = _in_memory_name(name)

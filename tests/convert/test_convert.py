@@ -20,7 +20,8 @@ from tests.convert.mcore_forward import forward_logits, load_converted
 from tests.dist_utils import run_distributed
 
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
-         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next", "olmo2", "olmo3", "gemma3", "gemma3_vl", "qwen3_vl", "smollm3", "seed_oss", "glm4")
+         "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next", "olmo2", "olmo3", "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3",
+         "seed_oss", "glm4")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -82,6 +83,7 @@ LAYOUTS = [
     ("gemma3", ParallelLayout(tp=2, pp=2)),  # sandwich norms, tied embeddings across the two stages
     ("glm4", ParallelLayout(tp=2, pp=2)),  # GLM-4's fused gate/up split into Megatron's per-rank [gate_i; up_i]
     ("gemma3_vl", ParallelLayout(tp=2)),  # as released: language_model.model.*, the SigLIP tower and projector copied
+    ("qwen3_vl_moe", ParallelLayout(tp=2, pp=2, ep=2)),  # experts fused and transposed on disk, split per EP rank
     # experts whole on every TP rank (expert TP 1): gpt-oss's biased experts under TP
     ("qwen3_moe", ParallelLayout(tp=2, ep=2, etp=1)), ("gpt_oss", ParallelLayout(tp=2, pp=2, ep=2, etp=1)),
 ]
@@ -94,7 +96,7 @@ def test_round_trip_bit_exact(hf_dirs, tmp_path, arch, layout):
     n_files = len(glob.glob(str(tmp_path / "mcore/release/mp_rank_*/model_optim_rng.pt")))
     assert n_files == layout.tp * layout.pp * layout.ep
     ckpt.megatron_to_hf(str(tmp_path / "mcore"), str(tmp_path / "hf"), max_shard_bytes=64 << 10,
-                        vision_from=hf_dirs[arch] if arch.endswith("_vl") else None)
+                        vision_from=hf_dirs[arch] if "_vl" in arch else None)
     _assert_bit_exact(hf_dirs[arch], tmp_path / "hf")
     index = json.load(open(tmp_path / "hf/model.safetensors.index.json"))
     assert len(set(index["weight_map"].values())) > 1  # really sharded
@@ -215,10 +217,10 @@ GRAD_ARCHS = ARCHS + ("qwen3_tied",)
 def test_megatron_gradients_equal_hf(hf_dirs, tmp_path):
     """Logits equal at one point do not show that every parameter is used as HF uses it (a detached norm, a swapped
     pair of norms fed the same input): the gradients of every parameter equal transformers'. HF's gradients are
-    written out by ``save_pretrained`` in place of the weights, so they carry the checkpoint's names (transformers 5
+    written out by ``save_pretrained`` (models.save_checkpoint) in place of the weights, so they carry the checkpoint's names (transformers 5
     renames and fuses some families' tensors in memory) and the bridge's export of the Megatron gradients lines up
     with them name for name."""
-    from forge_megatron.models import load_causal_lm
+    from forge_megatron.models import load_causal_lm, save_checkpoint
 
     (out,) = run_distributed(_megatron_grads_body, world_size=1,
                              mcore_dirs=_convert_all(hf_dirs, tmp_path, GRAD_ARCHS, ParallelLayout()))
@@ -228,7 +230,7 @@ def test_megatron_gradients_equal_hf(hf_dirs, tmp_path):
         with torch.no_grad():
             for p in hf.parameters():
                 p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-        hf.save_pretrained(str(tmp_path / f"{arch}_grads"))
+        save_checkpoint(hf, str(tmp_path / f"{arch}_grads"))
         expected = _hf_tensors(str(tmp_path / f"{arch}_grads"))
         exported = dict(Bridge(hf_dirs[arch]).export(out[arch].items()))
         # buffers (score-correction biases) have no gradient; tied heads are saved once

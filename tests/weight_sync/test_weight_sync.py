@@ -47,6 +47,7 @@ def models(tmp_path_factory):
         "gemma3_vl": build_tiny_model(str(root / "gemma3_vl"), arch="gemma3_vl", seed=13),
         "qwen3_vl": build_tiny_model(str(root / "qwen3_vl"), arch="qwen3_vl", seed=14),
         "glm4": build_tiny_model(str(root / "glm4"), arch="glm4", seed=15),
+        "qwen3_vl_moe": build_tiny_model(str(root / "qwen3_vl_moe"), arch="qwen3_vl_moe", seed=16),
     }
 
 
@@ -171,8 +172,11 @@ def _check_synced(results):
     ("gemma3_vl", ParallelConfig(tp=2)),
     ("qwen3_vl", ParallelConfig(pp=2)),  # an engine serving the whole vision-language model (no text-only class)
     ("glm4", ParallelConfig(tp=2)),  # the gate/up halves gathered over TP back into GLM-4's one tensor
+    # every expert of a layer in one transposed tensor, gathered over EP (SGLang loads them only whole)
+    ("qwen3_vl_moe", ParallelConfig(ep=2)),
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
-        "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4"])
+        "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
+        "ep2-qwen3-vl-moe"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
