@@ -85,6 +85,7 @@ class Family:
     # ``lm_head``) and what is the vision side (copied on export, neither trained nor synced)
     text_prefix: str = "model.language_model."
     vision_prefixes: tuple[str, ...] = ("model.visual.",)
+    head_name: str = "lm_head.weight"  # the output layer's checkpoint name (Kimi-K2.5: under language_model.)
     # OLMo 2 / OLMo 3: RMSNorms after attention and MLP instead of before (mcore/post_norm.py), q/k RMSNorms over all
     # heads; OLMo 3 also has sliding-window layers (``layer_types``) whose RoPE may differ from the others'
     olmo: bool = False
@@ -107,6 +108,14 @@ FAMILIES: dict[str, Family] = {
     # DeepSeek-V3 / V3.1 / Kimi-K2 / Moonlight (Kimi's configs name this architecture too) and GLM-4.7-Flash
     "DeepseekV3ForCausalLM": Family("deepseek_v3", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                     mla=True),
+    # Kimi-K2.5 / K2.6 as released: the Kimi-K2 language model (DeepSeek-V3's layout) under language_model.model.
+    # and language_model.lm_head, the MoonViT tower and projector beside it (vision_tower., mm_projector.; the
+    # model.-prefixed names are how transformers holds them, as a checkpoint saved from memory has them). Released
+    # with int4 experts: train and serve the bf16 copy of forge-convert int4-to-bf16
+    **{arch: Family("deepseek_v3", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True, mla=True,
+                    multimodal=True, text_prefix="language_model.model.", head_name="language_model.lm_head.weight",
+                    vision_prefixes=("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector."))
+       for arch in ("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration")},
     "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                      mla=True),
     "MiniMaxM2ForCausalLM": Family("minimax_m2", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,
@@ -174,7 +183,7 @@ def load_hf_config(source) -> dict:
 
 def text_view(hf: dict) -> dict:
     """The language model's config of a vision-language checkpoint (its ``text_config`` with the top level's
-    ``architectures`` and ``tie_word_embeddings``); any other config as it is."""
+    ``architectures``, ``tie_word_embeddings`` and ``quantization_config``); any other config as it is."""
     if not family_of(hf).multimodal:
         return hf
     if not isinstance(hf.get("text_config"), dict):
@@ -182,6 +191,8 @@ def text_view(hf: dict) -> dict:
     text = dict(hf["text_config"])
     text["architectures"] = hf["architectures"]
     text["tie_word_embeddings"] = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    if hf.get("quantization_config") and not text.get("quantization_config"):  # a quantized release's, either level
+        text["quantization_config"] = hf["quantization_config"]
     return text
 
 

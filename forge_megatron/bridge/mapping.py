@@ -276,6 +276,10 @@ class Bridge:
         # A block-wise FP8 checkpoint is read dequantized (convert/checkpoint.py HFReader): the model, and every
         # checkpoint written from it, is unquantized, so its config must not say fp8
         self.source_quantization = self.hf_config.pop("quantization_config", None)
+        text = self.hf_config.get("text_config")
+        if isinstance(text, dict) and "quantization_config" in text:  # a vision-language release's (either level)
+            self.source_quantization = self.source_quantization or text["quantization_config"]
+            self.hf_config["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}
         # a vision-language checkpoint (Qwen3.5, Gemma 3 as released): its language model's tensors are under
         # Family.text_prefix (the head is lm_head as usual); the vision tower is neither trained nor exported
         self.hf_prefix = self.family.text_prefix if self.family.multimodal else "model."
@@ -348,7 +352,8 @@ class Bridge:
         rule, idx = self.rule(name)
         names = [t.format(**idx) for t in rule.hf]
         if self.hf_prefix != "model.":
-            names = [self.hf_prefix + n[len("model."):] if n.startswith("model.") else n for n in names]
+            names = [self.hf_prefix + n[len("model."):] if n.startswith("model.") else
+                     self.family.head_name if n == "lm_head.weight" else n for n in names]
         return names
 
     # --- full tensors ---------------------------------------------------------------------------------------

@@ -326,7 +326,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelL
         full = {n: bridge.from_hf(n, hf) for n in tqdm(names, desc=f"stage {pp}", unit="param", leave=False)}
         used.update(hf_names)
         save_megatron_stage(bridge, full, layout, pp, out_dir)
-    extra = reader.names() - used - ({"lm_head.weight"} if bridge.cfg.tie_word_embeddings else set())
+    extra = reader.names() - used - ({bridge.family.head_name} if bridge.cfg.tie_word_embeddings else set())
     extra = {n for n in extra if not bridge.is_left_out(n)}
     if extra:
         raise MappingError(f"HF tensor(s) {sorted(extra)[:5]} are not used by the {bridge.family.name!r} mapping")
@@ -503,6 +503,8 @@ def _dequantized_copy(hf_dir: str, out_dir: str, hf_config: dict, parts: tuple[s
             yield name, t
 
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    if isinstance(config.get("text_config"), dict):  # a vision-language release may keep it in its text_config
+        config["text_config"] = {k: v for k, v in config["text_config"].items() if k != "quantization_config"}
     save_hf(tensors(), out_dir, config, max_shard_bytes, total=len(names))
     _copy_tokenizer(hf_dir, out_dir)
     return stats
@@ -553,15 +555,16 @@ def _int4_group_size(quantization: dict) -> int:
 
 
 def int4_to_bf16(hf_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> dict:
-    """Write a bf16 copy of a compressed-tensors int4 checkpoint (Kimi-K2-Thinking as released: each
-    ``X.weight_packed`` / ``X.weight_scale`` / ``X.weight_shape`` triple becomes the bf16 ``X.weight``; the rest is
-    copied; config.json without its ``quantization_config``; the tokenizer files copied), one tensor at a time.
-    Returns a summary (tensors in, dequantized, bytes out)."""
+    """Write a bf16 copy of a compressed-tensors int4 checkpoint (Kimi-K2-Thinking and Kimi-K2.5 as released:
+    each ``X.weight_packed`` / ``X.weight_scale`` / ``X.weight_shape`` triple becomes the bf16 ``X.weight``; the rest
+    is copied; config.json without its ``quantization_config``, top level or text_config's; the tokenizer files
+    copied), one tensor at a time. Returns a summary (tensors in, dequantized, bytes out)."""
     if os.path.abspath(hf_dir) == os.path.abspath(out_dir):
         raise ValueError("--out must differ from --hf-dir")
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_config = json.load(f)
-    group_size = _int4_group_size(hf_config.get("quantization_config") or {})
+    group_size = _int4_group_size(hf_config.get("quantization_config") or
+                                  (hf_config.get("text_config") or {}).get("quantization_config") or {})
 
     def symmetric(base: str, names: set[str]) -> None:
         if base + ".weight_zero_point" in names:

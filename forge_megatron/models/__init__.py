@@ -23,22 +23,50 @@ def load_causal_lm(path: str, **kwargs):
 TRANSPOSED_EXPERTS = {"qwen3_vl_moe": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")}
 
 
+def _kimi_k25_names(state: dict) -> dict:
+    """Kimi-K2.5's language model as released: ``language_model.model.`` / ``language_model.lm_head``, experts one
+    by one (transformers fuses them: [E, 2F, H] gate rows first, [E, H, F]). Its vision side keeps transformers'
+    names (5.24's reverse conversion renames the language model's layers to ``blocks``, so it cannot be used)."""
+    out = {}
+    for name, t in state.items():
+        if name == "lm_head.weight":
+            name = "language_model.lm_head.weight"
+        elif name.startswith("model.language_model."):
+            name = "language_model.model." + name[len("model.language_model."):]
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2)
+                out[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate
+                out[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            for e, w in enumerate(t):
+                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = w
+        else:
+            out[name] = t
+    return out
+
+
 def save_checkpoint(model, out_dir: str) -> None:
     """Write ``model`` (a transformers model) to ``out_dir`` as its released checkpoints are laid out:
-    ``save_pretrained``, except where transformers cannot write the layout back (Qwen3-VL-MoE's experts)."""
+    ``save_pretrained``, except where transformers cannot write the layout back (Qwen3-VL-MoE's experts,
+    Kimi-K2.5's names)."""
     import os
 
     from safetensors.torch import save_file
 
-    fused = TRANSPOSED_EXPERTS.get(model.config.model_type)
-    if fused is None:
+    kind = model.config.model_type
+    fused = TRANSPOSED_EXPERTS.get(kind, ())
+    if not fused and kind != "kimi_k25":
         model.save_pretrained(out_dir, safe_serialization=True)
         return
     state = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and model.config.get_text_config().tie_word_embeddings:
             continue  # tied: saved once, as the embedding
-        state[name] = (t.transpose(1, 2) if name.endswith(fused) else t).contiguous()
+        state[name] = t.transpose(1, 2) if fused and name.endswith(fused) else t
+    if kind == "kimi_k25":
+        state = _kimi_k25_names(state)
+    state = {name: t.contiguous() for name, t in state.items()}
     os.makedirs(out_dir, exist_ok=True)
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     model.config.architectures = [type(model).__name__]

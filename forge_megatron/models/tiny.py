@@ -33,13 +33,14 @@ SPECIAL_TOKENS = (
 )
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
-         "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4")
+         "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
        "gemma3_vl": ("gemma3", "Gemma3Config", "Gemma3ForConditionalGeneration"),
        "qwen3_vl": ("qwen3", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
        "qwen3_vl_moe": ("qwen3_moe", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+       "kimi_k25": ("deepseek_v3", "Kimi_K25Config", "Kimi_K25ForConditionalGeneration"),
        "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
@@ -139,6 +140,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                           image_size=16, patch_size=4)
             return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                              tie_word_embeddings=True)
+        if text_arch == "deepseek_v3":  # Kimi-K2.5: a one-block MoonViT, 2 x 2 patches merged per token
+            vision = dict(patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+                          num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+            return transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
+                                               tie_word_embeddings=tie_word_embeddings)
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
                       patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
         if text_arch == "qwen3_moe":  # Qwen3-VL-MoE's router always renormalises (its config has no such field);

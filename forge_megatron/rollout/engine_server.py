@@ -469,11 +469,14 @@ def _in_memory_name(name: str) -> str:
     ``w2`` down; SGLang loads these names) as transformers >= 5 holds it (``mlp``, ``gate_proj`` / ``up_proj`` /
     ``down_proj`` slices of the fused expert tensors); a multimodal checkpoint's language model
     (``model.language_model.``: Qwen3.5) as the text model this engine loads from it holds it (``model.``), and
-    Gemma 3's (``language_model.model.`` on disk) as its vision-language model holds it (``model.language_model.``)."""
+    Gemma 3's and Kimi-K2.5's (``language_model.model.`` on disk; Kimi-K2.5's head ``language_model.lm_head``) as
+    their vision-language models hold them (``model.language_model.``, ``lm_head``)."""
     if name.startswith("model.language_model."):
         name = "model." + name[len("model.language_model."):]
     elif name.startswith("language_model.model."):
         name = "model.language_model." + name[len("language_model.model."):]
+    elif name == "language_model.lm_head.weight":  # Kimi-K2.5's head
+        name = "lm_head.weight"
     m = _MIXTRAL_EXPERT.fullmatch(name)
     if m is not None:
         return f"{m.group(1)}.mlp.experts.{m.group(2)}.{_MIXTRAL_PROJ[m.group(3)]}.weight"

@@ -21,7 +21,7 @@ from tests.dist_utils import run_distributed
 
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next", "olmo2", "olmo3", "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3",
-         "seed_oss", "glm4")
+         "seed_oss", "glm4", "kimi_k25")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -84,6 +84,7 @@ LAYOUTS = [
     ("glm4", ParallelLayout(tp=2, pp=2)),  # GLM-4's fused gate/up split into Megatron's per-rank [gate_i; up_i]
     ("gemma3_vl", ParallelLayout(tp=2)),  # as released: language_model.model.*, the SigLIP tower and projector copied
     ("qwen3_vl_moe", ParallelLayout(tp=2, pp=2, ep=2)),  # experts fused and transposed on disk, split per EP rank
+    ("kimi_k25", ParallelLayout(tp=2, pp=2, ep=2)),  # DeepSeek-V3's layout under language_model.*, the head too
     # experts whole on every TP rank (expert TP 1): gpt-oss's biased experts under TP
     ("qwen3_moe", ParallelLayout(tp=2, ep=2, etp=1)), ("gpt_oss", ParallelLayout(tp=2, pp=2, ep=2, etp=1)),
 ]
@@ -96,7 +97,7 @@ def test_round_trip_bit_exact(hf_dirs, tmp_path, arch, layout):
     n_files = len(glob.glob(str(tmp_path / "mcore/release/mp_rank_*/model_optim_rng.pt")))
     assert n_files == layout.tp * layout.pp * layout.ep
     ckpt.megatron_to_hf(str(tmp_path / "mcore"), str(tmp_path / "hf"), max_shard_bytes=64 << 10,
-                        vision_from=hf_dirs[arch] if "_vl" in arch else None)
+                        vision_from=hf_dirs[arch] if Bridge(hf_dirs[arch]).family.multimodal else None)
     _assert_bit_exact(hf_dirs[arch], tmp_path / "hf")
     index = json.load(open(tmp_path / "hf/model.safetensors.index.json"))
     assert len(set(index["weight_map"].values())) > 1  # really sharded
@@ -360,11 +361,13 @@ def test_mxfp4_checkpoints_become_bf16_copies(hf_dirs, tmp_path):
     assert cli_main(["mxfp4-to-bf16", "--hf-dir", src, "--out", str(tmp_path / "x")]) == 2  # not MXFP4: refused
 
 
-def test_int4_checkpoints_become_bf16_copies(hf_dirs, tmp_path):
-    """forge-convert int4-to-bf16 on a DeepSeek-V3-layout checkpoint (Kimi-K2-Thinking's) in compressed-tensors'
-    pack-quantized int4 format, packed by the compressed-tensors library itself: the dequantisation equals the
-    library's (bit for bit), the copy has no quantization_config, keeps every other tensor and converts as the model
-    it encodes; asymmetric and other formats are refused by name."""
+@pytest.mark.parametrize("arch", ["deepseek_v3", "kimi_k25"])
+def test_int4_checkpoints_become_bf16_copies(hf_dirs, tmp_path, arch):
+    """forge-convert int4-to-bf16 on a DeepSeek-V3-layout checkpoint (Kimi-K2-Thinking's; Kimi-K2.5's, its
+    quantization_config in text_config) in compressed-tensors' pack-quantized int4 format, packed by the
+    compressed-tensors library itself: the dequantisation equals the library's (bit for bit), the copy has no
+    quantization_config, keeps every other tensor and converts as the model it encodes; asymmetric and other
+    formats are refused by name."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import dequantize
@@ -372,7 +375,7 @@ def test_int4_checkpoints_become_bf16_copies(hf_dirs, tmp_path):
     from forge_megatron.convert.checkpoint import dequantize_int4, save_hf
 
     group = 32
-    src = hf_dirs["deepseek_v3"]
+    src = hf_dirs[arch]
     tensors = _hf_tensors(src)
     config = json.load(open(os.path.join(src, "config.json")))
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
@@ -398,8 +401,13 @@ def test_int4_checkpoints_become_bf16_copies(hf_dirs, tmp_path):
     quantization = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
         "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
                                                        "strategy": "group", "group_size": group}}}}
+    def with_quantization(q):
+        if "text_config" in config:
+            return {**config, "text_config": {**config["text_config"], "quantization_config": q}}
+        return {**config, "quantization_config": q}
+
     q_dir = tmp_path / "int4"
-    save_hf(packed.items(), str(q_dir), {**config, "quantization_config": quantization})
+    save_hf(packed.items(), str(q_dir), with_quantization(quantization))
     with pytest.raises(UnsupportedModelError, match="a compressed-tensors checkpoint: .* forge-convert int4-to-bf16"):
         Bridge(str(q_dir))  # not trained as is: the bridge points to the copy
     assert cli_main(["int4-to-bf16", "--hf-dir", str(q_dir), "--out", str(tmp_path / "bf16")]) == 0
@@ -407,11 +415,11 @@ def test_int4_checkpoints_become_bf16_copies(hf_dirs, tmp_path):
     assert set(out) == set(tensors)
     for name, t in out.items():
         assert torch.equal(t, expected.get(name, tensors[name])), name
-    assert "quantization_config" not in json.load(open(tmp_path / "bf16" / "config.json"))
+    assert "quantization_config" not in open(tmp_path / "bf16" / "config.json").read()
     ckpt.hf_to_megatron(str(tmp_path / "bf16"), str(tmp_path / "m"), ParallelLayout(ep=2))
     asym = json.loads(json.dumps(quantization))
     asym["config_groups"]["group_0"]["weights"]["symmetric"] = False
-    save_hf(packed.items(), str(tmp_path / "asym"), {**config, "quantization_config": asym})
+    save_hf(packed.items(), str(tmp_path / "asym"), with_quantization(asym))
     assert cli_main(["int4-to-bf16", "--hf-dir", str(tmp_path / "asym"), "--out", str(tmp_path / "x")]) == 2
     assert cli_main(["int4-to-bf16", "--hf-dir", src, "--out", str(tmp_path / "y")]) == 2  # not int4: refused
 

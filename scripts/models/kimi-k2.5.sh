@@ -1,0 +1,11 @@
+# Kimi-K2.5 / K2.6 (HF moonshotai/Kimi-K2.5: KimiK25ForConditionalGeneration). Its language model is Kimi-K2's
+# (DeepSeek-V3's layout at 1T: multi-latent attention, 384 routed experts top-8 with a sigmoid router, one shared
+# expert, layer 0 dense, YaRN) under language_model.*, beside the MoonViT vision tower, which RL on text leaves as it
+# is (copied on export: forge-convert mcore-to-hf --vision-from HF_DIR). Released with int4 routed experts: make the
+# bf16 copy once (forge-convert int4-to-bf16 --hf-dir Kimi-K2.5 --out Kimi-K2.5-bf16), train from it and serve it.
+# The trainer takes the architecture from --hf-checkpoint's config.json (MODEL_ARGS empty; flags given anyway are
+# checked against it). Source it and pass "${MODEL_ARGS[@]}".
+MODEL_ARGS=()
+# Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): Kimi-K2's tool-call
+# sections and <think> blocks.
+TOOL_PARSER="${TOOL_PARSER:-kimi_k2}"; REASONING_PARSER="${REASONING_PARSER:-kimi_k2}"
