@@ -395,7 +395,7 @@ class ReferenceEngine:
             raise RequestError(str(exc)) from exc
         _require(not n_fp8 or self.fp8 is not None,
                  "this engine serves a checkpoint without an fp8 quantization_config: send unquantized weights")
-        if getattr(self.model.config, "q_lora_rank", None) is not None:
+        if getattr(self.model.config.get_text_config(), "q_lora_rank", None) is not None:  # Kimi-K2.5's too
             missing = missing_partners(named)
             if missing:
                 raise RequestError(f"{missing[0]!r} must come in the same request: SGLang fuses each layer's q_a_proj "
@@ -550,7 +550,7 @@ async def health(request, eng):
 async def model_info(request, eng):
     return web.json_response({"model_path": eng.model_path, "tokenizer_path": eng.model_path,
                               "is_generation": True, "context_length": eng.context_length,
-                              "vocab_size": eng.model.config.vocab_size})
+                              "vocab_size": eng.model.config.get_text_config().vocab_size})
 
 
 @_handler

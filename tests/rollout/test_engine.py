@@ -443,3 +443,32 @@ def test_routed_experts_are_the_models_own_routing(tmp_path):
         plain.stop()
     with pytest.raises(ValueError, match="no MoE router"):
         ReferenceEngine(build_tiny_model(str(tmp_path / "dense")), return_routed_experts=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl_moe", "kimi_k25"])
+def test_vision_language_release_swaps_in_by_its_checkpoint_names(tmp_path, arch):
+    """An engine serving a vision-language release (transformers' image-text-to-text model) loads another checkpoint
+    of it from disk by the released names: Qwen3-VL-MoE's transposed fused experts, Kimi-K2.5's language_model.*
+    names and per-expert tensors. Its greedy logprobs then equal transformers' on that checkpoint, and
+    /get_model_info reports the language model's vocabulary (the top-level config has none)."""
+    from forge_megatron.models import load_causal_lm
+
+    first = build_tiny_model(str(tmp_path / "a"), arch=arch, seed=1)
+    other = build_tiny_model(str(tmp_path / "b"), arch=arch, seed=2)
+    h = start_engine(first, in_process=True)
+    try:
+        async def go():
+            c = SGLangClient(h.url)
+            info = await c.get_model_info()
+            await c.update_weights_from_disk(other)
+            res = await c.generate(PROMPT, {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+            await c.close()
+            return info, res
+        info, res = run(go())
+    finally:
+        h.stop()
+    ref = load_causal_lm(other, dtype=torch.float32).eval()
+    assert info["vocab_size"] == ref.config.get_text_config().vocab_size
+    assert res.logprobs == pytest.approx(teacher_forced_logprobs(ref, PROMPT, res.output_ids), abs=1e-4)
+    mine = load_causal_lm(first, dtype=torch.float32).eval()  # the control: the first checkpoint scores otherwise
+    assert teacher_forced_logprobs(mine, PROMPT, res.output_ids) != pytest.approx(res.logprobs, abs=1e-3)
