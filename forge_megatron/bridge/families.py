@@ -153,6 +153,12 @@ FAMILIES: dict[str, Family] = {
     # GLM-4 dense (GLM-4-0414, GLM-Z1): norms before and after attention and MLP, the MLP's gate and up fused in
     # one checkpoint tensor, RoPE on interleaved channel pairs of the first half of each head
     "Glm4ForCausalLM": Family("glm4", qkv_bias=None, qk_norm=False, moe=False),
+    # GLM-4.1V-Thinking / GLM-4.6V-Flash: the GLM-4 dense language model (biases on q/k/v always) under
+    # model.language_model. beside model.visual.; GLM-4.5V / GLM-4.6V: the GLM-4.5-Air MoE one. A text token has one
+    # position on all three mRoPE axes, so its rotation is the language model's own (interleaved / halves)
+    "Glm4vForConditionalGeneration": Family("glm4", qkv_bias=True, qk_norm=False, moe=False, multimodal=True),
+    "Glm4vMoeForConditionalGeneration": Family("glm4_moe", qkv_bias=None, qk_norm=False, moe=True, sigmoid_router=True,
+                                               multimodal=True),
     "Gemma3ForCausalLM": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True),
     # Gemma 3 4B-27B as released: the text model above under language_model.model. (tied head), a SigLIP vision
     # tower and its projector beside it

@@ -33,7 +33,8 @@ SPECIAL_TOKENS = (
 )
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
-         "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25")
+         "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
+         "glm4v_moe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -41,6 +42,8 @@ _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGenerati
        "qwen3_vl": ("qwen3", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
        "qwen3_vl_moe": ("qwen3_moe", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
        "kimi_k25": ("deepseek_v3", "Kimi_K25Config", "Kimi_K25ForConditionalGeneration"),
+       "glm4v": ("glm4", "Glm4vConfig", "Glm4vForConditionalGeneration"),
+       "glm4v_moe": ("glm4_moe", "Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
        "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
@@ -145,6 +148,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                           num_hidden_layers=1, hidden_size=32, intermediate_size=64)
             return transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
                                                tie_word_embeddings=tie_word_embeddings)
+        if text_arch.startswith("glm4"):  # GLM-4.1V / 4.5V / 4.6V: mRoPE over the 4 rotated pairs of each head
+            text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                       "mrope_section": [2, 1, 1]}
+            text.pop("use_qk_norm", None)  # GLM-4.5V's attention has no q/k norms (its config no such field)
+            vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                          patch_size=4, spatial_merge_size=2, temporal_patch_size=2, image_size=16)
+            return getattr(transformers, config_class)(text_config=text, vision_config=vision,
+                                                       tie_word_embeddings=tie_word_embeddings)
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
                       patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
         if text_arch == "qwen3_moe":  # Qwen3-VL-MoE's router always renormalises (its config has no such field);
@@ -314,7 +325,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape) * 0.1)
             elif arch in ("minimax_m2", "olmo2", "olmo3") and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
-            elif arch in ("olmo2", "olmo3", "glm4") and name.endswith("layernorm.weight"):
+            elif arch in ("olmo2", "olmo3", "glm4", "glm4v") and name.endswith("layernorm.weight"):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
             elif arch.startswith("gemma3") and name.endswith("norm.weight") and "vision" not in name:
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters

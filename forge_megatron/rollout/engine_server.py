@@ -417,22 +417,21 @@ class ReferenceEngine:
             dest = params.get(name, params.get(_in_memory_name(name)))
             _require(dest is not None, f"unknown parameter name {name!r}")
             return dest.transpose(1, 2)
-        if name in params:
-            return params[name]
-        name = _in_memory_name(name)
-        if name in params:
-            return params[name]
-        m = _PER_EXPERT.fullmatch(name)
-        if m is not None:
-            prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-            fused = params.get(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
-            if fused is not None:
-                _require(expert < fused.shape[0], f"{name!r}: expert {expert} >= num_experts {fused.shape[0]}")
-                if proj == "down_proj":
-                    return fused[expert]
-                half = fused.shape[1] // 2
-                return fused[expert, :half] if proj == "gate_proj" else fused[expert, half:]
-        _require(False, f"unknown parameter name {name!r}")
+        # as named (a vision-language model served whole), or as a text-only model holds it
+        for candidate in dict.fromkeys((name, _in_memory_name(name))):
+            if candidate in params:
+                return params[candidate]
+            m = _PER_EXPERT.fullmatch(candidate)
+            if m is not None:
+                prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+                fused = params.get(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+                if fused is not None:
+                    _require(expert < fused.shape[0], f"{name!r}: expert {expert} >= num_experts {fused.shape[0]}")
+                    if proj == "down_proj":
+                        return fused[expert]
+                    half = fused.shape[1] // 2
+                    return fused[expert, :half] if proj == "gate_proj" else fused[expert, half:]
+        _require(False, f"unknown parameter name {_in_memory_name(name)!r}")
         raise AssertionError  # unreachable
 
     def load_from_disk(self, model_path: str) -> None:
