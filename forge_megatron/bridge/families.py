@@ -143,6 +143,15 @@ FAMILIES: dict[str, Family] = {
     "GptOssForCausalLM": Family("gpt_oss", qkv_bias=None, qk_norm=False, moe=True, gpt_oss=True),
     # Mistral-Small / Devstral / Magistral text models: the Llama layout (sliding windows refused below)
     "MistralForCausalLM": Family("mistral", qkv_bias=None, qk_norm=False, moe=False),
+    # Ministral 3 (3B / 8B / 14B; Devstral 2's text models): the Llama layout, YaRN, and Llama 4's attention
+    # temperature past original_max_position_embeddings (rope_parameters' llama_4_scaling_beta: query scaling);
+    # released as Mistral3ForConditionalGeneration (Pixtral tower; the language model under language_model.model.,
+    # its head language_model.lm_head, as Mistral-Small 3.1 / 3.2 whose text model is Mistral's)
+    "Ministral3ForCausalLM": Family("ministral3", qkv_bias=None, qk_norm=False, moe=False),
+    "Mistral3ForConditionalGeneration": Family("ministral3", qkv_bias=None, qk_norm=False, moe=False, multimodal=True,
+                                               text_prefix="language_model.model.",
+                                               head_name="language_model.lm_head.weight",
+                                               vision_prefixes=("vision_tower.", "multi_modal_projector.")),
     "Olmo2ForCausalLM": Family("olmo2", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
     "Olmo3ForCausalLM": Family("olmo3", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
     # SmolLM3: the Llama layout with RoPE left out of every fourth layer (``no_rope_layers``: 0 = NoPE)
@@ -286,7 +295,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                     "an attention output bias)")
     if hf.get("use_sliding_window"):
         raise UnsupportedModelError("use_sliding_window=True is not supported")
-    window = hf.get("sliding_window") if family.name == "mistral" else None
+    window = hf.get("sliding_window") if family.name in ("mistral", "ministral3") else None
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral configs have none)")
@@ -461,6 +470,11 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
     if family.name == "glm4":
         kwargs.update(pre_norm=True, post_norm=True, rotary_interleaved=True)
+    params = hf.get("rope_scaling") or rope_parameters(hf)
+    if params.get("llama_4_scaling_beta"):  # Ministral 3: queries scaled past the original context
+        kwargs["query_scaling"] = (float(params["llama_4_scaling_beta"]),
+                                   int(params.get("original_max_position_embeddings") or
+                                       hf.get("original_max_position_embeddings") or kwargs["max_position_embeddings"]))
     if family.name == "smollm3":
         rope_layers = hf.get("no_rope_layers") or [int((i + 1) % int(hf.get("no_rope_layer_interval") or 4) != 0)
                                                    for i in range(hf["num_hidden_layers"])]

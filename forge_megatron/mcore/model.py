@@ -52,6 +52,9 @@ class GPTConfig:
     nope_layers: tuple[bool, ...] | None = None
     rotary_percent: float = 1.0  # the fraction of each head RoPE rotates (its first channels; GLM-4.5: 0.5)
     rotary_interleaved: bool = False  # rotate interleaved channel pairs (GLM-4 dense), not the two halves
+    # Ministral 3 / Llama 4's attention temperature: (beta, original_max_position_embeddings); queries at position p
+    # are multiplied by 1 + beta * log(1 + floor(p / original_max)) (rope.scale_queries)
+    query_scaling: tuple[float, int] | None = None
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
     # MoE (num_moe_experts=None: dense)
@@ -127,6 +130,12 @@ class GPTConfig:
                                             or self.normalization != "RMSNorm"):
             raise ValueError("qk_layernorm_all_heads is an RMSNorm over all query / key heads: it needs "
                              "qk_layernorm, RMSNorm and standard (not multi-latent) attention")
+        if self.query_scaling is not None:
+            beta, original = self.query_scaling
+            self.query_scaling = (float(beta), int(original))
+            if self.multi_latent_attention or self.attention_output_gate or self.post_norm or original < 1:
+                raise ValueError("query_scaling (beta, original_max_position_embeddings >= 1) is supported with "
+                                 "standard attention only")
         if self.nope_layers is not None:
             self.nope_layers = tuple(bool(x) for x in self.nope_layers)
             if len(self.nope_layers) != self.num_layers or self.multi_latent_attention:
@@ -467,6 +476,8 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
                                      base_scale=cfg.softmax_scale)
     if cfg.nope_layers is not None and any(cfg.nope_layers):
         rope.leave_out(model, cfg.nope_layers)
+    if cfg.query_scaling is not None:
+        rope.scale_queries(model, *cfg.query_scaling)
     if cfg.embedding_multiplier is not None and getattr(model, "embedding", None) is not None:
         multiplier = cfg.embedding_multiplier
 

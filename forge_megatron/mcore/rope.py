@@ -196,3 +196,52 @@ def leave_out(model, nope_layers) -> None:
     for layer in model.decoder.layers:
         if nope_layers[layer.layer_number - 1]:
             layer.self_attention.register_forward_pre_hook(no_rope, with_kwargs=True)
+
+
+def scale_queries(model, beta: float, original_max: int) -> None:
+    """Ministral 3's (Llama 4's) attention temperature in ``model`` (a GPTModel stage): the query of a token at
+    position p is multiplied by ``1 + beta * log(1 + floor(p / original_max))`` (1 below ``original_max``). HF scales
+    the rotated query; RoPE is linear, so this scales the query rows of ``linear_qkv``'s output instead. The positions
+    are read off the rotary table the self-attention is handed (angle / frequency of its first channel, frequency
+    1 / base^0 = 1 before scaling): the causal model's 0..S-1, the tree model's depths (this CP rank's tokens), so a
+    recomputed layer sees its own positions. A pre-hook on each self-attention keeps its tokens' factors for the
+    forward hook on its ``linear_qkv`` (TP: this rank's query groups; SP: the gathered sequence)."""
+    def positions_of(module, args, kwargs):
+        table = kwargs.get("rotary_pos_emb")
+        if isinstance(table, tuple):
+            table = table[0]
+        module._forge_query_scale = None
+        if table is None:
+            return None
+        rotary = rotary_modules(model)
+        freq0 = float(rotary[0].inv_freq[0]) if rotary else 1.0
+        pos = torch.round(table.reshape(table.shape[0], -1)[:, 0].float() / freq0)  # [S]
+        module._forge_query_scale = 1.0 + beta * torch.log1p(torch.floor(pos / original_max))
+        return None
+
+    def scale(module, inputs, output, attention=None):
+        factor = attention._forge_query_scale
+        if factor is None:
+            return None
+        out, bias = output if isinstance(output, tuple) else (output, None)
+        if bias is not None:
+            raise ValueError("query scaling with a q/k/v bias added after linear_qkv is not supported")
+        cfg = attention.config
+        per_group = cfg.num_attention_heads // cfg.num_query_groups
+        s, b = out.shape[:2]
+        if factor.numel() != s:
+            raise ValueError(f"query scaling: {factor.numel()} positions for {s} tokens (causal model under context "
+                             "parallelism? train with the tree model)")
+        grouped = out.view(s, b, -1, per_group + 2, cfg.kv_channels)
+        weights = torch.ones(per_group + 2, dtype=out.dtype, device=out.device)
+        scaled = grouped * torch.where(torch.arange(per_group + 2, device=out.device)[None] < per_group,
+                                       factor.to(out.device, out.dtype)[:, None], weights[None])[:, None, None, :, None]
+        scaled = scaled.view_as(out)
+        return (scaled, bias) if isinstance(output, tuple) else scaled
+
+    import functools
+
+    for layer in model.decoder.layers:
+        attention = layer.self_attention
+        attention.register_forward_pre_hook(positions_of, with_kwargs=True)
+        attention.linear_qkv.register_forward_hook(functools.partial(scale, attention=attention))

@@ -11,6 +11,8 @@ false gets the raw text as content. Training is unaffected: the recorded tokens 
   deepseek-v3                                                starts with it
   qwen3-thinking, deepseek-r1           <think> </think>     always (their templates open the block in the prompt)
   kimi                                  ◁think▷ ◁/think▷     as qwen3
+  seed_oss                              <seed:think> ...     as qwen3
+  mistral                               [THINK] [/THINK]     as qwen3 (Magistral, Ministral 3 Reasoning)
   gpt-oss                               harmony channels     the analysis messages are the reasoning (harmony.py)
 
 Where the block starts is read from the rendered prompt, not assumed per family: a chat template that ends the
@@ -118,6 +120,8 @@ _PARSERS = {
     "kimi": ReasoningParser("kimi", start="◁think▷", end="◁/think▷"),
     "minimax": ReasoningParser("minimax"),
     "seed_oss": ReasoningParser("seed_oss", start="<seed:think>", end="</seed:think>", tool_start="<seed:tool_call>"),
+    # Magistral, Ministral 3 Reasoning, Devstral with thinking: [THINK] ... [/THINK], then [TOOL_CALLS] or the answer
+    "mistral": ReasoningParser("mistral", start="[THINK]", end="[/THINK]", tool_start="[TOOL_CALLS]"),
     "gpt-oss": HarmonyReasoningParser("gpt-oss"),
 }
 

@@ -34,7 +34,7 @@ SPECIAL_TOKENS = (
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
-         "glm4v_moe")
+         "glm4v_moe", "ministral3", "ministral3_vl")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -44,6 +44,7 @@ _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGenerati
        "kimi_k25": ("deepseek_v3", "Kimi_K25Config", "Kimi_K25ForConditionalGeneration"),
        "glm4v": ("glm4", "Glm4vConfig", "Glm4vForConditionalGeneration"),
        "glm4v_moe": ("glm4_moe", "Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
+       "ministral3_vl": ("ministral3", "Mistral3Config", "Mistral3ForConditionalGeneration"),
        "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
@@ -148,6 +149,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                           num_hidden_layers=1, hidden_size=32, intermediate_size=64)
             return transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
                                                tie_word_embeddings=tie_word_embeddings)
+        if text_arch == "ministral3":  # a one-layer Pixtral tower, 2 x 2 patches merged per token
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          image_size=16, patch_size=4, head_dim=16)
+            return transformers.Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=2,
+                                               tie_word_embeddings=tie_word_embeddings)
         if text_arch.startswith("glm4"):  # GLM-4.1V / 4.5V / 4.6V: mRoPE over the 4 rotated pairs of each head
             text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                        "mrope_section": [2, 1, 1]}
@@ -199,6 +205,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
         ),
         "mistral": (transformers.MistralConfig, {"head_dim": 16, "sliding_window": None}),
+        # Ministral 3 layout: Mistral's with YaRN and Llama 4's query scaling past position 4 (as past 16k released)
+        "ministral3": (
+            transformers.Ministral3Config,
+            {"head_dim": 16, "sliding_window": None,
+             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.4}},
+        ),
         # GLM-4.5 layout: layer 0 dense, layer 1 MoE (sigmoid router + score bias, a shared expert), half-head RoPE
         "glm4_moe": (
             transformers.Glm4MoeConfig,

@@ -167,8 +167,10 @@ def _body_one_rank(rank, world_size):
                            for layer in olmo_tree.decoder.layers]
     # Gemma 3: sandwich norms (1 + w), GeGLU, the scaled embedding, query_pre_attn_scalar, a window on layer 0 with
     # its own RoPE base, tied embeddings; SmolLM3: layer 1 without RoPE (position only through the ancestor mask);
-    # GLM-4 dense: sandwich norms, RoPE on interleaved pairs of half of each head (the depth-indexed table)
-    for arch, cls in (("gemma3", "Gemma3ForCausalLM"), ("smollm3", "SmolLM3ForCausalLM"), ("glm4", "Glm4ForCausalLM")):
+    # GLM-4 dense: sandwich norms, RoPE on interleaved pairs of half of each head (the depth-indexed table);
+    # Ministral 3: queries scaled by their depth past position 4 (read off the depth-indexed table)
+    for arch, cls in (("gemma3", "Gemma3ForCausalLM"), ("smollm3", "SmolLM3ForCausalLM"), ("glm4", "Glm4ForCausalLM"),
+                      ("ministral3", "Ministral3ForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Qwen3.5 layout: a Gated DeltaNet layer (the recurrence and its convolution along every root-to-leaf path)
@@ -418,8 +420,8 @@ def test_olmo3_tree_equals_unmerged(one_rank):
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["olmo3"]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "smollm3", "glm4"])
-def test_gemma3_smollm3_and_glm4_trees_equal_unmerged(one_rank, arch):
+@pytest.mark.parametrize("arch", ["gemma3", "smollm3", "glm4", "ministral3"])
+def test_gemma3_smollm3_glm4_and_ministral3_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank[arch]
 

@@ -39,6 +39,10 @@ def test_tool_call_opening_ends_an_unclosed_block():
     seed = get_reasoning_parser("seed_oss")  # Seed-OSS: its own tags, its tool-call block ends an open one
     assert seed.split("<seed:think>x</seed:think>y", False) == Split("x", "y")
     assert seed.split("<seed:think>x<seed:tool_call>y", False) == Split("x", "<seed:tool_call>y")
+    mistral = get_reasoning_parser("mistral")  # Magistral / Ministral 3: [THINK] blocks, [TOOL_CALLS] ends an open one
+    assert mistral.split("[THINK]x[/THINK]y", False) == Split("x", "y")
+    assert mistral.split("[THINK]x[TOOL_CALLS]f[ARGS]{}", False) == Split("x", "[TOOL_CALLS]f[ARGS]{}")
+    assert mistral.split("no block", False) == Split(None, "no block")
 
 
 def test_names():
@@ -50,7 +54,7 @@ def test_names():
 
 
 @pytest.mark.parametrize("parser", [QWEN3, get_reasoning_parser("kimi"), get_reasoning_parser("deepseek-r1"),
-                                    get_reasoning_parser("seed_oss"),
+                                    get_reasoning_parser("seed_oss"), get_reasoning_parser("mistral"),
                                     ReasoningParser("two-char", start="<<", end=">>", tool_start="@@")])
 def test_a_stream_only_ever_extends_what_it_gave_out(parser):
     """Cut a completion at every character: each partial split's reasoning and content extend the previous one's

@@ -1,0 +1,25 @@
+"""The trainer on the Ministral 3 layout (YaRN, and queries scaled by 1 + beta * log(1 + floor(p / 4)) past position
+4: rope.scale_queries), as a real process against a real forge-pool process. Under TP = 2 with sequence parallelism
+each rank scales its own query groups of the gathered sequence; under CP = 2 each rank's zig-zag shard of the tree
+reads its tokens' depths off its slice of the rotary table. Both train the same two steps as one rank. CPU, gloo."""
+
+import numpy as np
+
+from forge_megatron.models.tiny import build_tiny_model
+
+from .pool_feed import feed_groups
+from .trainer_run import assert_same_as_one_rank, run_on_fresh_pool
+
+
+def test_query_scaling_trains_the_same_under_tensor_and_context_parallelism(tmp_path):
+    model_dir = build_tiny_model(str(tmp_path / "ministral3"), arch="ministral3", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6))  # noqa: E731
+    layouts = [("one", [], 1), ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+               ("cp2", ["--context-parallel-size", "2"], 2)]
+    steps = {}
+    for name, extra, nproc in layouts:
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--tree-token-budget", "24"], model=[])
+    assert [len(v) for v in steps.values()] == [2] * len(layouts)
+    assert steps["one"][0]["grad_norm"] > 0
+    assert_same_as_one_rank(steps, ["tp2sp", "cp2"])
