@@ -111,7 +111,8 @@ FAMILIES: dict[str, Family] = {
     # Kimi-K2.5 / K2.6 as released: the Kimi-K2 language model (DeepSeek-V3's layout) under language_model.model.
     # and language_model.lm_head, the MoonViT tower and projector beside it (vision_tower., mm_projector.; the
     # model.-prefixed names are how transformers holds them, as a checkpoint saved from memory has them). Released
-    # with int4 experts: train and serve the bf16 copy of forge-convert int4-to-bf16
+    # with int4 experts: train the bf16 copy of forge-convert int4-to-bf16 (engines may serve the release:
+    # --weight-sync-int4)
     **{arch: Family("deepseek_v3", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True, mla=True,
                     multimodal=True, text_prefix="language_model.model.", head_name="language_model.lm_head.weight",
                     vision_prefixes=("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector."))
@@ -319,7 +320,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         method = quantization.get("quant_method")
         if method != "fp8":
             hint = " (compressed-tensors int4, e.g. Kimi-K2-Thinking: forge-convert int4-to-bf16 --hf-dir DIR --out " \
-                   "DIR_BF16)" if method == "compressed-tensors" else ""
+                   "DIR_BF16; engines may still serve DIR: --weight-sync-int4 DIR)" if method == "compressed-tensors" \
+                else ""
             raise UnsupportedModelError(f"a {method} checkpoint: only block-wise fp8 checkpoints are read "
                                         f"(dequantized); train and serve a bf16 copy of others{hint}")
         try:

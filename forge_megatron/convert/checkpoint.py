@@ -520,38 +520,11 @@ def _copy_tokenizer(hf_dir: str, out_dir: str) -> None:
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, shape, group_size: int) -> torch.Tensor:
-    """bf16 [rows, cols] of a compressed-tensors ``pack-quantized`` int4 weight: eight 4-bit values per int32 along
-    each row, value i at bits 4i..4i+3 stored as q + 8 (q in [-8, 7]); symmetric, one scale per ``group_size``
-    columns: w = q x scale[row, col // group_size]. Bit operations, so the host's byte order does not matter."""
-    rows, cols = (int(x) for x in shape)
-    if packed.dtype != torch.int32 or packed.shape[0] != rows or packed.shape[1] * 8 < cols:
-        raise ValueError(f"packed int4 weight {tuple(packed.shape)} {packed.dtype} does not hold a [{rows}, {cols}] "
-                         "weight (int32, eight values per word)")
-    if scale.shape != (rows, -(-cols // group_size)):
-        raise ValueError(f"int4 scales {tuple(scale.shape)} are not one per {group_size} columns of [{rows}, {cols}]")
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    q = ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(rows, -1)[:, :cols] - 8
-    full = scale.float().repeat_interleave(group_size, dim=1)[:, :cols]
-    return (q.float() * full).to(torch.bfloat16)
+    """bf16 [rows, cols] of a compressed-tensors ``pack-quantized`` int4 weight (weight_sync/int4.py describes the
+    format): w = q x scale[row, col // group_size]."""
+    from forge_megatron.weight_sync.int4 import dequantize
 
-
-def _int4_group_size(quantization: dict) -> int:
-    """The group size of a compressed-tensors int4 config this converter reads (pack-quantized, symmetric, group
-    strategy); a clear error for anything else."""
-    if quantization.get("quant_method") != "compressed-tensors" or quantization.get("format") != "pack-quantized":
-        raise ValueError(f"not a compressed-tensors pack-quantized checkpoint (quant_method "
-                         f"{quantization.get('quant_method')!r}, format {quantization.get('format')!r})")
-    sizes = set()
-    for name, group in (quantization.get("config_groups") or {}).items():
-        w = group.get("weights") or {}
-        if (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy")) != (4, "int", True, "group") \
-                or group.get("input_activations"):
-            raise ValueError(f"config group {name!r}: only 4-bit symmetric group-wise integer weights without "
-                             f"activation quantization are read, got weights {w}")
-        sizes.add(int(w["group_size"]))
-    if len(sizes) != 1:
-        raise ValueError(f"expected one int4 group size, got {sorted(sizes) or 'none'}")
-    return sizes.pop()
+    return dequantize(packed, scale, shape, group_size, torch.bfloat16)
 
 
 def int4_to_bf16(hf_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> dict:
@@ -563,8 +536,9 @@ def int4_to_bf16(hf_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> d
         raise ValueError("--out must differ from --hf-dir")
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_config = json.load(f)
-    group_size = _int4_group_size(hf_config.get("quantization_config") or
-                                  (hf_config.get("text_config") or {}).get("quantization_config") or {})
+    from forge_megatron.weight_sync.int4 import group_size_of, quantization_config_of
+
+    group_size = group_size_of(quantization_config_of(hf_config) or {})
 
     def symmetric(base: str, names: set[str]) -> None:
         if base + ".weight_zero_point" in names:

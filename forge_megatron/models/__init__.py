@@ -17,6 +17,26 @@ def load_causal_lm(path: str, **kwargs):
     return AutoModelForImageTextToText.from_pretrained(path, **kwargs)
 
 
+def causal_lm_from_config(path: str, **kwargs):
+    """:func:`load_causal_lm`'s model of the checkpoint at ``path``, built from its config without its
+    ``quantization_config`` (top level or ``text_config``'s) and randomly initialised: for a caller that loads the
+    weights itself (the reference engine dequantizing a compressed-tensors int4 checkpoint)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    for c in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        if getattr(c, "quantization_config", None) is not None:
+            del c.quantization_config
+    try:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_config(config, **kwargs)
+
+
 # transformers holds these experts as [E, 2F, H] / [E, H, F]; their checkpoints (and SGLang's loader) have the
 # transposes. Its save_pretrained cannot write them back (5.24 raises inside the reverse conversion, and that
 # conversion keeps whichever layout matches the model's), so save_checkpoint writes them itself.

@@ -57,12 +57,13 @@ from forge_megatron.models import TRANSPOSED_EXPERTS
 from forge_megatron.rollout.weight_group import broadcast_tensor, init_weight_update_group
 from forge_megatron.weight_sync.buckets import missing_partners
 from forge_megatron.weight_sync.fp8 import FP8_DTYPE, Fp8Config, dequantize_named
+from forge_megatron.weight_sync.int4 import Int4Config, dequantize_named as dequantize_int4_named
 
 log = logging.getLogger("forge.engine")
 
 PAUSE_MODES = ("abort", "in_place", "retract")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-           "float8_e4m3fn": torch.float8_e4m3fn}
+           "float8_e4m3fn": torch.float8_e4m3fn, "int32": torch.int32}  # int32: packed int4 weights
 
 
 class RequestError(ValueError):
@@ -181,12 +182,22 @@ class ReferenceEngine:
         self.model_path = model_path
         self.original_logprob = return_original_logprob()  # SGLANG_RETURN_ORIGINAL_LOGPROB, read at start as SGLang
         # an FP8 checkpoint (quantization_config fp8, block-wise) is dequantized by transformers on CPU: the engine
-        # computes with the FP8-rounded weights, and updates must come as FP8 weights + scales, as SGLang loads them
-        from forge_megatron.models import load_causal_lm
+        # computes with the FP8-rounded weights, and updates must come as FP8 weights + scales, as SGLang loads them.
+        # A compressed-tensors int4 one (Kimi-K2-Thinking / K2.5) is dequantized here (transformers 5 cannot put
+        # packed experts into its fused expert tensors): same rule, its updates packed int4 + scales + shape
+        from forge_megatron.models import causal_lm_from_config, load_causal_lm
+        from forge_megatron.weight_sync.int4 import quantization_config_of
 
-        self.model = load_causal_lm(model_path, dtype=torch.float32).eval()  # Qwen3-VL: its whole model
         with open(os.path.join(model_path, "config.json")) as f:  # transformers drops it once dequantized
-            self.fp8 = Fp8Config.from_hf(json.load(f).get("quantization_config"))
+            quantization = quantization_config_of(json.load(f)) or {}
+        compressed = quantization.get("quant_method") == "compressed-tensors"
+        self.fp8 = None if compressed else Fp8Config.from_hf(quantization)
+        self.int4 = Int4Config.from_hf(quantization) if compressed else None
+        if self.int4 is None:
+            self.model = load_causal_lm(model_path, dtype=torch.float32).eval()  # Qwen3-VL: its whole model
+        else:
+            self.model = causal_lm_from_config(model_path, dtype=torch.float32).eval()
+            self.load_from_disk(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         text_config = self.model.config.get_text_config()  # a vision-language model's (Gemma 3) language model's
         self.context_length = context_length or int(getattr(text_config, "max_position_embeddings", 2048))
@@ -389,7 +400,14 @@ class ReferenceEngine:
                 raise RequestError(f"this engine serves an FP8 checkpoint (weight_block_size {list(self.fp8.block)}): "
                                    f"{plain[0]!r} must come as float8_e4m3fn with its weight_scale_inv (trainer "
                                    "--weight-sync-fp8)")
+        if self.int4 is not None:
+            plain = [n for n, t in named.items() if self.int4.quantizes(n, t)]
+            if plain:
+                raise RequestError(f"this engine serves an int4 checkpoint (group {self.int4.group}): {plain[0]!r} "
+                                   "must come packed, as weight_packed + weight_scale + weight_shape (trainer "
+                                   "--weight-sync-int4)")
         try:
+            named, _ = dequantize_int4_named(named, self.int4.group if self.int4 else None)
             named, n_fp8 = dequantize_named(named, block=self.fp8.block if self.fp8 else None)
         except ValueError as exc:
             raise RequestError(str(exc)) from exc

@@ -359,6 +359,12 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(float8_e4m3fn + weight_scale_inv per block of its weight_block_size; embeddings, LM head, "
                         "norms, routers and its modules_to_not_convert unquantized). About half the bytes of a bf16 "
                         "sync; the FP8 rounding shows up in rollout_logp_abs_diff / rollout_kl")
+    g.add_argument("--weight-sync-int4", default=None, metavar="CHECKPOINT",
+                   help="the engines serve a compressed-tensors int4 checkpoint (its directory or config.json: "
+                        "Kimi-K2-Thinking / Kimi-K2.5 as released): send the projection weights it quantizes as it "
+                        "stores them (weight_packed + weight_scale + weight_shape, its group size; the modules in "
+                        "its ignore list unquantized), computed as compressed-tensors does. Train from the bf16 copy "
+                        "(forge-convert int4-to-bf16); the int4 rounding shows up in rollout_logp_abs_diff")
     g.add_argument("--weight-sync-pause-mode", default="abort", choices=["abort", "retract", "in_place"],
                    help="SGLang /pause_generation mode around a sync: 'abort' ends in-flight calls and the gateway "
                         "goes on from their sampled tokens after the sync, so every token keeps the policy version "
@@ -430,6 +436,29 @@ def weight_sync_fp8(path: str | None):
     return fp8
 
 
+def weight_sync_int4(path: str | None):
+    """The :class:`Int4Config` of the compressed-tensors int4 checkpoint at ``path`` (a directory or its config.json;
+    its quantization_config at the top level or in its text_config), None without a path; ValueError naming
+    --weight-sync-int4 when it is not one."""
+    from forge_megatron.weight_sync.int4 import Int4Config, quantization_config_of
+
+    if path is None:
+        return None
+    config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(config_path) as f:
+            qc = quantization_config_of(json.load(f))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--weight-sync-int4 {path}: cannot read {config_path}: {exc}") from exc
+    if not qc:
+        raise ValueError(f"--weight-sync-int4 {path}: {config_path} has no quantization_config (not an int4 "
+                         "checkpoint)")
+    try:
+        return Int4Config.from_hf(qc)
+    except ValueError as exc:
+        raise ValueError(f"--weight-sync-int4 {path}: {exc}") from exc
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Cross-flag checks; raises ValueError naming the flag."""
     if args.hf_checkpoint is None:
@@ -472,6 +501,12 @@ def validate_args(args: argparse.Namespace) -> None:
         if args.weight_sync_transport == "none":
             raise ValueError("--weight-sync-fp8 needs a weight sync (--weight-sync-transport distributed or disk)")
         weight_sync_fp8(args.weight_sync_fp8)
+    if getattr(args, "weight_sync_int4", None) is not None:
+        if args.weight_sync_transport == "none":
+            raise ValueError("--weight-sync-int4 needs a weight sync (--weight-sync-transport distributed or disk)")
+        if args.weight_sync_fp8 is not None:
+            raise ValueError("--weight-sync-int4 and --weight-sync-fp8: the engines serve one checkpoint")
+        weight_sync_int4(args.weight_sync_int4)
     if args.weight_sync_transport == "disk" and not args.weight_sync_dir:
         raise ValueError("--weight-sync-transport disk needs --weight-sync-dir")
     if args.weight_sync_transport != "none" and not args.engine_urls:

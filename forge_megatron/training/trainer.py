@@ -860,7 +860,8 @@ def weight_sync_config(args: argparse.Namespace):
                             gateway_token=os.environ.get("FORGE_ADMIN_TOKEN"), disk_dir=args.weight_sync_dir,
                             master_addr=weight_sync_master_addr(args.weight_sync_master_addr),
                             pause_mode=args.weight_sync_pause_mode,
-                            fp8=arguments.weight_sync_fp8(args.weight_sync_fp8))
+                            fp8=arguments.weight_sync_fp8(args.weight_sync_fp8),
+                            int4=arguments.weight_sync_int4(getattr(args, "weight_sync_int4", None)))
 
 
 def make_syncer(args: argparse.Namespace, bridge):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-               torch.float64: "float64", torch.float8_e4m3fn: "float8_e4m3fn"}
+               torch.float64: "float64", torch.float8_e4m3fn: "float8_e4m3fn", torch.int32: "int32"}  # int32: int4
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 

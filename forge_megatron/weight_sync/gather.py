@@ -109,19 +109,23 @@ def iter_experts(bridge: Bridge, chunks, dtype: torch.dtype | None = None):
     yield from bridge.export(canonical())
 
 
-def iter_stage_buckets(bridge: Bridge, chunks, bucket_bytes: int, dtype: torch.dtype | None = None, fp8=None):
+def iter_stage_buckets(bridge: Bridge, chunks, bucket_bytes: int, dtype: torch.dtype | None = None, fp8=None,
+                       int4=None):
     """Collective over the ranks of this rank's pipeline stage: yields every HF tensor the stage holds (all its
     chunks), in buckets of at most ``bucket_bytes``, non-expert buckets first, then expert buckets. With ``fp8``
     (an :class:`~forge_megatron.weight_sync.fp8.Fp8Config`) projection weights go as float8 + block scales, each
-    weight in the bucket of its scales; tensors SGLang fuses on load go in one bucket (``buckets.LOADED_TOGETHER``).
+    weight in the bucket of its scales; with ``int4`` (an :class:`~forge_megatron.weight_sync.int4.Int4Config`) the
+    quantized projections go as packed int4 + group scales + shape, together; tensors SGLang fuses on load go in
+    one bucket (``buckets.LOADED_TOGETHER``).
 
     Every rank of the stage must run the generator to its end (they take part in the gathers); only the stage
     lead's buckets (:func:`is_stage_lead`) are sent to the engines.
     """
     from forge_megatron.weight_sync import buckets as bk
-    from forge_megatron.weight_sync.fp8 import quantize_named
+    from forge_megatron.weight_sync import fp8 as fp8_format, int4 as int4_format
 
     for stream in (iter_dense, iter_experts):
         named = stream(bridge, chunks, dtype)
-        named = named if fp8 is None else quantize_named(named, fp8)
+        named = named if fp8 is None else fp8_format.quantize_named(named, fp8)
+        named = named if int4 is None else int4_format.quantize_named(named, int4)
         yield from bk.make_buckets(bk.keep_together(named), bucket_bytes)

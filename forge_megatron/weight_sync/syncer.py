@@ -34,6 +34,7 @@ import torch.distributed as dist
 from forge_megatron.bridge import Bridge
 from forge_megatron.weight_sync import buckets as bk
 from forge_megatron.weight_sync.fp8 import Fp8Config
+from forge_megatron.weight_sync.int4 import Int4Config
 from forge_megatron.weight_sync.gather import is_stage_lead, iter_stage_buckets
 from forge_megatron.weight_sync.transport import (
     DiskTransport, DistributedTransport, EngineFailure, EngineHTTP, LocalLink, RemoteLink, StageSender, serve_stage,
@@ -65,6 +66,8 @@ class WeightSyncConfig:
     pause_mode: str = "abort"  # SGLang /pause_generation mode (the gateway continues aborted calls)
     dtype: str | None = None  # cast before sending ("bfloat16", ...); None: the parameters' dtype
     fp8: Fp8Config | None = None  # engines serve a block-wise FP8 checkpoint: projection weights go as FP8 + scales
+    int4: Int4Config | None = None  # engines serve a compressed-tensors int4 checkpoint: its quantized projections
+    # go packed with their group scales and shapes
     max_attempts: int = 2  # send passes per sync when engines fail mid-way
     timeout_s: float = 120.0  # HTTP calls and group collectives
 
@@ -84,10 +87,15 @@ class WeightSyncConfig:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise ValueError(f"fp8 must be an Fp8Config or None, got {self.fp8!r}")
+        if self.int4 is not None and not isinstance(self.int4, Int4Config):
+            raise ValueError(f"int4 must be an Int4Config or None, got {self.int4!r}")
+        if self.fp8 is not None and self.int4 is not None:
+            raise ValueError("fp8 and int4: the engines serve one checkpoint, quantized one way")
         if self.dtype == "float8_e4m3fn":
             raise ValueError("dtype float8_e4m3fn would drop the scales: set fp8=Fp8Config(...) instead")
-        if self.dtype is not None and self.dtype not in bk.DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(bk.DTYPES)} or None, got {self.dtype!r}")
+        floats = sorted(name for name, t in bk.DTYPES.items() if t.is_floating_point)
+        if self.dtype is not None and self.dtype not in floats:
+            raise ValueError(f"dtype must be one of {floats} or None, got {self.dtype!r}")
         if self.backend is None:
             self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         if self.backend not in ("nccl", "gloo"):
@@ -230,8 +238,9 @@ class WeightSyncer:
                 self._exclude(failure)
             return self.rank != 0
         driver = _PassDriver(self.transport, live, on_bucket) if self.rank == 0 else None
+        lead = self.sender is not None  # only leads send: the others need not quantize
         buckets = iter_stage_buckets(self.bridge, chunks, self.cfg.bucket_bytes, self.dtype,
-                                     self.cfg.fp8 if self.sender is not None else None)  # only leads send
+                                     self.cfg.fp8 if lead else None, self.cfg.int4 if lead else None)
         if self.sender is not None:
             self.sender.run(buckets, LocalLink(driver) if self.rank == 0 else RemoteLink(), generation)
         else:

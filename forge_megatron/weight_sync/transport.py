@@ -293,6 +293,8 @@ class DiskTransport:
         config = dict(self.hf_config)
         if self.cfg.fp8 is not None:  # the files hold FP8 weights: say so as an FP8 checkpoint does
             config["quantization_config"] = self.cfg.fp8.hf_dict()
+        if self.cfg.int4 is not None:  # packed int4 weights: as the served checkpoint says
+            config["quantization_config"] = self.cfg.int4.hf_dict()
         with open(os.path.join(self.dir, "config.json"), "w") as f:
             json.dump(config, f)
         self.http.call_all(self.urls, "/update_weights_from_disk",

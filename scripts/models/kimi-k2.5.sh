@@ -2,7 +2,8 @@
 # (DeepSeek-V3's layout at 1T: multi-latent attention, 384 routed experts top-8 with a sigmoid router, one shared
 # expert, layer 0 dense, YaRN) under language_model.*, beside the MoonViT vision tower, which RL on text leaves as it
 # is (copied on export: forge-convert mcore-to-hf --vision-from HF_DIR). Released with int4 routed experts: make the
-# bf16 copy once (forge-convert int4-to-bf16 --hf-dir Kimi-K2.5 --out Kimi-K2.5-bf16), train from it and serve it.
+# bf16 copy once (forge-convert int4-to-bf16 --hf-dir Kimi-K2.5 --out Kimi-K2.5-bf16) and train from it; the engines
+# serve the copy, or the release itself with int4 weight updates (forge.sbatch ROLLOUT_INT4_CHECKPOINT=Kimi-K2.5).
 # The trainer takes the architecture from --hf-checkpoint's config.json (MODEL_ARGS empty; flags given anyway are
 # checked against it). Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=()

@@ -104,6 +104,34 @@ def test_weight_sync_fp8_reads_the_engines_checkpoint_config(tmp_path):
             arguments.parse_args(MINIMAL + sync + ["--weight-sync-fp8", *extra])
 
 
+def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
+    """--weight-sync-int4: the quantization_config of the int4 release the engines serve (top level, or a
+    vision-language release's text_config: Kimi-K2.5), refused when it is not one, without a sync, or with FP8."""
+    import json
+
+    from forge_megatron.training.trainer import weight_sync_config
+    from forge_megatron.weight_sync.int4 import Int4Config
+
+    sync = ["--engine-urls", "http://a:1", "--weight-sync-transport", "distributed"]
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*self_attn.*"],
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+              "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}
+    top, vl, fp8 = tmp_path / "k2", tmp_path / "k25", tmp_path / "fp8"
+    for d, config in ((top, {"quantization_config": qc}), (vl, {"text_config": {"quantization_config": qc}}),
+                      (fp8, {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+    for path in (str(top), str(vl / "config.json")):
+        cfg = weight_sync_config(arguments.parse_args(MINIMAL + sync + ["--weight-sync-int4", path]))
+        assert cfg.int4 == Int4Config(group=32, ignore=("lm_head", "re:.*self_attn.*")) and cfg.fp8 is None
+        assert cfg.int4.hf_dict() == qc
+    for extra, message in [([str(fp8)], "not a compressed-tensors"), ([str(tmp_path / "nope")], "cannot read"),
+                           ([str(top), "--weight-sync-transport", "none"], "needs a weight sync"),
+                           ([str(top), "--weight-sync-fp8", str(fp8)], "the engines serve one checkpoint")]:
+        with pytest.raises(ValueError, match=message):
+            arguments.parse_args(MINIMAL + sync + ["--weight-sync-int4", *extra])
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--tree-token-budget", "0"], "--tree-token-budget must be >= 1"),
     (["--weight-sync-transport", "disk", "--engine-urls", "http://a:1"], "needs --weight-sync-dir"),

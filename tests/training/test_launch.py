@@ -158,6 +158,29 @@ def test_dry_run_with_an_fp8_rollout_checkpoint(tmp_path):
     assert args.weight_sync_fp8 == str(fp8) and args.hf_checkpoint == "/models/Qwen3-30B-A3B"
 
 
+def test_dry_run_with_an_int4_rollout_checkpoint(tmp_path):
+    """ROLLOUT_INT4_CHECKPOINT (Kimi-K2.5 as released): the engines serve it, the trainer trains HF_CHECKPOINT (its
+    bf16 copy) and syncs int4 weights in the release's format; with ROLLOUT_FP8_CHECKPOINT too the job stops."""
+    import json
+
+    int4 = tmp_path / "Kimi-K2.5"
+    int4.mkdir()
+    (int4 / "config.json").write_text(json.dumps({"text_config": {"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}}}))
+    out = _dry_run(MODEL="kimi-k2.5", EP=4, ROLLOUT_INT4_CHECKPOINT=str(int4), HF_CHECKPOINT="/models/Kimi-K2.5-bf16")
+    assert out.returncode == 0, out.stderr
+    cmds = _commands(out.stdout)
+    engines = [c for c in cmds if "sglang.launch_server" in c]
+    assert engines and all(c[c.index("--model-path") + 1] == str(int4) for c in engines)
+    (trainer,) = [c for c in cmds if "torchrun" in c]
+    args = arguments.parse_args(trainer[next(i for i, a in enumerate(trainer) if a.endswith("train_forge.py")) + 1:])
+    assert args.weight_sync_int4 == str(int4) and args.hf_checkpoint == "/models/Kimi-K2.5-bf16"
+    both = _dry_run(MODEL="kimi-k2.5", EP=4, ROLLOUT_INT4_CHECKPOINT=str(int4), ROLLOUT_FP8_CHECKPOINT=str(int4),
+                    HF_CHECKPOINT="/models/Kimi-K2.5-bf16")
+    assert both.returncode == 2 and "not both" in both.stderr
+
+
 def test_dry_run_checks_the_memory_plan(tmp_path):
     """With the checkpoint's config.json at hand the plan includes forge-plan's table; a layout that may not fit
     is warned of, one the model cannot take stops the job; without a config the check is skipped, said so."""
