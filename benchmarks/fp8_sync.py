@@ -1,8 +1,9 @@
-"""FP8 weight sync cost and saving: block-wise quantization of one MoE decoder layer's HF tensors (what
-``--weight-sync-fp8`` does on each stage lead before the broadcast) vs a plain copy of the same bf16 tensors, measured
-side by side in one run; and the bytes each sends.
+"""FP8 (or int4) weight sync cost and saving: block-wise quantization of one MoE decoder layer's HF tensors (what
+``--weight-sync-fp8`` does on each stage lead before the broadcast; with ``--int4``, the group-wise int4 packing of
+``--weight-sync-int4`` under Kimi's ignore list: the routed experts only) vs a plain copy of the same bf16 tensors,
+measured side by side in one run; and the bytes each sends.
 
-    python benchmarks/fp8_sync.py [--hidden 2048 --experts 16 --moe-intermediate 768 --repeats 3]
+    python benchmarks/fp8_sync.py [--hidden 2048 --experts 16 --moe-intermediate 768 --repeats 3] [--int4 [--group 32]]
 
 Defaults: a Qwen3-30B-A3B layer's shapes (hidden 2048, 32 query / 4 KV heads of 128, experts of 768) with 16 of its 128
 experts (CPU memory and time; the ratios do not depend on the count). Prints ONE JSON line.
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from forge_megatron.weight_sync.fp8 import Fp8Config, quantize_named
+from forge_megatron.weight_sync import fp8, int4
 
 
 def layer_tensors(hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, inter: int):
@@ -52,9 +53,16 @@ def main() -> None:
     ap.add_argument("--moe-intermediate", type=int, default=768)
     ap.add_argument("--block", type=int, nargs=2, default=[128, 128])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--int4", action="store_true", help="int4 packing (Kimi-K2-Thinking's format) instead of FP8")
+    ap.add_argument("--group", type=int, default=32, help="int4 group size")
     args = ap.parse_args()
     named = layer_tensors(args.hidden, args.heads, args.kv_heads, args.head_dim, args.experts, args.moe_intermediate)
-    cfg = Fp8Config(block=tuple(args.block))
+    if args.int4:  # Kimi-K2-Thinking's ignore list: attention, shared experts and dense MLPs stay bf16
+        cfg = int4.Int4Config(group=args.group, ignore=("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                                                        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"))
+        quantize_named = int4.quantize_named
+    else:
+        cfg, quantize_named = fp8.Fp8Config(block=tuple(args.block)), fp8.quantize_named
     copy_s, quant_s, sent = [], [], []
     for _ in range(args.repeats):  # alternate the two so load changes hit both alike
         t0 = time.perf_counter()
@@ -65,12 +73,13 @@ def main() -> None:
         quant_s.append(time.perf_counter() - t0)
         del copied
     bf16 = nbytes(named)
-    fp8 = nbytes(sent)
+    quantized = nbytes(sent)
+    kind = "int4" if args.int4 else "fp8"
     print(json.dumps({
-        "benchmark": "fp8_sync", "tensors": len(named), "bytes_bf16": bf16, "bytes_fp8": fp8,
-        "byte_ratio": round(fp8 / bf16, 4), "quantize_gbps": round(bf16 / min(quant_s) / 1e9, 3),
+        "benchmark": f"{kind}_sync", "tensors": len(named), "bytes_bf16": bf16, f"bytes_{kind}": quantized,
+        "byte_ratio": round(quantized / bf16, 4), "quantize_gbps": round(bf16 / min(quant_s) / 1e9, 3),
         "copy_gbps": round(bf16 / min(copy_s) / 1e9, 3), "quantize_over_copy_time": round(min(quant_s) / min(copy_s), 2),
-        "block": args.block, "threads": torch.get_num_threads(),
+        **({"group": args.group} if args.int4 else {"block": args.block}), "threads": torch.get_num_threads(),
     }))
 
 
