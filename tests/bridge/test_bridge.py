@@ -207,3 +207,76 @@ def test_padded_vocabulary_rows_are_zero_in_and_dropped_out():
     assert torch.equal(bridge.to_hf("output_layer.weight", full)["lm_head.weight"], emb)
     with pytest.raises(ValueError, match=r"vocab_size 300 is smaller than the HF vocabulary \(400\)"):
         Bridge(_hf("llama", vocab_size=400), vocab_size=300)
+
+
+def test_vision_language_releases_configs_as_published():
+    """The released config.json files of the vision-language models whose language model trains (written as the hub
+    has them, transformers 4 style: rope_theta and rope_scaling in text_config, the text model_type of the release)
+    map to the language model the bridge builds; the Kimi-K2.5 release's int4 quantization_config in its
+    text_config is seen and pointed to int4-to-bf16, and its bf16 copy (none) maps. Sizes shrunk, fields kept."""
+    qwen3_vl_moe = {"architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe",
+                    "tie_word_embeddings": False, "text_config": {
+                        "model_type": "qwen3_vl_moe_text", "hidden_size": 64, "intermediate_size": 96,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                        "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6, "vocab_size": 400,
+                        "max_position_embeddings": 262144, "rope_theta": 5000000, "rope_scaling": {
+                            "rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}},
+                    "vision_config": {"depth": 27}}
+    cfg = Bridge(qwen3_vl_moe).cfg
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.rotary_base) == (8, 2, 24, 5e6)
+    assert (cfg.moe_router_topk_renorm, cfg.qk_layernorm, cfg.rope_scaling, cfg.tie_word_embeddings) == \
+        (True, True, None, False)
+    kimi_text = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
+                 "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
+                 "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                 "routed_scaling_factor": 2.827, "norm_topk_prob": True, "q_lora_rank": 32, "kv_lora_rank": 24,
+                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "vocab_size": 400,
+                 "rms_norm_eps": 1e-5, "max_position_embeddings": 262144, "rope_theta": 50000.0,
+                 "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                 "tie_word_embeddings": False}
+    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": 32}}}, "ignore": ["lm_head", "re:.*self_attn.*"]}
+    kimi = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            "text_config": {**kimi_text, "quantization_config": int4}, "vision_config": {"hidden_size": 1152}}
+    with pytest.raises(UnsupportedModelError, match="compressed-tensors .*int4-to-bf16.*--weight-sync-int4"):
+        Bridge(kimi)
+    bridge = Bridge({**kimi, "text_config": kimi_text})
+    cfg = bridge.cfg
+    assert (bridge.family.name, cfg.multi_latent_attention, cfg.num_moe_experts, cfg.moe_dense_layers) == \
+        ("deepseek_v3", True, 8, 1)
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 64.0
+    assert bridge.hf_names("output_layer.weight") == ["language_model.lm_head.weight"]
+    assert bridge.hf_names("embedding.word_embeddings.weight") == ["language_model.model.embed_tokens.weight"]
+    glm45v = {"architectures": ["Glm4vMoeForConditionalGeneration"], "model_type": "glm4v_moe",
+              "text_config": {"model_type": "glm4v_moe_text", "hidden_size": 64, "intermediate_size": 128,
+                              "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "head_dim": 16, "partial_rotary_factor": 0.5,
+                              "attention_bias": True, "n_routed_experts": 8, "n_shared_experts": 1,
+                              "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                              "norm_topk_prob": True, "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-5,
+                              "vocab_size": 400, "max_position_embeddings": 65536, "rope_theta": 10000.0,
+                              "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1]},
+                              "tie_word_embeddings": False}}
+    cfg = Bridge(glm45v).cfg
+    assert (cfg.add_qkv_bias, cfg.qk_layernorm, cfg.rotary_percent, cfg.rotary_interleaved) == (True, False, 0.5, False)
+    ministral = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+                 "text_config": {"model_type": "ministral3", "hidden_size": 64, "intermediate_size": 128,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "head_dim": 16, "vocab_size": 400, "rms_norm_eps": 1e-5, "sliding_window": None,
+                                 "max_position_embeddings": 262144, "rope_parameters": {
+                                     "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                                     "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}},
+                 "vision_config": {"hidden_size": 1024}}
+    bridge = Bridge(ministral)
+    assert bridge.cfg.query_scaling == (0.1, 16384) and bridge.cfg.rope_scaling["factor"] == 16.0
+    assert bridge.hf_names("output_layer.weight") == ["language_model.lm_head.weight"]
+    small31 = {**ministral, "text_config": {**ministral["text_config"], "model_type": "mistral",
+                                            "rope_parameters": {"rope_type": "default", "rope_theta": 1e9}}}
+    assert Bridge(small31).cfg.query_scaling is None  # Mistral-Small 3.1's text model: no query scaling
+    with pytest.raises(UnsupportedModelError, match="sliding_window=4096 is not supported"):
+        Bridge({**ministral, "text_config": {**ministral["text_config"], "sliding_window": 4096}})
