@@ -365,6 +365,11 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "stores them (weight_packed + weight_scale + weight_shape, its group size; the modules in "
                         "its ignore list unquantized), computed as compressed-tensors does. Train from the bf16 copy "
                         "(forge-convert int4-to-bf16); the int4 rounding shows up in rollout_logp_abs_diff")
+    g.add_argument("--int4-qat", nargs="?", const="", default=None, metavar="CHECKPOINT",
+                   help="int4 quantization-aware training: compute the forward with the group-wise int4 rounding of "
+                        "the weights the int4 release CHECKPOINT quantizes (default: --weight-sync-int4's), straight-"
+                        "through gradients to the full-precision weights, so the trainer scores tokens with the "
+                        "weights the engines sample from (mcore/int4_qat.py)")
     g.add_argument("--weight-sync-pause-mode", default="abort", choices=["abort", "retract", "in_place"],
                    help="SGLang /pause_generation mode around a sync: 'abort' ends in-flight calls and the gateway "
                         "goes on from their sampled tokens after the sync, so every token keeps the policy version "
@@ -436,10 +441,20 @@ def weight_sync_fp8(path: str | None):
     return fp8
 
 
-def weight_sync_int4(path: str | None):
+def int4_qat_config(args: argparse.Namespace):
+    """The :class:`Int4Config` --int4-qat rounds by: its CHECKPOINT's, or --weight-sync-int4's; None without it."""
+    if getattr(args, "int4_qat", None) is None:
+        return None
+    if args.int4_qat == "" and getattr(args, "weight_sync_int4", None) is None:
+        raise ValueError("--int4-qat without a CHECKPOINT rounds as --weight-sync-int4's release: give one of them")
+    return weight_sync_int4(args.int4_qat or args.weight_sync_int4, flag="--int4-qat" if args.int4_qat else
+                            "--weight-sync-int4")
+
+
+def weight_sync_int4(path: str | None, flag: str = "--weight-sync-int4"):
     """The :class:`Int4Config` of the compressed-tensors int4 checkpoint at ``path`` (a directory or its config.json;
     its quantization_config at the top level or in its text_config), None without a path; ValueError naming
-    --weight-sync-int4 when it is not one."""
+    ``flag`` when it is not one."""
     from forge_megatron.weight_sync.int4 import Int4Config, quantization_config_of
 
     if path is None:
@@ -449,14 +464,13 @@ def weight_sync_int4(path: str | None):
         with open(config_path) as f:
             qc = quantization_config_of(json.load(f))
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--weight-sync-int4 {path}: cannot read {config_path}: {exc}") from exc
+        raise ValueError(f"{flag} {path}: cannot read {config_path}: {exc}") from exc
     if not qc:
-        raise ValueError(f"--weight-sync-int4 {path}: {config_path} has no quantization_config (not an int4 "
-                         "checkpoint)")
+        raise ValueError(f"{flag} {path}: {config_path} has no quantization_config (not an int4 checkpoint)")
     try:
         return Int4Config.from_hf(qc)
     except ValueError as exc:
-        raise ValueError(f"--weight-sync-int4 {path}: {exc}") from exc
+        raise ValueError(f"{flag} {path}: {exc}") from exc
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -507,6 +521,7 @@ def validate_args(args: argparse.Namespace) -> None:
         if args.weight_sync_fp8 is not None:
             raise ValueError("--weight-sync-int4 and --weight-sync-fp8: the engines serve one checkpoint")
         weight_sync_int4(args.weight_sync_int4)
+    int4_qat_config(args)
     if args.weight_sync_transport == "disk" and not args.weight_sync_dir:
         raise ValueError("--weight-sync-transport disk needs --weight-sync-dir")
     if args.weight_sync_transport != "none" and not args.engine_urls:

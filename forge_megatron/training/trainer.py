@@ -317,6 +317,14 @@ class Trainer:
             groups = sum(len(d.bucket_groups) + len(d.expert_parallel_bucket_groups) for d in self.ddp)
             self._log(f"--overlap-param-gather: {groups} parameter bucket group(s) on rank 0, each all-gathered in the "
                       "next forward (right after the step when the weights are synced or saved)")
+        qat = arguments.int4_qat_config(args)
+        if qat is not None:  # --int4-qat: the policy computes with the int4 rounding the engines serve
+            from forge_megatron.mcore import int4_qat
+
+            rounded = int4_qat.install(self.bridge, self.chunks, qat)
+            if self.rank == 0:
+                self._log(f"--int4-qat: {len(rounded)} weight(s) on rank 0 computed with their int4 rounding (group "
+                          f"{qat.group}), straight-through gradients to the full-precision weights")
         # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
         self.ref_chunks = build_reference_model(self.cfg) if self.loss_cfg.kl_coef > 0 else None
         self.ref_offload = None  # --ref-offload: HostOffload of ref_chunks, made once their weights are loaded

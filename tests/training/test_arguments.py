@@ -130,6 +130,16 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
                            ([str(top), "--weight-sync-fp8", str(fp8)], "the engines serve one checkpoint")]:
         with pytest.raises(ValueError, match=message):
             arguments.parse_args(MINIMAL + sync + ["--weight-sync-int4", *extra])
+    # --int4-qat: the release's rounding, its own CHECKPOINT's or --weight-sync-int4's (no sync needed with a path)
+    want = Int4Config(group=32, ignore=("lm_head", "re:.*self_attn.*"))
+    assert arguments.int4_qat_config(arguments.parse_args(MINIMAL + ["--int4-qat", str(vl)])) == want
+    assert arguments.int4_qat_config(arguments.parse_args(MINIMAL + sync + ["--weight-sync-int4", str(top),
+                                                                            "--int4-qat"])) == want
+    assert arguments.int4_qat_config(arguments.parse_args(MINIMAL)) is None
+    with pytest.raises(ValueError, match="--int4-qat without a CHECKPOINT"):
+        arguments.parse_args(MINIMAL + ["--int4-qat"])
+    with pytest.raises(ValueError, match="--int4-qat .*not a compressed-tensors"):
+        arguments.parse_args(MINIMAL + ["--int4-qat", str(fp8)])
 
 
 @pytest.mark.parametrize("extra, message", [

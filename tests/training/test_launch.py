@@ -176,6 +176,14 @@ def test_dry_run_with_an_int4_rollout_checkpoint(tmp_path):
     (trainer,) = [c for c in cmds if "torchrun" in c]
     args = arguments.parse_args(trainer[next(i for i, a in enumerate(trainer) if a.endswith("train_forge.py")) + 1:])
     assert args.weight_sync_int4 == str(int4) and args.hf_checkpoint == "/models/Kimi-K2.5-bf16"
+    assert args.int4_qat is None
+    qat = _dry_run(MODEL="kimi-k2.5", EP=4, ROLLOUT_INT4_CHECKPOINT=str(int4), INT4_QAT="1",
+                   HF_CHECKPOINT="/models/Kimi-K2.5-bf16")
+    (trainer,) = [c for c in _commands(qat.stdout) if "torchrun" in c]
+    args = arguments.parse_args(trainer[next(i for i, a in enumerate(trainer) if a.endswith("train_forge.py")) + 1:])
+    assert args.int4_qat == "" and arguments.int4_qat_config(args).group == 32
+    alone = _dry_run(MODEL="kimi-k2.5", EP=4, INT4_QAT="1", HF_CHECKPOINT="/models/Kimi-K2.5-bf16")
+    assert alone.returncode == 2 and "needs ROLLOUT_INT4_CHECKPOINT" in alone.stderr
     both = _dry_run(MODEL="kimi-k2.5", EP=4, ROLLOUT_INT4_CHECKPOINT=str(int4), ROLLOUT_FP8_CHECKPOINT=str(int4),
                     HF_CHECKPOINT="/models/Kimi-K2.5-bf16")
     assert both.returncode == 2 and "not both" in both.stderr
