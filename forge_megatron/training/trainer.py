@@ -327,6 +327,8 @@ class Trainer:
                           f"{qat.group}), straight-through gradients to the full-precision weights")
         # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
         self.ref_chunks = build_reference_model(self.cfg) if self.loss_cfg.kl_coef > 0 else None
+        if qat is not None and self.ref_chunks is not None:  # the KL's reference rounded as the policy is
+            int4_qat.install(self.bridge, self.ref_chunks, qat)
         self.ref_offload = None  # --ref-offload: HostOffload of ref_chunks, made once their weights are loaded
         if getattr(args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay

@@ -45,12 +45,14 @@ def test_int4_qat_trainer_scores_with_the_weights_the_engines_sample_from(tmp_pa
     model_dir = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=8)
     release = _library_checkpoint(model_dir, str(tmp_path / "int4"))
     feed = _feed_from(_hf(_library_dequantized(release, str(tmp_path / "int4_fp32"))))
-    diffs, outs = {}, {}
-    for name, extra in (("qat", ["--int4-qat", release]), ("plain", [])):
+    diffs, outs, kl = {}, {}, {}
+    # with a KL term its frozen reference is rounded as the policy is: the first step's KL is zero
+    for name, extra in (("qat", ["--int4-qat", release, "--rl-kl-coef", "0.01"]), ("plain", [])):
         steps, stdouts, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=1, groups=2, model=[],
                                               extra=extra + ["--tree-token-budget", "64"])
-        diffs[name], outs[name] = steps[0]["rollout_logp_abs_diff"], stdouts[0]
+        diffs[name], outs[name], kl[name] = steps[0]["rollout_logp_abs_diff"], stdouts[0], steps[0].get("kl")
     assert diffs["qat"] <= 1e-5, diffs
     assert diffs["plain"] > 5e-4, diffs  # the int4 rounding the engines sampled with (1.3e-3 here)
+    assert kl["qat"] is not None and abs(kl["qat"]) <= 1e-9, kl
     # every expert's fc1 and fc2 (2 layers x 4 experts x 2), attention left as the release leaves it
     assert "--int4-qat: 16 weight(s) on rank 0 computed with their int4 rounding (group 16)" in outs["qat"]
