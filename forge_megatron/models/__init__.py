@@ -1,40 +1,38 @@
 """Small model assets built locally (tiny HF checkpoints and tokenizer for tests and the demo)."""
 
 
-def load_causal_lm(path: str, **kwargs):
-    """The HF model of the checkpoint at ``path`` that takes token ids and returns next-token logits: transformers'
-    causal-LM class, or, for a vision-language checkpoint that has none (Qwen3-VL), its image-text-to-text model
-    (text-only input needs no image)."""
+def _text_in_logits_out(method: str, source, **kwargs):
+    """``AutoModelForCausalLM.<method>(source)``, or, for a vision-language model transformers has no causal-LM class
+    for (Qwen3-VL), ``AutoModelForImageTextToText``'s (text-only input needs no image)."""
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        return getattr(AutoModelForCausalLM, method)(source, **kwargs)
     except ValueError as exc:
         if "Unrecognized configuration class" not in str(exc):
             raise
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+    return getattr(AutoModelForImageTextToText, method)(source, **kwargs)
+
+
+def load_causal_lm(path: str, **kwargs):
+    """The HF model of the checkpoint at ``path`` that takes token ids and returns next-token logits: transformers'
+    causal-LM class, or its image-text-to-text model for a vision-language checkpoint that has none."""
+    return _text_in_logits_out("from_pretrained", path, **kwargs)
 
 
 def causal_lm_from_config(path: str, **kwargs):
     """:func:`load_causal_lm`'s model of the checkpoint at ``path``, built from its config without its
     ``quantization_config`` (top level or ``text_config``'s) and randomly initialised: for a caller that loads the
     weights itself (the reference engine dequantizing a compressed-tensors int4 checkpoint)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     for c in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
         if getattr(c, "quantization_config", None) is not None:
             del c.quantization_config
-    try:
-        return AutoModelForCausalLM.from_config(config, **kwargs)
-    except ValueError as exc:
-        if "Unrecognized configuration class" not in str(exc):
-            raise
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_config(config, **kwargs)
+    return _text_in_logits_out("from_config", config, **kwargs)
 
 
 # transformers holds these experts as [E, 2F, H] / [E, H, F]; their checkpoints (and SGLang's loader) have the

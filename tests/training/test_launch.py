@@ -28,6 +28,19 @@ def _commands(stdout: str) -> list[list[str]]:
     return cmds
 
 
+def _trainer_args(cmd: list[str]):
+    """The trainer's parsed arguments from its launch command (what follows train_forge.py)."""
+    return arguments.parse_args(cmd[next(i for i, a in enumerate(cmd) if a.endswith("train_forge.py")) + 1:])
+
+
+def _served_and_trained(stdout: str):
+    """(the --model-path of every SGLang engine, the trainer's parsed arguments) of a dry run."""
+    cmds = _commands(stdout)
+    engines = [c[c.index("--model-path") + 1] for c in cmds if "sglang.launch_server" in c]
+    (trainer,) = [c for c in cmds if "torchrun" in c]
+    return engines, _trainer_args(trainer)
+
+
 def test_bash_syntax_and_help():
     assert subprocess.run(["bash", "-n", SBATCH]).returncode == 0
     shown = subprocess.run(["bash", SBATCH, "--help"], capture_output=True, text=True).stdout
@@ -80,8 +93,7 @@ def test_dry_run_plan_is_consistent(layout):
     assert trainer[trainer.index("-w") + 1].split(",") == train
     nnodes, nproc = int(trainer[trainer.index("--nnodes") + 1]), int(trainer[trainer.index("--nproc-per-node") + 1])
     assert (nnodes, nproc) == (layout["TRAIN_NODES"], layout["GPUS_PER_NODE"])
-    argv = trainer[next(i for i, a in enumerate(trainer) if a.endswith("train_forge.py")) + 1:]
-    args = arguments.parse_args(argv)  # the trainer command line is valid for train_forge.py
+    args = _trainer_args(trainer)  # the trainer command line is valid for train_forge.py
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size,
             args.context_parallel_size) == (layout["TP"], layout["PP"], layout["EP"], layout["CP"])
     assert args.expert_tensor_parallel_size == layout.get("ETP")
@@ -148,13 +160,10 @@ def test_dry_run_with_an_fp8_rollout_checkpoint(tmp_path):
         "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
     out = _dry_run(MODEL="qwen3-30B-A3B", EP=4, ROLLOUT_FP8_CHECKPOINT=str(fp8), HF_CHECKPOINT="/models/Qwen3-30B-A3B")
     assert out.returncode == 0, out.stderr
-    cmds = _commands(out.stdout)
-    engines = [c for c in cmds if "sglang.launch_server" in c]
-    assert engines and all(c[c.index("--model-path") + 1] == str(fp8) for c in engines)
-    (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
+    engines, args = _served_and_trained(out.stdout)
+    assert engines and set(engines) == {str(fp8)}
+    (mid,) = [c for c in _commands(out.stdout) if "forge_megatron.agents.middleware_node" in c]
     assert mid[mid.index("--model-path") + 1] == "/models/Qwen3-30B-A3B"
-    (trainer,) = [c for c in cmds if "torchrun" in c]
-    args = arguments.parse_args(trainer[next(i for i, a in enumerate(trainer) if a.endswith("train_forge.py")) + 1:])
     assert args.weight_sync_fp8 == str(fp8) and args.hf_checkpoint == "/models/Qwen3-30B-A3B"
 
 
@@ -170,17 +179,13 @@ def test_dry_run_with_an_int4_rollout_checkpoint(tmp_path):
             "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}}}))
     out = _dry_run(MODEL="kimi-k2.5", EP=4, ROLLOUT_INT4_CHECKPOINT=str(int4), HF_CHECKPOINT="/models/Kimi-K2.5-bf16")
     assert out.returncode == 0, out.stderr
-    cmds = _commands(out.stdout)
-    engines = [c for c in cmds if "sglang.launch_server" in c]
-    assert engines and all(c[c.index("--model-path") + 1] == str(int4) for c in engines)
-    (trainer,) = [c for c in cmds if "torchrun" in c]
-    args = arguments.parse_args(trainer[next(i for i, a in enumerate(trainer) if a.endswith("train_forge.py")) + 1:])
+    engines, args = _served_and_trained(out.stdout)
+    assert engines and set(engines) == {str(int4)}
     assert args.weight_sync_int4 == str(int4) and args.hf_checkpoint == "/models/Kimi-K2.5-bf16"
     assert args.int4_qat is None
     qat = _dry_run(MODEL="kimi-k2.5", EP=4, ROLLOUT_INT4_CHECKPOINT=str(int4), INT4_QAT="1",
                    HF_CHECKPOINT="/models/Kimi-K2.5-bf16")
-    (trainer,) = [c for c in _commands(qat.stdout) if "torchrun" in c]
-    args = arguments.parse_args(trainer[next(i for i, a in enumerate(trainer) if a.endswith("train_forge.py")) + 1:])
+    args = _served_and_trained(qat.stdout)[1]
     assert args.int4_qat == "" and arguments.int4_qat_config(args).group == 32
     alone = _dry_run(MODEL="kimi-k2.5", EP=4, INT4_QAT="1", HF_CHECKPOINT="/models/Kimi-K2.5-bf16")
     assert alone.returncode == 2 and "needs ROLLOUT_INT4_CHECKPOINT" in alone.stderr
@@ -244,7 +249,7 @@ def test_run_local_dry_run_is_consistent():
     urls = [f"http://127.0.0.1:{c[c.index('--port') + 1]}" for c in engines]
     assert len(set(urls)) == 2
     (trainer,) = [c for c in cmds if c[0] == "torchrun"]
-    args = arguments.parse_args(trainer[trainer.index(next(a for a in trainer if a.endswith("train_forge.py"))) + 1:])
+    args = _trainer_args(trainer)
     assert args.engine_urls == urls and args.tensor_model_parallel_size == 2 and args.num_layers == 2
     assert args.sequence_parallel
     arguments.parallel_config(args).data_parallel_size(int(trainer[trainer.index("--nproc-per-node") + 1]))

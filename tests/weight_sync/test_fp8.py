@@ -23,7 +23,7 @@ from forge_megatron.weight_sync.fp8 import (
 )
 from tests.dist_utils import run_distributed
 from tests.convert.mcore_forward import load_converted
-from tests.weight_sync.test_weight_sync import PROMPT, _engine_greedy, _engine_vs_trainer, _perturb, _post, _sync
+from tests.weight_sync.test_weight_sync import PROMPT, _post, _quantized_sync_body
 
 BLOCK = (16, 16)  # the tiny models' weights are 32-128 wide: several blocks per weight
 
@@ -262,27 +262,7 @@ def test_fp8_engine_takes_fp8_updates_and_refuses_mismatched_ones(moe, tmp_path)
 
 # --- the trainer's sync -----------------------------------------------------------------------------------------
 def _fp8_sync_body(rank, world_size, mcore_dir, engine_url, disk_dir, export_root):
-    from forge_megatron.weight_sync.gather import is_stage_lead, iter_stage_buckets
-
-    bridge, model = load_converted(mcore_dir)
-    results = {}
-    for version, transport in ((1, "distributed"), (2, "disk")):
-        _perturb(model, 0.05)
-        exported = {}  # the trainer's weights, full precision, as HF tensors
-        for bucket in iter_stage_buckets(bridge, [model], bucket_bytes=40_000):
-            if is_stage_lead():
-                exported.update((n, t.clone()) for n, t in bucket)
-        if rank == 0:
-            out = os.path.join(export_root, transport)
-            os.makedirs(out)
-            save_file(exported, os.path.join(out, "model.safetensors"))
-            with open(os.path.join(out, "config.json"), "w") as f:
-                json.dump(bridge.hf_config, f)
-        report = _sync(model, bridge, version, engine_urls=[engine_url], transport=transport, disk_dir=disk_dir,
-                       fp8=Fp8Config(block=BLOCK))
-        ids = _engine_greedy(engine_url)[0] if rank == 0 else None  # greedy: the tokens scored below
-        results[transport] = (report, ids, _engine_vs_trainer(model, engine_url))
-    return results
+    return _quantized_sync_body(rank, mcore_dir, engine_url, disk_dir, export_root, fp8=Fp8Config(block=BLOCK))
 
 
 def test_trainer_sync_sends_what_the_fp8_checkpoint_of_its_weights_holds(moe, tmp_path):

@@ -26,7 +26,7 @@ from forge_megatron.mcore.parallel import ParallelConfig
 from forge_megatron.weight_sync import buckets as bk
 from forge_megatron.weight_sync.int4 import Int4Config, dequantize, dequantize_named, quantize, quantize_named
 from tests.dist_utils import run_distributed
-from tests.weight_sync.test_weight_sync import PROMPT, _engine_greedy, _engine_vs_trainer, _perturb, _sync
+from tests.weight_sync.test_weight_sync import PROMPT, _quantized_sync_body
 
 GROUP = 16  # the tiny models' weights are 32-64 wide: several groups per row
 # Kimi-K2-Thinking's quantization_config: the routed experts only
@@ -234,28 +234,8 @@ def test_int4_engine_serves_the_checkpoint_and_takes_only_packed_updates(moe, tm
 
 
 def _int4_sync_body(rank, world_size, mcore_dir, engine_url, disk_dir, export_root):
-    from forge_megatron.weight_sync.gather import is_stage_lead, iter_stage_buckets
-    from tests.convert.mcore_forward import load_converted
-
-    bridge, model = load_converted(mcore_dir)
-    results = {}
-    for version, transport in ((1, "distributed"), (2, "disk")):
-        _perturb(model, 0.05)
-        exported = {}  # the trainer's weights, full precision, as HF tensors
-        for bucket in iter_stage_buckets(bridge, [model], bucket_bytes=40_000):
-            if is_stage_lead():
-                exported.update((n, t.clone()) for n, t in bucket)
-        if rank == 0:
-            out = os.path.join(export_root, transport)
-            os.makedirs(out)
-            save_file(exported, os.path.join(out, "model.safetensors"))
-            with open(os.path.join(out, "config.json"), "w") as f:
-                json.dump(bridge.hf_config, f)
-        report = _sync(model, bridge, version, engine_urls=[engine_url], transport=transport, disk_dir=disk_dir,
-                       int4=Int4Config.from_hf(_quantization()))
-        ids = _engine_greedy(engine_url)[0] if rank == 0 else None  # greedy: the tokens scored below
-        results[transport] = (report, ids, _engine_vs_trainer(model, engine_url))
-    return results
+    return _quantized_sync_body(rank, mcore_dir, engine_url, disk_dir, export_root,
+                                int4=Int4Config.from_hf(_quantization()))
 
 
 def test_trainer_sync_sends_what_the_int4_checkpoint_of_its_weights_holds(moe, tmp_path):

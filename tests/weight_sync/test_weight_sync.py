@@ -125,6 +125,35 @@ def _sync(model, bridge, version, bucket_bytes=40_000, **cfg):
     return report
 
 
+def _quantized_sync_body(rank, mcore_dir, engine_url, disk_dir, export_root, **quantization):
+    """For a quantized sync (``fp8=`` / ``int4=``), over the broadcast then the disk transport: move the weights,
+    write what the trainer holds in full precision to ``export_root/<transport>`` (rank 0), sync, and return per
+    transport (report, the engine's greedy ids, (engine logprobs and version, trainer logprobs of them))."""
+    from safetensors.torch import save_file
+
+    from forge_megatron.weight_sync.gather import is_stage_lead, iter_stage_buckets
+
+    bridge, model = load_converted(mcore_dir)
+    results = {}
+    for version, transport in ((1, "distributed"), (2, "disk")):
+        _perturb(model, 0.05)
+        exported = {}  # the trainer's weights, full precision, as HF tensors
+        for bucket in iter_stage_buckets(bridge, [model], bucket_bytes=40_000):
+            if is_stage_lead():
+                exported.update((n, t.clone()) for n, t in bucket)
+        if rank == 0:
+            out = os.path.join(export_root, transport)
+            os.makedirs(out)
+            save_file(exported, os.path.join(out, "model.safetensors"))
+            with open(os.path.join(out, "config.json"), "w") as f:
+                json.dump(bridge.hf_config, f)
+        report = _sync(model, bridge, version, engine_urls=[engine_url], transport=transport, disk_dir=disk_dir,
+                       **quantization)
+        ids = _engine_greedy(engine_url)[0] if rank == 0 else None  # greedy: the tokens scored below
+        results[transport] = (report, ids, _engine_vs_trainer(model, engine_url))
+    return results
+
+
 def _sync_body(rank, world_size, mcore_dir, engine_url, disk_dir, gateway_url, bucket_bytes):
     bridge, model = load_converted(mcore_dir)
     results = {"converted": _engine_vs_trainer(model, engine_url)}  # the engine serves the HF original
