@@ -16,14 +16,13 @@ from safetensors.torch import load_file, save_file
 from forge_megatron.bridge import ParallelLayout
 from forge_megatron.convert import checkpoint as ckpt
 from forge_megatron.convert.cli import main as convert_main
-from forge_megatron.mcore.parallel import ParallelConfig
 from forge_megatron.weight_sync import buckets as bk
 from forge_megatron.weight_sync.fp8 import (
     FP8_DTYPE, FP8_MAX, Fp8Config, dequantize, dequantize_named, quantize, quantize_named,
 )
 from tests.dist_utils import run_distributed
 from tests.convert.mcore_forward import load_converted
-from tests.weight_sync.test_weight_sync import PROMPT, _post, _quantized_sync_body
+from tests.weight_sync.test_weight_sync import PROMPT, _post, sync_ep2_trainer_to
 
 BLOCK = (16, 16)  # the tiny models' weights are 32-128 wide: several blocks per weight
 
@@ -261,26 +260,12 @@ def test_fp8_engine_takes_fp8_updates_and_refuses_mismatched_ones(moe, tmp_path)
 
 
 # --- the trainer's sync -----------------------------------------------------------------------------------------
-def _fp8_sync_body(rank, world_size, mcore_dir, engine_url, disk_dir, export_root):
-    return _quantized_sync_body(rank, mcore_dir, engine_url, disk_dir, export_root, fp8=Fp8Config(block=BLOCK))
-
-
 def test_trainer_sync_sends_what_the_fp8_checkpoint_of_its_weights_holds(moe, tmp_path):
     """EP=2 trainer -> forge-engine serving the FP8 checkpoint, over the broadcast (FP8 bytes over gloo) and the
     disk transport: the engine then scores its greedy tokens exactly like transformers loading forge-convert's FP8
     export of the trainer's weights, about e4m3's rounding away from the trainer's own full-precision logprobs,
     with a quarter of the fp32 bytes for the quantized weights."""
-    from forge_megatron.rollout.launch import start_engine
-
-    mcore = str(tmp_path / "mcore")
-    ckpt.hf_to_megatron(moe["v0"], mcore, ParallelLayout(ep=2))
-    engine = start_engine(moe["v0_fp8"], in_process=True)
-    try:
-        results = run_distributed(_fp8_sync_body, world_size=2, parallel=ParallelConfig(ep=2), mcore_dir=mcore,
-                                  engine_url=engine.url, disk_dir=str(tmp_path / "disk"),
-                                  export_root=str(tmp_path / "export"))
-    finally:
-        engine.stop()
+    results = sync_ep2_trainer_to(moe["v0"], moe["v0_fp8"], tmp_path, fp8=Fp8Config(block=BLOCK))
     full = _tensors(moe["v0"])
     full_bytes = sum(t.numel() * t.element_size() for t in full.values())
     proj_bytes = sum(t.numel() * t.element_size() for n, t in full.items() if n.endswith("proj.weight"))

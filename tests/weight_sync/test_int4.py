@@ -19,14 +19,10 @@ from compressed_tensors.quantization.lifecycle.forward import quantize as ct_qua
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file, save_file
 
-from forge_megatron.bridge import ParallelLayout
-from forge_megatron.convert import checkpoint as ckpt
 from forge_megatron.convert.cli import main as convert_main
-from forge_megatron.mcore.parallel import ParallelConfig
 from forge_megatron.weight_sync import buckets as bk
 from forge_megatron.weight_sync.int4 import Int4Config, dequantize, dequantize_named, quantize, quantize_named
-from tests.dist_utils import run_distributed
-from tests.weight_sync.test_weight_sync import PROMPT, _quantized_sync_body
+from tests.weight_sync.test_weight_sync import PROMPT, sync_ep2_trainer_to
 
 GROUP = 16  # the tiny models' weights are 32-64 wide: several groups per row
 # Kimi-K2-Thinking's quantization_config: the routed experts only
@@ -233,28 +229,13 @@ def test_int4_engine_serves_the_checkpoint_and_takes_only_packed_updates(moe, tm
         engine.worker.shutdown()
 
 
-def _int4_sync_body(rank, world_size, mcore_dir, engine_url, disk_dir, export_root):
-    return _quantized_sync_body(rank, mcore_dir, engine_url, disk_dir, export_root,
-                                int4=Int4Config.from_hf(_quantization()))
-
-
 def test_trainer_sync_sends_what_the_int4_checkpoint_of_its_weights_holds(moe, tmp_path):
     """EP=2 trainer -> forge-engine serving the int4 checkpoint, over the broadcast (int32 words over gloo) and the
     disk transport: the engine then scores its greedy tokens exactly like transformers on the library's int4 packing
     of the trainer's weights (dequantized by the library), visibly away from the trainer's own logprobs; the quantized
     experts travel as 4 bits per weight plus a scale per group."""
-    from forge_megatron.rollout.launch import start_engine
-
-    mcore = str(tmp_path / "mcore")
-    ckpt.hf_to_megatron(moe["v0"], mcore, ParallelLayout(ep=2))
-    engine = start_engine(moe["v0_int4"], in_process=True)
-    try:
-        results = run_distributed(_int4_sync_body, world_size=2, parallel=ParallelConfig(ep=2), mcore_dir=mcore,
-                                  engine_url=engine.url, disk_dir=str(tmp_path / "disk"),
-                                  export_root=str(tmp_path / "export"))
-    finally:
-        engine.stop()
     cfg = Int4Config.from_hf(_quantization())
+    results = sync_ep2_trainer_to(moe["v0"], moe["v0_int4"], tmp_path, int4=cfg)
     full = _tensors(moe["v0"])
     full_bytes = sum(t.numel() * t.element_size() for t in full.values())
     quantized = [t for n, t in full.items() if cfg.quantizes(n, t)]

@@ -125,7 +125,23 @@ def _sync(model, bridge, version, bucket_bytes=40_000, **cfg):
     return report
 
 
-def _quantized_sync_body(rank, mcore_dir, engine_url, disk_dir, export_root, **quantization):
+def sync_ep2_trainer_to(hf_dir: str, served_dir: str, tmp_path, **quantization):
+    """An EP=2 trainer converted from ``hf_dir`` syncs (``fp8=`` / ``int4=``) to a forge-engine serving
+    ``served_dir``: :func:`_quantized_sync_body`'s results, rank by rank."""
+    from forge_megatron.rollout.launch import start_engine
+
+    mcore = str(tmp_path / "mcore")
+    ckpt.hf_to_megatron(hf_dir, mcore, ParallelLayout(ep=2))
+    engine = start_engine(served_dir, in_process=True)
+    try:
+        return run_distributed(_quantized_sync_body, world_size=2, parallel=ParallelConfig(ep=2), mcore_dir=mcore,
+                               engine_url=engine.url, disk_dir=str(tmp_path / "disk"),
+                               export_root=str(tmp_path / "export"), **quantization)
+    finally:
+        engine.stop()
+
+
+def _quantized_sync_body(rank, world_size, mcore_dir, engine_url, disk_dir, export_root, **quantization):
     """For a quantized sync (``fp8=`` / ``int4=``), over the broadcast then the disk transport: move the weights,
     write what the trainer holds in full precision to ``export_root/<transport>`` (rank 0), sync, and return per
     transport (report, the engine's greedy ids, (engine logprobs and version, trainer logprobs of them))."""
