@@ -17,11 +17,12 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from forge_megatron.convert.cli import main as convert_main
 from forge_megatron.weight_sync import buckets as bk
 from forge_megatron.weight_sync.int4 import Int4Config, dequantize, dequantize_named, quantize, quantize_named
+from tests.weight_sync.test_fp8 import _tensors
 from tests.weight_sync.test_weight_sync import PROMPT, sync_ep2_trainer_to
 
 GROUP = 16  # the tiny models' weights are 32-64 wide: several groups per row
@@ -42,14 +43,6 @@ def _library_int4(w: torch.Tensor, group: int):
     scale, zero = calculate_qparams(x.amin(-1), x.amax(-1), args)
     q = ct_quantize(w, scale, zero, args)
     return pack_to_int32(q.to(torch.int8), 4), scale
-
-
-def _tensors(d):
-    out = {}
-    for f in sorted(os.listdir(d)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(d, f)))
-    return out
 
 
 def _library_checkpoint(src: str, out: str, group=GROUP) -> str:
