@@ -45,7 +45,8 @@ class Rule:
     ``vocab`` (rows past the HF vocabulary are Megatron's padding: zeros in, dropped out); for HF tensors that hold
     every expert of a layer (gpt-oss), expert e's slice of it: ``experts_glu`` ([E, D, 2F] with gate and up columns
     interleaved -> [gate; up] rows), ``experts_glu_bias`` ([E, 2F] interleaved), ``experts_t`` (expert e's
-    transpose: [E, F, D] -> [D, F]; Qwen3-VL-MoE's [E, D, 2F] -> [2F, D], gate rows first), ``experts_row`` ([E, D] -> row e). :meth:`Bridge.export` stacks them back.
+    transpose: [E, F, D] -> [D, F]; Qwen3-VL-MoE's [E, D, 2F] -> [2F, D], gate rows first), ``experts_row``
+    ([E, D] -> row e). :meth:`Bridge.export` stacks them back.
     ``tp``: ``rep`` (replicated), ``col`` (dim 0), ``row`` (dim 1), ``glu`` (gate and up halves split separately).
     """
 
@@ -281,7 +282,8 @@ class Bridge:
             self.source_quantization = self.source_quantization or text["quantization_config"]
             self.hf_config["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}
         # a vision-language checkpoint (Qwen3.5, Gemma 3 as released): its language model's tensors are under
-        # Family.text_prefix (the head is lm_head as usual); the vision tower is neither trained nor exported
+        # Family.text_prefix, its head is Family.head_name (lm_head but for Kimi-K2.5 and Mistral3); the vision tower
+        # is neither trained nor exported
         self.hf_prefix = self.family.text_prefix if self.family.multimodal else "model."
         self.hf_vocab = text_view(self.hf_config)["vocab_size"]
         if self.cfg.vocab_size < self.hf_vocab:
