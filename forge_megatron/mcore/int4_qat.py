@@ -20,25 +20,18 @@ own linear layers without gradient-accumulation fusion (what the trainer builds)
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from forge_megatron.weight_sync.int4 import Int4Config
+from forge_megatron.weight_sync.int4 import Int4Config, round_to_groups
 
 _JOINS = ("copy", "glu", "qkv")  # layouts that stack whole HF rows: per-row groups are HF's
 
 
 def fake_quantize(w: torch.Tensor, group: int) -> torch.Tensor:
-    """``dequantize(quantize(w))`` of weight_sync/int4.py in ``w``'s dtype, in one pass (the tests check it equals
-    the two steps bit for bit)."""
-    rows, cols = w.shape
-    groups = math.ceil(cols / group)
-    padded = torch.nn.functional.pad(w, (0, groups * group - cols)).view(rows, groups, group)
-    scale = (padded.abs().amax(dim=-1, keepdim=True) / 7.5).to(w.dtype)
-    scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device), scale)
-    q = torch.round(padded / scale).clamp(-8, 7)
-    return (q.float() * scale.float()).to(w.dtype).view(rows, groups * group)[:, :cols]
+    """``dequantize(quantize(w))`` of weight_sync/int4.py in ``w``'s dtype, without packing (the tests check it
+    equals the two steps bit for bit)."""
+    q, scale = round_to_groups(w, group)
+    return (q.float() * scale.float().repeat_interleave(group, dim=1)[:, :w.shape[1]]).to(w.dtype)
 
 
 def _straight_through(w: torch.Tensor, group: int) -> torch.Tensor:

@@ -206,6 +206,9 @@ def scale_queries(model, beta: float, original_max: int) -> None:
     1 / base^0 = 1 before scaling): the causal model's 0..S-1, the tree model's depths (this CP rank's tokens), so a
     recomputed layer sees its own positions. A pre-hook on each self-attention keeps its tokens' factors for the
     forward hook on its ``linear_qkv`` (TP: this rank's query groups; SP: the gathered sequence)."""
+    rotary = rotary_modules(model)  # its frequencies are final: rope.apply has run
+    freq0 = float(rotary[0].inv_freq[0]) if rotary else 1.0
+
     def positions_of(module, args, kwargs):
         table = kwargs.get("rotary_pos_emb")
         if isinstance(table, tuple):
@@ -213,8 +216,6 @@ def scale_queries(model, beta: float, original_max: int) -> None:
         module._forge_query_scale = None
         if table is None:
             return None
-        rotary = rotary_modules(model)
-        freq0 = float(rotary[0].inv_freq[0]) if rotary else 1.0
         pos = torch.round(table.reshape(table.shape[0], -1)[:, 0].float() / freq0)  # [S]
         module._forge_query_scale = 1.0 + beta * torch.log1p(torch.floor(pos / original_max))
         return None
@@ -232,11 +233,9 @@ def scale_queries(model, beta: float, original_max: int) -> None:
         if factor.numel() != s:
             raise ValueError(f"query scaling: {factor.numel()} positions for {s} tokens (causal model under context "
                              "parallelism? train with the tree model)")
-        grouped = out.view(s, b, -1, per_group + 2, cfg.kv_channels)
-        weights = torch.ones(per_group + 2, dtype=out.dtype, device=out.device)
-        scaled = grouped * torch.where(torch.arange(per_group + 2, device=out.device)[None] < per_group,
-                                       factor.to(out.device, out.dtype)[:, None], weights[None])[:, None, None, :, None]
-        scaled = scaled.view_as(out)
+        per_row = torch.ones(s, per_group + 2, dtype=out.dtype, device=out.device)  # q heads, then k and v: 1
+        per_row[:, :per_group] = factor.to(out.device, out.dtype)[:, None]
+        scaled = (out.view(s, b, -1, per_group + 2, cfg.kv_channels) * per_row[:, None, None, :, None]).view_as(out)
         return (scaled, bias) if isinstance(output, tuple) else scaled
 
     import functools

@@ -29,7 +29,7 @@ def causal_lm_from_config(path: str, **kwargs):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    for c in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+    for c in (config, config.get_text_config()):  # the same object for a text-only model
         if getattr(c, "quantization_config", None) is not None:
             del c.quantization_config
     return _text_in_logits_out("from_config", config, **kwargs)

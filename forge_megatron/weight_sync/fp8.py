@@ -31,7 +31,7 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 SCALE_SUFFIX = "weight_scale_inv"
 # projections: attention and MLP ``*_proj`` (MLA's ``kv_a_proj_with_mqa``), and Mixtral-named experts (MiniMax-M2's
 # ``experts.{e}.w1`` / ``w2`` / ``w3``)
-_PROJ = re.compile(r"(.*(?:proj(?:_with_mqa)?|\.experts\.\d+\.w[123]))\.weight")
+PROJ_WEIGHT = re.compile(r"(.*(?:proj(?:_with_mqa)?|\.experts\.\d+\.w[123]))\.weight")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Fp8Config:
         return d
 
     def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
-        m = _PROJ.fullmatch(name)
+        m = PROJ_WEIGHT.fullmatch(name)
         return m is not None and tensor.dim() == 2 and not any(s in m.group(1) for s in self.skip)
 
 

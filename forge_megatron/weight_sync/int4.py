@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forge_megatron.weight_sync.fp8 import _PROJ
+from forge_megatron.weight_sync.fp8 import PROJ_WEIGHT
 
 SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")
 Q_MIN, Q_MAX = -8, 7
@@ -100,7 +100,7 @@ class Int4Config:
         return any(re.match(p[3:], module) if p.startswith("re:") else module == p for p in self.ignore)
 
     def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
-        m = _PROJ.fullmatch(name)
+        m = PROJ_WEIGHT.fullmatch(name)
         return m is not None and tensor.dim() == 2 and not self.ignored(m.group(1))
 
 
@@ -123,9 +123,10 @@ def unpack(packed: torch.Tensor, cols: int) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)[:, :cols] - 8
 
 
-def quantize(w: torch.Tensor, group: int, scale_dtype: torch.dtype | None = None):
-    """(weight_packed, weight_scale, weight_shape) of a 2-D weight, groups of ``group`` columns (the last one
-    partial: its padding does not enter its max); scales in ``scale_dtype`` (default: the weight's)."""
+def round_to_groups(w: torch.Tensor, group: int, scale_dtype: torch.dtype | None = None):
+    """(q [rows, cols], integers in [-8, 7] held in the scale dtype; scale [rows, ceil(cols / group)]) of a 2-D
+    weight, groups of ``group`` columns (the last one partial: its padding does not enter its max); scales in
+    ``scale_dtype`` (default: the weight's). What :func:`quantize` packs and int4 QAT computes with."""
     if w.dim() != 2:
         raise ValueError(f"int4 group quantization needs a 2-D weight, got shape {tuple(w.shape)}")
     rows, cols = w.shape
@@ -137,8 +138,13 @@ def quantize(w: torch.Tensor, group: int, scale_dtype: torch.dtype | None = None
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(scale_dtype).eps, dtype=scale_dtype, device=w.device),
                         scale)
     full = scale.repeat_interleave(group, dim=1)[:, :cols]
-    q = torch.round(w.to(scale_dtype) / full).clamp(Q_MIN, Q_MAX)
-    return pack(q), scale.contiguous(), torch.tensor([rows, cols], dtype=torch.int32)
+    return torch.round(w.to(scale_dtype) / full).clamp(Q_MIN, Q_MAX), scale
+
+
+def quantize(w: torch.Tensor, group: int, scale_dtype: torch.dtype | None = None):
+    """(weight_packed, weight_scale, weight_shape) of a 2-D weight (:func:`round_to_groups`)."""
+    q, scale = round_to_groups(w, group, scale_dtype)
+    return pack(q), scale.contiguous(), torch.tensor(list(w.shape), dtype=torch.int32)
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape, group: int,
