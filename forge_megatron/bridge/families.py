@@ -97,6 +97,9 @@ class Family:
     # first) and ``experts.down_proj`` [E, F, H], the transposes of the experts' linear weights; the router always
     # renormalises its top-k probabilities
     fused_experts: bool = False
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): a lightning indexer per layer picks each query's ``index_topk``
+    # keys (mcore/dsa.py); GLM's indexer rotates interleaved pairs and its "shared" layers reuse an earlier selection
+    dsa: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -117,6 +120,12 @@ FAMILIES: dict[str, Family] = {
                     multimodal=True, text_prefix="language_model.model.", head_name="language_model.lm_head.weight",
                     vision_prefixes=("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector."))
        for arch in ("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration")},
+    # DeepSeek-V3.2 (-Exp, -Speciale): DeepSeek-V3's layers with DeepSeek sparse attention (an indexer in each)
+    "DeepseekV32ForCausalLM": Family("deepseek_v32", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
+                                     mla=True, dsa=True),
+    # GLM-5: the same layout (no expert groups), the indexer's RoPE on interleaved pairs, ``indexer_types``
+    "GlmMoeDsaForCausalLM": Family("glm_moe_dsa", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
+                                   mla=True, dsa=True),
     "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                      mla=True),
     "MiniMaxM2ForCausalLM": Family("minimax_m2", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,
@@ -348,8 +357,15 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if hf.get("scoring_func", "sigmoid") != "sigmoid":
             raise UnsupportedModelError(f"scoring_func={hf['scoring_func']!r} is not supported (DeepSeek-V3-style "
                                         "sigmoid routers only)")
-        if hf.get("index_topk") or hf.get("index_n_heads"):
-            raise UnsupportedModelError("DeepSeek sparse attention (an indexer: DeepSeek-V3.2) is not supported")
+        if (hf.get("index_topk") or hf.get("index_n_heads")) and not family.dsa:
+            raise UnsupportedModelError(f"an indexer (DeepSeek sparse attention) in a {family.name} config: the "
+                                        "architecture DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM has one")
+        if family.dsa:
+            if not hf.get("q_lora_rank"):
+                raise UnsupportedModelError("DeepSeek sparse attention without a query latent (q_lora_rank)")
+            types = set(indexer_types(hf))
+            if not types <= {"full", "shared"}:
+                raise UnsupportedModelError(f"indexer_types {sorted(types)}: only full and shared")
     if family.minimax:
         if hf.get("qk_norm_type", "per_layer") != "per_layer" or not hf.get("use_qk_norm", True):
             raise UnsupportedModelError(f"qk_norm_type={hf.get('qk_norm_type')!r}, use_qk_norm="
@@ -415,6 +431,25 @@ def dense_layers(hf: dict) -> int:
     return dense
 
 
+def indexer_types(hf: dict) -> list[str]:
+    """Each layer's indexer: "full" (its own) or "shared" (GLM's: the last full layer's selection), from
+    ``indexer_types``, else ``index_topk_pattern`` ("F" / "S" per layer), else ``index_topk_freq`` and
+    ``index_skip_topk_offset`` as transformers derives them (every layer full by default)."""
+    n = hf["num_hidden_layers"]
+    if hf.get("indexer_types") is not None:
+        types = list(hf["indexer_types"])
+    elif hf.get("index_topk_pattern") is not None:
+        pattern = hf["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else \
+            list(pattern)
+    else:
+        freq, offset = max(int(hf.get("index_topk_freq") or 1), 1), int(hf.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if len(types) != n or (types and types[0] != "full"):
+        raise UnsupportedModelError(f"indexer_types {types}: one per layer ({n}), the first full")
+    return types
+
+
 def sliding_windows(hf: dict) -> dict:
     """Megatron's switches for the ``sliding_window`` of the layers ``layer_types`` marks ``sliding_attention``
     (gpt-oss, OLMo 3): ``window_size`` (W - 1 keys before the query, none after) and ``window_attn_skip_freq`` (one
@@ -462,6 +497,11 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
             qk_layernorm=True,  # Megatron builds MLA's latent norms (q_a_layernorm, kv_a_layernorm) under this switch
         )
+    if family.dsa:
+        types = indexer_types(hf)
+        kwargs.update(dsa_index_heads=hf["index_n_heads"], dsa_index_head_dim=hf["index_head_dim"],
+                      dsa_index_topk=hf["index_topk"], dsa_rope_interleaved=family.name == "glm_moe_dsa",
+                      dsa_shared_layers=tuple(t == "shared" for t in types) if "shared" in types else None)
     if family.gated_delta:
         kwargs.update(
             zero_centered_norm=True, attention_output_gate=True,

@@ -55,7 +55,7 @@ class Rule:
     join: str = "copy"
     tp: str = "rep"
     layers: str = "all"  # "dense" / "moe": only layers with a dense MLP / a MoE layer have it; "linear" / "full":
-    # only Gated DeltaNet / full-attention layers of a hybrid model
+    # only Gated DeltaNet / full-attention layers of a hybrid model; "indexer": layers with their own DSA indexer
 
     @property
     def is_expert(self) -> bool:
@@ -116,6 +116,12 @@ def _mla_rules(cfg: GPTConfig) -> list[Rule]:
         query = [Rule(LAYER + "self_attention.linear_q_down_proj.weight", (attn + "q_a_proj.weight",)),
                  Rule(LAYER + "self_attention.q_layernorm.weight", (attn + "q_a_layernorm.weight",)),
                  Rule(LAYER + "self_attention.linear_q_up_proj.weight", (attn + "q_b_proj.weight",), tp="col")]
+    if cfg.sparse_attention:  # DeepSeek sparse attention: the indexer, replicated (mcore/dsa.py)
+        ours, theirs = LAYER + "self_attention.core_attention.indexer.", attn + "indexer."
+        query += [Rule(ours + a, (theirs + b,), layers="indexer") for a, b in (
+            ("linear_wq_b.weight", "wq_b.weight"), ("linear_wk.weight", "wk.weight"),
+            ("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias"),
+            ("linear_weights_proj.weight", "weights_proj.weight"))]
     return [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",))] + query + [
         Rule(LAYER + "self_attention.linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",)),
         Rule(LAYER + "self_attention.kv_layernorm.weight", (attn + "kv_a_layernorm.weight",)),
@@ -346,6 +352,8 @@ class Bridge:
         return bool(self.cfg.num_moe_experts) and layer >= self.cfg.moe_dense_layers
 
     def layer_has(self, rule: Rule, layer: int) -> bool:
+        if rule.layers == "indexer":
+            return not (self.cfg.dsa_shared_layers and self.cfg.dsa_shared_layers[layer])
         if rule.layers in ("linear", "full"):
             return (rule.layers == "linear") == bool(self.cfg.linear_attention and self.cfg.linear_attention[layer])
         return rule.layers == "all" or (rule.layers == "moe") == self.is_moe_layer(layer)
@@ -479,6 +487,11 @@ class Bridge:
                 "kv_b_proj.weight": (n * (cfg.qk_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
                 "o_proj.weight": (d, n * cfg.v_head_dim),
             })
+        if cfg.sparse_attention:
+            hi, di = cfg.dsa_index_heads, cfg.dsa_index_head_dim
+            table.update({"indexer.wq_b.weight": (hi * di, cfg.q_lora_rank), "indexer.wk.weight": (di, d),
+                          "indexer.k_norm.weight": (di,), "indexer.k_norm.bias": (di,),
+                          "indexer.weights_proj.weight": (hi, d)})
         for suffix in sorted(table, key=len, reverse=True):  # q_norm.weight before norm.weight
             if hf_name.endswith(suffix):
                 return table[suffix]

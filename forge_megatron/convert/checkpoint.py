@@ -168,8 +168,9 @@ def rank_file(root: str, layout: ParallelLayout, tp: int, pp: int, ep: int) -> s
     return os.path.join(rank_dir(root, layout, tp, pp, ep), "model_optim_rng.pt")
 
 
-# multi-latent attention's down projections: plain replicated torch linears in the local spec (mcore/model.py)
-_PLAIN_LINEARS = ("linear_q_down_proj", "linear_kv_down_proj")
+# multi-latent attention's down projections (plain replicated torch linears in the local spec: mcore/model.py) and
+# the DSA indexer's (mcore/dsa.py)
+_PLAIN_LINEARS = ("linear_q_down_proj", "linear_kv_down_proj", "linear_wq_b", "linear_wk", "linear_weights_proj")
 
 
 def _with_extra_state(state: dict) -> dict:

@@ -76,6 +76,15 @@ class GPTConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; mcore/dsa.py), on multi-latent attention with a query latent: an
+    # indexer of dsa_index_heads heads of dsa_index_head_dim channels picks the dsa_index_topk keys each query attends
+    # to; its RoPE rotates the halves (DeepSeek-V3.2) or interleaved pairs (dsa_rope_interleaved: GLM-5); GLM's
+    # dsa_shared_layers (True: no indexer) reuse the last full layer's selection. dsa_index_heads=None: dense.
+    dsa_index_heads: int | None = None
+    dsa_index_head_dim: int = 128
+    dsa_index_topk: int = 2048
+    dsa_rope_interleaved: bool = False
+    dsa_shared_layers: tuple[bool, ...] | None = None
     # Qwen3.5 / Qwen3-Next: norms scale by (1 + weight) (weights stored zero-centred), a sigmoid gate on every
     # attention head's output (the query projection's second half), and Gated DeltaNet (linear attention) layers
     # where ``linear_attention[i]`` is true (mcore/gated_delta_net.py); the linear_* sizes are theirs
@@ -126,6 +135,20 @@ class GPTConfig:
             if self.rotary_percent != 1.0:
                 raise ValueError("multi-latent attention rotates all qk_pos_emb_head_dim channels: rotary_percent "
                                  "must be 1")
+        if self.sparse_attention:
+            if not self.multi_latent_attention or self.q_lora_rank is None:
+                raise ValueError("DeepSeek sparse attention (dsa_index_heads) needs multi-latent attention with a "
+                                 "query latent (kv_lora_rank and q_lora_rank)")
+            if self.dsa_index_topk < 1 or self.dsa_index_head_dim < self.qk_pos_emb_head_dim:
+                raise ValueError(f"dsa_index_topk ({self.dsa_index_topk}) must be >= 1 and dsa_index_head_dim "
+                                 f"({self.dsa_index_head_dim}) hold the {self.qk_pos_emb_head_dim} rotated channels")
+            if self.dsa_shared_layers is not None:
+                self.dsa_shared_layers = tuple(bool(x) for x in self.dsa_shared_layers)
+                if len(self.dsa_shared_layers) != self.num_layers or self.dsa_shared_layers[0]:
+                    raise ValueError(f"dsa_shared_layers needs one entry per layer ({self.num_layers}), the first "
+                                     "layer with its own indexer")
+        elif self.dsa_shared_layers is not None:
+            raise ValueError("dsa_shared_layers without DeepSeek sparse attention (dsa_index_heads)")
         if self.qk_layernorm_all_heads and (not self.qk_layernorm or self.multi_latent_attention
                                             or self.normalization != "RMSNorm"):
             raise ValueError("qk_layernorm_all_heads is an RMSNorm over all query / key heads: it needs "
@@ -174,6 +197,11 @@ class GPTConfig:
     @property
     def multi_latent_attention(self) -> bool:
         return self.kv_lora_rank is not None
+
+    @property
+    def sparse_attention(self) -> bool:
+        """DeepSeek sparse attention (an indexer picks each query's keys: mcore/dsa.py)."""
+        return self.dsa_index_heads is not None
 
     @property
     def rotary_dim(self) -> int:
@@ -256,6 +284,15 @@ def transformer_config(cfg: GPTConfig, **overrides):
             rotary_scaling_factor=float(params.get("factor", 1.0)) if rope.rope_type(params) != "default" else 1.0,
             mscale_all_dim=float(params.get("mscale_all_dim") or 0.0) if rope.rope_type(params) != "default" else 0.0,
         )
+    if cfg.sparse_attention:
+        # Megatron's MLA then hands core attention the attention's input and query latent (mcore/dsa.py); its own
+        # DSA fields only describe the model (our SparseTreeAttention takes its sizes from the layer spec)
+        if ps.get_context_parallel_world_size() > 1:
+            raise ValueError("DeepSeek sparse attention is not supported with context parallelism (CP > 1)")
+        if "experimental_attention_variant" not in TransformerConfig.__dataclass_fields__:
+            raise ValueError("DeepSeek sparse attention needs megatron-core >= 0.15 (experimental_attention_variant)")
+        kwargs.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=cfg.dsa_index_heads,
+                      dsa_indexer_head_dim=cfg.dsa_index_head_dim, dsa_indexer_topk=cfg.dsa_index_topk)
     if TransformerConfig.__dataclass_fields__.get("cuda_graph_scope") is not None and \
             TransformerConfig.__dataclass_fields__["cuda_graph_scope"].default == "full":
         kwargs["cuda_graph_scope"] = []  # 0.16's default "full" warns that it is deprecated; [] means the same
@@ -387,7 +424,19 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from megatron.core.transformer import multi_latent_attention
 
         multi_latent_attention.HAVE_TE = False
-    return spec if use_te else _local_mla(spec)
+    spec = spec if use_te else _local_mla(spec)
+    if cfg.sparse_attention:
+        spec = _with_attention_submodules(spec, lambda subs: {"core_attention": dsa_core_attention(cfg)})
+    return spec
+
+
+def dsa_core_attention(cfg: GPTConfig):
+    """The core attention spec of a DeepSeek-sparse-attention layer (mcore/dsa.py): tree and causal models alike."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from forge_megatron.mcore.dsa import SparseTreeAttention, dsa_spec_params
+
+    return ModuleSpec(module=SparseTreeAttention, params=dsa_spec_params(cfg))
 
 
 def _hybrid_block_spec(cfg: GPTConfig, spec, vp_stage: int | None):
@@ -485,6 +534,10 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
             return output * torch.tensor(multiplier, dtype=output.dtype, device=output.device)
 
         model.embedding.register_forward_hook(scale)
+    if cfg.sparse_attention:
+        from forge_megatron.mcore.dsa import share_selection_store
+
+        share_selection_store(model)
     if cfg.num_moe_experts and cfg.add_bias_linear:
         _own_expert_outputs(model)
     if cfg.num_moe_experts:

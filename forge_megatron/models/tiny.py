@@ -34,7 +34,7 @@ SPECIAL_TOKENS = (
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
-         "glm4v_moe", "ministral3", "ministral3_vl")
+         "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -230,6 +230,26 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True},
         ),
+        # DeepSeek-V3.2 layout: DeepSeek-V3's with sparse attention: an indexer of 4 heads of 16 channels (8 rotated,
+        # the halves) picks each query's 4 keys (sequences longer than 4 tokens attend sparsely)
+        "deepseek_v32": (
+            transformers.DeepseekV32Config,
+            {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
+             "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 4,
+             "index_n_heads": 4, "index_head_dim": 16},
+        ),
+        # GLM-5 layout: the same, no expert groups, the indexer's RoPE on interleaved pairs, and layer 1 "shared"
+        # (no indexer: it reuses layer 0's selection)
+        "glm_moe_dsa": (
+            transformers.GlmMoeDsaConfig,
+            {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
+             "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 4,
+             "index_n_heads": 4, "index_head_dim": 16, "indexer_types": ["full", "shared"]},
+        ),
         # GLM-4.7-Flash layout: multi-latent attention with queries projected directly (no query latent)
         "glm4_moe_lite": (
             transformers.Glm4MoeLiteConfig,
@@ -343,6 +363,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
             elif arch.startswith("gemma3") and name.endswith("norm.weight") and "vision" not in name:
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters
+            elif ".indexer.k_norm." in name:  # DSA: the indexer's LayerNorm (weight and bias) matters
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + torch.randn(p.shape) * 0.2)
             elif arch.startswith(("qwen3_5", "qwen3_next")) and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if "linear_attn" in name else 0.0))  # (1 + w) or w
     os.makedirs(out_dir, exist_ok=True)

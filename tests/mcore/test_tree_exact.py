@@ -199,6 +199,15 @@ def _body_one_rank(rank, world_size):
     out["deepseek_v3_modules"] = [type(ds_tree.decoder.layers[0].self_attention.core_attention).__name__,
                                   type(ds_causal.decoder.layers[0].self_attention.core_attention).__name__]
     out["deepseek_v3_by_offset"] = _offset_rope_error(ds_tree, ds_causal)
+    # DeepSeek-V3.2 / GLM-5 layouts: DeepSeek sparse attention picking 4 keys (these samples reach depth 40, so most
+    # tokens attend sparsely): a tree token's indexer must choose among its ancestors only; GLM's layer 1 reuses
+    # layer 0's selection
+    for arch, cls in (("deepseek_v32", "DeepseekV32ForCausalLM"), ("glm_moe_dsa", "GlmMoeDsaForCausalLM")):
+        hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
+        dsa_tree, dsa_causal = _twin_models(gpt_config_from_hf(hf))
+        out[arch] = _exactness(dsa_tree, dsa_causal, all_samples(3))
+        out[arch + "_sparse_rows"] = sum(s.numel() for s in next(
+            v for v in dsa_causal.decoder.layers[0].self_attention.core_attention.selection_store.values()).values())
     # gpt-oss attention: learned sinks (Megatron's softmax_type="learnable") and a 3-position sliding window on every
     # other layer; the oracle is Megatron's own attention with the same config (SoftmaxOne, sliding-window mask)
     oss_cfg = _cfg(extra={"softmax_type": "learnable", "window_size": (2, 0), "window_attn_skip_freq": 2})
@@ -458,6 +467,13 @@ def test_multi_latent_attention_tree_equals_unmerged(one_rank):
     logp, ent, grad, _, _ = one_rank["deepseek_v3"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["deepseek_v3"]
     assert one_rank["deepseek_v3_by_offset"] > 20 * LOGP_ATOL
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_deepseek_sparse_attention_tree_equals_unmerged(one_rank, arch):
+    logp, ent, grad, _, _ = one_rank[arch]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank[arch]
+    assert one_rank[arch + "_sparse_rows"] > 0  # the indexer really chose (rows deeper than topk)
 
 
 def test_gpt_oss_sinks_and_sliding_window_tree_equals_unmerged(one_rank):

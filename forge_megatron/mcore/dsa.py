@@ -1,0 +1,287 @@
+"""DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5) over prefix trees, as a Megatron ``core_attention``.
+
+DSA is multi-latent attention in which each query attends only to the ``topk`` keys a small "lightning indexer"
+scores highest among the keys it may see. For query i and key j the indexer computes
+
+    I(i, j) = sum_h w_h(i) * relu(scale_I * q^I_h(i) . k^I(j)),   w(i) = W_w x_i / sqrt(H_I),  scale_I = 1 / sqrt(D_I)
+    q^I(i) = rope(W_q qr_i)  (H_I heads of D_I),   k^I(j) = rope(LayerNorm(W_k x_j))  (one head of D_I)
+
+with x the attention's input (after the layer's input norm), qr the normalised query latent, RoPE on the first
+``qk_pos_emb_head_dim`` channels of each head (DeepSeek-V3.2 rotates the two halves, GLM-5 interleaved pairs). The
+main attention then runs over the selected keys only. What is computed here is what transformers' reference
+(DeepseekV32Indexer, GlmMoeDsaIndexer) computes, the Hadamard rotation of DeepSeek's FP8 kernels left out as it does
+(an orthogonal map: it changes no dot product).
+
+Trees. A key is visible to a query as in tree attention (an ancestor or itself: j <= i < sub_end[j]); the indexer
+chooses among the visible keys only, so a tree token selects exactly what it selects in its sample alone, and the
+layer still equals every sample trained alone. Ties are broken toward earlier keys (a stable sort; a sample's keys
+keep their order in the tree), so even equal scores select the same keys in the tree and alone.
+
+What runs: a query with at most ``topk`` visible keys (a sample's first ``topk`` tokens) selects all of them, so its
+attention is dense tree attention (the fast kernels) and its indexer is not evaluated at all. Only deeper queries run
+the indexer (in query chunks, no gradient) and attend to their selection through :class:`_RowsAttention`, a
+memory-bounded PyTorch attention over a boolean key mask (query chunks, probabilities recomputed in the backward pass
+from the saved log-sum-exp). A fused sparse kernel (FlashMLA's) is the GPU follow-up; the semantics are these.
+
+The indexer is frozen (``requires_grad=False``): its choice is discrete, so the policy loss gives it no gradient,
+and Adam's weight decay would otherwise shrink it. GLM's "shared" layers (``indexer_types``) have no indexer and
+reuse the selection of the last full layer before them; it travels with the micro-batch's packed-sequence params (or,
+in the causal model, the model's forward), so recomputation and pipelining see their own micro-batch's.
+
+Legend: T = tokens (keys), R = deep query rows, N = heads on this TP rank, H = query/key head dim, Hv = value head
+dim, H_I / D_I = indexer heads / head dim, k = topk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# elements of one [N, rows, T] score block (fp32): the query chunk size follows from it
+CHUNK_ELEMENTS = 1 << 25
+
+
+# ------------------------------------------------------------------------------------------------ indexer
+class DSAIndexer(torch.nn.Module):
+    """The lightning indexer of one layer (Megatron-Core's parameter names: ``linear_wq_b``, ``linear_wk``,
+    ``k_norm``, ``linear_weights_proj``). Replicated on every TP rank, frozen (see the module docstring)."""
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, heads: int, head_dim: int, rope_dim: int,
+                 inv_freq: torch.Tensor, interleaved: bool, eps: float = 1e-6, dtype=torch.float32):
+        super().__init__()
+        if rope_dim > head_dim or rope_dim % 2:
+            raise ValueError(f"the indexer rotates {rope_dim} channels of {head_dim}-channel heads: need an even "
+                             "number no larger than the head")
+        self.heads, self.head_dim, self.rope_dim, self.interleaved = heads, head_dim, rope_dim, interleaved
+        self.linear_wq_b = torch.nn.Linear(q_lora_rank, heads * head_dim, bias=False, dtype=dtype)
+        self.linear_wk = torch.nn.Linear(hidden_size, head_dim, bias=False, dtype=dtype)
+        self.k_norm = torch.nn.LayerNorm(head_dim, eps=eps, dtype=dtype)
+        self.linear_weights_proj = torch.nn.Linear(hidden_size, heads, bias=False, dtype=dtype)
+        self.inv_freq = inv_freq.float()
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def _rope(self, x, positions):
+        """RoPE on the first ``rope_dim`` channels of the last dim (HF's layout: rotated channels first)."""
+        r = self.rope_dim
+        angles = positions.float()[:, None] * self.inv_freq.to(x.device)[None]  # [rows, r / 2]
+        shape = (angles.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
+        cos, sin = angles.cos().to(x.dtype).view(shape), angles.sin().to(x.dtype).view(shape)
+        rot, rest = x[..., :r], x[..., r:]
+        if self.interleaved:  # GLM-5: pairs (0, 1), (2, 3), ...; written out halves-first as HF does (q and k alike)
+            a, b = rot[..., 0::2], rot[..., 1::2]
+        else:  # DeepSeek-V3.2: the two halves
+            a, b = rot[..., : r // 2], rot[..., r // 2:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
+
+    def keys(self, x_TD, positions_T):
+        """k^I of every token: [T, D_I]."""
+        return self._rope(self.k_norm(self.linear_wk(x_TD)), positions_T)
+
+    def scores(self, x_RD, qr_RL, positions_R, keys_TD):
+        """I(i, j) of the rows given against every key: fp32 [R, T]."""
+        q = self.linear_wq_b(qr_RL).view(qr_RL.shape[0], self.heads, self.head_dim)
+        q = self._rope(q, positions_R)
+        s = torch.relu(torch.einsum("rhd,td->rht", q.float(), keys_TD.float()) * self.head_dim ** -0.5)
+        w = F.linear(x_RD.float(), self.linear_weights_proj.weight.float()) * self.heads ** -0.5
+        return torch.einsum("rh,rht->rt", w, s)
+
+
+def select_topk(scores_RT: torch.Tensor, visible_RT: torch.Tensor, topk: int) -> torch.Tensor:
+    """Boolean [R, T]: the ``topk`` visible keys of highest score in each row (all visible ones if fewer), ties to
+    the earlier key."""
+    masked = scores_RT.masked_fill(~visible_RT, float("-inf"))
+    k = min(topk, scores_RT.shape[1])
+    order = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
+    chosen = torch.zeros_like(visible_RT).scatter_(1, order, True)
+    return chosen & visible_RT
+
+
+# ------------------------------------------------------------------------------------ masked rows attention
+class _RowsAttention(torch.autograd.Function):
+    """o_r = sum_t softmax_t(scale * q_r . k_t) v_t over the keys ``allowed(chunk)`` marks for each row; rows in
+    chunks, the probabilities recomputed in the backward pass from the saved log-sum-exp. fp32 inside."""
+
+    @staticmethod
+    def forward(ctx, q_RNH, k_TNH, v_TNH, allowed, scale: float, chunk: int):
+        R = q_RNH.shape[0]
+        o = q_RNH.new_empty(R, q_RNH.shape[1], v_TNH.shape[2], dtype=torch.float32)
+        lse = q_RNH.new_empty(q_RNH.shape[1], R, dtype=torch.float32)
+        kf, vf = k_TNH.float(), v_TNH.float()
+        for a in range(0, R, chunk):
+            b = min(R, a + chunk)
+            s = torch.einsum("rnh,tnh->nrt", q_RNH[a:b].float(), kf) * scale
+            s = s.masked_fill(~allowed(a, b)[None], float("-inf"))
+            lse[:, a:b] = torch.logsumexp(s, dim=-1)
+            o[a:b] = torch.einsum("nrt,tnh->rnh", torch.exp(s - lse[:, a:b, None]), vf)
+        ctx.save_for_backward(q_RNH, k_TNH, v_TNH, o, lse)
+        ctx.allowed, ctx.scale, ctx.chunk = allowed, scale, chunk
+        return o.to(v_TNH.dtype)
+
+    @staticmethod
+    def backward(ctx, do_RNH):
+        q, k, v, o, lse = ctx.saved_tensors
+        kf, vf, do = k.float(), v.float(), do_RNH.float()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk = torch.zeros_like(k, dtype=torch.float32)
+        dv = torch.zeros_like(v, dtype=torch.float32)
+        delta = (do * o).sum(-1).transpose(0, 1)  # [N, R]
+        for a in range(0, q.shape[0], ctx.chunk):
+            b = min(q.shape[0], a + ctx.chunk)
+            qf = q[a:b].float()
+            s = torch.einsum("rnh,tnh->nrt", qf, kf) * ctx.scale
+            s = s.masked_fill(~ctx.allowed(a, b)[None], float("-inf"))
+            p = torch.exp(s - lse[:, a:b, None])
+            dv += torch.einsum("nrt,rnh->tnh", p, do[a:b])
+            ds = p * (torch.einsum("rnh,tnh->nrt", do[a:b], vf) - delta[:, a:b, None]) * ctx.scale
+            dq[a:b] = torch.einsum("nrt,tnh->rnh", ds, kf)
+            dk += torch.einsum("nrt,rnh->tnh", ds, qf)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def rows_attention(q_RNH, k_TNH, v_TNH, allowed, scale: float) -> torch.Tensor:
+    """Attention of R query rows over the keys ``allowed(a, b)`` (boolean [b - a, T]) marks for rows a..b-1."""
+    T, N = k_TNH.shape[:2]
+    chunk = max(1, CHUNK_ELEMENTS // max(1, N * T))
+    return _RowsAttention.apply(q_RNH, k_TNH, v_TNH, allowed, scale, chunk)
+
+
+# ----------------------------------------------------------------------------------------- core attention
+class SparseTreeAttention(torch.nn.Module):
+    """``core_attention`` of a DSA layer (DeepSeek-V3.2, GLM-5) for Megatron's multi-latent attention, in the tree
+    model (TreePackedSeqParams: the mask is the tree) and in the plain causal one (no packed params). Megatron's MLA
+    hands it the attention's input ``x`` and the query latent ``qr`` when the config's
+    ``experimental_attention_variant`` is "dsa" (model.transformer_config sets it).
+
+    Spec params (model.layer_spec): ``topk``, ``index_heads``, ``index_head_dim``, ``inv_freq`` (the layer's RoPE
+    frequencies), ``interleaved`` (the indexer's RoPE pairs), ``shared_layers`` (True where a layer reuses the
+    previous full layer's selection), ``eps``."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None, *, topk: int, index_heads: int, index_head_dim: int,
+                 inv_freq: torch.Tensor, interleaved: bool = False, shared_layers: tuple[bool, ...] | None = None,
+                 eps: float = 1e-6):
+        super().__init__()
+        if config.context_parallel_size > 1:
+            raise ValueError("DeepSeek sparse attention is not supported with context parallelism (CP > 1)")
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout):
+            raise ValueError("DeepSeek sparse attention has no attention dropout; set attention_dropout=0")
+        self.config = config
+        self.layer_number = layer_number
+        self.topk = int(topk)
+        if softmax_scale is None:
+            softmax_scale = getattr(config, "softmax_scale", None) or (k_channels or config.kv_channels) ** -0.5
+        self.softmax_scale = softmax_scale
+        self.shared = bool(shared_layers and shared_layers[layer_number - 1])
+        self.indexer = None if self.shared else DSAIndexer(
+            config.hidden_size, config.q_lora_rank, index_heads, index_head_dim, config.qk_pos_emb_head_dim,
+            inv_freq, interleaved, eps=eps, dtype=config.params_dtype)
+        # the full layer whose selection a shared layer reuses: the last layer before it with an indexer
+        self.source_layer = max((n for n in range(1, layer_number) if not shared_layers[n - 1]), default=None) \
+            if self.shared else None
+        # the causal model's selections (batch row -> layer number -> selection); build_gpt gives every DSA layer of
+        # a model one store (share_selection_store)
+        self.selection_store: dict = {}
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, x=None, qr=None, **unused):
+        from forge_megatron.mcore.tree_attention import TreePackedSeqParams
+
+        if x is None or qr is None:
+            raise ValueError("DeepSeek sparse attention needs the attention's input and query latent: build the model "
+                             "through forge_megatron.mcore.model (experimental_attention_variant='dsa'), and do not "
+                             "recompute core attention alone (recompute whole layers instead)")
+        if attention_bias is not None:
+            raise ValueError("DeepSeek sparse attention takes no attention_bias")
+        x, qr = self._gather_sequence(x), self._gather_sequence(qr)
+        if isinstance(packed_seq_params, TreePackedSeqParams):
+            if query.dim() == 4:
+                query, key, value = query[:, 0], key[:, 0], value[:, 0]
+            sub_end = packed_seq_params.sub_end.to(query.device)
+            positions = packed_seq_params.position_ids.to(query.device)
+            x, qr = x.reshape(query.shape[0], -1), qr.reshape(query.shape[0], -1)
+            return self._attend(query, key, value, x, qr, sub_end, positions, packed_seq_params,
+                                packed_seq_params.backend).reshape(query.shape[0], 1, -1)
+        if packed_seq_params is not None:
+            raise ValueError("DeepSeek sparse attention takes tree-packed sequences (TreePackedSeqParams) or none")
+        # the causal model: [s, b, heads, dim], one sample per batch row
+        s, b = query.shape[:2]
+        if attention_mask is not None and not torch.equal(
+                attention_mask.reshape(-1, s, s), torch.ones(s, s, dtype=torch.bool, device=query.device)
+                .triu(1).expand(attention_mask.reshape(-1, s, s).shape)):
+            raise ValueError("DeepSeek sparse attention's causal model takes the causal mask only (padding: pack "
+                             "the samples as a tree)")
+        x, qr = x.reshape(s, b, -1), qr.reshape(s, b, -1)
+        sub_end = torch.full((s,), s, dtype=torch.int32, device=query.device)
+        positions = torch.arange(s, device=query.device)
+        outs = [self._attend(query[:, i], key[:, i], value[:, i], x[:, i], qr[:, i], sub_end, positions,
+                             self.selection_store.setdefault(i, {}), None) for i in range(b)]
+        return torch.stack(outs, dim=1).reshape(s, b, -1)
+
+    def _gather_sequence(self, t):
+        """Under sequence parallelism each TP rank holds a slice of the tokens: the indexer needs all of them."""
+        if not self.config.sequence_parallel or self.config.tensor_model_parallel_size == 1:
+            return t
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, t.detach().contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    def _attend(self, q_TNH, k_TNH, v_TNH, x_TD, qr_TL, sub_end_T, positions_T, carrier, backend):
+        from forge_megatron.kernels.tree_attention import tree_attention
+
+        out = tree_attention(q_TNH, k_TNH, v_TNH, sub_end_T, softmax_scale=self.softmax_scale, backend=backend)
+        rows = torch.nonzero(positions_T >= self.topk).flatten()  # more visible keys than topk: sparse
+        if rows.numel() == 0:
+            return out
+        key_index = torch.arange(sub_end_T.shape[0], device=q_TNH.device)
+
+        def visible(r):  # boolean [len(r), T]: ancestors and itself
+            return (key_index[None, :] <= r[:, None]) & (r[:, None] < sub_end_T.long()[None, :])
+
+        chosen = self._select(rows, visible, x_TD.detach(), qr_TL.detach(), positions_T, carrier)
+        sparse = rows_attention(q_TNH[rows], k_TNH, v_TNH, lambda a, b: chosen[a:b], self.softmax_scale)
+        return out.index_copy(0, rows, sparse.to(out.dtype))
+
+    @torch.no_grad()
+    def _select(self, rows, visible, x_TD, qr_TL, positions_T, carrier):
+        """Boolean [R, T] selection of each deep row; shared layers take the last full layer's."""
+        store = carrier.__dict__.setdefault("_dsa_selections", {}) if not isinstance(carrier, dict) else carrier
+        if self.shared:
+            if self.source_layer not in store:
+                raise ValueError(f"layer {self.layer_number} reuses the indexer selection of layer "
+                                 f"{self.source_layer}, which did not run before it on this rank (pipeline stages "
+                                 "must keep a shared DSA layer with the full layer before it)")
+            return store[self.source_layer]
+        keys = self.indexer.keys(x_TD, positions_T)
+        T = keys.shape[0]
+        chunk = max(1, CHUNK_ELEMENTS // max(1, self.indexer.heads * T))
+        parts = []
+        for a in range(0, rows.numel(), chunk):
+            r = rows[a:a + chunk]
+            scores = self.indexer.scores(x_TD[r], qr_TL[r], positions_T[r], keys)
+            parts.append(select_topk(scores, visible(r), self.topk))
+        chosen = torch.cat(parts)
+        store[self.layer_number] = chosen
+        return chosen
+
+
+def dsa_spec_params(cfg) -> dict:
+    """The :class:`SparseTreeAttention` spec params of a GPTConfig with DSA."""
+    from forge_megatron.mcore import rope
+
+    return dict(topk=cfg.dsa_index_topk, index_heads=cfg.dsa_index_heads, index_head_dim=cfg.dsa_index_head_dim,
+                inv_freq=rope.inv_freq(cfg.rope_scaling, cfg.rotary_base, cfg.qk_pos_emb_head_dim),
+                interleaved=cfg.dsa_rope_interleaved, shared_layers=cfg.dsa_shared_layers, eps=1e-6)
+
+
+def share_selection_store(model) -> None:
+    """One selection store for every DSA layer of ``model`` (the causal model's shared layers read it)."""
+    store: dict = {}
+    for module in model.modules():
+        if isinstance(module, SparseTreeAttention):
+            module.selection_store = store
