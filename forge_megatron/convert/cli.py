@@ -18,7 +18,8 @@ Qwen3VLMoeForConditionalGeneration (Qwen3-VL-MoE; experts fused on disk; the vis
 Qwen3MoeForCausalLM, Glm4MoeForCausalLM (GLM-4.5 / 4.6 / 4.7), DeepseekV3ForCausalLM (DeepSeek-V3 /
 V3.1, Kimi-K2, Moonlight: multi-latent attention), KimiK25ForConditionalGeneration /
 Kimi_K25ForConditionalGeneration (Kimi-K2.5 / K2.6: Kimi-K2 under language_model.*, the vision tower copied on
-export; released int4: int4-to-bf16 first), Glm4MoeLiteForCausalLM (GLM-4.7-Flash), MiniMaxM2ForCausalLM
+export; released int4: int4-to-bf16 first), DeepseekV32ForCausalLM (DeepSeek-V3.2: sparse attention, its indexer
+converted too), GlmMoeDsaForCausalLM (GLM-5), Glm4MoeLiteForCausalLM (GLM-4.7-Flash), MiniMaxM2ForCausalLM
 (MiniMax-M2 / M2.1 / M2.5), Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM and, as released,
 Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration (Qwen3.5: Gated DeltaNet layers; the vision
 tower is not trained and is copied on export: mcore-to-hf --vision-from HF_DIR), Qwen3NextForCausalLM (Qwen3-Next),

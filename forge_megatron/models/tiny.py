@@ -230,15 +230,16 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True},
         ),
-        # DeepSeek-V3.2 layout: DeepSeek-V3's with sparse attention: an indexer of 4 heads of 16 channels (8 rotated,
-        # the halves) picks each query's 4 keys (sequences longer than 4 tokens attend sparsely)
+        # DeepSeek-V3.2 layout: DeepSeek-V3's with sparse attention: an indexer of 8 heads of 16 channels (8 rotated,
+        # the halves) picks each query's 4 keys (sequences longer than 4 tokens attend sparsely). Keys every head's
+        # ReLU zeroes score exactly 0, and engines break such ties each their own way: 8 heads make them rare
         "deepseek_v32": (
             transformers.DeepseekV32Config,
             {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
              "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 4,
-             "index_n_heads": 4, "index_head_dim": 16},
+             "index_n_heads": 8, "index_head_dim": 16},
         ),
         # GLM-5 layout: the same, no expert groups, the indexer's RoPE on interleaved pairs, and layer 1 "shared"
         # (no indexer: it reuses layer 0's selection)
@@ -248,7 +249,7 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 4,
-             "index_n_heads": 4, "index_head_dim": 16, "indexer_types": ["full", "shared"]},
+             "index_n_heads": 8, "index_head_dim": 16, "indexer_types": ["full", "shared"]},
         ),
         # GLM-4.7-Flash layout: multi-latent attention with queries projected directly (no query latent)
         "glm4_moe_lite": (

@@ -29,8 +29,10 @@ def nbytes(t: torch.Tensor) -> int:
 
 # Tensors an engine must receive in one request. SGLang's DeepSeek-V2/V3 loader (models with a query latent:
 # DeepSeek-V3, Kimi-K2) fuses each layer's q_a_proj and kv_a_proj_with_mqa into one projection as both arrive within one
-# load_weights call, i.e. one update request; a request holding one of them without the other loses it.
-LOADED_TOGETHER = (("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa."),)
+# load_weights call, i.e. one update request; a request holding one of them without the other loses it. Its DeepSeek
+# sparse attention indexer (DeepSeek-V3.2, GLM-5) fuses wk and weights_proj the same way in its FP4 releases.
+LOADED_TOGETHER = (("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa."),
+                   ("self_attn.indexer.wk.", "self_attn.indexer.weights_proj."))
 
 
 def together(name: str) -> tuple[str, tuple[str, ...]] | None:

@@ -51,6 +51,8 @@ def models(tmp_path_factory):
         "kimi_k25": build_tiny_model(str(root / "kimi_k25"), arch="kimi_k25", seed=17),
         "glm4v_moe": build_tiny_model(str(root / "glm4v_moe"), arch="glm4v_moe", seed=18),
         "ministral3_vl": build_tiny_model(str(root / "ministral3_vl"), arch="ministral3_vl", seed=19),
+        "deepseek_v32": build_tiny_model(str(root / "deepseek_v32"), arch="deepseek_v32", seed=20),
+        "glm_moe_dsa": build_tiny_model(str(root / "glm_moe_dsa"), arch="glm_moe_dsa", seed=21),
     }
 
 
@@ -225,10 +227,13 @@ def _check_synced(results):
     ("kimi_k25", ParallelConfig(tp=2)),  # MLA under language_model.model.*, the head language_model.lm_head
     ("glm4v_moe", ParallelConfig(pp=2)),  # GLM-4.5V: its dense and MoE layers on different stages
     ("ministral3_vl", ParallelConfig(tp=2)),  # language_model.model.*, the head language_model.lm_head; query scaling
+    # DeepSeek sparse attention: the indexer (replicated) synced with the layer; the engine's sparse attention after
+    ("deepseek_v32", ParallelConfig(tp=2)),
+    ("glm_moe_dsa", ParallelConfig(ep=2)),  # GLM-5: layer 1 shares layer 0's selection (no indexer tensors)
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
-        "tp2-ministral3-vl"])
+        "tp2-ministral3-vl", "tp2-deepseek-v32", "ep2-glm-moe-dsa"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
