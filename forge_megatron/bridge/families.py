@@ -366,6 +366,10 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             types = set(indexer_types(hf))
             if not types <= {"full", "shared"}:
                 raise UnsupportedModelError(f"indexer_types {sorted(types)}: only full and shared")
+            for key in ("index_kpool", "mla_use_nope", "mhc", "linear_attn_config"):
+                if hf.get(key):
+                    raise UnsupportedModelError(f"{key}={hf[key]!r} is not supported (DeepSeek-V3.2 / GLM-5 sparse "
+                                                "attention as transformers implements it only)")
     if family.minimax:
         if hf.get("qk_norm_type", "per_layer") != "per_layer" or not hf.get("use_qk_norm", True):
             raise UnsupportedModelError(f"qk_norm_type={hf.get('qk_norm_type')!r}, use_qk_norm="
@@ -499,8 +503,10 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
     if family.dsa:
         types = indexer_types(hf)
+        # the indexer's RoPE pairs: GLM-5's config says indexer_rope_interleave (transformers assumes it per family)
+        interleaved = bool(hf.get("indexer_rope_interleave", family.name == "glm_moe_dsa"))
         kwargs.update(dsa_index_heads=hf["index_n_heads"], dsa_index_head_dim=hf["index_head_dim"],
-                      dsa_index_topk=hf["index_topk"], dsa_rope_interleaved=family.name == "glm_moe_dsa",
+                      dsa_index_topk=hf["index_topk"], dsa_rope_interleaved=interleaved,
                       dsa_shared_layers=tuple(t == "shared" for t in types) if "shared" in types else None)
     if family.gated_delta:
         kwargs.update(

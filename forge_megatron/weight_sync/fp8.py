@@ -29,9 +29,11 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 SCALE_SUFFIX = "weight_scale_inv"
-# projections: attention and MLP ``*_proj`` (MLA's ``kv_a_proj_with_mqa``), and Mixtral-named experts (MiniMax-M2's
-# ``experts.{e}.w1`` / ``w2`` / ``w3``)
-PROJ_WEIGHT = re.compile(r"(.*(?:proj(?:_with_mqa)?|\.experts\.\d+\.w[123]))\.weight")
+# projections: attention and MLP ``*_proj`` (MLA's ``kv_a_proj_with_mqa``), Mixtral-named experts (MiniMax-M2's
+# ``experts.{e}.w1`` / ``w2`` / ``w3``), and a DeepSeek-V3.2 indexer's ``wq_b`` and ``wk`` (its ``weights_proj`` stays
+# in bf16 in the FP8 release, as DeepSeek's own inference code keeps it)
+PROJ_WEIGHT = re.compile(r"(.*(?:(?<!indexer\.weights_)proj(?:_with_mqa)?|\.experts\.\d+\.w[123]"
+                         r"|\.indexer\.w(?:q_b|k)))\.weight")
 
 
 @dataclass(frozen=True)

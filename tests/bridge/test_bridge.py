@@ -280,3 +280,54 @@ def test_vision_language_releases_configs_as_published():
     assert Bridge(small31).cfg.query_scaling is None  # Mistral-Small 3.1's text model: no query scaling
     with pytest.raises(UnsupportedModelError, match="sliding_window=4096 is not supported"):
         Bridge({**ministral, "text_config": {**ministral["text_config"], "sliding_window": 4096}})
+
+
+def test_sparse_attention_releases_configs_as_published():
+    """DeepSeek-V3.2's config.json as its FP8 release has it (transformers 4 style) and GLM-5's map to DeepSeek
+    sparse attention with the release's indexer sizes and RoPE pairs; GLM's shared-indexer schedule leaves those
+    layers without indexer tensors; fields of later GLM releases the bridge does not compute are refused by name.
+    Sizes shrunk, fields kept."""
+    dsv32 = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "hidden_size": 64,
+             "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+             "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 4,
+             "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+             "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "q_lora_rank": 32,
+             "kv_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+             "index_head_dim": 16, "index_n_heads": 8, "index_topk": 2048, "vocab_size": 400, "rms_norm_eps": 1e-6,
+             "max_position_embeddings": 163840, "rope_theta": 10000,
+             "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+             "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+             "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}}
+    bridge = Bridge(dsv32)
+    cfg = bridge.cfg
+    assert (cfg.dsa_index_heads, cfg.dsa_index_head_dim, cfg.dsa_index_topk, cfg.dsa_rope_interleaved,
+            cfg.dsa_shared_layers) == (8, 16, 2048, False, None)
+    assert cfg.multi_latent_attention and cfg.rope_scaling["factor"] == 40 and cfg.moe_dense_layers == 1
+    assert bridge.hf_names("decoder.layers.2.self_attention.core_attention.indexer.linear_wq_b.weight") == \
+        ["model.layers.2.self_attn.indexer.wq_b.weight"]
+    assert bridge.hf_shape("model.layers.0.self_attn.indexer.k_norm.bias") == (16,)
+    assert bridge.is_mtp_tensor("model.layers.3.self_attn.indexer.wk.weight")  # the MTP layer's indexer left out
+    glm5 = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": 64,
+            "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "index_head_dim": 16, "index_n_heads": 4, "index_topk": 2048,
+            "rope_interleave": True, "indexer_rope_interleave": True, "vocab_size": 400, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 202752, "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+            "num_nextn_predict_layers": 1, "tie_word_embeddings": False}
+    cfg = Bridge(glm5).cfg
+    assert (cfg.dsa_index_heads, cfg.dsa_rope_interleaved, cfg.dsa_shared_layers, cfg.rotary_base) == \
+        (4, True, None, 1e6)
+    assert Bridge({**glm5, "indexer_rope_interleave": False}).cfg.dsa_rope_interleaved is False
+    shared = Bridge({**glm5, "index_topk_freq": 2, "index_skip_topk_offset": 1})
+    assert shared.cfg.dsa_shared_layers == (False, True, False, True)
+    indexer_layers = {int(n.split(".")[2]) for n in shared.canonical_names() if ".indexer." in n}
+    assert indexer_layers == {0, 2}
+    for key, value in (("index_kpool", 4), ("mla_use_nope", True), ("mhc", True)):
+        with pytest.raises(UnsupportedModelError, match=key):
+            Bridge({**glm5, key: value})
+    with pytest.raises(UnsupportedModelError, match="DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM"):
+        Bridge({**dsv32, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"})

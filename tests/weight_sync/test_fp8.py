@@ -101,11 +101,17 @@ def test_which_weights_are_quantized_and_pairs_stay_in_one_bucket():
              ("model.layers.0.mlp.experts.3.down_proj.weight", torch.randn(8, 6)),
              ("model.layers.0.input_layernorm.weight", torch.randn(8)), ("lm_head.weight", torch.randn(10, 8)),
              ("model.layers.1.self_attn.o_proj.weight", torch.randn(8, 8)),
-             ("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", torch.randn(6, 8))]
+             ("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", torch.randn(6, 8)),
+             # DeepSeek-V3.2's indexer: wq_b and wk in FP8, weights_proj and the key norm not
+             ("model.layers.0.self_attn.indexer.wq_b.weight", torch.randn(8, 8)),
+             ("model.layers.0.self_attn.indexer.wk.weight", torch.randn(4, 8)),
+             ("model.layers.0.self_attn.indexer.weights_proj.weight", torch.randn(4, 8)),
+             ("model.layers.0.self_attn.indexer.k_norm.weight", torch.randn(4))]
     out = list(quantize_named(named, cfg))
     pairs = [item[0][0] for item in out if isinstance(item, list)]
     assert pairs == ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.down_proj.weight",
-                     "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+                     "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                     "model.layers.0.self_attn.indexer.wq_b.weight", "model.layers.0.self_attn.indexer.wk.weight"]
     for item in out:
         if isinstance(item, list):
             (wn, q), (sn, s) = item
