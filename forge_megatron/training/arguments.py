@@ -168,9 +168,16 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                      help="a sigmoid gate on every attention head's output, from the query projection (Qwen3.5)")
     net.add_argument("--moe-shared-expert-gate", action="store_true",
                      help="a sigmoid gate on the shared expert's output (Qwen3.5-MoE)")
-    net.add_argument("--experimental-attention-variant", default=None, choices=["gated_delta_net"],
+    net.add_argument("--experimental-attention-variant", default=None, choices=["gated_delta_net", "dsa"],
                      help="gated_delta_net: Gated DeltaNet (linear attention) layers between full-attention ones "
-                          "(Qwen3.5), trained on prefix trees along every root-to-leaf path; with --linear-*")
+                          "(Qwen3.5), trained on prefix trees along every root-to-leaf path; with --linear-*. dsa: "
+                          "DeepSeek sparse attention on multi-latent attention (DeepSeek-V3.2, GLM-5): an indexer "
+                          "picks the keys each query attends to; with --dsa-indexer-*")
+    net.add_argument("--dsa-indexer-n-heads", type=int, default=64, help="DSA indexer heads (DeepSeek-V3.2: 64, "
+                                                                         "GLM-5: 32)")
+    net.add_argument("--dsa-indexer-head-dim", type=int, default=128, help="DSA indexer head size")
+    net.add_argument("--dsa-indexer-topk", type=int, default=2048,
+                     help="keys each query attends to under DSA (a sample's first topk tokens attend densely)")
     net.add_argument("--linear-attention-freq", type=int, default=None,
                      help="every N-th layer is full attention, the others Gated DeltaNet (Qwen3.5: 4)")
     net.add_argument("--linear-conv-kernel-dim", type=int, default=4, help="Gated DeltaNet short convolution width")
@@ -686,6 +693,11 @@ def gpt_config(args: argparse.Namespace, vocab_size: int):
                       linear_num_key_heads=args.linear_num_key_heads, linear_num_value_heads=args.linear_num_value_heads,
                       linear_key_head_dim=args.linear_key_head_dim, linear_value_head_dim=args.linear_value_head_dim,
                       linear_conv_kernel=args.linear_conv_kernel_dim)
+    if args.experimental_attention_variant == "dsa":
+        if not args.multi_latent_attention:
+            raise ValueError("--experimental-attention-variant dsa needs --multi-latent-attention (and --q-lora-rank)")
+        hybrid = dict(dsa_index_heads=args.dsa_indexer_n_heads, dsa_index_head_dim=args.dsa_indexer_head_dim,
+                      dsa_index_topk=args.dsa_indexer_topk)
     extra = {"moe_router_score_function": args.moe_router_score_function,
              "moe_router_enable_expert_bias": args.moe_router_enable_expert_bias,
              "moe_router_topk_scaling_factor": args.moe_router_topk_scaling_factor,

@@ -700,6 +700,27 @@ def _router(cfg) -> tuple:
             cfg.extra.get("moe_router_num_groups"), cfg.extra.get("moe_router_group_topk"))
 
 
+def _check_sparse_attention_layout(args: argparse.Namespace, cfg) -> None:
+    """DeepSeek sparse attention (mcore/dsa.py): no context parallelism, no core-attention-only recomputation (the
+    indexer needs the layer's input), and under pipeline parallelism no stage (or virtual chunk) that begins with a
+    GLM "shared" layer, whose selection comes from the full layer before it."""
+    name = args.hf_checkpoint
+    if args.context_parallel_size > 1:
+        raise ValueError(f"{name} has DeepSeek sparse attention, which is not supported with context parallelism: "
+                         "use --context-parallel-size 1 (tensor, pipeline, expert and data parallelism are)")
+    if args.recompute_granularity == "selective":
+        raise ValueError(f"{name} has DeepSeek sparse attention: --recompute-granularity selective recomputes core "
+                         "attention without the layer's input its indexer needs; use --recompute-granularity full")
+    chunks = args.pipeline_model_parallel_size * (arguments.virtual_pipeline_size(args, cfg.num_layers) or 1)
+    if cfg.dsa_shared_layers and chunks > 1 and cfg.num_layers % chunks == 0:
+        per = cfg.num_layers // chunks
+        starts = [b for b in range(per, cfg.num_layers, per) if cfg.dsa_shared_layers[b]]
+        if starts:
+            raise ValueError(f"{name}: a pipeline stage would begin at layer {starts[0]}, which reuses the indexer "
+                             "selection of an earlier layer (GLM's shared indexer layers); choose a pipeline layout "
+                             "whose stages begin at layers with their own indexer")
+
+
 def model_config(args: argparse.Namespace, bridge):
     """The HF checkpoint's architecture; Megatron's network flags, when given, must agree with it."""
     from dataclasses import replace
@@ -713,12 +734,15 @@ def model_config(args: argparse.Namespace, bridge):
                      "add_qkv_bias", "num_moe_experts", "rotary_base", "rope_scaling", "rotary_percent",
                      "moe_shared_ffn_hidden_size", "moe_dense_layers", "router", "zero_centered_norm",
                      "attention_output_gate", "shared_expert_gate", "linear_attention", "linear_num_key_heads",
-                     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel"):
+                     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel",
+                     "sparse_attention", "dsa_index_heads", "dsa_index_head_dim", "dsa_index_topk"):
             if name in ("q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim") and \
                     not cfg.multi_latent_attention:
                 continue  # MLA's sizes (kv_lora_rank is None without it: compared above)
             if name.startswith("linear_") and name != "linear_attention" and not cfg.hybrid:
                 continue  # Gated DeltaNet sizes (linear_attention says whether there are such layers)
+            if name.startswith("dsa_") and not cfg.sparse_attention:
+                continue  # the indexer's sizes (sparse_attention says whether there is one)
             if name == "rope_scaling" and not args.use_rope_scaling and \
                     (cfg.rope_scaling or {}).get("rope_type") in ("yarn", "linear"):
                 continue  # no Megatron flag expresses these: the checkpoint's scaling is used
@@ -749,6 +773,8 @@ def model_config(args: argparse.Namespace, bridge):
                          f"parallelism each CP rank runs the whole tree for its share of their key heads, so "
                          f"--context-parallel-size {args.context_parallel_size} must divide the key heads per "
                          f"tensor-parallel rank ({cfg.linear_num_key_heads} / {args.tensor_model_parallel_size})")
+    if cfg.sparse_attention:
+        _check_sparse_attention_layout(args, cfg)
     if args.context_parallel_size > 1:
         from forge_megatron.mcore.context_parallel import resolve_comm_type
 

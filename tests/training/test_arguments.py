@@ -524,3 +524,35 @@ def test_every_model_script_sources_and_names_known_parsers():
         arguments.parse_args(MINIMAL + flags)
         get_parser(next(line for line in lines if line.startswith("TOOL="))[len("TOOL="):])
         get_reasoning_parser(next(line for line in lines if line.startswith("REASONING="))[len("REASONING="):])
+
+
+def test_sparse_attention_flags_and_layouts():
+    """DeepSeek-V3.2 / GLM-5: Megatron's DSA flags are checked against the checkpoint; context parallelism, core-
+    attention-only recomputation and pipeline stages that begin with a GLM shared-indexer layer are refused by name
+    before anything is built."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.training.trainer import model_config
+
+    hf = {**tiny_config("deepseek_v32").to_dict(), "architectures": ["DeepseekV32ForCausalLM"]}
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+             "--qk-layernorm", "--position-embedding-type", "rope", "--multi-latent-attention", "--q-lora-rank", "32",
+             "--kv-lora-rank", "24", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
+             "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "32",
+             "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-router-score-function", "sigmoid",
+             "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups",
+             "2", "--moe-router-group-topk", "1", "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads",
+             "8", "--dsa-indexer-head-dim", "16", "--dsa-indexer-topk", "4"]
+    assert model_config(arguments.parse_args(MINIMAL + flags), Bridge(hf)).dsa_index_topk == 4
+    with pytest.raises(ValueError, match="dsa_index_topk: the model flags say 2048"):
+        model_config(arguments.parse_args(MINIMAL + flags[:-2]), Bridge(hf))
+    with pytest.raises(ValueError, match="sparse_attention: the model flags say False"):
+        model_config(arguments.parse_args(MINIMAL + flags[:-8]), Bridge(hf))
+    with pytest.raises(ValueError, match="not supported with context parallelism"):
+        model_config(arguments.parse_args(MINIMAL + ["--context-parallel-size", "2"]), Bridge(hf))
+    with pytest.raises(ValueError, match="use --recompute-granularity full"):
+        model_config(arguments.parse_args(MINIMAL + ["--recompute-granularity", "selective"]), Bridge(hf))
+    glm = {**tiny_config("glm_moe_dsa").to_dict(), "architectures": ["GlmMoeDsaForCausalLM"]}  # layer 1 shared
+    with pytest.raises(ValueError, match="a pipeline stage would begin at layer 1"):
+        model_config(arguments.parse_args(MINIMAL + ["--pipeline-model-parallel-size", "2"]), Bridge(glm))
+    assert model_config(arguments.parse_args(MINIMAL + ["--pipeline-model-parallel-size", "2"]), Bridge(hf))
