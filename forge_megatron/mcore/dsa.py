@@ -17,11 +17,14 @@ chooses among the visible keys only, so a tree token selects exactly what it sel
 layer still equals every sample trained alone. Ties are broken toward earlier keys (a stable sort; a sample's keys
 keep their order in the tree), so even equal scores select the same keys in the tree and alone.
 
-What runs: a query with at most ``topk`` visible keys (a sample's first ``topk`` tokens) selects all of them, so its
-attention is dense tree attention (the fast kernels) and its indexer is not evaluated at all. Only deeper queries run
-the indexer (in query chunks, no gradient) and attend to their selection through :class:`_RowsAttention`, a
-memory-bounded PyTorch attention over a boolean key mask (query chunks, probabilities recomputed in the backward pass
-from the saved log-sum-exp). A fused sparse kernel (FlashMLA's) is the GPU follow-up; the semantics are these.
+What runs: a query with at most ``topk`` visible keys (a sample's first ``topk`` tokens) selects all of them. The
+queries before the first deeper one run the dense tree-attention kernel (the fast backends) over the keys before
+them, and the indexer is not evaluated for them; for RL samples shorter than ``topk`` that is the whole layer. Every
+later query attends to its selection (a shallow one's: its visible keys) through :class:`_SelectedAttention`: query
+chunks scored against the keys up to their last selected one and masked to the selection (memory bounded by the
+chunk), probabilities recomputed in the backward pass from the saved log-sum-exp; selections are kept as key indices
+(O(queries x topk)). The indexer runs for the deep queries only, in query chunks, without
+gradient. A fused sparse kernel (FlashMLA's) is the GPU follow-up; the semantics are these.
 
 The indexer is frozen (``requires_grad=False``): its choice is discrete, so the policy loss gives it no gradient,
 and Adam's weight decay would otherwise shrink it. GLM's "shared" layers (``indexer_types``) have no indexer and
@@ -87,63 +90,79 @@ class DSAIndexer(torch.nn.Module):
         return torch.einsum("rh,rht->rt", w, s)
 
 
-def select_topk(scores_RT: torch.Tensor, visible_RT: torch.Tensor, topk: int) -> torch.Tensor:
-    """Boolean [R, T]: the ``topk`` visible keys of highest score in each row (all visible ones if fewer), ties to
-    the earlier key."""
+def select_topk(scores_RT: torch.Tensor, visible_RT: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``topk`` visible keys of highest score in each row (all visible ones if fewer), ties to the earlier key:
+    (key indices [R, k], valid [R, k]) with k = min(topk, T); a row with fewer visible keys has its last slots
+    invalid."""
     masked = scores_RT.masked_fill(~visible_RT, float("-inf"))
     k = min(topk, scores_RT.shape[1])
-    order = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
-    chosen = torch.zeros_like(visible_RT).scatter_(1, order, True)
-    return chosen & visible_RT
+    values, index = torch.topk(masked, k, dim=1)
+    # topk breaks ties its own way: rows whose k-th score is tied with an unchosen key take the stable order
+    threshold = values[:, -1:]
+    tied = (masked == threshold).sum(1) > (values == threshold).sum(1)
+    if bool(tied.any()):
+        index[tied] = torch.sort(masked[tied], dim=1, descending=True, stable=True).indices[:, :k]
+    return index, visible_RT.gather(1, index)
 
 
-# ------------------------------------------------------------------------------------ masked rows attention
-class _RowsAttention(torch.autograd.Function):
-    """o_r = sum_t softmax_t(scale * q_r . k_t) v_t over the keys ``allowed(chunk)`` marks for each row; rows in
-    chunks, the probabilities recomputed in the backward pass from the saved log-sum-exp. fp32 inside."""
+# ----------------------------------------------------------------------------------- selected-keys attention
+class _SelectedAttention(torch.autograd.Function):
+    """o_r = sum_j softmax_j(scale * q_r . k_{index[r, j]}) v_{index[r, j]} over the valid slots of each row. Rows in
+    chunks; a chunk scores its queries against the keys up to the last one it selected (BLAS matmuls; the selection
+    as a mask: gathering each row's keys was slower on CPU), the probabilities recomputed in the backward pass from
+    the saved log-sum-exp. fp32 inside."""
 
     @staticmethod
-    def forward(ctx, q_RNH, k_TNH, v_TNH, allowed, scale: float, chunk: int):
-        R = q_RNH.shape[0]
-        o = q_RNH.new_empty(R, q_RNH.shape[1], v_TNH.shape[2], dtype=torch.float32)
-        lse = q_RNH.new_empty(q_RNH.shape[1], R, dtype=torch.float32)
-        kf, vf = k_TNH.float(), v_TNH.float()
+    def forward(ctx, q_RNH, k_TNH, v_TNH, index_RK, valid_RK, scale: float, chunk: int):
+        R, N = q_RNH.shape[:2]
+        o = q_RNH.new_empty(R, N, v_TNH.shape[2], dtype=torch.float32)
+        lse = q_RNH.new_empty(N, R, dtype=torch.float32)
         for a in range(0, R, chunk):
             b = min(R, a + chunk)
-            s = torch.einsum("rnh,tnh->nrt", q_RNH[a:b].float(), kf) * scale
-            s = s.masked_fill(~allowed(a, b)[None], float("-inf"))
+            mask, n = _chunk_mask(index_RK[a:b], valid_RK[a:b])
+            s = torch.einsum("rnh,tnh->nrt", q_RNH[a:b].float(), k_TNH[:n].float()) * scale
+            s = s.masked_fill(~mask[None], float("-inf"))
             lse[:, a:b] = torch.logsumexp(s, dim=-1)
-            o[a:b] = torch.einsum("nrt,tnh->rnh", torch.exp(s - lse[:, a:b, None]), vf)
-        ctx.save_for_backward(q_RNH, k_TNH, v_TNH, o, lse)
-        ctx.allowed, ctx.scale, ctx.chunk = allowed, scale, chunk
+            o[a:b] = torch.einsum("nrt,tnh->rnh", torch.exp(s - lse[:, a:b, None]), v_TNH[:n].float())
+        ctx.save_for_backward(q_RNH, k_TNH, v_TNH, index_RK, valid_RK, o, lse)
+        ctx.scale, ctx.chunk = scale, chunk
         return o.to(v_TNH.dtype)
 
     @staticmethod
     def backward(ctx, do_RNH):
-        q, k, v, o, lse = ctx.saved_tensors
-        kf, vf, do = k.float(), v.float(), do_RNH.float()
+        q, k, v, index, valid, o, lse = ctx.saved_tensors
+        do = do_RNH.float()
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk = torch.zeros_like(k, dtype=torch.float32)
         dv = torch.zeros_like(v, dtype=torch.float32)
         delta = (do * o).sum(-1).transpose(0, 1)  # [N, R]
         for a in range(0, q.shape[0], ctx.chunk):
             b = min(q.shape[0], a + ctx.chunk)
-            qf = q[a:b].float()
+            mask, n = _chunk_mask(index[a:b], valid[a:b])
+            qf, kf, vf = q[a:b].float(), k[:n].float(), v[:n].float()
             s = torch.einsum("rnh,tnh->nrt", qf, kf) * ctx.scale
-            s = s.masked_fill(~ctx.allowed(a, b)[None], float("-inf"))
-            p = torch.exp(s - lse[:, a:b, None])
-            dv += torch.einsum("nrt,rnh->tnh", p, do[a:b])
+            p = torch.exp(s.masked_fill(~mask[None], float("-inf")) - lse[:, a:b, None])
+            dv[:n] += torch.einsum("nrt,rnh->tnh", p, do[a:b])
             ds = p * (torch.einsum("rnh,tnh->nrt", do[a:b], vf) - delta[:, a:b, None]) * ctx.scale
             dq[a:b] = torch.einsum("nrt,tnh->rnh", ds, kf)
-            dk += torch.einsum("nrt,rnh->tnh", ds, qf)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            dk[:n] += torch.einsum("nrt,rnh->tnh", ds, qf)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def rows_attention(q_RNH, k_TNH, v_TNH, allowed, scale: float) -> torch.Tensor:
-    """Attention of R query rows over the keys ``allowed(a, b)`` (boolean [b - a, T]) marks for rows a..b-1."""
+def _chunk_mask(index_rK: torch.Tensor, valid_rK: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(boolean [r, n] of the selected keys, n = 1 + the last key selected) of a chunk of rows."""
+    n = int(index_rK[valid_rK].max()) + 1
+    mask = torch.zeros(index_rK.shape[0], n + 1, dtype=torch.bool, device=index_rK.device)
+    mask.scatter_(1, torch.where(valid_rK, index_rK, n), True)
+    return mask[:, :n], n
+
+
+def selected_attention(q_RNH, k_TNH, v_TNH, index_RK, valid_RK, scale: float) -> torch.Tensor:
+    """Attention of R query rows over their selected keys (``index_RK``, slots marked ``valid_RK``; every row has
+    one)."""
     T, N = k_TNH.shape[:2]
     chunk = max(1, CHUNK_ELEMENTS // max(1, N * T))
-    return _RowsAttention.apply(q_RNH, k_TNH, v_TNH, allowed, scale, chunk)
+    return _SelectedAttention.apply(q_RNH, k_TNH, v_TNH, index_RK, valid_RK, scale, chunk)
 
 
 # ----------------------------------------------------------------------------------------- core attention
@@ -232,24 +251,28 @@ class SparseTreeAttention(torch.nn.Module):
         return torch.cat(parts, dim=0)
 
     def _attend(self, q_TNH, k_TNH, v_TNH, x_TD, qr_TL, sub_end_T, positions_T, carrier, backend):
+        """Queries before the first one deeper than topk (all shallow: every visible key selected) run the dense
+        tree-attention kernel on the keys before them; every later query attends to its selection (a shallow one's
+        selection is all its visible keys)."""
         from forge_megatron.kernels.tree_attention import tree_attention
 
-        out = tree_attention(q_TNH, k_TNH, v_TNH, sub_end_T, softmax_scale=self.softmax_scale, backend=backend)
-        rows = torch.nonzero(positions_T >= self.topk).flatten()  # more visible keys than topk: sparse
-        if rows.numel() == 0:
-            return out
-        key_index = torch.arange(sub_end_T.shape[0], device=q_TNH.device)
-
-        def visible(r):  # boolean [len(r), T]: ancestors and itself
-            return (key_index[None, :] <= r[:, None]) & (r[:, None] < sub_end_T.long()[None, :])
-
-        chosen = self._select(rows, visible, x_TD.detach(), qr_TL.detach(), positions_T, carrier)
-        sparse = rows_attention(q_TNH[rows], k_TNH, v_TNH, lambda a, b: chosen[a:b], self.softmax_scale)
-        return out.index_copy(0, rows, sparse.to(out.dtype))
+        T = q_TNH.shape[0]
+        deep = positions_T >= self.topk
+        first = int(torch.argmax(deep.int())) if bool(deep.any()) else T
+        if first == T:
+            return tree_attention(q_TNH, k_TNH, v_TNH, sub_end_T, softmax_scale=self.softmax_scale, backend=backend)
+        out = []
+        if first:
+            out.append(tree_attention(q_TNH[:first], k_TNH[:first], v_TNH[:first], sub_end_T[:first].clamp(max=first),
+                                      softmax_scale=self.softmax_scale, backend=backend))
+        index, valid = self._select(first, deep, sub_end_T, x_TD.detach(), qr_TL.detach(), positions_T, carrier)
+        out.append(selected_attention(q_TNH[first:], k_TNH, v_TNH, index, valid, self.softmax_scale))
+        return torch.cat([o.to(v_TNH.dtype) for o in out])
 
     @torch.no_grad()
-    def _select(self, rows, visible, x_TD, qr_TL, positions_T, carrier):
-        """Boolean [R, T] selection of each deep row; shared layers take the last full layer's."""
+    def _select(self, first, deep_T, sub_end_T, x_TD, qr_TL, positions_T, carrier):
+        """(key indices, valid) [T - first, k] of the queries from ``first`` on: a deep one's topk by its indexer
+        scores, a shallow one's visible keys; shared layers take the last full layer's."""
         store = carrier.__dict__.setdefault("_dsa_selections", {}) if not isinstance(carrier, dict) else carrier
         if self.shared:
             if self.source_layer not in store:
@@ -257,15 +280,23 @@ class SparseTreeAttention(torch.nn.Module):
                                  f"{self.source_layer}, which did not run before it on this rank (pipeline stages "
                                  "must keep a shared DSA layer with the full layer before it)")
             return store[self.source_layer]
+        T = sub_end_T.shape[0]
         keys = self.indexer.keys(x_TD, positions_T)
-        T = keys.shape[0]
+        key_index = torch.arange(T, device=sub_end_T.device)
+        sub_end = sub_end_T.long()
         chunk = max(1, CHUNK_ELEMENTS // max(1, self.indexer.heads * T))
-        parts = []
-        for a in range(0, rows.numel(), chunk):
-            r = rows[a:a + chunk]
-            scores = self.indexer.scores(x_TD[r], qr_TL[r], positions_T[r], keys)
-            parts.append(select_topk(scores, visible(r), self.topk))
-        chosen = torch.cat(parts)
+        indices, valids = [], []
+        for a in range(first, T, chunk):
+            r = key_index[a:a + chunk]
+            visible = (key_index[None, :] <= r[:, None]) & (r[:, None] < sub_end[None, :])
+            scores = torch.zeros(r.numel(), T, dtype=torch.float32, device=r.device)
+            rows = torch.nonzero(deep_T[r]).flatten()  # shallow rows select every visible key: no scores needed
+            if rows.numel():
+                scores[rows] = self.indexer.scores(x_TD[r[rows]], qr_TL[r[rows]], positions_T[r[rows]], keys)
+            index, valid = select_topk(scores, visible, self.topk)
+            indices.append(index)
+            valids.append(valid)
+        chosen = torch.cat(indices), torch.cat(valids)
         store[self.layer_number] = chosen
         return chosen
 

@@ -11,45 +11,51 @@ import torch
 from forge_megatron.mcore import dsa
 
 
-def _reference(q, k, v, allowed, scale):
+def _reference(q, k, v, index, valid, scale):
+    allowed = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool)
+    allowed[torch.arange(q.shape[0])[:, None].expand_as(index)[valid], index[valid]] = True
     s = torch.einsum("rnh,tnh->nrt", q, k) * scale
     p = s.masked_fill(~allowed[None], float("-inf")).softmax(-1)
     return torch.einsum("nrt,tnh->rnh", p, v)
 
 
 @pytest.mark.parametrize("chunk_elements", [dsa.CHUNK_ELEMENTS, 1])
-def test_rows_attention_and_its_backward_equal_autograd(monkeypatch, chunk_elements):
-    """Forward and every gradient of the chunked attention (probabilities recomputed from the saved log-sum-exp)
-    equal autograd through a dense masked softmax, in one chunk and in one row per chunk; value heads narrower than
-    query/key heads as in multi-latent attention."""
+def test_selected_attention_and_its_backward_equal_autograd(monkeypatch, chunk_elements):
+    """Forward and every gradient of the gathered-keys attention (probabilities recomputed from the saved log-sum-exp,
+    key and value gradients scattered back, a key chosen by several rows accumulating) equal autograd through a dense
+    masked softmax, in one chunk and in one row per chunk; invalid slots ignored; value heads narrower than query/key
+    heads as in multi-latent attention."""
     monkeypatch.setattr(dsa, "CHUNK_ELEMENTS", chunk_elements)
     g = torch.Generator().manual_seed(0)
-    R, T, N, H, Hv = 7, 11, 3, 8, 5
+    R, T, N, H, Hv, K = 7, 11, 3, 8, 5, 4
     q = torch.randn(R, N, H, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(T, N, H, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(T, N, Hv, generator=g, dtype=torch.float64, requires_grad=True)
-    allowed = torch.rand(R, T, generator=g) < 0.4
-    allowed[torch.arange(R), torch.arange(R)] = True  # every row sees at least one key
+    index = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(R)])
+    valid = torch.rand(R, K, generator=g) < 0.7
+    valid[:, 0] = True  # every row has a key
     do = torch.randn(R, N, Hv, generator=g, dtype=torch.float64)
 
-    out = dsa.rows_attention(q, k, v, lambda a, b: allowed[a:b], 0.3)
+    out = dsa.selected_attention(q, k, v, index, valid, 0.3)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    ref = _reference(q, k, v, allowed, 0.3)
+    ref = _reference(q, k, v, index, valid, 0.3)
     ref_grads = torch.autograd.grad(ref, (q, k, v), do)
     # fp32 inside the function: agreement to fp32 rounding
     assert torch.allclose(out, ref, atol=1e-5)
     for a, b in zip(grads, ref_grads):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
     assert out.dtype == v.dtype and grads[1].dtype == k.dtype
+    assert (grads[1] != 0).any(dim=(1, 2)).sum() > K  # keys chosen by different rows all got gradient
 
 
 def test_topk_chooses_among_visible_keys_and_breaks_ties_toward_earlier_ones():
     scores = torch.tensor([[5.0, 1.0, 1.0, 1.0, 9.0, 1.0]])
     visible = torch.tensor([[True, True, True, True, False, True]])  # key 4 (the best score) is not visible
-    chosen = dsa.select_topk(scores, visible, 3)
-    assert chosen.tolist() == [[True, True, True, False, False, False]]  # 5, then the first two of the tied 1s
-    # fewer visible keys than topk: all of them, nothing invisible
-    assert dsa.select_topk(scores, visible, 10).tolist() == visible.tolist()
+    index, valid = dsa.select_topk(scores, visible, 3)
+    assert index.tolist() == [[0, 1, 2]] and valid.all()  # 5, then the first two of the tied 1s
+    # fewer visible keys than topk: all of them, the other slots invalid
+    index, valid = dsa.select_topk(scores, visible, 6)
+    assert sorted(index[valid].tolist()) == [0, 1, 2, 3, 5] and valid.sum() == 5
 
 
 def test_indexer_rope_layouts_keep_dot_products_of_the_rotated_pair():

@@ -206,7 +206,7 @@ def _body_one_rank(rank, world_size):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         dsa_tree, dsa_causal = _twin_models(gpt_config_from_hf(hf))
         out[arch] = _exactness(dsa_tree, dsa_causal, all_samples(3))
-        out[arch + "_sparse_rows"] = sum(s.numel() for s in next(
+        out[arch + "_sparse_rows"] = sum(index.shape[0] for index, _ in next(
             v for v in dsa_causal.decoder.layers[0].self_attention.core_attention.selection_store.values()).values())
     # gpt-oss attention: learned sinks (Megatron's softmax_type="learnable") and a 3-position sliding window on every
     # other layer; the oracle is Megatron's own attention with the same config (SoftmaxOne, sliding-window mask)
