@@ -300,3 +300,28 @@ def test_quantize_on_the_gpu_equals_the_cpu():
     q_gpu, s_gpu = quantize(w.cuda(), (128, 128))
     assert torch.equal(q_gpu.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_gpu.cpu(), s)
     assert torch.equal(dequantize(q_gpu, s_gpu, (128, 128)).cpu(), dequantize(q, s, (128, 128)))
+
+
+def test_sparse_attention_indexer_syncs_in_fp8(tmp_path):
+    """DeepSeek-V3.2 (tiny, its indexer picking 4 keys): the FP8 serving copy holds the indexer's wq_b and wk in FP8
+    and weights_proj in bf16 as the release does, and an EP=2 trainer's sync leaves the engine scoring exactly like
+    transformers loading the FP8 export of the trainer's weights."""
+    from forge_megatron.models.tiny import build_tiny_model
+
+    src = build_tiny_model(str(tmp_path / "v0"), arch="deepseek_v32", seed=5)
+    # blocks dividing every weight: transformers dequantizes a partial block (the 24-wide key/value latent under 16 x 16
+    # blocks) otherwise than DeepSeek's reference and forge (the releases' 512 / 1536 / 7168 are whole blocks)
+    block = (8, 8)
+    served = _to_fp8(src, str(tmp_path / "v0_fp8"), block=block)
+    dtypes = {n: t.dtype for n, t in _tensors(served).items() if ".indexer." in n}
+    assert dtypes["model.layers.0.self_attn.indexer.wq_b.weight"] == FP8_DTYPE
+    assert dtypes["model.layers.0.self_attn.indexer.wk.weight"] == FP8_DTYPE
+    assert "model.layers.0.self_attn.indexer.wk.weight_scale_inv" in dtypes
+    assert dtypes["model.layers.0.self_attn.indexer.weights_proj.weight"] != FP8_DTYPE
+    results = sync_ep2_trainer_to(src, served, tmp_path, fp8=Fp8Config(block=block))
+    for transport in ("distributed", "disk"):
+        report, ids, ((engine_lps, _), trainer_lps) = results[0][transport]
+        assert report.excluded == []
+        reference = _to_fp8(str(tmp_path / "export" / transport), str(tmp_path / f"ref_{transport}"), block=block)
+        assert max(abs(a - b) for a, b in zip(engine_lps, _logprobs(_hf(reference), ids))) <= 1e-5, transport
+        assert max(abs(a - b) for a, b in zip(engine_lps, trainer_lps)) > 1e-5  # FP8 rounding is visible
