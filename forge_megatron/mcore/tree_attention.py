@@ -26,6 +26,9 @@ Megatron's MLA hands core attention [T, heads, dim] (no batch dim), keys of qk_h
 channels and values of v_head_dim: the kernels take value heads of their own size (the CUDA kernel excepted, which
 the automatic choice then passes over).
 
+DeepSeek sparse attention layers (DeepSeek-V3.2, GLM-5: mcore/dsa.py) keep their own core attention, which takes the
+tree from the same packed params (its indexer chooses each token's keys among its ancestors).
+
 Context parallelism (CP > 1): each CP rank holds a contiguous shard of the padded tree and TreeAttention trades
 tokens for heads around the kernel (forge_megatron.mcore.context_parallel); ``sub_end`` is then the whole padded
 tree and ``position_ids`` this rank's shard.

@@ -55,11 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention and MLP make these tiny models collapse at 1e-3: success 0.31 -> 0.00 over 40 "
                         "steps; their gradients equal transformers')")
     p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
-                   choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2"],
+                   choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "minimax_m2"],
                    help="a tiny MoE model (4 experts, top-2) with rollout routing replay end to end: Qwen3-MoE "
                         "(default); glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
                         "score-correction bias, a shared expert, RoPE on half of each head); deepseek_v3: the "
                         "DeepSeek-V3 / Kimi-K2 layout (the same MoE with grouped routing, multi-latent attention); "
+                        "deepseek_v32: DeepSeek-V3.2's (DeepSeek-V3's with sparse attention: each token past the 4th "
+                        "attends to the 4 keys its indexer picks); "
                         "gpt_oss: attention sinks, a sliding window on every other layer, biased experts with the "
                         "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
                         "q/k RMSNorms over all heads)")
