@@ -417,7 +417,8 @@ class ReferenceEngine:
             missing = missing_partners(named)
             if missing:
                 raise RequestError(f"{missing[0]!r} must come in the same request: SGLang fuses each layer's q_a_proj "
-                                   "and kv_a_proj_with_mqa as both arrive in one load (one without the other is lost)")
+                                   "and kv_a_proj_with_mqa (and a sparse-attention indexer's wk and weights_proj) as "
+                                   "both arrive in one load (one without the other is lost)")
         params = self.model.state_dict()
         writes = []  # (destination view, tensor)
         for name, tensor in named.items():

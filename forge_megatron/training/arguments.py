@@ -683,21 +683,22 @@ def gpt_config(args: argparse.Namespace, vocab_size: int):
     if args.position_embedding_type != "rope":
         raise ValueError(f"forge models use --position-embedding-type rope (tree positions are depths), "
                          f"got {args.position_embedding_type!r}")
-    hybrid = {}
+    variant = {}  # the attention variant's fields: Gated DeltaNet layers or DeepSeek sparse attention
     if args.experimental_attention_variant == "gated_delta_net":
         freq = args.linear_attention_freq
         if not freq or freq < 1:
             raise ValueError("--experimental-attention-variant gated_delta_net needs --linear-attention-freq N (every "
                              "N-th layer full attention; Qwen3.5: 4)")
-        hybrid = dict(linear_attention=tuple((i + 1) % freq != 0 for i in range(args.num_layers)),
-                      linear_num_key_heads=args.linear_num_key_heads, linear_num_value_heads=args.linear_num_value_heads,
-                      linear_key_head_dim=args.linear_key_head_dim, linear_value_head_dim=args.linear_value_head_dim,
-                      linear_conv_kernel=args.linear_conv_kernel_dim)
+        variant = dict(linear_attention=tuple((i + 1) % freq != 0 for i in range(args.num_layers)),
+                       linear_num_key_heads=args.linear_num_key_heads,
+                       linear_num_value_heads=args.linear_num_value_heads,
+                       linear_key_head_dim=args.linear_key_head_dim, linear_value_head_dim=args.linear_value_head_dim,
+                       linear_conv_kernel=args.linear_conv_kernel_dim)
     if args.experimental_attention_variant == "dsa":
         if not args.multi_latent_attention:
             raise ValueError("--experimental-attention-variant dsa needs --multi-latent-attention (and --q-lora-rank)")
-        hybrid = dict(dsa_index_heads=args.dsa_indexer_n_heads, dsa_index_head_dim=args.dsa_indexer_head_dim,
-                      dsa_index_topk=args.dsa_indexer_topk)
+        variant = dict(dsa_index_heads=args.dsa_indexer_n_heads, dsa_index_head_dim=args.dsa_indexer_head_dim,
+                       dsa_index_topk=args.dsa_indexer_topk)
     extra = {"moe_router_score_function": args.moe_router_score_function,
              "moe_router_enable_expert_bias": args.moe_router_enable_expert_bias,
              "moe_router_topk_scaling_factor": args.moe_router_topk_scaling_factor,
@@ -741,5 +742,5 @@ def gpt_config(args: argparse.Namespace, vocab_size: int):
         attention_output_gate=args.attention_output_gate,
         extra=extra,
         bf16=args.bf16,
-        **hybrid,
+        **variant,
     )
