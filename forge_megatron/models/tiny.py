@@ -195,6 +195,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                   "shared_expert_intermediate_size": 48}
     qwen3_5_rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                     "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    # DeepSeek sparse attention layouts: DeepSeek-V3's with an indexer of 8 heads of 16 channels (8 rotated) picking
+    # each query's 4 keys (sequences longer than 4 tokens attend sparsely). Keys every head's ReLU zeroes score
+    # exactly 0, and engines break such ties each their own way: 8 heads make them rare
+    dsa = {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
+           "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "topk_group": 1,
+           "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 4, "index_n_heads": 8,
+           "index_head_dim": 16}
     per_arch = {
         "qwen2": (transformers.Qwen2Config, {}),
         "llama": (transformers.LlamaConfig, {}),
@@ -230,27 +238,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True},
         ),
-        # DeepSeek-V3.2 layout: DeepSeek-V3's with sparse attention: an indexer of 8 heads of 16 channels (8 rotated,
-        # the halves) picks each query's 4 keys (sequences longer than 4 tokens attend sparsely). Keys every head's
-        # ReLU zeroes score exactly 0, and engines break such ties each their own way: 8 heads make them rare
-        "deepseek_v32": (
-            transformers.DeepseekV32Config,
-            {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
-             "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
-             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
-             "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 4,
-             "index_n_heads": 8, "index_head_dim": 16},
-        ),
+        # DeepSeek-V3.2 layout (``dsa`` above; 2 expert groups, 1 chosen)
+        "deepseek_v32": (transformers.DeepseekV32Config, {**dsa, "n_group": 2}),
         # GLM-5 layout: the same, no expert groups, the indexer's RoPE on interleaved pairs, and layer 1 "shared"
         # (no indexer: it reuses layer 0's selection)
-        "glm_moe_dsa": (
-            transformers.GlmMoeDsaConfig,
-            {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
-             "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
-             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
-             "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 4,
-             "index_n_heads": 8, "index_head_dim": 16, "indexer_types": ["full", "shared"]},
-        ),
+        "glm_moe_dsa": (transformers.GlmMoeDsaConfig, {**dsa, "n_group": 1, "indexer_types": ["full", "shared"]}),
         # GLM-4.7-Flash layout: multi-latent attention with queries projected directly (no query latent)
         "glm4_moe_lite": (
             transformers.Glm4MoeLiteConfig,
