@@ -26,8 +26,13 @@ chunk), probabilities recomputed in the backward pass from the saved log-sum-exp
 (O(queries x topk)). The indexer runs for the deep queries only, in query chunks, without
 gradient. A fused sparse kernel (FlashMLA's) is the GPU follow-up; the semantics are these.
 
-The indexer is frozen (``requires_grad=False``): its choice is discrete, so the policy loss gives it no gradient,
-and Adam's weight decay would otherwise shrink it. GLM's "shared" layers (``indexer_types``) have no indexer and
+The indexer's choice is discrete, so the policy loss gives it no gradient: by default it is frozen
+(``requires_grad=False``; Adam's weight decay would otherwise shrink it). With ``loss_coeff`` > 0
+(``--dsa-indexer-loss-coeff``, Megatron's name) it trains on DeepSeek-V3.2's sparse-stage indexer loss: for each deep
+query, KL(p || softmax(I)) over its selected keys, p the main attention's probabilities there summed over all heads
+(every TP rank's) and normalised, the mean over the deep queries times the coefficient, added to the step's loss the way
+Megatron adds its auxiliary losses (:class:`_AttachLoss`, scaled by 1 / micro-batches); its inputs are detached, so only
+the indexer learns from it, and its graph is recomputed chunk by chunk in the backward pass (:class:`_IndexerKL`). GLM's "shared" layers (``indexer_types``) have no indexer and
 reuse the selection of the last full layer before them; it travels with the micro-batch's packed-sequence params (or,
 in the causal model, the model's forward), so recomputation and pipelining see their own micro-batch's.
 
@@ -50,7 +55,8 @@ class DSAIndexer(torch.nn.Module):
     ``k_norm``, ``linear_weights_proj``). Replicated on every TP rank, frozen (see the module docstring)."""
 
     def __init__(self, hidden_size: int, q_lora_rank: int, heads: int, head_dim: int, rope_dim: int,
-                 inv_freq: torch.Tensor, interleaved: bool, eps: float = 1e-6, dtype=torch.float32):
+                 inv_freq: torch.Tensor, interleaved: bool, eps: float = 1e-6, dtype=torch.float32,
+                 trainable: bool = False):
         super().__init__()
         if rope_dim > head_dim or rope_dim % 2:
             raise ValueError(f"the indexer rotates {rope_dim} channels of {head_dim}-channel heads: need an even "
@@ -62,7 +68,7 @@ class DSAIndexer(torch.nn.Module):
         self.linear_weights_proj = torch.nn.Linear(hidden_size, heads, bias=False, dtype=dtype)
         self.inv_freq = inv_freq.float()
         for p in self.parameters():
-            p.requires_grad_(False)
+            p.requires_grad_(trainable)
 
     def _rope(self, x, positions):
         """RoPE on the first ``rope_dim`` channels of the last dim (HF's layout: rotated channels first)."""
@@ -90,6 +96,14 @@ class DSAIndexer(torch.nn.Module):
         return torch.einsum("rh,rht->rt", w, s)
 
 
+    def selected_scores(self, x_RD, qr_RL, positions_R, keys_TD, index_RK):
+        """I(i, j) of the rows given against their selected keys only: fp32 [R, K] (differentiable)."""
+        q = self._rope(self.linear_wq_b(qr_RL).view(qr_RL.shape[0], self.heads, self.head_dim), positions_R)
+        s = torch.relu(torch.einsum("rhd,rkd->rhk", q.float(), keys_TD[index_RK].float()) * self.head_dim ** -0.5)
+        w = F.linear(x_RD.float(), self.linear_weights_proj.weight.float()) * self.heads ** -0.5
+        return torch.einsum("rh,rhk->rk", w, s)
+
+
 def select_topk(scores_RT: torch.Tensor, visible_RT: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``topk`` visible keys of highest score in each row (all visible ones if fewer), ties to the earlier key:
     (key indices [R, k], valid [R, k]) with k = min(topk, T); a row with fewer visible keys has its last slots
@@ -113,23 +127,29 @@ class _SelectedAttention(torch.autograd.Function):
     the saved log-sum-exp. fp32 inside."""
 
     @staticmethod
-    def forward(ctx, q_RNH, k_TNH, v_TNH, index_RK, valid_RK, scale: float, chunk: int):
+    def forward(ctx, q_RNH, k_TNH, v_TNH, index_RK, valid_RK, scale: float, chunk: int, head_sums: bool):
         R, N = q_RNH.shape[:2]
         o = q_RNH.new_empty(R, N, v_TNH.shape[2], dtype=torch.float32)
         lse = q_RNH.new_empty(N, R, dtype=torch.float32)
+        # sum over this rank's heads of each row's probabilities at its selected slots (the indexer loss's target)
+        p_sum = q_RNH.new_zeros(R, index_RK.shape[1] if head_sums else 0, dtype=torch.float32)
         for a in range(0, R, chunk):
             b = min(R, a + chunk)
             mask, n = _chunk_mask(index_RK[a:b], valid_RK[a:b])
             s = torch.einsum("rnh,tnh->nrt", q_RNH[a:b].float(), k_TNH[:n].float()) * scale
             s = s.masked_fill(~mask[None], float("-inf"))
             lse[:, a:b] = torch.logsumexp(s, dim=-1)
-            o[a:b] = torch.einsum("nrt,tnh->rnh", torch.exp(s - lse[:, a:b, None]), v_TNH[:n].float())
+            p = torch.exp(s - lse[:, a:b, None])
+            o[a:b] = torch.einsum("nrt,tnh->rnh", p, v_TNH[:n].float())
+            if head_sums:
+                p_sum[a:b] = p.sum(0).gather(1, index_RK[a:b].clamp(max=n - 1)) * valid_RK[a:b]
         ctx.save_for_backward(q_RNH, k_TNH, v_TNH, index_RK, valid_RK, o, lse)
         ctx.scale, ctx.chunk = scale, chunk
-        return o.to(v_TNH.dtype)
+        ctx.mark_non_differentiable(p_sum)
+        return o.to(v_TNH.dtype), p_sum
 
     @staticmethod
-    def backward(ctx, do_RNH):
+    def backward(ctx, do_RNH, _):
         q, k, v, index, valid, o, lse = ctx.saved_tensors
         do = do_RNH.float()
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -146,7 +166,7 @@ class _SelectedAttention(torch.autograd.Function):
             ds = p * (torch.einsum("rnh,tnh->nrt", do[a:b], vf) - delta[:, a:b, None]) * ctx.scale
             dq[a:b] = torch.einsum("nrt,tnh->rnh", ds, kf)
             dk[:n] += torch.einsum("nrt,rnh->tnh", ds, qf)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def _chunk_mask(index_rK: torch.Tensor, valid_rK: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -157,12 +177,97 @@ def _chunk_mask(index_rK: torch.Tensor, valid_rK: torch.Tensor) -> tuple[torch.T
     return mask[:, :n], n
 
 
-def selected_attention(q_RNH, k_TNH, v_TNH, index_RK, valid_RK, scale: float) -> torch.Tensor:
+def selected_attention(q_RNH, k_TNH, v_TNH, index_RK, valid_RK, scale: float, head_sums: bool = False):
     """Attention of R query rows over their selected keys (``index_RK``, slots marked ``valid_RK``; every row has
-    one)."""
+    one). With ``head_sums`` also (not differentiable) each row's probabilities at its slots summed over the heads,
+    [R, K]: (output, sums)."""
     T, N = k_TNH.shape[:2]
     chunk = max(1, CHUNK_ELEMENTS // max(1, N * T))
-    return _SelectedAttention.apply(q_RNH, k_TNH, v_TNH, index_RK, valid_RK, scale, chunk)
+    out, sums = _SelectedAttention.apply(q_RNH, k_TNH, v_TNH, index_RK, valid_RK, scale, chunk, head_sums)
+    return (out, sums) if head_sums else out
+
+
+# ------------------------------------------------------------------------------------------- indexer loss
+class _IndexerKL(torch.autograd.Function):
+    """mean over rows of KL(target_r || softmax(I(r, selected keys))): the indexer's training loss (DeepSeek-V3.2's
+    sparse stage: over each row's selected keys). The loss graph is never kept: the backward pass recomputes it row
+    chunk by row chunk (the indexer's keys once) and returns the parameters' gradients."""
+
+    @staticmethod
+    def forward(ctx, indexer, x_TD, qr_TL, positions_T, rows_R, index_RK, valid_RK, target_RK, chunk, *params):
+        with torch.no_grad():
+            keys = indexer.keys(x_TD, positions_T)
+            loss = sum(_kl_sum(indexer, x_TD, qr_TL, positions_T, keys, rows_R[a:a + chunk], index_RK[a:a + chunk],
+                               valid_RK[a:a + chunk], target_RK[a:a + chunk])
+                       for a in range(0, rows_R.numel(), chunk)) / rows_R.numel()
+        ctx.indexer, ctx.chunk = indexer, chunk
+        ctx.save_for_backward(x_TD, qr_TL, positions_T, rows_R, index_RK, valid_RK, target_RK)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        x_TD, qr_TL, positions_T, rows_R, index_RK, valid_RK, target_RK = ctx.saved_tensors
+        indexer, chunk = ctx.indexer, ctx.chunk
+        params = list(indexer.parameters())
+        grads = [torch.zeros_like(p) for p in params]
+        with torch.enable_grad():
+            keys = indexer.keys(x_TD, positions_T)
+            keys_leaf = keys.detach().requires_grad_()
+            d_keys = torch.zeros_like(keys_leaf)
+            for a in range(0, rows_R.numel(), chunk):
+                part = _kl_sum(indexer, x_TD, qr_TL, positions_T, keys_leaf, rows_R[a:a + chunk],
+                               index_RK[a:a + chunk], valid_RK[a:a + chunk], target_RK[a:a + chunk])
+                got = torch.autograd.grad(part * (grad_loss / rows_R.numel()), params + [keys_leaf],
+                                          allow_unused=True)
+                for g, d in zip(grads, got[:-1]):
+                    if d is not None:
+                        g += d
+                d_keys += got[-1]
+            got = torch.autograd.grad(keys, params, d_keys, allow_unused=True)
+        for g, d in zip(grads, got):
+            if d is not None:
+                g += d
+        return (None,) * 9 + tuple(grads)
+
+
+def _kl_sum(indexer, x_TD, qr_TL, positions_T, keys_TD, rows, index, valid, target):
+    """sum over ``rows`` of KL(target || softmax of the indexer's scores at the selected slots)."""
+    scores = indexer.selected_scores(x_TD[rows], qr_TL[rows], positions_T[rows], keys_TD, index)
+    log_q = torch.log_softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+    return (torch.xlogy(target, target) - target * log_q.masked_fill(~valid, 0.0)).sum()
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Returns ``output`` unchanged; in the backward pass the attached ``loss`` gets ``scale`` as its gradient (the
+    indexer loss trains alongside the policy loss: Megatron's auxiliary-loss pattern)."""
+
+    @staticmethod
+    def forward(ctx, output, loss, scale: float):
+        ctx.scale = scale
+        ctx.save_for_backward(loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(loss, ctx.scale), None
+
+
+# what the indexer losses of a step scale by (the trainer sets 1 / micro-batches, as Megatron scales its auxiliary
+# losses) and the losses computed since the trainer last read them (detached): set_indexer_loss_scale, pop_indexer_losses
+_LOSS_SCALE = [1.0]
+_LOSSES: list[torch.Tensor] = []
+
+
+def set_indexer_loss_scale(scale: float) -> None:
+    _LOSS_SCALE[0] = float(scale)
+
+
+def pop_indexer_losses() -> list[float]:
+    """The indexer losses (KL, before the coefficient) computed since the last call, one per layer and micro-batch."""
+    out = [float(x) for x in _LOSSES]
+    _LOSSES.clear()
+    return out
 
 
 # ----------------------------------------------------------------------------------------- core attention
@@ -181,7 +286,7 @@ class SparseTreeAttention(torch.nn.Module):
                  cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
                  v_channels: int | None = None, *, topk: int, index_heads: int, index_head_dim: int,
                  inv_freq: torch.Tensor, interleaved: bool = False, shared_layers: tuple[bool, ...] | None = None,
-                 eps: float = 1e-6):
+                 eps: float = 1e-6, loss_coeff: float = 0.0):
         super().__init__()
         if config.context_parallel_size > 1:
             raise ValueError("DeepSeek sparse attention is not supported with context parallelism (CP > 1)")
@@ -194,9 +299,10 @@ class SparseTreeAttention(torch.nn.Module):
             softmax_scale = getattr(config, "softmax_scale", None) or (k_channels or config.kv_channels) ** -0.5
         self.softmax_scale = softmax_scale
         self.shared = bool(shared_layers and shared_layers[layer_number - 1])
+        self.loss_coeff = float(loss_coeff)
         self.indexer = None if self.shared else DSAIndexer(
             config.hidden_size, config.q_lora_rank, index_heads, index_head_dim, config.qk_pos_emb_head_dim,
-            inv_freq, interleaved, eps=eps, dtype=config.params_dtype)
+            inv_freq, interleaved, eps=eps, dtype=config.params_dtype, trainable=self.loss_coeff > 0)
         # the full layer whose selection a shared layer reuses: the last layer before it with an indexer
         self.source_layer = max((n for n in range(1, layer_number) if not shared_layers[n - 1]), default=None) \
             if self.shared else None
@@ -265,9 +371,32 @@ class SparseTreeAttention(torch.nn.Module):
         if first:
             out.append(tree_attention(q_TNH[:first], k_TNH[:first], v_TNH[:first], sub_end_T[:first].clamp(max=first),
                                       softmax_scale=self.softmax_scale, backend=backend))
-        index, valid = self._select(first, deep, sub_end_T, x_TD.detach(), qr_TL.detach(), positions_T, carrier)
-        out.append(selected_attention(q_TNH[first:], k_TNH, v_TNH, index, valid, self.softmax_scale))
+        x_TD, qr_TL = x_TD.detach(), qr_TL.detach()
+        index, valid = self._select(first, deep, sub_end_T, x_TD, qr_TL, positions_T, carrier)
+        if not (self.indexer is not None and self.loss_coeff > 0 and self.training and torch.is_grad_enabled()):
+            out.append(selected_attention(q_TNH[first:], k_TNH, v_TNH, index, valid, self.softmax_scale))
+            return torch.cat([o.to(v_TNH.dtype) for o in out])
+        sparse, head_sums = selected_attention(q_TNH[first:], k_TNH, v_TNH, index, valid, self.softmax_scale,
+                                               head_sums=True)
+        out.append(self._with_indexer_loss(sparse, head_sums, first, deep, index, valid, x_TD, qr_TL, positions_T))
         return torch.cat([o.to(v_TNH.dtype) for o in out])
+
+    def _with_indexer_loss(self, sparse, head_sums, first, deep_T, index, valid, x_TD, qr_TL, positions_T):
+        """``sparse`` with the indexer loss attached (--dsa-indexer-loss-coeff): over the deep rows, KL from the main
+        attention's probabilities at the selected keys (summed over all heads, every TP rank's, and normalised) to the
+        indexer's softmax over them; the loss's gradient reaches the indexer only (its inputs are detached)."""
+        rel = torch.nonzero(deep_T[first:]).flatten()
+        target = head_sums[rel]
+        if self.config.tensor_model_parallel_size > 1:  # each TP rank holds some of the heads
+            from megatron.core import parallel_state as ps
+
+            torch.distributed.all_reduce(target, group=ps.get_tensor_model_parallel_group())
+        target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
+        chunk = max(1, CHUNK_ELEMENTS // max(1, self.indexer.heads * index.shape[1]))
+        loss = _IndexerKL.apply(self.indexer, x_TD, qr_TL, positions_T, rel + first, index[rel], valid[rel], target,
+                                chunk, *self.indexer.parameters())
+        _LOSSES.append(loss.detach())
+        return _AttachLoss.apply(sparse, loss * self.loss_coeff, _LOSS_SCALE[0])
 
     @torch.no_grad()
     def _select(self, first, deep_T, sub_end_T, x_TD, qr_TL, positions_T, carrier):
@@ -307,7 +436,8 @@ def dsa_spec_params(cfg) -> dict:
 
     return dict(topk=cfg.dsa_index_topk, index_heads=cfg.dsa_index_heads, index_head_dim=cfg.dsa_index_head_dim,
                 inv_freq=rope.inv_freq(cfg.rope_scaling, cfg.rotary_base, cfg.qk_pos_emb_head_dim),
-                interleaved=cfg.dsa_rope_interleaved, shared_layers=cfg.dsa_shared_layers, eps=1e-6)
+                interleaved=cfg.dsa_rope_interleaved, shared_layers=cfg.dsa_shared_layers, eps=1e-6,
+                loss_coeff=cfg.dsa_indexer_loss_coeff)
 
 
 def share_selection_store(model) -> None:

@@ -85,6 +85,7 @@ class GPTConfig:
     dsa_index_topk: int = 2048
     dsa_rope_interleaved: bool = False
     dsa_shared_layers: tuple[bool, ...] | None = None
+    dsa_indexer_loss_coeff: float = 0.0  # > 0: the indexer trains on its KL to the main attention (mcore/dsa.py)
     # Qwen3.5 / Qwen3-Next: norms scale by (1 + weight) (weights stored zero-centred), a sigmoid gate on every
     # attention head's output (the query projection's second half), and Gated DeltaNet (linear attention) layers
     # where ``linear_attention[i]`` is true (mcore/gated_delta_net.py); the linear_* sizes are theirs
@@ -139,6 +140,8 @@ class GPTConfig:
             if not self.multi_latent_attention or self.q_lora_rank is None:
                 raise ValueError("DeepSeek sparse attention (dsa_index_heads) needs multi-latent attention with a "
                                  "query latent (kv_lora_rank and q_lora_rank)")
+            if self.dsa_indexer_loss_coeff < 0:
+                raise ValueError(f"dsa_indexer_loss_coeff must be >= 0, got {self.dsa_indexer_loss_coeff}")
             if self.dsa_index_topk < 1 or self.dsa_index_head_dim < self.qk_pos_emb_head_dim:
                 raise ValueError(f"dsa_index_topk ({self.dsa_index_topk}) must be >= 1 and dsa_index_head_dim "
                                  f"({self.dsa_index_head_dim}) hold the {self.qk_pos_emb_head_dim} rotated channels")

@@ -178,6 +178,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     net.add_argument("--dsa-indexer-head-dim", type=int, default=128, help="DSA indexer head size")
     net.add_argument("--dsa-indexer-topk", type=int, default=2048,
                      help="keys each query attends to under DSA (a sample's first topk tokens attend densely)")
+    net.add_argument("--dsa-indexer-loss-coeff", type=float, default=0.0,
+                     help="train the DSA indexer on its KL to the main attention (DeepSeek-V3.2's sparse-stage loss "
+                          "over each query's selected keys) with this weight; 0 (default): the indexer stays as the "
+                          "checkpoint has it. Logged as dsa_indexer_kl")
     net.add_argument("--linear-attention-freq", type=int, default=None,
                      help="every N-th layer is full attention, the others Gated DeltaNet (Qwen3.5: 4)")
     net.add_argument("--linear-conv-kernel-dim", type=int, default=4, help="Gated DeltaNet short convolution width")

@@ -496,8 +496,30 @@ class Trainer:
             from forge_megatron.mcore import routing_replay
 
             routing_replay.read_counts(self.chunks)  # the routing metrics count the training pass only
+        if self.cfg.dsa_indexer_loss_coeff:
+            from forge_megatron.mcore import dsa
+
+            dsa.set_indexer_loss_scale(1.0 / len(rb.micro_batches))  # as Megatron scales its auxiliary losses
+            dsa.pop_indexer_losses()
         return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs,
                                 self.head_dtype, self.policy_version, self.temperature)
+
+    def _indexer_loss_metrics(self) -> dict:
+        """``dsa_indexer_kl``: the mean indexer loss (KL, before the coefficient) of this step's layers and
+        micro-batches, over the pipeline stages and data-parallel ranks (TP ranks compute the same values)."""
+        from megatron.core import parallel_state as ps
+
+        from forge_megatron.mcore import dsa
+        from forge_megatron.mcore.parallel import comm_device
+
+        losses = dsa.pop_indexer_losses()
+        t = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+        if dist.is_initialized():
+            for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
+                t = t.to(comm_device(group))
+                dist.all_reduce(t, group=group)
+        total, count = t.cpu().tolist()
+        return {"dsa_indexer_kl": total / count} if count else {}
 
     @property
     def temperature(self) -> float:
@@ -550,6 +572,8 @@ class Trainer:
         metrics = batch_metrics(rb, mb_metrics, self.policy_version)  # staleness w.r.t. the weights trained
         if getattr(self.args, "routing_replay", False):
             metrics.update(self._routing_metrics(rb))
+        if self.cfg.dsa_indexer_loss_coeff:
+            metrics.update(self._indexer_loss_metrics())
         self.iteration += 1
         self.last_batch_id = batch.batch_id
         sync_s = 0.0
@@ -773,8 +797,13 @@ def model_config(args: argparse.Namespace, bridge):
                          f"parallelism each CP rank runs the whole tree for its share of their key heads, so "
                          f"--context-parallel-size {args.context_parallel_size} must divide the key heads per "
                          f"tensor-parallel rank ({cfg.linear_num_key_heads} / {args.tensor_model_parallel_size})")
+    coeff = getattr(args, "dsa_indexer_loss_coeff", 0.0) or 0.0
+    if coeff and not cfg.sparse_attention:
+        raise ValueError(f"--dsa-indexer-loss-coeff: {args.hf_checkpoint} has no DeepSeek sparse attention indexer")
     if cfg.sparse_attention:
         _check_sparse_attention_layout(args, cfg)
+        if coeff < 0:
+            raise ValueError(f"--dsa-indexer-loss-coeff must be >= 0, got {coeff}")
     if args.context_parallel_size > 1:
         from forge_megatron.mcore.context_parallel import resolve_comm_type
 
@@ -786,6 +815,8 @@ def model_config(args: argparse.Namespace, bridge):
         log.info("context parallelism %d: attention %s (--cp-comm-type %s)", args.context_parallel_size, comm,
                  getattr(args, "cp_comm_type", "auto"))
     overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
+    if cfg.sparse_attention:
+        overrides["dsa_indexer_loss_coeff"] = coeff
     etp = getattr(args, "expert_tensor_parallel_size", None)
     if etp is not None and etp != args.tensor_model_parallel_size and not cfg.num_moe_experts:
         raise ValueError(f"--expert-tensor-parallel-size {etp}: {args.hf_checkpoint} has no experts")

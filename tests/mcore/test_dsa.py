@@ -106,3 +106,36 @@ def test_bridge_reads_indexer_types_as_transformers_derives_them():
         assert "shared" in expected or fields["num_hidden_layers"] == 3
     with pytest.raises(UnsupportedModelError, match="the first full"):
         indexer_types({"num_hidden_layers": 2, "indexer_types": ["shared", "full"]})
+
+
+@pytest.mark.parametrize("chunk", [100, 1])
+def test_indexer_loss_and_its_recomputed_backward_equal_autograd(chunk):
+    """The indexer loss (mean over rows of KL(target || softmax of the indexer's scores at the selected keys)) and
+    the parameter gradients its backward pass recomputes chunk by chunk equal autograd through an independent
+    reference: the indexer's full score rows gathered at the selected keys, KL written out."""
+    g = torch.Generator().manual_seed(2)
+    T, D, L, K = 9, 16, 8, 4
+    idx = dsa.DSAIndexer(D, L, heads=3, head_dim=8, rope_dim=4, inv_freq=torch.rand(2, generator=g),
+                         interleaved=True, trainable=True)
+    with torch.no_grad():
+        for p in idx.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x, qr, positions = torch.randn(T, D, generator=g), torch.randn(T, L, generator=g), torch.arange(T)
+    rows = torch.tensor([4, 5, 7, 8])
+    index = torch.stack([torch.randperm(int(r) + 1, generator=g)[:K] for r in rows])
+    valid = torch.ones(len(rows), K, dtype=torch.bool)
+    valid[0, 3] = False
+    target = torch.rand(len(rows), K, generator=g) * valid
+    target = target / target.sum(-1, keepdim=True)
+    params = list(idx.parameters())
+
+    loss = dsa._IndexerKL.apply(idx, x, qr, positions, rows, index, valid, target, chunk, *params)
+    grads = torch.autograd.grad(loss, params)
+    scores = idx.scores(x[rows], qr[rows], positions[rows], idx.keys(x, positions)).gather(1, index)
+    q = torch.softmax(scores.masked_fill(~valid, float("-inf")), -1)
+    ref = (target * (torch.log(target.clamp_min(1e-30)) - torch.log(q.clamp_min(1e-30)))).sum() / len(rows)
+    ref_grads = torch.autograd.grad(ref, params)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5) and loss.item() > 0
+    for (name, _), a, b in zip(idx.named_parameters(), grads, ref_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (name, (a - b).abs().max())
+        assert b.abs().sum() > 0, name  # every parameter (the keys' too) gets a gradient

@@ -27,3 +27,24 @@ def test_sparse_attention_trains_the_same_under_tensor_pipeline_and_expert_paral
     assert [len(v) for v in steps.values()] == [2] * len(layouts)
     assert steps["one"][0]["grad_norm"] > 0
     assert_same_as_one_rank(steps, ["tp2sp", "pp2", "ep2", "recompute"])
+
+
+def test_indexer_loss_trains_the_indexer_the_same_under_tensor_parallelism(tmp_path):
+    """--dsa-indexer-loss-coeff: the indexer trains on its KL to the main attention (summed over every TP rank's
+    heads), reported as dsa_indexer_kl; under TP = 2 with sequence parallelism the loss and the gradient norm (the
+    indexer's gradients included) equal one rank's, and the indexer's gradients really count (the gradient norm
+    exceeds the frozen indexer's run on the same data)."""
+    model_dir = build_tiny_model(str(tmp_path / "dsv32"), arch="deepseek_v32", seed=3)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(6), completion_len=(4, 6))  # noqa: E731
+    coeff = ["--dsa-indexer-loss-coeff", "100"]  # the tiny indexer's KL gradients are ~1e-3: make them count
+    layouts = [("frozen", [], 1), ("one", coeff, 1),
+               ("tp2sp", coeff + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)]
+    steps = {}
+    for name, extra, nproc in layouts:
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--tree-token-budget", "40"], model=[])
+    assert "dsa_indexer_kl" not in steps["frozen"][0]
+    assert_same_as_one_rank(steps, ["tp2sp"], keys=("loss", "grad_norm", "dsa_indexer_kl"))
+    first = steps["one"][0]
+    assert first["dsa_indexer_kl"] > 0 and first["loss"] == steps["frozen"][0]["loss"]  # the policy loss alone
+    assert first["grad_norm"] > steps["frozen"][0]["grad_norm"] * 1.001  # sqrt(1.2923^2 - 1.2866^2): 0.12
