@@ -195,13 +195,15 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                   "shared_expert_intermediate_size": 48}
     qwen3_5_rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                     "mrope_section": [1, 1, 0], "mrope_interleaved": True}
-    # DeepSeek sparse attention layouts: DeepSeek-V3's with an indexer of 8 heads of 16 channels (8 rotated) picking
-    # each query's 4 keys (sequences longer than 4 tokens attend sparsely). Keys every head's ReLU zeroes score
-    # exactly 0, and engines break such ties each their own way: 8 heads make them rare
+    # DeepSeek sparse attention layouts: DeepSeek-V3's with an indexer of 32 heads of 16 channels (8 rotated) picking
+    # each query's 4 keys (sequences longer than 4 tokens attend sparsely). A key every head's ReLU zeroes scores
+    # exactly 0, and engines break such ties each their own way: with 8 heads, 2-3 of 800 queries of 200-token
+    # sequences had a tie at the top-4 boundary (transformers' CPU topk picks among them arbitrarily), with 32 none
+    # but the padding token's (a zero embedding scores every key 0)
     dsa = {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
            "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "topk_group": 1,
-           "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 4, "index_n_heads": 8,
+           "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 4, "index_n_heads": 32,
            "index_head_dim": 16}
     per_arch = {
         "qwen2": (transformers.Qwen2Config, {}),

@@ -542,7 +542,7 @@ def test_sparse_attention_flags_and_layouts():
              "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-router-score-function", "sigmoid",
              "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups",
              "2", "--moe-router-group-topk", "1", "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads",
-             "8", "--dsa-indexer-head-dim", "16", "--dsa-indexer-topk", "4"]
+             "32", "--dsa-indexer-head-dim", "16", "--dsa-indexer-topk", "4"]
     assert model_config(arguments.parse_args(MINIMAL + flags), Bridge(hf)).dsa_index_topk == 4
     with pytest.raises(ValueError, match="dsa_index_topk: the model flags say 2048"):
         model_config(arguments.parse_args(MINIMAL + flags[:-2]), Bridge(hf))
