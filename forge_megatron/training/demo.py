@@ -38,6 +38,9 @@ from forge_megatron.agents.tasks import write_tasks
 from forge_megatron.utils.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# --moe deepseek_v32: the keys each query attends to (the demo's prompts are a few hundred tokens: most of a sample's
+# tokens attend sparsely)
+DSA_TOPK = 64
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default); glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
                         "score-correction bias, a shared expert, RoPE on half of each head); deepseek_v3: the "
                         "DeepSeek-V3 / Kimi-K2 layout (the same MoE with grouped routing, multi-latent attention); "
-                        "deepseek_v32: DeepSeek-V3.2's (DeepSeek-V3's with sparse attention: each token past the 4th "
-                        "attends to the 4 keys its indexer picks); "
+                        f"deepseek_v32: DeepSeek-V3.2's (DeepSeek-V3's with sparse attention: each token past the "
+                        f"{DSA_TOPK}th attends to the {DSA_TOPK} keys its indexer picks); "
                         "gpt_oss: attention sinks, a sliding window on every other layer, biased experts with the "
                         "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
                         "q/k RMSNorms over all heads)")
@@ -156,6 +159,8 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
     width = "intermediate_size" if args.moe in ("gpt_oss", "minimax_m2") else "moe_intermediate_size"
     arch = dict(arch=args.moe, **{width: args.hidden_size}) if args.moe else \
         dict(arch=args.arch, intermediate_size=2 * args.hidden_size)
+    if args.moe == "deepseek_v32":  # sparse attention: each token past the 64th attends to 64 keys the indexer picks
+        arch["index_topk"] = DSA_TOPK
     if args.arch == "qwen3_5":
         every = min(4, args.num_layers)
         arch["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
