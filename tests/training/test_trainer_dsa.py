@@ -47,4 +47,4 @@ def test_indexer_loss_trains_the_indexer_the_same_under_tensor_parallelism(tmp_p
     assert_same_as_one_rank(steps, ["tp2sp"], keys=("loss", "grad_norm", "dsa_indexer_kl"))
     first = steps["one"][0]
     assert first["dsa_indexer_kl"] > 0 and first["loss"] == steps["frozen"][0]["loss"]  # the policy loss alone
-    assert first["grad_norm"] > steps["frozen"][0]["grad_norm"] * 1.001  # sqrt(1.2923^2 - 1.2866^2): 0.12
+    assert first["grad_norm"] > steps["frozen"][0]["grad_norm"] * 1.001  # without the indexer's share: ~1e-6
