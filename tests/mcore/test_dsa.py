@@ -139,3 +139,22 @@ def test_indexer_loss_and_its_recomputed_backward_equal_autograd(chunk):
     for (name, _), a, b in zip(idx.named_parameters(), grads, ref_grads):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (name, (a - b).abs().max())
         assert b.abs().sum() > 0, name  # every parameter (the keys' too) gets a gradient
+
+
+def test_benchmark_prints_one_json_line():
+    """benchmarks/dsa.py runs on CPU at small sizes: DSA's output equals a dense softmax over the selected keys, and
+    the share of sparse rows is what topk implies."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "dsa.py"
+    proc = subprocess.run([sys.executable, str(script), "--tokens", "96", "--topk", "32", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert out["max_abs_diff"] < 1e-5 and out["sparse_rows"] == pytest.approx(64 / 96)
+    assert out["dense_ms"] > 0 and out["dsa_ms"] > 0 and out["indexer_ms"] > 0
