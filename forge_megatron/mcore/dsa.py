@@ -32,9 +32,10 @@ The indexer's choice is discrete, so the policy loss gives it no gradient: by de
 query, KL(p || softmax(I)) over its selected keys, p the main attention's probabilities there summed over all heads
 (every TP rank's) and normalised, the mean over the deep queries times the coefficient, added to the step's loss the way
 Megatron adds its auxiliary losses (:class:`_AttachLoss`, scaled by 1 / micro-batches); its inputs are detached, so only
-the indexer learns from it, and its graph is recomputed chunk by chunk in the backward pass (:class:`_IndexerKL`). GLM's "shared" layers (``indexer_types``) have no indexer and
-reuse the selection of the last full layer before them; it travels with the micro-batch's packed-sequence params (or,
-in the causal model, the model's forward), so recomputation and pipelining see their own micro-batch's.
+the indexer learns from it, and its graph is recomputed chunk by chunk in the backward pass (:class:`_IndexerKL`).
+GLM's "shared" layers (``indexer_types``) have no indexer and reuse the selection of the last full layer before them;
+it travels with the micro-batch's packed-sequence params (or, in the causal model, the model's forward), so
+recomputation and pipelining see their own micro-batch's.
 
 Legend: T = tokens (keys), R = deep query rows, N = heads on this TP rank, H = query/key head dim, Hv = value head
 dim, H_I / D_I = indexer heads / head dim, k = topk.
@@ -254,7 +255,8 @@ class _AttachLoss(torch.autograd.Function):
 
 
 # what the indexer losses of a step scale by (the trainer sets 1 / micro-batches, as Megatron scales its auxiliary
-# losses) and the losses computed since the trainer last read them (detached): set_indexer_loss_scale, pop_indexer_losses
+# losses) and the losses computed since the trainer last read them (detached): set_indexer_loss_scale and
+# pop_indexer_losses
 _LOSS_SCALE = [1.0]
 _LOSSES: list[torch.Tensor] = []
 
@@ -287,9 +289,7 @@ class SparseTreeAttention(torch.nn.Module):
                  v_channels: int | None = None, *, topk: int, index_heads: int, index_head_dim: int,
                  inv_freq: torch.Tensor, interleaved: bool = False, shared_layers: tuple[bool, ...] | None = None,
                  eps: float = 1e-6, loss_coeff: float = 0.0):
-        super().__init__()
-        if config.context_parallel_size > 1:
-            raise ValueError("DeepSeek sparse attention is not supported with context parallelism (CP > 1)")
+        super().__init__()  # context parallelism is refused where the config is built (model.transformer_config)
         if (attention_dropout if attention_dropout is not None else config.attention_dropout):
             raise ValueError("DeepSeek sparse attention has no attention dropout; set attention_dropout=0")
         self.config = config
@@ -373,13 +373,12 @@ class SparseTreeAttention(torch.nn.Module):
                                       softmax_scale=self.softmax_scale, backend=backend))
         x_TD, qr_TL = x_TD.detach(), qr_TL.detach()
         index, valid = self._select(first, deep, sub_end_T, x_TD, qr_TL, positions_T, carrier)
-        if not (self.indexer is not None and self.loss_coeff > 0 and self.training and torch.is_grad_enabled()):
-            out.append(selected_attention(q_TNH[first:], k_TNH, v_TNH, index, valid, self.softmax_scale))
-            return torch.cat([o.to(v_TNH.dtype) for o in out])
-        sparse, head_sums = selected_attention(q_TNH[first:], k_TNH, v_TNH, index, valid, self.softmax_scale,
-                                               head_sums=True)
-        out.append(self._with_indexer_loss(sparse, head_sums, first, deep, index, valid, x_TD, qr_TL, positions_T))
-        return torch.cat([o.to(v_TNH.dtype) for o in out])
+        train_indexer = self.indexer is not None and self.loss_coeff > 0 and self.training and torch.is_grad_enabled()
+        sparse = selected_attention(q_TNH[first:], k_TNH, v_TNH, index, valid, self.softmax_scale,
+                                    head_sums=train_indexer)
+        if train_indexer:
+            sparse = self._with_indexer_loss(*sparse, first, deep, index, valid, x_TD, qr_TL, positions_T)
+        return torch.cat([o.to(v_TNH.dtype) for o in out + [sparse]])
 
     def _with_indexer_loss(self, sparse, head_sums, first, deep_T, index, valid, x_TD, qr_TL, positions_T):
         """``sparse`` with the indexer loss attached (--dsa-indexer-loss-coeff): over the deep rows, KL from the main
