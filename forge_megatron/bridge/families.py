@@ -13,6 +13,14 @@ each query/key head with the rotated key shared by every head. DeepSeek checkpoi
 (``rope_interleave``), which is what Megatron's MLA does; YaRN's softmax factor mscale(factor, mscale_all_dim)^2 is
 Megatron's too. Their MoE is the GLM-4.5 one below.
 
+Mistral Small 4 (``mistral4``: Mistral4ForCausalLM, released inside Mistral3ForConditionalGeneration with a Pixtral
+tower): DeepSeek-V3's attention and MoE layout with three differences. The router is a softmax over all experts
+without a score-correction bias (top-k renormalised with ``norm_topk_prob``: Megatron's softmax of the top-k logits,
+times ``routed_scaling_factor``); Llama 4's attention temperature scales each query (both its parts) by
+1 + beta log(1 + floor(p / original_max)) as Ministral 3's does (rope.scale_queries, on the query projection's output);
+and each layer's experts are two checkpoint tensors, ``experts.gate_up_proj`` [E, 2F, D] (gate rows first) and
+``experts.down_proj`` [E, D, F]: transformers' own layout, expert e's Megatron weights stacked (``stacked_experts``).
+
 gpt-oss (``gpt_oss``): QKV and output projections with biases, a learned sink logit per head (Megatron's
 ``softmax_type="learnable"``: the core attention's ``softmax_offset``), a 128-position sliding window on the layers
 ``layer_types`` marks ``sliding_attention`` (``window_size=(W - 1, 0)`` with a per-layer ``window_attn_skip_freq``
@@ -100,6 +108,12 @@ class Family:
     # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): a lightning indexer per layer picks each query's ``index_topk``
     # keys (mcore/dsa.py); GLM's indexer rotates interleaved pairs and its "shared" layers reuse an earlier selection
     dsa: bool = False
+    # Mistral Small 4: DeepSeek-V3's MoE layout (shared experts, the first layers dense) with a softmax router and no
+    # score-correction bias
+    softmax_router: bool = False
+    # each layer's experts in two checkpoint tensors holding expert e's weights at [e], ``experts.gate_up_proj``
+    # [E, 2F, D] (gate rows first) and ``experts.down_proj`` [E, D, F] (transformers' layout; Mistral Small 4)
+    stacked_experts: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -128,6 +142,10 @@ FAMILIES: dict[str, Family] = {
                                    mla=True, dsa=True),
     "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                      mla=True),
+    # Mistral Small 4 (119B-A6B): DeepSeek-V3's layers with a softmax router, Llama 4's query temperature and
+    # stacked experts; released inside Mistral3ForConditionalGeneration (family_of tells it by its text_config)
+    "Mistral4ForCausalLM": Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
+                                  stacked_experts=True),
     "MiniMaxM2ForCausalLM": Family("minimax_m2", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,
                                    minimax=True),
     # Qwen3.5 text models (dense): 3 of every 4 layers Gated DeltaNet (linear attention), the others gated attention
@@ -162,6 +180,11 @@ FAMILIES: dict[str, Family] = {
                                                text_prefix="language_model.model.",
                                                head_name="language_model.lm_head.weight",
                                                vision_prefixes=("vision_tower.", "multi_modal_projector.")),
+    "Mistral3ForConditionalGeneration/mistral4": Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True,
+                                                        softmax_router=True, stacked_experts=True, multimodal=True,
+                                                        text_prefix="language_model.model.",
+                                                        head_name="language_model.lm_head.weight",
+                                                        vision_prefixes=("vision_tower.", "multi_modal_projector.")),
     "Olmo2ForCausalLM": Family("olmo2", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
     "Olmo3ForCausalLM": Family("olmo3", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
     # SmolLM3: the Llama layout with RoPE left out of every fourth layer (``no_rope_layers``: 0 = NoPE)
@@ -227,8 +250,12 @@ def family_of(hf: dict) -> Family:
         raise UnsupportedModelError("HF config has no 'architectures' entry; cannot tell the model family")
     if archs[0] not in FAMILIES:
         raise UnsupportedModelError(
-            f"unsupported architecture {archs[0]!r}; supported: {sorted(FAMILIES)}"
+            f"unsupported architecture {archs[0]!r}; supported: {sorted(k for k in FAMILIES if '/' not in k)}"
         )
+    if archs[0] == "Mistral3ForConditionalGeneration":  # Ministral 3 / Mistral Small 3.x, or Mistral Small 4 inside
+        text = hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf  # (or its text view)
+        if text.get("model_type") == "mistral4":
+            return FAMILIES["Mistral3ForConditionalGeneration/mistral4"]
     return FAMILIES[archs[0]]
 
 
@@ -309,7 +336,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral configs have none)")
-    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4") and not family.gated_delta:
+    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4") and not family.gated_delta \
+            and not family.mla:  # (MLA rotates qk_rope_head_dim channels: Mistral 4 states it as this fraction)
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
     if family.gpt_oss:
         if float(hf.get("swiglu_alpha", 1.702)) != 1.702:
@@ -337,7 +365,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             Fp8Config.from_hf(quantization)
         except ValueError as exc:
             raise UnsupportedModelError(f"fp8 checkpoint: {exc}") from exc
-    if family.moe and not family.sigmoid_router and not family.gpt_oss:
+    if family.moe and not family.sigmoid_router and not family.softmax_router and not family.gpt_oss:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
@@ -354,7 +382,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if rope.attention_factor(hf.get("rope_scaling") or rope_parameters(hf)) != 1.0:
             raise UnsupportedModelError("YaRN with mscale != mscale_all_dim is not supported with multi-latent "
                                         "attention (its attention factor scales the rotated channels only)")
-        if hf.get("scoring_func", "sigmoid") != "sigmoid":
+        if hf.get("scoring_func", "softmax" if family.softmax_router else "sigmoid") != \
+                ("softmax" if family.softmax_router else "sigmoid"):
             raise UnsupportedModelError(f"scoring_func={hf['scoring_func']!r} is not supported (DeepSeek-V3-style "
                                         "sigmoid routers only)")
         if (hf.get("index_topk") or hf.get("index_n_heads")) and not family.dsa:
@@ -420,6 +449,23 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                 partial_rotary(hf) != 1.0:
             raise UnsupportedModelError("YaRN with partial rotary is not supported (its attention factor would "
                                         "scale the rotated channels only)")
+    if family.softmax_router:
+        groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+        if groups > 1 and group_topk < groups:
+            raise UnsupportedModelError(f"n_group={groups}, topk_group={group_topk}: group-limited softmax routing "
+                                        "is not supported (transformers scores a group by its top 2 softmax "
+                                        "probabilities; Mistral Small 4 has one group)")
+        if hf.get("n_shared_experts", 1) < 1:
+            raise UnsupportedModelError(f"n_shared_experts=0 is not supported by the {family.name} family")
+
+
+def _softmax_router(hf: dict, scaling: float) -> dict:
+    """Mistral Small 4's router: p = softmax(z) over all experts, the top k kept, renormalised with
+    ``norm_topk_prob`` (= Megatron's softmax of the top-k logits) or not (= Megatron's pre-softmax top-k), times
+    ``routed_scaling_factor``; no score-correction bias. Its logits are computed in the weights' dtype, as
+    transformers does."""
+    return {"moe_router_score_function": "softmax",
+            "moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None}
 
 
 def dense_layers(hf: dict) -> int:
@@ -500,6 +546,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"), qk_head_dim=hf["qk_nope_head_dim"],
             qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
             qk_layernorm=True,  # Megatron builds MLA's latent norms (q_a_layernorm, kv_a_layernorm) under this switch
+            rotary_percent=1.0,  # MLA rotates its qk_pos_emb_head_dim channels (Mistral 4 also states them as a fraction)
         )
     if family.dsa:
         types = indexer_types(hf)
@@ -554,7 +601,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                 "activation_func_clamp_value": float(hf.get("swiglu_limit", 7.0)),
             },
         )
-    if family.sigmoid_router:
+    if family.sigmoid_router or family.softmax_router:
         dense = dense_layers(hf)
         if not 0 <= dense < hf["num_hidden_layers"]:
             raise UnsupportedModelError(f"first_k_dense_replace={dense} leaves no MoE layer")
@@ -562,6 +609,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         scaling = float(hf.get("routed_scaling_factor", 1.0) or 1.0)
         if family.minimax:  # transformers' and SGLang's MiniMax-M2 routers use neither field, whatever it says
             groups, scaling = 1, 1.0
+        if family.softmax_router:  # one group, or every group chosen (refused otherwise): no grouping
+            groups = 1
         expert_width = hf["intermediate_size"] if family.minimax else hf["moe_intermediate_size"]
         kwargs.update(
             num_moe_experts=hf["num_local_experts"] if family.minimax else hf["n_routed_experts"],
@@ -569,7 +618,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             moe_ffn_hidden_size=expert_width,
             moe_shared_ffn_hidden_size=None if family.minimax else expert_width * hf.get("n_shared_experts", 1),
             moe_dense_layers=dense,
-            extra={
+            extra=_softmax_router(hf, scaling) if family.softmax_router else {
                 "moe_router_score_function": "sigmoid",
                 "moe_router_enable_expert_bias": True,  # HF's e_score_correction_bias (selection only)
                 "moe_router_bias_update_rate": 0.0,  # kept as the checkpoint has it: RL does not rebalance
@@ -579,6 +628,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                 "moe_router_dtype": "fp32",  # HF computes the router logits in fp32
             },
         )
+        if family.softmax_router:
+            kwargs["moe_router_pre_softmax"] = not bool(hf.get("norm_topk_prob", True))
     elif family.moe and not family.gpt_oss:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
         # Qwen3-Next's does unless its config says otherwise; so does Qwen3-VL-MoE's (no such field either)

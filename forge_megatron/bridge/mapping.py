@@ -46,7 +46,8 @@ class Rule:
     every expert of a layer (gpt-oss), expert e's slice of it: ``experts_glu`` ([E, D, 2F] with gate and up columns
     interleaved -> [gate; up] rows), ``experts_glu_bias`` ([E, 2F] interleaved), ``experts_t`` (expert e's
     transpose: [E, F, D] -> [D, F]; Qwen3-VL-MoE's [E, D, 2F] -> [2F, D], gate rows first), ``experts_row``
-    ([E, D] -> row e). :meth:`Bridge.export` stacks them back.
+    ([E, D] -> row e; also [E, 2F, D] -> [2F, D] and [E, D, F] -> [D, F]: Mistral Small 4's stacked experts).
+    :meth:`Bridge.export` stacks them back.
     ``tp``: ``rep`` (replicated), ``col`` (dim 0), ``row`` (dim 1), ``glu`` (gate and up halves split separately).
     """
 
@@ -247,6 +248,11 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
             mlp[-2:] = [Rule(LAYER + EXPERT + "linear_fc1.weight", (moe + "experts.gate_up_proj",), "experts_t", "glu",
                              layers="moe"),
                         Rule(LAYER + EXPERT + "linear_fc2.weight", (moe + "experts.down_proj",), "experts_t", "row",
+                             layers="moe")]
+        if family.stacked_experts:  # Mistral Small 4: [E, 2F, D] (gate rows first) and [E, D, F], as Megatron's
+            mlp[-2:] = [Rule(LAYER + EXPERT + "linear_fc1.weight", (moe + "experts.gate_up_proj",), "experts_row",
+                             "glu", layers="moe"),
+                        Rule(LAYER + EXPERT + "linear_fc2.weight", (moe + "experts.down_proj",), "experts_row", "row",
                              layers="moe")]
         if cfg.extra.get("moe_router_enable_expert_bias"):  # a buffer: selection only, no gradient
             bias = moe + ("e_score_correction_bias" if family.minimax else "gate.e_score_correction_bias")
@@ -477,6 +483,8 @@ class Bridge:
         table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),
                       "experts.down_proj": (e, f, d), "experts.down_proj_bias": (e, d)})
+        if self.family.stacked_experts:
+            table.update({"experts.gate_up_proj": (e, 2 * f, d), "experts.down_proj": (e, d, f)})
         if cfg.multi_latent_attention:
             qk = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
             table.update({

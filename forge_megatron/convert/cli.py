@@ -13,7 +13,9 @@ Megatron checkpoints are written in the per-rank ``torch`` format (``--ckpt-form
 
 Architectures: LlamaForCausalLM (Llama 3.1-3.3 RoPE scaling included), MistralForCausalLM, Qwen2ForCausalLM,
 Ministral3ForCausalLM / Mistral3ForConditionalGeneration (Ministral 3, Mistral-Small 3.1 / 3.2: query scaling
-past the original context; the Pixtral tower copied on export), Qwen3ForCausalLM, Qwen3VLForConditionalGeneration (Qwen3-VL dense; the vision tower copied on export),
+past the original context; the Pixtral tower copied on export), Mistral4ForCausalLM (Mistral Small 4, and as
+released inside Mistral3ForConditionalGeneration: multi-latent attention, a softmax router, experts stacked on
+disk), Qwen3ForCausalLM, Qwen3VLForConditionalGeneration (Qwen3-VL dense; the vision tower copied on export),
 Qwen3VLMoeForConditionalGeneration (Qwen3-VL-MoE; experts fused on disk; the vision tower copied on export),
 Qwen3MoeForCausalLM, Glm4MoeForCausalLM (GLM-4.5 / 4.6 / 4.7), DeepseekV3ForCausalLM (DeepSeek-V3 /
 V3.1, Kimi-K2, Moonlight: multi-latent attention), KimiK25ForConditionalGeneration /

@@ -159,9 +159,9 @@ class GPTConfig:
         if self.query_scaling is not None:
             beta, original = self.query_scaling
             self.query_scaling = (float(beta), int(original))
-            if self.multi_latent_attention or self.attention_output_gate or self.post_norm or original < 1:
+            if self.attention_output_gate or self.post_norm or original < 1:
                 raise ValueError("query_scaling (beta, original_max_position_embeddings >= 1) is supported with "
-                                 "standard attention only")
+                                 "standard or multi-latent attention only")
         if self.nope_layers is not None:
             self.nope_layers = tuple(bool(x) for x in self.nope_layers)
             if len(self.nope_layers) != self.num_layers or self.multi_latent_attention:

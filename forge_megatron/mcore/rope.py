@@ -182,6 +182,44 @@ def apply_to_sliding_layers(model, sliding: dict | None, others: dict | None, ba
         layer.self_attention.register_forward_pre_hook(rescale, with_kwargs=True)
 
 
+def _scale_latent_queries(model, beta: float, original_max: int) -> None:
+    """:func:`scale_queries` under multi-latent attention (Mistral Small 4): HF scales the whole query, its
+    unrotated and rotated parts, after RoPE; RoPE is linear, so this scales the output rows of the query's up
+    projection (``linear_q_up_proj``, or ``linear_q_proj`` without a query latent), every head of a token alike.
+    A token's position is its depth in the tree (the packed params' ``position_ids``: this CP rank's tokens) or, in
+    the causal model, its index; a pre-hook on each self-attention keeps them for its projection's forward hook (the
+    projection's output holds the whole sequence also under sequence parallelism)."""
+    import functools
+
+    def positions_of(module, args, kwargs):
+        params = kwargs.get("packed_seq_params")
+        module._forge_query_positions = getattr(params, "position_ids", None)  # None: causal, 0..S-1
+        if params is not None and module._forge_query_positions is None:
+            raise ValueError("query scaling under multi-latent attention needs tree-packed sequences "
+                             "(TreePackedSeqParams) or none")
+        return None
+
+    def scale(module, inputs, output, attention=None):
+        out, bias = output if isinstance(output, tuple) else (output, None)
+        if bias is not None:
+            raise ValueError("query scaling with a bias added after the query projection is not supported")
+        s = out.shape[0]
+        pos = attention._forge_query_positions
+        if pos is None:
+            pos = torch.arange(s, device=out.device)
+        if pos.numel() != s:
+            raise ValueError(f"query scaling: {pos.numel()} positions for {s} tokens")
+        factor = 1.0 + beta * torch.log1p(torch.floor(pos.to(out.device).float() / original_max))
+        scaled = out * factor.to(out.dtype).view(s, *([1] * (out.dim() - 1)))
+        return (scaled, bias) if isinstance(output, tuple) else scaled
+
+    for layer in model.decoder.layers:
+        attention = layer.self_attention
+        proj = getattr(attention, "linear_q_up_proj", None) or attention.linear_q_proj
+        attention.register_forward_pre_hook(positions_of, with_kwargs=True)
+        proj.register_forward_hook(functools.partial(scale, attention=attention))
+
+
 def leave_out(model, nope_layers) -> None:
     """No RoPE in the layers of ``model`` (a GPTModel stage) that ``nope_layers`` (one flag per global layer) marks:
     their self-attention is handed no rotary table (a pre-hook), so Megatron rotates nothing there (SmolLM3's NoPE
@@ -206,6 +244,8 @@ def scale_queries(model, beta: float, original_max: int) -> None:
     1 / base^0 = 1 before scaling): the causal model's 0..S-1, the tree model's depths (this CP rank's tokens), so a
     recomputed layer sees its own positions. A pre-hook on each self-attention keeps its tokens' factors for the
     forward hook on its ``linear_qkv`` (TP: this rank's query groups; SP: the gathered sequence)."""
+    if getattr(model.config, "multi_latent_attention", False):
+        return _scale_latent_queries(model, beta, original_max)
     rotary = rotary_modules(model)  # its frequencies are final: rope.apply has run
     freq0 = float(rotary[0].inv_freq[0]) if rotary else 1.0
 

@@ -2,15 +2,22 @@
 
 
 def _text_in_logits_out(method: str, source, **kwargs):
-    """``AutoModelForCausalLM.<method>(source)``, or, for a vision-language model transformers has no causal-LM class
-    for (Qwen3-VL), ``AutoModelForImageTextToText``'s (text-only input needs no image)."""
-    from transformers import AutoModelForCausalLM
+    """``AutoModelForCausalLM.<method>(source)``; for a causal LM transformers maps to no auto class (Mistral Small
+    4's text model, released inside a vision-language checkpoint) the class its config names; for a vision-language
+    model transformers has no causal-LM class for (Qwen3-VL), ``AutoModelForImageTextToText``'s (text-only input
+    needs no image)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         return getattr(AutoModelForCausalLM, method)(source, **kwargs)
     except ValueError as exc:
         if "Unrecognized configuration class" not in str(exc):
             raise
+    config = source if method == "from_config" else AutoConfig.from_pretrained(source)
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    if arch.endswith("ForCausalLM") and hasattr(transformers, arch):
+        return getattr(getattr(transformers, arch), method)(source, **kwargs)
     from transformers import AutoModelForImageTextToText
 
     return getattr(AutoModelForImageTextToText, method)(source, **kwargs)

@@ -34,7 +34,7 @@ SPECIAL_TOKENS = (
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
-         "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa")
+         "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -45,6 +45,7 @@ _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGenerati
        "glm4v": ("glm4", "Glm4vConfig", "Glm4vForConditionalGeneration"),
        "glm4v_moe": ("glm4_moe", "Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
        "ministral3_vl": ("ministral3", "Mistral3Config", "Mistral3ForConditionalGeneration"),
+       "mistral4_vl": ("mistral4", "Mistral3Config", "Mistral3ForConditionalGeneration"),
        "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
 
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
@@ -149,7 +150,7 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                           num_hidden_layers=1, hidden_size=32, intermediate_size=64)
             return transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
                                                tie_word_embeddings=tie_word_embeddings)
-        if text_arch == "ministral3":  # a one-layer Pixtral tower, 2 x 2 patches merged per token
+        if text_arch in ("ministral3", "mistral4"):  # a one-layer Pixtral tower, 2 x 2 patches merged per token
             vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                           image_size=16, patch_size=4, head_dim=16)
             return transformers.Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=2,
@@ -239,6 +240,18 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True},
+        ),
+        # Mistral Small 4 layout: DeepSeek-V3's attention (YaRN) with Llama 4's query scaling past position 4, layer 0
+        # dense, a softmax router (top-2 of 4, renormalised, scaled) without a score bias, experts stacked on disk
+        "mistral4": (
+            transformers.Mistral4Config,
+            {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+             "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.4}},
         ),
         # DeepSeek-V3.2 layout (``dsa`` above; 2 expert groups, 1 chosen)
         "deepseek_v32": (transformers.DeepseekV32Config, {**dsa, "n_group": 2}),
@@ -341,6 +354,10 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
         import transformers
 
         model = getattr(transformers, _VL[arch][2])(config).to(torch.float32)
+    elif arch == "mistral4":  # transformers has no AutoModelForCausalLM entry for it (released as a VLM)
+        import transformers
+
+        model = transformers.Mistral4ForCausalLM(config).to(torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # routers' score-correction biases (zeros when initialised): make them matter

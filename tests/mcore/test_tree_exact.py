@@ -199,6 +199,12 @@ def _body_one_rank(rank, world_size):
     out["deepseek_v3_modules"] = [type(ds_tree.decoder.layers[0].self_attention.core_attention).__name__,
                                   type(ds_causal.decoder.layers[0].self_attention.core_attention).__name__]
     out["deepseek_v3_by_offset"] = _offset_rope_error(ds_tree, ds_causal)
+    # Mistral Small 4 layout: multi-latent attention with YaRN and queries scaled by their depth past position 4 (the
+    # packed params' depths, on the query projection's output), a softmax router without a score bias
+    m4 = {**tiny_config("mistral4", vocab_size=VOCAB).to_dict(), "architectures": ["Mistral4ForCausalLM"]}
+    m4_tree, m4_causal = _twin_models(gpt_config_from_hf(m4))
+    out["mistral4"] = _exactness(m4_tree, m4_causal, all_samples(3))
+    out["mistral4_by_offset"] = _offset_rope_error(m4_tree, m4_causal)
     # DeepSeek-V3.2 / GLM-5 layouts: DeepSeek sparse attention picking 4 keys (these samples reach depth 40, so most
     # tokens attend sparsely): a tree token's indexer must choose among its ancestors only; GLM's layer 1 reuses
     # layer 0's selection
@@ -467,6 +473,12 @@ def test_multi_latent_attention_tree_equals_unmerged(one_rank):
     logp, ent, grad, _, _ = one_rank["deepseek_v3"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["deepseek_v3"]
     assert one_rank["deepseek_v3_by_offset"] > 20 * LOGP_ATOL
+
+
+def test_mistral4_query_scaled_latent_attention_tree_equals_unmerged(one_rank):
+    logp, ent, grad, _, _ = one_rank["mistral4"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["mistral4"]
+    assert one_rank["mistral4_by_offset"] > 20 * LOGP_ATOL
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
