@@ -58,13 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention and MLP make these tiny models collapse at 1e-3: success 0.31 -> 0.00 over 40 "
                         "steps; their gradients equal transformers')")
     p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
-                   choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "minimax_m2"],
+                   choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32", "mistral4", "gpt_oss",
+                            "minimax_m2"],
                    help="a tiny MoE model (4 experts, top-2) with rollout routing replay end to end: Qwen3-MoE "
                         "(default); glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
                         "score-correction bias, a shared expert, RoPE on half of each head); deepseek_v3: the "
                         "DeepSeek-V3 / Kimi-K2 layout (the same MoE with grouped routing, multi-latent attention); "
                         f"deepseek_v32: DeepSeek-V3.2's (DeepSeek-V3's with sparse attention: each token past the "
-                        f"{DSA_TOPK}th attends to the {DSA_TOPK} keys its indexer picks); "
+                        f"{DSA_TOPK}th attends to the {DSA_TOPK} keys its indexer picks); mistral4: Mistral Small "
+                        "4's (multi-latent attention with YaRN and queries scaled past position 64, a softmax "
+                        "router, a shared expert); "
                         "gpt_oss: attention sinks, a sliding window on every other layer, biased experts with the "
                         "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
                         "q/k RMSNorms over all heads)")
@@ -161,6 +164,10 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
         dict(arch=args.arch, intermediate_size=2 * args.hidden_size)
     if args.moe == "deepseek_v32":  # sparse attention: each token past the 64th attends to 64 keys the indexer picks
         arch["index_topk"] = DSA_TOPK
+    if args.moe == "mistral4":  # Llama 4's query temperature from position 64 on (most of a sample's tokens)
+        arch["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
     if args.arch == "qwen3_5":
         every = min(4, args.num_layers)
         arch["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"

@@ -282,6 +282,39 @@ def test_vision_language_releases_configs_as_published():
         Bridge({**ministral, "text_config": {**ministral["text_config"], "sliding_window": 4096}})
 
 
+def test_mistral_small_4_config_as_published():
+    """Mistral Small 4 (119B-A6B) as transformers documents its release (Mistral4Config's defaults: the
+    checkpoint's sizes) inside Mistral3ForConditionalGeneration: multi-latent attention with YaRN (factor 128 over
+    8192 positions) and Llama 4's query scaling, 128 softmax-routed experts (4 per token, renormalised) plus one
+    shared, stacked on disk; group-limited routing and a sigmoid scoring function are refused by name."""
+    from transformers import Mistral4Config
+
+    text = Mistral4Config().to_dict()
+    release = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+               "text_config": text, "vision_config": {"hidden_size": 1024}}
+    bridge = Bridge(release)
+    cfg = bridge.cfg
+    assert bridge.family.name == "mistral4" and bridge.family.multimodal and cfg.multi_latent_attention
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank,
+            cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim) == (36, 4096, 32, 256, 1024, 64, 64, 128)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size,
+            cfg.moe_dense_layers, cfg.moe_router_pre_softmax) == (128, 4, 2048, 2048, 0, False)
+    assert cfg.extra["moe_router_score_function"] == "softmax" and "moe_router_enable_expert_bias" not in cfg.extra
+    assert cfg.query_scaling == (0.1, 8192) and cfg.rope_scaling["factor"] == 128.0 and cfg.rotary_percent == 1.0
+    assert bridge.hf_names("decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight") == \
+        ["language_model.model.layers.3.mlp.experts.gate_up_proj"]
+    assert bridge.hf_shape("language_model.model.layers.3.mlp.experts.gate_up_proj") == (128, 4096, 4096)
+    assert bridge.hf_shape("language_model.model.layers.3.mlp.experts.down_proj") == (128, 4096, 2048)
+    assert Bridge({**text, "architectures": ["Mistral4ForCausalLM"]}).hf_names("output_layer.weight") == \
+        ["lm_head.weight"]
+    assert Bridge({**text, "architectures": ["Mistral4ForCausalLM"], "norm_topk_prob": False}).cfg \
+        .moe_router_pre_softmax
+    with pytest.raises(UnsupportedModelError, match="n_group=8, topk_group=4: group-limited softmax routing"):
+        Bridge({**text, "architectures": ["Mistral4ForCausalLM"], "n_group": 8, "topk_group": 4})
+    with pytest.raises(UnsupportedModelError, match="scoring_func='sigmoid'"):
+        Bridge({**text, "architectures": ["Mistral4ForCausalLM"], "scoring_func": "sigmoid"})
+
+
 def test_sparse_attention_releases_configs_as_published():
     """DeepSeek-V3.2's config.json as its FP8 release has it (transformers 4 style) and GLM-5's map to DeepSeek
     sparse attention with the release's indexer sizes and RoPE pairs; GLM's shared-indexer schedule leaves those
