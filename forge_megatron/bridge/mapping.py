@@ -78,6 +78,8 @@ class ParallelLayout:
     pp: int = 1
     ep: int = 1
     etp: int | None = None
+    first: int | None = None  # uneven pipeline stages: the first / last stage's layers (mcore/parallel.py
+    last: int | None = None  # pipeline_chunks); None: every stage alike
 
     def __post_init__(self):
         for name in ("tp", "pp", "ep"):
@@ -87,6 +89,9 @@ class ParallelLayout:
             object.__setattr__(self, "etp", self.tp)  # the default: experts split as the rest
         if self.etp not in (1, self.tp):
             raise ValueError(f"expert tensor parallel size {self.etp} must be 1 or the TP size ({self.tp})")
+        from forge_megatron.mcore.parallel import _check_split
+
+        _check_split(self.pp, None, self.first, self.last)
 
     @property
     def expert_tp(self) -> int:
@@ -95,7 +100,9 @@ class ParallelLayout:
     def as_dict(self) -> dict:
         """For checkpoint metadata (``etp`` only when it differs from TP, so older readers see what they knew)."""
         out = {"tp": self.tp, "pp": self.pp, "ep": self.ep}
-        return out if self.expert_tp == self.tp else {**out, "etp": self.expert_tp}
+        if self.expert_tp != self.tp:
+            out["etp"] = self.expert_tp
+        return {**out, **{k: getattr(self, k) for k in ("first", "last") if getattr(self, k) is not None}}
 
     def ranks(self):
         """Every (tp_rank, pp_rank, ep_rank) that holds a distinct shard, in file-name order."""
@@ -580,9 +587,11 @@ class Bridge:
     # --- sharding -------------------------------------------------------------------------------------------
     def check_layout(self, layout: ParallelLayout) -> None:
         """Raise ValueError naming the size that ``layout`` does not divide."""
+        from forge_megatron.mcore.parallel import pipeline_chunks
+
         cfg = self.cfg
+        pipeline_chunks(cfg.num_layers, layout.pp, None, layout.first, layout.last)  # the layers split into stages
         checks = [
-            ("num_layers", cfg.num_layers, "pp", layout.pp),
             ("num_query_groups", cfg.num_query_groups, "tp", layout.tp),
             ("vocab_size", cfg.vocab_size, "tp", layout.tp),
             ("ffn_hidden_size", cfg.ffn_hidden_size, "tp", layout.tp),
@@ -634,8 +643,9 @@ class Bridge:
         return self.rule(name)[0].is_expert
 
     def stage_layers(self, layout: ParallelLayout, pp_rank: int) -> range:
-        per = self.cfg.num_layers // layout.pp
-        return range(pp_rank * per, (pp_rank + 1) * per)
+        from forge_megatron.mcore.parallel import pipeline_chunks
+
+        return pipeline_chunks(self.cfg.num_layers, layout.pp, None, layout.first, layout.last)[pp_rank]
 
     def stage_names(self, layout: ParallelLayout, pp_rank: int) -> list[str]:
         """Canonical names held by pipeline stage ``pp_rank`` (embedding first stage, head and final norm last)."""

@@ -390,9 +390,12 @@ def load_into(model, mcore_dir: str) -> None:
     ``GPTModel`` built from ``read_meta(mcore_dir)[0].cfg`` under the checkpoint's layout (strict)."""
     from megatron.core import parallel_state as ps
 
+    from forge_megatron.mcore.parallel import pipeline_split
+
     _, layout = read_meta(mcore_dir)
     here = ParallelLayout(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                          ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+                          ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+                          *pipeline_split())
     if here != layout:
         raise ValueError(f"checkpoint {mcore_dir!r} has layout {layout}, this job runs {here}; "
                          f"reshard it first (forge-convert reshard)")

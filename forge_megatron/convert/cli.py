@@ -46,6 +46,15 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etp", type=int, default=None,
                    help="expert tensor-parallel size of the output, MoE only: the TP size (default) or 1 (each "
                         "expert whole, Megatron-LM's --expert-tensor-parallel-size 1)")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, dest="first",
+                   help="uneven pipeline stages of the output: the first stage's layers (the stages without their "
+                        "own count share the rest equally; Megatron-LM's flag of the same name)")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, dest="last",
+                   help="uneven pipeline stages of the output: the last stage's layers")
+
+
+def _layout(args: argparse.Namespace) -> ParallelLayout:
+    return ParallelLayout(args.tp, args.pp, args.ep, args.etp, args.first, args.last)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "hf-to-mcore":
-            checkpoint.hf_to_megatron(args.hf_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep, args.etp))
+            checkpoint.hf_to_megatron(args.hf_dir, args.out, _layout(args))
         elif args.command == "mcore-to-hf":
             checkpoint.megatron_to_hf(args.mcore_dir, args.out, int(args.max_shard_gb * (1 << 30)), args.vision_from)
         elif args.command == "trainer-to-hf":
@@ -130,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"forge-convert: {s['dequantized']} {kind} tensors to bf16 ({s['tensors']} tensors read), "
                   f"{s['bytes_out'] / 2**30:.2f} GiB written")
         else:
-            checkpoint.reshard(args.mcore_dir, args.out, ParallelLayout(args.tp, args.pp, args.ep, args.etp))
+            checkpoint.reshard(args.mcore_dir, args.out, _layout(args))
     except (MappingError, UnsupportedModelError, ValueError, FileNotFoundError) as exc:
         print(f"forge-convert: error: {exc}", file=sys.stderr)
         return 2

@@ -60,27 +60,32 @@ def read_rank_metadata(save_dir: str, iteration: int) -> list[dict]:
 
 @dataclass
 class SavedJob:
-    """How a checkpoint's job split the model: its layout, P pipeline stages of V chunks of ``per_chunk`` layers
-    (chunk v of stage p holds layers ``(v * P + p) * per_chunk ...``), and the lowest rank holding each (TP, PP, EP)
-    shard (any data-parallel replica has the same weights)."""
+    """How a checkpoint's job split the model: its layout, P pipeline stages of V chunks, the global layers of each
+    piece (``chunks[v * P + p]``: chunk v of stage p; uneven first / last stages included), and the lowest rank
+    holding each (TP, PP, EP) shard (any data-parallel replica has the same weights)."""
 
     layout: ParallelLayout
     P: int
     V: int
-    per_chunk: int
+    chunks: list[range]
     owner: dict[tuple[int, int, int], int]
+
+    def piece_of_layer(self, layer: int) -> int:
+        """The piece index c (= v * P + p) holding global ``layer``."""
+        return next(c for c, r in enumerate(self.chunks) if layer in r)
 
 
 def saved_job(metas: list[dict], bridge: Bridge) -> SavedJob:
+    from forge_megatron.mcore.parallel import pipeline_chunks
+
     layout = metas[0]["layout"]
     P, V = layout["pp"], layout.get("vpp", 1)
-    if bridge.cfg.num_layers % (P * V):
-        raise ValueError(f"{bridge.cfg.num_layers} layers do not split into {P} x {V} pipeline chunks")
+    chunks = pipeline_chunks(bridge.cfg.num_layers, P, V if V > 1 else None, layout.get("first"), layout.get("last"))
     owner: dict[tuple[int, int, int], int] = {}
     for m in sorted(metas, key=lambda m: m["rank"]):
         owner.setdefault((m["tp"], m["pp"], m["ep"]), m["rank"])
-    return SavedJob(ParallelLayout(layout["tp"], P, layout["ep"], layout.get("etp")), P, V,
-                    bridge.cfg.num_layers // (P * V), owner)
+    return SavedJob(ParallelLayout(layout["tp"], P, layout["ep"], layout.get("etp"), layout.get("first"),
+                                   layout.get("last")), P, V, chunks, owner)
 
 
 def model_chunks(state: dict) -> list[dict]:
@@ -112,7 +117,7 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
         raise MappingError("the checkpoint's rank_*.json has no hf_config")
     bridge = Bridge(metas[0]["hf_config"])
     job = saved_job(metas, bridge)
-    pl, P, V, per_chunk, owner = job.layout, job.P, job.V, job.per_chunk, job.owner
+    pl, P, V, owner = job.layout, job.P, job.V, job.owner
     it_dir = os.path.join(save_dir, f"iter_{iteration:07d}")
     cache: dict[int, list[dict]] = {}
 
@@ -133,9 +138,8 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
     def tensors():
         for p in range(P):
             for v in range(V):
-                start = (v * P + p) * per_chunk
                 full = join_piece(bridge, pl, lambda tp, ep: (chunks_of(tp, p, ep) or [None] * V)[v],
-                                  range(start, start + per_chunk),
+                                  job.chunks[v * P + p],
                                   p == 0 and v == 0, p == P - 1 and v == V - 1,
                                   f"pipeline rank {p}, chunk {v} of {it_dir!r}")
                 for hf_name, hf_t in bridge.export(full.items()):

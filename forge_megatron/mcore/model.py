@@ -296,6 +296,11 @@ def transformer_config(cfg: GPTConfig, **overrides):
             raise ValueError("DeepSeek sparse attention needs megatron-core >= 0.15 (experimental_attention_variant)")
         kwargs.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=cfg.dsa_index_heads,
                       dsa_indexer_head_dim=cfg.dsa_index_head_dim, dsa_indexer_topk=cfg.dsa_index_topk)
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # uneven stages (mcore/parallel.pipeline_split)
+        from forge_megatron.mcore.parallel import pipeline_split
+
+        first, last = pipeline_split()
+        kwargs.update(num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
     if TransformerConfig.__dataclass_fields__.get("cuda_graph_scope") is not None and \
             TransformerConfig.__dataclass_fields__["cuda_graph_scope"].default == "full":
         kwargs["cuda_graph_scope"] = []  # 0.16's default "full" warns that it is deprecated; [] means the same

@@ -28,6 +28,10 @@ class ParallelConfig:
     cp: int = 1
     vpp: int | None = None
     etp: int | None = None
+    # uneven pipeline stages (Megatron's num_layers_in_first/last_pipeline_stage): the first / last stage's layer
+    # count, the other stages sharing the rest equally; None: every stage alike (:func:`pipeline_chunks`)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self):
         for name in ("tp", "pp", "ep", "cp"):
@@ -35,6 +39,11 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.etp is not None and self.etp not in (1, self.tp):
             raise ValueError(f"expert tensor parallel size {self.etp} must be 1 or the TP size ({self.tp})")
+        _check_split(self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
+
+    def layer_chunks(self, num_layers: int) -> list[range]:
+        """The global layers of every model piece, in model order (:func:`pipeline_chunks`)."""
+        return pipeline_chunks(num_layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
 
     @property
     def expert_tp(self) -> int:
@@ -51,6 +60,56 @@ class ParallelConfig:
             what = "dp*cp" if self.expert_tp == self.tp else "dp*cp*tp (expert TP 1)"
             raise ValueError(f"ep={self.ep} must divide {what} = {expert_ranks}")
         return dp
+
+
+def _check_split(pp: int, vpp: int | None, first: int | None, last: int | None) -> None:
+    for name, n in (("first", first), ("last", last)):
+        if n is not None and n < 1:
+            raise ValueError(f"the {name} pipeline stage's layer count must be >= 1, got {n}")
+    if (first is not None or last is not None) and pp < 2:
+        raise ValueError("uneven pipeline stages (--decoder-first/last-pipeline-num-layers) need "
+                         "--pipeline-model-parallel-size >= 2")
+    if (first is not None or last is not None) and (vpp or 1) > 1:
+        raise ValueError("uneven pipeline stages (--decoder-first/last-pipeline-num-layers) are not supported with "
+                         "virtual pipeline stages")
+
+
+def pipeline_chunks(num_layers: int, pp: int = 1, vpp: int | None = None, first: int | None = None,
+                    last: int | None = None) -> list[range]:
+    """The global layers of every model piece in model order (piece c = chunk v of pipeline rank p, c = v * pp + p),
+    as Megatron lays them out (``get_transformer_layer_offset``): equal pieces, or with ``first`` / ``last`` (the
+    first / last stage's layer count; no virtual stages) the other stages sharing the rest equally. Raises
+    ValueError naming the count that does not split."""
+    _check_split(pp, vpp, first, last)
+    v = vpp or 1
+    if first is None and last is None:
+        if num_layers % (pp * v):
+            raise ValueError(f"the model's {num_layers} layers do not split into {pp} pipeline stages"
+                             + (f" x {v} virtual chunks" if v > 1 else "") +
+                             (": give the first / last stage its own count (--decoder-first-pipeline-num-layers, "
+                              "--decoder-last-pipeline-num-layers)" if v == 1 else ""))
+        per = num_layers // (pp * v)
+        return [range(c * per, (c + 1) * per) for c in range(pp * v)]
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle = num_layers - (first or 0) - (last or 0)
+    if middle < middle_stages or (middle_stages and middle % middle_stages) or (not middle_stages and middle):
+        raise ValueError(f"the model's {num_layers} layers do not split into {pp} pipeline stages with "
+                         f"{'first stage ' + str(first) if first is not None else ''}"
+                         f"{', ' if first is not None and last is not None else ''}"
+                         f"{'last stage ' + str(last) if last is not None else ''} layers: the other "
+                         f"{middle_stages} stage(s) must share the remaining {middle} equally, at least one each")
+    sizes = ([first] if first is not None else []) + [middle // middle_stages] * middle_stages + \
+        ([last] if last is not None else [])
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+_SPLIT: list = [None, None]  # this job's uneven pipeline split (first, last), set by initialize
+
+
+def pipeline_split() -> tuple[int | None, int | None]:
+    """(first, last) stage layer counts of the job :func:`initialize` set up (None, None: even stages)."""
+    return _SPLIT[0], _SPLIT[1]
 
 
 def initialize(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234, timeout_s: float = 300.0) -> None:
@@ -79,6 +138,7 @@ def initialize(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234, ti
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.expert_tp,
     )
+    _SPLIT[:] = [parallel.first_stage_layers, parallel.last_stage_layers]
     model_parallel_cuda_manual_seed(seed)
 
 

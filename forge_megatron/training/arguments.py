@@ -83,6 +83,14 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     par.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                      help="interleaved pipeline: model chunks per PP rank (instead of "
                           "--num-layers-per-virtual-pipeline-stage)")
+    par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                     help="uneven pipeline stages: the first stage's transformer layers (it also holds the "
+                          "embedding); the stages without their own count share the rest equally. For models whose "
+                          "layers do not split evenly (DeepSeek-V3 / Kimi-K2: 61) or to lighten a stage. Not with "
+                          "virtual pipeline stages")
+    par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                     help="uneven pipeline stages: the last stage's transformer layers (it also holds the output "
+                          "layer and the loss); see --decoder-first-pipeline-num-layers")
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--overlap-grad-reduce", action="store_true",
                      help="reduce (or, with the distributed optimizer, reduce-scatter) each gradient bucket over DP "
@@ -503,6 +511,15 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"the --rl-* loss flags: {exc}") from exc
     if args.routing_replay_split and not args.routing_replay:
         raise ValueError("--routing-replay-split needs --routing-replay")
+    first, last = getattr(args, "decoder_first_pipeline_num_layers", None), \
+        getattr(args, "decoder_last_pipeline_num_layers", None)
+    if first is not None or last is not None:  # the layer counts are checked once the model is known
+        from forge_megatron.mcore.parallel import ParallelConfig
+
+        interleaved = getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None or \
+            (getattr(args, "num_virtual_stages_per_pipeline_rank", None) or 1) > 1
+        ParallelConfig(pp=args.pipeline_model_parallel_size, vpp=2 if interleaved else None,
+                       first_stage_layers=first, last_stage_layers=last)
     etp = getattr(args, "expert_tensor_parallel_size", None)
     if etp is not None and etp not in (1, args.tensor_model_parallel_size):
         raise ValueError(f"--expert-tensor-parallel-size {etp}: forge supports 1 (experts whole) or the TP size "
@@ -629,10 +646,15 @@ def parallel_config(args: argparse.Namespace, num_layers: int | None = None):
     """Model-parallel sizes from the flags; ``num_layers`` (the model's) is needed for virtual pipeline stages."""
     from forge_megatron.mcore.parallel import ParallelConfig
 
-    return ParallelConfig(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                          ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
-                          etp=getattr(args, "expert_tensor_parallel_size", None),
-                          vpp=virtual_pipeline_size(args, num_layers))
+    parallel = ParallelConfig(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                              ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
+                              etp=getattr(args, "expert_tensor_parallel_size", None),
+                              vpp=virtual_pipeline_size(args, num_layers),
+                              first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
+                              last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None))
+    if num_layers is not None:
+        parallel.layer_chunks(num_layers)  # the layers split into the stages (ValueError naming the counts)
+    return parallel
 
 
 def virtual_pipeline_size(args: argparse.Namespace, num_layers: int | None) -> int | None:

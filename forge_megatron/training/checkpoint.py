@@ -81,6 +81,9 @@ def rank_coordinates() -> dict:
     """This rank's place in the job (what an offline export needs to pick and join the shards)."""
     from megatron.core import parallel_state as ps
 
+    from forge_megatron.mcore.parallel import pipeline_split
+
+    first, last = pipeline_split()
     return {
         "rank": dist.get_rank(), "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
         "ep": ps.get_expert_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
@@ -89,7 +92,9 @@ def rank_coordinates() -> dict:
                    "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
                    "dp": ps.get_data_parallel_world_size(),
                    "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
-                   "etp": ps.get_expert_tensor_parallel_world_size()},
+                   "etp": ps.get_expert_tensor_parallel_world_size(),
+                   # uneven pipeline stages: the first / last stage's layers (None: every stage alike)
+                   "first": first, "last": last},
     }
 
 
@@ -363,12 +368,14 @@ def load_hf_weights(model_chunks, bridge, hf_dir: str) -> None:
 
     from forge_megatron.bridge import ParallelLayout
     from forge_megatron.convert.checkpoint import HFReader, piece_inputs, piece_state
+    from forge_megatron.mcore.parallel import pipeline_split
     from forge_megatron.weight_sync.gather import global_layers, unwrap
 
     layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(),
                             pp=ps.get_pipeline_model_parallel_world_size(),
                             ep=ps.get_expert_model_parallel_world_size(),
-                            etp=ps.get_expert_tensor_parallel_world_size())
+                            etp=ps.get_expert_tensor_parallel_world_size(), first=pipeline_split()[0],
+                            last=pipeline_split()[1])
     ep = ps.get_expert_model_parallel_rank()
     reader = HFReader(hf_dir)
     for chunk in _chunks(model_chunks):

@@ -68,24 +68,27 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def rank_layers(num_layers: int, pp: int, vpp: int | None, pp_rank: int) -> list[int]:
-    """Global layers a pipeline rank holds: one contiguous block, or with VPP its ``vpp`` chunks r, r + pp, ..."""
-    chunks = vpp or 1
-    per = num_layers // (pp * chunks)
-    return [layer for v in range(chunks) for layer in range((v * pp + pp_rank) * per, (v * pp + pp_rank + 1) * per)]
+def rank_layers(num_layers: int, pp: int, vpp: int | None, pp_rank: int, first: int | None = None,
+                last: int | None = None) -> list[int]:
+    """Global layers a pipeline rank holds: one contiguous block (the first / last stage's own count if given), or
+    with VPP its ``vpp`` chunks r, r + pp, ..."""
+    from forge_megatron.mcore.parallel import pipeline_chunks
+
+    chunks = pipeline_chunks(num_layers, pp, vpp, first, last)
+    return [layer for v in range(vpp or 1) for layer in chunks[v * pp + pp_rank]]
 
 
 def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None = None,
-                etp: int | None = None) -> dict[str, int]:
+                etp: int | None = None, first: int | None = None, last: int | None = None) -> dict[str, int]:
     """{"dense", "expert", "buffers"}: elements this (TP, EP) rank of pipeline rank ``pp_rank`` holds (experts split
     over ``etp`` ranks, TP when None). Buffers are the routers' score-correction biases (state, not parameters)."""
     cfg = bridge.cfg
-    layers = rank_layers(cfg.num_layers, pp, vpp, pp_rank)
-    first, last = pp_rank == 0, pp_rank == pp - 1
+    layers = rank_layers(cfg.num_layers, pp, vpp, pp_rank, first, last)
+    is_first, is_last = pp_rank == 0, pp_rank == pp - 1
     names = bridge.canonical_names(layers)
-    if first:
+    if is_first:
         names.insert(0, "embedding.word_embeddings.weight")
-    if last:
+    if is_last:
         names.append("decoder.final_layernorm.weight")
         if not cfg.tie_word_embeddings:
             names.append("output_layer.weight")
@@ -99,7 +102,7 @@ def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None
             out["expert"] += n // ep  # every EP rank holds 1/EP of each layer's experts
         else:
             out["dense"] += n
-    if last and cfg.tie_word_embeddings and pp > 1:  # Megatron's head keeps its own copy of the tied embedding
+    if is_last and cfg.tie_word_embeddings and pp > 1:  # Megatron's head keeps its own copy of the tied embedding
         out["dense"] += _numel(_shapes(bridge, ["embedding.word_embeddings.weight"], tp)[
             "embedding.word_embeddings.weight"])
     return out
@@ -140,17 +143,19 @@ def _activation_bytes(cfg, layers: list[int], moe_layers: int, tokens: float, tp
 def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,
          bf16: bool = True, distributed_optimizer: bool = False, kl_reference: bool = False,
          tokens: int = 8192, recompute: str | None = None, sequence_parallel: bool = False,
-         gpu_memory_gib: float = 80.0, etp: int | None = None) -> dict:
-    """The plan as a dict: layout, per pipeline rank parameters and memory (GiB), and the verdict."""
+         gpu_memory_gib: float = 80.0, etp: int | None = None, first: int | None = None,
+         last: int | None = None) -> dict:
+    """The plan as a dict: layout, per pipeline rank parameters and memory (GiB), and the verdict. ``first`` /
+    ``last``: uneven pipeline stages (the first / last stage's layers)."""
     from forge_megatron.bridge import ParallelLayout
     from forge_megatron.mcore.parallel import ParallelConfig
 
     cfg = bridge.cfg
-    parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp)
+    parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp, vpp=vpp, first_stage_layers=first,
+                              last_stage_layers=last)
     dp = parallel.data_parallel_size(world)
-    bridge.check_layout(ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp))
-    if cfg.num_layers % (pp * (vpp or 1)):
-        raise ValueError(f"pp x vpp = {pp * (vpp or 1)} does not divide num_layers={cfg.num_layers}")
+    parallel.layer_chunks(cfg.num_layers)  # ValueError naming the counts that do not split
+    bridge.check_layout(ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, first=first, last=last))
     weight_bytes = 2 if bf16 else 4
     opt_bytes = 12 if bf16 else 8  # fp32 Adam moments, and an fp32 master copy of bf16 weights
     dense_shards = dp * cp if distributed_optimizer else 1
@@ -159,9 +164,9 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
     budget = gpu_memory_gib * 0.9
     ranks = []
     for r in range(pp):
-        params = rank_params(bridge, tp, pp, ep, r, vpp, etp)
+        params = rank_params(bridge, tp, pp, ep, r, vpp, etp, first, last)
         n = params["dense"] + params["expert"]
-        layers = rank_layers(cfg.num_layers, pp, vpp, r)
+        layers = rank_layers(cfg.num_layers, pp, vpp, r, first, last)
         moe = sum(bridge.is_moe_layer(layer) for layer in layers)
         in_flight = pp - r  # 1F1B: pipeline rank r holds the activations of PP - r micro-batches
         static = {
@@ -179,7 +184,7 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
     return {
         "model": bridge.family.name, "world_size": world, "tp": tp, "pp": pp, "ep": ep, "cp": cp, "dp": dp,
         "etp": parallel.expert_tp,
-        "vpp": vpp, "bf16": bf16, "distributed_optimizer": distributed_optimizer, "kl_reference": kl_reference,
+        "vpp": vpp, "first_stage_layers": first, "last_stage_layers": last, "bf16": bf16, "distributed_optimizer": distributed_optimizer, "kl_reference": kl_reference,
         "tree_token_budget": tokens, "recompute": recompute, "sequence_parallel": sequence_parallel,
         "gpu_memory_gib": gpu_memory_gib, "budget_gib": budget, "ranks": ranks,
         "fits": all(x["fits"] for x in ranks),
@@ -195,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="uneven pipeline stages: the first stage's layers (the others share the rest)")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="uneven pipeline stages: the last stage's layers")
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
     p.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="1 or the TP size (default)")
     p.add_argument("--context-parallel-size", type=int, default=1)
@@ -242,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                       args.pipeline_model_parallel_size, args.expert_model_parallel_size, args.context_parallel_size,
                       vpp, args.bf16, args.use_distributed_optimizer,
                       args.rl_kl_coef > 0, args.tree_token_budget, args.recompute_granularity,
-                      args.sequence_parallel, args.gpu_memory_gib, args.expert_tensor_parallel_size)
+                      args.sequence_parallel, args.gpu_memory_gib, args.expert_tensor_parallel_size,
+                      args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
     except (ValueError, FileNotFoundError, MappingError, UnsupportedModelError) as exc:
         print(f"forge-plan: error: {exc}", file=sys.stderr)
         return 2

@@ -222,7 +222,8 @@ class _Source:
         self.it_dir = os.path.join(root, f"iter_{iteration:07d}")
         self.bridge = bridge
         job = saved_job(metas, bridge)
-        self.layout, self.P, self.V, self.per_chunk, self.owner = job.layout, job.P, job.V, job.per_chunk, job.owner
+        self.job = job
+        self.layout, self.P, self.V, self.owner = job.layout, job.P, job.V, job.owner
         self.replicas: dict[tuple[int, int, int], list[int]] = {}  # every rank holding each (TP, PP, EP) shard
         for m in sorted(metas, key=lambda m: m["rank"]):
             self.replicas.setdefault((m["tp"], m["pp"], m["ep"]), []).append(m["rank"])
@@ -280,11 +281,11 @@ class _Source:
 
         _, idx = self.bridge.rule(name)
         if idx:
-            c = idx["layer"] // self.per_chunk
+            c = self.job.piece_of_layer(idx["layer"])
         else:
             c = 0 if name == EMBEDDING else self.P * self.V - 1
         v, p = divmod(c, self.P)
-        return p, v, range(c * self.per_chunk, (c + 1) * self.per_chunk)
+        return p, v, self.job.chunks[c]
 
     def full(self, name: str, kind: str) -> torch.Tensor:
         """Canonical tensor ``name``: the weight (``kind`` "weight") or its optimizer state ``kind``, joined over
@@ -342,8 +343,11 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
         raise ValueError("the checkpoint's rank_*.json has no hf_config: resume it in the layout it was saved in")
     bridge = Bridge(metas[0]["hf_config"])
     src = _Source(root, iteration, metas, bridge)
+    from forge_megatron.mcore.parallel import pipeline_split
+
     here = ParallelLayout(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                          ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+                          ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+                          *pipeline_split())
     bridge.check_layout(here)
     tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     expert_offset = ep * bridge.local_experts(here)

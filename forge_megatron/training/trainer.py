@@ -735,14 +735,14 @@ def _check_sparse_attention_layout(args: argparse.Namespace, cfg) -> None:
     if args.recompute_granularity == "selective":
         raise ValueError(f"{name} has DeepSeek sparse attention: --recompute-granularity selective recomputes core "
                          "attention without the layer's input its indexer needs; use --recompute-granularity full")
-    chunks = args.pipeline_model_parallel_size * (arguments.virtual_pipeline_size(args, cfg.num_layers) or 1)
-    if cfg.dsa_shared_layers and chunks > 1 and cfg.num_layers % chunks == 0:
-        per = cfg.num_layers // chunks
-        starts = [b for b in range(per, cfg.num_layers, per) if cfg.dsa_shared_layers[b]]
+    if cfg.dsa_shared_layers and args.pipeline_model_parallel_size > 1:
+        chunks = arguments.parallel_config(args, cfg.num_layers).layer_chunks(cfg.num_layers)
+        starts = [r.start for r in chunks[1:] if cfg.dsa_shared_layers[r.start]]
         if starts:
             raise ValueError(f"{name}: a pipeline stage would begin at layer {starts[0]}, which reuses the indexer "
                              "selection of an earlier layer (GLM's shared indexer layers); choose a pipeline layout "
-                             "whose stages begin at layers with their own indexer")
+                             "whose stages begin at layers with their own indexer (--decoder-first-pipeline-num-layers"
+                             " / --decoder-last-pipeline-num-layers move the boundaries)")
 
 
 def model_config(args: argparse.Namespace, bridge):

@@ -2,7 +2,9 @@
 # latent 512, 128 + 64 rotated query/key channels, 128 value channels per head), 256 routed experts top-8 in 8 groups
 # (4 chosen) with a sigmoid router and score-correction bias, one shared expert, the first 3 layers dense. YaRN
 # (factor 40) comes from the checkpoint. The trainer checks these flags against the checkpoint's config and names any
-# field that differs; the MTP layer is left out. Source it and pass "${MODEL_ARGS[@]}".
+# field that differs; the MTP layer is left out. 61 layers split over pipeline stages only unevenly: e.g. PP=4 with
+# EXTRA_TRAIN_ARGS="--decoder-first-pipeline-num-layers 13 --decoder-last-pipeline-num-layers 12" (13 + 18 + 18 + 12).
+# Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=(
   --num-layers 61
   --hidden-size 7168

@@ -44,6 +44,8 @@ def hf_dirs(tmp_path_factory):
     dirs = {arch: build_tiny_model(str(root / arch), arch=arch, seed=1, with_tokenizer=False) for arch in ARCHS}
     dirs["qwen3_5_moe_vl"] = build_tiny_model(str(root / "qwen3_5_moe_vl"), arch="qwen3_5_moe_vl", seed=1,
                                               with_tokenizer=False)
+    dirs["deepseek_v3_3l"] = build_tiny_model(str(root / "deepseek_v3_3l"), arch="deepseek_v3", seed=5,
+                                              with_tokenizer=False, num_hidden_layers=3)
     dirs["qwen3_tied"] = build_tiny_model(str(root / "qwen3_tied"), arch="qwen3", seed=2, with_tokenizer=False,
                                           tie_word_embeddings=True)
     # gpt-oss with a clamp that bites (activations of random weights are ~0.1): Megatron's clamped quick-GELU GLU
@@ -91,13 +93,16 @@ LAYOUTS = [
     ("deepseek_v32", ParallelLayout(tp=2, pp=2, ep=2)),  # the DSA indexer replicated over TP
     ("glm_moe_dsa", ParallelLayout(tp=2, pp=2, ep=2)),  # layer 1 "shared": no indexer tensors
     ("mistral4_vl", ParallelLayout(tp=2, pp=2, ep=2)),  # experts stacked on disk, under language_model.model.*
+    # uneven pipeline stages (Megatron's num_layers_in_first/last_pipeline_stage): 3 layers as 1 + 2 and 2 + 1
+    ("deepseek_v3_3l", ParallelLayout(tp=2, pp=2, ep=2, first=1)), ("deepseek_v3_3l", ParallelLayout(pp=2, last=1)),
     # experts whole on every TP rank (expert TP 1): gpt-oss's biased experts under TP
     ("qwen3_moe", ParallelLayout(tp=2, ep=2, etp=1)), ("gpt_oss", ParallelLayout(tp=2, pp=2, ep=2, etp=1)),
 ]
 
 
 @pytest.mark.parametrize("arch,layout", LAYOUTS, ids=[f"{a}-tp{l.tp}pp{l.pp}ep{l.ep}" + ("etp1" if l.etp != l.tp else "")
-                                                      for a, l in LAYOUTS])
+                                                      + (f"first{l.first}" if l.first else "")
+                                                      + (f"last{l.last}" if l.last else "") for a, l in LAYOUTS])
 def test_round_trip_bit_exact(hf_dirs, tmp_path, arch, layout):
     ckpt.hf_to_megatron(hf_dirs[arch], str(tmp_path / "mcore"), layout)
     n_files = len(glob.glob(str(tmp_path / "mcore/release/mp_rank_*/model_optim_rng.pt")))
@@ -132,6 +137,26 @@ def test_reshard_then_export_is_bit_exact(hf_dirs, tmp_path):
     assert os.path.isfile(tmp_path / "b/release/mp_rank_00_001/model_optim_rng.pt")
     ckpt.megatron_to_hf(str(tmp_path / "b"), str(tmp_path / "hf"))
     _assert_bit_exact(hf_dirs["qwen3_moe"], tmp_path / "hf")
+
+
+def test_uneven_pipeline_stages_hold_their_layers_and_reshard(hf_dirs, tmp_path):
+    """3 layers over PP = 2 with the first stage holding one (the CLI's Megatron-LM flag): stage 0's file has layer 0,
+    stage 1's layers 1 and 2 as its local 0 and 1; the metadata records the split, resharding to PP = 3 (even) and
+    exporting is bit-exact; a split the layers cannot take is refused naming the counts."""
+    src = hf_dirs["deepseek_v3_3l"]
+    assert cli_main(["hf-to-mcore", "--hf-dir", src, "--out", str(tmp_path / "a"), "--pp", "2",
+                     "--decoder-first-pipeline-num-layers", "1"]) == 0
+    assert ckpt.read_meta(str(tmp_path / "a"))[1] == ParallelLayout(pp=2, first=1)
+    for pp, local in ((0, {"0"}), (1, {"0", "1"})):
+        state = ckpt.load_rank_state(str(tmp_path / "a"), tp=0, pp=pp, ep=0)
+        assert {k.split(".")[2] for k in state if k.startswith("decoder.layers.")} == local
+    ckpt.reshard(str(tmp_path / "a"), str(tmp_path / "b"), ParallelLayout(pp=3))
+    ckpt.megatron_to_hf(str(tmp_path / "b"), str(tmp_path / "hf"))
+    _assert_bit_exact(src, tmp_path / "hf")
+    with pytest.raises(ValueError, match="3 layers do not split into 3 pipeline stages with first stage 2 layers"):
+        ckpt.hf_to_megatron(src, str(tmp_path / "c"), ParallelLayout(pp=3, first=2))
+    with pytest.raises(ValueError, match="uneven pipeline stages .* need --pipeline-model-parallel-size >= 2"):
+        ParallelLayout(first=1)
 
 
 def test_tp_shards_are_megatron_layout(hf_dirs, tmp_path):
@@ -297,7 +322,7 @@ def test_missing_and_mismatched_tensor(hf_dirs, tmp_path):
 
 
 def test_parallel_size_must_divide(hf_dirs, tmp_path):
-    with pytest.raises(ValueError, match="pp=3 does not divide num_layers=2"):
+    with pytest.raises(ValueError, match="2 layers do not split into 3 pipeline stages: give the first"):
         ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "o"), ParallelLayout(pp=3))
     with pytest.raises(ValueError, match="tp=4 does not divide num_query_groups=2"):
         ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "o"), ParallelLayout(tp=4))

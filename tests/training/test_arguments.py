@@ -556,3 +556,31 @@ def test_sparse_attention_flags_and_layouts():
     with pytest.raises(ValueError, match="a pipeline stage would begin at layer 1"):
         model_config(arguments.parse_args(MINIMAL + ["--pipeline-model-parallel-size", "2"]), Bridge(glm))
     assert model_config(arguments.parse_args(MINIMAL + ["--pipeline-model-parallel-size", "2"]), Bridge(hf))
+    # uneven stages move the boundary: layers [full, shared, full] over PP = 2 as 2 + 1, not 1 + 2
+    glm3 = {**tiny_config("glm_moe_dsa", num_hidden_layers=3, indexer_types=["full", "shared", "full"]).to_dict(),
+            "architectures": ["GlmMoeDsaForCausalLM"]}
+    pp2 = MINIMAL + ["--pipeline-model-parallel-size", "2"]
+    assert model_config(arguments.parse_args(pp2 + ["--decoder-first-pipeline-num-layers", "2"]), Bridge(glm3))
+    with pytest.raises(ValueError, match="a pipeline stage would begin at layer 1.*--decoder-first-pipeline-num-layers"):
+        model_config(arguments.parse_args(pp2 + ["--decoder-last-pipeline-num-layers", "2"]), Bridge(glm3))
+
+
+def test_uneven_pipeline_stage_flags():
+    """Megatron-LM's --decoder-first/last-pipeline-num-layers: checked at parse time where the model is not needed
+    (PP >= 2, no virtual stages) and against the model's layers once it is known, naming the counts."""
+    pp4 = MINIMAL + ["--pipeline-model-parallel-size", "4"]
+    args = arguments.parse_args(pp4 + ["--decoder-first-pipeline-num-layers", "13",
+                                       "--decoder-last-pipeline-num-layers", "12"])
+    parallel = arguments.parallel_config(args, 61)  # DeepSeek-V3: 13 + 18 + 18 + 12
+    assert [len(r) for r in parallel.layer_chunks(61)] == [13, 18, 18, 12]
+    with pytest.raises(ValueError, match="61 layers do not split into 4 pipeline stages: give the first / last"):
+        arguments.parallel_config(arguments.parse_args(pp4), 61)
+    with pytest.raises(ValueError, match="61 layers do not split into 4 pipeline stages with first stage 13, last "
+                                         "stage 11 layers: the other 2 stage"):
+        arguments.parallel_config(arguments.parse_args(pp4 + ["--decoder-first-pipeline-num-layers", "13",
+                                                              "--decoder-last-pipeline-num-layers", "11"]), 61)
+    with pytest.raises(ValueError, match="need --pipeline-model-parallel-size >= 2"):
+        arguments.validate_args(arguments.parse_args(MINIMAL + ["--decoder-first-pipeline-num-layers", "1"]))
+    with pytest.raises(ValueError, match="not supported with virtual pipeline stages"):
+        arguments.validate_args(arguments.parse_args(pp4 + ["--decoder-first-pipeline-num-layers", "1",
+                                                            "--num-virtual-stages-per-pipeline-rank", "2"]))

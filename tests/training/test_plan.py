@@ -48,14 +48,17 @@ def _built_body(rank, world_size, hf, vpp):
     ("qwen3_5_moe", {}, ParallelConfig(tp=2), 2),
     # experts whole on their EP rank, the EP group over the TP ranks (--expert-tensor-parallel-size 1)
     ("glm4_moe", {}, ParallelConfig(tp=2, ep=2, etp=1), 2),
-], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2", "qwen3_5_moe-tp2", "glm4_moe-tp2ep2etp1"])
+    # uneven stages: 5 layers, the first stage 1 (the dense layer 0), the other two 2 each
+    ("glm4_moe", {"num_hidden_layers": 5}, ParallelConfig(pp=3, first_stage_layers=1), 3),
+], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2", "qwen3_5_moe-tp2", "glm4_moe-tp2ep2etp1",
+        "glm4_moe-pp3-first1"])
 def test_parameters_per_rank_are_what_megatron_builds(arch, kw, parallel, world):
     hf = _hf(arch, **kw)
     built = run_distributed(_built_body, world_size=world, parallel=parallel, hf=hf, vpp=parallel.vpp)
     bridge = Bridge(hf)
     for got in built:
         want = plan.rank_params(bridge, parallel.tp, parallel.pp, parallel.ep, got["pp_rank"], parallel.vpp,
-                                parallel.etp)
+                                parallel.etp, parallel.first_stage_layers, parallel.last_stage_layers)
         assert want == {k: got[k] for k in ("dense", "expert", "buffers")}, (got, want)
     if arch == "minimax_m2":
         assert built[0]["expert"] > 0 and built[0]["buffers"] == 2 * 4  # two MoE layers' biases over 4 experts
@@ -154,6 +157,10 @@ def test_cli_tables_json_and_errors(tmp_path, capsys):
     assert "world size 6 is not divisible by tp*pp*cp = 4" in capsys.readouterr().err
     assert plan.main(common + ["--expert-model-parallel-size", "3"]) == 2
     assert "ep=3 must divide dp*cp = 2" in capsys.readouterr().err
+    assert plan.main(common + ["--json", "--decoder-last-pipeline-num-layers", "1"]) == 0  # uneven: 3 + 1 layers
+    assert [r["layers"] for r in json.loads(capsys.readouterr().out)["ranks"]] == [3, 1]
+    assert plan.main(common + ["--decoder-last-pipeline-num-layers", "4"]) == 2
+    assert "4 layers do not split into 2 pipeline stages with last stage 4 layers" in capsys.readouterr().err
 
 
 def _gated_delta_net_held_body(rank, world_size, hf):

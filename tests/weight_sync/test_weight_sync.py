@@ -54,6 +54,8 @@ def models(tmp_path_factory):
         "deepseek_v32": build_tiny_model(str(root / "deepseek_v32"), arch="deepseek_v32", seed=20),
         "glm_moe_dsa": build_tiny_model(str(root / "glm_moe_dsa"), arch="glm_moe_dsa", seed=21),
         "mistral4_vl": build_tiny_model(str(root / "mistral4_vl"), arch="mistral4_vl", seed=22),
+        "deepseek_v3_3l": build_tiny_model(str(root / "deepseek_v3_3l"), arch="deepseek_v3", seed=23,
+                                           num_hidden_layers=3),
     }
 
 
@@ -233,15 +235,18 @@ def _check_synced(results):
     ("glm_moe_dsa", ParallelConfig(ep=2)),  # GLM-5: layer 1 shares layer 0's selection (no indexer tensors)
     # Mistral Small 4 as released: each layer's experts stacked in two tensors, gathered over EP (sent whole)
     ("mistral4_vl", ParallelConfig(ep=2)),
+    # uneven pipeline stages: 3 layers, the last stage one of them (each stage names its own layers)
+    ("deepseek_v3_3l", ParallelConfig(pp=2, last_stage_layers=1)),
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
-        "tp2-ministral3-vl", "tp2-deepseek-v32", "ep2-glm-moe-dsa", "ep2-mistral4-vl"])
+        "tp2-ministral3-vl", "tp2-deepseek-v32", "ep2-glm-moe-dsa", "ep2-mistral4-vl", "pp2-uneven-deepseek-v3"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
     mcore = str(tmp_path / "mcore")
-    ckpt.hf_to_megatron(models[arch], mcore, ParallelLayout(parallel.tp, parallel.pp, parallel.ep, parallel.etp))
+    ckpt.hf_to_megatron(models[arch], mcore, ParallelLayout(parallel.tp, parallel.pp, parallel.ep, parallel.etp,
+                                                            parallel.first_stage_layers, parallel.last_stage_layers))
     engine = start_engine(models[arch], in_process=True)
     gateway = start_gateway(models[arch], [engine.url], in_process=True)
     try:
