@@ -98,8 +98,8 @@ def pipeline_chunks(num_layers: int, pp: int = 1, vpp: int | None = None, first:
                          f"{', ' if first is not None and last is not None else ''}"
                          f"{'last stage ' + str(last) if last is not None else ''} layers: the other "
                          f"{middle_stages} stage(s) must share the remaining {middle} equally, at least one each")
-    sizes = ([first] if first is not None else []) + [middle // middle_stages] * middle_stages + \
-        ([last] if last is not None else [])
+    sizes = ([first] if first is not None else []) + \
+        ([middle // middle_stages] * middle_stages if middle_stages else []) + ([last] if last is not None else [])
     starts = [sum(sizes[:i]) for i in range(pp)]
     return [range(a, a + n) for a, n in zip(starts, sizes)]
 

@@ -573,6 +573,10 @@ def test_uneven_pipeline_stage_flags():
                                        "--decoder-last-pipeline-num-layers", "12"])
     parallel = arguments.parallel_config(args, 61)  # DeepSeek-V3: 13 + 18 + 18 + 12
     assert [len(r) for r in parallel.layer_chunks(61)] == [13, 18, 18, 12]
+    from forge_megatron.mcore.parallel import pipeline_chunks
+
+    assert pipeline_chunks(3, 2, None, 1, 2) == [range(0, 1), range(1, 3)]  # both given: no middle stage
+    assert pipeline_chunks(5, 3, None, None, 1) == [range(0, 2), range(2, 4), range(4, 5)]
     with pytest.raises(ValueError, match="61 layers do not split into 4 pipeline stages: give the first / last"):
         arguments.parallel_config(arguments.parse_args(pp4), 61)
     with pytest.raises(ValueError, match="61 layers do not split into 4 pipeline stages with first stage 13, last "
