@@ -100,18 +100,18 @@ def main(argv=None):
 
     deep = positions >= args.topk
     first = int(torch.argmax(deep.int())) if bool(deep.any()) else T
+    rows = torch.arange(first, T, device=dev)  # the queries the indexer selects for
 
     def indexer():
-        module._select(first, deep, sub_end, x, qr, positions, {})
+        module._select(rows, deep, sub_end, x, qr, positions, {})
 
     with torch.no_grad():  # correctness: dense softmax over the selected keys
         out = module._attend(q, k, v, x, qr, sub_end, positions, {}, None)
         allowed = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         if first < T:
-            index, valid = module._select(first, deep, sub_end, x, qr, positions, {})
+            index, valid = module._select(rows, deep, sub_end, x, qr, positions, {})
             allowed[first:] = False
-            rows = torch.arange(first, T, device=dev)[:, None].expand_as(index)
-            allowed[rows[valid], index[valid]] = True
+            allowed[rows[:, None].expand_as(index)[valid], index[valid]] = True
         s = torch.einsum("qnh,tnh->nqt", q.float(), k.float()) * module.softmax_scale
         ref = torch.einsum("nqt,tnh->qnh", s.masked_fill(~allowed[None], float("-inf")).softmax(-1), v.float())
         diff = (out.float() - ref).abs().max().item()

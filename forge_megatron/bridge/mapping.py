@@ -97,6 +97,10 @@ class ParallelLayout:
     def expert_tp(self) -> int:
         return self.etp
 
+    def __repr__(self) -> str:  # the uneven split only where there is one
+        split = "".join(f", {k}={getattr(self, k)}" for k in ("first", "last") if getattr(self, k) is not None)
+        return f"ParallelLayout(tp={self.tp}, pp={self.pp}, ep={self.ep}, etp={self.etp}{split})"
+
     def as_dict(self) -> dict:
         """For checkpoint metadata (``etp`` only when it differs from TP, so older readers see what they knew)."""
         out = {"tp": self.tp, "pp": self.pp, "ep": self.ep}

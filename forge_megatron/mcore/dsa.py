@@ -26,6 +26,11 @@ chunk), probabilities recomputed in the backward pass from the saved log-sum-exp
 (O(queries x topk)). The indexer runs for the deep queries only, in query chunks, without
 gradient. A fused sparse kernel (FlashMLA's) is the GPU follow-up; the semantics are these.
 
+Context parallelism: each CP rank holds zig-zag chunks of the padded tree (mcore/context_parallel.py); keys and values
+are all-gathered over CP (their gradients reduce-scattered back), so are the indexer's inputs and the depths, and
+every local query attends to its selection among the whole tree's keys (a shallow one's: its visible keys; no dense
+prefix), whatever the head count.
+
 The indexer's choice is discrete, so the policy loss gives it no gradient: by default it is frozen
 (``requires_grad=False``; Adam's weight decay would otherwise shrink it). With ``loss_coeff`` > 0
 (``--dsa-indexer-loss-coeff``, Megatron's name) it trains on DeepSeek-V3.2's sparse-stage indexer loss: for each deep
@@ -289,7 +294,7 @@ class SparseTreeAttention(torch.nn.Module):
                  v_channels: int | None = None, *, topk: int, index_heads: int, index_head_dim: int,
                  inv_freq: torch.Tensor, interleaved: bool = False, shared_layers: tuple[bool, ...] | None = None,
                  eps: float = 1e-6, loss_coeff: float = 0.0):
-        super().__init__()  # context parallelism is refused where the config is built (model.transformer_config)
+        super().__init__()
         if (attention_dropout if attention_dropout is not None else config.attention_dropout):
             raise ValueError("DeepSeek sparse attention has no attention dropout; set attention_dropout=0")
         self.config = config
@@ -320,6 +325,8 @@ class SparseTreeAttention(torch.nn.Module):
                              "recompute core attention alone (recompute whole layers instead)")
         if attention_bias is not None:
             raise ValueError("DeepSeek sparse attention takes no attention_bias")
+        from forge_megatron.mcore.context_parallel import cp_world
+
         x, qr = self._gather_sequence(x), self._gather_sequence(qr)
         if isinstance(packed_seq_params, TreePackedSeqParams):
             if query.dim() == 4:
@@ -327,10 +334,16 @@ class SparseTreeAttention(torch.nn.Module):
             sub_end = packed_seq_params.sub_end.to(query.device)
             positions = packed_seq_params.position_ids.to(query.device)
             x, qr = x.reshape(query.shape[0], -1), qr.reshape(query.shape[0], -1)
+            if cp_world()[0] > 1:
+                return self._attend_cp(query, key, value, x, qr, sub_end, positions,
+                                       packed_seq_params).reshape(query.shape[0], 1, -1)
             return self._attend(query, key, value, x, qr, sub_end, positions, packed_seq_params,
                                 packed_seq_params.backend).reshape(query.shape[0], 1, -1)
         if packed_seq_params is not None:
             raise ValueError("DeepSeek sparse attention takes tree-packed sequences (TreePackedSeqParams) or none")
+        if cp_world()[0] > 1:
+            raise ValueError("DeepSeek sparse attention under context parallelism needs tree-packed sequences "
+                             "(the causal model is not sharded)")
         # the causal model: [s, b, heads, dim], one sample per batch row
         s, b = query.shape[:2]
         if attention_mask is not None and not torch.equal(
@@ -372,19 +385,56 @@ class SparseTreeAttention(torch.nn.Module):
             out.append(tree_attention(q_TNH[:first], k_TNH[:first], v_TNH[:first], sub_end_T[:first].clamp(max=first),
                                       softmax_scale=self.softmax_scale, backend=backend))
         x_TD, qr_TL = x_TD.detach(), qr_TL.detach()
-        index, valid = self._select(first, deep, sub_end_T, x_TD, qr_TL, positions_T, carrier)
-        train_indexer = self.indexer is not None and self.loss_coeff > 0 and self.training and torch.is_grad_enabled()
-        sparse = selected_attention(q_TNH[first:], k_TNH, v_TNH, index, valid, self.softmax_scale,
-                                    head_sums=train_indexer)
-        if train_indexer:
-            sparse = self._with_indexer_loss(*sparse, first, deep, index, valid, x_TD, qr_TL, positions_T)
-        return torch.cat([o.to(v_TNH.dtype) for o in out + [sparse]])
+        rows = torch.arange(first, T, device=q_TNH.device)
+        return torch.cat(out + [self._sparse(q_TNH[first:], k_TNH, v_TNH, rows, deep, sub_end_T, x_TD, qr_TL,
+                                             positions_T, carrier)])
 
-    def _with_indexer_loss(self, sparse, head_sums, first, deep_T, index, valid, x_TD, qr_TL, positions_T):
+    def _attend_cp(self, q_TlNH, k_TlNH, v_TlNH, x_TlD, qr_TlL, sub_end_T, positions_Tl, carrier):
+        """Under context parallelism (this CP rank holds the zig-zag chunks of the padded tree's tokens, as
+        mcore/context_parallel.py shards them): keys and values are all-gathered over CP (in tree order; the
+        backward reduce-scatters their gradients back to the ranks holding them), and so are the indexer's inputs
+        and the tokens' depths (no gradient); each local query then attends to its selection (a shallow one's: its
+        visible keys) among the whole tree's keys. Any head count (the all_gather way of CP)."""
+        from forge_megatron.mcore.context_parallel import (
+            _gather_tree_order, _GatherSeq, cp_world, default_multiple, gather_tree, ranks_to_tree_order,
+            shard_positions)
+
+        C, rank, group = cp_world()
+        T, Tl = sub_end_T.shape[0], q_TlNH.shape[0]
+        if T != C * Tl:
+            raise ValueError(f"CP rank holds {Tl} tokens but sub_end has {T} (expected {C} x {Tl}): shard the "
+                             "micro-batch with forge_megatron.mcore.forward.tree_model_inputs")
+        rows = shard_positions(T, C, rank, default_multiple(C), device=q_TlNH.device)  # the local rows' places
+        k_TNH = ranks_to_tree_order(_GatherSeq.apply(k_TlNH, group), C)
+        v_TNH = ranks_to_tree_order(_GatherSeq.apply(v_TlNH, group), C)
+        x_TD = _gather_tree_order(x_TlD.detach(), group)
+        qr_TL = _gather_tree_order(qr_TlL.detach(), group)
+        positions_T = gather_tree(positions_Tl, group)
+        return self._sparse(q_TlNH, k_TNH, v_TNH, rows, positions_T >= self.topk, sub_end_T, x_TD, qr_TL,
+                            positions_T, carrier)
+
+    def _sparse(self, q_RNH, k_TNH, v_TNH, rows_R, deep_T, sub_end_T, x_TD, qr_TL, positions_T, carrier):
+        """The queries at tree positions ``rows_R`` attending to their selections (with the indexer loss attached
+        when it trains)."""
+        index, valid = self._select(rows_R, deep_T, sub_end_T, x_TD, qr_TL, positions_T, carrier)
+        train_indexer = self.indexer is not None and self.loss_coeff > 0 and self.training and torch.is_grad_enabled()
+        sparse = selected_attention(q_RNH, k_TNH, v_TNH, index, valid, self.softmax_scale, head_sums=train_indexer)
+        if train_indexer:
+            sparse = self._with_indexer_loss(*sparse, rows_R, deep_T, index, valid, x_TD, qr_TL, positions_T)
+        return sparse.to(v_TNH.dtype)
+
+    def _with_indexer_loss(self, sparse, head_sums, rows_R, deep_T, index, valid, x_TD, qr_TL, positions_T):
         """``sparse`` with the indexer loss attached (--dsa-indexer-loss-coeff): over the deep rows, KL from the main
         attention's probabilities at the selected keys (summed over all heads, every TP rank's, and normalised) to the
-        indexer's softmax over them; the loss's gradient reaches the indexer only (its inputs are detached)."""
-        rel = torch.nonzero(deep_T[first:]).flatten()
+        indexer's softmax over them; the loss's gradient reaches the indexer only (its inputs are detached).
+
+        Under context parallelism the deep rows are spread over the CP ranks: each attaches its rows' share of the
+        mean over all of them (their KL sum over the CP group's deep-row count), times CP, as the gradients of
+        every CP rank are averaged where the shares must add up (Megatron multiplies the main loss by CP for the
+        same reason); the logged KL is the group's mean."""
+        from forge_megatron.mcore.context_parallel import cp_world
+
+        rel = torch.nonzero(deep_T[rows_R]).flatten()
         target = head_sums[rel]
         if self.config.tensor_model_parallel_size > 1:  # each TP rank holds some of the heads
             from megatron.core import parallel_state as ps
@@ -392,14 +442,29 @@ class SparseTreeAttention(torch.nn.Module):
             torch.distributed.all_reduce(target, group=ps.get_tensor_model_parallel_group())
         target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
         chunk = max(1, CHUNK_ELEMENTS // max(1, self.indexer.heads * index.shape[1]))
-        loss = _IndexerKL.apply(self.indexer, x_TD, qr_TL, positions_T, rel + first, index[rel], valid[rel], target,
-                                chunk, *self.indexer.parameters())
-        _LOSSES.append(loss.detach())
-        return _AttachLoss.apply(sparse, loss * self.loss_coeff, _LOSS_SCALE[0])
+        C, _, group = cp_world()
+        loss = _IndexerKL.apply(self.indexer, x_TD, qr_TL, positions_T, rows_R[rel], index[rel], valid[rel], target,
+                                chunk, *self.indexer.parameters()) if rel.numel() else None
+        if C == 1:
+            if loss is None:
+                return sparse
+            _LOSSES.append(loss.detach())
+            return _AttachLoss.apply(sparse, loss * self.loss_coeff, _LOSS_SCALE[0])
+        from forge_megatron.mcore.parallel import comm_device
+
+        local = float(loss.detach()) * rel.numel() if loss is not None else 0.0
+        stats = torch.tensor([local, float(rel.numel())], dtype=torch.float64, device=comm_device(group))
+        torch.distributed.all_reduce(stats, group=group)
+        total, rows = stats.tolist()
+        if rows:
+            _LOSSES.append(torch.tensor(total / rows))
+        if loss is None:
+            return sparse
+        return _AttachLoss.apply(sparse, loss * (self.loss_coeff * rel.numel() / rows * C), _LOSS_SCALE[0])
 
     @torch.no_grad()
-    def _select(self, first, deep_T, sub_end_T, x_TD, qr_TL, positions_T, carrier):
-        """(key indices, valid) [T - first, k] of the queries from ``first`` on: a deep one's topk by its indexer
+    def _select(self, rows_R, deep_T, sub_end_T, x_TD, qr_TL, positions_T, carrier):
+        """(key indices, valid) [R, k] of the queries at tree positions ``rows_R``: a deep one's topk by its indexer
         scores, a shallow one's visible keys; shared layers take the last full layer's."""
         store = carrier.__dict__.setdefault("_dsa_selections", {}) if not isinstance(carrier, dict) else carrier
         if self.shared:
@@ -414,8 +479,8 @@ class SparseTreeAttention(torch.nn.Module):
         sub_end = sub_end_T.long()
         chunk = max(1, CHUNK_ELEMENTS // max(1, self.indexer.heads * T))
         indices, valids = [], []
-        for a in range(first, T, chunk):
-            r = key_index[a:a + chunk]
+        for a in range(0, rows_R.numel(), chunk):
+            r = rows_R[a:a + chunk]
             visible = (key_index[None, :] <= r[:, None]) & (r[:, None] < sub_end[None, :])
             scores = torch.zeros(r.numel(), T, dtype=torch.float32, device=r.device)
             rows = torch.nonzero(deep_T[r]).flatten()  # shallow rows select every visible key: no scores needed

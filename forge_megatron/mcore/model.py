@@ -290,8 +290,6 @@ def transformer_config(cfg: GPTConfig, **overrides):
     if cfg.sparse_attention:
         # Megatron's MLA then hands core attention the attention's input and query latent (mcore/dsa.py); its own
         # DSA fields only describe the model (our SparseTreeAttention takes its sizes from the layer spec)
-        if ps.get_context_parallel_world_size() > 1:
-            raise ValueError("DeepSeek sparse attention is not supported with context parallelism (CP > 1)")
         if "experimental_attention_variant" not in TransformerConfig.__dataclass_fields__:
             raise ValueError("DeepSeek sparse attention needs megatron-core >= 0.15 (experimental_attention_variant)")
         kwargs.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=cfg.dsa_index_heads,
@@ -335,6 +333,14 @@ def transformer_config(cfg: GPTConfig, **overrides):
             kwargs["moe_layer_freq"] = [0] * cfg.moe_dense_layers + [1] * (cfg.num_layers - cfg.moe_dense_layers)
     kwargs.update(cfg.extra)
     kwargs.update(overrides)
+    variant = kwargs.get("experimental_attention_variant")
+    if variant == "dsa" and kwargs.get("context_parallel_size", 1) > 1:
+        # Megatron refuses CP for its own DSAttention; ours (mcore/dsa.py) shards the queries and gathers the keys.
+        # The field only has MLA hand core attention the layer input and query latent: set it after the check.
+        del kwargs["experimental_attention_variant"]
+        config = config_class(**kwargs)
+        config.experimental_attention_variant = variant
+        return config
     return config_class(**kwargs)
 
 

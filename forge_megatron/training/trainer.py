@@ -725,13 +725,10 @@ def _router(cfg) -> tuple:
 
 
 def _check_sparse_attention_layout(args: argparse.Namespace, cfg) -> None:
-    """DeepSeek sparse attention (mcore/dsa.py): no context parallelism, no core-attention-only recomputation (the
-    indexer needs the layer's input), and under pipeline parallelism no stage (or virtual chunk) that begins with a
-    GLM "shared" layer, whose selection comes from the full layer before it."""
+    """DeepSeek sparse attention (mcore/dsa.py): no core-attention-only recomputation (the indexer needs the layer's
+    input), and under pipeline parallelism no stage (or virtual chunk) that begins with a GLM "shared" layer, whose
+    selection comes from the full layer before it."""
     name = args.hf_checkpoint
-    if args.context_parallel_size > 1:
-        raise ValueError(f"{name} has DeepSeek sparse attention, which is not supported with context parallelism: "
-                         "use --context-parallel-size 1 (tensor, pipeline, expert and data parallelism are)")
     if args.recompute_granularity == "selective":
         raise ValueError(f"{name} has DeepSeek sparse attention: --recompute-granularity selective recomputes core "
                          "attention without the layer's input its indexer needs; use --recompute-granularity full")
@@ -812,7 +809,8 @@ def model_config(args: argparse.Namespace, bridge):
                                  max(1, (cfg.num_query_groups or cfg.num_attention_heads) // tp),
                                  args.context_parallel_size)
         extra.update(cp_comm_type=comm)  # Megatron hands it to every layer's core attention (TreeAttention)
-        log.info("context parallelism %d: attention %s (--cp-comm-type %s)", args.context_parallel_size, comm,
+        log.info("context parallelism %d: attention %s (--cp-comm-type %s)", args.context_parallel_size,
+                 "all_gather (DeepSeek sparse attention gathers the keys)" if cfg.sparse_attention else comm,
                  getattr(args, "cp_comm_type", "auto"))
     overrides = {"bf16": args.bf16, "params_dtype": torch.bfloat16 if args.bf16 else torch.float32}
     if cfg.sparse_attention:
