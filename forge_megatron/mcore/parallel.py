@@ -69,16 +69,14 @@ def _check_split(pp: int, vpp: int | None, first: int | None, last: int | None) 
     if (first is not None or last is not None) and pp < 2:
         raise ValueError("uneven pipeline stages (--decoder-first/last-pipeline-num-layers) need "
                          "--pipeline-model-parallel-size >= 2")
-    if (first is not None or last is not None) and (vpp or 1) > 1:
-        raise ValueError("uneven pipeline stages (--decoder-first/last-pipeline-num-layers) are not supported with "
-                         "virtual pipeline stages")
 
 
 def pipeline_chunks(num_layers: int, pp: int = 1, vpp: int | None = None, first: int | None = None,
                     last: int | None = None) -> list[range]:
     """The global layers of every model piece in model order (piece c = chunk v of pipeline rank p, c = v * pp + p),
     as Megatron lays them out (``get_transformer_layer_offset``): equal pieces, or with ``first`` / ``last`` (the
-    first / last stage's layer count; no virtual stages) the other stages sharing the rest equally. Raises
+    first / last stage's layer count) the other stages sharing the rest equally; with virtual stages each stage's
+    layers are split equally among its chunks, and round v of the model holds every stage's chunk v. Raises
     ValueError naming the count that does not split."""
     _check_split(pp, vpp, first, last)
     v = vpp or 1
@@ -92,16 +90,25 @@ def pipeline_chunks(num_layers: int, pp: int = 1, vpp: int | None = None, first:
         return [range(c * per, (c + 1) * per) for c in range(pp * v)]
     middle_stages = pp - (first is not None) - (last is not None)
     middle = num_layers - (first or 0) - (last or 0)
+    given = (f"{'first stage ' + str(first) if first is not None else ''}"
+             f"{', ' if first is not None and last is not None else ''}"
+             f"{'last stage ' + str(last) if last is not None else ''} layers")
     if middle < middle_stages or (middle_stages and middle % middle_stages) or (not middle_stages and middle):
-        raise ValueError(f"the model's {num_layers} layers do not split into {pp} pipeline stages with "
-                         f"{'first stage ' + str(first) if first is not None else ''}"
-                         f"{', ' if first is not None and last is not None else ''}"
-                         f"{'last stage ' + str(last) if last is not None else ''} layers: the other "
-                         f"{middle_stages} stage(s) must share the remaining {middle} equally, at least one each")
+        raise ValueError(f"the model's {num_layers} layers do not split into {pp} pipeline stages with {given}: the "
+                         f"other {middle_stages} stage(s) must share the remaining {middle} equally, at least one each")
     sizes = ([first] if first is not None else []) + \
         ([middle // middle_stages] * middle_stages if middle_stages else []) + ([last] if last is not None else [])
-    starts = [sum(sizes[:i]) for i in range(pp)]
-    return [range(a, a + n) for a, n in zip(starts, sizes)]
+    if any(n % v for n in sizes) or min(sizes) < v:
+        raise ValueError(f"the model's {num_layers} layers over {pp} pipeline stages with {given} give the stages "
+                         f"{sizes} layers: each must split into its {v} virtual chunks, at least one layer each")
+    per_chunk = [n // v for n in sizes]
+    out = []
+    for round_ in range(v):  # round v holds every stage's chunk v, stage after stage
+        start = round_ * (num_layers // v)
+        for n in per_chunk:
+            out.append(range(start, start + n))
+            start += n
+    return out
 
 
 _SPLIT: list = [None, None]  # this job's uneven pipeline split (first, last), set by initialize

@@ -86,8 +86,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                      help="uneven pipeline stages: the first stage's transformer layers (it also holds the "
                           "embedding); the stages without their own count share the rest equally. For models whose "
-                          "layers do not split evenly (DeepSeek-V3 / Kimi-K2: 61) or to lighten a stage. Not with "
-                          "virtual pipeline stages")
+                          "layers do not split evenly (DeepSeek-V3 / Kimi-K2: 61) or to lighten a stage. With "
+                          "virtual stages give --num-virtual-stages-per-pipeline-rank: each stage's layers split "
+                          "into its chunks")
     par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                      help="uneven pipeline stages: the last stage's transformer layers (it also holds the output "
                           "layer and the loss); see --decoder-first-pipeline-num-layers")
@@ -516,10 +517,9 @@ def validate_args(args: argparse.Namespace) -> None:
     if first is not None or last is not None:  # the layer counts are checked once the model is known
         from forge_megatron.mcore.parallel import ParallelConfig
 
-        interleaved = getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None or \
-            (getattr(args, "num_virtual_stages_per_pipeline_rank", None) or 1) > 1
-        ParallelConfig(pp=args.pipeline_model_parallel_size, vpp=2 if interleaved else None,
-                       first_stage_layers=first, last_stage_layers=last)
+        ParallelConfig(pp=args.pipeline_model_parallel_size, first_stage_layers=first, last_stage_layers=last)
+        if args.pipeline_model_parallel_size > 1:
+            virtual_pipeline_size(args, None)
     etp = getattr(args, "expert_tensor_parallel_size", None)
     if etp is not None and etp not in (1, args.tensor_model_parallel_size):
         raise ValueError(f"--expert-tensor-parallel-size {etp}: forge supports 1 (experts whole) or the TP size "
@@ -670,6 +670,15 @@ def virtual_pipeline_size(args: argparse.Namespace, num_layers: int | None) -> i
     pp = args.pipeline_model_parallel_size
     if pp < 2:
         raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
+    uneven = getattr(args, "decoder_first_pipeline_num_layers", None) is not None or \
+        getattr(args, "decoder_last_pipeline_num_layers", None) is not None
+    if uneven:  # each stage's layers split into the chunks (mcore/parallel.pipeline_chunks checks them)
+        if per_stage is not None:
+            raise ValueError("with uneven pipeline stages give --num-virtual-stages-per-pipeline-rank (the stages "
+                             "hold different numbers of layers per chunk), not --num-layers-per-virtual-pipeline-stage")
+        if chunks < 1:
+            raise ValueError(f"--num-virtual-stages-per-pipeline-rank {chunks}: must be >= 1")
+        return chunks if chunks > 1 else None
     if num_layers is None:
         raise ValueError("the model's number of layers is needed to lay out virtual pipeline stages")
     if per_stage is not None:

@@ -584,6 +584,13 @@ def test_uneven_pipeline_stage_flags():
                                                               "--decoder-last-pipeline-num-layers", "11"]), 61)
     with pytest.raises(ValueError, match="need --pipeline-model-parallel-size >= 2"):
         arguments.validate_args(arguments.parse_args(MINIMAL + ["--decoder-first-pipeline-num-layers", "1"]))
-    with pytest.raises(ValueError, match="not supported with virtual pipeline stages"):
-        arguments.validate_args(arguments.parse_args(pp4 + ["--decoder-first-pipeline-num-layers", "1",
-                                                            "--num-virtual-stages-per-pipeline-rank", "2"]))
+    with pytest.raises(ValueError, match="give --num-virtual-stages-per-pipeline-rank"):
+        arguments.validate_args(arguments.parse_args(pp4 + ["--decoder-first-pipeline-num-layers", "2",
+                                                            "--num-layers-per-virtual-pipeline-stage", "1"]))
+    # with virtual stages each stage's layers split into its chunks: 2 + 4 layers as chunks [0] [1, 2] | [3] [4, 5]
+    vpp = arguments.parallel_config(arguments.parse_args(
+        MINIMAL + ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2",
+                   "--num-virtual-stages-per-pipeline-rank", "2"]), 6)
+    assert vpp.vpp == 2 and vpp.layer_chunks(6) == [range(0, 1), range(1, 3), range(3, 4), range(4, 6)]
+    with pytest.raises(ValueError, match=r"give the stages \[3, 3\] layers: each must split into its 2 virtual"):
+        pipeline_chunks(6, 2, 2, 3)

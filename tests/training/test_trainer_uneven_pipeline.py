@@ -48,3 +48,21 @@ def test_uneven_pipeline_stages_train_save_resume_and_export_like_one_rank(tmp_p
     assert set(one) == set(uneven)
     for k, v in one.items():  # the same two steps, trained in another reduction order
         torch.testing.assert_close(uneven[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_uneven_stages_with_the_interleaved_pipeline_train_like_one_rank(tmp_path):
+    """PP = 2 x VPP = 2 with the first stage holding 2 of 6 layers: rank 0's chunks hold layers 0 and 3, rank 1's
+    layers 1-2 and 4-5 (Megatron's interleaved uneven layout); the two steps equal one rank's."""
+    model_dir = build_tiny_model(str(tmp_path / "six"), arch="qwen3", seed=5, num_hidden_layers=6)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(3), completion_len=(4, 8))  # noqa: E731
+    steps = {}
+    for name, extra, nproc in (("one", [], 1),
+                               ("vpp", ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
+                                        "2", "--decoder-first-pipeline-num-layers", "2"], 2)):
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--tree-token-budget", "24"], model=[])
+    assert_same_as_one_rank(steps, ("vpp",))
+    assert all(s["micro_batches"] % 2 == 0 for s in steps["vpp"])
+    state = torch.load(tmp_path / "vpp" / "ckpt" / "iter_0000002" / "rank_00001.pt", weights_only=False)
+    assert [len({k.split(".")[2] for k in chunk if k.startswith("decoder.layers.")})
+            for chunk in state["model_chunks"]] == [2, 2]
