@@ -382,10 +382,10 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if rope.attention_factor(hf.get("rope_scaling") or rope_parameters(hf)) != 1.0:
             raise UnsupportedModelError("YaRN with mscale != mscale_all_dim is not supported with multi-latent "
                                         "attention (its attention factor scales the rotated channels only)")
-        if hf.get("scoring_func", "softmax" if family.softmax_router else "sigmoid") != \
-                ("softmax" if family.softmax_router else "sigmoid"):
-            raise UnsupportedModelError(f"scoring_func={hf['scoring_func']!r} is not supported (DeepSeek-V3-style "
-                                        "sigmoid routers only)")
+        wanted = "softmax" if family.softmax_router else "sigmoid"
+        if hf.get("scoring_func", wanted) != wanted:
+            raise UnsupportedModelError(f"scoring_func={hf['scoring_func']!r} is not supported ({family.name}: "
+                                        f"{wanted} routers only)")
         if (hf.get("index_topk") or hf.get("index_n_heads")) and not family.dsa:
             raise UnsupportedModelError(f"an indexer (DeepSeek sparse attention) in a {family.name} config: the "
                                         "architecture DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM has one")

@@ -89,9 +89,9 @@ class ParallelLayout:
             object.__setattr__(self, "etp", self.tp)  # the default: experts split as the rest
         if self.etp not in (1, self.tp):
             raise ValueError(f"expert tensor parallel size {self.etp} must be 1 or the TP size ({self.tp})")
-        from forge_megatron.mcore.parallel import _check_split
+        from forge_megatron.mcore.parallel import check_pipeline_split
 
-        _check_split(self.pp, None, self.first, self.last)
+        check_pipeline_split(self.pp, self.first, self.last)
 
     @property
     def expert_tp(self) -> int:

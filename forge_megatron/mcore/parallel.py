@@ -39,7 +39,7 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.etp is not None and self.etp not in (1, self.tp):
             raise ValueError(f"expert tensor parallel size {self.etp} must be 1 or the TP size ({self.tp})")
-        _check_split(self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
+        check_pipeline_split(self.pp, self.first_stage_layers, self.last_stage_layers)
 
     def layer_chunks(self, num_layers: int) -> list[range]:
         """The global layers of every model piece, in model order (:func:`pipeline_chunks`)."""
@@ -62,7 +62,9 @@ class ParallelConfig:
         return dp
 
 
-def _check_split(pp: int, vpp: int | None, first: int | None, last: int | None) -> None:
+def check_pipeline_split(pp: int, first: int | None, last: int | None) -> None:
+    """Raise ValueError unless ``first`` / ``last`` (uneven stages' layer counts) can be asked of ``pp`` stages (the
+    layer counts themselves are checked by :func:`pipeline_chunks`)."""
     for name, n in (("first", first), ("last", last)):
         if n is not None and n < 1:
             raise ValueError(f"the {name} pipeline stage's layer count must be >= 1, got {n}")
@@ -78,7 +80,7 @@ def pipeline_chunks(num_layers: int, pp: int = 1, vpp: int | None = None, first:
     first / last stage's layer count) the other stages sharing the rest equally; with virtual stages each stage's
     layers are split equally among its chunks, and round v of the model holds every stage's chunk v. Raises
     ValueError naming the count that does not split."""
-    _check_split(pp, vpp, first, last)
+    check_pipeline_split(pp, first, last)
     v = vpp or 1
     if first is None and last is None:
         if num_layers % (pp * v):
