@@ -3,8 +3,8 @@
 # (4 chosen) with a sigmoid router and score-correction bias, one shared expert, the first 3 layers dense. YaRN
 # (factor 40) comes from the checkpoint. The trainer checks these flags against the checkpoint's config and names any
 # field that differs; the MTP layer is left out. 61 layers split over pipeline stages only unevenly: e.g. PP=4 with
-# EXTRA_TRAIN_ARGS="--decoder-first-pipeline-num-layers 13 --decoder-last-pipeline-num-layers 12" (13 + 18 + 18 + 12).
-# Source it and pass "${MODEL_ARGS[@]}".
+# PP_FIRST_LAYERS=13 PP_LAST_LAYERS=12 (forge.sbatch: 13 + 18 + 18 + 12; the trainer's
+# --decoder-first/last-pipeline-num-layers). Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=(
   --num-layers 61
   --hidden-size 7168

@@ -2,8 +2,8 @@
 # 256 routed experts top-8 with a sigmoid router and score-correction bias, one shared expert, the first layers
 # dense) with DeepSeek sparse attention whose indexer rotates interleaved pairs (indexer_rope_interleave); later
 # releases' "shared" indexer layers (indexer_types / index_topk_freq) reuse the last full layer's selection, so a
-# pipeline stage must begin at a full layer (the trainer checks; EXTRA_TRAIN_ARGS="--decoder-first-pipeline-num-layers
-# F" moves the boundaries). Context parallelism gathers the keys over CP for each rank's queries. The trainer
+# pipeline stage must begin at a full layer (the trainer checks; forge.sbatch's PP_FIRST_LAYERS / PP_LAST_LAYERS
+# move the boundaries). Context parallelism gathers the keys over CP for each rank's queries. The trainer
 # takes the architecture from --hf-checkpoint's config.json (MODEL_ARGS empty; flags given anyway are checked
 # against it). Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=()

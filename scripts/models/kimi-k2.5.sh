@@ -5,8 +5,9 @@
 # bf16 copy once (forge-convert int4-to-bf16 --hf-dir Kimi-K2.5 --out Kimi-K2.5-bf16) and train from it; the engines
 # serve the copy, or the release itself with int4 weight updates (forge.sbatch ROLLOUT_INT4_CHECKPOINT=Kimi-K2.5).
 # The trainer takes the architecture from --hf-checkpoint's config.json (MODEL_ARGS empty; flags given anyway are
-# checked against it). 61 layers split over pipeline stages only unevenly: e.g. PP=4 with EXTRA_TRAIN_ARGS=
-# "--decoder-first-pipeline-num-layers 13 --decoder-last-pipeline-num-layers 12". Source it and pass "${MODEL_ARGS[@]}".
+# checked against it). 61 layers split over pipeline stages only unevenly: e.g. PP=4 with PP_FIRST_LAYERS=13
+# PP_LAST_LAYERS=12 (forge.sbatch; the trainer's --decoder-first/last-pipeline-num-layers). Source it and pass
+# "${MODEL_ARGS[@]}".
 MODEL_ARGS=()
 # Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): Kimi-K2's tool-call
 # sections and <think> blocks.

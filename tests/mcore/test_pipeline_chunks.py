@@ -21,7 +21,9 @@ def test_pipeline_chunks_are_megatrons_layout(layers, pp, vpp, first, last):
     cpu_compat.apply()
     cfg = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=pp,
                             virtual_pipeline_model_parallel_size=vpp, num_layers_in_first_pipeline_stage=first,
-                            num_layers_in_last_pipeline_stage=last, pipeline_dtype=torch.float32)
+                            num_layers_in_last_pipeline_stage=last, pipeline_dtype=torch.float32,
+                            **({"cuda_graph_scope": []} if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__
+                               else {}))
     chunks = pipeline_chunks(layers, pp, vpp, first, last)
     assert [r.start for r in chunks] == [get_transformer_layer_offset(cfg, vp_stage=v if vpp else None, pp_rank=p)
                                          for v in range(vpp or 1) for p in range(pp)]

@@ -221,6 +221,14 @@ def test_dry_run_checks_the_memory_plan(tmp_path):
     assert out.returncode != 0 and "tp=2 does not divide num_query_groups=1" in out.stderr + out.stdout
     out = _dry_run(**{**base, "HF_CHECKPOINT": str(tmp_path / "absent")})
     assert out.returncode == 0 and "memory per trainer GPU not checked" in out.stdout
+    # uneven pipeline stages: 3 layers over PP 2 stop the job unless a stage is given its own count
+    (hf / "config.json").write_text(json.dumps({**tiny_config("qwen3", num_hidden_layers=3).to_dict(),
+                                                "architectures": ["Qwen3ForCausalLM"]}))
+    out = _dry_run(**{**base, "TP": 1, "PP": 2})
+    assert out.returncode != 0 and "3 layers do not split into 2 pipeline stages" in out.stderr + out.stdout
+    out = _dry_run(**{**base, "TP": 1, "PP": 2, "PP_LAST_LAYERS": 1})
+    assert out.returncode == 0, out.stderr
+    assert "PP_LAST_LAYERS=1" in out.stdout and "--decoder-last-pipeline-num-layers 1" in out.stdout
 
 
 @pytest.mark.parametrize("env, message", [
