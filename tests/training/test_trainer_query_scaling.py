@@ -11,18 +11,26 @@ from .pool_feed import feed_groups
 from .trainer_run import assert_same_as_one_rank, run_on_fresh_pool
 
 
-def test_query_scaling_trains_the_same_under_tensor_and_context_parallelism(tmp_path):
-    model_dir = build_tiny_model(str(tmp_path / "ministral3"), arch="ministral3", seed=2)
-    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6))  # noqa: E731
-    layouts = [("one", [], 1), ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
-               ("cp2", ["--context-parallel-size", "2"], 2)]
+TP2SP = ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)
+CP2 = ("cp2", ["--context-parallel-size", "2"], 2)
+
+
+def _same_as_one_rank(tmp_path, arch: str, seed: int, layouts) -> None:
+    """Train two steps of the tiny ``arch`` model on one rank and under each of ``layouts`` (name, flags, processes):
+    every layout's steps equal one rank's."""
+    model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=seed)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(seed + 3), completion_len=(4, 6))  # noqa: E731
     steps = {}
-    for name, extra, nproc in layouts:
+    for name, extra, nproc in [("one", [], 1), *layouts]:
         steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
                                               extra=extra + ["--tree-token-budget", "24"], model=[])
-    assert [len(v) for v in steps.values()] == [2] * len(layouts)
+    assert [len(v) for v in steps.values()] == [2] * (len(layouts) + 1)
     assert steps["one"][0]["grad_norm"] > 0
-    assert_same_as_one_rank(steps, ["tp2sp", "cp2"])
+    assert_same_as_one_rank(steps, [name for name, _, _ in layouts])
+
+
+def test_query_scaling_trains_the_same_under_tensor_and_context_parallelism(tmp_path):
+    _same_as_one_rank(tmp_path, "ministral3", 2, [TP2SP, CP2])
 
 
 def test_mistral4_trains_the_same_under_tensor_expert_and_context_parallelism(tmp_path):
@@ -30,14 +38,4 @@ def test_mistral4_trains_the_same_under_tensor_expert_and_context_parallelism(tm
     output, a softmax router, stacked experts) as released, inside Mistral3ForConditionalGeneration: TP = 2 with
     sequence parallelism (each rank scales its heads of the gathered sequence), EP = 2 and CP = 2 (each rank's
     tokens scaled by their own depths) train the same two steps as one rank."""
-    model_dir = build_tiny_model(str(tmp_path / "mistral4_vl"), arch="mistral4_vl", seed=3)
-    feed = lambda c: feed_groups(c, 2, np.random.default_rng(6), completion_len=(4, 6))  # noqa: E731
-    layouts = [("one", [], 1), ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
-               ("ep2", ["--expert-model-parallel-size", "2"], 2), ("cp2", ["--context-parallel-size", "2"], 2)]
-    steps = {}
-    for name, extra, nproc in layouts:
-        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
-                                              extra=extra + ["--tree-token-budget", "24"], model=[])
-    assert [len(v) for v in steps.values()] == [2] * len(layouts)
-    assert steps["one"][0]["grad_norm"] > 0
-    assert_same_as_one_rank(steps, ["tp2sp", "ep2", "cp2"])
+    _same_as_one_rank(tmp_path, "mistral4_vl", 3, [TP2SP, ("ep2", ["--expert-model-parallel-size", "2"], 2), CP2])
