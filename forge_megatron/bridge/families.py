@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from forge_megatron.mcore import rope
 from forge_megatron.mcore.model import GPTConfig
@@ -116,6 +116,9 @@ class Family:
     stacked_experts: bool = False
 
 
+_MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
+                   stacked_experts=True)
+
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", qkv_bias=None, qk_norm=False, moe=False),
     "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True, qk_norm=False, moe=False),
@@ -144,8 +147,7 @@ FAMILIES: dict[str, Family] = {
                                      mla=True),
     # Mistral Small 4 (119B-A6B): DeepSeek-V3's layers with a softmax router, Llama 4's query temperature and
     # stacked experts; released inside Mistral3ForConditionalGeneration (family_of tells it by its text_config)
-    "Mistral4ForCausalLM": Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
-                                  stacked_experts=True),
+    "Mistral4ForCausalLM": _MISTRAL4,
     "MiniMaxM2ForCausalLM": Family("minimax_m2", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,
                                    minimax=True),
     # Qwen3.5 text models (dense): 3 of every 4 layers Gated DeltaNet (linear attention), the others gated attention
@@ -180,11 +182,9 @@ FAMILIES: dict[str, Family] = {
                                                text_prefix="language_model.model.",
                                                head_name="language_model.lm_head.weight",
                                                vision_prefixes=("vision_tower.", "multi_modal_projector.")),
-    "Mistral3ForConditionalGeneration/mistral4": Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True,
-                                                        softmax_router=True, stacked_experts=True, multimodal=True,
-                                                        text_prefix="language_model.model.",
-                                                        head_name="language_model.lm_head.weight",
-                                                        vision_prefixes=("vision_tower.", "multi_modal_projector.")),
+    "Mistral3ForConditionalGeneration/mistral4": replace(
+        _MISTRAL4, multimodal=True, text_prefix="language_model.model.", head_name="language_model.lm_head.weight",
+        vision_prefixes=("vision_tower.", "multi_modal_projector.")),
     "Olmo2ForCausalLM": Family("olmo2", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
     "Olmo3ForCausalLM": Family("olmo3", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
     # SmolLM3: the Llama layout with RoPE left out of every fourth layer (``no_rope_layers``: 0 = NoPE)
@@ -546,7 +546,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"), qk_head_dim=hf["qk_nope_head_dim"],
             qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
             qk_layernorm=True,  # Megatron builds MLA's latent norms (q_a_layernorm, kv_a_layernorm) under this switch
-            rotary_percent=1.0,  # MLA rotates its qk_pos_emb_head_dim channels (Mistral 4 also states them as a fraction)
+            rotary_percent=1.0,  # MLA rotates qk_pos_emb_head_dim channels (Mistral 4 also gives them as a fraction)
         )
     if family.dsa:
         types = indexer_types(hf)

@@ -385,17 +385,25 @@ def load_rank_state(mcore_dir: str, tp: int, pp: int, ep: int) -> dict:
     return torch.load(rank_file(mcore_dir, layout, tp, pp, ep), map_location="cpu", weights_only=True)["model"]
 
 
+def job_layout() -> ParallelLayout:
+    """The layout of the running job (Megatron's parallel state, and the uneven pipeline split
+    ``mcore.parallel.initialize`` recorded)."""
+    from megatron.core import parallel_state as ps
+
+    from forge_megatron.mcore.parallel import pipeline_split
+
+    return ParallelLayout(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                          ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+                          *pipeline_split())
+
+
 def load_into(model, mcore_dir: str) -> None:
     """Load the shard of the calling rank (its TP/PP/EP ranks in Megatron's parallel state) into ``model``, a
     ``GPTModel`` built from ``read_meta(mcore_dir)[0].cfg`` under the checkpoint's layout (strict)."""
     from megatron.core import parallel_state as ps
 
-    from forge_megatron.mcore.parallel import pipeline_split
-
     _, layout = read_meta(mcore_dir)
-    here = ParallelLayout(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                          ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
-                          *pipeline_split())
+    here = job_layout()
     if here != layout:
         raise ValueError(f"checkpoint {mcore_dir!r} has layout {layout}, this job runs {here}; "
                          f"reshard it first (forge-convert reshard)")

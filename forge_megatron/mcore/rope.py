@@ -182,6 +182,11 @@ def apply_to_sliding_layers(model, sliding: dict | None, others: dict | None, ba
         layer.self_attention.register_forward_pre_hook(rescale, with_kwargs=True)
 
 
+def llama4_query_scale(positions: torch.Tensor, beta: float, original_max: int) -> torch.Tensor:
+    """Llama 4's attention temperature of tokens at ``positions``: 1 + beta * log(1 + floor(p / original_max))."""
+    return 1.0 + beta * torch.log1p(torch.floor(positions.float() / original_max))
+
+
 def _scale_latent_queries(model, beta: float, original_max: int) -> None:
     """:func:`scale_queries` under multi-latent attention (Mistral Small 4): HF scales the whole query, its
     unrotated and rotated parts, after RoPE; RoPE is linear, so this scales the output rows of the query's up
@@ -209,7 +214,7 @@ def _scale_latent_queries(model, beta: float, original_max: int) -> None:
             pos = torch.arange(s, device=out.device)
         if pos.numel() != s:
             raise ValueError(f"query scaling: {pos.numel()} positions for {s} tokens")
-        factor = 1.0 + beta * torch.log1p(torch.floor(pos.to(out.device).float() / original_max))
+        factor = llama4_query_scale(pos.to(out.device), beta, original_max)
         scaled = out * factor.to(out.dtype).view(s, *([1] * (out.dim() - 1)))
         return (scaled, bias) if isinstance(output, tuple) else scaled
 
@@ -257,7 +262,7 @@ def scale_queries(model, beta: float, original_max: int) -> None:
         if table is None:
             return None
         pos = torch.round(table.reshape(table.shape[0], -1)[:, 0].float() / freq0)  # [S]
-        module._forge_query_scale = 1.0 + beta * torch.log1p(torch.floor(pos / original_max))
+        module._forge_query_scale = llama4_query_scale(pos, beta, original_max)
         return None
 
     def scale(module, inputs, output, attention=None):

@@ -515,9 +515,9 @@ def validate_args(args: argparse.Namespace) -> None:
     first, last = getattr(args, "decoder_first_pipeline_num_layers", None), \
         getattr(args, "decoder_last_pipeline_num_layers", None)
     if first is not None or last is not None:  # the layer counts are checked once the model is known
-        from forge_megatron.mcore.parallel import ParallelConfig
+        from forge_megatron.mcore.parallel import check_pipeline_split
 
-        ParallelConfig(pp=args.pipeline_model_parallel_size, first_stage_layers=first, last_stage_layers=last)
+        check_pipeline_split(args.pipeline_model_parallel_size, first, last)
         if args.pipeline_model_parallel_size > 1:
             virtual_pipeline_size(args, None)
     etp = getattr(args, "expert_tensor_parallel_size", None)

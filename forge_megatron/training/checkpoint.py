@@ -366,16 +366,10 @@ def load_hf_weights(model_chunks, bridge, hf_dir: str) -> None:
     final norm and head if it is the last."""
     from megatron.core import parallel_state as ps
 
-    from forge_megatron.bridge import ParallelLayout
-    from forge_megatron.convert.checkpoint import HFReader, piece_inputs, piece_state
-    from forge_megatron.mcore.parallel import pipeline_split
+    from forge_megatron.convert.checkpoint import HFReader, job_layout, piece_inputs, piece_state
     from forge_megatron.weight_sync.gather import global_layers, unwrap
 
-    layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(),
-                            pp=ps.get_pipeline_model_parallel_world_size(),
-                            ep=ps.get_expert_model_parallel_world_size(),
-                            etp=ps.get_expert_tensor_parallel_world_size(), first=pipeline_split()[0],
-                            last=pipeline_split()[1])
+    layout = job_layout()
     ep = ps.get_expert_model_parallel_rank()
     reader = HFReader(hf_dir)
     for chunk in _chunks(model_chunks):

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from forge_megatron.bridge import Bridge, ParallelLayout
+from forge_megatron.bridge import Bridge
 
 KINDS = ("exp_avg", "exp_avg_sq")
 
@@ -343,11 +343,9 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
         raise ValueError("the checkpoint's rank_*.json has no hf_config: resume it in the layout it was saved in")
     bridge = Bridge(metas[0]["hf_config"])
     src = _Source(root, iteration, metas, bridge)
-    from forge_megatron.mcore.parallel import pipeline_split
+    from forge_megatron.convert.checkpoint import job_layout
 
-    here = ParallelLayout(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                          ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
-                          *pipeline_split())
+    here = job_layout()
     bridge.check_layout(here)
     tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     expert_offset = ep * bridge.local_experts(here)
