@@ -19,6 +19,10 @@ difference of the output and of every input's gradient from ``autograd_loop``'s)
 
     OMP_NUM_THREADS=1 python benchmarks/gated_delta.py [--batch 2 --len 2048 --heads 4 --dk 128 --dv 128 --chunk 64]
 
+``--channel-decay``: Kimi Delta Attention's rule (a decay per key channel, g [B, L, H, dk]; chunk 16 by default):
+the baseline is then transformers' ``chunk_kimi_delta_attention`` (Kimi Linear's reference, chunks of 64, autograd
+through its loops), against which ``torch_scan`` (and ``triton_scan`` on CUDA) are timed and compared.
+
 ``--layer``: instead, the bytes per token a bf16 Gated DeltaNet mixer (mcore/gated_delta_net.py, one rank, a tiny
 Qwen3.5 with hidden 256, 4 key heads of 32, 8 value heads of 32) keeps from its forward to its backward, with its
 recurrence and gated norm recomputed (the default) and without (what the layer keeps when Megatron's full
@@ -149,7 +153,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4, help="value heads (per tensor-parallel rank)")
     p.add_argument("--dk", type=int, default=128)
     p.add_argument("--dv", type=int, default=128)
-    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=None, help="the rule's chunk (default 64; 16 with --channel-decay)")
+    p.add_argument("--channel-decay", action="store_true",
+                   help="a decay per key channel (Kimi Delta Attention), against transformers' Kimi Linear function")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--layer", action="store_true", help="bytes per token the layer keeps (see above)")
@@ -158,12 +164,13 @@ def main() -> None:
         print(json.dumps(layer_memory()))
         return
     device = torch.device(args.device)
+    args.chunk = args.chunk or (16 if args.channel_decay else 64)
     g = torch.Generator().manual_seed(0)
     B, L, H, dk, dv = args.batch, args.len, args.heads, args.dk, args.dv
     q = torch.nn.functional.normalize(torch.randn(B, L, H, dk, generator=g), dim=-1) * dk ** -0.5
     k = torch.nn.functional.normalize(torch.randn(B, L, H, dk, generator=g), dim=-1)
     v = torch.randn(B, L, H, dv, generator=g)
-    decay = -torch.rand(B, L, H, generator=g) * 0.1
+    decay = -torch.rand(B, L, H, *((dk,) if args.channel_decay else ()), generator=g) * 0.1
     beta = torch.rand(B, L, H, generator=g)
     state = torch.randn(B, H, dk, dv, generator=g) * 0.1
     inputs = [x.to(device) for x in (q, k, v, decay, beta, state)]
@@ -175,8 +182,17 @@ def main() -> None:
             return lambda *xs: torch.utils.checkpoint.checkpoint(fn, *xs, use_reentrant=False)
         return fn
 
-    variants = {"autograd_loop": lambda *xs: autograd_loop(*xs, args.chunk),
-                "torch_scan": scan("torch"), "torch_scan_recompute": scan("torch", recompute=True)}
+    if args.channel_decay:
+        from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+        def transformers_chunk(q, k, v, g, beta, state):  # it scales q by 1 / sqrt(dk) itself
+            return chunk_kimi_delta_attention(q * dk ** 0.5, k, v, g=g, beta=beta, chunk_size=64,
+                                              initial_state=state, output_final_state=True)
+
+        variants = {"transformers_chunk": transformers_chunk}
+    else:
+        variants = {"autograd_loop": lambda *xs: autograd_loop(*xs, args.chunk)}
+    variants.update(torch_scan=scan("torch"), torch_scan_recompute=scan("torch", recompute=True))
     if device.type == "cuda":
         variants["triton_scan"] = scan("triton")
         variants["triton_scan_recompute"] = scan("triton", recompute=True)
@@ -188,11 +204,13 @@ def main() -> None:
             base = (o, grads)
         err = max([float((o - base[0]).abs().max())] + [float((a - b).abs().max()) for a, b in zip(grads, base[1])])
         out[name] = {"ms": ms, "saved_mib": saved / 2**20, "max_err": err}
+    baseline = next(iter(variants))
     for name in list(out)[1:]:
-        out[f"{name}_speedup"] = out["autograd_loop"]["ms"] / out[name]["ms"]
-        out[f"{name}_saved_ratio"] = out[name]["saved_mib"] / out["autograd_loop"]["saved_mib"]
+        out[f"{name}_speedup"] = out[baseline]["ms"] / out[name]["ms"]
+        out[f"{name}_saved_ratio"] = out[name]["saved_mib"] / out[baseline]["saved_mib"]
     out["config"] = dict(batch=B, len=L, heads=H, dk=dk, dv=dv, chunk=args.chunk, device=str(device),
-                         chunks=L // args.chunk, input_mib=sum(x.nbytes for x in inputs) / 2**20)
+                         chunks=L // args.chunk, input_mib=sum(x.nbytes for x in inputs) / 2**20,
+                         channel_decay=args.channel_decay, baseline=baseline)
     print(json.dumps(out))
 
 

@@ -47,6 +47,23 @@ OLMo 2 / OLMo 3 (``olmo2``, ``olmo3``): RMSNorms on the attention's and the MLP'
 sliding window on some layers (as gpt-oss), whose RoPE may differ from the full-attention layers' (its long-context
 releases scale only the latter with YaRN: ``sliding_rope_scaling``, mcore/rope.py ``apply_to_sliding_layers``).
 
+OLMo Hybrid (``olmo_hybrid``: OlmoHybridForCausalLM): OLMo 3's full-attention layers (post-norm, q/k RMSNorms over all
+heads, no window) between Gated DeltaNet layers that are Llama's pre-norm layers (``linear_pre_norm``). Its Gated
+DeltaNet has separate q, k, v, gate (``g_proj``: Qwen3.5's z), b and a projections (regrouped per key head as
+Qwen3.5's), a write strength beta = 2 sigmoid(b) with ``linear_allow_neg_eigval`` (``linear_beta_scale``), a gated
+output norm with epsilon 1e-5 whatever ``rms_norm_eps`` says (FLA's default, which transformers keeps), and plain
+(not zero-centred) norms. Without a ``rope_theta`` (transformers' reading of the config; the released checkpoints
+have none) the attention layers rotate nothing: NoPE, position only through the causal (tree) mask.
+
+Kimi Linear (``kimi_linear``: KimiLinearForCausalLM, Kimi-Linear-48B-A3B): Kimi Delta Attention layers (the gated
+delta rule with a decay per key channel from a low-rank forget gate, beta per head, a sigmoid-gated output norm
+behind a low-rank gate: mcore/kimi_delta.py) and, where ``layer_types`` says ``full_attention``, DeepSeek-V3's
+multi-latent attention without any RoPE (its shared key part is kept as projected: Megatron's rotary frequencies are
+zeroed, rope.no_rotation); DeepSeek-V3's MoE (sigmoid router with a score-correction bias, shared experts, the first
+layers dense) under Mixtral's checkpoint names (``block_sparse_moe``, ``w1`` / ``w3`` / ``w2``). Its config's own
+names (``num_experts``, ``num_experts_per_token``, ``moe_renormalize``, ``linear_attn_config``, ...) are read through
+transformers' config class (:func:`kimi_linear_view`).
+
 Gemma 3 (``gemma3``, text models: Gemma3ForCausalLM): norms before *and* after attention and MLP (the sandwich:
 ``pre_norm`` and ``post_norm``), all of them (q/k per-head norms too) scaling by (1 + weight); GeGLU with the tanh
 GELU; the embedding multiplied by sqrt(hidden_size) (in the weights' dtype, as HF does); attention scaled by
@@ -114,6 +131,9 @@ class Family:
     # each layer's experts in two checkpoint tensors holding expert e's weights at [e], ``experts.gate_up_proj``
     # [E, 2F, D] (gate rows first) and ``experts.down_proj`` [E, D, F] (transformers' layout; Mistral Small 4)
     stacked_experts: bool = False
+    # Kimi Linear: Kimi Delta Attention layers (a decay per key channel, low-rank gates: mcore/kimi_delta.py) between
+    # multi-latent attention ones without RoPE; DeepSeek-V3's MoE under Mixtral's names (block_sparse_moe, w1/w3/w2)
+    kimi_delta: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -148,6 +168,8 @@ FAMILIES: dict[str, Family] = {
     # Mistral Small 4 (119B-A6B): DeepSeek-V3's layers with a softmax router, Llama 4's query temperature and
     # stacked experts; released inside Mistral3ForConditionalGeneration (family_of tells it by its text_config)
     "Mistral4ForCausalLM": _MISTRAL4,
+    "KimiLinearForCausalLM": Family("kimi_linear", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
+                                    mla=True, kimi_delta=True),
     "MiniMaxM2ForCausalLM": Family("minimax_m2", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,
                                    minimax=True),
     # Qwen3.5 text models (dense): 3 of every 4 layers Gated DeltaNet (linear attention), the others gated attention
@@ -187,6 +209,10 @@ FAMILIES: dict[str, Family] = {
         vision_prefixes=("vision_tower.", "multi_modal_projector.")),
     "Olmo2ForCausalLM": Family("olmo2", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
     "Olmo3ForCausalLM": Family("olmo3", qkv_bias=False, qk_norm=True, moe=False, olmo=True),
+    # OLMo 3's attention layers (post-norm, q/k norms over all heads, no window; NoPE as released) between pre-norm
+    # Gated DeltaNet layers with separate projections and beta in (0, 2)
+    "OlmoHybridForCausalLM": Family("olmo_hybrid", qkv_bias=False, qk_norm=True, moe=False, olmo=True,
+                                    gated_delta=True),
     # SmolLM3: the Llama layout with RoPE left out of every fourth layer (``no_rope_layers``: 0 = NoPE)
     "SmolLM3ForCausalLM": Family("smollm3", qkv_bias=None, qk_norm=False, moe=False),
     # Seed-OSS-36B: the Qwen2 layout (biases on q/k/v only) with 128-channel heads; its residual dropout is a
@@ -399,6 +425,13 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                 if hf.get(key):
                     raise UnsupportedModelError(f"{key}={hf[key]!r} is not supported (DeepSeek-V3.2 / GLM-5 sparse "
                                                 "attention as transformers implements it only)")
+    if family.kimi_delta:
+        kinds = set(hf.get("layer_types") or [])
+        if not kinds <= {"linear_attention", "full_attention"}:
+            raise UnsupportedModelError(f"layer_types {sorted(kinds)}: only linear_attention and full_attention")
+        if hf.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+            raise UnsupportedModelError(f"moe_router_activation_func={hf['moe_router_activation_func']!r}: Kimi "
+                                        "Linear's router is a sigmoid (as transformers computes it)")
     if family.minimax:
         if hf.get("qk_norm_type", "per_layer") != "per_layer" or not hf.get("use_qk_norm", True):
             raise UnsupportedModelError(f"qk_norm_type={hf.get('qk_norm_type')!r}, use_qk_norm="
@@ -416,13 +449,16 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if hf.get("attention_out_bias"):
         raise UnsupportedModelError("attention_out_bias=True is not supported (a bias on o_proj alone: Megatron's "
                                     "add_bias_linear would add the MLP's too)")
-    if family.olmo or family.gemma:
+    if (family.olmo or family.gemma) and not family.gated_delta:
         kinds = set(layer_types(hf, family) or [])
         if not kinds <= set(LAYER_TYPES):
             raise UnsupportedModelError(f"layer_types {sorted(kinds)}: only sliding_attention and full_attention")
         if hf.get("clip_qkv"):
             raise UnsupportedModelError("clip_qkv (OLMo 1's clamped projections) is not supported")
     if family.gated_delta:
+        if family.olmo and (hf.get("sliding_window") or hf.get("clip_qkv")):
+            raise UnsupportedModelError("sliding_window / clip_qkv in an OLMo Hybrid config: its attention layers "
+                                        "have neither")
         kinds = set(hf.get("layer_types") or [])
         if not kinds <= {"linear_attention", "full_attention"}:
             raise UnsupportedModelError(f"layer_types {sorted(kinds)}: only linear_attention and full_attention")
@@ -457,6 +493,40 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                         "probabilities; Mistral Small 4 has one group)")
         if hf.get("n_shared_experts", 1) < 1:
             raise UnsupportedModelError(f"n_shared_experts=0 is not supported by the {family.name} family")
+
+
+def kimi_linear_view(hf: dict) -> dict:
+    """A Kimi Linear config (its own field names, or transformers') with the names the DeepSeek-V3 code paths read,
+    resolved by transformers' config class (its aliases, ``linear_attn_config``, the default layer kinds)."""
+    try:
+        from transformers import KimiLinearConfig
+    except ImportError as exc:  # its config's names and layer kinds are read the way transformers reads them
+        raise UnsupportedModelError("Kimi Linear needs a transformers with KimiLinearConfig (5.x)") from exc
+
+    keys = set(KimiLinearConfig.__dataclass_fields__) | set(KimiLinearConfig.attribute_map) | \
+        set(KimiLinearConfig.attribute_map.values()) | {"linear_attn_config", "first_k_dense_replace"}
+    c = KimiLinearConfig.from_dict({k: v for k, v in hf.items() if k in keys and k != "architectures"})
+    return {**hf, "n_routed_experts": c.num_local_experts, "num_experts_per_tok": c.num_experts_per_tok,
+            "n_shared_experts": c.n_shared_experts, "n_group": c.n_group, "topk_group": c.topk_group,
+            "norm_topk_prob": c.norm_topk_prob, "max_position_embeddings": c.max_position_embeddings,
+            "layer_types": list(c.layer_types), "mlp_layer_types": list(c.mlp_layer_types),
+            "linear_num_heads": c.linear_num_heads, "linear_head_dim": c.linear_head_dim,
+            "linear_conv_kernel_dim": c.linear_conv_kernel_dim, "q_lora_rank": c.q_lora_rank,
+            "routed_scaling_factor": c.routed_scaling_factor}
+
+
+def olmo_hybrid_rope_theta(hf: dict) -> float | None:
+    """OLMo Hybrid's RoPE base as transformers reads the config (its model rotates nothing where this is None: the
+    released checkpoints'); transformers' own config class resolves the defaults where it has one."""
+    try:
+        from transformers import OlmoHybridConfig
+    except ImportError:  # transformers before OLMo Hybrid: the rule it follows, read off the dict
+        params = hf.get("rope_parameters")
+        if "rope_theta" in hf or (isinstance(params, dict) and "rope_theta" in params):
+            return hf.get("rope_theta") if "rope_theta" in hf else params["rope_theta"]
+        return 10000.0
+    keys = {k: hf[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if k in hf}
+    return (OlmoHybridConfig.from_dict(keys).rope_parameters or {}).get("rope_theta")
 
 
 def _softmax_router(hf: dict, scaling: float) -> dict:
@@ -514,6 +584,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
     """The :class:`GPTConfig` that computes exactly what the HF model of ``source`` computes."""
     hf = text_view(load_hf_config(source))
     family = family_of(hf)
+    if family.kimi_delta:
+        hf = kimi_linear_view(hf)
     _refuse_unsupported(hf, family)
     heads = hf["num_attention_heads"]
     qkv_bias = family.qkv_bias if family.qkv_bias is not None else bool(hf.get("attention_bias", False))
@@ -557,7 +629,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                       dsa_shared_layers=tuple(t == "shared" for t in types) if "shared" in types else None)
     if family.gated_delta:
         kwargs.update(
-            zero_centered_norm=True, attention_output_gate=True,
+            zero_centered_norm=not family.olmo, attention_output_gate=not family.olmo,
             linear_attention=tuple(t == "linear_attention" for t in hf["layer_types"]),
             linear_num_key_heads=hf["linear_num_key_heads"], linear_num_value_heads=hf["linear_num_value_heads"],
             linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
@@ -565,6 +637,18 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
     if family.name == "glm4":
         kwargs.update(pre_norm=True, post_norm=True, rotary_interleaved=True)
+    if family.kimi_delta:
+        heads, dim = hf["linear_num_heads"], hf["linear_head_dim"]
+        kwargs.update(linear_attention=tuple(t == "linear_attention" for t in hf["layer_types"]),
+                      linear_attention_kind="kimi_delta", linear_num_key_heads=heads, linear_num_value_heads=heads,
+                      linear_key_head_dim=dim, linear_value_head_dim=dim,
+                      linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+                      nope_layers=(True,) * hf["num_hidden_layers"], rope_scaling=None)  # no layer rotates
+    if family.name == "olmo_hybrid":
+        kwargs.update(linear_pre_norm=True, linear_norm_epsilon=1e-5,
+                      linear_beta_scale=2.0 if hf.get("linear_allow_neg_eigval", True) else 1.0)
+        if olmo_hybrid_rope_theta(hf) is None:  # NoPE: no attention layer rotates
+            kwargs.update(nope_layers=(True,) * hf["num_hidden_layers"], rope_scaling=None)
     params = hf.get("rope_scaling") or rope_parameters(hf)
     if params.get("llama_4_scaling_beta"):  # Ministral 3: queries scaled past the original context
         kwargs["query_scaling"] = (float(params["llama_4_scaling_beta"]),
@@ -579,7 +663,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                       softmax_scale=float(hf.get("query_pre_attn_scalar") or kwargs["kv_channels"]) ** -0.5,
                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
                       rotary_base=float(hf.get("rope_theta") or rope_parameters(hf).get("rope_theta") or 1e6))
-    if (family.olmo or family.gemma) and layer_types(hf, family):
+    if (family.olmo or family.gemma) and not family.gated_delta and layer_types(hf, family):
         kwargs["extra"] = sliding_windows({**hf, "layer_types": layer_types(hf, family)})
         sliding = rope_scaling(hf, "sliding_attention")
         sliding_base = float(rope_parameters(hf, "sliding_attention").get("rope_theta") or

@@ -197,7 +197,68 @@ def _gated_delta_rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     ]
 
 
+def _olmo_hybrid_rules() -> list[Rule]:
+    """OLMo Hybrid: pre-norm Gated DeltaNet layers (six separate input projections and three convolutions,
+    regrouped per key head as Qwen3.5's: ``gdn_in_separate``, ``gdn_conv_separate``; their norms ``input_layernorm``
+    before the mixer, ``post_attention_layernorm`` before the MLP, the names SGLang's loader reads and transformers
+    holds; OLMo-core's ``attention_layer_norm`` / ``feedforward_layer_norm`` are read as those: convert/checkpoint.py
+    NAME_ALIASES) and OLMo 3's post-norm attention layers (``post_attention_layernorm`` on the attention's output,
+    ``post_feedforward_layernorm`` on the MLP's)."""
+    lin, attn = HF_LAYER + "linear_attn.", HF_LAYER + "self_attn."
+    mixer = LAYER + "self_attention."
+    return [
+        Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",), layers="linear"),
+        Rule(mixer + "in_proj.weight", tuple(lin + f"{p}_proj.weight" for p in "qkvgba"), "gdn_in_separate", "col",
+             layers="linear"),
+        Rule(mixer + "conv1d_weight", tuple(lin + f"{p}_conv1d.weight" for p in "qkv"), "gdn_conv_separate", "col",
+             layers="linear"),
+        Rule(mixer + "A_log", (lin + "A_log",), tp="col", layers="linear"),
+        Rule(mixer + "dt_bias", (lin + "dt_bias",), tp="col", layers="linear"),
+        Rule(mixer + "norm_weight", (lin + "o_norm.weight",), layers="linear"),
+        Rule(mixer + "out_proj.weight", (lin + "o_proj.weight",), tp="row", layers="linear"),
+        Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",), layers="linear"),
+        Rule(mixer + "linear_qkv.weight", tuple(attn + f"{p}_proj.weight" for p in "qkv"), "qkv", "col",
+             layers="full"),
+        Rule(mixer + "linear_proj.weight", (attn + "o_proj.weight",), tp="row", layers="full"),
+        Rule(mixer + "q_layernorm.weight", (attn + "q_norm.weight",), layers="full"),
+        Rule(mixer + "k_layernorm.weight", (attn + "k_norm.weight",), layers="full"),
+        Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",),
+             layers="full"),
+        Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_feedforward_layernorm.weight",), layers="full"),
+    ]
+
+
+def _kimi_linear_rules(cfg: GPTConfig) -> list[Rule]:
+    """Kimi Linear: multi-latent attention in the full-attention layers, Kimi Delta Attention (mcore/kimi_delta.py)
+    in the others, under the same ``self_attn.`` prefix (their q/k/v, b projections regrouped per head: ``kda_in``;
+    the forget and output gates' down projections stacked: ``glu``, split whole over TP; the three convolutions
+    regrouped per head; ``A_log`` [1, 1, H, 1] on disk)."""
+    from dataclasses import replace
+
+    attn, mixer = HF_LAYER + "self_attn.", LAYER + "self_attention."
+    mla = [replace(r, layers="full") if r.mcore.startswith(mixer) else r for r in _mla_rules(cfg)]
+    kda = [
+        Rule(mixer + "in_proj.weight", tuple(attn + f"{p}_proj.weight" for p in "qkvb"), "kda_in", "col",
+             layers="linear"),
+        Rule(mixer + "gate_down.weight", (attn + "f_a_proj.weight", attn + "g_a_proj.weight"), "glu", "col",
+             layers="linear"),
+        Rule(mixer + "f_b_weight", (attn + "f_b_proj.weight",), tp="col", layers="linear"),
+        Rule(mixer + "g_b_weight", (attn + "g_b_proj.weight",), tp="col", layers="linear"),
+        Rule(mixer + "conv1d_weight", tuple(attn + f"{p}_conv1d.weight" for p in "qkv"), "gdn_conv_separate", "col",
+             layers="linear"),
+        Rule(mixer + "A_log", (attn + "A_log",), "flat", "col", layers="linear"),
+        Rule(mixer + "dt_bias", (attn + "dt_bias",), tp="col", layers="linear"),
+        Rule(mixer + "norm_weight", (attn + "o_norm.weight",), layers="linear"),
+        Rule(mixer + "out_proj.weight", (attn + "o_proj.weight",), tp="row", layers="linear"),
+    ]
+    return mla[:1] + kda + mla[1:]
+
+
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    if family.kimi_delta:
+        return _with_mlp_and_ends(cfg, family, _kimi_linear_rules(cfg))
+    if family.name == "olmo_hybrid":
+        return _with_mlp_and_ends(cfg, family, _olmo_hybrid_rules())
     if family.gated_delta:
         return _with_mlp_and_ends(cfg, family, _gated_delta_rules(cfg, family))
     if family.gpt_oss:
@@ -246,8 +307,9 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
     if family.moe:
         # MiniMax-M2 keeps Mixtral's names: block_sparse_moe, experts' w1 (gate), w3 (up), w2 (down), and the
         # score-correction bias on the block rather than on its gate
-        moe = HF_LAYER + ("block_sparse_moe." if family.minimax else "mlp.")
-        gate, up, down = ("w1", "w3", "w2") if family.minimax else ("gate_proj", "up_proj", "down_proj")
+        mixtral = family.minimax or family.kimi_delta  # Kimi Linear's MoE layers have these names too
+        moe = HF_LAYER + ("block_sparse_moe." if mixtral else "mlp.")
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         hf_expert = moe + "experts.{expert}."
         mlp = (dense if cfg.moe_dense_layers else []) + [
             Rule(LAYER + "mlp.router.weight", (moe + "gate.weight",), layers="moe"),
@@ -270,7 +332,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))
         if cfg.moe_shared_ffn_hidden_size:
             # Qwen3.5-MoE: one ``shared_expert`` whose output a sigmoid gate scales (Megatron's gate_weight)
-            shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta else "mlp.shared_experts.")
+            shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta else
+                                 "block_sparse_moe.shared_experts." if family.kimi_delta else "mlp.shared_experts.")
             mlp += [Rule(LAYER + "mlp.shared_experts.linear_fc1.weight",
                          (shared + "gate_proj.weight", shared + "up_proj.weight"), "glu", "glu", layers="moe"),
                     Rule(LAYER + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), tp="row",
@@ -318,6 +381,10 @@ class Bridge:
                          "qkv_gate": (self._split_qkv_gate, self._join_qkv_gate),
                          "gdn_in": (self._split_gdn_in, self._join_gdn_in),
                          "gdn_in_grouped": (self._split_gdn_in_grouped, self._join_gdn_in_grouped),
+                         "gdn_in_separate": (self._split_gdn_in_separate, self._join_gdn_in_separate),
+                         "gdn_conv_separate": (self._split_gdn_conv_separate, self._join_gdn_conv_separate),
+                         "kda_in": (self._split_kda_in, self._join_kda_in),
+                         "flat": (lambda t: [t.reshape(1, 1, -1, 1)], lambda t: t.reshape(-1)),  # Kimi's A_log
                          "gdn_conv": (self._split_gdn_conv, self._join_gdn_conv)}
 
     # --- names ----------------------------------------------------------------------------------------------
@@ -464,6 +531,19 @@ class Bridge:
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
         """The shape the config implies for HF tensor ``hf_name``."""
         cfg = self.cfg
+        if cfg.linear_attention_kind == "kimi_delta":  # its two kinds of layers share names (self_attn.q_proj)
+            m = re.search(r"layers\.(\d+)\.self_attn\.(.+)$", hf_name)
+            if m and int(m.group(1)) < cfg.num_layers and cfg.linear_attention[int(m.group(1))]:
+                heads, dim, d = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.hidden_size
+                kda = {"q_proj.weight": (heads * dim, d), "k_proj.weight": (heads * dim, d),
+                       "v_proj.weight": (heads * dim, d), "b_proj.weight": (heads, d), "f_a_proj.weight": (dim, d),
+                       "g_a_proj.weight": (dim, d), "f_b_proj.weight": (heads * dim, dim),
+                       "g_b_proj.weight": (heads * dim, dim), "dt_bias": (heads * dim,), "A_log": (1, 1, heads, 1),
+                       "o_norm.weight": (dim,), "o_proj.weight": (d, heads * dim)}
+                kda.update({f"{p}_conv1d.weight": (heads * dim, 1, cfg.linear_conv_kernel) for p in "qkv"})
+                if m.group(2) not in kda:
+                    raise MappingError(f"no shape rule for HF tensor {hf_name!r}")
+                return kda[m.group(2)]
         d, h, g, n = cfg.hidden_size, cfg.head_dim, cfg.num_query_groups, cfg.num_attention_heads
         f = cfg.moe_shared_ffn_hidden_size if (".shared_experts." in hf_name or ".shared_expert." in hf_name) else \
             cfg.moe_ffn_hidden_size if ".experts." in hf_name else cfg.ffn_hidden_size
@@ -489,7 +569,15 @@ class Bridge:
                           "in_proj_qkv.weight": (2 * nk * dk + nv * dv, d), "in_proj_z.weight": (nv * dv, d),
                           "in_proj_b.weight": (nv, d), "in_proj_a.weight": (nv, d),
                           "conv1d.weight": (2 * nk * dk + nv * dv, 1, cfg.linear_conv_kernel), "A_log": (nv,),
-                          "dt_bias": (nv,), "linear_attn.norm.weight": (dv,), "out_proj.weight": (d, nv * dv)})
+                          "dt_bias": (nv,), "linear_attn.norm.weight": (dv,), "out_proj.weight": (d, nv * dv),
+                          # OLMo Hybrid's separate projections
+                          "linear_attn.q_proj.weight": (nk * dk, d), "linear_attn.k_proj.weight": (nk * dk, d),
+                          "linear_attn.v_proj.weight": (nv * dv, d), "linear_attn.g_proj.weight": (nv * dv, d),
+                          "linear_attn.b_proj.weight": (nv, d), "linear_attn.a_proj.weight": (nv, d),
+                          "linear_attn.o_proj.weight": (d, nv * dv), "linear_attn.o_norm.weight": (dv,),
+                          "q_conv1d.weight": (nk * dk, 1, cfg.linear_conv_kernel),
+                          "k_conv1d.weight": (nk * dk, 1, cfg.linear_conv_kernel),
+                          "v_conv1d.weight": (nv * dv, 1, cfg.linear_conv_kernel)})
         e = cfg.num_moe_experts or 0
         table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),
@@ -565,6 +653,15 @@ class Bridge:
         flat = lambda t: t.reshape(-1, fused.shape[-1])  # noqa: E731
         return [torch.cat([flat(q), flat(k), flat(v)]), flat(z), flat(b), flat(a)]
 
+    def _join_gdn_in_separate(self, q, k, v, g, b, a):
+        """OLMo Hybrid's six projections (its output gate ``g`` is Qwen3.5's z) -> one, grouped per key head."""
+        return self._join_gdn_in(torch.cat([q, k, v]), g, b, a)
+
+    def _split_gdn_in_separate(self, fused):
+        nk, r, dk, dv = self._gdn_sizes()
+        qkv, g, b, a = self._split_gdn_in(fused)
+        return [*qkv.split([nk * dk, nk * dk, nk * r * dv]), g, b, a]
+
     def _join_gdn_in_grouped(self, qkvz, ba):
         """Qwen3-Next's ``in_proj_qkvz`` ([q | k | v | z] per key head) and ``in_proj_ba`` ([b | a] per key head)
         -> one projection, [q | k | v | z | b | a] per key head."""
@@ -588,6 +685,24 @@ class Bridge:
         q, k, v = conv.reshape(nk, -1, conv.shape[-1]).split([dk, dk, r * dv], dim=1)
         return [torch.cat([t.reshape(-1, conv.shape[-1]) for t in (q, k, v)])[:, None]]
 
+    def _join_kda_in(self, q, k, v, b):
+        """Kimi Delta Attention's q, k, v [H d, D] and b [H, D] -> one projection, [q | k | v | b] per head."""
+        heads = self.cfg.linear_num_value_heads
+        return torch.cat([t.reshape(heads, -1, t.shape[-1]) for t in (q, k, v, b)], dim=1).reshape(-1, q.shape[-1])
+
+    def _split_kda_in(self, fused):
+        heads, d = self.cfg.linear_num_value_heads, self.cfg.linear_value_head_dim
+        parts = fused.reshape(heads, 3 * d + 1, fused.shape[-1]).split([d, d, d, 1], dim=1)
+        return [t.reshape(-1, fused.shape[-1]) for t in parts]
+
+    def _join_gdn_conv_separate(self, q, k, v):
+        """OLMo Hybrid's ``q_conv1d``, ``k_conv1d``, ``v_conv1d`` [C_x, 1, K] -> [C, K] grouped per key head."""
+        return self._join_gdn_conv(torch.cat([q, k, v]))
+
+    def _split_gdn_conv_separate(self, conv):
+        nk, r, dk, dv = self._gdn_sizes()
+        return list(self._split_gdn_conv(conv)[0].split([nk * dk, nk * dk, nk * r * dv]))
+
     # --- sharding -------------------------------------------------------------------------------------------
     def check_layout(self, layout: ParallelLayout) -> None:
         """Raise ValueError naming the size that ``layout`` does not divide."""
@@ -602,6 +717,8 @@ class Bridge:
         ]
         if cfg.hybrid:
             checks.append(("linear_num_key_heads", cfg.linear_num_key_heads, "tp", layout.tp))
+            if cfg.linear_attention_kind == "kimi_delta":  # the gates' down projections, split then gathered
+                checks.append(("2 * linear_head_dim", 2 * cfg.linear_key_head_dim, "tp", layout.tp))
         if cfg.num_moe_experts:
             checks += [("num_moe_experts", cfg.num_moe_experts, "ep", layout.ep),
                        ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, "etp", layout.expert_tp)]

@@ -40,6 +40,19 @@ EMBEDDING = "embedding.word_embeddings.weight"
 _FUSED_EXPERTS = re.compile(r"\.experts\.[a-z_]+$")  # a tensor of every expert of a layer (gpt-oss)
 
 
+# Names some checkpoints give tensors transformers holds under another (its loader renames them; the bridge uses
+# the second): OLMo Hybrid's linear-attention layers' norms as OLMo-core writes them
+NAME_ALIASES = ((".attention_layer_norm.", ".input_layernorm."),
+                (".feedforward_layer_norm.", ".post_attention_layernorm."))
+
+
+def _canonical_name(name: str) -> str:
+    for theirs, ours in NAME_ALIASES:
+        if theirs in name:
+            return name.replace(theirs, ours)
+    return name
+
+
 class HFReader:
     """Lazy reader of the tensors of a HF safetensors directory (single file or sharded with an index).
 
@@ -63,7 +76,11 @@ class HFReader:
                 with safe_open(os.path.join(hf_dir, fname), "pt") as f:
                     weight_map.update({k: fname for k in f.keys()})
         self.dir = hf_dir
-        self.weight_map = weight_map
+        # by the names the bridge asks for (NAME_ALIASES), each with the name it is stored under
+        self.stored = {_canonical_name(n): n for n in weight_map}
+        if len(self.stored) != len(weight_map):
+            raise ValueError(f"{hf_dir!r} holds some tensors under two names (NAME_ALIASES)")
+        self.weight_map = {ours: weight_map[theirs] for ours, theirs in self.stored.items()}
         # The last tensors read: a gpt-oss fused expert tensor is asked for once per expert (each takes its slice)
         self._recent: dict[str, torch.Tensor] = {}
         self.fp8, self.fp8_dtype = _fp8_source(hf_dir)
@@ -90,7 +107,7 @@ class HFReader:
                 by_file.setdefault(self.weight_map[n], []).append(n)
         for fname, wanted in by_file.items():
             with safe_open(os.path.join(self.dir, fname), "pt") as f:
-                out.update({n: f.get_tensor(n) for n in wanted})
+                out.update({n: f.get_tensor(self.stored[n]) for n in wanted})
         if self.fp8 is not None:
             out = self._dequantized(out, set(scales) - set(names))
         self._recent = {n: t for n, t in out.items() if _FUSED_EXPERTS.search(n)}

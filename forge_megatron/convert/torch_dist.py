@@ -11,7 +11,8 @@ process per rank of the layout (world size = tp * pp * ep; the EP ranks come fro
 
 ``to-torch-dist`` reads a ``forge-convert`` checkpoint with its own layout and saves it as ``torch_dist``;
 ``from-torch-dist`` loads a ``torch_dist`` directory (ours, or a training checkpoint's ``iter_XXXXXXX``) into the
-layout given and writes the ``torch`` format, which ``forge-convert mcore-to-hf`` turns into HF safetensors.
+layout given (uneven pipeline stages too: ``--decoder-first/last-pipeline-num-layers``) and writes the ``torch``
+format, which ``forge-convert mcore-to-hf`` turns into HF safetensors.
 On CPU it runs on gloo; Megatron's writer needs ``psutil`` and starts helper processes, so the ranks must not be
 daemonic processes (torchrun's are not).
 """
@@ -32,7 +33,8 @@ def _start(layout: ParallelLayout) -> None:
 
     import torch.distributed as dist
 
-    initialize(ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp))
+    initialize(ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
+                              first_stage_layers=layout.first, last_stage_layers=layout.last))
     want = world_size(layout)
     if dist.get_world_size() != want:
         raise ValueError(f"run with {want} processes for layout {layout} ({_world_rule(layout)}), got "
@@ -113,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=None, help="expert TP of the output: TP (default) or 1 (world = "
                                                            "pp*lcm(tp, ep))")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
+                   help="uneven pipeline stages of the output: the first stage's layers (Megatron-LM's flag)")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
+                   help="and the last stage's (the others share the rest evenly)")
     return parser
 
 
@@ -124,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "to-torch-dist":
             to_torch_dist(args.mcore_dir, args.out)
         else:
-            layout = ParallelLayout(args.tp, args.pp, args.ep, args.etp)
+            layout = ParallelLayout(args.tp, args.pp, args.ep, args.etp, first=args.decoder_first_pipeline_num_layers,
+                                    last=args.decoder_last_pipeline_num_layers)
             from_torch_dist(args.dist_dir, args.hf_config, args.out, layout)
     finally:
         destroy()

@@ -23,6 +23,11 @@ most doubles the work however uneven a level is). A GRPO group (one prompt, G co
 episode whose calls extend one another, a few more. Padding (g = 0, beta = 0, zero k and v) leaves a state
 unchanged, so the final state of a padded segment is that of its last real token.
 
+Kimi Delta Attention (Kimi Linear) has the same rule with a decay per key channel: exp(g_i) is then a diagonal
+[dk, dk] matrix scaling each row of S, and everything below holds with Dec[t, s] weighting each channel of the
+products K K^T and Q K^T by its own exp(G_tc - G_sc) (a [C, C, dk] tensor per chunk, so such layers plan chunks of
+16), exp(G) multiplying K and Q channel by channel, and the chunk's decay a vector.
+
 Chunked form (chunk of C tokens, cumulative log decay G_t = g_1 + ... + g_t inside the chunk, Dec[t, s] =
 exp(G_t - G_s) for s <= t, initial state S0):
 
@@ -244,34 +249,43 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64, backend: str | None = None):
     """The gated delta rule on [B, L, H, d] sequences in chunks (L a multiple of ``chunk``; q / k already normalised
-    and q scaled; g, beta [B, L, H]; ``initial_state`` [B, H, dk, dv] or None). Returns (o [B, L, H, dv], the final
-    state [B, H, dk, dv]), in fp32 (fp64 for fp64 inputs). ``backend`` runs the scan over chunks (see
-    :func:`scan_backend`)."""
+    and q scaled; g, beta [B, L, H], or g [B, L, H, dk] for a decay per key channel (Kimi Delta Attention);
+    ``initial_state`` [B, H, dk, dv] or None). Returns (o [B, L, H, dv], the final state [B, H, dk, dv]), in fp32
+    (fp64 for fp64 inputs). ``backend`` runs the scan over chunks (see :func:`scan_backend`)."""
     B, L, H, dk = k.shape
     cd = _compute_dtype(v)
     dv = v.shape[-1]
     if L % chunk:
         raise ValueError(f"sequence length {L} is not a multiple of the chunk ({chunk})")
     n = L // chunk
+    per_channel = g.dim() == 4
 
     def chunks(x):  # [B, L, H, ...] -> [B * H, n, chunk, ...]
         x = x.to(cd).transpose(1, 2)
         return x.reshape(B * H, n, chunk, *x.shape[3:]).contiguous()
 
     q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
-    G = g.cumsum(-1)  # [BH, n, C]
+    G = g.cumsum(2)  # [BH, n, C] (or [BH, n, C, dk]): the cumulative log decay inside each chunk
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    dec = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # [.., C, C], 0 above
     k_beta = k * beta.unsqueeze(-1)
-    A = (k_beta @ k.transpose(-1, -2) * dec).tril(-1)
+    if per_channel:  # Dec[t, s, c] = exp(G_tc - G_sc): every product of a row of one and a row of another, weighted
+        dec = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~lower[..., None], float("-inf")).exp()
+        A = torch.einsum("...tc,...sc,...tsc->...ts", k_beta, k, dec).tril(-1)
+        attn = torch.einsum("...tc,...sc,...tsc->...ts", q, k, dec)
+        G_exp, G_last = G.exp(), G[..., -1:, :]
+        W_in, q_dec, k_dec = k_beta * G_exp, q * G_exp, k * (G_last - G).exp()
+        chunk_decay = G_last.squeeze(-2).exp()  # [BH, n, dk]
+    else:
+        dec = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # [.., C, C], 0 above
+        A = (k_beta @ k.transpose(-1, -2) * dec).tril(-1)
+        attn = q @ k.transpose(-1, -2) * dec
+        W_in, q_dec = k_beta * G.exp().unsqueeze(-1), q * G.exp().unsqueeze(-1)
+        k_dec = k * (G[..., -1:] - G).exp().unsqueeze(-1)
+        chunk_decay = G[..., -1].exp()  # [BH, n]
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     system = eye + A
     U = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(system, k_beta * G.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    attn = q @ k.transpose(-1, -2) * dec
-    q_dec = q * G.exp().unsqueeze(-1)
-    k_dec = k * (G[..., -1:] - G).exp().unsqueeze(-1)
-    chunk_decay = G[..., -1].exp()  # [BH, n]
+    W = torch.linalg.solve_triangular(system, W_in, upper=False, unitriangular=True)
     state = None if initial_state is None else initial_state.to(cd).reshape(B * H, dk, dv)
     name = scan_backend(q.device, cd, chunk, dk, backend)
     o, final = _ChunkScan.apply(U, W, q_dec, attn, k_dec, chunk_decay, state, name)
@@ -322,7 +336,7 @@ def _scan_forward_torch(U, W, KD, decay, S0):
     for i in range(n):
         S_all[:, i] = S
         Vn[:, i] = U[:, i] - W[:, i] @ S
-        S = S * decay[:, i, None, None] + KD[:, i].transpose(-1, -2) @ Vn[:, i]
+        S = S * decay[:, i].reshape(BH, -1, 1) + KD[:, i].transpose(-1, -2) @ Vn[:, i]  # one decay, or one per row
     return S_all, Vn, S
 
 
@@ -334,7 +348,7 @@ def _scan_backward_torch(X, Y, W, KD, decay, dS):
     for i in reversed(range(n)):
         dS_next[:, i] = dS
         dVn[:, i] = X[:, i] + KD[:, i] @ dS
-        dS = Y[:, i] + dS * decay[:, i, None, None] - W[:, i].transpose(-1, -2) @ dVn[:, i]
+        dS = Y[:, i] + dS * decay[:, i].reshape(BH, -1, 1) - W[:, i].transpose(-1, -2) @ dVn[:, i]
     return dVn, dS_next, dS
 
 
@@ -342,6 +356,8 @@ class _ChunkScan(torch.autograd.Function):
     """The chunks' outputs and the final state from the per-chunk terms (chunk i, state S_i before it):
 
         Vn_i = U_i - W_i S_i      O_i = Qd_i S_i + attn_i Vn_i      S_{i+1} = decay_i S_i + KD_i^T Vn_i
+
+    (``decay`` [BH, n], or [BH, n, dk] scaling each row of the state: a decay per key channel)
 
     with a hand-written backward that keeps nothing per chunk between forward and backward: the states are
     recomputed by a second forward scan, then one reverse scan gives every chunk's dVn and dS_{i+1}, from which the
@@ -375,7 +391,9 @@ class _ChunkScan(torch.autograd.Function):
         dQd = dO @ mT(S_all)
         dattn = dO @ mT(Vn)
         dKD = Vn @ mT(dS_next)
-        ddecay = (S_all * dS_next).sum((-1, -2))
+        ddecay = (S_all * dS_next).sum(-1)  # per state row: a decay per key channel, or summed to the one
+        if decay.dim() == 2:
+            ddecay = ddecay.sum(-1)
         return dU, dW, dQd, dattn, dKD, ddecay, None if S0 is None else dS0, None
 
 
@@ -398,8 +416,9 @@ def _prepare(q, k, g, beta, heads: int, scale: float | None, l2norm: bool):
 def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrencePlan, scale: float | None = None,
                           l2norm: bool = True, backend: str | None = None, recompute: bool = True) -> torch.Tensor:
     """The gated delta rule along every path of the forest ``plan`` describes: q, k [T, Hk, dk], v [T, H, dv],
-    g (log decay, <= 0), beta [T, H] -> o [T, H, dv] in v's dtype (computed in fp32). ``backend``: who scans
-    the chunks (:func:`scan_backend`).
+    g (log decay, <= 0) [T, H] or [T, H, dk] (one per key channel: Kimi Delta Attention), beta [T, H] -> o [T, H, dv]
+    in v's dtype (computed in fp32). ``backend``: who scans the chunks (:func:`scan_backend`; a decay per channel is
+    best planned in chunks of 16: its terms inside a chunk are C x C x dk).
 
     ``recompute`` (default): keep only the inputs for the backward and compute the rest again there (a
     non-reentrant activation checkpoint around this function). The fp32 terms inside the chunks that autograd would
@@ -446,7 +465,7 @@ def recurrent_reference(q, k, v, g, beta, parent: torch.Tensor, scale: float | N
     for i in range(T):
         p = int(parent[i])
         S = states[p] if p >= 0 else v.new_zeros(H, k.shape[-1], dv)
-        S = S * g[i].exp()[:, None, None]
+        S = S * g[i].exp().reshape(H, -1, 1)  # one decay per head, or one per key channel (a row of S)
         delta = (v[i] - torch.einsum("hkv,hk->hv", S, k[i])) * beta[i][:, None]
         S = S + k[i][:, :, None] * delta[:, None, :]
         states.append(S)

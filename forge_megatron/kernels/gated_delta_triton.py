@@ -16,7 +16,8 @@ Backward (dS_n the final state's gradient, X_i = attn_i^T dO_i, Y_i = Qd_i^T dO_
     dVn_i = X_i + KD_i dS_{i+1}          dS_i = Y_i + decay_i dS_{i+1} - W_i^T dVn_i
 
 and dS_0 at the end. Tensors are fp32 and contiguous: U / Vn / X / dVn [BH, n, C, dv], W / KD [BH, n, C, dk], decay
-[BH, n], states [BH, (n,) dk, dv]. tl.dot runs at input_precision "ieee" (fp32 FMAs, as torch's fp32 matmul) so the
+[BH, n] (or [BH, n, dk]: Kimi Delta Attention's decay per key channel scales each row of the state, ``PER_ROW``),
+states [BH, (n,) dk, dv]. tl.dot runs at input_precision "ieee" (fp32 FMAs, as torch's fp32 matmul) so the
 kernels agree with the torch scan to fp32 round-off; C, the key block and the value block are at least 16 (tl.dot's
 smallest tile).
 
@@ -35,7 +36,7 @@ MAX_KEY_DIM = 256  # the whole key dimension of a state block lives in registers
 @triton.jit
 def _scan_fwd_kernel(U, W, KD, DECAY, S0, S_ALL, VN, S_FINAL, n_chunks, dk, dv,
                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, PER_ROW: tl.constexpr = False):
     bh = tl.program_id(0).to(tl.int64)
     rc = tl.arange(0, C)
     rk = tl.arange(0, BK)
@@ -57,14 +58,18 @@ def _scan_fwd_kernel(U, W, KD, DECAY, S0, S_ALL, VN, S_FINAL, n_chunks, dk, dv,
         vn = u - tl.dot(w, S, input_precision=PRECISION)
         tl.store(VN + val_off, vn, mask=mv[None, :])
         kd = tl.load(KD + key_off, mask=mk[None, :], other=0.0)
-        S = S * tl.load(DECAY + chunk) + tl.dot(tl.trans(kd), vn, input_precision=PRECISION)
+        if PER_ROW:  # a decay per key channel: each row of the state its own
+            S = S * tl.load(DECAY + chunk * dk + rk, mask=mk, other=0.0)[:, None]
+        else:
+            S = S * tl.load(DECAY + chunk)
+        S = S + tl.dot(tl.trans(kd), vn, input_precision=PRECISION)
     tl.store(S_FINAL + bh * dk * dv + state_off, S, mask=state_mask)
 
 
 @triton.jit
 def _scan_bwd_kernel(X, Y, W, KD, DECAY, DS_FINAL, DVN, DS_NEXT, DS0, n_chunks, dk, dv,
                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, PER_ROW: tl.constexpr = False):
     bh = tl.program_id(0).to(tl.int64)
     rc = tl.arange(0, C)
     rk = tl.arange(0, BK)
@@ -87,7 +92,11 @@ def _scan_bwd_kernel(X, Y, W, KD, DECAY, DS_FINAL, DVN, DS_NEXT, DS0, n_chunks, 
         tl.store(DVN + val_off, dvn, mask=mv[None, :])
         w = tl.load(W + key_off, mask=mk[None, :], other=0.0)
         y = tl.load(Y + chunk * dk * dv + state_off, mask=state_mask, other=0.0)
-        dS = y + dS * tl.load(DECAY + chunk) - tl.dot(tl.trans(w), dvn, input_precision=PRECISION)
+        if PER_ROW:
+            dS = dS * tl.load(DECAY + chunk * dk + rk, mask=mk, other=0.0)[:, None]
+        else:
+            dS = dS * tl.load(DECAY + chunk)
+        dS = y + dS - tl.dot(tl.trans(w), dvn, input_precision=PRECISION)
     tl.store(DS0 + bh * dk * dv + state_off, dS, mask=state_mask)
 
 
@@ -127,7 +136,8 @@ def scan_forward(U, W, KD, decay, S0):
     Vn = torch.empty_like(U)
     S_final = U.new_empty(BH, dk, dv)
     _scan_fwd_kernel[grid](U, W, KD, decay, S0 if S0 is not None else S_final, S_all, Vn, S_final, n, dk, dv,
-                           C=C, BK=bk, BV=bv, HAS_S0=S0 is not None, PRECISION="ieee", **opts)
+                           C=C, BK=bk, BV=bv, HAS_S0=S0 is not None, PRECISION="ieee", PER_ROW=decay.dim() == 3,
+                           **opts)
     return S_all, Vn, S_final
 
 
@@ -140,5 +150,6 @@ def scan_backward(X, Y, W, KD, decay, dS_final):
     dS_next = X.new_empty(BH, n, dk, dv)
     dS0 = X.new_empty(BH, dk, dv)
     _scan_bwd_kernel[grid](X, Y, W, KD, decay, dS_final if dS_final is not None else dS0, dVn, dS_next, dS0, n, dk,
-                           dv, C=C, BK=bk, BV=bv, HAS_DS_FINAL=dS_final is not None, PRECISION="ieee", **opts)
+                           dv, C=C, BK=bk, BV=bv, HAS_DS_FINAL=dS_final is not None, PRECISION="ieee",
+                           PER_ROW=decay.dim() == 3, **opts)
     return dVn, dS_next, dS0

@@ -12,7 +12,8 @@ Qwen3.5's grouping) so a TP rank's contiguous slice of every tensor is its own h
 - ``in_proj`` (column-parallel): per key-head group ``[q (dk) | k (dk) | v (r dv) | z (r dv) | b (r) | a (r)]``,
   r = H / Hk (transformers' ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` regrouped by the bridge);
 - ``conv1d_weight`` [C, K], its channels per group ``[q | k | v]`` (HF's depthwise ``conv1d.weight`` [C, 1, K]);
-- ``A_log``, ``dt_bias`` [H] per value head; ``norm_weight`` [dv], the gated RMSNorm's, whole on every rank (each
+- ``A_log``, ``dt_bias`` [H] per value head (beta = ``beta_scale`` * sigmoid(b): OLMo Hybrid's 2 lets the state
+  transition I - beta k k^T have negative eigenvalues); ``norm_weight`` [dv], the gated RMSNorm's, whole on every rank (each
   rank's heads use all of it: its gradient is all-reduced over TP in the backward);
 - ``out_proj`` (row-parallel) [D, H dv].
 
@@ -60,18 +61,17 @@ def conv_group_width(config) -> int:
 class TreeGatedDeltaNet(MegatronModule):
     """A Gated DeltaNet token mixer over prefix forests; hidden states [s, b, D] -> ([s, b, D], bias)."""
 
+    chunk = 64  # the recurrence's chunk (kernels/gated_delta.py)
+    tp_split = ("conv1d_weight", "A_log", "dt_bias")  # its own parameters TP splits along dim 0 (by heads)
+
     def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int | None = None,
-                 pg_collection=None, cp_comm_type=None):
+                 pg_collection=None, cp_comm_type=None, beta_scale: float = 1.0, norm_epsilon: float | None = None):
         super().__init__(config=config)
-        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, \
             set_tensor_model_parallel_attributes
 
         self.layer_number = layer_number
-        tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-        tp = tp_group.size() if tp_group is not None else ps.get_tensor_model_parallel_world_size()
-        self.tp_group = tp_group if tp_group is not None else \
-            ps.get_tensor_model_parallel_group(check_initialized=False)
+        tp_group, self.tp_group, tp = tensor_parallel_group(pg_collection)
         nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
         if nv % nk or nk % tp:
             raise ValueError(f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk}), "
@@ -86,7 +86,9 @@ class TreeGatedDeltaNet(MegatronModule):
             raise ValueError(f"context parallelism {cp} splits the Gated DeltaNet's key heads per tensor-parallel rank "
                              f"({self.nk_local} = linear_num_key_heads {nk} / TP {tp}) across CP ranks: CP must "
                              "divide them")
-        self.eps = config.layernorm_epsilon
+        # the gated norm's epsilon (OLMo Hybrid's is its own) and the write strength's scale (spec params)
+        self.eps = config.layernorm_epsilon if norm_epsilon is None else norm_epsilon
+        self.beta_scale = float(beta_scale)
         linear_kwargs = dict(config=config, init_method=config.init_method, bias=False, is_expert=False)
         if tp_group is not None:
             linear_kwargs["tp_group"] = tp_group
@@ -113,7 +115,6 @@ class TreeGatedDeltaNet(MegatronModule):
         self.norm_weight = torch.nn.Parameter(torch.ones(self.dv, dtype=dtype))
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **unused):
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
         from forge_megatron.mcore import context_parallel as cpm
 
@@ -139,22 +140,31 @@ class TreeGatedDeltaNet(MegatronModule):
         q, k, v = qkv.reshape(T, nk, -1).split([self.dk, self.dk, rv], dim=-1)
         decay, beta = gd.gate_and_decay(a.reshape(T, nk * self.r), beta_in.reshape(T, nk * self.r),
                                         self.A_log[heads], self.dt_bias[heads])
+        if self.beta_scale != 1.0:  # OLMo Hybrid's allow_neg_eigval: beta in (0, 2)
+            beta = beta * self.beta_scale
         # the recurrence and the gated norm keep only their inputs for the backward and run again there (their fp32
         # intermediates come to several times the layer's input; benchmarks/gated_delta.py, docs/prefix_tree.md);
         # under Megatron's full recomputation the whole layer reruns before its backward anyway
         recompute = self.config.recompute_granularity != "full"
         o = gd.tree_gated_delta_rule(q, k, v.reshape(T, nk * self.r, self.dv), decay, beta, plan, recompute=recompute)
+        z = z.reshape(T, nk * self.r, self.dv).contiguous()  # its own copy: the projection's output can go
+        return self._normed_output(gated_rms_norm, o, z, recompute, nk, b, s)
+
+    def _normed_output(self, norm, o, gate, recompute: bool, heads: int, b: int, s: int):
+        """The gated ``norm`` of the recurrence's output ``o`` [T, .., d] (recomputed in the backward with
+        ``recompute``), back to this rank's tokens under CP (``heads``: the head groups this rank ran), through
+        ``out_proj``."""
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        from forge_megatron.mcore import context_parallel as cpm
+
         # the norm's weight is shared by every head of every TP rank: its gradient is summed over TP
         weight = copy_to_tensor_model_parallel_region(self.norm_weight)
-        z = z.reshape(T, nk * self.r, self.dv).contiguous()  # its own copy: the projection's output can go
-        if recompute and torch.is_grad_enabled():
-            o = torch.utils.checkpoint.checkpoint(gated_rms_norm, o, z, weight, self.eps, use_reentrant=False)
-        else:
-            o = gated_rms_norm(o, z, weight, self.eps)
+        o = recomputed(norm, o, gate, weight, self.eps, recompute=recompute)
+        C, _, group = cpm.cp_world()
         if C > 1:  # back to this rank's tokens of every head
-            o = cpm.heads_to_tokens(o.reshape(T, nk, rv), group)
-        o = o.reshape(b, s, -1).transpose(0, 1)
-        return self.out_proj(o)
+            o = cpm.heads_to_tokens(o.reshape(o.shape[0], heads, -1), group)
+        return self.out_proj(o.reshape(b, s, -1).transpose(0, 1))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Megatron's dist-checkpoint view: the convolution and the per-head decay parameters split over TP along
@@ -165,7 +175,7 @@ class TreeGatedDeltaNet(MegatronModule):
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         own = {}
         self._save_to_state_dict(own, "", keep_vars=True)
-        out = make_sharded_tensors_for_checkpoint(own, prefix, {"conv1d_weight": 0, "A_log": 0, "dt_bias": 0},
+        out = make_sharded_tensors_for_checkpoint(own, prefix, {name: 0 for name in self.tp_split},
                                                   sharded_offsets, tp_group=self.tp_group,
                                                   dp_cp_group=metadata["dp_cp_group"])
         for name, module in self.named_children():
@@ -179,7 +189,7 @@ class TreeGatedDeltaNet(MegatronModule):
         from forge_megatron.mcore.tree_attention import TreePackedSeqParams
 
         if packed_seq_params is None:  # every layer of a forward asks for the same one: built once
-            return _chain_plan(s, b, self.kernel, torch.device(device))
+            return _chain_plan(s, b, self.kernel, torch.device(device), self.chunk)
         if not isinstance(packed_seq_params, TreePackedSeqParams):
             raise ValueError("Gated DeltaNet layers take TreePackedSeqParams (a prefix tree) or no packed params "
                              f"(causal rows), got {type(packed_seq_params).__name__}")
@@ -187,7 +197,7 @@ class TreeGatedDeltaNet(MegatronModule):
             raise ValueError(f"a tree is one sequence of {packed_seq_params.position_ids.numel()} tokens; got "
                              f"hidden states [{s}, {b}]")
         # every linear-attention layer of the micro-batch shares one plan
-        key = ("gated_delta_plan", self.kernel)
+        key = ("gated_delta_plan", self.kernel, self.chunk)
         cache = packed_seq_params.__dict__.setdefault("_recurrence_plans", {})
         if key not in cache:
             depth = packed_seq_params.position_ids.to(device)
@@ -196,14 +206,34 @@ class TreeGatedDeltaNet(MegatronModule):
                 depth = cpm.gather_tree(depth, group)
             if depth.numel() != T:
                 raise ValueError(f"the tree has {depth.numel()} tokens, the layer runs {T}")
-            cache[key] = gd.plan_tree(depth, self.kernel)
+            cache[key] = gd.plan_tree(depth, self.kernel, self.chunk)
         return cache[key]
 
 
 @functools.lru_cache(maxsize=8)
-def _chain_plan(s: int, b: int, kernel: int, device: torch.device) -> gd.RecurrencePlan:
+def _chain_plan(s: int, b: int, kernel: int, device: torch.device, chunk: int = 64) -> gd.RecurrencePlan:
     """The plan of ``b`` causal rows of ``s`` tokens (conversion checks, evaluation): read-only, so shared."""
-    return gd.plan_chains(s, b, kernel, device=device)
+    return gd.plan_chains(s, b, kernel, chunk=chunk, device=device)
+
+
+def tensor_parallel_group(pg_collection):
+    """(the group Megatron handed in ``pg_collection``, or None; the tensor-parallel group, that one or the global
+    one; its size)."""
+    from megatron.core import parallel_state as ps
+
+    handed = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    if handed is not None:
+        return handed, handed, handed.size()
+    return None, ps.get_tensor_model_parallel_group(check_initialized=False), \
+        ps.get_tensor_model_parallel_world_size()
+
+
+def recomputed(fn, *args, recompute: bool):
+    """``fn(*args)``, under a non-reentrant activation checkpoint when ``recompute`` and autograd records: only the
+    inputs wait for the backward, which runs ``fn`` again."""
+    if recompute and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -214,13 +244,17 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return ((weight * normed) * F.silu(z.float())).to(o.dtype)
 
 
-def gated_delta_net_spec():
-    """The ``self_attention`` spec of a Gated DeltaNet layer (Megatron's local linears)."""
+def gated_delta_net_spec(beta_scale: float = 1.0, norm_epsilon: float | None = None):
+    """The ``self_attention`` spec of a Gated DeltaNet layer (Megatron's local linears); ``beta_scale`` multiplies
+    the write strength sigmoid(b) (OLMo Hybrid: 2), ``norm_epsilon`` is the gated norm's (None: the layer norms')."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     return ModuleSpec(module=TreeGatedDeltaNet,
-                      submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))
+                      submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+                      params={"beta_scale": beta_scale, "norm_epsilon": norm_epsilon})
 
 
 def is_gated_delta_net(attn_spec) -> bool:
-    return getattr(attn_spec, "module", None) is TreeGatedDeltaNet
+    """A linear-attention mixer's spec (Gated DeltaNet, or Kimi Delta Attention: mcore/kimi_delta.py)."""
+    module = getattr(attn_spec, "module", None)
+    return isinstance(module, type) and issubclass(module, TreeGatedDeltaNet)

@@ -97,6 +97,16 @@ class GPTConfig:
     linear_key_head_dim: int = 16
     linear_value_head_dim: int = 16
     linear_conv_kernel: int = 4
+    # OLMo Hybrid: the Gated DeltaNet layers normalise their sublayers' inputs (Llama's pre-norm layer) whatever
+    # pre_norm / post_norm say of the full-attention layers (OLMo 3's post-norm ones there)
+    linear_pre_norm: bool = False
+    # the write strength beta = scale * sigmoid(b) (OLMo Hybrid's allow_neg_eigval: 2, so beta in (0, 2): the state
+    # transition I - beta k k^T may have negative eigenvalues)
+    linear_beta_scale: float = 1.0
+    linear_norm_epsilon: float | None = None  # the gated output norm's epsilon; None: norm_epsilon
+    # the linear-attention layers' kind: "gated_delta" (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo Hybrid) or
+    # "kimi_delta" (Kimi Delta Attention: a decay per key channel, low-rank gates; mcore/kimi_delta.py)
+    linear_attention_kind: str = "gated_delta"
     params_dtype: torch.dtype = torch.float32
     bf16: bool = False
     extra: dict = field(default_factory=dict)  # passed through to TransformerConfig
@@ -164,12 +174,15 @@ class GPTConfig:
                                  "standard or multi-latent attention only")
         if self.nope_layers is not None:
             self.nope_layers = tuple(bool(x) for x in self.nope_layers)
-            if len(self.nope_layers) != self.num_layers or self.multi_latent_attention:
+            if len(self.nope_layers) != self.num_layers or (self.multi_latent_attention and
+                                                            not all(self.nope_layers)):
                 raise ValueError(f"nope_layers has {len(self.nope_layers)} entries for {self.num_layers} layers (and "
-                                 "needs standard attention)")
-        if self.post_norm and (self.add_bias_linear or self.multi_latent_attention or self.linear_attention):
+                                 "needs standard attention, or multi-latent attention without RoPE in any layer)")
+        if self.post_norm and (self.add_bias_linear or self.multi_latent_attention or
+                               (self.hybrid and not self.linear_pre_norm)):
             raise ValueError("post_norm (norms after attention and MLP: OLMo, Gemma 3) is supported with standard "
-                             "attention and no linear biases")
+                             "attention and no linear biases (and, in a hybrid model, pre-norm Gated DeltaNet "
+                             "layers: linear_pre_norm)")
         if not self.pre_norm and not self.post_norm:
             raise ValueError("a layer needs its norms before (pre_norm) or after (post_norm) its sublayers, or both")
         if self.activation not in ("silu", "gelu_tanh") or (self.activation != "silu" and not self.swiglu):
@@ -182,9 +195,18 @@ class GPTConfig:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                                  f"linear_num_key_heads ({self.linear_num_key_heads})")
-            if self.multi_latent_attention or self.moe_dense_layers:
+            if self.linear_attention_kind not in ("gated_delta", "kimi_delta"):
+                raise ValueError(f"linear_attention_kind must be 'gated_delta' or 'kimi_delta', got "
+                                 f"{self.linear_attention_kind!r}")
+            kda = self.linear_attention_kind == "kimi_delta"
+            if (self.multi_latent_attention or self.moe_dense_layers) and not kda:
                 raise ValueError("Gated DeltaNet layers are supported with standard attention, in dense models or "
                                  "MoE models whose every layer is MoE")
+            if kda and (self.linear_num_key_heads != self.linear_num_value_heads or
+                        self.linear_key_head_dim != self.linear_value_head_dim):
+                raise ValueError("Kimi Delta Attention has as many key as value heads, all of one size")
+            if not 0 < self.linear_beta_scale <= 2:
+                raise ValueError(f"linear_beta_scale must be in (0, 2], got {self.linear_beta_scale}")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) > num_moe_experts ({self.num_moe_experts})")
 
@@ -414,7 +436,7 @@ def _with_attention_submodules(spec, swaps):
 def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None):
     """The standard (causal) layer spec: local Megatron-Core modules, or Transformer Engine's when asked. A MoE
     model with dense first layers gets Megatron's block spec of this pipeline stage's (``vp_stage``'s) layers."""
-    spec = _layer_spec(cfg, use_te, vp_stage)
+    spec = pre_norm = _layer_spec(cfg, use_te, vp_stage)
     if cfg.post_norm:
         if use_te:
             raise ValueError("post-norm models (OLMo 2 / 3, Gemma 3) build with the local spec: Transformer "
@@ -422,8 +444,8 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from forge_megatron.mcore.post_norm import post_norm_spec
 
         spec = post_norm_spec(spec, keep_pre_norms=cfg.pre_norm)
-    if cfg.hybrid:
-        spec = _hybrid_block_spec(cfg, spec, vp_stage)
+    if cfg.hybrid:  # (OLMo Hybrid: post-norm attention layers, pre-norm Gated DeltaNet ones)
+        spec = _hybrid_block_spec(cfg, spec, pre_norm if cfg.linear_pre_norm else spec, vp_stage)
     if cfg.qk_layernorm_all_heads:
         from forge_megatron.mcore.qk_norm import KeyNormAllHeads, QueryNormAllHeads
 
@@ -453,9 +475,10 @@ def dsa_core_attention(cfg: GPTConfig):
     return ModuleSpec(module=SparseTreeAttention, params=dsa_spec_params(cfg))
 
 
-def _hybrid_block_spec(cfg: GPTConfig, spec, vp_stage: int | None):
-    """The block spec of this pipeline stage's layers, each a copy of the layer spec ``spec`` whose self-attention
-    is a Gated DeltaNet where ``cfg.linear_attention`` says so."""
+def _hybrid_block_spec(cfg: GPTConfig, spec, linear_base, vp_stage: int | None):
+    """The block spec of this pipeline stage's layers: the layer spec ``spec`` where ``cfg.linear_attention`` says
+    full attention, else a copy of ``linear_base`` (``spec``, or OLMo Hybrid's pre-norm layer) whose self-attention
+    is a Gated DeltaNet."""
     import dataclasses
 
     from megatron.core.transformer import transformer_block as tb
@@ -464,11 +487,26 @@ def _hybrid_block_spec(cfg: GPTConfig, spec, vp_stage: int | None):
     from forge_megatron.mcore.gated_delta_net import gated_delta_net_spec
 
     tcfg = transformer_config(cfg)
-    linear = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
-                                                                      self_attention=gated_delta_net_spec()))
+    if cfg.linear_attention_kind == "kimi_delta":
+        from forge_megatron.mcore.kimi_delta import kimi_delta_spec
+
+        mixer = kimi_delta_spec()
+    else:
+        mixer = gated_delta_net_spec(cfg.linear_beta_scale, cfg.linear_norm_epsilon)
+
+    def linear(base):
+        return dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, self_attention=mixer))
+
     offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
     layers = cfg.linear_attention[offset: offset + tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage)]
-    return tb.TransformerBlockSubmodules(layer_specs=[linear if x else spec for x in layers],
+    if hasattr(spec, "layer_specs"):  # a MoE model's block spec with dense first layers: this stage's layers
+        if linear_base is not spec:
+            raise ValueError("pre-norm linear-attention layers beside post-norm ones (linear_pre_norm) in a MoE "
+                             "model with dense layers are not supported")
+        if len(spec.layer_specs) != len(layers):
+            raise ValueError(f"the block spec has {len(spec.layer_specs)} layers, this stage {len(layers)}")
+        return dataclasses.replace(spec, layer_specs=[linear(s) if x else s for s, x in zip(spec.layer_specs, layers)])
+    return tb.TransformerBlockSubmodules(layer_specs=[linear(linear_base) if x else spec for x in layers],
                                          layer_norm=tb.LayerNormImpl)
 
 
@@ -538,7 +576,10 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
                                      cfg.rotary_dim, cfg.head_dim, sliding_base=cfg.sliding_rotary_base,
                                      base_scale=cfg.softmax_scale)
     if cfg.nope_layers is not None and any(cfg.nope_layers):
-        rope.leave_out(model, cfg.nope_layers)
+        if cfg.multi_latent_attention:  # (every layer: GPTConfig checks) Kimi Linear's MLA rotates nothing
+            rope.no_rotation(model)
+        else:
+            rope.leave_out(model, cfg.nope_layers)
     if cfg.query_scaling is not None:
         rope.scale_queries(model, *cfg.query_scaling)
     if cfg.embedding_multiplier is not None and getattr(model, "embedding", None) is not None:

@@ -241,6 +241,16 @@ def leave_out(model, nope_layers) -> None:
             layer.self_attention.register_forward_pre_hook(no_rope, with_kwargs=True)
 
 
+def no_rotation(model) -> None:
+    """RoPE that rotates nothing in ``model`` (a GPTModel stage): every rotary module's frequencies zero, so each
+    angle is 0 and each rotation the identity, exactly (Kimi Linear's multi-latent attention, which Megatron always
+    rotates: its shared key part stays as projected)."""
+    for rotary in rotary_modules(model):
+        rotary.inv_freq = torch.zeros_like(rotary.inv_freq)
+        if hasattr(rotary.forward, "cache_clear"):
+            rotary.forward.cache_clear()
+
+
 def scale_queries(model, beta: float, original_max: int) -> None:
     """Ministral 3's (Llama 4's) attention temperature in ``model`` (a GPTModel stage): the query of a token at
     position p is multiplied by ``1 + beta * log(1 + floor(p / original_max))`` (1 below ``original_max``). HF scales

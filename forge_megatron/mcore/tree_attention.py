@@ -268,7 +268,9 @@ def _use_depth_rope_mla(model):
     handles = []
     for layer in model.decoder.layers:
         attention = layer.self_attention
-        rotary = attention.rotary_pos_emb
+        rotary = getattr(attention, "rotary_pos_emb", None)
+        if rotary is None:  # a linear-attention layer beside the MLA ones (Kimi Linear)
+            continue
         if hasattr(rotary, "cp_group"):
             rotary.cp_group = None  # as above: the whole table, indexed by depth
         positions = {}

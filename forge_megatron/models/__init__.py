@@ -1,5 +1,7 @@
 """Small model assets built locally (tiny HF checkpoints and tokenizer for tests and the demo)."""
 
+import re
+
 
 def _text_in_logits_out(method: str, source, **kwargs):
     """``AutoModelForCausalLM.<method>(source)``; for a causal LM transformers maps to no auto class (Mistral Small
@@ -71,17 +73,78 @@ def _kimi_k25_names(state: dict) -> dict:
     return out
 
 
+def olmo_hybrid_conv_split(config) -> list[int]:
+    """OLMo Hybrid's depthwise convolution channels as released: ``q_conv1d``, ``k_conv1d``, ``v_conv1d`` (transformers
+    concatenates them into one ``conv1d``)."""
+    key = config.linear_num_key_heads * config.linear_key_head_dim
+    return [key, key, config.linear_num_value_heads * config.linear_value_head_dim]
+
+
+def _olmo_hybrid_names(state: dict, config) -> dict:
+    """OLMo Hybrid with its Gated DeltaNet layers' convolution as three tensors (``q_conv1d``, ``k_conv1d``,
+    ``v_conv1d``: what SGLang's loader and transformers' read) and transformers' other names (transformers 5.24's
+    reverse conversion splits the convolution into equal thirds and renames the layers' norms to OLMo-core's
+    ``attention_layer_norm`` / ``feedforward_layer_norm``, the attention layers' too, so it cannot be used)."""
+    linear = {i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"}
+    out = {}
+    for name, t in state.items():
+        m = re.match(r"model\.layers\.(\d+)\.(.+)", name)
+        if m is None or int(m.group(1)) not in linear:
+            out[name] = t
+            continue
+        prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+        if rest == "linear_attn.conv1d.weight":
+            for part, piece in zip("qkv", t.split(olmo_hybrid_conv_split(config))):
+                out[f"{prefix}linear_attn.{part}_conv1d.weight"] = piece
+        else:
+            out[prefix + rest] = t
+    return out
+
+
+def _kimi_linear_names(state: dict, config) -> dict:
+    """Kimi Linear as released: the Kimi Delta Attention layers' three convolutions and forget-gate tensors under
+    ``self_attn.``, the MoE layers under ``block_sparse_moe.`` with Mixtral's experts one by one (``w1`` gate, ``w3``
+    up, ``w2`` down), the dense layers' MLP under ``mlp.`` (transformers 5.24's reverse conversion names those
+    ``block_sparse_moe`` too)."""
+    moe = {i for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse"}
+    out = {}
+    for name, t in state.items():
+        m = re.match(r"(model\.layers\.(\d+)\.)(.+)", name)
+        if m is None:
+            out[name] = t
+            continue
+        prefix, rest = m.group(1), m.group(3)
+        if rest == "self_attn.conv1d.weight":
+            for part, piece in zip("qkv", t.chunk(3)):
+                out[f"{prefix}self_attn.{part}_conv1d.weight"] = piece
+        elif rest.startswith("self_attn.forget_gate."):
+            out[prefix + "self_attn." + rest[len("self_attn.forget_gate."):]] = t
+        elif int(m.group(2)) in moe and rest == "mlp.experts.gate_up_proj":
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2)
+                out[f"{prefix}block_sparse_moe.experts.{e}.w1.weight"] = gate
+                out[f"{prefix}block_sparse_moe.experts.{e}.w3.weight"] = up
+        elif int(m.group(2)) in moe and rest == "mlp.experts.down_proj":
+            for e, w in enumerate(t):
+                out[f"{prefix}block_sparse_moe.experts.{e}.w2.weight"] = w
+        elif int(m.group(2)) in moe and rest.startswith("mlp."):
+            out[prefix + "block_sparse_moe." + rest[len("mlp."):]] = t
+        else:
+            out[name] = t
+    return out
+
+
 def save_checkpoint(model, out_dir: str) -> None:
     """Write ``model`` (a transformers model) to ``out_dir`` as its released checkpoints are laid out:
     ``save_pretrained``, except where transformers cannot write the layout back (Qwen3-VL-MoE's experts,
-    Kimi-K2.5's names)."""
+    Kimi-K2.5's, OLMo Hybrid's and Kimi Linear's names)."""
     import os
 
     from safetensors.torch import save_file
 
     kind = model.config.model_type
     fused = TRANSPOSED_EXPERTS.get(kind, ())
-    if not fused and kind != "kimi_k25":
+    if not fused and kind not in ("kimi_k25", "olmo_hybrid", "kimi_linear"):
         model.save_pretrained(out_dir, safe_serialization=True)
         return
     state = {}
@@ -91,6 +154,10 @@ def save_checkpoint(model, out_dir: str) -> None:
         state[name] = t.transpose(1, 2) if fused and name.endswith(fused) else t
     if kind == "kimi_k25":
         state = _kimi_k25_names(state)
+    elif kind == "olmo_hybrid":
+        state = _olmo_hybrid_names(state, model.config)
+    elif kind == "kimi_linear":
+        state = _kimi_linear_names(state, model.config)
     state = {name: t.contiguous() for name, t in state.items()}
     os.makedirs(out_dir, exist_ok=True)
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

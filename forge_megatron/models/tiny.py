@@ -34,7 +34,8 @@ SPECIAL_TOKENS = (
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
-         "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl")
+         "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
+         "olmo_hybrid", "kimi_linear")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -305,6 +306,25 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                                                     "beta_slow": 1.0, "original_max_position_embeddings": 512,
                                                     "rope_theta": 10000.0}}},
         ),
+        # OLMo Hybrid layout: a pre-norm Gated DeltaNet layer (Qwen3.5's sizes, separate projections, beta in (0, 2))
+        # then OLMo 3's post-norm full-attention layer without RoPE (NoPE, as released: rope_theta None)
+        "olmo_hybrid": (
+            transformers.OlmoHybridConfig,
+            {**{k: v for k, v in hybrid.items() if k != "head_dim"}, "linear_allow_neg_eigval": True,
+             "rope_parameters": {"rope_type": "default", "rope_theta": None}},
+        ),
+        # Kimi Linear layout: a Kimi Delta Attention layer (2 heads of 8 channels, a decay per channel) with a dense
+        # MLP, then multi-latent attention without RoPE (no query latent) with a MoE (4 experts, top-2, a sigmoid
+        # router with score-correction bias, a shared expert)
+        "kimi_linear": (
+            transformers.KimiLinearConfig,
+            {"num_key_value_heads": 4, "kv_lora_rank": 24, "q_lora_rank": None, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 12, "layer_types": ["linear_attention", "full_attention"],
+             "mlp_layer_types": ["dense", "sparse"], "linear_num_heads": 2, "linear_head_dim": 8,
+             "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+             "num_shared_experts": 1, "routed_scaling_factor": 2.5, "num_expert_group": 1, "topk_group": 1,
+             "moe_renormalize": True, "model_max_length": 2048},
+        ),
         # GLM-4 dense layout: sandwich norms, fused gate/up, interleaved RoPE on half of each head, q/k/v biases
         "glm4": (transformers.Glm4Config, {"head_dim": 16, "attention_bias": True,
                                            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
@@ -369,12 +389,16 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape))
             elif name.endswith(("_proj_bias", "router.bias")):
                 p.copy_(torch.randn(p.shape) * 0.1)
-            elif arch in ("minimax_m2", "olmo2", "olmo3") and name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid") and \
+                    name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
-            elif arch in ("olmo2", "olmo3", "glm4", "glm4v") and name.endswith("layernorm.weight"):
+            elif arch in ("olmo2", "olmo3", "glm4", "glm4v", "olmo_hybrid") and \
+                    name.endswith(("layernorm.weight", "o_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
             elif arch.startswith("gemma3") and name.endswith("norm.weight") and "vision" not in name:
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters
+            elif arch == "kimi_linear" and name.endswith(("layernorm.weight", "o_norm.weight")):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms (the gated one too) and the latent norm
             elif ".indexer.k_norm." in name:  # DSA: the indexer's LayerNorm (weight and bias) matters
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + torch.randn(p.shape) * 0.2)
             elif arch.startswith(("qwen3_5", "qwen3_next")) and name.endswith("norm.weight"):

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
-from forge_megatron.models import TRANSPOSED_EXPERTS
+from forge_megatron.models import TRANSPOSED_EXPERTS, olmo_hybrid_conv_split
 from forge_megatron.rollout.weight_group import broadcast_tensor, init_weight_update_group
 from forge_megatron.weight_sync.buckets import missing_partners
 from forge_megatron.weight_sync.fp8 import FP8_DTYPE, Fp8Config, dequantize_named
@@ -422,7 +422,7 @@ class ReferenceEngine:
         params = self.model.state_dict()
         writes = []  # (destination view, tensor)
         for name, tensor in named.items():
-            dest = self._destination(params, name, self.model.config.model_type)
+            dest = self._destination(params, name, self.model.config)
             _require(tuple(dest.shape) == tuple(tensor.shape),
                      f"shape of {name!r} is {tuple(tensor.shape)}, the model has {tuple(dest.shape)}")
             writes.append((dest, tensor))
@@ -431,11 +431,26 @@ class ReferenceEngine:
                 dest.copy_(tensor.to(dest.dtype))
 
     @staticmethod
-    def _destination(params: dict[str, torch.Tensor], name: str, model_type: str) -> torch.Tensor:
+    def _destination(params: dict[str, torch.Tensor], name: str, config) -> torch.Tensor:
+        model_type = config.model_type
         if name.endswith(TRANSPOSED_EXPERTS.get(model_type, ())):  # Qwen3-VL-MoE: the checkpoint has transposes
             dest = params.get(name, params.get(_in_memory_name(name)))
             _require(dest is not None, f"unknown parameter name {name!r}")
             return dest.transpose(1, 2)
+        if model_type in ("olmo_hybrid", "kimi_linear"):  # released names: the convolution in three, ...
+            m = _SPLIT_CONV.fullmatch(name)
+            if m is not None:  # q, k or v's rows of transformers' one convolution
+                fused = params.get(f"{m.group(1)}.conv1d.weight")
+                _require(fused is not None, f"unknown parameter name {name!r}")
+                sizes = olmo_hybrid_conv_split(config) if model_type == "olmo_hybrid" else \
+                    [config.linear_num_heads * config.linear_head_dim] * 3
+                return fused.split(sizes)["qkv".index(m.group(2))]
+            m = _OLMO_HYBRID_NORM.fullmatch(name)
+            if m is not None and model_type == "olmo_hybrid":  # ... the linear layers' norms
+                name = f"{m.group(1)}.{'input' if m.group(2) == 'attention' else 'post_attention'}_layernorm.weight"
+            m = _KIMI_FORGET_GATE.fullmatch(name)
+            if m is not None and model_type == "kimi_linear":  # ... the forget gate's tensors
+                name = f"{m.group(1)}.forget_gate.{m.group(2)}"
         # as named (a vision-language model served whole), or as a text-only model holds it
         for candidate in dict.fromkeys((name, _in_memory_name(name))):
             if candidate in params:
@@ -477,6 +492,10 @@ class ReferenceEngine:
         self.load_state(named)
 
 
+# OLMo Hybrid's and Kimi Linear's released names transformers renames on loading (their linear-attention layers')
+_SPLIT_CONV = re.compile(r"(.+\.(?:linear_attn|self_attn))\.([qkv])_conv1d\.weight")
+_OLMO_HYBRID_NORM = re.compile(r"(.+)\.(attention|feedforward)_layer_norm\.weight")
+_KIMI_FORGET_GATE = re.compile(r"(.+\.self_attn)\.(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)")
 _PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _MIXTRAL_EXPERT = re.compile(r"(.+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

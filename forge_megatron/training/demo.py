@@ -54,12 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=None,
-                   help="RL learning rate (default 1e-3; 3e-4 with --arch olmo3 / gemma3, whose norms after "
-                        "attention and MLP make these tiny models collapse at 1e-3: success 0.31 -> 0.00 over 40 "
+                   help="RL learning rate (default 1e-3; 3e-4 with --arch olmo3 / olmo_hybrid / gemma3, whose norms "
+                        "after attention and MLP make these tiny models collapse at 1e-3: success 0.31 -> 0.00 over 40 "
                         "steps; their gradients equal transformers')")
     p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
-                   choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32", "mistral4", "gpt_oss",
-                            "minimax_m2"],
+                   choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32", "mistral4", "kimi_linear",
+                            "gpt_oss", "minimax_m2"],
                    help="a tiny MoE model (4 experts, top-2) with rollout routing replay end to end: Qwen3-MoE "
                         "(default); glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
                         "score-correction bias, a shared expert, RoPE on half of each head); deepseek_v3: the "
@@ -67,16 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
                         f"deepseek_v32: DeepSeek-V3.2's (DeepSeek-V3's with sparse attention: each token past the "
                         f"{DSA_TOPK}th attends to the {DSA_TOPK} keys its indexer picks); mistral4: Mistral Small "
                         "4's (multi-latent attention with YaRN and queries scaled past position 64, a softmax "
-                        "router, a shared expert); "
+                        "router, a shared expert); kimi_linear: Kimi Linear's (Kimi Delta Attention layers, a decay "
+                        "per key channel, trained on prefix trees; every fourth layer, and the last, multi-latent "
+                        "attention without RoPE; DeepSeek-V3's MoE after a dense first layer); "
                         "gpt_oss: attention sinks, a sliding window on every other layer, biased experts with the "
                         "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
                         "q/k RMSNorms over all heads)")
-    p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "gemma3"], default="qwen2",
+    p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3"], default="qwen2",
                    help="the dense model's layout: qwen2 (default); qwen3_5: the Qwen3.5 hybrid (Gated DeltaNet "
                         "linear-attention layers trained on prefix trees, every fourth layer, and the last, gated full "
                         "attention; zero-centred norms); olmo3: the OLMo 3 layout (norms after attention and MLP, "
                         "q/k norms over all heads, a 32-token sliding window on three of every four layers with "
-                        "plain RoPE, YaRN on the full-attention ones); gemma3: the Gemma 3 text layout (norms before "
+                        "plain RoPE, YaRN on the full-attention ones); olmo_hybrid: OLMo Hybrid's (pre-norm Gated "
+                        "DeltaNet layers with beta in (0, 2), every fourth layer, and the last, OLMo 3's post-norm "
+                        "attention without RoPE); gemma3: the Gemma 3 text layout (norms before "
                         "and after attention and MLP, GeGLU, the scaled embedding, a 32-token window with RoPE base "
                         "10k on five of every six layers, base 1M on the others, tied embeddings)")
     p.add_argument("--agent-api", choices=calculator.APIS, default="chat",
@@ -168,11 +172,17 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
         arch["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                    "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                                    "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
-    if args.arch == "qwen3_5":
+    if args.moe == "kimi_linear":
         every = min(4, args.num_layers)
-        arch["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                               for i in range(args.num_layers)]
-        kind = "Qwen3.5 hybrid: Gated DeltaNet + gated attention, "
+        arch.update(layer_types=["full_attention" if (i + 1) % every == 0 or i + 1 == args.num_layers
+                                 else "linear_attention" for i in range(args.num_layers)],
+                    mlp_layer_types=["dense"] + ["sparse"] * (args.num_layers - 1))
+    if args.arch in ("qwen3_5", "olmo_hybrid"):
+        every = min(4, args.num_layers)
+        arch["layer_types"] = ["full_attention" if (i + 1) % every == 0 or i + 1 == args.num_layers
+                               else "linear_attention" for i in range(args.num_layers)]
+        kind = "Qwen3.5 hybrid: Gated DeltaNet + gated attention, " if args.arch == "qwen3_5" else \
+            "OLMo Hybrid: pre-norm Gated DeltaNet + post-norm NoPE attention, "
     if args.arch == "olmo3":
         arch.update(sliding_window=32, layer_types=["full_attention" if (i + 1) % 4 == 0 or i + 1 == args.num_layers
                                                     else "sliding_attention" for i in range(args.num_layers)])
@@ -344,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--moe {args.moe} and --arch {args.arch}: the MoE layouts are their own architectures; "
                          "give one of the two")
     if args.lr is None:
-        args.lr = 3e-4 if args.arch in ("olmo3", "gemma3") else 1e-3
+        args.lr = 3e-4 if args.arch in ("olmo3", "olmo_hybrid", "gemma3") else 1e-3
     start = time.time()
     if os.path.isdir(args.out):
         shutil.rmtree(args.out)  # idempotent: every run starts from scratch

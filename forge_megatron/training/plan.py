@@ -109,13 +109,18 @@ def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None
 
 
 def gated_delta_net_bytes(cfg, tp: int, sp: bool) -> float:
-    """Bytes a Gated DeltaNet mixer (mcore/gated_delta_net.py, bf16) keeps per token for its backward on one TP
+    """Bytes a Gated DeltaNet mixer (mcore/gated_delta_net.py, bf16; Kimi Delta Attention's: mcore/kimi_delta.py)
+    keeps per token for its backward on one TP
     rank, with its recurrence and gated norm recomputed (the default): the input projection's input (split by SP),
     the convolution's input and its SiLU output (q, k, v: the recurrence's saved inputs), the decays and write
     strengths (fp32, a few per value head), the recurrence's output, the gate z and the output projection's input.
     A test compares it with what the layer really keeps (tests/training/test_plan.py)."""
     h = cfg.hidden_size
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if cfg.linear_attention_kind == "kimi_delta":  # Kimi Delta Attention (mcore/kimi_delta.py), decays recomputed:
+        d = cfg.linear_value_head_dim  # the convolution's input and output, the forget gate's input and b (bf16),
+        # the output gate, the rule's output and the output projection's input, the gates' down projection (whole)
+        return 2 * h / (tp if sp else 1) + (12 * nv * d + 2 * nv * d + 2 * nv + 6 * nv * d) / tp + 4 * d
     channels = nk * 2 * cfg.linear_key_head_dim + nv * cfg.linear_value_head_dim  # q, k, v
     return 2 * h / (tp if sp else 1) + (4 * channels + 6 * nv * cfg.linear_value_head_dim + 16 * nv) / tp
 

@@ -315,6 +315,88 @@ def test_mistral_small_4_config_as_published():
         Bridge({**text, "architectures": ["Mistral4ForCausalLM"], "scoring_func": "sigmoid"})
 
 
+def test_olmo_hybrid_config_as_published():
+    """OLMo Hybrid 7B as transformers documents it (OlmoHybridConfig's defaults): 32 layers, every fourth OLMo 3's
+    post-norm attention (30 heads), the others pre-norm Gated DeltaNet (30 key and value heads of 96 and 192
+    channels, beta in (0, 2)); RoPE exactly where transformers' model builds a rotary embedding (no rope_theta: the
+    released checkpoints' NoPE); the released names of the linear layers' norms and convolutions."""
+    from transformers import OlmoHybridConfig, OlmoHybridModel
+
+    base = {**OlmoHybridConfig().to_dict(), "architectures": ["OlmoHybridForCausalLM"]}
+    bridge = Bridge(base)
+    cfg = bridge.cfg
+    assert bridge.family.name == "olmo_hybrid" and cfg.hybrid and cfg.linear_pre_norm and cfg.post_norm
+    assert not cfg.pre_norm and not cfg.zero_centered_norm and not cfg.attention_output_gate
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim) == \
+        (32, 3840, 30, 30, 128)
+    assert "".join("LF"[not x] for x in cfg.linear_attention) == "LLLF" * 8
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim, cfg.linear_beta_scale, cfg.linear_norm_epsilon) == (30, 30, 96, 192, 2.0, 1e-5)
+    assert bridge.hf_names("decoder.layers.0.input_layernorm.weight") == ["model.layers.0.input_layernorm.weight"]
+    assert bridge.hf_names("decoder.layers.0.pre_mlp_layernorm.weight") == \
+        ["model.layers.0.post_attention_layernorm.weight"]
+    assert bridge.hf_names("decoder.layers.3.post_self_attn_layernorm.weight") == \
+        ["model.layers.3.post_attention_layernorm.weight"]
+    assert bridge.hf_shape("model.layers.0.linear_attn.k_conv1d.weight") == (2880, 1, 4)
+    assert bridge.hf_shape("model.layers.0.linear_attn.v_conv1d.weight") == (5760, 1, 4)
+    assert bridge.hf_shape("model.layers.0.linear_attn.o_proj.weight") == (3840, 5760)
+    assert bridge.hf_shape("model.layers.3.self_attn.o_proj.weight") == (3840, 3840)
+    assert Bridge({**base, "linear_allow_neg_eigval": False}).cfg.linear_beta_scale == 1.0
+    small = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=64, vocab_size=128,
+                 pad_token_id=0, eos_token_id=1)
+    for rope in ({"rope_theta": None}, {"rope_parameters": None}, {"rope_parameters": {"rope_type": "default",
+                                                                                       "rope_theta": 5e5}}):
+        hf = OlmoHybridConfig.from_dict({**small, **rope})
+        nope = OlmoHybridModel(hf).rotary_emb is None
+        cfg = Bridge({**hf.to_dict(), "architectures": ["OlmoHybridForCausalLM"]}).cfg
+        assert (cfg.nope_layers is not None and all(cfg.nope_layers)) == nope, rope
+    assert nope is False and cfg.rotary_base == 5e5
+    with pytest.raises(UnsupportedModelError, match="sliding_window / clip_qkv in an OLMo Hybrid config"):
+        Bridge({**base, "sliding_window": 4096})
+
+
+def test_kimi_linear_config_as_published():
+    """Kimi-Linear-48B-A3B as its config states it (Moonshot's field names: ``linear_attn_config`` with 1-indexed
+    full-attention layers, ``num_experts``, ``num_experts_per_token``, ...; transformers' KimiLinearConfig resolves
+    them): 27 layers, 7 of them multi-latent attention without RoPE (no query latent), the others Kimi Delta
+    Attention (32 heads of 128); 256 sigmoid-routed experts (8 per token, scaled 2.446) and a shared one after a
+    dense first layer; the layers' shared ``self_attn.`` names take their kind's shapes."""
+    full = [4, 8, 12, 16, 20, 24, 27]
+    release = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 163840,
+               "hidden_size": 2304, "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_hidden_layers": 27,
+               "num_attention_heads": 32, "num_key_value_heads": 32, "num_experts": 256, "num_experts_per_token": 8,
+               "num_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.446,
+               "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+               "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+               "v_head_dim": 128, "model_max_length": 1048576, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+               "linear_attn_config": {"full_attn_layers": full, "kda_layers": [i for i in range(1, 28) if i not in full],
+                                      "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4}}
+    bridge = Bridge(release)
+    cfg = bridge.cfg
+    assert bridge.family.name == "kimi_linear" and cfg.linear_attention_kind == "kimi_delta"
+    assert [i + 1 for i, x in enumerate(cfg.linear_attention) if not x] == full
+    assert cfg.multi_latent_attention and cfg.q_lora_rank is None and all(cfg.nope_layers) and cfg.rope_scaling is None
+    assert (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_conv_kernel) == (32, 128, 4)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size,
+            cfg.moe_dense_layers, cfg.max_position_embeddings) == (256, 8, 1024, 1024, 1, 1048576)
+    assert cfg.extra["moe_router_topk_scaling_factor"] == 2.446 and cfg.extra["moe_router_enable_expert_bias"]
+    assert bridge.hf_shape("model.layers.0.self_attn.q_proj.weight") == (4096, 2304)  # Kimi Delta Attention
+    assert bridge.hf_shape("model.layers.3.self_attn.q_proj.weight") == (32 * 192, 2304)  # MLA (layer 4)
+    assert bridge.hf_shape("model.layers.0.self_attn.A_log") == (1, 1, 32, 1)
+    assert bridge.hf_names("decoder.layers.5.mlp.experts.local_experts.7.linear_fc1.weight") == \
+        ["model.layers.5.block_sparse_moe.experts.7.w1.weight", "model.layers.5.block_sparse_moe.experts.7.w3.weight"]
+    assert bridge.hf_names("decoder.layers.5.mlp.shared_experts.linear_fc2.weight") == \
+        ["model.layers.5.block_sparse_moe.shared_experts.down_proj.weight"]
+    assert bridge.hf_names("decoder.layers.0.mlp.linear_fc2.weight") == ["model.layers.0.mlp.down_proj.weight"]
+    with pytest.raises(UnsupportedModelError, match="moe_router_activation_func='softmax'"):
+        Bridge({**release, "moe_router_activation_func": "softmax"})
+    with pytest.raises(ValueError, match="tp=3 does not divide num_query_groups=32"):
+        bridge.check_layout(ParallelLayout(tp=3))
+    small = Bridge({**release, "linear_attn_config": {**release["linear_attn_config"], "head_dim": 3}})
+    with pytest.raises(ValueError, match="tp=4 does not divide 2 \\* linear_head_dim=6"):
+        small.check_layout(ParallelLayout(tp=4))  # the gates' down projections, split over TP then gathered
+
+
 def test_sparse_attention_releases_configs_as_published():
     """DeepSeek-V3.2's config.json as its FP8 release has it (transformers 4 style) and GLM-5's map to DeepSeek
     sparse attention with the release's indexer sizes and RoPE pairs; GLM's shared-indexer schedule leaves those

@@ -22,7 +22,7 @@ from tests.dist_utils import run_distributed
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next", "olmo2", "olmo3", "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3",
          "seed_oss", "glm4", "kimi_k25", "glm4v", "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32",
-         "glm_moe_dsa", "mistral4", "mistral4_vl")
+         "glm_moe_dsa", "mistral4", "mistral4_vl", "olmo_hybrid", "kimi_linear")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -51,6 +51,10 @@ def hf_dirs(tmp_path_factory):
     # gpt-oss with a clamp that bites (activations of random weights are ~0.1): Megatron's clamped quick-GELU GLU
     dirs["gpt_oss_clamped"] = build_tiny_model(str(root / "gpt_oss_clamped"), arch="gpt_oss", seed=4,
                                                with_tokenizer=False, swiglu_limit=0.02)
+    # OLMo Hybrid with RoPE on its attention layers (the tiny arch, as released, has none: NoPE)
+    dirs["olmo_hybrid_rope"] = build_tiny_model(str(root / "olmo_hybrid_rope"), arch="olmo_hybrid", seed=6,
+                                                with_tokenizer=False,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     for name, arch, params in ROPE_SCALED:
         dirs[name] = build_tiny_model(str(root / name), arch=arch, seed=3, with_tokenizer=False,
                                       rope_parameters={**params, "rope_theta": 10000.0})
@@ -93,6 +97,10 @@ LAYOUTS = [
     ("deepseek_v32", ParallelLayout(tp=2, pp=2, ep=2)),  # the DSA indexer replicated over TP
     ("glm_moe_dsa", ParallelLayout(tp=2, pp=2, ep=2)),  # layer 1 "shared": no indexer tensors
     ("mistral4_vl", ParallelLayout(tp=2, pp=2, ep=2)),  # experts stacked on disk, under language_model.model.*
+    # OLMo Hybrid: six Gated DeltaNet projections and three convolutions regrouped per key head, post-norm attention
+    ("olmo_hybrid", ParallelLayout(tp=2, pp=2)),
+    # Kimi Linear: Kimi Delta Attention beside multi-latent attention, one self_attn prefix; experts one by one
+    ("kimi_linear", ParallelLayout(tp=2, pp=2, ep=2)),
     # uneven pipeline stages (Megatron's num_layers_in_first/last_pipeline_stage): 3 layers as 1 + 2 and 2 + 1
     ("deepseek_v3_3l", ParallelLayout(tp=2, pp=2, ep=2, first=1)), ("deepseek_v3_3l", ParallelLayout(pp=2, last=1)),
     # experts whole on every TP rank (expert TP 1): gpt-oss's biased experts under TP
@@ -129,6 +137,28 @@ def test_vision_language_export_needs_the_vision_tower(hf_dirs, tmp_path):
     assert cli_main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"),
                      "--vision-from", hf_dirs["qwen3_5_vl"]]) == 0
     _assert_bit_exact(hf_dirs["qwen3_5_vl"], tmp_path / "hf")
+
+
+def test_olmo_core_norm_names_are_read_as_transformers_does(hf_dirs, tmp_path):
+    """OLMo Hybrid checkpoints written by OLMo-core name the linear layers' norms ``attention_layer_norm`` and
+    ``feedforward_layer_norm`` (transformers renames them on loading): they convert to the same Megatron weights as
+    transformers' names, and the export writes transformers' (SGLang's loader reads those)."""
+    src = _hf_tensors(hf_dirs["olmo_hybrid"])
+    renamed = {n.replace(".0.input_layernorm.", ".0.attention_layer_norm.")
+               .replace(".0.post_attention_layernorm.", ".0.feedforward_layer_norm."): t for n, t in src.items()}
+    assert set(renamed) != set(src)
+    os.makedirs(tmp_path / "core")
+    save_file(renamed, str(tmp_path / "core" / "model.safetensors"))
+    shutil.copy(os.path.join(hf_dirs["olmo_hybrid"], "config.json"), tmp_path / "core")
+    for name, d in (("a", hf_dirs["olmo_hybrid"]), ("b", str(tmp_path / "core"))):
+        ckpt.hf_to_megatron(d, str(tmp_path / name))
+    ckpt.megatron_to_hf(str(tmp_path / "b"), str(tmp_path / "back"))
+    _assert_bit_exact(hf_dirs["olmo_hybrid"], tmp_path / "back")
+    norm = src["model.layers.0.input_layernorm.weight"].clone()
+    duplicated = {**renamed, "model.layers.0.input_layernorm.weight": norm}
+    save_file(duplicated, str(tmp_path / "core" / "model.safetensors"))
+    with pytest.raises(ValueError, match="holds some tensors under two names"):
+        ckpt.hf_to_megatron(str(tmp_path / "core"), str(tmp_path / "c"))
 
 
 def test_reshard_then_export_is_bit_exact(hf_dirs, tmp_path):
@@ -211,7 +241,7 @@ def _convert_all(hf_dirs, root, archs, layout):
 
 
 def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
-    archs = ARCHS + ("qwen3_tied", "gpt_oss_clamped") + tuple(name for name, _, _ in ROPE_SCALED)
+    archs = ARCHS + ("qwen3_tied", "gpt_oss_clamped", "olmo_hybrid_rope") + tuple(name for name, _, _ in ROPE_SCALED)
     ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "tp2"), ParallelLayout(tp=2))
     (out,) = run_distributed(_megatron_logits_body, world_size=1, tp2_dir=str(tmp_path / "tp2"),
                              mcore_dirs=_convert_all(hf_dirs, tmp_path, archs, ParallelLayout()))

@@ -31,15 +31,16 @@ def _torchrun(args, nproc):
     assert proc.returncode == 0, out[-3000:]
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "minimax_m2", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "minimax_m2", "qwen3_5", "kimi_linear"])
 def test_torch_dist_round_trip_across_layouts(tmp_path, arch):
     """DeepSeek-V3: a dense layer, routed and shared experts and the routers' expert_bias buffers go through
     dist_checkpointing's sharded state dict (the GLM-4.5 and Qwen3-MoE layouts hold nothing more), with
     multi-latent attention's replicated down projections and latent norms next to its TP-split up projections;
     MiniMax-M2: the all-heads q/k norm weights, whole on each TP rank; Qwen3.5: the Gated DeltaNet's TP-split
     convolution and decay parameters next to its replicated norm and the full-attention layer's per-head q/k norms
-    (qwen3_5 has no experts: its second job is PP = 2, the linear-attention layer and the full one apart); gpt-oss's
-    biased experts in the next test."""
+    (qwen3_5 has no experts: its second job is PP = 2, the linear-attention layer and the full one apart); Kimi
+    Linear: Kimi Delta Attention's TP-split gates, decays and convolution, its gates' down projections, beside MLA
+    and experts; gpt-oss's biased experts in the next test."""
     from forge_megatron.models.tiny import build_tiny_model
 
     hf = build_tiny_model(str(tmp_path / "hf"), arch=arch, seed=6, with_tokenizer=False)
@@ -51,6 +52,21 @@ def test_torch_dist_round_trip_across_layouts(tmp_path, arch):
                "--out", str(tmp_path / "ep2"), *flag], 2)
     assert ckpt.read_meta(str(tmp_path / "ep2"))[1] == layout
     ckpt.megatron_to_hf(str(tmp_path / "ep2"), str(tmp_path / "back"))
+    _assert_bit_exact(hf, tmp_path / "back")
+
+
+def test_torch_dist_into_uneven_pipeline_stages(tmp_path):
+    """A 3-layer DeepSeek-V3-layout checkpoint saved as torch_dist from an even PP 3 job loads into PP 2 as 1 + 2
+    (Megatron's num_layers_in_first_pipeline_stage): the rank layout records the split, and the export is bit-exact."""
+    from forge_megatron.models.tiny import build_tiny_model
+
+    hf = build_tiny_model(str(tmp_path / "hf"), arch="deepseek_v3", seed=7, with_tokenizer=False, num_hidden_layers=3)
+    ckpt.hf_to_megatron(hf, str(tmp_path / "pp3"), ParallelLayout(pp=3))
+    _torchrun(["to-torch-dist", "--mcore-dir", str(tmp_path / "pp3"), "--out", str(tmp_path / "dist")], 3)
+    _torchrun(["from-torch-dist", "--dist-dir", str(tmp_path / "dist"), "--hf-config", hf, "--out",
+               str(tmp_path / "uneven"), "--pp", "2", "--decoder-first-pipeline-num-layers", "1"], 2)
+    assert ckpt.read_meta(str(tmp_path / "uneven"))[1] == ParallelLayout(pp=2, first=1)
+    ckpt.megatron_to_hf(str(tmp_path / "uneven"), str(tmp_path / "back"))
     _assert_bit_exact(hf, tmp_path / "back")
 
 

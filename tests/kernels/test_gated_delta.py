@@ -78,25 +78,29 @@ def test_tree_rule_gradients_equal_unmerged():
     layout = build_tree(samples)
     T, Hk, H, dk, dv = layout.unique_tokens, 1, 2, 8, 4
     inputs = [x.requires_grad_() for x in _inputs(T, Hk, H, dk, dv, seed=3)]
-    w = torch.randn(layout.total_tokens, H, dv)
-    plan = gd.plan_tree(layout.position_ids, chunk=8)
-    out = gd.tree_gated_delta_rule(*inputs, plan)
-    (out[layout.sample_nodes] * w).sum().backward()
-    merged = [x.grad.clone() for x in inputs]
 
-    for x in inputs:
-        x.grad = None
+    def alone(parts, nodes):
+        out, _ = hf.torch_recurrent_gated_delta_rule(*(x[None] for x in parts[:3]), g=parts[3][None],
+                                                     beta=parts[4][None], use_qk_l2norm_in_kernel=True)
+        return out[0]
+
+    merged, unmerged = _merged_and_alone_grads(layout, inputs, 8, alone)
+    for got, want in zip(merged, unmerged):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _merged_and_alone_grads(layout, inputs, chunk, alone):
+    """Every input's gradient of a weighted sum of the tree rule's outputs over the samples, and of the same sum of
+    ``alone(inputs' rows of a sample, its nodes)`` per sample."""
+    w = torch.randn(layout.total_tokens, inputs[2].shape[1], inputs[2].shape[2], dtype=inputs[2].dtype)
+    out = gd.tree_gated_delta_rule(*inputs, gd.plan_tree(layout.position_ids, chunk=chunk))
+    merged = torch.autograd.grad((out[layout.sample_nodes] * w).sum(), inputs)
     total = 0
     for s in range(layout.num_samples):
         lo, hi = layout.sample_offsets[s], layout.sample_offsets[s + 1]
         nodes = layout.sample_nodes[lo:hi]
-        parts = [x[nodes][None] for x in inputs]
-        alone, _ = hf.torch_recurrent_gated_delta_rule(*parts[:3], g=parts[3], beta=parts[4],
-                                                       use_qk_l2norm_in_kernel=True)
-        total = total + (alone[0] * w[lo:hi]).sum()
-    total.backward()
-    for got, want in zip(merged, [x.grad for x in inputs]):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        total = total + (alone([x[nodes] for x in inputs], nodes) * w[lo:hi]).sum()
+    return merged, torch.autograd.grad(total, inputs)
 
 
 def test_initial_and_final_states_match_transformers():
@@ -270,13 +274,17 @@ def test_recompute_keeps_only_the_inputs():
         assert torch.equal(x.grad, b)
 
 
-@pytest.mark.parametrize("B,L,H,dk,dv,chunk", [(2, 48, 3, 24, 40, 16), (1, 64, 2, 130, 100, 32),
-                                               (2, 128, 1, 16, 16, 64)])
-def test_triton_scan_matches_torch(B, L, H, dk, dv, chunk):
+@pytest.mark.parametrize("B,L,H,dk,dv,chunk,per_channel", [
+    (2, 48, 3, 24, 40, 16, False), (1, 64, 2, 130, 100, 32, False), (2, 128, 1, 16, 16, 64, False),
+    (2, 48, 3, 24, 40, 16, True), (1, 32, 2, 130, 20, 16, True)])
+def test_triton_scan_matches_torch(B, L, H, dk, dv, chunk, per_channel):
     """The Triton scans (interpreter on CPU) against the torch scans: outputs, final state and the gradients of
     every input. Shapes cover masked key / value blocks (24 x 40), several value blocks with the 256-wide key block
-    (130 x 100) and one block at chunk 64."""
+    (130 x 100) and one block at chunk 64; ``per_channel``: the PER_ROW variant, a decay per key channel (Kimi Delta
+    Attention), whose gradient is then one per channel."""
     inputs = _chunk_inputs(B, L, H, dk, dv, seed=22)
+    if per_channel:
+        inputs[3] = -torch.rand(B, L, H, dk, generator=torch.Generator().manual_seed(27))
     g = torch.Generator().manual_seed(23)
     w_o, w_s = torch.randn(B, L, H, dv, generator=g), torch.randn(B, H, dk, dv, generator=g)
     results = {}
@@ -328,7 +336,8 @@ def test_scan_backend_choice(monkeypatch):
 
 def test_triton_scan_compiles_for_sm90_without_gpu():
     """The scan kernels lower to an sm_90 cubin (ieee fp32 dots, two pipeline stages) and fit an H100's shared
-    memory (227 KiB per block) at the head sizes of Qwen3.5 / Qwen3-Next (128) and the largest taken (256)."""
+    memory (227 KiB per block) at the head sizes of Qwen3.5 / Qwen3-Next (128) and the largest taken (256), and with
+    a decay per key channel at Kimi Linear's."""
     import os
     import subprocess
     import sys
@@ -336,7 +345,8 @@ def test_triton_scan_compiles_for_sm90_without_gpu():
 
     script = Path(__file__).with_name("triton_aot.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    shapes = ["128x128x64", "256x256x64", "24x40x16"]  # one process: triton's start-up once
+    shapes = ["128x128x64", "256x256x64", "24x40x16", "128x128x16r"]  # one process: triton's start-up once; r: a
+    # decay per key channel (Kimi Delta Attention: Kimi Linear's 128-channel heads in chunks of 16)
     proc = subprocess.run([sys.executable, str(script), "--gated-delta", *shapes], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -364,3 +374,60 @@ def test_tree_rule_on_cuda_matches_the_fp64_reference(dtype):
     torch.testing.assert_close(out.double().cpu(), ref, rtol=tol, atol=tol)
     out.float().square().sum().backward()
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in dev)
+
+
+# ------------------------------------------------------------------- a decay per key channel (Kimi Delta Attention)
+kda = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+
+
+def _channel_decay(T, H, dk, seed, dtype=torch.float32):
+    """Kimi Linear's forget gate: -exp(A_log) * softplus(f + dt_bias) per head and key channel."""
+    g = torch.Generator().manual_seed(seed)
+    f = torch.randn(T, H, dk, generator=g, dtype=dtype)
+    return -torch.rand(H, 1, generator=g, dtype=dtype).mul(3).exp() * torch.nn.functional.softplus(f - 2)
+
+
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_channel_decay_tree_rule_equals_each_sample_alone(chunk):
+    """With a decay per key channel, the tree's chunked rule equals the token-by-token definition along every path
+    and transformers' Kimi Linear functions (chunked and recurrent) on each sample alone."""
+    samples = _samples(11)
+    layout = build_tree(samples)
+    T, H, dk, dv = layout.unique_tokens, 3, 8, 6
+    q, k, v, _, beta = _inputs(T, H, H, dk, dv, seed=12)
+    decay = _channel_decay(T, H, dk, seed=13)
+    out = gd.tree_gated_delta_rule(q, k, v, decay, beta, gd.plan_tree(layout.position_ids, chunk=chunk))
+    ref = gd.recurrent_reference(q, k, v, decay, beta, gd.tree_parents(layout.position_ids))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    scalar = gd.tree_gated_delta_rule(q, k, v, decay.mean(-1), beta, gd.plan_tree(layout.position_ids, chunk=chunk))
+    assert (scalar - out).abs().max() > 1e-2  # the channels' own decays matter
+    for s in range(layout.num_samples):
+        nodes = layout.sample_nodes[layout.sample_offsets[s]:layout.sample_offsets[s + 1]]
+        parts = [x[nodes][None] for x in (q, k, v)]
+        for fn in (kda.chunk_kimi_delta_attention, kda.recurrent_kimi_delta_attention):
+            alone, _ = fn(*parts, g=decay[nodes][None], beta=beta[nodes][None], initial_state=None,
+                          output_final_state=False, use_qk_l2norm_in_kernel=True)
+            torch.testing.assert_close(out[nodes], alone[0], rtol=1e-4, atol=1e-5)
+
+
+def test_channel_decay_gradients_equal_unmerged_in_float64():
+    """Merged training with a decay per channel is exact: every input's gradient (the decays' too) equals the sum
+    of the samples' alone, to fp64 rounding."""
+    samples = _samples(14)
+    layout = build_tree(samples)
+    T, H, dk, dv = layout.unique_tokens, 2, 4, 3
+    q, k, v, _, beta = _inputs(T, H, H, dk, dv, seed=15, dtype=torch.float64)
+    inputs = [x.double().requires_grad_() for x in (q, k, v, _channel_decay(T, H, dk, 16, torch.float64), beta)]
+    merged, unmerged = _merged_and_alone_grads(
+        layout, inputs, 4, lambda parts, nodes: gd.recurrent_reference(*parts, torch.arange(len(nodes)) - 1))
+    for got, want in zip(merged, unmerged):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+def test_channel_decay_chunk_scan_passes_gradcheck():
+    """The scan's hand-written backward with a decay vector per chunk, against finite differences in fp64."""
+    inputs = _chunk_inputs(2, 12, 2, 3, 4, seed=21, dtype=torch.float64)
+    inputs[3] = -torch.rand(2, 12, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(22))
+    inputs = [x.requires_grad_() for x in inputs]
+    assert torch.autograd.gradcheck(lambda *xs: gd.chunked_gated_delta(*xs, chunk=4, backend="torch"), inputs)
+

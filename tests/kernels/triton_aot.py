@@ -56,11 +56,12 @@ def compile_kernel(fn, dtype: str, constexprs: dict, arch: int, num_warps: int):
 def compile_gated_delta(shapes: list[str], arch: int) -> None:
     from forge_megatron.kernels import gated_delta_triton as gt
 
-    for shape in shapes:
-        dk, dv, chunk = (int(x) for x in shape.split("x"))
+    for shape in shapes:  # DKxDVxC, or DKxDVxCr: a decay per key channel (Kimi Delta Attention's PER_ROW)
+        per_row = shape.endswith("r")
+        dk, dv, chunk = (int(x) for x in shape.removesuffix("r").split("x"))
         bk, bv = gt.blocks(dk, dv)
         for fn, flag in ((gt._scan_fwd_kernel, "HAS_S0"), (gt._scan_bwd_kernel, "HAS_DS_FINAL")):
-            constexprs = dict(C=chunk, BK=bk, BV=bv, PRECISION="ieee", **{flag: True})
+            constexprs = dict(C=chunk, BK=bk, BV=bv, PRECISION="ieee", PER_ROW=per_row, **{flag: True})
             sig = {name: "constexpr" if name in constexprs else "i32" if name in ("n_chunks", "dk", "dv") else "*fp32"
                    for name in inspect.signature(fn.fn).parameters}
             src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)

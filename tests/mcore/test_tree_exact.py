@@ -188,6 +188,24 @@ def _body_one_rank(rank, world_size):
                                 for (name, pa), pb in zip(q35m_tree.named_parameters(), q35m_causal.parameters())
                                 if pb.grad is not None}
     out["qwen3_5_moe_layers"] = [type(layer.mlp).__name__ for layer in q35m_tree.decoder.layers]
+    # OLMo Hybrid layout: a pre-norm Gated DeltaNet layer (beta = 2 sigmoid(b)) then OLMo 3's post-norm attention
+    # without RoPE (NoPE: position only through the ancestor mask)
+    oh = {**tiny_config("olmo_hybrid", vocab_size=VOCAB).to_dict(), "architectures": ["OlmoHybridForCausalLM"]}
+    oh_tree, oh_causal = _twin_models(gpt_config_from_hf(oh))
+    out["olmo_hybrid"] = _exactness(oh_tree, oh_causal, all_samples(3))
+    out["olmo_hybrid_layers"] = [(type(layer).__name__, type(layer.self_attention).__name__,
+                                  getattr(layer.self_attention, "beta_scale", None)) for layer in oh_tree.decoder.layers]
+    out["olmo_hybrid_grads"] = {name: ((pa.grad - pb.grad).abs().max() / pb.grad.abs().max()).item()
+                                for (name, pa), pb in zip(oh_tree.named_parameters(), oh_causal.parameters())}
+    # Kimi Linear layout: a Kimi Delta Attention layer (a decay per key channel along every path) with a dense MLP,
+    # then multi-latent attention without RoPE and a MoE layer
+    kl = {**tiny_config("kimi_linear", vocab_size=VOCAB).to_dict(), "architectures": ["KimiLinearForCausalLM"]}
+    kl_tree, kl_causal = _twin_models(gpt_config_from_hf(kl))
+    out["kimi_linear"] = _exactness(kl_tree, kl_causal, all_samples(5))
+    out["kimi_linear_mixers"] = [type(layer.self_attention).__name__ for layer in kl_tree.decoder.layers]
+    out["kimi_linear_grads"] = {name: ((pa.grad - pb.grad).abs().max() / pb.grad.abs().max()).item()
+                                for (name, pa), pb in zip(kl_tree.named_parameters(), kl_causal.parameters())
+                                if pb.grad is not None}
     # DeepSeek-V3 layout (multi-latent attention: per-layer rotary tables indexed by depth, value heads narrower
     # than query/key heads) with YaRN, and the same model rotating by packed offset as the negative control
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0,
@@ -458,6 +476,30 @@ def test_qwen3_5_gated_delta_net_tree_equals_unmerged(one_rank):
     assert any("shared_experts.gate_weight" in name for name in one_rank["qwen3_5_moe_grads"])
     logp, ent, _, _, _ = one_rank["qwen3_5_moe"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL, one_rank["qwen3_5_moe"]
+
+
+def test_olmo_hybrid_tree_equals_unmerged(one_rank):
+    """Pre-norm Gated DeltaNet layers beside post-norm NoPE attention ones: the merged tree trains as its samples."""
+    assert one_rank["olmo_hybrid_layers"] == [("TransformerLayer", "TreeGatedDeltaNet", 2.0),
+                                              ("PostNormTransformerLayer", "SelfAttention", None)]
+    logp, ent, _, _, _ = one_rank["olmo_hybrid"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL, one_rank["olmo_hybrid"]
+    grads = one_rank["olmo_hybrid_grads"]
+    assert len(grads) > 10
+    for name, diff in grads.items():  # the decay parameters' sums: test_qwen3_5_gated_delta_net_tree_equals_unmerged
+        assert diff <= (5e-4 if name.endswith(("A_log", "dt_bias")) else GRAD_RTOL), (name, diff)
+
+
+def test_kimi_linear_tree_equals_unmerged(one_rank):
+    """Kimi Delta Attention (a decay per key channel) along every root-to-leaf path, beside RoPE-less multi-latent
+    attention and a MoE layer: the merged tree trains as its samples."""
+    assert one_rank["kimi_linear_mixers"] == ["TreeKimiDeltaAttention", "MLASelfAttention"]
+    logp, ent, _, _, _ = one_rank["kimi_linear"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL, one_rank["kimi_linear"]
+    grads = one_rank["kimi_linear_grads"]
+    assert any(name.endswith("f_b_weight") for name in grads) and len(grads) > 15
+    for name, diff in grads.items():  # the decay parameters' sums: test_qwen3_5_gated_delta_net_tree_equals_unmerged
+        assert diff <= (5e-4 if name.endswith(("A_log", "dt_bias")) else GRAD_RTOL), (name, diff)
 
 
 def test_glm4_moe_tree_equals_unmerged(one_rank):

@@ -67,7 +67,7 @@ def test_tiny_model_loads_and_is_deterministic(tmp_path, arch):
     text = m1.config.get_text_config()  # a vision-language model's language model
     assert text.hidden_size == 64 and text.num_hidden_layers == 2
     mla = arch in ("deepseek_v3", "glm4_moe_lite", "kimi_k25", "deepseek_v32", "glm_moe_dsa", "mistral4",
-                   "mistral4_vl")  # multi-latent attention:
+                   "mistral4_vl", "kimi_linear")  # multi-latent attention:
     # a key/value head per query
     assert text.num_key_value_heads == (4 if mla else 2)
     assert m1.config.tie_word_embeddings is arch.startswith("gemma3")  # Gemma ties them, as released

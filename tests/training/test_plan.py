@@ -13,7 +13,7 @@ from forge_megatron.training import plan
 from tests.dist_utils import run_distributed
 
 ARCHS = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
-         "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+         "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "kimi_linear": "KimiLinearForCausalLM"}
 
 
 def _hf(arch, **kw):
@@ -50,8 +50,11 @@ def _built_body(rank, world_size, hf, vpp):
     ("glm4_moe", {}, ParallelConfig(tp=2, ep=2, etp=1), 2),
     # uneven stages: 5 layers, the first stage 1 (the dense layer 0), the other two 2 each
     ("glm4_moe", {"num_hidden_layers": 5}, ParallelConfig(pp=3, first_stage_layers=1), 3),
+    # Kimi Delta Attention (heads, gates' up projections, decays and convolution split over TP; the gates' down
+    # projections split too; the gated norm whole) beside multi-latent attention, a dense layer and a MoE one
+    ("kimi_linear", {}, ParallelConfig(tp=2, ep=2, etp=1), 2),
 ], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2", "qwen3_5_moe-tp2", "glm4_moe-tp2ep2etp1",
-        "glm4_moe-pp3-first1"])
+        "glm4_moe-pp3-first1", "kimi_linear-tp2ep2etp1"])
 def test_parameters_per_rank_are_what_megatron_builds(arch, kw, parallel, world):
     hf = _hf(arch, **kw)
     built = run_distributed(_built_body, world_size=world, parallel=parallel, hf=hf, vpp=parallel.vpp)
@@ -185,15 +188,22 @@ def _gated_delta_net_held_body(rank, world_size, hf):
     return {"per_token": held["held"] / layout.unique_tokens, "mixer": type(mixer).__name__}
 
 
-def test_gated_delta_net_activation_estimate_is_what_the_layer_keeps():
-    """forge-plan's bytes per token for a Gated DeltaNet mixer against what the bf16 layer really keeps for its
-    backward (1 rank): within 20 %. Counting the fp32 terms the layer recomputes (or the K gathered copies of its
-    convolution) would put the estimate 2.5x off."""
-    hf = {**tiny_config("qwen3_5", vocab_size=96, hidden_size=256, linear_num_key_heads=4, linear_key_head_dim=32,
-                        linear_num_value_heads=8, linear_value_head_dim=32).to_dict(),
-          "architectures": ["Qwen3_5ForCausalLM"]}
+KIMI_LINEAR = {**tiny_config("kimi_linear", vocab_size=96, hidden_size=256, linear_num_heads=8,
+                              linear_head_dim=32).to_dict(), "architectures": ["KimiLinearForCausalLM"]}
+
+
+@pytest.mark.parametrize("hf,mixer", [
+    ({**tiny_config("qwen3_5", vocab_size=96, hidden_size=256, linear_num_key_heads=4, linear_key_head_dim=32,
+                    linear_num_value_heads=8, linear_value_head_dim=32).to_dict(),
+      "architectures": ["Qwen3_5ForCausalLM"]}, "TreeGatedDeltaNet"),
+    (KIMI_LINEAR, "TreeKimiDeltaAttention")], ids=["gated_delta_net", "kimi_delta_attention"])
+def test_gated_delta_net_activation_estimate_is_what_the_layer_keeps(hf, mixer):
+    """forge-plan's bytes per token for a Gated DeltaNet (or Kimi Delta Attention) mixer against what the bf16 layer
+    really keeps for its backward (1 rank): within 20 %. Counting the fp32 terms the layer recomputes (or the K
+    gathered copies of its convolution; or, for KDA, the per-channel decays and softplus's fp32 in- and outputs,
+    which it once kept) would put the estimate 1.4x to 2.5x off."""
     (out,) = run_distributed(_gated_delta_net_held_body, world_size=1, hf=hf)
-    assert out["mixer"] == "TreeGatedDeltaNet"
+    assert out["mixer"] == mixer
     estimate = plan.gated_delta_net_bytes(Bridge(hf).cfg, tp=1, sp=False)
     assert 0.8 <= estimate / out["per_token"] <= 1.2, (estimate, out["per_token"])
     # and the plan counts it for the linear-attention layers: the hybrid model's estimate differs from its

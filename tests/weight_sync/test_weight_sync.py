@@ -54,6 +54,8 @@ def models(tmp_path_factory):
         "deepseek_v32": build_tiny_model(str(root / "deepseek_v32"), arch="deepseek_v32", seed=20),
         "glm_moe_dsa": build_tiny_model(str(root / "glm_moe_dsa"), arch="glm_moe_dsa", seed=21),
         "mistral4_vl": build_tiny_model(str(root / "mistral4_vl"), arch="mistral4_vl", seed=22),
+        "olmo_hybrid": build_tiny_model(str(root / "olmo_hybrid"), arch="olmo_hybrid", seed=24),
+        "kimi_linear": build_tiny_model(str(root / "kimi_linear"), arch="kimi_linear", seed=25),
         "deepseek_v3_3l": build_tiny_model(str(root / "deepseek_v3_3l"), arch="deepseek_v3", seed=23,
                                            num_hidden_layers=3),
     }
@@ -237,10 +239,17 @@ def _check_synced(results):
     ("mistral4_vl", ParallelConfig(ep=2)),
     # uneven pipeline stages: 3 layers, the last stage one of them (each stage names its own layers)
     ("deepseek_v3_3l", ParallelConfig(pp=2, last_stage_layers=1)),
+    # OLMo Hybrid as released: the convolution in three tensors, the linear layers' own norm names (the engine
+    # writes them into transformers' one convolution and renamed norms)
+    ("olmo_hybrid", ParallelConfig(tp=2)),
+    # Kimi Linear as released: Kimi Delta Attention's heads and gates gathered over TP (the convolution in three,
+    # the forget gate's tensors under self_attn.), experts one by one under block_sparse_moe
+    ("kimi_linear", ParallelConfig(tp=2)),
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
-        "tp2-ministral3-vl", "tp2-deepseek-v32", "ep2-glm-moe-dsa", "ep2-mistral4-vl", "pp2-uneven-deepseek-v3"])
+        "tp2-ministral3-vl", "tp2-deepseek-v32", "ep2-glm-moe-dsa", "ep2-mistral4-vl", "pp2-uneven-deepseek-v3",
+        "tp2-olmo-hybrid", "tp2-kimi-linear"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
