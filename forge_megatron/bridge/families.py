@@ -69,7 +69,8 @@ Gemma 3 (``gemma3``, text models: Gemma3ForCausalLM): norms before *and* after a
 GELU; the embedding multiplied by sqrt(hidden_size) (in the weights' dtype, as HF does); attention scaled by
 ``query_pre_attn_scalar ** -0.5``; every ``sliding_window_pattern``-th layer global (``layer_types``), the others a
 ``sliding_window`` with RoPE base ``rope_local_base_freq`` (10k) while the global ones have ``rope_theta`` (1M) and
-the checkpoint's ``rope_scaling`` (linear 8 on the larger models). Soft-capping (Gemma 2) is refused.
+the checkpoint's ``rope_scaling`` (linear 8 on the larger models). A ``final_logit_softcapping`` (none in Gemma 3's
+releases) caps the logits as HF does (GPTConfig.final_logit_softcapping); attention soft-capping (Gemma 2) is refused.
 
 Router equivalence used for Qwen3-MoE: HF computes ``p = softmax(z)``, keeps the top-k and, with
 ``norm_topk_prob``, divides by their sum, which equals Megatron's ``softmax(topk(z))``
@@ -347,10 +348,9 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         glu = "GeGLU with the tanh GELU" if family.gemma else "SwiGLU with silu"
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported ({glu} only)")
     if family.gemma:
-        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if hf.get(name) is not None:
-                raise UnsupportedModelError(f"{name}={hf[name]} is not supported (Gemma 2's soft-capping; Gemma 3 has "
-                                            "none)")
+        if hf.get("attn_logit_softcapping") is not None:
+            raise UnsupportedModelError(f"attn_logit_softcapping={hf['attn_logit_softcapping']} is not supported "
+                                        "(Gemma 2's attention soft-capping; Gemma 3 has none)")
         if hf.get("use_bidirectional_attention"):
             raise UnsupportedModelError("use_bidirectional_attention=True (an embedding model) is not supported")
     if hf.get("mlp_bias"):
@@ -662,7 +662,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         kwargs.update(zero_centered_norm=True, activation="gelu_tanh", embedding_multiplier=hf["hidden_size"] ** 0.5,
                       softmax_scale=float(hf.get("query_pre_attn_scalar") or kwargs["kv_channels"]) ** -0.5,
                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-                      rotary_base=float(hf.get("rope_theta") or rope_parameters(hf).get("rope_theta") or 1e6))
+                      rotary_base=float(hf.get("rope_theta") or rope_parameters(hf).get("rope_theta") or 1e6),
+                      final_logit_softcapping=hf.get("final_logit_softcapping"))
     if (family.olmo or family.gemma) and not family.gated_delta and layer_types(hf, family):
         kwargs["extra"] = sliding_windows({**hf, "layer_types": layer_types(hf, family)})
         sliding = rope_scaling(hf, "sliding_attention")

@@ -64,13 +64,15 @@ def tree_model_inputs(layout, backend: str | None = None, device=None, multiple:
 def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = False,
                          inplace_backward: bool = False, output_weight: torch.Tensor | None = None,
                          head_dtype: torch.dtype | None = None, multiple: int | None = None,
-                         temperature: float = 1.0):
+                         temperature: float = 1.0, softcap: float | None = None):
     """GPTModel's last-stage output [1, T, V] -> (logp_M, entropy_M | None) in next_token_index() order, scored
     under softmax(logits / ``temperature``) (mcore/logprobs.py; 1: the model's own distribution).
 
     With ``output_weight`` (see :func:`output_layer_deferred`) the output is the output layer's input [1, T, H]
     instead, and the logits are made chunk by chunk inside the loss (``linear_vocab_parallel_logprobs``), their
-    matmul in ``head_dtype`` if given (``torch.float32``: an fp32 LM head) and else in the weight's dtype.
+    matmul in ``head_dtype`` if given (``torch.float32``: an fp32 LM head) and else in the weight's dtype, and
+    soft-capped to ``softcap`` * tanh(logits / ``softcap``) when given (the output layer's ``logit_softcap``, which
+    :func:`output_layer_deferred` yields in ``captured["softcap"]``; Megatron's own output layer caps its logits).
 
     Under context parallelism the output holds this CP rank's rows of the padded tree (its zig-zag chunks): it
     scores the targets predicted from its rows, and the partial vectors are summed over the CP group (identity backward),
@@ -81,12 +83,16 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
     def score(out_TX, rows_M, targets_M):
         if output_weight is not None:
             return linear_vocab_parallel_logprobs(out_TX, output_weight, rows_M, targets_M, with_entropy,
-                                                  compute_dtype=head_dtype, temperature=temperature)
+                                                  compute_dtype=head_dtype, temperature=temperature,
+                                                  softcap=softcap)
         return vocab_parallel_logprobs(out_TX, rows_M, targets_M, with_entropy, inplace_backward=inplace_backward,
                                        temperature=temperature)
 
     pred_nodes_M, targets_M, _ = layout.next_token_index()
     cp, rank, _ = cp_world()
+    if softcap is not None and output_weight is None:
+        raise ValueError("softcap is for the fused output layer (output_weight): Megatron's own output layer caps "
+                         "the logits it makes (model.cap_logits)")
     if head_dtype is not None and output_weight is None:
         raise ValueError("an LM head dtype needs the fused output layer (output_weight): Megatron's own output layer "
                          "computes in the weight's dtype")
@@ -121,15 +127,16 @@ def _gpt_output_layer(model):
 @contextmanager
 def output_layer_deferred(model, enabled: bool = True):
     """While active, the model's output layer hands back its input instead of the logits, and the weight it would
-    have used (its own, or the embedding's when they are tied) is yielded in ``captured["weight"]``, for
-    ``logprobs_from_logits(..., output_weight=...)`` to fuse the output layer into the loss. GPTModel then returns
+    have used (its own, or the embedding's when they are tied) is yielded in ``captured["weight"]``, and its logit
+    soft-cap (``model.cap_logits``; None without) in ``captured["softcap"]``, for ``logprobs_from_logits(...,
+    output_weight=..., softcap=...)`` to fuse the output layer into the loss. GPTModel then returns
     the final hidden states [1, T, H] (transposed and, under Float16Module, upcast exactly as it would the logits).
     Yields None (and changes nothing) when disabled or off the last pipeline stage."""
     layer = _gpt_output_layer(model) if enabled else None
     if layer is None:
         yield None
         return
-    captured = {}
+    captured = {"softcap": getattr(layer, "logit_softcap", None)}
 
     def forward(input_, weight=None, runtime_gather_output=None):
         if (runtime_gather_output or layer.bias is not None
@@ -147,18 +154,21 @@ def output_layer_deferred(model, enabled: bool = True):
         return input_, None
 
     layer.forward = forward  # an instance attribute shadows the class's forward; removed again below
+    layer.deferred = True  # (and the soft-cap hook leaves the hidden states alone)
     try:
         yield captured
     finally:
         del layer.forward
+        layer.deferred = False
 
 
-def _captured_weight(captured: dict | None):
+def _captured_head(captured: dict | None) -> dict:
+    """``logprobs_from_logits``' output_weight / softcap from :func:`output_layer_deferred`'s ``captured``."""
     if captured is None:
-        return None
+        return {}
     if "weight" not in captured:
         raise RuntimeError("the model's forward did not go through its output layer; cannot fuse it into the loss")
-    return captured["weight"]
+    return {"output_weight": captured["weight"], "softcap": captured["softcap"]}
 
 
 def tree_logprobs(model, layout, with_entropy: bool = False, backend: str | None = None,
@@ -174,8 +184,8 @@ def tree_logprobs(model, layout, with_entropy: bool = False, backend: str | None
     multiple = seq_multiple(model.config)
     with output_layer_deferred(model, fused_output) as captured:
         out_1TX = model(**tree_model_inputs(layout, backend=backend, device=device, multiple=multiple))
-    return logprobs_from_logits(out_1TX, layout, with_entropy, output_weight=_captured_weight(captured),
-                                head_dtype=head_dtype, multiple=multiple, temperature=temperature)
+    return logprobs_from_logits(out_1TX, layout, with_entropy, head_dtype=head_dtype, multiple=multiple,
+                                temperature=temperature, **_captured_head(captured))
 
 
 def sample_logprobs_unmerged(model, samples, with_entropy: bool = False):
@@ -243,14 +253,13 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
         with output_layer_deferred(model, fused_output) as captured:
             output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device, multiple=multiple))
         routing_replay.after_forward(model)
-        weight = _captured_weight(captured)
+        head = _captured_head(captured)
 
         def loss_func(output_1TX):
             # Unfused, the logits are read by nothing after the loss: the backward may write dL/dlogits over them.
             logp_M, entropy_M = logprobs_from_logits(output_1TX, micro_batch.layout, with_entropy,
-                                                     inplace_backward=True, output_weight=weight,
-                                                     head_dtype=head_dtype, multiple=multiple,
-                                                     temperature=temperature)
+                                                     inplace_backward=True, head_dtype=head_dtype,
+                                                     multiple=multiple, temperature=temperature, **head)
             return loss_fn(logp_M, entropy_M, micro_batch)
 
         return output, loss_func

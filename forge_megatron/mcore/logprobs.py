@@ -30,6 +30,10 @@ writes only its own slice of dL/dz: the same contract as Megatron's ``reduce_fro
 and whose logprobs SGLang returns by default: every chunk of logits is divided by T as it is read, and the
 gradient with respect to the raw logits is the one with respect to z / T divided by T.
 
+``softcap`` c (Gemma 4's ``final_logit_softcapping``) scores softmax(c tanh(z / c) / T) instead: the cap goes on
+before the temperature, as in transformers and SGLang; the backward recomputes tanh chunk by chunk and multiplies
+the gradient by (1 - tanh^2) / T.
+
 ``inplace_backward=True`` writes dL/dz into the logits' own storage, as Megatron's vocab-parallel cross entropy
 does: the model's output layer does not need its output for its backward, so the buffer is free by then, and
 the backward then allocates no rows x vocabulary tensor at all. Only for logits that nothing else reads after the
@@ -174,26 +178,65 @@ def _backward_chunks(read, t: _Targets, stats, grad_logp_M, grad_entropy_M):
         del grad_CV, p_CV
 
 
-def _tempered(read, temperature: float):
-    """``read`` with its chunks divided by ``temperature`` (in place: they are fresh fp32 copies)."""
-    if temperature == 1.0:
-        return read
-    return lambda lo, hi: read(lo, hi).div_(temperature)
+class _Scores:
+    """What the distribution is taken of: the raw logits z, soft-capped to ``softcap`` * tanh(z / ``softcap``) when
+    given (Gemma's ``final_logit_softcapping``, applied to the logits before any sampling temperature, as
+    transformers and SGLang do), then divided by ``temperature``. ``forward(read)`` maps every chunk ``read`` gives
+    (in place: they are fresh fp32 copies); ``backward(read)`` does the same and keeps the chunk's derivative
+    d score / dz, which ``chain(grad)`` then applies to the gradient with respect to the scores (one more fp32 chunk
+    in the backward with soft-capping)."""
+
+    def __init__(self, temperature: float, softcap: float | None):
+        self.temperature, self.softcap = temperature, softcap
+        self._deriv = None
+
+    def _map(self, z_CV):
+        if self.softcap is not None:
+            z_CV.div_(self.softcap).tanh_().mul_(self.softcap)
+        if self.temperature != 1.0:
+            z_CV.div_(self.temperature)
+        return z_CV
+
+    def forward(self, read):
+        if self.softcap is None and self.temperature == 1.0:
+            return read
+        return lambda lo, hi: self._map(read(lo, hi))
+
+    def backward(self, read):
+        if self.softcap is None:
+            return self.forward(read)
+
+        def mapped(lo, hi):
+            z_CV = read(lo, hi).div_(self.softcap).tanh_()  # tanh(z / c)
+            self._deriv = (1.0 - z_CV * z_CV).div_(self.temperature)  # d (c tanh(z / c) / T) / dz
+            return z_CV.mul_(self.softcap / self.temperature)
+
+        return mapped
+
+    def chain(self, grad_CV):
+        """dL/dz from dL/dscore for the chunk the backward read last."""
+        if self.softcap is not None:
+            grad_CV.mul_(self._deriv)
+            self._deriv = None
+        elif self.temperature != 1.0:
+            grad_CV.div_(self.temperature)  # d(z / T) / dz
+        return grad_CV
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     """Logprobs/entropy from this rank's logits [T, V]."""
 
     @staticmethod
-    def forward(ctx, logits_TV, rows_M, targets_M, with_entropy, chunk_rows, inplace_backward, temperature):
+    def forward(ctx, logits_TV, rows_M, targets_M, with_entropy, chunk_rows, inplace_backward, temperature, softcap):
         _, rank, _ = _tp()
         t = _Targets(rows_M, targets_M, logits_TV.shape[0], logits_TV.shape[-1], rank, chunk_rows, logits_TV.device)
 
         def read(lo, hi):
             return t.fresh_fp32(logits_TV, lo, hi)
 
-        logp_M, entropy_M, stats = _forward(_tempered(read, temperature), t, with_entropy, logits_TV.device)
-        ctx.t, ctx.inplace, ctx.with_entropy, ctx.temperature = t, inplace_backward, with_entropy, temperature
+        scores = _Scores(temperature, softcap)
+        logp_M, entropy_M, stats = _forward(scores.forward(read), t, with_entropy, logits_TV.device)
+        ctx.t, ctx.inplace, ctx.with_entropy, ctx.scores = t, inplace_backward, with_entropy, scores
         ctx.save_for_backward(logits_TV, *stats)
         return (logp_M, entropy_M) if with_entropy else logp_M
 
@@ -214,15 +257,15 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         else:
             out_TV = torch.zeros_like(logits_TV)
         # Each chunk's rows are read before its gradient is written, and chunks are disjoint: safe in place.
-        for lo, hi, grad_CV in _backward_chunks(_tempered(read, ctx.temperature), t, stats, grad_logp_M,
+        scores = ctx.scores
+        for lo, hi, grad_CV in _backward_chunks(scores.backward(read), t, stats, grad_logp_M,
                                                 grad_entropy_M if ctx.with_entropy else None):
-            if ctx.temperature != 1.0:
-                grad_CV.div_(ctx.temperature)  # d(z / T) / dz
+            grad_CV = scores.chain(grad_CV)
             if t.dense:
                 out_TV[lo:hi] = grad_CV
             else:
                 out_TV.index_copy_(0, t.U[lo:hi], grad_CV.to(out_TV.dtype))
-        return out_TV, None, None, None, None, None, None
+        return out_TV, None, None, None, None, None, None, None
 
 
 def _head_weight(weight_VH, compute_dtype):
@@ -242,14 +285,16 @@ class _LinearVocabParallelLogprobs(torch.autograd.Function):
     never all at once, and made again in the backward."""
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows, compute_dtype, temperature):
+    def forward(ctx, hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows, compute_dtype, temperature,
+                softcap):
         _, rank, _ = _tp()
         t = _Targets(rows_M, targets_M, hidden_TH.shape[0], weight_VH.shape[0], rank, chunk_rows, hidden_TH.device)
 
-        read = _tempered(_output_layer_rows(t, hidden_TH, _head_weight(weight_VH, compute_dtype)), temperature)
+        scores = _Scores(temperature, softcap)
+        read = scores.forward(_output_layer_rows(t, hidden_TH, _head_weight(weight_VH, compute_dtype)))
         logp_M, entropy_M, stats = _forward(read, t, with_entropy, hidden_TH.device)
         ctx.t, ctx.with_entropy, ctx.compute_dtype = t, with_entropy, compute_dtype  # an upcast weight is not kept
-        ctx.temperature = temperature
+        ctx.scores = scores
         ctx.save_for_backward(hidden_TH, weight_VH, *stats)
         return (logp_M, entropy_M) if with_entropy else logp_M
 
@@ -263,12 +308,11 @@ class _LinearVocabParallelLogprobs(torch.autograd.Function):
                           if ctx.needs_input_grad[1] else None)
 
         w_VH = _head_weight(weight_VH, ctx.compute_dtype)
-        read = _tempered(_output_layer_rows(t, hidden_TH, w_VH), ctx.temperature)
+        scores = ctx.scores
+        read = scores.backward(_output_layer_rows(t, hidden_TH, w_VH))
         for lo, hi, grad_CV in _backward_chunks(read, t, stats, grad_logp_M,
                                                 grad_entropy_M if ctx.with_entropy else None):
-            if ctx.temperature != 1.0:
-                grad_CV.div_(ctx.temperature)  # d(z / T) / dz
-            g_CV = grad_CV.to(w_VH.dtype)
+            g_CV = scores.chain(grad_CV).to(w_VH.dtype)
             if grad_hidden_TH is not None:
                 g_CH = (g_CV @ w_VH).to(hidden_TH.dtype)
                 if t.dense:
@@ -279,16 +323,19 @@ class _LinearVocabParallelLogprobs(torch.autograd.Function):
                 grad_weight_VH += g_CV.t() @ t.select(hidden_TH, lo, hi).to(w_VH.dtype)
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
-        return grad_hidden_TH, grad_weight_VH, None, None, None, None, None, None
+        return grad_hidden_TH, grad_weight_VH, None, None, None, None, None, None, None
 
 
 def default_chunk_rows(vocab_slice: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * max(1, vocab_slice)))
 
 
-def _check_temperature(temperature) -> None:
+def _check_temperature(temperature, softcap=None) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature <= 2:
         raise ValueError(f"temperature must be in (0, 2], got {temperature!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or
+                                not softcap > 0):
+        raise ValueError(f"softcap (final logit soft-capping) must be > 0 or None, got {softcap!r}")
 
 
 def _checked(rows_M, targets_M, num_rows: int, vocab_slice: int, tp: int, chunk_rows: int | None):
@@ -304,28 +351,28 @@ def _checked(rows_M, targets_M, num_rows: int, vocab_slice: int, tp: int, chunk_
 
 def vocab_parallel_logprobs(logits_TV: torch.Tensor, rows_M: torch.Tensor, targets_M: torch.Tensor,
                             with_entropy: bool = False, chunk_rows: int | None = None,
-                            inplace_backward: bool = False, temperature: float = 1.0):
+                            inplace_backward: bool = False, temperature: float = 1.0, softcap: float | None = None):
     """(logp_M, entropy_M | None) of ``targets_M`` under rows ``rows_M`` of TP-sharded logits; full-vocab exact.
 
     ``logits_TV`` is this rank's vocabulary slice (all of it without TP). ``chunk_rows`` bounds the rows processed
-    at once (default: ``DEFAULT_CHUNK_BYTES`` of fp32); see the module docstring for ``inplace_backward`` and
-    ``temperature``.
+    at once (default: ``DEFAULT_CHUNK_BYTES`` of fp32); see the module docstring for ``inplace_backward``,
+    ``temperature`` and ``softcap``.
     """
     world, _, _ = _tp()
-    _check_temperature(temperature)
+    _check_temperature(temperature, softcap)
     if logits_TV.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab slice], got {tuple(logits_TV.shape)}")
     rows_M, targets_M, chunk_rows = _checked(rows_M, targets_M, logits_TV.shape[0], logits_TV.shape[-1], world,
                                              chunk_rows)
     out = _VocabParallelLogprobs.apply(logits_TV, rows_M, targets_M, with_entropy, chunk_rows, inplace_backward,
-                                       float(temperature))
+                                       float(temperature), None if softcap is None else float(softcap))
     return out if with_entropy else (out, None)
 
 
 def linear_vocab_parallel_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, rows_M: torch.Tensor,
                                    targets_M: torch.Tensor, with_entropy: bool = False,
                                    chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None,
-                                   temperature: float = 1.0):
+                                   temperature: float = 1.0, softcap: float | None = None):
     """As :func:`vocab_parallel_logprobs` of ``hidden_TH @ weight_VH.T`` (the output layer fused in), without ever
     holding those logits: each chunk of rows is multiplied out, reduced and dropped, and multiplied out again in the
     backward (one extra output-layer matmul).
@@ -341,7 +388,7 @@ def linear_vocab_parallel_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Ten
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
     world, _, _ = _tp()
-    _check_temperature(temperature)
+    _check_temperature(temperature, softcap)
     if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
         raise ValueError(f"hidden must be [rows, H] and weight [vocab slice, H], got {tuple(hidden_TH.shape)} "
                          f"and {tuple(weight_VH.shape)}")
@@ -350,5 +397,6 @@ def linear_vocab_parallel_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Ten
     if world > 1:
         hidden_TH = copy_to_tensor_model_parallel_region(hidden_TH)  # identity forward, all-reduce backward
     out = _LinearVocabParallelLogprobs.apply(hidden_TH, weight_VH, rows_M, targets_M, with_entropy, chunk_rows,
-                                             compute_dtype, float(temperature))
+                                             compute_dtype, float(temperature),
+                                             None if softcap is None else float(softcap))
     return out if with_entropy else (out, None)

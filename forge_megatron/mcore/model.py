@@ -42,6 +42,9 @@ class GPTConfig:
     # Gemma: the embedding's output is multiplied by this (sqrt(hidden_size), rounded to the weights' dtype as HF does)
     embedding_multiplier: float | None = None
     softmax_scale: float | None = None  # attention's scale before any YaRN factor; None: 1 / sqrt(head_dim)
+    # the logits are soft-capped to c * tanh(logits / c) (Gemma 2 / 4's final_logit_softcapping); None: not capped.
+    # Megatron's output layer caps its logits (a hook); the fused logprobs cap each chunk they make
+    final_logit_softcapping: float | None = None
     rotary_base: float = 10000.0
     rope_scaling: dict | None = None  # HF RoPE scaling (linear / llama3 / yarn: mcore/rope.py); None: plain RoPE
     # the sliding-window layers' RoPE scaling where it differs from the others' (OLMo 3: YaRN on the full-attention
@@ -124,6 +127,8 @@ class GPTConfig:
             )
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm', got {self.normalization!r}")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise ValueError(f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping!r}")
         from forge_megatron.mcore import rope
 
         self.rope_scaling = rope.check(self.rope_scaling, self.max_position_embeddings)
@@ -538,6 +543,22 @@ def _layer_spec(cfg: GPTConfig, use_te: bool, vp_stage: int | None):
     )
 
 
+def cap_logits(output_layer, softcap: float) -> None:
+    """Soft-cap the logits ``output_layer`` makes to softcap * tanh(logits / softcap) (elementwise, so each TP rank
+    caps its vocabulary slice). The cap is kept in ``output_layer.logit_softcap``: while the output layer is fused
+    into the loss (``forward.output_layer_deferred``) the layer hands back hidden states, which are left alone, and
+    the fused logprobs cap the logits they make."""
+    output_layer.logit_softcap = float(softcap)
+
+    def cap(module, args, output):
+        if getattr(module, "deferred", False):
+            return output
+        logits, bias = output
+        return logits.div(module.logit_softcap).tanh().mul(module.logit_softcap), bias
+
+    output_layer.register_forward_hook(cap)
+
+
 def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_process: bool | None = None,
               vp_stage: int | None = None, **config_overrides):
     """Build this rank's stage of a ``GPTModel`` (RoPE, untied by default) under the current parallel state."""
@@ -589,6 +610,8 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
             return output * torch.tensor(multiplier, dtype=output.dtype, device=output.device)
 
         model.embedding.register_forward_hook(scale)
+    if cfg.final_logit_softcapping is not None and getattr(model, "output_layer", None) is not None:
+        cap_logits(model.output_layer, cfg.final_logit_softcapping)
     if cfg.sparse_attention:
         from forge_megatron.mcore.dsa import share_selection_store
 

@@ -31,9 +31,14 @@ def _case(seed: int, dtype=torch.float32, all_rows: bool = False, vocab: int = V
     return logits_TV, rows_M, targets_M, grad_logp_M, grad_ent_M
 
 
-def _reference(logits_TV, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy, temperature=1.0):
+def _scores(z, temperature=1.0, softcap=None):
+    """The reference scores: soft-capped (Gemma's final logits) then tempered."""
+    return (z if softcap is None else softcap * torch.tanh(z / softcap)) / temperature
+
+
+def _reference(logits_TV, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy, temperature=1.0, softcap=None):
     z = logits_TV.detach().float().requires_grad_(True)
-    logsm = (z / temperature).log_softmax(-1)
+    logsm = _scores(z, temperature, softcap).log_softmax(-1)
     logp = logsm[rows_M, targets_M]
     loss = (logp * grad_logp_M).sum()
     ent = None
@@ -108,6 +113,29 @@ def test_temperature_scores_the_tempered_distribution(temperature, inplace):
     assert (logp.detach() - untempered).abs().max() > 0.1
     with pytest.raises(ValueError, match="temperature must be in \\(0, 2\\]"):
         vocab_parallel_logprobs(case[0], *case[1:3], temperature=0.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_softcap_scores_the_capped_logits(temperature, inplace):
+    """Final-logit soft-capping (Gemma 4): logp and entropy of softmax(c tanh(z / c) / T), the gradient with respect
+    to the raw logits as autograd through tanh gives it; logits of scale ~10 against c = 5, so the cap bites."""
+    case = _case(9)
+    case = (case[0] * 3,) + case[1:]
+    ref_logp, ref_ent, ref_grad = _reference(*case, True, temperature, softcap=5.0)
+    leaf = case[0].clone().requires_grad_(True)
+    z = leaf * 1
+    logp, ent = vocab_parallel_logprobs(z, *case[1:3], with_entropy=True, chunk_rows=4, inplace_backward=inplace,
+                                        temperature=temperature, softcap=5.0)
+    ((logp * case[3]).sum() + (ent * case[4]).sum()).backward()
+    torch.testing.assert_close(logp.detach(), ref_logp, rtol=0, atol=2e-6)
+    torch.testing.assert_close(ent.detach(), ref_ent, rtol=0, atol=2e-6)
+    torch.testing.assert_close(leaf.grad, ref_grad, rtol=0, atol=2e-6)
+    uncapped = _reference(*case, True, temperature)
+    assert (logp.detach() - uncapped[0]).abs().max() > 0.5 and (leaf.grad - uncapped[2]).abs().max() > 0.05
+    for bad in (0.0, -1.0, True):
+        with pytest.raises(ValueError, match="softcap"):
+            vocab_parallel_logprobs(case[0], *case[1:3], softcap=bad)
 
 
 def test_gradient_through_one_output_only():
@@ -185,7 +213,7 @@ def test_keeps_no_rows_by_vocabulary_tensor_but_the_logits(with_entropy):
 
 
 # ------------------------------------------------------------------------------------------ TP = 2 (gloo)
-def _body_tp(rank, world_size, with_entropy, temperature=1.0):
+def _body_tp(rank, world_size, with_entropy, temperature=1.0, softcap=None):
     from megatron.core import parallel_state as ps
 
     assert ps.get_tensor_model_parallel_world_size() == 2
@@ -195,9 +223,10 @@ def _body_tp(rank, world_size, with_entropy, temperature=1.0):
         full_TV = case[0]
         full_TV[4, :V] -= 30  # row 4's max lies on rank 1 only: the ranks' maxima differ
         full_TV[6, V:] += 30  # and row 6's on rank 0
-        ref_logp, ref_ent, ref_grad = _reference(*case, with_entropy, temperature)
+        ref_logp, ref_ent, ref_grad = _reference(*case, with_entropy, temperature, softcap)
         mine = (full_TV[:, rank * V:(rank + 1) * V].contiguous(),) + case[1:]
-        logp, ent, grad, _ = _fused(*mine, with_entropy, chunk_rows=chunk_rows, temperature=temperature)
+        logp, ent, grad, _ = _fused(*mine, with_entropy, chunk_rows=chunk_rows, temperature=temperature,
+                                    softcap=softcap)
         ref_slice = ref_grad[:, rank * V:(rank + 1) * V]
         out[all_rows] = ((logp - ref_logp).abs().max().item(),
                          (ent - ref_ent).abs().max().item() if with_entropy else 0.0,
@@ -205,13 +234,14 @@ def _body_tp(rank, world_size, with_entropy, temperature=1.0):
     return out
 
 
-@pytest.mark.parametrize("with_entropy,temperature", [(False, 1.0), (True, 1.0), (True, 0.7)])
-def test_tensor_parallel_matches_the_full_vocabulary(with_entropy, temperature):
+@pytest.mark.parametrize("with_entropy,temperature,softcap", [(False, 1.0, None), (True, 1.0, None),
+                                                              (True, 0.7, None), (True, 0.7, 20.0)])
+def test_tensor_parallel_matches_the_full_vocabulary(with_entropy, temperature, softcap):
     results = run_distributed(_body_tp, world_size=2, parallel=ParallelConfig(tp=2), with_entropy=with_entropy,
-                              temperature=temperature)
+                              temperature=temperature, softcap=softcap)
     for per_rank in results:
         for logp_err, ent_err, grad_err, grad_scale in per_rank.values():
-            assert logp_err <= 5e-6 and ent_err <= 5e-6 and grad_err <= 2e-6, per_rank
+            assert logp_err <= 5e-6 and ent_err <= 5e-6 and grad_err <= 2e-6 * max(1.0, grad_scale), per_rank
             assert grad_scale > 0.01  # each rank's slice really carries gradient
 
 
@@ -228,14 +258,14 @@ def _linear_case(seed: int, vocab: int = V, all_rows: bool = False, weight_dtype
 
 
 def _linear_reference(hidden_TH, weight_VH, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy, vocab_slice=None,
-                      temperature=1.0):
+                      temperature=1.0, softcap=None):
     """Plain autograd: logits = hidden @ W^T in W's dtype, log_softmax in fp32 (of logits / ``temperature``). Returns
     values and both gradients (the weight's restricted to ``vocab_slice`` rows when given)."""
     h = hidden_TH.clone().requires_grad_(True)
     w = weight_VH.clone().requires_grad_(True)
     z = (h.to(w.dtype) @ w.t()).float()
-    logp, ent, _ = _reference(z, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy, temperature)
-    logsm = (z / temperature).log_softmax(-1)
+    logp, ent, _ = _reference(z, rows_M, targets_M, grad_logp_M, grad_ent_M, with_entropy, temperature, softcap)
+    logsm = _scores(z, temperature, softcap).log_softmax(-1)
     loss = (logsm[rows_M, targets_M] * grad_logp_M).sum()
     if with_entropy:
         loss = loss + (-(logsm.exp() * logsm).sum(-1)[rows_M] * grad_ent_M).sum()
@@ -276,6 +306,18 @@ def test_fused_output_layer_with_temperature():
     for name, a, b in zip(("logp", "entropy", "hidden grad", "weight grad"), got, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
     assert (got[0] - _linear_reference(*case, True)[0]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.75])
+def test_fused_output_layer_with_softcap(temperature):
+    case = _linear_case(10)
+    case = (case[0] * 3,) + case[1:]  # logits of scale ~10 against the cap of 4
+    ref = _linear_reference(*case, True, temperature=temperature, softcap=4.0)
+    got = _linear_fused(*case, True, chunk_rows=3, temperature=temperature, softcap=4.0)
+    for name, a, b in zip(("logp", "entropy", "hidden grad", "weight grad"), got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+    uncapped = _linear_reference(*case, True, temperature=temperature)
+    assert (got[0] - uncapped[0]).abs().max() > 0.5 and (got[3] - uncapped[3]).abs().max() > 0.05
 
 
 def test_fused_output_layer_bf16_weight():
