@@ -119,6 +119,10 @@ class Family:
     # scaled by sqrt(hidden_size), a softmax scale of query_pre_attn_scalar ** -0.5, and local sliding-window layers
     # with their own RoPE base next to global ones
     gemma: bool = False
+    # Gemma 4 (text): Gemma 3's sandwich with plain-weight norms, global layers with their own head size, key heads,
+    # values that are the keys (attention_k_eq_v) and proportional RoPE, normed values, attention scale 1, a scalar
+    # per layer, soft-capped logits (gemma4_view; mcore/gemma4.py)
+    gemma4: bool = False
     # Qwen3-VL-MoE: each layer's experts in two checkpoint tensors, ``experts.gate_up_proj`` [E, H, 2F] (gate columns
     # first) and ``experts.down_proj`` [E, F, H], the transposes of the experts' linear weights; the router always
     # renormalises its top-k probabilities
@@ -229,6 +233,13 @@ FAMILIES: dict[str, Family] = {
     "Glm4vMoeForConditionalGeneration": Family("glm4_moe", qkv_bias=None, qk_norm=False, moe=True, sigmoid_router=True,
                                                multimodal=True),
     "Gemma3ForCausalLM": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True),
+    "Gemma4ForCausalLM": Family("gemma4", qkv_bias=False, qk_norm=True, moe=False, gemma4=True),
+    # Gemma 4 as released: the text model above under model.language_model. (tied head) beside its vision and audio
+    # towers and their embedders
+    "Gemma4ForConditionalGeneration": Family("gemma4", qkv_bias=False, qk_norm=True, moe=False, gemma4=True,
+                                             multimodal=True,
+                                             vision_prefixes=("model.vision_tower.", "model.audio_tower.",
+                                                              "model.embed_vision.", "model.embed_audio.")),
     # Gemma 3 4B-27B as released: the text model above under language_model.model. (tied head), a SigLIP vision
     # tower and its projector beside it
     "Gemma3ForConditionalGeneration": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True,
@@ -343,9 +354,9 @@ def layer_types(hf: dict, family: Family) -> list[str] | None:
 
 def _refuse_unsupported(hf: dict, family: Family) -> None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    wanted = "gelu_pytorch_tanh" if family.gemma else "silu"
+    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 else "silu"
     if act != wanted:
-        glu = "GeGLU with the tanh GELU" if family.gemma else "SwiGLU with silu"
+        glu = "GeGLU with the tanh GELU" if wanted != "silu" else "SwiGLU with silu"
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported ({glu} only)")
     if family.gemma:
         if hf.get("attn_logit_softcapping") is not None:
@@ -353,6 +364,24 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                         "(Gemma 2's attention soft-capping; Gemma 3 has none)")
         if hf.get("use_bidirectional_attention"):
             raise UnsupportedModelError("use_bidirectional_attention=True (an embedding model) is not supported")
+    if family.gemma4:
+        for key, what in (("hidden_size_per_layer_input", "per-layer embeddings (PLE: Gemma 4 E2B / E4B)"),
+                          ("num_kv_shared_layers", "KV sharing across layers (Gemma 4 E2B / E4B)"),
+                          ("enable_moe_block", "the MoE block beside the MLP (Gemma 4 26B-A4B)"),
+                          ("use_bidirectional_attention", "bidirectional attention"),
+                          ("attention_bias", "attention biases")):
+            if hf.get(key):
+                raise UnsupportedModelError(f"{key}={hf[key]!r}: {what} is not supported yet (the dense Gemma 4 "
+                                            "text model is)")
+        if not set(hf["layer_types"]) <= set(LAYER_TYPES):
+            raise UnsupportedModelError(f"layer_types {sorted(set(hf['layer_types']))}: only sliding_attention and "
+                                        "full_attention")
+        sliding, full = rope_parameters(hf, "sliding_attention"), rope_parameters(hf, "full_attention")
+        if sliding.get("rope_type", "default") != "default" or full.get("rope_type", "default") not in (
+                "default", "proportional"):
+            raise UnsupportedModelError(f"Gemma 4 RoPE {sliding.get('rope_type')!r} (sliding) / "
+                                        f"{full.get('rope_type')!r} (full): default on the sliding layers and "
+                                        "default or proportional on the full ones only")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=True is not supported (Megatron's add_bias_linear would also add "
                                     "an attention output bias)")
@@ -362,7 +391,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral configs have none)")
-    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4") and not family.gated_delta \
+    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "gemma4") \
+            and not family.gated_delta \
             and not family.mla:  # (MLA rotates qk_rope_head_dim channels: Mistral 4 states it as this fraction)
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
     if family.gpt_oss:
@@ -495,6 +525,36 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError(f"n_shared_experts=0 is not supported by the {family.name} family")
 
 
+def gemma4_view(hf: dict) -> dict:
+    """A Gemma 4 text config resolved as transformers resolves it (Gemma4TextConfig: the default layer kinds, the
+    last layer forced global, each layer's head size and key heads from ``per_layer_config`` or ``global_head_dim`` /
+    ``num_global_key_value_heads``), with ``gemma4_global``: the global layers' (head size, key heads)."""
+    try:
+        from transformers import Gemma4TextConfig
+    except ImportError as exc:
+        raise UnsupportedModelError("Gemma 4 needs a transformers with Gemma4TextConfig (5.x)") from exc
+
+    c = Gemma4TextConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type", "auto_map")})
+    types = list(c.layer_types)
+    geometry = [(c.per_layer_config[i].head_dim, c.per_layer_config[i].num_key_value_heads) for i in range(len(types))]
+    kinds = {}
+    for kind, shape in zip(types, geometry):
+        if kinds.setdefault(kind, shape) != shape:
+            raise UnsupportedModelError(f"Gemma 4 {kind} layers of different shapes ({kinds[kind]} and {shape} "
+                                        "(head_dim, key heads)): one shape per kind of layer only")
+    declared = (hf.get("head_dim", 256), hf.get("num_key_value_heads", 4))  # (Gemma4TextConfig's defaults)
+    local = kinds.get("sliding_attention", declared)
+    if local != declared:
+        raise UnsupportedModelError(f"Gemma 4 sliding layers of shape {local}, the config says {declared} "
+                                    "(head_dim, num_key_value_heads)")
+    return {**hf, "head_dim": local[0], "num_key_value_heads": local[1], "layer_types": types, "gemma4_global": kinds.get("full_attention", local),
+            "rope_parameters": dict(c.rope_parameters), "sliding_window": c.sliding_window,
+            "final_logit_softcapping": c.final_logit_softcapping,
+            "hidden_size_per_layer_input": c.hidden_size_per_layer_input,
+            "num_kv_shared_layers": c.num_kv_shared_layers, "enable_moe_block": c.enable_moe_block,
+            "attention_k_eq_v": c.attention_k_eq_v}
+
+
 def kimi_linear_view(hf: dict) -> dict:
     """A Kimi Linear config (its own field names, or transformers') with the names the DeepSeek-V3 code paths read,
     resolved by transformers' config class (its aliases, ``linear_attn_config``, the default layer kinds)."""
@@ -586,6 +646,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
     family = family_of(hf)
     if family.kimi_delta:
         hf = kimi_linear_view(hf)
+    if family.gemma4:
+        hf = gemma4_view(hf)
     _refuse_unsupported(hf, family)
     heads = hf["num_attention_heads"]
     qkv_bias = family.qkv_bias if family.qkv_bias is not None else bool(hf.get("attention_bias", False))
@@ -609,7 +671,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         post_norm=family.olmo or family.gemma,
         rotary_percent=partial_rotary(hf),
         rotary_base=rope_theta(hf),
-        rope_scaling=rope_scaling(hf),
+        rope_scaling=None if family.gemma4 else rope_scaling(hf),  # (Gemma 4's per layer kind: below)
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
     if family.mla:
@@ -672,6 +734,21 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         if kwargs["extra"]["window_size"] and (sliding != kwargs["rope_scaling"] or
                                                sliding_base != kwargs["rotary_base"]):
             kwargs.update(sliding_rope_scaling=sliding or {"rope_type": "default"}, sliding_rotary_base=sliding_base)
+    if family.gemma4:
+        full, sliding = rope_parameters(hf, "full_attention"), rope_parameters(hf, "sliding_attention")
+        head_dim, groups = hf["gemma4_global"]
+        proportional = full.get("rope_type", "default") == "proportional"
+        kwargs.update(
+            pre_norm=True, post_norm=True, activation="gelu_tanh", embedding_multiplier=hf["hidden_size"] ** 0.5,
+            softmax_scale=1.0, tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            final_logit_softcapping=hf.get("final_logit_softcapping"), value_norm=True, layer_scalars=True,
+            rotary_base=float(sliding.get("rope_theta") or 1e4), rope_scaling=None, rotary_percent=1.0,
+            global_kv_channels=head_dim, global_num_query_groups=groups,
+            global_values_from_keys=bool(hf.get("attention_k_eq_v")),
+            global_rotary=(float(full.get("rope_theta") or 1e6),
+                           float(full.get("partial_rotary_factor", 1.0)) if proportional else 1.0,
+                           float(full.get("factor", 1.0)) if proportional else 1.0),
+            extra=sliding_windows(hf))
     if family.gpt_oss:
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 

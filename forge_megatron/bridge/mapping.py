@@ -56,7 +56,9 @@ class Rule:
     join: str = "copy"
     tp: str = "rep"
     layers: str = "all"  # "dense" / "moe": only layers with a dense MLP / a MoE layer have it; "linear" / "full":
-    # only Gated DeltaNet / full-attention layers of a hybrid model; "indexer": layers with their own DSA indexer
+    # only Gated DeltaNet / full-attention layers of a hybrid model; "indexer": layers with their own DSA indexer;
+    # "local" / "global": only sliding-window / other layers of a model whose global layers differ (Gemma 4: two rules
+    # may name one Megatron tensor, each for its kind of layer)
 
     @property
     def is_expert(self) -> bool:
@@ -254,7 +256,29 @@ def _kimi_linear_rules(cfg: GPTConfig) -> list[Rule]:
     return mla[:1] + kda + mla[1:]
 
 
+def _gemma4_rules(cfg: GPTConfig) -> list[Rule]:
+    """Gemma 4: the sliding layers' q/k/v grouped as usual; the global layers' with their own geometry and, with
+    ``attention_k_eq_v``, no ``v_proj`` (``qkv_global``); Gemma 3's sandwich norm names; each layer's scalar."""
+    attn = HF_LAYER + "self_attn."
+    qkv = LAYER + "self_attention.linear_qkv.weight"
+    global_parts = "qk" if cfg.global_values_from_keys else "qkv"
+    return [
+        Rule(qkv, tuple(attn + f"{p}_proj.weight" for p in "qkv"), "qkv", "col", layers="local"),
+        Rule(qkv, tuple(attn + f"{p}_proj.weight" for p in global_parts), "qkv_global", "col", layers="global"),
+        Rule(LAYER + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), tp="row"),
+        Rule(LAYER + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",)),
+        Rule(LAYER + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",)),
+        Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
+        Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
+        Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "pre_feedforward_layernorm.weight",)),
+        Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_feedforward_layernorm.weight",)),
+        Rule(LAYER + "layer_scalar", (HF_LAYER + "layer_scalar",)),
+    ]
+
+
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    if family.gemma4:
+        return _with_mlp_and_ends(cfg, family, _gemma4_rules(cfg))
     if family.kimi_delta:
         return _with_mlp_and_ends(cfg, family, _kimi_linear_rules(cfg))
     if family.name == "olmo_hybrid":
@@ -379,6 +403,7 @@ class Bridge:
         # joins that regroup HF tensors into one Megatron tensor: (split Megatron -> HF parts, join HF parts -> one)
         self._layouts = {"qkv": (self._split_qkv, self._join_qkv),
                          "qkv_gate": (self._split_qkv_gate, self._join_qkv_gate),
+                         "qkv_global": (self._split_qkv_global, self._join_qkv_global),
                          "gdn_in": (self._split_gdn_in, self._join_gdn_in),
                          "gdn_in_grouped": (self._split_gdn_in_grouped, self._join_gdn_in_grouped),
                          "gdn_in_separate": (self._split_gdn_in_separate, self._join_gdn_in_separate),
@@ -393,7 +418,10 @@ class Bridge:
         for pattern, rule in self._patterns:
             m = pattern.match(name)
             if m:
-                return rule, {k: int(v) for k, v in m.groupdict().items()}
+                idx = {k: int(v) for k, v in m.groupdict().items()}
+                if rule.layers in ("local", "global") and not self.layer_has(rule, idx["layer"]):
+                    continue  # the other kind of layer's rule for this name
+                return rule, idx
         raise MappingError(f"Megatron parameter {name!r} has no mapping for family {self.family.name!r}")
 
     def canonical_names(self, layers=None) -> list[str]:
@@ -435,7 +463,14 @@ class Bridge:
         """Whether global layer ``layer`` has a MoE MLP (the first ``moe_dense_layers`` of a MoE model do not)."""
         return bool(self.cfg.num_moe_experts) and layer >= self.cfg.moe_dense_layers
 
+    def is_global_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` is not a sliding-window layer (Megatron's window_attn_skip_freq)."""
+        flags = self.cfg.extra.get("window_attn_skip_freq")
+        return not (self.cfg.extra.get("window_size") and (flags is None or flags[layer]))
+
     def layer_has(self, rule: Rule, layer: int) -> bool:
+        if rule.layers in ("local", "global"):
+            return (rule.layers == "global") == self.is_global_layer(layer)
         if rule.layers == "indexer":
             return not (self.cfg.dsa_shared_layers and self.cfg.dsa_shared_layers[layer])
         if rule.layers in ("linear", "full"):
@@ -545,6 +580,9 @@ class Bridge:
                     raise MappingError(f"no shape rule for HF tensor {hf_name!r}")
                 return kda[m.group(2)]
         d, h, g, n = cfg.hidden_size, cfg.head_dim, cfg.num_query_groups, cfg.num_attention_heads
+        m = re.search(r"layers\.(\d+)\.self_attn\.", hf_name)
+        if cfg.per_layer_attention and m and int(m.group(1)) < cfg.num_layers and self.is_global_layer(int(m.group(1))):
+            h, g = cfg.global_kv_channels or h, cfg.global_num_query_groups or g  # Gemma 4's global layers
         f = cfg.moe_shared_ffn_hidden_size if (".shared_experts." in hf_name or ".shared_expert." in hf_name) else \
             cfg.moe_ffn_hidden_size if ".experts." in hf_name else cfg.ffn_hidden_size
         table = {
@@ -556,7 +594,7 @@ class Bridge:
             "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f), "gate_up_proj.weight": (2 * f, d),
             "w1.weight": (f, d), "w3.weight": (f, d), "w2.weight": (d, f),
             "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
-            "shared_expert_gate.weight": (1, d),
+            "shared_expert_gate.weight": (1, d), "layer_scalar": (1,),
         }
         if cfg.qk_layernorm_all_heads:
             table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})
@@ -615,6 +653,24 @@ class Bridge:
         g = self.cfg.num_query_groups
         per_group = [t.reshape(g, -1, *t.shape[1:]) for t in (q, k, v)]
         return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
+
+    def _global_geometry(self):
+        cfg = self.cfg
+        return (cfg.global_num_query_groups or cfg.num_query_groups, cfg.global_kv_channels or cfg.head_dim,
+                2 if cfg.global_values_from_keys else 3)
+
+    def _split_qkv_global(self, qkv):
+        """A Gemma 4 global layer's fused projection -> q, k (and v unless the values are the keys)."""
+        g, h, parts = self._global_geometry()
+        q_per_g = self.cfg.num_attention_heads // g
+        grouped = qkv.reshape(g, -1, *qkv.shape[1:])
+        pieces = grouped.split([q_per_g * h] + [h] * (parts - 1), dim=1)
+        return [t.reshape(-1, *qkv.shape[1:]) for t in pieces]
+
+    def _join_qkv_global(self, *parts):
+        g, _, _ = self._global_geometry()
+        per_group = [t.reshape(g, -1, *t.shape[1:]) for t in parts]
+        return torch.cat(per_group, dim=1).reshape(-1, *parts[0].shape[1:])
 
     def _join_qkv_gate(self, q_gate, k, v):
         """Gated attention: HF's ``q_proj`` rows are, per head, its query then its gate; Megatron's fused QKV holds
@@ -712,6 +768,7 @@ class Bridge:
         pipeline_chunks(cfg.num_layers, layout.pp, None, layout.first, layout.last)  # the layers split into stages
         checks = [
             ("num_query_groups", cfg.num_query_groups, "tp", layout.tp),
+            ("global_num_query_groups", cfg.global_num_query_groups or cfg.num_query_groups, "tp", layout.tp),
             ("vocab_size", cfg.vocab_size, "tp", layout.tp),
             ("ffn_hidden_size", cfg.ffn_hidden_size, "tp", layout.tp),
         ]

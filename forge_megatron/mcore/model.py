@@ -110,6 +110,16 @@ class GPTConfig:
     # the linear-attention layers' kind: "gated_delta" (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo Hybrid) or
     # "kimi_delta" (Kimi Delta Attention: a decay per key channel, low-rank gates; mcore/kimi_delta.py)
     linear_attention_kind: str = "gated_delta"
+    # Gemma 4 (mcore/gemma4.py): the global (not sliding-window) layers' own head size and key heads, values that
+    # are the projected keys there (attention_k_eq_v), and their proportional RoPE (base, rotated fraction, factor)
+    # in place of the model's table; a scale-free RMSNorm on every layer's values; a checkpoint scalar multiplying
+    # each layer's output. None / False: as every other model
+    global_kv_channels: int | None = None
+    global_num_query_groups: int | None = None
+    global_values_from_keys: bool = False
+    global_rotary: tuple[float, float, float] | None = None
+    value_norm: bool = False
+    layer_scalars: bool = False
     params_dtype: torch.dtype = torch.float32
     bf16: bool = False
     extra: dict = field(default_factory=dict)  # passed through to TransformerConfig
@@ -212,12 +222,33 @@ class GPTConfig:
                 raise ValueError("Kimi Delta Attention has as many key as value heads, all of one size")
             if not 0 < self.linear_beta_scale <= 2:
                 raise ValueError(f"linear_beta_scale must be in (0, 2], got {self.linear_beta_scale}")
+        if self.per_layer_attention:
+            window = self.extra.get("window_size")
+            if (self.global_kv_channels or self.global_num_query_groups or self.global_values_from_keys
+                    or self.global_rotary) and not window:
+                raise ValueError("global-layer attention settings (Gemma 4) need sliding-window layers beside them "
+                                 "(extra window_size / window_attn_skip_freq)")
+            if self.multi_latent_attention or self.hybrid or self.attention_output_gate or self.qk_layernorm_all_heads:
+                raise ValueError("Gemma 4's attention is standard attention with per-head q/k norms")
+            if self.global_rotary is not None and self.rope_scaling is not None:
+                raise ValueError("global_rotary reads positions off the model's table: the local layers' RoPE must "
+                                 "be plain (rope_scaling None)")
+            groups = self.global_num_query_groups or self.num_query_groups
+            if self.num_attention_heads % groups:
+                raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                                 f"global_num_query_groups ({groups})")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) > num_moe_experts ({self.num_moe_experts})")
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def per_layer_attention(self) -> bool:
+        """Gemma 4's attention (mcore/gemma4.py): some layers' geometry or RoPE differ, or values are normed."""
+        return bool(self.global_kv_channels or self.global_num_query_groups or self.global_values_from_keys
+                    or self.global_rotary or self.value_norm)
 
     @property
     def hybrid(self) -> bool:
@@ -449,6 +480,8 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from forge_megatron.mcore.post_norm import post_norm_spec
 
         spec = post_norm_spec(spec, keep_pre_norms=cfg.pre_norm)
+    if cfg.per_layer_attention:
+        spec = _per_layer_attention_spec(cfg, spec, vp_stage)
     if cfg.hybrid:  # (OLMo Hybrid: post-norm attention layers, pre-norm Gated DeltaNet ones)
         spec = _hybrid_block_spec(cfg, spec, pre_norm if cfg.linear_pre_norm else spec, vp_stage)
     if cfg.qk_layernorm_all_heads:
@@ -469,6 +502,35 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
     if cfg.sparse_attention:
         spec = _with_attention_submodules(spec, lambda subs: {"core_attention": dsa_core_attention(cfg)})
     return spec
+
+
+def _per_layer_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
+    """The block spec of this pipeline stage's layers of a Gemma 4 model: each layer's self-attention a
+    :class:`~forge_megatron.mcore.gemma4.Gemma4SelfAttention`, the global (not sliding-window) ones with their own
+    geometry, values and RoPE."""
+    import dataclasses
+
+    from megatron.core.transformer import transformer_block as tb
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from forge_megatron.mcore.gemma4 import attention_spec
+
+    if hasattr(spec, "layer_specs"):
+        raise ValueError("per-layer attention (Gemma 4) in a block spec (a MoE model with dense layers) is not "
+                         "supported")
+    tcfg = transformer_config(cfg)
+    offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
+    layer_specs = []
+    for number in range(offset + 1, offset + tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage) + 1):
+        params = {"value_norm": cfg.value_norm}
+        if not is_layer_window_attention(tcfg.window_size, tcfg.window_attn_skip_freq, number):
+            params.update(kv_channels=cfg.global_kv_channels, num_query_groups=cfg.global_num_query_groups,
+                          values_from_keys=cfg.global_values_from_keys, rotary=cfg.global_rotary)
+        attn = attention_spec(spec.submodules.self_attention, **params)
+        layer_specs.append(dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                                    self_attention=attn)))
+    return tb.TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=tb.LayerNormImpl)
 
 
 def dsa_core_attention(cfg: GPTConfig):
@@ -610,6 +672,10 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
             return output * torch.tensor(multiplier, dtype=output.dtype, device=output.device)
 
         model.embedding.register_forward_hook(scale)
+    if cfg.layer_scalars:
+        from forge_megatron.mcore.gemma4 import add_layer_scalars
+
+        add_layer_scalars(model)
     if cfg.final_logit_softcapping is not None and getattr(model, "output_layer", None) is not None:
         cap_logits(model.output_layer, cfg.final_logit_softcapping)
     if cfg.sparse_attention:

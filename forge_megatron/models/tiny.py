@@ -35,7 +35,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
-         "olmo_hybrid", "kimi_linear")
+         "olmo_hybrid", "kimi_linear", "gemma4")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -345,6 +345,20 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                                  "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                     "rope_theta": 1000000.0}}},
         ),
+        # Gemma 4 layout (text, dense): sandwich norms (plain weights), GeGLU, the scaled embedding, attention scale
+        # 1, normed values; layer 0 a 4-position window (heads of 16, 4 key heads, RoPE base 10k), layer 1 global
+        # (heads of 32, 2 key heads whose projections are also the values', proportional RoPE over a quarter of the
+        # head, base 1M); a scalar per layer, soft-capped logits, tied embeddings
+        "gemma4": (
+            transformers.Gemma4TextConfig,
+            {"head_dim": 16, "num_key_value_heads": 4, "global_head_dim": 32, "num_global_key_value_heads": 2,
+             "attention_k_eq_v": True,
+             "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True,
+             "hidden_size_per_layer_input": 0, "final_logit_softcapping": 0.5,
+             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1000000.0}}},
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -384,6 +398,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape) * 0.1)
+            elif name.endswith("layer_scalar"):  # Gemma 4's: each layer's output scaled by its own
+                buf.copy_(0.5 + torch.rand(buf.shape))
         for name, p in model.named_parameters():  # gpt-oss: sinks as large as trained ones, biases that matter
             if name.endswith(".sinks"):
                 p.copy_(torch.randn(p.shape))
@@ -397,6 +413,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
             elif arch.startswith("gemma3") and name.endswith("norm.weight") and "vision" not in name:
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters
+            elif arch.startswith("gemma4") and name.endswith("norm.weight"):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # plain-weight norms: four per layer, and q / k's
             elif arch == "kimi_linear" and name.endswith(("layernorm.weight", "o_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms (the gated one too) and the latent norm
             elif ".indexer.k_norm." in name:  # DSA: the indexer's LayerNorm (weight and bias) matters
