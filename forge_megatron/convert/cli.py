@@ -28,7 +28,7 @@ tower is not trained and is copied on export: mcore-to-hf --vision-from HF_DIR),
 GptOssForCausalLM (gpt-oss, bf16 copies; TP 1), Olmo2ForCausalLM / Olmo3ForCausalLM (OLMo 2 / 3: norms after
 attention and MLP), OlmoHybridForCausalLM (OLMo Hybrid: OLMo 3 attention and Gated DeltaNet layers),
 KimiLinearForCausalLM (Kimi Linear: Kimi Delta Attention and RoPE-less multi-latent attention, DeepSeek-V3's MoE),
-Gemma3ForCausalLM and, as released, Gemma3ForConditionalGeneration (Gemma 3; the SigLIP tower copied on export), SmolLM3ForCausalLM (NoPE layers), SeedOssForCausalLM (Seed-OSS), Glm4ForCausalLM (GLM-4-0414 / GLM-Z1 dense), Glm4vForConditionalGeneration / Glm4vMoeForConditionalGeneration (GLM-4.1V / 4.6V-Flash, GLM-4.5V / 4.6V: the vision tower copied on export); multi-token-prediction layers are left out; block-wise FP8 checkpoints (the DeepSeek-V3, Kimi-K2, MiniMax-M2 releases) are read dequantized. Options the
+Gemma3ForCausalLM and, as released, Gemma3ForConditionalGeneration (Gemma 3; the SigLIP tower copied on export), Gemma4ForCausalLM and, as released, Gemma4ForConditionalGeneration (Gemma 4 dense: global layers with their own head size, values = keys, proportional RoPE; the vision and audio towers copied on export), SmolLM3ForCausalLM (NoPE layers), SeedOssForCausalLM (Seed-OSS), Glm4ForCausalLM (GLM-4-0414 / GLM-Z1 dense), Glm4vForConditionalGeneration / Glm4vMoeForConditionalGeneration (GLM-4.1V / 4.6V-Flash, GLM-4.5V / 4.6V: the vision tower copied on export); multi-token-prediction layers are left out; block-wise FP8 checkpoints (the DeepSeek-V3, Kimi-K2, MiniMax-M2 releases) are read dequantized. Options the
 Megatron model cannot compute exactly are refused by name (docs/conversion.md).
 """
 

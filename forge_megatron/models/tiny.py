@@ -35,11 +35,12 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
-         "olmo_hybrid", "kimi_linear", "gemma4")
+         "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
        "gemma3_vl": ("gemma3", "Gemma3Config", "Gemma3ForConditionalGeneration"),
+       "gemma4_vl": ("gemma4", "Gemma4Config", "Gemma4ForConditionalGeneration"),
        "qwen3_vl": ("qwen3", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
        "qwen3_vl_moe": ("qwen3_moe", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
        "kimi_k25": ("deepseek_v3", "Kimi_K25Config", "Kimi_K25ForConditionalGeneration"),
@@ -145,6 +146,12 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                           image_size=16, patch_size=4)
             return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                             tie_word_embeddings=True)
+        if text_arch == "gemma4":  # a one-layer vision tower (no audio tower), the head tied, as released
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                          position_embedding_size=64)
+            return transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
                                              tie_word_embeddings=True)
         if text_arch == "deepseek_v3":  # Kimi-K2.5: a one-block MoonViT, 2 x 2 patches merged per token
             vision = dict(patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,

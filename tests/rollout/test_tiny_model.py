@@ -69,8 +69,11 @@ def test_tiny_model_loads_and_is_deterministic(tmp_path, arch):
     mla = arch in ("deepseek_v3", "glm4_moe_lite", "kimi_k25", "deepseek_v32", "glm_moe_dsa", "mistral4",
                    "mistral4_vl", "kimi_linear")  # multi-latent attention:
     # a key/value head per query
-    assert text.num_key_value_heads == (4 if mla else 2)
-    assert m1.config.tie_word_embeddings is arch.startswith("gemma3")  # Gemma ties them, as released
+    if arch.startswith("gemma4"):  # key heads per layer: 4 on the local layer, 2 on the global one
+        assert [text.per_layer_config[i].num_key_value_heads for i in range(2)] == [4, 2]
+    else:
+        assert text.num_key_value_heads == (4 if mla else 2)
+    assert m1.config.tie_word_embeddings is arch.startswith(("gemma3", "gemma4"))  # Gemma ties them, as released
     assert text.vocab_size == len(AutoTokenizer.from_pretrained(d1))
     for (n1, p1), (n2, p2) in zip(m1.state_dict().items(), m2.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
