@@ -367,7 +367,6 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if family.gemma4:
         for key, what in (("hidden_size_per_layer_input", "per-layer embeddings (PLE: Gemma 4 E2B / E4B)"),
                           ("num_kv_shared_layers", "KV sharing across layers (Gemma 4 E2B / E4B)"),
-                          ("enable_moe_block", "the MoE block beside the MLP (Gemma 4 26B-A4B)"),
                           ("use_bidirectional_attention", "bidirectional attention"),
                           ("attention_bias", "attention biases")):
             if hf.get(key):
@@ -552,7 +551,8 @@ def gemma4_view(hf: dict) -> dict:
             "final_logit_softcapping": c.final_logit_softcapping,
             "hidden_size_per_layer_input": c.hidden_size_per_layer_input,
             "num_kv_shared_layers": c.num_kv_shared_layers, "enable_moe_block": c.enable_moe_block,
-            "attention_k_eq_v": c.attention_k_eq_v}
+            "num_experts": c.num_experts, "top_k_experts": c.top_k_experts,
+            "moe_intermediate_size": c.moe_intermediate_size, "attention_k_eq_v": c.attention_k_eq_v}
 
 
 def kimi_linear_view(hf: dict) -> dict:
@@ -749,6 +749,10 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                            float(full.get("partial_rotary_factor", 1.0)) if proportional else 1.0,
                            float(full.get("factor", 1.0)) if proportional else 1.0),
             extra=sliding_windows(hf))
+        if hf.get("enable_moe_block"):  # 26B-A4B: experts beside the dense MLP in every layer
+            kwargs.update(num_moe_experts=hf["num_experts"], moe_router_topk=hf["top_k_experts"],
+                          moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_router_pre_softmax=False,
+                          moe_beside_dense=True)
     if family.gpt_oss:
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 

@@ -270,9 +270,34 @@ def _gemma4_rules(cfg: GPTConfig) -> list[Rule]:
         Rule(LAYER + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",)),
         Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
         Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
-        Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "pre_feedforward_layernorm.weight",)),
+        Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "pre_feedforward_layernorm.weight",), layers="dense"),
         Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_feedforward_layernorm.weight",)),
         Rule(LAYER + "layer_scalar", (HF_LAYER + "layer_scalar",)),
+    ] + (_gemma4_moe_rules() if cfg.moe_beside_dense else [])
+
+
+def _gemma4_moe_rules() -> list[Rule]:
+    """Gemma 4's MoE block (26B-A4B; mcore/gemma4.py): the dense branch (Megatron's shared-expert slot) with its
+    input and output norms, the experts' norms, the router's projection, input scale and per-expert scales, and the
+    experts stacked per layer directly under the layer ([E, 2F, D] gate rows first, [E, D, F])."""
+    dense = LAYER + "mlp.shared_experts."
+    return [
+        Rule(dense + "pre_norm.weight", (HF_LAYER + "pre_feedforward_layernorm.weight",), layers="moe"),
+        Rule(dense + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_proj.weight", HF_LAYER + "mlp.up_proj.weight"),
+             "glu", "glu", layers="moe"),
+        Rule(dense + "mlp.linear_fc2.weight", (HF_LAYER + "mlp.down_proj.weight",), tp="row", layers="moe"),
+        Rule(dense + "post_norm.weight", (HF_LAYER + "post_feedforward_layernorm_1.weight",), layers="moe"),
+        Rule(LAYER + "mlp.pre_experts_norm.weight", (HF_LAYER + "pre_feedforward_layernorm_2.weight",),
+             layers="moe"),
+        Rule(LAYER + "mlp.post_experts_norm.weight", (HF_LAYER + "post_feedforward_layernorm_2.weight",),
+             layers="moe"),
+        Rule(LAYER + "mlp.router.weight", (HF_LAYER + "router.proj.weight",), layers="moe"),
+        Rule(LAYER + "mlp.router.scale", (HF_LAYER + "router.scale",), layers="moe"),
+        Rule(LAYER + "mlp.router.per_expert_scale", (HF_LAYER + "router.per_expert_scale",), layers="moe"),
+        Rule(LAYER + EXPERT + "linear_fc1.weight", (HF_LAYER + "experts.gate_up_proj",), "experts_row", "glu",
+             layers="moe"),
+        Rule(LAYER + EXPERT + "linear_fc2.weight", (HF_LAYER + "experts.down_proj",), "experts_row", "row",
+             layers="moe"),
     ]
 
 
@@ -620,8 +645,11 @@ class Bridge:
         table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),
                       "experts.down_proj": (e, f, d), "experts.down_proj_bias": (e, d)})
-        if self.family.stacked_experts:
+        if self.family.stacked_experts or self.family.gemma4:
             table.update({"experts.gate_up_proj": (e, 2 * f, d), "experts.down_proj": (e, d, f)})
+        if self.family.gemma4:  # its router (MoE block, 26B-A4B)
+            table.update({"router.proj.weight": (e, d), "router.scale": (d,), "router.per_expert_scale": (e,),
+                          "layernorm_1.weight": (d,), "layernorm_2.weight": (d,)})  # (its branches' norms)
         if cfg.multi_latent_attention:
             qk = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
             table.update({

@@ -136,3 +136,121 @@ def add_layer_scalars(model) -> None:
         weight = next(layer.parameters())
         layer.register_buffer("layer_scalar", torch.ones(1, dtype=weight.dtype, device=weight.device))
         layer.register_forward_hook(scale)
+
+
+# ------------------------------------------------------------------------------------- the MoE block (26B-A4B)
+# Gemma 4's MoE layers run a dense MLP and routed experts side by side on the attention block's output h:
+#     y = h + N(N1(MLP(P1(h))) + N2(Experts_{router(h)}(P2(h))))
+# with P1 / P2 the two branches' input norms, N1 / N2 their output norms and N the layer's post-MLP norm. In Megatron
+# this is a MoELayer fed h itself (the layer's pre-MLP norm an identity) whose "shared expert" is the dense branch
+# with its own norms (:class:`Gemma4DenseBranch`), which normalises the experts' input and output
+# (:class:`Gemma4MoELayer`), and whose router is :class:`Gemma4Router`.
+import dataclasses  # noqa: E402
+
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # noqa: E402
+from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module  # noqa: E402
+
+
+class Gemma4Router(TopKRouter):
+    """Gemma 4's router: the logits of the token's scale-free RMSNorm times a learnt per-channel ``scale`` and
+    hidden_size^-0.5; the softmax of the top k logits (transformers' softmax over every expert, top k, renormalised);
+    each chosen expert's weight times its ``per_expert_scale``."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.scale = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
+        self.per_expert_scale = torch.nn.Parameter(torch.ones(config.num_moe_experts, dtype=config.params_dtype))
+        for p in (self.scale, self.per_expert_scale):  # replicated over TP: gradients summed under SP
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        x = _rms(input, self.config.layernorm_epsilon) * self.scale.to(input.dtype) * self.config.hidden_size ** -0.5
+        return super().gating(x)
+
+    def routing(self, logits: torch.Tensor, *args, **kwargs):
+        probs, routing_map = super().routing(logits, *args, **kwargs)
+        return probs * self.per_expert_scale.to(probs.dtype), routing_map
+
+
+@dataclasses.dataclass
+class Gemma4DenseSubmodules:
+    """The dense branch of a Gemma 4 MoE layer: its input norm, its MLP, its output norm."""
+
+    pre_norm: ModuleSpec | type = None
+    mlp: ModuleSpec | type = None
+    post_norm: ModuleSpec | type = None
+
+
+class Gemma4DenseBranch(MegatronModule):
+    """N1(MLP(P1(h))), built where Megatron's MoELayer builds its shared experts (its output is added to the experts'
+    after their output norm); the MLP is the model's dense one (``ffn_hidden_size``)."""
+
+    def __init__(self, config, submodules: Gemma4DenseSubmodules, pg_collection=None, gate: bool = False, **kwargs):
+        super().__init__(config=config)
+        if gate:
+            raise ValueError("Gemma 4's dense branch has no shared-expert gate")
+        norm = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+        self.pre_norm = build_module(submodules.pre_norm, **norm)
+        mlp_kwargs = {"tp_group": pg_collection.tp} if pg_collection is not None else {}
+        self.mlp = build_module(submodules.mlp, config=config, **mlp_kwargs)
+        self.post_norm = build_module(submodules.post_norm, **norm)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out, bias = self.mlp(self.pre_norm(hidden_states))
+        if bias is not None:
+            raise ValueError("Gemma 4's dense branch has no bias")
+        return self.post_norm(out)
+
+
+@dataclasses.dataclass
+class Gemma4MoESubmodules(MoESubmodules):
+    """Megatron's MoE submodules plus the experts' input and output norms."""
+
+    pre_experts_norm: ModuleSpec | type = None
+    post_experts_norm: ModuleSpec | type = None
+
+
+class Gemma4MoELayer(MoELayer):
+    """Megatron's MoELayer fed the attention block's output h: routed by :class:`Gemma4Router` on h, the experts run
+    on P2(h) and their combined output is normalised by N2 before the dense branch's (the "shared experts") is
+    added."""
+
+    def __init__(self, config, submodules: Gemma4MoESubmodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        norm = dict(config=self.config, hidden_size=self.config.hidden_size, eps=self.config.layernorm_epsilon)
+        self.pre_experts_norm = build_module(submodules.pre_experts_norm, **norm)
+        self.post_experts_norm = build_module(submodules.post_experts_norm, **norm)
+        if not self.use_shared_expert or getattr(self, "shared_expert_overlap", False):
+            raise ValueError("Gemma 4's MoE layer needs its dense branch as Megatron's (unoverlapped) shared expert")
+
+    def preprocess(self, hidden_states, probs, routing_map, *args, **kwargs):
+        return super().preprocess(self.pre_experts_norm(hidden_states), probs, routing_map, *args, **kwargs)
+
+    def postprocess(self, output, shared_expert_output):
+        output = self.token_dispatcher.combine_postprocess(output)
+        return self.post_experts_norm(output) + shared_expert_output
+
+
+def moe_layer_spec(layer_spec):
+    """A Gemma 4 MoE layer from ``layer_spec``: a (post-norm) layer spec whose MLP is Megatron's MoELayer spec. Its
+    pre-MLP norm moves into the dense branch (the MoE layer is fed h); the branches' norms are that norm's class."""
+    subs = layer_spec.submodules
+    norm = subs.pre_mlp_layernorm
+    moe = subs.mlp
+    if not isinstance(moe, ModuleSpec) or not isinstance(moe.submodules, MoESubmodules):
+        raise TypeError(f"expected a MoE layer spec, got MLP {moe!r}")
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    experts_subs = moe.submodules.experts.submodules  # the experts' linears: the dense MLP uses the same kinds
+    dense = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=experts_subs.linear_fc1,
+                                                            linear_fc2=experts_subs.linear_fc2))
+    branch = ModuleSpec(module=Gemma4DenseBranch,
+                        submodules=Gemma4DenseSubmodules(pre_norm=norm, mlp=dense, post_norm=norm))
+    fields = {f.name: getattr(moe.submodules, f.name) for f in dataclasses.fields(moe.submodules) if f.init}
+    fields.update(router=Gemma4Router, shared_experts=branch, pre_experts_norm=norm, post_experts_norm=norm)
+    mlp = dataclasses.replace(moe, module=Gemma4MoELayer, submodules=Gemma4MoESubmodules(**fields))
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(subs, mlp=mlp, pre_mlp_layernorm=IdentityOp))

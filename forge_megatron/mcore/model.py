@@ -70,6 +70,9 @@ class GPTConfig:
     moe_router_topk_renorm: bool = True  # norm_topk_prob in HF Qwen3-MoE
     moe_shared_ffn_hidden_size: int | None = None  # shared experts' MLP width (GLM-4.5); None: no shared experts
     moe_dense_layers: int = 0  # the first layers of a MoE model that have a dense MLP (GLM-4.5's first_k_dense)
+    # Gemma 4 26B-A4B: every layer's routed experts run beside a dense MLP of ffn_hidden_size, each branch with its
+    # own input and output norms, the router on the un-normalised input (mcore/gemma4.py); needs post_norm / pre_norm
+    moe_beside_dense: bool = False
     # Multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight; Megatron's MLA names): keys and values come from a
     # kv_lora_rank-wide latent, queries from a q_lora_rank-wide one (None: projected directly); a query/key head is
     # qk_head_dim channels without RoPE then qk_pos_emb_head_dim rotated ones (the rotated key is shared by every
@@ -237,6 +240,10 @@ class GPTConfig:
             if self.num_attention_heads % groups:
                 raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                                  f"global_num_query_groups ({groups})")
+        if self.moe_beside_dense and not (self.num_moe_experts and self.pre_norm and self.post_norm
+                                          and not self.moe_dense_layers and not self.moe_shared_ffn_hidden_size):
+            raise ValueError("moe_beside_dense (Gemma 4) needs experts in every layer, sandwich norms (pre_norm and "
+                             "post_norm) and no shared experts of its own")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) > num_moe_experts ({self.num_moe_experts})")
 
@@ -385,7 +392,9 @@ def transformer_config(cfg: GPTConfig, **overrides):
             moe_router_pre_softmax=cfg.moe_router_pre_softmax,
             moe_grouped_gemm=False,
             moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
-            moe_shared_expert_intermediate_size=cfg.moe_shared_ffn_hidden_size,
+            # Gemma 4: the dense branch is built where Megatron builds shared experts (mcore/gemma4.py)
+            moe_shared_expert_intermediate_size=cfg.ffn_hidden_size if cfg.moe_beside_dense
+            else cfg.moe_shared_ffn_hidden_size,
         )
         if cfg.moe_dense_layers:
             kwargs["moe_layer_freq"] = [0] * cfg.moe_dense_layers + [1] * (cfg.num_layers - cfg.moe_dense_layers)
@@ -480,6 +489,10 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from forge_megatron.mcore.post_norm import post_norm_spec
 
         spec = post_norm_spec(spec, keep_pre_norms=cfg.pre_norm)
+    if cfg.moe_beside_dense:
+        from forge_megatron.mcore.gemma4 import moe_layer_spec
+
+        spec = moe_layer_spec(spec)
     if cfg.per_layer_attention:
         spec = _per_layer_attention_spec(cfg, spec, vp_stage)
     if cfg.hybrid:  # (OLMo Hybrid: post-norm attention layers, pre-norm Gated DeltaNet ones)

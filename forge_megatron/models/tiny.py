@@ -35,7 +35,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
-         "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl")
+         "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -367,6 +367,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                                                     "rope_theta": 1000000.0}}},
         ),
     }
+    # Gemma 4 26B-A4B layout: the same, with 4 routed experts (2 per token, 32 wide) beside the dense MLP in every
+    # layer
+    per_arch["gemma4_moe"] = (transformers.Gemma4TextConfig,
+                              {**per_arch["gemma4"][1], "enable_moe_block": True, "num_experts": 4,
+                               "top_k_experts": 2, "moe_intermediate_size": 32})
     if arch not in per_arch:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     cls, extra = per_arch[arch]
@@ -420,8 +425,9 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
             elif arch.startswith("gemma3") and name.endswith("norm.weight") and "vision" not in name:
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters
-            elif arch.startswith("gemma4") and name.endswith("norm.weight"):
-                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # plain-weight norms: four per layer, and q / k's
+            elif arch.startswith("gemma4") and name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # plain-weight norms (four per layer, q / k's, the MoE
+                # block's four), the router's input and per-expert scales
             elif arch == "kimi_linear" and name.endswith(("layernorm.weight", "o_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms (the gated one too) and the latent norm
             elif ".indexer.k_norm." in name:  # DSA: the indexer's LayerNorm (weight and bias) matters

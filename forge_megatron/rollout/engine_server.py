@@ -223,16 +223,18 @@ class ReferenceEngine:
         routers = {}
         for i, layer in enumerate(self.model.model.layers):
             mlp = getattr(layer, "mlp", None)
-            gate = getattr(mlp, "gate", None) or getattr(mlp, "router", None)  # gpt-oss names it router
-            if gate is not None and hasattr(gate, "top_k"):
-                gate.register_forward_hook(self._record_router(i))
+            # gpt-oss names it router; Gemma 4's sits on the layer, its k in its config
+            gate = getattr(mlp, "gate", None) or getattr(mlp, "router", None) or getattr(layer, "router", None)
+            top_k = getattr(gate, "top_k", None) or getattr(getattr(gate, "config", None), "top_k_experts", None)
+            if gate is not None and top_k:
+                gate.register_forward_hook(self._record_router(i, int(top_k)))
                 routers[i] = gate
         return routers
 
-    def _record_router(self, layer: int):
+    def _record_router(self, layer: int, top_k: int):
         def hook(module, args, output):
             if self._captured is not None:
-                self._captured[layer] = output[-1].reshape(-1, module.top_k).to(torch.int32)
+                self._captured[layer] = output[-1].reshape(-1, top_k).to(torch.int32)
         return hook
 
     def routed_experts(self, req: _Request) -> torch.Tensor:

@@ -41,18 +41,19 @@ GIB = 1 << 30
 def _shapes(bridge, names: list[str], tp: int, etp: int | None = None) -> dict[str, tuple[int, ...]]:
     """TP-local shape of each canonical tensor in ``names`` (experts split over ``etp``, TP when None), through the
     bridge's HF mapping on the meta device. Tensors of one rule share a shape (every layer, every expert), so each
-    rule is shaped once."""
+    rule is shaped once (per kind of layer where those differ: Gemma 4's global layers)."""
     import torch
 
     from forge_megatron.bridge import ParallelLayout
 
     layout = ParallelLayout(tp=tp, etp=etp)
+    per_kind = bridge.cfg.per_layer_attention
 
-    by_rule: dict[int, tuple[int, ...]] = {}
+    by_rule: dict[tuple, tuple[int, ...]] = {}
     out = {}
     for name in names:
-        rule, _ = bridge.rule(name)
-        key = id(rule)
+        rule, idx = bridge.rule(name)
+        key = (id(rule), per_kind and "layer" in idx and bridge.is_global_layer(idx["layer"]))
         if key not in by_rule:
             hf = {h: torch.empty(bridge.hf_shape(h), device="meta") for h in bridge.hf_names(name)}
             full = bridge.from_hf(name, hf)
@@ -81,7 +82,8 @@ def rank_layers(num_layers: int, pp: int, vpp: int | None, pp_rank: int, first: 
 def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None = None,
                 etp: int | None = None, first: int | None = None, last: int | None = None) -> dict[str, int]:
     """{"dense", "expert", "buffers"}: elements this (TP, EP) rank of pipeline rank ``pp_rank`` holds (experts split
-    over ``etp`` ranks, TP when None). Buffers are the routers' score-correction biases (state, not parameters)."""
+    over ``etp`` ranks, TP when None). Buffers are the routers' score-correction biases and Gemma 4's layer scalars
+    (state, not parameters)."""
     cfg = bridge.cfg
     layers = rank_layers(cfg.num_layers, pp, vpp, pp_rank, first, last)
     is_first, is_last = pp_rank == 0, pp_rank == pp - 1
@@ -96,7 +98,7 @@ def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None
     out = {"dense": 0, "expert": 0, "buffers": 0}
     for name in names:
         n = _numel(shapes[name])
-        if name.endswith("router.expert_bias"):
+        if name.endswith(("router.expert_bias", "layer_scalar")):
             out["buffers"] += n
         elif bridge.is_expert(name):
             out["expert"] += n // ep  # every EP rank holds 1/EP of each layer's experts

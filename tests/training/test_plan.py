@@ -13,7 +13,8 @@ from forge_megatron.training import plan
 from tests.dist_utils import run_distributed
 
 ARCHS = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
-         "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "kimi_linear": "KimiLinearForCausalLM"}
+         "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
+         "gemma4": "Gemma4ForCausalLM", "gemma4_moe": "Gemma4ForCausalLM"}
 
 
 def _hf(arch, **kw):
@@ -35,7 +36,8 @@ def _built_body(rank, world_size, hf, vpp):
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             out["expert" if ".mlp.experts." in name else "dense"] += p.numel()
-        out["buffers"] += sum(b.numel() for n, b in chunk.named_buffers() if n.endswith("expert_bias"))
+        out["buffers"] += sum(b.numel() for n, b in chunk.named_buffers() if n.endswith(("expert_bias",
+                                                                                          "layer_scalar")))
     return out
 
 
@@ -53,8 +55,14 @@ def _built_body(rank, world_size, hf, vpp):
     # Kimi Delta Attention (heads, gates' up projections, decays and convolution split over TP; the gates' down
     # projections split too; the gated norm whole) beside multi-latent attention, a dense layer and a MoE one
     ("kimi_linear", {}, ParallelConfig(tp=2, ep=2, etp=1), 2),
+    # Gemma 4: the global layers' own head size and key heads (no value rows), q/k norms of either size, the layer
+    # scalars (buffers), the tied embedding's copy on the last stage
+    ("gemma4", {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2},
+     ParallelConfig(tp=2, pp=2), 4),
+    # Gemma 4 26B-A4B: the dense branch and its norms in the shared-expert slot, the router's scales, experts
+    ("gemma4_moe", {}, ParallelConfig(tp=2, ep=2, etp=1), 2),
 ], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2", "qwen3_5_moe-tp2", "glm4_moe-tp2ep2etp1",
-        "glm4_moe-pp3-first1", "kimi_linear-tp2ep2etp1"])
+        "glm4_moe-pp3-first1", "kimi_linear-tp2ep2etp1", "gemma4-tp2pp2", "gemma4_moe-tp2ep2etp1"])
 def test_parameters_per_rank_are_what_megatron_builds(arch, kw, parallel, world):
     hf = _hf(arch, **kw)
     built = run_distributed(_built_body, world_size=world, parallel=parallel, hf=hf, vpp=parallel.vpp)

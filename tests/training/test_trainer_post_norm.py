@@ -44,3 +44,30 @@ def test_post_norm_layers_train_the_same_under_pipeline_and_tensor_parallelism(t
     for name in runs:
         for key in ("loss", "grad_norm"):
             assert steps[name][1][key] == pytest.approx(steps["one"][1][key], rel=1e-4), (name, key)
+
+
+def test_gemma4_moe_block_trains_the_same_under_tensor_expert_and_pipeline_parallelism(tmp_path):
+    """The Gemma 4 26B-A4B layout (routed experts beside the dense MLP in every layer, each branch with its own
+    norms, the router on the un-normalised input with its own input scale and per-expert scales) with routing replay:
+    TP = 2 with sequence parallelism (the branches' norms and the router's scales replicated, their gradients summed
+    over TP), EP = 2 and PP = 2 train as one rank (the first step to fp32 reduction order, the second to 1e-4: see
+    above); both MoE layers replay their rows."""
+    from .trainer_run import REPLAY_KEYS
+
+    model_dir = build_tiny_model(str(tmp_path / "gemma4_moe"), arch="gemma4_moe", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
+    steps = {}
+    layouts = [("one", [], 1), ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+               ("ep2", ["--expert-model-parallel-size", "2"], 2), ("pp2", ["--pipeline-model-parallel-size", "2"], 2)]
+    for name, extra, nproc in layouts:
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
+                                              model=[])
+    assert [len(v) for v in steps.values()] == [2] * len(layouts)
+    runs = [name for name, _, _ in layouts[1:]]
+    assert_same_as_one_rank({name: s[:1] for name, s in steps.items()}, runs, REPLAY_KEYS)
+    for name in runs:
+        key = "grad_norm" if name == "ep2" else "loss"  # (EP = 2 runs as DP = 2: rank 0's share of the loss)
+        assert steps[name][1][key] == pytest.approx(steps["one"][1][key], rel=1e-4), name
+    assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
+    assert all(s["routing_replayed_rows"] > 0 for s in steps["one"])
