@@ -491,10 +491,10 @@ class Gateway:
         self.vocab_size = int(getattr(model_config, "vocab_size", 0) or len(self.renderer.tok))
         self.routing_shape = None  # (layers, topk) when recording routed experts
         if config.return_routed_experts:
-            top_k = getattr(model_config, "num_experts_per_tok", None)
-            if not top_k:
+            top_k = getattr(model_config, "num_experts_per_tok", None) or getattr(model_config, "top_k_experts", None)
+            if not top_k:  # (Gemma 4 names it top_k_experts)
                 raise ValueError(f"return_routed_experts: {config.model_path} is not a MoE model "
-                                 "(config.json has no num_experts_per_tok)")
+                                 "(config.json has no num_experts_per_tok / top_k_experts)")
             self.routing_shape = (int(model_config.num_hidden_layers), int(top_k))
             experts = getattr(model_config, "num_experts", None) or getattr(model_config, "n_routed_experts", None) \
                 or getattr(model_config, "num_local_experts", None)  # Qwen3 / DeepSeek, GLM / gpt-oss, Mixtral

@@ -31,6 +31,9 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
                              Magistral                 tokenizers) or [TOOL_CALLS]f[ARGS]{...}  (v11)
   gpt-oss (gpt_oss)          gpt-oss (harmony)         <|start|>assistant<|channel|>commentary to=functions.f
                                                        <|constrain|>json<|message|>{...}<|call|>  (harmony.py)
+  gemma4                     Gemma 4                   <|tool_call>call:f{a:<|"|>text<|"|>,n:3,o:{k:true},l:[1,2]}<tool_call|>
+                                                       (keys bare, strings between <|"|> delimiters, other values
+                                                       bare: numbers, true / false / null; nested objects, arrays)
   none                       -                         no tool calls (tool_choice "none" uses it too)
 
 Register others with :func:`register_parser`.
@@ -756,6 +759,112 @@ class DeepSeekV4ToolParser(DeepSeekV32ToolParser):
     end_marker = "</｜DSML｜tool_calls>"
 
 
+# ------------------------------------------------------------------------------------------------ Gemma 4
+_G4_QUOTE = '<|"|>'
+
+
+class _G4Bare(str):
+    """A value Gemma 4 wrote without string delimiters (a number, true / false / null, or a bare word)."""
+
+
+def _g4_value(text: str, i: int) -> tuple[object, int]:
+    """(value, index after it) of the Gemma 4 value starting at ``text[i]``: a delimited string, an object, an
+    array, or a bare token (:class:`_G4Bare`, typed by the caller)."""
+    while i < len(text) and text[i] in " \n\t":
+        i += 1
+    if text.startswith(_G4_QUOTE, i):
+        end = text.find(_G4_QUOTE, i + len(_G4_QUOTE))
+        if end < 0:
+            raise _Malformed("a string left open")
+        return text[i + len(_G4_QUOTE):end], end + len(_G4_QUOTE)
+    if text.startswith("{", i):
+        return _g4_object(text, i)
+    if text.startswith("[", i):
+        items, i = [], i + 1
+        while True:
+            while i < len(text) and text[i] in " \n\t":
+                i += 1
+            if text.startswith("]", i):
+                return [_g4_plain(v) for v in items], i + 1
+            if items:
+                if not text.startswith(",", i):
+                    raise _Malformed("array items not separated by ','")
+                i += 1
+            value, i = _g4_value(text, i)
+            items.append(value)
+    j = i
+    while j < len(text) and text[j] not in ",}]" and not text.startswith(_G4_QUOTE, j):
+        j += 1
+    token = text[i:j].strip()
+    if not token:
+        raise _Malformed("a missing value")
+    return _G4Bare(token), j
+
+
+def _g4_object(text: str, i: int) -> tuple[dict, int]:
+    """({key: value}, index after the closing brace) of the object whose ``{`` is at ``text[i]``; bare values
+    stay :class:`_G4Bare` at this level (nested ones are read as JSON literals or kept as text)."""
+    out, i = {}, i + 1
+    while True:
+        while i < len(text) and text[i] in " \n\t":
+            i += 1
+        if text.startswith("}", i):
+            return out, i + 1
+        if out:
+            if not text.startswith(",", i):
+                raise _Malformed("arguments not separated by ','")
+            i += 1
+        colon = text.find(":", i)
+        key = text[i:colon].strip() if colon >= 0 else ""
+        if not key or any(c in key for c in "{}[],") or _G4_QUOTE in key:
+            raise _Malformed("an argument without a name")
+        value, i = _g4_value(text, colon + 1)
+        out[key] = value if isinstance(value, _G4Bare) else _g4_plain(value)
+
+
+def _g4_plain(value):
+    """A nested value with its bare tokens read as JSON literals (or kept as text)."""
+    if isinstance(value, _G4Bare):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return str(value)
+    if isinstance(value, dict):
+        return {k: _g4_plain(v) for k, v in value.items()}
+    return value
+
+
+class Gemma4ToolParser(BlockToolParser):
+    """Gemma 4: ``<|tool_call>call:NAME{...}<tool_call|>``, one call per block; its own argument notation (the
+    module docstring's table). A bare top-level value is typed by the tool's schema (a string parameter keeps the
+    text), nested ones are read as JSON literals."""
+
+    name = "gemma4"
+    start_marker = "<|tool_call>"
+    end_marker = "<tool_call|>"
+
+    def calls_in(self, body, schemas):
+        body = body.strip()
+        brace = body.find("{")
+        if not body.startswith("call:") or brace < 0:
+            raise _Malformed("not call:NAME{...}")
+        name = body[len("call:"):brace].strip()
+        if not name or any(c.isspace() for c in name):
+            raise _Malformed("no function name")
+        args, end = _g4_object(body, brace)
+        if body[end:].strip():
+            raise _Malformed("text after the arguments")
+        params, misfits = schemas.get(name, {}), 0
+        for key, value in args.items():
+            if isinstance(value, _G4Bare):
+                args[key], fits = typed_value(str(value), params.get(key))
+                misfits += not fits
+        return [_call(name, args)], int(misfits > 0)
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        return f"{self.start_marker}call:" + (f"{function_name}{{" if function_name is not None else "")
+
+
 _PARSERS: dict[str, type[ToolParser]] = {
     "none": ToolParser, "hermes": HermesToolParser, "qwen": HermesToolParser, "qwen25": HermesToolParser,
     "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser, "glm": Glm45ToolParser,
@@ -763,7 +872,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "kimi_k2": KimiK2ToolParser, "deepseekv31": DeepSeekV31ToolParser, "deepseekv3": DeepSeekV3ToolParser,
     "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser, "llama3": Llama3ToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "deepseekv32": DeepSeekV32ToolParser,
-    "deepseekv4": DeepSeekV4ToolParser, "seed_oss": SeedOssToolParser,
+    "deepseekv4": DeepSeekV4ToolParser, "seed_oss": SeedOssToolParser, "gemma4": Gemma4ToolParser,
 }
 
 

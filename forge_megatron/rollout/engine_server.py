@@ -229,6 +229,7 @@ class ReferenceEngine:
             if gate is not None and top_k:
                 gate.register_forward_hook(self._record_router(i, int(top_k)))
                 routers[i] = gate
+                self.router_top_k = int(top_k)
         return routers
 
     def _record_router(self, layer: int, top_k: int):
@@ -240,7 +241,7 @@ class ReferenceEngine:
     def routed_experts(self, req: _Request) -> torch.Tensor:
         """int32 [prompt + output - 1, layers, topk] for ``req``; later forwards of a position overwrite earlier."""
         n = len(req.input_ids) + len(req.output_ids) - 1
-        top_k = next(iter(self.routers.values())).top_k
+        top_k = self.router_top_k
         out = torch.full((n, len(self.model.model.layers), top_k), -1, dtype=torch.int32)
         for start, ids in req.routed:
             out[start:start + ids.shape[0]] = ids[: max(0, n - start)]
@@ -284,7 +285,7 @@ class ReferenceEngine:
             with torch.no_grad():
                 out = self.model(input_ids=new_S, use_cache=True, **{self.cache_kw: req.past})
             if req.routed is not None:
-                ids = torch.full((new_S.shape[1], len(self.model.model.layers), next(iter(self.routers.values())).top_k),
+                ids = torch.full((new_S.shape[1], len(self.model.model.layers), self.router_top_k),
                                  -1, dtype=torch.int32)
                 for layer, top in self._captured.items():
                     ids[:, layer] = top

@@ -54,12 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=None,
-                   help="RL learning rate (default 1e-3; 3e-4 with --arch olmo3 / olmo_hybrid / gemma3, whose norms "
+                   help="RL learning rate (default 1e-3; 3e-4 with --arch olmo3 / olmo_hybrid / gemma3 / gemma4, whose norms "
                         "after attention and MLP make these tiny models collapse at 1e-3: success 0.31 -> 0.00 over 40 "
                         "steps; their gradients equal transformers')")
     p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
                    choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32", "mistral4", "kimi_linear",
-                            "gpt_oss", "minimax_m2"],
+                            "gpt_oss", "minimax_m2", "gemma4_moe"],
                    help="a tiny MoE model (4 experts, top-2) with rollout routing replay end to end: Qwen3-MoE "
                         "(default); glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
                         "score-correction bias, a shared expert, RoPE on half of each head); deepseek_v3: the "
@@ -72,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention without RoPE; DeepSeek-V3's MoE after a dense first layer); "
                         "gpt_oss: attention sinks, a sliding window on every other layer, biased experts with the "
                         "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
-                        "q/k RMSNorms over all heads)")
-    p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3"], default="qwen2",
+                        "q/k RMSNorms over all heads); gemma4_moe: Gemma 4 26B-A4B's (--arch gemma4's layers with "
+                        "routed experts beside the dense MLP in every layer)")
+    p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3", "gemma4"],
+                   default="qwen2",
                    help="the dense model's layout: qwen2 (default); qwen3_5: the Qwen3.5 hybrid (Gated DeltaNet "
                         "linear-attention layers trained on prefix trees, every fourth layer, and the last, gated full "
                         "attention; zero-centred norms); olmo3: the OLMo 3 layout (norms after attention and MLP, "
@@ -82,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "DeltaNet layers with beta in (0, 2), every fourth layer, and the last, OLMo 3's post-norm "
                         "attention without RoPE); gemma3: the Gemma 3 text layout (norms before "
                         "and after attention and MLP, GeGLU, the scaled embedding, a 32-token window with RoPE base "
-                        "10k on five of every six layers, base 1M on the others, tied embeddings)")
+                        "10k on five of every six layers, base 1M on the others, tied embeddings); gemma4: the Gemma 4 "
+                        "text layout (Gemma 3's with plain-weight norms and attention scaled by 1; every sixth layer, "
+                        "and the last, global: twice the head size, half the key heads, values that are the keys, "
+                        "proportional RoPE; normed values, a scalar per layer, logits soft-capped at 30)")
     p.add_argument("--agent-api", choices=calculator.APIS, default="chat",
                    help="how the calculator agent calls the model: chat completions (default) or the OpenAI "
                         "Responses API (Codex-style agents); the gateway records and trains both alike")
@@ -191,6 +196,12 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
         arch.update(sliding_window=32, layer_types=["full_attention" if (i + 1) % 6 == 0 or i + 1 == args.num_layers
                                                     else "sliding_attention" for i in range(args.num_layers)])
         kind = "Gemma 3: sandwich norms, GeGLU, sliding windows, "
+    if args.arch == "gemma4" or args.moe == "gemma4_moe":  # the release's cap (the tiny arch's 0.5 tests it)
+        arch.update(sliding_window=32, final_logit_softcapping=30.0,
+                    layer_types=["full_attention" if (i + 1) % 6 == 0 or i + 1 == args.num_layers
+                                 else "sliding_attention" for i in range(args.num_layers)])
+        kind = ("Gemma 4 26B-A4B layout, 4 experts top-2 beside the dense MLP, " if args.moe else "Gemma 4: ") + \
+            "global layers with their own heads (values = keys), proportional RoPE, soft-capped logits, "
     print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
                             num_hidden_layers=args.num_layers, **arch)
@@ -354,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--moe {args.moe} and --arch {args.arch}: the MoE layouts are their own architectures; "
                          "give one of the two")
     if args.lr is None:
-        args.lr = 3e-4 if args.arch in ("olmo3", "olmo_hybrid", "gemma3") else 1e-3
+        args.lr = 3e-4 if args.arch in ("olmo3", "olmo_hybrid", "gemma3", "gemma4") or args.moe == "gemma4_moe" \
+            else 1e-3
     start = time.time()
     if os.path.isdir(args.out):
         shutil.rmtree(args.out)  # idempotent: every run starts from scratch

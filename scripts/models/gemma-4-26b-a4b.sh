@@ -11,7 +11,6 @@
 # (67 GiB per GPU) or TP 2 x EP 4 + SP with it (59 GiB), not without (94 / 73 GiB); 8 x H200 (141 GiB) as EP 8
 # without recompute (94 GiB). Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=()
-# Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): the gateway has no
-# parser for Gemma 4's own tool-call format yet; set TOOL_PARSER to the format the agent's prompts teach it (hermes:
-# <tool_call>{JSON}</tool_call>).
-TOOL_PARSER="${TOOL_PARSER:-hermes}"; REASONING_PARSER="${REASONING_PARSER:-}"
+# Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): Gemma 4's own tool
+# calls (<|tool_call>call:f{...}<tool_call|>); no reasoning parser for its thinking format yet.
+TOOL_PARSER="${TOOL_PARSER:-gemma4}"; REASONING_PARSER="${REASONING_PARSER:-}"

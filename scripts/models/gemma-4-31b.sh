@@ -12,7 +12,6 @@
 # layers' heads of 512 run tree attention's segment backend (the Triton and CUDA kernels stop at 256).
 # Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=()
-# Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): the gateway has no
-# parser for Gemma 4's own tool-call format yet; set TOOL_PARSER to the format the agent's prompts teach it (hermes:
-# <tool_call>{JSON}</tool_call>).
-TOOL_PARSER="${TOOL_PARSER:-hermes}"; REASONING_PARSER="${REASONING_PARSER:-}"
+# Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): Gemma 4's own tool
+# calls (<|tool_call>call:f{...}<tool_call|>); no reasoning parser for its thinking format yet.
+TOOL_PARSER="${TOOL_PARSER:-gemma4}"; REASONING_PARSER="${REASONING_PARSER:-}"

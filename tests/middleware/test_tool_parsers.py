@@ -51,6 +51,14 @@ WRITERS = {  # family -> Jinja for a list of calls ({name, arguments: dict}) as 
                    "{{ 'true' if v is string else 'false' }}\">" + _VALUE + "</｜DSML｜parameter>\n{% endfor %}"
                    "</｜DSML｜invoke>\n{% endfor %}</｜DSML｜function_calls>",
 }
+# Gemma 4: keys bare, strings between <|"|> delimiters, everything else bare (JSON literals), nested objects and
+# arrays in its own notation
+WRITERS["gemma4"] = (
+    "{% macro val(v) %}{% if v is string %}<|\"|>{{ v }}<|\"|>{% elif v is mapping %}{{ '{' }}"
+    "{% for k, x in v.items() %}{% if not loop.first %},{% endif %}{{ k }}:{{ val(x) }}{% endfor %}{{ '}' }}"
+    "{% elif v is sequence %}[{% for x in v %}{% if not loop.first %},{% endif %}{{ val(x) }}{% endfor %}]"
+    "{% else %}{{ v | tojson }}{% endif %}{% endmacro %}"
+    "{% for c in calls %}<|tool_call>call:{{ c.name }}{{ val(c.arguments) }}<tool_call|>{% endfor %}")
 WRITERS["deepseekv4"] = WRITERS["deepseekv32"].replace("function_calls", "tool_calls")
 WRITERS["seed_oss"] = WRITERS["qwen3_coder"].replace("tool_call>", "seed:tool_call>")
 XML = ("qwen3_coder", "glm45", "glm47", "minimax-m2", "seed_oss")
@@ -110,7 +118,7 @@ def test_calls_to_tools_the_request_does_not_have_are_malformed():
 
 def test_every_registered_name_parses_or_is_none():
     assert {"hermes", "qwen", "qwen25", "qwen3_coder", "glm", "glm45", "glm47", "minimax-m2", "kimi_k2",
-            "deepseekv3", "deepseekv31", "none"} <= set(parser_names())
+            "deepseekv3", "deepseekv31", "gemma4", "none"} <= set(parser_names())
     with pytest.raises(ValueError, match="unknown tool parser 'nope'; available: .*qwen3_coder"):
         get_parser("nope")
 
@@ -344,3 +352,23 @@ def test_dsml_string_attribute_types_the_value():
     bad = text.replace('string="false">3<', 'string="false">three<')
     got = p.parse(bad, TOOLS)
     assert (got.tool_calls, got.num_malformed, got.content) == ([], 1, bad)
+
+
+def test_gemma4_notation_nesting_delimited_text_and_malformed_calls():
+    """Gemma 4's own argument notation: delimited strings may hold the notation's punctuation, nested objects and
+    arrays read their bare tokens as JSON literals, a bare top-level value is typed by the schema; a call whose
+    notation is broken stays in content, counted."""
+    p = get_parser("gemma4")
+    text = ('<|tool_call>call:get_weather{city:<|"|>a, {b}: [c]<|"|>,days: 3 ,zip:01234,'
+            'where:{lat:1.5,names:[<|"|>x,y<|"|>,true,null],deep:{k:v}},tags:[]}<tool_call|>')
+    got = p.parse(text, TOOLS)
+    assert got.num_malformed == 0 and got.content is None
+    assert json.loads(got.tool_calls[0]["function"]["arguments"]) == {
+        "city": "a, {b}: [c]", "days": 3, "zip": "01234",  # (a bare value for a string parameter keeps its text)
+        "where": {"lat": 1.5, "names": ["x,y", True, None], "deep": {"k": "v"}}, "tags": []}
+    assert p.parse('<|tool_call>call:get_weather{days:many}<tool_call|>', TOOLS).num_malformed == 1  # not an integer
+    for broken in ('call:get_weather{city:<|"|>open}', "call:get_weather{city}", "call:{}", "get_weather{}",
+                   'call:get_weather{city:<|"|>x<|"|> days:1}', "call:get_weather{a:1}}", "call:get_weather{a:[1,2}"):
+        got = p.parse(f"<|tool_call>{broken}<tool_call|>", TOOLS)
+        assert got.tool_calls == [] and got.num_malformed == 1, broken
+    assert p.forced_prefix("search") == "<|tool_call>call:search{"

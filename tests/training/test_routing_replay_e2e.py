@@ -51,8 +51,9 @@ def _rollouts(model_dir: str):
     return feed
 
 
-def test_engine_routing_is_the_trainers_own(tmp_path):
-    model_dir = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=4, sampling_seed=0)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma4_moe"])  # Gemma 4: its router on the layer, top_k_experts
+def test_engine_routing_is_the_trainers_own(tmp_path, arch):
+    model_dir = build_tiny_model(str(tmp_path / "moe"), arch=arch, seed=4, sampling_seed=0)
     steps = {}
     for name, extra in (("replay", ["--routing-replay"]), ("natural", [])):
         steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, _rollouts(model_dir), iters=1, groups=2,
