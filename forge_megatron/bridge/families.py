@@ -365,13 +365,13 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if hf.get("use_bidirectional_attention"):
             raise UnsupportedModelError("use_bidirectional_attention=True (an embedding model) is not supported")
     if family.gemma4:
-        for key, what in (("hidden_size_per_layer_input", "per-layer embeddings (PLE: Gemma 4 E2B / E4B)"),
-                          ("num_kv_shared_layers", "KV sharing across layers (Gemma 4 E2B / E4B)"),
-                          ("use_bidirectional_attention", "bidirectional attention"),
+        for key, what in (("use_bidirectional_attention", "bidirectional attention"),
                           ("attention_bias", "attention biases")):
             if hf.get(key):
-                raise UnsupportedModelError(f"{key}={hf[key]!r}: {what} is not supported yet (the dense Gemma 4 "
-                                            "text model is)")
+                raise UnsupportedModelError(f"{key}={hf[key]!r}: {what} is not supported")
+        if hf.get("hidden_size_per_layer_input") and hf.get("enable_moe_block"):
+            raise UnsupportedModelError("per-layer inputs beside the MoE block: no Gemma 4 release has both; "
+                                        "not supported")
         if not set(hf["layer_types"]) <= set(LAYER_TYPES):
             raise UnsupportedModelError(f"layer_types {sorted(set(hf['layer_types']))}: only sliding_attention and "
                                         "full_attention")
@@ -552,7 +552,27 @@ def gemma4_view(hf: dict) -> dict:
             "hidden_size_per_layer_input": c.hidden_size_per_layer_input,
             "num_kv_shared_layers": c.num_kv_shared_layers, "enable_moe_block": c.enable_moe_block,
             "num_experts": c.num_experts, "top_k_experts": c.top_k_experts,
-            "moe_intermediate_size": c.moe_intermediate_size, "attention_k_eq_v": c.attention_k_eq_v}
+            "moe_intermediate_size": c.moe_intermediate_size, "attention_k_eq_v": c.attention_k_eq_v,
+            "vocab_size_per_layer_input": c.vocab_size_per_layer_input,
+            "use_double_wide_mlp": c.use_double_wide_mlp,
+            "gemma4_kv_shared_from": _gemma4_kv_sources(types, c.num_kv_shared_layers)}
+
+
+def _gemma4_kv_sources(types: list[str], shared: int) -> tuple[int | None, ...]:
+    """For each layer, the layer whose keys and values it reuses (transformers' kv_sharing_modes): the last
+    ``shared`` layers take them from the last earlier layer of their kind; None for the others."""
+    first = len(types) - shared
+    out = []
+    for i, kind in enumerate(types):
+        if i < first or not shared:
+            out.append(None)
+            continue
+        sources = [j for j in range(first) if types[j] == kind]
+        if not sources:
+            raise UnsupportedModelError(f"Gemma 4 layer {i} ({kind}) shares keys and values, but no earlier layer of "
+                                        "its kind has its own")
+        out.append(sources[-1])
+    return tuple(out)
 
 
 def kimi_linear_view(hf: dict) -> dict:
@@ -749,6 +769,16 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                            float(full.get("partial_rotary_factor", 1.0)) if proportional else 1.0,
                            float(full.get("factor", 1.0)) if proportional else 1.0),
             extra=sliding_windows(hf))
+        width = int(hf.get("hidden_size_per_layer_input") or 0)
+        if width:  # E2B / E4B: per-layer inputs from their own embedding table
+            kwargs.update(per_layer_input_size=width,
+                          per_layer_input_vocab=int(hf.get("vocab_size_per_layer_input") or hf["vocab_size"]))
+        sources = hf["gemma4_kv_shared_from"]
+        if any(x is not None for x in sources):  # E2B / E4B: the last layers reuse earlier layers' keys and values
+            kwargs["kv_shared_from"] = sources
+            if hf.get("use_double_wide_mlp"):  # ... and have twice as wide an MLP
+                kwargs["layer_ffn_sizes"] = tuple(hf["intermediate_size"] * (2 if x is not None else 1)
+                                                  for x in sources)
         if hf.get("enable_moe_block"):  # 26B-A4B: experts beside the dense MLP in every layer
             kwargs.update(num_moe_experts=hf["num_experts"], moe_router_topk=hf["top_k_experts"],
                           moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_router_pre_softmax=False,

@@ -33,6 +33,10 @@ EXPERT = "mlp.experts.local_experts.{expert}."
 HF_LAYER = "model.layers.{layer}."
 
 
+# Rule.layers selectors of Gemma 4's kinds of layer, where several rules may name one Megatron tensor
+_PER_KIND = ("local", "global", "local_own", "global_own", "kv_shared", "kv_own")
+
+
 class MappingError(ValueError):
     """A tensor is missing, unexpected, or has the wrong shape for the model described by the config."""
 
@@ -262,18 +266,27 @@ def _gemma4_rules(cfg: GPTConfig) -> list[Rule]:
     attn = HF_LAYER + "self_attn."
     qkv = LAYER + "self_attention.linear_qkv.weight"
     global_parts = "qk" if cfg.global_values_from_keys else "qkv"
-    return [
-        Rule(qkv, tuple(attn + f"{p}_proj.weight" for p in "qkv"), "qkv", "col", layers="local"),
-        Rule(qkv, tuple(attn + f"{p}_proj.weight" for p in global_parts), "qkv_global", "col", layers="global"),
+    rules = [
+        Rule(qkv, tuple(attn + f"{p}_proj.weight" for p in "qkv"), "qkv", "col", layers="local_own"),
+        Rule(qkv, tuple(attn + f"{p}_proj.weight" for p in global_parts), "qkv_global", "col", layers="global_own"),
+        # a layer reusing an earlier layer's keys and values (E2B / E4B): its query projection only
+        Rule(qkv, (attn + "q_proj.weight",), tp="col", layers="kv_shared"),
         Rule(LAYER + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), tp="row"),
         Rule(LAYER + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",)),
-        Rule(LAYER + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",)),
+        Rule(LAYER + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), layers="kv_own"),
         Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
         Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
         Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "pre_feedforward_layernorm.weight",), layers="dense"),
         Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_feedforward_layernorm.weight",)),
         Rule(LAYER + "layer_scalar", (HF_LAYER + "layer_scalar",)),
-    ] + (_gemma4_moe_rules() if cfg.moe_beside_dense else [])
+    ]
+    if cfg.per_layer_input_size:  # E2B / E4B: the per-layer inputs' table, projection and norm, each layer's gate
+        rules += [Rule("embedding.per_layer.word_embeddings.weight", ("model.embed_tokens_per_layer.weight",)),
+                  Rule("embedding.per_layer.model_projection.weight", ("model.per_layer_model_projection.weight",)),
+                  Rule("embedding.per_layer.projection_norm.weight", ("model.per_layer_projection_norm.weight",))]
+        rules += [Rule(LAYER + f"{name}.weight", (HF_LAYER + f"{name}.weight",))
+                  for name in ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")]
+    return rules + (_gemma4_moe_rules() if cfg.moe_beside_dense else [])
 
 
 def _gemma4_moe_rules() -> list[Rule]:
@@ -444,7 +457,7 @@ class Bridge:
             m = pattern.match(name)
             if m:
                 idx = {k: int(v) for k, v in m.groupdict().items()}
-                if rule.layers in ("local", "global") and not self.layer_has(rule, idx["layer"]):
+                if rule.layers in _PER_KIND and not self.layer_has(rule, idx["layer"]):
                     continue  # the other kind of layer's rule for this name
                 return rule, idx
         raise MappingError(f"Megatron parameter {name!r} has no mapping for family {self.family.name!r}")
@@ -493,9 +506,24 @@ class Bridge:
         flags = self.cfg.extra.get("window_attn_skip_freq")
         return not (self.cfg.extra.get("window_size") and (flags is None or flags[layer]))
 
+    def is_kv_shared_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` reuses an earlier layer's keys and values (Gemma 4 E2B / E4B)."""
+        return bool(self.cfg.kv_shared_from) and self.cfg.kv_shared_from[layer] is not None
+
+    def layer_kind(self, layer: int) -> tuple:
+        """What sets the shapes of a layer's tensors beyond the rule naming them (Gemma 4: global or not, keys and
+        values of its own or not, its MLP width)."""
+        ffn = self.cfg.layer_ffn_sizes[layer] if self.cfg.layer_ffn_sizes else None
+        return self.is_global_layer(layer), self.is_kv_shared_layer(layer), ffn
+
     def layer_has(self, rule: Rule, layer: int) -> bool:
-        if rule.layers in ("local", "global"):
-            return (rule.layers == "global") == self.is_global_layer(layer)
+        if rule.layers in _PER_KIND:
+            kind = rule.layers.split("_")[0]
+            if kind in ("local", "global") and (kind == "global") != self.is_global_layer(layer):
+                return False
+            if rule.layers == "kv_shared":
+                return self.is_kv_shared_layer(layer)
+            return not (rule.layers.endswith("_own") and self.is_kv_shared_layer(layer))
         if rule.layers == "indexer":
             return not (self.cfg.dsa_shared_layers and self.cfg.dsa_shared_layers[layer])
         if rule.layers in ("linear", "full"):
@@ -608,8 +636,13 @@ class Bridge:
         m = re.search(r"layers\.(\d+)\.self_attn\.", hf_name)
         if cfg.per_layer_attention and m and int(m.group(1)) < cfg.num_layers and self.is_global_layer(int(m.group(1))):
             h, g = cfg.global_kv_channels or h, cfg.global_num_query_groups or g  # Gemma 4's global layers
+        m = re.search(r"layers\.(\d+)\.mlp\.", hf_name)
+        if cfg.layer_ffn_sizes and m and int(m.group(1)) < cfg.num_layers:
+            f_layer = cfg.layer_ffn_sizes[int(m.group(1))]  # (Gemma 4's double-wide MLPs)
+        else:
+            f_layer = None
         f = cfg.moe_shared_ffn_hidden_size if (".shared_experts." in hf_name or ".shared_expert." in hf_name) else \
-            cfg.moe_ffn_hidden_size if ".experts." in hf_name else cfg.ffn_hidden_size
+            cfg.moe_ffn_hidden_size if ".experts." in hf_name else f_layer or cfg.ffn_hidden_size
         table = {
             "embed_tokens.weight": (self.hf_vocab, d), "lm_head.weight": (self.hf_vocab, d),
             "norm.weight": (d,), "layernorm.weight": (d,),
@@ -650,6 +683,11 @@ class Bridge:
         if self.family.gemma4:  # its router (MoE block, 26B-A4B)
             table.update({"router.proj.weight": (e, d), "router.scale": (d,), "router.per_expert_scale": (e,),
                           "layernorm_1.weight": (d,), "layernorm_2.weight": (d,)})  # (its branches' norms)
+            w = cfg.per_layer_input_size  # and its per-layer inputs (E2B / E4B)
+            table.update({"embed_tokens_per_layer.weight": (cfg.per_layer_input_vocab, cfg.num_layers * w),
+                          "per_layer_model_projection.weight": (cfg.num_layers * w, d),
+                          "per_layer_projection_norm.weight": (w,), "per_layer_input_gate.weight": (w, d),
+                          "per_layer_projection.weight": (d, w), "post_per_layer_input_norm.weight": (d,)})
         if cfg.multi_latent_attention:
             qk = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
             table.update({
@@ -863,6 +901,8 @@ class Bridge:
         names = self.canonical_names(layers)
         if first:
             names.insert(0, "embedding.word_embeddings.weight")
+            if self.cfg.per_layer_input_size:  # Gemma 4 E2B / E4B: the per-layer inputs are made with the embedding
+                names[1:1] = [r.mcore for r in self.rules if r.mcore.startswith("embedding.per_layer.")]
         if last:
             names.append("decoder.final_layernorm.weight")
             if not self.cfg.tie_word_embeddings:

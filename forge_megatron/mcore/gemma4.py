@@ -22,9 +22,15 @@ model's depth-indexed table and a recomputed layer both work unchanged.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 
 def proportional_inv_freq(head_dim: int, base: float, fraction: float = 1.0, factor: float = 1.0) -> torch.Tensor:
@@ -51,7 +57,8 @@ class Gemma4SelfAttention(SelfAttention):
 
     def __init__(self, config, submodules, layer_number, *args, kv_channels: int | None = None,
                  num_query_groups: int | None = None, values_from_keys: bool = False, value_norm: bool = False,
-                 rotary: tuple[float, float, float] | None = None, **kwargs):
+                 rotary: tuple[float, float, float] | None = None, kv_store: dict | None = None,
+                 kv_from: int | None = None, keep_kv: bool = False, **kwargs):
         if kv_channels is not None or num_query_groups is not None:
             config = copy.copy(config)  # this layer's geometry; everything else is the model's
             config.kv_channels = kv_channels or config.kv_channels
@@ -62,8 +69,16 @@ class Gemma4SelfAttention(SelfAttention):
             raise ValueError(f"layer {layer_number}: tensor parallelism {tp} must divide its "
                              f"{self.config.num_query_groups} key heads")
         self.values_from_keys = values_from_keys
-        if values_from_keys:  # [q heads of the group, its key] per query group: no value rows
-            self.linear_qkv_out_dim = self.query_projection_size + self.kv_projection_size
+        # KV sharing (Gemma 4 E2B / E4B): a layer that keeps its normed keys and values (pre-RoPE) in ``kv_store``
+        # under its 0-based number, and later layers that reuse them (``kv_from``) with a query projection only
+        self.kv_store, self.kv_from, self.keep_kv = kv_store, kv_from, keep_kv
+        if (kv_from is not None or keep_kv) and kv_store is None:
+            raise ValueError("KV sharing needs the model's kv_store")
+        if kv_from is not None:
+            self.k_layernorm = None  # (a consumer has no key norm of its own)
+        if values_from_keys or kv_from is not None:  # [q heads of the group, its key] per query group, or queries
+            self.linear_qkv_out_dim = self.query_projection_size + (0 if kv_from is not None
+                                                                    else self.kv_projection_size)
             self.linear_qkv = submodules.linear_qkv(
                 self.config.hidden_size, self.linear_qkv_out_dim, config=self.config,
                 init_method=self.config.init_method, gather_output=False,
@@ -90,7 +105,7 @@ class Gemma4SelfAttention(SelfAttention):
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True,
                                     **kwargs):
-        if not self.values_from_keys and self.value_norm_eps is None:
+        if not self.values_from_keys and self.value_norm_eps is None and self.kv_from is None and not self.keep_kv:
             return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate=output_gate,
                                                        split_qkv=split_qkv, **kwargs)
         if key_value_states is not None or output_gate or not split_qkv:
@@ -100,6 +115,15 @@ class Gemma4SelfAttention(SelfAttention):
         groups = self.num_query_groups_per_partition
         per_group = self.num_attention_heads_per_partition // groups
         d = self.hidden_size_per_attention_head
+        if self.kv_from is not None:
+            if self.kv_from not in self.kv_store:
+                raise RuntimeError(f"layer {self.layer_number} reuses layer {self.kv_from + 1}'s keys and values, "
+                                   "which did not run in this forward")
+            query = mixed.view(*mixed.shape[:2], -1, d)
+            if self.q_layernorm is not None:
+                query = self.q_layernorm(query)
+            key, value = self.kv_store[self.kv_from]
+            return query, key, value
         mixed = mixed.view(*mixed.shape[:-1], groups, -1)
         if self.values_from_keys:
             query, key = mixed.split([per_group * d, d], dim=-1)
@@ -113,7 +137,21 @@ class Gemma4SelfAttention(SelfAttention):
             key = self.k_layernorm(key)
         if self.value_norm_eps is not None:
             value = _rms(value, self.value_norm_eps)
-        return query, key.contiguous(), value.contiguous()
+        key, value = key.contiguous(), value.contiguous()
+        if self.keep_kv:
+            self.kv_store[self.layer_number - 1] = (key, value)
+        return query, key, value
+
+
+class WidthMLP(MLP):
+    """Megatron's MLP of ``ffn_hidden_size`` (Gemma 4's double-wide MLPs in the KV-shared layers): built with a
+    config copy of that width, since Megatron-Core 0.16 sizes ``linear_fc2``'s input by the config's."""
+
+    def __init__(self, config, submodules, *args, ffn_hidden_size: int | None = None, **kwargs):
+        if ffn_hidden_size is not None:
+            config = copy.copy(config)
+            config.ffn_hidden_size = ffn_hidden_size
+        super().__init__(config, submodules, *args, ffn_hidden_size=ffn_hidden_size, **kwargs)
 
 
 def attention_spec(attn_spec, **params):
@@ -123,19 +161,101 @@ def attention_spec(attn_spec, **params):
     return dataclasses.replace(attn_spec, module=Gemma4SelfAttention, params={**(attn_spec.params or {}), **params})
 
 
-def add_layer_scalars(model) -> None:
-    """Give each layer of ``model`` (a GPTModel stage) a ``layer_scalar`` buffer (1 until a checkpoint sets it)
-    multiplying its output: transformers' ``hidden_states *= self.layer_scalar`` after both residual adds."""
+class _WeightedRMSNorm(torch.nn.Module):
+    """transformers' Gemma4RMSNorm (x * (mean(x^2) + eps)^-0.5 * weight, in fp32), for the per-layer-input norms."""
 
-    def scale(module, args, output):
-        if isinstance(output, tuple):
-            return (output[0] * module.layer_scalar.to(output[0].dtype),) + tuple(output[1:])
-        return output * module.layer_scalar.to(output.dtype)
+    def __init__(self, dim: int, eps: float, config):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(dim, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel  # replicated: gradients summed over TP under SP
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5) * self.weight.float()).to(x.dtype)
+
+
+def _replicated_linear(n_in: int, n_out: int, config) -> torch.nn.Linear:
+    linear = torch.nn.Linear(n_in, n_out, bias=False, dtype=config.params_dtype)
+    linear.weight.sequence_parallel = config.sequence_parallel
+    return linear
+
+
+class PerLayerInputs(MegatronModule):
+    """Gemma 4 E2B / E4B's per-layer embeddings (PLE): for every token a [layers, width] table of inputs, one row per
+    layer, (N(W x * hidden^-0.5) + E[token] * sqrt(width)) / sqrt(2) with x the (scaled) token embedding, W the
+    ``model_projection``, N an RMSNorm over each row and E the ``word_embeddings`` table (vocabulary x layers * width).
+    Replicated on every TP rank (the trainer refuses PP for these models)."""
+
+    def __init__(self, config, num_layers: int, width: int, vocab: int):
+        super().__init__(config=config)
+        self.num_layers, self.width = num_layers, width
+        self.word_embeddings = torch.nn.Embedding(vocab, num_layers * width, dtype=config.params_dtype)
+        self.word_embeddings.weight.sequence_parallel = config.sequence_parallel
+        self.model_projection = _replicated_linear(config.hidden_size, num_layers * width, config)
+        self.projection_norm = _WeightedRMSNorm(width, config.layernorm_epsilon, config)
+
+    def forward(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """[s, b, layers, width] for ``embeddings`` [s, b, hidden] (this rank's tokens: under sequence parallelism
+        a contiguous slice of the sequence) of ``input_ids`` [b, S]."""
+        ids = input_ids.t()  # [S, b]
+        if ids.shape[0] != embeddings.shape[0]:  # sequence parallel: this rank's slice
+            from megatron.core import parallel_state as ps
+
+            s = embeddings.shape[0]
+            rank = ps.get_tensor_model_parallel_rank()
+            ids = ids[rank * s:(rank + 1) * s]
+        table = self.word_embeddings(ids)
+        table = table * torch.tensor(self.width ** 0.5, dtype=table.dtype)  # (the scale in the weights' dtype, as HF)
+        proj = self.model_projection(embeddings) * self.config.hidden_size ** -0.5
+        proj = self.projection_norm(proj.view(*proj.shape[:2], self.num_layers, self.width))
+        return (proj + table.view_as(proj)) * 2.0 ** -0.5
+
+
+def finish_layers(model, cfg) -> None:
+    """Each layer of ``model`` (a GPTModel stage) ends as Gemma 4's does (a forward hook on the layer): with per-layer
+    inputs (``cfg.per_layer_input_size``), h + N(P(gelu(G(h)) * input_l)) with G ``per_layer_input_gate`` (hidden ->
+    width), P ``per_layer_projection`` and N ``post_per_layer_input_norm``; then, with ``cfg.layer_scalars``, times
+    the layer's ``layer_scalar`` buffer (1 until a checkpoint sets it). The per-layer inputs are made from the token
+    ids and embeddings by a hook on the embedding (:class:`PerLayerInputs`, ``model.embedding.per_layer``)."""
+    config = model.config
+    holder = {}
+    width = cfg.per_layer_input_size
+    if width:
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            raise ValueError("per-layer inputs (Gemma 4 E2B / E4B) are made on the first pipeline stage and used by "
+                             "every layer: train these models without pipeline parallelism")
+        model.embedding.per_layer = PerLayerInputs(config, cfg.num_layers, width, cfg.per_layer_input_vocab)
+
+        def make_inputs(module, args, output, input_ids=None):
+            ids = args[0] if args else input_ids
+            holder["inputs"] = module.per_layer(ids, output)
+
+        model.embedding.register_forward_hook(
+            lambda m, a, kw, out: make_inputs(m, a, out, kw.get("input_ids")), with_kwargs=True)
+
+    def finish(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        if width:
+            inputs = holder["inputs"][..., module.layer_number - 1, :]
+            g = torch.nn.functional.gelu(module.per_layer_input_gate(h), approximate="tanh") * inputs.to(h.dtype)
+            h = h + module.post_per_layer_input_norm(module.per_layer_projection(g))
+        if cfg.layer_scalars:
+            h = h * module.layer_scalar.to(h.dtype)
+        return (h,) + tuple(output[1:]) if isinstance(output, tuple) else h
 
     for layer in model.decoder.layers:
         weight = next(layer.parameters())
-        layer.register_buffer("layer_scalar", torch.ones(1, dtype=weight.dtype, device=weight.device))
-        layer.register_forward_hook(scale)
+        if cfg.layer_scalars:
+            layer.register_buffer("layer_scalar", torch.ones(1, dtype=weight.dtype, device=weight.device))
+        if width:
+            layer.per_layer_input_gate = _replicated_linear(config.hidden_size, width, config).to(weight.device)
+            layer.per_layer_projection = _replicated_linear(width, config.hidden_size, config).to(weight.device)
+            layer.post_per_layer_input_norm = _WeightedRMSNorm(config.hidden_size, config.layernorm_epsilon,
+                                                               config).to(weight.device)
+        layer.register_forward_hook(finish)
 
 
 # ------------------------------------------------------------------------------------- the MoE block (26B-A4B)
@@ -145,12 +265,6 @@ def add_layer_scalars(model) -> None:
 # this is a MoELayer fed h itself (the layer's pre-MLP norm an identity) whose "shared expert" is the dense branch
 # with its own norms (:class:`Gemma4DenseBranch`), which normalises the experts' input and output
 # (:class:`Gemma4MoELayer`), and whose router is :class:`Gemma4Router`.
-import dataclasses  # noqa: E402
-
-from megatron.core.transformer.module import MegatronModule  # noqa: E402
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # noqa: E402
-from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module  # noqa: E402
 
 
 class Gemma4Router(TopKRouter):
@@ -241,8 +355,6 @@ def moe_layer_spec(layer_spec):
     moe = subs.mlp
     if not isinstance(moe, ModuleSpec) or not isinstance(moe.submodules, MoESubmodules):
         raise TypeError(f"expected a MoE layer spec, got MLP {moe!r}")
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
-
     experts_subs = moe.submodules.experts.submodules  # the experts' linears: the dense MLP uses the same kinds
     dense = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=experts_subs.linear_fc1,
                                                             linear_fc2=experts_subs.linear_fc2))

@@ -123,6 +123,13 @@ class GPTConfig:
     global_rotary: tuple[float, float, float] | None = None
     value_norm: bool = False
     layer_scalars: bool = False
+    # Gemma 4 E2B / E4B: per-layer inputs of this width from their own embedding table of per_layer_input_vocab rows
+    # (0: none); kv_shared_from[i]: the earlier layer whose keys and values layer i reuses (None: its own); each
+    # layer's MLP width where they differ (the KV-shared layers' double-wide MLP); all in mcore/gemma4.py
+    per_layer_input_size: int = 0
+    per_layer_input_vocab: int | None = None
+    kv_shared_from: tuple[int | None, ...] | None = None
+    layer_ffn_sizes: tuple[int, ...] | None = None
     params_dtype: torch.dtype = torch.float32
     bf16: bool = False
     extra: dict = field(default_factory=dict)  # passed through to TransformerConfig
@@ -240,6 +247,15 @@ class GPTConfig:
             if self.num_attention_heads % groups:
                 raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                                  f"global_num_query_groups ({groups})")
+        if self.kv_shared_from is not None:
+            if len(self.kv_shared_from) != self.num_layers or any(
+                    src is not None and not 0 <= src < i for i, src in enumerate(self.kv_shared_from)):
+                raise ValueError("kv_shared_from names, for each layer, an earlier layer or None")
+        if self.layer_ffn_sizes is not None and (len(self.layer_ffn_sizes) != self.num_layers
+                                                 or self.num_moe_experts):
+            raise ValueError("layer_ffn_sizes gives each layer of a dense model its MLP width")
+        if self.per_layer_input_size and not self.per_layer_input_vocab:
+            raise ValueError("per-layer inputs need their table's vocabulary (per_layer_input_vocab)")
         if self.moe_beside_dense and not (self.num_moe_experts and self.pre_norm and self.post_norm
                                           and not self.moe_dense_layers and not self.moe_shared_ffn_hidden_size):
             raise ValueError("moe_beside_dense (Gemma 4) needs experts in every layer, sandwich norms (pre_norm and "
@@ -255,7 +271,7 @@ class GPTConfig:
     def per_layer_attention(self) -> bool:
         """Gemma 4's attention (mcore/gemma4.py): some layers' geometry or RoPE differ, or values are normed."""
         return bool(self.global_kv_channels or self.global_num_query_groups or self.global_values_from_keys
-                    or self.global_rotary or self.value_norm)
+                    or self.global_rotary or self.value_norm or self.kv_shared_from or self.layer_ffn_sizes)
 
     @property
     def hybrid(self) -> bool:
@@ -534,15 +550,30 @@ def _per_layer_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
                          "supported")
     tcfg = transformer_config(cfg)
     offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
+    shared = cfg.kv_shared_from or (None,) * cfg.num_layers
+    if any(x is not None for x in shared):
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            raise ValueError("KV sharing across layers (Gemma 4 E2B / E4B): train without pipeline parallelism")
+    kv_store = {}  # this model's keys and values of the layers others reuse, per forward
     layer_specs = []
     for number in range(offset + 1, offset + tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage) + 1):
         params = {"value_norm": cfg.value_norm}
         if not is_layer_window_attention(tcfg.window_size, tcfg.window_attn_skip_freq, number):
             params.update(kv_channels=cfg.global_kv_channels, num_query_groups=cfg.global_num_query_groups,
                           values_from_keys=cfg.global_values_from_keys, rotary=cfg.global_rotary)
+        if shared[number - 1] is not None or number - 1 in shared:
+            params.update(kv_store=kv_store, kv_from=shared[number - 1], keep_kv=number - 1 in shared)
         attn = attention_spec(spec.submodules.self_attention, **params)
-        layer_specs.append(dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
-                                                                                    self_attention=attn)))
+        subs = dataclasses.replace(spec.submodules, self_attention=attn)
+        if cfg.layer_ffn_sizes is not None and cfg.layer_ffn_sizes[number - 1] != cfg.ffn_hidden_size:
+            from forge_megatron.mcore.gemma4 import WidthMLP
+
+            subs = dataclasses.replace(subs, mlp=dataclasses.replace(
+                subs.mlp, module=WidthMLP,
+                params={**(subs.mlp.params or {}), "ffn_hidden_size": cfg.layer_ffn_sizes[number - 1]}))
+        layer_specs.append(dataclasses.replace(spec, submodules=subs))
     return tb.TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=tb.LayerNormImpl)
 
 
@@ -645,6 +676,9 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     tcfg = transformer_config(cfg, **config_overrides)
+    if cfg.kv_shared_from and any(x is not None for x in cfg.kv_shared_from) and tcfg.recompute_granularity:
+        raise ValueError("KV sharing across layers (Gemma 4 E2B / E4B): a recomputed layer would read keys and "
+                         "values made by a forward without gradients; train without --recompute-granularity")
     spec = spec if spec is not None else layer_spec(cfg, vp_stage=vp_stage)
     if tcfg.sequence_parallel or tcfg.layernorm_zero_centered_gamma:
         spec = sequence_parallel_norms(spec, tcfg, vp_stage)
@@ -685,10 +719,10 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
             return output * torch.tensor(multiplier, dtype=output.dtype, device=output.device)
 
         model.embedding.register_forward_hook(scale)
-    if cfg.layer_scalars:
-        from forge_megatron.mcore.gemma4 import add_layer_scalars
+    if cfg.layer_scalars or cfg.per_layer_input_size:
+        from forge_megatron.mcore.gemma4 import finish_layers
 
-        add_layer_scalars(model)
+        finish_layers(model, cfg)
     if cfg.final_logit_softcapping is not None and getattr(model, "output_layer", None) is not None:
         cap_logits(model.output_layer, cfg.final_logit_softcapping)
     if cfg.sparse_attention:

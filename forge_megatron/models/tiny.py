@@ -35,7 +35,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
-         "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe")
+         "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -372,6 +372,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
     per_arch["gemma4_moe"] = (transformers.Gemma4TextConfig,
                               {**per_arch["gemma4"][1], "enable_moe_block": True, "num_experts": 4,
                                "top_k_experts": 2, "moe_intermediate_size": 32})
+    # Gemma 4 E2B / E4B layout: four layers (window, global, window, global; no shared value projection), per-layer
+    # inputs 8 wide from their own table, and the last two layers reusing the keys and values of the first two with
+    # MLPs twice as wide
+    per_arch["gemma4_e"] = (transformers.Gemma4TextConfig,
+                            {**per_arch["gemma4"][1], "attention_k_eq_v": False, "num_hidden_layers": 4,
+                             "layer_types": ["sliding_attention", "full_attention"] * 2,
+                             "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": vocab_size,
+                             "num_kv_shared_layers": 2, "use_double_wide_mlp": True})
     if arch not in per_arch:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     cls, extra = per_arch[arch]

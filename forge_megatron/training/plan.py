@@ -47,13 +47,13 @@ def _shapes(bridge, names: list[str], tp: int, etp: int | None = None) -> dict[s
     from forge_megatron.bridge import ParallelLayout
 
     layout = ParallelLayout(tp=tp, etp=etp)
-    per_kind = bridge.cfg.per_layer_attention
+    per_kind = bridge.cfg.per_layer_attention  # (Gemma 4: see Bridge.layer_kind)
 
     by_rule: dict[tuple, tuple[int, ...]] = {}
     out = {}
     for name in names:
         rule, idx = bridge.rule(name)
-        key = (id(rule), per_kind and "layer" in idx and bridge.is_global_layer(idx["layer"]))
+        key = (id(rule), per_kind and "layer" in idx and bridge.layer_kind(idx["layer"]))
         if key not in by_rule:
             hf = {h: torch.empty(bridge.hf_shape(h), device="meta") for h in bridge.hf_names(name)}
             full = bridge.from_hf(name, hf)
@@ -89,7 +89,7 @@ def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None
     is_first, is_last = pp_rank == 0, pp_rank == pp - 1
     names = bridge.canonical_names(layers)
     if is_first:
-        names.insert(0, "embedding.word_embeddings.weight")
+        names[:0] = bridge.piece_names(range(0), True, False)  # the embedding (and Gemma 4's per-layer inputs)
     if is_last:
         names.append("decoder.final_layernorm.weight")
         if not cfg.tie_word_embeddings:

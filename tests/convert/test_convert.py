@@ -23,7 +23,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next", "olmo2", "olmo3", "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3",
          "seed_oss", "glm4", "kimi_k25", "glm4v", "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32",
          "glm_moe_dsa", "mistral4", "mistral4_vl", "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl",
-         "gemma4_moe")
+         "gemma4_moe", "gemma4_e")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -110,6 +110,8 @@ LAYOUTS = [
     ("gemma4_vl", ParallelLayout(tp=2)),  # as released: model.language_model.*, the vision tower and embedder copied
     # Gemma 4 26B-A4B: the dense branch in the shared-expert slot, experts stacked per layer and split over EP
     ("gemma4_moe", ParallelLayout(tp=2, pp=2, ep=2)),
+    # Gemma 4 E2B / E4B: per-layer inputs (replicated), KV-shared layers' query-only projections, double-wide MLPs
+    ("gemma4_e", ParallelLayout(tp=2, pp=2)),
     # uneven pipeline stages (Megatron's num_layers_in_first/last_pipeline_stage): 3 layers as 1 + 2 and 2 + 1
     ("deepseek_v3_3l", ParallelLayout(tp=2, pp=2, ep=2, first=1)), ("deepseek_v3_3l", ParallelLayout(pp=2, last=1)),
     # experts whole on every TP rank (expert TP 1): gpt-oss's biased experts under TP

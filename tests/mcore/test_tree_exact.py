@@ -173,10 +173,11 @@ def _body_one_rank(rank, world_size):
     # Ministral 3: queries scaled by their depth past position 4 (read off the depth-indexed table)
     # Gemma 4: a window layer, then a global one with its own head size and key heads, values that are its keys and
     # proportional RoPE (its own table of the depths), normed values, layer scalars (1 here: Megatron's init), the
-    # logits soft-capped; and with 26B-A4B's routed experts beside the dense MLP
+    # logits soft-capped; with 26B-A4B's routed experts beside the dense MLP; and E2B / E4B's per-layer inputs, the
+    # last two layers reusing the first two's keys and values (on the tree's positions) with double-wide MLPs
     for arch, cls in (("gemma3", "Gemma3ForCausalLM"), ("smollm3", "SmolLM3ForCausalLM"), ("glm4", "Glm4ForCausalLM"),
                       ("ministral3", "Ministral3ForCausalLM"), ("gemma4", "Gemma4ForCausalLM"),
-                      ("gemma4_moe", "Gemma4ForCausalLM")):
+                      ("gemma4_moe", "Gemma4ForCausalLM"), ("gemma4_e", "Gemma4ForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 3 with final-logit soft-capping (Gemma 4's): the fused logprobs cap the chunks they make, Megatron's output
@@ -473,10 +474,13 @@ def test_olmo3_tree_equals_unmerged(one_rank):
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["olmo3"]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "smollm3", "glm4", "ministral3", "gemma4", "gemma4_moe"])
+@pytest.mark.parametrize("arch", ["gemma3", "smollm3", "glm4", "ministral3", "gemma4", "gemma4_moe", "gemma4_e"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
-    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank[arch]
+    # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,
+    # in another order on the tree than per sample: 1.6e-5 relative, the other parameters below 1e-5)
+    rtol = 3 * GRAD_RTOL if arch == "gemma4_e" else GRAD_RTOL
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= rtol, one_rank[arch]
 
 
 def test_final_logit_softcapping_tree_equals_unmerged(one_rank):

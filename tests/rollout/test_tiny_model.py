@@ -65,12 +65,13 @@ def test_tiny_model_loads_and_is_deterministic(tmp_path, arch):
     d2 = build_tiny_model(str(tmp_path / "m2"), arch=arch, seed=3, with_tokenizer=False)
     m1, m2 = load_causal_lm(d1), load_causal_lm(d2)  # Qwen3-VL: the image-text-to-text model
     text = m1.config.get_text_config()  # a vision-language model's language model
-    assert text.hidden_size == 64 and text.num_hidden_layers == 2
+    assert text.hidden_size == 64 and text.num_hidden_layers == (4 if arch == "gemma4_e" else 2)
     mla = arch in ("deepseek_v3", "glm4_moe_lite", "kimi_k25", "deepseek_v32", "glm_moe_dsa", "mistral4",
                    "mistral4_vl", "kimi_linear")  # multi-latent attention:
     # a key/value head per query
-    if arch.startswith("gemma4"):  # key heads per layer: 4 on the local layer, 2 on the global one
-        assert [text.per_layer_config[i].num_key_value_heads for i in range(2)] == [4, 2]
+    if arch.startswith("gemma4"):  # key heads per layer: 4 on the local layer, 2 on the global one (whose values
+        # are its keys; the E layout's global layers keep 4 and their own values)
+        assert [text.per_layer_config[i].num_key_value_heads for i in range(2)] == [4, 4 if arch == "gemma4_e" else 2]
     else:
         assert text.num_key_value_heads == (4 if mla else 2)
     assert m1.config.tie_word_embeddings is arch.startswith(("gemma3", "gemma4"))  # Gemma ties them, as released

@@ -36,22 +36,29 @@ def test_post_norm_layers_train_the_same_under_pipeline_and_tensor_parallelism(t
     if arch != "gemma4":
         assert_same_as_one_rank(steps, runs)
         return
-    # Gemma 4 scales attention by 1 over normed queries and keys: the random tiny model's attention is near one-hot
-    # and its second step amplifies the first's fp32 reduction-order differences (~1e-6) through Adam's normalised
-    # update (it does without the soft cap, and under TP without SP, too): the first step to fp32 reduction order,
-    # the second to 1e-4
-    assert_same_as_one_rank({name: s[:1] for name, s in steps.items()}, runs)
+    assert_gemma4_steps_match(steps, runs)
+
+
+def assert_gemma4_steps_match(steps: dict, runs, keys=("loss", "grad_norm"), data_parallel=("ep2",)) -> None:
+    """The first step equal to fp32 reduction order (as every other layout's), the second within 1e-4 absolute on
+    the loss (~1e-2, a sum of O(1) terms that nearly cancel) and 1e-3 relative on the gradient norm. Gemma 4's
+    normed queries, keys and values leave directions whose gradient is zero but for rounding (and its per-layer table
+    rows barely used): Adam's first update moves every element by about the learning rate whatever its gradient, so a
+    few such elements step with different signs on one rank and on two (at most 7e-4 of 1e-3 apart after the second
+    step, a few elements of thousands; the TP ranks' replicated weights stay identical), which the second step sees."""
+    assert_same_as_one_rank({name: s[:1] for name, s in steps.items()}, runs, keys, data_parallel)
     for name in runs:
-        for key in ("loss", "grad_norm"):
-            assert steps[name][1][key] == pytest.approx(steps["one"][1][key], rel=1e-4), (name, key)
+        a, b = steps["one"][1], steps[name][1]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), name
+        if name not in data_parallel:  # (EP = 2 runs as DP = 2: its loss is rank 0's share)
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-4), name
 
 
 def test_gemma4_moe_block_trains_the_same_under_tensor_expert_and_pipeline_parallelism(tmp_path):
     """The Gemma 4 26B-A4B layout (routed experts beside the dense MLP in every layer, each branch with its own
     norms, the router on the un-normalised input with its own input scale and per-expert scales) with routing replay:
     TP = 2 with sequence parallelism (the branches' norms and the router's scales replicated, their gradients summed
-    over TP), EP = 2 and PP = 2 train as one rank (the first step to fp32 reduction order, the second to 1e-4: see
-    above); both MoE layers replay their rows."""
+    over TP), EP = 2 and PP = 2 train as one rank (assert_gemma4_steps_match); both MoE layers replay their rows."""
     from .trainer_run import REPLAY_KEYS
 
     model_dir = build_tiny_model(str(tmp_path / "gemma4_moe"), arch="gemma4_moe", seed=2)
@@ -65,9 +72,23 @@ def test_gemma4_moe_block_trains_the_same_under_tensor_expert_and_pipeline_paral
                                               model=[])
     assert [len(v) for v in steps.values()] == [2] * len(layouts)
     runs = [name for name, _, _ in layouts[1:]]
-    assert_same_as_one_rank({name: s[:1] for name, s in steps.items()}, runs, REPLAY_KEYS)
-    for name in runs:
-        key = "grad_norm" if name == "ep2" else "loss"  # (EP = 2 runs as DP = 2: rank 0's share of the loss)
-        assert steps[name][1][key] == pytest.approx(steps["one"][1][key], rel=1e-4), name
+    assert_gemma4_steps_match(steps, runs, REPLAY_KEYS)
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
     assert all(s["routing_replayed_rows"] > 0 for s in steps["one"])
+
+
+def test_gemma4_per_layer_inputs_and_shared_kv_train_the_same_under_tensor_and_context_parallelism(tmp_path):
+    """The Gemma 4 E2B / E4B layout (per-layer inputs from their own table, replicated: under sequence parallelism
+    each rank makes its own tokens' and the gradients are summed over TP; the last two layers reusing the first two's
+    keys and values, with double-wide MLPs): TP = 2 with SP and CP = 2 (the consumers attend to the producers' keys
+    of this rank's zig-zag shard) train as one rank (assert_gemma4_steps_match)."""
+    model_dir = build_tiny_model(str(tmp_path / "gemma4_e"), arch="gemma4_e", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6))  # noqa: E731
+    steps = {}
+    layouts = [("one", [], 1), ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+               ("cp2", ["--context-parallel-size", "2"], 2)]
+    for name, extra, nproc in layouts:
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--tree-token-budget", "24"], model=[])
+    assert steps["one"][0]["grad_norm"] > 0
+    assert_gemma4_steps_match(steps, [name for name, _, _ in layouts[1:]])
