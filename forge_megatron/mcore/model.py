@@ -393,8 +393,9 @@ def transformer_config(cfg: GPTConfig, **overrides):
         kwargs.update(linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
                       linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
                       linear_conv_kernel_dim=cfg.linear_conv_kernel)
-        # dist checkpoints key each layer on its own (the Gated DeltaNet's parameters are in some layers only);
-        # Megatron spells the switch this way in 0.16
+    if cfg.hybrid or cfg.per_layer_attention:
+        # dist checkpoints key each layer on its own (the Gated DeltaNet's parameters are in some layers only; Gemma
+        # 4's global layers have other shapes); Megatron spells the switch this way in 0.16
         for name in ("hetereogenous_dist_checkpoint", "heterogeneous_dist_checkpoint"):
             if name in TransformerConfig.__dataclass_fields__:
                 kwargs[name] = True
