@@ -1,5 +1,5 @@
-"""Gemma 4's attention and layer scalars in Megatron-Core (the text model: Gemma4ForCausalLM, and the language model
-of Gemma4ForConditionalGeneration).
+"""Gemma 4 in Megatron-Core (the text model: Gemma4ForCausalLM, and the language model of
+Gemma4ForConditionalGeneration): its attention, layer scalars, per-layer inputs, KV sharing and MoE block.
 
 Gemma 4 interleaves local layers (a sliding window, plain RoPE of base 10k on heads of ``head_dim``) with global
 ones that have their own geometry: heads of ``global_head_dim`` (512), ``num_global_key_value_heads`` key heads and,
@@ -17,6 +17,13 @@ query group the group's queries then its key (and its value unless the values ar
 rotary table it is handed (the model's: plain RoPE of the local layers, whose first frequency is base^0 = 1, so the
 angle of channel 0 is the token's position, or its depth in a prefix tree) into its own proportional one, so the tree
 model's depth-indexed table and a recomputed layer both work unchanged.
+
+E2B / E4B add per-layer inputs (:class:`PerLayerInputs`, made from the token ids and embeddings by a hook on the
+embedding and gated into every layer's output by :func:`finish_layers`) and KV sharing: their last layers have no
+key or value projection and attend to the normed, unrotated keys and the values an earlier layer of their kind left
+in the model's ``kv_store`` during the forward (rotated again by the reuser's own table, which is the keeper's). The
+store holds them until the next forward overwrites them. 26B-A4B runs routed experts beside the dense MLP (the MoE
+block, below).
 """
 
 from __future__ import annotations
@@ -156,8 +163,6 @@ class WidthMLP(MLP):
 
 def attention_spec(attn_spec, **params):
     """``attn_spec`` (a SelfAttention ModuleSpec) built as :class:`Gemma4SelfAttention` with ``params``."""
-    import dataclasses
-
     return dataclasses.replace(attn_spec, module=Gemma4SelfAttention, params={**(attn_spec.params or {}), **params})
 
 
@@ -229,12 +234,10 @@ def finish_layers(model, cfg) -> None:
                              "every layer: train these models without pipeline parallelism")
         model.embedding.per_layer = PerLayerInputs(config, cfg.num_layers, width, cfg.per_layer_input_vocab)
 
-        def make_inputs(module, args, output, input_ids=None):
-            ids = args[0] if args else input_ids
-            holder["inputs"] = module.per_layer(ids, output)
+        def make_inputs(module, args, kwargs, output):  # (GPTModel passes input_ids by keyword)
+            holder["inputs"] = module.per_layer(args[0] if args else kwargs["input_ids"], output)
 
-        model.embedding.register_forward_hook(
-            lambda m, a, kw, out: make_inputs(m, a, out, kw.get("input_ids")), with_kwargs=True)
+        model.embedding.register_forward_hook(make_inputs, with_kwargs=True)
 
     def finish(module, args, output):
         h = output[0] if isinstance(output, tuple) else output
