@@ -121,7 +121,8 @@ class Family:
     gemma: bool = False
     # Gemma 4 (text): Gemma 3's sandwich with plain-weight norms, global layers with their own head size, key heads,
     # values that are the keys (attention_k_eq_v) and proportional RoPE, normed values, attention scale 1, a scalar
-    # per layer, soft-capped logits (gemma4_view; mcore/gemma4.py)
+    # per layer, soft-capped logits; E2B / E4B's per-layer inputs and KV sharing, 26B-A4B's experts beside the dense
+    # MLP (gemma4_view; mcore/gemma4.py)
     gemma4: bool = False
     # Qwen3-VL-MoE: each layer's experts in two checkpoint tensors, ``experts.gate_up_proj`` [E, H, 2F] (gate columns
     # first) and ``experts.down_proj`` [E, F, H], the transposes of the experts' linear weights; the router always
@@ -546,8 +547,9 @@ def gemma4_view(hf: dict) -> dict:
     if local != declared:
         raise UnsupportedModelError(f"Gemma 4 sliding layers of shape {local}, the config says {declared} "
                                     "(head_dim, num_key_value_heads)")
-    return {**hf, "head_dim": local[0], "num_key_value_heads": local[1], "layer_types": types, "gemma4_global": kinds.get("full_attention", local),
-            "rope_parameters": dict(c.rope_parameters), "sliding_window": c.sliding_window,
+    return {**hf, "head_dim": local[0], "num_key_value_heads": local[1], "layer_types": types,
+            "gemma4_global": kinds.get("full_attention", local), "rope_parameters": dict(c.rope_parameters),
+            "sliding_window": c.sliding_window,
             "final_logit_softcapping": c.final_logit_softcapping,
             "hidden_size_per_layer_input": c.hidden_size_per_layer_input,
             "num_kv_shared_layers": c.num_kv_shared_layers, "enable_moe_block": c.enable_moe_block,

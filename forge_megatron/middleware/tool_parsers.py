@@ -31,7 +31,8 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
                              Magistral                 tokenizers) or [TOOL_CALLS]f[ARGS]{...}  (v11)
   gpt-oss (gpt_oss)          gpt-oss (harmony)         <|start|>assistant<|channel|>commentary to=functions.f
                                                        <|constrain|>json<|message|>{...}<|call|>  (harmony.py)
-  gemma4                     Gemma 4                   <|tool_call>call:f{a:<|"|>text<|"|>,n:3,o:{k:true},l:[1,2]}<tool_call|>
+  gemma4                     Gemma 4                   <|tool_call>call:f{a:<|"|>text<|"|>,n:3,o:{k:true},l:[1]}
+                                                       <tool_call|>
                                                        (keys bare, strings between <|"|> delimiters, other values
                                                        bare: numbers, true / false / null; nested objects, arrays)
   none                       -                         no tool calls (tool_choice "none" uses it too)
