@@ -13,6 +13,8 @@ false gets the raw text as content. Training is unaffected: the recorded tokens 
   kimi                                  ◁think▷ ◁/think▷     as qwen3
   seed_oss                              <seed:think> ...     as qwen3
   mistral                               [THINK] [/THINK]     as qwen3 (Magistral, Ministral 3 Reasoning)
+  gemma4                                <|channel>thought    as qwen3 (Gemma 4 with enable_thinking: its template
+                                        ... <channel|>       opens no block in the prompt)
   gpt-oss                               harmony channels     the analysis messages are the reasoning (harmony.py)
 
 Where the block starts is read from the rendered prompt, not assumed per family: a chat template that ends the
@@ -122,6 +124,8 @@ _PARSERS = {
     "seed_oss": ReasoningParser("seed_oss", start="<seed:think>", end="</seed:think>", tool_start="<seed:tool_call>"),
     # Magistral, Ministral 3 Reasoning, Devstral with thinking: [THINK] ... [/THINK], then [TOOL_CALLS] or the answer
     "mistral": ReasoningParser("mistral", start="[THINK]", end="[/THINK]", tool_start="[TOOL_CALLS]"),
+    # Gemma 4: a "thought" channel; its tool-call opening ends one left open
+    "gemma4": ReasoningParser("gemma4", start="<|channel>thought", end="<channel|>", tool_start="<|tool_call>"),
     "gpt-oss": HarmonyReasoningParser("gpt-oss"),
 }
 

@@ -13,5 +13,5 @@
 # GPU), as DP 8 not (80 GiB). Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=()
 # Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): Gemma 4's own tool
-# calls (<|tool_call>call:f{...}<tool_call|>); no reasoning parser for its thinking format yet.
-TOOL_PARSER="${TOOL_PARSER:-gemma4}"; REASONING_PARSER="${REASONING_PARSER:-}"
+# calls (<|tool_call>call:f{...}<tool_call|>) and, with enable_thinking, thought channels (<|channel>thought ...).
+TOOL_PARSER="${TOOL_PARSER:-gemma4}"; REASONING_PARSER="${REASONING_PARSER:-gemma4}"

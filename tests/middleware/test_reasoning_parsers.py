@@ -43,6 +43,10 @@ def test_tool_call_opening_ends_an_unclosed_block():
     assert mistral.split("[THINK]x[/THINK]y", False) == Split("x", "y")
     assert mistral.split("[THINK]x[TOOL_CALLS]f[ARGS]{}", False) == Split("x", "[TOOL_CALLS]f[ARGS]{}")
     assert mistral.split("no block", False) == Split(None, "no block")
+    gemma4 = get_reasoning_parser("gemma4")  # Gemma 4: a "thought" channel (its newline is the channel's, not text)
+    assert gemma4.split("<|channel>thought\nx\n<channel|>y", False) == Split("x", "y")
+    assert gemma4.split("<|channel>thought\nx<|tool_call>call:f{}<tool_call|>", False) == \
+        Split("x", "<|tool_call>call:f{}<tool_call|>")
 
 
 def test_names():
@@ -55,6 +59,7 @@ def test_names():
 
 @pytest.mark.parametrize("parser", [QWEN3, get_reasoning_parser("kimi"), get_reasoning_parser("deepseek-r1"),
                                     get_reasoning_parser("seed_oss"), get_reasoning_parser("mistral"),
+                                    get_reasoning_parser("gemma4"),
                                     ReasoningParser("two-char", start="<<", end=">>", tool_start="@@")])
 def test_a_stream_only_ever_extends_what_it_gave_out(parser):
     """Cut a completion at every character: each partial split's reasoning and content extend the previous one's
