@@ -61,8 +61,9 @@ class Rule:
     tp: str = "rep"
     layers: str = "all"  # "dense" / "moe": only layers with a dense MLP / a MoE layer have it; "linear" / "full":
     # only Gated DeltaNet / full-attention layers of a hybrid model; "indexer": layers with their own DSA indexer;
-    # "local" / "global": only sliding-window / other layers of a model whose global layers differ (Gemma 4: two rules
-    # may name one Megatron tensor, each for its kind of layer)
+    # Gemma 4's kinds (_PER_KIND: several rules may name one Megatron tensor, each for its kind of layer): "local" /
+    # "global" (sliding-window layers or not), "local_own" / "global_own" (and with keys and values of their own),
+    # "kv_shared" / "kv_own" (reusing an earlier layer's keys and values, or not)
 
     @property
     def is_expert(self) -> bool:
@@ -634,7 +635,8 @@ class Bridge:
                 return kda[m.group(2)]
         d, h, g, n = cfg.hidden_size, cfg.head_dim, cfg.num_query_groups, cfg.num_attention_heads
         m = re.search(r"layers\.(\d+)\.self_attn\.", hf_name)
-        if cfg.per_layer_attention and m and int(m.group(1)) < cfg.num_layers and self.is_global_layer(int(m.group(1))):
+        if cfg.per_layer_attention and m and int(m.group(1)) < cfg.num_layers \
+                and self.is_global_layer(int(m.group(1))):
             h, g = cfg.global_kv_channels or h, cfg.global_num_query_groups or g  # Gemma 4's global layers
         m = re.search(r"layers\.(\d+)\.mlp\.", hf_name)
         if cfg.layer_ffn_sizes and m and int(m.group(1)) < cfg.num_layers:
