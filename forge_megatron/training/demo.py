@@ -54,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=None,
-                   help="RL learning rate (default 1e-3; 3e-4 with --arch olmo3 / olmo_hybrid / gemma3 / gemma4, whose norms "
-                        "after attention and MLP make these tiny models collapse at 1e-3: success 0.31 -> 0.00 over 40 "
-                        "steps; their gradients equal transformers')")
+                   help="RL learning rate (default 1e-3; 3e-4 with --arch olmo3 / olmo_hybrid / gemma3 / gemma4 / "
+                        "gemma4_e and --moe gemma4_moe, whose norms after attention and MLP make these tiny models "
+                        "collapse at 1e-3: success 0.31 -> 0.00 over 40 steps; their gradients equal transformers')")
     p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
                    choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32", "mistral4", "kimi_linear",
                             "gpt_oss", "minimax_m2", "gemma4_moe"],
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
                         "q/k RMSNorms over all heads); gemma4_moe: Gemma 4 26B-A4B's (--arch gemma4's layers with "
                         "routed experts beside the dense MLP in every layer)")
-    p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3", "gemma4"],
+    p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e"],
                    default="qwen2",
                    help="the dense model's layout: qwen2 (default); qwen3_5: the Qwen3.5 hybrid (Gated DeltaNet "
                         "linear-attention layers trained on prefix trees, every fourth layer, and the last, gated full "
@@ -87,7 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "10k on five of every six layers, base 1M on the others, tied embeddings); gemma4: the Gemma 4 "
                         "text layout (Gemma 3's with plain-weight norms and attention scaled by 1; every sixth layer, "
                         "and the last, global: twice the head size, half the key heads, values that are the keys, "
-                        "proportional RoPE; normed values, a scalar per layer, logits soft-capped at 30)")
+                        "proportional RoPE; normed values, a scalar per layer, logits soft-capped at 30); gemma4_e: "
+                        "Gemma 4 E2B / E4B's (every other layer global, per-layer inputs, the second half of the "
+                        "layers reusing the keys and values of the last of their kind before it, with double-wide "
+                        "MLPs; needs an even --num-layers of 4 or more)")
     p.add_argument("--agent-api", choices=calculator.APIS, default="chat",
                    help="how the calculator agent calls the model: chat completions (default) or the OpenAI "
                         "Responses API (Codex-style agents); the gateway records and trains both alike")
@@ -202,6 +205,10 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
                                  else "sliding_attention" for i in range(args.num_layers)])
         kind = ("Gemma 4 26B-A4B layout, 4 experts top-2 beside the dense MLP, " if args.moe else "Gemma 4: ") + \
             "global layers with their own heads (values = keys), proportional RoPE, soft-capped logits, "
+    if args.arch == "gemma4_e":
+        arch.update(sliding_window=32, final_logit_softcapping=30.0, num_kv_shared_layers=args.num_layers // 2,
+                    layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(args.num_layers)])
+        kind = "Gemma 4 E2B / E4B layout: per-layer inputs, KV shared by the second half of the layers, "
     print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
                             num_hidden_layers=args.num_layers, **arch)
@@ -364,9 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.moe and args.arch != "qwen2":
         raise SystemExit(f"--moe {args.moe} and --arch {args.arch}: the MoE layouts are their own architectures; "
                          "give one of the two")
+    if args.arch == "gemma4_e" and (args.num_layers < 4 or args.num_layers % 2):
+        raise SystemExit("--arch gemma4_e needs an even --num-layers of 4 or more (every other layer global, the "
+                         "second half reusing the keys and values of the first half's last two)")
     if args.lr is None:
-        args.lr = 3e-4 if args.arch in ("olmo3", "olmo_hybrid", "gemma3", "gemma4") or args.moe == "gemma4_moe" \
-            else 1e-3
+        args.lr = 3e-4 if args.arch in ("olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e") \
+            or args.moe == "gemma4_moe" else 1e-3
     start = time.time()
     if os.path.isdir(args.out):
         shutil.rmtree(args.out)  # idempotent: every run starts from scratch
