@@ -205,7 +205,7 @@ class GPTConfig:
                                  "needs standard attention, or multi-latent attention without RoPE in any layer)")
         if self.post_norm and (self.add_bias_linear or self.multi_latent_attention or
                                (self.hybrid and not self.linear_pre_norm)):
-            raise ValueError("post_norm (norms after attention and MLP: OLMo, Gemma 3) is supported with standard "
+            raise ValueError("post_norm (norms after attention and MLP: OLMo, Gemma 3 / 4) is supported with standard "
                              "attention and no linear biases (and, in a hybrid model, pre-norm Gated DeltaNet "
                              "layers: linear_pre_norm)")
         if not self.pre_norm and not self.post_norm:
@@ -501,7 +501,7 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
     spec = pre_norm = _layer_spec(cfg, use_te, vp_stage)
     if cfg.post_norm:
         if use_te:
-            raise ValueError("post-norm models (OLMo 2 / 3, Gemma 3) build with the local spec: Transformer "
+            raise ValueError("post-norm models (OLMo 2 / 3, Gemma 3 / 4) build with the local spec: Transformer "
                              "Engine's fuses the input norms into the projections")
         from forge_megatron.mcore.post_norm import post_norm_spec
 

@@ -768,11 +768,17 @@ class _G4Bare(str):
     """A value Gemma 4 wrote without string delimiters (a number, true / false / null, or a bare word)."""
 
 
+def _g4_skip(text: str, i: int) -> int:
+    """The index of the first non-blank character of ``text`` from ``i``."""
+    while i < len(text) and text[i] in " \n\t":
+        i += 1
+    return i
+
+
 def _g4_value(text: str, i: int) -> tuple[object, int]:
     """(value, index after it) of the Gemma 4 value starting at ``text[i]``: a delimited string, an object, an
     array, or a bare token (:class:`_G4Bare`, typed by the caller)."""
-    while i < len(text) and text[i] in " \n\t":
-        i += 1
+    i = _g4_skip(text, i)
     if text.startswith(_G4_QUOTE, i):
         end = text.find(_G4_QUOTE, i + len(_G4_QUOTE))
         if end < 0:
@@ -783,8 +789,7 @@ def _g4_value(text: str, i: int) -> tuple[object, int]:
     if text.startswith("[", i):
         items, i = [], i + 1
         while True:
-            while i < len(text) and text[i] in " \n\t":
-                i += 1
+            i = _g4_skip(text, i)
             if text.startswith("]", i):
                 return [_g4_plain(v) for v in items], i + 1
             if items:
@@ -807,8 +812,7 @@ def _g4_object(text: str, i: int) -> tuple[dict, int]:
     stay :class:`_G4Bare` at this level (nested ones are read as JSON literals or kept as text)."""
     out, i = {}, i + 1
     while True:
-        while i < len(text) and text[i] in " \n\t":
-            i += 1
+        i = _g4_skip(text, i)
         if text.startswith("}", i):
             return out, i + 1
         if out:
