@@ -63,6 +63,7 @@ class TreePackedSeqParams(PackedSeqParams):
         sub_end: int32 [T], exclusive end of each token's subtree in DFS order (the whole mask).
         position_ids: int64 [T], depth of each token (its RoPE position).
         backend: tree-attention backend name passed to the dispatcher (None = its default choice).
+        vision: for a tree with images, this rank's :class:`~forge_megatron.mcore.vision.VisionShard` (mcore/vision.py).
     ``max_seqlen_q``/``max_seqlen_kv`` are max depth + 1 (the longest sample), which is the rotary table
     length Megatron asks for. Under context parallelism (CP = C) ``sub_end`` covers the whole tree padded to a
     multiple of C and ``position_ids`` only this rank's T_pad / C tokens.
@@ -71,6 +72,7 @@ class TreePackedSeqParams(PackedSeqParams):
     sub_end: torch.Tensor = None
     position_ids: torch.Tensor = None
     backend: str | None = None
+    vision: object = None
 
     def __post_init__(self):
         if self.sub_end is None or self.position_ids is None:
@@ -101,9 +103,14 @@ def tree_packed_seq_params(layout, backend: str | None = None, device=None,
     if multiple > 1:
         position_ids_T = take_shard(pad_zeros(position_ids_T, multiple), cp, rank, multiple)
         sub_end_T = pad_sub_end(sub_end_T, multiple)
+    vision = None
+    if getattr(layout, "vision", None) is not None:
+        from forge_megatron.mcore.vision import VisionShard
+
+        vision = VisionShard.of(layout.vision, device, multiple)
     return TreePackedSeqParams(
         qkv_format="sbhd", max_seqlen_q=longest, max_seqlen_kv=longest,
-        sub_end=sub_end_T, position_ids=position_ids_T, backend=backend,
+        sub_end=sub_end_T, position_ids=position_ids_T, backend=backend, vision=vision,
     )
 
 

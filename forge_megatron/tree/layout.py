@@ -31,6 +31,8 @@ class TreeLayout:
         sub_end: int32 [T], exclusive end of the subtree rooted at every tree token.
         sample_offsets: int64 [S+1], cumulative sample lengths.
         sample_nodes: int64 [P], tree index of every token of every sample, samples concatenated.
+        vision: for samples with images, the tree's :class:`~forge_megatron.multimodal.tree.VisionTree` (the images,
+            each tree token's feature row and mRoPE positions); None for text.
     """
 
     tokens: torch.Tensor
@@ -38,6 +40,7 @@ class TreeLayout:
     sub_end: torch.Tensor
     sample_offsets: torch.Tensor
     sample_nodes: torch.Tensor
+    vision: object = None
 
     @property
     def num_samples(self) -> int:
@@ -103,11 +106,19 @@ class TreeLayout:
             position_ids=torch.cat([self.position_ids, self.position_ids.new_zeros(extra)]),
             sub_end=torch.cat([self.sub_end, torch.arange(T + 1, length + 1, dtype=self.sub_end.dtype,
                                                           device=self.sub_end.device)]),
-            sample_offsets=self.sample_offsets, sample_nodes=self.sample_nodes)
+            sample_offsets=self.sample_offsets, sample_nodes=self.sample_nodes,
+            vision=None if self.vision is None else self.vision.padded(length))
+
+    def with_tokens(self, tokens: torch.Tensor, vision=None) -> "TreeLayout":
+        """This forest with other token ids (the same shape) and ``vision``: a tree built on keys standing for tokens
+        (multimodal/tree.py) given back its token ids."""
+        if tokens.shape != self.tokens.shape:
+            raise ValueError(f"tokens of shape {tuple(tokens.shape)} for a forest of {self.unique_tokens}")
+        return TreeLayout(tokens, self.position_ids, self.sub_end, self.sample_offsets, self.sample_nodes, vision)
 
     def to(self, device) -> "TreeLayout":
         """A copy with every array on ``device``."""
-        return TreeLayout(*(getattr(self, f).to(device) for f in _FIELDS))
+        return TreeLayout(*(getattr(self, f).to(device) for f in _FIELDS), vision=self.vision)
 
 
 _FIELDS = ("tokens", "position_ids", "sub_end", "sample_offsets", "sample_nodes")

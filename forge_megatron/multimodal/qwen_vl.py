@@ -1,0 +1,179 @@
+"""Qwen3-VL's (and Qwen3.5's) multimodal language-model inputs: image tokens, 3-D mRoPE positions, the vision tower.
+
+A vision-language sample is a token sequence in which every image is a run of ``image_token_id`` tokens (one per
+merged patch: ``t * h * w / merge^2`` for an image of grid ``(t, h, w)`` patches) between the text tokens its chat
+template writes around it (``<|vision_start|>`` / ``<|vision_end|>``). The language model sees:
+
+- the vision tower's merged patch features in place of the image tokens' embeddings (and, on Qwen3-VL, DeepStack:
+  the features of some of the tower's blocks added to the hidden states after the first language-model layers, at
+  the image tokens);
+- multimodal RoPE: each token has three positions (time, height, width). A text token sits at ``p`` on all three
+  axes (so text alone is plain RoPE); an image starting at position ``p`` puts its token (i, j) at
+  ``(p, p + i, p + j)``, and the text after it goes on from ``p + max(h, w) / merge``. The rotary angle of frequency
+  ``k`` takes one axis's position: with ``mrope_interleaved`` (Qwen3-VL, Qwen3.5) frequency k uses axis 1 when
+  ``k % 3 == 1 and k < 3 * section[1]``, axis 2 when ``k % 3 == 2 and k < 3 * section[2]``, else axis 0; without it
+  (Qwen2-VL's layout) the first ``section[0]`` frequencies use axis 0, the next ``section[1]`` axis 1, then axis 2.
+
+These are the rules of transformers' ``Qwen3VLModel.get_rope_index`` and ``Qwen3VLTextRotaryEmbedding`` (transformers
+5.24), which the tests compare with; a token's positions depend only on the tokens before it, so a prefix shared by
+several samples has the same positions in each, and the prefix tree (multimodal/tree.py) holds them per tree token.
+
+Legend: L = tokens of one sample, T = tokens, I = images, D = rotary dim, N = image tokens, H = hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# vision-language checkpoints whose image inputs this module handles, by their HF ``model_type``
+_QWEN_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the language model needs to know of a checkpoint's images (read off its HF config by :func:`vision_spec`)."""
+
+    image_token_id: int
+    merge: int  # spatial_merge_size: merge x merge patches make one image token
+    mrope_section: tuple[int, int, int]  # rotary frequencies per axis (time, height, width); they sum to D / 2
+    interleaved: bool  # mrope_interleaved (Qwen3-VL, Qwen3.5) or contiguous sections (Qwen2-VL's layout)
+    deepstack_layers: int  # language-model layers (the first ones) that get DeepStack features added
+    vision_prefix: str = "model.visual."  # the tower's tensors in the checkpoint
+
+    def tokens_per_image(self, grid_thw) -> int:
+        t, h, w = (int(x) for x in grid_thw)
+        if h % self.merge or w % self.merge:
+            raise ValueError(f"image grid {tuple(grid_thw)} is not a multiple of the merge size {self.merge}")
+        return t * h * w // (self.merge * self.merge)
+
+
+def vision_spec(hf_config: dict) -> VisionSpec:
+    """The :class:`VisionSpec` of a vision-language checkpoint's config (dict); ValueError naming the model when its
+    images are not supported (only Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 as released so far)."""
+    text = hf_config.get("text_config") or {}
+    vision = hf_config.get("vision_config") or {}
+    kind = hf_config.get("model_type")
+    arch = (hf_config.get("architectures") or ["?"])[0]
+    if kind not in _QWEN_VL_TYPES or not vision or "image_token_id" not in hf_config:
+        raise ValueError(f"{arch}: training on images is supported for Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 "
+                         "vision-language checkpoints only (text-only RL works for the others)")
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section")
+    if not section or len(section) != 3:
+        raise ValueError(f"{arch}: its text_config has no 3-part mrope_section ({rope!r})")
+    indexes = vision.get("deepstack_visual_indexes") or ()
+    return VisionSpec(image_token_id=int(hf_config["image_token_id"]), merge=int(vision.get("spatial_merge_size", 2)),
+                      mrope_section=tuple(int(s) for s in section),
+                      interleaved=bool(rope.get("mrope_interleaved", False)), deepstack_layers=len(indexes))
+
+
+def image_runs(tokens_L: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
+    """(start, end) of every maximal run of image tokens in one sample."""
+    is_image = np.concatenate([[False], np.asarray(tokens_L) == image_token_id, [False]])
+    edges = np.flatnonzero(is_image[1:] != is_image[:-1])
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def split_runs(tokens_L: np.ndarray, grids: list, spec: VisionSpec) -> list[tuple[int, int]]:
+    """(start, end) of each image's tokens in one sample, in order; ValueError when the image tokens do not add up to
+    ``grids`` (adjacent images form one run and are split by their token counts)."""
+    counts = [spec.tokens_per_image(g) for g in grids]
+    spans, k = [], 0
+    for start, end in image_runs(tokens_L, spec.image_token_id):
+        while start < end:
+            if k == len(counts) or start + counts[k] > end:
+                raise ValueError(f"image tokens at {start}..{end} do not match the sample's images (tokens per "
+                                 f"image {counts})")
+            spans.append((start, start + counts[k]))
+            start += counts[k]
+            k += 1
+    if k != len(counts):
+        raise ValueError(f"the sample has {len(counts)} image(s) but image tokens for {k}")
+    return spans
+
+
+def positions_3d(tokens_L, grids: list, spec: VisionSpec) -> np.ndarray:
+    """int64 [L, 3] (time, height, width) mRoPE positions of one sample with images of ``grids`` (t, h, w patches)."""
+    tokens_L = np.asarray(tokens_L)
+    out = np.empty((tokens_L.size, 3), dtype=np.int64)
+    pos, cursor = 0, 0
+    for (start, end), grid in zip(split_runs(tokens_L, grids, spec), grids):
+        n = start - cursor  # the text before the image
+        out[cursor:start] = (pos + np.arange(n))[:, None]
+        pos += n
+        t, h, w = int(grid[0]), int(grid[1]) // spec.merge, int(grid[2]) // spec.merge
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        out[start:end] = pos + np.stack([tt.ravel(), hh.ravel(), ww.ravel()], axis=1)
+        pos += max(h, w)
+        cursor = end
+    out[cursor:] = (pos + np.arange(tokens_L.size - cursor))[:, None]
+    return out
+
+
+def axis_of_frequency(half_dim: int, spec: VisionSpec) -> torch.Tensor:
+    """int64 [D / 2]: which position axis each rotary frequency takes."""
+    if sum(spec.mrope_section) != half_dim:
+        raise ValueError(f"mrope_section {spec.mrope_section} does not add up to the {half_dim} rotary frequencies")
+    axis = torch.zeros(half_dim, dtype=torch.int64)
+    if spec.interleaved:
+        for a in (1, 2):
+            axis[a:3 * spec.mrope_section[a]:3] = a
+    else:
+        axis[spec.mrope_section[0]:spec.mrope_section[0] + spec.mrope_section[1]] = 1
+        axis[spec.mrope_section[0] + spec.mrope_section[1]:] = 2
+    return axis
+
+
+def mrope_angles(rotary, positions_T3: torch.Tensor, spec: VisionSpec) -> torch.Tensor:
+    """The rotary table [T, 1, 1, D] Megatron's attention takes, for tokens at 3-D ``positions_T3``: what
+    ``RotaryEmbedding.get_emb`` makes for 1-D positions, each frequency taking its own axis's position."""
+    inv_freq = rotary.inv_freq
+    axis = axis_of_frequency(inv_freq.numel(), spec).to(inv_freq.device)
+    pos = positions_T3.to(device=inv_freq.device, dtype=inv_freq.dtype)
+    if getattr(rotary, "seq_len_interpolation_factor", None) is not None:
+        pos = pos / rotary.seq_len_interpolation_factor
+    freqs = pos.gather(1, axis[None].expand(pos.shape[0], -1)) * inv_freq  # [T, D / 2]
+    if getattr(rotary, "rotary_interleaved", False):
+        emb = torch.stack((freqs, freqs), dim=-1).reshape(freqs.shape[0], -1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]
+
+
+# ------------------------------------------------------------------------------------------------ vision tower
+def load_vision_tower(hf_dir: str, spec: VisionSpec | None = None, dtype: torch.dtype | None = None, device=None):
+    """The checkpoint's vision tower as a frozen transformers module (``AutoModel`` of its ``vision_config``) with the
+    checkpoint's weights; in eval mode, no gradients. Read from local files only."""
+    import transformers
+
+    from forge_megatron.convert.checkpoint import HFReader
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    prefix = (spec or vision_spec(config.to_dict())).vision_prefix
+    tower = transformers.AutoModel.from_config(config.vision_config)
+    reader = HFReader(hf_dir)
+    names = [n for n in reader.names() if n.startswith(prefix)]
+    if not names:
+        raise ValueError(f"{hf_dir!r} has no {prefix}* tensors: not a vision-language checkpoint's vision tower")
+    state = {n[len(prefix):]: t for n, t in reader.get(names).items()}
+    missing, unexpected = tower.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m not in dict(tower.named_buffers())]  # non-persistent buffers
+    if missing or unexpected:
+        raise ValueError(f"{hf_dir!r}: the vision tower does not fit its config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    tower = tower.to(device=device, dtype=dtype).eval()
+    tower.requires_grad_(False)
+    return tower
+
+
+@torch.no_grad()
+def encode_images(tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """Merged patch features [N, H] of the images (concatenated in order) and the DeepStack features (a list of
+    [N, H], one per DeepStack layer; empty for towers without)."""
+    param = next(tower.parameters())
+    out = tower(pixel_values.to(device=param.device, dtype=param.dtype), grid_thw=grid_thw.to(param.device),
+                return_dict=True)
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
