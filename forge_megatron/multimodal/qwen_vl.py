@@ -84,9 +84,11 @@ def split_runs(tokens_L: np.ndarray, grids: list, spec: VisionSpec) -> list[tupl
     spans, k = [], 0
     for start, end in image_runs(tokens_L, spec.image_token_id):
         while start < end:
-            if k == len(counts) or start + counts[k] > end:
-                raise ValueError(f"image tokens at {start}..{end} do not match the sample's images (tokens per "
-                                 f"image {counts})")
+            if k == len(counts):
+                raise ValueError(f"image tokens at {start}..{end} beyond the sample's {len(counts)} image(s)")
+            if start + counts[k] > end:
+                raise ValueError(f"image tokens at {start}..{end} do not match the sample's images (image {k} has "
+                                 f"{counts[k]} tokens)")
             spans.append((start, start + counts[k]))
             start += counts[k]
             k += 1
