@@ -60,6 +60,7 @@ class TrainSample:
     domain: str
     reward: float
     routed_experts: np.ndarray | None = None  # int8/int16 [L, layers, topk] (routing replay), -1: not recorded
+    images: list | None = None  # multimodal.ImageInput per run of image tokens, in order (vision-language models)
 
 
 @dataclass
@@ -72,7 +73,8 @@ class TrainBatch:
     @property
     def num_bytes(self) -> int:
         return sum(getattr(s, name).nbytes for s in self.samples for name, _ in TOKEN_FIELDS) + \
-            sum(s.routed_experts.nbytes for s in self.samples if s.routed_experts is not None)
+            sum(s.routed_experts.nbytes for s in self.samples if s.routed_experts is not None) + \
+            sum(im.pixel_values.nbytes for s in self.samples for im in s.images or ())
 
 
 def episode_outcome(episode: Episode, task_metadata: dict | None = None):

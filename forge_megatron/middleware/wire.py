@@ -145,6 +145,46 @@ def _take_routing(meta: dict, arrays: list[np.ndarray], total: int, where: str):
     return arrays[:-1], arrays[-1].reshape(total, *shape)
 
 
+def _image_frame(samples: list, meta: dict) -> list[np.ndarray]:
+    """[] when no sample has images; else one flat float32 frame of every image's pixel values (samples in order,
+    each sample's images in order) and ``meta["images"]``: per image [sample, t, h, w, features] (its
+    multimodal.ImageInput: patches t * h * w of ``features`` values each)."""
+    table, frames = [], []
+    for i, s in enumerate(samples):
+        for image in getattr(s, "images", None) or ():
+            pv = np.asarray(image.pixel_values, dtype=np.float32)
+            table.append([i, *(int(x) for x in image.grid_thw), int(pv.shape[1])])
+            frames.append(pv.reshape(-1))
+    if not table:
+        return []
+    meta["images"] = table
+    return [np.ascontiguousarray(np.concatenate(frames))]
+
+
+def _take_images(meta: dict, arrays: list[np.ndarray], samples: int, where: str):
+    """(the other arrays, per sample its ImageInput list or None): splits off the image frame."""
+    table = meta.pop("images", None)
+    if table is None:
+        return arrays, [None] * samples
+    from forge_megatron.multimodal.tree import ImageInput
+
+    ok = isinstance(table, list) and all(isinstance(r, list) and len(r) == 5 and all(isinstance(x, int) for x in r)
+                                         and 0 <= r[0] < samples and min(r[1:]) > 0 for r in table)
+    if not ok:
+        raise WireError(f"{where} field 'images' must be [sample, t, h, w, features] rows (positive ints, samples "
+                        f"below {samples})")
+    sizes = [r[1] * r[2] * r[3] * r[4] for r in table]
+    if not arrays or arrays[-1].dtype != np.float32 or arrays[-1].size != sum(sizes):
+        raise WireError(f"{where} images need float32[{sum(sizes)}] pixel values as the last array")
+    images: list = [None] * samples
+    start = 0
+    for r, n in zip(table, sizes):
+        pv = arrays[-1][start:start + n].reshape(r[1] * r[2] * r[3], r[4])
+        images[r[0]] = (images[r[0]] or []) + [ImageInput(pv, (r[1], r[2], r[3]))]
+        start += n
+    return arrays[:-1], images
+
+
 def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]:
     meta = {f.name: getattr(episode, f.name) for f in dataclasses.fields(Episode) if f.name != "segments"}
     meta["schema_version"] = SCHEMA_VERSION
@@ -206,6 +246,7 @@ def batch_to_wire(batch: TrainBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
     meta = {"batch_id": batch.batch_id, "group_indices": batch.group_indices, "metrics": batch.metrics,
             "samples": samples}
     arrays += _routing_frame([(s.routed_experts, s.tokens.shape[0]) for s in batch.samples], meta, "batch")
+    arrays += _image_frame(batch.samples, meta)
     return meta, arrays
 
 
@@ -219,13 +260,14 @@ def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatc
         raise WireError(f"batch samples must be maps with the keys {sorted(keys)}")
     lengths = _lengths({"lengths": [s["length"] for s in samples_meta]}, "lengths", "batch")
     meta = dict(meta)
+    arrays, images = _take_images(meta, arrays, len(samples_meta), "batch")
     arrays, routed_T = _take_routing(meta, arrays, sum(lengths), "batch")
     parts = _split(arrays, lengths, TOKEN_FIELDS, "batch")
     bounds = np.cumsum([0] + lengths)
     samples = [
         TrainSample(**{name: a for (name, _), a in zip(TOKEN_FIELDS, part)}, **{k: s[k] for k in _SAMPLE_KEYS},
-                    routed_experts=None if routed_T is None else routed_T[lo:hi])
-        for part, s, lo, hi in zip(parts, samples_meta, bounds[:-1], bounds[1:])
+                    routed_experts=None if routed_T is None else routed_T[lo:hi], images=ims)
+        for part, s, lo, hi, ims in zip(parts, samples_meta, bounds[:-1], bounds[1:], images)
     ]
     return TrainBatch(batch_id=field(meta, "batch_id", int, "batch"), samples=samples,
                       group_indices=field(meta, "group_indices", list, "batch"),

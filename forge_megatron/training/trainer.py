@@ -69,14 +69,32 @@ def _targets(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr[1:]))
 
 
-def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = False, split: bool = False):
+def _images_of(samples: list) -> list | None:
+    """Every sample's images (``TrainSample.images``), or None when no sample has any."""
+    images = [getattr(s, "images", None) or [] for s in samples]
+    return images if any(images) else None
+
+
+def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = False, split: bool = False,
+                   vision=None):
     """One ``TreeMicroBatch``: the prefix forest of ``samples`` and their per-target loss inputs (and, with
     ``routing_replay``, the tree tokens' recorded experts: mcore/routing_replay.py; ``split`` merges prefixes only
-    where the recorded experts agree)."""
+    where the recorded experts agree). Samples with images (``TrainSample.images``) need the model's ``vision``
+    spec (multimodal.VisionSpec): the tree merges them only where their images agree too (multimodal/tree.py)."""
     from forge_megatron.mcore.forward import TreeMicroBatch
     from forge_megatron.tree import build_tree
 
-    if routing_replay and split:
+    images = _images_of(samples)
+    if images is not None:
+        if vision is None:
+            raise ValueError("samples with images, but the model takes none (training on images is supported for "
+                             "Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 vision-language checkpoints)")
+        if routing_replay and split:
+            raise ValueError("--routing-replay-split with images is not supported: merge by tokens and images")
+        from forge_megatron.multimodal import build_vision_tree
+
+        layout = build_vision_tree([s.tokens.astype(np.int64) for s in samples], images, vision)
+    elif routing_replay and split:
         from forge_megatron.mcore.routing_replay import split_tree
 
         layout = split_tree([s.tokens for s in samples], [getattr(s, "routed_experts", None) for s in samples])
@@ -102,7 +120,8 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
 
 def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: int, domains: list[str],
                balance: str = "cost", hidden_size: int = 1, interleaved_pp: int | None = None,
-               routing_replay: bool = False, routing_split: bool = False, overlong: str = "drop") -> RankBatch:
+               routing_replay: bool = False, routing_split: bool = False, overlong: str = "drop",
+               vision=None) -> RankBatch:
     """Split a pool batch over DP ranks by group and pack this rank's share into micro-batches.
 
     ``balance``: ``cost`` gives each DP rank groups of near-equal estimated compute (:mod:`training.balance`, with
@@ -154,12 +173,17 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
             from forge_megatron.mcore.routing_replay import routing_keys
 
             seqs = routing_keys(seqs, [getattr(s, "routed_experts", None) for s in samples])
+        elif vision is not None and _images_of(samples) is not None:  # likewise: images merge only when equal
+            from forge_megatron.multimodal.tree import sample_keys
+
+            seqs = sample_keys(seqs, _images_of(samples), vision)[0]
         parts = pack_micro_batches(seqs, token_budget, keys=[s.group_index for s in samples])
     else:
         parts = [[i] for i in range(len(samples))]
     if interleaved_pp:
         parts = split_to_multiple(parts, interleaved_pp, batch.batch_id)
-    mbs = [micro_batch_of([samples[i] for i in part], domains, routing_replay, routing_split) for part in parts]
+    mbs = [micro_batch_of([samples[i] for i in part], domains, routing_replay, routing_split, vision)
+           for part in parts]
     if interleaved_pp and interleaved_needs_fixed_length(interleaved_pp):
         length = max(mb.layout.unique_tokens for mb in mbs)
         for mb in mbs:
@@ -338,6 +362,7 @@ class Trainer:
             routing_replay.install(self.chunks)
             if self.ref_chunks is not None:  # the reference scores the sampled tokens through the same experts
                 routing_replay.install(self.ref_chunks)
+        self.vision_spec = self._install_vision()
         self.iteration, self.policy_version, self.last_batch_id = 0, 0, None
         self.params_gathered = True  # False between an optimizer step and the all-gather --overlap-param-gather defers
         self.saved_at: int | None = None  # the iteration of the newest checkpoint this run wrote or resumed from
@@ -367,6 +392,40 @@ class Trainer:
         self._resume_or_init()
 
     # -- set-up ------------------------------------------------------------------------------------------
+    def _install_vision(self):
+        """A vision-language checkpoint whose images the trainer takes (multimodal/qwen_vl.py): the model chunks (and
+        the reference's) put the images' features and mRoPE positions into their forward (mcore/vision.py); the
+        frozen vision tower is loaded on the first micro-batch with images. None (samples with images are refused)
+        for a text model or another vision-language family."""
+        if not self.bridge.family.multimodal:
+            return None
+        from forge_megatron.multimodal import vision_spec
+
+        try:
+            spec = vision_spec(self.bridge.hf_config)
+        except ValueError as e:
+            self._log(f"note: {e}; samples with images will be refused")
+            return None
+        from forge_megatron.mcore import vision
+        from forge_megatron.weight_sync.gather import unwrap
+
+        tower = {}
+
+        def load():
+            if "module" not in tower:
+                from forge_megatron.multimodal import load_vision_tower
+
+                param = next(unwrap(self.chunks[0]).parameters())
+                tower["module"] = load_vision_tower(self.args.hf_checkpoint, spec, dtype=param.dtype,
+                                                    device=param.device)
+                self._log(f"vision tower of {self.args.hf_checkpoint} loaded (frozen, "
+                          f"{sum(p.numel() for p in tower['module'].parameters()) / 1e6:.1f}M parameters)")
+            return tower["module"]
+
+        for chunk in [*self.chunks, *(self.ref_chunks or [])]:
+            vision.install(unwrap(chunk), spec, load)
+        return spec
+
     def _log_memory_plan(self) -> None:
         """What forge-plan says this layout puts on each GPU (parameters exactly, memory roughly), in the log."""
         from forge_megatron.training import plan
@@ -559,7 +618,7 @@ class Trainer:
                         interleaved_pp=self.pp_size if len(self.chunks) > 1 else None,
                         routing_replay=getattr(self.args, "routing_replay", False),
                         routing_split=getattr(self.args, "routing_replay_split", False),
-                        overlong=getattr(self.args, "overlong_samples", "drop"))
+                        overlong=getattr(self.args, "overlong_samples", "drop"), vision=self.vision_spec)
         for chunk in self.ddp:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -87,7 +87,7 @@ def hf_logprobs(model, samples, images):
     return torch.cat(out)
 
 
-def _tree_model(hf_dir, sequence_parallel=False):
+def _tree_model(hf_dir, sequence_parallel=False, **extra):
     from forge_megatron.bridge import Bridge
     from forge_megatron.mcore import vision
     from forge_megatron.mcore.tree_attention import build_tree_gpt
@@ -97,7 +97,9 @@ def _tree_model(hf_dir, sequence_parallel=False):
     bridge = Bridge(hf_dir)
     cfg = bridge.cfg
     if sequence_parallel:
-        cfg = dataclasses.replace(cfg, extra={**cfg.extra, "sequence_parallel": True})
+        extra["sequence_parallel"] = True
+    if extra:
+        cfg = dataclasses.replace(cfg, extra={**cfg.extra, **extra})
     model = build_tree_gpt(cfg)
     load_hf_weights([model], bridge, hf_dir)
     spec = vision_spec(bridge.hf_config)
@@ -160,6 +162,39 @@ def _parallel_body(rank, world_size, hf_dir, sequence_parallel):
         out = model(**tree_model_inputs(layout, multiple=multiple))
         logp, _ = logprobs_from_logits(out, layout, output_weight=captured["weight"], multiple=multiple)
     return logp
+
+
+def train_samples(samples, images):
+    """The trainer's view of the samples (what the pool delivers), images attached."""
+    from forge_megatron.middleware.batch import TrainSample
+
+    n = [len(t) for t in samples]
+    return [TrainSample(tokens=np.asarray(t, np.int32), loss_mask=np.ones(k, np.uint8),
+                        rollout_logprobs=np.zeros(k, np.float32), policy_versions=np.zeros(k, np.int32),
+                        advantages=np.ones(k, np.float32), sample_weight=1.0, group_index=i // 3, episode_id=str(i),
+                        domain="vision", reward=0.0, images=ims or None)
+            for i, (t, ims, k) in enumerate(zip(samples, images, n))]
+
+
+def _pp_body(rank, world_size, hf_dir):
+    """The trainer's micro-batches (training.trainer.micro_batch_of) through Megatron's pipeline schedule, PP2: the
+    first stage puts the features in and adds DeepStack's (layer 0), both stages rotate by mRoPE."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from forge_megatron.mcore.forward import make_tree_forward_step
+    from forge_megatron.training.trainer import micro_batch_of
+
+    samples, images = batch()
+    _, model, spec, calls = _tree_model(hf_dir, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    ts = train_samples(samples, images)
+    mbs = [micro_batch_of(ts[:3], ["vision"], vision=spec), micro_batch_of(ts[3:], ["vision"], vision=spec)]
+    out = get_forward_backward_func()(
+        forward_step_func=make_tree_forward_step(lambda logp, ent, mb: (logp.sum() * 0, {"logp": logp.detach()})),
+        data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs), seq_length=1, micro_batch_size=1,
+        forward_only=True)
+    logp = torch.cat([o["logp"] for o in out]) if ps.is_pipeline_last_stage() else None
+    return logp, len(calls)
 
 
 @pytest.fixture(scope="module")
@@ -306,3 +341,53 @@ def test_tree_with_images_under_tp_sp_and_cp(vl_dirs, hf_reference, parallel, sp
     want = hf_reference["qwen3_vl"][0]
     for logp in out:
         assert (logp - want).abs().max().item() <= LOGP_ATOL
+
+
+def test_trainer_micro_batches_with_images_under_pp2(vl_dirs, hf_reference):
+    out = run_distributed(_pp_body, world_size=2, parallel=ParallelConfig(pp=2), hf_dir=vl_dirs["qwen3_vl"],
+                          timeout_s=600)
+    (first, first_calls), (last, _) = out
+    assert first is None and first_calls == 2  # the first stage encodes each micro-batch's images once
+    assert (last - hf_reference["qwen3_vl"][0]).abs().max().item() <= LOGP_ATOL
+
+
+def test_batch_with_images_over_the_wire(vl_dirs):
+    """The trainer broadcasts the pool's batch in the wire format: images travel with their samples."""
+    from forge_megatron.middleware.batch import TrainBatch
+    from forge_megatron.middleware.wire import WireError, batch_from_wire, batch_to_wire, pack, unpack
+    from forge_megatron.multimodal.tree import ImageInput
+
+    samples, images = batch()
+    sent = TrainBatch(batch_id=3, samples=train_samples(samples, images), group_indices=[0, 1], metrics={})
+    meta, arrays = batch_to_wire(sent)
+    got = batch_from_wire(*unpack([bytes(memoryview(f)) for f in pack(meta, arrays)], max_bytes=1 << 30))
+    assert sent.num_bytes == got.num_bytes
+    for a, b in zip(sent.samples, got.samples):
+        assert [i.digest for i in a.images or ()] == [i.digest for i in b.images or ()]
+        assert all(isinstance(i, ImageInput) for i in b.images or ())
+    assert got.samples[5].images is None and len(got.samples[3].images) == 2
+    bad = dict(meta, images=[[0, 1, 4, 4, FEATURES + 1]] + meta["images"][1:])
+    with pytest.raises(WireError, match="pixel values as the last array"):
+        batch_from_wire(bad, arrays)
+    with pytest.raises(WireError, match="samples below 6"):
+        batch_from_wire(dict(meta, images=[[9, 1, 4, 4, FEATURES]]), arrays)
+
+
+def test_rank_batch_packs_and_merges_by_images(vl_dirs):
+    from forge_megatron.bridge.families import load_hf_config
+    from forge_megatron.middleware.batch import TrainBatch
+    from forge_megatron.multimodal import build_vision_tree, vision_spec
+    from forge_megatron.training.trainer import rank_batch
+
+    spec = vision_spec(load_hf_config(vl_dirs["qwen3_vl"]))
+    samples, images = batch()
+    tb = TrainBatch(batch_id=0, samples=train_samples(samples, images), group_indices=[0, 1], metrics={})
+    rb = rank_batch(tb, 4096, True, 0, 1, [], hidden_size=8, vision=spec)
+    assert [mb.layout.unique_tokens for mb in rb.micro_batches] == [build_vision_tree(samples, images, spec).unique_tokens]
+    # a budget the trees fit only when counted with their images' keys (by ids alone samples 0 and 4 are one)
+    budget = 27
+    rb = rank_batch(tb, budget, True, 0, 1, [], hidden_size=8, vision=spec)
+    assert len(rb.micro_batches) > 1 and all(mb.layout.vision is not None for mb in rb.micro_batches)
+    assert max(mb.layout.unique_tokens for mb in rb.micro_batches) <= budget
+    with pytest.raises(ValueError, match="samples with images, but the model takes none"):
+        rank_batch(tb, 4096, True, 0, 1, [], hidden_size=8)
