@@ -31,6 +31,11 @@ SPECIAL_TOKENS = (
     "<tool_response>",
     "</tool_response>",
 )
+# a vision-language tokenizer's image tokens (Qwen-VL's names), added after the BPE vocabulary (build_tiny_tokenizer)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+# the tiny image processor: 4 x 4 patches, 2 x 2 merged per token, images of 8 x 8 to 32 x 32 pixels (1 to 16 tokens)
+TINY_IMAGE_PROCESSOR = dict(patch_size=4, temporal_patch_size=2, merge_size=2,
+                            size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32})
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
@@ -100,10 +105,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer(out_dir: str | None = None, vocab_size: int = 400):
+def build_tiny_tokenizer(out_dir: str | None = None, vocab_size: int = 400, vision: bool = False):
     """Train the byte-level BPE on the built-in corpus; save it to ``out_dir`` (if given) and return it.
 
-    Returns a ``transformers.PreTrainedTokenizerFast`` with eos ``<|im_end|>`` and pad ``<|endoftext|>``.
+    Returns a ``transformers.PreTrainedTokenizerFast`` with eos ``<|im_end|>`` and pad ``<|endoftext|>``; with
+    ``vision`` also the image tokens :data:`VISION_TOKENS` (special tokens after the BPE vocabulary).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -124,7 +130,7 @@ def build_tiny_tokenizer(out_dir: str | None = None, vocab_size: int = 400):
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=list(SPECIAL_TOKENS[3:]),
+        additional_special_tokens=list(SPECIAL_TOKENS[3:]) + (list(VISION_TOKENS) if vision else []),
         model_max_length=2048,
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -387,8 +393,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
 
 
 def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_embeddings: bool = False,
-                     with_tokenizer: bool = True, **overrides) -> str:
+                     with_tokenizer: bool = True, images: bool = False, **overrides) -> str:
     """Write config.json + model.safetensors (+ the tiny tokenizer) of a random tiny causal LM to ``out_dir``.
+
+    ``images`` (Qwen-VL archs: qwen3_vl, qwen3_vl_moe, qwen3_5_vl): the tokenizer has the image tokens (the config
+    names them) and the directory an image processor (:data:`TINY_IMAGE_PROCESSOR`), so the model takes images.
 
     Deterministic from ``seed``. Returns ``out_dir``. Load with ``AutoModelForCausalLM.from_pretrained(out_dir)``.
     """
@@ -397,9 +406,14 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
 
     from forge_megatron.models import save_checkpoint
 
-    tok = build_tiny_tokenizer()
+    if images and arch not in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl"):
+        raise ValueError(f"images=True is for the Qwen-VL archs, not {arch!r}")
+    tok = build_tiny_tokenizer(vision=images)
     overrides.setdefault("vocab_size", len(tok))
     config = tiny_config(arch, tie_word_embeddings=tie_word_embeddings, **overrides)
+    if images:
+        start, end, pad = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+        config.vision_start_token_id, config.vision_end_token_id, config.image_token_id = start, end, pad
     if config.get_text_config().vocab_size < len(tok):
         raise ValueError(f"vocab_size {config.get_text_config().vocab_size} is smaller than the tokenizer's "
                          f"{len(tok)} tokens")
@@ -446,8 +460,12 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     save_checkpoint(model, out_dir)
     if with_tokenizer:
         tok.save_pretrained(out_dir)
+    if images:
+        from transformers import Qwen2VLImageProcessor
+
+        Qwen2VLImageProcessor(**TINY_IMAGE_PROCESSOR).save_pretrained(out_dir)
     with open(os.path.join(out_dir, "forge_tiny.json"), "w") as f:
-        json.dump({"arch": arch, "seed": seed}, f)
+        json.dump({"arch": arch, "seed": seed, "images": images}, f)
     return out_dir
 
 

@@ -1,0 +1,174 @@
+"""Images as the gateway, the engine and the trainer see them: one normalized file per image, one processor.
+
+An agent's image (a data URL or base64 in the OpenAI / Anthropic / Responses request) is decoded, checked and
+*normalized* by the gateway: converted to RGB and resized (bicubic) to the size the checkpoint's image processor
+would give it, a multiple of ``patch_size * merge_size`` within its pixel bounds, then written as a PNG. That PNG is
+what the engine is sent (``image_data``), what the trajectory records and what the trainer encodes, so all three
+agree on the image's token count (a second resize by an engine, SGLang's to multiples of 28 included, lands on the
+same grid) and the engine and the trainer compute the same patches from the same bytes with the same processor
+(the checkpoint's ``preprocessor_config.json``, transformers' ``AutoImageProcessor``).
+
+Target size (the Qwen-VL rule): each side rounded to a multiple of ``f = patch_size * merge_size``; if the area
+exceeds ``max_pixels`` both sides are scaled by sqrt(h w / max_pixels) and floored to multiples of f, if it is below
+``min_pixels`` scaled up and ceiled. Aspect ratios beyond 200 are refused, as are images over ``MAX_IMAGE_BYTES``
+encoded or ``MAX_IMAGE_PIXELS`` decoded (a decompression bomb), and anything PIL cannot read.
+
+Legend: h, w = image height and width in pixels.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import hashlib
+import io
+import math
+import os
+import re
+
+from forge_megatron.multimodal.qwen_vl import VisionSpec, vision_spec
+
+MAX_IMAGE_BYTES = 32 << 20
+MAX_IMAGE_PIXELS = 64 << 20
+MAX_ASPECT = 200
+_DATA_URL = re.compile(r"^data:(image/[\w.+-]+)?(;[\w=.+-]+)*;base64,", re.IGNORECASE)
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message says why (the gateway answers 400 with it)."""
+
+
+def decode_data(value: str, where: str = "image") -> bytes:
+    """The bytes of a ``data:image/...;base64,...`` URL or of plain base64; nothing is fetched (an http(s) URL or a
+    file path is refused)."""
+    if not isinstance(value, str) or not value:
+        raise ImageError(f"{where} must be a data URL or base64 string")
+    match = _DATA_URL.match(value)
+    if match is None and value.startswith(("http://", "https://", "file:", "/")):
+        raise ImageError(f"{where}: only inline images are taken (a data:image/...;base64 URL): URLs and paths are "
+                         "not fetched")
+    payload = value[match.end():] if match else value
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ImageError(f"{where} is over {MAX_IMAGE_BYTES >> 20} MiB")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ImageError(f"{where} is not valid base64: {exc}") from None
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def open_image(data: bytes, where: str = "image"):
+    """A PIL image (RGB) of encoded ``data``; ImageError for unreadable, oversized or degenerate images."""
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageError(f"{where} is over {MAX_IMAGE_BYTES >> 20} MiB")
+    try:
+        image = Image.open(io.BytesIO(data))
+        w, h = image.size
+        if w * h > MAX_IMAGE_PIXELS:
+            raise ImageError(f"{where} has {w} x {h} pixels (over {MAX_IMAGE_PIXELS >> 20} Mi)")
+        image.load()
+    except ImageError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ImageError(f"{where} is not a readable image: {exc}") from None
+    if min(w, h) < 1 or max(w, h) / min(w, h) > MAX_ASPECT:
+        raise ImageError(f"{where} is {w} x {h} pixels: aspect ratio over {MAX_ASPECT}")
+    return image.convert("RGB")
+
+
+def target_size(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) an h x w image is resized to (the module docstring's rule)."""
+    hh = max(factor, round(h / factor) * factor)
+    ww = max(factor, round(w / factor) * factor)
+    if hh * ww > max_pixels:
+        scale = math.sqrt(h * w / max_pixels)
+        hh = max(factor, math.floor(h / scale / factor) * factor)
+        ww = max(factor, math.floor(w / scale / factor) * factor)
+    elif hh * ww < min_pixels:
+        scale = math.sqrt(min_pixels / (h * w))
+        hh = math.ceil(h * scale / factor) * factor
+        ww = math.ceil(w * scale / factor) * factor
+    return hh, ww
+
+
+class ImageProcessor:
+    """A checkpoint's images: normalization (gateway), token counts, and patches (engine and trainer).
+
+    ``model_dir`` holds the vision-language checkpoint's ``config.json`` and its image processor's
+    ``preprocessor_config.json`` (read from local files only)."""
+
+    def __init__(self, model_dir: str, hf_config: dict | None = None):
+        import json
+
+        from transformers import AutoImageProcessor
+
+        if hf_config is None:
+            with open(os.path.join(model_dir, "config.json")) as f:
+                hf_config = json.load(f)
+        self.spec: VisionSpec = vision_spec(hf_config)
+        if not os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
+            raise ValueError(f"{model_dir} has no preprocessor_config.json: the image processor images are made with")
+        self.hf = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        self.patch = int(self.hf.patch_size)
+        self.merge = int(getattr(self.hf, "merge_size", self.spec.merge))
+        if self.merge != self.spec.merge:
+            raise ValueError(f"{model_dir}: the image processor merges {self.merge} x {self.merge} patches, the model "
+                             f"{self.spec.merge} x {self.spec.merge}")
+        size = getattr(self.hf, "size", None) or {}
+        self.min_pixels = int(size.get("shortest_edge") or getattr(self.hf, "min_pixels", 0) or 0)
+        self.max_pixels = int(size.get("longest_edge") or getattr(self.hf, "max_pixels", 0) or (1 << 62))
+        self._inputs = functools.lru_cache(maxsize=256)(self._image_input)
+
+    @property
+    def factor(self) -> int:
+        return self.patch * self.merge
+
+    def normalize(self, data: bytes, where: str = "image") -> bytes:
+        """The PNG of ``data`` at its target size (the bytes every later stage uses)."""
+        from PIL import Image
+
+        image = open_image(data, where)
+        h, w = target_size(image.height, image.width, self.factor, self.min_pixels, self.max_pixels)
+        if (h, w) != (image.height, image.width):
+            image = image.resize((w, h), resample=Image.Resampling.BICUBIC)
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        return out.getvalue()
+
+    def grid(self, data: bytes) -> tuple[int, int, int]:
+        """The (t, h, w) patch grid of normalized ``data``."""
+        image = open_image(data)
+        h, w = target_size(image.height, image.width, self.factor, self.min_pixels, self.max_pixels)
+        return 1, h // self.patch, w // self.patch
+
+    def num_tokens(self, data: bytes) -> int:
+        return self.spec.tokens_per_image(self.grid(data))
+
+    def image_input(self, item):
+        """An item of ``TrainSample.images`` as the vision tower takes it: an ImageInput as it is, encoded bytes
+        through the checkpoint's processor (cached by content)."""
+        from forge_megatron.multimodal.tree import ImageInput
+
+        if isinstance(item, ImageInput):
+            return item
+        return self._inputs(bytes(item))
+
+    def _image_input(self, data: bytes):
+        from forge_megatron.multimodal.tree import ImageInput
+
+        out = self.hf(images=[open_image(data)], return_tensors="np")
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        if grid != self.grid(data):
+            raise ImageError(f"the image processor made a {grid} grid of an image normalized to {self.grid(data)} "
+                             "(its size settings differ from the ones read off preprocessor_config.json)")
+        return ImageInput(out["pixel_values"].astype("float32"), grid)
