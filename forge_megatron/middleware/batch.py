@@ -60,7 +60,9 @@ class TrainSample:
     domain: str
     reward: float
     routed_experts: np.ndarray | None = None  # int8/int16 [L, layers, topk] (routing replay), -1: not recorded
-    images: list | None = None  # multimodal.ImageInput per run of image tokens, in order (vision-language models)
+    # vision-language models: one image per run of image tokens, in order: encoded bytes (what the pool delivers;
+    # the trainer runs the checkpoint's image processor) or a multimodal.ImageInput (patches already made)
+    images: list | None = None
 
 
 @dataclass
@@ -74,7 +76,8 @@ class TrainBatch:
     def num_bytes(self) -> int:
         return sum(getattr(s, name).nbytes for s in self.samples for name, _ in TOKEN_FIELDS) + \
             sum(s.routed_experts.nbytes for s in self.samples if s.routed_experts is not None) + \
-            sum(im.pixel_values.nbytes for s in self.samples for im in s.images or ())
+            sum(len(im) if isinstance(im, (bytes, memoryview)) else im.pixel_values.nbytes
+                for s in self.samples for im in s.images or ())
 
 
 def episode_outcome(episode: Episode, task_metadata: dict | None = None):
@@ -118,13 +121,15 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
 
     ``episodes`` are in wire form (``wire.episode_to_wire``): a header with ``episode_id``, ``domain`` and
     ``segment_lengths``, and the four per-token arrays of all segments concatenated (plus the routed experts when
-    the header has ``routing_shape``); samples are views of them.
+    the header has ``routing_shape``, and the segments' encoded images last when it has ``segment_images``); samples
+    are views of them.
     """
     samples = []
     for e, (meta, arrays_T) in enumerate(episodes):
         bounds = np.cumsum([0] + list(meta["segment_lengths"]))
         routing = meta.get("routing_shape")
         routed_T = arrays_T[4].reshape(-1, *routing) if routing else None
+        images = _segment_images(meta, arrays_T)
         for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             tokens_L, loss_mask_L, logprobs_L, versions_L = (a[lo:hi] for a in arrays_T[:4])
             advantage = np.float32(scores["segment_advantages"][e][s])
@@ -141,9 +146,22 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
                     domain=meta["domain"],
                     reward=scores["rewards"][e],
                     routed_experts=None if routed_T is None else routed_T[lo:hi],
+                    images=images[s],
                 )
             )
     return samples
+
+
+def _segment_images(meta: dict, arrays_T: list) -> list:
+    """Per segment of a wire-form episode, its encoded images (memoryviews of the last array) or None."""
+    table = meta.get("segment_images")
+    if not table:
+        return [None] * len(meta["segment_lengths"])
+    data, out, start = memoryview(arrays_T[-1]).cast("B"), [], 0
+    for lengths in table:
+        out.append([data[start + sum(lengths[:i]):start + sum(lengths[:i + 1])] for i in range(len(lengths))] or None)
+        start += sum(lengths)
+    return out
 
 
 def group_staleness(samples: list[TrainSample], policy_version: int) -> int:

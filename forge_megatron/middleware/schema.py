@@ -15,12 +15,18 @@ Optionally, for MoE models served with routed-expert capture (rollout routing re
                       none was recorded (dense layers, the last token, calls without capture); the trainer replays
                       them (int8 when the model has at most 128 experts)
 
+Optionally, for vision-language models:
+  images              the segment's images in the order of its image-token runs: each the PNG the gateway
+                      normalized (multimodal/images.py), which the engine was sent and the trainer encodes
+
 A *group* is the G episodes of one task (GRPO group); groups are the data pool's scheduling unit.
 Everything here converts to and from plain msgpack-able dicts (never pickle), with validation.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -52,8 +58,17 @@ class Segment:
     reward: float | None = None
     # Optional int8/int16 [L, layers, topk] experts the engine routed each token to (-1: not recorded); see above.
     routed_experts: np.ndarray | None = None
+    # Optional encoded images, one per run of image tokens, in order (see above); base64 strings in the JSON form.
+    images: list[bytes] | None = None
 
     def __post_init__(self) -> None:
+        if self.images is not None:
+            if not isinstance(self.images, list):
+                raise SchemaError("images must be a list of encoded images")
+            try:  # from JSON: base64 strings
+                self.images = [base64.b64decode(x, validate=True) if isinstance(x, str) else x for x in self.images]
+            except (binascii.Error, ValueError) as exc:
+                raise SchemaError(f"images: not base64: {exc}") from exc
         if self.routed_experts is not None and not isinstance(self.routed_experts, np.ndarray):
             try:  # from JSON: nested lists
                 self.routed_experts = np.asarray(self.routed_experts, dtype=np.int16)
@@ -68,6 +83,9 @@ class Segment:
             _check(r.dtype in ROUTING_DTYPES and r.ndim == 3 and r.shape[0] == n and r.shape[2] > 0,
                    f"{where}.routed_experts must be int8/int16 [tokens={n}, layers, topk], got {r.dtype}{list(r.shape)}")
             _check(bool((r >= -1).all()), f"{where}.routed_experts has ids below -1")
+        if self.images is not None:
+            _check(all(isinstance(x, (bytes, bytearray, memoryview)) and len(x) for x in self.images),
+                   f"{where}.images must be non-empty encoded images (bytes)")
         for name in ("loss_mask", "rollout_logprobs", "policy_versions"):
             _check(len(getattr(self, name)) == n, f"{where}.{name} has length {len(getattr(self, name))}, tokens has {n}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.tokens), f"{where}.tokens must be non-negative ints")
@@ -116,11 +134,13 @@ class Episode:
         return max(0.0, self.ended_at - self.started_at)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain (JSON-able) form; routed experts become nested lists."""
+        """Plain (JSON-able) form; routed experts become nested lists, images base64 strings."""
         d = asdict(self)
         for seg in d["segments"]:
             if seg["routed_experts"] is not None:
                 seg["routed_experts"] = seg["routed_experts"].tolist()
+            if seg["images"] is not None:
+                seg["images"] = [base64.b64encode(bytes(x)).decode() for x in seg["images"]]
         d["schema_version"] = SCHEMA_VERSION
         return d
 

@@ -145,44 +145,41 @@ def _take_routing(meta: dict, arrays: list[np.ndarray], total: int, where: str):
     return arrays[:-1], arrays[-1].reshape(total, *shape)
 
 
-def _image_frame(samples: list, meta: dict) -> list[np.ndarray]:
-    """[] when no sample has images; else one flat float32 frame of every image's pixel values (samples in order,
-    each sample's images in order) and ``meta["images"]``: per image [sample, t, h, w, features] (its
-    multimodal.ImageInput: patches t * h * w of ``features`` values each)."""
-    table, frames = [], []
-    for i, s in enumerate(samples):
-        for image in getattr(s, "images", None) or ():
-            pv = np.asarray(image.pixel_values, dtype=np.float32)
-            table.append([i, *(int(x) for x in image.grid_thw), int(pv.shape[1])])
-            frames.append(pv.reshape(-1))
-    if not table:
+def _image_frame(owners: list[list], meta: dict, key: str) -> list[np.ndarray]:
+    """[] when no owner (a sample or segment) has images; else one uint8 frame of every image's encoded bytes
+    (owners in order, each owner's images in order) and ``meta[key]``: per owner the byte lengths of its images."""
+    if not any(owners):
         return []
-    meta["images"] = table
-    return [np.ascontiguousarray(np.concatenate(frames))]
+    for images in owners:
+        for image in images:
+            if not isinstance(image, (bytes, bytearray, memoryview)):
+                raise WireError(f"{key}: images travel encoded (bytes), got {type(image).__name__}")
+    meta[key] = [[len(x) for x in images] for images in owners]
+    return [np.frombuffer(b"".join(bytes(x) for images in owners for x in images), dtype=np.uint8)]
 
 
-def _take_images(meta: dict, arrays: list[np.ndarray], samples: int, where: str):
-    """(the other arrays, per sample its ImageInput list or None): splits off the image frame."""
-    table = meta.pop("images", None)
+def _take_images(meta: dict, arrays: list[np.ndarray], owners: int, key: str, where: str):
+    """(the other arrays, per owner its list of encoded images (read-only memoryviews) or None): splits off the
+    image frame."""
+    table = meta.pop(key, None)
     if table is None:
-        return arrays, [None] * samples
-    from forge_megatron.multimodal.tree import ImageInput
-
-    ok = isinstance(table, list) and all(isinstance(r, list) and len(r) == 5 and all(isinstance(x, int) for x in r)
-                                         and 0 <= r[0] < samples and min(r[1:]) > 0 for r in table)
+        return arrays, [None] * owners
+    ok = isinstance(table, list) and len(table) == owners and all(
+        isinstance(r, list) and all(isinstance(n, int) and n > 0 for n in r) for r in table)
     if not ok:
-        raise WireError(f"{where} field 'images' must be [sample, t, h, w, features] rows (positive ints, samples "
-                        f"below {samples})")
-    sizes = [r[1] * r[2] * r[3] * r[4] for r in table]
-    if not arrays or arrays[-1].dtype != np.float32 or arrays[-1].size != sum(sizes):
-        raise WireError(f"{where} images need float32[{sum(sizes)}] pixel values as the last array")
-    images: list = [None] * samples
-    start = 0
-    for r, n in zip(table, sizes):
-        pv = arrays[-1][start:start + n].reshape(r[1] * r[2] * r[3], r[4])
-        images[r[0]] = (images[r[0]] or []) + [ImageInput(pv, (r[1], r[2], r[3]))]
-        start += n
-    return arrays[:-1], images
+        raise WireError(f"{where} field {key!r} must list, for each of the {owners}, the byte lengths of its images")
+    total = sum(sum(r) for r in table)
+    if not arrays or arrays[-1].dtype != np.uint8 or arrays[-1].size != total:
+        raise WireError(f"{where} images need uint8[{total}] encoded bytes as the last array")
+    data = memoryview(arrays[-1]).cast("B")
+    out, start = [], 0
+    for r in table:
+        images = []
+        for n in r:
+            images.append(data[start:start + n])
+            start += n
+        out.append(images or None)
+    return arrays[:-1], out
 
 
 def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]:
@@ -193,6 +190,7 @@ def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]
     arrays = [np.concatenate([np.asarray(getattr(s, name), dtype=dtype) for s in episode.segments])
               if episode.segments else np.zeros(0, dtype) for name, dtype in EPISODE_FIELDS]
     arrays += _routing_frame([(s.routed_experts, len(s.tokens)) for s in episode.segments], meta, "episode")
+    arrays += _image_frame([s.images or [] for s in episode.segments], meta, "segment_images")
     return meta, arrays
 
 
@@ -206,13 +204,15 @@ def episode_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> Episode
     if len(rewards) != len(lengths):
         raise WireError(f"episode has {len(lengths)} segment_lengths but {len(rewards)} segment_rewards")
     del meta["segment_lengths"], meta["segment_rewards"]
+    arrays, images = _take_images(meta, arrays, len(lengths), "segment_images", "episode")
     arrays, routed_T = _take_routing(meta, arrays, sum(lengths), "episode")
     parts = _split(arrays, lengths, EPISODE_FIELDS, "episode")
     bounds = np.cumsum([0] + lengths)
     meta["segments"] = [
         {name: a.tolist() for (name, _), a in zip(EPISODE_FIELDS, part)}
-        | {"reward": r, "routed_experts": None if routed_T is None else routed_T[lo:hi].copy()}
-        for part, r, lo, hi in zip(parts, rewards, bounds[:-1], bounds[1:])
+        | {"reward": r, "routed_experts": None if routed_T is None else routed_T[lo:hi].copy(),
+           "images": None if ims is None else [bytes(x) for x in ims]}
+        for part, r, lo, hi, ims in zip(parts, rewards, bounds[:-1], bounds[1:], images)
     ]
     return Episode.from_dict(meta)
 
@@ -227,7 +227,8 @@ def blob_to_wire(blob: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     """Header and (read-only) arrays of a stored episode, without rebuilding the Episode."""
     d = msgpack.unpackb(blob, raw=False)
     routing = [np.dtype(d["meta"].get("routing_dtype", "int16"))] if d["meta"].get("routing_shape") else []
-    dtypes = [dtype for _, dtype in EPISODE_FIELDS] + routing
+    images = [np.dtype(np.uint8)] if d["meta"].get("segment_images") else []
+    dtypes = [dtype for _, dtype in EPISODE_FIELDS] + routing + images
     return d["meta"], [np.frombuffer(b, dtype=dtype) for b, dtype in zip(d["arrays"], dtypes)]
 
 
@@ -246,7 +247,7 @@ def batch_to_wire(batch: TrainBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
     meta = {"batch_id": batch.batch_id, "group_indices": batch.group_indices, "metrics": batch.metrics,
             "samples": samples}
     arrays += _routing_frame([(s.routed_experts, s.tokens.shape[0]) for s in batch.samples], meta, "batch")
-    arrays += _image_frame(batch.samples, meta)
+    arrays += _image_frame([s.images or [] for s in batch.samples], meta, "images")
     return meta, arrays
 
 
@@ -260,7 +261,7 @@ def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatc
         raise WireError(f"batch samples must be maps with the keys {sorted(keys)}")
     lengths = _lengths({"lengths": [s["length"] for s in samples_meta]}, "lengths", "batch")
     meta = dict(meta)
-    arrays, images = _take_images(meta, arrays, len(samples_meta), "batch")
+    arrays, images = _take_images(meta, arrays, len(samples_meta), "images", "batch")
     arrays, routed_T = _take_routing(meta, arrays, sum(lengths), "batch")
     parts = _split(arrays, lengths, TOKEN_FIELDS, "batch")
     bounds = np.cumsum([0] + lengths)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -75,20 +76,41 @@ def _images_of(samples: list) -> list | None:
     return images if any(images) else None
 
 
+def with_image_inputs(samples: list, vision) -> list:
+    """``samples`` with their encoded images made into multimodal.ImageInput patches by ``vision`` (the checkpoint's
+    multimodal.images.ImageProcessor; images already ImageInput pass as they are)."""
+    from forge_megatron.multimodal import ImageInput
+
+    if _images_of(samples) is None:
+        return samples
+    if vision is None:
+        raise ValueError("samples with images, but the model takes none (training on images is supported for "
+                         "Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 vision-language checkpoints)")
+    out = []
+    for s in samples:
+        images = getattr(s, "images", None)
+        if images and not all(isinstance(x, ImageInput) for x in images):
+            if not hasattr(vision, "image_input"):
+                raise ValueError("encoded images need the checkpoint's image processor (its preprocessor_config.json)")
+            s = dataclasses.replace(s, images=[vision.image_input(x) for x in images])
+        out.append(s)
+    return out
+
+
 def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = False, split: bool = False,
                    vision=None):
     """One ``TreeMicroBatch``: the prefix forest of ``samples`` and their per-target loss inputs (and, with
     ``routing_replay``, the tree tokens' recorded experts: mcore/routing_replay.py; ``split`` merges prefixes only
     where the recorded experts agree). Samples with images (``TrainSample.images``) need the model's ``vision``
-    spec (multimodal.VisionSpec): the tree merges them only where their images agree too (multimodal/tree.py)."""
+    spec (a multimodal.VisionSpec, or the ImageProcessor that encodes them: :func:`with_image_inputs`): the tree
+    merges them only where their images agree too (multimodal/tree.py)."""
     from forge_megatron.mcore.forward import TreeMicroBatch
     from forge_megatron.tree import build_tree
 
+    samples = with_image_inputs(samples, vision)
     images = _images_of(samples)
     if images is not None:
-        if vision is None:
-            raise ValueError("samples with images, but the model takes none (training on images is supported for "
-                             "Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 vision-language checkpoints)")
+        vision = getattr(vision, "spec", vision)
         if routing_replay and split:
             raise ValueError("--routing-replay-split with images is not supported: merge by tokens and images")
         from forge_megatron.multimodal import build_vision_tree
@@ -167,6 +189,7 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
         raise RuntimeError(f"DP rank {dp_rank} got no trainable samples from batch {batch.batch_id} "
                            f"({len(groups)} groups for {dp_size} DP ranks, {len(too_long)} sample(s) over the token "
                            "budget left out): raise --train-batch-groups or --tree-token-budget")
+    samples = with_image_inputs(samples, vision)  # this DP rank's only
     if merging:
         seqs = [s.tokens for s in samples]
         if routing_replay and routing_split:  # the budget counts the tree that will be built
@@ -176,7 +199,7 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
         elif vision is not None and _images_of(samples) is not None:  # likewise: images merge only when equal
             from forge_megatron.multimodal.tree import sample_keys
 
-            seqs = sample_keys(seqs, _images_of(samples), vision)[0]
+            seqs = sample_keys(seqs, _images_of(samples), getattr(vision, "spec", vision))[0]
         parts = pack_micro_batches(seqs, token_budget, keys=[s.group_index for s in samples])
     else:
         parts = [[i] for i in range(len(samples))]
@@ -362,7 +385,7 @@ class Trainer:
             routing_replay.install(self.chunks)
             if self.ref_chunks is not None:  # the reference scores the sampled tokens through the same experts
                 routing_replay.install(self.ref_chunks)
-        self.vision_spec = self._install_vision()
+        self.vision = self._install_vision()
         self.iteration, self.policy_version, self.last_batch_id = 0, 0, None
         self.params_gathered = True  # False between an optimizer step and the all-gather --overlap-param-gather defers
         self.saved_at: int | None = None  # the iteration of the newest checkpoint this run wrote or resumed from
@@ -395,8 +418,9 @@ class Trainer:
     def _install_vision(self):
         """A vision-language checkpoint whose images the trainer takes (multimodal/qwen_vl.py): the model chunks (and
         the reference's) put the images' features and mRoPE positions into their forward (mcore/vision.py); the
-        frozen vision tower is loaded on the first micro-batch with images. None (samples with images are refused)
-        for a text model or another vision-language family."""
+        frozen vision tower is loaded on the first micro-batch with images. Returns the checkpoint's ImageProcessor
+        (multimodal/images.py: the pool's encoded images become patches with it); None (samples with images are
+        refused) for a text model or another vision-language family."""
         if not self.bridge.family.multimodal:
             return None
         from forge_megatron.multimodal import vision_spec
@@ -424,7 +448,13 @@ class Trainer:
 
         for chunk in [*self.chunks, *(self.ref_chunks or [])]:
             vision.install(unwrap(chunk), spec, load)
-        return spec
+        if not os.path.exists(os.path.join(self.args.hf_checkpoint, "preprocessor_config.json")):
+            self._log(f"note: {self.args.hf_checkpoint} has no preprocessor_config.json: samples with encoded images "
+                      "will be refused")
+            return spec
+        from forge_megatron.multimodal.images import ImageProcessor
+
+        return ImageProcessor(self.args.hf_checkpoint, self.bridge.hf_config)
 
     def _log_memory_plan(self) -> None:
         """What forge-plan says this layout puts on each GPU (parameters exactly, memory roughly), in the log."""
@@ -618,7 +648,7 @@ class Trainer:
                         interleaved_pp=self.pp_size if len(self.chunks) > 1 else None,
                         routing_replay=getattr(self.args, "routing_replay", False),
                         routing_split=getattr(self.args, "routing_replay_split", False),
-                        overlong=getattr(self.args, "overlong_samples", "drop"), vision=self.vision_spec)
+                        overlong=getattr(self.args, "overlong_samples", "drop"), vision=self.vision)
         for chunk in self.ddp:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

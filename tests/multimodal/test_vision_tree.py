@@ -351,26 +351,48 @@ def test_trainer_micro_batches_with_images_under_pp2(vl_dirs, hf_reference):
     assert (last - hf_reference["qwen3_vl"][0]).abs().max().item() <= LOGP_ATOL
 
 
-def test_batch_with_images_over_the_wire(vl_dirs):
-    """The trainer broadcasts the pool's batch in the wire format: images travel with their samples."""
-    from forge_megatron.middleware.batch import TrainBatch
-    from forge_megatron.middleware.wire import WireError, batch_from_wire, batch_to_wire, pack, unpack
-    from forge_megatron.multimodal.tree import ImageInput
+def png(rng, h, w) -> bytes:
+    import io
 
-    samples, images = batch()
-    sent = TrainBatch(batch_id=3, samples=train_samples(samples, images), group_indices=[0, 1], metrics={})
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_images_over_the_wire():
+    """Encoded images travel with their segments (episode wire form, the pool's blobs, JSON) and samples (the batch
+    the trainer broadcasts); patches (ImageInput) do not travel."""
+    from forge_megatron.middleware.batch import TrainBatch, group_samples
+    from forge_megatron.middleware.schema import Episode, Segment
+    from forge_megatron.middleware.wire import (WireError, batch_from_wire, batch_to_wire, blob_to_wire,
+                                                episode_from_blob, episode_to_blob, episode_to_wire, pack, unpack)
+
+    rng = np.random.default_rng(0)
+    a, b = png(rng, 8, 8), png(rng, 16, 8)
+    segs = [Segment([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.2], [-1, 0, 0], images=[a, b]),
+            Segment([4, 5], [0, 1], [0.0, -1.0], [-1, 0]), Segment([6, 7], [0, 1], [0.0, -1.0], [-1, 0], images=[b])]
+    ep = Episode("e", "g", "t", segs, reward=1.0)
+    for back in (episode_from_blob(episode_to_blob(ep)), Episode.from_dict(ep.to_dict())):
+        assert [s.images for s in back.segments] == [[a, b], None, [b]]
+    samples = group_samples([blob_to_wire(episode_to_blob(ep))], {"rewards": [1.0], "segment_advantages": [[1, 1, 1]],
+                                                                 "segment_weights": [[1, 1, 1]]}, 0)
+    assert [[bytes(x) for x in s.images or ()] for s in samples] == [[a, b], [], [b]]
+    sent = TrainBatch(batch_id=3, samples=samples, group_indices=[0], metrics={})
     meta, arrays = batch_to_wire(sent)
     got = batch_from_wire(*unpack([bytes(memoryview(f)) for f in pack(meta, arrays)], max_bytes=1 << 30))
+    assert [[bytes(x) for x in s.images or ()] for s in got.samples] == [[a, b], [], [b]]
     assert sent.num_bytes == got.num_bytes
-    for a, b in zip(sent.samples, got.samples):
-        assert [i.digest for i in a.images or ()] == [i.digest for i in b.images or ()]
-        assert all(isinstance(i, ImageInput) for i in b.images or ())
-    assert got.samples[5].images is None and len(got.samples[3].images) == 2
-    bad = dict(meta, images=[[0, 1, 4, 4, FEATURES + 1]] + meta["images"][1:])
-    with pytest.raises(WireError, match="pixel values as the last array"):
-        batch_from_wire(bad, arrays)
-    with pytest.raises(WireError, match="samples below 6"):
-        batch_from_wire(dict(meta, images=[[9, 1, 4, 4, FEATURES]]), arrays)
+    with pytest.raises(WireError, match="encoded bytes as the last array"):
+        batch_from_wire(dict(meta, images=[[len(a), len(b) + 1], [], [len(b)]]), arrays)
+    with pytest.raises(WireError, match="for each of the 3"):
+        batch_from_wire(dict(meta, images=[[len(a)]]), arrays)
+    ep_meta, ep_arrays = episode_to_wire(ep)
+    assert ep_meta["segment_images"] == [[len(a), len(b)], [], [len(b)]]
+    rng2 = np.random.default_rng(1)
+    with pytest.raises(WireError, match="travel encoded"):
+        batch_to_wire(TrainBatch(0, [dataclasses.replace(samples[0], images=[_image(rng2, 4, 4)])], [0]))
 
 
 def test_rank_batch_packs_and_merges_by_images(vl_dirs):
