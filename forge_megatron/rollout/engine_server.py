@@ -3,7 +3,8 @@
 Tests and the demo need an engine that generates for real (tokens and logprobs come from the weights) and whose
 weights can be swapped by the trainer, without a GPU or SGLang. This server loads a HF causal LM from a local
 directory (transformers, fp32) and serves the subset of SGLang's native API that forge uses, with SGLang's field
-names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``stream``),
+names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``stream``,
+``image_data`` for Qwen-VL models: inline images, one per run of image tokens in ``input_ids``),
 ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` (mode abort|in_place|retract),
 ``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``.
@@ -49,6 +50,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from aiohttp import web
@@ -169,6 +171,8 @@ class _Request:
     routed: list | None = None  # return_routed_experts: [(first position, int32 [n, layers, topk])] per forward
     top_n: int = 0  # top_logprobs_num
     top: list = field(default_factory=list)  # per output token, its top_n alternatives (see top_logprobs)
+    images: list = field(default_factory=list)  # image_data as multimodal.ImageInput, in the order of their tokens
+    rope_deltas: object = None  # a vision-language model's mRoPE offset of this request (set by its prefill)
 
 
 class ReferenceEngine:
@@ -216,6 +220,7 @@ class ReferenceEngine:
             raise ValueError(f"--enable-return-routed-experts: {model_path} has no MoE router "
                              "(model.layers.*.mlp.gate or .router)")
         self._captured: dict[int, torch.Tensor] | None = None  # layer -> top-k ids of the forward in progress
+        self._images = None  # multimodal.images.ImageProcessor, made on the first request with image_data
 
     # --- routed experts -----------------------------------------------------------------------------------------
     def _find_routers(self) -> dict[int, object]:
@@ -271,7 +276,31 @@ class ReferenceEngine:
         seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(4), "little")
         gen = torch.Generator().manual_seed(seed)
         return _Request(rid=str(body.get("rid") or uuid.uuid4().hex), input_ids=list(ids), params=params, gen=gen,
-                        routed=[] if want_routing else None, top_n=top_n)
+                        routed=[] if want_routing else None, top_n=top_n, images=self._image_inputs(body, ids))
+
+    def _image_inputs(self, body: dict, ids: list[int]) -> list:
+        """SGLang's ``image_data`` (a data URL / base64 string or a list of them, one per run of image tokens in
+        ``input_ids``; nothing is fetched) as patches of the checkpoint's image processor (multimodal/images.py)."""
+        data = body.get("image_data")
+        if data is None or data == []:
+            return []
+        items = [data] if isinstance(data, str) else data
+        _require(isinstance(items, list) and all(isinstance(x, str) for x in items),
+                 "image_data must be a data URL / base64 string or a list of them")
+        from forge_megatron.multimodal.images import ImageError, ImageProcessor, decode_data
+        from forge_megatron.multimodal.qwen_vl import split_runs
+
+        if self._images is None:
+            try:
+                self._images = ImageProcessor(self.model_path)
+            except ValueError as exc:
+                raise RequestError(f"image_data: this model takes no images ({exc})") from None
+        try:
+            images = [self._images.image_input(decode_data(x, f"image_data[{i}]")) for i, x in enumerate(items)]
+            split_runs(ids, [im.grid_thw for im in images], self._images.spec)
+        except (ImageError, ValueError) as exc:
+            raise RequestError(f"image_data: {exc}") from None
+        return images
 
     def _step(self, req: _Request) -> None:
         """One decode step on the worker thread: forward the tokens not yet in the cache, sample one token."""
@@ -281,9 +310,20 @@ class ReferenceEngine:
         else:
             new_S = torch.tensor([all_ids[-1:]])
         self._captured = {} if req.routed is not None else None
+        extra = {}
+        inner = getattr(self.model, "model", None)
+        if hasattr(inner, "rope_deltas"):  # a vision-language model keeps the mRoPE offset of the last prefill
+            inner.rope_deltas = req.rope_deltas  # on itself: each request's own (steps of requests interleave)
+        if req.images and req.past is None:  # the prefill (again after a retracting pause): the images too
+            spec = self._images.spec
+            extra = dict(pixel_values=torch.from_numpy(np.concatenate([im.pixel_values for im in req.images])),
+                         image_grid_thw=torch.tensor([im.grid_thw for im in req.images]),
+                         mm_token_type_ids=(new_S == spec.image_token_id).int())
         try:
             with torch.no_grad():
-                out = self.model(input_ids=new_S, use_cache=True, **{self.cache_kw: req.past})
+                out = self.model(input_ids=new_S, use_cache=True, **{self.cache_kw: req.past}, **extra)
+            if hasattr(inner, "rope_deltas"):
+                req.rope_deltas = inner.rope_deltas
             if req.routed is not None:
                 ids = torch.full((new_S.shape[1], len(self.model.model.layers), self.router_top_k),
                                  -1, dtype=torch.int32)

@@ -140,7 +140,8 @@ class SGLangClient:
             raise EngineError(f"{self.url}{route} failed: {type(exc).__name__}: {exc}") from exc
 
     @staticmethod
-    def _generate_body(input_ids, sampling_params, return_logprob, rid, return_routed_experts, top_logprobs_num):
+    def _generate_body(input_ids, sampling_params, return_logprob, rid, return_routed_experts, top_logprobs_num,
+                       image_data=None):
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if rid:
             body["rid"] = rid
@@ -148,21 +149,24 @@ class SGLangClient:
             body["return_routed_experts"] = True
         if top_logprobs_num:
             body["top_logprobs_num"] = top_logprobs_num
+        if image_data:
+            body["image_data"] = image_data
         return body
 
     async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
                        rid: str | None = None, return_routed_experts: bool = False,
-                       top_logprobs_num: int = 0) -> GenerateResult:
+                       top_logprobs_num: int = 0, image_data: list[str] | None = None) -> GenerateResult:
         body = self._generate_body(input_ids, sampling_params, return_logprob, rid, return_routed_experts,
-                                   top_logprobs_num)
+                                   top_logprobs_num, image_data)
         return GenerateResult.from_response(await self._call("POST", "/generate", body), self.url)
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
                               rid: str | None = None, return_routed_experts: bool = False,
-                              top_logprobs_num: int = 0) -> AsyncIterator[GenerateResult]:
+                              top_logprobs_num: int = 0, image_data: list[str] | None = None
+                              ) -> AsyncIterator[GenerateResult]:
         """Yield the cumulative result after each chunk SGLang streams (``stream: true``, SSE ``data:`` lines)."""
         body = {**self._generate_body(input_ids, sampling_params, return_logprob, rid, return_routed_experts,
-                                      top_logprobs_num), "stream": True}
+                                      top_logprobs_num, image_data), "stream": True}
         try:
             async with self._http().post(self.url + "/generate", json=body) as resp:
                 if resp.status != 200:
@@ -403,14 +407,15 @@ class EngineFleet:
 
     async def generate(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
                        return_logprob: bool = True, return_routed_experts: bool = False,
-                       group_key: str | None = None, top_logprobs_num: int = 0) -> GenerateResult:
+                       group_key: str | None = None, top_logprobs_num: int = 0,
+                       image_data: list[str] | None = None) -> GenerateResult:
         errors = []
         for eng in self._candidates(session_key, group_key):
             self._busy(eng, 1)
             try:
                 result = await eng.client.generate(input_ids, sampling_params, return_logprob,
                                                    return_routed_experts=return_routed_experts,
-                                                   top_logprobs_num=top_logprobs_num)
+                                                   top_logprobs_num=top_logprobs_num, image_data=image_data)
                 eng.served += 1
                 return result
             except EngineError as exc:
@@ -422,8 +427,8 @@ class EngineFleet:
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
                               return_logprob: bool = True, return_routed_experts: bool = False,
-                              group_key: str | None = None, top_logprobs_num: int = 0
-                              ) -> AsyncIterator[GenerateResult]:
+                              group_key: str | None = None, top_logprobs_num: int = 0,
+                              image_data: list[str] | None = None) -> AsyncIterator[GenerateResult]:
         """Stream from one engine; fail over only while nothing has been yielded yet."""
         errors = []
         for eng in self._candidates(session_key, group_key):
@@ -432,7 +437,8 @@ class EngineFleet:
             try:
                 async for partial in eng.client.generate_stream(input_ids, sampling_params, return_logprob,
                                                                 return_routed_experts=return_routed_experts,
-                                                                top_logprobs_num=top_logprobs_num):
+                                                                top_logprobs_num=top_logprobs_num,
+                                                                image_data=image_data):
                     yielded = True
                     yield partial
                 eng.served += 1
