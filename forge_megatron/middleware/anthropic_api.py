@@ -9,6 +9,8 @@ may mix both APIs and a conversation continues its segment exactly as through ``
 Request -> OpenAI form:
   system (string or text blocks)          -> a leading system message
   user text / tool_result blocks          -> user message / one tool message per result (tool_call_id = tool_use_id)
+  user image blocks (base64 source), images in tool_result content
+                                          -> OpenAI image parts (vision-language models: see gateway.py)
   assistant text / tool_use blocks        -> assistant content + tool_calls (arguments = JSON of ``input``, as the
                                              gateway's parser writes them, so the re-rendered turn is the sampled one)
   assistant thinking blocks               -> reasoning_content (the chat template renders it back, so a turn the
@@ -16,7 +18,7 @@ Request -> OpenAI form:
                                              redacted_thinking blocks are dropped
   tools [{name, description, input_schema}] -> function tools; tool_choice auto | any | tool | none
   max_tokens (required), stop_sequences, temperature, top_p, top_k, stream; extension: ignore_eos
-  images, documents and other block types are a 400 naming the block.
+  image URL sources, documents and other block types are a 400 naming the block.
 Reply: content blocks (a thinking block when the gateway has a reasoning parser and the model wrote a reasoning
 block, then text, then tool_use {id, name, input}), stop_reason end_turn | tool_use | max_tokens | stop_sequence
 (with stop_sequence), usage {input_tokens, output_tokens}. Thinking blocks carry an empty ``signature`` (nothing
@@ -68,6 +70,39 @@ def _text_of(blocks, where: str) -> str:
     return "".join(parts)
 
 
+def _image_part(block: dict, where: str) -> dict:
+    """An Anthropic image block (``source: {type: base64, media_type, data}``) as an OpenAI image part; a URL source
+    is refused (nothing is fetched)."""
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64" or not isinstance(source.get("data"), str):
+        raise _bad(f"{where}.source", f"{where}.source must be {{type: 'base64', media_type, data}} (image URLs are "
+                                      "not fetched)")
+    media = source.get("media_type") or "image/png"
+    return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source['data']}"}}
+
+
+def _parts_of(blocks, where: str):
+    """A tool result's content: a string, or text and image blocks (OpenAI content parts when an image is among
+    them, else their text joined)."""
+    if isinstance(blocks, str) or not isinstance(blocks, list) or \
+            not any(isinstance(b, dict) and b.get("type") == "image" for b in blocks):
+        return _text_of(blocks, where)
+    parts = []
+    for i, b in enumerate(blocks):
+        if isinstance(b, dict) and b.get("type") == "image":
+            parts.append(_image_part(b, f"{where}[{i}]"))
+        else:
+            parts.append({"type": "text", "text": _text_of([b], f"{where}[{i}]")})
+    return parts
+
+
+def _joined(parts: list[dict]):
+    """OpenAI content of a user message: its parts when it has an image, else their text."""
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
 def _tool_call(block: dict, where: str) -> dict:
     if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) or not block["name"]:
         raise _bad(where, f"{where} (tool_use) needs string id and name")
@@ -97,12 +132,14 @@ def _messages(body: dict) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise _bad(f"{where}.content", f"{where}.content must be a string or an array of content blocks")
-        texts, calls, thinking = [], [], []
+        texts, calls, thinking = [], [], []  # texts: OpenAI content parts
         for j, b in enumerate(content):
             at = f"{where}.content[{j}]"
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text" and isinstance(b.get("text"), str):
-                texts.append(b["text"])
+                texts.append({"type": "text", "text": b["text"]})
+            elif kind == "image" and m["role"] == "user":
+                texts.append(_image_part(b, at))
             elif kind == "thinking" and m["role"] == "assistant":
                 if not isinstance(b.get("thinking"), str):
                     raise _bad(f"{at}.thinking", f"{at}.thinking must be a string")
@@ -113,25 +150,26 @@ def _messages(body: dict) -> list[dict]:
                 calls.append(_tool_call(b, at))
             elif kind == "tool_result" and m["role"] == "user":
                 if texts:  # text before a result: keep the order
-                    out.append({"role": "user", "content": "".join(texts)})
+                    out.append({"role": "user", "content": _joined(texts)})
                     texts = []
                 if not isinstance(b.get("tool_use_id"), str):
                     raise _bad(f"{at}.tool_use_id", f"{at}.tool_use_id must be a string")
-                result = _text_of(b.get("content", ""), f"{at}.content")
+                result = _parts_of(b.get("content", ""), f"{at}.content")
                 if b.get("is_error"):
-                    result = f"Error: {result}"
+                    result = f"Error: {result}" if isinstance(result, str) else \
+                        [{"type": "text", "text": "Error: "}] + result
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": result})
             else:
                 raise _bad(at, f"{at}: block type {kind!r} is not supported in a {m['role']} message (text, "
-                               "tool_use and thinking for the assistant; text and tool_result for the user)")
+                               "tool_use and thinking for the assistant; text, image and tool_result for the user)")
         if m["role"] == "assistant":
             # as the gateway's parser returns them: content stripped or None next to tool calls
-            text = "".join(texts)
+            text = "".join(p["text"] for p in texts)
             out.append({"role": "assistant", "content": (text.strip() or None) if calls else text,
                         **({"reasoning_content": "".join(thinking)} if thinking else {}),
                         **({"tool_calls": calls} if calls else {})})
         elif texts:
-            out.append({"role": "user", "content": "".join(texts)})
+            out.append({"role": "user", "content": _joined(texts)})
     return out
 
 
@@ -256,7 +294,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         sess = gw.session_for_key(_session_key(request))
         body = await _body(request)
         req = parse_messages_request({**body, "max_tokens": body.get("max_tokens") or 1}, gw.config.default_max_tokens)
-        _, prompt_ids, _ = gw.prompt_of(sess, req)
+        _, prompt_ids, _, _ = gw.prompt_of(sess, req)
     except ApiError as exc:
         return web.json_response(error_body(exc), status=exc.status)
     return web.json_response({"input_tokens": len(prompt_ids) + len(gw.renderer.encode(gw.forced_text(req)))})

@@ -240,6 +240,14 @@ def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 
 
+def image_data(call: _Call) -> list[str] | None:
+    """SGLang's ``image_data`` of a call: every image of its prompt, in order, as data URLs."""
+    from forge_megatron.multimodal.images import data_url
+
+    return [data_url(x) for x in call.turn.images] if call.turn.images else None
+
+
+IMAGE_CACHE = 256  # normalised images a gateway keeps (by the content of what the agent sent)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs (the legacy completions' logprobs: 5)
 # Sampling controls the gateway does not serve, with the values that leave sampling alone (those pass). Penalties,
@@ -429,6 +437,40 @@ def _sampling_params(body: dict, default_max_tokens: int) -> dict:
     return params
 
 
+# Where an image part was, in a message's text until the gateway puts the model's image placeholder there
+# (Gateway.with_images); a text part holding it is refused.
+IMAGE_MARK = "\x00forge:image\x00"
+IMAGE_KEY = "forge_images"  # a normalised message's images (encoded bytes), in the order of its marks
+
+
+def _content_parts(content: list, role: str, where: str) -> tuple[str, list[bytes]]:
+    """The text of OpenAI content parts, an :data:`IMAGE_MARK` per image part (user and tool messages: ``image_url``
+    with a data URL; nothing is fetched), and the images' bytes."""
+    from forge_megatron.multimodal.images import ImageError, decode_data
+
+    texts, images = [], []
+    for j, p in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            if IMAGE_MARK in p["text"]:
+                raise _bad(at, f"{at}.text holds a NUL-delimited marker the gateway reserves")
+            texts.append(p["text"])
+        elif kind == "image_url" and role in ("user", "tool"):
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            try:
+                images.append(decode_data(url, f"{at}.image_url"))
+            except ImageError as exc:
+                raise _bad(f"{at}.image_url", str(exc)) from None
+            texts.append(IMAGE_MARK)
+        else:
+            raise _bad(at, f"{at} must be a text part {{type: 'text', text: str}}"
+                           + (" or an image part {type: 'image_url', image_url: {url: 'data:image/...;base64,...'}}"
+                              if role in ("user", "tool") else ""))
+    return "".join(texts), images
+
+
 def _normalise_message(m, i: int) -> dict:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
@@ -437,12 +479,13 @@ def _normalise_message(m, i: int) -> dict:
     if role not in ROLES:
         raise _bad(f"{where}.role", f"{where}.role must be one of {ROLES}, got {role!r}")
     content = m.get("content")
-    if isinstance(content, list):  # content parts: keep the text ones
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise _bad(f"{where}.content", f"{where}.content parts must be {{type: 'text', text: str}}")
-        content = "".join(p["text"] for p in content)
+    images = []
+    if isinstance(content, list):  # content parts: text, and images in user and tool messages
+        content, images = _content_parts(content, role, where)
     if content is not None and not isinstance(content, str):
-        raise _bad(f"{where}.content", f"{where}.content must be a string, an array of text parts, or null")
+        raise _bad(f"{where}.content", f"{where}.content must be a string, an array of content parts, or null")
+    if content and content.count(IMAGE_MARK) != len(images):
+        raise _bad(f"{where}.content", f"{where}.content holds a NUL-delimited marker the gateway reserves")
     reasoning = m.get("reasoning_content", m.get("reasoning")) if role == "assistant" else None
     if reasoning is not None and not isinstance(reasoning, str):
         raise _bad(f"{where}.reasoning_content", f"{where}.reasoning_content must be a string or null")
@@ -456,6 +499,8 @@ def _normalise_message(m, i: int) -> dict:
                              for j, tc in enumerate(m["tool_calls"])]
     if role == "tool":
         out["tool_call_id"] = m.get("tool_call_id")
+    if images:
+        out[IMAGE_KEY] = images
     return out
 
 
@@ -487,6 +532,7 @@ class Gateway:
         if hasattr(model_config, "get_text_config"):  # a vision-language checkpoint (Qwen3.5): its language model's
             model_config = model_config.get_text_config()
         self.renderer = ChatRenderer(tokenizer, end_ids=model_end_ids(config.model_path))
+        self.images, self.image_placeholder = self._image_processor(config.model_path)
         self.context_length = config.context_length or int(getattr(model_config, "max_position_embeddings", 4096))
         self.vocab_size = int(getattr(model_config, "vocab_size", 0) or len(self.renderer.tok))
         self.routing_shape = None  # (layers, topk) when recording routed experts
@@ -512,6 +558,7 @@ class Gateway:
                                  shared=shared)
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model_path))
         self.groups: OrderedDict[str, dict] = OrderedDict()  # the newest MAX_GROUPS (older ones are long done)
+        self.image_cache: OrderedDict[str, bytes] = OrderedDict()  # normalised images by the sent bytes' digest
         self.sessions: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}
         self.ended_ids: deque[str] = deque()  # oldest first; bounded by keep_ended_sessions and keep_ended_mib
@@ -678,23 +725,117 @@ class Gateway:
             self.ended_bytes -= old.recorded_bytes()
             self.stats["forgotten_sessions"] += 1
 
+    # --- images ------------------------------------------------------------------------------------------------
+    def _image_processor(self, model_path: str):
+        """(the checkpoint's multimodal ImageProcessor, the text of one image in a prompt) for a Qwen-VL checkpoint with
+        an image processor; (None, None) for other models (an image in a request is then a 400)."""
+        from forge_megatron.multimodal.images import ImageProcessor
+
+        try:
+            processor = ImageProcessor(model_path)
+        except (ValueError, OSError):
+            return None, None
+        with open(os.path.join(model_path, "config.json")) as f:
+            cfg = json.load(f)
+        start, end = cfg.get("vision_start_token_id"), cfg.get("vision_end_token_id")
+        if start is None or end is None:
+            return None, None
+        text = self.renderer.tok.decode([start, processor.spec.image_token_id, end], skip_special_tokens=False)
+        if self.renderer.encode(text) != [start, processor.spec.image_token_id, end]:
+            log.warning("%s: its image tokens do not tokenize back to themselves; requests with images are refused",
+                        model_path)
+            return None, None
+        return processor, text
+
+    def with_images(self, req: ChatRequest) -> tuple[ChatRequest, list[bytes]]:
+        """``req`` with the model's image placeholder where each image part was, and the images normalised
+        (multimodal/images.py), in prompt order; a 400 when the model takes no images or an image is unusable."""
+        if not any(IMAGE_KEY in m for m in req.messages):
+            return req, []
+        if self.images is None:
+            raise _bad("messages", f"{self.model_name} takes no images (images are served for Qwen3-VL, Qwen3-VL-MoE "
+                                   "and Qwen3.5 checkpoints with an image processor)")
+        from forge_megatron.multimodal.images import ImageError
+
+        images, messages = [], []
+        for i, m in enumerate(req.messages):
+            if IMAGE_KEY in m:
+                try:
+                    images += [self._normalized(x, f"messages[{i}] image {k}") for k, x in enumerate(m[IMAGE_KEY])]
+                except ImageError as exc:
+                    raise _bad(f"messages[{i}].content", str(exc)) from None
+                m = {k: v for k, v in m.items() if k != IMAGE_KEY}
+                m["content"] = m["content"].replace(IMAGE_MARK, self.image_placeholder)
+            messages.append(m)
+        return replace(req, messages=messages), images
+
+    def _normalized(self, data: bytes, where: str) -> bytes:
+        """The normalised PNG of an image, cached by content (an agent sends its history's images with every call)."""
+        from forge_megatron.multimodal.images import digest
+
+        key = digest(data)
+        out = self.image_cache.get(key)
+        if out is None:
+            out = self.images.normalize(data, where)
+            self.image_cache[key] = out
+            while len(self.image_cache) > IMAGE_CACHE:
+                self.image_cache.popitem(last=False)
+        else:
+            self.image_cache.move_to_end(key)
+        return out
+
+    def expand_images(self, prev, ids: list[int], continues: bool, text: str, images: list[bytes]):
+        """(prompt ids, continues) with each image's one placeholder token made its token count: a continuation keeps
+        the previous call's ids (images already expanded) when its images start the new call's, else the prompt is
+        tokenized anew and starts a segment."""
+        from forge_megatron.multimodal.images import digest
+
+        before = (prev.images or []) if prev is not None else []
+        pad = self.images.spec.image_token_id
+        if continues and ([digest(x) for x in before] != [digest(x) for x in images[:len(before)]]
+                          or pad in prev.completion()):  # an image token the model sampled is no image
+            ids, continues = self.renderer.encode(text), False
+        start, first = (len(prev.ids()), len(before)) if continues else (0, 0)
+        head, tail = ids[:start], ids[start:]
+        found = tail.count(pad)
+        if found != len(images) - first:
+            raise _bad("messages", f"the prompt has {found} image placeholder(s) for {len(images) - first} image(s): "
+                                   "does a text hold the model's image token?")
+        out, k = list(head), first
+        for t in tail:
+            if t == pad:
+                out += [pad] * self.images.num_tokens(images[k])
+                k += 1
+            else:
+                out.append(t)
+        return out, continues
+
     # --- one chat call ----------------------------------------------------------------------------------------
     def template_kwargs(self, req: ChatRequest) -> dict:
         return {**self.config.chat_template_kwargs, **req.template_kwargs}
 
-    def prompt_of(self, sess: Session, req: ChatRequest) -> tuple[str, list[int], bool]:
-        """(prompt text, prompt ids, continues the session's segment) of a request; a 400 naming the chat template's
-        own message when the template refuses the messages."""
+    def prompt_of(self, sess: Session, req: ChatRequest,
+                  images: list[bytes] | None = None) -> tuple[str, list[int], bool, list[bytes]]:
+        """(prompt text, prompt ids, continues the session's segment, the prompt's normalised images) of a request
+        (``images``: those of a request :meth:`with_images` has already been through); a 400 naming the chat
+        template's own message when the template refuses the messages."""
         if req.prompt is not None or req.prompt_ids is not None:
-            return self.renderer.raw_prompt_ids(sess.last_turn, req.prompt, req.prompt_ids)
+            return (*self.renderer.raw_prompt_ids(sess.last_turn, req.prompt, req.prompt_ids), [])
+        if images is None:
+            req, images = self.with_images(req)
         try:
-            return self.renderer.prompt_ids(sess.last_turn, req.messages, req.tools, self.template_kwargs(req))
+            text, ids, continues = self.renderer.prompt_ids(sess.last_turn, req.messages, req.tools,
+                                                            self.template_kwargs(req))
         except TemplateRenderError as exc:
             raise ApiError(400, str(exc), param="messages", code="chat_template_error") from exc
+        if self.images is not None:  # (a text naming the image token without an image is a 400 there)
+            ids, continues = self.expand_images(sess.last_turn, ids, continues, text, images)
+        return text, ids, continues, images
 
     def prepare(self, sess: Session, req: ChatRequest) -> _Call:
         kwargs = self.template_kwargs(req)
-        text, prompt_ids, continues = self.prompt_of(sess, req)
+        req, images = self.with_images(req)
+        text, prompt_ids, continues, _ = self.prompt_of(sess, req, images)
         forced = self.forced_text(req)
         reasoning_open = self.reasoning is not None and self.reasoning.opens(text)
         if forced and reasoning_open:
@@ -708,8 +849,10 @@ class Gateway:
             raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; the context length is {self.context_length}",
                            param="messages", code="context_length_exceeded")
         sampling = self.sampling_for(sess, {**req.sampling, "max_new_tokens": min(req.sampling["max_new_tokens"], room)})
+        if self.images is not None:  # a sampled image token ends the completion (its text would read as an image)
+            sampling["stop_token_ids"] = [*sampling.get("stop_token_ids", ()), self.images.spec.image_token_id]
         turn = _Turn(messages=req.messages, tools=req.tools, prompt_text=text, prompt_ids=prompt_ids,
-                     completion_ids=[], assistant_message={}, template_kwargs=kwargs)
+                     completion_ids=[], assistant_message={}, template_kwargs=kwargs, images=images)
         return _Call(turn=turn, continues=continues, sampling=sampling, forced_text=forced, started=time.time(),
                      reasoning_open=reasoning_open, top_logprobs=req.top_logprobs)
 
@@ -760,7 +903,7 @@ class Gateway:
                 result = await self.fleet.generate(ids, sampling, session_key=sess.session_id,
                                                    return_routed_experts=self.routing_shape is not None,
                                                    group_key=sess.group_id or None,
-                                                   top_logprobs_num=call.top_logprobs)
+                                                   top_logprobs_num=call.top_logprobs, image_data=image_data(call))
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
             if result.finish_type != "abort":
@@ -785,7 +928,7 @@ class Gateway:
                 async for result in self.fleet.generate_stream(
                         ids, sampling, session_key=sess.session_id,
                         return_routed_experts=self.routing_shape is not None, group_key=sess.group_id or None,
-                        top_logprobs_num=call.top_logprobs):
+                        top_logprobs_num=call.top_logprobs, image_data=image_data(call)):
                     sent = await on_partial(self.joined(call, result))
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc

@@ -84,6 +84,7 @@ class _Turn:
     template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables it was rendered with
     segment: SegmentBuilder | None = None  # once recorded: prompt + completion ids are this segment's tokens
     completion_len: int = 0  # once recorded: how many of them are the completion
+    images: list = field(default_factory=list)  # the prompt's images (normalised PNGs), in the order of their tokens
 
     def ids(self) -> list[int]:
         """Prompt + completion ids."""
@@ -114,6 +115,7 @@ class SegmentBuilder:
         self.versions = array("q")  # policy versions (-1: not sampled)
         self.routed: list[np.ndarray] = []  # int8/int16 [n, layers, topk] chunks, positions [0, routed_rows)
         self.routed_rows = 0
+        self.images: list[bytes] = []  # the segment's images (a call's prompt holds all of them so far), in order
 
     def add_routing(self, rows: np.ndarray | None) -> None:
         """Routing of positions [0, len(rows)) of the segment as one call saw them; new positions are kept."""
@@ -144,7 +146,7 @@ class SegmentBuilder:
     def nbytes(self) -> int:
         """Memory of the recorded per-token fields and routing."""
         return sum(a.itemsize * len(a) for a in (self.tokens, self.loss_mask, self.logprobs, self.versions)) + \
-            sum(r.nbytes for r in self.routed)
+            sum(r.nbytes for r in self.routed) + sum(len(x) for x in self.images)
 
     def to_segment(self) -> Segment:
         routed = None
@@ -154,7 +156,7 @@ class SegmentBuilder:
             routed = np.concatenate(self.routed + [missing])
         return Segment(tokens=self.tokens.tolist(), loss_mask=self.loss_mask.tolist(),
                        rollout_logprobs=self.logprobs.tolist(), policy_versions=self.versions.tolist(),
-                       routed_experts=routed)
+                       routed_experts=routed, images=list(self.images) or None)
 
 
 def _template_messages(messages: list[dict]) -> list[dict]:
@@ -168,6 +170,8 @@ def _template_messages(messages: list[dict]) -> list[dict]:
         calls = m.get("tool_calls")
         if calls and any(isinstance((c.get("function") or {}).get("arguments"), str) for c in calls):
             m = {**m, "tool_calls": [_with_object_arguments(c) for c in calls]}
+        if "forge_images" in m:  # (gateway.IMAGE_KEY) the gateway's, not the template's
+            m = {k: v for k, v in m.items() if k != "forge_images"}
         if m.get("reasoning_content") is not None and "thinking" not in m:
             m = {**m, "thinking": m["reasoning_content"]}  # gpt-oss's template reads the reasoning from "thinking"
         out.append(m)
@@ -338,12 +342,14 @@ class Session:
         seg.add_completion(call.completion_ids, call.logprobs,
                            call.policy_versions if call.policy_versions is not None else call.policy_version)
         seg.add_routing(routed)
+        if turn.images:  # the prompt's images start with the segment's (Gateway.expand_images)
+            seg.images = list(turn.images)
         call.segment_index = len(self.segments) - 1
         call.prompt_len, call.completion_len = len(turn.prompt_ids), len(call.completion_ids)
         call.prompt_ids = call.completion_ids = call.logprobs = call.policy_versions = None  # in the segment now
         self.calls.append(call)
         self.last_turn = dataclasses.replace(turn, prompt_ids=None, completion_ids=None, segment=seg,
-                                             completion_len=call.completion_len)
+                                             completion_len=call.completion_len, images=seg.images)
 
     def recorded_bytes(self) -> int:
         """Memory of what the session recorded: its segments' arrays (the call records hold positions of them)."""

@@ -14,14 +14,16 @@ Request -> chat form:
                                                 back along its own chain) before this request's input
   input: a string                            -> one user message
   input items: messages (user / system / developer / assistant; content a string or input_text / output_text
-  parts; developer counts as system)         -> messages
+  parts, and input_image parts (a data URL) in user messages; developer counts as system)
+                                             -> messages (images: OpenAI image parts; see gateway.py)
   reasoning items (content reasoning_text, or only the encrypted_content this gateway issued)
                                              -> reasoning_content of the next assistant message (the chat template
                                                 renders it back, so the turn continues its segment)
   function_call items (call_id, name, arguments) and custom_tool_call items (call_id, name, input)
                                              -> tool_calls of the assistant message they follow (one turn's message
                                                 and calls become one assistant message again)
-  function_call_output / custom_tool_call_output items (call_id, output: a string or text parts) -> tool messages
+  function_call_output / custom_tool_call_output items (call_id, output: a string, or text and input_image parts)
+                                             -> tool messages
   tools: {type: function, name, description, parameters} -> function tools
          {type: custom, name, description, format: text | {type: grammar, syntax: lark | regex, definition}}
                                              -> a function tool taking one string parameter ``input`` (described
@@ -30,7 +32,8 @@ Request -> chat form:
   stream, store, include [reasoning.encrypted_content, message.output_text.logprobs], top_logprobs;
   reasoning.effort -> the chat template variable ``reasoning_effort`` (as chat completions' reasoning_effort);
   extension: ignore_eos
-  other item, part and tool types (images, files, built-in tools), background, conversation and prompt are a 400
+  other item, part and tool types (files, image file_ids and URLs, built-in tools), background, conversation and
+  prompt are a 400
   naming them.
 Reply: a ``response`` object whose ``output`` holds a reasoning item (``content`` [reasoning_text]; with a reasoning
 parser and a reasoning block; ``encrypted_content`` too when asked by ``include``), a message item (output_text, with
@@ -131,6 +134,24 @@ def _text(content, where: str, kinds: tuple[str, ...]) -> str:
     return "".join(parts)
 
 
+def _with_images(content, where: str, kinds: tuple[str, ...]):
+    """:func:`_text`, or OpenAI content parts when ``content`` has ``input_image`` parts (``image_url`` a data URL;
+    a ``file_id`` or a web URL is refused: nothing is fetched)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content, where, kinds)
+    parts = []
+    for i, p in enumerate(content):
+        if isinstance(p, dict) and p.get("type") == "input_image":
+            if not isinstance(p.get("image_url"), str):
+                raise _bad(f"{where}[{i}].image_url", f"{where}[{i}].image_url must be a data URL (file_id and web "
+                                                      "URLs are not fetched)")
+            parts.append({"type": "image_url", "image_url": {"url": p["image_url"]}})
+        else:
+            parts.append({"type": "text", "text": _text([p], where, kinds)})
+    return parts
+
+
 def _strings(item: dict, where: str, fields: tuple[str, ...]) -> None:
     for name in fields:
         if not isinstance(item.get(name), str):
@@ -192,7 +213,8 @@ def input_messages(items) -> list[dict]:
                 msg = assistant()
                 msg["content"] = (msg["content"] or "") + text
             else:
-                text = _text(item.get("content"), f"{where}.content", ("input_text", "text"))
+                text = (_with_images if role == "user" else _text)(item.get("content"), f"{where}.content",
+                                                                   ("input_text", "text"))
                 out.append({"role": "system" if role == "developer" else role, "content": text})
                 in_turn = False
         elif kind == "reasoning":
@@ -209,7 +231,7 @@ def input_messages(items) -> list[dict]:
                 "arguments": custom_arguments(item["input"]) if custom else item["arguments"]}})
         elif kind in ("function_call_output", "custom_tool_call_output"):
             _strings(item, where, ("call_id",))
-            output = _text(item.get("output"), f"{where}.output", ("input_text", "output_text", "text"))
+            output = _with_images(item.get("output"), f"{where}.output", ("input_text", "output_text", "text"))
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
             in_turn = False
         else:

@@ -70,19 +70,24 @@ def vision_spec(hf_config: dict) -> VisionSpec:
                       interleaved=bool(rope.get("mrope_interleaved", False)), deepstack_layers=len(indexes))
 
 
-def image_runs(tokens_L: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
-    """(start, end) of every maximal run of image tokens in one sample."""
-    is_image = np.concatenate([[False], np.asarray(tokens_L) == image_token_id, [False]])
+def image_runs(tokens_L: np.ndarray, image_token_id: int, sampled_L=None) -> list[tuple[int, int]]:
+    """(start, end) of every maximal run of image tokens in one sample; with ``sampled_L`` (the loss mask: 1 where
+    the policy sampled the token) only among the prompt's tokens: an image token the model sampled is text."""
+    is_image = np.asarray(tokens_L) == image_token_id
+    if sampled_L is not None:
+        is_image &= np.asarray(sampled_L) == 0
+    is_image = np.concatenate([[False], is_image, [False]])
     edges = np.flatnonzero(is_image[1:] != is_image[:-1])
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
-def split_runs(tokens_L: np.ndarray, grids: list, spec: VisionSpec) -> list[tuple[int, int]]:
+def split_runs(tokens_L: np.ndarray, grids: list, spec: VisionSpec, sampled_L=None) -> list[tuple[int, int]]:
     """(start, end) of each image's tokens in one sample, in order; ValueError when the image tokens do not add up to
-    ``grids`` (adjacent images form one run and are split by their token counts)."""
+    ``grids`` (adjacent images form one run and are split by their token counts). ``sampled_L``: see
+    :func:`image_runs`."""
     counts = [spec.tokens_per_image(g) for g in grids]
     spans, k = [], 0
-    for start, end in image_runs(tokens_L, spec.image_token_id):
+    for start, end in image_runs(tokens_L, spec.image_token_id, sampled_L):
         while start < end:
             if k == len(counts):
                 raise ValueError(f"image tokens at {start}..{end} beyond the sample's {len(counts)} image(s)")
@@ -97,12 +102,13 @@ def split_runs(tokens_L: np.ndarray, grids: list, spec: VisionSpec) -> list[tupl
     return spans
 
 
-def positions_3d(tokens_L, grids: list, spec: VisionSpec) -> np.ndarray:
-    """int64 [L, 3] (time, height, width) mRoPE positions of one sample with images of ``grids`` (t, h, w patches)."""
+def positions_3d(tokens_L, grids: list, spec: VisionSpec, sampled_L=None) -> np.ndarray:
+    """int64 [L, 3] (time, height, width) mRoPE positions of one sample with images of ``grids`` (t, h, w patches)
+    (``sampled_L``: see :func:`image_runs`)."""
     tokens_L = np.asarray(tokens_L)
     out = np.empty((tokens_L.size, 3), dtype=np.int64)
     pos, cursor = 0, 0
-    for (start, end), grid in zip(split_runs(tokens_L, grids, spec), grids):
+    for (start, end), grid in zip(split_runs(tokens_L, grids, spec, sampled_L), grids):
         n = start - cursor  # the text before the image
         out[cursor:start] = (pos + np.arange(n))[:, None]
         pos += n

@@ -87,17 +87,20 @@ class VisionTree:
                           self.features)
 
 
-def sample_keys(samples_tokens: list, samples_images: list, spec: VisionSpec) -> tuple[list, dict, int]:
+def sample_keys(samples_tokens: list, samples_images: list, spec: VisionSpec,
+                samples_sampled: list | None = None) -> tuple[list, dict, int]:
     """The tree keys of every sample (int64 arrays), the distinct images ({digest: (number, ImageInput)}, numbered
-    in first-appearance order) and the keys' stride (one image's key range)."""
+    in first-appearance order) and the keys' stride (one image's key range). ``samples_sampled``: the samples' loss
+    masks (an image token the policy sampled is text: qwen_vl.image_runs)."""
     distinct: dict[str, tuple[int, ImageInput]] = {}
     keys = []
     stride = 1 + max((spec.tokens_per_image(im.grid_thw) for ims in samples_images for im in ims or ()), default=0)
+    sampled = samples_sampled or [None] * len(samples_tokens)
     for s, (tokens, images) in enumerate(zip(samples_tokens, samples_images)):
         tokens = np.asarray(tokens, dtype=np.int64)
         images = list(images or ())
         try:
-            spans = split_runs(tokens, [im.grid_thw for im in images], spec)
+            spans = split_runs(tokens, [im.grid_thw for im in images], spec, sampled[s])
         except ValueError as e:
             raise ValueError(f"sample {s}: {e}") from None
         key = tokens.copy()
@@ -108,14 +111,16 @@ def sample_keys(samples_tokens: list, samples_images: list, spec: VisionSpec) ->
     return keys, distinct, stride
 
 
-def build_vision_tree(samples_tokens: list, samples_images: list, spec: VisionSpec, backend: str = "auto"):
+def build_vision_tree(samples_tokens: list, samples_images: list, spec: VisionSpec, backend: str = "auto",
+                      samples_sampled: list | None = None):
     """The :class:`~forge_megatron.tree.TreeLayout` of samples with images (``samples_images[s]``: sample s's
-    :class:`ImageInput` list in the order of its image-token runs; empty for a text sample), its ``vision`` set."""
+    :class:`ImageInput` list in the order of its image-token runs; empty for a text sample), its ``vision`` set.
+    ``samples_sampled``: the samples' loss masks (image tokens the policy sampled are text)."""
     from forge_megatron.tree import build_tree
 
     if len(samples_tokens) != len(samples_images):
         raise ValueError(f"{len(samples_tokens)} samples but {len(samples_images)} image lists")
-    keys, distinct, stride = sample_keys(samples_tokens, samples_images, spec)
+    keys, distinct, stride = sample_keys(samples_tokens, samples_images, spec, samples_sampled)
     layout = build_tree(keys, backend=backend)
     key_T = layout.tokens
     is_image_T = key_T >= VIRTUAL_BASE
@@ -125,8 +130,9 @@ def build_vision_tree(samples_tokens: list, samples_images: list, spec: VisionSp
     rows_T = torch.full_like(key_T, -1)
     local = key_T[is_image_T] - VIRTUAL_BASE
     rows_T[is_image_T] = first_row[local // stride] + local % stride
-    positions_P3 = np.concatenate([positions_3d(t, [im.grid_thw for im in ims or ()], spec)
-                                   for t, ims in zip(samples_tokens, samples_images)])
+    sampled = samples_sampled or [None] * len(samples_tokens)
+    positions_P3 = np.concatenate([positions_3d(t, [im.grid_thw for im in ims or ()], spec, m)
+                                   for t, ims, m in zip(samples_tokens, samples_images, sampled)])
     positions_T3 = torch.zeros(layout.unique_tokens, 3, dtype=torch.int64)
     positions_T3[layout.sample_nodes] = torch.from_numpy(positions_P3)
     if not torch.equal(positions_T3[layout.sample_nodes], torch.from_numpy(positions_P3)):

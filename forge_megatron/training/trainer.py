@@ -97,6 +97,24 @@ def with_image_inputs(samples: list, vision) -> list:
     return out
 
 
+def _drop_image_mismatches(samples: list, spec, batch_id) -> list:
+    """``samples`` less those whose prompt's image tokens do not match their images (logged): training them would
+    stop every restart of the run at this batch."""
+    from forge_megatron.multimodal.qwen_vl import split_runs
+
+    kept = []
+    for s in samples:
+        try:
+            split_runs(s.tokens, [im.grid_thw for im in getattr(s, "images", None) or ()], spec, s.loss_mask)
+        except ValueError as exc:
+            log.warning("batch %s: a sample of episode %s left out: %s", batch_id, s.episode_id, exc)
+            continue
+        kept.append(s)
+    if not kept:
+        raise RuntimeError(f"batch {batch_id}: no sample of this DP rank has image tokens matching its images")
+    return kept
+
+
 def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = False, split: bool = False,
                    vision=None):
     """One ``TreeMicroBatch``: the prefix forest of ``samples`` and their per-target loss inputs (and, with
@@ -115,7 +133,8 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
             raise ValueError("--routing-replay-split with images is not supported: merge by tokens and images")
         from forge_megatron.multimodal import build_vision_tree
 
-        layout = build_vision_tree([s.tokens.astype(np.int64) for s in samples], images, vision)
+        layout = build_vision_tree([s.tokens.astype(np.int64) for s in samples], images, vision,
+                                   samples_sampled=[s.loss_mask for s in samples])
     elif routing_replay and split:
         from forge_megatron.mcore.routing_replay import split_tree
 
@@ -190,6 +209,8 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
                            f"({len(groups)} groups for {dp_size} DP ranks, {len(too_long)} sample(s) over the token "
                            "budget left out): raise --train-batch-groups or --tree-token-budget")
     samples = with_image_inputs(samples, vision)  # this DP rank's only
+    if vision is not None:
+        samples = _drop_image_mismatches(samples, getattr(vision, "spec", vision), batch.batch_id)
     if merging:
         seqs = [s.tokens for s in samples]
         if routing_replay and routing_split:  # the budget counts the tree that will be built
@@ -199,7 +220,8 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
         elif vision is not None and _images_of(samples) is not None:  # likewise: images merge only when equal
             from forge_megatron.multimodal.tree import sample_keys
 
-            seqs = sample_keys(seqs, _images_of(samples), getattr(vision, "spec", vision))[0]
+            seqs = sample_keys(seqs, _images_of(samples), getattr(vision, "spec", vision),
+                               [s.loss_mask for s in samples])[0]
         parts = pack_micro_batches(seqs, token_budget, keys=[s.group_index for s in samples])
     else:
         parts = [[i] for i in range(len(samples))]

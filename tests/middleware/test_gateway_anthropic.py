@@ -95,7 +95,9 @@ def test_system_blocks_stop_sequences_and_max_tokens(stack):
 @pytest.mark.parametrize("body, status, kind, words", [
     ({"messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error", "max_tokens is required"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
-     "invalid_request_error", "block type 'image' is not supported"),
+     "invalid_request_error", "source must be {type: 'base64'"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, 400,
+     "invalid_request_error", "block type 'document' is not supported"),
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error",
      "must be 'user' or 'assistant'"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}}, 400,

@@ -98,8 +98,10 @@ def test_instructions_developer_messages_and_max_output_tokens(stack):
 
 @pytest.mark.parametrize("body, words", [
     ({"input": []}, "input must be a string or a non-empty array"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "part type 'input_image' is not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "image_url must be a data URL"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "part type 'input_file' is not supported"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tool type 'web_search' is not supported"),
     ({"input": "x", "previous_response_id": "resp_1"}, "no stored response 'resp_1' in this session"),
     ({"input": "x", "background": True}, "background responses are not supported"),

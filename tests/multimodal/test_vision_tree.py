@@ -165,11 +165,11 @@ def _parallel_body(rank, world_size, hf_dir, sequence_parallel):
 
 
 def train_samples(samples, images):
-    """The trainer's view of the samples (what the pool delivers), images attached."""
+    """The trainer's view of the samples (what the pool delivers), images attached; the last two tokens sampled."""
     from forge_megatron.middleware.batch import TrainSample
 
     n = [len(t) for t in samples]
-    return [TrainSample(tokens=np.asarray(t, np.int32), loss_mask=np.ones(k, np.uint8),
+    return [TrainSample(tokens=np.asarray(t, np.int32), loss_mask=np.asarray([0] * (k - 2) + [1, 1], np.uint8),
                         rollout_logprobs=np.zeros(k, np.float32), policy_versions=np.zeros(k, np.int32),
                         advantages=np.ones(k, np.float32), sample_weight=1.0, group_index=i // 3, episode_id=str(i),
                         domain="vision", reward=0.0, images=ims or None)
@@ -480,3 +480,28 @@ def test_engine_generates_from_images(vl_model_dir):
         assert np.allclose(result.logprobs, want.numpy(), atol=1e-4), (result.logprobs, want)
     assert len(errors) == 3
     assert "not valid base64" in errors[0] and "beyond the sample's 1 image" in errors[1] and "not fetched" in errors[2]
+
+
+def test_sampled_image_tokens_are_text(vl_dirs):
+    """An image token the policy sampled (loss mask 1) is a text token: no image row, plain positions; the trainer
+    leaves out a sample whose prompt's image tokens do not match its images rather than stop the run."""
+    from forge_megatron.bridge.families import load_hf_config
+    from forge_megatron.middleware.batch import TrainBatch
+    from forge_megatron.multimodal import build_vision_tree, vision_spec
+    from forge_megatron.training.trainer import rank_batch
+
+    spec = vision_spec(load_hf_config(vl_dirs["qwen3_vl"]))
+    samples, images = batch()
+    sample = np.concatenate([samples[0], [IMG, 3]])
+    mask = np.zeros(len(sample), np.uint8)
+    mask[-2:] = 1
+    layout = build_vision_tree([sample], [images[0]], spec, samples_sampled=[mask])
+    assert int(layout.vision.rows_T[-2]) == -1 and int(layout.tokens[-2]) == IMG
+    pos = layout.vision.positions_T3
+    assert torch.equal(pos[-2], pos[-3] + 1) and torch.equal(pos[-2], pos[-2, :1].expand(3))
+    with pytest.raises(ValueError, match="beyond the sample's 1 image"):
+        build_vision_tree([sample], [images[0]], spec)  # without the mask: an image token run too many
+    ts = train_samples([sample, samples[1]], [images[0], []])  # sample 1's image tokens have no image
+    ts[0].loss_mask[:] = mask
+    rb = rank_batch(TrainBatch(0, ts, [0]), 4096, True, 0, 1, [], hidden_size=8, vision=spec)
+    assert [s.episode_id for s in rb.samples] == ["0"]
