@@ -1,7 +1,8 @@
 """scripts/train_forge.py on episodes with images: the pool stores and delivers them, the trainer broadcasts them to its
 ranks, encodes them with the checkpoint's image processor and its frozen vision tower, and scores the engine's
-sampled tokens as the engine did (step 1: the same weights), under one rank and PP2 (two processes: the batch
-broadcast carries the images; the first stage puts the features in and adds DeepStack's)."""
+sampled tokens as the engine did (step 1: the same weights), under one rank, PP2 (two processes: the batch
+broadcast carries the images; the first stage puts the features in and adds DeepStack's) and full recomputation (the
+recomputed layers add DeepStack's features again)."""
 
 from __future__ import annotations
 
@@ -50,16 +51,36 @@ def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: in
                                           reward=float(e % 2), started_at=now - 1, ended_at=now))
 
 
-@pytest.mark.parametrize("nproc,extra", [(1, []), (2, ["--pipeline-model-parallel-size", "2"])], ids=["one", "pp2"])
-def test_trainer_scores_and_trains_on_images(tmp_path, nproc, extra):
+def _run(tmp_path, name, nproc=1, extra=()):
     from forge_megatron.models.tiny import build_tiny_model
 
     model_dir = build_tiny_model(str(tmp_path / "vl"), "qwen3_vl", images=True, seed=3)
-    steps, stdouts, _ = run_on_fresh_pool(tmp_path, "run", model_dir, lambda c: _feed_image_rollouts(c, model_dir),
-                                          iters=2, groups=1, nproc=nproc, model=[], extra=extra)
+    steps, stdouts, _ = run_on_fresh_pool(tmp_path, name, model_dir, lambda c: _feed_image_rollouts(c, model_dir),
+                                          iters=2, groups=1, nproc=nproc, model=[], extra=list(extra))
     assert len(steps) == 2
     first = steps[0]
     assert first["rollout_logp_abs_diff"] < 1e-4 and first["rollout_logp_abs_diff_max"] < 1e-3
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert all(np.isfinite(s["loss"]) for s in steps)
     assert "vision tower of" in "".join(stdouts)  # loaded on the first micro-batch with images
+    return steps
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("one"), "one")
+
+
+def test_trainer_scores_and_trains_on_images(one_rank_run):
+    assert one_rank_run[1]["loss"] != one_rank_run[0]["loss"]
+
+
+@pytest.mark.parametrize("nproc,extra", [
+    (2, ["--pipeline-model-parallel-size", "2"]),
+    (1, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])],
+    ids=["pp2", "recompute"])
+def test_images_train_alike_under_pp2_and_recomputation(tmp_path, one_rank_run, nproc, extra):
+    steps = _run(tmp_path, "run", nproc, extra)
+    for got, want in zip(steps, one_rank_run):  # the second step after one update: the gradients agreed
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
