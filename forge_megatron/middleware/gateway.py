@@ -27,6 +27,11 @@ Routes
                       when it is the sink (forge-node); admin token like /forge/* when one is set
                       evaluation results (agents/evaluate.py publishes them, the trainer logs them), last 1000 kept
 
+Images (Qwen-VL checkpoints with an image processor): inline image parts of user messages and tool results (all three
+APIs) are normalised once (multimodal/images.py: resized to the processor's grid, a PNG), rendered as the model's
+image text, expanded to their token counts and sent to the engine as SGLang's ``image_data``; the segment records
+them, and a call continues it only when its images start with the segment's (:meth:`Gateway.expand_images`).
+
 ``tool_choice`` "required" or {"type": "function", "function": {"name": X}} is enforced by forcing a prefix: the
 parser's tool-call opening (``ToolParser.forced_prefix``) is appended to the prompt ids, so it is prompt (loss mask 0,
 policy version -1; the policy did not sample it), the engine continues from it, and the parser reads prefix +
