@@ -740,13 +740,8 @@ class Gateway:
             processor = ImageProcessor(model_path)
         except (ValueError, OSError):
             return None, None
-        with open(os.path.join(model_path, "config.json")) as f:
-            cfg = json.load(f)
-        start, end = cfg.get("vision_start_token_id"), cfg.get("vision_end_token_id")
-        if start is None or end is None:
-            return None, None
-        text = self.renderer.tok.decode([start, processor.spec.image_token_id, end], skip_special_tokens=False)
-        if self.renderer.encode(text) != [start, processor.spec.image_token_id, end]:
+        text = processor.placeholder(self.renderer.tok)
+        if text is None:
             log.warning("%s: its image tokens do not tokenize back to themselves; requests with images are refused",
                         model_path)
             return None, None
@@ -801,18 +796,10 @@ class Gateway:
                           or pad in prev.completion()):  # an image token the model sampled is no image
             ids, continues = self.renderer.encode(text), False
         start, first = (len(prev.ids()), len(before)) if continues else (0, 0)
-        head, tail = ids[:start], ids[start:]
-        found = tail.count(pad)
-        if found != len(images) - first:
-            raise _bad("messages", f"the prompt has {found} image placeholder(s) for {len(images) - first} image(s): "
-                                   "does a text hold the model's image token?")
-        out, k = list(head), first
-        for t in tail:
-            if t == pad:
-                out += [pad] * self.images.num_tokens(images[k])
-                k += 1
-            else:
-                out.append(t)
+        try:
+            out = self.images.expand(ids, images, start, first)
+        except ValueError as exc:
+            raise _bad("messages", str(exc)) from None
         return out, continues
 
     # --- one chat call ----------------------------------------------------------------------------------------

@@ -128,6 +128,34 @@ class ImageProcessor:
         self.min_pixels = int(size.get("shortest_edge") or getattr(self.hf, "min_pixels", 0) or 0)
         self.max_pixels = int(size.get("longest_edge") or getattr(self.hf, "max_pixels", 0) or (1 << 62))
         self._inputs = functools.lru_cache(maxsize=256)(self._image_input)
+        self.vision_start = hf_config.get("vision_start_token_id")
+        self.vision_end = hf_config.get("vision_end_token_id")
+
+    def placeholder(self, tokenizer) -> str | None:
+        """The text of one image in a prompt (``<|vision_start|><|image_pad|><|vision_end|>``), or None when the
+        tokenizer does not give those three tokens back as themselves."""
+        if self.vision_start is None or self.vision_end is None:
+            return None
+        ids = [self.vision_start, self.spec.image_token_id, self.vision_end]
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        return text if tokenizer.encode(text, add_special_tokens=False) == ids else None
+
+    def expand(self, ids: list[int], images: list[bytes], start: int = 0, first: int = 0) -> list[int]:
+        """``ids`` with each image placeholder token from ``start`` on made the token count of ``images[first:]`` in
+        turn; ValueError when their numbers differ."""
+        pad = self.spec.image_token_id
+        tail = ids[start:]
+        if tail.count(pad) != len(images) - first:
+            raise ValueError(f"the prompt has {tail.count(pad)} image placeholder(s) for {len(images) - first} "
+                             "image(s): does a text hold the model's image token?")
+        out, k = list(ids[:start]), first
+        for t in tail:
+            if t == pad:
+                out += [pad] * self.num_tokens(images[k])
+                k += 1
+            else:
+                out.append(t)
+        return out
 
     @property
     def factor(self) -> int:

@@ -33,7 +33,7 @@ import sys
 import time
 import urllib.request
 
-from forge_megatron.agents import calculator
+from forge_megatron.agents import calculator, colors
 from forge_megatron.agents.tasks import write_tasks
 from forge_megatron.utils.ports import free_port
 
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
                         "q/k RMSNorms over all heads); gemma4_moe: Gemma 4 26B-A4B's (--arch gemma4's layers with "
                         "routed experts beside the dense MLP in every layer)")
-    p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e"],
+    p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e",
+                                      "qwen3_vl"],
                    default="qwen2",
                    help="the dense model's layout: qwen2 (default); qwen3_5: the Qwen3.5 hybrid (Gated DeltaNet "
                         "linear-attention layers trained on prefix trees, every fourth layer, and the last, gated full "
@@ -90,7 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "proportional RoPE; normed values, a scalar per layer, logits soft-capped at 30); gemma4_e: "
                         "Gemma 4 E2B / E4B's (every other layer global, per-layer inputs, the second half of the "
                         "layers reusing the keys and values of the last of their kind before it, with double-wide "
-                        "MLPs; needs an even --num-layers of 4 or more)")
+                        "MLPs; needs an even --num-layers of 4 or more); qwen3_vl: a vision-language model "
+                        "(Qwen3-VL's: a one-block vision tower, DeepStack, interleaved mRoPE) on the colour task "
+                        "instead of the calculator (agents/colors.py: the agent sends a picture, the model names its "
+                        "colour; the pictures travel through gateway, engine, pool and trainer)")
+    p.add_argument("--sft-correct-fraction", type=float, default=0.3,
+                   help="--arch qwen3_vl: the fraction of warm-start answers that name the picture's colour (the "
+                        "others a random one), so RL has headroom")
     p.add_argument("--agent-api", choices=calculator.APIS, default="chat",
                    help="how the calculator agent calls the model: chat completions (default) or the OpenAI "
                         "Responses API (Codex-style agents); the gateway records and trains both alike")
@@ -161,14 +168,20 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
     from forge_megatron.models.tiny import build_tiny_model
 
     out = args.out
-    tasks = calculator.make_tasks(2400 + args.eval_tasks, seed=args.seed)  # the first 2400 do not depend on the count
+    vision = args.arch == "qwen3_vl"
+    task = colors if vision else calculator
+    tasks = task.make_tasks(2400 + args.eval_tasks, seed=args.seed)  # the first 2400 do not depend on the count
     sft_tasks, rl_tasks, heldout = tasks[:2000], tasks[2000:2400], tasks[2400:]
     write_tasks(os.path.join(out, "rl_tasks.jsonl"), rl_tasks)
     if heldout:
         write_tasks(os.path.join(out, "heldout_tasks.jsonl"), heldout)
     with open(os.path.join(out, "sft.jsonl"), "w") as f:
-        for chat in calculator.sft_conversations(sft_tasks, args.sft_tool_fraction, seed=args.seed):
-            f.write(json.dumps({"messages": chat, "tools": calculator.TOOLS}) + "\n")
+        if vision:
+            for chat in colors.sft_conversations(sft_tasks, args.sft_correct_fraction, seed=args.seed):
+                f.write(json.dumps({"messages": chat}) + "\n")
+        else:
+            for chat in calculator.sft_conversations(sft_tasks, args.sft_tool_fraction, seed=args.seed):
+                f.write(json.dumps({"messages": chat, "tools": calculator.TOOLS}) + "\n")
     kind = f"{args.moe} MoE, 4 experts top-2, " if args.moe else ""
     # gpt-oss and MiniMax-M2: every layer MoE, intermediate_size is the experts' width
     width = "intermediate_size" if args.moe in ("gpt_oss", "minimax_m2") else "moe_intermediate_size"
@@ -209,11 +222,15 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
         arch.update(sliding_window=32, final_logit_softcapping=30.0, num_kv_shared_layers=args.num_layers // 2,
                     layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(args.num_layers)])
         kind = "Gemma 4 E2B / E4B layout: per-layer inputs, KV shared by the second half of the layers, "
+    if vision:
+        arch["images"] = True
+        kind = "Qwen3-VL: a one-block vision tower, DeepStack, interleaved mRoPE; the colour task, "
     print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
                             num_hidden_layers=args.num_layers, **arch)
-    print(f"[demo] 2/5 supervised warm-start: {args.sft_steps} steps, tool used in {args.sft_tool_fraction:.0%} "
-          "of the examples", flush=True)
+    what = (f"the right colour in {args.sft_correct_fraction:.0%} of the answers" if vision else
+            f"tool used in {args.sft_tool_fraction:.0%} of the examples")
+    print(f"[demo] 2/5 supervised warm-start: {args.sft_steps} steps, {what}", flush=True)
     sft_dir = os.path.join(out, "sft_model")
     subprocess.run([sys.executable, "-m", "forge_megatron.training.sft", "--hf-checkpoint", base,
                     "--data", os.path.join(out, "sft.jsonl"), "--out", sft_dir, "--steps", str(args.sft_steps),
@@ -226,7 +243,9 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
     """Steps 3-4. Returns the metrics JSONL path."""
     out, logs = args.out, os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
-    print("[demo] 3/5 starting forge-engine, gateway + data pool, calculator agent", flush=True)
+    vision = args.arch == "qwen3_vl"
+    print(f"[demo] 3/5 starting forge-engine, gateway + data pool, {'colour' if vision else 'calculator'} agent",
+          flush=True)
     replay = ["--enable-return-routed-experts"] if args.moe else []
     served = sft_dir
     if args.fp8:
@@ -245,7 +264,8 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
                             "--train-batch-groups", str(args.groups_per_step), "--default-max-tokens", "48",
                             "--policy-sampling", "--gateway-workers", str(args.gateway_workers),
                             *(["--return-routed-experts"] if args.moe else [])])
-    agent = procs.server("calculator agent", "forge_megatron.agents.calculator", ["--serve", "--api", args.agent_api])
+    agent = procs.server("colour agent", "forge_megatron.agents.colors", ["--serve"]) if vision else \
+        procs.server("calculator agent", "forge_megatron.agents.calculator", ["--serve", "--api", args.agent_api])
     evals_path = os.path.join(out, "evals.jsonl")
     eval_flags = []
     if args.eval_tasks:
@@ -371,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.moe and args.arch != "qwen2":
         raise SystemExit(f"--moe {args.moe} and --arch {args.arch}: the MoE layouts are their own architectures; "
                          "give one of the two")
+    if args.arch == "qwen3_vl" and args.agent_api != "chat":
+        raise SystemExit("--arch qwen3_vl runs the colour agent, which calls chat completions only")
     if args.arch == "gemma4_e" and (args.num_layers < 4 or args.num_layers % 2):
         raise SystemExit("--arch gemma4_e needs an even --num-layers of 4 or more (every other layer global, the "
                          "second half reusing the keys and values of the first half's last two)")

@@ -12,7 +12,10 @@ tree-packed Megatron forward as RL training, optimised with Adam. Single process
 
     python -m forge_megatron.training.sft --hf-checkpoint IN_DIR --data chats.jsonl --out OUT_DIR --steps 300
 
-``chats.jsonl``: one ``{"messages": [...], "tools": [...]}`` per line (OpenAI chat format).
+``chats.jsonl``: one ``{"messages": [...], "tools": [...]}`` per line (OpenAI chat format). Vision-language checkpoints
+(Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 with an image processor) also take image parts in user messages (``image_url`` with a
+data URL): each image is normalised and expanded to its tokens as the gateway does it (multimodal/images.py) and the
+model sees its features through the checkpoint's frozen vision tower (mcore/vision.py); the export keeps the tower.
 
 Legend: M = next-token targets of the samples of a batch.
 """
@@ -29,8 +32,46 @@ import time
 import torch
 
 
-def render(tokenizer, messages: list[dict], tools: list | None) -> tuple[list[int], list[int]]:
-    """Token ids of a conversation and its loss mask (1 on assistant turns incl. their end-of-turn token)."""
+def _inline_images(messages: list[dict], processor, placeholder: str) -> tuple[list[dict], list[bytes]]:
+    """Messages with each image part made the model's image text, and the images (normalised), in order."""
+    from forge_megatron.multimodal.images import decode_data
+
+    out, images = [], []
+    for i, m in enumerate(messages):
+        if isinstance(m.get("content"), list):
+            texts = []
+            for j, part in enumerate(m["content"]):
+                if part.get("type") == "image_url":
+                    url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+                    images.append(processor.normalize(decode_data(url, f"messages[{i}].content[{j}]")))
+                    texts.append(placeholder)
+                else:
+                    texts.append(part["text"])
+            m = {**m, "content": "".join(texts)}
+        out.append(m)
+    return out, images
+
+
+def render(tokenizer, messages: list[dict], tools: list | None, processor=None) -> tuple[list[int], list[int], list]:
+    """Token ids of a conversation, its loss mask (1 on assistant turns incl. their end-of-turn token) and its images
+    (normalised PNGs; ``processor``: the checkpoint's multimodal ImageProcessor, needed for image parts)."""
+    images = []
+    if any(isinstance(m.get("content"), list) for m in messages):
+        placeholder = processor.placeholder(tokenizer) if processor is not None else None
+        if placeholder is None:
+            raise ValueError("a conversation has content parts (images): the checkpoint takes no images")
+        messages, images = _inline_images(messages, processor, placeholder)
+    ids, mask = _render_text(tokenizer, messages, tools)
+    if images:
+        pad, counts = processor.spec.image_token_id, iter([processor.num_tokens(x) for x in images])
+        expanded = processor.expand(ids, images)
+        mask = [x for t, m in zip(ids, mask) for x in ([0] * next(counts) if t == pad else [m])]
+        assert len(mask) == len(expanded)
+        ids = expanded
+    return ids, mask, images
+
+
+def _render_text(tokenizer, messages: list[dict], tools: list | None) -> tuple[list[int], list[int]]:
     ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
     mask = [0] * len(ids)
     end_id = tokenizer.eos_token_id
@@ -65,13 +106,20 @@ def load_chats(path: str) -> list[dict]:
     return chats
 
 
-def sft_loss(model, batch: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+def sft_loss(model, batch: list[tuple[list[int], list[int], list]], processor=None) -> torch.Tensor:
     from forge_megatron.mcore.forward import tree_logprobs
     from forge_megatron.tree import build_tree
 
-    layout = build_tree([ids for ids, _ in batch])
+    if any(images for _, _, images in batch):
+        from forge_megatron.multimodal import build_vision_tree
+
+        layout = build_vision_tree([ids for ids, _, _ in batch],
+                                   [[processor.image_input(x) for x in images] for _, _, images in batch],
+                                   processor.spec, samples_sampled=[mask for _, mask, _ in batch])
+    else:
+        layout = build_tree([ids for ids, _, _ in batch])
     logp_M, _ = tree_logprobs(model, layout)
-    mask_M = torch.cat([torch.tensor(mask[1:], dtype=torch.float32) for _, mask in batch])
+    mask_M = torch.cat([torch.tensor(mask[1:], dtype=torch.float32) for _, mask, _ in batch])
     return -(logp_M * mask_M).sum() / mask_M.sum().clamp(min=1.0)
 
 
@@ -79,8 +127,11 @@ def export_hf(model, bridge, src_dir: str, out_dir: str) -> None:
     """Write the (TP = PP = 1) model as a HF checkpoint, with the tokenizer files of ``src_dir``."""
     from forge_megatron.convert.checkpoint import save_hf
 
+    from forge_megatron.convert.checkpoint import vision_tower
+
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     pairs = [(hf_name, t.detach().float().cpu()) for hf_name, t in bridge.export(state.items())]
+    pairs += list(vision_tower(bridge, src_dir))  # a vision-language checkpoint's tower, as it was
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     save_hf(pairs, out_dir, bridge.hf_config, total=len(pairs))
@@ -109,16 +160,23 @@ def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float,
     parallel.initialize(seed=seed)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        data = [render(tokenizer, c["messages"], c.get("tools")) for c in chats]
+        processor = _image_processor(hf_dir)
+        data = [render(tokenizer, c["messages"], c.get("tools"), processor) for c in chats]
         bridge = Bridge(hf_dir)
         model = build_tree_gpt(bridge.cfg)
         load_hf_weights(model, bridge, hf_dir)
+        if any(images for _, _, images in data):
+            from forge_megatron.mcore import vision
+            from forge_megatron.multimodal import load_vision_tower
+
+            tower = load_vision_tower(hf_dir, processor.spec)
+            vision.install(model, processor.spec, lambda: tower)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
         rng = random.Random(seed)
         losses, t0 = [], time.time()
         for step in range(steps):
-            loss = sft_loss(model, rng.sample(data, min(batch_size, len(data))))
+            loss = sft_loss(model, rng.sample(data, min(batch_size, len(data))), processor)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -131,6 +189,16 @@ def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float,
         return losses
     finally:
         parallel.destroy()
+
+
+def _image_processor(hf_dir: str):
+    """The checkpoint's multimodal ImageProcessor, or None for a model that takes no images."""
+    from forge_megatron.multimodal.images import ImageProcessor
+
+    try:
+        return ImageProcessor(hf_dir)
+    except (ValueError, OSError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,8 @@ def test_mask_covers_assistant_turns_only():
     tok = build_tiny_tokenizer()
     for chat in ([{"role": "user", "content": "12+7"}, {"role": "assistant", "content": "19"}],
                  [{"role": "user", "content": "12+7"}, calculator.tool_call_message()]):
-        ids, mask = render(tok, chat, calculator.TOOLS)
+        ids, mask, images = render(tok, chat, calculator.TOOLS)
+        assert images == []
         assert len(ids) == len(mask) and ids == tok.apply_chat_template(chat, tools=calculator.TOOLS, tokenize=True,
                                                                           return_dict=False)
         trained = tok.decode([t for t, m in zip(ids, mask) if m])
@@ -36,3 +37,36 @@ def test_short_sft_lowers_loss_and_exports_hf(tmp_path, monkeypatch):
     ref = AutoModelForCausalLM.from_pretrained(base)
     assert not torch.equal(model.model.embed_tokens.weight, ref.model.embed_tokens.weight)  # trained weights exported
     assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).chat_template is not None
+
+
+def test_sft_on_pictures_trains_with_the_vision_tower_and_keeps_it(tmp_path, monkeypatch):
+    """Chats with image parts (the vision demo's): images expanded to their tokens (mask 0 on them), the loss falls,
+    and the export is a whole vision-language checkpoint (the tower as it was, the language model trained)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from forge_megatron.agents import colors
+    from forge_megatron.multimodal.images import ImageProcessor
+    from forge_megatron.multimodal.qwen_vl import image_runs
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    base = build_tiny_model(str(tmp_path / "base"), "qwen3_vl", images=True)
+    proc = ImageProcessor(base)
+    tasks = colors.make_tasks(48, seed=1)
+    chats = [{"messages": c} for c in colors.sft_conversations(tasks, 1.0)]
+    tok = transformers.AutoTokenizer.from_pretrained(base)
+    ids, mask, images = render(tok, chats[0]["messages"], None, proc)
+    (run,) = image_runs(ids, proc.spec.image_token_id)
+    assert run[1] - run[0] == proc.num_tokens(images[0]) and not any(mask[run[0]:run[1]])
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == tasks[0].answer + "<|im_end|>"
+    losses = run_sft(base, chats, str(tmp_path / "out"), steps=30, lr=3e-3, batch_size=8, log_every=100)
+    assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
+    import glob
+
+    out = {k: v for f in glob.glob(str(tmp_path / "out" / "*.safetensors")) for k, v in load_file(f).items()}
+    src = load_file(f"{base}/model.safetensors")
+    visual = [n for n in src if n.startswith("model.visual.")]
+    assert visual and all(torch.equal(out[n], src[n]) for n in visual)
+    assert not torch.equal(out["model.language_model.embed_tokens.weight"],
+                           src["model.language_model.embed_tokens.weight"])
+    transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(tmp_path / "out"))  # loads whole
