@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None,
                    help="RL learning rate (default 1e-3; 3e-4 with --arch olmo3 / olmo_hybrid / gemma3 / gemma4 / "
                         "gemma4_e and --moe gemma4_moe, whose norms after attention and MLP make these tiny models "
-                        "collapse at 1e-3: success 0.31 -> 0.00 over 40 steps; their gradients equal transformers')")
+                        "collapse at 1e-3: success 0.31 -> 0.00 over 40 steps; their gradients equal transformers'; "
+                        "and with --arch qwen3_vl, whose colour task swings at 1e-3: held-out 0.28 -> 0.75 at 20 "
+                        "steps -> 0.53 at 40)")
     p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
                    choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32", "mistral4", "kimi_linear",
                             "gpt_oss", "minimax_m2", "gemma4_moe"],
@@ -397,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--arch gemma4_e needs an even --num-layers of 4 or more (every other layer global, the "
                          "second half reusing the keys and values of the first half's last two)")
     if args.lr is None:
-        args.lr = 3e-4 if args.arch in ("olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e") \
+        args.lr = 3e-4 if args.arch in ("olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e", "qwen3_vl") \
             or args.moe == "gemma4_moe" else 1e-3
     start = time.time()
     if os.path.isdir(args.out):

@@ -108,3 +108,29 @@ def test_short_fp8_demo_serves_and_syncs_fp8_weights(tmp_path):
     first = summary["onpolicy_logp_abs_diff"][0]  # step 1 trains the weights whose FP8 copy sampled everything
     assert first is not None and 1e-4 < first < 0.05, first
     assert {"aborts", "resumed_tokens"} <= set(summary) and summary["discarded_tokens"] == 0  # resumed, not redone
+
+
+def test_short_vision_demo_sends_pictures_through_every_process(tmp_path):
+    """``--arch qwen3_vl``: the colour task on a tiny Qwen3-VL model: the agent sends pictures, the gateway normalises
+    and expands them and sends them to the engine, the pool stores them with the episodes, the trainer encodes them with
+    the frozen vision tower, and the weights synced every step reach the engine's vision-language model. Step 1 trains
+    the weights that sampled its tokens: the trainer scores them as the engine did, pictures included."""
+    out = tmp_path / "vision_run"
+    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--arch", "qwen3_vl", "--out", str(out), "--steps",
+           "2", "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400",
+           "--eval-tasks", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "colour agent ready" in proc.stdout and "vision tower of" in proc.stdout
+    assert not _processes_mentioning(str(out)), "a demo process outlived the demo"
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["policy_version"] for s in steps] == [1, 2]
+    assert steps[0]["rollout_logp_abs_diff"] < 1e-4 and steps[0]["vision/success_rate"] == steps[0]["success_rate"]
+    import sqlite3
+
+    from forge_megatron.middleware.wire import episode_from_blob
+
+    with sqlite3.connect(out / "pool.sqlite") as db:
+        blobs = [row[0] for row in db.execute("SELECT blob FROM episodes")]
+    episodes = [episode_from_blob(b) for b in blobs]
+    assert episodes and all(len(s.images or ()) == 1 for e in episodes for s in e.segments)
