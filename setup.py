@@ -98,6 +98,7 @@ setup(
         "tqdm",
         "psutil",  # megatron.core.dist_checkpointing (torch_dist) writer
         "accelerate",  # transformers loads FP8 checkpoints (forge-engine serving one) only with it
+        "pillow>=9",  # images of vision-language agents (gateway, engine, trainer: multimodal/images.py)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "triton>=3.0", "openai>=1.0", "anthropic>=0.40",

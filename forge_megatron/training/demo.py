@@ -18,6 +18,9 @@
                 ``--eval-tasks`` held-out tasks (never trained on: gateway eval sessions) before RL, every
                 ``--eval-every`` versions during it (the rollout driver's periodic evaluation) and after it
 
+``--arch qwen3_vl`` swaps the task for the colour task (forge_megatron.agents.colors): a tiny Qwen3-VL, a warm-start on
+chats with pictures, a colour agent that sends each picture inline; the pictures go through every process.
+
 Every process is started in its own process group and stopped at the end, also on errors and Ctrl-C.
 """
 
