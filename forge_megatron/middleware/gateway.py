@@ -1909,6 +1909,9 @@ def add_session_options(p) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the tokenizer / config code the checkpoint ships (Kimi-K2's tokenizer), from "
                         "--model-path only (SGLang's flag; the engines need it too)")
+    p.add_argument("--max-body-mib", type=float, default=8.0, metavar="MIB",
+                   help="largest request body (default 8): agents that send images send their history's images with "
+                        "every call (inline, base64), so raise it for them (a 1-megapixel PNG is ~2 MiB in base64)")
     p.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
                    help="re-issue a call that an engine aborted for a weight update from its prompt, dropping the "
                         "tokens it had sampled (default: go on from them, each token keeping the policy version and "
@@ -1923,7 +1926,8 @@ def session_options(args: argparse.Namespace) -> dict:
                 policy_sampling=args.policy_sampling, policy_temperature=args.policy_temperature,
                 session_idle_timeout_s=args.session_idle_timeout_s, trust_remote_code=args.trust_remote_code,
                 group_affinity_slack=None if args.group_affinity_slack < 0 else args.group_affinity_slack,
-                keep_ended_sessions=args.keep_ended_sessions, keep_ended_mib=args.keep_ended_mib)
+                keep_ended_sessions=args.keep_ended_sessions, keep_ended_mib=args.keep_ended_mib,
+                max_body_bytes=int(args.max_body_mib * 2**20))
 
 
 def build_parser() -> argparse.ArgumentParser:

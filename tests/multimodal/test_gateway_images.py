@@ -209,3 +209,13 @@ def test_trainer_scores_recorded_images_as_the_engine(served, vl_dir, pictures):
     sampled = mask > 0
     assert int(sampled.sum()) >= 2
     assert (logp[sampled] - rollout[sampled]).abs().max().item() <= 1e-4
+
+
+def test_max_body_flag_raises_the_limit_for_image_agents(tmp_path):
+    from forge_megatron.middleware.gateway import build_parser, session_options
+
+    args = build_parser().parse_args(["--model-path", str(tmp_path), "--engines", "http://127.0.0.1:1",
+                                      "--max-body-mib", "48"])
+    assert session_options(args)["max_body_bytes"] == 48 << 20
+    default = build_parser().parse_args(["--model-path", str(tmp_path), "--engines", "http://127.0.0.1:1"])
+    assert session_options(default)["max_body_bytes"] == 8 << 20
