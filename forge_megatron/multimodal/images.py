@@ -40,12 +40,12 @@ class ImageError(ValueError):
 
 
 def decode_data(value: str, where: str = "image") -> bytes:
-    """The bytes of a ``data:image/...;base64,...`` URL or of plain base64; nothing is fetched (an http(s) URL or a
-    file path is refused)."""
+    """The bytes of a ``data:image/...;base64,...`` URL or of plain base64; nothing is fetched (an http(s) or file
+    URL is refused; a path is not base64)."""
     if not isinstance(value, str) or not value:
         raise ImageError(f"{where} must be a data URL or base64 string")
     match = _DATA_URL.match(value)
-    if match is None and value.startswith(("http://", "https://", "file:", "/")):
+    if match is None and value.startswith(("http://", "https://", "file:")):
         raise ImageError(f"{where}: only inline images are taken (a data:image/...;base64 URL): URLs and paths are "
                          "not fetched")
     payload = value[match.end():] if match else value

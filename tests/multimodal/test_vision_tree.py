@@ -505,3 +505,18 @@ def test_sampled_image_tokens_are_text(vl_dirs):
     ts[0].loss_mask[:] = mask
     rb = rank_batch(TrainBatch(0, ts, [0]), 4096, True, 0, 1, [], hidden_size=8, vision=spec)
     assert [s.episode_id for s in rb.samples] == ["0"]
+
+
+def test_decode_data_takes_inline_images_only():
+    import base64
+
+    from forge_megatron.multimodal.images import ImageError, data_url, decode_data
+
+    jpeg_head = b"\xff\xd8\xff\xe0"  # plain base64 of a JPEG starts with "/9j/": not a path
+    assert decode_data(base64.b64encode(jpeg_head).decode()) == jpeg_head
+    assert decode_data(data_url(b"\x89PNG")) == b"\x89PNG"
+    assert decode_data("data:image/jpeg;charset=x;base64," + base64.b64encode(jpeg_head).decode()) == jpeg_head
+    for bad, words in (("https://example.com/a.png", "not fetched"), ("file:///tmp/a.png", "not fetched"),
+                       ("/tmp/a.png", "not valid base64"), ("", "must be a data URL")):
+        with pytest.raises(ImageError, match=words):
+            decode_data(bad)
