@@ -27,8 +27,8 @@ import json
 import os
 import random
 import re
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from forge_megatron.agents.service import JsonHandler, serve
 from forge_megatron.agents.tasks import Task
 
 TOOL_NAME = "calculator"
@@ -122,36 +122,16 @@ def _run_tool(function, task_prompt: str) -> str:
     return calculate(task_prompt)
 
 
-class _AgentHandler(BaseHTTPRequestHandler):
+class _AgentHandler(JsonHandler):
     api = "chat"  # set by main(--api)
 
     def do_POST(self):  # noqa: N802 - http.server's naming
-        import openai
-
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            body = self.body()
             prompt, base_url, api_key = body["task"]["prompt"], body["base_url"], body["api_key"]
         except (ValueError, KeyError, TypeError) as exc:
             return self._answer(400, {"error": f"expected {{task: {{prompt}}, base_url, api_key}}: {exc}"})
-        client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=120.0, max_retries=0)
-        try:
-            output = solve(prompt, client, api=self.api)
-        except openai.OpenAIError as exc:
-            return self._answer(502, {"error": str(exc)})
-        finally:
-            client.close()
-        return self._answer(200, {"output": output})
-
-    def _answer(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args) -> None:  # keep the demo's output readable
-        pass
+        return self.answer_with(base_url, api_key, lambda client: solve(prompt, client, api=self.api))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.serve:
         handler = type("_Handler", (_AgentHandler,), {"api": args.api})
-        server = ThreadingHTTPServer((args.host, args.port), handler)
-        print(f"FORGE_READY port={server.server_address[1]}", flush=True)
-        server.serve_forever()
+        serve(handler, args.host, args.port)
         return 0
     prompt = os.environ.get("FORGE_TASK_PROMPT")
     if prompt is None:

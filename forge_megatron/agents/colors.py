@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import random
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
+from forge_megatron.agents.service import JsonHandler, serve
 from forge_megatron.agents.tasks import Task
 
 COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40)}
@@ -77,36 +76,16 @@ def solve(task: Task, client, model: str = "forge", max_tokens: int = 8, tempera
     return (reply.choices[0].message.content or "").strip()
 
 
-class _AgentHandler(BaseHTTPRequestHandler):
+class _AgentHandler(JsonHandler):
     def do_POST(self):  # noqa: N802 - http.server's naming
-        import openai
-
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            body = self.body()
             task, base_url, api_key = Task(**body["task"]), body["base_url"], body["api_key"]
             picture(task)
         except (ValueError, KeyError, TypeError) as exc:
             return self._answer(400, {"error": f"expected {{task: {{..., metadata: {{color, height, width, "
                                                f"noise_seed}}}}, base_url, api_key}}: {exc}"})
-        client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=120.0, max_retries=0)
-        try:
-            output = solve(task, client)
-        except openai.OpenAIError as exc:
-            return self._answer(502, {"error": str(exc)})
-        finally:
-            client.close()
-        return self._answer(200, {"output": output})
-
-    def _answer(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args) -> None:  # keep the demo's output readable
-        pass
+        return self.answer_with(base_url, api_key, lambda client: solve(task, client))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     args = p.parse_args(argv)
-    server = ThreadingHTTPServer((args.host, args.port), _AgentHandler)
-    print(f"FORGE_READY port={server.server_address[1]}", flush=True)
-    server.serve_forever()
+    serve(_AgentHandler, args.host, args.port)
     return 0
 
 
