@@ -27,7 +27,7 @@ Routes
                       when it is the sink (forge-node); admin token like /forge/* when one is set
                       evaluation results (agents/evaluate.py publishes them, the trainer logs them), last 1000 kept
 
-Images (Qwen-VL checkpoints with an image processor): inline image parts of user messages and tool results (all three
+Images (Qwen3-VL, Qwen3.5 and GLM-4.xV checkpoints with an image processor): inline image parts of user messages and tool results (all three
 APIs) are normalised once (multimodal/images.py: resized to the processor's grid, a PNG), rendered as the model's
 image text, expanded to their token counts and sent to the engine as SGLang's ``image_data``; the segment records
 them, and a call continues it only when its images start with the segment's (:meth:`Gateway.expand_images`).
@@ -753,8 +753,10 @@ class Gateway:
         if not any(IMAGE_KEY in m for m in req.messages):
             return req, []
         if self.images is None:
-            raise _bad("messages", f"{self.model_name} takes no images (images are served for Qwen3-VL, Qwen3-VL-MoE "
-                                   "and Qwen3.5 checkpoints with an image processor)")
+            from forge_megatron.multimodal.qwen_vl import SUPPORTED
+
+            raise _bad("messages", f"{self.model_name} takes no images (images are served for {SUPPORTED} "
+                                   "checkpoints with an image processor)")
         from forge_megatron.multimodal.images import ImageError
 
         images, messages = [], []

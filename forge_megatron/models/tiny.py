@@ -396,8 +396,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                      with_tokenizer: bool = True, images: bool = False, **overrides) -> str:
     """Write config.json + model.safetensors (+ the tiny tokenizer) of a random tiny causal LM to ``out_dir``.
 
-    ``images`` (Qwen-VL archs: qwen3_vl, qwen3_vl_moe, qwen3_5_vl): the tokenizer has the image tokens (the config
-    names them) and the directory an image processor (:data:`TINY_IMAGE_PROCESSOR`), so the model takes images.
+    ``images`` (qwen3_vl, qwen3_vl_moe, qwen3_5_vl, glm4v, glm4v_moe): the tokenizer has the image tokens (the
+    config names them) and the directory an image processor (:data:`TINY_IMAGE_PROCESSOR`), so the model takes images.
 
     Deterministic from ``seed``. Returns ``out_dir``. Load with ``AutoModelForCausalLM.from_pretrained(out_dir)``.
     """
@@ -406,14 +406,17 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
 
     from forge_megatron.models import save_checkpoint
 
-    if images and arch not in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl"):
-        raise ValueError(f"images=True is for the Qwen-VL archs, not {arch!r}")
+    if images and arch not in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "glm4v", "glm4v_moe"):
+        raise ValueError(f"images=True is for the Qwen-VL and GLM-4.xV archs, not {arch!r}")
     tok = build_tiny_tokenizer(vision=images)
     overrides.setdefault("vocab_size", len(tok))
     config = tiny_config(arch, tie_word_embeddings=tie_word_embeddings, **overrides)
     if images:
         start, end, pad = tok.convert_tokens_to_ids(list(VISION_TOKENS))
-        config.vision_start_token_id, config.vision_end_token_id, config.image_token_id = start, end, pad
+        if arch.startswith("glm4v"):  # GLM-4.xV's config names them image_start / image_end
+            config.image_start_token_id, config.image_end_token_id, config.image_token_id = start, end, pad
+        else:
+            config.vision_start_token_id, config.vision_end_token_id, config.image_token_id = start, end, pad
     if config.get_text_config().vocab_size < len(tok):
         raise ValueError(f"vocab_size {config.get_text_config().vocab_size} is smaller than the tokenizer's "
                          f"{len(tok)} tokens")
@@ -460,10 +463,11 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     save_checkpoint(model, out_dir)
     if with_tokenizer:
         tok.save_pretrained(out_dir)
-    if images:
-        from transformers import Qwen2VLImageProcessor
+    if images:  # the family's own image processor class
+        import transformers
 
-        Qwen2VLImageProcessor(**TINY_IMAGE_PROCESSOR).save_pretrained(out_dir)
+        name = "Glm4vImageProcessor" if arch.startswith("glm4v") else "Qwen2VLImageProcessor"
+        getattr(transformers, name)(**TINY_IMAGE_PROCESSOR).save_pretrained(out_dir)
     with open(os.path.join(out_dir, "forge_tiny.json"), "w") as f:
         json.dump({"arch": arch, "seed": seed, "images": images}, f)
     return out_dir

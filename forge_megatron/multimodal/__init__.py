@@ -1,4 +1,5 @@
-"""Vision-language RL: samples with images trained on prefix trees (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5).
+"""Vision-language RL: samples with images trained on prefix trees (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5,
+GLM-4.xV).
 
 ``qwen_vl``: image tokens, 3-D mRoPE positions, the checkpoint's vision tower; ``tree``: image-aware prefix merging
 (:func:`build_vision_tree`); forge_megatron.mcore.vision puts the images into a Megatron model's forward.

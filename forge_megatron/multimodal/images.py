@@ -86,8 +86,13 @@ def open_image(data: bytes, where: str = "image"):
     return image.convert("RGB")
 
 
-def target_size(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(height, width) an h x w image is resized to (the module docstring's rule)."""
+def target_size(h: int, w: int, factor: int, min_pixels: int, max_pixels: int,
+                upscale_small: bool = False) -> tuple[int, int]:
+    """(height, width) an h x w image is resized to (the module docstring's rule; ``upscale_small``: GLM-4.xV's
+    processor first scales an image with a side below ``factor`` up, keeping its aspect)."""
+    if upscale_small and min(h, w) < factor:
+        scale = max(factor / h, factor / w)
+        h, w = int(h * scale), int(w * scale)
     hh = max(factor, round(h / factor) * factor)
     ww = max(factor, round(w / factor) * factor)
     if hh * ww > max_pixels:
@@ -127,13 +132,21 @@ class ImageProcessor:
         size = getattr(self.hf, "size", None) or {}
         self.min_pixels = int(size.get("shortest_edge") or getattr(self.hf, "min_pixels", 0) or 0)
         self.max_pixels = int(size.get("longest_edge") or getattr(self.hf, "max_pixels", 0) or (1 << 62))
+        # GLM-4.xV's processor bounds the pixels of an image's temporal_patch_size frames (one image repeated), and
+        # scales small images up first
+        self.glm = type(self.hf).__name__.startswith("Glm4v")
+        if self.glm:
+            frames = int(getattr(self.hf, "temporal_patch_size", 1))
+            self.min_pixels, self.max_pixels = self.min_pixels // frames, self.max_pixels // frames
         self._inputs = functools.lru_cache(maxsize=256)(self._image_input)
-        self.vision_start = hf_config.get("vision_start_token_id")
-        self.vision_end = hf_config.get("vision_end_token_id")
+        # the tokens around an image's: Qwen's vision_start / vision_end, GLM's image_start / image_end
+        self.vision_start = hf_config.get("vision_start_token_id", hf_config.get("image_start_token_id"))
+        self.vision_end = hf_config.get("vision_end_token_id", hf_config.get("image_end_token_id"))
 
     def placeholder(self, tokenizer) -> str | None:
-        """The text of one image in a prompt (``<|vision_start|><|image_pad|><|vision_end|>``), or None when the
-        tokenizer does not give those three tokens back as themselves."""
+        """The text of one image in a prompt (``<|vision_start|><|image_pad|><|vision_end|>``; GLM-4.xV's
+        ``<|begin_of_image|><|image|><|end_of_image|>``), or None when the tokenizer does not give those three tokens
+        back as themselves."""
         if self.vision_start is None or self.vision_end is None:
             return None
         ids = [self.vision_start, self.spec.image_token_id, self.vision_end]
@@ -166,7 +179,7 @@ class ImageProcessor:
         from PIL import Image
 
         image = open_image(data, where)
-        h, w = target_size(image.height, image.width, self.factor, self.min_pixels, self.max_pixels)
+        h, w = target_size(image.height, image.width, self.factor, self.min_pixels, self.max_pixels, self.glm)
         if (h, w) != (image.height, image.width):
             image = image.resize((w, h), resample=Image.Resampling.BICUBIC)
         out = io.BytesIO()
@@ -176,7 +189,7 @@ class ImageProcessor:
     def grid(self, data: bytes) -> tuple[int, int, int]:
         """The (t, h, w) patch grid of normalized ``data``."""
         image = open_image(data)
-        h, w = target_size(image.height, image.width, self.factor, self.min_pixels, self.max_pixels)
+        h, w = target_size(image.height, image.width, self.factor, self.min_pixels, self.max_pixels, self.glm)
         return 1, h // self.patch, w // self.patch
 
     def num_tokens(self, data: bytes) -> int:

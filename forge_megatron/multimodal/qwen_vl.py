@@ -1,4 +1,4 @@
-"""Qwen3-VL's (and Qwen3.5's) multimodal language-model inputs: image tokens, 3-D mRoPE positions, the vision tower.
+"""Qwen3-VL's (Qwen3.5's, GLM-4.xV's) multimodal language-model inputs: image tokens, 3-D mRoPE, the vision tower.
 
 A vision-language sample is a token sequence in which every image is a run of ``image_token_id`` tokens (one per
 merged patch: ``t * h * w / merge^2`` for an image of grid ``(t, h, w)`` patches) between the text tokens its chat
@@ -28,8 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# vision-language checkpoints whose image inputs this module handles, by their HF ``model_type``
-_QWEN_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# vision-language checkpoints whose image inputs this module handles, by their HF ``model_type``: Qwen3-VL / -MoE,
+# Qwen3.5 (dense and MoE) and GLM-4.1V / 4.6V-Flash / 4.5V / 4.6V (the same positions; GLM's mRoPE sections are
+# contiguous, each frequency's angle repeated for its interleaved pair of channels)
+_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe")
+SUPPORTED = "Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and GLM-4.xV"
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class VisionSpec:
     image_token_id: int
     merge: int  # spatial_merge_size: merge x merge patches make one image token
     mrope_section: tuple[int, int, int]  # rotary frequencies per axis (time, height, width); they sum to D / 2
-    interleaved: bool  # mrope_interleaved (Qwen3-VL, Qwen3.5) or contiguous sections (Qwen2-VL's layout)
+    interleaved: bool  # mrope_interleaved (Qwen3-VL, Qwen3.5) or contiguous sections (Qwen2-VL's and GLM-4.xV's)
     deepstack_layers: int  # language-model layers (the first ones) that get DeepStack features added
     vision_prefix: str = "model.visual."  # the tower's tensors in the checkpoint
 
@@ -52,14 +55,14 @@ class VisionSpec:
 
 def vision_spec(hf_config: dict) -> VisionSpec:
     """The :class:`VisionSpec` of a vision-language checkpoint's config (dict); ValueError naming the model when its
-    images are not supported (only Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 as released so far)."""
+    images are not supported (:data:`SUPPORTED`)."""
     text = hf_config.get("text_config") or {}
     vision = hf_config.get("vision_config") or {}
     kind = hf_config.get("model_type")
     arch = (hf_config.get("architectures") or ["?"])[0]
-    if kind not in _QWEN_VL_TYPES or not vision or "image_token_id" not in hf_config:
-        raise ValueError(f"{arch}: training on images is supported for Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 "
-                         "vision-language checkpoints only (text-only RL works for the others)")
+    if kind not in _VL_TYPES or not vision or "image_token_id" not in hf_config:
+        raise ValueError(f"{arch}: training on images is supported for {SUPPORTED} vision-language checkpoints only "
+                         "(text-only RL works for the others)")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     section = rope.get("mrope_section")
     if not section or len(section) != 3:

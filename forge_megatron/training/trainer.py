@@ -84,8 +84,10 @@ def with_image_inputs(samples: list, vision) -> list:
     if _images_of(samples) is None:
         return samples
     if vision is None:
-        raise ValueError("samples with images, but the model takes none (training on images is supported for "
-                         "Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 vision-language checkpoints)")
+        from forge_megatron.multimodal.qwen_vl import SUPPORTED
+
+        raise ValueError(f"samples with images, but the model takes none (training on images is supported for "
+                         f"{SUPPORTED} vision-language checkpoints)")
     out = []
     for s in samples:
         images = getattr(s, "images", None)

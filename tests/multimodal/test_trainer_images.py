@@ -51,10 +51,10 @@ def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: in
                                           reward=float(e % 2), started_at=now - 1, ended_at=now))
 
 
-def _run(tmp_path, name, nproc=1, extra=()):
+def _run(tmp_path, name, nproc=1, extra=(), arch="qwen3_vl"):
     from forge_megatron.models.tiny import build_tiny_model
 
-    model_dir = build_tiny_model(str(tmp_path / "vl"), "qwen3_vl", images=True, seed=3)
+    model_dir = build_tiny_model(str(tmp_path / "vl"), arch, images=True, seed=3)
     steps, stdouts, _ = run_on_fresh_pool(tmp_path, name, model_dir, lambda c: _feed_image_rollouts(c, model_dir),
                                           iters=2, groups=1, nproc=nproc, model=[], extra=list(extra))
     assert len(steps) == 2
@@ -84,3 +84,9 @@ def test_images_train_alike_under_pp2_and_recomputation(tmp_path, one_rank_run, 
     for got, want in zip(steps, one_rank_run):  # the second step after one update: the gradients agreed
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_glm4v_images_train(tmp_path):
+    """GLM-4.1V (contiguous mRoPE sections on interleaved pairs, no DeepStack) through the same path."""
+    steps = _run(tmp_path, "glm", arch="glm4v")
+    assert steps[1]["loss"] != steps[0]["loss"]

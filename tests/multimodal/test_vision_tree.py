@@ -1,7 +1,7 @@
 """Samples with images on prefix trees equal transformers' vision-language models, sample by sample.
 
-Tiny Qwen3-VL (DeepStack from its vision block 0, interleaved mRoPE), Qwen3-VL-MoE and Qwen3.5 (Gated DeltaNet beside
-gated attention) checkpoints; samples share a prefix with an image, branch after it, hold two images, or have the
+Tiny Qwen3-VL (DeepStack from its vision block 0, interleaved mRoPE), Qwen3-VL-MoE, Qwen3.5 (Gated DeltaNet beside
+gated attention), GLM-4.1V and GLM-4.5V (contiguous mRoPE sections on interleaved pairs) checkpoints; samples share a prefix with an image, branch after it, hold two images, or have the
 same token ids as another sample and another image (which must not merge). Checked against each sample run alone
 through the transformers model with its images: logprobs, and every language-model parameter's gradient of a weighted
 loss; that leaving out DeepStack, mRoPE or the image features changes the logprobs; the 3-D positions against
@@ -23,7 +23,8 @@ V = 400
 IMG, VS, VE = 397, 398, 399  # the tiny tokenizer has no vision tokens: the config names three ids of its vocabulary
 FEATURES = 96  # channels 3 x temporal patch 2 x patch 4 x 4
 ARCHS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-         "qwen3_5_vl": "Qwen3_5ForConditionalGeneration"}
+         "qwen3_5_vl": "Qwen3_5ForConditionalGeneration", "glm4v": "Glm4vForConditionalGeneration",
+         "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
 LOGP_ATOL = 1e-5
 GRAD_RTOL = 1e-4
 
@@ -35,7 +36,10 @@ def build_vl_checkpoint(out_dir: str, arch: str = "qwen3_vl", seed: int = 0) -> 
     from forge_megatron.models.tiny import tiny_config
 
     cfg = tiny_config(arch, vocab_size=V)
-    cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id = IMG, VS, VE
+    if arch.startswith("glm4v"):
+        cfg.image_token_id, cfg.image_start_token_id, cfg.image_end_token_id = IMG, VS, VE
+    else:
+        cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id = IMG, VS, VE
     torch.manual_seed(seed)
     save_checkpoint(getattr(transformers, ARCHS[arch])(cfg).float(), out_dir)
     return out_dir
@@ -416,12 +420,13 @@ def test_rank_batch_packs_and_merges_by_images(vl_dirs):
 
 
 # ------------------------------------------------------------------------------------------- engine, images
-@pytest.fixture(scope="module")
-def vl_model_dir(tmp_path_factory):
-    """A tiny Qwen3-VL with image tokens in its tokenizer and an image processor (models.tiny, images=True)."""
+@pytest.fixture(scope="module", params=["qwen3_vl", "glm4v"])
+def vl_model_dir(tmp_path_factory, request):
+    """A tiny Qwen3-VL / GLM-4.1V with image tokens in its tokenizer and an image processor (models.tiny,
+    images=True)."""
     from forge_megatron.models.tiny import build_tiny_model
 
-    return build_tiny_model(str(tmp_path_factory.mktemp("vl_images")), "qwen3_vl", images=True)
+    return build_tiny_model(str(tmp_path_factory.mktemp("vl_images")), request.param, images=True)
 
 
 def test_engine_generates_from_images(vl_model_dir):
@@ -466,7 +471,8 @@ def test_engine_generates_from_images(vl_model_dir):
         (with_images, text), errors = asyncio.run(calls())
     finally:
         handle.stop()
-    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(vl_model_dir, dtype=torch.float32).eval()
+    arch = transformers.AutoConfig.from_pretrained(vl_model_dir).architectures[0]
+    model = getattr(transformers, arch).from_pretrained(vl_model_dir, dtype=torch.float32).eval()
     inputs = [proc.image_input(p) for p in pics]
     for result, ids, ims in ((with_images, prompt, inputs), (text, text_prompt, [])):
         full = torch.tensor([ids + result.output_ids])
@@ -520,3 +526,19 @@ def test_decode_data_takes_inline_images_only():
                        ("/tmp/a.png", "not valid base64"), ("", "must be a data URL")):
         with pytest.raises(ImageError, match=words):
             decode_data(bad)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "glm4v"])
+def test_normalized_images_are_what_the_processor_makes(tmp_path, arch):
+    """The gateway's normalised size is a fixed point of the checkpoint's image processor (Qwen2-VL's and GLM-4.xV's
+    rules): its grid is the processor's, for images smaller than a patch, wide, tall, and over the pixel bound."""
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.multimodal.images import ImageProcessor
+
+    proc = ImageProcessor(build_tiny_model(str(tmp_path / arch), arch, images=True, with_tokenizer=True))
+    rng = np.random.default_rng(7)
+    for h, w in [(3, 5), (7, 40), (40, 7), (30, 50), (16, 16), (64, 64), (100, 33), (9, 9)]:
+        normalized = proc.normalize(png(rng, h, w))
+        image = proc.image_input(normalized)  # raises when the processor's grid differs from the normalised one
+        assert image.grid_thw == proc.grid(normalized) == proc.grid(proc.normalize(normalized))
+        assert 1 <= proc.num_tokens(normalized) <= 16
