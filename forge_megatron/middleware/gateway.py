@@ -66,9 +66,11 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 import uuid
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -564,6 +566,9 @@ class Gateway:
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model_path))
         self.groups: OrderedDict[str, dict] = OrderedDict()  # the newest MAX_GROUPS (older ones are long done)
         self.image_cache: OrderedDict[str, bytes] = OrderedDict()  # normalised images by the sent bytes' digest
+        self.image_lock = threading.Lock()
+        self.image_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forge-images") \
+            if self.images is not None else None
         self.sessions: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}
         self.ended_ids: deque[str] = deque()  # oldest first; bounded by keep_ended_sessions and keep_ended_mib
@@ -713,6 +718,8 @@ class Gateway:
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None
+        if self.image_worker is not None:
+            self.image_worker.shutdown(wait=False)
         await self.fleet.close()
 
     def retire(self, sess: Session) -> None:
@@ -776,14 +783,16 @@ class Gateway:
         from forge_megatron.multimodal.images import digest
 
         key = digest(data)
-        out = self.image_cache.get(key)
-        if out is None:
-            out = self.images.normalize(data, where)
+        with self.image_lock:  # the image worker and a count_tokens call on the event loop
+            out = self.image_cache.get(key)
+            if out is not None:
+                self.image_cache.move_to_end(key)
+                return out
+        out = self.images.normalize(data, where)
+        with self.image_lock:
             self.image_cache[key] = out
             while len(self.image_cache) > IMAGE_CACHE:
                 self.image_cache.popitem(last=False)
-        else:
-            self.image_cache.move_to_end(key)
         return out
 
     def expand_images(self, prev, ids: list[int], continues: bool, text: str, images: list[bytes]):
@@ -826,9 +835,11 @@ class Gateway:
             ids, continues = self.expand_images(sess.last_turn, ids, continues, text, images)
         return text, ids, continues, images
 
-    def prepare(self, sess: Session, req: ChatRequest) -> _Call:
+    def prepare(self, sess: Session, req: ChatRequest, images: list[bytes] | None = None) -> _Call:
+        """The engine call of ``req`` (``images``: its normalised images when :meth:`with_images` has run already)."""
         kwargs = self.template_kwargs(req)
-        req, images = self.with_images(req)
+        if images is None:
+            req, images = self.with_images(req)
         text, prompt_ids, continues, _ = self.prompt_of(sess, req, images)
         forced = self.forced_text(req)
         reasoning_open = self.reasoning is not None and self.reasoning.opens(text)
@@ -1278,7 +1289,11 @@ async def serve_call(gw: Gateway, sess: Session, req: ChatRequest, stream):
         async with sess.lock:
             if sess.ended:
                 raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
-            call = gw.prepare(sess, req)
+            images = None
+            if gw.images is not None and any(IMAGE_KEY in m for m in req.messages):
+                # decoding and resizing big screenshots: off the event loop (one worker: the cache is not shared)
+                req, images = await asyncio.get_running_loop().run_in_executor(gw.image_worker, gw.with_images, req)
+            call = gw.prepare(sess, req, images)
             if req.stream:
                 return await stream(sess, req, call)
             result = await gw.generate(sess, call)
