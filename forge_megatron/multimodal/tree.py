@@ -15,6 +15,7 @@ Legend: T = tree tokens, P = sample tokens, U = distinct images, N = image token
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -44,9 +45,9 @@ class ImageInput:
         object.__setattr__(self, "pixel_values", pv)
         object.__setattr__(self, "grid_thw", grid)
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
-        """What makes two images the same: their grid and their pixel values' bytes."""
+        """What makes two images the same: their grid and their pixel values' bytes (hashed once)."""
         h = hashlib.sha256(np.asarray(self.grid_thw, dtype=np.int64).tobytes())
         h.update(str(self.pixel_values.dtype).encode())
         h.update(np.ascontiguousarray(self.pixel_values).tobytes())
