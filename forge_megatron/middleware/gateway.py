@@ -739,8 +739,9 @@ class Gateway:
 
     # --- images ------------------------------------------------------------------------------------------------
     def _image_processor(self, model_path: str):
-        """(the checkpoint's multimodal ImageProcessor, the text of one image in a prompt) for a Qwen-VL checkpoint with
-        an image processor; (None, None) for other models (an image in a request is then a 400)."""
+        """(the checkpoint's multimodal ImageProcessor, the text of one image in a prompt) for a vision-language
+        checkpoint whose images forge takes (multimodal.qwen_vl.SUPPORTED) with an image processor; (None, None) for
+        other models (an image in a request is then a 400)."""
         from forge_megatron.multimodal.images import ImageProcessor
 
         try:
@@ -1291,7 +1292,7 @@ async def serve_call(gw: Gateway, sess: Session, req: ChatRequest, stream):
                 raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
             images = None
             if gw.images is not None and any(IMAGE_KEY in m for m in req.messages):
-                # decoding and resizing big screenshots: off the event loop (one worker: the cache is not shared)
+                # decoding and resizing big screenshots: on the gateway's image thread, off the event loop
                 req, images = await asyncio.get_running_loop().run_in_executor(gw.image_worker, gw.with_images, req)
             call = gw.prepare(sess, req, images)
             if req.stream:
