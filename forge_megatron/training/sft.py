@@ -56,10 +56,12 @@ def render(tokenizer, messages: list[dict], tools: list | None, processor=None) 
     """Token ids of a conversation, its loss mask (1 on assistant turns incl. their end-of-turn token) and its images
     (normalised PNGs; ``processor``: the checkpoint's multimodal ImageProcessor, needed for image parts)."""
     images = []
-    if any(isinstance(m.get("content"), list) for m in messages):
-        placeholder = processor.placeholder(tokenizer) if processor is not None else None
-        if placeholder is None:
-            raise ValueError("a conversation has content parts (images): the checkpoint takes no images")
+    if any(isinstance(m.get("content"), list) for m in messages):  # content parts: text, images in user messages
+        has_images = any(p.get("type") == "image_url" for m in messages if isinstance(m.get("content"), list)
+                         for p in m["content"])
+        placeholder = processor.placeholder(tokenizer) if processor is not None and has_images else ""
+        if has_images and placeholder is None:
+            raise ValueError("a conversation has image parts, but the checkpoint takes no images")
         messages, images = _inline_images(messages, processor, placeholder)
     ids, mask = _render_text(tokenizer, messages, tools)
     if images:

@@ -17,6 +17,8 @@ def test_mask_covers_assistant_turns_only():
                  [{"role": "user", "content": "12+7"}, calculator.tool_call_message()]):
         ids, mask, images = render(tok, chat, calculator.TOOLS)
         assert images == []
+        parts = [{**chat[0], "content": [{"type": "text", "text": "12"}, {"type": "text", "text": "+7"}]}, chat[1]]
+        assert render(tok, parts, calculator.TOOLS)[:2] == (ids, mask)  # text parts: their text
         assert len(ids) == len(mask) and ids == tok.apply_chat_template(chat, tools=calculator.TOOLS, tokenize=True,
                                                                           return_dict=False)
         trained = tok.decode([t for t, m in zip(ids, mask) if m])
