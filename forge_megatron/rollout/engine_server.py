@@ -293,7 +293,7 @@ class ReferenceEngine:
         if self._images is None:
             try:
                 self._images = ImageProcessor(self.model_path)
-            except ValueError as exc:
+            except (ValueError, OSError) as exc:
                 raise RequestError(f"image_data: this model takes no images ({exc})") from None
         try:
             images = [self._images.image_input(decode_data(x, f"image_data[{i}]")) for i, x in enumerate(items)]
