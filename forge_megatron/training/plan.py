@@ -16,6 +16,10 @@ It takes the trainer's own flags (unknown ones are ignored, so a training comman
   gradients in fp32), Adam (fp32 moments, plus an fp32 master copy of bf16 weights) divided over the data-parallel
   replicas with ``--use-distributed-optimizer`` (dense tensors over DP x CP, expert tensors over the expert-data-
   parallel group DP x CP / EP), and a second copy of the weights for ``--rl-kl-coef`` > 0 (the frozen reference).
+* the frozen vision tower of a vision-language checkpoint the trainer takes images for (multimodal/qwen_vl.py): its
+  parameters (counted on the meta device from the config's ``vision_config``), in the weights' dtype, on every rank
+  of the first pipeline stage (it runs replicated over TP and CP there; once more for the KL reference is not
+  needed: the reference shares it). Its activations are transient (no gradients) and left out.
 * activations, a rough estimate only: the tokens one micro-batch puts on a rank (``--tree-token-budget`` / CP, and /
   TP outside attention with sequence parallelism) times the bytes a layer keeps per token for its backward (with
   ``--recompute-granularity full`` the layer inputs of the rank's layers plus one layer's working set; otherwise
@@ -169,6 +173,7 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
     # the experts' data-parallel group: the ranks holding the same experts, dp * cp * tp / (etp * ep)
     expert_shards = max(1, dp * cp * tp // (parallel.expert_tp * ep)) if distributed_optimizer else 1
     budget = gpu_memory_gib * 0.9
+    tower = vision_tower_params(bridge)
     ranks = []
     for r in range(pp):
         params = rank_params(bridge, tp, pp, ep, r, vpp, etp, first, last)
@@ -181,10 +186,12 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
             "grads": n * 4,
             "optimizer": params["dense"] * opt_bytes / dense_shards + params["expert"] * opt_bytes / expert_shards,
             "reference": n * weight_bytes if kl_reference else 0,
+            "vision": tower * weight_bytes if r == 0 else 0,
         }
         act = _activation_bytes(cfg, layers, moe, tokens / cp, tp, sequence_parallel, recompute, in_flight)
         total = sum(static.values()) + act
         ranks.append({"pp_rank": r, "layers": len(layers), "moe_layers": moe, "params_dense": params["dense"],
+                      "params_vision_frozen": tower if r == 0 else 0,
                       "params_expert": params["expert"], **{f"{k}_gib": v / GIB for k, v in static.items()},
                       "activations_gib_estimate": act / GIB, "total_gib": total / GIB,
                       "fits": total / GIB <= budget})
@@ -196,6 +203,25 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
         "gpu_memory_gib": gpu_memory_gib, "budget_gib": budget, "ranks": ranks,
         "fits": all(x["fits"] for x in ranks),
     }
+
+
+def vision_tower_params(bridge) -> int:
+    """Parameters of the frozen vision tower the trainer loads for a checkpoint it takes images for; 0 otherwise."""
+    if not bridge.family.multimodal:
+        return 0
+    from forge_megatron.multimodal import vision_spec
+
+    try:
+        vision_spec(bridge.hf_config)
+    except ValueError:
+        return 0
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**bridge.hf_config)
+    with torch.device("meta"):
+        tower = transformers.AutoModel.from_config(config.vision_config)
+    return sum(p.numel() for p in tower.parameters())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +261,8 @@ def _table(result: dict) -> str:
             f"{result['tree_token_budget']} tree tokens per micro-batch, recompute {result['recompute'] or 'none'}")
     cols = ("pp_rank", "layers", "params_dense", "params_expert", "weights_gib", "grads_gib", "optimizer_gib",
             "reference_gib", "activations_gib_estimate", "total_gib")
+    if any(r["params_vision_frozen"] for r in result["ranks"]):  # a vision-language model that takes images
+        cols = cols[:4] + ("params_vision_frozen",) + cols[4:8] + ("vision_gib",) + cols[8:]
     lines = [head, "  ".join(f"{c:>14}" for c in cols)]
     for r in result["ranks"]:
         lines.append("  ".join(f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]:>14,}" for c in cols))

@@ -224,3 +224,26 @@ def test_gated_delta_net_activation_estimate_is_what_the_layer_keeps(hf, mixer):
     bridge.cfg.linear_attention = tuple(False for _ in bridge.cfg.linear_attention)
     dense = plan.plan(bridge, world=1, tokens=1000)["ranks"][0]["activations_gib_estimate"]
     assert (hybrid - dense) * plan.GIB == pytest.approx(1000 * (estimate - 11 * 256))
+
+
+def test_vision_tower_of_a_model_that_takes_images(tmp_path, capsys):
+    """A vision-language checkpoint the trainer takes images for: its frozen tower's parameters (what transformers
+    builds from the vision config) in the weights' dtype on the first pipeline stage, in the table too; none for a
+    text model."""
+    import transformers
+
+    from forge_megatron.models.tiny import tiny_config
+
+    hf = {**tiny_config("qwen3_vl", vocab_size=400).to_dict(), "architectures": ["Qwen3VLForConditionalGeneration"]}
+    tower = transformers.AutoModel.from_config(transformers.AutoConfig.for_model(**hf).vision_config)
+    want = sum(p.numel() for p in tower.parameters())
+    p = plan.plan(Bridge(hf), world=2, pp=2, bf16=True, tokens=64)
+    first, last = p["ranks"]
+    assert first["params_vision_frozen"] == want > 0 and last["params_vision_frozen"] == 0
+    assert first["vision_gib"] == pytest.approx(want * 2 / plan.GIB) and last["vision_gib"] == 0
+    assert plan.plan(Bridge(_hf("minimax_m2")), world=1, tokens=64)["ranks"][0]["vision_gib"] == 0
+    d = tmp_path / "vl"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(hf))
+    plan.main(["--hf-checkpoint", str(d), "--world-size", "1"])
+    assert "params_vision_frozen" in capsys.readouterr().out
