@@ -10,6 +10,8 @@ Per step (rank 0's DP share of the batch):
   ``<domain>/<term>`` from ``algo.policy_loss``);
   staleness_mean / staleness_max: policy version now minus the version that sampled each trained token;
   total_tokens (what unmerged training would process) vs unique_tokens (what the trees hold) and their ratio;
+  with images (vision-language models), ``images`` (the distinct images this rank's trees encoded, each once per
+  micro-batch) and ``image_tokens`` (their tree tokens);
   the time split wait / forward-backward / sync / checkpoint and tokens/s (added by the trainer);
   ``eval/*`` when a held-out evaluation was published to the gateway since the last step (:class:`EvalFeed`).
 """
@@ -89,6 +91,10 @@ def batch_metrics(rank_batch, micro_batch_metrics: list[dict], policy_version: i
            "overlong_samples": getattr(rank_batch, "overlong_samples", 0)}
     if pad:
         out["pad_tokens"] = int(pad)  # computed but not real: the interleaved pipeline's fixed length (PP = 2)
+    visions = [mb.layout.vision for mb in rank_batch.micro_batches if getattr(mb.layout, "vision", None) is not None]
+    if visions:
+        out["images"] = sum(v.num_images for v in visions)
+        out["image_tokens"] = sum(int((v.rows_T >= 0).sum()) for v in visions)
     if len(getattr(rank_batch, "dp_loads", [])) > 1:
         from forge_megatron.training.balance import imbalance
 

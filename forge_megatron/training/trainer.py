@@ -815,16 +815,17 @@ class Trainer:
 
 
 def progress_line(m: dict) -> str:
-    """One console line per step; the training/inference mismatch (``rollout_kl``), the routing mismatch and a
-    held-out evaluation published since the last step show when they were measured."""
+    """One console line per step; the training/inference mismatch (``rollout_kl``), the routing mismatch, the images
+    encoded and a held-out evaluation published since the last step show when they were measured."""
     mismatch = f" | rollout_kl {m['rollout_kl']:.2e}" if "rollout_kl" in m else ""
     if "routing_mismatch" in m:
         mismatch += f" routing {m['routing_mismatch']:.3f}"
     held_out = f" | eval pass@1 {m['eval/pass@1']:.2f} (v{m['eval/policy_version']:.0f})" \
         if "eval/pass@1" in m and "eval/policy_version" in m else ""
+    images = f", {m['images']} images" if "images" in m else ""
     return (f"iter {m['iteration']} | reward {m['reward_mean']:.3f} | success {m['success_rate']:.2f} | "
             f"loss {m['loss']:.4f} | clip_hi {m['clip_frac_high']:.3f}{mismatch} | tokens {m['total_tokens']} "
-            f"(unique {m['unique_tokens']}) | wait {m['wait_s']:.1f}s fb {m['forward_backward_s']:.1f}s "
+            f"(unique {m['unique_tokens']}{images}) | wait {m['wait_s']:.1f}s fb {m['forward_backward_s']:.1f}s "
             f"sync {m['sync_s']:.1f}s | v{m['policy_version']}{held_out}")
 
 

@@ -63,6 +63,8 @@ def _run(tmp_path, name, nproc=1, extra=(), arch="qwen3_vl"):
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert all(np.isfinite(s["loss"]) for s in steps)
     assert "vision tower of" in "".join(stdouts)  # loaded on the first micro-batch with images
+    # one group a step: its episodes share one picture, encoded once, its tokens once in the tree
+    assert all(s["images"] == 1 and 1 <= s["image_tokens"] <= 16 for s in steps)
     return steps
 
 

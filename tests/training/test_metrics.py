@@ -77,3 +77,4 @@ def test_progress_line_shows_a_held_out_evaluation_when_one_arrived():
     assert "eval" not in progress_line(m)
     line = progress_line({**m, "eval/pass@1": 0.8125, "eval/policy_version": 2.0})
     assert line.endswith("| v3 | eval pass@1 0.81 (v2)")
+    assert "images" not in progress_line(m) and "(unique 40, 2 images)" in progress_line({**m, "images": 2})
