@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from forge_megatron.middleware.schema import Episode
+from forge_megatron.middleware.schema import Episode, split_images
 
 # (field name, dtype) of every per-token array of a sample, in wire order.
 TOKEN_FIELDS = (
@@ -155,13 +155,7 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
 def _segment_images(meta: dict, arrays_T: list) -> list:
     """Per segment of a wire-form episode, its encoded images (memoryviews of the last array) or None."""
     table = meta.get("segment_images")
-    if not table:
-        return [None] * len(meta["segment_lengths"])
-    data, out, start = memoryview(arrays_T[-1]).cast("B"), [], 0
-    for lengths in table:
-        out.append([data[start + sum(lengths[:i]):start + sum(lengths[:i + 1])] for i in range(len(lengths))] or None)
-        start += sum(lengths)
-    return out
+    return split_images(table, arrays_T[-1]) if table else [None] * len(meta["segment_lengths"])
 
 
 def group_staleness(samples: list[TrainSample], policy_version: int) -> int:

@@ -76,6 +76,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from aiohttp import web
 
+from forge_megatron.multimodal.images import IMAGE_MARK, ImageError, content_parts
 from forge_megatron.middleware.gateway_sessions import (
     CallRecord, ChatRenderer, Session, TemplateRenderError, _Turn, model_end_ids,
 )
@@ -444,38 +445,7 @@ def _sampling_params(body: dict, default_max_tokens: int) -> dict:
     return params
 
 
-# Where an image part was, in a message's text until the gateway puts the model's image placeholder there
-# (Gateway.with_images); a text part holding it is refused.
-IMAGE_MARK = "\x00forge:image\x00"
-IMAGE_KEY = "forge_images"  # a normalised message's images (encoded bytes), in the order of its marks
-
-
-def _content_parts(content: list, role: str, where: str) -> tuple[str, list[bytes]]:
-    """The text of OpenAI content parts, an :data:`IMAGE_MARK` per image part (user and tool messages: ``image_url``
-    with a data URL; nothing is fetched), and the images' bytes."""
-    from forge_megatron.multimodal.images import ImageError, decode_data
-
-    texts, images = [], []
-    for j, p in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = p.get("type") if isinstance(p, dict) else None
-        if kind == "text" and isinstance(p.get("text"), str):
-            if IMAGE_MARK in p["text"]:
-                raise _bad(at, f"{at}.text holds a NUL-delimited marker the gateway reserves")
-            texts.append(p["text"])
-        elif kind == "image_url" and role in ("user", "tool"):
-            url = p.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            try:
-                images.append(decode_data(url, f"{at}.image_url"))
-            except ImageError as exc:
-                raise _bad(f"{at}.image_url", str(exc)) from None
-            texts.append(IMAGE_MARK)
-        else:
-            raise _bad(at, f"{at} must be a text part {{type: 'text', text: str}}"
-                           + (" or an image part {type: 'image_url', image_url: {url: 'data:image/...;base64,...'}}"
-                              if role in ("user", "tool") else ""))
-    return "".join(texts), images
+IMAGE_KEY = "forge_images"  # a normalised message's images (encoded bytes), in the order of its IMAGE_MARKs
 
 
 def _normalise_message(m, i: int) -> dict:
@@ -488,7 +458,10 @@ def _normalise_message(m, i: int) -> dict:
     content = m.get("content")
     images = []
     if isinstance(content, list):  # content parts: text, and images in user and tool messages
-        content, images = _content_parts(content, role, where)
+        try:
+            content, images = content_parts(content, where, images_allowed=role in ("user", "tool"))
+        except ImageError as exc:
+            raise _bad(exc.param or f"{where}.content", str(exc)) from None
     if content is not None and not isinstance(content, str):
         raise _bad(f"{where}.content", f"{where}.content must be a string, an array of content parts, or null")
     if content and content.count(IMAGE_MARK) != len(images):
@@ -765,8 +738,6 @@ class Gateway:
 
             raise _bad("messages", f"{self.model_name} takes no images (images are served for {SUPPORTED} "
                                    "checkpoints with an image processor)")
-        from forge_megatron.multimodal.images import ImageError
-
         images, messages = [], []
         for i, m in enumerate(req.messages):
             if IMAGE_KEY in m:

@@ -39,6 +39,20 @@ EPISODE_STATUSES = ("finished", "failed", "timed_out", "aborted")
 ROUTING_DTYPES = (np.dtype(np.int8), np.dtype(np.int16))  # routed expert ids: int8 up to 128 experts
 
 
+def split_images(table: list, frame) -> list:
+    """Per owner (a segment or a sample), its encoded images as read-only memoryviews of ``frame`` (uint8: every
+    owner's images back to back), or None: ``table`` lists each owner's image byte lengths (the wire headers'
+    ``segment_images`` / ``images``)."""
+    data, out, start = memoryview(frame).cast("B"), [], 0
+    for lengths in table:
+        images = []
+        for n in lengths:
+            images.append(data[start:start + n])
+            start += n
+        out.append(images or None)
+    return out
+
+
 class SchemaError(ValueError):
     """A record that does not match the schema; the message names the field."""
 

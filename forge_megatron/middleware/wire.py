@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 
 from forge_megatron.middleware.batch import TOKEN_FIELDS, TrainBatch, TrainSample
-from forge_megatron.middleware.schema import ROUTING_DTYPES, SCHEMA_VERSION, Episode
+from forge_megatron.middleware.schema import ROUTING_DTYPES, SCHEMA_VERSION, Episode, split_images
 
 PROTOCOL_VERSION = 1
 ALLOWED_DTYPES = ("int32", "uint8", "float32", "int64", "float64", "int16", "int8")
@@ -171,15 +171,7 @@ def _take_images(meta: dict, arrays: list[np.ndarray], owners: int, key: str, wh
     total = sum(sum(r) for r in table)
     if not arrays or arrays[-1].dtype != np.uint8 or arrays[-1].size != total:
         raise WireError(f"{where} images need uint8[{total}] encoded bytes as the last array")
-    data = memoryview(arrays[-1]).cast("B")
-    out, start = [], 0
-    for r in table:
-        images = []
-        for n in r:
-            images.append(data[start:start + n])
-            start += n
-        out.append(images or None)
-    return arrays[:-1], out
+    return arrays[:-1], split_images(table, arrays[-1])
 
 
 def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]:

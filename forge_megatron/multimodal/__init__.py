@@ -5,8 +5,18 @@ GLM-4.xV).
 (:func:`build_vision_tree`); forge_megatron.mcore.vision puts the images into a Megatron model's forward.
 """
 
-from forge_megatron.multimodal.qwen_vl import VisionSpec, load_vision_tower, positions_3d, vision_spec
-from forge_megatron.multimodal.tree import ImageInput, VisionTree, build_vision_tree
+import importlib
+
+_EXPORTS = {"VisionSpec": "qwen_vl", "load_vision_tower": "qwen_vl", "positions_3d": "qwen_vl", "vision_spec": "qwen_vl",
+            "ImageInput": "tree", "VisionTree": "tree", "build_vision_tree": "tree"}
+
+
+def __getattr__(name: str):
+    """The exports, imported on first use: ``multimodal.images`` (the gateway's) stays free of torch."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
 
 __all__ = ["ImageInput", "VisionSpec", "VisionTree", "build_vision_tree", "load_vision_tower", "positions_3d",
            "vision_spec"]

@@ -27,7 +27,10 @@ import math
 import os
 import re
 
-from forge_megatron.multimodal.qwen_vl import VisionSpec, vision_spec
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from forge_megatron.multimodal.qwen_vl import VisionSpec
 
 MAX_IMAGE_BYTES = 32 << 20
 MAX_IMAGE_PIXELS = 64 << 20
@@ -35,8 +38,42 @@ MAX_ASPECT = 200
 _DATA_URL = re.compile(r"^data:(image/[\w.+-]+)?(;[\w=.+-]+)*;base64,", re.IGNORECASE)
 
 
+# Where an image part was, in a message's text until its model's image text replaces it; a text holding it is refused.
+IMAGE_MARK = "\x00forge:image\x00"
+
+
 class ImageError(ValueError):
-    """An image that cannot be used; the message says why (the gateway answers 400 with it)."""
+    """An image that cannot be used; the message says why (the gateway answers 400 with it, naming ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def content_parts(content: list, where: str, images_allowed: bool = True) -> tuple[str, list[bytes]]:
+    """The text of OpenAI content parts with an :data:`IMAGE_MARK` per image part (``image_url`` with a data URL;
+    nothing is fetched), and the images' bytes; ImageError naming the part (``param``) otherwise."""
+    texts, images = [], []
+    for j, p in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            if IMAGE_MARK in p["text"]:
+                raise ImageError(f"{at}.text holds a NUL-delimited marker the gateway reserves", at)
+            texts.append(p["text"])
+        elif kind == "image_url" and images_allowed:
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            try:
+                images.append(decode_data(url, f"{at}.image_url"))
+            except ImageError as exc:
+                raise ImageError(str(exc), f"{at}.image_url") from None
+            texts.append(IMAGE_MARK)
+        else:
+            raise ImageError(f"{at} must be a text part {{type: 'text', text: str}}"
+                             + (" or an image part {type: 'image_url', image_url: {url: 'data:image/...;base64,...'}}"
+                                if images_allowed else ""), at)
+    return "".join(texts), images
 
 
 def decode_data(value: str, where: str = "image") -> bytes:
@@ -117,6 +154,8 @@ class ImageProcessor:
 
         from transformers import AutoImageProcessor
 
+        from forge_megatron.multimodal.qwen_vl import vision_spec
+
         if hf_config is None:
             with open(os.path.join(model_dir, "config.json")) as f:
                 hf_config = json.load(f)
@@ -187,9 +226,14 @@ class ImageProcessor:
         return out.getvalue()
 
     def grid(self, data: bytes) -> tuple[int, int, int]:
-        """The (t, h, w) patch grid of normalized ``data``."""
-        image = open_image(data)
-        h, w = target_size(image.height, image.width, self.factor, self.min_pixels, self.max_pixels, self.glm)
+        """The (t, h, w) patch grid of normalized ``data`` (its size read off the header: nothing is decoded)."""
+        from PIL import Image
+
+        try:
+            width, height = Image.open(io.BytesIO(data)).size
+        except (OSError, ValueError) as exc:
+            raise ImageError(f"image is not a readable image: {exc}") from None
+        h, w = target_size(height, width, self.factor, self.min_pixels, self.max_pixels, self.glm)
         return 1, h // self.patch, w // self.patch
 
     def num_tokens(self, data: bytes) -> int:
@@ -208,8 +252,8 @@ class ImageProcessor:
         from forge_megatron.multimodal.tree import ImageInput
 
         out = self.hf(images=[open_image(data)], return_tensors="np")
-        grid = tuple(int(x) for x in out["image_grid_thw"][0])
-        if grid != self.grid(data):
-            raise ImageError(f"the image processor made a {grid} grid of an image normalized to {self.grid(data)} "
+        grid, want = tuple(int(x) for x in out["image_grid_thw"][0]), self.grid(data)
+        if grid != want:
+            raise ImageError(f"the image processor made a {grid} grid of an image normalized to {want} "
                              "(its size settings differ from the ones read off preprocessor_config.json)")
         return ImageInput(out["pixel_values"].astype("float32"), grid)

@@ -34,20 +34,14 @@ import torch
 
 def _inline_images(messages: list[dict], processor, placeholder: str) -> tuple[list[dict], list[bytes]]:
     """Messages with each image part made the model's image text, and the images (normalised), in order."""
-    from forge_megatron.multimodal.images import decode_data
+    from forge_megatron.multimodal.images import IMAGE_MARK, content_parts
 
     out, images = [], []
     for i, m in enumerate(messages):
         if isinstance(m.get("content"), list):
-            texts = []
-            for j, part in enumerate(m["content"]):
-                if part.get("type") == "image_url":
-                    url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
-                    images.append(processor.normalize(decode_data(url, f"messages[{i}].content[{j}]")))
-                    texts.append(placeholder)
-                else:
-                    texts.append(part["text"])
-            m = {**m, "content": "".join(texts)}
+            text, raw = content_parts(m["content"], f"messages[{i}]", images_allowed=m.get("role") == "user")
+            images += [processor.normalize(x) for x in raw]
+            m = {**m, "content": text.replace(IMAGE_MARK, placeholder)}
         out.append(m)
     return out, images
 

@@ -472,13 +472,13 @@ class Trainer:
 
         for chunk in [*self.chunks, *(self.ref_chunks or [])]:
             vision.install(unwrap(chunk), spec, load)
-        if not os.path.exists(os.path.join(self.args.hf_checkpoint, "preprocessor_config.json")):
-            self._log(f"note: {self.args.hf_checkpoint} has no preprocessor_config.json: samples with encoded images "
-                      "will be refused")
-            return spec
         from forge_megatron.multimodal.images import ImageProcessor
 
-        return ImageProcessor(self.args.hf_checkpoint, self.bridge.hf_config)
+        try:
+            return ImageProcessor(self.args.hf_checkpoint, self.bridge.hf_config)
+        except ValueError as e:  # no preprocessor_config.json, or one that disagrees with the model
+            self._log(f"note: {e}; samples with encoded images will be refused")
+            return spec
 
     def _log_memory_plan(self) -> None:
         """What forge-plan says this layout puts on each GPU (parameters exactly, memory roughly), in the log."""

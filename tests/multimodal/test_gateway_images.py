@@ -175,7 +175,6 @@ def test_text_model_refuses_images(tmp_path, pictures):
 def _trainer_logprobs(rank, world_size, hf_dir, episode_blob):
     """The trainer's path for one recorded episode: pool wire form -> TrainSamples -> rank_batch (images encoded by
     the checkpoint's processor) -> tree forward with the vision tower; logprobs of the sampled tokens."""
-    from forge_megatron.mcore import vision
     from forge_megatron.mcore.forward import tree_logprobs
     from forge_megatron.middleware.batch import TrainBatch, group_samples
     from forge_megatron.middleware.wire import blob_to_wire
@@ -190,7 +189,6 @@ def _trainer_logprobs(rank, world_size, hf_dir, episode_blob):
     (mb,) = rb.micro_batches
     with torch.no_grad():
         logp, _ = tree_logprobs(model, mb.layout)
-    assert vision is not None
     return logp, mb.extras["loss_mask_M"], mb.extras["rollout_logp_M"]
 
 
