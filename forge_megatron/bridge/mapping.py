@@ -31,6 +31,7 @@ from forge_megatron.mcore.model import GPTConfig
 LAYER = "decoder.layers.{layer}."
 EXPERT = "mlp.experts.local_experts.{expert}."
 HF_LAYER = "model.layers.{layer}."
+VISION = "vision_tower."  # the trainable vision tower's parameters on the first model piece (mcore/vision.py)
 
 
 # Rule.layers selectors of Gemma 4's kinds of layer, where several rules may name one Megatron tensor
@@ -417,9 +418,15 @@ class Bridge:
     ``gpt_overrides`` change the Megatron side's :class:`GPTConfig`; ``vocab_size=`` larger than the HF vocabulary
     is Megatron's padded vocabulary (``make_vocab_size_divisible_by``): padding rows are zeros on import and dropped
     on export.
+
+    ``vision_tower=True`` (a vision-language checkpoint whose images the trainer takes, ``--train-vision-tower``): the
+    vision tower is part of the model, a submodule ``vision_tower`` of the first piece (``mcore.vision.attach_tower``)
+    whose tensors map one to one, replicated over TP, to the checkpoint's (``model.visual.*``): loaded, checkpointed,
+    resharded, synced to the engines and exported with the language model. Without it the tower is left out (the
+    trainer runs the checkpoint's own, frozen).
     """
 
-    def __init__(self, hf_config, **gpt_overrides):
+    def __init__(self, hf_config, vision_tower: bool = False, **gpt_overrides):
         self.hf_config = load_hf_config(hf_config)
         self.family = family_of(self.hf_config)
         self.cfg = gpt_config_from_hf(self.hf_config, **gpt_overrides)
@@ -439,6 +446,17 @@ class Bridge:
             raise ValueError(f"vocab_size {self.cfg.vocab_size} is smaller than the HF vocabulary ({self.hf_vocab})")
         self.rules = _rules(self.cfg, self.family)
         self._patterns = [(_pattern(r.mcore), r) for r in self.rules]
+        self.vision_tower = bool(vision_tower)
+        self._vision: dict[str, Rule] = {}  # canonical name -> its rule (exact names: looked up, not matched)
+        self._vision_shapes: dict[str, tuple[int, ...]] = {}  # HF name -> shape
+        if self.vision_tower:
+            from forge_megatron.multimodal.qwen_vl import tower_tensor_shapes, vision_spec
+
+            prefix = vision_spec(self.hf_config).vision_prefix  # ValueError naming the supported families
+            for name, shape in tower_tensor_shapes(self.hf_config).items():
+                self._vision[VISION + name] = Rule(VISION + name, (prefix + name,))
+                self._vision_shapes[prefix + name] = shape
+            self.rules = self.rules + list(self._vision.values())
         # joins that regroup HF tensors into one Megatron tensor: (split Megatron -> HF parts, join HF parts -> one)
         self._layouts = {"qkv": (self._split_qkv, self._join_qkv),
                          "qkv_gate": (self._split_qkv_gate, self._join_qkv_gate),
@@ -454,6 +472,8 @@ class Bridge:
     # --- names ----------------------------------------------------------------------------------------------
     def rule(self, name: str) -> tuple[Rule, dict]:
         """The rule of canonical (or local) Megatron name ``name`` and its ``layer``/``expert`` numbers."""
+        if name in self._vision:
+            return self._vision[name], {}
         for pattern, rule in self._patterns:
             m = pattern.match(name)
             if m:
@@ -494,8 +514,9 @@ class Bridge:
 
     def is_left_out(self, hf_name: str) -> bool:
         """A checkpoint tensor the trainer neither trains nor exports: multi-token-prediction layers
-        (:meth:`is_mtp_tensor`) and a vision-language checkpoint's vision side (``Family.vision_prefixes``)."""
-        return self.is_mtp_tensor(hf_name) or (self.family.multimodal and
+        (:meth:`is_mtp_tensor`) and a vision-language checkpoint's vision side (``Family.vision_prefixes``; but for
+        the tower's tensors with ``vision_tower=True``)."""
+        return self.is_mtp_tensor(hf_name) or (self.family.multimodal and hf_name not in self._vision_shapes and
                                                hf_name.startswith(self.family.vision_prefixes))
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -534,6 +555,8 @@ class Bridge:
     def hf_names(self, name: str) -> list[str]:
         rule, idx = self.rule(name)
         names = [t.format(**idx) for t in rule.hf]
+        if name in self._vision:
+            return names  # the checkpoint's own names
         if self.hf_prefix != "model.":
             names = [self.hf_prefix + n[len("model."):] if n.startswith("model.") else
                      self.family.head_name if n == "lm_head.weight" else n for n in names]
@@ -619,6 +642,8 @@ class Bridge:
 
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
         """The shape the config implies for HF tensor ``hf_name``."""
+        if hf_name in self._vision_shapes:
+            return self._vision_shapes[hf_name]
         cfg = self.cfg
         if cfg.linear_attention_kind == "kimi_delta":  # its two kinds of layers share names (self_attn.q_proj)
             m = re.search(r"layers\.(\d+)\.self_attn\.(.+)$", hf_name)
@@ -899,10 +924,11 @@ class Bridge:
 
     def piece_names(self, layers: range, first: bool, last: bool) -> list[str]:
         """Canonical names of a model piece holding ``layers`` (a pipeline stage, or one virtual-pipeline chunk of
-        it): the embedding when it is the ``first`` piece, the final norm and the head when it is the ``last``."""
+        it): the embedding (and a trained vision tower) when it is the ``first`` piece, the final norm and the head
+        when it is the ``last``."""
         names = self.canonical_names(layers)
         if first:
-            names.insert(0, "embedding.word_embeddings.weight")
+            names[:0] = ["embedding.word_embeddings.weight", *self._vision]
             if self.cfg.per_layer_input_size:  # Gemma 4 E2B / E4B: the per-layer inputs are made with the embedding
                 names[1:1] = [r.mcore for r in self.rules if r.mcore.startswith("embedding.per_layer.")]
         if last:

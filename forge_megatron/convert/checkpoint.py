@@ -356,7 +356,7 @@ def vision_tower(bridge: Bridge, hf_dir: str | None, batch: int = 64):
     to complete an export; nothing for other models. A
     vision-language model exported without ``hf_dir`` raises, naming the flag, rather than writing a checkpoint whose
     vision tower would load randomly initialised."""
-    if not bridge.family.multimodal:
+    if not bridge.family.multimodal or bridge.vision_tower:  # (a trained tower is among the model's own tensors)
         return iter(())
     if not hf_dir or not os.path.isdir(hf_dir):
         raise ValueError(f"{bridge.hf_config['architectures'][0]} is a vision-language checkpoint: the export needs "

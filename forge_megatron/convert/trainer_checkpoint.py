@@ -115,7 +115,7 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
     layout = metas[0]["layout"]
     if "hf_config" not in metas[0]:
         raise MappingError("the checkpoint's rank_*.json has no hf_config")
-    bridge = Bridge(metas[0]["hf_config"])
+    bridge = Bridge(metas[0]["hf_config"], vision_tower=bool(metas[0].get("vision_tower")))
     job = saved_job(metas, bridge)
     pl, P, V, owner = job.layout, job.P, job.V, job.owner
     it_dir = os.path.join(save_dir, f"iter_{iteration:07d}")

@@ -9,11 +9,22 @@ A micro-batch whose tree has images (``TreeLayout.vision``, multimodal/tree.py) 
 2. after each of the first ``spec.deepstack_layers`` layers (Qwen3-VL's DeepStack): that layer's features are added
    to the image tokens' hidden states.
 
-The vision tower is the checkpoint's own (a frozen transformers module, ``qwen_vl.load_vision_tower``, made on first
-use by the ``tower`` callable), run once per micro-batch on its distinct images under ``no_grad``: every rank that
-needs the features computes them (the tower is small beside the language model); the result is kept on the
-micro-batch's VisionTree, so activation recomputation and the forward-only passes reuse it. Replacing and adding are
-out of place, so gradients flow to the language model as in transformers' ``Qwen3VLModel``; the tower is not trained.
+The vision tower is the checkpoint's own (a transformers module). Frozen (the default: ``qwen_vl.load_vision_tower``,
+made on first use by the ``tower`` callable) it runs once per micro-batch on its distinct images under ``no_grad``:
+every rank that needs the features computes them (the tower is small beside the language model); the result is kept
+on the micro-batch's VisionTree, so activation recomputation and the forward-only passes reuse it. Replacing and
+adding are out of place, so gradients flow to the language model as in transformers' ``Qwen3VLModel``.
+
+Trained (``--train-vision-tower``): :func:`attach_tower` makes the tower a submodule ``vision_tower`` of the first
+model piece before Megatron's DDP wraps it, so its gradients are reduced over DP x CP, its weights are in the
+optimizer, the checkpoints, the weight sync and the export (``Bridge(vision_tower=True)`` names them). Each training
+forward runs it with gradients (forward-only passes still reuse no-grad features); the merged features enter the
+embeddings, and the DeepStack features enter the first layers through leaves of their own whose gradients
+(accumulated by the layers' backward, recomputed or not: Megatron's reentrant recomputation re-runs the hooks) are
+handed to the tower's graph with the merged features' (:class:`_WithDeepStackGrads`), so the tower is back-propagated
+once per micro-batch. Under sequence parallelism each TP rank back-propagates its own tokens' rows: the tower's
+parameters are marked ``sequence_parallel`` and Megatron's ``finalize_model_grads`` sums their gradients over TP;
+without it every TP rank gets the same full gradient. The DeepStack layers must be on the first model piece.
 
 Sequence parallelism: the decoder's input and the layers' outputs are this TP rank's slice of the (CP-local) tokens,
 so each hook takes that slice of the rows. Context parallelism: the shard holds this CP rank's zig-zag tokens.
@@ -53,19 +64,78 @@ class VisionShard:
             positions_T3 = take_shard(positions_T3, cp, rank, multiple)
         return cls(rows_T.to(device), positions_T3.to(device), tree)
 
-    def features(self, tower, device) -> tuple[torch.Tensor, list]:
-        """(merged features [N, H], DeepStack features) of the micro-batch's images, computed on first use."""
+    def features(self, tower, device, key: str = "frozen") -> tuple[torch.Tensor, list]:
+        """(merged features [N, H], DeepStack features) of the micro-batch's images by ``tower`` (a callable giving
+        the module), computed without gradients on first use and kept under ``key``."""
         tree = self.tree
-        if tree.features is None:
+        if key not in tree.features:
             if tree.num_images == 0:
-                tree.features = (None, [])
+                tree.features[key] = (None, [])
             else:
-                merged, deepstack = encode_images(tower(), tree.pixel_values, tree.grid_thw)
-                if deepstack and len(deepstack) < tree.spec.deepstack_layers:
-                    raise ValueError(f"the vision tower gave {len(deepstack)} DeepStack features for "
-                                     f"{tree.spec.deepstack_layers} layers")
-                tree.features = (merged.to(device), [d.to(device) for d in deepstack])
-        return tree.features
+                merged, deepstack = _encode(tower(), tree)
+                tree.features[key] = (merged.to(device), [d.to(device) for d in deepstack])
+        return tree.features[key]
+
+    def live_features(self, module, device, key: str) -> tuple[torch.Tensor | None, list]:
+        """A trained tower's forward (with gradients) on the micro-batch's images for the forward in progress: the
+        merged features joined to the DeepStack leaves' gradients, and the leaves (kept for the DeepStack hooks of
+        this forward and of its recomputation)."""
+        tree = self.tree
+        if tree.num_images == 0:
+            tree.live[key] = (None, [])
+            return tree.live[key]
+        merged, deepstack = _encode(module, tree, grad=True)
+        leaves = [d.detach().to(device).requires_grad_() for d in deepstack]
+        merged = _WithDeepStackGrads.apply(leaves, merged.to(device), *deepstack) if leaves else merged.to(device)
+        tree.live[key] = (merged, leaves)
+        return tree.live[key]
+
+
+def _encode(module, tree, grad: bool = False) -> tuple[torch.Tensor, list]:
+    merged, deepstack = encode_images(module, tree.pixel_values, tree.grid_thw, grad=grad)
+    if deepstack and len(deepstack) < tree.spec.deepstack_layers:
+        raise ValueError(f"the vision tower gave {len(deepstack)} DeepStack features for "
+                         f"{tree.spec.deepstack_layers} layers")
+    return merged, deepstack
+
+
+class _WithDeepStackGrads(torch.autograd.Function):
+    """The merged features, unchanged; in the backward the DeepStack features get the gradients their leaves
+    gathered. The merged features enter the embeddings, before the DeepStack layers, so their gradient comes after
+    all of the layers' (recomputed ones included): the tower is then back-propagated once, with all of its outputs'
+    gradients."""
+
+    @staticmethod
+    def forward(ctx, leaves, merged, *deepstack):
+        ctx.leaves = leaves
+        return merged.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = []
+        for leaf in ctx.leaves:
+            grads.append(leaf.grad)  # None when no image row of this rank's tokens took it
+            leaf.grad = None
+        return (None, grad, *grads)
+
+
+def attach_tower(model, hf_config, sequence_parallel: bool = False) -> None:
+    """Make the checkpoint's vision tower a trainable submodule ``vision_tower`` of ``model`` (the first model
+    piece, before DDP wraps it), in the model's dtype and device; its weights are loaded through the bridge with the
+    language model's (``Bridge(vision_tower=True)``). Under sequence parallelism its parameters are marked for
+    Megatron's sum of their gradients over TP."""
+    from forge_megatron.multimodal.qwen_vl import build_vision_tower
+
+    if not model.pre_process:
+        raise ValueError("the vision tower goes on the first model piece (pre_process)")
+    param = next(model.parameters())
+    tower = build_vision_tower(hf_config, dtype=param.dtype, device=param.device)
+    for p in tower.parameters():
+        p.sequence_parallel = bool(sequence_parallel)
+    model.add_module(TOWER, tower)
+
+
+TOWER = "vision_tower"
 
 
 def _local_rows(rows_T: torch.Tensor, config, length: int) -> torch.Tensor:
@@ -90,9 +160,12 @@ def _put(hidden_T1H: torch.Tensor, rows_T: torch.Tensor, values_NH: torch.Tensor
     return hidden_T1H.index_put((idx,), values, accumulate=add)
 
 
-def install(model, spec: VisionSpec, tower) -> list:
+def install(model, spec: VisionSpec, tower=None, key: str = "frozen", trained: bool = False) -> list:
     """Make a tree GPTModel stage (``build_tree_gpt``) take images (see the module docstring); ``tower``: a callable
-    returning the frozen vision tower (called on the first micro-batch with images). Returns the hook handles."""
+    returning the frozen vision tower (called on the first micro-batch with images), its features kept under ``key``
+    (towers that differ need keys that differ). ``trained``: the model pieces of this rank hold a trained tower
+    (:func:`attach_tower`): the first piece's is run with gradients in each training forward; the other pieces need
+    none (the DeepStack layers must be on the first). Returns the hook handles."""
     if getattr(model.config, "multi_latent_attention", False):
         raise ValueError("images with multi-latent attention are not supported")
     rotary = getattr(model, "rotary_pos_emb", None)
@@ -100,6 +173,15 @@ def install(model, spec: VisionSpec, tower) -> list:
         raise ValueError("images need a model with rotary position embeddings (mRoPE)")
     decoder = model.decoder
     config = model.config
+    if trained:
+        own = getattr(model, TOWER, None)
+        deep = [layer.layer_number for layer in decoder.layers if layer.layer_number - 1 < spec.deepstack_layers]
+        if own is None and deep:
+            raise ValueError(f"DeepStack layers {deep} are not on the first model piece, which holds the trained "
+                             "vision tower: give the first pipeline stage (and its first virtual chunk) at least "
+                             f"{spec.deepstack_layers} layers")
+        if own is not None:
+            tower = lambda: own  # noqa: E731 - the submodule, found again at each call
 
     def before_decoder(module, args, kwargs):
         vision = getattr(kwargs.get("packed_seq_params"), "vision", None)
@@ -111,7 +193,11 @@ def install(model, spec: VisionSpec, tower) -> list:
         if module.pre_process and hidden is not None:
             if hasattr(hidden, "unwrap"):
                 hidden = hidden.unwrap()
-            merged, _ = vision.features(tower, hidden.device)
+            vision.tree.live.pop(key, None)
+            if trained and torch.is_grad_enabled():  # a training forward: the tower's too
+                merged, _ = vision.live_features(tower(), hidden.device, key)
+            else:
+                merged, _ = vision.features(tower, hidden.device, key)
             if merged is not None:
                 hidden = _put(hidden, _local_rows(vision.rows_T, config, hidden.shape[0]), merged, add=False)
             kwargs["hidden_states"] = hidden
@@ -124,7 +210,8 @@ def install(model, spec: VisionSpec, tower) -> list:
         if vision is None:
             return None
         hidden, context = output
-        _, stack = vision.features(tower, hidden.device)
+        live = vision.tree.live.get(key)  # this forward's trained tower's (its leaves), or the kept features
+        _, stack = live if live is not None else vision.features(tower, hidden.device, key)
         if not stack:
             return None
         rows = _local_rows(vision.rows_T, config, hidden.shape[0])

@@ -155,6 +155,33 @@ def mrope_angles(rotary, positions_T3: torch.Tensor, spec: VisionSpec) -> torch.
 
 
 # ------------------------------------------------------------------------------------------------ vision tower
+def _vision_config(hf_config):
+    """The transformers config of a checkpoint's vision tower (``hf_config``: its directory or its config dict)."""
+    import transformers
+
+    if isinstance(hf_config, str):
+        return transformers.AutoConfig.from_pretrained(hf_config, local_files_only=True).vision_config
+    return transformers.AutoConfig.for_model(**hf_config).vision_config
+
+
+def build_vision_tower(hf_config, dtype: torch.dtype | None = None, device=None):
+    """The checkpoint's vision tower (``AutoModel`` of its ``vision_config``, a transformers module), freshly
+    initialised: the trainer's trainable tower, whose weights come through the bridge (``Bridge(vision_tower=True)``)
+    like the language model's."""
+    import transformers
+
+    return transformers.AutoModel.from_config(_vision_config(hf_config)).to(device=device, dtype=dtype)
+
+
+def tower_tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """{name in the tower's state dict: shape} (made on the meta device: no memory, no weights)."""
+    import transformers
+
+    with torch.device("meta"):
+        tower = transformers.AutoModel.from_config(_vision_config(hf_config))
+    return {name: tuple(t.shape) for name, t in tower.state_dict().items()}
+
+
 def load_vision_tower(hf_dir: str, spec: VisionSpec | None = None, dtype: torch.dtype | None = None, device=None):
     """The checkpoint's vision tower as a frozen transformers module (``AutoModel`` of its ``vision_config``) with the
     checkpoint's weights; in eval mode, no gradients. Read from local files only."""
@@ -180,11 +207,13 @@ def load_vision_tower(hf_dir: str, spec: VisionSpec | None = None, dtype: torch.
     return tower
 
 
-@torch.no_grad()
-def encode_images(tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list]:
+def encode_images(tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+                  grad: bool = False) -> tuple[torch.Tensor, list]:
     """Merged patch features [N, H] of the images (concatenated in order) and the DeepStack features (a list of
-    [N, H], one per DeepStack layer; empty for towers without)."""
+    [N, H], one per DeepStack layer; empty for towers without). Without gradients unless ``grad`` (a trained tower's
+    forward)."""
     param = next(tower.parameters())
-    out = tower(pixel_values.to(device=param.device, dtype=param.dtype), grid_thw=grid_thw.to(param.device),
-                return_dict=True)
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        out = tower(pixel_values.to(device=param.device, dtype=param.dtype), grid_thw=grid_thw.to(param.device),
+                    return_dict=True)
     return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])

@@ -64,7 +64,10 @@ class VisionTree:
         rows_T: int64 [T], the row of each tree token in the images' features [N, H] (-1: a text token).
         positions_T3: int64 [T, 3], the tree tokens' mRoPE positions.
         spec: the model's :class:`VisionSpec`.
-        features: filled by mcore/vision.py, once per micro-batch: (merged features [N, H], DeepStack [N, H] list).
+        features: filled by mcore/vision.py, once per micro-batch and tower (keyed by the tower's name: the policy's
+            and the KL reference's differ when the tower trains): (merged features [N, H], DeepStack [N, H] list),
+            computed without gradients.
+        live: mcore/vision.py's features of the forward in progress of a trained tower (by the tower's name).
     """
 
     pixel_values: torch.Tensor
@@ -72,7 +75,8 @@ class VisionTree:
     rows_T: torch.Tensor
     positions_T3: torch.Tensor
     spec: VisionSpec
-    features: tuple | None = field(default=None, repr=False)
+    features: dict = field(default_factory=dict, repr=False)
+    live: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_images(self) -> int:
@@ -85,7 +89,7 @@ class VisionTree:
             return self
         return VisionTree(self.pixel_values, self.grid_thw, torch.cat([self.rows_T, self.rows_T.new_full((extra,), -1)]),
                           torch.cat([self.positions_T3, self.positions_T3.new_zeros(extra, 3)]), self.spec,
-                          self.features)
+                          self.features, self.live)
 
 
 def sample_keys(samples_tokens: list, samples_images: list, spec: VisionSpec,

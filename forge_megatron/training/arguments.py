@@ -356,6 +356,13 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --routing-replay: merge samples' shared prefixes only as far as their recorded experts "
                         "agree, so every sample is scored through exactly its engine's routing (costs the merging "
                         "lost where they disagree; routing_prefix_conflicts shows how often that is)")
+    g.add_argument("--train-vision-tower", action="store_true",
+                   help="vision-language checkpoints (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV): train the vision "
+                        "tower with the language model (by default it stays frozen, the checkpoint's own). The tower "
+                        "becomes part of the first pipeline stage's model: its gradients are reduced with the "
+                        "language model's, its weights are in the optimizer, the checkpoints, the weight sync to the "
+                        "engines (model.visual.*) and the HF export; the KL reference keeps the checkpoint's. "
+                        "Qwen3-VL's DeepStack layers must be on the first stage")
     g.add_argument("--fp32-lm-head", action="store_true",
                    help="compute the output layer (LM head) in fp32 in the loss: the bf16 weight and the final hidden "
                         "states are upcast for its matmul (MiniMax-M1 traced most of the training/inference "

@@ -296,13 +296,19 @@ def latest_iteration(root: str | None) -> int | None:
     return int(text)
 
 
-def saved_layout(root: str, iteration: int) -> dict | None:
-    """The parallel layout checkpoint ``iteration`` was saved under (rank 0's rank_*.json; None before those)."""
+def saved_meta(root: str, iteration: int) -> dict | None:
+    """Rank 0's rank_*.json of checkpoint ``iteration`` (its layout, the trainer's meta; None before those)."""
     meta_path = os.path.join(_iter_dir(root, iteration), "rank_00000.json")
     if not os.path.isfile(meta_path):
         return None
     with open(meta_path) as f:
-        return json.load(f)["layout"]
+        return json.load(f)
+
+
+def saved_layout(root: str, iteration: int) -> dict | None:
+    """The parallel layout checkpoint ``iteration`` was saved under (rank 0's rank_*.json; None before those)."""
+    meta = saved_meta(root, iteration)
+    return None if meta is None else meta["layout"]
 
 
 def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, log=None) -> dict:

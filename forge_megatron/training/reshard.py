@@ -341,7 +341,7 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
 
     if "hf_config" not in metas[0]:
         raise ValueError("the checkpoint's rank_*.json has no hf_config: resume it in the layout it was saved in")
-    bridge = Bridge(metas[0]["hf_config"])
+    bridge = Bridge(metas[0]["hf_config"], vision_tower=bool(metas[0].get("vision_tower")))
     src = _Source(root, iteration, metas, bridge)
     from forge_megatron.convert.checkpoint import job_layout
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from forge_megatron.training import arguments
 from forge_megatron.training.checkpoint import (
-    AsyncCheckpointSaver, latest_iteration, load_checkpoint, load_hf_weights, save_checkpoint,
+    AsyncCheckpointSaver, latest_iteration, load_checkpoint, load_hf_weights, save_checkpoint, saved_meta,
 )
 from forge_megatron.training.metrics import EvalFeed, MetricsWriter, batch_metrics
 
@@ -368,7 +368,13 @@ class Trainer:
         from forge_megatron.mcore import parallel
 
         self.args = args
-        self.bridge = Bridge(args.hf_checkpoint)
+        self.train_tower = bool(getattr(args, "train_vision_tower", False))
+        try:  # with --train-vision-tower the tower's tensors are the model's too
+            self.bridge = Bridge(args.hf_checkpoint, vision_tower=self.train_tower)
+        except ValueError as exc:
+            if not self.train_tower:
+                raise
+            raise ValueError(f"--train-vision-tower: {exc}") from exc
         parallel.initialize(arguments.parallel_config(args, self.bridge.cfg.num_layers), seed=args.seed)
         self.rank = dist.get_rank()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -379,7 +385,8 @@ class Trainer:
             self._log_memory_plan()
         self.domains = sorted(args.domain_ratios)
         # model chunks (one per virtual pipeline stage; one without interleaving) and their DDP wrappers
-        self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(args, self.cfg)
+        tower = self.bridge.hf_config if self.train_tower else None
+        self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(args, self.cfg, tower)
         if self.rank == 0 and getattr(args, "overlap_grad_reduce", False):
             buckets = sum(len(b.buckets) for d in self.ddp for b in [*d.buffers, *d.expert_parallel_buffers])
             self._log(f"--overlap-grad-reduce: {buckets} gradient bucket(s) on rank 0, each reduced over DP as soon as "
@@ -397,7 +404,7 @@ class Trainer:
                 self._log(f"--int4-qat: {len(rounded)} weight(s) on rank 0 computed with their int4 rounding (group "
                           f"{qat.group}), straight-through gradients to the full-precision weights")
         # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
-        self.ref_chunks = build_reference_model(self.cfg) if self.loss_cfg.kl_coef > 0 else None
+        self.ref_chunks = build_reference_model(self.cfg, tower) if self.loss_cfg.kl_coef > 0 else None
         if qat is not None and self.ref_chunks is not None:  # the KL's reference rounded as the policy is
             int4_qat.install(self.bridge, self.ref_chunks, qat)
         self.ref_offload = None  # --ref-offload: HostOffload of ref_chunks, made once their weights are loaded
@@ -457,6 +464,15 @@ class Trainer:
         from forge_megatron.mcore import vision
         from forge_megatron.weight_sync.gather import unwrap
 
+        if self.train_tower:  # the first piece's own (mcore.vision.attach_tower), loaded with the language model
+            for key, chunks in (("policy", self.chunks), ("reference", self.ref_chunks or [])):
+                for chunk in chunks:
+                    vision.install(unwrap(chunk), spec, key=key, trained=True)
+            own = getattr(unwrap(self.chunks[0]), vision.TOWER, None)
+            if own is not None:
+                n = sum(p.numel() for p in own.parameters())
+                self._log(f"vision tower trained with the language model ({n / 1e6:.1f}M parameters on the first "
+                          "pipeline stage)")
         tower = {}
 
         def load():
@@ -470,7 +486,7 @@ class Trainer:
                           f"{sum(p.numel() for p in tower['module'].parameters()) / 1e6:.1f}M parameters)")
             return tower["module"]
 
-        for chunk in [*self.chunks, *(self.ref_chunks or [])]:
+        for chunk in [] if self.train_tower else [*self.chunks, *(self.ref_chunks or [])]:
             vision.install(unwrap(chunk), spec, load)
         from forge_megatron.multimodal.images import ImageProcessor
 
@@ -526,6 +542,12 @@ class Trainer:
             self.optimizer.reload_model_params()
             self._log(f"initialised from HF checkpoint {self.args.hf_checkpoint}")
         else:
+            saved_tower = bool((saved_meta(self.args.load, iteration) or {}).get("vision_tower", False))
+            if saved_tower != self.train_tower:
+                was = "with" if saved_tower else "without"
+                raise ValueError(f"checkpoint {self.args.load} iteration {iteration} was saved {was} "
+                                 f"--train-vision-tower (its model and optimizer {'hold' if saved_tower else 'lack'} "
+                                 f"the vision tower): resume {was} it")
             state = load_checkpoint(self.args.load, iteration, self.ddp, self.optimizer, self.scheduler, self._log)
             self.iteration, self.policy_version = state["iteration"], state["policy_version"]
             self.saved_at = self.iteration
@@ -765,7 +787,7 @@ class Trainer:
         self._gather_params()
         extra = {"policy_version": self.policy_version, "last_batch_id": self.last_batch_id}
         meta = {"hf_config": self.bridge.hf_config, "hf_checkpoint": os.path.abspath(a.hf_checkpoint),
-                "policy_version": self.policy_version}
+                "policy_version": self.policy_version, "vision_tower": self.train_tower}
         iteration, batch_id = self.iteration, self.last_batch_id
 
         def commit() -> None:
@@ -957,7 +979,10 @@ def model_config(args: argparse.Namespace, bridge):
     return replace(cfg, **overrides)
 
 
-def build_model_and_optimizer(args: argparse.Namespace, cfg):
+def build_model_and_optimizer(args: argparse.Namespace, cfg, tower_config: dict | None = None):
+    """This rank's model chunks, their DDP wrappers, Megatron's optimizer and its LR scheduler. ``tower_config``: the
+    HF config of a vision-language checkpoint whose vision tower trains (``--train-vision-tower``): the first model
+    piece gets it as a submodule (mcore.vision.attach_tower) before DDP wraps it."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -972,6 +997,7 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg):
     if has_cuda():
         for chunk in chunks:
             chunk.cuda()
+    _attach_tower(chunks, tower_config)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                use_distributed_optimizer=args.use_distributed_optimizer,
                                                overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
@@ -1001,10 +1027,17 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg):
     return chunks, ddp, optimizer, scheduler
 
 
-def build_reference_model(cfg) -> list:
+def _attach_tower(chunks: list, tower_config: dict | None) -> None:
+    if tower_config is not None and chunks[0].pre_process:
+        from forge_megatron.mcore.vision import attach_tower
+
+        attach_tower(chunks[0], tower_config, bool(getattr(chunks[0].config, "sequence_parallel", False)))
+
+
+def build_reference_model(cfg, tower_config: dict | None = None) -> list:
     """This rank's chunks of a frozen copy of the model (the KL reference): the policy's layout and chunking, in
-    eval mode, no gradients. Costs one more copy of the weights (no gradients, no optimizer state) and one
-    forward-only pass per step."""
+    eval mode, no gradients (with ``tower_config``: the vision tower too, see :func:`build_model_and_optimizer`).
+    Costs one more copy of the weights (no gradients, no optimizer state) and one forward-only pass per step."""
     from megatron.core import parallel_state as ps
 
     from forge_megatron.mcore.tree_attention import build_tree_gpt
@@ -1012,9 +1045,11 @@ def build_reference_model(cfg) -> list:
 
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = [build_tree_gpt(cfg) if vpp is None else build_tree_gpt(cfg, vp_stage=v) for v in range(vpp or 1)]
-    for chunk in chunks:
-        if has_cuda():
+    if has_cuda():
+        for chunk in chunks:
             chunk.cuda()
+    _attach_tower(chunks, tower_config)
+    for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)
     return chunks

@@ -136,10 +136,10 @@ def _one_rank_body(rank, world_size, dirs):
             tower_calls = len(calls)
             mutants = {}
             if arch == "qwen3_vl":
-                merged, stack = layout.vision.features
+                merged, stack = layout.vision.features["frozen"]
                 assert len(stack) == 1
                 no_stack = build_vision_tree(samples, images, spec)
-                no_stack.vision.features = (merged, [])  # the features as computed, without DeepStack's
+                no_stack.vision.features["frozen"] = (merged, [])  # the features as computed, without DeepStack's
                 mutants["no_deepstack"] = tree_logprobs(model, no_stack)[0]
                 depth = build_vision_tree(samples, images, spec)
                 depth.vision.positions_T3 = depth.position_ids[:, None].expand(-1, 3).clone()
@@ -150,6 +150,41 @@ def _one_rank_body(rank, world_size, dirs):
         out[arch] = dict(logp=logp.detach(), again=again, grads=grads, unique=layout.unique_tokens,
                          total=layout.total_tokens, tower_calls=tower_calls,
                          mutants={k: v.detach() for k, v in mutants.items()})
+    return out
+
+
+def _trained_tower_body(rank, world_size, dirs, recompute):
+    """The vision tower trained with the language model (mcore.vision.attach_tower, ``Bridge(vision_tower=True)``):
+    logprobs and every gradient, the tower's included, exported by the bridge under the checkpoint's names."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.mcore import vision
+    from forge_megatron.mcore.forward import tree_logprobs
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.multimodal import build_vision_tree, vision_spec
+    from forge_megatron.training.checkpoint import load_hf_weights
+
+    samples, images = batch()
+    out = {}
+    for arch, d in dirs.items():
+        bridge = Bridge(d, vision_tower=True)
+        cfg = bridge.cfg
+        if recompute:  # Megatron's reentrant recomputation re-runs the DeepStack hook in the backward
+            cfg = dataclasses.replace(cfg, extra={**cfg.extra, "recompute_granularity": "full",
+                                                  "recompute_method": "uniform", "recompute_num_layers": 1})
+        model = build_tree_gpt(cfg)
+        vision.attach_tower(model, bridge.hf_config)
+        load_hf_weights([model], bridge, d)
+        spec = vision_spec(bridge.hf_config)
+        vision.install(model, spec, key="policy", trained=True)
+        layout = build_vision_tree(samples, images, spec)
+        logp, _ = tree_logprobs(model, layout)
+        (logp * _weights(logp.numel())).sum().backward()
+        grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                                   for n, p in model.named_parameters()))
+        with torch.no_grad():
+            again, _ = tree_logprobs(model, layout)  # forward-only: the tower without gradients, kept
+        out[arch] = dict(logp=logp.detach(), again=again, grads=grads, kept=list(layout.vision.features),
+                         live=list(layout.vision.live))
     return out
 
 
@@ -257,6 +292,25 @@ def test_language_model_gradients_equal_transformers(one_rank, hf_reference, arc
     embed = next(g for n, g in grads.items() if n.endswith("embed_tokens.weight"))
     assert embed[IMG].abs().max() == 0  # the image tokens' embeddings are replaced: no gradient reaches them
     assert embed[VS].abs().max() > 0
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_trained_vision_tower_gradients_equal_transformers(vl_dirs, hf_reference, recompute):
+    dirs = {a: vl_dirs[a] for a in (("qwen3_vl",) if recompute else ("qwen3_vl", "glm4v"))}
+    (out,) = run_distributed(_trained_tower_body, world_size=1, dirs=dirs, recompute=recompute, timeout_s=600)
+    for arch, got in out.items():
+        want, expected = hf_reference[arch]
+        assert (got["logp"] - want).abs().max().item() <= LOGP_ATOL
+        assert (got["again"] - want).abs().max().item() <= LOGP_ATOL
+        assert got["kept"] == ["policy"] and got["live"] == []  # the no-grad pass kept its features, no live ones
+        tower = {n: g for n, g in got["grads"].items() if n.startswith("model.visual.")}
+        assert set(tower) == {n for n in expected if n.startswith("model.visual.")}
+        for name, g in got["grads"].items():
+            ref = expected[name]
+            err = ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            assert err <= GRAD_RTOL, (arch, name, err)
+        # every tower tensor takes part (DeepStack's merger included): a missing path would leave one at zero
+        assert all(g.abs().max() > 0 for g in tower.values()), [n for n, g in tower.items() if g.abs().max() == 0]
 
 
 def test_deepstack_mrope_and_features_all_matter(one_rank, hf_reference):
