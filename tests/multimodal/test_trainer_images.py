@@ -6,19 +6,21 @@ recomputed layers add DeepStack's features again)."""
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
 import numpy as np
 import pytest
+import torch
 
 from tests.multimodal.test_vision_tree import png
 from tests.training.trainer_run import run_on_fresh_pool
 
 
-def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: int = 3):
+def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: int = 3, lead: int = 4):
     """Finished episodes sampled by the reference engine from prompts with an image (one image per group, shared by
-    its episodes), as the gateway records them."""
+    its episodes) after ``lead`` text tokens, as the gateway records them."""
     from transformers import AutoTokenizer
 
     from forge_megatron.middleware.schema import Episode, Segment
@@ -32,7 +34,7 @@ def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: in
     rng = np.random.default_rng(4)
     for g in range(groups):
         image = proc.normalize(png(rng, 20 + 8 * g, 24))
-        prompt = [*rng.integers(10, 200, size=4).tolist(), vs, *[pad] * proc.num_tokens(image), ve, 9]
+        prompt = [*rng.integers(10, 200, size=lead).tolist(), vs, *[pad] * proc.num_tokens(image), ve, 9]
         gid = client.register_group(f"task-{g}", group_size, "default")
         for e in range(group_size):
             req = engine.new_request({"input_ids": prompt, "image_data": [data_url(image)], "sampling_params": {
@@ -51,18 +53,22 @@ def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: in
                                           reward=float(e % 2), started_at=now - 1, ended_at=now))
 
 
-def _run(tmp_path, name, nproc=1, extra=(), arch="qwen3_vl"):
+def _run(tmp_path, name, nproc=1, extra=(), arch="qwen3_vl", exits=(None,), lead=4):
     from forge_megatron.models.tiny import build_tiny_model
 
-    model_dir = build_tiny_model(str(tmp_path / "vl"), arch, images=True, seed=3)
-    steps, stdouts, _ = run_on_fresh_pool(tmp_path, name, model_dir, lambda c: _feed_image_rollouts(c, model_dir),
-                                          iters=2, groups=1, nproc=nproc, model=[], extra=list(extra))
+    # (vocabulary 404: 400 + the image tokens, padded to split over TP 2)
+    model_dir = build_tiny_model(str(tmp_path / "vl"), arch, images=True, seed=3, vocab_size=404)
+    steps, stdouts, _ = run_on_fresh_pool(tmp_path, name, model_dir, lambda c: _feed_image_rollouts(c, model_dir, lead=lead),
+                                          iters=2, groups=1, nproc=nproc, model=[], extra=list(extra), exits=exits)
     assert len(steps) == 2
     first = steps[0]
     assert first["rollout_logp_abs_diff"] < 1e-4 and first["rollout_logp_abs_diff_max"] < 1e-3
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert all(np.isfinite(s["loss"]) for s in steps)
-    assert "vision tower of" in "".join(stdouts)  # loaded on the first micro-batch with images
+    if "--train-vision-tower" in extra:
+        assert "vision tower trained with the language model" in "".join(stdouts)
+    else:
+        assert "vision tower of" in "".join(stdouts)  # loaded on the first micro-batch with images
     # one group a step: its episodes share one picture, encoded once, its tokens once in the tree
     assert all(s["images"] == 1 and 1 <= s["image_tokens"] <= 16 for s in steps)
     return steps
@@ -92,3 +98,67 @@ def test_glm4v_images_train(tmp_path):
     """GLM-4.1V (contiguous mRoPE sections on interleaved pairs, no DeepStack) through the same path."""
     steps = _run(tmp_path, "glm", arch="glm4v")
     assert steps[1]["loss"] != steps[0]["loss"]
+
+
+TRAIN_TOWER = ["--train-vision-tower", "--rl-kl-coef", "0.05"]
+LEAD = 20  # text tokens before the image: its tokens straddle the two TP ranks' halves under sequence parallelism
+
+
+@pytest.fixture(scope="module")
+def trained_tower_run(tmp_path_factory):
+    """One rank, the tower trained (and a KL reference, whose tower stays the checkpoint's)."""
+    root = tmp_path_factory.mktemp("tower")
+    return root, _run(root, "one", extra=TRAIN_TOWER, lead=LEAD)
+
+
+def test_trained_vision_tower_is_trained_checkpointed_and_exported(trained_tower_run, tmp_path):
+    """The KL reference keeps the checkpoint's tower (no KL at step 1, some at step 2); the checkpoint holds the moved
+    tower, exported as the checkpoint's tensors (model.visual.*) that transformers loads; a resume without the flag
+    is refused, naming it."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+    from tests.training.trainer_run import TRAIN, train_env
+
+    root, steps = trained_tower_run
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference's tower is the policy's at step 1
+    assert steps[1]["kl"] > 0
+    out = str(tmp_path / "hf")
+    export_trainer_checkpoint(str(root / "one" / "ckpt"), out)
+    got, before = {}, {}
+    for d, into in ((out, got), (str(root / "vl"), before)):
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".safetensors"):
+                into.update(load_file(os.path.join(d, f)))
+    tower = sorted(n for n in before if n.startswith("model.visual."))
+    assert tower and set(got) == set(before)
+    moved = [n for n in tower if not torch.equal(got[n], before[n])]
+    assert len(moved) >= len(tower) // 2, moved  # Adam moves every tensor with a gradient
+    import transformers
+
+    transformers.Qwen3VLForConditionalGeneration.from_pretrained(out)  # loads whole
+    cmd = [sys.executable, TRAIN, "--hf-checkpoint", str(root / "vl"), "--load", str(root / "one" / "ckpt"),
+           "--lr", "1e-3", "--train-iters", "3", "--weight-sync-transport", "none", "--pool-addr", "tcp://127.0.0.1:1"]
+    res = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "saved with --train-vision-tower" in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("nproc,extra", [
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    (2, ["--tensor-model-parallel-size", "2"]),
+    (2, ["--pipeline-model-parallel-size", "2"]),
+    (1, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])],
+    ids=["tp2_sp", "tp2", "pp2", "recompute"])
+def test_trained_vision_tower_alike_under_tp_sp_pp2_and_recomputation(tmp_path, trained_tower_run, nproc, extra):
+    """The tower's gradients summed over TP under sequence parallelism (each rank back-propagates its half of the
+    tokens, the image's straddle them), the same on every TP rank without it, on the first stage under PP2,
+    recomputed: the second step (after one update of tower and language model) as on one rank."""
+    _, want = trained_tower_run
+    steps = _run(tmp_path, "run", nproc, [*TRAIN_TOWER, *extra], lead=LEAD)
+    for got, ref in zip(steps, want):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+        assert got["kl"] == pytest.approx(ref["kl"], rel=1e-3, abs=1e-7)
