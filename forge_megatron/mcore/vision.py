@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from forge_megatron.bridge.mapping import VISION
 from forge_megatron.multimodal.qwen_vl import VisionSpec, encode_images, mrope_angles
 
 
@@ -135,7 +136,7 @@ def attach_tower(model, hf_config, sequence_parallel: bool = False) -> None:
     model.add_module(TOWER, tower)
 
 
-TOWER = "vision_tower"
+TOWER = VISION[:-1]  # the submodule's name: its parameters are the bridge's vision_tower.* names
 
 
 def _local_rows(rows_T: torch.Tensor, config, length: int) -> torch.Tensor:

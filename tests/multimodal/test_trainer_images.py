@@ -162,3 +162,55 @@ def test_trained_vision_tower_alike_under_tp_sp_pp2_and_recomputation(tmp_path, 
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6)
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
         assert got["kl"] == pytest.approx(ref["kl"], rel=1e-3, abs=1e-7)
+
+
+def _tower_sync_body(rank, world_size, hf_dir, engine_url):
+    """A TP2 + SP trainer model with the tower trained (moved off the checkpoint's) syncs to the engine."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.mcore import vision
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.training.checkpoint import load_hf_weights
+    from forge_megatron.weight_sync import WeightSyncConfig, WeightSyncer
+
+    bridge = Bridge(hf_dir, vision_tower=True)
+    model = build_tree_gpt(bridge.cfg)
+    vision.attach_tower(model, bridge.hf_config, sequence_parallel=True)
+    load_hf_weights([model], bridge, hf_dir)
+    gen = torch.Generator().manual_seed(0)  # the same moves on both TP ranks: the tower is replicated
+    with torch.no_grad():
+        for p in model.vision_tower.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    syncer = WeightSyncer(WeightSyncConfig(engine_urls=[engine_url], transport="distributed", bucket_bytes=40_000,
+                                           timeout_s=60), bridge)
+    try:
+        report = syncer.sync([model], policy_version=1)
+    finally:
+        syncer.close()
+    tower = {bridge.hf_names(f"{vision.TOWER}.{n}")[0]: p.detach().clone()
+             for n, p in model.vision_tower.named_parameters()}
+    return report.policy_version, report.excluded, tower
+
+
+def test_trained_vision_tower_reaches_the_engine(tmp_path):
+    """The weight sync sends the trained tower's tensors under the checkpoint's names (model.visual.*), and the
+    engine's vision-language model takes them: its tower equals the trainer's afterwards (before: the checkpoint's)."""
+    from forge_megatron.mcore.parallel import ParallelConfig
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.rollout.launch import start_engine
+    from tests.dist_utils import run_distributed
+
+    model_dir = build_tiny_model(str(tmp_path / "vl"), "qwen3_vl", images=True, seed=3, vocab_size=404)
+    engine = start_engine(model_dir, in_process=True)
+    try:
+        before = {n: t.clone() for n, t in engine.engine.model.state_dict().items() if n.startswith("model.visual.")}
+        out = run_distributed(_tower_sync_body, world_size=2, parallel=ParallelConfig(tp=2), hf_dir=model_dir,
+                              engine_url=engine.url, timeout_s=600)
+        after = engine.engine.model.state_dict()
+        (version, excluded, tower), _ = out
+        assert version == 1 and excluded == []
+        assert before and set(tower) == set(before)
+        for name, t in tower.items():
+            assert torch.equal(after[name], t.to(after[name].dtype)), name
+            assert not torch.equal(after[name], before[name]), name
+    finally:
+        engine.stop()
