@@ -19,7 +19,10 @@ It takes the trainer's own flags (unknown ones are ignored, so a training comman
 * the frozen vision tower of a vision-language checkpoint the trainer takes images for (multimodal/qwen_vl.py): its
   parameters (counted on the meta device from the config's ``vision_config``), in the weights' dtype, on every rank
   of the first pipeline stage (it runs replicated over TP and CP there; once more for the KL reference is not
-  needed: the reference shares it). Its activations are transient (no gradients) and left out.
+  needed: the reference shares it). Its activations are transient (no gradients) and left out. With
+  ``--train-vision-tower`` the tower is part of the first stage's model instead (``Bridge(vision_tower=True)``):
+  counted in ``params_dense`` there, with gradients, optimizer state and (with the KL term) a reference copy; its
+  activations, kept for the backward now, are not estimated.
 * activations, a rough estimate only: the tokens one micro-batch puts on a rank (``--tree-token-budget`` / CP, and /
   TP outside attention with sequence parallelism) times the bytes a layer keeps per token for its backward (with
   ``--recompute-granularity full`` the layer inputs of the rank's layers plus one layer's working set; otherwise
@@ -206,8 +209,9 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
 
 
 def vision_tower_params(bridge) -> int:
-    """Parameters of the frozen vision tower the trainer loads for a checkpoint it takes images for; 0 otherwise."""
-    if not bridge.family.multimodal:
+    """Parameters of the frozen vision tower the trainer loads for a checkpoint it takes images for; 0 otherwise (and
+    when the tower trains: then it is among the model's parameters)."""
+    if not bridge.family.multimodal or bridge.vision_tower:
         return 0
     from forge_megatron.multimodal import vision_spec
 
@@ -244,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="bf16 weights (the trainer's --bf16; fp32 otherwise)")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--rl-kl-coef", type=float, default=0.0, help="> 0: a frozen reference copy of the weights")
+    p.add_argument("--train-vision-tower", action="store_true",
+                   help="a vision-language checkpoint's vision tower trains: part of the first stage's model")
     p.add_argument("--tree-token-budget", type=int, default=8192, help="unique tokens per micro-batch")
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100 80, H200 141)")
@@ -277,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     from forge_megatron.bridge import Bridge, MappingError, UnsupportedModelError
 
     try:
-        bridge = Bridge(args.hf_checkpoint)
+        bridge = Bridge(args.hf_checkpoint, vision_tower=args.train_vision_tower)
         vpp = args.num_virtual_stages_per_pipeline_rank
         if args.num_layers_per_virtual_pipeline_stage:  # Megatron's other spelling of the interleaved schedule
             vpp = bridge.cfg.num_layers // (args.pipeline_model_parallel_size

@@ -313,6 +313,28 @@ def test_trained_vision_tower_gradients_equal_transformers(vl_dirs, hf_reference
         assert all(g.abs().max() > 0 for g in tower.values()), [n for n, g in tower.items() if g.abs().max() == 0]
 
 
+def test_bridge_maps_a_trained_vision_tower(vl_dirs):
+    """``Bridge(vision_tower=True)``: every tower tensor of the checkpoint maps one to one (replicated over TP) to
+    the first model piece's ``vision_tower.*``; without it they are left out; a text model is refused."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.convert.checkpoint import HFReader
+    from forge_megatron.models.tiny import tiny_config
+
+    d = vl_dirs["qwen3_vl"]
+    names = sorted(n for n in HFReader(d).names() if n.startswith("model.visual."))
+    frozen, trained = Bridge(d), Bridge(d, vision_tower=True)
+    assert names and all(frozen.is_left_out(n) for n in names)
+    assert not any(trained.is_left_out(n) for n in names)
+    tower = [n for n in trained.piece_names(range(0), True, False) if n.startswith("vision_tower.")]
+    assert sorted(trained.hf_names(n)[0] for n in tower) == names
+    assert not any(n.startswith("vision_tower.") for n in trained.piece_names(range(2), False, True))
+    assert all(trained.rule(n)[0].tp == "rep" and trained.rename(n, 3, 0) == n for n in tower)
+    assert not any(n.startswith("vision_tower.") for n in frozen.canonical_names())
+    text = {**tiny_config("qwen3", vocab_size=V).to_dict(), "architectures": ["Qwen3ForCausalLM"]}
+    with pytest.raises(ValueError, match="Qwen3-VL, Qwen3-VL-MoE"):
+        Bridge(text, vision_tower=True)
+
+
 def test_deepstack_mrope_and_features_all_matter(one_rank, hf_reference):
     want = hf_reference["qwen3_vl"][0]
     for name, logp in one_rank["qwen3_vl"]["mutants"].items():

@@ -247,3 +247,11 @@ def test_vision_tower_of_a_model_that_takes_images(tmp_path, capsys):
     (d / "config.json").write_text(json.dumps(hf))
     plan.main(["--hf-checkpoint", str(d), "--world-size", "1"])
     assert "params_vision_frozen" in capsys.readouterr().out
+    # trained (--train-vision-tower): the tower is the first stage's model, with gradients and optimizer state
+    trained = plan.plan(Bridge(hf, vision_tower=True), world=2, pp=2, bf16=True, tokens=64)
+    t_first, t_last = trained["ranks"]
+    assert t_first["params_vision_frozen"] == 0 and t_first["vision_gib"] == 0
+    assert t_first["params_dense"] == first["params_dense"] + want and t_last == last
+    assert t_first["grads_gib"] == pytest.approx(first["grads_gib"] + want * 4 / plan.GIB)
+    plan.main(["--hf-checkpoint", str(d), "--world-size", "1", "--train-vision-tower"])
+    assert "params_vision_frozen" not in capsys.readouterr().out
