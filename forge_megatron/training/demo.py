@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-correct-fraction", type=float, default=0.3,
                    help="--arch qwen3_vl: the fraction of warm-start answers that name the picture's colour (the "
                         "others a random one), so RL has headroom")
+    p.add_argument("--train-vision-tower", action="store_true",
+                   help="--arch qwen3_vl: the trainer trains the vision tower with the language model (synced to the "
+                        "engine with it); by default it stays frozen")
     p.add_argument("--agent-api", choices=calculator.APIS, default="chat",
                    help="how the calculator agent calls the model: chat completions (default) or the OpenAI "
                         "Responses API (Codex-style agents); the gateway records and trains both alike")
@@ -293,7 +296,9 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         "--weight-sync-transport", args.weight_sync_transport, "--weight-sync-dir", os.path.join(out, "weight_sync"),
         "--train-batch-groups", str(args.groups_per_step), "--tree-token-budget", "16384",
         "--metrics-jsonl", metrics, "--log-interval", "1", "--seed", str(args.seed),
-        *(["--routing-replay"] if args.moe else []), *(["--weight-sync-fp8", served] if args.fp8 else [])],
+        *(["--routing-replay"] if args.moe else []),
+        *(["--train-vision-tower"] if args.train_vision_tower else []),
+        *(["--weight-sync-fp8", served] if args.fp8 else [])],
         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
              "LOCAL_RANK": "0"})
     deadline = time.time() + args.timeout_s
@@ -396,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.moe and args.arch != "qwen2":
         raise SystemExit(f"--moe {args.moe} and --arch {args.arch}: the MoE layouts are their own architectures; "
                          "give one of the two")
+    if args.train_vision_tower and args.arch != "qwen3_vl":
+        raise SystemExit("--train-vision-tower needs --arch qwen3_vl (the demo's vision-language model)")
     if args.arch == "qwen3_vl" and args.agent_api != "chat":
         raise SystemExit("--arch qwen3_vl runs the colour agent, which calls chat completions only")
     if args.arch == "gemma4_e" and (args.num_layers < 4 or args.num_layers % 2):

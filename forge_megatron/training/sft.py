@@ -15,7 +15,8 @@ tree-packed Megatron forward as RL training, optimised with Adam. Single process
 ``chats.jsonl``: one ``{"messages": [...], "tools": [...]}`` per line (OpenAI chat format). Vision-language checkpoints
 (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV with an image processor) also take image parts in user messages (``image_url`` with a
 data URL): each image is normalised and expanded to its tokens as the gateway does it (multimodal/images.py) and the
-model sees its features through the checkpoint's frozen vision tower (mcore/vision.py); the export keeps the tower.
+model sees its features through the checkpoint's frozen vision tower (mcore/vision.py; ``--train-vision-tower``: trained
+with the language model); the export keeps the tower.
 
 Legend: M = next-token targets of the samples of a batch.
 """
@@ -127,7 +128,7 @@ def export_hf(model, bridge, src_dir: str, out_dir: str) -> None:
 
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     pairs = [(hf_name, t.detach().float().cpu()) for hf_name, t in bridge.export(state.items())]
-    pairs += list(vision_tower(bridge, src_dir))  # a vision-language checkpoint's tower, as it was
+    pairs += list(vision_tower(bridge, src_dir))  # a vision-language checkpoint's frozen tower, as it was
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     save_hf(pairs, out_dir, bridge.hf_config, total=len(pairs))
@@ -139,8 +140,10 @@ def export_hf(model, bridge, src_dir: str, out_dir: str) -> None:
 
 
 def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float, batch_size: int, seed: int = 0,
-            log_every: int = 25) -> list[float]:
-    """Train, export to ``out_dir``; returns the loss per step. Initialises a 1-rank process group if needed."""
+            log_every: int = 25, train_vision_tower: bool = False) -> list[float]:
+    """Train, export to ``out_dir``; returns the loss per step. Initialises a 1-rank process group if needed.
+    ``train_vision_tower``: a vision-language checkpoint's tower trains with the language model (and is exported as
+    trained); by default it stays the checkpoint's, frozen."""
     from transformers import AutoTokenizer
 
     from forge_megatron.bridge import Bridge
@@ -158,10 +161,17 @@ def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float,
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         processor = _image_processor(hf_dir)
         data = [render(tokenizer, c["messages"], c.get("tools"), processor) for c in chats]
-        bridge = Bridge(hf_dir)
+        bridge = Bridge(hf_dir, vision_tower=train_vision_tower)
         model = build_tree_gpt(bridge.cfg)
+        if train_vision_tower:
+            from forge_megatron.mcore import vision
+
+            if processor is None:
+                raise ValueError(f"--train-vision-tower: {hf_dir!r} has no image processor (preprocessor_config.json)")
+            vision.attach_tower(model, bridge.hf_config)
+            vision.install(model, processor.spec, key="policy", trained=True)
         load_hf_weights(model, bridge, hf_dir)
-        if any(images for _, _, images in data):
+        if any(images for _, _, images in data) and not train_vision_tower:
             from forge_megatron.mcore import vision
             from forge_megatron.multimodal import load_vision_tower
 
@@ -206,8 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-vision-tower", action="store_true",
+                   help="vision-language checkpoints: train the vision tower too (exported as trained); by default "
+                        "it stays the checkpoint's")
     args = p.parse_args(argv)
-    run_sft(args.hf_checkpoint, load_chats(args.data), args.out, args.steps, args.lr, args.batch_size, args.seed)
+    run_sft(args.hf_checkpoint, load_chats(args.data), args.out, args.steps, args.lr, args.batch_size, args.seed,
+            train_vision_tower=args.train_vision_tower)
     return 0
 
 

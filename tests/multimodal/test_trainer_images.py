@@ -214,3 +214,24 @@ def test_trained_vision_tower_reaches_the_engine(tmp_path):
             assert not torch.equal(after[name], before[name]), name
     finally:
         engine.stop()
+
+
+def test_trained_vision_tower_resumes_under_another_layout(tmp_path):
+    """A checkpoint with the trained tower (its weights and Adam state) resumed under TP2 + SP (resharded by name):
+    step 3 as in a run that never stopped."""
+    from forge_megatron.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(str(tmp_path / "vl"), "qwen3_vl", images=True, seed=3, vocab_size=404)
+    runs = {}
+    for name, exits in (("straight", (None,)),
+                        ("resumed", ((2, (), 1), (None, ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+                                                  2)))):
+        steps, stdouts, counts = run_on_fresh_pool(
+            tmp_path, name, model_dir, lambda c: _feed_image_rollouts(c, model_dir, groups=3, lead=LEAD), iters=3,
+            groups=1, model=[], extra=TRAIN_TOWER, exits=exits)
+        runs[name] = steps
+    assert counts == [2, 3] and "resharding the model and optimizer state" in stdouts[1]
+    assert [s["step"] for s in runs["resumed"]] == [1, 2, 3]
+    for got, want in zip(runs["resumed"], runs["straight"]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)

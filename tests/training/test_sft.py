@@ -72,3 +72,28 @@ def test_sft_on_pictures_trains_with_the_vision_tower_and_keeps_it(tmp_path, mon
     assert not torch.equal(out["model.language_model.embed_tokens.weight"],
                            src["model.language_model.embed_tokens.weight"])
     transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(tmp_path / "out"))  # loads whole
+
+
+def test_sft_trains_the_vision_tower_when_asked(tmp_path, monkeypatch):
+    """``train_vision_tower=True``: the tower is trained with the language model and exported as trained (every tower
+    tensor with a gradient moved), the export a whole checkpoint transformers loads."""
+    import glob
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from forge_megatron.agents import colors
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    base = build_tiny_model(str(tmp_path / "base"), "qwen3_vl", images=True)
+    chats = [{"messages": c} for c in colors.sft_conversations(colors.make_tasks(16, seed=1), 1.0)]
+    losses = run_sft(base, chats, str(tmp_path / "out"), steps=4, lr=3e-3, batch_size=4, log_every=100,
+                     train_vision_tower=True)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    out = {k: v for f in glob.glob(str(tmp_path / "out" / "*.safetensors")) for k, v in load_file(f).items()}
+    src = load_file(f"{base}/model.safetensors")
+    visual = [n for n in src if n.startswith("model.visual.")]
+    moved = [n for n in visual if not torch.equal(out[n], src[n])]
+    assert visual and len(moved) >= len(visual) - 2, sorted(set(visual) - set(moved))
+    assert set(out) == set(src)
+    transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(tmp_path / "out"))
