@@ -120,6 +120,14 @@ class _WithDeepStackGrads(torch.autograd.Function):
         return (None, grad, *grads)
 
 
+def _touch(module) -> torch.Tensor:
+    """0, depending on every parameter of ``module``: each training forward gives each of the tower's parameters a
+    gradient (zeros where no image of this rank's tokens reached it: a micro-batch without images, or an SP rank
+    without image rows), as Megatron's DDP expects of every parameter it reduces (with --overlap-grad-reduce it
+    starts a bucket's reduction once all of its parameters have one, as many as in the first step)."""
+    return sum(p.view(-1)[0] for p in module.parameters()) * 0.0
+
+
 def attach_tower(model, hf_config, sequence_parallel: bool = False) -> None:
     """Make the checkpoint's vision tower a trainable submodule ``vision_tower`` of ``model`` (the first model
     piece, before DDP wraps it), in the model's dtype and device; its weights are loaded through the bridge with the
@@ -186,17 +194,24 @@ def install(model, spec: VisionSpec, tower=None, key: str = "frozen", trained: b
 
     def before_decoder(module, args, kwargs):
         vision = getattr(kwargs.get("packed_seq_params"), "vision", None)
+        hidden = kwargs.get("hidden_states")
+        if hidden is not None and hasattr(hidden, "unwrap"):
+            hidden = hidden.unwrap()
+        live = trained and module.pre_process and hidden is not None and torch.is_grad_enabled()
         if vision is None:
-            return None
+            if not live:
+                return None
+            # a micro-batch without images still gives the trained tower its (zero) gradients
+            kwargs["hidden_states"] = hidden + _touch(tower()).to(hidden.dtype)
+            return args, kwargs
         if kwargs.get("rotary_pos_emb") is not None:
             kwargs["rotary_pos_emb"] = mrope_angles(rotary, vision.positions_T3, spec)
-        hidden = kwargs.get("hidden_states")
         if module.pre_process and hidden is not None:
-            if hasattr(hidden, "unwrap"):
-                hidden = hidden.unwrap()
             vision.tree.live.pop(key, None)
-            if trained and torch.is_grad_enabled():  # a training forward: the tower's too
-                merged, _ = vision.live_features(tower(), hidden.device, key)
+            if live:  # a training forward: the tower's too
+                own = tower()
+                merged, _ = vision.live_features(own, hidden.device, key)
+                hidden = hidden + _touch(own).to(hidden.dtype)
             else:
                 merged, _ = vision.features(tower, hidden.device, key)
             if merged is not None:

@@ -148,7 +148,7 @@ def test_trained_vision_tower_is_trained_checkpointed_and_exported(trained_tower
 
 @pytest.mark.parametrize("nproc,extra", [
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    (2, ["--tensor-model-parallel-size", "2"]),
+    (2, ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"]),
     (2, ["--pipeline-model-parallel-size", "2"]),
     (1, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])],
     ids=["tp2_sp", "tp2", "pp2", "recompute"])

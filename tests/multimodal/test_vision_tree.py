@@ -162,6 +162,7 @@ def _trained_tower_body(rank, world_size, dirs, recompute):
     from forge_megatron.mcore.tree_attention import build_tree_gpt
     from forge_megatron.multimodal import build_vision_tree, vision_spec
     from forge_megatron.training.checkpoint import load_hf_weights
+    from forge_megatron.tree import build_tree
 
     samples, images = batch()
     out = {}
@@ -183,8 +184,14 @@ def _trained_tower_body(rank, world_size, dirs, recompute):
                                    for n, p in model.named_parameters()))
         with torch.no_grad():
             again, _ = tree_logprobs(model, layout)  # forward-only: the tower without gradients, kept
+        text_grads = []
+        for text in (build_vision_tree(samples[-1:], images[-1:], spec), build_tree(samples[-1:])):
+            model.zero_grad()  # no image (a vision tree, or none): every tower parameter gets a zero gradient
+            tree_logprobs(model, text)[0].sum().backward()
+            text_grads += [p.grad for p in model.vision_tower.parameters()]
         out[arch] = dict(logp=logp.detach(), again=again, grads=grads, kept=list(layout.vision.features),
-                         live=list(layout.vision.live))
+                         live=list(layout.vision.live),
+                         text_only=all(g is not None and not g.any() for g in text_grads))
     return out
 
 
@@ -303,6 +310,7 @@ def test_trained_vision_tower_gradients_equal_transformers(vl_dirs, hf_reference
         assert (got["logp"] - want).abs().max().item() <= LOGP_ATOL
         assert (got["again"] - want).abs().max().item() <= LOGP_ATOL
         assert got["kept"] == ["policy"] and got["live"] == []  # the no-grad pass kept its features, no live ones
+        assert got["text_only"]  # (Megatron's DDP with --overlap-grad-reduce waits for every parameter's gradient)
         tower = {n: g for n, g in got["grads"].items() if n.startswith("model.visual.")}
         assert set(tower) == {n for n in expected if n.startswith("model.visual.")}
         for name, g in got["grads"].items():
