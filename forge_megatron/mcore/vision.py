@@ -22,9 +22,16 @@ forward runs it with gradients (forward-only passes still reuse no-grad features
 embeddings, and the DeepStack features enter the first layers through leaves of their own whose gradients
 (accumulated by the layers' backward, recomputed or not: Megatron's reentrant recomputation re-runs the hooks) are
 handed to the tower's graph with the merged features' (:class:`_WithDeepStackGrads`), so the tower is back-propagated
-once per micro-batch. Under sequence parallelism each TP rank back-propagates its own tokens' rows: the tower's
-parameters are marked ``sequence_parallel`` and Megatron's ``finalize_model_grads`` sums their gradients over TP;
-without it every TP rank gets the same full gradient. The DeepStack layers must be on the first model piece.
+once per micro-batch. The DeepStack layers must be on the first model piece.
+
+Under TP the images are shared out: each TP rank encodes its share of the micro-batch's images (balanced by patches,
+:func:`deal_images`) and the features are all-gathered (:class:`_GatherImages`), so the tower's work is divided by TP
+rather than repeated. When the tower trains, the gather's backward hands each rank its images' feature gradient
+(summed over TP under sequence parallelism, where each rank back-propagates its own tokens' rows), and Megatron's
+``finalize_model_grads`` combines the ranks' tower gradients over TP (``average_gradients_across_tp_domain``, the
+gradient scaled by TP first). Every training forward makes each tower parameter, and the gathered features, part of
+the loss (zeros where no image reached this rank), so Megatron's DDP sees a gradient for each (with
+--overlap-grad-reduce it waits for them) and every TP rank reaches the gather's backward collective.
 
 Sequence parallelism: the decoder's input and the layers' outputs are this TP rank's slice of the (CP-local) tokens,
 so each hook takes that slice of the rows. Context parallelism: the shard holds this CP rank's zig-zag tokens.
@@ -37,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from forge_megatron.bridge.mapping import VISION
 from forge_megatron.multimodal.qwen_vl import VisionSpec, encode_images, mrope_angles
@@ -65,19 +73,20 @@ class VisionShard:
             positions_T3 = take_shard(positions_T3, cp, rank, multiple)
         return cls(rows_T.to(device), positions_T3.to(device), tree)
 
-    def features(self, tower, device, key: str = "frozen") -> tuple[torch.Tensor, list]:
+    def features(self, tower, device, key: str = "frozen", config=None) -> tuple[torch.Tensor, list]:
         """(merged features [N, H], DeepStack features) of the micro-batch's images by ``tower`` (a callable giving
-        the module), computed without gradients on first use and kept under ``key``."""
+        the module), computed without gradients on first use and kept under ``key``. With the model's ``config``
+        the images are shared out over TP (:func:`_encode`)."""
         tree = self.tree
         if key not in tree.features:
             if tree.num_images == 0:
                 tree.features[key] = (None, [])
             else:
-                merged, deepstack = _encode(tower(), tree)
+                merged, deepstack = _encode(tower(), tree, config, device)
                 tree.features[key] = (merged.to(device), [d.to(device) for d in deepstack])
         return tree.features[key]
 
-    def live_features(self, module, device, key: str) -> tuple[torch.Tensor | None, list]:
+    def live_features(self, module, device, key: str, config=None) -> tuple[torch.Tensor | None, list]:
         """A trained tower's forward (with gradients) on the micro-batch's images for the forward in progress: the
         merged features joined to the DeepStack leaves' gradients, and the leaves (kept for the DeepStack hooks of
         this forward and of its recomputation)."""
@@ -85,19 +94,105 @@ class VisionShard:
         if tree.num_images == 0:
             tree.live[key] = (None, [])
             return tree.live[key]
-        merged, deepstack = _encode(module, tree, grad=True)
+        merged, deepstack = _encode(module, tree, config, device, grad=True)
         leaves = [d.detach().to(device).requires_grad_() for d in deepstack]
         merged = _WithDeepStackGrads.apply(leaves, merged.to(device), *deepstack) if leaves else merged.to(device)
         tree.live[key] = (merged, leaves)
         return tree.live[key]
 
 
-def _encode(module, tree, grad: bool = False) -> tuple[torch.Tensor, list]:
-    merged, deepstack = encode_images(module, tree.pixel_values, tree.grid_thw, grad=grad)
-    if deepstack and len(deepstack) < tree.spec.deepstack_layers:
-        raise ValueError(f"the vision tower gave {len(deepstack)} DeepStack features for "
-                         f"{tree.spec.deepstack_layers} layers")
-    return merged, deepstack
+def deal_images(grid_thw: torch.Tensor, parts: int) -> list[list[int]]:
+    """The images (by number) each of ``parts`` ranks encodes: the largest first to the rank with the fewest patches
+    so far (ties to the lowest rank), each rank's in image order. The same on every rank."""
+    patches = (grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2]).tolist()
+    load, out = [0] * parts, [[] for _ in range(parts)]
+    for i in sorted(range(len(patches)), key=lambda i: (-patches[i], i)):
+        r = min(range(parts), key=lambda r: (load[r], r))
+        load[r] += patches[i]
+        out[r].append(i)
+    return [sorted(x) for x in out]
+
+
+def _tp_group():
+    """The TP group when the images are to be shared out over it (Megatron initialised, TP > 1), else None."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return ps.get_tensor_model_parallel_group()
+
+
+def _checked(deepstack: list, spec) -> list:
+    if deepstack and len(deepstack) < spec.deepstack_layers:
+        raise ValueError(f"the vision tower gave {len(deepstack)} DeepStack features for {spec.deepstack_layers} "
+                         "layers")
+    return deepstack
+
+
+def _encode(module, tree, config, device, grad: bool = False) -> tuple[torch.Tensor, list]:
+    """(merged, DeepStack) features of all of the tree's images. Under TP (given the model's ``config``) the images
+    are dealt out to the TP ranks (:func:`deal_images`): each rank encodes its share and the features are
+    all-gathered (:class:`_GatherImages`), so the tower's work is divided by TP rather than repeated on every rank."""
+    group = _tp_group() if config is not None else None
+    if group is None:
+        merged, deepstack = encode_images(module, tree.pixel_values, tree.grid_thw, grad=grad)
+        return merged, _checked(deepstack, tree.spec)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    hidden_size = config.hidden_size
+    grid = tree.grid_thw
+    tokens = [tree.spec.tokens_per_image(g) for g in grid.tolist()]
+    patches = (grid[:, 0] * grid[:, 1] * grid[:, 2]).tolist()
+    token_start = [sum(tokens[:i]) for i in range(len(tokens))]
+    patch_start = [sum(patches[:i]) for i in range(len(patches))]
+    dealt = deal_images(grid, world)
+    rows = [torch.tensor([j for i in mine for j in range(token_start[i], token_start[i] + tokens[i])],
+                         dtype=torch.int64) for mine in dealt]
+    width = hidden_size * (1 + tree.spec.deepstack_layers)
+    mine = dealt[rank]
+    param = next(module.parameters())
+    if mine:
+        pixels = torch.cat([tree.pixel_values[patch_start[i]:patch_start[i] + patches[i]] for i in mine])
+        merged, deepstack = encode_images(module, pixels, grid[mine], grad=grad)
+        local = torch.cat([merged, *_checked(deepstack, tree.spec)[:tree.spec.deepstack_layers]], dim=1)
+    else:  # fewer images than TP ranks: this one only takes part in the gather
+        local = torch.zeros(0, width, dtype=param.dtype, device=param.device,
+                            requires_grad=grad and torch.is_grad_enabled())
+    if local.shape[1] != width:
+        raise ValueError(f"the vision tower gives features of width {local.shape[1]}, the language model expects "
+                         f"{hidden_size} x {1 + tree.spec.deepstack_layers}")
+    full = _GatherImages.apply(local.to(device), rows, sum(tokens), group,
+                               bool(getattr(config, "sequence_parallel", False)))
+    parts = full.split(hidden_size, dim=1)
+    return parts[0], list(parts[1:])
+
+
+class _GatherImages(torch.autograd.Function):
+    """The features of all images [N, C] from each TP rank's own images' rows [n_r, C] (an all-gather; ``rows[r]``:
+    where rank r's rows go). Backward: the gradient of this rank's rows (under sequence parallelism each TP rank holds
+    its own tokens' part of it: summed over TP; without, each holds all of it), times TP: the tower's parameters are
+    marked ``average_gradients_across_tp_domain`` (:func:`attach_tower`), so Megatron's average over TP of the
+    ranks' gradients (each rank's from its own images) is their sum."""
+
+    @staticmethod
+    def forward(ctx, local, rows, total, group, sequence_parallel):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        most = max(r.numel() for r in rows)
+        padded = local.new_zeros(most, local.shape[1])
+        padded[:local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        full = local.new_empty(total, local.shape[1])
+        for r, where in enumerate(rows):
+            full[where.to(full.device)] = parts[r][:where.numel()]
+        ctx.group, ctx.world, ctx.own, ctx.sp = group, world, rows[rank], sequence_parallel
+        return full
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.sp:  # every TP rank comes here: the features are always used (see install's _touch)
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.own.to(grad.device)] * ctx.world, None, None, None, None
 
 
 class _WithDeepStackGrads(torch.autograd.Function):
@@ -128,11 +223,11 @@ def _touch(module) -> torch.Tensor:
     return sum(p.view(-1)[0] for p in module.parameters()) * 0.0
 
 
-def attach_tower(model, hf_config, sequence_parallel: bool = False) -> None:
+def attach_tower(model, hf_config) -> None:
     """Make the checkpoint's vision tower a trainable submodule ``vision_tower`` of ``model`` (the first model
     piece, before DDP wraps it), in the model's dtype and device; its weights are loaded through the bridge with the
-    language model's (``Bridge(vision_tower=True)``). Under sequence parallelism its parameters are marked for
-    Megatron's sum of their gradients over TP."""
+    language model's (``Bridge(vision_tower=True)``). Under TP each rank encodes its share of the images
+    (:class:`_GatherImages`): its parameters are marked for Megatron's average of their gradients over TP."""
     from forge_megatron.multimodal.qwen_vl import build_vision_tower
 
     if not model.pre_process:
@@ -140,7 +235,7 @@ def attach_tower(model, hf_config, sequence_parallel: bool = False) -> None:
     param = next(model.parameters())
     tower = build_vision_tower(hf_config, dtype=param.dtype, device=param.device)
     for p in tower.parameters():
-        p.sequence_parallel = bool(sequence_parallel)
+        p.average_gradients_across_tp_domain = True
     model.add_module(TOWER, tower)
 
 
@@ -210,10 +305,13 @@ def install(model, spec: VisionSpec, tower=None, key: str = "frozen", trained: b
             vision.tree.live.pop(key, None)
             if live:  # a training forward: the tower's too
                 own = tower()
-                merged, _ = vision.live_features(own, hidden.device, key)
-                hidden = hidden + _touch(own).to(hidden.dtype)
+                merged, _ = vision.live_features(own, hidden.device, key, config)
+                # the features always take part in the loss (zero when no image row is this rank's): under
+                # sequence parallelism their gather's backward is a collective every TP rank must reach
+                used = merged.sum() * 0.0 if merged is not None else 0.0
+                hidden = hidden + (_touch(own) + used).to(hidden.dtype)
             else:
-                merged, _ = vision.features(tower, hidden.device, key)
+                merged, _ = vision.features(tower, hidden.device, key, config)
             if merged is not None:
                 hidden = _put(hidden, _local_rows(vision.rows_T, config, hidden.shape[0]), merged, add=False)
             kwargs["hidden_states"] = hidden
@@ -227,7 +325,7 @@ def install(model, spec: VisionSpec, tower=None, key: str = "frozen", trained: b
             return None
         hidden, context = output
         live = vision.tree.live.get(key)  # this forward's trained tower's (its leaves), or the kept features
-        _, stack = live if live is not None else vision.features(tower, hidden.device, key)
+        _, stack = live if live is not None else vision.features(tower, hidden.device, key, config)
         if not stack:
             return None
         rows = _local_rows(vision.rows_T, config, hidden.shape[0])

@@ -1031,7 +1031,7 @@ def _attach_tower(chunks: list, tower_config: dict | None) -> None:
     if tower_config is not None and chunks[0].pre_process:
         from forge_megatron.mcore.vision import attach_tower
 
-        attach_tower(chunks[0], tower_config, bool(getattr(chunks[0].config, "sequence_parallel", False)))
+        attach_tower(chunks[0], tower_config)
 
 
 def build_reference_model(cfg, tower_config: dict | None = None) -> list:

@@ -53,13 +53,14 @@ def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: in
                                           reward=float(e % 2), started_at=now - 1, ended_at=now))
 
 
-def _run(tmp_path, name, nproc=1, extra=(), arch="qwen3_vl", exits=(None,), lead=4):
+def _run(tmp_path, name, nproc=1, extra=(), arch="qwen3_vl", exits=(None,), lead=4, groups=1):
     from forge_megatron.models.tiny import build_tiny_model
 
     # (vocabulary 404: 400 + the image tokens, padded to split over TP 2)
     model_dir = build_tiny_model(str(tmp_path / "vl"), arch, images=True, seed=3, vocab_size=404)
-    steps, stdouts, _ = run_on_fresh_pool(tmp_path, name, model_dir, lambda c: _feed_image_rollouts(c, model_dir, lead=lead),
-                                          iters=2, groups=1, nproc=nproc, model=[], extra=list(extra), exits=exits)
+    steps, stdouts, _ = run_on_fresh_pool(
+        tmp_path, name, model_dir, lambda c: _feed_image_rollouts(c, model_dir, groups=2 * groups, lead=lead),
+        iters=2, groups=groups, nproc=nproc, model=[], extra=list(extra), exits=exits)
     assert len(steps) == 2
     first = steps[0]
     assert first["rollout_logp_abs_diff"] < 1e-4 and first["rollout_logp_abs_diff_max"] < 1e-3
@@ -69,8 +70,8 @@ def _run(tmp_path, name, nproc=1, extra=(), arch="qwen3_vl", exits=(None,), lead
         assert "vision tower trained with the language model" in "".join(stdouts)
     else:
         assert "vision tower of" in "".join(stdouts)  # loaded on the first micro-batch with images
-    # one group a step: its episodes share one picture, encoded once, its tokens once in the tree
-    assert all(s["images"] == 1 and 1 <= s["image_tokens"] <= 16 for s in steps)
+    # ``groups`` groups a step: each group's episodes share one picture, encoded once, its tokens once in the tree
+    assert all(s["images"] == groups and groups <= s["image_tokens"] <= 16 * groups for s in steps)
     return steps
 
 
@@ -108,7 +109,7 @@ LEAD = 20  # text tokens before the image: its tokens straddle the two TP ranks'
 def trained_tower_run(tmp_path_factory):
     """One rank, the tower trained (and a KL reference, whose tower stays the checkpoint's)."""
     root = tmp_path_factory.mktemp("tower")
-    return root, _run(root, "one", extra=TRAIN_TOWER, lead=LEAD)
+    return root, _run(root, "one", extra=TRAIN_TOWER, lead=LEAD, groups=2)
 
 
 def test_trained_vision_tower_is_trained_checkpointed_and_exported(trained_tower_run, tmp_path):
@@ -153,11 +154,11 @@ def test_trained_vision_tower_is_trained_checkpointed_and_exported(trained_tower
     (1, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])],
     ids=["tp2_sp", "tp2", "pp2", "recompute"])
 def test_trained_vision_tower_alike_under_tp_sp_pp2_and_recomputation(tmp_path, trained_tower_run, nproc, extra):
-    """The tower's gradients summed over TP under sequence parallelism (each rank back-propagates its half of the
-    tokens, the image's straddle them), the same on every TP rank without it, on the first stage under PP2,
-    recomputed: the second step (after one update of tower and language model) as on one rank."""
+    """Two pictures a step: under TP each rank encodes one and their gradients come together (with sequence
+    parallelism each rank back-propagates its half of the tokens, which the pictures' straddle); on the first stage
+    under PP2; recomputed: the second step (after one update of tower and language model) as on one rank."""
     _, want = trained_tower_run
-    steps = _run(tmp_path, "run", nproc, [*TRAIN_TOWER, *extra], lead=LEAD)
+    steps = _run(tmp_path, "run", nproc, [*TRAIN_TOWER, *extra], lead=LEAD, groups=2)
     for got, ref in zip(steps, want):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6)
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
@@ -165,7 +166,7 @@ def test_trained_vision_tower_alike_under_tp_sp_pp2_and_recomputation(tmp_path, 
 
 
 def _tower_sync_body(rank, world_size, hf_dir, engine_url):
-    """A TP2 + SP trainer model with the tower trained (moved off the checkpoint's) syncs to the engine."""
+    """A TP2 trainer model with the tower trained (moved off the checkpoint's) syncs to the engine."""
     from forge_megatron.bridge import Bridge
     from forge_megatron.mcore import vision
     from forge_megatron.mcore.tree_attention import build_tree_gpt
@@ -174,7 +175,7 @@ def _tower_sync_body(rank, world_size, hf_dir, engine_url):
 
     bridge = Bridge(hf_dir, vision_tower=True)
     model = build_tree_gpt(bridge.cfg)
-    vision.attach_tower(model, bridge.hf_config, sequence_parallel=True)
+    vision.attach_tower(model, bridge.hf_config)
     load_hf_weights([model], bridge, hf_dir)
     gen = torch.Generator().manual_seed(0)  # the same moves on both TP ranks: the tower is replicated
     with torch.no_grad():

@@ -108,7 +108,11 @@ def _tree_model(hf_dir, sequence_parallel=False, **extra):
     load_hf_weights([model], bridge, hf_dir)
     spec = vision_spec(bridge.hf_config)
     tower = load_vision_tower(hf_dir, spec)
-    calls = []
+    class Calls(list):
+        pass
+
+    calls = Calls()
+    calls.tower = tower
 
     def make_tower():
         calls.append(1)
@@ -201,13 +205,18 @@ def _parallel_body(rank, world_size, hf_dir, sequence_parallel):
     from forge_megatron.multimodal import build_vision_tree
 
     samples, images = batch()
-    _, model, spec, _ = _tree_model(hf_dir, sequence_parallel)
+    _, model, spec, calls = _tree_model(hf_dir, sequence_parallel)
     layout = build_vision_tree(samples, images, spec)
     multiple = seq_multiple(model.config)
+    seen = []  # the images this rank's tower encoded
     with torch.no_grad(), output_layer_deferred(model) as captured:
+        tower = calls.tower
+        handle = tower.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["grid_thw"].tolist()),
+                                                 with_kwargs=True)
         out = model(**tree_model_inputs(layout, multiple=multiple))
+        handle.remove()
         logp, _ = logprobs_from_logits(out, layout, output_weight=captured["weight"], multiple=multiple)
-    return logp
+    return logp, seen
 
 
 def train_samples(samples, images):
@@ -427,8 +436,22 @@ def test_tree_with_images_under_tp_sp_and_cp(vl_dirs, hf_reference, parallel, sp
     out = run_distributed(_parallel_body, world_size=2, parallel=parallel, hf_dir=vl_dirs["qwen3_vl"],
                           sequence_parallel=sp, timeout_s=600)
     want = hf_reference["qwen3_vl"][0]
-    for logp in out:
+    for logp, _ in out:
         assert (logp - want).abs().max().item() <= LOGP_ATOL
+    seen = [s for _, s in out]
+    if parallel.tp == 2:  # the images dealt out over TP (largest first): b (4 x 6 patches) to one, a and c to the other
+        assert seen == [[[[1, 4, 6]]], [[[1, 4, 4], [1, 4, 4]]]]
+    else:  # CP ranks each encode all three
+        assert seen == [[[[1, 4, 4], [1, 4, 6], [1, 4, 4]]]] * 2
+
+
+def test_deal_images_balances_patches():
+    from forge_megatron.mcore.vision import deal_images
+
+    grid = torch.tensor([[1, 4, 4], [1, 8, 8], [1, 4, 6], [1, 2, 2], [1, 4, 4]])
+    assert deal_images(grid, 2) == [[1], [0, 2, 3, 4]]  # 64 patches against 16 + 24 + 4 + 16
+    assert deal_images(grid, 3) == [[1], [2, 3], [0, 4]]  # 64; 24 + 4; 16 + 16
+    assert deal_images(grid[:1], 4) == [[0], [], [], []]
 
 
 def test_trainer_micro_batches_with_images_under_pp2(vl_dirs, hf_reference):
