@@ -223,11 +223,13 @@ def _touch(module) -> torch.Tensor:
     return sum(p.view(-1)[0] for p in module.parameters()) * 0.0
 
 
-def attach_tower(model, hf_config) -> None:
+def attach_tower(model, hf_config, recompute: bool = False) -> None:
     """Make the checkpoint's vision tower a trainable submodule ``vision_tower`` of ``model`` (the first model
     piece, before DDP wraps it), in the model's dtype and device; its weights are loaded through the bridge with the
     language model's (``Bridge(vision_tower=True)``). Under TP each rank encodes its share of the images
-    (:class:`_GatherImages`): its parameters are marked for Megatron's average of their gradients over TP."""
+    (:class:`_GatherImages`): its parameters are marked for Megatron's average of their gradients over TP.
+    ``recompute``: its blocks keep only their inputs for the backward and run again there (transformers' activation
+    checkpointing, non-reentrant), for micro-batches of many or large images."""
     from forge_megatron.multimodal.qwen_vl import build_vision_tower
 
     if not model.pre_process:
@@ -236,6 +238,8 @@ def attach_tower(model, hf_config) -> None:
     tower = build_vision_tower(hf_config, dtype=param.dtype, device=param.device)
     for p in tower.parameters():
         p.average_gradients_across_tp_domain = True
+    if recompute:
+        tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.add_module(TOWER, tower)
 
 

@@ -363,6 +363,9 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "language model's, its weights are in the optimizer, the checkpoints, the weight sync to the "
                         "engines (model.visual.*) and the HF export; the KL reference keeps the checkpoint's. "
                         "Qwen3-VL's DeepStack layers must be on the first stage")
+    g.add_argument("--recompute-vision-tower", action="store_true",
+                   help="with --train-vision-tower: the tower's blocks keep only their inputs for the backward and "
+                        "run again there (activation checkpointing), for micro-batches of many or large images")
     g.add_argument("--fp32-lm-head", action="store_true",
                    help="compute the output layer (LM head) in fp32 in the loss: the bf16 weight and the final hidden "
                         "states are upcast for its matmul (MiniMax-M1 traced most of the training/inference "
@@ -519,6 +522,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"the --rl-* loss flags: {exc}") from exc
     if args.routing_replay_split and not args.routing_replay:
         raise ValueError("--routing-replay-split needs --routing-replay")
+    if getattr(args, "recompute_vision_tower", False) and not getattr(args, "train_vision_tower", False):
+        raise ValueError("--recompute-vision-tower needs --train-vision-tower (a frozen tower keeps no activations)")
     first, last = getattr(args, "decoder_first_pipeline_num_layers", None), \
         getattr(args, "decoder_last_pipeline_num_layers", None)
     if first is not None or last is not None:  # the layer counts are checked once the model is known

@@ -997,7 +997,7 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg, tower_config: dict 
     if has_cuda():
         for chunk in chunks:
             chunk.cuda()
-    _attach_tower(chunks, tower_config)
+    _attach_tower(chunks, tower_config, bool(getattr(args, "recompute_vision_tower", False)))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                use_distributed_optimizer=args.use_distributed_optimizer,
                                                overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
@@ -1027,11 +1027,11 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg, tower_config: dict 
     return chunks, ddp, optimizer, scheduler
 
 
-def _attach_tower(chunks: list, tower_config: dict | None) -> None:
+def _attach_tower(chunks: list, tower_config: dict | None, recompute: bool = False) -> None:
     if tower_config is not None and chunks[0].pre_process:
         from forge_megatron.mcore.vision import attach_tower
 
-        attach_tower(chunks[0], tower_config)
+        attach_tower(chunks[0], tower_config, recompute)
 
 
 def build_reference_model(cfg, tower_config: dict | None = None) -> list:

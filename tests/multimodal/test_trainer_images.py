@@ -151,7 +151,8 @@ def test_trained_vision_tower_is_trained_checkpointed_and_exported(trained_tower
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     (2, ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"]),
     (2, ["--pipeline-model-parallel-size", "2"]),
-    (1, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])],
+    (1, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+         "--recompute-vision-tower"])],
     ids=["tp2_sp", "tp2", "pp2", "recompute"])
 def test_trained_vision_tower_alike_under_tp_sp_pp2_and_recomputation(tmp_path, trained_tower_run, nproc, extra):
     """Two pictures a step: under TP each rank encodes one and their gradients come together (with sequence

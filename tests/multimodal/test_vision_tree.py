@@ -159,7 +159,8 @@ def _one_rank_body(rank, world_size, dirs):
 
 def _trained_tower_body(rank, world_size, dirs, recompute):
     """The vision tower trained with the language model (mcore.vision.attach_tower, ``Bridge(vision_tower=True)``):
-    logprobs and every gradient, the tower's included, exported by the bridge under the checkpoint's names."""
+    logprobs and every gradient, the tower's included, exported by the bridge under the checkpoint's names
+    (``recompute``: Megatron's full recomputation of the layers and the tower's of its blocks)."""
     from forge_megatron.bridge import Bridge
     from forge_megatron.mcore import vision
     from forge_megatron.mcore.forward import tree_logprobs
@@ -177,13 +178,16 @@ def _trained_tower_body(rank, world_size, dirs, recompute):
             cfg = dataclasses.replace(cfg, extra={**cfg.extra, "recompute_granularity": "full",
                                                   "recompute_method": "uniform", "recompute_num_layers": 1})
         model = build_tree_gpt(cfg)
-        vision.attach_tower(model, bridge.hf_config)
+        vision.attach_tower(model, bridge.hf_config, recompute=recompute)  # and the tower's blocks recomputed
         load_hf_weights([model], bridge, d)
         spec = vision_spec(bridge.hf_config)
         vision.install(model, spec, key="policy", trained=True)
         layout = build_vision_tree(samples, images, spec)
+        runs, mlp = [], model.vision_tower.blocks[0].mlp
+        mlp.forward = lambda *a, _f=mlp.forward, **k: runs.append(1) or _f(*a, **k)  # (hooks skip recomputes)
         logp, _ = tree_logprobs(model, layout)
         (logp * _weights(logp.numel())).sum().backward()
+        block_runs = len(runs)
         grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
                                    for n, p in model.named_parameters()))
         with torch.no_grad():
@@ -194,6 +198,7 @@ def _trained_tower_body(rank, world_size, dirs, recompute):
             tree_logprobs(model, text)[0].sum().backward()
             text_grads += [p.grad for p in model.vision_tower.parameters()]
         out[arch] = dict(logp=logp.detach(), again=again, grads=grads, kept=list(layout.vision.features),
+                         block_runs=block_runs,
                          live=list(layout.vision.live),
                          text_only=all(g is not None and not g.any() for g in text_grads))
     return out
@@ -320,6 +325,7 @@ def test_trained_vision_tower_gradients_equal_transformers(vl_dirs, hf_reference
         assert (got["again"] - want).abs().max().item() <= LOGP_ATOL
         assert got["kept"] == ["policy"] and got["live"] == []  # the no-grad pass kept its features, no live ones
         assert got["text_only"]  # (Megatron's DDP with --overlap-grad-reduce waits for every parameter's gradient)
+        assert got["block_runs"] == (2 if recompute else 1)  # the tower's blocks run again in the backward
         tower = {n: g for n, g in got["grads"].items() if n.startswith("model.visual.")}
         assert set(tower) == {n for n in expected if n.startswith("model.visual.")}
         for name, g in got["grads"].items():
