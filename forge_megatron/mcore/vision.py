@@ -24,12 +24,13 @@ embeddings, and the DeepStack features enter the first layers through leaves of 
 handed to the tower's graph with the merged features' (:class:`_WithDeepStackGrads`), so the tower is back-propagated
 once per micro-batch. The DeepStack layers must be on the first model piece.
 
-Under TP the images are shared out: each TP rank encodes its share of the micro-batch's images (balanced by patches,
-:func:`deal_images`) and the features are all-gathered (:class:`_GatherImages`), so the tower's work is divided by TP
-rather than repeated. When the tower trains, the gather's backward hands each rank its images' feature gradient
-(summed over TP under sequence parallelism, where each rank back-propagates its own tokens' rows), and Megatron's
-``finalize_model_grads`` combines the ranks' tower gradients over TP (``average_gradients_across_tp_domain``, the
-gradient scaled by TP first). Every training forward makes each tower parameter, and the gathered features, part of
+Under TP and CP the images are shared out: each rank of the TP x CP group encodes its share of the micro-batch's
+images (balanced by patches, :func:`deal_images`) and the features are all-gathered (:class:`_GatherImages`), so the
+tower's work is divided by TP x CP rather than repeated. When the tower trains, the gather's backward hands each rank
+its images' feature gradient (summed over the group where ranks hold parts of it: their own tokens' rows under
+sequence parallelism and CP), Megatron's ``finalize_model_grads`` combines the TP ranks' tower gradients
+(``average_gradients_across_tp_domain``, the gradient scaled by TP first) and DDP the CP ranks' with the language
+model's. Every training forward makes each tower parameter, and the gathered features, part of
 the loss (zeros where no image reached this rank), so Megatron's DDP sees a gradient for each (with
 --overlap-grad-reduce it waits for them) and every TP rank reaches the gather's backward collective.
 
@@ -113,13 +114,18 @@ def deal_images(grid_thw: torch.Tensor, parts: int) -> list[list[int]]:
     return [sorted(x) for x in out]
 
 
-def _tp_group():
-    """The TP group when the images are to be shared out over it (Megatron initialised, TP > 1), else None."""
+def _share_group() -> tuple:
+    """(group, TP, CP): the ranks that share out a micro-batch's images, this rank's TP x CP group (they all run the
+    same micro-batches); (None, 1, 1) when it is this rank alone or Megatron is not initialised."""
     from megatron.core import parallel_state as ps
 
-    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
-        return None
-    return ps.get_tensor_model_parallel_group()
+    if not ps.model_parallel_is_initialized():
+        return None, 1, 1
+    tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    if tp * cp == 1:
+        return None, 1, 1
+    group = ps.get_tensor_model_parallel_group() if cp == 1 else ps.get_tensor_and_context_parallel_group()
+    return group, tp, cp
 
 
 def _checked(deepstack: list, spec) -> list:
@@ -130,10 +136,11 @@ def _checked(deepstack: list, spec) -> list:
 
 
 def _encode(module, tree, config, device, grad: bool = False) -> tuple[torch.Tensor, list]:
-    """(merged, DeepStack) features of all of the tree's images. Under TP (given the model's ``config``) the images
-    are dealt out to the TP ranks (:func:`deal_images`): each rank encodes its share and the features are
-    all-gathered (:class:`_GatherImages`), so the tower's work is divided by TP rather than repeated on every rank."""
-    group = _tp_group() if config is not None else None
+    """(merged, DeepStack) features of all of the tree's images. Under TP and CP (given the model's ``config``) the
+    images are dealt out to the TP x CP ranks (:func:`deal_images`): each rank encodes its share and the features are
+    all-gathered (:class:`_GatherImages`), so the tower's work is divided by TP x CP rather than repeated on every
+    rank."""
+    group, tp, cp = _share_group() if config is not None else (None, 1, 1)
     if group is None:
         merged, deepstack = encode_images(module, tree.pixel_values, tree.grid_thw, grad=grad)
         return merged, _checked(deepstack, tree.spec)
@@ -154,27 +161,31 @@ def _encode(module, tree, config, device, grad: bool = False) -> tuple[torch.Ten
         pixels = torch.cat([tree.pixel_values[patch_start[i]:patch_start[i] + patches[i]] for i in mine])
         merged, deepstack = encode_images(module, pixels, grid[mine], grad=grad)
         local = torch.cat([merged, *_checked(deepstack, tree.spec)[:tree.spec.deepstack_layers]], dim=1)
-    else:  # fewer images than TP ranks: this one only takes part in the gather
+    else:  # fewer images than ranks: this one only takes part in the gather
         local = torch.zeros(0, width, dtype=param.dtype, device=param.device,
                             requires_grad=grad and torch.is_grad_enabled())
     if local.shape[1] != width:
         raise ValueError(f"the vision tower gives features of width {local.shape[1]}, the language model expects "
                          f"{hidden_size} x {1 + tree.spec.deepstack_layers}")
-    full = _GatherImages.apply(local.to(device), rows, sum(tokens), group,
+    full = _GatherImages.apply(local.to(device), rows, sum(tokens), group, tp, cp,
                                bool(getattr(config, "sequence_parallel", False)))
     parts = full.split(hidden_size, dim=1)
     return parts[0], list(parts[1:])
 
 
 class _GatherImages(torch.autograd.Function):
-    """The features of all images [N, C] from each TP rank's own images' rows [n_r, C] (an all-gather; ``rows[r]``:
-    where rank r's rows go). Backward: the gradient of this rank's rows (under sequence parallelism each TP rank holds
-    its own tokens' part of it: summed over TP; without, each holds all of it), times TP: the tower's parameters are
-    marked ``average_gradients_across_tp_domain`` (:func:`attach_tower`), so Megatron's average over TP of the
-    ranks' gradients (each rank's from its own images) is their sum."""
+    """The features of all images [N, C] from each rank's own images' rows [n_r, C] (an all-gather over the TP x CP
+    group; ``rows[r]``: where rank r's rows go).
+
+    Backward: this rank's rows of the features' gradient, which the ranks hold in parts: under sequence parallelism
+    or CP each rank back-propagates its own tokens' rows (summed over the group: the whole gradient, or TP times it
+    without sequence parallelism, where the TP ranks hold the same rows); without either each TP rank holds all of
+    it. Scaled to TP times this rank's images' gradient: the tower's parameters are marked
+    ``average_gradients_across_tp_domain`` (:func:`attach_tower`), so Megatron's average over TP is the TP ranks' sum,
+    and DDP combines the CP ranks' as it does the language model's (each CP rank's gradient a part of the whole)."""
 
     @staticmethod
-    def forward(ctx, local, rows, total, group, sequence_parallel):
+    def forward(ctx, local, rows, total, group, tp, cp, sequence_parallel):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         most = max(r.numel() for r in rows)
         padded = local.new_zeros(most, local.shape[1])
@@ -184,15 +195,17 @@ class _GatherImages(torch.autograd.Function):
         full = local.new_empty(total, local.shape[1])
         for r, where in enumerate(rows):
             full[where.to(full.device)] = parts[r][:where.numel()]
-        ctx.group, ctx.world, ctx.own, ctx.sp = group, world, rows[rank], sequence_parallel
+        ctx.group, ctx.own, ctx.tp, ctx.cp, ctx.sp = group, rows[rank], tp, cp, sequence_parallel
         return full
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.sp:  # every TP rank comes here: the features are always used (see install's _touch)
+        scale = ctx.tp
+        if ctx.sp or ctx.cp > 1:  # every rank comes here: the features are always used (see install's _touch)
             grad = grad.contiguous().clone()
             dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.own.to(grad.device)] * ctx.world, None, None, None, None
+            scale = ctx.tp if ctx.sp else 1
+        return grad[ctx.own.to(grad.device)] * scale, None, None, None, None, None, None
 
 
 class _WithDeepStackGrads(torch.autograd.Function):

@@ -86,9 +86,10 @@ def test_trainer_scores_and_trains_on_images(one_rank_run):
 
 @pytest.mark.parametrize("nproc,extra", [
     (2, ["--pipeline-model-parallel-size", "2"]),
+    (2, ["--context-parallel-size", "2"]),
     (1, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])],
-    ids=["pp2", "recompute"])
-def test_images_train_alike_under_pp2_and_recomputation(tmp_path, one_rank_run, nproc, extra):
+    ids=["pp2", "cp2", "recompute"])
+def test_images_train_alike_under_pp2_cp2_and_recomputation(tmp_path, one_rank_run, nproc, extra):
     steps = _run(tmp_path, "run", nproc, extra)
     for got, want in zip(steps, one_rank_run):  # the second step after one update: the gradients agreed
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
@@ -151,9 +152,10 @@ def test_trained_vision_tower_is_trained_checkpointed_and_exported(trained_tower
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     (2, ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"]),
     (2, ["--pipeline-model-parallel-size", "2"]),
+    (2, ["--context-parallel-size", "2"]),
     (1, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
          "--recompute-vision-tower"])],
-    ids=["tp2_sp", "tp2", "pp2", "recompute"])
+    ids=["tp2_sp", "tp2", "pp2", "cp2", "recompute"])
 def test_trained_vision_tower_alike_under_tp_sp_pp2_and_recomputation(tmp_path, trained_tower_run, nproc, extra):
     """Two pictures a step: under TP each rank encodes one and their gradients come together (with sequence
     parallelism each rank back-propagates its half of the tokens, which the pictures' straddle); on the first stage
