@@ -251,6 +251,7 @@ def attach_tower(model, hf_config, recompute: bool = False) -> None:
     tower = build_vision_tower(hf_config, dtype=param.dtype, device=param.device)
     for p in tower.parameters():
         p.average_gradients_across_tp_domain = True
+        p.is_vision_tower = True  # (--vision-lr: its own parameter group)
     if recompute:
         tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.add_module(TOWER, tower)

@@ -363,6 +363,10 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "language model's, its weights are in the optimizer, the checkpoints, the weight sync to the "
                         "engines (model.visual.*) and the HF export; the KL reference keeps the checkpoint's. "
                         "Qwen3-VL's DeepStack layers must be on the first stage")
+    g.add_argument("--vision-lr", type=float, default=None, metavar="LR",
+                   help="with --train-vision-tower: the tower's peak learning rate (default --lr; its minimum "
+                        "--min-lr in the same proportion, the same warm-up and decay), e.g. a tenth of --lr to move "
+                        "the pretrained encoder more gently than the language model; 0 keeps it as it is")
     g.add_argument("--recompute-vision-tower", action="store_true",
                    help="with --train-vision-tower: the tower's blocks keep only their inputs for the backward and "
                         "run again there (activation checkpointing), for micro-batches of many or large images")
@@ -522,6 +526,9 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"the --rl-* loss flags: {exc}") from exc
     if args.routing_replay_split and not args.routing_replay:
         raise ValueError("--routing-replay-split needs --routing-replay")
+    vision_lr = getattr(args, "vision_lr", None)
+    if vision_lr is not None and (not getattr(args, "train_vision_tower", False) or vision_lr < 0):
+        raise ValueError(f"--vision-lr needs --train-vision-tower and a value >= 0, got {vision_lr}")
     if getattr(args, "recompute_vision_tower", False) and not getattr(args, "train_vision_tower", False):
         raise ValueError("--recompute-vision-tower needs --train-vision-tower (a frozen tower keeps no activations)")
     first, last = getattr(args, "decoder_first_pipeline_num_layers", None), \

@@ -1011,7 +1011,7 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg, tower_config: dict 
                               clip_grad=args.clip_grad, bf16=args.bf16,
                               use_distributed_optimizer=args.use_distributed_optimizer,
                               overlap_param_gather=getattr(args, "overlap_param_gather", False))
-    optimizer = get_megatron_optimizer(opt_cfg, ddp)
+    optimizer = get_megatron_optimizer(opt_cfg, ddp, config_overrides=_vision_lr_overrides(args, opt_cfg))
     # What Megatron-LM's training loop wires up: the schedules call these to reduce DP (and EP/TP-shared) grads
     # after the last micro-batch and to scale the loss for mixed precision.
     for chunk in chunks:
@@ -1025,6 +1025,21 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg, tower_config: dict 
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.train_iters, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant")
     return chunks, ddp, optimizer, scheduler
+
+
+def _vision_lr_overrides(args: argparse.Namespace, opt_cfg):
+    """Megatron's parameter-group overrides for ``--vision-lr`` (the tower's own peak and minimum learning rates,
+    beside the standard no-weight-decay groups); None (Megatron's standard ones) without it."""
+    vision_lr = getattr(args, "vision_lr", None)
+    if vision_lr is None:
+        return None
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey
+
+    overrides = get_standard_config_overrides(opt_cfg)
+    min_lr = args.min_lr * vision_lr / args.lr if args.lr else 0.0
+    overrides[ParamKey(attr="is_vision_tower")] = {"max_lr": vision_lr, "min_lr": min_lr}
+    return overrides
 
 
 def _attach_tower(chunks: list, tower_config: dict | None, recompute: bool = False) -> None:

@@ -239,3 +239,23 @@ def test_trained_vision_tower_resumes_under_another_layout(tmp_path):
     for got, want in zip(runs["resumed"], runs["straight"]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_vision_lr_sets_the_towers_own_learning_rate(tmp_path, trained_tower_run):
+    """``--vision-lr 0``: the tower is in the optimizer with a learning rate of its own, here 0: after two steps the
+    exported tower is the checkpoint's, the language model moved (at the learning rate it has without the flag)."""
+    from safetensors.torch import load_file
+
+    from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+
+    steps = _run(tmp_path, "vlr", extra=[*TRAIN_TOWER, "--vision-lr", "0"], lead=LEAD)
+    assert steps[1]["kl"] > 0
+    assert [s["lr"] for s in steps] == [s["lr"] for s in trained_tower_run[1]]
+    out = str(tmp_path / "hf")
+    export_trainer_checkpoint(str(tmp_path / "vlr" / "ckpt"), out)
+    got = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(f"{out}/{f}").items()}
+    before = load_file(str(tmp_path / "vl" / "model.safetensors"))
+    tower = [n for n in before if n.startswith("model.visual.")]
+    assert tower and all(torch.equal(got[n], before[n]) for n in tower)
+    assert not torch.equal(got["model.language_model.embed_tokens.weight"],
+                           before["model.language_model.embed_tokens.weight"])
