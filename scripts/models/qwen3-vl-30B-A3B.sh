@@ -1,6 +1,8 @@
 # Qwen3-VL-30B-A3B / 235B-A22B (HF Qwen/Qwen3-VL-*-A*B-Instruct / -Thinking; vision-language checkpoints,
-# Qwen3VLMoeForConditionalGeneration: the language model trains on text, the vision tower is copied on export with
-# forge-convert mcore-to-hf --vision-from HF_DIR): Qwen3-MoE layers (top-k renormalised), each layer's experts stored
+# Qwen3VLMoeForConditionalGeneration: the language model trains on text and on the agents' images, through the frozen
+# vision tower, which is copied on export with forge-convert mcore-to-hf --vision-from HF_DIR; to train the tower too:
+# EXTRA_TRAIN_ARGS="--train-vision-tower [--vision-lr LR]", docs/training.md "Images"): Qwen3-MoE layers (top-k
+# renormalised), each layer's experts stored
 # fused and transposed in the checkpoint (the bridge slices them per expert), a text token's mRoPE equal to plain
 # RoPE. The trainer takes the architecture from --hf-checkpoint's config.json (MODEL_ARGS empty; flags given anyway
 # are checked against it: scripts/models/qwen3-30B-A3B.sh's, with --rotary-base 5000000 and the 262144 context, are
