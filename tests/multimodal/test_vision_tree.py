@@ -343,16 +343,16 @@ def test_bridge_maps_a_trained_vision_tower(vl_dirs):
     from forge_megatron.convert.checkpoint import HFReader
     from forge_megatron.models.tiny import tiny_config
 
-    d = vl_dirs["qwen3_vl"]
-    names = sorted(n for n in HFReader(d).names() if n.startswith("model.visual."))
-    frozen, trained = Bridge(d), Bridge(d, vision_tower=True)
-    assert names and all(frozen.is_left_out(n) for n in names)
-    assert not any(trained.is_left_out(n) for n in names)
-    tower = [n for n in trained.piece_names(range(0), True, False) if n.startswith("vision_tower.")]
-    assert sorted(trained.hf_names(n)[0] for n in tower) == names
-    assert not any(n.startswith("vision_tower.") for n in trained.piece_names(range(2), False, True))
-    assert all(trained.rule(n)[0].tp == "rep" and trained.rename(n, 3, 0) == n for n in tower)
-    assert not any(n.startswith("vision_tower.") for n in frozen.canonical_names())
+    for d in vl_dirs.values():  # every family whose images the trainer takes
+        names = sorted(n for n in HFReader(d).names() if n.startswith("model.visual."))
+        frozen, trained = Bridge(d), Bridge(d, vision_tower=True)
+        assert names and all(frozen.is_left_out(n) for n in names)
+        assert not any(trained.is_left_out(n) for n in names)
+        tower = [n for n in trained.piece_names(range(0), True, False) if n.startswith("vision_tower.")]
+        assert sorted(trained.hf_names(n)[0] for n in tower) == names, d
+        assert not any(n.startswith("vision_tower.") for n in trained.piece_names(range(2), False, True))
+        assert all(trained.rule(n)[0].tp == "rep" and trained.rename(n, 3, 0) == n for n in tower)
+        assert not any(n.startswith("vision_tower.") for n in frozen.canonical_names())
     text = {**tiny_config("qwen3", vocab_size=V).to_dict(), "architectures": ["Qwen3ForCausalLM"]}
     with pytest.raises(ValueError, match="Qwen3-VL, Qwen3-VL-MoE"):
         Bridge(text, vision_tower=True)
