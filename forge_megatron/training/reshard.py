@@ -331,9 +331,15 @@ class _Lazy(Mapping):
         raise TypeError("read one canonical tensor at a time")
 
 
-def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler, metas: list[dict]) -> dict:
+def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler, metas: list[dict],
+                   fresh=None) -> dict:
     """Fill this rank's model, optimizer and scheduler from checkpoint ``iteration`` saved under another layout
-    (``metas``: its rank_*.json); returns the saved run state of its rank 0 (iteration, policy version, ...)."""
+    (``metas``: its rank_*.json); returns the saved run state of its rank 0 (iteration, policy version, ...).
+
+    ``fresh``: (bridge, weights) for a model with parameters the checkpoint lacks (a trained vision tower, when a
+    run saved with it frozen resumes with --train-vision-tower): ``bridge`` names all of this model's parameters,
+    ``weights(name)`` gives the full tensor of one the checkpoint lacks (the HF checkpoint's), and its optimizer
+    state starts empty (Adam's first step for it comes with the next step)."""
     from megatron.core import parallel_state as ps
 
     from forge_megatron.convert.checkpoint import EMBEDDING, TIED_HEAD, piece_state
@@ -341,8 +347,10 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
 
     if "hf_config" not in metas[0]:
         raise ValueError("the checkpoint's rank_*.json has no hf_config: resume it in the layout it was saved in")
-    bridge = Bridge(metas[0]["hf_config"], vision_tower=bool(metas[0].get("vision_tower")))
-    src = _Source(root, iteration, metas, bridge)
+    saved = Bridge(metas[0]["hf_config"], vision_tower=bool(metas[0].get("vision_tower")))
+    src = _Source(root, iteration, metas, saved)
+    bridge, fresh_weights = fresh if fresh is not None else (saved, None)
+    known = set(saved.canonical_names())
     from forge_megatron.convert.checkpoint import job_layout
 
     here = job_layout()
@@ -363,6 +371,8 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
     masters_to_weights = src_half and not any(_half(p) for c in model_chunks for p in c.parameters())
 
     def weight(name: str) -> torch.Tensor:
+        if name not in known:
+            return fresh_weights(name)
         if masters_to_weights:  # an fp32 job from a half-precision run: its fp32 masters, where it kept them
             try:
                 return src.full(name, "main")
@@ -395,5 +405,11 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
         return rank0  # saved before the first step: no optimizer state yet
     for row in _param_rows(model_chunks, optimizer):
         name = canonical(row.name, pieces[row.v])
+        if name not in known:  # no saved state: its master from the weight just loaded, Adam's state made lazily
+            if _half(row.p):
+                with torch.no_grad():
+                    full = local_shard(name, row.name, weight(name)).float()
+                    row.q.copy_(full if row.flat is None else full.reshape(-1)[row.flat])
+            continue
         restore(row, lambda kind: local_shard(name, row.name, state(name, kind)), step)
     return rank0

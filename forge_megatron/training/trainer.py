@@ -543,12 +543,16 @@ class Trainer:
             self._log(f"initialised from HF checkpoint {self.args.hf_checkpoint}")
         else:
             saved_tower = bool((saved_meta(self.args.load, iteration) or {}).get("vision_tower", False))
-            if saved_tower != self.train_tower:
-                was = "with" if saved_tower else "without"
-                raise ValueError(f"checkpoint {self.args.load} iteration {iteration} was saved {was} "
-                                 f"--train-vision-tower (its model and optimizer {'hold' if saved_tower else 'lack'} "
-                                 f"the vision tower): resume {was} it")
-            state = load_checkpoint(self.args.load, iteration, self.ddp, self.optimizer, self.scheduler, self._log)
+            if saved_tower and not self.train_tower:
+                raise ValueError(f"checkpoint {self.args.load} iteration {iteration} was saved with "
+                                 "--train-vision-tower (its model holds the trained vision tower, which a frozen tower "
+                                 "would replace by the HF checkpoint's): resume with it, or export the checkpoint "
+                                 "(forge-convert trainer-to-hf) and start from the export")
+            if self.train_tower and not saved_tower:
+                state = self._unfreeze_tower(iteration)
+            else:
+                state = load_checkpoint(self.args.load, iteration, self.ddp, self.optimizer, self.scheduler,
+                                        self._log)
             self.iteration, self.policy_version = state["iteration"], state["policy_version"]
             self.saved_at = self.iteration
             self.last_batch_id = state["last_batch_id"]
@@ -564,6 +568,25 @@ class Trainer:
             self._check_gateway()
         if iteration is not None and self.syncer is not None:
             self._sync()  # the engines may still serve weights newer than this checkpoint
+
+    def _unfreeze_tower(self, iteration: int) -> dict:
+        """Resume checkpoint ``iteration`` of a run whose vision tower was frozen with --train-vision-tower: the
+        language model and its optimizer state as saved (resharded by name), the tower from --hf-checkpoint (what
+        the frozen run encoded with) with fresh optimizer state."""
+        from forge_megatron.convert.checkpoint import HFReader
+        from forge_megatron.convert.trainer_checkpoint import read_rank_metadata
+        from forge_megatron.training.reshard import load_resharded
+
+        reader = HFReader(self.args.hf_checkpoint)
+
+        def weights(name: str):
+            return self.bridge.from_hf(name, reader.get(self.bridge.hf_names(name)))
+
+        self._log(f"checkpoint {self.args.load} iteration {iteration} was saved with the vision tower frozen: it "
+                  f"trains from here (--train-vision-tower), starting from {self.args.hf_checkpoint}'s weights with "
+                  "fresh optimizer state")
+        return load_resharded(self.args.load, iteration, list(self.ddp), self.optimizer, self.scheduler,
+                              read_rank_metadata(self.args.load, iteration), fresh=(self.bridge, weights))
 
     def _check_gateway(self) -> None:
         """The gateway must sample training calls at this trainer's --rollout-temperature (a gateway that cannot be

@@ -259,3 +259,34 @@ def test_vision_lr_sets_the_towers_own_learning_rate(tmp_path, trained_tower_run
     assert tower and all(torch.equal(got[n], before[n]) for n in tower)
     assert not torch.equal(got["model.language_model.embed_tokens.weight"],
                            before["model.language_model.embed_tokens.weight"])
+
+
+def test_a_frozen_towers_run_resumes_with_the_tower_trained(tmp_path):
+    """Two steps with the tower frozen, then ``--train-vision-tower`` on resume: the language model and its
+    optimizer state as saved, the tower from the HF checkpoint (what the frozen run encoded with) with fresh Adam
+    state. Step 3 scores as the run that stays frozen does (same weights), its gradient norm takes the tower's in,
+    and the next checkpoint holds the moved tower."""
+    from safetensors.torch import load_file
+
+    from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+    from forge_megatron.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(str(tmp_path / "vl"), "qwen3_vl", images=True, seed=3, vocab_size=404)
+    runs = {}
+    for name, exits in (("frozen", (None,)), ("unfrozen", ((2, (), 1), (None, ("--train-vision-tower",), 1)))):
+        steps, stdouts, _ = run_on_fresh_pool(
+            tmp_path, name, model_dir, lambda c: _feed_image_rollouts(c, model_dir, groups=3, lead=LEAD), iters=3,
+            groups=1, model=[], exits=exits, extra=["--save-interval", "1"])
+        runs[name] = (steps, stdouts)
+    (frozen, _), (unfrozen, stdouts) = runs["frozen"], runs["unfrozen"]
+    assert "saved with the vision tower frozen: it trains from here" in stdouts[1]
+    assert [s["step"] for s in unfrozen] == [1, 2, 3]
+    for got, want in zip(unfrozen[:2], frozen[:2]):
+        assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
+    assert unfrozen[2]["loss"] == pytest.approx(frozen[2]["loss"], rel=1e-5, abs=1e-7)
+    assert unfrozen[2]["grad_norm"] > frozen[2]["grad_norm"] * (1 + 1e-4)
+    out = str(tmp_path / "hf")
+    export_trainer_checkpoint(str(tmp_path / "unfrozen" / "ckpt"), out)
+    got = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(f"{out}/{f}").items()}
+    before = load_file(f"{model_dir}/model.safetensors")
+    assert any(not torch.equal(got[n], before[n]) for n in before if n.startswith("model.visual."))
