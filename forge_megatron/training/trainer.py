@@ -722,6 +722,7 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         mb_metrics = pipeline_loss_metrics(self.forward_backward(rb))
+        vision_norm = self._vision_grad_norm() if self.train_tower else None
         ok, grad_norm, _ = self.optimizer.step()
         self.params_gathered = not self.ddp[0].ddp_config.overlap_param_gather
         if ok:
@@ -732,6 +733,8 @@ class Trainer:
             metrics.update(self._routing_metrics(rb))
         if self.cfg.dsa_indexer_loss_coeff:
             metrics.update(self._indexer_loss_metrics())
+        if vision_norm is not None:
+            metrics["grad_norm_vision"] = vision_norm
         self.iteration += 1
         self.last_batch_id = batch.batch_id
         sync_s = 0.0
@@ -750,6 +753,34 @@ class Trainer:
         if self.writer is not None:
             self.writer.write(self.iteration, metrics)
         return metrics
+
+    def _vision_grad_norm(self) -> float:
+        """The trained vision tower's gradient norm (before clipping; a part of grad_norm), from this step's reduced
+        gradients, summed over the ranks that hold them: TP rank 0 of the first stage, each data-parallel (x CP) rank
+        its shard with the distributed optimizer, else data-parallel rank 0 all of it. A collective on every rank."""
+        from megatron.core import parallel_state as ps
+
+        from forge_megatron.mcore import vision
+        from forge_megatron.mcore.parallel import comm_device
+        from forge_megatron.training.reshard import _main_shards, _sub_optimizers, is_distributed
+        from forge_megatron.weight_sync.gather import unwrap
+
+        own = getattr(unwrap(self.chunks[0]), vision.TOWER, None)
+        total = torch.zeros(1, dtype=torch.float64)
+        if own is not None and ps.get_tensor_model_parallel_rank() == 0:
+            params = {id(p) for p in own.parameters()}
+            sharded = [o for o in _sub_optimizers(self.optimizer) if is_distributed(o)]
+            for opt in sharded:
+                for p, _ in _main_shards(opt):
+                    if id(p) in params:
+                        span = opt._get_model_param_range_map(p)["param"]
+                        total += p.main_grad.reshape(-1)[span.start:span.end].double().pow(2).sum().cpu()
+            if not sharded and ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+                for p in own.parameters():
+                    total += p.main_grad.double().pow(2).sum().cpu()
+        total = total.to(comm_device())
+        dist.all_reduce(total)
+        return float(total.sqrt().item())
 
     def _routing_metrics(self, rb: RankBatch) -> dict:
         """Rollout routing replay, over every rank: the share of (token, MoE layer) rows replayed from the engine's
