@@ -32,7 +32,7 @@ sequence parallelism and CP), Megatron's ``finalize_model_grads`` combines the T
 (``average_gradients_across_tp_domain``, the gradient scaled by TP first) and DDP the CP ranks' with the language
 model's. Every training forward makes each tower parameter, and the gathered features, part of
 the loss (zeros where no image reached this rank), so Megatron's DDP sees a gradient for each (with
---overlap-grad-reduce it waits for them) and every TP rank reaches the gather's backward collective.
+--overlap-grad-reduce it waits for them) and every rank of the group reaches the gather's backward collective.
 
 Sequence parallelism: the decoder's input and the layers' outputs are this TP rank's slice of the (CP-local) tokens,
 so each hook takes that slice of the rows. Context parallelism: the shard holds this CP rank's zig-zag tokens.
@@ -77,7 +77,7 @@ class VisionShard:
     def features(self, tower, device, key: str = "frozen", config=None) -> tuple[torch.Tensor, list]:
         """(merged features [N, H], DeepStack features) of the micro-batch's images by ``tower`` (a callable giving
         the module), computed without gradients on first use and kept under ``key``. With the model's ``config``
-        the images are shared out over TP (:func:`_encode`)."""
+        the images are shared out over TP x CP (:func:`_encode`)."""
         tree = self.tree
         if key not in tree.features:
             if tree.num_images == 0:
@@ -325,7 +325,7 @@ def install(model, spec: VisionSpec, tower=None, key: str = "frozen", trained: b
                 own = tower()
                 merged, _ = vision.live_features(own, hidden.device, key, config)
                 # the features always take part in the loss (zero when no image row is this rank's): under
-                # sequence parallelism their gather's backward is a collective every TP rank must reach
+                # sequence parallelism or CP their gather's backward is a collective every rank must reach
                 used = merged.sum() * 0.0 if merged is not None else 0.0
                 hidden = hidden + (_touch(own) + used).to(hidden.dtype)
             else:
