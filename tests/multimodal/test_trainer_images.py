@@ -157,9 +157,10 @@ def test_trained_vision_tower_is_trained_checkpointed_and_exported(trained_tower
     (2, ["--pipeline-model-parallel-size", "2"]),
     (2, ["--context-parallel-size", "2"]),
     (2, ["--use-distributed-optimizer"]),  # DP2: the tower's gradients reduced and sharded with the others'
+    (1, ["--ref-offload"]),  # the KL reference's tower in host memory but for its forward pass
     (1, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
          "--recompute-vision-tower"])],
-    ids=["tp2_sp", "tp2", "pp2", "cp2", "dp2_distopt", "recompute"])
+    ids=["tp2_sp", "tp2", "pp2", "cp2", "dp2_distopt", "ref_offload", "recompute"])
 def test_trained_vision_tower_alike_under_tp_sp_pp2_and_recomputation(tmp_path, trained_tower_run, nproc, extra):
     """Two pictures a step: under TP each rank encodes one and their gradients come together (with sequence
     parallelism each rank back-propagates its half of the tokens, which the pictures' straddle); on the first stage
