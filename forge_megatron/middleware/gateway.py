@@ -112,6 +112,7 @@ class GatewayConfig:
     context_length: int | None = None  # default: max_position_embeddings from config.json
     default_max_tokens: int = 1024  # when the request sets neither max_tokens nor max_completion_tokens
     max_body_bytes: int = 8 << 20
+    image_threads: int = 4  # threads that decode and normalise the agents' new images (PIL works outside the GIL)
     pause_wait_s: float = 120.0  # how long a call waits for resume before 503
     engine_attempts: int = 3  # engines tried per call
     health_interval_s: float = 2.0
@@ -152,7 +153,7 @@ class GatewayConfig:
         get_reasoning_parser(self.reasoning_parser)
         if not isinstance(self.chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a dict, got {self.chat_template_kwargs!r}")
-        for name in ("default_max_tokens", "max_body_bytes", "engine_attempts", "keep_ended_sessions"):
+        for name in ("default_max_tokens", "max_body_bytes", "engine_attempts", "keep_ended_sessions", "image_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.pause_wait_s < 0:
@@ -540,7 +541,7 @@ class Gateway:
         self.groups: OrderedDict[str, dict] = OrderedDict()  # the newest MAX_GROUPS (older ones are long done)
         self.image_cache: OrderedDict[str, bytes] = OrderedDict()  # normalised images by the sent bytes' digest
         self.image_lock = threading.Lock()
-        self.image_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forge-images") \
+        self.image_worker = ThreadPoolExecutor(max_workers=config.image_threads, thread_name_prefix="forge-images") \
             if self.images is not None else None
         self.sessions: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}
@@ -755,7 +756,7 @@ class Gateway:
         from forge_megatron.multimodal.images import digest
 
         key = digest(data)
-        with self.image_lock:  # the image worker and a count_tokens call on the event loop
+        with self.image_lock:  # the image threads and a count_tokens call on the event loop
             out = self.image_cache.get(key)
             if out is not None:
                 self.image_cache.move_to_end(key)
@@ -1263,7 +1264,7 @@ async def serve_call(gw: Gateway, sess: Session, req: ChatRequest, stream):
                 raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
             images = None
             if gw.images is not None and any(IMAGE_KEY in m for m in req.messages):
-                # decoding and resizing big screenshots: on the gateway's image thread, off the event loop
+                # decoding and resizing big screenshots: on the gateway's image threads, off the event loop
                 req, images = await asyncio.get_running_loop().run_in_executor(gw.image_worker, gw.with_images, req)
             call = gw.prepare(sess, req, images)
             if req.stream:
@@ -1901,6 +1902,9 @@ def add_session_options(p) -> None:
     p.add_argument("--max-body-mib", type=float, default=8.0, metavar="MIB",
                    help="largest request body (default 8): agents that send images send their history's images with "
                         "every call (inline, base64), so raise it for them (a 1-megapixel PNG is ~2 MiB in base64)")
+    p.add_argument("--image-threads", type=int, default=4, metavar="N",
+                   help="threads that decode and normalise the agents' new images, off the event loop (default 4; "
+                        "each image once, cached by content: benchmarks/image_normalize.py)")
     p.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
                    help="re-issue a call that an engine aborted for a weight update from its prompt, dropping the "
                         "tokens it had sampled (default: go on from them, each token keeping the policy version and "
@@ -1916,7 +1920,7 @@ def session_options(args: argparse.Namespace) -> dict:
                 session_idle_timeout_s=args.session_idle_timeout_s, trust_remote_code=args.trust_remote_code,
                 group_affinity_slack=None if args.group_affinity_slack < 0 else args.group_affinity_slack,
                 keep_ended_sessions=args.keep_ended_sessions, keep_ended_mib=args.keep_ended_mib,
-                max_body_bytes=int(args.max_body_mib * 2**20))
+                max_body_bytes=int(args.max_body_mib * 2**20), image_threads=args.image_threads)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -634,6 +634,8 @@ def test_ended_sessions_are_forgotten_beyond_the_bound(model_dir):
         gw.stop()
     with pytest.raises(ValueError, match="keep_ended_sessions must be >= 1"):
         GatewayConfig(model_path=model_dir, engine_urls=["http://x"], keep_ended_sessions=0)
+    with pytest.raises(ValueError, match="image_threads must be >= 1"):
+        GatewayConfig(model_path=model_dir, engine_urls=["http://x"], image_threads=0)
 
 
 def test_ended_sessions_are_forgotten_beyond_the_memory_budget(stack, model_dir):
