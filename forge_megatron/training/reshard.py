@@ -339,7 +339,8 @@ def load_resharded(root: str, iteration: int, model_chunks, optimizer, scheduler
     ``fresh``: (bridge, weights) for a model with parameters the checkpoint lacks (a trained vision tower, when a
     run saved with it frozen resumes with --train-vision-tower): ``bridge`` names all of this model's parameters,
     ``weights(name)`` gives the full tensor of one the checkpoint lacks (the HF checkpoint's), and its optimizer
-    state starts empty (Adam's first step for it comes with the next step)."""
+    state starts empty (torch's Adam counts its steps from the next one; a fused Adam that counts steps per
+    parameter group applies the group's bias correction to its zero moments: a gentler first update)."""
     from megatron.core import parallel_state as ps
 
     from forge_megatron.convert.checkpoint import EMBEDDING, TIED_HEAD, piece_state
