@@ -1087,8 +1087,12 @@ def _vision_lr_overrides(args: argparse.Namespace, opt_cfg):
     vision_lr = getattr(args, "vision_lr", None)
     if vision_lr is None:
         return None
-    from megatron.core.optimizer import get_standard_config_overrides
-    from megatron.core.optimizer.optimizer_config import ParamKey
+    try:
+        from megatron.core.optimizer import get_standard_config_overrides
+        from megatron.core.optimizer.optimizer_config import ParamKey
+    except ImportError as exc:  # an older megatron-core
+        raise ValueError(f"--vision-lr needs megatron-core's parameter-group overrides (0.16 and later): {exc}") \
+            from exc
 
     overrides = get_standard_config_overrides(opt_cfg)
     min_lr = args.min_lr * vision_lr / args.lr if args.lr else 0.0
