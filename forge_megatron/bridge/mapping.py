@@ -439,7 +439,7 @@ class Bridge:
             self.hf_config["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}
         # a vision-language checkpoint (Qwen3.5, Gemma 3 as released): its language model's tensors are under
         # Family.text_prefix, its head is Family.head_name (lm_head but for Kimi-K2.5 and Mistral3); the vision tower
-        # is neither trained nor exported
+        # is neither trained nor exported (but with vision_tower=True: below)
         self.hf_prefix = self.family.text_prefix if self.family.multimodal else "model."
         self.hf_vocab = text_view(self.hf_config)["vocab_size"]
         if self.cfg.vocab_size < self.hf_vocab:

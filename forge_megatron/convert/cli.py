@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GiB (default 5)")
     p.add_argument("--vision-from", default=None,
                    help="vision-language checkpoints (Qwen3.5 as released): copy the vision tower (not trained) from "
-                        "this HF checkpoint (default: the run's --hf-checkpoint)")
+                        "this HF checkpoint (default: the run's --hf-checkpoint; a run with --train-vision-tower holds "
+                        "its own, exported from the checkpoint)")
     p = sub.add_parser("hf-to-fp8", help="HF directory -> block-wise FP8 copy for SGLang to serve (the trainer's "
                                          "--weight-sync-fp8 then sends weights in the same format)")
     p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + *.safetensors, unquantized)")

@@ -449,7 +449,8 @@ class Trainer:
     def _install_vision(self):
         """A vision-language checkpoint whose images the trainer takes (multimodal/qwen_vl.py): the model chunks (and
         the reference's) put the images' features and mRoPE positions into their forward (mcore/vision.py); the
-        frozen vision tower is loaded on the first micro-batch with images. Returns the checkpoint's ImageProcessor
+        frozen vision tower is loaded on the first micro-batch with images (with --train-vision-tower the first
+        model piece's own trains, mcore.vision.attach_tower). Returns the checkpoint's ImageProcessor
         (multimodal/images.py: the pool's encoded images become patches with it); None (samples with images are
         refused) for a text model or another vision-language family."""
         if not self.bridge.family.multimodal:
