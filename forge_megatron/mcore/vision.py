@@ -229,27 +229,48 @@ class _WithDeepStackGrads(torch.autograd.Function):
 
 
 def _touch(module) -> torch.Tensor:
-    """0, depending on every parameter of ``module``: each training forward gives each of the tower's parameters a
-    gradient (zeros where no image of this rank's tokens reached it: a micro-batch without images, or an SP rank
-    without image rows), as Megatron's DDP expects of every parameter it reduces (with --overlap-grad-reduce it
-    starts a bucket's reduction once all of its parameters have one, as many as in the first step)."""
-    return sum(p.view(-1)[0] for p in module.parameters()) * 0.0
+    """0, depending on every trained parameter of ``module``: each training forward gives each of them a gradient
+    (zeros where no image of this rank's tokens reached it: a micro-batch without images, or an SP rank without image
+    rows), as Megatron's DDP expects of every parameter it reduces (with --overlap-grad-reduce it starts a bucket's
+    reduction once all of its parameters have one, as many as in the first step)."""
+    return sum(p.view(-1)[0] for p in module.parameters() if p.requires_grad) * 0.0
 
 
-def attach_tower(model, hf_config, recompute: bool = False) -> None:
+def trainable_matches(names: list[str], patterns: str) -> set[str]:
+    """The tower parameter names (as in the checkpoint, after ``model.visual.``) that ``patterns`` (comma-separated
+    shell globs, e.g. ``merger.*,deepstack_merger_list.*``) select; ValueError naming a glob that selects none."""
+    import fnmatch
+
+    chosen = set()
+    for glob in filter(None, (g.strip() for g in patterns.split(","))):
+        hits = fnmatch.filter(names, glob)
+        if not hits:
+            raise ValueError(f"--vision-trainable {glob!r} matches none of the vision tower's parameters (e.g. "
+                             f"{', '.join(names[:4])}, ...; names as in the checkpoint after model.visual.)")
+        chosen.update(hits)
+    if not chosen:
+        raise ValueError(f"--vision-trainable {patterns!r} names no parameters")
+    return chosen
+
+
+def attach_tower(model, hf_config, recompute: bool = False, trainable: str = "*") -> None:
     """Make the checkpoint's vision tower a trainable submodule ``vision_tower`` of ``model`` (the first model
     piece, before DDP wraps it), in the model's dtype and device; its weights are loaded through the bridge with the
     language model's (``Bridge(vision_tower=True)``). Under TP each rank encodes its share of the images
     (:class:`_GatherImages`): its parameters are marked for Megatron's average of their gradients over TP.
     ``recompute``: its blocks keep only their inputs for the backward and run again there (transformers' activation
-    checkpointing, non-reentrant), for micro-batches of many or large images."""
+    checkpointing, non-reentrant), for micro-batches of many or large images. ``trainable``: the parameters that
+    train (:func:`trainable_matches`; the others stay the checkpoint's: no gradients, no optimizer state)."""
     from forge_megatron.multimodal.qwen_vl import build_vision_tower
 
     if not model.pre_process:
         raise ValueError("the vision tower goes on the first model piece (pre_process)")
     param = next(model.parameters())
     tower = build_vision_tower(hf_config, dtype=param.dtype, device=param.device)
-    for p in tower.parameters():
+    names = [n for n, _ in tower.named_parameters()]
+    chosen = trainable_matches(names, trainable)
+    for name, p in tower.named_parameters():
+        p.requires_grad_(name in chosen)
         p.average_gradients_across_tp_domain = True
         p.is_vision_tower = True  # (--vision-lr: its own parameter group)
     if recompute:

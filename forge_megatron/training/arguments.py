@@ -368,6 +368,11 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --train-vision-tower: the tower's peak learning rate (default --lr; its minimum "
                         "--min-lr in the same proportion, the same warm-up and decay), e.g. a tenth of --lr to move "
                         "the pretrained encoder more gently than the language model; 0 keeps it as it is")
+    g.add_argument("--vision-trainable", default="*", metavar="GLOBS",
+                   help="with --train-vision-tower: which of the tower's parameters train, comma-separated shell "
+                        "globs over their names as in the checkpoint after model.visual. (default '*': all), e.g. "
+                        "'merger.*,deepstack_merger_list.*' (Qwen3-VL's projectors) to train the projection into the "
+                        "language model and keep the encoder's blocks as they are; resume with the same globs")
     g.add_argument("--recompute-vision-tower", action="store_true",
                    help="with --train-vision-tower: the tower's blocks keep only their inputs for the backward and "
                         "run again there (activation checkpointing), for micro-batches of many or large images")
@@ -530,6 +535,8 @@ def validate_args(args: argparse.Namespace) -> None:
     vision_lr = getattr(args, "vision_lr", None)
     if vision_lr is not None and (not getattr(args, "train_vision_tower", False) or vision_lr < 0):
         raise ValueError(f"--vision-lr needs --train-vision-tower and a value >= 0, got {vision_lr}")
+    if getattr(args, "vision_trainable", "*") != "*" and not getattr(args, "train_vision_tower", False):
+        raise ValueError("--vision-trainable needs --train-vision-tower")
     if getattr(args, "recompute_vision_tower", False) and not getattr(args, "train_vision_tower", False):
         raise ValueError("--recompute-vision-tower needs --train-vision-tower (a frozen tower keeps no activations)")
     first, last = getattr(args, "decoder_first_pipeline_num_layers", None), \

@@ -472,8 +472,10 @@ class Trainer:
             own = getattr(unwrap(self.chunks[0]), vision.TOWER, None)
             if own is not None:
                 n = sum(p.numel() for p in own.parameters())
+                trained = sum(p.numel() for p in own.parameters() if p.requires_grad)
+                part = "" if trained == n else f", {trained / 1e6:.2f}M of them trained (--vision-trainable)"
                 self._log(f"vision tower trained with the language model ({n / 1e6:.1f}M parameters on the first "
-                          "pipeline stage)")
+                          f"pipeline stage{part})")
         tower = {}
 
         def load():
@@ -543,7 +545,14 @@ class Trainer:
             self.optimizer.reload_model_params()
             self._log(f"initialised from HF checkpoint {self.args.hf_checkpoint}")
         else:
-            saved_tower = bool((saved_meta(self.args.load, iteration) or {}).get("vision_tower", False))
+            meta = saved_meta(self.args.load, iteration) or {}
+            saved_tower = bool(meta.get("vision_tower", False))
+            trainable = getattr(self.args, "vision_trainable", "*")
+            if saved_tower and self.train_tower and (meta.get("vision_trainable") or "*") != trainable:
+                raise ValueError(f"checkpoint {self.args.load} iteration {iteration} was saved with "
+                                 f"--vision-trainable {meta.get('vision_trainable') or '*'!r} (its optimizer holds "
+                                 f"state for those parameters only), this run asks for {trainable!r}: resume with the "
+                                 "same globs")
             if saved_tower and not self.train_tower:
                 raise ValueError(f"checkpoint {self.args.load} iteration {iteration} was saved with "
                                  "--train-vision-tower (its model holds the trained vision tower, which a frozen tower "
@@ -769,7 +778,7 @@ class Trainer:
         own = getattr(unwrap(self.chunks[0]), vision.TOWER, None)
         total = torch.zeros(1, dtype=torch.float64)
         if own is not None and ps.get_tensor_model_parallel_rank() == 0:
-            params = {id(p) for p in own.parameters()}
+            params = {id(p) for p in own.parameters() if p.requires_grad}
             sharded = [o for o in _sub_optimizers(self.optimizer) if is_distributed(o)]
             for opt in sharded:
                 for p, _ in _main_shards(opt):
@@ -778,7 +787,8 @@ class Trainer:
                         total += p.main_grad.reshape(-1)[span.start:span.end].double().pow(2).sum().cpu()
             if not sharded and ps.get_data_parallel_rank(with_context_parallel=True) == 0:
                 for p in own.parameters():
-                    total += p.main_grad.double().pow(2).sum().cpu()
+                    if p.requires_grad:
+                        total += p.main_grad.double().pow(2).sum().cpu()
         total = total.to(comm_device())
         dist.all_reduce(total)
         return float(total.sqrt().item())
@@ -842,7 +852,8 @@ class Trainer:
         self._gather_params()
         extra = {"policy_version": self.policy_version, "last_batch_id": self.last_batch_id}
         meta = {"hf_config": self.bridge.hf_config, "hf_checkpoint": os.path.abspath(a.hf_checkpoint),
-                "policy_version": self.policy_version, "vision_tower": self.train_tower}
+                "policy_version": self.policy_version, "vision_tower": self.train_tower,
+                "vision_trainable": getattr(a, "vision_trainable", "*") if self.train_tower else None}
         iteration, batch_id = self.iteration, self.last_batch_id
 
         def commit() -> None:
@@ -1052,7 +1063,8 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg, tower_config: dict 
     if has_cuda():
         for chunk in chunks:
             chunk.cuda()
-    _attach_tower(chunks, tower_config, bool(getattr(args, "recompute_vision_tower", False)))
+    _attach_tower(chunks, tower_config, bool(getattr(args, "recompute_vision_tower", False)),
+                  getattr(args, "vision_trainable", "*"))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                use_distributed_optimizer=args.use_distributed_optimizer,
                                                overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
@@ -1101,11 +1113,11 @@ def _vision_lr_overrides(args: argparse.Namespace, opt_cfg):
     return overrides
 
 
-def _attach_tower(chunks: list, tower_config: dict | None, recompute: bool = False) -> None:
+def _attach_tower(chunks: list, tower_config: dict | None, recompute: bool = False, trainable: str = "*") -> None:
     if tower_config is not None and chunks[0].pre_process:
         from forge_megatron.mcore.vision import attach_tower
 
-        attach_tower(chunks[0], tower_config, recompute)
+        attach_tower(chunks[0], tower_config, recompute, trainable)
 
 
 def build_reference_model(cfg, tower_config: dict | None = None) -> list:

@@ -299,3 +299,33 @@ def test_a_frozen_towers_run_resumes_with_the_tower_trained(tmp_path):
     got = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(f"{out}/{f}").items()}
     before = load_file(f"{model_dir}/model.safetensors")
     assert any(not torch.equal(got[n], before[n]) for n in before if n.startswith("model.visual."))
+
+
+def test_vision_trainable_trains_only_the_chosen_parameters(tmp_path):
+    """``--vision-trainable 'merger.*,deepstack_merger_list.*'``: Qwen3-VL's projectors train, the encoder's blocks
+    and patch embedding stay the checkpoint's (no gradients, no optimizer state); a resume with other globs is
+    refused, naming the flag."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+    from tests.training.trainer_run import TRAIN, train_env
+
+    globs = "merger.*,deepstack_merger_list.*"
+    steps = _run(tmp_path, "part", extra=[*TRAIN_TOWER, "--vision-trainable", globs], lead=LEAD)
+    assert all(s["grad_norm_vision"] > 0 for s in steps)
+    out = str(tmp_path / "hf")
+    export_trainer_checkpoint(str(tmp_path / "part" / "ckpt"), out)
+    got = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(f"{out}/{f}").items()}
+    before = load_file(str(tmp_path / "vl" / "model.safetensors"))
+    tower = [n for n in before if n.startswith("model.visual.")]
+    chosen = [n for n in tower if n.startswith(("model.visual.merger.", "model.visual.deepstack_merger_list."))]
+    assert chosen and all(not torch.equal(got[n], before[n]) for n in chosen if n.endswith("weight"))
+    assert all(torch.equal(got[n], before[n]) for n in tower if n not in chosen)
+    cmd = [sys.executable, TRAIN, "--hf-checkpoint", str(tmp_path / "vl"), "--load", str(tmp_path / "part" / "ckpt"),
+           "--lr", "1e-3", "--train-iters", "3", "--weight-sync-transport", "none", "--pool-addr", "tcp://127.0.0.1:1",
+           "--train-vision-tower", "--vision-trainable", "merger.*"]
+    res = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "resume with the same globs" in res.stdout + res.stderr

@@ -652,3 +652,16 @@ def test_normalized_images_are_what_the_processor_makes(tmp_path, arch):
         image = proc.image_input(normalized)  # raises when the processor's grid differs from the normalised one
         assert image.grid_thw == proc.grid(normalized) == proc.grid(proc.normalize(normalized))
         assert 1 <= proc.num_tokens(normalized) <= 16
+
+
+def test_vision_trainable_globs():
+    from forge_megatron.mcore.vision import trainable_matches
+
+    names = ["patch_embed.proj.weight", "blocks.0.attn.qkv.weight", "merger.linear_fc1.weight",
+             "deepstack_merger_list.0.norm.weight"]
+    assert trainable_matches(names, "*") == set(names)
+    assert trainable_matches(names, "merger.*, deepstack_merger_list.*") == set(names[2:])
+    with pytest.raises(ValueError, match="'mergr.\\*' matches none of the vision tower's parameters"):
+        trainable_matches(names, "merger.*,mergr.*")
+    with pytest.raises(ValueError, match="names no parameters"):
+        trainable_matches(names, " , ")

@@ -158,6 +158,7 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--routing-replay-split"], "--routing-replay-split needs --routing-replay"),
     (["--recompute-vision-tower"], "--recompute-vision-tower needs --train-vision-tower"),
     (["--vision-lr", "1e-5"], "--vision-lr needs --train-vision-tower"),
+    (["--vision-trainable", "merger.*"], "--vision-trainable needs --train-vision-tower"),
     (["--train-vision-tower", "--vision-lr", "-1"], "--vision-lr needs --train-vision-tower and a value >= 0"),
     (["--rl-mismatch-band", "2", "3"], "--rl-mismatch-band LOW HIGH needs 0 < LOW < 1 < HIGH"),
     (["--rl-tis-cap", "0"], "the --rl-\\* loss flags: tis_cap must be > 0"),
