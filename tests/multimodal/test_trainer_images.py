@@ -157,8 +157,10 @@ def test_trained_vision_tower_is_trained_checkpointed_and_exported(trained_tower
     (2, ["--pipeline-model-parallel-size", "2"]),
     (2, ["--context-parallel-size", "2"]),
     # DP2: the tower's gradients reduced and sharded with the others', overlapped with the backward, its weights
-    # all-gathered in the next forward
-    (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
+    # all-gathered in the next forward; small buckets (bucketing needs the overlap), each split over both ranks, so
+    # both hold parts of the tower
+    (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size",
+         "4000"]),
     (1, ["--ref-offload"]),  # the KL reference's tower in host memory but for its forward pass
     (1, ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
          "--recompute-vision-tower"])],
