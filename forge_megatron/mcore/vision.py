@@ -42,6 +42,7 @@ Legend: T = tree tokens (padded, this CP rank's), N = image tokens of the micro-
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -149,8 +150,8 @@ def _encode(module, tree, config, device, grad: bool = False) -> tuple[torch.Ten
     grid = tree.grid_thw
     tokens = [tree.spec.tokens_per_image(g) for g in grid.tolist()]
     patches = (grid[:, 0] * grid[:, 1] * grid[:, 2]).tolist()
-    token_start = [sum(tokens[:i]) for i in range(len(tokens))]
-    patch_start = [sum(patches[:i]) for i in range(len(patches))]
+    token_start = [0, *itertools.accumulate(tokens)]
+    patch_start = [0, *itertools.accumulate(patches)]
     dealt = deal_images(grid, world)
     rows = [torch.tensor([j for i in mine for j in range(token_start[i], token_start[i] + tokens[i])],
                          dtype=torch.int64) for mine in dealt]

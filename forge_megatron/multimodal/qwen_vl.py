@@ -173,13 +173,17 @@ def build_vision_tower(hf_config, dtype: torch.dtype | None = None, device=None)
     return transformers.AutoModel.from_config(_vision_config(hf_config)).to(device=device, dtype=dtype)
 
 
-def tower_tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
-    """{name in the tower's state dict: shape} (made on the meta device: no memory, no weights)."""
+def meta_vision_tower(hf_config):
+    """The checkpoint's vision tower on the meta device (its names and shapes: no memory, no weights)."""
     import transformers
 
     with torch.device("meta"):
-        tower = transformers.AutoModel.from_config(_vision_config(hf_config))
-    return {name: tuple(t.shape) for name, t in tower.state_dict().items()}
+        return transformers.AutoModel.from_config(_vision_config(hf_config))
+
+
+def tower_tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """{name in the tower's state dict: shape}."""
+    return {name: tuple(t.shape) for name, t in meta_vision_tower(hf_config).state_dict().items()}
 
 
 def load_vision_tower(hf_dir: str, spec: VisionSpec | None = None, dtype: torch.dtype | None = None, device=None):

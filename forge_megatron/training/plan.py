@@ -18,9 +18,9 @@ It takes the trainer's own flags (unknown ones are ignored, so a training comman
   parallel group DP x CP / EP), and a second copy of the weights for ``--rl-kl-coef`` > 0 (the frozen reference).
 * the frozen vision tower of a vision-language checkpoint the trainer takes images for (multimodal/qwen_vl.py): its
   parameters (counted on the meta device from the config's ``vision_config``), in the weights' dtype, on every rank
-  of the first pipeline stage (its weights replicated over TP and CP there, the images shared out over TP; once
-  more for the KL reference is not needed: the reference shares it). Its activations are transient (no gradients) and left out. With
-  ``--train-vision-tower`` the tower is part of the first stage's model instead (``Bridge(vision_tower=True)``):
+  of the first pipeline stage (its weights replicated over TP and CP there, the images shared out over them; once
+  more for the KL reference is not needed: the reference shares it). Its activations are transient (no gradients)
+  and left out. With ``--train-vision-tower`` the tower is part of the first stage's model instead (``Bridge(vision_tower=True)``):
   counted in ``params_dense`` there, with gradients, optimizer state and (with the KL term) a reference copy; its
   activations, kept for the backward now, are not estimated.
 * activations, a rough estimate only: the tokens one micro-batch puts on a rank (``--tree-token-budget`` / CP, and /
@@ -219,13 +219,9 @@ def vision_tower_params(bridge) -> int:
         vision_spec(bridge.hf_config)
     except ValueError:
         return 0
-    import torch
-    import transformers
+    from forge_megatron.multimodal.qwen_vl import meta_vision_tower
 
-    config = transformers.AutoConfig.for_model(**bridge.hf_config)
-    with torch.device("meta"):
-        tower = transformers.AutoModel.from_config(config.vision_config)
-    return sum(p.numel() for p in tower.parameters())
+    return sum(p.numel() for p in meta_vision_tower(bridge.hf_config).parameters())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -466,31 +466,23 @@ class Trainer:
         from forge_megatron.weight_sync.gather import unwrap
 
         if self.train_tower:  # the first piece's own (mcore.vision.attach_tower), loaded with the language model
-            for key, chunks in (("policy", self.chunks), ("reference", self.ref_chunks or [])):
-                for chunk in chunks:
-                    vision.install(unwrap(chunk), spec, key=key, trained=True)
-            own = getattr(unwrap(self.chunks[0]), vision.TOWER, None)
-            if own is not None:
-                n = sum(p.numel() for p in own.parameters())
-                trained = sum(p.numel() for p in own.parameters() if p.requires_grad)
-                part = "" if trained == n else f", {trained / 1e6:.2f}M of them trained (--vision-trainable)"
-                self._log(f"vision tower trained with the language model ({n / 1e6:.1f}M parameters on the first "
-                          f"pipeline stage{part})")
-        tower = {}
+            self._install_trained_tower(spec)
+        else:
+            tower = {}
 
-        def load():
-            if "module" not in tower:
-                from forge_megatron.multimodal import load_vision_tower
+            def load():
+                if "module" not in tower:
+                    from forge_megatron.multimodal import load_vision_tower
 
-                param = next(unwrap(self.chunks[0]).parameters())
-                tower["module"] = load_vision_tower(self.args.hf_checkpoint, spec, dtype=param.dtype,
-                                                    device=param.device)
-                self._log(f"vision tower of {self.args.hf_checkpoint} loaded (frozen, "
-                          f"{sum(p.numel() for p in tower['module'].parameters()) / 1e6:.1f}M parameters)")
-            return tower["module"]
+                    param = next(unwrap(self.chunks[0]).parameters())
+                    tower["module"] = load_vision_tower(self.args.hf_checkpoint, spec, dtype=param.dtype,
+                                                        device=param.device)
+                    self._log(f"vision tower of {self.args.hf_checkpoint} loaded (frozen, "
+                              f"{sum(p.numel() for p in tower['module'].parameters()) / 1e6:.1f}M parameters)")
+                return tower["module"]
 
-        for chunk in [] if self.train_tower else [*self.chunks, *(self.ref_chunks or [])]:
-            vision.install(unwrap(chunk), spec, load)
+            for chunk in [*self.chunks, *(self.ref_chunks or [])]:
+                vision.install(unwrap(chunk), spec, load)
         from forge_megatron.multimodal.images import ImageProcessor
 
         try:
@@ -498,6 +490,23 @@ class Trainer:
         except ValueError as e:  # no preprocessor_config.json, or one that disagrees with the model
             self._log(f"note: {e}; samples with encoded images will be refused")
             return spec
+
+    def _install_trained_tower(self, spec) -> None:
+        """--train-vision-tower: the policy's chunks run the first piece's tower with gradients, the reference's its
+        own frozen copy (features kept apart by key)."""
+        from forge_megatron.mcore import vision
+        from forge_megatron.weight_sync.gather import unwrap
+
+        for key, chunks in (("policy", self.chunks), ("reference", self.ref_chunks or [])):
+            for chunk in chunks:
+                vision.install(unwrap(chunk), spec, key=key, trained=True)
+        own = getattr(unwrap(self.chunks[0]), vision.TOWER, None)
+        if own is not None:
+            n = sum(p.numel() for p in own.parameters())
+            trained = sum(p.numel() for p in own.parameters() if p.requires_grad)
+            part = "" if trained == n else f", {trained / 1e6:.2f}M of them trained (--vision-trainable)"
+            self._log(f"vision tower trained with the language model ({n / 1e6:.1f}M parameters on the first "
+                      f"pipeline stage{part})")
 
     def _log_memory_plan(self) -> None:
         """What forge-plan says this layout puts on each GPU (parameters exactly, memory roughly), in the log."""
