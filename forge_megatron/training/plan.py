@@ -21,8 +21,13 @@ It takes the trainer's own flags (unknown ones are ignored, so a training comman
   of the first pipeline stage (its weights replicated over TP and CP there, the images shared out over them; once
   more for the KL reference is not needed: the reference shares it). Its activations are transient (no gradients)
   and left out. With ``--train-vision-tower`` the tower is part of the first stage's model instead (``Bridge(vision_tower=True)``):
-  counted in ``params_dense`` there, with gradients, optimizer state and (with the KL term) a reference copy; its
-  activations, kept for the backward now, are not estimated.
+  counted in ``params_dense`` there, with gradients, optimizer state and (with the KL term) a reference copy (under
+  ``--vision-trainable GLOBS`` the parameters the globs leave out, ``params_frozen``, have weights only). Its
+  activations are kept for the backward then: ``--image-token-fraction`` (default 0.5) of a micro-batch's tokens
+  are taken as image tokens, each ``spatial_merge_size``^2 patches, shared out over the TP x CP ranks as the
+  trainer shares the images, times the bytes the tower keeps per patch (:func:`vision_tower_bytes`: measured on a
+  narrower copy of the checkpoint's tower, with ``--recompute-vision-tower`` too), for the PP micro-batches in
+  flight on the first stage (``vision_activations_gib_estimate``, part of ``activations_gib_estimate``).
 * activations, a rough estimate only: the tokens one micro-batch puts on a rank (``--tree-token-budget`` / CP, and /
   TP outside attention with sequence parallelism) times the bytes a layer keeps per token for its backward (with
   ``--recompute-granularity full`` the layer inputs of the rank's layers plus one layer's working set; otherwise
@@ -158,9 +163,13 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
          bf16: bool = True, distributed_optimizer: bool = False, kl_reference: bool = False,
          tokens: int = 8192, recompute: str | None = None, sequence_parallel: bool = False,
          gpu_memory_gib: float = 80.0, etp: int | None = None, first: int | None = None,
-         last: int | None = None) -> dict:
+         last: int | None = None, image_token_fraction: float = 0.5, recompute_vision_tower: bool = False,
+         vision_trainable: str | None = None) -> dict:
     """The plan as a dict: layout, per pipeline rank parameters and memory (GiB), and the verdict. ``first`` /
-    ``last``: uneven pipeline stages (the first / last stage's layers)."""
+    ``last``: uneven pipeline stages (the first / last stage's layers). A trained tower (``Bridge(vision_tower=
+    True)``): ``image_token_fraction`` of a micro-batch's tokens are image tokens (its activations),
+    ``recompute_vision_tower`` as the trainer's flag, ``vision_trainable`` the trainer's globs (the other tower
+    parameters keep weights only)."""
     from forge_megatron.bridge import ParallelLayout
     from forge_megatron.mcore.parallel import ParallelConfig
 
@@ -177,24 +186,30 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
     expert_shards = max(1, dp * cp * tp // (parallel.expert_tp * ep)) if distributed_optimizer else 1
     budget = gpu_memory_gib * 0.9
     tower = vision_tower_params(bridge)
+    tower_frozen, tower_act = _trained_tower(bridge, vision_trainable, tokens, image_token_fraction, tp * cp, pp,
+                                             recompute_vision_tower)
     ranks = []
     for r in range(pp):
         params = rank_params(bridge, tp, pp, ep, r, vpp, etp, first, last)
         n = params["dense"] + params["expert"]
+        frozen = tower_frozen if r == 0 else 0  # a trained tower's parameters outside --vision-trainable
         layers = rank_layers(cfg.num_layers, pp, vpp, r, first, last)
         moe = sum(bridge.is_moe_layer(layer) for layer in layers)
         in_flight = pp - r  # 1F1B: pipeline rank r holds the activations of PP - r micro-batches
         static = {
             "weights": n * weight_bytes + params["buffers"] * 4,
-            "grads": n * 4,
-            "optimizer": params["dense"] * opt_bytes / dense_shards + params["expert"] * opt_bytes / expert_shards,
+            "grads": (n - frozen) * 4,
+            "optimizer": ((params["dense"] - frozen) * opt_bytes / dense_shards
+                          + params["expert"] * opt_bytes / expert_shards),
             "reference": n * weight_bytes if kl_reference else 0,
             "vision": tower * weight_bytes if r == 0 else 0,
         }
         act = _activation_bytes(cfg, layers, moe, tokens / cp, tp, sequence_parallel, recompute, in_flight)
+        act += tower_act if r == 0 else 0
         total = sum(static.values()) + act
         ranks.append({"pp_rank": r, "layers": len(layers), "moe_layers": moe, "params_dense": params["dense"],
-                      "params_vision_frozen": tower if r == 0 else 0,
+                      "params_vision_frozen": tower if r == 0 else 0, "params_frozen": frozen,
+                      "vision_activations_gib_estimate": (tower_act if r == 0 else 0) / GIB,
                       "params_expert": params["expert"], **{f"{k}_gib": v / GIB for k, v in static.items()},
                       "activations_gib_estimate": act / GIB, "total_gib": total / GIB,
                       "fits": total / GIB <= budget})
@@ -204,8 +219,102 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
         "vpp": vpp, "first_stage_layers": first, "last_stage_layers": last, "bf16": bf16, "distributed_optimizer": distributed_optimizer, "kl_reference": kl_reference,
         "tree_token_budget": tokens, "recompute": recompute, "sequence_parallel": sequence_parallel,
         "gpu_memory_gib": gpu_memory_gib, "budget_gib": budget, "ranks": ranks,
+        **({"image_token_fraction": image_token_fraction, "recompute_vision_tower": recompute_vision_tower,
+            "vision_trainable": vision_trainable} if bridge.vision_tower else {}),
         "fits": all(x["fits"] for x in ranks),
     }
+
+
+def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tuple[float, float]:
+    """Bytes a trained bf16 vision tower keeps per image patch for its backward: (per block, the rest: patch
+    embedding, position embeddings and the mergers). Measured, not modelled: the checkpoint's tower is built with
+    every width divided by ``k = head size / width`` (heads and the layer structure kept) and run with one and with
+    two blocks on one and on three small pictures under :class:`~forge_megatron.utils.memory.LiveBytes`; the
+    differences give the bytes per patch and per block, free of what a forward keeps once whatever the pictures
+    (copies of weights a CPU kernel makes). These grow linearly in the widths (flash-style attention keeps no
+    scores), so k times the small tower's is the real one's. ``recompute``: ``--recompute-vision-tower`` (its
+    blocks keep their inputs only)."""
+    import copy
+    import gc
+
+    import torch
+    import transformers
+
+    from forge_megatron.multimodal.qwen_vl import _vision_config
+    from forge_megatron.utils.memory import LiveBytes
+
+    full = _vision_config(hf_config)
+    heads = int(full.num_heads)
+    k = full.hidden_size / (heads * width)
+    slope = []  # bytes per patch, with 1 and 2 blocks
+    for depth in (1, 2):
+        small = copy.deepcopy(full)
+        small.hidden_size = heads * width
+        for name in ("intermediate_size", "out_hidden_size"):
+            if getattr(small, name, None):
+                setattr(small, name, max(1, round(getattr(full, name) / k)))
+        small.depth = depth
+        if getattr(small, "deepstack_visual_indexes", None):
+            small.deepstack_visual_indexes = [0] * len(full.deepstack_visual_indexes)
+        tower = transformers.AutoModel.from_config(small).to(torch.bfloat16).train()
+        if recompute:
+            tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        side = 4 * int(getattr(small, "spatial_merge_size", 2))
+        features = small.in_channels * getattr(small, "temporal_patch_size", 1) * small.patch_size ** 2
+        held = []
+        for images in (1, 3):
+            grid = torch.tensor([[1, side, side]] * images)
+            pixels = torch.randn(images * side * side, features, dtype=torch.bfloat16)
+            mode = LiveBytes(existing=[pixels])
+            with mode:
+                gc.collect()
+                before = mode.live
+                out = tower(pixels, grid_thw=grid, return_dict=True)
+                gc.collect()
+                held.append(mode.live - before)
+            del out
+        slope.append((held[1] - held[0]) / (2 * side * side))
+    block = max(slope[1] - slope[0], 0.0)
+    return block * k, max(slope[0] - block, 0.0) * k
+
+
+def vision_activation_bytes(hf_config, patches: float, in_flight: int, recompute: bool) -> float:
+    """Activation memory of a trained tower on one rank of the first stage: ``patches`` per micro-batch on the
+    rank (its share of the micro-batch's images), for ``in_flight`` micro-batches (1F1B), plus one block's working
+    set in the backward when the blocks are recomputed."""
+    from forge_megatron.multimodal.qwen_vl import _vision_config
+
+    depth = int(_vision_config(hf_config).depth)
+    block, rest = vision_tower_bytes(hf_config, recompute)
+    kept = (depth * block + rest) * patches * in_flight
+    if recompute:
+        kept += vision_tower_bytes(hf_config, False)[0] * patches  # one block re-run in the backward
+    return kept
+
+
+def _trained_tower(bridge, trainable: str | None, tokens: int, fraction: float, share: int, pp: int,
+                   recompute: bool) -> tuple[int, float]:
+    """A trained tower's (parameters outside ``trainable``, activation bytes on a first-stage rank): its images
+    are shared out over the ``share`` = TP x CP ranks; (0, 0) when the tower is frozen or absent."""
+    if not bridge.vision_tower:
+        if trainable or recompute:
+            raise ValueError(f"{'--vision-trainable' if trainable else '--recompute-vision-tower'} needs "
+                             "--train-vision-tower")
+        return 0, 0.0
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"--image-token-fraction must lie in [0, 1], got {fraction}")
+    from forge_megatron.multimodal import vision_spec
+    from forge_megatron.multimodal.qwen_vl import meta_vision_tower
+
+    params = dict(meta_vision_tower(bridge.hf_config).named_parameters())
+    frozen = 0
+    if trainable:
+        from forge_megatron.mcore.vision import trainable_matches
+
+        chosen = trainable_matches(sorted(params), trainable)
+        frozen = sum(p.numel() for name, p in params.items() if name not in chosen)
+    patches = tokens * fraction * vision_spec(bridge.hf_config).merge ** 2 / share
+    return frozen, vision_activation_bytes(bridge.hf_config, patches, pp, recompute)
 
 
 def vision_tower_params(bridge) -> int:
@@ -246,6 +355,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rl-kl-coef", type=float, default=0.0, help="> 0: a frozen reference copy of the weights")
     p.add_argument("--train-vision-tower", action="store_true",
                    help="a vision-language checkpoint's vision tower trains: part of the first stage's model")
+    p.add_argument("--vision-trainable", default=None, metavar="GLOBS",
+                   help="with --train-vision-tower: the tower parameters that train (the trainer's flag); the "
+                        "others keep weights only")
+    p.add_argument("--recompute-vision-tower", action="store_true",
+                   help="with --train-vision-tower: its blocks keep their inputs only (the trainer's flag)")
+    p.add_argument("--image-token-fraction", type=float, default=0.5,
+                   help="with --train-vision-tower: the share of a micro-batch's tokens that are image tokens, for "
+                        "the tower's activations (0.5: e.g. screenshots between short turns; one image token is "
+                        "spatial_merge_size^2 patches)")
     p.add_argument("--tree-token-budget", type=int, default=8192, help="unique tokens per micro-batch")
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100 80, H200 141)")
@@ -265,6 +383,13 @@ def _table(result: dict) -> str:
             "reference_gib", "activations_gib_estimate", "total_gib")
     if any(r["params_vision_frozen"] for r in result["ranks"]):  # a vision-language model that takes images
         cols = cols[:4] + ("params_vision_frozen",) + cols[4:8] + ("vision_gib",) + cols[8:]
+    if "image_token_fraction" in result:  # a trained tower: its activations (and its frozen part, if any)
+        at = cols.index("activations_gib_estimate")
+        cols = cols[:at] + ("vision_activations_gib_estimate",) + cols[at:]
+        if any(r["params_frozen"] for r in result["ranks"]):
+            cols = cols[:4] + ("params_frozen",) + cols[4:]
+        head += (f"; vision tower trained, {result['image_token_fraction']:g} of the tokens image tokens"
+                 f"{', its blocks recomputed' if result['recompute_vision_tower'] else ''}")
     lines = [head, "  ".join(f"{c:>14}" for c in cols)]
     for r in result["ranks"]:
         lines.append("  ".join(f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]:>14,}" for c in cols))
@@ -289,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                       vpp, args.bf16, args.use_distributed_optimizer,
                       args.rl_kl_coef > 0, args.tree_token_budget, args.recompute_granularity,
                       args.sequence_parallel, args.gpu_memory_gib, args.expert_tensor_parallel_size,
-                      args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+                      args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                      args.image_token_fraction, args.recompute_vision_tower, args.vision_trainable)
     except (ValueError, FileNotFoundError, MappingError, UnsupportedModelError) as exc:
         print(f"forge-plan: error: {exc}", file=sys.stderr)
         return 2

@@ -255,3 +255,94 @@ def test_vision_tower_of_a_model_that_takes_images(tmp_path, capsys):
     assert t_first["grads_gib"] == pytest.approx(first["grads_gib"] + want * 4 / plan.GIB)
     plan.main(["--hf-checkpoint", str(d), "--world-size", "1", "--train-vision-tower"])
     assert "params_vision_frozen" not in capsys.readouterr().out
+
+
+def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
+    """What the real bf16 tower keeps per patch for its backward: three pictures less one, per patch of the two."""
+    import gc
+
+    import torch
+
+    from forge_megatron.multimodal.qwen_vl import _vision_config, build_vision_tower
+    from forge_megatron.utils.memory import LiveBytes
+
+    vc = _vision_config(hf)
+    tower = build_vision_tower(hf, dtype=torch.bfloat16).train()
+    if recompute:
+        tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    side = 6 * vc.spatial_merge_size  # another picture size than the estimate's
+    held = []
+    for images in (1, 3):
+        pixels = torch.randn(images * side * side, vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2,
+                             dtype=torch.bfloat16)
+        mode = LiveBytes(existing=[pixels])
+        with mode:
+            gc.collect()
+            before = mode.live
+            out = tower(pixels, grid_thw=torch.tensor([[1, side, side]] * images), return_dict=True)
+            gc.collect()
+            held.append(mode.live - before)
+        del out
+    return (held[1] - held[0]) / (2 * side * side)
+
+
+@pytest.mark.parametrize("arch,name", [("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+                                       ("glm4v", "Glm4vForConditionalGeneration")])
+def test_trained_vision_tower_activation_estimate_is_what_the_tower_keeps(arch, name):
+    """--train-vision-tower: forge-plan's bytes per patch (measured on a tower 8x narrower, scaled back) against
+    what the real bf16 tower keeps for its backward on other pictures: within 10 %, with and without its blocks
+    recomputed (then a block keeps its input, 2 x hidden bytes)."""
+    from forge_megatron.models.tiny import tiny_config
+
+    hf = {**tiny_config(arch, vocab_size=400).to_dict(), "architectures": [name]}
+    hf["vision_config"].update(hidden_size=256, intermediate_size=1024, depth=3, num_heads=4)
+    for recompute in (False, True):
+        block, rest = plan.vision_tower_bytes(hf, recompute)  # width 8: every width / 8
+        want = _tower_held_per_patch(hf, recompute)
+        assert 0.9 <= (3 * block + rest) / want <= 1.1, (recompute, block, rest, want)
+    assert plan.vision_tower_bytes(hf, True)[0] == pytest.approx(2 * 256, rel=0.05)
+
+
+def test_trained_vision_tower_in_the_plan(tmp_path, capsys):
+    """A trained tower's activations on the first stage's ranks: its share of the micro-batch's image patches
+    (shared out over TP x CP), for the PP micro-batches in flight, less with its blocks recomputed; under
+    --vision-trainable the frozen part keeps weights only (no gradients, no Adam state)."""
+    from forge_megatron.models.tiny import tiny_config
+
+    hf = {**tiny_config("qwen3_vl", vocab_size=400).to_dict(), "architectures": ["Qwen3VLForConditionalGeneration"]}
+    bridge = Bridge(hf, vision_tower=True)
+    block, rest = plan.vision_tower_bytes(hf)
+    depth = hf["vision_config"]["depth"]
+    one = plan.plan(bridge, world=2, pp=2, tokens=1000, image_token_fraction=0.5)
+    first, last = one["ranks"]
+    patches = 1000 * 0.5 * 4  # spatial_merge_size 2: an image token is 4 patches
+    assert first["vision_activations_gib_estimate"] * plan.GIB == pytest.approx((depth * block + rest) * patches * 2)
+    assert last["vision_activations_gib_estimate"] == 0
+    tp2 = plan.plan(bridge, world=4, tp=2, pp=2, tokens=1000, image_token_fraction=0.5)["ranks"][0]
+    assert tp2["vision_activations_gib_estimate"] == pytest.approx(first["vision_activations_gib_estimate"] / 2)
+    recomputed = plan.plan(bridge, world=2, pp=2, tokens=1000, recompute_vision_tower=True)["ranks"][0]
+    assert 0 < recomputed["vision_activations_gib_estimate"] < first["vision_activations_gib_estimate"]
+    # the projectors only: the rest of the tower has weights but no gradients or optimizer state
+    from forge_megatron.multimodal.qwen_vl import meta_vision_tower
+
+    params = dict(meta_vision_tower(hf).named_parameters())
+    frozen = sum(p.numel() for n, p in params.items() if not n.startswith(("merger.", "deepstack_merger_list.")))
+    part = plan.plan(bridge, world=2, pp=2, tokens=1000, vision_trainable="merger.*,deepstack_merger_list.*",
+                     distributed_optimizer=True)["ranks"][0]
+    whole = plan.plan(bridge, world=2, pp=2, tokens=1000, distributed_optimizer=True)["ranks"][0]
+    assert part["params_frozen"] == frozen > 0 and whole["params_frozen"] == 0
+    assert part["weights_gib"] == whole["weights_gib"]
+    assert (whole["grads_gib"] - part["grads_gib"]) * plan.GIB == pytest.approx(frozen * 4)
+    # bf16: fp32 moments and master copy, 12 bytes a parameter, over DP = 1
+    assert (whole["optimizer_gib"] - part["optimizer_gib"]) * plan.GIB == pytest.approx(frozen * 12)
+    with pytest.raises(ValueError, match="--vision-trainable 'nothing.*'"):
+        plan.plan(bridge, world=1, tokens=64, vision_trainable="nothing.*")
+    with pytest.raises(ValueError, match="needs --train-vision-tower"):
+        plan.plan(Bridge(hf), world=1, tokens=64, recompute_vision_tower=True)
+    d = tmp_path / "vl"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(hf))
+    plan.main(["--hf-checkpoint", str(d), "--world-size", "1", "--train-vision-tower", "--vision-trainable",
+               "merger.*", "--image-token-fraction", "0.3"])
+    out = capsys.readouterr().out
+    assert "vision_activations_gib_estimate" in out and "params_frozen" in out and "0.3 of the tokens" in out
