@@ -62,6 +62,8 @@ def _params(bridge: Bridge, chunk, experts: bool):
     for local, p in model.named_parameters():
         if local == "output_layer.weight" and bridge.cfg.tie_word_embeddings:
             continue  # the last stage's copy of the tied embedding
+        if getattr(p, "is_vision_tower", False) and not p.requires_grad:
+            continue  # outside --vision-trainable: the checkpoint's, which the engines loaded too
         canonical = bridge.rename(local, layer_offset, 0)
         if bridge.is_expert(canonical) == experts:
             yield canonical, p

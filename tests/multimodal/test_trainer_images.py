@@ -176,8 +176,9 @@ def test_trained_vision_tower_alike_under_tp_sp_pp2_and_recomputation(tmp_path, 
         assert got["grad_norm_vision"] == pytest.approx(ref["grad_norm_vision"], rel=1e-4)
 
 
-def _tower_sync_body(rank, world_size, hf_dir, engine_url):
-    """A TP2 trainer model with the tower trained (moved off the checkpoint's) syncs to the engine."""
+def _tower_sync_body(rank, world_size, hf_dir, engine_url, trainable):
+    """A TP2 trainer model with the tower trained (moved off the checkpoint's) syncs to the engine. Its frozen
+    parameters (outside ``trainable``) are moved too, here only: to see that they are not sent."""
     from forge_megatron.bridge import Bridge
     from forge_megatron.mcore import vision
     from forge_megatron.mcore.tree_attention import build_tree_gpt
@@ -186,7 +187,7 @@ def _tower_sync_body(rank, world_size, hf_dir, engine_url):
 
     bridge = Bridge(hf_dir, vision_tower=True)
     model = build_tree_gpt(bridge.cfg)
-    vision.attach_tower(model, bridge.hf_config)
+    vision.attach_tower(model, bridge.hf_config, trainable=trainable)
     load_hf_weights([model], bridge, hf_dir)
     gen = torch.Generator().manual_seed(0)  # the same moves on both TP ranks: the tower is replicated
     with torch.no_grad():
@@ -198,14 +199,16 @@ def _tower_sync_body(rank, world_size, hf_dir, engine_url):
         report = syncer.sync([model], policy_version=1)
     finally:
         syncer.close()
-    tower = {bridge.hf_names(f"{vision.TOWER}.{n}")[0]: p.detach().clone()
+    tower = {bridge.hf_names(f"{vision.TOWER}.{n}")[0]: (p.detach().clone(), p.requires_grad)
              for n, p in model.vision_tower.named_parameters()}
     return report.policy_version, report.excluded, tower
 
 
-def test_trained_vision_tower_reaches_the_engine(tmp_path):
+@pytest.mark.parametrize("trainable", ["*", "merger.*,deepstack_merger_list.*"], ids=["whole", "projectors"])
+def test_trained_vision_tower_reaches_the_engine(tmp_path, trainable):
     """The weight sync sends the trained tower's tensors under the checkpoint's names (model.visual.*), and the
-    engine's vision-language model takes them: its tower equals the trainer's afterwards (before: the checkpoint's)."""
+    engine's vision-language model takes them: its tower equals the trainer's afterwards (before: the checkpoint's).
+    Under --vision-trainable only the trained ones travel: the others are the checkpoint's on both sides."""
     from forge_megatron.mcore.parallel import ParallelConfig
     from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.rollout.launch import start_engine
@@ -216,14 +219,16 @@ def test_trained_vision_tower_reaches_the_engine(tmp_path):
     try:
         before = {n: t.clone() for n, t in engine.engine.model.state_dict().items() if n.startswith("model.visual.")}
         out = run_distributed(_tower_sync_body, world_size=2, parallel=ParallelConfig(tp=2), hf_dir=model_dir,
-                              engine_url=engine.url, timeout_s=600)
+                              engine_url=engine.url, timeout_s=600, trainable=trainable)
         after = engine.engine.model.state_dict()
         (version, excluded, tower), _ = out
         assert version == 1 and excluded == []
         assert before and set(tower) == set(before)
-        for name, t in tower.items():
-            assert torch.equal(after[name], t.to(after[name].dtype)), name
-            assert not torch.equal(after[name], before[name]), name
+        trained = [name for name, (_, grad) in tower.items() if grad]
+        assert trained and (len(trained) == len(tower)) == (trainable == "*")
+        for name, (t, grad) in tower.items():
+            assert torch.equal(after[name], t.to(after[name].dtype) if grad else before[name]), name
+            assert torch.equal(after[name], before[name]) != grad, name
     finally:
         engine.stop()
 
