@@ -267,10 +267,10 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
             pixels = torch.randn(images * side * side, features, dtype=torch.bfloat16)
             mode = LiveBytes(existing=[pixels])
             with mode:
-                gc.collect()
+                gc.collect(0)  # (the young generation: a whole collection takes seconds in a big process)
                 before = mode.live
                 out = tower(pixels, grid_thw=grid, return_dict=True)
-                gc.collect()
+                gc.collect(0)
                 held.append(mode.live - before)
             del out
         slope.append((held[1] - held[0]) / (2 * side * side))
@@ -304,17 +304,17 @@ def _trained_tower(bridge, trainable: str | None, tokens: int, fraction: float, 
     if not 0 <= fraction <= 1:
         raise ValueError(f"--image-token-fraction must lie in [0, 1], got {fraction}")
     from forge_megatron.multimodal import vision_spec
-    from forge_megatron.multimodal.qwen_vl import meta_vision_tower
 
-    params = dict(meta_vision_tower(bridge.hf_config).named_parameters())
     frozen = 0
     if trainable:
         from forge_megatron.mcore.vision import trainable_matches
+        from forge_megatron.multimodal.qwen_vl import meta_vision_tower
 
+        params = dict(meta_vision_tower(bridge.hf_config).named_parameters())
         chosen = trainable_matches(sorted(params), trainable)
         frozen = sum(p.numel() for name, p in params.items() if name not in chosen)
     patches = tokens * fraction * vision_spec(bridge.hf_config).merge ** 2 / share
-    return frozen, vision_activation_bytes(bridge.hf_config, patches, pp, recompute)
+    return frozen, vision_activation_bytes(bridge.hf_config, patches, pp, recompute) if patches else 0.0
 
 
 def vision_tower_params(bridge) -> int:

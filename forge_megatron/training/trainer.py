@@ -520,9 +520,9 @@ class Trainer:
                                a.use_distributed_optimizer, self.loss_cfg.kl_coef > 0, a.tree_token_budget,
                                a.recompute_granularity, bool(getattr(a, "sequence_parallel", False)),
                                etp=getattr(a, "expert_tensor_parallel_size", None),
-                               **({"recompute_vision_tower": bool(getattr(a, "recompute_vision_tower", False)),
-                                   "vision_trainable": getattr(a, "vision_trainable", None)}
-                                  if self.bridge.vision_tower else {}))
+                               # a trained tower's parameters (its activations, measured, are forge-plan's)
+                               **({"vision_trainable": getattr(a, "vision_trainable", None),
+                                   "image_token_fraction": 0.0} if self.bridge.vision_tower else {}))
         except Exception as exc:  # noqa: BLE001 - a report, never a reason to stop
             log.warning("memory plan unavailable: %s", exc)
             return
@@ -531,9 +531,9 @@ class Trainer:
             self._log(f"memory plan, pipeline rank {r['pp_rank']}: {r['params_dense'] + r['params_expert']:,} "
                       f"parameters per GPU ({r['params_expert']:,} in experts), {static:.2f} GiB of weights, "
                       f"gradients and optimizer state, about {r['activations_gib_estimate']:.2f} GiB of "
-                      "activations" + (f" ({r['vision_activations_gib_estimate']:.2f} GiB of them the vision "
-                                       "tower's, half the tokens taken as image tokens)"
-                                       if r["vision_activations_gib_estimate"] else "") + " (forge-plan)")
+                      "activations (forge-plan" + ("; the vision tower's not included: forge-plan "
+                                                   "--train-vision-tower estimates them"
+                                                   if self.bridge.vision_tower and r["pp_rank"] == 0 else "") + ")")
 
     def _pool_client(self):
         from forge_megatron.middleware.transport import PoolClient
