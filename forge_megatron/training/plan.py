@@ -390,9 +390,11 @@ def _table(result: dict) -> str:
             cols = cols[:4] + ("params_frozen",) + cols[4:]
         head += (f"; vision tower trained, {result['image_token_fraction']:g} of the tokens image tokens"
                  f"{', its blocks recomputed' if result['recompute_vision_tower'] else ''}")
-    lines = [head, "  ".join(f"{c:>14}" for c in cols)]
+    widths = [max(14, len(c)) for c in cols]
+    lines = [head, "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
     for r in result["ranks"]:
-        lines.append("  ".join(f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]:>14,}" for c in cols))
+        lines.append("  ".join(f"{r[c]:>{w}.2f}" if isinstance(r[c], float) else f"{r[c]:>{w},}"
+                               for c, w in zip(cols, widths)))
     verdict = "fits" if result["fits"] else "does NOT fit"
     lines.append(f"{verdict} in {result['gpu_memory_gib']:g} GiB per GPU (budget {result['budget_gib']:.1f} GiB: "
                  "10 % kept for fragmentation, NCCL and the CUDA context; activations are a rough estimate)")
