@@ -9,8 +9,8 @@ may mix both APIs and a conversation continues its segment exactly as through ``
 Request -> OpenAI form:
   system (string or text blocks)          -> a leading system message
   user text / tool_result blocks          -> user message / one tool message per result (tool_call_id = tool_use_id)
-  user image blocks (base64 source), images in tool_result content
-                                          -> OpenAI image parts (vision-language models: see gateway.py)
+  user image blocks (base64 source; a url source only under the gateway's image URL policy, multimodal/fetch.py),
+  images in tool_result content           -> OpenAI image parts (vision-language models: see gateway.py)
   assistant text / tool_use blocks        -> assistant content + tool_calls (arguments = JSON of ``input``, as the
                                              gateway's parser writes them, so the re-rendered turn is the sampled one)
   assistant thinking blocks               -> reasoning_content (the chat template renders it back, so a turn the
@@ -18,7 +18,7 @@ Request -> OpenAI form:
                                              redacted_thinking blocks are dropped
   tools [{name, description, input_schema}] -> function tools; tool_choice auto | any | tool | none
   max_tokens (required), stop_sequences, temperature, top_p, top_k, stream; extension: ignore_eos
-  image URL sources, documents and other block types are a 400 naming the block.
+  documents and other block types are a 400 naming the block.
 Reply: content blocks (a thinking block when the gateway has a reasoning parser and the model wrote a reasoning
 block, then text, then tool_use {id, name, input}), stop_reason end_turn | tool_use | max_tokens | stop_sequence
 (with stop_sequence), usage {input_tokens, output_tokens}. Thinking blocks carry an empty ``signature`` (nothing
@@ -32,14 +32,15 @@ recorded).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
 from aiohttp import web
 
 from forge_megatron.middleware.gateway import (
-    GATEWAY, ApiError, ChatRequest, Gateway, StreamProgress, _body, adopt_streamed_calls, parse_chat_request,
-    serve_call,
+    GATEWAY, IMAGE_KEY, ApiError, ChatRequest, Gateway, StreamProgress, _body, adopt_streamed_calls,
+    parse_chat_request, serve_call,
 )
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -71,12 +72,14 @@ def _text_of(blocks, where: str) -> str:
 
 
 def _image_part(block: dict, where: str) -> dict:
-    """An Anthropic image block (``source: {type: base64, media_type, data}``) as an OpenAI image part; a URL source
-    is refused (nothing is fetched)."""
+    """An Anthropic image block (``source: {type: base64, media_type, data}``, or ``{type: url, url}``, which the
+    gateway fetches only under its image URL policy) as an OpenAI image part."""
     source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
     if not isinstance(source, dict) or source.get("type") != "base64" or not isinstance(source.get("data"), str):
-        raise _bad(f"{where}.source", f"{where}.source must be {{type: 'base64', media_type, data}} (image URLs are "
-                                      "not fetched)")
+        raise _bad(f"{where}.source", f"{where}.source must be {{type: 'base64', media_type, data}} or "
+                                      "{type: 'url', url}")
     media = source.get("media_type") or "image/png"
     return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source['data']}"}}
 
@@ -294,7 +297,11 @@ async def count_tokens(request: web.Request) -> web.Response:
         sess = gw.session_for_key(_session_key(request))
         body = await _body(request)
         req = parse_messages_request({**body, "max_tokens": body.get("max_tokens") or 1}, gw.config.default_max_tokens)
-        _, prompt_ids, _, _ = gw.prompt_of(sess, req)
+        images = None
+        if gw.images is not None and any(IMAGE_KEY in m for m in req.messages):
+            # images decoded (or fetched: multimodal/fetch.py) on the image threads, off the event loop, as a call's
+            req, images = await asyncio.get_running_loop().run_in_executor(gw.image_worker, gw.with_images, req)
+        _, prompt_ids, _, _ = gw.prompt_of(sess, req, images)
     except ApiError as exc:
         return web.json_response(error_body(exc), status=exc.status)
     return web.json_response({"input_tokens": len(prompt_ids) + len(gw.renderer.encode(gw.forced_text(req)))})

@@ -113,6 +113,11 @@ class GatewayConfig:
     default_max_tokens: int = 1024  # when the request sets neither max_tokens nor max_completion_tokens
     max_body_bytes: int = 8 << 20
     image_threads: int = 4  # threads that decode and normalise the agents' new images (PIL works outside the GIL)
+    # Image URLs (multimodal/fetch.py): none are fetched unless hosts (globs) or a directory (file:// URLs) are given
+    image_url_hosts: tuple[str, ...] = ()
+    image_url_private: bool = False  # hosts that resolve to private / loopback / link-local addresses too
+    image_dir: str | None = None
+    image_url_timeout_s: float = 10.0
     pause_wait_s: float = 120.0  # how long a call waits for resume before 503
     engine_attempts: int = 3  # engines tried per call
     health_interval_s: float = 2.0
@@ -158,6 +163,14 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.pause_wait_s < 0:
             raise ValueError(f"pause_wait_s must be >= 0, got {self.pause_wait_s}")
+        self.image_url_hosts = tuple(self.image_url_hosts)  # (a list when the front passes the config on as JSON)
+        self.url_policy()  # ValueError for a missing directory or a bad timeout
+
+    def url_policy(self):
+        from forge_megatron.multimodal.fetch import UrlPolicy
+
+        return UrlPolicy(hosts=self.image_url_hosts, private=self.image_url_private, directory=self.image_dir,
+                         timeout_s=self.image_url_timeout_s)
         if not self.keep_ended_mib >= 0:
             raise ValueError(f"keep_ended_mib must be >= 0, got {self.keep_ended_mib}")
         if self.session_idle_timeout_s is not None and not self.session_idle_timeout_s > 0:
@@ -460,7 +473,7 @@ def _normalise_message(m, i: int) -> dict:
     images = []
     if isinstance(content, list):  # content parts: text, and images in user and tool messages
         try:
-            content, images = content_parts(content, where, images_allowed=role in ("user", "tool"))
+            content, images = content_parts(content, where, images_allowed=role in ("user", "tool"), urls=True)
         except ImageError as exc:
             raise _bad(exc.param or f"{where}.content", str(exc)) from None
     if content is not None and not isinstance(content, str):
@@ -541,6 +554,8 @@ class Gateway:
         self.groups: OrderedDict[str, dict] = OrderedDict()  # the newest MAX_GROUPS (older ones are long done)
         self.image_cache: OrderedDict[str, bytes] = OrderedDict()  # normalised images by the sent bytes' digest
         self.image_lock = threading.Lock()
+        self.url_policy = config.url_policy()  # which image URLs it fetches (none by default)
+        self.images_fetched = 0  # image URLs fetched (a URL once while its image is cached)
         self.image_worker = ThreadPoolExecutor(max_workers=config.image_threads, thread_name_prefix="forge-images") \
             if self.images is not None else None
         self.sessions: dict[str, Session] = {}
@@ -751,16 +766,23 @@ class Gateway:
             messages.append(m)
         return replace(req, messages=messages), images
 
-    def _normalized(self, data: bytes, where: str) -> bytes:
-        """The normalised PNG of an image, cached by content (an agent sends its history's images with every call)."""
+    def _normalized(self, data, where: str) -> bytes:
+        """The normalised PNG of an image (encoded bytes, or a URL fetched under the gateway's policy), cached by
+        content, a URL by the URL (an agent sends its history's images with every call: a URL is fetched once while
+        it is cached, so the history keeps the image the model saw)."""
+        from forge_megatron.multimodal.fetch import ImageURL, fetch_image
         from forge_megatron.multimodal.images import digest
 
-        key = digest(data)
+        remote = isinstance(data, ImageURL)
+        key = "url:" + data.url if remote else digest(data)
         with self.image_lock:  # the image threads and a count_tokens call on the event loop
             out = self.image_cache.get(key)
             if out is not None:
                 self.image_cache.move_to_end(key)
                 return out
+        if remote:
+            where, data = data.where, fetch_image(data, self.url_policy)
+            self.images_fetched += 1
         out = self.images.normalize(data, where)
         with self.image_lock:
             self.image_cache[key] = out
@@ -1905,6 +1927,18 @@ def add_session_options(p) -> None:
     p.add_argument("--image-threads", type=int, default=4, metavar="N",
                    help="threads that decode and normalise the agents' new images, off the event loop (default 4; "
                         "each image once, cached by content: benchmarks/image_normalize.py)")
+    p.add_argument("--image-url-hosts", default="", metavar="GLOBS",
+                   help="fetch image URLs (http/https) of hosts matching these comma-separated globs, e.g. "
+                        "'images.example.com,*.s3.amazonaws.com' or '*' for any public host (default: none, only "
+                        "inline data URLs; see docs/middleware.md 'Image URLs' for the guards)")
+    p.add_argument("--image-url-private", action="store_true",
+                   help="also fetch from hosts that resolve to private, loopback or link-local addresses (the "
+                        "cluster's own image store); refused by default")
+    p.add_argument("--image-dir", default=None, metavar="DIR",
+                   help="take file:///path image URLs of files under DIR (an agent on the gateway's host, e.g. a GUI "
+                        "agent's screenshots); default: none")
+    p.add_argument("--image-url-timeout-s", type=float, default=10.0, metavar="S",
+                   help="the whole fetch of one image URL, redirects included (default 10)")
     p.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
                    help="re-issue a call that an engine aborted for a weight update from its prompt, dropping the "
                         "tokens it had sampled (default: go on from them, each token keeping the policy version and "
@@ -1920,7 +1954,10 @@ def session_options(args: argparse.Namespace) -> dict:
                 session_idle_timeout_s=args.session_idle_timeout_s, trust_remote_code=args.trust_remote_code,
                 group_affinity_slack=None if args.group_affinity_slack < 0 else args.group_affinity_slack,
                 keep_ended_sessions=args.keep_ended_sessions, keep_ended_mib=args.keep_ended_mib,
-                max_body_bytes=int(args.max_body_mib * 2**20), image_threads=args.image_threads)
+                max_body_bytes=int(args.max_body_mib * 2**20), image_threads=args.image_threads,
+                image_url_hosts=tuple(h.strip() for h in args.image_url_hosts.split(",") if h.strip()),
+                image_url_private=args.image_url_private, image_dir=args.image_dir,
+                image_url_timeout_s=args.image_url_timeout_s)
 
 
 def build_parser() -> argparse.ArgumentParser:

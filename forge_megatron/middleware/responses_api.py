@@ -14,7 +14,8 @@ Request -> chat form:
                                                 back along its own chain) before this request's input
   input: a string                            -> one user message
   input items: messages (user / system / developer / assistant; content a string or input_text / output_text
-  parts, and input_image parts (a data URL) in user messages; developer counts as system)
+  parts, and input_image parts (a data URL, or an image URL under the gateway's image URL policy) in user
+  messages; developer counts as system)
                                              -> messages (images: OpenAI image parts; see gateway.py)
   reasoning items (content reasoning_text, or only the encrypted_content this gateway issued)
                                              -> reasoning_content of the next assistant message (the chat template
@@ -32,7 +33,7 @@ Request -> chat form:
   stream, store, include [reasoning.encrypted_content, message.output_text.logprobs], top_logprobs;
   reasoning.effort -> the chat template variable ``reasoning_effort`` (as chat completions' reasoning_effort);
   extension: ignore_eos
-  other item, part and tool types (files, image file_ids and URLs, built-in tools), background, conversation and
+  other item, part and tool types (files, image file_ids, built-in tools), background, conversation and
   prompt are a 400
   naming them.
 Reply: a ``response`` object whose ``output`` holds a reasoning item (``content`` [reasoning_text]; with a reasoning
@@ -135,8 +136,8 @@ def _text(content, where: str, kinds: tuple[str, ...]) -> str:
 
 
 def _with_images(content, where: str, kinds: tuple[str, ...]):
-    """:func:`_text`, or OpenAI content parts when ``content`` has ``input_image`` parts (``image_url`` a data URL;
-    a ``file_id`` or a web URL is refused: nothing is fetched)."""
+    """:func:`_text`, or OpenAI content parts when ``content`` has ``input_image`` parts (``image_url`` a data URL,
+    or a URL the gateway fetches only under its image URL policy; a ``file_id`` is refused)."""
     if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
                                                 for p in content):
         return _text(content, where, kinds)
@@ -144,8 +145,8 @@ def _with_images(content, where: str, kinds: tuple[str, ...]):
     for i, p in enumerate(content):
         if isinstance(p, dict) and p.get("type") == "input_image":
             if not isinstance(p.get("image_url"), str):
-                raise _bad(f"{where}[{i}].image_url", f"{where}[{i}].image_url must be a data URL (file_id and web "
-                                                      "URLs are not fetched)")
+                raise _bad(f"{where}[{i}].image_url", f"{where}[{i}].image_url must be a data URL or an image URL "
+                                                      "(file_ids are not supported)")
             parts.append({"type": "image_url", "image_url": {"url": p["image_url"]}})
         else:
             parts.append({"type": "text", "text": _text([p], where, kinds)})

@@ -50,9 +50,12 @@ class ImageError(ValueError):
         self.param = param
 
 
-def content_parts(content: list, where: str, images_allowed: bool = True) -> tuple[str, list[bytes]]:
-    """The text of OpenAI content parts with an :data:`IMAGE_MARK` per image part (``image_url`` with a data URL;
-    nothing is fetched), and the images' bytes; ImageError naming the part (``param``) otherwise."""
+def content_parts(content: list, where: str, images_allowed: bool = True,
+                  urls: bool = False) -> tuple[str, list]:
+    """The text of OpenAI content parts with an :data:`IMAGE_MARK` per image part (``image_url`` with a data URL),
+    and the images' bytes; ImageError naming the part (``param``) otherwise. ``urls``: an http(s) or file URL is
+    kept as a :class:`~forge_megatron.multimodal.fetch.ImageURL` for the gateway to fetch under its policy (else
+    refused: nothing is fetched)."""
     texts, images = [], []
     for j, p in enumerate(content):
         at = f"{where}.content[{j}]"
@@ -64,6 +67,12 @@ def content_parts(content: list, where: str, images_allowed: bool = True) -> tup
         elif kind == "image_url" and images_allowed:
             url = p.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
+            if urls and isinstance(url, str) and url.lower().startswith(("http://", "https://", "file:")):
+                from forge_megatron.multimodal.fetch import ImageURL
+
+                images.append(ImageURL(url, f"{at}.image_url"))
+                texts.append(IMAGE_MARK)
+                continue
             try:
                 images.append(decode_data(url, f"{at}.image_url"))
             except ImageError as exc:
@@ -83,8 +92,8 @@ def decode_data(value: str, where: str = "image") -> bytes:
         raise ImageError(f"{where} must be a data URL or base64 string")
     match = _DATA_URL.match(value)
     if match is None and value.startswith(("http://", "https://", "file:")):
-        raise ImageError(f"{where}: only inline images are taken (a data:image/...;base64 URL): URLs and paths are "
-                         "not fetched")
+        raise ImageError(f"{where}: only inline images are taken here (a data:image/...;base64 URL): URLs and paths "
+                         "are not fetched (a gateway fetches them when started with --image-url-hosts or --image-dir)")
     payload = value[match.end():] if match else value
     if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
         raise ImageError(f"{where} is over {MAX_IMAGE_BYTES >> 20} MiB")

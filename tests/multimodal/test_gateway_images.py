@@ -139,7 +139,7 @@ def test_anthropic_and_responses_images_record_as_chat(served, pictures):
 
 @pytest.mark.parametrize("message,match", [
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]},
-     "not fetched"),
+     "fetches no image URLs"),  # (tests/multimodal/test_image_urls.py: a gateway that does)
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}]},
      "not valid base64"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]},
