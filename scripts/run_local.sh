@@ -76,11 +76,15 @@ teardown() {
 
 SGLANG_FLAGS=()
 [ "${TRUST_REMOTE_CODE:-0}" = 1 ] && SGLANG_FLAGS+=(--trust-remote-code)
+# a trained vision tower: no image embedding of an old tower from SGLang's cache after a sync (as forge.sbatch)
+SGLANG_ENV=()
+[[ " $EXTRA_TRAIN_ARGS " == *" --train-vision-tower "* ]] && SGLANG_ENV+=("SGLANG_VLM_CACHE_SIZE_MB=${SGLANG_VLM_CACHE_SIZE_MB:-0}")
 ENGINE_URLS=()
 for ((e = 0; e < NUM_ENGINES; e++)); do
   port=$((ENGINE_PORT + e))
   if [ "$ENGINE" = sglang ]; then
-    run_bg "engine-$e" env CUDA_VISIBLE_DEVICES="$((NPROC + e))" python -m sglang.launch_server \
+    run_bg "engine-$e" env CUDA_VISIBLE_DEVICES="$((NPROC + e))" ${SGLANG_ENV[@]+"${SGLANG_ENV[@]}"} \
+      python -m sglang.launch_server \
       --model-path "$HF_CHECKPOINT" --host 127.0.0.1 --port "$port" ${SGLANG_FLAGS[@]+"${SGLANG_FLAGS[@]}"}
   else
     run_bg "engine-$e" python -m forge_megatron.rollout.engine_server --model-path "$HF_CHECKPOINT" \

@@ -167,6 +167,22 @@ def test_dry_run_with_an_fp8_rollout_checkpoint(tmp_path):
     assert args.weight_sync_fp8 == str(fp8) and args.hf_checkpoint == "/models/Qwen3-30B-A3B"
 
 
+def test_dry_run_with_a_trained_vision_tower_turns_sglangs_image_embedding_cache_off():
+    """--train-vision-tower in EXTRA_TRAIN_ARGS: the engines start with SGLANG_VLM_CACHE_SIZE_MB=0 (no image
+    embedding of an old tower served after a sync), unless the job sets it; a frozen tower keeps SGLang's cache."""
+    def engine_env(**env):
+        out = _dry_run(MODEL="qwen3-vl-30B-A3B", EP=4, HF_CHECKPOINT="/models/Qwen3-VL-30B-A3B", **env)
+        assert out.returncode == 0, out.stderr
+        engines = [c for c in _commands(out.stdout) if "sglang.launch_server" in c]
+        assert engines
+        return {tuple(c[c.index("env") + 1:c.index("python")]) for c in engines}
+
+    assert engine_env(EXTRA_TRAIN_ARGS="--train-vision-tower --vision-lr 1e-6") == {("SGLANG_VLM_CACHE_SIZE_MB=0",)}
+    assert engine_env(EXTRA_TRAIN_ARGS="--train-vision-tower", SGLANG_VLM_CACHE_SIZE_MB=512) == {
+        ("SGLANG_VLM_CACHE_SIZE_MB=512",)}
+    assert engine_env() == {()}
+
+
 def test_dry_run_with_an_int4_rollout_checkpoint(tmp_path):
     """ROLLOUT_INT4_CHECKPOINT (Kimi-K2.5 as released): the engines serve it, the trainer trains HF_CHECKPOINT (its
     bf16 copy) and syncs int4 weights in the release's format; with ROLLOUT_FP8_CHECKPOINT too the job stops."""
@@ -259,6 +275,12 @@ def test_run_local_dry_run_is_consistent():
     (trainer,) = [c for c in cmds if c[0] == "torchrun"]
     args = _trainer_args(trainer)
     assert args.engine_urls == urls and args.tensor_model_parallel_size == 2 and args.num_layers == 2
+    # SGLang engines for a trained vision tower: their image embedding cache off (as forge.sbatch's)
+    out = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=60,
+                         env={**env, "ENGINE": "sglang", "EXTRA_TRAIN_ARGS": "--train-vision-tower"})
+    assert out.returncode == 0, out.stderr
+    engines = [c for c in _commands(out.stdout) if "sglang.launch_server" in c]
+    assert len(engines) == 2 and all("SGLANG_VLM_CACHE_SIZE_MB=0" in c for c in engines)
     assert args.sequence_parallel
     arguments.parallel_config(args).data_parallel_size(int(trainer[trainer.index("--nproc-per-node") + 1]))
     from forge_megatron.agents.driver import build_parser as driver_parser
