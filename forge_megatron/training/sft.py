@@ -14,7 +14,7 @@ tree-packed Megatron forward as RL training, optimised with Adam. Single process
 
 ``chats.jsonl``: one ``{"messages": [...], "tools": [...]}`` per line (OpenAI chat format). Vision-language checkpoints
 (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV with an image processor) also take image parts in user messages (``image_url`` with a
-data URL): each image is normalised and expanded to its tokens as the gateway does it (multimodal/images.py) and the
+data URL, or a file: a path relative to the JSONL file, an absolute path or a ``file://`` URL): each image is normalised and expanded to its tokens as the gateway does it (multimodal/images.py) and the
 model sees its features through the checkpoint's frozen vision tower (mcore/vision.py; ``--train-vision-tower``: trained
 with the language model); the export keeps the tower.
 
@@ -90,6 +90,8 @@ def _render_text(tokenizer, messages: list[dict], tools: list | None) -> tuple[l
 
 
 def load_chats(path: str) -> list[dict]:
+    """The conversations of a JSONL file; image parts given as files (a path relative to the file's directory, an
+    absolute one or a ``file://`` URL) read into data URLs."""
     chats = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -97,10 +99,44 @@ def load_chats(path: str) -> list[dict]:
                 record = json.loads(line)
                 if not isinstance(record.get("messages"), list):
                     raise ValueError(f"{path}:{lineno}: each line needs a 'messages' list")
+                _read_image_files(record["messages"], os.path.dirname(os.path.abspath(path)), f"{path}:{lineno}")
                 chats.append(record)
     if not chats:
         raise ValueError(f"{path}: no conversations")
     return chats
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+
+
+def _read_image_files(messages: list, base_dir: str, where: str) -> None:
+    """Make each image part that names a file a data URL of the file's bytes (in place); nothing is downloaded."""
+    import mimetypes
+    import urllib.parse
+    import urllib.request
+
+    from forge_megatron.multimodal.images import MAX_IMAGE_BYTES, data_url
+
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.get("content") if isinstance(m, dict) and isinstance(m.get("content"), list) else ()):
+            url = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or url.startswith("data:"):
+                continue
+            at = f"{where}: messages[{i}].content[{j}]"
+            if url.startswith(("http://", "https://")):
+                raise ValueError(f"{at}: image URLs are not downloaded; give the image as a file (a path relative to "
+                                 "the data file) or a data URL")
+            path = urllib.request.url2pathname(urllib.parse.urlsplit(url).path) if url.startswith("file:") else url
+            path = os.path.join(base_dir, path)  # (an absolute path stays as it is)
+            if not os.path.isfile(path):
+                if url.startswith("file:") or url.lower().endswith(IMAGE_SUFFIXES):
+                    raise ValueError(f"{at}: no image file {path!r}")
+                continue  # plain base64: the content parts' own check
+            if os.path.getsize(path) > MAX_IMAGE_BYTES:
+                raise ValueError(f"{at}: {path!r} is over {MAX_IMAGE_BYTES >> 20} MiB")
+            with open(path, "rb") as f:
+                part["image_url"] = {"url": data_url(f.read(), mimetypes.guess_type(path)[0] or "image/png")}
 
 
 def sft_loss(model, batch: list[tuple[list[int], list[int], list]], processor=None) -> torch.Tensor:

@@ -97,3 +97,38 @@ def test_sft_trains_the_vision_tower_when_asked(tmp_path, monkeypatch):
     assert visual and len(moved) >= len(visual) - 2, sorted(set(visual) - set(moved))
     assert set(out) == set(src)
     transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(tmp_path / "out"))
+
+
+def test_image_parts_may_name_files(tmp_path):
+    """SFT data with images as files (relative to the JSONL file, absolute, or file:// URLs) loads as the same data
+    URLs as the inline images; a web URL or a missing file is refused naming the line and part; base64 stays."""
+    import base64
+    import json
+
+    import numpy as np
+    import pytest
+
+    from forge_megatron.training.sft import load_chats
+    from tests.multimodal.test_vision_tree import png
+
+    picture = png(np.random.default_rng(1), 12, 20)
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(picture)
+    inline = "data:image/png;base64," + base64.b64encode(picture).decode()
+
+    def chat(url):
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": "what?"},
+                                                          {"type": "image_url", "image_url": {"url": url}}]},
+                             {"role": "assistant", "content": "red"}]}
+
+    data = tmp_path / "chats.jsonl"
+    urls = ["img/a.png", str(tmp_path / "img" / "a.png"), (tmp_path / "img" / "a.png").as_uri(), inline,
+            base64.b64encode(picture).decode()]
+    data.write_text("\n".join(json.dumps(chat(u)) for u in urls))
+    got = [c["messages"][0]["content"][1]["image_url"]["url"] for c in load_chats(str(data))]
+    assert got[:4] == [inline] * 4 and got[4] == urls[4]
+    for url, words in (("https://example.com/a.png", "not downloaded"), ("img/none.png", "no image file"),
+                       ("file:///no/such.png", "no image file")):
+        data.write_text(json.dumps(chat(url)))
+        with pytest.raises(ValueError, match=f"chats.jsonl:1: messages\\[0\\].content\\[1\\]: .*{words}"):
+            load_chats(str(data))
