@@ -165,12 +165,6 @@ class GatewayConfig:
             raise ValueError(f"pause_wait_s must be >= 0, got {self.pause_wait_s}")
         self.image_url_hosts = tuple(self.image_url_hosts)  # (a list when the front passes the config on as JSON)
         self.url_policy()  # ValueError for a missing directory or a bad timeout
-
-    def url_policy(self):
-        from forge_megatron.multimodal.fetch import UrlPolicy
-
-        return UrlPolicy(hosts=self.image_url_hosts, private=self.image_url_private, directory=self.image_dir,
-                         timeout_s=self.image_url_timeout_s)
         if not self.keep_ended_mib >= 0:
             raise ValueError(f"keep_ended_mib must be >= 0, got {self.keep_ended_mib}")
         if self.session_idle_timeout_s is not None and not self.session_idle_timeout_s > 0:
@@ -181,6 +175,13 @@ class GatewayConfig:
             raise ValueError(f"group_affinity_slack must be >= 0 or None, got {self.group_affinity_slack}")
         if self.worker_tag is not None and not (self.worker_tag.isascii() and self.worker_tag.isalnum()):
             raise ValueError(f"worker_tag must be letters and digits, got {self.worker_tag!r}")
+
+    def url_policy(self):
+        """The image URLs this gateway fetches (multimodal/fetch.py)."""
+        from forge_megatron.multimodal.fetch import UrlPolicy
+
+        return UrlPolicy(hosts=self.image_url_hosts, private=self.image_url_private, directory=self.image_dir,
+                         timeout_s=self.image_url_timeout_s)
 
 
 def advertised_url(host: str, port: int) -> str:
@@ -555,7 +556,6 @@ class Gateway:
         self.image_cache: OrderedDict[str, bytes] = OrderedDict()  # normalised images by the sent bytes' digest
         self.image_lock = threading.Lock()
         self.url_policy = config.url_policy()  # which image URLs it fetches (none by default)
-        self.images_fetched = 0  # image URLs fetched (a URL once while its image is cached)
         self.image_worker = ThreadPoolExecutor(max_workers=config.image_threads, thread_name_prefix="forge-images") \
             if self.images is not None else None
         self.sessions: dict[str, Session] = {}
@@ -782,7 +782,6 @@ class Gateway:
                 return out
         if remote:
             where, data = data.where, fetch_image(data, self.url_policy)
-            self.images_fetched += 1
         out = self.images.normalize(data, where)
         with self.image_lock:
             self.image_cache[key] = out

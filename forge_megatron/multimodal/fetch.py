@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from forge_megatron.multimodal.images import MAX_IMAGE_BYTES, ImageError
 
 MAX_REDIRECTS = 3
-URL_SCHEMES = ("http://", "https://", "file:")
 
 
 @dataclass(frozen=True)
