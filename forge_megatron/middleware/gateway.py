@@ -569,7 +569,7 @@ class Gateway:
         # engine aborts seen (weight updates); sampled tokens kept across them / thrown away (not resuming)
         self.stats = {"aborts": 0, "resumed_tokens": 0, "discarded_tokens": 0, "policy_sampling_overrides": 0,
                       "tempered_calls": 0, "reaped_sessions": 0, "calls": 0, "prompt_tokens": 0,
-                      "completion_tokens": 0, "forgotten_sessions": 0}
+                      "completion_tokens": 0, "forgotten_sessions": 0, "images_fetched": 0, "image_fetch_failures": 0}
         self._reaper: asyncio.Task | None = None
         self._token_texts: dict[int, str] = {}  # token_text's cache (at most the vocabulary)
         self.evals: deque[dict] = deque(maxlen=1000)  # published evaluation results, each with an increasing id
@@ -781,7 +781,11 @@ class Gateway:
                 self.image_cache.move_to_end(key)
                 return out
         if remote:
-            where, data = data.where, fetch_image(data, self.url_policy)
+            try:
+                where, data = data.where, fetch_image(data, self.url_policy)
+            finally:
+                with self.image_lock:  # (the image threads)
+                    self.stats["images_fetched" if isinstance(data, bytes) else "image_fetch_failures"] += 1
         out = self.images.normalize(data, where)
         with self.image_lock:
             self.image_cache[key] = out
@@ -1764,6 +1768,8 @@ _METRIC_HELP = {
     "reaped_sessions": ("counter", "sessions ended as timed_out for being idle"),
     "forgotten_sessions": ("counter", "ended sessions forgotten (GET /forge/sessions/{id}: 404) beyond "
                                       "--keep-ended-sessions / --keep-ended-mib"),
+    "images_fetched": ("counter", "image URLs fetched (--image-url-hosts, --image-dir; a URL once while cached)"),
+    "image_fetch_failures": ("counter", "image URLs refused or that could not be fetched (each a 400)"),
 }
 _POOL_GAUGES = ("queue_depth", "window", "window_ready", "window_pending", "window_occupancy", "policy_version",
                 "stale_groups", "stale_episodes", "stale_tokens", "filtered_groups", "filtered_solved",

@@ -181,6 +181,22 @@ def test_files_outside_the_image_dir_and_the_default_policy_are_refused(served, 
     assert status == 400 and "fetches no image URLs" in body["error"]["message"], body
     assert "data:image/...;base64" in body["error"]["message"]
 
+    def counters():
+        import urllib.request
+
+        with urllib.request.urlopen(gw.url + "/metrics", timeout=10) as resp:
+            lines = [line.rsplit(" ", 1) for line in resp.read().decode().splitlines() if not line.startswith("#")]
+        scraped = {k: float(v) for k, v in lines}
+        return scraped["forge_gateway_images_fetched_total"], scraped["forge_gateway_image_fetch_failures_total"]
+
+    # the gateway's counters: a URL not in its cache (another fragment) fetched; a 404 and a web page refused
+    before = counters()
+    assert _chat(gw, [{"role": "user", "content": [_part(f"{image_server}/a.png?counted")]}])[1] == 400
+    assert _chat(gw, [{"role": "user", "content": [_part(f"{image_server}/a.png#x"), _part(image_server + "/text")]}]
+                 )[1] == 400
+    fetched, failed = counters()
+    assert (fetched - before[0], failed - before[1]) == (1, 2)
+
 
 def test_private_addresses_need_their_own_flag(image_server):
     """A host allowed by name that resolves to a loopback (or private) address is still refused unless the policy
