@@ -61,6 +61,23 @@ def is_distributed(opt) -> bool:
     return hasattr(opt, "get_parameter_state_dp_zero")
 
 
+def owned_grad_slices(optimizer, params) -> list[torch.Tensor] | None:
+    """The slices of the reduced gradients (``main_grad``) of ``params`` that this data-parallel rank owns under the
+    distributed optimizer (its shard of each; a parameter in no optimizer of the chain has none); None when no
+    optimizer of the chain is distributed (every data-parallel rank then holds the whole reduced gradients)."""
+    wanted = {id(p) for p in params}
+    sharded = [o for o in _sub_optimizers(optimizer) if is_distributed(o)]
+    if not sharded:
+        return None
+    out = []
+    for opt in sharded:
+        for p, _ in _main_shards(opt):
+            if id(p) in wanted:
+                span = opt._get_model_param_range_map(p)["param"]
+                out.append(p.main_grad.reshape(-1)[span.start:span.end])
+    return out
+
+
 def _main_shards(opt) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """(model parameter, the slice of it this data-parallel rank steps: an fp32 view of an fp32 parameter, the fp32
     master of a half-precision one) of distributed optimizer ``opt``. Not through Megatron's

@@ -786,23 +786,19 @@ class Trainer:
 
         from forge_megatron.mcore import vision
         from forge_megatron.mcore.parallel import comm_device
-        from forge_megatron.training.reshard import _main_shards, _sub_optimizers, is_distributed
+        from forge_megatron.training.reshard import owned_grad_slices
         from forge_megatron.weight_sync.gather import unwrap
 
         own = getattr(unwrap(self.chunks[0]), vision.TOWER, None)
         total = torch.zeros(1, dtype=torch.float64)
         if own is not None and ps.get_tensor_model_parallel_rank() == 0:
-            params = {id(p) for p in own.parameters() if p.requires_grad}
-            sharded = [o for o in _sub_optimizers(self.optimizer) if is_distributed(o)]
-            for opt in sharded:
-                for p, _ in _main_shards(opt):
-                    if id(p) in params:
-                        span = opt._get_model_param_range_map(p)["param"]
-                        total += p.main_grad.reshape(-1)[span.start:span.end].double().pow(2).sum().cpu()
-            if not sharded and ps.get_data_parallel_rank(with_context_parallel=True) == 0:
-                for p in own.parameters():
-                    if p.requires_grad:
-                        total += p.main_grad.double().pow(2).sum().cpu()
+            trained = [p for p in own.parameters() if p.requires_grad]
+            slices = owned_grad_slices(self.optimizer, trained)
+            if slices is None:  # not sharded: data-parallel rank 0 counts the whole gradients
+                slices = [p.main_grad for p in trained] if ps.get_data_parallel_rank(with_context_parallel=True) == 0 \
+                    else []
+            for g in slices:
+                total += g.double().pow(2).sum().cpu()
         total = total.to(comm_device())
         dist.all_reduce(total)
         return float(total.sqrt().item())
