@@ -78,7 +78,9 @@ SGLANG_FLAGS=()
 [ "${TRUST_REMOTE_CODE:-0}" = 1 ] && SGLANG_FLAGS+=(--trust-remote-code)
 # a trained vision tower: no image embedding of an old tower from SGLang's cache after a sync (as forge.sbatch)
 SGLANG_ENV=()
-[[ " $EXTRA_TRAIN_ARGS " == *" --train-vision-tower "* ]] && SGLANG_ENV+=("SGLANG_VLM_CACHE_SIZE_MB=${SGLANG_VLM_CACHE_SIZE_MB:-0}")
+if [[ " $EXTRA_TRAIN_ARGS " == *" --train-vision-tower "* ]]; then
+  SGLANG_ENV+=("SGLANG_VLM_CACHE_SIZE_MB=${SGLANG_VLM_CACHE_SIZE_MB:-0}")
+fi
 ENGINE_URLS=()
 for ((e = 0; e < NUM_ENGINES; e++)); do
   port=$((ENGINE_PORT + e))

@@ -13,10 +13,11 @@ tree-packed Megatron forward as RL training, optimised with Adam. Single process
     python -m forge_megatron.training.sft --hf-checkpoint IN_DIR --data chats.jsonl --out OUT_DIR --steps 300
 
 ``chats.jsonl``: one ``{"messages": [...], "tools": [...]}`` per line (OpenAI chat format). Vision-language checkpoints
-(Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV with an image processor) also take image parts in user messages (``image_url`` with a
-data URL, or a file: a path relative to the JSONL file, an absolute path or a ``file://`` URL): each image is normalised and expanded to its tokens as the gateway does it (multimodal/images.py) and the
-model sees its features through the checkpoint's frozen vision tower (mcore/vision.py; ``--train-vision-tower``: trained
-with the language model); the export keeps the tower.
+(Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV with an image processor) also take image parts in user messages
+(``image_url`` with a data URL, or a file: a path relative to the JSONL file, an absolute path or a ``file://`` URL):
+each image is normalised and expanded to its tokens as the gateway does it (multimodal/images.py) and the model sees
+its features through the checkpoint's frozen vision tower (mcore/vision.py; ``--train-vision-tower``: trained with the
+language model); the export keeps the tower.
 
 Legend: M = next-token targets of the samples of a batch.
 """
@@ -118,7 +119,8 @@ def _read_image_files(messages: list, base_dir: str, where: str) -> None:
     from forge_megatron.multimodal.images import MAX_IMAGE_BYTES, data_url
 
     for i, m in enumerate(messages):
-        for j, part in enumerate(m.get("content") if isinstance(m, dict) and isinstance(m.get("content"), list) else ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
             url = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str) or url.startswith("data:"):
