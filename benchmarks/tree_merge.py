@@ -39,7 +39,6 @@ import time
 
 import torch
 
-from forge_megatron.utils.ports import free_port
 
 LOGP_TOL = 1e-5
 GRAD_TOL = 1e-5
@@ -269,10 +268,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from forge_megatron.mcore import parallel
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    parallel.single_process_env()
     parallel.initialize(parallel.ParallelConfig())
     try:
         out = run(args)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -33,7 +32,6 @@ import time
 import numpy as np
 import torch
 
-from forge_megatron.utils.ports import free_port
 
 IMAGE_TOKEN = 1000  # the image token id of the benchmark's config (its vocabulary: 1024)
 
@@ -181,10 +179,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from forge_megatron.mcore import parallel
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    parallel.single_process_env()
     parallel.initialize(parallel.ParallelConfig())
     try:
         out = run(args)

@@ -121,6 +121,17 @@ def pipeline_split() -> tuple[int | None, int | None]:
     return _SPLIT[0], _SPLIT[1]
 
 
+def single_process_env() -> None:
+    """torch.distributed's variables for a job of one process on this machine (a benchmark, forge-sft), each kept
+    when already set."""
+    from forge_megatron.utils.ports import free_port
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
 def initialize(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234, timeout_s: float = 300.0) -> None:
     """Initialise torch.distributed (from the usual env vars) and Megatron's parallel state."""
     from datetime import timedelta

@@ -189,11 +189,7 @@ def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float,
     from forge_megatron.mcore.tree_attention import build_tree_gpt
     from forge_megatron.training.checkpoint import load_hf_weights
 
-    from forge_megatron.utils.ports import free_port
-
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
-                       ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
+    parallel.single_process_env()
     parallel.initialize(seed=seed)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
