@@ -72,8 +72,11 @@ def _run(tmp_path, name, nproc=1, extra=(), arch="qwen3_vl", exits=(None,), lead
         assert "vision tower of" in "".join(stdouts)  # loaded on the first micro-batch with images
     # ``groups`` groups a step: each group's episodes share one picture, encoded once, its tokens once in the tree
     # (under DP2 rank 0's share: one group)
-    dp2 = "--use-distributed-optimizer" in extra
-    assert all(s["images"] == (1 if dp2 else groups) and 1 <= s["image_tokens"] <= 16 * groups for s in steps)
+    extra = list(extra)
+    size = [int(extra[extra.index(f) + 1]) if f in extra else 1 for f in (
+        "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size")]
+    dp = nproc // (size[0] * size[1] * size[2])
+    assert all(s["images"] == groups // dp and 1 <= s["image_tokens"] <= 16 * groups for s in steps)
     return steps
 
 
