@@ -271,6 +271,7 @@ def image_data(call: _Call) -> list[str] | None:
 
 
 IMAGE_CACHE = 256  # normalised images a gateway keeps (by the content of what the agent sent)
+FETCH_THREADS = 8  # image URLs of one request fetched at once (multimodal/fetch.py)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs (the legacy completions' logprobs: 5)
 # Sampling controls the gateway does not serve, with the values that leave sampling alone (those pass). Penalties,
@@ -556,6 +557,9 @@ class Gateway:
         self.image_cache: OrderedDict[str, bytes] = OrderedDict()  # normalised images by the sent bytes' digest
         self.image_lock = threading.Lock()
         self.url_policy = config.url_policy()  # which image URLs it fetches (none by default)
+        # a request's new image URLs fetched at once (not on image_worker: its threads wait for these)
+        self.fetch_pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="forge-fetch") \
+            if self.images is not None and self.url_policy.enabled else None
         self.image_worker = ThreadPoolExecutor(max_workers=config.image_threads, thread_name_prefix="forge-images") \
             if self.images is not None else None
         self.sessions: dict[str, Session] = {}
@@ -709,6 +713,8 @@ class Gateway:
             self._reaper = None
         if self.image_worker is not None:
             self.image_worker.shutdown(wait=False)
+        if self.fetch_pool is not None:
+            self.fetch_pool.shutdown(wait=False)
         await self.fleet.close()
 
     def retire(self, sess: Session) -> None:
@@ -755,16 +761,40 @@ class Gateway:
             raise _bad("messages", f"{self.model_name} takes no images (images are served for {SUPPORTED} "
                                    "checkpoints with an image processor)")
         images, messages = [], []
+        failed = self._fetch_new_urls(req)
         for i, m in enumerate(req.messages):
             if IMAGE_KEY in m:
                 try:
-                    images += [self._normalized(x, f"messages[{i}] image {k}") for k, x in enumerate(m[IMAGE_KEY])]
+                    for k, x in enumerate(m[IMAGE_KEY]):
+                        if getattr(x, "url", None) in failed:
+                            raise failed[x.url]
+                        images.append(self._normalized(x, f"messages[{i}] image {k}"))
                 except ImageError as exc:
                     raise _bad(f"messages[{i}].content", str(exc)) from None
                 m = {k: v for k, v in m.items() if k != IMAGE_KEY}
                 m["content"] = m["content"].replace(IMAGE_MARK, self.image_placeholder)
             messages.append(m)
         return replace(req, messages=messages), images
+
+    def _fetch_new_urls(self, req: ChatRequest) -> dict:
+        """Fetch (and normalise into the cache) the image URLs of ``req`` that are not cached, at once when there are
+        several (an agent's first call may name many screenshots); returns {url: ImageError} of those that failed."""
+        from forge_megatron.multimodal.fetch import ImageURL
+
+        with self.image_lock:
+            new = {x.url: x for m in req.messages for x in m.get(IMAGE_KEY, ())
+                   if isinstance(x, ImageURL) and "url:" + x.url not in self.image_cache}
+        if len(new) < 2 or self.fetch_pool is None:
+            return {}
+
+        def fetch(x):
+            try:
+                self._normalized(x, x.where)
+            except ImageError as exc:
+                return exc
+            return None
+
+        return {url: exc for url, exc in zip(new, self.fetch_pool.map(fetch, new.values())) if exc is not None}
 
     def _normalized(self, data, where: str) -> bytes:
         """The normalised PNG of an image (encoded bytes, or a URL fetched under the gateway's policy), cached by

@@ -25,12 +25,24 @@ OTHER = png(RNG, 20, 20)
 
 class _Images(BaseHTTPRequestHandler):
     hits: dict = {}
+    lock = threading.Lock()
+    serving = 0  # "/wait/..." requests being served now, and the most at once
+    most = 0
 
     def log_message(self, *args):  # quiet
         pass
 
     def do_GET(self):
         type(self).hits[self.path] = type(self).hits.get(self.path, 0) + 1
+        if self.path.startswith("/wait/"):  # a picture that takes a while: counts how many are served at once
+            cls = type(self)
+            with cls.lock:
+                cls.serving += 1
+                cls.most = max(cls.most, cls.serving)
+            time.sleep(0.4)
+            with cls.lock:
+                cls.serving -= 1
+            return self._send(200, {"Content-Type": "image/png"}, OTHER if self.path.endswith("b") else PICTURE)
         routes = {
             "/a.png": (200, {"Content-Type": "image/png"}, PICTURE),
             "/b.png": (200, {"Content-Type": "image/png; charset=binary"}, OTHER),
@@ -42,7 +54,9 @@ class _Images(BaseHTTPRequestHandler):
         }
         if self.path == "/slow":
             time.sleep(3)
-        status, headers, body = routes.get(self.path, (404, {"Content-Type": "text/plain"}, b"no such image"))
+        self._send(*routes.get(self.path, (404, {"Content-Type": "text/plain"}, b"no such image")))
+
+    def _send(self, status, headers, body):
         self.send_response(status)
         for k, v in headers.items():
             self.send_header(k, v)
@@ -152,6 +166,23 @@ def test_a_url_in_the_history_is_fetched_once_and_the_segment_continues(served, 
     _, summary = http(f"{gw.url}/forge/sessions/{s['session_id']}", method="GET")
     assert [call["segment_index"] for call in summary["calls"]] == [0, 0]  # the second call continued the first
     assert end(gw, s)[0] == 200 and len(episode(gw, s).segments) == 1
+
+
+def test_a_calls_new_urls_are_fetched_at_once(served, image_server):
+    """Three new screenshots by URL in one call: fetched side by side (the server serves them at once), recorded
+    in prompt order (the first and third are the same picture); a failing one among them is the call's 400."""
+    gw, _ = served
+    urls = [f"{image_server}/wait/{k}" for k in ("a", "b", "c")]
+    s, status, body = _chat(gw, [{"role": "user", "content": [{"type": "text", "text": "compare"},
+                                                              *(_part(u) for u in urls)]}])
+    assert status == 200, body
+    assert _Images.most >= 2
+    assert end(gw, s)[0] == 200
+    first, second, third = episode(gw, s).segments[0].images
+    assert first == third != second
+    _, status, body = _chat(gw, [{"role": "user", "content": [_part(f"{image_server}/wait/d"),
+                                                              _part(f"{image_server}/missing2")]}])
+    assert status == 400 and "HTTP 404" in body["error"]["message"], body
 
 
 @pytest.mark.parametrize("path,words", [
