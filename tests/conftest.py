@@ -1,7 +1,8 @@
 """Shared test configuration.
 
 Markers: ``gpu`` (needs one CUDA device) and ``multigpu`` (needs two or more) are skipped without them.
-Multi-rank Megatron tests use :func:`tests.dist_utils.run_distributed` (gloo, spawned processes).
+Multi-rank Megatron tests use :func:`tests.dist_utils.run_distributed` (gloo, processes forked from a server that
+imported torch and Megatron once); whole programs' ranks :func:`tests.dist_utils.run_script`.
 """
 
 import os

@@ -1,4 +1,5 @@
-"""Run a test body on N gloo ranks (spawned processes) with Megatron's parallel state initialised.
+"""Run a test body on N gloo ranks (processes forked from a server that imported the heavy modules once) with
+Megatron's parallel state initialised.
 
     results = run_distributed(body, world_size=2, parallel=ParallelConfig(tp=2), seed=0, arg=...)
 
@@ -19,8 +20,17 @@ import traceback
 from forge_megatron.mcore.parallel import ParallelConfig
 from forge_megatron.utils.ports import free_port  # noqa: F401 (the tests' import point)
 
+# What the ranks' server imports once (a module missing here is imported by each rank as it needs it).
+PRELOAD = ["tests.dist_utils", "torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
+           "megatron.core.optimizer", "transformers", "forge_megatron.mcore.parallel", "forge_megatron.mcore.model",
+           "forge_megatron.training.arguments", "forge_megatron.training.trainer"]
+# FORGE_TEST_LAUNCH=exec: run_script starts each rank as its own interpreter (torchrun for several), as a user does
+LAUNCH_ENV = "FORGE_TEST_LAUNCH"
 
-def _child(rank, world_size, port, parallel, seed, body, kwargs, queue):
+
+def _child(rank, world_size, port, parallel, seed, body, kwargs, queue, environ):
+    os.environ.clear()  # the test's environment (the server's is the one it had when it started)
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
@@ -57,12 +67,21 @@ def run_distributed(body, world_size: int, parallel: ParallelConfig = ParallelCo
                 raise
 
 
+def _context():
+    """A forkserver whose server process imported torch, Megatron-Core and transformers once: each rank forks from
+    it (milliseconds) instead of starting Python and importing them again (seconds)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _run_once(body, world_size, parallel, seed, timeout_s, kwargs):
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, parallel, seed, body, kwargs, queue), daemon=True)
+        ctx.Process(target=_child, args=(r, world_size, port, parallel, seed, body, kwargs, queue, dict(os.environ)),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -98,3 +117,121 @@ def _run_once(body, world_size, parallel, seed, timeout_s, kwargs):
                 p.kill()
                 p.join(timeout=5)
     return [results[r] for r in range(world_size)]
+
+
+def _script_child(script, argv, environ, out_path, err_path, module):
+    """One rank of ``python script argv`` (``python -m script argv`` if ``module``) in a process forked from the
+    server: its own stdout and stderr files, the caller's environment, the script run as __main__, the interpreter's
+    exit steps (threads joined, atexit)."""
+    import atexit
+    import runpy
+    import sys
+    import threading
+
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(environ)
+    import torch
+
+    torch.set_num_threads(int(environ.get("OMP_NUM_THREADS") or 1))
+    sys.argv = [script, *argv]
+    code = 0
+    try:
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if isinstance(exc.code, int) or exc.code is None:
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - as the interpreter: the traceback to stderr, exit status 1
+        traceback.print_exc()
+        code = 1
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_script(script: str, argv, nproc: int = 1, env: dict | None = None, timeout_s: float = 300.0,
+               attempts: int = 3, module: bool = False):
+    """``python script *argv`` (``module``: ``python -m script *argv``; ``nproc`` > 1: as under torchrun, RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR /
+    MASTER_PORT set per rank) with ``env`` (default os.environ), each rank forked from the server that imported the
+    heavy modules once. Returns a subprocess.CompletedProcess: the ranks' stdout and stderr (rank 0's first), the
+    first failing rank's exit status (1 if it died of a signal, as torchrun) or 0. As torchrun, a failing rank
+    stops the others (after 5 s); past ``timeout_s`` every rank is killed and subprocess.TimeoutExpired raised. A
+    rendezvous port taken by another test worker starts the run again (``attempts``). FORGE_TEST_LAUNCH=exec runs a
+    new interpreter per rank instead (torchrun for several)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ if env is None else env)
+    if os.environ.get(LAUNCH_ENV) == "exec":
+        target = ["-m", script] if module else [script]
+        cmd = [sys.executable, *target, *argv] if nproc == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+             str(free_port()), *target, *argv]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    for attempt in range(attempts):
+        done = _run_script_once(script, list(argv), nproc, env, timeout_s, module)
+        if done.returncode == 0 or "EADDRINUSE" not in done.stderr or attempt == attempts - 1:
+            return done
+    raise AssertionError("unreachable")
+
+
+def _run_script_once(script, argv, nproc, env, timeout_s, module):
+    import multiprocessing.connection
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    ctx = _context()
+    logs = tempfile.mkdtemp(prefix="forge-ranks-")
+    if nproc > 1:
+        port = str(free_port())
+        envs = [{**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r), "LOCAL_RANK": str(r),
+                 "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)} for r in range(nproc)]
+    else:
+        envs = [env]
+    files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(nproc)]
+    procs = [ctx.Process(target=_script_child, args=(script, argv, envs[r], *files[r], module)) for r in range(nproc)]
+    try:
+        for p in procs:
+            p.start()
+        deadline, failed_at = time.monotonic() + timeout_s, None
+        while any(p.exitcode is None for p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                raise subprocess.TimeoutExpired([script, *argv], timeout_s)
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now
+            if failed_at is not None and now - failed_at > 5:
+                break
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join(timeout=10)
+    codes = [p.exitcode for p in procs]
+    returncode = next((c for c in codes if c is not None and c > 0), 1 if any(c != 0 for c in codes) else 0)
+    out, err = [], []
+    for o, e in files:
+        for path, into in ((o, out), (e, err)):
+            if os.path.exists(path):  # (a rank that died before it opened them wrote nothing)
+                with open(path, errors="replace") as f:
+                    into.append(f.read())
+    shutil.rmtree(logs, ignore_errors=True)
+    return subprocess.CompletedProcess([script, *argv], returncode, "".join(out), "".join(err))

@@ -1,34 +1,25 @@
-"""torch_dist through Megatron's dist_checkpointing on CPU (0 GPUs; 2 gloo ranks under torchrun, which the
-checkpoint writer needs: its helper processes cannot start from daemonic test workers).
+"""torch_dist through Megatron's dist_checkpointing on CPU (0 GPUs; 2 gloo ranks started as torchrun does, not as
+daemonic test workers: the checkpoint writer's helper processes cannot start from those).
 
 MoE checkpoints saved as torch_dist from a TP=2 job and loaded into an EP=2 job are bit-exact in HF form.
 """
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from forge_megatron.bridge import ParallelLayout
 from forge_megatron.convert import checkpoint as ckpt
 from tests.convert.test_convert import _assert_bit_exact
-from tests.dist_utils import free_port
+from tests.dist_utils import run_script
 
 
 def _torchrun(args, nproc):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), "-m", "forge_megatron.convert.torch_dist", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        out, _ = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-3000:]
+    """``torchrun --nproc-per-node nproc -m forge_megatron.convert.torch_dist args``, the ranks forked from the test
+    server that imported torch and Megatron once (tests.dist_utils.run_script)."""
+    out = run_script("forge_megatron.convert.torch_dist", args, nproc=nproc, module=True, timeout_s=180,
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "minimax_m2", "qwen3_5", "kimi_linear", "gemma4", "gemma4_moe"])

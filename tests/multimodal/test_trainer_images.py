@@ -119,12 +119,10 @@ def test_trained_vision_tower_is_trained_checkpointed_and_exported(trained_tower
     """The KL reference keeps the checkpoint's tower (no KL at step 1, some at step 2); the checkpoint holds the moved
     tower, exported as the checkpoint's tensors (model.visual.*) that transformers loads; a resume without the flag
     is refused, naming it."""
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
 
     from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+    from tests.dist_utils import run_script
     from tests.training.trainer_run import TRAIN, train_env
 
     root, steps = trained_tower_run
@@ -145,9 +143,9 @@ def test_trained_vision_tower_is_trained_checkpointed_and_exported(trained_tower
     import transformers
 
     transformers.Qwen3VLForConditionalGeneration.from_pretrained(out)  # loads whole
-    cmd = [sys.executable, TRAIN, "--hf-checkpoint", str(root / "vl"), "--load", str(root / "one" / "ckpt"),
-           "--lr", "1e-3", "--train-iters", "3", "--weight-sync-transport", "none", "--pool-addr", "tcp://127.0.0.1:1"]
-    res = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=300)
+    res = run_script(TRAIN, ["--hf-checkpoint", str(root / "vl"), "--load", str(root / "one" / "ckpt"), "--lr", "1e-3",
+                             "--train-iters", "3", "--weight-sync-transport", "none", "--pool-addr", "tcp://127.0.0.1:1"],
+                     env=train_env())
     assert res.returncode != 0 and "saved with --train-vision-tower" in res.stdout + res.stderr
 
 
@@ -312,12 +310,10 @@ def test_vision_trainable_trains_only_the_chosen_parameters(tmp_path):
     """``--vision-trainable 'merger.*,deepstack_merger_list.*'``: Qwen3-VL's projectors train, the encoder's blocks
     and patch embedding stay the checkpoint's (no gradients, no optimizer state); a resume with other globs is
     refused, naming the flag."""
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
 
     from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+    from tests.dist_utils import run_script
     from tests.training.trainer_run import TRAIN, train_env
 
     globs = "merger.*,deepstack_merger_list.*"
@@ -331,8 +327,8 @@ def test_vision_trainable_trains_only_the_chosen_parameters(tmp_path):
     chosen = [n for n in tower if n.startswith(("model.visual.merger.", "model.visual.deepstack_merger_list."))]
     assert chosen and all(not torch.equal(got[n], before[n]) for n in chosen if n.endswith("weight"))
     assert all(torch.equal(got[n], before[n]) for n in tower if n not in chosen)
-    cmd = [sys.executable, TRAIN, "--hf-checkpoint", str(tmp_path / "vl"), "--load", str(tmp_path / "part" / "ckpt"),
-           "--lr", "1e-3", "--train-iters", "3", "--weight-sync-transport", "none", "--pool-addr", "tcp://127.0.0.1:1",
-           "--train-vision-tower", "--vision-trainable", "merger.*"]
-    res = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=300)
+    res = run_script(TRAIN, ["--hf-checkpoint", str(tmp_path / "vl"), "--load", str(tmp_path / "part" / "ckpt"),
+                             "--lr", "1e-3", "--train-iters", "3", "--weight-sync-transport", "none", "--pool-addr",
+                             "tcp://127.0.0.1:1", "--train-vision-tower", "--vision-trainable", "merger.*"],
+                     env=train_env())
     assert res.returncode != 0 and "resume with the same globs" in res.stdout + res.stderr

@@ -1,6 +1,7 @@
 """The trainer as a real process against a real forge-pool process (ZeroMQ, SQLite): kill -9 mid-run and resume from
-the checkpoint with the pool re-serving exactly the uncommitted groups; DP=2 under torchrun keeps replicas equal.
-CPU, 0 GPUs (gloo)."""
+the checkpoint with the pool re-serving exactly the uncommitted groups; DP=2 keeps replicas equal; SIGTERM to
+torchrun stops both ranks with a checkpoint. CPU, 0 GPUs (gloo). The runs that are not killed or signalled start
+their ranks through tests.dist_utils.run_script (forked from a server that imported torch and Megatron once)."""
 
 import os
 import signal
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from forge_megatron.models.tiny import build_tiny_model
+from tests.dist_utils import run_script
 
 from .pool_feed import PoolProcess, feed_groups, free_port
 from .trainer_run import TRAIN, run_on_fresh_pool
@@ -55,7 +57,7 @@ def test_kill_and_resume_continues_from_checkpoint(setup):
     assert (groups["committed"], groups["delivered"]) == (2, 1)  # batch 3 was delivered, never committed
 
     feed_groups(pool.client, 2, rng)
-    second = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    second = run_script(TRAIN, cmd[2:], env=_env())
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from" in second.stdout and "at iteration 2" in second.stdout
     # batch 3's group, plus any batch the pool handed to the dead trainer's parked request after the new feed
@@ -84,8 +86,7 @@ def test_exit_duration_and_exit_signal_stop_with_a_checkpoint(setup):
     rng = np.random.default_rng(1)
     feed_groups(pool.client, 1, rng)
     base = _train_cmd(model_dir, pool, run_dir, iters=8, groups=1)
-    first = subprocess.run([sys.executable, TRAIN, *base, "--exit-duration-in-mins", "0.0001"], env=_env(),
-                           capture_output=True, text=True, timeout=300)
+    first = run_script(TRAIN, [*base, "--exit-duration-in-mins", "0.0001"], env=_env())
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "--exit-duration-in-mins 0.0001: stopping after iteration 1 (checkpoint saved)" in first.stdout
     assert open(f"{run_dir}/ckpt/latest").read() == "1"  # not a save-interval (2) iteration
@@ -138,10 +139,8 @@ def test_exit_duration_and_exit_signal_stop_with_a_checkpoint(setup):
 def test_dp2_replicas_stay_equal(setup):
     model_dir, pool, run_dir = setup
     feed_groups(pool.client, 4, np.random.default_rng(1))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           TRAIN, *_train_cmd(model_dir, pool, run_dir, iters=2, groups=2)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = run_script(TRAIN, _train_cmd(model_dir, pool, run_dir, iters=2, groups=2), nproc=2,
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     steps = _steps(f"{run_dir}/metrics.jsonl")
     assert [s["step"] for s in steps] == [1, 2] and all(len(s["group_indices"]) == 2 for s in steps)
@@ -424,9 +423,8 @@ def test_recomputed_old_logprobs_give_unit_ratios(setup):
     feed_groups(pool.client, 2, np.random.default_rng(5))
     ratios = {}
     for mode in ("recompute", "rollout"):
-        cmd = [sys.executable, TRAIN, *_train_cmd(model_dir, pool, f"{run_dir}/{mode}", iters=1, groups=1,
-                                                 extra=["--old-logprobs", mode])]
-        out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+        out = run_script(TRAIN, _train_cmd(model_dir, pool, f"{run_dir}/{mode}", iters=1, groups=1,
+                                           extra=["--old-logprobs", mode]), env=_env())
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         (step,) = _steps(f"{run_dir}/{mode}/metrics.jsonl")
         ratios[mode] = (step["ratio_mean"], step["ratio_max"], step["clip_frac_high"])

@@ -47,7 +47,7 @@ def run_on_fresh_pool(tmp_path, name: str, model_dir: str, feed, *, iters: int, 
     process (or ``nproc`` under torchrun) per entry of ``exits`` (--exit-interval N, None: to the end; or a tuple
     (N or None, more flags, nproc) for a stage run in another layout), all in ``tmp_path/name``. Returns (metric
     steps, stdout of each process, steps written after each process)."""
-    import sys
+    from tests.dist_utils import run_script
 
     from .pool_feed import PoolProcess
 
@@ -63,13 +63,8 @@ def run_on_fresh_pool(tmp_path, name: str, model_dir: str, feed, *, iters: int, 
                              model=model)
             if lr is not None:
                 args[args.index("--lr") + 1] = lr
-            if procs == 1:
-                cmd, env = [sys.executable, TRAIN, *args], train_env()
-            else:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
-                       str(free_port()), TRAIN, *args]
-                env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            out = subprocess.run(cmd, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=300)
+            env = train_env() if procs == 1 else {**os.environ, "OMP_NUM_THREADS": "1"}
+            out = run_script(TRAIN, args, nproc=procs, env={**env, **(env_extra or {})})
             assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
             stdouts.append(out.stdout)
             counts.append(len(read_steps(f"{run_dir}/metrics.jsonl")))
