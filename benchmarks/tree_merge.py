@@ -268,7 +268,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from forge_megatron.mcore import parallel
 
-    parallel.single_process_env()
     parallel.initialize(parallel.ParallelConfig())
     try:
         out = run(args)

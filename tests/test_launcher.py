@@ -38,7 +38,9 @@ def script(tmp_path):
 
 
 def _env():
-    return {**os.environ, "FORGE_LAUNCH_MARKER": "set-by-the-test"}
+    """The test's environment less torch.distributed's variables (a one-rank run is told none), with a marker."""
+    dist = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {**{k: v for k, v in os.environ.items() if k not in dist}, "FORGE_LAUNCH_MARKER": "set-by-the-test"}
 
 
 def test_ranks_are_told_what_torchrun_tells_them_and_their_output_comes_back(script):

@@ -121,19 +121,11 @@ def pipeline_split() -> tuple[int | None, int | None]:
     return _SPLIT[0], _SPLIT[1]
 
 
-def single_process_env() -> None:
-    """torch.distributed's variables for a job of one process on this machine (a benchmark, forge-sft), each kept
-    when already set."""
-    from forge_megatron.utils.ports import free_port
-
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
-
-
 def initialize(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234, timeout_s: float = 300.0) -> None:
-    """Initialise torch.distributed (from the usual env vars) and Megatron's parallel state."""
+    """Initialise torch.distributed (from the usual env vars: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun
+    sets them) and Megatron's parallel state. A process started without RANK and WORLD_SIZE (forge-sft, a benchmark)
+    is a job of one: its group rendezvous in an in-process store, so it needs no port (none to collide with another
+    job's) and changes no environment variable."""
     from datetime import timedelta
 
     from megatron.core import parallel_state
@@ -146,7 +138,11 @@ def initialize(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234, ti
         backend = "gloo" if on_cpu else "nccl"
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), store=dist.HashStore(),
+                                    rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     parallel.data_parallel_size(dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

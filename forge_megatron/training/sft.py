@@ -189,7 +189,6 @@ def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float,
     from forge_megatron.mcore.tree_attention import build_tree_gpt
     from forge_megatron.training.checkpoint import load_hf_weights
 
-    parallel.single_process_env()
     parallel.initialize(seed=seed)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)

@@ -1,14 +1,13 @@
 """Supervised warm-start: the loss mask covers exactly the assistant turns, and a short run on a Megatron model
 lowers the loss and exports a HF checkpoint that transformers loads. CPU, 0 GPUs."""
 
+import os
 
 import torch
 
 from forge_megatron.agents import calculator
 from forge_megatron.models.tiny import build_tiny_model, build_tiny_tokenizer
 from forge_megatron.training.sft import render, run_sft
-
-from .pool_feed import free_port
 
 
 def test_mask_covers_assistant_turns_only():
@@ -26,14 +25,16 @@ def test_mask_covers_assistant_turns_only():
         assert trained == want + "<|im_end|>"
 
 
-def test_short_sft_lowers_loss_and_exports_hf(tmp_path, monkeypatch):
+def test_short_sft_lowers_loss_and_exports_hf(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     base = build_tiny_model(str(tmp_path / "base"))
     tasks = calculator.make_tasks(64, seed=0)
     chats = [{"messages": c, "tools": calculator.TOOLS} for c in calculator.sft_conversations(tasks, 0.5)]
+    dist_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    environ = {k: os.environ.get(k) for k in dist_env}
     losses = run_sft(base, chats, str(tmp_path / "out"), steps=30, lr=3e-3, batch_size=8, log_every=100)
+    assert {k: os.environ.get(k) for k in dist_env} == environ  # a job of one: no port, no variables left behind
     assert sum(losses[-5:]) < 0.7 * sum(losses[:5])  # the warm-up schedule ramps the LR over 20 steps
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     ref = AutoModelForCausalLM.from_pretrained(base)
@@ -41,7 +42,7 @@ def test_short_sft_lowers_loss_and_exports_hf(tmp_path, monkeypatch):
     assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).chat_template is not None
 
 
-def test_sft_on_pictures_trains_with_the_vision_tower_and_keeps_it(tmp_path, monkeypatch):
+def test_sft_on_pictures_trains_with_the_vision_tower_and_keeps_it(tmp_path):
     """Chats with image parts (the vision demo's): images expanded to their tokens (mask 0 on them), the loss falls,
     and the export is a whole vision-language checkpoint (the tower as it was, the language model trained)."""
     import transformers
@@ -51,7 +52,6 @@ def test_sft_on_pictures_trains_with_the_vision_tower_and_keeps_it(tmp_path, mon
     from forge_megatron.multimodal.images import ImageProcessor
     from forge_megatron.multimodal.qwen_vl import image_runs
 
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     base = build_tiny_model(str(tmp_path / "base"), "qwen3_vl", images=True)
     proc = ImageProcessor(base)
     tasks = colors.make_tasks(48, seed=1)
@@ -74,7 +74,7 @@ def test_sft_on_pictures_trains_with_the_vision_tower_and_keeps_it(tmp_path, mon
     transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(tmp_path / "out"))  # loads whole
 
 
-def test_sft_trains_the_vision_tower_when_asked(tmp_path, monkeypatch):
+def test_sft_trains_the_vision_tower_when_asked(tmp_path):
     """``train_vision_tower=True``: the tower is trained with the language model and exported as trained (every tower
     tensor with a gradient moved), the export a whole checkpoint transformers loads."""
     import glob
@@ -84,7 +84,6 @@ def test_sft_trains_the_vision_tower_when_asked(tmp_path, monkeypatch):
 
     from forge_megatron.agents import colors
 
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     base = build_tiny_model(str(tmp_path / "base"), "qwen3_vl", images=True)
     chats = [{"messages": c} for c in colors.sft_conversations(colors.make_tasks(16, seed=1), 1.0)]
     losses = run_sft(base, chats, str(tmp_path / "out"), steps=4, lr=3e-3, batch_size=4, log_every=100,
