@@ -95,7 +95,11 @@ def model_chunks(state: dict) -> list[dict]:
 
 
 def _model_chunks(path: str) -> list[dict]:
-    return model_chunks(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
+    """A rank file's model chunks as the export writes them: a --lora-rank run's adapters merged into their
+    weights (W + scaling * B A, this shard's), so the HF checkpoint is the trained model."""
+    from forge_megatron.mcore.lora import merge_state
+
+    return [merge_state(c) for c in model_chunks(torch.load(path, map_location="cpu", weights_only=False, mmap=True))]
 
 
 def _strip_wrappers(key: str) -> str:

@@ -376,6 +376,22 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--recompute-vision-tower", action="store_true",
                    help="with --train-vision-tower: the tower's blocks keep only their inputs for the backward and "
                         "run again there (activation checkpointing), for micro-batches of many or large images")
+    g.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="train LoRA adapters of rank R instead of the whole model: the checkpoint's weights stay "
+                        "frozen, each adapted linear gets y += (alpha / R) x A^T B^T (B starts at zero), and only "
+                        "the adapters have gradients and optimizer state. Adapters follow the linears' TP split "
+                        "(with sequence parallelism too); the weight sync and the HF export send the merged weights "
+                        "W + (alpha / R) B A, so the engines need no LoRA support. Attention and dense MLPs are "
+                        "adapted; routed and shared experts, linear-attention mixers, embeddings, norms and the "
+                        "head are not (docs/training.md)")
+    g.add_argument("--lora-alpha", type=float, default=None, metavar="ALPHA",
+                   help="with --lora-rank: the adapters' scale numerator (default 2 x R; the update is scaled by "
+                        "ALPHA / R)")
+    g.add_argument("--lora-target-modules", default="all", metavar="NAMES",
+                   help="with --lora-rank: which of each layer's linears get adapters, comma-separated Megatron "
+                        "names (linear_qkv: q/k/v projections; multi-latent attention's linear_q_proj or "
+                        "linear_q_up_proj and linear_kv_up_proj; linear_proj: attention output; linear_fc1: gate "
+                        "and up; linear_fc2: down); default all of those a layer has")
     g.add_argument("--fp32-lm-head", action="store_true",
                    help="compute the output layer (LM head) in fp32 in the loss: the bf16 weight and the final hidden "
                         "states are upcast for its matmul (MiniMax-M1 traced most of the training/inference "
@@ -481,6 +497,20 @@ def weight_sync_fp8(path: str | None):
     return fp8
 
 
+def lora_config(args: argparse.Namespace):
+    """The :class:`~forge_megatron.mcore.lora.LoraConfig` of --lora-rank / --lora-alpha / --lora-target-modules;
+    None without --lora-rank."""
+    if getattr(args, "lora_rank", None) is None:
+        return None
+    from forge_megatron.mcore.lora import LoraConfig
+
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+    if args.lora_target_modules.strip() == "all":
+        return LoraConfig(args.lora_rank, alpha)
+    targets = tuple(t.strip() for t in args.lora_target_modules.split(",") if t.strip())
+    return LoraConfig(args.lora_rank, alpha, targets)
+
+
 def int4_qat_config(args: argparse.Namespace):
     """The :class:`Int4Config` --int4-qat rounds by: its CHECKPOINT's, or --weight-sync-int4's; None without it."""
     if getattr(args, "int4_qat", None) is None:
@@ -539,6 +569,14 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--vision-trainable needs --train-vision-tower")
     if getattr(args, "recompute_vision_tower", False) and not getattr(args, "train_vision_tower", False):
         raise ValueError("--recompute-vision-tower needs --train-vision-tower (a frozen tower keeps no activations)")
+    if getattr(args, "lora_rank", None) is not None:
+        lora_config(args)
+        clash = [flag for flag, on in (("--train-vision-tower", getattr(args, "train_vision_tower", False)),
+                                       ("--int4-qat", getattr(args, "int4_qat", None) is not None)) if on]
+        if clash:
+            raise ValueError(f"--lora-rank trains adapters over frozen weights; it does not combine with {clash[0]}")
+    elif getattr(args, "lora_alpha", None) is not None:
+        raise ValueError("--lora-alpha needs --lora-rank")
     first, last = getattr(args, "decoder_first_pipeline_num_layers", None), \
         getattr(args, "decoder_last_pipeline_num_layers", None)
     if first is not None or last is not None:  # the layer counts are checked once the model is known

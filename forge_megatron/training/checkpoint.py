@@ -330,7 +330,13 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, log=
             differ = ", ".join(filter(None, [differ, "weights " + ("fp32 -> half" if half else "half -> fp32")]))
     if differ:
         from forge_megatron.convert.trainer_checkpoint import read_rank_metadata
+        from forge_megatron.mcore.lora import is_lora_name
         from forge_megatron.training.reshard import load_resharded
+
+        if any(is_lora_name(n) for c in _chunks(model) for n, _ in c.named_parameters()):
+            raise ValueError(f"checkpoint {_iter_dir(root, iteration)} was saved under another layout or optimizer "
+                             f"({differ}): a --lora-rank run resumes in its own (or export it with "
+                             "convert_checkpoint.py trainer-to-hf, adapters merged, and start from that)")
 
         if log is not None:
             what = "with another optimizer or precision" if differ.startswith(("optimizer", "weights")) else \
@@ -373,6 +379,7 @@ def load_hf_weights(model_chunks, bridge, hf_dir: str) -> None:
     from megatron.core import parallel_state as ps
 
     from forge_megatron.convert.checkpoint import HFReader, job_layout, piece_inputs, piece_state
+    from forge_megatron.mcore.lora import is_lora_name
     from forge_megatron.weight_sync.gather import global_layers, unwrap
 
     layout = job_layout()
@@ -389,7 +396,8 @@ def load_hf_weights(model_chunks, bridge, hf_dir: str) -> None:
             full[name] = bridge.from_hf(name, reader.get(bridge.hf_names(name)))
         state = piece_state(bridge, full, layout, ps.get_tensor_model_parallel_rank(), ep, layers, first, last)
         missing, unexpected = gpt.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.endswith("_extra_state")]
+        missing = [m for m in missing if not m.endswith("_extra_state") and not is_lora_name(m)]  # (adapters keep
+        # their initial values: B = 0, the checkpoint's model)
         unexpected = [u for u in unexpected if not u.endswith("_extra_state")]
         if missing or unexpected:
             raise ValueError(f"HF checkpoint {hf_dir} does not fit the model: missing {missing[:5]}, "

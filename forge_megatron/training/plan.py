@@ -122,6 +122,21 @@ def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None
     return out
 
 
+def lora_params(bridge, lora, tp: int, pp: int, pp_rank: int, vpp: int | None = None, first: int | None = None,
+                last: int | None = None) -> int:
+    """Adapter elements (--lora-rank, mcore/lora.py) a TP rank of pipeline rank ``pp_rank`` holds: R x (rows +
+    columns) of each adapted linear's TP-local weight (A whole and B split, or the reverse, as the linear is
+    split), for the targets each layer has (a MoE layer's MLP, linear-attention mixers: none)."""
+    import re
+
+    pattern = re.compile(r"^decoder\.layers\.\d+\.(?:self_attention|mlp)\.(\w+)\.weight$")
+    layers = rank_layers(bridge.cfg.num_layers, pp, vpp, pp_rank, first, last)
+    names = [n for n in bridge.canonical_names(layers)
+             if (m := pattern.match(n)) and m.group(1) in lora.targets and not bridge.is_expert(n)]
+    shapes = _shapes(bridge, names, tp)
+    return sum(lora.rank * sum(shapes[n]) for n in names)
+
+
 def gated_delta_net_bytes(cfg, tp: int, sp: bool) -> float:
     """Bytes a Gated DeltaNet mixer (mcore/gated_delta_net.py, bf16; Kimi Delta Attention's: mcore/kimi_delta.py)
     keeps per token for its backward on one TP
@@ -164,12 +179,13 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
          tokens: int = 8192, recompute: str | None = None, sequence_parallel: bool = False,
          gpu_memory_gib: float = 80.0, etp: int | None = None, first: int | None = None,
          last: int | None = None, image_token_fraction: float = 0.5, recompute_vision_tower: bool = False,
-         vision_trainable: str | None = None) -> dict:
+         vision_trainable: str | None = None, lora=None) -> dict:
     """The plan as a dict: layout, per pipeline rank parameters and memory (GiB), and the verdict. ``first`` /
     ``last``: uneven pipeline stages (the first / last stage's layers). A trained tower (``Bridge(vision_tower=
     True)``): ``image_token_fraction`` of a micro-batch's tokens are image tokens (its activations),
     ``recompute_vision_tower`` as the trainer's flag, ``vision_trainable`` the trainer's globs (the other tower
-    parameters keep weights only)."""
+    parameters keep weights only). ``lora``: --lora-rank's LoraConfig (every parameter frozen, weights only;
+    the adapters, ``params_lora``, have gradients and optimizer state)."""
     from forge_megatron.bridge import ParallelLayout
     from forge_megatron.mcore.parallel import ParallelConfig
 
@@ -193,15 +209,18 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
         params = rank_params(bridge, tp, pp, ep, r, vpp, etp, first, last)
         n = params["dense"] + params["expert"]
         frozen = tower_frozen if r == 0 else 0  # a trained tower's parameters outside --vision-trainable
+        adapters = lora_params(bridge, lora, tp, pp, r, vpp, first, last) if lora is not None else 0
+        if lora is not None:  # the checkpoint's weights frozen, the adapters trained (dense, never experts)
+            frozen, n, params = n, n + adapters, {**params, "dense": params["dense"] + adapters}
         layers = rank_layers(cfg.num_layers, pp, vpp, r, first, last)
         moe = sum(bridge.is_moe_layer(layer) for layer in layers)
         in_flight = pp - r  # 1F1B: pipeline rank r holds the activations of PP - r micro-batches
         static = {
             "weights": n * weight_bytes + params["buffers"] * 4,
             "grads": (n - frozen) * 4,
-            "optimizer": ((params["dense"] - frozen) * opt_bytes / dense_shards
-                          + params["expert"] * opt_bytes / expert_shards),
-            "reference": n * weight_bytes if kl_reference else 0,
+            "optimizer": ((adapters if lora is not None else params["dense"] - frozen) * opt_bytes / dense_shards
+                          + (0 if lora is not None else params["expert"]) * opt_bytes / expert_shards),
+            "reference": (n - adapters) * weight_bytes if kl_reference else 0,
             "vision": tower * weight_bytes if r == 0 else 0,
         }
         act = _activation_bytes(cfg, layers, moe, tokens / cp, tp, sequence_parallel, recompute, in_flight)
@@ -209,6 +228,7 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
         total = sum(static.values()) + act
         ranks.append({"pp_rank": r, "layers": len(layers), "moe_layers": moe, "params_dense": params["dense"],
                       "params_vision_frozen": tower if r == 0 else 0, "params_frozen": frozen,
+                      **({"params_lora": adapters} if lora is not None else {}),
                       "vision_activations_gib_estimate": (tower_act if r == 0 else 0) / GIB,
                       "params_expert": params["expert"], **{f"{k}_gib": v / GIB for k, v in static.items()},
                       "activations_gib_estimate": act / GIB, "total_gib": total / GIB,
@@ -221,6 +241,7 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
         "gpu_memory_gib": gpu_memory_gib, "budget_gib": budget, "ranks": ranks,
         **({"image_token_fraction": image_token_fraction, "recompute_vision_tower": recompute_vision_tower,
             "vision_trainable": vision_trainable} if bridge.vision_tower else {}),
+        **({"lora_rank": lora.rank, "lora_targets": list(lora.targets)} if lora is not None else {}),
         "fits": all(x["fits"] for x in ranks),
     }
 
@@ -364,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --train-vision-tower: the share of a micro-batch's tokens that are image tokens, for "
                         "the tower's activations (0.5: e.g. screenshots between short turns; one image token is "
                         "spatial_merge_size^2 patches)")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="the trainer's flag: LoRA adapters of this rank train, the checkpoint's weights stay frozen "
+                        "(weights only: no gradients, no optimizer state)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="the trainer's flag (the plan does not need it)")
+    p.add_argument("--lora-target-modules", default="all", help="the trainer's flag: which linears get adapters")
     p.add_argument("--tree-token-budget", type=int, default=8192, help="unique tokens per micro-batch")
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100 80, H200 141)")
@@ -390,6 +416,9 @@ def _table(result: dict) -> str:
             cols = cols[:4] + ("params_frozen",) + cols[4:]
         head += (f"; vision tower trained, {result['image_token_fraction']:g} of the tokens image tokens"
                  f"{', its blocks recomputed' if result['recompute_vision_tower'] else ''}")
+    if result.get("lora_rank"):  # the adapters train, every other parameter is frozen
+        cols = cols[:4] + ("params_lora", "params_frozen") + cols[4:]
+        head += f"; LoRA rank {result['lora_rank']} (the checkpoint's weights frozen)"
     widths = [max(14, len(c)) for c in cols]
     lines = [head, "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
     for r in result["ranks"]:
@@ -404,6 +433,7 @@ def _table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args, _ = build_parser().parse_known_args(argv)
     from forge_megatron.bridge import Bridge, MappingError, UnsupportedModelError
+    from forge_megatron.training import arguments
 
     try:
         bridge = Bridge(args.hf_checkpoint, vision_tower=args.train_vision_tower)
@@ -417,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                       args.rl_kl_coef > 0, args.tree_token_budget, args.recompute_granularity,
                       args.sequence_parallel, args.gpu_memory_gib, args.expert_tensor_parallel_size,
                       args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
-                      args.image_token_fraction, args.recompute_vision_tower, args.vision_trainable)
+                      args.image_token_fraction, args.recompute_vision_tower, args.vision_trainable,
+                      arguments.lora_config(args))
     except (ValueError, FileNotFoundError, MappingError, UnsupportedModelError) as exc:
         print(f"forge-plan: error: {exc}", file=sys.stderr)
         return 2

@@ -522,14 +522,16 @@ class Trainer:
                                etp=getattr(a, "expert_tensor_parallel_size", None),
                                # a trained tower's parameters (its activations, measured, are forge-plan's)
                                **({"vision_trainable": getattr(a, "vision_trainable", None),
-                                   "image_token_fraction": 0.0} if self.bridge.vision_tower else {}))
+                                   "image_token_fraction": 0.0} if self.bridge.vision_tower else {}),
+                               lora=arguments.lora_config(a))
         except Exception as exc:  # noqa: BLE001 - a report, never a reason to stop
             log.warning("memory plan unavailable: %s", exc)
             return
         for r in result["ranks"]:
             static = r["weights_gib"] + r["grads_gib"] + r["optimizer_gib"] + r["reference_gib"]
+            lora = f", {r['params_lora']:,} of them LoRA adapters (the rest frozen)" if "params_lora" in r else ""
             self._log(f"memory plan, pipeline rank {r['pp_rank']}: {r['params_dense'] + r['params_expert']:,} "
-                      f"parameters per GPU ({r['params_expert']:,} in experts), {static:.2f} GiB of weights, "
+                      f"parameters per GPU ({r['params_expert']:,} in experts{lora}), {static:.2f} GiB of weights, "
                       f"gradients and optimizer state, about {r['activations_gib_estimate']:.2f} GiB of "
                       "activations (forge-plan" + ("; the vision tower's not included: forge-plan "
                                                    "--train-vision-tower estimates them"
@@ -1075,6 +1077,17 @@ def build_model_and_optimizer(args: argparse.Namespace, cfg, tower_config: dict 
             chunk.cuda()
     _attach_tower(chunks, tower_config, bool(getattr(args, "recompute_vision_tower", False)),
                   getattr(args, "vision_trainable", "*"))
+    from forge_megatron.training.arguments import lora_config
+
+    lora = lora_config(args)
+    if lora is not None:  # adapters beside the frozen weights: DDP and the optimizer see the adapters alone
+        from forge_megatron.mcore.lora import install as install_lora
+
+        adapted = install_lora(chunks, lora)
+        if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0:
+            kinds = sorted({n.rsplit(".", 1)[-1] for n in adapted})
+            log.info("--lora-rank %d: %d linears of this stage adapted (%s), scaling %g; every other parameter "
+                     "frozen", lora.rank, len(adapted), ", ".join(kinds), lora.scaling)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                use_distributed_optimizer=args.use_distributed_optimizer,
                                                overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),

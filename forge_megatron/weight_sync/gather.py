@@ -57,16 +57,22 @@ def _params(bridge: Bridge, chunk, experts: bool):
     """(canonical name, param) of ``chunk``, expert or non-expert ones only (expert ids still local), and the
     buffers the bridge maps to HF tensors (a MoE router's score-correction bias: GLM-4.5's
     ``e_score_correction_bias``, replicated)."""
+    from forge_megatron.mcore.lora import is_lora_name, merged
+
     model = unwrap(chunk)
     layer_offset = global_layers(model).start if hasattr(model, "decoder") else 0
-    for local, p in model.named_parameters():
+    named = dict(model.named_parameters())
+    adapters = {n: t for n, t in [*named.items(), *model.named_buffers()] if is_lora_name(n)}
+    for local, p in named.items():
         if local == "output_layer.weight" and bridge.cfg.tie_word_embeddings:
             continue  # the last stage's copy of the tied embedding
         if getattr(p, "is_vision_tower", False) and not p.requires_grad:
             continue  # outside --vision-trainable: the checkpoint's, which the engines loaded too
+        if is_lora_name(local):
+            continue  # --lora-rank: merged into its weight (W + scaling * B A, this shard's)
         canonical = bridge.rename(local, layer_offset, 0)
         if bridge.is_expert(canonical) == experts:
-            yield canonical, p
+            yield canonical, merged(adapters, local, p) if adapters else p
     if experts:
         return
     for local, buf in model.named_buffers():

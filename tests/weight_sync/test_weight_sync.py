@@ -286,6 +286,50 @@ def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     assert [g.rsplit("_", 1)[1] for g in groups] == [f"s{s}" for s in range(parallel.pp)], groups
 
 
+def _lora_sync_body(rank, world_size, mcore_dir, engine_url, disk_dir):
+    """--lora-rank's adapters on a converted trainer: with B moved off zero the trainer (base weights + adapters,
+    through the linears' hooks) scores differently from the engine; a sync sends W + scaling * B A per TP shard
+    and the engine then scores as the trainer does. Returns (adapted names, before, after, report)."""
+    from forge_megatron.mcore.lora import LoraConfig, install
+
+    bridge, model = load_converted(mcore_dir)
+    adapted = install([model], LoraConfig(rank=4, alpha=8.0))
+    with torch.no_grad():  # the same values on every rank holding a whole tensor (a function of the position)
+        for name, p in model.named_parameters():
+            if name.endswith(("lora_A", "lora_B")):
+                p.add_(0.2 * torch.cos(torch.arange(p.numel(), dtype=torch.float32) * 0.7).view_as(p).to(p.dtype))
+    before = _engine_vs_trainer(model, engine_url)
+    report = _sync(model, bridge, 1, engine_urls=[engine_url], transport="distributed", disk_dir=disk_dir)
+    return adapted, before, _engine_vs_trainer(model, engine_url), report
+
+
+@pytest.mark.parametrize("arch,parallel", [
+    ("qwen2", ParallelConfig(tp=2)),  # column-parallel B / row-parallel A split over TP, merged per shard
+    ("qwen3_tied", ParallelConfig(pp=2)),  # each stage merges its own layers' adapters
+    ("qwen3_moe", ParallelConfig(ep=2)),  # attention adapted, the experts sent as they are
+    # multi-latent attention: its up projections (column-parallel) and output adapted, the latents' down
+    # projections not; layer 0's dense MLP adapted, layer 1's experts and shared expert not
+    ("deepseek_v3", ParallelConfig(tp=2)),
+], ids=["tp2", "pp2", "ep2-moe", "tp2-mla"])
+def test_lora_adapters_are_synced_merged_into_the_weights(models, tmp_path, arch, parallel):
+    from forge_megatron.rollout.launch import start_engine
+
+    mcore = str(tmp_path / "mcore")
+    ckpt.hf_to_megatron(models[arch], mcore, ParallelLayout(parallel.tp, parallel.pp, parallel.ep))
+    engine = start_engine(models[arch], in_process=True)
+    try:
+        results = run_distributed(_lora_sync_body, world_size=2, parallel=parallel, mcore_dir=mcore,
+                                  engine_url=engine.url, disk_dir=str(tmp_path / "disk"))
+    finally:
+        engine.stop()
+    adapted, ((lps_before, _), trainer_before), ((lps, version), trainer), report = results[0]
+    per_layer = {"qwen3_moe": [2, 2], "deepseek_v3": [5, 3]}.get(arch, [4, 4])  # (a MoE layer's MLP is not adapted)
+    assert len(adapted) == sum(per_layer[:2 // parallel.pp]), adapted
+    assert max(abs(a - b) for a, b in zip(lps_before, trainer_before)) > 1e-3  # the adapters moved the trainer
+    assert report.excluded == [] and version == "1"
+    assert max(abs(a - b) for a, b in zip(lps, trainer)) <= 1e-5
+
+
 def test_tensors_sglang_fuses_on_load_travel_in_one_bucket(models):
     """q_a_proj and kv_a_proj_with_mqa of a layer (SGLang's DeepSeek loader fuses them within one load call) share a
     bucket however small the buckets, FP8 scales included; without keep_together they would not; the engine refuses

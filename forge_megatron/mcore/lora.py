@@ -1,0 +1,162 @@
+"""LoRA adapters on Megatron's tensor-parallel linears (``--lora-rank``): the checkpoint's weights frozen, a low-rank
+update trained beside each chosen linear, y = x W^T + scaling * (x A^T) B^T with scaling = alpha / rank.
+
+Each adapter follows its linear's tensor-parallel split, so TP (with or without sequence parallelism) trains what one
+rank trains:
+- column-parallel linears (``linear_qkv``, ``linear_fc1``; multi-latent attention's ``linear_q_proj`` or
+  ``linear_q_up_proj`` and ``linear_kv_up_proj``; W is [out / TP, in]): A [rank, in] whole on every TP rank,
+  B [out / TP, rank] split as W is. h = x A^T is made once per rank, its gradient summed over TP on the way back
+  (Megatron's copy-to-TP region); under sequence parallelism the rank's tokens' h is all-gathered (rank wide, not
+  hidden wide) and A's gradient, a sum over each rank's tokens, is reduced over TP by Megatron as the norms' are
+  (the ``sequence_parallel`` attribute).
+- row-parallel linears (``linear_proj``, ``linear_fc2``; W is [out, in / TP]): A [rank, in / TP] split as W is, B
+  [out, rank] whole. The partial h of each rank is summed over TP (all-reduce; reduce-scatter to the rank's tokens
+  under sequence parallelism, B's gradient then reduced over TP by Megatron).
+A starts as the same draw whatever the layout (a generator seeded by the layer's global number and the linear's name;
+the row-parallel ranks take their columns of it), B as zeros: the adapted model starts as the checkpoint.
+
+Only the adapters train: the optimizer holds them alone (its state is a few MB), the gradients are theirs. The weight
+sync and the HF export send W + scaling * B A (:func:`merged`, per TP shard: B A has the weight's shard shape),
+so the engines serve plain weights and need no LoRA support. Routed experts keep their weights (dense layers'
+MLPs and every layer's attention are adapted; a MoE layer's experts and shared experts are not), as do multi-latent
+attention's down projections (replicated latents), linear-attention mixers (Gated DeltaNet, Kimi Delta Attention)
+and the embeddings, norms and head.
+
+Legend: S = tokens (this rank's under sequence parallelism), R = rank, I / O = the linear's input / output width.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+ATTENTION = ("linear_qkv", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_proj")
+TARGETS = (*ATTENTION, "linear_fc1", "linear_fc2")
+COLUMN = ("linear_qkv", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_fc1")
+PARAM_NAMES = ("lora_A", "lora_B", "lora_scaling")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = TARGETS
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"--lora-rank must be >= 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.alpha}")
+        unknown = sorted(set(self.targets) - set(TARGETS))
+        if unknown or not self.targets:
+            raise ValueError(f"--lora-target-modules takes some of {', '.join(TARGETS)}; got {', '.join(self.targets)}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def is_lora_name(name: str) -> bool:
+    """True for an adapter's tensor (``...linear_qkv.lora_A``) in a state dict or named_parameters."""
+    return name.rsplit(".", 1)[-1] in PARAM_NAMES
+
+
+def _init_A(seed_name: str, rank: int, in_features: int) -> torch.Tensor:
+    """A's whole [R, I] initial value, the same on every rank and layout: kaiming-uniform(a=sqrt(5)) as nn.Linear
+    (and PEFT) draw it, from a generator seeded by ``seed_name``."""
+    gen = torch.Generator().manual_seed(zlib.crc32(seed_name.encode()))
+    bound = 1.0 / math.sqrt(in_features)
+    return (torch.rand(rank, in_features, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+
+
+def _hook(kind: str, sequence_parallel: bool):
+    from megatron.core.tensor_parallel import mappings as tpm
+
+    def forward(module, args, output):
+        x = args[0]
+        out, bias = output if isinstance(output, tuple) else (output, None)
+        h = x.to(module.lora_A.dtype) @ module.lora_A.t()  # [S, b, R]
+        if kind == "column":
+            h = tpm.gather_from_sequence_parallel_region(h) if sequence_parallel else \
+                tpm.copy_to_tensor_model_parallel_region(h)
+        else:
+            h = tpm.reduce_scatter_to_sequence_parallel_region(h) if sequence_parallel else \
+                tpm.reduce_from_tensor_model_parallel_region(h)
+        delta = (h @ module.lora_B.t()) * module.lora_scaling.to(h.dtype)
+        out = out + delta.to(out.dtype)
+        return (out, bias) if isinstance(output, tuple) else out
+
+    return forward
+
+
+def install(chunks: list, cfg: LoraConfig) -> list[str]:
+    """Add adapters to ``cfg.targets`` of every transformer layer of this rank's model ``chunks`` (before DDP wraps
+    them) and freeze every other parameter. Returns the adapted linears' names (rank 0's chunk-local ones)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      set_tensor_model_parallel_attributes)
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    adapted = []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+        chunk_sp = bool(getattr(chunk.config, "sequence_parallel", False))
+        for path, layer in chunk.named_modules():
+            number = getattr(layer, "layer_number", None)
+            if number is None or not hasattr(layer, "self_attention"):
+                continue
+            for name in cfg.targets:
+                parent = layer.self_attention if name in ATTENTION else getattr(layer, "mlp", None)
+                linear = getattr(parent, name, None)
+                if linear is None:
+                    continue  # a MoE layer's MLP (its experts keep their weights) or another attention
+                kind = "column" if name in COLUMN else "row"
+                want = ColumnParallelLinear if kind == "column" else RowParallelLinear
+                if not isinstance(linear, want):
+                    raise ValueError(f"--lora-target-modules {name}: layer {number}'s is a {type(linear).__name__}, "
+                                     f"not Megatron's {want.__name__} (LoRA adapts the local layer spec's linears)")
+                sp = bool(getattr(linear, "sequence_parallel", chunk_sp))  # (the linear's own: its input is sliced)
+                w = linear.weight
+                full_in = w.shape[1] * (tp if kind == "row" else 1)
+                A = _init_A(f"{number}.{name}", cfg.rank, full_in)
+                if kind == "row":
+                    A = A.chunk(tp, dim=1)[tp_rank]
+                linear.lora_A = torch.nn.Parameter(A.to(device=w.device, dtype=w.dtype).contiguous())
+                linear.lora_B = torch.nn.Parameter(torch.zeros(w.shape[0], cfg.rank, device=w.device, dtype=w.dtype))
+                linear.register_buffer("lora_scaling", torch.tensor(cfg.scaling, dtype=torch.float32,
+                                                                    device=w.device))
+                split, whole = (linear.lora_B, linear.lora_A) if kind == "column" else (linear.lora_A, linear.lora_B)
+                set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
+                if sp:  # a sum over this rank's tokens: Megatron reduces it over TP as the norms' gradients
+                    whole.sequence_parallel = True
+                linear.register_forward_hook(_hook(kind, sp))
+                adapted.append(f"{path}.{name}")
+    if not adapted:
+        raise ValueError(f"--lora-rank: this pipeline stage's layers have none of {', '.join(cfg.targets)} to adapt "
+                         "(a MoE layer's MLP and linear-attention mixers have none): choose other "
+                         "--lora-target-modules or another pipeline split")
+    return adapted
+
+
+def merged(module_state: dict, weight_name: str, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` + scaling * B A when ``module_state`` (a name -> tensor mapping) holds the adapter of the linear
+    whose weight is ``weight_name`` (``...linear_qkv.weight``), else ``weight`` itself. Per TP shard: B A has the
+    shard's shape. Computed in fp32, returned in the weight's dtype."""
+    prefix = weight_name[: -len("weight")]
+    A = module_state.get(prefix + "lora_A")
+    if A is None or not weight_name.endswith(".weight"):
+        return weight
+    B, scaling = module_state[prefix + "lora_B"], module_state[prefix + "lora_scaling"]
+    delta = (B.detach().float() @ A.detach().float()) * float(scaling)
+    return (weight.detach().float() + delta.to(weight.device)).to(weight.dtype)
+
+
+def merge_state(state: dict) -> dict:
+    """A model state dict with every adapter merged into its weight and the adapters' entries left out (the HF
+    export of a LoRA run's checkpoint)."""
+    return {k: merged(state, k, v) if isinstance(v, torch.Tensor) else v
+            for k, v in state.items() if not is_lora_name(k)}

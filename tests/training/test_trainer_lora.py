@@ -1,0 +1,85 @@
+"""--lora-rank: the trainer as a real process against a real forge-pool process, training LoRA adapters over the
+frozen checkpoint. One rank, TP = 2 with sequence parallelism and PP = 2 train the same steps; the first step's loss
+is the full model's (B starts at zero); only the adapters move and have optimizer state; a run stopped and resumed
+trains what an uninterrupted one does; the HF export holds the merged weights (the checkpoint's elsewhere); a resume
+in another layout is refused. CPU, 0 GPUs (gloo). The sync of merged weights: tests/weight_sync."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from forge_megatron.models.tiny import build_tiny_model
+from forge_megatron.training import arguments
+
+from .pool_feed import feed_groups
+from .test_arguments import MINIMAL
+from .trainer_run import assert_same_as_one_rank, run_on_fresh_pool
+
+LORA = ["--lora-rank", "4", "--lora-alpha", "16"]
+
+
+def test_lora_trains_the_same_under_tensor_sequence_and_pipeline_parallelism_and_exports_merged(tmp_path):
+    from safetensors.torch import load_file
+
+    from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+
+    model_dir = build_tiny_model(str(tmp_path / "hf"), arch="qwen3", seed=3)
+    feed = lambda c: feed_groups(c, 3, np.random.default_rng(7), completion_len=(4, 6))  # noqa: E731
+    layouts = [("one", LORA, 1, (None,)), ("full", [], 1, (None,)),
+               ("tp2sp", LORA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, (None,)),
+               ("pp2", LORA + ["--pipeline-model-parallel-size", "2"], 2, (None,)),
+               ("resumed", LORA, 1, (2, None))]
+    steps = {}
+    for name, extra, nproc, exits in layouts:
+        steps[name], outs, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=3, groups=1, nproc=nproc,
+                                                 extra=extra + ["--tree-token-budget", "32"], model=[], exits=exits)
+    assert [len(s) for s in steps.values()] == [3] * len(layouts)
+    assert_same_as_one_rank(steps, ["tp2sp", "pp2", "resumed"])
+    one, full = steps["one"], steps["full"]
+    assert one[0]["loss"] == pytest.approx(full[0]["loss"], rel=1e-6)  # B = 0: the checkpoint's model at step 1
+    assert one[0]["grad_norm"] != pytest.approx(full[0]["grad_norm"], rel=1e-2)  # the adapters' gradients alone
+    assert one[2]["loss"] != pytest.approx(full[2]["loss"], rel=1e-4)  # and their updates
+
+    state = torch.load(tmp_path / "one" / "ckpt" / "iter_0000002" / "rank_00000.pt", weights_only=False)
+    adapters = [k for k in state["model"] if k.endswith(("lora_A", "lora_B"))]
+    assert len(adapters) == 2 * 4 * 2  # two layers' four linears, A and B each
+    assert sum(1 for v in state["model"].values() if torch.is_tensor(v) and v.dim() == 2) > len(adapters)
+    moved = [k for k in adapters if k.endswith("lora_B") and state["model"][k].abs().max() > 0]
+    assert len(moved) == len(adapters) // 2
+
+    out = str(tmp_path / "export")
+    export_trainer_checkpoint(str(tmp_path / "one" / "ckpt"), out)
+    got = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(f"{out}/{f}").items()}
+    before = {k: v for f in os.listdir(model_dir) if f.endswith(".safetensors")
+              for k, v in load_file(f"{model_dir}/{f}").items()}
+    assert set(got) == set(before)
+    adapted = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name in before:
+        if any(f".{m}." in name for m in adapted) and name.endswith("weight"):
+            assert not torch.equal(got[name], before[name]), name  # W + scaling * B A
+        else:  # embeddings, norms, the head, q/k norms, biases: frozen, the checkpoint's own
+            assert torch.equal(got[name], before[name]), name
+
+    # a resume under another layout is refused with the way out
+    with pytest.raises(AssertionError, match="a --lora-rank run resumes in its own"):
+        run_on_fresh_pool(tmp_path, "one", model_dir, feed, iters=4, groups=1, nproc=2, model=[],
+                          extra=LORA + ["--tensor-model-parallel-size", "2", "--tree-token-budget", "32"])
+
+
+def test_lora_flags_are_checked():
+    args = arguments.parse_args(MINIMAL + ["--lora-rank", "8"])
+    cfg = arguments.lora_config(args)
+    assert (cfg.rank, cfg.alpha, cfg.scaling) == (8, 16.0, 2.0) and len(cfg.targets) == 7
+    args = arguments.parse_args(MINIMAL + ["--lora-rank", "8", "--lora-alpha", "8", "--lora-target-modules",
+                                           "linear_qkv, linear_proj"])
+    assert arguments.lora_config(args).targets == ("linear_qkv", "linear_proj")
+    assert arguments.lora_config(arguments.parse_args(MINIMAL)) is None
+    for extra, message in [(["--lora-rank", "0"], "--lora-rank must be >= 1"),
+                           (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
+                           (["--lora-alpha", "4"], "--lora-alpha needs --lora-rank"),
+                           (["--lora-rank", "4", "--lora-target-modules", "q_proj"], "takes some of linear_qkv"),
+                           (["--lora-rank", "4", "--train-vision-tower"], "does not combine with --train-vision-tower")]:
+        with pytest.raises(ValueError, match=message):
+            arguments.parse_args(MINIMAL + extra)
