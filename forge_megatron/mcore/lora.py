@@ -15,7 +15,9 @@ rank trains:
 A starts as the same draw whatever the layout (a generator seeded by the layer's global number and the linear's name;
 the row-parallel ranks take their columns of it), B as zeros: the adapted model starts as the checkpoint.
 
-Only the adapters train: the optimizer holds them alone (its state is a few MB), the gradients are theirs. The weight
+Only the adapters train: the optimizer holds them alone (its state is a few MB), the gradients are theirs. The KL
+reference, the checkpoint's model, is the policy with its adapters switched off (:func:`disabled`): no second copy of
+the weights. The weight
 sync and the HF export send W + scaling * B A (:func:`merged`, per TP shard: B A has the weight's shard shape),
 so the engines serve plain weights and need no LoRA support. Routed experts keep their weights (dense layers'
 MLPs and every layer's attention are adapted; a MoE layer's experts and shared experts are not), as do multi-latent
@@ -27,6 +29,7 @@ Legend: S = tokens (this rank's under sequence parallelism), R = rank, I / O = t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -76,6 +79,8 @@ def _hook(kind: str, sequence_parallel: bool):
     from megatron.core.tensor_parallel import mappings as tpm
 
     def forward(module, args, output):
+        if module.lora_off:  # (disabled(): the checkpoint's linear, for the KL reference)
+            return output
         x = args[0]
         out, bias = output if isinstance(output, tuple) else (output, None)
         h = x.to(module.lora_A.dtype) @ module.lora_A.t()  # [S, b, R]
@@ -133,6 +138,7 @@ def install(chunks: list, cfg: LoraConfig) -> list[str]:
                 set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
                 if sp:  # a sum over this rank's tokens: Megatron reduces it over TP as the norms' gradients
                     whole.sequence_parallel = True
+                linear.lora_off = False
                 linear.register_forward_hook(_hook(kind, sp))
                 adapted.append(f"{path}.{name}")
     if not adapted:
@@ -140,6 +146,20 @@ def install(chunks: list, cfg: LoraConfig) -> list[str]:
                          "(a MoE layer's MLP and linear-attention mixers have none): choose other "
                          "--lora-target-modules or another pipeline split")
     return adapted
+
+
+@contextlib.contextmanager
+def disabled(chunks: list):
+    """Within the block the adapted linears of ``chunks`` compute with their frozen weights alone: the model is the
+    checkpoint's (the KL reference of a LoRA run, without a second copy of the weights)."""
+    linears = [m for chunk in chunks for m in chunk.modules() if hasattr(m, "lora_off")]
+    for m in linears:
+        m.lora_off = True
+    try:
+        yield
+    finally:
+        for m in linears:
+            m.lora_off = False
 
 
 def merged(module_state: dict, weight_name: str, weight: torch.Tensor) -> torch.Tensor:

@@ -511,6 +511,15 @@ def lora_config(args: argparse.Namespace):
     return LoraConfig(args.lora_rank, alpha, targets)
 
 
+def lora_reference(args: argparse.Namespace) -> bool:
+    """Whether the KL reference of this run is the policy with its LoRA adapters off: --lora-rank, and the reference
+    is the checkpoint the adapters start from (no --ref-hf-checkpoint, or the same directory)."""
+    if getattr(args, "lora_rank", None) is None:
+        return False
+    ref = getattr(args, "ref_hf_checkpoint", None)
+    return not ref or os.path.realpath(ref) == os.path.realpath(args.hf_checkpoint)
+
+
 def int4_qat_config(args: argparse.Namespace):
     """The :class:`Int4Config` --int4-qat rounds by: its CHECKPOINT's, or --weight-sync-int4's; None without it."""
     if getattr(args, "int4_qat", None) is None:
@@ -575,6 +584,9 @@ def validate_args(args: argparse.Namespace) -> None:
                                        ("--int4-qat", getattr(args, "int4_qat", None) is not None)) if on]
         if clash:
             raise ValueError(f"--lora-rank trains adapters over frozen weights; it does not combine with {clash[0]}")
+        if getattr(args, "ref_offload", False) and lora_reference(args):
+            raise ValueError("--ref-offload: with --lora-rank the KL reference is the policy with its adapters off "
+                             "(no copy of the weights to offload)")
     elif getattr(args, "lora_alpha", None) is not None:
         raise ValueError("--lora-alpha needs --lora-rank")
     first, last = getattr(args, "decoder_first_pipeline_num_layers", None), \

@@ -404,7 +404,13 @@ class Trainer:
                 self._log(f"--int4-qat: {len(rounded)} weight(s) on rank 0 computed with their int4 rounding (group "
                           f"{qat.group}), straight-through gradients to the full-precision weights")
         # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
-        self.ref_chunks = build_reference_model(self.cfg, tower) if self.loss_cfg.kl_coef > 0 else None
+        # A LoRA run's reference, the checkpoint's model, is the policy with its adapters off (no second copy)
+        self.lora_reference = self.loss_cfg.kl_coef > 0 and arguments.lora_reference(args)
+        if self.lora_reference and self.rank == 0:
+            self._log("KL reference: the policy with its LoRA adapters off (the checkpoint's model; no copy of the "
+                      "weights)")
+        self.ref_chunks = build_reference_model(self.cfg, tower) \
+            if self.loss_cfg.kl_coef > 0 and not self.lora_reference else None
         if qat is not None and self.ref_chunks is not None:  # the KL's reference rounded as the policy is
             int4_qat.install(self.bridge, self.ref_chunks, qat)
         self.ref_offload = None  # --ref-offload: HostOffload of ref_chunks, made once their weights are loaded
@@ -676,6 +682,11 @@ class Trainer:
         if self.ref_chunks is not None:
             with self.ref_offload.resident() if self.ref_offload is not None else contextlib.nullcontext():
                 self._forward_only_logprobs(self.ref_chunks, rb, "ref_logp_M")
+        elif self.lora_reference:
+            from forge_megatron.mcore import lora
+
+            with lora.disabled(self.chunks):
+                self._forward_only_logprobs(self.ddp, rb, "ref_logp_M")
         if getattr(self.args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay
 

@@ -68,6 +68,27 @@ def test_lora_trains_the_same_under_tensor_sequence_and_pipeline_parallelism_and
                           extra=LORA + ["--tensor-model-parallel-size", "2", "--tree-token-budget", "32"])
 
 
+def test_lora_kl_reference_is_the_policy_with_its_adapters_off(tmp_path):
+    """With --rl-kl-coef the reference of a LoRA run is the policy with its adapters off (no copy of the weights):
+    it trains the same steps as with a frozen copy of the checkpoint (--ref-hf-checkpoint to a copy of it), under
+    PP = 2 too; KL 0 at step 1 (B = 0), > 0 after."""
+    import shutil
+
+    model_dir = build_tiny_model(str(tmp_path / "hf"), arch="qwen3", seed=4)
+    copy = shutil.copytree(model_dir, str(tmp_path / "hf_copy"))
+    feed = lambda c: feed_groups(c, 3, np.random.default_rng(8), completion_len=(4, 6))  # noqa: E731
+    kl = LORA + ["--rl-kl-coef", "0.5", "--tree-token-budget", "32"]
+    steps, outs = {}, {}
+    for name, extra, nproc in [("one", kl, 1), ("copy", kl + ["--ref-hf-checkpoint", copy], 1),
+                               ("pp2", kl + ["--pipeline-model-parallel-size", "2"], 2)]:
+        steps[name], outs[name], _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=3, groups=1,
+                                                       nproc=nproc, extra=extra, model=[])
+    assert "the policy with its LoRA adapters off" in outs["one"][0]
+    assert "the policy with its LoRA adapters off" not in outs["copy"][0]
+    assert_same_as_one_rank(steps, ["copy", "pp2"], keys=("loss", "grad_norm", "kl"))
+    assert steps["one"][0]["kl"] == pytest.approx(0.0, abs=1e-7) and steps["one"][2]["kl"] > 1e-6
+
+
 def test_lora_flags_are_checked():
     args = arguments.parse_args(MINIMAL + ["--lora-rank", "8"])
     cfg = arguments.lora_config(args)
@@ -80,6 +101,7 @@ def test_lora_flags_are_checked():
                            (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
                            (["--lora-alpha", "4"], "--lora-alpha needs --lora-rank"),
                            (["--lora-rank", "4", "--lora-target-modules", "q_proj"], "takes some of linear_qkv"),
-                           (["--lora-rank", "4", "--train-vision-tower"], "does not combine with --train-vision-tower")]:
+                           (["--lora-rank", "4", "--train-vision-tower"], "does not combine with --train-vision-tower"),
+                           (["--lora-rank", "4", "--rl-kl-coef", "0.1", "--ref-offload"], "no copy of the weights")]:
         with pytest.raises(ValueError, match=message):
             arguments.parse_args(MINIMAL + extra)
