@@ -97,6 +97,16 @@ def _hook(kind: str, sequence_parallel: bool):
     return forward
 
 
+def _embedding_requires_grad(module, args, output):
+    """The frozen embedding's output marked as requiring a gradient: activation recomputation (Megatron's reentrant
+    checkpoints) back-propagates into a recomputed layer only if its input requires one, and with every weight
+    frozen the first layer's would not, so the adapters inside would get no gradient. (Later pipeline stages get
+    their input from the previous stage with requires_grad set by Megatron's schedule.)"""
+    if torch.is_tensor(output) and not output.requires_grad and torch.is_grad_enabled():
+        return output.detach().requires_grad_(True)
+    return output
+
+
 def install(chunks: list, cfg: LoraConfig) -> list[str]:
     """Add adapters to ``cfg.targets`` of every transformer layer of this rank's model ``chunks`` (before DDP wraps
     them) and freeze every other parameter. Returns the adapted linears' names (rank 0's chunk-local ones)."""
@@ -141,6 +151,9 @@ def install(chunks: list, cfg: LoraConfig) -> list[str]:
                 linear.lora_off = False
                 linear.register_forward_hook(_hook(kind, sp))
                 adapted.append(f"{path}.{name}")
+        embedding = getattr(chunk, "embedding", None)
+        if embedding is not None:  # the first stage: see _embedding_requires_grad
+            embedding.register_forward_hook(_embedding_requires_grad)
     if not adapted:
         raise ValueError(f"--lora-rank: this pipeline stage's layers have none of {', '.join(cfg.targets)} to adapt "
                          "(a MoE layer's MLP and linear-attention mixers have none): choose other "

@@ -1,5 +1,6 @@
 """--lora-rank: the trainer as a real process against a real forge-pool process, training LoRA adapters over the
-frozen checkpoint. One rank, TP = 2 with sequence parallelism and PP = 2 train the same steps; the first step's loss
+frozen checkpoint. One rank, TP = 2 with sequence parallelism, PP = 2, CP = 2 and full recomputation train the same
+steps (so do multi-latent attention's adapters and a MoE model's under TP = 2 with SP); the first step's loss
 is the full model's (B starts at zero); only the adapters move and have optimizer state; a run stopped and resumed
 trains what an uninterrupted one does; the HF export holds the merged weights (the checkpoint's elsewhere); a resume
 in another layout is refused. CPU, 0 GPUs (gloo). The sync of merged weights: tests/weight_sync."""
@@ -30,13 +31,17 @@ def test_lora_trains_the_same_under_tensor_sequence_and_pipeline_parallelism_and
     layouts = [("one", LORA, 1, (None,)), ("full", [], 1, (None,)),
                ("tp2sp", LORA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, (None,)),
                ("pp2", LORA + ["--pipeline-model-parallel-size", "2"], 2, (None,)),
+               ("cp2", LORA + ["--context-parallel-size", "2"], 2, (None,)),
+               # every weight frozen: the recomputed layers' input must still require a gradient for the adapters
+               ("recompute", LORA + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                     "--recompute-num-layers", "1"], 1, (None,)),
                ("resumed", LORA, 1, (2, None))]
     steps = {}
     for name, extra, nproc, exits in layouts:
         steps[name], outs, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=3, groups=1, nproc=nproc,
                                                  extra=extra + ["--tree-token-budget", "32"], model=[], exits=exits)
     assert [len(s) for s in steps.values()] == [3] * len(layouts)
-    assert_same_as_one_rank(steps, ["tp2sp", "pp2", "resumed"])
+    assert_same_as_one_rank(steps, ["tp2sp", "pp2", "cp2", "recompute", "resumed"])
     one, full = steps["one"], steps["full"]
     assert one[0]["loss"] == pytest.approx(full[0]["loss"], rel=1e-6)  # B = 0: the checkpoint's model at step 1
     assert one[0]["grad_norm"] != pytest.approx(full[0]["grad_norm"], rel=1e-2)  # the adapters' gradients alone
@@ -66,6 +71,22 @@ def test_lora_trains_the_same_under_tensor_sequence_and_pipeline_parallelism_and
     with pytest.raises(AssertionError, match="a --lora-rank run resumes in its own"):
         run_on_fresh_pool(tmp_path, "one", model_dir, feed, iters=4, groups=1, nproc=2, model=[],
                           extra=LORA + ["--tensor-model-parallel-size", "2", "--tree-token-budget", "32"])
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_lora_on_latent_attention_and_moe_models_trains_the_same_under_tensor_and_sequence_parallelism(tmp_path, arch):
+    """DeepSeek-V3's layout (multi-latent attention's up projections and output adapted, a dense layer's MLP, a MoE
+    layer's experts and shared expert frozen) and Qwen3-MoE's (attention adapted, the experts frozen): TP = 2 with
+    sequence parallelism trains the same steps as one rank."""
+    model_dir = build_tiny_model(str(tmp_path / "hf"), arch=arch, seed=5)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(9), completion_len=(4, 6))  # noqa: E731
+    steps = {}
+    for name, extra, nproc in [("one", [], 1),
+                               ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)]:
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=LORA + extra + ["--tree-token-budget", "32"], model=[])
+    assert steps["one"][0]["grad_norm"] > 0
+    assert_same_as_one_rank(steps, ["tp2sp"])
 
 
 def test_lora_kl_reference_is_the_policy_with_its_adapters_off(tmp_path):
