@@ -103,7 +103,8 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "triton>=3.0", "openai>=1.0", "anthropic>=0.40",
                  "pybind11>=2.12", "matplotlib",
-                 "compressed-tensors"],  # the reference for int4-to-bf16's dequantisation
+                 "compressed-tensors",  # the reference for int4-to-bf16's dequantisation
+                 "peft"],  # loads trainer-to-peft's LoRA adapters in the tests
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={

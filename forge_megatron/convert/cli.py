@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vision-language checkpoints (Qwen3.5 as released): copy the vision tower (not trained) from "
                         "this HF checkpoint (default: the run's --hf-checkpoint; a run with --train-vision-tower holds "
                         "its own, exported from the checkpoint)")
+    p = sub.add_parser("trainer-to-peft", help="a --lora-rank run's trainer checkpoint -> its LoRA adapters as a PEFT "
+                                               "adapter directory (adapter_config.json, adapter_model.safetensors) for "
+                                               "the run's --hf-checkpoint")
+    p.add_argument("--save-dir", required=True, help="the trainer's --save directory")
+    p.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
+    p.add_argument("--out", required=True, help="output adapter directory")
     p = sub.add_parser("hf-to-fp8", help="HF directory -> block-wise FP8 copy for SGLang to serve (the trainer's "
                                          "--weight-sync-fp8 then sends weights in the same format)")
     p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + *.safetensors, unquantized)")
@@ -129,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"forge-convert: iteration {summary['iteration']} (policy version {summary['policy_version']}), "
                   f"layout {summary['layout']}, {summary['tensors']} tensors, tokenizer from "
                   f"{summary['tokenizer_from'] or '(none found)'}")
+        elif args.command == "trainer-to-peft":
+            from forge_megatron.convert.trainer_checkpoint import export_lora_adapter
+
+            summary = export_lora_adapter(args.save_dir, args.out, args.iteration)
+            print(f"forge-convert: iteration {summary['iteration']}, LoRA rank {summary['r']} alpha "
+                  f"{summary['lora_alpha']:g} on {', '.join(summary['target_modules'])} ({summary['tensors']} tensors)")
+            if summary["note"]:
+                print(f"forge-convert: note: {summary['note']}", file=sys.stderr)
         elif args.command == "hf-to-fp8":
             s = checkpoint.hf_to_fp8(args.hf_dir, args.out, tuple(args.block),
                                      tuple(x for x in args.skip.split(",") if x), int(args.max_shard_gb * (1 << 30)))

@@ -94,12 +94,16 @@ def model_chunks(state: dict) -> list[dict]:
     return [{_strip_wrappers(k): v for k, v in chunk.items()} for chunk in chunks]
 
 
+def _raw_chunks(path: str) -> list[dict]:
+    return model_chunks(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
+
+
 def _model_chunks(path: str) -> list[dict]:
     """A rank file's model chunks as the export writes them: a --lora-rank run's adapters merged into their
     weights (W + scaling * B A, this shard's), so the HF checkpoint is the trained model."""
     from forge_megatron.mcore.lora import merge_state
 
-    return [merge_state(c) for c in model_chunks(torch.load(path, map_location="cpu", weights_only=False, mmap=True))]
+    return [merge_state(c) for c in _raw_chunks(path)]
 
 
 def _strip_wrappers(key: str) -> str:
@@ -170,3 +174,65 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
         raise FileNotFoundError(f"--tokenizer-from {tokenizer_from!r} is not a directory")
     return {"iteration": iteration, "policy_version": metas[0].get("policy_version"), "layout": layout,
             "tensors": count[0], "tokenizer_from": source if copied else None, "tokenizer_files": copied}
+
+
+def export_lora_adapter(save_dir: str, out_dir: str, iteration: int | None = None) -> dict:
+    """Write the LoRA adapters of a ``--lora-rank`` run's checkpoint ``iteration`` (default: the latest) as a PEFT
+    adapter (``adapter_config.json`` + ``adapter_model.safetensors``, HF module names) for the run's
+    ``--hf-checkpoint``: what PEFT, vLLM and SGLang load beside the base model. A fused Megatron linear becomes HF's
+    projections: each keeps the shared A and takes its rows of B (q/k/v, gate/up), so B_hf A = the rows of B A that
+    the merged export adds to its weight. Returns a summary (iteration, rank, alpha, modules, tensors)."""
+    from safetensors.torch import save_file
+
+    from forge_megatron.mcore.lora import COLUMN
+
+    iteration = _latest(save_dir) if iteration is None else iteration
+    metas = read_rank_metadata(save_dir, iteration)
+    bridge = Bridge(metas[0]["hf_config"], vision_tower=bool(metas[0].get("vision_tower")))
+    job = saved_job(metas, bridge)
+    pl, it_dir = job.layout, os.path.join(save_dir, f"iter_{iteration:07d}")
+    factors: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # canonical weight -> A/B/scaling -> TP rank
+    for (tp, p, _), rank in sorted(job.owner.items()):  # (adapters are never on experts: any EP rank's copy)
+        for v, chunk in enumerate(_raw_chunks(os.path.join(it_dir, f"rank_{rank:05d}.pt"))):
+            layers = job.chunks[v * job.P + p]
+            for key, t in chunk.items():
+                head, _, leaf = key.rpartition(".")
+                if leaf in ("lora_A", "lora_B", "lora_scaling"):
+                    weight = bridge.rename(f"{head}.weight", layers.start, 0)
+                    factors.setdefault(weight, {}).setdefault(leaf, {}).setdefault(tp, t)
+    if not factors:
+        raise ValueError(f"{it_dir!r} holds no LoRA adapters (a run without --lora-rank): use trainer-to-hf")
+    tensors, modules, ranks, alphas = {}, set(), set(), set()
+    for weight, f in sorted(factors.items()):
+        shards = [f[k] for k in ("lora_A", "lora_B")]
+        if any(len(s) != pl.tp for s in shards):
+            raise MappingError(f"{it_dir!r}: {weight}'s adapter lacks TP shards")
+        column = weight.rsplit(".", 2)[-2] in COLUMN
+        A = f["lora_A"][0] if column else bridge.tp_join(weight, [f["lora_A"][t] for t in range(pl.tp)])
+        B = bridge.tp_join(weight, [f["lora_B"][t] for t in range(pl.tp)]) if column else f["lora_B"][0]
+        rank, scaling = A.shape[0], float(f["lora_scaling"][0])
+        ranks.add(rank)
+        alphas.add(round(scaling * rank, 6))
+        pairs = {n: (A, b) for n, b in bridge.to_hf(weight, B).items()} if column else \
+            {n: (a, B) for n, a in bridge.to_hf(weight, A).items()}
+        for hf_name, (a, b) in pairs.items():
+            module = hf_name[: -len(".weight")]
+            modules.add(module.rsplit(".", 1)[-1])
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(torch.float32, copy=True).contiguous()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b.to(torch.float32, copy=True).contiguous()
+    if len(ranks) != 1 or len(alphas) != 1:
+        raise ValueError(f"{it_dir!r}: adapters of several ranks or scales ({sorted(ranks)}, alpha {sorted(alphas)})")
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ranks.pop(), "lora_alpha": alphas.pop(),
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "target_modules": sorted(modules), "base_model_name_or_path": metas[0].get("hf_checkpoint")}
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as fh:
+        json.dump(config, fh, indent=2)
+    note = None
+    if bridge.cfg.num_moe_experts and modules & {"gate_proj", "up_proj", "down_proj", "gate_up_proj"}:
+        note = ("this MoE model's adapters include dense MLP projections, which PEFT (0.21, transformers 5) maps onto "
+                "the experts when it loads them: use the merged export (trainer-to-hf) there, or train with "
+                "--lora-target-modules limited to attention")
+    return {"iteration": iteration, "r": config["r"], "lora_alpha": config["lora_alpha"],
+            "target_modules": config["target_modules"], "tensors": len(tensors), "note": note}

@@ -336,7 +336,7 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, log=
         if any(is_lora_name(n) for c in _chunks(model) for n, _ in c.named_parameters()):
             raise ValueError(f"checkpoint {_iter_dir(root, iteration)} was saved under another layout or optimizer "
                              f"({differ}): a --lora-rank run resumes in its own (or export it with "
-                             "convert_checkpoint.py trainer-to-hf, adapters merged, and start from that)")
+                             "forge-convert trainer-to-hf, adapters merged, and start from that)")
 
         if log is not None:
             what = "with another optimizer or precision" if differ.startswith(("optimizer", "weights")) else \

@@ -67,6 +67,10 @@ def test_lora_trains_the_same_under_tensor_sequence_and_pipeline_parallelism_and
         else:  # embeddings, norms, the head, q/k norms, biases: frozen, the checkpoint's own
             assert torch.equal(got[name], before[name]), name
 
+    config = _check_peft_adapter(tmp_path / "one", model_dir, tmp_path / "peft_one")
+    assert (config["r"], config["lora_alpha"]) == (4, 16)
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
     # a resume under another layout is refused with the way out
     with pytest.raises(AssertionError, match="a --lora-rank run resumes in its own"):
         run_on_fresh_pool(tmp_path, "one", model_dir, feed, iters=4, groups=1, nproc=2, model=[],
@@ -87,6 +91,12 @@ def test_lora_on_latent_attention_and_moe_models_trains_the_same_under_tensor_an
                                               extra=LORA + extra + ["--tree-token-budget", "32"], model=[])
     assert steps["one"][0]["grad_norm"] > 0
     assert_same_as_one_rank(steps, ["tp2sp"])
+    # (PEFT 0.21 maps a MoE family's gate/up/down targets onto its experts, which leaves DeepSeek's dense MLP
+    # adapters unloaded: docs/training.md)
+    modules = _check_peft_adapter(tmp_path / "tp2sp", model_dir, tmp_path / "peft",
+                                  load_with_peft=arch != "deepseek_v3")["target_modules"]  # TP shards joined
+    assert modules == (["down_proj", "gate_proj", "kv_b_proj", "o_proj", "q_b_proj", "up_proj"]
+                       if arch == "deepseek_v3" else ["k_proj", "o_proj", "q_proj", "v_proj"])
 
 
 def test_lora_kl_reference_is_the_policy_with_its_adapters_off(tmp_path):
@@ -108,6 +118,55 @@ def test_lora_kl_reference_is_the_policy_with_its_adapters_off(tmp_path):
     assert "the policy with its LoRA adapters off" not in outs["copy"][0]
     assert_same_as_one_rank(steps, ["copy", "pp2"], keys=("loss", "grad_norm", "kl"))
     assert steps["one"][0]["kl"] == pytest.approx(0.0, abs=1e-7) and steps["one"][2]["kl"] > 1e-6
+
+
+def _check_peft_adapter(run_dir, base_dir, out_dir, load_with_peft: bool = True) -> dict:
+    """The run's PEFT adapter (forge-convert trainer-to-peft) and its merged HF export agree: each adapted HF weight
+    of the export is the base's + (alpha / r) B_hf A_hf, every other tensor the base's own; ``load_with_peft``: PEFT
+    loads the adapter on the base model, which then scores as the merged export does. Returns the config."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from forge_megatron.convert.cli import main as convert
+
+    assert convert(["trainer-to-peft", "--save-dir", f"{run_dir}/ckpt", "--out", f"{out_dir}/peft"]) == 0
+    assert convert(["trainer-to-hf", "--save-dir", f"{run_dir}/ckpt", "--out", f"{out_dir}/merged"]) == 0
+    config = json.loads(open(f"{out_dir}/peft/adapter_config.json").read())
+    adapter = load_file(f"{out_dir}/peft/adapter_model.safetensors")
+    merged = {k: v for f in os.listdir(f"{out_dir}/merged") if f.endswith(".safetensors")
+              for k, v in load_file(f"{out_dir}/merged/{f}").items()}
+    base = {k: v for f in os.listdir(base_dir) if f.endswith(".safetensors")
+            for k, v in load_file(f"{base_dir}/{f}").items()}
+    scaling = config["lora_alpha"] / config["r"]
+    adapted = set()
+    for key in adapter:
+        if key.endswith(".lora_A.weight"):
+            module = key[len("base_model.model."): -len(".lora_A.weight")]
+            A, B = adapter[key], adapter[key.replace("lora_A", "lora_B")]
+            assert A.shape[0] == B.shape[1] == config["r"]
+            want = base[module + ".weight"].float() + scaling * B.float() @ A.float()
+            torch.testing.assert_close(merged[module + ".weight"].float(), want, rtol=1e-5, atol=1e-6)
+            adapted.add(module + ".weight")
+    assert adapted and {k for k in base if not torch.equal(merged[k], base[k])} <= adapted
+    assert config["base_model_name_or_path"] == base_dir and config["peft_type"] == "LORA"
+    if not load_with_peft:
+        return config
+    # PEFT itself: the base model with the adapter scores as the merged export does (and not as the base)
+    import transformers
+    from peft import PeftModel
+
+    ids = torch.tensor([[5, 17, 42, 99, 7, 123, 31, 64, 2, 11]])
+    logits = {}
+    for name, make in (("merged", lambda: transformers.AutoModelForCausalLM.from_pretrained(f"{out_dir}/merged")),
+                       ("peft", lambda: PeftModel.from_pretrained(
+                           transformers.AutoModelForCausalLM.from_pretrained(base_dir), f"{out_dir}/peft")),
+                       ("base", lambda: transformers.AutoModelForCausalLM.from_pretrained(base_dir))):
+        with torch.no_grad():
+            logits[name] = make().float().eval()(ids).logits
+    torch.testing.assert_close(logits["peft"], logits["merged"], rtol=1e-4, atol=1e-5)
+    assert (logits["peft"] - logits["base"]).abs().max() > 1e-4
+    return config
 
 
 def test_lora_flags_are_checked():
