@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -112,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8", action="store_true",
                    help="the engine serves a block-wise FP8 copy of the SFT model (forge-convert hf-to-fp8, 32 x 32 "
                         "blocks) and the trainer syncs FP8 weights to it (--weight-sync-fp8)")
+    p.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="train LoRA adapters of rank R over the frozen SFT model instead of every weight (the "
+                        "trainer's --lora-rank): the engine receives the merged weights at each sync")
+    p.add_argument("--train-args", default="", metavar="FLAGS",
+                   help="more flags for the trainer (scripts/train_forge.py), one shell-quoted string appended to "
+                        "its command line, e.g. \"--rl-entropy-coef 0.01\" (as EXTRA_TRAIN_ARGS in forge.sbatch)")
     p.add_argument("--weight-sync-transport", default="disk", choices=["disk", "distributed"],
                    help="safetensors through a directory, or a gloo broadcast group with the engine")
     p.add_argument("--eval-tasks", type=int, default=32,
@@ -298,7 +305,8 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         "--metrics-jsonl", metrics, "--log-interval", "1", "--seed", str(args.seed),
         *(["--routing-replay"] if args.moe else []),
         *(["--train-vision-tower"] if args.train_vision_tower else []),
-        *(["--weight-sync-fp8", served] if args.fp8 else [])],
+        *(["--weight-sync-fp8", served] if args.fp8 else []),
+        *(["--lora-rank", str(args.lora_rank)] if args.lora_rank else []), *shlex.split(args.train_args)],
         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
              "LOCAL_RANK": "0"})
     deadline = time.time() + args.timeout_s
@@ -411,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.lr is None:
         args.lr = 3e-4 if args.arch in ("olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e", "qwen3_vl") \
             or args.moe == "gemma4_moe" else 1e-3
+        if args.lora_rank:  # adapters starting at zero move the model more slowly than its weights would
+            args.lr *= 5
     start = time.time()
     if os.path.isdir(args.out):
         shutil.rmtree(args.out)  # idempotent: every run starts from scratch
@@ -438,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] partial rollout: the weight syncs cut {summary['aborts']} engine calls; the gateway kept their "
           f"{summary['resumed_tokens']} sampled tokens and went on from them", flush=True)
     diff = [d for d in summary["onpolicy_logp_abs_diff"] if d is not None]
+    if args.lora_rank and diff:
+        print(f"[demo] LoRA rank {args.lora_rank}: the engine serves the merged weights; |engine - trainer| logprob "
+              f"{max(diff):.1e} at most per on-policy token", flush=True)
     if args.fp8 and diff:
         print(f"[demo] FP8 engine: |engine - trainer| logprob {sum(diff) / len(diff):.4f} per on-policy token (the FP8 "
               "rounding of the weights; an fp32 engine shows ~1e-6)", flush=True)

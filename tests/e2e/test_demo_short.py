@@ -93,6 +93,27 @@ def test_short_moe_demo_replays_the_engines_routing(tmp_path):
     assert first["routing_replayed_rows"] > 0 and first["rollout_logp_abs_diff"] < 1e-4
 
 
+def test_short_lora_demo_serves_the_merged_weights(tmp_path):
+    """``--lora-rank 8``: the trainer trains adapters over the frozen SFT model (an entropy bonus gives them a
+    gradient whatever the rewards, through ``--train-args``) and syncs W + scaling * B A every step: on the tokens
+    each synced version sampled, the engine's logprobs equal the trainer's to fp32 round-off, though the adapters
+    moved the model (the tokens sampled before an update differ by far more)."""
+    out = tmp_path / "lora_run"
+    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--lora-rank", "8", "--train-args",
+           "--rl-entropy-coef 0.05", "--out", str(out), "--steps", "4", "--sft-steps", "10", "--groups-per-step", "2",
+           "--group-size", "4", "--eval-tasks", "0", "--timeout-s", "400"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "[demo] LoRA rank 8: the engine serves the merged weights" in proc.stdout
+    assert not _processes_mentioning(str(out)), "a demo process outlived the demo"
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["policy_version"] for s in steps] == [1, 2, 3, 4] and all(s["grad_norm"] > 0 for s in steps)
+    # tokens sampled by a merged, synced version and trained at it (a step may have none: timing)
+    onpolicy = [d for s in steps[1:] if (d := s.get("onpolicy/rollout_logp_abs_diff")) is not None]
+    assert onpolicy and max(onpolicy) < 1e-5, onpolicy
+    assert max(s["rollout_kl"] for s in steps[1:]) > 1e-5  # the adapters moved the policy between versions
+
+
 def test_short_fp8_demo_serves_and_syncs_fp8_weights(tmp_path):
     """``--fp8``: the engine serves forge-convert's FP8 copy of the SFT model and the trainer syncs FP8 weights every
     step (disk transport). On tokens the trained weights sampled, the engine's logprobs differ from the trainer's by
