@@ -179,13 +179,14 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
          tokens: int = 8192, recompute: str | None = None, sequence_parallel: bool = False,
          gpu_memory_gib: float = 80.0, etp: int | None = None, first: int | None = None,
          last: int | None = None, image_token_fraction: float = 0.5, recompute_vision_tower: bool = False,
-         vision_trainable: str | None = None, lora=None) -> dict:
+         vision_trainable: str | None = None, lora=None, lora_reference_copy: bool = False) -> dict:
     """The plan as a dict: layout, per pipeline rank parameters and memory (GiB), and the verdict. ``first`` /
     ``last``: uneven pipeline stages (the first / last stage's layers). A trained tower (``Bridge(vision_tower=
     True)``): ``image_token_fraction`` of a micro-batch's tokens are image tokens (its activations),
     ``recompute_vision_tower`` as the trainer's flag, ``vision_trainable`` the trainer's globs (the other tower
     parameters keep weights only). ``lora``: --lora-rank's LoraConfig (every parameter frozen, weights only;
-    the adapters, ``params_lora``, have gradients and optimizer state)."""
+    the adapters, ``params_lora``, have gradients and optimizer state; the KL reference is the policy with its
+    adapters off, no copy, unless ``lora_reference_copy``: a --ref-hf-checkpoint of its own)."""
     from forge_megatron.bridge import ParallelLayout
     from forge_megatron.mcore.parallel import ParallelConfig
 
@@ -220,7 +221,8 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
             "grads": (n - frozen) * 4,
             "optimizer": ((adapters if lora is not None else params["dense"] - frozen) * opt_bytes / dense_shards
                           + (0 if lora is not None else params["expert"]) * opt_bytes / expert_shards),
-            "reference": (n - adapters) * weight_bytes if kl_reference else 0,
+            "reference": (n - adapters) * weight_bytes
+            if kl_reference and (lora is None or lora_reference_copy) else 0,
             "vision": tower * weight_bytes if r == 0 else 0,
         }
         act = _activation_bytes(cfg, layers, moe, tokens / cp, tp, sequence_parallel, recompute, in_flight)

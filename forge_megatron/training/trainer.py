@@ -529,7 +529,7 @@ class Trainer:
                                # a trained tower's parameters (its activations, measured, are forge-plan's)
                                **({"vision_trainable": getattr(a, "vision_trainable", None),
                                    "image_token_fraction": 0.0} if self.bridge.vision_tower else {}),
-                               lora=arguments.lora_config(a))
+                               lora=arguments.lora_config(a), lora_reference_copy=not arguments.lora_reference(a))
         except Exception as exc:  # noqa: BLE001 - a report, never a reason to stop
             log.warning("memory plan unavailable: %s", exc)
             return

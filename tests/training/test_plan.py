@@ -113,6 +113,11 @@ def test_lora_parameters_per_rank_are_what_the_adapters_hold(arch, parallel, wor
         assert r["grads_gib"] * plan.GIB == r["params_lora"] * 4
         assert r["optimizer_gib"] * plan.GIB == r["params_lora"] * 12
     assert "LoRA rank 4" in plan._table(result) and "params_lora" in plan._table(result)
+    # the KL reference: the policy with its adapters off (nothing), or a --ref-hf-checkpoint's own frozen copy
+    for copy, want in ((False, 0), (True, 2)):
+        kl = plan.plan(bridge, world, parallel.tp, parallel.pp, parallel.ep, etp=parallel.etp, lora=lora,
+                       kl_reference=True, lora_reference_copy=copy)
+        assert all(r["reference_gib"] * plan.GIB == want * r["params_frozen"] for r in kl["ranks"])
 
 
 def _optimizer_shard_body(rank, world_size, hf):
