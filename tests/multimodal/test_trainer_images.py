@@ -332,3 +332,17 @@ def test_vision_trainable_trains_only_the_chosen_parameters(tmp_path):
                              "tcp://127.0.0.1:1", "--train-vision-tower", "--vision-trainable", "merger.*"],
                      env=train_env())
     assert res.returncode != 0 and "resume with the same globs" in res.stdout + res.stderr
+
+
+def test_lora_adapters_train_a_vision_language_model_alike_under_tp_sp(tmp_path):
+    """--lora-rank on Qwen3-VL (the tower frozen, the language model's linears adapted; images' features, DeepStack
+    and mRoPE as without LoRA) with a KL term whose reference is the policy with its adapters off: TP = 2 with
+    sequence parallelism trains the same steps as one rank; KL 0 at step 1 (B = 0), > 0 after."""
+    from tests.training.trainer_run import assert_same_as_one_rank
+
+    lora = ["--lora-rank", "4", "--rl-kl-coef", "0.05"]
+    steps = {"one": _run(tmp_path, "one", extra=lora, lead=LEAD),
+             "tp2sp": _run(tmp_path, "tp2sp", nproc=2, lead=LEAD,
+                           extra=lora + ["--tensor-model-parallel-size", "2", "--sequence-parallel"])}
+    assert steps["one"][0]["kl"] == pytest.approx(0.0, abs=1e-7) and steps["one"][1]["kl"] > 0
+    assert_same_as_one_rank(steps, ["tp2sp"], keys=("loss", "grad_norm", "kl"))
