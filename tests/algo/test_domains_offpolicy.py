@@ -128,18 +128,17 @@ def test_algo_imports_neither_megatron_nor_middleware():
     """Every public name of forge_megatron.algo (each resolved from its submodule on first use) imports neither
     Megatron nor the middleware; the data pool's server and the rewards import no torch (they score groups in plain
     Python, so forge-pool starts in a fraction of a second)."""
-    code = ("import sys, forge_megatron.algo as algo; values = [getattr(algo, n) for n in algo.__all__]; "
-            "assert sorted(dir(algo)) == sorted(set(dir(algo))) and set(algo.__all__) <= set(dir(algo)); "
-            "bad = [m for m in sys.modules if m.startswith(('megatron', 'forge_megatron.middleware', "
-            "'forge_megatron.mcore'))]; print(bad); sys.exit(1 if bad else 0)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    code = ("import sys, forge_megatron.middleware.pool_server, forge_megatron.middleware.batch; "
-            "from forge_megatron.algo import RewardConfig, score_group, reward_to_go, DomainMixer; "
-            "from forge_megatron.algo.rewards import score_group; "
-            "print([m for m in sys.modules if m.split('.')[0] == 'torch'][:3]); sys.exit('torch' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
+    every_name = ("import sys, forge_megatron.algo as algo; values = [getattr(algo, n) for n in algo.__all__]; "
+                  "assert sorted(dir(algo)) == sorted(set(dir(algo))) and set(algo.__all__) <= set(dir(algo)); "
+                  "bad = [m for m in sys.modules if m.startswith(('megatron', 'forge_megatron.middleware', "
+                  "'forge_megatron.mcore'))]; print(bad); sys.exit(1 if bad else 0)")
+    no_torch = ("import sys, forge_megatron.middleware.pool_server, forge_megatron.middleware.batch; "
+                "from forge_megatron.algo import RewardConfig, score_group, reward_to_go, DomainMixer; "
+                "from forge_megatron.algo.rewards import score_group; "
+                "print([m for m in sys.modules if m.split('.')[0] == 'torch'][:3]); sys.exit('torch' in sys.modules)")
+    for code in (every_name, no_torch):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         import forge_megatron.algo
 
