@@ -109,7 +109,7 @@ def _embedding_requires_grad(module, args, output):
 
 def install(chunks: list, cfg: LoraConfig) -> list[str]:
     """Add adapters to ``cfg.targets`` of every transformer layer of this rank's model ``chunks`` (before DDP wraps
-    them) and freeze every other parameter. Returns the adapted linears' names (rank 0's chunk-local ones)."""
+    them) and freeze every other parameter. Returns the adapted linears' names (chunk-local, on this rank)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                       set_tensor_model_parallel_attributes)
