@@ -300,7 +300,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         images = None
         if gw.images is not None and any(IMAGE_KEY in m for m in req.messages):
             # images decoded (or fetched: multimodal/fetch.py) on the image threads, off the event loop, as a call's
-            req, images = await asyncio.get_running_loop().run_in_executor(gw.image_worker, gw.with_images, req)
+            req, images = await asyncio.get_running_loop().run_in_executor(gw.image_worker, gw.with_images, req, sess)
         _, prompt_ids, _, _ = gw.prompt_of(sess, req, images)
     except ApiError as exc:
         return web.json_response(error_body(exc), status=exc.status)

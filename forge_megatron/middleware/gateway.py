@@ -240,6 +240,7 @@ class ChatRequest:
     # /v1/completions: the prompt as text or token ids (messages empty, no template, no parsers)
     prompt: str | None = None
     prompt_ids: list[int] | None = None
+    image_urls: list | None = None  # set by Gateway.with_images: each image's URL (None: inline), in prompt order
 
 
 @dataclass
@@ -750,9 +751,14 @@ class Gateway:
             return None, None
         return processor, text
 
-    def with_images(self, req: ChatRequest) -> tuple[ChatRequest, list[bytes]]:
+    def with_images(self, req: ChatRequest, sess: Session | None = None) -> tuple[ChatRequest, list[bytes]]:
         """``req`` with the model's image placeholder where each image part was, and the images normalised
-        (multimodal/images.py), in prompt order; a 400 when the model takes no images or an image is unusable."""
+        (multimodal/images.py), in prompt order; a 400 when the model takes no images or an image is unusable.
+
+        An image URL is fetched for each call that brings it new: one at the same place in the prompt as in the
+        session's previous call (``sess``: the history an agent sends again) is the image fetched then, the one the
+        model saw, while a URL in a new message is fetched again (a screenshot URL may serve new content each
+        turn). ``req.image_urls`` records where each image came from."""
         if not any(IMAGE_KEY in m for m in req.messages):
             return req, []
         if self.images is None:
@@ -760,62 +766,67 @@ class Gateway:
 
             raise _bad("messages", f"{self.model_name} takes no images (images are served for {SUPPORTED} "
                                    "checkpoints with an image processor)")
-        images, messages = [], []
-        failed = self._fetch_new_urls(req)
+        from forge_megatron.multimodal.fetch import ImageURL
+
+        prev = sess.last_turn if sess is not None else None
+        seen = list(zip(prev.image_urls, prev.images)) if prev is not None and prev.image_urls else []
+        parts = [x for m in req.messages for x in m.get(IMAGE_KEY, ())]
+        again = [isinstance(x, ImageURL) and n < len(seen) and seen[n][0] == x.url for n, x in enumerate(parts)]
+        fetched = self._fetch_urls({x.url: x for x, old in zip(parts, again) if isinstance(x, ImageURL) and not old})
+        images, urls, messages = [], [], []
         for i, m in enumerate(req.messages):
             if IMAGE_KEY in m:
-                try:
-                    for k, x in enumerate(m[IMAGE_KEY]):
-                        if getattr(x, "url", None) in failed:
-                            raise failed[x.url]
-                        images.append(self._normalized(x, f"messages[{i}] image {k}"))
-                except ImageError as exc:
-                    raise _bad(f"messages[{i}].content", str(exc)) from None
+                for k, x in enumerate(m[IMAGE_KEY]):
+                    n, url = len(images), x.url if isinstance(x, ImageURL) else None
+                    got = seen[n][1] if again[n] else fetched.get(url)
+                    if isinstance(got, ImageError):
+                        raise _bad(f"messages[{i}].content", str(got)) from None
+                    try:
+                        images.append(got if url is not None else self._normalized(x, f"messages[{i}] image {k}"))
+                    except ImageError as exc:
+                        raise _bad(f"messages[{i}].content", str(exc)) from None
+                    urls.append(url)
                 m = {k: v for k, v in m.items() if k != IMAGE_KEY}
                 m["content"] = m["content"].replace(IMAGE_MARK, self.image_placeholder)
             messages.append(m)
-        return replace(req, messages=messages), images
+        return replace(req, messages=messages, image_urls=urls if any(urls) else None), images
 
-    def _fetch_new_urls(self, req: ChatRequest) -> dict:
-        """Fetch (and normalise into the cache) the image URLs of ``req`` that are not cached, at once when there are
-        several (an agent's first call may name many screenshots); returns {url: ImageError} of those that failed."""
-        from forge_megatron.multimodal.fetch import ImageURL
-
-        with self.image_lock:
-            new = {x.url: x for m in req.messages for x in m.get(IMAGE_KEY, ())
-                   if isinstance(x, ImageURL) and "url:" + x.url not in self.image_cache}
-        if len(new) < 2 or self.fetch_pool is None:
-            return {}
-
+    def _fetch_urls(self, new: dict) -> dict:
+        """{url: normalised image or ImageError} of the URLs in ``new`` ({url: ImageURL}), fetched side by side when
+        there are several (an agent's first call may name many screenshots) on the fetch threads."""
         def fetch(x):
             try:
-                self._normalized(x, x.where)
+                return self._fetched(x)
             except ImageError as exc:
                 return exc
-            return None
 
-        return {url: exc for url, exc in zip(new, self.fetch_pool.map(fetch, new.values())) if exc is not None}
+        if len(new) < 2 or self.fetch_pool is None:
+            return {url: fetch(x) for url, x in new.items()}
+        return dict(zip(new, self.fetch_pool.map(fetch, new.values())))
+
+    def _fetched(self, x) -> bytes:
+        """The normalised image at URL ``x`` (an ImageURL), fetched under the gateway's policy (counted)."""
+        from forge_megatron.multimodal.fetch import fetch_image
+
+        data = None
+        try:
+            data = fetch_image(x, self.url_policy)
+        finally:
+            with self.image_lock:  # (the fetch threads)
+                self.stats["images_fetched" if data is not None else "image_fetch_failures"] += 1
+        return self.images.normalize(data, x.where)
 
     def _normalized(self, data, where: str) -> bytes:
-        """The normalised PNG of an image (encoded bytes, or a URL fetched under the gateway's policy), cached by
-        content, a URL by the URL (an agent sends its history's images with every call: a URL is fetched once while
-        it is cached, so the history keeps the image the model saw)."""
-        from forge_megatron.multimodal.fetch import ImageURL, fetch_image
+        """The normalised PNG of an image's encoded bytes, cached by content (an agent sends its history's images
+        with every call)."""
         from forge_megatron.multimodal.images import digest
 
-        remote = isinstance(data, ImageURL)
-        key = "url:" + data.url if remote else digest(data)
+        key = digest(data)
         with self.image_lock:  # the image threads and a count_tokens call on the event loop
             out = self.image_cache.get(key)
             if out is not None:
                 self.image_cache.move_to_end(key)
                 return out
-        if remote:
-            try:
-                where, data = data.where, fetch_image(data, self.url_policy)
-            finally:
-                with self.image_lock:  # (the image threads)
-                    self.stats["images_fetched" if isinstance(data, bytes) else "image_fetch_failures"] += 1
         out = self.images.normalize(data, where)
         with self.image_lock:
             self.image_cache[key] = out
@@ -853,7 +864,7 @@ class Gateway:
         if req.prompt is not None or req.prompt_ids is not None:
             return (*self.renderer.raw_prompt_ids(sess.last_turn, req.prompt, req.prompt_ids), [])
         if images is None:
-            req, images = self.with_images(req)
+            req, images = self.with_images(req, sess)
         try:
             text, ids, continues = self.renderer.prompt_ids(sess.last_turn, req.messages, req.tools,
                                                             self.template_kwargs(req))
@@ -867,7 +878,7 @@ class Gateway:
         """The engine call of ``req`` (``images``: its normalised images when :meth:`with_images` has run already)."""
         kwargs = self.template_kwargs(req)
         if images is None:
-            req, images = self.with_images(req)
+            req, images = self.with_images(req, sess)
         text, prompt_ids, continues, _ = self.prompt_of(sess, req, images)
         forced = self.forced_text(req)
         reasoning_open = self.reasoning is not None and self.reasoning.opens(text)
@@ -885,7 +896,8 @@ class Gateway:
         if self.images is not None:  # a sampled image token ends the completion (its text would read as an image)
             sampling["stop_token_ids"] = [*sampling.get("stop_token_ids", ()), self.images.spec.image_token_id]
         turn = _Turn(messages=req.messages, tools=req.tools, prompt_text=text, prompt_ids=prompt_ids,
-                     completion_ids=[], assistant_message={}, template_kwargs=kwargs, images=images)
+                     completion_ids=[], assistant_message={}, template_kwargs=kwargs, images=images,
+                     image_urls=req.image_urls or [])
         return _Call(turn=turn, continues=continues, sampling=sampling, forced_text=forced, started=time.time(),
                      reasoning_open=reasoning_open, top_logprobs=req.top_logprobs)
 
@@ -1320,7 +1332,8 @@ async def serve_call(gw: Gateway, sess: Session, req: ChatRequest, stream):
             images = None
             if gw.images is not None and any(IMAGE_KEY in m for m in req.messages):
                 # decoding and resizing big screenshots: on the gateway's image threads, off the event loop
-                req, images = await asyncio.get_running_loop().run_in_executor(gw.image_worker, gw.with_images, req)
+                req, images = await asyncio.get_running_loop().run_in_executor(gw.image_worker, gw.with_images, req,
+                                                                               sess)
             call = gw.prepare(sess, req, images)
             if req.stream:
                 return await stream(sess, req, call)

@@ -85,6 +85,7 @@ class _Turn:
     segment: SegmentBuilder | None = None  # once recorded: prompt + completion ids are this segment's tokens
     completion_len: int = 0  # once recorded: how many of them are the completion
     images: list = field(default_factory=list)  # the prompt's images (normalised PNGs), in the order of their tokens
+    image_urls: list = field(default_factory=list)  # the URL each came from (None: sent inline), when any came by URL
 
     def ids(self) -> list[int]:
         """Prompt + completion ids."""

@@ -1,5 +1,6 @@
 """Image URLs through the gateway (multimodal/fetch.py): fetched only under the gateway's policy, recorded as the same
-normalised image an inline data URL gives, fetched once while cached; every guard refuses with a 400 that says why
+normalised image an inline data URL gives; a URL sent again in a session's history keeps the image the model saw,
+one in a new message is fetched anew; every guard refuses with a 400 that says why
 (real HTTP server on loopback, real engine and gateway)."""
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class _Images(BaseHTTPRequestHandler):
             "/text": (200, {"Content-Type": "text/html"}, b"<html>not an image</html>"),
             "/big": (200, {"Content-Type": "image/png", "Content-Length": str(64 << 20)}, b""),
         }
+        if self.path.startswith("/screen"):  # a "latest screenshot" URL: another picture on every fetch
+            return self._send(200, {"Content-Type": "image/png"}, (PICTURE, OTHER)[(type(self).hits[self.path] - 1) % 2])
         if self.path == "/slow":
             time.sleep(3)
         self._send(*routes.get(self.path, (404, {"Content-Type": "text/plain"}, b"no such image")))
@@ -166,6 +169,32 @@ def test_a_url_in_the_history_is_fetched_once_and_the_segment_continues(served, 
     _, summary = http(f"{gw.url}/forge/sessions/{s['session_id']}", method="GET")
     assert [call["segment_index"] for call in summary["calls"]] == [0, 0]  # the second call continued the first
     assert end(gw, s)[0] == 200 and len(episode(gw, s).segments) == 1
+
+
+def test_a_url_in_a_new_message_is_fetched_again(served, image_server):
+    """A "latest screenshot" URL serving another picture on every fetch: sent again in the history it stays the
+    image the model saw (not fetched); sent in the new message it is fetched again, and the model sees the new
+    picture; the segment continues and records both, in order. Another session fetches it for itself."""
+    from forge_megatron.multimodal.images import ImageProcessor
+
+    gw, _ = served
+    url = f"{image_server}/screen"
+    s = new_session(gw)
+    c = openai.OpenAI(base_url=s["base_url"], api_key="ignored", max_retries=0, timeout=60)
+    history = [{"role": "user", "content": [{"type": "text", "text": "look"}, _part(url)]}]
+    first = c.chat.completions.create(model="tiny", messages=history, max_tokens=4, temperature=1.0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                {"role": "user", "content": [{"type": "text", "text": "and now?"}, _part(url)]}]
+    c.chat.completions.create(model="tiny", messages=history, max_tokens=4, temperature=1.0)
+    assert _Images.hits["/screen"] == 2  # the first call's, and the new message's (not the history's)
+    _, summary = http(f"{gw.url}/forge/sessions/{s['session_id']}", method="GET")
+    assert [call["segment_index"] for call in summary["calls"]] == [0, 0]  # the history's image is the one seen
+    assert end(gw, s)[0] == 200
+    (segment,) = episode(gw, s).segments
+    processor = ImageProcessor(gw.gateway.config.model_path)
+    assert segment.images == [processor.normalize(PICTURE, "x"), processor.normalize(OTHER, "x")]
+    _chat(gw, [{"role": "user", "content": [_part(url)]}])
+    assert _Images.hits["/screen"] == 3  # another session's call: its own fetch
 
 
 def test_a_calls_new_urls_are_fetched_at_once(served, image_server):
