@@ -391,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trainer's flag: LoRA adapters of this rank train, the checkpoint's weights stay frozen "
                         "(weights only: no gradients, no optimizer state)")
     p.add_argument("--lora-alpha", type=float, default=None, help="the trainer's flag (the plan does not need it)")
+    p.add_argument("--ref-hf-checkpoint", default=None,
+                   help="the trainer's flag: with --lora-rank a reference other than --hf-checkpoint is a frozen copy "
+                        "of its own (else the KL reference is the policy with its adapters off: no copy)")
     p.add_argument("--lora-target-modules", default="all", help="the trainer's flag: which linears get adapters")
     p.add_argument("--tree-token-budget", type=int, default=8192, help="unique tokens per micro-batch")
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
@@ -450,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                       args.sequence_parallel, args.gpu_memory_gib, args.expert_tensor_parallel_size,
                       args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
                       args.image_token_fraction, args.recompute_vision_tower, args.vision_trainable,
-                      arguments.lora_config(args))
+                      arguments.lora_config(args), not arguments.lora_reference(args))
     except (ValueError, FileNotFoundError, MappingError, UnsupportedModelError) as exc:
         print(f"forge-plan: error: {exc}", file=sys.stderr)
         return 2

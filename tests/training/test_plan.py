@@ -120,6 +120,25 @@ def test_lora_parameters_per_rank_are_what_the_adapters_hold(arch, parallel, wor
         assert all(r["reference_gib"] * plan.GIB == want * r["params_frozen"] for r in kl["ranks"])
 
 
+def test_plan_cli_counts_lora_and_its_reference(tmp_path, capsys):
+    """forge-plan --lora-rank (as forge.sbatch passes EXTRA_TRAIN_ARGS): the adapters' parameters, and a KL
+    reference only when --ref-hf-checkpoint names another checkpoint than --hf-checkpoint."""
+    import shutil
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(_hf("qwen3")))
+    other = shutil.copytree(hf, tmp_path / "ref")
+    base = ["--hf-checkpoint", str(hf), "--world-size", "1", "--lora-rank", "4", "--rl-kl-coef", "0.1", "--json"]
+    refs = []
+    for extra in ([], ["--ref-hf-checkpoint", str(hf)], ["--ref-hf-checkpoint", str(other)]):
+        assert plan.main(base + extra) == 0
+        (rank,) = json.loads(capsys.readouterr().out)["ranks"]
+        assert rank["params_lora"] > 0
+        refs.append(rank["reference_gib"])
+    assert refs[0] == refs[1] == 0 < refs[2]
+
+
 def _optimizer_shard_body(rank, world_size, hf):
     """Elements of fp32 state (per state tensor) this rank's distributed optimizer holds, dense and expert."""
     from megatron.core import parallel_state as ps
