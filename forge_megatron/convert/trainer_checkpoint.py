@@ -199,6 +199,10 @@ def export_lora_adapter(save_dir: str, out_dir: str, iteration: int | None = Non
                 head, _, leaf = key.rpartition(".")
                 if leaf in ("lora_A", "lora_B", "lora_scaling"):
                     weight = bridge.rename(f"{head}.weight", layers.start, 0)
+                    if bridge.is_expert(weight):
+                        raise ValueError(f"{it_dir!r}: the routed experts' adapters (--lora-target-modules experts) "
+                                         "have no PEFT form here (transformers holds a layer's experts in fused "
+                                         "tensors): export the merged model with trainer-to-hf")
                     factors.setdefault(weight, {}).setdefault(leaf, {}).setdefault(tp, t)
     if not factors:
         raise ValueError(f"{it_dir!r} holds no LoRA adapters (a run without --lora-rank): use trainer-to-hf")

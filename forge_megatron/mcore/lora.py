@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 ATTENTION = ("linear_qkv", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_proj")
-TARGETS = (*ATTENTION, "linear_fc1", "linear_fc2")
+TARGETS = (*ATTENTION, "linear_fc1", "linear_fc2")  # the default ("all")
+MOE = ("experts", "shared_experts")  # a MoE layer's routed experts' and shared expert's fc1 and fc2 (opt-in)
 COLUMN = ("linear_qkv", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_fc1")
 PARAM_NAMES = ("lora_A", "lora_B", "lora_scaling")
 
@@ -53,9 +54,10 @@ class LoraConfig:
             raise ValueError(f"--lora-rank must be >= 1, got {self.rank}")
         if not self.alpha > 0:
             raise ValueError(f"--lora-alpha must be > 0, got {self.alpha}")
-        unknown = sorted(set(self.targets) - set(TARGETS))
+        unknown = sorted(set(self.targets) - set(TARGETS) - set(MOE))
         if unknown or not self.targets:
-            raise ValueError(f"--lora-target-modules takes some of {', '.join(TARGETS)}; got {', '.join(self.targets)}")
+            raise ValueError(f"--lora-target-modules takes some of {', '.join(TARGETS + MOE)} (or all); got "
+                             f"{', '.join(self.targets)}")
 
     @property
     def scaling(self) -> float:
@@ -75,7 +77,9 @@ def _init_A(seed_name: str, rank: int, in_features: int) -> torch.Tensor:
     return (torch.rand(rank, in_features, generator=gen, dtype=torch.float32) * 2 - 1) * bound
 
 
-def _hook(kind: str, sequence_parallel: bool):
+def _hook(kind: str, sequence_parallel: bool, group):
+    """The linear's forward hook: its output plus the adapter's, the intermediate crossing ``group`` (the linear's
+    TP group: the expert-TP group for a routed expert; none when it has one rank)."""
     from megatron.core.tensor_parallel import mappings as tpm
 
     def forward(module, args, output):
@@ -84,12 +88,14 @@ def _hook(kind: str, sequence_parallel: bool):
         x = args[0]
         out, bias = output if isinstance(output, tuple) else (output, None)
         h = x.to(module.lora_A.dtype) @ module.lora_A.t()  # [S, b, R]
-        if kind == "column":
-            h = tpm.gather_from_sequence_parallel_region(h) if sequence_parallel else \
-                tpm.copy_to_tensor_model_parallel_region(h)
+        if group is None:
+            pass
+        elif kind == "column":
+            h = tpm.gather_from_sequence_parallel_region(h, group=group) if sequence_parallel else \
+                tpm.copy_to_tensor_model_parallel_region(h, group=group)
         else:
-            h = tpm.reduce_scatter_to_sequence_parallel_region(h) if sequence_parallel else \
-                tpm.reduce_from_tensor_model_parallel_region(h)
+            h = tpm.reduce_scatter_to_sequence_parallel_region(h, group=group) if sequence_parallel else \
+                tpm.reduce_from_tensor_model_parallel_region(h, group=group)
         delta = (h @ module.lora_B.t()) * module.lora_scaling.to(h.dtype)
         out = out + delta.to(out.dtype)
         return (out, bias) if isinstance(output, tuple) else out
@@ -107,57 +113,95 @@ def _embedding_requires_grad(module, args, output):
     return output
 
 
+def _linears(layer, targets, ep_rank: int):
+    """(name, linear, seed name) of each linear ``targets`` pick in a transformer ``layer`` (its global number in
+    the seed, and a routed expert's global id)."""
+    number = layer.layer_number
+    mlp = getattr(layer, "mlp", None)
+    for name in targets:
+        if name in MOE:
+            module = getattr(mlp, name, None)
+            if module is None:
+                continue  # a dense layer
+            if name == "experts":
+                local = getattr(module, "local_experts", None)
+                if local is None:
+                    raise ValueError(f"--lora-target-modules experts: layer {number}'s experts are a "
+                                     f"{type(module).__name__}, not Megatron's SequentialMLP (the local spec's)")
+                pieces = [(e, f"expert{ep_rank * len(local) + i}") for i, e in enumerate(local)]
+            else:
+                pieces = [(module, "shared")]
+            for owner, tag in pieces:
+                for fc in ("linear_fc1", "linear_fc2"):
+                    yield fc, getattr(owner, fc), f"{number}.{tag}.{fc}"
+            continue
+        parent = layer.self_attention if name in ATTENTION else mlp
+        linear = getattr(parent, name, None)
+        if linear is not None:  # (a MoE layer's MLP, another attention: none)
+            yield name, linear, f"{number}.{name}"
+
+
 def install(chunks: list, cfg: LoraConfig) -> list[str]:
     """Add adapters to ``cfg.targets`` of every transformer layer of this rank's model ``chunks`` (before DDP wraps
     them) and freeze every other parameter. Returns the adapted linears' names (chunk-local, on this rank)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                       set_tensor_model_parallel_attributes)
 
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
     adapted = []
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
         chunk_sp = bool(getattr(chunk.config, "sequence_parallel", False))
-        for path, layer in chunk.named_modules():
-            number = getattr(layer, "layer_number", None)
-            if number is None or not hasattr(layer, "self_attention"):
+        modules = {id(m): n for n, m in chunk.named_modules()}
+        for layer in chunk.modules():
+            if getattr(layer, "layer_number", None) is None or not hasattr(layer, "self_attention"):
                 continue
-            for name in cfg.targets:
-                parent = layer.self_attention if name in ATTENTION else getattr(layer, "mlp", None)
-                linear = getattr(parent, name, None)
-                if linear is None:
-                    continue  # a MoE layer's MLP (its experts keep their weights) or another attention
+            for name, linear, seed in _linears(layer, cfg.targets, ep_rank):
                 kind = "column" if name in COLUMN else "row"
                 want = ColumnParallelLinear if kind == "column" else RowParallelLinear
                 if not isinstance(linear, want):
-                    raise ValueError(f"--lora-target-modules {name}: layer {number}'s is a {type(linear).__name__}, "
-                                     f"not Megatron's {want.__name__} (LoRA adapts the local layer spec's linears)")
+                    raise ValueError(f"--lora-target-modules: layer {layer.layer_number}'s {name} is a "
+                                     f"{type(linear).__name__}, not Megatron's {want.__name__} (LoRA adapts the local "
+                                     "layer spec's linears)")
+                group = getattr(linear, "tp_group", None) or ps.get_tensor_model_parallel_group()
+                tp, tp_rank = dist.get_world_size(group), dist.get_rank(group)
+                if tp > 1 and getattr(linear, "explicit_expert_comm", False):  # the dispatcher does its comm
+                    raise ValueError("--lora-target-modules experts: the routed experts are split over TP here; "
+                                     "their adapters need them whole (--expert-tensor-parallel-size 1)")
                 sp = bool(getattr(linear, "sequence_parallel", chunk_sp))  # (the linear's own: its input is sliced)
                 w = linear.weight
                 full_in = w.shape[1] * (tp if kind == "row" else 1)
-                A = _init_A(f"{number}.{name}", cfg.rank, full_in)
+                A = _init_A(seed, cfg.rank, full_in)
                 if kind == "row":
                     A = A.chunk(tp, dim=1)[tp_rank]
                 linear.lora_A = torch.nn.Parameter(A.to(device=w.device, dtype=w.dtype).contiguous())
                 linear.lora_B = torch.nn.Parameter(torch.zeros(w.shape[0], cfg.rank, device=w.device, dtype=w.dtype))
                 linear.register_buffer("lora_scaling", torch.tensor(cfg.scaling, dtype=torch.float32,
                                                                     device=w.device))
-                split, whole = (linear.lora_B, linear.lora_A) if kind == "column" else (linear.lora_A, linear.lora_B)
-                set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
-                if sp:  # a sum over this rank's tokens: Megatron reduces it over TP as the norms' gradients
-                    whole.sequence_parallel = True
+                for factor in (linear.lora_A, linear.lora_B):  # a routed expert's: reduced over its expert-DP group
+                    factor.allreduce = getattr(w, "allreduce", True)
+                if tp == 1:  # whole, as the weight: counted in the gradient norm where the weight is
+                    for factor in (linear.lora_A, linear.lora_B):
+                        factor.tensor_model_parallel = bool(getattr(w, "tensor_model_parallel", False))
+                else:
+                    split, whole = (linear.lora_B, linear.lora_A) if kind == "column" else \
+                        (linear.lora_A, linear.lora_B)
+                    set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
+                    if sp:  # a sum over this rank's tokens: Megatron reduces it over TP as the norms' gradients
+                        whole.sequence_parallel = True
                 linear.lora_off = False
-                linear.register_forward_hook(_hook(kind, sp))
-                adapted.append(f"{path}.{name}")
+                linear.register_forward_hook(_hook(kind, sp, group if tp > 1 else None))
+                adapted.append(modules[id(linear)])
         embedding = getattr(chunk, "embedding", None)
         if embedding is not None:  # the first stage: see _embedding_requires_grad
             embedding.register_forward_hook(_embedding_requires_grad)
     if not adapted:
         raise ValueError(f"--lora-rank: this pipeline stage's layers have none of {', '.join(cfg.targets)} to adapt "
-                         "(a MoE layer's MLP and linear-attention mixers have none): choose other "
-                         "--lora-target-modules or another pipeline split")
+                         "(a MoE layer's MLP and linear-attention mixers have none unless experts / shared_experts "
+                         "are named): choose other --lora-target-modules or another pipeline split")
     return adapted
 
 

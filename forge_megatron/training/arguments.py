@@ -391,7 +391,9 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --lora-rank: which of each layer's linears get adapters, comma-separated Megatron "
                         "names (linear_qkv: q/k/v projections; multi-latent attention's linear_q_proj or "
                         "linear_q_up_proj and linear_kv_up_proj; linear_proj: attention output; linear_fc1: gate "
-                        "and up; linear_fc2: down); default all of those a layer has")
+                        "and up; linear_fc2: down); all: every one of those a layer has (the default). A MoE "
+                        "layer's experts are adapted only when named: experts (each routed expert's fc1 and fc2, "
+                        "an adapter per expert), shared_experts, e.g. 'all,experts,shared_experts'")
     g.add_argument("--fp32-lm-head", action="store_true",
                    help="compute the output layer (LM head) in fp32 in the loss: the bf16 weight and the final hidden "
                         "states are upcast for its matmul (MiniMax-M1 traced most of the training/inference "
@@ -505,10 +507,12 @@ def lora_config(args: argparse.Namespace):
     from forge_megatron.mcore.lora import LoraConfig
 
     alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
-    if args.lora_target_modules.strip() == "all":
-        return LoraConfig(args.lora_rank, alpha)
-    targets = tuple(t.strip() for t in args.lora_target_modules.split(",") if t.strip())
-    return LoraConfig(args.lora_rank, alpha, targets)
+    from forge_megatron.mcore.lora import TARGETS
+
+    targets = []
+    for t in (t.strip() for t in args.lora_target_modules.split(",")):
+        targets += TARGETS if t == "all" else [t] if t else []
+    return LoraConfig(args.lora_rank, alpha, tuple(dict.fromkeys(targets)))
 
 
 def lora_reference(args: argparse.Namespace) -> bool:

@@ -123,18 +123,20 @@ def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None
 
 
 def lora_params(bridge, lora, tp: int, pp: int, pp_rank: int, vpp: int | None = None, first: int | None = None,
-                last: int | None = None) -> int:
+                last: int | None = None, ep: int = 1, etp: int | None = None) -> int:
     """Adapter elements (--lora-rank, mcore/lora.py) a TP rank of pipeline rank ``pp_rank`` holds: R x (rows +
     columns) of each adapted linear's TP-local weight (A whole and B split, or the reverse, as the linear is
-    split), for the targets each layer has (a MoE layer's MLP, linear-attention mixers: none)."""
+    split), for the targets each layer has (a MoE layer's MLP, linear-attention mixers: none, unless its routed
+    experts, 1/EP of them on a rank, and shared expert are named)."""
     import re
 
-    pattern = re.compile(r"^decoder\.layers\.\d+\.(?:self_attention|mlp)\.(\w+)\.weight$")
+    pattern = re.compile(r"^decoder\.layers\.\d+\.(?:self_attention|mlp)\.(?:(experts)\.local_experts\.\d+\.|"
+                         r"(shared_experts)\.)?(\w+)\.weight$")
     layers = rank_layers(bridge.cfg.num_layers, pp, vpp, pp_rank, first, last)
     names = [n for n in bridge.canonical_names(layers)
-             if (m := pattern.match(n)) and m.group(1) in lora.targets and not bridge.is_expert(n)]
-    shapes = _shapes(bridge, names, tp)
-    return sum(lora.rank * sum(shapes[n]) for n in names)
+             if (m := pattern.match(n)) and (m.group(1) or m.group(2) or m.group(3)) in lora.targets]
+    shapes = _shapes(bridge, names, tp, etp)
+    return sum(lora.rank * sum(shapes[n]) // (ep if bridge.is_expert(n) else 1) for n in names)
 
 
 def gated_delta_net_bytes(cfg, tp: int, sp: bool) -> float:
@@ -210,7 +212,7 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
         params = rank_params(bridge, tp, pp, ep, r, vpp, etp, first, last)
         n = params["dense"] + params["expert"]
         frozen = tower_frozen if r == 0 else 0  # a trained tower's parameters outside --vision-trainable
-        adapters = lora_params(bridge, lora, tp, pp, r, vpp, first, last) if lora is not None else 0
+        adapters = lora_params(bridge, lora, tp, pp, r, vpp, first, last, ep, etp) if lora is not None else 0
         if lora is not None:  # the checkpoint's weights frozen, the adapters trained (dense, never experts)
             frozen, n, params = n, n + adapters, {**params, "dense": params["dense"] + adapters}
         layers = rank_layers(cfg.num_layers, pp, vpp, r, first, last)

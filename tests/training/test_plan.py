@@ -78,8 +78,8 @@ def test_parameters_per_rank_are_what_megatron_builds(arch, kw, parallel, world)
         assert built[0]["expert"] > 0 and built[0]["buffers"] == 2 * 4  # two MoE layers' biases over 4 experts
 
 
-def _lora_body(rank, world_size, hf):
-    """Adapter elements mcore/lora.py gives this rank's model (every linear of the default targets it has)."""
+def _lora_body(rank, world_size, hf, targets):
+    """Adapter elements mcore/lora.py gives this rank's model (every linear of ``targets`` it has)."""
     from megatron.core import parallel_state as ps
 
     from forge_megatron.mcore.cpu_compat import cuda_factories_to_cpu
@@ -88,24 +88,27 @@ def _lora_body(rank, world_size, hf):
 
     with cuda_factories_to_cpu():
         chunk = build_tree_gpt(Bridge(hf).cfg)
-    install([chunk], LoraConfig(rank=4, alpha=8.0))
+    install([chunk], LoraConfig(rank=4, alpha=8.0, targets=targets))
     return {"pp_rank": ps.get_pipeline_model_parallel_rank(),
             "lora": sum(p.numel() for n, p in chunk.named_parameters() if is_lora_name(n)),
             "trained": sum(p.numel() for p in chunk.parameters() if p.requires_grad)}
 
 
-@pytest.mark.parametrize("arch,parallel,world", [
-    ("glm4_moe", ParallelConfig(tp=2, pp=2), 4),  # a dense layer's MLP adapted, the MoE layers' not
-    ("qwen3_5_moe", ParallelConfig(tp=2), 2),  # Gated DeltaNet layers: their MLPs only (experts: none)
-    ("kimi_linear", ParallelConfig(tp=2, ep=2, etp=1), 2),  # multi-latent attention's up projections and output
-], ids=["glm4_moe-tp2pp2", "qwen3_5_moe-tp2", "kimi_linear-tp2ep2etp1"])
-def test_lora_parameters_per_rank_are_what_the_adapters_hold(arch, parallel, world):
-    from forge_megatron.mcore.lora import LoraConfig
+@pytest.mark.parametrize("arch,parallel,world,moe", [
+    ("glm4_moe", ParallelConfig(tp=2, pp=2), 4, False),  # a dense layer's MLP adapted, the MoE layers' not
+    ("qwen3_5_moe", ParallelConfig(tp=2), 2, False),  # Gated DeltaNet layers: their MLPs only (experts: none)
+    ("kimi_linear", ParallelConfig(tp=2, ep=2, etp=1), 2, False),  # multi-latent attention's up projections, output
+    # routed experts (whole, 1/EP of them per rank) and the shared expert (split over TP) adapted too
+    ("glm4_moe", ParallelConfig(tp=2, ep=2, etp=1), 2, True),
+], ids=["glm4_moe-tp2pp2", "qwen3_5_moe-tp2", "kimi_linear-tp2ep2etp1", "glm4_moe-experts-tp2ep2etp1"])
+def test_lora_parameters_per_rank_are_what_the_adapters_hold(arch, parallel, world, moe):
+    from forge_megatron.mcore.lora import MOE, TARGETS, LoraConfig
 
     hf = _hf(arch, **({"num_hidden_layers": 4} if arch == "glm4_moe" else {}))
-    bridge, lora = Bridge(hf), LoraConfig(rank=4, alpha=8.0)
-    for got in run_distributed(_lora_body, world_size=world, parallel=parallel, hf=hf):
-        want = plan.lora_params(bridge, lora, parallel.tp, parallel.pp, got["pp_rank"])
+    bridge, lora = Bridge(hf), LoraConfig(rank=4, alpha=8.0, targets=TARGETS + (MOE if moe else ()))
+    for got in run_distributed(_lora_body, world_size=world, parallel=parallel, hf=hf, targets=lora.targets):
+        want = plan.lora_params(bridge, lora, parallel.tp, parallel.pp, got["pp_rank"], ep=parallel.ep,
+                                etp=parallel.etp)
         assert got["lora"] == got["trained"] == want > 0, (got, want)
     result = plan.plan(bridge, world, parallel.tp, parallel.pp, parallel.ep, etp=parallel.etp, lora=lora)
     for r in result["ranks"]:  # the checkpoint's weights without gradients or Adam state; the adapters with them

@@ -99,6 +99,30 @@ def test_lora_on_latent_attention_and_moe_models_trains_the_same_under_tensor_an
                        if arch == "deepseek_v3" else ["k_proj", "o_proj", "q_proj", "v_proj"])
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_lora_on_experts_trains_the_same_under_expert_parallelism(tmp_path, arch):
+    """``--lora-target-modules all,experts,shared_experts``: an adapter per routed expert (reduced over its
+    expert-data-parallel group, as the experts' weights) and on the shared expert. Qwen3-MoE under EP = 2, GLM-4.5's
+    layout (a dense layer, a shared expert) under TP = 2 with SP and EP = 2 with the experts whole: the same steps
+    as one rank. Experts split over TP are refused, naming the flag that keeps them whole."""
+    model_dir = build_tiny_model(str(tmp_path / "hf"), arch=arch, seed=6)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(10), completion_len=(4, 6))  # noqa: E731
+    lora = ["--lora-rank", "4", "--lora-target-modules", "all,experts,shared_experts", "--tree-token-budget", "32"]
+    other = (["--expert-model-parallel-size", "2"] if arch == "qwen3_moe" else
+             ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+              "--expert-tensor-parallel-size", "1"])
+    steps = {}
+    for name, extra, nproc in [("one", [], 1), ("other", other, 2)]:
+        steps[name], outs, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                                 extra=lora + extra, model=[])
+    assert steps["one"][0]["grad_norm"] > 0
+    assert_same_as_one_rank(steps, ["other"], data_parallel=("other",) if arch == "qwen3_moe" else ())
+    if arch == "qwen3_moe":
+        with pytest.raises(AssertionError, match="need them whole \\(--expert-tensor-parallel-size 1\\)"):
+            run_on_fresh_pool(tmp_path, "split", model_dir, feed, iters=1, groups=1, nproc=2, model=[],
+                              extra=lora + ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+
+
 def test_lora_kl_reference_is_the_policy_with_its_adapters_off(tmp_path):
     """With --rl-kl-coef the reference of a LoRA run is the policy with its adapters off (no copy of the weights):
     it trains the same steps as with a frozen copy of the checkpoint (--ref-hf-checkpoint to a copy of it), under

@@ -286,14 +286,14 @@ def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     assert [g.rsplit("_", 1)[1] for g in groups] == [f"s{s}" for s in range(parallel.pp)], groups
 
 
-def _lora_sync_body(rank, world_size, mcore_dir, engine_url, disk_dir):
+def _lora_sync_body(rank, world_size, mcore_dir, engine_url, disk_dir, targets):
     """--lora-rank's adapters on a converted trainer: with B moved off zero the trainer (base weights + adapters,
     through the linears' hooks) scores differently from the engine; a sync sends W + scaling * B A per TP shard
     and the engine then scores as the trainer does. Returns (adapted names, before, after, report)."""
     from forge_megatron.mcore.lora import LoraConfig, install
 
     bridge, model = load_converted(mcore_dir)
-    adapted = install([model], LoraConfig(rank=4, alpha=8.0))
+    adapted = install([model], LoraConfig(rank=4, alpha=8.0, targets=targets))
     with torch.no_grad():  # the same values on every rank holding a whole tensor (a function of the position)
         for name, p in model.named_parameters():
             if name.endswith(("lora_A", "lora_B")):
@@ -310,20 +310,29 @@ def _lora_sync_body(rank, world_size, mcore_dir, engine_url, disk_dir):
     # multi-latent attention: its up projections (column-parallel) and output adapted, the latents' down
     # projections not; layer 0's dense MLP adapted, layer 1's experts and shared expert not
     ("deepseek_v3", ParallelConfig(tp=2)),
-], ids=["tp2", "pp2", "ep2-moe", "tp2-mla"])
+    # --lora-target-modules all,experts,shared_experts: every routed expert merged on its EP rank, then gathered
+    ("glm4_moe_experts", ParallelConfig(ep=2)),
+], ids=["tp2", "pp2", "ep2-moe", "tp2-mla", "ep2-experts"])
 def test_lora_adapters_are_synced_merged_into_the_weights(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine
 
+    from forge_megatron.mcore.lora import MOE, TARGETS
+
+    experts = arch.endswith("_experts")
+    arch = arch.removesuffix("_experts")
     mcore = str(tmp_path / "mcore")
     ckpt.hf_to_megatron(models[arch], mcore, ParallelLayout(parallel.tp, parallel.pp, parallel.ep))
     engine = start_engine(models[arch], in_process=True)
     try:
         results = run_distributed(_lora_sync_body, world_size=2, parallel=parallel, mcore_dir=mcore,
-                                  engine_url=engine.url, disk_dir=str(tmp_path / "disk"))
+                                  engine_url=engine.url, disk_dir=str(tmp_path / "disk"),
+                                  targets=TARGETS + (MOE if experts else ()))
     finally:
         engine.stop()
     adapted, ((lps_before, _), trainer_before), ((lps, version), trainer), report = results[0]
-    per_layer = {"qwen3_moe": [2, 2], "deepseek_v3": [5, 3]}.get(arch, [4, 4])  # (a MoE layer's MLP is not adapted)
+    # (a MoE layer's MLP is not adapted, unless named: GLM-4.5's layer 1 then has 2 of its 4 experts on this rank,
+    # and a shared expert, fc1 and fc2 each)
+    per_layer = {"qwen3_moe": [2, 2], "deepseek_v3": [5, 3], "glm4_moe": [4, 2 + 2 * 2 + 2]}.get(arch, [4, 4])
     assert len(adapted) == sum(per_layer[:2 // parallel.pp]), adapted
     assert max(abs(a - b) for a, b in zip(lps_before, trainer_before)) > 1e-3  # the adapters moved the trainer
     assert report.excluded == [] and version == "1"
