@@ -103,6 +103,19 @@ def _hook(kind: str, sequence_parallel: bool, group):
     return forward
 
 
+def _summed_over(group):
+    """A gradient hook summing a factor's gradient over ``group`` before it is accumulated (each rank's is a partial
+    sum: a routed expert split over TP)."""
+    import torch.distributed as dist
+
+    def hook(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    return hook
+
+
 def _embedding_requires_grad(module, args, output):
     """The frozen embedding's output marked as requiring a gradient: activation recomputation (Megatron's reentrant
     checkpoints) back-propagates into a recomputed layer only if its input requires one, and with every weight
@@ -168,9 +181,10 @@ def install(chunks: list, cfg: LoraConfig) -> list[str]:
                                      "layer spec's linears)")
                 group = getattr(linear, "tp_group", None) or ps.get_tensor_model_parallel_group()
                 tp, tp_rank = dist.get_world_size(group), dist.get_rank(group)
-                if tp > 1 and getattr(linear, "explicit_expert_comm", False):  # the dispatcher does its comm
-                    raise ValueError("--lora-target-modules experts: the routed experts are split over TP here; "
-                                     "their adapters need them whole (--expert-tensor-parallel-size 1)")
+                # a routed expert split over TP: the token dispatcher does the communication (every rank has the
+                # tokens, the partial outputs are summed on the way back), so the adapter's do not cross TP either
+                # and its whole factor's gradient (a partial sum on each rank) is summed over the group instead
+                explicit = tp > 1 and getattr(linear, "explicit_expert_comm", False)
                 sp = bool(getattr(linear, "sequence_parallel", chunk_sp))  # (the linear's own: its input is sliced)
                 w = linear.weight
                 full_in = w.shape[1] * (tp if kind == "row" else 1)
@@ -190,10 +204,13 @@ def install(chunks: list, cfg: LoraConfig) -> list[str]:
                     split, whole = (linear.lora_B, linear.lora_A) if kind == "column" else \
                         (linear.lora_A, linear.lora_B)
                     set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
-                    if sp:  # a sum over this rank's tokens: Megatron reduces it over TP as the norms' gradients
+                    if explicit:
+                        whole.register_hook(_summed_over(group))
+                    elif sp:  # a sum over this rank's tokens: Megatron reduces it over TP as the norms' gradients
                         whole.sequence_parallel = True
                 linear.lora_off = False
-                linear.register_forward_hook(_hook(kind, sp, group if tp > 1 else None))
+                linear.register_forward_hook(_hook(kind, sp and not explicit, group if tp > 1 and not explicit
+                                                   else None))
                 adapted.append(modules[id(linear)])
         embedding = getattr(chunk, "embedding", None)
         if embedding is not None:  # the first stage: see _embedding_requires_grad

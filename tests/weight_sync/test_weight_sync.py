@@ -312,7 +312,8 @@ def _lora_sync_body(rank, world_size, mcore_dir, engine_url, disk_dir, targets):
     ("deepseek_v3", ParallelConfig(tp=2)),
     # --lora-target-modules all,experts,shared_experts: every routed expert merged on its EP rank, then gathered
     ("glm4_moe_experts", ParallelConfig(ep=2)),
-], ids=["tp2", "pp2", "ep2-moe", "tp2-mla", "ep2-experts"])
+    ("qwen3_moe_experts", ParallelConfig(tp=2)),  # the experts (and their adapters) split over TP, merged per shard
+], ids=["tp2", "pp2", "ep2-moe", "tp2-mla", "ep2-experts", "tp2-experts"])
 def test_lora_adapters_are_synced_merged_into_the_weights(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine
 
@@ -332,7 +333,8 @@ def test_lora_adapters_are_synced_merged_into_the_weights(models, tmp_path, arch
     adapted, ((lps_before, _), trainer_before), ((lps, version), trainer), report = results[0]
     # (a MoE layer's MLP is not adapted, unless named: GLM-4.5's layer 1 then has 2 of its 4 experts on this rank,
     # and a shared expert, fc1 and fc2 each)
-    per_layer = {"qwen3_moe": [2, 2], "deepseek_v3": [5, 3], "glm4_moe": [4, 2 + 2 * 2 + 2]}.get(arch, [4, 4])
+    per_layer = {"qwen3_moe": [2 + 2 * 4 * experts] * 2, "deepseek_v3": [5, 3],
+                 "glm4_moe": [4, 2 + 2 * 2 + 2]}.get(arch, [4, 4])
     assert len(adapted) == sum(per_layer[:2 // parallel.pp]), adapted
     assert max(abs(a - b) for a, b in zip(lps_before, trainer_before)) > 1e-3  # the adapters moved the trainer
     assert report.excluded == [] and version == "1"
