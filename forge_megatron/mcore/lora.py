@@ -15,14 +15,17 @@ rank trains:
 A starts as the same draw whatever the layout (a generator seeded by the layer's global number and the linear's name;
 the row-parallel ranks take their columns of it), B as zeros: the adapted model starts as the checkpoint.
 
+A MoE layer's MLP is adapted only when named (``experts``, ``shared_experts``): a routed expert's adapters are
+seeded by its global id and, as its weights, reduced over the expert-data-parallel group (``allreduce`` False);
+experts split over TP leave all communication to the token dispatcher (every rank has the tokens, partial outputs
+are summed on the way back), so their adapters do not cross TP and the whole factor's gradient, a partial sum on each
+rank, is summed over TP by a gradient hook. Never adapted: multi-latent attention's down projections (replicated
+latents), linear-attention mixers (Gated DeltaNet, Kimi Delta Attention), the embeddings, norms and head.
+
 Only the adapters train: the optimizer holds them alone (its state is a few MB), the gradients are theirs. The KL
 reference, the checkpoint's model, is the policy with its adapters switched off (:func:`disabled`): no second copy of
-the weights. The weight
-sync and the HF export send W + scaling * B A (:func:`merged`, per TP shard: B A has the weight's shard shape),
-so the engines serve plain weights and need no LoRA support. Routed experts keep their weights (dense layers'
-MLPs and every layer's attention are adapted; a MoE layer's experts and shared experts are not), as do multi-latent
-attention's down projections (replicated latents), linear-attention mixers (Gated DeltaNet, Kimi Delta Attention)
-and the embeddings, norms and head.
+the weights. The weight sync and the HF export send W + scaling * B A (:func:`merged`, per TP shard: B A has the
+weight's shard shape), so the engines serve plain weights and need no LoRA support.
 
 Legend: S = tokens (this rank's under sequence parallelism), R = rank, I / O = the linear's input / output width.
 """
