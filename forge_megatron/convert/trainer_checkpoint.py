@@ -192,7 +192,7 @@ def export_lora_adapter(save_dir: str, out_dir: str, iteration: int | None = Non
     job = saved_job(metas, bridge)
     pl, it_dir = job.layout, os.path.join(save_dir, f"iter_{iteration:07d}")
     factors: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # canonical weight -> A/B/scaling -> TP rank
-    for (tp, p, _), rank in sorted(job.owner.items()):  # (adapters are never on experts: any EP rank's copy)
+    for (tp, p, _), rank in sorted(job.owner.items()):  # (non-expert adapters: any EP rank's copy; experts refused)
         for v, chunk in enumerate(_raw_chunks(os.path.join(it_dir, f"rank_{rank:05d}.pt"))):
             layers = job.chunks[v * job.P + p]
             for key, t in chunk.items():
