@@ -172,7 +172,7 @@ def test_text_model_refuses_images(tmp_path, pictures):
         engine.stop()
 
 
-def _trainer_logprobs(rank, world_size, hf_dir, episode_blob):
+def _trainer_logprobs(rank, world_size, hf_dir, episode_blob, segments):
     """The trainer's path for one recorded episode: pool wire form -> TrainSamples -> rank_batch (images encoded by
     the checkpoint's processor) -> tree forward with the vision tower; logprobs of the sampled tokens."""
     from forge_megatron.mcore.forward import tree_logprobs
@@ -183,8 +183,8 @@ def _trainer_logprobs(rank, world_size, hf_dir, episode_blob):
     from tests.multimodal.test_vision_tree import _tree_model
 
     _, model, spec, _ = _tree_model(hf_dir)
-    samples = group_samples([blob_to_wire(episode_blob)], {"rewards": [1.0], "segment_advantages": [[1.0]],
-                                                           "segment_weights": [[1.0]]}, 0)
+    samples = group_samples([blob_to_wire(episode_blob)], {"rewards": [1.0], "segment_advantages": [[1.0] * segments],
+                                                           "segment_weights": [[1.0] * segments]}, 0)
     rb = rank_batch(TrainBatch(0, samples, [0]), 4096, True, 0, 1, [], hidden_size=8, vision=ImageProcessor(hf_dir))
     (mb,) = rb.micro_batches
     with torch.no_grad():
@@ -201,8 +201,9 @@ def test_trainer_scores_recorded_images_as_the_engine(served, vl_dir, pictures):
     _chat(s, [_user("what is this?", pictures[0]), {"role": "assistant", "content": r1.choices[0].message.content},
               _user("and this?", pictures[1])], max_tokens=8)
     assert end(served, s)[0] == 200
-    (result,) = run_distributed(_trainer_logprobs, world_size=1, hf_dir=vl_dir,
-                                episode_blob=episode_to_blob(episode(served, s)), timeout_s=300)
+    ep = episode(served, s)  # (one segment, or two when the first completion sampled the image token: sampling)
+    (result,) = run_distributed(_trainer_logprobs, world_size=1, hf_dir=vl_dir, episode_blob=episode_to_blob(ep),
+                                segments=len(ep.segments), timeout_s=300)
     logp, mask, rollout = result
     sampled = mask > 0
     assert int(sampled.sum()) >= 2
