@@ -213,7 +213,8 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
         n = params["dense"] + params["expert"]
         frozen = tower_frozen if r == 0 else 0  # a trained tower's parameters outside --vision-trainable
         adapters = lora_params(bridge, lora, tp, pp, r, vpp, first, last, ep, etp) if lora is not None else 0
-        if lora is not None:  # the checkpoint's weights frozen, the adapters trained (dense, never experts)
+        if lora is not None:  # the checkpoint's weights frozen, the adapters trained (their Adam state counted
+            # with the dense shards, the experts' adapters too: a slight overcount with the distributed optimizer)
             frozen, n, params = n, n + adapters, {**params, "dense": params["dense"] + adapters}
         layers = rank_layers(cfg.num_layers, pp, vpp, r, first, last)
         moe = sum(bridge.is_moe_layer(layer) for layer in layers)
