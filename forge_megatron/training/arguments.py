@@ -382,8 +382,8 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the adapters have gradients and optimizer state. Adapters follow the linears' TP split "
                         "(with sequence parallelism too); the weight sync and the HF export send the merged weights "
                         "W + (alpha / R) B A, so the engines need no LoRA support. Attention and dense MLPs are "
-                        "adapted; routed and shared experts, linear-attention mixers, embeddings, norms and the "
-                        "head are not (docs/training.md)")
+                        "adapted (MoE experts when --lora-target-modules names them); linear-attention mixers, "
+                        "embeddings, norms and the head are not (docs/training.md)")
     g.add_argument("--lora-alpha", type=float, default=None, metavar="ALPHA",
                    help="with --lora-rank: the adapters' scale numerator (default 2 x R; the update is scaled by "
                         "ALPHA / R)")
@@ -504,11 +504,9 @@ def lora_config(args: argparse.Namespace):
     None without --lora-rank."""
     if getattr(args, "lora_rank", None) is None:
         return None
-    from forge_megatron.mcore.lora import LoraConfig
+    from forge_megatron.mcore.lora import TARGETS, LoraConfig
 
     alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
-    from forge_megatron.mcore.lora import TARGETS
-
     targets = []
     for t in (t.strip() for t in args.lora_target_modules.split(",")):
         targets += TARGETS if t == "all" else [t] if t else []
