@@ -192,15 +192,20 @@ def _trainer_logprobs(rank, world_size, hf_dir, episode_blob, segments):
     return logp, mb.extras["loss_mask_M"], mb.extras["rollout_logp_M"]
 
 
-def test_trainer_scores_recorded_images_as_the_engine(served, vl_dir, pictures):
+@pytest.mark.parametrize("second", ["continued", "rewritten"])
+def test_trainer_scores_recorded_images_as_the_engine(served, vl_dir, pictures, second):
+    """Two calls with a picture each, the second continuing the first (one segment holding both pictures) or
+    rewriting the history (a segment each): the trainer's logprobs of the sampled tokens are the engine's."""
     from forge_megatron.middleware.wire import episode_to_blob
     from tests.dist_utils import run_distributed
 
     s = new_session(served)
     r1 = _chat(s, [_user("what is this?", pictures[0])], max_tokens=8)
-    _chat(s, [_user("what is this?", pictures[0]), {"role": "assistant", "content": r1.choices[0].message.content},
-              _user("and this?", pictures[1])], max_tokens=8)
+    history = [_user("what is this?", pictures[0]), {"role": "assistant", "content": r1.choices[0].message.content}]
+    _chat(s, [*(history if second == "continued" else []), _user("and this?", pictures[1])], max_tokens=8)
     assert end(served, s)[0] == 200
+    if second == "rewritten":
+        assert len(episode(served, s).segments) == 2
     ep = episode(served, s)  # (one segment, or two when the first completion sampled the image token: sampling)
     (result,) = run_distributed(_trainer_logprobs, world_size=1, hf_dir=vl_dir, episode_blob=episode_to_blob(ep),
                                 segments=len(ep.segments), timeout_s=300)
