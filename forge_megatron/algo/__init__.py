@@ -30,9 +30,4 @@ def __dir__():
     return sorted({*globals(), *_WHERE})
 
 
-__all__ = [
-    "LossConfig", "policy_loss", "EpisodeOutcome", "RewardConfig", "GroupScores", "score_group",
-    "completion_time_bonus", "ProcessContext", "PROCESS_TERMS", "register_process_term", "measure_process_terms",
-    "language_mixing", "load_reward_fn", "reward_to_go", "group_baselines", "DomainMixer", "domain_means",
-    "truncated_is_weights", "staleness", "drop_stale",
-]
+__all__ = list(_WHERE)
