@@ -1811,7 +1811,7 @@ _METRIC_HELP = {
     "reaped_sessions": ("counter", "sessions ended as timed_out for being idle"),
     "forgotten_sessions": ("counter", "ended sessions forgotten (GET /forge/sessions/{id}: 404) beyond "
                                       "--keep-ended-sessions / --keep-ended-mib"),
-    "images_fetched": ("counter", "image URLs fetched (--image-url-hosts, --image-dir; a URL once while cached)"),
+    "images_fetched": ("counter", "image URLs fetched (--image-url-hosts, --image-dir; once per new message)"),
     "image_fetch_failures": ("counter", "image URLs refused or that could not be fetched (each a 400)"),
 }
 _POOL_GAUGES = ("queue_depth", "window", "window_ready", "window_pending", "window_occupancy", "policy_version",

@@ -249,7 +249,7 @@ def test_files_outside_the_image_dir_and_the_default_policy_are_refused(served, 
         scraped = {k: float(v) for k, v in lines}
         return scraped["forge_gateway_images_fetched_total"], scraped["forge_gateway_image_fetch_failures_total"]
 
-    # the gateway's counters: a URL not in its cache (another fragment) fetched; a 404 and a web page refused
+    # the gateway's counters: a new message's URL fetched; a 404 and a web page refused
     before = counters()
     assert _chat(gw, [{"role": "user", "content": [_part(f"{image_server}/a.png?counted")]}])[1] == 400
     assert _chat(gw, [{"role": "user", "content": [_part(f"{image_server}/a.png#x"), _part(image_server + "/text")]}]
