@@ -184,7 +184,7 @@ def export_lora_adapter(save_dir: str, out_dir: str, iteration: int | None = Non
     the merged export adds to its weight. Returns a summary (iteration, rank, alpha, modules, tensors)."""
     from safetensors.torch import save_file
 
-    from forge_megatron.mcore.lora import COLUMN
+    from forge_megatron.mcore.lora import COLUMN, peft_config, peft_tensors
 
     iteration = _latest(save_dir) if iteration is None else iteration
     metas = read_rank_metadata(save_dir, iteration)
@@ -206,7 +206,7 @@ def export_lora_adapter(save_dir: str, out_dir: str, iteration: int | None = Non
                     factors.setdefault(weight, {}).setdefault(leaf, {}).setdefault(tp, t)
     if not factors:
         raise ValueError(f"{it_dir!r} holds no LoRA adapters (a run without --lora-rank): use trainer-to-hf")
-    tensors, modules, ranks, alphas = {}, set(), set(), set()
+    tensors, ranks, alphas = {}, set(), set()
     for weight, f in sorted(factors.items()):
         shards = [f[k] for k in ("lora_A", "lora_B")]
         if any(len(s) != pl.tp for s in shards):
@@ -217,24 +217,17 @@ def export_lora_adapter(save_dir: str, out_dir: str, iteration: int | None = Non
         rank, scaling = A.shape[0], float(f["lora_scaling"][0])
         ranks.add(rank)
         alphas.add(round(scaling * rank, 6))
-        pairs = {n: (A, b) for n, b in bridge.to_hf(weight, B).items()} if column else \
-            {n: (a, B) for n, a in bridge.to_hf(weight, A).items()}
-        for hf_name, (a, b) in pairs.items():
-            module = hf_name[: -len(".weight")]
-            modules.add(module.rsplit(".", 1)[-1])
-            tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(torch.float32, copy=True).contiguous()
-            tensors[f"base_model.model.{module}.lora_B.weight"] = b.to(torch.float32, copy=True).contiguous()
+        tensors.update(peft_tensors(bridge, weight, A, B, torch.float32))
     if len(ranks) != 1 or len(alphas) != 1:
         raise ValueError(f"{it_dir!r}: adapters of several ranks or scales ({sorted(ranks)}, alpha {sorted(alphas)})")
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ranks.pop(), "lora_alpha": alphas.pop(),
-              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-              "target_modules": sorted(modules), "base_model_name_or_path": metas[0].get("hf_checkpoint")}
+    config = peft_config(ranks.pop(), alphas.pop(), tensors, metas[0].get("hf_checkpoint"))
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as fh:
         json.dump(config, fh, indent=2)
     note = None
-    if bridge.cfg.num_moe_experts and modules & {"gate_proj", "up_proj", "down_proj", "gate_up_proj"}:
+    mlp = {"gate_proj", "up_proj", "down_proj", "gate_up_proj"}
+    if bridge.cfg.num_moe_experts and set(config["target_modules"]) & mlp:
         note = ("this MoE model's adapters include dense MLP projections, which PEFT (0.21, transformers 5) maps onto "
                 "the experts when it loads them: use the merged export (trainer-to-hf) there, or train with "
                 "--lora-target-modules limited to attention")

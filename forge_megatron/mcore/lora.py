@@ -252,6 +252,31 @@ def merged(module_state: dict, weight_name: str, weight: torch.Tensor) -> torch.
     return (weight.detach().float() + delta.to(weight.device)).to(weight.dtype)
 
 
+def peft_tensors(bridge, weight: str, A: torch.Tensor, B: torch.Tensor, dtype: torch.dtype | None = None) -> dict:
+    """The PEFT form of the adapter on canonical weight ``weight`` (A [R, I] and B [O, R] whole, TP shards joined):
+    ``base_model.model.<hf module>.lora_A.weight`` / ``lora_B.weight``. A fused Megatron linear becomes HF's
+    projections, each with the shared A and its rows of B (q/k/v, gate/up), so B_hf A = the rows of B A that a merge
+    adds to that projection's weight."""
+    column = weight.rsplit(".", 2)[-2] in COLUMN
+    pairs = {n: (A, b) for n, b in bridge.to_hf(weight, B).items()} if column else \
+        {n: (a, B) for n, a in bridge.to_hf(weight, A).items()}
+    out = {}
+    for hf_name, (a, b) in pairs.items():
+        module = hf_name[: -len(".weight")]
+        out[f"base_model.model.{module}.lora_A.weight"] = a.to(dtype or a.dtype, copy=True).contiguous()
+        out[f"base_model.model.{module}.lora_B.weight"] = b.to(dtype or b.dtype, copy=True).contiguous()
+    return out
+
+
+def peft_config(rank: int, alpha: float, tensors: dict, base_model: str | None) -> dict:
+    """``adapter_config.json`` of the PEFT LoRA adapter ``tensors`` (:func:`peft_tensors`' keys): its target modules
+    are the HF module names (``q_proj``, ...) they adapt."""
+    modules = sorted({key.rsplit(".", 3)[1] for key in tensors})  # <module path>.<name>.lora_X.weight
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+            "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "target_modules": modules,
+            "base_model_name_or_path": base_model}
+
+
 def merge_state(state: dict) -> dict:
     """A model state dict with every adapter merged into its weight and the adapters' entries left out (the HF
     export of a LoRA run's checkpoint)."""

@@ -20,7 +20,9 @@ Routes
   POST /forge/sessions/{id}/reward {reward, terms}
   POST /forge/sessions/{id}/end {status}                      -> the episode goes to the sink; answers with the
                                                                  policy versions that sampled it
-  POST /forge/admin/pause {drain_timeout_s}, POST /forge/admin/resume {policy_version}, GET /forge/admin/state
+  POST /forge/admin/pause {drain_timeout_s}, POST /forge/admin/resume {policy_version, lora_name},
+  GET /forge/admin/state   (``lora_name``: the engines serve the policy as that LoRA adapter: every call from now on
+                           names it, and its tokens are the adapter's version; the trainer's --weight-sync-lora adapter)
   POST /forge/evals {policy_version, pass@1, ...} -> {id, gateway};  GET /forge/evals?after=ID -> {evals, gateway}
                     (kept in memory, the last 1000; ``gateway`` changes when the gateway restarts, ids start again)
   GET  /metrics       Prometheus text format: the gateway's counters and gauges, the engines', and the data pool's
@@ -83,6 +85,7 @@ from forge_megatron.middleware.gateway_sessions import (
 from forge_megatron.middleware.schema import EPISODE_STATUSES, EpisodeSink, ListSink, SchemaError
 from forge_megatron.middleware.reasoning_parsers import get_reasoning_parser, reasoning_parser_names
 from forge_megatron.middleware.tool_parsers import CannotForceToolCall, get_parser, parser_names
+from forge_megatron.rollout.lora_serving import policy_adapter_version
 from forge_megatron.rollout.launch import print_ready, serve_app, until_terminated
 from forge_megatron.rollout.sglang_client import (
     EngineFleet, EngineRequestError, FleetConfig, NoEngineAvailable, SharedLoad,
@@ -568,6 +571,7 @@ class Gateway:
         self.ended_ids: deque[str] = deque()  # oldest first; bounded by keep_ended_sessions and keep_ended_mib
         self.ended_bytes = 0  # recorded bytes of the sessions in ended_ids
         self.policy_version = 0
+        self.policy_adapter: str | None = None  # the LoRA adapter the engines serve the policy as (calls name it)
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.inflight = 0
@@ -600,9 +604,11 @@ class Gateway:
             await asyncio.sleep(0.01)
         return self.inflight
 
-    def resume(self, policy_version: int | None) -> None:
+    def resume(self, policy_version: int | None, lora_name: str | None = None) -> None:
         if policy_version is not None:
             self.policy_version = policy_version
+        if lora_name is not None:
+            self.policy_adapter = lora_name
         self.resumed.set()
 
     # --- sessions ---------------------------------------------------------------------------------------------
@@ -948,7 +954,8 @@ class Gateway:
                 result = await self.fleet.generate(ids, sampling, session_key=sess.session_id,
                                                    return_routed_experts=self.routing_shape is not None,
                                                    group_key=sess.group_id or None,
-                                                   top_logprobs_num=call.top_logprobs, image_data=image_data(call))
+                                                   top_logprobs_num=call.top_logprobs, image_data=image_data(call),
+                                                   lora_path=self.policy_adapter)
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
             if result.finish_type != "abort":
@@ -973,7 +980,8 @@ class Gateway:
                 async for result in self.fleet.generate_stream(
                         ids, sampling, session_key=sess.session_id,
                         return_routed_experts=self.routing_shape is not None, group_key=sess.group_id or None,
-                        top_logprobs_num=call.top_logprobs, image_data=image_data(call)):
+                        top_logprobs_num=call.top_logprobs, image_data=image_data(call),
+                        lora_path=self.policy_adapter):
                     sent = await on_partial(self.joined(call, result))
             except (NoEngineAvailable, EngineRequestError) as exc:
                 raise _engine_error(exc) from exc
@@ -1192,7 +1200,11 @@ class Gateway:
         return flat.reshape(rows, *self.routing_shape).astype(self.routing_dtype)
 
     def version_of(self, result) -> int:
-        """The engine's weight_version when it is an integer (set by weight sync), else the gateway's version."""
+        """The version of the policy adapter the call named (``forge-<run>-v<version>``), else the engine's
+        weight_version when it is an integer (set by weight sync), else the gateway's version."""
+        adapter = policy_adapter_version(result.lora_path)
+        if adapter is not None:
+            return adapter
         try:
             return int(result.weight_version)
         except (TypeError, ValueError):
@@ -1755,8 +1767,13 @@ async def admin_pause(request: web.Request, gw: Gateway) -> web.Response:
 async def admin_resume(request: web.Request, gw: Gateway) -> web.Response:
     body = await _body(request)
     version = _number(body, "policy_version", None, 0, 1 << 62, integer=True)
-    gw.resume(version)
-    return web.json_response({"paused": False, "policy_version": gw.policy_version})
+    lora_name = body.get("lora_name")
+    if lora_name is not None and (not isinstance(lora_name, str) or not 0 < len(lora_name) <= 256):
+        raise _bad("lora_name", "lora_name must be the name of the LoRA adapter the engines serve the policy as "
+                                "(a non-empty string of at most 256 characters)")
+    gw.resume(version, lora_name)
+    return web.json_response({"paused": False, "policy_version": gw.policy_version,
+                              "policy_adapter": gw.policy_adapter})
 
 
 @_admin
@@ -1785,6 +1802,7 @@ async def list_evals(request: web.Request, gw: Gateway) -> web.Response:
 async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
     return web.json_response({
         "paused": not gw.resumed.is_set(), "policy_version": gw.policy_version, "inflight": gw.inflight,
+        "policy_adapter": gw.policy_adapter,
         "sessions_open": sum(not s.ended for s in gw.sessions.values()),
         "sessions_ended": sum(s.ended for s in gw.sessions.values()), **gw.stats,
         "ended_sessions_mib": round(gw.ended_bytes / 2**20, 3),  # what the ended sessions kept hold

@@ -148,6 +148,7 @@ class GatewayFront:
         self.groups: OrderedDict[str, tuple[int, dict]] = OrderedDict()
         self.restarts_total = 0
         self.paused, self.policy_version = False, None  # as last sent to the workers (a restarted one is set so)
+        self.policy_adapter: str | None = None  # the LoRA adapter the last resume named (see Gateway.resume)
         self._turn = 0
         self._http: ClientSession | None = None
         self._monitor: asyncio.Task | None = None
@@ -236,9 +237,11 @@ class GatewayFront:
                 try:
                     await self._start(w)
                     applied = None
-                    while applied != (self.paused, self.policy_version):  # a pause or resume may come meanwhile
-                        applied = (self.paused, self.policy_version)
+                    while applied != (self.paused, self.policy_version, self.policy_adapter):  # a pause or resume
+                        applied = (self.paused, self.policy_version, self.policy_adapter)  # may come meanwhile
                         version = {} if applied[1] is None else {"policy_version": applied[1]}
+                        if applied[2] is not None:
+                            version["lora_name"] = applied[2]
                         for path, body in (("resume", version), *((("pause", {"drain_timeout_s": 0}),)
                                                                   if applied[0] else ())):
                             status, answer = await self._json(w, "POST", f"/forge/admin/{path}",
@@ -446,7 +449,9 @@ class GatewayFront:
         if not isinstance(answers, list):
             return answers
         self.paused, self.policy_version = False, max(a.get("policy_version", 0) for _, _, a in answers)
-        return web.json_response({"paused": False, "policy_version": self.policy_version})
+        self.policy_adapter = answers[0][2].get("policy_adapter")
+        return web.json_response({"paused": False, "policy_version": self.policy_version,
+                                  "policy_adapter": self.policy_adapter})
 
     async def state(self, request: web.Request) -> web.Response:
         answers = await self._each("GET", "/forge/admin/state", request)

@@ -7,7 +7,8 @@ names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``
 ``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV models: inline images, one per run of image tokens in ``input_ids``),
 ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` (mode abort|in_place|retract),
 ``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
-``/update_weights_from_distributed``.
+``/update_weights_from_distributed``; with ``--enable-lora`` SGLang's LoRA serving: ``/load_lora_adapter``,
+``/unload_lora_adapter``, ``/generate``'s ``lora_path``, adapters listed by ``/v1/models`` (see lora_serving.py).
 
 Decoding: every request decodes token by token with its own KV cache. Each forward step is a
 job on one worker thread, so concurrent requests interleave step by step and a weight update (also a job on that
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import inspect
 import json
 import logging
@@ -173,12 +175,15 @@ class _Request:
     top: list = field(default_factory=list)  # per output token, its top_n alternatives (see top_logprobs)
     images: list = field(default_factory=list)  # image_data as multimodal.ImageInput, in the order of their tokens
     rope_deltas: object = None  # a vision-language model's mRoPE offset of this request (set by its prefill)
+    lora: object = None  # lora_serving.Adapter of its lora_path (None: the base model); kept if unloaded meanwhile
 
 
 class ReferenceEngine:
     """Model, tokenizer and request state; every model touch runs on the single worker thread."""
 
-    def __init__(self, model_path: str, context_length: int | None = None, return_routed_experts: bool = False):
+    def __init__(self, model_path: str, context_length: int | None = None, return_routed_experts: bool = False,
+                 lora: dict | None = None):
+        """``lora``: serve LoRA adapters (``--enable-lora``): {max_rank, target_modules} (each may be None)."""
         from transformers import AutoTokenizer
 
         if not os.path.isdir(model_path):
@@ -221,6 +226,13 @@ class ReferenceEngine:
                              "(model.layers.*.mlp.gate or .router)")
         self._captured: dict[int, torch.Tensor] | None = None  # layer -> top-k ids of the forward in progress
         self._images = None  # multimodal.images.ImageProcessor, made on the first request with image_data
+        self.lora = None
+        if lora is not None:
+            from forge_megatron.rollout.lora_serving import LoraServing
+
+            self.lora = LoraServing(self.model, max_rank=lora.get("max_rank"),
+                                    target_modules=lora.get("target_modules"),
+                                    served_name=lambda module: _in_memory_name(module + ".weight")[: -len(".weight")])
 
     # --- routed experts -----------------------------------------------------------------------------------------
     def _find_routers(self) -> dict[int, object]:
@@ -276,7 +288,19 @@ class ReferenceEngine:
         seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(4), "little")
         gen = torch.Generator().manual_seed(seed)
         return _Request(rid=str(body.get("rid") or uuid.uuid4().hex), input_ids=list(ids), params=params, gen=gen,
-                        routed=[] if want_routing else None, top_n=top_n, images=self._image_inputs(body, ids))
+                        routed=[] if want_routing else None, top_n=top_n, images=self._image_inputs(body, ids),
+                        lora=self._adapter(body.get("lora_path")))
+
+    def _adapter(self, name):
+        if name is None:
+            return None
+        _require(self.lora is not None, "lora_path needs the server started with --enable-lora")
+        from forge_megatron.rollout.lora_serving import AdapterError
+
+        try:
+            return self.lora.get(name)
+        except AdapterError as exc:
+            raise RequestError(str(exc)) from None
 
     def _image_inputs(self, body: dict, ids: list[int]) -> list:
         """SGLang's ``image_data`` (a data URL / base64 string or a list of them, one per run of image tokens in
@@ -320,7 +344,7 @@ class ReferenceEngine:
                          image_grid_thw=torch.tensor([im.grid_thw for im in req.images]),
                          mm_token_type_ids=(new_S == spec.image_token_id).int())
         try:
-            with torch.no_grad():
+            with torch.no_grad(), (self.lora.using(req.lora) if self.lora is not None else contextlib.nullcontext()):
                 out = self.model(input_ids=new_S, use_cache=True, **{self.cache_kw: req.past}, **extra)
             if hasattr(inner, "rope_deltas"):
                 req.rope_deltas = inner.rope_deltas
@@ -720,6 +744,61 @@ async def update_from_distributed(request, eng):
     return _ok(f"updated {len(names)} tensors")
 
 
+def _lora_of(eng: ReferenceEngine):
+    _require(eng.lora is not None, "LoRA adapters need the server started with --enable-lora")
+    return eng.lora
+
+
+def _lora_answer(eng: ReferenceEngine, error: str | None = None) -> web.Response:
+    """SGLang's LoRAUpdateOutput: success, error_message, loaded_adapters (name -> path); 400 on failure."""
+    loaded = {name: a.path for name, a in eng.lora.adapters.items()} if eng.lora is not None else {}
+    return web.json_response({"success": error is None, "error_message": error, "loaded_adapters": loaded},
+                             status=200 if error is None else 400)
+
+
+@_handler
+async def load_lora_adapter(request, eng):
+    from forge_megatron.rollout.lora_serving import AdapterError
+
+    body = await _json_body(request)
+    serving = _lora_of(eng)
+    _require(isinstance(body.get("lora_path"), str), "lora_path (an adapter directory) is required")
+    try:
+        await eng.run(serving.load, body.get("lora_name"), body["lora_path"])
+    except AdapterError as exc:
+        return _lora_answer(eng, str(exc))
+    return _lora_answer(eng)
+
+
+@_handler
+async def unload_lora_adapter(request, eng):
+    """Forget the adapter at once (new requests naming it are refused), answer once no running request uses it
+    (SGLang waits for them the same way)."""
+    from forge_megatron.rollout.lora_serving import AdapterError
+
+    body = await _json_body(request)
+    serving = _lora_of(eng)
+    adapter = serving.adapters.get(body.get("lora_name"))
+    try:
+        await eng.run(serving.unload, body.get("lora_name"))
+    except AdapterError as exc:
+        return _lora_answer(eng, str(exc))
+    while any(r.lora is adapter for r in list(eng.running.values())):
+        await asyncio.sleep(0.01)
+    return _lora_answer(eng)
+
+
+@_handler
+async def models(request, eng):
+    """OpenAI's model list as SGLang answers it: the base model, then every loaded adapter (``parent``: the base)."""
+    served = eng.model_path
+    cards = [{"id": served, "object": "model", "root": served, "max_model_len": eng.context_length}]
+    if eng.lora is not None:
+        cards += [{"id": name, "object": "model", "root": a.path, "parent": served, "max_model_len": None}
+                  for name, a in eng.lora.adapters.items()]
+    return web.json_response({"object": "list", "data": cards})
+
+
 def make_app(engine: ReferenceEngine, max_body_bytes: int = 64 << 20) -> web.Application:
     """The aiohttp application serving ``engine`` with SGLang's routes."""
     app = web.Application(client_max_size=max_body_bytes)
@@ -736,6 +815,9 @@ def make_app(engine: ReferenceEngine, max_body_bytes: int = 64 << 20) -> web.App
     app.router.add_post("/init_weights_update_group", init_group)
     app.router.add_post("/destroy_weights_update_group", destroy_group)
     app.router.add_post("/update_weights_from_distributed", update_from_distributed)
+    app.router.add_post("/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/unload_lora_adapter", unload_lora_adapter)
+    app.router.add_get("/v1/models", models)
     return app
 
 
@@ -753,7 +835,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="MoE models: record every token's top-k experts per layer, returned to requests that set "
                         "return_routed_experts (SGLang's flag; used for rollout routing replay)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters beside the base weights (SGLang's flag): /load_lora_adapter, "
+                        "/unload_lora_adapter, /generate's lora_path (trainer --weight-sync-lora adapter)")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="with --enable-lora: refuse adapters of a higher rank, as SGLang does (default: any)")
+    p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
+                   help="with --enable-lora: the HF module names adapters may adapt (q_proj k_proj ...; 'all' or "
+                        "unset: any linear), refused otherwise as SGLang does")
     return p
+
+
+def engine_from_args(args: argparse.Namespace) -> ReferenceEngine:
+    """The engine forge-engine's flags describe."""
+    if (args.max_lora_rank is not None or args.lora_target_modules) and not args.enable_lora:
+        raise ValueError("--max-lora-rank / --lora-target-modules need --enable-lora")
+    lora = {"max_rank": args.max_lora_rank, "target_modules": args.lora_target_modules} if args.enable_lora else None
+    return ReferenceEngine(args.model_path, context_length=args.context_length,
+                           return_routed_experts=args.enable_return_routed_experts, lora=lora)
 
 
 async def serve(engine: ReferenceEngine, host: str, port: int, ready=None) -> None:
@@ -769,8 +868,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-engine %(message)s")
     t0 = time.time()
     try:
-        engine = ReferenceEngine(args.model_path, context_length=args.context_length,
-                                 return_routed_experts=args.enable_return_routed_experts)
+        engine = engine_from_args(args)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"forge-engine: {exc}") from exc
     log.info("loaded %s in %.1fs", args.model_path, time.time() - t0)

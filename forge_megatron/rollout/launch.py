@@ -157,9 +157,9 @@ class ThreadServer:
 def start_engine(model_dir: str, in_process: bool = False, host: str = "127.0.0.1", extra_args: list[str] | None = None):
     """Start a forge-engine serving ``model_dir``; returns a handle with ``.url`` and ``.stop()``."""
     if in_process:
-        from forge_megatron.rollout.engine_server import ReferenceEngine, serve
+        from forge_megatron.rollout.engine_server import build_parser, engine_from_args, serve
 
-        engine = ReferenceEngine(model_dir, return_routed_experts="--enable-return-routed-experts" in (extra_args or []))
+        engine = engine_from_args(build_parser().parse_args(["--model-path", model_dir, *(extra_args or [])]))
         server = ThreadServer(lambda ready: serve(engine, host, 0, ready), host=host)
         server.engine = engine
         return server

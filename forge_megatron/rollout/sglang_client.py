@@ -11,7 +11,10 @@ triples, most likely first), weight_version, routed_experts (with ``return_route
 ``/update_weights_from_disk`` {model_path, weight_version, flush_cache, abort_all_requests},
 ``/init_weights_update_group`` {master_address, master_port, rank_offset, world_size, group_name, backend},
 ``/destroy_weights_update_group`` {group_name},
-``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache, weight_version}.
+``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache, weight_version};
+LoRA serving (``--enable-lora``): ``/generate``'s ``lora_path`` (a loaded adapter's name), ``/load_lora_adapter``
+{lora_name, lora_path, pinned}, ``/unload_lora_adapter`` {lora_name} (answers {success, error_message,
+loaded_adapters}, 400 on failure), ``/v1/models`` (adapters after the base model, with ``parent``).
 
 The fleet routes each call to the least-loaded live engine, but keeps a session on the engine it used before
 (its prefix cache holds the session's history), and opens a session on the engine its group's sessions use (the G
@@ -61,6 +64,7 @@ class GenerateResult:
     engine_url: str = ""
     routed_experts: "np.ndarray | None" = None  # flat int32 (SGLang: [prompt + output - 1, layers, topk]), if asked
     top_logprobs: "list[list[tuple[float, int]]] | None" = None  # per output token, (logprob, id) most likely first
+    lora_path: str | None = None  # the LoRA adapter the request named (set by the client, not the engine's answer)
 
     @property
     def finish_type(self) -> str:
@@ -141,8 +145,10 @@ class SGLangClient:
 
     @staticmethod
     def _generate_body(input_ids, sampling_params, return_logprob, rid, return_routed_experts, top_logprobs_num,
-                       image_data=None):
+                       image_data=None, lora_path=None):
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         if rid:
             body["rid"] = rid
         if return_routed_experts:
@@ -155,18 +161,21 @@ class SGLangClient:
 
     async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
                        rid: str | None = None, return_routed_experts: bool = False,
-                       top_logprobs_num: int = 0, image_data: list[str] | None = None) -> GenerateResult:
+                       top_logprobs_num: int = 0, image_data: list[str] | None = None,
+                       lora_path: str | None = None) -> GenerateResult:
         body = self._generate_body(input_ids, sampling_params, return_logprob, rid, return_routed_experts,
-                                   top_logprobs_num, image_data)
-        return GenerateResult.from_response(await self._call("POST", "/generate", body), self.url)
+                                   top_logprobs_num, image_data, lora_path)
+        result = GenerateResult.from_response(await self._call("POST", "/generate", body), self.url)
+        result.lora_path = lora_path
+        return result
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
                               rid: str | None = None, return_routed_experts: bool = False,
-                              top_logprobs_num: int = 0, image_data: list[str] | None = None
-                              ) -> AsyncIterator[GenerateResult]:
+                              top_logprobs_num: int = 0, image_data: list[str] | None = None,
+                              lora_path: str | None = None) -> AsyncIterator[GenerateResult]:
         """Yield the cumulative result after each chunk SGLang streams (``stream: true``, SSE ``data:`` lines)."""
         body = {**self._generate_body(input_ids, sampling_params, return_logprob, rid, return_routed_experts,
-                                      top_logprobs_num, image_data), "stream": True}
+                                      top_logprobs_num, image_data, lora_path), "stream": True}
         try:
             async with self._http().post(self.url + "/generate", json=body) as resp:
                 if resp.status != 200:
@@ -175,7 +184,9 @@ class SGLangClient:
                     line = raw.decode().strip()
                     if not line.startswith("data:") or line == "data: [DONE]":
                         continue
-                    yield GenerateResult.from_response(json.loads(line[5:]), self.url)
+                    result = GenerateResult.from_response(json.loads(line[5:]), self.url)
+                    result.lora_path = lora_path
+                    yield result
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             raise EngineError(f"{self.url}/generate stream failed: {type(exc).__name__}: {exc}") from exc
 
@@ -200,6 +211,17 @@ class SGLangClient:
 
     async def continue_generation(self) -> dict:
         return await self._call("POST", "/continue_generation", {})
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        return _checked(await self._call("POST", "/load_lora_adapter", {
+            "lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}))
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        return _checked(await self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name}))
+
+    async def list_models(self) -> list[dict]:
+        """``/v1/models``' cards: the base model, then each loaded LoRA adapter (``parent``: the base)."""
+        return (await self._call("GET", "/v1/models"))["data"]
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
@@ -237,7 +259,7 @@ def _raise_for_status(status: int, text: str, where: str) -> None:
 
 def _checked(body: dict) -> dict:
     if isinstance(body, dict) and body.get("success") is False:
-        raise EngineRequestError(body.get("message", "engine reported failure"))
+        raise EngineRequestError(body.get("message") or body.get("error_message") or "engine reported failure")
     return body
 
 
@@ -408,14 +430,15 @@ class EngineFleet:
     async def generate(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
                        return_logprob: bool = True, return_routed_experts: bool = False,
                        group_key: str | None = None, top_logprobs_num: int = 0,
-                       image_data: list[str] | None = None) -> GenerateResult:
+                       image_data: list[str] | None = None, lora_path: str | None = None) -> GenerateResult:
         errors = []
         for eng in self._candidates(session_key, group_key):
             self._busy(eng, 1)
             try:
                 result = await eng.client.generate(input_ids, sampling_params, return_logprob,
                                                    return_routed_experts=return_routed_experts,
-                                                   top_logprobs_num=top_logprobs_num, image_data=image_data)
+                                                   top_logprobs_num=top_logprobs_num, image_data=image_data,
+                                                   lora_path=lora_path)
                 eng.served += 1
                 return result
             except EngineError as exc:
@@ -428,7 +451,8 @@ class EngineFleet:
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, session_key: str | None = None,
                               return_logprob: bool = True, return_routed_experts: bool = False,
                               group_key: str | None = None, top_logprobs_num: int = 0,
-                              image_data: list[str] | None = None) -> AsyncIterator[GenerateResult]:
+                              image_data: list[str] | None = None,
+                              lora_path: str | None = None) -> AsyncIterator[GenerateResult]:
         """Stream from one engine; fail over only while nothing has been yielded yet."""
         errors = []
         for eng in self._candidates(session_key, group_key):
@@ -438,7 +462,7 @@ class EngineFleet:
                 async for partial in eng.client.generate_stream(input_ids, sampling_params, return_logprob,
                                                                 return_routed_experts=return_routed_experts,
                                                                 top_logprobs_num=top_logprobs_num,
-                                                                image_data=image_data):
+                                                                image_data=image_data, lora_path=lora_path):
                     yielded = True
                     yield partial
                 eng.served += 1

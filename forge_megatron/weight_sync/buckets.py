@@ -138,3 +138,26 @@ def meta_bytes(meta: dict) -> int:
     """Bytes of the tensors a :func:`describe` header announces."""
     return sum(int(torch.Size(shape).numel()) * torch.empty((), dtype=DTYPES[dtype]).element_size()
                for dtype, shape in zip(meta["dtypes"], meta["shapes"]))
+
+
+def send_tensors(named: dict, dst: int) -> None:
+    """Send ``named`` ({name: tensor}) to global rank ``dst``: a :func:`describe` header as JSON, then the bytes in
+    one message (:func:`pack`)."""
+    items = list(named.items())
+    send_json(describe(items), dst)
+    if items:
+        dist.send(pack(items).to(comm_device()), dst)
+
+
+def recv_tensors(src: int) -> dict:
+    """Receive one :func:`send_tensors` message from global rank ``src`` (CPU tensors)."""
+    meta = recv_json(src)
+    flat = torch.empty(meta_bytes(meta), dtype=torch.uint8, device=comm_device())
+    if flat.numel():
+        dist.recv(flat, src)
+    flat, out, at = flat.cpu(), {}, 0
+    for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
+        t = torch.empty(shape, dtype=DTYPES[dtype])
+        out[name] = flat[at:at + nbytes(t)].view(t.dtype).view(shape).clone()
+        at += nbytes(t)
+    return out

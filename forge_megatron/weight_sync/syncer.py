@@ -20,6 +20,8 @@ Protocol (global rank 0 drives it; every rank takes part in the gathers):
 
 The policy version becomes ``policy_version`` only if every engine in service ended with the full new weights;
 :class:`SyncReport` says which engines were updated and which are excluded.
+
+A LoRA run can instead send its adapters alone (``lora="adapter"``; :mod:`adapters`): no pause, a few MB per sync.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from forge_megatron.bridge import Bridge
+from forge_megatron.weight_sync.adapters import AdapterSync
 from forge_megatron.weight_sync import buckets as bk
 from forge_megatron.weight_sync.fp8 import Fp8Config
 from forge_megatron.weight_sync.int4 import Int4Config
@@ -44,6 +47,7 @@ log = logging.getLogger("forge.weight_sync")
 
 TRANSPORTS = ("distributed", "disk")
 PAUSE_MODES = ("abort", "in_place", "retract")
+LORA_SYNCS = ("merged", "adapter")
 
 
 @dataclass
@@ -70,6 +74,9 @@ class WeightSyncConfig:
     # go packed with their group scales and shapes
     max_attempts: int = 2  # send passes per sync when engines fail mid-way
     timeout_s: float = 120.0  # HTTP calls and group collectives
+    lora: str = "merged"  # a LoRA run's policy: "merged" (W + scaling B A, full weights) | "adapter" (the adapters
+    # alone, into disk_dir, loaded by engines serving LoRA: see adapters.py)
+    hf_checkpoint: str | None = None  # lora="adapter": the adapters' base_model_name_or_path
 
     def __post_init__(self):
         if not self.engine_urls or not all(isinstance(u, str) and u.startswith("http") for u in self.engine_urls):
@@ -81,6 +88,12 @@ class WeightSyncConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.transport == "disk" and not self.disk_dir:
             raise ValueError("transport='disk' needs disk_dir (a directory every engine can read)")
+        if self.lora not in LORA_SYNCS:
+            raise ValueError(f"lora must be one of {LORA_SYNCS}, got {self.lora!r}")
+        if self.lora == "adapter" and not self.disk_dir:
+            raise ValueError("lora='adapter' needs disk_dir (a directory the engines read the adapters from)")
+        if self.lora == "adapter" and (self.fp8 is not None or self.int4 is not None):
+            raise ValueError("lora='adapter' sends no base weights: fp8 / int4 describe how full weights are sent")
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
         if self.pause_mode not in PAUSE_MODES:
@@ -129,7 +142,15 @@ class WeightSyncer:
         self.bridge = hf_config_or_bridge if isinstance(hf_config_or_bridge, Bridge) else Bridge(hf_config_or_bridge)
         self.dtype = bk.DTYPES[config.dtype] if config.dtype else None
         self.rank = dist.get_rank()
-        self.sender = self.leads = None
+        self.sender = self.leads = self.adapters = None
+        self.policy_version: int | None = None
+        self.excluded: set[str] = set()
+        self.http = self.transport = None
+        if config.lora == "adapter":
+            if self.rank == 0:
+                self.http = EngineHTTP(config.timeout_s, _admin_headers(config))
+                self.adapters = AdapterSync(config, self.http, config.hf_checkpoint)
+            return
         if is_stage_lead():
             from megatron.core import parallel_state as ps
 
@@ -137,12 +158,8 @@ class WeightSyncer:
                                       ps.get_pipeline_model_parallel_world_size())
             if self.rank == 0:  # rank 0's pipeline: one lead per stage, in stage order
                 self.leads = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
-        self.policy_version: int | None = None
-        self.excluded: set[str] = set()
-        self.http = self.transport = None
         if self.rank == 0:
-            headers = {"X-Forge-Admin-Token": config.gateway_token} if config.gateway_token else {}
-            self.http = EngineHTTP(config.timeout_s, headers)
+            self.http = EngineHTTP(config.timeout_s, _admin_headers(config))
             if config.transport == "disk":
                 self.transport = DiskTransport(config, self.http, self.bridge.hf_config)
             else:
@@ -158,6 +175,13 @@ class WeightSyncer:
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         report = SyncReport(policy_version=self.policy_version)
         start = time.perf_counter()
+        if self.cfg.lora == "adapter":
+            tensors, rank, alpha = AdapterSync.gather(self.bridge, chunks)
+            if self.rank == 0:
+                self._adapter_pass(tensors, rank, alpha, policy_version, report)
+            report.policy_version = self.policy_version = _bcast_version(self.policy_version)
+            report.seconds = time.perf_counter() - start
+            return report
         live = self._prepare() if self.rank == 0 else []
         while _bcast_flag(bool(live)):
             report.attempts += 1
@@ -183,6 +207,29 @@ class WeightSyncer:
             live = self._call_live(live, route, body)
             self._release([u for u in before if u not in live])
         return live
+
+    def _adapter_pass(self, tensors: dict, rank: int, alpha: float, version: int, report: SyncReport) -> None:
+        """Rank 0's side of an adapter sync (adapters.py): write, load on the engines in service, tell the gateway,
+        retire the old adapters. A failure leaves the policy version as it was."""
+        report.attempts = 1
+        try:
+            name, path, size = self.adapters.write(tensors, rank, alpha, version)
+        except (OSError, ValueError) as exc:
+            log.error("weight sync: could not write the LoRA adapter of version %s: %s", version, exc)
+            return
+        self.excluded = set(self.http.unhealthy(self.excluded))
+        live = [u for u in self.cfg.engine_urls if u not in self.excluded]
+        updated, failure = self.adapters.deliver(live, name, path) if live else ([], None)
+        if failure is not None:
+            self._exclude(failure)
+            self.adapters.pause(failure.urls)
+        if updated:
+            self.adapters.resume(updated)  # those it paused after an earlier failure
+            self.policy_version = version
+            self._gateway("/forge/admin/resume", {"policy_version": version, "lora_name": name})
+            self.adapters.retire(updated, name)
+            report.updated, report.bytes, report.buckets = updated, size, 1
+        report.excluded = sorted(self.excluded)
 
     def _release(self, urls: list[str]) -> None:
         """Engines that failed before any weight reached them still hold the previous weights whole: let them go on
@@ -295,6 +342,10 @@ class _PassDriver:
             if self.on_bucket is not None:
                 self.on_bucket(self.buckets - 1, self.announced)
         return reply
+
+
+def _admin_headers(config: WeightSyncConfig) -> dict:
+    return {"X-Forge-Admin-Token": config.gateway_token} if config.gateway_token else {}
 
 
 def _attempt(live: list[str], fn, *args) -> EngineFailure | None:

@@ -90,6 +90,16 @@ class EngineHTTP:
             raise RuntimeError(f"{route} -> {out.get('message')}")
         return out
 
+    def get(self, url: str, route: str, timeout_s: float | None = None) -> dict:
+        req = urllib.request.Request(url + route, headers=self.headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
+                return json.loads(resp.read().decode())
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"{route} -> HTTP {exc.code}: {exc.read().decode()[:300]}") from exc
+        except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+            raise RuntimeError(f"{route} -> {exc}") from exc
+
     def healthy(self, url: str, timeout_s: float = 5.0) -> bool:
         try:
             with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:

@@ -72,10 +72,12 @@ def _post(url, route, body):
         return json.loads(resp.read())
 
 
-def _engine_greedy(url):
-    """(output ids, their logprobs, weight_version) of a greedy continuation of PROMPT."""
+def _engine_greedy(url, lora_path=None):
+    """(output ids, their logprobs, weight_version) of a greedy continuation of PROMPT (with the LoRA adapter named
+    ``lora_path``)."""
     out = _post(url, "/generate", {"input_ids": PROMPT, "return_logprob": True,
-                                   "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+                                   "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True},
+                                   **({"lora_path": lora_path} if lora_path else {})})
     lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
     return out["output_ids"], lps, out["meta_info"]["weight_version"]
 
@@ -100,14 +102,15 @@ def _trainer_logprobs(model, output_ids):
     return [logp[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(output_ids)]
 
 
-def _engine_vs_trainer(model, url):
-    """Engine greedy output broadcast to every rank, then the trainer's logprobs for it. Collective."""
+def _engine_vs_trainer(model, url, lora_path=None):
+    """Engine greedy output (``lora_path``: with that adapter) broadcast to every rank, then the trainer's logprobs
+    for it. Collective."""
     from megatron.core import parallel_state as ps
 
     ids = torch.zeros(NEW, dtype=torch.int64)
     engine = None
     if torch.distributed.get_rank() == 0:
-        out, lps, version = _engine_greedy(url)
+        out, lps, version = _engine_greedy(url, lora_path)
         ids = torch.tensor(out)
         engine = (lps, version)
     torch.distributed.broadcast(ids, src=0)
