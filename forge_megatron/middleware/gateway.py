@@ -261,6 +261,7 @@ class _Call:
     top_logprobs: int = 0  # alternatives per token the engine is asked for (top_logprobs_num)
     done: list = field(default_factory=list)  # [(GenerateResult, version)] of aborted parts kept (resume_aborted)
     versions: list[int] = field(default_factory=list)  # per completion token, set when the generation is complete
+    asked_version: int = 0  # the gateway's policy version when the engine request in flight was sent
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -950,6 +951,7 @@ class Gateway:
             ids, sampling = self.next_request(call)
             if self.kept_is_whole(call, sampling):
                 return self.complete(call, None)
+            call.asked_version = self.policy_version
             try:
                 result = await self.fleet.generate(ids, sampling, session_key=sess.session_id,
                                                    return_routed_experts=self.routing_shape is not None,
@@ -976,6 +978,7 @@ class Gateway:
             if self.kept_is_whole(call, sampling):
                 return self.complete(call, None)
             result = None
+            call.asked_version = self.policy_version
             try:
                 async for result in self.fleet.generate_stream(
                         ids, sampling, session_key=sess.session_id,
@@ -1031,7 +1034,7 @@ class Gateway:
             self.stats["discarded_tokens"] += len(result.output_ids)
             return False
         self.check_part(call, result)
-        call.done.append((result, self.version_of(result)))
+        call.done.append((result, self.version_of(result, call)))
         self.stats["resumed_tokens"] += len(result.output_ids)
         return True
 
@@ -1062,9 +1065,9 @@ class Gateway:
         if result is not None:
             self.check_part(call, result)
         if not call.done:
-            call.versions = [self.version_of(result)] * len(result.output_ids)
+            call.versions = [self.version_of(result, call)] * len(result.output_ids)
             return result
-        parts = call.done + ([(result, self.version_of(result))] if result is not None else [])
+        parts = call.done + ([(result, self.version_of(result, call))] if result is not None else [])
         joined = self.joined(call, result)
         call.versions = [v for p, v in parts for _ in p.output_ids]
         if result is None:  # see kept_is_whole
@@ -1175,7 +1178,8 @@ class Gateway:
         turn.assistant_message = message
         sess.record(turn, call.continues, routed=routed, call=CallRecord(
             prompt_ids=turn.prompt_ids, completion_ids=turn.completion_ids, logprobs=list(result.logprobs),
-            policy_version=max(call.versions, default=self.version_of(result)), policy_versions=list(call.versions),
+            policy_version=max(call.versions, default=self.version_of(result, call)),
+            policy_versions=list(call.versions),
             resumed=len(call.done), finish_reason=finish, engine_url=result.engine_url, segment_index=-1,
             started_at=call.started, ended_at=time.time(), num_tool_calls=len(parsed.tool_calls),
             num_malformed_tool_calls=parsed.num_malformed,
@@ -1199,16 +1203,18 @@ class Gateway:
                                 f"tokens x {list(self.routing_shape)}", "engine_error", code="bad_engine_response")
         return flat.reshape(rows, *self.routing_shape).astype(self.routing_dtype)
 
-    def version_of(self, result) -> int:
-        """The version of the policy adapter the call named (``forge-<run>-v<version>``), else the engine's
-        weight_version when it is an integer (set by weight sync), else the gateway's version."""
+    def version_of(self, result, call: _Call) -> int:
+        """The version of the policy adapter the request named (``forge-<run>-v<version>``), else the engine's
+        weight_version when it is an integer (set by weight sync), else the gateway's version when the request was
+        sent (a call sent to the checkpoint's weights before the first sync is version 0, also when it ends after
+        the sync: an adapter sync does not stop it)."""
         adapter = policy_adapter_version(result.lora_path)
         if adapter is not None:
             return adapter
         try:
             return int(result.weight_version)
         except (TypeError, ValueError):
-            return self.policy_version
+            return call.asked_version
 
     def token_text(self, token_id: int) -> str:
         """One token decoded alone (special tokens as their text), cached: a stream with top_logprobs asks for

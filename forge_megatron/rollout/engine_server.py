@@ -219,6 +219,7 @@ class ReferenceEngine:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.running: dict[str, _Request] = {}
+        self.admitted: dict[int, _Request] = {}  # every request from its arrival to its end (held by a pause too)
         self.weight_groups: dict[str, object] = {}  # by group name, as SGLang keeps them (one per trainer stage)
         self.routers = self._find_routers() if return_routed_experts else None
         if return_routed_experts and not self.routers:
@@ -381,7 +382,12 @@ class ReferenceEngine:
 
     async def generate(self, req: _Request):
         """Decode ``req`` to the end, yielding after each token (the caller streams or waits)."""
-        await self._wait_resumed(req)
+        self.admitted[id(req)] = req
+        try:
+            await self._wait_resumed(req)
+        except BaseException:
+            self.admitted.pop(id(req), None)
+            raise
         self.running[req.rid] = req
         try:
             if req.params.max_new_tokens == 0:
@@ -396,6 +402,7 @@ class ReferenceEngine:
                     yield req
         finally:
             self.running.pop(req.rid, None)
+            self.admitted.pop(id(req), None)
         yield req
 
     async def _wait_resumed(self, req: _Request) -> None:
@@ -783,7 +790,7 @@ async def unload_lora_adapter(request, eng):
         await eng.run(serving.unload, body.get("lora_name"))
     except AdapterError as exc:
         return _lora_answer(eng, str(exc))
-    while any(r.lora is adapter for r in list(eng.running.values())):
+    while any(r.lora is adapter for r in list(eng.admitted.values())):
         await asyncio.sleep(0.01)
     return _lora_answer(eng)
 

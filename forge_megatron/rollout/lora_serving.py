@@ -62,18 +62,22 @@ class Adapter:
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # served module name -> (A [R, I], B [O, R])
 
 
-def read_peft(path: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """``adapter_config.json`` and {module: {lora_A, lora_B}} of the PEFT adapter directory ``path``."""
-    from safetensors.torch import load_file
-
+def read_peft_config(path: str) -> dict:
+    """``adapter_config.json`` of the PEFT adapter directory ``path``."""
     if not os.path.isdir(path):
         raise AdapterError(f"lora_path {path!r} is not a directory (a PEFT adapter: adapter_config.json and "
                            "adapter_model.safetensors)")
     try:
         with open(os.path.join(path, "adapter_config.json")) as f:
-            config = json.load(f)
+            return json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise AdapterError(f"{path}: cannot read adapter_config.json: {exc}") from None
+
+
+def read_peft_factors(path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """{module: {lora_A, lora_B}} of the PEFT adapter directory ``path`` (every ``*.safetensors`` file in it)."""
+    from safetensors.torch import load_file
+
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise AdapterError(f"{path} has no .safetensors file")
@@ -85,7 +89,7 @@ def read_peft(path: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
                 raise AdapterError(f"{path}/{fname}: {key!r} is not a LoRA factor of a linear "
                                    "(base_model.model.<module>.lora_A.weight / lora_B.weight)")
             modules.setdefault(m.group(1), {})[m.group(2)] = t
-    return config, modules
+    return modules
 
 
 class LoraServing:
@@ -112,7 +116,7 @@ class LoraServing:
         if name in self.adapters:
             raise AdapterError(f"a LoRA adapter named {name!r} is already loaded (from "
                                f"{self.adapters[name].path}): unload it first or choose another name")
-        config, modules = read_peft(path)
+        config = read_peft_config(path)
         if config.get("peft_type", "LORA") != "LORA":
             raise AdapterError(f"{path}: peft_type {config.get('peft_type')!r}; only LORA adapters are served")
         for key, default in _UNSUPPORTED.items():
@@ -123,6 +127,7 @@ class LoraServing:
             raise AdapterError(f"{path}: adapter_config r must be a positive int, got {rank!r}")
         if self.max_rank is not None and rank > self.max_rank:
             raise AdapterError(f"{path}: LoRA rank {rank} exceeds the server's --max-lora-rank {self.max_rank}")
+        modules = read_peft_factors(path)
         alpha = float(config.get("lora_alpha", rank))
         scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         factors = {}

@@ -381,7 +381,8 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "frozen, each adapted linear gets y += (alpha / R) x A^T B^T (B starts at zero), and only "
                         "the adapters have gradients and optimizer state. Adapters follow the linears' TP split "
                         "(with sequence parallelism too); the weight sync and the HF export send the merged weights "
-                        "W + (alpha / R) B A, so the engines need no LoRA support. Attention and dense MLPs are "
+                        "W + (alpha / R) B A, so the engines need no LoRA support (or the adapters alone: "
+                        "--weight-sync-lora adapter). Attention and dense MLPs are "
                         "adapted (MoE experts when --lora-target-modules names them); linear-attention mixers, "
                         "embeddings, norms and the head are not (docs/training.md)")
     g.add_argument("--lora-alpha", type=float, default=None, metavar="ALPHA",
@@ -405,7 +406,8 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--weight-sync-transport", default="distributed", choices=SYNC_TRANSPORTS,
                    help="distributed broadcast, safetensors on shared disk, or none")
     g.add_argument("--weight-sync-dir", default=None, help="directory for --weight-sync-transport disk, shared by the engines and "
-                   "the trainer's nodes (each pipeline stage's lead writes its own files)")
+                   "the trainer's nodes (each pipeline stage's lead writes its own files); with --weight-sync-lora "
+                   "adapter, where rank 0 writes each version's adapter for the engines to load")
     g.add_argument("--weight-sync-master-addr", default="127.0.0.1",
                    help="address at which each pipeline stage's lead hosts its weight-update group (engines join "
                         "one group per stage); 'auto': each lead's own hostname (multi-node: use 'auto'). A lead that "
@@ -428,6 +430,13 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the weights the int4 release CHECKPOINT quantizes (default: --weight-sync-int4's), straight-"
                         "through gradients to the full-precision weights, so the trainer scores tokens with the "
                         "weights the engines sample from (mcore/int4_qat.py)")
+    g.add_argument("--weight-sync-lora", default="merged", choices=["merged", "adapter"],
+                   help="with --lora-rank, what a sync sends: 'merged' (default) the weights W + (alpha / R) B A "
+                        "through --weight-sync-transport, engines paused meanwhile; 'adapter' the adapters alone, as "
+                        "a PEFT adapter written into --weight-sync-dir (readable by the engines) and loaded by engines "
+                        "that serve LoRA (SGLang --enable-lora --max-lora-rank >= R --lora-target-modules all): a few "
+                        "MB per sync, no pause, each call sampled by one version (the gateway names the adapter). "
+                        "Needs SGLang's LoRA support for the architecture; not with experts adapted")
     g.add_argument("--weight-sync-pause-mode", default="abort", choices=["abort", "retract", "in_place"],
                    help="SGLang /pause_generation mode around a sync: 'abort' ends in-flight calls and the gateway "
                         "goes on from their sampled tokens after the sync, so every token keeps the policy version "
@@ -591,6 +600,22 @@ def validate_args(args: argparse.Namespace) -> None:
                              "(no copy of the weights to offload)")
     elif getattr(args, "lora_alpha", None) is not None:
         raise ValueError("--lora-alpha needs --lora-rank")
+    if getattr(args, "weight_sync_lora", "merged") == "adapter":
+        if getattr(args, "lora_rank", None) is None:
+            raise ValueError("--weight-sync-lora adapter sends a LoRA run's adapters: it needs --lora-rank")
+        if "experts" in lora_config(args).targets:
+            raise ValueError("--weight-sync-lora adapter: the routed experts' adapters (--lora-target-modules "
+                             "experts) have no PEFT form for the engines to load; use --weight-sync-lora merged")
+        if args.weight_sync_transport == "none":
+            raise ValueError("--weight-sync-lora adapter needs a weight sync (drop --weight-sync-transport none)")
+        if not args.weight_sync_dir:
+            raise ValueError("--weight-sync-lora adapter needs --weight-sync-dir (a directory the engines read the "
+                             "adapters from)")
+        quantized = [f for f in ("--weight-sync-fp8", "--weight-sync-int4")
+                     if getattr(args, f[2:].replace("-", "_"), None) is not None]
+        if quantized:
+            raise ValueError(f"--weight-sync-lora adapter sends no base weights: {quantized[0]} (how full weights "
+                             "are quantized) does not apply")
     first, last = getattr(args, "decoder_first_pipeline_num_layers", None), \
         getattr(args, "decoder_last_pipeline_num_layers", None)
     if first is not None or last is not None:  # the layer counts are checked once the model is known

@@ -115,7 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocks) and the trainer syncs FP8 weights to it (--weight-sync-fp8)")
     p.add_argument("--lora-rank", type=int, default=None, metavar="R",
                    help="train LoRA adapters of rank R over the frozen SFT model instead of every weight (the "
-                        "trainer's --lora-rank): the engine receives the merged weights at each sync")
+                        "trainer's --lora-rank): the engine receives the merged weights at each sync (see --lora-sync)")
+    p.add_argument("--lora-sync", choices=["merged", "adapter"], default="merged",
+                   help="with --lora-rank: sync the merged weights (default), or the adapters alone: the engine "
+                        "serves LoRA (--enable-lora) and loads each version's adapter beside the SFT weights, "
+                        "nothing paused (the trainer's --weight-sync-lora)")
     p.add_argument("--train-args", default="", metavar="FLAGS",
                    help="more flags for the trainer (scripts/train_forge.py), one shell-quoted string appended to "
                         "its command line, e.g. \"--rl-entropy-coef 0.01\" (as EXTRA_TRAIN_ARGS in forge.sbatch)")
@@ -270,7 +274,9 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         stats = hf_to_fp8(sft_dir, served, block=(32, 32))
         print(f"[demo]     FP8 copy for the engine: {stats['quantized']} weights quantized, "
               f"{stats['bytes_in'] / 2**20:.2f} -> {stats['bytes_out'] / 2**20:.2f} MiB", flush=True)
-    engine = procs.server("forge-engine", "forge_megatron.rollout.engine_server", ["--model-path", served, *replay])
+    adapter = args.lora_rank and args.lora_sync == "adapter"
+    engine = procs.server("forge-engine", "forge_megatron.rollout.engine_server",
+                          ["--model-path", served, *replay, *(["--enable-lora"] if adapter else [])])
     pool_addr = f"tcp://127.0.0.1:{free_port()}"
     gateway = procs.server("gateway+pool", "forge_megatron.agents.middleware_node",
                            ["--model-path", sft_dir, "--engines", engine, "--pool-bind", pool_addr,
@@ -306,7 +312,8 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         *(["--routing-replay"] if args.moe else []),
         *(["--train-vision-tower"] if args.train_vision_tower else []),
         *(["--weight-sync-fp8", served] if args.fp8 else []),
-        *(["--lora-rank", str(args.lora_rank)] if args.lora_rank else []), *shlex.split(args.train_args)],
+        *(["--lora-rank", str(args.lora_rank)] if args.lora_rank else []),
+        *(["--weight-sync-lora", "adapter"] if adapter else []), *shlex.split(args.train_args)],
         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
              "LOCAL_RANK": "0"})
     deadline = time.time() + args.timeout_s
@@ -409,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.moe and args.arch != "qwen2":
         raise SystemExit(f"--moe {args.moe} and --arch {args.arch}: the MoE layouts are their own architectures; "
                          "give one of the two")
+    if args.lora_sync != "merged" and not args.lora_rank:
+        raise SystemExit("--lora-sync adapter needs --lora-rank")
     if args.train_vision_tower and args.arch != "qwen3_vl":
         raise SystemExit("--train-vision-tower needs --arch qwen3_vl (the demo's vision-language model)")
     if args.arch == "qwen3_vl" and args.agent_api != "chat":
@@ -449,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['resumed_tokens']} sampled tokens and went on from them", flush=True)
     diff = [d for d in summary["onpolicy_logp_abs_diff"] if d is not None]
     if args.lora_rank and diff:
-        print(f"[demo] LoRA rank {args.lora_rank}: the engine serves the merged weights; |engine - trainer| logprob "
+        served = "the merged weights" if args.lora_sync == "merged" else "the SFT weights + each version's adapter"
+        print(f"[demo] LoRA rank {args.lora_rank}: the engine serves {served}; |engine - trainer| logprob "
               f"{max(diff):.1e} at most per on-policy token", flush=True)
     if args.fp8 and diff:
         print(f"[demo] FP8 engine: |engine - trainer| logprob {sum(diff) / len(diff):.4f} per on-policy token (the FP8 "

@@ -1195,7 +1195,8 @@ def weight_sync_config(args: argparse.Namespace):
                             master_addr=weight_sync_master_addr(args.weight_sync_master_addr),
                             pause_mode=args.weight_sync_pause_mode,
                             fp8=arguments.weight_sync_fp8(args.weight_sync_fp8),
-                            int4=arguments.weight_sync_int4(getattr(args, "weight_sync_int4", None)))
+                            int4=arguments.weight_sync_int4(getattr(args, "weight_sync_int4", None)),
+                            lora=getattr(args, "weight_sync_lora", "merged"), hf_checkpoint=args.hf_checkpoint)
 
 
 def make_syncer(args: argparse.Namespace, bridge):

@@ -93,18 +93,26 @@ def test_short_moe_demo_replays_the_engines_routing(tmp_path):
     assert first["routing_replayed_rows"] > 0 and first["rollout_logp_abs_diff"] < 1e-4
 
 
-def test_short_lora_demo_serves_the_merged_weights(tmp_path):
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_short_lora_demo_serves_the_trained_policy(tmp_path, sync):
     """``--lora-rank 8``: the trainer trains adapters over the frozen SFT model (an entropy bonus gives them a
-    gradient whatever the rewards, through ``--train-args``) and syncs W + scaling * B A every step: on the tokens
-    each synced version sampled, the engine's logprobs equal the trainer's to fp32 round-off, though the adapters
-    moved the model (the tokens sampled before an update differ by far more)."""
+    gradient whatever the rewards, through ``--train-args``) and syncs every step, W + scaling * B A (``merged``) or
+    the adapters alone to an engine serving LoRA (``adapter``: nothing paused, no call cut): on the tokens each
+    synced version sampled, the engine's logprobs equal the trainer's to fp32 round-off, though the adapters moved
+    the model (the tokens sampled before an update differ by far more)."""
     out = tmp_path / "lora_run"
-    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--lora-rank", "8", "--train-args",
-           "--rl-entropy-coef 0.05", "--out", str(out), "--steps", "4", "--sft-steps", "10", "--groups-per-step", "2",
-           "--group-size", "4", "--eval-tasks", "0", "--timeout-s", "400"]
+    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--lora-rank", "8", "--lora-sync", sync,
+           "--train-args", "--rl-entropy-coef 0.05", "--out", str(out), "--steps", "4", "--sft-steps", "10",
+           "--groups-per-step", "2", "--group-size", "4", "--eval-tasks", "0", "--timeout-s", "400"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "[demo] LoRA rank 8: the engine serves the merged weights" in proc.stdout
+    served = "the merged weights" if sync == "merged" else "the SFT weights + each version's adapter"
+    assert f"[demo] LoRA rank 8: the engine serves {served}" in proc.stdout
+    if sync == "adapter":
+        summary = json.loads((out / "metrics.json").read_text())
+        assert summary["aborts"] == 0 and summary["resumed_tokens"] == 0  # no pause: no call was cut
+        adapters = [d for d in os.listdir(out / "weight_sync") if d.startswith("forge-")]
+        assert len(adapters) == 2 and all(d.endswith(("-v3", "-v4")) for d in adapters), adapters
     assert not _processes_mentioning(str(out)), "a demo process outlived the demo"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["policy_version"] for s in steps] == [1, 2, 3, 4] and all(s["grad_norm"] > 0 for s in steps)

@@ -440,7 +440,8 @@ def test_pause_holds_calls_and_resume_sets_policy_version(stack):
     t.start()
     time.sleep(0.3)
     assert t.is_alive() and http(gw.url + "/forge/admin/state", method="GET")[1]["paused"] is True
-    assert http(gw.url + "/forge/admin/resume", {"policy_version": 5})[1] == {"paused": False, "policy_version": 5}
+    assert http(gw.url + "/forge/admin/resume", {"policy_version": 5})[1] == {"paused": False, "policy_version": 5,
+                                                                             "policy_adapter": None}
     t.join(30)
     assert out["r"].usage.completion_tokens == 3
     assert calls(gw, s)[0]["policy_version"] == 5

@@ -26,8 +26,16 @@ ADMIN = {"X-Forge-Admin-Token": TOKEN}
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    model_dir = build_tiny_model(str(tmp_path_factory.mktemp("tiny")), seed=0)
-    eng = start_engine(model_dir, in_process=True)
+    """A tiny model's engine serving LoRA, with two (zero) policy adapters loaded: forge-t-v3 and forge-t-v4."""
+    from tests.rollout.peft_adapters import write_peft_adapter
+
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = build_tiny_model(str(root / "model"), seed=0)
+    eng = start_engine(model_dir, in_process=True, extra_args=["--enable-lora"])
+    for version in (3, 4):
+        path = write_peft_adapter(model_dir, str(root / f"v{version}"), b_std=0.0)
+        assert _http("POST", eng.url + "/load_lora_adapter",
+                     {"lora_name": f"forge-t-v{version}", "lora_path": path}).status_code == 200
     yield model_dir, eng
     eng.stop()
 
@@ -118,10 +126,12 @@ def test_sessions_spread_over_workers_and_survive_a_worker_crash(engine, tmp_pat
         assert _post(url + "/forge/admin/pause", {"drain_timeout_s": 1}).json() == {"paused": True, "inflight": 0}
         workers = _state(url)["workers"]
         assert [w["tag"] for w in workers] == ["w0r0", "w1r0"] and all(_state(w["url"])["paused"] for w in workers)
-        assert _post(url + "/forge/admin/resume", {"policy_version": 3}).json()["policy_version"] == 3
+        resumed = _post(url + "/forge/admin/resume", {"policy_version": 3, "lora_name": "forge-t-v3"}).json()
+        assert resumed == {"paused": False, "policy_version": 3, "policy_adapter": "forge-t-v3"}
         state = _state(url)
         assert not state["paused"] and state["policy_version"] == 3 and state["calls"] == 5
-        assert [_state(w["url"])["policy_version"] for w in workers] == [3, 3]
+        assert [(_state(w["url"])["policy_version"], _state(w["url"])["policy_adapter"]) for w in workers] == \
+            [(3, "forge-t-v3")] * 2  # (the engine's adapter: calls from now on name it)
         metrics = _http("GET", url + "/metrics", headers=ADMIN).text
         assert metrics.count("# HELP forge_gateway_calls_total ") == 1
         calls = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in metrics.splitlines()
@@ -155,7 +165,7 @@ def test_sessions_spread_over_workers_and_survive_a_worker_crash(engine, tmp_pat
         assert sorted(json.loads(x)["episode_id"] for x in lines) == sorted(s["session_id"] for s in sessions[:3])
 
         # SIGKILL the worker holding the last open session during a pause: started again under a new tag, paused, at
-        # policy version 3, as the other worker is
+        # policy version 3 with its adapter, as the other worker is
         held = workers[int(tags[3][1])]
         _post(url + "/forge/admin/pause", {"drain_timeout_s": 0})
         os.kill(held["pid"], signal.SIGKILL)
@@ -169,9 +179,11 @@ def test_sessions_spread_over_workers_and_survive_a_worker_crash(engine, tmp_pat
             raise AssertionError(f"worker {held['tag']} was not started again: {_state(url)['workers']}")
         restarted = _state(w["url"])
         assert restarted["policy_version"] == 3 and restarted["paused"] and _state(url)["worker_restarts"] == 1
-        assert _post(url + "/forge/admin/resume", {"policy_version": 4}).json()["policy_version"] == 4
-        assert [(s["paused"], s["policy_version"]) for s in (_state(x["url"]) for x in _state(url)["workers"])] == \
-            [(False, 4), (False, 4)]
+        assert restarted["policy_adapter"] == "forge-t-v3"
+        assert _post(url + "/forge/admin/resume", {"policy_version": 4, "lora_name": "forge-t-v4"}).json()[
+            "policy_version"] == 4
+        assert [(s["paused"], s["policy_version"], s["policy_adapter"])
+                for s in (_state(x["url"]) for x in _state(url)["workers"])] == [(False, 4, "forge-t-v4")] * 2
         r = _http("POST", url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
                   {"Authorization": f"Bearer {sessions[3]['api_key']}"})
         assert r.status_code == 410 and r.json()["error"]["code"] == "session_lost"

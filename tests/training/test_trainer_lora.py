@@ -211,3 +211,15 @@ def test_lora_flags_are_checked():
                            (["--lora-rank", "4", "--rl-kl-coef", "0.1", "--ref-offload"], "no copy of the weights")]:
         with pytest.raises(ValueError, match=message):
             arguments.parse_args(MINIMAL + extra)
+    synced = [a for a in MINIMAL if a not in ("--weight-sync-transport", "none")] + ["--engine-urls", "http://e:1"]
+    adapter = ["--weight-sync-lora", "adapter", "--weight-sync-dir", "/tmp/a"]
+    args = arguments.parse_args(synced + ["--lora-rank", "4"] + adapter)
+    assert args.weight_sync_lora == "adapter"
+    for extra, message in [(adapter, "needs --lora-rank"),
+                           (["--lora-rank", "4", "--weight-sync-lora", "adapter"], "needs --weight-sync-dir"),
+                           (["--lora-rank", "4", "--lora-target-modules", "all,experts"] + adapter, "no PEFT form"),
+                           (["--lora-rank", "4", "--weight-sync-fp8", "/tmp/fp8"] + adapter, "--weight-sync-fp8")]:
+        with pytest.raises(ValueError, match=message):
+            arguments.parse_args(synced + extra)
+    with pytest.raises(ValueError, match="needs a weight sync"):
+        arguments.parse_args(MINIMAL + ["--lora-rank", "4"] + adapter)
