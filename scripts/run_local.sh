@@ -17,7 +17,9 @@
 # REASONING_PARSER (the model's tool-call and thinking formats: the gateway's --tool-parser / --reasoning-parser;
 # defaults from scripts/models/<MODEL>.sh when MODEL is set, else hermes and none), CHAT_TEMPLATE_KWARGS (JSON),
 # TRUST_REMOTE_CODE (1: SGLang and the gateway run the tokenizer/config code the checkpoint ships, e.g. Kimi-K2),
-# GATEWAY_WORKERS (N > 1: sessions served by N gateway processes behind the gateway port).
+# GATEWAY_WORKERS (N > 1: sessions served by N gateway processes behind the gateway port), LORA_RANK (R: train LoRA
+# adapters, --lora-rank; more LoRA flags in EXTRA_TRAIN_ARGS) and LORA_SYNC (merged, the default, or adapter: the engines
+# serve LoRA and load each version's adapter from RUN_DIR/adapters, as forge.sbatch's).
 set -euo pipefail
 DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
@@ -43,11 +45,14 @@ POOL_ARGS="${POOL_ARGS:-}"
 DOMAIN_RATIOS="${DOMAIN_RATIOS:-}"
 POLICY_SAMPLING="${POLICY_SAMPLING:-1}"; ROLLOUT_TEMPERATURE="${ROLLOUT_TEMPERATURE:-1}"; EVAL_TASKS="${EVAL_TASKS:-}"; EVAL_EVERY="${EVAL_EVERY:-10}"
 EPISODE_TIMEOUT_S="${EPISODE_TIMEOUT_S:-1800}"
+LORA_RANK="${LORA_RANK:-}"; LORA_SYNC="${LORA_SYNC:-merged}"
 ENGINE_PORT="${ENGINE_PORT:-30000}"; GATEWAY_PORT="${GATEWAY_PORT:-8000}"; POOL_PORT="${POOL_PORT:-5555}"
 
 if [ -n "$AGENT_CMD" ]; then AGENT=(--agent-command "$AGENT_CMD")
 elif [ -n "$AGENT_URL" ]; then AGENT=(--agent-url "$AGENT_URL")
 else echo "run_local.sh: set AGENT_CMD (a program) or AGENT_URL (an HTTP agent service)" >&2; exit 2; fi
+case "$LORA_SYNC" in merged) ;; adapter) [ -n "$LORA_RANK" ] || { echo "run_local.sh: LORA_SYNC=adapter needs LORA_RANK" >&2; exit 2; } ;;
+  *) echo "run_local.sh: LORA_SYNC=$LORA_SYNC: merged or adapter" >&2; exit 2 ;; esac
 (( NPROC % (TP * PP * CP) == 0 )) || { echo "run_local.sh: TP*PP*CP=$((TP * PP * CP)) must divide NPROC=$NPROC" >&2; exit 1; }
 
 PIDS=()
@@ -74,8 +79,11 @@ teardown() {
 }
 [ "$DRY_RUN" = 1 ] || { mkdir -p "$RUN_DIR/logs"; trap teardown EXIT INT TERM; }
 
-SGLANG_FLAGS=()
+SGLANG_FLAGS=(); FORGE_ENGINE_FLAGS=()
 [ "${TRUST_REMOTE_CODE:-0}" = 1 ] && SGLANG_FLAGS+=(--trust-remote-code)
+if [ "$LORA_SYNC" = adapter ]; then
+  SGLANG_FLAGS+=(--enable-lora --max-lora-rank "$LORA_RANK" --lora-target-modules all); FORGE_ENGINE_FLAGS+=(--enable-lora)
+fi
 # a trained vision tower: no image embedding of an old tower from SGLang's cache after a sync (as forge.sbatch)
 SGLANG_ENV=()
 if [[ " $EXTRA_TRAIN_ARGS " == *" --train-vision-tower "* ]]; then
@@ -90,7 +98,7 @@ for ((e = 0; e < NUM_ENGINES; e++)); do
       --model-path "$HF_CHECKPOINT" --host 127.0.0.1 --port "$port" ${SGLANG_FLAGS[@]+"${SGLANG_FLAGS[@]}"}
   else
     run_bg "engine-$e" python -m forge_megatron.rollout.engine_server --model-path "$HF_CHECKPOINT" \
-      --host 127.0.0.1 --port "$port"
+      --host 127.0.0.1 --port "$port" ${FORGE_ENGINE_FLAGS[@]+"${FORGE_ENGINE_FLAGS[@]}"}
   fi
   ENGINE_URLS+=("http://127.0.0.1:$port")
 done
@@ -126,6 +134,8 @@ run_bg driver python -m forge_megatron.agents.driver --gateway-url "$GATEWAY_URL
 EXTRA=($EXTRA_TRAIN_ARGS)
 [ "$TP" -gt 1 ] && EXTRA+=(--sequence-parallel)  # with TP (Megatron's MoE layer needs it under TP)
 EXTRA+=(--rollout-temperature "$ROLLOUT_TEMPERATURE")  # the temperature the engines sample (and score) at
+[ -n "$LORA_RANK" ] && EXTRA+=(--lora-rank "$LORA_RANK")
+[ "$LORA_SYNC" = adapter ] && EXTRA+=(--weight-sync-lora adapter --weight-sync-dir "$RUN_DIR/adapters")
 TRAIN_CMD=(torchrun --nproc-per-node "$NPROC" "$ROOT/scripts/train_forge.py" "${MODEL_ARGS[@]}"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
   --expert-model-parallel-size "$EP" ${ETP:+--expert-tensor-parallel-size "$ETP"} --context-parallel-size "$CP"

@@ -210,6 +210,28 @@ def test_dry_run_with_an_int4_rollout_checkpoint(tmp_path):
     assert both.returncode == 2 and "not both" in both.stderr
 
 
+def test_dry_run_of_a_lora_run_syncing_adapters():
+    """LORA_RANK: the trainer trains adapters (LORA_ALPHA, LORA_TARGETS passed on); LORA_SYNC=adapter: the engines
+    serve LoRA (rank up to LORA_RANK, every linear) and the trainer sends the adapters into RUN_DIR/adapters;
+    the default merged sync leaves the engines as they are; LORA_SYNC=adapter without LORA_RANK stops the job."""
+    out = _dry_run(MODEL="qwen3-8B", LORA_RANK=16, LORA_ALPHA=32, LORA_TARGETS="linear_qkv,linear_proj",
+                   LORA_SYNC="adapter", RUN_DIR="/runs/r")
+    assert out.returncode == 0, out.stderr
+    cmds = _commands(out.stdout)
+    engines = [c for c in cmds if "sglang.launch_server" in c]
+    assert engines and all(c[c.index("--enable-lora"):c.index("--enable-lora") + 5] == [
+        "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "all"] for c in engines)
+    args = _served_and_trained(out.stdout)[1]
+    assert (args.lora_rank, args.lora_alpha, args.lora_target_modules) == (16, 32.0, "linear_qkv,linear_proj")
+    assert args.weight_sync_lora == "adapter" and args.weight_sync_dir == "/runs/r/adapters"
+    merged = _dry_run(MODEL="qwen3-8B", LORA_RANK=16)
+    assert merged.returncode == 0, merged.stderr
+    assert not any("--enable-lora" in c for c in _commands(merged.stdout))
+    assert _served_and_trained(merged.stdout)[1].weight_sync_lora == "merged"
+    alone = _dry_run(MODEL="qwen3-8B", LORA_SYNC="adapter")
+    assert alone.returncode != 0 and "LORA_SYNC=adapter needs LORA_RANK" in alone.stderr
+
+
 def test_dry_run_checks_the_memory_plan(tmp_path):
     """With the checkpoint's config.json at hand the plan includes forge-plan's table; a layout that may not fit
     is warned of, one the model cannot take stops the job; without a config the check is skipped, said so."""
@@ -281,6 +303,18 @@ def test_run_local_dry_run_is_consistent():
     assert out.returncode == 0, out.stderr
     engines = [c for c in _commands(out.stdout) if "sglang.launch_server" in c]
     assert len(engines) == 2 and all("SGLANG_VLM_CACHE_SIZE_MB=0" in c for c in engines)
+    # LORA_SYNC=adapter: the engines (forge's, SGLang) serve LoRA, the trainer sends adapters into RUN_DIR/adapters
+    for engine, module in (("forge", "forge_megatron.rollout.engine_server"), ("sglang", "sglang.launch_server")):
+        out = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=60,
+                             env={**env, "ENGINE": engine, "LORA_RANK": "8", "LORA_SYNC": "adapter",
+                                  "RUN_DIR": "/runs/l"})
+        assert out.returncode == 0, out.stderr
+        cmds_lora = _commands(out.stdout)
+        assert all("--enable-lora" in c for c in cmds_lora if module in c)
+        (lora_trainer,) = [c for c in cmds_lora if c[0] == "torchrun"]
+        lora_args = _trainer_args(lora_trainer)
+        assert (lora_args.lora_rank, lora_args.weight_sync_lora, lora_args.weight_sync_dir) == (8, "adapter",
+                                                                                                "/runs/l/adapters")
     assert args.sequence_parallel
     arguments.parallel_config(args).data_parallel_size(int(trainer[trainer.index("--nproc-per-node") + 1]))
     from forge_megatron.agents.driver import build_parser as driver_parser
