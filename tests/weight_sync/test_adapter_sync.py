@@ -177,3 +177,56 @@ def test_an_engine_that_refuses_the_adapter_is_excluded_and_paused_then_comes_ba
     finally:
         good.stop()
         narrow.stop()
+
+
+def _settled(url, names, timeout_s=20.0):
+    """The adapters the engine holds once its background unloads leave only ``names`` (or at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = sorted(c["id"] for c in _get(url + "/v1/models")["data"] if c.get("parent"))
+        if held == sorted(names) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.05)
+
+
+def _restart_body(rank, world_size, mcore_dir, engine_url, disk_dir):
+    """Two trainer runs one after the other (a restart): each syncer names its adapters with its own run token."""
+    from forge_megatron.mcore.lora import LoraConfig, install
+    from forge_megatron.weight_sync import WeightSyncConfig, WeightSyncer
+
+    bridge, model = load_converted(mcore_dir)
+    install([model], LoraConfig(rank=4, alpha=8.0))
+    held, named = [], []
+    for versions in ((1, 2, 3), (4, 5)):
+        syncer = WeightSyncer(WeightSyncConfig(engine_urls=[engine_url], lora="adapter", disk_dir=disk_dir,
+                                               timeout_s=60), bridge)
+        try:
+            for version in versions:
+                _move_adapters(model, version)
+                assert syncer.sync([model], version).policy_version == version
+                named.append(syncer.adapters.current)
+                held.append((_settled(engine_url, named[-2:]), sorted(os.listdir(disk_dir))))
+        finally:
+            syncer.close()
+    return named, held
+
+
+def test_a_restarted_trainer_keeps_the_newest_adapter_of_the_run_before_for_one_sync(models, tmp_path):
+    """The first sync of a restarted trainer cannot know which adapter the gateway names: it keeps the newest one
+    the engine holds (the run before's last) beside its own, and unloads the rest; its next sync retires that one."""
+    from forge_megatron.rollout.launch import start_engine
+
+    mcore = str(tmp_path / "mcore")
+    ckpt.hf_to_megatron(models["qwen2"], mcore, ParallelLayout())
+    engine = start_engine(models["qwen2"], in_process=True, extra_args=["--enable-lora"])
+    try:
+        ((named, held),) = run_distributed(_restart_body, world_size=1, mcore_dir=mcore, engine_url=engine.url,
+                                           disk_dir=str(tmp_path / "adapters"))
+    finally:
+        engine.stop()
+    assert [policy_adapter_version(n) for n in named] == [1, 2, 3, 4, 5]
+    runs = [n.rsplit("-", 1)[0] for n in named]  # forge-<run>
+    assert len(set(runs[:3])) == 1 and len(set(runs[3:])) == 1 and runs[3] != runs[2]
+    for i, (on_engine, on_disk) in enumerate(held):
+        want = sorted(named[max(0, i - 1):i + 1])  # the new one and the one before (the run before's last, at 4)
+        assert on_engine == want and on_disk == want, (i + 1, on_engine, on_disk)
