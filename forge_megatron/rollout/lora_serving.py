@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 _POLICY_NAME = re.compile(r"forge-([0-9a-z]+)-v(\d+)")
+NOT_LOADED = "The following requested LoRA adapters are not loaded"  # SGLang's answer to an unknown lora_path
 _KEY = re.compile(r"base_model\.model\.(.+)\.(lora_A|lora_B)\.weight")
 # the PEFT options whose non-default values change the forward (refused: nothing here computes them)
 _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "rank_pattern": {}, "alpha_pattern": {},
@@ -180,9 +181,9 @@ class LoraServing:
         if not isinstance(name, str):
             raise AdapterError("lora_path must be the name of a loaded adapter (one per request here)")
         adapter = self.adapters.get(name)
-        if adapter is None:
-            raise AdapterError(f"lora_path: the LoRA adapter {name!r} is not loaded (loaded: "
-                               f"{sorted(self.adapters) or 'none'}); load it with /load_lora_adapter")
+        if adapter is None:  # (SGLang's words: the gateway's fleet tries another engine on them)
+            raise AdapterError(f"{NOT_LOADED}: {name}; loaded adapters: {sorted(self.adapters) or 'none'} (load it "
+                               "with /load_lora_adapter)")
         return adapter
 
     # --- the forward --------------------------------------------------------------------------------------------

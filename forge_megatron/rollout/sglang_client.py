@@ -244,6 +244,14 @@ class SGLangClient:
             "flush_cache": flush_cache, "weight_version": weight_version}))
 
 
+def _lacks_adapter(exc: EngineRequestError, lora_path: str | None) -> bool:
+    """The engine refused the request for not holding its LoRA adapter (one restarted, or that failed the last
+    load): another engine may hold it."""
+    from forge_megatron.rollout.lora_serving import NOT_LOADED
+
+    return lora_path is not None and NOT_LOADED in str(exc)
+
+
 def _raise_for_status(status: int, text: str, where: str) -> None:
     if status < 400:
         return
@@ -444,6 +452,10 @@ class EngineFleet:
             except EngineError as exc:
                 errors.append(str(exc))
                 self.mark_down(eng.url)
+            except EngineRequestError as exc:
+                if not _lacks_adapter(exc, lora_path):
+                    raise
+                errors.append(str(exc))  # (not marked down: it serves the rest; the next sync loads the adapter)
             finally:
                 self._busy(eng, -1)
         raise NoEngineAvailable(f"generate failed on every engine tried: {errors or 'no live engine'}")
@@ -472,6 +484,10 @@ class EngineFleet:
                 self.mark_down(eng.url)
                 if yielded:
                     raise
+            except EngineRequestError as exc:
+                if yielded or not _lacks_adapter(exc, lora_path):
+                    raise
+                errors.append(str(exc))
             finally:
                 self._busy(eng, -1)
         raise NoEngineAvailable(f"generate failed on every engine tried: {errors or 'no live engine'}")

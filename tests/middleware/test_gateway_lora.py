@@ -75,3 +75,21 @@ def test_a_bad_lora_name_is_a_400(served, lora_name):
     _, gw = served
     status, body = http(gw.url + "/forge/admin/resume", {"policy_version": 4, "lora_name": lora_name})
     assert status == 400 and "lora_name must be the name of the LoRA adapter" in body["error"]["message"]
+
+
+def test_a_call_on_an_engine_without_the_adapter_goes_to_one_that_has_it(served, tmp_path):
+    """An engine that lacks the named adapter (restarted, or it failed the last load) answers SGLang's "not loaded";
+    the call goes on another engine, which has it (the engine is not marked down: the next sync loads it there)."""
+    engine, gw = served
+    bare = start_engine(engine.engine.model_path, in_process=True, extra_args=["--enable-lora"])
+    both = start_gateway(engine.engine.model_path, [bare.url, engine.url], in_process=True)
+    try:
+        assert http(both.url + "/forge/admin/resume", {"policy_version": 3, "lora_name": NAME})[0] == 200
+        recorded = [_chat(both, f"question {i}") for i in range(4)]
+        assert {c["engine_url"] for c in recorded} == {engine.url} and {c["policy_version"] for c in recorded} == {3}
+        state = http(both.url + "/forge/admin/state", method="GET")[1]
+        assert all(e["up"] for e in state["engines"])
+        assert [e["failures"] for e in state["engines"] if e["url"] == bare.url] == [0]
+    finally:
+        both.stop()
+        bare.stop()

@@ -102,7 +102,7 @@ def test_an_adapter_decodes_as_peft_and_the_base_stays_the_base(served):
     ("/load_lora_adapter", {"lora_name": "", "lora_path": "a"}, "lora_name must be a non-empty string"),
     ("/load_lora_adapter", {"lora_name": "x"}, "lora_path (an adapter directory) is required"),
     ("/unload_lora_adapter", {"lora_name": "never"}, "no LoRA adapter named 'never'"),
-    ("/generate", {"input_ids": PROMPT, "lora_path": "never"}, "'never' is not loaded"),
+    ("/generate", {"input_ids": PROMPT, "lora_path": "never"}, "LoRA adapters are not loaded: never"),
     ("/generate", {"input_ids": PROMPT, "lora_path": ["a"]}, "the name of a loaded adapter"),
 ])
 def test_bad_adapter_requests_are_400_saying_why(served, route, body, words):
