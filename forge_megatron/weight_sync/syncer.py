@@ -178,7 +178,10 @@ class WeightSyncer:
         if self.cfg.lora == "adapter":
             tensors, rank, alpha = AdapterSync.gather(self.bridge, chunks)
             if self.rank == 0:
-                self._adapter_pass(tensors, rank, alpha, policy_version, report)
+                try:
+                    self._adapter_pass(tensors, rank, alpha, policy_version, report)
+                except Exception:  # noqa: BLE001 - rank 0 must reach the broadcast the other ranks wait in
+                    log.exception("weight sync: the adapter sync of version %s failed", policy_version)
             report.policy_version = self.policy_version = _bcast_version(self.policy_version)
             report.seconds = time.perf_counter() - start
             return report
@@ -210,13 +213,10 @@ class WeightSyncer:
 
     def _adapter_pass(self, tensors: dict, rank: int, alpha: float, version: int, report: SyncReport) -> None:
         """Rank 0's side of an adapter sync (adapters.py): write, load on the engines in service, tell the gateway,
-        retire the old adapters. A failure leaves the policy version as it was."""
+        retire the old adapters. An error (the directory cannot be written, ...) leaves the policy version as it
+        was, logged: training goes on and the next sync tries again."""
         report.attempts = 1
-        try:
-            name, path, size = self.adapters.write(tensors, rank, alpha, version)
-        except (OSError, ValueError) as exc:
-            log.error("weight sync: could not write the LoRA adapter of version %s: %s", version, exc)
-            return
+        name, path, size = self.adapters.write(tensors, rank, alpha, version)
         self.excluded = set(self.http.unhealthy(self.excluded))
         live = [u for u in self.cfg.engine_urls if u not in self.excluded]
         updated, failure = self.adapters.deliver(live, name, path) if live else ([], None)

@@ -230,3 +230,38 @@ def test_a_restarted_trainer_keeps_the_newest_adapter_of_the_run_before_for_one_
     for i, (on_engine, on_disk) in enumerate(held):
         want = sorted(named[max(0, i - 1):i + 1])  # the new one and the one before (the run before's last, at 4)
         assert on_engine == want and on_disk == want, (i + 1, on_engine, on_disk)
+
+
+def _write_failure_body(rank, world_size, mcore_dir, engine_url, disk_dir):
+    from forge_megatron.mcore.lora import LoraConfig, install
+    from forge_megatron.weight_sync import WeightSyncConfig, WeightSyncer
+
+    bridge, model = load_converted(mcore_dir)
+    install([model], LoraConfig(rank=4, alpha=8.0))
+    syncer = WeightSyncer(WeightSyncConfig(engine_urls=[engine_url], lora="adapter", disk_dir=disk_dir,
+                                           timeout_s=60), bridge)
+    try:
+        first = syncer.sync([model], 1)  # disk_dir is a file: nothing can be written
+        if rank == 0:
+            os.remove(disk_dir)
+            os.makedirs(disk_dir)
+        torch.distributed.barrier()
+        return first.policy_version, syncer.sync([model], 2).policy_version
+    finally:
+        syncer.close()
+
+
+def test_an_adapter_that_cannot_be_written_fails_the_sync_on_every_rank_and_training_goes_on(models, tmp_path):
+    from forge_megatron.rollout.launch import start_engine
+
+    mcore = str(tmp_path / "mcore")
+    ckpt.hf_to_megatron(models["qwen2"], mcore, ParallelLayout(tp=2))
+    engine = start_engine(models["qwen2"], in_process=True, extra_args=["--enable-lora"])
+    blocked = tmp_path / "not_a_dir"
+    blocked.write_text("")
+    try:
+        results = run_distributed(_write_failure_body, world_size=2, parallel=ParallelConfig(tp=2), mcore_dir=mcore,
+                                  engine_url=engine.url, disk_dir=str(blocked), timeout_s=120)
+    finally:
+        engine.stop()
+    assert results == [(None, 2), (None, 2)]  # no version advance anywhere, then the next sync works
