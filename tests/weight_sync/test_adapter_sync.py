@@ -27,7 +27,7 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("adapter_sync")
     return {arch: build_tiny_model(str(root / arch), arch=arch, seed=seed)
-            for arch, seed in (("qwen2", 3), ("qwen3", 4), ("qwen3_moe", 5), ("deepseek_v3", 7))}
+            for arch, seed in (("qwen2", 3), ("qwen3", 4), ("qwen3_moe", 5), ("deepseek_v3", 7), ("qwen3_vl", 14))}
 
 
 def _get(url):
@@ -69,7 +69,8 @@ def _adapter_sync_body(rank, world_size, mcore_dir, engine_url, gateway_url, dis
     ("qwen3", ParallelConfig(pp=2)),  # stage 1's adapters sent to rank 0, which writes the one adapter
     ("qwen3_moe", ParallelConfig(ep=2)),  # attention adapted, experts untouched
     ("deepseek_v3", ParallelConfig(tp=2)),  # multi-latent attention's up projections, a dense MLP
-], ids=["tp2", "pp2", "ep2-moe", "tp2-mla"])
+    ("qwen3_vl", ParallelConfig(tp=2)),  # a vision-language model's language model (model.language_model.*)
+], ids=["tp2", "pp2", "ep2-moe", "tp2-mla", "tp2-vl"])
 def test_adapters_reach_the_engine_without_their_base_weights(models, tmp_path, arch, parallel):
     from forge_megatron.mcore.lora import TARGETS
     from forge_megatron.rollout.launch import start_engine, start_gateway
