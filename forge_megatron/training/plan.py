@@ -123,11 +123,11 @@ def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None
 
 
 def lora_params(bridge, lora, tp: int, pp: int, pp_rank: int, vpp: int | None = None, first: int | None = None,
-                last: int | None = None, ep: int = 1, etp: int | None = None) -> int:
+                last: int | None = None, ep: int = 1, etp: int | None = None, split: bool = False):
     """Adapter elements (--lora-rank, mcore/lora.py) a TP rank of pipeline rank ``pp_rank`` holds: R x (rows +
     columns) of each adapted linear's TP-local weight (A whole and B split, or the reverse, as the linear is
     split), for the targets each layer has (a MoE layer's MLP, linear-attention mixers: none, unless its routed
-    experts, 1/EP of them on a rank, and shared expert are named)."""
+    experts, 1/EP of them on a rank, and shared expert are named). ``split``: (non-expert, routed experts')."""
     import re
 
     pattern = re.compile(r"^decoder\.layers\.\d+\.(?:self_attention|mlp)\.(?:(experts)\.local_experts\.\d+\.|"
@@ -136,7 +136,9 @@ def lora_params(bridge, lora, tp: int, pp: int, pp_rank: int, vpp: int | None = 
     names = [n for n in bridge.canonical_names(layers)
              if (m := pattern.match(n)) and (m.group(1) or m.group(2) or m.group(3)) in lora.targets]
     shapes = _shapes(bridge, names, tp, etp)
-    return sum(lora.rank * sum(shapes[n]) // (ep if bridge.is_expert(n) else 1) for n in names)
+    dense = sum(lora.rank * sum(shapes[n]) for n in names if not bridge.is_expert(n))
+    expert = sum(lora.rank * sum(shapes[n]) // ep for n in names if bridge.is_expert(n))
+    return (dense, expert) if split else dense + expert
 
 
 def gated_delta_net_bytes(cfg, tp: int, sp: bool) -> float:
@@ -212,9 +214,11 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
         params = rank_params(bridge, tp, pp, ep, r, vpp, etp, first, last)
         n = params["dense"] + params["expert"]
         frozen = tower_frozen if r == 0 else 0  # a trained tower's parameters outside --vision-trainable
-        adapters = lora_params(bridge, lora, tp, pp, r, vpp, first, last, ep, etp) if lora is not None else 0
-        if lora is not None:  # the checkpoint's weights frozen, the adapters trained (their Adam state counted
-            # with the dense shards, the experts' adapters too: a slight overcount with the distributed optimizer)
+        dense_ad, expert_ad = lora_params(bridge, lora, tp, pp, r, vpp, first, last, ep, etp, split=True) \
+            if lora is not None else (0, 0)
+        adapters = dense_ad + expert_ad
+        if lora is not None:  # the checkpoint's weights frozen, the adapters trained (a routed expert's adapters
+            # sharded over the experts' data-parallel group by the distributed optimizer, as its weights would be)
             frozen, n, params = n, n + adapters, {**params, "dense": params["dense"] + adapters}
         layers = rank_layers(cfg.num_layers, pp, vpp, r, first, last)
         moe = sum(bridge.is_moe_layer(layer) for layer in layers)
@@ -222,8 +226,8 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
         static = {
             "weights": n * weight_bytes + params["buffers"] * 4,
             "grads": (n - frozen) * 4,
-            "optimizer": ((adapters if lora is not None else params["dense"] - frozen) * opt_bytes / dense_shards
-                          + (0 if lora is not None else params["expert"]) * opt_bytes / expert_shards),
+            "optimizer": ((dense_ad if lora is not None else params["dense"] - frozen) * opt_bytes / dense_shards
+                          + (expert_ad if lora is not None else params["expert"]) * opt_bytes / expert_shards),
             "reference": (n - adapters) * weight_bytes
             if kl_reference and (lora is None or lora_reference_copy) else 0,
             "vision": tower * weight_bytes if r == 0 else 0,

@@ -116,6 +116,15 @@ def test_lora_parameters_per_rank_are_what_the_adapters_hold(arch, parallel, wor
         assert r["grads_gib"] * plan.GIB == r["params_lora"] * 4
         assert r["optimizer_gib"] * plan.GIB == r["params_lora"] * 12
     assert "LoRA rank 4" in plan._table(result) and "params_lora" in plan._table(result)
+    # the distributed optimizer shards the adapters' Adam state as the weights': over DP x CP, a routed expert's over
+    # its expert-data-parallel group (16 x PP GPUs at TP 2: DP 8; EP 4, experts whole: 8 x 2 / 4 = 4 ranks)
+    big = dict(tp=2, pp=parallel.pp, ep=4, etp=1)
+    sharded = plan.plan(bridge, 16 * parallel.pp, big["tp"], big["pp"], big["ep"], etp=1, lora=lora,
+                        distributed_optimizer=True)
+    for r in sharded["ranks"]:
+        dense, expert = plan.lora_params(bridge, lora, big["tp"], big["pp"], r["pp_rank"], ep=4, etp=1, split=True)
+        assert (expert > 0) == moe and r["params_lora"] == dense + expert
+        assert r["optimizer_gib"] * plan.GIB == pytest.approx(dense * 12 / 8 + expert * 12 / 4)
     # the KL reference: the policy with its adapters off (nothing), or a --ref-hf-checkpoint's own frozen copy
     for copy, want in ((False, 0), (True, 2)):
         kl = plan.plan(bridge, world, parallel.tp, parallel.pp, parallel.ep, etp=parallel.etp, lora=lora,
