@@ -10,7 +10,8 @@
 #   6. runs benchmarks/gated_delta.py (Qwen3.5's linear-attention recurrence: autograd loop, torch scan and the Triton
 #      scan kernels, forward + backward at 4 x 8192 tokens, 8 heads of 128),
 #   7. runs the trainer on the GPU (tests/training/test_gpu_trainer.py: fp32 and bf16 steps against CPU, bf16 keeps
-#      the HF weights, distributed-optimizer checkpoints resume exactly; skipped without megatron-core and pyzmq).
+#      the HF weights, distributed-optimizer checkpoints resume exactly, LoRA steps against CPU; skipped without
+#      megatron-core and pyzmq).
 # Everything goes to the log file (GPU_CHECK_LOG, default runs/gpu_check.log); copy the JSON lines to docs/benchmarks.md.
 # Needs a CUDA build of torch, triton, pybind11, ninja, pytest (+ pytest-timeout) and nvcc; megatron-core and pyzmq are
 # not needed. PYTHON picks the interpreter (default python3: on the lent H200 image that is the one holding PyTorch).
