@@ -85,16 +85,15 @@ def test_gpu_bf16_first_step_keeps_the_hf_weights(tmp_path):
 def test_gpu_lora_steps_match_cpu(tmp_path):
     """--lora-rank 8 (adapters on every linear, everything else frozen) on the GPU: fp32 reproduces the CPU run (the
     adapters' hooks, the frozen embedding's output marked as needing a gradient, DDP over the adapters alone) and
-    bf16 with the distributed optimizer stays within bf16's tolerance. Three steps at a learning rate that moves B
-    off zero, so steps 2 and 3 use the trained adapters."""
+    bf16 with the distributed optimizer stays within bf16's tolerance. Two steps at a learning rate that moves B
+    off zero, so step 2 uses trained adapters."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     model_dir = build_tiny_model(str(tmp_path / "model"))
     lora = ["--lora-rank", "8"]
-    cpu = _run(tmp_path, model_dir, "lora_cpu", {"CUDA_VISIBLE_DEVICES": ""}, lora, lr="5e-3", iters=3)
-    gpu = _run(tmp_path, model_dir, "lora_gpu", {}, lora, lr="5e-3", iters=3)
-    bf16 = _run(tmp_path, model_dir, "lora_bf16", {}, lora + ["--bf16", "--use-distributed-optimizer"], lr="5e-3",
-                iters=3)
+    cpu = _run(tmp_path, model_dir, "lora_cpu", {"CUDA_VISIBLE_DEVICES": ""}, lora, lr="5e-3")
+    gpu = _run(tmp_path, model_dir, "lora_gpu", {}, lora, lr="5e-3")
+    bf16 = _run(tmp_path, model_dir, "lora_bf16", {}, lora + ["--bf16", "--use-distributed-optimizer"], lr="5e-3")
     for steps, loss_tol, norm_rel in ((gpu, {"rel": 1e-3, "abs": 1e-4}, 1e-3), (bf16, {"abs": 2e-2}, 0.1)):
         for want, got in zip(cpu, steps):
             assert got["batch_id"] == want["batch_id"] and got["loss_tokens"] == want["loss_tokens"]
