@@ -53,6 +53,32 @@ def _canonical_name(name: str) -> str:
     return name
 
 
+def weights_fingerprint(hf_dir: str, sample_bytes: int = 1 << 20) -> str:
+    """A cheap identity of a HF checkpoint's weights: sha256 over every ``*.safetensors`` file's header (names,
+    dtypes, shapes, offsets) and the first and last ``sample_bytes`` of its data, in file-name order. Two
+    checkpoints of one architecture with other weights (a base and its fine-tune) differ in the sampled bytes; the
+    whole files are never read (a 235B checkpoint would take minutes)."""
+    import hashlib
+    import struct
+
+    files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{hf_dir!r} has no *.safetensors files")
+    digest = hashlib.sha256()
+    for fname in files:
+        path = os.path.join(hf_dir, fname)
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            digest.update(fname.encode() + f.read(n))
+            data = size - 8 - n
+            digest.update(f.read(min(sample_bytes, data)))
+            if data > sample_bytes:
+                f.seek(max(8 + n + sample_bytes, size - sample_bytes))
+                digest.update(f.read())
+    return digest.hexdigest()[:32]
+
+
 class HFReader:
     """Lazy reader of the tensors of a HF safetensors directory (single file or sharded with an index).
 

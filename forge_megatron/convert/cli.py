@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vision-language checkpoints (Qwen3.5 as released): copy the vision tower (not trained) from "
                         "this HF checkpoint (default: the run's --hf-checkpoint; a run with --train-vision-tower holds "
                         "its own, exported from the checkpoint)")
+    p.add_argument("--hf-checkpoint", default=None, metavar="DIR",
+                   help="a --lora-rank run's checkpoints hold the adapters alone: the frozen weights they are merged "
+                        "into come from this HF checkpoint (default: the run's --hf-checkpoint; checked to hold the "
+                        "same weights)")
     p = sub.add_parser("trainer-to-peft", help="a --lora-rank run's trainer checkpoint -> its LoRA adapters as a PEFT "
                                                "adapter directory (adapter_config.json, adapter_model.safetensors) for "
                                                "the run's --hf-checkpoint")
@@ -131,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
 
             summary = export_trainer_checkpoint(args.save_dir, args.out, args.iteration, args.tokenizer_from,
-                                                int(args.max_shard_gb * (1 << 30)), args.vision_from)
+                                                int(args.max_shard_gb * (1 << 30)), args.vision_from,
+                                                args.hf_checkpoint)
             print(f"forge-convert: iteration {summary['iteration']} (policy version {summary['policy_version']}), "
                   f"layout {summary['layout']}, {summary['tensors']} tensors, tokenizer from "
                   f"{summary['tokenizer_from'] or '(none found)'}")

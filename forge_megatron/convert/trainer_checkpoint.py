@@ -98,12 +98,34 @@ def _raw_chunks(path: str) -> list[dict]:
     return model_chunks(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
 
 
-def _model_chunks(path: str) -> list[dict]:
+def _model_chunks(path: str, frozen=None) -> list[dict]:
     """A rank file's model chunks as the export writes them: a --lora-rank run's adapters merged into their
-    weights (W + scaling * B A, this shard's), so the HF checkpoint is the trained model."""
+    weights (W + scaling * B A, this shard's), so the HF checkpoint is the trained model. A rank file that holds the
+    adapters alone (``frozen_from_hf``) gets the frozen weights of chunk v from ``frozen(v)``."""
     from forge_megatron.mcore.lora import merge_state
 
-    return [merge_state(c) for c in _raw_chunks(path)]
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    chunks = model_chunks(state)
+    if state.get("frozen_from_hf"):
+        chunks = [{**frozen(v), **chunk} for v, chunk in enumerate(chunks)]
+    return [merge_state(c) for c in chunks]
+
+
+def lora_base(metas: list[dict], hf_checkpoint: str | None = None) -> str:
+    """The HF checkpoint a --lora-rank run's adapters-only checkpoint leaves its frozen weights to: ``hf_checkpoint``
+    or the run's, checked to hold the weights the run trained over (``weights_fingerprint``)."""
+    from forge_megatron.convert.checkpoint import weights_fingerprint
+
+    base = hf_checkpoint or metas[0].get("hf_checkpoint")
+    if not base or not os.path.isdir(base):
+        raise FileNotFoundError(f"the checkpoint holds a --lora-rank run's adapters alone, and its frozen weights' HF "
+                                f"checkpoint {base!r} is not here: give it with --hf-checkpoint")
+    saved = metas[0].get("hf_fingerprint")
+    if saved is not None and weights_fingerprint(base) != saved:
+        raise ValueError(f"{base!r} holds other weights than the run's --hf-checkpoint {metas[0].get('hf_checkpoint')!r} "
+                         f"(weights fingerprint {weights_fingerprint(base)}, the run's {saved}): give the checkpoint the "
+                         "run trained over")
+    return base
 
 
 def _strip_wrappers(key: str) -> str:
@@ -115,9 +137,10 @@ def _strip_wrappers(key: str) -> str:
 
 def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None = None,
                               tokenizer_from: str | None = None, max_shard_bytes: int = 5 << 30,
-                              vision_from: str | None = None) -> dict:
+                              vision_from: str | None = None, hf_checkpoint: str | None = None) -> dict:
     """Write the model of trainer checkpoint ``iteration`` (default: the latest) as HF safetensors in ``out_dir``.
-    Returns a summary (iteration, policy version, layout, tensors written, tokenizer source)."""
+    A --lora-rank run's checkpoint holds its adapters alone: the frozen weights come from ``hf_checkpoint`` (default:
+    the run's). Returns a summary (iteration, policy version, layout, tensors written, tokenizer source)."""
     iteration = _latest(save_dir) if iteration is None else iteration
     metas = read_rank_metadata(save_dir, iteration)
     layout = metas[0]["layout"]
@@ -128,6 +151,21 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
     pl, P, V, owner = job.layout, job.P, job.V, job.owner
     it_dir = os.path.join(save_dir, f"iter_{iteration:07d}")
     cache: dict[int, list[dict]] = {}
+    base = {}  # the frozen weights' reader, for an adapters-only (LoRA) checkpoint, made when first needed
+
+    def frozen(tp: int, pp: int, ep: int):
+        def piece(v: int) -> dict:
+            from forge_megatron.convert.checkpoint import HFReader, piece_inputs, piece_state
+
+            if "reader" not in base:
+                base["reader"] = HFReader(lora_base(metas, hf_checkpoint))
+            c = v * P + pp
+            layers, first, last = job.chunks[c], c == 0, c == P * V - 1
+            full = {n: bridge.from_hf(n, base["reader"].get(bridge.hf_names(n)))
+                    for n in piece_inputs(bridge, layers, first, last)
+                    if bridge.expert_rank(n, pl) in (None, ep)}  # (another EP rank's experts: never read)
+            return piece_state(bridge, full, pl, tp, ep, layers, first, last)
+        return piece
 
     def chunks_of(tp: int, pp: int, ep: int) -> list[dict] | None:
         if (tp, pp, ep) not in owner:
@@ -136,7 +174,7 @@ def export_trainer_checkpoint(save_dir: str, out_dir: str, iteration: int | None
             raise FileNotFoundError(f"{it_dir!r} has no shard for TP {tp}, PP {pp}, EP {ep}")
         rank = owner[(tp, pp, ep)]
         if rank not in cache:
-            cache[rank] = _model_chunks(os.path.join(it_dir, f"rank_{rank:05d}.pt"))
+            cache[rank] = _model_chunks(os.path.join(it_dir, f"rank_{rank:05d}.pt"), frozen(tp, pp, ep))
             if len(cache[rank]) != V:
                 raise ValueError(f"rank {rank} holds {len(cache[rank])} model chunks, the layout says {V}")
         return cache[rank]

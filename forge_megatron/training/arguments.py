@@ -382,7 +382,8 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the adapters have gradients and optimizer state. Adapters follow the linears' TP split "
                         "(with sequence parallelism too); the weight sync and the HF export send the merged weights "
                         "W + (alpha / R) B A, so the engines need no LoRA support (or the adapters alone: "
-                        "--weight-sync-lora adapter). Attention and dense MLPs are "
+                        "--weight-sync-lora adapter); checkpoints hold the adapters alone (the frozen weights read "
+                        "from --hf-checkpoint again on resume). Attention and dense MLPs are "
                         "adapted (MoE experts when --lora-target-modules names them); linear-attention mixers, "
                         "embeddings, norms and the head are not (docs/training.md)")
     g.add_argument("--lora-alpha", type=float, default=None, metavar="ALPHA",

@@ -24,6 +24,11 @@ training goes on; after each step the ranks agree (one all-reduce of two flags) 
 only then is ``latest`` moved and the pool committed, so an unfinished checkpoint is never the one that loads.
 ``--keep-checkpoints K``: once a checkpoint is ``latest``, rank 0 deletes the iteration directories older than the
 newest K.
+
+A ``--lora-rank`` run's rank files hold what training changes only: the adapters (and the model's buffers), not the
+frozen weights, which a resume and the HF export read from the run's ``--hf-checkpoint`` again (``frozen_from_hf``;
+the checkpoint's ``hf_fingerprint``, :func:`forge_megatron.convert.checkpoint.weights_fingerprint`, must match it):
+a few MB per rank instead of the model's size.
 """
 
 from __future__ import annotations
@@ -109,9 +114,10 @@ def checkpoint_state(iteration: int, model, optimizer, scheduler, extra: dict) -
     """This rank's checkpoint (``model``: the model or its list of virtual-pipeline chunks) as one dict of live
     tensors. A collective with the distributed optimizer (its state is gathered)."""
     chunks = _chunks(model)
-    weights = {"model": chunks[0].state_dict()} if len(chunks) == 1 else {
-        "model_chunks": [c.state_dict() for c in chunks]}  # virtual-pipeline chunks, in order
-    state = {"iteration": iteration, **weights, "optimizer": optimizer.state_dict(),
+    lora = is_lora_run(chunks)  # the frozen weights stay out: the run's --hf-checkpoint holds them
+    states = [_trained_state(c) if lora else c.state_dict() for c in chunks]
+    weights = {"model": states[0]} if len(chunks) == 1 else {"model_chunks": states}  # virtual-pipeline chunks
+    state = {"iteration": iteration, **weights, "frozen_from_hf": lora, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(), **extra}
     from forge_megatron.training.reshard import param_states, sharded_param_states
 
@@ -122,6 +128,30 @@ def checkpoint_state(iteration: int, model, optimizer, scheduler, extra: dict) -
     state["sharded_optimizer"] = sharded
     state["half_params"] = _half_params(chunks)
     return state
+
+
+def is_lora_run(chunks) -> bool:
+    from forge_megatron.mcore.lora import is_lora_name
+
+    return any(is_lora_name(n) for c in _chunks(chunks) for n, _ in c.named_parameters())
+
+
+def _gpt(chunk):
+    """The GPTModel inside a chunk's DDP / Float16Module wrappers (whose state_dict is the GPTModel's own)."""
+    from forge_megatron.weight_sync.gather import unwrap
+
+    return unwrap(chunk)
+
+
+def _frozen(chunk) -> set[str]:
+    """State-dict names of ``chunk``'s parameters that do not train."""
+    return {n for n, p in _gpt(chunk).named_parameters() if not p.requires_grad}
+
+
+def _trained_state(chunk) -> dict:
+    """``chunk.state_dict()`` without its frozen parameters (buffers kept: a router's bias may move)."""
+    frozen = _frozen(chunk)
+    return OrderedDict((k, v) for k, v in _gpt(chunk).state_dict().items() if k not in frozen)
 
 
 def _write_whole(path: str, write) -> None:
@@ -358,7 +388,15 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, log=
         raise ValueError(f"checkpoint {path} holds {len(saved)} model chunk(s), this job has {len(chunks)}: resume "
                          f"with the same virtual-pipeline layout")
     for chunk, weights in zip(chunks, saved):
-        chunk.load_state_dict(weights)
+        if not state.get("frozen_from_hf"):
+            chunk.load_state_dict(weights)
+            continue
+        # a LoRA run's: the adapters; the frozen weights were loaded from --hf-checkpoint (the trainer did so)
+        missing, unexpected = _gpt(chunk).load_state_dict(weights, strict=False)
+        missing = [k for k in missing if k not in _frozen(chunk) and not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path} does not fit this model: missing {missing[:5]}, unexpected "
+                             f"{unexpected[:5]} (a --lora-rank run resumes with its own --lora-target-modules)")
     optimizer.load_state_dict(state["optimizer"])
     if sharded and "sharded_optimizer" in state:
         from forge_megatron.training.reshard import load_sharded_param_states

@@ -583,6 +583,9 @@ class Trainer:
             if self.train_tower and not saved_tower:
                 state = self._unfreeze_tower(iteration)
             else:
+                if arguments.lora_config(self.args) is not None:  # its checkpoints hold the adapters alone
+                    self._check_lora_base(meta, iteration)
+                    load_hf_weights(self.chunks, self.bridge, self.args.hf_checkpoint)
                 state = load_checkpoint(self.args.load, iteration, self.ddp, self.optimizer, self.scheduler,
                                         self._log)
             self.iteration, self.policy_version = state["iteration"], state["policy_version"]
@@ -600,6 +603,23 @@ class Trainer:
             self._check_gateway()
         if iteration is not None and self.syncer is not None:
             self._sync()  # the engines may still serve weights newer than this checkpoint
+
+    def _check_lora_base(self, meta: dict, iteration: int) -> None:
+        """A LoRA checkpoint's adapters were trained over the weights of the run's --hf-checkpoint, which a resume
+        reads again: refuse another checkpoint there (their sampled fingerprints differ)."""
+        saved = meta.get("hf_fingerprint")
+        if saved is not None and saved != self._hf_fingerprint():
+            raise ValueError(f"checkpoint {self.args.load} iteration {iteration} holds LoRA adapters trained over "
+                             f"{meta.get('hf_checkpoint')} (weights fingerprint {saved}); --hf-checkpoint "
+                             f"{self.args.hf_checkpoint} holds other weights ({self._hf_fingerprint()}): resume with "
+                             "the checkpoint the run started from")
+
+    def _hf_fingerprint(self) -> str:
+        if getattr(self, "_fingerprint", None) is None:
+            from forge_megatron.convert.checkpoint import weights_fingerprint
+
+            self._fingerprint = weights_fingerprint(self.args.hf_checkpoint)
+        return self._fingerprint
 
     def _unfreeze_tower(self, iteration: int) -> dict:
         """Resume checkpoint ``iteration`` of a run whose vision tower was frozen with --train-vision-tower: the
@@ -877,6 +897,8 @@ class Trainer:
         meta = {"hf_config": self.bridge.hf_config, "hf_checkpoint": os.path.abspath(a.hf_checkpoint),
                 "policy_version": self.policy_version, "vision_tower": self.train_tower,
                 "vision_trainable": getattr(a, "vision_trainable", "*") if self.train_tower else None}
+        if arguments.lora_config(a) is not None:  # its rank files leave the frozen weights to --hf-checkpoint
+            meta["hf_fingerprint"] = self._hf_fingerprint()
         iteration, batch_id = self.iteration, self.last_batch_id
 
         def commit() -> None:

@@ -6,6 +6,7 @@ trains what an uninterrupted one does; the HF export holds the merged weights (t
 in another layout is refused. CPU, 0 GPUs (gloo). The sync of merged weights: tests/weight_sync."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -47,12 +48,18 @@ def test_lora_trains_the_same_under_tensor_sequence_and_pipeline_parallelism_and
     assert one[0]["grad_norm"] != pytest.approx(full[0]["grad_norm"], rel=1e-2)  # the adapters' gradients alone
     assert one[2]["loss"] != pytest.approx(full[2]["loss"], rel=1e-4)  # and their updates
 
-    state = torch.load(tmp_path / "one" / "ckpt" / "iter_0000002" / "rank_00000.pt", weights_only=False)
+    # the checkpoints hold what trains: the adapters (and the buffers), not the frozen weights (the resumed run read
+    # them from --hf-checkpoint again and trained the same steps)
+    ckpt_file = tmp_path / "one" / "ckpt" / "iter_0000002" / "rank_00000.pt"
+    state = torch.load(ckpt_file, weights_only=False)
     adapters = [k for k in state["model"] if k.endswith(("lora_A", "lora_B"))]
     assert len(adapters) == 2 * 4 * 2  # two layers' four linears, A and B each
-    assert sum(1 for v in state["model"].values() if torch.is_tensor(v) and v.dim() == 2) > len(adapters)
+    assert state["frozen_from_hf"] and all(k.endswith(("lora_A", "lora_B", "lora_scaling", "_extra_state"))
+                                           for k in state["model"]), sorted(state["model"])
     moved = [k for k in adapters if k.endswith("lora_B") and state["model"][k].abs().max() > 0]
     assert len(moved) == len(adapters) // 2
+    full_file = tmp_path / "full" / "ckpt" / "iter_0000003" / "rank_00000.pt"
+    assert ckpt_file.stat().st_size < full_file.stat().st_size / 5
 
     out = str(tmp_path / "export")
     export_trainer_checkpoint(str(tmp_path / "one" / "ckpt"), out)
@@ -71,10 +78,29 @@ def test_lora_trains_the_same_under_tensor_sequence_and_pipeline_parallelism_and
     assert (config["r"], config["lora_alpha"]) == (4, 16)
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
-    # a resume under another layout is refused with the way out
+    # a resume under another layout is refused with the way out; so is one over another base checkpoint
     with pytest.raises(AssertionError, match="a --lora-rank run resumes in its own"):
         run_on_fresh_pool(tmp_path, "one", model_dir, feed, iters=4, groups=1, nproc=2, model=[],
                           extra=LORA + ["--tensor-model-parallel-size", "2", "--tree-token-budget", "32"])
+    other = build_tiny_model(str(tmp_path / "other"), arch="qwen3", seed=4)
+    with pytest.raises(AssertionError, match="holds other weights"):
+        run_on_fresh_pool(tmp_path, "one", other, feed, iters=4, groups=1, model=[],
+                          extra=LORA + ["--tree-token-budget", "32"])
+    # the export reads the frozen weights from the run's --hf-checkpoint, or one given (checked the same)
+    from forge_megatron.convert.cli import main as convert
+
+    moved_base = str(tmp_path / "moved_hf")
+    shutil.copytree(model_dir, moved_base)
+    shutil.rmtree(model_dir)
+    with pytest.raises(FileNotFoundError, match="give it with --hf-checkpoint"):
+        export_trainer_checkpoint(str(tmp_path / "one" / "ckpt"), str(tmp_path / "export2"))
+    assert convert(["trainer-to-hf", "--save-dir", str(tmp_path / "one" / "ckpt"), "--out", str(tmp_path / "export3"),
+                    "--hf-checkpoint", moved_base]) == 0
+    again = {k: v for f in os.listdir(tmp_path / "export3") if f.endswith(".safetensors")
+             for k, v in load_file(f"{tmp_path}/export3/{f}").items()}
+    assert set(again) == set(got) and all(torch.equal(again[k], got[k]) for k in got)
+    assert convert(["trainer-to-hf", "--save-dir", str(tmp_path / "one" / "ckpt"), "--out", str(tmp_path / "export4"),
+                    "--hf-checkpoint", other]) == 2  # (its error: "holds other weights")
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
