@@ -79,6 +79,8 @@ class PoolSink(EpisodeSink):
     def __init__(self, addr: str, timeout_s: float = 10.0, retries: int = 3):
         self.addr, self.timeout_s, self.retries = addr, timeout_s, retries
         self._local = threading.local()
+        self._clients: list = []  # every thread's, closed by close()
+        self._lock = threading.Lock()
 
     def _client(self):
         client = getattr(self._local, "client", None)
@@ -86,7 +88,16 @@ class PoolSink(EpisodeSink):
             from forge_megatron.middleware.transport import PoolClient
 
             client = self._local.client = PoolClient(self.addr, timeout_s=self.timeout_s, retries=self.retries)
+            with self._lock:
+                self._clients.append(client)
         return client
+
+    def close(self) -> None:
+        """Close every thread's client (the gateway is stopping: no call uses them any more)."""
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
 
     def _call(self, method: str, *args):
         from forge_megatron.middleware.transport import PoolError
@@ -617,6 +628,8 @@ def serve_worker() -> None:
     try:  # SIGTERM (the front stopping it, or one to the whole group) stops serving
         asyncio.run(until_terminated(serve(gw, ready=print_ready)))
     finally:  # a front killed along with its group: the table is the workers' to remove
+        if isinstance(gw.sink, PoolSink):
+            gw.sink.close()
         _orphaned(parent, load_file)
 
 

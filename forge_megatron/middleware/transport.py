@@ -258,7 +258,11 @@ class PoolClient(EpisodeSink):
         self.retries = retries
         self.curve_keys = curve_keys
         self.max_message_bytes = max_message_bytes
-        self._ctx = zmq.Context()
+        # the process's one context (ZeroMQ's advice), never terminated here: a client's own context, dropped
+        # with the client, could be garbage-collected in a reference cycle after the weak reference to its socket
+        # was cleared, and its termination then waits forever for that socket (seen: a forge-engine thread stuck
+        # in zmq_ctx_term inside a forward, where the collector happened to run)
+        self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
 
     def _socket(self) -> zmq.Socket:
@@ -347,4 +351,3 @@ class PoolClient(EpisodeSink):
 
     def close(self) -> None:
         self._reset()
-        self._ctx.term()

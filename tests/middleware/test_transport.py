@@ -328,3 +328,32 @@ def test_server_errors_are_clear(served):
         PoolServer(pool, curve_keys=CurveKeys(*zmq.curve_keypair()))
     with pytest.raises(ValueError, match="max_message_bytes must be >= 1024, got 10"):
         PoolServer(pool, max_message_bytes=10)
+
+
+def test_a_dropped_client_is_collected_without_blocking():
+    """A PoolClient dropped with its socket open, inside a reference cycle (a gateway's thread-local clients are),
+    is collected without blocking the thread the collector runs on: with a context of its own, the context's
+    termination waited forever for the socket whose weak reference the collector had cleared (a forge-engine
+    thread hung so, inside a forward, in a test run)."""
+    import gc
+    import threading
+
+    import zmq
+
+    from forge_megatron.middleware.transport import PoolClient
+
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        client = PoolClient(f"tcp://127.0.0.1:{port}", timeout_s=0.2, retries=0)
+        client._socket().send_multipart([b"pending"])  # a socket open, a message on its way
+        client.cycle = client
+        del client
+        collector = threading.Thread(target=gc.collect, daemon=True)
+        collector.start()
+        collector.join(20)
+        assert not collector.is_alive(), "the garbage collector is stuck in a dropped client's context"
+    finally:
+        server.close(linger=0)
+        ctx.term()
