@@ -178,3 +178,35 @@ def test_an_unload_waits_for_the_requests_using_the_adapter(served):
     held.join(60)
     unload.join(60)
     assert got["out"] == want and unloaded["answer"][0] == 200
+
+
+def test_the_client_loads_lists_and_unloads_adapters(served):
+    """SGLangClient's LoRA calls against the engine: load, list (the adapter after the base, with parent), a
+    generate naming it, unload; a failed load is an EngineRequestError saying why."""
+    import asyncio
+
+    from forge_megatron.rollout.sglang_client import EngineRequestError, SGLangClient
+
+    model, adapters, engine = served
+
+    async def go():
+        client = SGLangClient(engine.url)
+        try:
+            loaded = await client.load_lora_adapter("c", adapters["a"])
+            cards = await client.list_models()
+            result = await client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+                                           lora_path="c")
+            direct = await asyncio.to_thread(_greedy, engine.url, "c")  # the same request over plain HTTP
+            await client.unload_lora_adapter("c")
+            with pytest.raises(EngineRequestError, match="exceeds the server's --max-lora-rank 8"):
+                await client.load_lora_adapter("big", adapters["big"])
+            return loaded, cards, result, direct, await client.list_models()
+        finally:
+            await client.close()
+
+    loaded, cards, result, direct, after = asyncio.run(go())
+    assert loaded["success"] and loaded["loaded_adapters"] == {"c": adapters["a"]}
+    assert [(c["id"], c.get("parent")) for c in cards] == [(model, None), ("c", model)]
+    assert result.lora_path == "c" and (result.output_ids, result.logprobs) == direct
+    assert result.output_ids != _greedy(engine.url)[0]  # (the adapter's tokens, not the base model's)
+    assert [c["id"] for c in after] == [model]
