@@ -121,10 +121,11 @@ def lora_base(metas: list[dict], hf_checkpoint: str | None = None) -> str:
         raise FileNotFoundError(f"the checkpoint holds a --lora-rank run's adapters alone, and its frozen weights' HF "
                                 f"checkpoint {base!r} is not here: give it with --hf-checkpoint")
     saved = metas[0].get("hf_fingerprint")
-    if saved is not None and weights_fingerprint(base) != saved:
-        raise ValueError(f"{base!r} holds other weights than the run's --hf-checkpoint {metas[0].get('hf_checkpoint')!r} "
-                         f"(weights fingerprint {weights_fingerprint(base)}, the run's {saved}): give the checkpoint the "
-                         "run trained over")
+    here = weights_fingerprint(base) if saved is not None else None
+    if here != saved:
+        raise ValueError(f"{base!r} holds other weights than the run's --hf-checkpoint "
+                         f"{metas[0].get('hf_checkpoint')!r} (weights fingerprint {here}, the run's {saved}): give the "
+                         "checkpoint the run trained over")
     return base
 
 
@@ -222,7 +223,7 @@ def export_lora_adapter(save_dir: str, out_dir: str, iteration: int | None = Non
     the merged export adds to its weight. Returns a summary (iteration, rank, alpha, modules, tensors)."""
     from safetensors.torch import save_file
 
-    from forge_megatron.mcore.lora import COLUMN, peft_config, peft_tensors
+    from forge_megatron.mcore.lora import joined_factors, peft_config, peft_tensors
 
     iteration = _latest(save_dir) if iteration is None else iteration
     metas = read_rank_metadata(save_dir, iteration)
@@ -249,9 +250,8 @@ def export_lora_adapter(save_dir: str, out_dir: str, iteration: int | None = Non
         shards = [f[k] for k in ("lora_A", "lora_B")]
         if any(len(s) != pl.tp for s in shards):
             raise MappingError(f"{it_dir!r}: {weight}'s adapter lacks TP shards")
-        column = weight.rsplit(".", 2)[-2] in COLUMN
-        A = f["lora_A"][0] if column else bridge.tp_join(weight, [f["lora_A"][t] for t in range(pl.tp)])
-        B = bridge.tp_join(weight, [f["lora_B"][t] for t in range(pl.tp)]) if column else f["lora_B"][0]
+        A, B = joined_factors(bridge, weight, [f["lora_A"][t] for t in range(pl.tp)],
+                              [f["lora_B"][t] for t in range(pl.tp)])
         rank, scaling = A.shape[0], float(f["lora_scaling"][0])
         ranks.add(rank)
         alphas.add(round(scaling * rank, 6))

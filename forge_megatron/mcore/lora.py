@@ -252,6 +252,15 @@ def merged(module_state: dict, weight_name: str, weight: torch.Tensor) -> torch.
     return (weight.detach().float() + delta.to(weight.device)).to(weight.dtype)
 
 
+def joined_factors(bridge, weight: str, A_shards: list, B_shards: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) whole from the TP ranks' factors of the adapter on canonical weight ``weight``: a column-parallel
+    linear's B is split as its weight (A whole on every rank), a row-parallel one's A (B whole); the split one is
+    joined as the weight is (``Bridge.tp_join``: QKV groups, GLU halves), the whole one taken from the first rank."""
+    if weight.rsplit(".", 2)[-2] in COLUMN:
+        return A_shards[0], bridge.tp_join(weight, B_shards) if len(B_shards) > 1 else B_shards[0]
+    return (bridge.tp_join(weight, A_shards) if len(A_shards) > 1 else A_shards[0]), B_shards[0]
+
+
 def peft_tensors(bridge, weight: str, A: torch.Tensor, B: torch.Tensor, dtype: torch.dtype | None = None) -> dict:
     """The PEFT form of the adapter on canonical weight ``weight`` (A [R, I] and B [O, R] whole, TP shards joined):
     ``base_model.model.<hf module>.lora_A.weight`` / ``lora_B.weight``. A fused Megatron linear becomes HF's

@@ -58,7 +58,6 @@ class AdapterError(ValueError):
 class Adapter:
     name: str
     path: str
-    rank: int
     scaling: float
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # served module name -> (A [R, I], B [O, R])
 
@@ -101,7 +100,6 @@ class LoraServing:
     the one the hooks add for the forwards in its block."""
 
     def __init__(self, model: torch.nn.Module, max_rank: int | None = None, target_modules=None, served_name=None):
-        self.model = model
         self.max_rank = max_rank
         self.targets = None if not target_modules or "all" in target_modules else set(target_modules)
         self.served_name = served_name or (lambda module: module)
@@ -137,7 +135,7 @@ class LoraServing:
             factors[served] = self._checked(path, module, self.linears[served], pair, rank)
         if not factors:
             raise AdapterError(f"{path}: the adapter has no LoRA factors")
-        adapter = Adapter(name=name, path=path, rank=rank, scaling=scaling, factors=factors)
+        adapter = Adapter(name=name, path=path, scaling=scaling, factors=factors)
         for module in factors:
             if module not in self._hooked:
                 self.linears[module].register_forward_hook(self._hook(module))

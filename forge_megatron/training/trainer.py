@@ -583,8 +583,10 @@ class Trainer:
             if self.train_tower and not saved_tower:
                 state = self._unfreeze_tower(iteration)
             else:
-                if arguments.lora_config(self.args) is not None:  # its checkpoints hold the adapters alone
-                    self._check_lora_base(meta, iteration)
+                if arguments.lora_config(self.args) is not None:  # its checkpoints hold the adapters alone, the
+                    from forge_megatron.convert.trainer_checkpoint import lora_base  # frozen weights: the base's
+
+                    lora_base([meta], self.args.hf_checkpoint)  # (refused unless the run trained over it)
                     load_hf_weights(self.chunks, self.bridge, self.args.hf_checkpoint)
                 state = load_checkpoint(self.args.load, iteration, self.ddp, self.optimizer, self.scheduler,
                                         self._log)
@@ -603,16 +605,6 @@ class Trainer:
             self._check_gateway()
         if iteration is not None and self.syncer is not None:
             self._sync()  # the engines may still serve weights newer than this checkpoint
-
-    def _check_lora_base(self, meta: dict, iteration: int) -> None:
-        """A LoRA checkpoint's adapters were trained over the weights of the run's --hf-checkpoint, which a resume
-        reads again: refuse another checkpoint there (their sampled fingerprints differ)."""
-        saved = meta.get("hf_fingerprint")
-        if saved is not None and saved != self._hf_fingerprint():
-            raise ValueError(f"checkpoint {self.args.load} iteration {iteration} holds LoRA adapters trained over "
-                             f"{meta.get('hf_checkpoint')} (weights fingerprint {saved}); --hf-checkpoint "
-                             f"{self.args.hf_checkpoint} holds other weights ({self._hf_fingerprint()}): resume with "
-                             "the checkpoint the run started from")
 
     def _hf_fingerprint(self) -> str:
         if getattr(self, "_fingerprint", None) is None:

@@ -45,7 +45,7 @@ def stage_adapters(bridge, chunks) -> tuple[dict, int | None, float | None]:
     alpha. A collective over the stage's TP group: every rank of the stage must call it."""
     from megatron.core import parallel_state as ps
 
-    from forge_megatron.mcore.lora import COLUMN, peft_tensors
+    from forge_megatron.mcore.lora import COLUMN, joined_factors, peft_tensors
 
     tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     out, rank, alpha = {}, None, None
@@ -64,11 +64,9 @@ def stage_adapters(bridge, chunks) -> tuple[dict, int | None, float | None]:
                 raise ValueError("--weight-sync-lora adapter: the routed experts' adapters (--lora-target-modules "
                                  "experts) have no PEFT form for the engines to load; use --weight-sync-lora merged")
             A, B = A.detach(), B.detach()
-            if tp > 1:  # column-parallel: B split as the weight; row-parallel: A split as the weight
-                if weight.rsplit(".", 2)[-2] in COLUMN:
-                    B = bridge.tp_join(weight, _all_gather(B, tp_group))
-                else:
-                    A = bridge.tp_join(weight, _all_gather(A, tp_group))
+            column = weight.rsplit(".", 2)[-2] in COLUMN  # (only the split factor crosses TP)
+            A, B = joined_factors(bridge, weight, [A] if column or tp == 1 else _all_gather(A, tp_group),
+                                  [B] if not column or tp == 1 else _all_gather(B, tp_group))
             out.update(peft_tensors(bridge, weight, A.cpu(), B.cpu()))
             rank, alpha = A.shape[0], round(scaling * A.shape[0], 6)
     return out, rank, alpha
