@@ -179,15 +179,41 @@ def run_script(script: str, argv, nproc: int = 1, env: dict | None = None, timeo
     env = dict(os.environ if env is None else env)
     if os.environ.get(LAUNCH_ENV) == "exec":
         target = ["-m", script] if module else [script]
-        cmd = [sys.executable, *target, *argv] if nproc == 1 else \
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-             str(free_port()), *target, *argv]
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if nproc == 1:
+            return subprocess.run([sys.executable, *target, *argv], env=env, capture_output=True, text=True,
+                                  timeout=timeout_s)
+        return _torchrun(target, argv, nproc, env, timeout_s)
     for attempt in range(attempts):
         done = _run_script_once(script, list(argv), nproc, env, timeout_s, module)
         if done.returncode == 0 or "EADDRINUSE" not in done.stderr or attempt == attempts - 1:
             return done
     raise AssertionError("unreachable")
+
+
+def _torchrun(target, argv, nproc, env, timeout_s):
+    """torchrun with each rank's output in its own files (``--redirects 3``), put together as run_script's forked
+    ranks' are: rank 0's first. (Ranks sharing torchrun's pipes interleave their writes within a line.)"""
+    import glob
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    logs = tempfile.mkdtemp(prefix="forge-torchrun-")
+    try:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+               str(free_port()), "--log-dir", logs, "--redirects", "3", *target, *argv]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+        def read(rank, name):
+            found = sorted(glob.glob(os.path.join(logs, "**", "attempt_*", str(rank), f"{name}.log"),
+                                     recursive=True))
+            return "".join(open(path, errors="replace").read() for path in found)
+        out = "".join(read(r, "stdout") for r in range(nproc))
+        err = "".join(read(r, "stderr") for r in range(nproc))
+        return subprocess.CompletedProcess(cmd, done.returncode, done.stdout + out, err + done.stderr)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def _run_script_once(script, argv, nproc, env, timeout_s, module):
