@@ -44,6 +44,9 @@ _FUSED_EXPERTS = re.compile(r"\.experts\.[a-z_]+$")  # a tensor of every expert 
 # the second): OLMo Hybrid's linear-attention layers' norms as OLMo-core writes them
 NAME_ALIASES = ((".attention_layer_norm.", ".input_layernorm."),
                 (".feedforward_layer_norm.", ".post_attention_layernorm."))
+# Names read under another prefix when the asked one is absent: Gemma 3's SigLIP tower, released (and served by
+# SGLang) as vision_tower.vision_model.*, saved by transformers 5 as vision_tower.*
+STORED_PREFIXES = (("vision_tower.vision_model.", "vision_tower."),)
 
 
 def _canonical_name(name: str) -> str:
@@ -131,13 +134,23 @@ class HFReader:
         for n in names + scales:
             if n in self.weight_map and n not in out:
                 by_file.setdefault(self.weight_map[n], []).append(n)
+            elif n not in out and (held := self._under_other_prefix(n)) is not None:
+                by_file.setdefault(self.weight_map[held], []).append(n)
         for fname, wanted in by_file.items():
             with safe_open(os.path.join(self.dir, fname), "pt") as f:
-                out.update({n: f.get_tensor(self.stored[n]) for n in wanted})
+                out.update({n: f.get_tensor(self.stored[n if n in self.stored else self._under_other_prefix(n)])
+                            for n in wanted})
         if self.fp8 is not None:
             out = self._dequantized(out, set(scales) - set(names))
         self._recent = {n: t for n, t in out.items() if _FUSED_EXPERTS.search(n)}
         return out
+
+    def _under_other_prefix(self, name: str) -> str | None:
+        """The name ``name`` is held under (:data:`STORED_PREFIXES`), or None."""
+        for asked, held in STORED_PREFIXES:
+            if name.startswith(asked) and (other := held + name[len(asked):]) in self.weight_map:
+                return other
+        return None
 
     def _dequantized(self, out: dict[str, torch.Tensor], scale_names: set[str]) -> dict[str, torch.Tensor]:
         """``out`` with every float8 weight joined to its scales (loaded with it), the scales themselves left out."""

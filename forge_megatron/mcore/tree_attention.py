@@ -64,6 +64,8 @@ class TreePackedSeqParams(PackedSeqParams):
         position_ids: int64 [T], depth of each token (its RoPE position).
         backend: tree-attention backend name passed to the dispatcher (None = its default choice).
         vision: for a tree with images, this rank's :class:`~forge_megatron.mcore.vision.VisionShard` (mcore/vision.py).
+        key_end: int32 [T] or None, like sub_end the whole (padded) tree's: bidirectional blocks, the tokens of each of
+            Gemma 3's images seeing each other (kernels/tree_attention/ops.py).
     ``max_seqlen_q``/``max_seqlen_kv`` are max depth + 1 (the longest sample), which is the rotary table
     length Megatron asks for. Under context parallelism (CP = C) ``sub_end`` covers the whole tree padded to a
     multiple of C and ``position_ids`` only this rank's T_pad / C tokens.
@@ -73,6 +75,7 @@ class TreePackedSeqParams(PackedSeqParams):
     position_ids: torch.Tensor = None
     backend: str | None = None
     vision: object = None
+    key_end: torch.Tensor = None
 
     def __post_init__(self):
         if self.sub_end is None or self.position_ids is None:
@@ -103,14 +106,20 @@ def tree_packed_seq_params(layout, backend: str | None = None, device=None,
     if multiple > 1:
         position_ids_T = take_shard(pad_zeros(position_ids_T, multiple), cp, rank, multiple)
         sub_end_T = pad_sub_end(sub_end_T, multiple)
-    vision = None
+    vision = key_end_T = None
     if getattr(layout, "vision", None) is not None:
         from forge_megatron.mcore.vision import VisionShard
 
         vision = VisionShard.of(layout.vision, device, multiple)
+        if layout.vision.spec.bidirectional:  # each image's tokens see each other (Gemma 3)
+            from forge_megatron.kernels.tree_attention.ops import block_key_end
+
+            image_T = torch.zeros(sub_end_T.numel(), dtype=torch.bool, device=sub_end_T.device)
+            image_T[:layout.vision.rows_T.numel()] = layout.vision.rows_T.to(sub_end_T.device) >= 0
+            key_end_T = block_key_end(image_T, sub_end_T)
     return TreePackedSeqParams(
         qkv_format="sbhd", max_seqlen_q=longest, max_seqlen_kv=longest,
-        sub_end=sub_end_T, position_ids=position_ids_T, backend=backend, vision=vision,
+        sub_end=sub_end_T, position_ids=position_ids_T, backend=backend, vision=vision, key_end=key_end_T,
     )
 
 
@@ -180,7 +189,7 @@ class TreeAttention(MegatronModule):
         o_TNH = tree_attention_cp(
             query[:, 0], key[:, 0], value[:, 0], packed_seq_params.sub_end,
             softmax_scale=self.softmax_scale, backend=packed_seq_params.backend, comm_type=self.cp_comm_type,
-            sinks=self.softmax_offset, window=self.window,
+            sinks=self.softmax_offset, window=self.window, key_end_T=packed_seq_params.key_end,
         )
         return o_TNH.reshape(T, 1, -1)
 

@@ -339,7 +339,7 @@ def install(model, spec: VisionSpec, tower=None, key: str = "frozen", trained: b
             # a micro-batch without images still gives the trained tower its (zero) gradients
             kwargs["hidden_states"] = hidden + _touch(tower()).to(hidden.dtype)
             return args, kwargs
-        if kwargs.get("rotary_pos_emb") is not None:
+        if kwargs.get("rotary_pos_emb") is not None and spec.mrope_section is not None:  # (Gemma 3: 1-D positions)
             kwargs["rotary_pos_emb"] = mrope_angles(rotary, vision.positions_T3, spec)
         if module.pre_process and hidden is not None:
             vision.tree.live.pop(key, None)

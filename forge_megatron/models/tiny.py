@@ -148,9 +148,10 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
     if arch in _VL:
         text_arch, config_class, _ = _VL[arch]
         text = tiny_config(text_arch, vocab_size, tie_word_embeddings, **overrides).to_dict()
-        if text_arch == "gemma3":  # a one-layer SigLIP tower, 4 tokens per image; the head tied, as released
+        if text_arch == "gemma3":  # a one-layer SigLIP tower, 4 tokens per image; the head tied, as released (and
+            # as released no SigLIP pooling head: the projector takes the patches)
             vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                          image_size=16, patch_size=4)
+                          image_size=16, patch_size=4, vision_use_head=False)
             return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                              tie_word_embeddings=True)
         if text_arch == "gemma4":  # a one-layer vision tower (no audio tower), the head tied, as released
@@ -396,8 +397,9 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                      with_tokenizer: bool = True, images: bool = False, **overrides) -> str:
     """Write config.json + model.safetensors (+ the tiny tokenizer) of a random tiny causal LM to ``out_dir``.
 
-    ``images`` (qwen3_vl, qwen3_vl_moe, qwen3_5_vl, glm4v, glm4v_moe): the tokenizer has the image tokens (the
-    config names them) and the directory an image processor (:data:`TINY_IMAGE_PROCESSOR`), so the model takes images.
+    ``images`` (qwen3_vl, qwen3_vl_moe, qwen3_5_vl, glm4v, glm4v_moe, gemma3_vl): the tokenizer has the image tokens
+    (the config names them) and the directory an image processor (:data:`TINY_IMAGE_PROCESSOR`; Gemma 3's: 16-pixel
+    squares), so the model takes images.
 
     Deterministic from ``seed``. Returns ``out_dir``. Load with ``AutoModelForCausalLM.from_pretrained(out_dir)``.
     """
@@ -406,8 +408,9 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
 
     from forge_megatron.models import save_checkpoint
 
-    if images and arch not in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "glm4v", "glm4v_moe"):
-        raise ValueError(f"images=True is for the Qwen-VL and GLM-4.xV archs, not {arch!r}")
+    if images and arch not in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "glm4v", "glm4v_moe",
+                               "gemma3_vl"):
+        raise ValueError(f"images=True is for the Qwen-VL, GLM-4.xV and Gemma 3 archs, not {arch!r}")
     tok = build_tiny_tokenizer(vision=images)
     overrides.setdefault("vocab_size", len(tok))
     config = tiny_config(arch, tie_word_embeddings=tie_word_embeddings, **overrides)
@@ -415,6 +418,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
         start, end, pad = tok.convert_tokens_to_ids(list(VISION_TOKENS))
         if arch.startswith("glm4v"):  # GLM-4.xV's config names them image_start / image_end
             config.image_start_token_id, config.image_end_token_id, config.image_token_id = start, end, pad
+        elif arch == "gemma3_vl":  # Gemma 3's: boi / eoi and the image token's index
+            config.boi_token_index, config.eoi_token_index, config.image_token_index = start, end, pad
         else:
             config.vision_start_token_id, config.vision_end_token_id, config.image_token_id = start, end, pad
     if config.get_text_config().vocab_size < len(tok):
@@ -448,6 +453,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             elif arch in ("olmo2", "olmo3", "glm4", "glm4v", "olmo_hybrid") and \
                     name.endswith(("layernorm.weight", "o_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
+            elif name.endswith("mm_input_projection_weight"):  # Gemma 3's projector starts at zeros: images matter
+                p.copy_(torch.randn(p.shape) * 0.2)
             elif arch.startswith("gemma3") and name.endswith("norm.weight") and "vision" not in name:
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters
             elif arch.startswith("gemma4") and name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
@@ -466,8 +473,12 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     if images:  # the family's own image processor class
         import transformers
 
-        name = "Glm4vImageProcessor" if arch.startswith("glm4v") else "Qwen2VLImageProcessor"
-        getattr(transformers, name)(**TINY_IMAGE_PROCESSOR).save_pretrained(out_dir)
+        if arch == "gemma3_vl":
+            side = config.vision_config.image_size
+            transformers.Gemma3ImageProcessor(size={"height": side, "width": side}).save_pretrained(out_dir)
+        else:
+            name = "Glm4vImageProcessor" if arch.startswith("glm4v") else "Qwen2VLImageProcessor"
+            getattr(transformers, name)(**TINY_IMAGE_PROCESSOR).save_pretrained(out_dir)
     with open(os.path.join(out_dir, "forge_tiny.json"), "w") as f:
         json.dump({"arch": arch, "seed": seed, "images": images}, f)
     return out_dir

@@ -8,6 +8,11 @@ agree on the image's token count (a second resize by an engine, SGLang's to mult
 same grid) and the engine and the trainer compute the same patches from the same bytes with the same processor
 (the checkpoint's ``preprocessor_config.json``, transformers' ``AutoImageProcessor``).
 
+Gemma 3's images are all one size: the target is the checkpoint's ``image_size`` square (resized with its
+processor's filter; pan-and-scan crops are refused), its patches are the image cut into ``patch_size`` squares
+(qwen_vl.gemma3_patches) and its text in a prompt ``\n\n<start_of_image>`` + its image tokens +
+``<end_of_image>\n\n``, as transformers' ``Gemma3Processor`` writes it.
+
 Target size (the Qwen-VL rule): each side rounded to a multiple of ``f = patch_size * merge_size``; if the area
 exceeds ``max_pixels`` both sides are scaled by sqrt(h w / max_pixels) and floored to multiples of f, if it is below
 ``min_pixels`` scaled up and ceiled. Aspect ratios beyond 200 are refused, as are images over ``MAX_IMAGE_BYTES``
@@ -172,7 +177,16 @@ class ImageProcessor:
         if not os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
             raise ValueError(f"{model_dir} has no preprocessor_config.json: the image processor images are made with")
         self.hf = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
-        self.patch = int(self.hf.patch_size)
+        self.square = self.spec.image_size  # Gemma 3: every image this square (0: the Qwen-VL sizes)
+        if self.square:
+            size = getattr(self.hf, "size", None) or {}
+            if (size.get("height"), size.get("width")) != (self.square, self.square):
+                raise ValueError(f"{model_dir}: the image processor makes {size.get('height')} x {size.get('width')} "
+                                 f"images, the vision tower takes {self.square} x {self.square}")
+            if getattr(self.hf, "do_pan_and_scan", False):
+                raise ValueError(f"{model_dir}: the image processor's pan-and-scan crops are not supported (set "
+                                 "do_pan_and_scan false in preprocessor_config.json)")
+        self.patch = int(self.spec.patch_size or self.hf.patch_size)
         self.merge = int(getattr(self.hf, "merge_size", self.spec.merge))
         if self.merge != self.spec.merge:
             raise ValueError(f"{model_dir}: the image processor merges {self.merge} x {self.merge} patches, the model "
@@ -187,9 +201,12 @@ class ImageProcessor:
             frames = int(getattr(self.hf, "temporal_patch_size", 1))
             self.min_pixels, self.max_pixels = self.min_pixels // frames, self.max_pixels // frames
         self._inputs = functools.lru_cache(maxsize=256)(self._image_input)
-        # the tokens around an image's: Qwen's vision_start / vision_end, GLM's image_start / image_end
-        self.vision_start = hf_config.get("vision_start_token_id", hf_config.get("image_start_token_id"))
-        self.vision_end = hf_config.get("vision_end_token_id", hf_config.get("image_end_token_id"))
+        # the tokens around an image's: Qwen's vision_start / vision_end, GLM's image_start / image_end, Gemma's
+        # boi / eoi
+        self.vision_start = next((hf_config[k] for k in ("vision_start_token_id", "image_start_token_id",
+                                                         "boi_token_index") if k in hf_config), None)
+        self.vision_end = next((hf_config[k] for k in ("vision_end_token_id", "image_end_token_id", "eoi_token_index")
+                                if k in hf_config), None)
 
     def placeholder(self, tokenizer) -> str | None:
         """The text of one image in a prompt (``<|vision_start|><|image_pad|><|vision_end|>``; GLM-4.xV's
@@ -199,7 +216,9 @@ class ImageProcessor:
             return None
         ids = [self.vision_start, self.spec.image_token_id, self.vision_end]
         text = tokenizer.decode(ids, skip_special_tokens=False)
-        return text if tokenizer.encode(text, add_special_tokens=False) == ids else None
+        if tokenizer.encode(text, add_special_tokens=False) != ids:
+            return None
+        return f"\n\n{text}\n\n" if self.square else text  # (Gemma3Processor's blank lines around an image)
 
     def expand(self, ids: list[int], images: list[bytes], start: int = 0, first: int = 0) -> list[int]:
         """``ids`` with each image placeholder token from ``start`` on made the token count of ``images[first:]`` in
@@ -227,9 +246,14 @@ class ImageProcessor:
         from PIL import Image
 
         image = open_image(data, where)
-        h, w = target_size(image.height, image.width, self.factor, self.min_pixels, self.max_pixels, self.glm)
+        if self.square:  # with the processor's own filter: its resize of the result is then none
+            h = w = self.square
+            resample = Image.Resampling(int(getattr(self.hf, "resample", Image.Resampling.BILINEAR)))
+        else:
+            h, w = target_size(image.height, image.width, self.factor, self.min_pixels, self.max_pixels, self.glm)
+            resample = Image.Resampling.BICUBIC
         if (h, w) != (image.height, image.width):
-            image = image.resize((w, h), resample=Image.Resampling.BICUBIC)
+            image = image.resize((w, h), resample=resample)
         out = io.BytesIO()
         image.save(out, format="PNG")
         return out.getvalue()
@@ -242,6 +266,8 @@ class ImageProcessor:
             width, height = Image.open(io.BytesIO(data)).size
         except (OSError, ValueError) as exc:
             raise ImageError(f"image is not a readable image: {exc}") from None
+        if self.square:
+            return 1, self.square // self.patch, self.square // self.patch
         h, w = target_size(height, width, self.factor, self.min_pixels, self.max_pixels, self.glm)
         return 1, h // self.patch, w // self.patch
 
@@ -261,6 +287,17 @@ class ImageProcessor:
         from forge_megatron.multimodal.tree import ImageInput
 
         out = self.hf(images=[open_image(data)], return_tensors="np")
+        if self.square:
+            import torch
+
+            from forge_megatron.multimodal.qwen_vl import gemma3_patches
+
+            pixels = out["pixel_values"]
+            if pixels.shape != (1, 3, self.square, self.square):
+                raise ImageError(f"the image processor made pixel values of shape {pixels.shape} of one image, the "
+                                 f"vision tower takes (1, 3, {self.square}, {self.square})")
+            patches = gemma3_patches(torch.from_numpy(pixels.astype("float32")), self.patch).numpy()
+            return ImageInput(patches, self.grid(data))
         grid, want = tuple(int(x) for x in out["image_grid_thw"][0]), self.grid(data)
         if grid != want:
             raise ImageError(f"the image processor made a {grid} grid of an image normalized to {want} "

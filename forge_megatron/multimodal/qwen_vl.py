@@ -14,6 +14,15 @@ template writes around it (``<|vision_start|>`` / ``<|vision_end|>``). The langu
   ``k % 3 == 1 and k < 3 * section[1]``, axis 2 when ``k % 3 == 2 and k < 3 * section[2]``, else axis 0; without it
   (Qwen2-VL's layout) the first ``section[0]`` frequencies use axis 0, the next ``section[1]`` axis 1, then axis 2.
 
+Gemma 3 (4B-27B, ``Gemma3ForConditionalGeneration``) is handled here too, with three differences: its images are all
+``image_size`` squares (a SigLIP tower's ``(image_size / patch_size)^2`` patches average-pooled to
+``mm_tokens_per_image`` tokens: grid ``(1, p, p)`` with ``merge`` the pooling kernel), its positions are plain 1-D
+(an image token is one position, as a text token: ``mrope_section`` None), and the tokens of one image see each
+other (``bidirectional``: transformers' ``token_type_ids`` mask, tree attention's ``key_end``). Its tower is the
+checkpoint's ``vision_tower`` and ``multi_modal_projector`` (:class:`Gemma3Tower`), which takes the images' patches
+as the Qwen towers do (``ImageInput.pixel_values``: [patches, 3 * patch^2], row-major, channels first within a
+patch) and puts each image back together for SigLIP's convolution.
+
 These are the rules of transformers' ``Qwen3VLModel.get_rope_index`` and ``Qwen3VLTextRotaryEmbedding`` (transformers
 5.24), which the tests compare with; a token's positions depend only on the tokens before it, so a prefix shared by
 several samples has the same positions in each, and the prefix tree (multimodal/tree.py) holds them per tree token.
@@ -23,6 +32,7 @@ Legend: L = tokens of one sample, T = tokens, I = images, D = rotary dim, N = im
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +41,8 @@ import torch
 # vision-language checkpoints whose image inputs this module handles, by their HF ``model_type``: Qwen3-VL / -MoE,
 # Qwen3.5 (dense and MoE) and GLM-4.1V / 4.6V-Flash / 4.5V / 4.6V (the same positions; GLM's mRoPE sections are
 # contiguous, each frequency's angle repeated for its interleaved pair of channels)
-_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe")
-SUPPORTED = "Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and GLM-4.xV"
+_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "gemma3")
+SUPPORTED = "Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV and Gemma 3"
 
 
 @dataclass(frozen=True)
@@ -40,11 +50,19 @@ class VisionSpec:
     """What the language model needs to know of a checkpoint's images (read off its HF config by :func:`vision_spec`)."""
 
     image_token_id: int
-    merge: int  # spatial_merge_size: merge x merge patches make one image token
-    mrope_section: tuple[int, int, int]  # rotary frequencies per axis (time, height, width); they sum to D / 2
+    merge: int  # spatial_merge_size: merge x merge patches make one image token (Gemma 3: the pooling kernel)
+    mrope_section: tuple[int, int, int] | None  # rotary frequencies per axis (time, height, width), summing to D / 2;
+    # None: 1-D positions (Gemma 3), the model's own RoPE
     interleaved: bool  # mrope_interleaved (Qwen3-VL, Qwen3.5) or contiguous sections (Qwen2-VL's and GLM-4.xV's)
     deepstack_layers: int  # language-model layers (the first ones) that get DeepStack features added
-    vision_prefix: str = "model.visual."  # the tower's tensors in the checkpoint
+    vision_prefix: str = "model.visual."  # the tower's tensors in the checkpoint ("": Gemma3Tower's own names)
+    bidirectional: bool = False  # the tokens of an image see each other (Gemma 3)
+    image_size: int = 0  # Gemma 3: every image is an image_size square of (image_size / patch_size)^2 patches
+    patch_size: int = 0
+
+    @property
+    def gemma3(self) -> bool:
+        return self.image_size > 0
 
     def tokens_per_image(self, grid_thw) -> int:
         t, h, w = (int(x) for x in grid_thw)
@@ -60,9 +78,19 @@ def vision_spec(hf_config: dict) -> VisionSpec:
     vision = hf_config.get("vision_config") or {}
     kind = hf_config.get("model_type")
     arch = (hf_config.get("architectures") or ["?"])[0]
-    if kind not in _VL_TYPES or not vision or "image_token_id" not in hf_config:
+    image_token = hf_config.get("image_token_id", hf_config.get("image_token_index"))
+    if kind not in _VL_TYPES or not vision or image_token is None:
         raise ValueError(f"{arch}: training on images is supported for {SUPPORTED} vision-language checkpoints only "
                          "(text-only RL works for the others)")
+    if kind == "gemma3":
+        size, patch = int(vision.get("image_size", 224)), int(vision.get("patch_size", 14))
+        side, tokens = size // patch, int(hf_config.get("mm_tokens_per_image", 256))
+        per_side = math.isqrt(tokens)
+        if size % patch or per_side * per_side != tokens or side % per_side:
+            raise ValueError(f"{arch}: images of {size} pixels in patches of {patch} cannot pool to {tokens} tokens")
+        return VisionSpec(image_token_id=int(image_token), merge=side // per_side, mrope_section=None,
+                          interleaved=False, deepstack_layers=0, vision_prefix="", bidirectional=True,
+                          image_size=size, patch_size=patch)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     section = rope.get("mrope_section")
     if not section or len(section) != 3:
@@ -107,8 +135,11 @@ def split_runs(tokens_L: np.ndarray, grids: list, spec: VisionSpec, sampled_L=No
 
 def positions_3d(tokens_L, grids: list, spec: VisionSpec, sampled_L=None) -> np.ndarray:
     """int64 [L, 3] (time, height, width) mRoPE positions of one sample with images of ``grids`` (t, h, w patches)
-    (``sampled_L``: see :func:`image_runs`)."""
+    (``sampled_L``: see :func:`image_runs`); for a model without mRoPE (Gemma 3) each token's 1-D position thrice."""
     tokens_L = np.asarray(tokens_L)
+    if spec.mrope_section is None:
+        split_runs(tokens_L, grids, spec, sampled_L)  # (the same checks)
+        return np.repeat(np.arange(tokens_L.size, dtype=np.int64)[:, None], 3, axis=1)
     out = np.empty((tokens_L.size, 3), dtype=np.int64)
     pos, cursor = 0, 0
     for (start, end), grid in zip(split_runs(tokens_L, grids, spec, sampled_L), grids):
@@ -155,30 +186,85 @@ def mrope_angles(rotary, positions_T3: torch.Tensor, spec: VisionSpec) -> torch.
 
 
 # ------------------------------------------------------------------------------------------------ vision tower
-def _vision_config(hf_config):
-    """The transformers config of a checkpoint's vision tower (``hf_config``: its directory or its config dict)."""
+def _full_config(hf_config):
+    """The transformers config of a checkpoint (``hf_config``: its directory or its config dict)."""
     import transformers
 
     if isinstance(hf_config, str):
-        return transformers.AutoConfig.from_pretrained(hf_config, local_files_only=True).vision_config
-    return transformers.AutoConfig.for_model(**hf_config).vision_config
+        return transformers.AutoConfig.from_pretrained(hf_config, local_files_only=True)
+    return transformers.AutoConfig.for_model(**hf_config)
+
+
+def _new_tower(config):
+    """A fresh tower module of a checkpoint's transformers ``config``: ``AutoModel`` of its ``vision_config``, or for
+    Gemma 3 the SigLIP tower with its projector (:class:`Gemma3Tower`)."""
+    import transformers
+
+    if config.model_type == "gemma3":
+        return Gemma3Tower(config)
+    return transformers.AutoModel.from_config(config.vision_config)
+
+
+class Gemma3Tower(torch.nn.Module):
+    """Gemma 3's image side as one module: the SigLIP tower and the ``multi_modal_projector`` (average pooling to
+    ``mm_tokens_per_image``, a norm, a projection), named as the released checkpoints and SGLang name them
+    (``vision_tower.vision_model.*``: transformers 5 saves ``vision_tower.*`` and reads both; HFReader does too).
+    Takes the images' patches ([patches, 3 * patch^2], :func:`gemma3_patches`) and gives ``pooler_output``
+    [images * tokens per image, H], as transformers' ``Gemma3Model.get_image_features`` does for the same images."""
+
+    def __init__(self, config):
+        import transformers
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        super().__init__()
+        self.vision_tower = torch.nn.Module()
+        self.vision_tower.vision_model = transformers.AutoModel.from_config(config.vision_config)
+        self.multi_modal_projector = Gemma3MultiModalProjector(config)
+        self.image_size, self.patch_size = config.vision_config.image_size, config.vision_config.patch_size
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        self.vision_tower.vision_model.gradient_checkpointing_enable(**kwargs)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw=None, return_dict: bool = True):
+        from types import SimpleNamespace
+
+        images = gemma3_images(pixel_values, self.image_size, self.patch_size)
+        hidden = self.vision_tower.vision_model(pixel_values=images, return_dict=True).last_hidden_state
+        features = self.multi_modal_projector(hidden)
+        return SimpleNamespace(pooler_output=features.reshape(-1, features.shape[-1]))
+
+
+def gemma3_patches(images_N3SS: torch.Tensor, patch: int) -> torch.Tensor:
+    """Square images [N, 3, S, S] as patches [N * (S / patch)^2, 3 * patch^2]: row-major over the patch grid, channels
+    first within a patch (as :class:`~forge_megatron.multimodal.tree.ImageInput` holds them)."""
+    n, c, size, _ = images_N3SS.shape
+    side = size // patch
+    x = images_N3SS.reshape(n, c, side, patch, side, patch).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(n * side * side, c * patch * patch)
+
+
+def gemma3_images(patches: torch.Tensor, size: int, patch: int) -> torch.Tensor:
+    """The images [N, 3, size, size] of :func:`gemma3_patches`' patches."""
+    side = size // patch
+    if patches.dim() != 2 or patches.shape[0] % (side * side) or patches.shape[1] % (patch * patch):
+        raise ValueError(f"{tuple(patches.shape)} is not the patches of {size}-pixel images in patches of {patch}")
+    c = patches.shape[1] // (patch * patch)
+    x = patches.reshape(-1, side, side, c, patch, patch).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(-1, c, size, size)
 
 
 def build_vision_tower(hf_config, dtype: torch.dtype | None = None, device=None):
-    """The checkpoint's vision tower (``AutoModel`` of its ``vision_config``, a transformers module), freshly
-    initialised: the trainer's trainable tower, whose weights come through the bridge (``Bridge(vision_tower=True)``)
-    like the language model's."""
-    import transformers
-
-    return transformers.AutoModel.from_config(_vision_config(hf_config)).to(device=device, dtype=dtype)
+    """The checkpoint's vision tower (``AutoModel`` of its ``vision_config``, a transformers module; Gemma 3's:
+    :class:`Gemma3Tower`), freshly initialised: the trainer's trainable tower, whose weights come through the bridge
+    (``Bridge(vision_tower=True)``) like the language model's."""
+    return _new_tower(_full_config(hf_config)).to(device=device, dtype=dtype)
 
 
 def meta_vision_tower(hf_config):
     """The checkpoint's vision tower on the meta device (its names and shapes: no memory, no weights)."""
-    import transformers
-
+    config = _full_config(hf_config)
     with torch.device("meta"):
-        return transformers.AutoModel.from_config(_vision_config(hf_config))
+        return _new_tower(config)
 
 
 def tower_tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
@@ -195,12 +281,14 @@ def load_vision_tower(hf_dir: str, spec: VisionSpec | None = None, dtype: torch.
 
     config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     prefix = (spec or vision_spec(config.to_dict())).vision_prefix
-    tower = transformers.AutoModel.from_config(config.vision_config)
+    tower = _new_tower(config)
     reader = HFReader(hf_dir)
-    names = [n for n in reader.names() if n.startswith(prefix)]
-    if not names:
-        raise ValueError(f"{hf_dir!r} has no {prefix}* tensors: not a vision-language checkpoint's vision tower")
+    # (Gemma 3: the tower's own names, Gemma3Tower)
+    names = [n for n in reader.names() if n.startswith(prefix)] if prefix else list(tower.state_dict())
     state = {n[len(prefix):]: t for n, t in reader.get(names).items()}
+    if not state:
+        raise ValueError(f"{hf_dir!r} has no {prefix or 'vision_tower.'}* tensors: not a vision-language "
+                         "checkpoint's vision tower")
     missing, unexpected = tower.load_state_dict(state, strict=False)
     missing = [m for m in missing if m not in dict(tower.named_buffers())]  # non-persistent buffers
     if missing or unexpected:

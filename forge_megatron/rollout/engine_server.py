@@ -4,8 +4,8 @@ Tests and the demo need an engine that generates for real (tokens and logprobs c
 weights can be swapped by the trainer, without a GPU or SGLang. This server loads a HF causal LM from a local
 directory (transformers, fp32) and serves the subset of SGLang's native API that forge uses, with SGLang's field
 names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``stream``,
-``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV models: inline images, one per run of image tokens in ``input_ids``),
-``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` (mode abort|in_place|retract),
+``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV / Gemma 3 models: inline images, one per run of image tokens in
+``input_ids``), ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` (mode abort|in_place|retract),
 ``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``; with ``--enable-lora`` SGLang's LoRA serving: ``/load_lora_adapter``,
 ``/unload_lora_adapter``, ``/generate``'s ``lora_path``, adapters listed by ``/v1/models`` (see lora_serving.py).
@@ -341,9 +341,17 @@ class ReferenceEngine:
             inner.rope_deltas = req.rope_deltas  # on itself: each request's own (steps of requests interleave)
         if req.images and req.past is None:  # the prefill (again after a retracting pause): the images too
             spec = self._images.spec
-            extra = dict(pixel_values=torch.from_numpy(np.concatenate([im.pixel_values for im in req.images])),
-                         image_grid_thw=torch.tensor([im.grid_thw for im in req.images]),
-                         mm_token_type_ids=(new_S == spec.image_token_id).int())
+            pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in req.images]))
+            if spec.gemma3:  # whole images, and the prompt's image tokens (not a sampled one) seeing each other
+                from forge_megatron.multimodal.qwen_vl import gemma3_images
+
+                image_S = torch.zeros_like(new_S)
+                image_S[:, :len(req.input_ids)] = torch.tensor([req.input_ids]) == spec.image_token_id
+                extra = dict(pixel_values=gemma3_images(pixels, spec.image_size, spec.patch_size),
+                             token_type_ids=image_S)
+            else:
+                extra = dict(pixel_values=pixels, image_grid_thw=torch.tensor([im.grid_thw for im in req.images]),
+                             mm_token_type_ids=(new_S == spec.image_token_id).int())
         try:
             with torch.no_grad(), (self.lora.using(req.lora) if self.lora is not None else contextlib.nullcontext()):
                 out = self.model(input_ids=new_S, use_cache=True, **{self.cache_kw: req.past}, **extra)
@@ -581,9 +589,15 @@ def _in_memory_name(name: str) -> str:
     ``down_proj`` slices of the fused expert tensors); a multimodal checkpoint's language model
     (``model.language_model.``: Qwen3.5) as the text model this engine loads from it holds it (``model.``), and
     Gemma 3's and Kimi-K2.5's (``language_model.model.`` on disk; Kimi-K2.5's head ``language_model.lm_head``) as
-    their vision-language models hold them (``model.language_model.``, ``lm_head``)."""
+    their vision-language models hold them (``model.language_model.``, ``lm_head``), and LLaVA-style towers
+    (``vision_tower.*``, Gemma 3's SigLIP released as ``vision_tower.vision_model.*``, ``multi_modal_projector.*``)
+    as ``model.vision_tower.*`` / ``model.multi_modal_projector.*``."""
     if name.startswith("model.language_model."):
         name = "model." + name[len("model.language_model."):]
+    elif name.startswith("vision_tower.vision_model."):  # Gemma 3's SigLIP tower as released (SGLang's names)
+        name = "model.vision_tower." + name[len("vision_tower.vision_model."):]
+    elif name.startswith(("vision_tower.", "multi_modal_projector.")):  # LLaVA-style towers on disk
+        name = "model." + name
     elif name.startswith("language_model.model."):
         name = "model.language_model." + name[len("language_model.model."):]
     elif name == "language_model.lm_head.weight":  # Kimi-K2.5's head

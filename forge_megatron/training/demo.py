@@ -20,6 +20,7 @@
 
 ``--arch qwen3_vl`` swaps the task for the colour task (forge_megatron.agents.colors): a tiny Qwen3-VL, a warm-start on
 chats with pictures, a colour agent that sends each picture inline; the pictures go through every process.
+``--arch gemma3_vl`` does the same with a tiny Gemma 3 (a SigLIP tower, each picture's tokens seeing each other).
 
 Every process is started in its own process group and stopped at the end, also on errors and Ctrl-C.
 """
@@ -45,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # --moe deepseek_v32: the keys each query attends to (the demo's prompts are a few hundred tokens: most of a sample's
 # tokens attend sparsely)
 DSA_TOPK = 64
+VISION_ARCHS = ("qwen3_vl", "gemma3_vl")  # the colour task's vision-language models
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RL learning rate (default 1e-3; 3e-4 with --arch olmo3 / olmo_hybrid / gemma3 / gemma4 / "
                         "gemma4_e and --moe gemma4_moe, whose norms after attention and MLP make these tiny models "
                         "collapse at 1e-3: success 0.31 -> 0.00 over 40 steps; their gradients equal transformers'; "
-                        "and with --arch qwen3_vl, whose colour task swings at 1e-3: held-out 0.28 -> 0.75 at 20 "
-                        "steps -> 0.53 at 40)")
+                        "and with --arch qwen3_vl / gemma3_vl, whose colour task swings at 1e-3: held-out 0.28 -> "
+                        "0.75 at 20 steps -> 0.53 at 40 with qwen3_vl)")
     p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
                    choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32", "mistral4", "kimi_linear",
                             "gpt_oss", "minimax_m2", "gemma4_moe"],
@@ -81,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "q/k RMSNorms over all heads); gemma4_moe: Gemma 4 26B-A4B's (--arch gemma4's layers with "
                         "routed experts beside the dense MLP in every layer)")
     p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e",
-                                      "qwen3_vl"],
+                                      "qwen3_vl", "gemma3_vl"],
                    default="qwen2",
                    help="the dense model's layout: qwen2 (default); qwen3_5: the Qwen3.5 hybrid (Gated DeltaNet "
                         "linear-attention layers trained on prefix trees, every fourth layer, and the last, gated full "
@@ -100,13 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "MLPs; needs an even --num-layers of 4 or more); qwen3_vl: a vision-language model "
                         "(Qwen3-VL's: a one-block vision tower, DeepStack, interleaved mRoPE) on the colour task "
                         "instead of the calculator (agents/colors.py: the agent sends a picture, the model names its "
-                        "colour; the pictures travel through gateway, engine, pool and trainer)")
+                        "colour; the pictures travel through gateway, engine, pool and trainer); gemma3_vl: the same "
+                        "task on Gemma 3's vision-language layout (a one-layer SigLIP tower pooled to 4 tokens per "
+                        "16-pixel picture, each picture's tokens seeing each other, plain RoPE, --arch gemma3's "
+                        "language model)")
     p.add_argument("--sft-correct-fraction", type=float, default=0.3,
-                   help="--arch qwen3_vl: the fraction of warm-start answers that name the picture's colour (the "
-                        "others a random one), so RL has headroom")
+                   help="--arch qwen3_vl / gemma3_vl: the fraction of warm-start answers that name the picture's "
+                        "colour (the others a random one), so RL has headroom")
     p.add_argument("--train-vision-tower", action="store_true",
-                   help="--arch qwen3_vl: the trainer trains the vision tower with the language model (synced to the "
-                        "engine with it); by default it stays frozen")
+                   help="--arch qwen3_vl / gemma3_vl: the trainer trains the vision tower with the language model "
+                        "(synced to the engine with it); by default it stays frozen")
     p.add_argument("--agent-api", choices=calculator.APIS, default="chat",
                    help="how the calculator agent calls the model: chat completions (default) or the OpenAI "
                         "Responses API (Codex-style agents); the gateway records and trains both alike")
@@ -187,7 +192,7 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
     from forge_megatron.models.tiny import build_tiny_model
 
     out = args.out
-    vision = args.arch == "qwen3_vl"
+    vision = args.arch in VISION_ARCHS
     task = colors if vision else calculator
     tasks = task.make_tasks(2400 + args.eval_tasks, seed=args.seed)  # the first 2400 do not depend on the count
     sft_tasks, rl_tasks, heldout = tasks[:2000], tasks[2000:2400], tasks[2400:]
@@ -227,7 +232,7 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
         arch.update(sliding_window=32, layer_types=["full_attention" if (i + 1) % 4 == 0 or i + 1 == args.num_layers
                                                     else "sliding_attention" for i in range(args.num_layers)])
         kind = "OLMo 3: post-norm layers, sliding windows, "
-    if args.arch == "gemma3":
+    if args.arch in ("gemma3", "gemma3_vl"):
         arch.update(sliding_window=32, layer_types=["full_attention" if (i + 1) % 6 == 0 or i + 1 == args.num_layers
                                                     else "sliding_attention" for i in range(args.num_layers)])
         kind = "Gemma 3: sandwich norms, GeGLU, sliding windows, "
@@ -243,7 +248,10 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
         kind = "Gemma 4 E2B / E4B layout: per-layer inputs, KV shared by the second half of the layers, "
     if vision:
         arch["images"] = True
-        kind = "Qwen3-VL: a one-block vision tower, DeepStack, interleaved mRoPE; the colour task, "
+        kind = "Qwen3-VL: a one-block vision tower, DeepStack, interleaved mRoPE; the colour task, " \
+            if args.arch == "qwen3_vl" else \
+            "Gemma 3 vision-language: a SigLIP tower, bidirectional image attention, sliding windows; the colour " \
+            "task, "
     print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
                             num_hidden_layers=args.num_layers, **arch)
@@ -262,7 +270,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
     """Steps 3-4. Returns the metrics JSONL path."""
     out, logs = args.out, os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
-    vision = args.arch == "qwen3_vl"
+    vision = args.arch in VISION_ARCHS
     print(f"[demo] 3/5 starting forge-engine, gateway + data pool, {'colour' if vision else 'calculator'} agent",
           flush=True)
     replay = ["--enable-return-routed-experts"] if args.moe else []
@@ -418,15 +426,16 @@ def main(argv: list[str] | None = None) -> int:
                          "give one of the two")
     if args.lora_sync != "merged" and not args.lora_rank:
         raise SystemExit("--lora-sync adapter needs --lora-rank")
-    if args.train_vision_tower and args.arch != "qwen3_vl":
-        raise SystemExit("--train-vision-tower needs --arch qwen3_vl (the demo's vision-language model)")
-    if args.arch == "qwen3_vl" and args.agent_api != "chat":
-        raise SystemExit("--arch qwen3_vl runs the colour agent, which calls chat completions only")
+    if args.train_vision_tower and args.arch not in VISION_ARCHS:
+        raise SystemExit("--train-vision-tower needs --arch qwen3_vl or gemma3_vl (the demo's vision-language "
+                         "models)")
+    if args.arch in VISION_ARCHS and args.agent_api != "chat":
+        raise SystemExit(f"--arch {args.arch} runs the colour agent, which calls chat completions only")
     if args.arch == "gemma4_e" and (args.num_layers < 4 or args.num_layers % 2):
         raise SystemExit("--arch gemma4_e needs an even --num-layers of 4 or more (every other layer global, the "
                          "second half reusing the keys and values of the first half's last two)")
     if args.lr is None:
-        args.lr = 3e-4 if args.arch in ("olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e", "qwen3_vl") \
+        args.lr = 3e-4 if args.arch in ("olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e", *VISION_ARCHS) \
             or args.moe == "gemma4_moe" else 1e-3
         if args.lora_rank:  # adapters starting at zero move the model more slowly than its weights would
             args.lr *= 5

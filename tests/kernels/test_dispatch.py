@@ -93,6 +93,33 @@ def test_head_sizes_a_kernel_does_not_take_pass_over_it(no_env, monkeypatch):
     assert [dispatch.choose_backend(cuda, head_dim=h)[0] for h in (128, 192, 320)] == ["cuda", "triton", "segment"]
 
 
+def test_key_end_is_passed_on_and_never_chooses_cuda(inputs, no_env, monkeypatch):
+    """Bidirectional blocks (key_end): passed to the backend as key_end_T (here the reference: blocks [0, 2), ending
+    at the branch after token 1, and [5, 7)), flagged to the choice, which passes over the CUDA kernel (it has none)
+    even where it is validated and preferred."""
+    from forge_megatron.kernels.tree_attention import ops
+
+    q, k, v, sub_end = inputs
+    key_end = ops.block_key_end(torch.tensor([1, 1, 0, 0, 0, 1, 1], dtype=torch.bool), sub_end)
+    assert key_end.tolist() == [2, 2, 3, 4, 5, 7, 7]
+    o = tree_attention(q, k, v, sub_end, backend="reference", key_end=key_end)
+    assert torch.equal(o, tree_attention_reference(q, k, v, sub_end, key_end_T=key_end))
+    assert not torch.allclose(o, tree_attention_reference(q, k, v, sub_end))
+    seen = []
+    monkeypatch.setattr(dispatch, "resolve", lambda *a, **kw: seen.append(kw) or "reference")
+    tree_attention(q, k, v, sub_end, key_end=key_end)
+    tree_attention(q, k, v, sub_end)
+    assert [kw["bidirectional_blocks"] for kw in seen] == [True, False]
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(dispatch, "CUDA_VALIDATED", True)
+    monkeypatch.setattr(dispatch, "available_backends", lambda device=None: list(dispatch.BACKENDS))
+    assert dispatch.choose_backend(cuda)[0] == "cuda"
+    assert dispatch.choose_backend(cuda, bidirectional_blocks=True)[0] == "triton"
+    monkeypatch.setattr(dispatch, "available_backends", lambda device=None: ["reference", "segment", "cuda"])
+    assert dispatch.choose_backend(cuda, bidirectional_blocks=True)[0] == "segment"
+
+
 def test_choice_logged_once(inputs, no_env, caplog):
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
         tree_attention(*inputs)

@@ -145,3 +145,114 @@ def test_matches_reference_on_gpu():
     for kind in ("grpo", "long_chain", "binary_trie"):
         for dtype in (torch.float32, torch.bfloat16):
             check_against_reference(tree_attention_segment, sub_end_of(KINDS[kind]), 4, 2, 64, dtype, "cuda")
+
+
+# --- bidirectional blocks (key_end: Gemma 3's images) ------------------------------------------------------------
+
+IMG = 1000  # the block tokens of these samples: a run of IMG + k tokens is one image (keys differ per image)
+
+
+def _image_samples(rng: random.Random, n: int, long_image: int = 0) -> list[list[int]]:
+    """Samples of text and images (runs of IMG-range tokens, each image's k-th token IMG + 50 * image + k, as the
+    vision tree keys images), images shared between samples, in prompts and after branch points."""
+    images = [[IMG + 50 * m + k for k in range(length)] for m, length in enumerate((1, 3, 6, 9, long_image or 4))]
+    prompt = [1, 2] + images[3] + [3]
+    out = []
+    for s in range(n):
+        sample = list(prompt)
+        for _ in range(rng.randint(1, 3)):
+            if rng.random() < 0.5:
+                sample += rng.choice(images)  # an image right after a shared image or a branch point
+            sample += [rng.randrange(4, 7) for _ in range(rng.randint(1, 4))]
+        out.append(sample)
+    return out
+
+
+def _blocks(samples):
+    """The tree of the samples and its key_end: each maximal run of image tokens along a sample is one block."""
+    from forge_megatron.kernels.tree_attention.ops import block_key_end
+
+    layout = build_tree(samples)
+    return layout, block_key_end(layout.tokens >= IMG, layout.sub_end)
+
+
+def _sample_mask(sample) -> torch.Tensor:
+    """transformers' Gemma 3 mask of one sample: causal OR (query and key in the same run of image tokens)."""
+    is_image = torch.tensor(sample) >= IMG
+    start = is_image & ~torch.cat([torch.tensor([False]), is_image[:-1]])
+    group = torch.where(is_image, torch.cumsum(start.long(), 0), -1)
+    L = len(sample)
+    causal = torch.arange(L)[None, :] <= torch.arange(L)[:, None]
+    return causal | ((group[:, None] == group[None, :]) & (group[:, None] >= 0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_blocks_on_the_tree_are_each_samples_own_mask(seed):
+    """The reference's mask on a tree with bidirectional blocks, restricted to each sample's path, is the sample's
+    own causal-or-image-block mask (what transformers' Gemma 3 gives one sample)."""
+    from forge_megatron.kernels.tree_attention.reference import tree_mask
+
+    samples = _image_samples(random.Random(seed), 6)
+    layout, key_end = _blocks(samples)
+    mask = tree_mask(layout.sub_end, window=None, key_end_T=key_end)
+    offsets = [0] + list(itertools.accumulate(len(s) for s in samples))
+    for s, sample in enumerate(samples):
+        path = layout.sample_nodes[offsets[s]:offsets[s + 1]]
+        own = _sample_mask(sample)
+        assert torch.equal(mask[path][:, path], own), (s, sample)
+
+
+@pytest.mark.parametrize("seed, window", [(0, 0), (1, 0), (2, 5), (3, 2)])
+def test_bidirectional_blocks_match_reference(monkeypatch, seed, window):
+    monkeypatch.setattr(segment, "QUERY_BLOCK", 8)  # long chains in query blocks, blocks across them
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    samples = _image_samples(random.Random(seed), 8, long_image=12)
+    layout, key_end = _blocks(samples)
+    assert int((key_end - torch.arange(key_end.numel())).max()) > 1  # blocks are there
+    sub_end = layout.sub_end
+    T = sub_end.numel()
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(T, n, 16, generator=g) for n in (4, 2, 2))
+    sinks = torch.randn(4, generator=g) if window else None
+    do = torch.randn(T, 4, 16, generator=g)
+    outs = []
+    for fn in (tree_attention_segment, tree_attention_reference):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)] + ([sinks.clone().requires_grad_()] if window else [])
+        o = fn(*leaves[:3], sub_end, sinks=leaves[3] if window else None, window=window, key_end_T=key_end)
+        outs.append((o, *torch.autograd.grad(o, leaves, do)))
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), *outs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5, msg=name)
+    causal = tree_attention_reference(q, k, v, sub_end, window=window, sinks=sinks)
+    assert (causal - outs[1][0]).abs().max() > 1e-3  # the blocks change the result
+
+
+def test_bidirectional_blocks_with_suffix_queries():
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    samples = _image_samples(random.Random(5), 6)
+    layout, key_end = _blocks(samples)
+    sub_end = layout.sub_end
+    T = sub_end.numel()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, n, 8, generator=g) for n in (2, 1, 1))
+    for start in (1, T // 3, T // 2, T - 1):
+        got = tree_attention_segment(q[start:], k, v, sub_end, key_end_T=key_end)
+        want = tree_attention_reference(q, k, v, sub_end, key_end_T=key_end)[start:]
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_bad_key_end_is_refused():
+    samples = [[1, 2, IMG, IMG + 1, 3], [1, 2, IMG, IMG + 1, 4], [1, 5]]
+    layout, key_end = _blocks(samples)
+    T = key_end.numel()
+    q = k = v = torch.randn(T, 1, 8)
+    tree_attention_segment(q, k, v, layout.sub_end, key_end_T=key_end)
+    with pytest.raises(ValueError, match="int32"):
+        tree_attention_segment(q, k, v, layout.sub_end, key_end_T=key_end.long())
+    spanning = torch.arange(1, T + 1, dtype=torch.int32)
+    spanning[1] = 5  # token 1's block would run over the branch after token 1... 4
+    with pytest.raises(ValueError, match="branch|subtree"):
+        tree_attention_segment(q, k, v, layout.sub_end, key_end_T=spanning)
+    with pytest.raises(ValueError, match="key_end"):
+        tree_attention_segment(q, k, v, layout.sub_end, key_end_T=torch.zeros(T, dtype=torch.int32))

@@ -141,9 +141,11 @@ def test_cases_cover_every_tile_kind():
     assert kinds == {"empty", "full", "partial"}
 
 
-def test_torch_compile_traces_fwd_and_bwd():
+@pytest.mark.parametrize("with_key_end", [False, True])
+def test_torch_compile_traces_fwd_and_bwd(with_key_end):
     sub_end = CASES["grpo"]
     q, k, v = (x.requires_grad_() for x in random_qkv(sub_end.shape[0], 2, 1, 16, torch.float32))
+    extra = dict(key_end_T=_key_end(sub_end, _random_blocks(sub_end, 2))) if with_key_end else {}
     from torch._dynamo.utils import counters
 
     # the real torch.compile, with TorchDynamo on (a CPU process that applied forge's Megatron patches defers
@@ -153,10 +155,10 @@ def test_torch_compile_traces_fwd_and_bwd():
     with torch._dynamo.config.patch(disable=False):
         torch._dynamo.reset()
         compiled = compile_(tree_attention_triton, backend="aot_eager", fullgraph=True)
-        o = compiled(q, k, v, sub_end)
+        o = compiled(q, k, v, sub_end, **extra)
         o.sum().backward()
     assert counters["stats"]["unique_graphs"] > traced  # TorchDynamo traced it (fullgraph: in one graph)
-    o_eager = tree_attention_triton(q, k, v, sub_end)
+    o_eager = tree_attention_triton(q, k, v, sub_end, **extra)
     assert torch.allclose(o, o_eager)
     assert q.grad is not None and k.grad.abs().sum() > 0
 
@@ -165,6 +167,11 @@ def test_opcheck_fake_and_autograd_registration():
     sub_end = sub_end_from_samples([[1, 2, 3], [1, 2, 4, 5], [6]])
     q, k, v = (x.requires_grad_() for x in random_qkv(sub_end.shape[0], 2, 1, 16, torch.float32))
     torch.library.opcheck(triton_kernel.tree_attention_triton_op, (q, k, v, sub_end, 0.25),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    # bidirectional blocks [0, 2) (ending at the branch after token 1) and [3, 5), with sinks and a window
+    key_end = torch.tensor([2, 2, 3, 5, 5, 6], dtype=torch.int32)
+    sinks = torch.randn(2).requires_grad_()
+    torch.library.opcheck(triton_kernel.tree_attention_triton_op, (q, k, v, sub_end, 0.25, sinks, 2, key_end),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -214,6 +221,228 @@ def test_bad_input_errors(change, message):
     assert message in str(err.value)
 
 
+# ---- bidirectional blocks (key_end: Gemma 3's images, ops.py) ----------------------------------------------------
+
+
+def _block_tree() -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """(sub_end, blocks [start, end) in DFS positions) of a GRPO-like tree with images: a 45-token prompt (tokens
+    0-44; token 44 branches into 4 completions) and completions 45-59, 60-66 (branching at 66 into 67-76 and 77-84)
+    and 85-105. Blocks: a 1-token one, one crossing the 16- and 32-token tile boundaries, one ending exactly at each
+    branch point, leaf blocks (one running to a sample's end, next to a block that starts the sibling completion),
+    one crossing tile boundary 96."""
+    prompt = list(range(1000, 1045))
+    samples = [prompt + [10_000] + list(range(100, 114)),
+               prompt + [10_001] + list(range(200, 206)) + [1] + list(range(300, 309)),
+               prompt + [10_001] + list(range(200, 206)) + [2] + list(range(400, 407)),
+               prompt + [10_003] + list(range(500, 520))]
+    sub_end = sub_end_from_samples(samples)
+    assert sub_end.shape[0] == 106 and int(sub_end[44]) == 106 and int(sub_end[66]) == 85
+    return sub_end, [(1, 2), (3, 40), (41, 45), (47, 58), (62, 67), (68, 72), (77, 85), (85, 88), (90, 105)]
+
+
+def _chains_tree() -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Two 100- and 96-token chains, one block in each: [5, 96) makes the 32 x 32 tiles of queries 32-63 or 64-95
+    against keys 64-95 full (keys past the queries, the last one key_end - 1); [101, 191) leaves keys 160-191 one
+    short of full for queries 128-159 (key 191 is past their key_end)."""
+    sub_end = sub_end_from_samples([list(range(100)), list(range(1000, 1096))])
+    return sub_end, [(5, 96), (101, 191)]
+
+
+def _random_blocks(sub_end: torch.Tensor, seed: int) -> list[tuple[int, int]]:
+    """Random blocks of 1-12 tokens, each cut where its chain ends (the token before the cut may branch)."""
+    g = torch.Generator().manual_seed(seed)
+    T, se = sub_end.shape[0], sub_end.tolist()
+    blocks, i = [], 0
+    while i < T:
+        i += int(torch.randint(0, 6, (), generator=g))
+        end = min(T, i + int(torch.randint(1, 13, (), generator=g)))
+        j = i
+        while j + 1 < end and se[j] > j + 1 and se[j + 1] == se[j]:  # j + 1 is j's only child
+            j += 1
+        if i < T:
+            blocks.append((i, j + 1))
+        i = j + 2  # leave a gap: a block after a branch point's last token would continue its run
+    return blocks
+
+
+def _key_end(sub_end: torch.Tensor, blocks: list[tuple[int, int]]) -> torch.Tensor:
+    from forge_megatron.kernels.tree_attention import ops
+
+    mark = torch.zeros(sub_end.shape[0], dtype=torch.bool)
+    for a, b in blocks:
+        mark[a:b] = True
+    key_end = ops.block_key_end(mark, sub_end)
+    ops.check_key_end(key_end, sub_end)
+    # the runs are the blocks given (adjacent blocks stay apart when the second does not continue the first's chain)
+    for a, b in blocks:
+        assert key_end[a:b].tolist() == [b] * (b - a), (a, b, key_end[a:b].tolist())
+    return key_end
+
+
+BLOCK_CASES = {"prefix_and_leaves": _block_tree(), "chains_full_tiles": _chains_tree(),
+               "random_trie": (CASES["random_trie"], _random_blocks(CASES["random_trie"], 0)),
+               "many_roots": (CASES["many_roots"], _random_blocks(CASES["many_roots"], 1))}
+
+
+def _check_key_end(sub_end, blocks, N=4, K=2, H=16, dtype=torch.float32, window=None, with_sinks=False, q_start=0,
+                   seed=0, Hv=None):
+    """Triton with key_end (q: tokens [q_start, T)) against the fp32 reference with the same key_end, forward and
+    backward (dq, dk, dv and the sinks' gradient), by the FlashAttention rule: error <= 2 x the error of the
+    reference run in ``dtype`` + 2e-5. Also checks that the blocks change the output (the test is not causal)."""
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    key_end = blocks if isinstance(blocks, torch.Tensor) else _key_end(sub_end, blocks)
+    q, k, v = random_qkv(sub_end.shape[0], N, K, H, dtype, seed=seed, Hv=Hv)
+    q = q[q_start:]
+    sinks = torch.randn(N, generator=torch.Generator().manual_seed(seed + 2)) if with_sinks else None
+    do = torch.randn((*q.shape[:2], v.shape[2]), generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+
+    def run(f, q, k, v, sinks, do, key_end):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)] + \
+            ([sinks.detach().requires_grad_()] if sinks is not None else [])
+        o = f(*leaves[:3], sub_end, softmax_scale=0.3, sinks=leaves[3] if sinks is not None else None, window=window,
+              key_end_T=key_end)
+        return (o, *torch.autograd.grad(o, leaves, do))
+
+    got = run(tree_attention_triton, q, k, v, sinks, do, key_end)
+    exact = run(tree_attention_reference, q.float(), k.float(), v.float(), sinks, do.float(), key_end)
+    lowp = run(tree_attention_reference, q, k, v, sinks, do, key_end) if dtype != torch.float32 else exact
+    for name, g, e, lp in zip(("o", "dq", "dk", "dv", "dsinks"), got, exact, lowp):
+        assert g.shape == e.shape, name
+        err = (g.float() - e).abs().max().item()
+        budget = 2 * (lp.float() - e).abs().max().item() + 2e-5
+        assert err <= budget, f"{name}: error {err:.3g} > {budget:.3g} ({dtype}, window {window}, q_start {q_start})"
+    causal = tree_attention_reference(q.float(), k.float(), v.float(), sub_end, softmax_scale=0.3, sinks=sinks,
+                                      window=window)
+    assert (causal - exact[0]).abs().max().item() > 1e-2, "the blocks do not change these queries' attention"
+
+
+def _key_end_tile_kinds(sub_end, key_end, block_m, block_n) -> set[str]:
+    """Kinds of the tiles the forward visits under the DESIGN rules (module docstring), in plain Python; a tile
+    whose keys start at or past its queries' end is 'ahead'."""
+    T = sub_end.shape[0]
+    kinds = set()
+    for q_lo in range(0, T, block_m):
+        q_hi = min(q_lo + block_m, T)
+        kemin, kemax = int(key_end[q_lo:q_hi].min()), int(key_end[q_lo:q_hi].max())
+        for k_lo in range(0, kemax, block_n):
+            se = sub_end[k_lo:k_lo + block_n]
+            ahead = "_ahead" if k_lo >= q_hi else ""
+            if int(se.max()) <= q_lo:
+                kinds.add("empty" + ahead)
+            elif k_lo + block_n <= kemin and int(se.min()) >= q_hi:
+                kinds.add("full" + ahead)
+            else:
+                kinds.add("partial" + ahead)
+    return kinds
+
+
+def test_key_end_cases_cover_every_tile_kind():
+    """The block cases reach every kind of tile under the interpreter's 32 x 32 and the 16 x 16 tiles below: full
+    and partial ones whose keys lie past their queries (the forward's loop runs past q_hi), and empty ones."""
+    kinds = set()
+    for sub_end, blocks in BLOCK_CASES.values():
+        key_end = _key_end(sub_end, blocks)
+        kinds |= _key_end_tile_kinds(sub_end, key_end, 32, 32) | _key_end_tile_kinds(sub_end, key_end, 16, 16)
+    assert {"empty", "full", "partial", "full_ahead", "partial_ahead"} <= kinds
+    chains, blocks = BLOCK_CASES["chains_full_tiles"]
+    assert "full_ahead" in _key_end_tile_kinds(chains, _key_end(chains, blocks), 32, 32)
+
+
+@pytest.mark.parametrize("case", sorted(BLOCK_CASES))
+def test_bidirectional_blocks_match_reference(case):
+    """Bidirectional blocks (key_end) in shared prefixes and leaves, ending at branch points, of one token, across
+    tile boundaries and making full tiles of keys past their queries: forward and backward, GQA, fp32."""
+    _check_key_end(*BLOCK_CASES[case])
+
+
+def test_key_end_that_is_not_blocks():
+    """ops.check_key_end admits any key_end whose tokens i .. key_end[i] - 1 form a chain, not only blocks: token 0
+    sees its whole 100-token chain while the rest stay causal (the dK/dV loop skips the query blocks between it and
+    a key tile, whose key_end all stop short of the tile), token 101 sees 101-149."""
+    sub_end, _ = BLOCK_CASES["chains_full_tiles"]
+    key_end = torch.arange(1, sub_end.shape[0] + 1, dtype=torch.int32)
+    key_end[0], key_end[101] = 100, 150
+    _check_key_end(sub_end, key_end, N=2, K=1)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (16, 32), (32, 16)])
+def test_bidirectional_blocks_small_tiles(monkeypatch, block_m, block_n):
+    """Blocks crossing many query- and key-tile boundaries (the dK/dV loop starts at the query block of the first
+    token whose block reaches the key tile), equal and unequal tiles, whole tree and suffix queries."""
+    import triton.language as tl
+
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=16, BLOCK_HV=16, COMPUTE=tl.float32, DOT_PRECISION="ieee")
+    monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T, v_head_dim=None: cfg)
+    _check_key_end(*BLOCK_CASES["prefix_and_leaves"], N=2, K=1)
+    _check_key_end(*BLOCK_CASES["chains_full_tiles"], N=2, K=1, q_start=37)
+
+
+@pytest.mark.parametrize("window,with_sinks", [(3, True), (20, False), (None, True)])
+def test_bidirectional_blocks_with_window_and_sinks(window, with_sinks):
+    """Gemma 3's local layers: a sliding window ANDed onto the blocks (3: smaller than most blocks, whose later
+    tokens still see the block's keys after them), and attention sinks (their gradient included)."""
+    _check_key_end(*BLOCK_CASES["prefix_and_leaves"], window=window, with_sinks=with_sinks)
+
+
+@pytest.mark.parametrize("q_start,window", [(20, None), (50, 6), (95, None)])
+def test_bidirectional_blocks_suffix_queries(q_start, window):
+    """q holds only the last tokens (from inside a block, tile-unaligned; 95: the last 11, in the block [90, 105)
+    and after it): key_end still covers all T tokens and the queries use its last Tq entries; the keys before
+    q_start get dK/dV."""
+    _check_key_end(*BLOCK_CASES["prefix_and_leaves"], q_start=q_start, window=window, with_sinks=window is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_bidirectional_blocks_low_precision(dtype):
+    _check_key_end(*BLOCK_CASES["prefix_and_leaves"], dtype=dtype, with_sinks=True)
+    _check_key_end(*BLOCK_CASES["chains_full_tiles"], N=2, K=1, dtype=dtype, Hv=8)
+
+
+def test_key_end_args_match_torch():
+    """Per query block min / max key_end and per key block the first query that sees it, by brute force."""
+    sub_end, blocks = BLOCK_CASES["prefix_and_leaves"]
+    key_end = _key_end(sub_end, blocks)
+    T = sub_end.shape[0]
+    for TQ, bm, bn in ((T, 32, 32), (T - 20, 16, 32)):
+        _, qkemin, qkemax, kqstart = triton_kernel._key_end_args(key_end, sub_end, TQ, bm, bn)
+        rows = key_end[T - TQ:].split(bm)
+        assert qkemin.tolist() == [int(r.min()) for r in rows] and qkemax.tolist() == [int(r.max()) for r in rows]
+        assert kqstart.tolist() == [min(i for i in range(T) if int(key_end[i]) > k_lo) for k_lo in range(0, T, bn)]
+    assert int(kqstart[1]) == 3  # keys 32-63 are seen from token 3 on (the block [3, 40))
+
+
+def test_bad_key_end_raises():
+    sub_end, blocks = BLOCK_CASES["prefix_and_leaves"]
+    key_end = _key_end(sub_end, blocks)
+    q, k, v = random_qkv(sub_end.shape[0], 2, 1, 16, torch.float32)
+    across = key_end.clone()
+    across[43:45] = 47  # tokens 43-46: past the branch at token 44
+    below = key_end.clone()
+    below[10] = 10
+    for bad, message in ((key_end.long(), "key_end must be int32"), (key_end[:-1], "key_end must be int32 of shape"),
+                         (across, "spans a branch"), (below, "i < key_end\\[i\\] <= sub_end\\[i\\]")):
+        with pytest.raises(ValueError, match=message):
+            tree_attention_triton(q, k, v, sub_end, key_end_T=bad)
+
+
+def test_cuda_backend_refuses_key_end():
+    """The CUDA kernel shares the ops' registration but has no blocks: its impls and public function refuse key_end
+    by name (before needing the extension, so this runs without a GPU)."""
+    from forge_megatron.kernels.tree_attention import cuda
+
+    sub_end, blocks = BLOCK_CASES["prefix_and_leaves"]
+    key_end = _key_end(sub_end, blocks)
+    q, k, v = random_qkv(sub_end.shape[0], 2, 1, 32, torch.float32)
+    message = "the CUDA kernel has no bidirectional blocks \\(key_end\\); use the triton or segment backend"
+    with pytest.raises(ValueError, match=message):
+        cuda._forward(q, k, v, sub_end, 0.25, None, 0, key_end)
+    with pytest.raises(ValueError, match=message):
+        cuda._backward(q, q, k, v, q, torch.zeros(2, q.shape[0]), sub_end, 0.25, 0, key_end)
+    with pytest.raises(ValueError, match=message):
+        cuda.tree_attention_cuda(q, k, v, sub_end, key_end_T=key_end)
+
+
 def _gpu_forest(n_samples: int, prompt: int, completion: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     shared = list(range(prompt))
@@ -241,10 +470,12 @@ def test_gpu_suffix_queries(H):
         check_suffix_queries(tree_attention_triton, se, N=8, K=2, H=H, device="cuda", atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,head_dim,window", [("bf16", "128", None), ("fp32", "64", None),
-                                                   ("bf16", "192x128", None), ("bf16", "64", 128)])
-def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window):
-    """The GPU code path (native low-precision tl.dot, ieee fp32 dots) lowers to a cubin: TTIR -> PTX -> ptxas."""
+@pytest.mark.parametrize("dtype,head_dim,window,key_end", [("bf16", "128", None, False), ("fp32", "64", None, False),
+                                                           ("bf16", "192x128", None, False), ("bf16", "64", 128, False),
+                                                           ("bf16", "128", None, True)])
+def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end):
+    """The GPU code path (native low-precision tl.dot, ieee fp32 dots) lowers to a cubin: TTIR -> PTX -> ptxas;
+    with key_end: the bidirectional blocks' variants (HAS_KEY_END, full tiles included: no window)."""
     import os
     import subprocess
     import sys
@@ -252,7 +483,7 @@ def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window):
 
     script = Path(__file__).with_name("triton_aot.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    extra = ["--sinks-window", str(window)] if window else []
+    extra = (["--sinks-window", str(window)] if window else []) + (["--key-end"] if key_end else [])
     proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", head_dim, *extra],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,7 +5,7 @@ every kernel through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cub
 that only the GPU path exercises (native fp16/bf16 tl.dot, input_precision, scf.if around dots) is checked on CPU
 machines. Prints one line per kernel: dtype, head dim, name, shared memory bytes.
 
-  python tests/kernels/triton_aot.py [--arch 90] [--dtypes bf16 fp32] [--head-dims 64 128 192x128]
+  python tests/kernels/triton_aot.py [--arch 90] [--dtypes bf16 fp32] [--head-dims 64 128 192x128] [--key-end]
 
 A head dim ``HxHV`` compiles query/key heads of H channels with value heads of HV (multi-latent attention).
 """
@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from forge_megatron.kernels.tree_attention import triton_kernel as tk
 
 TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-INT_POINTER_ARGS = {"SUB_END", "KMIN", "KMAX", "DEPTH", "KDMAX", "QDMIN"}
+INT_POINTER_ARGS = {"SUB_END", "KMIN", "KMAX", "DEPTH", "KDMAX", "QDMIN", "KEY_END", "QKEMIN", "QKEMAX", "KQSTART"}
 FP32_POINTER_ARGS = {"LSE", "DELTA", "SINKS"}
 FLOAT_ARGS = {"qk_scale", "scale"}
 COMPUTE = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
@@ -77,6 +77,8 @@ def main() -> None:
     p.add_argument("--head-dims", nargs="+", default=["64", "128"], help="H, or HxHV for value heads of HV")
     p.add_argument("--sinks-window", type=int, default=None, metavar="W",
                    help="compile the variants with attention sinks and a sliding window of W (gpt-oss)")
+    p.add_argument("--key-end", action="store_true",
+                   help="compile the variants with bidirectional blocks (key_end: Gemma 3's images)")
     p.add_argument("--gated-delta", nargs="+", default=None, metavar="DKxDVxC",
                    help="instead: the gated delta rule's scan kernels (kernels/gated_delta_triton.py) for key dim DK, "
                         "value dim DV and chunk C (fp32), e.g. 128x128x64")
@@ -96,7 +98,8 @@ def main() -> None:
             window = args.sinks_window or 0
             for fn in (tk._fwd_kernel, tk._bwd_dq_kernel, tk._bwd_dkdv_kernel):
                 extra = dict(HAS_SINKS=window > 0) if fn is tk._fwd_kernel else {}
-                kernel = compile_kernel(fn, dtype, dict(GROUP=4, WINDOW=window, **extra, **cfg), args.arch, num_warps)
+                constexprs = dict(GROUP=4, WINDOW=window, HAS_KEY_END=args.key_end, **extra, **cfg)
+                kernel = compile_kernel(fn, dtype, constexprs, args.arch, num_warps)
                 print(f"{dtype} {dims} {fn.fn.__name__} shared={kernel.metadata.shared}")
 
 

@@ -104,6 +104,13 @@ def test_glm4v_images_train(tmp_path):
     assert steps[1]["loss"] != steps[0]["loss"]
 
 
+def test_gemma3_images_train(tmp_path):
+    """Gemma 3 (the SigLIP tower and projector, 1-D positions, each image's tokens seeing each other) through the
+    same path: the first step's logprobs are the engine's (transformers' Gemma 3 with its token_type_ids mask)."""
+    steps = _run(tmp_path, "gemma", arch="gemma3_vl")
+    assert steps[1]["loss"] != steps[0]["loss"]
+
+
 TRAIN_TOWER = ["--train-vision-tower", "--rl-kl-coef", "0.05"]
 LEAD = 20  # text tokens before the image: its tokens straddle the two TP ranks' halves under sequence parallelism
 

@@ -530,9 +530,9 @@ def test_rank_batch_packs_and_merges_by_images(vl_dirs):
 
 
 # ------------------------------------------------------------------------------------------- engine, images
-@pytest.fixture(scope="module", params=["qwen3_vl", "glm4v"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "glm4v", "gemma3_vl"])
 def vl_model_dir(tmp_path_factory, request):
-    """A tiny Qwen3-VL / GLM-4.1V with image tokens in its tokenizer and an image processor (models.tiny,
+    """A tiny Qwen3-VL / GLM-4.1V / Gemma 3 with image tokens in its tokenizer and an image processor (models.tiny,
     images=True)."""
     from forge_megatron.models.tiny import build_tiny_model
 
@@ -587,7 +587,15 @@ def test_engine_generates_from_images(vl_model_dir):
     for result, ids, ims in ((with_images, prompt, inputs), (text, text_prompt, [])):
         full = torch.tensor([ids + result.output_ids])
         kw = {}
-        if ims:
+        if ims and proc.spec.gemma3:  # whole images; the prompt's image tokens see each other
+            from forge_megatron.multimodal.qwen_vl import gemma3_images
+
+            pixels = torch.from_numpy(np.concatenate([i.pixel_values for i in ims]))
+            image = torch.zeros_like(full)
+            image[:, :len(ids)] = torch.tensor([ids]) == pad
+            kw = dict(pixel_values=gemma3_images(pixels, proc.spec.image_size, proc.spec.patch_size),
+                      token_type_ids=image)
+        elif ims:
             kw = dict(pixel_values=torch.from_numpy(np.concatenate([i.pixel_values for i in ims])),
                       image_grid_thw=torch.tensor([i.grid_thw for i in ims]), mm_token_type_ids=(full == pad).int())
         with torch.no_grad():

@@ -8,7 +8,9 @@ computed on the device. Two implementations (csrc/tree_attn): tensor cores (mma.
 FORGE_TREE_ATTN_CUDA_IMPL picks one: "auto" (default: tensor cores where they can run), "simt" or "mma" (an error
 where they cannot). The extension is built by setup.py only where CUDA torch and nvcc exist; ``is_available()`` says
 whether it can run here. Head dims 32, 64, 128; fp16/bf16/fp32 with fp32 accumulation. Suffix queries (fewer
-queries than keys, ops.py) run on the SIMT kernels only ("auto" picks them; "mma" refuses).
+queries than keys, ops.py) run on the SIMT kernels only ("auto" picks them; "mma" refuses). Attention sinks, sliding
+windows and bidirectional blocks (key_end, ops.py) are refused with a ValueError: the dispatcher never passes them
+here (the triton and segment backends have them).
 
 Legend: T = packed tree tokens, N = query heads, K = key/value heads, H = head dim.
 """
@@ -66,7 +68,12 @@ def _stream(q_TNH: torch.Tensor) -> int:
     return torch.cuda.current_stream(q_TNH.device).cuda_stream
 
 
-def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0):
+KEY_END_REFUSED = "the CUDA kernel has no bidirectional blocks (key_end); use the triton or segment backend"
+
+
+def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None):
+    if key_end_T is not None:
+        raise ValueError(KEY_END_REFUSED)
     ext = _extension()
     _check_supported(q_TNH, k_TKH, v_TKH)
     if sinks_N is not None or window:
@@ -77,7 +84,9 @@ def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0):
     return o_TNH, lse_NT
 
 
-def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0):
+def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None):
+    if key_end_T is not None:
+        raise ValueError(KEY_END_REFUSED)
     ext = _extension()
     with torch.cuda.device(q_TNH.device):
         dq, dk, dv = ext.bwd(do_TNH.contiguous(), q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, _stream(q_TNH),

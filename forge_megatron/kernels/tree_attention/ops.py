@@ -1,8 +1,9 @@
 """torch.library plumbing shared by the compiled tree-attention backends (Triton, CUDA).
 
 Each backend supplies two plain functions and gets back one differentiable, ``torch.compile``-traceable op:
-  forward  (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window) -> (o_TNH, lse_NT)
-  backward (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window) -> (dq_TNH, dk_TKH, dv_TKH)
+  forward  (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window, key_end_T) -> (o_TNH, lse_NT)
+  backward (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window, key_end_T)
+           -> (dq_TNH, dk_TKH, dv_TKH)
 registered as ``forge::tree_attn_<name>_fwd`` / ``_bwd`` custom ops with fake (shape-only) implementations and
 an autograd formula that calls the backward op (FlashAttention-2: P is recomputed from the saved LSE).
 
@@ -22,6 +23,12 @@ Attention sinks and sliding windows (gpt-oss; Megatron's ``softmax_type="learnab
   delta = rowsum(dO * O), and dq/dk/dv keep FlashAttention's formulas (P recomputed from the lse that holds the sink).
 - ``window`` (0: none): key j is visible to query i only if depth(i) - depth(j) < window as well (depths are the
   tokens' positions in their samples, :func:`depths`), i.e. each sample's sliding window.
+
+Bidirectional blocks (Gemma 3's images; transformers' "OR(causal, blockwise)" mask, the window ANDed after it):
+``key_end_T`` (int32 [T], None: causal) is the exclusive end of the keys each token may see as a query, i + 1 for a
+causal token, the end of its block for a token of a block; key j is visible to query i  <=>  j < key_end[i] and
+i < sub_end[j] (and the window). A block must lie in one chain of the tree (:func:`check_key_end`): then the only keys
+past i that i sees are its block's.
 
 Value heads may be narrower (or wider) than query/key heads (multi-latent attention: 192-channel queries and keys,
 128-channel values): o and dv then have the values' head size Hv.
@@ -72,6 +79,51 @@ def check_inputs(q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, 
         raise ValueError(f"sub_end is on {sub_end_T.device} but q is on {q_TNH.device}")
 
 
+def block_key_end(block_T: torch.Tensor, sub_end_T: torch.Tensor) -> torch.Tensor:
+    """int32 [T] ``key_end`` of a tree whose tokens ``block_T`` marks (bool [T]: True for a token of a bidirectional
+    block): a block is a maximal run of marked tokens along the tree, each the child of the one before (transformers'
+    Gemma 3 groups a sample's image tokens so), its tokens' key_end its end; i + 1 for the others. ValueError when a
+    run goes on into more than one child (a block would span a branch: samples that share part of an image)."""
+    T = block_T.shape[0]
+    idx = torch.arange(T, device=block_T.device)
+    marked = block_T.bool()
+    sub_end = sub_end_T.long()
+    # i's run goes on to i + 1 when both are marked and i + 1 is i's child (i's subtree holds more than i)
+    goes_on = marked[:-1] & marked[1:] & (sub_end[:-1] > idx[:-1] + 1)
+    branching = goes_on & (sub_end[1:] != sub_end[:-1])  # i + 1 is a child of i, not its only one
+    if bool(branching.any()):
+        i = int(torch.nonzero(branching)[0])
+        raise ValueError(f"a bidirectional block runs on past token {i} into more than one child: samples share part "
+                         "of a block")
+    # the end of each token's run: the first token from it on whose run stops there, plus one (found from the right)
+    stops = torch.cat([~goes_on, goes_on.new_ones(1)])
+    last = torch.where(stops, idx, torch.full_like(idx, T))
+    run_end = torch.flip(torch.cummin(torch.flip(last, [0]), 0).values, [0]) + 1
+    return torch.where(marked, run_end, idx + 1).to(torch.int32)
+
+
+def check_key_end(key_end_T: torch.Tensor, sub_end_T: torch.Tensor, values: bool | None = None) -> None:
+    """ValueError unless ``key_end`` describes blocks inside chains of the tree: int32, shape [T], on sub_end's
+    device, i < key_end[i] <= sub_end[i], and the tokens i .. key_end[i] - 1 one chain, each the only child of the
+    one before (sub_end[j] == sub_end[i] for i < j < key_end[i]). ``values`` (default: off CUDA only) checks the
+    last two, which reads the tensors: on a GPU a device sync per attention call, so there the layout is trusted as
+    :func:`block_key_end` made it (it refuses blocks that span a branch), as sub_end's is."""
+    T = sub_end_T.shape[0]
+    if key_end_T.shape != (T,) or key_end_T.dtype != torch.int32 or key_end_T.device != sub_end_T.device:
+        raise ValueError(f"key_end must be int32 of shape [{T}] on {sub_end_T.device}, got {key_end_T.dtype} "
+                         f"{tuple(key_end_T.shape)} on {key_end_T.device}")
+    if not (values if values is not None else key_end_T.device.type != "cuda"):
+        return
+    idx = torch.arange(T, device=key_end_T.device, dtype=torch.int32)
+    if bool(((key_end_T <= idx) | (key_end_T > sub_end_T)).any()):
+        raise ValueError("key_end must satisfy i < key_end[i] <= sub_end[i]: a bidirectional block ends inside the "
+                         "subtree of each of its tokens")
+    # the tokens i .. key_end[i] - 1 are one chain (each the only child of the one before): sub_end is constant on it
+    changes = torch.cumsum(torch.cat([sub_end_T.new_zeros(1), (sub_end_T[1:] != sub_end_T[:-1]).int()]), 0)
+    if bool((changes[key_end_T.long() - 1] != changes).any()):
+        raise ValueError("a bidirectional block (key_end) spans a branch of the tree: its tokens must be one chain")
+
+
 def depths(sub_end_T: torch.Tensor) -> torch.Tensor:
     """int32 [T] depth of every token (its position in each sample holding it): token j adds one to the tokens of
     (j, sub_end[j]), a difference array."""
@@ -116,8 +168,10 @@ def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
 def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_impl: BackwardImpl):
     """Register ``forge::tree_attn_{name}_fwd/_bwd`` and return the differentiable forward op.
 
-    The returned op maps (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0) -> (o_TNH, lse_NT);
-    gradients flow to q, k, v and the sinks.
+    The returned op maps (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None) ->
+    (o_TNH, lse_NT); gradients flow to q, k, v and the sinks (key_end, like sub_end, gets none). The backward op
+    takes (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None). The impls are
+    called with every argument, key_end_T (None: causal) last.
     """
     fwd_name = f"forge::tree_attn_{name}_fwd"
     bwd_name = f"forge::tree_attn_{name}_bwd"
@@ -125,12 +179,12 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
     @torch.library.custom_op(fwd_name, mutates_args=())
     def fwd_op(
         q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, sub_end_T: torch.Tensor, scale: float,
-        sinks_N: torch.Tensor | None = None, window: int = 0,
+        sinks_N: torch.Tensor | None = None, window: int = 0, key_end_T: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return forward_impl(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window)
+        return forward_impl(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window, key_end_T)
 
     @fwd_op.register_fake
-    def _(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0):
+    def _(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None):
         Tq, N, _ = q_TNH.shape
         return q_TNH.new_empty((Tq, N, v_TKH.shape[2])), q_TNH.new_empty((N, Tq), dtype=torch.float32)
 
@@ -145,29 +199,34 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
         sub_end_T: torch.Tensor,
         scale: float,
         window: int = 0,
+        key_end_T: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return backward_impl(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window)
+        return backward_impl(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window, key_end_T)
 
     @bwd_op.register_fake
-    def _(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0):
+    def _(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None):
         return torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
 
     def setup_context(ctx, inputs, output):
         q_TNH, k_TKH, v_TKH, sub_end_T, scale = inputs[:5]
-        sinks_N, window = (list(inputs[5:]) + [None, 0])[:2]
+        sinks_N, window, key_end_T = (list(inputs[5:]) + [None, 0, None])[:3]
         o_TNH, lse_NT = output
         ctx.has_sinks = sinks_N is not None
+        ctx.has_key_end = key_end_T is not None
         ctx.save_for_backward(q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T,
-                              *([sinks_N] if sinks_N is not None else []))
+                              *([sinks_N] if sinks_N is not None else []),
+                              *([key_end_T] if key_end_T is not None else []))
         ctx.scale, ctx.window = scale, window
 
     def backward(ctx, do_TNH, _dlse_NT):
         # lse is an auxiliary output for the backward pass; gradients through it are not supported.
-        q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, *sinks = ctx.saved_tensors
+        q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, *rest = ctx.saved_tensors
+        sinks_N = rest.pop(0) if ctx.has_sinks else None
+        key_end_T = rest.pop(0) if ctx.has_key_end else None
         do_TNH = do_TNH.contiguous()
-        dq, dk, dv = bwd_op(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, ctx.scale, ctx.window)
-        dsinks = sink_grad(sinks[0], lse_NT, do_TNH, o_TNH) if ctx.has_sinks else None
-        return dq, dk, dv, None, None, dsinks, None
+        dq, dk, dv = bwd_op(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, ctx.scale, ctx.window, key_end_T)
+        dsinks = sink_grad(sinks_N, lse_NT, do_TNH, o_TNH) if sinks_N is not None else None
+        return dq, dk, dv, None, None, dsinks, None, None
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
     return fwd_op
@@ -175,7 +234,8 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
 
 def make_public_entry(fwd_op) -> Callable[..., torch.Tensor]:
     """Wrap a registered forward op into the public ``(q, k, v, sub_end, softmax_scale=None, sinks=None,
-    window=None) -> o`` function."""
+    window=None, key_end_T=None) -> o`` function (key_end_T: bidirectional blocks, checked by
+    :func:`check_key_end` outside torch.compile: the check reads the tensor, a device sync)."""
 
     def tree_attention(
         q_TNH: torch.Tensor,
@@ -185,12 +245,17 @@ def make_public_entry(fwd_op) -> Callable[..., torch.Tensor]:
         softmax_scale: float | None = None,
         sinks: torch.Tensor | None = None,
         window: int | None = None,
+        key_end_T: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_inputs(q_TNH, k_TKH, v_TKH, sub_end_T)
         window = check_extras(q_TNH, sinks, window)
+        if key_end_T is not None:
+            if not torch.compiler.is_compiling():  # data-dependent: a graph break under torch.compile
+                check_key_end(key_end_T, sub_end_T)
+            key_end_T = key_end_T.contiguous()
         scale = resolve_scale(softmax_scale, q_TNH.shape[2])
         o_TNH, _ = fwd_op(q_TNH.contiguous(), k_TKH.contiguous(), v_TKH.contiguous(), sub_end_T.contiguous(), scale,
-                          None if sinks is None else sinks.contiguous(), window)
+                          None if sinks is None else sinks.contiguous(), window, key_end_T)
         return o_TNH
 
     return tree_attention

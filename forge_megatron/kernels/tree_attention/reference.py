@@ -5,6 +5,11 @@ exclusive end of the subtree rooted at token j. Key j is visible to query i  <=>
 (j is an ancestor of i, or i itself). A sample is a root-to-node path, so attention over the forest equals
 causal attention of every sample alone.
 
+Bidirectional blocks (Gemma 3's images: the tokens of one image see each other): ``key_end[i]`` is the exclusive
+end, by index, of the keys query i may see: i + 1 for a causal token, the end of its block for a token of a block.
+Key j is then visible to query i  <=>  j < key_end[i] and i < sub_end[j]. A block lies inside one chain of the tree
+(its tokens are each the only child of the one before), so the keys after i it adds are i's block's own.
+
 Legend: T = packed tree tokens, N = query heads, K = key/value heads (GQA: N % K == 0), H = head dim.
 Dense O(T^2) mask through SDPA: small inputs only.
 """
@@ -15,16 +20,19 @@ import torch
 import torch.nn.functional as F
 
 
-def tree_mask(sub_end_T: torch.Tensor, num_queries: int | None = None, window: int | None = None) -> torch.Tensor:
+def tree_mask(sub_end_T: torch.Tensor, num_queries: int | None = None, window: int | None = None,
+              key_end_T: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean [Tq, T] mask, True where query i may attend key j; the queries are the last ``num_queries`` (default
-    all T) tokens; with ``window`` only keys less than ``window`` positions above the query (ops.py)."""
+    all T) tokens; with ``window`` only keys less than ``window`` positions above the query (ops.py); ``key_end``
+    (int [T], None: causal) the bidirectional blocks (above)."""
     from forge_megatron.kernels.tree_attention.ops import depths
 
     T = sub_end_T.shape[0]
     Tq = T if num_queries is None else num_queries
     k = torch.arange(T, device=sub_end_T.device)[None, :]
     q = torch.arange(T - Tq, T, device=sub_end_T.device)[:, None]
-    mask = (k <= q) & (q < sub_end_T.to(k.dtype)[None, :])
+    upper = q + 1 if key_end_T is None else key_end_T.to(k.dtype)[T - Tq:, None]
+    mask = (k < upper) & (q < sub_end_T.to(k.dtype)[None, :])
     if window:
         depth_T = depths(sub_end_T).long()
         mask &= (depth_T[T - Tq:, None] - depth_T[None, :]) < window
@@ -39,12 +47,13 @@ def tree_attention_reference(
     softmax_scale: float | None = None,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    key_end_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact tree attention through SDPA with a dense boolean mask (with ``sinks``: an explicit softmax with one
     more column per head). Returns o_TNH.
 
-    q may hold only the last Tq of the T tokens k, v and sub_end describe (suffix queries, see ops.py); sinks and
-    window as in ops.py."""
+    q may hold only the last Tq of the T tokens k, v and sub_end describe (suffix queries, see ops.py); sinks,
+    window and key_end as in ops.py."""
     Tq, N, H = q_TNH.shape  # v may have another head size (o takes it)
     T, K = k_TKH.shape[:2]
     if N % K != 0:
@@ -56,7 +65,11 @@ def tree_attention_reference(
     rep = N // K
     k_TNH = k_TKH.repeat_interleave(rep, dim=1)
     v_TNH = v_TKH.repeat_interleave(rep, dim=1)
-    mask_QT = tree_mask(sub_end_T, Tq, window)
+    if key_end_T is not None:
+        from forge_megatron.kernels.tree_attention.ops import check_key_end
+
+        check_key_end(key_end_T, sub_end_T)
+    mask_QT = tree_mask(sub_end_T, Tq, window, key_end_T)
     if sinks is None:
         o_NTH = F.scaled_dot_product_attention(
             q_TNH.transpose(0, 1), k_TNH.transpose(0, 1), v_TNH.transpose(0, 1), attn_mask=mask_QT, scale=scale

@@ -21,7 +21,8 @@ vectorised torch ops (no Python loop over chains):
 GQA without repeating K/V: the N/K query heads that share a key head become extra query rows.
 Autograd flows through the gathers, SDPA and the final index_copy, so backward is exact too.
 Sliding windows (ops.py) narrow each chain's mask by key depth; attention sinks replace SDPA by an explicit softmax
-with one more column per head (autograd gives the sinks their gradient).
+with one more column per head (autograd gives the sinks their gradient). Bidirectional blocks (``key_end``, ops.py)
+lie inside one chain: a query of a block sees ``key_end[i] - i - 1`` more of its chain's keys (its block's rest).
 
 Legend: T = tree tokens, N = query heads, K = key/value heads, H = head dim, C = chains, B = chains in a group,
 L = padded queries per chain, J = padded keys per chain, R = N // K query heads per key head.
@@ -35,7 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from forge_megatron.kernels.tree_attention.ops import check_extras, check_inputs, resolve_scale
+from forge_megatron.kernels.tree_attention.ops import check_extras, check_inputs, check_key_end, resolve_scale
 
 QUERY_BLOCK = 512  # chains longer than this are processed alone, in query blocks of this size
 
@@ -48,18 +49,23 @@ def tree_attention_segment(
     softmax_scale: float | None = None,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    key_end_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact tree attention, cost ~ sum of token depths. Returns o_TNH; differentiable in q, k, v (and the sinks);
-    sinks and window as in ops.py."""
+    sinks, window and key_end (bidirectional blocks) as in ops.py."""
     check_inputs(q_TNH, k_TKH, v_TKH, sub_end_T)
     window = check_extras(q_TNH, sinks, window)
+    ahead_T = None  # per token, the keys after it in its block
+    if key_end_T is not None:
+        check_key_end(key_end_T, sub_end_T)
+        ahead_T = key_end_T.long() - torch.arange(sub_end_T.shape[0], device=sub_end_T.device) - 1
     scale = resolve_scale(softmax_scale, q_TNH.shape[2])
     Hv = v_TKH.shape[2]
     if q_TNH.shape[0] == 0:
         return q_TNH.new_zeros((0, q_TNH.shape[1], Hv))
     q_start = k_TKH.shape[0] - q_TNH.shape[0]  # suffix queries: q holds tokens [q_start, T)
     forest = Forest(sub_end_T, q_start)
-    groups = list(forest.short_chain_groups(window))
+    groups = list(forest.short_chain_groups(window, ahead_T))
     chains = forest.long_chains()
     arange = functools.partial(torch.arange, device=sub_end_T.device)
     q_idx = [g.q_idx_BL.flatten() for g in groups] + [arange(start, end) for start, end in chains]
@@ -86,7 +92,8 @@ def tree_attention_segment(
     n = len(groups)
     for idx_L, q_LNH, k_JKH, v_JKH in zip(q_idx[n:], q_parts[n:], k_parts[n:], v_parts[n:]):
         rows.append(idx_L)  # already q's rows
-        outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale, sinks, window))
+        ahead_L = None if ahead_T is None else ahead_T[idx_L + q_start]
+        outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale, sinks, window, ahead_L))
     o_TNH = q_TNH.new_zeros((q_TNH.shape[0], q_TNH.shape[1], Hv), dtype=work)
     return o_TNH.index_copy(0, torch.cat(rows), torch.cat(outs)).to(q_TNH.dtype)
 
@@ -96,14 +103,21 @@ def _gather_split(x_T, idx_list: list[torch.Tensor], dtype: torch.dtype) -> tupl
     return x_T.to(dtype)[torch.cat(idx_list)].split([idx.numel() for idx in idx_list])
 
 
-def _attend_long_chain(q_LNH, k_JKH, v_JKH, scale: float, sinks=None, window: int = 0) -> torch.Tensor:
+def _attend_long_chain(q_LNH, k_JKH, v_JKH, scale: float, sinks=None, window: int = 0,
+                       ahead_L: torch.Tensor | None = None) -> torch.Tensor:
     """One chain (its queries are the last L of its J keys; key m has depth m), in query blocks against prefixes
-    of the keys."""
+    of the keys; ``ahead_L``: the keys each query sees past itself (its bidirectional block's rest)."""
     L, J = q_LNH.shape[0], k_JKH.shape[0]
     outs = []
     for a, q_block in zip(range(0, L, QUERY_BLOCK), q_LNH.split(QUERY_BLOCK)):
-        n_keys = J - L + a + q_block.shape[0]
-        allowed_LJ = _bottom_right_causal(q_block.shape[0], n_keys, q_LNH.device, window)
+        r = torch.arange(q_block.shape[0], device=q_LNH.device)
+        own = J - L + a + r  # each query's own key
+        last_seen = own if ahead_L is None else own + ahead_L[a:a + q_block.shape[0]]
+        n_keys = int(last_seen.max()) + 1
+        m = torch.arange(n_keys, device=q_LNH.device)
+        allowed_LJ = m[None, :] <= last_seen[:, None]
+        if window:
+            allowed_LJ &= m[None, :] > (own[:, None] - window)
         o_BLNH = _attend(q_block[None], k_JKH[None, :n_keys], v_JKH[None, :n_keys], allowed_LJ[None], scale, sinks)
         outs.append(o_BLNH[0])
     return torch.cat(outs)
@@ -181,9 +195,10 @@ class Forest:
         is_long_C = (self.end_C - self.start_C) > QUERY_BLOCK
         return list(zip(self.start_C[is_long_C].tolist(), self.end_C[is_long_C].tolist()))
 
-    def short_chain_groups(self, window: int = 0):
+    def short_chain_groups(self, window: int = 0, ahead_T: torch.Tensor | None = None):
         """Yield one ChainGroup per bucket of short chains (equal padded query and key counts); with ``window``
-        the masks keep only keys less than ``window`` levels above each query."""
+        the masks keep only keys less than ``window`` levels above each query; ``ahead_T``: the keys each token
+        sees past itself (its bidirectional block's rest, in its chain)."""
         length_C = self.end_C - self.start_C
         short_C = torch.nonzero(length_C <= QUERY_BLOCK).flatten()
         if short_C.numel() == 0:
@@ -197,9 +212,10 @@ class Forest:
         for b in range(buckets.numel()):
             members = torch.nonzero(bucket_of_C == b).flatten()
             L, J = int(padded_L_C[members[0]]), int(padded_J_C[members[0]])
-            yield self._group(start_C[members], length_C[members], last_C[members], n_keys_C[members], L, J, window)
+            yield self._group(start_C[members], length_C[members], last_C[members], n_keys_C[members], L, J, window,
+                              ahead_T)
 
-    def _group(self, start_B, length_B, last_B, n_keys_B, L: int, J: int, window: int = 0):
+    def _group(self, start_B, length_B, last_B, n_keys_B, L: int, J: int, window: int = 0, ahead_T=None):
         r_L = torch.arange(L, device=self.device)
         m_J = torch.arange(J, device=self.device)
         row_valid_BL = r_L[None, :] < length_B[:, None]
@@ -208,7 +224,10 @@ class Forest:
         depth_BJ = torch.minimum(m_J[None, :], n_keys_B[:, None] - 1)
         key_idx_BJ = torch.where(key_valid_BJ, self.ancestor(last_B[:, None], depth_BJ), 0)
         first_depth_B = n_keys_B - length_B
-        causal_BLJ = m_J[None, None, :] <= (first_depth_B[:, None, None] + r_L[None, :, None])
+        last_seen_BL = first_depth_B[:, None] + r_L[None, :]  # the depth of the last key each row sees
+        if ahead_T is not None:
+            last_seen_BL = last_seen_BL + torch.where(row_valid_BL, ahead_T[q_idx_BL], 0)
+        causal_BLJ = m_J[None, None, :] <= last_seen_BL[:, :, None]
         allowed_BLJ = key_valid_BJ[:, None, :] & causal_BLJ  # padded rows see real keys: never an empty softmax
         if window:  # key m (depth m) within the window of the query at depth first + r; padded rows exempt
             in_window_BLJ = m_J[None, None, :] > (first_depth_B[:, None, None] + r_L[None, :, None] - window)
@@ -235,17 +254,6 @@ def _attend(q_BLNH, k_BJKH, v_BJKH, allowed_BLJ, scale: float, sinks=None) -> to
         p_BKRJ = torch.cat([sink_1KR1, s_BKRJ], dim=-1).softmax(-1)[..., 1:]
         o_BKRH = p_BKRJ @ v_BJKH.transpose(1, 2)
     return o_BKRH.view(B, K, R, L, Hv).permute(0, 3, 1, 2, 4).reshape(B, L, N, Hv)
-
-
-def _bottom_right_causal(L: int, J: int, device, window: int = 0) -> torch.Tensor:
-    """[L, J] mask: query r sees keys m <= J - L + r (the queries are the last L of the J keys), and with
-    ``window`` only m > J - L + r - window."""
-    r_L = torch.arange(L, device=device)
-    m_J = torch.arange(J, device=device)
-    allowed = m_J[None, :] <= (J - L + r_L[:, None])
-    if window:
-        allowed &= m_J[None, :] > (J - L + r_L[:, None] - window)
-    return allowed
 
 
 def _round_up(x: torch.Tensor) -> torch.Tensor:

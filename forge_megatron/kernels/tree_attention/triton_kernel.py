@@ -25,11 +25,28 @@ of it (max depth of the key block, KDMAX, + WINDOW <= min depth of the query blo
 one: along an agent episode's chain depth grows with position, so a windowed layer visits about T x W / BLOCK^2
 tiles instead of T^2 / 2 BLOCK^2 (``window_live_tiles`` counts them).
 
+Bidirectional blocks (ops.py; HAS_KEY_END, a constexpr: without key_end the kernels compile to the causal code
+above): key j is visible to query i  <=>  j < key_end[i] and i < sub_end[j] (and the window). With, per query block,
+KEMIN / KEMAX = min / max of key_end over its queries, and per key block KMIN / KMAX = min / max of sub_end, a tile is
+  empty   if k_lo >= KEMAX or KMAX <= q_lo                          -> skipped,
+  full    if k_hi <= KEMIN and KMIN >= q_hi (and no window)          -> no mask,
+  partial otherwise                                                  -> mask per element (j < key_end[i]).
+(Without key_end, key_end[i] = i + 1 gives back the rules above: KEMAX = q_hi, KEMIN = q_lo + 1.) The forward and dQ
+loops run over the key blocks below KEMAX (a block's keys may lie past q_hi). The dK/dV loop of a key block starts
+at the query block of KQSTART = min{i : key_end[i] > k_lo} (<= k_lo; that query sees key k_lo, as i <= k_lo <
+sub_end[k_lo], and none before it sees a key >= k_lo: the bound is exact without a window), the first index where
+the running max of key_end passes k_lo, and skips query blocks with KEMAX <= k_lo (never the case for key_end made of
+blocks, whose tokens between KQSTART and k_lo all see k_lo; possible for other key_end ops.check_key_end admits). The
+last key block, padded past T, is never full (its unclamped k_hi > T >= KEMIN); padded query rows read key_end 0 and
+see nothing. The window's depth test stays a valid skip: it is ANDed onto visibility, and keys past a query in its
+block are deeper (depth[i] - depth[j] < 0 < WINDOW).
+
 Value heads may differ in size from query/key heads (multi-latent attention: H = 192, HV = 128): v, o, dO and dV
 tiles are BLOCK_HV wide, q, k, dQ and dK tiles BLOCK_H.
 
 Legend: T = packed tree tokens (keys), TQ = query rows, N = query heads, K = key/value heads, H = query/key head dim,
-HV = value head dim, B = key blocks.
+HV = value head dim, B = key blocks. KEY_END / QKEMIN / QKEMAX / KQSTART: key_end, KEMIN / KEMAX per query block and
+KQSTART per key block.
 """
 
 from __future__ import annotations
@@ -59,11 +76,16 @@ def _key_block_bounds_kernel(SUB_END, KMIN, KMAX, T, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, WINDOW: tl.constexpr):
-    """Element mask of a partial tile: j <= i < sub_end[j] (sub_end of padded keys reads as 0 -> invisible), and
-    with a window depth[i] - depth[j] < WINDOW."""
+def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr):
+    """Element mask of a partial tile: j <= i < sub_end[j] (sub_end of padded keys reads as 0 -> invisible), with
+    bidirectional blocks j < key_end[i] instead of j <= i (key_end of padded queries reads as 0 -> they see
+    nothing), and with a window depth[i] - depth[j] < WINDOW."""
     se = tl.load(SUB_END + offs_n, mask=offs_n < T, other=0)
-    visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
+    if HAS_KEY_END:
+        ke = tl.load(KEY_END + offs_m, mask=offs_m < T, other=0)
+        visible = (offs_n[None, :] < ke[:, None]) & (offs_m[:, None] < se[None, :])
+    else:
+        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
     if WINDOW > 0:
         dq = tl.load(DEPTH + offs_m, mask=offs_m < T, other=0)
         dk = tl.load(DEPTH + offs_n, mask=offs_n < T, other=0)
@@ -72,8 +94,16 @@ def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _tile_is_full(q_lo, q_hi, k_lo, kmin, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
-    return (k_lo + BLOCK_N - 1 <= q_lo) & (kmin >= q_hi) & (WINDOW == 0)
+def _tile_is_full(q_lo, q_hi, k_lo, kmin, kemin, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                  HAS_KEY_END: tl.constexpr):
+    """Every key of the tile is visible to every query: with bidirectional blocks the last key lies below the least
+    key_end of the query block (kemin), else at or below the first query; every key's subtree holds the last query
+    (kmin = min sub_end of the key block); no window."""
+    if HAS_KEY_END:
+        keys_below = k_lo + BLOCK_N <= kemin
+    else:
+        keys_below = k_lo + BLOCK_N - 1 <= q_lo
+    return keys_below & (kmin >= q_hi) & (WINDOW == 0)
 
 
 @triton.jit
@@ -98,23 +128,24 @@ def _row_stats(LSE, DELTA, n, rows_m, TQ):
 
 
 @triton.jit
-def _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale, DEPTH,
-                   WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, kemin, SUB_END, T, qk_scale, DEPTH, KEY_END,
+                   WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   HAS_KEY_END: tl.constexpr):
     """Recomputed softmax probabilities P = 2^(s - lse2) of one tile, zero where the tree mask hides the key."""
     p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
-    if not _tile_is_full(q_lo, q_hi, k_lo, kmin, BLOCK_N, WINDOW):
-        p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, WINDOW), p, 0.0)
+    if not _tile_is_full(q_lo, q_hi, k_lo, kmin, kemin, BLOCK_N, WINDOW, HAS_KEY_END):
+        p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END), p, 0.0)
     return p
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, SUB_END, KMIN, KMAX, O, LSE, SINKS, DEPTH, KDMAX, QDMIN,
+    Q, K, V, SUB_END, KMIN, KMAX, O, LSE, SINKS, DEPTH, KDMAX, QDMIN, KEY_END, QKEMIN, QKEMAX, KQSTART,
     T, TQ, H, HV, qk_scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
 ):
     n = tl.program_id(1)
     q0 = T - TQ  # the TQ queries are tree tokens [q0, T); row r of Q, O and LSE is token q0 + r
@@ -136,7 +167,13 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
     if WINDOW > 0:
         qdmin = tl.load(QDMIN + tl.program_id(0))
-    for kb in range(0, tl.cdiv(q_hi, BLOCK_N)):
+    if HAS_KEY_END:  # no query of the block sees a key at or past the block's greatest key_end
+        k_end = tl.load(QKEMAX + tl.program_id(0))
+        kemin = tl.load(QKEMIN + tl.program_id(0))
+    else:
+        k_end = q_hi
+        kemin = 0
+    for kb in range(0, tl.cdiv(k_end, BLOCK_N)):
         live = tl.load(KMAX + kb) > q_lo  # otherwise the tile is empty
         if WINDOW > 0:  # or every key is WINDOW or more levels above every query
             live = live & (tl.load(KDMAX + kb) + WINDOW > qdmin)
@@ -146,8 +183,9 @@ def _fwd_kernel(
             k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
             v = _load_rows(V_head, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            if not _tile_is_full(q_lo, q_hi, k_lo, tl.load(KMIN + kb), BLOCK_N, WINDOW):
-                s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, WINDOW), s, float("-inf"))
+            if not _tile_is_full(q_lo, q_hi, k_lo, tl.load(KMIN + kb), kemin, BLOCK_N, WINDOW, HAS_KEY_END):
+                s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END), s,
+                             float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
@@ -163,11 +201,12 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DQ, DEPTH, KDMAX, QDMIN,
+    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DQ, DEPTH, KDMAX, QDMIN, KEY_END, QKEMIN, QKEMAX, KQSTART,
     T, TQ, H, HV, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    HAS_KEY_END: tl.constexpr,
 ):
     n = tl.program_id(1)
     q0 = T - TQ
@@ -185,7 +224,13 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     if WINDOW > 0:
         qdmin = tl.load(QDMIN + tl.program_id(0))
-    for kb in range(0, tl.cdiv(q_hi, BLOCK_N)):
+    if HAS_KEY_END:  # no query of the block sees a key at or past the block's greatest key_end
+        k_end = tl.load(QKEMAX + tl.program_id(0))
+        kemin = tl.load(QKEMIN + tl.program_id(0))
+    else:
+        k_end = q_hi
+        kemin = 0
+    for kb in range(0, tl.cdiv(k_end, BLOCK_N)):
         live = tl.load(KMAX + kb) > q_lo  # otherwise the tile is empty
         if WINDOW > 0:  # or every key is WINDOW or more levels above every query
             live = live & (tl.load(KDMAX + kb) + WINDOW > qdmin)
@@ -194,8 +239,8 @@ def _bwd_dq_kernel(
             offs_n = k_lo + tl.arange(0, BLOCK_N)
             k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
             v = _load_rows(V_head, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
-            p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, tl.load(KMIN + kb), SUB_END, T,
-                               qk_scale, DEPTH, WINDOW, BLOCK_N, DOT_PRECISION)
+            p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, tl.load(KMIN + kb), kemin, SUB_END,
+                               T, qk_scale, DEPTH, KEY_END, WINDOW, BLOCK_N, DOT_PRECISION, HAS_KEY_END)
             ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
             dq += tl.dot(ds.to(COMPUTE), k, input_precision=DOT_PRECISION)
     _store_rows(DQ + n * stride_qn, dq * scale, offs_m - q0, TQ, stride_qt, offs_h, H)
@@ -203,11 +248,12 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DK, DV, DEPTH, KDMAX, QDMIN,
+    Q, K, V, DO, SUB_END, KMIN, KMAX, LSE, DELTA, DK, DV, DEPTH, KDMAX, QDMIN, KEY_END, QKEMIN, QKEMAX, KQSTART,
     T, TQ, H, HV, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    HAS_KEY_END: tl.constexpr,
 ):
     kb = tl.program_id(0)
     kv = tl.program_id(1)
@@ -218,10 +264,14 @@ def _bwd_dkdv_kernel(
     k = _load_rows(K + kv * stride_kn, offs_n, T, stride_kt, offs_h, H, COMPUTE)
     v = _load_rows(V + kv * stride_vn, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
     kmin = tl.load(KMIN + kb)
-    # Queries that see any key of this block lie in [k_lo, max(sub_end)), and the queries are tokens [q0, T): the
-    # loop visits only the query blocks (tiled from q0) that overlap both.
+    # Queries that see any key of this block lie in [k_lo, max(sub_end)) (with bidirectional blocks from KQSTART[kb],
+    # the first query whose key_end passes k_lo), and the queries are tokens [q0, T): the loop visits only the
+    # query blocks (tiled from q0) that overlap both.
     q0 = T - TQ
-    qb_start = (tl.maximum(k_lo, q0) - q0) // BLOCK_M
+    if HAS_KEY_END:
+        qb_start = (tl.maximum(tl.load(KQSTART + kb), q0) - q0) // BLOCK_M
+    else:
+        qb_start = (tl.maximum(k_lo, q0) - q0) // BLOCK_M
     qb_end = tl.maximum(tl.cdiv(tl.load(KMAX + kb) - q0, BLOCK_M), 0)
 
     dk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
@@ -235,6 +285,11 @@ def _bwd_dkdv_kernel(
                 live = tl.load(QDMIN + qb) < kdmax + WINDOW
             else:
                 live = qb >= qb_start
+            if HAS_KEY_END:  # a query block whose every key_end is at or below k_lo sees none of these keys
+                live = live & (tl.load(QKEMAX + qb) > k_lo)
+                kemin = tl.load(QKEMIN + qb)
+            else:
+                kemin = 0
             if live:
                 q_lo = q0 + qb * BLOCK_M
                 q_hi = tl.minimum(q_lo + BLOCK_M, T)
@@ -242,8 +297,8 @@ def _bwd_dkdv_kernel(
                 q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
                 do = _load_rows(DO + n * stride_on, offs_m - q0, TQ, stride_ot, offs_hv, HV, COMPUTE)
                 lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
-                p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, SUB_END, T, qk_scale,
-                                   DEPTH, WINDOW, BLOCK_N, DOT_PRECISION)
+                p = _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, kemin, SUB_END, T, qk_scale,
+                                   DEPTH, KEY_END, WINDOW, BLOCK_N, DOT_PRECISION, HAS_KEY_END)
                 dv += tl.dot(tl.trans(p.to(COMPUTE)), do, input_precision=DOT_PRECISION)
                 ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
                 dk += tl.dot(tl.trans(ds.to(COMPUTE)), q, input_precision=DOT_PRECISION)
@@ -308,6 +363,26 @@ def _depth_args(sub_end_T: torch.Tensor, window: int, TQ: int, block_m: int, blo
     return depth_T, keys.view(-1, block_n).amax(1), queries.view(-1, block_m).amin(1)
 
 
+def _key_end_args(key_end_T: torch.Tensor | None, sub_end_T: torch.Tensor, TQ: int, block_m: int, block_n: int):
+    """(KEY_END, QKEMIN, QKEMAX, KQSTART) for bidirectional blocks: every token's key_end, the min and max key_end
+    of each query block (queries are the last TQ tokens, tiled from T - TQ), and per key block the first query that
+    sees any of its keys, min{i : key_end[i] > k_lo} (<= k_lo, as key_end[k_lo] > k_lo; such an i sees key k_lo, as
+    k_lo < key_end[i] and i <= k_lo < sub_end[k_lo], and no query before it sees a key >= k_lo): the first index
+    where the running max of key_end passes k_lo. Placeholder pointers without key_end."""
+    if key_end_T is None:
+        return sub_end_T, sub_end_T, sub_end_T, sub_end_T
+    key_end_T = key_end_T.contiguous()
+    T = key_end_T.shape[0]
+    pad = triton.cdiv(TQ, block_m) * block_m - TQ
+    queries = key_end_T[T - TQ:]
+    qkemin = torch.nn.functional.pad(queries, (0, pad), value=2**31 - 1).view(-1, block_m).amin(1)
+    qkemax = torch.nn.functional.pad(queries, (0, pad), value=0).view(-1, block_m).amax(1)
+    running = torch.cummax(key_end_T, 0).values
+    k_lo = torch.arange(0, T, block_n, dtype=torch.int32, device=key_end_T.device)
+    kqstart = torch.searchsorted(running, k_lo, right=True).to(torch.int32)
+    return key_end_T, qkemin, qkemax, kqstart
+
+
 def window_live_tiles(sub_end_T: torch.Tensor, window: int, block_m: int, block_n: int) -> tuple[int, int]:
     """(tiles the forward computes with this window, tiles it computes without one) for a whole tree: the same
     tests as the kernel (empty by sub_end, and by depth with a window). For benchmarks and tests."""
@@ -326,7 +401,7 @@ def window_live_tiles(sub_end_T: torch.Tensor, window: int, block_m: int, block_
     return live, without
 
 
-def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0):
+def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None):
     Tq, N, H = q_TNH.shape
     T, HV = k_TKH.shape[0], v_TKH.shape[2]
     o_TNH = q_TNH.new_empty((Tq, N, HV))
@@ -339,15 +414,16 @@ def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0):
     _fwd_kernel[grid](
         q_TNH, k_TKH, v_TKH, sub_end_T, kmin_B, kmax_B, o_TNH, lse_NT,
         sinks_N if sinks_N is not None else lse_NT, *_depth_args(sub_end_T, window, Tq, cfg["BLOCK_M"], cfg["BLOCK_N"]),
+        *_key_end_args(key_end_T, sub_end_T, Tq, cfg["BLOCK_M"], cfg["BLOCK_N"]),
         T, Tq, H, HV, scale * LOG2E,
         q_TNH.stride(0), q_TNH.stride(1), k_TKH.stride(0), k_TKH.stride(1), v_TKH.stride(0), v_TKH.stride(1),
         o_TNH.stride(0), o_TNH.stride(1), GROUP=N // k_TKH.shape[1], HAS_SINKS=sinks_N is not None,
-        WINDOW=int(window), **cfg,
+        WINDOW=int(window), HAS_KEY_END=key_end_T is not None, **cfg,
     )
     return o_TNH, lse_NT
 
 
-def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0):
+def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None):
     Tq, N, H = q_TNH.shape
     T, K = k_TKH.shape[:2]
     HV = v_TKH.shape[2]
@@ -361,8 +437,10 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, wind
     common = dict(T=T, TQ=Tq, H=H, HV=HV, qk_scale=scale * LOG2E, scale=scale, stride_qt=q_TNH.stride(0),
                   stride_qn=q_TNH.stride(1), stride_kt=k_TKH.stride(0), stride_kn=k_TKH.stride(1),
                   stride_vt=v_TKH.stride(0), stride_vn=v_TKH.stride(1), stride_ot=do_TNH.stride(0),
-                  stride_on=do_TNH.stride(1), GROUP=N // K, WINDOW=int(window), **cfg)
-    depth = _depth_args(sub_end_T, window, Tq, cfg["BLOCK_M"], cfg["BLOCK_N"])
+                  stride_on=do_TNH.stride(1), GROUP=N // K, WINDOW=int(window), HAS_KEY_END=key_end_T is not None,
+                  **cfg)
+    depth = (*_depth_args(sub_end_T, window, Tq, cfg["BLOCK_M"], cfg["BLOCK_N"]),
+             *_key_end_args(key_end_T, sub_end_T, Tq, cfg["BLOCK_M"], cfg["BLOCK_N"]))
     _bwd_dq_kernel[(triton.cdiv(Tq, cfg["BLOCK_M"]), N)](
         q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, kmin_B, kmax_B, lse_NT, delta_NT, dq_TNH, *depth, **common
     )
@@ -375,6 +453,7 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, wind
 tree_attention_triton_op = register_tree_attention_ops("triton", _forward, _backward)
 tree_attention_triton = make_public_entry(tree_attention_triton_op)
 tree_attention_triton.__doc__ = """Tree attention through the Triton kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
-softmax_scale=None, sinks=None, window=None) -> o_TNH; differentiable in q, k, v (and sinks); fp16/bf16/fp32;
-N % K == 0; head dims <= 256 (values may be narrower or wider than queries and keys); q may hold only the last tokens
-of the keys' tree (suffix queries, ops.py); sinks and sliding windows as ops.py describes."""
+softmax_scale=None, sinks=None, window=None, key_end_T=None) -> o_TNH; differentiable in q, k, v (and sinks);
+fp16/bf16/fp32; N % K == 0; head dims <= 256 (values may be narrower or wider than queries and keys); q may hold only
+the last tokens of the keys' tree (suffix queries, ops.py; key_end then still covers all T tokens); sinks, sliding
+windows and bidirectional blocks (key_end_T int32 [T]) as ops.py describes."""
