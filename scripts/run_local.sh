@@ -19,7 +19,8 @@
 # TRUST_REMOTE_CODE (1: SGLang and the gateway run the tokenizer/config code the checkpoint ships, e.g. Kimi-K2),
 # GATEWAY_WORKERS (N > 1: sessions served by N gateway processes behind the gateway port), LORA_RANK (R: train LoRA
 # adapters, --lora-rank; more LoRA flags in EXTRA_TRAIN_ARGS) and LORA_SYNC (merged, the default, or adapter: the engines
-# serve LoRA and load each version's adapter from RUN_DIR/adapters, as forge.sbatch's).
+# serve LoRA and load each version's adapter from RUN_DIR/adapters, as forge.sbatch's). A Gemma 3 vision-language
+# checkpoint starts SGLang with --attention-backend triton (SGLANG_ATTENTION_BACKEND overrides it), as forge.sbatch.
 set -euo pipefail
 DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
@@ -81,6 +82,10 @@ teardown() {
 
 SGLANG_FLAGS=(); FORGE_ENGINE_FLAGS=()
 [ "${TRUST_REMOTE_CODE:-0}" = 1 ] && SGLANG_FLAGS+=(--trust-remote-code)
+# Gemma 3's images attend to themselves bidirectionally: in SGLang only the Triton attention backend does that
+if grep -qs '"Gemma3ForConditionalGeneration"' "$HF_CHECKPOINT/config.json" || [ -n "${SGLANG_ATTENTION_BACKEND:-}" ]; then
+  SGLANG_FLAGS+=(--attention-backend "${SGLANG_ATTENTION_BACKEND:-triton}")
+fi
 if [ "$LORA_SYNC" = adapter ]; then
   SGLANG_FLAGS+=(--enable-lora --max-lora-rank "$LORA_RANK" --lora-target-modules all); FORGE_ENGINE_FLAGS+=(--enable-lora)
 fi

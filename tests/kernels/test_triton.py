@@ -285,17 +285,18 @@ BLOCK_CASES = {"prefix_and_leaves": _block_tree(), "chains_full_tiles": _chains_
 
 
 def _check_key_end(sub_end, blocks, N=4, K=2, H=16, dtype=torch.float32, window=None, with_sinks=False, q_start=0,
-                   seed=0, Hv=None):
+                   seed=0, Hv=None, device="cpu"):
     """Triton with key_end (q: tokens [q_start, T)) against the fp32 reference with the same key_end, forward and
     backward (dq, dk, dv and the sinks' gradient), by the FlashAttention rule: error <= 2 x the error of the
     reference run in ``dtype`` + 2e-5. Also checks that the blocks change the output (the test is not causal)."""
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 
-    key_end = blocks if isinstance(blocks, torch.Tensor) else _key_end(sub_end, blocks)
-    q, k, v = random_qkv(sub_end.shape[0], N, K, H, dtype, seed=seed, Hv=Hv)
+    key_end = (blocks if isinstance(blocks, torch.Tensor) else _key_end(sub_end, blocks)).to(device)
+    sub_end = sub_end.to(device)
+    q, k, v = random_qkv(sub_end.shape[0], N, K, H, dtype, device=device, seed=seed, Hv=Hv)
     q = q[q_start:]
-    sinks = torch.randn(N, generator=torch.Generator().manual_seed(seed + 2)) if with_sinks else None
-    do = torch.randn((*q.shape[:2], v.shape[2]), generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    sinks = torch.randn(N, generator=torch.Generator().manual_seed(seed + 2)).to(device) if with_sinks else None
+    do = torch.randn((*q.shape[:2], v.shape[2]), generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
 
     def run(f, q, k, v, sinks, do, key_end):
         leaves = [x.detach().requires_grad_() for x in (q, k, v)] + \
@@ -458,6 +459,20 @@ def test_gpu_matches_reference(dtype, H):
         pytest.skip("needs a CUDA GPU")
     for name, se in {**CASES, "gpu_grpo": _gpu_forest(8, 700, 300, 0)}.items():
         check_against_reference(tree_attention_triton, se, N=8, K=2, H=H, dtype=dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_bidirectional_blocks(dtype):
+    """Gemma 3's image blocks (key_end) compiled for the GPU (64-wide tiles): every block case, whole tree, suffix
+    queries and a window smaller than a block, against the reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for case in sorted(BLOCK_CASES):
+        _check_key_end(*BLOCK_CASES[case], N=8, K=2, H=128, dtype=dtype, device="cuda")
+    _check_key_end(*BLOCK_CASES["chains_full_tiles"], N=8, K=2, H=64, dtype=dtype, q_start=37, device="cuda")
+    _check_key_end(*BLOCK_CASES["prefix_and_leaves"], N=8, K=2, H=64, dtype=dtype, window=3, with_sinks=True,
+                   device="cuda")
 
 
 @pytest.mark.gpu

@@ -394,3 +394,33 @@ def test_the_time_limit_signal_reaches_a_trainer_that_is_running(tmp_path):
     assert stop.exists()
     assert "SIGUSR1 (the time limit is near)" in out and "trainer: saved and stopped" in out, out
     assert proc.returncode == 3 and "not reached" not in out
+
+
+def test_dry_run_of_a_gemma3_vision_language_checkpoint_uses_sglangs_triton_attention(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint: SGLang starts with --attention-backend triton (its only backend
+    whose prefill lets an image's tokens see each other), in forge.sbatch and run_local.sh; another checkpoint
+    keeps SGLang's default; SGLANG_ATTENTION_BACKEND overrides it."""
+    import json
+
+    gemma, other = tmp_path / "gemma", tmp_path / "qwen"
+    for d, arch in ((gemma, "Gemma3ForConditionalGeneration"), (other, "Qwen3ForCausalLM")):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": [arch]}))
+
+    def backends(script_env, **env):
+        if script_env == "sbatch":
+            out = _dry_run(MODEL="tiny", **env)
+        else:
+            out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_local.sh"), "--dry-run"],
+                                 capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "TASKS": "t.jsonl", "AGENT_URL": "http://127.0.0.1:9/",
+                                      "ENGINE": "sglang", "MODEL": "tiny", **env})
+        assert out.returncode == 0, out.stderr
+        engines = [c for c in _commands(out.stdout) if "sglang.launch_server" in c]
+        assert engines
+        return {c[c.index("--attention-backend") + 1] if "--attention-backend" in c else None for c in engines}
+
+    for script in ("sbatch", "local"):
+        assert backends(script, HF_CHECKPOINT=str(gemma)) == {"triton"}
+        assert backends(script, HF_CHECKPOINT=str(other)) == {None}
+        assert backends(script, HF_CHECKPOINT=str(gemma), SGLANG_ATTENTION_BACKEND="flashinfer") == {"flashinfer"}
