@@ -195,6 +195,11 @@ def _full_config(hf_config):
     return transformers.AutoConfig.for_model(**hf_config)
 
 
+def _vision_config(hf_config):
+    """The transformers config of a checkpoint's vision tower (``hf_config``: its directory or its config dict)."""
+    return _full_config(hf_config).vision_config
+
+
 def _new_tower(config):
     """A fresh tower module of a checkpoint's transformers ``config``: ``AutoModel`` of its ``vision_config``, or for
     Gemma 3 the SigLIP tower with its projector (:class:`Gemma3Tower`)."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 GIB = 1 << 30
@@ -262,19 +263,22 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
     two blocks on one and on three small pictures under :class:`~forge_megatron.utils.memory.LiveBytes`; the
     differences give the bytes per patch and per block, free of what a forward keeps once whatever the pictures
     (copies of weights a CPU kernel makes). These grow linearly in the widths (flash-style attention keeps no
-    scores), so k times the small tower's is the real one's. ``recompute``: ``--recompute-vision-tower`` (its
-    blocks keep their inputs only)."""
+    scores), so k times the small tower's is the real one's (Gemma 3's SigLIP tower and projector too, on pictures of
+    4 x 4 pooled tokens, its text width narrowed alike; the pictures its patch embedding keeps are not scaled).
+    ``recompute``: ``--recompute-vision-tower`` (its blocks keep their inputs only)."""
     import copy
     import gc
 
     import torch
     import transformers
 
-    from forge_megatron.multimodal.qwen_vl import _vision_config
+    from forge_megatron.multimodal.qwen_vl import Gemma3Tower, _full_config, gemma3_patches
     from forge_megatron.utils.memory import LiveBytes
 
-    full = _vision_config(hf_config)
-    heads = int(full.num_heads)
+    config = _full_config(hf_config)
+    full = config.vision_config
+    gemma3 = config.model_type == "gemma3"  # a SigLIP tower of fixed-size images and its projector
+    heads = int(getattr(full, "num_heads", None) or full.num_attention_heads)
     k = full.hidden_size / (heads * width)
     slope = []  # bytes per patch, with 1 and 2 blocks
     for depth in (1, 2):
@@ -283,18 +287,30 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
         for name in ("intermediate_size", "out_hidden_size"):
             if getattr(small, name, None):
                 setattr(small, name, max(1, round(getattr(full, name) / k)))
-        small.depth = depth
+        setattr(small, "num_hidden_layers" if gemma3 else "depth", depth)
         if getattr(small, "deepstack_visual_indexes", None):
             small.deepstack_visual_indexes = [0] * len(full.deepstack_visual_indexes)
-        tower = transformers.AutoModel.from_config(small).to(torch.bfloat16).train()
+        if gemma3:  # pictures of 4 x 4 pooled tokens (the real pooling kernel), the projector to a narrow width
+            side = 4 * (full.image_size // full.patch_size) // math.isqrt(int(config.mm_tokens_per_image))
+            small.image_size = side * full.patch_size
+            wrapper = copy.deepcopy(config)
+            wrapper.vision_config, wrapper.mm_tokens_per_image = small, 16
+            wrapper.text_config.hidden_size = max(1, round(config.text_config.hidden_size / k))
+            tower = Gemma3Tower(wrapper).to(torch.bfloat16).train()
+        else:
+            tower = transformers.AutoModel.from_config(small).to(torch.bfloat16).train()
+            side = 4 * int(getattr(small, "spatial_merge_size", 2))
         if recompute:
             tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        side = 4 * int(getattr(small, "spatial_merge_size", 2))
-        features = small.in_channels * getattr(small, "temporal_patch_size", 1) * small.patch_size ** 2
         held = []
         for images in (1, 3):
             grid = torch.tensor([[1, side, side]] * images)
-            pixels = torch.randn(images * side * side, features, dtype=torch.bfloat16)
+            if gemma3:
+                pixels = gemma3_patches(torch.randn(images, 3, side * full.patch_size, side * full.patch_size),
+                                        full.patch_size).to(torch.bfloat16)
+            else:
+                features = small.in_channels * getattr(small, "temporal_patch_size", 1) * small.patch_size ** 2
+                pixels = torch.randn(images * side * side, features, dtype=torch.bfloat16)
             mode = LiveBytes(existing=[pixels])
             with mode:
                 gc.collect(0)  # (the young generation: a whole collection takes seconds in a big process)
@@ -305,7 +321,10 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
             del out
         slope.append((held[1] - held[0]) / (2 * side * side))
     block = max(slope[1] - slope[0], 0.0)
-    return block * k, max(slope[0] - block, 0.0) * k
+    # Gemma 3: the patch embedding keeps its input, the pictures put back together from the patches (a copy, bf16),
+    # whatever the widths: not scaled with them (the Qwen towers' take a view of the patches, held anyway)
+    pixels = 2 * 3 * int(full.patch_size) ** 2 if gemma3 else 0
+    return block * k, max(slope[0] - block - pixels, 0.0) * k + pixels
 
 
 def vision_activation_bytes(hf_config, patches: float, in_flight: int, recompute: bool) -> float:
@@ -314,7 +333,8 @@ def vision_activation_bytes(hf_config, patches: float, in_flight: int, recompute
     set in the backward when the blocks are recomputed."""
     from forge_megatron.multimodal.qwen_vl import _vision_config
 
-    depth = int(_vision_config(hf_config).depth)
+    vision = _vision_config(hf_config)
+    depth = int(getattr(vision, "depth", None) or vision.num_hidden_layers)
     block, rest = vision_tower_bytes(hf_config, recompute)
     kept = (depth * block + rest) * patches * in_flight
     if recompute:

@@ -343,11 +343,18 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
     tower = build_vision_tower(hf, dtype=torch.bfloat16).train()
     if recompute:
         tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    side = 6 * vc.spatial_merge_size  # another picture size than the estimate's
+    gemma3 = hf["model_type"] == "gemma3"  # its pictures are all the checkpoint's size
+    side = vc.image_size // vc.patch_size if gemma3 else 6 * vc.spatial_merge_size  # not the estimate's size
     held = []
     for images in (1, 3):
-        pixels = torch.randn(images * side * side, vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2,
-                             dtype=torch.bfloat16)
+        if gemma3:
+            from forge_megatron.multimodal.qwen_vl import gemma3_patches
+
+            pixels = gemma3_patches(torch.randn(images, 3, vc.image_size, vc.image_size), vc.patch_size)
+            pixels = pixels.to(torch.bfloat16)
+        else:
+            pixels = torch.randn(images * side * side,
+                                 vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, dtype=torch.bfloat16)
         mode = LiveBytes(existing=[pixels])
         with mode:
             gc.collect()
@@ -360,7 +367,8 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
 
 
 @pytest.mark.parametrize("arch,name", [("qwen3_vl", "Qwen3VLForConditionalGeneration"),
-                                       ("glm4v", "Glm4vForConditionalGeneration")])
+                                       ("glm4v", "Glm4vForConditionalGeneration"),
+                                       ("gemma3_vl", "Gemma3ForConditionalGeneration")])
 def test_trained_vision_tower_activation_estimate_is_what_the_tower_keeps(arch, name):
     """--train-vision-tower: forge-plan's bytes per patch (measured on a tower 8x narrower, scaled back) against
     what the real bf16 tower keeps for its backward on other pictures: within 10 %, with and without its blocks
@@ -368,7 +376,12 @@ def test_trained_vision_tower_activation_estimate_is_what_the_tower_keeps(arch, 
     from forge_megatron.models.tiny import tiny_config
 
     hf = {**tiny_config(arch, vocab_size=400).to_dict(), "architectures": [name]}
-    hf["vision_config"].update(hidden_size=256, intermediate_size=1024, depth=3, num_heads=4)
+    if arch == "gemma3_vl":  # SigLIP's names; 32-pixel pictures of 8 x 8 patches pooled to 4 x 4 tokens
+        hf["vision_config"].update(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
+                                   num_attention_heads=4, image_size=32)
+        hf["mm_tokens_per_image"] = 16
+    else:
+        hf["vision_config"].update(hidden_size=256, intermediate_size=1024, depth=3, num_heads=4)
     for recompute in (False, True):
         block, rest = plan.vision_tower_bytes(hf, recompute)  # width 8: every width / 8
         want = _tower_held_per_patch(hf, recompute)
