@@ -366,10 +366,13 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if hf.get("use_bidirectional_attention"):
             raise UnsupportedModelError("use_bidirectional_attention=True (an embedding model) is not supported")
     if family.gemma4:
-        for key, what in (("use_bidirectional_attention", "bidirectional attention"),
-                          ("attention_bias", "attention biases")):
-            if hf.get(key):
-                raise UnsupportedModelError(f"{key}={hf[key]!r}: {what} is not supported")
+        # "vision": text causal, an image's tokens seeing each other in the sliding layers (tree attention's image
+        # blocks, multimodal/qwen_vl.py); "all" (every token both ways) is not a language model's
+        if hf.get("use_bidirectional_attention") not in (None, "vision"):
+            raise UnsupportedModelError(f"use_bidirectional_attention={hf['use_bidirectional_attention']!r}: "
+                                        "bidirectional attention over text is not supported")
+        if hf.get("attention_bias"):
+            raise UnsupportedModelError(f"attention_bias={hf['attention_bias']!r}: attention biases are not supported")
         if hf.get("hidden_size_per_layer_input") and hf.get("enable_moe_block"):
             raise UnsupportedModelError("per-layer inputs beside the MoE block: no Gemma 4 release has both; "
                                         "not supported")

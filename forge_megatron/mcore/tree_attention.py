@@ -66,6 +66,8 @@ class TreePackedSeqParams(PackedSeqParams):
         vision: for a tree with images, this rank's :class:`~forge_megatron.mcore.vision.VisionShard` (mcore/vision.py).
         key_end: int32 [T] or None, like sub_end the whole (padded) tree's: bidirectional blocks, the tokens of each of
             Gemma 3's images seeing each other (kernels/tree_attention/ops.py).
+        key_end_sliding_only: key_end applies to the sliding-window layers only (Gemma 4: its global layers stay
+            causal over images).
     ``max_seqlen_q``/``max_seqlen_kv`` are max depth + 1 (the longest sample), which is the rotary table
     length Megatron asks for. Under context parallelism (CP = C) ``sub_end`` covers the whole tree padded to a
     multiple of C and ``position_ids`` only this rank's T_pad / C tokens.
@@ -76,6 +78,7 @@ class TreePackedSeqParams(PackedSeqParams):
     backend: str | None = None
     vision: object = None
     key_end: torch.Tensor = None
+    key_end_sliding_only: bool = False
 
     def __post_init__(self):
         if self.sub_end is None or self.position_ids is None:
@@ -111,7 +114,7 @@ def tree_packed_seq_params(layout, backend: str | None = None, device=None,
         from forge_megatron.mcore.vision import VisionShard
 
         vision = VisionShard.of(layout.vision, device, multiple)
-        if layout.vision.spec.bidirectional:  # each image's tokens see each other (Gemma 3)
+        if layout.vision.spec.bidirectional:  # each image's tokens see each other (Gemma 3; Gemma 4's sliding layers)
             from forge_megatron.kernels.tree_attention.ops import block_key_end
 
             image_T = torch.zeros(sub_end_T.numel(), dtype=torch.bool, device=sub_end_T.device)
@@ -120,6 +123,7 @@ def tree_packed_seq_params(layout, backend: str | None = None, device=None,
     return TreePackedSeqParams(
         qkv_format="sbhd", max_seqlen_q=longest, max_seqlen_kv=longest,
         sub_end=sub_end_T, position_ids=position_ids_T, backend=backend, vision=vision, key_end=key_end_T,
+        key_end_sliding_only=key_end_T is not None and layout.vision.spec.bidirectional == "sliding",
     )
 
 
@@ -189,9 +193,16 @@ class TreeAttention(MegatronModule):
         o_TNH = tree_attention_cp(
             query[:, 0], key[:, 0], value[:, 0], packed_seq_params.sub_end,
             softmax_scale=self.softmax_scale, backend=packed_seq_params.backend, comm_type=self.cp_comm_type,
-            sinks=self.softmax_offset, window=self.window, key_end_T=packed_seq_params.key_end,
+            sinks=self.softmax_offset, window=self.window, key_end_T=self._key_end(packed_seq_params),
         )
         return o_TNH.reshape(T, 1, -1)
+
+
+    def _key_end(self, params):
+        """The packed params' bidirectional blocks if they apply to this layer (Gemma 4: sliding-window layers only)."""
+        if params.key_end is None or (params.key_end_sliding_only and not self.window):
+            return None
+        return params.key_end
 
 
 def _layer_window(config, layer_number: int) -> int:

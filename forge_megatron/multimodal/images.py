@@ -13,6 +13,11 @@ processor's filter; pan-and-scan crops are refused), its patches are the image c
 (qwen_vl.gemma3_patches) and its text in a prompt ``\n\n<start_of_image>`` + its image tokens +
 ``<end_of_image>\n\n``, as transformers' ``Gemma3Processor`` writes it.
 
+Gemma 4 keeps each image's aspect: the target is the largest size within ``max_soft_tokens * pooling_kernel_size^2``
+patches whose sides are multiples of ``patch_size * pooling_kernel_size`` (its processor's rule,
+:func:`gemma4_size`), taken again from the result until it stays (so the processor does not resize the PNG a second
+time); its patches are the processor's (row-major, channels last) and its text ``<boi>`` + its tokens + ``<eoi>``.
+
 Target size (the Qwen-VL rule): each side rounded to a multiple of ``f = patch_size * merge_size``; if the area
 exceeds ``max_pixels`` both sides are scaled by sqrt(h w / max_pixels) and floored to multiples of f, if it is below
 ``min_pixels`` scaled up and ceiled. Aspect ratios beyond 200 are refused, as are images over ``MAX_IMAGE_BYTES``
@@ -157,6 +162,26 @@ def target_size(h: int, w: int, factor: int, min_pixels: int, max_pixels: int,
     return hh, ww
 
 
+def gemma4_size(height: int, width: int, patch: int, max_patches: int, kernel: int) -> tuple[int, int]:
+    """The size Gemma 4's image processor resizes an image to (transformers' ``get_aspect_ratio_preserving_size``):
+    the aspect kept, at most ``max_patches`` patches, each side a multiple of ``patch * kernel`` (rounded down; a side
+    that would vanish is one multiple, the other its aspect in multiples, within the budget's longest side)."""
+    step = patch * kernel
+    budget = max_patches * patch * patch
+    factor = math.sqrt(budget / (height * width))
+    h, w = int(math.floor(factor * height / step)) * step, int(math.floor(factor * width / step)) * step
+    if h == 0 and w == 0:
+        raise ValueError(f"a {height} x {width} image cannot be resized to whole {step}-pixel cells")
+    longest = (max_patches // kernel ** 2) * step
+    if h == 0:
+        h, w = step, min(int(math.floor(width / height)) * step, longest)
+    elif w == 0:
+        w, h = step, min(int(math.floor(height / width)) * step, longest)
+    if h * w > budget:
+        raise ValueError(f"a {height} x {width} image resizes to {h} x {w}, over {max_patches} patches")
+    return h, w
+
+
 class ImageProcessor:
     """A checkpoint's images: normalization (gateway), token counts, and patches (engine and trainer).
 
@@ -186,6 +211,13 @@ class ImageProcessor:
             if getattr(self.hf, "do_pan_and_scan", False):
                 raise ValueError(f"{model_dir}: the image processor's pan-and-scan crops are not supported (set "
                                  "do_pan_and_scan false in preprocessor_config.json)")
+        if self.spec.gemma4:
+            kernel, soft = int(self.hf.pooling_kernel_size), int(self.hf.max_soft_tokens)
+            if kernel != self.spec.merge or int(self.hf.patch_size) != self.spec.patch_size:
+                raise ValueError(f"{model_dir}: the image processor's patches ({self.hf.patch_size}, pooled "
+                                 f"{kernel} x {kernel}) are not the vision tower's ({self.spec.patch_size}, pooled "
+                                 f"{self.spec.merge} x {self.spec.merge})")
+            self.max_patches = soft * kernel * kernel
         self.patch = int(self.spec.patch_size or self.hf.patch_size)
         self.merge = int(getattr(self.hf, "merge_size", self.spec.merge))
         if self.merge != self.spec.merge:
@@ -204,9 +236,9 @@ class ImageProcessor:
         # the tokens around an image's: Qwen's vision_start / vision_end, GLM's image_start / image_end, Gemma's
         # boi / eoi
         self.vision_start = next((hf_config[k] for k in ("vision_start_token_id", "image_start_token_id",
-                                                         "boi_token_index") if k in hf_config), None)
-        self.vision_end = next((hf_config[k] for k in ("vision_end_token_id", "image_end_token_id", "eoi_token_index")
-                                if k in hf_config), None)
+                                                         "boi_token_index", "boi_token_id") if k in hf_config), None)
+        self.vision_end = next((hf_config[k] for k in ("vision_end_token_id", "image_end_token_id", "eoi_token_index",
+                                                       "eoi_token_id") if k in hf_config), None)
 
     def placeholder(self, tokenizer) -> str | None:
         """The text of one image in a prompt (``<|vision_start|><|image_pad|><|vision_end|>``; GLM-4.xV's
@@ -249,6 +281,9 @@ class ImageProcessor:
         if self.square:  # with the processor's own filter: its resize of the result is then none
             h = w = self.square
             resample = Image.Resampling(int(getattr(self.hf, "resample", Image.Resampling.BILINEAR)))
+        elif self.spec.gemma4:
+            h, w = self._gemma4_size(image.height, image.width, where)
+            resample = Image.Resampling(int(getattr(self.hf, "resample", Image.Resampling.BICUBIC)))
         else:
             h, w = target_size(image.height, image.width, self.factor, self.min_pixels, self.max_pixels, self.glm)
             resample = Image.Resampling.BICUBIC
@@ -257,6 +292,20 @@ class ImageProcessor:
         out = io.BytesIO()
         image.save(out, format="PNG")
         return out.getvalue()
+
+    def _gemma4_size(self, height: int, width: int, where: str = "image") -> tuple[int, int]:
+        """Gemma 4's size for an image of ``height`` x ``width`` (:func:`gemma4_size`), taken again from the result
+        until it stays (at most a few steps: the sizes only grow, within the budget)."""
+        size = (height, width)
+        for _ in range(64):
+            try:
+                nxt = gemma4_size(*size, self.patch, self.max_patches, self.spec.merge)
+            except ValueError as exc:
+                raise ImageError(f"{where}: {exc}") from None
+            if nxt == size:
+                return size
+            size = nxt
+        return size
 
     def grid(self, data: bytes) -> tuple[int, int, int]:
         """The (t, h, w) patch grid of normalized ``data`` (its size read off the header: nothing is decoded)."""
@@ -268,6 +317,9 @@ class ImageProcessor:
             raise ImageError(f"image is not a readable image: {exc}") from None
         if self.square:
             return 1, self.square // self.patch, self.square // self.patch
+        if self.spec.gemma4:
+            h, w = self._gemma4_size(height, width)
+            return 1, h // self.patch, w // self.patch
         h, w = target_size(height, width, self.factor, self.min_pixels, self.max_pixels, self.glm)
         return 1, h // self.patch, w // self.patch
 
@@ -298,6 +350,18 @@ class ImageProcessor:
                                  f"vision tower takes (1, 3, {self.square}, {self.square})")
             patches = gemma3_patches(torch.from_numpy(pixels.astype("float32")), self.patch).numpy()
             return ImageInput(patches, self.grid(data))
+        if self.spec.gemma4:  # its patches without the padding, checked to be row-major as the tower takes them
+            import numpy as np
+
+            grid = self.grid(data)
+            n = grid[1] * grid[2]
+            positions = out["image_position_ids"][0]
+            ys, xs = np.meshgrid(np.arange(grid[1]), np.arange(grid[2]), indexing="ij")
+            if n > positions.shape[0] or not (positions[:n] == np.stack([xs.ravel(), ys.ravel()], -1)).all() \
+                    or (positions[n:] != -1).any():
+                raise ImageError(f"the image processor's patches are not the {grid[1]} x {grid[2]} grid of an image "
+                                 "normalised for it")
+            return ImageInput(out["pixel_values"][0, :n].astype("float32"), grid)
         grid, want = tuple(int(x) for x in out["image_grid_thw"][0]), self.grid(data)
         if grid != want:
             raise ImageError(f"the image processor made a {grid} grid of an image normalized to {want} "

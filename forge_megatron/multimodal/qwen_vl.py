@@ -23,6 +23,14 @@ checkpoint's ``vision_tower`` and ``multi_modal_projector`` (:class:`Gemma3Tower
 as the Qwen towers do (``ImageInput.pixel_values``: [patches, 3 * patch^2], row-major, channels first within a
 patch) and puts each image back together for SigLIP's convolution.
 
+Gemma 4 (``Gemma4ForConditionalGeneration``, its images only) is Gemma 3's with images of any size: the processor
+resizes each (aspect kept) to a patch budget with sides that are multiples of ``patch_size * pooling_kernel_size``,
+its patches (row-major, channels last within a patch) go through the vision tower with their (x, y) positions,
+``pooling_kernel_size``^2 patches average-pooled into each token (grid ``(1, h, w)`` patches, ``merge`` the kernel),
+and ``embed_vision`` projects them (:class:`Gemma4Tower`). An image's tokens see each other in the sliding-window
+layers only (``bidirectional == "sliding"``; the releases whose text config says ``use_bidirectional_attention: "vision"``),
+the global layers staying causal, as transformers' Gemma 4 masks them.
+
 These are the rules of transformers' ``Qwen3VLModel.get_rope_index`` and ``Qwen3VLTextRotaryEmbedding`` (transformers
 5.24), which the tests compare with; a token's positions depend only on the tokens before it, so a prefix shared by
 several samples has the same positions in each, and the prefix tree (multimodal/tree.py) holds them per tree token.
@@ -41,8 +49,8 @@ import torch
 # vision-language checkpoints whose image inputs this module handles, by their HF ``model_type``: Qwen3-VL / -MoE,
 # Qwen3.5 (dense and MoE) and GLM-4.1V / 4.6V-Flash / 4.5V / 4.6V (the same positions; GLM's mRoPE sections are
 # contiguous, each frequency's angle repeated for its interleaved pair of channels)
-_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "gemma3")
-SUPPORTED = "Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV and Gemma 3"
+_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "gemma3", "gemma4")
+SUPPORTED = "Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV, Gemma 3 and Gemma 4"
 
 
 @dataclass(frozen=True)
@@ -56,13 +64,19 @@ class VisionSpec:
     interleaved: bool  # mrope_interleaved (Qwen3-VL, Qwen3.5) or contiguous sections (Qwen2-VL's and GLM-4.xV's)
     deepstack_layers: int  # language-model layers (the first ones) that get DeepStack features added
     vision_prefix: str = "model.visual."  # the tower's tensors in the checkpoint ("": Gemma3Tower's own names)
-    bidirectional: bool = False  # the tokens of an image see each other (Gemma 3)
+    bidirectional: bool | str = False  # the tokens of an image see each other (Gemma 3: True, in every layer;
+    # Gemma 4: "sliding", in the sliding-window layers only)
     image_size: int = 0  # Gemma 3: every image is an image_size square of (image_size / patch_size)^2 patches
     patch_size: int = 0
+    kind: str = "qwen"  # "qwen" (Qwen-VL, GLM-4.xV), "gemma3" or "gemma4": which tower and image inputs
 
     @property
     def gemma3(self) -> bool:
-        return self.image_size > 0
+        return self.kind == "gemma3"
+
+    @property
+    def gemma4(self) -> bool:
+        return self.kind == "gemma4"
 
     def tokens_per_image(self, grid_thw) -> int:
         t, h, w = (int(x) for x in grid_thw)
@@ -90,7 +104,17 @@ def vision_spec(hf_config: dict) -> VisionSpec:
             raise ValueError(f"{arch}: images of {size} pixels in patches of {patch} cannot pool to {tokens} tokens")
         return VisionSpec(image_token_id=int(image_token), merge=side // per_side, mrope_section=None,
                           interleaved=False, deepstack_layers=0, vision_prefix="", bidirectional=True,
-                          image_size=size, patch_size=patch)
+                          image_size=size, patch_size=patch, kind="gemma3")
+    if kind == "gemma4":
+        if text.get("hidden_size_per_layer_input"):
+            raise ValueError(f"{arch}: images for Gemma 4 E2B / E4B (per-layer inputs, which take the image tokens' "
+                             "places as padding) are not supported yet; text-only RL works")
+        # the 31B / 26B-A4B releases: an image's tokens see each other in the sliding layers ("vision"); the smaller
+        # ones attend causally
+        both_ways = "sliding" if text.get("use_bidirectional_attention") == "vision" else False
+        return VisionSpec(image_token_id=int(image_token), merge=int(vision.get("pooling_kernel_size", 3)),
+                          mrope_section=None, interleaved=False, deepstack_layers=0, vision_prefix="model.",
+                          bidirectional=both_ways, patch_size=int(vision.get("patch_size", 16)), kind="gemma4")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     section = rope.get("mrope_section")
     if not section or len(section) != 3:
@@ -202,12 +226,58 @@ def _vision_config(hf_config):
 
 def _new_tower(config):
     """A fresh tower module of a checkpoint's transformers ``config``: ``AutoModel`` of its ``vision_config``, or for
-    Gemma 3 the SigLIP tower with its projector (:class:`Gemma3Tower`)."""
+    Gemma 3 the SigLIP tower with its projector (:class:`Gemma3Tower`), for Gemma 4 its tower and ``embed_vision``
+    (:class:`Gemma4Tower`)."""
     import transformers
 
     if config.model_type == "gemma3":
         return Gemma3Tower(config)
+    if config.model_type == "gemma4":
+        return Gemma4Tower(config)
     return transformers.AutoModel.from_config(config.vision_config)
+
+
+class Gemma4Tower(torch.nn.Module):
+    """Gemma 4's image side as one module: the ``vision_tower`` and ``embed_vision`` (a scale-free norm and a
+    projection into the language model), named as in the checkpoint (under ``model.``). Takes the images' patches
+    ([patches, patch^2 * 3] in the processor's layout, row-major) and grids, runs the images of one size together
+    (without the processor's padding: the same features) with their (x, y) patch positions, and gives
+    ``pooler_output`` [tokens, H] in image order, as transformers' ``Gemma4Model.get_image_features`` does."""
+
+    def __init__(self, config):
+        import transformers
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+
+        super().__init__()
+        self.vision_tower = transformers.AutoModel.from_config(config.vision_config)
+        self.embed_vision = Gemma4MultimodalEmbedder(config.vision_config, config.text_config)
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        self.vision_tower.gradient_checkpointing_enable(**kwargs)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, return_dict: bool = True):
+        from types import SimpleNamespace
+
+        grids = [tuple(int(x) for x in g) for g in grid_thw.tolist()]
+        sizes = [t * h * w for t, h, w in grids]
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        out: list = [None] * len(grids)
+        for grid in dict.fromkeys(grids):  # the images of one size in one call
+            which = [i for i, g in enumerate(grids) if g == grid]
+            batch = torch.stack([pixel_values[starts[i]:starts[i + 1]] for i in which])
+            _, h, w = grid
+            ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            positions = torch.stack([xs.reshape(-1), ys.reshape(-1)], -1).to(batch.device)
+            hidden = self.vision_tower(pixel_values=batch, pixel_position_ids=positions.expand(len(which), -1, -1),
+                                       return_dict=True).last_hidden_state
+            # (the tower gives the images' valid tokens flattened: [images * tokens, hidden])
+            features = self.embed_vision(inputs_embeds=hidden).reshape(len(which), -1,
+                                                                       self.embed_vision.text_hidden_size)
+            for j, i in enumerate(which):
+                out[i] = features[j]
+        return SimpleNamespace(pooler_output=torch.cat(out) if out else pixel_values.new_zeros(0))
 
 
 class Gemma3Tower(torch.nn.Module):
@@ -237,6 +307,20 @@ class Gemma3Tower(torch.nn.Module):
         hidden = self.vision_tower.vision_model(pixel_values=images, return_dict=True).last_hidden_state
         features = self.multi_modal_projector(hidden)
         return SimpleNamespace(pooler_output=features.reshape(-1, features.shape[-1]))
+
+
+def gemma4_inputs(images: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Gemma 4 image inputs of ``images`` (ImageInputs): patches padded to the largest image
+    [images, patches, features] and their (x, y) positions [images, patches, 2], -1 on the padding."""
+    most = max(im.pixel_values.shape[0] for im in images)
+    pixels = torch.zeros(len(images), most, images[0].pixel_values.shape[1])
+    positions = torch.full((len(images), most, 2), -1, dtype=torch.long)
+    for i, im in enumerate(images):
+        _, h, w = im.grid_thw
+        pixels[i, :h * w] = torch.from_numpy(np.asarray(im.pixel_values))
+        ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        positions[i, :h * w] = torch.stack([xs.reshape(-1), ys.reshape(-1)], -1)
+    return pixels, positions
 
 
 def gemma3_patches(images_N3SS: torch.Tensor, patch: int) -> torch.Tensor:
@@ -288,8 +372,9 @@ def load_vision_tower(hf_dir: str, spec: VisionSpec | None = None, dtype: torch.
     prefix = (spec or vision_spec(config.to_dict())).vision_prefix
     tower = _new_tower(config)
     reader = HFReader(hf_dir)
-    # (Gemma 3: the tower's own names, Gemma3Tower)
-    names = [n for n in reader.names() if n.startswith(prefix)] if prefix else list(tower.state_dict())
+    # (Gemma 3 and 4: the tower module's own names, under the prefix)
+    own = isinstance(tower, (Gemma3Tower, Gemma4Tower))
+    names = [prefix + n for n in tower.state_dict()] if own else [n for n in reader.names() if n.startswith(prefix)]
     state = {n[len(prefix):]: t for n, t in reader.get(names).items()}
     if not state:
         raise ValueError(f"{hf_dir!r} has no {prefix or 'vision_tower.'}* tensors: not a vision-language "

@@ -349,6 +349,13 @@ class ReferenceEngine:
                 image_S[:, :len(req.input_ids)] = torch.tensor([req.input_ids]) == spec.image_token_id
                 extra = dict(pixel_values=gemma3_images(pixels, spec.image_size, spec.patch_size),
                              token_type_ids=image_S)
+            elif spec.gemma4:  # the processor's padded patches and (x, y) positions; image tokens of the prompt
+                from forge_megatron.multimodal.qwen_vl import gemma4_inputs
+
+                image_S = torch.zeros_like(new_S)
+                image_S[:, :len(req.input_ids)] = torch.tensor([req.input_ids]) == spec.image_token_id
+                pixel_values, positions = gemma4_inputs(req.images)
+                extra = dict(pixel_values=pixel_values, image_position_ids=positions, mm_token_type_ids=image_S)
             else:
                 extra = dict(pixel_values=pixels, image_grid_thw=torch.tensor([im.grid_thw for im in req.images]),
                              mm_token_type_ids=(new_S == spec.image_token_id).int())

@@ -530,7 +530,7 @@ def test_rank_batch_packs_and_merges_by_images(vl_dirs):
 
 
 # ------------------------------------------------------------------------------------------- engine, images
-@pytest.fixture(scope="module", params=["qwen3_vl", "glm4v", "gemma3_vl"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "glm4v", "gemma3_vl", "gemma4_vl"])
 def vl_model_dir(tmp_path_factory, request):
     """A tiny Qwen3-VL / GLM-4.1V / Gemma 3 with image tokens in its tokenizer and an image processor (models.tiny,
     images=True)."""
@@ -595,6 +595,13 @@ def test_engine_generates_from_images(vl_model_dir):
             image[:, :len(ids)] = torch.tensor([ids]) == pad
             kw = dict(pixel_values=gemma3_images(pixels, proc.spec.image_size, proc.spec.patch_size),
                       token_type_ids=image)
+        elif ims and proc.spec.gemma4:
+            from forge_megatron.multimodal.qwen_vl import gemma4_inputs
+
+            image = torch.zeros_like(full)
+            image[:, :len(ids)] = torch.tensor([ids]) == pad
+            pixels, positions = gemma4_inputs(ims)
+            kw = dict(pixel_values=pixels, image_position_ids=positions, mm_token_type_ids=image)
         elif ims:
             kw = dict(pixel_values=torch.from_numpy(np.concatenate([i.pixel_values for i in ims])),
                       image_grid_thw=torch.tensor([i.grid_thw for i in ims]), mm_token_type_ids=(full == pad).int())
