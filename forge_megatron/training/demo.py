@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # --moe deepseek_v32: the keys each query attends to (the demo's prompts are a few hundred tokens: most of a sample's
 # tokens attend sparsely)
 DSA_TOPK = 64
-VISION_ARCHS = ("qwen3_vl", "gemma3_vl")  # the colour task's vision-language models
+VISION_ARCHS = ("qwen3_vl", "gemma3_vl", "gemma4_vl")  # the colour task's vision-language models
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "q/k RMSNorms over all heads); gemma4_moe: Gemma 4 26B-A4B's (--arch gemma4's layers with "
                         "routed experts beside the dense MLP in every layer)")
     p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e",
-                                      "qwen3_vl", "gemma3_vl"],
+                                      "qwen3_vl", "gemma3_vl", "gemma4_vl"],
                    default="qwen2",
                    help="the dense model's layout: qwen2 (default); qwen3_5: the Qwen3.5 hybrid (Gated DeltaNet "
                         "linear-attention layers trained on prefix trees, every fourth layer, and the last, gated full "
@@ -105,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "colour; the pictures travel through gateway, engine, pool and trainer); gemma3_vl: the same "
                         "task on Gemma 3's vision-language layout (a one-layer SigLIP tower pooled to 4 tokens per "
                         "16-pixel picture, each picture's tokens seeing each other, plain RoPE, --arch gemma3's "
-                        "language model)")
+                        "language model); gemma4_vl: the same on Gemma 4's (a one-layer tower on pictures of their "
+                        "own sizes, 4-pixel patches pooled 2 x 2, up to 70 tokens, each picture's tokens seeing each "
+                        "other in the sliding layers, --arch gemma4's language model)")
     p.add_argument("--sft-correct-fraction", type=float, default=0.3,
                    help="--arch qwen3_vl / gemma3_vl: the fraction of warm-start answers that name the picture's "
                         "colour (the others a random one), so RL has headroom")
@@ -236,7 +238,7 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
         arch.update(sliding_window=32, layer_types=["full_attention" if (i + 1) % 6 == 0 or i + 1 == args.num_layers
                                                     else "sliding_attention" for i in range(args.num_layers)])
         kind = "Gemma 3: sandwich norms, GeGLU, sliding windows, "
-    if args.arch == "gemma4" or args.moe == "gemma4_moe":  # the release's cap (the tiny arch's 0.5 tests it)
+    if args.arch in ("gemma4", "gemma4_vl") or args.moe == "gemma4_moe":  # the release's cap (the tiny arch's 0.5)
         arch.update(sliding_window=32, final_logit_softcapping=30.0,
                     layer_types=["full_attention" if (i + 1) % 6 == 0 or i + 1 == args.num_layers
                                  else "sliding_attention" for i in range(args.num_layers)])
@@ -248,10 +250,11 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
         kind = "Gemma 4 E2B / E4B layout: per-layer inputs, KV shared by the second half of the layers, "
     if vision:
         arch["images"] = True
-        kind = "Qwen3-VL: a one-block vision tower, DeepStack, interleaved mRoPE; the colour task, " \
-            if args.arch == "qwen3_vl" else \
-            "Gemma 3 vision-language: a SigLIP tower, bidirectional image attention, sliding windows; the colour " \
-            "task, "
+        kind = {"qwen3_vl": "Qwen3-VL: a one-block vision tower, DeepStack, interleaved mRoPE; the colour task, ",
+                "gemma3_vl": "Gemma 3 vision-language: a SigLIP tower, bidirectional image attention, sliding "
+                             "windows; the colour task, ",
+                "gemma4_vl": "Gemma 4 vision-language: a tower on pictures of their own sizes, image attention both "
+                             "ways in the sliding layers; the colour task, "}[args.arch]
     print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
                             num_hidden_layers=args.num_layers, **arch)

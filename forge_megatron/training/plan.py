@@ -256,6 +256,11 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
     }
 
 
+# Gemma 4's pictures in the estimate: 14 x 20 = 280 tokens, its processor's default budget (max_soft_tokens): the
+# pooling's memory grows with the picture's tokens, so the estimate takes the largest default picture
+GEMMA4_GRID = (14, 20)
+
+
 def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tuple[float, float]:
     """Bytes a trained bf16 vision tower keeps per image patch for its backward: (per block, the rest: patch
     embedding, position embeddings and the mergers). Measured, not modelled: the checkpoint's tower is built with
@@ -272,12 +277,13 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
     import torch
     import transformers
 
-    from forge_megatron.multimodal.qwen_vl import Gemma3Tower, _full_config, gemma3_patches
+    from forge_megatron.multimodal.qwen_vl import Gemma3Tower, Gemma4Tower, _full_config, gemma3_patches
     from forge_megatron.utils.memory import LiveBytes
 
     config = _full_config(hf_config)
     full = config.vision_config
     gemma3 = config.model_type == "gemma3"  # a SigLIP tower of fixed-size images and its projector
+    gemma4 = config.model_type == "gemma4"  # a tower of pooled patches and embed_vision
     heads = int(getattr(full, "num_heads", None) or full.num_attention_heads)
     k = full.hidden_size / (heads * width)
     slope = []  # bytes per patch, with 1 and 2 blocks
@@ -287,7 +293,7 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
         for name in ("intermediate_size", "out_hidden_size"):
             if getattr(small, name, None):
                 setattr(small, name, max(1, round(getattr(full, name) / k)))
-        setattr(small, "num_hidden_layers" if gemma3 else "depth", depth)
+        setattr(small, "num_hidden_layers" if gemma3 or gemma4 else "depth", depth)
         if getattr(small, "deepstack_visual_indexes", None):
             small.deepstack_visual_indexes = [0] * len(full.deepstack_visual_indexes)
         if gemma3:  # pictures of 4 x 4 pooled tokens (the real pooling kernel), the projector to a narrow width
@@ -297,6 +303,14 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
             wrapper.vision_config, wrapper.mm_tokens_per_image = small, 16
             wrapper.text_config.hidden_size = max(1, round(config.text_config.hidden_size / k))
             tower = Gemma3Tower(wrapper).to(torch.bfloat16).train()
+        elif gemma4:  # pictures of GEMMA4_TOKENS (the processor's default budget), the heads narrowed too,
+            # embed_vision to a narrow width
+            small.head_dim = width
+            side = int(full.pooling_kernel_size) * GEMMA4_GRID[0]
+            wrapper = copy.deepcopy(config)
+            wrapper.vision_config = small
+            wrapper.text_config.hidden_size = max(1, round(config.text_config.hidden_size / k))
+            tower = Gemma4Tower(wrapper).to(torch.bfloat16).train()
         else:
             tower = transformers.AutoModel.from_config(small).to(torch.bfloat16).train()
             side = 4 * int(getattr(small, "spatial_merge_size", 2))
@@ -308,6 +322,10 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
             if gemma3:
                 pixels = gemma3_patches(torch.randn(images, 3, side * full.patch_size, side * full.patch_size),
                                         full.patch_size).to(torch.bfloat16)
+            elif gemma4:
+                wide = side // GEMMA4_GRID[0] * GEMMA4_GRID[1]
+                grid = torch.tensor([[1, side, wide]] * images)
+                pixels = torch.rand(images * side * wide, 3 * full.patch_size ** 2, dtype=torch.bfloat16)
             else:
                 features = small.in_channels * getattr(small, "temporal_patch_size", 1) * small.patch_size ** 2
                 pixels = torch.randn(images * side * side, features, dtype=torch.bfloat16)
@@ -319,12 +337,15 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
                 gc.collect(0)
                 held.append(mode.live - before)
             del out
-        slope.append((held[1] - held[0]) / (2 * side * side))
+        per_image = int(grid[0].prod())
+        slope.append((held[1] - held[0]) / (2 * per_image))
     block = max(slope[1] - slope[0], 0.0)
     # Gemma 3: the patch embedding keeps its input, the pictures put back together from the patches (a copy, bf16),
     # whatever the widths: not scaled with them (the Qwen towers' take a view of the patches, held anyway)
-    pixels = 2 * 3 * int(full.patch_size) ** 2 if gemma3 else 0
-    return block * k, max(slope[0] - block - pixels, 0.0) * k + pixels
+    pixels = 2 * 3 * int(full.patch_size) ** 2 if gemma3 or gemma4 else 0  # (Gemma 4: its scaled copy)
+    # Gemma 4's pooling keeps a one-hot [patches, tokens] fp32 per image: by the picture's size, not the widths
+    pooling = 4 * GEMMA4_GRID[0] * GEMMA4_GRID[1] if gemma4 else 0
+    return block * k, max(slope[0] - block - pixels - pooling, 0.0) * k + pixels + pooling
 
 
 def vision_activation_bytes(hf_config, patches: float, in_flight: int, recompute: bool) -> float:

@@ -150,15 +150,17 @@ def test_short_fp8_demo_serves_and_syncs_fp8_weights(tmp_path):
     assert {"aborts", "resumed_tokens"} <= set(summary) and summary["discarded_tokens"] == 0  # resumed, not redone
 
 
-@pytest.mark.parametrize("tower", ["trained"])  # the frozen tower's trainer path: tests/multimodal (kept short here)
-def test_short_vision_demo_sends_pictures_through_every_process(tmp_path, tower):
-    """``--arch qwen3_vl``: the colour task on a tiny Qwen3-VL model: the agent sends pictures, the gateway normalises
-    and expands them and sends them to the engine, the pool stores them with the episodes, the trainer encodes them with
-    the vision tower (frozen; or trained, ``--train-vision-tower``, and then synced with the language model through the
+# the frozen tower's trainer path: tests/multimodal (kept short here); Gemma 4: pictures of their own sizes, image
+# blocks in the sliding layers
+@pytest.mark.parametrize("arch,tower", [("qwen3_vl", "trained"), ("gemma4_vl", "frozen")])
+def test_short_vision_demo_sends_pictures_through_every_process(tmp_path, arch, tower):
+    """``--arch qwen3_vl`` (``gemma4_vl``): the colour task on a tiny Qwen3-VL (Gemma 4) model: the agent sends
+    pictures, the gateway normalises and expands them and sends them to the engine, the pool stores them with the
+    episodes, the trainer encodes them with the vision tower (frozen; or trained, ``--train-vision-tower``, and then synced with the language model through the
     demo's disk transport), and the weights synced every step reach the engine's vision-language model. Step 1 trains
     the weights that sampled its tokens: the trainer scores them as the engine did, pictures included."""
     out = tmp_path / "vision_run"
-    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--arch", "qwen3_vl", "--out", str(out), "--steps",
+    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--arch", arch, "--out", str(out), "--steps",
            "4" if tower == "trained" else "2", "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4",
            "--timeout-s", "400", "--eval-tasks", "4", *(["--train-vision-tower"] if tower == "trained" else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})

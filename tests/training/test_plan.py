@@ -344,7 +344,12 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
     if recompute:
         tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gemma3 = hf["model_type"] == "gemma3"  # its pictures are all the checkpoint's size
-    side = vc.image_size // vc.patch_size if gemma3 else 6 * vc.spatial_merge_size  # not the estimate's size
+    gemma4 = hf["model_type"] == "gemma4"
+    side = vc.image_size // vc.patch_size if gemma3 else 6 * (0 if gemma4 else vc.spatial_merge_size)  # (not the
+    # estimate's size; Gemma 4: its estimate's pictures, at its default budget, the size its pooling's memory follows)
+    wide = side
+    if gemma4:
+        side, wide = (vc.pooling_kernel_size * n for n in plan.GEMMA4_GRID)
     held = []
     for images in (1, 3):
         if gemma3:
@@ -352,6 +357,8 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
 
             pixels = gemma3_patches(torch.randn(images, 3, vc.image_size, vc.image_size), vc.patch_size)
             pixels = pixels.to(torch.bfloat16)
+        elif gemma4:
+            pixels = torch.rand(images * side * wide, 3 * vc.patch_size ** 2, dtype=torch.bfloat16)
         else:
             pixels = torch.randn(images * side * side,
                                  vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, dtype=torch.bfloat16)
@@ -359,16 +366,17 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
         with mode:
             gc.collect()
             before = mode.live
-            out = tower(pixels, grid_thw=torch.tensor([[1, side, side]] * images), return_dict=True)
+            out = tower(pixels, grid_thw=torch.tensor([[1, side, wide]] * images), return_dict=True)
             gc.collect()
             held.append(mode.live - before)
         del out
-    return (held[1] - held[0]) / (2 * side * side)
+    return (held[1] - held[0]) / (2 * side * wide)
 
 
 @pytest.mark.parametrize("arch,name", [("qwen3_vl", "Qwen3VLForConditionalGeneration"),
                                        ("glm4v", "Glm4vForConditionalGeneration"),
-                                       ("gemma3_vl", "Gemma3ForConditionalGeneration")])
+                                       ("gemma3_vl", "Gemma3ForConditionalGeneration"),
+                                       ("gemma4_vl", "Gemma4ForConditionalGeneration")])
 def test_trained_vision_tower_activation_estimate_is_what_the_tower_keeps(arch, name):
     """--train-vision-tower: forge-plan's bytes per patch (measured on a tower 8x narrower, scaled back) against
     what the real bf16 tower keeps for its backward on other pictures: within 10 %, with and without its blocks
@@ -380,6 +388,9 @@ def test_trained_vision_tower_activation_estimate_is_what_the_tower_keeps(arch, 
         hf["vision_config"].update(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
                                    num_attention_heads=4, image_size=32)
         hf["mm_tokens_per_image"] = 16
+    elif arch == "gemma4_vl":  # heads of 64
+        hf["vision_config"].update(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=4, head_dim=64)
     else:
         hf["vision_config"].update(hidden_size=256, intermediate_size=1024, depth=3, num_heads=4)
     for recompute in (False, True):
