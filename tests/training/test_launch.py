@@ -402,10 +402,12 @@ def test_dry_run_of_a_gemma3_vision_language_checkpoint_uses_sglangs_triton_atte
     keeps SGLang's default; SGLANG_ATTENTION_BACKEND overrides it."""
     import json
 
+    from forge_megatron.models.tiny import tiny_config
+
     gemma, other = tmp_path / "gemma", tmp_path / "qwen"
-    for d, arch in ((gemma, "Gemma3ForConditionalGeneration"), (other, "Qwen3ForCausalLM")):
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    for d, tiny, arch in ((gemma, "gemma3_vl", "Gemma3ForConditionalGeneration"), (other, "qwen3", "Qwen3ForCausalLM")):
+        d.mkdir()  # (whole configs: forge.sbatch plans the memory from them where forge_megatron imports)
+        (d / "config.json").write_text(json.dumps({**tiny_config(tiny).to_dict(), "architectures": [arch]}))
 
     def backends(script_env, **env):
         if script_env == "sbatch":
