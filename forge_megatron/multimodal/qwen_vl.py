@@ -58,12 +58,13 @@ class VisionSpec:
     """What the language model needs to know of a checkpoint's images (read off its HF config by :func:`vision_spec`)."""
 
     image_token_id: int
-    merge: int  # spatial_merge_size: merge x merge patches make one image token (Gemma 3: the pooling kernel)
+    merge: int  # spatial_merge_size: merge x merge patches make one image token (Gemma 3 and 4: the pooling kernel)
     mrope_section: tuple[int, int, int] | None  # rotary frequencies per axis (time, height, width), summing to D / 2;
-    # None: 1-D positions (Gemma 3), the model's own RoPE
+    # None: 1-D positions (Gemma 3 and 4), the model's own RoPE
     interleaved: bool  # mrope_interleaved (Qwen3-VL, Qwen3.5) or contiguous sections (Qwen2-VL's and GLM-4.xV's)
     deepstack_layers: int  # language-model layers (the first ones) that get DeepStack features added
-    vision_prefix: str = "model.visual."  # the tower's tensors in the checkpoint ("": Gemma3Tower's own names)
+    vision_prefix: str = "model.visual."  # the tower's tensors in the checkpoint (Gemma 3: "" and Gemma 4: "model.",
+    # before the names of Gemma3Tower / Gemma4Tower)
     bidirectional: bool | str = False  # the tokens of an image see each other (Gemma 3: True, in every layer;
     # Gemma 4: "sliding", in the sliding-window layers only)
     image_size: int = 0  # Gemma 3: every image is an image_size square of (image_size / patch_size)^2 patches
@@ -159,7 +160,7 @@ def split_runs(tokens_L: np.ndarray, grids: list, spec: VisionSpec, sampled_L=No
 
 def positions_3d(tokens_L, grids: list, spec: VisionSpec, sampled_L=None) -> np.ndarray:
     """int64 [L, 3] (time, height, width) mRoPE positions of one sample with images of ``grids`` (t, h, w patches)
-    (``sampled_L``: see :func:`image_runs`); for a model without mRoPE (Gemma 3) each token's 1-D position thrice."""
+    (``sampled_L``: see :func:`image_runs`); for a model without mRoPE (Gemma 3, 4) each token's 1-D position thrice."""
     tokens_L = np.asarray(tokens_L)
     if spec.mrope_section is None:
         split_runs(tokens_L, grids, spec, sampled_L)  # (the same checks)
@@ -343,8 +344,8 @@ def gemma3_images(patches: torch.Tensor, size: int, patch: int) -> torch.Tensor:
 
 
 def build_vision_tower(hf_config, dtype: torch.dtype | None = None, device=None):
-    """The checkpoint's vision tower (``AutoModel`` of its ``vision_config``, a transformers module; Gemma 3's:
-    :class:`Gemma3Tower`), freshly initialised: the trainer's trainable tower, whose weights come through the bridge
+    """The checkpoint's vision tower (``AutoModel`` of its ``vision_config``, a transformers module; Gemma 3's and 4's:
+    :class:`Gemma3Tower`, :class:`Gemma4Tower`), freshly initialised: the trainer's trainable tower, whose weights come through the bridge
     (``Bridge(vision_tower=True)``) like the language model's."""
     return _new_tower(_full_config(hf_config)).to(device=device, dtype=dtype)
 
