@@ -274,7 +274,9 @@ def test_gemma3_images_through_the_gateway_are_scored_by_the_trainer_as_the_engi
     assert (logp[sampled] - rollout[sampled]).abs().max().item() <= 1e-4
 
 
-def _trained_tower_body(rank, world_size, hf_dir):
+def trained_tower_body(rank, world_size, hf_dir, samples, images):
+    """The tower trained with the language model (``--train-vision-tower``) on ``samples`` with ``images``: logprobs
+    and every gradient, exported under the checkpoint's names (Gemma 3 and 4 alike)."""
     from forge_megatron.bridge import Bridge
     from forge_megatron.mcore import vision
     from forge_megatron.mcore.forward import tree_logprobs
@@ -282,7 +284,6 @@ def _trained_tower_body(rank, world_size, hf_dir):
     from forge_megatron.multimodal import build_vision_tree, vision_spec
     from forge_megatron.training.checkpoint import load_hf_weights
 
-    samples, images, _ = batch()
     bridge = Bridge(hf_dir, vision_tower=True)
     model = build_tree_gpt(bridge.cfg)
     vision.attach_tower(model, bridge.hf_config)
@@ -309,7 +310,9 @@ def _released(name: str) -> str:
 def test_gemma3_trained_tower_gradients_equal_transformers(gemma_dir, hf_reference):
     """``--train-vision-tower``: the SigLIP tower and the projector train with the language model; every gradient,
     theirs under the checkpoint's names, is transformers'."""
-    (logp, grads), = run_distributed(_trained_tower_body, world_size=1, hf_dir=gemma_dir, timeout_s=600)
+    samples, images, _ = batch()
+    (logp, grads), = run_distributed(trained_tower_body, world_size=1, hf_dir=gemma_dir, samples=samples,
+                                     images=images, timeout_s=600)
     want, expected = hf_reference
     expected = {_released(n): g for n, g in expected.items()}
     assert (logp - want).abs().max().item() <= LOGP_ATOL
@@ -325,18 +328,15 @@ def test_gemma3_trained_tower_gradients_equal_transformers(gemma_dir, hf_referen
         [n for n in tower if grads[n].abs().max() <= 1e-6]
 
 
-def test_gemma3_trained_tower_reaches_the_engine(tmp_path):
-    """The weight sync sends Gemma 3's trained tower and projector under the released checkpoints' (and SGLang's)
-    names (vision_tower.vision_model.*, multi_modal_projector.*; the checkpoint here is transformers 5's, which saves
-    vision_tower.*), and the engine's Gemma3ForConditionalGeneration takes them (model.vision_tower.*, ...): its
-    tower equals the trainer's afterwards, the checkpoint's before."""
+def tower_synced_to_an_engine(tmp_path, arch: str, prefixes: tuple) -> tuple[dict, dict, dict]:
+    """A tiny ``arch`` served by forge-engine, a TP2 trainer model whose trained tower moved off the checkpoint's
+    synced to it: (the engine's tensors under ``prefixes`` before, its state after, {sent name: (tensor, trained)})."""
     from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.rollout.launch import start_engine
     from tests.multimodal.test_trainer_images import _tower_sync_body
 
-    model_dir = build_tiny_model(str(tmp_path / "g"), "gemma3_vl", images=True, seed=3, vocab_size=404)
+    model_dir = build_tiny_model(str(tmp_path / arch), arch, images=True, seed=3, vocab_size=404)
     engine = start_engine(model_dir, in_process=True)
-    prefixes = ("model.vision_tower.", "model.multi_modal_projector.")
     try:
         before = {n: t.clone() for n, t in engine.engine.model.state_dict().items() if n.startswith(prefixes)}
         out = run_distributed(_tower_sync_body, world_size=2, parallel=ParallelConfig(tp=2), hf_dir=model_dir,
@@ -346,6 +346,16 @@ def test_gemma3_trained_tower_reaches_the_engine(tmp_path):
         engine.stop()
     (version, excluded, tower), _ = out
     assert version == 1 and excluded == []
+    return before, after, tower
+
+
+def test_gemma3_trained_tower_reaches_the_engine(tmp_path):
+    """The weight sync sends Gemma 3's trained tower and projector under the released checkpoints' (and SGLang's)
+    names (vision_tower.vision_model.*, multi_modal_projector.*; the checkpoint here is transformers 5's, which saves
+    vision_tower.*), and the engine's Gemma3ForConditionalGeneration takes them (model.vision_tower.*, ...): its
+    tower equals the trainer's afterwards, the checkpoint's before."""
+    before, after, tower = tower_synced_to_an_engine(tmp_path, "gemma3_vl",
+                                                     ("model.vision_tower.", "model.multi_modal_projector."))
     held = {n: k for k in before if (n := _released(k)) in tower}
     assert before and set(held) == set(tower) and len(held) == len(before)
     assert all(n.startswith(("vision_tower.vision_model.", "multi_modal_projector.")) for n in tower)

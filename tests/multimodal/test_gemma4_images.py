@@ -234,32 +234,14 @@ def test_gemma4_images_through_the_gateway_are_scored_by_the_trainer_as_the_engi
     assert (logp[sampled] - rollout[sampled]).abs().max().item() <= 1e-4
 
 
-def _trained_tower_body(rank, world_size, hf_dir):
-    from forge_megatron.bridge import Bridge
-    from forge_megatron.mcore import vision
-    from forge_megatron.mcore.forward import tree_logprobs
-    from forge_megatron.mcore.tree_attention import build_tree_gpt
-    from forge_megatron.multimodal import build_vision_tree, vision_spec
-    from forge_megatron.training.checkpoint import load_hf_weights
-
-    samples, images = batch()
-    bridge = Bridge(hf_dir, vision_tower=True)
-    model = build_tree_gpt(bridge.cfg)
-    vision.attach_tower(model, bridge.hf_config)
-    load_hf_weights([model], bridge, hf_dir)
-    spec = vision_spec(bridge.hf_config)
-    vision.install(model, spec, key="policy", trained=True)
-    logp, _ = tree_logprobs(model, build_vision_tree(samples, images, spec))
-    (logp * _weights(logp.numel())).sum().backward()
-    grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-                               for n, p in model.named_parameters()))
-    return logp.detach(), grads
-
-
 def test_gemma4_trained_tower_gradients_equal_transformers(gemma_dir, hf_reference):
     """``--train-vision-tower``: Gemma 4's tower and embed_vision train with the language model; every gradient,
     theirs under the checkpoint's names (model.vision_tower.*, model.embed_vision.*), is transformers'."""
-    (logp, grads), = run_distributed(_trained_tower_body, world_size=1, hf_dir=gemma_dir, timeout_s=600)
+    from tests.multimodal.test_gemma3_images import trained_tower_body
+
+    samples, images = batch()
+    (logp, grads), = run_distributed(trained_tower_body, world_size=1, hf_dir=gemma_dir, samples=samples,
+                                     images=images, timeout_s=600)
     want, expected = hf_reference
     assert (logp - want).abs().max().item() <= LOGP_ATOL
     tower = {n for n in grads if n.startswith(("model.vision_tower.", "model.embed_vision."))}
@@ -275,25 +257,11 @@ def test_gemma4_trained_tower_gradients_equal_transformers(gemma_dir, hf_referen
 def test_gemma4_trained_tower_reaches_the_engine(tmp_path):
     """The weight sync sends Gemma 4's trained tower and embed_vision under the checkpoint's names, which the
     engine's Gemma4ForConditionalGeneration holds: its tower equals the trainer's afterwards."""
-    from forge_megatron.mcore.parallel import ParallelConfig
-    from forge_megatron.models.tiny import build_tiny_model
-    from forge_megatron.rollout.launch import start_engine
-    from tests.multimodal.test_trainer_images import _tower_sync_body
+    from tests.multimodal.test_gemma3_images import tower_synced_to_an_engine
 
-    model_dir = build_tiny_model(str(tmp_path / "g"), "gemma4_vl", images=True, seed=3, vocab_size=404)
-    engine = start_engine(model_dir, in_process=True)
-    prefixes = ("model.vision_tower.", "model.embed_vision.")
-    try:
-        before = {n: t.clone() for n, t in engine.engine.model.state_dict().items() if n.startswith(prefixes)}
-        out = run_distributed(_tower_sync_body, world_size=2, parallel=ParallelConfig(tp=2), hf_dir=model_dir,
-                              engine_url=engine.url, timeout_s=600, trainable="*")
-        after = engine.engine.model.state_dict()
-    finally:
-        engine.stop()
-    (version, excluded, tower), _ = out
-    assert version == 1 and excluded == []
-    assert before and set(tower) == {n for n in before if n in tower} and len(tower) <= len(before)
-    assert set(tower) == {n for n in before if not n.endswith(("std_bias", "std_scale"))}
+    before, after, tower = tower_synced_to_an_engine(tmp_path, "gemma4_vl", ("model.vision_tower.",
+                                                                             "model.embed_vision."))
+    assert before and set(tower) == set(before)  # (the checkpoint's names are the engine's)
     for name, (t, _) in tower.items():
         assert torch.equal(after[name], t.to(after[name].dtype)), name
         assert not torch.equal(after[name], before[name]), name

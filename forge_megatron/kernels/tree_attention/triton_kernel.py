@@ -128,6 +128,20 @@ def _row_stats(LSE, DELTA, n, rows_m, TQ):
 
 
 @triton.jit
+def _query_block_keys(QKEMIN, QKEMAX, q_hi, HAS_KEY_END: tl.constexpr):
+    """(the end of the keys the query block sees, the least key_end of its queries): with bidirectional blocks no
+    query of the block sees a key at or past the block's greatest key_end; causally the keys end at q_hi (kemin is
+    then unused)."""
+    if HAS_KEY_END:
+        k_end = tl.load(QKEMAX + tl.program_id(0))
+        kemin = tl.load(QKEMIN + tl.program_id(0))
+    else:
+        k_end = q_hi
+        kemin = 0
+    return k_end, kemin
+
+
+@triton.jit
 def _probabilities(q, k, lse2, offs_m, offs_n, q_lo, q_hi, k_lo, kmin, kemin, SUB_END, T, qk_scale, DEPTH, KEY_END,
                    WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    HAS_KEY_END: tl.constexpr):
@@ -167,12 +181,7 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
     if WINDOW > 0:
         qdmin = tl.load(QDMIN + tl.program_id(0))
-    if HAS_KEY_END:  # no query of the block sees a key at or past the block's greatest key_end
-        k_end = tl.load(QKEMAX + tl.program_id(0))
-        kemin = tl.load(QKEMIN + tl.program_id(0))
-    else:
-        k_end = q_hi
-        kemin = 0
+    k_end, kemin = _query_block_keys(QKEMIN, QKEMAX, q_hi, HAS_KEY_END)
     for kb in range(0, tl.cdiv(k_end, BLOCK_N)):
         live = tl.load(KMAX + kb) > q_lo  # otherwise the tile is empty
         if WINDOW > 0:  # or every key is WINDOW or more levels above every query
@@ -224,12 +233,7 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     if WINDOW > 0:
         qdmin = tl.load(QDMIN + tl.program_id(0))
-    if HAS_KEY_END:  # no query of the block sees a key at or past the block's greatest key_end
-        k_end = tl.load(QKEMAX + tl.program_id(0))
-        kemin = tl.load(QKEMIN + tl.program_id(0))
-    else:
-        k_end = q_hi
-        kemin = 0
+    k_end, kemin = _query_block_keys(QKEMIN, QKEMAX, q_hi, HAS_KEY_END)
     for kb in range(0, tl.cdiv(k_end, BLOCK_N)):
         live = tl.load(KMAX + kb) > q_lo  # otherwise the tile is empty
         if WINDOW > 0:  # or every key is WINDOW or more levels above every query
