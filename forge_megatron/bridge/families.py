@@ -278,6 +278,8 @@ def text_view(hf: dict) -> dict:
     text = dict(hf["text_config"])
     text["architectures"] = hf["architectures"]
     text["tie_word_embeddings"] = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    if hf.get("image_token_id") is not None:  # (Gemma 4 E2B / E4B: its per-layer inputs take images as padding)
+        text.setdefault("image_token_id", hf["image_token_id"])
     if hf.get("quantization_config") and not text.get("quantization_config"):  # a quantized release's, either level
         text["quantization_config"] = hf["quantization_config"]
     return text
@@ -778,6 +780,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         if width:  # E2B / E4B: per-layer inputs from their own embedding table
             kwargs.update(per_layer_input_size=width,
                           per_layer_input_vocab=int(hf.get("vocab_size_per_layer_input") or hf["vocab_size"]))
+            if hf.get("image_token_id") is not None:  # as released (vision-language): images' per-layer inputs
+                kwargs["per_layer_image_token"] = (int(hf["image_token_id"]), int(hf.get("pad_token_id") or 0))
         sources = hf["gemma4_kv_shared_from"]
         if any(x is not None for x in sources):  # E2B / E4B: the last layers reuse earlier layers' keys and values
             kwargs["kv_shared_from"] = sources

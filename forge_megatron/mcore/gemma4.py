@@ -192,10 +192,12 @@ class PerLayerInputs(MegatronModule):
     ``model_projection``, N an RMSNorm over each row and E the ``word_embeddings`` table (vocabulary x layers * width).
     Replicated on every TP rank (the trainer refuses PP for these models)."""
 
-    def __init__(self, config, num_layers: int, width: int, vocab: int):
+    def __init__(self, config, num_layers: int, width: int, vocab: int, pad: int | None = None):
         super().__init__(config=config)
         self.num_layers, self.width = num_layers, width
-        self.word_embeddings = torch.nn.Embedding(vocab, num_layers * width, dtype=config.params_dtype)
+        # (``pad``: the pad token's row takes no gradient, as transformers' table has it: images look it up)
+        self.word_embeddings = torch.nn.Embedding(vocab, num_layers * width, padding_idx=pad,
+                                                  dtype=config.params_dtype)
         self.word_embeddings.weight.sequence_parallel = config.sequence_parallel
         self.model_projection = _replicated_linear(config.hidden_size, num_layers * width, config)
         self.projection_norm = _WeightedRMSNorm(width, config.layernorm_epsilon, config)
@@ -222,7 +224,10 @@ def finish_layers(model, cfg) -> None:
     inputs (``cfg.per_layer_input_size``), h + N(P(gelu(G(h)) * input_l)) with G ``per_layer_input_gate`` (hidden ->
     width), P ``per_layer_projection`` and N ``post_per_layer_input_norm``; then, with ``cfg.layer_scalars``, times
     the layer's ``layer_scalar`` buffer (1 until a checkpoint sets it). The per-layer inputs are made from the token
-    ids and embeddings by a hook on the embedding (:class:`PerLayerInputs`, ``model.embedding.per_layer``)."""
+    ids (kept by a hook on the embedding) and the first layer's input (:class:`PerLayerInputs`,
+    ``model.embedding.per_layer``, by a pre-hook on the first layer): the embeddings, or for a vision-language
+    release's images (``cfg.per_layer_image_token``) the image features mcore/vision.py put there, their ids the pad
+    token's, as transformers' Gemma4Model makes them."""
     config = model.config
     holder = {}
     width = cfg.per_layer_input_size
@@ -232,12 +237,22 @@ def finish_layers(model, cfg) -> None:
         if ps.get_pipeline_model_parallel_world_size() > 1:
             raise ValueError("per-layer inputs (Gemma 4 E2B / E4B) are made on the first pipeline stage and used by "
                              "every layer: train these models without pipeline parallelism")
-        model.embedding.per_layer = PerLayerInputs(config, cfg.num_layers, width, cfg.per_layer_input_vocab)
+        pad = cfg.per_layer_image_token[1] if cfg.per_layer_image_token is not None else None
+        model.embedding.per_layer = PerLayerInputs(config, cfg.num_layers, width, cfg.per_layer_input_vocab, pad)
 
-        def make_inputs(module, args, kwargs, output):  # (GPTModel passes input_ids by keyword)
-            holder["inputs"] = module.per_layer(args[0] if args else kwargs["input_ids"], output)
+        def keep_ids(module, args, kwargs, output):  # (GPTModel passes input_ids by keyword)
+            ids = args[0] if args else kwargs["input_ids"]
+            if cfg.per_layer_image_token is not None:
+                image, pad = cfg.per_layer_image_token
+                ids = torch.where(ids == image, torch.full_like(ids, pad), ids)
+            holder["ids"] = ids
 
-        model.embedding.register_forward_hook(make_inputs, with_kwargs=True)
+        def make_inputs(module, args, kwargs):  # the first layer's input: the embeddings, images' features in place
+            h = args[0] if args else kwargs["hidden_states"]
+            holder["inputs"] = model.embedding.per_layer(holder["ids"], h.unwrap() if hasattr(h, "unwrap") else h)
+
+        model.embedding.register_forward_hook(keep_ids, with_kwargs=True)
+        model.decoder.layers[0].register_forward_pre_hook(make_inputs, with_kwargs=True)
 
     def finish(module, args, output):
         h = output[0] if isinstance(output, tuple) else output

@@ -128,6 +128,9 @@ class GPTConfig:
     # layer's MLP width where they differ (the KV-shared layers' double-wide MLP); all in mcore/gemma4.py
     per_layer_input_size: int = 0
     per_layer_input_vocab: int | None = None
+    # ... and of a vision-language release, (image token, pad token): an image token's per-layer inputs are the pad
+    # token's identity row and the projection of its image features (transformers' Gemma4Model)
+    per_layer_image_token: tuple[int, int] | None = None
     kv_shared_from: tuple[int | None, ...] | None = None
     layer_ffn_sizes: tuple[int, ...] | None = None
     params_dtype: torch.dtype = torch.float32

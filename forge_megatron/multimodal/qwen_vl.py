@@ -23,7 +23,8 @@ checkpoint's ``vision_tower`` and ``multi_modal_projector`` (:class:`Gemma3Tower
 as the Qwen towers do (``ImageInput.pixel_values``: [patches, 3 * patch^2], row-major, channels first within a
 patch) and puts each image back together for SigLIP's convolution.
 
-Gemma 4 (``Gemma4ForConditionalGeneration``, its images only) is Gemma 3's with images of any size: the processor
+Gemma 4 (``Gemma4ForConditionalGeneration``, its images; E2B / E4B's per-layer inputs take an image token as the pad
+token with its image features, mcore/gemma4.py) is Gemma 3's with images of any size: the processor
 resizes each (aspect kept) to a patch budget with sides that are multiples of ``patch_size * pooling_kernel_size``,
 its patches (row-major, channels last within a patch) go through the vision tower with their (x, y) positions,
 ``pooling_kernel_size``^2 patches average-pooled into each token (grid ``(1, h, w)`` patches, ``merge`` the kernel),
@@ -107,9 +108,6 @@ def vision_spec(hf_config: dict) -> VisionSpec:
                           interleaved=False, deepstack_layers=0, vision_prefix="", bidirectional=True,
                           image_size=size, patch_size=patch, kind="gemma3")
     if kind == "gemma4":
-        if text.get("hidden_size_per_layer_input"):
-            raise ValueError(f"{arch}: images for Gemma 4 E2B / E4B (per-layer inputs, which take the image tokens' "
-                             "places as padding) are not supported yet; text-only RL works")
         # the 31B / 26B-A4B releases: an image's tokens see each other in the sliding layers ("vision"); the smaller
         # ones attend causally
         both_ways = "sliding" if text.get("use_bidirectional_attention") == "vision" else False

@@ -18,13 +18,20 @@ IMG, BOI, EOI = 397, 398, 399
 PATCH, K = 4, 2  # the tiny tower's patches and pooling kernel
 
 
-def _checkpoint(out_dir: str, seed: int = 0, both_ways: bool = True) -> str:
+def _checkpoint(out_dir: str, seed: int = 0, both_ways: bool = True, e_layout: bool = False) -> str:
+    """A tiny Gemma 4 vision-language checkpoint; ``e_layout``: E2B / E4B's language model (per-layer inputs, KV
+    sharing, causal over images as those releases are)."""
     import transformers
 
     from forge_megatron.models import save_checkpoint
     from forge_megatron.models.tiny import tiny_config
 
     cfg = tiny_config("gemma4_vl", vocab_size=V)
+    if e_layout:
+        text = tiny_config("gemma4_e", vocab_size=V).to_dict()
+        cfg = transformers.Gemma4Config(text_config=text, vision_config=cfg.vision_config.to_dict(),
+                                        audio_config=None, tie_word_embeddings=True)
+        both_ways = False
     cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id = IMG, BOI, EOI
     cfg.text_config.use_bidirectional_attention = "vision" if both_ways else None
     torch.manual_seed(seed)
@@ -93,7 +100,7 @@ def hf_reference(gemma_dir):
     return logp.detach(), grads
 
 
-def _one_rank_body(rank, world_size, hf_dir):
+def _one_rank_body(rank, world_size, hf_dir, mutants=True):
     from forge_megatron.mcore.forward import tree_logprobs
     from forge_megatron.multimodal import build_vision_tree
 
@@ -105,6 +112,8 @@ def _one_rank_body(rank, world_size, hf_dir):
     grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
                                for n, p in model.named_parameters()))
     tower_calls = len(calls)
+    if not mutants:
+        return dict(logp=logp.detach(), grads=grads, tower_calls=tower_calls, spec=spec)
     with torch.no_grad():
         causal = tree_logprobs(model, build_vision_tree(samples, images,
                                                         dataclasses.replace(spec, bidirectional=False)))[0]
@@ -265,3 +274,26 @@ def test_gemma4_trained_tower_reaches_the_engine(tmp_path):
     for name, (t, _) in tower.items():
         assert torch.equal(after[name], t.to(after[name].dtype)), name
         assert not torch.equal(after[name], before[name]), name
+
+
+def test_e_layout_images_equal_transformers(tmp_path):
+    """E2B / E4B's language model (per-layer inputs, KV sharing) with images: an image token's per-layer inputs are
+    the pad token's identity row and the projection of its image features, as transformers' Gemma4Model makes them;
+    logprobs and every gradient equal transformers' (the images causal, as those releases attend)."""
+    import transformers
+
+    d = _checkpoint(str(tmp_path / "e"), seed=1, e_layout=True)
+    samples, images = batch()
+    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(d, dtype=torch.float32)
+    assert model.config.text_config.hidden_size_per_layer_input
+    want = hf_logprobs(model, samples, images)
+    (want * _weights(want.numel())).sum().backward()
+    expected = {_released(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
+    (got,) = run_distributed(_one_rank_body, world_size=1, hf_dir=d, mutants=False, timeout_s=600)
+    assert got["spec"].bidirectional is False
+    assert (got["logp"] - want.detach()).abs().max().item() <= LOGP_ATOL
+    biggest = max(g.abs().max().item() for g in expected.values())
+    for name, g in got["grads"].items():
+        ref = expected[name if name in expected else _released(name)]
+        err = ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-3 * biggest)).item()
+        assert err <= GRAD_RTOL, (name, err)
