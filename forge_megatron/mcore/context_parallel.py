@@ -357,7 +357,7 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
                       sinks=None, window=None, key_end_T=None):
     """Tree attention for this CP rank's zig-zag shard: o [T_l, N, Hv] over the whole padded tree ``sub_end_T``;
     ``sinks`` [N] and ``window``: gpt-oss attention; ``key_end_T`` (the whole padded tree's): bidirectional blocks,
-    Gemma 3's images (kernels/tree_attention/ops.py), in the all-to-all mode only."""
+    Gemma 3 and 4's images (kernels/tree_attention/ops.py), in the all-to-all mode only."""
     from forge_megatron.kernels.tree_attention import tree_attention
 
     C, rank, group = cp_world()
@@ -371,7 +371,7 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
                               **extras)
     mode = resolve_comm_type(comm_type, N, K, C)
     if key_end_T is not None and mode == "all_gather":
-        raise ValueError("bidirectional image attention (Gemma 3's images) under context parallelism needs the "
+        raise ValueError("bidirectional image attention (Gemma 3 and 4's images) under context parallelism needs the "
                          "all-to-all mode (--cp-comm-type a2a, with query heads divisible by the CP size)")
     if sub_end_T.numel() != C * Tl or Tl % (2 * ROUNDS):
         raise ValueError(f"CP rank holds {Tl} tokens but sub_end has {sub_end_T.numel()} (expected {C} x {Tl}, "

@@ -4,8 +4,9 @@ Tests and the demo need an engine that generates for real (tokens and logprobs c
 weights can be swapped by the trainer, without a GPU or SGLang. This server loads a HF causal LM from a local
 directory (transformers, fp32) and serves the subset of SGLang's native API that forge uses, with SGLang's field
 names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``stream``,
-``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV / Gemma 3 models: inline images, one per run of image tokens in
-``input_ids``), ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``, ``/pause_generation`` (mode abort|in_place|retract),
+``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV / Gemma 3 / Gemma 4 models: inline images, one per run of image
+tokens in ``input_ids``), ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
+``/pause_generation`` (mode abort|in_place|retract),
 ``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``; with ``--enable-lora`` SGLang's LoRA serving: ``/load_lora_adapter``,
 ``/unload_lora_adapter``, ``/generate``'s ``lora_path``, adapters listed by ``/v1/models`` (see lora_serving.py).
