@@ -470,6 +470,11 @@ class Bridge:
                          "gdn_conv": (self._split_gdn_conv, self._join_gdn_conv)}
 
     # --- names ----------------------------------------------------------------------------------------------
+    @property
+    def vision_tensor_names(self) -> set[str]:
+        """The checkpoint names of the trained vision tower's tensors (``vision_tower=True``; empty otherwise)."""
+        return set(self._vision_shapes)
+
     def rule(self, name: str) -> tuple[Rule, dict]:
         """The rule of canonical (or local) Megatron name ``name`` and its ``layer``/``expert`` numbers."""
         if name in self._vision:

@@ -389,14 +389,23 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelL
         raise MappingError(f"HF tensor(s) {sorted(extra)[:5]} are not used by the {bridge.family.name!r} mapping")
 
 
+def _held_as(name: str, owned: set) -> bool:
+    """``name`` (as a checkpoint stores it) is one of ``owned`` (as the bridge names them), under its own name or
+    another prefix (:data:`STORED_PREFIXES`)."""
+    return name in owned or any(name.startswith(held) and asked + name[len(held):] in owned
+                                for asked, held in STORED_PREFIXES)
+
+
 def vision_tower(bridge: Bridge, hf_dir: str | None, batch: int = 64):
     """(name, tensor) pairs of the vision tower of the vision-language checkpoint at ``hf_dir`` (Qwen3.5 as released:
     ``model.visual.``; Gemma 3: ``vision_tower.`` and ``multi_modal_projector.``), which RL on text leaves as it is,
     to complete an export; nothing for other models. A
     vision-language model exported without ``hf_dir`` raises, naming the flag, rather than writing a checkpoint whose
     vision tower would load randomly initialised."""
-    if not bridge.family.multimodal or bridge.vision_tower:  # (a trained tower is among the model's own tensors)
+    if not bridge.family.multimodal:
         return iter(())
+    if bridge.vision_tower and (not hf_dir or not os.path.isdir(hf_dir)):
+        return iter(())  # (a trained tower is among the model's own tensors)
     if not hf_dir or not os.path.isdir(hf_dir):
         raise ValueError(f"{bridge.hf_config['architectures'][0]} is a vision-language checkpoint: the export needs "
                          "the original checkpoint to copy its vision tower from (--vision-from HF_DIR; the trainer's "
@@ -404,6 +413,9 @@ def vision_tower(bridge: Bridge, hf_dir: str | None, batch: int = 64):
     reader = HFReader(hf_dir)
     prefixes = bridge.family.vision_prefixes
     names = sorted(n for n in reader.names() if n.startswith(prefixes))
+    if bridge.vision_tower:  # a trained tower is the model's own: only what it leaves out (Gemma 4's audio tower)
+        owned = bridge.vision_tensor_names
+        return (item for item in reader.get(n for n in names if not _held_as(n, owned)).items())
     if not names:
         raise ValueError(f"{hf_dir!r} has no {' / '.join(p + '*' for p in prefixes)} tensors (not the checkpoint this "
                          "model came from?)")

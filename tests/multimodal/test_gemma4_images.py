@@ -297,3 +297,28 @@ def test_e_layout_images_equal_transformers(tmp_path):
         ref = expected[name if name in expected else _released(name)]
         err = ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-3 * biggest)).item()
         assert err <= GRAD_RTOL, (name, err)
+
+
+def test_export_of_a_trained_tower_copies_only_what_it_leaves_out(tmp_path, gemma_dir):
+    """With the tower trained, the export writes its tensors from the model; from the original checkpoint it copies
+    only the vision-language tensors the tower leaves out (Gemma 4's audio tower: one stands in here), and nothing
+    twice (Gemma 3's SigLIP, held as vision_tower.* by transformers 5, is the bridge's vision_tower.vision_model.*)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.convert.checkpoint import vision_tower
+    from tests.multimodal.test_gemma3_images import build_gemma3_checkpoint
+
+    d = tmp_path / "with_audio"
+    shutil.copytree(gemma_dir, d)
+    (f,) = list(d.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    tensors["model.audio_tower.stand_in.weight"] = torch.ones(3)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    assert [n for n, _ in vision_tower(Bridge(str(d), vision_tower=True), str(d))] == \
+        ["model.audio_tower.stand_in.weight"]
+    assert any(n.startswith("model.vision_tower.") for n, _ in vision_tower(Bridge(str(d)), str(d)))  # frozen: all
+    g3 = build_gemma3_checkpoint(str(tmp_path / "g3"))
+    assert list(vision_tower(Bridge(g3, vision_tower=True), g3)) == []
