@@ -409,8 +409,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     from forge_megatron.models import save_checkpoint
 
     if images and arch not in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "glm4v", "glm4v_moe",
-                               "gemma3_vl", "gemma4_vl"):
-        raise ValueError(f"images=True is for the Qwen-VL, GLM-4.xV, Gemma 3 and Gemma 4 archs, not {arch!r}")
+                               "gemma3_vl", "gemma4_vl", "ministral3_vl"):
+        raise ValueError(f"images=True is for the Qwen-VL, GLM-4.xV, Gemma 3 / 4 and Ministral 3 archs, not {arch!r}")
     tok = build_tiny_tokenizer(vision=images)
     overrides.setdefault("vocab_size", len(tok))
     config = tiny_config(arch, tie_word_embeddings=tie_word_embeddings, **overrides)
@@ -420,6 +420,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             config.image_start_token_id, config.image_end_token_id, config.image_token_id = start, end, pad
         elif arch == "gemma3_vl":  # Gemma 3's: boi / eoi and the image token's index
             config.boi_token_index, config.eoi_token_index, config.image_token_index = start, end, pad
+        elif arch == "ministral3_vl":  # Mistral 3's image token; its row break and end: processor_config.json below
+            config.image_token_index = pad
         elif arch == "gemma4_vl":  # Gemma 4's, and its images' tokens seeing each other in the sliding layers
             config.boi_token_id, config.eoi_token_id, config.image_token_id = start, end, pad
             config.text_config.use_bidirectional_attention = "vision"
@@ -479,6 +481,15 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
         if arch == "gemma3_vl":
             side = config.vision_config.image_size
             transformers.Gemma3ImageProcessor(size={"height": side, "width": side}).save_pretrained(out_dir)
+        elif arch == "ministral3_vl":  # 4-pixel patches merged 2 x 2, pictures up to 64 pixels a side; the rows'
+            # break and end tokens as Pixtral's processor names them
+            vc = config.vision_config
+            transformers.PixtralImageProcessor(patch_size={"height": vc.patch_size, "width": vc.patch_size},
+                                               size={"longest_edge": 64}).save_pretrained(out_dir)
+            with open(os.path.join(out_dir, "processor_config.json"), "w") as f:
+                json.dump({"image_token": VISION_TOKENS[2], "image_break_token": VISION_TOKENS[0],
+                           "image_end_token": VISION_TOKENS[1], "patch_size": vc.patch_size,
+                           "spatial_merge_size": config.spatial_merge_size}, f)
         elif arch == "gemma4_vl":  # 4-pixel patches pooled 2 x 2, at most 70 tokens (280 patches) an image
             vc = config.vision_config
             transformers.Gemma4ImageProcessor(patch_size=vc.patch_size, pooling_kernel_size=vc.pooling_kernel_size,

@@ -18,6 +18,12 @@ patches whose sides are multiples of ``patch_size * pooling_kernel_size`` (its p
 :func:`gemma4_size`), taken again from the result until it stays (so the processor does not resize the PNG a second
 time); its patches are the processor's (row-major, channels last) and its text ``<boi>`` + its tokens + ``<eoi>``.
 
+Mistral 3 (Pixtral) keeps each image's aspect too: scaled down (floored) to fit ``longest_edge`` if larger, then each
+side rounded *up* to a multiple of ``patch_size * spatial_merge_size`` (its processor's rule, :func:`pixtral_size`,
+again taken until it stays); its text is ``[IMG]`` in the prompt, expanded to the image's rows: each row's tokens and
+``[IMG_BREAK]``, the last row's ending ``[IMG_END]`` (the names from ``processor_config.json``, as Pixtral's
+processor reads them).
+
 Target size (the Qwen-VL rule): each side rounded to a multiple of ``f = patch_size * merge_size``; if the area
 exceeds ``max_pixels`` both sides are scaled by sqrt(h w / max_pixels) and floored to multiples of f, if it is below
 ``min_pixels`` scaled up and ceiled. Aspect ratios beyond 200 are refused, as are images over ``MAX_IMAGE_BYTES``
@@ -182,6 +188,17 @@ def gemma4_size(height: int, width: int, patch: int, max_patches: int, kernel: i
     return h, w
 
 
+def pixtral_size(height: int, width: int, longest: int, step: int) -> tuple[int, int]:
+    """The size Mistral 3's (Pixtral's) image processor resizes an image to (transformers'
+    ``get_resize_output_image_size`` with the processor's ``patch_size * spatial_merge_size``): scaled down (floored)
+    to fit ``longest`` on both sides, then each side rounded up to a multiple of ``step`` (a side the scaling would
+    floor to nothing is one ``step``: the processor would make an empty image of it; it keeps the normalised one)."""
+    ratio = max(height / longest, width / longest)
+    if ratio > 1:
+        height, width = max(1, int(math.floor(height / ratio))), max(1, int(math.floor(width / ratio)))
+    return (height - 1) // step * step + step, (width - 1) // step * step + step
+
+
 class ImageProcessor:
     """A checkpoint's images: normalization (gateway), token counts, and patches (engine and trainer).
 
@@ -218,6 +235,22 @@ class ImageProcessor:
                                  f"{kernel} x {kernel}) are not the vision tower's ({self.spec.patch_size}, pooled "
                                  f"{self.spec.merge} x {self.spec.merge})")
             self.max_patches = soft * kernel * kernel
+        self.breaks = None
+        if self.spec.mistral3:  # its rows' break and end tokens, as Pixtral's processor names them
+            from transformers import AutoTokenizer
+
+            names = {"image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
+            path = os.path.join(model_dir, "processor_config.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    names.update({k: v for k, v in json.load(f).items() if k in names})
+            tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            ids = [tok.convert_tokens_to_ids(names[k]) for k in ("image_break_token", "image_end_token")]
+            if None in ids or tok.unk_token_id in ids:
+                raise ValueError(f"{model_dir}: the tokenizer has no {names['image_break_token']!r} / "
+                                 f"{names['image_end_token']!r} tokens (Mistral 3's image rows)")
+            self.breaks = tuple(ids)
+            self.longest = int((getattr(self.hf, "size", None) or {}).get("longest_edge") or 1024)
         self.patch = int(self.spec.patch_size or self.hf.patch_size)
         self.merge = int(getattr(self.hf, "merge_size", self.spec.merge))
         if self.merge != self.spec.merge:
@@ -244,9 +277,12 @@ class ImageProcessor:
         """The text of one image in a prompt (``<|vision_start|><|image_pad|><|vision_end|>``; GLM-4.xV's
         ``<|begin_of_image|><|image|><|end_of_image|>``), or None when the tokenizer does not give those three tokens
         back as themselves."""
-        if self.vision_start is None or self.vision_end is None:
+        if self.breaks is not None:  # Mistral 3: [IMG], expanded to the image's rows
+            ids = [self.spec.image_token_id]
+        elif self.vision_start is None or self.vision_end is None:
             return None
-        ids = [self.vision_start, self.spec.image_token_id, self.vision_end]
+        else:
+            ids = [self.vision_start, self.spec.image_token_id, self.vision_end]
         text = tokenizer.decode(ids, skip_special_tokens=False)
         if tokenizer.encode(text, add_special_tokens=False) != ids:
             return None
@@ -263,10 +299,22 @@ class ImageProcessor:
         out, k = list(ids[:start]), first
         for t in tail:
             if t == pad:
-                out += [pad] * self.num_tokens(images[k])
+                out += self.image_ids(images[k])
                 k += 1
             else:
                 out.append(t)
+        return out
+
+    def image_ids(self, data: bytes) -> list[int]:
+        """The tokens of normalized ``data`` in a prompt: its image tokens (Mistral 3: row by row, each row ending
+        with the break token, the last with the end token)."""
+        pad = self.spec.image_token_id
+        if self.breaks is None:
+            return [pad] * self.num_tokens(data)
+        rows, cols = self.spec.rows_of_image(self.grid(data))
+        out = []
+        for r in range(rows):
+            out += [pad] * cols + [self.breaks[1] if r == rows - 1 else self.breaks[0]]
         return out
 
     @property
@@ -281,8 +329,8 @@ class ImageProcessor:
         if self.square:  # with the processor's own filter: its resize of the result is then none
             h = w = self.square
             resample = Image.Resampling(int(getattr(self.hf, "resample", Image.Resampling.BILINEAR)))
-        elif self.spec.gemma4:
-            h, w = self._gemma4_size(image.height, image.width, where)
+        elif self.spec.gemma4 or self.spec.mistral3:
+            h, w = self._fixed_size(image.height, image.width, where)
             resample = Image.Resampling(int(getattr(self.hf, "resample", Image.Resampling.BICUBIC)))
         else:
             h, w = target_size(image.height, image.width, self.factor, self.min_pixels, self.max_pixels, self.glm)
@@ -293,13 +341,15 @@ class ImageProcessor:
         image.save(out, format="PNG")
         return out.getvalue()
 
-    def _gemma4_size(self, height: int, width: int, where: str = "image") -> tuple[int, int]:
-        """Gemma 4's size for an image of ``height`` x ``width`` (:func:`gemma4_size`), taken again from the result
-        until it stays (at most a few steps: the sizes only grow, within the budget)."""
+    def _fixed_size(self, height: int, width: int, where: str = "image") -> tuple[int, int]:
+        """Gemma 4's (:func:`gemma4_size`) or Mistral 3's (:func:`pixtral_size`) size for an image of ``height`` x
+        ``width``, taken again from the result until it stays (a few steps: Gemma 4's sizes only grow within the
+        budget; Pixtral's stay after one)."""
         size = (height, width)
         for _ in range(64):
             try:
-                nxt = gemma4_size(*size, self.patch, self.max_patches, self.spec.merge)
+                nxt = gemma4_size(*size, self.patch, self.max_patches, self.spec.merge) if self.spec.gemma4 else \
+                    pixtral_size(*size, self.longest, self.patch * self.merge)
             except ValueError as exc:
                 raise ImageError(f"{where}: {exc}") from None
             if nxt == size:
@@ -317,8 +367,8 @@ class ImageProcessor:
             raise ImageError(f"image is not a readable image: {exc}") from None
         if self.square:
             return 1, self.square // self.patch, self.square // self.patch
-        if self.spec.gemma4:
-            h, w = self._gemma4_size(height, width)
+        if self.spec.gemma4 or self.spec.mistral3:
+            h, w = self._fixed_size(height, width)
             return 1, h // self.patch, w // self.patch
         h, w = target_size(height, width, self.factor, self.min_pixels, self.max_pixels, self.glm)
         return 1, h // self.patch, w // self.patch
@@ -338,16 +388,22 @@ class ImageProcessor:
     def _image_input(self, data: bytes):
         from forge_megatron.multimodal.tree import ImageInput
 
-        out = self.hf(images=[open_image(data)], return_tensors="np")
-        if self.square:
+        if self.spec.mistral3:  # (its processor merges patches: sizes in whole merged patches, as Pixtral's does)
+            step = self.patch * self.merge
+            out = self.hf(images=[open_image(data)], patch_size={"height": step, "width": step}, return_tensors="np")
+        else:
+            out = self.hf(images=[open_image(data)], return_tensors="np")
+        if self.square or self.spec.mistral3:
             import torch
 
             from forge_megatron.multimodal.qwen_vl import gemma3_patches
 
             pixels = out["pixel_values"]
-            if pixels.shape != (1, 3, self.square, self.square):
-                raise ImageError(f"the image processor made pixel values of shape {pixels.shape} of one image, the "
-                                 f"vision tower takes (1, 3, {self.square}, {self.square})")
+            grid = self.grid(data)
+            want = (1, 3, grid[1] * self.patch, grid[2] * self.patch)
+            if pixels.shape != want:
+                raise ImageError(f"the image processor made pixel values of shape {pixels.shape} of one image "
+                                 f"normalised for {want}")
             patches = gemma3_patches(torch.from_numpy(pixels.astype("float32")), self.patch).numpy()
             return ImageInput(patches, self.grid(data))
         if self.spec.gemma4:  # its patches without the padding, checked to be row-major as the tower takes them

@@ -32,6 +32,12 @@ and ``embed_vision`` projects them (:class:`Gemma4Tower`). An image's tokens see
 layers only (``bidirectional == "sliding"``; the releases whose text config says ``use_bidirectional_attention: "vision"``),
 the global layers staying causal, as transformers' Gemma 4 masks them.
 
+Mistral 3 (``Mistral3ForConditionalGeneration`` with a dense language model: Ministral 3, Mistral Small 3.x) writes an
+image row by row: each row of ``w / merge`` image tokens is followed by ``[IMG_BREAK]``, the last by ``[IMG_END]``
+(``row_breaks``: an image is ``h / merge`` runs of image tokens, :func:`image_token_spans`). Its Pixtral tower takes
+the image whole (patches put back together, as Gemma 3's), with 2-D RoPE over its patches, and the projector merges
+``merge x merge`` patches into each token (:class:`Mistral3Tower`); positions are 1-D and attention causal.
+
 These are the rules of transformers' ``Qwen3VLModel.get_rope_index`` and ``Qwen3VLTextRotaryEmbedding`` (transformers
 5.24), which the tests compare with; a token's positions depend only on the tokens before it, so a prefix shared by
 several samples has the same positions in each, and the prefix tree (multimodal/tree.py) holds them per tree token.
@@ -50,8 +56,9 @@ import torch
 # vision-language checkpoints whose image inputs this module handles, by their HF ``model_type``: Qwen3-VL / -MoE,
 # Qwen3.5 (dense and MoE) and GLM-4.1V / 4.6V-Flash / 4.5V / 4.6V (the same positions; GLM's mRoPE sections are
 # contiguous, each frequency's angle repeated for its interleaved pair of channels)
-_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "gemma3", "gemma4")
-SUPPORTED = "Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV, Gemma 3 and Gemma 4"
+_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "gemma3", "gemma4",
+             "mistral3")
+SUPPORTED = "Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV, Gemma 3, Gemma 4 and Mistral 3 (Ministral 3, Mistral Small 3.x)"
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,9 @@ class VisionSpec:
     # Gemma 4: "sliding", in the sliding-window layers only)
     image_size: int = 0  # Gemma 3: every image is an image_size square of (image_size / patch_size)^2 patches
     patch_size: int = 0
-    kind: str = "qwen"  # "qwen" (Qwen-VL, GLM-4.xV), "gemma3" or "gemma4": which tower and image inputs
+    kind: str = "qwen"  # "qwen" (Qwen-VL, GLM-4.xV), "gemma3", "gemma4" or "mistral3": which tower and image inputs
+    row_breaks: bool = False  # each row of an image's tokens is a run of its own, a break token after it (Mistral 3)
+    feature_layer: int = -1  # Mistral 3: the tower's hidden states that the projector takes (vision_feature_layer)
 
     @property
     def gemma3(self) -> bool:
@@ -79,6 +88,17 @@ class VisionSpec:
     @property
     def gemma4(self) -> bool:
         return self.kind == "gemma4"
+
+    @property
+    def mistral3(self) -> bool:
+        return self.kind == "mistral3"
+
+    def rows_of_image(self, grid_thw) -> tuple[int, int]:
+        """(runs, tokens per run) of an image's tokens: its rows with row breaks, else one run of all."""
+        t, h, w = (int(x) for x in grid_thw)
+        if self.row_breaks:
+            return t * h // self.merge, w // self.merge
+        return 1, self.tokens_per_image(grid_thw)
 
     def tokens_per_image(self, grid_thw) -> int:
         t, h, w = (int(x) for x in grid_thw)
@@ -114,6 +134,14 @@ def vision_spec(hf_config: dict) -> VisionSpec:
         return VisionSpec(image_token_id=int(image_token), merge=int(vision.get("pooling_kernel_size", 3)),
                           mrope_section=None, interleaved=False, deepstack_layers=0, vision_prefix="model.",
                           bidirectional=both_ways, patch_size=int(vision.get("patch_size", 16)), kind="gemma4")
+    if kind == "mistral3":
+        layer = hf_config.get("vision_feature_layer", -1)
+        if not isinstance(layer, int):
+            raise ValueError(f"{arch}: vision_feature_layer {layer!r} (several layers joined) is not supported")
+        return VisionSpec(image_token_id=int(image_token), merge=int(hf_config.get("spatial_merge_size", 2)),
+                          mrope_section=None, interleaved=False, deepstack_layers=0, vision_prefix="",
+                          patch_size=int(vision.get("patch_size", 14)), kind="mistral3", row_breaks=True,
+                          feature_layer=layer)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     section = rope.get("mrope_section")
     if not section or len(section) != 3:
@@ -135,10 +163,33 @@ def image_runs(tokens_L: np.ndarray, image_token_id: int, sampled_L=None) -> lis
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
+def image_token_spans(tokens_L: np.ndarray, grids: list, spec: VisionSpec, sampled_L=None) -> list[list]:
+    """Per image of one sample, the (start, end) of each run of its tokens: one run, or with ``spec.row_breaks`` one
+    per row (each exactly a row's tokens, the runs of one image consecutive); ValueError when the image tokens do not
+    match ``grids``. ``sampled_L``: see :func:`image_runs`."""
+    if not spec.row_breaks:
+        return [[span] for span in split_runs(tokens_L, grids, spec, sampled_L)]
+    runs = image_runs(tokens_L, spec.image_token_id, sampled_L)
+    out, k = [], 0
+    for i, grid in enumerate(grids):
+        rows, cols = spec.rows_of_image(grid)
+        mine = runs[k:k + rows]
+        if len(mine) < rows or any(b - a != cols for a, b in mine):
+            raise ValueError(f"image {i} ({rows} rows of {cols} tokens) does not match the sample's image tokens "
+                             f"{[(a, b) for a, b in mine]}")
+        out.append(mine)
+        k += rows
+    if k != len(runs):
+        raise ValueError(f"image tokens at {runs[k][0]}..{runs[-1][1]} beyond the sample's {len(grids)} image(s)")
+    return out
+
+
 def split_runs(tokens_L: np.ndarray, grids: list, spec: VisionSpec, sampled_L=None) -> list[tuple[int, int]]:
     """(start, end) of each image's tokens in one sample, in order; ValueError when the image tokens do not add up to
-    ``grids`` (adjacent images form one run and are split by their token counts). ``sampled_L``: see
-    :func:`image_runs`."""
+    ``grids`` (adjacent images form one run and are split by their token counts; with ``spec.row_breaks`` from the
+    first token of an image's first row to the last of its last). ``sampled_L``: see :func:`image_runs`."""
+    if spec.row_breaks:
+        return [(rows[0][0], rows[-1][1]) for rows in image_token_spans(tokens_L, grids, spec, sampled_L)]
     counts = [spec.tokens_per_image(g) for g in grids]
     spans, k = [], 0
     for start, end in image_runs(tokens_L, spec.image_token_id, sampled_L):
@@ -233,7 +284,43 @@ def _new_tower(config):
         return Gemma3Tower(config)
     if config.model_type == "gemma4":
         return Gemma4Tower(config)
+    if config.model_type == "mistral3":
+        return Mistral3Tower(config)
     return transformers.AutoModel.from_config(config.vision_config)
+
+
+class Mistral3Tower(torch.nn.Module):
+    """Mistral 3's image side as one module: the Pixtral ``vision_tower`` and the ``multi_modal_projector`` (a norm,
+    the merge of ``spatial_merge_size``^2 patches, two linear layers), named as in the checkpoint. Takes the images'
+    patches ([patches, 3 * patch^2], :func:`gemma3_patches`' layout) and grids, puts each image back together and gives
+    ``pooler_output`` [tokens, H] in image order (rows of ``w / merge``), as transformers'
+    ``Mistral3Model.get_image_features`` does (its ``vision_feature_layer``'s hidden states)."""
+
+    def __init__(self, config):
+        import transformers
+        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
+
+        super().__init__()
+        self.vision_tower = transformers.AutoModel.from_config(config.vision_config)
+        self.multi_modal_projector = Mistral3MultiModalProjector(config)
+        self.patch_size, self.feature_layer = config.vision_config.patch_size, config.vision_feature_layer
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        self.vision_tower.gradient_checkpointing_enable(**kwargs)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, return_dict: bool = True):
+        from types import SimpleNamespace
+
+        out, start = [], 0
+        for t, h, w in grid_thw.tolist():
+            n = t * h * w
+            image = patches_image(pixel_values[start:start + n], h, w, self.patch_size)[None]
+            start += n
+            sizes = [(h * self.patch_size, w * self.patch_size)]
+            hidden = self.vision_tower(image, image_sizes=sizes, output_hidden_states=True,
+                                       return_dict=True).hidden_states[self.feature_layer]
+            out.append(self.multi_modal_projector(hidden.squeeze(0), sizes))
+        return SimpleNamespace(pooler_output=torch.cat(out) if out else pixel_values.new_zeros(0))
 
 
 class Gemma4Tower(torch.nn.Module):
@@ -322,13 +409,34 @@ def gemma4_inputs(images: list) -> tuple[torch.Tensor, torch.Tensor]:
     return pixels, positions
 
 
-def gemma3_patches(images_N3SS: torch.Tensor, patch: int) -> torch.Tensor:
-    """Square images [N, 3, S, S] as patches [N * (S / patch)^2, 3 * patch^2]: row-major over the patch grid, channels
-    first within a patch (as :class:`~forge_megatron.multimodal.tree.ImageInput` holds them)."""
-    n, c, size, _ = images_N3SS.shape
-    side = size // patch
-    x = images_N3SS.reshape(n, c, side, patch, side, patch).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(n * side * side, c * patch * patch)
+def mistral3_inputs(images: list, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Mistral 3 image inputs of ``images`` (ImageInputs): the images put back together and padded to
+    the largest [images, 3, H, W], and their sizes [images, 2]."""
+    whole = [patches_image(torch.from_numpy(np.asarray(im.pixel_values)), im.grid_thw[1], im.grid_thw[2], patch)
+             for im in images]
+    height, width = max(x.shape[1] for x in whole), max(x.shape[2] for x in whole)
+    padded = whole[0].new_zeros(len(whole), 3, height, width)
+    for i, x in enumerate(whole):
+        padded[i, :, :x.shape[1], :x.shape[2]] = x
+    return padded, torch.tensor([list(x.shape[1:]) for x in whole])
+
+
+def gemma3_patches(images_N3HW: torch.Tensor, patch: int) -> torch.Tensor:
+    """Images [N, 3, H, W] as patches [N * (H / patch) * (W / patch), 3 * patch^2]: row-major over each image's patch
+    grid, channels first within a patch (as :class:`~forge_megatron.multimodal.tree.ImageInput` holds Gemma 3's and
+    Mistral 3's)."""
+    n, c, height, width = images_N3HW.shape
+    h, w = height // patch, width // patch
+    x = images_N3HW.reshape(n, c, h, patch, w, patch).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(n * h * w, c * patch * patch)
+
+
+def patches_image(patches: torch.Tensor, h: int, w: int, patch: int) -> torch.Tensor:
+    """The image [3, h * patch, w * patch] of one image's :func:`gemma3_patches` (an h x w grid)."""
+    if patches.dim() != 2 or patches.shape[0] != h * w or patches.shape[1] % (patch * patch):
+        raise ValueError(f"{tuple(patches.shape)} is not the patches of an image of {h} x {w} patches of {patch}")
+    c = patches.shape[1] // (patch * patch)
+    return patches.reshape(h, w, c, patch, patch).permute(2, 0, 3, 1, 4).reshape(c, h * patch, w * patch)
 
 
 def gemma3_images(patches: torch.Tensor, size: int, patch: int) -> torch.Tensor:
@@ -372,7 +480,7 @@ def load_vision_tower(hf_dir: str, spec: VisionSpec | None = None, dtype: torch.
     tower = _new_tower(config)
     reader = HFReader(hf_dir)
     # (Gemma 3 and 4: the tower module's own names, under the prefix)
-    own = isinstance(tower, (Gemma3Tower, Gemma4Tower))
+    own = isinstance(tower, (Gemma3Tower, Gemma4Tower, Mistral3Tower))
     names = [prefix + n for n in tower.state_dict()] if own else [n for n in reader.names() if n.startswith(prefix)]
     state = {n[len(prefix):]: t for n, t in reader.get(names).items()}
     if not state:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from forge_megatron.multimodal.qwen_vl import VisionSpec, positions_3d, split_runs
+from forge_megatron.multimodal.qwen_vl import VisionSpec, image_token_spans, positions_3d
 
 VIRTUAL_BASE = 1 << 40  # above any vocabulary: image-token keys live here
 
@@ -105,13 +105,16 @@ def sample_keys(samples_tokens: list, samples_images: list, spec: VisionSpec,
         tokens = np.asarray(tokens, dtype=np.int64)
         images = list(images or ())
         try:
-            spans = split_runs(tokens, [im.grid_thw for im in images], spec, sampled[s])
+            spans = image_token_spans(tokens, [im.grid_thw for im in images], spec, sampled[s])
         except ValueError as e:
             raise ValueError(f"sample {s}: {e}") from None
         key = tokens.copy()
-        for (start, end), image in zip(spans, images):
+        for rows, image in zip(spans, images):
             number, _ = distinct.setdefault(image.digest, (len(distinct), image))
-            key[start:end] = VIRTUAL_BASE + number * stride + np.arange(end - start)
+            done = 0  # (the tokens of an image's rows: its features in order; the breaks between stay text)
+            for start, end in rows:
+                key[start:end] = VIRTUAL_BASE + number * stride + done + np.arange(end - start)
+                done += end - start
         keys.append(key)
     return keys, distinct, stride
 

@@ -4,8 +4,8 @@ Tests and the demo need an engine that generates for real (tokens and logprobs c
 weights can be swapped by the trainer, without a GPU or SGLang. This server loads a HF causal LM from a local
 directory (transformers, fp32) and serves the subset of SGLang's native API that forge uses, with SGLang's field
 names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``stream``,
-``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV / Gemma 3 / Gemma 4 models: inline images, one per run of image
-tokens in ``input_ids``), ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
+``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV / Gemma 3 / Gemma 4 / Mistral 3 models: inline images, one per
+image's tokens in ``input_ids``), ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
 ``/pause_generation`` (mode abort|in_place|retract),
 ``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``; with ``--enable-lora`` SGLang's LoRA serving: ``/load_lora_adapter``,
@@ -350,6 +350,11 @@ class ReferenceEngine:
                 image_S[:, :len(req.input_ids)] = torch.tensor([req.input_ids]) == spec.image_token_id
                 extra = dict(pixel_values=gemma3_images(pixels, spec.image_size, spec.patch_size),
                              token_type_ids=image_S)
+            elif spec.mistral3:  # whole images padded to the largest, and their sizes
+                from forge_megatron.multimodal.qwen_vl import mistral3_inputs
+
+                pixel_values, sizes = mistral3_inputs(req.images, spec.patch_size)
+                extra = dict(pixel_values=pixel_values, image_sizes=sizes)
             elif spec.gemma4:  # the processor's padded patches and (x, y) positions; image tokens of the prompt
                 from forge_megatron.multimodal.qwen_vl import gemma4_inputs
 

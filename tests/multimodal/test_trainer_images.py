@@ -34,7 +34,7 @@ def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: in
     rng = np.random.default_rng(4)
     for g in range(groups):
         image = proc.normalize(png(rng, 20 + 8 * g, 24))
-        prompt = [*rng.integers(10, 200, size=lead).tolist(), vs, *[pad] * proc.num_tokens(image), ve, 9]
+        prompt = [*rng.integers(10, 200, size=lead).tolist(), vs, *proc.image_ids(image), ve, 9]
         gid = client.register_group(f"task-{g}", group_size, "default")
         for e in range(group_size):
             req = engine.new_request({"input_ids": prompt, "image_data": [data_url(image)], "sampling_params": {
@@ -115,6 +115,13 @@ def test_gemma4_images_train(tmp_path):
     """Gemma 4 (its tower on pictures of their own sizes, pooled 2 x 2, each picture's tokens seeing each other in
     the sliding layer, the global one causal) through the same path, the tower trained too."""
     steps = _run(tmp_path, "gemma4", arch="gemma4_vl", extra=TRAIN_TOWER, most_tokens=70)  # (its picture budget)
+    assert steps[1]["loss"] != steps[0]["loss"] and steps[0]["grad_norm_vision"] > 0
+
+
+def test_mistral3_images_train(tmp_path):
+    """Mistral 3 (its Pixtral tower, each picture written row by row between break tokens) through the same path,
+    the tower trained too."""
+    steps = _run(tmp_path, "mistral3", arch="ministral3_vl", extra=TRAIN_TOWER, most_tokens=64)
     assert steps[1]["loss"] != steps[0]["loss"] and steps[0]["grad_norm_vision"] > 0
 
 

@@ -530,7 +530,7 @@ def test_rank_batch_packs_and_merges_by_images(vl_dirs):
 
 
 # ------------------------------------------------------------------------------------------- engine, images
-@pytest.fixture(scope="module", params=["qwen3_vl", "glm4v", "gemma3_vl", "gemma4_vl"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "glm4v", "gemma3_vl", "gemma4_vl", "ministral3_vl"])
 def vl_model_dir(tmp_path_factory, request):
     """A tiny Qwen3-VL / GLM-4.1V / Gemma 3 with image tokens in its tokenizer and an image processor (models.tiny,
     images=True)."""
@@ -556,7 +556,7 @@ def test_engine_generates_from_images(vl_model_dir):
     pics = [proc.normalize(png(rng, 24, 40)), proc.normalize(png(rng, 16, 16))]
     tok = transformers.AutoTokenizer.from_pretrained(vl_model_dir)
     vs, ve, pad = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
-    prompt = [5, 6, vs, *[pad] * proc.num_tokens(pics[0]), ve, 7, vs, *[pad] * proc.num_tokens(pics[1]), ve, 8]
+    prompt = [5, 6, vs, *proc.image_ids(pics[0]), ve, 7, vs, *proc.image_ids(pics[1]), ve, 8]
     text_prompt = [5, 6, 7, 8, 9]
     handle = start_engine(vl_model_dir, in_process=True)
 
@@ -595,6 +595,11 @@ def test_engine_generates_from_images(vl_model_dir):
             image[:, :len(ids)] = torch.tensor([ids]) == pad
             kw = dict(pixel_values=gemma3_images(pixels, proc.spec.image_size, proc.spec.patch_size),
                       token_type_ids=image)
+        elif ims and proc.spec.mistral3:
+            from forge_megatron.multimodal.qwen_vl import mistral3_inputs
+
+            pixels, sizes = mistral3_inputs(ims, proc.spec.patch_size)
+            kw = dict(pixel_values=pixels, image_sizes=sizes)
         elif ims and proc.spec.gemma4:
             from forge_megatron.multimodal.qwen_vl import gemma4_inputs
 

@@ -1,0 +1,274 @@
+"""Mistral 3's images on prefix trees (Ministral 3 / Mistral Small 3.x: a Pixtral tower, images written row by row
+with [IMG_BREAK] after each row and [IMG_END] after the last): the Megatron tree model with the checkpoint's tower and
+projector equals transformers' Mistral3ForConditionalGeneration run on each sample alone, logprobs and gradients;
+the engine, the gateway and the trainer take them through every process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.multimodal.test_vision_tree import GRAD_RTOL, LOGP_ATOL, _tree_model, _weights
+
+V = 400
+IMG, BREAK, END = 397, 398, 399
+PATCH, MERGE = 4, 2  # the tiny Pixtral tower's patches, merged 2 x 2 into a token: a token is 8 x 8 pixels
+
+
+def _checkpoint(out_dir: str, seed: int = 0) -> str:
+    import transformers
+
+    from forge_megatron.models import save_checkpoint
+    from forge_megatron.models.tiny import tiny_config
+
+    cfg = tiny_config("ministral3_vl", vocab_size=V)
+    cfg.image_token_index = cfg.image_token_id = IMG
+    torch.manual_seed(seed)
+    save_checkpoint(transformers.Mistral3ForConditionalGeneration(cfg).float(), out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory):
+    return _checkpoint(str(tmp_path_factory.mktemp("mistral3_vl")))
+
+
+def _image(rng, rows, cols):
+    """An ImageInput of rows x cols tokens (2 x 2 patches each) and its pixels [3, H, W]."""
+    from forge_megatron.multimodal import ImageInput
+    from forge_megatron.multimodal.qwen_vl import gemma3_patches
+
+    pixels = torch.from_numpy(rng.standard_normal((1, 3, rows * 8, cols * 8)).astype(np.float32))
+    return ImageInput(gemma3_patches(pixels, PATCH).numpy(), (1, rows * MERGE, cols * MERGE)), pixels[0]
+
+
+def _text(image):
+    """The image's tokens as Mistral 3's processor writes them."""
+    rows, cols = image.grid_thw[1] // MERGE, image.grid_thw[2] // MERGE
+    out = []
+    for r in range(rows):
+        out += [IMG] * cols + [END if r == rows - 1 else BREAK]
+    return out
+
+
+def batch(seed=0):
+    """(samples, images per sample, pixels per sample): an image shared by two branches, three image sizes, two images
+    in one sample, a sample like sample 0 with another image of its size, a text sample."""
+    rng = np.random.default_rng(seed)
+    (a, pa), (b, pb), (c, pc) = _image(rng, 2, 2), _image(rng, 2, 3), _image(rng, 2, 2)
+    s0 = [2, 5, 6, *_text(a), 7, 8, 9, 10]
+    samples = [s0, [2, 5, 6, *_text(a), 7, 11, 12], [2, 5, 6, *_text(b), 7, 8, 9], s0 + [13, *_text(b), 14, 15],
+               [2, 5, 6, *_text(c), 7, 8, 9, 10], [2, 5, 20, 21, 22]]
+    return [np.array(s) for s in samples], [[a], [a], [b], [a, b], [c], []], [[pa], [pa], [pb], [pa, pb], [pc], []]
+
+
+def hf_inputs(pixels: list) -> dict:
+    """transformers' image inputs of one sample: the images padded to the largest and their sizes."""
+    height, width = max(p.shape[1] for p in pixels), max(p.shape[2] for p in pixels)
+    padded = torch.zeros(len(pixels), 3, height, width)
+    for i, p in enumerate(pixels):
+        padded[i, :, :p.shape[1], :p.shape[2]] = p
+    return dict(pixel_values=padded, image_sizes=torch.tensor([list(p.shape[1:]) for p in pixels]))
+
+
+def hf_logprobs(model, samples, pixels):
+    out = []
+    for tokens, pix in zip(samples, pixels):
+        ids = torch.as_tensor(tokens)[None]
+        logits = model(input_ids=ids, **(hf_inputs(pix) if pix else {})).logits[0, :-1].float()
+        out.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0])
+    return torch.cat(out)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(mistral_dir):
+    import transformers
+
+    samples, _, pixels = batch()
+    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(mistral_dir, dtype=torch.float32)
+    logp = hf_logprobs(model, samples, pixels)
+    (logp * _weights(logp.numel())).sum().backward()
+    grads = {_released(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logp.detach(), grads
+
+
+def _released(name: str) -> str:
+    """A transformers 5 Mistral 3 parameter's name in the checkpoint (the bridge's)."""
+    if name == "lm_head.weight":
+        return "language_model.lm_head.weight"
+    for held, released in (("model.language_model.", "language_model.model."),
+                           ("model.vision_tower.", "vision_tower."),
+                           ("model.multi_modal_projector.", "multi_modal_projector.")):
+        if name.startswith(held):
+            return released + name[len(held):]
+    return name
+
+
+def _one_rank_body(rank, world_size, hf_dir):
+    from forge_megatron.mcore.forward import tree_logprobs
+    from forge_megatron.multimodal import build_vision_tree
+
+    samples, images, _ = batch()
+    bridge, model, spec, calls = _tree_model(hf_dir)
+    layout = build_vision_tree(samples, images, spec)
+    logp, _ = tree_logprobs(model, layout)
+    (logp * _weights(logp.numel())).sum().backward()
+    grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                               for n, p in model.named_parameters()))
+    return dict(logp=logp.detach(), grads=grads, unique=layout.unique_tokens, total=layout.total_tokens,
+                tower_calls=len(calls), spec=spec, tokens=layout.tokens, rows=layout.vision.rows_T)
+
+
+@pytest.fixture(scope="module")
+def one_rank(mistral_dir):
+    (out,) = run_distributed(_one_rank_body, world_size=1, hf_dir=mistral_dir, timeout_s=600)
+    return out
+
+
+def test_spec_and_rows_of_a_mistral3_checkpoint(one_rank):
+    spec = one_rank["spec"]
+    assert (spec.image_token_id, spec.merge, spec.mrope_section, spec.row_breaks) == (IMG, MERGE, None, True)
+    assert spec.rows_of_image((1, 4, 6)) == (2, 3) and spec.tokens_per_image((1, 4, 6)) == 6
+    tokens, rows = one_rank["tokens"], one_rank["rows"]
+    assert torch.equal(rows >= 0, tokens == IMG)  # the breaks and ends are text in the tree
+
+
+def test_tree_with_mistral3_images_equals_transformers(one_rank, hf_reference):
+    want, _ = hf_reference
+    got = one_rank["logp"]
+    assert got.shape == want.shape and one_rank["unique"] < one_rank["total"]
+    assert (got - want).abs().max().item() <= LOGP_ATOL
+    assert one_rank["tower_calls"] == 1
+
+
+def test_mistral3_language_model_gradients_equal_transformers(one_rank, hf_reference):
+    grads, (_, expected) = one_rank["grads"], hf_reference
+    assert grads and set(grads) <= set(expected), sorted(set(grads) - set(expected))[:4]
+    biggest = max(g.abs().max().item() for g in expected.values())
+    for name, g in grads.items():
+        err = ((g - expected[name]).abs().max() / expected[name].abs().max().clamp_min(1e-3 * biggest)).item()
+        assert err <= GRAD_RTOL, (name, err)
+
+
+def test_image_rows_must_match_the_grid():
+    from forge_megatron.multimodal.qwen_vl import image_token_spans, vision_spec
+    from forge_megatron.models.tiny import tiny_config
+
+    cfg = tiny_config("ministral3_vl", vocab_size=V)
+    cfg.image_token_index = IMG
+    spec = vision_spec({**cfg.to_dict(), "architectures": ["Mistral3ForConditionalGeneration"]})
+    rng = np.random.default_rng(0)
+    image, _ = _image(rng, 2, 3)
+    good = [1, *_text(image), 5]
+    assert image_token_spans(np.array(good), [image.grid_thw], spec) == [[(1, 4), (5, 8)]]
+    for bad, words in (([1, IMG, IMG, BREAK, IMG, IMG, IMG, END], "does not match"),
+                       ([1, *_text(image), *_text(image)], "beyond")):
+        with pytest.raises(ValueError, match=words):
+            image_token_spans(np.array(bad), [image.grid_thw], spec)
+
+
+def test_gateway_images_are_written_row_by_row(tmp_path):
+    """Mistral 3's normalised image: Pixtral's size rule (the longest side within 64 pixels, sides rounded up to
+    8-pixel merged patches), a fixed point of it, its patches the processor's pixels; in a prompt its rows of image
+    tokens each end with the break token, the last with the end token."""
+    import transformers
+
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.multimodal.images import ImageProcessor, open_image, pixtral_size
+    from forge_megatron.multimodal.qwen_vl import gemma3_patches
+    from tests.multimodal.test_vision_tree import png
+
+    d = build_tiny_model(str(tmp_path / "m"), "ministral3_vl", images=True)
+    proc = ImageProcessor(d)
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    brk, end = proc.breaks
+    assert tok.convert_ids_to_tokens([brk, end]) == ["<|vision_start|>", "<|vision_end|>"]
+    rng = np.random.default_rng(3)
+    for h, w in [(30, 50), (3, 200), (200, 3), (16, 16), (500, 300), (9, 9)]:
+        normalized = proc.normalize(png(rng, h, w))
+        image = open_image(normalized)
+        assert pixtral_size(image.height, image.width, 64, 8) == (image.height, image.width)
+        got = proc.image_input(normalized)
+        want = proc.hf(images=[image], patch_size={"height": 8, "width": 8}, return_tensors="pt")["pixel_values"]
+        assert np.allclose(got.pixel_values, gemma3_patches(want, PATCH).numpy())
+        rows, cols = image.height // 8, image.width // 8
+        ids = proc.image_ids(normalized)
+        assert len(ids) == rows * (cols + 1) and ids.count(proc.spec.image_token_id) == proc.num_tokens(normalized)
+        assert ids[cols::cols + 1] == [brk] * (rows - 1) + [end]
+    assert proc.placeholder(tok) == tok.decode([proc.spec.image_token_id])
+
+
+def test_mistral3_images_through_the_gateway_are_scored_by_the_trainer_as_the_engine(tmp_path):
+    """Two chat calls with pictures of two sizes, the second continuing the first: the episode writes each picture
+    row by row, and the trainer's tree forward (processor, Pixtral tower, projector) scores the sampled tokens as the
+    engine did."""
+    from forge_megatron.middleware.wire import episode_to_blob
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.multimodal.images import ImageProcessor
+    from forge_megatron.multimodal.qwen_vl import image_token_spans
+    from forge_megatron.rollout.launch import start_engine, start_gateway
+    from tests.middleware.test_gateway import end, episode, new_session
+    from tests.multimodal.test_gateway_images import _chat, _trainer_logprobs, _user
+    from tests.multimodal.test_vision_tree import png
+
+    d = build_tiny_model(str(tmp_path / "m"), "ministral3_vl", images=True, seed=2)
+    engine = start_engine(d, in_process=True)
+    served = start_gateway(d, [engine.url], in_process=True)
+    try:
+        proc = ImageProcessor(d)
+        rng = np.random.default_rng(5)
+        pictures = [png(rng, 30, 50), png(rng, 40, 16)]
+        s = new_session(served)
+        r1 = _chat(s, [_user("what is this?", pictures[0])], max_tokens=8, temperature=0.0)
+        history = [_user("what is this?", pictures[0]),
+                   {"role": "assistant", "content": r1.choices[0].message.content}]
+        _chat(s, [*history, _user("and this?", pictures[1])], max_tokens=8)
+        assert end(served, s)[0] == 200
+        ep = episode(served, s)
+    finally:
+        served.stop()
+        engine.stop()
+    seg = ep.segments[-1]
+    spans = image_token_spans(np.array(seg.tokens), [proc.grid(x) for x in seg.images], proc.spec, seg.loss_mask)
+    assert [len(rows) for rows in spans] == [proc.spec.rows_of_image(proc.grid(x))[0] for x in seg.images]
+    (result,) = run_distributed(_trainer_logprobs, world_size=1, hf_dir=d, episode_blob=episode_to_blob(ep),
+                                segments=len(ep.segments), timeout_s=300)
+    logp, mask, rollout = result
+    sampled = mask > 0
+    assert int(sampled.sum()) >= 2
+    assert (logp[sampled] - rollout[sampled]).abs().max().item() <= 1e-4
+
+
+def test_mistral3_trained_tower_gradients_equal_transformers(mistral_dir, hf_reference):
+    """``--train-vision-tower``: the Pixtral tower and the projector train with the language model; every gradient,
+    theirs under the checkpoint's names (vision_tower.*, multi_modal_projector.*), is transformers'."""
+    from tests.multimodal.test_gemma3_images import trained_tower_body
+
+    samples, images, _ = batch()
+    (logp, grads), = run_distributed(trained_tower_body, world_size=1, hf_dir=mistral_dir, samples=samples,
+                                     images=images, timeout_s=600)
+    want, expected = hf_reference
+    assert (logp - want).abs().max().item() <= LOGP_ATOL
+    tower = {n for n in grads if n.startswith(("vision_tower.", "multi_modal_projector."))}
+    assert tower and tower == {n for n in expected if n.startswith(("vision_tower.", "multi_modal_projector."))}
+    biggest = max(g.abs().max().item() for g in expected.values())
+    for name in tower:
+        err = (grads[name] - expected[name]).abs().max() / expected[name].abs().max().clamp_min(1e-3 * biggest)
+        assert err.item() <= GRAD_RTOL, (name, err.item())
+    assert all(grads[n].abs().max() > 1e-6 for n in tower if not n.endswith("k_proj.weight")), \
+        [n for n in tower if grads[n].abs().max() <= 1e-6]
+
+
+def test_mistral3_trained_tower_reaches_the_engine(tmp_path):
+    """The weight sync sends the trained Pixtral tower and projector under the checkpoint's names; the engine's
+    Mistral3ForConditionalGeneration (model.vision_tower.*, ...) takes them."""
+    from tests.multimodal.test_gemma3_images import tower_synced_to_an_engine
+
+    before, after, tower = tower_synced_to_an_engine(tmp_path, "ministral3_vl", ("model.vision_tower.",
+                                                                                 "model.multi_modal_projector."))
+    assert before and {"model." + n for n in tower} == set(before)
+    for name, (t, _) in tower.items():
+        assert torch.equal(after["model." + name], t.to(after["model." + name].dtype)), name
+        assert not torch.equal(after["model." + name], before["model." + name]), name
