@@ -261,7 +261,8 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
 GEMMA4_GRID = (14, 20)
 
 
-def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tuple[float, float]:
+def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
+                       pixtral_patches: int | None = None) -> tuple[float, float]:
     """Bytes a trained bf16 vision tower keeps per image patch for its backward: (per block, the rest: patch
     embedding, position embeddings and the mergers). Measured, not modelled: the checkpoint's tower is built with
     every width divided by ``k = head size / width`` (heads and the layer structure kept) and run with one and with
@@ -277,13 +278,14 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
     import torch
     import transformers
 
-    from forge_megatron.multimodal.qwen_vl import Gemma3Tower, Gemma4Tower, _full_config, gemma3_patches
+    from forge_megatron.multimodal.qwen_vl import Gemma3Tower, Gemma4Tower, Mistral3Tower, _full_config, gemma3_patches
     from forge_megatron.utils.memory import LiveBytes
 
     config = _full_config(hf_config)
     full = config.vision_config
     gemma3 = config.model_type == "gemma3"  # a SigLIP tower of fixed-size images and its projector
     gemma4 = config.model_type == "gemma4"  # a tower of pooled patches and embed_vision
+    mistral3 = config.model_type == "mistral3"  # a Pixtral tower and its projector
     heads = int(getattr(full, "num_heads", None) or full.num_attention_heads)
     k = full.hidden_size / (heads * width)
     slope = []  # bytes per patch, with 1 and 2 blocks
@@ -293,7 +295,7 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
         for name in ("intermediate_size", "out_hidden_size"):
             if getattr(small, name, None):
                 setattr(small, name, max(1, round(getattr(full, name) / k)))
-        setattr(small, "num_hidden_layers" if gemma3 or gemma4 else "depth", depth)
+        setattr(small, "num_hidden_layers" if gemma3 or gemma4 or mistral3 else "depth", depth)
         if getattr(small, "deepstack_visual_indexes", None):
             small.deepstack_visual_indexes = [0] * len(full.deepstack_visual_indexes)
         if gemma3:  # pictures of 4 x 4 pooled tokens (the real pooling kernel), the projector to a narrow width
@@ -303,6 +305,13 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
             wrapper.vision_config, wrapper.mm_tokens_per_image = small, 16
             wrapper.text_config.hidden_size = max(1, round(config.text_config.hidden_size / k))
             tower = Gemma3Tower(wrapper).to(torch.bfloat16).train()
+        elif mistral3:  # pictures of 4 x 4 merged patches, the heads narrowed too, the projector to a narrow width
+            small.head_dim = width
+            side = 4 * int(config.spatial_merge_size)
+            wrapper = copy.deepcopy(config)
+            wrapper.vision_config = small
+            wrapper.text_config.hidden_size = max(1, round(config.text_config.hidden_size / k))
+            tower = Mistral3Tower(wrapper).to(torch.bfloat16).train()
         elif gemma4:  # pictures of GEMMA4_TOKENS (the processor's default budget), the heads narrowed too,
             # embed_vision to a narrow width
             small.head_dim = width
@@ -319,7 +328,9 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
         held = []
         for images in (1, 3):
             grid = torch.tensor([[1, side, side]] * images)
-            if gemma3:
+            if mistral3:
+                pixels = torch.randn(images * side * side, 3 * full.patch_size ** 2, dtype=torch.bfloat16)
+            elif gemma3:
                 pixels = gemma3_patches(torch.randn(images, 3, side * full.patch_size, side * full.patch_size),
                                         full.patch_size).to(torch.bfloat16)
             elif gemma4:
@@ -342,10 +353,15 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8) -> tu
     block = max(slope[1] - slope[0], 0.0)
     # Gemma 3: the patch embedding keeps its input, the pictures put back together from the patches (a copy, bf16),
     # whatever the widths: not scaled with them (the Qwen towers' take a view of the patches, held anyway)
-    pixels = 2 * 3 * int(full.patch_size) ** 2 if gemma3 or gemma4 else 0  # (Gemma 4: its scaled copy)
-    # Gemma 4's pooling keeps a one-hot [patches, tokens] fp32 per image: by the picture's size, not the widths
-    pooling = 4 * GEMMA4_GRID[0] * GEMMA4_GRID[1] if gemma4 else 0
-    return block * k, max(slope[0] - block - pixels - pooling, 0.0) * k + pixels + pooling
+    pixels = 2 * 3 * int(full.patch_size) ** 2 if gemma3 or gemma4 or mistral3 else 0  # (Gemma 4: its scaled copy)
+    # Gemma 4's pooling keeps a one-hot [patches, tokens] fp32 per image, Pixtral its block-diagonal attention mask
+    # [patches, patches] (bf16) per image: by the picture's size, not the widths (Pixtral's: pictures of its
+    # processor's default longest edge, 1024 pixels, unless ``pixtral_patches`` says how many patches a picture has)
+    if mistral3:
+        measured, real = 2 * side * side, 2 * (pixtral_patches or (1024 // int(full.patch_size)) ** 2)
+    else:
+        measured = real = 4 * GEMMA4_GRID[0] * GEMMA4_GRID[1] if gemma4 else 0
+    return block * k, max(slope[0] - block - pixels - measured, 0.0) * k + pixels + real
 
 
 def vision_activation_bytes(hf_config, patches: float, in_flight: int, recompute: bool) -> float:

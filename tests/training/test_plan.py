@@ -345,7 +345,9 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
         tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gemma3 = hf["model_type"] == "gemma3"  # its pictures are all the checkpoint's size
     gemma4 = hf["model_type"] == "gemma4"
-    side = vc.image_size // vc.patch_size if gemma3 else 6 * (0 if gemma4 else vc.spatial_merge_size)  # (not the
+    mistral3 = hf["model_type"] == "mistral3"
+    merge = hf.get("spatial_merge_size", 2) if mistral3 else getattr(vc, "spatial_merge_size", 0)
+    side = vc.image_size // vc.patch_size if gemma3 else 6 * (0 if gemma4 else merge)  # (not the
     # estimate's size; Gemma 4: its estimate's pictures, at its default budget, the size its pooling's memory follows)
     wide = side
     if gemma4:
@@ -357,7 +359,7 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
 
             pixels = gemma3_patches(torch.randn(images, 3, vc.image_size, vc.image_size), vc.patch_size)
             pixels = pixels.to(torch.bfloat16)
-        elif gemma4:
+        elif gemma4 or mistral3:
             pixels = torch.rand(images * side * wide, 3 * vc.patch_size ** 2, dtype=torch.bfloat16)
         else:
             pixels = torch.randn(images * side * side,
@@ -376,7 +378,8 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
 @pytest.mark.parametrize("arch,name", [("qwen3_vl", "Qwen3VLForConditionalGeneration"),
                                        ("glm4v", "Glm4vForConditionalGeneration"),
                                        ("gemma3_vl", "Gemma3ForConditionalGeneration"),
-                                       ("gemma4_vl", "Gemma4ForConditionalGeneration")])
+                                       ("gemma4_vl", "Gemma4ForConditionalGeneration"),
+                                       ("ministral3_vl", "Mistral3ForConditionalGeneration")])
 def test_trained_vision_tower_activation_estimate_is_what_the_tower_keeps(arch, name):
     """--train-vision-tower: forge-plan's bytes per patch (measured on a tower 8x narrower, scaled back) against
     what the real bf16 tower keeps for its backward on other pictures: within 10 %, with and without its blocks
@@ -388,13 +391,17 @@ def test_trained_vision_tower_activation_estimate_is_what_the_tower_keeps(arch, 
         hf["vision_config"].update(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
                                    num_attention_heads=4, image_size=32)
         hf["mm_tokens_per_image"] = 16
+    elif arch == "ministral3_vl":  # Pixtral's names, heads of 64
+        hf["vision_config"].update(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
+                                   num_attention_heads=4, head_dim=64)
     elif arch == "gemma4_vl":  # heads of 64
         hf["vision_config"].update(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=4, head_dim=64)
     else:
         hf["vision_config"].update(hidden_size=256, intermediate_size=1024, depth=3, num_heads=4)
     for recompute in (False, True):
-        block, rest = plan.vision_tower_bytes(hf, recompute)  # width 8: every width / 8
+        # width 8: every width / 8 (Mistral 3: its attention mask for the pictures measured here, 12 x 12 patches)
+        block, rest = plan.vision_tower_bytes(hf, recompute, pixtral_patches=144)
         want = _tower_held_per_patch(hf, recompute)
         assert 0.9 <= (3 * block + rest) / want <= 1.1, (recompute, block, rest, want)
     assert plan.vision_tower_bytes(hf, True)[0] == pytest.approx(2 * 256, rel=0.05)
