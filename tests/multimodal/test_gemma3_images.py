@@ -4,15 +4,14 @@ Gemma3ForConditionalGeneration run on each sample alone (its token_type_ids mask
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 
 from forge_megatron.mcore.parallel import ParallelConfig
 from tests.dist_utils import run_distributed
-from tests.multimodal.test_vision_tree import GRAD_RTOL, LOGP_ATOL, _tree_model, _weights
+from tests.multimodal import vl_checks as vl
+from tests.multimodal.test_vision_tree import LOGP_ATOL, _tree_model
 
 V = 400
 IMG, BOI, EOI = 397, 398, 399  # ids of the tiny vocabulary the config names
@@ -70,50 +69,33 @@ def batch(seed=0):
     return [np.array(s) for s in samples], images, pixels
 
 
-def hf_logprobs(model, samples, pixels):
-    out = []
-    for tokens, pix in zip(samples, pixels):
-        ids = torch.as_tensor(tokens)[None]
-        kw = dict(pixel_values=torch.cat(pix), token_type_ids=(ids == IMG).long()) if pix else {}
-        logits = model(input_ids=ids, **kw).logits[0, :-1].float()
-        out.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0])
-    return torch.cat(out)
+def _released(name: str) -> str:
+    """A transformers 5 Gemma 3 parameter's name in the released checkpoints (and SGLang, and the bridge)."""
+    for held, released in (("model.language_model.", "language_model.model."),
+                           ("model.vision_tower.", "vision_tower.vision_model."),
+                           ("model.multi_modal_projector.", "multi_modal_projector.")):
+        if name.startswith(held):
+            return released + name[len(held):]
+    return name
 
 
 @pytest.fixture(scope="module")
 def hf_reference(gemma_dir):
+    """transformers' logprobs of each sample alone (its images and token_type_ids) and gradients by released name."""
     import transformers
 
     samples, _, pixels = batch()
     model = transformers.Gemma3ForConditionalGeneration.from_pretrained(gemma_dir, dtype=torch.float32)
-    logp = hf_logprobs(model, samples, pixels)
-    (logp * _weights(logp.numel())).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logp.detach(), grads
-
-
-def _one_rank_body(rank, world_size, hf_dir):
-    from forge_megatron.mcore.forward import tree_logprobs
-    from forge_megatron.multimodal import build_vision_tree
-
-    samples, images, _ = batch()
-    bridge, model, spec, calls = _tree_model(hf_dir)
-    layout = build_vision_tree(samples, images, spec)
-    logp, _ = tree_logprobs(model, layout)
-    (logp * _weights(logp.numel())).sum().backward()
-    grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-                               for n, p in model.named_parameters()))
-    tower_calls = len(calls)
-    with torch.no_grad():
-        causal = build_vision_tree(samples, images, dataclasses.replace(spec, bidirectional=False))
-        causal_logp = tree_logprobs(model, causal)[0]
-    return dict(logp=logp.detach(), grads=grads, causal=causal_logp, unique=layout.unique_tokens,
-                total=layout.total_tokens, tower_calls=tower_calls, spec=spec)
+    inputs = [dict(pixel_values=torch.cat(pix), token_type_ids=(torch.as_tensor(t)[None] == IMG).long()) if pix
+              else {} for t, pix in zip(samples, pixels)]
+    return vl.hf_reference(model, samples, inputs, _released)
 
 
 @pytest.fixture(scope="module")
 def one_rank(gemma_dir):
-    (out,) = run_distributed(_one_rank_body, world_size=1, hf_dir=gemma_dir, timeout_s=600)
+    samples, images, _ = batch()
+    (out,) = run_distributed(vl.tree_body, world_size=1, hf_dir=gemma_dir, samples=samples, images=images,
+                             variants={"causal": {"bidirectional": False}}, timeout_s=600)
     return out
 
 
@@ -130,17 +112,13 @@ def test_tree_with_gemma3_images_equals_transformers(one_rank, hf_reference):
     assert (got - want).abs().max().item() <= LOGP_ATOL
     assert one_rank["tower_calls"] == 1
     # the images' own attention matters: a causal mask over the image tokens scores the text after them otherwise
-    assert (one_rank["causal"] - want).abs().max().item() > 1e-3
+    assert (one_rank["variants"]["causal"] - want).abs().max().item() > 1e-3
 
 
 def test_gemma3_language_model_gradients_equal_transformers(one_rank, hf_reference):
     grads, (_, expected) = one_rank["grads"], hf_reference
-    expected = {n.replace("model.language_model.", "language_model.model."): g for n, g in expected.items()}
     assert grads and set(grads) <= set(expected), sorted(set(grads) - set(expected))[:4]
-    for name, g in grads.items():
-        ref = expected[name]
-        err = ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-        assert err <= GRAD_RTOL, (name, err)
+    vl.assert_grads_equal(grads, expected)
     assert any(n.endswith("embed_tokens.weight") for n in grads)  # (tied to the head: every row has a gradient)
 
 
@@ -220,43 +198,27 @@ def test_gateway_images_are_the_processors_squares(tmp_path):
 # --- through the gateway and the engine ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def gemma_served(tmp_path_factory):
+def gateway_model(tmp_path_factory):
     from forge_megatron.models.tiny import build_tiny_model
-    from forge_megatron.rollout.launch import start_engine, start_gateway
 
-    d = build_tiny_model(str(tmp_path_factory.mktemp("gemma3_gateway")), "gemma3_vl", images=True, seed=2)
-    engine = start_engine(d, in_process=True)
-    gw = start_gateway(d, [engine.url], in_process=True)
-    yield d, gw
-    gw.stop()
-    engine.stop()
+    return build_tiny_model(str(tmp_path_factory.mktemp("gemma3_gateway")), "gemma3_vl", images=True, seed=2)
 
 
 @pytest.mark.parametrize("second", ["continued", "rewritten"])
-def test_gemma3_images_through_the_gateway_are_scored_by_the_trainer_as_the_engine(gemma_served, second):
+def test_gemma3_images_through_the_gateway_are_scored_by_the_trainer_as_the_engine(gateway_model, second):
     """Two chat calls with a picture each, the second continuing the first (one segment, both pictures) or
     rewriting the history: the episode holds Gemma 3's image text (4 image tokens between boi and eoi, blank lines
     around) and the normalised squares, and the trainer's tree forward (processor, SigLIP tower, bidirectional image
     attention) scores the sampled tokens as the engine did."""
     import transformers
 
-    from forge_megatron.middleware.wire import episode_to_blob
     from forge_megatron.multimodal.images import ImageProcessor
     from forge_megatron.multimodal.qwen_vl import image_runs
-    from tests.middleware.test_gateway import end, episode, new_session
-    from tests.multimodal.test_gateway_images import _chat, _trainer_logprobs, _user
-    from tests.multimodal.test_vision_tree import png
 
-    d, served = gemma_served
+    d = gateway_model
     proc = ImageProcessor(d)
-    rng = np.random.default_rng(5)
-    pictures = [png(rng, 30, 50), png(rng, 16, 16)]
-    s = new_session(served)
-    r1 = _chat(s, [_user("what is this?", pictures[0])], max_tokens=8, temperature=0.0)
-    history = [_user("what is this?", pictures[0]), {"role": "assistant", "content": r1.choices[0].message.content}]
-    _chat(s, [*(history if second == "continued" else []), _user("and this?", pictures[1])], max_tokens=8)
-    assert end(served, s)[0] == 200
-    ep = episode(served, s)
+    pictures = vl.random_pictures(5, [(30, 50), (16, 16)])
+    ep = vl.chat_episode(d, pictures, continued=second == "continued")
     assert len(ep.segments) == (1 if second == "continued" else 2)
     seg = ep.segments[-1]
     tokens = np.array(seg.tokens)
@@ -266,87 +228,15 @@ def test_gemma3_images_through_the_gateway_are_scored_by_the_trainer_as_the_engi
     for a, b in runs:
         assert tokens[a - 1] == proc.vision_start and tokens[b] == proc.vision_end
         assert tok.decode(tokens[:a - 1]).endswith("\n\n") and tok.decode(tokens[b + 1:]).startswith("\n\n")
-    (result,) = run_distributed(_trainer_logprobs, world_size=1, hf_dir=d, episode_blob=episode_to_blob(ep),
-                                segments=len(ep.segments), timeout_s=300)
-    logp, mask, rollout = result
-    sampled = mask > 0
-    assert int(sampled.sum()) >= 2
-    assert (logp[sampled] - rollout[sampled]).abs().max().item() <= 1e-4
-
-
-def trained_tower_body(rank, world_size, hf_dir, samples, images):
-    """The tower trained with the language model (``--train-vision-tower``) on ``samples`` with ``images``: logprobs
-    and every gradient, exported under the checkpoint's names (Gemma 3 and 4 alike)."""
-    from forge_megatron.bridge import Bridge
-    from forge_megatron.mcore import vision
-    from forge_megatron.mcore.forward import tree_logprobs
-    from forge_megatron.mcore.tree_attention import build_tree_gpt
-    from forge_megatron.multimodal import build_vision_tree, vision_spec
-    from forge_megatron.training.checkpoint import load_hf_weights
-
-    bridge = Bridge(hf_dir, vision_tower=True)
-    model = build_tree_gpt(bridge.cfg)
-    vision.attach_tower(model, bridge.hf_config)
-    load_hf_weights([model], bridge, hf_dir)
-    spec = vision_spec(bridge.hf_config)
-    vision.install(model, spec, key="policy", trained=True)
-    logp, _ = tree_logprobs(model, build_vision_tree(samples, images, spec))
-    (logp * _weights(logp.numel())).sum().backward()
-    grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-                               for n, p in model.named_parameters()))
-    return logp.detach(), grads
-
-
-def _released(name: str) -> str:
-    """A transformers 5 Gemma 3 parameter's name in the released checkpoints (and SGLang, and the bridge)."""
-    for held, released in (("model.language_model.", "language_model.model."),
-                           ("model.vision_tower.", "vision_tower.vision_model."),
-                           ("model.multi_modal_projector.", "multi_modal_projector.")):
-        if name.startswith(held):
-            return released + name[len(held):]
-    return name
+    vl.assert_scored_as_engine(d, ep)
 
 
 def test_gemma3_trained_tower_gradients_equal_transformers(gemma_dir, hf_reference):
     """``--train-vision-tower``: the SigLIP tower and the projector train with the language model; every gradient,
     theirs under the checkpoint's names, is transformers'."""
     samples, images, _ = batch()
-    (logp, grads), = run_distributed(trained_tower_body, world_size=1, hf_dir=gemma_dir, samples=samples,
-                                     images=images, timeout_s=600)
-    want, expected = hf_reference
-    expected = {_released(n): g for n, g in expected.items()}
-    assert (logp - want).abs().max().item() <= LOGP_ATOL
-    tower = {n for n in grads if n.startswith(("vision_tower.", "multi_modal_projector."))}
-    assert tower == {n for n in expected if n.startswith(("vision_tower.", "multi_modal_projector."))}
-    biggest = max(g.abs().max().item() for g in expected.values())
-    for name, g in grads.items():
-        ref = expected[name]
-        err = ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-3 * biggest)).item()
-        assert err <= GRAD_RTOL, (name, err)
-    # every tower tensor takes part (the keys' bias has no gradient but round-off: softmax ignores it)
-    assert all(grads[n].abs().max() > 1e-6 for n in tower if not n.endswith("k_proj.bias")), \
-        [n for n in tower if grads[n].abs().max() <= 1e-6]
-
-
-def tower_synced_to_an_engine(tmp_path, arch: str, prefixes: tuple) -> tuple[dict, dict, dict]:
-    """A tiny ``arch`` served by forge-engine, a TP2 trainer model whose trained tower moved off the checkpoint's
-    synced to it: (the engine's tensors under ``prefixes`` before, its state after, {sent name: (tensor, trained)})."""
-    from forge_megatron.models.tiny import build_tiny_model
-    from forge_megatron.rollout.launch import start_engine
-    from tests.multimodal.test_trainer_images import _tower_sync_body
-
-    model_dir = build_tiny_model(str(tmp_path / arch), arch, images=True, seed=3, vocab_size=404)
-    engine = start_engine(model_dir, in_process=True)
-    try:
-        before = {n: t.clone() for n, t in engine.engine.model.state_dict().items() if n.startswith(prefixes)}
-        out = run_distributed(_tower_sync_body, world_size=2, parallel=ParallelConfig(tp=2), hf_dir=model_dir,
-                              engine_url=engine.url, timeout_s=600, trainable="*")
-        after = engine.engine.model.state_dict()
-    finally:
-        engine.stop()
-    (version, excluded, tower), _ = out
-    assert version == 1 and excluded == []
-    return before, after, tower
+    vl.trained_tower_checks(gemma_dir, samples, images, *hf_reference, ("vision_tower.", "multi_modal_projector."),
+                            no_gradient=("k_proj.bias",))
 
 
 def test_gemma3_trained_tower_reaches_the_engine(tmp_path):
@@ -354,7 +244,7 @@ def test_gemma3_trained_tower_reaches_the_engine(tmp_path):
     names (vision_tower.vision_model.*, multi_modal_projector.*; the checkpoint here is transformers 5's, which saves
     vision_tower.*), and the engine's Gemma3ForConditionalGeneration takes them (model.vision_tower.*, ...): its
     tower equals the trainer's afterwards, the checkpoint's before."""
-    before, after, tower = tower_synced_to_an_engine(tmp_path, "gemma3_vl",
+    before, after, tower = vl.tower_synced_to_an_engine(tmp_path, "gemma3_vl",
                                                      ("model.vision_tower.", "model.multi_modal_projector."))
     held = {n: k for k in before if (n := _released(k)) in tower}
     assert before and set(held) == set(tower) and len(held) == len(before)

@@ -4,14 +4,13 @@ layers only, equals transformers' Gemma4ForConditionalGeneration run on each sam
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.multimodal.test_vision_tree import GRAD_RTOL, LOGP_ATOL, _tree_model, _weights
+from tests.multimodal import vl_checks as vl
+from tests.multimodal.test_vision_tree import LOGP_ATOL
 
 V = 400
 IMG, BOI, EOI = 397, 398, 399
@@ -79,53 +78,26 @@ def hf_inputs(ids: torch.Tensor, images: list) -> dict:
     return dict(pixel_values=pixels, image_position_ids=positions, mm_token_type_ids=(ids == IMG).long())
 
 
-def hf_logprobs(model, samples, images):
-    out = []
-    for tokens, ims in zip(samples, images):
-        ids = torch.as_tensor(tokens)[None]
-        logits = model(input_ids=ids, **(hf_inputs(ids, ims) if ims else {})).logits[0, :-1].float()
-        out.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0])
-    return torch.cat(out)
+def _reference(hf_dir: str, samples, images):
+    import transformers
+
+    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
+    inputs = [hf_inputs(torch.as_tensor(t)[None], ims) if ims else {} for t, ims in zip(samples, images)]
+    return vl.hf_reference(model, samples, inputs), model.config  # (its checkpoint names are transformers' own)
 
 
 @pytest.fixture(scope="module")
 def hf_reference(gemma_dir):
-    import transformers
-
     samples, images = batch()
-    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(gemma_dir, dtype=torch.float32)
-    logp = hf_logprobs(model, samples, images)
-    (logp * _weights(logp.numel())).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logp.detach(), grads
-
-
-def _one_rank_body(rank, world_size, hf_dir, mutants=True):
-    from forge_megatron.mcore.forward import tree_logprobs
-    from forge_megatron.multimodal import build_vision_tree
-
-    samples, images = batch()
-    bridge, model, spec, calls = _tree_model(hf_dir)
-    layout = build_vision_tree(samples, images, spec)
-    logp, _ = tree_logprobs(model, layout)
-    (logp * _weights(logp.numel())).sum().backward()
-    grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-                               for n, p in model.named_parameters()))
-    tower_calls = len(calls)
-    if not mutants:
-        return dict(logp=logp.detach(), grads=grads, tower_calls=tower_calls, spec=spec)
-    with torch.no_grad():
-        causal = tree_logprobs(model, build_vision_tree(samples, images,
-                                                        dataclasses.replace(spec, bidirectional=False)))[0]
-        everywhere = tree_logprobs(model, build_vision_tree(samples, images,
-                                                            dataclasses.replace(spec, bidirectional=True)))[0]
-    return dict(logp=logp.detach(), grads=grads, causal=causal, everywhere=everywhere, unique=layout.unique_tokens,
-                total=layout.total_tokens, tower_calls=tower_calls, spec=spec)
+    return _reference(gemma_dir, samples, images)[0]
 
 
 @pytest.fixture(scope="module")
 def one_rank(gemma_dir):
-    (out,) = run_distributed(_one_rank_body, world_size=1, hf_dir=gemma_dir, timeout_s=600)
+    samples, images = batch()
+    (out,) = run_distributed(vl.tree_body, world_size=1, hf_dir=gemma_dir, samples=samples, images=images,
+                             variants={"causal": {"bidirectional": False}, "everywhere": {"bidirectional": True}},
+                             timeout_s=600)
     return out
 
 
@@ -147,25 +119,14 @@ def test_tree_with_gemma4_images_equals_transformers(one_rank, hf_reference):
     assert (got - want).abs().max().item() <= LOGP_ATOL
     assert one_rank["tower_calls"] == 1
     # the sliding layers' image blocks matter, and the global layer's causal mask over images too
-    assert (one_rank["causal"] - want).abs().max().item() > 1e-3
-    assert (one_rank["everywhere"] - want).abs().max().item() > 1e-3
-
-
-def _released(name: str) -> str:
-    return "language_model.model." + name[len("model.language_model."):] \
-        if name.startswith("model.language_model.") else name
+    assert (one_rank["variants"]["causal"] - want).abs().max().item() > 1e-3
+    assert (one_rank["variants"]["everywhere"] - want).abs().max().item() > 1e-3
 
 
 def test_gemma4_language_model_gradients_equal_transformers(one_rank, hf_reference):
     grads, (_, expected) = one_rank["grads"], hf_reference
-    expected = {_released(n): g for n, g in expected.items()}
-    names = {n for n in grads if n in expected or _released(n) in expected}
-    assert grads and len(names) == len(grads), sorted(set(grads) - names)[:4]
-    biggest = max(g.abs().max().item() for g in expected.values())
-    for name, g in grads.items():
-        ref = expected[name if name in expected else _released(name)]
-        err = ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-3 * biggest)).item()
-        assert err <= GRAD_RTOL, (name, err)
+    assert grads and set(grads) <= set(expected), sorted(set(grads) - set(expected))[:4]
+    vl.assert_grads_equal(grads, expected)
 
 
 def test_gateway_images_keep_their_aspect_within_the_budget(tmp_path):
@@ -197,78 +158,36 @@ def test_gateway_images_keep_their_aspect_within_the_budget(tmp_path):
     assert tok.encode(text, add_special_tokens=False) == [proc.vision_start, proc.spec.image_token_id, proc.vision_end]
 
 
-@pytest.fixture(scope="module")
-def gemma_served(tmp_path_factory):
-    from forge_megatron.models.tiny import build_tiny_model
-    from forge_megatron.rollout.launch import start_engine, start_gateway
-
-    d = build_tiny_model(str(tmp_path_factory.mktemp("gemma4_gateway")), "gemma4_vl", images=True, seed=2)
-    engine = start_engine(d, in_process=True)
-    gw = start_gateway(d, [engine.url], in_process=True)
-    yield d, gw
-    gw.stop()
-    engine.stop()
-
-
-def test_gemma4_images_through_the_gateway_are_scored_by_the_trainer_as_the_engine(gemma_served):
+def test_gemma4_images_through_the_gateway_are_scored_by_the_trainer_as_the_engine(tmp_path):
     """Two chat calls with pictures of two sizes, the second continuing the first: the episode holds each picture's
     pooled token count, and the trainer's tree forward (processor, tower, image blocks in the sliding layers)
     scores the sampled tokens as the engine did."""
-    from forge_megatron.middleware.wire import episode_to_blob
+    from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.multimodal.images import ImageProcessor
     from forge_megatron.multimodal.qwen_vl import image_runs
-    from tests.middleware.test_gateway import end, episode, new_session
-    from tests.multimodal.test_gateway_images import _chat, _trainer_logprobs, _user
-    from tests.multimodal.test_vision_tree import png
 
-    d, served = gemma_served
+    d = build_tiny_model(str(tmp_path / "g"), "gemma4_vl", images=True, seed=2)
     proc = ImageProcessor(d)
-    rng = np.random.default_rng(5)
-    pictures = [png(rng, 30, 50), png(rng, 40, 16)]
-    s = new_session(served)
-    r1 = _chat(s, [_user("what is this?", pictures[0])], max_tokens=8, temperature=0.0)
-    history = [_user("what is this?", pictures[0]), {"role": "assistant", "content": r1.choices[0].message.content}]
-    _chat(s, [*history, _user("and this?", pictures[1])], max_tokens=8)
-    assert end(served, s)[0] == 200
-    ep = episode(served, s)
+    ep = vl.chat_episode(d, vl.random_pictures(5, [(30, 50), (40, 16)]))
     seg = ep.segments[-1]
     runs = image_runs(np.array(seg.tokens), proc.spec.image_token_id, seg.loss_mask)
     assert [b - a for a, b in runs] == [proc.num_tokens(x) for x in seg.images]
     assert len(set(b - a for a, b in runs)) == len(runs) == 2  # two sizes, two token counts
-    (result,) = run_distributed(_trainer_logprobs, world_size=1, hf_dir=d, episode_blob=episode_to_blob(ep),
-                                segments=len(ep.segments), timeout_s=300)
-    logp, mask, rollout = result
-    sampled = mask > 0
-    assert int(sampled.sum()) >= 2
-    assert (logp[sampled] - rollout[sampled]).abs().max().item() <= 1e-4
+    vl.assert_scored_as_engine(d, ep)
 
 
 def test_gemma4_trained_tower_gradients_equal_transformers(gemma_dir, hf_reference):
     """``--train-vision-tower``: Gemma 4's tower and embed_vision train with the language model; every gradient,
     theirs under the checkpoint's names (model.vision_tower.*, model.embed_vision.*), is transformers'."""
-    from tests.multimodal.test_gemma3_images import trained_tower_body
-
     samples, images = batch()
-    (logp, grads), = run_distributed(trained_tower_body, world_size=1, hf_dir=gemma_dir, samples=samples,
-                                     images=images, timeout_s=600)
-    want, expected = hf_reference
-    assert (logp - want).abs().max().item() <= LOGP_ATOL
-    tower = {n for n in grads if n.startswith(("model.vision_tower.", "model.embed_vision."))}
-    assert tower and tower == {n for n in expected if n.startswith(("model.vision_tower.", "model.embed_vision."))}
-    biggest = max(g.abs().max().item() for g in expected.values())
-    for name in tower:
-        err = ((grads[name] - expected[name]).abs().max() / expected[name].abs().max().clamp_min(1e-3 * biggest))
-        assert err.item() <= GRAD_RTOL, (name, err.item())
-    assert all(grads[n].abs().max() > 1e-6 for n in tower if not n.endswith("k_proj.linear.weight")), \
-        [n for n in tower if grads[n].abs().max() <= 1e-6]
+    vl.trained_tower_checks(gemma_dir, samples, images, *hf_reference, ("model.vision_tower.", "model.embed_vision."),
+                            no_gradient=("k_proj.linear.weight",))
 
 
 def test_gemma4_trained_tower_reaches_the_engine(tmp_path):
     """The weight sync sends Gemma 4's trained tower and embed_vision under the checkpoint's names, which the
     engine's Gemma4ForConditionalGeneration holds: its tower equals the trainer's afterwards."""
-    from tests.multimodal.test_gemma3_images import tower_synced_to_an_engine
-
-    before, after, tower = tower_synced_to_an_engine(tmp_path, "gemma4_vl", ("model.vision_tower.",
+    before, after, tower = vl.tower_synced_to_an_engine(tmp_path, "gemma4_vl", ("model.vision_tower.",
                                                                              "model.embed_vision."))
     assert before and set(tower) == set(before)  # (the checkpoint's names are the engine's)
     for name, (t, _) in tower.items():
@@ -280,23 +199,14 @@ def test_e_layout_images_equal_transformers(tmp_path):
     """E2B / E4B's language model (per-layer inputs, KV sharing) with images: an image token's per-layer inputs are
     the pad token's identity row and the projection of its image features, as transformers' Gemma4Model makes them;
     logprobs and every gradient equal transformers' (the images causal, as those releases attend)."""
-    import transformers
-
     d = _checkpoint(str(tmp_path / "e"), seed=1, e_layout=True)
     samples, images = batch()
-    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(d, dtype=torch.float32)
-    assert model.config.text_config.hidden_size_per_layer_input
-    want = hf_logprobs(model, samples, images)
-    (want * _weights(want.numel())).sum().backward()
-    expected = {_released(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
-    (got,) = run_distributed(_one_rank_body, world_size=1, hf_dir=d, mutants=False, timeout_s=600)
+    (want, expected), config = _reference(d, samples, images)
+    assert config.text_config.hidden_size_per_layer_input
+    (got,) = run_distributed(vl.tree_body, world_size=1, hf_dir=d, samples=samples, images=images, timeout_s=600)
     assert got["spec"].bidirectional is False
-    assert (got["logp"] - want.detach()).abs().max().item() <= LOGP_ATOL
-    biggest = max(g.abs().max().item() for g in expected.values())
-    for name, g in got["grads"].items():
-        ref = expected[name if name in expected else _released(name)]
-        err = ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-3 * biggest)).item()
-        assert err <= GRAD_RTOL, (name, err)
+    assert (got["logp"] - want).abs().max().item() <= LOGP_ATOL
+    vl.assert_grads_equal(got["grads"], expected)
 
 
 def test_export_of_a_trained_tower_copies_only_what_it_leaves_out(tmp_path, gemma_dir):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.multimodal.test_vision_tree import GRAD_RTOL, LOGP_ATOL, _tree_model, _weights
+from tests.multimodal import vl_checks as vl
+from tests.multimodal.test_vision_tree import LOGP_ATOL
 
 V = 400
 IMG, BREAK, END = 397, 398, 399
@@ -73,27 +74,6 @@ def hf_inputs(pixels: list) -> dict:
     return dict(pixel_values=padded, image_sizes=torch.tensor([list(p.shape[1:]) for p in pixels]))
 
 
-def hf_logprobs(model, samples, pixels):
-    out = []
-    for tokens, pix in zip(samples, pixels):
-        ids = torch.as_tensor(tokens)[None]
-        logits = model(input_ids=ids, **(hf_inputs(pix) if pix else {})).logits[0, :-1].float()
-        out.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0])
-    return torch.cat(out)
-
-
-@pytest.fixture(scope="module")
-def hf_reference(mistral_dir):
-    import transformers
-
-    samples, _, pixels = batch()
-    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(mistral_dir, dtype=torch.float32)
-    logp = hf_logprobs(model, samples, pixels)
-    (logp * _weights(logp.numel())).sum().backward()
-    grads = {_released(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logp.detach(), grads
-
-
 def _released(name: str) -> str:
     """A transformers 5 Mistral 3 parameter's name in the checkpoint (the bridge's)."""
     if name == "lm_head.weight":
@@ -106,24 +86,20 @@ def _released(name: str) -> str:
     return name
 
 
-def _one_rank_body(rank, world_size, hf_dir):
-    from forge_megatron.mcore.forward import tree_logprobs
-    from forge_megatron.multimodal import build_vision_tree
+@pytest.fixture(scope="module")
+def hf_reference(mistral_dir):
+    import transformers
 
-    samples, images, _ = batch()
-    bridge, model, spec, calls = _tree_model(hf_dir)
-    layout = build_vision_tree(samples, images, spec)
-    logp, _ = tree_logprobs(model, layout)
-    (logp * _weights(logp.numel())).sum().backward()
-    grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-                               for n, p in model.named_parameters()))
-    return dict(logp=logp.detach(), grads=grads, unique=layout.unique_tokens, total=layout.total_tokens,
-                tower_calls=len(calls), spec=spec, tokens=layout.tokens, rows=layout.vision.rows_T)
+    samples, _, pixels = batch()
+    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(mistral_dir, dtype=torch.float32)
+    return vl.hf_reference(model, samples, [hf_inputs(pix) if pix else {} for pix in pixels], _released)
 
 
 @pytest.fixture(scope="module")
 def one_rank(mistral_dir):
-    (out,) = run_distributed(_one_rank_body, world_size=1, hf_dir=mistral_dir, timeout_s=600)
+    samples, images, _ = batch()
+    (out,) = run_distributed(vl.tree_body, world_size=1, hf_dir=mistral_dir, samples=samples, images=images,
+                             timeout_s=600)
     return out
 
 
@@ -146,10 +122,7 @@ def test_tree_with_mistral3_images_equals_transformers(one_rank, hf_reference):
 def test_mistral3_language_model_gradients_equal_transformers(one_rank, hf_reference):
     grads, (_, expected) = one_rank["grads"], hf_reference
     assert grads and set(grads) <= set(expected), sorted(set(grads) - set(expected))[:4]
-    biggest = max(g.abs().max().item() for g in expected.values())
-    for name, g in grads.items():
-        err = ((g - expected[name]).abs().max() / expected[name].abs().max().clamp_min(1e-3 * biggest)).item()
-        assert err <= GRAD_RTOL, (name, err)
+    vl.assert_grads_equal(grads, expected)
 
 
 def test_image_rows_must_match_the_grid():
@@ -204,69 +177,32 @@ def test_mistral3_images_through_the_gateway_are_scored_by_the_trainer_as_the_en
     """Two chat calls with pictures of two sizes, the second continuing the first: the episode writes each picture
     row by row, and the trainer's tree forward (processor, Pixtral tower, projector) scores the sampled tokens as the
     engine did."""
-    from forge_megatron.middleware.wire import episode_to_blob
     from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.multimodal.images import ImageProcessor
     from forge_megatron.multimodal.qwen_vl import image_token_spans
-    from forge_megatron.rollout.launch import start_engine, start_gateway
-    from tests.middleware.test_gateway import end, episode, new_session
-    from tests.multimodal.test_gateway_images import _chat, _trainer_logprobs, _user
-    from tests.multimodal.test_vision_tree import png
 
     d = build_tiny_model(str(tmp_path / "m"), "ministral3_vl", images=True, seed=2)
-    engine = start_engine(d, in_process=True)
-    served = start_gateway(d, [engine.url], in_process=True)
-    try:
-        proc = ImageProcessor(d)
-        rng = np.random.default_rng(5)
-        pictures = [png(rng, 30, 50), png(rng, 40, 16)]
-        s = new_session(served)
-        r1 = _chat(s, [_user("what is this?", pictures[0])], max_tokens=8, temperature=0.0)
-        history = [_user("what is this?", pictures[0]),
-                   {"role": "assistant", "content": r1.choices[0].message.content}]
-        _chat(s, [*history, _user("and this?", pictures[1])], max_tokens=8)
-        assert end(served, s)[0] == 200
-        ep = episode(served, s)
-    finally:
-        served.stop()
-        engine.stop()
+    proc = ImageProcessor(d)
+    ep = vl.chat_episode(d, vl.random_pictures(5, [(30, 50), (40, 16)]))
     seg = ep.segments[-1]
-    spans = image_token_spans(np.array(seg.tokens), [proc.grid(x) for x in seg.images], proc.spec, seg.loss_mask)
-    assert [len(rows) for rows in spans] == [proc.spec.rows_of_image(proc.grid(x))[0] for x in seg.images]
-    (result,) = run_distributed(_trainer_logprobs, world_size=1, hf_dir=d, episode_blob=episode_to_blob(ep),
-                                segments=len(ep.segments), timeout_s=300)
-    logp, mask, rollout = result
-    sampled = mask > 0
-    assert int(sampled.sum()) >= 2
-    assert (logp[sampled] - rollout[sampled]).abs().max().item() <= 1e-4
+    grids = [proc.grid(x) for x in seg.images]
+    spans = image_token_spans(np.array(seg.tokens), grids, proc.spec, seg.loss_mask)
+    assert [len(rows) for rows in spans] == [proc.spec.rows_of_image(g)[0] for g in grids]
+    vl.assert_scored_as_engine(d, ep)
 
 
 def test_mistral3_trained_tower_gradients_equal_transformers(mistral_dir, hf_reference):
     """``--train-vision-tower``: the Pixtral tower and the projector train with the language model; every gradient,
     theirs under the checkpoint's names (vision_tower.*, multi_modal_projector.*), is transformers'."""
-    from tests.multimodal.test_gemma3_images import trained_tower_body
-
     samples, images, _ = batch()
-    (logp, grads), = run_distributed(trained_tower_body, world_size=1, hf_dir=mistral_dir, samples=samples,
-                                     images=images, timeout_s=600)
-    want, expected = hf_reference
-    assert (logp - want).abs().max().item() <= LOGP_ATOL
-    tower = {n for n in grads if n.startswith(("vision_tower.", "multi_modal_projector."))}
-    assert tower and tower == {n for n in expected if n.startswith(("vision_tower.", "multi_modal_projector."))}
-    biggest = max(g.abs().max().item() for g in expected.values())
-    for name in tower:
-        err = (grads[name] - expected[name]).abs().max() / expected[name].abs().max().clamp_min(1e-3 * biggest)
-        assert err.item() <= GRAD_RTOL, (name, err.item())
-    assert all(grads[n].abs().max() > 1e-6 for n in tower if not n.endswith("k_proj.weight")), \
-        [n for n in tower if grads[n].abs().max() <= 1e-6]
+    vl.trained_tower_checks(mistral_dir, samples, images, *hf_reference, ("vision_tower.", "multi_modal_projector."),
+                            no_gradient=("k_proj.weight",))
 
 
 def test_mistral3_trained_tower_reaches_the_engine(tmp_path):
     """The weight sync sends the trained Pixtral tower and projector under the checkpoint's names; the engine's
     Mistral3ForConditionalGeneration (model.vision_tower.*, ...) takes them."""
-    from tests.multimodal.test_gemma3_images import tower_synced_to_an_engine
-
-    before, after, tower = tower_synced_to_an_engine(tmp_path, "ministral3_vl", ("model.vision_tower.",
+    before, after, tower = vl.tower_synced_to_an_engine(tmp_path, "ministral3_vl", ("model.vision_tower.",
                                                                                  "model.multi_modal_projector."))
     assert before and {"model." + n for n in tower} == set(before)
     for name, (t, _) in tower.items():
