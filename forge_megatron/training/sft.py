@@ -61,9 +61,10 @@ def render(tokenizer, messages: list[dict], tools: list | None, processor=None) 
         messages, images = _inline_images(messages, processor, placeholder)
     ids, mask = _render_text(tokenizer, messages, tools)
     if images:
-        pad, counts = processor.spec.image_token_id, iter([processor.num_tokens(x) for x in images])
+        # (each placeholder becomes the image's tokens: Mistral 3's rows with their break tokens too; none trained)
+        pad, lengths = processor.spec.image_token_id, iter([len(processor.image_ids(x)) for x in images])
         expanded = processor.expand(ids, images)
-        mask = [x for t, m in zip(ids, mask) for x in ([0] * next(counts) if t == pad else [m])]
+        mask = [x for t, m in zip(ids, mask) for x in ([0] * next(lengths) if t == pad else [m])]
         assert len(mask) == len(expanded)
         ids = expanded
     return ids, mask, images
