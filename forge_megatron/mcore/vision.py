@@ -4,8 +4,10 @@ A micro-batch whose tree has images (``TreeLayout.vision``, multimodal/tree.py) 
 (``TreePackedSeqParams.vision``: this rank's :class:`VisionShard`). :func:`install` puts three hooks on a model stage:
 
 1. on the decoder (before it runs): the rotary table becomes the mRoPE angles of the tokens' three positions
-   (multimodal/qwen_vl.py ``mrope_angles``; text alone gives the depth table's values), and on the first pipeline
-   stage the image tokens' embeddings are replaced by the vision tower's merged features;
+   (multimodal/qwen_vl.py ``mrope_angles``; text alone gives the depth table's values; Gemma 3 / 4 and Mistral 3
+   keep their 1-D table), and on the first pipeline stage the image tokens' embeddings are replaced by the vision
+   tower's merged features (Gemma 3 / 4's image tokens also see each other: tree attention's ``key_end``, made by
+   mcore/tree_attention.py from the vision tree);
 2. after each of the first ``spec.deepstack_layers`` layers (Qwen3-VL's DeepStack): that layer's features are added
    to the image tokens' hidden states.
 

@@ -1,5 +1,5 @@
 """Vision-language RL: samples with images trained on prefix trees (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5,
-GLM-4.xV).
+GLM-4.xV, Gemma 3, Gemma 4, Mistral 3).
 
 ``qwen_vl``: image tokens, 3-D mRoPE positions, the checkpoint's vision tower; ``tree``: image-aware prefix merging
 (:func:`build_vision_tree`); forge_megatron.mcore.vision puts the images into a Megatron model's forward.
