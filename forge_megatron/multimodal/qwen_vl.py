@@ -135,6 +135,9 @@ def vision_spec(hf_config: dict) -> VisionSpec:
                           mrope_section=None, interleaved=False, deepstack_layers=0, vision_prefix="model.",
                           bidirectional=both_ways, patch_size=int(vision.get("patch_size", 16)), kind="gemma4")
     if kind == "mistral3":
+        if text.get("model_type") == "mistral4" or text.get("kv_lora_rank"):
+            raise ValueError(f"{arch}: images for Mistral Small 4 (multi-latent attention) are not supported yet; "
+                             "text-only RL works")
         layer = hf_config.get("vision_feature_layer", -1)
         if not isinstance(layer, int):
             raise ValueError(f"{arch}: vision_feature_layer {layer!r} (several layers joined) is not supported")

@@ -208,3 +208,14 @@ def test_mistral3_trained_tower_reaches_the_engine(tmp_path):
     for name, (t, _) in tower.items():
         assert torch.equal(after["model." + name], t.to(after["model." + name].dtype)), name
         assert not torch.equal(after["model." + name], before["model." + name]), name
+
+
+def test_mistral_small_4_takes_no_images_and_trains_on_text():
+    """Mistral Small 4 (its multi-latent attention inside the same Mistral3ForConditionalGeneration): no vision spec
+    (the trainer then trains on text and refuses samples with images by name), the reason named."""
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.multimodal.qwen_vl import vision_spec
+
+    hf = {**tiny_config("mistral4_vl", vocab_size=V).to_dict(), "architectures": ["Mistral3ForConditionalGeneration"]}
+    with pytest.raises(ValueError, match="Mistral Small 4"):
+        vision_spec(hf)
