@@ -64,7 +64,7 @@ def tree_attention(
     q may hold only the last tokens of the keys' tree (suffix queries, see ops.py); the automatic choice then
     passes over the CUDA kernel, which takes them on its SIMT path only (no tensor cores). ``sinks`` (per query
     head) and ``window`` (positions): gpt-oss's attention (ops.py); ``key_end`` (int32 [T], None: causal):
-    bidirectional blocks (Gemma 3's images, ops.py), passed on as ``key_end_T``; the CUDA kernel has none of them
+    bidirectional blocks (Gemma 3 / 4's images, ops.py), passed on as ``key_end_T``; the CUDA kernel has none of them
     and is never chosen automatically for them."""
     name = resolve(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0], head_dim=q_TNH.shape[2],
                    v_head_dim=v_TKH.shape[2], sinks_or_window=sinks is not None or bool(window),
