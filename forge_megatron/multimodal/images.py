@@ -10,7 +10,7 @@ same grid) and the engine and the trainer compute the same patches from the same
 
 Gemma 3's images are all one size: the target is the checkpoint's ``image_size`` square (resized with its
 processor's filter; pan-and-scan crops are refused), its patches are the image cut into ``patch_size`` squares
-(qwen_vl.gemma3_patches) and its text in a prompt ``\n\n<start_of_image>`` + its image tokens +
+(qwen_vl.image_patches) and its text in a prompt ``\n\n<start_of_image>`` + its image tokens +
 ``<end_of_image>\n\n``, as transformers' ``Gemma3Processor`` writes it.
 
 Gemma 4 keeps each image's aspect: the target is the largest size within ``max_soft_tokens * pooling_kernel_size^2``
@@ -396,7 +396,7 @@ class ImageProcessor:
         if self.square or self.spec.mistral3:
             import torch
 
-            from forge_megatron.multimodal.qwen_vl import gemma3_patches
+            from forge_megatron.multimodal.qwen_vl import image_patches
 
             pixels = out["pixel_values"]
             grid = self.grid(data)
@@ -404,7 +404,7 @@ class ImageProcessor:
             if pixels.shape != want:
                 raise ImageError(f"the image processor made pixel values of shape {pixels.shape} of one image "
                                  f"normalised for {want}")
-            patches = gemma3_patches(torch.from_numpy(pixels.astype("float32")), self.patch).numpy()
+            patches = image_patches(torch.from_numpy(pixels.astype("float32")), self.patch).numpy()
             return ImageInput(patches, self.grid(data))
         if self.spec.gemma4:  # its patches without the padding, checked to be row-major as the tower takes them
             import numpy as np

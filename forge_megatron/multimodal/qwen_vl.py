@@ -29,8 +29,8 @@ resizes each (aspect kept) to a patch budget with sides that are multiples of ``
 its patches (row-major, channels last within a patch) go through the vision tower with their (x, y) positions,
 ``pooling_kernel_size``^2 patches average-pooled into each token (grid ``(1, h, w)`` patches, ``merge`` the kernel),
 and ``embed_vision`` projects them (:class:`Gemma4Tower`). An image's tokens see each other in the sliding-window
-layers only (``bidirectional == "sliding"``; the releases whose text config says ``use_bidirectional_attention: "vision"``),
-the global layers staying causal, as transformers' Gemma 4 masks them.
+layers only (``bidirectional == "sliding"``; the releases whose text config says
+``use_bidirectional_attention: "vision"``), the global layers staying causal, as transformers' Gemma 4 masks them.
 
 Mistral 3 (``Mistral3ForConditionalGeneration`` with a dense language model: Ministral 3, Mistral Small 3.x) writes an
 image row by row: each row of ``w / merge`` image tokens is followed by ``[IMG_BREAK]``, the last by ``[IMG_END]``
@@ -47,6 +47,7 @@ Legend: L = tokens of one sample, T = tokens, I = images, D = rotary dim, N = im
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -295,7 +296,7 @@ def _new_tower(config):
 class Mistral3Tower(torch.nn.Module):
     """Mistral 3's image side as one module: the Pixtral ``vision_tower`` and the ``multi_modal_projector`` (a norm,
     the merge of ``spatial_merge_size``^2 patches, two linear layers), named as in the checkpoint. Takes the images'
-    patches ([patches, 3 * patch^2], :func:`gemma3_patches`' layout) and grids, puts each image back together and gives
+    patches ([patches, 3 * patch^2], :func:`image_patches`' layout) and grids, puts each image back together and gives
     ``pooler_output`` [tokens, H] in image order (rows of ``w / merge``), as transformers'
     ``Mistral3Model.get_image_features`` does (its ``vision_feature_layer``'s hidden states)."""
 
@@ -348,10 +349,7 @@ class Gemma4Tower(torch.nn.Module):
         from types import SimpleNamespace
 
         grids = [tuple(int(x) for x in g) for g in grid_thw.tolist()]
-        sizes = [t * h * w for t, h, w in grids]
-        starts = [0]
-        for n in sizes:
-            starts.append(starts[-1] + n)
+        starts = [0, *itertools.accumulate(t * h * w for t, h, w in grids)]
         out: list = [None] * len(grids)
         for grid in dict.fromkeys(grids):  # the images of one size in one call
             which = [i for i, g in enumerate(grids) if g == grid]
@@ -373,7 +371,7 @@ class Gemma3Tower(torch.nn.Module):
     """Gemma 3's image side as one module: the SigLIP tower and the ``multi_modal_projector`` (average pooling to
     ``mm_tokens_per_image``, a norm, a projection), named as the released checkpoints and SGLang name them
     (``vision_tower.vision_model.*``: transformers 5 saves ``vision_tower.*`` and reads both; HFReader does too).
-    Takes the images' patches ([patches, 3 * patch^2], :func:`gemma3_patches`) and gives ``pooler_output``
+    Takes the images' patches ([patches, 3 * patch^2], :func:`image_patches`) and gives ``pooler_output``
     [images * tokens per image, H], as transformers' ``Gemma3Model.get_image_features`` does for the same images."""
 
     def __init__(self, config):
@@ -412,6 +410,26 @@ def gemma4_inputs(images: list) -> tuple[torch.Tensor, torch.Tensor]:
     return pixels, positions
 
 
+def model_image_inputs(spec: VisionSpec, images: list, prompt_ids: list[int], ids_1S: torch.Tensor) -> dict:
+    """The image keyword arguments of a transformers vision-language model's prefill of ``ids_1S`` [1, S] (the prompt
+    ``prompt_ids`` and any tokens sampled after it) with ``images`` (ImageInputs): Qwen-VL / GLM-4.xV's patches and
+    grids, Gemma 3's whole images, Gemma 4's padded patches and positions, Mistral 3's padded images and sizes; the
+    image-token types mark the prompt's image tokens (an image token the model sampled is text)."""
+    prompt_images = torch.zeros_like(ids_1S)
+    prompt_images[:, :len(prompt_ids)] = torch.tensor([prompt_ids]) == spec.image_token_id
+    if spec.mistral3:
+        pixel_values, sizes = mistral3_inputs(images, spec.patch_size)
+        return dict(pixel_values=pixel_values, image_sizes=sizes)
+    if spec.gemma4:
+        pixel_values, positions = gemma4_inputs(images)
+        return dict(pixel_values=pixel_values, image_position_ids=positions, mm_token_type_ids=prompt_images)
+    pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in images]))
+    if spec.gemma3:
+        return dict(pixel_values=gemma3_images(pixels, spec.image_size, spec.patch_size), token_type_ids=prompt_images)
+    return dict(pixel_values=pixels, image_grid_thw=torch.tensor([im.grid_thw for im in images]),
+                mm_token_type_ids=(ids_1S == spec.image_token_id).int())
+
+
 def mistral3_inputs(images: list, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' Mistral 3 image inputs of ``images`` (ImageInputs): the images put back together and padded to
     the largest [images, 3, H, W], and their sizes [images, 2]."""
@@ -424,7 +442,7 @@ def mistral3_inputs(images: list, patch: int) -> tuple[torch.Tensor, torch.Tenso
     return padded, torch.tensor([list(x.shape[1:]) for x in whole])
 
 
-def gemma3_patches(images_N3HW: torch.Tensor, patch: int) -> torch.Tensor:
+def image_patches(images_N3HW: torch.Tensor, patch: int) -> torch.Tensor:
     """Images [N, 3, H, W] as patches [N * (H / patch) * (W / patch), 3 * patch^2]: row-major over each image's patch
     grid, channels first within a patch (as :class:`~forge_megatron.multimodal.tree.ImageInput` holds Gemma 3's and
     Mistral 3's)."""
@@ -435,7 +453,7 @@ def gemma3_patches(images_N3HW: torch.Tensor, patch: int) -> torch.Tensor:
 
 
 def patches_image(patches: torch.Tensor, h: int, w: int, patch: int) -> torch.Tensor:
-    """The image [3, h * patch, w * patch] of one image's :func:`gemma3_patches` (an h x w grid)."""
+    """The image [3, h * patch, w * patch] of one image's :func:`image_patches` (an h x w grid)."""
     if patches.dim() != 2 or patches.shape[0] != h * w or patches.shape[1] % (patch * patch):
         raise ValueError(f"{tuple(patches.shape)} is not the patches of an image of {h} x {w} patches of {patch}")
     c = patches.shape[1] // (patch * patch)
@@ -443,7 +461,7 @@ def patches_image(patches: torch.Tensor, h: int, w: int, patch: int) -> torch.Te
 
 
 def gemma3_images(patches: torch.Tensor, size: int, patch: int) -> torch.Tensor:
-    """The images [N, 3, size, size] of :func:`gemma3_patches`' patches."""
+    """The images [N, 3, size, size] of :func:`image_patches`' patches."""
     side = size // patch
     if patches.dim() != 2 or patches.shape[0] % (side * side) or patches.shape[1] % (patch * patch):
         raise ValueError(f"{tuple(patches.shape)} is not the patches of {size}-pixel images in patches of {patch}")
@@ -453,9 +471,10 @@ def gemma3_images(patches: torch.Tensor, size: int, patch: int) -> torch.Tensor:
 
 
 def build_vision_tower(hf_config, dtype: torch.dtype | None = None, device=None):
-    """The checkpoint's vision tower (``AutoModel`` of its ``vision_config``, a transformers module; Gemma 3's and 4's:
-    :class:`Gemma3Tower`, :class:`Gemma4Tower`), freshly initialised: the trainer's trainable tower, whose weights come through the bridge
-    (``Bridge(vision_tower=True)``) like the language model's."""
+    """The checkpoint's vision tower (``AutoModel`` of its ``vision_config``, a transformers module; Gemma 3's, Gemma
+    4's and Mistral 3's: :class:`Gemma3Tower`, :class:`Gemma4Tower`, :class:`Mistral3Tower`), freshly initialised: the
+    trainer's trainable tower, whose weights come through the bridge (``Bridge(vision_tower=True)``) like the language
+    model's."""
     return _new_tower(_full_config(hf_config)).to(device=device, dtype=dtype)
 
 

@@ -53,7 +53,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from aiohttp import web
@@ -341,30 +340,9 @@ class ReferenceEngine:
         if hasattr(inner, "rope_deltas"):  # a vision-language model keeps the mRoPE offset of the last prefill
             inner.rope_deltas = req.rope_deltas  # on itself: each request's own (steps of requests interleave)
         if req.images and req.past is None:  # the prefill (again after a retracting pause): the images too
-            spec = self._images.spec
-            pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in req.images]))
-            if spec.gemma3:  # whole images, and the prompt's image tokens (not a sampled one) seeing each other
-                from forge_megatron.multimodal.qwen_vl import gemma3_images
+            from forge_megatron.multimodal.qwen_vl import model_image_inputs
 
-                image_S = torch.zeros_like(new_S)
-                image_S[:, :len(req.input_ids)] = torch.tensor([req.input_ids]) == spec.image_token_id
-                extra = dict(pixel_values=gemma3_images(pixels, spec.image_size, spec.patch_size),
-                             token_type_ids=image_S)
-            elif spec.mistral3:  # whole images padded to the largest, and their sizes
-                from forge_megatron.multimodal.qwen_vl import mistral3_inputs
-
-                pixel_values, sizes = mistral3_inputs(req.images, spec.patch_size)
-                extra = dict(pixel_values=pixel_values, image_sizes=sizes)
-            elif spec.gemma4:  # the processor's padded patches and (x, y) positions; image tokens of the prompt
-                from forge_megatron.multimodal.qwen_vl import gemma4_inputs
-
-                image_S = torch.zeros_like(new_S)
-                image_S[:, :len(req.input_ids)] = torch.tensor([req.input_ids]) == spec.image_token_id
-                pixel_values, positions = gemma4_inputs(req.images)
-                extra = dict(pixel_values=pixel_values, image_position_ids=positions, mm_token_type_ids=image_S)
-            else:
-                extra = dict(pixel_values=pixels, image_grid_thw=torch.tensor([im.grid_thw for im in req.images]),
-                             mm_token_type_ids=(new_S == spec.image_token_id).int())
+            extra = model_image_inputs(self._images.spec, req.images, req.input_ids, new_S)
         try:
             with torch.no_grad(), (self.lora.using(req.lora) if self.lora is not None else contextlib.nullcontext()):
                 out = self.model(input_ids=new_S, use_cache=True, **{self.cache_kw: req.past}, **extra)

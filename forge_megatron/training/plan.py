@@ -278,7 +278,7 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
     import torch
     import transformers
 
-    from forge_megatron.multimodal.qwen_vl import Gemma3Tower, Gemma4Tower, Mistral3Tower, _full_config, gemma3_patches
+    from forge_megatron.multimodal.qwen_vl import Gemma3Tower, Gemma4Tower, Mistral3Tower, _full_config, image_patches
     from forge_megatron.utils.memory import LiveBytes
 
     config = _full_config(hf_config)
@@ -331,7 +331,7 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
             if mistral3:
                 pixels = torch.randn(images * side * side, 3 * full.patch_size ** 2, dtype=torch.bfloat16)
             elif gemma3:
-                pixels = gemma3_patches(torch.randn(images, 3, side * full.patch_size, side * full.patch_size),
+                pixels = image_patches(torch.randn(images, 3, side * full.patch_size, side * full.patch_size),
                                         full.patch_size).to(torch.bfloat16)
             elif gemma4:
                 wide = side // GEMMA4_GRID[0] * GEMMA4_GRID[1]

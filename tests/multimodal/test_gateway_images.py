@@ -196,8 +196,7 @@ def _trainer_logprobs(rank, world_size, hf_dir, episode_blob, segments):
 def test_trainer_scores_recorded_images_as_the_engine(served, vl_dir, pictures, second):
     """Two calls with a picture each, the second continuing the first (one segment holding both pictures) or
     rewriting the history (a segment each): the trainer's logprobs of the sampled tokens are the engine's."""
-    from forge_megatron.middleware.wire import episode_to_blob
-    from tests.dist_utils import run_distributed
+    from tests.multimodal.vl_checks import assert_scored_as_engine
 
     s = new_session(served)
     r1 = _chat(s, [_user("what is this?", pictures[0])], max_tokens=8)
@@ -207,12 +206,7 @@ def test_trainer_scores_recorded_images_as_the_engine(served, vl_dir, pictures, 
     if second == "rewritten":
         assert len(episode(served, s).segments) == 2
     ep = episode(served, s)  # (one segment, or two when the first completion sampled the image token: sampling)
-    (result,) = run_distributed(_trainer_logprobs, world_size=1, hf_dir=vl_dir, episode_blob=episode_to_blob(ep),
-                                segments=len(ep.segments), timeout_s=300)
-    logp, mask, rollout = result
-    sampled = mask > 0
-    assert int(sampled.sum()) >= 2
-    assert (logp[sampled] - rollout[sampled]).abs().max().item() <= 1e-4
+    assert_scored_as_engine(vl_dir, ep)
 
 
 def test_max_body_flag_raises_the_limit_for_image_agents(tmp_path):

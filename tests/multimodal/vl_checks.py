@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.multimodal.test_vision_tree import GRAD_RTOL, _tree_model, _weights
+from tests.multimodal.test_vision_tree import GRAD_RTOL, LOGP_ATOL, _tree_model, _weights
 
 
 def hf_reference(model, samples, inputs: list, rename=lambda name: name) -> tuple[torch.Tensor, dict]:
@@ -25,6 +25,32 @@ def hf_reference(model, samples, inputs: list, rename=lambda name: name) -> tupl
     logp = torch.cat(out)
     (logp * _weights(logp.numel())).sum().backward()
     return logp.detach(), {rename(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def renamer(*prefixes: tuple[str, str], **whole: str):
+    """A map of transformers 5 in-memory parameter names to checkpoint names: each (held, stored) prefix swapped,
+    and whole names (``whole``: in-memory name with dots as "__") renamed."""
+    names = {k.replace("__", "."): v for k, v in whole.items()}
+
+    def rename(name: str) -> str:
+        if name in names:
+            return names[name]
+        for held, stored in prefixes:
+            if name.startswith(held):
+                return stored + name[len(held):]
+        return name
+    return rename
+
+
+def assert_tree_equals_transformers(run: dict, want: torch.Tensor, *differing: str) -> None:
+    """The tree run's logprobs (``tree_body``) are transformers' on a tree that merged samples, its tower ran once
+    per micro-batch, and each of the ``differing`` variants scores otherwise (what it replaces matters)."""
+    got = run["logp"]
+    assert got.shape == want.shape and run["unique"] < run["total"]
+    assert (got - want).abs().max().item() <= LOGP_ATOL
+    assert run["tower_calls"] == 1
+    for name in differing:
+        assert (run["variants"][name] - want).abs().max().item() > 1e-3, name
 
 
 def tree_body(rank, world_size, hf_dir, samples, images, variants=None):
@@ -88,7 +114,7 @@ def trained_tower_checks(hf_dir, samples, images, want, expected, prefixes: tupl
     biases and projections softmax ignores, round-off alone)."""
     (logp, grads), = run_distributed(trained_tower_body, world_size=1, hf_dir=hf_dir, samples=samples, images=images,
                                      timeout_s=600)
-    assert (logp - want).abs().max().item() <= 1e-5
+    assert (logp - want).abs().max().item() <= LOGP_ATOL
     tower = {n for n in grads if n.startswith(prefixes)}
     assert tower and tower == {n for n in expected if n.startswith(prefixes)}
     assert_grads_equal(grads, expected, tower)

@@ -355,9 +355,9 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
     held = []
     for images in (1, 3):
         if gemma3:
-            from forge_megatron.multimodal.qwen_vl import gemma3_patches
+            from forge_megatron.multimodal.qwen_vl import image_patches
 
-            pixels = gemma3_patches(torch.randn(images, 3, vc.image_size, vc.image_size), vc.patch_size)
+            pixels = image_patches(torch.randn(images, 3, vc.image_size, vc.image_size), vc.patch_size)
             pixels = pixels.to(torch.bfloat16)
         elif gemma4 or mistral3:
             pixels = torch.rand(images * side * wide, 3 * vc.patch_size ** 2, dtype=torch.bfloat16)
