@@ -48,6 +48,8 @@ step "build CUDA extension" 110 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST
 step "gpu tests" 110 "$PY" -m pytest -q -m gpu -rs --timeout=100 -p no:cacheprovider "$TESTS"
 step "benchmark grpo" 35 "$PY" benchmarks/tree_attention.py --workload grpo
 step "benchmark agentic" 35 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
+step "benchmark heads of 512" 35 "$PY" benchmarks/tree_attention.py --workload grpo --prompt 1024 --completion 512 \
+  --heads 16 --kv-heads 4 --head-dim 512
 step "benchmark logprobs" 50 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
 step "benchmark gated delta" 20 "$PY" benchmarks/gated_delta.py --device cuda --batch 4 --len 8192 --heads 8
 step "trainer on GPU" 180 "$PY" -m pytest -q -m gpu -rs --timeout=150 -p no:cacheprovider \

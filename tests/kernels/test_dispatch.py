@@ -81,7 +81,8 @@ def test_suffix_queries_pass_over_cuda(no_env, monkeypatch):
 
 def test_head_sizes_a_kernel_does_not_take_pass_over_it(no_env, monkeypatch):
     """Multi-latent attention's 192-channel query/key heads: not the CUDA kernel's (32 / 64 / 128) even where it is
-    validated and preferred; Triton takes them (up to 256); beyond that the exact segment backend."""
+    validated and preferred; Triton takes them, and Gemma 4's global heads of 512; beyond that the exact segment
+    backend."""
     from forge_megatron.kernels.tree_attention import cuda as cuda_backend
 
     cuda = torch.device("cuda")
@@ -90,7 +91,8 @@ def test_head_sizes_a_kernel_does_not_take_pass_over_it(no_env, monkeypatch):
     assert dispatch.HEAD_DIMS["cuda"] == cuda_backend.SUPPORTED_HEAD_DIMS
     triton_kernel = pytest.importorskip("forge_megatron.kernels.tree_attention.triton_kernel")
     assert max(dispatch.HEAD_DIMS["triton"]) == triton_kernel.MAX_HEAD_DIM
-    assert [dispatch.choose_backend(cuda, head_dim=h)[0] for h in (128, 192, 320)] == ["cuda", "triton", "segment"]
+    assert [dispatch.choose_backend(cuda, head_dim=h)[0] for h in (128, 192, 512, 576)] == ["cuda", "triton",
+                                                                                          "triton", "segment"]
 
 
 def test_key_end_is_passed_on_and_never_chooses_cuda(inputs, no_env, monkeypatch):

@@ -5,6 +5,7 @@ GPUs needed: 0 for the unmarked tests (interpreter), 1 for the `gpu` ones.
 
 import pytest
 import torch
+import triton.language as tl
 from tree_cases import (
     check_against_reference,
     check_sinks_and_window,
@@ -36,6 +37,15 @@ def test_value_heads_of_another_size(H, Hv):
     forward and backward, whole trees and suffix queries."""
     check_against_reference(tree_attention_triton, CASES["random_trie"], N=4, K=2, H=H, Hv=Hv, dtype=torch.float32)
     check_suffix_queries(tree_attention_triton, CASES["grpo"], N=2, K=1, H=H, Hv=Hv)
+
+
+def test_heads_of_512():
+    """Gemma 4's global layers: query, key and value heads of 512 (GQA), forward and backward, whole tree and suffix
+    queries; on a GPU such heads take 32 x 32 tiles (gpu_launch_config), here the interpreter's 32 x 32."""
+    check_against_reference(tree_attention_triton, CASES["many_roots"], N=2, K=1, H=512, dtype=torch.float32)
+    check_suffix_queries(tree_attention_triton, CASES["grpo"], N=2, K=1, H=512)
+    assert triton_kernel.gpu_launch_config(512, tl.bfloat16)["BLOCK_M"] == 32
+    assert triton_kernel.gpu_launch_config(256, tl.bfloat16)["BLOCK_M"] == 64
 
 
 @pytest.mark.parametrize("case,window,with_sinks", [("random_trie", 3, True), ("grpo", 5, False),
@@ -82,8 +92,6 @@ def test_low_precision_inputs(dtype):
 @pytest.mark.parametrize("block_m,block_n", [(64, 64), (32, 64), (64, 32)])
 def test_other_block_shapes(monkeypatch, block_m, block_n):
     """The GPU block size (64) and unequal query/key blocks give the same result (interpreter, fp32 math)."""
-    import triton.language as tl
-
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=32, BLOCK_HV=32, COMPUTE=tl.float32, DOT_PRECISION="ieee")
     monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T, v_head_dim=None: cfg)
     check_against_reference(tree_attention_triton, CASES["many_roots"], N=4, K=2, H=32, dtype=torch.float32)
@@ -98,7 +106,6 @@ def test_suffix_queries(case):
 
 @pytest.mark.parametrize("block_m,block_n", [(32, 64), (64, 32)])
 def test_suffix_queries_unequal_blocks(monkeypatch, block_m, block_n):
-    import triton.language as tl
 
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=16, BLOCK_HV=16, COMPUTE=tl.float32, DOT_PRECISION="ieee")
     monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T, v_head_dim=None: cfg)
@@ -189,8 +196,8 @@ def test_fake_tensor_shapes():
 
 
 def test_unsupported_sizes_raise():
-    q = torch.zeros(3, 1, 512)
-    with pytest.raises(ValueError, match="head_dim 512 is not supported by the Triton tree attention kernel"):
+    q = torch.zeros(3, 1, 1024)
+    with pytest.raises(ValueError, match="head_dim 1024 is not supported by the Triton tree attention kernel"):
         tree_attention_triton(q, q, q, torch.full((3,), 3, dtype=torch.int32))
     huge = torch.empty(2**31 // 64 + 1, 1, 64, device="meta")
     with pytest.raises(ValueError, match="int32 offsets"):
@@ -371,7 +378,6 @@ def test_key_end_that_is_not_blocks():
 def test_bidirectional_blocks_small_tiles(monkeypatch, block_m, block_n):
     """Blocks crossing many query- and key-tile boundaries (the dK/dV loop starts at the query block of the first
     token whose block reaches the key tile), equal and unequal tiles, whole tree and suffix queries."""
-    import triton.language as tl
 
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_H=16, BLOCK_HV=16, COMPUTE=tl.float32, DOT_PRECISION="ieee")
     monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T, v_head_dim=None: cfg)
@@ -476,6 +482,17 @@ def test_gpu_bidirectional_blocks(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_heads_of_512(dtype):
+    """Gemma 4's global heads of 512 compiled for the GPU (32 x 32 tiles), whole trees and suffix queries."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for se in (CASES["grpo"], _gpu_forest(4, 300, 200, 0)):
+        check_against_reference(tree_attention_triton, se, N=4, K=1, H=512, dtype=dtype, device="cuda")
+    check_suffix_queries(tree_attention_triton, CASES["random_trie"], N=4, K=1, H=512, device="cuda", atol=1e-4)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("H", [64, 128])
 def test_gpu_suffix_queries(H):
     """Suffix queries compiled for the GPU (64-wide tiles, ieee fp32 dots) against rows of the full reference."""
@@ -487,11 +504,14 @@ def test_gpu_suffix_queries(H):
 
 @pytest.mark.parametrize("dtype,head_dim,window,key_end", [("bf16", "128", None, False), ("fp32", "64", None, False),
                                                            ("bf16", "192x128", None, False), ("bf16", "64", 128, False),
-                                                           ("bf16", "128", None, True)])
+                                                           ("bf16", "128", None, True), ("bf16", "512", None, False)])
 def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end):
     """The GPU code path (native low-precision tl.dot, ieee fp32 dots) lowers to a cubin: TTIR -> PTX -> ptxas;
-    with key_end: the bidirectional blocks' variants (HAS_KEY_END, full tiles included: no window)."""
+    with key_end: the bidirectional blocks' variants (HAS_KEY_END, full tiles included: no window). Each kernel's
+    shared memory fits an H100 / H200 SM (227 KiB a block): Gemma 4's heads of 512 need their 32 x 32 tiles for
+    that, 64 x 64 ones would take about 260 KiB in the backward."""
     import os
+    import re
     import subprocess
     import sys
     from pathlib import Path
@@ -499,8 +519,11 @@ def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end):
     script = Path(__file__).with_name("triton_aot.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     extra = (["--sinks-window", str(window)] if window else []) + (["--key-end"] if key_end else [])
-    proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", head_dim, *extra],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", head_dim, "--resources",
+                           *extra], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {line.split()[2] for line in proc.stdout.splitlines()}
     assert names == {"_key_block_bounds_kernel", "_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
+    shared = [int(re.search(r"shared=(\d+)", line).group(1)) for line in proc.stdout.splitlines()]
+    assert max(shared) <= 227 * 1024, proc.stdout
+    assert all(re.search(r" regs=\d+ stack=\d+$", line) for line in proc.stdout.splitlines()[1:]), proc.stdout

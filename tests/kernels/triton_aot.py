@@ -3,9 +3,12 @@
 Run as a script in a process WITHOUT TRITON_INTERPRET (the interpreter replaces @triton.jit functions): it lowers
 every kernel through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin via the bundled ptxas), so code
 that only the GPU path exercises (native fp16/bf16 tl.dot, input_precision, scf.if around dots) is checked on CPU
-machines. Prints one line per kernel: dtype, head dim, name, shared memory bytes.
+machines. Prints one line per kernel: dtype, head dim, name, shared memory bytes, and with --resources the
+registers per thread and the stack bytes per thread that ptxas gave it (spills; read from the cubin with the cuobjdump
+Triton ships).
 
-  python tests/kernels/triton_aot.py [--arch 90] [--dtypes bf16 fp32] [--head-dims 64 128 192x128] [--key-end]
+  python tests/kernels/triton_aot.py [--arch 90] [--dtypes bf16 fp32] [--head-dims 64 128 192x128 512] [--key-end]
+      [--resources]
 
 A head dim ``HxHV`` compiles query/key heads of H channels with value heads of HV (multi-latent attention).
 """
@@ -15,6 +18,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import subprocess
+import tempfile
 
 import triton
 import triton.language as tl
@@ -53,6 +58,18 @@ def compile_kernel(fn, dtype: str, constexprs: dict, arch: int, num_warps: int):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
 
 
+def resources(kernel) -> str:
+    """'regs=R stack=S' of a compiled kernel: ptxas' registers per thread and stack (spill) bytes per thread."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    usage = dict(field.split(":", 1) for line in out.splitlines() if "REG:" in line for field in line.split())
+    return f"regs={usage['REG']} stack={usage['STACK']}"
+
+
 def compile_gated_delta(shapes: list[str], arch: int) -> None:
     from forge_megatron.kernels import gated_delta_triton as gt
 
@@ -79,6 +96,8 @@ def main() -> None:
                    help="compile the variants with attention sinks and a sliding window of W (gpt-oss)")
     p.add_argument("--key-end", action="store_true",
                    help="compile the variants with bidirectional blocks (key_end: Gemma 3's images)")
+    p.add_argument("--resources", action="store_true",
+                   help="also print each kernel's registers and stack (spill) bytes per thread")
     p.add_argument("--gated-delta", nargs="+", default=None, metavar="DKxDVxC",
                    help="instead: the gated delta rule's scan kernels (kernels/gated_delta_triton.py) for key dim DK, "
                         "value dim DV and chunk C (fp32), e.g. 128x128x64")
@@ -100,7 +119,8 @@ def main() -> None:
                 extra = dict(HAS_SINKS=window > 0) if fn is tk._fwd_kernel else {}
                 constexprs = dict(GROUP=4, WINDOW=window, HAS_KEY_END=args.key_end, **extra, **cfg)
                 kernel = compile_kernel(fn, dtype, constexprs, args.arch, num_warps)
-                print(f"{dtype} {dims} {fn.fn.__name__} shared={kernel.metadata.shared}")
+                usage = f" {resources(kernel)}" if args.resources else ""
+                print(f"{dtype} {dims} {fn.fn.__name__} shared={kernel.metadata.shared}{usage}")
 
 
 if __name__ == "__main__":

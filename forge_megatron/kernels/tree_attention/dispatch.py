@@ -9,7 +9,7 @@ Choice, first match wins:
    benchmarks/gpu_check.sh runs them): until then it is used only when asked for. Calls with suffix queries (fewer
    queries than keys, ops.py) never choose it automatically: it takes them only on its SIMT path; nor do calls with
    attention sinks, a sliding window or bidirectional blocks (key_end), which it does not have. A head size a
-   kernel does not take (CUDA: 32 / 64 / 128 and values as wide as keys; Triton: up to 256; multi-latent
+   kernel does not take (CUDA: 32 / 64 / 128 and values as wide as keys; Triton: up to 512; multi-latent
    attention's query/key heads are 192 wide, its value heads 128) passes over it too.
 The Triton and CUDA backends live in their own modules and are imported lazily; a module that is absent or fails
 to import makes its backend unavailable. Each (backend, device type) choice is logged once.
@@ -34,9 +34,9 @@ from forge_megatron.utils import env
 
 ENV_VAR = "FORGE_TREE_ATTN_BACKEND"
 BACKENDS = ("reference", "segment", "triton", "cuda")
-# Head sizes each compiled kernel takes; other sizes go to the next backend. triton_kernel.MAX_HEAD_DIM is 256 (that
+# Head sizes each compiled kernel takes; other sizes go to the next backend. triton_kernel.MAX_HEAD_DIM is 512 (that
 # module needs triton to import; a test checks the two agree).
-HEAD_DIMS = {"cuda": SUPPORTED_HEAD_DIMS, "triton": range(1, 257)}
+HEAD_DIMS = {"cuda": SUPPORTED_HEAD_DIMS, "triton": range(1, 513)}
 # Flip to True once `pytest -m gpu tests/kernels/test_cuda.py` has passed on an H100/H200 (benchmarks/gpu_check.sh).
 CUDA_VALIDATED = False
 _COMPILED = {  # backend -> (module, function, what env.require names when it is missing)

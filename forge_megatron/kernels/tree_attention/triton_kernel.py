@@ -60,7 +60,11 @@ import triton.language as tl
 from forge_megatron.kernels.tree_attention.ops import depths, make_public_entry, register_tree_attention_ops
 
 LOG2E = 1.4426950408889634
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
+# Heads wider than this take 32 x 32 tiles (Gemma 4's global heads of 512): 64 x 64 tiles of 512-wide heads need
+# more shared memory than a Hopper SM has (about 260 KiB for the backward, 227 KiB available), 32 x 32 ones about
+# 66-112 KiB (tests/kernels/triton_aot.py prints them).
+WIDE_HEAD_DIM = 256
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -318,8 +322,9 @@ def gpu_launch_config(head_dim: int, compute: tl.dtype, v_head_dim: int | None =
     """Block sizes, warps and dot precision of a GPU launch; ``compute`` is the dtype fed to tl.dot."""
     block_h = max(16, triton.next_power_of_2(head_dim))
     block_hv = max(16, triton.next_power_of_2(v_head_dim or head_dim))
+    block = 32 if max(block_h, block_hv) > WIDE_HEAD_DIM else 64
     return dict(
-        BLOCK_M=64, BLOCK_N=64, BLOCK_H=block_h, BLOCK_HV=block_hv, COMPUTE=compute,
+        BLOCK_M=block, BLOCK_N=block, BLOCK_H=block_h, BLOCK_HV=block_hv, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else None,  # fp32 inputs: exact fp32, not TF32
         num_warps=8 if max(block_h, block_hv) >= 128 else 4,
     )
@@ -458,6 +463,6 @@ tree_attention_triton_op = register_tree_attention_ops("triton", _forward, _back
 tree_attention_triton = make_public_entry(tree_attention_triton_op)
 tree_attention_triton.__doc__ = """Tree attention through the Triton kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
 softmax_scale=None, sinks=None, window=None, key_end_T=None) -> o_TNH; differentiable in q, k, v (and sinks);
-fp16/bf16/fp32; N % K == 0; head dims <= 256 (values may be narrower or wider than queries and keys); q may hold only
+fp16/bf16/fp32; N % K == 0; head dims <= 512 (values may be narrower or wider than queries and keys); q may hold only
 the last tokens of the keys' tree (suffix queries, ops.py; key_end then still covers all T tokens); sinks, sliding
 windows and bidirectional blocks (key_end_T int32 [T]) as ops.py describes."""
