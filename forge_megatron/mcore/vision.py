@@ -312,11 +312,12 @@ def install(model, spec: VisionSpec, tower=None, key: str = "frozen", trained: b
     (towers that differ need keys that differ). ``trained``: the model pieces of this rank hold a trained tower
     (:func:`attach_tower`): the first piece's is run with gradients in each training forward; the other pieces need
     none (the DeepStack layers must be on the first). Returns the hook handles."""
-    if getattr(model.config, "multi_latent_attention", False):
-        raise ValueError("images with multi-latent attention are not supported")
     rotary = getattr(model, "rotary_pos_emb", None)
-    if rotary is None:
-        raise ValueError("images need a model with rotary position embeddings (mRoPE)")
+    if spec.mrope_section is not None:  # 1-D positions (Gemma, Mistral 3 / Small 4) need nothing of the model's RoPE
+        if getattr(model.config, "multi_latent_attention", False):
+            raise ValueError("images with mRoPE positions and multi-latent attention are not supported")
+        if rotary is None:
+            raise ValueError("images need a model with rotary position embeddings (mRoPE)")
     decoder = model.decoder
     config = model.config
     if trained:

@@ -397,7 +397,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                      with_tokenizer: bool = True, images: bool = False, **overrides) -> str:
     """Write config.json + model.safetensors (+ the tiny tokenizer) of a random tiny causal LM to ``out_dir``.
 
-    ``images`` (qwen3_vl, qwen3_vl_moe, qwen3_5_vl, glm4v, glm4v_moe, gemma3_vl): the tokenizer has the image tokens
+    ``images`` (qwen3_vl, qwen3_vl_moe, qwen3_5_vl, glm4v, glm4v_moe, gemma3_vl, gemma4_vl, ministral3_vl,
+    mistral4_vl): the tokenizer has the image tokens
     (the config names them) and the directory an image processor (:data:`TINY_IMAGE_PROCESSOR`; Gemma 3's: 16-pixel
     squares), so the model takes images.
 
@@ -409,8 +410,9 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     from forge_megatron.models import save_checkpoint
 
     if images and arch not in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "glm4v", "glm4v_moe",
-                               "gemma3_vl", "gemma4_vl", "ministral3_vl"):
-        raise ValueError(f"images=True is for the Qwen-VL, GLM-4.xV, Gemma 3 / 4 and Ministral 3 archs, not {arch!r}")
+                               "gemma3_vl", "gemma4_vl", "ministral3_vl", "mistral4_vl"):
+        raise ValueError(f"images=True is for the Qwen-VL, GLM-4.xV, Gemma 3 / 4, Ministral 3 and Mistral Small 4 "
+                         f"archs, not {arch!r}")
     tok = build_tiny_tokenizer(vision=images)
     overrides.setdefault("vocab_size", len(tok))
     config = tiny_config(arch, tie_word_embeddings=tie_word_embeddings, **overrides)
@@ -420,7 +422,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             config.image_start_token_id, config.image_end_token_id, config.image_token_id = start, end, pad
         elif arch == "gemma3_vl":  # Gemma 3's: boi / eoi and the image token's index
             config.boi_token_index, config.eoi_token_index, config.image_token_index = start, end, pad
-        elif arch == "ministral3_vl":  # Mistral 3's image token; its row break and end: processor_config.json below
+        elif arch in ("ministral3_vl", "mistral4_vl"):  # Mistral 3's image token; its row break and end:
+            # processor_config.json below
             config.image_token_index = pad
         elif arch == "gemma4_vl":  # Gemma 4's, and its images' tokens seeing each other in the sliding layers
             config.boi_token_id, config.eoi_token_id, config.image_token_id = start, end, pad
@@ -481,7 +484,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
         if arch == "gemma3_vl":
             side = config.vision_config.image_size
             transformers.Gemma3ImageProcessor(size={"height": side, "width": side}).save_pretrained(out_dir)
-        elif arch == "ministral3_vl":  # 4-pixel patches merged 2 x 2, pictures up to 64 pixels a side; the rows'
+        elif arch in ("ministral3_vl", "mistral4_vl"):  # 4-pixel patches merged 2 x 2, pictures up to 64 pixels
+            # a side; the rows'
             # break and end tokens as Pixtral's processor names them
             vc = config.vision_config
             transformers.PixtralImageProcessor(patch_size={"height": vc.patch_size, "width": vc.patch_size},

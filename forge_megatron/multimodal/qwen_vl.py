@@ -59,7 +59,8 @@ import torch
 # contiguous, each frequency's angle repeated for its interleaved pair of channels)
 _VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "gemma3", "gemma4",
              "mistral3")
-SUPPORTED = "Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV, Gemma 3, Gemma 4 and Mistral 3 (Ministral 3, Mistral Small 3.x)"
+SUPPORTED = ("Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV, Gemma 3, Gemma 4 and Mistral 3 (Ministral 3, Mistral Small 3.x "
+             "and 4)")
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,6 @@ def vision_spec(hf_config: dict) -> VisionSpec:
                           mrope_section=None, interleaved=False, deepstack_layers=0, vision_prefix="model.",
                           bidirectional=both_ways, patch_size=int(vision.get("patch_size", 16)), kind="gemma4")
     if kind == "mistral3":
-        if text.get("model_type") == "mistral4" or text.get("kv_lora_rank"):
-            raise ValueError(f"{arch}: images for Mistral Small 4 (multi-latent attention) are not supported yet; "
-                             "text-only RL works")
         layer = hf_config.get("vision_feature_layer", -1)
         if not isinstance(layer, int):
             raise ValueError(f"{arch}: vision_feature_layer {layer!r} (several layers joined) is not supported")

@@ -4,7 +4,8 @@
 # positions) and Llama 4's attention temperature past 8192 (queries scaled by 1 + 0.1 * log(1 + floor(p / 8192))),
 # 128 softmax-routed experts top-4 (renormalised) plus one shared expert in every layer, the experts stacked on disk.
 # The query temperature has no Megatron-LM flag, so the trainer takes the architecture from --hf-checkpoint's
-# config.json (MODEL_ARGS empty; flags given anyway are checked against it). The Pixtral tower is copied on export
+# config.json (MODEL_ARGS empty; flags given anyway are checked against it). Agents may send images (the Pixtral tower
+# kept as it is, or trained with EXTRA_TRAIN_ARGS="--train-vision-tower"); the tower is copied on export
 # (forge-convert mcore-to-hf --vision-from HF_DIR). Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=()
 # Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): [TOOL_CALLS] calls;

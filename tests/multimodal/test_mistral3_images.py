@@ -1,7 +1,8 @@
-"""Mistral 3's images on prefix trees (Ministral 3 / Mistral Small 3.x: a Pixtral tower, images written row by row
-with [IMG_BREAK] after each row and [IMG_END] after the last): the Megatron tree model with the checkpoint's tower and
-projector equals transformers' Mistral3ForConditionalGeneration run on each sample alone, logprobs and gradients;
-the engine, the gateway and the trainer take them through every process."""
+"""Mistral 3's images on prefix trees (Ministral 3 / Mistral Small 3.x, and Mistral Small 4, whose language model has
+multi-latent attention and experts: a Pixtral tower, images written row by row with [IMG_BREAK] after each row and
+[IMG_END] after the last): the Megatron tree model with the checkpoint's tower and projector equals transformers'
+Mistral3ForConditionalGeneration run on each sample alone, logprobs and gradients; the engine, the gateway and the
+trainer take them through every process. Each test runs for both language models (ARCHS)."""
 
 from __future__ import annotations
 
@@ -15,24 +16,25 @@ from tests.multimodal import vl_checks as vl
 V = 400
 IMG, BREAK, END = 397, 398, 399
 PATCH, MERGE = 4, 2  # the tiny Pixtral tower's patches, merged 2 x 2 into a token: a token is 8 x 8 pixels
+ARCHS = ("ministral3_vl", "mistral4_vl")  # Ministral 3 / Mistral Small 3.x; Mistral Small 4 (MLA, experts)
 
 
-def _checkpoint(out_dir: str, seed: int = 0) -> str:
+def _checkpoint(out_dir: str, arch: str, seed: int = 0) -> str:
     import transformers
 
     from forge_megatron.models import save_checkpoint
     from forge_megatron.models.tiny import tiny_config
 
-    cfg = tiny_config("ministral3_vl", vocab_size=V)
+    cfg = tiny_config(arch, vocab_size=V)
     cfg.image_token_index = cfg.image_token_id = IMG
     torch.manual_seed(seed)
     save_checkpoint(transformers.Mistral3ForConditionalGeneration(cfg).float(), out_dir)
     return out_dir
 
 
-@pytest.fixture(scope="module")
-def mistral_dir(tmp_path_factory):
-    return _checkpoint(str(tmp_path_factory.mktemp("mistral3_vl")))
+@pytest.fixture(scope="module", params=ARCHS)
+def mistral_dir(tmp_path_factory, request):
+    return _checkpoint(str(tmp_path_factory.mktemp(request.param)), request.param)
 
 
 def _image(rng, rows, cols):
@@ -114,11 +116,12 @@ def test_mistral3_language_model_gradients_equal_transformers(one_rank, hf_refer
     vl.assert_grads_equal(grads, expected)
 
 
-def test_image_rows_must_match_the_grid():
+@pytest.mark.parametrize("arch", ARCHS)
+def test_image_rows_must_match_the_grid(arch):
     from forge_megatron.multimodal.qwen_vl import image_token_spans, vision_spec
     from forge_megatron.models.tiny import tiny_config
 
-    cfg = tiny_config("ministral3_vl", vocab_size=V)
+    cfg = tiny_config(arch, vocab_size=V)
     cfg.image_token_index = IMG
     spec = vision_spec({**cfg.to_dict(), "architectures": ["Mistral3ForConditionalGeneration"]})
     rng = np.random.default_rng(0)
@@ -162,7 +165,8 @@ def test_gateway_images_are_written_row_by_row(tmp_path):
     assert proc.placeholder(tok) == tok.decode([proc.spec.image_token_id])
 
 
-def test_mistral3_images_through_the_gateway_are_scored_by_the_trainer_as_the_engine(tmp_path):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mistral3_images_through_the_gateway_are_scored_by_the_trainer_as_the_engine(tmp_path, arch):
     """Two chat calls with pictures of two sizes, the second continuing the first: the episode writes each picture
     row by row, and the trainer's tree forward (processor, Pixtral tower, projector) scores the sampled tokens as the
     engine did."""
@@ -170,7 +174,7 @@ def test_mistral3_images_through_the_gateway_are_scored_by_the_trainer_as_the_en
     from forge_megatron.multimodal.images import ImageProcessor
     from forge_megatron.multimodal.qwen_vl import image_token_spans
 
-    d = build_tiny_model(str(tmp_path / "m"), "ministral3_vl", images=True, seed=2)
+    d = build_tiny_model(str(tmp_path / "m"), arch, images=True, seed=2)
     proc = ImageProcessor(d)
     ep = vl.chat_episode(d, vl.random_pictures(5, [(30, 50), (40, 16)]))
     seg = ep.segments[-1]
@@ -188,10 +192,11 @@ def test_mistral3_trained_tower_gradients_equal_transformers(mistral_dir, hf_ref
                             no_gradient=("k_proj.weight",))
 
 
-def test_mistral3_trained_tower_reaches_the_engine(tmp_path):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mistral3_trained_tower_reaches_the_engine(tmp_path, arch):
     """The weight sync sends the trained Pixtral tower and projector under the checkpoint's names; the engine's
     Mistral3ForConditionalGeneration (model.vision_tower.*, ...) takes them."""
-    before, after, tower = vl.tower_synced_to_an_engine(tmp_path, "ministral3_vl", ("model.vision_tower.",
+    before, after, tower = vl.tower_synced_to_an_engine(tmp_path, arch, ("model.vision_tower.",
                                                                                  "model.multi_modal_projector."))
     assert before and {"model." + n for n in tower} == set(before)
     for name, (t, _) in tower.items():
@@ -199,12 +204,12 @@ def test_mistral3_trained_tower_reaches_the_engine(tmp_path):
         assert not torch.equal(after["model." + name], before["model." + name]), name
 
 
-def test_mistral_small_4_takes_no_images_and_trains_on_text():
-    """Mistral Small 4 (its multi-latent attention inside the same Mistral3ForConditionalGeneration): no vision spec
-    (the trainer then trains on text and refuses samples with images by name), the reason named."""
+def test_mistral_small_4_spec():
+    """Mistral Small 4 inside Mistral3ForConditionalGeneration: the same image layout as Mistral 3 (its language
+    model's multi-latent attention takes 1-D positions, so images need nothing of its RoPE)."""
     from forge_megatron.models.tiny import tiny_config
     from forge_megatron.multimodal.qwen_vl import vision_spec
 
     hf = {**tiny_config("mistral4_vl", vocab_size=V).to_dict(), "architectures": ["Mistral3ForConditionalGeneration"]}
-    with pytest.raises(ValueError, match="Mistral Small 4"):
-        vision_spec(hf)
+    spec = vision_spec(hf)
+    assert (spec.kind, spec.mrope_section, spec.row_breaks, spec.merge) == ("mistral3", None, True, MERGE)

@@ -118,10 +118,12 @@ def test_gemma4_images_train(tmp_path):
     assert steps[1]["loss"] != steps[0]["loss"] and steps[0]["grad_norm_vision"] > 0
 
 
-def test_mistral3_images_train(tmp_path):
-    """Mistral 3 (its Pixtral tower, each picture written row by row between break tokens) through the same path,
-    the tower trained too."""
-    steps = _run(tmp_path, "mistral3", arch="ministral3_vl", extra=TRAIN_TOWER, most_tokens=64)
+@pytest.mark.parametrize("arch", ["ministral3_vl", "mistral4_vl"])
+def test_mistral3_images_train(tmp_path, arch):
+    """Mistral 3 (its Pixtral tower, each picture written row by row between break tokens; the language model
+    Ministral 3's, or Mistral Small 4's with multi-latent attention and experts) through the same path, the tower
+    trained too."""
+    steps = _run(tmp_path, "mistral3", arch=arch, extra=TRAIN_TOWER, most_tokens=64)
     assert steps[1]["loss"] != steps[0]["loss"] and steps[0]["grad_norm_vision"] > 0
 
 
