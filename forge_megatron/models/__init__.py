@@ -50,10 +50,17 @@ def causal_lm_from_config(path: str, **kwargs):
 TRANSPOSED_EXPERTS = {"qwen3_vl_moe": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")}
 
 
-def _kimi_k25_names(state: dict) -> dict:
-    """Kimi-K2.5's language model as released: ``language_model.model.`` / ``language_model.lm_head``, experts one
-    by one (transformers fuses them: [E, 2F, H] gate rows first, [E, H, F]). Its vision side keeps transformers'
-    names (5.24's reverse conversion renames the language model's layers to ``blocks``, so it cannot be used)."""
+def _kimi_k25_names(state: dict, config) -> dict:
+    """Kimi-K2.5 as released: the language model under ``language_model.model.`` / ``language_model.lm_head``,
+    experts one by one (transformers fuses them: [E, 2F, H] gate rows first, [E, H, F]), the MoonViT tower and
+    projector under their own names (``vision_tower.encoder.blocks.*.wqkv``, ``mm_projector.proj.0``, ...:
+    ``multimodal.qwen_vl.kimi_k25_released_state``; transformers' reverse conversion cannot be used: 5.24's renames
+    the language model's layers to ``blocks``)."""
+    from forge_megatron.multimodal.qwen_vl import kimi_k25_released_state
+
+    tower = {name[len("model."):]: state.pop(name) for name in list(state)
+             if name.startswith(("model.vision_tower.", "model.mm_projector."))}
+    state.update(kimi_k25_released_state(tower, config.vision_config.num_attention_heads))
     out = {}
     for name, t in state.items():
         if name == "lm_head.weight":
@@ -153,7 +160,7 @@ def save_checkpoint(model, out_dir: str) -> None:
             continue  # tied: saved once, as the embedding
         state[name] = t.transpose(1, 2) if fused and name.endswith(fused) else t
     if kind == "kimi_k25":
-        state = _kimi_k25_names(state)
+        state = _kimi_k25_names(state, model.config)
     elif kind == "olmo_hybrid":
         state = _olmo_hybrid_names(state, model.config)
     elif kind == "kimi_linear":

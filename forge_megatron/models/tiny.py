@@ -398,7 +398,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     """Write config.json + model.safetensors (+ the tiny tokenizer) of a random tiny causal LM to ``out_dir``.
 
     ``images`` (qwen3_vl, qwen3_vl_moe, qwen3_5_vl, glm4v, glm4v_moe, gemma3_vl, gemma4_vl, ministral3_vl,
-    mistral4_vl): the tokenizer has the image tokens
+    mistral4_vl, kimi_k25): the tokenizer has the image tokens
     (the config names them) and the directory an image processor (:data:`TINY_IMAGE_PROCESSOR`; Gemma 3's: 16-pixel
     squares), so the model takes images.
 
@@ -410,9 +410,9 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     from forge_megatron.models import save_checkpoint
 
     if images and arch not in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "glm4v", "glm4v_moe",
-                               "gemma3_vl", "gemma4_vl", "ministral3_vl", "mistral4_vl"):
-        raise ValueError(f"images=True is for the Qwen-VL, GLM-4.xV, Gemma 3 / 4, Ministral 3 and Mistral Small 4 "
-                         f"archs, not {arch!r}")
+                               "gemma3_vl", "gemma4_vl", "ministral3_vl", "mistral4_vl", "kimi_k25"):
+        raise ValueError(f"images=True is for the Qwen-VL, GLM-4.xV, Gemma 3 / 4, Ministral 3, Mistral Small 4 and "
+                         f"Kimi-K2.5 archs, not {arch!r}")
     tok = build_tiny_tokenizer(vision=images)
     overrides.setdefault("vocab_size", len(tok))
     config = tiny_config(arch, tie_word_embeddings=tie_word_embeddings, **overrides)
@@ -494,6 +494,14 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 json.dump({"image_token": VISION_TOKENS[2], "image_break_token": VISION_TOKENS[0],
                            "image_end_token": VISION_TOKENS[1], "patch_size": vc.patch_size,
                            "spatial_merge_size": config.spatial_merge_size}, f)
+        elif arch == "kimi_k25":  # the release's processor settings: 4-pixel patches merged 2 x 2, at most 64
+            # patches (16 tokens) an image and 16 on a side
+            vc = config.vision_config
+            with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+                json.dump({"media_proc_cfg": {"patch_size": vc.patch_size, "merge_kernel_size": 2,
+                                              "in_patch_limit": 64, "patch_limit_on_one_side": 16,
+                                              "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                                              "fixed_output_tokens": None}}, f)
         elif arch == "gemma4_vl":  # 4-pixel patches pooled 2 x 2, at most 70 tokens (280 patches) an image
             vc = config.vision_config
             transformers.Gemma4ImageProcessor(patch_size=vc.patch_size, pooling_kernel_size=vc.pooling_kernel_size,

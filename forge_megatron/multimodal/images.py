@@ -24,6 +24,14 @@ again taken until it stays); its text is ``[IMG]`` in the prompt, expanded to th
 ``[IMG_BREAK]``, the last row's ending ``[IMG_END]`` (the names from ``processor_config.json``, as Pixtral's
 processor reads them).
 
+Kimi-K2.5 / K2.6 (MoonViT) keeps each image's aspect: scaled down (never up) to fit its processor's patch budgets
+(``in_patch_limit`` patches, ``patch_limit_on_one_side`` on a side: transformers' ``navit_resize``, :func:`kimi_size`),
+then each side rounded to a multiple of ``patch_size * merge_kernel_size`` (floored where rounding would pass a
+budget), a size its processor takes without resizing or padding; its patches are made here (rescaled, normalised
+with the processor's mean and std, cut row-major into ``patch_size`` squares: transformers' processor needs
+torchvision, the release's is remote code) and its text is ``<|media_begin|>image<|media_content|>`` + its tokens +
+``<|media_end|>``, as the release's chat template writes it (the tokens' names read off the tokenizer).
+
 Target size (the Qwen-VL rule): each side rounded to a multiple of ``f = patch_size * merge_size``; if the area
 exceeds ``max_pixels`` both sides are scaled by sqrt(h w / max_pixels) and floored to multiples of f, if it is below
 ``min_pixels`` scaled up and ceiled. Aspect ratios beyond 200 are refused, as are images over ``MAX_IMAGE_BYTES``
@@ -188,6 +196,54 @@ def gemma4_size(height: int, width: int, patch: int, max_patches: int, kernel: i
     return h, w
 
 
+def navit_size(height: int, width: int, patch: int, max_patches: int, per_side: int) -> tuple[int, int]:
+    """The size Kimi-K2.5's processor resizes an image to before padding (transformers' ``navit_resize``): scaled by
+    the least of 1, sqrt(``max_patches`` / its whole patches) and ``per_side`` patches over each side."""
+    patches = max(1, height // patch) * max(1, width // patch)
+    scale = min(1.0, math.sqrt(max_patches / patches), per_side * patch / height, per_side * patch / width)
+    h, w = max(1, int(height * scale)), max(1, int(width * scale))
+    return min(h, per_side * patch), min(w, per_side * patch)
+
+
+def kimi_size(height: int, width: int, patch: int, merge: int, max_patches: int, per_side: int) -> tuple[int, int]:
+    """The normalised size of a Kimi-K2.5 image: :func:`navit_size`, each side rounded to a multiple of ``patch *
+    merge`` (floored where rounding would pass a budget; at least one multiple), which its processor then keeps."""
+    h, w = navit_size(height, width, patch, max_patches, per_side)
+    f = patch * merge
+    hh, ww = max(f, round(h / f) * f), max(f, round(w / f) * f)
+    if (hh // patch) * (ww // patch) > max_patches or max(hh, ww) > per_side * patch:
+        hh, ww = max(f, h // f * f), max(f, w // f * f)
+    return hh, ww
+
+
+def kimi_settings(model_dir: str) -> dict:
+    """Kimi-K2.5's image settings from ``preprocessor_config.json``: the release's ``media_proc_cfg`` or transformers'
+    ``Kimi_K25ImageProcessor`` fields, as {patch, merge, max_patches, per_side, mean, std}."""
+    import json
+
+    with open(os.path.join(model_dir, "preprocessor_config.json")) as f:
+        cfg = json.load(f)
+    media = cfg.get("media_proc_cfg")
+    if media is not None:  # the release's processor (remote code)
+        if media.get("fixed_output_tokens") is not None:
+            raise ValueError(f"{model_dir}: fixed_output_tokens in media_proc_cfg is not supported")
+        merge = media.get("merge_kernel_size", 2)
+        out = dict(patch=media.get("patch_size", 14), merge=merge[0] if isinstance(merge, (list, tuple)) else merge,
+                   max_patches=media.get("in_patch_limit", 16384), per_side=media.get("patch_limit_on_one_side", 512),
+                   mean=media.get("image_mean", [0.5] * 3), std=media.get("image_std", [0.5] * 3))
+    else:  # transformers' Kimi_K25ImageProcessor (its defaults where the file says nothing)
+        size = cfg.get("size") or {}
+        out = dict(patch=cfg.get("patch_size", 14), merge=cfg.get("merge_size", 2),
+                   max_patches=cfg.get("max_patches", 16384), per_side=size.get("max_height", 512),
+                   mean=cfg.get("image_mean", [0.5] * 3), std=cfg.get("image_std", [0.5] * 3))
+        if cfg.get("do_normalize", True) is False or cfg.get("do_rescale", True) is False:
+            raise ValueError(f"{model_dir}: an image processor without rescaling or normalisation is not supported")
+    out = {k: v if k in ("mean", "std") else int(v) for k, v in out.items()}
+    if out["max_patches"] < out["merge"] ** 2:
+        raise ValueError(f"{model_dir}: in_patch_limit {out['max_patches']} holds no merged patch")
+    return out
+
+
 def pixtral_size(height: int, width: int, longest: int, step: int) -> tuple[int, int]:
     """The size Mistral 3's (Pixtral's) image processor resizes an image to (transformers'
     ``get_resize_output_image_size`` with the processor's ``patch_size * spatial_merge_size``): scaled down (floored)
@@ -218,7 +274,9 @@ class ImageProcessor:
         self.spec: VisionSpec = vision_spec(hf_config)
         if not os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
             raise ValueError(f"{model_dir} has no preprocessor_config.json: the image processor images are made with")
-        self.hf = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        self.kimi = kimi_settings(model_dir) if self.spec.kimi else None
+        # (Kimi-K2.5: patches made here from its settings, see the module docstring)
+        self.hf = None if self.kimi else AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
         self.square = self.spec.image_size  # Gemma 3: every image this square (0: the Qwen-VL sizes)
         if self.square:
             size = getattr(self.hf, "size", None) or {}
@@ -251,8 +309,14 @@ class ImageProcessor:
                                  f"{names['image_end_token']!r} tokens (Mistral 3's image rows)")
             self.breaks = tuple(ids)
             self.longest = int((getattr(self.hf, "size", None) or {}).get("longest_edge") or 1024)
-        self.patch = int(self.spec.patch_size or self.hf.patch_size)
-        self.merge = int(getattr(self.hf, "merge_size", self.spec.merge))
+        if self.kimi:
+            self.patch, self.merge = self.kimi["patch"], self.kimi["merge"]
+            if self.patch != self.spec.patch_size:
+                raise ValueError(f"{model_dir}: the image processor's patches of {self.patch} are not the vision "
+                                 f"tower's ({self.spec.patch_size})")
+        else:
+            self.patch = int(self.spec.patch_size or self.hf.patch_size)
+            self.merge = int(getattr(self.hf, "merge_size", self.spec.merge))
         if self.merge != self.spec.merge:
             raise ValueError(f"{model_dir}: the image processor merges {self.merge} x {self.merge} patches, the model "
                              f"{self.spec.merge} x {self.spec.merge}")
@@ -283,6 +347,10 @@ class ImageProcessor:
             return None
         else:
             ids = [self.vision_start, self.spec.image_token_id, self.vision_end]
+            content = tokenizer.convert_tokens_to_ids("<|media_content|>") if self.kimi else None
+            if content is not None and content != tokenizer.unk_token_id:  # Kimi's "image" then the content token
+                ids = [self.vision_start, *tokenizer.encode("image", add_special_tokens=False), content,
+                       self.spec.image_token_id, self.vision_end]
         text = tokenizer.decode(ids, skip_special_tokens=False)
         if tokenizer.encode(text, add_special_tokens=False) != ids:
             return None
@@ -329,7 +397,7 @@ class ImageProcessor:
         if self.square:  # with the processor's own filter: its resize of the result is then none
             h = w = self.square
             resample = Image.Resampling(int(getattr(self.hf, "resample", Image.Resampling.BILINEAR)))
-        elif self.spec.gemma4 or self.spec.mistral3:
+        elif self.spec.gemma4 or self.spec.mistral3 or self.kimi:
             h, w = self._fixed_size(image.height, image.width, where)
             resample = Image.Resampling(int(getattr(self.hf, "resample", Image.Resampling.BICUBIC)))
         else:
@@ -342,14 +410,19 @@ class ImageProcessor:
         return out.getvalue()
 
     def _fixed_size(self, height: int, width: int, where: str = "image") -> tuple[int, int]:
-        """Gemma 4's (:func:`gemma4_size`) or Mistral 3's (:func:`pixtral_size`) size for an image of ``height`` x
-        ``width``, taken again from the result until it stays (a few steps: Gemma 4's sizes only grow within the
-        budget; Pixtral's stay after one)."""
+        """Gemma 4's (:func:`gemma4_size`), Mistral 3's (:func:`pixtral_size`) or Kimi-K2.5's (:func:`kimi_size`)
+        size for an image of ``height`` x ``width``, taken again from the result until it stays (a few steps: Gemma
+        4's sizes only grow within the budget; Pixtral's and Kimi's stay after one)."""
         size = (height, width)
         for _ in range(64):
             try:
-                nxt = gemma4_size(*size, self.patch, self.max_patches, self.spec.merge) if self.spec.gemma4 else \
-                    pixtral_size(*size, self.longest, self.patch * self.merge)
+                if self.kimi:
+                    k = self.kimi
+                    nxt = kimi_size(*size, self.patch, self.merge, k["max_patches"], k["per_side"])
+                elif self.spec.gemma4:
+                    nxt = gemma4_size(*size, self.patch, self.max_patches, self.spec.merge)
+                else:
+                    nxt = pixtral_size(*size, self.longest, self.patch * self.merge)
             except ValueError as exc:
                 raise ImageError(f"{where}: {exc}") from None
             if nxt == size:
@@ -367,7 +440,7 @@ class ImageProcessor:
             raise ImageError(f"image is not a readable image: {exc}") from None
         if self.square:
             return 1, self.square // self.patch, self.square // self.patch
-        if self.spec.gemma4 or self.spec.mistral3:
+        if self.spec.gemma4 or self.spec.mistral3 or self.kimi:
             h, w = self._fixed_size(height, width)
             return 1, h // self.patch, w // self.patch
         h, w = target_size(height, width, self.factor, self.min_pixels, self.max_pixels, self.glm)
@@ -387,6 +460,21 @@ class ImageProcessor:
 
     def _image_input(self, data: bytes):
         from forge_megatron.multimodal.tree import ImageInput
+
+        if self.kimi:  # rescaled, normalised, cut row-major into patches (Kimi-K2.5's processor on its own size)
+            import numpy as np
+            import torch
+
+            from forge_megatron.multimodal.qwen_vl import image_patches
+
+            image, grid = open_image(data), self.grid(data)
+            if (image.height, image.width) != (grid[1] * self.patch, grid[2] * self.patch):
+                raise ImageError(f"a {image.width} x {image.height} image is not normalised for Kimi-K2.5 (its size "
+                                 f"would be {grid[2] * self.patch} x {grid[1] * self.patch})")
+            x = np.asarray(image, dtype=np.float32) / 255.0
+            x = (x - np.asarray(self.kimi["mean"], np.float32)) / np.asarray(self.kimi["std"], np.float32)
+            pixels = torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))[None]
+            return ImageInput(image_patches(pixels, self.patch).numpy(), grid)
 
         if self.spec.mistral3:  # (its processor merges patches: sizes in whole merged patches, as Pixtral's does)
             step = self.patch * self.merge

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,9 +59,9 @@ import torch
 # Qwen3.5 (dense and MoE) and GLM-4.1V / 4.6V-Flash / 4.5V / 4.6V (the same positions; GLM's mRoPE sections are
 # contiguous, each frequency's angle repeated for its interleaved pair of channels)
 _VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "gemma3", "gemma4",
-             "mistral3")
-SUPPORTED = ("Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV, Gemma 3, Gemma 4 and Mistral 3 (Ministral 3, Mistral Small 3.x "
-             "and 4)")
+             "mistral3", "kimi_k25")
+SUPPORTED = ("Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV, Gemma 3, Gemma 4, Mistral 3 (Ministral 3, Mistral Small 3.x "
+             "and 4) and Kimi-K2.5 / K2.6")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class VisionSpec:
     # Gemma 4: "sliding", in the sliding-window layers only)
     image_size: int = 0  # Gemma 3: every image is an image_size square of (image_size / patch_size)^2 patches
     patch_size: int = 0
-    kind: str = "qwen"  # "qwen" (Qwen-VL, GLM-4.xV), "gemma3", "gemma4" or "mistral3": which tower and image inputs
+    kind: str = "qwen"  # "qwen" (Qwen-VL, GLM-4.xV), "gemma3", "gemma4", "mistral3" or "kimi_k25": which tower and
+    # image inputs
     row_breaks: bool = False  # each row of an image's tokens is a run of its own, a break token after it (Mistral 3)
     feature_layer: int = -1  # Mistral 3: the tower's hidden states that the projector takes (vision_feature_layer)
 
@@ -94,6 +96,10 @@ class VisionSpec:
     @property
     def mistral3(self) -> bool:
         return self.kind == "mistral3"
+
+    @property
+    def kimi(self) -> bool:
+        return self.kind == "kimi_k25"
 
     def rows_of_image(self, grid_thw) -> tuple[int, int]:
         """(runs, tokens per run) of an image's tokens: its rows with row breaks, else one run of all."""
@@ -116,7 +122,8 @@ def vision_spec(hf_config: dict) -> VisionSpec:
     vision = hf_config.get("vision_config") or {}
     kind = hf_config.get("model_type")
     arch = (hf_config.get("architectures") or ["?"])[0]
-    image_token = hf_config.get("image_token_id", hf_config.get("image_token_index"))
+    image_token = next((hf_config[k] for k in ("image_token_id", "image_token_index", "media_placeholder_token_id")
+                        if hf_config.get(k) is not None), None)
     if kind not in _VL_TYPES or not vision or image_token is None:
         raise ValueError(f"{arch}: training on images is supported for {SUPPORTED} vision-language checkpoints only "
                          "(text-only RL works for the others)")
@@ -144,6 +151,14 @@ def vision_spec(hf_config: dict) -> VisionSpec:
                           mrope_section=None, interleaved=False, deepstack_layers=0, vision_prefix="",
                           patch_size=int(vision.get("patch_size", 14)), kind="mistral3", row_breaks=True,
                           feature_layer=layer)
+    if kind == "kimi_k25":  # MoonViT: patches of patch_size merged k x k (row-major) into a token, 1-D positions
+        kernel = vision.get("merge_kernel_size", (2, 2))
+        kernel = (kernel, kernel) if isinstance(kernel, int) else tuple(kernel)
+        if kernel[0] != kernel[1]:
+            raise ValueError(f"{arch}: merge_kernel_size {kernel} is not square")
+        return VisionSpec(image_token_id=int(image_token), merge=int(kernel[0]), mrope_section=None,
+                          interleaved=False, deepstack_layers=0, vision_prefix="model.",
+                          patch_size=int(vision.get("patch_size", 14)), kind="kimi_k25")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     section = rope.get("mrope_section")
     if not section or len(section) != 3:
@@ -288,7 +303,124 @@ def _new_tower(config):
         return Gemma4Tower(config)
     if config.model_type == "mistral3":
         return Mistral3Tower(config)
+    if config.model_type == "kimi_k25":
+        return KimiK25Tower(config)
     return transformers.AutoModel.from_config(config.vision_config)
+
+
+class KimiK25Tower(torch.nn.Module):
+    """Kimi-K2.5's image side as one module: the MoonViT ``vision_tower`` (2-D RoPE over each image's patches, a
+    learned position grid resampled to its size) and the ``mm_projector`` (a norm, the merged ``k x k`` patches
+    concatenated, two linear layers), named as transformers holds them (under ``model.``; the release's names are
+    converted on reading: :func:`kimi_k25_tower_state`). Takes the images' patches ([patches, 3 * patch^2],
+    :func:`image_patches`' layout: row-major, as the tower's merge reads them) and grids, gives ``pooler_output``
+    [tokens, H] in image order, as transformers' ``Kimi_K25Model.get_image_features`` does."""
+
+    def __init__(self, config):
+        from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection, Kimi_K25VisionModel
+
+        super().__init__()
+        self.vision_tower = Kimi_K25VisionModel._from_config(config.vision_config)
+        self.mm_projector = Kimi_K25MultimodalProjection(config)
+        self.patch_size = int(config.vision_config.patch_size)
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        self.vision_tower.gradient_checkpointing_enable(**kwargs)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, return_dict: bool = True):
+        from types import SimpleNamespace
+
+        p = self.patch_size
+        pooled = self.vision_tower(pixel_values.reshape(-1, 3, p, p), grid_thw=grid_thw,
+                                   return_dict=True).pooler_output
+        return SimpleNamespace(pooler_output=self.mm_projector(pooled).squeeze(1))
+
+
+# Kimi-K2.5's tower as released (MoonViT's own names: a fused wqkv whose query / key rows pair channels (2i, 2i + 1)
+# for its complex RoPE) -> transformers' (q / k / v, rows pairing (i, i + d / 2)), in the order transformers'
+# conversion mapping applies them.
+_KIMI_RENAMES = ((r"\.norm0\.", ".norm1."), (r"\.norm1\.", ".norm2."), (r"\.mlp\.fc0\.", ".mlp.fc1."),
+                 (r"\.mlp\.fc1\.", ".mlp.fc2."), (r"\.wo\.", ".attn.proj."))
+
+
+def kimi_k25_rope_rows(t: torch.Tensor, heads: int, inverse: bool = False) -> torch.Tensor:
+    """A query / key projection's rows (weight or bias) from the release's pairing of channels (2i, 2i + 1) within
+    each head to transformers' (i, i + d / 2) (``inverse``: back)."""
+    half = t.shape[0] // heads // 2
+    x = t.reshape(heads, *((2, half) if inverse else (half, 2)), *t.shape[1:])
+    return x.transpose(1, 2).reshape(t.shape)
+
+
+def kimi_k25_tower_state(released: dict, heads: int) -> dict:
+    """transformers' names (those of :class:`KimiK25Tower`) of a released Kimi-K2.5 tower's tensors (names without
+    ``vision_tower.`` / ``mm_projector.`` stripped): the blocks' renames, ``wqkv`` split into q / k / v with the query
+    and key rows re-paired (:func:`kimi_k25_rope_rows`), the projector's ``proj.0`` / ``proj.2`` and the position grid
+    under their modules' names."""
+    out = {}
+    for name, t in released.items():
+        new = name
+        if name.startswith("vision_tower.encoder.blocks."):
+            block = name[len("vision_tower.encoder.blocks."):]
+            index, _, rest = block.partition(".")
+            rest = "." + rest
+            for pattern, repl in _KIMI_RENAMES:  # (simultaneous: norm0 -> norm1 and norm1 -> norm2 both)
+                if re.match(pattern, rest):
+                    rest = re.sub(pattern, repl, rest, count=1)
+                    break
+            if rest.startswith(".wqkv."):
+                for part, chunk in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3)):
+                    out[f"vision_tower.layers.{index}.attn.{part}.{rest[len('.wqkv.'):]}"] = \
+                        chunk if part == "v_proj" else kimi_k25_rope_rows(chunk, heads)
+                continue
+            new = f"vision_tower.layers.{index}{rest}"
+        elif name.startswith("vision_tower.encoder."):
+            new = "vision_tower." + name[len("vision_tower.encoder."):]
+        elif name == "vision_tower.patch_embed.pos_emb.weight":
+            new = "vision_tower.patch_embed.pos_emb.position_embeddings"
+        elif name.startswith("mm_projector.proj.0."):
+            new = "mm_projector.in_proj." + name[len("mm_projector.proj.0."):]
+        elif name.startswith("mm_projector.proj.2."):
+            new = "mm_projector.out_proj." + name[len("mm_projector.proj.2."):]
+        out[new] = t
+    return out
+
+
+def kimi_k25_released_state(state: dict, heads: int) -> dict:
+    """The release's names of :class:`KimiK25Tower`'s tensors (the inverse of :func:`kimi_k25_tower_state`)."""
+    out = {}
+    qkv: dict = {}
+    back = {".norm1.": ".norm0.", ".norm2.": ".norm1.", ".mlp.fc1.": ".mlp.fc0.", ".mlp.fc2.": ".mlp.fc1.",
+            ".attn.proj.": ".wo."}
+    for name, t in state.items():
+        if name.startswith("vision_tower.layers."):
+            index, _, rest = name[len("vision_tower.layers."):].partition(".")
+            rest = "." + rest
+            m = re.match(r"\.attn\.(q_proj|k_proj|v_proj)\.(\w+)$", rest)
+            if m:
+                qkv.setdefault((index, m.group(2)), {})[m.group(1)] = \
+                    t if m.group(1) == "v_proj" else kimi_k25_rope_rows(t, heads, inverse=True)
+                continue
+            for a, b in back.items():
+                if rest.startswith(a):
+                    rest = b + rest[len(a):]
+                    break
+            out[f"vision_tower.encoder.blocks.{index}{rest}"] = t
+        elif name == "vision_tower.patch_embed.pos_emb.position_embeddings":
+            out["vision_tower.patch_embed.pos_emb.weight"] = t
+        elif name.startswith("vision_tower.patch_embed."):
+            out[name] = t
+        elif name.startswith("vision_tower."):
+            out["vision_tower.encoder." + name[len("vision_tower."):]] = t
+        elif name.startswith("mm_projector.in_proj."):
+            out["mm_projector.proj.0." + name[len("mm_projector.in_proj."):]] = t
+        elif name.startswith("mm_projector.out_proj."):
+            out["mm_projector.proj.2." + name[len("mm_projector.out_proj."):]] = t
+        else:
+            out[name] = t
+    for (index, attr), parts in qkv.items():
+        out[f"vision_tower.encoder.blocks.{index}.wqkv.{attr}"] = torch.cat(
+            [parts["q_proj"], parts["k_proj"], parts["v_proj"]])
+    return out
 
 
 class Mistral3Tower(torch.nn.Module):
@@ -411,7 +543,8 @@ def gemma4_inputs(images: list) -> tuple[torch.Tensor, torch.Tensor]:
 def model_image_inputs(spec: VisionSpec, images: list, prompt_ids: list[int], ids_1S: torch.Tensor) -> dict:
     """The image keyword arguments of a transformers vision-language model's prefill of ``ids_1S`` [1, S] (the prompt
     ``prompt_ids`` and any tokens sampled after it) with ``images`` (ImageInputs): Qwen-VL / GLM-4.xV's patches and
-    grids, Gemma 3's whole images, Gemma 4's padded patches and positions, Mistral 3's padded images and sizes; the
+    grids, Gemma 3's whole images, Gemma 4's padded patches and positions, Mistral 3's padded images and sizes,
+    Kimi-K2.5's patches [N, 3, p, p] and grids; the
     image-token types mark the prompt's image tokens (an image token the model sampled is text)."""
     prompt_images = torch.zeros_like(ids_1S)
     prompt_images[:, :len(prompt_ids)] = torch.tensor([prompt_ids]) == spec.image_token_id
@@ -424,6 +557,9 @@ def model_image_inputs(spec: VisionSpec, images: list, prompt_ids: list[int], id
     pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in images]))
     if spec.gemma3:
         return dict(pixel_values=gemma3_images(pixels, spec.image_size, spec.patch_size), token_type_ids=prompt_images)
+    if spec.kimi:  # (patches as [N, 3, p, p]; its tokens need no types)
+        return dict(pixel_values=pixels.reshape(-1, 3, spec.patch_size, spec.patch_size),
+                    image_grid_thw=torch.tensor([im.grid_thw for im in images]))
     return dict(pixel_values=pixels, image_grid_thw=torch.tensor([im.grid_thw for im in images]),
                 mm_token_type_ids=(ids_1S == spec.image_token_id).int())
 
@@ -500,9 +636,13 @@ def load_vision_tower(hf_dir: str, spec: VisionSpec | None = None, dtype: torch.
     tower = _new_tower(config)
     reader = HFReader(hf_dir)
     # (Gemma 3 and 4: the tower module's own names, under the prefix)
-    own = isinstance(tower, (Gemma3Tower, Gemma4Tower, Mistral3Tower))
+    own = isinstance(tower, (Gemma3Tower, Gemma4Tower, Mistral3Tower, KimiK25Tower))
     names = [prefix + n for n in tower.state_dict()] if own else [n for n in reader.names() if n.startswith(prefix)]
-    state = {n[len(prefix):]: t for n, t in reader.get(names).items()}
+    if isinstance(tower, KimiK25Tower) and not set(names) & set(reader.names()):  # as released: MoonViT's names
+        released = [n for n in reader.names() if n.startswith(("vision_tower.", "mm_projector."))]
+        state = kimi_k25_tower_state(reader.get(released), int(config.vision_config.num_attention_heads))
+    else:
+        state = {n[len(prefix):]: t for n, t in reader.get(names).items()}
     if not state:
         raise ValueError(f"{hf_dir!r} has no {prefix or 'vision_tower.'}* tensors: not a vision-language "
                          "checkpoint's vision tower")

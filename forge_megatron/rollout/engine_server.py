@@ -486,6 +486,12 @@ class ReferenceEngine:
             raise RequestError(str(exc)) from exc
         _require(not n_fp8 or self.fp8 is not None,
                  "this engine serves a checkpoint without an fp8 quantization_config: send unquantized weights")
+        if self.model.config.model_type == "kimi_k25":  # MoonViT under the release's names: a fused, re-paired wqkv
+            from forge_megatron.multimodal.qwen_vl import kimi_k25_tower_state
+
+            tower = {n: named.pop(n) for n in list(named) if n.startswith(("vision_tower.", "mm_projector."))}
+            heads = self.model.config.vision_config.num_attention_heads
+            named.update({"model." + n: t for n, t in kimi_k25_tower_state(tower, heads).items()})
         if getattr(self.model.config.get_text_config(), "q_lora_rank", None) is not None:  # Kimi-K2.5's too
             missing = missing_partners(named)
             if missing:

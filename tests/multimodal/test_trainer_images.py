@@ -127,6 +127,13 @@ def test_mistral3_images_train(tmp_path, arch):
     assert steps[1]["loss"] != steps[0]["loss"] and steps[0]["grad_norm_vision"] > 0
 
 
+def test_kimi_images_train(tmp_path):
+    """Kimi-K2.5 (MoonViT read under the release's names, its merged patches one run of tokens, the DeepSeek-V3
+    language model's multi-latent attention and experts) through the same path."""
+    steps = _run(tmp_path, "kimi", arch="kimi_k25")
+    assert steps[1]["loss"] != steps[0]["loss"]
+
+
 TRAIN_TOWER = ["--train-vision-tower", "--rl-kl-coef", "0.05"]
 LEAD = 20  # text tokens before the image: its tokens straddle the two TP ranks' halves under sequence parallelism
 
