@@ -449,14 +449,20 @@ class Bridge:
         self.vision_tower = bool(vision_tower)
         self._vision: dict[str, Rule] = {}  # canonical name -> its rule (exact names: looked up, not matched)
         self._vision_shapes: dict[str, tuple[int, ...]] = {}  # HF name -> shape
+        # Kimi-K2.5's tower as released (MoonViT's names, a fused wqkv): the rules read transformers' names (HFReader
+        # derives them from the release's) and export writes the release's (held per layer for its wqkv)
+        self._kimi_heads = 0
         if self.vision_tower:
             from forge_megatron.multimodal.qwen_vl import tower_tensor_shapes, vision_spec
 
-            prefix = vision_spec(self.hf_config).vision_prefix  # ValueError naming the supported families
+            spec = vision_spec(self.hf_config)  # ValueError naming the supported families
+            prefix = spec.vision_prefix
             for name, shape in tower_tensor_shapes(self.hf_config).items():
                 self._vision[VISION + name] = Rule(VISION + name, (prefix + name,))
                 self._vision_shapes[prefix + name] = shape
             self.rules = self.rules + list(self._vision.values())
+            if spec.kimi:
+                self._kimi_heads = int(self.hf_config["vision_config"].get("num_attention_heads", 16))
         # joins that regroup HF tensors into one Megatron tensor: (split Megatron -> HF parts, join HF parts -> one)
         self._layouts = {"qkv": (self._split_qkv, self._join_qkv),
                          "qkv_gate": (self._split_qkv_gate, self._join_qkv_gate),
@@ -472,7 +478,13 @@ class Bridge:
     # --- names ----------------------------------------------------------------------------------------------
     @property
     def vision_tensor_names(self) -> set[str]:
-        """The checkpoint names of the trained vision tower's tensors (``vision_tower=True``; empty otherwise)."""
+        """The checkpoint names of the trained vision tower's tensors (``vision_tower=True``; empty otherwise; Kimi-K2.5:
+        the release's, as :meth:`export` writes them)."""
+        if self._kimi_heads:
+            from forge_megatron.multimodal.qwen_vl import kimi_k25_released_state
+
+            meta = {n[len("model."):]: torch.empty(s, device="meta") for n, s in self._vision_shapes.items()}
+            return set(kimi_k25_released_state(meta, self._kimi_heads))
         return set(self._vision_shapes)
 
     def rule(self, name: str) -> tuple[Rule, dict]:
@@ -591,8 +603,12 @@ class Bridge:
         produce a layer's experts together, so one layer's are held at a time)."""
         held: dict[str, dict[int, torch.Tensor]] = {}
         experts = self.cfg.num_moe_experts or 0
+        kimi_qkv: dict[str, dict[str, torch.Tensor]] = {}  # Kimi-K2.5's tower: a layer's q / k / v until all came
         for name, tensor in items:
             rule, idx = self.rule(name)
+            if self._kimi_heads and name in self._vision:
+                yield from self._kimi_released(name, tensor, kimi_qkv)
+                continue
             if not rule.fused:
                 yield from self.to_hf(name, tensor).items()
                 continue
@@ -605,6 +621,28 @@ class Bridge:
         if held:
             name, pieces = next(iter(held.items()))
             raise MappingError(f"{name!r}: only experts {sorted(pieces)} of {experts} were exported")
+        if kimi_qkv:
+            name, parts = next(iter(kimi_qkv.items()))
+            raise MappingError(f"the vision tower's {name!r}: only {sorted(parts)} of q_proj / k_proj / v_proj were "
+                               "exported")
+
+    def _kimi_released(self, name: str, tensor: torch.Tensor, held: dict):
+        """Kimi-K2.5's tower tensor ``name`` under the release's name (:func:`kimi_k25_released_state`); a layer's
+        q / k / v projections are held until all three have come, then sent as its wqkv."""
+        from forge_megatron.multimodal.qwen_vl import kimi_k25_released_state
+
+        tower_name = name[len(VISION):]
+        m = re.fullmatch(r"(vision_tower\.layers\.\d+\.attn)\.(q_proj|k_proj|v_proj)\.(\w+)", tower_name)
+        if m is None:
+            yield from kimi_k25_released_state({tower_name: tensor}, self._kimi_heads).items()
+            return
+        key = f"{m.group(1)}.*.{m.group(3)}"
+        parts = held.setdefault(key, {})
+        parts[m.group(2)] = tensor
+        if len(parts) == 3:
+            del held[key]
+            yield from kimi_k25_released_state({f"{m.group(1)}.{p}.{m.group(3)}": t for p, t in parts.items()},
+                                               self._kimi_heads).items()
 
     @staticmethod
     def _fused_piece(join: str, t: torch.Tensor) -> torch.Tensor:

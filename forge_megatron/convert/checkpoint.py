@@ -113,6 +113,10 @@ class HFReader:
         # The last tensors read: a gpt-oss fused expert tensor is asked for once per expert (each takes its slice)
         self._recent: dict[str, torch.Tensor] = {}
         self.fp8, self.fp8_dtype = _fp8_source(hf_dir)
+        # Kimi-K2.5's tower as released (MoonViT's names, a fused wqkv): asked for under transformers' names
+        # (model.vision_tower.*, model.mm_projector.*: a trained tower's), derived from the release's on first use
+        self._kimi_heads = _kimi_released_tower_heads(hf_dir, self.weight_map)
+        self._kimi_tower: dict[str, torch.Tensor] | None = None
 
     def names(self) -> set[str]:
         """The tensors of the checkpoint (an FP8 checkpoint's scales are part of their weights, not listed)."""
@@ -131,6 +135,10 @@ class HFReader:
         scales = [scale_name(n) for n in names if n.endswith("weight")] if self.fp8 is not None else []
         by_file: dict[str, list[str]] = {}
         out = {n: self._recent[n] for n in names if n in self._recent}
+        if self._kimi_heads:
+            derived = [n for n in names if n not in self.weight_map and n.startswith(_KIMI_TOWER)]
+            if derived:
+                out.update({n: t for n, t in self._kimi_derived().items() if n in derived})
         for n in names + scales:
             if n in self.weight_map and n not in out:
                 by_file.setdefault(self.weight_map[n], []).append(n)
@@ -144,6 +152,16 @@ class HFReader:
             out = self._dequantized(out, set(scales) - set(names))
         self._recent = {n: t for n, t in out.items() if _FUSED_EXPERTS.search(n)}
         return out
+
+    def _kimi_derived(self) -> dict[str, torch.Tensor]:
+        """Kimi-K2.5's released tower under transformers' names (read once; a tower is small)."""
+        if self._kimi_tower is None:
+            from forge_megatron.multimodal.qwen_vl import kimi_k25_tower_state
+
+            released = [n for n in self.weight_map if n.startswith(("vision_tower.", "mm_projector."))]
+            tower = kimi_k25_tower_state(self.get(released), self._kimi_heads)
+            self._kimi_tower = {"model." + n: t for n, t in tower.items()}
+        return self._kimi_tower
 
     def _under_other_prefix(self, name: str) -> str | None:
         """The name ``name`` is held under (:data:`STORED_PREFIXES`), or None."""
@@ -167,6 +185,23 @@ class HFReader:
             except ValueError as exc:
                 raise MappingError(f"{name!r} in {self.dir!r}: {exc}") from exc
         return {n: t for n, t in out.items() if n not in scale_names}
+
+
+_KIMI_TOWER = ("model.vision_tower.", "model.mm_projector.")
+
+
+def _kimi_released_tower_heads(hf_dir: str, weight_map: dict) -> int:
+    """The tower's attention heads of a Kimi-K2.5 checkpoint holding its tower as released (a fused wqkv), else 0."""
+    if not any(n.startswith("vision_tower.encoder.blocks.") and ".wqkv." in n for n in weight_map):
+        return 0
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        config = json.load(f)
+    if config.get("model_type") != "kimi_k25":
+        return 0
+    return int((config.get("vision_config") or {}).get("num_attention_heads", 16))
 
 
 def _fp8_source(hf_dir: str):

@@ -278,7 +278,8 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
     import torch
     import transformers
 
-    from forge_megatron.multimodal.qwen_vl import Gemma3Tower, Gemma4Tower, Mistral3Tower, _full_config, image_patches
+    from forge_megatron.multimodal.qwen_vl import (Gemma3Tower, Gemma4Tower, KimiK25Tower, Mistral3Tower, _full_config,
+                                                   image_patches)
     from forge_megatron.utils.memory import LiveBytes
 
     config = _full_config(hf_config)
@@ -286,6 +287,7 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
     gemma3 = config.model_type == "gemma3"  # a SigLIP tower of fixed-size images and its projector
     gemma4 = config.model_type == "gemma4"  # a tower of pooled patches and embed_vision
     mistral3 = config.model_type == "mistral3"  # a Pixtral tower and its projector
+    kimi = config.model_type == "kimi_k25"  # MoonViT and its projector
     heads = int(getattr(full, "num_heads", None) or full.num_attention_heads)
     k = full.hidden_size / (heads * width)
     slope = []  # bytes per patch, with 1 and 2 blocks
@@ -295,7 +297,7 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
         for name in ("intermediate_size", "out_hidden_size"):
             if getattr(small, name, None):
                 setattr(small, name, max(1, round(getattr(full, name) / k)))
-        setattr(small, "num_hidden_layers" if gemma3 or gemma4 or mistral3 else "depth", depth)
+        setattr(small, "num_hidden_layers" if gemma3 or gemma4 or mistral3 or kimi else "depth", depth)
         if getattr(small, "deepstack_visual_indexes", None):
             small.deepstack_visual_indexes = [0] * len(full.deepstack_visual_indexes)
         if gemma3:  # pictures of 4 x 4 pooled tokens (the real pooling kernel), the projector to a narrow width
@@ -320,6 +322,12 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
             wrapper.vision_config = small
             wrapper.text_config.hidden_size = max(1, round(config.text_config.hidden_size / k))
             tower = Gemma4Tower(wrapper).to(torch.bfloat16).train()
+        elif kimi:  # pictures of 4 x 4 merged patches, the projector (its norm as wide as the tower) narrowed alike
+            side = 4 * int(config.vision_config.merge_kernel_size[0])
+            wrapper = copy.deepcopy(config)
+            wrapper.vision_config, wrapper.projection_hidden_size = small, small.hidden_size
+            wrapper.text_config.hidden_size = max(1, round(config.text_config.hidden_size / k))
+            tower = KimiK25Tower(wrapper).to(torch.bfloat16).train()
         else:
             tower = transformers.AutoModel.from_config(small).to(torch.bfloat16).train()
             side = 4 * int(getattr(small, "spatial_merge_size", 2))
@@ -328,7 +336,7 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
         held = []
         for images in (1, 3):
             grid = torch.tensor([[1, side, side]] * images)
-            if mistral3:
+            if mistral3 or kimi:
                 pixels = torch.randn(images * side * side, 3 * full.patch_size ** 2, dtype=torch.bfloat16)
             elif gemma3:
                 pixels = image_patches(torch.randn(images, 3, side * full.patch_size, side * full.patch_size),
@@ -359,6 +367,8 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
     # processor's default longest edge, 1024 pixels, unless ``pixtral_patches`` says how many patches a picture has)
     if mistral3:
         measured, real = 2 * side * side, 2 * (pixtral_patches or (1024 // int(full.patch_size)) ** 2)
+    elif kimi:  # MoonViT's position grid resampled bicubically: 16 taps a patch, an int64 index and an fp32 weight each
+        measured = real = 16 * (8 + 4)
     else:
         measured = real = 4 * GEMMA4_GRID[0] * GEMMA4_GRID[1] if gemma4 else 0
     return block * k, max(slope[0] - block - pixels - measured, 0.0) * k + pixels + real

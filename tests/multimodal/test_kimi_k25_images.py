@@ -214,3 +214,50 @@ def test_kimi_images_through_the_gateway_are_scored_by_the_trainer_as_the_engine
 
     d = build_tiny_model(str(tmp_path / "m"), "kimi_k25", images=True, seed=2)
     vl.assert_scored_as_engine(d, vl.chat_episode(d, vl.random_pictures(5, [(30, 50), (40, 16)])))
+
+
+def test_kimi_trained_tower_gradients_equal_transformers(kimi_dir, hf_reference):
+    """``--train-vision-tower``: MoonViT and the projector train with the language model (read from the release's
+    names); every gradient, theirs exported under the release's names (a layer's q / k / v as its fused, re-paired
+    wqkv), is transformers'."""
+    samples, images, _ = batch()
+    vl.trained_tower_checks(kimi_dir, samples, images, *hf_reference, ("vision_tower.", "mm_projector."))
+
+
+def test_kimi_trained_tower_reaches_the_engine(tmp_path):
+    """The weight sync sends the trained tower under the release's names (what SGLang's Kimi-K2.5 loader takes:
+    wqkv, wo, norm0 / norm1, mlp.fc0 / fc1, mm_projector.proj.*); forge-engine's transformers model takes them, its
+    tower then the trainer's."""
+    from forge_megatron.bridge import Bridge
+
+    before, after, tower = vl.tower_synced_to_an_engine(tmp_path, "kimi_k25", ("model.vision_tower.",
+                                                                            "model.mm_projector."))
+    assert before and set(tower) <= set(before) and len(tower) == len(before)
+    for name, (t, _) in tower.items():
+        assert torch.allclose(after[name], t.to(after[name].dtype), atol=1e-6), name
+        assert not torch.equal(after[name], before[name]), name
+    sent = Bridge(str(tmp_path / "kimi_k25"), vision_tower=True).vision_tensor_names
+    assert "vision_tower.encoder.blocks.0.wqkv.weight" in sent and not any(n.startswith("model.") for n in sent)
+
+
+def _tower_round_trip(rank, world_size, hf_dir):
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.convert.checkpoint import HFReader
+    from forge_megatron.mcore import vision
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.training.checkpoint import load_hf_weights
+
+    bridge = Bridge(hf_dir, vision_tower=True)
+    model = build_tree_gpt(bridge.cfg)
+    vision.attach_tower(model, bridge.hf_config)
+    load_hf_weights([model], bridge, hf_dir)
+    out = dict(bridge.export((f"{vision.TOWER}.{n}", p.detach()) for n, p in model.vision_tower.named_parameters()))
+    return out, HFReader(hf_dir).get(bridge.vision_tensor_names)
+
+
+def test_trained_tower_exports_the_release_tensors(kimi_dir):
+    """A trained tower read from the release's names and exported (mcore-to-hf, the weight sync) gives back the
+    release's tensors exactly: every one of them, under its own name."""
+    ((exported, released),) = run_distributed(_tower_round_trip, world_size=1, hf_dir=kimi_dir, timeout_s=300)
+    assert released and set(exported) == set(released)
+    assert all(torch.equal(exported[n], released[n]) for n in released)

@@ -129,9 +129,9 @@ def test_mistral3_images_train(tmp_path, arch):
 
 def test_kimi_images_train(tmp_path):
     """Kimi-K2.5 (MoonViT read under the release's names, its merged patches one run of tokens, the DeepSeek-V3
-    language model's multi-latent attention and experts) through the same path."""
-    steps = _run(tmp_path, "kimi", arch="kimi_k25")
-    assert steps[1]["loss"] != steps[0]["loss"]
+    language model's multi-latent attention and experts) through the same path, the tower trained too."""
+    steps = _run(tmp_path, "kimi", arch="kimi_k25", extra=TRAIN_TOWER)
+    assert steps[1]["loss"] != steps[0]["loss"] and steps[0]["grad_norm_vision"] > 0
 
 
 TRAIN_TOWER = ["--train-vision-tower", "--rl-kl-coef", "0.05"]

@@ -346,7 +346,9 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
     gemma3 = hf["model_type"] == "gemma3"  # its pictures are all the checkpoint's size
     gemma4 = hf["model_type"] == "gemma4"
     mistral3 = hf["model_type"] == "mistral3"
-    merge = hf.get("spatial_merge_size", 2) if mistral3 else getattr(vc, "spatial_merge_size", 0)
+    kimi = hf["model_type"] == "kimi_k25"
+    merge = hf.get("spatial_merge_size", 2) if mistral3 else vc.merge_kernel_size[0] if kimi else \
+        getattr(vc, "spatial_merge_size", 0)
     side = vc.image_size // vc.patch_size if gemma3 else 6 * (0 if gemma4 else merge)  # (not the
     # estimate's size; Gemma 4: its estimate's pictures, at its default budget, the size its pooling's memory follows)
     wide = side
@@ -359,7 +361,7 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
 
             pixels = image_patches(torch.randn(images, 3, vc.image_size, vc.image_size), vc.patch_size)
             pixels = pixels.to(torch.bfloat16)
-        elif gemma4 or mistral3:
+        elif gemma4 or mistral3 or kimi:
             pixels = torch.rand(images * side * wide, 3 * vc.patch_size ** 2, dtype=torch.bfloat16)
         else:
             pixels = torch.randn(images * side * side,
@@ -379,7 +381,8 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
                                        ("glm4v", "Glm4vForConditionalGeneration"),
                                        ("gemma3_vl", "Gemma3ForConditionalGeneration"),
                                        ("gemma4_vl", "Gemma4ForConditionalGeneration"),
-                                       ("ministral3_vl", "Mistral3ForConditionalGeneration")])
+                                       ("ministral3_vl", "Mistral3ForConditionalGeneration"),
+                                       ("kimi_k25", "Kimi_K25ForConditionalGeneration")])
 def test_trained_vision_tower_activation_estimate_is_what_the_tower_keeps(arch, name):
     """--train-vision-tower: forge-plan's bytes per patch (measured on a tower 8x narrower, scaled back) against
     what the real bf16 tower keeps for its backward on other pictures: within 10 %, with and without its blocks
@@ -394,6 +397,10 @@ def test_trained_vision_tower_activation_estimate_is_what_the_tower_keeps(arch, 
     elif arch == "ministral3_vl":  # Pixtral's names, heads of 64
         hf["vision_config"].update(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
                                    num_attention_heads=4, head_dim=64)
+    elif arch == "kimi_k25":  # MoonViT's names, heads of 64, the projector's norm as wide as the tower
+        hf["vision_config"].update(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
+                                   num_attention_heads=4)
+        hf["projection_hidden_size"] = 256
     elif arch == "gemma4_vl":  # heads of 64
         hf["vision_config"].update(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=4, head_dim=64)
