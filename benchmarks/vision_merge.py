@@ -94,7 +94,7 @@ def run(args) -> dict:
     from forge_megatron.mcore.forward import tree_logprobs
     from forge_megatron.mcore.tree_attention import build_tree_gpt
     from forge_megatron.multimodal import build_vision_tree, vision_spec
-    from forge_megatron.multimodal.qwen_vl import build_vision_tower
+    from forge_megatron.multimodal.families import build_vision_tower
 
     hf = hf_config(args)
     trained = not args.frozen_tower

@@ -46,7 +46,7 @@ def _rank(rank: int, args, port: int, out) -> None:
 
     from forge_megatron.mcore import parallel, vision
     from forge_megatron.mcore.parallel import ParallelConfig
-    from forge_megatron.multimodal.qwen_vl import build_vision_tower, vision_spec
+    from forge_megatron.multimodal.families import build_vision_tower, vision_spec
     from forge_megatron.multimodal.tree import VisionTree
 
     parallel.initialize(ParallelConfig(tp=args.tp), seed=0)

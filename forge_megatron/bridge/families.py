@@ -369,7 +369,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError("use_bidirectional_attention=True (an embedding model) is not supported")
     if family.gemma4:
         # "vision": text causal, an image's tokens seeing each other in the sliding layers (tree attention's image
-        # blocks, multimodal/qwen_vl.py); "all" (every token both ways) is not a language model's
+        # blocks, multimodal/families.py); "all" (every token both ways) is not a language model's
         if hf.get("use_bidirectional_attention") not in (None, "vision"):
             raise UnsupportedModelError(f"use_bidirectional_attention={hf['use_bidirectional_attention']!r}: "
                                         "bidirectional attention over text is not supported")

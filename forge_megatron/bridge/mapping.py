@@ -453,7 +453,7 @@ class Bridge:
         # derives them from the release's) and export writes the release's (held per layer for its wqkv)
         self._kimi_heads = 0
         if self.vision_tower:
-            from forge_megatron.multimodal.qwen_vl import tower_tensor_shapes, vision_spec
+            from forge_megatron.multimodal.families import tower_tensor_shapes, vision_spec
 
             spec = vision_spec(self.hf_config)  # ValueError naming the supported families
             prefix = spec.vision_prefix
@@ -478,10 +478,10 @@ class Bridge:
     # --- names ----------------------------------------------------------------------------------------------
     @property
     def vision_tensor_names(self) -> set[str]:
-        """The checkpoint names of the trained vision tower's tensors (``vision_tower=True``; empty otherwise; Kimi-K2.5:
-        the release's, as :meth:`export` writes them)."""
+        """The checkpoint names of the trained vision tower's tensors (``vision_tower=True``; empty otherwise;
+        Kimi-K2.5: the release's, as :meth:`export` writes them)."""
         if self._kimi_heads:
-            from forge_megatron.multimodal.qwen_vl import kimi_k25_released_state
+            from forge_megatron.multimodal.families import kimi_k25_released_state
 
             meta = {n[len("model."):]: torch.empty(s, device="meta") for n, s in self._vision_shapes.items()}
             return set(kimi_k25_released_state(meta, self._kimi_heads))
@@ -629,7 +629,7 @@ class Bridge:
     def _kimi_released(self, name: str, tensor: torch.Tensor, held: dict):
         """Kimi-K2.5's tower tensor ``name`` under the release's name (:func:`kimi_k25_released_state`); a layer's
         q / k / v projections are held until all three have come, then sent as its wqkv."""
-        from forge_megatron.multimodal.qwen_vl import kimi_k25_released_state
+        from forge_megatron.multimodal.families import kimi_k25_released_state
 
         tower_name = name[len(VISION):]
         m = re.fullmatch(r"(vision_tower\.layers\.\d+\.attn)\.(q_proj|k_proj|v_proj)\.(\w+)", tower_name)

@@ -156,7 +156,7 @@ class HFReader:
     def _kimi_derived(self) -> dict[str, torch.Tensor]:
         """Kimi-K2.5's released tower under transformers' names (read once; a tower is small)."""
         if self._kimi_tower is None:
-            from forge_megatron.multimodal.qwen_vl import kimi_k25_tower_state
+            from forge_megatron.multimodal.families import kimi_k25_tower_state
 
             released = [n for n in self.weight_map if n.startswith(("vision_tower.", "mm_projector."))]
             tower = kimi_k25_tower_state(self.get(released), self._kimi_heads)

@@ -4,14 +4,14 @@ A micro-batch whose tree has images (``TreeLayout.vision``, multimodal/tree.py) 
 (``TreePackedSeqParams.vision``: this rank's :class:`VisionShard`). :func:`install` puts three hooks on a model stage:
 
 1. on the decoder (before it runs): the rotary table becomes the mRoPE angles of the tokens' three positions
-   (multimodal/qwen_vl.py ``mrope_angles``; text alone gives the depth table's values; Gemma 3 / 4 and Mistral 3
+   (multimodal/families.py ``mrope_angles``; text alone gives the depth table's values; Gemma 3 / 4 and Mistral 3
    keep their 1-D table), and on the first pipeline stage the image tokens' embeddings are replaced by the vision
    tower's merged features (Gemma 3 / 4's image tokens also see each other: tree attention's ``key_end``, made by
    mcore/tree_attention.py from the vision tree);
 2. after each of the first ``spec.deepstack_layers`` layers (Qwen3-VL's DeepStack): that layer's features are added
    to the image tokens' hidden states.
 
-The vision tower is the checkpoint's own (a transformers module). Frozen (the default: ``qwen_vl.load_vision_tower``,
+The vision tower is the checkpoint's own (a transformers module). Frozen (the default: ``families.load_vision_tower``,
 made on first use by the ``tower`` callable) it runs once per micro-batch on its distinct images under ``no_grad``:
 every rank that needs the features computes them (the tower is small beside the language model); the result is kept
 on the micro-batch's VisionTree, so activation recomputation and the forward-only passes reuse it. Replacing and
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from forge_megatron.bridge.mapping import VISION
-from forge_megatron.multimodal.qwen_vl import VisionSpec, encode_images, mrope_angles
+from forge_megatron.multimodal.families import VisionSpec, encode_images, mrope_angles
 
 
 @dataclass
@@ -264,7 +264,7 @@ def attach_tower(model, hf_config, recompute: bool = False, trainable: str = "*"
     ``recompute``: its blocks keep only their inputs for the backward and run again there (transformers' activation
     checkpointing, non-reentrant), for micro-batches of many or large images. ``trainable``: the parameters that
     train (:func:`trainable_matches`; the others stay the checkpoint's: no gradients, no optimizer state)."""
-    from forge_megatron.multimodal.qwen_vl import build_vision_tower
+    from forge_megatron.multimodal.families import build_vision_tower
 
     if not model.pre_process:
         raise ValueError("the vision tower goes on the first model piece (pre_process)")

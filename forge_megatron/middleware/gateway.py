@@ -743,7 +743,7 @@ class Gateway:
     # --- images ------------------------------------------------------------------------------------------------
     def _image_processor(self, model_path: str):
         """(the checkpoint's multimodal ImageProcessor, the text of one image in a prompt) for a vision-language
-        checkpoint whose images forge takes (multimodal.qwen_vl.SUPPORTED) with an image processor; (None, None) for
+        checkpoint whose images forge takes (multimodal.families.SUPPORTED) with an image processor; (None, None) for
         other models (an image in a request is then a 400)."""
         from forge_megatron.multimodal.images import ImageProcessor
 
@@ -769,7 +769,7 @@ class Gateway:
         if not any(IMAGE_KEY in m for m in req.messages):
             return req, []
         if self.images is None:
-            from forge_megatron.multimodal.qwen_vl import SUPPORTED
+            from forge_megatron.multimodal.families import SUPPORTED
 
             raise _bad("messages", f"{self.model_name} takes no images (images are served for {SUPPORTED} "
                                    "checkpoints with an image processor)")

@@ -54,9 +54,9 @@ def _kimi_k25_names(state: dict, config) -> dict:
     """Kimi-K2.5 as released: the language model under ``language_model.model.`` / ``language_model.lm_head``,
     experts one by one (transformers fuses them: [E, 2F, H] gate rows first, [E, H, F]), the MoonViT tower and
     projector under their own names (``vision_tower.encoder.blocks.*.wqkv``, ``mm_projector.proj.0``, ...:
-    ``multimodal.qwen_vl.kimi_k25_released_state``; transformers' reverse conversion cannot be used: 5.24's renames
+    ``multimodal.families.kimi_k25_released_state``; transformers' reverse conversion cannot be used: 5.24's renames
     the language model's layers to ``blocks``)."""
-    from forge_megatron.multimodal.qwen_vl import kimi_k25_released_state
+    from forge_megatron.multimodal.families import kimi_k25_released_state
 
     tower = {name[len("model."):]: state.pop(name) for name in list(state)
              if name.startswith(("model.vision_tower.", "model.mm_projector."))}

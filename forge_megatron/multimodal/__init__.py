@@ -1,14 +1,15 @@
 """Vision-language RL: samples with images trained on prefix trees (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5,
-GLM-4.xV, Gemma 3, Gemma 4, Mistral 3).
+GLM-4.xV, Gemma 3, Gemma 4, Mistral 3, Kimi-K2.5).
 
-``qwen_vl``: image tokens, 3-D mRoPE positions, the checkpoint's vision tower; ``tree``: image-aware prefix merging
+``families``: each family's image tokens and positions (Qwen's 3-D mRoPE) and the checkpoint's vision tower;
+``images``: the gateway's normalised images and their patches; ``tree``: image-aware prefix merging
 (:func:`build_vision_tree`); forge_megatron.mcore.vision puts the images into a Megatron model's forward.
 """
 
 import importlib
 
-_EXPORTS = {"VisionSpec": "qwen_vl", "load_vision_tower": "qwen_vl", "positions_3d": "qwen_vl", "vision_spec": "qwen_vl",
-            "ImageInput": "tree", "VisionTree": "tree", "build_vision_tree": "tree"}
+_EXPORTS = {"VisionSpec": "families", "load_vision_tower": "families", "positions_3d": "families",
+            "vision_spec": "families", "ImageInput": "tree", "VisionTree": "tree", "build_vision_tree": "tree"}
 
 
 def __getattr__(name: str):

@@ -10,7 +10,7 @@ same grid) and the engine and the trainer compute the same patches from the same
 
 Gemma 3's images are all one size: the target is the checkpoint's ``image_size`` square (resized with its
 processor's filter; pan-and-scan crops are refused), its patches are the image cut into ``patch_size`` squares
-(qwen_vl.image_patches) and its text in a prompt ``\n\n<start_of_image>`` + its image tokens +
+(families.image_patches) and its text in a prompt ``\n\n<start_of_image>`` + its image tokens +
 ``<end_of_image>\n\n``, as transformers' ``Gemma3Processor`` writes it.
 
 Gemma 4 keeps each image's aspect: the target is the largest size within ``max_soft_tokens * pooling_kernel_size^2``
@@ -54,7 +54,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from forge_megatron.multimodal.qwen_vl import VisionSpec
+    from forge_megatron.multimodal.families import VisionSpec
 
 MAX_IMAGE_BYTES = 32 << 20
 MAX_IMAGE_PIXELS = 64 << 20
@@ -266,7 +266,7 @@ class ImageProcessor:
 
         from transformers import AutoImageProcessor
 
-        from forge_megatron.multimodal.qwen_vl import vision_spec
+        from forge_megatron.multimodal.families import vision_spec
 
         if hf_config is None:
             with open(os.path.join(model_dir, "config.json")) as f:
@@ -465,7 +465,7 @@ class ImageProcessor:
             import numpy as np
             import torch
 
-            from forge_megatron.multimodal.qwen_vl import image_patches
+            from forge_megatron.multimodal.families import image_patches
 
             image, grid = open_image(data), self.grid(data)
             if (image.height, image.width) != (grid[1] * self.patch, grid[2] * self.patch):
@@ -484,7 +484,7 @@ class ImageProcessor:
         if self.square or self.spec.mistral3:
             import torch
 
-            from forge_megatron.multimodal.qwen_vl import image_patches
+            from forge_megatron.multimodal.families import image_patches
 
             pixels = out["pixel_values"]
             grid = self.grid(data)

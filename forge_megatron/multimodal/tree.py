@@ -8,7 +8,7 @@ remember which row of the micro-batch's vision features they take.
 
 :class:`VisionTree` rides on the :class:`~forge_megatron.tree.TreeLayout` (its ``vision``): the distinct images'
 pixel values and grids (each encoded once per micro-batch however many samples share it), per tree token its feature
-row (-1 for text) and its three mRoPE positions (multimodal/qwen_vl.py). mcore/vision.py hands them to the model.
+row (-1 for text) and its three mRoPE positions (multimodal/families.py). mcore/vision.py hands them to the model.
 
 Legend: T = tree tokens, P = sample tokens, U = distinct images, N = image tokens of the distinct images.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from forge_megatron.multimodal.qwen_vl import VisionSpec, image_token_spans, positions_3d
+from forge_megatron.multimodal.families import VisionSpec, image_token_spans, positions_3d
 
 VIRTUAL_BASE = 1 << 40  # above any vocabulary: image-token keys live here
 
@@ -96,7 +96,7 @@ def sample_keys(samples_tokens: list, samples_images: list, spec: VisionSpec,
                 samples_sampled: list | None = None) -> tuple[list, dict, int]:
     """The tree keys of every sample (int64 arrays), the distinct images ({digest: (number, ImageInput)}, numbered
     in first-appearance order) and the keys' stride (one image's key range). ``samples_sampled``: the samples' loss
-    masks (an image token the policy sampled is text: qwen_vl.image_runs)."""
+    masks (an image token the policy sampled is text: families.image_runs)."""
     distinct: dict[str, tuple[int, ImageInput]] = {}
     keys = []
     stride = 1 + max((spec.tokens_per_image(im.grid_thw) for ims in samples_images for im in ims or ()), default=0)

@@ -313,7 +313,7 @@ class ReferenceEngine:
         _require(isinstance(items, list) and all(isinstance(x, str) for x in items),
                  "image_data must be a data URL / base64 string or a list of them")
         from forge_megatron.multimodal.images import ImageError, ImageProcessor, decode_data
-        from forge_megatron.multimodal.qwen_vl import split_runs
+        from forge_megatron.multimodal.families import split_runs
 
         if self._images is None:
             try:
@@ -340,7 +340,7 @@ class ReferenceEngine:
         if hasattr(inner, "rope_deltas"):  # a vision-language model keeps the mRoPE offset of the last prefill
             inner.rope_deltas = req.rope_deltas  # on itself: each request's own (steps of requests interleave)
         if req.images and req.past is None:  # the prefill (again after a retracting pause): the images too
-            from forge_megatron.multimodal.qwen_vl import model_image_inputs
+            from forge_megatron.multimodal.families import model_image_inputs
 
             extra = model_image_inputs(self._images.spec, req.images, req.input_ids, new_S)
         try:
@@ -487,7 +487,7 @@ class ReferenceEngine:
         _require(not n_fp8 or self.fp8 is not None,
                  "this engine serves a checkpoint without an fp8 quantization_config: send unquantized weights")
         if self.model.config.model_type == "kimi_k25":  # MoonViT under the release's names: a fused, re-paired wqkv
-            from forge_megatron.multimodal.qwen_vl import kimi_k25_tower_state
+            from forge_megatron.multimodal.families import kimi_k25_tower_state
 
             tower = {n: named.pop(n) for n in list(named) if n.startswith(("vision_tower.", "mm_projector."))}
             heads = self.model.config.vision_config.num_attention_heads

@@ -16,7 +16,7 @@ It takes the trainer's own flags (unknown ones are ignored, so a training comman
   gradients in fp32), Adam (fp32 moments, plus an fp32 master copy of bf16 weights) divided over the data-parallel
   replicas with ``--use-distributed-optimizer`` (dense tensors over DP x CP, expert tensors over the expert-data-
   parallel group DP x CP / EP), and a second copy of the weights for ``--rl-kl-coef`` > 0 (the frozen reference).
-* the frozen vision tower of a vision-language checkpoint the trainer takes images for (multimodal/qwen_vl.py): its
+* the frozen vision tower of a vision-language checkpoint the trainer takes images for (multimodal/families.py): its
   parameters (counted on the meta device from the config's ``vision_config``), in the weights' dtype, on every rank
   of the first pipeline stage (its weights replicated over TP and CP there, the images shared out over them; once
   more for the KL reference is not needed: the reference shares it). Its activations are transient (no gradients)
@@ -278,7 +278,7 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
     import torch
     import transformers
 
-    from forge_megatron.multimodal.qwen_vl import (Gemma3Tower, Gemma4Tower, KimiK25Tower, Mistral3Tower, _full_config,
+    from forge_megatron.multimodal.families import (Gemma3Tower, Gemma4Tower, KimiK25Tower, Mistral3Tower, _full_config,
                                                    image_patches)
     from forge_megatron.utils.memory import LiveBytes
 
@@ -378,7 +378,7 @@ def vision_activation_bytes(hf_config, patches: float, in_flight: int, recompute
     """Activation memory of a trained tower on one rank of the first stage: ``patches`` per micro-batch on the
     rank (its share of the micro-batch's images), for ``in_flight`` micro-batches (1F1B), plus one block's working
     set in the backward when the blocks are recomputed."""
-    from forge_megatron.multimodal.qwen_vl import _vision_config
+    from forge_megatron.multimodal.families import _vision_config
 
     vision = _vision_config(hf_config)
     depth = int(getattr(vision, "depth", None) or vision.num_hidden_layers)
@@ -405,7 +405,7 @@ def _trained_tower(bridge, trainable: str | None, tokens: int, fraction: float, 
     frozen = 0
     if trainable:
         from forge_megatron.mcore.vision import trainable_matches
-        from forge_megatron.multimodal.qwen_vl import meta_vision_tower
+        from forge_megatron.multimodal.families import meta_vision_tower
 
         params = dict(meta_vision_tower(bridge.hf_config).named_parameters())
         chosen = trainable_matches(sorted(params), trainable)
@@ -425,7 +425,7 @@ def vision_tower_params(bridge) -> int:
         vision_spec(bridge.hf_config)
     except ValueError:
         return 0
-    from forge_megatron.multimodal.qwen_vl import meta_vision_tower
+    from forge_megatron.multimodal.families import meta_vision_tower
 
     return sum(p.numel() for p in meta_vision_tower(bridge.hf_config).parameters())
 

@@ -84,7 +84,7 @@ def with_image_inputs(samples: list, vision) -> list:
     if _images_of(samples) is None:
         return samples
     if vision is None:
-        from forge_megatron.multimodal.qwen_vl import SUPPORTED
+        from forge_megatron.multimodal.families import SUPPORTED
 
         raise ValueError(f"samples with images, but the model takes none (training on images is supported for "
                          f"{SUPPORTED} vision-language checkpoints)")
@@ -102,7 +102,7 @@ def with_image_inputs(samples: list, vision) -> list:
 def _drop_image_mismatches(samples: list, spec, batch_id) -> list:
     """``samples`` less those whose prompt's image tokens do not match their images (logged): training them would
     stop every restart of the run at this batch."""
-    from forge_megatron.multimodal.qwen_vl import split_runs
+    from forge_megatron.multimodal.families import split_runs
 
     kept = []
     for s in samples:
@@ -453,7 +453,7 @@ class Trainer:
 
     # -- set-up ------------------------------------------------------------------------------------------
     def _install_vision(self):
-        """A vision-language checkpoint whose images the trainer takes (multimodal/qwen_vl.py): the model chunks (and
+        """A vision-language checkpoint whose images the trainer takes (multimodal/families.py): the model chunks (and
         the reference's) put the images' features and mRoPE positions into their forward (mcore/vision.py); the
         frozen vision tower is loaded on the first micro-batch with images (with --train-vision-tower the first
         model piece's own trains, mcore.vision.attach_tower). Returns the checkpoint's ImageProcessor

@@ -74,7 +74,7 @@ def test_chat_with_images_records_image_tokens_and_continues(served, vl_dir, pic
     normalized = [proc.normalize(x) for x in (pictures[0], pictures[1], pictures[0])]
     assert seg.images == normalized
     tokens = np.array(seg.tokens)
-    from forge_megatron.multimodal.qwen_vl import image_runs
+    from forge_megatron.multimodal.families import image_runs
 
     runs = image_runs(tokens, pad, seg.loss_mask)  # (an image token the model sampled is text)
     assert [b - a for a, b in runs] == [proc.num_tokens(x) for x in normalized] == [15, 4, 15]

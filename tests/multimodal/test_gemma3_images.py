@@ -46,7 +46,7 @@ def _pixels(rng) -> torch.Tensor:
 
 def _image(pixels):
     from forge_megatron.multimodal import ImageInput
-    from forge_megatron.multimodal.qwen_vl import image_patches
+    from forge_megatron.multimodal.families import image_patches
 
     return ImageInput(image_patches(pixels, PATCH).numpy(), (1, SIZE // PATCH, SIZE // PATCH))
 
@@ -114,7 +114,7 @@ def test_gemma3_language_model_gradients_equal_transformers(one_rank, hf_referen
 
 
 def test_patches_round_trip():
-    from forge_megatron.multimodal.qwen_vl import gemma3_images, image_patches
+    from forge_megatron.multimodal.families import gemma3_images, image_patches
 
     x = torch.randn(2, 3, SIZE, SIZE)
     p = image_patches(x, PATCH)
@@ -164,7 +164,7 @@ def test_gateway_images_are_the_processors_squares(tmp_path):
 
     from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.multimodal.images import ImageProcessor, open_image
-    from forge_megatron.multimodal.qwen_vl import image_patches
+    from forge_megatron.multimodal.families import image_patches
     from tests.multimodal.test_vision_tree import png
 
     d = build_tiny_model(str(tmp_path / "g"), "gemma3_vl", images=True)
@@ -204,7 +204,7 @@ def test_gemma3_images_through_the_gateway_are_scored_by_the_trainer_as_the_engi
     import transformers
 
     from forge_megatron.multimodal.images import ImageProcessor
-    from forge_megatron.multimodal.qwen_vl import image_runs
+    from forge_megatron.multimodal.families import image_runs
 
     d = gateway_model
     proc = ImageProcessor(d)

@@ -72,7 +72,7 @@ def batch(seed=0):
 def hf_inputs(ids: torch.Tensor, images: list) -> dict:
     """transformers' image inputs of one sample: padded patches, their (x, y) positions (-1: padding), and the
     image tokens' type."""
-    from forge_megatron.multimodal.qwen_vl import gemma4_inputs
+    from forge_megatron.multimodal.families import gemma4_inputs
 
     pixels, positions = gemma4_inputs(images)
     return dict(pixel_values=pixels, image_position_ids=positions, mm_token_type_ids=(ids == IMG).long())
@@ -158,7 +158,7 @@ def test_gemma4_images_through_the_gateway_are_scored_by_the_trainer_as_the_engi
     scores the sampled tokens as the engine did."""
     from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.multimodal.images import ImageProcessor
-    from forge_megatron.multimodal.qwen_vl import image_runs
+    from forge_megatron.multimodal.families import image_runs
 
     d = build_tiny_model(str(tmp_path / "g"), "gemma4_vl", images=True, seed=2)
     proc = ImageProcessor(d)

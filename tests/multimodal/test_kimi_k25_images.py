@@ -1,8 +1,8 @@
 """Kimi-K2.5 / K2.6's images on prefix trees (MoonViT: 2-D RoPE over each image's patches, k x k patches merged into a
 token, 1-D positions in the DeepSeek-V3 language model): the Megatron tree model with the checkpoint's tower and
-projector (read under the release's names: a fused, re-paired wqkv) equals transformers' Kimi_K25ForConditionalGeneration
-run on each sample alone, logprobs and gradients; the gateway's images (sizes, patches, the prompt's text), the engine
-and the trainer take them through every process."""
+projector (read under the release's names: a fused, re-paired wqkv) equals transformers'
+Kimi_K25ForConditionalGeneration run on each sample alone, logprobs and gradients; the gateway's images (sizes,
+patches, the prompt's text), the engine and the trainer take them through every process, the tower trained too."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_released_tower_names_load_as_transformers_loads_them(tmp_path):
 
     from forge_megatron.convert.checkpoint import HFReader
     from forge_megatron.models import save_checkpoint
-    from forge_megatron.multimodal.qwen_vl import load_vision_tower
+    from forge_megatron.multimodal.families import load_vision_tower
 
     model = _model(1)
     save_checkpoint(model, str(tmp_path))
@@ -72,7 +72,7 @@ def test_released_tower_names_load_as_transformers_loads_them(tmp_path):
 def _image(rng, rows, cols):
     """An ImageInput of rows x cols tokens (2 x 2 patches each) and transformers' inputs of it."""
     from forge_megatron.multimodal import ImageInput
-    from forge_megatron.multimodal.qwen_vl import image_patches
+    from forge_megatron.multimodal.families import image_patches
 
     pixels = torch.from_numpy(rng.standard_normal((1, 3, rows * 8, cols * 8)).astype(np.float32))
     patches = image_patches(pixels, PATCH)
@@ -158,7 +158,7 @@ def test_gateway_sizes_and_patches_are_the_processors(tmp_path):
 
     from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.multimodal.images import ImageProcessor, kimi_size, open_image
-    from forge_megatron.multimodal.qwen_vl import load_vision_tower
+    from forge_megatron.multimodal.families import load_vision_tower
     from tests.multimodal.test_vision_tree import png
 
     navit = _reference_navit()

@@ -40,7 +40,7 @@ def mistral_dir(tmp_path_factory, request):
 def _image(rng, rows, cols):
     """An ImageInput of rows x cols tokens (2 x 2 patches each) and its pixels [3, H, W]."""
     from forge_megatron.multimodal import ImageInput
-    from forge_megatron.multimodal.qwen_vl import image_patches
+    from forge_megatron.multimodal.families import image_patches
 
     pixels = torch.from_numpy(rng.standard_normal((1, 3, rows * 8, cols * 8)).astype(np.float32))
     return ImageInput(image_patches(pixels, PATCH).numpy(), (1, rows * MERGE, cols * MERGE)), pixels[0]
@@ -118,7 +118,7 @@ def test_mistral3_language_model_gradients_equal_transformers(one_rank, hf_refer
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_image_rows_must_match_the_grid(arch):
-    from forge_megatron.multimodal.qwen_vl import image_token_spans, vision_spec
+    from forge_megatron.multimodal.families import image_token_spans, vision_spec
     from forge_megatron.models.tiny import tiny_config
 
     cfg = tiny_config(arch, vocab_size=V)
@@ -142,7 +142,7 @@ def test_gateway_images_are_written_row_by_row(tmp_path):
 
     from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.multimodal.images import ImageProcessor, open_image, pixtral_size
-    from forge_megatron.multimodal.qwen_vl import image_patches
+    from forge_megatron.multimodal.families import image_patches
     from tests.multimodal.test_vision_tree import png
 
     d = build_tiny_model(str(tmp_path / "m"), "ministral3_vl", images=True)
@@ -172,7 +172,7 @@ def test_mistral3_images_through_the_gateway_are_scored_by_the_trainer_as_the_en
     engine did."""
     from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.multimodal.images import ImageProcessor
-    from forge_megatron.multimodal.qwen_vl import image_token_spans
+    from forge_megatron.multimodal.families import image_token_spans
 
     d = build_tiny_model(str(tmp_path / "m"), arch, images=True, seed=2)
     proc = ImageProcessor(d)
@@ -208,7 +208,7 @@ def test_mistral_small_4_spec():
     """Mistral Small 4 inside Mistral3ForConditionalGeneration: the same image layout as Mistral 3 (its language
     model's multi-latent attention takes 1-D positions, so images need nothing of its RoPE)."""
     from forge_megatron.models.tiny import tiny_config
-    from forge_megatron.multimodal.qwen_vl import vision_spec
+    from forge_megatron.multimodal.families import vision_spec
 
     hf = {**tiny_config("mistral4_vl", vocab_size=V).to_dict(), "architectures": ["Mistral3ForConditionalGeneration"]}
     spec = vision_spec(hf)

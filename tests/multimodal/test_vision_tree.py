@@ -588,7 +588,7 @@ def test_engine_generates_from_images(vl_model_dir):
         full = torch.tensor([ids + result.output_ids])
         kw = {}
         if ims and proc.spec.gemma3:  # whole images; the prompt's image tokens see each other
-            from forge_megatron.multimodal.qwen_vl import gemma3_images
+            from forge_megatron.multimodal.families import gemma3_images
 
             pixels = torch.from_numpy(np.concatenate([i.pixel_values for i in ims]))
             image = torch.zeros_like(full)
@@ -596,12 +596,12 @@ def test_engine_generates_from_images(vl_model_dir):
             kw = dict(pixel_values=gemma3_images(pixels, proc.spec.image_size, proc.spec.patch_size),
                       token_type_ids=image)
         elif ims and proc.spec.mistral3:
-            from forge_megatron.multimodal.qwen_vl import mistral3_inputs
+            from forge_megatron.multimodal.families import mistral3_inputs
 
             pixels, sizes = mistral3_inputs(ims, proc.spec.patch_size)
             kw = dict(pixel_values=pixels, image_sizes=sizes)
         elif ims and proc.spec.gemma4:
-            from forge_megatron.multimodal.qwen_vl import gemma4_inputs
+            from forge_megatron.multimodal.families import gemma4_inputs
 
             image = torch.zeros_like(full)
             image[:, :len(ids)] = torch.tensor([ids]) == pad

@@ -336,7 +336,7 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
 
     import torch
 
-    from forge_megatron.multimodal.qwen_vl import _vision_config, build_vision_tower
+    from forge_megatron.multimodal.families import _vision_config, build_vision_tower
     from forge_megatron.utils.memory import LiveBytes
 
     vc = _vision_config(hf)
@@ -357,7 +357,7 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
     held = []
     for images in (1, 3):
         if gemma3:
-            from forge_megatron.multimodal.qwen_vl import image_patches
+            from forge_megatron.multimodal.families import image_patches
 
             pixels = image_patches(torch.randn(images, 3, vc.image_size, vc.image_size), vc.patch_size)
             pixels = pixels.to(torch.bfloat16)
@@ -434,7 +434,7 @@ def test_trained_vision_tower_in_the_plan(tmp_path, capsys):
     recomputed = plan.plan(bridge, world=2, pp=2, tokens=1000, recompute_vision_tower=True)["ranks"][0]
     assert 0 < recomputed["vision_activations_gib_estimate"] < first["vision_activations_gib_estimate"]
     # the projectors only: the rest of the tower has weights but no gradients or optimizer state
-    from forge_megatron.multimodal.qwen_vl import meta_vision_tower
+    from forge_megatron.multimodal.families import meta_vision_tower
 
     params = dict(meta_vision_tower(hf).named_parameters())
     frozen = sum(p.numel() for n, p in params.items() if not n.startswith(("merger.", "deepstack_merger_list.")))

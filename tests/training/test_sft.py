@@ -50,7 +50,7 @@ def test_sft_on_pictures_trains_with_the_vision_tower_and_keeps_it(tmp_path):
 
     from forge_megatron.agents import colors
     from forge_megatron.multimodal.images import ImageProcessor
-    from forge_megatron.multimodal.qwen_vl import image_runs
+    from forge_megatron.multimodal.families import image_runs
 
     base = build_tiny_model(str(tmp_path / "base"), "qwen3_vl", images=True)
     proc = ImageProcessor(base)

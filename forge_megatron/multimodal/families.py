@@ -1,4 +1,6 @@
-"""Qwen3-VL's (Qwen3.5's, GLM-4.xV's) multimodal language-model inputs: image tokens, 3-D mRoPE, the vision tower.
+"""The vision-language families' language-model inputs: image tokens, their positions (Qwen's 3-D mRoPE), the towers.
+
+Qwen3-VL, Qwen3.5 and GLM-4.xV first (the rules below), then what Gemma 3 / 4, Mistral 3 and Kimi-K2.5 do otherwise.
 
 A vision-language sample is a token sequence in which every image is a run of ``image_token_id`` tokens (one per
 merged patch: ``t * h * w / merge^2`` for an image of grid ``(t, h, w)`` patches) between the text tokens its chat
@@ -36,7 +38,13 @@ Mistral 3 (``Mistral3ForConditionalGeneration`` with a dense language model: Min
 image row by row: each row of ``w / merge`` image tokens is followed by ``[IMG_BREAK]``, the last by ``[IMG_END]``
 (``row_breaks``: an image is ``h / merge`` runs of image tokens, :func:`image_token_spans`). Its Pixtral tower takes
 the image whole (patches put back together, as Gemma 3's), with 2-D RoPE over its patches, and the projector merges
-``merge x merge`` patches into each token (:class:`Mistral3Tower`); positions are 1-D and attention causal.
+``merge x merge`` patches into each token (:class:`Mistral3Tower`); positions are 1-D and attention causal. Mistral
+Small 4 (multi-latent attention and experts in the same checkpoint class) takes its images alike.
+
+Kimi-K2.5 / K2.6 (``kimi_k25``) merges ``k x k`` row-major patches of its MoonViT tower (2-D RoPE, a learned position
+grid resampled to each image) into one run of tokens, projected by ``mm_projector`` (:class:`KimiK25Tower`); 1-D
+positions, causal attention. Its release names the tower otherwise than transformers (a fused ``wqkv`` whose query
+and key rows pair channels (2i, 2i + 1)): :func:`kimi_k25_tower_state` and :func:`kimi_k25_released_state` convert.
 
 These are the rules of transformers' ``Qwen3VLModel.get_rope_index`` and ``Qwen3VLTextRotaryEmbedding`` (transformers
 5.24), which the tests compare with; a token's positions depend only on the tokens before it, so a prefix shared by
