@@ -75,6 +75,21 @@ def tree_body(rank, world_size, hf_dir, samples, images, variants=None):
     return out
 
 
+def tree_run(hf_dir: str, batch: tuple, variants=None) -> dict:
+    """:func:`tree_body` in a process of its own on ``batch`` (samples, images per sample, ...)."""
+    samples, images = batch[:2]
+    (out,) = run_distributed(tree_body, world_size=1, hf_dir=hf_dir, samples=samples, images=images,
+                             variants=variants, timeout_s=600)
+    return out
+
+
+def assert_lm_grads_equal(run: dict, expected: dict) -> None:
+    """The tree run's gradients (checkpoint names) are a nonempty subset of transformers' and equal them."""
+    grads = run["grads"]
+    assert grads and set(grads) <= set(expected), sorted(set(grads) - set(expected))[:4]
+    assert_grads_equal(grads, expected)
+
+
 def trained_tower_body(rank, world_size, hf_dir, samples, images):
     """The tower trained with the language model (``--train-vision-tower``) on ``samples`` with ``images``: logprobs
     and every gradient, exported under the checkpoint's names."""
