@@ -46,7 +46,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # --moe deepseek_v32: the keys each query attends to (the demo's prompts are a few hundred tokens: most of a sample's
 # tokens attend sparsely)
 DSA_TOPK = 64
-VISION_ARCHS = ("qwen3_vl", "gemma3_vl", "gemma4_vl", "ministral3_vl")  # the colour task's vision-language models
+# the colour task's vision-language models
+VISION_ARCHS = ("qwen3_vl", "gemma3_vl", "gemma4_vl", "ministral3_vl", "kimi_k25")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "q/k RMSNorms over all heads); gemma4_moe: Gemma 4 26B-A4B's (--arch gemma4's layers with "
                         "routed experts beside the dense MLP in every layer)")
     p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e",
-                                      "qwen3_vl", "gemma3_vl", "gemma4_vl", "ministral3_vl"],
+                                      "qwen3_vl", "gemma3_vl", "gemma4_vl", "ministral3_vl", "kimi_k25"],
                    default="qwen2",
                    help="the dense model's layout: qwen2 (default); qwen3_5: the Qwen3.5 hybrid (Gated DeltaNet "
                         "linear-attention layers trained on prefix trees, every fourth layer, and the last, gated full "
@@ -109,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "own sizes, 4-pixel patches pooled 2 x 2, up to 70 tokens, each picture's tokens seeing each "
                         "other in the sliding layers, --arch gemma4's language model); ministral3_vl: the same on "
                         "Mistral 3's (a one-layer Pixtral tower, pictures of their own sizes written row by row "
-                        "between break tokens, Ministral 3's language model)")
+                        "between break tokens, Ministral 3's language model); kimi_k25: the same on Kimi-K2.5's (a "
+                        "one-block MoonViT tower under the release's names, pictures of their own sizes, the "
+                        "DeepSeek-V3 language model: multi-latent attention, 4 experts top-2 after a dense layer)")
     p.add_argument("--sft-correct-fraction", type=float, default=0.3,
                    help="--arch qwen3_vl / gemma3_vl: the fraction of warm-start answers that name the picture's "
                         "colour (the others a random one), so RL has headroom")
@@ -258,7 +261,9 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
                 "gemma4_vl": "Gemma 4 vision-language: a tower on pictures of their own sizes, image attention both "
                              "ways in the sliding layers; the colour task, ",
                 "ministral3_vl": "Mistral 3 vision-language: a Pixtral tower, pictures written row by row; the "
-                                 "colour task, "}[args.arch]
+                                 "colour task, ",
+                "kimi_k25": "Kimi-K2.5: a MoonViT tower, the DeepSeek-V3 language model (MLA, experts); the "
+                            "colour task, "}[args.arch]
     print(f"[demo] 1/5 tiny model ({kind}hidden {args.hidden_size}, {args.num_layers} layers)", flush=True)
     base = build_tiny_model(os.path.join(out, "base_model"), seed=args.seed, hidden_size=args.hidden_size,
                             num_hidden_layers=args.num_layers, **arch)
