@@ -463,6 +463,9 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
             elif name.endswith("mm_input_projection_weight"):  # Gemma 3's projector starts at zeros: images matter
                 p.copy_(torch.randn(p.shape) * 0.2)
+            elif name.endswith("patch_embedder.position_embedding_table"):  # Gemma 4's starts at ones: a constant
+                # that would swamp the pixels (a picture's features then differ by 4 % from another's)
+                p.copy_(torch.randn(p.shape) * 0.02)
             elif arch.startswith("gemma3") and name.endswith("norm.weight") and "vision" not in name:
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters
             elif arch.startswith("gemma4") and name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
