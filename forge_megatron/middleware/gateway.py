@@ -953,7 +953,7 @@ class Gateway:
                 return self.complete(call, None)
             call.asked_version = self.policy_version
             try:
-                result = await self.fleet.generate(ids, sampling, session_key=sess.session_id,
+                result = await self.fleet.generate(self.engine_ids(call, ids), sampling, session_key=sess.session_id,
                                                    return_routed_experts=self.routing_shape is not None,
                                                    group_key=sess.group_id or None,
                                                    top_logprobs_num=call.top_logprobs, image_data=image_data(call),
@@ -981,7 +981,7 @@ class Gateway:
             call.asked_version = self.policy_version
             try:
                 async for result in self.fleet.generate_stream(
-                        ids, sampling, session_key=sess.session_id,
+                        self.engine_ids(call, ids), sampling, session_key=sess.session_id,
                         return_routed_experts=self.routing_shape is not None, group_key=sess.group_id or None,
                         top_logprobs_num=call.top_logprobs, image_data=image_data(call),
                         lora_path=self.policy_adapter):
@@ -1000,6 +1000,14 @@ class Gateway:
             await asyncio.sleep(0.01)
 
     # --- aborted calls: keep the sampled part, go on from it --------------------------------------------------
+    def engine_ids(self, call: _Call, ids: list[int]) -> list[int]:
+        """The input ids an engine is sent for ``ids`` (the prompt and any kept tokens, images expanded): as they
+        are, or with each image one placeholder token where the engine expands them itself (Kimi-K2.5 in SGLang:
+        ``ImageProcessor.engine_ids``); the trajectory keeps them expanded."""
+        if not call.turn.images or self.images is None:
+            return ids
+        return self.images.engine_ids(ids, call.turn.images)
+
     def next_request(self, call: _Call) -> tuple[list[int], dict]:
         """Input ids and sampling params of the next engine request: the prompt and the kept parts' tokens, with
         what is left of ``max_new_tokens``. A seeded call's continuation gets a seed of its own (derived from the

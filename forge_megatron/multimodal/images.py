@@ -386,6 +386,43 @@ class ImageProcessor:
         return out
 
     @property
+    def one_placeholder(self) -> bool:
+        """The engine takes each image as one placeholder token in ``input_ids`` and expands it itself (SGLang's
+        Kimi-K2.5 processor: its token-id path counts one ``<|media_pad|>`` per image); the other families' prompts
+        go to the engine expanded."""
+        return bool(self.kimi)
+
+    def engine_ids(self, ids: list[int], images: list[bytes]) -> list[int]:
+        """``ids`` (image runs expanded) as the engine takes them: each image's run one placeholder token where the
+        engine expands them itself (:attr:`one_placeholder`), else as they are."""
+        if not self.one_placeholder or not images:
+            return ids
+        from forge_megatron.multimodal.families import split_runs
+
+        spans = split_runs(ids, [self.grid(x) for x in images], self.spec)
+        out, cursor = [], 0
+        for start, end in spans:
+            out += ids[cursor:start] + [self.spec.image_token_id]
+            cursor = end
+        return out + ids[cursor:]
+
+    def expand_placeholders(self, ids: list[int], grids: list) -> list[int]:
+        """The inverse of :meth:`engine_ids` for images of ``grids``: each image token one image's run; ValueError
+        when the image tokens are not one per image (what SGLang's Kimi-K2.5 processor refuses)."""
+        pad = self.spec.image_token_id
+        if ids.count(pad) != len(grids):
+            raise ValueError(f"input_ids hold {ids.count(pad)} image placeholder(s) for {len(grids)} image(s): this "
+                             "model's engine takes one placeholder token per image and expands it")
+        out, k = [], 0
+        for t in ids:
+            if t == pad:
+                out += [pad] * self.spec.tokens_per_image(grids[k])
+                k += 1
+            else:
+                out.append(t)
+        return out
+
+    @property
     def factor(self) -> int:
         return self.patch * self.merge
 

@@ -4,8 +4,9 @@ Tests and the demo need an engine that generates for real (tokens and logprobs c
 weights can be swapped by the trainer, without a GPU or SGLang. This server loads a HF causal LM from a local
 directory (transformers, fp32) and serves the subset of SGLang's native API that forge uses, with SGLang's field
 names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``stream``,
-``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV / Gemma 3 / Gemma 4 / Mistral 3 models: inline images, one per
-image's tokens in ``input_ids``), ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
+``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV / Gemma 3 / Gemma 4 / Mistral 3 / Kimi-K2.5 models: inline images,
+one per image's tokens in ``input_ids``; Kimi-K2.5's as one placeholder token per image, expanded here as SGLang's
+Kimi processor does), ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
 ``/pause_generation`` (mode abort|in_place|retract),
 ``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``; with ``--enable-lora`` SGLang's LoRA serving: ``/load_lora_adapter``,
@@ -288,8 +289,17 @@ class ReferenceEngine:
                  f"top_logprobs_num must be an int in [0, {vocab}], got {top_n!r}")
         seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(4), "little")
         gen = torch.Generator().manual_seed(seed)
+        images = self._image_inputs(body, ids)
+        if images and self._images.one_placeholder:  # (SGLang's Kimi-K2.5: one placeholder per image, expanded here)
+            try:
+                ids = self._images.expand_placeholders(list(ids), [im.grid_thw for im in images])
+            except ValueError as exc:
+                raise RequestError(f"image_data: {exc}") from None
+            _require(len(ids) + params.max_new_tokens <= self.context_length,
+                     f"input_ids ({len(ids)} tokens with the images') + max_new_tokens ({params.max_new_tokens}) "
+                     f"exceed the context length ({self.context_length} tokens)")
         return _Request(rid=str(body.get("rid") or uuid.uuid4().hex), input_ids=list(ids), params=params, gen=gen,
-                        routed=[] if want_routing else None, top_n=top_n, images=self._image_inputs(body, ids),
+                        routed=[] if want_routing else None, top_n=top_n, images=images,
                         lora=self._adapter(body.get("lora_path")))
 
     def _adapter(self, name):
@@ -322,7 +332,8 @@ class ReferenceEngine:
                 raise RequestError(f"image_data: this model takes no images ({exc})") from None
         try:
             images = [self._images.image_input(decode_data(x, f"image_data[{i}]")) for i, x in enumerate(items)]
-            split_runs(ids, [im.grid_thw for im in images], self._images.spec)
+            if not self._images.one_placeholder:  # (else one placeholder per image: new_request expands them)
+                split_runs(ids, [im.grid_thw for im in images], self._images.spec)
         except (ImageError, ValueError) as exc:
             raise RequestError(f"image_data: {exc}") from None
         return images

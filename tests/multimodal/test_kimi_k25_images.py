@@ -256,3 +256,57 @@ def test_trained_tower_exports_the_release_tensors(kimi_dir):
     ((exported, released),) = run_distributed(_tower_round_trip, world_size=1, hf_dir=kimi_dir, timeout_s=300)
     assert released and set(exported) == set(released)
     assert all(torch.equal(exported[n], released[n]) for n in released)
+
+
+def test_engine_takes_one_placeholder_per_image_as_sglang_does(tmp_path):
+    """SGLang's Kimi-K2.5 processor takes token ids with one ``<|media_pad|>`` per image and expands it: forge-engine
+    does the same (its logprobs then transformers' on the expanded prompt) and refuses expanded runs, as SGLang
+    does; the gateway's ``engine_ids`` collapses a recorded prompt to that form and back."""
+    import asyncio
+
+    import transformers
+
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.multimodal.images import ImageProcessor, data_url
+    from forge_megatron.rollout.launch import start_engine
+    from forge_megatron.rollout.sglang_client import EngineRequestError, SGLangClient
+    from tests.multimodal.test_vision_tree import png
+
+    d = build_tiny_model(str(tmp_path / "m"), "kimi_k25", images=True, seed=4)
+    proc = ImageProcessor(d)
+    rng = np.random.default_rng(1)
+    pics = [proc.normalize(png(rng, 24, 40)), proc.normalize(png(rng, 16, 16))]
+    pad, vs, ve = proc.spec.image_token_id, proc.vision_start, proc.vision_end
+    expanded = [5, 6, vs, *proc.image_ids(pics[0]), ve, 7, vs, *proc.image_ids(pics[1]), ve, 8]
+    collapsed = proc.engine_ids(expanded, pics)
+    assert collapsed == [5, 6, vs, pad, ve, 7, vs, pad, ve, 8]
+    assert proc.expand_placeholders(collapsed, [proc.grid(p) for p in pics]) == expanded
+    handle = start_engine(d, in_process=True)
+
+    async def calls():
+        c = SGLangClient(handle.url)
+        try:
+            ok = await c.generate(collapsed, {"max_new_tokens": 5, "temperature": 1.0, "sampling_seed": 3},
+                                  image_data=[data_url(p) for p in pics])
+            try:
+                await c.generate(expanded, {"max_new_tokens": 1}, image_data=[data_url(p) for p in pics])
+            except EngineRequestError as exc:
+                return ok, str(exc)
+            return ok, None
+        finally:
+            await c.close()
+
+    try:
+        result, error = asyncio.run(calls())
+    finally:
+        handle.stop()
+    assert error is not None and "one placeholder token per image" in error
+    model = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    inputs = [proc.image_input(p) for p in pics]
+    full = torch.tensor([expanded + result.output_ids])
+    with torch.no_grad():
+        logits = model(input_ids=full, pixel_values=torch.from_numpy(
+            np.concatenate([x.pixel_values for x in inputs])).reshape(-1, 3, PATCH, PATCH),
+            image_grid_thw=torch.tensor([x.grid_thw for x in inputs])).logits[0, len(expanded) - 1:-1]
+    want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
+    assert result.logprobs == pytest.approx(want.tolist(), abs=1e-4)

@@ -37,9 +37,11 @@ def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: in
         prompt = [*rng.integers(10, 200, size=lead).tolist(), vs, *proc.image_ids(image), ve, 9]
         gid = client.register_group(f"task-{g}", group_size, "default")
         for e in range(group_size):
-            req = engine.new_request({"input_ids": prompt, "image_data": [data_url(image)], "sampling_params": {
-                "temperature": 1.0, "max_new_tokens": 5, "sampling_seed": 10 * g + e, "ignore_eos": True,
-                "stop_token_ids": [pad]}})
+            sampling = {"temperature": 1.0, "max_new_tokens": 5, "sampling_seed": 10 * g + e, "ignore_eos": True,
+                        "stop_token_ids": [pad]}
+            # (as the gateway sends it: Kimi-K2.5's engine takes one placeholder per image)
+            req = engine.new_request({"input_ids": proc.engine_ids(prompt, [image]), "image_data": [data_url(image)],
+                                      "sampling_params": sampling})
             while req.finish is None:
                 engine._step(req)
             n = len(req.output_ids)
