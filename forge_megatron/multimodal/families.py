@@ -79,11 +79,11 @@ class VisionSpec:
     image_token_id: int
     merge: int  # spatial_merge_size: merge x merge patches make one image token (Gemma 3 and 4: the pooling kernel)
     mrope_section: tuple[int, int, int] | None  # rotary frequencies per axis (time, height, width), summing to D / 2;
-    # None: 1-D positions (Gemma 3 and 4), the model's own RoPE
+    # None: 1-D positions (Gemma 3 and 4, Mistral 3, Kimi-K2.5), the model's own RoPE
     interleaved: bool  # mrope_interleaved (Qwen3-VL, Qwen3.5) or contiguous sections (Qwen2-VL's and GLM-4.xV's)
     deepstack_layers: int  # language-model layers (the first ones) that get DeepStack features added
-    vision_prefix: str = "model.visual."  # the tower's tensors in the checkpoint (Gemma 3: "" and Gemma 4: "model.",
-    # before the names of Gemma3Tower / Gemma4Tower)
+    vision_prefix: str = "model.visual."  # the tower's tensors in the checkpoint (Gemma 3, Mistral 3: "" and Gemma 4,
+    # Kimi-K2.5: "model.", before the names of their tower modules; Kimi's release: kimi_k25_tower_state)
     bidirectional: bool | str = False  # the tokens of an image see each other (Gemma 3: True, in every layer;
     # Gemma 4: "sliding", in the sliding-window layers only)
     image_size: int = 0  # Gemma 3: every image is an image_size square of (image_size / patch_size)^2 patches
