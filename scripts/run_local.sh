@@ -94,6 +94,11 @@ SGLANG_ENV=()
 if [[ " $EXTRA_TRAIN_ARGS " == *" --train-vision-tower "* ]]; then
   SGLANG_ENV+=("SGLANG_VLM_CACHE_SIZE_MB=${SGLANG_VLM_CACHE_SIZE_MB:-0}")
 fi
+# images as token ids, one placeholder each, written out by SGLang in token space (as forge.sbatch; not Mistral 3)
+if grep -qs '"vision_config"' "$HF_CHECKPOINT/config.json" && \
+    ! grep -qs '"Mistral3ForConditionalGeneration"' "$HF_CHECKPOINT/config.json"; then
+  SGLANG_ENV+=("SGLANG_MM_AVOID_RETOKENIZE=${SGLANG_MM_AVOID_RETOKENIZE:-1}")
+fi
 ENGINE_URLS=()
 for ((e = 0; e < NUM_ENGINES; e++)); do
   port=$((ENGINE_PORT + e))

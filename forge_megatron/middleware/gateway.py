@@ -1001,12 +1001,15 @@ class Gateway:
 
     # --- aborted calls: keep the sampled part, go on from it --------------------------------------------------
     def engine_ids(self, call: _Call, ids: list[int]) -> list[int]:
-        """The input ids an engine is sent for ``ids`` (the prompt and any kept tokens, images expanded): as they
-        are, or with each image one placeholder token where the engine expands them itself (Kimi-K2.5 in SGLang:
-        ``ImageProcessor.engine_ids``); the trajectory keeps them expanded."""
+        """The input ids an engine is sent for ``ids`` (the prompt and any kept tokens, images written out): each
+        image one placeholder, which the engine writes out again (SGLang's processors: ``ImageProcessor.engine_ids``);
+        the trajectory keeps them written out."""
         if not call.turn.images or self.images is None:
             return ids
-        return self.images.engine_ids(ids, call.turn.images)
+        try:
+            return self.images.engine_ids(ids, [self.images.grid(x) for x in call.turn.images])
+        except ValueError as exc:  # (the gateway wrote the prompt: a bug, not the agent's)
+            raise ApiError(500, f"the prompt's images cannot be sent to the engine: {exc}") from exc
 
     def next_request(self, call: _Call) -> tuple[list[int], dict]:
         """Input ids and sampling params of the next engine request: the prompt and the kept parts' tokens, with

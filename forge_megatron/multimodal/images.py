@@ -376,47 +376,48 @@ class ImageProcessor:
     def image_ids(self, data: bytes) -> list[int]:
         """The tokens of normalized ``data`` in a prompt: its image tokens (Mistral 3: row by row, each row ending
         with the break token, the last with the end token)."""
+        return self.image_ids_of(self.grid(data))
+
+    def image_ids_of(self, grid) -> list[int]:
+        """:meth:`image_ids` of an image of ``grid`` (t, h, w) patches."""
         pad = self.spec.image_token_id
         if self.breaks is None:
-            return [pad] * self.num_tokens(data)
-        rows, cols = self.spec.rows_of_image(self.grid(data))
+            return [pad] * self.spec.tokens_per_image(grid)
+        rows, cols = self.spec.rows_of_image(grid)
         out = []
         for r in range(rows):
             out += [pad] * cols + [self.breaks[1] if r == rows - 1 else self.breaks[0]]
         return out
 
-    @property
-    def one_placeholder(self) -> bool:
-        """The engine takes each image as one placeholder token in ``input_ids`` and expands it itself (SGLang's
-        Kimi-K2.5 processor: its token-id path counts one ``<|media_pad|>`` per image); the other families' prompts
-        go to the engine expanded."""
-        return bool(self.kimi)
+    def engine_ids(self, ids: list[int], grids: list) -> list[int]:
+        """``ids`` (each image's tokens written out, as the trajectory records them) as an engine's ``/generate``
+        takes them with ``image_data``: one placeholder per image, which the engine writes out again, every other
+        token kept as it is. Each image's run of image tokens becomes one image token (Qwen-VL, GLM-4.xV, Gemma 3 / 4
+        between their image start / end tokens, Kimi-K2.5: SGLang's token-id expansion, which keeps the other tokens
+        verbatim); Mistral 3's rows, breaks and end one ``[IMG]`` (its processor writes the rows). SGLang refuses,
+        or garbles, images written out (docs/rollout.md). ``grids``: the images' (t, h, w) patch grids."""
+        if not grids:
+            return list(ids)
+        from forge_megatron.multimodal.families import image_token_spans
 
-    def engine_ids(self, ids: list[int], images: list[bytes]) -> list[int]:
-        """``ids`` (image runs expanded) as the engine takes them: each image's run one placeholder token where the
-        engine expands them itself (:attr:`one_placeholder`), else as they are."""
-        if not self.one_placeholder or not images:
-            return ids
-        from forge_megatron.multimodal.families import split_runs
-
-        spans = split_runs(ids, [self.grid(x) for x in images], self.spec)
         out, cursor = [], 0
-        for start, end in spans:
+        for rows in image_token_spans(ids, grids, self.spec):
+            start, end = rows[0][0], rows[-1][1] + (1 if self.breaks is not None else 0)  # (Mistral 3: its end)
             out += ids[cursor:start] + [self.spec.image_token_id]
             cursor = end
         return out + ids[cursor:]
 
     def expand_placeholders(self, ids: list[int], grids: list) -> list[int]:
-        """The inverse of :meth:`engine_ids` for images of ``grids``: each image token one image's run; ValueError
-        when the image tokens are not one per image (what SGLang's Kimi-K2.5 processor refuses)."""
+        """The inverse of :meth:`engine_ids` (an engine's): each image's placeholder written out for its grid (its
+        image tokens; Mistral 3's rows); ValueError when there is not one placeholder per image."""
         pad = self.spec.image_token_id
         if ids.count(pad) != len(grids):
-            raise ValueError(f"input_ids hold {ids.count(pad)} image placeholder(s) for {len(grids)} image(s): this "
-                             "model's engine takes one placeholder token per image and expands it")
+            raise ValueError(f"input_ids hold {ids.count(pad)} image placeholder token(s) for {len(grids)} image(s): "
+                             "the engine takes one placeholder token per image and writes the image out itself")
         out, k = [], 0
         for t in ids:
             if t == pad:
-                out += [pad] * self.spec.tokens_per_image(grids[k])
+                out += self.image_ids_of(grids[k])
                 k += 1
             else:
                 out.append(t)

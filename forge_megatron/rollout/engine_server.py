@@ -5,8 +5,8 @@ weights can be swapped by the trainer, without a GPU or SGLang. This server load
 directory (transformers, fp32) and serves the subset of SGLang's native API that forge uses, with SGLang's field
 names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``stream``,
 ``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV / Gemma 3 / Gemma 4 / Mistral 3 / Kimi-K2.5 models: inline images,
-one per image's tokens in ``input_ids``; Kimi-K2.5's as one placeholder token per image, expanded here as SGLang's
-Kimi processor does), ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
+one placeholder per image in ``input_ids``, written out here as SGLang's processors do: multimodal/images.py
+``ImageProcessor.engine_ids``), ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
 ``/pause_generation`` (mode abort|in_place|retract),
 ``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``; with ``--enable-lora`` SGLang's LoRA serving: ``/load_lora_adapter``,
@@ -289,10 +289,14 @@ class ReferenceEngine:
                  f"top_logprobs_num must be an int in [0, {vocab}], got {top_n!r}")
         seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(4), "little")
         gen = torch.Generator().manual_seed(seed)
-        images = self._image_inputs(body, ids)
-        if images and self._images.one_placeholder:  # (SGLang's Kimi-K2.5: one placeholder per image, expanded here)
+        images = self._image_inputs(body)
+        if images:  # one placeholder per image, written out here as SGLang's processors do
+            from forge_megatron.multimodal.families import split_runs
+
+            grids = [im.grid_thw for im in images]
             try:
-                ids = self._images.expand_placeholders(list(ids), [im.grid_thw for im in images])
+                ids = self._images.expand_placeholders(list(ids), grids)
+                split_runs(ids, grids, self._images.spec)
             except ValueError as exc:
                 raise RequestError(f"image_data: {exc}") from None
             _require(len(ids) + params.max_new_tokens <= self.context_length,
@@ -313,8 +317,8 @@ class ReferenceEngine:
         except AdapterError as exc:
             raise RequestError(str(exc)) from None
 
-    def _image_inputs(self, body: dict, ids: list[int]) -> list:
-        """SGLang's ``image_data`` (a data URL / base64 string or a list of them, one per run of image tokens in
+    def _image_inputs(self, body: dict) -> list:
+        """SGLang's ``image_data`` (a data URL / base64 string or a list of them, one per image placeholder in
         ``input_ids``; nothing is fetched) as patches of the checkpoint's image processor (multimodal/images.py)."""
         data = body.get("image_data")
         if data is None or data == []:
@@ -323,7 +327,6 @@ class ReferenceEngine:
         _require(isinstance(items, list) and all(isinstance(x, str) for x in items),
                  "image_data must be a data URL / base64 string or a list of them")
         from forge_megatron.multimodal.images import ImageError, ImageProcessor, decode_data
-        from forge_megatron.multimodal.families import split_runs
 
         if self._images is None:
             try:
@@ -332,8 +335,6 @@ class ReferenceEngine:
                 raise RequestError(f"image_data: this model takes no images ({exc})") from None
         try:
             images = [self._images.image_input(decode_data(x, f"image_data[{i}]")) for i, x in enumerate(items)]
-            if not self._images.one_placeholder:  # (else one placeholder per image: new_request expands them)
-                split_runs(ids, [im.grid_thw for im in images], self._images.spec)
         except (ImageError, ValueError) as exc:
             raise RequestError(f"image_data: {exc}") from None
         return images

@@ -14,9 +14,10 @@ Protocol (global rank 0 drives it; every rank takes part in the gathers):
      each gets ``POST /load_lora_adapter {lora_name, lora_path}``. One that fails it is excluded and paused (it
      would be asked for an adapter it does not hold); an excluded one that loads it again is continued;
   3. gateway ``POST /forge/admin/resume {policy_version, lora_name}``: calls from now on name the new adapter;
-  4. in the background, every engine unloads the other ``forge-*`` adapters it holds but the one the gateway named
-     until now (calls may still be starting with it); SGLang's unload waits for the calls that use an adapter to
-     finish. Adapter directories other than the newest two are removed.
+  4. in the background, every engine unloads the older ``forge-*`` adapters it holds but the one the gateway named
+     until now (calls may still be starting with it; a newer one, loaded by a sync that overtook this retirement,
+     stays); SGLang's unload waits for the calls that use an adapter to finish. Adapter directories other than the
+     newest two are removed.
 
 The policy version becomes ``version`` when at least one engine loaded the adapter. Version 0 is the checkpoint
 itself (B starts at zero): the engines' base model, no adapter named.
@@ -162,11 +163,14 @@ class AdapterSync:
                 shutil.rmtree(os.path.join(self.cfg.disk_dir, entry), ignore_errors=True)
 
     def _unload_stale(self, url: str, name: str, previous: str | None) -> None:
+        """Unload from ``url`` the policy adapters older than ``name`` but ``previous``. Never a newer one: this runs
+        in the background, and a slow one may run after the next sync has loaded its adapter."""
         cards = self.http.get(url, "/v1/models").get("data", [])
         held = [c["id"] for c in cards if c.get("parent") and policy_adapter_version(c.get("id")) is not None]
-        previous = previous or _newest_other(held, name)
-        for stale in held:
-            if stale not in (name, previous):
+        older = [n for n in held if policy_adapter_version(n) < policy_adapter_version(name)]
+        previous = previous or _newest_other(older, name)
+        for stale in older:
+            if stale != previous:
                 self.http.post(url, "/unload_lora_adapter", {"lora_name": stale})
 
 

@@ -278,7 +278,7 @@ def test_engine_takes_one_placeholder_per_image_as_sglang_does(tmp_path):
     pics = [proc.normalize(png(rng, 24, 40)), proc.normalize(png(rng, 16, 16))]
     pad, vs, ve = proc.spec.image_token_id, proc.vision_start, proc.vision_end
     expanded = [5, 6, vs, *proc.image_ids(pics[0]), ve, 7, vs, *proc.image_ids(pics[1]), ve, 8]
-    collapsed = proc.engine_ids(expanded, pics)
+    collapsed = proc.engine_ids(expanded, [proc.grid(p) for p in pics])
     assert collapsed == [5, 6, vs, pad, ve, 7, vs, pad, ve, 8]
     assert proc.expand_placeholders(collapsed, [proc.grid(p) for p in pics]) == expanded
     handle = start_engine(d, in_process=True)
@@ -300,7 +300,7 @@ def test_engine_takes_one_placeholder_per_image_as_sglang_does(tmp_path):
         result, error = asyncio.run(calls())
     finally:
         handle.stop()
-    assert error is not None and "one placeholder token per image" in error
+    assert error is not None and "one placeholder token per image" in error, error
     model = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
     inputs = [proc.image_input(p) for p in pics]
     full = torch.tensor([expanded + result.output_ids])

@@ -39,8 +39,9 @@ def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: in
         for e in range(group_size):
             sampling = {"temperature": 1.0, "max_new_tokens": 5, "sampling_seed": 10 * g + e, "ignore_eos": True,
                         "stop_token_ids": [pad]}
-            # (as the gateway sends it: Kimi-K2.5's engine takes one placeholder per image)
-            req = engine.new_request({"input_ids": proc.engine_ids(prompt, [image]), "image_data": [data_url(image)],
+            # (as the gateway sends it: one placeholder per image, which the engine writes out)
+            req = engine.new_request({"input_ids": proc.engine_ids(prompt, [proc.grid(image)]),
+                                      "image_data": [data_url(image)],
                                       "sampling_params": sampling})
             while req.finish is None:
                 engine._step(req)

@@ -555,8 +555,14 @@ def test_engine_generates_from_images(vl_model_dir):
     rng = np.random.default_rng(0)
     pics = [proc.normalize(png(rng, 24, 40)), proc.normalize(png(rng, 16, 16))]
     tok = transformers.AutoTokenizer.from_pretrained(vl_model_dir)
-    vs, ve, pad = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
-    prompt = [5, 6, vs, *proc.image_ids(pics[0]), ve, 7, vs, *proc.image_ids(pics[1]), ve, 8]
+    pad = proc.spec.image_token_id
+    # the prompt as the gateway writes it (each family's image text, its images written out) and as it sends it
+    # (one placeholder an image, as SGLang's processors take them)
+    ph = proc.placeholder(tok)
+    prompt = proc.expand(tok.encode(f"a b{ph} c{ph} d", add_special_tokens=False), pics)
+    grids = [proc.grid(p) for p in pics]
+    sent = proc.engine_ids(prompt, grids)
+    assert sent.count(pad) == 2 and len(sent) < len(prompt) and proc.expand_placeholders(sent, grids) == prompt
     text_prompt = [5, 6, 7, 8, 9]
     handle = start_engine(vl_model_dir, in_process=True)
 
@@ -564,13 +570,14 @@ def test_engine_generates_from_images(vl_model_dir):
         c = SGLangClient(handle.url)
         try:
             both = await asyncio.gather(
-                c.generate(prompt, {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3},
+                c.generate(sent, {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3},
                            image_data=[data_url(p) for p in pics]),
                 c.generate(text_prompt, {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 4}))
             errors = []
-            for bad in (["data:image/png;base64,!!"], [data_url(pics[0])], ["https://example.com/a.png"]):
+            for ids, bad in ((sent, ["data:image/png;base64,!!"]), (sent, [data_url(pics[0])]),
+                             (sent, ["https://example.com/a.png"]), (prompt, [data_url(p) for p in pics])):
                 try:
-                    await c.generate(prompt, {"max_new_tokens": 1}, image_data=bad)
+                    await c.generate(ids, {"max_new_tokens": 1}, image_data=bad)
                 except EngineRequestError as exc:
                     errors.append(str(exc))
             return both, errors
@@ -614,8 +621,9 @@ def test_engine_generates_from_images(vl_model_dir):
             logits = model(input_ids=full, **kw).logits[0, len(ids) - 1:-1].float()
         want = torch.log_softmax(logits, -1).gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
         assert np.allclose(result.logprobs, want.numpy(), atol=1e-4), (result.logprobs, want)
-    assert len(errors) == 3
-    assert "not valid base64" in errors[0] and "beyond the sample's 1 image" in errors[1] and "not fetched" in errors[2]
+    assert len(errors) == 4, errors
+    assert "not valid base64" in errors[0] and "for 1 image(s)" in errors[1] and "not fetched" in errors[2]
+    assert "image_data:" in errors[3]  # the images written out: refused (SGLang's processors refuse or garble it)
 
 
 def test_sampled_image_tokens_are_text(vl_dirs):

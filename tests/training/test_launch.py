@@ -398,8 +398,8 @@ def test_the_time_limit_signal_reaches_a_trainer_that_is_running(tmp_path):
 
 def test_dry_run_of_a_gemma3_vision_language_checkpoint_uses_sglangs_triton_attention(tmp_path):
     """A Gemma3ForConditionalGeneration checkpoint: SGLang starts with --attention-backend triton (its only backend
-    whose prefill lets an image's tokens see each other), in forge.sbatch and run_local.sh; another checkpoint
-    keeps SGLang's default; SGLANG_ATTENTION_BACKEND overrides it."""
+    whose prefill lets an image's tokens see each other) and SGLANG_MM_AVOID_RETOKENIZE=1, in forge.sbatch and
+    run_local.sh; another checkpoint keeps SGLang's defaults; SGLANG_ATTENTION_BACKEND overrides it."""
     import json
 
     from forge_megatron.models.tiny import tiny_config
@@ -420,6 +420,9 @@ def test_dry_run_of_a_gemma3_vision_language_checkpoint_uses_sglangs_triton_atte
         assert out.returncode == 0, out.stderr
         engines = [c for c in _commands(out.stdout) if "sglang.launch_server" in c]
         assert engines
+        # (images as token ids, one placeholder each: SGLang writes them out in token space)
+        token_space = {"SGLANG_MM_AVOID_RETOKENIZE=1" in c for c in engines}
+        assert token_space == {bool(env["HF_CHECKPOINT"] == str(gemma))}, engines[0]
         return {c[c.index("--attention-backend") + 1] if "--attention-backend" in c else None for c in engines}
 
     for script in ("sbatch", "local"):

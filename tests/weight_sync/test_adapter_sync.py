@@ -233,6 +233,44 @@ def test_a_restarted_trainer_keeps_the_newest_adapter_of_the_run_before_for_one_
         assert on_engine == want and on_disk == want, (i + 1, on_engine, on_disk)
 
 
+def _late_retire_body(rank, world_size, mcore_dir, engine_url, disk_dir):
+    """Three syncs, then sync 2's background retirement run late (after sync 3 loaded its adapter)."""
+    from forge_megatron.mcore.lora import LoraConfig, install
+    from forge_megatron.weight_sync import WeightSyncConfig, WeightSyncer
+
+    bridge, model = load_converted(mcore_dir)
+    install([model], LoraConfig(rank=4, alpha=8.0))
+    syncer = WeightSyncer(WeightSyncConfig(engine_urls=[engine_url], lora="adapter", disk_dir=disk_dir,
+                                           timeout_s=60), bridge)
+    named = []
+    try:
+        for version in (1, 2, 3):
+            _move_adapters(model, version)
+            syncer.sync([model], version)
+            named.append(syncer.adapters.current)
+        before = _settled(engine_url, named[1:])
+        syncer.adapters._unload_stale(engine_url, named[1], named[0])  # (what sync 2 scheduled, running now)
+        return named, before, _settled(engine_url, named[1:], timeout_s=1.0)
+    finally:
+        syncer.close()
+
+
+def test_a_late_retirement_never_unloads_a_newer_adapter(models, tmp_path):
+    """The retirement of old adapters runs in the background: one that runs after the next sync has loaded its
+    adapter leaves that adapter (the one the gateway now names) loaded."""
+    from forge_megatron.rollout.launch import start_engine
+
+    mcore = str(tmp_path / "mcore")
+    ckpt.hf_to_megatron(models["qwen2"], mcore, ParallelLayout())
+    engine = start_engine(models["qwen2"], in_process=True, extra_args=["--enable-lora"])
+    try:
+        ((named, before, after),) = run_distributed(_late_retire_body, world_size=1, mcore_dir=mcore,
+                                                    engine_url=engine.url, disk_dir=str(tmp_path / "adapters"))
+    finally:
+        engine.stop()
+    assert before == after == sorted(named[1:])
+
+
 def _write_failure_body(rank, world_size, mcore_dir, engine_url, disk_dir):
     from forge_megatron.mcore.lora import LoraConfig, install
     from forge_megatron.weight_sync import WeightSyncConfig, WeightSyncer
