@@ -579,7 +579,8 @@ class Gateway:
         # engine aborts seen (weight updates); sampled tokens kept across them / thrown away (not resuming)
         self.stats = {"aborts": 0, "resumed_tokens": 0, "discarded_tokens": 0, "policy_sampling_overrides": 0,
                       "tempered_calls": 0, "reaped_sessions": 0, "calls": 0, "prompt_tokens": 0,
-                      "completion_tokens": 0, "forgotten_sessions": 0, "images_fetched": 0, "image_fetch_failures": 0}
+                      "completion_tokens": 0, "forgotten_sessions": 0, "images_fetched": 0, "image_fetch_failures": 0,
+                      "image_prompt_mismatches": 0}
         self._reaper: asyncio.Task | None = None
         self._token_texts: dict[int, str] = {}  # token_text's cache (at most the vocabulary)
         self.evals: deque[dict] = deque(maxlen=1000)  # published evaluation results, each with an increasing id
@@ -1050,6 +1051,8 @@ class Gateway:
         return True
 
     def check_part(self, call: _Call, result) -> None:
+        if call.turn.images and result.prompt_tokens:
+            self.check_image_prompt(call, result)
         if len(result.logprobs) != len(result.output_ids):
             raise ApiError(502, f"the engine returned {len(result.logprobs)} logprobs for {len(result.output_ids)} "
                                 "tokens", "engine_error", code="bad_engine_response")
@@ -1057,6 +1060,21 @@ class Gateway:
             raise ApiError(502, f"the engine returned top logprobs for {len(result.top_logprobs or ())} of "
                                 f"{len(result.output_ids)} tokens (asked top_logprobs_num {call.top_logprobs})",
                            "engine_error", code="bad_engine_response")
+
+    def check_image_prompt(self, call: _Call, result) -> None:
+        """An engine that wrote a prompt's images out to another token count than the gateway (an SGLang whose
+        processor takes another placeholder form: docs/rollout.md) sampled from another prompt than the one the
+        trainer scores: counted and logged (the count says nothing when the engine reports the ids as sent)."""
+        written = len(call.turn.prompt_ids) + sum(len(p.output_ids) for p, _ in call.done)
+        sent = len(self.engine_ids(call, call.turn.prompt_ids)) + written - len(call.turn.prompt_ids)
+        if result.prompt_tokens in (written, sent):
+            return
+        self.stats["image_prompt_mismatches"] += 1
+        if self.stats["image_prompt_mismatches"] == 1:
+            log.error("engine %s counted %d prompt tokens for a call with images the gateway wrote as %d (sent as "
+                      "%d): it writes images out otherwise, so the trainer scores another prompt than it sampled "
+                      "from (docs/rollout.md: SGLANG_MM_AVOID_RETOKENIZE, the SGLang version); counted in "
+                      "gateway_image_prompt_mismatches_total", result.engine_url, result.prompt_tokens, written, sent)
 
     def joined(self, call: _Call, result):
         """``result`` after the kept parts: ids and logprobs concatenated (no routing; for streaming views)."""
@@ -1848,6 +1866,8 @@ _METRIC_HELP = {
                                       "--keep-ended-sessions / --keep-ended-mib"),
     "images_fetched": ("counter", "image URLs fetched (--image-url-hosts, --image-dir; once per new message)"),
     "image_fetch_failures": ("counter", "image URLs refused or that could not be fetched (each a 400)"),
+    "image_prompt_mismatches": ("counter", "calls with images whose prompt the engine counted otherwise than the "
+                                           "gateway wrote it (its processor writes images out in another form)"),
 }
 _POOL_GAUGES = ("queue_depth", "window", "window_ready", "window_pending", "window_occupancy", "policy_version",
                 "stale_groups", "stale_episodes", "stale_tokens", "filtered_groups", "filtered_solved",

@@ -79,6 +79,10 @@ def test_chat_with_images_records_image_tokens_and_continues(served, vl_dir, pic
     runs = image_runs(tokens, pad, seg.loss_mask)  # (an image token the model sampled is text)
     assert [b - a for a, b in runs] == [proc.num_tokens(x) for x in normalized] == [15, 4, 15]
     assert all(seg.loss_mask[a:b] == [0] * (b - a) for a, b in runs)
+    # the engine took each image as one placeholder and counted the prompt as the gateway wrote it out
+    from tests.middleware.test_gateway import scrape
+
+    assert scrape(served.url)["forge_gateway_image_prompt_mismatches_total"] == 0
 
 
 def test_sampled_image_token_ends_the_call_and_the_segment(served, pictures):
@@ -217,3 +221,25 @@ def test_max_body_flag_raises_the_limit_for_image_agents(tmp_path):
     assert session_options(args)["max_body_bytes"] == 48 << 20
     default = build_parser().parse_args(["--model-path", str(tmp_path), "--engines", "http://127.0.0.1:1"])
     assert session_options(default)["max_body_bytes"] == 8 << 20
+
+
+def test_an_engine_counting_the_images_otherwise_is_counted(served, pictures):
+    """An engine whose processor writes images out in another form (another SGLang) counts another prompt length
+    than the gateway wrote: the call is counted in forge_gateway_image_prompt_mismatches_total (and logged); the
+    lengths written out and as sent are not."""
+    from forge_megatron.middleware.gateway import _Call
+    from forge_megatron.middleware.gateway_sessions import _Turn
+    from forge_megatron.rollout.sglang_client import GenerateResult
+
+    gw = served.gateway
+    image = gw.images.normalize(pictures[1])
+    written = [5, 6, gw.images.vision_start, *gw.images.image_ids(image), gw.images.vision_end, 7]
+    turn = _Turn(messages=[], tools=None, prompt_text="", prompt_ids=written, completion_ids=None,
+                 assistant_message={}, images=[image])
+    call = _Call(turn=turn, continues=False, sampling={}, forced_text="", started=0.0)
+    before = gw.stats["image_prompt_mismatches"]
+    for counted in (len(written), len(gw.engine_ids(call, written)), len(written) + 3):
+        result = GenerateResult(output_ids=[1], logprobs=[-1.0], finish_reason={"type": "length"},
+                                prompt_tokens=counted, completion_tokens=1, weight_version=None, text="")
+        gw.check_image_prompt(call, result)
+    assert len(gw.engine_ids(call, written)) == 6 and gw.stats["image_prompt_mismatches"] == before + 1
