@@ -359,19 +359,9 @@ class ImageProcessor:
     def expand(self, ids: list[int], images: list[bytes], start: int = 0, first: int = 0) -> list[int]:
         """``ids`` with each image placeholder token from ``start`` on made the token count of ``images[first:]`` in
         turn; ValueError when their numbers differ."""
-        pad = self.spec.image_token_id
-        tail = ids[start:]
-        if tail.count(pad) != len(images) - first:
-            raise ValueError(f"the prompt has {tail.count(pad)} image placeholder(s) for {len(images) - first} "
-                             "image(s): does a text hold the model's image token?")
-        out, k = list(ids[:start]), first
-        for t in tail:
-            if t == pad:
-                out += self.image_ids(images[k])
-                k += 1
-            else:
-                out.append(t)
-        return out
+        return list(ids[:start]) + self._written_out(
+            ids[start:], [self.grid(x) for x in images[first:]],
+            "the prompt has {n} image placeholder(s) for {k} image(s): does a text hold the model's image token?")
 
     def image_ids(self, data: bytes) -> list[int]:
         """The tokens of normalized ``data`` in a prompt: its image tokens (Mistral 3: row by row, each row ending
@@ -410,10 +400,16 @@ class ImageProcessor:
     def expand_placeholders(self, ids: list[int], grids: list) -> list[int]:
         """The inverse of :meth:`engine_ids` (an engine's): each image's placeholder written out for its grid (its
         image tokens; Mistral 3's rows); ValueError when there is not one placeholder per image."""
+        return self._written_out(ids, grids, "input_ids hold {n} image placeholder token(s) for {k} image(s): the "
+                                             "engine takes one placeholder token per image and writes the image out "
+                                             "itself")
+
+    def _written_out(self, ids: list[int], grids: list, problem: str) -> list[int]:
+        """``ids`` with the i-th image token made image i's tokens (:meth:`image_ids_of`); ValueError(``problem``,
+        formatted with the placeholders ``n`` and images ``k``) when their numbers differ."""
         pad = self.spec.image_token_id
         if ids.count(pad) != len(grids):
-            raise ValueError(f"input_ids hold {ids.count(pad)} image placeholder token(s) for {len(grids)} image(s): "
-                             "the engine takes one placeholder token per image and writes the image out itself")
+            raise ValueError(problem.format(n=ids.count(pad), k=len(grids)))
         out, k = [], 0
         for t in ids:
             if t == pad:
