@@ -234,7 +234,8 @@ def split_runs(tokens_L: np.ndarray, grids: list, spec: VisionSpec, sampled_L=No
 
 def positions_3d(tokens_L, grids: list, spec: VisionSpec, sampled_L=None) -> np.ndarray:
     """int64 [L, 3] (time, height, width) mRoPE positions of one sample with images of ``grids`` (t, h, w patches)
-    (``sampled_L``: see :func:`image_runs`); for a model without mRoPE (Gemma 3, 4) each token's 1-D position thrice."""
+    (``sampled_L``: see :func:`image_runs`); for a model without mRoPE (Gemma 3 / 4, Mistral 3, Kimi-K2.5) each
+    token's 1-D position thrice."""
     tokens_L = np.asarray(tokens_L)
     if spec.mrope_section is None:
         split_runs(tokens_L, grids, spec, sampled_L)  # (the same checks)
@@ -302,7 +303,8 @@ def _vision_config(hf_config):
 def _new_tower(config):
     """A fresh tower module of a checkpoint's transformers ``config``: ``AutoModel`` of its ``vision_config``, or for
     Gemma 3 the SigLIP tower with its projector (:class:`Gemma3Tower`), for Gemma 4 its tower and ``embed_vision``
-    (:class:`Gemma4Tower`)."""
+    (:class:`Gemma4Tower`), for Mistral 3 Pixtral and its projector (:class:`Mistral3Tower`), for Kimi-K2.5 MoonViT
+    and its projector (:class:`KimiK25Tower`)."""
     import transformers
 
     if config.model_type == "gemma3":
