@@ -114,10 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "one-block MoonViT tower under the release's names, pictures of their own sizes, the "
                         "DeepSeek-V3 language model: multi-latent attention, 4 experts top-2 after a dense layer)")
     p.add_argument("--sft-correct-fraction", type=float, default=0.3,
-                   help="--arch qwen3_vl / gemma3_vl: the fraction of warm-start answers that name the picture's "
+                   help="the vision archs (qwen3_vl, gemma3_vl, ...): the fraction of warm-start answers that name "
+                        "the picture's "
                         "colour (the others a random one), so RL has headroom")
     p.add_argument("--train-vision-tower", action="store_true",
-                   help="--arch qwen3_vl / gemma3_vl: the trainer trains the vision tower with the language model "
+                   help="the vision archs (qwen3_vl, gemma3_vl, ...): the trainer trains the vision tower with the "
+                        "language model "
                         "(synced to the engine with it); by default it stays frozen")
     p.add_argument("--agent-api", choices=calculator.APIS, default="chat",
                    help="how the calculator agent calls the model: chat completions (default) or the OpenAI "
