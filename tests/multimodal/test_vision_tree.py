@@ -122,6 +122,22 @@ def _tree_model(hf_dir, sequence_parallel=False, **extra):
     return bridge, model, spec, calls
 
 
+def tree_forward(hf_dir, samples, images):
+    """The tree model with the checkpoint's frozen tower (:func:`_tree_model`) on the samples merged, forward and
+    backward of the weighted logprobs: (model, spec, the tower's calls, layout, logprobs, every gradient by checkpoint
+    name)."""
+    from forge_megatron.mcore.forward import tree_logprobs
+    from forge_megatron.multimodal import build_vision_tree
+
+    bridge, model, spec, calls = _tree_model(hf_dir)
+    layout = build_vision_tree(samples, images, spec)
+    logp, _ = tree_logprobs(model, layout)
+    (logp * _weights(logp.numel())).sum().backward()
+    grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                               for n, p in model.named_parameters()))
+    return model, spec, calls, layout, logp, grads
+
+
 def _one_rank_body(rank, world_size, dirs):
     from forge_megatron.mcore.forward import tree_logprobs
     from forge_megatron.multimodal import build_vision_tree
@@ -129,12 +145,7 @@ def _one_rank_body(rank, world_size, dirs):
     samples, images = batch()
     out = {}
     for arch, d in dirs.items():
-        bridge, model, spec, calls = _tree_model(d)
-        layout = build_vision_tree(samples, images, spec)
-        logp, _ = tree_logprobs(model, layout)
-        (logp * _weights(logp.numel())).sum().backward()
-        grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-                                   for n, p in model.named_parameters()))
+        model, spec, calls, layout, logp, grads = tree_forward(d, samples, images)
         with torch.no_grad():
             again, _ = tree_logprobs(model, layout)  # the micro-batch's features are kept: no second tower call
             tower_calls = len(calls)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.multimodal.test_vision_tree import GRAD_RTOL, LOGP_ATOL, _tree_model, _weights
+from tests.multimodal.test_vision_tree import GRAD_RTOL, LOGP_ATOL, _weights, tree_forward
 
 
 def hf_reference(model, samples, inputs: list, rename=lambda name: name) -> tuple[torch.Tensor, dict]:
@@ -60,12 +60,7 @@ def tree_body(rank, world_size, hf_dir, samples, images, variants=None):
     from forge_megatron.mcore.forward import tree_logprobs
     from forge_megatron.multimodal import build_vision_tree
 
-    bridge, model, spec, calls = _tree_model(hf_dir)
-    layout = build_vision_tree(samples, images, spec)
-    logp, _ = tree_logprobs(model, layout)
-    (logp * _weights(logp.numel())).sum().backward()
-    grads = dict(bridge.export((n, p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-                               for n, p in model.named_parameters()))
+    model, spec, calls, layout, logp, grads = tree_forward(hf_dir, samples, images)
     out = dict(logp=logp.detach(), grads=grads, tower_calls=len(calls), spec=spec, unique=layout.unique_tokens,
                total=layout.total_tokens, tokens=layout.tokens, rows=layout.vision.rows_T)
     with torch.no_grad():
