@@ -90,7 +90,7 @@ def _fwd_and_fwd_bwd(attn: Callable[..., torch.Tensor], inputs: tuple[torch.Tens
     return _time_ms(fwd, device, repeat), _time_ms(fwd_bwd, device, repeat)
 
 
-def tree_backends(device: torch.device) -> dict[str, Callable]:
+def tree_backends(device: torch.device, head_dim: int) -> dict[str, Callable]:
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 
     found = {"segment": tree_attention_segment}
@@ -103,7 +103,7 @@ def tree_backends(device: torch.device) -> dict[str, Callable]:
         found["triton"] = tree_attention_triton
     from forge_megatron.kernels.tree_attention import cuda
 
-    if cuda.is_available():
+    if cuda.is_available() and head_dim in cuda.SUPPORTED_HEAD_DIMS:  # heads of 256 and 512: Triton only
         found["cuda"] = cuda.tree_attention_cuda  # FORGE_TREE_ATTN_CUDA_IMPL=auto: tensor cores for fp16/bf16
         found["cuda_simt"] = cuda.tree_attention_cuda  # run with FORGE_TREE_ATTN_CUDA_IMPL=simt (see CUDA_IMPL)
     return found
@@ -183,7 +183,7 @@ def run(args) -> dict:
     results = {}
     with torch.no_grad():
         segment_o = tree_attention_segment(*tree_qkv, sub_end_T).float()
-    for name, fn in tree_backends(device).items():
+    for name, fn in tree_backends(device, H).items():
         attn = lambda q, k, v, fn=fn: fn(q, k, v, sub_end_T)  # noqa: E731
         with _cuda_impl(name):
             results[name] = _rates(tree_pairs, N, H, *_fwd_and_fwd_bwd(attn, tree_qkv, device, args.repeat))
