@@ -143,8 +143,10 @@ def main() -> None:
         # A fixed mmap threshold makes glibc return every large buffer when it is freed, so the CPU peak resident
         # set counts live tensors, not allocator caching.
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536"))
+        started = time.perf_counter()
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"[logprobs] {variant}: child done in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
     plain = results["plain"]
     logits_bytes = args.rows * args.vocab * torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
 

@@ -67,9 +67,20 @@ def run_distributed(body, world_size: int, parallel: ParallelConfig = ParallelCo
                 raise
 
 
+def _fork_unsafe() -> bool:
+    """On a machine with a GPU ranks start their own interpreters: a rank forked from a server in which anything
+    initialised CUDA cannot use it ("Cannot re-initialize CUDA in forked subprocess", the first H200 run of the GPU
+    trainer tests), and a rank that hides the GPU (CUDA_VISIBLE_DEVICES="") must probe afresh."""
+    from forge_megatron.utils import env
+
+    return env.has_cuda()
+
+
 def _context():
     """A forkserver whose server process imported torch, Megatron-Core and transformers once: each rank forks from
-    it (milliseconds) instead of starting Python and importing them again (seconds)."""
+    it (milliseconds) instead of starting Python and importing them again (seconds). With a GPU: spawn."""
+    if _fork_unsafe():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -171,13 +182,13 @@ def run_script(script: str, argv, nproc: int = 1, env: dict | None = None, timeo
     heavy modules once. Returns a subprocess.CompletedProcess: the ranks' stdout and stderr (rank 0's first), the
     first failing rank's exit status (1 if it died of a signal, as torchrun) or 0. As torchrun, a failing rank
     stops the others (after 5 s); past ``timeout_s`` every rank is killed and subprocess.TimeoutExpired raised. A
-    rendezvous port taken by another test worker starts the run again (``attempts``). FORGE_TEST_LAUNCH=exec runs a
-    new interpreter per rank instead (torchrun for several)."""
+    rendezvous port taken by another test worker starts the run again (``attempts``). FORGE_TEST_LAUNCH=exec, or a
+    GPU on this machine, runs a new interpreter per rank instead (torchrun for several)."""
     import subprocess
     import sys
 
     env = dict(os.environ if env is None else env)
-    if os.environ.get(LAUNCH_ENV) == "exec":
+    if os.environ.get(LAUNCH_ENV) == "exec" or _fork_unsafe():
         target = ["-m", script] if module else [script]
         if nproc == 1:
             return subprocess.run([sys.executable, *target, *argv], env=env, capture_output=True, text=True,

@@ -34,3 +34,27 @@ def test_te_runtime_error_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(env.importlib, "import_module", fake_import)
     probe = env._import_probe("transformer_engine")
     assert not probe.available and "RuntimeError" in probe.detail
+
+
+def test_cuda_probe_never_initialises_cuda(monkeypatch):
+    """A process that initialised CUDA cannot fork children that use it (the test ranks' fork server imports modules
+    that probe): the probe counts devices (NVML where the driver has it) and touches nothing that initialises."""
+    import torch
+
+    def initialises(*args, **kwargs):
+        raise AssertionError("the CUDA probe initialised CUDA")
+
+    for name in ("_lazy_init", "init", "get_device_name", "get_device_properties", "is_available",
+                 "current_device", "set_device"):
+        monkeypatch.setattr(torch.cuda, name, initialises)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    for count, available in ((2, True), (0, False)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
+        env.probe_cuda.cache_clear()
+        try:
+            probe = env.probe_cuda()
+        finally:
+            env.probe_cuda.cache_clear()
+        assert probe.available is available and probe.version == "13.0"
+        assert probe.detail == ("2 device(s)" if available else
+                                "no CUDA device visible (torch.cuda.device_count() is 0)")

@@ -62,6 +62,8 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
+from forge_megatron.utils import env
+
 log = logging.getLogger(__name__)
 
 _APPLIED = False
@@ -129,7 +131,7 @@ class _CudaToCpu(TorchFunctionMode):
 
 def cuda_factories_to_cpu():
     """Context manager: inside it, ``device="cuda"`` factory calls allocate on the CPU (no-op with CUDA)."""
-    if torch.cuda.is_available():
+    if env.has_cuda():
         return contextlib.nullcontext()
     return _CudaToCpu()
 
@@ -376,7 +378,7 @@ def _patch_moe():
 def apply() -> bool:
     """Apply every patch if CUDA is absent. Returns True when the patches are active. Idempotent."""
     global _APPLIED
-    if torch.cuda.is_available():
+    if env.has_cuda():  # asked without initialising CUDA (env.probe_cuda): processes forked later can still use it
         return False
     if _APPLIED:
         return True

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 
 __all__ = [
-    "has_cuda", "has_triton", "has_te", "has_apex", "has_tree_ext", "has_cuda_ext", "has_nvcc",
+    "has_cuda", "describe_cuda", "has_triton", "has_te", "has_apex", "has_tree_ext", "has_cuda_ext", "has_nvcc",
     "mcore_version", "mcore_version_tuple", "require", "report", "Probe",
 ]
 
@@ -45,12 +45,30 @@ def _import_probe(module: str) -> Probe:
 
 @functools.cache
 def probe_cuda() -> Probe:
+    """Whether this process can use a CUDA device, asked without initialising CUDA here: a process that has (through
+    torch.cuda.get_device_name, say) can no longer fork children that use CUDA ("Cannot re-initialize CUDA in forked
+    subprocess", seen on an H200 when the test ranks' fork server probed this way), and neither can one whose CUDA
+    runtime answered torch.cuda.is_available(). torch.cuda.device_count() asks NVML where the driver has it (and
+    honours CUDA_VISIBLE_DEVICES); :func:`describe_cuda` names the devices, initialising CUDA."""
     import torch
 
-    if not torch.cuda.is_available():
-        return Probe(False, torch.version.cuda, "torch.cuda.is_available() is False")
+    if torch.version.cuda is None:
+        return Probe(False, None, "this torch is a CPU build")
+    count = torch.cuda.device_count()
+    if count == 0:
+        return Probe(False, torch.version.cuda, "no CUDA device visible (torch.cuda.device_count() is 0)")
+    return Probe(True, torch.version.cuda, f"{count} device(s)")
+
+
+def describe_cuda() -> str:
+    """'<count> x <names>' of the visible CUDA devices ('' without any). Initialises CUDA in this process: for
+    reports and benchmarks, not for processes that fork workers afterwards."""
+    if not has_cuda():
+        return ""
+    import torch
+
     names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
-    return Probe(True, torch.version.cuda, f"{torch.cuda.device_count()} x {', '.join(names)}")
+    return f"{torch.cuda.device_count()} x {', '.join(names)}"
 
 
 @functools.cache
@@ -205,6 +223,8 @@ def report() -> str:
         p = _PROBES[key]()
         state = "yes" if p.available else "no"
         extra = " ".join(x for x in (p.version or "", "" if p.available else f"[{p.detail}]") if x)
+        if key == "cuda" and p.available:
+            extra = f"{extra} ({describe_cuda()})"
         lines.append(f"  {label:<20}: {state} {extra}".rstrip())
     lines.append(f"  TRITON_INTERPRET    : {os.environ.get('TRITON_INTERPRET', '0')}")
     lines.append(f"  FORGE_TREE_ATTN_BACKEND: {os.environ.get('FORGE_TREE_ATTN_BACKEND', '(auto)')}")

@@ -132,6 +132,17 @@ def test_emulated_cuda_kernels_low_precision(emu, dtype):
     check_against_reference(_emulated_attention(emu), CASES["many_roots"], N=2, K=1, H=32, dtype=dtype)
 
 
+@pytest.mark.parametrize("impl", ["simt", "mma"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_emulated_kernels_at_the_gpu_tests_shapes(emu, impl, dtype):
+    """test_gpu_matches_reference's heads (8 query heads on 2 key/value heads, H = 64) on every forest: within
+    check_against_reference's rule, whose low-precision math rounds as FlashAttention-style kernels do. (Its first
+    H200 run measured the low-precision error with SDPA's fused kernel, fp32 inside: dK of many_roots and random_trie
+    then came out 1.07-1.18x over budget on these emulated kernels too.)"""
+    for se in CASES.values():
+        check_against_reference(_emulated_attention(emu, impl), se, N=8, K=2, H=64, dtype=dtype)
+
+
 # Tensor-core kernels (tree_attn_mma.cuh): fragments, ldmatrix, cp.async ordering and the atomic dQ, emulated lane by
 # lane. Forests wider than one 64-token tile (grpo: 97+ tokens, long_chain: 77) exercise skipped, full and partial
 # tiles at warp granularity; the GQA case sums dK/dV over two query heads and dQ over two key blocks.
@@ -181,10 +192,10 @@ def _fa2_numerics(q, k, v, do, sub_end, scale):
 
 
 def test_emulated_mma_kernels_follow_flash_attention_numerics(emu):
-    """With a sharp softmax (scale 0.2 at H = 128: logits with standard deviation 2.3) FlashAttention-2's bf16
-    roundings (delta from the bf16 output, bf16 dS) put dq about 1.3x over the 2x-low-precision budget of
-    check_against_reference. The kernels must then agree with those roundings simulated in torch to within two bf16
-    ulps of each output's largest value (the simulation and the kernels differ only in summation order)."""
+    """With a sharp softmax (scale 0.2 at H = 128: logits with standard deviation 2.3) the kernels must agree with
+    FlashAttention-2's bf16 roundings (delta from the bf16 output, bf16 dS) simulated in torch to within two bf16
+    ulps of each output's largest value (the simulation and the kernels differ only in summation order): a bound
+    on the kernels' arithmetic itself, tighter than check_against_reference's error budget."""
     se = sub_end_from_samples([list(range(70)) + [100 + i] + list(range(i % 3 * 7)) for i in range(3)])
     q, k, v = random_qkv(se.shape[0], 4, 2, 128, torch.bfloat16)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -325,22 +336,31 @@ def test_gpu_unsupported_head_dim(H, message):
         cuda.tree_attention_cuda(q, k, v, torch.full((5,), 5, dtype=torch.int32, device="cuda"))
 
 
+_BAD_INPUTS = {  # case -> (what the message must say, the arguments of fwd made from good q, k, v, sub_end)
+    "sub_end_int64": ("sub_end must be int32", lambda q, k, v, se: (q, k, v, se.long())),
+    "k_not_contiguous": ("k must be contiguous", lambda q, k, v, se: (q, k.transpose(0, 1).contiguous().transpose(0, 1),
+                                                                     v, se)),
+    "heads_not_divisible": (r"query heads \(4\) must be a multiple of key/value heads \(3\)",
+                            lambda q, k, v, se: (q, *[torch.zeros(8, 3, 64, dtype=q.dtype, device=q.device)] * 2, se)),
+    "q_on_cpu": ("must be a CUDA tensor", lambda q, k, v, se: (q.cpu(), k, v, se)),
+}
+
+
 @pytest.mark.gpu
-def test_gpu_binding_rejects_bad_inputs_loudly():
+@pytest.mark.parametrize("case", [*_BAD_INPUTS, "unknown_impl"])
+def test_gpu_binding_rejects_bad_inputs_loudly(case):
+    """One case per test: the first H200 run crashed (SIGSEGV) in the heads_not_divisible call after the two before
+    it had raised as they should, and took the rest of the pytest process with it; the cause is not known yet."""
     _needs_cuda_ext()
     from forge_megatron import _C_tree_attn
 
     q, k, v = random_qkv(8, 4, 2, 64, torch.float16, "cuda")
     se = torch.full((8,), 8, dtype=torch.int32, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
-    with pytest.raises(RuntimeError, match="sub_end must be int32"):
-        _C_tree_attn.fwd(q, k, v, se.long(), 0.125, stream)
-    with pytest.raises(RuntimeError, match="k must be contiguous"):
-        _C_tree_attn.fwd(q, k.transpose(0, 1).contiguous().transpose(0, 1), v, se, 0.125, stream)
-    with pytest.raises(RuntimeError, match=r"query heads \(4\) must be a multiple of key/value heads \(3\)"):
-        k3 = torch.zeros(8, 3, 64, dtype=torch.float16, device="cuda")
-        _C_tree_attn.fwd(q, k3, k3, se, 0.125, stream)
-    with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
-        _C_tree_attn.fwd(q.cpu(), k, v, se, 0.125, stream)
-    with pytest.raises(RuntimeError, match='impl must be "auto", "simt" or "mma"'):
-        _C_tree_attn.fwd(q, k, v, se, 0.125, stream, "fast")
+    if case == "unknown_impl":
+        with pytest.raises(RuntimeError, match='impl must be "auto", "simt" or "mma"'):
+            _C_tree_attn.fwd(q, k, v, se, 0.125, stream, "fast")
+        return
+    message, make = _BAD_INPUTS[case]
+    with pytest.raises(RuntimeError, match=message):
+        _C_tree_attn.fwd(*make(q, k, v, se), 0.125, stream)

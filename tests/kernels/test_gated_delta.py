@@ -320,6 +320,7 @@ def test_scan_backend_choice(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(gd.SCAN_BACKEND_ENV, raising=False)
     assert gd.scan_backend(cpu, torch.float32, 64, 128) == "torch"  # automatic on CPU
+    assert gd.scan_backend(torch.device("cuda"), torch.float32, 64, 128) == "torch"  # and on CUDA (measured faster)
     assert gd.scan_backend(cpu, torch.float32, 64, 128, "triton") == "triton"  # interpreter (conftest)
     assert gd.scan_backend(cpu, torch.float64, 64, 128, "triton") == "torch"  # fp64: the kernels are fp32
     assert gd.scan_backend(cpu, torch.float32, 8, 128, "triton") == "torch"  # a one-chunk segment under 16 tokens
@@ -357,17 +358,22 @@ def test_triton_scan_compiles_for_sm90_without_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tree_rule_on_cuda_matches_the_fp64_reference(dtype):
+def test_tree_rule_on_cuda_matches_the_fp64_reference(dtype, backend, monkeypatch):
     """The same forest on a GPU (bf16 inputs as the trainer's, fp32 inside) against the fp64 definition on CPU;
-    gradients too."""
+    gradients too; with either scan (torch: the automatic choice on CUDA too)."""
+    monkeypatch.setenv(gd.SCAN_BACKEND_ENV, backend)
     samples = _samples(10)
     layout = build_tree(samples)
     T, Hk, H, dk, dv = layout.unique_tokens, 2, 4, 16, 16
     dev = [x.to("cuda", dtype if i < 3 else torch.float32).requires_grad_()
            for i, x in enumerate(_inputs(T, Hk, H, dk, dv, seed=11))]
     ref = gd.recurrent_reference(*(x.detach().cpu().double() for x in dev), gd.tree_parents(layout.position_ids))
-    assert gd.scan_backend(dev[0].device, torch.float32, 64, dk) == "triton"  # the automatic choice on CUDA
+    assert gd.scan_backend(dev[0].device, torch.float32, 64, dk) == backend
+    monkeypatch.delenv(gd.SCAN_BACKEND_ENV)
+    assert gd.scan_backend(dev[0].device, torch.float32, 64, dk) == "torch"  # the automatic choice on CUDA
+    monkeypatch.setenv(gd.SCAN_BACKEND_ENV, backend)
     out = gd.tree_gated_delta_rule(*dev, gd.plan_tree(layout.position_ids.cuda()))
     assert out.dtype == dtype and out.is_cuda
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
