@@ -11,12 +11,13 @@ from tree_cases import (
     check_sinks_and_window,
     check_suffix_queries,
     forest_cases,
+    low_precision_attention,
     random_qkv,
     sub_end_from_samples,
 )
 
 from forge_megatron.kernels.tree_attention import triton_kernel
-from forge_megatron.kernels.tree_attention.triton_kernel import key_block_bounds, tree_attention_triton
+from forge_megatron.kernels.tree_attention.triton_kernel import tree_attention_triton
 
 CASES = forest_cases()
 
@@ -97,6 +98,40 @@ def test_other_block_shapes(monkeypatch, block_m, block_n):
     check_against_reference(tree_attention_triton, CASES["many_roots"], N=4, K=2, H=32, dtype=torch.float32)
 
 
+def test_each_kernel_its_own_tiles(monkeypatch):
+    """The forward, dQ and dK/dV kernels each take their tiles from the config (as on a GPU, where dK/dV has narrow
+    query tiles): three different shapes, whole tree, suffix queries and bidirectional blocks."""
+    tiles = {"fwd": (32, 16, 4, 2), "dq": (16, 32, 4, 2), "dkdv": (16, 16, 4, 1)}
+    cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_H=16, BLOCK_HV=16, COMPUTE=tl.float32, DOT_PRECISION="ieee",
+               num_warps=4, tiles=tiles)
+    monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T, v_head_dim=None: cfg)
+    check_against_reference(tree_attention_triton, CASES["random_trie"], N=4, K=2, H=16, dtype=torch.float32)
+    check_suffix_queries(tree_attention_triton, CASES["grpo"], N=2, K=1, H=16, seed=3)
+    _check_key_end(*BLOCK_CASES["prefix_and_leaves"], N=2, K=1, H=16, q_start=20)
+
+
+def test_gpu_tiles_by_head_size_and_from_the_environment(monkeypatch):
+    monkeypatch.delenv(triton_kernel.TILES_ENV, raising=False)
+    cfg = triton_kernel.gpu_launch_config(128, tl.bfloat16)
+    assert cfg["tiles"] == {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 2), "dkdv": (32, 64, 8, 2)}
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == (128, 64, 8)
+    assert triton_kernel.gpu_launch_config(512, tl.bfloat16)["tiles"]["fwd"][:2] == (32, 32)
+    assert triton_kernel.gpu_launch_config(192, tl.bfloat16, 128)["tiles"]["fwd"][:2] == (64, 64)
+    assert max(t[0] for t in triton_kernel.gpu_launch_config(64, tl.float32)["tiles"].values()) == 32
+    monkeypatch.setenv(triton_kernel.TILES_ENV, "dkdv=64x128x8x2, fwd=64x64x4x1")
+    tiles = triton_kernel.gpu_launch_config(128, tl.bfloat16)["tiles"]
+    assert tiles == {"fwd": (64, 64, 4, 1), "dq": (128, 64, 8, 2), "dkdv": (64, 128, 8, 2)}
+    constexprs, options = triton_kernel._kernel_launch(triton_kernel.gpu_launch_config(128, tl.bfloat16), "dkdv")
+    assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"], options) == (64, 128, dict(num_warps=8, num_stages=2))
+    assert "tiles" not in constexprs and "num_warps" not in constexprs
+    for bad, message in (("bwd=64x64x4x2", "KERNEL one of fwd, dq, dkdv"), ("fwd=64x64x4", "is not KERNEL="),
+                         ("fwd=48x64x4x2", "powers of two in \\[16, 256\\]"), ("dq=64x64x3x2", "warps 1-16"),
+                         ("dq=64x64x4x9", "stages 1-8")):
+        monkeypatch.setenv(triton_kernel.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=message):
+            triton_kernel.gpu_launch_config(128, tl.bfloat16)
+
+
 @pytest.mark.parametrize("case", ["long_chain", "grpo", "many_roots", "random_trie"])
 def test_suffix_queries(case):
     """q holds only the last tokens of the keys' tree (CP all-gather mode): query tiles start at an unaligned
@@ -115,14 +150,6 @@ def test_suffix_queries_unequal_blocks(monkeypatch, block_m, block_n):
 def test_softmax_scale():
     check_against_reference(tree_attention_triton, CASES["many_roots"], N=2, K=1, H=16, dtype=torch.float32,
                             scale=0.05)
-
-
-def test_block_bounds_match_torch():
-    sub_end = CASES["many_roots"]
-    kmin, kmax = key_block_bounds(sub_end, 32)
-    padded = torch.nn.functional.pad(sub_end, (0, -sub_end.shape[0] % 32), value=-1).view(-1, 32)
-    assert torch.equal(kmax, padded.amax(1).int())
-    assert torch.equal(kmin, torch.where(padded < 0, torch.iinfo(torch.int32).max, padded).amin(1).int())
 
 
 def _tile_kinds(sub_end: torch.Tensor, block: int) -> set[str]:
@@ -295,7 +322,8 @@ def _check_key_end(sub_end, blocks, N=4, K=2, H=16, dtype=torch.float32, window=
                    seed=0, Hv=None, device="cpu"):
     """Triton with key_end (q: tokens [q_start, T)) against the fp32 reference with the same key_end, forward and
     backward (dq, dk, dv and the sinks' gradient), by the FlashAttention rule: error <= 2 x the error of the
-    reference run in ``dtype`` + 2e-5. Also checks that the blocks change the output (the test is not causal)."""
+    same math run in ``dtype`` (tree_cases.low_precision_attention) + 2e-5. Also checks that the blocks change the
+    output (the test is not causal)."""
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 
     key_end = (blocks if isinstance(blocks, torch.Tensor) else _key_end(sub_end, blocks)).to(device)
@@ -314,7 +342,7 @@ def _check_key_end(sub_end, blocks, N=4, K=2, H=16, dtype=torch.float32, window=
 
     got = run(tree_attention_triton, q, k, v, sinks, do, key_end)
     exact = run(tree_attention_reference, q.float(), k.float(), v.float(), sinks, do.float(), key_end)
-    lowp = run(tree_attention_reference, q, k, v, sinks, do, key_end) if dtype != torch.float32 else exact
+    lowp = run(low_precision_attention, q, k, v, sinks, do, key_end) if dtype != torch.float32 else exact
     for name, g, e, lp in zip(("o", "dq", "dk", "dv", "dsinks"), got, exact, lowp):
         assert g.shape == e.shape, name
         err = (g.float() - e).abs().max().item()
@@ -323,6 +351,21 @@ def _check_key_end(sub_end, blocks, N=4, K=2, H=16, dtype=torch.float32, window=
     causal = tree_attention_reference(q.float(), k.float(), v.float(), sub_end, softmax_scale=0.3, sinks=sinks,
                                       window=window)
     assert (causal - exact[0]).abs().max().item() > 1e-2, "the blocks do not change these queries' attention"
+
+
+def test_low_precision_math_is_the_reference_in_fp64():
+    """The error budget's low-precision math (tree_cases.low_precision_attention) computes the reference's function:
+    in fp64 they agree to round-off with suffix queries, sinks, a window and bidirectional blocks."""
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    sub_end, blocks = BLOCK_CASES["prefix_and_leaves"]
+    q, k, v = random_qkv(sub_end.shape[0], 4, 2, 16, torch.float64, Hv=8)
+    sinks = torch.randn(4, dtype=torch.float64)
+    for extra in (dict(), dict(sinks=sinks, window=3), dict(key_end_T=_key_end(sub_end, blocks), sinks=sinks)):
+        for q_start in (0, 9):
+            got = low_precision_attention(q[q_start:], k, v, sub_end, 0.3, **extra)
+            want = tree_attention_reference(q[q_start:], k, v, sub_end, 0.3, **extra)
+            assert (got - want).abs().max().item() < 1e-12
 
 
 def _key_end_tile_kinds(sub_end, key_end, block_m, block_n) -> set[str]:
@@ -404,19 +447,6 @@ def test_bidirectional_blocks_suffix_queries(q_start, window):
 def test_bidirectional_blocks_low_precision(dtype):
     _check_key_end(*BLOCK_CASES["prefix_and_leaves"], dtype=dtype, with_sinks=True)
     _check_key_end(*BLOCK_CASES["chains_full_tiles"], N=2, K=1, dtype=dtype, Hv=8)
-
-
-def test_key_end_args_match_torch():
-    """Per query block min / max key_end and per key block the first query that sees it, by brute force."""
-    sub_end, blocks = BLOCK_CASES["prefix_and_leaves"]
-    key_end = _key_end(sub_end, blocks)
-    T = sub_end.shape[0]
-    for TQ, bm, bn in ((T, 32, 32), (T - 20, 16, 32)):
-        _, qkemin, qkemax, kqstart = triton_kernel._key_end_args(key_end, sub_end, TQ, bm, bn)
-        rows = key_end[T - TQ:].split(bm)
-        assert qkemin.tolist() == [int(r.min()) for r in rows] and qkemax.tolist() == [int(r.max()) for r in rows]
-        assert kqstart.tolist() == [min(i for i in range(T) if int(key_end[i]) > k_lo) for k_lo in range(0, T, bn)]
-    assert int(kqstart[1]) == 3  # keys 32-63 are seen from token 3 on (the block [3, 40))
 
 
 def test_bad_key_end_raises():
@@ -523,7 +553,7 @@ def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end):
                            *extra], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {line.split()[2] for line in proc.stdout.splitlines()}
-    assert names == {"_key_block_bounds_kernel", "_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
+    assert names == {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
     shared = [int(re.search(r"shared=(\d+)", line).group(1)) for line in proc.stdout.splitlines()]
     assert max(shared) <= 227 * 1024, proc.stdout
     assert all(re.search(r" regs=\d+ stack=\d+$", line) for line in proc.stdout.splitlines()[1:]), proc.stdout

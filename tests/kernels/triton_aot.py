@@ -3,7 +3,8 @@
 Run as a script in a process WITHOUT TRITON_INTERPRET (the interpreter replaces @triton.jit functions): it lowers
 every kernel through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin via the bundled ptxas), so code
 that only the GPU path exercises (native fp16/bf16 tl.dot, input_precision, scf.if around dots) is checked on CPU
-machines. Prints one line per kernel: dtype, head dim, name, shared memory bytes, and with --resources the
+machines. Prints one line per kernel: dtype, head dim, name, shared memory bytes, its tiles (BLOCK_MxBLOCK_NxWARPSx
+STAGES; FORGE_TREE_ATTN_TRITON_TILES overrides them as in the kernels), and with --resources the
 registers per thread and the stack bytes per thread that ptxas gave it (spills; read from the cubin with the cuobjdump
 Triton ships).
 
@@ -29,7 +30,7 @@ from triton.compiler import ASTSource
 from forge_megatron.kernels.tree_attention import triton_kernel as tk
 
 TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-INT_POINTER_ARGS = {"SUB_END", "KMIN", "KMAX", "DEPTH", "KDMAX", "QDMIN", "KEY_END", "QKEMIN", "QKEMAX", "KQSTART"}
+INT_POINTER_ARGS = {"SUB_END", "DEPTH", "KEY_END", "F_OFF", "F_LO", "F_HI", "P_OFF", "P_LO", "P_HI"}
 FP32_POINTER_ARGS = {"LSE", "DELTA", "SINKS"}
 FLOAT_ARGS = {"qk_scale", "scale"}
 COMPUTE = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
@@ -53,9 +54,20 @@ def signature(fn, dtype: str, constexprs: dict) -> dict:
     return sig
 
 
-def compile_kernel(fn, dtype: str, constexprs: dict, arch: int, num_warps: int):
-    src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
+def specialisation(fn, constexprs: dict, aligned_ints: set[str]) -> dict:
+    """What Triton's JIT assumes at a launch whose pointers are 16-byte aligned and whose ``aligned_ints`` are
+    multiples of 16 (tt.divisibility = 16): without it loads compile to 2-byte scalar accesses that never pipeline,
+    and the registers, shared memory and spills printed would not be the launched kernel's."""
+    names = [name for name in inspect.signature(fn.fn).parameters if name not in constexprs]
+    pointers = TENSOR_ARGS | INT_POINTER_ARGS | FP32_POINTER_ARGS
+    return {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in names
+            if name in pointers or name in aligned_ints}
+
+
+def compile_kernel(fn, dtype: str, constexprs: dict, arch: int, options: dict, aligned_ints: set[str] = frozenset()):
+    src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs,
+                    attrs=specialisation(fn, constexprs, aligned_ints))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def resources(kernel) -> str:
@@ -107,20 +119,23 @@ def main() -> None:
     if args.gated_delta:
         compile_gated_delta(args.gated_delta, args.arch)
         return
-    bounds = compile_kernel(tk._key_block_bounds_kernel, "i32", dict(BLOCK_N=64), args.arch, 4)
-    print(f"-- -- _key_block_bounds_kernel shared={bounds.metadata.shared}")
     for dtype in args.dtypes:
         for dims in args.head_dims:
             H, _, HV = dims.partition("x")
             cfg = tk.gpu_launch_config(int(H), COMPUTE[dtype], int(HV) if HV else None)
-            num_warps = cfg.pop("num_warps")
             window = args.sinks_window or 0
-            for fn in (tk._fwd_kernel, tk._bwd_dq_kernel, tk._bwd_dkdv_kernel):
+            for name, fn in (("fwd", tk._fwd_kernel), ("dq", tk._bwd_dq_kernel), ("dkdv", tk._bwd_dkdv_kernel)):
+                tile_constexprs, options = tk._kernel_launch(cfg, name)
                 extra = dict(HAS_SINKS=window > 0) if fn is tk._fwd_kernel else {}
-                constexprs = dict(GROUP=4, WINDOW=window, HAS_KEY_END=args.key_end, **extra, **cfg)
-                kernel = compile_kernel(fn, dtype, constexprs, args.arch, num_warps)
+                constexprs = dict(GROUP=4, WINDOW=window, HAS_KEY_END=args.key_end, **extra, **tile_constexprs)
+                # strides are multiples of the head dims (tokens x heads x channels, contiguous): 16-aligned with them
+                aligned = {n for n in inspect.signature(fn.fn).parameters if n.startswith("stride_")} \
+                    if int(H) % 16 == 0 and int(HV or H) % 16 == 0 else set()
+                aligned |= {n for n, d in (("H", H), ("HV", HV or H)) if int(d) % 16 == 0}
+                kernel = compile_kernel(fn, dtype, constexprs, args.arch, options, aligned)
                 usage = f" {resources(kernel)}" if args.resources else ""
-                print(f"{dtype} {dims} {fn.fn.__name__} shared={kernel.metadata.shared}{usage}")
+                tiles = "x".join(str(x) for x in cfg["tiles"][name])
+                print(f"{dtype} {dims} {fn.fn.__name__} shared={kernel.metadata.shared} tiles={tiles}{usage}")
 
 
 if __name__ == "__main__":
