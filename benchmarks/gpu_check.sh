@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One-shot GPU check on a single H100/H200 (575 s of step limits in the worst case, 60 more after a crash; the first
-# H200 run took 221 s):
+# One-shot GPU check on a single H100/H200 (605 s of step limits in the worst case, 60 more after a crash; the first
+# H200 run took 221 s, most steps failing early; expect about 7 minutes):
 #   1. installs the wheels in .whl/ if present (benchmarks/gpu_wheels.sh fetches megatron-core and pyzmq for the
 #      lent image; carry .whl on the device call),
 #   2. builds the CUDA extension in place (forge_megatron._C_tree_attn, sm_90 unless FORGE_CUDA_ARCH_LIST says else),
@@ -8,6 +8,7 @@
 #      "tests" runs every area's gpu tests) on 4 pytest-xdist workers: a test that crashes its process (a segfault in
 #      an extension) is reported as failed and the others still run,
 #   4. runs benchmarks/tree_attention.py on the GRPO and agentic workloads and heads of 512 (one JSON line each),
+#      then --sweep (each Triton kernel under candidate tiles) and GRPO again with the fastest tiles,
 #   5. runs the trainer on the GPU (tests/training/test_gpu_trainer.py: fp32 and bf16 steps against CPU, bf16 keeps
 #      the HF weights, distributed-optimizer checkpoints resume exactly, LoRA steps against CPU; skipped without
 #      megatron-core and pyzmq; each rank its own interpreter, tests/dist_utils.py),
@@ -51,9 +52,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     --target /tmp/forge_site .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:/tmp/forge_site"
 fi
-step "build CUDA extension" 90 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+step "build CUDA extension" 75 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
   "$PY" setup.py build_ext --inplace
-step "gpu tests" 150 "${PYTEST[@]}" --dist load --timeout=120 "${TESTS[@]}"
+step "gpu tests" 110 "${PYTEST[@]}" --dist load --timeout=100 "${TESTS[@]}"
 # a test that killed its worker (xdist: "crashed while running '<id>'") runs again under cuda-gdb for the native stack
 crashed=$(grep -o "crashed while running '[^']*'" "$LOG" | head -1 | cut -d"'" -f2)
 if [ -n "$crashed" ] && command -v cuda-gdb > /dev/null; then
@@ -64,9 +65,15 @@ step "benchmark grpo" 25 "$PY" benchmarks/tree_attention.py --workload grpo
 step "benchmark agentic" 30 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
 step "benchmark heads of 512" 25 "$PY" benchmarks/tree_attention.py --workload grpo --prompt 1024 --completion 512 \
   --heads 16 --kv-heads 4 --head-dim 512
-step "trainer on GPU" 140 "${PYTEST[@]}" --dist load --timeout=130 tests/training/test_gpu_trainer.py
+step "sweep Triton tiles" 100 "$PY" benchmarks/tree_attention.py --sweep --workload grpo
+best=$(grep -o '"best_env": "[^"]*"' "$LOG" | tail -1 | cut -d'"' -f4)
+if [ -n "$best" ]; then
+  step "benchmark grpo, fastest tiles ($best)" 25 env FORGE_TREE_ATTN_TRITON_TILES="$best" \
+    "$PY" benchmarks/tree_attention.py --workload grpo
+fi
+step "trainer on GPU" 110 "${PYTEST[@]}" --dist load --timeout=100 tests/training/test_gpu_trainer.py
 step "benchmark gated delta" 20 "$PY" benchmarks/gated_delta.py --device cuda --batch 4 --len 8192 --heads 8
-step "benchmark logprobs" 60 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
+step "benchmark logprobs" 50 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
 
 echo "gpu_check: $([ $failed -eq 0 ] && echo PASSED || echo FAILED), log in $LOG" | tee -a "$LOG"
 exit $failed

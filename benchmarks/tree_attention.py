@@ -229,8 +229,63 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="GPU dtype (CPU: fp32)")
     p.add_argument("--repeat", type=int, default=10 if gpu else 5)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--sweep", action="store_true",
+                   help="instead: time the Triton kernels (forward, dQ, dK/dV each alone) under candidate tiles "
+                        "(FORGE_TREE_ATTN_TRITON_TILES values) and print the fastest; GPU only")
     return p.parse_args(argv)
 
 
+# Candidate tiles per kernel (BLOCK_MxBLOCK_NxWARPSxSTAGES) for heads up to 128; the defaults come first.
+SWEEP = {
+    "fwd": ["128x64x8x3", "128x64x4x3", "128x128x8x3", "128x64x8x2", "128x32x4x3", "64x64x4x3", "64x64x8x2"],
+    "dq": ["128x64x8x2", "128x64x8x3", "128x32x8x3", "128x32x4x3", "64x64x4x3", "64x64x8x2"],
+    "dkdv": ["32x64x8x2", "32x64x8x3", "32x64x4x3", "64x64x8x2", "32x128x8x3", "16x64x4x3", "64x32x4x2"],
+}
+
+
+def sweep(args) -> dict:
+    """Median time of each Triton kernel alone under every candidate tile of SWEEP (the other kernels at their
+    defaults), side by side in one process on the same inputs; a candidate that fails to compile or launch (shared
+    memory) is reported with its error. ``best_env`` is the FORGE_TREE_ATTN_TRITON_TILES value of the fastest."""
+    from forge_megatron.kernels.tree_attention import triton_kernel as tk
+
+    device = torch.device(args.device or "cuda")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--sweep times GPU kernels: run it on a CUDA device (or, to test it, under TRITON_INTERPRET=1)")
+    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
+    sub_end_T, _ = workload_lengths(args)
+    sub_end_T = sub_end_T.to(device)
+    T, N, K, H = sub_end_T.shape[0], args.heads, args.kv_heads, args.head_dim
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (torch.randn(T, n, H, generator=g).to(device, dtype) for n in (N, K, K, N))
+    scale = H ** -0.5
+    saved = os.environ.pop(tk.TILES_ENV, None)
+    o, lse = tk._forward(q, k, v, sub_end_T, scale)
+    calls = {"fwd": lambda: tk._forward(q, k, v, sub_end_T, scale),
+             "dq": lambda: tk._backward(do, q, k, v, o, lse, sub_end_T, scale, kernels=("dq",)),
+             "dkdv": lambda: tk._backward(do, q, k, v, o, lse, sub_end_T, scale, kernels=("dkdv",))}
+    results: dict = {}
+    try:
+        for kernel, candidates in SWEEP.items():
+            results[kernel] = {}
+            for tiles in candidates:
+                os.environ[tk.TILES_ENV] = f"{kernel}={tiles}"
+                try:
+                    results[kernel][tiles] = round(_time_ms(calls[kernel], device, args.repeat), 4)
+                except Exception as exc:  # noqa: BLE001 - a candidate that does not fit is a result too
+                    results[kernel][tiles] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    finally:
+        os.environ.pop(tk.TILES_ENV, None)
+        if saved is not None:
+            os.environ[tk.TILES_ENV] = saved
+    best = {kernel: min((t for t, ms in times.items() if isinstance(ms, float)), key=times.get, default=None)
+            for kernel, times in results.items()}
+    return {"bench": "tree_attention_sweep", "gpu": env.describe_cuda(), "workload": args.workload,
+            "dtype": args.dtype, "N": N, "K": K, "H": H, "tree_tokens": T, "ms": results, "best": best,
+            "default_ms": {kernel: results[kernel][SWEEP[kernel][0]] for kernel in SWEEP},
+            "best_env": ",".join(f"{kernel}={tiles}" for kernel, tiles in best.items() if tiles)}
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(parse_args())))
+    parsed = parse_args()
+    print(json.dumps(sweep(parsed) if parsed.sweep else run(parsed)))

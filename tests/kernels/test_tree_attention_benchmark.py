@@ -4,6 +4,7 @@ GPUs needed: 0.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,27 @@ def test_benchmark_prints_one_json_line(workload):
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_tflops"] > 0 for r in out["backends"].values())
     blocks = -(-out["tree_tokens"] // 64)
     assert sum(out["tiles_64"].values()) == blocks * (blocks + 1) // 2  # every causal tile classified once
+
+
+def test_tile_sweep_times_each_kernel_under_each_candidate(monkeypatch):
+    """--sweep under the interpreter (tiny sizes; on a GPU it times compiled kernels): every candidate of every kernel
+    gets a time or its error, the best per kernel makes the FORGE_TREE_ATTN_TRITON_TILES value, and the variable is
+    left as it was."""
+    import importlib.util
+
+    from forge_megatron.kernels.tree_attention import triton_kernel
+
+    spec = importlib.util.spec_from_file_location("tree_attention_benchmark", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "SWEEP", {"fwd": ["32x32x4x1", "16x32x4x1"], "dq": ["32x16x4x1"],
+                                         "dkdv": ["16x16x4x1", "48x16x4x1"]})
+    monkeypatch.setenv(triton_kernel.TILES_ENV, "fwd=16x16x4x1")
+    out = bench.sweep(bench.parse_args(["--device", "cpu", "--sweep", "--repeat", "1", "--prompt", "20",
+                                        "--completion", "10", "--samples", "2"]))
+    assert set(out["ms"]["fwd"]) == {"32x32x4x1", "16x32x4x1"} and set(out["ms"]["dkdv"]) == {"16x16x4x1", "48x16x4x1"}
+    assert all(isinstance(ms, float) and ms > 0 for kernel in ("fwd", "dq") for ms in out["ms"][kernel].values())
+    assert "powers of two" in out["ms"]["dkdv"]["48x16x4x1"]  # a candidate that cannot run is reported, not fatal
+    assert out["best"]["dkdv"] == "16x16x4x1" and f"dkdv={out['best']['dkdv']}" in out["best_env"]
+    assert out["default_ms"]["fwd"] == out["ms"]["fwd"]["32x32x4x1"]
+    assert os.environ[triton_kernel.TILES_ENV] == "fwd=16x16x4x1"

@@ -347,8 +347,12 @@ def _launch_config(q_TNH: torch.Tensor, T: int, v_head_dim: int | None = None) -
         raise ValueError(f"{T} tokens x {q_TNH.shape[1]} heads x head_dim {max(H, v_head_dim)} needs offsets >= 2^31; "
                          "the Triton kernel uses int32 offsets: split the micro-batch")
     if _interpreting():
-        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_H=max(16, triton.next_power_of_2(H)),
-                    BLOCK_HV=max(16, triton.next_power_of_2(v_head_dim)), COMPUTE=tl.float32, DOT_PRECISION="ieee")
+        cfg = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_H=max(16, triton.next_power_of_2(H)),
+                   BLOCK_HV=max(16, triton.next_power_of_2(v_head_dim)), COMPUTE=tl.float32, DOT_PRECISION="ieee")
+        tiles = tiles_from_env()  # tiles set in the environment apply here too (tests of that path)
+        if tiles:
+            cfg["tiles"] = {kernel: tiles.get(kernel, (32, 32, 4, 1)) for kernel in KERNELS}
+        return cfg
     return gpu_launch_config(H, _TL_DTYPES[q_TNH.dtype], v_head_dim)
 
 
