@@ -5,8 +5,9 @@ Choice, first match wins:
 2. the environment variable FORGE_TREE_ATTN_BACKEND ("reference" | "segment" | "triton" | "cuda");
 3. automatic on CUDA tensors: "triton" (triton importable) -> "cuda" (forge_megatron._C_tree_attn built) ->
    "segment" (exact, any device); on CPU: "segment". "reference" (dense T x T mask) only on request.
-   The CUDA kernel moves ahead of Triton once its GPU tests have passed on a GPU machine (``CUDA_VALIDATED``;
-   benchmarks/gpu_check.sh runs them): until then it is used only when asked for. Calls with suffix queries (fewer
+   The CUDA kernel would move ahead of Triton once its GPU tests have passed on a GPU machine and it is the faster
+   (``CUDA_VALIDATED``; benchmarks/gpu_check.sh runs both): on the one H200 run so far it was 0.6x of Triton's
+   speed, so it is used only when asked for. Calls with suffix queries (fewer
    queries than keys, ops.py) never choose it automatically: it takes them only on its SIMT path; nor do calls with
    attention sinks, a sliding window or bidirectional blocks (key_end), which it does not have. A head size a
    kernel does not take (CUDA: 32 / 64 / 128 and values as wide as keys; Triton: up to 512; multi-latent
@@ -37,7 +38,8 @@ BACKENDS = ("reference", "segment", "triton", "cuda")
 # Head sizes each compiled kernel takes; other sizes go to the next backend. triton_kernel.MAX_HEAD_DIM is 512 (that
 # module needs triton to import; a test checks the two agree).
 HEAD_DIMS = {"cuda": SUPPORTED_HEAD_DIMS, "triton": range(1, 513)}
-# Flip to True once `pytest -m gpu tests/kernels/test_cuda.py` has passed on an H100/H200 (benchmarks/gpu_check.sh).
+# True only once `pytest -m gpu tests/kernels/test_cuda.py` has passed on an H100/H200 and the CUDA kernel beats
+# Triton in benchmarks/tree_attention.py (benchmarks/gpu_check.sh runs both; the first H200 run: 75 vs 122 TFLOP/s).
 CUDA_VALIDATED = False
 _COMPILED = {  # backend -> (module, function, what env.require names when it is missing)
     "triton": ("forge_megatron.kernels.tree_attention.triton_kernel", "tree_attention_triton", "triton"),
