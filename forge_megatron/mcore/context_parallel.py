@@ -200,10 +200,13 @@ def _gather_tree_order(x_TlXH: torch.Tensor, group) -> torch.Tensor:
 
 def _chunks(sub_end_T: torch.Tensor, Tl: int, C: int, rank: int):
     """(rows of this rank's q, keys end hi, sub_end clamped to hi) of each of its chunks: the chunk [lo, hi) of the
-    tree attends as suffix queries to keys [0, hi)."""
+    tree attends as suffix queries to keys [0, hi). The clamped sub_end is cached per sub_end (schedule.derived), so
+    every layer and the backward pass the Triton kernels the same tensor and its tile schedule is built once."""
+    from forge_megatron.kernels.tree_attention.schedule import derived
+
     step = Tl // (2 * ROUNDS)
     for i, (lo, hi) in enumerate(shard_ranges(C * Tl, C, rank)):
-        yield slice(i * step, (i + 1) * step), hi, sub_end_T[:hi].clamp(max=hi)
+        yield slice(i * step, (i + 1) * step), hi, derived(sub_end_T, ("clamp", hi), lambda t: t[:hi].clamp(max=hi))
 
 
 class _GatheredKVAttention(torch.autograd.Function):

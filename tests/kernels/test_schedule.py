@@ -139,3 +139,29 @@ def test_schedules_are_cached_per_tensor_and_version():
 def test_bad_by_raises():
     with pytest.raises(ValueError, match="by must be 'query' or 'key'"):
         sch.build_schedule(CASES["grpo"], 5, 16, 16, by="row")
+
+
+def test_derived_tensors_are_the_same_object_per_layer():
+    """Context parallelism clamps sub_end per chunk on every call: schedule.derived hands every layer (and the
+    backward) the same clamped tensor, so the schedule cache hits."""
+    sub_end = CASES["grpo"].clone()
+    calls = []
+
+    def clamp(t):
+        calls.append(1)
+        return t[:30].clamp(max=30)
+
+    first = sch.derived(sub_end, ("clamp", 30), clamp)
+    assert sch.derived(sub_end, ("clamp", 30), clamp) is first and len(calls) == 1
+    assert sch.schedule(first, 10, 16, 16) is sch.schedule(sch.derived(sub_end, ("clamp", 30), clamp), 10, 16, 16)
+    assert torch.equal(sch.derived(sub_end, ("clamp", 20), lambda t: t[:20].clamp(max=20)), sub_end[:20].clamp(max=20))
+    sub_end[3] = 4  # changed in place: made again
+    assert sch.derived(sub_end, ("clamp", 30), clamp) is not first and len(calls) == 2
+
+
+def test_inference_tensors_are_cached_too():
+    """Tensors made under torch.inference_mode have no version counter (reading it raises)."""
+    with torch.inference_mode():
+        sub_end = CASES["grpo"].clone()
+        first = sch.schedule(sub_end, sub_end.shape[0], 16, 16)
+    assert sch.schedule(sub_end, sub_end.shape[0], 16, 16) is first

@@ -164,7 +164,11 @@ _CACHE_SIZE = 32
 
 
 def _identity(t: torch.Tensor | None) -> tuple:
-    return (None,) if t is None else (id(t), t._version, t.data_ptr(), t.numel(), str(t.device))
+    if t is None:
+        return (None,)
+    # inference tensors have no version counter, and cannot be changed in place outside inference mode
+    version = -1 if t.is_inference() else t._version
+    return (id(t), version, t.data_ptr(), t.numel(), str(t.device))
 
 
 def schedule(sub_end_T: torch.Tensor, TQ: int, block_m: int, block_n: int, window: int = 0,
@@ -184,3 +188,22 @@ def schedule(sub_end_T: torch.Tensor, TQ: int, block_m: int, block_n: int, windo
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return found
+
+
+_DERIVED: OrderedDict = OrderedDict()
+
+
+def derived(t: torch.Tensor, tag, make):
+    """``make(t)``, cached like :func:`schedule` on t's identity and version and ``tag``: a tensor made from sub_end
+    per call (context parallelism's clamped sub_end of each chunk) is then the same object in every layer and in the
+    backward, so its tile schedule is built once, not once per layer."""
+    key = (_identity(t), tag)
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0]() is t:
+        _DERIVED.move_to_end(key)
+        return hit[1]
+    made = make(t)
+    _DERIVED[key] = (weakref.ref(t), made)
+    while len(_DERIVED) > 4 * _CACHE_SIZE:
+        _DERIVED.popitem(last=False)
+    return made
