@@ -151,7 +151,7 @@ def build_schedule(sub_end_T: torch.Tensor, TQ: int, block_m: int, block_n: int,
     for r0 in range(0, rows, step):
         r = slice(r0, min(rows, r0 + step))
         classes = _classes(s, r, slice(None), block_n, window) if by == "query" else \
-            _classes(s, slice(None), r, block_n, window).t()
+            _classes(s, slice(None), r, block_n, window).t().contiguous()
         full.append(_runs(classes, FULL, r0))
         partial.append(_runs(classes, PARTIAL, r0))
     f_off, f_lo, f_hi, n_full = _csr(rows, full, sub_end_T.device)
