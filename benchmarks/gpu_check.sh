@@ -65,7 +65,7 @@ step "benchmark grpo" 25 "$PY" benchmarks/tree_attention.py --workload grpo
 step "benchmark agentic" 30 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
 step "benchmark heads of 512" 25 "$PY" benchmarks/tree_attention.py --workload grpo --prompt 1024 --completion 512 \
   --heads 16 --kv-heads 4 --head-dim 512
-step "sweep Triton tiles" 100 "$PY" benchmarks/tree_attention.py --sweep --workload grpo
+step "sweep Triton tiles" 90 "$PY" benchmarks/tree_attention.py --sweep --workload grpo
 best=$(grep -o '"best_env": "[^"]*"' "$LOG" | tail -1 | cut -d'"' -f4)
 if [ -n "$best" ]; then
   step "benchmark grpo, fastest tiles ($best)" 25 env FORGE_TREE_ATTN_TRITON_TILES="$best" \
@@ -73,7 +73,7 @@ if [ -n "$best" ]; then
 fi
 step "trainer on GPU" 110 "${PYTEST[@]}" --dist load --timeout=100 tests/training/test_gpu_trainer.py
 step "benchmark gated delta" 20 "$PY" benchmarks/gated_delta.py --device cuda --batch 4 --len 8192 --heads 8
-step "benchmark logprobs" 50 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
+step "benchmark logprobs" 60 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
 
 echo "gpu_check: $([ $failed -eq 0 ] && echo PASSED || echo FAILED), log in $LOG" | tee -a "$LOG"
 exit $failed
