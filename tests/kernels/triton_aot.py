@@ -93,7 +93,10 @@ def compile_gated_delta(shapes: list[str], arch: int) -> None:
             constexprs = dict(C=chunk, BK=bk, BV=bv, PRECISION="ieee", PER_ROW=per_row, **{flag: True})
             sig = {name: "constexpr" if name in constexprs else "i32" if name in ("n_chunks", "dk", "dv") else "*fp32"
                    for name in inspect.signature(fn.fn).parameters}
-            src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+            # as the JIT specialises a launch: 16-byte aligned tensors, and dk / dv multiples of 16 when they are
+            attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in sig.items()
+                     if kind == "*fp32" or (name == "dk" and dk % 16 == 0) or (name == "dv" and dv % 16 == 0)}
+            src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
             kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                     options=gt.launch_options(bk, bv))
             print(f"fp32 {shape} {fn.fn.__name__} shared={kernel.metadata.shared}")
