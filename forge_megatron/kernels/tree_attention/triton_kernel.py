@@ -112,6 +112,15 @@ def _row_stats(LSE, DELTA, n, rows_m, TQ):
 
 
 @triton.jit
+def _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_hv, H, HV, BLOCK_N: tl.constexpr,
+              COMPUTE: tl.constexpr):
+    """(key positions, K tile, V tile) of key block kb of one key/value head."""
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (offs_n, _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE),
+            _load_rows(V_head, offs_n, T, stride_vt, offs_hv, HV, COMPUTE))
+
+
+@triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, offs_m, offs_h, offs_hv,
                T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
                DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, MASKED: tl.constexpr):
@@ -120,9 +129,8 @@ def _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, L
     row = tl.program_id(0)
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
         for kb in range(tl.load(LO + r), tl.load(HI + r)):
-            offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-            k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
-            v = _load_rows(V_head, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
+            offs_n, k, v = _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_hv, H, HV, BLOCK_N,
+                                     COMPUTE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if MASKED:
                 s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END), s,
@@ -182,9 +190,8 @@ def _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, O
     row = tl.program_id(0)
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
         for kb in range(tl.load(LO + r), tl.load(HI + r)):
-            offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-            k = _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE)
-            v = _load_rows(V_head, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
+            offs_n, k, v = _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_hv, H, HV, BLOCK_N,
+                                     COMPUTE)
             p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
             if MASKED:
                 p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END), p, 0.0)
