@@ -51,6 +51,7 @@ HV = value head dim. F_OFF / F_LO / F_HI and P_OFF / P_LO / P_HI: a schedule's f
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -60,6 +61,8 @@ import triton.language as tl
 
 from forge_megatron.kernels.tree_attention import schedule as tile_schedule
 from forge_megatron.kernels.tree_attention.ops import depths, make_public_entry, register_tree_attention_ops
+
+log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 512
@@ -309,6 +312,9 @@ def _default_tiles(widest: int, compute: tl.dtype) -> dict[str, tuple[int, int, 
     return {"fwd": (128, 64, 4, 3), "dq": (128, 64, 4, 2), "dkdv": (32, 64, 4, 3)}
 
 
+_logged_tiles: set[str] = set()
+
+
 def tiles_from_env(value: str | None = None) -> dict[str, tuple[int, int, int, int]]:
     """FORGE_TREE_ATTN_TRITON_TILES, e.g. "fwd=128x64x8x3,dkdv=64x128x8x2": kernel=BLOCK_MxBLOCK_NxWARPSxSTAGES for
     any of fwd, dq, dkdv (the others keep their defaults). Blocks are powers of two from 16 to 256."""
@@ -325,6 +331,9 @@ def tiles_from_env(value: str | None = None) -> dict[str, tuple[int, int, int, i
             raise ValueError(f"{TILES_ENV}: {item!r}: blocks must be powers of two in [16, 256], warps 1-16 (a power "
                              "of two), stages 1-8")
         tiles[m.group(1)] = (bm, bn, warps, stages)
+    if tiles and value not in _logged_tiles:
+        _logged_tiles.add(value)
+        log.info("Triton tree attention tiles from %s: %s", TILES_ENV, tiles)
     return tiles
 
 
