@@ -115,6 +115,14 @@ def _row_stats(LSE, DELTA, n, rows_m, TQ):
 
 
 @triton.jit
+def _heavy_first(pid, programs):
+    """The query block a forward or dQ program takes: the last first. Later query blocks see more keys (causally,
+    and a GRPO group's completions see the prompt), so the longest programs start first and the short ones fill in
+    at the end (FlashAttention-3's order for causal attention); dK/dV's first key blocks are its longest already."""
+    return programs - 1 - pid
+
+
+@triton.jit
 def _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_hv, H, HV, BLOCK_N: tl.constexpr,
               COMPUTE: tl.constexpr):
     """(key positions, K tile, V tile) of key block kb of one key/value head."""
@@ -124,12 +132,11 @@ def _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_hv, H, H
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, offs_m, offs_h, offs_hv,
+def _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m, offs_h, offs_hv,
                T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
                DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, MASKED: tl.constexpr):
     """The online softmax over this query block's runs [LO[r], HI[r]) of key blocks, r in [OFF[row], OFF[row + 1])
     (full tiles: MASKED False, no mask; partial ones: the element mask)."""
-    row = tl.program_id(0)
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
         for kb in range(tl.load(LO + r), tl.load(HI + r)):
             offs_n, k, v = _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_hv, H, HV, BLOCK_N,
@@ -158,8 +165,9 @@ def _fwd_kernel(
     WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
 ):
     n = tl.program_id(1)
+    row = _heavy_first(tl.program_id(0), tl.num_programs(0))
     q0 = T - TQ  # the TQ queries are tree tokens [q0, T); row r of Q, O and LSE is token q0 + r
-    offs_m = q0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = q0 + row * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
     offs_hv = tl.arange(0, BLOCK_HV)
     q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
@@ -173,11 +181,11 @@ def _fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, offs_m,
-                               offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE,
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, row,
+                               offs_m, offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE,
                                DOT_PRECISION, WINDOW, HAS_KEY_END, False)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI, offs_m,
-                               offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE,
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI, row,
+                               offs_m, offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE,
                                DOT_PRECISION, WINDOW, HAS_KEY_END, True)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     _store_rows(O + n * stride_on, acc / l_safe[:, None], offs_m - q0, TQ, stride_ot, offs_hv, HV)
@@ -185,12 +193,11 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, offs_m, offs_h, offs_hv,
-              T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
+def _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m, offs_h,
+              offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
               DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, MASKED: tl.constexpr):
     """dQ's sum over this query block's runs of key blocks (MASKED as in _fwd_tiles): P recomputed from the saved
     lse, dS = P * (dO V^T - delta), dQ += dS K."""
-    row = tl.program_id(0)
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
         for kb in range(tl.load(LO + r), tl.load(HI + r)):
             offs_n, k, v = _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_hv, H, HV, BLOCK_N,
@@ -213,8 +220,9 @@ def _bwd_dq_kernel(
     HAS_KEY_END: tl.constexpr,
 ):
     n = tl.program_id(1)
+    row = _heavy_first(tl.program_id(0), tl.num_programs(0))
     q0 = T - TQ
-    offs_m = q0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = q0 + row * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
     offs_hv = tl.arange(0, BLOCK_HV)
     q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
@@ -224,11 +232,11 @@ def _bwd_dq_kernel(
     V_head = V + (n // GROUP) * stride_vn
 
     dq = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, offs_m,
-                   offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE, DOT_PRECISION,
+    dq = _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, row,
+                   offs_m, offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE, DOT_PRECISION,
                    WINDOW, HAS_KEY_END, False)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI, offs_m,
-                   offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE, DOT_PRECISION,
+    dq = _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI, row,
+                   offs_m, offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE, DOT_PRECISION,
                    WINDOW, HAS_KEY_END, True)
     _store_rows(DQ + n * stride_qn, dq * scale, offs_m - q0, TQ, stride_qt, offs_h, H)
 
