@@ -274,14 +274,21 @@ def test_recompute_keeps_only_the_inputs():
         assert torch.equal(x.grad, b)
 
 
-@pytest.mark.parametrize("B,L,H,dk,dv,chunk,per_channel", [
-    (2, 48, 3, 24, 40, 16, False), (1, 64, 2, 130, 100, 32, False), (2, 128, 1, 16, 16, 64, False),
-    (2, 48, 3, 24, 40, 16, True), (1, 32, 2, 130, 20, 16, True)])
-def test_triton_scan_matches_torch(B, L, H, dk, dv, chunk, per_channel):
+@pytest.mark.parametrize("B,L,H,dk,dv,chunk,per_channel,narrow", [
+    (2, 48, 3, 24, 40, 16, False, False), (1, 64, 2, 130, 100, 32, False, False), (2, 128, 1, 16, 16, 64, False, False),
+    (2, 48, 3, 24, 40, 16, True, False), (1, 32, 2, 130, 20, 16, True, False), (1, 48, 2, 32, 72, 16, False, True)])
+def test_triton_scan_matches_torch(B, L, H, dk, dv, chunk, per_channel, narrow, monkeypatch):
     """The Triton scans (interpreter on CPU) against the torch scans: outputs, final state and the gradients of
     every input. Shapes cover masked key / value blocks (24 x 40), several value blocks with the 256-wide key block
     (130 x 100) and one block at chunk 64; ``per_channel``: the PER_ROW variant, a decay per key channel (Kimi Delta
-    Attention), whose gradient is then one per channel."""
+    Attention), whose gradient is then one per channel; ``narrow``: value blocks narrowed to 16 columns for a launch
+    of few programs (as on a GPU with more multiprocessors than sequences x heads x value blocks), the last one
+    masked."""
+    if narrow:
+        from forge_megatron.kernels import gated_delta_triton as gt
+
+        monkeypatch.setattr(gt, "programs_wanted", lambda device: 1000)
+        assert gt.blocks(dk, dv, B * H, 1000) == (32, 16)
     inputs = _chunk_inputs(B, L, H, dk, dv, seed=22)
     if per_channel:
         inputs[3] = -torch.rand(B, L, H, dk, generator=torch.Generator().manual_seed(27))
@@ -296,6 +303,17 @@ def test_triton_scan_matches_torch(B, L, H, dk, dv, chunk, per_channel):
     for name, a, b in zip(["o", "final", "dq", "dk", "dv", "ddecay", "dbeta", "dstate"], results["torch"],
                           results["triton"]):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_triton_scan_value_blocks_narrow_for_small_launches():
+    from forge_megatron.kernels import gated_delta_triton as gt
+
+    assert gt.blocks(128, 128) == (128, 64)  # no device to fill (the interpreter): the widest block
+    assert gt.blocks(128, 128, BH=32, programs_wanted=264) == (128, 16)  # the H200 benchmark's 4 x 8 heads
+    assert gt.blocks(128, 128, BH=128, programs_wanted=264) == (128, 32)
+    assert gt.blocks(128, 128, BH=512, programs_wanted=264) == (128, 64)
+    assert gt.blocks(256, 256, BH=1, programs_wanted=10**6) == (256, 16)
+    assert gt.programs_wanted(torch.device("cpu")) == 0
 
 
 def test_triton_scan_over_a_forest_equals_the_definition():
@@ -337,8 +355,8 @@ def test_scan_backend_choice(monkeypatch):
 
 def test_triton_scan_compiles_for_sm90_without_gpu():
     """The scan kernels lower to an sm_90 cubin (ieee fp32 dots, two pipeline stages) and fit an H100's shared
-    memory (227 KiB per block) at the head sizes of Qwen3.5 / Qwen3-Next (128) and the largest taken (256), and with
-    a decay per key channel at Kimi Linear's."""
+    memory (227 KiB per block) at the head sizes of Qwen3.5 / Qwen3-Next (128) and the largest taken (256), with
+    a decay per key channel at Kimi Linear's, and with narrowed value blocks."""
     import os
     import subprocess
     import sys
@@ -346,8 +364,9 @@ def test_triton_scan_compiles_for_sm90_without_gpu():
 
     script = Path(__file__).with_name("triton_aot.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    shapes = ["128x128x64", "256x256x64", "24x40x16", "128x128x16r"]  # one process: triton's start-up once; r: a
-    # decay per key channel (Kimi Delta Attention: Kimi Linear's 128-channel heads in chunks of 16)
+    shapes = ["128x128x64", "256x256x64", "24x40x16", "128x128x16r", "128x128x64/16"]  # one process: triton's
+    # start-up once; r: a decay per key channel (Kimi Delta Attention: Kimi Linear's 128-channel heads in chunks of
+    # 16); /16: value blocks narrowed to 16 columns (a launch of few programs)
     proc = subprocess.run([sys.executable, str(script), "--gated-delta", *shapes], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -85,10 +85,12 @@ def resources(kernel) -> str:
 def compile_gated_delta(shapes: list[str], arch: int) -> None:
     from forge_megatron.kernels import gated_delta_triton as gt
 
-    for shape in shapes:  # DKxDVxC, or DKxDVxCr: a decay per key channel (Kimi Delta Attention's PER_ROW)
+    for shape in shapes:  # DKxDVxC[r][/BV]: r, a decay per key channel (Kimi Delta Attention's PER_ROW); BV, the value
+        shape, _, narrow = shape.partition("/")  # block a launch of few programs narrows to (gt.blocks)
         per_row = shape.endswith("r")
         dk, dv, chunk = (int(x) for x in shape.removesuffix("r").split("x"))
         bk, bv = gt.blocks(dk, dv)
+        bv = int(narrow) if narrow else bv
         for fn, flag in ((gt._scan_fwd_kernel, "HAS_S0"), (gt._scan_bwd_kernel, "HAS_DS_FINAL")):
             constexprs = dict(C=chunk, BK=bk, BV=bv, PRECISION="ieee", PER_ROW=per_row, **{flag: True})
             sig = {name: "constexpr" if name in constexprs else "i32" if name in ("n_chunks", "dk", "dv") else "*fp32"
@@ -99,7 +101,7 @@ def compile_gated_delta(shapes: list[str], arch: int) -> None:
             src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
             kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                     options=gt.launch_options(bk, bv))
-            print(f"fp32 {shape} {fn.fn.__name__} shared={kernel.metadata.shared}")
+            print(f"fp32 {shape}{'/' + narrow if narrow else ''} {fn.fn.__name__} shared={kernel.metadata.shared}")
 
 
 def main() -> None:
