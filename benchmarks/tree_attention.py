@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -274,6 +275,8 @@ def sweep(args) -> dict:
                     results[kernel][tiles] = round(_time_ms(calls[kernel], device, args.repeat), 4)
                 except Exception as exc:  # noqa: BLE001 - a candidate that does not fit is a result too
                     results[kernel][tiles] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                # progress on stderr: a run cut short by a time limit still shows what it measured
+                print(f"[sweep] {kernel} {tiles}: {results[kernel][tiles]}", file=sys.stderr, flush=True)
     finally:
         os.environ.pop(tk.TILES_ENV, None)
         if saved is not None:
