@@ -4,8 +4,9 @@ Workloads (samples share prefixes; the tree holds each unique token once):
   grpo     one prompt of P tokens, G completions of R tokens each;
   agentic  one episode of C calls, each re-sending the whole history: sample c = the first P + c * R tokens of the
            episode (each call adds R tokens), so the tree is one chain of P + C * R tokens.
-Per-sample baselines run the same samples unmerged: SDPA causal (batched when lengths are equal) and flash-attn varlen
-when installed. FLOPs count attended (query, key) pairs only: forward 4 * pairs * N * H (QK^T and PV), forward +
+Per-sample baselines run the same samples unmerged: SDPA causal (batched when lengths are equal), torch's varlen
+FlashAttention (torch.nn.attention.varlen, torch 2.9+, CUDA) and flash-attn varlen when installed; the fastest of them
+is the baseline. FLOPs count attended (query, key) pairs only: forward 4 * pairs * N * H (QK^T and PV), forward +
 backward 14 * pairs * N * H (FlashAttention-2 convention: the backward is 2.5x the forward). Tree pairs are
 sum_j (sub_end[j] - j); per-sample pairs are sum_s L_s (L_s + 1) / 2. Every tree backend's output is compared with
 the segment backend (max_abs_diff_vs_segment). Prints ONE JSON line.
@@ -151,14 +152,40 @@ def per_sample_backends(lengths: list[int], device: torch.device) -> dict[str, C
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(q_SNH.shape)
 
     found = {"sdpa_per_sample": sdpa_batched if len(set(lengths)) == 1 else sdpa}
+    if device.type != "cuda":
+        return found
+    L = max(lengths)
+    varlen = torch_varlen_attention()
+    if varlen is not None:  # FlashAttention's varlen kernel as torch ships it: all samples in one call
+        found["torch_varlen"] = lambda q, k, v: varlen(q, k, v, cu, L)
     try:
         from flash_attn import flash_attn_varlen_func
     except Exception:  # noqa: BLE001 - optional baseline
         return found
-    if device.type == "cuda":
-        L = max(lengths)
-        found["flash_attn_varlen"] = lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, L, L, causal=True)
+    found["flash_attn_varlen"] = lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, L, L, causal=True)
     return found
+
+
+def torch_varlen_attention() -> Callable | None:
+    """torch.nn.attention.varlen.varlen_attn (torch 2.9+: FlashAttention's varlen kernel) as f(q, k, v, cu, L), causal,
+    with GQA; None where torch has none. Its causal argument changed between releases (is_causal, then window_size
+    (-1, 0)) and GQA came later (enable_gqa; without it k and v are repeated per query head)."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:  # noqa: BLE001 - an older torch
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    gqa = "enable_gqa" in params
+
+    def attend(q, k, v, cu, L):
+        if not gqa and k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        return varlen_attn(q, k, v, cu, cu, L, L, **causal, **({"enable_gqa": True} if gqa else {}))
+
+    return attend
 
 
 def _rates(pairs: int, N: int, H: int, fwd_ms: float, fwd_bwd_ms: float) -> dict:
@@ -197,10 +224,18 @@ def run(args) -> dict:
 
         why = _C_tree_attn.mma_unsupported(*tree_qkv)
         results["cuda"]["impl"] = "mma" if not why else f"simt ({why})"
+    failed = {}
     for name, fn in per_sample_backends(lengths, device).items():
-        results[name] = _rates(sample_pairs, N, H, *_fwd_and_fwd_bwd(fn, sample_qkv, device, args.repeat))
+        try:
+            results[name] = _rates(sample_pairs, N, H, *_fwd_and_fwd_bwd(fn, sample_qkv, device, args.repeat))
+        except Exception as exc:  # noqa: BLE001 - an optional baseline this torch cannot run is reported, not fatal
+            if name == "sdpa_per_sample":
+                raise
+            failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
-    baseline = "flash_attn_varlen" if "flash_attn_varlen" in results else "sdpa_per_sample"
+    # the fastest per-sample baseline (the GPU target is against FlashAttention's varlen kernel)
+    baseline = max((n for n in ("flash_attn_varlen", "torch_varlen", "sdpa_per_sample") if n in results),
+                   key=lambda n: results[n]["fwd_bwd_tflops"])
     tree_names = [n for n in ("cuda", "cuda_simt", "triton", "segment") if n in results]
     best = max(tree_names, key=lambda n: results[n]["fwd_bwd_tflops"])
     return {
@@ -208,7 +243,8 @@ def run(args) -> dict:
         "workload": args.workload, "dtype": str(dtype).replace("torch.", ""), "N": N, "K": K, "H": H,
         "tree_tokens": T, "per_sample_tokens": S, "tree_pairs": tree_pairs, "per_sample_pairs": sample_pairs,
         "tiles_64": tile_counts(sub_end_T, 64),
-        "backends": results, "baseline": baseline, "best_tree_backend": best,
+        "backends": results, **({"baselines_failed": failed} if failed else {}), "baseline": baseline,
+        "best_tree_backend": best,
         # >= 0.7 is the GPU target: tree kernel efficiency per attended pair relative to the per-sample kernel.
         "tflops_ratio_fwd_bwd": round(results[best]["fwd_bwd_tflops"] / results[baseline]["fwd_bwd_tflops"], 4),
         # Wall-clock gain of attending over the tree instead of the unmerged samples (same logical work).

@@ -35,13 +35,9 @@ def test_tile_sweep_times_each_kernel_under_each_candidate(monkeypatch):
     """--sweep under the interpreter (tiny sizes; on a GPU it times compiled kernels): every candidate of every kernel
     gets a time or its error, the best per kernel makes the FORGE_TREE_ATTN_TRITON_TILES value, and the variable is
     left as it was."""
-    import importlib.util
-
     from forge_megatron.kernels.tree_attention import triton_kernel
 
-    spec = importlib.util.spec_from_file_location("tree_attention_benchmark", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_benchmark()
     monkeypatch.setattr(bench, "SWEEP", {"fwd": ["32x32x4x1", "16x32x4x1"], "dq": ["32x16x4x1"],
                                          "dkdv": ["16x16x4x1", "48x16x4x1"]})
     monkeypatch.setenv(triton_kernel.TILES_ENV, "fwd=16x16x4x1")
@@ -53,3 +49,49 @@ def test_tile_sweep_times_each_kernel_under_each_candidate(monkeypatch):
     assert out["best"]["dkdv"] == "16x16x4x1" and f"dkdv={out['best']['dkdv']}" in out["best_env"]
     assert out["default_ms"]["fwd"] == out["ms"]["fwd"]["32x32x4x1"]
     assert os.environ[triton_kernel.TILES_ENV] == "fwd=16x16x4x1"
+
+
+def _load_benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tree_attention_benchmark", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("api", ["is_causal", "window_size"])
+def test_torch_varlen_baseline_adapts_to_the_torch_release(monkeypatch, api):
+    """torch's varlen FlashAttention (CUDA only) changed its causal argument between releases and gained GQA later:
+    the baseline's adapter is checked against stand-ins of both signatures that compute per-sample causal attention
+    on CPU (and, for the older one, refuse fewer key/value heads than query heads, as it does)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import varlen
+
+    def per_sample(q, k, v, cu):
+        outs = []
+        for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            x = [t[lo:hi].transpose(0, 1)[None] for t in (q, k, v)]
+            outs.append(F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True)[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    calls = []
+    if api == "is_causal":
+        def stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False):
+            assert is_causal and key.shape[1] == query.shape[1] and torch.equal(cu_seq_q, cu_seq_k)
+            calls.append(max_q)
+            return per_sample(query, key, value, cu_seq_q)
+    else:
+        def stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
+            assert window_size == (-1, 0) and enable_gqa
+            calls.append(max_q)
+            return per_sample(query, key, value, cu_seq_q)
+
+    monkeypatch.setattr(varlen, "varlen_attn", stand_in)
+    attend = _load_benchmark().torch_varlen_attention()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(30, n, 16, generator=g) for n in (4, 2, 2))
+    cu = torch.tensor([0, 12, 30], dtype=torch.int32)
+    torch.testing.assert_close(attend(q, k, v, cu, 18), per_sample(q, k, v, cu))
+    assert calls == [18]
