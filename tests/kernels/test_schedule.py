@@ -165,3 +165,21 @@ def test_inference_tensors_are_cached_too():
         sub_end = CASES["grpo"].clone()
         first = sch.schedule(sub_end, sub_end.shape[0], 16, 16)
     assert sch.schedule(sub_end, sub_end.shape[0], 16, 16) is first
+
+
+def test_entries_of_freed_tensors_are_dropped():
+    """A micro-batch's sub_end dies with it: the next insertion drops its schedules and derived tensors (CP's clamped
+    copies are as long as the tree: kept for dead trees they would pile up on the GPU)."""
+    import gc
+
+    sub_end = CASES["grpo"].clone()
+    sch.schedule(sub_end, sub_end.shape[0], 16, 16)
+    sch.derived(sub_end, ("clamp", 30), lambda t: t[:30].clamp(max=30))
+    assert any(entry[0]() is sub_end for entry in sch._CACHE.values())
+    del sub_end
+    gc.collect()
+    other = CASES["random_trie"].clone()
+    sch.schedule(other, other.shape[0], 16, 16)
+    sch.derived(other, ("clamp", 30), lambda t: t[:30].clamp(max=30))
+    for cache in (sch._CACHE, sch._DERIVED):
+        assert all(entry[0]() is not None for entry in cache.values())

@@ -184,10 +184,17 @@ def schedule(sub_end_T: torch.Tensor, TQ: int, block_m: int, block_n: int, windo
             _CACHE.move_to_end(key)
             return found
     found = build_schedule(sub_end_T, TQ, block_m, block_n, window, key_end_T, by)
+    _forget_dead(_CACHE)
     _CACHE[key] = (weakref.ref(sub_end_T), None if key_end_T is None else weakref.ref(key_end_T), found)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return found
+
+
+def _forget_dead(cache: OrderedDict) -> None:
+    """Drop the entries whose tensor has been freed (the last micro-batch's): what they hold goes with them."""
+    for key in [key for key, entry in cache.items() if entry[0]() is None]:
+        del cache[key]
 
 
 _DERIVED: OrderedDict = OrderedDict()
@@ -203,6 +210,7 @@ def derived(t: torch.Tensor, tag, make):
         _DERIVED.move_to_end(key)
         return hit[1]
     made = make(t)
+    _forget_dead(_DERIVED)
     _DERIVED[key] = (weakref.ref(t), made)
     while len(_DERIVED) > 4 * _CACHE_SIZE:
         _DERIVED.popitem(last=False)
