@@ -236,6 +236,11 @@ def run(args) -> dict:
     # the fastest per-sample baseline (the GPU target is against FlashAttention's varlen kernel)
     baseline = max((n for n in ("flash_attn_varlen", "torch_varlen", "sdpa_per_sample") if n in results),
                    key=lambda n: results[n]["fwd_bwd_tflops"])
+    if "triton" in results and device.type == "cuda":  # which tiles were timed (defaults or the environment's)
+        from forge_megatron.kernels.tree_attention import triton_kernel as tk
+
+        results["triton"]["tiles"] = {kernel: "x".join(map(str, t)) for kernel, t in
+                                      tk.gpu_launch_config(H, tk._TL_DTYPES[dtype], H)["tiles"].items()}
     tree_names = [n for n in ("cuda", "cuda_simt", "triton", "segment") if n in results]
     best = max(tree_names, key=lambda n: results[n]["fwd_bwd_tflops"])
     return {
