@@ -49,19 +49,16 @@ def workload_lengths(args) -> tuple[torch.Tensor, list[int]]:
 
 
 def tile_counts(sub_end_T: torch.Tensor, block: int) -> dict[str, int]:
-    """How many causal block x block tiles are empty (skipped), full (unmasked) or partial (masked), by the rule of
-    docs/prefix_tree.md: empty if max(sub_end[keys]) <= q_lo, full if k_hi - 1 <= q_lo and min(sub_end[keys]) >= q_hi."""
+    """How many causal block x block tiles are empty (skipped), full (unmasked) or partial (masked), by the Triton
+    kernels' own classification (kernels/tree_attention/schedule.py, the rules of docs/prefix_tree.md)."""
+    from forge_megatron.kernels.tree_attention.schedule import build_schedule
+
     T = sub_end_T.shape[0]
-    padded = F.pad(sub_end_T.long(), (0, -T % block), value=-1).view(-1, block)
-    kmax_B = padded.amax(1)
-    kmin_B = torch.where(padded < 0, T + 1, padded).amin(1)
-    lo_B = torch.arange(padded.shape[0], device=sub_end_T.device) * block
-    q_lo, k_lo = lo_B[:, None], lo_B[None, :]
-    q_hi = (q_lo + block).clamp(max=T)
-    causal = k_lo < q_hi
-    empty = causal & (kmax_B[None, :] <= q_lo)
-    full = causal & ~empty & (k_lo + block - 1 <= q_lo) & (kmin_B[None, :] >= q_hi)
-    return {"empty": int(empty.sum()), "full": int(full.sum()), "partial": int((causal & ~empty & ~full).sum())}
+    plan = build_schedule(sub_end_T, T, block, block)
+    blocks = -(-T // block)
+    causal = blocks * (blocks + 1) // 2  # every visited tile is causal (its keys start before its queries end)
+    return {"empty": causal - plan.full_tiles - plan.partial_tiles, "full": plan.full_tiles,
+            "partial": plan.partial_tiles}
 
 
 def _time_ms(fn: Callable[[], object], device: torch.device, repeat: int) -> float:

@@ -303,11 +303,9 @@ def scan_backend(device: torch.device, dtype: torch.dtype, chunk: int, dk: int, 
     forward + backward) the rule took 68 ms with them against 48 ms with the torch scan, so the automatic choice is
     torch on every device. Calls the Triton kernels do not take (fp64, chunks shorter than 16 tokens: one-chunk
     segments, key heads over 256) run on "torch" whatever was asked: both compute the same."""
-    name = backend or os.environ.get(SCAN_BACKEND_ENV) or None
-    if name is not None and name not in SCAN_BACKENDS:
+    name = backend or os.environ.get(SCAN_BACKEND_ENV) or "torch"
+    if name not in SCAN_BACKENDS:
         raise ValueError(f"unknown gated delta scan backend {name!r}; choose one of {SCAN_BACKENDS}")
-    if name is None:
-        name = "torch"
     if name == "triton":
         kernels = _triton_scan()
         if kernels is None:

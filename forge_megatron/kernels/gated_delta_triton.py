@@ -102,17 +102,17 @@ def _scan_bwd_kernel(X, Y, W, KD, DECAY, DS_FINAL, DVN, DS_NEXT, DS0, n_chunks, 
     tl.store(DS0 + bh * dk * dv + state_off, dS, mask=state_mask)
 
 
-def blocks(dk: int, dv: int, BH: int = 1, programs_wanted: int = 0) -> tuple[int, int]:
+def blocks(dk: int, dv: int, BH: int = 1, min_programs: int = 0) -> tuple[int, int]:
     """(key block, value block): the whole key dimension (a power of two, at least 16) and a value block that
     keeps the state tile at 8k fp32 values or less (64 columns for dk <= 128, 32 beyond), halved (down to 16) while
-    the launch, BH x dv / value block programs, has fewer than ``programs_wanted``: each program walks all chunks in
+    the launch, BH x dv / value block programs, has fewer than ``min_programs``: each program walks all chunks in
     sequence, so a launch of few programs leaves most of the GPU idle (on an H200, 4 sequences x 8 heads of 128 gave
     64 programs for 132 SMs, and the scan took 1.4x the torch loop's time)."""
     if dk > MAX_KEY_DIM:
         raise ValueError(f"key head dim {dk} > {MAX_KEY_DIM}: the Triton scan keeps a whole key column on chip")
     bk = max(16, triton.next_power_of_2(dk))
     bv = max(16, min(64 if bk <= 128 else 32, triton.next_power_of_2(dv)))
-    while bv > 16 and BH * triton.cdiv(dv, bv) < programs_wanted:
+    while bv > 16 and BH * triton.cdiv(dv, bv) < min_programs:
         bv //= 2
     return bk, bv
 

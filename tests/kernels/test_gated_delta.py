@@ -309,10 +309,10 @@ def test_triton_scan_value_blocks_narrow_for_small_launches():
     from forge_megatron.kernels import gated_delta_triton as gt
 
     assert gt.blocks(128, 128) == (128, 64)  # no device to fill (the interpreter): the widest block
-    assert gt.blocks(128, 128, BH=32, programs_wanted=264) == (128, 16)  # the H200 benchmark's 4 x 8 heads
-    assert gt.blocks(128, 128, BH=128, programs_wanted=264) == (128, 32)
-    assert gt.blocks(128, 128, BH=512, programs_wanted=264) == (128, 64)
-    assert gt.blocks(256, 256, BH=1, programs_wanted=10**6) == (256, 16)
+    assert gt.blocks(128, 128, BH=32, min_programs=264) == (128, 16)  # the H200 benchmark's 4 x 8 heads
+    assert gt.blocks(128, 128, BH=128, min_programs=264) == (128, 32)
+    assert gt.blocks(128, 128, BH=512, min_programs=264) == (128, 64)
+    assert gt.blocks(256, 256, BH=1, min_programs=10**6) == (256, 16)
     assert gt.programs_wanted(torch.device("cpu")) == 0
 
 

@@ -68,28 +68,16 @@ def _forward_backward(fn, q, k, v, sub_end, do, scale):
     return (o, *torch.autograd.grad(o, (q, k, v), do))
 
 
-def low_precision_attention(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=None, sinks=None, window=None,
-                            key_end_T=None):
-    """Tree attention as plain tensor ops in the inputs' dtype, every intermediate rounded to it (scores,
-    probabilities, output; autograd's backward likewise): FlashAttention's tests' low-precision reference
-    (``attention_ref`` with upcast=False). A fused kernel keeps fp32 inside and rounds only its outputs, which gives
-    a budget tighter than the roundings a FlashAttention-style kernel must make (P and dS in bf16 before their
-    matmuls): on a GPU, where SDPA runs such a kernel, dK of a tree of many roots came out about 1.1-1.2x over it.
-    q may be the last Tq tokens; sinks (one logit per query head), window and key_end as in the reference."""
-    from forge_megatron.kernels.tree_attention.reference import tree_mask
+def low_precision_attention(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=None, **extras):
+    """The reference as plain tensor ops in the inputs' dtype, every intermediate rounded to it (scores,
+    probabilities, output; autograd's backward likewise: ``tree_attention_reference(explicit=True)``):
+    FlashAttention's tests' low-precision reference (``attention_ref`` with upcast=False). SDPA's fused kernel keeps
+    fp32 inside and rounds only its outputs, which gives a budget tighter than the roundings a FlashAttention-style
+    kernel must make (P and dS in bf16 before their matmuls): on a GPU, where SDPA runs such a kernel, dK of a tree
+    of many roots came out about 1.1-1.2x over it. ``extras``: sinks, window, key_end_T as in the reference."""
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 
-    Tq, N, H = q_TNH.shape
-    K = k_TKH.shape[1]
-    scale = softmax_scale if softmax_scale is not None else H ** -0.5
-    k_TNH, v_TNH = (x.repeat_interleave(N // K, dim=1) for x in (k_TKH, v_TKH))
-    s_NQT = torch.einsum("qnh,tnh->nqt", q_TNH * scale, k_TNH)
-    s_NQT = s_NQT.masked_fill(~tree_mask(sub_end_T, Tq, window, key_end_T), float("-inf"))
-    if sinks is not None:  # one more column per head: the sink's logit, which takes probability but no value
-        s_NQT = torch.cat([s_NQT, sinks.to(s_NQT.dtype)[:, None, None].expand(-1, Tq, 1)], dim=-1)
-    p_NQT = torch.softmax(s_NQT, dim=-1)
-    if sinks is not None:
-        p_NQT = p_NQT[..., :-1]
-    return torch.einsum("nqt,tnh->qnh", p_NQT, v_TNH)
+    return tree_attention_reference(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale, explicit=True, **extras)
 
 
 def check_against_reference(fn, sub_end, N, K, H, dtype, device="cpu", scale=None, seed=0, Hv=None):

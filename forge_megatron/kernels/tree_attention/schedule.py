@@ -15,7 +15,7 @@ every block of the causal range inside the loop, reached 0.28x of SDPA's speed).
 two full runs (the prompt, its own completion) and a partial tile or two where they end; an agent episode's chain one
 full run and the diagonal tile.
 
-Built with torch ops on sub_end's device (one host sync, for the run counts) and cached per (sub_end, key_end,
+Built with torch ops on sub_end's device (a few host syncs, for the run counts) and cached per (sub_end, key_end,
 shape, blocks, window): every layer of a micro-batch, and the backward, reuse the first layer's.
 
 Legend: T = tree tokens (keys), TQ = queries (the last TQ tokens), QB / KB = query / key blocks, R / C = row /
@@ -96,7 +96,7 @@ def _stats(sub_end_T: torch.Tensor, TQ: int, block_m: int, block_n: int, window:
         k_end, kemin = q_hi, None
     qdmin = kdmax = None
     if window:
-        depth_T = depths(sub_end_T)
+        depth_T = derived(sub_end_T, "depths", depths)  # the kernels' DEPTH argument: computed once
         qdmin = _block_reduce(depth_T[q0:], block_m, _INT_MAX, "min")
         kdmax = _block_reduce(depth_T, block_n, -1, "max")
     return _BlockStats(q_lo=q_lo, q_hi=q_hi, k_end=k_end, kemin=kemin, qdmin=qdmin,

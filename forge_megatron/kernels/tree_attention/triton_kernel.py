@@ -242,14 +242,13 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, OFF, LO, HI, offs_n, offs_h,
-                offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_ot, BLOCK_M: tl.constexpr, COMPUTE: tl.constexpr,
+def _dkdv_tiles(dk, dv, k, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_n,
+                offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_ot, BLOCK_M: tl.constexpr, COMPUTE: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, MASKED: tl.constexpr):
     """dK / dV's sums over this key block's runs [LO[r], HI[r]) of query blocks for query head n (MASKED as in
     _fwd_tiles). Padded query rows (past T) load zeros and lse = delta = 0: P = 1 there but dO = 0, so they add
     nothing."""
     q0 = T - TQ
-    row = tl.program_id(0)
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
         for qb in range(tl.load(LO + r), tl.load(HI + r)):
             offs_m = q0 + qb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -275,7 +274,8 @@ def _bwd_dkdv_kernel(
     HAS_KEY_END: tl.constexpr,
 ):
     kv = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(0)  # key block: the first ones, seen by the most queries, are the longest and start first
+    offs_n = row * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
     offs_hv = tl.arange(0, BLOCK_HV)
     k = _load_rows(K + kv * stride_kn, offs_n, T, stride_kt, offs_h, H, COMPUTE)
@@ -285,11 +285,11 @@ def _bwd_dkdv_kernel(
     for g in range(GROUP):  # the query heads sharing this key/value head
         n = kv * GROUP + g
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH,
-                             KEY_END, F_OFF, F_LO, F_HI, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt,
-                             stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False)
+                             KEY_END, F_OFF, F_LO, F_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale,
+                             stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH,
-                             KEY_END, P_OFF, P_LO, P_HI, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt,
-                             stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True)
+                             KEY_END, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale,
+                             stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True)
     _store_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
     _store_rows(DV + kv * stride_vn, dv, offs_n, T, stride_vt, offs_hv, HV)
 
@@ -404,7 +404,7 @@ def window_live_tiles(sub_end_T: torch.Tensor, window: int, block_m: int, block_
 def _extras(sub_end_T, key_end_T, window):
     """(DEPTH, KEY_END): the depths for a window, key_end for bidirectional blocks; sub_end as a placeholder pointer
     where unused (the kernels never read it then)."""
-    depth = depths(sub_end_T) if window else sub_end_T
+    depth = tile_schedule.derived(sub_end_T, "depths", depths) if window else sub_end_T  # once per micro-batch
     return depth, key_end_T.contiguous() if key_end_T is not None else sub_end_T
 
 
