@@ -354,8 +354,9 @@ def _check_key_end(sub_end, blocks, N=4, K=2, H=16, dtype=torch.float32, window=
 
 
 def test_low_precision_math_is_the_reference_in_fp64():
-    """The error budget's low-precision math (tree_cases.low_precision_attention) computes the reference's function:
-    in fp64 they agree to round-off with suffix queries, sinks, a window and bidirectional blocks."""
+    """The error budget's low-precision math (tree_cases.low_precision_attention: the reference's explicit path)
+    computes what the reference's SDPA path does: in fp64 they agree to round-off with suffix queries, sinks, a
+    window and bidirectional blocks."""
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 
     sub_end, blocks = BLOCK_CASES["prefix_and_leaves"]
