@@ -355,14 +355,14 @@ def _check_key_end(sub_end, blocks, N=4, K=2, H=16, dtype=torch.float32, window=
 
 def test_low_precision_math_is_the_reference_in_fp64():
     """The error budget's low-precision math (tree_cases.low_precision_attention: the reference's explicit path)
-    computes what the reference's SDPA path does: in fp64 they agree to round-off with suffix queries, sinks, a
-    window and bidirectional blocks."""
+    computes what the reference's SDPA path does: in fp64 they agree to round-off with suffix queries, a window and
+    bidirectional blocks."""
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 
     sub_end, blocks = BLOCK_CASES["prefix_and_leaves"]
     q, k, v = random_qkv(sub_end.shape[0], 4, 2, 16, torch.float64, Hv=8)
-    sinks = torch.randn(4, dtype=torch.float64)
-    for extra in (dict(), dict(sinks=sinks, window=3), dict(key_end_T=_key_end(sub_end, blocks), sinks=sinks)):
+    # (with sinks the reference always takes its explicit path: nothing to compare there)
+    for extra in (dict(), dict(window=3), dict(key_end_T=_key_end(sub_end, blocks), window=5)):
         for q_start in (0, 9):
             got = low_precision_attention(q[q_start:], k, v, sub_end, 0.3, **extra)
             want = tree_attention_reference(q[q_start:], k, v, sub_end, 0.3, **extra)
