@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One-shot GPU check on a single H100/H200 (605 s of step limits in the worst case, 60 more after a crash; the first
-# H200 run took 221 s, most steps failing early; expect about 7 minutes):
+# One-shot GPU check on a single H100/H200 (515 s of step limits in the worst case, 45 more after a crash; the first
+# H200 run took 221 s, most steps failing early; expect about 6 minutes). Steps run most wanted first, so a device
+# call cut short by its own limit (a 15-minute device budget holds one such call and the machine's start) still
+# returns the log of the most useful ones:
 #   1. installs the wheels in .whl/ if present (benchmarks/gpu_wheels.sh fetches megatron-core and pyzmq for the
 #      lent image; carry .whl on the device call),
 #   2. builds the CUDA extension in place (forge_megatron._C_tree_attn, sm_90 unless FORGE_CUDA_ARCH_LIST says else),
@@ -45,35 +47,36 @@ PY="${PYTHON:-python3}"
 # pytest on 4 workers; failures in short form; a module that fails to import (a package the image lacks) does not
 # stop the others
 PYTEST=("$PY" -m pytest -q -m gpu -rfEs --tb=short -p no:cacheprovider -n 4 --continue-on-collection-errors)
-step "environment" 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
+step "environment" 10 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
   $PY -m forge_megatron.env"
 if compgen -G ".whl/*.whl" > /dev/null; then
-  step "install carried wheels" 20 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  step "install carried wheels" 10 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/forge_site .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:/tmp/forge_site"
 fi
-step "build CUDA extension" 75 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+# most wanted first: a device call cut short by its limit still returns the log of the steps before
+step "build CUDA extension" 60 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
   "$PY" setup.py build_ext --inplace
-step "gpu tests" 110 "${PYTEST[@]}" --dist load --timeout=100 "${TESTS[@]}"
-# a test that killed its worker (xdist: "crashed while running '<id>'") runs again under cuda-gdb for the native stack
-crashed=$(grep -o "crashed while running '[^']*'" "$LOG" | head -1 | cut -d"'" -f2)
-if [ -n "$crashed" ] && command -v cuda-gdb > /dev/null; then
-  step "native backtrace of $crashed" 60 cuda-gdb -batch -ex run -ex bt -ex quit --args \
-    "$PY" -m pytest -q -p no:cacheprovider -p no:xdist "$crashed"
-fi
-step "benchmark grpo" 25 "$PY" benchmarks/tree_attention.py --workload grpo
-step "benchmark agentic" 30 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
-step "benchmark heads of 512" 25 "$PY" benchmarks/tree_attention.py --workload grpo --prompt 1024 --completion 512 \
-  --heads 16 --kv-heads 4 --head-dim 512
-step "sweep Triton tiles" 90 "$PY" benchmarks/tree_attention.py --sweep --workload grpo
+step "benchmark grpo" 30 "$PY" benchmarks/tree_attention.py --workload grpo
+step "gpu tests" 100 "${PYTEST[@]}" --dist load --timeout=90 "${TESTS[@]}"
+step "sweep Triton tiles" 80 "$PY" benchmarks/tree_attention.py --sweep --workload grpo
 best=$(grep -o '"best_env": "[^"]*"' "$LOG" | tail -1 | cut -d'"' -f4)
 if [ -n "$best" ]; then
   step "benchmark grpo, fastest tiles ($best)" 25 env FORGE_TREE_ATTN_TRITON_TILES="$best" \
     "$PY" benchmarks/tree_attention.py --workload grpo
 fi
-step "trainer on GPU" 110 "${PYTEST[@]}" --dist load --timeout=100 tests/training/test_gpu_trainer.py
+step "trainer on GPU" 90 "${PYTEST[@]}" --dist load --timeout=85 tests/training/test_gpu_trainer.py
 step "benchmark gated delta" 20 "$PY" benchmarks/gated_delta.py --device cuda --batch 4 --len 8192 --heads 8
-step "benchmark logprobs" 60 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
+step "benchmark agentic" 25 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 --completion 512 --calls 16
+step "benchmark heads of 512" 20 "$PY" benchmarks/tree_attention.py --workload grpo --prompt 1024 --completion 512 \
+  --heads 16 --kv-heads 4 --head-dim 512
+# a test that killed its worker (xdist: "crashed while running '<id>'") runs again under cuda-gdb for the native stack
+crashed=$(grep -o "crashed while running '[^']*'" "$LOG" | head -1 | cut -d"'" -f2)
+if [ -n "$crashed" ] && command -v cuda-gdb > /dev/null; then
+  step "native backtrace of $crashed" 45 cuda-gdb -batch -ex run -ex bt -ex quit --args \
+    "$PY" -m pytest -q -p no:cacheprovider -p no:xdist "$crashed"
+fi
+step "benchmark logprobs" 45 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 --dtype bfloat16
 
 echo "gpu_check: $([ $failed -eq 0 ] && echo PASSED || echo FAILED), log in $LOG" | tee -a "$LOG"
 exit $failed
