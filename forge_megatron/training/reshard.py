@@ -206,8 +206,12 @@ def restore(row: _Row, full, step: torch.Tensor) -> None:
     with torch.no_grad():
         if _half(row.p):  # the fp32 master of a half-precision parameter
             row.q.copy_(take(full("main")))
-        state = {k: take(full(k)).to(row.q.dtype).clone() for k in KINDS}
-    row.inner.state[row.q] = {"step": step.clone(), **state}
+        # the files load on the CPU: the moments go where the parameter is (the first GPU run's resume failed in
+        # Adam's foreach kernels, "cuda:0 and cpu"); the step where torch's Adam keeps it (on the device only for
+        # its fused or capturable forms)
+        state = {k: take(full(k)).to(device=row.q.device, dtype=row.q.dtype, copy=True) for k in KINDS}
+    on_device = any(g.get("fused") or g.get("capturable") for g in row.inner.param_groups)
+    row.inner.state[row.q] = {"step": step.to(row.q.device if on_device else "cpu", copy=True), **state}
     if not isinstance(row.inner, (torch.optim.Adam, torch.optim.AdamW)):  # fused Adams count steps per group
         for group in row.inner.param_groups:
             group["step"] = int(step)

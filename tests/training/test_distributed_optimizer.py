@@ -150,3 +150,23 @@ def test_overlap_param_gather_trains_syncs_and_saves_what_the_plain_gather_does(
     assert sorted(weights[0]) == sorted(weights[1]) and len(weights[0]) > 10
     for key, a in weights[0].items():
         assert torch.equal(a, weights[1][key]), key
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_restored_adam_state_lies_where_the_parameter_does(capturable):
+    """Checkpoint files load on the CPU; the restored moments must move to the parameter's device (the first H200 run
+    resumed them on the CPU beside CUDA parameters: Adam's foreach kernels refused "cuda:0 and cpu"), and the step
+    count stays where torch's Adam keeps it: the CPU, or the device for its capturable and fused forms. A "meta"
+    parameter stands in for a GPU one here."""
+    from forge_megatron.training.reshard import KINDS, _Row, restore
+
+    q = torch.nn.Parameter(torch.empty(6, device="meta"))
+    inner = torch.optim.Adam([q], lr=1e-3, capturable=capturable)
+    saved = {k: torch.arange(10, dtype=torch.float64) for k in KINDS}  # a parameter of 10, this rank's slice 2:8
+    restore(_Row(0, "w", None, inner, q, q, slice(2, 8)), saved.__getitem__, torch.tensor(3.0))
+    state = inner.state[q]
+    for k in KINDS:
+        assert state[k].device == q.device and state[k].dtype == q.dtype and state[k].shape == q.shape
+    assert state["step"].device == (q.device if capturable else torch.device("cpu"))
+    if not capturable:  # a meta tensor holds no value to read
+        assert float(state["step"]) == 3.0
