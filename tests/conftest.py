@@ -34,3 +34,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and n_gpus < 2:
             item.add_marker(skip_multi)
+
+
+def pytest_runtest_logreport(report):
+    """FORGE_TEST_FAILURE_LOG=FILE: each failure's report is appended to FILE as it happens (benchmarks/gpu_check.sh:
+    a run cut short by a time limit, or a worker killed by a crash, still leaves the failures seen so far; pytest's
+    own summary only comes at the end). Under pytest-xdist the controller receives every worker's reports."""
+    path = os.environ.get("FORGE_TEST_FAILURE_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's reach the controller
+        return
+    with open(path, "a") as f:
+        f.write(f"===== FAILED {report.nodeid} ({report.when}, {report.duration:.1f}s)\n{report.longreprtext}\n\n")

@@ -101,7 +101,7 @@ def test_other_block_shapes(monkeypatch, block_m, block_n):
 def test_each_kernel_its_own_tiles(monkeypatch):
     """The forward, dQ and dK/dV kernels each take their tiles from the config (as on a GPU, where dK/dV has narrow
     query tiles): three different shapes, whole tree, suffix queries and bidirectional blocks."""
-    tiles = {"fwd": (32, 16, 4, 2), "dq": (16, 32, 4, 2), "dkdv": (16, 16, 4, 1)}
+    tiles = {"fwd": (32, 16, 4, 2), "dq": (16, 32, 4, 2), "dkdv": (16, 32, 4, 1)}  # dK/dV's key-major tiles not square
     cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_H=16, BLOCK_HV=16, COMPUTE=tl.float32, DOT_PRECISION="ieee",
                num_warps=4, tiles=tiles)
     monkeypatch.setattr(triton_kernel, "_launch_config", lambda q, T, v_head_dim=None: cfg)
@@ -113,14 +113,14 @@ def test_each_kernel_its_own_tiles(monkeypatch):
 def test_gpu_tiles_by_head_size_and_from_the_environment(monkeypatch):
     monkeypatch.delenv(triton_kernel.TILES_ENV, raising=False)
     cfg = triton_kernel.gpu_launch_config(128, tl.bfloat16)
-    assert cfg["tiles"] == {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 2), "dkdv": (32, 64, 8, 2)}
-    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == (128, 64, 8)
+    assert cfg["tiles"] == {"fwd": (64, 64, 4, 3), "dq": (128, 64, 8, 3), "dkdv": (32, 128, 8, 2)}
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == (64, 64, 4)
     assert triton_kernel.gpu_launch_config(512, tl.bfloat16)["tiles"]["fwd"][:2] == (32, 32)
     assert triton_kernel.gpu_launch_config(192, tl.bfloat16, 128)["tiles"]["fwd"][:2] == (64, 64)
     assert max(t[0] for t in triton_kernel.gpu_launch_config(64, tl.float32)["tiles"].values()) == 32
     monkeypatch.setenv(triton_kernel.TILES_ENV, "dkdv=64x128x8x2, fwd=64x64x4x1")
     tiles = triton_kernel.gpu_launch_config(128, tl.bfloat16)["tiles"]
-    assert tiles == {"fwd": (64, 64, 4, 1), "dq": (128, 64, 8, 2), "dkdv": (64, 128, 8, 2)}
+    assert tiles == {"fwd": (64, 64, 4, 1), "dq": (128, 64, 8, 3), "dkdv": (64, 128, 8, 2)}
     constexprs, options = triton_kernel._kernel_launch(triton_kernel.gpu_launch_config(128, tl.bfloat16), "dkdv")
     assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"], options) == (64, 128, dict(num_warps=8, num_stages=2))
     assert "tiles" not in constexprs and "num_warps" not in constexprs

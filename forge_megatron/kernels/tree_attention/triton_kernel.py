@@ -76,20 +76,26 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
-def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr):
+def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
+                  KEY_MAJOR: tl.constexpr):
     """Element mask of a partial tile: j <= i < sub_end[j] (sub_end of padded keys reads as 0 -> invisible), with
     bidirectional blocks j < key_end[i] instead of j <= i (key_end of padded queries reads as 0 -> they see
-    nothing), and with a window depth[i] - depth[j] < WINDOW."""
-    se = tl.load(SUB_END + offs_n, mask=offs_n < T, other=0)
-    if HAS_KEY_END:
-        ke = tl.load(KEY_END + offs_m, mask=offs_m < T, other=0)
-        visible = (offs_n[None, :] < ke[:, None]) & (offs_m[:, None] < se[None, :])
+    nothing), and with a window depth[i] - depth[j] < WINDOW. [queries, keys], or [keys, queries] with KEY_MAJOR
+    (dK / dV's transposed tiles)."""
+    if KEY_MAJOR:
+        i = offs_m[None, :]
+        j = offs_n[:, None]
     else:
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
+        i = offs_m[:, None]
+        j = offs_n[None, :]
+    se = tl.load(SUB_END + j, mask=j < T, other=0)
+    if HAS_KEY_END:
+        visible = (j < tl.load(KEY_END + i, mask=i < T, other=0)) & (i < se)
+    else:
+        visible = (j <= i) & (i < se)
     if WINDOW > 0:
-        dq = tl.load(DEPTH + offs_m, mask=offs_m < T, other=0)
-        dk = tl.load(DEPTH + offs_n, mask=offs_n < T, other=0)
-        visible = visible & ((dq[:, None] - dk[None, :]) < WINDOW)
+        depth_i = tl.load(DEPTH + i, mask=i < T, other=0)
+        visible = visible & ((depth_i - tl.load(DEPTH + j, mask=j < T, other=0)) < WINDOW)
     return visible
 
 
@@ -143,8 +149,8 @@ def _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, L
                                      COMPUTE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if MASKED:
-                s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END), s,
-                             float("-inf"))
+                s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, False),
+                             s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
@@ -204,7 +210,8 @@ def _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, O
                                      COMPUTE)
             p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
             if MASKED:
-                p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END), p, 0.0)
+                p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, False),
+                             p, 0.0)
             ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
             dq += tl.dot(ds.to(COMPUTE), k, input_precision=DOT_PRECISION)
     return dq
@@ -246,8 +253,12 @@ def _dkdv_tiles(dk, dv, k, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KE
                 offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_ot, BLOCK_M: tl.constexpr, COMPUTE: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, MASKED: tl.constexpr):
     """dK / dV's sums over this key block's runs [LO[r], HI[r]) of query blocks for query head n (MASKED as in
-    _fwd_tiles). Padded query rows (past T) load zeros and lse = delta = 0: P = 1 there but dO = 0, so they add
-    nothing."""
+    _fwd_tiles). The tiles are key-major, P^T and dS^T [BLOCK_N, BLOCK_M] (FlashAttention-2's dK/dV loop): every
+    product then has the key block as its rows, dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers as
+    they are, and the query-side operands (Q^T, dO^T) are views of the tiles loaded into shared memory, with no
+    transpose of a register tile (the first H200 run had dK/dV at half the forward's rate with [BLOCK_M, BLOCK_N]
+    tiles transposed in registers). Padded query rows (past T) load zeros and lse = delta = 0: P = 1 there but
+    dO = 0, so they add nothing."""
     q0 = T - TQ
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
         for qb in range(tl.load(LO + r), tl.load(HI + r)):
@@ -255,12 +266,13 @@ def _dkdv_tiles(dk, dv, k, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KE
             q = _load_rows(Q_head, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
             do = _load_rows(DO_head, offs_m - q0, TQ, stride_ot, offs_hv, HV, COMPUTE)
             lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
-            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+            pt = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
             if MASKED:
-                p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END), p, 0.0)
-            dv += tl.dot(tl.trans(p.to(COMPUTE)), do, input_precision=DOT_PRECISION)
-            ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(COMPUTE)), q, input_precision=DOT_PRECISION)
+                pt = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, True),
+                              pt, 0.0)
+            dv += tl.dot(pt.to(COMPUTE), do, input_precision=DOT_PRECISION)
+            dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :])
+            dk += tl.dot(dst.to(COMPUTE), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -300,23 +312,24 @@ def _interpreting() -> bool:
 
 def _default_tiles(widest: int, compute: tl.dtype) -> dict[str, tuple[int, int, int, int]]:
     """kernel -> (BLOCK_M, BLOCK_N, warps, pipeline stages) for heads up to ``widest`` channels (a power of two).
-    Not timed on a GPU yet (benchmarks/tree_attention.py --sweep measures candidates): 128-row query tiles for the
-    forward and dQ up to 128 channels, as FlashAttention-2 uses on Hopper; for each kernel the largest tiles among
-    those tried that ptxas compiles for sm_90 without spilling registers, as Triton's JIT specialises them
-    (tests/kernels/triton_aot.py --resources prints shared memory, registers and spills). dK / dV keeps two
-    [BLOCK_N, head] fp32 accumulators and its K and V tiles for the whole loop, hence its narrow query tiles. fp32
-    inputs (exact IEEE dots, no tensor cores: the tests' path, not a fast one) take small tiles that fit in shared
-    memory at every head size."""
+    Heads of 128 in bf16: the forward and dQ tiles are the fastest of benchmarks/tree_attention.py --sweep on an
+    H200 (GRPO workload, docs/benchmarks.md); dK / dV's (key-major since then) are the FlashAttention-2 shape, a
+    block of 128 keys stepping through 32 queries, among those ptxas compiles without spilling, until a sweep times
+    them. Other sizes: for each kernel the largest tiles among those tried that ptxas compiles for sm_90 without
+    spilling registers, as Triton's JIT specialises them (tests/kernels/triton_aot.py --resources prints shared
+    memory, registers and spills). dK / dV keeps two [BLOCK_N, head] fp32 accumulators and its K and V tiles for the
+    whole loop, hence its short query steps. fp32 inputs (exact IEEE dots, no tensor cores: the tests' path, not a
+    fast one) take small tiles that fit in shared memory at every head size."""
     if compute == tl.float32:
         if widest > WIDE_HEAD_DIM:
             return dict.fromkeys(KERNELS, (16, 16, 4, 1))
         return {"fwd": (32, 32, 8, 1), "dq": (32, 32, 8, 1), "dkdv": (16, 32, 8, 1)}
     if widest > WIDE_HEAD_DIM:
-        return {"fwd": (32, 32, 8, 2), "dq": (32, 32, 8, 2), "dkdv": (16, 32, 8, 1)}
+        return {"fwd": (32, 32, 8, 2), "dq": (32, 32, 8, 2), "dkdv": (32, 16, 8, 2)}
     if widest > 128:
         return {"fwd": (64, 64, 8, 2), "dq": (32, 64, 8, 2), "dkdv": (32, 32, 8, 2)}
     if widest == 128:
-        return {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 2), "dkdv": (32, 64, 8, 2)}
+        return {"fwd": (64, 64, 4, 3), "dq": (128, 64, 8, 3), "dkdv": (32, 128, 8, 2)}
     return {"fwd": (128, 64, 4, 3), "dq": (128, 64, 4, 2), "dkdv": (32, 64, 4, 3)}
 
 
