@@ -276,10 +276,10 @@ def parse_args(argv=None):
 
 # Candidate tiles per kernel (BLOCK_MxBLOCK_NxWARPSxSTAGES) for heads up to 128; the defaults come first.
 SWEEP = {
-    "fwd": ["64x64x4x3", "128x64x8x3", "128x128x8x3", "64x64x4x4", "64x128x4x3", "128x64x8x4"],
-    "dq": ["128x64x8x3", "128x64x8x2", "128x64x8x4", "128x32x4x3", "64x64x4x3", "128x128x8x2"],
-    "dkdv": ["32x128x8x2", "32x128x8x3", "16x128x8x3", "32x64x8x2", "64x64x8x2", "64x32x8x2", "64x32x4x2",
-             "32x64x4x3", "32x32x4x3"],
+    "fwd": ["64x64x4x3", "128x64x8x3", "128x128x8x3", "64x64x4x4", "128x64x8x4"],
+    "dq": ["128x32x4x3", "128x64x8x3", "128x128x8x2", "128x64x4x3", "128x32x4x4", "64x64x4x3"],
+    "dkdv": ["32x64x4x3", "32x64x4x4", "32x128x8x3", "64x64x8x2", "64x32x4x2", "32x64x4x2", "16x64x4x3",
+             "32x32x4x4"],
 }
 
 

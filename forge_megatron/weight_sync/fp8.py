@@ -92,7 +92,9 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     padded[:rows, :cols] = x
     blocks = padded.view(gm, bm, gn, bn)
     amax = blocks.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # divided by a tensor, not the Python number: CUDA computes x / (CPU scalar) as x * (1 / scalar), which can land
+    # an ulp away from the IEEE quotient the CPU gives (the first H200 run's GPU bytes differed from the CPU's)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(gm * bm, gn * bn)[:rows, :cols]
     return q.to(FP8_DTYPE).contiguous(), scale.contiguous()
 

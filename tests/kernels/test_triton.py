@@ -10,6 +10,7 @@ from tree_cases import (
     check_against_reference,
     check_sinks_and_window,
     check_suffix_queries,
+    error_budget,
     forest_cases,
     low_precision_attention,
     random_qkv,
@@ -113,14 +114,14 @@ def test_each_kernel_its_own_tiles(monkeypatch):
 def test_gpu_tiles_by_head_size_and_from_the_environment(monkeypatch):
     monkeypatch.delenv(triton_kernel.TILES_ENV, raising=False)
     cfg = triton_kernel.gpu_launch_config(128, tl.bfloat16)
-    assert cfg["tiles"] == {"fwd": (64, 64, 4, 3), "dq": (128, 64, 8, 3), "dkdv": (32, 128, 8, 2)}
+    assert cfg["tiles"] == {"fwd": (64, 64, 4, 3), "dq": (128, 32, 4, 3), "dkdv": (32, 64, 4, 3)}
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == (64, 64, 4)
     assert triton_kernel.gpu_launch_config(512, tl.bfloat16)["tiles"]["fwd"][:2] == (32, 32)
     assert triton_kernel.gpu_launch_config(192, tl.bfloat16, 128)["tiles"]["fwd"][:2] == (64, 64)
     assert max(t[0] for t in triton_kernel.gpu_launch_config(64, tl.float32)["tiles"].values()) == 32
     monkeypatch.setenv(triton_kernel.TILES_ENV, "dkdv=64x128x8x2, fwd=64x64x4x1")
     tiles = triton_kernel.gpu_launch_config(128, tl.bfloat16)["tiles"]
-    assert tiles == {"fwd": (64, 64, 4, 1), "dq": (128, 64, 8, 3), "dkdv": (64, 128, 8, 2)}
+    assert tiles == {"fwd": (64, 64, 4, 1), "dq": (128, 32, 4, 3), "dkdv": (64, 128, 8, 2)}
     constexprs, options = triton_kernel._kernel_launch(triton_kernel.gpu_launch_config(128, tl.bfloat16), "dkdv")
     assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"], options) == (64, 128, dict(num_warps=8, num_stages=2))
     assert "tiles" not in constexprs and "num_warps" not in constexprs
@@ -321,8 +322,9 @@ BLOCK_CASES = {"prefix_and_leaves": _block_tree(), "chains_full_tiles": _chains_
 def _check_key_end(sub_end, blocks, N=4, K=2, H=16, dtype=torch.float32, window=None, with_sinks=False, q_start=0,
                    seed=0, Hv=None, device="cpu"):
     """Triton with key_end (q: tokens [q_start, T)) against the fp32 reference with the same key_end, forward and
-    backward (dq, dk, dv and the sinks' gradient), by the FlashAttention rule: error <= 2 x the error of the
-    same math run in ``dtype`` (tree_cases.low_precision_attention) + 2e-5. Also checks that the blocks change the
+    backward (dq, dk, dv and the sinks' gradient), by the FlashAttention rule (tree_cases.error_budget: error
+    against fp64 <= 2 x the error of the same math run in ``dtype``, tree_cases.low_precision_attention, + 1e-5
+    relative to the output's magnitude). Also checks that the blocks change the
     output (the test is not causal)."""
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 
@@ -341,12 +343,13 @@ def _check_key_end(sub_end, blocks, N=4, K=2, H=16, dtype=torch.float32, window=
         return (o, *torch.autograd.grad(o, leaves, do))
 
     got = run(tree_attention_triton, q, k, v, sinks, do, key_end)
-    exact = run(tree_attention_reference, q.float(), k.float(), v.float(), sinks, do.float(), key_end)
-    lowp = run(low_precision_attention, q, k, v, sinks, do, key_end) if dtype != torch.float32 else exact
+    exact = run(tree_attention_reference, q.double(), k.double(), v.double(),
+                sinks.double() if sinks is not None else None, do.double(), key_end)
+    lowp = run(low_precision_attention, q, k, v, sinks, do, key_end)
     for name, g, e, lp in zip(("o", "dq", "dk", "dv", "dsinks"), got, exact, lowp):
         assert g.shape == e.shape, name
-        err = (g.float() - e).abs().max().item()
-        budget = 2 * (lp.float() - e).abs().max().item() + 2e-5
+        err = (g.double() - e).abs().max().item()
+        budget = error_budget(lp, e)
         assert err <= budget, f"{name}: error {err:.3g} > {budget:.3g} ({dtype}, window {window}, q_start {q_start})"
     causal = tree_attention_reference(q.float(), k.float(), v.float(), sub_end, softmax_scale=0.3, sinks=sinks,
                                       window=window)
@@ -559,8 +562,10 @@ def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end):
     assert max(shared) <= 227 * 1024, proc.stdout
     stacks = [re.search(r" regs=\d+ stack=(\d+)$", line) for line in proc.stdout.splitlines()]
     assert all(stacks), proc.stdout
-    if dtype == "bf16":  # the default tiles were chosen so that ptxas spills no registers
-        assert all(int(m.group(1)) == 0 for m in stacks), proc.stdout
+    if dtype == "bf16":  # untimed default tiles were chosen so that ptxas spills no registers; heads of 128 take the
+        # fastest measured on an H200, whose small spills (to L1-cached local memory) did not slow them
+        allowed = 256 if head_dim == "128" else 0
+        assert all(int(m.group(1)) <= allowed for m in stacks), proc.stdout
 
 
 def test_kernel_loads_are_pipelined():
@@ -586,3 +591,24 @@ def test_kernel_loads_are_pipelined():
     # one more stage: one more buffer of each tile loaded in the loop (bf16, 128-wide heads)
     for kernel, rows in (("_fwd_kernel", 64), ("_bwd_dq_kernel", 64), ("_bwd_dkdv_kernel", 32)):  # K, V / Q, dO
         assert shared[3][kernel] - shared[2][kernel] >= 2 * rows * 128 * 2, (kernel, shared)
+
+
+def test_forests_as_deep_as_a_long_prompt():
+    """tree_cases builds sub_end without recursion: a GRPO group whose 1,500-token prompt is a chain that deep (the
+    GPU tests' forests overflowed Python's recursion limit on the first H200 runs)."""
+    se = _gpu_forest(2, 1500, 5, 0).tolist()
+    assert len(se) == 1500 + 2 * 6 and se[:1500] == [1512] * 1500
+    assert se[1500:1506] == [1506] * 6 and se[1506:] == [1512] * 6  # each completion's chain ends with its sample
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+def test_error_budget_catches_a_slightly_wrong_kernel(dtype, rel):
+    """The tolerance rule is not vacuous: attention with its softmax scale off by ``rel`` fails it."""
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    def wrong(q, k, v, sub_end, softmax_scale=None):
+        return tree_attention_reference(q, k, v, sub_end, softmax_scale=q.shape[-1] ** -0.5 * (1 + rel))
+
+    check_against_reference(tree_attention_reference, CASES["grpo"], N=2, K=1, H=16, dtype=dtype)
+    with pytest.raises(AssertionError, match="exceeds"):
+        check_against_reference(wrong, CASES["grpo"], N=2, K=1, H=16, dtype=dtype)

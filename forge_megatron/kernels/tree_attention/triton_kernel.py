@@ -73,6 +73,10 @@ WIDE_HEAD_DIM = 256
 TILES_ENV = "FORGE_TREE_ATTN_TRITON_TILES"
 KERNELS = ("fwd", "dq", "dkdv")
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# Token counts only bound masks: Triton's specialisation of integer arguments (== 1, multiple of 16) would compile a
+# kernel again for each kind of micro-batch length and buy nothing (heads of 512 in fp32 timed out a GPU test on
+# those recompiles); the strides and head dims stay specialised (they decide vectorised loads).
+_LENGTHS = ["T", "TQ"]
 
 
 @triton.jit
@@ -161,7 +165,7 @@ def _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, L
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _fwd_kernel(
     Q, K, V, SUB_END, O, LSE, SINKS, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO, P_HI,
     T, TQ, H, HV, qk_scale,
@@ -217,7 +221,7 @@ def _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, O
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _bwd_dq_kernel(
     Q, K, V, DO, SUB_END, LSE, DELTA, DQ, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO, P_HI,
     T, TQ, H, HV, qk_scale, scale,
@@ -276,7 +280,7 @@ def _dkdv_tiles(dk, dv, k, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KE
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _bwd_dkdv_kernel(
     Q, K, V, DO, SUB_END, LSE, DELTA, DK, DV, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO, P_HI,
     T, TQ, H, HV, qk_scale, scale,
@@ -312,14 +316,14 @@ def _interpreting() -> bool:
 
 def _default_tiles(widest: int, compute: tl.dtype) -> dict[str, tuple[int, int, int, int]]:
     """kernel -> (BLOCK_M, BLOCK_N, warps, pipeline stages) for heads up to ``widest`` channels (a power of two).
-    Heads of 128 in bf16: the forward and dQ tiles are the fastest of benchmarks/tree_attention.py --sweep on an
-    H200 (GRPO workload, docs/benchmarks.md); dK / dV's (key-major since then) are the FlashAttention-2 shape, a
-    block of 128 keys stepping through 32 queries, among those ptxas compiles without spilling, until a sweep times
-    them. Other sizes: for each kernel the largest tiles among those tried that ptxas compiles for sm_90 without
-    spilling registers, as Triton's JIT specialises them (tests/kernels/triton_aot.py --resources prints shared
-    memory, registers and spills). dK / dV keeps two [BLOCK_N, head] fp32 accumulators and its K and V tiles for the
-    whole loop, hence its short query steps. fp32 inputs (exact IEEE dots, no tensor cores: the tests' path, not a
-    fast one) take small tiles that fit in shared memory at every head size."""
+    Heads of 128 in fp16/bf16: the fastest of benchmarks/tree_attention.py --sweep on an H200 (GRPO workload, two
+    sweeps, docs/benchmarks.md); with 4 warps dQ and dK/dV spill 144 and 48 bytes of registers and are still the
+    fastest measured (the spill-free 8-warp ones were 5-30 % slower). Other sizes are not timed yet: for each kernel
+    the largest tiles among those tried that ptxas compiles for sm_90 without spilling registers, as Triton's JIT
+    specialises them (tests/kernels/triton_aot.py --resources prints shared memory, registers and spills). dK / dV
+    keeps two [BLOCK_N, head] fp32 accumulators and its K and V tiles for the whole loop, hence its short query
+    steps. fp32 inputs (exact IEEE dots, no tensor cores: the tests' path, not a fast one) take small tiles that fit
+    in shared memory at every head size."""
     if compute == tl.float32:
         if widest > WIDE_HEAD_DIM:
             return dict.fromkeys(KERNELS, (16, 16, 4, 1))
@@ -329,7 +333,7 @@ def _default_tiles(widest: int, compute: tl.dtype) -> dict[str, tuple[int, int, 
     if widest > 128:
         return {"fwd": (64, 64, 8, 2), "dq": (32, 64, 8, 2), "dkdv": (32, 32, 8, 2)}
     if widest == 128:
-        return {"fwd": (64, 64, 4, 3), "dq": (128, 64, 8, 3), "dkdv": (32, 128, 8, 2)}
+        return {"fwd": (64, 64, 4, 3), "dq": (128, 32, 4, 3), "dkdv": (32, 64, 4, 3)}
     return {"fwd": (128, 64, 4, 3), "dq": (128, 64, 4, 2), "dkdv": (32, 64, 4, 3)}
 
 
