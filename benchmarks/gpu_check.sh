@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU check on a single H100/H200 (about 6 minutes: the second H200 run took 400 s; 635 s of step limits in
-# the worst case, 60 more after a crash; the CUDA extension's build took 47 s on one machine and over 60 on another). Steps run most wanted first, so a device call cut short by its own limit (a
-# 15-minute device budget holds one full call and the machine's start) still returns the log of the most useful ones.
+# the worst case, 60 more after a crash; the CUDA extension's build took 47 s on one machine and over 60 on another).
+# Steps run most wanted first, so a device call cut short by its own limit (a 15-minute device budget holds one full
+# call and the machine's start) still returns the log of the most useful ones.
 # Step keys (GPU_CHECK_ONLY=build,sweep,tests runs only those; env always runs):
 #   env       installs the wheels in .whl/ if present (benchmarks/gpu_wheels.sh fetches megatron-core and pyzmq for
 #             the lent image; carry .whl on the device call),
