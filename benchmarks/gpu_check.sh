@@ -73,9 +73,10 @@ step build "build CUDA extension" 100 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARC
 step grpo "benchmark grpo" 30 "$PY" benchmarks/tree_attention.py --workload grpo
 step sweep "sweep Triton tiles" 80 "$PY" benchmarks/tree_attention.py --sweep --workload grpo
 best=$(grep -o '"best_env": "[^"]*"' "$LOG" | tail -1 | cut -d'"' -f4)
+split=$(grep -o '"best_split": [01]' "$LOG" | tail -1 | grep -o '[01]$')
 if [ -n "$best" ]; then
-  step sweep "benchmark grpo, fastest tiles ($best)" 25 env FORGE_TREE_ATTN_TRITON_TILES="$best" \
-    "$PY" benchmarks/tree_attention.py --workload grpo
+  step sweep "benchmark grpo, fastest tiles ($best, dK/dV split ${split:-0})" 25 env FORGE_TREE_ATTN_TRITON_TILES="$best" \
+    FORGE_TREE_ATTN_DKDV_SPLIT="${split:-0}" "$PY" benchmarks/tree_attention.py --workload grpo
 fi
 step tests "gpu tests" 150 "${PYTEST[@]}" --dist load --timeout=90 "${TESTS[@]}"
 step trainer "trainer on GPU" 90 "${PYTEST[@]}" --dist load --timeout=85 tests/training/test_gpu_trainer.py

@@ -61,21 +61,26 @@ def tile_counts(sub_end_T: torch.Tensor, block: int) -> dict[str, int]:
             "partial": plan.partial_tiles}
 
 
-def _time_ms(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+def _time_ms(fn: Callable[[], object], device: torch.device, repeat: int, inner: int = 1) -> float:
+    """Median over ``repeat`` timings of ``inner`` calls in a row between two device synchronisations, per call.
+    inner = 1 puts each call's host overhead (Python, the launch) into its time; more calls in a row let it overlap
+    the device's work, as a model's layers do in training."""
     fn()  # warm-up (compilation, autotuning, allocator)
     times = []
     for _ in range(repeat):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        fn()
+        for _ in range(inner):
+            fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append((time.perf_counter() - start) * 1e3 / inner)
     return statistics.median(times)
 
 
-def _fwd_and_fwd_bwd(attn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], device, repeat):
+def _fwd_and_fwd_bwd(attn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], device, repeat,
+                     inner=1):
     q, k, v = (x.detach().requires_grad_() for x in inputs)
 
     def fwd():
@@ -86,7 +91,7 @@ def _fwd_and_fwd_bwd(attn: Callable[..., torch.Tensor], inputs: tuple[torch.Tens
         o = attn(q, k, v)
         torch.autograd.backward(o, torch.ones_like(o))
 
-    return _time_ms(fwd, device, repeat), _time_ms(fwd_bwd, device, repeat)
+    return _time_ms(fwd, device, repeat, inner), _time_ms(fwd_bwd, device, repeat, inner)
 
 
 def tree_backends(device: torch.device, head_dim: int) -> dict[str, Callable]:
@@ -213,7 +218,8 @@ def run(args) -> dict:
     for name, fn in tree_backends(device, H).items():
         attn = lambda q, k, v, fn=fn: fn(q, k, v, sub_end_T)  # noqa: E731
         with _cuda_impl(name):
-            results[name] = _rates(tree_pairs, N, H, *_fwd_and_fwd_bwd(attn, tree_qkv, device, args.repeat))
+            results[name] = _rates(tree_pairs, N, H, *_fwd_and_fwd_bwd(attn, tree_qkv, device, args.repeat,
+                                                                         args.inner))
             with torch.no_grad():
                 results[name]["max_abs_diff_vs_segment"] = float((attn(*tree_qkv).float() - segment_o).abs().max())
     if "cuda" in results:  # which implementation "auto" ran: the tensor cores, or SIMT and why
@@ -224,7 +230,8 @@ def run(args) -> dict:
     failed = {}
     for name, fn in per_sample_backends(lengths, device).items():
         try:
-            results[name] = _rates(sample_pairs, N, H, *_fwd_and_fwd_bwd(fn, sample_qkv, device, args.repeat))
+            results[name] = _rates(sample_pairs, N, H, *_fwd_and_fwd_bwd(fn, sample_qkv, device, args.repeat,
+                                                                             args.inner))
         except Exception as exc:  # noqa: BLE001 - an optional baseline this torch cannot run is reported, not fatal
             if name == "sdpa_per_sample":
                 raise
@@ -243,6 +250,7 @@ def run(args) -> dict:
     return {
         "bench": "tree_attention", "device": str(device), "gpu": env.describe_cuda() if device.type == "cuda" else "",
         "workload": args.workload, "dtype": str(dtype).replace("torch.", ""), "N": N, "K": K, "H": H,
+        "inner": args.inner,
         "tree_tokens": T, "per_sample_tokens": S, "tree_pairs": tree_pairs, "per_sample_pairs": sample_pairs,
         "tiles_64": tile_counts(sub_end_T, 64),
         "backends": results, **({"baselines_failed": failed} if failed else {}), "baseline": baseline,
@@ -267,6 +275,9 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128 if gpu else 32, help="head dim H")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="GPU dtype (CPU: fp32)")
     p.add_argument("--repeat", type=int, default=10 if gpu else 5)
+    p.add_argument("--inner", type=int, default=5 if gpu else 1,
+                   help="calls in a row per timing, between device synchronisations (5 on GPU: host overhead then "
+                        "overlaps the kernels, as across a model's layers; the Dec 4 2026 runs before it used 1)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--sweep", action="store_true",
                    help="instead: time the Triton kernels (forward, dQ, dK/dV each alone) under candidate tiles "
@@ -274,19 +285,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# Candidate tiles per kernel (BLOCK_MxBLOCK_NxWARPSxSTAGES) for heads up to 128; the defaults come first.
+# Candidate tiles per kernel (BLOCK_MxBLOCK_NxWARPSxSTAGES) for heads up to 128; the defaults come first. A dK/dV
+# candidate ending in "+split" runs with FORGE_TREE_ATTN_DKDV_SPLIT=1 (one program per query head, fp32 atomics).
 SWEEP = {
     "fwd": ["64x64x4x3", "128x64x8x3", "128x128x8x3", "64x64x4x4", "128x64x8x4"],
     "dq": ["128x32x4x3", "128x64x8x3", "128x128x8x2", "128x64x4x3", "128x32x4x4", "64x64x4x3"],
-    "dkdv": ["32x64x4x3", "32x64x4x4", "32x128x8x3", "64x64x8x2", "64x32x4x2", "32x64x4x2", "16x64x4x3",
-             "32x32x4x4"],
+    "dkdv": ["32x64x4x3", "32x64x4x3+split", "32x64x4x4", "32x64x4x4+split", "32x128x8x3", "32x128x8x3+split",
+             "64x64x8x2", "64x64x8x2+split", "64x32x4x2", "32x64x4x2", "16x64x4x3"],
 }
 
 
 def sweep(args) -> dict:
     """Median time of each Triton kernel alone under every candidate tile of SWEEP (the other kernels at their
     defaults), side by side in one process on the same inputs; a candidate that fails to compile or launch (shared
-    memory) is reported with its error. ``best_env`` is the FORGE_TREE_ATTN_TRITON_TILES value of the fastest."""
+    memory) is reported with its error. ``best_env`` is the FORGE_TREE_ATTN_TRITON_TILES value of the fastest,
+    ``best_split`` the FORGE_TREE_ATTN_DKDV_SPLIT value."""
     from forge_megatron.kernels.tree_attention import triton_kernel as tk
 
     device = torch.device(args.device or "cuda")
@@ -300,6 +313,7 @@ def sweep(args) -> dict:
     q, k, v, do = (torch.randn(T, n, H, generator=g).to(device, dtype) for n in (N, K, K, N))
     scale = H ** -0.5
     saved = os.environ.pop(tk.TILES_ENV, None)
+    saved_split = os.environ.pop(tk.DKDV_SPLIT_ENV, None)
     o, lse = tk._forward(q, k, v, sub_end_T, scale)
     calls = {"fwd": lambda: tk._forward(q, k, v, sub_end_T, scale),
              "dq": lambda: tk._backward(do, q, k, v, o, lse, sub_end_T, scale, kernels=("dq",)),
@@ -309,23 +323,26 @@ def sweep(args) -> dict:
         for kernel, candidates in SWEEP.items():
             results[kernel] = {}
             for tiles in candidates:
-                os.environ[tk.TILES_ENV] = f"{kernel}={tiles}"
+                os.environ[tk.TILES_ENV] = f"{kernel}={tiles.removesuffix('+split')}"
+                os.environ[tk.DKDV_SPLIT_ENV] = "1" if tiles.endswith("+split") else "0"
                 try:
-                    results[kernel][tiles] = round(_time_ms(calls[kernel], device, args.repeat), 4)
+                    results[kernel][tiles] = round(_time_ms(calls[kernel], device, args.repeat, args.inner), 4)
                 except Exception as exc:  # noqa: BLE001 - a candidate that does not fit is a result too
                     results[kernel][tiles] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
                 # progress on stderr: a run cut short by a time limit still shows what it measured
                 print(f"[sweep] {kernel} {tiles}: {results[kernel][tiles]}", file=sys.stderr, flush=True)
     finally:
-        os.environ.pop(tk.TILES_ENV, None)
-        if saved is not None:
-            os.environ[tk.TILES_ENV] = saved
+        for name, value in ((tk.TILES_ENV, saved), (tk.DKDV_SPLIT_ENV, saved_split)):
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
     best = {kernel: min((t for t, ms in times.items() if isinstance(ms, float)), key=times.get, default=None)
             for kernel, times in results.items()}
-    return {"bench": "tree_attention_sweep", "gpu": env.describe_cuda(), "workload": args.workload,
+    return {"bench": "tree_attention_sweep", "gpu": env.describe_cuda(), "workload": args.workload, "inner": args.inner,
             "dtype": args.dtype, "N": N, "K": K, "H": H, "tree_tokens": T, "ms": results, "best": best,
             "default_ms": {kernel: results[kernel][SWEEP[kernel][0]] for kernel in SWEEP},
-            "best_env": ",".join(f"{kernel}={tiles}" for kernel, tiles in best.items() if tiles)}
+            "best_env": ",".join(f"{kernel}={tiles.removesuffix('+split')}" for kernel, tiles in best.items() if tiles),
+            "best_split": int(bool(best.get("dkdv")) and best["dkdv"].endswith("+split"))}
 
 
 if __name__ == "__main__":

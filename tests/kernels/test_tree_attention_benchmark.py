@@ -39,16 +39,22 @@ def test_tile_sweep_times_each_kernel_under_each_candidate(monkeypatch):
 
     bench = _load_benchmark()
     monkeypatch.setattr(bench, "SWEEP", {"fwd": ["32x32x4x1", "16x32x4x1"], "dq": ["32x16x4x1"],
-                                         "dkdv": ["16x16x4x1", "48x16x4x1"]})
+                                         "dkdv": ["16x16x4x1", "16x16x4x1+split", "48x16x4x1"]})
     monkeypatch.setenv(triton_kernel.TILES_ENV, "fwd=16x16x4x1")
+    monkeypatch.delenv(triton_kernel.DKDV_SPLIT_ENV, raising=False)
     out = bench.sweep(bench.parse_args(["--device", "cpu", "--sweep", "--repeat", "1", "--prompt", "20",
                                         "--completion", "10", "--samples", "2"]))
-    assert set(out["ms"]["fwd"]) == {"32x32x4x1", "16x32x4x1"} and set(out["ms"]["dkdv"]) == {"16x16x4x1", "48x16x4x1"}
+    assert set(out["ms"]["fwd"]) == {"32x32x4x1", "16x32x4x1"}
+    assert set(out["ms"]["dkdv"]) == {"16x16x4x1", "16x16x4x1+split", "48x16x4x1"}
     assert all(isinstance(ms, float) and ms > 0 for kernel in ("fwd", "dq") for ms in out["ms"][kernel].values())
+    assert isinstance(out["ms"]["dkdv"]["16x16x4x1+split"], float)  # the split variant ran
     assert "powers of two" in out["ms"]["dkdv"]["48x16x4x1"]  # a candidate that cannot run is reported, not fatal
-    assert out["best"]["dkdv"] == "16x16x4x1" and f"dkdv={out['best']['dkdv']}" in out["best_env"]
+    best = out["best"]["dkdv"]
+    assert best in ("16x16x4x1", "16x16x4x1+split") and "dkdv=16x16x4x1" in out["best_env"]
+    assert out["best_split"] == int(best.endswith("+split"))
     assert out["default_ms"]["fwd"] == out["ms"]["fwd"]["32x32x4x1"]
     assert os.environ[triton_kernel.TILES_ENV] == "fwd=16x16x4x1"
+    assert triton_kernel.DKDV_SPLIT_ENV not in os.environ  # both variables left as they were
 
 
 def _load_benchmark():

@@ -536,12 +536,14 @@ def test_gpu_suffix_queries(H):
         check_suffix_queries(tree_attention_triton, se, N=8, K=2, H=H, device="cuda", atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,head_dim,window,key_end", [("bf16", "128", None, False), ("fp32", "64", None, False),
-                                                           ("bf16", "192x128", None, False), ("bf16", "64", 128, False),
-                                                           ("bf16", "128", None, True), ("bf16", "512", None, False)])
-def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end):
+@pytest.mark.parametrize("dtype,head_dim,window,key_end,split", [
+    ("bf16", "128", None, False, False), ("fp32", "64", None, False, False), ("bf16", "192x128", None, False, False),
+    ("bf16", "64", 128, False, False), ("bf16", "128", None, True, False), ("bf16", "512", None, False, False),
+    ("bf16", "128", None, False, True)])
+def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end, split):
     """The GPU code path (native low-precision tl.dot, ieee fp32 dots) lowers to a cubin: TTIR -> PTX -> ptxas;
-    with key_end: the bidirectional blocks' variants (HAS_KEY_END, full tiles included: no window). Each kernel's
+    with key_end: the bidirectional blocks' variants (HAS_KEY_END, full tiles included: no window); with split, dK/dV
+    per query head (fp32 atomics, FORGE_TREE_ATTN_DKDV_SPLIT). Each kernel's
     shared memory fits an H100 / H200 SM (227 KiB a block): Gemma 4's heads of 512 need their 32 x 32 tiles for
     that, 64 x 64 ones would take over 260 KiB in the backward; bf16 kernels spill no registers."""
     import os
@@ -552,7 +554,8 @@ def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end):
 
     script = Path(__file__).with_name("triton_aot.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    extra = (["--sinks-window", str(window)] if window else []) + (["--key-end"] if key_end else [])
+    extra = (["--sinks-window", str(window)] if window else []) + (["--key-end"] if key_end else []) + \
+        (["--dkdv-split"] if split else [])
     proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", head_dim, "--resources",
                            *extra], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -612,3 +615,26 @@ def test_error_budget_catches_a_slightly_wrong_kernel(dtype, rel):
     check_against_reference(tree_attention_reference, CASES["grpo"], N=2, K=1, H=16, dtype=dtype)
     with pytest.raises(AssertionError, match="exceeds"):
         check_against_reference(wrong, CASES["grpo"], N=2, K=1, H=16, dtype=dtype)
+
+
+def test_dkdv_split_over_query_heads(monkeypatch):
+    """FORGE_TREE_ATTN_DKDV_SPLIT=1: dK / dV from one program per query head, the group's heads added into fp32 with
+    atomics: the same gradients (GQA groups of 2 and 4; whole tree, suffix queries, bidirectional blocks with a
+    window and sinks); without GQA it is the plain kernel. Bad values of the variable are refused."""
+    monkeypatch.setenv(triton_kernel.DKDV_SPLIT_ENV, "1")
+    assert triton_kernel.dkdv_split()
+    check_against_reference(tree_attention_triton, CASES["grpo"], N=4, K=2, H=16, dtype=torch.float32)
+    check_against_reference(tree_attention_triton, CASES["many_roots"], N=4, K=1, H=16, dtype=torch.float32, seed=2)
+    check_suffix_queries(tree_attention_triton, CASES["random_trie"], N=4, K=2, H=16, seed=3)
+    _check_key_end(*BLOCK_CASES["prefix_and_leaves"], N=4, K=2, H=16, window=3, with_sinks=True)
+    monkeypatch.setenv(triton_kernel.DKDV_SPLIT_ENV, "yes")
+    with pytest.raises(ValueError, match="FORGE_TREE_ATTN_DKDV_SPLIT must be 0 or 1"):
+        triton_kernel.dkdv_split()
+    monkeypatch.delenv(triton_kernel.DKDV_SPLIT_ENV)
+    assert not triton_kernel.dkdv_split()
+
+
+def test_grid_caps_blocks_at_cuda_limit():
+    assert triton_kernel._grid(16, 65535) == (16, 65535)
+    with pytest.raises(ValueError, match="exceed the CUDA grid's 65535"):
+        triton_kernel._grid(16, 65536)

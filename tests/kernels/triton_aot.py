@@ -9,7 +9,7 @@ registers per thread and the stack bytes per thread that ptxas gave it (spills; 
 Triton ships).
 
   python tests/kernels/triton_aot.py [--arch 90] [--dtypes bf16 fp32] [--head-dims 64 128 192x128 512] [--key-end]
-      [--resources]
+      [--dkdv-split] [--resources]
 
 A head dim ``HxHV`` compiles query/key heads of H channels with value heads of HV (multi-latent attention).
 """
@@ -41,6 +41,8 @@ def signature(fn, dtype: str, constexprs: dict) -> dict:
     for name in inspect.signature(fn.fn).parameters:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in ("DK", "DV") and constexprs.get("SPLIT"):  # the fp32 sums the query heads add into
+            sig[name] = "*fp32"
         elif name in TENSOR_ARGS:
             sig[name] = f"*{dtype}"
         elif name in INT_POINTER_ARGS:
@@ -113,6 +115,8 @@ def main() -> None:
                    help="compile the variants with attention sinks and a sliding window of W (gpt-oss)")
     p.add_argument("--key-end", action="store_true",
                    help="compile the variants with bidirectional blocks (key_end: Gemma 3's images)")
+    p.add_argument("--dkdv-split", action="store_true",
+                   help="compile dK/dV with one program per query head (fp32 atomics; FORGE_TREE_ATTN_DKDV_SPLIT=1)")
     p.add_argument("--resources", action="store_true",
                    help="also print each kernel's registers and stack (spill) bytes per thread")
     p.add_argument("--gated-delta", nargs="+", default=None, metavar="DKxDVxC",
@@ -131,7 +135,8 @@ def main() -> None:
             window = args.sinks_window or 0
             for name, fn in (("fwd", tk._fwd_kernel), ("dq", tk._bwd_dq_kernel), ("dkdv", tk._bwd_dkdv_kernel)):
                 tile_constexprs, options = tk._kernel_launch(cfg, name)
-                extra = dict(HAS_SINKS=window > 0) if fn is tk._fwd_kernel else {}
+                extra = dict(HAS_SINKS=window > 0) if fn is tk._fwd_kernel else \
+                    dict(SPLIT=args.dkdv_split or tk.dkdv_split()) if fn is tk._bwd_dkdv_kernel else {}
                 constexprs = dict(GROUP=4, WINDOW=window, HAS_KEY_END=args.key_end, **extra, **tile_constexprs)
                 # strides are multiples of the head dims (tokens x heads x channels, contiguous): 16-aligned with them
                 aligned = {n for n in inspect.signature(fn.fn).parameters if n.startswith("stride_")} \

@@ -71,6 +71,7 @@ MAX_HEAD_DIM = 512
 # (tests/kernels/triton_aot.py prints them).
 WIDE_HEAD_DIM = 256
 TILES_ENV = "FORGE_TREE_ATTN_TRITON_TILES"
+DKDV_SPLIT_ENV = "FORGE_TREE_ATTN_DKDV_SPLIT"
 KERNELS = ("fwd", "dq", "dkdv")
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # Token counts only bound masks: Triton's specialisation of integer arguments (== 1, multiple of 16) would compile a
@@ -174,8 +175,8 @@ def _fwd_kernel(
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
     WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
 ):
-    n = tl.program_id(1)
-    row = _heavy_first(tl.program_id(0), tl.num_programs(0))
+    n = tl.program_id(0)  # heads vary fastest: every head's longest query blocks are launched before any short one
+    row = _heavy_first(tl.program_id(1), tl.num_programs(1))
     q0 = T - TQ  # the TQ queries are tree tokens [q0, T); row r of Q, O and LSE is token q0 + r
     offs_m = q0 + row * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
@@ -230,8 +231,8 @@ def _bwd_dq_kernel(
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
     HAS_KEY_END: tl.constexpr,
 ):
-    n = tl.program_id(1)
-    row = _heavy_first(tl.program_id(0), tl.num_programs(0))
+    n = tl.program_id(0)  # heads vary fastest: every head's longest query blocks are launched before any short one
+    row = _heavy_first(tl.program_id(1), tl.num_programs(1))
     q0 = T - TQ
     offs_m = q0 + row * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
@@ -280,6 +281,27 @@ def _dkdv_tiles(dk, dv, k, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KE
     return dk, dv
 
 
+@triton.jit
+def _add_rows(PTR, x, offs_t, T, stride_t, offs_h, H):
+    """Atomically add a [rows, BLOCK_H] fp32 tile into one head of an fp32 tensor (dK / dV split over query heads)."""
+    mask = (offs_t[:, None] < T) & (offs_h[None, :] < H)
+    tl.atomic_add(PTR + offs_t[:, None] * stride_t + offs_h[None, :], x, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _dkdv_head(dk, dv, k, v, Q, DO, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO, P_HI, row,
+               offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_qn, stride_ot, stride_on,
+               BLOCK_M: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+               HAS_KEY_END: tl.constexpr):
+    """Query head n's part of dK / dV for this key block: its full runs (no mask), then its partial ones."""
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH, KEY_END,
+                         F_OFF, F_LO, F_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt,
+                         stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False)
+    return _dkdv_tiles(dk, dv, k, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH, KEY_END,
+                       P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_ot,
+                       BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True)
+
+
 @triton.jit(do_not_specialize=_LENGTHS)
 def _bwd_dkdv_kernel(
     Q, K, V, DO, SUB_END, LSE, DELTA, DK, DV, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO, P_HI,
@@ -287,10 +309,18 @@ def _bwd_dkdv_kernel(
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-    HAS_KEY_END: tl.constexpr,
+    HAS_KEY_END: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    kv = tl.program_id(1)
-    row = tl.program_id(0)  # key block: the first ones, seen by the most queries, are the longest and start first
+    """One key block of one key/value head, summed over its GROUP query heads; with SPLIT one query head per
+    program (GROUP times the programs, each a GROUP-th as long) adding into fp32 dK / dV with atomics. Heads vary
+    fastest and key block 0 comes first: a GRPO prompt's key blocks, seen by every completion, are the longest
+    programs and all start before the short ones."""
+    pid = tl.program_id(0)
+    row = tl.program_id(1)
+    if SPLIT:
+        kv = pid // GROUP
+    else:
+        kv = pid
     offs_n = row * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
     offs_hv = tl.arange(0, BLOCK_HV)
@@ -298,16 +328,20 @@ def _bwd_dkdv_kernel(
     v = _load_rows(V + kv * stride_vn, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
     dk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_HV], tl.float32)
-    for g in range(GROUP):  # the query heads sharing this key/value head
-        n = kv * GROUP + g
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH,
-                             KEY_END, F_OFF, F_LO, F_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale,
-                             stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH,
-                             KEY_END, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale,
-                             stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True)
-    _store_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
-    _store_rows(DV + kv * stride_vn, dv, offs_n, T, stride_vt, offs_hv, HV)
+    if SPLIT:
+        dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, LSE, DELTA, pid, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF,
+                            P_LO, P_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_qn,
+                            stride_ot, stride_on, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END)
+        _add_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
+        _add_rows(DV + kv * stride_vn, dv, offs_n, T, stride_vt, offs_hv, HV)
+    else:
+        for g in range(GROUP):  # the query heads sharing this key/value head
+            dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, LSE, DELTA, kv * GROUP + g, SUB_END, DEPTH, KEY_END, F_OFF,
+                                F_LO, F_HI, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale,
+                                stride_qt, stride_qn, stride_ot, stride_on, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW,
+                                HAS_KEY_END)
+        _store_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
+        _store_rows(DV + kv * stride_vn, dv, offs_n, T, stride_vt, offs_hv, HV)
 
 
 def _interpreting() -> bool:
@@ -397,6 +431,26 @@ def _launch_config(q_TNH: torch.Tensor, T: int, v_head_dim: int | None = None) -
     return gpu_launch_config(H, _TL_DTYPES[q_TNH.dtype], v_head_dim)
 
 
+def _grid(heads: int, rows: int) -> tuple[int, int]:
+    """(heads, blocks): heads on the grid's first axis, so they vary fastest in launch order and the longest blocks
+    of every head start first; blocks on the second, which CUDA caps at 65535."""
+    if rows > 65535:
+        raise ValueError(f"{rows} blocks of tokens exceed the CUDA grid's 65535 (a micro-batch of millions of "
+                         "tokens): split the micro-batch")
+    return heads, rows
+
+
+def dkdv_split(value: str | None = None) -> bool:
+    """FORGE_TREE_ATTN_DKDV_SPLIT=1: dK / dV with one program per query head (fp32 atomics summing a group's heads)
+    instead of one per key/value head looping over its group. More, shorter programs: a GRPO prompt's key blocks,
+    which every completion sees, then no longer run GROUP times as long as the rest. Off by default until a GPU
+    sweep times it (benchmarks/tree_attention.py --sweep tries both)."""
+    value = os.environ.get(DKDV_SPLIT_ENV, "0") if value is None else value
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{DKDV_SPLIT_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _kernel_launch(cfg: dict, kernel: str) -> tuple[dict, dict]:
     """(constexprs, launch options) of one kernel: its BLOCK_M / BLOCK_N, warps and stages from cfg["tiles"], or
     cfg's own BLOCK_M / BLOCK_N (and num_warps) for every kernel where it has no tiles (the interpreter, tests)."""
@@ -434,7 +488,7 @@ def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_
         return o_TNH, lse_NT
     constexprs, options = _kernel_launch(_launch_config(q_TNH, T, HV), "fwd")
     plan = tile_schedule.schedule(sub_end_T, Tq, constexprs["BLOCK_M"], constexprs["BLOCK_N"], window, key_end_T)
-    _fwd_kernel[(plan.rows, N)](
+    _fwd_kernel[_grid(N, plan.rows)](
         q_TNH, k_TKH, v_TKH, sub_end_T, o_TNH, lse_NT, sinks_N if sinks_N is not None else lse_NT,
         *_extras(sub_end_T, key_end_T, window), *plan.args(),
         T, Tq, H, HV, scale * LOG2E,
@@ -465,7 +519,7 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, wind
     if "dq" in kernels:
         constexprs, options = _kernel_launch(cfg, "dq")
         plan = tile_schedule.schedule(sub_end_T, Tq, constexprs["BLOCK_M"], constexprs["BLOCK_N"], window, key_end_T)
-        _bwd_dq_kernel[(plan.rows, N)](
+        _bwd_dq_kernel[_grid(N, plan.rows)](
             q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, lse_NT, delta_NT, dq_TNH, *extras, *plan.args(), **common,
             **constexprs, **options,
         )
@@ -473,10 +527,16 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, wind
         constexprs, options = _kernel_launch(cfg, "dkdv")
         plan = tile_schedule.schedule(sub_end_T, Tq, constexprs["BLOCK_M"], constexprs["BLOCK_N"], window, key_end_T,
                                       by="key")
-        _bwd_dkdv_kernel[(plan.rows, K)](
+        split = dkdv_split() and N > K
+        if split:  # fp32 sums that every query head of a group adds into
+            dk_TKH = torch.zeros_like(k_TKH, dtype=torch.float32)
+            dv_TKH = torch.zeros_like(v_TKH, dtype=torch.float32)
+        _bwd_dkdv_kernel[_grid(N if split else K, plan.rows)](
             q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, lse_NT, delta_NT, dk_TKH, dv_TKH, *extras, *plan.args(),
-            **common, **constexprs, **options,
+            **common, **constexprs, **options, SPLIT=split,
         )
+        if split:
+            dk_TKH, dv_TKH = dk_TKH.to(k_TKH.dtype), dv_TKH.to(v_TKH.dtype)
     return dq_TNH, dk_TKH, dv_TKH
 
 
