@@ -13,7 +13,8 @@ Forward (online softmax, base 2): s = scale * log2(e) * q.k; m = running max; l 
 o = sum 2^(s - m) v / l; lse_i = (m + log2 l) * ln 2 (natural log, saved for the backward).
 Backward (FA2): P = exp(scale q.k - lse), delta_i = rowsum(dO * O), dV = P^T dO, dS = P * (dO V^T - delta),
 dQ = scale dS K, dK = scale dS^T Q. dK/dV are summed over the N/K query heads of each key/value head (GQA) inside
-one program, so no atomics are needed. Loads are upcast to fp32 under TRITON_INTERPRET=1 (bf16 arithmetic is wrong
+one program, so no atomics are needed (FORGE_TREE_ATTN_DKDV_SPLIT=1: one program per query head instead, adding
+into fp32 dK/dV with atomics; dkdv_split). Loads are upcast to fp32 under TRITON_INTERPRET=1 (bf16 arithmetic is wrong
 in the interpreter) and for fp32 inputs; on GPU fp16/bf16 tiles go to tl.dot natively with fp32 accumulation.
 
 Suffix queries (ops.py): the TQ query rows are tree tokens [T - TQ, T); query tiles are laid from T - TQ, the mask
