@@ -233,6 +233,9 @@ FAMILIES: dict[str, Family] = {
     "Glm4vForConditionalGeneration": Family("glm4", qkv_bias=True, qk_norm=False, moe=False, multimodal=True),
     "Glm4vMoeForConditionalGeneration": Family("glm4_moe", qkv_bias=None, qk_norm=False, moe=True, sigmoid_router=True,
                                                multimodal=True),
+    # GLM-4.6V as transformers 5.x holds it (Glm46VForConditionalGeneration): GLM-4.1V's names and tower, the language
+    # model built from the model_type its text_config names; the dense glm4v_text (GLM-4.1V's) is supported
+    "Glm46VForConditionalGeneration": Family("glm4", qkv_bias=True, qk_norm=False, moe=False, multimodal=True),
     "Gemma3ForCausalLM": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True),
     "Gemma4ForCausalLM": Family("gemma4", qkv_bias=False, qk_norm=True, moe=False, gemma4=True),
     # Gemma 4 as released: the text model above under model.language_model. (tied head) beside its vision and audio
@@ -293,10 +296,16 @@ def family_of(hf: dict) -> Family:
         raise UnsupportedModelError(
             f"unsupported architecture {archs[0]!r}; supported: {sorted(k for k in FAMILIES if '/' not in k)}"
         )
+    text = hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf  # (or its text view)
     if archs[0] == "Mistral3ForConditionalGeneration":  # Ministral 3 / Mistral Small 3.x, or Mistral Small 4 inside
-        text = hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf  # (or its text view)
         if text.get("model_type") == "mistral4":
             return FAMILIES["Mistral3ForConditionalGeneration/mistral4"]
+    if archs[0] == "Glm46VForConditionalGeneration" and text.get("model_type", "glm4v_text") != "glm4v_text":
+        # transformers writes such a checkpoint's MoE experts fused, in a layout no release is known to use
+        raise UnsupportedModelError(
+            f"Glm46VForConditionalGeneration with a {text.get('model_type')!r} language model is not supported: its "
+            "language model must be glm4v_text (GLM-4.1V's dense one); GLM-4.5V / 4.6V as released "
+            "(Glm4vMoeForConditionalGeneration) are")
     return FAMILIES[archs[0]]
 
 

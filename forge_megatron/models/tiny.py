@@ -40,7 +40,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
-         "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e")
+         "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -51,6 +51,9 @@ _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGenerati
        "kimi_k25": ("deepseek_v3", "Kimi_K25Config", "Kimi_K25ForConditionalGeneration"),
        "glm4v": ("glm4", "Glm4vConfig", "Glm4vForConditionalGeneration"),
        "glm4v_moe": ("glm4_moe", "Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
+       # GLM-4.6V as transformers 5.x holds it: GLM-4.1V's layout, the language model built from the model_type its
+       # text_config names (glm4v_text here, GLM-4.1V's dense one)
+       "glm46v": ("glm4", "Glm46VConfig", "Glm46VForConditionalGeneration"),
        "ministral3_vl": ("ministral3", "Mistral3Config", "Mistral3ForConditionalGeneration"),
        "mistral4_vl": ("mistral4", "Mistral3Config", "Mistral3ForConditionalGeneration"),
        "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
@@ -174,6 +177,8 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                        "mrope_section": [2, 1, 1]}
             text.pop("use_qk_norm", None)  # GLM-4.5V's attention has no q/k norms (its config no such field)
+            if config_class == "Glm46VConfig":  # its text model is whatever model_type the text_config names
+                text["model_type"] = "glm4v_text"
             vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, image_size=16)
             return getattr(transformers, config_class)(text_config=text, vision_config=vision,
@@ -397,7 +402,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                      with_tokenizer: bool = True, images: bool = False, **overrides) -> str:
     """Write config.json + model.safetensors (+ the tiny tokenizer) of a random tiny causal LM to ``out_dir``.
 
-    ``images`` (qwen3_vl, qwen3_vl_moe, qwen3_5_vl, glm4v, glm4v_moe, gemma3_vl, gemma4_vl, ministral3_vl,
+    ``images`` (qwen3_vl, qwen3_vl_moe, qwen3_5_vl, glm4v, glm4v_moe, glm46v, gemma3_vl, gemma4_vl, ministral3_vl,
     mistral4_vl, kimi_k25): the tokenizer has the image tokens
     (the config names them) and the directory an image processor (:data:`TINY_IMAGE_PROCESSOR`; Gemma 3's: 16-pixel
     squares), so the model takes images.
@@ -410,7 +415,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     from forge_megatron.models import save_checkpoint
 
     if images and arch not in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "glm4v", "glm4v_moe",
-                               "gemma3_vl", "gemma4_vl", "ministral3_vl", "mistral4_vl", "kimi_k25"):
+                               "glm46v", "gemma3_vl", "gemma4_vl", "ministral3_vl", "mistral4_vl", "kimi_k25"):
         raise ValueError(f"images=True is for the Qwen-VL, GLM-4.xV, Gemma 3 / 4, Ministral 3, Mistral Small 4 and "
                          f"Kimi-K2.5 archs, not {arch!r}")
     tok = build_tiny_tokenizer(vision=images)
@@ -418,7 +423,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     config = tiny_config(arch, tie_word_embeddings=tie_word_embeddings, **overrides)
     if images:
         start, end, pad = tok.convert_tokens_to_ids(list(VISION_TOKENS))
-        if arch.startswith("glm4v"):  # GLM-4.xV's config names them image_start / image_end
+        if arch.startswith(("glm4v", "glm46v")):  # GLM-4.xV's config names them image_start / image_end
             config.image_start_token_id, config.image_end_token_id, config.image_token_id = start, end, pad
         elif arch == "gemma3_vl":  # Gemma 3's: boi / eoi and the image token's index
             config.boi_token_index, config.eoi_token_index, config.image_token_index = start, end, pad
@@ -458,7 +463,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid") and \
                     name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
-            elif arch in ("olmo2", "olmo3", "glm4", "glm4v", "olmo_hybrid") and \
+            elif arch in ("olmo2", "olmo3", "glm4", "glm4v", "glm46v", "olmo_hybrid") and \
                     name.endswith(("layernorm.weight", "o_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
             elif name.endswith("mm_input_projection_weight"):  # Gemma 3's projector starts at zeros: images matter
@@ -510,7 +515,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             transformers.Gemma4ImageProcessor(patch_size=vc.patch_size, pooling_kernel_size=vc.pooling_kernel_size,
                                               max_soft_tokens=70).save_pretrained(out_dir)
         else:
-            name = "Glm4vImageProcessor" if arch.startswith("glm4v") else "Qwen2VLImageProcessor"
+            name = "Glm4vImageProcessor" if arch.startswith(("glm4v", "glm46v")) else "Qwen2VLImageProcessor"
             getattr(transformers, name)(**TINY_IMAGE_PROCESSOR).save_pretrained(out_dir)
     with open(os.path.join(out_dir, "forge_tiny.json"), "w") as f:
         json.dump({"arch": arch, "seed": seed, "images": images}, f)

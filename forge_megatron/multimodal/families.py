@@ -66,7 +66,7 @@ import torch
 # vision-language checkpoints whose image inputs this module handles, by their HF ``model_type``: Qwen3-VL / -MoE,
 # Qwen3.5 (dense and MoE) and GLM-4.1V / 4.6V-Flash / 4.5V / 4.6V (the same positions; GLM's mRoPE sections are
 # contiguous, each frequency's angle repeated for its interleaved pair of channels)
-_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "gemma3", "gemma4",
+_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "glm46v", "gemma3", "gemma4",
              "mistral3", "kimi_k25")
 SUPPORTED = ("Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV, Gemma 3, Gemma 4, Mistral 3 (Ministral 3, Mistral Small 3.x "
              "and 4) and Kimi-K2.5 / K2.6")

@@ -263,6 +263,17 @@ def test_vision_language_releases_configs_as_published():
                               "tie_word_embeddings": False}}
     cfg = Bridge(glm45v).cfg
     assert (cfg.add_qkv_bias, cfg.qk_layernorm, cfg.rotary_percent, cfg.rotary_interleaved) == (True, False, 0.5, False)
+    # GLM-4.6V as transformers 5.x holds it: the dense language model its text_config names (GLM-4.1V's); an MoE one
+    # is refused by name
+    from forge_megatron.models.tiny import tiny_config
+
+    glm46v = {**tiny_config("glm46v", vocab_size=400).to_dict(), "architectures": ["Glm46VForConditionalGeneration"]}
+    bridge = Bridge(glm46v)
+    assert (bridge.family.name, bridge.family.multimodal, bridge.cfg.add_qkv_bias, bridge.cfg.num_moe_experts) == \
+        ("glm4", True, True, None)
+    assert bridge.hf_names("embedding.word_embeddings.weight") == ["model.language_model.embed_tokens.weight"]
+    with pytest.raises(UnsupportedModelError, match="'glm4v_moe_text' language model is not supported"):
+        Bridge({**glm46v, "text_config": glm45v["text_config"]})
     ministral = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
                  "text_config": {"model_type": "ministral3", "hidden_size": 64, "intermediate_size": 128,
                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -24,7 +24,7 @@ IMG, VS, VE = 397, 398, 399  # the tiny tokenizer has no vision tokens: the conf
 FEATURES = 96  # channels 3 x temporal patch 2 x patch 4 x 4
 ARCHS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
          "qwen3_5_vl": "Qwen3_5ForConditionalGeneration", "glm4v": "Glm4vForConditionalGeneration",
-         "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
+         "glm4v_moe": "Glm4vMoeForConditionalGeneration", "glm46v": "Glm46VForConditionalGeneration"}
 LOGP_ATOL = 1e-5
 GRAD_RTOL = 1e-4
 
@@ -36,7 +36,7 @@ def build_vl_checkpoint(out_dir: str, arch: str = "qwen3_vl", seed: int = 0) -> 
     from forge_megatron.models.tiny import tiny_config
 
     cfg = tiny_config(arch, vocab_size=V)
-    if arch.startswith("glm4v"):
+    if arch.startswith(("glm4v", "glm46v")):
         cfg.image_token_id, cfg.image_start_token_id, cfg.image_end_token_id = IMG, VS, VE
     else:
         cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id = IMG, VS, VE
@@ -541,10 +541,10 @@ def test_rank_batch_packs_and_merges_by_images(vl_dirs):
 
 
 # ------------------------------------------------------------------------------------------- engine, images
-@pytest.fixture(scope="module", params=["qwen3_vl", "glm4v", "gemma3_vl", "gemma4_vl", "ministral3_vl"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "glm4v", "glm46v", "gemma3_vl", "gemma4_vl", "ministral3_vl"])
 def vl_model_dir(tmp_path_factory, request):
-    """A tiny Qwen3-VL / GLM-4.1V / Gemma 3 with image tokens in its tokenizer and an image processor (models.tiny,
-    images=True)."""
+    """A tiny Qwen3-VL / GLM-4.1V / GLM-4.6V (transformers 5.x's Glm46V) / Gemma 3 / Gemma 4 / Ministral 3 with image
+    tokens in its tokenizer and an image processor (models.tiny, images=True)."""
     from forge_megatron.models.tiny import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("vl_images")), request.param, images=True)
