@@ -262,8 +262,8 @@ def _dkdv_tiles(dk, dv, k, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KE
     _fwd_tiles). The tiles are key-major, P^T and dS^T [BLOCK_N, BLOCK_M] (FlashAttention-2's dK/dV loop): every
     product then has the key block as its rows, dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers as
     they are, and the query-side operands (Q^T, dO^T) are views of the tiles loaded into shared memory, with no
-    transpose of a register tile (the first H200 run had dK/dV at half the forward's rate with [BLOCK_M, BLOCK_N]
-    tiles transposed in registers). Padded query rows (past T) load zeros and lse = delta = 0: P = 1 there but
+    transpose of a register tile (the query-major form, [BLOCK_M, BLOCK_N] tiles transposed in registers, took
+    2.08 ms at its best tiles on an H200 where this one took 1.76). Padded query rows (past T) load zeros and lse = delta = 0: P = 1 there but
     dO = 0, so they add nothing."""
     q0 = T - TQ
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
@@ -351,9 +351,10 @@ def _interpreting() -> bool:
 
 def _default_tiles(widest: int, compute: tl.dtype) -> dict[str, tuple[int, int, int, int]]:
     """kernel -> (BLOCK_M, BLOCK_N, warps, pipeline stages) for heads up to ``widest`` channels (a power of two).
-    Heads of 128 in fp16/bf16: the fastest of benchmarks/tree_attention.py --sweep on an H200 (GRPO workload, two
-    sweeps, docs/benchmarks.md); with 4 warps dQ and dK/dV spill 144 and 48 bytes of registers and are still the
-    fastest measured (the spill-free 8-warp ones were 5-30 % slower). Other sizes are not timed yet: for each kernel
+    Heads of 128 in fp16/bf16: from benchmarks/tree_attention.py --sweep on two H200s (GRPO workload,
+    docs/benchmarks.md): dK/dV's 4-warp tiles spill 48 bytes of registers and ran 15-45 % faster than the spill-free
+    8-warp ones; dQ's spill 144 bytes and timed 0.83 ms in both sweeps (128x64x8x3: 0.79 and 1.01); the forward's
+    candidates were within 3 % of each other. Other sizes are not timed yet: for each kernel
     the largest tiles among those tried that ptxas compiles for sm_90 without spilling registers, as Triton's JIT
     specialises them (tests/kernels/triton_aot.py --resources prints shared memory, registers and spills). dK / dV
     keeps two [BLOCK_N, head] fp32 accumulators and its K and V tiles for the whole loop, hence its short query
