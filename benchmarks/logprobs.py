@@ -16,9 +16,11 @@ Each variant also reports ``logp_err_fp64``: the largest error of its logprobs (
 the same operands, which shows what the fp32 head buys in precision next to what it costs in time and memory.
 
 The logits come out of an output layer (hidden [T, H] @ W^T, W [V, H], as in the model) and the gradient flows back
-into it. Each variant runs in its own child process (same seed, same inputs), so the peak memory of one does not
-hide another's: on CUDA ``max_memory_allocated``, on CPU the growth of the peak resident set (with a fixed glibc mmap
-threshold, so freed buffers leave), both over the inputs. The plain and chunked peaks include the logits; the fused
+into it. On CPU each variant runs in its own child process (same seed, same inputs), so the peak memory of one does
+not hide another's: the growth of the peak resident set (with a fixed glibc mmap threshold, so freed buffers leave)
+over the inputs. On CUDA they run one after another in this process (``--children`` for the CPU's way): CUDA's
+``max_memory_allocated`` is reset for each, and four processes each starting CUDA and importing Megatron took over a
+minute on an H200. The plain and chunked peaks include the logits; the fused
 one has none. Times are medians of ``--repeats`` after a warm-up. The children also report the logprobs and the
 first rows of the hidden-state gradient, compared with the plain variant's in the parent. Prints one JSON line.
 
@@ -131,6 +133,8 @@ def main() -> None:
     p.add_argument("--no-inplace", dest="inplace", action="store_false",
                    help="chunked: allocate dL/dlogits instead of writing it over the logits")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--children", action="store_true",
+                   help="on CUDA too, run each variant in a child process (the CPU always does)")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child mode
     args = p.parse_args()
     if args.variant:
@@ -138,15 +142,24 @@ def main() -> None:
         return
 
     results = {}
+    in_process = torch.device(args.device).type == "cuda" and not args.children
     for variant in VARIANTS:
-        cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant] + sys.argv[1:]
-        # A fixed mmap threshold makes glibc return every large buffer when it is freed, so the CPU peak resident
-        # set counts live tensors, not allocator caching.
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536"))
         started = time.perf_counter()
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-        results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"[logprobs] {variant}: child done in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+        if in_process:  # CUDA's peak counter is reset per variant (child()); what the last one held is freed first
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+            results[variant] = child(argparse.Namespace(**{**vars(args), "variant": variant}))
+        else:
+            cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant] + sys.argv[1:]
+            # A fixed mmap threshold makes glibc return every large buffer when it is freed, so the CPU peak
+            # resident set counts live tensors, not allocator caching.
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536"))
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+            results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"[logprobs] {variant}: done in {time.perf_counter() - started:.1f}s"
+              f"{'' if in_process else ' (child process)'}", file=sys.stderr, flush=True)
     plain = results["plain"]
     logits_bytes = args.rows * args.vocab * torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
 
