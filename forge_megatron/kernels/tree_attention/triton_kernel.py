@@ -445,7 +445,8 @@ def _grid(heads: int, rows: int) -> tuple[int, int]:
 def dkdv_split(value: str | None = None) -> bool:
     """FORGE_TREE_ATTN_DKDV_SPLIT=1: dK / dV with one program per query head (fp32 atomics summing a group's heads)
     instead of one per key/value head looping over its group. More, shorter programs: a GRPO prompt's key blocks,
-    which every completion sees, then no longer run GROUP times as long as the rest. Off by default until a GPU
+    which every completion sees, then no longer run GROUP times as long as the rest. The atomics add a group's heads
+    in whatever order they finish, so dK / dV are not bitwise the same from run to run. Off by default until a GPU
     sweep times it (benchmarks/tree_attention.py --sweep tries both)."""
     value = os.environ.get(DKDV_SPLIT_ENV, "0") if value is None else value
     if value not in ("0", "1", ""):
