@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One-shot GPU check on a single H100/H200 (about 6 minutes: the second H200 run took 400 s; 635 s of step limits in
-# the worst case, 60 more after a crash; the CUDA extension's build took 47 s on one machine and over 60 on another).
-# Steps run most wanted first, so a device call cut short by its own limit (a 15-minute device budget holds one full
-# call and the machine's start) still returns the log of the most useful ones.
+# One-shot GPU check on a single H100/H200 (about 8 minutes: the second H200 run took 400 s before the mla and
+# sweep64 steps; 795 s of step limits in the worst case, 60 more after a crash; the CUDA extension's build took 47 s
+# on one machine and over 60 on another). Steps run most wanted first, so a device call cut short by its own limit
+# (at most 600 s) still returns the log of the most useful ones; GPU_CHECK_ONLY then runs the rest in a second call.
 # Step keys (GPU_CHECK_ONLY=build,sweep,tests runs only those; env always runs):
 #   env       installs the wheels in .whl/ if present (benchmarks/gpu_wheels.sh fetches megatron-core and pyzmq for
 #             the lent image; carry .whl on the device call),
@@ -19,9 +19,11 @@
 #   gdelta    benchmarks/gated_delta.py (Qwen3.5's linear-attention recurrence: autograd loop, torch scan and the
 #             Triton scan kernels, forward + backward at 4 x 8192 tokens, 8 heads of 128),
 #   agentic, heads512   tree attention on the agentic workload and on heads of 512,
+#   mla       tree attention and the tile sweep on multi-latent attention's heads (192 / 128),
 #   backtrace a test that crashed its worker, again under cuda-gdb for a native stack,
 #   logprobs  benchmarks/logprobs.py (plain, chunked, fused and fused with an fp32 LM head: logprobs+entropy at 16k
-#             rows x 152k vocabulary, bf16; memory, time and error against fp64; four child processes).
+#             rows x 152k vocabulary, bf16; memory, time and error against fp64),
+#   sweep64   the tile sweep on heads of 64.
 # Everything goes to the log file (GPU_CHECK_LOG, default runs/gpu_check.log), each test failure also to
 # <log>_failures.log as it happens; copy the JSON lines to docs/benchmarks.md.
 # Needs a CUDA build of torch, triton, pybind11, ninja, pytest (+ pytest-timeout, pytest-xdist) and nvcc; megatron-core
@@ -85,6 +87,12 @@ step agentic "benchmark agentic" 25 "$PY" benchmarks/tree_attention.py --workloa
   --completion 512 --calls 16
 step heads512 "benchmark heads of 512" 20 "$PY" benchmarks/tree_attention.py --workload grpo --prompt 1024 \
   --completion 512 --heads 16 --kv-heads 4 --head-dim 512
+# multi-latent attention (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash, Mistral Small 4): 192-channel queries and keys,
+# 128-channel values, a key/value head per query head
+step mla "benchmark grpo, multi-latent attention heads" 30 "$PY" benchmarks/tree_attention.py --workload grpo \
+  --head-dim 192 --v-head-dim 128 --kv-heads 16
+step mla "sweep Triton tiles, multi-latent attention heads" 70 "$PY" benchmarks/tree_attention.py --sweep \
+  --workload grpo --head-dim 192 --v-head-dim 128 --kv-heads 16
 # a test that killed its worker (xdist: "crashed while running '<id>'", in the failures file as soon as it happens)
 # runs again under cuda-gdb for the native stack
 crashed=$(cat "$LOG" "$FAILURES" | grep -o "crashed while running '[^']*'" | head -1 | cut -d"'" -f2)
@@ -94,6 +102,8 @@ if [ -n "$crashed" ] && command -v cuda-gdb > /dev/null; then
 fi
 step logprobs "benchmark logprobs" 75 "$PY" benchmarks/logprobs.py --device cuda --rows 16384 --vocab 152064 \
   --dtype bfloat16
+step sweep64 "sweep Triton tiles, heads of 64" 60 "$PY" benchmarks/tree_attention.py --sweep --workload grpo \
+  --head-dim 64
 
 echo "gpu_check: $([ $failed -eq 0 ] && echo PASSED || echo FAILED), log in $LOG" | tee -a "$LOG"
 exit $failed

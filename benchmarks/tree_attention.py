@@ -151,7 +151,8 @@ def per_sample_backends(lengths: list[int], device: torch.device) -> dict[str, C
     def sdpa_batched(q_SNH, k_SKH, v_SKH):
         B, L = len(lengths), lengths[0]
         q, k, v = (x.view(B, L, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q_SNH, k_SKH, v_SKH))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(q_SNH.shape)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+        return o.reshape(q_SNH.shape[0], q_SNH.shape[1], v_SKH.shape[2])
 
     found = {"sdpa_per_sample": sdpa_batched if len(set(lengths)) == 1 else sdpa}
     if device.type != "cuda":
@@ -190,12 +191,16 @@ def torch_varlen_attention() -> Callable | None:
     return attend
 
 
-def _rates(pairs: int, N: int, H: int, fwd_ms: float, fwd_bwd_ms: float) -> dict:
+def _rates(pairs: int, N: int, H: int, fwd_ms: float, fwd_bwd_ms: float, HV: int | None = None) -> dict:
+    """Times and attended-pair TFLOP/s: the forward's two products per pair and head, q.k (H) and p.v (HV); the
+    backward's five, q.k again, dO.v, p.dO and dS.q (H, HV, HV, H) and dS.k (H): 2 (H + HV) and 2 (4 H + 3 HV)
+    flops per pair and head (4 H and 14 H when HV = H)."""
+    HV = HV or H
     return {
         "fwd_ms": round(fwd_ms, 4),
         "fwd_bwd_ms": round(fwd_bwd_ms, 4),
-        "fwd_tflops": round(4 * pairs * N * H / (fwd_ms * 1e9), 4),
-        "fwd_bwd_tflops": round(14 * pairs * N * H / (fwd_bwd_ms * 1e9), 4),
+        "fwd_tflops": round(2 * pairs * N * (H + HV) / (fwd_ms * 1e9), 4),
+        "fwd_bwd_tflops": round(2 * pairs * N * (4 * H + 3 * HV) / (fwd_bwd_ms * 1e9), 4),
     }
 
 
@@ -205,21 +210,22 @@ def run(args) -> dict:
     sub_end_T, lengths = workload_lengths(args)
     sub_end_T = sub_end_T.to(device)
     T, S, N, K, H = sub_end_T.shape[0], sum(lengths), args.heads, args.kv_heads, args.head_dim
+    HV = args.v_head_dim or H
     tree_pairs = int((sub_end_T.long() - torch.arange(T, device=device)).sum())
     sample_pairs = sum(L * (L + 1) // 2 for L in lengths)
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    tree_qkv = [torch.randn(T, n, H, generator=g).to(device, dtype) for n in (N, K, K)]
-    sample_qkv = [torch.randn(S, n, H, generator=g).to(device, dtype) for n in (N, K, K)]
+    tree_qkv = [torch.randn(T, n, h, generator=g).to(device, dtype) for n, h in ((N, H), (K, H), (K, HV))]
+    sample_qkv = [torch.randn(S, n, h, generator=g).to(device, dtype) for n, h in ((N, H), (K, H), (K, HV))]
 
     results = {}
     with torch.no_grad():
         segment_o = tree_attention_segment(*tree_qkv, sub_end_T).float()
-    for name, fn in tree_backends(device, H).items():
+    for name, fn in tree_backends(device, H if HV == H else -1).items():  # (the CUDA kernel needs HV = H)
         attn = lambda q, k, v, fn=fn: fn(q, k, v, sub_end_T)  # noqa: E731
         with _cuda_impl(name):
             results[name] = _rates(tree_pairs, N, H, *_fwd_and_fwd_bwd(attn, tree_qkv, device, args.repeat,
-                                                                         args.inner))
+                                                                         args.inner), HV)
             with torch.no_grad():
                 results[name]["max_abs_diff_vs_segment"] = float((attn(*tree_qkv).float() - segment_o).abs().max())
     if "cuda" in results:  # which implementation "auto" ran: the tensor cores, or SIMT and why
@@ -231,7 +237,7 @@ def run(args) -> dict:
     for name, fn in per_sample_backends(lengths, device).items():
         try:
             results[name] = _rates(sample_pairs, N, H, *_fwd_and_fwd_bwd(fn, sample_qkv, device, args.repeat,
-                                                                             args.inner))
+                                                                             args.inner), HV)
         except Exception as exc:  # noqa: BLE001 - an optional baseline this torch cannot run is reported, not fatal
             if name == "sdpa_per_sample":
                 raise
@@ -244,13 +250,13 @@ def run(args) -> dict:
         from forge_megatron.kernels.tree_attention import triton_kernel as tk
 
         results["triton"]["tiles"] = {kernel: "x".join(map(str, t)) for kernel, t in
-                                      tk.gpu_launch_config(H, tk._TL_DTYPES[dtype], H)["tiles"].items()}
+                                      tk.gpu_launch_config(H, tk._TL_DTYPES[dtype], HV)["tiles"].items()}
         results["triton"]["dkdv_split"] = int(tk.dkdv_split())
     tree_names = [n for n in ("cuda", "cuda_simt", "triton", "segment") if n in results]
     best = max(tree_names, key=lambda n: results[n]["fwd_bwd_tflops"])
     return {
         "bench": "tree_attention", "device": str(device), "gpu": env.describe_cuda() if device.type == "cuda" else "",
-        "workload": args.workload, "dtype": str(dtype).replace("torch.", ""), "N": N, "K": K, "H": H,
+        "workload": args.workload, "dtype": str(dtype).replace("torch.", ""), "N": N, "K": K, "H": H, "HV": HV,
         "inner": args.inner,
         "tree_tokens": T, "per_sample_tokens": S, "tree_pairs": tree_pairs, "per_sample_pairs": sample_pairs,
         "tiles_64": tile_counts(sub_end_T, 64),
@@ -273,7 +279,10 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=int, default=8 if gpu else 4, help="agentic: calls C per episode")
     p.add_argument("--heads", type=int, default=16 if gpu else 2, help="query heads N")
     p.add_argument("--kv-heads", type=int, default=4 if gpu else 1, help="key/value heads K")
-    p.add_argument("--head-dim", type=int, default=128 if gpu else 32, help="head dim H")
+    p.add_argument("--head-dim", type=int, default=128 if gpu else 32, help="head dim H (queries and keys)")
+    p.add_argument("--v-head-dim", type=int, default=None,
+                   help="value head dim HV (default H; multi-latent attention: --head-dim 192 --v-head-dim 128 with "
+                        "as many key/value heads as query heads)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="GPU dtype (CPU: fp32)")
     p.add_argument("--repeat", type=int, default=10 if gpu else 5)
     p.add_argument("--inner", type=int, default=5 if gpu else 1,
@@ -286,19 +295,47 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# Candidate tiles per kernel (BLOCK_MxBLOCK_NxWARPSxSTAGES) for heads up to 128; the defaults come first. A dK/dV
-# candidate ending in "+split" runs with FORGE_TREE_ATTN_DKDV_SPLIT=1 (one program per query head, fp32 atomics).
-SWEEP = {
+# Candidate tiles per kernel (BLOCK_MxBLOCK_NxWARPSxSTAGES) by head size (the widest of H and HV, rounded up to a
+# power of two), each list starting with that size's defaults (triton_kernel._default_tiles, bf16; a test checks). A
+# dK/dV candidate ending in "+split" runs with FORGE_TREE_ATTN_DKDV_SPLIT=1 (one program per query head, fp32
+# atomics; with as many key/value heads as query heads it is the plain kernel).
+SWEEP_64 = {
+    "fwd": ["128x64x4x3", "64x64x4x3", "128x64x4x2", "64x128x4x3", "128x32x4x3"],
+    "dq": ["128x64x4x2", "128x64x4x3", "128x32x4x3", "64x64x4x3", "64x32x4x3"],
+    "dkdv": ["32x64x4x3", "32x64x4x3+split", "64x64x4x2", "64x64x4x2+split", "32x128x4x3", "64x32x4x2",
+             "16x64x4x3"],
+}
+SWEEP = {  # heads of 128
     "fwd": ["64x64x4x3", "128x64x8x3", "128x128x8x3", "64x64x4x4", "128x64x8x4"],
     "dq": ["128x32x4x3", "128x64x8x3", "128x128x8x2", "128x64x4x3", "128x32x4x4", "64x64x4x3"],
     "dkdv": ["32x64x4x3", "32x64x4x3+split", "32x64x4x4", "32x64x4x4+split", "32x128x8x3", "32x128x8x3+split",
              "64x64x8x2", "64x64x8x2+split", "64x32x4x2", "32x64x4x2", "16x64x4x3"],
 }
+SWEEP_256 = {  # heads of 256 and multi-latent attention's 192 (queries and keys) / 128 (values)
+    "fwd": ["64x64x8x2", "64x64x4x2", "64x32x4x2", "32x64x4x2", "128x32x8x2", "64x32x4x3"],
+    "dq": ["32x64x8x2", "64x32x4x2", "64x64x8x2", "32x32x4x3", "64x32x8x2", "32x64x4x2"],
+    "dkdv": ["32x32x8x2", "32x32x8x2+split", "32x32x4x2", "32x32x4x2+split", "16x64x8x2", "32x64x8x2",
+             "16x32x4x3"],
+}
+SWEEP_512 = {
+    "fwd": ["32x32x8x2", "32x32x4x2", "16x32x4x2", "32x16x4x2", "64x16x8x2"],
+    "dq": ["32x32x8x2", "32x16x4x2", "16x32x4x2", "32x16x8x2"],
+    "dkdv": ["32x16x8x2", "32x16x8x2+split", "16x16x8x2", "16x16x8x2+split", "16x32x8x1", "32x16x4x2"],
+}
+
+
+def sweep_candidates(widest: int) -> dict[str, list[str]]:
+    """The candidate tiles of each kernel for heads of ``widest`` channels (a power of two)."""
+    if widest <= 64:
+        return SWEEP_64
+    if widest <= 128:
+        return SWEEP
+    return SWEEP_256 if widest <= 256 else SWEEP_512
 
 
 def sweep(args) -> dict:
-    """Median time of each Triton kernel alone under every candidate tile of SWEEP (the other kernels at their
-    defaults), side by side in one process on the same inputs; a candidate that fails to compile or launch (shared
+    """Median time of each Triton kernel alone under every candidate tile for the head size (sweep_candidates; the
+    other kernels at their defaults), side by side in one process on the same inputs; a candidate that fails to compile or launch (shared
     memory) is reported with its error. ``best_env`` is the FORGE_TREE_ATTN_TRITON_TILES value of the fastest,
     ``best_split`` the FORGE_TREE_ATTN_DKDV_SPLIT value."""
     from forge_megatron.kernels.tree_attention import triton_kernel as tk
@@ -310,9 +347,11 @@ def sweep(args) -> dict:
     sub_end_T, _ = workload_lengths(args)
     sub_end_T = sub_end_T.to(device)
     T, N, K, H = sub_end_T.shape[0], args.heads, args.kv_heads, args.head_dim
+    HV = args.v_head_dim or H
     g = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v, do = (torch.randn(T, n, H, generator=g).to(device, dtype) for n in (N, K, K, N))
+    q, k, v, do = (torch.randn(T, n, h, generator=g).to(device, dtype) for n, h in ((N, H), (K, H), (K, HV), (N, HV)))
     scale = H ** -0.5
+    candidates = sweep_candidates(max(16, 1 << (max(H, HV) - 1).bit_length()))
     saved = os.environ.pop(tk.TILES_ENV, None)
     saved_split = os.environ.pop(tk.DKDV_SPLIT_ENV, None)
     o, lse = tk._forward(q, k, v, sub_end_T, scale)
@@ -321,9 +360,9 @@ def sweep(args) -> dict:
              "dkdv": lambda: tk._backward(do, q, k, v, o, lse, sub_end_T, scale, kernels=("dkdv",))}
     results: dict = {}
     try:
-        for kernel, candidates in SWEEP.items():
+        for kernel, tried in candidates.items():
             results[kernel] = {}
-            for tiles in candidates:
+            for tiles in tried:
                 os.environ[tk.TILES_ENV] = f"{kernel}={tiles.removesuffix('+split')}"
                 os.environ[tk.DKDV_SPLIT_ENV] = "1" if tiles.endswith("+split") else "0"
                 try:
@@ -340,8 +379,8 @@ def sweep(args) -> dict:
     best = {kernel: min((t for t, ms in times.items() if isinstance(ms, float)), key=times.get, default=None)
             for kernel, times in results.items()}
     return {"bench": "tree_attention_sweep", "gpu": env.describe_cuda(), "workload": args.workload, "inner": args.inner,
-            "dtype": args.dtype, "N": N, "K": K, "H": H, "tree_tokens": T, "ms": results, "best": best,
-            "default_ms": {kernel: results[kernel][SWEEP[kernel][0]] for kernel in SWEEP},
+            "dtype": args.dtype, "N": N, "K": K, "H": H, "HV": HV, "tree_tokens": T, "ms": results, "best": best,
+            "default_ms": {kernel: results[kernel][tried[0]] for kernel, tried in candidates.items()},
             "best_env": ",".join(f"{kernel}={tiles.removesuffix('+split')}" for kernel, tiles in best.items() if tiles),
             "best_split": int(bool(best.get("dkdv")) and best["dkdv"].endswith("+split"))}
 

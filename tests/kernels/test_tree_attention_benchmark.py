@@ -14,10 +14,11 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tree_attention.py"
 
 
-@pytest.mark.parametrize("workload", ["grpo", "agentic"])
-def test_benchmark_prints_one_json_line(workload):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--workload", workload, "--repeat", "1"],
-                          capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("workload,extra", [("grpo", []), ("agentic", []), ("grpo", ["--v-head-dim", "16"])])
+def test_benchmark_prints_one_json_line(workload, extra):
+    """Both workloads, and value heads narrower than the query/key heads (multi-latent attention's shape)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--workload", workload, "--repeat", "1",
+                           *extra], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1
@@ -29,6 +30,33 @@ def test_benchmark_prints_one_json_line(workload):
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_tflops"] > 0 for r in out["backends"].values())
     blocks = -(-out["tree_tokens"] // 64)
     assert sum(out["tiles_64"].values()) == blocks * (blocks + 1) // 2  # every causal tile classified once
+    assert out["HV"] == (16 if extra else out["H"])
+
+
+def test_attended_pair_flops_count_value_heads_apart():
+    """2 (H + HV) flops per pair and head forward, 2 (4 H + 3 HV) forward and backward: 4 H and 14 H when equal."""
+    bench = _load_benchmark()
+    same, mla = bench._rates(10**6, 2, 128, 1.0, 1.0), bench._rates(10**6, 2, 192, 1.0, 1.0, HV=128)
+    assert (same["fwd_tflops"], same["fwd_bwd_tflops"]) == (4 * 2 * 128 / 1e3, 14 * 2 * 128 / 1e3)
+    assert (mla["fwd_tflops"], mla["fwd_bwd_tflops"]) == (2 * 2 * 320 / 1e3, 2 * 2 * (4 * 192 + 3 * 128) / 1e3)
+
+
+def test_sweep_candidates_start_with_the_defaults():
+    """Each head size's candidate tiles start with the kernels' defaults (the sweep's default_ms reads them), and
+    every candidate is a valid FORGE_TREE_ATTN_TRITON_TILES value."""
+    import triton.language as tl
+
+    from forge_megatron.kernels.tree_attention import triton_kernel as tk
+
+    bench = _load_benchmark()
+    for widest in (16, 64, 128, 256, 512):
+        defaults, candidates = tk._default_tiles(widest, tl.bfloat16), bench.sweep_candidates(widest)
+        assert set(candidates) == set(tk.KERNELS)
+        for kernel, tried in candidates.items():
+            assert tried[0] == "x".join(map(str, defaults[kernel])), (widest, kernel)
+            assert len(set(tried)) == len(tried)
+            for tiles in tried:
+                assert tk.tiles_from_env(f"{kernel}={tiles.removesuffix('+split')}")[kernel]
 
 
 def test_tile_sweep_times_each_kernel_under_each_candidate(monkeypatch):
@@ -38,8 +66,8 @@ def test_tile_sweep_times_each_kernel_under_each_candidate(monkeypatch):
     from forge_megatron.kernels.tree_attention import triton_kernel
 
     bench = _load_benchmark()
-    monkeypatch.setattr(bench, "SWEEP", {"fwd": ["32x32x4x1", "16x32x4x1"], "dq": ["32x16x4x1"],
-                                         "dkdv": ["16x16x4x1", "16x16x4x1+split", "48x16x4x1"]})
+    monkeypatch.setattr(bench, "sweep_candidates", lambda widest: {
+        "fwd": ["32x32x4x1", "16x32x4x1"], "dq": ["32x16x4x1"], "dkdv": ["16x16x4x1", "16x16x4x1+split", "48x16x4x1"]})
     monkeypatch.setenv(triton_kernel.TILES_ENV, "fwd=16x16x4x1")
     monkeypatch.delenv(triton_kernel.DKDV_SPLIT_ENV, raising=False)
     out = bench.sweep(bench.parse_args(["--device", "cpu", "--sweep", "--repeat", "1", "--prompt", "20",
