@@ -6,8 +6,9 @@ Workloads (samples share prefixes; the tree holds each unique token once):
            episode (each call adds R tokens), so the tree is one chain of P + C * R tokens.
 Per-sample baselines run the same samples unmerged: SDPA causal (batched when lengths are equal), torch's varlen
 FlashAttention (torch.nn.attention.varlen, torch 2.9+, CUDA) and flash-attn varlen when installed; the fastest of them
-is the baseline. FLOPs count attended (query, key) pairs only: forward 4 * pairs * N * H (QK^T and PV), forward +
-backward 14 * pairs * N * H (FlashAttention-2 convention: the backward is 2.5x the forward). Tree pairs are
+is the baseline. FLOPs count attended (query, key) pairs only: forward 2 * pairs * N * (H + HV) (QK^T and PV),
+forward + backward 2 * pairs * N * (4 H + 3 HV) (4 and 14 * pairs * N * H when HV = H, FlashAttention-2's convention:
+the backward is 2.5x the forward). Tree pairs are
 sum_j (sub_end[j] - j); per-sample pairs are sum_s L_s (L_s + 1) / 2. Every tree backend's output is compared with
 the segment backend (max_abs_diff_vs_segment). Prints ONE JSON line.
 
