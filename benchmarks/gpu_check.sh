@@ -54,9 +54,9 @@ step() {  # step KEY NAME TIMEOUT_S CMD...: skipped when GPU_CHECK_ONLY is set a
 }
 
 PY="${PYTHON:-python3}"
-# pytest on GPU_CHECK_WORKERS workers (4); failures in short form; a module that fails to import (a package the image lacks) does not
-# stop the others; each failure is also appended to FAILURES as it happens (tests/conftest.py), so a step cut short
-# by its limit still tells what failed
+# pytest on GPU_CHECK_WORKERS workers (4); failures in short form; a module that fails to import (a package the
+# image lacks) does not stop the others; each failure is also appended to FAILURES as it happens (tests/conftest.py),
+# so a step cut short by its limit still tells what failed
 FAILURES="${LOG%.log}_failures.log"
 : > "$FAILURES"
 export FORGE_TEST_FAILURE_LOG="$FAILURES"
@@ -70,15 +70,16 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="$PYTHONPATH:/tmp/forge_site"
 fi
 # most wanted first: a device call cut short by its limit still returns the log of the steps before
-step build "build CUDA extension" 100 env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
-  "$PY" setup.py build_ext --inplace
+step build "build CUDA extension" 100 \
+  env FORGE_CUDA_ARCH_LIST="${FORGE_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" "$PY" setup.py build_ext --inplace
 step grpo "benchmark grpo" 30 "$PY" benchmarks/tree_attention.py --workload grpo
 step sweep "sweep Triton tiles" 80 "$PY" benchmarks/tree_attention.py --sweep --workload grpo
 best=$(grep -o '"best_env": "[^"]*"' "$LOG" | tail -1 | cut -d'"' -f4)
 split=$(grep -o '"best_split": [01]' "$LOG" | tail -1 | grep -o '[01]$')
 if [ -n "$best" ]; then
-  step sweep "benchmark grpo, fastest tiles ($best, dK/dV split ${split:-0})" 25 env FORGE_TREE_ATTN_TRITON_TILES="$best" \
-    FORGE_TREE_ATTN_DKDV_SPLIT="${split:-0}" "$PY" benchmarks/tree_attention.py --workload grpo
+  step sweep "benchmark grpo, fastest tiles ($best, dK/dV split ${split:-0})" 25 \
+    env FORGE_TREE_ATTN_TRITON_TILES="$best" FORGE_TREE_ATTN_DKDV_SPLIT="${split:-0}" \
+    "$PY" benchmarks/tree_attention.py --workload grpo
 fi
 step tests "gpu tests" 150 "${PYTEST[@]}" --dist load --timeout=90 "${TESTS[@]}"
 step trainer "trainer on GPU" 90 "${PYTEST[@]}" --dist load --timeout=85 tests/training/test_gpu_trainer.py
