@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = load_tasks(args.tasks)
     eval_tasks = load_tasks(args.eval_tasks) if args.eval_tasks else []
     try:
-        verifier = build_verifier(args.verifier)
+        verifier = build_verifier(args.verifier, args)
         if isinstance(verifier, DomainVerifier):
             verifier.check_domains(tasks, eval_tasks)
     except (ValueError, ImportError) as exc:  # a bad spec, a misspelt domain, a module that does not import

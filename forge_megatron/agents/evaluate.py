@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s forge-eval %(message)s", stream=sys.stderr)
     tasks = load_tasks(args.tasks)
     try:
-        verifier = build_verifier(args.verifier)
+        verifier = build_verifier(args.verifier, args)
         if isinstance(verifier, DomainVerifier):
             verifier.check_domains(tasks)
     except (ValueError, ImportError) as exc:  # a bad spec, a misspelt domain, a module that does not import

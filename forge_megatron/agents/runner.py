@@ -73,6 +73,9 @@ def exact_match(task: Task, output: str | None) -> float:
     return float(output is not None and output.strip() == task.answer.strip())
 
 
+VERIFIER_TIMEOUT_S = 60.0  # what run_episode gives a verifier (an LLM judge's attempts must fit: judge.py)
+
+
 def load_callable(path: str) -> Callable:
     """``package.module:function`` -> the function (clear error when it does not exist)."""
     import importlib
@@ -104,31 +107,46 @@ class DomainVerifier:
             raise ValueError(f"--verifier names domain(s) {unknown} that no task has (task domains: {sorted(known)})")
 
 
-def build_verifier(specs: list[str] | None) -> Verifier:
+def build_verifier(specs: list[str] | None, args=None) -> Verifier:
     """``--verifier`` values -> one verifier: ``module:function`` scores every domain, ``DOMAIN=module:function``
-    scores that domain (repeat for several); domains without one use the unprefixed verifier, else exact match."""
-    default, per_domain = None, {}
+    scores that domain (repeat for several); domains without one use the unprefixed verifier, else exact match.
+    ``judge`` in place of ``module:function`` is the LLM judge of ``args``' ``--judge-*`` options (judge.py)."""
+    default, per_domain, judge = None, {}, []
+
+    def load(path: str) -> Verifier:
+        if path != "judge":
+            return load_callable(path)
+        if not judge:  # one judge for every domain that names it
+            from forge_megatron.agents.judge import judge_from_args
+
+            judge.append(judge_from_args(args))
+        return judge[0]
+
     for spec in specs or []:
         domain, sep, path = spec.partition("=")
         if not sep:
             if default is not None:
                 raise ValueError(f"--verifier: two verifiers for every domain ({spec!r}); prefix one with DOMAIN=")
-            default = load_callable(spec)
+            default = load(spec)
         elif not domain or domain in per_domain:
             raise ValueError(f"--verifier {spec!r}: " + ("empty domain" if not domain else
                                                            f"domain {domain!r} already has a verifier"))
         else:
-            per_domain[domain] = load_callable(path)
+            per_domain[domain] = load(path)
     if not per_domain:
         return default or exact_match
     return DomainVerifier(per_domain, default or exact_match)
 
 
 def add_verifier_argument(p) -> None:
-    p.add_argument("--verifier", action="append", default=None, metavar="[DOMAIN=]MODULE:FUNCTION",
+    from forge_megatron.agents.judge import add_judge_arguments
+
+    p.add_argument("--verifier", action="append", default=None, metavar="[DOMAIN=]MODULE:FUNCTION|judge",
                    help="(task, output) -> reward. Unprefixed: every domain; DOMAIN=...: that domain's tasks "
                         "(repeat for mixed-domain training, e.g. --verifier math=my.rewards:math "
-                        "--verifier code=my.rewards:unit_tests). Default: exact match with the task's answer")
+                        "--verifier code=my.rewards:unit_tests). 'judge': an LLM judge's score / max score "
+                        "(--judge-* below). Default: exact match with the task's answer")
+    add_judge_arguments(p)
 
 
 class PythonAgent:
@@ -243,7 +261,7 @@ def _finite(reward, source: str) -> float:
 
 def run_episode(gateway: GatewayClient, agent, task: Task, group_id: str | None, verifier: Verifier = exact_match,
                 timeout_s: float = 300.0, eval_sampling: dict | None = None,
-                verifier_timeout_s: float = 60.0) -> EpisodeReport:
+                verifier_timeout_s: float = VERIFIER_TIMEOUT_S) -> EpisodeReport:
     """Open a session, run the agent, score it, set the reward, end the session. Never raises for agent faults.
 
     ``group_id`` None: an evaluation episode (``GatewayClient.open_eval_session``, with ``eval_sampling``

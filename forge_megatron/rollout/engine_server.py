@@ -10,7 +10,9 @@ one placeholder per image in ``input_ids``, written out here as SGLang's process
 ``/pause_generation`` (mode abort|in_place|retract),
 ``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``; with ``--enable-lora`` SGLang's LoRA serving: ``/load_lora_adapter``,
-``/unload_lora_adapter``, ``/generate``'s ``lora_path``, adapters listed by ``/v1/models`` (see lora_serving.py).
+``/unload_lora_adapter``, ``/generate``'s ``lora_path``, adapters listed by ``/v1/models`` (see lora_serving.py);
+OpenAI's ``/v1/chat/completions`` for text (the chat template rendered, as SGLang's does; what an LLM judge,
+agents/judge.py, asks).
 
 Decoding: every request decodes token by token with its own KV cache. Each forward step is a
 job on one worker thread, so concurrent requests interleave step by step and a weight update (also a job on that
@@ -818,6 +820,58 @@ async def unload_lora_adapter(request, eng):
     return _lora_answer(eng)
 
 
+_CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
+                "n", "stream", "user"}
+
+
+def chat_request(eng: ReferenceEngine, body: dict) -> _Request:
+    """OpenAI's chat completion request (the subset a judge or a tool uses: text messages, max_tokens, temperature,
+    top_p, stop, seed; n = 1, no streaming) as a /generate request: the checkpoint's chat template rendered with
+    the assistant's turn opened, as SGLang's /v1/chat/completions does."""
+    unknown = sorted(set(body) - _CHAT_FIELDS)
+    _require(not unknown, f"/v1/chat/completions: unsupported field(s) {unknown} (this engine takes {sorted(_CHAT_FIELDS)})")
+    messages = body.get("messages")
+    _require(isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages),
+        "messages must be a non-empty list of {role, content} with text content")
+    _require(body.get("n", 1) == 1, "n must be 1")
+    _require(not body.get("stream", False), "stream is not supported on /v1/chat/completions here (use /generate)")
+    stop = body.get("stop")
+    params = {"max_new_tokens": body.get("max_completion_tokens", body.get("max_tokens", 256)),
+              "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+              "stop": [stop] if isinstance(stop, str) else (stop or [])}
+    if body.get("seed") is not None:
+        params["sampling_seed"] = body["seed"]
+    try:
+        ids = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # noqa: BLE001 - a template that rejects these messages is the caller's error
+        raise RequestError(f"messages: the chat template cannot render them ({exc})") from None
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # (transformers 5: a BatchEncoding)
+    return eng.new_request({"input_ids": ids, "sampling_params": params})
+
+
+@_handler
+async def chat_completions(request, eng):
+    """OpenAI's /v1/chat/completions over the engine (SGLang serves it too): a judge model for LLM-graded rewards
+    (agents/judge.py) runs on it; text in, text out, no tools."""
+    body = await _json_body(request)
+    req = chat_request(eng, body)
+    async for _ in eng.generate(req):
+        pass
+    answer = eng.response(req, False)
+    finish = (req.finish or {}).get("type", "stop")
+    if finish == "abort":
+        return _bad(f"the request was aborted ({req.finish.get('message')}): send it again", 503)
+    return web.json_response({
+        "id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": int(time.time()),
+        "model": body.get("model") or eng.model_path,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": answer["text"]},
+                     "finish_reason": "length" if finish == "length" else "stop"}],
+        "usage": {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
+                  "total_tokens": len(req.input_ids) + len(req.output_ids)},
+    })
+
+
 @_handler
 async def models(request, eng):
     """OpenAI's model list as SGLang answers it: the base model, then every loaded adapter (``parent``: the base)."""
@@ -848,6 +902,7 @@ def make_app(engine: ReferenceEngine, max_body_bytes: int = 64 << 20) -> web.App
     app.router.add_post("/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     return app
 
 
