@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-shot GPU check on a single H100/H200 (about 8 minutes: the second H200 run took 400 s before the mla and
-# sweep64 steps; 795 s of step limits in the worst case, 60 more after a crash; the CUDA extension's build took 47 s
+# sweep64 steps; 825 s of step limits in the worst case, 60 more after a crash; the CUDA extension's build took 47 s
 # on one machine and over 60 on another). Steps run most wanted first, so a device call cut short by its own limit
 # (at most 600 s) still returns the log of the most useful ones; GPU_CHECK_ONLY then runs the rest in a second call.
 # Step keys (GPU_CHECK_ONLY=build,sweep,tests runs only those; env always runs):
@@ -19,7 +19,8 @@
 #   gdelta    benchmarks/gated_delta.py (Qwen3.5's linear-attention recurrence: autograd loop, torch scan and the
 #             Triton scan kernels, forward + backward at 4 x 8192 tokens, 8 heads of 128),
 #   agentic, heads512   tree attention on the agentic workload and on heads of 512,
-#   mla       tree attention and the tile sweep on multi-latent attention's heads (192 / 128),
+#   mla       tree attention on multi-latent attention's heads (192 / 128), whole and split 128 + 64
+#             (FORGE_TREE_ATTN_SPLIT_HEAD=1), and the tile sweep there,
 #   backtrace a test that crashed its worker, again under cuda-gdb for a native stack,
 #   logprobs  benchmarks/logprobs.py (plain, chunked, fused and fused with an fp32 LM head: logprobs+entropy at 16k
 #             rows x 152k vocabulary, bf16; memory, time and error against fp64),
@@ -92,6 +93,8 @@ step heads512 "benchmark heads of 512" 20 "$PY" benchmarks/tree_attention.py --w
 # 128-channel values, a key/value head per query head
 step mla "benchmark grpo, multi-latent attention heads" 30 "$PY" benchmarks/tree_attention.py --workload grpo \
   --head-dim 192 --v-head-dim 128 --kv-heads 16
+step mla "benchmark grpo, multi-latent attention heads split 128 + 64" 30 env FORGE_TREE_ATTN_SPLIT_HEAD=1 \
+  "$PY" benchmarks/tree_attention.py --workload grpo --head-dim 192 --v-head-dim 128 --kv-heads 16
 step mla "sweep Triton tiles, multi-latent attention heads" 70 "$PY" benchmarks/tree_attention.py --sweep \
   --workload grpo --head-dim 192 --v-head-dim 128 --kv-heads 16
 # a test that killed its worker (xdist: "crashed while running '<id>'", in the failures file as soon as it happens)

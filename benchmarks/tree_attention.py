@@ -253,6 +253,7 @@ def run(args) -> dict:
         results["triton"]["tiles"] = {kernel: "x".join(map(str, t)) for kernel, t in
                                       tk.gpu_launch_config(H, tk._TL_DTYPES[dtype], HV)["tiles"].items()}
         results["triton"]["dkdv_split"] = int(tk.dkdv_split())
+        results["triton"]["split_head"] = int(tk.head_blocks(H)["SPLIT_H"])
     tree_names = [n for n in ("cuda", "cuda_simt", "triton", "segment") if n in results]
     best = max(tree_names, key=lambda n: results[n]["fwd_bwd_tflops"])
     return {

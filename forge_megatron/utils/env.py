@@ -230,6 +230,7 @@ def report() -> str:
     lines.append(f"  FORGE_TREE_ATTN_BACKEND: {os.environ.get('FORGE_TREE_ATTN_BACKEND', '(auto)')}")
     lines.append(f"  FORGE_TREE_ATTN_TRITON_TILES: {os.environ.get('FORGE_TREE_ATTN_TRITON_TILES', '(defaults)')}")
     lines.append(f"  FORGE_TREE_ATTN_DKDV_SPLIT: {os.environ.get('FORGE_TREE_ATTN_DKDV_SPLIT', '0 (off)')}")
+    lines.append(f"  FORGE_TREE_ATTN_SPLIT_HEAD: {os.environ.get('FORGE_TREE_ATTN_SPLIT_HEAD', '0 (off)')}")
     lines.append(f"  FORGE_GDN_BACKEND   : {os.environ.get('FORGE_GDN_BACKEND', '(auto)')}")
     return "\n".join(lines)
 

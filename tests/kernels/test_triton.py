@@ -638,3 +638,48 @@ def test_grid_caps_blocks_at_cuda_limit():
     assert triton_kernel._grid(16, 65535) == (16, 65535)
     with pytest.raises(ValueError, match="exceed the CUDA grid's 65535"):
         triton_kernel._grid(16, 65536)
+
+
+def test_split_heads_match_the_reference(monkeypatch):
+    """FORGE_TREE_ATTN_SPLIT_HEAD=1: heads whose size is not a power of two run as two tiles (48 = 32 + 16, 96 =
+    64 + 32, multi-latent attention's 192 = 128 + 64 with values of 128) instead of one padded tile: the same
+    outputs and gradients, whole trees, suffix queries, bidirectional blocks with a window and sinks, and with
+    dK/dV split over query heads too. Powers of two stay whole; bad values of the variable are refused."""
+    monkeypatch.setenv(triton_kernel.SPLIT_HEAD_ENV, "1")
+    assert triton_kernel.head_blocks(192) == dict(BLOCK_H=128, BLOCK_H2=64, SPLIT_H=True)
+    assert triton_kernel.head_blocks(80) == dict(BLOCK_H=64, BLOCK_H2=16, SPLIT_H=True)
+    assert triton_kernel.head_blocks(128) == dict(BLOCK_H=128, BLOCK_H2=16, SPLIT_H=False)
+    assert triton_kernel.head_blocks(192, split=False)["BLOCK_H"] == 256
+    check_against_reference(tree_attention_triton, CASES["grpo"], N=4, K=2, H=48, dtype=torch.float32)
+    check_against_reference(tree_attention_triton, CASES["random_trie"], N=2, K=2, H=96, dtype=torch.float32, seed=1)
+    check_against_reference(tree_attention_triton, CASES["many_roots"], N=2, K=2, H=192, dtype=torch.float32, seed=2,
+                            Hv=128)
+    check_suffix_queries(tree_attention_triton, CASES["random_trie"], N=4, K=2, H=48, seed=3)
+    _check_key_end(*BLOCK_CASES["prefix_and_leaves"], N=4, K=2, H=48, window=3, with_sinks=True)
+    monkeypatch.setenv(triton_kernel.DKDV_SPLIT_ENV, "1")
+    check_against_reference(tree_attention_triton, CASES["grpo"], N=4, K=2, H=48, dtype=torch.float32, seed=4)
+    monkeypatch.setenv(triton_kernel.SPLIT_HEAD_ENV, "2")
+    with pytest.raises(ValueError, match="FORGE_TREE_ATTN_SPLIT_HEAD must be 0 or 1"):
+        triton_kernel.head_split()
+
+
+def test_split_head_kernels_compile_for_sm90_and_need_less():
+    """Multi-latent attention's 192-channel heads split 128 + 64 compile for sm_90 (bf16, as the JIT specialises)
+    and need less shared memory than the same kernels padded to 256 channels, each of the three."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("triton_aot.py")
+    shared = {}
+    for split in ("0", "1"):
+        env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, triton_kernel.SPLIT_HEAD_ENV: split}
+        proc = subprocess.run([sys.executable, str(script), "--dtypes", "bf16", "--head-dims", "192x128"],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        shared[split] = {line.split()[2]: int(re.search(r"shared=(\d+)", line).group(1))
+                         for line in proc.stdout.splitlines()}
+    assert set(shared["1"]) == {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
+    assert all(shared["1"][k] < shared["0"][k] for k in shared["1"]), shared

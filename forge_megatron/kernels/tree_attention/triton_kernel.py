@@ -41,7 +41,9 @@ first query block whose KEMAX passes k_lo. The last key block, padded past T, is
 onto visibility, and keys past a query in its block are deeper (depth[i] - depth[j] < 0 < WINDOW).
 
 Value heads may differ in size from query/key heads (multi-latent attention: H = 192, HV = 128): v, o, dO and dV
-tiles are BLOCK_HV wide, q, k, dQ and dK tiles BLOCK_H.
+tiles are BLOCK_HV wide, q, k, dQ and dK tiles BLOCK_H. A q/k head whose size is not a power of two is padded to the
+next one, or with SPLIT_H (FORGE_TREE_ATTN_SPLIT_HEAD=1, head_blocks) held as two tiles, BLOCK_H and BLOCK_H2
+channels (192 = 128 + 64): q.k sums two products (_dot_t), dQ and dK keep two accumulators.
 
 Tiles (gpu_launch_config): each kernel has its own BLOCK_M x BLOCK_N, warps and pipeline stages, chosen by head
 size and overridable with FORGE_TREE_ATTN_TRITON_TILES for measuring (benchmarks/tree_attention.py --sweep).
@@ -73,6 +75,7 @@ MAX_HEAD_DIM = 512
 WIDE_HEAD_DIM = 256
 TILES_ENV = "FORGE_TREE_ATTN_TRITON_TILES"
 DKDV_SPLIT_ENV = "FORGE_TREE_ATTN_DKDV_SPLIT"
+SPLIT_HEAD_ENV = "FORGE_TREE_ATTN_SPLIT_HEAD"
 KERNELS = ("fwd", "dq", "dkdv")
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # Token counts only bound masks: Triton's specialisation of integer arguments (== 1, multiple of 16) would compile a
@@ -135,25 +138,47 @@ def _heavy_first(pid, programs):
 
 
 @triton.jit
-def _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_hv, H, HV, BLOCK_N: tl.constexpr,
-              COMPUTE: tl.constexpr):
-    """(key positions, K tile, V tile) of key block kb of one key/value head."""
-    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-    return (offs_n, _load_rows(K_head, offs_n, T, stride_kt, offs_h, H, COMPUTE),
-            _load_rows(V_head, offs_n, T, stride_vt, offs_hv, HV, COMPUTE))
+def _load_qk(PTR, offs_t, T, stride_t, offs_h, offs_h2, H, COMPUTE: tl.constexpr, SPLIT_H: tl.constexpr):
+    """A query or key tile of one head: channels offs_h, and with SPLIT_H a second tile of channels offs_h2 (a head
+    of 192 as 128 + 64 instead of padded to 256); without it the second is the first (unused)."""
+    a = _load_rows(PTR, offs_t, T, stride_t, offs_h, H, COMPUTE)
+    if SPLIT_H:
+        b = _load_rows(PTR, offs_t, T, stride_t, offs_h2, H, COMPUTE)
+    else:
+        b = a
+    return a, b
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m, offs_h, offs_hv,
-               T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, MASKED: tl.constexpr):
+def _dot_t(x, x2, y, y2, SPLIT_H: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """x y^T over the head's channels: both parts of a split head."""
+    s = tl.dot(x, tl.trans(y), input_precision=DOT_PRECISION)
+    if SPLIT_H:
+        s += tl.dot(x2, tl.trans(y2), input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.jit
+def _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_h2, offs_hv, H, HV, BLOCK_N: tl.constexpr,
+              COMPUTE: tl.constexpr, SPLIT_H: tl.constexpr):
+    """(key positions, K tile (two with SPLIT_H), V tile) of key block kb of one key/value head."""
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    k, k2 = _load_qk(K_head, offs_n, T, stride_kt, offs_h, offs_h2, H, COMPUTE, SPLIT_H)
+    return offs_n, k, k2, _load_rows(V_head, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
+
+
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m, offs_h,
+               offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr,
+               COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
+               MASKED: tl.constexpr, SPLIT_H: tl.constexpr):
     """The online softmax over this query block's runs [LO[r], HI[r]) of key blocks, r in [OFF[row], OFF[row + 1])
     (full tiles: MASKED False, no mask; partial ones: the element mask)."""
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
         for kb in range(tl.load(LO + r), tl.load(HI + r)):
-            offs_n, k, v = _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_hv, H, HV, BLOCK_N,
-                                     COMPUTE)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            offs_n, k, k2, v = _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_h2, offs_hv, H,
+                                         HV, BLOCK_N, COMPUTE, SPLIT_H)
+            s = _dot_t(q, q2, k, k2, SPLIT_H, DOT_PRECISION) * qk_scale
             if MASKED:
                 s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, False),
                              s, float("-inf"))
@@ -174,15 +199,16 @@ def _fwd_kernel(
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
-    WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
 ):
     n = tl.program_id(0)  # heads vary fastest: every head's longest query blocks are launched before any short one
     row = _heavy_first(tl.program_id(1), tl.num_programs(1))
     q0 = T - TQ  # the TQ queries are tree tokens [q0, T); row r of Q, O and LSE is token q0 + r
     offs_m = q0 + row * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
+    offs_h2 = BLOCK_H + tl.arange(0, BLOCK_H2)
     offs_hv = tl.arange(0, BLOCK_HV)
-    q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
+    q, q2 = _load_qk(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, offs_h2, H, COMPUTE, SPLIT_H)
     K_head = K + (n // GROUP) * stride_kn
     V_head = V + (n // GROUP) * stride_vn
 
@@ -193,34 +219,37 @@ def _fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, row,
-                               offs_m, offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE,
-                               DOT_PRECISION, WINDOW, HAS_KEY_END, False)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI, row,
-                               offs_m, offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE,
-                               DOT_PRECISION, WINDOW, HAS_KEY_END, True)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, row,
+                               offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
+                               COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False, SPLIT_H)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI, row,
+                               offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
+                               COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     _store_rows(O + n * stride_on, acc / l_safe[:, None], offs_m - q0, TQ, stride_ot, offs_hv, HV)
     tl.store(LSE + n * TQ + offs_m - q0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=offs_m < T)
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m, offs_h,
-              offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, MASKED: tl.constexpr):
+def _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m,
+              offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr,
+              COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
+              MASKED: tl.constexpr, SPLIT_H: tl.constexpr):
     """dQ's sum over this query block's runs of key blocks (MASKED as in _fwd_tiles): P recomputed from the saved
-    lse, dS = P * (dO V^T - delta), dQ += dS K."""
+    lse, dS = P * (dO V^T - delta), dQ += dS K (dq2 the second part of a split head)."""
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
         for kb in range(tl.load(LO + r), tl.load(HI + r)):
-            offs_n, k, v = _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_hv, H, HV, BLOCK_N,
-                                     COMPUTE)
-            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+            offs_n, k, k2, v = _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_h2, offs_hv, H,
+                                         HV, BLOCK_N, COMPUTE, SPLIT_H)
+            p = tl.exp2(_dot_t(q, q2, k, k2, SPLIT_H, DOT_PRECISION) * qk_scale - lse2[:, None])
             if MASKED:
                 p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, False),
                              p, 0.0)
-            ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
-            dq += tl.dot(ds.to(COMPUTE), k, input_precision=DOT_PRECISION)
-    return dq
+            ds = (p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])).to(COMPUTE)
+            dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
+            if SPLIT_H:
+                dq2 += tl.dot(ds, k2, input_precision=DOT_PRECISION)
+    return dq, dq2
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
@@ -230,56 +259,63 @@ def _bwd_dq_kernel(
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-    HAS_KEY_END: tl.constexpr,
+    HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
 ):
     n = tl.program_id(0)  # heads vary fastest: every head's longest query blocks are launched before any short one
     row = _heavy_first(tl.program_id(1), tl.num_programs(1))
     q0 = T - TQ
     offs_m = q0 + row * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
+    offs_h2 = BLOCK_H + tl.arange(0, BLOCK_H2)
     offs_hv = tl.arange(0, BLOCK_HV)
-    q = _load_rows(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
+    q, q2 = _load_qk(Q + n * stride_qn, offs_m - q0, TQ, stride_qt, offs_h, offs_h2, H, COMPUTE, SPLIT_H)
     do = _load_rows(DO + n * stride_on, offs_m - q0, TQ, stride_ot, offs_hv, HV, COMPUTE)
     lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
     K_head = K + (n // GROUP) * stride_kn
     V_head = V + (n // GROUP) * stride_vn
 
     dq = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, row,
-                   offs_m, offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE, DOT_PRECISION,
-                   WINDOW, HAS_KEY_END, False)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI, row,
-                   offs_m, offs_h, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N, COMPUTE, DOT_PRECISION,
-                   WINDOW, HAS_KEY_END, True)
+    dq2 = tl.zeros([BLOCK_M, BLOCK_H2], tl.float32)  # (without SPLIT_H never touched)
+    dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI,
+                        row, offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
+                        COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False, SPLIT_H)
+    dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI,
+                        row, offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
+                        COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H)
     _store_rows(DQ + n * stride_qn, dq * scale, offs_m - q0, TQ, stride_qt, offs_h, H)
+    if SPLIT_H:
+        _store_rows(DQ + n * stride_qn, dq2 * scale, offs_m - q0, TQ, stride_qt, offs_h2, H)
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_n,
-                offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_ot, BLOCK_M: tl.constexpr, COMPUTE: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, MASKED: tl.constexpr):
+def _dkdv_tiles(dk, dk2, dv, k, k2, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row,
+                offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_ot, BLOCK_M: tl.constexpr,
+                COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
+                MASKED: tl.constexpr, SPLIT_H: tl.constexpr):
     """dK / dV's sums over this key block's runs [LO[r], HI[r]) of query blocks for query head n (MASKED as in
     _fwd_tiles). The tiles are key-major, P^T and dS^T [BLOCK_N, BLOCK_M] (FlashAttention-2's dK/dV loop): every
     product then has the key block as its rows, dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers as
     they are, and the query-side operands (Q^T, dO^T) are views of the tiles loaded into shared memory, with no
     transpose of a register tile (the query-major form, [BLOCK_M, BLOCK_N] tiles transposed in registers, took
-    2.08 ms at its best tiles on an H200 where this one took 1.76). Padded query rows (past T) load zeros and lse = delta = 0: P = 1 there but
-    dO = 0, so they add nothing."""
+    2.08 ms at its best tiles on an H200 where this one took 1.76). dk2 / k2: the second part of a split head.
+    Padded query rows (past T) load zeros and lse = delta = 0: P = 1 there but dO = 0, so they add nothing."""
     q0 = T - TQ
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
         for qb in range(tl.load(LO + r), tl.load(HI + r)):
             offs_m = q0 + qb * BLOCK_M + tl.arange(0, BLOCK_M)
-            q = _load_rows(Q_head, offs_m - q0, TQ, stride_qt, offs_h, H, COMPUTE)
+            q, q2 = _load_qk(Q_head, offs_m - q0, TQ, stride_qt, offs_h, offs_h2, H, COMPUTE, SPLIT_H)
             do = _load_rows(DO_head, offs_m - q0, TQ, stride_ot, offs_hv, HV, COMPUTE)
             lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
-            pt = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
+            pt = tl.exp2(_dot_t(k, k2, q, q2, SPLIT_H, DOT_PRECISION) * qk_scale - lse2[None, :])
             if MASKED:
                 pt = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, True),
                               pt, 0.0)
             dv += tl.dot(pt.to(COMPUTE), do, input_precision=DOT_PRECISION)
-            dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :])
-            dk += tl.dot(dst.to(COMPUTE), q, input_precision=DOT_PRECISION)
-    return dk, dv
+            dst = (pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :])).to(COMPUTE)
+            dk += tl.dot(dst, q, input_precision=DOT_PRECISION)
+            if SPLIT_H:
+                dk2 += tl.dot(dst, q2, input_precision=DOT_PRECISION)
+    return dk, dk2, dv
 
 
 @triton.jit
@@ -290,17 +326,18 @@ def _add_rows(PTR, x, offs_t, T, stride_t, offs_h, H):
 
 
 @triton.jit
-def _dkdv_head(dk, dv, k, v, Q, DO, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO, P_HI, row,
-               offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_qn, stride_ot, stride_on,
-               BLOCK_M: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-               HAS_KEY_END: tl.constexpr):
+def _dkdv_head(dk, dk2, dv, k, k2, v, Q, DO, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO,
+               P_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_qn, stride_ot,
+               stride_on, BLOCK_M: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr):
     """Query head n's part of dK / dV for this key block: its full runs (no mask), then its partial ones."""
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH, KEY_END,
-                         F_OFF, F_LO, F_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt,
-                         stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False)
-    return _dkdv_tiles(dk, dv, k, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH, KEY_END,
-                       P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_ot,
-                       BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True)
+    dk, dk2, dv = _dkdv_tiles(dk, dk2, dv, k, k2, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END,
+                              DEPTH, KEY_END, F_OFF, F_LO, F_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV,
+                              qk_scale, stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END,
+                              False, SPLIT_H)
+    return _dkdv_tiles(dk, dk2, dv, k, k2, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH,
+                       KEY_END, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale,
+                       stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H)
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
@@ -310,7 +347,7 @@ def _bwd_dkdv_kernel(
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-    HAS_KEY_END: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_KEY_END: tl.constexpr, SPLIT: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
 ):
     """One key block of one key/value head, summed over its GROUP query heads; with SPLIT one query head per
     program (GROUP times the programs, each a GROUP-th as long) adding into fp32 dK / dV with atomics. Heads vary
@@ -324,24 +361,31 @@ def _bwd_dkdv_kernel(
         kv = pid
     offs_n = row * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
+    offs_h2 = BLOCK_H + tl.arange(0, BLOCK_H2)
     offs_hv = tl.arange(0, BLOCK_HV)
-    k = _load_rows(K + kv * stride_kn, offs_n, T, stride_kt, offs_h, H, COMPUTE)
+    k, k2 = _load_qk(K + kv * stride_kn, offs_n, T, stride_kt, offs_h, offs_h2, H, COMPUTE, SPLIT_H)
     v = _load_rows(V + kv * stride_vn, offs_n, T, stride_vt, offs_hv, HV, COMPUTE)
     dk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+    dk2 = tl.zeros([BLOCK_N, BLOCK_H2], tl.float32)  # (without SPLIT_H never touched)
     dv = tl.zeros([BLOCK_N, BLOCK_HV], tl.float32)
     if SPLIT:
-        dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, LSE, DELTA, pid, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF,
-                            P_LO, P_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_qn,
-                            stride_ot, stride_on, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END)
+        dk, dk2, dv = _dkdv_head(dk, dk2, dv, k, k2, v, Q, DO, LSE, DELTA, pid, SUB_END, DEPTH, KEY_END, F_OFF, F_LO,
+                                 F_HI, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV,
+                                 qk_scale, stride_qt, stride_qn, stride_ot, stride_on, BLOCK_M, COMPUTE,
+                                 DOT_PRECISION, WINDOW, HAS_KEY_END, SPLIT_H)
         _add_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
+        if SPLIT_H:
+            _add_rows(DK + kv * stride_kn, dk2 * scale, offs_n, T, stride_kt, offs_h2, H)
         _add_rows(DV + kv * stride_vn, dv, offs_n, T, stride_vt, offs_hv, HV)
     else:
         for g in range(GROUP):  # the query heads sharing this key/value head
-            dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, LSE, DELTA, kv * GROUP + g, SUB_END, DEPTH, KEY_END, F_OFF,
-                                F_LO, F_HI, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_hv, T, TQ, H, HV, qk_scale,
-                                stride_qt, stride_qn, stride_ot, stride_on, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW,
-                                HAS_KEY_END)
+            dk, dk2, dv = _dkdv_head(dk, dk2, dv, k, k2, v, Q, DO, LSE, DELTA, kv * GROUP + g, SUB_END, DEPTH,
+                                     KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_h2,
+                                     offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_qn, stride_ot, stride_on,
+                                     BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, SPLIT_H)
         _store_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
+        if SPLIT_H:
+            _store_rows(DK + kv * stride_kn, dk2 * scale, offs_n, T, stride_kt, offs_h2, H)
         _store_rows(DV + kv * stride_vn, dv, offs_n, T, stride_vt, offs_hv, HV)
 
 
@@ -402,15 +446,34 @@ def gpu_launch_config(head_dim: int, compute: tl.dtype, v_head_dim: int | None =
     """Constexprs of a GPU launch (head tiles, compute dtype, dot precision) and, under ``tiles``, each kernel's
     BLOCK_M / BLOCK_N / warps / stages (defaults by head size, FORGE_TREE_ATTN_TRITON_TILES overriding them);
     BLOCK_M / BLOCK_N / num_warps at the top level are the forward's."""
-    block_h = max(16, triton.next_power_of_2(head_dim))
     block_hv = max(16, triton.next_power_of_2(v_head_dim or head_dim))
-    tiles = {**_default_tiles(max(block_h, block_hv), compute), **tiles_from_env()}
+    tiles = {**_default_tiles(max(max(16, triton.next_power_of_2(head_dim)), block_hv), compute), **tiles_from_env()}
     fwd = tiles["fwd"]
     return dict(
-        BLOCK_M=fwd[0], BLOCK_N=fwd[1], BLOCK_H=block_h, BLOCK_HV=block_hv, COMPUTE=compute,
+        BLOCK_M=fwd[0], BLOCK_N=fwd[1], **head_blocks(head_dim), BLOCK_HV=block_hv, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else None,  # fp32 inputs: exact fp32, not TF32
         num_warps=fwd[2], tiles=tiles,
     )
+
+
+def head_split(value: str | None = None) -> bool:
+    """FORGE_TREE_ATTN_SPLIT_HEAD=1: a query/key head whose size is not a power of two runs as two tiles (192 = 128
+    + 64: multi-latent attention's heads) instead of one padded to the next power of two (256: a quarter of the
+    q.k products and of dQ / dK's accumulators spent on zeros). Off by default until a GPU sweep times it."""
+    value = os.environ.get(SPLIT_HEAD_ENV, "0") if value is None else value
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{SPLIT_HEAD_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def head_blocks(head_dim: int, split: bool | None = None) -> dict:
+    """BLOCK_H (and with a split head BLOCK_H2, SPLIT_H) of query/key heads of ``head_dim`` channels."""
+    split = head_split() if split is None else split
+    whole = max(16, triton.next_power_of_2(head_dim))
+    if not split or whole == head_dim or head_dim <= 16:
+        return dict(BLOCK_H=whole, BLOCK_H2=16, SPLIT_H=False)
+    first = whole // 2  # the largest power of two below head_dim
+    return dict(BLOCK_H=first, BLOCK_H2=max(16, triton.next_power_of_2(head_dim - first)), SPLIT_H=True)
 
 
 def _launch_config(q_TNH: torch.Tensor, T: int, v_head_dim: int | None = None) -> dict:
@@ -424,8 +487,8 @@ def _launch_config(q_TNH: torch.Tensor, T: int, v_head_dim: int | None = None) -
         raise ValueError(f"{T} tokens x {q_TNH.shape[1]} heads x head_dim {max(H, v_head_dim)} needs offsets >= 2^31; "
                          "the Triton kernel uses int32 offsets: split the micro-batch")
     if _interpreting():
-        cfg = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_H=max(16, triton.next_power_of_2(H)),
-                   BLOCK_HV=max(16, triton.next_power_of_2(v_head_dim)), COMPUTE=tl.float32, DOT_PRECISION="ieee")
+        cfg = dict(BLOCK_M=32, BLOCK_N=32, **head_blocks(H), BLOCK_HV=max(16, triton.next_power_of_2(v_head_dim)),
+                   COMPUTE=tl.float32, DOT_PRECISION="ieee")
         tiles = tiles_from_env()  # tiles set in the environment apply here too (tests of that path)
         if tiles:
             cfg["tiles"] = {kernel: tiles.get(kernel, (32, 32, 4, 1)) for kernel in KERNELS}
@@ -457,7 +520,8 @@ def dkdv_split(value: str | None = None) -> bool:
 def _kernel_launch(cfg: dict, kernel: str) -> tuple[dict, dict]:
     """(constexprs, launch options) of one kernel: its BLOCK_M / BLOCK_N, warps and stages from cfg["tiles"], or
     cfg's own BLOCK_M / BLOCK_N (and num_warps) for every kernel where it has no tiles (the interpreter, tests)."""
-    constexprs = {k: v for k, v in cfg.items() if k not in ("tiles", "num_warps", "num_stages")}
+    constexprs = {"SPLIT_H": False, "BLOCK_H2": 16,  # a whole head unless cfg splits it (head_blocks)
+                  **{k: v for k, v in cfg.items() if k not in ("tiles", "num_warps", "num_stages")}}
     options = {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
     if "tiles" in cfg:
         bm, bn, warps, stages = cfg["tiles"][kernel]
