@@ -337,9 +337,9 @@ def sweep_candidates(widest: int) -> dict[str, list[str]]:
 
 def sweep(args) -> dict:
     """Median time of each Triton kernel alone under every candidate tile for the head size (sweep_candidates; the
-    other kernels at their defaults), side by side in one process on the same inputs; a candidate that fails to compile or launch (shared
-    memory) is reported with its error. ``best_env`` is the FORGE_TREE_ATTN_TRITON_TILES value of the fastest,
-    ``best_split`` the FORGE_TREE_ATTN_DKDV_SPLIT value."""
+    other kernels at their defaults), side by side in one process on the same inputs; a candidate that fails to
+    compile or launch (shared memory) is reported with its error. ``best_env`` is the FORGE_TREE_ATTN_TRITON_TILES
+    value of the fastest, ``best_split`` the FORGE_TREE_ATTN_DKDV_SPLIT value."""
     from forge_megatron.kernels.tree_attention import triton_kernel as tk
 
     device = torch.device(args.device or "cuda")

@@ -92,7 +92,8 @@ class JudgeVerifier:
 
     def prompt_for(self, task, output) -> str:
         text = output if isinstance(output, str) else json.dumps(output)
-        answer = task.answer if isinstance(task.answer, str) else ("" if task.answer is None else json.dumps(task.answer))
+        answer = task.answer if isinstance(task.answer, str) else \
+            ("" if task.answer is None else json.dumps(task.answer))
         max_score = int(self.max_score) if float(self.max_score).is_integer() else self.max_score
         return self.rubric.format(prompt=task.prompt, answer=answer, output=text, max_score=max_score)
 
@@ -118,7 +119,8 @@ class JudgeVerifier:
             if score is not None:
                 return score / self.max_score
             last = f"no score in [0, {self.max_score:g}] in its answer {reply[-300:]!r}"
-        raise JudgeError(f"judge {self.url} gave no score for task {task.task_id} in {self.attempts} attempt(s): {last}")
+        raise JudgeError(f"judge {self.url} gave no score for task {task.task_id} in {self.attempts} attempt(s): "
+                         f"{last}")
 
     def _ask(self, prompt: str, temperature: float, seed: int) -> str:
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": temperature,

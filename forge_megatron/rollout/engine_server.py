@@ -829,7 +829,8 @@ def chat_request(eng: ReferenceEngine, body: dict) -> _Request:
     top_p, stop, seed; n = 1, no streaming) as a /generate request: the checkpoint's chat template rendered with
     the assistant's turn opened, as SGLang's /v1/chat/completions does."""
     unknown = sorted(set(body) - _CHAT_FIELDS)
-    _require(not unknown, f"/v1/chat/completions: unsupported field(s) {unknown} (this engine takes {sorted(_CHAT_FIELDS)})")
+    _require(not unknown,
+             f"/v1/chat/completions: unsupported field(s) {unknown} (this engine takes {sorted(_CHAT_FIELDS)})")
     messages = body.get("messages")
     _require(isinstance(messages, list) and messages and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages),

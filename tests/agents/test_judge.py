@@ -127,8 +127,10 @@ def test_judge_settings_are_checked_when_built(tmp_path, monkeypatch):
     monkeypatch.setenv("FORGE_TEST_JUDGE_KEY", "secret")
     judge = judge_from_args(_args(["--judge-url", "http://h/v1", "--judge-rubric", str(rubric), "--judge-max-score",
                                    "5", "--judge-api-key-env", "FORGE_TEST_JUDGE_KEY", "--judge-attempts", "1"]))
-    assert (judge.api_key, judge.max_score, judge.attempts, judge.url) == ("secret", 5.0, 1, "http://h/v1/chat/completions")
-    assert judge.prompt_for(Task("x", "Sum 2 and 2", answer=None), {"sum": 4}) == 'Task Sum 2 and 2\nOutput {"sum": 4}\nScore: 0-5'
+    assert (judge.api_key, judge.max_score, judge.attempts, judge.url) == \
+        ("secret", 5.0, 1, "http://h/v1/chat/completions")
+    assert judge.prompt_for(Task("x", "Sum 2 and 2", answer=None), {"sum": 4}) == \
+        'Task Sum 2 and 2\nOutput {"sum": 4}\nScore: 0-5'
     with pytest.raises(ValueError, match="exceed the 60 s the runner gives a verifier"):
         judge_from_args(_args(["--judge-url", "http://h/v1", "--judge-attempts", "4", "--judge-timeout-s", "20"]))
     with pytest.raises(ValueError, match="--judge-rubric .*No such file"):
