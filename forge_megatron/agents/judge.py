@@ -18,7 +18,8 @@ answer, and the runner fails that episode (runner.score), so a misbehaving judge
 
 The reward is ``score / max_score``, in [0, 1]. The rubric is a ``str.format`` template with ``{prompt}``,
 ``{answer}`` (the task's reference answer, empty if none), ``{output}`` (the agent's answer; JSON for a non-string)
-and ``{max_score}``; unknown placeholders are refused when the verifier is built.
+and ``{max_score}`` (literal braces, e.g. a JSON example, written ``{{`` and ``}}``); unknown placeholders are
+refused when the verifier is built.
 """
 
 from __future__ import annotations
@@ -159,8 +160,8 @@ def add_judge_arguments(p) -> None:
                         "forge-engine or a hosted API)")
     g.add_argument("--judge-model", default="default", help="model name sent to the judge endpoint")
     g.add_argument("--judge-rubric", default=None, metavar="FILE",
-                   help="rubric template (str.format with {prompt}, {answer}, {output}, {max_score}); default: a "
-                        "generic grading prompt ending in 'Score: N'")
+                   help="rubric template (str.format with {prompt}, {answer}, {output}, {max_score}; literal braces "
+                        "written {{ and }}); default: a generic grading prompt ending in 'Score: N'")
     g.add_argument("--judge-max-score", type=float, default=10.0, help="top of the judge's scale (reward = score / it)")
     g.add_argument("--judge-api-key-env", default=None, metavar="VAR",
                    help="environment variable holding the judge endpoint's API key (sent as a bearer token)")
