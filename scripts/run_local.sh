@@ -8,6 +8,7 @@
 # Settings (environment): HF_CHECKPOINT (required), MODEL (scripts/models/<MODEL>.sh, optional: the HF config is the
 # architecture), TASKS (tasks JSONL), ENGINE (forge = CPU reference engine | sglang), NUM_ENGINES, NPROC, TP, PP, EP, ETP,
 # CP, AGENT_CMD or AGENT_URL, GROUP_SIZE, GROUPS_PER_STEP, TRAIN_ITERS, LR, RUN_DIR, DOMAIN_RATIOS, EXTRA_TRAIN_ARGS,
+# DRIVER_ARGS (more rollout-driver flags: --verifier, an LLM judge's --judge-*),
 # POOL_ARGS (window and reward settings, e.g. "--window-fraction 0.5 --advantage-estimator rloo": applied by the data
 # pool, given to the trainer too, which checks them against the pool), POLICY_SAMPLING (default 1: training calls are
 # sampled at ROLLOUT_TEMPERATURE, default 1, whatever temperature the agent asks; 0: as the agent asks; the trainer
@@ -43,6 +44,7 @@ TRAIN_ITERS="${TRAIN_ITERS:-100}"; LR="${LR:-1e-6}"
 RUN_DIR="${RUN_DIR:-$ROOT/runs/local}"
 EXTRA_TRAIN_ARGS="${EXTRA_TRAIN_ARGS:-}"
 POOL_ARGS="${POOL_ARGS:-}"
+DRIVER_ARGS="${DRIVER_ARGS:-}"  # more rollout-driver flags, e.g. "--verifier judge --judge-url http://127.0.0.1:30010/v1"
 DOMAIN_RATIOS="${DOMAIN_RATIOS:-}"
 POLICY_SAMPLING="${POLICY_SAMPLING:-1}"; ROLLOUT_TEMPERATURE="${ROLLOUT_TEMPERATURE:-1}"; EVAL_TASKS="${EVAL_TASKS:-}"; EVAL_EVERY="${EVAL_EVERY:-10}"
 EPISODE_TIMEOUT_S="${EPISODE_TIMEOUT_S:-1800}"
@@ -126,7 +128,8 @@ NODE_FLAGS+=(--policy-temperature "$ROLLOUT_TEMPERATURE" --tool-parser "$TOOL_PA
 [ -n "$CHAT_TEMPLATE_KWARGS" ] && NODE_FLAGS+=(--chat-template-kwargs "$CHAT_TEMPLATE_KWARGS")
 [ "${TRUST_REMOTE_CODE:-0}" = 1 ] && NODE_FLAGS+=(--trust-remote-code)
 [ "${GATEWAY_WORKERS:-1}" -gt 1 ] && NODE_FLAGS+=(--gateway-workers "$GATEWAY_WORKERS")
-DRIVER_FLAGS=()
+# shellcheck disable=SC2206
+DRIVER_FLAGS=($DRIVER_ARGS)
 [ -n "$EVAL_TASKS" ] && DRIVER_FLAGS+=(--eval-tasks "$EVAL_TASKS" --eval-every-versions "$EVAL_EVERY"
                                        --eval-output "$RUN_DIR/evals.jsonl")
 run_bg middleware python -m forge_megatron.agents.middleware_node --model-path "$HF_CHECKPOINT" \

@@ -167,6 +167,24 @@ def test_dry_run_with_an_fp8_rollout_checkpoint(tmp_path):
     assert args.weight_sync_fp8 == str(fp8) and args.hf_checkpoint == "/models/Qwen3-30B-A3B"
 
 
+def test_driver_args_reach_the_rollout_driver():
+    """DRIVER_ARGS (here an LLM judge as the verifier of one domain) go to the rollout driver of both launch scripts,
+    whose own parser accepts them."""
+    from forge_megatron.agents.driver import build_parser
+
+    extra = "--verifier qa=judge --judge-url http://judge-host:30000/v1 --judge-model judge"
+    local = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_local.sh"), "--dry-run"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "HF_CHECKPOINT": "/models/m", "TASKS": "t.jsonl",
+                                                       "AGENT_URL": "http://127.0.0.1:9/", "MODEL": "tiny",
+                                                       "DRIVER_ARGS": extra})
+    for out in (_dry_run(MODEL="qwen3-30B-A3B", EP=4, HF_CHECKPOINT="/models/Qwen3-30B-A3B", DRIVER_ARGS=extra), local):
+        assert out.returncode == 0, out.stderr
+        (driver,) = [c for c in _commands(out.stdout) if "forge_megatron.agents.driver" in c]
+        args = build_parser().parse_args(driver[driver.index("forge_megatron.agents.driver") + 1:])
+        assert args.verifier == ["qa=judge"] and args.judge_url == "http://judge-host:30000/v1"
+        assert args.judge_model == "judge"
+
+
 def test_dry_run_with_a_trained_vision_tower_turns_sglangs_image_embedding_cache_off():
     """--train-vision-tower in EXTRA_TRAIN_ARGS: the engines start with SGLANG_VLM_CACHE_SIZE_MB=0 (no image
     embedding of an old tower served after a sync), unless the job sets it; a frozen tower keeps SGLang's cache."""
