@@ -16,7 +16,8 @@ a verifier; a 4xx answer (a wrong model name, a bad key) fails at once with the
 server's message. When no attempt yields a score the verifier raises ``ValueError`` naming the endpoint and the last
 answer, and the runner fails that episode (runner.score), so a misbehaving judge never turns into a silent zero.
 
-The reward is ``score / max_score``, in [0, 1]. The rubric is a ``str.format`` template with ``{prompt}``,
+The reward is ``score / max_score``, in [0, 1]. A greedy judge's scores are kept per prompt (``cache_size``, 4096):
+a group's identical answers to one task are judged once. The rubric is a ``str.format`` template with ``{prompt}``,
 ``{answer}`` (the task's reference answer, empty if none), ``{output}`` (the agent's answer; JSON for a non-string)
 and ``{max_score}`` (literal braces, e.g. a JSON example, written ``{{`` and ``}}``); unknown placeholders are
 refused when the verifier is built.
@@ -29,9 +30,11 @@ import math
 import os
 import re
 import string
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 from dataclasses import dataclass
 
 DEFAULT_RUBRIC = """You grade an AI assistant's answer to a task.
@@ -70,6 +73,7 @@ class JudgeVerifier:
     attempts: int = 3
     timeout_s: float = 15.0  # per request: three of them and the back-offs fit the runner's 60 s per verifier
     score_pattern: str = r"score\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)"
+    cache_size: int = 4096  # a greedy judge's scores of identical prompts (a group's equal answers): asked once
 
     def __post_init__(self):
         url = self.base_url.rstrip("/")
@@ -86,6 +90,8 @@ class JudgeVerifier:
         if self.attempts < 1 or self.max_tokens < 1 or self.timeout_s <= 0:
             raise ValueError("judge attempts and max_tokens must be >= 1 and timeout_s > 0")
         self._pattern = re.compile(self.score_pattern, re.IGNORECASE)
+        self._cache: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -108,6 +114,11 @@ class JudgeVerifier:
 
     def __call__(self, task, output) -> float:
         prompt, last = self.prompt_for(task, output), None
+        cacheable = self.temperature == 0 and self.cache_size > 0  # a greedy first answer is the same every time
+        with self._lock:
+            if cacheable and prompt in self._cache:
+                self._cache.move_to_end(prompt)
+                return self._cache[prompt]
         for attempt in range(self.attempts):
             temperature = self.temperature if attempt == 0 or self.temperature > 0 else self.retry_temperature
             try:
@@ -118,6 +129,11 @@ class JudgeVerifier:
                 continue
             score = self.parse(reply)
             if score is not None:
+                if cacheable and attempt == 0:  # (a retry's sampled answer is not the greedy one)
+                    with self._lock:
+                        self._cache[prompt] = score / self.max_score
+                        while len(self._cache) > self.cache_size:
+                            self._cache.popitem(last=False)
                 return score / self.max_score
             last = f"no score in [0, {self.max_score:g}] in its answer {reply[-300:]!r}"
         raise JudgeError(f"judge {self.url} gave no score for task {task.task_id} in {self.attempts} attempt(s): "

@@ -47,6 +47,10 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 def test_judge_scores_answers_through_the_engine(judge_engine):
     judge = JudgeVerifier(f"{judge_engine.url}/v1/", rubric=RUBRIC)
     assert judge(TASK, "42") == pytest.approx(0.9) and judge(TASK, "41") == pytest.approx(0.2)
+    judge.base_url = "http://127.0.0.1:9/v1"  # nothing listens there: a group's repeated answer is not asked again
+    assert judge(TASK, "42") == pytest.approx(0.9)
+    with pytest.raises(JudgeError, match="cannot reach it"):  # a new answer is
+        judge(TASK, "40")
     # as --verifier qa=judge: the domain's tasks go to the judge, the others to exact match
     args = _args(["--judge-url", f"{judge_engine.url}/v1", "--judge-max-score", "10"])
     args.judge_rubric = None
