@@ -28,6 +28,7 @@ first rows of the hidden-state gradient, compared with the plain variant's in th
 """
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -146,8 +147,6 @@ def main() -> None:
     for variant in VARIANTS:
         started = time.perf_counter()
         if in_process:  # CUDA's peak counter is reset per variant (child()); what the last one held is freed first
-            import gc
-
             gc.collect()
             torch.cuda.empty_cache()
             results[variant] = child(argparse.Namespace(**{**vars(args), "variant": variant}))

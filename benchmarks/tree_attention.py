@@ -353,7 +353,7 @@ def sweep(args) -> dict:
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, do = (torch.randn(T, n, h, generator=g).to(device, dtype) for n, h in ((N, H), (K, H), (K, HV), (N, HV)))
     scale = H ** -0.5
-    candidates = sweep_candidates(max(16, 1 << (max(H, HV) - 1).bit_length()))
+    candidates = sweep_candidates(tk.pow2_block(max(H, HV)))
     saved = os.environ.pop(tk.TILES_ENV, None)
     saved_split = os.environ.pop(tk.DKDV_SPLIT_ENV, None)
     o, lse = tk._forward(q, k, v, sub_end_T, scale)

@@ -58,6 +58,11 @@ _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGenerati
        "mistral4_vl": ("mistral4", "Mistral3Config", "Mistral3ForConditionalGeneration"),
        "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
 
+
+def _glm_vl(arch: str) -> bool:
+    """A GLM-4.xV vision-language arch (GLM-4.1V / 4.5V layouts, GLM-4.6V's Glm46V): GLM's image tokens and processor."""
+    return arch in _VL and _VL[arch][2].startswith("Glm4")
+
 # A small English + code + JSON corpus: merges learnt from it make common chat text a few characters per token.
 _CORPUS = [
     "You are a helpful assistant. The user asks a question and the assistant answers it.",
@@ -423,7 +428,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     config = tiny_config(arch, tie_word_embeddings=tie_word_embeddings, **overrides)
     if images:
         start, end, pad = tok.convert_tokens_to_ids(list(VISION_TOKENS))
-        if arch.startswith(("glm4v", "glm46v")):  # GLM-4.xV's config names them image_start / image_end
+        if _glm_vl(arch):  # GLM-4.xV's config names them image_start / image_end
             config.image_start_token_id, config.image_end_token_id, config.image_token_id = start, end, pad
         elif arch == "gemma3_vl":  # Gemma 3's: boi / eoi and the image token's index
             config.boi_token_index, config.eoi_token_index, config.image_token_index = start, end, pad
@@ -515,7 +520,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             transformers.Gemma4ImageProcessor(patch_size=vc.patch_size, pooling_kernel_size=vc.pooling_kernel_size,
                                               max_soft_tokens=70).save_pretrained(out_dir)
         else:
-            name = "Glm4vImageProcessor" if arch.startswith(("glm4v", "glm46v")) else "Qwen2VLImageProcessor"
+            name = "Glm4vImageProcessor" if _glm_vl(arch) else "Qwen2VLImageProcessor"
             getattr(transformers, name)(**TINY_IMAGE_PROCESSOR).save_pretrained(out_dir)
     with open(os.path.join(out_dir, "forge_tiny.json"), "w") as f:
         json.dump({"arch": arch, "seed": seed, "images": images}, f)

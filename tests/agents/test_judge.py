@@ -4,6 +4,7 @@ forge-engine's OpenAI-compatible /v1/chat/completions (rollout/engine_server.py)
 
 import argparse
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -104,7 +105,7 @@ def test_chat_route_renders_the_template_as_generate_sees_it(judge_engine):
                        ({"messages": messages, "tools": []}, r"unsupported field\(s\) \['tools'\]"),
                        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "text content")):
         status, err = _post(f"{judge_engine.url}/v1/chat/completions", bad)
-        assert status == 400 and __import__("re").search(words, err["error"]["message"]), (bad, err)
+        assert status == 400 and re.search(words, err["error"]["message"]), (bad, err)
 
 
 def _args(argv):

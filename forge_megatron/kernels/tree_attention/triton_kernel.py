@@ -446,8 +446,8 @@ def gpu_launch_config(head_dim: int, compute: tl.dtype, v_head_dim: int | None =
     """Constexprs of a GPU launch (head tiles, compute dtype, dot precision) and, under ``tiles``, each kernel's
     BLOCK_M / BLOCK_N / warps / stages (defaults by head size, FORGE_TREE_ATTN_TRITON_TILES overriding them);
     BLOCK_M / BLOCK_N / num_warps at the top level are the forward's."""
-    block_hv = max(16, triton.next_power_of_2(v_head_dim or head_dim))
-    tiles = {**_default_tiles(max(max(16, triton.next_power_of_2(head_dim)), block_hv), compute), **tiles_from_env()}
+    block_hv = pow2_block(v_head_dim or head_dim)
+    tiles = {**_default_tiles(max(pow2_block(head_dim), block_hv), compute), **tiles_from_env()}
     fwd = tiles["fwd"]
     return dict(
         BLOCK_M=fwd[0], BLOCK_N=fwd[1], **head_blocks(head_dim), BLOCK_HV=block_hv, COMPUTE=compute,
@@ -460,20 +460,30 @@ def head_split(value: str | None = None) -> bool:
     """FORGE_TREE_ATTN_SPLIT_HEAD=1: a query/key head whose size is not a power of two runs as two tiles (192 = 128
     + 64: multi-latent attention's heads) instead of one padded to the next power of two (256: a quarter of the
     q.k products and of dQ / dK's accumulators spent on zeros). Off by default until a GPU sweep times it."""
-    value = os.environ.get(SPLIT_HEAD_ENV, "0") if value is None else value
+    return _env_flag(SPLIT_HEAD_ENV, value)
+
+
+def pow2_block(channels: int) -> int:
+    """The tile width of ``channels``: the next power of two, at least 16 (tl.dot's smallest)."""
+    return max(16, triton.next_power_of_2(channels))
+
+
+def _env_flag(name: str, value: str | None) -> bool:
+    """A 0/1 environment switch (``value`` in its place when given); anything else is an error naming it."""
+    value = os.environ.get(name, "0") if value is None else value
     if value not in ("0", "1", ""):
-        raise ValueError(f"{SPLIT_HEAD_ENV} must be 0 or 1, got {value!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
 
 
 def head_blocks(head_dim: int, split: bool | None = None) -> dict:
     """BLOCK_H (and with a split head BLOCK_H2, SPLIT_H) of query/key heads of ``head_dim`` channels."""
     split = head_split() if split is None else split
-    whole = max(16, triton.next_power_of_2(head_dim))
+    whole = pow2_block(head_dim)
     if not split or whole == head_dim or head_dim <= 16:
         return dict(BLOCK_H=whole, BLOCK_H2=16, SPLIT_H=False)
     first = whole // 2  # the largest power of two below head_dim
-    return dict(BLOCK_H=first, BLOCK_H2=max(16, triton.next_power_of_2(head_dim - first)), SPLIT_H=True)
+    return dict(BLOCK_H=first, BLOCK_H2=pow2_block(head_dim - first), SPLIT_H=True)
 
 
 def _launch_config(q_TNH: torch.Tensor, T: int, v_head_dim: int | None = None) -> dict:
@@ -487,7 +497,7 @@ def _launch_config(q_TNH: torch.Tensor, T: int, v_head_dim: int | None = None) -
         raise ValueError(f"{T} tokens x {q_TNH.shape[1]} heads x head_dim {max(H, v_head_dim)} needs offsets >= 2^31; "
                          "the Triton kernel uses int32 offsets: split the micro-batch")
     if _interpreting():
-        cfg = dict(BLOCK_M=32, BLOCK_N=32, **head_blocks(H), BLOCK_HV=max(16, triton.next_power_of_2(v_head_dim)),
+        cfg = dict(BLOCK_M=32, BLOCK_N=32, **head_blocks(H), BLOCK_HV=pow2_block(v_head_dim),
                    COMPUTE=tl.float32, DOT_PRECISION="ieee")
         tiles = tiles_from_env()  # tiles set in the environment apply here too (tests of that path)
         if tiles:
@@ -511,10 +521,7 @@ def dkdv_split(value: str | None = None) -> bool:
     which every completion sees, then no longer run GROUP times as long as the rest. The atomics add a group's heads
     in whatever order they finish, so dK / dV are not bitwise the same from run to run. Off by default until a GPU
     sweep times it (benchmarks/tree_attention.py --sweep tries both)."""
-    value = os.environ.get(DKDV_SPLIT_ENV, "0") if value is None else value
-    if value not in ("0", "1", ""):
-        raise ValueError(f"{DKDV_SPLIT_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _env_flag(DKDV_SPLIT_ENV, value)
 
 
 def _kernel_launch(cfg: dict, kernel: str) -> tuple[dict, dict]:
