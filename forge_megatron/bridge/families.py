@@ -190,6 +190,13 @@ FAMILIES: dict[str, Family] = {
     # Qwen3-VL (dense: 2B-32B): a Qwen3 language model under model.language_model. beside model.visual.; a text
     # token has one position on all three mRoPE axes, so its rotation is plain RoPE
     "Qwen3VLForConditionalGeneration": Family("qwen3", qkv_bias=None, qk_norm=True, moe=False, multimodal=True),
+    # Qwen2.5-VL (3B-72B) and Qwen2-VL (2B-72B), the base of many GUI agents: a Qwen2 language model (biases on
+    # q/k/v) under model. (as released: a flat config.json, the tower under visual., the head lm_head), contiguous
+    # mRoPE sections; their towers are transformers' (Qwen2.5-VL: windowed attention in most blocks)
+    "Qwen2_5_VLForConditionalGeneration": Family("qwen2", qkv_bias=True, qk_norm=False, moe=False, multimodal=True,
+                                                 text_prefix="model.", vision_prefixes=("visual.",)),
+    "Qwen2VLForConditionalGeneration": Family("qwen2", qkv_bias=True, qk_norm=False, moe=False, multimodal=True,
+                                              text_prefix="model.", vision_prefixes=("visual.",)),
     # Qwen3-VL-MoE (30B-A3B, 235B-A22B): a Qwen3-MoE language model (experts fused on disk) beside model.visual.
     "Qwen3VLMoeForConditionalGeneration": Family("qwen3_vl_moe", qkv_bias=None, qk_norm=True, moe=True,
                                                  multimodal=True, fused_experts=True),
@@ -252,6 +259,11 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# vision-language releases whose config.json is flat (no text_config: the language model's fields at the top level,
+# RoPE as rope_scaling {"type": "mrope", "mrope_section": ...}); transformers reads them into a text_config
+FLAT_VL_CONFIGS = ("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+
+
 class UnsupportedModelError(ValueError):
     """The HF config describes an architecture (or an option of one) that the bridge cannot map exactly."""
 
@@ -276,9 +288,18 @@ def text_view(hf: dict) -> dict:
     ``architectures``, ``tie_word_embeddings`` and ``quantization_config``); any other config as it is."""
     if not family_of(hf).multimodal:
         return hf
-    if not isinstance(hf.get("text_config"), dict):
+    if isinstance(hf.get("text_config"), dict):
+        text = dict(hf["text_config"])
+    elif hf["architectures"][0] in FLAT_VL_CONFIGS:  # the language model's fields at the top level, as released
+        text = {k: v for k, v in hf.items() if k != "vision_config"}
+        text["model_type"] = f"{hf.get('model_type')}_text"
+    else:
         raise UnsupportedModelError(f"{hf['architectures'][0]} config has no text_config")
-    text = dict(hf["text_config"])
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type")) == "mrope":  # Qwen2-VL's name for plain RoPE over 3-D positions
+        text.pop("rope_scaling", None)
+        text["rope_parameters"] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "default",
+                                   "rope_theta": rope.get("rope_theta", text.get("rope_theta", 10000.0))}
     text["architectures"] = hf["architectures"]
     text["tie_word_embeddings"] = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     if hf.get("image_token_id") is not None:  # (Gemma 4 E2B / E4B: its per-layer inputs take images as padding)

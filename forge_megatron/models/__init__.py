@@ -50,6 +50,33 @@ def causal_lm_from_config(path: str, **kwargs):
 TRANSPOSED_EXPERTS = {"qwen3_vl_moe": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")}
 
 
+# vision-language models whose releases keep a flat config.json (transformers 5 writes a text_config)
+FLAT_CONFIGS = ("qwen2_5_vl", "qwen2_vl")
+
+
+def write_flat_config(out_dir: str) -> None:
+    """Rewrite ``out_dir``'s config.json as Qwen2.5-VL / Qwen2-VL releases lay it out: the language model's fields at
+    the top level beside ``vision_config``, RoPE as ``rope_theta`` and ``rope_scaling: {"type": "mrope",
+    "mrope_section": ...}`` (transformers reads it back into a text_config)."""
+    import json
+    import os
+
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    text = config.pop("text_config", None)
+    if text is None:
+        return
+    rope = dict(text.pop("rope_parameters", None) or {})
+    flat = {k: v for k, v in text.items() if k not in ("model_type", "architectures", "dtype")}
+    flat.update(config)
+    flat["rope_theta"] = rope.pop("rope_theta", 10000.0)
+    rope.pop("rope_type", None)
+    flat["rope_scaling"] = {"type": "mrope", **rope}
+    with open(path, "w") as f:
+        json.dump(flat, f, indent=2, sort_keys=True)
+
+
 def _kimi_k25_names(state: dict, config) -> dict:
     """Kimi-K2.5 as released: the language model under ``language_model.model.`` / ``language_model.lm_head``,
     experts one by one (transformers fuses them: [E, 2F, H] gate rows first, [E, H, F]), the MoonViT tower and
@@ -153,6 +180,8 @@ def save_checkpoint(model, out_dir: str) -> None:
     fused = TRANSPOSED_EXPERTS.get(kind, ())
     if not fused and kind not in ("kimi_k25", "olmo_hybrid", "kimi_linear"):
         model.save_pretrained(out_dir, safe_serialization=True)
+        if kind in FLAT_CONFIGS:
+            write_flat_config(out_dir)
         return
     state = {}
     for name, t in model.state_dict().items():

@@ -40,7 +40,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "olmo2", "olmo3",
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
-         "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v")
+         "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
+         "qwen2_vl")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -56,7 +57,13 @@ _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGenerati
        "glm46v": ("glm4", "Glm46VConfig", "Glm46VForConditionalGeneration"),
        "ministral3_vl": ("ministral3", "Mistral3Config", "Mistral3ForConditionalGeneration"),
        "mistral4_vl": ("mistral4", "Mistral3Config", "Mistral3ForConditionalGeneration"),
-       "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
+       "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+       # Qwen2.5-VL / Qwen2-VL: a Qwen2 language model (biases on q/k/v), contiguous mRoPE sections; saved as
+       # released (a flat config.json, the language model under model., the tower under visual.)
+       "qwen2_5_vl": ("qwen2", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+       "qwen2_vl": ("qwen2", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration")}
+# archs whose config.json is written flat, as their releases are (the language model's fields at the top level)
+_FLAT_CONFIG = ("qwen2_5_vl", "qwen2_vl")
 
 
 def _glm_vl(arch: str) -> bool:
@@ -186,6 +193,18 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                 text["model_type"] = "glm4v_text"
             vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, image_size=16)
+            return getattr(transformers, config_class)(text_config=text, vision_config=vision,
+                                                       tie_word_embeddings=tie_word_embeddings)
+        if text_arch == "qwen2":  # Qwen2.5-VL / Qwen2-VL: contiguous mRoPE sections over the 8 frequencies
+            text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+            if config_class == "Qwen2VLConfig":  # LayerNorm blocks, a QuickGELU MLP, every block attending fully
+                vision = dict(depth=2, embed_dim=32, hidden_size=text["hidden_size"], mlp_ratio=2, num_heads=2,
+                              patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+            else:  # RMSNorm blocks, a SwiGLU MLP; block 0 attends in windows of 2 x 2 merged patches (16 pixels),
+                # block 1 over the whole image
+                vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                              out_hidden_size=text["hidden_size"], patch_size=4, spatial_merge_size=2,
+                              temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
             return getattr(transformers, config_class)(text_config=text, vision_config=vision,
                                                        tie_word_embeddings=tie_word_embeddings)
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
@@ -407,8 +426,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                      with_tokenizer: bool = True, images: bool = False, **overrides) -> str:
     """Write config.json + model.safetensors (+ the tiny tokenizer) of a random tiny causal LM to ``out_dir``.
 
-    ``images`` (qwen3_vl, qwen3_vl_moe, qwen3_5_vl, glm4v, glm4v_moe, glm46v, gemma3_vl, gemma4_vl, ministral3_vl,
-    mistral4_vl, kimi_k25): the tokenizer has the image tokens
+    ``images`` (qwen3_vl, qwen3_vl_moe, qwen3_5_vl, qwen2_5_vl, qwen2_vl, glm4v, glm4v_moe, glm46v, gemma3_vl,
+    gemma4_vl, ministral3_vl, mistral4_vl, kimi_k25): the tokenizer has the image tokens
     (the config names them) and the directory an image processor (:data:`TINY_IMAGE_PROCESSOR`; Gemma 3's: 16-pixel
     squares), so the model takes images.
 
@@ -420,7 +439,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     from forge_megatron.models import save_checkpoint
 
     if images and arch not in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "glm4v", "glm4v_moe",
-                               "glm46v", "gemma3_vl", "gemma4_vl", "ministral3_vl", "mistral4_vl", "kimi_k25"):
+                               "glm46v", "gemma3_vl", "gemma4_vl", "ministral3_vl", "mistral4_vl", "kimi_k25",
+                               "qwen2_5_vl", "qwen2_vl"):
         raise ValueError(f"images=True is for the Qwen-VL, GLM-4.xV, Gemma 3 / 4, Ministral 3, Mistral Small 4 and "
                          f"Kimi-K2.5 archs, not {arch!r}")
     tok = build_tiny_tokenizer(vision=images)
@@ -519,6 +539,17 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             vc = config.vision_config
             transformers.Gemma4ImageProcessor(patch_size=vc.patch_size, pooling_kernel_size=vc.pooling_kernel_size,
                                               max_soft_tokens=70).save_pretrained(out_dir)
+        elif arch in _FLAT_CONFIG:  # as Qwen2.5-VL / Qwen2-VL releases write it: the pixel bounds at the top level,
+            # CLIP's mean and std
+            with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+                json.dump({"min_pixels": TINY_IMAGE_PROCESSOR["size"]["shortest_edge"],
+                           "max_pixels": TINY_IMAGE_PROCESSOR["size"]["longest_edge"],
+                           **{k: v for k, v in TINY_IMAGE_PROCESSOR.items() if k != "size"},
+                           "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                           "image_std": [0.26862954, 0.26130258, 0.27577711],
+                           "image_processor_type": "Qwen2VLImageProcessor",
+                           "processor_class": "Qwen2_5_VLProcessor" if arch == "qwen2_5_vl" else "Qwen2VLProcessor"},
+                          f, indent=2)
         else:
             name = "Glm4vImageProcessor" if _glm_vl(arch) else "Qwen2VLImageProcessor"
             getattr(transformers, name)(**TINY_IMAGE_PROCESSOR).save_pretrained(out_dir)

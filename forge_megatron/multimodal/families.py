@@ -66,10 +66,10 @@ import torch
 # vision-language checkpoints whose image inputs this module handles, by their HF ``model_type``: Qwen3-VL / -MoE,
 # Qwen3.5 (dense and MoE) and GLM-4.1V / 4.6V-Flash / 4.5V / 4.6V (the same positions; GLM's mRoPE sections are
 # contiguous, each frequency's angle repeated for its interleaved pair of channels)
-_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "glm46v", "gemma3", "gemma4",
-             "mistral3", "kimi_k25")
-SUPPORTED = ("Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV, Gemma 3, Gemma 4, Mistral 3 (Ministral 3, Mistral Small 3.x "
-             "and 4) and Kimi-K2.5 / K2.6")
+_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "qwen2_vl", "glm4v", "glm4v_moe",
+             "glm46v", "gemma3", "gemma4", "mistral3", "kimi_k25")
+SUPPORTED = ("Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen2.5-VL, Qwen2-VL, GLM-4.xV, Gemma 3, Gemma 4, Mistral 3 (Ministral 3, "
+             "Mistral Small 3.x and 4) and Kimi-K2.5 / K2.6")
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,7 @@ def vision_spec(hf_config: dict) -> VisionSpec:
         return VisionSpec(image_token_id=int(image_token), merge=int(kernel[0]), mrope_section=None,
                           interleaved=False, deepstack_layers=0, vision_prefix="model.",
                           patch_size=int(vision.get("patch_size", 14)), kind="kimi_k25")
+    text = text or hf_config  # (Qwen2.5-VL / Qwen2-VL as released: a flat config)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     section = rope.get("mrope_section")
     if not section or len(section) != 3:
@@ -174,7 +175,8 @@ def vision_spec(hf_config: dict) -> VisionSpec:
     indexes = vision.get("deepstack_visual_indexes") or ()
     return VisionSpec(image_token_id=int(hf_config["image_token_id"]), merge=int(vision.get("spatial_merge_size", 2)),
                       mrope_section=tuple(int(s) for s in section),
-                      interleaved=bool(rope.get("mrope_interleaved", False)), deepstack_layers=len(indexes))
+                      interleaved=bool(rope.get("mrope_interleaved", False)), deepstack_layers=len(indexes),
+                      vision_prefix="visual." if kind in ("qwen2_5_vl", "qwen2_vl") else "model.visual.")
 
 
 def image_runs(tokens_L: np.ndarray, image_token_id: int, sampled_L=None) -> list[tuple[int, int]]:
@@ -315,6 +317,10 @@ def _new_tower(config):
         return Mistral3Tower(config)
     if config.model_type == "kimi_k25":
         return KimiK25Tower(config)
+    if config.model_type == "qwen2_vl":  # (its tower has no AutoModel entry)
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config)
     return transformers.AutoModel.from_config(config.vision_config)
 
 

@@ -544,8 +544,9 @@ class ReferenceEngine:
             m = _KIMI_FORGET_GATE.fullmatch(name)
             if m is not None and model_type == "kimi_linear":  # ... the forget gate's tensors
                 name = f"{m.group(1)}.forget_gate.{m.group(2)}"
-        # as named (a vision-language model served whole), or as a text-only model holds it
-        for candidate in dict.fromkeys((name, _in_memory_name(name))):
+        # as named (a vision-language model served whole), as a text-only model holds it, or a release's name in a
+        # whole vision-language model
+        for candidate in dict.fromkeys((name, _in_memory_name(name), _whole_vl_name(name))):
             if candidate in params:
                 return params[candidate]
             m = _PER_EXPERT.fullmatch(candidate)
@@ -618,6 +619,16 @@ def _in_memory_name(name: str) -> str:
         return f"{m.group(1)}.mlp.experts.{m.group(2)}.{_MIXTRAL_PROJ[m.group(3)]}.weight"
     return name.replace(".block_sparse_moe.", ".mlp.")
 
+
+def _whole_vl_name(name: str) -> str:
+    """A Qwen2.5-VL / Qwen2-VL release's name (its language model under ``model.``, its tower under ``visual.``; what
+    SGLang's loader reads) as transformers >= 5 holds the whole model (``model.language_model.``, ``model.visual.``);
+    tried after the name itself, so a text model's ``model.*`` stays its own."""
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model.") and not name.startswith(("model.language_model.", "model.visual.")):
+        return "model.language_model." + name[len("model."):]
+    return name
 
 
 def _eos_ids(config, tokenizer) -> set[int]:

@@ -23,7 +23,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next", "olmo2", "olmo3", "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3",
          "seed_oss", "glm4", "kimi_k25", "glm4v", "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32",
          "glm_moe_dsa", "mistral4", "mistral4_vl", "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl",
-         "gemma4_moe", "gemma4_e", "glm46v")
+         "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl", "qwen2_vl")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -98,6 +98,8 @@ LAYOUTS = [
     ("kimi_k25", ParallelLayout(tp=2, pp=2, ep=2)),  # DeepSeek-V3's layout under language_model.*, the head too
     ("glm4v", ParallelLayout(tp=2, pp=2)), ("glm4v_moe", ParallelLayout(tp=2, pp=2, ep=2)),  # model.language_model.*
     ("glm46v", ParallelLayout(tp=2, pp=2)),  # GLM-4.6V: the language model its text_config names, dense
+    # Qwen2.5-VL as released: a flat config.json, the language model under model.*, the tower under visual.* copied
+    ("qwen2_5_vl", ParallelLayout(tp=2, pp=2)),
     ("ministral3_vl", ParallelLayout(tp=2, pp=2)),  # language_model.model.*, language_model.lm_head, Pixtral copied
     ("deepseek_v32", ParallelLayout(tp=2, pp=2, ep=2)),  # the DSA indexer replicated over TP
     ("glm_moe_dsa", ParallelLayout(tp=2, pp=2, ep=2)),  # layer 1 "shared": no indexer tensors

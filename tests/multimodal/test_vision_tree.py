@@ -1,7 +1,9 @@
 """Samples with images on prefix trees equal transformers' vision-language models, sample by sample.
 
 Tiny Qwen3-VL (DeepStack from its vision block 0, interleaved mRoPE), Qwen3-VL-MoE, Qwen3.5 (Gated DeltaNet beside
-gated attention), GLM-4.1V and GLM-4.5V (contiguous mRoPE sections on interleaved pairs) checkpoints; samples share a prefix with an image, branch after it, hold two images, or have the
+gated attention), GLM-4.1V and GLM-4.5V (contiguous mRoPE sections on interleaved pairs), Qwen2.5-VL and Qwen2-VL
+(contiguous sections on halves; flat configs, names as released, Qwen2.5-VL's tower attending in windows) checkpoints;
+samples share a prefix with an image, branch after it, hold two images, or have the
 same token ids as another sample and another image (which must not merge). Checked against each sample run alone
 through the transformers model with its images: logprobs, and every language-model parameter's gradient of a weighted
 loss; that leaving out DeepStack, mRoPE or the image features changes the logprobs; the 3-D positions against
@@ -24,7 +26,8 @@ IMG, VS, VE = 397, 398, 399  # the tiny tokenizer has no vision tokens: the conf
 FEATURES = 96  # channels 3 x temporal patch 2 x patch 4 x 4
 ARCHS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
          "qwen3_5_vl": "Qwen3_5ForConditionalGeneration", "glm4v": "Glm4vForConditionalGeneration",
-         "glm4v_moe": "Glm4vMoeForConditionalGeneration", "glm46v": "Glm46VForConditionalGeneration"}
+         "glm4v_moe": "Glm4vMoeForConditionalGeneration", "glm46v": "Glm46VForConditionalGeneration",
+         "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}
 LOGP_ATOL = 1e-5
 GRAD_RTOL = 1e-4
 
@@ -328,7 +331,7 @@ def test_language_model_gradients_equal_transformers(one_rank, hf_reference, arc
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
 def test_trained_vision_tower_gradients_equal_transformers(vl_dirs, hf_reference, recompute):
-    dirs = {a: vl_dirs[a] for a in (("qwen3_vl",) if recompute else ("qwen3_vl", "glm4v"))}
+    dirs = {a: vl_dirs[a] for a in (("qwen3_vl",) if recompute else ("qwen3_vl", "glm4v", "qwen2_5_vl"))}
     (out,) = run_distributed(_trained_tower_body, world_size=1, dirs=dirs, recompute=recompute, timeout_s=600)
     for arch, got in out.items():
         want, expected = hf_reference[arch]
@@ -337,8 +340,9 @@ def test_trained_vision_tower_gradients_equal_transformers(vl_dirs, hf_reference
         assert got["kept"] == ["policy"] and got["live"] == []  # the no-grad pass kept its features, no live ones
         assert got["text_only"]  # (Megatron's DDP with --overlap-grad-reduce waits for every parameter's gradient)
         assert got["block_runs"] == (2 if recompute else 1)  # the tower's blocks run again in the backward
-        tower = {n: g for n, g in got["grads"].items() if n.startswith("model.visual.")}
-        assert set(tower) == {n for n in expected if n.startswith("model.visual.")}
+        prefix = "visual." if arch.startswith("qwen2") else "model.visual."  # (Qwen2.x-VL: as released)
+        tower = {n: g for n, g in got["grads"].items() if n.startswith(prefix)}
+        assert tower and set(tower) == {n for n in expected if n.startswith(prefix)}
         for name, g in got["grads"].items():
             ref = expected[name]
             err = ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
@@ -354,8 +358,9 @@ def test_bridge_maps_a_trained_vision_tower(vl_dirs):
     from forge_megatron.convert.checkpoint import HFReader
     from forge_megatron.models.tiny import tiny_config
 
-    for d in vl_dirs.values():  # every family whose images the trainer takes
-        names = sorted(n for n in HFReader(d).names() if n.startswith("model.visual."))
+    for arch, d in vl_dirs.items():  # every family whose images the trainer takes
+        prefix = "visual." if arch.startswith("qwen2") else "model.visual."  # (Qwen2.x-VL: as released)
+        names = sorted(n for n in HFReader(d).names() if n.startswith(prefix))
         frozen, trained = Bridge(d), Bridge(d, vision_tower=True)
         assert names and all(frozen.is_left_out(n) for n in names)
         assert not any(trained.is_left_out(n) for n in names)
@@ -375,14 +380,15 @@ def test_deepstack_mrope_and_features_all_matter(one_rank, hf_reference):
         assert (logp - want).abs().max().item() > 1e-3, name
 
 
-def test_positions_equal_transformers_rope_index(vl_dirs):
+@pytest.mark.parametrize("arch,model_class", [("qwen3_vl", "Qwen3VLModel"), ("qwen2_5_vl", "Qwen2_5_VLModel")])
+def test_positions_equal_transformers_rope_index(vl_dirs, arch, model_class):
     import transformers
 
     from forge_megatron.bridge.families import load_hf_config
     from forge_megatron.multimodal import positions_3d, vision_spec
 
-    spec = vision_spec(load_hf_config(vl_dirs["qwen3_vl"]))
-    model = transformers.Qwen3VLModel(transformers.AutoConfig.from_pretrained(vl_dirs["qwen3_vl"]))
+    spec = vision_spec(load_hf_config(vl_dirs[arch]))
+    model = getattr(transformers, model_class)(transformers.AutoConfig.from_pretrained(vl_dirs[arch]))
     samples, images = batch(3)
     for tokens, ims in zip(samples, images):
         ids = torch.as_tensor(tokens)[None]
@@ -541,10 +547,11 @@ def test_rank_batch_packs_and_merges_by_images(vl_dirs):
 
 
 # ------------------------------------------------------------------------------------------- engine, images
-@pytest.fixture(scope="module", params=["qwen3_vl", "glm4v", "glm46v", "gemma3_vl", "gemma4_vl", "ministral3_vl"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl", "glm4v", "glm46v", "gemma3_vl", "gemma4_vl",
+                                        "ministral3_vl"])
 def vl_model_dir(tmp_path_factory, request):
-    """A tiny Qwen3-VL / GLM-4.1V / GLM-4.6V (transformers 5.x's Glm46V) / Gemma 3 / Gemma 4 / Ministral 3 with image
-    tokens in its tokenizer and an image processor (models.tiny, images=True)."""
+    """A tiny Qwen3-VL / Qwen2.5-VL / GLM-4.1V / GLM-4.6V (transformers 5.x's Glm46V) / Gemma 3 / Gemma 4 / Ministral 3
+    with image tokens in its tokenizer and an image processor (models.tiny, images=True)."""
     from forge_megatron.models.tiny import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("vl_images")), request.param, images=True)
@@ -677,10 +684,11 @@ def test_decode_data_takes_inline_images_only():
             decode_data(bad)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_vl", "glm4v"])
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl", "glm4v"])
 def test_normalized_images_are_what_the_processor_makes(tmp_path, arch):
     """The gateway's normalised size is a fixed point of the checkpoint's image processor (Qwen2-VL's and GLM-4.xV's
-    rules): its grid is the processor's, for images smaller than a patch, wide, tall, and over the pixel bound."""
+    rules; Qwen2.5-VL's file as released: min_pixels / max_pixels, CLIP's mean and std): its grid is the processor's,
+    for images smaller than a patch, wide, tall, and over the pixel bound."""
     from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.multimodal.images import ImageProcessor
 
