@@ -17,6 +17,8 @@ past the original context; the Pixtral tower copied on export), Mistral4ForCausa
 released inside Mistral3ForConditionalGeneration: multi-latent attention, a softmax router, experts stacked on
 disk), Qwen3ForCausalLM, Qwen3VLForConditionalGeneration (Qwen3-VL dense; the vision tower copied on export),
 Qwen3VLMoeForConditionalGeneration (Qwen3-VL-MoE; experts fused on disk; the vision tower copied on export),
+Qwen2_5_VLForConditionalGeneration / Qwen2VLForConditionalGeneration (Qwen2.5-VL / Qwen2-VL as released: a flat
+config, the language model under model.*, the vision tower under visual.* copied on export),
 Qwen3MoeForCausalLM, Glm4MoeForCausalLM (GLM-4.5 / 4.6 / 4.7), DeepseekV3ForCausalLM (DeepSeek-V3 /
 V3.1, Kimi-K2, Moonlight: multi-latent attention), KimiK25ForConditionalGeneration /
 Kimi_K25ForConditionalGeneration (Kimi-K2.5 / K2.6: Kimi-K2 under language_model.*, the vision tower copied on

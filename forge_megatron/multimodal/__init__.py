@@ -1,5 +1,5 @@
 """Vision-language RL: samples with images trained on prefix trees (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5,
-GLM-4.xV, Gemma 3, Gemma 4, Mistral 3, Kimi-K2.5).
+Qwen2.5-VL, Qwen2-VL, GLM-4.xV, Gemma 3, Gemma 4, Mistral 3, Kimi-K2.5).
 
 ``families``: each family's image tokens and positions (Qwen's 3-D mRoPE) and the checkpoint's vision tower;
 ``images``: the gateway's normalised images and their patches; ``tree``: image-aware prefix merging

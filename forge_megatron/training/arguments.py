@@ -357,11 +357,12 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "agree, so every sample is scored through exactly its engine's routing (costs the merging "
                         "lost where they disagree; routing_prefix_conflicts shows how often that is)")
     g.add_argument("--train-vision-tower", action="store_true",
-                   help="vision-language checkpoints (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, GLM-4.xV): train the vision "
+                   help="vision-language checkpoints (Qwen3-VL, Qwen3.5, Qwen2.5-VL, GLM-4.xV, Gemma 3 / 4, Mistral 3, "
+                        "Kimi-K2.5: multimodal.families.SUPPORTED): train the vision "
                         "tower with the language model (by default it stays frozen, the checkpoint's own). The tower "
                         "becomes part of the first pipeline stage's model: its gradients are reduced with the "
                         "language model's, its weights are in the optimizer, the checkpoints, the weight sync to the "
-                        "engines (model.visual.*) and the HF export; the KL reference keeps the checkpoint's. "
+                        "engines (under the checkpoint's names, e.g. model.visual.*) and the HF export; the KL reference keeps the checkpoint's. "
                         "Qwen3-VL's DeepStack layers must be on the first stage. A run saved with the tower frozen "
                         "may resume with it (the tower then starts from --hf-checkpoint's weights)")
     g.add_argument("--vision-lr", type=float, default=None, metavar="LR",

@@ -209,6 +209,53 @@ def test_padded_vocabulary_rows_are_zero_in_and_dropped_out():
         Bridge(_hf("llama", vocab_size=400), vocab_size=300)
 
 
+# Qwen2.5-VL-7B-Instruct's config.json as released (flat: no text_config), its vision_config shortened
+QWEN2_5_VL_7B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 128000,
+    "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2}}
+
+
+def test_qwen2_5_vl_release_config_maps_as_transformers_reads_it():
+    """Qwen2.5-VL's flat release config (RoPE as rope_scaling {"type": "mrope"}) maps to the Qwen2 layout with biases
+    on q/k/v, its RoPE plain (a text token's mRoPE), the names as released (model.*, visual.*); transformers' nested
+    reading of the same file maps alike; images: contiguous sections, the tower under visual.; a flat config is
+    refused for a release that has a text_config."""
+    import transformers
+
+    from forge_megatron.bridge.families import text_view
+    from forge_megatron.multimodal import vision_spec
+
+    flat = Bridge(QWEN2_5_VL_7B)
+    cfg = flat.cfg
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_query_groups, cfg.add_qkv_bias, cfg.qk_layernorm) == \
+        (28, 3584, 4, True, False)
+    assert cfg.rotary_base == 1000000.0 and cfg.rope_scaling is None and cfg.rotary_percent == 1.0
+    assert flat.hf_names("embedding.word_embeddings.weight") == ["model.embed_tokens.weight"]
+    assert flat.hf_names("output_layer.weight") == ["lm_head.weight"]
+    assert flat.hf_names("decoder.final_layernorm.weight") == ["model.norm.weight"]
+    assert text_view(QWEN2_5_VL_7B)["rope_parameters"] == {"mrope_section": [16, 24, 24], "rope_type": "default",
+                                                           "rope_theta": 1000000.0}
+    nested = transformers.Qwen2_5_VLConfig(**{k: v for k, v in QWEN2_5_VL_7B.items() if k != "torch_dtype"})
+    assert Bridge({**nested.to_dict(), "architectures": QWEN2_5_VL_7B["architectures"]}).cfg == cfg
+    spec = vision_spec(QWEN2_5_VL_7B)
+    assert (spec.image_token_id, spec.merge, spec.mrope_section, spec.interleaved, spec.vision_prefix) == \
+        (151655, 2, (16, 24, 24), False, "visual.")
+    qwen3_vl = {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+                **{k: v for k, v in QWEN2_5_VL_7B.items() if k not in ("architectures", "model_type")}}
+    with pytest.raises(UnsupportedModelError, match="Qwen3VLForConditionalGeneration config has no text_config"):
+        Bridge(qwen3_vl)
+
+
 def test_vision_language_releases_configs_as_published():
     """The released config.json files of the vision-language models whose language model trains (written as the hub
     has them, transformers 4 style: rope_theta and rope_scaling in text_config, the text model_type of the release)

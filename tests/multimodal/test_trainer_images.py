@@ -107,6 +107,14 @@ def test_glm4v_images_train(tmp_path):
     assert steps[1]["loss"] != steps[0]["loss"]
 
 
+def test_qwen2_5_vl_images_train(tmp_path):
+    """Qwen2.5-VL as released (a flat config, the tower under visual.*, contiguous mRoPE sections on halves; the
+    tower attending in windows in one block, over the whole picture in the other) through the same path, the tower
+    trained too."""
+    steps = _run(tmp_path, "qwen2_5", arch="qwen2_5_vl", extra=TRAIN_TOWER)
+    assert steps[1]["loss"] != steps[0]["loss"] and steps[0]["grad_norm_vision"] > 0
+
+
 def test_gemma3_images_train(tmp_path):
     """Gemma 3 (the SigLIP tower and projector, 1-D positions, each image's tokens seeing each other) through the
     same path: the first step's logprobs are the engine's (transformers' Gemma 3 with its token_type_ids mask)."""
@@ -265,6 +273,31 @@ def test_trained_vision_tower_reaches_the_engine(tmp_path, trainable):
             assert torch.equal(after[name], before[name]) != grad, name
     finally:
         engine.stop()
+
+
+def test_qwen2_5_vl_images_through_the_gateway_are_scored_by_the_trainer_as_the_engine(tmp_path):
+    """Two chat calls with a picture each through a real gateway and forge-engine serving a Qwen2.5-VL release
+    (flat config, CLIP-normalised pixels), the second continuing the first: the trainer's logprobs of the sampled
+    tokens are the engine's."""
+    from forge_megatron.models.tiny import build_tiny_model
+    from tests.multimodal import vl_checks as vl
+
+    model_dir = build_tiny_model(str(tmp_path / "qwen2_5_vl"), "qwen2_5_vl", images=True, seed=4)
+    ep = vl.chat_episode(model_dir, vl.random_pictures(6, [(30, 50), (16, 16)]))
+    assert sum(len(s.images) for s in ep.segments) >= 2
+    vl.assert_scored_as_engine(model_dir, ep)
+
+
+def test_qwen2_5_vl_trained_tower_reaches_the_engine(tmp_path):
+    """Qwen2.5-VL's trained tower is sent under the release's names (visual.*, what SGLang's loader reads) and the
+    engine's whole model (transformers' model.visual.*) takes them."""
+    from tests.multimodal import vl_checks as vl
+
+    before, after, tower = vl.tower_synced_to_an_engine(tmp_path, "qwen2_5_vl", ("model.visual.",))
+    assert tower and all(n.startswith("visual.") for n in tower) and {"model." + n for n in tower} == set(before)
+    for name, (t, _) in tower.items():
+        assert torch.equal(after["model." + name], t.to(after["model." + name].dtype)), name
+        assert not torch.equal(after["model." + name], before["model." + name]), name
 
 
 def test_trained_vision_tower_resumes_under_another_layout(tmp_path):

@@ -379,6 +379,7 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
 
 @pytest.mark.parametrize("arch,name", [("qwen3_vl", "Qwen3VLForConditionalGeneration"),
                                        ("glm4v", "Glm4vForConditionalGeneration"),
+                                       ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
                                        ("gemma3_vl", "Gemma3ForConditionalGeneration"),
                                        ("gemma4_vl", "Gemma4ForConditionalGeneration"),
                                        ("ministral3_vl", "Mistral3ForConditionalGeneration"),
