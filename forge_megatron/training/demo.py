@@ -47,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # tokens attend sparsely)
 DSA_TOPK = 64
 # the colour task's vision-language models
-VISION_ARCHS = ("qwen3_vl", "gemma3_vl", "gemma4_vl", "ministral3_vl", "kimi_k25")
+VISION_ARCHS = ("qwen3_vl", "qwen2_5_vl", "gemma3_vl", "gemma4_vl", "ministral3_vl", "kimi_k25")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "q/k RMSNorms over all heads); gemma4_moe: Gemma 4 26B-A4B's (--arch gemma4's layers with "
                         "routed experts beside the dense MLP in every layer)")
     p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e",
-                                      "qwen3_vl", "gemma3_vl", "gemma4_vl", "ministral3_vl", "kimi_k25"],
+                                      "qwen3_vl", "qwen2_5_vl", "gemma3_vl", "gemma4_vl", "ministral3_vl",
+                                      "kimi_k25"],
                    default="qwen2",
                    help="the dense model's layout: qwen2 (default); qwen3_5: the Qwen3.5 hybrid (Gated DeltaNet "
                         "linear-attention layers trained on prefix trees, every fourth layer, and the last, gated full "
@@ -103,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "MLPs; needs an even --num-layers of 4 or more); qwen3_vl: a vision-language model "
                         "(Qwen3-VL's: a one-block vision tower, DeepStack, interleaved mRoPE) on the colour task "
                         "instead of the calculator (agents/colors.py: the agent sends a picture, the model names its "
-                        "colour; the pictures travel through gateway, engine, pool and trainer); gemma3_vl: the same "
+                        "colour; the pictures travel through gateway, engine, pool and trainer); qwen2_5_vl: the same "
+                        "task on Qwen2.5-VL's layout as released (a two-block tower, one attending in windows, "
+                        "contiguous mRoPE sections, names under visual.*, the Qwen2 language model); gemma3_vl: the same "
                         "task on Gemma 3's vision-language layout (a one-layer SigLIP tower pooled to 4 tokens per "
                         "16-pixel picture, each picture's tokens seeing each other, plain RoPE, --arch gemma3's "
                         "language model); gemma4_vl: the same on Gemma 4's (a one-layer tower on pictures of their "
@@ -258,6 +261,8 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
     if vision:
         arch["images"] = True
         kind = {"qwen3_vl": "Qwen3-VL: a one-block vision tower, DeepStack, interleaved mRoPE; the colour task, ",
+                "qwen2_5_vl": "Qwen2.5-VL as released: a windowed vision tower, contiguous mRoPE sections; the "
+                              "colour task, ",
                 "gemma3_vl": "Gemma 3 vision-language: a SigLIP tower, bidirectional image attention, sliding "
                              "windows; the colour task, ",
                 "gemma4_vl": "Gemma 4 vision-language: a tower on pictures of their own sizes, image attention both "
@@ -441,8 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lora_sync != "merged" and not args.lora_rank:
         raise SystemExit("--lora-sync adapter needs --lora-rank")
     if args.train_vision_tower and args.arch not in VISION_ARCHS:
-        raise SystemExit("--train-vision-tower needs --arch qwen3_vl or gemma3_vl (the demo's vision-language "
-                         "models)")
+        raise SystemExit(f"--train-vision-tower needs a vision-language --arch: one of {', '.join(VISION_ARCHS)}")
     if args.arch in VISION_ARCHS and args.agent_api != "chat":
         raise SystemExit(f"--arch {args.arch} runs the colour agent, which calls chat completions only")
     if args.arch == "gemma4_e" and (args.num_layers < 4 or args.num_layers % 2):

@@ -152,9 +152,10 @@ def test_short_fp8_demo_serves_and_syncs_fp8_weights(tmp_path):
 
 # the frozen tower's trainer path: tests/multimodal (kept short here); Gemma 4: pictures of their own sizes, image
 # blocks in the sliding layers; Mistral 3: pictures written row by row (the warm-start's chats too); Kimi-K2.5: its
-# trained tower synced under the release's names (a fused wqkv) through the disk transport
+# trained tower synced under the release's names (a fused wqkv) through the disk transport; Qwen2.5-VL: its trained
+# windowed tower synced under the release's visual.* (the engine's model holds it under model.visual.*)
 @pytest.mark.parametrize("arch,tower", [("qwen3_vl", "trained"), ("gemma4_vl", "frozen"), ("ministral3_vl", "frozen"),
-                                        ("kimi_k25", "trained")])
+                                        ("kimi_k25", "trained"), ("qwen2_5_vl", "trained")])
 def test_short_vision_demo_sends_pictures_through_every_process(tmp_path, arch, tower):
     """``--arch qwen3_vl`` (``gemma4_vl``): the colour task on a tiny Qwen3-VL (Gemma 4) model: the agent sends
     pictures, the gateway normalises and expands them and sends them to the engine, the pool stores them with the
