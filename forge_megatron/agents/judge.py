@@ -30,12 +30,10 @@ import math
 import os
 import re
 import string
-import threading
 import time
-import urllib.error
-import urllib.request
-from collections import OrderedDict
 from dataclasses import dataclass
+
+from forge_megatron.agents.remote import Retryable, ScoreCache, check_base_url, post_json
 
 DEFAULT_RUBRIC = """You grade an AI assistant's answer to a task.
 
@@ -76,10 +74,7 @@ class JudgeVerifier:
     cache_size: int = 4096  # a greedy judge's scores of identical prompts (a group's equal answers): asked once
 
     def __post_init__(self):
-        url = self.base_url.rstrip("/")
-        if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
-            raise ValueError(f"judge base URL must be http(s)://host[:port][/path], got {self.base_url!r}")
-        self.base_url = url
+        self.base_url = check_base_url(self.base_url, "judge base URL")
         fields = {name for _, name, _, _ in string.Formatter().parse(self.rubric) if name is not None}
         unknown = sorted(fields - set(RUBRIC_FIELDS))
         if unknown or "output" not in fields:
@@ -90,8 +85,7 @@ class JudgeVerifier:
         if self.attempts < 1 or self.max_tokens < 1 or self.timeout_s <= 0:
             raise ValueError("judge attempts and max_tokens must be >= 1 and timeout_s > 0")
         self._pattern = re.compile(self.score_pattern, re.IGNORECASE)
-        self._cache: OrderedDict[str, float] = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache = ScoreCache(self.cache_size)
 
     @property
     def url(self) -> str:
@@ -114,26 +108,22 @@ class JudgeVerifier:
 
     def __call__(self, task, output) -> float:
         prompt, last = self.prompt_for(task, output), None
-        cacheable = self.temperature == 0 and self.cache_size > 0  # a greedy first answer is the same every time
-        with self._lock:
-            if cacheable and prompt in self._cache:
-                self._cache.move_to_end(prompt)
-                return self._cache[prompt]
+        cacheable = self.temperature == 0  # a greedy first answer is the same every time
+        cached = self._cache.get(prompt) if cacheable else None
+        if cached is not None:
+            return cached
         for attempt in range(self.attempts):
             temperature = self.temperature if attempt == 0 or self.temperature > 0 else self.retry_temperature
             try:
                 reply = self._ask(prompt, temperature, seed=attempt)
-            except _Retryable as exc:
+            except Retryable as exc:
                 last = str(exc)
                 time.sleep(min(2.0, 0.25 * 2 ** attempt))
                 continue
             score = self.parse(reply)
             if score is not None:
                 if cacheable and attempt == 0:  # (a retry's sampled answer is not the greedy one)
-                    with self._lock:
-                        self._cache[prompt] = score / self.max_score
-                        while len(self._cache) > self.cache_size:
-                            self._cache.popitem(last=False)
+                    self._cache.put(prompt, score / self.max_score)
                 return score / self.max_score
             last = f"no score in [0, {self.max_score:g}] in its answer {reply[-300:]!r}"
         raise JudgeError(f"judge {self.url} gave no score for task {task.task_id} in {self.attempts} attempt(s): "
@@ -142,31 +132,12 @@ class JudgeVerifier:
     def _ask(self, prompt: str, temperature: float, seed: int) -> str:
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": temperature,
                 "max_tokens": self.max_tokens, "seed": seed}
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
-                answer = json.loads(resp.read().decode())
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            if exc.code >= 500:
-                raise _Retryable(f"HTTP {exc.code}: {detail}") from None
-            raise JudgeError(f"judge {self.url} refused the request: HTTP {exc.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-            raise _Retryable(f"cannot reach it ({getattr(exc, 'reason', exc)})") from None
-        except json.JSONDecodeError:
-            raise _Retryable("its answer is not JSON") from None
+        answer = post_json(self.url, body, self.timeout_s, self.api_key, JudgeError, "judge")
         try:
             content = answer["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
-            raise _Retryable(f"its answer has no choices[0].message.content: {str(answer)[:300]}") from None
+            raise Retryable(f"its answer has no choices[0].message.content: {str(answer)[:300]}") from None
         return content if isinstance(content, str) else ""
-
-
-class _Retryable(Exception):
-    pass
 
 
 def add_judge_arguments(p) -> None:

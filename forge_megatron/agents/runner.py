@@ -73,6 +73,8 @@ def exact_match(task: Task, output: str | None) -> float:
     return float(output is not None and output.strip() == task.answer.strip())
 
 
+# ``--verifier`` names of the verifiers built from options rather than imported (judge.py, reward_model.py)
+REMOTE_VERIFIERS = ("judge", "rm")
 VERIFIER_TIMEOUT_S = 60.0  # what run_episode gives a verifier (an LLM judge's attempts must fit: judge.py)
 
 
@@ -110,17 +112,19 @@ class DomainVerifier:
 def build_verifier(specs: list[str] | None, args=None) -> Verifier:
     """``--verifier`` values -> one verifier: ``module:function`` scores every domain, ``DOMAIN=module:function``
     scores that domain (repeat for several); domains without one use the unprefixed verifier, else exact match.
-    ``judge`` in place of ``module:function`` is the LLM judge of ``args``' ``--judge-*`` options (judge.py)."""
-    default, per_domain, judge = None, {}, []
+    ``judge`` in place of ``module:function`` is the LLM judge of ``args``' ``--judge-*`` options (judge.py), ``rm``
+    the reward model of its ``--rm-*`` options (reward_model.py)."""
+    default, per_domain, remote = None, {}, {}
 
     def load(path: str) -> Verifier:
-        if path != "judge":
+        if path not in REMOTE_VERIFIERS:
             return load_callable(path)
-        if not judge:  # one judge for every domain that names it
+        if path not in remote:  # one judge / reward model for every domain that names it
             from forge_megatron.agents.judge import judge_from_args
+            from forge_megatron.agents.reward_model import reward_model_from_args
 
-            judge.append(judge_from_args(args))
-        return judge[0]
+            remote[path] = (judge_from_args if path == "judge" else reward_model_from_args)(args)
+        return remote[path]
 
     for spec in specs or []:
         domain, sep, path = spec.partition("=")
@@ -140,13 +144,16 @@ def build_verifier(specs: list[str] | None, args=None) -> Verifier:
 
 def add_verifier_argument(p) -> None:
     from forge_megatron.agents.judge import add_judge_arguments
+    from forge_megatron.agents.reward_model import add_reward_model_arguments
 
-    p.add_argument("--verifier", action="append", default=None, metavar="[DOMAIN=]MODULE:FUNCTION|judge",
+    p.add_argument("--verifier", action="append", default=None, metavar="[DOMAIN=]MODULE:FUNCTION|judge|rm",
                    help="(task, output) -> reward. Unprefixed: every domain; DOMAIN=...: that domain's tasks "
                         "(repeat for mixed-domain training, e.g. --verifier math=my.rewards:math "
                         "--verifier code=my.rewards:unit_tests). 'judge': an LLM judge's score / max score "
-                        "(--judge-* below). Default: exact match with the task's answer")
+                        "(--judge-* below); 'rm': a reward model's score (--rm-* below). Default: exact match with "
+                        "the task's answer")
     add_judge_arguments(p)
+    add_reward_model_arguments(p)
 
 
 class PythonAgent:

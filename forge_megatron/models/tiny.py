@@ -558,6 +558,28 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     return out_dir
 
 
+def build_tiny_reward_model(out_dir: str, seed: int = 0, num_labels: int = 1) -> str:
+    """Write a random tiny reward model to ``out_dir``: ``Qwen2ForSequenceClassification`` (the qwen2 arch's layers,
+    a ``num_labels`` head read at the last token, as Skywork-Reward's Llama / Qwen ones are) with the tiny tokenizer
+    and its chat template. Served by forge-engine on SGLang's /classify (rollout/reward_model.py). Returns
+    ``out_dir``."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    tok = build_tiny_tokenizer()
+    config = tiny_config("qwen2", vocab_size=len(tok))
+    config.num_labels = num_labels
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # a head whose scores spread over a few units, as a trained reward model's do
+        model.score.weight.normal_(0.0, 0.5)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
 def finetune_on_chats(model_dir: str, chats: list[tuple], tools: list | None = None,
                       steps: int = 100, lr: float = 5e-3, seed: int = 0) -> str:
     """Teach the model in ``model_dir`` to answer each chat with its fixed text (greedy), in place; return the dir.

@@ -896,7 +896,11 @@ async def models(request, eng):
 
 
 def make_app(engine: ReferenceEngine, max_body_bytes: int = 64 << 20) -> web.Application:
-    """The aiohttp application serving ``engine`` with SGLang's routes."""
+    """The aiohttp application serving ``engine`` with SGLang's routes (a reward model's: reward_model.py)."""
+    from forge_megatron.rollout.reward_model import RewardEngine, make_reward_app
+
+    if isinstance(engine, RewardEngine):
+        return make_reward_app(engine, max_body_bytes)
     app = web.Application(client_max_size=max_body_bytes)
     app[ENGINE] = engine
     app.router.add_post("/generate", generate)
@@ -921,8 +925,9 @@ def make_app(engine: ReferenceEngine, max_body_bytes: int = 64 << 20) -> web.App
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="forge-engine",
-        description="CPU reference engine with SGLang's HTTP API (generate, pause/continue, weight updates). "
-                    "Example: forge-engine --model-path /tmp/tiny --port 30000",
+        description="CPU reference engine with SGLang's HTTP API (generate, pause/continue, weight updates; a "
+                    "sequence-classification checkpoint, i.e. a reward model, is served on /classify as SGLang's "
+                    "--is-embedding does). Example: forge-engine --model-path /tmp/tiny --port 30000",
     )
     p.add_argument("--model-path", required=True, help="local HF model directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -943,10 +948,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def engine_from_args(args: argparse.Namespace) -> ReferenceEngine:
-    """The engine forge-engine's flags describe."""
+def engine_from_args(args: argparse.Namespace):
+    """The engine forge-engine's flags describe: a ReferenceEngine, or for a sequence-classification checkpoint (a
+    reward model) a ``reward_model.RewardEngine`` serving SGLang's /classify."""
+    from forge_megatron.rollout.reward_model import RewardEngine, is_reward_model
+
     if (args.max_lora_rank is not None or args.lora_target_modules) and not args.enable_lora:
         raise ValueError("--max-lora-rank / --lora-target-modules need --enable-lora")
+    if is_reward_model(args.model_path):
+        if args.enable_lora or args.enable_return_routed_experts:
+            raise ValueError(f"{args.model_path} is a reward model (sequence classification): --enable-lora and "
+                             "--enable-return-routed-experts are for generating models")
+        return RewardEngine(args.model_path, context_length=args.context_length)
     lora = {"max_rank": args.max_lora_rank, "target_modules": args.lora_target_modules} if args.enable_lora else None
     return ReferenceEngine(args.model_path, context_length=args.context_length,
                            return_routed_experts=args.enable_return_routed_experts, lora=lora)

@@ -1,0 +1,165 @@
+"""Reward-model rewards (agents/reward_model.py) against a real reward model: a tiny Qwen2ForSequenceClassification
+taught to prefer the right answer, served by forge-engine's /classify as SGLang serves reward models
+(rollout/reward_model.py), checked against transformers' own scores. GPUs needed: 0."""
+
+import argparse
+import json
+import math
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from forge_megatron.agents.reward_model import (RewardModelError, RewardModelVerifier, add_reward_model_arguments,
+                                                reward_model_from_args)
+from forge_megatron.agents.runner import DomainVerifier, build_verifier, exact_match
+from forge_megatron.agents.tasks import Task
+
+TASK = Task(task_id="t1", prompt="What is 6 * 7?", answer="42")
+
+
+def _conversation_ids(tok, task, answer):
+    ids = tok.apply_chat_template([{"role": "user", "content": task.prompt}, {"role": "assistant", "content": answer}],
+                                  tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    """A tiny reward model taught (a few Adam steps of regression) to score "42" at +2 and "41" at -2."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from forge_megatron.models.tiny import build_tiny_reward_model
+
+    d = build_tiny_reward_model(str(tmp_path_factory.mktemp("rm")), seed=5)
+    tok = AutoTokenizer.from_pretrained(d)
+    model = AutoModelForSequenceClassification.from_pretrained(d, dtype=torch.float32)
+    data = [(torch.tensor([_conversation_ids(tok, TASK, a)]), target) for a, target in (("42", 2.0), ("41", -2.0))]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(60):
+        opt.zero_grad()
+        sum((model(input_ids=ids).logits[0, 0] - target) ** 2 for ids, target in data).backward()
+        opt.step()
+    model.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def rm_engine(rm_dir):
+    from forge_megatron.rollout.launch import start_engine
+
+    engine = start_engine(rm_dir, in_process=True)
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def _hf_score(rm_dir, ids):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+
+def _post(url: str, body) -> tuple[int, object]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_classify_answers_as_sglang_with_transformers_scores(rm_dir, rm_engine):
+    """/classify: a single input gives one object, a batch a list, each ``embedding`` the classifier's logits at the
+    last token (transformers' score); ``text`` is tokenized as the tokenizer encodes it; bad inputs are 400s naming
+    the field; /generate is refused by name; /get_model_info says it does not generate."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(rm_dir)
+    good, bad = _conversation_ids(tok, TASK, "42"), _conversation_ids(tok, TASK, "41")
+    status, one = _post(f"{rm_engine.url}/classify", {"input_ids": good})
+    assert status == 200 and one["meta_info"]["prompt_tokens"] == len(good)
+    assert one["embedding"][0] == pytest.approx(_hf_score(rm_dir, good), abs=1e-5)
+    status, both = _post(f"{rm_engine.url}/classify", {"input_ids": [good, bad]})
+    assert status == 200 and [b["embedding"][0] for b in both] == pytest.approx(
+        [_hf_score(rm_dir, good), _hf_score(rm_dir, bad)], abs=1e-5)
+    assert both[0]["embedding"][0] > 1.0 > -1.0 > both[1]["embedding"][0]  # it learnt to prefer the right answer
+    text = tok.decode(good)
+    status, by_text = _post(f"{rm_engine.url}/classify", {"text": text})
+    assert status == 200 and by_text["embedding"][0] == pytest.approx(_hf_score(rm_dir, tok.encode(text)), abs=1e-5)
+    for body, message in [({}, "exactly one of text and input_ids"), ({"input_ids": []}, "takes 1 to"),
+                          ({"input_ids": [[1, 2], []]}, "input 1 is empty"),
+                          ({"input_ids": [10**6]}, "outside the vocabulary"),
+                          ({"input_ids": [1] * 5000}, "over the context length"),
+                          ({"input_ids": [1, 2], "image_data": "x"}, "unsupported field"),
+                          ({"text": 5}, "text must be a string")]:
+        status, err = _post(f"{rm_engine.url}/classify", body)
+        assert status == 400 and message in err["error"]["message"], (body, err)
+    status, err = _post(f"{rm_engine.url}/generate", {"input_ids": good, "sampling_params": {}})
+    assert status == 400 and "is a reward model" in err["error"]["message"]
+    with urllib.request.urlopen(f"{rm_engine.url}/get_model_info", timeout=30) as resp:
+        assert json.loads(resp.read())["is_generation"] is False
+
+
+def test_reward_model_verifier_scores_episodes(rm_dir, rm_engine):
+    """The verifier renders the conversation with the reward model's chat template, sends the ids and returns the
+    score (raw) or its sigmoid; a group's repeated answer is scored once; as ``--verifier qa=rm`` the domain's tasks
+    go to it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(rm_dir)
+    rm = RewardModelVerifier(f"{rm_engine.url}/", rm_dir)
+    want = _hf_score(rm_dir, _conversation_ids(tok, TASK, "42"))
+    assert rm(TASK, "42") == pytest.approx(want, abs=1e-5) and rm(TASK, "41") < rm(TASK, "42")
+    sigmoid = RewardModelVerifier(rm_engine.url, rm_dir, transform="sigmoid")
+    assert sigmoid(TASK, "42") == pytest.approx(1 / (1 + math.exp(-want)), abs=1e-6)
+    assert rm(TASK, {"answer": 42}) != rm(TASK, "42")  # a non-string answer is scored as its JSON
+    rm.base_url = "http://127.0.0.1:9"  # nothing listens there: the repeated answer is not asked again
+    assert rm(TASK, "42") == pytest.approx(want, abs=1e-5)
+    args = _args(["--rm-url", rm_engine.url, "--rm-tokenizer", rm_dir, "--rm-transform", "sigmoid"])
+    verifier = build_verifier(["qa=rm"], args)
+    assert isinstance(verifier, DomainVerifier) and isinstance(verifier.verifiers["qa"], RewardModelVerifier)
+    assert verifier.default is exact_match
+    qa = Task(task_id="t2", prompt=TASK.prompt, domain="qa")
+    assert verifier(qa, "42") == pytest.approx(1 / (1 + math.exp(-want)), abs=1e-6)
+
+
+def test_reward_model_failures_are_loud(rm_dir, rm_engine, tmp_path):
+    """A 4xx (an input over the context length) fails at once with the server's message; a dead endpoint is tried
+    every attempt then fails naming it; a label the model does not have fails naming both; options are checked."""
+    long_task = Task(task_id="t3", prompt="x " * 3000)
+    with pytest.raises(RewardModelError, match="refused the request: HTTP 400: .*over the context length"):
+        RewardModelVerifier(rm_engine.url, rm_dir)(long_task, "42")
+    with pytest.raises(RewardModelError, match=r"127.0.0.1:9/classify gave no score for task t1 in 2 attempt\(s\): "
+                                               "cannot reach it"):
+        RewardModelVerifier("http://127.0.0.1:9", rm_dir, attempts=2, timeout_s=5)(TASK, "42")
+    with pytest.raises(RewardModelError, match="gives 1 output\\(s\\) per input; --rm-label 3"):
+        RewardModelVerifier(rm_engine.url, rm_dir, label=3)(TASK, "42")
+    with pytest.raises(ValueError, match="needs --rm-url .* and --rm-tokenizer"):
+        reward_model_from_args(_args(["--rm-url", rm_engine.url]))
+    with pytest.raises(ValueError, match="exceed the 60 s the runner gives a verifier"):
+        reward_model_from_args(_args(["--rm-url", rm_engine.url, "--rm-tokenizer", rm_dir, "--rm-attempts", "5",
+                                      "--rm-timeout-s", "20"]))
+    with pytest.raises(ValueError, match="must be http"):
+        RewardModelVerifier("127.0.0.1:9", rm_dir)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="reward model tokenizer"):
+        RewardModelVerifier(rm_engine.url, str(tmp_path / "empty"))
+
+
+def test_reward_model_flags_refused_for_generating_options(rm_dir):
+    from forge_megatron.rollout.engine_server import build_parser, engine_from_args
+
+    with pytest.raises(ValueError, match="is a reward model"):
+        engine_from_args(build_parser().parse_args(["--model-path", rm_dir, "--enable-lora"]))
+
+
+def _args(argv):
+    p = argparse.ArgumentParser()
+    add_reward_model_arguments(p)
+    return p.parse_args(argv)
