@@ -284,8 +284,10 @@ def load_hf_config(source) -> dict:
 
 
 def text_view(hf: dict) -> dict:
-    """The language model's config of a vision-language checkpoint (its ``text_config`` with the top level's
-    ``architectures``, ``tie_word_embeddings`` and ``quantization_config``); any other config as it is."""
+    """The language model's config of a vision-language checkpoint (its ``text_config``, or for a flat release
+    config (:data:`FLAT_VL_CONFIGS`) the top level without ``vision_config``, with the top level's ``architectures``,
+    ``tie_word_embeddings`` and ``quantization_config``; Qwen2-VL's ``mrope`` RoPE read as plain RoPE, which a text
+    token's rotation is); any other config as it is."""
     if not family_of(hf).multimodal:
         return hf
     if isinstance(hf.get("text_config"), dict):

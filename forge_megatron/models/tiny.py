@@ -62,8 +62,6 @@ _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGenerati
        # released (a flat config.json, the language model under model., the tower under visual.)
        "qwen2_5_vl": ("qwen2", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
        "qwen2_vl": ("qwen2", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration")}
-# archs whose config.json is written flat, as their releases are (the language model's fields at the top level)
-_FLAT_CONFIG = ("qwen2_5_vl", "qwen2_vl")
 
 
 def _glm_vl(arch: str) -> bool:
@@ -539,7 +537,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             vc = config.vision_config
             transformers.Gemma4ImageProcessor(patch_size=vc.patch_size, pooling_kernel_size=vc.pooling_kernel_size,
                                               max_soft_tokens=70).save_pretrained(out_dir)
-        elif arch in _FLAT_CONFIG:  # as Qwen2.5-VL / Qwen2-VL releases write it: the pixel bounds at the top level,
+        elif arch in ("qwen2_5_vl", "qwen2_vl"):  # as their releases write it: the pixel bounds at the top level,
             # CLIP's mean and std
             with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
                 json.dump({"min_pixels": TINY_IMAGE_PROCESSOR["size"]["shortest_edge"],

@@ -64,12 +64,13 @@ import numpy as np
 import torch
 
 # vision-language checkpoints whose image inputs this module handles, by their HF ``model_type``: Qwen3-VL / -MoE,
-# Qwen3.5 (dense and MoE) and GLM-4.1V / 4.6V-Flash / 4.5V / 4.6V (the same positions; GLM's mRoPE sections are
-# contiguous, each frequency's angle repeated for its interleaved pair of channels)
+# Qwen3.5 (dense and MoE), Qwen2.5-VL / Qwen2-VL and GLM-4.1V / 4.6V-Flash / 4.5V / 4.6V (the same positions;
+# Qwen2.x-VL's and GLM's mRoPE sections are contiguous, GLM's each frequency's angle repeated for its interleaved pair
+# of channels), then Gemma 3 / 4, Mistral 3 and Kimi-K2.5 (below)
 _VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "qwen2_vl", "glm4v", "glm4v_moe",
              "glm46v", "gemma3", "gemma4", "mistral3", "kimi_k25")
-SUPPORTED = ("Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen2.5-VL, Qwen2-VL, GLM-4.xV, Gemma 3, Gemma 4, Mistral 3 (Ministral 3, "
-             "Mistral Small 3.x and 4) and Kimi-K2.5 / K2.6")
+SUPPORTED = ("Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen2.5-VL, Qwen2-VL, GLM-4.xV, Gemma 3, Gemma 4, Mistral 3 "
+             "(Ministral 3, Mistral Small 3.x and 4) and Kimi-K2.5 / K2.6")
 
 
 @dataclass(frozen=True)
