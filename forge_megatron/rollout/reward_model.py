@@ -1,7 +1,7 @@
 """forge-engine serving a reward model: SGLang's ``/classify`` for a sequence-classification checkpoint.
 
-SGLang serves a reward model (``--is-embedding``; ``LlamaForSequenceClassification``, ``Qwen2ForSequenceClassification``,
-... e.g. Skywork-Reward) on ``POST /classify`` with an ``EmbeddingReqInput`` body: ``text`` (a string or a list) or
+SGLang serves a reward model (``--is-embedding``; ``LlamaForSequenceClassification``,
+``Qwen2ForSequenceClassification``, ... e.g. Skywork-Reward) on ``POST /classify`` with an ``EmbeddingReqInput`` body: ``text`` (a string or a list) or
 ``input_ids`` (a list of ids or a list of lists), tokenized as given (``text`` with the tokenizer's special tokens, as
 SGLang's tokenizer manager adds them). The answer is one ``{"embedding": [score per label], "meta_info": {...}}`` per
 input (a single object for a single input, a list for a batch): the classifier head's logits at the sequence's last
