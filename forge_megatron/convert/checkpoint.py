@@ -353,28 +353,31 @@ def read_meta(mcore_dir: str) -> tuple[Bridge, ParallelLayout]:
     return Bridge(meta["hf_config"]), ParallelLayout(**meta["layout"])
 
 
-def load_megatron_stage(bridge: Bridge, mcore_dir: str, layout: ParallelLayout, pp: int) -> dict[str, torch.Tensor]:
-    """Full canonical tensors of stage ``pp``: TP shards joined, experts renamed to global ids."""
+def load_megatron_stage(bridge: Bridge, mcore_dir: str, layout: ParallelLayout, pp: int,
+                        names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Full canonical tensors of stage ``pp``: TP shards joined, experts renamed to global ids; only ``names`` (None:
+    all; the rank files are memory-mapped, so the others are never read)."""
     def state(tp: int, ep: int) -> dict | None:
         path = rank_file(mcore_dir, layout, tp, pp, ep)
         if not os.path.isfile(path):
             if layout.expert_tp == 1 and layout.tp > 1:
                 return None  # expert TP 1: a job's EP group spans its TP ranks, so not every pair had a rank
             raise FileNotFoundError(f"missing checkpoint file {path!r} for layout {layout}")
-        return torch.load(path, map_location="cpu", weights_only=True)["model"]
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["model"]
 
     return join_piece(bridge, layout, state, bridge.stage_layers(layout, pp), pp == 0, pp == layout.pp - 1,
-                      f"stage {pp} of {mcore_dir!r}")
+                      f"stage {pp} of {mcore_dir!r}", names)
 
 
 def join_piece(bridge: Bridge, layout: ParallelLayout, state, layers: range, first: bool, last: bool,
-               where: str) -> dict[str, torch.Tensor]:
+               where: str, names: set[str] | None = None) -> dict[str, torch.Tensor]:
     """Full canonical tensors of one model piece (a pipeline stage or a virtual-pipeline chunk holding global
     ``layers``) from ``state(tp, ep)``, the local state dict of each of its TP x EP shards (None for a pair no rank
     held: with expert TP 1 the EP group spans the TP ranks): TP shards joined, layers and experts renamed to global
-    numbers, checked against the names the piece must hold. A dense tensor comes from any EP rank's copy of each TP
-    shard, an expert from its own EP rank."""
+    numbers, checked against the names the piece must hold; only ``names`` are joined (None: all). A dense tensor
+    comes from any EP rank's copy of each TP shard, an expert from its own EP rank."""
     per_name: dict[str, dict[int, torch.Tensor]] = {}
+    found = set()
     for ep in range(layout.ep):
         for tp in range(layout.tp):
             local_state = state(tp, ep)
@@ -382,8 +385,10 @@ def join_piece(bridge: Bridge, layout: ParallelLayout, state, layers: range, fir
                 if t is None or local.endswith("._extra_state") or local == TIED_HEAD and bridge.cfg.tie_word_embeddings:
                     continue
                 name = bridge.rename(local, layers.start, ep * bridge.local_experts(layout))
-                per_name.setdefault(name, {}).setdefault(tp, t)
-    _check_names(set(bridge.piece_names(layers, first, last)), set(per_name), where)
+                found.add(name)
+                if names is None or name in names:
+                    per_name.setdefault(name, {}).setdefault(tp, t)
+    _check_names(set(bridge.piece_names(layers, first, last)), found, where)
     full = {}
     for name, by_tp in per_name.items():
         if layout.expert_tp == 1 and bridge.is_expert(name):
@@ -472,14 +477,22 @@ def megatron_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30,
 
 
 def reshard(mcore_dir: str, out_dir: str, layout: ParallelLayout) -> None:
-    """Rewrite a Megatron ``torch`` checkpoint with another TP/PP/EP layout."""
+    """Rewrite a Megatron ``torch`` checkpoint with another TP/PP/EP layout, one target stage at a time: each is
+    joined from the source stages that hold its layers (their rank files memory-mapped, only its tensors read), so
+    host memory holds about one target stage, not the model."""
     bridge, src = read_meta(mcore_dir)
     bridge.check_layout(layout)
-    full = {}
-    for pp in tqdm(range(src.pp), desc="reading stages", unit="stage"):
-        full.update(load_megatron_stage(bridge, mcore_dir, src, pp))
+    held = [set(bridge.piece_names(bridge.stage_layers(src, s), s == 0, s == src.pp - 1)) for s in range(src.pp)]
     for pp in tqdm(range(layout.pp), desc="writing stages", unit="stage"):
-        save_megatron_stage(bridge, {n: full[n] for n in stage_inputs(bridge, layout, pp)}, layout, pp, out_dir)
+        needed = set(stage_inputs(bridge, layout, pp))
+        full: dict[str, torch.Tensor] = {}
+        for s in range(src.pp):
+            want = (needed & held[s]) - set(full)
+            if want:
+                full.update(load_megatron_stage(bridge, mcore_dir, src, s, want))
+        _check_names(needed, set(full), f"stage {pp} of the new layout {layout}")
+        save_megatron_stage(bridge, full, layout, pp, out_dir)
+        del full
 
 
 def load_rank_state(mcore_dir: str, tp: int, pp: int, ep: int) -> dict:

@@ -183,6 +183,34 @@ def test_reshard_then_export_is_bit_exact(hf_dirs, tmp_path):
     _assert_bit_exact(hf_dirs["qwen3_moe"], tmp_path / "hf")
 
 
+def test_reshard_reads_one_target_stage_at_a_time(hf_dirs, tmp_path, monkeypatch):
+    """Resharding writes each target stage from the source stages that hold its tensors, joining only those tensors:
+    PP 2 -> PP 2 x TP 2 reads source stage s for target stage s alone (the tied head's embedding from stage 0 for the
+    last one), PP 2 -> PP 1 both; the results export bit-exact."""
+    src = hf_dirs["qwen3_tied"]
+    ckpt.hf_to_megatron(src, str(tmp_path / "a"), ParallelLayout(pp=2))
+    calls = []
+    real = ckpt.load_megatron_stage
+
+    def recorded(bridge, mcore_dir, layout, pp, names=None):
+        out = real(bridge, mcore_dir, layout, pp, names)
+        calls.append((pp, sorted(out)))
+        return out
+
+    monkeypatch.setattr(ckpt, "load_megatron_stage", recorded)
+    ckpt.reshard(str(tmp_path / "a"), str(tmp_path / "b"), ParallelLayout(tp=2, pp=2))
+    assert [pp for pp, _ in calls] == [0, 0, 1]
+    assert all(n.startswith(("embedding.", "decoder.layers.0.")) for n in calls[0][1])
+    assert calls[1][1] == [ckpt.EMBEDDING]  # (target stage 1's tied head)
+    assert calls[2][1] and not any(n.startswith(("embedding.", "decoder.layers.0.")) for n in calls[2][1])
+    calls.clear()
+    ckpt.reshard(str(tmp_path / "a"), str(tmp_path / "c"), ParallelLayout())
+    assert [pp for pp, _ in calls] == [0, 1]
+    for out in ("b", "c"):
+        ckpt.megatron_to_hf(str(tmp_path / out), str(tmp_path / f"hf_{out}"))
+        _assert_bit_exact(src, tmp_path / f"hf_{out}")
+
+
 def test_uneven_pipeline_stages_hold_their_layers_and_reshard(hf_dirs, tmp_path):
     """3 layers over PP = 2 with the first stage holding one (the CLI's Megatron-LM flag): stage 0's file has layer 0,
     stage 1's layers 1 and 2 as its local 0 and 1; the metadata records the split, resharding to PP = 3 (even) and
