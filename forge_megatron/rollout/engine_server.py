@@ -942,6 +942,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "/unload_lora_adapter, /generate's lora_path (trainer --weight-sync-lora adapter)")
     p.add_argument("--max-lora-rank", type=int, default=None,
                    help="with --enable-lora: refuse adapters of a higher rank, as SGLang does (default: any)")
+    p.add_argument("--is-embedding", action="store_true",
+                   help="SGLang's flag for a reward model: accepted for parity (a sequence-classification checkpoint "
+                        "is served on /classify anyway); refused for a generating checkpoint")
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="with --enable-lora: the HF module names adapters may adapt (q_proj k_proj ...; 'all' or "
                         "unset: any linear), refused otherwise as SGLang does")
@@ -955,6 +958,9 @@ def engine_from_args(args: argparse.Namespace):
 
     if (args.max_lora_rank is not None or args.lora_target_modules) and not args.enable_lora:
         raise ValueError("--max-lora-rank / --lora-target-modules need --enable-lora")
+    if getattr(args, "is_embedding", False) and not is_reward_model(args.model_path):
+        raise ValueError(f"--is-embedding: {args.model_path} is not a sequence-classification checkpoint (a reward "
+                         "model); this engine serves generating models without it")
     if is_reward_model(args.model_path):
         if args.enable_lora or args.enable_return_routed_experts:
             raise ValueError(f"{args.model_path} is a reward model (sequence classification): --enable-lora and "

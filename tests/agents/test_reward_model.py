@@ -152,11 +152,20 @@ def test_reward_model_failures_are_loud(rm_dir, rm_engine, tmp_path):
         RewardModelVerifier(rm_engine.url, str(tmp_path / "empty"))
 
 
-def test_reward_model_flags_refused_for_generating_options(rm_dir):
+def test_reward_model_flags_refused_for_generating_options(rm_dir, tmp_path):
+    """forge-engine's flags: generating-model options on a reward model, and SGLang's --is-embedding on a generating
+    checkpoint, are refused by name; --is-embedding on the reward model is accepted (SGLang's launch line)."""
+    from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.rollout.engine_server import build_parser, engine_from_args
+    from forge_megatron.rollout.reward_model import RewardEngine
 
     with pytest.raises(ValueError, match="is a reward model"):
         engine_from_args(build_parser().parse_args(["--model-path", rm_dir, "--enable-lora"]))
+    assert isinstance(engine_from_args(build_parser().parse_args(["--model-path", rm_dir, "--is-embedding"])),
+                      RewardEngine)
+    lm = build_tiny_model(str(tmp_path / "lm"), seed=1)
+    with pytest.raises(ValueError, match="--is-embedding: .* is not a sequence-classification checkpoint"):
+        engine_from_args(build_parser().parse_args(["--model-path", lm, "--is-embedding"]))
 
 
 def _args(argv):
