@@ -129,6 +129,28 @@ def test_reward_model_verifier_scores_episodes(rm_dir, rm_engine):
     assert verifier(qa, "42") == pytest.approx(1 / (1 + math.exp(-want)), abs=1e-6)
 
 
+def test_driver_records_the_reward_models_scores(stack, rm_dir, rm_engine):
+    """The rollout driver with ``--verifier rm``: episodes through the real gateway (one engine call each, then an
+    answer right on every second episode) reach the pool's sink with the reward model's score of their answer as
+    their reward."""
+    import threading
+
+    from forge_megatron.agents.driver import RolloutDriver
+    from forge_megatron.agents.runner import PythonAgent
+    from tests.agents.agent_cases import Scripted
+
+    rm = RewardModelVerifier(rm_engine.url, rm_dir)
+    tasks = [Task(task_id=f"rm-{i}", prompt=TASK.prompt, domain="coin", answer="42") for i in range(2)]
+    driver = RolloutDriver(stack["gateway"], PythonAgent(Scripted()), tasks, group_size=2, max_inflight_groups=1,
+                           verifier=rm)
+    before = len(stack["sink"].episodes)
+    driver.run(threading.Event(), max_groups=2)
+    new = [e for e in stack["sink"].episodes[before:] if e.task_id.startswith("rm-")]
+    assert len(new) == 4
+    scores = {answer: rm(TASK, answer) for answer in ("42", "wrong")}
+    assert sorted(e.reward for e in new) == pytest.approx(sorted([scores["42"]] * 2 + [scores["wrong"]] * 2))
+
+
 def test_reward_model_failures_are_loud(rm_dir, rm_engine, tmp_path):
     """A 4xx (an input over the context length) fails at once with the server's message; a dead endpoint is tried
     every attempt then fails naming it; a label the model does not have fails naming both; options are checked."""
