@@ -8,7 +8,9 @@
 # Settings (environment): HF_CHECKPOINT (required), MODEL (scripts/models/<MODEL>.sh, optional: the HF config is the
 # architecture), TASKS (tasks JSONL), ENGINE (forge = CPU reference engine | sglang), NUM_ENGINES, NPROC, TP, PP, EP, ETP,
 # CP, AGENT_CMD or AGENT_URL, GROUP_SIZE, GROUPS_PER_STEP, TRAIN_ITERS, LR, RUN_DIR, DOMAIN_RATIOS, EXTRA_TRAIN_ARGS,
-# DRIVER_ARGS (more rollout-driver flags: --verifier, an LLM judge's --judge-*),
+# DRIVER_ARGS (more rollout-driver flags: --verifier, an LLM judge's --judge-*), RM_CHECKPOINT (a reward model served
+# beside the engines, forge-engine on CPU or SGLang --is-embedding on the next GPU, scoring episodes: --verifier
+# [RM_DOMAIN=]rm), JUDGE_CHECKPOINT (an LLM judge served the same way: --verifier [JUDGE_DOMAIN=]judge),
 # POOL_ARGS (window and reward settings, e.g. "--window-fraction 0.5 --advantage-estimator rloo": applied by the data
 # pool, given to the trainer too, which checks them against the pool), POLICY_SAMPLING (default 1: training calls are
 # sampled at ROLLOUT_TEMPERATURE, default 1, whatever temperature the agent asks; 0: as the agent asks; the trainer
@@ -46,6 +48,8 @@ EXTRA_TRAIN_ARGS="${EXTRA_TRAIN_ARGS:-}"
 POOL_ARGS="${POOL_ARGS:-}"
 DRIVER_ARGS="${DRIVER_ARGS:-}"  # more rollout-driver flags, e.g. "--verifier judge --judge-url http://127.0.0.1:30010/v1"
 DOMAIN_RATIOS="${DOMAIN_RATIOS:-}"
+RM_CHECKPOINT="${RM_CHECKPOINT:-}"; RM_DOMAIN="${RM_DOMAIN:-}"; RM_PORT="${RM_PORT:-30100}"
+JUDGE_CHECKPOINT="${JUDGE_CHECKPOINT:-}"; JUDGE_DOMAIN="${JUDGE_DOMAIN:-}"; JUDGE_PORT="${JUDGE_PORT:-30200}"
 POLICY_SAMPLING="${POLICY_SAMPLING:-1}"; ROLLOUT_TEMPERATURE="${ROLLOUT_TEMPERATURE:-1}"; EVAL_TASKS="${EVAL_TASKS:-}"; EVAL_EVERY="${EVAL_EVERY:-10}"
 EPISODE_TIMEOUT_S="${EPISODE_TIMEOUT_S:-1800}"
 LORA_RANK="${LORA_RANK:-}"; LORA_SYNC="${LORA_SYNC:-merged}"
@@ -57,6 +61,10 @@ else echo "run_local.sh: set AGENT_CMD (a program) or AGENT_URL (an HTTP agent s
 case "$LORA_SYNC" in merged) ;; adapter) [ -n "$LORA_RANK" ] || { echo "run_local.sh: LORA_SYNC=adapter needs LORA_RANK" >&2; exit 2; } ;;
   *) echo "run_local.sh: LORA_SYNC=$LORA_SYNC: merged or adapter" >&2; exit 2 ;; esac
 (( NPROC % (TP * PP * CP) == 0 )) || { echo "run_local.sh: TP*PP*CP=$((TP * PP * CP)) must divide NPROC=$NPROC" >&2; exit 1; }
+if [ -n "$RM_CHECKPOINT" ] && [ -n "$JUDGE_CHECKPOINT" ] && [ "$RM_DOMAIN" = "$JUDGE_DOMAIN" ]; then
+  echo "run_local.sh: RM_CHECKPOINT and JUDGE_CHECKPOINT would both score ${RM_DOMAIN:-every domain}: give RM_DOMAIN or JUDGE_DOMAIN" >&2
+  exit 2
+fi
 
 PIDS=()
 show() { printf '+'; printf ' %q' "$@"; }
@@ -115,6 +123,30 @@ for ((e = 0; e < NUM_ENGINES; e++)); do
   ENGINE_URLS+=("http://127.0.0.1:$port")
 done
 for url in "${ENGINE_URLS[@]}"; do wait_http "$url/health"; done
+# a reward model and an LLM judge for the driver's verifiers, on the GPUs after the engines' (SGLang) or on CPU
+# shellcheck disable=SC2206
+DRIVER_FLAGS=($DRIVER_ARGS)
+next_gpu=$((NPROC + NUM_ENGINES))
+serve_scorer() {  # serve_scorer <log name> <checkpoint> <port> <SGLang flags...>
+  local name="$1" ckpt="$2" port="$3"; shift 3
+  if [ "$ENGINE" = sglang ]; then
+    run_bg "$name" env CUDA_VISIBLE_DEVICES="$next_gpu" python -m sglang.launch_server --model-path "$ckpt" \
+      --host 127.0.0.1 --port "$port" "$@"
+    next_gpu=$((next_gpu + 1))
+  else
+    run_bg "$name" python -m forge_megatron.rollout.engine_server --model-path "$ckpt" --host 127.0.0.1 --port "$port"
+  fi
+  wait_http "http://127.0.0.1:$port/health"
+}
+if [ -n "$RM_CHECKPOINT" ]; then
+  serve_scorer reward-model "$RM_CHECKPOINT" "$RM_PORT" --is-embedding
+  DRIVER_FLAGS+=(--verifier "${RM_DOMAIN:+$RM_DOMAIN=}rm" --rm-url "http://127.0.0.1:$RM_PORT" --rm-tokenizer "$RM_CHECKPOINT")
+fi
+if [ -n "$JUDGE_CHECKPOINT" ]; then
+  serve_scorer judge "$JUDGE_CHECKPOINT" "$JUDGE_PORT" --served-model-name judge
+  DRIVER_FLAGS+=(--verifier "${JUDGE_DOMAIN:+$JUDGE_DOMAIN=}judge" --judge-url "http://127.0.0.1:$JUDGE_PORT/v1"
+                 --judge-model judge)
+fi
 ENGINES_CSV="$(IFS=,; echo "${ENGINE_URLS[*]}")"
 GATEWAY_URL="http://127.0.0.1:$GATEWAY_PORT"
 POOL_ADDR="tcp://127.0.0.1:$POOL_PORT"
@@ -128,8 +160,6 @@ NODE_FLAGS+=(--policy-temperature "$ROLLOUT_TEMPERATURE" --tool-parser "$TOOL_PA
 [ -n "$CHAT_TEMPLATE_KWARGS" ] && NODE_FLAGS+=(--chat-template-kwargs "$CHAT_TEMPLATE_KWARGS")
 [ "${TRUST_REMOTE_CODE:-0}" = 1 ] && NODE_FLAGS+=(--trust-remote-code)
 [ "${GATEWAY_WORKERS:-1}" -gt 1 ] && NODE_FLAGS+=(--gateway-workers "$GATEWAY_WORKERS")
-# shellcheck disable=SC2206
-DRIVER_FLAGS=($DRIVER_ARGS)
 [ -n "$EVAL_TASKS" ] && DRIVER_FLAGS+=(--eval-tasks "$EVAL_TASKS" --eval-every-versions "$EVAL_EVERY"
                                        --eval-output "$RUN_DIR/evals.jsonl")
 run_bg middleware python -m forge_megatron.agents.middleware_node --model-path "$HF_CHECKPOINT" \

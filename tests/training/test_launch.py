@@ -185,6 +185,41 @@ def test_driver_args_reach_the_rollout_driver():
         assert args.judge_model == "judge"
 
 
+def test_reward_model_and_judge_are_served_for_the_driver():
+    """RM_CHECKPOINT / JUDGE_CHECKPOINT: forge.sbatch serves them with SGLang on the middleware node's GPUs (the
+    reward model --is-embedding from GPU 0, the judge on the GPUs after it), run_local.sh on the GPUs after the engines
+    (or with forge-engine on CPU); the driver scores with them (its parser takes the flags), each for its domain; two
+    scorers of the same domains are refused before anything starts."""
+    from forge_megatron.agents.driver import build_parser
+
+    scorers = {"RM_CHECKPOINT": "/models/rm", "RM_DOMAIN": "chat", "JUDGE_CHECKPOINT": "/models/judge",
+               "JUDGE_TP": "2"}
+    local_env = {**os.environ, "HF_CHECKPOINT": "/models/m", "TASKS": "t.jsonl", "AGENT_URL": "http://127.0.0.1:9/",
+                 "ENGINE": "sglang", "NPROC": "2", **scorers}
+    local = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_local.sh"), "--dry-run"], capture_output=True,
+                           text=True, timeout=60, env=local_env)
+    sbatch = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", **scorers)
+    for out, rm_gpu, judge_gpu in ((sbatch, ("--base-gpu-id", "0"), ("--base-gpu-id", "1")),
+                                   (local, ("CUDA_VISIBLE_DEVICES=3",), ("CUDA_VISIBLE_DEVICES=4",))):
+        assert out.returncode == 0, out.stderr
+        cmds = _commands(out.stdout)
+        (rm,) = [c for c in cmds if "sglang.launch_server" in c and "/models/rm" in c]
+        (judge,) = [c for c in cmds if "sglang.launch_server" in c and "/models/judge" in c]
+        assert "--is-embedding" in rm and "--is-embedding" not in judge
+        assert judge[judge.index("--served-model-name") + 1] == "judge"
+        for cmd, where in ((rm, rm_gpu), (judge, judge_gpu)):
+            assert any(list(where) == cmd[i:i + len(where)] for i in range(len(cmd))), (where, cmd)
+        (driver,) = [c for c in cmds if "forge_megatron.agents.driver" in c]
+        args = build_parser().parse_args(driver[driver.index("forge_megatron.agents.driver") + 1:])
+        assert args.verifier == ["chat=rm", "judge"] and args.rm_tokenizer == "/models/rm"
+        assert args.rm_url.endswith(":30100") and args.judge_url.endswith(":30200/v1") and args.judge_model == "judge"
+    both = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", RM_CHECKPOINT="/models/rm", JUDGE_CHECKPOINT="/models/judge")
+    assert both.returncode != 0 and "would both score every domain" in both.stderr
+    big = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", RM_CHECKPOINT="/models/rm", RM_TP="8", RM_DOMAIN="a",
+                   JUDGE_CHECKPOINT="/models/judge")
+    assert big.returncode != 0 and "do not fit the middleware node's 8" in big.stderr
+
+
 def test_dry_run_with_a_trained_vision_tower_turns_sglangs_image_embedding_cache_off():
     """--train-vision-tower in EXTRA_TRAIN_ARGS: the engines start with SGLANG_VLM_CACHE_SIZE_MB=0 (no image
     embedding of an old tower served after a sync), unless the job sets it; a frozen tower keeps SGLang's cache."""
