@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -65,6 +66,9 @@ class RewardModelVerifier:
             raise ValueError(f"reward model tokenizer {self.tokenizer_path!r} has no chat template: the reward model "
                              "scores conversations rendered with its own template")
         self._cache = ScoreCache(self.cache_size)
+        # the runner scores a group's episodes on their own threads; a fast tokenizer's settings (truncation,
+        # padding) are shared state, so rendering is serialised on it (tokenizers can raise "Already borrowed")
+        self._tokenizer_lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -74,7 +78,8 @@ class RewardModelVerifier:
         """The conversation (the task's prompt, the agent's answer) in the reward model's chat template."""
         text = output if isinstance(output, str) else json.dumps(output)
         conversation = [{"role": "user", "content": task.prompt}, {"role": "assistant", "content": text}]
-        ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
+        with self._tokenizer_lock:
+            ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
         return [int(x) for x in (ids["input_ids"] if isinstance(ids, dict) else ids)]
 
     def reward_of(self, score: float) -> float:

@@ -119,6 +119,12 @@ def test_reward_model_verifier_scores_episodes(rm_dir, rm_engine):
     sigmoid = RewardModelVerifier(rm_engine.url, rm_dir, transform="sigmoid")
     assert sigmoid(TASK, "42") == pytest.approx(1 / (1 + math.exp(-want)), abs=1e-6)
     assert rm(TASK, {"answer": 42}) != rm(TASK, "42")  # a non-string answer is scored as its JSON
+    from concurrent.futures import ThreadPoolExecutor
+
+    answers = [f"{n}" for n in range(30, 46)]  # a group's episodes score on their own threads
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda a: rm(TASK, a), answers))
+    assert together == [rm(TASK, a) for a in answers]
     rm.base_url = "http://127.0.0.1:9"  # nothing listens there: the repeated answer is not asked again
     assert rm(TASK, "42") == pytest.approx(want, abs=1e-5)
     args = _args(["--rm-url", rm_engine.url, "--rm-tokenizer", rm_dir, "--rm-transform", "sigmoid"])
