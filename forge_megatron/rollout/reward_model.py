@@ -1,9 +1,9 @@
 """forge-engine serving a reward model: SGLang's ``/classify`` for a sequence-classification checkpoint.
 
 SGLang serves a reward model (``--is-embedding``; ``LlamaForSequenceClassification``,
-``Qwen2ForSequenceClassification``, ... e.g. Skywork-Reward) on ``POST /classify`` with an ``EmbeddingReqInput`` body: ``text`` (a string or a list) or
-``input_ids`` (a list of ids or a list of lists), tokenized as given (``text`` with the tokenizer's special tokens, as
-SGLang's tokenizer manager adds them). The answer is one ``{"embedding": [score per label], "meta_info": {...}}`` per
+``Qwen2ForSequenceClassification``, ... e.g. Skywork-Reward) on ``POST /classify`` with an ``EmbeddingReqInput``
+body: ``text`` (a string or a list) or ``input_ids`` (a list of ids or a list of lists), tokenized as given (``text``
+with the tokenizer's special tokens, as SGLang's tokenizer manager adds them). The answer is one ``{"embedding": [score per label], "meta_info": {...}}`` per
 input (a single object for a single input, a list for a batch): the classifier head's logits at the sequence's last
 token. forge-engine does the same on CPU with transformers' ``AutoModelForSequenceClassification`` (the reference
 implementation), so the rollout side's reward-model verifier (agents/reward_model.py) runs against a real model in
@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from aiohttp import web
+
+from forge_megatron.rollout.engine_server import _bad, _json_body
 
 MAX_BATCH = 256  # inputs per /classify request
 
@@ -119,22 +121,11 @@ class RewardEngine:
 RM_ENGINE = web.AppKey("reward_engine", RewardEngine)
 
 
-def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "BadRequest", "code": status},
-                              "success": False, "message": message}, status=status)
-
-
 async def _classify(request: web.Request) -> web.Response:
-    try:
-        body = await request.json() if request.can_read_body else {}
-    except json.JSONDecodeError as exc:
-        return _error(f"body is not valid JSON: {exc}")
-    if not isinstance(body, dict):
-        return _error("body must be a JSON object")
-    try:
-        return web.json_response(await request.app[RM_ENGINE].classify(body))
+    try:  # (RequestError, the engine's bad-request error, is a ValueError)
+        return web.json_response(await request.app[RM_ENGINE].classify(await _json_body(request)))
     except ValueError as exc:
-        return _error(str(exc))
+        return _bad(str(exc))
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -150,7 +141,7 @@ async def _model_info(request: web.Request) -> web.Response:
 
 async def _not_generating(request: web.Request) -> web.Response:
     eng = request.app[RM_ENGINE]
-    return _error(f"{request.path}: {eng.model_path} is a reward model (sequence classification): it scores on "
+    return _bad(f"{request.path}: {eng.model_path} is a reward model (sequence classification): it scores on "
                   "/classify and does not generate")
 
 
