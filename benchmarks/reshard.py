@@ -121,8 +121,8 @@ def main() -> None:
         identical = _same(os.path.join(tmp, "stream"), os.path.join(tmp, "whole"))
     print(json.dumps({"stream_peak_mib": results["stream"]["peak_added_mib"],
                       "whole_peak_mib": results["whole"]["peak_added_mib"],
-                      "ratio": round(results["stream"]["peak_added_mib"] / max(results["whole"]["peak_added_mib"], 1e-9),
-                                     3),
+                      "ratio": round(results["stream"]["peak_added_mib"]
+                                     / max(results["whole"]["peak_added_mib"], 1e-9), 3),
                       "stream_s": results["stream"]["seconds"], "whole_s": results["whole"]["seconds"],
                       "model_mib": round(model_mib, 1), "layers": layers, "hidden": hidden,
                       "from_pp": args.from_pp, "to_tp": args.to_tp, "to_pp": args.to_pp, "identical": identical}))

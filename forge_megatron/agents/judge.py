@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import string
 import time
 from dataclasses import dataclass
 
-from forge_megatron.agents.remote import Retryable, ScoreCache, check_base_url, post_json
+from forge_megatron.agents.remote import Retryable, ScoreCache, check_base_url, options_checked, post_json
 
 DEFAULT_RUBRIC = """You grade an AI assistant's answer to a task.
 
@@ -169,15 +168,6 @@ def judge_from_args(args) -> JudgeVerifier:
                 rubric = f.read()
         except OSError as exc:
             raise ValueError(f"--judge-rubric {args.judge_rubric!r}: {exc.strerror}") from None
-    api_key = None
-    if args.judge_api_key_env:
-        api_key = os.environ.get(args.judge_api_key_env)
-        if not api_key:
-            raise ValueError(f"--judge-api-key-env {args.judge_api_key_env}: the variable is not set")
-    from forge_megatron.agents.runner import VERIFIER_TIMEOUT_S
-
-    if args.judge_attempts * (args.judge_timeout_s + 1.0) > VERIFIER_TIMEOUT_S:
-        raise ValueError(f"--judge-attempts {args.judge_attempts} x --judge-timeout-s {args.judge_timeout_s:g} (plus "
-                         f"back-offs) exceed the {VERIFIER_TIMEOUT_S:g} s the runner gives a verifier: lower either")
+    api_key = options_checked(args, "judge")
     return JudgeVerifier(args.judge_url, model=args.judge_model, rubric=rubric, max_score=args.judge_max_score,
                          api_key=api_key, attempts=args.judge_attempts, timeout_s=args.judge_timeout_s)

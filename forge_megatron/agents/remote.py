@@ -1,9 +1,11 @@
 """What the remote verifiers share (the LLM judge, judge.py; the reward model, reward_model.py): one JSON POST with
-the failures sorted into retryable and final, the check of a base URL, and a bounded cache of scores."""
+the failures sorted into retryable and final, the checks of a base URL and of their options, and a bounded cache of
+scores."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import urllib.error
@@ -21,6 +23,24 @@ def check_base_url(url: str, what: str) -> str:
     if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
         raise ValueError(f"{what} must be http(s)://host[:port][/path], got {url!r}")
     return url
+
+
+def options_checked(args, prefix: str) -> str | None:
+    """The API key of ``args``' ``--{prefix}-api-key-env`` (None without one); ValueError when that variable is unset
+    or when ``--{prefix}-attempts`` requests of ``--{prefix}-timeout-s`` each (and the back-offs between them) would
+    not fit the time the runner gives a verifier."""
+    from forge_megatron.agents.runner import VERIFIER_TIMEOUT_S
+
+    field = prefix.replace("-", "_")
+    env, attempts, timeout_s = (getattr(args, f"{field}_{k}") for k in ("api_key_env", "attempts", "timeout_s"))
+    if attempts * (timeout_s + 1.0) > VERIFIER_TIMEOUT_S:
+        raise ValueError(f"--{prefix}-attempts {attempts} x --{prefix}-timeout-s {timeout_s:g} (plus back-offs) "
+                         f"exceed the {VERIFIER_TIMEOUT_S:g} s the runner gives a verifier: lower either")
+    if not env:
+        return None
+    if not os.environ.get(env):
+        raise ValueError(f"--{prefix}-api-key-env {env}: the variable is not set")
+    return os.environ[env]
 
 
 def post_json(url: str, body: dict, timeout_s: float, api_key: str | None, refused: type[Exception],

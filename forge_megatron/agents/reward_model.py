@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from forge_megatron.agents.remote import Retryable, ScoreCache, check_base_url, post_json
+from forge_megatron.agents.remote import Retryable, ScoreCache, check_base_url, options_checked, post_json
 
 TRANSFORMS = ("raw", "sigmoid")
 
@@ -143,27 +143,17 @@ def add_reward_model_arguments(p) -> None:
     g.add_argument("--rm-api-key-env", default=None, metavar="VAR",
                    help="environment variable holding the reward model server's API key (sent as a bearer token)")
     g.add_argument("--rm-attempts", type=int, default=3,
-                   help="tries per episode before it fails (connection errors, timeouts, 5xx, answers without a score)")
+                   help="tries per episode before it fails (connection errors, timeouts, 5xx, answers without a "
+                        "score)")
     g.add_argument("--rm-timeout-s", type=float, default=15.0,
                    help="seconds per request; attempts x this must fit the 60 s the runner gives a verifier")
 
 
 def reward_model_from_args(args) -> RewardModelVerifier:
     """The ``RewardModelVerifier`` of ``add_reward_model_arguments``' options; clear errors for missing or bad ones."""
-    import os
-
-    from forge_megatron.agents.runner import VERIFIER_TIMEOUT_S
-
     if not getattr(args, "rm_url", None) or not getattr(args, "rm_tokenizer", None):
         raise ValueError("--verifier ...=rm needs --rm-url (the reward model server) and --rm-tokenizer (its "
                          "tokenizer directory, for the chat template)")
-    api_key = None
-    if args.rm_api_key_env:
-        api_key = os.environ.get(args.rm_api_key_env)
-        if not api_key:
-            raise ValueError(f"--rm-api-key-env {args.rm_api_key_env}: the variable is not set")
-    if args.rm_attempts * (args.rm_timeout_s + 1.0) > VERIFIER_TIMEOUT_S:
-        raise ValueError(f"--rm-attempts {args.rm_attempts} x --rm-timeout-s {args.rm_timeout_s:g} (plus back-offs) "
-                         f"exceed the {VERIFIER_TIMEOUT_S:g} s the runner gives a verifier: lower either")
+    api_key = options_checked(args, "rm")
     return RewardModelVerifier(args.rm_url, args.rm_tokenizer, transform=args.rm_transform, label=args.rm_label,
                                api_key=api_key, attempts=args.rm_attempts, timeout_s=args.rm_timeout_s)

@@ -3,9 +3,9 @@
 SGLang serves a reward model (``--is-embedding``; ``LlamaForSequenceClassification``,
 ``Qwen2ForSequenceClassification``, ... e.g. Skywork-Reward) on ``POST /classify`` with an ``EmbeddingReqInput``
 body: ``text`` (a string or a list) or ``input_ids`` (a list of ids or a list of lists), tokenized as given (``text``
-with the tokenizer's special tokens, as SGLang's tokenizer manager adds them). The answer is one ``{"embedding": [score per label], "meta_info": {...}}`` per
-input (a single object for a single input, a list for a batch): the classifier head's logits at the sequence's last
-token. forge-engine does the same on CPU with transformers' ``AutoModelForSequenceClassification`` (the reference
+with the tokenizer's special tokens, as SGLang's tokenizer manager adds them). The answer is one ``{"embedding":
+[score per label], "meta_info": {...}}`` per input (a single object for a single input, a list for a batch): the
+classifier head's logits at the sequence's last token. forge-engine does the same on CPU with transformers' ``AutoModelForSequenceClassification`` (the reference
 implementation), so the rollout side's reward-model verifier (agents/reward_model.py) runs against a real model in
 tests and on machines without SGLang. ``/generate`` and chat completions are refused by name: this engine does not
 generate. The reward model is never trained here, so it takes no weight updates.

@@ -362,7 +362,8 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "tower with the language model (by default it stays frozen, the checkpoint's own). The tower "
                         "becomes part of the first pipeline stage's model: its gradients are reduced with the "
                         "language model's, its weights are in the optimizer, the checkpoints, the weight sync to the "
-                        "engines (under the checkpoint's names, e.g. model.visual.*) and the HF export; the KL reference keeps the checkpoint's. "
+                        "engines (under the checkpoint's names, e.g. model.visual.*) and the HF export; the KL "
+                        "reference keeps the checkpoint's. "
                         "Qwen3-VL's DeepStack layers must be on the first stage. A run saved with the tower frozen "
                         "may resume with it (the tower then starts from --hf-checkpoint's weights)")
     g.add_argument("--vision-lr", type=float, default=None, metavar="LR",

@@ -16,8 +16,8 @@ tree-packed Megatron forward as RL training, optimised with Adam. Single process
 (those of ``multimodal.families.SUPPORTED``: Qwen3-VL, Qwen3.5, Qwen2.5-VL, GLM-4.xV, ... with an image processor)
 also take image parts in user messages (``image_url`` with a data URL, or a file: a path relative to the JSONL
 file, an absolute path or a ``file://`` URL): each image is normalised and expanded to its tokens as the gateway does
-it (multimodal/images.py) and the model sees its features through the checkpoint's frozen vision tower (mcore/vision.py; ``--train-vision-tower``: trained with the
-language model); the export keeps the tower.
+it (multimodal/images.py) and the model sees its features through the checkpoint's frozen vision tower
+(mcore/vision.py; ``--train-vision-tower``: trained with the language model); the export keeps the tower.
 
 Legend: M = next-token targets of the samples of a batch.
 """

@@ -5,7 +5,6 @@ taught to prefer the right answer, served by forge-engine's /classify as SGLang 
 import argparse
 import json
 import math
-import urllib.error
 import urllib.request
 
 import pytest
@@ -15,6 +14,7 @@ from forge_megatron.agents.reward_model import (RewardModelError, RewardModelVer
                                                 reward_model_from_args)
 from forge_megatron.agents.runner import DomainVerifier, build_verifier, exact_match
 from forge_megatron.agents.tasks import Task
+from tests.agents.test_judge import _post
 
 TASK = Task(task_id="t1", prompt="What is 6 * 7?", answer="42")
 
@@ -63,15 +63,6 @@ def _hf_score(rm_dir, ids):
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
-
-
-def _post(url: str, body) -> tuple[int, object]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def test_classify_answers_as_sglang_with_transformers_scores(rm_dir, rm_engine):
