@@ -288,12 +288,16 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
     gemma4 = config.model_type == "gemma4"  # a tower of pooled patches and embed_vision
     mistral3 = config.model_type == "mistral3"  # a Pixtral tower and its projector
     kimi = config.model_type == "kimi_k25"  # MoonViT and its projector
+    qwen2_vl = config.model_type == "qwen2_vl"  # its tower is embed_dim wide, hidden_size is the merger's output
     heads = int(getattr(full, "num_heads", None) or full.num_attention_heads)
-    k = full.hidden_size / (heads * width)
+    k = (full.embed_dim if qwen2_vl else full.hidden_size) / (heads * width)
     slope = []  # bytes per patch, with 1 and 2 blocks
     for depth in (1, 2):
         small = copy.deepcopy(full)
-        small.hidden_size = heads * width
+        if qwen2_vl:
+            small.embed_dim, small.hidden_size = heads * width, max(1, round(full.hidden_size / k))
+        else:
+            small.hidden_size = heads * width
         for name in ("intermediate_size", "out_hidden_size"):
             if getattr(small, name, None):
                 setattr(small, name, max(1, round(getattr(full, name) / k)))
@@ -329,7 +333,13 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
             wrapper.text_config.hidden_size = max(1, round(config.text_config.hidden_size / k))
             tower = KimiK25Tower(wrapper).to(torch.bfloat16).train()
         else:
-            tower = transformers.AutoModel.from_config(small).to(torch.bfloat16).train()
+            if qwen2_vl:  # (its tower has no AutoModel entry)
+                from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+                tower = Qwen2VisionTransformerPretrainedModel._from_config(small)
+            else:
+                tower = transformers.AutoModel.from_config(small)
+            tower = tower.to(torch.bfloat16).train()
             side = 4 * int(getattr(small, "spatial_merge_size", 2))
         if recompute:
             tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -380,6 +380,7 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
 @pytest.mark.parametrize("arch,name", [("qwen3_vl", "Qwen3VLForConditionalGeneration"),
                                        ("glm4v", "Glm4vForConditionalGeneration"),
                                        ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+                                       ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
                                        ("gemma3_vl", "Gemma3ForConditionalGeneration"),
                                        ("gemma4_vl", "Gemma4ForConditionalGeneration"),
                                        ("ministral3_vl", "Mistral3ForConditionalGeneration"),
@@ -405,6 +406,8 @@ def test_trained_vision_tower_activation_estimate_is_what_the_tower_keeps(arch, 
     elif arch == "gemma4_vl":  # heads of 64
         hf["vision_config"].update(hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=4, head_dim=64)
+    elif arch == "qwen2_vl":  # its tower embed_dim wide, hidden_size the merger's output
+        hf["vision_config"].update(embed_dim=256, mlp_ratio=4, depth=3, num_heads=4)
     else:
         hf["vision_config"].update(hidden_size=256, intermediate_size=1024, depth=3, num_heads=4)
     for recompute in (False, True):
