@@ -113,6 +113,7 @@ setup(
             "forge-engine=forge_megatron.rollout.engine_server:main",
             "forge-gateway=forge_megatron.middleware.gateway:main",
             "forge-pool=forge_megatron.middleware.pool_server:main",
+            "forge-pool-export=forge_megatron.middleware.pool_export:main",
             "forge-convert=forge_megatron.convert.cli:main",
             "forge-node=forge_megatron.agents.middleware_node:main",
             "forge-rollout=forge_megatron.agents.driver:main",

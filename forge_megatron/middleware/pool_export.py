@@ -1,0 +1,172 @@
+"""``forge-pool-export``: the data pool's episodes as JSON lines, for looking at what the agents did and were scored.
+
+The pool keeps every episode it was sent in its SQLite database (tokens, loss mask, the engine's logprobs, policy
+versions, images) and, once a group finishes, its scores (composite rewards, segment advantages). This reads that
+database (read-only; a pool serving it meanwhile is not disturbed: SQLite's WAL mode lets readers in) and writes one
+JSON object per episode, oldest group first::
+
+    forge-pool-export --db runs/slurm-123/pool.sqlite --out episodes.jsonl --tokenizer /models/Qwen3-8B
+
+Each line: ``episode_id``, ``group`` (the pool's group index, in submission order) and ``group_id``, ``task_id``,
+``domain``, ``group_state`` (running, finished, filtered, failed, delivered, committed, ...), ``batch_id`` and
+``staleness`` once delivered, ``status`` (finished, failed, timed_out), the agent's or verifier's outcome ``reward``
+and ``reward_terms``, the composite ``score`` and per-segment ``advantages`` and ``success`` once the group is
+scored, times and tool-call counts, the task ``metadata``, and per segment its ``tokens`` and ``sampled_tokens``
+counts, the range of ``policy_versions`` that sampled it, the ``mean_logprob`` of its sampled tokens and its number
+of ``images``; with ``--tokenizer`` the segment's ``text`` and the ``sampled_text`` (the model's own tokens), with
+``--token-ids`` the per-token arrays, with ``--images-dir DIR`` the images written there as PNG files (their paths
+in ``image_files``).
+
+Trajectories a pool did not keep (committed, filtered or failed groups without ``--keep-trajectories``) have no
+tokens left: such episodes are counted on stderr, not written. ``--state``, ``--task-id``, ``--from-group`` and
+``--limit`` select episodes. Exit status 2 with a message for a missing or foreign database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sqlite3
+import sys
+
+import msgpack
+
+
+def open_readonly(path: str) -> sqlite3.Connection:
+    """A read-only connection to a pool database; ValueError when it is not one."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r} does not exist (the pool's --db / --pool-db file)")
+    db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True, timeout=30.0)
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if not {"groups", "episodes"} <= tables:
+        db.close()
+        raise ValueError(f"{path!r} is not a data pool database (tables {sorted(tables)})")
+    return db
+
+
+def episode_records(db: sqlite3.Connection, states: set[str] | None = None, task_id: str | None = None,
+                    from_group: int = 0):
+    """(group row, episode id, episode state, Episode | None) in group order, then submission order; None where the
+    pool deleted the trajectory."""
+    from forge_megatron.middleware.wire import episode_from_blob
+
+    query = ("SELECT g.idx, g.task_id, g.domain, g.state, g.scores, g.batch_id, g.staleness, g.metadata, "
+             "e.episode_id, e.state, e.blob FROM groups g JOIN episodes e ON e.group_idx = g.idx WHERE g.idx >= ?")
+    args: list = [from_group]
+    if task_id is not None:
+        query += " AND g.task_id = ?"
+        args.append(task_id)
+    query += " ORDER BY g.idx, e.submitted_seq IS NULL, e.submitted_seq, e.episode_id"
+    for row in db.execute(query, args):
+        group = dict(zip(("idx", "task_id", "domain", "state", "scores", "batch_id", "staleness", "metadata"), row[:8]))
+        if states and group["state"] not in states:
+            continue
+        blob = row[10]
+        yield group, row[8], row[9], (episode_from_blob(blob) if blob is not None else None)
+
+
+def episode_json(group: dict, episode, tokenizer=None, token_ids: bool = False, images_dir: str | None = None) -> dict:
+    """The JSON object of one episode (see the module docstring)."""
+    scores = msgpack.unpackb(group["scores"]) if group["scores"] else None
+    from forge_megatron.middleware.pool import group_id_of
+
+    out = {"episode_id": episode.episode_id, "group": group["idx"], "group_id": group_id_of(group["idx"]),
+           "task_id": group["task_id"],
+           "domain": group["domain"], "group_state": group["state"], "batch_id": group["batch_id"],
+           "staleness": group["staleness"], "status": episode.status, "reward": episode.reward,
+           "reward_terms": dict(episode.reward_terms)}
+    if scores and episode.episode_id in scores.get("episode_ids", ()):
+        k = scores["episode_ids"].index(episode.episode_id)
+        out.update(score=scores["rewards"][k], advantages=scores["segment_advantages"][k],
+                   success=scores["successes"][k])
+    out.update(started_at=episode.started_at, ended_at=episode.ended_at,
+               duration_s=max(0.0, episode.ended_at - episode.started_at), num_tool_calls=episode.num_tool_calls,
+               num_malformed_tool_calls=episode.num_malformed_tool_calls,
+               num_truncated_calls=episode.num_truncated_calls,
+               metadata={**msgpack.unpackb(group["metadata"]), **episode.metadata}, segments=[])
+    for s, seg in enumerate(episode.segments):
+        sampled = [i for i, m in enumerate(seg.loss_mask) if m]
+        versions = [seg.policy_versions[i] for i in sampled]
+        record = {"tokens": len(seg.tokens), "sampled_tokens": len(sampled),
+                  "policy_versions": [min(versions), max(versions)] if versions else None,
+                  "mean_logprob": (sum(seg.rollout_logprobs[i] for i in sampled) / len(sampled)) if sampled else None,
+                  "images": len(seg.images or ())}
+        if tokenizer is not None:
+            record["text"] = tokenizer.decode(seg.tokens)
+            record["sampled_text"] = tokenizer.decode([seg.tokens[i] for i in sampled])
+        if token_ids:
+            record.update(token_ids=list(seg.tokens), loss_mask=list(seg.loss_mask),
+                          rollout_logprobs=list(seg.rollout_logprobs),
+                          policy_version_per_token=list(seg.policy_versions))
+        if images_dir is not None and seg.images:
+            os.makedirs(images_dir, exist_ok=True)
+            record["image_files"] = []
+            for i, data in enumerate(seg.images):
+                digest = hashlib.sha1(data).hexdigest()[:8]
+                path = os.path.join(images_dir, f"{episode.episode_id}-s{s}-{i}-{digest}.png")
+                with open(path, "wb") as f:
+                    f.write(data)
+                record["image_files"].append(path)
+        out["segments"].append(record)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="forge-pool-export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--db", required=True, help="the pool's SQLite file (forge-pool --db, forge-node --pool-db)")
+    p.add_argument("--out", default="-", help="JSON lines file (default: standard output)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the served model's tokenizer (a local directory): adds each segment's text")
+    p.add_argument("--token-ids", action="store_true", help="add the per-token arrays of each segment")
+    p.add_argument("--images-dir", default=None, metavar="DIR", help="write the episodes' images there as PNG files")
+    p.add_argument("--state", action="append", default=None, metavar="STATE",
+                   help="only groups in this state (repeatable): running, finished, filtered, failed, delivered, "
+                        "committed")
+    p.add_argument("--task-id", default=None, help="only this task's groups")
+    p.add_argument("--from-group", type=int, default=0, help="only groups with this index or later")
+    p.add_argument("--limit", type=int, default=None, help="stop after this many episodes")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        db = open_readonly(args.db)
+    except (ValueError, sqlite3.Error) as exc:
+        print(f"forge-pool-export: {exc}", file=sys.stderr)
+        return 2
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            print(f"forge-pool-export: --tokenizer {args.tokenizer!r}: {exc}", file=sys.stderr)
+            return 2
+    out = sys.stdout if args.out == "-" else open(args.out, "w")
+    written, missing, groups = 0, 0, set()
+    try:
+        for group, _, _, episode in episode_records(db, set(args.state or ()), args.task_id, args.from_group):
+            if args.limit is not None and written >= args.limit:
+                break
+            if episode is None:
+                missing += 1
+                continue
+            out.write(json.dumps(episode_json(group, episode, tokenizer, args.token_ids, args.images_dir)) + "\n")
+            written += 1
+            groups.add(group["idx"])
+    finally:
+        if out is not sys.stdout:
+            out.close()
+        db.close()
+    note = f"; {missing} episode(s) without a trajectory (not kept: --keep-trajectories)" if missing else ""
+    print(f"forge-pool-export: {written} episode(s) of {len(groups)} group(s) written{note}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

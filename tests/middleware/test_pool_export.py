@@ -1,0 +1,122 @@
+"""forge-pool-export on a real pool database: what the pool stored and scored, as JSON lines, read-only (also while
+the pool keeps it open), filtered by state, task and group; text from the tokenizer, images written out; episodes
+whose trajectories were not kept are counted, not written; a missing or foreign database is a clear error."""
+
+import io
+import json
+import sqlite3
+
+import pytest
+
+from forge_megatron.middleware import pool_export
+from forge_megatron.middleware.pool import DataPool, PoolConfig
+from forge_megatron.middleware.schema import Episode, Segment
+
+
+def _episode(gid, eid, tok, prompt, answer, reward, images=None, version=3):
+    p, a = tok.encode(prompt), tok.encode(answer)
+    seg = Segment(tokens=p + a, loss_mask=[0] * len(p) + [1] * len(a),
+                  rollout_logprobs=[0.0] * len(p) + [-0.5] * len(a),
+                  policy_versions=[-1] * len(p) + [version] * len(a), images=images)
+    return Episode(episode_id=eid, group_id=gid, task_id="unused", segments=[seg], reward=reward,
+                   reward_terms={"malformed_tool_calls": 0.0}, started_at=10.0, ended_at=12.5, num_tool_calls=2)
+
+
+def _run(argv, capsys):
+    rc = pool_export.main(argv)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.fixture()
+def filled(tmp_path):
+    """A pool (trajectories kept) with two scored groups, one delivered, and an open one; the tokenizer's dir."""
+    from transformers import AutoTokenizer
+
+    from forge_megatron.models.tiny import build_tiny_tokenizer
+
+    tok_dir = str(tmp_path / "tok")
+    build_tiny_tokenizer(tok_dir)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), keep_trajectories=True,
+                               generation_batch_groups=4, train_batch_groups=1))
+    png = b"\x89PNG\r\n\x1a\n" + b"0" * 32
+    g0 = pool.register_group("t-0", 2, domain="math", metadata={"answer": "4"})
+    for i, (answer, reward) in enumerate([("4", 1.0), ("5", 0.0)]):
+        pool.submit_episode(_episode(g0, f"a{i}", tok, "2+2=", answer, reward, images=[png] if i == 0 else None))
+    g1 = pool.register_group("t-1", 2, domain="qa")
+    for i, (answer, reward) in enumerate([("Paris", 1.0), ("Rome", 1.0)]):
+        pool.submit_episode(_episode(g1, f"b{i}", tok, "Capital of France?", answer, reward))
+    g2 = pool.register_group("t-2", 2, domain="qa")
+    pool.submit_episode(_episode(g2, "c0", tok, "1+1=", "2", 1.0))  # (its group still running)
+    batch = pool.next_batch(1, timeout_s=5)
+    yield pool, str(tmp_path / "pool.sqlite"), tok_dir, batch
+    pool.close()
+
+
+def test_export_writes_what_the_pool_stored_and_scored(filled, tmp_path, capsys):
+    pool, db, tok_dir, batch = filled
+    out = tmp_path / "episodes.jsonl"
+    rc, _, err = _run(["--db", db, "--out", str(out), "--tokenizer", tok_dir, "--images-dir", str(tmp_path / "img")],
+                      capsys)  # (the pool still has the database open)
+    assert rc == 0 and "5 episode(s) of 3 group(s) written" in err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["episode_id"] for r in rows] == ["a0", "a1", "b0", "b1", "c0"]
+    a0, a1, b0, _, c0 = rows
+    assert (a0["task_id"], a0["domain"], a0["group_state"], a0["batch_id"]) == ("t-0", "math", "delivered",
+                                                                                batch.batch_id)
+    assert a0["reward"] == 1.0 and a0["score"] == 1.0 and a1["score"] == 0.0 and a0["success"] is True
+    assert a0["advantages"][0] > 0 > a1["advantages"][0]  # group-normalised
+    assert a0["metadata"] == {"answer": "4"} and a0["duration_s"] == 2.5 and a0["num_tool_calls"] == 2
+    seg = a0["segments"][0]
+    assert seg["text"] == "2+2=4" and seg["sampled_text"] == "4" and seg["policy_versions"] == [3, 3]
+    assert seg["mean_logprob"] == -0.5 and seg["images"] == 1
+    with open(seg["image_files"][0], "rb") as f:
+        assert f.read().startswith(b"\x89PNG")
+    assert b0["group_state"] == "finished" and b0["advantages"] == [0.0]  # equal rewards: no signal
+    assert c0["group_state"] == "running" and "score" not in c0  # not scored yet
+    rc, text, _ = _run(["--db", db, "--state", "finished", "--state", "running", "--token-ids"], capsys)
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert [r["episode_id"] for r in rows] == ["b0", "b1", "c0"]
+    assert rows[0]["segments"][0]["loss_mask"].count(1) == rows[0]["segments"][0]["sampled_tokens"]
+    assert "text" not in rows[0]["segments"][0]  # (no tokenizer)
+    rc, text, _ = _run(["--db", db, "--task-id", "t-1", "--limit", "1"], capsys)
+    assert [json.loads(line)["episode_id"] for line in text.splitlines()] == ["b0"]
+    status = pool.group_status(a0["group_id"])
+    assert (status["index"], status["state"]) == (a0["group"], "delivered") and c0["group"] > b0["group"]
+    rc, text, _ = _run(["--db", db, "--from-group", str(c0["group"])], capsys)
+    assert [json.loads(line)["task_id"] for line in text.splitlines()] == ["t-2"]
+
+
+def test_episodes_whose_trajectories_were_not_kept_are_counted(tmp_path, capsys):
+    from pool_cases import fill_group
+
+    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), train_batch_groups=1))
+    fill_group(pool, pool.register_group("t", 2), 2)
+    batch = pool.next_batch(1, timeout_s=5)
+    pool.commit(batch.batch_id)  # committed without --keep-trajectories: the tokens are deleted
+    fill_group(pool, pool.register_group("u", 2), 2)
+    pool.close()
+    rc, text, err = _run(["--db", str(tmp_path / "pool.sqlite")], capsys)
+    assert rc == 0 and len(text.splitlines()) == 2
+    assert "2 episode(s) of 1 group(s) written; 2 episode(s) without a trajectory" in err
+
+
+def test_missing_and_foreign_databases_are_refused(tmp_path, capsys):
+    rc, _, err = _run(["--db", str(tmp_path / "nope.sqlite")], capsys)
+    assert rc == 2 and "does not exist" in err
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE t (x INTEGER)")
+    rc, _, err = _run(["--db", str(other)], capsys)
+    assert rc == 2 and "is not a data pool database" in err
+    rc, _, err = _run(["--db", str(other), "--tokenizer", str(tmp_path)], capsys)
+    assert rc == 2
+
+
+def test_json_lines_go_to_stdout_by_default(filled, capsys, monkeypatch):
+    _, db, _, _ = filled
+    buffer = io.StringIO()
+    monkeypatch.setattr("sys.stdout", buffer)
+    assert pool_export.main(["--db", db, "--limit", "2"]) == 0
+    assert len(buffer.getvalue().splitlines()) == 2
