@@ -17,6 +17,12 @@ of ``images``; with ``--tokenizer`` the segment's ``text`` and the ``sampled_tex
 ``--token-ids`` the per-token arrays, with ``--images-dir DIR`` the images written there as PNG files (their paths
 in ``image_files``).
 
+``--sft`` writes token samples instead, one ``{"input_ids", "loss_mask", "episode_id", "segment"}`` per segment (the
+model's sampled tokens trained), for ``forge-sft --data``: rejection-sampling fine-tuning on the run's own tokens,
+exactly as they were sampled (no chat template, no re-tokenisation); ``--successful`` keeps the episodes their group
+scored successful, ``--min-score S`` those whose composite score is at least S (both need scored groups); segments
+with images are left out (counted on stderr).
+
 Trajectories a pool did not keep (committed, filtered or failed groups without ``--keep-trajectories``) have no
 tokens left: such episodes are counted on stderr, not written. ``--state``, ``--task-id``, ``--from-group`` and
 ``--limit`` select episodes. Exit status 2 with a message for a missing or foreign database.
@@ -128,7 +134,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task-id", default=None, help="only this task's groups")
     p.add_argument("--from-group", type=int, default=0, help="only groups with this index or later")
     p.add_argument("--limit", type=int, default=None, help="stop after this many episodes")
+    p.add_argument("--sft", action="store_true",
+                   help="write token samples {input_ids, loss_mask} per segment for forge-sft --data instead")
+    p.add_argument("--successful", action="store_true", help="only episodes their scored group counts successful")
+    p.add_argument("--min-score", type=float, default=None, help="only episodes whose composite score is at least this")
     return p
+
+
+def selected(record: dict, successful: bool, min_score: float | None) -> bool:
+    """Whether an episode's JSON object passes ``--successful`` / ``--min-score`` (unscored episodes never do)."""
+    if successful and record.get("success") is not True:
+        return False
+    return min_score is None or (record.get("score") is not None and record["score"] >= min_score)
+
+
+def sft_samples(episode) -> tuple[list[dict], int]:
+    """(token samples of the episode's segments, how many segments with images were left out)."""
+    out, skipped = [], 0
+    for k, seg in enumerate(episode.segments):
+        if seg.images:
+            skipped += 1
+        elif any(seg.loss_mask[1:]):
+            out.append({"input_ids": list(seg.tokens), "loss_mask": list(seg.loss_mask),
+                        "episode_id": episode.episode_id, "segment": k})
+    return out, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"forge-pool-export: --tokenizer {args.tokenizer!r}: {exc}", file=sys.stderr)
             return 2
     out = sys.stdout if args.out == "-" else open(args.out, "w")
-    written, missing, groups = 0, 0, set()
+    written, missing, samples, with_images, groups = 0, 0, 0, 0, set()
     try:
         for group, _, _, episode in episode_records(db, set(args.state or ()), args.task_id, args.from_group):
             if args.limit is not None and written >= args.limit:
@@ -156,7 +185,16 @@ def main(argv: list[str] | None = None) -> int:
             if episode is None:
                 missing += 1
                 continue
-            out.write(json.dumps(episode_json(group, episode, tokenizer, args.token_ids, args.images_dir)) + "\n")
+            record = episode_json(group, episode, tokenizer, args.token_ids, None if args.sft else args.images_dir)
+            if not selected(record, args.successful, args.min_score):
+                continue
+            if args.sft:
+                lines, skipped = sft_samples(episode)
+                with_images += skipped
+                samples += len(lines)
+                out.writelines(json.dumps(x) + "\n" for x in lines)
+            else:
+                out.write(json.dumps(record) + "\n")
             written += 1
             groups.add(group["idx"])
     finally:
@@ -164,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             out.close()
         db.close()
     note = f"; {missing} episode(s) without a trajectory (not kept: --keep-trajectories)" if missing else ""
+    if args.sft:
+        note = f" as {samples} token sample(s)" + (f", {with_images} segment(s) with images left out"
+                                                  if with_images else "") + note
     print(f"forge-pool-export: {written} episode(s) of {len(groups)} group(s) written{note}", file=sys.stderr)
     return 0
 

@@ -12,12 +12,15 @@ tree-packed Megatron forward as RL training, optimised with Adam. Single process
 
     python -m forge_megatron.training.sft --hf-checkpoint IN_DIR --data chats.jsonl --out OUT_DIR --steps 300
 
-``chats.jsonl``: one ``{"messages": [...], "tools": [...]}`` per line (OpenAI chat format). Vision-language checkpoints
-(those of ``multimodal.families.SUPPORTED``: Qwen3-VL, Qwen3.5, Qwen2.5-VL, GLM-4.xV, ... with an image processor)
-also take image parts in user messages (``image_url`` with a data URL, or a file: a path relative to the JSONL
-file, an absolute path or a ``file://`` URL): each image is normalised and expanded to its tokens as the gateway does
-it (multimodal/images.py) and the model sees its features through the checkpoint's frozen vision tower
-(mcore/vision.py; ``--train-vision-tower``: trained with the language model); the export keeps the tower.
+``chats.jsonl``: one ``{"messages": [...], "tools": [...]}`` per line (OpenAI chat format), or one token sample
+``{"input_ids": [...], "loss_mask": [...]}`` per line, trained exactly as given (no chat template: e.g. the successful
+episodes of an RL run, ``forge-pool-export --sft``, for rejection-sampling fine-tuning without re-tokenisation).
+Vision-language checkpoints (those of ``multimodal.families.SUPPORTED``: Qwen3-VL, Qwen3.5, Qwen2.5-VL, GLM-4.xV, ...
+with an image processor) also take image parts in user messages (``image_url`` with a data URL, or a file: a path
+relative to the JSONL file, an absolute path or a ``file://`` URL): each image is normalised and expanded to its
+tokens as the gateway does it (multimodal/images.py) and the model sees its features through the checkpoint's frozen
+vision tower (mcore/vision.py; ``--train-vision-tower``: trained with the language model); the export keeps the
+tower.
 
 Legend: M = next-token targets of the samples of a batch.
 """
@@ -92,20 +95,38 @@ def _render_text(tokenizer, messages: list[dict], tools: list | None) -> tuple[l
 
 
 def load_chats(path: str) -> list[dict]:
-    """The conversations of a JSONL file; image parts given as files (a path relative to the file's directory, an
-    absolute one or a ``file://`` URL) read into data URLs."""
+    """The conversations (or token samples, :func:`check_token_sample`) of a JSONL file; image parts given as files (a
+    path relative to the file's directory, an absolute one or a ``file://`` URL) read into data URLs."""
     chats = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 record = json.loads(line)
+                if "input_ids" in record:
+                    check_token_sample(record, f"{path}:{lineno}")
+                    chats.append(record)
+                    continue
                 if not isinstance(record.get("messages"), list):
-                    raise ValueError(f"{path}:{lineno}: each line needs a 'messages' list")
+                    raise ValueError(f"{path}:{lineno}: each line needs a 'messages' list (or 'input_ids' and "
+                                     "'loss_mask')")
                 _read_image_files(record["messages"], os.path.dirname(os.path.abspath(path)), f"{path}:{lineno}")
                 chats.append(record)
     if not chats:
         raise ValueError(f"{path}: no conversations")
     return chats
+
+
+def check_token_sample(record: dict, where: str) -> None:
+    """ValueError naming ``where`` unless ``record`` is a token sample: ``input_ids`` (ints) and a ``loss_mask`` of
+    0 / 1 as long, at least one token trained (the first cannot be: nothing predicts it)."""
+    ids, mask = record.get("input_ids"), record.get("loss_mask")
+    if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                  for t in ids)):
+        raise ValueError(f"{where}: input_ids must be a non-empty list of token ids")
+    if not (isinstance(mask, list) and len(mask) == len(ids) and all(m in (0, 1) for m in mask)):
+        raise ValueError(f"{where}: loss_mask must be a list of 0 / 1 as long as input_ids ({len(ids)})")
+    if not any(mask[1:]):
+        raise ValueError(f"{where}: loss_mask trains no token after the first")
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
@@ -194,7 +215,12 @@ def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float,
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         processor = _image_processor(hf_dir)
-        data = [render(tokenizer, c["messages"], c.get("tools"), processor) for c in chats]
+        data = [(c["input_ids"], c["loss_mask"], []) if "input_ids" in c else
+                render(tokenizer, c["messages"], c.get("tools"), processor) for c in chats]
+        vocab = max(len(tokenizer), int(getattr(tokenizer, "vocab_size", 0) or 0))
+        for i, (ids, _, _) in enumerate(data):
+            if max(ids) >= vocab:
+                raise ValueError(f"sample {i}: token id {max(ids)} is outside the tokenizer's vocabulary ({vocab})")
         bridge = Bridge(hf_dir, vision_tower=train_vision_tower)
         model = build_tree_gpt(bridge.cfg)
         if train_vision_tower:
@@ -244,7 +270,8 @@ def _image_processor(hf_dir: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="forge-sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf-checkpoint", required=True)
-    p.add_argument("--data", required=True, help="JSONL of {messages, tools}")
+    p.add_argument("--data", required=True,
+                   help="JSONL of {messages, tools} or of token samples {input_ids, loss_mask}")
     p.add_argument("--out", required=True, help="output HF directory")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-3)

@@ -120,3 +120,48 @@ def test_json_lines_go_to_stdout_by_default(filled, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdout", buffer)
     assert pool_export.main(["--db", db, "--limit", "2"]) == 0
     assert len(buffer.getvalue().splitlines()) == 2
+
+
+def test_sft_export_feeds_forge_sft_exactly(tmp_path, capsys):
+    """--sft --successful: one token sample per segment of the successful, scored episodes (a segment with images and
+    unscored or failed episodes left out, counted); forge-sft trains on them as given: its first loss (the whole
+    set in one batch) is transformers' mean negative logprob of exactly the sampled tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.training.sft import load_chats, run_sft
+
+    base = build_tiny_model(str(tmp_path / "base"), seed=2)
+    tok = AutoTokenizer.from_pretrained(base)
+    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), keep_trajectories=True))
+    gid = pool.register_group("t-0", 3)
+    png = b"\x89PNG\r\n\x1a\n" + b"0" * 32
+    for eid, answer, reward, images in (("a", "4", 1.0, None), ("b", "5", 0.0, None), ("c", "4", 1.0, [png])):
+        pool.submit_episode(_episode(gid, eid, tok, "What is 2+2? ", answer + " is the answer.", reward, images))
+    pool.submit_episode(_episode(pool.register_group("t-1", 2), "d", tok, "1+1=", "2", 1.0))  # (not scored yet)
+    pool.close()
+    out = tmp_path / "rft.jsonl"
+    rc, _, err = _run(["--db", str(tmp_path / "pool.sqlite"), "--out", str(out), "--sft", "--successful"], capsys)
+    assert rc == 0 and "2 episode(s) of 1 group(s) written as 1 token sample(s), 1 segment(s) with images" in err
+    (sample,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sample["episode_id"] == "a" and tok.decode([t for t, m in zip(sample["input_ids"], sample["loss_mask"])
+                                                       if m]) == "4 is the answer."
+    chats = load_chats(str(out))
+    losses = run_sft(base, chats * 3, str(tmp_path / "sft"), steps=2, lr=1e-3, batch_size=3, log_every=100)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    ids = torch.tensor([sample["input_ids"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+    mask = torch.tensor(sample["loss_mask"][1:], dtype=torch.float32)
+    assert losses[0] == pytest.approx(-(logp * mask).sum().item() / mask.sum().item(), abs=1e-5)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: loss_mask must be a list of 0 / 1 as long as input_ids"):
+        load_chats(str(bad))
+    bad.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [1, 0, 0]}) + "\n")
+    with pytest.raises(ValueError, match="trains no token after the first"):
+        load_chats(str(bad))
+    bad.write_text(json.dumps({"input_ids": [1, 10**6], "loss_mask": [0, 1]}) + "\n")
+    with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
+        run_sft(base, load_chats(str(bad)), str(tmp_path / "sft2"), steps=1, lr=1e-3, batch_size=1)
