@@ -39,6 +39,9 @@ import sys
 
 import msgpack
 
+from forge_megatron.middleware.pool import group_id_of
+from forge_megatron.middleware.wire import episode_from_blob
+
 
 def open_readonly(path: str) -> sqlite3.Connection:
     """A read-only connection to a pool database; ValueError when it is not one."""
@@ -56,8 +59,6 @@ def episode_records(db: sqlite3.Connection, states: set[str] | None = None, task
                     from_group: int = 0):
     """(group row, episode id, episode state, Episode | None) in group order, then submission order; None where the
     pool deleted the trajectory."""
-    from forge_megatron.middleware.wire import episode_from_blob
-
     query = ("SELECT g.idx, g.task_id, g.domain, g.state, g.scores, g.batch_id, g.staleness, g.metadata, "
              "e.episode_id, e.state, e.blob FROM groups g JOIN episodes e ON e.group_idx = g.idx WHERE g.idx >= ?")
     args: list = [from_group]
@@ -76,8 +77,6 @@ def episode_records(db: sqlite3.Connection, states: set[str] | None = None, task
 def episode_json(group: dict, episode, tokenizer=None, token_ids: bool = False, images_dir: str | None = None) -> dict:
     """The JSON object of one episode (see the module docstring)."""
     scores = msgpack.unpackb(group["scores"]) if group["scores"] else None
-    from forge_megatron.middleware.pool import group_id_of
-
     out = {"episode_id": episode.episode_id, "group": group["idx"], "group_id": group_id_of(group["idx"]),
            "task_id": group["task_id"],
            "domain": group["domain"], "group_state": group["state"], "batch_id": group["batch_id"],
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 samples += len(lines)
                 out.writelines(json.dumps(x) + "\n" for x in lines)
             else:
-                out.write(json.dumps(record) + "\n")
+                out.write(json.dumps(record, default=str) + "\n")  # (metadata a task gave as bytes: as text)
             written += 1
             groups.add(group["idx"])
     finally:
