@@ -83,7 +83,10 @@ class RewardModelVerifier:
         return [int(x) for x in (ids["input_ids"] if isinstance(ids, dict) else ids)]
 
     def reward_of(self, score: float) -> float:
-        return score if self.transform == "raw" else 1.0 / (1.0 + math.exp(-score))
+        if self.transform == "raw":
+            return score
+        z = math.exp(-abs(score))  # (a sigmoid that cannot overflow)
+        return 1.0 / (1.0 + z) if score >= 0 else z / (1.0 + z)
 
     def __call__(self, task, output) -> float:
         ids = self.input_ids(task, output)

@@ -109,6 +109,8 @@ def test_reward_model_verifier_scores_episodes(rm_dir, rm_engine):
     assert rm(TASK, "42") == pytest.approx(want, abs=1e-5) and rm(TASK, "41") < rm(TASK, "42")
     sigmoid = RewardModelVerifier(rm_engine.url, rm_dir, transform="sigmoid")
     assert sigmoid(TASK, "42") == pytest.approx(1 / (1 + math.exp(-want)), abs=1e-6)
+    assert (sigmoid.reward_of(-800.0), sigmoid.reward_of(800.0), sigmoid.reward_of(-2.0)) == \
+        (0.0, 1.0, pytest.approx(1 / (1 + math.exp(2.0))))
     assert rm(TASK, {"answer": 42}) != rm(TASK, "42")  # a non-string answer is scored as its JSON
     from concurrent.futures import ThreadPoolExecutor
 
