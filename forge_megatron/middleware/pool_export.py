@@ -57,10 +57,10 @@ def open_readonly(path: str) -> sqlite3.Connection:
 
 def episode_records(db: sqlite3.Connection, states: set[str] | None = None, task_id: str | None = None,
                     from_group: int = 0):
-    """(group row, episode id, episode state, Episode | None) in group order, then submission order; None where the
-    pool deleted the trajectory."""
+    """(group row, Episode | None) in group order, then submission order; None where the pool deleted the
+    trajectory."""
     query = ("SELECT g.idx, g.task_id, g.domain, g.state, g.scores, g.batch_id, g.staleness, g.metadata, "
-             "e.episode_id, e.state, e.blob FROM groups g JOIN episodes e ON e.group_idx = g.idx WHERE g.idx >= ?")
+             "e.blob FROM groups g JOIN episodes e ON e.group_idx = g.idx WHERE g.idx >= ?")
     args: list = [from_group]
     if task_id is not None:
         query += " AND g.task_id = ?"
@@ -70,8 +70,7 @@ def episode_records(db: sqlite3.Connection, states: set[str] | None = None, task
         group = dict(zip(("idx", "task_id", "domain", "state", "scores", "batch_id", "staleness", "metadata"), row[:8]))
         if states and group["state"] not in states:
             continue
-        blob = row[10]
-        yield group, row[8], row[9], (episode_from_blob(blob) if blob is not None else None)
+        yield group, (episode_from_blob(row[8]) if row[8] is not None else None)
 
 
 def episode_json(group: dict, episode, tokenizer=None, token_ids: bool = False, images_dir: str | None = None) -> dict:
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout if args.out == "-" else open(args.out, "w")
     written, missing, samples, with_images, groups = 0, 0, 0, 0, set()
     try:
-        for group, _, _, episode in episode_records(db, set(args.state or ()), args.task_id, args.from_group):
+        for group, episode in episode_records(db, set(args.state or ()), args.task_id, args.from_group):
             if args.limit is not None and written >= args.limit:
                 break
             if episode is None:

@@ -434,7 +434,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from forge_megatron.models import save_checkpoint
+    from forge_megatron.models import FLAT_CONFIGS, save_checkpoint
 
     if images and arch not in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "glm4v", "glm4v_moe",
                                "glm46v", "gemma3_vl", "gemma4_vl", "ministral3_vl", "mistral4_vl", "kimi_k25",
@@ -537,7 +537,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             vc = config.vision_config
             transformers.Gemma4ImageProcessor(patch_size=vc.patch_size, pooling_kernel_size=vc.pooling_kernel_size,
                                               max_soft_tokens=70).save_pretrained(out_dir)
-        elif arch in ("qwen2_5_vl", "qwen2_vl"):  # as their releases write it: the pixel bounds at the top level,
+        elif arch in FLAT_CONFIGS:  # as their releases write it: the pixel bounds at the top level,
             # CLIP's mean and std
             with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
                 json.dump({"min_pixels": TINY_IMAGE_PROCESSOR["size"]["shortest_edge"],

@@ -69,6 +69,8 @@ import torch
 # of channels), then Gemma 3 / 4, Mistral 3 and Kimi-K2.5 (below)
 _VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "qwen2_vl", "glm4v", "glm4v_moe",
              "glm46v", "gemma3", "gemma4", "mistral3", "kimi_k25")
+# model types whose releases (and transformers' save_pretrained) hold the tower under ``visual.`` (Qwen2.5-VL, Qwen2-VL)
+_RELEASE_VISUAL = ("qwen2_5_vl", "qwen2_vl")
 SUPPORTED = ("Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen2.5-VL, Qwen2-VL, GLM-4.xV, Gemma 3, Gemma 4, Mistral 3 "
              "(Ministral 3, Mistral Small 3.x and 4) and Kimi-K2.5 / K2.6")
 
@@ -177,7 +179,7 @@ def vision_spec(hf_config: dict) -> VisionSpec:
     return VisionSpec(image_token_id=int(hf_config["image_token_id"]), merge=int(vision.get("spatial_merge_size", 2)),
                       mrope_section=tuple(int(s) for s in section),
                       interleaved=bool(rope.get("mrope_interleaved", False)), deepstack_layers=len(indexes),
-                      vision_prefix="visual." if kind in ("qwen2_5_vl", "qwen2_vl") else "model.visual.")
+                      vision_prefix="visual." if kind in _RELEASE_VISUAL else "model.visual.")
 
 
 def image_runs(tokens_L: np.ndarray, image_token_id: int, sampled_L=None) -> list[tuple[int, int]]:
@@ -308,8 +310,6 @@ def _new_tower(config):
     Gemma 3 the SigLIP tower with its projector (:class:`Gemma3Tower`), for Gemma 4 its tower and ``embed_vision``
     (:class:`Gemma4Tower`), for Mistral 3 Pixtral and its projector (:class:`Mistral3Tower`), for Kimi-K2.5 MoonViT
     and its projector (:class:`KimiK25Tower`)."""
-    import transformers
-
     if config.model_type == "gemma3":
         return Gemma3Tower(config)
     if config.model_type == "gemma4":
@@ -318,11 +318,19 @@ def _new_tower(config):
         return Mistral3Tower(config)
     if config.model_type == "kimi_k25":
         return KimiK25Tower(config)
-    if config.model_type == "qwen2_vl":  # (its tower has no AutoModel entry)
+    return vision_model(config.vision_config)
+
+
+def vision_model(vision_config):
+    """The transformers module of a Qwen-style tower's ``vision_config``: ``AutoModel``'s, or Qwen2-VL's class (its
+    tower has no AutoModel entry)."""
+    import transformers
+
+    if vision_config.model_type == "qwen2_vl_vision":
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-        return Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config)
-    return transformers.AutoModel.from_config(config.vision_config)
+        return Qwen2VisionTransformerPretrainedModel._from_config(vision_config)
+    return transformers.AutoModel.from_config(vision_config)
 
 
 class KimiK25Tower(torch.nn.Module):

@@ -958,10 +958,11 @@ def engine_from_args(args: argparse.Namespace):
 
     if (args.max_lora_rank is not None or args.lora_target_modules) and not args.enable_lora:
         raise ValueError("--max-lora-rank / --lora-target-modules need --enable-lora")
-    if getattr(args, "is_embedding", False) and not is_reward_model(args.model_path):
+    reward_model = is_reward_model(args.model_path)
+    if getattr(args, "is_embedding", False) and not reward_model:
         raise ValueError(f"--is-embedding: {args.model_path} is not a sequence-classification checkpoint (a reward "
                          "model); this engine serves generating models without it")
-    if is_reward_model(args.model_path):
+    if reward_model:
         if args.enable_lora or args.enable_return_routed_experts:
             raise ValueError(f"{args.model_path} is a reward model (sequence classification): --enable-lora and "
                              "--enable-return-routed-experts are for generating models")

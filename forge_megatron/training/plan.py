@@ -276,10 +276,9 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
     import gc
 
     import torch
-    import transformers
 
     from forge_megatron.multimodal.families import (Gemma3Tower, Gemma4Tower, KimiK25Tower, Mistral3Tower, _full_config,
-                                                   image_patches)
+                                                   image_patches, vision_model)
     from forge_megatron.utils.memory import LiveBytes
 
     config = _full_config(hf_config)
@@ -333,13 +332,7 @@ def vision_tower_bytes(hf_config, recompute: bool = False, width: int = 8,
             wrapper.text_config.hidden_size = max(1, round(config.text_config.hidden_size / k))
             tower = KimiK25Tower(wrapper).to(torch.bfloat16).train()
         else:
-            if qwen2_vl:  # (its tower has no AutoModel entry)
-                from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
-                tower = Qwen2VisionTransformerPretrainedModel._from_config(small)
-            else:
-                tower = transformers.AutoModel.from_config(small)
-            tower = tower.to(torch.bfloat16).train()
+            tower = vision_model(small).to(torch.bfloat16).train()
             side = 4 * int(getattr(small, "spatial_merge_size", 2))
         if recompute:
             tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
