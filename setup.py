@@ -119,6 +119,8 @@ setup(
             "forge-rollout=forge_megatron.agents.driver:main",
             "forge-eval=forge_megatron.agents.evaluate:main",
             "forge-sft=forge_megatron.training.sft:main",
+            "forge-rm=forge_megatron.training.preference:main_rm",
+            "forge-dpo=forge_megatron.training.preference:main_dpo",
             "forge-plan=forge_megatron.training.plan:main",
         ]
     },

@@ -163,19 +163,23 @@ def _read_image_files(messages: list, base_dir: str, where: str) -> None:
                 part["image_url"] = {"url": data_url(f.read(), mimetypes.guess_type(path)[0] or "image/png")}
 
 
-def sft_loss(model, batch: list[tuple[list[int], list[int], list]], processor=None) -> torch.Tensor:
-    from forge_megatron.mcore.forward import tree_logprobs
+def batch_layout(batch: list[tuple[list[int], list[int], list]], processor=None):
+    """The prefix forest of (ids, loss mask, images) samples: a vision tree when any has images."""
     from forge_megatron.tree import build_tree
 
     if any(images for _, _, images in batch):
         from forge_megatron.multimodal import build_vision_tree
 
-        layout = build_vision_tree([ids for ids, _, _ in batch],
-                                   [[processor.image_input(x) for x in images] for _, _, images in batch],
-                                   processor.spec, samples_sampled=[mask for _, mask, _ in batch])
-    else:
-        layout = build_tree([ids for ids, _, _ in batch])
-    logp_M, _ = tree_logprobs(model, layout)
+        return build_vision_tree([ids for ids, _, _ in batch],
+                                 [[processor.image_input(x) for x in images] for _, _, images in batch],
+                                 processor.spec, samples_sampled=[mask for _, mask, _ in batch])
+    return build_tree([ids for ids, _, _ in batch])
+
+
+def sft_loss(model, batch: list[tuple[list[int], list[int], list]], processor=None) -> torch.Tensor:
+    from forge_megatron.mcore.forward import tree_logprobs
+
+    logp_M, _ = tree_logprobs(model, batch_layout(batch, processor))
     mask_M = torch.cat([torch.tensor(mask[1:], dtype=torch.float32) for _, mask, _ in batch])
     return -(logp_M * mask_M).sum() / mask_M.sum().clamp(min=1.0)
 
@@ -192,7 +196,13 @@ def export_hf(model, bridge, src_dir: str, out_dir: str) -> None:
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     save_hf(pairs, out_dir, bridge.hf_config, total=len(pairs))
-    for fname in os.listdir(src_dir):  # tokenizer, chat template, generation config ...
+    copy_side_files(src_dir, out_dir)
+
+
+def copy_side_files(src_dir: str, out_dir: str) -> None:
+    """Copy a checkpoint's other files (tokenizer, chat template, generation and processor configs) next to an
+    export: everything but its weights and config.json."""
+    for fname in os.listdir(src_dir):
         path = os.path.join(src_dir, fname)
         if os.path.isfile(path) and not fname.endswith(".safetensors") and fname not in (
                 "config.json", "model.safetensors.index.json"):
@@ -206,10 +216,7 @@ def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float,
     trained); by default it stays the checkpoint's, frozen."""
     from transformers import AutoTokenizer
 
-    from forge_megatron.bridge import Bridge
     from forge_megatron.mcore import parallel
-    from forge_megatron.mcore.tree_attention import build_tree_gpt
-    from forge_megatron.training.checkpoint import load_hf_weights
 
     parallel.initialize(seed=seed)
     try:
@@ -217,26 +224,8 @@ def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float,
         processor = _image_processor(hf_dir)
         data = [(c["input_ids"], c["loss_mask"], []) if "input_ids" in c else
                 render(tokenizer, c["messages"], c.get("tools"), processor) for c in chats]
-        vocab = max(len(tokenizer), int(getattr(tokenizer, "vocab_size", 0) or 0))
-        for i, (ids, _, _) in enumerate(data):
-            if max(ids) >= vocab:
-                raise ValueError(f"sample {i}: token id {max(ids)} is outside the tokenizer's vocabulary ({vocab})")
-        bridge = Bridge(hf_dir, vision_tower=train_vision_tower)
-        model = build_tree_gpt(bridge.cfg)
-        if train_vision_tower:
-            from forge_megatron.mcore import vision
-
-            if processor is None:
-                raise ValueError(f"--train-vision-tower: {hf_dir!r} has no image processor (preprocessor_config.json)")
-            vision.attach_tower(model, bridge.hf_config)
-            vision.install(model, processor.spec, key="policy", trained=True)
-        load_hf_weights(model, bridge, hf_dir)
-        if any(images for _, _, images in data) and not train_vision_tower:
-            from forge_megatron.mcore import vision
-            from forge_megatron.multimodal import load_vision_tower
-
-            tower = load_vision_tower(hf_dir, processor.spec)
-            vision.install(model, processor.spec, lambda: tower)
+        check_vocabulary(tokenizer, [ids for ids, _, _ in data])
+        model, bridge = build_model(hf_dir, processor, any(images for _, _, images in data), train_vision_tower)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
         rng = random.Random(seed)
@@ -255,6 +244,46 @@ def run_sft(hf_dir: str, chats: list[dict], out_dir: str, steps: int, lr: float,
         return losses
     finally:
         parallel.destroy()
+
+
+def vocabulary_size(tokenizer) -> int:
+    return max(len(tokenizer), int(getattr(tokenizer, "vocab_size", 0) or 0))
+
+
+def check_vocabulary(tokenizer, samples: list[list[int]], what: str = "sample") -> None:
+    """ValueError naming the first sample with a token id outside ``tokenizer``'s vocabulary."""
+    vocab = vocabulary_size(tokenizer)
+    for i, ids in enumerate(samples):
+        if max(ids) >= vocab:
+            raise ValueError(f"{what} {i}: token id {max(ids)} is outside the tokenizer's vocabulary ({vocab})")
+
+
+def build_model(hf_dir: str, processor, images: bool, train_vision_tower: bool = False, hf_config=None,
+                **gpt_overrides):
+    """(tree GPTModel loaded from ``hf_dir``, its Bridge) for a job of one rank; ``images``: the data has some (the
+    checkpoint's frozen tower runs them, or the model's own with ``train_vision_tower``). ``hf_config`` (default
+    ``hf_dir``'s) and ``gpt_overrides`` build the Bridge."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.training.checkpoint import load_hf_weights
+
+    bridge = Bridge(hf_config if hf_config is not None else hf_dir, vision_tower=train_vision_tower, **gpt_overrides)
+    model = build_tree_gpt(bridge.cfg)
+    if train_vision_tower:
+        from forge_megatron.mcore import vision
+
+        if processor is None:
+            raise ValueError(f"--train-vision-tower: {hf_dir!r} has no image processor (preprocessor_config.json)")
+        vision.attach_tower(model, bridge.hf_config)
+        vision.install(model, processor.spec, key="policy", trained=True)
+    load_hf_weights(model, bridge, hf_dir)
+    if images and not train_vision_tower:
+        from forge_megatron.mcore import vision
+        from forge_megatron.multimodal import load_vision_tower
+
+        tower = load_vision_tower(hf_dir, processor.spec)
+        vision.install(model, processor.spec, lambda: tower)
+    return model, bridge
 
 
 def _image_processor(hf_dir: str):
