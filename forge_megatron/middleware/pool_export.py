@@ -23,6 +23,13 @@ exactly as they were sampled (no chat template, no re-tokenisation); ``--success
 scored successful, ``--min-score S`` those whose composite score is at least S (both need scored groups); segments
 with images are left out (counted on stderr).
 
+``--pairs`` writes preference pairs of token samples instead, for ``forge-rm`` / ``forge-dpo --data``: within each
+scored group the best-scored episode against the worst, the next best against the next worst, and so on while the
+chosen one's composite score exceeds the rejected one's by more than ``--min-gap`` (default 0: any difference);
+each side is the episode's last segment (its final context and answer), the sampled tokens as its loss mask. One
+``{"chosen": {"input_ids", "loss_mask"}, "rejected": {...}, "group", "task_id", "chosen_score", "rejected_score",
+"chosen_episode", "rejected_episode"}`` per line; episodes whose last segment has images are left out (counted).
+
 Trajectories a pool did not keep (committed, filtered or failed groups without ``--keep-trajectories``) have no
 tokens left: such episodes are counted on stderr, not written. ``--state``, ``--task-id``, ``--from-group`` and
 ``--limit`` select episodes. Exit status 2 with a message for a missing or foreign database.
@@ -136,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write token samples {input_ids, loss_mask} per segment for forge-sft --data instead")
     p.add_argument("--successful", action="store_true", help="only episodes their scored group counts successful")
     p.add_argument("--min-score", type=float, default=None, help="only episodes whose composite score is at least this")
+    p.add_argument("--pairs", action="store_true",
+                   help="write preference pairs of each scored group's episodes for forge-rm / forge-dpo --data")
+    p.add_argument("--min-gap", type=float, default=0.0,
+                   help="--pairs: the chosen episode's score must exceed the rejected one's by more than this")
     return p
 
 
@@ -158,8 +169,78 @@ def sft_samples(episode) -> tuple[list[dict], int]:
     return out, skipped
 
 
+def group_pairs(group: dict, episodes: list, min_gap: float) -> tuple[list[dict], int]:
+    """(preference pairs of one group's scored episodes, how many were left out for images) (module docstring)."""
+    scores = msgpack.unpackb(group["scores"]) if group["scores"] else None
+    if not scores:
+        return [], 0
+    score_of = dict(zip(scores["episode_ids"], scores["rewards"]))
+    ranked, with_images = [], 0
+    for episode in episodes:
+        seg = episode.segments[-1] if episode.segments else None
+        if seg is None or episode.episode_id not in score_of or not any(seg.loss_mask[1:]):
+            continue
+        if seg.images:
+            with_images += 1
+            continue
+        ranked.append((score_of[episode.episode_id], episode.episode_id, seg))
+    ranked.sort(key=lambda x: -x[0])  # (stable: ties keep submission order)
+    pairs = []
+    for i in range(len(ranked) // 2):
+        (best, best_id, chosen), (worst, worst_id, rejected) = ranked[i], ranked[-1 - i]
+        if best - worst <= min_gap:
+            break
+        if list(chosen.tokens) == list(rejected.tokens):
+            continue
+        pairs.append({"chosen": {"input_ids": list(chosen.tokens), "loss_mask": list(chosen.loss_mask)},
+                      "rejected": {"input_ids": list(rejected.tokens), "loss_mask": list(rejected.loss_mask)},
+                      "group": group["idx"], "task_id": group["task_id"], "chosen_score": best,
+                      "rejected_score": worst, "chosen_episode": best_id, "rejected_episode": worst_id})
+    return pairs, with_images
+
+
+def _export_pairs(db, args, out) -> str:
+    """Write ``--pairs``; the summary line."""
+    written, missing, with_images, groups = 0, 0, 0, set()
+
+    def flush(group, episodes):
+        nonlocal written, with_images
+        pairs, skipped = group_pairs(group, episodes, args.min_gap)
+        with_images += skipped
+        if args.limit is not None:
+            pairs = pairs[:max(0, args.limit - written)]
+        out.writelines(json.dumps(x) + "\n" for x in pairs)
+        written += len(pairs)
+        if pairs:
+            groups.add(group["idx"])
+
+    current, episodes = None, []
+    for group, episode in episode_records(db, set(args.state or ()), args.task_id, args.from_group):
+        if current is not None and group["idx"] != current["idx"]:
+            flush(current, episodes)
+            episodes = []
+        current = group
+        if episode is None:
+            missing += 1
+        else:
+            episodes.append(episode)
+        if args.limit is not None and written >= args.limit:
+            break
+    if current is not None and (args.limit is None or written < args.limit):
+        flush(current, episodes)
+    note = f", {with_images} episode(s) with images left out" if with_images else ""
+    note += f"; {missing} episode(s) without a trajectory (not kept: --keep-trajectories)" if missing else ""
+    return f"{written} pair(s) of {len(groups)} group(s) written{note}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.pairs and (args.sft or args.successful or args.min_score is not None):
+        parser.error("--pairs pairs every scored group's episodes by score: it takes no --sft, --successful or "
+                     "--min-score")
+    if args.min_gap < 0:
+        parser.error("--min-gap must be at least 0")
     try:
         db = open_readonly(args.db)
     except (ValueError, sqlite3.Error) as exc:
@@ -176,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     out = sys.stdout if args.out == "-" else open(args.out, "w")
     written, missing, samples, with_images, groups = 0, 0, 0, 0, set()
+    if args.pairs:
+        try:
+            print(f"forge-pool-export: {_export_pairs(db, args, out)}", file=sys.stderr)
+        finally:
+            if out is not sys.stdout:
+                out.close()
+            db.close()
+        return 0
     try:
         for group, episode in episode_records(db, set(args.state or ()), args.task_id, args.from_group):
             if args.limit is not None and written >= args.limit:

@@ -165,3 +165,46 @@ def test_sft_export_feeds_forge_sft_exactly(tmp_path, capsys):
     bad.write_text(json.dumps({"input_ids": [1, 10**6], "loss_mask": [0, 1]}) + "\n")
     with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
         run_sft(base, load_chats(str(bad)), str(tmp_path / "sft2"), steps=1, lr=1e-3, batch_size=1)
+
+
+def test_pairs_export_pairs_each_group_best_against_worst(tmp_path, capsys):
+    """--pairs: in a scored group the best episode against the worst, the next best against the next worst, while the
+    score gap exceeds --min-gap; groups of equal scores give none, unscored groups none; episodes with images left out
+    (counted); forge-rm reads the file and trains on it as given."""
+    from transformers import AutoTokenizer
+
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.training import preference
+
+    base = build_tiny_model(str(tmp_path / "base"), seed=2)
+    tok = AutoTokenizer.from_pretrained(base)
+    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), keep_trajectories=True))
+    png = b"\x89PNG\r\n\x1a\n" + b"0" * 32
+    gid = pool.register_group("t-0", 5)
+    for eid, answer, reward, images in (("a", "4", 1.0, None), ("b", "5", 0.0, None), ("c", "4!", 0.5, None),
+                                        ("d", "6", 0.0, None), ("e", "4", 1.0, [png])):
+        pool.submit_episode(_episode(gid, eid, tok, "2+2=", answer, reward, images))
+    same = pool.register_group("t-1", 2)  # equal scores: nothing to prefer
+    for eid in ("f", "g"):
+        pool.submit_episode(_episode(same, eid, tok, "1+1=", "2", 1.0))
+    pool.submit_episode(_episode(pool.register_group("t-2", 2), "h", tok, "3+3=", "6", 1.0))  # (not scored yet)
+    pool.close()
+    db, out = str(tmp_path / "pool.sqlite"), tmp_path / "pairs.jsonl"
+    rc, _, err = _run(["--db", db, "--out", str(out), "--pairs"], capsys)
+    assert rc == 0 and "2 pair(s) of 1 group(s) written, 1 episode(s) with images left out" in err
+    pairs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(p["chosen_episode"], p["rejected_episode"]) for p in pairs] == [("a", "d"), ("c", "b")]
+    assert pairs[0]["chosen_score"] > pairs[0]["rejected_score"] and pairs[0]["task_id"] == "t-0"
+    chosen = pairs[1]["chosen"]
+    assert tok.decode([t for t, m in zip(chosen["input_ids"], chosen["loss_mask"]) if m]) == "4!"
+    rc, _, err = _run(["--db", db, "--out", str(out), "--pairs", "--min-gap", "0.6"], capsys)
+    assert rc == 0 and "1 pair(s) of 1 group(s)" in err and len(out.read_text().splitlines()) == 1
+    with pytest.raises(SystemExit):
+        pool_export.main(["--db", db, "--pairs", "--sft"])
+    assert "--pairs pairs every scored group's episodes by score" in capsys.readouterr().err
+
+    records = preference.load_pairs(str(out))
+    result = preference.run_reward_model(base, records * 4, str(tmp_path / "rm"), steps=2, lr=1e-3, batch_size=2,
+                                         log_every=100)
+    assert len(result["history"]) == 2 and preference.render_pairs(tok, records)[0].chosen[1] == \
+        pairs[0]["chosen"]["loss_mask"]
