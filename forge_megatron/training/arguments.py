@@ -291,6 +291,18 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="KL estimator per token: k3 = exp(ref - logp) - (ref - logp) - 1 (non-negative), k1 = logp - ref")
     g.add_argument("--ref-hf-checkpoint", default=None,
                    help="HF directory of the KL reference (same architecture); default --hf-checkpoint")
+    g.add_argument("--preference-data", default=None, metavar="JSONL",
+                   help="train DPO offline on these preference pairs (forge-dpo's data forms, docs/training.md) "
+                        "instead of RL on the pool's batches: no pool, no engines, no weight sync; --train-batch-groups "
+                        "pairs per step, a pair's two sides in one prefix forest, the reference a frozen copy of "
+                        "--ref-hf-checkpoint (default --hf-checkpoint); export with forge-convert trainer-to-hf")
+    g.add_argument("--dpo-beta", type=float, default=0.1, help="--preference-data: DPO's beta (default 0.1)")
+    g.add_argument("--dpo-loss", default="sigmoid", choices=("sigmoid", "ipo"),
+                   help="--preference-data: sigmoid (DPO, default) or ipo: (delta - 1/(2 beta))^2")
+    g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
+                   help="--preference-data: conservative DPO's label-flip probability (sigmoid loss; default 0)")
+    g.add_argument("--dpo-sft-coef", type=float, default=0.0,
+                   help="--preference-data: weight of the chosen side's mean per-token NLL (default 0)")
     g.add_argument("--rollout-temperature", type=float, default=1.0,
                    help="score tokens under softmax(logits / T): the temperature the rollouts sample at (gateway "
                         "--policy-temperature with --policy-sampling), whose logprobs SGLang returns by default; "
@@ -637,12 +649,30 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.micro_batch_size not in (None, 1):
         raise ValueError(f"--micro-batch-size {args.micro_batch_size}: forge packs every micro-batch as one prefix "
                          "forest; size them with --tree-token-budget (unique tokens per micro-batch)")
-    if args.ref_hf_checkpoint and not args.rl_kl_coef > 0:
-        raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0")
+    preference = getattr(args, "preference_data", None)
+    if preference is not None:
+        if not os.path.isfile(preference):
+            raise ValueError(f"--preference-data {preference!r} is not a file")
+        if args.rl_kl_coef > 0 or args.old_logprobs != "rollout":
+            raise ValueError("--preference-data trains DPO, whose reference term is its own: drop --rl-kl-coef and "
+                             "--old-logprobs")
+        if args.engine_urls or args.weight_sync_transport == "disk" or args.gateway_url:
+            raise ValueError("--preference-data trains offline: no --engine-urls, --gateway-url or weight sync "
+                             "(export the checkpoint with forge-convert trainer-to-hf)")
+        args.weight_sync_transport = "none"  # (the default, distributed, needs engines)
+        if not args.dpo_beta > 0:
+            raise ValueError(f"--dpo-beta must be > 0, got {args.dpo_beta}")
+        if not 0 <= args.dpo_label_smoothing < 0.5:
+            raise ValueError(f"--dpo-label-smoothing must be in [0, 0.5), got {args.dpo_label_smoothing}")
+        if args.dpo_sft_coef < 0:
+            raise ValueError(f"--dpo-sft-coef must be >= 0, got {args.dpo_sft_coef}")
+    if args.ref_hf_checkpoint and not (args.rl_kl_coef > 0 or preference):
+        raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0 or --preference-data")
     if not 0 < getattr(args, "rollout_temperature", 1.0) <= 2:
         raise ValueError(f"--rollout-temperature must be in (0, 2], got {args.rollout_temperature}")
-    if getattr(args, "ref_offload", False) and not args.rl_kl_coef > 0:
-        raise ValueError("--ref-offload offloads the KL reference model, which exists only with --rl-kl-coef > 0")
+    if getattr(args, "ref_offload", False) and not (args.rl_kl_coef > 0 or preference):
+        raise ValueError("--ref-offload offloads the reference model, which exists only with --rl-kl-coef > 0 or "
+                         "--preference-data")
     if args.fp32_lm_head and not args.fused_logprobs:
         raise ValueError("--fp32-lm-head needs the fused logprobs (drop --no-fused-logprobs): Megatron's own output "
                          "layer computes in the weight's dtype")

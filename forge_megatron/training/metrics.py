@@ -67,7 +67,7 @@ def combine_micro_batch_metrics(dicts: list[dict]) -> dict[str, float]:
         present = [d for d in dicts if isinstance(d.get(key), (int, float))]
         values = [float(d[key]) for d in present]
         prefix, _, term = key.rpartition("/")
-        if term in BATCH_SHARES or term == "num_tokens":
+        if term in BATCH_SHARES or term in ("num_tokens", "num_pairs"):
             out[key] = float(np.sum(values))
         elif term.endswith("_max"):
             out[key] = float(np.max(values))
@@ -75,6 +75,8 @@ def combine_micro_batch_metrics(dicts: list[dict]) -> dict[str, float]:
             out[key] = float(np.min(values))
         else:
             count_key = f"{prefix}/num_tokens" if prefix else "num_tokens"
+            if prefix and any(f"{prefix}/num_pairs" in d for d in present):  # (DPO's: means over pairs)
+                count_key = f"{prefix}/num_pairs"
             weights = [float(d.get(count_key, 1.0)) for d in present]
             out[key] = float(np.average(values, weights=weights)) if sum(weights) > 0 else float(np.mean(values))
     return out

@@ -238,18 +238,21 @@ def bradley_terry_loss(chosen_P: torch.Tensor, rejected_P: torch.Tensor, margin_
                   "chosen": chosen_P.mean().item(), "rejected": rejected_P.mean().item()}
 
 
+def pair_losses(delta_P: torch.Tensor, beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0):
+    """The DPO (``sigmoid``, with conservative label smoothing) or IPO loss of each pair, from its ``delta``."""
+    if kind == "sigmoid":
+        return -(1 - label_smoothing) * F.logsigmoid(beta * delta_P) - label_smoothing * F.logsigmoid(-beta * delta_P)
+    if kind == "ipo":
+        return (delta_P - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown DPO loss {kind!r} (sigmoid, ipo)")
+
+
 def dpo_loss(policy_c: torch.Tensor, policy_r: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor,
              beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict]:
     """The DPO (``sigmoid``, with conservative label smoothing) or IPO loss of P pairs, and its metrics (implicit
     rewards ``beta * (logp - ref)``)."""
     delta_P = (policy_c - ref_c) - (policy_r - ref_r)
-    if kind == "sigmoid":
-        loss = (-(1 - label_smoothing) * F.logsigmoid(beta * delta_P)
-                - label_smoothing * F.logsigmoid(-beta * delta_P)).mean()
-    elif kind == "ipo":
-        loss = ((delta_P - 1 / (2 * beta)) ** 2).mean()
-    else:
-        raise ValueError(f"unknown DPO loss {kind!r} (sigmoid, ipo)")
+    loss = pair_losses(delta_P, beta, kind, label_smoothing).mean()
     reward_c, reward_r = beta * (policy_c - ref_c).detach(), beta * (policy_r - ref_r).detach()
     return loss, {"accuracy": (delta_P > 0).float().mean().item(), "margin": (reward_c - reward_r).mean().item(),
                   "chosen": reward_c.mean().item(), "rejected": reward_r.mean().item()}
@@ -595,3 +598,102 @@ def _summary(result: dict, out: str) -> dict:
     last = result["history"][-1]
     return {"out": out, "steps": result["steps"], "final": {k: round(v, 6) for k, v in last.items()},
             "eval_before": result["eval_before"], "eval_after": result["eval_after"]}
+
+
+# ------------------------------------------------------------------------- DPO in the Megatron trainer
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PreferenceFeed:
+    """Batches of preference pairs for the Megatron trainer's DPO mode (``scripts/train_forge.py --preference-data``),
+    in place of the data pool's: batch ``k`` holds pairs ``k P .. (k + 1) P - 1`` of the epochs' shuffled orders (a
+    new order every epoch, from ``seed``), so a resumed run at iteration ``k`` trains what an uninterrupted one would.
+    Each pair is two :class:`~forge_megatron.middleware.batch.TrainSample` of one group (the pair's position in that
+    sequence, so that the trainer keeps them on one DP rank and in one micro-batch), the chosen side with advantage +1
+    on every token and the rejected one -1: what :func:`tree_dpo_loss` reads. Pairs whose tree (both sides, their
+    shared prefix once) exceeds ``token_budget`` cannot share a micro-batch and are left out (counted)."""
+
+    def __init__(self, path: str, hf_dir: str, pairs_per_step: int, token_budget: int, seed: int = 0,
+                 processor=None, log=print):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        pairs = render_pairs(tokenizer, load_pairs(path), processor)
+        kept = [p for p in pairs
+                if len(p.chosen[0]) + len(p.rejected[0]) - shared_prefix(p.chosen[0], p.rejected[0]) <= token_budget]
+        if len(kept) < len(pairs):
+            log(f"--preference-data: {len(pairs) - len(kept)} pair(s) whose tree is longer than --tree-token-budget "
+                f"{token_budget} left out")
+        if not kept:
+            raise ValueError(f"--preference-data {path}: no pair fits --tree-token-budget {token_budget}")
+        self.pairs, self.per_step, self.seed = kept, pairs_per_step, seed
+        self._orders: dict[int, list[int]] = {}
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.pairs)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}  # (one epoch at a time)
+        return self._orders[epoch]
+
+    def epochs(self, iterations: int) -> float:
+        return iterations * self.per_step / len(self.pairs)
+
+    def batch(self, iteration: int):
+        """The TrainBatch of (0-based) ``iteration``."""
+        import numpy as np
+
+        from forge_megatron.middleware.batch import TrainBatch, TrainSample
+
+        samples, groups = [], []
+        for k in range(iteration * self.per_step, (iteration + 1) * self.per_step):
+            epoch, i = divmod(k, len(self.pairs))
+            pair = self.pairs[self._order(epoch)[i]]
+            groups.append(k)
+            for (ids, mask, images), sign, side in ((pair.chosen, 1.0, "chosen"), (pair.rejected, -1.0, "rejected")):
+                n = len(ids)
+                samples.append(TrainSample(
+                    tokens=np.asarray(ids, dtype=np.int32), loss_mask=np.asarray(mask, dtype=np.uint8),
+                    rollout_logprobs=np.zeros(n, np.float32), policy_versions=np.zeros(n, np.int32),
+                    advantages=np.full(n, sign, np.float32), sample_weight=1.0, group_index=k,
+                    episode_id=f"pair-{self._order(epoch)[i]}-{side}", domain="preference", reward=0.0,
+                    images=list(images) or None))
+        return TrainBatch(batch_id=iteration, samples=samples, group_indices=groups,
+                          metrics={"epoch": self.epochs(iteration)})
+
+
+def tree_dpo_loss(logp_M: torch.Tensor, extras: dict, beta: float, kind: str = "sigmoid",
+                  label_smoothing: float = 0.0, sft_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """The summed DPO loss of the pairs of one trainer micro-batch (not yet divided by the batch's pair count) and
+    their metrics. ``extras``: the micro-batch's ``loss_mask_M``, ``ref_logp_M`` (the reference's forward-only
+    pass), ``advantages_M`` (+1 on a chosen side, -1 on a rejected one), ``cu_seqlens_S1`` and ``group_S`` (a pair's
+    two samples share their group). A pair split over micro-batches is an error."""
+    cu = extras["cu_seqlens_S1"].to(logp_M.device)
+    S = cu.numel() - 1
+    sample_M = torch.repeat_interleave(torch.arange(S, device=logp_M.device), cu[1:] - cu[:-1])
+    mask_M = extras["loss_mask_M"].to(logp_M.dtype)
+    policy_S = logp_M.new_zeros(S).index_add(0, sample_M, logp_M * mask_M)
+    ref_S = logp_M.new_zeros(S).index_add(0, sample_M, extras["ref_logp_M"].to(logp_M.dtype) * mask_M)
+    count_S = logp_M.new_zeros(S).index_add(0, sample_M, mask_M)
+    sign_S, group_S = extras["advantages_M"][cu[:-1]], extras["group_S"].to(logp_M.device)
+    order = torch.argsort(group_S * 2 + (sign_S < 0).long())
+    c, r = order[0::2], order[1::2]
+    if S % 2 or not (torch.equal(group_S[c], group_S[r]) and bool((sign_S[c] > 0).all()) and
+                     bool((sign_S[r] < 0).all())):
+        raise RuntimeError("a micro-batch does not hold whole preference pairs (a chosen and a rejected sample per "
+                           "group): raise --tree-token-budget")
+    delta_P = (policy_S[c] - ref_S[c]) - (policy_S[r] - ref_S[r])
+    loss_P = pair_losses(delta_P, beta, kind, label_smoothing)
+    if sft_coef:
+        loss_P = loss_P - sft_coef * policy_S[c] / count_S[c].clamp(min=1)
+    reward_c = beta * (policy_S[c] - ref_S[c]).detach()
+    reward_r = beta * (policy_S[r] - ref_S[r]).detach()
+    metrics = {"dpo/num_pairs": float(c.numel()), "dpo/accuracy": (delta_P > 0).float().mean().item(),
+               "dpo/margin": (reward_c - reward_r).mean().item(), "dpo/chosen_reward": reward_c.mean().item(),
+               "dpo/rejected_reward": reward_r.mean().item()}
+    return loss_P.sum(), metrics

@@ -152,6 +152,7 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
         "cu_seqlens_S1": torch.cat([torch.zeros(1, dtype=torch.int64), lengths_S.cumsum(0)]),
         "sample_weight_S": torch.tensor([s.sample_weight for s in samples], dtype=torch.float32),
         "domain_ids_S": torch.tensor([domains.index(s.domain) for s in samples], dtype=torch.int64),
+        "group_S": torch.tensor([s.group_index for s in samples], dtype=torch.int64),
     }
     routing, stats = None, {}
     if routing_replay:
@@ -341,6 +342,32 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
                                                         temperature=temperature))
 
 
+def preference_forward_backward(ddp, rb: RankBatch, args, fused_logprobs: bool = True,
+                                head_dtype: torch.dtype | None = None, temperature: float = 1.0) -> list[dict]:
+    """DPO's forward and backward (``--preference-data``) through Megatron's schedule: each micro-batch's summed pair
+    losses (training/preference.py ``tree_dpo_loss``; the reference's logprobs already in its extras) over the whole
+    batch's pair count. Every sample weighs 1, so the batch's pairs are half its summed sample weight; DDP averages
+    over the D ranks, so a rank's normaliser is pairs / D, and Megatron's division by the micro-batch count is undone
+    as in :func:`forward_backward`."""
+    from forge_megatron.mcore.forward import make_tree_forward_step
+    from forge_megatron.training.preference import tree_dpo_loss
+
+    num_mb = len(rb.micro_batches)
+    pairs = (rb.global_sample_weight if rb.global_sample_weight is not None else len(rb.samples)) / 2
+    norm = max(pairs, 1.0) / rb.dp_size
+
+    def loss_fn(logp_M, entropy_M, mb):
+        x = {k: v.to(logp_M.device) for k, v in mb.extras.items()}
+        total, metrics = tree_dpo_loss(logp_M, x, args.dpo_beta, args.dpo_loss, args.dpo_label_smoothing,
+                                       args.dpo_sft_coef)
+        loss = total / norm
+        metrics["loss"] = loss.item()
+        return loss * num_mb, metrics
+
+    return run_schedule(ddp, rb, make_tree_forward_step(loss_fn, fused_output=fused_logprobs, head_dtype=head_dtype,
+                                                        temperature=temperature))
+
+
 def run_schedule(ddp, rb: RankBatch, forward_step, forward_only: bool = False) -> list[dict]:
     """Megatron's forward(-backward) schedule over the rank batch's micro-batches; ``ddp`` is the list of DDP model
     chunks from :func:`build_model_and_optimizer` (pipelined when PP > 1, interleaved with several chunks)."""
@@ -368,6 +395,7 @@ class Trainer:
         from forge_megatron.mcore import parallel
 
         self.args = args
+        self.preference = getattr(args, "preference_data", None) is not None  # DPO on pairs (training/preference.py)
         self.train_tower = bool(getattr(args, "train_vision_tower", False))
         try:  # with --train-vision-tower the tower's tensors are the model's too
             self.bridge = Bridge(args.hf_checkpoint, vision_tower=self.train_tower)
@@ -405,12 +433,13 @@ class Trainer:
                           f"{qat.group}), straight-through gradients to the full-precision weights")
         # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
         # A LoRA run's reference, the checkpoint's model, is the policy with its adapters off (no second copy)
-        self.lora_reference = self.loss_cfg.kl_coef > 0 and arguments.lora_reference(args)
+        needs_reference = self.loss_cfg.kl_coef > 0 or self.preference
+        self.lora_reference = needs_reference and arguments.lora_reference(args)
         if self.lora_reference and self.rank == 0:
-            self._log("KL reference: the policy with its LoRA adapters off (the checkpoint's model; no copy of the "
+            self._log("reference: the policy with its LoRA adapters off (the checkpoint's model; no copy of the "
                       "weights)")
         self.ref_chunks = build_reference_model(self.cfg, tower) \
-            if self.loss_cfg.kl_coef > 0 and not self.lora_reference else None
+            if needs_reference and not self.lora_reference else None
         if qat is not None and self.ref_chunks is not None:  # the KL's reference rounded as the policy is
             int4_qat.install(self.bridge, self.ref_chunks, qat)
         self.ref_offload = None  # --ref-offload: HostOffload of ref_chunks, made once their weights are loaded
@@ -439,7 +468,8 @@ class Trainer:
             name = getattr(args, "exit_signal", "SIGTERM")
             signal.signal(getattr(signal, name), lambda *_: setattr(self, "stop_reason", f"exit signal {name}"))
         self.saver = AsyncCheckpointSaver() if getattr(args, "async_save", False) else None  # every rank: a group
-        self.pool = self._pool_client() if self.rank == 0 else None
+        self.pool = self._pool_client() if self.rank == 0 and not self.preference else None
+        self.feed = self._preference_feed() if self.rank == 0 and self.preference else None
         self.syncer = make_syncer(args, self.bridge) if args.weight_sync_transport != "none" else None
         self.writer = MetricsWriter(args) if self.rank == 0 else None
         self.evals = EvalFeed(args.gateway_url, os.environ.get("FORGE_ADMIN_TOKEN")) \
@@ -523,7 +553,8 @@ class Trainer:
             result = plan.plan(self.bridge, dist.get_world_size(), a.tensor_model_parallel_size,
                                a.pipeline_model_parallel_size, a.expert_model_parallel_size, a.context_parallel_size,
                                arguments.virtual_pipeline_size(a, self.bridge.cfg.num_layers), a.bf16,
-                               a.use_distributed_optimizer, self.loss_cfg.kl_coef > 0, a.tree_token_budget,
+                               a.use_distributed_optimizer, self.loss_cfg.kl_coef > 0 or self.preference,
+                               a.tree_token_budget,
                                a.recompute_granularity, bool(getattr(a, "sequence_parallel", False)),
                                etp=getattr(a, "expert_tensor_parallel_size", None),
                                # a trained tower's parameters (its activations, measured, are forge-plan's)
@@ -543,6 +574,17 @@ class Trainer:
                                                    "--train-vision-tower estimates them"
                                                    if self.bridge.vision_tower and r["pp_rank"] == 0 else "") + ")")
 
+    def _preference_feed(self):
+        from forge_megatron.training.preference import PreferenceFeed
+
+        pairs = arguments.train_batch_groups(self.args)
+        feed = PreferenceFeed(self.args.preference_data, self.args.hf_checkpoint, pairs, self.args.tree_token_budget,
+                              self.args.seed, self.vision, log=self._log)
+        self._log(f"--preference-data {self.args.preference_data}: {len(feed.pairs)} pairs, {pairs} per step: "
+                  f"{feed.epochs(self.args.train_iters):.2f} epoch(s) over {self.args.train_iters} iterations "
+                  f"(DPO {self.args.dpo_loss}, beta {self.args.dpo_beta:g})")
+        return feed
+
     def _pool_client(self):
         from forge_megatron.middleware.transport import PoolClient
 
@@ -552,7 +594,7 @@ class Trainer:
         if self.ref_chunks is not None:  # always the given checkpoint, also on resume: the reference never moves
             ref = self.args.ref_hf_checkpoint or self.args.hf_checkpoint
             load_hf_weights(self.ref_chunks, self.bridge, ref)
-            self._log(f"reference model for the KL term loaded from {ref}")
+            self._log(f"reference model for the {'DPO' if self.preference else 'KL'} term loaded from {ref}")
             if getattr(self.args, "ref_offload", False):
                 from forge_megatron.training.offload import HostOffload
 
@@ -654,7 +696,9 @@ class Trainer:
         """Rank 0 waits for the pool's batch; every rank gets a copy (wire format over the process group). None on
         every rank when rank 0 was told to stop while waiting (an exit signal, --exit-duration-in-mins)."""
         batch = None
-        if self.rank == 0:
+        if self.feed is not None:
+            batch = self.feed.batch(self.iteration)
+        elif self.rank == 0:
             groups = arguments.train_batch_groups(self.args)
             deadline = time.monotonic() + self.args.batch_timeout_s
             while batch is None:
@@ -708,6 +752,9 @@ class Trainer:
 
             dsa.set_indexer_loss_scale(1.0 / len(rb.micro_batches))  # as Megatron scales its auxiliary losses
             dsa.pop_indexer_losses()
+        if self.preference:
+            return preference_forward_backward(self.ddp, rb, self.args, self.args.fused_logprobs, self.head_dtype,
+                                               self.temperature)
         return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs,
                                 self.head_dtype, self.policy_version, self.temperature)
 
@@ -761,8 +808,10 @@ class Trainer:
             self.stopping = True
             return None
         t1 = time.perf_counter()
+        # (a preference pair's two sides stay together: on one DP rank, in one micro-batch)
+        balance = "cost-groups" if self.preference and self.args.dp_balance == "cost" else self.args.dp_balance
         rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
-                        self.domains, self.args.dp_balance, self.cfg.hidden_size,
+                        self.domains, balance, self.cfg.hidden_size,
                         interleaved_pp=self.pp_size if len(self.chunks) > 1 else None,
                         routing_replay=getattr(self.args, "routing_replay", False),
                         routing_split=getattr(self.args, "routing_replay_split", False),
@@ -778,6 +827,10 @@ class Trainer:
             self.scheduler.step(increment=1)
         t2 = time.perf_counter()
         metrics = batch_metrics(rb, mb_metrics, self.policy_version)  # staleness w.r.t. the weights trained
+        if self.preference:  # pairs have no rewards, no sampling policy, no clipping
+            metrics = {k: v for k, v in metrics.items() if not (
+                k in ("episodes", "clip_frac_high") or k.endswith(("reward_mean", "success_rate"))
+                or k.startswith("staleness_"))}
         if getattr(self.args, "routing_replay", False):
             metrics.update(self._routing_metrics(rb))
         if self.cfg.dsa_indexer_loss_coeff:
@@ -942,6 +995,10 @@ class Trainer:
 def progress_line(m: dict) -> str:
     """One console line per step; the training/inference mismatch (``rollout_kl``), the routing mismatch, the images
     encoded and a held-out evaluation published since the last step show when they were measured."""
+    if "dpo/accuracy" in m:  # --preference-data
+        return (f"iter {m['iteration']} | loss {m['loss']:.4f} | accuracy {m['dpo/accuracy']:.3f} | margin "
+                f"{m['dpo/margin']:.3f} | epoch {m.get('pool/epoch', 0.0):.2f} | tokens {m['total_tokens']} (unique "
+                f"{m['unique_tokens']}) | fb {m['forward_backward_s']:.1f}s")
     mismatch = f" | rollout_kl {m['rollout_kl']:.2e}" if "rollout_kl" in m else ""
     if "routing_mismatch" in m:
         mismatch += f" routing {m['routing_mismatch']:.3f}"

@@ -1,0 +1,128 @@
+"""DPO in the Megatron trainer (``scripts/train_forge.py --preference-data``): the micro-batch loss, normalised over
+the batch's pairs, gives exactly the gradients of forge-dpo's loss on the same pairs however the batch is split into
+micro-batches; whole runs under PP = 2 and TP = 2 train like one rank; a run stopped and resumed trains the same
+pairs as an uninterrupted one. CPU, gloo."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from forge_megatron.models.tiny import build_tiny_model
+from forge_megatron.training import preference as P
+from tests.dist_utils import run_script
+
+from .test_preference import _tool_pairs, _write
+from .trainer_run import TRAIN, model_args, read_steps, train_env
+
+
+def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path):
+    """Four pairs through the trainer's rank_batch (a token budget that packs them into several micro-batches, the
+    pairs whole) and preference_forward_backward, the reference another checkpoint: the gradients equal those of
+    forge-dpo's loss (mean over pairs) on the same pairs; so do the loss and the pair metrics."""
+    from forge_megatron.mcore import parallel
+    from forge_megatron.mcore.forward import make_tree_forward_step
+    from forge_megatron.training.trainer import preference_forward_backward, rank_batch, run_schedule
+
+    base = build_tiny_model(str(tmp_path / "base"), seed=0)
+    ref_dir = build_tiny_model(str(tmp_path / "ref"), seed=5)
+    data = _write(tmp_path / "pairs.jsonl", _tool_pairs(4, seed=2))
+    feed = P.PreferenceFeed(data, base, pairs_per_step=4, token_budget=320, seed=0)
+    batch = feed.batch(0)
+    args = type("A", (), {"dpo_beta": 0.4, "dpo_loss": "sigmoid", "dpo_label_smoothing": 0.1, "dpo_sft_coef": 0.3})
+    parallel.initialize(seed=0)
+    try:
+        model, _ = P.sft.build_model(base, None, False)
+        ref, _ = P.sft.build_model(ref_dir, None, False)
+        rb = rank_batch(batch, 320, True, 0, 1, [], "cost-groups")
+        assert len(rb.micro_batches) >= 2  # several forests, each holding whole pairs
+
+        def keep(logp_M, entropy_M, mb):
+            mb.extras["ref_logp_M"] = logp_M.detach()
+            return logp_M.sum() * 0.0, {}
+
+        with torch.no_grad():
+            run_schedule([ref], rb, make_tree_forward_step(keep), forward_only=True)
+        metrics = preference_forward_backward([model], rb, args)
+        ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+
+        pairs = []
+        for k in range(0, len(batch.samples), 2):
+            c, r = batch.samples[k], batch.samples[k + 1]
+            pairs.append(P.Pair((c.tokens.tolist(), c.loss_mask.tolist(), []),
+                                (r.tokens.tolist(), r.loss_mask.tolist(), [])))
+        P.set_reference(ref, pairs, 4)
+        loss, want = P.dpo_pairs_loss(model, None, 0.4, "sigmoid", 0.1, 0.3)(pairs)
+        loss.backward()
+    finally:
+        parallel.destroy()
+    from forge_megatron.training.metrics import combine_micro_batch_metrics
+
+    got = combine_micro_batch_metrics(metrics)
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert got["dpo/num_pairs"] == 4 and got["dpo/accuracy"] == pytest.approx(want["accuracy"])
+    assert got["dpo/margin"] == pytest.approx(want["margin"], rel=1e-4, abs=1e-6)
+    for name, p in model.named_parameters():
+        ref_grad = p.grad
+        assert torch.allclose(ours[name], ref_grad, rtol=1e-4, atol=1e-6 * ref_grad.abs().max().item()), name
+
+
+def _run(tmp_path, name, model_dir, data, nproc=1, extra=(), exits=(None,)):
+    run_dir = str(tmp_path / name)
+    outs = []
+    for exit_at in exits:
+        args = [*model_args(), "--hf-checkpoint", model_dir, "--lr", "2e-3", "--train-iters", "4",
+                "--save", f"{run_dir}/ckpt", "--load", f"{run_dir}/ckpt", "--save-interval", "2",
+                "--preference-data", data, "--train-batch-groups", "4", "--tree-token-budget", "400",
+                "--dpo-beta", "0.5", "--log-interval", "1", "--metrics-jsonl", f"{run_dir}/metrics.jsonl", *extra,
+                *(["--exit-interval", str(exit_at)] if exit_at else [])]
+        env = train_env() if nproc == 1 else {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = run_script(TRAIN, args, nproc=nproc, env=env)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        outs.append(out.stdout + out.stderr)
+    return read_steps(f"{run_dir}/metrics.jsonl"), outs
+
+
+def test_trainer_dpo_runs_under_pp_and_tp_and_resumes(tmp_path):
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    data = _write(tmp_path / "pairs.jsonl", _tool_pairs(12, seed=0))
+    runs = {}
+    runs["one"], outs = _run(tmp_path, "one", model_dir, data)
+    assert "--preference-data" in outs[0] and "12 pairs, 4 per step: 1.33 epoch(s)" in outs[0]
+    assert "reference model for the DPO term loaded" in outs[0] and "iter 4 | loss " in outs[0]
+    assert "| accuracy 1.000 | margin " in outs[0]
+    runs["pp2"], _ = _run(tmp_path, "pp2", model_dir, data, nproc=2, extra=["--pipeline-model-parallel-size", "2"])
+    runs["tp2"], _ = _run(tmp_path, "tp2", model_dir, data, nproc=2, extra=["--tensor-model-parallel-size", "2"])
+    runs["resumed"], outs = _run(tmp_path, "resumed", model_dir, data, exits=(2, None))
+    assert "resumed from" in outs[1]
+    one = runs["one"]
+    assert len(one) == 4 and one[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # the policy is the reference
+    assert one[-1]["loss"] < 0.5 * one[0]["loss"] and one[-1]["dpo/accuracy"] == 1.0
+    assert [s["batch_id"] for s in one] == [0, 1, 2, 3]
+    for name in ("pp2", "tp2", "resumed"):
+        assert len(runs[name]) == 4, name
+        for a, b in zip(one, runs[name]):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), name
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
+            assert b["dpo/margin"] == pytest.approx(a["dpo/margin"], rel=1e-3, abs=1e-5), name
+        assert runs[name][-1]["dpo/accuracy"] == 1.0, name  # (at step 1 the margins are round-off: no accuracy)
+
+
+def test_preference_flags_are_checked(tmp_path):
+    from forge_megatron.training import arguments
+
+    base = ["--hf-checkpoint", str(tmp_path), "--lr", "1e-3", "--train-iters", "1", "--num-layers", "2"]
+    data = _write(tmp_path / "pairs.jsonl", _tool_pairs(2, seed=0))
+    for extra, message in ((["--preference-data", str(tmp_path / "none.jsonl")], "is not a file"),
+                           (["--preference-data", data, "--rl-kl-coef", "0.1"], "drop --rl-kl-coef"),
+                           (["--preference-data", data, "--engine-urls", "http://127.0.0.1:1"], "trains offline"),
+                           (["--preference-data", data, "--dpo-beta", "0"], "--dpo-beta must be > 0"),
+                           (["--ref-hf-checkpoint", str(tmp_path)], "--rl-kl-coef > 0 or --preference-data")):
+        with pytest.raises(ValueError, match=message):
+            arguments.validate_args(arguments.build_parser().parse_args(base + extra))
+    args = arguments.build_parser().parse_args(base + ["--preference-data", data])
+    arguments.validate_args(args)
+    assert args.weight_sync_transport == "none" and json.loads(open(data).readline())["chosen"]
