@@ -163,7 +163,8 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--rl-mismatch-band", "2", "3"], "--rl-mismatch-band LOW HIGH needs 0 < LOW < 1 < HIGH"),
     (["--rl-tis-cap", "0"], "the --rl-\\* loss flags: tis_cap must be > 0"),
     (["--ref-hf-checkpoint", "/x"], "--ref-hf-checkpoint is used only with --rl-kl-coef > 0"),
-    (["--ref-offload"], "--ref-offload offloads the KL reference model, which exists only with --rl-kl-coef > 0"),
+    (["--ref-offload"], "--ref-offload offloads the reference model, which exists only with --rl-kl-coef > 0 or "
+                        "--preference-data"),
 ])
 def test_bad_values_are_named(extra, message):
     with pytest.raises(ValueError, match=message):

@@ -482,3 +482,35 @@ def test_dry_run_of_a_gemma3_vision_language_checkpoint_uses_sglangs_triton_atte
         assert backends(script, HF_CHECKPOINT=str(gemma)) == {"triton"}
         assert backends(script, HF_CHECKPOINT=str(other)) == {None}
         assert backends(script, HF_CHECKPOINT=str(gemma), SGLANG_ATTENTION_BACKEND="flashinfer") == {"flashinfer"}
+
+
+DPO_SBATCH = os.path.join(ROOT, "scripts", "slurm", "dpo.sbatch")
+
+
+def test_dpo_sbatch_dry_run_launches_the_trainer_on_pairs(tmp_path):
+    """scripts/slurm/dpo.sbatch: bash -n, --help shows the whole header, and a dry run's torchrun command is a trainer
+    command line that parses and validates (the pairs, DPO's flags, sequence parallelism under TP); bad settings are
+    refused by name."""
+    assert subprocess.run(["bash", "-n", DPO_SBATCH]).returncode == 0
+    shown = subprocess.run(["bash", DPO_SBATCH, "--help"], capture_output=True, text=True).stdout
+    assert "PAIRS_PER_STEP" in shown and shown.rstrip().endswith("node0, node1, ...")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": [{"role": "user", "content": "1+1"}], "chosen": "2", "rejected": "3"}\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(DRY_NODES="a b", TRAIN_NODES="2", GPUS_PER_NODE="8", TP="2", PP="2", PREFERENCE_DATA=str(data),
+               DPO_BETA="0.2", DPO_LOSS="ipo", PAIRS_PER_STEP="32", REF_CHECKPOINT=str(tmp_path), LORA_RANK="8")
+    out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "DP=4" in out.stdout and "reference " + str(tmp_path) in out.stdout
+    (cmd,) = _commands(out.stdout)
+    assert cmd[:2] == ["srun", "--nodes=2"] and "torchrun" in cmd
+    args = _trainer_args(cmd)
+    assert args.preference_data == str(data) and args.train_batch_groups == 32 and args.dpo_loss == "ipo"
+    assert args.dpo_beta == 0.2 and args.sequence_parallel and args.tensor_model_parallel_size == 2
+    assert args.ref_hf_checkpoint == str(tmp_path) and args.lora_rank == 8 and args.weight_sync_transport == "none"
+    for bad, message in ((dict(DPO_LOSS="kto"), "DPO_LOSS=kto"), (dict(TP="3"), "TP*PP*CP=6 must divide"),
+                         (dict(PAIRS_PER_STEP="2"), "gives some of the DP=4 ranks no pair"),
+                         (dict(DRY_NODES="a"), "need TRAIN_NODES=2 nodes")):
+        out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True,
+                             env={**env, **bad}, timeout=60)
+        assert out.returncode == 1 and message in out.stderr, (bad, out.stderr)
