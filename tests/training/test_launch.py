@@ -508,6 +508,13 @@ def test_dpo_sbatch_dry_run_launches_the_trainer_on_pairs(tmp_path):
     assert args.preference_data == str(data) and args.train_batch_groups == 32 and args.dpo_loss == "ipo"
     assert args.dpo_beta == 0.2 and args.sequence_parallel and args.tensor_model_parallel_size == 2
     assert args.ref_hf_checkpoint == str(tmp_path) and args.lora_rank == 8 and args.weight_sync_transport == "none"
+    assert "plan: memory per GPU not checked" in out.stdout
+    from forge_megatron.models.tiny import build_tiny_model
+
+    tiny = build_tiny_model(str(tmp_path / "tiny"))  # its config here: forge-plan checks the layout first
+    out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
+                         env={**env, "MODEL": "tiny", "HF_CHECKPOINT": tiny, "TP": "1", "LORA_RANK": ""})
+    assert out.returncode == 0 and "plan: " in out.stdout and "fits in 80 GiB per GPU" in out.stdout, out.stderr
     for bad, message in ((dict(DPO_LOSS="kto"), "DPO_LOSS=kto"), (dict(TP="3"), "TP*PP*CP=6 must divide"),
                          (dict(PAIRS_PER_STEP="2"), "gives some of the DP=4 ranks no pair"),
                          (dict(DRY_NODES="a"), "need TRAIN_NODES=2 nodes")):
