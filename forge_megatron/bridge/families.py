@@ -311,10 +311,42 @@ def text_view(hf: dict) -> dict:
     return text
 
 
+SEQ_CLS = "ForSequenceClassification"
+
+
+def is_reward_config(hf: dict) -> bool:
+    """A sequence-classification checkpoint's config (a reward model: ``Qwen2ForSequenceClassification``, ...)."""
+    return str((hf.get("architectures") or [""])[0]).endswith(SEQ_CLS)
+
+
+def reward_labels(hf: dict) -> int:
+    return len(hf.get("id2label") or {}) or int(hf.get("num_labels", 1))
+
+
+def reward_model_config(hf: dict) -> dict:
+    """The config of a reward model made from a causal LM's (``<Family>ForSequenceClassification``, one label), or
+    a sequence-classification config as it is. ValueError when transformers has no such class for the family, or the
+    model is not a text-only causal LM."""
+    import transformers
+
+    if is_reward_config(hf):
+        return dict(hf)
+    arch = str((hf.get("architectures") or [""])[0])
+    if not arch.endswith("ForCausalLM"):
+        raise ValueError(f"{arch or 'a config without architectures'}: reward models are made from text-only causal "
+                         f"language models (*ForCausalLM) or sequence-classification checkpoints")
+    name = arch[:-len("ForCausalLM")] + SEQ_CLS
+    if not hasattr(transformers, name):
+        raise ValueError(f"transformers has no {name}: a reward model of {arch} could not be loaded or served")
+    return {**hf, "architectures": [name], "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+
+
 def family_of(hf: dict) -> Family:
-    archs = hf.get("architectures") or []
+    archs = list(hf.get("architectures") or [])
     if not archs:
         raise UnsupportedModelError("HF config has no 'architectures' entry; cannot tell the model family")
+    if archs[0].endswith(SEQ_CLS):  # a reward model: its language model's family, and a score head (Bridge)
+        archs[0] = archs[0][:-len(SEQ_CLS)] + "ForCausalLM"
     if archs[0] not in FAMILIES:
         raise UnsupportedModelError(
             f"unsupported architecture {archs[0]!r}; supported: {sorted(k for k in FAMILIES if '/' not in k)}"
@@ -881,6 +913,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         if family.gated_delta and hf.get("shared_expert_intermediate_size"):
             kwargs.update(moe_shared_ffn_hidden_size=hf["shared_expert_intermediate_size"],
                           extra={**kwargs.get("extra", {}), "moe_shared_expert_gate": True})
+    if is_reward_config(hf):  # a score head on the last hidden state; the LM head is never made or read
+        kwargs.update(score_head=reward_labels(hf), tie_word_embeddings=True)
     if "extra" in overrides:
         overrides = {**overrides, "extra": {**kwargs.get("extra", {}), **overrides["extra"]}}
     kwargs.update(overrides)

@@ -38,6 +38,10 @@ VISION = "vision_tower."  # the trainable vision tower's parameters on the first
 _PER_KIND = ("local", "global", "local_own", "global_own", "kv_shared", "kv_own")
 
 
+SCORE_HEAD = "score_head.weight"
+"""A reward model's score head (``GPTConfig.score_head``), HF ``score.weight``."""
+
+
 class MappingError(ValueError):
     """A tensor is missing, unexpected, or has the wrong shape for the model described by the config."""
 
@@ -445,6 +449,8 @@ class Bridge:
         if self.cfg.vocab_size < self.hf_vocab:
             raise ValueError(f"vocab_size {self.cfg.vocab_size} is smaller than the HF vocabulary ({self.hf_vocab})")
         self.rules = _rules(self.cfg, self.family)
+        if self.cfg.score_head:  # a reward model (sequence-classification checkpoint): its score head, replicated
+            self.rules.append(Rule(SCORE_HEAD, ("score.weight",)))
         self._patterns = [(_pattern(r.mcore), r) for r in self.rules]
         self.vision_tower = bool(vision_tower)
         self._vision: dict[str, Rule] = {}  # canonical name -> its rule (exact names: looked up, not matched)
@@ -722,7 +728,7 @@ class Bridge:
             "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f), "gate_up_proj.weight": (2 * f, d),
             "w1.weight": (f, d), "w3.weight": (f, d), "w2.weight": (d, f),
             "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
-            "shared_expert_gate.weight": (1, d), "layer_scalar": (1,),
+            "shared_expert_gate.weight": (1, d), "layer_scalar": (1,), "score.weight": (cfg.score_head, d),
         }
         if cfg.qk_layernorm_all_heads:
             table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})
@@ -978,7 +984,18 @@ class Bridge:
             names.append("decoder.final_layernorm.weight")
             if not self.cfg.tie_word_embeddings:
                 names.append("output_layer.weight")
+            if self.cfg.score_head:
+                names.append(SCORE_HEAD)
         return names
+
+    def initial_score_head(self, seed: int = 0) -> torch.Tensor:
+        """A reward model's score head before training, for a checkpoint without one (a causal LM made a reward model):
+        normal with the config's ``initializer_range`` (transformers' init), the same on every rank for ``seed``."""
+        from forge_megatron.bridge.families import text_view
+
+        std = float(text_view(self.hf_config).get("initializer_range", 0.02))
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn((self.cfg.score_head, self.cfg.hidden_size), generator=generator) * std
 
     def rename(self, name: str, layer_offset: int, expert_offset: int) -> str:
         """Shift the layer and expert numbers of ``name`` (local -> canonical with +offsets, back with -offsets)."""

@@ -188,6 +188,38 @@ def tree_logprobs(model, layout, with_entropy: bool = False, backend: str | None
                                 temperature=temperature, **_captured_head(captured))
 
 
+def score_head(model):
+    """A reward model's score head (``GPTConfig.score_head``) under Megatron's wrappers; None off the last stage."""
+    while not hasattr(model, "score_head") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "score_head", None)
+
+
+def scores_from_hidden(hidden_1TH: torch.Tensor, layout, head) -> torch.Tensor:
+    """[S, labels] scores of a tree's samples: ``head`` on the final hidden state of each sample's last token (where
+    transformers' sequence classifiers and SGLang's /classify read them)."""
+    from forge_megatron.mcore.context_parallel import cp_world
+
+    if cp_world()[0] > 1:
+        raise ValueError("reward models are not trained under context parallelism (a sample's last token lives on "
+                         "one CP rank)")
+    last_S = layout.sample_nodes[layout.sample_offsets[1:] - 1].to(hidden_1TH.device)
+    return head(hidden_1TH[0, last_S].to(head.weight.dtype))
+
+
+def tree_scores(model, layout, backend: str | None = None) -> torch.Tensor:
+    """A reward model's [S, labels] scores of a tree-packed micro-batch (one forward of a single-stage tree
+    GPTModel; its output layer is never run)."""
+    device = next(model.parameters()).device
+    multiple = seq_multiple(model.config)
+    with output_layer_deferred(model) as captured:
+        hidden_1TH = model(**tree_model_inputs(layout, backend=backend, device=device, multiple=multiple))
+    head = score_head(model)
+    if captured is None or head is None:
+        raise ValueError("not a reward model's last stage (no score head)")
+    return scores_from_hidden(hidden_1TH, layout, head)
+
+
 def sample_logprobs_unmerged(model, samples, with_entropy: bool = False):
     """The oracle: each sample alone through a causal GPTModel (standard spec); logp concatenated like logp_M."""
     device = next(model.parameters()).device
@@ -261,6 +293,35 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
                                                      inplace_backward=True, head_dtype=head_dtype,
                                                      multiple=multiple, temperature=temperature, **head)
             return loss_fn(logp_M, entropy_M, micro_batch)
+
+        return output, loss_func
+
+    return forward_step
+
+
+def make_score_forward_step(loss_fn, backend: str | None = None):
+    """A reward model's ``forward_step_func`` for Megatron's schedules: on the last stage the loss function maps the
+    final hidden states to ``loss_fn(scores_S, micro_batch) -> (loss, metrics)`` with ``scores_S`` the first label's
+    score of every sample (:func:`scores_from_hidden`). The output layer is never run."""
+
+    def forward_step(data_iterator, model):
+        micro_batch = next(data_iterator)
+        config = model.config
+        if config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths and not micro_batch.fixed_length:
+            raise ValueError("tree micro-batches vary in length: build the model with variable_seq_lengths=True under "
+                             "PP, or pad every micro-batch of the step to one length (TreeMicroBatch.fixed_length)")
+        device = next(model.parameters()).device
+        multiple = seq_multiple(config)
+        routing_replay.set_micro_batch(model, micro_batch.routing, micro_batch.layout.unique_tokens, multiple)
+        with output_layer_deferred(model) as captured:
+            output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device, multiple=multiple))
+        routing_replay.after_forward(model)
+        head = score_head(model) if captured is not None else None
+
+        def loss_func(hidden_1TH):
+            if head is None:
+                raise ValueError("the last pipeline stage has no score head: not a reward model")
+            return loss_fn(scores_from_hidden(hidden_1TH, micro_batch.layout, head)[:, 0], micro_batch)
 
         return output, loss_func
 

@@ -135,6 +135,9 @@ class GPTConfig:
     layer_ffn_sizes: tuple[int, ...] | None = None
     params_dtype: torch.dtype = torch.float32
     bf16: bool = False
+    # a reward model (a sequence-classification checkpoint): this many scores from a linear head on the last stage's
+    # final hidden states (``score_head``, HF ``score.weight``); 0: a language model
+    score_head: int = 0
     extra: dict = field(default_factory=dict)  # passed through to TransformerConfig
 
     def __post_init__(self):
@@ -737,6 +740,8 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
         _own_expert_outputs(model)
     if cfg.num_moe_experts:
         _reduce_whole_experts_over_tp(model)
+    if cfg.score_head and post_process:  # replicated over TP: every TP rank has the same hidden states
+        model.score_head = torch.nn.Linear(cfg.hidden_size, cfg.score_head, bias=False, dtype=cfg.params_dtype)
     return model
 
 

@@ -296,6 +296,13 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "instead of RL on the pool's batches: no pool, no engines, no weight sync; --train-batch-groups "
                         "pairs per step, a pair's two sides in one prefix forest, the reference a frozen copy of "
                         "--ref-hf-checkpoint (default --hf-checkpoint); export with forge-convert trainer-to-hf")
+    g.add_argument("--reward-model", action="store_true",
+                   help="with --preference-data: train a Bradley-Terry reward model instead of DPO: a score head on "
+                        "the last hidden state (from a causal LM: drawn anew; or a sequence-classification "
+                        "checkpoint's), no reference model; forge-convert trainer-to-hf exports a "
+                        "*ForSequenceClassification checkpoint for SGLang's /classify")
+    g.add_argument("--rm-center-coef", type=float, default=0.0,
+                   help="--reward-model: weight of the (r(chosen) + r(rejected))^2 term that keeps scores centred")
     g.add_argument("--dpo-beta", type=float, default=0.1, help="--preference-data: DPO's beta (default 0.1)")
     g.add_argument("--dpo-loss", default="sigmoid", choices=("sigmoid", "ipo"),
                    help="--preference-data: sigmoid (DPO, default) or ipo: (delta - 1/(2 beta))^2")
@@ -666,11 +673,28 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--dpo-label-smoothing must be in [0, 0.5), got {args.dpo_label_smoothing}")
         if args.dpo_sft_coef < 0:
             raise ValueError(f"--dpo-sft-coef must be >= 0, got {args.dpo_sft_coef}")
-    if args.ref_hf_checkpoint and not (args.rl_kl_coef > 0 or preference):
+        if args.reward_model:
+            unused = [f for f, on in (("--ref-hf-checkpoint", args.ref_hf_checkpoint),
+                                      ("--ref-offload", getattr(args, "ref_offload", False)),
+                                      ("--train-vision-tower", getattr(args, "train_vision_tower", False)),
+                                      ("--lora-rank", getattr(args, "lora_rank", None) is not None))
+                      if on]
+            if unused:
+                raise ValueError(f"--reward-model trains a whole text reward model (its new score head too) without a "
+                                 f"reference: drop {unused[0]}")
+            if args.context_parallel_size > 1:
+                raise ValueError("--reward-model: not under context parallelism (a sample's last token, where its "
+                                 "score is read, lives on one CP rank)")
+            if args.rm_center_coef < 0:
+                raise ValueError(f"--rm-center-coef must be >= 0, got {args.rm_center_coef}")
+    elif getattr(args, "reward_model", False):
+        raise ValueError("--reward-model needs --preference-data (the pairs it learns from)")
+    dpo = preference and not args.reward_model
+    if args.ref_hf_checkpoint and not (args.rl_kl_coef > 0 or dpo):
         raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0 or --preference-data")
     if not 0 < getattr(args, "rollout_temperature", 1.0) <= 2:
         raise ValueError(f"--rollout-temperature must be in (0, 2], got {args.rollout_temperature}")
-    if getattr(args, "ref_offload", False) and not (args.rl_kl_coef > 0 or preference):
+    if getattr(args, "ref_offload", False) and not (args.rl_kl_coef > 0 or dpo):
         raise ValueError("--ref-offload offloads the reference model, which exists only with --rl-kl-coef > 0 or "
                          "--preference-data")
     if args.fp32_lm_head and not args.fused_logprobs:

@@ -420,6 +420,8 @@ def load_hf_weights(model_chunks, bridge, hf_dir: str) -> None:
     from forge_megatron.mcore.lora import is_lora_name
     from forge_megatron.weight_sync.gather import global_layers, unwrap
 
+    from forge_megatron.bridge.mapping import SCORE_HEAD
+
     layout = job_layout()
     ep = ps.get_expert_model_parallel_rank()
     reader = HFReader(hf_dir)
@@ -431,6 +433,9 @@ def load_hf_weights(model_chunks, bridge, hf_dir: str) -> None:
             owner = bridge.expert_rank(name, layout)
             if owner is not None and owner != ep:
                 continue  # another EP rank's expert: never read (MoE checkpoints are mostly experts)
+            if name == SCORE_HEAD and "score.weight" not in reader.names():
+                full[name] = bridge.initial_score_head()  # a causal LM made a reward model: a new head
+                continue
             full[name] = bridge.from_hf(name, reader.get(bridge.hf_names(name)))
         state = piece_state(bridge, full, layout, ps.get_tensor_model_parallel_rank(), ep, layers, first, last)
         missing, unexpected = gpt.load_state_dict(state, strict=False)

@@ -52,7 +52,6 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -200,22 +199,6 @@ def _samples(pairs: list[Pair]) -> list[Sample]:
 
 
 # ---------------------------------------------------------------------------------------------- the models
-def sequence_scores(model, head: torch.nn.Linear, layout) -> torch.Tensor:
-    """[S, labels] scores of the samples of a tree-packed batch: ``head`` on the final hidden state of each sample's
-    last token (one forward of the tree; the model's output layer is not run)."""
-    from forge_megatron.mcore.context_parallel import seq_multiple
-    from forge_megatron.mcore.forward import output_layer_deferred, tree_model_inputs
-
-    device = next(model.parameters()).device
-    multiple = seq_multiple(model.config)
-    with output_layer_deferred(model) as captured:
-        hidden_1TH = model(**tree_model_inputs(layout, device=device, multiple=multiple))
-    if captured is None:
-        raise RuntimeError("the model has no output layer to defer (not a last pipeline stage)")
-    last_S = layout.sample_nodes[layout.sample_offsets[1:] - 1].to(device)
-    return head(hidden_1TH[0, last_S].to(head.weight.dtype))
-
-
 def response_logprobs(model, layout, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of log-probabilities over each sample's trained tokens [S], their counts [S]) from one tree forward."""
     from forge_megatron.mcore.forward import tree_logprobs
@@ -228,12 +211,17 @@ def response_logprobs(model, layout, samples: list[Sample]) -> tuple[torch.Tenso
     return sums_S, logp_M.new_zeros(len(samples)).index_add(0, sample_M, mask_M)
 
 
+def bt_pair_losses(chosen_P: torch.Tensor, rejected_P: torch.Tensor, margin_P: torch.Tensor,
+                   center_coef: float = 0.0) -> torch.Tensor:
+    """The Bradley-Terry loss of each pair (with its margin and the centring term)."""
+    loss_P = -F.logsigmoid(chosen_P - rejected_P - margin_P)
+    return loss_P + center_coef * (chosen_P + rejected_P) ** 2 if center_coef else loss_P
+
+
 def bradley_terry_loss(chosen_P: torch.Tensor, rejected_P: torch.Tensor, margin_P: torch.Tensor,
                        center_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
     diff_P = chosen_P - rejected_P
-    loss = -F.logsigmoid(diff_P - margin_P).mean()
-    if center_coef:
-        loss = loss + center_coef * ((chosen_P + rejected_P) ** 2).mean()
+    loss = bt_pair_losses(chosen_P, rejected_P, margin_P, center_coef).mean()
     return loss, {"accuracy": (diff_P > 0).float().mean().item(), "margin": diff_P.mean().item(),
                   "chosen": chosen_P.mean().item(), "rejected": rejected_P.mean().item()}
 
@@ -299,77 +287,33 @@ def set_reference(model, pairs: list[Pair], batch_size: int, processor=None) -> 
             p.ref = (c, r)
 
 
-def seq_cls_architecture(hf_config: dict) -> str:
-    """transformers' sequence-classification class of a checkpoint's language model; ValueError when there is none."""
-    import transformers
-
-    arch = (hf_config.get("architectures") or [""])[0]
-    if arch.endswith("ForSequenceClassification"):
-        return arch
-    if not arch.endswith("ForCausalLM"):
-        raise ValueError(f"{arch or 'a checkpoint without architectures'}: reward models are trained from text-only "
-                         "causal language models (*ForCausalLM) or sequence-classification checkpoints")
-    name = arch[:-len("ForCausalLM")] + "ForSequenceClassification"
-    if not hasattr(transformers, name):
-        raise ValueError(f"transformers has no {name}: a reward model of {arch} could not be loaded or served")
-    return name
-
-
 class RewardModel:
-    """A tree GPTModel whose output layer is never run, and a score head on its last hidden state."""
+    """A reward model on one rank: the tree GPTModel of ``hf_dir`` made a sequence classifier (the bridge's reward
+    mode, ``bridge.families.reward_model_config``: a score head on the last hidden state, the LM head never made),
+    from a causal LM (the head drawn anew) or a one-label sequence-classification checkpoint."""
 
-    def __init__(self, hf_dir: str, seed: int = 0):
-        from forge_megatron.bridge.families import load_hf_config, text_view
-        from forge_megatron.convert.checkpoint import HFReader
+    def __init__(self, hf_dir: str):
+        from forge_megatron.bridge.families import load_hf_config, reward_labels, reward_model_config
 
         self.hf_dir = hf_dir
-        self.source_config = load_hf_config(hf_dir)
-        self.architecture = seq_cls_architecture(self.source_config)
-        base = dict(self.source_config)
-        from_rm = base["architectures"][0].endswith("ForSequenceClassification")
-        if from_rm:
-            labels = len(base.get("id2label") or {"0": "LABEL_0"})
-            if labels != 1:
-                raise ValueError(f"{hf_dir}: a reward model of {labels} labels; Bradley-Terry training takes one")
-            base["architectures"] = [self.architecture[:-len("ForSequenceClassification")] + "ForCausalLM"]
-        # tied: the LM head is neither read nor made (its place is the score head)
-        self.model, self.bridge = sft.build_model(hf_dir, None, False, hf_config=base, tie_word_embeddings=True)
-        device = next(self.model.parameters()).device
-        self.head = torch.nn.Linear(self.bridge.cfg.hidden_size, 1, bias=False, device=device, dtype=torch.float32)
-        if from_rm:
-            weight = HFReader(hf_dir).get(["score.weight"]).get("score.weight")
-            if weight is None or tuple(weight.shape) != (1, self.bridge.cfg.hidden_size):
-                raise ValueError(f"{hf_dir}: no score.weight of shape (1, {self.bridge.cfg.hidden_size})")
-            with torch.no_grad():
-                self.head.weight.copy_(weight.float())
-        else:
-            generator = torch.Generator().manual_seed(seed)
-            std = float(text_view(self.source_config).get("initializer_range", 0.02))
-            with torch.no_grad():
-                self.head.weight.copy_(torch.randn(self.head.weight.shape, generator=generator) * std)
+        config = reward_model_config(load_hf_config(hf_dir))
+        if reward_labels(config) != 1:
+            raise ValueError(f"{hf_dir}: a reward model of {reward_labels(config)} labels; Bradley-Terry training "
+                             "takes one")
+        self.model, self.bridge = sft.build_model(hf_dir, None, False, hf_config=config)
 
     def parameters(self):
-        return [*self.model.parameters(), *self.head.parameters()]
+        return list(self.model.parameters())
 
     def scores(self, samples: list[Sample]) -> torch.Tensor:
         """[S] scores of token samples (one tree)."""
-        return sequence_scores(self.model, self.head, sft.batch_layout(samples))[:, 0]
+        from forge_megatron.mcore.forward import tree_scores
+
+        return tree_scores(self.model, sft.batch_layout(samples))[:, 0]
 
     def export(self, out_dir: str) -> None:
-        """Write a ``*ForSequenceClassification`` checkpoint with ``hf_dir``'s tokenizer files."""
-        from forge_megatron.convert.checkpoint import save_hf
-
-        state = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
-        tensors = [(name, t.detach().float().cpu()) for name, t in self.bridge.export(state.items())]
-        tensors.append(("score.weight", self.head.weight.detach().float().cpu()))
-        config = dict(self.source_config)
-        config["architectures"] = [self.architecture]
-        config.setdefault("id2label", {"0": "LABEL_0"})
-        config.setdefault("label2id", {"LABEL_0": 0})
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        save_hf(tensors, out_dir, config, total=len(tensors))
-        sft.copy_side_files(self.hf_dir, out_dir)
+        """Write the ``*ForSequenceClassification`` checkpoint with ``hf_dir``'s tokenizer files."""
+        sft.export_hf(self.model, self.bridge, self.hf_dir, out_dir)
 
 
 # ------------------------------------------------------------------------------------------- the training loop
@@ -454,7 +398,7 @@ def run_reward_model(hf_dir: str, records: list[dict], out_dir: str, steps: int 
         held_out = render_pairs(tokenizer, eval_records, what="eval pair") if eval_records else None
         if any(s[2] for p in pairs + (held_out or []) for s in (p.chosen, p.rejected)):
             raise ValueError("reward models are trained on text: a pair has images")
-        rm = RewardModel(hf_dir, seed=seed)
+        rm = RewardModel(hf_dir)
         step_loss = reward_model_loss(rm, center_coef)
         eval_size = micro_batch_size or batch_size
         before = evaluate(step_loss, held_out, eval_size) if held_out else None
@@ -610,12 +554,14 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PreferenceFeed:
-    """Batches of preference pairs for the Megatron trainer's DPO mode (``scripts/train_forge.py --preference-data``),
+    """Batches of preference pairs for the Megatron trainer (``scripts/train_forge.py --preference-data``: DPO, or a
+    reward model with ``--reward-model``),
     in place of the data pool's: batch ``k`` holds pairs ``k P .. (k + 1) P - 1`` of the epochs' shuffled orders (a
     new order every epoch, from ``seed``), so a resumed run at iteration ``k`` trains what an uninterrupted one would.
     Each pair is two :class:`~forge_megatron.middleware.batch.TrainSample` of one group (the pair's position in that
     sequence, so that the trainer keeps them on one DP rank and in one micro-batch), the chosen side with advantage +1
-    on every token and the rejected one -1: what :func:`tree_dpo_loss` reads. Pairs whose tree (both sides, their
+    on every token and the rejected one -1, the pair's margin as the chosen one's reward: what :func:`tree_dpo_loss`
+    and :func:`tree_bradley_terry_loss` read. Pairs whose tree (both sides, their
     shared prefix once) exceeds ``token_budget`` cannot share a micro-batch and are left out (counted)."""
 
     def __init__(self, path: str, hf_dir: str, pairs_per_step: int, token_budget: int, seed: int = 0,
@@ -661,10 +607,39 @@ class PreferenceFeed:
                     tokens=np.asarray(ids, dtype=np.int32), loss_mask=np.asarray(mask, dtype=np.uint8),
                     rollout_logprobs=np.zeros(n, np.float32), policy_versions=np.zeros(n, np.int32),
                     advantages=np.full(n, sign, np.float32), sample_weight=1.0, group_index=k,
-                    episode_id=f"pair-{self._order(epoch)[i]}-{side}", domain="preference", reward=0.0,
+                    episode_id=f"pair-{self._order(epoch)[i]}-{side}", domain="preference",
+                    reward=pair.margin if sign > 0 else 0.0,  # (the reward model's margin: tree_bradley_terry_loss)
                     images=list(images) or None))
         return TrainBatch(batch_id=iteration, samples=samples, group_indices=groups,
                           metrics={"epoch": self.epochs(iteration)})
+
+
+def pair_index(extras: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) sample indices of the pairs of a trainer micro-batch, pair by pair: a pair's two samples
+    share ``group_S``, the chosen one has advantage +1 (``advantages_M`` at its first target), the rejected -1.
+    RuntimeError when the micro-batch does not hold whole pairs."""
+    cu = extras["cu_seqlens_S1"].to(device)
+    sign_S, group_S = extras["advantages_M"].to(device)[cu[:-1]], extras["group_S"].to(device)
+    order = torch.argsort(group_S * 2 + (sign_S < 0).long())
+    c, r = order[0::2], order[1::2]
+    if order.numel() % 2 or not (torch.equal(group_S[c], group_S[r]) and bool((sign_S[c] > 0).all()) and
+                                 bool((sign_S[r] < 0).all())):
+        raise RuntimeError("a micro-batch does not hold whole preference pairs (a chosen and a rejected sample per "
+                           "group): raise --tree-token-budget")
+    return c, r
+
+
+def tree_bradley_terry_loss(scores_S: torch.Tensor, extras: dict, center_coef: float = 0.0) -> tuple[torch.Tensor,
+                                                                                                     dict]:
+    """The summed Bradley-Terry loss of the pairs of one trainer micro-batch (not yet divided by the batch's pair
+    count) from its samples' scores, and their metrics; a pair's margin is its chosen sample's ``reward_S``."""
+    c, r = pair_index(extras, scores_S.device)
+    margin_P = extras["reward_S"].to(scores_S.device, scores_S.dtype)[c]
+    loss_P = bt_pair_losses(scores_S[c], scores_S[r], margin_P, center_coef)
+    diff_P = (scores_S[c] - scores_S[r]).detach()
+    return loss_P.sum(), {"rm/num_pairs": float(c.numel()), "rm/accuracy": (diff_P > 0).float().mean().item(),
+                          "rm/margin": diff_P.mean().item(), "rm/chosen": scores_S[c].mean().item(),
+                          "rm/rejected": scores_S[r].mean().item()}
 
 
 def tree_dpo_loss(logp_M: torch.Tensor, extras: dict, beta: float, kind: str = "sigmoid",
@@ -680,13 +655,7 @@ def tree_dpo_loss(logp_M: torch.Tensor, extras: dict, beta: float, kind: str = "
     policy_S = logp_M.new_zeros(S).index_add(0, sample_M, logp_M * mask_M)
     ref_S = logp_M.new_zeros(S).index_add(0, sample_M, extras["ref_logp_M"].to(logp_M.dtype) * mask_M)
     count_S = logp_M.new_zeros(S).index_add(0, sample_M, mask_M)
-    sign_S, group_S = extras["advantages_M"][cu[:-1]], extras["group_S"].to(logp_M.device)
-    order = torch.argsort(group_S * 2 + (sign_S < 0).long())
-    c, r = order[0::2], order[1::2]
-    if S % 2 or not (torch.equal(group_S[c], group_S[r]) and bool((sign_S[c] > 0).all()) and
-                     bool((sign_S[r] < 0).all())):
-        raise RuntimeError("a micro-batch does not hold whole preference pairs (a chosen and a rejected sample per "
-                           "group): raise --tree-token-budget")
+    c, r = pair_index(extras, logp_M.device)
     delta_P = (policy_S[c] - ref_S[c]) - (policy_S[r] - ref_S[r])
     loss_P = pair_losses(delta_P, beta, kind, label_smoothing)
     if sft_coef:

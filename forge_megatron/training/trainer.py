@@ -153,6 +153,7 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
         "sample_weight_S": torch.tensor([s.sample_weight for s in samples], dtype=torch.float32),
         "domain_ids_S": torch.tensor([domains.index(s.domain) for s in samples], dtype=torch.int64),
         "group_S": torch.tensor([s.group_index for s in samples], dtype=torch.int64),
+        "reward_S": torch.tensor([s.reward for s in samples], dtype=torch.float32),
     }
     routing, stats = None, {}
     if routing_replay:
@@ -368,6 +369,26 @@ def preference_forward_backward(ddp, rb: RankBatch, args, fused_logprobs: bool =
                                                         temperature=temperature))
 
 
+def reward_forward_backward(ddp, rb: RankBatch, center_coef: float = 0.0) -> list[dict]:
+    """A reward model's Bradley-Terry forward and backward (``--preference-data --reward-model``): each micro-batch's
+    summed pair losses (training/preference.py ``tree_bradley_terry_loss``) over the whole batch's pair count, as
+    :func:`preference_forward_backward` normalises DPO's."""
+    from forge_megatron.mcore.forward import make_score_forward_step
+    from forge_megatron.training.preference import tree_bradley_terry_loss
+
+    num_mb = len(rb.micro_batches)
+    pairs = (rb.global_sample_weight if rb.global_sample_weight is not None else len(rb.samples)) / 2
+    norm = max(pairs, 1.0) / rb.dp_size
+
+    def loss_fn(scores_S, mb):
+        total, metrics = tree_bradley_terry_loss(scores_S, mb.extras, center_coef)
+        loss = total / norm
+        metrics["loss"] = loss.item()
+        return loss * num_mb, metrics
+
+    return run_schedule(ddp, rb, make_score_forward_step(loss_fn))
+
+
 def run_schedule(ddp, rb: RankBatch, forward_step, forward_only: bool = False) -> list[dict]:
     """Megatron's forward(-backward) schedule over the rank batch's micro-batches; ``ddp`` is the list of DDP model
     chunks from :func:`build_model_and_optimizer` (pipelined when PP > 1, interleaved with several chunks)."""
@@ -397,8 +418,17 @@ class Trainer:
         self.args = args
         self.preference = getattr(args, "preference_data", None) is not None  # DPO on pairs (training/preference.py)
         self.train_tower = bool(getattr(args, "train_vision_tower", False))
+        self.reward_model = self.preference and bool(getattr(args, "reward_model", False))
+        source = args.hf_checkpoint
+        if self.reward_model:  # the checkpoint made a sequence classifier: a score head, no LM head
+            from forge_megatron.bridge.families import load_hf_config, reward_labels, reward_model_config
+
+            source = reward_model_config(load_hf_config(args.hf_checkpoint))
+            if reward_labels(source) != 1:
+                raise ValueError(f"--reward-model: {args.hf_checkpoint} has {reward_labels(source)} labels; "
+                                 "Bradley-Terry training takes one")
         try:  # with --train-vision-tower the tower's tensors are the model's too
-            self.bridge = Bridge(args.hf_checkpoint, vision_tower=self.train_tower)
+            self.bridge = Bridge(source, vision_tower=self.train_tower)
         except ValueError as exc:
             if not self.train_tower:
                 raise
@@ -433,7 +463,7 @@ class Trainer:
                           f"{qat.group}), straight-through gradients to the full-precision weights")
         # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
         # A LoRA run's reference, the checkpoint's model, is the policy with its adapters off (no second copy)
-        needs_reference = self.loss_cfg.kl_coef > 0 or self.preference
+        needs_reference = self.loss_cfg.kl_coef > 0 or (self.preference and not self.reward_model)
         self.lora_reference = needs_reference and arguments.lora_reference(args)
         if self.lora_reference and self.rank == 0:
             self._log("reference: the policy with its LoRA adapters off (the checkpoint's model; no copy of the "
@@ -580,9 +610,11 @@ class Trainer:
         pairs = arguments.train_batch_groups(self.args)
         feed = PreferenceFeed(self.args.preference_data, self.args.hf_checkpoint, pairs, self.args.tree_token_budget,
                               self.args.seed, self.vision, log=self._log)
+        what = "a Bradley-Terry reward model" if self.reward_model else \
+            f"DPO {self.args.dpo_loss}, beta {self.args.dpo_beta:g}"
         self._log(f"--preference-data {self.args.preference_data}: {len(feed.pairs)} pairs, {pairs} per step: "
                   f"{feed.epochs(self.args.train_iters):.2f} epoch(s) over {self.args.train_iters} iterations "
-                  f"(DPO {self.args.dpo_loss}, beta {self.args.dpo_beta:g})")
+                  f"({what})")
         return feed
 
     def _pool_client(self):
@@ -752,6 +784,8 @@ class Trainer:
 
             dsa.set_indexer_loss_scale(1.0 / len(rb.micro_batches))  # as Megatron scales its auxiliary losses
             dsa.pop_indexer_losses()
+        if self.reward_model:
+            return reward_forward_backward(self.ddp, rb, self.args.rm_center_coef)
         if self.preference:
             return preference_forward_backward(self.ddp, rb, self.args, self.args.fused_logprobs, self.head_dtype,
                                                self.temperature)
@@ -995,10 +1029,11 @@ class Trainer:
 def progress_line(m: dict) -> str:
     """One console line per step; the training/inference mismatch (``rollout_kl``), the routing mismatch, the images
     encoded and a held-out evaluation published since the last step show when they were measured."""
-    if "dpo/accuracy" in m:  # --preference-data
-        return (f"iter {m['iteration']} | loss {m['loss']:.4f} | accuracy {m['dpo/accuracy']:.3f} | margin "
-                f"{m['dpo/margin']:.3f} | epoch {m.get('pool/epoch', 0.0):.2f} | tokens {m['total_tokens']} (unique "
-                f"{m['unique_tokens']}) | fb {m['forward_backward_s']:.1f}s")
+    for kind in ("dpo", "rm"):  # --preference-data
+        if f"{kind}/accuracy" in m:
+            return (f"iter {m['iteration']} | loss {m['loss']:.4f} | accuracy {m[kind + '/accuracy']:.3f} | margin "
+                    f"{m[kind + '/margin']:.3f} | epoch {m.get('pool/epoch', 0.0):.2f} | tokens {m['total_tokens']} "
+                    f"(unique {m['unique_tokens']}) | fb {m['forward_backward_s']:.1f}s")
     mismatch = f" | rollout_kl {m['rollout_kl']:.2e}" if "rollout_kl" in m else ""
     if "routing_mismatch" in m:
         mismatch += f" routing {m['routing_mismatch']:.3f}"

@@ -59,6 +59,9 @@ def hf_dirs(tmp_path_factory):
     # Gemma 3 with final-logit soft-capping (Gemma 2 / 4's) at 0.3: the tiny model's logits reach ~0.6, so it bites
     dirs["gemma3_softcap"] = build_tiny_model(str(root / "gemma3_softcap"), arch="gemma3", seed=7,
                                               with_tokenizer=False, final_logit_softcapping=0.3)
+    from forge_megatron.models.tiny import build_tiny_reward_model
+
+    dirs["qwen2_rm"] = build_tiny_reward_model(str(root / "qwen2_rm"), seed=8)  # a reward model: its score head
     for name, arch, params in ROPE_SCALED:
         dirs[name] = build_tiny_model(str(root / name), arch=arch, seed=3, with_tokenizer=False,
                                       rope_parameters={**params, "rope_theta": 10000.0})
@@ -119,6 +122,8 @@ LAYOUTS = [
     ("deepseek_v3_3l", ParallelLayout(tp=2, pp=2, ep=2, first=1)), ("deepseek_v3_3l", ParallelLayout(pp=2, last=1)),
     # experts whole on every TP rank (expert TP 1): gpt-oss's biased experts under TP
     ("qwen3_moe", ParallelLayout(tp=2, ep=2, etp=1)), ("gpt_oss", ParallelLayout(tp=2, pp=2, ep=2, etp=1)),
+    # a reward model (Qwen2ForSequenceClassification): score.weight replicated on the last stage, no LM head
+    ("qwen2_rm", ParallelLayout(tp=2, pp=2)),
 ]
 
 
