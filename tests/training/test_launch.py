@@ -515,9 +515,15 @@ def test_dpo_sbatch_dry_run_launches_the_trainer_on_pairs(tmp_path):
     out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
                          env={**env, "MODEL": "tiny", "HF_CHECKPOINT": tiny, "TP": "1", "LORA_RANK": ""})
     assert out.returncode == 0 and "plan: " in out.stdout and "fits in 80 GiB per GPU" in out.stdout, out.stderr
+    out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
+                         env={**env, "REWARD_MODEL": "1", "REF_CHECKPOINT": "", "LORA_RANK": "", "RM_CENTER_COEF": "0.01"})
+    assert out.returncode == 0 and "a Bradley-Terry reward model" in out.stdout, out.stderr
+    args = _trainer_args(_commands(out.stdout)[0])
+    assert args.reward_model and args.rm_center_coef == 0.01 and args.lr == 1e-5 and args.ref_hf_checkpoint is None
     for bad, message in ((dict(DPO_LOSS="kto"), "DPO_LOSS=kto"), (dict(TP="3"), "TP*PP*CP=6 must divide"),
                          (dict(PAIRS_PER_STEP="2"), "gives some of the DP=4 ranks no pair"),
-                         (dict(DRY_NODES="a"), "need TRAIN_NODES=2 nodes")):
+                         (dict(DRY_NODES="a"), "need TRAIN_NODES=2 nodes"),
+                         (dict(REWARD_MODEL="1"), "REWARD_MODEL=1 trains without a reference")):
         out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True,
                              env={**env, **bad}, timeout=60)
         assert out.returncode == 1 and message in out.stderr, (bad, out.stderr)

@@ -249,10 +249,11 @@ def test_cli_tables_json_and_errors(tmp_path, capsys):
     assert plan.main(common + ["--decoder-last-pipeline-num-layers", "4"]) == 2
     assert "4 layers do not split into 2 pipeline stages with last stage 4 layers" in capsys.readouterr().err
     static = {}
-    for name, extra in (("rl", []), ("kl", ["--rl-kl-coef", "0.1"]), ("dpo", ["--preference-data", "p.jsonl"])):
+    for name, extra in (("rl", []), ("kl", ["--rl-kl-coef", "0.1"]), ("dpo", ["--preference-data", "p.jsonl"]),
+                        ("rm", ["--preference-data", "p.jsonl", "--reward-model"])):
         assert plan.main(common + ["--json", *extra]) == 0
         static[name] = [r["reference_gib"] for r in json.loads(capsys.readouterr().out)["ranks"]]
-    assert static["dpo"] == static["kl"] and static["rl"] == [0.0, 0.0] and min(static["dpo"]) > 0  # the reference
+    assert static["dpo"] == static["kl"] and static["rl"] == static["rm"] == [0.0, 0.0] and min(static["dpo"]) > 0
 
 
 def _gated_delta_net_held_body(rank, world_size, hf):
