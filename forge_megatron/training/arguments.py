@@ -304,8 +304,11 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rm-center-coef", type=float, default=0.0,
                    help="--reward-model: weight of the (r(chosen) + r(rejected))^2 term that keeps scores centred")
     g.add_argument("--dpo-beta", type=float, default=0.1, help="--preference-data: DPO's beta (default 0.1)")
-    g.add_argument("--dpo-loss", default="sigmoid", choices=("sigmoid", "ipo"),
-                   help="--preference-data: sigmoid (DPO, default) or ipo: (delta - 1/(2 beta))^2")
+    g.add_argument("--dpo-loss", default="sigmoid", choices=("sigmoid", "ipo", "simpo"),
+                   help="--preference-data: sigmoid (DPO, default), ipo: (delta - 1/(2 beta))^2, or simpo: SimPO, "
+                        "length-normalised and reference-free (no reference model: --dpo-beta ~2)")
+    g.add_argument("--simpo-gamma", type=float, default=0.5,
+                   help="--dpo-loss simpo: the target reward margin (default 0.5)")
     g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
                    help="--preference-data: conservative DPO's label-flip probability (sigmoid loss; default 0)")
     g.add_argument("--dpo-sft-coef", type=float, default=0.0,
@@ -689,7 +692,9 @@ def validate_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"--rm-center-coef must be >= 0, got {args.rm_center_coef}")
     elif getattr(args, "reward_model", False):
         raise ValueError("--reward-model needs --preference-data (the pairs it learns from)")
-    dpo = preference and not args.reward_model
+    dpo = preference and not args.reward_model and args.dpo_loss != "simpo"  # (with a reference model)
+    if preference and args.dpo_loss == "simpo" and (args.ref_hf_checkpoint or getattr(args, "ref_offload", False)):
+        raise ValueError("--dpo-loss simpo has no reference model: drop --ref-hf-checkpoint / --ref-offload")
     if args.ref_hf_checkpoint and not (args.rl_kl_coef > 0 or dpo):
         raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0 or --preference-data")
     if not 0 < getattr(args, "rollout_temperature", 1.0) <= 2:

@@ -455,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rl-kl-coef", type=float, default=0.0, help="> 0: a frozen reference copy of the weights")
     p.add_argument("--preference-data", default=None, metavar="JSONL",
                    help="the trainer's DPO mode: a frozen reference copy of the weights, as --rl-kl-coef > 0")
+    p.add_argument("--dpo-loss", default="sigmoid", help="with --preference-data: simpo has no reference copy")
     p.add_argument("--reward-model", action="store_true",
                    help="with --preference-data: a reward model (no reference copy; its score head is negligible)")
     p.add_argument("--train-vision-tower", action="store_true",
@@ -530,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(bridge, args.world_size, args.tensor_model_parallel_size,
                       args.pipeline_model_parallel_size, args.expert_model_parallel_size, args.context_parallel_size,
                       vpp, args.bf16, args.use_distributed_optimizer,
-                      args.rl_kl_coef > 0 or (args.preference_data is not None and not args.reward_model),
+                      args.rl_kl_coef > 0 or (args.preference_data is not None and not args.reward_model
+                                              and args.dpo_loss != "simpo"),
                       args.tree_token_budget, args.recompute_granularity,
                       args.sequence_parallel, args.gpu_memory_gib, args.expert_tensor_parallel_size,
                       args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,

@@ -19,15 +19,18 @@ forge-engine and SGLang (``--is-embedding``) serve on ``/classify`` for the roll
 (agents/reward_model.py). Text only.
 
 **DPO** (``forge-dpo``): with ``logp(x)`` the sum of the policy's log-probabilities over a side's trained tokens (its
-loss mask: the answer after the prompt) and ``ref`` the starting checkpoint's, scored once before the first step::
+loss mask: the answer after the prompt), ``n(x)`` their number and ``ref`` the starting checkpoint's ``logp``, scored
+once before the first step::
 
     delta = [logp(c) - ref(c)] - [logp(r) - ref(r)]
     sigmoid:  L = -(1 - eps) log sigmoid(beta delta) - eps log sigmoid(-beta delta)     (eps: --label-smoothing)
     ipo:      L = (delta - 1 / (2 beta))^2
+    simpo:    L = -(1 - eps) log sigmoid(m - gamma) - eps log sigmoid(gamma - m),        (--simpo-gamma; no reference)
+              m = beta logp(c) / n(c) - beta logp(r) / n(r)
     + sft_coef * (mean NLL of the chosen side's trained tokens)                            (--sft-coef)
 
-The implicit reward of a side is ``beta [logp(x) - ref(x)]``; a pair is counted right when its chosen side's is the
-larger. Tokens that both sides share cancel in ``delta``. Vision-language checkpoints take image parts as forge-sft
+The implicit reward of a side is ``beta [logp(x) - ref(x)]`` (SimPO: ``beta logp(x) / n(x)``); a pair is counted
+right when its chosen side's is the larger. Tokens that both sides share cancel in ``delta``. Vision-language checkpoints take image parts as forge-sft
 does. The export is the policy (a causal LM) for the engines.
 
 Data (``--data``, ``--eval-data``): JSON lines, one pair each, in one of three forms::
@@ -226,23 +229,44 @@ def bradley_terry_loss(chosen_P: torch.Tensor, rejected_P: torch.Tensor, margin_
                   "chosen": chosen_P.mean().item(), "rejected": rejected_P.mean().item()}
 
 
-def pair_losses(delta_P: torch.Tensor, beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0):
-    """The DPO (``sigmoid``, with conservative label smoothing) or IPO loss of each pair, from its ``delta``."""
-    if kind == "sigmoid":
-        return -(1 - label_smoothing) * F.logsigmoid(beta * delta_P) - label_smoothing * F.logsigmoid(-beta * delta_P)
+LOSSES = ("sigmoid", "ipo", "simpo")
+
+
+def implicit_rewards(sums_S: torch.Tensor, counts_S: torch.Tensor, ref_S: torch.Tensor | None, beta: float,
+                     kind: str = "sigmoid") -> torch.Tensor:
+    """Each side's implicit reward: ``beta (logp - ref)`` (DPO, IPO), or ``beta logp / tokens`` (SimPO: the mean
+    log-probability of its trained tokens, no reference)."""
+    if kind == "simpo":
+        return beta * sums_S / counts_S.clamp(min=1)
+    return beta * (sums_S - ref_S)
+
+
+def pair_losses(margin_P: torch.Tensor, beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0,
+                gamma: float = 0.0) -> torch.Tensor:
+    """Each pair's loss from its implicit-reward margin (chosen minus rejected, :func:`implicit_rewards`): DPO
+    (``sigmoid``, with conservative label smoothing), IPO, or SimPO (``sigmoid`` of the margin less ``gamma``)."""
     if kind == "ipo":
-        return (delta_P - 1 / (2 * beta)) ** 2
-    raise ValueError(f"unknown DPO loss {kind!r} (sigmoid, ipo)")
+        return (margin_P / beta - 1 / (2 * beta)) ** 2
+    if kind not in LOSSES:
+        raise ValueError(f"unknown preference loss {kind!r} ({', '.join(LOSSES)})")
+    z = margin_P - gamma if kind == "simpo" else margin_P
+    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
 
 def dpo_loss(policy_c: torch.Tensor, policy_r: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor,
              beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict]:
-    """The DPO (``sigmoid``, with conservative label smoothing) or IPO loss of P pairs, and its metrics (implicit
-    rewards ``beta * (logp - ref)``)."""
-    delta_P = (policy_c - ref_c) - (policy_r - ref_r)
-    loss = pair_losses(delta_P, beta, kind, label_smoothing).mean()
-    reward_c, reward_r = beta * (policy_c - ref_c).detach(), beta * (policy_r - ref_r).detach()
-    return loss, {"accuracy": (delta_P > 0).float().mean().item(), "margin": (reward_c - reward_r).mean().item(),
+    """The DPO (``sigmoid``, with conservative label smoothing) or IPO loss of P pairs from the sides' summed
+    log-probabilities, and its metrics (implicit rewards ``beta * (logp - ref)``)."""
+    reward_c, reward_r = beta * (policy_c - ref_c), beta * (policy_r - ref_r)
+    return _pair_loss(reward_c, reward_r, beta, kind, label_smoothing)
+
+
+def _pair_loss(reward_c: torch.Tensor, reward_r: torch.Tensor, beta: float, kind: str, label_smoothing: float = 0.0,
+               gamma: float = 0.0) -> tuple[torch.Tensor, dict]:
+    margin_P = reward_c - reward_r
+    loss = pair_losses(margin_P, beta, kind, label_smoothing, gamma).mean()
+    margin_P, reward_c, reward_r = margin_P.detach(), reward_c.detach(), reward_r.detach()
+    return loss, {"accuracy": (margin_P > 0).float().mean().item(), "margin": margin_P.mean().item(),
                   "chosen": reward_c.mean().item(), "rejected": reward_r.mean().item()}
 
 
@@ -258,15 +282,17 @@ def reward_model_loss(rm: "RewardModel", center_coef: float = 0.0):
 
 
 def dpo_pairs_loss(model, processor, beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0,
-                   sft_coef: float = 0.0):
-    """``pairs -> (DPO loss, metrics)`` of a tree GPTModel against the pairs' reference log-probabilities
-    (``Pair.ref``); ``sft_coef`` adds the chosen sides' mean per-token NLL."""
+                   sft_coef: float = 0.0, gamma: float = 0.0):
+    """``pairs -> (DPO / IPO / SimPO loss, metrics)`` of a tree GPTModel (DPO and IPO against the pairs' reference
+    log-probabilities, ``Pair.ref``); ``sft_coef`` adds the chosen sides' mean per-token NLL."""
 
     def step_loss(micro: list[Pair]):
         samples = _samples(micro)
         sums_S, counts_S = response_logprobs(model, sft.batch_layout(samples, processor), samples)
-        ref = torch.tensor([p.ref for p in micro], dtype=sums_S.dtype, device=sums_S.device)
-        value, metrics = dpo_loss(sums_S[0::2], sums_S[1::2], ref[:, 0], ref[:, 1], beta, kind, label_smoothing)
+        ref_S = None if kind == "simpo" else \
+            torch.tensor([p.ref for p in micro], dtype=sums_S.dtype, device=sums_S.device).reshape(-1)
+        rewards_S = implicit_rewards(sums_S, counts_S, ref_S, beta, kind)
+        value, metrics = _pair_loss(rewards_S[0::2], rewards_S[1::2], beta, kind, label_smoothing, gamma)
         if sft_coef:
             nll = -(sums_S[0::2] / counts_S[0::2].clamp(min=1)).mean()
             value = value + sft_coef * nll
@@ -418,9 +444,10 @@ def run_dpo(hf_dir: str, records: list[dict], out_dir: str, steps: int | None = 
             lr: float = 1e-6, batch_size: int = 16, micro_batch_size: int | None = None, beta: float = 0.1,
             loss: str = "sigmoid", label_smoothing: float = 0.0, sft_coef: float = 0.0,
             eval_records: list[dict] | None = None, max_length: int | None = None, seed: int = 0,
-            log_every: int = 25, train_vision_tower: bool = False) -> dict:
-    """DPO (or IPO) from ``hf_dir`` on pair records, the reference being ``hf_dir`` itself; exports the policy to
-    ``out_dir``. Returns ``{"steps", "history", "eval_before", "eval_after"}``."""
+            log_every: int = 25, train_vision_tower: bool = False, gamma: float = 0.0) -> dict:
+    """DPO or IPO from ``hf_dir`` on pair records, the reference being ``hf_dir`` itself, or SimPO (no reference;
+    ``gamma``: its target margin); exports the policy to ``out_dir``. Returns ``{"steps", "history", "eval_before",
+    "eval_after"}``."""
     from transformers import AutoTokenizer
 
     from forge_megatron.mcore import parallel
@@ -438,12 +465,12 @@ def run_dpo(hf_dir: str, records: list[dict], out_dir: str, steps: int | None = 
         images = any(s[2] for p in pairs + held_out for s in (p.chosen, p.rejected))
         model, bridge = sft.build_model(hf_dir, processor, images, train_vision_tower)
         size = micro_batch_size or batch_size
-        t0 = time.time()
-        set_reference(model, pairs + held_out, size, processor)  # the reference: the starting model, scored once
-        print(f"[dpo] reference log-probabilities of {len(pairs) + len(held_out)} pairs "
-              f"({time.time() - t0:.0f}s)", flush=True)
-
-        step_loss = dpo_pairs_loss(model, processor, beta, loss, label_smoothing, sft_coef)
+        if loss != "simpo":
+            t0 = time.time()
+            set_reference(model, pairs + held_out, size, processor)  # the reference: the starting model, scored once
+            print(f"[dpo] reference log-probabilities of {len(pairs) + len(held_out)} pairs "
+                  f"({time.time() - t0:.0f}s)", flush=True)
+        step_loss = dpo_pairs_loss(model, processor, beta, loss, label_smoothing, sft_coef, gamma)
         before = evaluate(step_loss, held_out, size) if held_out else None
         n = _steps(steps, epochs, len(pairs), batch_size)
         history = train(list(model.parameters()), step_loss, pairs, n, lr, batch_size, micro_batch_size, seed,
@@ -513,11 +540,14 @@ def main_rm(argv: list[str] | None = None) -> int:
 
 
 def main_dpo(argv: list[str] | None = None) -> int:
-    """``forge-dpo``: DPO / IPO on preference pairs."""
+    """``forge-dpo``: DPO / IPO / SimPO on preference pairs."""
     p = _parser("forge-dpo", __doc__, 1e-6)
-    p.add_argument("--beta", type=float, default=0.1, help="the KL coefficient beta (default 0.1)")
-    p.add_argument("--loss", choices=("sigmoid", "ipo"), default="sigmoid",
-                   help="sigmoid: DPO (default); ipo: (delta - 1/(2 beta))^2")
+    p.add_argument("--beta", type=float, default=0.1,
+                   help="beta (default 0.1: DPO's KL coefficient; SimPO's reward scale is larger, ~2)")
+    p.add_argument("--loss", choices=LOSSES, default="sigmoid",
+                   help="sigmoid: DPO (default); ipo: (delta - 1/(2 beta))^2; simpo: SimPO, length-normalised and "
+                        "reference-free (no reference pass)")
+    p.add_argument("--simpo-gamma", type=float, default=0.5, help="SimPO's target reward margin (default 0.5)")
     p.add_argument("--label-smoothing", type=float, default=0.0,
                    help="conservative DPO: the chance a pair's label is flipped (sigmoid loss; default 0)")
     p.add_argument("--sft-coef", type=float, default=0.0,
@@ -533,7 +563,7 @@ def main_dpo(argv: list[str] | None = None) -> int:
     result = run_dpo(args.hf_checkpoint, _load(p, args.data, "--data"), args.out, args.steps, args.epochs, args.lr,
                      args.batch_size, args.micro_batch_size, args.beta, args.loss, args.label_smoothing,
                      args.sft_coef, _load(p, args.eval_data, "--eval-data"), args.max_length, args.seed,
-                     args.log_every, args.train_vision_tower)
+                     args.log_every, args.train_vision_tower, args.simpo_gamma)
     print(json.dumps(_summary(result, args.out)), flush=True)
     return 0
 
@@ -643,26 +673,28 @@ def tree_bradley_terry_loss(scores_S: torch.Tensor, extras: dict, center_coef: f
 
 
 def tree_dpo_loss(logp_M: torch.Tensor, extras: dict, beta: float, kind: str = "sigmoid",
-                  label_smoothing: float = 0.0, sft_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
-    """The summed DPO loss of the pairs of one trainer micro-batch (not yet divided by the batch's pair count) and
-    their metrics. ``extras``: the micro-batch's ``loss_mask_M``, ``ref_logp_M`` (the reference's forward-only
-    pass), ``advantages_M`` (+1 on a chosen side, -1 on a rejected one), ``cu_seqlens_S1`` and ``group_S`` (a pair's
+                  label_smoothing: float = 0.0, sft_coef: float = 0.0, gamma: float = 0.0) -> tuple[torch.Tensor,
+                                                                                                   dict]:
+    """The summed DPO / IPO / SimPO loss of the pairs of one trainer micro-batch (not yet divided by the batch's pair
+    count) and their metrics. ``extras``: the micro-batch's ``loss_mask_M``, ``ref_logp_M`` (the reference's
+    forward-only pass; not for SimPO), ``advantages_M`` (+1 on a chosen side, -1 on a rejected one), ``cu_seqlens_S1`` and ``group_S`` (a pair's
     two samples share their group). A pair split over micro-batches is an error."""
     cu = extras["cu_seqlens_S1"].to(logp_M.device)
     S = cu.numel() - 1
     sample_M = torch.repeat_interleave(torch.arange(S, device=logp_M.device), cu[1:] - cu[:-1])
     mask_M = extras["loss_mask_M"].to(logp_M.dtype)
     policy_S = logp_M.new_zeros(S).index_add(0, sample_M, logp_M * mask_M)
-    ref_S = logp_M.new_zeros(S).index_add(0, sample_M, extras["ref_logp_M"].to(logp_M.dtype) * mask_M)
+    ref_S = None if kind == "simpo" else \
+        logp_M.new_zeros(S).index_add(0, sample_M, extras["ref_logp_M"].to(logp_M.dtype) * mask_M)
     count_S = logp_M.new_zeros(S).index_add(0, sample_M, mask_M)
     c, r = pair_index(extras, logp_M.device)
-    delta_P = (policy_S[c] - ref_S[c]) - (policy_S[r] - ref_S[r])
-    loss_P = pair_losses(delta_P, beta, kind, label_smoothing)
+    rewards_S = implicit_rewards(policy_S, count_S, ref_S, beta, kind)
+    margin_P = rewards_S[c] - rewards_S[r]
+    loss_P = pair_losses(margin_P, beta, kind, label_smoothing, gamma)
     if sft_coef:
         loss_P = loss_P - sft_coef * policy_S[c] / count_S[c].clamp(min=1)
-    reward_c = beta * (policy_S[c] - ref_S[c]).detach()
-    reward_r = beta * (policy_S[r] - ref_S[r]).detach()
-    metrics = {"dpo/num_pairs": float(c.numel()), "dpo/accuracy": (delta_P > 0).float().mean().item(),
+    reward_c, reward_r = rewards_S[c].detach(), rewards_S[r].detach()
+    metrics = {"dpo/num_pairs": float(c.numel()), "dpo/accuracy": (margin_P > 0).float().mean().item(),
                "dpo/margin": (reward_c - reward_r).mean().item(), "dpo/chosen_reward": reward_c.mean().item(),
                "dpo/rejected_reward": reward_r.mean().item()}
     return loss_P.sum(), metrics

@@ -360,7 +360,7 @@ def preference_forward_backward(ddp, rb: RankBatch, args, fused_logprobs: bool =
     def loss_fn(logp_M, entropy_M, mb):
         x = {k: v.to(logp_M.device) for k, v in mb.extras.items()}
         total, metrics = tree_dpo_loss(logp_M, x, args.dpo_beta, args.dpo_loss, args.dpo_label_smoothing,
-                                       args.dpo_sft_coef)
+                                       args.dpo_sft_coef, args.simpo_gamma)
         loss = total / norm
         metrics["loss"] = loss.item()
         return loss * num_mb, metrics
@@ -427,6 +427,9 @@ class Trainer:
             if reward_labels(source) != 1:
                 raise ValueError(f"--reward-model: {args.hf_checkpoint} has {reward_labels(source)} labels; "
                                  "Bradley-Terry training takes one")
+        # a frozen reference policy: the KL term's (--rl-kl-coef > 0) or DPO's / IPO's (not SimPO's, not a reward model's)
+        self.needs_reference = args.rl_kl_coef > 0 or (self.preference and not self.reward_model
+                                                       and args.dpo_loss != "simpo")
         try:  # with --train-vision-tower the tower's tensors are the model's too
             self.bridge = Bridge(source, vision_tower=self.train_tower)
         except ValueError as exc:
@@ -463,7 +466,7 @@ class Trainer:
                           f"{qat.group}), straight-through gradients to the full-precision weights")
         # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
         # A LoRA run's reference, the checkpoint's model, is the policy with its adapters off (no second copy)
-        needs_reference = self.loss_cfg.kl_coef > 0 or (self.preference and not self.reward_model)
+        needs_reference = self.needs_reference
         self.lora_reference = needs_reference and arguments.lora_reference(args)
         if self.lora_reference and self.rank == 0:
             self._log("reference: the policy with its LoRA adapters off (the checkpoint's model; no copy of the "
@@ -583,7 +586,7 @@ class Trainer:
             result = plan.plan(self.bridge, dist.get_world_size(), a.tensor_model_parallel_size,
                                a.pipeline_model_parallel_size, a.expert_model_parallel_size, a.context_parallel_size,
                                arguments.virtual_pipeline_size(a, self.bridge.cfg.num_layers), a.bf16,
-                               a.use_distributed_optimizer, self.loss_cfg.kl_coef > 0 or self.preference,
+                               a.use_distributed_optimizer, self.needs_reference,
                                a.tree_token_budget,
                                a.recompute_granularity, bool(getattr(a, "sequence_parallel", False)),
                                etp=getattr(a, "expert_tensor_parallel_size", None),

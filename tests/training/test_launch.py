@@ -520,10 +520,16 @@ def test_dpo_sbatch_dry_run_launches_the_trainer_on_pairs(tmp_path):
     assert out.returncode == 0 and "a Bradley-Terry reward model" in out.stdout, out.stderr
     args = _trainer_args(_commands(out.stdout)[0])
     assert args.reward_model and args.rm_center_coef == 0.01 and args.lr == 1e-5 and args.ref_hf_checkpoint is None
+    out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
+                         env={**env, "DPO_LOSS": "simpo", "SIMPO_GAMMA": "0.8", "REF_CHECKPOINT": "", "LORA_RANK": ""})
+    assert out.returncode == 0 and "no reference (gamma 0.8)" in out.stdout, out.stderr
+    args = _trainer_args(_commands(out.stdout)[0])
+    assert args.dpo_loss == "simpo" and args.simpo_gamma == 0.8
     for bad, message in ((dict(DPO_LOSS="kto"), "DPO_LOSS=kto"), (dict(TP="3"), "TP*PP*CP=6 must divide"),
                          (dict(PAIRS_PER_STEP="2"), "gives some of the DP=4 ranks no pair"),
                          (dict(DRY_NODES="a"), "need TRAIN_NODES=2 nodes"),
-                         (dict(REWARD_MODEL="1"), "REWARD_MODEL=1 trains without a reference")):
+                         (dict(REWARD_MODEL="1"), "REWARD_MODEL=1 trains without a reference"),
+                         (dict(DPO_LOSS="simpo"), "DPO_LOSS=simpo has no reference")):
         out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True,
                              env={**env, **bad}, timeout=60)
         assert out.returncode == 1 and message in out.stderr, (bad, out.stderr)

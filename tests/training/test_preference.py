@@ -171,6 +171,33 @@ def test_dpo_logprobs_and_gradients_equal_transformers(tmp_path, one_rank):
     assert math.isclose(ipo.item(), ((delta - 1.0) ** 2).mean().item(), rel_tol=1e-6)
 
 
+def test_simpo_loss_and_gradients_equal_transformers(tmp_path, one_rank):
+    """SimPO: length-normalised, reference-free (Pair.ref unused): loss with gamma and label smoothing, and every
+    gradient, equal to transformers' causal LM scoring each side alone."""
+    from transformers import AutoModelForCausalLM
+
+    base = build_tiny_model(str(tmp_path / "base"))
+    pairs = P.render_pairs(build_tiny_tokenizer(), _tool_pairs(4, seed=4, mixed=True))
+    model, bridge = P.sft.build_model(base, None, False)
+    loss, metrics = P.dpo_pairs_loss(model, None, beta=2.0, kind="simpo", label_smoothing=0.1, gamma=0.3)(pairs)
+    loss.backward()
+    ours = dict(bridge.export((n, p.grad) for n, p in model.named_parameters()))
+
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    means = []
+    for ids, mask, _ in P._samples(pairs):
+        logp = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+        m = torch.tensor(mask[1:], dtype=torch.float32)
+        means.append((logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0] * m).sum() / m.sum())
+    means = torch.stack(means)
+    z = 2.0 * (means[0::2] - means[1::2]) - 0.3
+    want = (-0.9 * F.logsigmoid(z) - 0.1 * F.logsigmoid(-z)).mean()
+    want.backward()
+    assert math.isclose(loss.item(), want.item(), rel_tol=1e-5)
+    assert metrics["accuracy"] == (z + 0.3 > 0).float().mean().item()
+    _assert_close_grads(ours, _hf_grads(hf))
+
+
 def test_forge_rm_trains_a_reward_model_that_forge_engine_serves(tmp_path, capsys):
     """forge-rm from a causal LM: the held-out loss falls and the pairs are ranked right; the export is a
     Qwen2ForSequenceClassification that forge-engine's reward engine loads and scores the same way, and forge-rm

@@ -18,10 +18,11 @@ from .test_preference import _tool_pairs, _write
 from .trainer_run import TRAIN, model_args, read_steps, train_env
 
 
-def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path):
+@pytest.mark.parametrize("kind", ["sigmoid", "simpo"])
+def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path, kind):
     """Four pairs through the trainer's rank_batch (a token budget that packs them into several micro-batches, the
-    pairs whole) and preference_forward_backward, the reference another checkpoint: the gradients equal those of
-    forge-dpo's loss (mean over pairs) on the same pairs; so do the loss and the pair metrics."""
+    pairs whole) and preference_forward_backward, the reference another checkpoint (SimPO: none): the gradients
+    equal those of forge-dpo's loss (mean over pairs) on the same pairs; so do the loss and the pair metrics."""
     from forge_megatron.mcore import parallel
     from forge_megatron.mcore.forward import make_tree_forward_step
     from forge_megatron.training.trainer import preference_forward_backward, rank_batch, run_schedule
@@ -31,7 +32,8 @@ def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path):
     data = _write(tmp_path / "pairs.jsonl", _tool_pairs(4, seed=2))
     feed = P.PreferenceFeed(data, base, pairs_per_step=4, token_budget=320, seed=0)
     batch = feed.batch(0)
-    args = type("A", (), {"dpo_beta": 0.4, "dpo_loss": "sigmoid", "dpo_label_smoothing": 0.1, "dpo_sft_coef": 0.3})
+    args = type("A", (), {"dpo_beta": 0.4, "dpo_loss": kind, "dpo_label_smoothing": 0.1, "dpo_sft_coef": 0.3,
+                          "simpo_gamma": 0.2})
     parallel.initialize(seed=0)
     try:
         model, _ = P.sft.build_model(base, None, False)
@@ -43,8 +45,9 @@ def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path):
             mb.extras["ref_logp_M"] = logp_M.detach()
             return logp_M.sum() * 0.0, {}
 
-        with torch.no_grad():
-            run_schedule([ref], rb, make_tree_forward_step(keep), forward_only=True)
+        if kind != "simpo":
+            with torch.no_grad():
+                run_schedule([ref], rb, make_tree_forward_step(keep), forward_only=True)
         metrics = preference_forward_backward([model], rb, args)
         ours = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
@@ -54,8 +57,9 @@ def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path):
             c, r = batch.samples[k], batch.samples[k + 1]
             pairs.append(P.Pair((c.tokens.tolist(), c.loss_mask.tolist(), []),
                                 (r.tokens.tolist(), r.loss_mask.tolist(), [])))
-        P.set_reference(ref, pairs, 4)
-        loss, want = P.dpo_pairs_loss(model, None, 0.4, "sigmoid", 0.1, 0.3)(pairs)
+        if kind != "simpo":
+            P.set_reference(ref, pairs, 4)
+        loss, want = P.dpo_pairs_loss(model, None, 0.4, kind, 0.1, 0.3, gamma=0.2)(pairs)
         loss.backward()
     finally:
         parallel.destroy()
@@ -98,6 +102,9 @@ def test_trainer_dpo_runs_under_pp_and_tp_and_resumes(tmp_path):
     runs["tp2"], _ = _run(tmp_path, "tp2", model_dir, data, nproc=2, extra=["--tensor-model-parallel-size", "2"])
     runs["resumed"], outs = _run(tmp_path, "resumed", model_dir, data, exits=(2, None))
     assert "resumed from" in outs[1]
+    simpo, outs = _run(tmp_path, "simpo", model_dir, data, extra=["--dpo-loss", "simpo", "--dpo-beta", "2"])
+    assert "reference model" not in outs[0] and "DPO simpo" in outs[0]  # reference-free: no second model
+    assert len(simpo) == 4 and simpo[-1]["loss"] < simpo[0]["loss"] and simpo[-1]["dpo/accuracy"] == 1.0
     one = runs["one"]
     assert len(one) == 4 and one[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # the policy is the reference
     assert one[-1]["loss"] < 0.5 * one[0]["loss"] and one[-1]["dpo/accuracy"] == 1.0
@@ -126,7 +133,9 @@ def test_preference_flags_are_checked(tmp_path):
                            (["--preference-data", data, "--reward-model", "--context-parallel-size", "2"],
                             "not under context parallelism"),
                            (["--preference-data", data, "--reward-model", "--ref-hf-checkpoint", str(tmp_path)],
-                            "drop --ref-hf-checkpoint")):
+                            "drop --ref-hf-checkpoint"),
+                           (["--preference-data", data, "--dpo-loss", "simpo", "--ref-hf-checkpoint", str(tmp_path)],
+                            "simpo has no reference model")):
         with pytest.raises(ValueError, match=message):
             arguments.validate_args(arguments.build_parser().parse_args(base + extra))
     args = arguments.build_parser().parse_args(base + ["--preference-data", data])
