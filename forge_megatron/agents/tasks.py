@@ -44,32 +44,26 @@ class Task:
 
 def load_tasks(path: str) -> list[Task]:
     """Read a tasks JSONL file (blank lines skipped); task ids must be unique."""
+    from forge_megatron.utils.jsonl import read_records
+
     tasks, seen = [], set()
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TaskError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise TaskError(f"{where}: a task must be a JSON object")
-            unknown = set(record) - {"task_id", "prompt", "domain", "answer", "metadata"}
-            if unknown:
-                raise TaskError(f"{where}: unknown field(s) {sorted(unknown)}")
-            for required in ("task_id", "prompt"):
-                if required not in record:
-                    raise TaskError(f"{where}: missing field {required!r}")
-            try:
-                task = Task(**record)
-            except TaskError as exc:
-                raise TaskError(f"{where}: {exc}") from None
-            if task.task_id in seen:
-                raise TaskError(f"{where}: duplicate task_id {task.task_id!r}")
-            seen.add(task.task_id)
-            tasks.append(task)
+    for where, record in read_records(path, TaskError):
+        if not isinstance(record, dict):
+            raise TaskError(f"{where}: a task must be a JSON object")
+        unknown = set(record) - {"task_id", "prompt", "domain", "answer", "metadata"}
+        if unknown:
+            raise TaskError(f"{where}: unknown field(s) {sorted(unknown)}")
+        for required in ("task_id", "prompt"):
+            if required not in record:
+                raise TaskError(f"{where}: missing field {required!r}")
+        try:
+            task = Task(**record)
+        except TaskError as exc:
+            raise TaskError(f"{where}: {exc}") from None
+        if task.task_id in seen:
+            raise TaskError(f"{where}: duplicate task_id {task.task_id!r}")
+        seen.add(task.task_id)
+        tasks.append(task)
     if not tasks:
         raise TaskError(f"{path}: no tasks")
     return tasks

@@ -256,6 +256,24 @@ class TreeMicroBatch:
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TreeMicroBatch], tuple]
 
 
+def _stage_forward(model, micro_batch: TreeMicroBatch, backend: str | None = None, fused_output: bool = True):
+    """This pipeline stage's forward of one tree micro-batch for Megatron's schedules, the output layer deferred
+    (:func:`output_layer_deferred`) when ``fused_output``; (output, captured head, padding multiple)."""
+    if not isinstance(micro_batch, TreeMicroBatch):
+        raise TypeError(f"tree forward step expects TreeMicroBatch items, got {type(micro_batch).__name__}")
+    config = model.config  # GPTModel and Megatron's wrappers (DDP, Float16Module) all carry it
+    if config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths and not micro_batch.fixed_length:
+        raise ValueError("tree micro-batches vary in length: build the model with variable_seq_lengths=True under "
+                         "PP, or pad every micro-batch of the step to one length (TreeMicroBatch.fixed_length)")
+    device = next(model.parameters()).device
+    multiple = seq_multiple(config)
+    routing_replay.set_micro_batch(model, micro_batch.routing, micro_batch.layout.unique_tokens, multiple)
+    with output_layer_deferred(model, fused_output) as captured:
+        output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device, multiple=multiple))
+    routing_replay.after_forward(model)
+    return output, captured, multiple
+
+
 def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend: str | None = None,
                            fused_output: bool = True, head_dtype: torch.dtype | None = None,
                            temperature: float = 1.0):
@@ -273,18 +291,7 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
 
     def forward_step(data_iterator, model):
         micro_batch = next(data_iterator)
-        if not isinstance(micro_batch, TreeMicroBatch):
-            raise TypeError(f"tree forward step expects TreeMicroBatch items, got {type(micro_batch).__name__}")
-        config = model.config  # GPTModel and Megatron's wrappers (DDP, Float16Module) all carry it
-        if config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths and not micro_batch.fixed_length:
-            raise ValueError("tree micro-batches vary in length: build the model with variable_seq_lengths=True under "
-                             "PP, or pad every micro-batch of the step to one length (TreeMicroBatch.fixed_length)")
-        device = next(model.parameters()).device
-        multiple = seq_multiple(config)
-        routing_replay.set_micro_batch(model, micro_batch.routing, micro_batch.layout.unique_tokens, multiple)
-        with output_layer_deferred(model, fused_output) as captured:
-            output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device, multiple=multiple))
-        routing_replay.after_forward(model)
+        output, captured, multiple = _stage_forward(model, micro_batch, backend, fused_output)
         head = _captured_head(captured)
 
         def loss_func(output_1TX):
@@ -306,16 +313,7 @@ def make_score_forward_step(loss_fn, backend: str | None = None):
 
     def forward_step(data_iterator, model):
         micro_batch = next(data_iterator)
-        config = model.config
-        if config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths and not micro_batch.fixed_length:
-            raise ValueError("tree micro-batches vary in length: build the model with variable_seq_lengths=True under "
-                             "PP, or pad every micro-batch of the step to one length (TreeMicroBatch.fixed_length)")
-        device = next(model.parameters()).device
-        multiple = seq_multiple(config)
-        routing_replay.set_micro_batch(model, micro_batch.routing, micro_batch.layout.unique_tokens, multiple)
-        with output_layer_deferred(model) as captured:
-            output = model(**tree_model_inputs(micro_batch.layout, backend=backend, device=device, multiple=multiple))
-        routing_replay.after_forward(model)
+        output, captured, _ = _stage_forward(model, micro_batch, backend)
         head = score_head(model) if captured is not None else None
 
         def loss_func(hidden_1TH):

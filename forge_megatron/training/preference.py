@@ -79,22 +79,16 @@ class Pair:
 # ---------------------------------------------------------------------------------------------------- data
 def load_pairs(path: str) -> list[dict]:
     """The preference pairs of a JSONL file (see the module docstring), checked; image parts given as files read."""
+    from forge_megatron.utils.jsonl import read_records
+
     pairs = []
     base = os.path.dirname(os.path.abspath(path))
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not JSON ({exc})") from None
-            check_pair(record, where)
-            for key in ("prompt", "chosen", "rejected"):
-                if isinstance(record.get(key), list):
-                    sft._read_image_files(record[key], base, f"{where}: {key}")
-            pairs.append(record)
+    for where, record in read_records(path):
+        check_pair(record, where)
+        for key in ("prompt", "chosen", "rejected"):
+            if isinstance(record.get(key), list):
+                sft._read_image_files(record[key], base, f"{where}: {key}")
+        pairs.append(record)
     if not pairs:
         raise ValueError(f"{path}: no pairs")
     return pairs

@@ -28,7 +28,6 @@ Legend: M = next-token targets of the samples of a batch.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -97,20 +96,18 @@ def _render_text(tokenizer, messages: list[dict], tools: list | None) -> tuple[l
 def load_chats(path: str) -> list[dict]:
     """The conversations (or token samples, :func:`check_token_sample`) of a JSONL file; image parts given as files (a
     path relative to the file's directory, an absolute one or a ``file://`` URL) read into data URLs."""
+    from forge_megatron.utils.jsonl import read_records
+
     chats = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                record = json.loads(line)
-                if "input_ids" in record:
-                    check_token_sample(record, f"{path}:{lineno}")
-                    chats.append(record)
-                    continue
-                if not isinstance(record.get("messages"), list):
-                    raise ValueError(f"{path}:{lineno}: each line needs a 'messages' list (or 'input_ids' and "
-                                     "'loss_mask')")
-                _read_image_files(record["messages"], os.path.dirname(os.path.abspath(path)), f"{path}:{lineno}")
-                chats.append(record)
+    for where, record in read_records(path):
+        if isinstance(record, dict) and "input_ids" in record:
+            check_token_sample(record, where)
+            chats.append(record)
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+            raise ValueError(f"{where}: each line needs a 'messages' list (or 'input_ids' and 'loss_mask')")
+        _read_image_files(record["messages"], os.path.dirname(os.path.abspath(path)), where)
+        chats.append(record)
     if not chats:
         raise ValueError(f"{path}: no conversations")
     return chats

@@ -79,7 +79,7 @@ def test_pair_forms_and_loss_masks(tmp_path):
         with pytest.raises(ValueError, match="bad.jsonl:2"):
             P.load_pairs(path)
     (tmp_path / "junk.jsonl").write_text("{oops\n")
-    with pytest.raises(ValueError, match="junk.jsonl:1: not JSON"):
+    with pytest.raises(ValueError, match="junk.jsonl:1: not valid JSON"):
         P.load_pairs(str(tmp_path / "junk.jsonl"))
     with pytest.raises(ValueError, match="pair 0: token id 99999 is outside"):
         P.render_pairs(tok, [{"chosen": {"input_ids": [1, 99999], "loss_mask": [0, 1]},
