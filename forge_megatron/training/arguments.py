@@ -291,6 +291,11 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="KL estimator per token: k3 = exp(ref - logp) - (ref - logp) - 1 (non-negative), k1 = logp - ref")
     g.add_argument("--ref-hf-checkpoint", default=None,
                    help="HF directory of the KL reference (same architecture); default --hf-checkpoint")
+    g.add_argument("--sft-data", default=None, metavar="JSONL",
+                   help="supervised fine-tuning offline on these conversations or token samples (forge-sft's data "
+                        "forms) instead of RL on the pool's batches: no pool, no engines, no weight sync; "
+                        "--train-batch-groups samples per step, the loss the token mean of the trained tokens' NLL "
+                        "over the whole batch; export with forge-convert trainer-to-hf")
     g.add_argument("--preference-data", default=None, metavar="JSONL",
                    help="train DPO offline on these preference pairs (forge-dpo's data forms, docs/training.md) "
                         "instead of RL on the pool's batches: no pool, no engines, no weight sync; --train-batch-groups "
@@ -660,6 +665,18 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--micro-batch-size {args.micro_batch_size}: forge packs every micro-batch as one prefix "
                          "forest; size them with --tree-token-budget (unique tokens per micro-batch)")
     preference = getattr(args, "preference_data", None)
+    sft_data = getattr(args, "sft_data", None)
+    if sft_data is not None:
+        if preference is not None:
+            raise ValueError("--sft-data and --preference-data: one offline mode per run")
+        if not os.path.isfile(sft_data):
+            raise ValueError(f"--sft-data {sft_data!r} is not a file")
+        if args.rl_kl_coef > 0 or args.old_logprobs != "rollout" or args.ref_hf_checkpoint:
+            raise ValueError("--sft-data trains supervised: drop --rl-kl-coef, --old-logprobs and --ref-hf-checkpoint")
+        if args.engine_urls or args.weight_sync_transport == "disk" or args.gateway_url:
+            raise ValueError("--sft-data trains offline: no --engine-urls, --gateway-url or weight sync (export the "
+                             "checkpoint with forge-convert trainer-to-hf)")
+        args.weight_sync_transport = "none"
     if preference is not None:
         if not os.path.isfile(preference):
             raise ValueError(f"--preference-data {preference!r} is not a file")

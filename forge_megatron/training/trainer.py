@@ -351,7 +351,7 @@ def preference_forward_backward(ddp, rb: RankBatch, args, fused_logprobs: bool =
     over the D ranks, so a rank's normaliser is pairs / D, and Megatron's division by the micro-batch count is undone
     as in :func:`forward_backward`."""
     from forge_megatron.mcore.forward import make_tree_forward_step
-    from forge_megatron.training.preference import tree_dpo_loss
+    from forge_megatron.training.offline import tree_dpo_loss
 
     num_mb = len(rb.micro_batches)
     pairs = (rb.global_sample_weight if rb.global_sample_weight is not None else len(rb.samples)) / 2
@@ -369,12 +369,33 @@ def preference_forward_backward(ddp, rb: RankBatch, args, fused_logprobs: bool =
                                                         temperature=temperature))
 
 
+def sft_forward_backward(ddp, rb: RankBatch, fused_logprobs: bool = True,
+                         head_dtype: torch.dtype | None = None) -> list[dict]:
+    """Supervised fine-tuning's forward and backward (``--sft-data``): each micro-batch's summed negative
+    log-likelihood of its trained tokens (training/offline.py ``tree_sft_loss``) over the whole batch's trained
+    tokens (the token mean of forge-sft), divided over the DP ranks as :func:`batch_loss_config` does."""
+    from forge_megatron.mcore.forward import make_tree_forward_step
+    from forge_megatron.training.offline import tree_sft_loss
+
+    num_mb = len(rb.micro_batches)
+    total = rb.global_loss_tokens if rb.global_loss_tokens is not None else rb.num_loss_tokens
+    norm = max(total, 1.0) / rb.dp_size
+
+    def loss_fn(logp_M, entropy_M, mb):
+        nll, metrics = tree_sft_loss(logp_M, {k: v.to(logp_M.device) for k, v in mb.extras.items()})
+        loss = nll / norm
+        metrics["loss"] = loss.item()
+        return loss * num_mb, metrics
+
+    return run_schedule(ddp, rb, make_tree_forward_step(loss_fn, fused_output=fused_logprobs, head_dtype=head_dtype))
+
+
 def reward_forward_backward(ddp, rb: RankBatch, center_coef: float = 0.0) -> list[dict]:
     """A reward model's Bradley-Terry forward and backward (``--preference-data --reward-model``): each micro-batch's
     summed pair losses (training/preference.py ``tree_bradley_terry_loss``) over the whole batch's pair count, as
     :func:`preference_forward_backward` normalises DPO's."""
     from forge_megatron.mcore.forward import make_score_forward_step
-    from forge_megatron.training.preference import tree_bradley_terry_loss
+    from forge_megatron.training.offline import tree_bradley_terry_loss
 
     num_mb = len(rb.micro_batches)
     pairs = (rb.global_sample_weight if rb.global_sample_weight is not None else len(rb.samples)) / 2
@@ -416,7 +437,10 @@ class Trainer:
         from forge_megatron.mcore import parallel
 
         self.args = args
-        self.preference = getattr(args, "preference_data", None) is not None  # DPO on pairs (training/preference.py)
+        # offline modes (training/offline.py): batches from a file, not the pool
+        self.preference = getattr(args, "preference_data", None) is not None  # DPO / a reward model on pairs
+        self.sft = getattr(args, "sft_data", None) is not None  # supervised fine-tuning
+        self.offline = self.preference or self.sft
         self.train_tower = bool(getattr(args, "train_vision_tower", False))
         self.reward_model = self.preference and bool(getattr(args, "reward_model", False))
         source = args.hf_checkpoint
@@ -501,8 +525,8 @@ class Trainer:
             name = getattr(args, "exit_signal", "SIGTERM")
             signal.signal(getattr(signal, name), lambda *_: setattr(self, "stop_reason", f"exit signal {name}"))
         self.saver = AsyncCheckpointSaver() if getattr(args, "async_save", False) else None  # every rank: a group
-        self.pool = self._pool_client() if self.rank == 0 and not self.preference else None
-        self.feed = self._preference_feed() if self.rank == 0 and self.preference else None
+        self.pool = self._pool_client() if self.rank == 0 and not self.offline else None
+        self.feed = self._offline_feed() if self.rank == 0 and self.offline else None
         self.syncer = make_syncer(args, self.bridge) if args.weight_sync_transport != "none" else None
         self.writer = MetricsWriter(args) if self.rank == 0 else None
         self.evals = EvalFeed(args.gateway_url, os.environ.get("FORGE_ADMIN_TOKEN")) \
@@ -607,9 +631,17 @@ class Trainer:
                                                    "--train-vision-tower estimates them"
                                                    if self.bridge.vision_tower and r["pp_rank"] == 0 else "") + ")")
 
-    def _preference_feed(self):
-        from forge_megatron.training.preference import PreferenceFeed
+    def _offline_feed(self):
+        """The batches of --sft-data or --preference-data (training/offline.py), made on rank 0."""
+        from forge_megatron.training.offline import PreferenceFeed, SftFeed
 
+        if self.sft:
+            per_step = arguments.train_batch_groups(self.args)
+            feed = SftFeed(self.args.sft_data, self.args.hf_checkpoint, per_step, self.args.tree_token_budget,
+                           self.args.seed, self.vision, log=self._log)
+            self._log(f"--sft-data {self.args.sft_data}: {len(feed.items)} samples, {per_step} per step: "
+                      f"{feed.epochs(self.args.train_iters):.2f} epoch(s) over {self.args.train_iters} iterations")
+            return feed
         pairs = arguments.train_batch_groups(self.args)
         feed = PreferenceFeed(self.args.preference_data, self.args.hf_checkpoint, pairs, self.args.tree_token_budget,
                               self.args.seed, self.vision, log=self._log)
@@ -787,6 +819,8 @@ class Trainer:
 
             dsa.set_indexer_loss_scale(1.0 / len(rb.micro_batches))  # as Megatron scales its auxiliary losses
             dsa.pop_indexer_losses()
+        if self.sft:
+            return sft_forward_backward(self.ddp, rb, self.args.fused_logprobs, self.head_dtype)
         if self.reward_model:
             return reward_forward_backward(self.ddp, rb, self.args.rm_center_coef)
         if self.preference:
@@ -846,7 +880,7 @@ class Trainer:
             return None
         t1 = time.perf_counter()
         # (a preference pair's two sides stay together: on one DP rank, in one micro-batch)
-        balance = "cost-groups" if self.preference and self.args.dp_balance == "cost" else self.args.dp_balance
+        balance = "cost-groups" if self.offline and self.args.dp_balance == "cost" else self.args.dp_balance
         rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
                         self.domains, balance, self.cfg.hidden_size,
                         interleaved_pp=self.pp_size if len(self.chunks) > 1 else None,
@@ -864,7 +898,7 @@ class Trainer:
             self.scheduler.step(increment=1)
         t2 = time.perf_counter()
         metrics = batch_metrics(rb, mb_metrics, self.policy_version)  # staleness w.r.t. the weights trained
-        if self.preference:  # pairs have no rewards, no sampling policy, no clipping
+        if self.offline:  # files' samples have no rewards, no sampling policy, no clipping
             metrics = {k: v for k, v in metrics.items() if not (
                 k in ("episodes", "clip_frac_high") or k.endswith(("reward_mean", "success_rate"))
                 or k.startswith("staleness_"))}
@@ -1032,6 +1066,10 @@ class Trainer:
 def progress_line(m: dict) -> str:
     """One console line per step; the training/inference mismatch (``rollout_kl``), the routing mismatch, the images
     encoded and a held-out evaluation published since the last step show when they were measured."""
+    if "sft/nll" in m:  # --sft-data
+        return (f"iter {m['iteration']} | loss {m['loss']:.4f} | epoch {m.get('pool/epoch', 0.0):.2f} | tokens "
+                f"{m['total_tokens']} (unique {m['unique_tokens']}, trained {m['sft/num_tokens']:.0f}) | fb "
+                f"{m['forward_backward_s']:.1f}s")
     for kind in ("dpo", "rm"):  # --preference-data
         if f"{kind}/accuracy" in m:
             return (f"iter {m['iteration']} | loss {m['loss']:.4f} | accuracy {m[kind + '/accuracy']:.3f} | margin "

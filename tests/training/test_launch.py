@@ -484,22 +484,22 @@ def test_dry_run_of_a_gemma3_vision_language_checkpoint_uses_sglangs_triton_atte
         assert backends(script, HF_CHECKPOINT=str(gemma), SGLANG_ATTENTION_BACKEND="flashinfer") == {"flashinfer"}
 
 
-DPO_SBATCH = os.path.join(ROOT, "scripts", "slurm", "dpo.sbatch")
+OFFLINE_SBATCH = os.path.join(ROOT, "scripts", "slurm", "offline.sbatch")
 
 
-def test_dpo_sbatch_dry_run_launches_the_trainer_on_pairs(tmp_path):
-    """scripts/slurm/dpo.sbatch: bash -n, --help shows the whole header, and a dry run's torchrun command is a trainer
+def test_offline_sbatch_dry_run_launches_the_trainer_on_pairs_and_chats(tmp_path):
+    """scripts/slurm/offline.sbatch: bash -n, --help shows the whole header, and a dry run's torchrun command is a trainer
     command line that parses and validates (the pairs, DPO's flags, sequence parallelism under TP); bad settings are
     refused by name."""
-    assert subprocess.run(["bash", "-n", DPO_SBATCH]).returncode == 0
-    shown = subprocess.run(["bash", DPO_SBATCH, "--help"], capture_output=True, text=True).stdout
+    assert subprocess.run(["bash", "-n", OFFLINE_SBATCH]).returncode == 0
+    shown = subprocess.run(["bash", OFFLINE_SBATCH, "--help"], capture_output=True, text=True).stdout
     assert "PAIRS_PER_STEP" in shown and shown.rstrip().endswith("node0, node1, ...")
     data = tmp_path / "pairs.jsonl"
     data.write_text('{"prompt": [{"role": "user", "content": "1+1"}], "chosen": "2", "rejected": "3"}\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(DRY_NODES="a b", TRAIN_NODES="2", GPUS_PER_NODE="8", TP="2", PP="2", PREFERENCE_DATA=str(data),
                DPO_BETA="0.2", DPO_LOSS="ipo", PAIRS_PER_STEP="32", REF_CHECKPOINT=str(tmp_path), LORA_RANK="8")
-    out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(["bash", OFFLINE_SBATCH, "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "DP=4" in out.stdout and "reference " + str(tmp_path) in out.stdout
     (cmd,) = _commands(out.stdout)
@@ -512,24 +512,33 @@ def test_dpo_sbatch_dry_run_launches_the_trainer_on_pairs(tmp_path):
     from forge_megatron.models.tiny import build_tiny_model
 
     tiny = build_tiny_model(str(tmp_path / "tiny"))  # its config here: forge-plan checks the layout first
-    out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
+    out = subprocess.run(["bash", OFFLINE_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
                          env={**env, "MODEL": "tiny", "HF_CHECKPOINT": tiny, "TP": "1", "LORA_RANK": ""})
     assert out.returncode == 0 and "plan: " in out.stdout and "fits in 80 GiB per GPU" in out.stdout, out.stderr
-    out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
+    out = subprocess.run(["bash", OFFLINE_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
                          env={**env, "REWARD_MODEL": "1", "REF_CHECKPOINT": "", "LORA_RANK": "", "RM_CENTER_COEF": "0.01"})
     assert out.returncode == 0 and "a Bradley-Terry reward model" in out.stdout, out.stderr
     args = _trainer_args(_commands(out.stdout)[0])
     assert args.reward_model and args.rm_center_coef == 0.01 and args.lr == 1e-5 and args.ref_hf_checkpoint is None
-    out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
+    out = subprocess.run(["bash", OFFLINE_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
                          env={**env, "DPO_LOSS": "simpo", "SIMPO_GAMMA": "0.8", "REF_CHECKPOINT": "", "LORA_RANK": ""})
     assert out.returncode == 0 and "no reference (gamma 0.8)" in out.stdout, out.stderr
     args = _trainer_args(_commands(out.stdout)[0])
     assert args.dpo_loss == "simpo" and args.simpo_gamma == 0.8
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}\n')
+    out = subprocess.run(["bash", OFFLINE_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
+                         env={**env, "PREFERENCE_DATA": "", "SFT_DATA": str(chats), "REF_CHECKPOINT": ""})
+    assert out.returncode == 0 and "supervised fine-tuning on " + str(chats) in out.stdout, out.stderr
+    args = _trainer_args(_commands(out.stdout)[0])
+    assert args.sft_data == str(chats) and args.preference_data is None and args.lr == 1e-5
     for bad, message in ((dict(DPO_LOSS="kto"), "DPO_LOSS=kto"), (dict(TP="3"), "TP*PP*CP=6 must divide"),
-                         (dict(PAIRS_PER_STEP="2"), "gives some of the DP=4 ranks no pair"),
+                         (dict(PAIRS_PER_STEP="2"), "gives some of the DP=4 ranks nothing to train"),
                          (dict(DRY_NODES="a"), "need TRAIN_NODES=2 nodes"),
                          (dict(REWARD_MODEL="1"), "REWARD_MODEL=1 trains without a reference"),
-                         (dict(DPO_LOSS="simpo"), "DPO_LOSS=simpo has no reference")):
-        out = subprocess.run(["bash", DPO_SBATCH, "--dry-run"], capture_output=True, text=True,
+                         (dict(DPO_LOSS="simpo"), "DPO_LOSS=simpo has no reference"),
+                         (dict(PREFERENCE_DATA=""), "set SFT_DATA (supervised) or PREFERENCE_DATA"),
+                         (dict(SFT_DATA=str(data)), "set SFT_DATA or PREFERENCE_DATA, not both")):
+        out = subprocess.run(["bash", OFFLINE_SBATCH, "--dry-run"], capture_output=True, text=True,
                              env={**env, **bad}, timeout=60)
         assert out.returncode == 1 and message in out.stderr, (bad, out.stderr)

@@ -1,7 +1,8 @@
-"""DPO in the Megatron trainer (``scripts/train_forge.py --preference-data``): the micro-batch loss, normalised over
-the batch's pairs, gives exactly the gradients of forge-dpo's loss on the same pairs however the batch is split into
+"""The Megatron trainer's offline modes (``scripts/train_forge.py --sft-data / --preference-data [--reward-model]``,
+training/offline.py): each mode's micro-batch loss, normalised over the whole batch, gives exactly the gradients of
+the one-rank tool's loss (forge-sft, forge-dpo, forge-rm) on the same samples however the batch is split into
 micro-batches; whole runs under PP = 2 and TP = 2 train like one rank; a run stopped and resumed trains the same
-pairs as an uninterrupted one. CPU, gloo."""
+data as an uninterrupted one. CPU, gloo."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import torch
 
 from forge_megatron.models.tiny import build_tiny_model
 from forge_megatron.training import preference as P
+from forge_megatron.training.offline import PreferenceFeed
 from tests.dist_utils import run_script
 
 from .test_preference import _tool_pairs, _write
@@ -30,7 +32,7 @@ def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path, kind):
     base = build_tiny_model(str(tmp_path / "base"), seed=0)
     ref_dir = build_tiny_model(str(tmp_path / "ref"), seed=5)
     data = _write(tmp_path / "pairs.jsonl", _tool_pairs(4, seed=2))
-    feed = P.PreferenceFeed(data, base, pairs_per_step=4, token_budget=320, seed=0)
+    feed = PreferenceFeed(data, base, pairs_per_step=4, token_budget=320, seed=0)
     batch = feed.batch(0)
     args = type("A", (), {"dpo_beta": 0.4, "dpo_loss": kind, "dpo_label_smoothing": 0.1, "dpo_sft_coef": 0.3,
                           "simpo_gamma": 0.2})
@@ -74,14 +76,15 @@ def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path, kind):
         assert torch.allclose(ours[name], ref_grad, rtol=1e-4, atol=1e-6 * ref_grad.abs().max().item()), name
 
 
-def _run(tmp_path, name, model_dir, data, nproc=1, extra=(), exits=(None,), iters=4):
+def _run(tmp_path, name, model_dir, data, nproc=1, extra=(), exits=(None,), iters=4, preference=True):
     run_dir = str(tmp_path / name)
     outs = []
+    mode = ["--preference-data", data, "--dpo-beta", "0.5"] if preference else []
     for exit_at in exits:
         args = [*model_args(), "--hf-checkpoint", model_dir, "--lr", "2e-3", "--train-iters", str(iters),
-                "--save", f"{run_dir}/ckpt", "--load", f"{run_dir}/ckpt", "--save-interval", "2",
-                "--preference-data", data, "--train-batch-groups", "4", "--tree-token-budget", "400",
-                "--dpo-beta", "0.5", "--log-interval", "1", "--metrics-jsonl", f"{run_dir}/metrics.jsonl", *extra,
+                "--save", f"{run_dir}/ckpt", "--load", f"{run_dir}/ckpt", "--save-interval", "2", *mode,
+                "--train-batch-groups", "4", "--tree-token-budget", "400",
+                "--log-interval", "1", "--metrics-jsonl", f"{run_dir}/metrics.jsonl", *extra,
                 *(["--exit-interval", str(exit_at)] if exit_at else [])]
         env = train_env() if nproc == 1 else {**os.environ, "OMP_NUM_THREADS": "1"}
         out = run_script(TRAIN, args, nproc=nproc, env=env)
@@ -135,7 +138,10 @@ def test_preference_flags_are_checked(tmp_path):
                            (["--preference-data", data, "--reward-model", "--ref-hf-checkpoint", str(tmp_path)],
                             "drop --ref-hf-checkpoint"),
                            (["--preference-data", data, "--dpo-loss", "simpo", "--ref-hf-checkpoint", str(tmp_path)],
-                            "simpo has no reference model")):
+                            "simpo has no reference model"),
+                           (["--sft-data", data, "--preference-data", data], "one offline mode per run"),
+                           (["--sft-data", str(tmp_path / "none.jsonl")], "--sft-data .* is not a file"),
+                           (["--sft-data", data, "--rl-kl-coef", "0.1"], "--sft-data trains supervised")):
         with pytest.raises(ValueError, match=message):
             arguments.validate_args(arguments.build_parser().parse_args(base + extra))
     args = arguments.build_parser().parse_args(base + ["--preference-data", data])
@@ -155,7 +161,7 @@ def test_trainer_reward_model_loss_gives_forge_rms_gradients(tmp_path):
     for i, r in enumerate(records):
         r["margin"] = 0.25 * i
     data = _write(tmp_path / "pairs.jsonl", records)
-    feed = P.PreferenceFeed(data, base, pairs_per_step=4, token_budget=320, seed=0)
+    feed = PreferenceFeed(data, base, pairs_per_step=4, token_budget=320, seed=0)
     batch = feed.batch(0)
     parallel.initialize(seed=0)
     try:
@@ -234,3 +240,67 @@ def test_trainer_reward_model_runs_under_pp_and_tp_resumes_and_exports(tmp_path)
     with torch.no_grad():
         scores = [hf(input_ids=torch.tensor([ids])).logits[0, 0].item() for ids, _, _ in P._samples(pairs)]
     assert sum(c > r for c, r in zip(scores[0::2], scores[1::2])) == len(pairs)
+
+
+def _sft_chats(n: int, seed: int) -> list[dict]:
+    from forge_megatron.agents import calculator
+
+    return [{"messages": c, "tools": calculator.TOOLS}
+            for c in calculator.sft_conversations(calculator.make_tasks(n, seed=seed), 0.5)]
+
+
+def test_trainer_sft_loss_gives_forge_sfts_gradients(tmp_path):
+    """--sft-data: the trainer's token-mean NLL over several micro-batches gives forge-sft's loss (its sft_loss on
+    the same samples) and every gradient; token samples and chats are taken alike."""
+    from forge_megatron.mcore import parallel
+    from forge_megatron.training.metrics import combine_micro_batch_metrics
+    from forge_megatron.training.offline import SftFeed
+    from forge_megatron.training.trainer import rank_batch, sft_forward_backward
+
+    base = build_tiny_model(str(tmp_path / "base"), seed=0)
+    data = _write(tmp_path / "chats.jsonl", _sft_chats(5, seed=1) + [{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}])
+    feed = SftFeed(data, base, per_step=6, token_budget=400, seed=0)
+    batch = feed.batch(0)
+    assert len(batch.samples) == 6 and sorted(len(s.tokens) for s in batch.samples)[0] == 4
+    parallel.initialize(seed=0)
+    try:
+        model, _ = P.sft.build_model(base, None, False)
+        rb = rank_batch(batch, 320, True, 0, 1, [], "cost-groups")
+        assert len(rb.micro_batches) >= 2 and rb.overlong_samples == 0
+        metrics = combine_micro_batch_metrics(sft_forward_backward([model], rb))
+        ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        loss = P.sft.sft_loss(model, [(s.tokens.tolist(), s.loss_mask.tolist(), []) for s in batch.samples])
+        loss.backward()
+        for name, p in model.named_parameters():
+            assert torch.allclose(ours[name], p.grad, rtol=1e-4, atol=1e-6 * p.grad.abs().max().item()), name
+    finally:
+        parallel.destroy()
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert metrics["sft/nll"] == pytest.approx(loss.item(), rel=1e-5)
+    assert metrics["sft/num_tokens"] == sum(int(s.loss_mask[1:].sum()) for s in batch.samples)
+
+
+def test_trainer_sft_runs_under_pp_and_tp_and_resumes(tmp_path):
+    """--sft-data runs: the loss falls; PP = 2 and TP = 2 equal one rank, a stopped-and-resumed run too; the export
+    is the trained causal LM."""
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    data = _write(tmp_path / "chats.jsonl", _sft_chats(24, seed=0))
+    sft = ["--sft-data", data]
+    runs = {}
+    runs["one"], outs = _run(tmp_path, "one", model_dir, data, extra=sft, preference=False)
+    assert "--sft-data" in outs[0] and "24 samples, 4 per step" in outs[0] and "reference model" not in outs[0]
+    assert "| epoch " in outs[0] and "trained " in outs[0]
+    runs["pp2"], _ = _run(tmp_path, "pp2", model_dir, data, nproc=2, extra=sft + ["--pipeline-model-parallel-size", "2"],
+                          preference=False)
+    runs["tp2"], _ = _run(tmp_path, "tp2", model_dir, data, nproc=2,
+                          extra=sft + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], preference=False)
+    runs["resumed"], outs = _run(tmp_path, "resumed", model_dir, data, extra=sft, exits=(2, None), preference=False)
+    assert "resumed from" in outs[1]
+    one = runs["one"]
+    assert len(one) == 4 and one[-1]["loss"] < one[0]["loss"]
+    for name in ("pp2", "tp2", "resumed"):
+        assert len(runs[name]) == 4, name
+        for a, b in zip(one, runs[name]):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), name
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
