@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--eval-samples, --eval-concurrency and --eval-every-versions must be >= 1")
         PeriodicEval(gateway, agent, eval_tasks, args.eval_every_versions, args.eval_samples,
                      verifier, args.eval_timeout_s or args.episode_timeout_s, args.eval_concurrency,
-                     args.eval_output, args.eval_at_start, sampling=eval_sampling(args)).start(stop)
+                     args.eval_output, args.eval_at_start, sampling=eval_sampling(args),
+                     success_threshold=args.eval_success_threshold).start(stop)
     reporter = threading.Thread(target=_report, args=(driver, stop), daemon=True)
     reporter.start()
     driver.run(stop, args.max_groups)

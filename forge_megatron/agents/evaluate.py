@@ -11,8 +11,10 @@ tasks and per domain:
 
   ``pass@k``         for k = 1, 2, 4, ... up to ``samples`` (and ``samples`` itself): the unbiased estimator
                      1 - C(n - c, k) / C(n, k) per task (n episodes, c successes), averaged over tasks;
-                     pass@1 is the success rate. Success = a finished episode with reward > 0 (the rollout
-                     driver's rule); failed, timed-out and lost episodes count as unsuccessful.
+                     pass@1 is the success rate. Success = a finished episode with reward above
+                     ``--eval-success-threshold`` (default 0: reward > 0, the rollout driver's rule; a reward
+                     model's raw scores want their own bar); failed, timed-out and lost episodes count as
+                     unsuccessful.
   ``mean_reward``    over finished episodes (None if none finished)
   ``finished``       fraction of episodes that finished (the rest failed, timed out or were lost)
   ``completion_tokens_mean``, ``duration_s_mean``   over finished episodes
@@ -76,18 +78,20 @@ def pass_ks(samples: int) -> list[int]:
     return ks if ks[-1] == samples else ks + [samples]
 
 
-def _success(report: EpisodeReport) -> bool:
-    return report.status == "finished" and report.reward is not None and report.reward > 0
+def _success(report: EpisodeReport, threshold: float = 0.0) -> bool:
+    return report.status == "finished" and report.reward is not None and report.reward > threshold
 
 
-def summarise(reports: list[EpisodeReport], samples: int) -> dict:
-    """The metrics of the module docstring over ``reports`` (every task run ``samples`` times)."""
+def summarise(reports: list[EpisodeReport], samples: int, success_threshold: float = 0.0) -> dict:
+    """The metrics of the module docstring over ``reports`` (every task run ``samples`` times); an episode succeeds
+    with a reward above ``success_threshold``."""
     by_task: dict[str, list[EpisodeReport]] = {}
     for r in reports:
         by_task.setdefault(r.task_id, []).append(r)
     out: dict = {"tasks": len(by_task), "episodes": len(reports)}
     for k in pass_ks(samples):
-        scores = [pass_at_k(len(rs), sum(map(_success, rs)), k) for rs in by_task.values() if len(rs) >= k]
+        scores = [pass_at_k(len(rs), sum(_success(r, success_threshold) for r in rs), k)
+                  for rs in by_task.values() if len(rs) >= k]
         out[f"pass@{k}"] = sum(scores) / len(scores) if scores else None
     finished = [r for r in reports if r.status == "finished"]
     out["finished"] = len(finished) / len(reports) if reports else None
@@ -101,9 +105,10 @@ def summarise(reports: list[EpisodeReport], samples: int) -> dict:
 
 def evaluate(gateway: GatewayClient, agent, tasks: list[Task], samples: int = 1, verifier: Verifier = exact_match,
              timeout_s: float = 300.0, concurrency: int = 8, stop: threading.Event | None = None,
-             sampling: dict | None = None) -> dict | None:
+             sampling: dict | None = None, success_threshold: float = 0.0) -> dict | None:
     """Run every task ``samples`` times in eval sessions; the summary overall and per domain (``domains``).
-    ``sampling`` ({temperature, top_p, top_k}) replaces the agent's values on every call (e.g. temperature 0).
+    ``sampling`` ({temperature, top_p, top_k}) replaces the agent's values on every call (e.g. temperature 0); an
+    episode succeeds with a reward above ``success_threshold``.
 
     Returns None when ``stop`` was set before every episode ran, or while one that did not finish was running
     (stopping may be what cut it): the partial result would be biased."""
@@ -130,10 +135,12 @@ def evaluate(gateway: GatewayClient, agent, tasks: list[Task], samples: int = 1,
                                            and any(r.status != "finished" for r in reports)):
         return None
     domains = sorted({t.domain for t in tasks})
-    result = {"policy_version": version, **summarise(reports, samples), "samples": samples,
-              "sampling": dict(sampling or {}), "wall_s": time.time() - started}
+    result = {"policy_version": version, **summarise(reports, samples, success_threshold), "samples": samples,
+              "sampling": dict(sampling or {}), "success_threshold": success_threshold,
+              "wall_s": time.time() - started}
     if len(domains) > 1:
-        result["domains"] = {d: summarise([r for r in reports if r.domain == d], samples) for d in domains}
+        result["domains"] = {d: summarise([r for r in reports if r.domain == d], samples, success_threshold)
+                             for d in domains}
     return result
 
 
@@ -168,7 +175,8 @@ class PeriodicEval:
     def __init__(self, gateway: GatewayClient, agent, tasks: list[Task], every_versions: int, samples: int = 1,
                  verifier: Verifier = exact_match, timeout_s: float = 300.0, concurrency: int = 8,
                  output: str | None = None, at_start: bool = True, poll_s: float = 1.0,
-                 on_result: Callable[[dict], None] | None = None, sampling: dict | None = None):
+                 on_result: Callable[[dict], None] | None = None, sampling: dict | None = None,
+                 success_threshold: float = 0.0):
         if every_versions < 1:
             raise ValueError(f"every_versions must be >= 1, got {every_versions}")
         if not tasks:
@@ -180,6 +188,7 @@ class PeriodicEval:
         self.results: list[dict] = []
         self.on_result = on_result
         self.sampling = sampling
+        self.success_threshold = success_threshold
 
     def due(self, version: int) -> bool:
         return version >= self.next_due
@@ -203,7 +212,7 @@ class PeriodicEval:
 
     def run_once(self, stop: threading.Event | None = None) -> dict | None:
         result = evaluate(self.gateway, self.agent, self.tasks, self.samples, self.verifier, self.timeout_s,
-                          self.concurrency, stop, self.sampling)
+                          self.concurrency, stop, self.sampling, self.success_threshold)
         if result is None:
             log.info("eval interrupted (stopping); not recorded")
             return None
@@ -233,6 +242,9 @@ def add_eval_arguments(p: argparse.ArgumentParser, periodic: bool) -> None:
                    help="sample evaluation calls at this temperature whatever the agent asks (0: greedy)")
     g.add_argument("--eval-top-p", type=float, default=None, help="the same for top_p")
     g.add_argument("--eval-top-k", type=int, default=None, help="the same for top_k (-1: off)")
+    g.add_argument("--eval-success-threshold", type=float, default=0.0,
+                   help="an episode succeeds (pass@k) with a reward above this (default 0; with a reward model's raw "
+                        "scores, e.g. --verifier rm, the score that means right)")
     if periodic:
         g.add_argument("--eval-tasks", default=None, help="held-out tasks JSONL (same format as --tasks); "
                        "enables periodic evaluation")
@@ -274,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"forge-eval: {exc}") from exc
     result = evaluate(GatewayClient(args.gateway_url, args.admin_token), build_agent(args), tasks,
                       args.eval_samples, verifier,
-                      args.eval_timeout_s or 300.0, args.eval_concurrency, sampling=eval_sampling(args))
+                      args.eval_timeout_s or 300.0, args.eval_concurrency, sampling=eval_sampling(args),
+                      success_threshold=args.eval_success_threshold)
     log.info(format_result(result))
     if args.eval_output:
         append_jsonl(args.eval_output, result)

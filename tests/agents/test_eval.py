@@ -41,6 +41,10 @@ def test_summarise_counts_failures_as_unsuccessful():
     assert out["finished"] == pytest.approx(0.75) and out["mean_reward"] == pytest.approx(2 / 3)
     assert out["completion_tokens_mean"] == pytest.approx(10) and out["policy_versions"] == [3, 5]
     assert (out["tasks"], out["episodes"]) == (2, 4)
+    # a reward model's raw scores: success above a threshold of the user's (here 0.5; -1.2 and 0.3 do not pass)
+    scored = [_report("a", reward=2.5), _report("a", reward=-1.2), _report("b", reward=0.3), _report("b", reward=0.7)]
+    assert summarise(scored, samples=2)["pass@1"] == pytest.approx((0.5 + 1.0) / 2)
+    assert summarise(scored, samples=2, success_threshold=0.5)["pass@1"] == pytest.approx((0.5 + 0.5) / 2)
 
 
 def test_eval_sessions_are_served_but_never_reach_the_sink(stack):
