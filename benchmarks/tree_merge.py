@@ -21,7 +21,8 @@ are sums over every token that largely cancel, so they are checked apart (max_re
 tests/kernels/test_gated_delta.py shows them exact in fp64).
 
 Workloads: ``grpo`` (one prompt, G completions), ``agentic`` (episodes of T calls, call k re-sending the system
-prompt and the first k turns; episodes share the system prompt) or a JSONL file with one sample per line,
+prompt and the first k turns; episodes share the system prompt), ``preference`` (DPO / reward-model pairs: a shared
+system prompt, each pair its own prompt and two answers, the loss on the answers) or a JSONL file with one sample per line,
 ``{"tokens": [...], "loss_mask": [...]}`` (loss_mask optional, one 0/1 per token; token t's mask weights the
 prediction of token t).
 
@@ -61,6 +62,19 @@ def agentic_workload(args, rng):
             history = history + _tokens(rng, args.turn_len, args.vocab)  # tool result / user turn + completion
             samples.append(list(history))
     return samples
+
+
+def preference_workload(args, rng):
+    """``--pairs`` preference pairs (DPO / reward-model batches): a shared system prompt, each pair its own prompt,
+    its chosen and rejected answers of ``--response-len``; the loss covers the answers only."""
+    system = _tokens(rng, args.system_len, args.vocab)
+    samples, masks = [], []
+    for _ in range(args.pairs):
+        prompt = system + _tokens(rng, args.prompt_len, args.vocab)
+        for _ in range(2):
+            samples.append(prompt + _tokens(rng, args.response_len, args.vocab))
+            masks.append([0.0] * len(prompt) + [1.0] * args.response_len)
+    return samples, masks
 
 
 def jsonl_workload(path):
@@ -204,6 +218,8 @@ def run(args) -> dict:
     elif args.workload == "agentic":
         samples = agentic_workload(args, rng)
         masks = [[1.0] * len(s) for s in samples]
+    elif args.workload == "preference":
+        samples, masks = preference_workload(args, rng)
     else:
         samples, masks = jsonl_workload(args.workload)
     tree, naive = build_models(args, samples)
@@ -238,7 +254,8 @@ def run(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--workload", default="agentic", help="'grpo', 'agentic' or a JSONL file of {'tokens': [...]}")
+    p.add_argument("--workload", default="agentic",
+                   help="'grpo', 'agentic', 'preference' or a JSONL file of {'tokens': [...]}")
     p.add_argument("--check", action="store_true", help="also compare gradients; exit 1 if not exact")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per path (best is reported)")
     p.add_argument("--backend", default="segment", help="tree attention backend (see kernels/tree_attention)")
@@ -261,6 +278,9 @@ def parse_args(argv=None):
     g.add_argument("--calls", type=int, default=20)
     g.add_argument("--system-len", type=int, default=64)
     g.add_argument("--turn-len", type=int, default=32)
+    g = p.add_argument_group("preference workload (DPO / reward-model pairs: --system-len, --prompt-len, "
+                             "--response-len per answer)")
+    g.add_argument("--pairs", type=int, default=16)
     return p.parse_args(argv)
 
 
