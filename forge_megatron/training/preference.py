@@ -3,7 +3,9 @@
 Both learn from pairs: one prompt, a preferred (*chosen*) and a dispreferred (*rejected*) continuation. The two
 sides of a pair share their prompt, and pairs of one task share it with each other, so a batch is one prefix forest
 (docs/prefix_tree.md): every shared prompt token is computed once, and the result equals scoring each side alone.
-Single rank (TP = PP = 1, as forge-sft), CPU or one GPU; both export a HF checkpoint.
+Single rank (TP = PP = 1, as forge-sft), CPU or one GPU; both export a HF checkpoint. For models beyond one GPU the
+Megatron trainer trains the same losses on the same data with every parallel layout (``--preference-data
+[--reward-model]``, training/offline.py).
 
 **Reward model** (``forge-rm``): the score of a sequence is a linear head on the final hidden state (after the
 final norm) of its last token, as transformers' ``*ForSequenceClassification`` and SGLang's ``/classify`` read it:

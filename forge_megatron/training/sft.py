@@ -8,7 +8,8 @@ its end-of-turn token:
     L = - sum_t m_t log pi(x_t | x_<t) / sum_t m_t         (m_t = 1 on assistant tokens)
 
 Batches are packed as one prefix forest (conversations share the long system/tools prefix), run through the same
-tree-packed Megatron forward as RL training, optimised with Adam. Single process (TP = PP = 1), CPU or GPU.
+tree-packed Megatron forward as RL training, optimised with Adam. Single process (TP = PP = 1), CPU or GPU; the
+Megatron trainer takes the same data with every parallel layout (``--sft-data``, training/offline.py).
 
     python -m forge_megatron.training.sft --hf-checkpoint IN_DIR --data chats.jsonl --out OUT_DIR --steps 300
 

@@ -343,71 +343,48 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
                                                         temperature=temperature))
 
 
-def preference_forward_backward(ddp, rb: RankBatch, args, fused_logprobs: bool = True,
-                                head_dtype: torch.dtype | None = None, temperature: float = 1.0) -> list[dict]:
-    """DPO's forward and backward (``--preference-data``) through Megatron's schedule: each micro-batch's summed pair
-    losses (training/preference.py ``tree_dpo_loss``; the reference's logprobs already in its extras) over the whole
-    batch's pair count. Every sample weighs 1, so the batch's pairs are half its summed sample weight; DDP averages
-    over the D ranks, so a rank's normaliser is pairs / D, and Megatron's division by the micro-batch count is undone
-    as in :func:`forward_backward`."""
-    from forge_megatron.mcore.forward import make_tree_forward_step
-    from forge_megatron.training.offline import tree_dpo_loss
+OFFLINE_MODES = ("sft", "dpo", "rm")
 
+
+def offline_forward_backward(ddp, rb: RankBatch, mode: str, args, fused_logprobs: bool = True,
+                             head_dtype: torch.dtype | None = None) -> list[dict]:
+    """The forward and backward of an offline mode (training/offline.py) through Megatron's schedule: ``sft``
+    (``--sft-data``: the trained tokens' NLL), ``dpo`` (``--preference-data``: DPO / IPO / SimPO, the reference's
+    logprobs already in the extras) or ``rm`` (``--reward-model``: Bradley-Terry on the score head). Each micro-batch's
+    summed loss is divided by the whole batch's count, trained tokens for SFT and pairs otherwise (every sample weighs
+    1, so the pairs are half the summed sample weight), over the D data-parallel ranks that DDP averages; Megatron's
+    division by the micro-batch count is undone as in :func:`forward_backward`. Scored at temperature 1: the model's
+    own distribution. ``args``: the ``--dpo-*``, ``--simpo-gamma`` and ``--rm-center-coef`` values."""
+    from forge_megatron.mcore.forward import make_score_forward_step, make_tree_forward_step
+    from forge_megatron.training.offline import tree_bradley_terry_loss, tree_dpo_loss, tree_sft_loss
+
+    if mode not in OFFLINE_MODES:
+        raise ValueError(f"offline mode {mode!r}: one of {OFFLINE_MODES}")
     num_mb = len(rb.micro_batches)
-    pairs = (rb.global_sample_weight if rb.global_sample_weight is not None else len(rb.samples)) / 2
-    norm = max(pairs, 1.0) / rb.dp_size
+    if mode == "sft":
+        count = rb.global_loss_tokens if rb.global_loss_tokens is not None else rb.num_loss_tokens
+    else:
+        count = (rb.global_sample_weight if rb.global_sample_weight is not None else len(rb.samples)) / 2
+    norm = max(count, 1.0) / rb.dp_size
 
-    def loss_fn(logp_M, entropy_M, mb):
-        x = {k: v.to(logp_M.device) for k, v in mb.extras.items()}
-        total, metrics = tree_dpo_loss(logp_M, x, args.dpo_beta, args.dpo_loss, args.dpo_label_smoothing,
-                                       args.dpo_sft_coef, args.simpo_gamma)
+    def scaled(total, metrics):
         loss = total / norm
         metrics["loss"] = loss.item()
         return loss * num_mb, metrics
 
-    return run_schedule(ddp, rb, make_tree_forward_step(loss_fn, fused_output=fused_logprobs, head_dtype=head_dtype,
-                                                        temperature=temperature))
+    if mode == "rm":
+        step = make_score_forward_step(
+            lambda scores_S, mb: scaled(*tree_bradley_terry_loss(scores_S, mb.extras, args.rm_center_coef)))
+    else:
+        def loss_fn(logp_M, entropy_M, mb):
+            x = {k: v.to(logp_M.device) for k, v in mb.extras.items()}
+            if mode == "sft":
+                return scaled(*tree_sft_loss(logp_M, x))
+            return scaled(*tree_dpo_loss(logp_M, x, args.dpo_beta, args.dpo_loss, args.dpo_label_smoothing,
+                                         args.dpo_sft_coef, args.simpo_gamma))
 
-
-def sft_forward_backward(ddp, rb: RankBatch, fused_logprobs: bool = True,
-                         head_dtype: torch.dtype | None = None) -> list[dict]:
-    """Supervised fine-tuning's forward and backward (``--sft-data``): each micro-batch's summed negative
-    log-likelihood of its trained tokens (training/offline.py ``tree_sft_loss``) over the whole batch's trained
-    tokens (the token mean of forge-sft), divided over the DP ranks as :func:`batch_loss_config` does."""
-    from forge_megatron.mcore.forward import make_tree_forward_step
-    from forge_megatron.training.offline import tree_sft_loss
-
-    num_mb = len(rb.micro_batches)
-    total = rb.global_loss_tokens if rb.global_loss_tokens is not None else rb.num_loss_tokens
-    norm = max(total, 1.0) / rb.dp_size
-
-    def loss_fn(logp_M, entropy_M, mb):
-        nll, metrics = tree_sft_loss(logp_M, {k: v.to(logp_M.device) for k, v in mb.extras.items()})
-        loss = nll / norm
-        metrics["loss"] = loss.item()
-        return loss * num_mb, metrics
-
-    return run_schedule(ddp, rb, make_tree_forward_step(loss_fn, fused_output=fused_logprobs, head_dtype=head_dtype))
-
-
-def reward_forward_backward(ddp, rb: RankBatch, center_coef: float = 0.0) -> list[dict]:
-    """A reward model's Bradley-Terry forward and backward (``--preference-data --reward-model``): each micro-batch's
-    summed pair losses (training/preference.py ``tree_bradley_terry_loss``) over the whole batch's pair count, as
-    :func:`preference_forward_backward` normalises DPO's."""
-    from forge_megatron.mcore.forward import make_score_forward_step
-    from forge_megatron.training.offline import tree_bradley_terry_loss
-
-    num_mb = len(rb.micro_batches)
-    pairs = (rb.global_sample_weight if rb.global_sample_weight is not None else len(rb.samples)) / 2
-    norm = max(pairs, 1.0) / rb.dp_size
-
-    def loss_fn(scores_S, mb):
-        total, metrics = tree_bradley_terry_loss(scores_S, mb.extras, center_coef)
-        loss = total / norm
-        metrics["loss"] = loss.item()
-        return loss * num_mb, metrics
-
-    return run_schedule(ddp, rb, make_score_forward_step(loss_fn))
+        step = make_tree_forward_step(loss_fn, fused_output=fused_logprobs, head_dtype=head_dtype)
+    return run_schedule(ddp, rb, step)
 
 
 def run_schedule(ddp, rb: RankBatch, forward_step, forward_only: bool = False) -> list[dict]:
@@ -488,15 +465,14 @@ class Trainer:
             if self.rank == 0:
                 self._log(f"--int4-qat: {len(rounded)} weight(s) on rank 0 computed with their int4 rounding (group "
                           f"{qat.group}), straight-through gradients to the full-precision weights")
-        # The frozen reference policy of the KL term (--rl-kl-coef > 0): same layout, no gradients, no optimizer.
+        # The frozen reference policy (the KL term's, DPO's): same layout, no gradients, no optimizer.
         # A LoRA run's reference, the checkpoint's model, is the policy with its adapters off (no second copy)
-        needs_reference = self.needs_reference
-        self.lora_reference = needs_reference and arguments.lora_reference(args)
+        self.lora_reference = self.needs_reference and arguments.lora_reference(args)
         if self.lora_reference and self.rank == 0:
             self._log("reference: the policy with its LoRA adapters off (the checkpoint's model; no copy of the "
                       "weights)")
         self.ref_chunks = build_reference_model(self.cfg, tower) \
-            if needs_reference and not self.lora_reference else None
+            if self.needs_reference and not self.lora_reference else None
         if qat is not None and self.ref_chunks is not None:  # the KL's reference rounded as the policy is
             int4_qat.install(self.bridge, self.ref_chunks, qat)
         self.ref_offload = None  # --ref-offload: HostOffload of ref_chunks, made once their weights are loaded
@@ -819,13 +795,9 @@ class Trainer:
 
             dsa.set_indexer_loss_scale(1.0 / len(rb.micro_batches))  # as Megatron scales its auxiliary losses
             dsa.pop_indexer_losses()
-        if self.sft:
-            return sft_forward_backward(self.ddp, rb, self.args.fused_logprobs, self.head_dtype)
-        if self.reward_model:
-            return reward_forward_backward(self.ddp, rb, self.args.rm_center_coef)
-        if self.preference:
-            return preference_forward_backward(self.ddp, rb, self.args, self.args.fused_logprobs, self.head_dtype,
-                                               self.temperature)
+        if self.offline:
+            mode = "sft" if self.sft else "rm" if self.reward_model else "dpo"
+            return offline_forward_backward(self.ddp, rb, mode, self.args, self.args.fused_logprobs, self.head_dtype)
         return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs,
                                 self.head_dtype, self.policy_version, self.temperature)
 
@@ -879,7 +851,7 @@ class Trainer:
             self.stopping = True
             return None
         t1 = time.perf_counter()
-        # (a preference pair's two sides stay together: on one DP rank, in one micro-batch)
+        # (offline: each item's samples stay together, a preference pair's two sides on one DP rank)
         balance = "cost-groups" if self.offline and self.args.dp_balance == "cost" else self.args.dp_balance
         rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
                         self.domains, balance, self.cfg.hidden_size,

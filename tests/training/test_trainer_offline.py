@@ -23,11 +23,11 @@ from .trainer_run import TRAIN, model_args, read_steps, train_env
 @pytest.mark.parametrize("kind", ["sigmoid", "simpo"])
 def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path, kind):
     """Four pairs through the trainer's rank_batch (a token budget that packs them into several micro-batches, the
-    pairs whole) and preference_forward_backward, the reference another checkpoint (SimPO: none): the gradients
+    pairs whole) and offline_forward_backward, the reference another checkpoint (SimPO: none): the gradients
     equal those of forge-dpo's loss (mean over pairs) on the same pairs; so do the loss and the pair metrics."""
     from forge_megatron.mcore import parallel
     from forge_megatron.mcore.forward import make_tree_forward_step
-    from forge_megatron.training.trainer import preference_forward_backward, rank_batch, run_schedule
+    from forge_megatron.training.trainer import offline_forward_backward, rank_batch, run_schedule
 
     base = build_tiny_model(str(tmp_path / "base"), seed=0)
     ref_dir = build_tiny_model(str(tmp_path / "ref"), seed=5)
@@ -50,7 +50,7 @@ def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path, kind):
         if kind != "simpo":
             with torch.no_grad():
                 run_schedule([ref], rb, make_tree_forward_step(keep), forward_only=True)
-        metrics = preference_forward_backward([model], rb, args)
+        metrics = offline_forward_backward([model], rb, "dpo", args)
         ours = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
 
@@ -154,7 +154,7 @@ def test_trainer_reward_model_loss_gives_forge_rms_gradients(tmp_path):
     centring term) gives forge-rm's loss, pair metrics and every gradient (the score head's too) on the same pairs."""
     from forge_megatron.mcore import parallel
     from forge_megatron.training.metrics import combine_micro_batch_metrics
-    from forge_megatron.training.trainer import rank_batch, reward_forward_backward
+    from forge_megatron.training.trainer import offline_forward_backward, rank_batch
 
     base = build_tiny_model(str(tmp_path / "base"), seed=0)
     records = _tool_pairs(4, seed=2, mixed=True)
@@ -168,7 +168,8 @@ def test_trainer_reward_model_loss_gives_forge_rms_gradients(tmp_path):
         rm = P.RewardModel(base)
         rb = rank_batch(batch, 320, True, 0, 1, [], "cost-groups")
         assert len(rb.micro_batches) >= 2
-        metrics = combine_micro_batch_metrics(reward_forward_backward([rm.model], rb, center_coef=0.2))
+        args = type("A", (), {"rm_center_coef": 0.2})
+        metrics = combine_micro_batch_metrics(offline_forward_backward([rm.model], rb, "rm", args))
         ours = {n: p.grad.clone() for n, p in rm.model.named_parameters() if p.grad is not None}
         rm.model.zero_grad()
         pairs = []
@@ -255,7 +256,7 @@ def test_trainer_sft_loss_gives_forge_sfts_gradients(tmp_path):
     from forge_megatron.mcore import parallel
     from forge_megatron.training.metrics import combine_micro_batch_metrics
     from forge_megatron.training.offline import SftFeed
-    from forge_megatron.training.trainer import rank_batch, sft_forward_backward
+    from forge_megatron.training.trainer import offline_forward_backward, rank_batch
 
     base = build_tiny_model(str(tmp_path / "base"), seed=0)
     data = _write(tmp_path / "chats.jsonl", _sft_chats(5, seed=1) + [{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}])
@@ -267,7 +268,7 @@ def test_trainer_sft_loss_gives_forge_sfts_gradients(tmp_path):
         model, _ = P.sft.build_model(base, None, False)
         rb = rank_batch(batch, 320, True, 0, 1, [], "cost-groups")
         assert len(rb.micro_batches) >= 2 and rb.overlong_samples == 0
-        metrics = combine_micro_batch_metrics(sft_forward_backward([model], rb))
+        metrics = combine_micro_batch_metrics(offline_forward_backward([model], rb, "sft", None))
         ours = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
         loss = P.sft.sft_loss(model, [(s.tokens.tolist(), s.loss_mask.tolist(), []) for s in batch.samples])
