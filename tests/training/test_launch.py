@@ -56,7 +56,7 @@ def test_bash_syntax_and_help():
          FP32_LM_HEAD=1, OVERLAP_GRAD_REDUCE=1, OVERLAP_PARAM_GATHER=1, WEIGHT_SYNC_INTERVAL=2, POLICY_SAMPLING=0, ROLLOUT_TEMPERATURE=0.8, TRUST_REMOTE_CODE=1, GATEWAY_WORKERS=4,
          SAVE_INTERVAL=25, KEEP_CHECKPOINTS=3, ASYNC_SAVE=1, EXIT_DURATION_MINS=1410),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
-         USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1,
+         USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1, KEEP_TRAJECTORIES=1,
          EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5, RETIRE_SOLVED_AFTER=3),
     # experts whole, EP 16 over DP x TP = 4 x 4 (EP could not exceed DP = 4 with the experts split over TP)
     dict(ROLLOUT_NODES=1, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=8, TP=4, PP=1, EP=16, CP=1, ETP=1,
@@ -121,6 +121,7 @@ def test_dry_run_plan_is_consistent(layout):
     remote = layout.get("TRUST_REMOTE_CODE") == 1  # the checkpoint's own code runs in the engines and the gateway
     assert node.trust_remote_code is remote and all(("--trust-remote-code" in c) is remote for c in engines)
     assert node.drop_zero_advantage_groups is (layout.get("DROP_ZERO_ADVANTAGE_GROUPS") == 1)
+    assert node.keep_trajectories is (layout.get("KEEP_TRAJECTORIES") == 1)  # (forge-pool-export --sft / --pairs)
     assert node.policy_sampling is (layout.get("POLICY_SAMPLING", 1) == 1)  # on unless turned off
     assert node.gateway_workers == layout.get("GATEWAY_WORKERS", 1)
     # the gateway samples training calls at the temperature the trainer scores them at
