@@ -305,3 +305,41 @@ def test_trainer_sft_runs_under_pp_and_tp_and_resumes(tmp_path):
         for a, b in zip(one, runs[name]):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), name
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
+
+
+def test_trainer_sft_with_pictures_gives_forge_sfts_gradients(tmp_path):
+    """--sft-data with image parts (the vision demo's chats, a tiny Qwen3-VL): the samples carry their normalised
+    images, the trainer's micro-batches (split by the token budget) encode them with the checkpoint's frozen tower,
+    and the loss and every gradient equal forge-sft's on the same samples."""
+    from forge_megatron.agents import colors
+    from forge_megatron.mcore import parallel
+    from forge_megatron.multimodal.images import ImageProcessor
+    from forge_megatron.training.metrics import combine_micro_batch_metrics
+    from forge_megatron.training.offline import SftFeed
+    from forge_megatron.training.trainer import offline_forward_backward, rank_batch
+
+    base = build_tiny_model(str(tmp_path / "base"), "qwen3_vl", images=True)
+    proc = ImageProcessor(base)
+    chats = [{"messages": c} for c in colors.sft_conversations(colors.make_tasks(4, seed=2), 1.0)]
+    data = _write(tmp_path / "chats.jsonl", chats)
+    feed = SftFeed(data, base, per_step=4, token_budget=1000, seed=0, processor=proc)
+    batch = feed.batch(0)
+    assert all(s.images and len(s.images) == 1 for s in batch.samples)
+    parallel.initialize(seed=0)
+    try:
+        model, _ = P.sft.build_model(base, proc, True)
+        longest = max(len(s.tokens) for s in batch.samples)
+        rb = rank_batch(batch, longest + 4, True, 0, 1, [], "cost-groups", vision=proc)
+        assert len(rb.micro_batches) >= 2 and rb.overlong_samples == 0
+        metrics = combine_micro_batch_metrics(offline_forward_backward([model], rb, "sft", None))
+        ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        loss = P.sft.sft_loss(model, [(s.tokens.tolist(), s.loss_mask.tolist(), list(s.images))
+                                      for s in batch.samples], proc)
+        loss.backward()
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                assert torch.allclose(ours[name], p.grad, rtol=1e-4, atol=1e-6 * p.grad.abs().max().item()), name
+    finally:
+        parallel.destroy()
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
