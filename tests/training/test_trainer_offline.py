@@ -343,3 +343,65 @@ def test_trainer_sft_with_pictures_gives_forge_sfts_gradients(tmp_path):
     finally:
         parallel.destroy()
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_dpo_pairs_with_pictures_train_the_answers_only(tmp_path):
+    """Preference pairs whose prompt holds a picture (the colour task: the right colour against a wrong one): the
+    loss mask starts right after the prompt's expanded image tokens, and the trainer's DPO loss over micro-batches
+    of pairs with images gives forge-dpo's loss and gradients."""
+    from transformers import AutoTokenizer
+
+    from forge_megatron.agents import colors
+    from forge_megatron.mcore import parallel
+    from forge_megatron.mcore.forward import make_tree_forward_step
+    from forge_megatron.multimodal.images import ImageProcessor
+    from forge_megatron.training.metrics import combine_micro_batch_metrics
+    from forge_megatron.training.trainer import offline_forward_backward, rank_batch, run_schedule
+
+    base = build_tiny_model(str(tmp_path / "base"), "qwen3_vl", images=True)
+    proc = ImageProcessor(base)
+    tok = AutoTokenizer.from_pretrained(base)
+    names = sorted(colors.COLORS)
+    records = [{"prompt": [colors.user_message(t)], "chosen": t.answer,
+                "rejected": next(n for n in names if n != t.answer)} for t in colors.make_tasks(3, seed=3)]
+    pair = P.render_pair(tok, records[0], proc)
+    ids, mask, images = pair.chosen
+    assert len(images) == 1 and tok.decode([t for t, m in zip(ids, mask) if m]) == records[0]["chosen"] + "<|im_end|>"
+    assert mask.index(1) == len(P._prompt_ids(tok, records[0]["prompt"], None, proc))
+    feed = PreferenceFeed(_write(tmp_path / "pairs.jsonl", records), base, pairs_per_step=3, token_budget=2000,
+                          processor=proc)
+    batch = feed.batch(0)
+    args = type("A", (), {"dpo_beta": 0.5, "dpo_loss": "sigmoid", "dpo_label_smoothing": 0.0, "dpo_sft_coef": 0.0,
+                          "simpo_gamma": 0.0})
+    parallel.initialize(seed=0)
+    try:
+        model, _ = P.sft.build_model(base, proc, True)
+        ref, _ = P.sft.build_model(base, proc, True)  # the same frozen tower (as the trainer's reference shares it)
+        torch.manual_seed(3)
+        with torch.no_grad():  # a reference language model other than the policy
+            for p in ref.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        budget = max(len(s.tokens) for s in batch.samples) + 8  # about one pair per micro-batch
+        rb = rank_batch(batch, budget, True, 0, 1, [], "cost-groups", vision=proc)
+        assert len(rb.micro_batches) >= 2
+
+        def keep(logp_M, entropy_M, mb):
+            mb.extras["ref_logp_M"] = logp_M.detach()
+            return logp_M.sum() * 0.0, {}
+
+        with torch.no_grad():
+            run_schedule([ref], rb, make_tree_forward_step(keep), forward_only=True)
+        metrics = combine_micro_batch_metrics(offline_forward_backward([model], rb, "dpo", args))
+        ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        pairs = [P.Pair(*((s.tokens.tolist(), s.loss_mask.tolist(), list(s.images))
+                          for s in batch.samples[k:k + 2])) for k in range(0, len(batch.samples), 2)]
+        P.set_reference(ref, pairs, 3, proc)
+        loss, _ = P.dpo_pairs_loss(model, proc, 0.5)(pairs)
+        loss.backward()
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                assert torch.allclose(ours[name], p.grad, rtol=1e-4, atol=1e-6 * p.grad.abs().max().item()), name
+    finally:
+        parallel.destroy()
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
