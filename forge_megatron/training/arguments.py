@@ -301,6 +301,12 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "instead of RL on the pool's batches: no pool, no engines, no weight sync; --train-batch-groups "
                         "pairs per step, a pair's two sides in one prefix forest, the reference a frozen copy of "
                         "--ref-hf-checkpoint (default --hf-checkpoint); export with forge-convert trainer-to-hf")
+    g.add_argument("--offline-eval-data", default=None, metavar="JSONL",
+                   help="with --sft-data / --preference-data: held-out samples or pairs in the same form, scored "
+                        "forward-only every --offline-eval-interval iterations and at the end: val/loss (and "
+                        "val/accuracy, val/margin for pairs)")
+    g.add_argument("--offline-eval-interval", type=int, default=None,
+                   help="iterations between held-out evaluations (default: at the end only)")
     g.add_argument("--reward-model", action="store_true",
                    help="with --preference-data: train a Bradley-Terry reward model instead of DPO: a score head on "
                         "the last hidden state (from a causal LM: drawn anew; or a sequence-classification "
@@ -677,6 +683,14 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ValueError("--sft-data trains offline: no --engine-urls, --gateway-url or weight sync (export the "
                              "checkpoint with forge-convert trainer-to-hf)")
         args.weight_sync_transport = "none"
+    held_out = getattr(args, "offline_eval_data", None)
+    if held_out is not None:
+        if sft_data is None and preference is None:
+            raise ValueError("--offline-eval-data needs --sft-data or --preference-data (the mode it evaluates)")
+        if not os.path.isfile(held_out):
+            raise ValueError(f"--offline-eval-data {held_out!r} is not a file")
+    if getattr(args, "offline_eval_interval", None) is not None and (held_out is None or args.offline_eval_interval < 1):
+        raise ValueError("--offline-eval-interval needs --offline-eval-data and a value >= 1")
     if preference is not None:
         if not os.path.isfile(preference):
             raise ValueError(f"--preference-data {preference!r} is not a file")

@@ -49,6 +49,26 @@ class _EpochFeed:
             epoch, i = divmod(k, len(self.items))
             yield k, self._order(epoch)[i]
 
+    def batch(self, iteration: int):
+        """The TrainBatch of (0-based) ``iteration``."""
+        return self._batch(iteration, self.positions(iteration), {"epoch": self.epochs(iteration)})
+
+    def eval_batches(self, min_items: int = 1):
+        """Every item once, in file order, ``per_step`` to a batch (a last batch of fewer than ``min_items``, e.g.
+        the DP ranks, joins the one before): a held-out set's batches (``--offline-eval-data``)."""
+        n, size = len(self.items), self.per_step
+        if n < min_items:
+            raise ValueError(f"--offline-eval-data: {n} item(s) for {min_items} data-parallel ranks: each needs one")
+        starts = list(range(0, n, size))
+        if len(starts) > 1 and n - starts[-1] < min_items:
+            starts.pop()
+        for j, a in enumerate(starts):
+            b = starts[j + 1] if j + 1 < len(starts) else n
+            yield self._batch(-1 - j, ((k, k) for k in range(a, b)), {})
+
+    def _batch(self, batch_id: int, positions, metrics: dict):
+        raise NotImplementedError
+
 
 def _sample(ids, mask, images, group: int, episode: str, domain: str, advantage: float = 1.0, reward: float = 0.0):
     from forge_megatron.middleware.batch import TrainSample
@@ -82,16 +102,14 @@ class SftFeed(_EpochFeed):
             raise ValueError(f"--sft-data {path}: no sample fits --tree-token-budget {token_budget}")
         super().__init__(kept, per_step, seed)
 
-    def batch(self, iteration: int):
-        """The TrainBatch of (0-based) ``iteration``."""
+    def _batch(self, batch_id: int, positions, metrics: dict):
         from forge_megatron.middleware.batch import TrainBatch
 
         samples, groups = [], []
-        for k, i in self.positions(iteration):
+        for k, i in positions:
             samples.append(_sample(*self.items[i], group=k, episode=f"sample-{i}", domain="sft"))
             groups.append(k)
-        return TrainBatch(batch_id=iteration, samples=samples, group_indices=groups,
-                          metrics={"epoch": self.epochs(iteration)})
+        return TrainBatch(batch_id=batch_id, samples=samples, group_indices=groups, metrics=metrics)
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -132,20 +150,18 @@ class PreferenceFeed(_EpochFeed):
     def pairs(self) -> list:
         return self.items
 
-    def batch(self, iteration: int):
-        """The TrainBatch of (0-based) ``iteration``."""
+    def _batch(self, batch_id: int, positions, metrics: dict):
         from forge_megatron.middleware.batch import TrainBatch
 
         samples, groups = [], []
-        for k, i in self.positions(iteration):
+        for k, i in positions:
             pair = self.items[i]
             groups.append(k)
             samples += [_sample(*pair.chosen, group=k, episode=f"pair-{i}-chosen", domain="preference",
                                 reward=pair.margin),  # (the reward model's margin: tree_bradley_terry_loss)
                         _sample(*pair.rejected, group=k, episode=f"pair-{i}-rejected", domain="preference",
                                 advantage=-1.0)]
-        return TrainBatch(batch_id=iteration, samples=samples, group_indices=groups,
-                          metrics={"epoch": self.epochs(iteration)})
+        return TrainBatch(batch_id=batch_id, samples=samples, group_indices=groups, metrics=metrics)
 
 
 def pair_index(extras: dict, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -347,7 +347,7 @@ OFFLINE_MODES = ("sft", "dpo", "rm")
 
 
 def offline_forward_backward(ddp, rb: RankBatch, mode: str, args, fused_logprobs: bool = True,
-                             head_dtype: torch.dtype | None = None) -> list[dict]:
+                             head_dtype: torch.dtype | None = None, forward_only: bool = False) -> list[dict]:
     """The forward and backward of an offline mode (training/offline.py) through Megatron's schedule: ``sft``
     (``--sft-data``: the trained tokens' NLL), ``dpo`` (``--preference-data``: DPO / IPO / SimPO, the reference's
     logprobs already in the extras) or ``rm`` (``--reward-model``: Bradley-Terry on the score head). Each micro-batch's
@@ -384,7 +384,7 @@ def offline_forward_backward(ddp, rb: RankBatch, mode: str, args, fused_logprobs
                                          args.dpo_sft_coef, args.simpo_gamma))
 
         step = make_tree_forward_step(loss_fn, fused_output=fused_logprobs, head_dtype=head_dtype)
-    return run_schedule(ddp, rb, step)
+    return run_schedule(ddp, rb, step, forward_only=forward_only)
 
 
 def run_schedule(ddp, rb: RankBatch, forward_step, forward_only: bool = False) -> list[dict]:
@@ -503,6 +503,8 @@ class Trainer:
         self.saver = AsyncCheckpointSaver() if getattr(args, "async_save", False) else None  # every rank: a group
         self.pool = self._pool_client() if self.rank == 0 and not self.offline else None
         self.feed = self._offline_feed() if self.rank == 0 and self.offline else None
+        self.eval_feed = self._offline_feed(args.offline_eval_data) \
+            if self.rank == 0 and getattr(args, "offline_eval_data", None) else None
         self.syncer = make_syncer(args, self.bridge) if args.weight_sync_transport != "none" else None
         self.writer = MetricsWriter(args) if self.rank == 0 else None
         self.evals = EvalFeed(args.gateway_url, os.environ.get("FORGE_ADMIN_TOKEN")) \
@@ -607,18 +609,26 @@ class Trainer:
                                                    "--train-vision-tower estimates them"
                                                    if self.bridge.vision_tower and r["pp_rank"] == 0 else "") + ")")
 
-    def _offline_feed(self):
-        """The batches of --sft-data or --preference-data (training/offline.py), made on rank 0."""
+    def _offline_feed(self, held_out: str | None = None):
+        """The batches of --sft-data or --preference-data (training/offline.py), or of the ``held_out`` file of
+        --offline-eval-data in the same form; made on rank 0."""
         from forge_megatron.training.offline import PreferenceFeed, SftFeed
 
+        per_step = arguments.train_batch_groups(self.args)
+        if held_out is not None:
+            cls = SftFeed if self.sft else PreferenceFeed
+            feed = cls(held_out, self.args.hf_checkpoint, per_step, self.args.tree_token_budget, self.args.seed,
+                       self.vision, log=self._log)
+            self._log(f"--offline-eval-data {held_out}: {len(feed.items)} held-out items, evaluated every "
+                      f"{self.args.offline_eval_interval or self.args.train_iters} iterations")
+            return feed
         if self.sft:
-            per_step = arguments.train_batch_groups(self.args)
             feed = SftFeed(self.args.sft_data, self.args.hf_checkpoint, per_step, self.args.tree_token_budget,
                            self.args.seed, self.vision, log=self._log)
             self._log(f"--sft-data {self.args.sft_data}: {len(feed.items)} samples, {per_step} per step: "
                       f"{feed.epochs(self.args.train_iters):.2f} epoch(s) over {self.args.train_iters} iterations")
             return feed
-        pairs = arguments.train_batch_groups(self.args)
+        pairs = per_step
         feed = PreferenceFeed(self.args.preference_data, self.args.hf_checkpoint, pairs, self.args.tree_token_budget,
                               self.args.seed, self.vision, log=self._log)
         what = "a Bradley-Terry reward model" if self.reward_model else \
@@ -775,9 +785,8 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def forward_backward(self, rb: RankBatch) -> list[dict]:
-        if self.args.old_logprobs == "recompute":
-            self._forward_only_logprobs(self.ddp, rb, "old_logp_M")
+    def _reference_logprobs(self, rb: RankBatch) -> None:
+        """The reference policy's logprobs (the KL term's, DPO's) as ``ref_logp_M`` of every micro-batch."""
         if self.ref_chunks is not None:
             with self.ref_offload.resident() if self.ref_offload is not None else contextlib.nullcontext():
                 self._forward_only_logprobs(self.ref_chunks, rb, "ref_logp_M")
@@ -786,6 +795,16 @@ class Trainer:
 
             with lora.disabled(self.chunks):
                 self._forward_only_logprobs(self.ddp, rb, "ref_logp_M")
+
+    @property
+    def offline_mode(self) -> str | None:
+        """``sft``, ``dpo`` or ``rm`` (training/offline.py); None for RL."""
+        return None if not self.offline else "sft" if self.sft else "rm" if self.reward_model else "dpo"
+
+    def forward_backward(self, rb: RankBatch) -> list[dict]:
+        if self.args.old_logprobs == "recompute":
+            self._forward_only_logprobs(self.ddp, rb, "old_logp_M")
+        self._reference_logprobs(rb)
         if getattr(self.args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay
 
@@ -796,10 +815,52 @@ class Trainer:
             dsa.set_indexer_loss_scale(1.0 / len(rb.micro_batches))  # as Megatron scales its auxiliary losses
             dsa.pop_indexer_losses()
         if self.offline:
-            mode = "sft" if self.sft else "rm" if self.reward_model else "dpo"
-            return offline_forward_backward(self.ddp, rb, mode, self.args, self.args.fused_logprobs, self.head_dtype)
+            return offline_forward_backward(self.ddp, rb, self.offline_mode, self.args, self.args.fused_logprobs,
+                                            self.head_dtype)
         return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs,
                                 self.head_dtype, self.policy_version, self.temperature)
+
+    @torch.no_grad()
+    def offline_eval(self) -> dict:
+        """``--offline-eval-data``: a forward-only pass over the held-out file in batches of the training size (rank
+        0 reads it, every rank gets each batch as in :meth:`next_batch`); ``val/loss`` (the mean over its pairs, or
+        its trained tokens for SFT) and the mode's means (``val/accuracy``, ``val/margin``), summed over the
+        data-parallel ranks."""
+        from megatron.core import parallel_state as ps
+
+        from forge_megatron.mcore.parallel import comm_device
+        from forge_megatron.training.metrics import combine_micro_batch_metrics
+
+        t0 = time.perf_counter()
+        kind = self.offline_mode
+        batches = iter(self.eval_feed.eval_batches(self.dp_size)) if self.eval_feed is not None else None
+        sums = torch.zeros(5, dtype=torch.float64)  # loss x count, count, accuracy x n, margin x n, n
+        balance = "cost-groups" if self.args.dp_balance == "cost" else self.args.dp_balance
+        while True:
+            batch = broadcast_batch(next(batches, None) if batches is not None else None)
+            if batch is None:
+                break
+            rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
+                            self.domains, balance, self.cfg.hidden_size,
+                            interleaved_pp=self.pp_size if len(self.chunks) > 1 else None, vision=self.vision)
+            self._reference_logprobs(rb)
+            m = combine_micro_batch_metrics(pipeline_loss_metrics(offline_forward_backward(
+                self.ddp, rb, self.offline_mode, self.args, self.args.fused_logprobs, self.head_dtype,
+                forward_only=True)))
+            # this rank's loss is its items' summed loss over count / D: times that, its sum (the ranks' add up)
+            count = (rb.global_loss_tokens if kind == "sft" else rb.global_sample_weight / 2) / self.dp_size
+            n = m.get(f"{kind}/num_pairs", 0.0)
+            sums += torch.tensor([m["loss"] * count, count, m.get(f"{kind}/accuracy", 0.0) * n,
+                                  m.get(f"{kind}/margin", 0.0) * n, n], dtype=torch.float64)
+        if self.dp_size > 1:
+            group = ps.get_data_parallel_group()
+            sums = sums.to(comm_device(group))
+            dist.all_reduce(sums, group=group)
+        loss_x, count, acc_x, margin_x, n = sums.cpu().tolist()
+        out = {"val/loss": loss_x / max(count, 1e-12), "val/eval_s": time.perf_counter() - t0}
+        if kind != "sft":
+            out.update({"val/accuracy": acc_x / max(n, 1e-12), "val/margin": margin_x / max(n, 1e-12)})
+        return out
 
     def _indexer_loss_metrics(self) -> dict:
         """``dsa_indexer_kl``: the mean indexer loss (KL, before the coefficient) of this step's layers and
@@ -820,7 +881,8 @@ class Trainer:
 
     @property
     def temperature(self) -> float:
-        return float(getattr(self.args, "rollout_temperature", 1.0))
+        """The rollouts' sampling temperature the tokens are scored at; 1 (the model's own distribution) offline."""
+        return 1.0 if self.offline else float(getattr(self.args, "rollout_temperature", 1.0))
 
     @property
     def head_dtype(self) -> torch.dtype | None:
@@ -895,6 +957,10 @@ class Trainer:
         metrics["group_indices"] = list(batch.group_indices)
         if self.evals is not None:  # held-out evaluations published since the last step (agents/evaluate.py)
             metrics.update(self.evals.poll())
+        interval = getattr(self.args, "offline_eval_interval", None) or self.args.train_iters
+        if getattr(self.args, "offline_eval_data", None) and (
+                self.iteration % interval == 0 or self.iteration == self.args.train_iters or self.stopping):
+            metrics.update(self.offline_eval())
         if self.writer is not None:
             self.writer.write(self.iteration, metrics)
         return metrics
@@ -1038,6 +1104,9 @@ class Trainer:
 def progress_line(m: dict) -> str:
     """One console line per step; the training/inference mismatch (``rollout_kl``), the routing mismatch, the images
     encoded and a held-out evaluation published since the last step show when they were measured."""
+    if "val/loss" in m:  # --offline-eval-data: appended to the mode's line
+        held = f" | val loss {m['val/loss']:.4f}" + (f" acc {m['val/accuracy']:.3f}" if "val/accuracy" in m else "")
+        return progress_line({k: v for k, v in m.items() if not k.startswith("val/")}) + held
     if "sft/nll" in m:  # --sft-data
         return (f"iter {m['iteration']} | loss {m['loss']:.4f} | epoch {m.get('pool/epoch', 0.0):.2f} | tokens "
                 f"{m['total_tokens']} (unique {m['unique_tokens']}, trained {m['sft/num_tokens']:.0f}) | fb "

@@ -529,10 +529,12 @@ def test_offline_sbatch_dry_run_launches_the_trainer_on_pairs_and_chats(tmp_path
     chats = tmp_path / "chats.jsonl"
     chats.write_text('{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}\n')
     out = subprocess.run(["bash", OFFLINE_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
-                         env={**env, "PREFERENCE_DATA": "", "SFT_DATA": str(chats), "REF_CHECKPOINT": ""})
+                         env={**env, "PREFERENCE_DATA": "", "SFT_DATA": str(chats), "REF_CHECKPOINT": "",
+                              "EVAL_DATA": str(chats), "EVAL_INTERVAL": "25"})
     assert out.returncode == 0 and "supervised fine-tuning on " + str(chats) in out.stdout, out.stderr
     args = _trainer_args(_commands(out.stdout)[0])
     assert args.sft_data == str(chats) and args.preference_data is None and args.lr == 1e-5
+    assert args.offline_eval_data == str(chats) and args.offline_eval_interval == 25
     for bad, message in ((dict(DPO_LOSS="kto"), "DPO_LOSS=kto"), (dict(TP="3"), "TP*PP*CP=6 must divide"),
                          (dict(PAIRS_PER_STEP="2"), "gives some of the DP=4 ranks nothing to train"),
                          (dict(DRY_NODES="a"), "need TRAIN_NODES=2 nodes"),

@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from forge_megatron.models.tiny import build_tiny_model
 from forge_megatron.training import preference as P
@@ -96,13 +97,20 @@ def _run(tmp_path, name, model_dir, data, nproc=1, extra=(), exits=(None,), iter
 def test_trainer_dpo_runs_under_pp_and_tp_and_resumes(tmp_path):
     model_dir = build_tiny_model(str(tmp_path / "model"))
     data = _write(tmp_path / "pairs.jsonl", _tool_pairs(12, seed=0))
+    held = ["--offline-eval-data", _write(tmp_path / "held.jsonl", _tool_pairs(5, seed=9))]
     runs = {}
-    runs["one"], outs = _run(tmp_path, "one", model_dir, data)
+    runs["one"], outs = _run(tmp_path, "one", model_dir, data, extra=held)
     assert "--preference-data" in outs[0] and "12 pairs, 4 per step: 1.33 epoch(s)" in outs[0]
     assert "reference model for the DPO term loaded" in outs[0] and "iter 4 | loss " in outs[0]
     assert "| accuracy 1.000 | margin " in outs[0]
-    runs["pp2"], _ = _run(tmp_path, "pp2", model_dir, data, nproc=2, extra=["--pipeline-model-parallel-size", "2"])
+    runs["pp2"], _ = _run(tmp_path, "pp2", model_dir, data, nproc=2,
+                          extra=held + ["--pipeline-model-parallel-size", "2"])
     runs["tp2"], _ = _run(tmp_path, "tp2", model_dir, data, nproc=2, extra=["--tensor-model-parallel-size", "2"])
+    runs["dp2"], _ = _run(tmp_path, "dp2", model_dir, data, nproc=2, extra=held)
+    assert "val/loss" not in runs["one"][0] and runs["one"][-1]["val/accuracy"] == 1.0  # (at the end only)
+    for name in ("pp2", "dp2"):  # held-out pairs scored alike (DP = 2: 5 pairs dealt 3 + 2, sums reduced)
+        for key in ("val/loss", "val/accuracy", "val/margin"):
+            assert runs[name][-1][key] == pytest.approx(runs["one"][-1][key], rel=1e-4, abs=1e-6), (name, key)
     runs["resumed"], outs = _run(tmp_path, "resumed", model_dir, data, exits=(2, None))
     assert "resumed from" in outs[1]
     simpo, outs = _run(tmp_path, "simpo", model_dir, data, extra=["--dpo-loss", "simpo", "--dpo-beta", "2"])
@@ -141,7 +149,9 @@ def test_preference_flags_are_checked(tmp_path):
                             "simpo has no reference model"),
                            (["--sft-data", data, "--preference-data", data], "one offline mode per run"),
                            (["--sft-data", str(tmp_path / "none.jsonl")], "--sft-data .* is not a file"),
-                           (["--sft-data", data, "--rl-kl-coef", "0.1"], "--sft-data trains supervised")):
+                           (["--sft-data", data, "--rl-kl-coef", "0.1"], "--sft-data trains supervised"),
+                           (["--offline-eval-data", data], "--offline-eval-data needs --sft-data or --preference"),
+                           (["--sft-data", data, "--offline-eval-interval", "2"], "--offline-eval-interval needs")):
         with pytest.raises(ValueError, match=message):
             arguments.validate_args(arguments.build_parser().parse_args(base + extra))
     args = arguments.build_parser().parse_args(base + ["--preference-data", data])
@@ -283,28 +293,55 @@ def test_trainer_sft_loss_gives_forge_sfts_gradients(tmp_path):
 
 
 def test_trainer_sft_runs_under_pp_and_tp_and_resumes(tmp_path):
-    """--sft-data runs: the loss falls; PP = 2 and TP = 2 equal one rank, a stopped-and-resumed run too; the export
-    is the trained causal LM."""
+    """--sft-data runs: the loss falls; PP = 2, TP = 2 and a stopped-and-resumed run equal one rank. The held-out set
+    (--offline-eval-data, every 2 iterations) is scored alike under PP = 2, TP = 2 and DP = 2 (its per-rank sums
+    reduced over DP), and its last val/loss is transformers' token-mean NLL of the exported checkpoint on it."""
+    from transformers import AutoModelForCausalLM
+
+    from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+
     model_dir = build_tiny_model(str(tmp_path / "model"))
     data = _write(tmp_path / "chats.jsonl", _sft_chats(24, seed=0))
-    sft = ["--sft-data", data]
+    held = _write(tmp_path / "held.jsonl", _sft_chats(6, seed=5))
+    sft = ["--sft-data", data, "--offline-eval-data", held, "--offline-eval-interval", "2"]
     runs = {}
     runs["one"], outs = _run(tmp_path, "one", model_dir, data, extra=sft, preference=False)
     assert "--sft-data" in outs[0] and "24 samples, 4 per step" in outs[0] and "reference model" not in outs[0]
-    assert "| epoch " in outs[0] and "trained " in outs[0]
+    assert "| epoch " in outs[0] and "trained " in outs[0] and "6 held-out items" in outs[0]
+    assert "| val loss " in outs[0]
     runs["pp2"], _ = _run(tmp_path, "pp2", model_dir, data, nproc=2, extra=sft + ["--pipeline-model-parallel-size", "2"],
                           preference=False)
     runs["tp2"], _ = _run(tmp_path, "tp2", model_dir, data, nproc=2,
                           extra=sft + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], preference=False)
+    runs["dp2"], _ = _run(tmp_path, "dp2", model_dir, data, nproc=2, extra=sft, preference=False)
     runs["resumed"], outs = _run(tmp_path, "resumed", model_dir, data, extra=sft, exits=(2, None), preference=False)
     assert "resumed from" in outs[1]
     one = runs["one"]
     assert len(one) == 4 and one[-1]["loss"] < one[0]["loss"]
-    for name in ("pp2", "tp2", "resumed"):
+    assert [("val/loss" in m) for m in one] == [False, True, False, True]
+    assert one[-1]["val/loss"] < one[1]["val/loss"]
+    for name in ("pp2", "tp2", "dp2", "resumed"):
         assert len(runs[name]) == 4, name
         for a, b in zip(one, runs[name]):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), name
+            if name != "dp2":  # (DP = 2: the loss logged is rank 0's share of the batch)
+                assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), name
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
+            if "val/loss" in a:
+                assert b["val/loss"] == pytest.approx(a["val/loss"], rel=1e-4), name
+
+    out = str(tmp_path / "exported")
+    export_trainer_checkpoint(str(tmp_path / "one" / "ckpt"), out)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(out)
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for chat in P.sft.load_chats(held):
+            ids, mask, _ = P.sft.render(tok, chat["messages"], chat.get("tools"))
+            logp = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+            m = torch.tensor(mask[1:], dtype=torch.float32)
+            nll -= (logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0] * m).sum().item()
+            tokens += int(m.sum())
+    assert one[-1]["val/loss"] == pytest.approx(nll / tokens, rel=1e-4)
 
 
 def test_trainer_sft_with_pictures_gives_forge_sfts_gradients(tmp_path):
