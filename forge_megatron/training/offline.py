@@ -121,15 +121,12 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PreferenceFeed(_EpochFeed):
-    """Batches of preference pairs for the Megatron trainer (``scripts/train_forge.py --preference-data``: DPO, or a
-    reward model with ``--reward-model``),
-    in place of the data pool's: batch ``k`` holds pairs ``k P .. (k + 1) P - 1`` of the epochs' shuffled orders (a
-    new order every epoch, from ``seed``), so a resumed run at iteration ``k`` trains what an uninterrupted one would.
-    Each pair is two :class:`~forge_megatron.middleware.batch.TrainSample` of one group (the pair's position in that
-    sequence, so that the trainer keeps them on one DP rank and in one micro-batch), the chosen side with advantage +1
-    on every token and the rejected one -1, the pair's margin as the chosen one's reward: what :func:`tree_dpo_loss`
-    and :func:`tree_bradley_terry_loss` read. Pairs whose tree (both sides, their
-    shared prefix once) exceeds ``token_budget`` cannot share a micro-batch and are left out (counted)."""
+    """Batches of preference pairs (forge-dpo's ``--data`` forms) for the trainer's ``--preference-data`` (DPO, or a
+    reward model with ``--reward-model``). Each pair is two samples of one group, so that the trainer keeps them on
+    one DP rank and in one micro-batch: the chosen side with advantage +1 on every token and the rejected one -1, the
+    pair's margin as the chosen one's reward, what :func:`tree_dpo_loss` and :func:`tree_bradley_terry_loss` read.
+    Pairs whose tree (both sides, their shared prefix once) exceeds ``token_budget`` cannot share a micro-batch and
+    are left out (counted)."""
 
     def __init__(self, path: str, hf_dir: str, pairs_per_step: int, token_budget: int, seed: int = 0,
                  processor=None, log=print):
