@@ -77,7 +77,7 @@ def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path, kind):
         assert torch.allclose(ours[name], ref_grad, rtol=1e-4, atol=1e-6 * ref_grad.abs().max().item()), name
 
 
-def _run(tmp_path, name, model_dir, data, nproc=1, extra=(), exits=(None,), iters=4, preference=True):
+def _run(tmp_path, name, model_dir, data, nproc=1, extra=(), exits=(None,), iters=4, preference=True, env_extra=None):
     run_dir = str(tmp_path / name)
     outs = []
     mode = ["--preference-data", data, "--dpo-beta", "0.5"] if preference else []
@@ -88,7 +88,7 @@ def _run(tmp_path, name, model_dir, data, nproc=1, extra=(), exits=(None,), iter
                 "--log-interval", "1", "--metrics-jsonl", f"{run_dir}/metrics.jsonl", *extra,
                 *(["--exit-interval", str(exit_at)] if exit_at else [])]
         env = train_env() if nproc == 1 else {**os.environ, "OMP_NUM_THREADS": "1"}
-        out = run_script(TRAIN, args, nproc=nproc, env=env)
+        out = run_script(TRAIN, args, nproc=nproc, env={**env, **(env_extra or {})})
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         outs.append(out.stdout + out.stderr)
     return read_steps(f"{run_dir}/metrics.jsonl"), outs
