@@ -25,7 +25,8 @@ with images are left out (counted on stderr).
 
 ``--pairs`` writes preference pairs of token samples instead, for ``forge-rm`` / ``forge-dpo --data``: within each
 scored group the best-scored episode against the worst, the next best against the next worst, and so on while the
-chosen one's composite score exceeds the rejected one's by more than ``--min-gap`` (default 0: any difference);
+chosen one's composite score exceeds the rejected one's by more than ``--min-gap`` (default 0: any difference;
+``--every-pair``: every two episodes so far apart, which the prefix tree still trains as one forest per group);
 each side is the episode's last segment (its final context and answer), the sampled tokens as its loss mask. One
 ``{"chosen": {"input_ids", "loss_mask"}, "rejected": {...}, "group", "task_id", "chosen_score", "rejected_score",
 "chosen_episode", "rejected_episode"}`` per line; episodes whose last segment has images are left out (counted).
@@ -147,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write preference pairs of each scored group's episodes for forge-rm / forge-dpo --data")
     p.add_argument("--min-gap", type=float, default=0.0,
                    help="--pairs: the chosen episode's score must exceed the rejected one's by more than this")
+    p.add_argument("--every-pair", action="store_true",
+                   help="--pairs: every two episodes of a group whose scores differ by more than --min-gap (K(K-1)/2 "
+                        "at most; a reward model learns more from them), not only best against worst")
     return p
 
 
@@ -169,8 +173,9 @@ def sft_samples(episode) -> tuple[list[dict], int]:
     return out, skipped
 
 
-def group_pairs(group: dict, episodes: list, min_gap: float) -> tuple[list[dict], int]:
-    """(preference pairs of one group's scored episodes, how many were left out for images) (module docstring)."""
+def group_pairs(group: dict, episodes: list, min_gap: float, every_pair: bool = False) -> tuple[list[dict], int]:
+    """(preference pairs of one group's scored episodes, how many were left out for images) (module docstring);
+    ``every_pair``: every two episodes whose scores differ by more than ``min_gap``, not only best against worst."""
     scores = msgpack.unpackb(group["scores"]) if group["scores"] else None
     if not scores:
         return [], 0
@@ -185,11 +190,18 @@ def group_pairs(group: dict, episodes: list, min_gap: float) -> tuple[list[dict]
             continue
         ranked.append((score_of[episode.episode_id], episode.episode_id, seg))
     ranked.sort(key=lambda x: -x[0])  # (stable: ties keep submission order)
+    if every_pair:
+        matches = [(i, j) for i in range(len(ranked)) for j in range(i + 1, len(ranked))
+                   if ranked[i][0] - ranked[j][0] > min_gap]
+    else:  # best against worst, next best against next worst, ... while the gap holds
+        matches = []
+        for i in range(len(ranked) // 2):
+            if ranked[i][0] - ranked[-1 - i][0] <= min_gap:
+                break
+            matches.append((i, len(ranked) - 1 - i))
     pairs = []
-    for i in range(len(ranked) // 2):
-        (best, best_id, chosen), (worst, worst_id, rejected) = ranked[i], ranked[-1 - i]
-        if best - worst <= min_gap:
-            break
+    for i, j in matches:
+        (best, best_id, chosen), (worst, worst_id, rejected) = ranked[i], ranked[j]
         if list(chosen.tokens) == list(rejected.tokens):
             continue
         pairs.append({"chosen": {"input_ids": list(chosen.tokens), "loss_mask": list(chosen.loss_mask)},
@@ -205,7 +217,7 @@ def _export_pairs(db, args, out) -> str:
 
     def flush(group, episodes):
         nonlocal written, with_images
-        pairs, skipped = group_pairs(group, episodes, args.min_gap)
+        pairs, skipped = group_pairs(group, episodes, args.min_gap, args.every_pair)
         with_images += skipped
         if args.limit is not None:
             pairs = pairs[:max(0, args.limit - written)]
@@ -241,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                      "--min-score")
     if args.min_gap < 0:
         parser.error("--min-gap must be at least 0")
+    if args.every_pair and not args.pairs:
+        parser.error("--every-pair is for --pairs")
     try:
         db = open_readonly(args.db)
     except (ValueError, sqlite3.Error) as exc:

@@ -199,6 +199,9 @@ def test_pairs_export_pairs_each_group_best_against_worst(tmp_path, capsys):
     assert tok.decode([t for t, m in zip(chosen["input_ids"], chosen["loss_mask"]) if m]) == "4!"
     rc, _, err = _run(["--db", db, "--out", str(out), "--pairs", "--min-gap", "0.6"], capsys)
     assert rc == 0 and "1 pair(s) of 1 group(s)" in err and len(out.read_text().splitlines()) == 1
+    rc, _, err = _run(["--db", db, "--out", str(out), "--pairs", "--every-pair"], capsys)  # a > c > b = d
+    every = [(p["chosen_episode"], p["rejected_episode"]) for p in map(json.loads, out.read_text().splitlines())]
+    assert rc == 0 and every == [("a", "c"), ("a", "b"), ("a", "d"), ("c", "b"), ("c", "d")]
     with pytest.raises(SystemExit):
         pool_export.main(["--db", db, "--pairs", "--sft"])
     assert "--pairs pairs every scored group's episodes by score" in capsys.readouterr().err
