@@ -113,6 +113,9 @@ def test_trainer_dpo_runs_under_pp_and_tp_and_resumes(tmp_path):
             assert runs[name][-1][key] == pytest.approx(runs["one"][-1][key], rel=1e-4, abs=1e-6), (name, key)
     runs["resumed"], outs = _run(tmp_path, "resumed", model_dir, data, exits=(2, None))
     assert "resumed from" in outs[1]
+    lora, outs = _run(tmp_path, "lora", model_dir, data, extra=["--lora-rank", "8", "--lr", "1e-2"])
+    assert "reference: the policy with its LoRA adapters off" in outs[0] and "reference model for" not in outs[0]
+    assert lora[0]["loss"] == pytest.approx(np.log(2), rel=1e-5) and lora[-1]["loss"] < lora[0]["loss"]
     simpo, outs = _run(tmp_path, "simpo", model_dir, data, extra=["--dpo-loss", "simpo", "--dpo-beta", "2"])
     assert "reference model" not in outs[0] and "DPO simpo" in outs[0]  # reference-free: no second model
     assert len(simpo) == 4 and simpo[-1]["loss"] < simpo[0]["loss"] and simpo[-1]["dpo/accuracy"] == 1.0
@@ -319,6 +322,9 @@ def test_trainer_sft_runs_under_pp_and_tp_and_resumes(tmp_path):
     one = runs["one"]
     assert len(one) == 4 and one[-1]["loss"] < one[0]["loss"]
     assert [("val/loss" in m) for m in one] == [False, True, False, True]
+    lora, _ = _run(tmp_path, "lora", model_dir, data, extra=sft + ["--lora-rank", "8", "--lr", "1e-2"],
+                   preference=False)  # adapters B = 0: the first step scores the checkpoint's model
+    assert lora[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-5) and lora[-1]["loss"] < lora[0]["loss"]
     assert one[-1]["val/loss"] < one[1]["val/loss"]
     for name in ("pp2", "tp2", "dp2", "resumed"):
         assert len(runs[name]) == 4, name
