@@ -52,7 +52,7 @@ def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path, kind):
             with torch.no_grad():
                 run_schedule([ref], rb, make_tree_forward_step(keep), forward_only=True)
         metrics = offline_forward_backward([model], rb, "dpo", args)
-        ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+        ours = _grads(model)
         model.zero_grad()
 
         pairs = []
@@ -72,9 +72,19 @@ def test_trainer_dpo_loss_gives_forge_dpos_gradients(tmp_path, kind):
     assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert got["dpo/num_pairs"] == 4 and got["dpo/accuracy"] == pytest.approx(want["accuracy"])
     assert got["dpo/margin"] == pytest.approx(want["margin"], rel=1e-4, abs=1e-6)
-    for name, p in model.named_parameters():
-        ref_grad = p.grad
-        assert torch.allclose(ours[name], ref_grad, rtol=1e-4, atol=1e-6 * ref_grad.abs().max().item()), name
+    _assert_same_grads(ours, model)
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_grads(ours: dict, model) -> None:
+    """``ours`` (the trainer's gradients) equal ``model``'s present ones to fp32 round-off, every parameter."""
+    theirs = _grads(model)
+    assert set(ours) == set(theirs) and theirs
+    for name, g in theirs.items():
+        assert torch.allclose(ours[name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item()), name
 
 
 def _run(tmp_path, name, model_dir, data, nproc=1, extra=(), exits=(None,), iters=4, preference=True, env_extra=None):
@@ -183,7 +193,7 @@ def test_trainer_reward_model_loss_gives_forge_rms_gradients(tmp_path):
         assert len(rb.micro_batches) >= 2
         args = type("A", (), {"rm_center_coef": 0.2})
         metrics = combine_micro_batch_metrics(offline_forward_backward([rm.model], rb, "rm", args))
-        ours = {n: p.grad.clone() for n, p in rm.model.named_parameters() if p.grad is not None}
+        ours = _grads(rm.model)
         rm.model.zero_grad()
         pairs = []
         for k in range(0, len(batch.samples), 2):
@@ -194,9 +204,7 @@ def test_trainer_reward_model_loss_gives_forge_rms_gradients(tmp_path):
         loss, want = P.reward_model_loss(rm, center_coef=0.2)(pairs)
         loss.backward()
         assert "score_head.weight" in ours and ours["score_head.weight"].abs().sum() > 0
-        for name, p in rm.model.named_parameters():
-            if p.grad is not None:
-                assert torch.allclose(ours[name], p.grad, rtol=1e-4, atol=1e-6 * p.grad.abs().max().item()), name
+        _assert_same_grads(ours, rm.model)
     finally:
         parallel.destroy()
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5) and metrics["rm/num_pairs"] == 4
@@ -282,12 +290,11 @@ def test_trainer_sft_loss_gives_forge_sfts_gradients(tmp_path):
         rb = rank_batch(batch, 320, True, 0, 1, [], "cost-groups")
         assert len(rb.micro_batches) >= 2 and rb.overlong_samples == 0
         metrics = combine_micro_batch_metrics(offline_forward_backward([model], rb, "sft", None))
-        ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+        ours = _grads(model)
         model.zero_grad()
         loss = P.sft.sft_loss(model, [(s.tokens.tolist(), s.loss_mask.tolist(), []) for s in batch.samples])
         loss.backward()
-        for name, p in model.named_parameters():
-            assert torch.allclose(ours[name], p.grad, rtol=1e-4, atol=1e-6 * p.grad.abs().max().item()), name
+        _assert_same_grads(ours, model)
     finally:
         parallel.destroy()
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
@@ -375,14 +382,12 @@ def test_trainer_sft_with_pictures_gives_forge_sfts_gradients(tmp_path):
         rb = rank_batch(batch, longest + 4, True, 0, 1, [], "cost-groups", vision=proc)
         assert len(rb.micro_batches) >= 2 and rb.overlong_samples == 0
         metrics = combine_micro_batch_metrics(offline_forward_backward([model], rb, "sft", None))
-        ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        ours = _grads(model)
         model.zero_grad()
         loss = P.sft.sft_loss(model, [(s.tokens.tolist(), s.loss_mask.tolist(), list(s.images))
                                       for s in batch.samples], proc)
         loss.backward()
-        for name, p in model.named_parameters():
-            if p.grad is not None:
-                assert torch.allclose(ours[name], p.grad, rtol=1e-4, atol=1e-6 * p.grad.abs().max().item()), name
+        _assert_same_grads(ours, model)
     finally:
         parallel.destroy()
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
@@ -435,16 +440,14 @@ def test_dpo_pairs_with_pictures_train_the_answers_only(tmp_path):
         with torch.no_grad():
             run_schedule([ref], rb, make_tree_forward_step(keep), forward_only=True)
         metrics = combine_micro_batch_metrics(offline_forward_backward([model], rb, "dpo", args))
-        ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        ours = _grads(model)
         model.zero_grad()
         pairs = [P.Pair(*((s.tokens.tolist(), s.loss_mask.tolist(), list(s.images))
                           for s in batch.samples[k:k + 2])) for k in range(0, len(batch.samples), 2)]
         P.set_reference(ref, pairs, 3, proc)
         loss, _ = P.dpo_pairs_loss(model, proc, 0.5)(pairs)
         loss.backward()
-        for name, p in model.named_parameters():
-            if p.grad is not None:
-                assert torch.allclose(ours[name], p.grad, rtol=1e-4, atol=1e-6 * p.grad.abs().max().item()), name
+        _assert_same_grads(ours, model)
     finally:
         parallel.destroy()
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
