@@ -539,21 +539,29 @@ class Trainer:
         if self.train_tower:  # the first piece's own (mcore.vision.attach_tower), loaded with the language model
             self._install_trained_tower(spec)
         else:
-            tower = {}
+            def loader(path: str):
+                tower = {}
 
-            def load():
-                if "module" not in tower:
-                    from forge_megatron.multimodal import load_vision_tower
+                def load():
+                    if "module" not in tower:
+                        from forge_megatron.multimodal import load_vision_tower
 
-                    param = next(unwrap(self.chunks[0]).parameters())
-                    tower["module"] = load_vision_tower(self.args.hf_checkpoint, spec, dtype=param.dtype,
-                                                        device=param.device)
-                    self._log(f"vision tower of {self.args.hf_checkpoint} loaded (frozen, "
-                              f"{sum(p.numel() for p in tower['module'].parameters()) / 1e6:.1f}M parameters)")
-                return tower["module"]
+                        param = next(unwrap(self.chunks[0]).parameters())
+                        tower["module"] = load_vision_tower(path, spec, dtype=param.dtype, device=param.device)
+                        self._log(f"vision tower of {path} loaded (frozen, "
+                                  f"{sum(p.numel() for p in tower['module'].parameters()) / 1e6:.1f}M parameters)")
+                    return tower["module"]
+                return load
 
-            for chunk in [*self.chunks, *(self.ref_chunks or [])]:
-                vision.install(unwrap(chunk), spec, load)
+            policy = loader(self.args.hf_checkpoint)
+            for chunk in self.chunks:
+                vision.install(unwrap(chunk), spec, policy)
+            # a reference from another checkpoint runs that checkpoint's tower, its features kept apart
+            ref_dir = getattr(self.args, "ref_hf_checkpoint", None)
+            other = ref_dir and os.path.realpath(ref_dir) != os.path.realpath(self.args.hf_checkpoint)
+            for chunk in self.ref_chunks or []:
+                vision.install(unwrap(chunk), spec, loader(ref_dir) if other else policy,
+                               key="reference" if other else "frozen")
         from forge_megatron.multimodal.images import ImageProcessor
 
         try:

@@ -87,12 +87,15 @@ def _assert_same_grads(ours: dict, model) -> None:
         assert torch.allclose(ours[name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item()), name
 
 
-def _run(tmp_path, name, model_dir, data, nproc=1, extra=(), exits=(None,), iters=4, preference=True, env_extra=None):
+def _run(tmp_path, name, model_dir, data, nproc=1, extra=(), exits=(None,), iters=4, preference=True, env_extra=None,
+         model_flags=True):
+    """train_forge.py on ``data`` in ``tmp_path/name`` (the tiny model's network flags unless not ``model_flags``:
+    the architecture is then the checkpoint's); (metric steps, output of each process of ``exits``)."""
     run_dir = str(tmp_path / name)
     outs = []
     mode = ["--preference-data", data, "--dpo-beta", "0.5"] if preference else []
     for exit_at in exits:
-        args = [*model_args(), "--hf-checkpoint", model_dir, "--lr", "2e-3", "--train-iters", str(iters),
+        args = [*(model_args() if model_flags else []), "--hf-checkpoint", model_dir, "--lr", "2e-3", "--train-iters", str(iters),
                 "--save", f"{run_dir}/ckpt", "--load", f"{run_dir}/ckpt", "--save-interval", "2", *mode,
                 "--train-batch-groups", "4", "--tree-token-budget", "400",
                 "--log-interval", "1", "--metrics-jsonl", f"{run_dir}/metrics.jsonl", *extra,
@@ -451,3 +454,37 @@ def test_dpo_pairs_with_pictures_train_the_answers_only(tmp_path):
     finally:
         parallel.destroy()
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_trainer_dpo_reference_from_another_vision_checkpoint_runs_its_own_tower(tmp_path):
+    """--preference-data on pictures with --ref-hf-checkpoint another vision-language checkpoint (its own frozen
+    tower): the reference pass runs that tower (its features kept apart from the policy's), so the first step's
+    loss is forge-dpo's with that checkpoint as the reference (it would not be, with the policy's tower)."""
+    from forge_megatron.agents import colors
+    from forge_megatron.mcore import parallel
+    from forge_megatron.multimodal.images import ImageProcessor
+
+    base = build_tiny_model(str(tmp_path / "base"), "qwen3_vl", images=True)
+    other = build_tiny_model(str(tmp_path / "other"), "qwen3_vl", images=True, seed=7)
+    proc = ImageProcessor(base)
+    names = sorted(colors.COLORS)
+    records = [{"prompt": [colors.user_message(t)], "chosen": t.answer,
+                "rejected": next(n for n in names if n != t.answer)} for t in colors.make_tasks(4, seed=3)]
+    data = _write(tmp_path / "pairs.jsonl", records)
+    steps, outs = _run(tmp_path, "run", base, data, iters=1, model_flags=False,
+                       extra=["--ref-hf-checkpoint", other, "--tree-token-budget", "2000", "--lr", "1e-9"])
+    assert f"vision tower of {other} loaded" in outs[0]
+    batch = PreferenceFeed(data, base, pairs_per_step=4, token_budget=2000, processor=proc).batch(0)
+    pairs = [P.Pair(*((s.tokens.tolist(), s.loss_mask.tolist(), list(s.images)) for s in batch.samples[k:k + 2]))
+             for k in range(0, len(batch.samples), 2)]
+    parallel.initialize(seed=0)
+    try:
+        ref, _ = P.sft.build_model(other, proc, True)
+        P.set_reference(ref, pairs, 4, proc)
+        model, _ = P.sft.build_model(base, proc, True)
+        with torch.no_grad():
+            loss, _ = P.dpo_pairs_loss(model, proc, 0.5)(pairs)
+    finally:
+        parallel.destroy()
+    assert steps[0]["loss"] == pytest.approx(loss.item(), rel=1e-4)
+    assert abs(steps[0]["loss"] - np.log(2)) > 1e-3  # (a reference other than the policy)
