@@ -144,12 +144,12 @@ def render_pair(tokenizer, record: dict, processor=None) -> Pair:
         return Pair(*((list(record[k]["input_ids"]), list(record[k]["loss_mask"]), []) for k in ("chosen", "rejected")),
                     margin=margin)
     prompt, tools = record.get("prompt"), record.get("tools")
+    start = len(_prompt_ids(tokenizer, prompt, tools, processor)) if prompt is not None else 0  # (both sides')
     sides = []
     for key in ("chosen", "rejected"):
         messages = (prompt or []) + _side_messages(record[key], key)
         ids, mask, images = sft.render(tokenizer, messages, tools, processor)
         if prompt is not None:
-            start = len(_prompt_ids(tokenizer, prompt, tools, processor))
             mask = [0] * start + mask[start:]
             if not any(mask[1:]):
                 raise ValueError(f"{key}: no assistant token after the prompt")

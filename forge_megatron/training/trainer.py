@@ -853,8 +853,7 @@ class Trainer:
                             interleaved_pp=self.pp_size if len(self.chunks) > 1 else None, vision=self.vision)
             self._reference_logprobs(rb)
             m = combine_micro_batch_metrics(pipeline_loss_metrics(offline_forward_backward(
-                self.ddp, rb, self.offline_mode, self.args, self.args.fused_logprobs, self.head_dtype,
-                forward_only=True)))
+                self.ddp, rb, kind, self.args, self.args.fused_logprobs, self.head_dtype, forward_only=True)))
             # this rank's loss is its items' summed loss over count / D: times that, its sum (the ranks' add up)
             count = (rb.global_loss_tokens if kind == "sft" else rb.global_sample_weight / 2) / self.dp_size
             n = m.get(f"{kind}/num_pairs", 0.0)

@@ -87,6 +87,15 @@ def _assert_same_grads(ours: dict, model) -> None:
         assert torch.allclose(ours[name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item()), name
 
 
+def _assert_same_steps(one: list, other: list, name: str, margin: str) -> None:
+    """``other`` (a run in another layout, or resumed) trained ``one``'s steps: loss, gradient norm and ``margin``."""
+    assert len(other) == len(one), name
+    for a, b in zip(one, other):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), name
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
+        assert b[margin] == pytest.approx(a[margin], rel=1e-3, abs=1e-5), name
+
+
 def _run(tmp_path, name, model_dir, data, nproc=1, extra=(), exits=(None,), iters=4, preference=True, env_extra=None,
          model_flags=True):
     """train_forge.py on ``data`` in ``tmp_path/name`` (the tiny model's network flags unless not ``model_flags``:
@@ -137,11 +146,7 @@ def test_trainer_dpo_runs_under_pp_and_tp_and_resumes(tmp_path):
     assert one[-1]["loss"] < 0.5 * one[0]["loss"] and one[-1]["dpo/accuracy"] == 1.0
     assert [s["batch_id"] for s in one] == [0, 1, 2, 3]
     for name in ("pp2", "tp2", "resumed"):
-        assert len(runs[name]) == 4, name
-        for a, b in zip(one, runs[name]):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), name
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
-            assert b["dpo/margin"] == pytest.approx(a["dpo/margin"], rel=1e-3, abs=1e-5), name
+        _assert_same_steps(one, runs[name], name, "dpo/margin")
         assert runs[name][-1]["dpo/accuracy"] == 1.0, name  # (at step 1 the margins are round-off: no accuracy)
 
 
@@ -243,11 +248,7 @@ def test_trainer_reward_model_runs_under_pp_and_tp_resumes_and_exports(tmp_path)
     assert len(one) == 12 and one[-1]["loss"] < one[0]["loss"] - 0.02
     assert all(s["rm/accuracy"] == 1.0 for s in one[-4:])  # (the mixed pairs: no one direction ranks them all)
     for name in ("pp2", "tp2", "resumed"):
-        assert len(runs[name]) == 12, name
-        for a, b in zip(one, runs[name]):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), name
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
-            assert b["rm/margin"] == pytest.approx(a["rm/margin"], rel=1e-3, abs=1e-5), name
+        _assert_same_steps(one, runs[name], name, "rm/margin")
 
     exports = {}
     for name in ("one", "pp2"):
