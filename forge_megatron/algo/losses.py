@@ -20,6 +20,15 @@ CISPO has no min(): a token whose ratio is clipped still gets gradient ``-w A`` 
 multiplying ``l_it`` (masked tokens still count in the normaliser); ``+ kl_coef * kl_it`` with ``k1 = logp - ref`` or
 ``k3 = exp(ref - logp) - (ref - logp) - 1``; ``- entropy_coef * H_it``.
 
+On-policy distillation (``teacher_logp_M``, a frozen teacher's log-probabilities of the sampled tokens): the
+advantage of every trained token becomes
+
+    A_it = outcome_coef * A_it + distill_coef * (teacher_logp_it - old_logp_it)
+
+the negative of the sampled per-token estimate of the reverse KL(pi_old || pi_teacher): a policy-gradient step then
+lowers the reverse KL to the teacher on the student's own samples (per token, no reward-to-go: on-policy distillation
+as Agarwal et al. 2024 (GKD) and Thinking Machines 2025 run it). ``outcome_coef = 0`` trains on the teacher alone.
+
 Reduction with sample weights ``w_i`` (an episode split into n segments has ``w = 1/n`` per segment) and loss
 mask ``m``:
 
@@ -84,6 +93,10 @@ class LossConfig:
     mismatch_band: tuple[float, float] | None = None
     """(low, high): tokens whose ``exp(old_logp - rollout_logp)`` lies outside get no policy-gradient loss (IcePop;
     needs ``rollout_logp_M``); e.g. (0.5, 2.0)."""
+    distill_coef: float = 0.0
+    """Weight of the on-policy distillation advantage ``teacher_logp - old_logp`` (needs ``teacher_logp_M``)."""
+    outcome_coef: float = 1.0
+    """Weight of the given (outcome) advantages; 0 with ``distill_coef > 0`` distils from the teacher alone."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -109,6 +122,9 @@ class LossConfig:
             raise ValueError(
                 f"kl_coef and entropy_coef must be >= 0, got kl_coef={self.kl_coef}, entropy_coef={self.entropy_coef}"
             )
+        if not self.distill_coef >= 0 or not self.outcome_coef >= 0:
+            raise ValueError(f"distill_coef and outcome_coef must be >= 0, got distill_coef={self.distill_coef}, "
+                             f"outcome_coef={self.outcome_coef}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
         if self.mismatch_band is not None:
@@ -289,6 +305,8 @@ def _check_required(cfg: LossConfig, named_M: dict[str, torch.Tensor]) -> None:
         raise ValueError("kl_coef > 0 but ref_logp_M was not given")
     if cfg.entropy_coef > 0 and "entropy_M" not in named_M:
         raise ValueError("entropy_coef > 0 but entropy_M was not given")
+    if cfg.distill_coef > 0 and "teacher_logp_M" not in named_M:
+        raise ValueError("distill_coef > 0 but teacher_logp_M was not given")
 
 
 def _make_batch(
@@ -354,6 +372,7 @@ def policy_loss(
     *,
     rollout_logp_M: torch.Tensor | None = None,
     ref_logp_M: torch.Tensor | None = None,
+    teacher_logp_M: torch.Tensor | None = None,
     entropy_M: torch.Tensor | None = None,
     sample_weight_S: torch.Tensor | None = None,
     domain_ids_S: torch.Tensor | None = None,
@@ -365,17 +384,27 @@ def policy_loss(
     ``on_policy_M`` (optional, metrics only) marks the tokens sampled by the weights being trained: the
     training/inference mismatch is then also reported over them alone (``onpolicy/...``).
 
-    ``old_logp_M``, ``advantages_M``, ``rollout_logp_M`` and ``ref_logp_M`` are treated as constants (detached).
+    ``old_logp_M``, ``advantages_M``, ``rollout_logp_M``, ``ref_logp_M`` and ``teacher_logp_M`` are treated as
+    constants (detached); with ``teacher_logp_M`` the advantages are the distillation's (module docstring) and the
+    metrics gain ``distill_reverse_kl`` (the mean of ``old_logp - teacher_logp`` over trained tokens) and
+    ``distill_teacher_logp``.
     ``entropy_M`` keeps its gradient (the entropy bonus trains through it). Everything is computed in fp32.
     """
     named_M = {"logp_M": logp_M, "old_logp_M": old_logp_M, "advantages_M": advantages_M, "loss_mask_M": loss_mask_M}
-    for name, t in (("rollout_logp_M", rollout_logp_M), ("ref_logp_M", ref_logp_M), ("entropy_M", entropy_M)):
+    for name, t in (("rollout_logp_M", rollout_logp_M), ("ref_logp_M", ref_logp_M), ("entropy_M", entropy_M),
+                    ("teacher_logp_M", teacher_logp_M)):
         if t is not None:
             named_M[name] = t
     _check_inputs(named_M, cu_seqlens_S1)
     _check_required(cfg, named_M)
     batch = _make_batch(loss_mask_M, cu_seqlens_S1, sample_weight_S, cfg)
     logp_M, old_logp_M, adv_M = logp_M.float(), old_logp_M.detach().float(), advantages_M.detach().float()
+    distill = {}
+    if teacher_logp_M is not None:
+        teacher_M = teacher_logp_M.detach().float()
+        reverse_kl_M = old_logp_M - teacher_M  # log pi_old / pi_teacher at the sampled token
+        adv_M = cfg.outcome_coef * adv_M - cfg.distill_coef * reverse_kl_M * batch.mask_M
+        distill = {"distill_reverse_kl": reverse_kl_M, "distill_teacher_logp": teacher_M}
 
     ratio_M = _ratio(logp_M, old_logp_M, batch)
     pg_M = _token_loss(logp_M, ratio_M, adv_M, cfg)
@@ -393,6 +422,8 @@ def policy_loss(
         stats.update(_rollout_mismatch(logp_M.detach(), rollout_logp_M.detach().float(), batch, on_policy_M))
     loss = stats["pg_loss"] = batch.reduce(pg_M)
     per_token = {"pg_loss": pg_M.detach(), "advantage": adv_M, "ratio": ratio_M.detach()}
+    for key, x_M in distill.items():
+        stats[key], per_token[key] = batch.masked_mean(x_M), x_M
     if ref_logp_M is not None:
         kl_M = _kl(logp_M, ref_logp_M.detach().float(), cfg.kl_type)
         stats["kl"], per_token["kl"] = batch.reduce(kl_M), kl_M.detach()

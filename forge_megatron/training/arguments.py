@@ -332,6 +332,20 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="keep the KL reference's weights in (pinned) host memory and copy them to the GPU only for "
                         "its forward pass each step: frees one copy of this rank's weights for training, costs one "
                         "host-to-device copy of them per step")
+    g.add_argument("--teacher-hf-checkpoint", default=None, metavar="DIR",
+                   help="on-policy distillation: a frozen teacher (an HF checkpoint of any size or family the bridge "
+                        "reads, with the policy's tokenizer) scores every sampled token on the same prefix trees, "
+                        "and each trained token's advantage gains --distill-coef * (teacher logprob - old logprob), "
+                        "the negative of the sampled reverse KL to the teacher; split with the policy's TP / PP / EP "
+                        "layout, one forward-only pass per step (docs/training.md)")
+    g.add_argument("--distill-coef", type=float, default=1.0,
+                   help="--teacher-hf-checkpoint: weight of the teacher's per-token advantage (default 1)")
+    g.add_argument("--distill-outcome-coef", type=float, default=1.0,
+                   help="--teacher-hf-checkpoint: weight of the pool's outcome advantages (default 1; 0: learn from "
+                        "the teacher alone, no verifier needed)")
+    g.add_argument("--teacher-offload", action="store_true",
+                   help="keep the teacher's weights in (pinned) host memory, on the device only for its forward pass "
+                        "each step (as --ref-offload)")
     g.add_argument("--rl-entropy-coef", type=float, default=0.0, help="entropy bonus coefficient (0: off)")
     g.add_argument("--rl-tis-cap", type=float, default=None,
                    help="truncated importance weight cap on exp(old - rollout logprob) (default off)")
@@ -730,6 +744,22 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0 or --preference-data")
     if not 0 < getattr(args, "rollout_temperature", 1.0) <= 2:
         raise ValueError(f"--rollout-temperature must be in (0, 2], got {args.rollout_temperature}")
+    teacher = getattr(args, "teacher_hf_checkpoint", None)
+    if teacher is not None:
+        if sft_data is not None or preference is not None:
+            raise ValueError("--teacher-hf-checkpoint distils on the policy's own rollouts (RL): not with --sft-data "
+                             "or --preference-data")
+        if not os.path.isfile(os.path.join(teacher, "config.json")):
+            raise ValueError(f"--teacher-hf-checkpoint {teacher!r} has no config.json (an HF model directory)")
+        if not args.distill_coef > 0 or not args.distill_outcome_coef >= 0:
+            raise ValueError(f"--distill-coef must be > 0 and --distill-outcome-coef >= 0, got {args.distill_coef} "
+                             f"and {args.distill_outcome_coef}")
+    else:
+        given = [f for f, on in (("--teacher-offload", getattr(args, "teacher_offload", False)),
+                                 ("--distill-coef", getattr(args, "distill_coef", 1.0) != 1.0),
+                                 ("--distill-outcome-coef", getattr(args, "distill_outcome_coef", 1.0) != 1.0)) if on]
+        if given:
+            raise ValueError(f"{given[0]} needs --teacher-hf-checkpoint (the teacher it distils from)")
     if getattr(args, "ref_offload", False) and not (args.rl_kl_coef > 0 or dpo):
         raise ValueError("--ref-offload offloads the reference model, which exists only with --rl-kl-coef > 0 or "
                          "--preference-data")
@@ -798,6 +828,8 @@ def loss_config(args: argparse.Namespace):
         entropy_coef=args.rl_entropy_coef,
         tis_cap=args.rl_tis_cap,
         mismatch_band=tuple(args.rl_mismatch_band) if args.rl_mismatch_band else None,
+        distill_coef=args.distill_coef if getattr(args, "teacher_hf_checkpoint", None) else 0.0,
+        outcome_coef=args.distill_outcome_coef if getattr(args, "teacher_hf_checkpoint", None) else 1.0,
     )
 
 

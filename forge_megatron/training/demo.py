@@ -18,6 +18,11 @@
                 ``--eval-tasks`` held-out tasks (never trained on: gateway eval sessions) before RL, every
                 ``--eval-every`` versions during it (the rollout driver's periodic evaluation) and after it
 
+``--distill`` trains by on-policy distillation instead of rewards: a teacher twice as wide, warm-started on examples
+that all use the tool, scores every token the student samples (the trainer's --teacher-hf-checkpoint, on the same
+prefix trees) and the student learns from it alone (--distill-outcome-coef 0): the verifier's rewards are measured,
+never trained on.
+
 ``--arch qwen3_vl`` swaps the task for the colour task (forge_megatron.agents.colors): a tiny Qwen3-VL, a warm-start on
 chats with pictures, a colour agent that sends each picture inline; the pictures go through every process.
 ``--arch gemma3_vl`` does the same with a tiny Gemma 3 (a SigLIP tower, each picture's tokens seeing each other).
@@ -58,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--groups-per-step", type=int, default=4)
     p.add_argument("--sft-steps", type=int, default=200)
     p.add_argument("--sft-tool-fraction", type=float, default=0.3)
+    p.add_argument("--distill", action="store_true",
+                   help="on-policy distillation instead of rewards: a teacher twice as wide, warm-started with the "
+                        "tool in every example, scores each token the student samples and the student learns from "
+                        "it alone (the trainer's --teacher-hf-checkpoint, --distill-outcome-coef 0); rewards are "
+                        "measured, not trained on (text archs)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=None,
@@ -200,8 +210,34 @@ class Processes:
             self._stop(proc)
 
 
+def _sft(args: argparse.Namespace, base: str, data: str, out_dir: str) -> None:
+    subprocess.run([sys.executable, "-m", "forge_megatron.training.sft", "--hf-checkpoint", base,
+                    "--data", data, "--out", out_dir, "--steps", str(args.sft_steps), "--seed", str(args.seed)],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": "2", "MASTER_PORT": str(free_port())})
+
+
+def prepare_teacher(args: argparse.Namespace, tasks) -> str:
+    """--distill: a teacher twice as wide as the student, warm-started on the same tasks with the tool in every
+    example. Returns its directory."""
+    from forge_megatron.models.tiny import build_tiny_model
+
+    out = args.out
+    with open(os.path.join(out, "sft_teacher.jsonl"), "w") as f:
+        for chat in calculator.sft_conversations(tasks, 1.0, seed=args.seed):
+            f.write(json.dumps({"messages": chat, "tools": calculator.TOOLS}) + "\n")
+    hidden = 2 * args.hidden_size
+    base = build_tiny_model(os.path.join(out, "teacher_base"), seed=args.seed + 1, hidden_size=hidden,
+                            num_hidden_layers=args.num_layers, intermediate_size=2 * hidden)
+    print(f"[demo]     the teacher for on-policy distillation: hidden {hidden}, {args.num_layers} layers, "
+          f"{args.sft_steps} steps with the tool in every example", flush=True)
+    teacher = os.path.join(out, "teacher_model")
+    _sft(args, base, os.path.join(out, "sft_teacher.jsonl"), teacher)
+    return teacher
+
+
 def prepare(args: argparse.Namespace) -> tuple[str, str]:
-    """Steps 1-2: the base model, the task files, the SFT model. Returns (sft model dir, RL tasks file)."""
+    """Steps 1-2: the base model, the task files, the SFT model (and with --distill the teacher). Returns (sft model
+    dir, RL tasks file)."""
     from forge_megatron.models.tiny import build_tiny_model
 
     out = args.out
@@ -279,10 +315,9 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
             f"tool used in {args.sft_tool_fraction:.0%} of the examples")
     print(f"[demo] 2/5 supervised warm-start: {args.sft_steps} steps, {what}", flush=True)
     sft_dir = os.path.join(out, "sft_model")
-    subprocess.run([sys.executable, "-m", "forge_megatron.training.sft", "--hf-checkpoint", base,
-                    "--data", os.path.join(out, "sft.jsonl"), "--out", sft_dir, "--steps", str(args.sft_steps),
-                    "--seed", str(args.seed)], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "2", "MASTER_PORT": str(free_port())})
+    _sft(args, base, os.path.join(out, "sft.jsonl"), sft_dir)
+    if args.distill:
+        args.teacher_dir = prepare_teacher(args, sft_tasks)
     return sft_dir, os.path.join(out, "rl_tasks.jsonl")
 
 
@@ -322,7 +357,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         held_out_eval(gateway, agent, heldout, evals_path)
         eval_flags = ["--eval-tasks", heldout, "--eval-every-versions", str(args.eval_every), "--no-eval-at-start",
                       "--eval-output", evals_path]
-    print(f"[demo] 4/5 RL: {args.steps} steps x {args.groups_per_step} tasks x {args.group_size} episodes", flush=True)
+    print(f"[demo] 4/5 {'on-policy distillation' if args.distill else 'RL'}: {args.steps} steps x {args.groups_per_step} tasks x {args.group_size} episodes", flush=True)
     procs.start("rollout driver", [sys.executable, "-m", "forge_megatron.agents.driver", "--gateway-url", gateway,
                                    "--tasks", tasks_path, "--group-size", str(args.group_size),
                                    "--max-inflight-groups", str(args.groups_per_step), "--agent-url", agent + "/",
@@ -341,7 +376,9 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         *(["--train-vision-tower"] if args.train_vision_tower else []),
         *(["--weight-sync-fp8", served] if args.fp8 else []),
         *(["--lora-rank", str(args.lora_rank)] if args.lora_rank else []),
-        *(["--weight-sync-lora", "adapter"] if adapter else []), *shlex.split(args.train_args)],
+        *(["--weight-sync-lora", "adapter"] if adapter else []),
+        *(["--teacher-hf-checkpoint", args.teacher_dir, "--distill-outcome-coef", "0"] if args.distill else []),
+        *shlex.split(args.train_args)],
         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
              "LOCAL_RANK": "0"})
     deadline = time.time() + args.timeout_s
@@ -392,6 +429,10 @@ def summarise(args: argparse.Namespace, metrics_path: str, wall_s: float, gatewa
                "window_steps": k, "success_rate": [s["success_rate"] for s in steps],
                "reward_mean": [s["reward_mean"] for s in steps], "merge_ratio": [s["merge_ratio"] for s in steps],
                "staleness_mean": [s["staleness_mean"] for s in steps]}
+    if "distill_reverse_kl" in steps[0]:  # per token, on the student's own samples: falls as it learns
+        summary["distill_reverse_kl"] = [s["distill_reverse_kl"] for s in steps]
+        summary["first_reverse_kl"] = sum(summary["distill_reverse_kl"][:k]) / k
+        summary["last_reverse_kl"] = sum(summary["distill_reverse_kl"][-k:]) / k
     if "routing_mismatch" in steps[0]:
         summary["routing_mismatch"] = [s["routing_mismatch"] for s in steps]
     # engine vs trainer logprob gap on tokens the trained weights sampled (None where a step had none): numerics only
@@ -450,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--train-vision-tower needs a vision-language --arch: one of {', '.join(VISION_ARCHS)}")
     if args.arch in VISION_ARCHS and args.agent_api != "chat":
         raise SystemExit(f"--arch {args.arch} runs the colour agent, which calls chat completions only")
+    if args.distill and (args.arch in VISION_ARCHS or args.moe):
+        raise SystemExit("--distill runs the calculator task with a dense teacher: a text --arch, no --moe")
     if args.arch == "gemma4_e" and (args.num_layers < 4 or args.num_layers % 2):
         raise SystemExit("--arch gemma4_e needs an even --num-layers of 4 or more (every other layer global, the "
                          "second half reusing the keys and values of the first half's last two)")
@@ -473,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] 5/5 success rate: first {summary['window_steps']} steps {summary['first_success_rate']:.2f} -> "
           f"last {summary['window_steps']} steps {summary['last_success_rate']:.2f} over {summary['steps']} RL steps "
           f"in {summary['wall_s']:.0f}s", flush=True)
+    if "distill_reverse_kl" in summary:
+        print(f"[demo] on-policy distillation: reverse KL to the teacher per sampled token "
+              f"{summary['first_reverse_kl']:.3f} -> {summary['last_reverse_kl']:.3f} (first vs last "
+              f"{summary['window_steps']} steps; the rewards were never trained on)", flush=True)
     if "routing_mismatch" in summary:
         mismatch = summary["routing_mismatch"]
         print(f"[demo] routing replay: {sum(mismatch) / len(mismatch):.3f} of the replayed (token, layer) rows would "

@@ -184,14 +184,17 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
          tokens: int = 8192, recompute: str | None = None, sequence_parallel: bool = False,
          gpu_memory_gib: float = 80.0, etp: int | None = None, first: int | None = None,
          last: int | None = None, image_token_fraction: float = 0.5, recompute_vision_tower: bool = False,
-         vision_trainable: str | None = None, lora=None, lora_reference_copy: bool = False) -> dict:
+         vision_trainable: str | None = None, lora=None, lora_reference_copy: bool = False,
+         teacher=None) -> dict:
     """The plan as a dict: layout, per pipeline rank parameters and memory (GiB), and the verdict. ``first`` /
     ``last``: uneven pipeline stages (the first / last stage's layers). A trained tower (``Bridge(vision_tower=
     True)``): ``image_token_fraction`` of a micro-batch's tokens are image tokens (its activations),
     ``recompute_vision_tower`` as the trainer's flag, ``vision_trainable`` the trainer's globs (the other tower
     parameters keep weights only). ``lora``: --lora-rank's LoraConfig (every parameter frozen, weights only;
     the adapters, ``params_lora``, have gradients and optimizer state; the KL reference is the policy with its
-    adapters off, no copy, unless ``lora_reference_copy``: a --ref-hf-checkpoint of its own)."""
+    adapters off, no copy, unless ``lora_reference_copy``: a --ref-hf-checkpoint of its own). ``teacher``: the
+    Bridge of an on-policy distillation teacher (--teacher-hf-checkpoint): its weights, split in the same layout, on
+    every GPU too (its forward-only activations are freed layer by layer and not counted)."""
     from forge_megatron.bridge import ParallelLayout
     from forge_megatron.mcore.parallel import ParallelConfig
 
@@ -200,6 +203,12 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                               last_stage_layers=last)
     dp = parallel.data_parallel_size(world)
     parallel.layer_chunks(cfg.num_layers)  # ValueError naming the counts that do not split
+    if teacher is not None:
+        try:
+            parallel.layer_chunks(teacher.cfg.num_layers)
+            teacher.check_layout(ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, first=first, last=last))
+        except ValueError as exc:
+            raise ValueError(f"the teacher: {exc}") from exc
     bridge.check_layout(ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, first=first, last=last))
     weight_bytes = 2 if bf16 else 4
     opt_bytes = 12 if bf16 else 8  # fp32 Adam moments, and an fp32 master copy of bf16 weights
@@ -233,6 +242,9 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
             if kl_reference and (lora is None or lora_reference_copy) else 0,
             "vision": tower * weight_bytes if r == 0 else 0,
         }
+        if teacher is not None:
+            t = rank_params(teacher, tp, pp, ep, r, vpp, etp, first, last)
+            static["teacher"] = (t["dense"] + t["expert"]) * weight_bytes + t["buffers"] * 4
         act = _activation_bytes(cfg, layers, moe, tokens / cp, tp, sequence_parallel, recompute, in_flight)
         act += tower_act if r == 0 else 0
         total = sum(static.values()) + act
@@ -252,6 +264,7 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
         **({"image_token_fraction": image_token_fraction, "recompute_vision_tower": recompute_vision_tower,
             "vision_trainable": vision_trainable} if bridge.vision_tower else {}),
         **({"lora_rank": lora.rank, "lora_targets": list(lora.targets)} if lora is not None else {}),
+        **({"teacher": teacher.family.name} if teacher is not None else {}),
         "fits": all(x["fits"] for x in ranks),
     }
 
@@ -477,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trainer's flag: with --lora-rank a reference other than --hf-checkpoint is a frozen copy "
                         "of its own (else the KL reference is the policy with its adapters off: no copy)")
     p.add_argument("--lora-target-modules", default="all", help="the trainer's flag: which linears get adapters")
+    p.add_argument("--teacher-hf-checkpoint", default=None, metavar="DIR",
+                   help="the trainer's flag: an on-policy distillation teacher, its weights split in the same layout "
+                        "on every GPU")
     p.add_argument("--tree-token-budget", type=int, default=8192, help="unique tokens per micro-batch")
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100 80, H200 141)")
@@ -503,6 +519,10 @@ def _table(result: dict) -> str:
             cols = cols[:4] + ("params_frozen",) + cols[4:]
         head += (f"; vision tower trained, {result['image_token_fraction']:g} of the tokens image tokens"
                  f"{', its blocks recomputed' if result['recompute_vision_tower'] else ''}")
+    if result.get("teacher"):  # a frozen distillation teacher's weights
+        at = cols.index("activations_gib_estimate")
+        cols = cols[:at] + ("teacher_gib",) + cols[at:]
+        head += f"; a {result['teacher']} teacher"
     if result.get("lora_rank"):  # the adapters train, every other parameter is frozen
         cols = cols[:4] + ("params_lora", "params_frozen") + cols[4:]
         head += f"; LoRA rank {result['lora_rank']} (the checkpoint's weights frozen)"
@@ -537,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
                       args.sequence_parallel, args.gpu_memory_gib, args.expert_tensor_parallel_size,
                       args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
                       args.image_token_fraction, args.recompute_vision_tower, args.vision_trainable,
-                      arguments.lora_config(args), not arguments.lora_reference(args))
+                      arguments.lora_config(args), not arguments.lora_reference(args),
+                      Bridge(args.teacher_hf_checkpoint) if args.teacher_hf_checkpoint else None)
     except (ValueError, FileNotFoundError, MappingError, UnsupportedModelError) as exc:
         print(f"forge-plan: error: {exc}", file=sys.stderr)
         return 2

@@ -334,6 +334,7 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
             logp_M, old, x["advantages_M"], x["loss_mask_M"], x["cu_seqlens_S1"], cfg,
             rollout_logp_M=x["rollout_logp_M"], entropy_M=entropy_M, sample_weight_S=x["sample_weight_S"],
             domain_ids_S=x["domain_ids_S"], domain_names=domains, ref_logp_M=x.get("ref_logp_M"),
+            teacher_logp_M=x.get("teacher_logp_M"),
             on_policy_M=None if policy_version is None else x["policy_versions_M"] == policy_version)
         # A batch-wide normaliser: undo Megatron's division of each micro-batch loss by the micro-batch count.
         return loss * (num_mb if cfg.norm_constant is not None else 1), metrics
@@ -476,6 +477,11 @@ class Trainer:
         if qat is not None and self.ref_chunks is not None:  # the KL's reference rounded as the policy is
             int4_qat.install(self.bridge, self.ref_chunks, qat)
         self.ref_offload = None  # --ref-offload: HostOffload of ref_chunks, made once their weights are loaded
+        self.teacher = None  # --teacher-hf-checkpoint: on-policy distillation (training/distill.py)
+        if getattr(args, "teacher_hf_checkpoint", None):
+            from forge_megatron.training.distill import Teacher
+
+            self.teacher = Teacher(args, self.bridge, model_config, build_reference_model)
         if getattr(args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay
 
@@ -589,6 +595,7 @@ class Trainer:
 
     def _log_memory_plan(self) -> None:
         """What forge-plan says this layout puts on each GPU (parameters exactly, memory roughly), in the log."""
+        from forge_megatron.bridge import Bridge
         from forge_megatron.training import plan
 
         a = self.args
@@ -603,12 +610,15 @@ class Trainer:
                                # a trained tower's parameters (its activations, measured, are forge-plan's)
                                **({"vision_trainable": getattr(a, "vision_trainable", None),
                                    "image_token_fraction": 0.0} if self.bridge.vision_tower else {}),
-                               lora=arguments.lora_config(a), lora_reference_copy=not arguments.lora_reference(a))
+                               lora=arguments.lora_config(a), lora_reference_copy=not arguments.lora_reference(a),
+                               teacher=Bridge(a.teacher_hf_checkpoint) if getattr(a, "teacher_hf_checkpoint", None)
+                               else None)
         except Exception as exc:  # noqa: BLE001 - a report, never a reason to stop
             log.warning("memory plan unavailable: %s", exc)
             return
         for r in result["ranks"]:
-            static = r["weights_gib"] + r["grads_gib"] + r["optimizer_gib"] + r["reference_gib"]
+            static = r["weights_gib"] + r["grads_gib"] + r["optimizer_gib"] + r["reference_gib"] + \
+                r.get("teacher_gib", 0.0)
             lora = f", {r['params_lora']:,} of them LoRA adapters (the rest frozen)" if "params_lora" in r else ""
             self._log(f"memory plan, pipeline rank {r['pp_rank']}: {r['params_dense'] + r['params_expert']:,} "
                       f"parameters per GPU ({r['params_expert']:,} in experts{lora}), {static:.2f} GiB of weights, "
@@ -662,6 +672,10 @@ class Trainer:
                 self.ref_offload = HostOffload(self.ref_chunks)
                 self._log(f"reference model offloaded to host memory ({self.ref_offload.nbytes / 2**20:.1f} MiB "
                           "on this rank; on the device only for its forward pass)")
+        if self.teacher is not None:  # never trained: from its HF checkpoint at every start
+            self.teacher.load(self._log)
+            if getattr(self.args, "teacher_offload", False):
+                self.teacher.offload_to_host(self._log)
         iteration = latest_iteration(self.args.load)
         if iteration is None:
             load_hf_weights(self.chunks, self.bridge, self.args.hf_checkpoint)
@@ -813,6 +827,9 @@ class Trainer:
         if self.args.old_logprobs == "recompute":
             self._forward_only_logprobs(self.ddp, rb, "old_logp_M")
         self._reference_logprobs(rb)
+        if self.teacher is not None:  # on-policy distillation: the teacher's logprobs of the sampled tokens
+            with self.teacher.resident():
+                self._forward_only_logprobs(self.teacher.chunks, rb, "teacher_logp_M")
         if getattr(self.args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay
 
@@ -1109,8 +1126,9 @@ class Trainer:
 
 
 def progress_line(m: dict) -> str:
-    """One console line per step; the training/inference mismatch (``rollout_kl``), the routing mismatch, the images
-    encoded and a held-out evaluation published since the last step show when they were measured."""
+    """One console line per step; the training/inference mismatch (``rollout_kl``), the routing mismatch, the reverse
+    KL to a distillation teacher, the images encoded and a held-out evaluation published since the last step show
+    when they were measured."""
     if "val/loss" in m:  # --offline-eval-data: appended to the mode's line
         held = f" | val loss {m['val/loss']:.4f}" + (f" acc {m['val/accuracy']:.3f}" if "val/accuracy" in m else "")
         return progress_line({k: v for k, v in m.items() if not k.startswith("val/")}) + held
@@ -1126,6 +1144,8 @@ def progress_line(m: dict) -> str:
     mismatch = f" | rollout_kl {m['rollout_kl']:.2e}" if "rollout_kl" in m else ""
     if "routing_mismatch" in m:
         mismatch += f" routing {m['routing_mismatch']:.3f}"
+    if "distill_reverse_kl" in m:  # --teacher-hf-checkpoint
+        mismatch += f" | teacher rkl {m['distill_reverse_kl']:.3f}"
     held_out = f" | eval pass@1 {m['eval/pass@1']:.2f} (v{m['eval/policy_version']:.0f})" \
         if "eval/pass@1" in m and "eval/policy_version" in m else ""
     images = f", {m['images']} images" if "images" in m else ""

@@ -214,6 +214,33 @@ def test_kl_k1_k3_and_entropy_bonus():
         assert g_ent.tolist() == pytest.approx([-0.005, -0.005])
 
 
+def test_on_policy_distillation_advantage():
+    """With a teacher's logprobs each trained token's advantage is outcome_coef * A + distill_coef * (teacher - old):
+    CISPO's loss and gradient with that advantage; masked tokens get none; the reverse-KL metric is the token mean
+    of old - teacher; outcome_coef 0 leaves the teacher's term alone."""
+    logp_M = _t(-1.0, -2.0, -0.7, -1.2, requires_grad=True)
+    old_M = _t(-1.1, -2.0, -0.5, -1.2)
+    teacher_M = _t(-0.4, -3.0, -0.5, -9.0)
+    adv_M = _t(1.0, 1.0, 0.0, -0.5)
+    mask_M = _t(1, 1, 1, 0)
+    for outcome in (1.0, 0.0):
+        cfg = LossConfig(distill_coef=0.5, outcome_coef=outcome)
+        loss, m = _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], cfg, teacher_logp_M=teacher_M)
+        a = [outcome * x + 0.5 * (t - o) for x, t, o in zip(adv_M.tolist(), teacher_M.tolist(), old_M.tolist())]
+        w = [min(math.exp(lp - o), 1.28) for lp, o in zip(logp_M.tolist(), old_M.tolist())]
+        expect = -sum(w[i] * a[i] * logp_M[i].item() for i in range(3)) / 3  # the 4th token is masked
+        assert loss.item() == pytest.approx(expect, rel=1e-6)
+        (grad,) = torch.autograd.grad(loss, [logp_M])
+        assert grad.tolist() == pytest.approx([-w[0] * a[0] / 3, -w[1] * a[1] / 3, -w[2] * a[2] / 3, 0.0], rel=1e-6)
+        assert m["distill_reverse_kl"] == pytest.approx((-0.7 + 1.0 + 0.0) / 3, rel=1e-6)
+        assert m["distill_teacher_logp"] == pytest.approx((-0.4 - 3.0 - 0.5) / 3, rel=1e-6)
+        assert m["advantage_mean"] == pytest.approx(sum(a[:3]) / 3, rel=1e-6)
+    # without distill_coef the teacher's logprobs change nothing but the metrics
+    plain, _ = _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], LossConfig())
+    teacher_only, m = _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], LossConfig(), teacher_logp_M=teacher_M)
+    assert plain.item() == teacher_only.item() and "distill_reverse_kl" in m
+
+
 def test_truncated_importance_weights_scale_token_loss():
     logp_M = _t(-1.0, -1.0, requires_grad=True)
     old_M = _t(-1.0, -1.0)
@@ -373,6 +400,7 @@ def test_tree_packed_equals_unmerged(loss_type):
         (dict(kl_type="k2"), "kl_type must be one of ('k1', 'k3'), got 'k2'"),
         (dict(kl_coef=-1.0), "kl_coef and entropy_coef must be >= 0, got kl_coef=-1.0, entropy_coef=0.0"),
         (dict(tis_cap=0.0), "tis_cap must be > 0, got 0.0"),
+        (dict(distill_coef=-1.0), "distill_coef and outcome_coef must be >= 0, got distill_coef=-1.0, outcome_coef=1.0"),
     ],
 )
 def test_config_errors(kwargs, message):
@@ -461,6 +489,7 @@ def test_seq_mean_with_all_zero_sample_weights():
         (LossConfig(tis_cap=2.0), "tis_cap / mismatch_band is set but rollout_logp_M was not given"),
         (LossConfig(kl_coef=0.1), "kl_coef > 0 but ref_logp_M was not given"),
         (LossConfig(entropy_coef=0.1), "entropy_coef > 0 but entropy_M was not given"),
+        (LossConfig(distill_coef=1.0), "distill_coef > 0 but teacher_logp_M was not given"),
     ],
 )
 def test_missing_optional_inputs(cfg, message):

@@ -151,6 +151,29 @@ def test_plan_cli_counts_lora_and_its_reference(tmp_path, capsys):
     assert refs[0] == refs[1] == 0 < refs[2]
 
 
+def test_plan_counts_a_distillation_teacher(tmp_path, capsys):
+    """forge-plan --teacher-hf-checkpoint: every GPU holds its share of the teacher's weights (the same layout: its
+    rank_params, in the weights' dtype), shown in the table; a teacher whose layers do not split over the stages is
+    refused naming it."""
+    student, teacher = tmp_path / "student", tmp_path / "teacher"
+    for d, kw in ((student, {}), (teacher, {"num_hidden_layers": 4, "hidden_size": 96, "num_attention_heads": 6})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(_hf("qwen3", **kw)))
+    base = ["--hf-checkpoint", str(student), "--world-size", "2", "--pipeline-model-parallel-size", "2", "--bf16"]
+    assert plan.main(base + ["--teacher-hf-checkpoint", str(teacher), "--json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    for r in ranks:
+        t = plan.rank_params(Bridge(str(teacher / "config.json")), 1, 2, 1, r["pp_rank"])
+        assert r["teacher_gib"] * plan.GIB == pytest.approx((t["dense"] + t["expert"]) * 2 + t["buffers"] * 4)
+        assert r["teacher_gib"] > r["weights_gib"] > 0
+    assert plan.main(base + ["--teacher-hf-checkpoint", str(teacher)]) == 0
+    table = capsys.readouterr().out
+    assert "teacher_gib" in table and "a qwen3 teacher" in table
+    (teacher / "config.json").write_text(json.dumps(_hf("qwen3", num_hidden_layers=3)))
+    assert plan.main(base + ["--teacher-hf-checkpoint", str(teacher)]) == 2
+    assert "the teacher: the model's 3 layers do not split into 2 pipeline stages" in capsys.readouterr().err
+
+
 def _optimizer_shard_body(rank, world_size, hf):
     """Elements of fp32 state (per state tensor) this rank's distributed optimizer holds, dense and expert."""
     from megatron.core import parallel_state as ps

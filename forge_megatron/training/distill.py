@@ -1,0 +1,128 @@
+"""On-policy distillation in the trainer (``--teacher-hf-checkpoint``): a frozen teacher scores the student's samples.
+
+The student samples as in RL (the gateway records its tokens and logprobs); every step, a frozen teacher model, any
+size or family the bridge reads with the student's tokenizer, runs forward-only over the step's prefix trees (the
+same micro-batches, the same tree attention: a shared prompt is scored once for the whole group) and gives each
+sampled token its log-probability ``teacher_logp``. The loss (algo/losses.py) then trains on the per-token advantage
+
+    A_t = distill_outcome_coef * A_outcome + distill_coef * (teacher_logp_t - old_logp_t)
+
+the negative of the sampled reverse KL(pi_old || pi_teacher) at each token: the policy gradient moves the student
+toward the teacher on the student's own samples, where it makes its mistakes (Agarwal et al. 2024, GKD; Thinking
+Machines 2025, "On-Policy Distillation"). With ``--distill-outcome-coef 0`` no verifier or reward is needed; with
+both, the verifier's reward and the teacher's guidance add up. The metrics gain ``distill_reverse_kl`` (the mean of
+``old_logp - teacher_logp`` over the trained tokens, which training drives down) and ``distill_teacher_logp``.
+
+The teacher is built as the KL reference is (:func:`trainer.build_reference_model`) but from its own configuration:
+the policy's TP / PP / VPP / EP / CP layout applies to it, so its heads must divide by TP and its layers split over
+the pipeline stages like the policy's. Its weights load from the HF checkpoint at every start (it never trains, so
+a resumed run needs nothing from the trainer checkpoint); ``--teacher-offload`` keeps them in host memory between
+its passes. Text models only for now (a vision-language policy or teacher is refused).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+__all__ = ["Teacher", "check_same_tokenizer"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_same_tokenizer(policy_dir: str, teacher_dir: str) -> int:
+    """Raise ValueError unless the teacher's tokenizer maps every token to the same id as the policy's (the teacher
+    scores the policy's token ids: another vocabulary would score other words, silently). Returns the vocabulary
+    size."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.exists(os.path.join(teacher_dir, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(f"--teacher-hf-checkpoint {teacher_dir} has no tokenizer files: the teacher must share the "
+                         "policy's tokenizer, and that is checked against them (copy the policy's tokenizer there if "
+                         "the teacher was trained with it)")
+    vocabs = []
+    for what, d in (("policy", policy_dir), ("teacher", teacher_dir)):
+        try:
+            vocabs.append(AutoTokenizer.from_pretrained(d).get_vocab())
+        except Exception as exc:  # noqa: BLE001 - named and re-raised
+            raise ValueError(f"the {what}'s tokenizer in {d} does not load: {exc}") from exc
+    policy, teacher = vocabs
+    if policy != teacher:
+        differ = sorted(k for k in set(policy) | set(teacher) if policy.get(k) != teacher.get(k))
+        raise ValueError(f"--teacher-hf-checkpoint {teacher_dir}: its tokenizer is not the policy's ({len(teacher)} "
+                         f"vs {len(policy)} tokens, {len(differ)} differ, e.g. {differ[:3]}): on-policy distillation "
+                         "scores the policy's token ids with the teacher, so both must use one vocabulary")
+    return len(policy)
+
+
+class Teacher:
+    """This rank's chunks of the frozen teacher, its bridge and its model config."""
+
+    def __init__(self, args, policy_bridge, model_config, build_chunks):
+        """``model_config(args, bridge)`` and ``build_chunks(cfg)`` are the trainer's (a Megatron config from a
+        bridge with the job's flags; frozen model chunks in the job's layout)."""
+        from megatron.core import parallel_state as ps
+
+        from forge_megatron.bridge import Bridge
+        from forge_megatron.mcore.parallel import _SPLIT, pipeline_chunks
+
+        self.dir = args.teacher_hf_checkpoint
+        where = f"--teacher-hf-checkpoint {self.dir}"
+        if policy_bridge.family.multimodal:
+            raise ValueError(f"{where}: on-policy distillation takes text models; {args.hf_checkpoint} is a "
+                             "vision-language model")
+        self.vocab = check_same_tokenizer(args.hf_checkpoint, self.dir)
+        try:
+            self.bridge = Bridge(self.dir)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+        if self.bridge.family.multimodal:
+            raise ValueError(f"{where}: on-policy distillation takes text models; the teacher is a vision-language "
+                             "model")
+        cfg = self.bridge.cfg
+        if cfg.vocab_size < self.vocab:
+            raise ValueError(f"{where}: its vocabulary has {cfg.vocab_size} rows, the tokenizer {self.vocab} tokens")
+        try:
+            pipeline_chunks(cfg.num_layers, ps.get_pipeline_model_parallel_world_size(),
+                            ps.get_virtual_pipeline_model_parallel_world_size(), *_SPLIT)
+            tp = ps.get_tensor_model_parallel_world_size()
+            for name, n in (("attention heads", cfg.num_attention_heads),
+                            ("key-value heads", cfg.num_query_groups or cfg.num_attention_heads)):
+                if n % tp:
+                    raise ValueError(f"its {n} {name} do not split over --tensor-model-parallel-size {tp}")
+            # the job's flags for its parallelism and precision, the teacher's checkpoint for its architecture (the
+            # network flags describe the policy), nothing that trains
+            targs = copy.copy(args)
+            targs.num_layers, targs.hf_checkpoint = None, self.dir
+            targs.moe_router_bias_update_rate, targs.dsa_indexer_loss_coeff = None, 0.0
+            targs.recompute_granularity = None
+            if not cfg.num_moe_experts:
+                targs.expert_tensor_parallel_size = None
+            self.cfg = model_config(targs, self.bridge)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+        self.chunks = build_chunks(self.cfg)
+        self.offload = None
+
+    def load(self, log) -> None:
+        """The teacher's weights from its HF checkpoint (every start: it never trains); with ``--teacher-offload``
+        then moved to host memory."""
+        from forge_megatron.training.checkpoint import load_hf_weights
+
+        load_hf_weights(self.chunks, self.bridge, self.dir)
+        params = sum(p.numel() for c in self.chunks for p in c.parameters())
+        log(f"teacher for on-policy distillation loaded from {self.dir} ({self.bridge.family.name}, "
+            f"{self.cfg.num_layers} layers, hidden {self.cfg.hidden_size}; {params:,} parameters on this rank)")
+
+    def offload_to_host(self, log) -> None:
+        from forge_megatron.training.offload import HostOffload
+
+        self.offload = HostOffload(self.chunks)
+        log(f"teacher offloaded to host memory ({self.offload.nbytes / 2**20:.1f} MiB on this rank; on the device "
+            "only for its forward pass)")
+
+    def resident(self):
+        """Context in which the teacher's weights are on the device."""
+        import contextlib
+
+        return self.offload.resident() if self.offload is not None else contextlib.nullcontext()

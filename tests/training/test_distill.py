@@ -1,0 +1,170 @@
+"""On-policy distillation in the trainer (--teacher-hf-checkpoint, training/distill.py): a frozen teacher of another
+size scores the sampled tokens on the step's prefix trees, and the per-token advantage is its logprob minus the
+student's. Checked against transformers (both models run on every sample apart), on one rank and split over two
+pipeline stages or two tensor-parallel ranks; bad teachers are refused with the reason. CPU, 0 GPUs (gloo)."""
+
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from forge_megatron.models.tiny import build_tiny_model
+from tests.dist_utils import run_script
+
+from .trainer_run import TRAIN, run_on_fresh_pool, train_cmd, train_env
+
+# a teacher twice as deep and 1.5x as wide as the tiny student (6 heads of 16, 2 key-value heads)
+TEACHER = dict(seed=1, hidden_size=96, intermediate_size=192, num_hidden_layers=4, num_attention_heads=6,
+               num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("distill")
+    return build_tiny_model(str(d / "student")), build_tiny_model(str(d / "teacher"), **TEACHER)
+
+
+def _episodes(seed: int = 4, group_size: int = 4):
+    """One group: a shared 10-token prompt, completions of 5..8 tokens (token ids within the tiny vocabulary)."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(10, 300, size=10).tolist()
+    return [(prompt, rng.integers(10, 300, size=int(rng.integers(5, 9))).tolist()) for _ in range(group_size)]
+
+
+def _feed(episodes):
+    from forge_megatron.middleware.schema import Episode, Segment
+
+    def feed(client):
+        gid = client.register_group("task-0", len(episodes), "default")
+        for e, (prompt, completion) in enumerate(episodes):
+            seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
+                          rollout_logprobs=[0.0] * len(prompt) + [-5.0] * len(completion),
+                          policy_versions=[-1] * len(prompt) + [0] * len(completion))
+            eid = f"{gid}-e{e}"
+            client.episode_started(gid, eid)
+            now = time.time()
+            client.submit_episode(Episode(episode_id=eid, group_id=gid, task_id="task-0", segments=[seg],
+                                          reward=float(e % 2), started_at=now - 1, ended_at=now))
+    return feed
+
+
+def _completion_logprobs(model_dir: str, episodes) -> list[torch.Tensor]:
+    """transformers' logprob of every completion token, each sample run alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt, completion in episodes:
+            ids = torch.tensor([prompt + completion])
+            logp = torch.log_softmax(model(ids).logits[0].double(), -1)
+            targets = ids[0, len(prompt):]
+            out.append(logp[len(prompt) - 1:-1].gather(-1, targets[:, None])[:, 0])
+    return out
+
+
+def test_teacher_logprobs_and_loss_equal_transformers(models, tmp_path):
+    """Pure distillation (--distill-outcome-coef 0) at step 1 with recomputed old logprobs (ratio 1): the metrics
+    distill_teacher_logp and distill_reverse_kl are the token means of transformers' teacher logprobs and of student
+    minus teacher, and CISPO's loss is -(1/N) sum_t coef (teacher_t - student_t) student_t, the same on one rank,
+    over two pipeline stages (the teacher's 4 layers 2 per stage, the student's 1) and over two TP ranks with
+    sequence parallelism. A second step moves the student: its reverse KL to the teacher on these samples drops."""
+    student, teacher = models
+    episodes = _episodes()
+    s = torch.cat(_completion_logprobs(student, episodes))
+    t = torch.cat(_completion_logprobs(teacher, episodes))
+    coef = 0.5
+    expect = {"distill_teacher_logp": t.mean().item(), "distill_reverse_kl": (s - t).mean().item(),
+              "loss": -(coef * (t - s) * s).mean().item(), "num_tokens": float(s.numel())}
+    flags = ["--teacher-hf-checkpoint", teacher, "--distill-coef", str(coef), "--distill-outcome-coef", "0",
+             "--old-logprobs", "recompute"]
+    runs = {}
+    for name, extra, nproc in (("one", [], 1), ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+                               ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)):
+        runs[name], stdouts, _ = run_on_fresh_pool(tmp_path, name, student, _feed(episodes), iters=1, groups=1,
+                                                   extra=flags + extra, nproc=nproc, lr="1e-2")
+        assert "teacher for on-policy distillation loaded from" in stdouts[0]
+        (step,) = runs[name]
+        for key, value in expect.items():
+            assert step[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, key)
+        assert step["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert runs["one"][0]["grad_norm"] == pytest.approx(runs["pp2"][0]["grad_norm"], rel=1e-5)
+    assert runs["one"][0]["grad_norm"] == pytest.approx(runs["tp2"][0]["grad_norm"], rel=1e-5)
+
+
+def test_outcome_advantages_add_and_teacher_offload_trains_the_same(models, tmp_path):
+    """Two steps of pure distillation with the teacher's weights in host memory between its passes
+    (--teacher-offload) equal the same steps with the teacher resident. Keeping the outcome advantages
+    (--distill-outcome-coef 1, the default) changes the loss by the outcome term alone: the teacher's metrics are the
+    same at step 1, the loss is not. (Whether distillation teaches the student is the demo's to show: it needs
+    samples drawn from the student as it changes, tests/e2e.)"""
+    student, teacher = models
+    episodes = _episodes(seed=9)
+    flags = ["--teacher-hf-checkpoint", teacher, "--old-logprobs", "recompute"]
+    twice = lambda c: [_feed(episodes)(c) for _ in range(2)]  # noqa: E731
+    runs = {}
+    for name, extra in (("pure", ["--distill-outcome-coef", "0"]),
+                        ("offload", ["--distill-outcome-coef", "0", "--teacher-offload"]), ("both", [])):
+        runs[name], stdouts, _ = run_on_fresh_pool(tmp_path, name, student, twice, iters=2, groups=1, lr="1e-2",
+                                                   extra=flags + extra)
+        assert ("teacher offloaded to host memory" in stdouts[0]) == (name == "offload")
+    for a, b in zip(runs["pure"], runs["offload"]):
+        for key in ("loss", "grad_norm", "distill_reverse_kl", "distill_teacher_logp"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+    pure, both = runs["pure"][0], runs["both"][0]
+    for key in ("distill_reverse_kl", "distill_teacher_logp"):
+        assert both[key] == pytest.approx(pure[key], rel=1e-6)
+    assert abs(both["loss"] - pure["loss"]) > 1e-4 and both["advantage_mean"] != pytest.approx(pure["advantage_mean"])
+
+
+def _start(student: str, tmp_path, extra) -> str:
+    """A trainer start that must fail before training: its output."""
+    from .pool_feed import PoolProcess
+
+    pool = PoolProcess(str(tmp_path / "refuse.sqlite"))
+    try:
+        out = run_script(TRAIN, train_cmd(student, pool, str(tmp_path / "refused"), iters=1, groups=1, extra=extra),
+                         env=train_env())
+    finally:
+        pool.stop()
+    assert out.returncode != 0
+    return out.stdout + out.stderr
+
+
+def test_teachers_that_cannot_score_the_policys_tokens_are_refused(models, tmp_path):
+    """Another tokenizer (one token's id moved), no tokenizer at all, and layers that do not split over the
+    pipeline stages: each refused at start-up with the reason."""
+    student, teacher = models
+    other = str(tmp_path / "other_vocab")
+    shutil.copytree(teacher, other)
+    with open(os.path.join(other, "tokenizer.json")) as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[20:22]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(os.path.join(other, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    out = _start(student, tmp_path, ["--teacher-hf-checkpoint", other])
+    assert "its tokenizer is not the policy's" in out and "2 differ" in out
+    bare = str(tmp_path / "bare")
+    os.makedirs(bare)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(teacher, f), bare)
+    assert "has no tokenizer files" in _start(student, tmp_path, ["--teacher-hf-checkpoint", bare])
+    three = build_tiny_model(str(tmp_path / "three_layers"), seed=2, num_hidden_layers=3)
+    from .pool_feed import PoolProcess
+
+    pool = PoolProcess(str(tmp_path / "pp.sqlite"))
+    try:
+        res = run_script(TRAIN, train_cmd(student, pool, str(tmp_path / "pp"), iters=1, groups=1,
+                                          extra=["--teacher-hf-checkpoint", three,
+                                                 "--pipeline-model-parallel-size", "2"]),
+                         nproc=2, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        pool.stop()
+    assert res.returncode != 0
+    assert "the model's 3 layers do not split into 2 pipeline stages" in res.stdout + res.stderr
