@@ -749,8 +749,6 @@ def validate_args(args: argparse.Namespace) -> None:
         if sft_data is not None or preference is not None:
             raise ValueError("--teacher-hf-checkpoint distils on the policy's own rollouts (RL): not with --sft-data "
                              "or --preference-data")
-        if not os.path.isfile(os.path.join(teacher, "config.json")):
-            raise ValueError(f"--teacher-hf-checkpoint {teacher!r} has no config.json (an HF model directory)")
         if not args.distill_coef > 0 or not args.distill_outcome_coef >= 0:
             raise ValueError(f"--distill-coef must be > 0 and --distill-outcome-coef >= 0, got {args.distill_coef} "
                              f"and {args.distill_outcome_coef}")

@@ -68,6 +68,8 @@ class Teacher:
 
         self.dir = args.teacher_hf_checkpoint
         where = f"--teacher-hf-checkpoint {self.dir}"
+        if not os.path.isfile(os.path.join(self.dir, "config.json")):
+            raise ValueError(f"{where} has no config.json (an HF model directory)")
         if policy_bridge.family.multimodal:
             raise ValueError(f"{where}: on-policy distillation takes text models; {args.hf_checkpoint} is a "
                              "vision-language model")

@@ -165,6 +165,11 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--ref-hf-checkpoint", "/x"], "--ref-hf-checkpoint is used only with --rl-kl-coef > 0"),
     (["--ref-offload"], "--ref-offload offloads the reference model, which exists only with --rl-kl-coef > 0 or "
                         "--preference-data"),
+    (["--teacher-offload"], "--teacher-offload needs --teacher-hf-checkpoint"),
+    (["--distill-outcome-coef", "0"], "--distill-outcome-coef needs --teacher-hf-checkpoint"),
+    (["--teacher-hf-checkpoint", "/t", "--distill-coef", "0"], "--distill-coef must be > 0 and "
+                                                                "--distill-outcome-coef >= 0, got 0.0 and 1.0"),
+    (["--teacher-hf-checkpoint", "/t", "--distill-coef", "-1"], "distill_coef and outcome_coef must be >= 0"),
 ])
 def test_bad_values_are_named(extra, message):
     with pytest.raises(ValueError, match=message):

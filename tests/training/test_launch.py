@@ -57,7 +57,8 @@ def test_bash_syntax_and_help():
          SAVE_INTERVAL=25, KEEP_CHECKPOINTS=3, ASYNC_SAVE=1, EXIT_DURATION_MINS=1410),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
          USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1, KEEP_TRAJECTORIES=1,
-         EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5, RETIRE_SOLVED_AFTER=3),
+         EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5, RETIRE_SOLVED_AFTER=3,
+         TEACHER_CHECKPOINT="/models/teacher", DISTILL_OUTCOME_COEF=0, TEACHER_OFFLOAD=1),
     # experts whole, EP 16 over DP x TP = 4 x 4 (EP could not exceed DP = 4 with the experts split over TP)
     dict(ROLLOUT_NODES=1, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=8, TP=4, PP=1, EP=16, CP=1, ETP=1,
          MODEL="qwen3-30B-A3B"),
@@ -110,6 +111,9 @@ def test_dry_run_plan_is_consistent(layout):
     assert args.weight_sync_interval == layout.get("WEIGHT_SYNC_INTERVAL", 1)
     assert (args.save_interval, args.keep_checkpoints, args.async_save) == (
         layout.get("SAVE_INTERVAL", 50), layout.get("KEEP_CHECKPOINTS"), layout.get("ASYNC_SAVE") == 1)
+    teacher = layout.get("TEACHER_CHECKPOINT")  # on-policy distillation: the trainer's teacher, or none
+    assert (args.teacher_hf_checkpoint, args.distill_outcome_coef, args.teacher_offload) == (
+        teacher, float(layout.get("DISTILL_OUTCOME_COEF", 1)), layout.get("TEACHER_OFFLOAD") == 1)
     assert args.exit_signal_handler and args.exit_duration_in_mins == layout.get("EXIT_DURATION_MINS")
     assert args.exit_file == f"{_run_dir(out.stdout)}/stop_training"  # what the USR1 trap creates
     replay = layout.get("ROUTING_REPLAY") == 1  # engines record, the gateway keeps, the trainer replays: all or none
