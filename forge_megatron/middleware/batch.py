@@ -18,7 +18,8 @@ Episode -> EpisodeOutcome mapping (the pool's contract with the algorithm layer)
   metadata        = the group's task metadata updated with episode.metadata (for a user reward function)
 
 Routed experts (rollout routing replay), when the episodes carry them, travel as one more int8/int16 array
-[T, layers, topk] next to the per-token ones (``-1`` rows where nothing was recorded).
+[T, layers, topk] next to the per-token ones (``-1`` rows where nothing was recorded); teacher logprobs (the
+gateway's ``--teacher-urls``) as one more float32 array [T].
 
 Legend: L = tokens of one segment, T = tokens of all samples of a batch concatenated, S = samples.
 """
@@ -63,6 +64,7 @@ class TrainSample:
     # vision-language models: one image per run of image tokens, in order: encoded bytes (what the pool delivers;
     # the trainer runs the checkpoint's image processor) or a multimodal.ImageInput (patches already made)
     images: list | None = None
+    teacher_logprobs: np.ndarray | None = None  # float32 [L]: a served teacher's logprobs of the sampled tokens
 
 
 @dataclass
@@ -76,6 +78,7 @@ class TrainBatch:
     def num_bytes(self) -> int:
         return sum(getattr(s, name).nbytes for s in self.samples for name, _ in TOKEN_FIELDS) + \
             sum(s.routed_experts.nbytes for s in self.samples if s.routed_experts is not None) + \
+            sum(s.teacher_logprobs.nbytes for s in self.samples if s.teacher_logprobs is not None) + \
             sum(len(im) if isinstance(im, (bytes, memoryview)) else im.pixel_values.nbytes
                 for s in self.samples for im in s.images or ())
 
@@ -121,14 +124,15 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
 
     ``episodes`` are in wire form (``wire.episode_to_wire``): a header with ``episode_id``, ``domain`` and
     ``segment_lengths``, and the four per-token arrays of all segments concatenated (plus the routed experts when
-    the header has ``routing_shape``, and the segments' encoded images last when it has ``segment_images``); samples
-    are views of them.
+    the header has ``routing_shape``, and the segments' encoded images last when it has ``segment_images``; the
+    teacher logprobs right after the four when it has ``teacher_logprobs``); samples are views of them.
     """
     samples = []
     for e, (meta, arrays_T) in enumerate(episodes):
         bounds = np.cumsum([0] + list(meta["segment_lengths"]))
+        teacher_T = arrays_T[4] if meta.get("teacher_logprobs") else None
         routing = meta.get("routing_shape")
-        routed_T = arrays_T[4].reshape(-1, *routing) if routing else None
+        routed_T = arrays_T[4 + (teacher_T is not None)].reshape(-1, *routing) if routing else None
         images = _segment_images(meta, arrays_T)
         for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             tokens_L, loss_mask_L, logprobs_L, versions_L = (a[lo:hi] for a in arrays_T[:4])
@@ -147,6 +151,7 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
                     reward=scores["rewards"][e],
                     routed_experts=None if routed_T is None else routed_T[lo:hi],
                     images=images[s],
+                    teacher_logprobs=None if teacher_T is None else teacher_T[lo:hi],
                 )
             )
     return samples

@@ -149,6 +149,10 @@ class GatewayConfig:
     # this worker's row of it, so each routes by the whole gateway's load.
     engine_load_file: str | None = None
     engine_load_row: int = 0
+    # On-policy distillation from a served teacher (middleware/teacher.py): SGLang engines serving it; each episode's
+    # sampled tokens are scored with it when the episode ends, before it goes to the sink.
+    teacher_urls: tuple[str, ...] = ()
+    teacher_timeout_s: float = 120.0
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -176,6 +180,9 @@ class GatewayConfig:
             raise ValueError(f"policy_temperature must be in (0, 2], got {self.policy_temperature!r}")
         if self.group_affinity_slack is not None and self.group_affinity_slack < 0:
             raise ValueError(f"group_affinity_slack must be >= 0 or None, got {self.group_affinity_slack}")
+        self.teacher_urls = tuple(self.teacher_urls)
+        if not self.teacher_timeout_s > 0:
+            raise ValueError(f"teacher_timeout_s must be > 0, got {self.teacher_timeout_s}")
         if self.worker_tag is not None and not (self.worker_tag.isascii() and self.worker_tag.isalnum()):
             raise ValueError(f"worker_tag must be letters and digits, got {self.worker_tag!r}")
 
@@ -534,6 +541,15 @@ class Gateway:
             model_config = model_config.get_text_config()
         self.renderer = ChatRenderer(tokenizer, end_ids=model_end_ids(config.model_path))
         self.images, self.image_placeholder = self._image_processor(config.model_path)
+        self.teacher = None  # --teacher-urls: middleware/teacher.py
+        if config.teacher_urls:
+            if self.images is not None:
+                raise ValueError("teacher_urls: on-policy distillation takes text models; "
+                                 f"{config.model_path} takes images")
+            from forge_megatron.middleware.teacher import TeacherScorer
+
+            self.teacher = TeacherScorer(list(config.teacher_urls), config.policy_temperature,
+                                         config.teacher_timeout_s)
         self.context_length = config.context_length or int(getattr(model_config, "max_position_embeddings", 4096))
         self.vocab_size = int(getattr(model_config, "vocab_size", 0) or len(self.renderer.tok))
         self.routing_shape = None  # (layers, topk) when recording routed experts
@@ -580,7 +596,7 @@ class Gateway:
         self.stats = {"aborts": 0, "resumed_tokens": 0, "discarded_tokens": 0, "policy_sampling_overrides": 0,
                       "tempered_calls": 0, "reaped_sessions": 0, "calls": 0, "prompt_tokens": 0,
                       "completion_tokens": 0, "forgotten_sessions": 0, "images_fetched": 0, "image_fetch_failures": 0,
-                      "image_prompt_mismatches": 0}
+                      "image_prompt_mismatches": 0, "teacher_scored_tokens": 0, "teacher_failed_episodes": 0}
         self._reaper: asyncio.Task | None = None
         self._token_texts: dict[int, str] = {}  # token_text's cache (at most the vocabulary)
         self.evals: deque[dict] = deque(maxlen=1000)  # published evaluation results, each with an increasing id
@@ -655,7 +671,7 @@ class Gateway:
         outcome = "eval"
         if not sess.evaluation:
             try:
-                outcome = await self.to_sink("submit_episode", sess.to_episode())
+                outcome = await self.to_sink("submit_episode", await self._with_teacher(sess.to_episode()))
             except ApiError:  # the sink did not answer: the session stays open, so the end can be sent again
                 sess.status, sess.ended_at, sess.responses = None, 0.0, stored
                 raise
@@ -664,6 +680,30 @@ class Gateway:
                 raise
         self.retire(sess)
         return outcome or "accepted"
+
+    async def _with_teacher(self, episode):
+        """``episode`` with its served teacher's logprobs (--teacher-urls; as it is without). No teacher engine
+        answering is a 503 ``teacher_unavailable`` (the session stays open: send the end again); a refusal that a
+        retry would not change sends the episode as ``failed`` with the reason (middleware/teacher.py)."""
+        if self.teacher is None or not episode.segments:
+            return episode
+        from forge_megatron.middleware.teacher import TeacherRefused, TeacherUnavailable
+
+        try:
+            await self.teacher.score(episode)
+        except TeacherUnavailable as exc:
+            raise ApiError(503, f"the distillation teacher did not answer ({exc}); nothing was lost: send the "
+                                "request again", "service_unavailable", code="teacher_unavailable") from exc
+        except TeacherRefused as exc:
+            log.warning("episode %s: the teacher refused to score it, sent as failed: %s", episode.episode_id, exc)
+            self.stats["teacher_failed_episodes"] += 1
+            episode.status = "failed"
+            episode.metadata = {**episode.metadata, "teacher_error": str(exc)}
+            for seg in episode.segments:
+                seg.teacher_logprobs = None
+            return episode
+        self.stats["teacher_scored_tokens"] = self.teacher.scored_tokens
+        return episode
 
     async def to_sink(self, method: str, *args):
         """``sink.<method>(*args)`` in a worker thread. SchemaError is the sink's refusal; any other failure (a data
@@ -725,6 +765,8 @@ class Gateway:
         if self.fetch_pool is not None:
             self.fetch_pool.shutdown(wait=False)
         await self.fleet.close()
+        if self.teacher is not None:
+            await self.teacher.close()
 
     def retire(self, sess: Session) -> None:
         """Remember ``sess`` as ended; forget the oldest ended sessions beyond ``keep_ended_sessions`` or beyond
@@ -1847,7 +1889,8 @@ async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
                      "failures": e.failures} for e in gw.fleet.engines],
         "group_affinity": dict(gw.fleet.affinity),  # new sessions placed on their group's engine / away from it
         # what the trainer checks against its own flags at start (--rollout-temperature)
-        "config": {"policy_sampling": gw.config.policy_sampling, "policy_temperature": gw.config.policy_temperature},
+        "config": {"policy_sampling": gw.config.policy_sampling, "policy_temperature": gw.config.policy_temperature,
+                   "teacher": bool(gw.config.teacher_urls)},
     })
 
 
@@ -1868,6 +1911,8 @@ _METRIC_HELP = {
     "image_fetch_failures": ("counter", "image URLs refused or that could not be fetched (each a 400)"),
     "image_prompt_mismatches": ("counter", "calls with images whose prompt the engine counted otherwise than the "
                                            "gateway wrote it (its processor writes images out in another form)"),
+    "teacher_scored_tokens": ("counter", "sampled tokens the served distillation teacher scored (--teacher-urls)"),
+    "teacher_failed_episodes": ("counter", "episodes sent as failed because the teacher refused to score them"),
 }
 _POOL_GAUGES = ("queue_depth", "window", "window_ready", "window_pending", "window_occupancy", "policy_version",
                 "stale_groups", "stale_episodes", "stale_tokens", "filtered_groups", "filtered_solved",
@@ -2042,6 +2087,13 @@ def add_session_options(p) -> None:
                         "agent's screenshots); default: none")
     p.add_argument("--image-url-timeout-s", type=float, default=10.0, metavar="S",
                    help="the whole fetch of one image URL, redirects included (default 10)")
+    p.add_argument("--teacher-urls", default="", metavar="URLS",
+                   help="on-policy distillation from a served teacher: comma-separated SGLang URLs serving a model "
+                        "with the policy's tokenizer; each episode's sampled tokens are scored with it when the "
+                        "episode ends (prefill only, at --policy-temperature) and the logprobs go with it to the "
+                        "trainer (--teacher-from-gateway); text models (docs/middleware.md)")
+    p.add_argument("--teacher-timeout-s", type=float, default=120.0, metavar="S",
+                   help="one teacher call (a segment's prefill; default 120)")
     p.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
                    help="re-issue a call that an engine aborted for a weight update from its prompt, dropping the "
                         "tokens it had sampled (default: go on from them, each token keeping the policy version and "
@@ -2060,7 +2112,9 @@ def session_options(args: argparse.Namespace) -> dict:
                 max_body_bytes=int(args.max_body_mib * 2**20), image_threads=args.image_threads,
                 image_url_hosts=tuple(h.strip() for h in args.image_url_hosts.split(",") if h.strip()),
                 image_url_private=args.image_url_private, image_dir=args.image_dir,
-                image_url_timeout_s=args.image_url_timeout_s)
+                image_url_timeout_s=args.image_url_timeout_s,
+                teacher_urls=tuple(u.strip() for u in args.teacher_urls.split(",") if u.strip()),
+                teacher_timeout_s=args.teacher_timeout_s)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,9 @@ Optionally, for MoE models served with routed-expert capture (rollout routing re
                       none was recorded (dense layers, the last token, calls without capture); the trainer replays
                       them (int8 when the model has at most 128 experts)
 
+Optionally, for on-policy distillation from a served teacher (the gateway's ``--teacher-urls``):
+  teacher_logprobs[t] log pi_teacher(tokens[t] | tokens[:t]) for sampled tokens, 0.0 elsewhere
+
 Optionally, for vision-language models:
   images              the segment's images in the order of its image-token runs: each the PNG the gateway
                       normalized (multimodal/images.py), which the engine was sent and the trainer encodes
@@ -74,6 +77,8 @@ class Segment:
     routed_experts: np.ndarray | None = None
     # Optional encoded images, one per run of image tokens, in order (see above); base64 strings in the JSON form.
     images: list[bytes] | None = None
+    # Optional teacher logprobs of the sampled tokens (on-policy distillation; see above), 0.0 elsewhere.
+    teacher_logprobs: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.images is not None:
@@ -107,6 +112,11 @@ class Segment:
         _check(all(math.isfinite(x) for x in self.rollout_logprobs), f"{where}.rollout_logprobs has non-finite values")
         if self.reward is not None:
             _check(math.isfinite(self.reward), f"{where}.reward is not finite")
+        if self.teacher_logprobs is not None:
+            _check(len(self.teacher_logprobs) == n,
+                   f"{where}.teacher_logprobs has length {len(self.teacher_logprobs)}, tokens has {n}")
+            _check(all(isinstance(x, (int, float)) and math.isfinite(x) and x <= 0 for x in self.teacher_logprobs),
+                   f"{where}.teacher_logprobs must be finite logprobs (<= 0)")
 
     @property
     def num_trained_tokens(self) -> int:

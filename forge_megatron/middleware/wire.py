@@ -13,7 +13,9 @@ Episodes and batches concatenate their per-token arrays (T = all tokens of all s
 lengths in the header, so a batch is five frames whatever its number of samples. Routed experts (rollout routing
 replay), when any item has them, are one more int8 or int16 frame [T * layers * topk] with ``routing_shape`` =
 [layers, topk] and ``routing_dtype`` in the header; items without them get ``-1`` rows (nothing recorded: the trainer
-routes those tokens itself).
+routes those tokens itself). Teacher logprobs (on-policy distillation from a served teacher), when every item has
+them, are one more float32 frame [T] after the per-token ones, flagged by ``teacher_logprobs: true`` in the header
+(all items or none: a batch the trainer distils on must carry them for every sample).
 """
 
 from __future__ import annotations
@@ -174,6 +176,28 @@ def _take_images(meta: dict, arrays: list[np.ndarray], owners: int, key: str, wh
     return arrays[:-1], split_images(table, arrays[-1])
 
 
+def _teacher_frame(items: list, meta: dict, where: str) -> list[np.ndarray]:
+    """[] when no item has teacher logprobs; else one float32 frame of all of them and ``meta["teacher_logprobs"]``
+    set. Some items with them and some without is refused (WireError)."""
+    have = [x is not None for x in items]
+    if not any(have):
+        return []
+    if not all(have):
+        raise WireError(f"{where}: {have.count(False)} of {len(items)} items have no teacher_logprobs (all or none)")
+    meta["teacher_logprobs"] = True
+    return [np.concatenate([np.asarray(x, dtype=np.float32) for x in items]) if items else np.zeros(0, np.float32)]
+
+
+def _take_teacher(meta: dict, arrays: list[np.ndarray], total: int, where: str):
+    """(the other arrays, teacher logprobs float32 [total] or None): splits off the teacher frame (the last of the
+    arrays left once images and routing are taken)."""
+    if not meta.pop("teacher_logprobs", False):
+        return arrays, None
+    if not arrays or arrays[-1].dtype != np.float32 or arrays[-1].shape != (total,):
+        raise WireError(f"{where} teacher logprobs must be float32[{total}] after the per-token arrays")
+    return arrays[:-1], arrays[-1]
+
+
 def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]:
     meta = {f.name: getattr(episode, f.name) for f in dataclasses.fields(Episode) if f.name != "segments"}
     meta["schema_version"] = SCHEMA_VERSION
@@ -181,6 +205,7 @@ def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]
     meta["segment_rewards"] = [s.reward for s in episode.segments]
     arrays = [np.concatenate([np.asarray(getattr(s, name), dtype=dtype) for s in episode.segments])
               if episode.segments else np.zeros(0, dtype) for name, dtype in EPISODE_FIELDS]
+    arrays += _teacher_frame([s.teacher_logprobs for s in episode.segments], meta, "episode")
     arrays += _routing_frame([(s.routed_experts, len(s.tokens)) for s in episode.segments], meta, "episode")
     arrays += _image_frame([s.images or [] for s in episode.segments], meta, "segment_images")
     return meta, arrays
@@ -198,12 +223,14 @@ def episode_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> Episode
     del meta["segment_lengths"], meta["segment_rewards"]
     arrays, images = _take_images(meta, arrays, len(lengths), "segment_images", "episode")
     arrays, routed_T = _take_routing(meta, arrays, sum(lengths), "episode")
+    arrays, teacher_T = _take_teacher(meta, arrays, sum(lengths), "episode")
     parts = _split(arrays, lengths, EPISODE_FIELDS, "episode")
     bounds = np.cumsum([0] + lengths)
     meta["segments"] = [
         {name: a.tolist() for (name, _), a in zip(EPISODE_FIELDS, part)}
         | {"reward": r, "routed_experts": None if routed_T is None else routed_T[lo:hi].copy(),
-           "images": None if ims is None else [bytes(x) for x in ims]}
+           "images": None if ims is None else [bytes(x) for x in ims],
+           "teacher_logprobs": None if teacher_T is None else teacher_T[lo:hi].tolist()}
         for part, r, lo, hi, ims in zip(parts, rewards, bounds[:-1], bounds[1:], images)
     ]
     return Episode.from_dict(meta)
@@ -220,7 +247,8 @@ def blob_to_wire(blob: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     d = msgpack.unpackb(blob, raw=False)
     routing = [np.dtype(d["meta"].get("routing_dtype", "int16"))] if d["meta"].get("routing_shape") else []
     images = [np.dtype(np.uint8)] if d["meta"].get("segment_images") else []
-    dtypes = [dtype for _, dtype in EPISODE_FIELDS] + routing + images
+    teacher = [np.dtype(np.float32)] if d["meta"].get("teacher_logprobs") else []
+    dtypes = [dtype for _, dtype in EPISODE_FIELDS] + teacher + routing + images
     return d["meta"], [np.frombuffer(b, dtype=dtype) for b, dtype in zip(d["arrays"], dtypes)]
 
 
@@ -238,6 +266,7 @@ def batch_to_wire(batch: TrainBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
               for name, dtype in TOKEN_FIELDS]
     meta = {"batch_id": batch.batch_id, "group_indices": batch.group_indices, "metrics": batch.metrics,
             "samples": samples}
+    arrays += _teacher_frame([s.teacher_logprobs for s in batch.samples], meta, "batch")
     arrays += _routing_frame([(s.routed_experts, s.tokens.shape[0]) for s in batch.samples], meta, "batch")
     arrays += _image_frame([s.images or [] for s in batch.samples], meta, "images")
     return meta, arrays
@@ -255,11 +284,13 @@ def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatc
     meta = dict(meta)
     arrays, images = _take_images(meta, arrays, len(samples_meta), "images", "batch")
     arrays, routed_T = _take_routing(meta, arrays, sum(lengths), "batch")
+    arrays, teacher_T = _take_teacher(meta, arrays, sum(lengths), "batch")
     parts = _split(arrays, lengths, TOKEN_FIELDS, "batch")
     bounds = np.cumsum([0] + lengths)
     samples = [
         TrainSample(**{name: a for (name, _), a in zip(TOKEN_FIELDS, part)}, **{k: s[k] for k in _SAMPLE_KEYS},
-                    routed_experts=None if routed_T is None else routed_T[lo:hi], images=ims)
+                    routed_experts=None if routed_T is None else routed_T[lo:hi], images=ims,
+                    teacher_logprobs=None if teacher_T is None else teacher_T[lo:hi])
         for part, s, lo, hi, ims in zip(parts, samples_meta, bounds[:-1], bounds[1:], images)
     ]
     return TrainBatch(batch_id=field(meta, "batch_id", int, "batch"), samples=samples,

@@ -3,7 +3,9 @@
 Tests and the demo need an engine that generates for real (tokens and logprobs come from the weights) and whose
 weights can be swapped by the trainer, without a GPU or SGLang. This server loads a HF causal LM from a local
 directory (transformers, fp32) and serves the subset of SGLang's native API that forge uses, with SGLang's field
-names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``stream``,
+names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``top_logprobs_num``,
+``logprob_start_len``: the input's logprobs as ``meta_info["input_token_logprobs"]``, with ``max_new_tokens: 0``
+a prefill-only scoring, what a distillation teacher is asked; ``stream``,
 ``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV / Gemma 3 / Gemma 4 / Mistral 3 / Kimi-K2.5 models: inline images,
 one placeholder per image in ``input_ids``, written out here as SGLang's processors do: multimodal/images.py
 ``ImageProcessor.engine_ids``), ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
@@ -179,6 +181,8 @@ class _Request:
     images: list = field(default_factory=list)  # image_data as multimodal.ImageInput, in the order of their tokens
     rope_deltas: object = None  # a vision-language model's mRoPE offset of this request (set by its prefill)
     lora: object = None  # lora_serving.Adapter of its lora_path (None: the base model); kept if unloaded meanwhile
+    input_start: int | None = None  # logprob_start_len (with return_logprob): score the input from there
+    input_logprobs: list | None = None  # SGLang's input_token_logprobs: [[logprob or None, token_id, None], ...]
 
 
 class ReferenceEngine:
@@ -289,6 +293,10 @@ class ReferenceEngine:
         top_n = body.get("top_logprobs_num") or 0
         _require(isinstance(top_n, int) and not isinstance(top_n, bool) and 0 <= top_n <= vocab,
                  f"top_logprobs_num must be an int in [0, {vocab}], got {top_n!r}")
+        start = body.get("logprob_start_len", -1)
+        _require(start is None or (isinstance(start, int) and not isinstance(start, bool) and -1 <= start < len(ids)),
+                 f"logprob_start_len must be -1 (none) or an int in [0, {len(ids)}) (the input's positions), got "
+                 f"{start!r}")
         seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(4), "little")
         gen = torch.Generator().manual_seed(seed)
         images = self._image_inputs(body)
@@ -304,9 +312,13 @@ class ReferenceEngine:
             _require(len(ids) + params.max_new_tokens <= self.context_length,
                      f"input_ids ({len(ids)} tokens with the images') + max_new_tokens ({params.max_new_tokens}) "
                      f"exceed the context length ({self.context_length} tokens)")
+        _require(not (images and start is not None and start >= 0),
+                 "logprob_start_len: input logprobs of requests with image_data are not supported here")
         return _Request(rid=str(body.get("rid") or uuid.uuid4().hex), input_ids=list(ids), params=params, gen=gen,
                         routed=[] if want_routing else None, top_n=top_n, images=images,
-                        lora=self._adapter(body.get("lora_path")))
+                        lora=self._adapter(body.get("lora_path")),
+                        input_start=start if body.get("return_logprob") and start is not None and start >= 0
+                        else None)
 
     def _adapter(self, name):
         if name is None:
@@ -380,6 +392,20 @@ class ReferenceEngine:
             req.top.append(top_logprobs(logp_V, req.top_n))
         req.finish = self._finish_reason(req, token)
 
+    def _score_input(self, req: _Request) -> None:
+        """``logprob_start_len`` (on the worker thread): each input token's logprob from ``input_start`` on, under the
+        distribution the output tokens' are reported in (:func:`scored_logprobs`), as SGLang's
+        ``input_token_logprobs``: one [logprob, token_id, None] per position from ``input_start``, the first with
+        logprob None (SGLang pads the window's first position; logits at position t score token t + 1)."""
+        ids = req.input_ids
+        with torch.no_grad(), (self.lora.using(req.lora) if self.lora is not None else contextlib.nullcontext()):
+            logits_SV = self.model(input_ids=torch.tensor([ids])).logits[0].float()
+        start = req.input_start
+        logp_SV = scored_logprobs(logits_SV[start:-1], req.params, self.original_logprob)
+        targets = torch.tensor(ids[start + 1:])
+        values = logp_SV.gather(-1, targets[:, None])[:, 0].tolist() if len(targets) else []
+        req.input_logprobs = [[None, ids[start], None]] + [[v, t, None] for v, t in zip(values, ids[start + 1:])]
+
     def _finish_reason(self, req: _Request, token: int) -> dict | None:
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
@@ -403,6 +429,9 @@ class ReferenceEngine:
             raise
         self.running[req.rid] = req
         try:
+            if req.input_start is not None:  # prefill-only scoring of the input (a teacher's logprobs)
+                await self._wait_resumed(req)
+                await self.run(self._score_input, req)
             if req.params.max_new_tokens == 0:
                 req.finish = {"type": "length", "length": 0}
             while req.finish is None:
@@ -439,6 +468,8 @@ class ReferenceEngine:
         }
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, out_ids)]
+            if req.input_logprobs is not None:
+                meta["input_token_logprobs"] = req.input_logprobs
             if req.top_n:
                 meta["output_top_logprobs"] = req.top
         if req.routed is not None and req.finish is not None:  # once, with the last chunk of a stream

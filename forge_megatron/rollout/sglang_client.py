@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import mmap
 import time
 from collections import OrderedDict
@@ -189,6 +190,32 @@ class SGLangClient:
                     yield result
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             raise EngineError(f"{self.url}/generate stream failed: {type(exc).__name__}: {exc}") from exc
+
+    async def input_logprobs(self, input_ids: list[int], logprob_start_len: int, temperature: float = 1.0,
+                             timeout_s: float | None = None) -> list[float]:
+        """Prefill-only scoring (``max_new_tokens: 0``, ``return_logprob``, ``logprob_start_len``): the logprob of
+        each input token from ``logprob_start_len + 1`` on, under softmax(logits / temperature) (SGLang tempers input
+        logprobs as it does output ones). SGLang answers ``meta_info["input_token_logprobs"]``, one [logprob,
+        token_id, text] per position from ``logprob_start_len``, the first logprob None; an answer of another length,
+        other token ids, or a missing or non-finite logprob raises EngineRequestError naming the engine."""
+        body = {"input_ids": input_ids, "return_logprob": True, "logprob_start_len": logprob_start_len,
+                "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
+        answer = await self._call("POST", "/generate", body, timeout_s=timeout_s)
+        entries = (answer.get("meta_info") or {}).get("input_token_logprobs") if isinstance(answer, dict) else None
+        want = input_ids[logprob_start_len:]
+        if not isinstance(entries, list) or len(entries) != len(want):
+            raise EngineRequestError(f"{self.url}/generate: input_token_logprobs should have {len(want)} entries "
+                                     f"(logprob_start_len {logprob_start_len} of {len(input_ids)} tokens), got "
+                                     f"{len(entries) if isinstance(entries, list) else type(entries).__name__}")
+        out = []
+        for j, (entry, token) in enumerate(zip(entries[1:], want[1:]), start=1):
+            ok = isinstance(entry, (list, tuple)) and len(entry) >= 2 and entry[1] == token and \
+                isinstance(entry[0], (int, float)) and math.isfinite(entry[0])
+            if not ok:
+                raise EngineRequestError(f"{self.url}/generate: input_token_logprobs[{j}] is {entry!r}, expected a "
+                                         f"finite logprob of token {token}")
+            out.append(float(entry[0]))
+        return out
 
     async def health(self, timeout_s: float = 2.0) -> bool:
         try:

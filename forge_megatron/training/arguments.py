@@ -338,11 +338,16 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "and each trained token's advantage gains --distill-coef * (teacher logprob - old logprob), "
                         "the negative of the sampled reverse KL to the teacher; split with the policy's TP / PP / EP "
                         "layout, one forward-only pass per step (docs/training.md)")
+    g.add_argument("--teacher-from-gateway", action="store_true",
+                   help="on-policy distillation from a teacher served by SGLang: the gateway (forge-node / "
+                        "forge-gateway --teacher-urls) records the teacher's logprobs of every sampled token with the "
+                        "episode, and the trainer uses them as --teacher-hf-checkpoint's (a teacher too large to "
+                        "hold beside the policy, scored while the rollouts run); every sample must carry them")
     g.add_argument("--distill-coef", type=float, default=1.0,
-                   help="--teacher-hf-checkpoint: weight of the teacher's per-token advantage (default 1)")
+                   help="with a teacher: weight of the teacher's per-token advantage (default 1)")
     g.add_argument("--distill-outcome-coef", type=float, default=1.0,
-                   help="--teacher-hf-checkpoint: weight of the pool's outcome advantages (default 1; 0: learn from "
-                        "the teacher alone, no verifier needed)")
+                   help="with a teacher: weight of the pool's outcome advantages (default 1; 0: learn from the "
+                        "teacher alone, no verifier needed)")
     g.add_argument("--teacher-offload", action="store_true",
                    help="keep the teacher's weights in (pinned) host memory, on the device only for its forward pass "
                         "each step (as --ref-offload)")
@@ -745,7 +750,20 @@ def validate_args(args: argparse.Namespace) -> None:
     if not 0 < getattr(args, "rollout_temperature", 1.0) <= 2:
         raise ValueError(f"--rollout-temperature must be in (0, 2], got {args.rollout_temperature}")
     teacher = getattr(args, "teacher_hf_checkpoint", None)
-    if teacher is not None:
+    if teacher is not None and getattr(args, "teacher_from_gateway", False):
+        raise ValueError("--teacher-hf-checkpoint and --teacher-from-gateway: one teacher (in the trainer, or served "
+                         "and recorded by the gateway)")
+    if getattr(args, "teacher_from_gateway", False):
+        if sft_data is not None or preference is not None:
+            raise ValueError("--teacher-from-gateway distils on the policy's own rollouts (RL): not with --sft-data "
+                             "or --preference-data")
+        if getattr(args, "teacher_offload", False):
+            raise ValueError("--teacher-offload: with --teacher-from-gateway the teacher is served elsewhere (no "
+                             "weights here to offload)")
+        if not args.distill_coef > 0 or not args.distill_outcome_coef >= 0:
+            raise ValueError(f"--distill-coef must be > 0 and --distill-outcome-coef >= 0, got {args.distill_coef} "
+                             f"and {args.distill_outcome_coef}")
+    elif teacher is not None:
         if sft_data is not None or preference is not None:
             raise ValueError("--teacher-hf-checkpoint distils on the policy's own rollouts (RL): not with --sft-data "
                              "or --preference-data")
@@ -757,7 +775,8 @@ def validate_args(args: argparse.Namespace) -> None:
                                  ("--distill-coef", getattr(args, "distill_coef", 1.0) != 1.0),
                                  ("--distill-outcome-coef", getattr(args, "distill_outcome_coef", 1.0) != 1.0)) if on]
         if given:
-            raise ValueError(f"{given[0]} needs --teacher-hf-checkpoint (the teacher it distils from)")
+            raise ValueError(f"{given[0]} needs --teacher-hf-checkpoint or --teacher-from-gateway (the teacher it "
+                             "distils from)")
     if getattr(args, "ref_offload", False) and not (args.rl_kl_coef > 0 or dpo):
         raise ValueError("--ref-offload offloads the reference model, which exists only with --rl-kl-coef > 0 or "
                          "--preference-data")
@@ -810,6 +829,11 @@ def train_batch_groups(args: argparse.Namespace) -> int:
     return args.train_batch_groups or args.global_batch_size or args.rollout_batch_groups
 
 
+def distills(args: argparse.Namespace) -> bool:
+    """On-policy distillation: a teacher in the trainer (--teacher-hf-checkpoint) or recorded by the gateway."""
+    return bool(getattr(args, "teacher_hf_checkpoint", None) or getattr(args, "teacher_from_gateway", False))
+
+
 def loss_config(args: argparse.Namespace):
     """``algo.LossConfig`` from the --rl-* flags (unset epsilons take the loss's recommended values)."""
     from forge_megatron.algo.losses import LossConfig
@@ -826,8 +850,8 @@ def loss_config(args: argparse.Namespace):
         entropy_coef=args.rl_entropy_coef,
         tis_cap=args.rl_tis_cap,
         mismatch_band=tuple(args.rl_mismatch_band) if args.rl_mismatch_band else None,
-        distill_coef=args.distill_coef if getattr(args, "teacher_hf_checkpoint", None) else 0.0,
-        outcome_coef=args.distill_outcome_coef if getattr(args, "teacher_hf_checkpoint", None) else 1.0,
+        distill_coef=args.distill_coef if distills(args) else 0.0,
+        outcome_coef=args.distill_outcome_coef if distills(args) else 1.0,
     )
 
 
@@ -861,12 +885,20 @@ def check_pool_config(args: argparse.Namespace, pool: dict) -> None:
 
 def check_gateway_config(args: argparse.Namespace, gateway: dict) -> None:
     """Raise if the gateway (``/forge/admin/state``'s ``config``) samples training calls at another temperature than
-    the one this trainer scores them at: every importance ratio would be off without any error."""
+    the one this trainer scores them at (every importance ratio would be off without any error), or records a served
+    teacher's logprobs when this trainer does not distil from them, or the other way round."""
     temperature = gateway.get("policy_temperature")
     if temperature is not None and float(temperature) != float(getattr(args, "rollout_temperature", 1.0)):
         raise ValueError(f"the gateway's --policy-temperature is {temperature} but this trainer's "
                          f"--rollout-temperature is {args.rollout_temperature}: give both the same value (the "
                          "launchers' ROLLOUT_TEMPERATURE does)")
+    teacher = gateway.get("teacher")
+    if teacher is not None and bool(teacher) != bool(getattr(args, "teacher_from_gateway", False)):
+        raise ValueError("the gateway records a served teacher's logprobs (--teacher-urls) but this trainer does not "
+                         "distil from them: add --teacher-from-gateway (or start the gateway without --teacher-urls)"
+                         if teacher else
+                         "--teacher-from-gateway, but the gateway records no teacher logprobs: start it (forge-node / "
+                         "forge-gateway) with --teacher-urls")
 
 
 def parallel_config(args: argparse.Namespace, num_layers: int | None = None):

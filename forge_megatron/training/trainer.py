@@ -155,6 +155,9 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
         "group_S": torch.tensor([s.group_index for s in samples], dtype=torch.int64),
         "reward_S": torch.tensor([s.reward for s in samples], dtype=torch.float32),
     }
+    teacher = [getattr(s, "teacher_logprobs", None) for s in samples]
+    if all(t is not None for t in teacher):  # a served teacher's logprobs, recorded by the gateway
+        extras["teacher_logp_M"] = torch.cat([_targets(t).float() for t in teacher])
     routing, stats = None, {}
     if routing_replay:
         from forge_megatron.mcore.routing_replay import tree_routing
@@ -830,6 +833,10 @@ class Trainer:
         if self.teacher is not None:  # on-policy distillation: the teacher's logprobs of the sampled tokens
             with self.teacher.resident():
                 self._forward_only_logprobs(self.teacher.chunks, rb, "teacher_logp_M")
+        elif getattr(self.args, "teacher_from_gateway", False) and \
+                not all("teacher_logp_M" in mb.extras for mb in rb.micro_batches):
+            raise ValueError(f"batch {rb.batch_id}: --teacher-from-gateway, but its samples carry no teacher logprobs: "
+                             "start the gateway (forge-node / forge-gateway) with --teacher-urls")
         if getattr(self.args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay
 

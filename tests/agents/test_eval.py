@@ -223,13 +223,19 @@ def test_trainer_checks_the_gateways_temperature(stack):
 
     gw, server = stack["gateway"], stack["server"]
     config = gw.state()["config"]
-    assert config == {"policy_sampling": server.config.policy_sampling, "policy_temperature": 1.0}
+    assert config == {"policy_sampling": server.config.policy_sampling, "policy_temperature": 1.0, "teacher": False}
     base = ["--hf-checkpoint", "/x", "--lr", "1e-6", "--train-iters", "1", "--weight-sync-transport", "none"]
     arguments.check_gateway_config(arguments.parse_args(base), config)
     arguments.check_gateway_config(arguments.parse_args(base + ["--rollout-temperature", "0.7"]), {})  # old gateway
     with pytest.raises(ValueError, match="gateway's --policy-temperature is 1.0 but this trainer's "
                                          "--rollout-temperature is 0.7"):
         arguments.check_gateway_config(arguments.parse_args(base + ["--rollout-temperature", "0.7"]), config)
+    # a served distillation teacher: the gateway records its logprobs exactly when the trainer distils from them
+    with pytest.raises(ValueError, match="the gateway records no teacher logprobs: start it .* with --teacher-urls"):
+        arguments.check_gateway_config(arguments.parse_args(base + ["--teacher-from-gateway"]), config)
+    with pytest.raises(ValueError, match="records a served teacher's logprobs .* add --teacher-from-gateway"):
+        arguments.check_gateway_config(arguments.parse_args(base), {**config, "teacher": True})
+    arguments.check_gateway_config(arguments.parse_args(base + ["--teacher-from-gateway"]), {**config, "teacher": True})
 
 
 @pytest.mark.parametrize("policy_sampling", [False, True])

@@ -170,6 +170,8 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--teacher-hf-checkpoint", "/t", "--distill-coef", "0"], "--distill-coef must be > 0 and "
                                                                 "--distill-outcome-coef >= 0, got 0.0 and 1.0"),
     (["--teacher-hf-checkpoint", "/t", "--distill-coef", "-1"], "distill_coef and outcome_coef must be >= 0"),
+    (["--teacher-hf-checkpoint", "/t", "--teacher-from-gateway"], "one teacher \\(in the trainer, or served"),
+    (["--teacher-from-gateway", "--teacher-offload"], "the teacher is served elsewhere"),
 ])
 def test_bad_values_are_named(extra, message):
     with pytest.raises(ValueError, match=message):

@@ -35,7 +35,9 @@ def _episodes(seed: int = 4, group_size: int = 4):
     return [(prompt, rng.integers(10, 300, size=int(rng.integers(5, 9))).tolist()) for _ in range(group_size)]
 
 
-def _feed(episodes):
+def _feed(episodes, teacher: list | None = None):
+    """A pool feeder of ``episodes`` (one group); ``teacher``: per episode its completion's teacher logprobs, recorded
+    with the episode as a gateway with --teacher-urls does."""
     from forge_megatron.middleware.schema import Episode, Segment
 
     def feed(client):
@@ -43,7 +45,8 @@ def _feed(episodes):
         for e, (prompt, completion) in enumerate(episodes):
             seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
                           rollout_logprobs=[0.0] * len(prompt) + [-5.0] * len(completion),
-                          policy_versions=[-1] * len(prompt) + [0] * len(completion))
+                          policy_versions=[-1] * len(prompt) + [0] * len(completion),
+                          teacher_logprobs=None if teacher is None else [0.0] * len(prompt) + teacher[e].tolist())
             eid = f"{gid}-e{e}"
             client.episode_started(gid, eid)
             now = time.time()
@@ -119,6 +122,36 @@ def test_outcome_advantages_add_and_teacher_offload_trains_the_same(models, tmp_
     for key in ("distill_reverse_kl", "distill_teacher_logp"):
         assert both[key] == pytest.approx(pure[key], rel=1e-6)
     assert abs(both["loss"] - pure["loss"]) > 1e-4 and both["advantage_mean"] != pytest.approx(pure["advantage_mean"])
+
+
+def test_teacher_recorded_by_the_gateway_trains_as_the_trainers_own(models, tmp_path):
+    """Episodes carrying a served teacher's logprobs (here transformers' teacher, as a gateway with --teacher-urls
+    records SGLang's) trained with --teacher-from-gateway: the same two steps as with the teacher in the trainer
+    (--teacher-hf-checkpoint): loss, gradient norm and the distillation metrics, to fp32 round-off. Without the
+    recorded logprobs the run stops at its first batch naming the gateway flag."""
+    student, teacher = models
+    episodes = _episodes(seed=12)
+    recorded = _completion_logprobs(teacher, episodes)
+    flags = ["--old-logprobs", "recompute", "--distill-coef", "0.7"]
+    runs = {}
+    for name, feed, extra in (("trainer", _feed(episodes), ["--teacher-hf-checkpoint", teacher]),
+                              ("gateway", _feed(episodes, recorded), ["--teacher-from-gateway"])):
+        runs[name], _, _ = run_on_fresh_pool(tmp_path, name, student, lambda c, f=feed: [f(c), f(c)], iters=2,
+                                             groups=1, lr="1e-2", extra=flags + extra)
+    for a, b in zip(runs["trainer"], runs["gateway"]):
+        for key in ("loss", "grad_norm", "distill_reverse_kl", "distill_teacher_logp", "advantage_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    from .pool_feed import PoolProcess
+
+    pool = PoolProcess(str(tmp_path / "missing.sqlite"))
+    try:
+        _feed(episodes)(pool.client)
+        out = run_script(TRAIN, train_cmd(student, pool, str(tmp_path / "missing"), iters=1, groups=1,
+                                          extra=["--teacher-from-gateway"]), env=train_env())
+    finally:
+        pool.stop()
+    assert out.returncode != 0 and "carry no teacher logprobs" in out.stdout + out.stderr
+    assert "--teacher-urls" in out.stdout + out.stderr
 
 
 def _start(student: str, tmp_path, extra) -> str:

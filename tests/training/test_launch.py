@@ -225,6 +225,40 @@ def test_reward_model_and_judge_are_served_for_the_driver():
     assert big.returncode != 0 and "do not fit the middleware node's 8" in big.stderr
 
 
+def test_served_distillation_teacher():
+    """TEACHER_SERVED=1: forge.sbatch serves TEACHER_CHECKPOINT with SGLang on the middleware node's GPUs after the
+    reward model's, the gateway scores episodes with it (--teacher-urls) and the trainer distils from what the
+    gateway records (--teacher-from-gateway, no teacher of its own); TEACHER_URLS does the same with engines already
+    serving one. Contradictory settings are refused before anything starts."""
+    from forge_megatron.agents.middleware_node import build_parser as node_parser
+
+    out = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", RM_CHECKPOINT="/models/rm", TEACHER_CHECKPOINT="/models/big",
+                   TEACHER_SERVED=1, TEACHER_TP=4, DISTILL_OUTCOME_COEF=0)
+    assert out.returncode == 0, out.stderr
+    cmds = _commands(out.stdout)
+    (teacher,) = [c for c in cmds if "sglang.launch_server" in c and "/models/big" in c]
+    assert teacher[teacher.index("--base-gpu-id") + 1] == "1" and teacher[teacher.index("--tp") + 1] == "4"
+    (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
+    node = node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:])
+    middle = teacher[teacher.index("-w") + 1]
+    assert node.teacher_urls == f"http://{middle}:30300"
+    (trainer,) = [c for c in cmds if "torchrun" in c]
+    args = _trainer_args(trainer)
+    assert args.teacher_from_gateway and args.teacher_hf_checkpoint is None and args.distill_outcome_coef == 0.0
+    external = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", TEACHER_URLS="http://t1:30000,http://t2:30000")
+    cmds = _commands(external.stdout)
+    (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
+    assert node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:]).teacher_urls == \
+        "http://t1:30000,http://t2:30000"
+    assert _trainer_args([c for c in cmds if "torchrun" in c][0]).teacher_from_gateway
+    for env, message in ((dict(TEACHER_SERVED=1), "TEACHER_SERVED=1 needs TEACHER_CHECKPOINT"),
+                         (dict(TEACHER_URLS="http://t:1", TEACHER_OFFLOAD=1), "a served teacher has no weights"),
+                         (dict(TEACHER_CHECKPOINT="/m", TEACHER_SERVED=1, TEACHER_TP=9), "do not fit the middleware"),
+                         (dict(DISTILL_COEF=2), "need TEACHER_CHECKPOINT or TEACHER_URLS")):
+        bad = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", **env)
+        assert bad.returncode != 0 and message in bad.stderr, (env, bad.stderr)
+
+
 def test_dry_run_with_a_trained_vision_tower_turns_sglangs_image_embedding_cache_off():
     """--train-vision-tower in EXTRA_TRAIN_ARGS: the engines start with SGLANG_VLM_CACHE_SIZE_MB=0 (no image
     embedding of an old tower served after a sync), unless the job sets it; a frozen tower keeps SGLang's cache."""

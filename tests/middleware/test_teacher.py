@@ -1,0 +1,201 @@
+"""A served distillation teacher (middleware/teacher.py): forge-engine's prefill-only input logprobs (SGLang's
+``logprob_start_len`` / ``input_token_logprobs``) against transformers, the gateway scoring each ended episode's
+sampled tokens with a teacher engine (``teacher_urls``), failover, a teacher that does not answer (503, nothing
+lost) or refuses (the episode sent as failed), and the logprobs travelling through the wire, the pool's database and
+its batches. CPU, real HTTP servers."""
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from forge_megatron.middleware.schema import Episode, SchemaError, Segment
+from forge_megatron.middleware.wire import (WireError, batch_from_wire, batch_to_wire, episode_from_blob,
+                                            episode_from_wire, episode_to_blob, episode_to_wire)
+from forge_megatron.models.tiny import build_tiny_model
+from forge_megatron.rollout.launch import start_engine, start_gateway
+from forge_megatron.rollout.sglang_client import EngineRequestError, SGLangClient
+from forge_megatron.utils.ports import free_port
+from tests.middleware.test_gateway import calls, client, end, episode, http, new_session
+
+TEACHER = dict(seed=3, hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6,
+               num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("teacher")
+    return build_tiny_model(str(d / "student")), build_tiny_model(str(d / "teacher"), **TEACHER)
+
+
+@pytest.fixture(scope="module")
+def teacher_engine(models):
+    engine = start_engine(models[1], in_process=True)
+    yield engine
+    engine.stop()
+
+
+def _logprobs(model_dir: str, ids: list[int], temperature: float = 1.0) -> list[float]:
+    """transformers' logprob of ids[t] given ids[:t], t = 1..n-1, under softmax(logits / temperature)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double() / temperature
+    logp = torch.log_softmax(logits, -1)
+    return [logp[t - 1, ids[t]].item() for t in range(1, len(ids))]
+
+
+def test_engine_scores_the_input_as_sglang_does(models, teacher_engine):
+    """/generate with ``logprob_start_len`` s and ``max_new_tokens: 0``: ``input_token_logprobs`` has one
+    [logprob, token_id, None] per position from s, the first None, the others transformers' (at temperature 1 and
+    0.7: tempered like the output logprobs); with new tokens too, the output is sampled as before. A start outside
+    the input is a 400 naming the field."""
+    _, teacher = models
+    ids = list(range(20, 44))
+    c = SGLangClient(teacher_engine.url)
+
+    async def run():
+        try:
+            for temperature in (1.0, 0.7):
+                got = await c.input_logprobs(ids, 5, temperature)
+                want = _logprobs(teacher, ids, temperature)[5:]
+                assert len(got) == len(ids) - 6
+                assert np.allclose(got, want, atol=2e-5), np.abs(np.subtract(got, want)).max()
+            raw = await c._call("POST", "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+                                                      "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+            meta = raw["meta_info"]
+            assert meta["input_token_logprobs"][0] == [None, ids[0], None]
+            assert [e[1] for e in meta["input_token_logprobs"]] == ids
+            assert len(raw["output_ids"]) == 3 and len(meta["output_token_logprobs"]) == 3
+            with pytest.raises(EngineRequestError, match="logprob_start_len must be -1"):
+                await c.input_logprobs(ids, len(ids))
+        finally:
+            await c.close()
+
+    asyncio.run(run())
+
+
+def test_gateway_records_the_teachers_logprobs_of_sampled_tokens(models, teacher_engine):
+    """A two-call session on the student (the second extending the first: one segment) ended through a gateway
+    with a teacher: the sink's episode has, at every sampled token, the teacher's logprob of it given everything
+    before (transformers on the teacher), 0 elsewhere; the state says a teacher is configured and counts the
+    scored tokens. A teacher list whose first URL is dead still scores (the next engine answers)."""
+    student, teacher = models
+    engine = start_engine(student, in_process=True)
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = start_gateway(student, [engine.url], in_process=True,
+                       config={"teacher_urls": (dead, teacher_engine.url), "teacher_timeout_s": 20.0})
+    try:
+        s = new_session(gw)
+        c = client(s)
+        msgs = [{"role": "user", "content": "Count with me"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, seed=1,
+                                      extra_body={"ignore_eos": True})
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "More"}]
+        c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, seed=2, extra_body={"ignore_eos": True})
+        assert len(calls(gw, s)) == 2
+        assert end(gw, s)[0] == 200
+        (seg,) = episode(gw, s).segments
+        want = _logprobs(teacher, seg.tokens)
+        sampled = [t for t, m in enumerate(seg.loss_mask) if m]
+        assert len(sampled) == 11 and seg.teacher_logprobs is not None
+        for t in range(len(seg.tokens)):
+            if seg.loss_mask[t]:
+                assert seg.teacher_logprobs[t] == pytest.approx(want[t - 1], abs=2e-5)
+            else:
+                assert seg.teacher_logprobs[t] == 0.0
+        # the teacher is another model: its logprobs are not the student's (recorded as rollout logprobs)
+        assert max(abs(seg.teacher_logprobs[t] - seg.rollout_logprobs[t]) for t in sampled) > 0.05
+        state = http(gw.url + "/forge/admin/state", method="GET")[1]
+        assert state["config"]["teacher"] is True and state["teacher_scored_tokens"] == 11
+    finally:
+        gw.stop()
+        engine.stop()
+
+
+def test_a_teacher_that_does_not_answer_or_refuses(models, tmp_path):
+    """No teacher engine answering: the end is a 503 ``teacher_unavailable`` and the session stays open (its calls
+    kept; once a teacher answers, the same end goes through). A teacher that refuses (its context shorter than the
+    episode: a 400 a retry would not change): the episode is sent as failed, the reason in its metadata."""
+    student, teacher = models
+    engine = start_engine(student, in_process=True)
+    port = free_port()
+    gw = start_gateway(student, [engine.url], in_process=True,
+                       config={"teacher_urls": (f"http://127.0.0.1:{port}",), "teacher_timeout_s": 10.0})
+    short = start_engine(teacher, in_process=True, extra_args=["--context-length", "8"])
+    refusing = start_gateway(student, [engine.url], in_process=True, config={"teacher_urls": (short.url,)})
+    try:
+        s = new_session(gw)
+        client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        status, body = end(gw, s)
+        assert status == 503 and body["error"]["code"] == "teacher_unavailable", body
+        assert "nothing was lost" in body["error"]["message"]
+        assert http(f"{gw.url}/forge/sessions/{s['session_id']}", method="GET")[1]["status"] is None  # still open
+        assert not gw.gateway.sink.episodes
+        gw.gateway.teacher.clients[0].url = short.url.rstrip("/")  # a teacher answers now (it refuses: see below)
+        gw.gateway.config.teacher_urls = (short.url,)
+        s2 = new_session(refusing)
+        client(s2).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert end(refusing, s2)[0] == 200
+        ep = episode(refusing, s2)
+        assert ep.status == "failed" and "exceed the context length" in ep.metadata["teacher_error"]
+        assert all(seg.teacher_logprobs is None for seg in ep.segments)
+        assert http(refusing.url + "/forge/admin/state", method="GET")[1]["teacher_failed_episodes"] == 1
+        # the first gateway's session, ended again now that a teacher answers: sent (as failed: that one refuses)
+        assert end(gw, s)[0] == 200 and episode(gw, s).status == "failed"
+    finally:
+        for server in (gw, refusing, short, engine):
+            server.stop()
+
+
+def _segment(n: int, seed: int, teacher: bool = True) -> Segment:
+    rng = np.random.default_rng(seed)
+    mask = [0] * 4 + [1] * (n - 4)
+    return Segment(tokens=rng.integers(0, 300, n).tolist(), loss_mask=mask,
+                   rollout_logprobs=[0.0] * 4 + (-rng.random(n - 4)).tolist(), policy_versions=[-1] * 4 + [0] * (n - 4),
+                   teacher_logprobs=[0.0] * 4 + (-rng.random(n - 4) * 3).astype(np.float32).tolist() if teacher else None)
+
+
+def test_teacher_logprobs_travel_through_the_wire_the_database_and_the_batches(make_pool):
+    """An episode's teacher logprobs survive the wire and the database blob exactly (float32), reach the trainer's
+    batch samples as float32 arrays aligned with the tokens (with routed experts beside them), and come back from
+    the batch's wire form; a batch mixing samples with and without them, or a segment whose teacher logprobs have
+    another length or a positive value, is refused naming it."""
+    from forge_megatron.middleware.batch import TrainBatch
+
+    segs = [_segment(9, 1), _segment(7, 2)]
+    segs[1].routed_experts = np.full((7, 2, 2), 3, np.int16)
+    segs[0].routed_experts = np.full((9, 2, 2), 1, np.int16)
+    ep = Episode(episode_id="e0", group_id="g", task_id="t", segments=segs, reward=1.0, started_at=0, ended_at=1)
+    for back in (episode_from_wire(*episode_to_wire(ep)), episode_from_blob(episode_to_blob(ep))):
+        for a, b in zip(ep.segments, back.segments):
+            assert b.teacher_logprobs == pytest.approx(a.teacher_logprobs, abs=0)
+            assert np.array_equal(a.routed_experts, b.routed_experts)
+    pool = make_pool(generation_batch_groups=1)
+    gid = pool.register_group("t", 2, "default")
+    for e in range(2):
+        pool.episode_started(gid, f"e{e}")
+        pool.submit_episode(Episode(episode_id=f"e{e}", group_id=gid, task_id="t", segments=[_segment(9, 10 + e)],
+                                    reward=float(e), started_at=0, ended_at=1))
+    batch = pool.next_batch(1)
+    assert len(batch.samples) == 2
+    for s in batch.samples:
+        want = _segment(9, 10 + int(s.episode_id[1:])).teacher_logprobs
+        assert s.teacher_logprobs.dtype == np.float32 and s.teacher_logprobs.tolist() == pytest.approx(want, abs=0)
+    back = batch_from_wire(*batch_to_wire(batch))
+    assert all(np.array_equal(a.teacher_logprobs, b.teacher_logprobs) for a, b in zip(batch.samples, back.samples))
+    mixed = TrainBatch(batch_id=1, samples=[batch.samples[0], type(batch.samples[1])(
+        **{**batch.samples[1].__dict__, "teacher_logprobs": None})], group_indices=[0])
+    with pytest.raises(WireError, match="1 of 2 items have no teacher_logprobs"):
+        batch_to_wire(mixed)
+    bad = _segment(9, 5)
+    bad.teacher_logprobs = bad.teacher_logprobs[:-1]
+    with pytest.raises(SchemaError, match="teacher_logprobs has length 8, tokens has 9"):
+        bad.validate("segments[0]")
+    bad.teacher_logprobs = [0.5] * 9
+    with pytest.raises(SchemaError, match="teacher_logprobs must be finite logprobs"):
+        bad.validate("segments[0]")
+    assert not math.isnan(sum(s.teacher_logprobs.sum() for s in batch.samples))
