@@ -21,7 +21,8 @@
 ``--distill`` trains by on-policy distillation instead of rewards: a teacher twice as wide, warm-started on examples
 that all use the tool, scores every token the student samples (the trainer's --teacher-hf-checkpoint, on the same
 prefix trees) and the student learns from it alone (--distill-outcome-coef 0): the verifier's rewards are measured,
-never trained on.
+never trained on. ``--distill served``: a second forge-engine serves the teacher and the gateway scores each episode
+with it as the episode ends (--teacher-urls; the trainer's --teacher-from-gateway).
 
 ``--arch qwen3_vl`` swaps the task for the colour task (forge_megatron.agents.colors): a tiny Qwen3-VL, a warm-start on
 chats with pictures, a colour agent that sends each picture inline; the pictures go through every process.
@@ -63,11 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--groups-per-step", type=int, default=4)
     p.add_argument("--sft-steps", type=int, default=200)
     p.add_argument("--sft-tool-fraction", type=float, default=0.3)
-    p.add_argument("--distill", action="store_true",
+    p.add_argument("--distill", nargs="?", const="trainer", default=None, choices=["trainer", "served"],
                    help="on-policy distillation instead of rewards: a teacher twice as wide, warm-started with the "
                         "tool in every example, scores each token the student samples and the student learns from "
-                        "it alone (the trainer's --teacher-hf-checkpoint, --distill-outcome-coef 0); rewards are "
-                        "measured, not trained on (text archs)")
+                        "it alone (--distill-outcome-coef 0); rewards are measured, not trained on (text archs). "
+                        "trainer (default): the teacher runs in the trainer (--teacher-hf-checkpoint); served: a "
+                        "forge-engine serves it and the gateway scores each episode as it ends (--teacher-urls, "
+                        "--teacher-from-gateway)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=None,
@@ -340,6 +343,10 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
     adapter = args.lora_rank and args.lora_sync == "adapter"
     engine = procs.server("forge-engine", "forge_megatron.rollout.engine_server",
                           ["--model-path", served, *replay, *(["--enable-lora"] if adapter else [])])
+    teacher_flags = []  # --distill served: the gateway scores each ended episode with the teacher's engine
+    if args.distill == "served":
+        teacher_flags = ["--teacher-urls", procs.server("teacher engine", "forge_megatron.rollout.engine_server",
+                                                        ["--model-path", args.teacher_dir])]
     pool_addr = f"tcp://127.0.0.1:{free_port()}"
     gateway = procs.server("gateway+pool", "forge_megatron.agents.middleware_node",
                            ["--model-path", sft_dir, "--engines", engine, "--pool-bind", pool_addr,
@@ -347,7 +354,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
                             str(args.groups_per_step), "--window-fraction", "1.0", "--max-staleness", "1",
                             "--train-batch-groups", str(args.groups_per_step), "--default-max-tokens", "48",
                             "--policy-sampling", "--gateway-workers", str(args.gateway_workers),
-                            *(["--return-routed-experts"] if args.moe else [])])
+                            *(["--return-routed-experts"] if args.moe else []), *teacher_flags])
     agent = procs.server("colour agent", "forge_megatron.agents.colors", ["--serve"]) if vision else \
         procs.server("calculator agent", "forge_megatron.agents.calculator", ["--serve", "--api", args.agent_api])
     evals_path = os.path.join(out, "evals.jsonl")
@@ -377,7 +384,8 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         *(["--weight-sync-fp8", served] if args.fp8 else []),
         *(["--lora-rank", str(args.lora_rank)] if args.lora_rank else []),
         *(["--weight-sync-lora", "adapter"] if adapter else []),
-        *(["--teacher-hf-checkpoint", args.teacher_dir, "--distill-outcome-coef", "0"] if args.distill else []),
+        *((["--teacher-hf-checkpoint", args.teacher_dir] if args.distill == "trainer" else ["--teacher-from-gateway"])
+          + ["--distill-outcome-coef", "0"] if args.distill else []),
         *shlex.split(args.train_args)],
         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
              "LOCAL_RANK": "0"})
@@ -396,7 +404,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         held_out_eval(gateway, agent, os.path.join(out, "heldout_tasks.jsonl"), evals_path)
     with urllib.request.urlopen(gateway + "/forge/admin/state", timeout=10) as resp:
         state = json.loads(resp.read())
-    return metrics, {k: state[k] for k in ("aborts", "resumed_tokens", "discarded_tokens")}
+    return metrics, {k: state[k] for k in ("aborts", "resumed_tokens", "discarded_tokens", "teacher_scored_tokens")}
 
 
 def held_out_eval(gateway: str, agent: str, tasks_path: str, evals_path: str) -> dict:
@@ -517,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
           f"last {summary['window_steps']} steps {summary['last_success_rate']:.2f} over {summary['steps']} RL steps "
           f"in {summary['wall_s']:.0f}s", flush=True)
     if "distill_reverse_kl" in summary:
-        print(f"[demo] on-policy distillation: reverse KL to the teacher per sampled token "
+        where = (f"served by its own engine, {summary['teacher_scored_tokens']} sampled tokens scored by the gateway"
+                 if args.distill == "served" else "in the trainer")
+        print(f"[demo] on-policy distillation (the teacher {where}): reverse KL to the teacher per sampled token "
               f"{summary['first_reverse_kl']:.3f} -> {summary['last_reverse_kl']:.3f} (first vs last "
               f"{summary['window_steps']} steps; the rewards were never trained on)", flush=True)
     if "routing_mismatch" in summary:

@@ -93,28 +93,34 @@ def test_short_moe_demo_replays_the_engines_routing(tmp_path):
     assert first["routing_replayed_rows"] > 0 and first["rollout_logp_abs_diff"] < 1e-4
 
 
-def test_short_distill_demo_learns_from_a_teacher(tmp_path):
-    """``--distill``: a second, twice-as-wide SFT model is the teacher; the trainer loads it beside the student, scores
-    every step's sampled tokens with it and trains on the teacher's per-token advantage alone (no reward term). Every
-    step reports the reverse-KL estimate on the student's own samples; the weights move (gradient > 0) and reach the
-    engine every step. (That this teaches the student: the 40-step demo, docs/benchmarks.md.)"""
+@pytest.mark.parametrize("where", ["trainer", "served"])
+def test_short_distill_demo_learns_from_a_teacher(tmp_path, where):
+    """``--distill``: a second, twice-as-wide SFT model is the teacher; the trainer loads it beside the student
+    (``trainer``), or a second forge-engine serves it and the gateway scores each ended episode with it
+    (``served``), and every step's sampled tokens are trained on the teacher's per-token advantage alone (no reward
+    term). Every step reports the reverse-KL estimate on the student's own samples; the weights move (gradient > 0)
+    and reach the engine every step. (That this teaches the student: the 40-step demo, docs/benchmarks.md.)"""
     out = tmp_path / "distill_run"
-    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--distill", "--out", str(out), "--steps", "3",
+    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--distill", where, "--out", str(out), "--steps", "3",
            "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4", "--eval-tasks", "0",
            "--timeout-s", "400"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "[demo]     the teacher for on-policy distillation: hidden 128" in proc.stdout
-    assert "[forge-train] teacher for on-policy distillation loaded from" in proc.stdout
-    assert "[demo] on-policy distillation: reverse KL to the teacher per sampled token" in proc.stdout
+    assert ("[forge-train] teacher for on-policy distillation loaded from" in proc.stdout) == (where == "trainer")
+    assert "reverse KL to the teacher per sampled token" in proc.stdout
+    summary = json.loads((out / "metrics.json").read_text())
+    if where == "served":  # every sampled token of the trained episodes was scored by the teacher's engine
+        assert "[demo] teacher engine ready at" in proc.stdout
+        steps_tokens = [json.loads(line)["num_tokens"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert summary["teacher_scored_tokens"] >= sum(steps_tokens) > 0
     assert not _processes_mentioning(str(out)), "a demo process outlived the demo"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["policy_version"] for s in steps] == [1, 2, 3] and all(s["grad_norm"] > 0 for s in steps)
     for s in steps:  # the teacher is another model: its logprobs differ from the student's on every step
         assert s["distill_teacher_logp"] < 0 and abs(s["distill_reverse_kl"]) > 1e-3
     assert proc.stdout.count("| teacher rkl ") == 3  # on the progress lines
-    assert json.loads((out / "metrics.json").read_text())["distill_reverse_kl"] == [s["distill_reverse_kl"]
-                                                                                  for s in steps]
+    assert summary["distill_reverse_kl"] == [s["distill_reverse_kl"] for s in steps]
 
 
 @pytest.mark.parametrize("sync", ["merged", "adapter"])
