@@ -881,6 +881,11 @@ def check_pool_config(args: argparse.Namespace, pool: dict) -> None:
     if wrong:
         raise ValueError("the data pool is configured differently from these trainer flags: " + "; ".join(wrong)
                          + ". Pass the same values to forge-node / forge-pool, or drop them here.")
+    if distills(args) and pool.get("drop_zero_advantage_groups"):
+        raise ValueError("on-policy distillation, but the data pool drops groups whose outcome advantages are all "
+                         "zero (--drop-zero-advantage-groups): those groups still carry the teacher's per-token "
+                         "signal (with --distill-outcome-coef 0, every group would be dropped). Start forge-node / "
+                         "forge-pool without it")
 
 
 def check_gateway_config(args: argparse.Namespace, gateway: dict) -> None:

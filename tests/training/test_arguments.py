@@ -246,6 +246,11 @@ def test_pool_side_flags_are_checked_against_the_pool(tmp_path):
     with pytest.raises(ValueError, match=r"--completion-time-bound 0.2 \(pool: 0.0\); --window-fraction 0.3 "
                                          r"\(pool: 0.5\); --reward-weights language_mixing=-0.5 \(pool: -1.0\)"):
         arguments.check_pool_config(bad, cfg)
+    # distillation needs every group, solved or not: a pool that drops the ones without outcome advantage is refused
+    distil = arguments.parse_args(MINIMAL + ["--teacher-from-gateway"])
+    arguments.check_pool_config(distil, cfg)
+    with pytest.raises(ValueError, match="those groups still carry the teacher's per-token signal"):
+        arguments.check_pool_config(distil, {**cfg, "drop_zero_advantage_groups": True})
 
 
 def test_constant_loss_norm_takes_its_divisor_and_is_split_over_dp():

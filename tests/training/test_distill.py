@@ -74,8 +74,8 @@ def test_teacher_logprobs_and_loss_equal_transformers(models, tmp_path):
     """Pure distillation (--distill-outcome-coef 0) at step 1 with recomputed old logprobs (ratio 1): the metrics
     distill_teacher_logp and distill_reverse_kl are the token means of transformers' teacher logprobs and of student
     minus teacher, and CISPO's loss is -(1/N) sum_t coef (teacher_t - student_t) student_t, the same on one rank,
-    over two pipeline stages (the teacher's 4 layers 2 per stage, the student's 1) and over two TP ranks with
-    sequence parallelism. A second step moves the student: its reverse KL to the teacher on these samples drops."""
+    over two pipeline stages (the teacher's 4 layers 2 per stage, the student's 1), over two TP ranks with sequence
+    parallelism and over two context-parallel ranks (each holding half of the tree, for the teacher too)."""
     student, teacher = models
     episodes = _episodes()
     s = torch.cat(_completion_logprobs(student, episodes))
@@ -87,7 +87,8 @@ def test_teacher_logprobs_and_loss_equal_transformers(models, tmp_path):
              "--old-logprobs", "recompute"]
     runs = {}
     for name, extra, nproc in (("one", [], 1), ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
-                               ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)):
+                               ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+                               ("cp2", ["--context-parallel-size", "2"], 2)):
         runs[name], stdouts, _ = run_on_fresh_pool(tmp_path, name, student, _feed(episodes), iters=1, groups=1,
                                                    extra=flags + extra, nproc=nproc, lr="1e-2")
         assert "teacher for on-policy distillation loaded from" in stdouts[0]
@@ -95,8 +96,26 @@ def test_teacher_logprobs_and_loss_equal_transformers(models, tmp_path):
         for key, value in expect.items():
             assert step[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, key)
         assert step["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
-    assert runs["one"][0]["grad_norm"] == pytest.approx(runs["pp2"][0]["grad_norm"], rel=1e-5)
-    assert runs["one"][0]["grad_norm"] == pytest.approx(runs["tp2"][0]["grad_norm"], rel=1e-5)
+    for other in ("pp2", "tp2", "cp2"):
+        assert runs["one"][0]["grad_norm"] == pytest.approx(runs[other][0]["grad_norm"], rel=1e-5), other
+
+
+def test_teacher_under_the_interleaved_pipeline(models, tmp_path):
+    """PP = 2 with two virtual stages per rank: the 4-layer student and the 4-layer teacher each one layer per chunk,
+    the teacher's forward-only pass through Megatron's interleaved schedule: two steps equal one rank's (loss,
+    gradient norm, the distillation metrics)."""
+    _, teacher = models
+    student = build_tiny_model(str(tmp_path / "student4"), num_hidden_layers=4)
+    flags = ["--num-layers", "4", "--teacher-hf-checkpoint", teacher, "--old-logprobs", "recompute"]
+    vpp = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    twice = lambda c: [_feed(_episodes(seed=21))(c) for _ in range(2)]  # noqa: E731
+    runs = {}
+    for name, extra, nproc in (("one", [], 1), ("vpp", vpp, 2)):
+        runs[name], _, _ = run_on_fresh_pool(tmp_path, name, student, twice, iters=2, groups=1, lr="1e-2",
+                                             extra=flags + extra, nproc=nproc)
+    for a, b in zip(runs["one"], runs["vpp"]):
+        for key in ("loss", "grad_norm", "distill_reverse_kl", "distill_teacher_logp"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
 
 
 def test_outcome_advantages_add_and_teacher_offload_trains_the_same(models, tmp_path):

@@ -254,7 +254,8 @@ def test_served_distillation_teacher():
     for env, message in ((dict(TEACHER_SERVED=1), "TEACHER_SERVED=1 needs TEACHER_CHECKPOINT"),
                          (dict(TEACHER_URLS="http://t:1", TEACHER_OFFLOAD=1), "a served teacher has no weights"),
                          (dict(TEACHER_CHECKPOINT="/m", TEACHER_SERVED=1, TEACHER_TP=9), "do not fit the middleware"),
-                         (dict(DISTILL_COEF=2), "need TEACHER_CHECKPOINT or TEACHER_URLS")):
+                         (dict(DISTILL_COEF=2), "need TEACHER_CHECKPOINT or TEACHER_URLS"),
+                         (dict(TEACHER_URLS="http://t:1", DROP_ZERO_ADVANTAGE_GROUPS=1), "still carry the teacher's")):
         bad = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", **env)
         assert bad.returncode != 0 and message in bad.stderr, (env, bad.stderr)
 
