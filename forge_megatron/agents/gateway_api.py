@@ -42,14 +42,14 @@ class GatewayClient:
         self.admin_token = admin_token
         self.timeout_s = timeout_s
 
-    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+    def request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base_url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
         if self.admin_token:
             req.add_header("X-Forge-Admin-Token", self.admin_token)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 return json.loads(resp.read() or b"{}")
         except urllib.error.HTTPError as exc:
             raise GatewayError(exc.code, _error_message(exc.read())) from None
@@ -78,7 +78,10 @@ class GatewayClient:
         self.request("POST", f"/forge/sessions/{session_id}/reward", {"reward": reward, "terms": terms or {}})
 
     def end_session(self, session_id: str, status: str = "finished") -> dict:
-        return self.request("POST", f"/forge/sessions/{session_id}/end", {"status": status})
+        """End a session; its episode goes to the pool, after a served distillation teacher scored it when the gateway
+        has one (a prefill of the whole episode: the answer may take longer than other calls, hence at least 600 s)."""
+        return self.request("POST", f"/forge/sessions/{session_id}/end", {"status": status},
+                            timeout_s=max(self.timeout_s, 600.0))
 
     def publish_eval(self, result: dict) -> int:
         """Hand an evaluation result to the gateway, where the trainer picks it up for its metrics."""

@@ -295,15 +295,36 @@ def run_episode(gateway: GatewayClient, agent, task: Task, group_id: str | None,
         log.warning("episode %s of task %s %s: %s", session.session_id, task.task_id, result.status, result.error)
     status = result.status
     try:
-        ended = gateway.end_session(session.session_id, status)
+        ended = end_session(gateway, session.session_id, status)
     except GatewayError as exc:
         if exc.status != 400 or status != "finished":
             raise
         status = "failed"  # the agent finished without a single model call: nothing to train on
-        ended = gateway.end_session(session.session_id, status)
+        ended = end_session(gateway, session.session_id, status)
     return EpisodeReport(task.task_id, task.domain, session.session_id, status, reward, result.output,
                          time.time() - started, int(ended.get("completion_tokens", 0)),
                          list(ended.get("policy_versions", [])))
+
+
+END_ATTEMPTS = 6  # an end answered 503 (the pool or a distillation teacher not answering) is sent again
+END_BACKOFF_S = (2.0, 5.0, 10.0, 20.0, 30.0)
+
+
+def end_session(gateway, session_id: str, status: str, attempts: int = END_ATTEMPTS,
+                backoff_s: tuple = END_BACKOFF_S) -> dict:
+    """``gateway.end_session``, sent again after a 503 (``sink_unavailable``, ``teacher_unavailable``: the session
+    stays open and nothing was lost) up to ``attempts`` times, waiting ``backoff_s`` between them; any other error,
+    or the last 503, is raised."""
+    for attempt in range(attempts):
+        try:
+            return gateway.end_session(session_id, status)
+        except GatewayError as exc:
+            if exc.status != 503 or attempt == attempts - 1:
+                raise
+            wait = backoff_s[min(attempt, len(backoff_s) - 1)]
+            log.warning("ending session %s: %s; sending it again in %.0fs", session_id, exc, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
 
 
 def add_agent_arguments(p: argparse.ArgumentParser) -> None:

@@ -151,6 +151,39 @@ def test_a_teacher_that_does_not_answer_or_refuses(models, tmp_path):
             server.stop()
 
 
+def test_the_driver_sends_the_end_again_until_the_teacher_answers(models, teacher_engine):
+    """The rollout runner's end (agents/runner.end_session) on a gateway whose teacher is down at first: the 503 is
+    answered by sending the end again after a wait; once the teacher is back the episode reaches the sink scored.
+    Another error (the session unknown: 404) is raised at once."""
+    import threading
+
+    from forge_megatron.agents.gateway_api import GatewayClient, GatewayError
+    from forge_megatron.agents.runner import end_session
+
+    student, _ = models
+    engine = start_engine(student, in_process=True)
+    gw = start_gateway(student, [engine.url], in_process=True,
+                       config={"teacher_urls": (f"http://127.0.0.1:{free_port()}",), "teacher_timeout_s": 10.0})
+    try:
+        s = new_session(gw)
+        client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        back = threading.Timer(0.5, lambda: setattr(gw.gateway.teacher.clients[0], "url",
+                                                    teacher_engine.url.rstrip("/")))
+        back.start()
+        ended = end_session(GatewayClient(gw.url), s["session_id"], "finished", backoff_s=(1.5,))
+        back.join()
+        assert ended["sink"] == "accepted"
+        (seg,) = episode(gw, s).segments
+        assert seg.teacher_logprobs is not None and sum(seg.loss_mask) == 4
+        assert all(x < 0 for x, m in zip(seg.teacher_logprobs, seg.loss_mask) if m)
+        with pytest.raises(GatewayError) as err:
+            end_session(GatewayClient(gw.url), "no-such-session", "finished", backoff_s=(0.0,))
+        assert err.value.status == 404
+    finally:
+        gw.stop()
+        engine.stop()
+
+
 def _segment(n: int, seed: int, teacher: bool = True) -> Segment:
     rng = np.random.default_rng(seed)
     mask = [0] * 4 + [1] * (n - 4)
