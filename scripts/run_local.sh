@@ -22,7 +22,10 @@
 # TRUST_REMOTE_CODE (1: SGLang and the gateway run the tokenizer/config code the checkpoint ships, e.g. Kimi-K2),
 # GATEWAY_WORKERS (N > 1: sessions served by N gateway processes behind the gateway port), LORA_RANK (R: train LoRA
 # adapters, --lora-rank; more LoRA flags in EXTRA_TRAIN_ARGS) and LORA_SYNC (merged, the default, or adapter: the engines
-# serve LoRA and load each version's adapter from RUN_DIR/adapters, as forge.sbatch's). A Gemma 3 vision-language
+# serve LoRA and load each version's adapter from RUN_DIR/adapters, as forge.sbatch's), TEACHER_CHECKPOINT (on-policy
+# distillation: the trainer's --teacher-hf-checkpoint; with TEACHER_SERVED=1 served beside the engines as the
+# scorers are, the gateway scoring each episode with it: --teacher-urls / --teacher-from-gateway;
+# DISTILL_OUTCOME_COEF: 0 learns from the teacher alone). A Gemma 3 vision-language
 # checkpoint starts SGLang with --attention-backend triton (SGLANG_ATTENTION_BACKEND overrides it), as forge.sbatch.
 set -euo pipefail
 DRY_RUN=0
@@ -50,6 +53,8 @@ DRIVER_ARGS="${DRIVER_ARGS:-}"  # more rollout-driver flags, e.g. "--verifier ju
 DOMAIN_RATIOS="${DOMAIN_RATIOS:-}"
 RM_CHECKPOINT="${RM_CHECKPOINT:-}"; RM_DOMAIN="${RM_DOMAIN:-}"; RM_PORT="${RM_PORT:-30100}"
 JUDGE_CHECKPOINT="${JUDGE_CHECKPOINT:-}"; JUDGE_DOMAIN="${JUDGE_DOMAIN:-}"; JUDGE_PORT="${JUDGE_PORT:-30200}"
+TEACHER_CHECKPOINT="${TEACHER_CHECKPOINT:-}"; TEACHER_SERVED="${TEACHER_SERVED:-0}"; TEACHER_PORT="${TEACHER_PORT:-30300}"
+DISTILL_OUTCOME_COEF="${DISTILL_OUTCOME_COEF:-1}"
 POLICY_SAMPLING="${POLICY_SAMPLING:-1}"; ROLLOUT_TEMPERATURE="${ROLLOUT_TEMPERATURE:-1}"; EVAL_TASKS="${EVAL_TASKS:-}"; EVAL_EVERY="${EVAL_EVERY:-10}"
 EPISODE_TIMEOUT_S="${EPISODE_TIMEOUT_S:-1800}"
 LORA_RANK="${LORA_RANK:-}"; LORA_SYNC="${LORA_SYNC:-merged}"
@@ -147,6 +152,16 @@ if [ -n "$JUDGE_CHECKPOINT" ]; then
   DRIVER_FLAGS+=(--verifier "${JUDGE_DOMAIN:+$JUDGE_DOMAIN=}judge" --judge-url "http://127.0.0.1:$JUDGE_PORT/v1"
                  --judge-model judge)
 fi
+TEACHER_NODE_FLAGS=(); TEACHER_TRAIN_FLAGS=()  # on-policy distillation (docs/training.md)
+if [ -n "$TEACHER_CHECKPOINT" ] && [ "$TEACHER_SERVED" = 1 ]; then  # the gateway scores episodes with it
+  serve_scorer teacher "$TEACHER_CHECKPOINT" "$TEACHER_PORT"
+  TEACHER_NODE_FLAGS+=(--teacher-urls "http://127.0.0.1:$TEACHER_PORT")
+  TEACHER_TRAIN_FLAGS+=(--teacher-from-gateway --distill-outcome-coef "$DISTILL_OUTCOME_COEF")
+elif [ -n "$TEACHER_CHECKPOINT" ]; then  # in the trainer, split like the policy
+  TEACHER_TRAIN_FLAGS+=(--teacher-hf-checkpoint "$TEACHER_CHECKPOINT" --distill-outcome-coef "$DISTILL_OUTCOME_COEF")
+elif [ "$TEACHER_SERVED" = 1 ] || [ "$DISTILL_OUTCOME_COEF" != 1 ]; then
+  echo "run_local.sh: TEACHER_SERVED / DISTILL_OUTCOME_COEF need TEACHER_CHECKPOINT (the teacher)" >&2; exit 2
+fi
 ENGINES_CSV="$(IFS=,; echo "${ENGINE_URLS[*]}")"
 GATEWAY_URL="http://127.0.0.1:$GATEWAY_PORT"
 POOL_ADDR="tcp://127.0.0.1:$POOL_PORT"
@@ -160,6 +175,7 @@ NODE_FLAGS+=(--policy-temperature "$ROLLOUT_TEMPERATURE" --tool-parser "$TOOL_PA
 [ -n "$CHAT_TEMPLATE_KWARGS" ] && NODE_FLAGS+=(--chat-template-kwargs "$CHAT_TEMPLATE_KWARGS")
 [ "${TRUST_REMOTE_CODE:-0}" = 1 ] && NODE_FLAGS+=(--trust-remote-code)
 [ "${GATEWAY_WORKERS:-1}" -gt 1 ] && NODE_FLAGS+=(--gateway-workers "$GATEWAY_WORKERS")
+NODE_FLAGS+=(${TEACHER_NODE_FLAGS[@]+"${TEACHER_NODE_FLAGS[@]}"})
 [ -n "$EVAL_TASKS" ] && DRIVER_FLAGS+=(--eval-tasks "$EVAL_TASKS" --eval-every-versions "$EVAL_EVERY"
                                        --eval-output "$RUN_DIR/evals.jsonl")
 run_bg middleware python -m forge_megatron.agents.middleware_node --model-path "$HF_CHECKPOINT" \
@@ -178,6 +194,7 @@ EXTRA=($EXTRA_TRAIN_ARGS)
 [ "$TP" -gt 1 ] && EXTRA+=(--sequence-parallel)  # with TP (Megatron's MoE layer needs it under TP)
 EXTRA+=(--rollout-temperature "$ROLLOUT_TEMPERATURE")  # the temperature the engines sample (and score) at
 [ -n "$LORA_RANK" ] && EXTRA+=(--lora-rank "$LORA_RANK")
+EXTRA+=(${TEACHER_TRAIN_FLAGS[@]+"${TEACHER_TRAIN_FLAGS[@]}"})
 [ "$LORA_SYNC" = adapter ] && EXTRA+=(--weight-sync-lora adapter --weight-sync-dir "$RUN_DIR/adapters")
 TRAIN_CMD=(torchrun --nproc-per-node "$NPROC" "$ROOT/scripts/train_forge.py" "${MODEL_ARGS[@]}"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"

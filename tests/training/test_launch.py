@@ -434,6 +434,21 @@ def test_run_local_dry_run_is_consistent():
     assert (rollout.eval_tasks, rollout.eval_every_versions) == ("heldout.jsonl", 10)
     bad = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, env={**env, "TP": "3"})
     assert bad.returncode != 0 and "TP*PP*CP=3 must divide NPROC=4" in bad.stderr
+    # TEACHER_CHECKPOINT: in the trainer; with TEACHER_SERVED=1 served beside the engines, the gateway scoring with it
+    for served in (0, 1):
+        out = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=60,
+                             env={**env, "TEACHER_CHECKPOINT": "/models/big", "TEACHER_SERVED": str(served),
+                                  "DISTILL_OUTCOME_COEF": "0"})
+        assert out.returncode == 0, out.stderr
+        cmds = _commands(out.stdout)
+        (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
+        node = node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:])
+        (trainer,) = [c for c in cmds if c[0] == "torchrun"]
+        targs = _trainer_args(trainer)
+        teacher_engines = [c for c in cmds if "engine_server" in " ".join(c) and "/models/big" in c]
+        assert targs.distill_outcome_coef == 0.0 and len(teacher_engines) == served
+        assert (node.teacher_urls, targs.teacher_from_gateway, targs.teacher_hf_checkpoint) == (
+            ("http://127.0.0.1:30300", True, None) if served else ("", False, "/models/big"))
 
 
 def test_auto_weight_sync_master_addr_is_this_host():
