@@ -73,8 +73,16 @@ def exact_match(task: Task, output: str | None) -> float:
     return float(output is not None and output.strip() == task.answer.strip())
 
 
+def no_reward(task: Task, output: str | None) -> float:
+    """``--verifier none``: 0.0 for every finished episode, whatever its task (a task needs no answer). For on-policy
+    distillation from a teacher alone (the trainer's --distill-outcome-coef 0): the teacher's per-token advantage is
+    the signal, the outcome advantages are all zero (process terms such as malformed tool calls still count)."""
+    return 0.0
+
+
 # ``--verifier`` names of the verifiers built from options rather than imported (judge.py, reward_model.py)
 REMOTE_VERIFIERS = ("judge", "rm")
+LOCAL_VERIFIERS = {"none": no_reward}
 VERIFIER_TIMEOUT_S = 60.0  # what run_episode gives a verifier (an LLM judge's attempts must fit: judge.py)
 
 
@@ -113,10 +121,12 @@ def build_verifier(specs: list[str] | None, args=None) -> Verifier:
     """``--verifier`` values -> one verifier: ``module:function`` scores every domain, ``DOMAIN=module:function``
     scores that domain (repeat for several); domains without one use the unprefixed verifier, else exact match.
     ``judge`` in place of ``module:function`` is the LLM judge of ``args``' ``--judge-*`` options (judge.py), ``rm``
-    the reward model of its ``--rm-*`` options (reward_model.py)."""
+    the reward model of its ``--rm-*`` options (reward_model.py), ``none`` no reward at all (:func:`no_reward`)."""
     default, per_domain, remote = None, {}, {}
 
     def load(path: str) -> Verifier:
+        if path in LOCAL_VERIFIERS:
+            return LOCAL_VERIFIERS[path]
         if path not in REMOTE_VERIFIERS:
             return load_callable(path)
         if path not in remote:  # one judge / reward model for every domain that names it
@@ -146,12 +156,13 @@ def add_verifier_argument(p) -> None:
     from forge_megatron.agents.judge import add_judge_arguments
     from forge_megatron.agents.reward_model import add_reward_model_arguments
 
-    p.add_argument("--verifier", action="append", default=None, metavar="[DOMAIN=]MODULE:FUNCTION|judge|rm",
+    p.add_argument("--verifier", action="append", default=None, metavar="[DOMAIN=]MODULE:FUNCTION|judge|rm|none",
                    help="(task, output) -> reward. Unprefixed: every domain; DOMAIN=...: that domain's tasks "
                         "(repeat for mixed-domain training, e.g. --verifier math=my.rewards:math "
                         "--verifier code=my.rewards:unit_tests). 'judge': an LLM judge's score / max score "
-                        "(--judge-* below); 'rm': a reward model's score (--rm-* below). Default: exact match with "
-                        "the task's answer")
+                        "(--judge-* below); 'rm': a reward model's score (--rm-* below); 'none': 0 for every "
+                        "finished episode, tasks need no answer (on-policy distillation from a teacher alone). "
+                        "Default: exact match with the task's answer")
     add_judge_arguments(p)
     add_reward_model_arguments(p)
 

@@ -42,6 +42,19 @@ def test_per_domain_verifiers_dispatch_on_the_task_domain():
         only.check_domains([_task("math")])
 
 
+def test_none_scores_every_episode_zero_and_needs_no_answer():
+    """``--verifier none`` (on-policy distillation from a teacher alone): 0 for any output of any task, answered or
+    not (exact match refuses a task without an answer); per domain too."""
+    from forge_megatron.agents.runner import no_reward
+
+    v = build_verifier(["none"])
+    assert v is no_reward and v(_task("chat", answer=None), "anything") == 0.0 and v(_task("math"), "7") == 0.0
+    with pytest.raises(ValueError, match="has no answer"):
+        build_verifier([])(_task("chat", answer=None), "anything")
+    mixed = build_verifier(["chat=none"])
+    assert mixed(_task("chat", answer=None), "x") == 0.0 and mixed(_task("math"), "7") == 1.0
+
+
 @pytest.mark.parametrize("specs,message", [
     ([f"{HERE}:by_length", f"{HERE}:always_half"], "two verifiers for every domain"),
     ([f"code={HERE}:by_length", f"code={HERE}:always_half"], "domain 'code' already has a verifier"),
