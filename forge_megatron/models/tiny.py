@@ -556,6 +556,14 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
     return out_dir
 
 
+def build_tiny_teacher(out_dir: str, seed: int = 1, num_hidden_layers: int = 4) -> str:
+    """A random tiny qwen2 teacher for on-policy distillation: 1.5x the tiny model's width (hidden 96, six heads of
+    16, two key-value heads), ``num_hidden_layers`` layers, the same tokenizer (so it scores the student's token
+    ids). Returns ``out_dir``."""
+    return build_tiny_model(out_dir, seed=seed, hidden_size=96, intermediate_size=192,
+                            num_hidden_layers=num_hidden_layers, num_attention_heads=6, num_key_value_heads=2)
+
+
 def build_tiny_reward_model(out_dir: str, seed: int = 0, num_labels: int = 1) -> str:
     """Write a random tiny reward model to ``out_dir``: ``Qwen2ForSequenceClassification`` (the qwen2 arch's layers,
     a ``num_labels`` head read at the last token, as Skywork-Reward's Llama / Qwen ones are) with the tiny tokenizer

@@ -14,20 +14,16 @@ import torch
 from forge_megatron.middleware.schema import Episode, SchemaError, Segment
 from forge_megatron.middleware.wire import (WireError, batch_from_wire, batch_to_wire, episode_from_blob,
                                             episode_from_wire, episode_to_blob, episode_to_wire)
-from forge_megatron.models.tiny import build_tiny_model
+from forge_megatron.models.tiny import build_tiny_model, build_tiny_teacher
 from forge_megatron.rollout.launch import start_engine, start_gateway
 from forge_megatron.rollout.sglang_client import EngineRequestError, SGLangClient
 from forge_megatron.utils.ports import free_port
 from tests.middleware.test_gateway import calls, client, end, episode, http, new_session
 
-TEACHER = dict(seed=3, hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6,
-               num_key_value_heads=2)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("teacher")
-    return build_tiny_model(str(d / "student")), build_tiny_model(str(d / "teacher"), **TEACHER)
+    return build_tiny_model(str(d / "student")), build_tiny_teacher(str(d / "teacher"), seed=3, num_hidden_layers=3)
 
 
 @pytest.fixture(scope="module")

@@ -12,20 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from forge_megatron.models.tiny import build_tiny_model
+from forge_megatron.models.tiny import build_tiny_model, build_tiny_teacher
 from tests.dist_utils import run_script
 
 from .trainer_run import TRAIN, run_on_fresh_pool, train_cmd, train_env
 
-# a teacher twice as deep and 1.5x as wide as the tiny student (6 heads of 16, 2 key-value heads)
-TEACHER = dict(seed=1, hidden_size=96, intermediate_size=192, num_hidden_layers=4, num_attention_heads=6,
-               num_key_value_heads=2)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    """The tiny student and a teacher twice as deep and 1.5x as wide (6 heads of 16, 2 key-value heads)."""
     d = tmp_path_factory.mktemp("distill")
-    return build_tiny_model(str(d / "student")), build_tiny_model(str(d / "teacher"), **TEACHER)
+    return build_tiny_model(str(d / "student")), build_tiny_teacher(str(d / "teacher"))
 
 
 def _episodes(seed: int = 4, group_size: int = 4):

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("megatron.core", reason="needs megatron-core")
 pytest.importorskip("zmq", reason="needs pyzmq")
 
-from forge_megatron.models.tiny import build_tiny_model  # noqa: E402
+from forge_megatron.models.tiny import build_tiny_model, build_tiny_teacher  # noqa: E402
 
 from .pool_feed import feed_groups  # noqa: E402
 from .trainer_run import run_on_fresh_pool  # noqa: E402
@@ -136,8 +136,7 @@ def test_gpu_distillation_teacher_matches_cpu(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     model_dir = build_tiny_model(str(tmp_path / "model"))
-    teacher = build_tiny_model(str(tmp_path / "teacher"), seed=1, hidden_size=96, intermediate_size=192,
-                               num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2)
+    teacher = build_tiny_teacher(str(tmp_path / "teacher"))
     flags = ["--teacher-hf-checkpoint", teacher, "--teacher-offload", "--old-logprobs", "recompute"]
     cpu = _run(tmp_path, model_dir, "distil_cpu", {"CUDA_VISIBLE_DEVICES": ""}, flags)
     gpu = _run(tmp_path, model_dir, "distil_gpu", {}, flags)
