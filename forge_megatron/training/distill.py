@@ -17,7 +17,9 @@ The teacher is built as the KL reference is (:func:`trainer.build_reference_mode
 the policy's TP / PP / VPP / EP / CP layout applies to it, so its heads must divide by TP and its layers split over
 the pipeline stages like the policy's. Its weights load from the HF checkpoint at every start (it never trains, so
 a resumed run needs nothing from the trainer checkpoint); ``--teacher-offload`` keeps them in host memory between
-its passes. Text models only for now (a vision-language policy or teacher is refused).
+its passes. A vision-language policy takes a vision-language teacher of its family (the same image token, merge
+and tower kind): the teacher runs its own frozen tower on the batch's pictures, its features kept apart from the
+policy's.
 """
 
 from __future__ import annotations
@@ -70,17 +72,12 @@ class Teacher:
         where = f"--teacher-hf-checkpoint {self.dir}"
         if not os.path.isfile(os.path.join(self.dir, "config.json")):
             raise ValueError(f"{where} has no config.json (an HF model directory)")
-        if policy_bridge.family.multimodal:
-            raise ValueError(f"{where}: on-policy distillation takes text models; {args.hf_checkpoint} is a "
-                             "vision-language model")
         self.vocab = check_same_tokenizer(args.hf_checkpoint, self.dir)
         try:
             self.bridge = Bridge(self.dir)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
-        if self.bridge.family.multimodal:
-            raise ValueError(f"{where}: on-policy distillation takes text models; the teacher is a vision-language "
-                             "model")
+        self.spec = self._vision_spec(policy_bridge, where)
         cfg = self.bridge.cfg
         if cfg.vocab_size < self.vocab:
             raise ValueError(f"{where}: its vocabulary has {cfg.vocab_size} rows, the tokenizer {self.vocab} tokens")
@@ -105,6 +102,30 @@ class Teacher:
             raise ValueError(f"{where}: {exc}") from exc
         self.chunks = build_chunks(self.cfg)
         self.offload = None
+
+    def _vision_spec(self, policy_bridge, where: str):
+        """None for a text teacher of a text policy; the teacher's VisionSpec when both are vision-language models
+        that read images alike (the batches' images are laid out with the policy's processor: same image token,
+        merge and kind of tower); anything else refused."""
+        policy_vl, teacher_vl = policy_bridge.family.multimodal, self.bridge.family.multimodal
+        if policy_vl != teacher_vl:
+            what = ("the policy", "the teacher") if policy_vl else ("the teacher", "the policy")
+            raise ValueError(f"{where}: {what[0]} takes images and {what[1]} does not: a vision-language policy "
+                             "needs a vision-language teacher of its family (and a text policy a text teacher)")
+        if not policy_vl:
+            return None
+        from forge_megatron.multimodal import vision_spec
+
+        try:
+            policy, teacher = vision_spec(policy_bridge.hf_config), vision_spec(self.bridge.hf_config)
+        except ValueError as exc:  # a family whose images the trainer does not take
+            raise ValueError(f"{where}: {exc}") from exc
+        for name in ("kind", "image_token_id", "merge", "interleaved", "bidirectional", "row_breaks"):
+            if getattr(policy, name) != getattr(teacher, name):
+                raise ValueError(f"{where}: its images are read otherwise than the policy's ({name} "
+                                 f"{getattr(teacher, name)!r}, the policy's {getattr(policy, name)!r}): the batches' "
+                                 "images are laid out with the policy's processor")
+        return teacher
 
     def load(self, log) -> None:
         """The teacher's weights from its HF checkpoint (every start: it never trains); with ``--teacher-offload``

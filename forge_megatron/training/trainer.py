@@ -545,23 +545,27 @@ class Trainer:
         from forge_megatron.mcore import vision
         from forge_megatron.weight_sync.gather import unwrap
 
+        def loader(path: str, tower_spec=spec):
+            tower = {}
+
+            def load():
+                if "module" not in tower:
+                    from forge_megatron.multimodal import load_vision_tower
+
+                    param = next(unwrap(self.chunks[0]).parameters())
+                    tower["module"] = load_vision_tower(path, tower_spec, dtype=param.dtype, device=param.device)
+                    self._log(f"vision tower of {path} loaded (frozen, "
+                              f"{sum(p.numel() for p in tower['module'].parameters()) / 1e6:.1f}M parameters)")
+                return tower["module"]
+            return load
+
+        if self.teacher is not None:  # a vision-language teacher runs its own frozen tower, its features apart
+            for chunk in self.teacher.chunks:
+                vision.install(unwrap(chunk), self.teacher.spec, loader(self.teacher.dir, self.teacher.spec),
+                               key="teacher")
         if self.train_tower:  # the first piece's own (mcore.vision.attach_tower), loaded with the language model
             self._install_trained_tower(spec)
         else:
-            def loader(path: str):
-                tower = {}
-
-                def load():
-                    if "module" not in tower:
-                        from forge_megatron.multimodal import load_vision_tower
-
-                        param = next(unwrap(self.chunks[0]).parameters())
-                        tower["module"] = load_vision_tower(path, spec, dtype=param.dtype, device=param.device)
-                        self._log(f"vision tower of {path} loaded (frozen, "
-                                  f"{sum(p.numel() for p in tower['module'].parameters()) / 1e6:.1f}M parameters)")
-                    return tower["module"]
-                return load
-
             policy = loader(self.args.hf_checkpoint)
             for chunk in self.chunks:
                 vision.install(unwrap(chunk), spec, policy)

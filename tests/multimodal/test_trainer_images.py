@@ -18,9 +18,10 @@ from tests.multimodal.test_vision_tree import png
 from tests.training.trainer_run import run_on_fresh_pool
 
 
-def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: int = 3, lead: int = 4):
+def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: int = 3, lead: int = 4) -> list:
     """Finished episodes sampled by the reference engine from prompts with an image (one image per group, shared by
-    its episodes) after ``lead`` text tokens, as the gateway records them."""
+    its episodes) after ``lead`` text tokens, as the gateway records them. Returns them as (tokens, prompt length,
+    image)."""
     from transformers import AutoTokenizer
 
     from forge_megatron.middleware.schema import Episode, Segment
@@ -32,6 +33,7 @@ def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: in
     tok = AutoTokenizer.from_pretrained(model_dir)
     vs, ve, pad = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
     rng = np.random.default_rng(4)
+    fed = []
     for g in range(groups):
         image = proc.normalize(png(rng, 20 + 8 * g, 24))
         prompt = [*rng.integers(10, 200, size=lead).tolist(), vs, *proc.image_ids(image), ve, 9]
@@ -54,6 +56,8 @@ def _feed_image_rollouts(client, model_dir: str, groups: int = 2, group_size: in
             now = time.time()
             client.submit_episode(Episode(episode_id=eid, group_id=gid, task_id=f"task-{g}", segments=[seg],
                                           reward=float(e % 2), started_at=now - 1, ended_at=now))
+            fed.append((seg.tokens, len(prompt), image))
+    return fed
 
 
 def _run(tmp_path, name, nproc=1, extra=(), arch="qwen3_vl", exits=(None,), lead=4, groups=1, most_tokens=16):
@@ -412,3 +416,51 @@ def test_lora_adapters_train_a_vision_language_model_alike_under_tp_sp(tmp_path)
                            extra=lora + ["--tensor-model-parallel-size", "2", "--sequence-parallel"])}
     assert steps["one"][0]["kl"] == pytest.approx(0.0, abs=1e-7) and steps["one"][1]["kl"] > 0
     assert_same_as_one_rank(steps, ["tp2sp"], keys=("loss", "grad_norm", "kl"))
+
+
+def test_vision_language_teacher_scores_with_its_own_tower(tmp_path):
+    """On-policy distillation of a tiny Qwen3-VL student from a Qwen3-VL teacher 1.5x as wide (--teacher-hf-checkpoint):
+    the teacher runs its own frozen tower on the batch's pictures (its features kept apart from the student's) and
+    its logprobs of the sampled tokens are transformers' teacher's on each episode with its picture; a text teacher
+    for a vision-language student is refused."""
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.multimodal import vision_spec
+    from forge_megatron.multimodal.families import model_image_inputs
+    from forge_megatron.multimodal.images import ImageProcessor
+    from forge_megatron.rollout.engine_server import ReferenceEngine
+    from tests.dist_utils import run_script
+    from tests.training.pool_feed import PoolProcess
+    from tests.training.trainer_run import TRAIN, train_cmd, train_env
+
+    student = build_tiny_model(str(tmp_path / "vl"), "qwen3_vl", images=True, seed=3, vocab_size=404)
+    teacher = build_tiny_model(str(tmp_path / "teacher"), "qwen3_vl", images=True, seed=8, vocab_size=404,
+                               hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=2)
+    fed = []
+    steps, stdouts, _ = run_on_fresh_pool(
+        tmp_path, "distil", student, lambda c: fed.extend(_feed_image_rollouts(c, student, groups=1)), iters=1,
+        groups=1, model=[], extra=["--teacher-hf-checkpoint", teacher, "--old-logprobs", "recompute"])
+    assert f"vision tower of {teacher} loaded" in stdouts[0] and f"vision tower of {student} loaded" in stdouts[0]
+    engine = ReferenceEngine(teacher)
+    proc, spec = ImageProcessor(teacher), vision_spec(engine.model.config.to_dict())
+    want = []
+    with torch.no_grad():
+        for tokens, prompt_len, image in fed:
+            ids = torch.tensor([tokens])
+            extra = model_image_inputs(spec, [proc.image_input(image)], tokens[:prompt_len], ids)
+            logp = torch.log_softmax(engine.model(input_ids=ids, **extra).logits[0].double(), -1)
+            want += [logp[t - 1, tokens[t]].item() for t in range(prompt_len, len(tokens))]
+    assert steps[0]["num_tokens"] == len(want)
+    assert steps[0]["distill_teacher_logp"] == pytest.approx(float(np.mean(want)), rel=1e-4)
+    import shutil
+
+    text_teacher = build_tiny_model(str(tmp_path / "text_teacher"), "qwen3", seed=2, vocab_size=404)
+    for name in os.listdir(student):  # the student's tokenizer (its image tokens): only the images differ
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(student, name), text_teacher)
+    pool = PoolProcess(str(tmp_path / "refused.sqlite"))
+    try:
+        out = run_script(TRAIN, train_cmd(student, pool, str(tmp_path / "refused"), iters=1, groups=1, model=[],
+                                          extra=["--teacher-hf-checkpoint", text_teacher]), env=train_env())
+    finally:
+        pool.stop()
+    assert out.returncode != 0 and "the policy takes images and the teacher does not" in out.stdout + out.stderr
