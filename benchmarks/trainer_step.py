@@ -7,7 +7,11 @@ schedule, CISPO loss, tree forward) packed as prefix forests under ``--token-bud
 micro-batch (unmerged, what ``--no-tree-merging`` does). The two losses must agree (exactness); the times are medians
 of ``--repeats`` runs after one warm-up. Prints one JSON line.
 
-    python benchmarks/trainer_step.py [--groups 4 --group-size 8 --completion-tokens 24]
+``--teacher``: also the forward-only pass of an on-policy distillation teacher (the tiny teacher, 1.5x as wide and
+twice as deep: models/tiny.build_tiny_teacher) over the same batch, merged and unmerged: what
+``--teacher-hf-checkpoint`` adds to a step (``teacher_*`` keys; its mean logprob must agree between the two).
+
+    python benchmarks/trainer_step.py [--groups 4 --group-size 8 --completion-tokens 24] [--teacher]
 """
 
 import argparse
@@ -99,6 +103,46 @@ def time_step(ddp, rb, loss_cfg, repeats: int) -> tuple[float, float]:
     return statistics.median(times), loss
 
 
+@contextlib.contextmanager
+def tiny_teacher():
+    """Frozen model chunks of the tiny distillation teacher in the current parallel layout (as the trainer builds
+    them: training/distill.py), its weights loaded."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import build_tiny_teacher
+    from forge_megatron.training.checkpoint import load_hf_weights
+    from forge_megatron.training.trainer import build_reference_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        teacher_dir = build_tiny_teacher(os.path.join(tmp, "teacher"))
+        bridge = Bridge(teacher_dir)
+        chunks = build_reference_model(bridge.cfg)
+        load_hf_weights(chunks, bridge, teacher_dir)
+        yield chunks
+
+
+def time_teacher(chunks, rb, repeats: int) -> tuple[float, float]:
+    """Median seconds of the teacher's forward-only pass over ``rb`` and its mean logprob of the trained tokens."""
+    import torch
+
+    from forge_megatron.mcore.forward import make_tree_forward_step
+    from forge_megatron.training.trainer import run_schedule
+
+    def keep(logp_M, entropy_M, mb):
+        mb.extras["teacher_logp_M"] = logp_M.detach()
+        return logp_M.sum() * 0.0, {}
+
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            run_schedule(chunks, rb, make_tree_forward_step(keep), forward_only=True)
+        if i:
+            times.append(time.perf_counter() - t0)
+    mask = torch.cat([mb.extras["loss_mask_M"] for mb in rb.micro_batches])
+    logp = torch.cat([mb.extras["teacher_logp_M"] for mb in rb.micro_batches])
+    return statistics.median(times), float((logp * mask).sum() / mask.sum())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", type=int, default=4)
@@ -107,6 +151,8 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--teacher", action="store_true",
+                   help="also time a distillation teacher's forward-only pass, merged and unmerged")
     a = p.parse_args()
     from forge_megatron.models.tiny import build_tiny_tokenizer
     from forge_megatron.training.trainer import rank_batch
@@ -117,9 +163,17 @@ def main() -> None:
         unmerged = rank_batch(batch, a.token_budget, False, 0, 1, ["math"])
         merged_s, merged_loss = time_step(ddp, merged, loss_cfg, a.repeats)
         unmerged_s, unmerged_loss = time_step(ddp, unmerged, loss_cfg, a.repeats)
+        teacher = {}
+        if a.teacher:
+            with tiny_teacher() as chunks:
+                t_merged, lp_merged = time_teacher(chunks, merged, a.repeats)
+                t_unmerged, lp_unmerged = time_teacher(chunks, unmerged, a.repeats)
+            teacher = {"teacher_merged_s": t_merged, "teacher_unmerged_s": t_unmerged,
+                       "teacher_speedup": t_unmerged / t_merged, "teacher_logp_mean": lp_merged,
+                       "teacher_logp_abs_diff": abs(lp_merged - lp_unmerged)}
     total = sum(mb.layout.total_tokens for mb in merged.micro_batches)
     unique = sum(mb.layout.unique_tokens for mb in merged.micro_batches)
-    print(json.dumps({
+    print(json.dumps({**teacher,
         "samples": len(batch.samples), "total_tokens": total, "unique_tokens": unique, "bound": total / unique,
         "micro_batches_merged": len(merged.micro_batches), "micro_batches_unmerged": len(unmerged.micro_batches),
         "merged_s": merged_s, "unmerged_s": unmerged_s, "speedup": unmerged_s / merged_s,
