@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo"])
     d.add_argument("--reward-weights", type=name_float_pairs, default={})
     d.add_argument("--completion-time-bound", type=float, default=0.0)
+    d.add_argument("--overlong-max-tokens", type=int, default=None, metavar="L",
+                   help="overlong penalty on each episode's sampled tokens: -penalty past L, a ramp over the "
+                        "--overlong-buffer-tokens before it (DAPO's soft overlong punishment; default off)")
+    d.add_argument("--overlong-buffer-tokens", type=int, default=None, metavar="B")
+    d.add_argument("--overlong-penalty", type=float, default=None, help="the largest overlong penalty (default 1)")
     return p
 
 

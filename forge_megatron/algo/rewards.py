@@ -5,12 +5,24 @@ Reward of episode i (every term is reported in ``GroupScores.terms`` and they su
     R_i = outcome_i                                         (from the verifier / environment)
         + sum_k process_weights[k] * process_terms_i[k]     (raw measurements, e.g. malformed tool calls)
         + completion_time_i                                 (bonus in [0, bound] for fast successful episodes)
+        + overlong_i                                        (optional length penalty, DAPO's soft overlong
+                                                             punishment, on the episode's sampled tokens)
         + user terms                                        (optional "module:function" reward function)
         + sum_k segment_rewards_i[k]                        (optional per-segment / per-turn rewards)
 
 Completion time, among the successful episodes of a group with durations d (failures get 0):
 
     completion_time_i = bound * min_j d_j / d_i         (fastest gets ``bound``; equal durations equal bonus)
+
+Overlong penalty (``overlong_max_tokens`` L, ``overlong_buffer_tokens`` B, ``overlong_penalty`` p), on the n tokens
+the policy sampled in the episode (every segment, every call):
+
+    overlong_i = 0                          n <= L - B
+               = -p * (n - (L - B)) / B     L - B < n <= L     (a ramp from 0 to -p over the last B tokens)
+               = -p                         n > L
+
+(DAPO penalises overlong answers this way instead of scoring truncated ones as plain failures; for agents the length
+is the whole episode's sampled tokens.)
 
 Per-segment rewards: the episode-level part (everything except ``segment_rewards``) is credited to the last
 segment; returns use reward-to-go with discount ``gamma`` and the group baseline of ``advantages.py``. Every
@@ -40,12 +52,13 @@ from forge_megatron.algo.advantages import ESTIMATORS, group_baselines, reward_t
 __all__ = [
     "EpisodeOutcome", "RewardConfig", "GroupScores", "score_group", "completion_time_bonus", "ProcessContext",
     "register_process_term", "measure_process_terms", "PROCESS_TERMS", "language_mixing", "load_reward_fn",
+    "overlong_penalty",
 ]
 
 log = logging.getLogger(__name__)
 
 SINGLETON_MODES = ("zero", "raw", "error")
-RESERVED_TERMS = ("outcome", "completion_time", "segment_rewards")
+RESERVED_TERMS = ("outcome", "completion_time", "overlong", "segment_rewards")
 DEFAULT_PROCESS_WEIGHTS = {"malformed_tool_calls": -0.1, "failed_tool_calls": 0.0, "language_mixing": -0.5,
                            "truncated_calls": 0.0}
 
@@ -65,6 +78,8 @@ class EpisodeOutcome:
     domain: str = "default"
     metadata: dict = field(default_factory=dict)
     """Free-form task data for a user reward function (e.g. the reference answer)."""
+    sampled_tokens: int = 0
+    """Tokens the policy sampled in the episode (all segments): the overlong penalty's length."""
 
     def validate(self, where: str) -> None:
         """Raise ValueError naming ``where`` (e.g. "episode 3") for the first problem found."""
@@ -122,6 +137,12 @@ class RewardConfig:
     """Group of one episode: "zero" (advantage 0, a warning), "raw" (advantage = return), "error"."""
     reward_fn: str | None = None
     """Optional user reward function, ``"package.module:function"`` (see the module docstring)."""
+    overlong_max_tokens: int | None = None
+    """L of the overlong penalty (module docstring): sampled tokens past it cost the whole penalty; None: off."""
+    overlong_buffer_tokens: int = 0
+    """B: the last B tokens before L ramp the penalty up from 0 (0: a step at L)."""
+    overlong_penalty: float = 1.0
+    """p: the largest penalty (its weight against the outcome reward)."""
     reward_fn_callable: Callable | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +163,15 @@ class RewardConfig:
             raise ValueError(f"singleton_group must be one of {SINGLETON_MODES}, got {self.singleton_group!r}")
         if self.reward_fn is not None:
             self.reward_fn_callable = load_reward_fn(self.reward_fn)
+        if self.overlong_max_tokens is not None:
+            if not (isinstance(self.overlong_max_tokens, int) and self.overlong_max_tokens > 0):
+                raise ValueError(f"overlong_max_tokens must be a positive int, got {self.overlong_max_tokens!r}")
+            if not (isinstance(self.overlong_buffer_tokens, int)
+                    and 0 <= self.overlong_buffer_tokens <= self.overlong_max_tokens):
+                raise ValueError(f"overlong_buffer_tokens must be an int in [0, overlong_max_tokens="
+                                 f"{self.overlong_max_tokens}], got {self.overlong_buffer_tokens!r}")
+            if not (math.isfinite(self.overlong_penalty) and self.overlong_penalty >= 0):
+                raise ValueError(f"overlong_penalty must be finite and >= 0, got {self.overlong_penalty}")
 
 
 @dataclass
@@ -251,6 +281,17 @@ def completion_time_bonus(durations_s: list[float], successes: list[bool], bound
     return [bound * (1.0 if d <= fastest else fastest / d) if s else 0.0 for d, s in zip(durations_s, successes)]
 
 
+def overlong_penalty(sampled_tokens: int, max_tokens: int, buffer_tokens: int, penalty: float = 1.0) -> float:
+    """The overlong term of an episode that sampled ``sampled_tokens`` (module docstring): 0, a ramp to ``-penalty``
+    over the ``buffer_tokens`` before ``max_tokens``, ``-penalty`` past it."""
+    start = max_tokens - buffer_tokens
+    if sampled_tokens <= start:
+        return 0.0
+    if sampled_tokens > max_tokens:
+        return -float(penalty)
+    return -float(penalty) * (sampled_tokens - start) / buffer_tokens
+
+
 def _user_terms(fn: Callable, outcome: EpisodeOutcome, where: str) -> dict[str, float]:
     value = fn(outcome)
     terms = value if isinstance(value, dict) else {"user": value}
@@ -267,6 +308,9 @@ def _episode_terms(outcome: EpisodeOutcome, bonus: float, cfg: RewardConfig, whe
             terms[name] = cfg.process_weights[name] * raw
     if cfg.completion_time_bound > 0:
         terms["completion_time"] = bonus
+    if cfg.overlong_max_tokens is not None:
+        terms["overlong"] = overlong_penalty(outcome.sampled_tokens, cfg.overlong_max_tokens,
+                                             cfg.overlong_buffer_tokens, cfg.overlong_penalty)
     if cfg.reward_fn_callable is not None:
         for name, v in _user_terms(cfg.reward_fn_callable, outcome, where).items():
             if name in terms or name in RESERVED_TERMS:

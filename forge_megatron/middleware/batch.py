@@ -16,6 +16,7 @@ Episode -> EpisodeOutcome mapping (the pool's contract with the algorithm layer)
   segment_rewards = [segment.reward or 0.0 per segment]
   domain          = episode.domain
   metadata        = the group's task metadata updated with episode.metadata (for a user reward function)
+  sampled_tokens  = the policy-sampled tokens of all its segments (the overlong penalty's length)
 
 Routed experts (rollout routing replay), when the episodes carry them, travel as one more int8/int16 array
 [T, layers, topk] next to the per-token ones (``-1`` rows where nothing was recorded); teacher logprobs (the
@@ -101,6 +102,7 @@ def episode_outcome(episode: Episode, task_metadata: dict | None = None):
         segment_rewards=[0.0 if s.reward is None else float(s.reward) for s in episode.segments],
         domain=episode.domain,
         metadata={**(task_metadata or {}), **episode.metadata},
+        sampled_tokens=sum(s.num_trained_tokens for s in episode.segments),
     )
 
 

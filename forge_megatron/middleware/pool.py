@@ -632,6 +632,8 @@ class DataPool(EpisodeSink):
             "generation_batch_groups": self.config.generation_batch_groups,
             "advantage_estimator": r.estimator, "process_weights": dict(r.process_weights),
             "completion_time_bound": r.completion_time_bound,
+            "overlong_max_tokens": r.overlong_max_tokens, "overlong_buffer_tokens": r.overlong_buffer_tokens,
+            "overlong_penalty": r.overlong_penalty,
             "drop_zero_advantage_groups": self.config.drop_zero_advantage_groups,
         }
 

@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest bonus for the fastest successful episode of a group (0 = off)")
     r.add_argument("--process-weight", action="append", default=[], metavar="NAME=W", type=_process_weight,
                    help="weight of a process term, e.g. malformed_tool_calls=-0.2 (repeatable; adds to the defaults)")
+    r.add_argument("--overlong-max-tokens", type=int, default=None, metavar="L",
+                   help="overlong penalty on each episode's sampled tokens: -penalty past L, a ramp over the "
+                        "--overlong-buffer-tokens before it (DAPO's soft overlong punishment; default off)")
+    r.add_argument("--overlong-buffer-tokens", type=int, default=0, metavar="B")
+    r.add_argument("--overlong-penalty", type=float, default=1.0, help="the largest overlong penalty")
     r.add_argument("--gamma", type=float, default=1.0, help="reward-to-go discount across segments")
     r.add_argument("--estimator", default="grpo", help="advantage baseline: grpo (group mean) or rloo")
     r.add_argument("--no-std-normalize", action="store_true", help="do not divide advantages by the group std")
@@ -88,7 +93,8 @@ def _reward_config(args: argparse.Namespace):
     return RewardConfig(process_weights={**DEFAULT_PROCESS_WEIGHTS, **dict(args.process_weight)},
                         completion_time_bound=args.completion_time_bound, gamma=args.gamma, estimator=args.estimator,
                         std_normalize=not args.no_std_normalize, singleton_group=args.singleton_group,
-                        reward_fn=args.reward_fn)
+                        reward_fn=args.reward_fn, overlong_max_tokens=args.overlong_max_tokens,
+                        overlong_buffer_tokens=args.overlong_buffer_tokens, overlong_penalty=args.overlong_penalty)
 
 
 def _read_keys(path: str) -> list[bytes]:

@@ -372,6 +372,14 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--completion-time-bound", type=float, default=None,
                    help="largest completion-time bonus for fast successful episodes (0: off); applied by the pool, "
                         "checked here (default: the pool's, 0)")
+    g.add_argument("--overlong-max-tokens", type=int, default=None, metavar="L",
+                   help="overlong penalty (DAPO's soft overlong punishment) on each episode's sampled tokens: "
+                        "-penalty past L, a ramp over the --overlong-buffer-tokens before it; applied by the pool, "
+                        "checked here (default: the pool's, off)")
+    g.add_argument("--overlong-buffer-tokens", type=int, default=None, metavar="B",
+                   help="the last B tokens before --overlong-max-tokens where the penalty ramps up (pool side)")
+    g.add_argument("--overlong-penalty", type=float, default=None,
+                   help="the largest overlong penalty (pool side; default 1)")
     g.add_argument("--window-fraction", type=float, default=None,
                    help="windowed FIFO: W = ceil(fraction * rollout batch groups); applied by the pool, checked here "
                         "(default: the pool's, 0.3)")
@@ -856,7 +864,8 @@ def loss_config(args: argparse.Namespace):
 
 
 def reward_config(args: argparse.Namespace):
-    """``algo.RewardConfig`` from --advantage-estimator, --reward-weights, --completion-time-bound (unset: defaults)."""
+    """``algo.RewardConfig`` from --advantage-estimator, --reward-weights, --completion-time-bound and the
+    --overlong-* flags (unset: defaults)."""
     from forge_megatron.algo.rewards import RewardConfig
 
     kwargs = {}
@@ -864,6 +873,11 @@ def reward_config(args: argparse.Namespace):
         kwargs["estimator"] = args.advantage_estimator
     if args.completion_time_bound is not None:
         kwargs["completion_time_bound"] = args.completion_time_bound
+    for name in ("overlong_max_tokens", "overlong_buffer_tokens", "overlong_penalty"):
+        if getattr(args, name, None) is not None:
+            kwargs[name] = getattr(args, name)
+    if "overlong_max_tokens" not in kwargs and ("overlong_buffer_tokens" in kwargs or "overlong_penalty" in kwargs):
+        raise ValueError("--overlong-buffer-tokens / --overlong-penalty need --overlong-max-tokens")
     cfg = RewardConfig(**kwargs)
     cfg.process_weights.update(args.reward_weights or {})
     return cfg
@@ -872,7 +886,9 @@ def reward_config(args: argparse.Namespace):
 def check_pool_config(args: argparse.Namespace, pool: dict) -> None:
     """Raise if a pool-side setting given to the trainer differs from what the pool (``metrics()["config"]``) uses."""
     wanted = {"advantage_estimator": args.advantage_estimator, "completion_time_bound": args.completion_time_bound,
-              "window_fraction": args.window_fraction}
+              "window_fraction": args.window_fraction,
+              **{k: getattr(args, k, None) for k in ("overlong_max_tokens", "overlong_buffer_tokens",
+                                                      "overlong_penalty")}}
     wrong = [f"--{k.replace('_', '-')} {v} (pool: {pool.get(k)})" for k, v in wanted.items()
              if v is not None and pool.get(k) != v]
     weights = pool.get("process_weights", {})

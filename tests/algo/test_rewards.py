@@ -128,6 +128,25 @@ def test_completion_time_in_score_group():
     assert "completion_time" not in score_group(eps, RewardConfig()).terms[0]  # bound 0 turns it off
 
 
+def test_overlong_penalty_ramps_over_the_buffer():
+    """DAPO's soft overlong punishment on the episode's sampled tokens: 0 up to L - B, a linear ramp to -p over the
+    buffer, -p past L; a step at L without a buffer. In a group it is a term of the reward (terms still sum to it)
+    and the longer episode's advantage falls; without the setting there is no such term."""
+    from forge_megatron.algo.rewards import overlong_penalty
+
+    assert [overlong_penalty(n, 100, 20, 0.5) for n in (10, 80, 90, 100, 101, 500)] == pytest.approx(
+        [0.0, 0.0, -0.25, -0.5, -0.5, -0.5])
+    assert [overlong_penalty(n, 100, 0) for n in (100, 101)] == [0.0, -1.0]
+    eps = [_ep(1.0, sampled_tokens=50), _ep(1.0, sampled_tokens=95), _ep(1.0, sampled_tokens=150)]
+    scores = score_group(eps, RewardConfig(overlong_max_tokens=100, overlong_buffer_tokens=20))
+    assert [t["overlong"] for t in scores.terms] == pytest.approx([0.0, -0.75, -1.0])
+    assert scores.rewards == pytest.approx([1.0, 0.25, 0.0])
+    assert scores.segment_advantages[0][0] > scores.segment_advantages[1][0] > scores.segment_advantages[2][0]
+    for terms, reward in zip(scores.terms, scores.rewards):
+        assert sum(terms.values()) == pytest.approx(reward)
+    assert "overlong" not in score_group(eps, RewardConfig()).terms[0]
+
+
 def test_singleton_group_modes():
     scores = score_group([_ep(1.0, num_segments=2)], RewardConfig())
     assert scores.segment_advantages == [[0.0, 0.0]]
@@ -273,6 +292,12 @@ def test_empty_group():
         (dict(estimator="ppo"), "estimator must be one of ('grpo', 'rloo'), got 'ppo'"),
         (dict(eps=0.0), "eps must be > 0, got 0.0"),
         (dict(singleton_group="drop"), "singleton_group must be one of ('zero', 'raw', 'error'), got 'drop'"),
+        (dict(overlong_max_tokens=0), "overlong_max_tokens must be a positive int, got 0"),
+        (dict(overlong_max_tokens=10, overlong_buffer_tokens=11),
+         "overlong_buffer_tokens must be an int in [0, overlong_max_tokens=10], got 11"),
+        (dict(overlong_max_tokens=10, overlong_penalty=-1.0), "overlong_penalty must be finite and >= 0, got -1.0"),
+        (dict(process_weights={"overlong": -1.0}),
+         "process_weights['overlong']: 'overlong' is a built-in term, not a process term"),
     ],
 )
 def test_reward_config_errors(kwargs, message):

@@ -58,6 +58,23 @@ def test_batch_carries_algo_scores(make_pool):
     assert batch.metrics["domain_samples"] == {"math": 4}
 
 
+def test_overlong_penalty_counts_every_segments_sampled_tokens(make_pool):
+    """--overlong-max-tokens: the pool penalises an episode by all the tokens its segments sampled (two segments of
+    6 and 7 sampled tokens: 13), a ramp over the buffer; the delivered rewards carry it and the pool's config says
+    it (what the trainer checks)."""
+    pool = make_pool(reward=RewardConfig(overlong_max_tokens=12, overlong_buffer_tokens=4))
+    gid = pool.register_group("t", 3)
+    episodes = [make_episode(gid, "short", length=6), make_episode(gid, "ramp", length=20),
+                make_episode(gid, "long", segments=2, length=12)]
+    for ep in episodes:
+        pool.submit_episode(ep)
+    assert [sum(s.num_trained_tokens for s in ep.segments) for ep in episodes] == [3, 10, 13]
+    rewards = {s.episode_id: s.reward for s in pool.next_batch(1, timeout_s=0).samples}
+    assert rewards == pytest.approx({"short": 1.0, "ramp": 1.0 - 0.5, "long": 0.0})
+    config = pool.metrics()["config"]
+    assert (config["overlong_max_tokens"], config["overlong_buffer_tokens"], config["overlong_penalty"]) == (12, 4, 1.0)
+
+
 def test_failed_episode_without_retries_completes_group_without_it(make_pool):
     pool = make_pool(window=1)
     gid = pool.register_group("t", 3)

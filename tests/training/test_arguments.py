@@ -246,6 +246,16 @@ def test_pool_side_flags_are_checked_against_the_pool(tmp_path):
     with pytest.raises(ValueError, match=r"--completion-time-bound 0.2 \(pool: 0.0\); --window-fraction 0.3 "
                                          r"\(pool: 0.5\); --reward-weights language_mixing=-0.5 \(pool: -1.0\)"):
         arguments.check_pool_config(bad, cfg)
+    # the overlong penalty: given to the trainer, it must be the pool's
+    overlong = arguments.parse_args(MINIMAL + ["--overlong-max-tokens", "4096", "--overlong-buffer-tokens", "512"])
+    assert (arguments.reward_config(overlong).overlong_max_tokens,
+            arguments.reward_config(overlong).overlong_buffer_tokens) == (4096, 512)
+    with pytest.raises(ValueError, match=r"--overlong-max-tokens 4096 \(pool: None\); --overlong-buffer-tokens 512 "
+                                         r"\(pool: 0\)"):
+        arguments.check_pool_config(overlong, cfg)
+    arguments.check_pool_config(overlong, {**cfg, "overlong_max_tokens": 4096, "overlong_buffer_tokens": 512})
+    with pytest.raises(ValueError, match="--overlong-buffer-tokens / --overlong-penalty need --overlong-max-tokens"):
+        arguments.reward_config(arguments.parse_args(MINIMAL + ["--overlong-penalty", "0.5"]))
     # distillation needs every group, solved or not: a pool that drops the ones without outcome advantage is refused
     distil = arguments.parse_args(MINIMAL + ["--teacher-from-gateway"])
     arguments.check_pool_config(distil, cfg)
