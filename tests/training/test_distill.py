@@ -96,6 +96,25 @@ def test_teacher_logprobs_and_loss_equal_transformers(models, tmp_path):
         assert runs["one"][0]["grad_norm"] == pytest.approx(runs[other][0]["grad_norm"], rel=1e-5), other
 
 
+def test_moe_teacher_for_a_dense_student(models, tmp_path):
+    """A Qwen3-MoE teacher (4 experts, top-2) for the dense student: its logprobs of the sampled tokens are
+    transformers' on one rank and with its experts split over two tensor-parallel ranks (sequence parallelism, as
+    Megatron's MoE layer needs under TP). (Expert parallelism needs a MoE policy: Megatron refuses it for a dense
+    one.)"""
+    student, _ = models
+    teacher = build_tiny_model(str(tmp_path / "moe_teacher"), arch="qwen3_moe", seed=5)
+    episodes = _episodes(seed=17)
+    t = torch.cat(_completion_logprobs(teacher, episodes))
+    flags = ["--teacher-hf-checkpoint", teacher, "--distill-outcome-coef", "0", "--old-logprobs", "recompute"]
+    runs = {}
+    for name, extra, nproc in (("one", [], 1), ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                                  2)):
+        runs[name], _, _ = run_on_fresh_pool(tmp_path, name, student, _feed(episodes), iters=1, groups=1,
+                                             extra=flags + extra, nproc=nproc, lr="1e-2")
+        assert runs[name][0]["distill_teacher_logp"] == pytest.approx(t.mean().item(), rel=1e-5), name
+    assert runs["tp2"][0]["grad_norm"] == pytest.approx(runs["one"][0]["grad_norm"], rel=1e-5)
+
+
 def test_teacher_under_the_interleaved_pipeline(models, tmp_path):
     """PP = 2 with two virtual stages per rank: the 4-layer student and the 4-layer teacher each one layer per chunk,
     the teacher's forward-only pass through Megatron's interleaved schedule: two steps equal one rank's (loss,
