@@ -41,6 +41,16 @@ from forge_megatron.algo.domains import DomainMixer
 log = logging.getLogger("forge.driver")
 
 
+def group_metadata(task) -> dict:
+    """What a task's group is registered with: its metadata, and its answer (when it has one and the metadata does not
+    name another): the pool hands it to a user reward function, a privileged distillation teacher's prompt reads it
+    (the gateway's --teacher-prompt, e.g. "{answer}")."""
+    metadata = dict(task.metadata or {})
+    if task.answer is not None:
+        metadata.setdefault("answer", task.answer)
+    return metadata
+
+
 class RolloutDriver:
     """Submits groups of episodes while the pool admits them; thread-safe counters for progress reports."""
 
@@ -168,7 +178,7 @@ class RolloutDriver:
                     break
                 domain, task = picked
                 try:
-                    group_id = self.gateway.create_group(task.task_id, self.group_size, domain, task.metadata)
+                    group_id = self.gateway.create_group(task.task_id, self.group_size, domain, group_metadata(task))
                 except GatewayError as exc:
                     log.warning("could not register a group for %s: %s", task.task_id, exc)
                     stop.wait(1.0)

@@ -153,6 +153,7 @@ class GatewayConfig:
     # sampled tokens are scored with it when the episode ends, before it goes to the sink.
     teacher_urls: tuple[str, ...] = ()
     teacher_timeout_s: float = 120.0
+    teacher_prompt: str | None = None  # a privileged system message the teacher reads first (middleware/teacher.py)
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -181,6 +182,8 @@ class GatewayConfig:
         if self.group_affinity_slack is not None and self.group_affinity_slack < 0:
             raise ValueError(f"group_affinity_slack must be >= 0 or None, got {self.group_affinity_slack}")
         self.teacher_urls = tuple(self.teacher_urls)
+        if self.teacher_prompt is not None and not self.teacher_urls:
+            raise ValueError("teacher_prompt needs teacher_urls (the teacher that reads it)")
         if not self.teacher_timeout_s > 0:
             raise ValueError(f"teacher_timeout_s must be > 0, got {self.teacher_timeout_s}")
         if self.worker_tag is not None and not (self.worker_tag.isascii() and self.worker_tag.isalnum()):
@@ -632,6 +635,17 @@ class Gateway:
     # --- sessions ---------------------------------------------------------------------------------------------
     def add_group(self, group_id: str, info: dict) -> None:
         self.groups[group_id] = info
+
+    def teacher_prefix(self, task_id: str, domain: str, metadata: dict) -> list[int] | None:
+        """The token ids of a group's privileged teacher system message (``teacher_prompt`` filled in with its task's
+        fields, rendered with the chat template); None without one. ValueError naming a missing field."""
+        if self.config.teacher_prompt is None:
+            return None
+        from forge_megatron.middleware.teacher import teacher_prompt
+
+        text = teacher_prompt(self.config.teacher_prompt, task_id, domain, metadata)
+        return self.renderer.encode(self.renderer.render([{"role": "system", "content": text}], None,
+                                                         add_generation_prompt=False))
         while len(self.groups) > MAX_GROUPS:
             self.groups.popitem(last=False)
 
@@ -689,8 +703,14 @@ class Gateway:
             return episode
         from forge_megatron.middleware.teacher import TeacherRefused, TeacherUnavailable
 
+        prefix = None
+        if self.config.teacher_prompt is not None:
+            prefix = (self.groups.get(episode.group_id) or {}).get("teacher_prefix")
+            if prefix is None:  # (forgotten beyond MAX_GROUPS: the group is long done)
+                raise ApiError(409, f"group {episode.group_id} is not known here any more: its teacher prompt is "
+                                    "lost", code="group_forgotten")
         try:
-            await self.teacher.score(episode)
+            await self.teacher.score(episode, prefix or (), self.renderer.tok.bos_token_id)
         except TeacherUnavailable as exc:
             raise ApiError(503, f"the distillation teacher did not answer ({exc}); nothing was lost: send the "
                                 "request again", "service_unavailable", code="teacher_unavailable") from exc
@@ -1721,10 +1741,15 @@ async def create_group(request: web.Request, gw: Gateway) -> web.Response:
         raise _bad("domain", "domain must be a string")
     metadata = body.get("metadata") or {}
     try:
+        prefix = gw.teacher_prefix(task_id, domain, metadata if isinstance(metadata, dict) else {})
+    except ValueError as exc:  # the teacher prompt names a field this task lacks
+        raise _bad("metadata", str(exc)) from exc
+    try:
         group_id = await gw.to_sink("register_group", task_id, size, domain, metadata)
     except SchemaError as exc:
         raise ApiError(400, str(exc), param="group") from exc
-    gw.add_group(group_id, {"task_id": task_id, "size": size, "domain": domain, "sessions": 0})
+    gw.add_group(group_id, {"task_id": task_id, "size": size, "domain": domain, "sessions": 0,
+                            **({"teacher_prefix": prefix} if prefix is not None else {})})
     return web.json_response({"group_id": group_id})
 
 
@@ -1740,8 +1765,13 @@ async def adopt_group(request: web.Request, gw: Gateway) -> web.Response:
             isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise _bad("group", "adopting a group needs group_id, task_id and size")
     if group_id not in gw.groups:
-        gw.add_group(group_id, {"task_id": task_id, "size": size, "domain": str(body.get("domain", "default")),
-                                "sessions": 0})
+        domain, metadata = str(body.get("domain", "default")), body.get("metadata") or {}
+        try:
+            prefix = gw.teacher_prefix(task_id, domain, metadata if isinstance(metadata, dict) else {})
+        except ValueError as exc:
+            raise _bad("metadata", str(exc)) from exc
+        gw.add_group(group_id, {"task_id": task_id, "size": size, "domain": domain, "sessions": 0,
+                                **({"teacher_prefix": prefix} if prefix is not None else {})})
     return web.json_response({"group_id": group_id})
 
 
@@ -2094,6 +2124,11 @@ def add_session_options(p) -> None:
                         "trainer (--teacher-from-gateway); text models (docs/middleware.md)")
     p.add_argument("--teacher-timeout-s", type=float, default=120.0, metavar="S",
                    help="one teacher call (a segment's prefill; default 120)")
+    p.add_argument("--teacher-prompt", default=None, metavar="TEMPLATE",
+                   help="with --teacher-urls: a privileged system message the teacher reads before each segment "
+                        "(the student never sees it), filled in with the task's fields: {task_id}, {domain} and its "
+                        "metadata, e.g. 'A correct final answer is {answer}.' (on-policy self-distillation from "
+                        "privileged information; a group whose task lacks a field is refused)")
     p.add_argument("--no-resume-aborted", dest="resume_aborted", action="store_false",
                    help="re-issue a call that an engine aborted for a weight update from its prompt, dropping the "
                         "tokens it had sampled (default: go on from them, each token keeping the policy version and "
@@ -2114,7 +2149,7 @@ def session_options(args: argparse.Namespace) -> dict:
                 image_url_private=args.image_url_private, image_dir=args.image_dir,
                 image_url_timeout_s=args.image_url_timeout_s,
                 teacher_urls=tuple(u.strip() for u in args.teacher_urls.split(",") if u.strip()),
-                teacher_timeout_s=args.teacher_timeout_s)
+                teacher_timeout_s=args.teacher_timeout_s, teacher_prompt=args.teacher_prompt)
 
 
 def build_parser() -> argparse.ArgumentParser:

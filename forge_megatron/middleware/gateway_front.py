@@ -405,7 +405,9 @@ class GatewayFront:
         if status == 200:
             try:
                 sent = json.loads(body)
-                self._remember(answer["group_id"], w.index, {k: sent.get(k) for k in ("task_id", "size", "domain")})
+                # (the metadata too: a worker that adopts the group renders its teacher prompt from it)
+                self._remember(answer["group_id"], w.index,
+                               {k: sent.get(k) for k in ("task_id", "size", "domain", "metadata")})
             except (ValueError, KeyError, TypeError, AttributeError):
                 log.warning("group answer of worker %s not understood: %r", w.tag, answer)
         return web.json_response(answer, status=status)

@@ -10,6 +10,13 @@ logprobs travel with the episode (``Segment.teacher_logprobs``: the teacher's lo
 elsewhere) through the pool to the trainer (``--teacher-from-gateway``), which trains on ``teacher - old logprob``
 exactly as with a teacher of its own.
 
+A privileged teacher (``--teacher-prompt TEMPLATE``): the teacher reads each segment after a system message of its
+own, the template filled in with the task's fields (``{task_id}``, ``{domain}`` and the group's metadata, e.g.
+``"A correct final answer is {answer}."``), while the student never saw it: on-policy distillation from the same
+model given privileged information (hints, the reference solution; "on-policy self-distillation") gives every sampled
+token a target without a larger teacher. The prefix's tokens come first (the segment's own BOS dropped when the prefix
+starts with it) and the logprobs are read at the sampled tokens' shifted positions.
+
 Failures: the calls go round-robin over the teacher engines; a connection error, a timeout or a 5xx answer is
 tried on the next engine (``attempts`` in all); if none answers, the episode's end is refused with 503 and the
 session stays open, so the end can be sent again (nothing is lost; an idle session is ended again by the reaper).
@@ -53,8 +60,11 @@ class TeacherScorer:
         for c in self.clients:
             await c.close()
 
-    async def segment_logprobs(self, tokens: list[int], loss_mask: list[int]) -> list[float]:
-        """The teacher's logprob at every sampled position of one segment (0.0 elsewhere)."""
+    async def segment_logprobs(self, tokens: list[int], loss_mask: list[int], prefix: list[int] = (),
+                               bos: int | None = None) -> list[float]:
+        """The teacher's logprob at every sampled position of one segment (0.0 elsewhere); ``prefix``: token ids the
+        teacher reads first (a privileged system message; the segment's first token dropped when both start with
+        ``bos``)."""
         from forge_megatron.rollout.sglang_client import EngineError, EngineRequestError
 
         sampled = [t for t, m in enumerate(loss_mask) if m]
@@ -63,31 +73,48 @@ class TeacherScorer:
             return out
         if sampled[0] == 0:
             raise TeacherRefused("a segment's first token is marked sampled: nothing precedes it to score it from")
-        start = sampled[0] - 1  # SGLang leaves the window's first position unscored
+        skip = 1 if prefix and bos is not None and prefix[0] == bos and tokens[0] == bos else 0
+        ids = list(prefix) + list(tokens[skip:])
+        shift = len(prefix) - skip  # the segment's token t is the teacher input's t + shift
+        start = sampled[0] - 1 + shift  # SGLang leaves the window's first position unscored
         errors = []
         for _ in range(self.attempts):
             client = self.clients[next(self._next)]
             try:
-                values = await client.input_logprobs(tokens, start, self.temperature, timeout_s=self.timeout_s)
+                values = await client.input_logprobs(ids, start, self.temperature, timeout_s=self.timeout_s)
             except EngineRequestError as exc:
                 raise TeacherRefused(str(exc)) from exc
             except EngineError as exc:
                 errors.append(str(exc))
                 continue
             for t in sampled:
-                out[t] = values[t - start - 1]
+                out[t] = values[t + shift - start - 1]
             self.scored_tokens += len(sampled)
             return out
         raise TeacherUnavailable(f"no teacher engine answered after {self.attempts} attempt(s): " + "; ".join(errors))
 
-    async def score(self, episode: Episode) -> Episode:
-        """``episode`` with ``teacher_logprobs`` on every segment (its segments scored concurrently). Raises
-        TeacherUnavailable / TeacherRefused."""
+    async def score(self, episode: Episode, prefix: list[int] = (), bos: int | None = None) -> Episode:
+        """``episode`` with ``teacher_logprobs`` on every segment (its segments scored concurrently), each read after
+        ``prefix``. Raises TeacherUnavailable / TeacherRefused."""
         todo = [s for s in episode.segments if s.teacher_logprobs is None]
-        results = await asyncio.gather(*(self.segment_logprobs(s.tokens, s.loss_mask) for s in todo),
+        results = await asyncio.gather(*(self.segment_logprobs(s.tokens, s.loss_mask, prefix, bos) for s in todo),
                                        return_exceptions=True)
         for seg, res in zip(todo, results):
             if isinstance(res, BaseException):
                 raise res
             seg.teacher_logprobs = res
         return episode
+
+
+def teacher_prompt(template: str, task_id: str, domain: str, metadata: dict) -> str:
+    """``--teacher-prompt``'s text for one group: ``template`` with ``{task_id}``, ``{domain}`` and the group's
+    metadata fields filled in. ValueError naming a field the template needs that the group does not have."""
+    fields = {**{k: v for k, v in (metadata or {}).items() if isinstance(k, str)}, "task_id": task_id,
+              "domain": domain}
+    try:
+        return template.format_map(fields)
+    except KeyError as exc:
+        raise ValueError(f"--teacher-prompt needs {{{exc.args[0]}}}, which this group's task has not (its fields: "
+                         f"{sorted(fields)}): give it in the task's metadata") from None
+    except (IndexError, ValueError) as exc:
+        raise ValueError(f"--teacher-prompt {template!r} is not a format string: {exc}") from None

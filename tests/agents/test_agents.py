@@ -209,3 +209,13 @@ def test_driver_retires_tasks_every_episode_solves(stack, tmp_path):
     assert solver.exhausted and solver.groups_started == 2  # one solved group each, then nothing left to start
     with pytest.raises(ValueError, match="retire_solved_after must be >= 0"):
         RolloutDriver(gw, None, tasks, 2, retire_solved_after=-1)
+
+
+def test_groups_are_registered_with_the_tasks_answer():
+    """The driver registers a task's group with its metadata and its answer (unless the metadata names one): what a
+    user reward function and a privileged distillation teacher's prompt (--teacher-prompt '{answer}') read."""
+    from forge_megatron.agents.driver import group_metadata
+
+    assert group_metadata(Task(task_id="a", prompt="2+2", answer="4", metadata={"k": 1})) == {"k": 1, "answer": "4"}
+    assert group_metadata(Task(task_id="b", prompt="x", answer="4", metadata={"answer": "given"})) == {"answer": "given"}
+    assert group_metadata(Task(task_id="c", prompt="x")) == {}

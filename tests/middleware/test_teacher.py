@@ -180,6 +180,50 @@ def test_the_driver_sends_the_end_again_until_the_teacher_answers(models, teache
         engine.stop()
 
 
+def test_a_privileged_teacher_reads_its_own_system_message_first(models, teacher_engine):
+    """--teacher-prompt: each group's teacher reads a system message of its own (the template filled in with the
+    task's metadata), then the segment: the recorded logprobs are transformers' teacher's on prefix + tokens at the
+    sampled tokens' shifted positions (the student's own tokens are unchanged). A group whose task lacks a field the
+    template names is refused when it is created; the BOS both start with is read once."""
+    from forge_megatron.middleware.teacher import TeacherScorer
+
+    student, teacher = models
+    engine = start_engine(student, in_process=True)
+    gw = start_gateway(student, [engine.url], in_process=True,
+                       config={"teacher_urls": (teacher_engine.url,), "teacher_prompt": "The answer is {answer}."})
+    try:
+        status, g = http(gw.url + "/forge/groups", {"task_id": "t", "size": 1, "metadata": {"answer": "42"}})
+        assert status == 200, g
+        status, s = http(gw.url + "/forge/sessions", {"group_id": g["group_id"]})
+        client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          extra_body={"ignore_eos": True})
+        assert end(gw, s)[0] == 200
+        (seg,) = episode(gw, s).segments
+        prefix = gw.gateway.teacher_prefix("t", "default", {"answer": "42"})
+        assert "The answer is 42." in gw.gateway.renderer.tok.decode(prefix)
+        want = _logprobs(teacher, prefix + seg.tokens)
+        for t, m in enumerate(seg.loss_mask):
+            assert seg.teacher_logprobs[t] == (pytest.approx(want[len(prefix) + t - 1], abs=2e-5) if m else 0.0)
+        plain = _logprobs(teacher, seg.tokens)  # (the prompt changes what the teacher says)
+        assert max(abs(seg.teacher_logprobs[t] - plain[t - 1]) for t, m in enumerate(seg.loss_mask) if m) > 1e-3
+        status, body = http(gw.url + "/forge/groups", {"task_id": "u", "size": 1, "metadata": {"hint": "x"}})
+        assert status == 400 and "--teacher-prompt needs {answer}" in body["error"]["message"]
+    finally:
+        gw.stop()
+        engine.stop()
+    scorer = TeacherScorer([teacher_engine.url])
+
+    async def scored():
+        try:
+            return await scorer.segment_logprobs([7, 20, 21, 22], [0, 0, 1, 1], prefix=[7, 8, 9], bos=7)
+        finally:
+            await scorer.close()
+
+    got = asyncio.run(scored())
+    want = _logprobs(teacher, [7, 8, 9, 20, 21, 22])
+    assert got[:2] == [0.0, 0.0] and got[2:] == pytest.approx(want[3:], abs=2e-5)
+
+
 def _segment(n: int, seed: int, teacher: bool = True) -> Segment:
     rng = np.random.default_rng(seed)
     mask = [0] * 4 + [1] * (n - 4)

@@ -233,7 +233,8 @@ def test_served_distillation_teacher():
     from forge_megatron.agents.middleware_node import build_parser as node_parser
 
     out = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", RM_CHECKPOINT="/models/rm", TEACHER_CHECKPOINT="/models/big",
-                   TEACHER_SERVED=1, TEACHER_TP=4, DISTILL_OUTCOME_COEF=0)
+                   TEACHER_SERVED=1, TEACHER_TP=4, DISTILL_OUTCOME_COEF=0,
+                   TEACHER_PROMPT="A correct final answer is {answer}.")
     assert out.returncode == 0, out.stderr
     cmds = _commands(out.stdout)
     (teacher,) = [c for c in cmds if "sglang.launch_server" in c and "/models/big" in c]
@@ -242,6 +243,7 @@ def test_served_distillation_teacher():
     node = node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:])
     middle = teacher[teacher.index("-w") + 1]
     assert node.teacher_urls == f"http://{middle}:30300"
+    assert node.teacher_prompt == "A correct final answer is {answer}."
     (trainer,) = [c for c in cmds if "torchrun" in c]
     args = _trainer_args(trainer)
     assert args.teacher_from_gateway and args.teacher_hf_checkpoint is None and args.distill_outcome_coef == 0.0
@@ -255,6 +257,7 @@ def test_served_distillation_teacher():
                          (dict(TEACHER_URLS="http://t:1", TEACHER_OFFLOAD=1), "a served teacher has no weights"),
                          (dict(TEACHER_CHECKPOINT="/m", TEACHER_SERVED=1, TEACHER_TP=9), "do not fit the middleware"),
                          (dict(DISTILL_COEF=2), "need TEACHER_CHECKPOINT or TEACHER_URLS"),
+                         (dict(TEACHER_CHECKPOINT="/m", TEACHER_PROMPT="x"), "TEACHER_PROMPT needs a served teacher"),
                          (dict(TEACHER_URLS="http://t:1", DROP_ZERO_ADVANTAGE_GROUPS=1), "still carry the teacher's")):
         bad = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", **env)
         assert bad.returncode != 0 and message in bad.stderr, (env, bad.stderr)
