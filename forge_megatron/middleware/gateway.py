@@ -635,6 +635,8 @@ class Gateway:
     # --- sessions ---------------------------------------------------------------------------------------------
     def add_group(self, group_id: str, info: dict) -> None:
         self.groups[group_id] = info
+        while len(self.groups) > MAX_GROUPS:
+            self.groups.popitem(last=False)
 
     def teacher_prefix(self, task_id: str, domain: str, metadata: dict) -> list[int] | None:
         """The token ids of a group's privileged teacher system message (``teacher_prompt`` filled in with its task's
@@ -646,8 +648,6 @@ class Gateway:
         text = teacher_prompt(self.config.teacher_prompt, task_id, domain, metadata)
         return self.renderer.encode(self.renderer.render([{"role": "system", "content": text}], None,
                                                          add_generation_prompt=False))
-        while len(self.groups) > MAX_GROUPS:
-            self.groups.popitem(last=False)
 
     def session_ids(self) -> dict:
         """A new session's id and API key; a worker's (``worker_tag``) start with its tag: ``<tag>-<hex>`` and
@@ -1729,6 +1729,17 @@ async def list_models(request: web.Request, gw: Gateway) -> web.Response:
         {"id": gw.model_name, "object": "model", "created": 0, "owned_by": "forge"}]})
 
 
+def _group_info(gw: Gateway, task_id: str, size: int, domain: str, metadata) -> dict:
+    """What the gateway keeps of a group; with ``--teacher-prompt`` the teacher's system message rendered for its
+    task (a 400 naming a field the template needs that the task lacks)."""
+    try:
+        prefix = gw.teacher_prefix(task_id, domain, metadata if isinstance(metadata, dict) else {})
+    except ValueError as exc:
+        raise _bad("metadata", str(exc)) from exc
+    return {"task_id": task_id, "size": size, "domain": domain, "sessions": 0,
+            **({"teacher_prefix": prefix} if prefix is not None else {})}
+
+
 @_admin
 async def create_group(request: web.Request, gw: Gateway) -> web.Response:
     body = await _body(request)
@@ -1740,16 +1751,12 @@ async def create_group(request: web.Request, gw: Gateway) -> web.Response:
     if not isinstance(domain, str):
         raise _bad("domain", "domain must be a string")
     metadata = body.get("metadata") or {}
-    try:
-        prefix = gw.teacher_prefix(task_id, domain, metadata if isinstance(metadata, dict) else {})
-    except ValueError as exc:  # the teacher prompt names a field this task lacks
-        raise _bad("metadata", str(exc)) from exc
+    info = _group_info(gw, task_id, size, domain, metadata)  # (before the sink: a task the teacher cannot read)
     try:
         group_id = await gw.to_sink("register_group", task_id, size, domain, metadata)
     except SchemaError as exc:
         raise ApiError(400, str(exc), param="group") from exc
-    gw.add_group(group_id, {"task_id": task_id, "size": size, "domain": domain, "sessions": 0,
-                            **({"teacher_prefix": prefix} if prefix is not None else {})})
+    gw.add_group(group_id, info)
     return web.json_response({"group_id": group_id})
 
 
@@ -1765,13 +1772,8 @@ async def adopt_group(request: web.Request, gw: Gateway) -> web.Response:
             isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise _bad("group", "adopting a group needs group_id, task_id and size")
     if group_id not in gw.groups:
-        domain, metadata = str(body.get("domain", "default")), body.get("metadata") or {}
-        try:
-            prefix = gw.teacher_prefix(task_id, domain, metadata if isinstance(metadata, dict) else {})
-        except ValueError as exc:
-            raise _bad("metadata", str(exc)) from exc
-        gw.add_group(group_id, {"task_id": task_id, "size": size, "domain": domain, "sessions": 0,
-                                **({"teacher_prefix": prefix} if prefix is not None else {})})
+        gw.add_group(group_id, _group_info(gw, task_id, size, str(body.get("domain", "default")),
+                                           body.get("metadata") or {}))
     return web.json_response({"group_id": group_id})
 
 
