@@ -761,20 +761,14 @@ def validate_args(args: argparse.Namespace) -> None:
     if teacher is not None and getattr(args, "teacher_from_gateway", False):
         raise ValueError("--teacher-hf-checkpoint and --teacher-from-gateway: one teacher (in the trainer, or served "
                          "and recorded by the gateway)")
-    if getattr(args, "teacher_from_gateway", False):
+    if distills(args):
+        flag = "--teacher-hf-checkpoint" if teacher is not None else "--teacher-from-gateway"
         if sft_data is not None or preference is not None:
-            raise ValueError("--teacher-from-gateway distils on the policy's own rollouts (RL): not with --sft-data "
-                             "or --preference-data")
-        if getattr(args, "teacher_offload", False):
+            raise ValueError(f"{flag} distils on the policy's own rollouts (RL): not with --sft-data or "
+                             "--preference-data")
+        if teacher is None and getattr(args, "teacher_offload", False):
             raise ValueError("--teacher-offload: with --teacher-from-gateway the teacher is served elsewhere (no "
                              "weights here to offload)")
-        if not args.distill_coef > 0 or not args.distill_outcome_coef >= 0:
-            raise ValueError(f"--distill-coef must be > 0 and --distill-outcome-coef >= 0, got {args.distill_coef} "
-                             f"and {args.distill_outcome_coef}")
-    elif teacher is not None:
-        if sft_data is not None or preference is not None:
-            raise ValueError("--teacher-hf-checkpoint distils on the policy's own rollouts (RL): not with --sft-data "
-                             "or --preference-data")
         if not args.distill_coef > 0 or not args.distill_outcome_coef >= 0:
             raise ValueError(f"--distill-coef must be > 0 and --distill-outcome-coef >= 0, got {args.distill_coef} "
                              f"and {args.distill_outcome_coef}")
