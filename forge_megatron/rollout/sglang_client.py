@@ -197,11 +197,15 @@ class SGLangClient:
         each input token from ``logprob_start_len + 1`` on, under softmax(logits / temperature) (SGLang tempers input
         logprobs as it does output ones). SGLang answers ``meta_info["input_token_logprobs"]``, one [logprob,
         token_id, text] per position from ``logprob_start_len``, the first logprob None; an answer of another length,
-        other token ids, or a missing or non-finite logprob raises EngineRequestError naming the engine."""
+        other token ids, or a missing or non-finite logprob raises EngineRequestError naming the engine, an aborted
+        one (the engine paused for a weight update: teacher URLs may be the policy's own engines) EngineError."""
         body = {"input_ids": input_ids, "return_logprob": True, "logprob_start_len": logprob_start_len,
                 "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
         answer = await self._call("POST", "/generate", body, timeout_s=timeout_s)
-        entries = (answer.get("meta_info") or {}).get("input_token_logprobs") if isinstance(answer, dict) else None
+        meta = (answer.get("meta_info") or {}) if isinstance(answer, dict) else {}
+        if (meta.get("finish_reason") or {}).get("type") == "abort":  # a weight sync paused the engine: try again
+            raise EngineError(f"{self.url}/generate: the scoring was aborted ({meta['finish_reason'].get('message')})")
+        entries = meta.get("input_token_logprobs")
         want = input_ids[logprob_start_len:]
         if not isinstance(entries, list) or len(entries) != len(want):
             raise EngineRequestError(f"{self.url}/generate: input_token_logprobs should have {len(want)} entries "

@@ -224,6 +224,49 @@ def test_a_privileged_teacher_reads_its_own_system_message_first(models, teacher
     assert got[:2] == [0.0, 0.0] and got[2:] == pytest.approx(want[3:], abs=2e-5)
 
 
+def test_an_aborted_scoring_is_tried_again_not_refused(teacher_engine):
+    """An engine that aborts the prefill (SGLang answers a request cut by pause_generation with finish_reason
+    abort and no logprobs: teacher URLs may be the policy's own engines, paused by a weight sync) is an unavailable
+    engine, not a refusal: the scorer goes on to the next URL, and with none left the episode's end is retried
+    later (TeacherUnavailable), never sent as failed. (SGLang cannot run here: a server answering as it does.)"""
+    from aiohttp import web
+
+    from forge_megatron.middleware.teacher import TeacherScorer, TeacherUnavailable
+    from forge_megatron.rollout.launch import ThreadServer
+
+    async def aborted(request):
+        body = await request.json()
+        return web.json_response({"text": "", "output_ids": [], "meta_info": {
+            "id": "x", "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+            "prompt_tokens": len(body["input_ids"]), "completion_tokens": 0}})
+
+    async def serve(ready):
+        app = web.Application()
+        app.router.add_post("/generate", aborted)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        ready(site._server.sockets[0].getsockname()[1])
+        await asyncio.Event().wait()
+
+    server = ThreadServer(serve, host="127.0.0.1")
+    try:
+        async def run(urls):
+            scorer = TeacherScorer(urls)
+            try:
+                return await scorer.segment_logprobs([20, 21, 22, 23], [0, 0, 1, 1])
+            finally:
+                await scorer.close()
+
+        got = asyncio.run(run([server.url, teacher_engine.url]))  # the aborting one first, then a live teacher
+        assert got[:2] == [0.0, 0.0] and all(x < 0 for x in got[2:])
+        with pytest.raises(TeacherUnavailable, match="the scoring was aborted"):
+            asyncio.run(run([server.url]))
+    finally:
+        server.stop()
+
+
 def _segment(n: int, seed: int, teacher: bool = True) -> Segment:
     rng = np.random.default_rng(seed)
     mask = [0] * 4 + [1] * (n - 4)
