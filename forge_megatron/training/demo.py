@@ -343,10 +343,13 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
     adapter = args.lora_rank and args.lora_sync == "adapter"
     engine = procs.server("forge-engine", "forge_megatron.rollout.engine_server",
                           ["--model-path", served, *replay, *(["--enable-lora"] if adapter else [])])
-    teacher_flags = []  # --distill served: the gateway scores each ended episode with the teacher's engine
-    if args.distill == "served":
+    teacher_flags, distill_flags = [], []  # the gateway's and the trainer's with --distill
+    if args.distill == "served":  # the gateway scores each ended episode with the teacher's engine
         teacher_flags = ["--teacher-urls", procs.server("teacher engine", "forge_megatron.rollout.engine_server",
                                                         ["--model-path", args.teacher_dir])]
+        distill_flags = ["--teacher-from-gateway", "--distill-outcome-coef", "0"]
+    elif args.distill:  # the trainer runs the teacher
+        distill_flags = ["--teacher-hf-checkpoint", args.teacher_dir, "--distill-outcome-coef", "0"]
     pool_addr = f"tcp://127.0.0.1:{free_port()}"
     gateway = procs.server("gateway+pool", "forge_megatron.agents.middleware_node",
                            ["--model-path", sft_dir, "--engines", engine, "--pool-bind", pool_addr,
@@ -364,7 +367,9 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         held_out_eval(gateway, agent, heldout, evals_path)
         eval_flags = ["--eval-tasks", heldout, "--eval-every-versions", str(args.eval_every), "--no-eval-at-start",
                       "--eval-output", evals_path]
-    print(f"[demo] 4/5 {'on-policy distillation' if args.distill else 'RL'}: {args.steps} steps x {args.groups_per_step} tasks x {args.group_size} episodes", flush=True)
+    what = "on-policy distillation" if args.distill else "RL"
+    print(f"[demo] 4/5 {what}: {args.steps} steps x {args.groups_per_step} tasks x {args.group_size} episodes",
+          flush=True)
     procs.start("rollout driver", [sys.executable, "-m", "forge_megatron.agents.driver", "--gateway-url", gateway,
                                    "--tasks", tasks_path, "--group-size", str(args.group_size),
                                    "--max-inflight-groups", str(args.groups_per_step), "--agent-url", agent + "/",
@@ -384,8 +389,7 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
         *(["--weight-sync-fp8", served] if args.fp8 else []),
         *(["--lora-rank", str(args.lora_rank)] if args.lora_rank else []),
         *(["--weight-sync-lora", "adapter"] if adapter else []),
-        *((["--teacher-hf-checkpoint", args.teacher_dir] if args.distill == "trainer" else ["--teacher-from-gateway"])
-          + ["--distill-outcome-coef", "0"] if args.distill else []),
+        *distill_flags,
         *shlex.split(args.train_args)],
         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
              "LOCAL_RANK": "0"})

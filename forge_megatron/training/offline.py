@@ -194,8 +194,9 @@ def tree_dpo_loss(logp_M: torch.Tensor, extras: dict, beta: float, kind: str = "
                                                                                                    dict]:
     """The summed DPO / IPO / SimPO loss of the pairs of one trainer micro-batch (not yet divided by the batch's pair
     count) and their metrics. ``extras``: the micro-batch's ``loss_mask_M``, ``ref_logp_M`` (the reference's
-    forward-only pass; not for SimPO), ``advantages_M`` (+1 on a chosen side, -1 on a rejected one), ``cu_seqlens_S1`` and ``group_S`` (a pair's
-    two samples share their group). A pair split over micro-batches is an error."""
+    forward-only pass; not for SimPO), ``advantages_M`` (+1 on a chosen side, -1 on a rejected one),
+    ``cu_seqlens_S1`` and ``group_S`` (a pair's two samples share their group). A pair split over micro-batches is
+    an error."""
     cu = extras["cu_seqlens_S1"].to(logp_M.device)
     S = cu.numel() - 1
     sample_M = torch.repeat_interleave(torch.arange(S, device=logp_M.device), cu[1:] - cu[:-1])
