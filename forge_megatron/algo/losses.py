@@ -29,6 +29,19 @@ the negative of the sampled per-token estimate of the reverse KL(pi_old || pi_te
 lowers the reverse KL to the teacher on the student's own samples (per token, no reward-to-go: on-policy distillation
 as Agarwal et al. 2024 (GKD) and Thinking Machines 2025 run it). ``outcome_coef = 0`` trains on the teacher alone.
 
+With ``distill_kl = "forward"`` or ``"reverse"`` the teacher's guidance is a dense loss instead: at every trained
+position, the KL between the student's and the teacher's next-token distributions, both coarse-grained to the
+teacher's top K tokens plus one bucket for the rest of the vocabulary (``teacher_topk_logp_XK`` and the student's
+``topk_logp_XK`` of the same tokens; tail ``log(1 - sum_k p_k)``):
+
+    forward  kl_it = sum_k pt_k (log pt_k - log ps_k) + pt_tail (log pt_tail - log ps_tail)      KL(teacher || student)
+    reverse  kl_it = sum_k ps_k (log ps_k - log pt_k) + ps_tail (log ps_tail - log pt_tail)      KL(student || teacher)
+    L = L_pg(outcome_coef * A) + distill_coef * reduce(kl)
+
+differentiated through the student's distribution (GKD's objective on the student's own samples). Merging
+outcomes never raises a KL (data processing inequality), so this is a lower bound of the full-vocabulary KL that
+tightens as K grows and equals it once the top K hold all of the mass; each tail's probability is floored at 1e-12.
+
 Reduction with sample weights ``w_i`` (an episode split into n segments has ``w = 1/n`` per segment) and loss
 mask ``m``:
 
@@ -56,6 +69,7 @@ __all__ = ["LossConfig", "policy_loss", "sample_index"]
 LOSS_TYPES = ("cispo", "ppo", "gspo")
 NORMS = ("token_mean", "seq_mean", "constant")
 KL_TYPES = ("k1", "k3")
+DISTILL_KL = ("sampled", "forward", "reverse")
 
 # Recommended clip ranges per loss (eps_low, eps_high): CISPO caps only large ratios (MiniMax-M1 / DAPO clip-higher),
 # PPO uses the classic symmetric 0.2, GSPO's sequence ratios are length-normalised so its range is tiny (GSPO paper).
@@ -97,6 +111,9 @@ class LossConfig:
     """Weight of the on-policy distillation advantage ``teacher_logp - old_logp`` (needs ``teacher_logp_M``)."""
     outcome_coef: float = 1.0
     """Weight of the given (outcome) advantages; 0 with ``distill_coef > 0`` distils from the teacher alone."""
+    distill_kl: str = "sampled"
+    """"sampled": the teacher's logprob of the sampled token in the advantage; "forward" / "reverse": a dense KL
+    over the teacher's top-k tokens (needs ``teacher_topk_logp_XK``, ``topk_logp_XK``, ``distill_index_X``)."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -125,6 +142,8 @@ class LossConfig:
         if not self.distill_coef >= 0 or not self.outcome_coef >= 0:
             raise ValueError(f"distill_coef and outcome_coef must be >= 0, got distill_coef={self.distill_coef}, "
                              f"outcome_coef={self.outcome_coef}")
+        if self.distill_kl not in DISTILL_KL:
+            raise ValueError(f"distill_kl must be one of {DISTILL_KL}, got {self.distill_kl!r}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
         if self.mismatch_band is not None:
@@ -260,6 +279,26 @@ def _kl(logp_M: torch.Tensor, ref_logp_M: torch.Tensor, kl_type: str) -> torch.T
     return torch.exp(delta_M) - delta_M - 1.0
 
 
+TAIL_FLOOR = 1e-12
+"""Smallest probability a top-k KL gives the tail bucket (a teacher sure of its top k has a tail of 0)."""
+
+
+def topk_kl(student_XK: torch.Tensor, teacher_XK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(forward KL(teacher || student), reverse KL(student || teacher)) per row [X] of the distributions over
+    the teacher's top K tokens plus a tail bucket (module docstring), from both models' logprobs of those K tokens;
+    differentiable in ``student_XK``. Computed in fp64 (the tails are one minus a sum of probabilities)."""
+    s_XK, t_XK = student_XK.double(), teacher_XK.detach().double()
+    edge = torch.log1p(torch.tensor(-TAIL_FLOOR, dtype=torch.float64, device=s_XK.device))
+
+    def tail(lp_XK):  # log(1 - sum_k p_k), the tail's probability floored
+        return torch.log(-torch.expm1(torch.logsumexp(lp_XK, dim=-1).clamp(max=edge)))
+
+    s_tail_X, t_tail_X = tail(s_XK), tail(t_XK)
+    forward_X = (t_XK.exp() * (t_XK - s_XK)).sum(-1) + t_tail_X.exp() * (t_tail_X - s_tail_X)
+    reverse_X = (s_XK.exp() * (s_XK - t_XK)).sum(-1) + s_tail_X.exp() * (s_tail_X - t_tail_X)
+    return forward_X.float(), reverse_X.float()
+
+
 def _domain_stats(
     per_token: dict[str, torch.Tensor], mask_M: torch.Tensor, domain_M: torch.Tensor, domain_names: list[str]
 ) -> dict[str, torch.Tensor]:
@@ -305,7 +344,7 @@ def _check_required(cfg: LossConfig, named_M: dict[str, torch.Tensor]) -> None:
         raise ValueError("kl_coef > 0 but ref_logp_M was not given")
     if cfg.entropy_coef > 0 and "entropy_M" not in named_M:
         raise ValueError("entropy_coef > 0 but entropy_M was not given")
-    if cfg.distill_coef > 0 and "teacher_logp_M" not in named_M:
+    if cfg.distill_coef > 0 and cfg.distill_kl == "sampled" and "teacher_logp_M" not in named_M:
         raise ValueError("distill_coef > 0 but teacher_logp_M was not given")
 
 
@@ -322,6 +361,31 @@ def _make_batch(
         sample_weight_S=sample_weight_S.detach().to(device=device, dtype=torch.float32),
         cfg=cfg,
     )
+
+
+def _dense_distill(teacher_XK, student_XK, index_X, batch: _Batch, cfg: LossConfig) -> dict[str, torch.Tensor]:
+    """The top-k KLs per position [M] (0 where not trained) and the teacher's top-k mass."""
+    if teacher_XK is None or student_XK is None or index_X is None:
+        raise ValueError(f"distill_kl={cfg.distill_kl!r} needs teacher_topk_logp_XK, topk_logp_XK and "
+                         "distill_index_X")
+    if teacher_XK.dim() != 2 or student_XK.shape != teacher_XK.shape or index_X.shape != teacher_XK.shape[:1]:
+        raise ValueError(f"teacher_topk_logp_XK {tuple(teacher_XK.shape)}, topk_logp_XK {tuple(student_XK.shape)} "
+                         f"and distill_index_X {tuple(index_X.shape)} must be [X, K], [X, K] and [X]")
+    M = batch.mask_M.numel()
+    index_X = index_X.to(batch.mask_M.device).long()
+    if index_X.numel() and (int(index_X.min()) < 0 or int(index_X.max()) >= M):
+        raise ValueError(f"distill_index_X must index the {M} positions")
+    if bool((batch.mask_M[index_X] == 0).any()) or index_X.numel() != int(batch.mask_M.sum()):
+        raise ValueError("distill_index_X must list exactly the trained positions (loss_mask_M == 1)")
+    _check_finite({"teacher_topk_logp_XK": teacher_XK, "topk_logp_XK": student_XK})
+    forward_X, reverse_X = topk_kl(student_XK, teacher_XK)
+    mass_X = teacher_XK.detach().float().exp().sum(-1)
+
+    def on_positions(x_X):
+        return torch.zeros(M, dtype=x_X.dtype, device=x_X.device).index_put((index_X,), x_X)
+
+    return {"distill_forward_kl": on_positions(forward_X), "distill_reverse_kl": on_positions(reverse_X),
+            "distill_topk_mass": on_positions(mass_X)}
 
 
 def _clip_stats(ratio_M: torch.Tensor, adv_M: torch.Tensor, batch: _Batch) -> dict[str, torch.Tensor]:
@@ -378,6 +442,9 @@ def policy_loss(
     domain_ids_S: torch.Tensor | None = None,
     domain_names: list[str] | None = None,
     on_policy_M: torch.Tensor | None = None,
+    teacher_topk_logp_XK: torch.Tensor | None = None,
+    topk_logp_XK: torch.Tensor | None = None,
+    distill_index_X: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss (to minimise) and float metrics. See the module docstring for the formulas.
 
@@ -389,6 +456,11 @@ def policy_loss(
     metrics gain ``distill_reverse_kl`` (the mean of ``old_logp - teacher_logp`` over trained tokens) and
     ``distill_teacher_logp``.
     ``entropy_M`` keeps its gradient (the entropy bonus trains through it). Everything is computed in fp32.
+
+    ``distill_kl = "forward" | "reverse"``: ``teacher_topk_logp_XK`` (the teacher's logprobs of its top K tokens at
+    the targets ``distill_index_X``, the trained ones) and ``topk_logp_XK`` (the student's of the same tokens,
+    differentiable) give the dense KL term; the metrics gain ``distill_forward_kl``, ``distill_reverse_kl`` (both
+    top-k KLs, whichever trains) and ``distill_topk_mass`` (the teacher's probability in its top K).
     """
     named_M = {"logp_M": logp_M, "old_logp_M": old_logp_M, "advantages_M": advantages_M, "loss_mask_M": loss_mask_M}
     for name, t in (("rollout_logp_M", rollout_logp_M), ("ref_logp_M", ref_logp_M), ("entropy_M", entropy_M),
@@ -400,11 +472,18 @@ def policy_loss(
     batch = _make_batch(loss_mask_M, cu_seqlens_S1, sample_weight_S, cfg)
     logp_M, old_logp_M, adv_M = logp_M.float(), old_logp_M.detach().float(), advantages_M.detach().float()
     distill = {}
+    dense = cfg.distill_kl != "sampled"
+    if dense:
+        kl_M = _dense_distill(teacher_topk_logp_XK, topk_logp_XK, distill_index_X, batch, cfg)
+        distill.update(kl_M)
+        adv_M = cfg.outcome_coef * adv_M
     if teacher_logp_M is not None:
         teacher_M = teacher_logp_M.detach().float()
-        reverse_kl_M = old_logp_M - teacher_M  # log pi_old / pi_teacher at the sampled token
-        adv_M = cfg.outcome_coef * adv_M - cfg.distill_coef * reverse_kl_M * batch.mask_M
-        distill = {"distill_reverse_kl": reverse_kl_M, "distill_teacher_logp": teacher_M}
+        distill["distill_teacher_logp"] = teacher_M
+        if not dense:
+            reverse_kl_M = old_logp_M - teacher_M  # log pi_old / pi_teacher at the sampled token
+            adv_M = cfg.outcome_coef * adv_M - cfg.distill_coef * reverse_kl_M * batch.mask_M
+            distill["distill_reverse_kl"] = reverse_kl_M
 
     ratio_M = _ratio(logp_M, old_logp_M, batch)
     pg_M = _token_loss(logp_M, ratio_M, adv_M, cfg)
@@ -423,7 +502,11 @@ def policy_loss(
     loss = stats["pg_loss"] = batch.reduce(pg_M)
     per_token = {"pg_loss": pg_M.detach(), "advantage": adv_M, "ratio": ratio_M.detach()}
     for key, x_M in distill.items():
-        stats[key], per_token[key] = batch.masked_mean(x_M), x_M
+        stats[key], per_token[key] = batch.masked_mean(x_M.detach()), x_M.detach()
+    if dense:
+        trained = distill[f"distill_{cfg.distill_kl}_kl"]
+        stats["distill_loss"] = batch.reduce(trained)
+        loss = loss + cfg.distill_coef * stats["distill_loss"]
     if ref_logp_M is not None:
         kl_M = _kl(logp_M, ref_logp_M.detach().float(), cfg.kl_type)
         stats["kl"], per_token["kl"] = batch.reduce(kl_M), kl_M.detach()

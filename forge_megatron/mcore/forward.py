@@ -64,7 +64,8 @@ def tree_model_inputs(layout, backend: str | None = None, device=None, multiple:
 def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = False,
                          inplace_backward: bool = False, output_weight: torch.Tensor | None = None,
                          head_dtype: torch.dtype | None = None, multiple: int | None = None,
-                         temperature: float = 1.0, softcap: float | None = None):
+                         temperature: float = 1.0, softcap: float | None = None,
+                         extra_targets: tuple[torch.Tensor, torch.Tensor] | None = None):
     """GPTModel's last-stage output [1, T, V] -> (logp_M, entropy_M | None) in next_token_index() order, scored
     under softmax(logits / ``temperature``) (mcore/logprobs.py; 1: the model's own distribution).
 
@@ -77,8 +78,47 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
     Under context parallelism the output holds this CP rank's rows of the padded tree (its zig-zag chunks): it
     scores the targets predicted from its rows, and the partial vectors are summed over the CP group (identity backward),
     so every CP rank returns the same full logp_M and gradients reach only its own rows. ``multiple``: the padding
-    multiple the inputs were built with (:func:`tree_model_inputs`); padding rows are never scored."""
-    from forge_megatron.mcore.context_parallel import cp_world, shard_positions, sum_over_cp
+    multiple the inputs were built with (:func:`tree_model_inputs`); padding rows are never scored.
+
+    ``extra_targets`` (index_X into the targets, ids_XK): also the logprobs of the tokens ``ids_XK`` at the rows that
+    predict targets ``index_X`` (a distillation teacher's top-k, ``--distill-kl forward|reverse``), scored in the same
+    pass over the logits (more targets of the same rows cost a gather) and returned as a third output logp_XK."""
+    pred_nodes_M, targets_M, _ = layout.next_token_index()
+    if extra_targets is None:
+        return _score_targets(logits_1TV, layout, pred_nodes_M, targets_M, with_entropy, inplace_backward,
+                              output_weight, head_dtype, multiple, temperature, softcap)
+    index_X, ids_XK = extra_targets
+    M, (X, K) = targets_M.numel(), ids_XK.shape
+    index_X = index_X.to(pred_nodes_M.device)
+    nodes = torch.cat([pred_nodes_M, pred_nodes_M[index_X].repeat_interleave(K)])
+    targets = torch.cat([targets_M, ids_XK.to(targets_M.device).reshape(-1)])
+    logp, entropy = _score_targets(logits_1TV, layout, nodes, targets, with_entropy, inplace_backward, output_weight,
+                                   head_dtype, multiple, temperature, softcap)
+    return logp[:M], None if entropy is None else entropy[:M], logp[M:].reshape(X, K)
+
+
+def _local_rows(layout, nodes_M: torch.Tensor, rows_here: int, multiple: int | None):
+    """Under context parallelism: the local row of each tree position ``nodes_M`` (-1 where another CP rank holds
+    it); ``rows_here`` checks the output's row count. (None, None) without CP."""
+    from forge_megatron.mcore.context_parallel import cp_world, shard_positions
+
+    cp, rank, _ = cp_world()
+    if cp == 1:
+        return None, None
+    T = layout.tokens.numel()
+    positions = shard_positions(T, cp, rank, multiple)
+    if rows_here != positions.numel():
+        raise ValueError(f"CP rank {rank} expects outputs for its {positions.numel()} tokens, got {rows_here} rows")
+    device = nodes_M.device
+    row_of = torch.full((positions.numel() * cp,), -1, dtype=torch.long, device=device)  # the padded tree
+    row_of[positions.to(device)] = torch.arange(positions.numel(), device=device)  # position -> local row (-1: not here)
+    rows_M = row_of[nodes_M]
+    return rows_M, rows_M >= 0
+
+
+def _score_targets(logits_1TV, layout, pred_nodes_M, targets_M, with_entropy, inplace_backward, output_weight,
+                   head_dtype, multiple, temperature, softcap):
+    from forge_megatron.mcore.context_parallel import sum_over_cp
 
     def score(out_TX, rows_M, targets_M):
         if output_weight is not None:
@@ -88,32 +128,52 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
         return vocab_parallel_logprobs(out_TX, rows_M, targets_M, with_entropy, inplace_backward=inplace_backward,
                                        temperature=temperature)
 
-    pred_nodes_M, targets_M, _ = layout.next_token_index()
-    cp, rank, _ = cp_world()
     if softcap is not None and output_weight is None:
         raise ValueError("softcap is for the fused output layer (output_weight): Megatron's own output layer caps "
                          "the logits it makes (model.cap_logits)")
     if head_dtype is not None and output_weight is None:
         raise ValueError("an LM head dtype needs the fused output layer (output_weight): Megatron's own output layer "
                          "computes in the weight's dtype")
-    if cp == 1:
+    rows_M, local_M = _local_rows(layout, pred_nodes_M, logits_1TV.shape[1], multiple)
+    if rows_M is None:
         return score(logits_1TV[0], pred_nodes_M, targets_M)
-    T = layout.tokens.numel()
-    positions = shard_positions(T, cp, rank, multiple)
-    if logits_1TV.shape[1] != positions.numel():
-        raise ValueError(f"CP rank {rank} expects logits for its {positions.numel()} tokens, got "
-                         f"{tuple(logits_1TV.shape)}")
-    device = pred_nodes_M.device
-    row_of = torch.full((positions.numel() * cp,), -1, dtype=torch.long, device=device)  # the padded tree
-    row_of[positions.to(device)] = torch.arange(positions.numel(), device=device)  # position -> local row (-1: not here)
-    rows_M = row_of[pred_nodes_M]
-    local_M = rows_M >= 0
     logp_m, entropy_m = score(logits_1TV[0], rows_M[local_M], targets_M[local_M])
     local_M = local_M.to(logp_m.device)
     logp_M = sum_over_cp(logp_m.new_zeros(local_M.shape).masked_scatter(local_M, logp_m))
     entropy_M = (sum_over_cp(entropy_m.new_zeros(local_M.shape).masked_scatter(local_M, entropy_m))
                  if with_entropy else None)
     return logp_M, entropy_M
+
+
+def topk_from_output(output_1TX: torch.Tensor, layout, index_X: torch.Tensor, k: int,
+                     output_weight: torch.Tensor | None = None, head_dtype: torch.dtype | None = None,
+                     multiple: int | None = None, temperature: float = 1.0, softcap: float | None = None,
+                     vocab_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen model's ``k`` most likely next tokens at the rows predicting targets ``index_X`` (of
+    ``layout.next_token_index()``) and their log-probabilities: (ids_XK, logp_XK), forward only
+    (``mcore.logprobs.vocab_parallel_topk``). The output is the logits, or the output layer's input with
+    ``output_weight`` (fused), as in :func:`logprobs_from_logits`, which also defines ``multiple``, ``temperature``
+    and ``softcap``; ``vocab_limit``: only ids below it are candidates. Under context parallelism each CP rank
+    answers the rows it holds and the answers are summed over the CP group (every row lives on one rank)."""
+    from forge_megatron.mcore.context_parallel import sum_over_cp
+    from forge_megatron.mcore.logprobs import vocab_parallel_topk
+
+    pred_nodes_M, _, _ = layout.next_token_index()
+    nodes_X = pred_nodes_M[index_X.to(pred_nodes_M.device)]
+    src = ({"hidden_TH": output_1TX[0], "weight_VH": output_weight, "compute_dtype": head_dtype}
+           if output_weight is not None else {"logits_TV": output_1TX[0]})
+    if output_weight is None and (softcap is not None or head_dtype is not None):
+        raise ValueError("softcap and an LM head dtype are for the fused output layer (output_weight)")
+    opts = {"temperature": temperature, "softcap": softcap, "vocab_limit": vocab_limit}
+    rows_X, local_X = _local_rows(layout, nodes_X, output_1TX.shape[1], multiple)
+    if rows_X is None:
+        return vocab_parallel_topk(nodes_X, k, **src, **opts)
+    ids_xk, logp_xk = vocab_parallel_topk(rows_X[local_X], k, **src, **opts)
+    local_X = local_X.to(ids_xk.device)
+    ids_XK = ids_xk.new_zeros((local_X.numel(), k))
+    logp_XK = logp_xk.new_zeros((local_X.numel(), k))
+    ids_XK[local_X], logp_XK[local_X] = ids_xk, logp_xk
+    return sum_over_cp(ids_XK), sum_over_cp(logp_XK)
 
 
 def _gpt_output_layer(model):
@@ -276,7 +336,7 @@ def _stage_forward(model, micro_batch: TreeMicroBatch, backend: str | None = Non
 
 def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend: str | None = None,
                            fused_output: bool = True, head_dtype: torch.dtype | None = None,
-                           temperature: float = 1.0):
+                           temperature: float = 1.0, topk_key: str | None = None):
     """A ``forward_step_func(data_iterator, model)`` for ``megatron.core.pipeline_parallel.get_forward_backward_func``.
 
     The iterator yields :class:`TreeMicroBatch`. On the last pipeline stage the returned loss function maps
@@ -287,6 +347,10 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
     scored chunk by chunk and dL/dlogits is written over them. ``head_dtype`` (fused only): the dtype of the
     output layer's matmul (``torch.float32``: an fp32 LM head); default the weight's. ``temperature``: tokens are
     scored under softmax(logits / temperature), the rollout temperature (``--rollout-temperature``).
+
+    ``topk_key``: the micro-batches' extras hold a teacher's top-k token ids under this key ([X, K], at the targets
+    ``extras["distill_index_X"]``): the student's logprobs of those tokens are scored in the same pass and given to
+    ``loss_fn`` as the keyword ``topk_logp_XK`` (``--distill-kl forward|reverse``).
     """
 
     def forward_step(data_iterator, model):
@@ -296,10 +360,43 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
 
         def loss_func(output_1TX):
             # Unfused, the logits are read by nothing after the loss: the backward may write dL/dlogits over them.
-            logp_M, entropy_M = logprobs_from_logits(output_1TX, micro_batch.layout, with_entropy,
-                                                     inplace_backward=True, head_dtype=head_dtype,
-                                                     multiple=multiple, temperature=temperature, **head)
-            return loss_fn(logp_M, entropy_M, micro_batch)
+            extra = None if topk_key is None else (micro_batch.extras["distill_index_X"],
+                                                   micro_batch.extras[topk_key])
+            out = logprobs_from_logits(output_1TX, micro_batch.layout, with_entropy, inplace_backward=True,
+                                       head_dtype=head_dtype, multiple=multiple, temperature=temperature,
+                                       extra_targets=extra, **head)
+            if extra is None:
+                return loss_fn(*out, micro_batch)
+            return loss_fn(out[0], out[1], micro_batch, topk_logp_XK=out[2])
+
+        return output, loss_func
+
+    return forward_step
+
+
+def make_tree_teacher_step(keep, k: int, vocab_limit: int | None = None, backend: str | None = None,
+                           fused_output: bool = True, head_dtype: torch.dtype | None = None,
+                           temperature: float = 1.0):
+    """A forward-only ``forward_step_func`` for a frozen distillation teacher: on the last pipeline stage the loss
+    function calls ``keep(logp_M, index_X, ids_XK, logp_XK, micro_batch) -> (loss, metrics)`` with the teacher's
+    logprobs of the sampled tokens, the trained targets ``index_X`` (``extras["loss_mask_M"]``) and the teacher's
+    ``k`` most likely tokens there with their logprobs (:func:`topk_from_output`; ``vocab_limit``: candidate ids
+    below it). Options as :func:`make_tree_forward_step`'s."""
+
+    def forward_step(data_iterator, model):
+        micro_batch = next(data_iterator)
+        output, captured, multiple = _stage_forward(model, micro_batch, backend, fused_output)
+        head = _captured_head(captured)
+
+        def loss_func(output_1TX):
+            logp_M, _ = logprobs_from_logits(output_1TX, micro_batch.layout, head_dtype=head_dtype,
+                                             multiple=multiple, temperature=temperature, **head)
+            index_X = torch.nonzero(micro_batch.extras["loss_mask_M"]).flatten().to(logp_M.device)
+            ids_XK, logp_XK = topk_from_output(output_1TX, micro_batch.layout, index_X, k,
+                                               output_weight=head.get("output_weight"), head_dtype=head_dtype,
+                                               multiple=multiple, temperature=temperature,
+                                               softcap=head.get("softcap"), vocab_limit=vocab_limit)
+            return keep(logp_M, index_X, ids_XK, logp_XK, micro_batch)
 
         return output, loss_func
 

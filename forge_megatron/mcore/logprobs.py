@@ -400,3 +400,76 @@ def linear_vocab_parallel_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Ten
                                              compute_dtype, float(temperature),
                                              None if softcap is None else float(softcap))
     return out if with_entropy else (out, None)
+
+
+@torch.no_grad()
+def vocab_parallel_topk(rows_U: torch.Tensor, k: int, *, logits_TV: torch.Tensor | None = None,
+                        hidden_TH: torch.Tensor | None = None, weight_VH: torch.Tensor | None = None,
+                        vocab_limit: int | None = None, chunk_rows: int | None = None,
+                        compute_dtype: torch.dtype | None = None, temperature: float = 1.0,
+                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of each row ``rows_U`` and their log-probabilities under the full (vocabulary-
+    parallel) distribution: (ids [U, k] int64, logp [U, k] fp32), most likely first. Forward only (a frozen
+    teacher's top-k for distillation, ``--distill-kl forward|reverse``).
+
+    Either this rank's logits ``logits_TV`` or the output layer's input ``hidden_TH`` and this rank's output weight
+    ``weight_VH`` (fused: logits made chunk by chunk, matmul in ``compute_dtype`` or the weight's dtype), scored as
+    :func:`vocab_parallel_logprobs` scores them (``temperature``, ``softcap``). Every column enters the normaliser;
+    only ids below ``vocab_limit`` (default: the whole vocabulary) are candidates, so that a padded or untrained
+    embedding row of a larger vocabulary never becomes a target. Under TP each rank takes the top-k of its slice;
+    one all-gather of k candidates per rank and row and the all-reduces of the log-sum-exp give every rank the
+    same result."""
+    world, rank, group = _tp()
+    _check_temperature(temperature, softcap)
+    if (logits_TV is None) == (hidden_TH is None) or (hidden_TH is None) != (weight_VH is None):
+        raise ValueError("vocab_parallel_topk takes either logits_TV or hidden_TH with weight_VH")
+    if logits_TV is not None:
+        num_rows, vocab_slice, device = logits_TV.shape[0], logits_TV.shape[-1], logits_TV.device
+    else:
+        if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
+            raise ValueError(f"hidden must be [rows, H] and weight [vocab slice, H], got {tuple(hidden_TH.shape)} "
+                             f"and {tuple(weight_VH.shape)}")
+        num_rows, vocab_slice, device = hidden_TH.shape[0], weight_VH.shape[0], hidden_TH.device
+    vocab = vocab_slice * world
+    limit = vocab if vocab_limit is None else int(vocab_limit)
+    if not 1 <= k <= min(limit, vocab):
+        raise ValueError(f"top-k needs 1 <= k <= {min(limit, vocab)} (the candidate vocabulary), got k={k}")
+    rows_U, _, chunk_rows = _checked(rows_U, torch.zeros_like(rows_U), num_rows, vocab_slice, world, chunk_rows)
+    t = _Targets(rows_U, torch.zeros_like(rows_U), num_rows, vocab_slice, rank, chunk_rows, device)
+    if logits_TV is not None:
+        def read(lo, hi):
+            return t.fresh_fp32(logits_TV, lo, hi)
+    else:
+        read = _output_layer_rows(t, hidden_TH, _head_weight(weight_VH, compute_dtype))
+    read = _Scores(temperature, softcap).forward(read)
+    n_u = t.U.numel()
+    kk = min(k, vocab_slice)  # candidates this rank offers per row
+    cand_val = torch.full((n_u, kk), float("-inf"), dtype=torch.float32, device=device)
+    cand_id = torch.zeros((n_u, kk), dtype=torch.int64, device=device)
+    max_U = torch.empty(n_u, dtype=torch.float32, device=device)
+    sum_exp_U = torch.empty_like(max_U)
+    first = rank * vocab_slice
+    allowed = min(max(limit - first, 0), vocab_slice)  # this slice's columns that may be candidates
+    for lo, hi, _, _ in t.chunks():
+        z_CV = read(lo, hi)
+        if allowed > 0:
+            v, i = z_CV[:, :allowed].topk(min(kk, allowed), dim=-1)
+            cand_val[lo:hi, :v.shape[1]], cand_id[lo:hi, :v.shape[1]] = v, i + first
+        m_C = z_CV.max(dim=-1).values
+        max_U[lo:hi] = m_C
+        sum_exp_U[lo:hi] = z_CV.sub_(m_C[:, None]).exp_().sum(dim=-1)
+        del z_CV
+    if world > 1:
+        local_max_U = max_U.clone()
+        dist.all_reduce(max_U, op=dist.ReduceOp.MAX, group=group)
+        sum_exp_U *= (local_max_U - max_U).exp()
+        dist.all_reduce(sum_exp_U, group=group)
+        vals = [torch.empty_like(cand_val) for _ in range(world)]
+        ids = [torch.empty_like(cand_id) for _ in range(world)]
+        dist.all_gather(vals, cand_val, group=group)
+        dist.all_gather(ids, cand_id, group=group)
+        cand_val, cand_id = torch.cat(vals, dim=1), torch.cat(ids, dim=1)
+    val_UK, pick_UK = cand_val.topk(k, dim=-1)
+    lse_U = max_U + sum_exp_U.log()
+    # rows asked for more than once get their row's answer each time
+    return cand_id.gather(1, pick_UK)[t.pos_M], (val_UK - lse_U[:, None])[t.pos_M]

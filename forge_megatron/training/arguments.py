@@ -348,6 +348,16 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--distill-outcome-coef", type=float, default=1.0,
                    help="with a teacher: weight of the pool's outcome advantages (default 1; 0: learn from the "
                         "teacher alone, no verifier needed)")
+    g.add_argument("--distill-kl", choices=("sampled", "forward", "reverse"), default="sampled",
+                   help="what the teacher teaches: 'sampled' (default) its logprob of each sampled token, in the "
+                        "advantage (the sampled reverse KL); 'forward' / 'reverse' a dense loss, --distill-coef x the "
+                        "KL(teacher || student) / KL(student || teacher) over the teacher's --distill-topk tokens and "
+                        "a bucket for the rest of the vocabulary at every trained position (GKD on the student's own "
+                        "samples; more signal per token; --teacher-hf-checkpoint only)")
+    g.add_argument("--distill-topk", type=int, default=32, metavar="K",
+                   help="with --distill-kl forward|reverse: the teacher's K most likely tokens at each trained position "
+                        "(default 32; the KL over them and the rest bucket never exceeds the full KL and reaches it "
+                        "once they hold all of the teacher's and student's mass)")
     g.add_argument("--teacher-offload", action="store_true",
                    help="keep the teacher's weights in (pinned) host memory, on the device only for its forward pass "
                         "each step (as --ref-offload)")
@@ -772,8 +782,19 @@ def validate_args(args: argparse.Namespace) -> None:
         if not args.distill_coef > 0 or not args.distill_outcome_coef >= 0:
             raise ValueError(f"--distill-coef must be > 0 and --distill-outcome-coef >= 0, got {args.distill_coef} "
                              f"and {args.distill_outcome_coef}")
+        if getattr(args, "distill_kl", "sampled") != "sampled":
+            if teacher is None:
+                raise ValueError(f"--distill-kl {args.distill_kl} needs the teacher's top-k tokens, which only a "
+                                 "teacher in the trainer gives (--teacher-hf-checkpoint): the gateway records the "
+                                 "served teacher's logprobs of the sampled tokens (--distill-kl sampled)")
+            if not args.distill_topk >= 1:
+                raise ValueError(f"--distill-topk must be >= 1, got {args.distill_topk}")
+        elif getattr(args, "distill_topk", 32) != 32:
+            raise ValueError("--distill-topk sets the dense KL's top-k: it needs --distill-kl forward or reverse")
     else:
         given = [f for f, on in (("--teacher-offload", getattr(args, "teacher_offload", False)),
+                                 ("--distill-kl", getattr(args, "distill_kl", "sampled") != "sampled"),
+                                 ("--distill-topk", getattr(args, "distill_topk", 32) != 32),
                                  ("--distill-coef", getattr(args, "distill_coef", 1.0) != 1.0),
                                  ("--distill-outcome-coef", getattr(args, "distill_outcome_coef", 1.0) != 1.0)) if on]
         if given:
@@ -854,6 +875,7 @@ def loss_config(args: argparse.Namespace):
         mismatch_band=tuple(args.rl_mismatch_band) if args.rl_mismatch_band else None,
         distill_coef=args.distill_coef if distills(args) else 0.0,
         outcome_coef=args.distill_outcome_coef if distills(args) else 1.0,
+        distill_kl=getattr(args, "distill_kl", "sampled") if distills(args) else "sampled",
     )
 
 

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "trainer (default): the teacher runs in the trainer (--teacher-hf-checkpoint); served: a "
                         "forge-engine serves it and the gateway scores each episode as it ends (--teacher-urls, "
                         "--teacher-from-gateway)")
+    p.add_argument("--distill-kl", choices=["sampled", "forward", "reverse"], default="sampled",
+                   help="with --distill (trainer): what the teacher teaches, as the trainer's --distill-kl: the "
+                        "sampled token's logprob in the advantage (default), or a dense KL over its top-k tokens")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=None,
@@ -349,7 +352,8 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
                                                         ["--model-path", args.teacher_dir])]
         distill_flags = ["--teacher-from-gateway", "--distill-outcome-coef", "0"]
     elif args.distill:  # the trainer runs the teacher
-        distill_flags = ["--teacher-hf-checkpoint", args.teacher_dir, "--distill-outcome-coef", "0"]
+        distill_flags = ["--teacher-hf-checkpoint", args.teacher_dir, "--distill-outcome-coef", "0",
+                         "--distill-kl", args.distill_kl]
     pool_addr = f"tcp://127.0.0.1:{free_port()}"
     gateway = procs.server("gateway+pool", "forge_megatron.agents.middleware_node",
                            ["--model-path", sft_dir, "--engines", engine, "--pool-bind", pool_addr,
@@ -503,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--train-vision-tower needs a vision-language --arch: one of {', '.join(VISION_ARCHS)}")
     if args.arch in VISION_ARCHS and args.agent_api != "chat":
         raise SystemExit(f"--arch {args.arch} runs the colour agent, which calls chat completions only")
+    if args.distill_kl != "sampled" and args.distill != "trainer":
+        raise SystemExit("--distill-kl forward|reverse needs the teacher in the trainer (--distill, not served)")
     if args.distill and (args.arch in VISION_ARCHS or args.moe):
         raise SystemExit("--distill runs the calculator task with a dense teacher: a text --arch, no --moe")
     if args.arch == "gemma4_e" and (args.num_layers < 4 or args.num_layers % 2):
@@ -531,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     if "distill_reverse_kl" in summary:
         where = (f"served by its own engine, {summary['teacher_scored_tokens']} sampled tokens scored by the gateway"
                  if args.distill == "served" else "in the trainer")
-        print(f"[demo] on-policy distillation (the teacher {where}): reverse KL to the teacher per sampled token "
+        per = ("per sampled token" if args.distill_kl == "sampled" else
+               f"over its top-k tokens (--distill-kl {args.distill_kl})")
+        print(f"[demo] on-policy distillation (the teacher {where}): reverse KL to the teacher {per} "
               f"{summary['first_reverse_kl']:.3f} -> {summary['last_reverse_kl']:.3f} (first vs last "
               f"{summary['window_steps']} steps; the rewards were never trained on)", flush=True)
     if "routing_mismatch" in summary:

@@ -81,6 +81,9 @@ class Teacher:
         cfg = self.bridge.cfg
         if cfg.vocab_size < self.vocab:
             raise ValueError(f"{where}: its vocabulary has {cfg.vocab_size} rows, the tokenizer {self.vocab} tokens")
+        self.topk = args.distill_topk if getattr(args, "distill_kl", "sampled") != "sampled" else None
+        if self.topk is not None and self.topk > self.vocab:
+            raise ValueError(f"--distill-topk {self.topk} is more than the {self.vocab} tokens of the tokenizer")
         try:
             pipeline_chunks(cfg.num_layers, ps.get_pipeline_model_parallel_world_size(),
                             ps.get_virtual_pipeline_model_parallel_world_size(), *_SPLIT)

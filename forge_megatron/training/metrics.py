@@ -51,7 +51,7 @@ def staleness_metrics(samples, policy_version: int) -> dict[str, float]:
     return {"staleness_mean": float(lags.mean()), "staleness_max": float(lags.max())}
 
 
-BATCH_SHARES = ("loss", "pg_loss", "kl", "entropy")
+BATCH_SHARES = ("loss", "pg_loss", "kl", "entropy", "distill_loss")
 """Loss terms that ``algo.policy_loss`` reduces with the whole batch's normaliser in the trainer: each micro-batch
 reports its share, so the rank's value is their sum."""
 

@@ -330,21 +330,24 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
     # back-propagates only into its own token shard; DDP averages over the DP x CP ranks and Megatron's schedule
     # multiplies each micro-batch loss by the CP size, so the shards' gradients add up (tested against one rank).
 
-    def loss_fn(logp_M, entropy_M, mb):
+    def loss_fn(logp_M, entropy_M, mb, topk_logp_XK=None):
         x = {k: v.to(logp_M.device) for k, v in mb.extras.items()}
         old = x.get("old_logp_M", x["rollout_logp_M"])
         loss, metrics = policy_loss(
             logp_M, old, x["advantages_M"], x["loss_mask_M"], x["cu_seqlens_S1"], cfg,
             rollout_logp_M=x["rollout_logp_M"], entropy_M=entropy_M, sample_weight_S=x["sample_weight_S"],
             domain_ids_S=x["domain_ids_S"], domain_names=domains, ref_logp_M=x.get("ref_logp_M"),
-            teacher_logp_M=x.get("teacher_logp_M"),
+            teacher_logp_M=x.get("teacher_logp_M"), teacher_topk_logp_XK=x.get("teacher_topk_logp_XK"),
+            topk_logp_XK=topk_logp_XK, distill_index_X=x.get("distill_index_X"),
             on_policy_M=None if policy_version is None else x["policy_versions_M"] == policy_version)
         # A batch-wide normaliser: undo Megatron's division of each micro-batch loss by the micro-batch count.
         return loss * (num_mb if cfg.norm_constant is not None else 1), metrics
 
+    dense = loss_cfg.distill_kl != "sampled"  # the student's logprobs of the teacher's top-k tokens too
     return run_schedule(ddp, rb, make_tree_forward_step(loss_fn, with_entropy=loss_cfg.entropy_coef > 0,
                                                         fused_output=fused_logprobs, head_dtype=head_dtype,
-                                                        temperature=temperature))
+                                                        temperature=temperature,
+                                                        topk_key="teacher_topk_ids_XK" if dense else None))
 
 
 OFFLINE_MODES = ("sft", "dpo", "rm")
@@ -836,7 +839,10 @@ class Trainer:
         self._reference_logprobs(rb)
         if self.teacher is not None:  # on-policy distillation: the teacher's logprobs of the sampled tokens
             with self.teacher.resident():
-                self._forward_only_logprobs(self.teacher.chunks, rb, "teacher_logp_M")
+                if self.teacher.topk is None:
+                    self._forward_only_logprobs(self.teacher.chunks, rb, "teacher_logp_M")
+                else:  # and its top-k tokens at the trained positions (--distill-kl forward|reverse)
+                    self._teacher_topk(rb)
         elif getattr(self.args, "teacher_from_gateway", False) and \
                 not all("teacher_logp_M" in mb.extras for mb in rb.micro_batches):
             raise ValueError(f"batch {rb.batch_id}: --teacher-from-gateway, but its samples carry no teacher logprobs: "
@@ -924,6 +930,22 @@ class Trainer:
         return torch.float32 if getattr(self.args, "fp32_lm_head", False) else None
 
     @torch.no_grad()
+    def _teacher_topk(self, rb: RankBatch) -> None:
+        """The teacher's logprobs of the sampled tokens (``teacher_logp_M``) and, at the trained positions
+        (``distill_index_X``), its --distill-topk most likely tokens and their logprobs (``teacher_topk_ids_XK``,
+        ``teacher_topk_logp_XK``) on every micro-batch of ``rb``, in one forward-only pass."""
+        from forge_megatron.mcore.forward import make_tree_teacher_step
+
+        def keep(logp_M, index_X, ids_XK, logp_XK, mb):
+            mb.extras.update(teacher_logp_M=logp_M.detach(), distill_index_X=index_X, teacher_topk_ids_XK=ids_XK,
+                             teacher_topk_logp_XK=logp_XK)
+            return logp_M.sum() * 0.0, {}
+
+        with torch.no_grad():
+            run_schedule(self.teacher.chunks, rb, make_tree_teacher_step(
+                keep, self.teacher.topk, vocab_limit=self.teacher.vocab, fused_output=self.args.fused_logprobs,
+                head_dtype=self.head_dtype, temperature=self.temperature), forward_only=True)
+
     def _forward_only_logprobs(self, chunks, rb: RankBatch, key: str) -> None:
         """Per-target logprobs of ``chunks`` (the policy for pi_old, or the reference model) stored as
         ``mb.extras[key]`` on every micro-batch of ``rb``, through a forward-only schedule."""
@@ -1157,6 +1179,8 @@ def progress_line(m: dict) -> str:
         mismatch += f" routing {m['routing_mismatch']:.3f}"
     if "distill_reverse_kl" in m:  # --teacher-hf-checkpoint
         mismatch += f" | teacher rkl {m['distill_reverse_kl']:.3f}"
+        if "distill_forward_kl" in m:  # (--distill-kl forward|reverse: both over the teacher's top-k)
+            mismatch += f" fkl {m['distill_forward_kl']:.3f} top-k mass {m['distill_topk_mass']:.2f}"
     held_out = f" | eval pass@1 {m['eval/pass@1']:.2f} (v{m['eval/policy_version']:.0f})" \
         if "eval/pass@1" in m and "eval/policy_version" in m else ""
     images = f", {m['images']} images" if "images" in m else ""

@@ -241,6 +241,93 @@ def test_on_policy_distillation_advantage():
     assert plain.item() == teacher_only.item() and "distill_reverse_kl" in m
 
 
+def _dense_case(seed=0, V=12, X=4):
+    """Student logits (differentiable), a teacher's log-distribution and its tokens, most likely first."""
+    g = torch.Generator().manual_seed(seed)
+    z_XV = (torch.randn(X, V, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
+    t_XV = torch.log_softmax(torch.randn(X, V, generator=g, dtype=torch.float64) * 2, -1)
+    ids_XK = t_XV.argsort(-1, descending=True)
+    return z_XV, t_XV, ids_XK
+
+
+@pytest.mark.parametrize("kind", ["forward", "reverse"])
+def test_topk_kl_over_the_whole_vocabulary_is_the_exact_kl_and_its_gradient(kind):
+    """K = V: the merged distributions are the distributions, so the top-k KL and its gradient with respect to the
+    student's logits are the exact KL's."""
+    from forge_megatron.algo.losses import topk_kl
+
+    z_XV, t_XV, ids_XK = _dense_case()
+    s_XV = torch.log_softmax(z_XV, -1)
+    exact = (t_XV.exp() * (t_XV - s_XV)).sum(-1) if kind == "forward" else (s_XV.exp() * (s_XV - t_XV)).sum(-1)
+    (g_exact,) = torch.autograd.grad(exact.sum(), [z_XV])
+    s_XV = torch.log_softmax(z_XV, -1)
+    forward_X, reverse_X = topk_kl(s_XV.gather(1, ids_XK), t_XV.gather(1, ids_XK))
+    mine = forward_X if kind == "forward" else reverse_X
+    (g_mine,) = torch.autograd.grad(mine.sum(), [z_XV])
+    assert mine.tolist() == pytest.approx(exact.tolist(), rel=1e-5, abs=1e-7)
+    assert (g_mine - g_exact).abs().max() < 1e-6 and g_exact.abs().max() > 1e-2
+
+
+def test_topk_kl_is_a_lower_bound_that_tightens_with_k():
+    """Fewer tokens kept, less KL (merging outcomes never raises a KL), for both directions; a teacher sure of its
+    top k (a tail of exactly 0) still gives finite values and gradients (the tail's floor)."""
+    from forge_megatron.algo.losses import topk_kl
+
+    z_XV, t_XV, _ = _dense_case(seed=3, V=30)
+    s_XV = torch.log_softmax(z_XV, -1).detach()
+    order = t_XV.argsort(-1, descending=True)
+    last = None
+    for k in (1, 3, 8, 20, 30):
+        ids = order[:, :k]
+        kls = torch.stack(topk_kl(s_XV.gather(1, ids), t_XV.gather(1, ids)))
+        if last is not None:
+            assert (kls >= last - 1e-6).all(), k
+        last = kls
+    sure = torch.tensor([[0.0, -80.0, -90.0]])  # all of the teacher's mass on its first token (to fp64)
+    student = torch.tensor([[-0.5, -1.5, -3.0]], requires_grad=True)
+    f, r = topk_kl(student[:, :2], sure[:, :2])
+    (g,) = torch.autograd.grad((f + r).sum(), [student])
+    assert torch.isfinite(f).all() and torch.isfinite(r).all() and torch.isfinite(g).all()
+    assert r.item() > 0.3  # the student's rest bucket against a teacher with none costs log(1 / 1e-12) per unit
+
+
+def test_dense_distillation_loss():
+    """distill_kl='reverse': the loss is the policy-gradient loss of outcome_coef * A plus distill_coef times the
+    token mean of the trained positions' top-k reverse KLs; the metrics carry both KLs, the teacher's top-k mass and
+    the teacher's logprob of the sampled token; the index must list exactly the trained positions."""
+    from forge_megatron.algo.losses import topk_kl
+
+    logp_M = _t(-1.0, -2.0, -0.7, -1.2, requires_grad=True)
+    old_M = _t(-1.1, -2.0, -0.5, -1.2)
+    adv_M = _t(1.0, 1.0, 0.0, -0.5)
+    mask_M = _t(1, 0, 1, 1)
+    index_X = torch.tensor([0, 2, 3])
+    g = torch.Generator().manual_seed(1)
+    student_XK = torch.log_softmax(torch.randn(3, 6, generator=g), -1)[:, :4].requires_grad_(True)
+    teacher_XK = torch.log_softmax(torch.randn(3, 6, generator=g), -1)[:, :4]
+    cfg = LossConfig(distill_coef=0.5, outcome_coef=0.3, distill_kl="reverse")
+    kw = dict(teacher_topk_logp_XK=teacher_XK, topk_logp_XK=student_XK, distill_index_X=index_X,
+              teacher_logp_M=_t(-0.3, -0.2, -0.1, -0.4))
+    loss, m = _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], cfg, **kw)
+    plain, _ = _loss(logp_M, old_M, 0.3 * adv_M, mask_M, [0, 2, 4], LossConfig())
+    fwd, rev = topk_kl(student_XK, teacher_XK)
+    assert loss.item() == pytest.approx(plain.item() + 0.5 * rev.mean().item(), rel=1e-6)
+    assert m["distill_loss"] == pytest.approx(rev.mean().item(), rel=1e-6)
+    assert m["distill_forward_kl"] == pytest.approx(fwd.mean().item(), rel=1e-6)
+    assert m["distill_topk_mass"] == pytest.approx(teacher_XK.exp().sum(-1).mean().item(), rel=1e-6)
+    assert m["distill_teacher_logp"] == pytest.approx((-0.3 - 0.1 - 0.4) / 3, rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, [student_XK])
+    (expect,) = torch.autograd.grad(0.5 * rev.mean(), [student_XK])
+    assert torch.allclose(grad, expect, atol=1e-7)
+    for bad, message in ((torch.tensor([0, 1, 3]), "must list exactly the trained positions"),
+                         (torch.tensor([0, 2]), "must be [X, K], [X, K] and [X]"),
+                         (torch.tensor([0, 2, 9]), "must index the 4 positions")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], cfg, **{**kw, "distill_index_X": bad})
+    with pytest.raises(ValueError, match="needs teacher_topk_logp_XK, topk_logp_XK and distill_index_X"):
+        _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], cfg)
+
+
 def test_truncated_importance_weights_scale_token_loss():
     logp_M = _t(-1.0, -1.0, requires_grad=True)
     old_M = _t(-1.0, -1.0)
@@ -401,6 +488,7 @@ def test_tree_packed_equals_unmerged(loss_type):
         (dict(kl_coef=-1.0), "kl_coef and entropy_coef must be >= 0, got kl_coef=-1.0, entropy_coef=0.0"),
         (dict(tis_cap=0.0), "tis_cap must be > 0, got 0.0"),
         (dict(distill_coef=-1.0), "distill_coef and outcome_coef must be >= 0, got distill_coef=-1.0, outcome_coef=1.0"),
+        (dict(distill_kl="jsd"), "distill_kl must be one of ('sampled', 'forward', 'reverse'), got 'jsd'"),
     ],
 )
 def test_config_errors(kwargs, message):

@@ -470,3 +470,70 @@ def test_fused_output_layer_refuses_what_it_cannot_reproduce():
     ((message, restored),) = run_distributed(_body_refusal, world_size=1)
     assert "bias-free output layer" in message and "run without fused logprobs" in message
     assert restored  # the output layer is itself again after the error
+
+
+# ------------------------------------------------------------------------------------------- top-k (a teacher's)
+def _topk_reference(z_TV, rows, k, limit=None, temperature=1.0, softcap=None):
+    logsm = _scores(z_TV.float(), temperature, softcap).log_softmax(-1)[rows]
+    cand = logsm if limit is None else logsm[:, :limit]
+    logp, ids = cand.topk(k, dim=-1)
+    return ids, logp
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, None])
+@pytest.mark.parametrize("fused", [False, True])
+def test_topk_is_the_full_distributions_top_k(chunk_rows, fused):
+    """The k most likely tokens (most likely first) and their logprobs under the full softmax, for rows asked once,
+    several times or never, from logits or from the output layer's input, tempered and soft-capped, with and
+    without a candidate limit (ids at or above it never chosen, though they count in the normaliser)."""
+    from forge_megatron.mcore.logprobs import vocab_parallel_topk
+
+    hidden_TH, weight_VH, rows_M, *_ = _linear_case(3)
+    logits_TV = (hidden_TH @ weight_VH.t()).float()
+    logits_TV[4, 45] = 40.0  # row 4's favourite lies past the limit below
+    for k, limit, temperature, softcap in ((1, None, 1.0, None), (5, None, 0.7, None), (6, 40, 1.0, 20.0),
+                                           (V, None, 1.0, None)):
+        if fused:  # (the favourite past the limit is planted in the unfused logits only)
+            src, z_TV = {"hidden_TH": hidden_TH, "weight_VH": weight_VH}, (hidden_TH @ weight_VH.t()).float()
+        else:
+            src, z_TV = {"logits_TV": logits_TV}, logits_TV
+        ids, logp = vocab_parallel_topk(rows_M, k, vocab_limit=limit, chunk_rows=chunk_rows,
+                                        temperature=temperature, softcap=softcap, **src)
+        ref_ids, ref_logp = _topk_reference(z_TV, rows_M, k, limit, temperature, softcap)
+        assert ids.dtype == torch.int64 and ids.shape == (rows_M.numel(), k)
+        assert torch.equal(ids, ref_ids), (k, limit)
+        assert (logp - ref_logp).abs().max() < 5e-6  # (fp32 matmuls of other shapes)
+        if limit is not None:
+            assert int(ids.max()) < limit
+    with pytest.raises(ValueError, match="1 <= k <= 40"):
+        vocab_parallel_topk(rows_M, 41, logits_TV=logits_TV, vocab_limit=40)
+    with pytest.raises(ValueError, match="either logits_TV or hidden_TH"):
+        vocab_parallel_topk(rows_M, 2, logits_TV=logits_TV, hidden_TH=hidden_TH, weight_VH=weight_VH)
+
+
+def _body_tp_topk(rank, world_size):
+    from forge_megatron.mcore.logprobs import vocab_parallel_topk
+
+    hidden_TH, weight_VH, rows_M, *_ = _linear_case(7, vocab=2 * V)
+    full_TV = (hidden_TH @ weight_VH.t()).float()
+    full_TV[2, :V] += 5.0  # row 2's top tokens all on rank 0, row 9's on rank 1
+    full_TV[9, V:] += 5.0
+    out = []
+    for k, limit in ((4, None), (V + 3, None), (7, V + 10)):  # more than one slice holds; a limit inside rank 1's
+        ref_ids, ref_logp = _topk_reference(full_TV, rows_M, k, limit, 0.8)
+        ids, logp = vocab_parallel_topk(rows_M, k, logits_TV=full_TV[:, rank * V:(rank + 1) * V].contiguous(),
+                                        vocab_limit=limit, temperature=0.8)
+        fids, flogp = vocab_parallel_topk(rows_M, k, hidden_TH=hidden_TH, vocab_limit=limit, temperature=0.8,
+                                          weight_VH=weight_VH[rank * V:(rank + 1) * V].contiguous())
+        fref_ids, fref_logp = _topk_reference((hidden_TH @ weight_VH.t()).float(), rows_M, k, limit, 0.8)
+        out.append((torch.equal(ids, ref_ids), (logp - ref_logp).abs().max().item(),
+                    torch.equal(fids, fref_ids), (flogp - fref_logp).abs().max().item()))
+    return out
+
+
+def test_topk_tensor_parallel_matches_the_full_vocabulary():
+    """Over two TP ranks (each the top-k of its vocabulary slice, merged after one all-gather): the same ids and
+    logprobs as the full vocabulary's, with k beyond one slice and a candidate limit inside the second slice."""
+    for per_rank in run_distributed(_body_tp_topk, world_size=2, parallel=ParallelConfig(tp=2)):
+        for same_ids, err, fused_same, fused_err in per_rank:
+            assert same_ids and fused_same and err < 5e-6 and fused_err < 5e-6, per_rank

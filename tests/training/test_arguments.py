@@ -172,6 +172,12 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--teacher-hf-checkpoint", "/t", "--distill-coef", "-1"], "distill_coef and outcome_coef must be >= 0"),
     (["--teacher-hf-checkpoint", "/t", "--teacher-from-gateway"], "one teacher \\(in the trainer, or served"),
     (["--teacher-from-gateway", "--teacher-offload"], "the teacher is served elsewhere"),
+    (["--distill-kl", "reverse"], "--distill-kl needs --teacher-hf-checkpoint"),
+    (["--teacher-hf-checkpoint", "/t", "--distill-topk", "8"], "--distill-topk sets the dense KL's top-k: it needs "
+                                                               "--distill-kl forward or reverse"),
+    (["--teacher-hf-checkpoint", "/t", "--distill-kl", "forward", "--distill-topk", "0"],
+     "--distill-topk must be >= 1, got 0"),
+    (["--teacher-from-gateway", "--distill-kl", "forward"], "only a teacher in the trainer gives"),
 ])
 def test_bad_values_are_named(extra, message):
     with pytest.raises(ValueError, match=message):

@@ -96,6 +96,99 @@ def test_teacher_logprobs_and_loss_equal_transformers(models, tmp_path):
         assert runs["one"][0]["grad_norm"] == pytest.approx(runs[other][0]["grad_norm"], rel=1e-5), other
 
 
+def _next_token_logprobs(model_dir: str, episodes, grad: bool = False):
+    """transformers' full next-token log-distributions [completion tokens, vocabulary] of every sample run alone
+    (fp64), concatenated; with ``grad`` also the model, its graph kept for a backward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    rows = []
+    with torch.set_grad_enabled(grad):
+        for prompt, completion in episodes:
+            logits = model(torch.tensor([prompt + completion])).logits[0].double()
+            rows.append(torch.log_softmax(logits[len(prompt) - 1:-1], -1))
+    return torch.cat(rows), model
+
+
+def _topk_kls(student_TV: torch.Tensor, teacher_TV: torch.Tensor, k: int):
+    """The forward and reverse KLs per row between the two distributions merged to the teacher's top k tokens and
+    one bucket for the rest, written out over the vocabulary (the tail floor of algo/losses.py never binds here)."""
+    ids = teacher_TV.topk(k, dim=-1).indices
+    keep = torch.zeros_like(teacher_TV, dtype=torch.bool).scatter(1, ids, True)
+
+    def merged(lp_TV):
+        p_TV = lp_TV.exp()
+        return torch.cat([p_TV.gather(1, ids), (p_TV * ~keep).sum(-1, keepdim=True)], dim=1)
+
+    ps, pt = merged(student_TV), merged(teacher_TV)
+    return (pt * (pt.log() - ps.log())).sum(-1), (ps * (ps.log() - pt.log())).sum(-1)
+
+
+def test_dense_kl_over_the_whole_vocabulary_is_the_exact_kl(models, tmp_path):
+    """--distill-kl forward|reverse with --distill-topk the whole vocabulary: the metrics distill_forward_kl and
+    distill_reverse_kl are the exact token-mean KLs between transformers' student and teacher distributions, the
+    loss is --distill-coef x the trained one (no outcome term), and the gradient norm is that of transformers'
+    student differentiated through the same loss (before clipping): the fused loss differentiates through the
+    student's whole distribution."""
+    student, teacher = models
+    episodes = _episodes(seed=23)
+    t_TV, _ = _next_token_logprobs(teacher, episodes)
+    vocab = t_TV.shape[1]
+    coef = 0.5
+    for kind in ("forward", "reverse"):
+        s_TV, model = _next_token_logprobs(student, episodes, grad=True)
+        fwd = (t_TV.exp() * (t_TV - s_TV)).sum(-1)
+        rev = (s_TV.exp() * (s_TV - t_TV)).sum(-1)
+        loss = coef * (fwd if kind == "forward" else rev).mean()
+        loss.backward()
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
+        (step,), _, _ = run_on_fresh_pool(
+            tmp_path, kind, student, _feed(episodes), iters=1, groups=1, lr="1e-2",
+            extra=["--teacher-hf-checkpoint", teacher, "--distill-kl", kind, "--distill-topk", str(vocab),
+                   "--distill-coef", str(coef), "--distill-outcome-coef", "0", "--old-logprobs", "recompute"])
+        # (abs: the KLs are sums over the vocabulary of differences of fp32 logprobs)
+        assert step["distill_forward_kl"] == pytest.approx(fwd.mean().item(), rel=1e-5, abs=2e-6)
+        assert step["distill_reverse_kl"] == pytest.approx(rev.mean().item(), rel=1e-5, abs=2e-6)
+        assert step["distill_topk_mass"] == pytest.approx(1.0, abs=1e-5)
+        assert step["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+        assert step["grad_norm"] == pytest.approx(norm, rel=1e-4), kind
+
+
+def test_dense_kl_over_the_teachers_top_k(models, tmp_path):
+    """--distill-kl reverse --distill-topk 8: the KLs of the distributions merged to the teacher's 8 most likely
+    tokens and a rest bucket are transformers' (each sample alone) on one rank, over two TP ranks (each choosing
+    candidates in its half of the vocabulary), two context-parallel ranks and two pipeline stages, with equal
+    gradient norms; they lie below the full KLs. Outcome advantages add their policy-gradient term alone."""
+    student, teacher = models
+    episodes = _episodes(seed=29)
+    t_TV, _ = _next_token_logprobs(teacher, episodes)
+    s_TV, _ = _next_token_logprobs(student, episodes)
+    fwd, rev = _topk_kls(s_TV, t_TV, 8)
+    full_rev = (s_TV.exp() * (s_TV - t_TV)).sum(-1)
+    assert (rev < full_rev).all()
+    mass = t_TV.exp().topk(8, dim=-1).values.sum(-1)
+    flags = ["--teacher-hf-checkpoint", teacher, "--distill-kl", "reverse", "--distill-topk", "8",
+             "--distill-outcome-coef", "0", "--old-logprobs", "recompute"]
+    runs = {}
+    for name, extra, nproc in (("one", [], 1), ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+                               ("cp2", ["--context-parallel-size", "2"], 2),
+                               ("pp2", ["--pipeline-model-parallel-size", "2"], 2)):
+        (step,), _, _ = run_on_fresh_pool(tmp_path, name, student, _feed(episodes), iters=1, groups=1, lr="1e-2",
+                                          extra=flags + extra, nproc=nproc)
+        runs[name] = step
+        assert step["distill_forward_kl"] == pytest.approx(fwd.mean().item(), rel=1e-5), name
+        assert step["distill_reverse_kl"] == pytest.approx(rev.mean().item(), rel=1e-5), name
+        assert step["distill_topk_mass"] == pytest.approx(mass.mean().item(), rel=1e-5), name
+        assert step["loss"] == pytest.approx(rev.mean().item(), rel=1e-5), name
+    for other in ("tp2", "cp2", "pp2"):
+        assert runs[other]["grad_norm"] == pytest.approx(runs["one"]["grad_norm"], rel=1e-5), other
+    (both,), _, _ = run_on_fresh_pool(tmp_path, "both", student, _feed(episodes), iters=1, groups=1, lr="1e-2",
+                                      extra=flags[:-4] + ["--old-logprobs", "recompute"])
+    assert both["distill_loss"] == pytest.approx(rev.mean().item(), rel=1e-5)
+    assert both["loss"] == pytest.approx(both["distill_loss"] + both["pg_loss"], rel=1e-6)
+    assert abs(both["pg_loss"]) > 1e-4
+
+
 def test_moe_teacher_for_a_dense_student(models, tmp_path):
     """A Qwen3-MoE teacher (4 experts, top-2) for the dense student: its logprobs of the sampled tokens are
     transformers' on one rank and with its experts split over two tensor-parallel ranks (sequence parallelism, as
@@ -203,8 +296,8 @@ def _start(student: str, tmp_path, extra) -> str:
 
 
 def test_teachers_that_cannot_score_the_policys_tokens_are_refused(models, tmp_path):
-    """Another tokenizer (one token's id moved), no tokenizer at all, and layers that do not split over the
-    pipeline stages: each refused at start-up with the reason."""
+    """Another tokenizer (one token's id moved), no tokenizer at all, a dense KL's top-k larger than the vocabulary,
+    and layers that do not split over the pipeline stages: each refused at start-up with the reason."""
     student, teacher = models
     other = str(tmp_path / "other_vocab")
     shutil.copytree(teacher, other)
@@ -222,6 +315,8 @@ def test_teachers_that_cannot_score_the_policys_tokens_are_refused(models, tmp_p
     for f in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(teacher, f), bare)
     assert "has no tokenizer files" in _start(student, tmp_path, ["--teacher-hf-checkpoint", bare])
+    assert "--distill-topk 1000 is more than the 400 tokens of the tokenizer" in _start(
+        student, tmp_path, ["--teacher-hf-checkpoint", teacher, "--distill-kl", "forward", "--distill-topk", "1000"])
     three = build_tiny_model(str(tmp_path / "three_layers"), seed=2, num_hidden_layers=3)
     from .pool_feed import PoolProcess
 
