@@ -66,6 +66,9 @@ class TrainSample:
     # the trainer runs the checkpoint's image processor) or a multimodal.ImageInput (patches already made)
     images: list | None = None
     teacher_logprobs: np.ndarray | None = None  # float32 [L]: a served teacher's logprobs of the sampled tokens
+    # a served teacher's top-k at each sampled token (loss_mask = 1), in order: int32 / float32 [sampled, K]
+    teacher_topk_ids: np.ndarray | None = None
+    teacher_topk_logprobs: np.ndarray | None = None
 
 
 @dataclass
@@ -80,6 +83,8 @@ class TrainBatch:
         return sum(getattr(s, name).nbytes for s in self.samples for name, _ in TOKEN_FIELDS) + \
             sum(s.routed_experts.nbytes for s in self.samples if s.routed_experts is not None) + \
             sum(s.teacher_logprobs.nbytes for s in self.samples if s.teacher_logprobs is not None) + \
+            sum(s.teacher_topk_ids.nbytes + s.teacher_topk_logprobs.nbytes for s in self.samples
+                if s.teacher_topk_ids is not None) + \
             sum(len(im) if isinstance(im, (bytes, memoryview)) else im.pixel_values.nbytes
                 for s in self.samples for im in s.images or ())
 
@@ -127,17 +132,22 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
     ``episodes`` are in wire form (``wire.episode_to_wire``): a header with ``episode_id``, ``domain`` and
     ``segment_lengths``, and the four per-token arrays of all segments concatenated (plus the routed experts when
     the header has ``routing_shape``, and the segments' encoded images last when it has ``segment_images``; the
-    teacher logprobs right after the four when it has ``teacher_logprobs``); samples are views of them.
+    teacher logprobs right after the four when it has ``teacher_logprobs``, and the teacher's top-k ids and logprobs
+    after them when it has ``teacher_topk``); samples are views of them.
     """
     samples = []
     for e, (meta, arrays_T) in enumerate(episodes):
         bounds = np.cumsum([0] + list(meta["segment_lengths"]))
         teacher_T = arrays_T[4] if meta.get("teacher_logprobs") else None
+        k = meta.get("teacher_topk")
+        top_ids, top_logp = (a.reshape(-1, k) for a in arrays_T[5:7]) if k else (None, None)
         routing = meta.get("routing_shape")
-        routed_T = arrays_T[4 + (teacher_T is not None)].reshape(-1, *routing) if routing else None
+        routed_T = arrays_T[4 + (teacher_T is not None) + 2 * bool(k)].reshape(-1, *routing) if routing else None
         images = _segment_images(meta, arrays_T)
+        row = 0  # the segment's first sampled token among the episode's top-k rows
         for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             tokens_L, loss_mask_L, logprobs_L, versions_L = (a[lo:hi] for a in arrays_T[:4])
+            rows = int(np.count_nonzero(loss_mask_L))
             advantage = np.float32(scores["segment_advantages"][e][s])
             samples.append(
                 TrainSample(
@@ -154,8 +164,11 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
                     routed_experts=None if routed_T is None else routed_T[lo:hi],
                     images=images[s],
                     teacher_logprobs=None if teacher_T is None else teacher_T[lo:hi],
+                    teacher_topk_ids=None if top_ids is None else top_ids[row:row + rows],
+                    teacher_topk_logprobs=None if top_logp is None else top_logp[row:row + rows],
                 )
             )
+            row += rows
     return samples
 
 

@@ -154,6 +154,7 @@ class GatewayConfig:
     teacher_urls: tuple[str, ...] = ()
     teacher_timeout_s: float = 120.0
     teacher_prompt: str | None = None  # a privileged system message the teacher reads first (middleware/teacher.py)
+    teacher_topk: int = 0  # > 0: also the teacher's top-k tokens at every sampled token (dense distillation)
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -184,6 +185,10 @@ class GatewayConfig:
         self.teacher_urls = tuple(self.teacher_urls)
         if self.teacher_prompt is not None and not self.teacher_urls:
             raise ValueError("teacher_prompt needs teacher_urls (the teacher that reads it)")
+        if isinstance(self.teacher_topk, bool) or not isinstance(self.teacher_topk, int) or self.teacher_topk < 0:
+            raise ValueError(f"teacher_topk must be an int >= 0, got {self.teacher_topk!r}")
+        if self.teacher_topk and not self.teacher_urls:
+            raise ValueError("teacher_topk needs teacher_urls (the teacher whose top-k tokens are recorded)")
         if not self.teacher_timeout_s > 0:
             raise ValueError(f"teacher_timeout_s must be > 0, got {self.teacher_timeout_s}")
         if self.worker_tag is not None and not (self.worker_tag.isascii() and self.worker_tag.isalnum()):
@@ -552,7 +557,7 @@ class Gateway:
             from forge_megatron.middleware.teacher import TeacherScorer
 
             self.teacher = TeacherScorer(list(config.teacher_urls), config.policy_temperature,
-                                         config.teacher_timeout_s)
+                                         config.teacher_timeout_s, topk=config.teacher_topk)
         self.context_length = config.context_length or int(getattr(model_config, "max_position_embeddings", 4096))
         self.vocab_size = int(getattr(model_config, "vocab_size", 0) or len(self.renderer.tok))
         self.routing_shape = None  # (layers, topk) when recording routed experts
@@ -720,7 +725,7 @@ class Gateway:
             episode.status = "failed"
             episode.metadata = {**episode.metadata, "teacher_error": str(exc)}
             for seg in episode.segments:
-                seg.teacher_logprobs = None
+                seg.teacher_logprobs = seg.teacher_topk_ids = seg.teacher_topk_logprobs = None
             return episode
         self.stats["teacher_scored_tokens"] = self.teacher.scored_tokens
         return episode
@@ -1922,7 +1927,7 @@ async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
         "group_affinity": dict(gw.fleet.affinity),  # new sessions placed on their group's engine / away from it
         # what the trainer checks against its own flags at start (--rollout-temperature)
         "config": {"policy_sampling": gw.config.policy_sampling, "policy_temperature": gw.config.policy_temperature,
-                   "teacher": bool(gw.config.teacher_urls)},
+                   "teacher": bool(gw.config.teacher_urls), "teacher_topk": gw.config.teacher_topk},
     })
 
 
@@ -2126,6 +2131,11 @@ def add_session_options(p) -> None:
                         "trainer (--teacher-from-gateway); text models (docs/middleware.md)")
     p.add_argument("--teacher-timeout-s", type=float, default=120.0, metavar="S",
                    help="one teacher call (a segment's prefill; default 120)")
+    p.add_argument("--teacher-topk", type=int, default=0, metavar="K",
+                   help="with --teacher-urls: also record the teacher's K most likely tokens and their logprobs at "
+                        "every sampled token (SGLang's top_logprobs_num in the same prefill), for the trainer's dense "
+                        "KL (--distill-kl forward|reverse --distill-topk <= K); default 0: the sampled tokens' "
+                        "logprobs only")
     p.add_argument("--teacher-prompt", default=None, metavar="TEMPLATE",
                    help="with --teacher-urls: a privileged system message the teacher reads before each segment "
                         "(the student never sees it), filled in with the task's fields: {task_id}, {domain} and its "
@@ -2151,7 +2161,8 @@ def session_options(args: argparse.Namespace) -> dict:
                 image_url_private=args.image_url_private, image_dir=args.image_dir,
                 image_url_timeout_s=args.image_url_timeout_s,
                 teacher_urls=tuple(u.strip() for u in args.teacher_urls.split(",") if u.strip()),
-                teacher_timeout_s=args.teacher_timeout_s, teacher_prompt=args.teacher_prompt)
+                teacher_timeout_s=args.teacher_timeout_s, teacher_prompt=args.teacher_prompt,
+                teacher_topk=args.teacher_topk)
 
 
 def build_parser() -> argparse.ArgumentParser:

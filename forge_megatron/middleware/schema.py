@@ -17,6 +17,10 @@ Optionally, for MoE models served with routed-expert capture (rollout routing re
 
 Optionally, for on-policy distillation from a served teacher (the gateway's ``--teacher-urls``):
   teacher_logprobs[t] log pi_teacher(tokens[t] | tokens[:t]) for sampled tokens, 0.0 elsewhere
+and with the gateway's ``--teacher-topk K`` (dense distillation, the trainer's ``--distill-kl forward|reverse``),
+one row per *sampled* token (loss_mask = 1), in order:
+  teacher_topk_ids    int32 [sampled, K]: the teacher's K most likely tokens at that position, most likely first
+  teacher_topk_logprobs float32 [sampled, K]: their logprobs
 
 Optionally, for vision-language models:
   images              the segment's images in the order of its image-token runs: each the PNG the gateway
@@ -79,6 +83,9 @@ class Segment:
     images: list[bytes] | None = None
     # Optional teacher logprobs of the sampled tokens (on-policy distillation; see above), 0.0 elsewhere.
     teacher_logprobs: list[float] | None = None
+    # Optional teacher top-k at every sampled token (see above): int32 / float32 [sampled, K]; nested lists in JSON.
+    teacher_topk_ids: np.ndarray | None = None
+    teacher_topk_logprobs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.images is not None:
@@ -93,6 +100,13 @@ class Segment:
                 self.routed_experts = np.asarray(self.routed_experts, dtype=np.int16)
             except (TypeError, ValueError, OverflowError) as exc:
                 raise SchemaError(f"routed_experts is not an int array: {exc}") from exc
+        for name, dtype in (("teacher_topk_ids", np.int32), ("teacher_topk_logprobs", np.float32)):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, np.ndarray) and value.dtype == dtype):
+                try:  # from JSON: nested lists
+                    setattr(self, name, np.asarray(value, dtype=dtype))
+                except (TypeError, ValueError, OverflowError) as exc:
+                    raise SchemaError(f"{name} is not a {np.dtype(dtype).name} array: {exc}") from exc
 
     def validate(self, where: str = "segment") -> None:
         n = len(self.tokens)
@@ -117,6 +131,17 @@ class Segment:
                    f"{where}.teacher_logprobs has length {len(self.teacher_logprobs)}, tokens has {n}")
             _check(all(isinstance(x, (int, float)) and math.isfinite(x) and x <= 0 for x in self.teacher_logprobs),
                    f"{where}.teacher_logprobs must be finite logprobs (<= 0)")
+        ids, logp = self.teacher_topk_ids, self.teacher_topk_logprobs
+        if ids is not None or logp is not None:
+            _check(ids is not None and logp is not None and self.teacher_logprobs is not None,
+                   f"{where}: teacher_topk_ids and teacher_topk_logprobs come together, with teacher_logprobs")
+            rows = self.num_trained_tokens
+            _check(ids.ndim == 2 and ids.shape[0] == rows and ids.shape[1] > 0 and logp.shape == ids.shape,
+                   f"{where}.teacher_topk_ids / _logprobs must be [sampled tokens={rows}, K], got "
+                   f"{list(ids.shape)} and {list(logp.shape)}")
+            _check(bool((ids >= 0).all()), f"{where}.teacher_topk_ids must be token ids (>= 0)")
+            _check(bool(np.isfinite(logp).all() and (logp <= 1e-6).all()),
+                   f"{where}.teacher_topk_logprobs must be finite logprobs (<= 0)")
 
     @property
     def num_trained_tokens(self) -> int:
@@ -161,8 +186,9 @@ class Episode:
         """Plain (JSON-able) form; routed experts become nested lists, images base64 strings."""
         d = asdict(self)
         for seg in d["segments"]:
-            if seg["routed_experts"] is not None:
-                seg["routed_experts"] = seg["routed_experts"].tolist()
+            for name in ("routed_experts", "teacher_topk_ids", "teacher_topk_logprobs"):
+                if seg[name] is not None:
+                    seg[name] = seg[name].tolist()
             if seg["images"] is not None:
                 seg["images"] = [base64.b64encode(bytes(x)).decode() for x in seg["images"]]
         d["schema_version"] = SCHEMA_VERSION

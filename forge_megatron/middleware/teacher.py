@@ -8,7 +8,10 @@ prefill-only call per segment (``/generate`` with ``input_ids``, ``max_new_token
 policy temperature (SGLang tempers input logprobs as output ones, and the trainer scores at that temperature). The
 logprobs travel with the episode (``Segment.teacher_logprobs``: the teacher's logprob at every sampled token, 0
 elsewhere) through the pool to the trainer (``--teacher-from-gateway``), which trains on ``teacher - old logprob``
-exactly as with a teacher of its own.
+exactly as with a teacher of its own. With ``--teacher-topk K`` the same call also asks for each position's K most
+likely tokens (``top_logprobs_num``; ``meta_info["input_top_logprobs"]``), recorded at every sampled token
+(``Segment.teacher_topk_ids`` / ``teacher_topk_logprobs``) for the trainer's dense KL (``--distill-kl
+forward|reverse``).
 
 A privileged teacher (``--teacher-prompt TEMPLATE``): the teacher reads each segment after a system message of its
 own, the template filled in with the task's fields (``{task_id}``, ``{domain}`` and the group's metadata, e.g.
@@ -46,13 +49,17 @@ class TeacherRefused(ValueError):
 class TeacherScorer:
     """Scores episodes' sampled tokens with the teacher engines at ``urls`` (SGLang's native API)."""
 
-    def __init__(self, urls: list[str], temperature: float = 1.0, timeout_s: float = 120.0, attempts: int = 3):
+    def __init__(self, urls: list[str], temperature: float = 1.0, timeout_s: float = 120.0, attempts: int = 3,
+                 topk: int = 0):
         from forge_megatron.rollout.sglang_client import SGLangClient
 
         if not urls:
             raise ValueError("teacher_urls is empty")
         self.clients = [SGLangClient(u, timeout_s=timeout_s) for u in urls]
         self.temperature, self.timeout_s, self.attempts = temperature, timeout_s, max(1, attempts)
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+            raise ValueError(f"teacher_topk must be an int >= 0, got {topk!r}")
+        self.topk = topk  # > 0: also the teacher's top-k at every sampled token
         self._next = itertools.cycle(range(len(self.clients)))
         self.scored_tokens = 0  # sampled tokens the teacher scored (the gateway's stats)
 
@@ -61,16 +68,20 @@ class TeacherScorer:
             await c.close()
 
     async def segment_logprobs(self, tokens: list[int], loss_mask: list[int], prefix: list[int] = (),
-                               bos: int | None = None) -> list[float]:
+                               bos: int | None = None):
         """The teacher's logprob at every sampled position of one segment (0.0 elsewhere); ``prefix``: token ids the
         teacher reads first (a privileged system message; the segment's first token dropped when both start with
-        ``bos``)."""
+        ``bos``). With ``topk``: (those logprobs, ids int32 [sampled, k], logprobs float32 [sampled, k]) of the
+        teacher's k most likely tokens at each sampled position."""
+        import numpy as np
+
         from forge_megatron.rollout.sglang_client import EngineError, EngineRequestError
 
         sampled = [t for t, m in enumerate(loss_mask) if m]
         out = [0.0] * len(tokens)
         if not sampled:
-            return out
+            empty = np.zeros((0, self.topk), np.int32), np.zeros((0, self.topk), np.float32)
+            return (out, *empty) if self.topk else out
         if sampled[0] == 0:
             raise TeacherRefused("a segment's first token is marked sampled: nothing precedes it to score it from")
         skip = 1 if prefix and bos is not None and prefix[0] == bos and tokens[0] == bos else 0
@@ -81,16 +92,18 @@ class TeacherScorer:
         for _ in range(self.attempts):
             client = self.clients[next(self._next)]
             try:
-                values = await client.input_logprobs(ids, start, self.temperature, timeout_s=self.timeout_s)
+                answer = await client.input_logprobs(ids, start, self.temperature, timeout_s=self.timeout_s,
+                                                     top_logprobs_num=self.topk)
             except EngineRequestError as exc:
                 raise TeacherRefused(str(exc)) from exc
             except EngineError as exc:
                 errors.append(str(exc))
                 continue
+            values, rows = (answer[0], [t + shift - start - 1 for t in sampled]) if self.topk else (answer, None)
             for t in sampled:
                 out[t] = values[t + shift - start - 1]
             self.scored_tokens += len(sampled)
-            return out
+            return (out, answer[1][rows], answer[2][rows]) if self.topk else out
         raise TeacherUnavailable(f"no teacher engine answered after {self.attempts} attempt(s): " + "; ".join(errors))
 
     async def score(self, episode: Episode, prefix: list[int] = (), bos: int | None = None) -> Episode:
@@ -102,7 +115,10 @@ class TeacherScorer:
         for seg, res in zip(todo, results):
             if isinstance(res, BaseException):
                 raise res
-            seg.teacher_logprobs = res
+            if self.topk:
+                seg.teacher_logprobs, seg.teacher_topk_ids, seg.teacher_topk_logprobs = res
+            else:
+                seg.teacher_logprobs = res
         return episode
 
 

@@ -4,8 +4,9 @@ Tests and the demo need an engine that generates for real (tokens and logprobs c
 weights can be swapped by the trainer, without a GPU or SGLang. This server loads a HF causal LM from a local
 directory (transformers, fp32) and serves the subset of SGLang's native API that forge uses, with SGLang's field
 names: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``top_logprobs_num``,
-``logprob_start_len``: the input's logprobs as ``meta_info["input_token_logprobs"]``, with ``max_new_tokens: 0``
-a prefill-only scoring, what a distillation teacher is asked; ``stream``,
+``logprob_start_len``: the input's logprobs as ``meta_info["input_token_logprobs"]``, and with ``top_logprobs_num``
+each input position's most likely tokens as ``meta_info["input_top_logprobs"]``; with ``max_new_tokens: 0`` a
+prefill-only scoring, what a distillation teacher is asked; ``stream``,
 ``image_data`` for Qwen3-VL / Qwen3.5 / GLM-4.xV / Gemma 3 / Gemma 4 / Mistral 3 / Kimi-K2.5 models: inline images,
 one placeholder per image in ``input_ids``, written out here as SGLang's processors do: multimodal/images.py
 ``ImageProcessor.engine_ids``), ``/health``, ``/get_model_info``, ``/get_weight_version``, ``/flush_cache``,
@@ -183,6 +184,7 @@ class _Request:
     lora: object = None  # lora_serving.Adapter of its lora_path (None: the base model); kept if unloaded meanwhile
     input_start: int | None = None  # logprob_start_len (with return_logprob): score the input from there
     input_logprobs: list | None = None  # SGLang's input_token_logprobs: [[logprob or None, token_id, None], ...]
+    input_top: list | None = None  # SGLang's input_top_logprobs (with top_logprobs_num): per position, as ``top``
 
 
 class ReferenceEngine:
@@ -405,6 +407,8 @@ class ReferenceEngine:
         targets = torch.tensor(ids[start + 1:])
         values = logp_SV.gather(-1, targets[:, None])[:, 0].tolist() if len(targets) else []
         req.input_logprobs = [[None, ids[start], None]] + [[v, t, None] for v, t in zip(values, ids[start + 1:])]
+        if req.top_n:  # SGLang's input_top_logprobs: the first position None, then each position's top_n
+            req.input_top = [None] + [top_logprobs(row, req.top_n) for row in logp_SV]
 
     def _finish_reason(self, req: _Request, token: int) -> dict | None:
         p = req.params
@@ -470,6 +474,8 @@ class ReferenceEngine:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, out_ids)]
             if req.input_logprobs is not None:
                 meta["input_token_logprobs"] = req.input_logprobs
+                if req.input_top is not None:
+                    meta["input_top_logprobs"] = req.input_top
             if req.top_n:
                 meta["output_top_logprobs"] = req.top
         if req.routed is not None and req.finish is not None:  # once, with the last chunk of a stream

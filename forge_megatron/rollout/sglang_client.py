@@ -192,15 +192,22 @@ class SGLangClient:
             raise EngineError(f"{self.url}/generate stream failed: {type(exc).__name__}: {exc}") from exc
 
     async def input_logprobs(self, input_ids: list[int], logprob_start_len: int, temperature: float = 1.0,
-                             timeout_s: float | None = None) -> list[float]:
+                             timeout_s: float | None = None, top_logprobs_num: int = 0):
         """Prefill-only scoring (``max_new_tokens: 0``, ``return_logprob``, ``logprob_start_len``): the logprob of
         each input token from ``logprob_start_len + 1`` on, under softmax(logits / temperature) (SGLang tempers input
         logprobs as it does output ones). SGLang answers ``meta_info["input_token_logprobs"]``, one [logprob,
         token_id, text] per position from ``logprob_start_len``, the first logprob None; an answer of another length,
         other token ids, or a missing or non-finite logprob raises EngineRequestError naming the engine, an aborted
-        one (the engine paused for a weight update: teacher URLs may be the policy's own engines) EngineError."""
+        one (the engine paused for a weight update: teacher URLs may be the policy's own engines) EngineError.
+
+        ``top_logprobs_num`` k > 0 also asks for each position's k most likely tokens (``meta_info[
+        "input_top_logprobs"]``: per position a list of [logprob, token_id, text], most likely first, the first
+        position None) and returns (logprobs, ids int32 [n, k], logprobs float32 [n, k]) for the same n positions;
+        an entry that is not k finite logprobs of distinct token ids in descending order raises EngineRequestError."""
         body = {"input_ids": input_ids, "return_logprob": True, "logprob_start_len": logprob_start_len,
                 "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
+        if top_logprobs_num:
+            body["top_logprobs_num"] = top_logprobs_num
         answer = await self._call("POST", "/generate", body, timeout_s=timeout_s)
         meta = (answer.get("meta_info") or {}) if isinstance(answer, dict) else {}
         if (meta.get("finish_reason") or {}).get("type") == "abort":  # a weight sync paused the engine: try again
@@ -219,7 +226,34 @@ class SGLangClient:
                 raise EngineRequestError(f"{self.url}/generate: input_token_logprobs[{j}] is {entry!r}, expected a "
                                          f"finite logprob of token {token}")
             out.append(float(entry[0]))
-        return out
+        if not top_logprobs_num:
+            return out
+        return (out, *self._input_top(meta.get("input_top_logprobs"), len(want), top_logprobs_num))
+
+    def _input_top(self, entries, n: int, k: int):
+        """``input_top_logprobs`` (n entries, the first None) -> ids int32 [n - 1, k], logprobs float32 [n - 1, k]."""
+        import numpy as np
+
+        if not isinstance(entries, list) or len(entries) != n:
+            raise EngineRequestError(f"{self.url}/generate: input_top_logprobs should have {n} entries (one per "
+                                     f"input_token_logprobs entry), got "
+                                     f"{len(entries) if isinstance(entries, list) else type(entries).__name__}")
+        ids = np.zeros((max(n - 1, 0), k), np.int32)
+        logp = np.zeros((max(n - 1, 0), k), np.float32)
+        for j, entry in enumerate(entries[1:]):
+            ok = isinstance(entry, list) and len(entry) == k and all(
+                isinstance(e, (list, tuple)) and len(e) >= 2 and isinstance(e[0], (int, float)) and
+                not isinstance(e[1], bool) and isinstance(e[1], int) and e[1] >= 0 and math.isfinite(e[0])
+                for e in entry)
+            if ok:
+                ids[j] = [e[1] for e in entry]
+                logp[j] = [e[0] for e in entry]
+                ok = len(set(ids[j].tolist())) == k and bool((np.diff(logp[j]) <= 1e-6).all()) and logp[j][0] <= 1e-6
+            if not ok:
+                raise EngineRequestError(f"{self.url}/generate: input_top_logprobs[{j + 1}] is not {k} [logprob, "
+                                         f"token_id, text] entries of distinct tokens, most likely first: "
+                                         f"{str(entry)[:200]}")
+        return ids, logp
 
     async def health(self, timeout_s: float = 2.0) -> bool:
         try:

@@ -353,7 +353,7 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "advantage (the sampled reverse KL); 'forward' / 'reverse' a dense loss, --distill-coef x the "
                         "KL(teacher || student) / KL(student || teacher) over the teacher's --distill-topk tokens and "
                         "a bucket for the rest of the vocabulary at every trained position (GKD on the student's own "
-                        "samples; more signal per token; --teacher-hf-checkpoint only)")
+                        "samples; more signal per token; a served teacher needs the gateway's --teacher-topk)")
     g.add_argument("--distill-topk", type=int, default=32, metavar="K",
                    help="with --distill-kl forward|reverse: the teacher's K most likely tokens at each trained position "
                         "(default 32; the KL over them and the rest bucket never exceeds the full KL and reaches it "
@@ -783,10 +783,6 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--distill-coef must be > 0 and --distill-outcome-coef >= 0, got {args.distill_coef} "
                              f"and {args.distill_outcome_coef}")
         if getattr(args, "distill_kl", "sampled") != "sampled":
-            if teacher is None:
-                raise ValueError(f"--distill-kl {args.distill_kl} needs the teacher's top-k tokens, which only a "
-                                 "teacher in the trainer gives (--teacher-hf-checkpoint): the gateway records the "
-                                 "served teacher's logprobs of the sampled tokens (--distill-kl sampled)")
             if not args.distill_topk >= 1:
                 raise ValueError(f"--distill-topk must be >= 1, got {args.distill_topk}")
         elif getattr(args, "distill_topk", 32) != 32:
@@ -936,6 +932,12 @@ def check_gateway_config(args: argparse.Namespace, gateway: dict) -> None:
                          if teacher else
                          "--teacher-from-gateway, but the gateway records no teacher logprobs: start it (forge-node / "
                          "forge-gateway) with --teacher-urls")
+    topk = gateway.get("teacher_topk")
+    if topk is not None and teacher and getattr(args, "distill_kl", "sampled") != "sampled" \
+            and int(topk) < args.distill_topk:
+        raise ValueError(f"--distill-kl {args.distill_kl} --distill-topk {args.distill_topk}, but the gateway records "
+                         f"the served teacher's top {topk} tokens (--teacher-topk {topk}): start it with --teacher-topk "
+                         f"{args.distill_topk} (or more), or lower --distill-topk")
 
 
 def parallel_config(args: argparse.Namespace, num_layers: int | None = None):

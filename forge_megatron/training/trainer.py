@@ -158,6 +158,15 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
     teacher = [getattr(s, "teacher_logprobs", None) for s in samples]
     if all(t is not None for t in teacher):  # a served teacher's logprobs, recorded by the gateway
         extras["teacher_logp_M"] = torch.cat([_targets(t).float() for t in teacher])
+    if all(getattr(s, "teacher_topk_ids", None) is not None for s in samples):  # and its top-k (--teacher-topk)
+        # one row per sampled token; a sample's sampled tokens are its trained targets, in order
+        index_X = torch.nonzero(extras["loss_mask_M"]).flatten()
+        ids = torch.cat([torch.from_numpy(np.asarray(s.teacher_topk_ids, dtype=np.int64)) for s in samples])
+        if ids.shape[0] != index_X.numel():
+            raise ValueError(f"the samples carry {ids.shape[0]} rows of teacher top-k for {index_X.numel()} trained "
+                             "tokens")
+        extras.update(distill_index_X=index_X, teacher_topk_ids_XK=ids, teacher_topk_logp_XK=torch.cat(
+            [torch.from_numpy(np.asarray(s.teacher_topk_logprobs, dtype=np.float32)) for s in samples]))
     routing, stats = None, {}
     if routing_replay:
         from forge_megatron.mcore.routing_replay import tree_routing
@@ -843,10 +852,12 @@ class Trainer:
                     self._forward_only_logprobs(self.teacher.chunks, rb, "teacher_logp_M")
                 else:  # and its top-k tokens at the trained positions (--distill-kl forward|reverse)
                     self._teacher_topk(rb)
-        elif getattr(self.args, "teacher_from_gateway", False) and \
-                not all("teacher_logp_M" in mb.extras for mb in rb.micro_batches):
-            raise ValueError(f"batch {rb.batch_id}: --teacher-from-gateway, but its samples carry no teacher logprobs: "
-                             "start the gateway (forge-node / forge-gateway) with --teacher-urls")
+        elif getattr(self.args, "teacher_from_gateway", False):
+            if not all("teacher_logp_M" in mb.extras for mb in rb.micro_batches):
+                raise ValueError(f"batch {rb.batch_id}: --teacher-from-gateway, but its samples carry no teacher "
+                                 "logprobs: start the gateway (forge-node / forge-gateway) with --teacher-urls")
+            if self.loss_cfg.distill_kl != "sampled":
+                self._recorded_topk(rb)
         if getattr(self.args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay
 
@@ -930,6 +941,22 @@ class Trainer:
         return torch.float32 if getattr(self.args, "fp32_lm_head", False) else None
 
     @torch.no_grad()
+    def _recorded_topk(self, rb: RankBatch) -> None:
+        """--teacher-from-gateway with --distill-kl forward|reverse: the served teacher's top-k recorded with the
+        samples (the gateway's --teacher-topk), cut to this run's --distill-topk."""
+        k = self.args.distill_topk
+        for mb in rb.micro_batches:
+            ids = mb.extras.get("teacher_topk_ids_XK")
+            if ids is None:
+                raise ValueError(f"batch {rb.batch_id}: --distill-kl {self.args.distill_kl}, but its samples carry no "
+                                 "teacher top-k: start the gateway with --teacher-topk "
+                                 f"{k} (beside --teacher-urls)")
+            if ids.shape[1] < k:
+                raise ValueError(f"batch {rb.batch_id}: the samples carry the teacher's top {ids.shape[1]} tokens, "
+                                 f"fewer than --distill-topk {k}")
+            mb.extras["teacher_topk_ids_XK"] = ids[:, :k]
+            mb.extras["teacher_topk_logp_XK"] = mb.extras["teacher_topk_logp_XK"][:, :k]
+
     def _teacher_topk(self, rb: RankBatch) -> None:
         """The teacher's logprobs of the sampled tokens (``teacher_logp_M``) and, at the trained positions
         (``distill_index_X``), its --distill-topk most likely tokens and their logprobs (``teacher_topk_ids_XK``,

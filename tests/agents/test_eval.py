@@ -223,7 +223,8 @@ def test_trainer_checks_the_gateways_temperature(stack):
 
     gw, server = stack["gateway"], stack["server"]
     config = gw.state()["config"]
-    assert config == {"policy_sampling": server.config.policy_sampling, "policy_temperature": 1.0, "teacher": False}
+    assert config == {"policy_sampling": server.config.policy_sampling, "policy_temperature": 1.0, "teacher": False,
+                      "teacher_topk": 0}
     base = ["--hf-checkpoint", "/x", "--lr", "1e-6", "--train-iters", "1", "--weight-sync-transport", "none"]
     arguments.check_gateway_config(arguments.parse_args(base), config)
     arguments.check_gateway_config(arguments.parse_args(base + ["--rollout-temperature", "0.7"]), {})  # old gateway
@@ -236,6 +237,11 @@ def test_trainer_checks_the_gateways_temperature(stack):
     with pytest.raises(ValueError, match="records a served teacher's logprobs .* add --teacher-from-gateway"):
         arguments.check_gateway_config(arguments.parse_args(base), {**config, "teacher": True})
     arguments.check_gateway_config(arguments.parse_args(base + ["--teacher-from-gateway"]), {**config, "teacher": True})
+    # a dense KL needs the gateway to record at least the trainer's top-k
+    dense = arguments.parse_args(base + ["--teacher-from-gateway", "--distill-kl", "reverse", "--distill-topk", "16"])
+    with pytest.raises(ValueError, match="records the served teacher's top 8 tokens .* --teacher-topk 16"):
+        arguments.check_gateway_config(dense, {**config, "teacher": True, "teacher_topk": 8})
+    arguments.check_gateway_config(dense, {**config, "teacher": True, "teacher_topk": 20})
 
 
 @pytest.mark.parametrize("policy_sampling", [False, True])

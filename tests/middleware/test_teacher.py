@@ -315,3 +315,124 @@ def test_teacher_logprobs_travel_through_the_wire_the_database_and_the_batches(m
     with pytest.raises(SchemaError, match="teacher_logprobs must be finite logprobs"):
         bad.validate("segments[0]")
     assert not math.isnan(sum(s.teacher_logprobs.sum() for s in batch.samples))
+
+
+def _top(model_dir: str, ids: list[int], k: int, temperature: float = 1.0):
+    """transformers' k most likely tokens after ids[:t], t = 1..n-1: (ids [n-1, k], logprobs [n-1, k])."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double() / temperature
+    values, top = torch.log_softmax(logits, -1)[:-1].topk(k, dim=-1)
+    return top.numpy(), values.numpy()
+
+
+def test_engine_and_client_answer_the_inputs_top_logprobs(models, teacher_engine):
+    """``top_logprobs_num`` with ``logprob_start_len``: ``input_top_logprobs`` has one entry per position from the
+    start, the first None, the others the k most likely tokens of transformers' teacher (most likely first, tempered
+    as the input logprobs); the client returns them as int32 / float32 [n, k] beside the logprobs. Answers that are
+    not k distinct tokens in descending order are refused naming the position."""
+    _, teacher = models
+    ids = list(range(30, 52))
+    c = SGLangClient(teacher_engine.url)
+
+    async def run():
+        try:
+            raw = await c._call("POST", "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": 3,
+                                                      "top_logprobs_num": 4,
+                                                      "sampling_params": {"max_new_tokens": 0}})
+            entries = raw["meta_info"]["input_top_logprobs"]
+            assert entries[0] is None and len(entries) == len(ids) - 3 and all(len(e) == 4 for e in entries[1:])
+            values, top_ids, top_logp = await c.input_logprobs(ids, 3, 0.7, top_logprobs_num=5)
+            want_ids, want_logp = _top(teacher, ids, 5, 0.7)
+            assert top_ids.dtype == np.int32 and top_logp.dtype == np.float32 and top_ids.shape == (len(ids) - 4, 5)
+            assert np.array_equal(top_ids, want_ids[3:]) and np.allclose(top_logp, want_logp[3:], atol=2e-5)
+            assert np.allclose(values, _logprobs(teacher, ids, 0.7)[3:], atol=2e-5)
+            for bad in ([[-0.1, 5, None], [-0.2, 5, None]], [[-0.5, 5, None], [-0.1, 6, None]], [[-0.1, 5, None]]):
+                with pytest.raises(EngineRequestError, match=r"input_top_logprobs\[1\] is not 2"):
+                    c._input_top([None, bad], 2, 2)
+            with pytest.raises(EngineRequestError, match="input_top_logprobs should have 3 entries"):
+                c._input_top([None], 3, 2)
+        finally:
+            await c.close()
+
+    asyncio.run(run())
+
+
+def test_gateway_records_the_teachers_top_k_at_sampled_tokens(models, teacher_engine):
+    """A gateway with ``teacher_topk`` 6: the ended episode's segment carries, for each sampled token in order, the
+    teacher's 6 most likely tokens and their logprobs given everything before (transformers), beside its logprobs;
+    the state reports the top-k. The top-k survives the wire, the database blob, the pool's batches and their wire
+    form; a segment whose rows do not match its sampled tokens, or top-k without teacher logprobs, is refused."""
+    student, teacher = models
+    engine = start_engine(student, in_process=True)
+    gw = start_gateway(student, [engine.url], in_process=True,
+                       config={"teacher_urls": (teacher_engine.url,), "teacher_topk": 6})
+    try:
+        s = new_session(gw)
+        c = client(s)
+        msgs = [{"role": "user", "content": "Count with me"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, seed=1,
+                                      extra_body={"ignore_eos": True})
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "More"}]
+        c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, seed=2, extra_body={"ignore_eos": True})
+        assert end(gw, s)[0] == 200
+        (seg,) = episode(gw, s).segments
+        sampled = [t for t, m in enumerate(seg.loss_mask) if m]
+        want_ids, want_logp = _top(teacher, seg.tokens, 6)
+        assert seg.teacher_topk_ids.shape == (len(sampled), 6) == seg.teacher_topk_logprobs.shape
+        assert np.array_equal(seg.teacher_topk_ids, want_ids[[t - 1 for t in sampled]])
+        assert np.allclose(seg.teacher_topk_logprobs, want_logp[[t - 1 for t in sampled]], atol=2e-5)
+        assert http(gw.url + "/forge/admin/state", method="GET")[1]["config"]["teacher_topk"] == 6
+    finally:
+        gw.stop()
+        engine.stop()
+    ep = Episode(episode_id="e0", group_id="g", task_id="t", segments=[seg], reward=1.0, started_at=0, ended_at=1)
+    for back in (episode_from_wire(*episode_to_wire(ep)), episode_from_blob(episode_to_blob(ep))):
+        assert np.array_equal(back.segments[0].teacher_topk_ids, seg.teacher_topk_ids)
+        assert np.array_equal(back.segments[0].teacher_topk_logprobs, seg.teacher_topk_logprobs)
+    bad = Segment(**{**seg.__dict__, "teacher_topk_ids": seg.teacher_topk_ids[:-1]})
+    with pytest.raises(SchemaError, match=r"must be \[sampled tokens=9, K\], got \[8, 6\] and \[9, 6\]"):
+        bad.validate()
+    with pytest.raises(SchemaError, match="come together, with teacher_logprobs"):
+        Segment(**{**seg.__dict__, "teacher_logprobs": None}).validate()
+
+
+def test_teacher_top_k_reaches_the_batches(make_pool):
+    """Episodes of two segments each with a teacher top-k: the pool's batch samples carry each segment's own rows
+    (int32 / float32 [sampled, K]), and so does the batch's wire form; a batch mixing samples with and without them
+    is refused."""
+    from forge_megatron.middleware.batch import TrainBatch
+
+    def segs(seed):
+        out = []
+        for j, n in enumerate((9, 7)):
+            seg = _segment(n, seed + j)
+            rng = np.random.default_rng(seed + j)
+            seg.teacher_topk_ids = rng.integers(0, 300, (n - 4, 3)).astype(np.int32)
+            seg.teacher_topk_logprobs = -np.sort(rng.random((n - 4, 3)), axis=1).astype(np.float32)
+            out.append(seg)
+        return out
+
+    pool = make_pool(generation_batch_groups=1)
+    gid = pool.register_group("t", 2, "default")
+    for e in range(2):
+        pool.episode_started(gid, f"e{e}")
+        pool.submit_episode(Episode(episode_id=f"e{e}", group_id=gid, task_id="t", segments=segs(20 * e),
+                                    reward=float(e), started_at=0, ended_at=1))
+    batch = pool.next_batch(1)
+    assert len(batch.samples) == 4
+    by_episode = {}
+    for s in batch.samples:
+        by_episode.setdefault(s.episode_id, []).append(s)
+    for eid, samples in by_episode.items():
+        for s, want in zip(sorted(samples, key=lambda x: len(x.tokens), reverse=True), segs(20 * int(eid[1:]))):
+            assert s.teacher_topk_ids.dtype == np.int32 and np.array_equal(s.teacher_topk_ids, want.teacher_topk_ids)
+            assert np.array_equal(s.teacher_topk_logprobs, want.teacher_topk_logprobs)
+    back = batch_from_wire(*batch_to_wire(batch))
+    assert all(np.array_equal(a.teacher_topk_ids, b.teacher_topk_ids) for a, b in zip(batch.samples, back.samples))
+    mixed = TrainBatch(batch_id=1, samples=[batch.samples[0], type(batch.samples[1])(
+        **{**batch.samples[1].__dict__, "teacher_topk_ids": None, "teacher_topk_logprobs": None})], group_indices=[0])
+    with pytest.raises(WireError, match="1 of 2 items have no teacher top-k"):
+        batch_to_wire(mixed)

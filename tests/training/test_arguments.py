@@ -177,7 +177,6 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
                                                                "--distill-kl forward or reverse"),
     (["--teacher-hf-checkpoint", "/t", "--distill-kl", "forward", "--distill-topk", "0"],
      "--distill-topk must be >= 1, got 0"),
-    (["--teacher-from-gateway", "--distill-kl", "forward"], "only a teacher in the trainer gives"),
 ])
 def test_bad_values_are_named(extra, message):
     with pytest.raises(ValueError, match=message):

@@ -31,9 +31,10 @@ def _episodes(seed: int = 4, group_size: int = 4):
     return [(prompt, rng.integers(10, 300, size=int(rng.integers(5, 9))).tolist()) for _ in range(group_size)]
 
 
-def _feed(episodes, teacher: list | None = None):
+def _feed(episodes, teacher: list | None = None, topk: list | None = None):
     """A pool feeder of ``episodes`` (one group); ``teacher``: per episode its completion's teacher logprobs, recorded
-    with the episode as a gateway with --teacher-urls does."""
+    with the episode as a gateway with --teacher-urls does; ``topk``: per episode (ids, logprobs) of the teacher's
+    top-k at each completion token (--teacher-topk)."""
     from forge_megatron.middleware.schema import Episode, Segment
 
     def feed(client):
@@ -42,7 +43,9 @@ def _feed(episodes, teacher: list | None = None):
             seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
                           rollout_logprobs=[0.0] * len(prompt) + [-5.0] * len(completion),
                           policy_versions=[-1] * len(prompt) + [0] * len(completion),
-                          teacher_logprobs=None if teacher is None else [0.0] * len(prompt) + teacher[e].tolist())
+                          teacher_logprobs=None if teacher is None else [0.0] * len(prompt) + teacher[e].tolist(),
+                          teacher_topk_ids=None if topk is None else topk[e][0],
+                          teacher_topk_logprobs=None if topk is None else topk[e][1])
             eid = f"{gid}-e{e}"
             client.episode_started(gid, eid)
             now = time.time()
@@ -279,6 +282,42 @@ def test_teacher_recorded_by_the_gateway_trains_as_the_trainers_own(models, tmp_
         pool.stop()
     assert out.returncode != 0 and "carry no teacher logprobs" in out.stdout + out.stderr
     assert "--teacher-urls" in out.stdout + out.stderr
+
+
+def test_teacher_top_k_recorded_by_the_gateway_trains_as_the_trainers_own(models, tmp_path):
+    """Episodes carrying a served teacher's top 10 tokens at every sampled token (transformers' teacher, as a gateway
+    with --teacher-urls --teacher-topk 10 records SGLang's) trained with --teacher-from-gateway --distill-kl reverse
+    --distill-topk 8 (the first 8 of the 10): the same two steps as the teacher in the trainer; samples without them
+    stop the run naming --teacher-topk."""
+    student, teacher = models
+    episodes = _episodes(seed=31)
+    recorded = _completion_logprobs(teacher, episodes)
+    t_TV, _ = _next_token_logprobs(teacher, episodes)
+    top_logp, top_ids = t_TV.float().topk(10, dim=-1)
+    bounds = np.cumsum([0] + [len(c) for _, c in episodes])
+    topk = [(top_ids[lo:hi].numpy().astype(np.int32), top_logp[lo:hi].numpy()) for lo, hi in zip(bounds[:-1],
+                                                                                                  bounds[1:])]
+    flags = ["--old-logprobs", "recompute", "--distill-kl", "reverse", "--distill-topk", "8"]
+    runs = {}
+    for name, feed, extra in (("trainer", _feed(episodes), ["--teacher-hf-checkpoint", teacher]),
+                              ("gateway", _feed(episodes, recorded, topk), ["--teacher-from-gateway"])):
+        runs[name], _, _ = run_on_fresh_pool(tmp_path, name, student, lambda c, f=feed: [f(c), f(c)], iters=2,
+                                             groups=1, lr="1e-2", extra=flags + extra)
+    for a, b in zip(runs["trainer"], runs["gateway"]):
+        for key in ("loss", "grad_norm", "distill_reverse_kl", "distill_forward_kl", "distill_topk_mass",
+                    "distill_teacher_logp"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    from .pool_feed import PoolProcess
+
+    pool = PoolProcess(str(tmp_path / "no_topk.sqlite"))
+    try:
+        _feed(episodes, recorded)(pool.client)
+        out = run_script(TRAIN, train_cmd(student, pool, str(tmp_path / "no_topk"), iters=1, groups=1,
+                                          extra=["--teacher-from-gateway", *flags]), env=train_env())
+    finally:
+        pool.stop()
+    assert out.returncode != 0 and "carry no teacher top-k: start the gateway with --teacher-topk 8" in \
+        out.stdout + out.stderr
 
 
 def _start(student: str, tmp_path, extra) -> str:
