@@ -25,7 +25,9 @@
 # serve LoRA and load each version's adapter from RUN_DIR/adapters, as forge.sbatch's), TEACHER_CHECKPOINT (on-policy
 # distillation: the trainer's --teacher-hf-checkpoint; with TEACHER_SERVED=1 served beside the engines as the
 # scorers are, the gateway scoring each episode with it: --teacher-urls / --teacher-from-gateway;
-# DISTILL_OUTCOME_COEF: 0 learns from the teacher alone). A Gemma 3 vision-language
+# DISTILL_OUTCOME_COEF: 0 learns from the teacher alone; DISTILL_KL: sampled, the default, or forward / reverse, the
+# dense KL over the teacher's DISTILL_TOPK (default 32) most likely tokens, --distill-kl / --distill-topk, recorded by
+# the gateway with a served teacher, --teacher-topk). A Gemma 3 vision-language
 # checkpoint starts SGLang with --attention-backend triton (SGLANG_ATTENTION_BACKEND overrides it), as forge.sbatch.
 set -euo pipefail
 DRY_RUN=0
@@ -54,7 +56,7 @@ DOMAIN_RATIOS="${DOMAIN_RATIOS:-}"
 RM_CHECKPOINT="${RM_CHECKPOINT:-}"; RM_DOMAIN="${RM_DOMAIN:-}"; RM_PORT="${RM_PORT:-30100}"
 JUDGE_CHECKPOINT="${JUDGE_CHECKPOINT:-}"; JUDGE_DOMAIN="${JUDGE_DOMAIN:-}"; JUDGE_PORT="${JUDGE_PORT:-30200}"
 TEACHER_CHECKPOINT="${TEACHER_CHECKPOINT:-}"; TEACHER_SERVED="${TEACHER_SERVED:-0}"; TEACHER_PORT="${TEACHER_PORT:-30300}"
-DISTILL_OUTCOME_COEF="${DISTILL_OUTCOME_COEF:-1}"
+DISTILL_OUTCOME_COEF="${DISTILL_OUTCOME_COEF:-1}"; DISTILL_KL="${DISTILL_KL:-sampled}"; DISTILL_TOPK="${DISTILL_TOPK:-32}"
 POLICY_SAMPLING="${POLICY_SAMPLING:-1}"; ROLLOUT_TEMPERATURE="${ROLLOUT_TEMPERATURE:-1}"; EVAL_TASKS="${EVAL_TASKS:-}"; EVAL_EVERY="${EVAL_EVERY:-10}"
 EPISODE_TIMEOUT_S="${EPISODE_TIMEOUT_S:-1800}"
 LORA_RANK="${LORA_RANK:-}"; LORA_SYNC="${LORA_SYNC:-merged}"
@@ -153,14 +155,21 @@ if [ -n "$JUDGE_CHECKPOINT" ]; then
                  --judge-model judge)
 fi
 TEACHER_NODE_FLAGS=(); TEACHER_TRAIN_FLAGS=()  # on-policy distillation (docs/training.md)
+case "$DISTILL_KL" in
+  sampled) DISTILL_FLAGS=(--distill-kl sampled) ;;
+  forward|reverse) DISTILL_FLAGS=(--distill-kl "$DISTILL_KL" --distill-topk "$DISTILL_TOPK") ;;
+  *) echo "run_local.sh: DISTILL_KL=$DISTILL_KL: sampled, forward or reverse" >&2; exit 2 ;;
+esac
 if [ -n "$TEACHER_CHECKPOINT" ] && [ "$TEACHER_SERVED" = 1 ]; then  # the gateway scores episodes with it
   serve_scorer teacher "$TEACHER_CHECKPOINT" "$TEACHER_PORT"
   TEACHER_NODE_FLAGS+=(--teacher-urls "http://127.0.0.1:$TEACHER_PORT")
-  TEACHER_TRAIN_FLAGS+=(--teacher-from-gateway --distill-outcome-coef "$DISTILL_OUTCOME_COEF")
+  if [ "$DISTILL_KL" != sampled ]; then TEACHER_NODE_FLAGS+=(--teacher-topk "$DISTILL_TOPK"); fi
+  TEACHER_TRAIN_FLAGS+=(--teacher-from-gateway --distill-outcome-coef "$DISTILL_OUTCOME_COEF" "${DISTILL_FLAGS[@]}")
 elif [ -n "$TEACHER_CHECKPOINT" ]; then  # in the trainer, split like the policy
-  TEACHER_TRAIN_FLAGS+=(--teacher-hf-checkpoint "$TEACHER_CHECKPOINT" --distill-outcome-coef "$DISTILL_OUTCOME_COEF")
-elif [ "$TEACHER_SERVED" = 1 ] || [ "$DISTILL_OUTCOME_COEF" != 1 ]; then
-  echo "run_local.sh: TEACHER_SERVED / DISTILL_OUTCOME_COEF need TEACHER_CHECKPOINT (the teacher)" >&2; exit 2
+  TEACHER_TRAIN_FLAGS+=(--teacher-hf-checkpoint "$TEACHER_CHECKPOINT" --distill-outcome-coef "$DISTILL_OUTCOME_COEF"
+                        "${DISTILL_FLAGS[@]}")
+elif [ "$TEACHER_SERVED" = 1 ] || [ "$DISTILL_OUTCOME_COEF" != 1 ] || [ "$DISTILL_KL" != sampled ]; then
+  echo "run_local.sh: TEACHER_SERVED / DISTILL_OUTCOME_COEF / DISTILL_KL need TEACHER_CHECKPOINT (the teacher)" >&2; exit 2
 fi
 ENGINES_CSV="$(IFS=,; echo "${ENGINE_URLS[*]}")"
 GATEWAY_URL="http://127.0.0.1:$GATEWAY_PORT"

@@ -145,35 +145,36 @@ def _score_targets(logits_1TV, layout, pred_nodes_M, targets_M, with_entropy, in
     return logp_M, entropy_M
 
 
-def topk_from_output(output_1TX: torch.Tensor, layout, index_X: torch.Tensor, k: int,
-                     output_weight: torch.Tensor | None = None, head_dtype: torch.dtype | None = None,
-                     multiple: int | None = None, temperature: float = 1.0, softcap: float | None = None,
-                     vocab_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A frozen model's ``k`` most likely next tokens at the rows predicting targets ``index_X`` (of
-    ``layout.next_token_index()``) and their log-probabilities: (ids_XK, logp_XK), forward only
+def topk_from_output(output_1TX: torch.Tensor, layout, k: int, output_weight: torch.Tensor | None = None,
+                     head_dtype: torch.dtype | None = None, multiple: int | None = None, temperature: float = 1.0,
+                     softcap: float | None = None, vocab_limit: int | None = None):
+    """A frozen model's logprobs of the targets and its ``k`` most likely next tokens at each of their rows, in one
+    pass over the logits: (logp_M, ids_MK, logp_MK) in ``layout.next_token_index()`` order, forward only
     (``mcore.logprobs.vocab_parallel_topk``). The output is the logits, or the output layer's input with
     ``output_weight`` (fused), as in :func:`logprobs_from_logits`, which also defines ``multiple``, ``temperature``
     and ``softcap``; ``vocab_limit``: only ids below it are candidates. Under context parallelism each CP rank
-    answers the rows it holds and the answers are summed over the CP group (every row lives on one rank)."""
+    answers the targets predicted from the rows it holds, and the answers are summed over the CP group."""
     from forge_megatron.mcore.context_parallel import sum_over_cp
     from forge_megatron.mcore.logprobs import vocab_parallel_topk
 
-    pred_nodes_M, _, _ = layout.next_token_index()
-    nodes_X = pred_nodes_M[index_X.to(pred_nodes_M.device)]
-    src = ({"hidden_TH": output_1TX[0], "weight_VH": output_weight, "compute_dtype": head_dtype}
-           if output_weight is not None else {"logits_TV": output_1TX[0]})
+    pred_nodes_M, targets_M, _ = layout.next_token_index()
     if output_weight is None and (softcap is not None or head_dtype is not None):
         raise ValueError("softcap and an LM head dtype are for the fused output layer (output_weight)")
-    opts = {"temperature": temperature, "softcap": softcap, "vocab_limit": vocab_limit}
-    rows_X, local_X = _local_rows(layout, nodes_X, output_1TX.shape[1], multiple)
-    if rows_X is None:
-        return vocab_parallel_topk(nodes_X, k, **src, **opts)
-    ids_xk, logp_xk = vocab_parallel_topk(rows_X[local_X], k, **src, **opts)
-    local_X = local_X.to(ids_xk.device)
-    ids_XK = ids_xk.new_zeros((local_X.numel(), k))
-    logp_XK = logp_xk.new_zeros((local_X.numel(), k))
-    ids_XK[local_X], logp_XK[local_X] = ids_xk, logp_xk
-    return sum_over_cp(ids_XK), sum_over_cp(logp_XK)
+    src = ({"hidden_TH": output_1TX[0], "weight_VH": output_weight, "compute_dtype": head_dtype}
+           if output_weight is not None else {"logits_TV": output_1TX[0]})
+    opts = {"temperature": temperature, "softcap": softcap, "vocab_limit": vocab_limit, **src}
+    rows_M, local_M = _local_rows(layout, pred_nodes_M, output_1TX.shape[1], multiple)
+    if rows_M is None:
+        ids_MK, logp_MK, logp_M = vocab_parallel_topk(pred_nodes_M, k, targets_U=targets_M, **opts)
+        return logp_M, ids_MK, logp_MK
+    ids_mk, logp_mk, logp_m = vocab_parallel_topk(rows_M[local_M], k, targets_U=targets_M[local_M], **opts)
+    local_M = local_M.to(ids_mk.device)
+    full = []
+    for x in (logp_m, ids_mk, logp_mk):
+        out = x.new_zeros((local_M.numel(), *x.shape[1:]))
+        out[local_M] = x
+        full.append(sum_over_cp(out))
+    return tuple(full)
 
 
 def _gpt_output_layer(model):
@@ -380,8 +381,8 @@ def make_tree_teacher_step(keep, k: int, vocab_limit: int | None = None, backend
     """A forward-only ``forward_step_func`` for a frozen distillation teacher: on the last pipeline stage the loss
     function calls ``keep(logp_M, index_X, ids_XK, logp_XK, micro_batch) -> (loss, metrics)`` with the teacher's
     logprobs of the sampled tokens, the trained targets ``index_X`` (``extras["loss_mask_M"]``) and the teacher's
-    ``k`` most likely tokens there with their logprobs (:func:`topk_from_output`; ``vocab_limit``: candidate ids
-    below it). Options as :func:`make_tree_forward_step`'s."""
+    ``k`` most likely tokens there with their logprobs, all from one pass over its logits (:func:`topk_from_output`;
+    ``vocab_limit``: candidate ids below it). Options as :func:`make_tree_forward_step`'s."""
 
     def forward_step(data_iterator, model):
         micro_batch = next(data_iterator)
@@ -389,14 +390,11 @@ def make_tree_teacher_step(keep, k: int, vocab_limit: int | None = None, backend
         head = _captured_head(captured)
 
         def loss_func(output_1TX):
-            logp_M, _ = logprobs_from_logits(output_1TX, micro_batch.layout, head_dtype=head_dtype,
-                                             multiple=multiple, temperature=temperature, **head)
+            logp_M, ids_MK, logp_MK = topk_from_output(
+                output_1TX, micro_batch.layout, k, output_weight=head.get("output_weight"), head_dtype=head_dtype,
+                multiple=multiple, temperature=temperature, softcap=head.get("softcap"), vocab_limit=vocab_limit)
             index_X = torch.nonzero(micro_batch.extras["loss_mask_M"]).flatten().to(logp_M.device)
-            ids_XK, logp_XK = topk_from_output(output_1TX, micro_batch.layout, index_X, k,
-                                               output_weight=head.get("output_weight"), head_dtype=head_dtype,
-                                               multiple=multiple, temperature=temperature,
-                                               softcap=head.get("softcap"), vocab_limit=vocab_limit)
-            return keep(logp_M, index_X, ids_XK, logp_XK, micro_batch)
+            return keep(logp_M, index_X, ids_MK[index_X], logp_MK[index_X], micro_batch)
 
         return output, loss_func
 

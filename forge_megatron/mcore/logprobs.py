@@ -403,14 +403,15 @@ def linear_vocab_parallel_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Ten
 
 
 @torch.no_grad()
-def vocab_parallel_topk(rows_U: torch.Tensor, k: int, *, logits_TV: torch.Tensor | None = None,
-                        hidden_TH: torch.Tensor | None = None, weight_VH: torch.Tensor | None = None,
-                        vocab_limit: int | None = None, chunk_rows: int | None = None,
-                        compute_dtype: torch.dtype | None = None, temperature: float = 1.0,
-                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_topk(rows_U: torch.Tensor, k: int, *, targets_U: torch.Tensor | None = None,
+                        logits_TV: torch.Tensor | None = None, hidden_TH: torch.Tensor | None = None,
+                        weight_VH: torch.Tensor | None = None, vocab_limit: int | None = None,
+                        chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None,
+                        temperature: float = 1.0, softcap: float | None = None):
     """The ``k`` most likely tokens of each row ``rows_U`` and their log-probabilities under the full (vocabulary-
-    parallel) distribution: (ids [U, k] int64, logp [U, k] fp32), most likely first. Forward only (a frozen
-    teacher's top-k for distillation, ``--distill-kl forward|reverse``).
+    parallel) distribution: (ids [U, k] int64, logp [U, k] fp32), most likely first; with ``targets_U`` also the
+    log-probability of each row's target [U] as a third output, from the same pass over the logits. Forward only (a
+    frozen teacher's top-k for distillation, ``--distill-kl forward|reverse``).
 
     Either this rank's logits ``logits_TV`` or the output layer's input ``hidden_TH`` and this rank's output weight
     ``weight_VH`` (fused: logits made chunk by chunk, matmul in ``compute_dtype`` or the weight's dtype), scored as
@@ -434,8 +435,9 @@ def vocab_parallel_topk(rows_U: torch.Tensor, k: int, *, logits_TV: torch.Tensor
     limit = vocab if vocab_limit is None else int(vocab_limit)
     if not 1 <= k <= min(limit, vocab):
         raise ValueError(f"top-k needs 1 <= k <= {min(limit, vocab)} (the candidate vocabulary), got k={k}")
-    rows_U, _, chunk_rows = _checked(rows_U, torch.zeros_like(rows_U), num_rows, vocab_slice, world, chunk_rows)
-    t = _Targets(rows_U, torch.zeros_like(rows_U), num_rows, vocab_slice, rank, chunk_rows, device)
+    rows_U, targets, chunk_rows = _checked(rows_U, torch.zeros_like(rows_U) if targets_U is None else targets_U,
+                                           num_rows, vocab_slice, world, chunk_rows)
+    t = _Targets(rows_U, targets, num_rows, vocab_slice, rank, chunk_rows, device)
     if logits_TV is not None:
         def read(lo, hi):
             return t.fresh_fp32(logits_TV, lo, hi)
@@ -450,8 +452,10 @@ def vocab_parallel_topk(rows_U: torch.Tensor, k: int, *, logits_TV: torch.Tensor
     sum_exp_U = torch.empty_like(max_U)
     first = rank * vocab_slice
     allowed = min(max(limit - first, 0), vocab_slice)  # this slice's columns that may be candidates
-    for lo, hi, _, _ in t.chunks():
+    target_M = torch.zeros(t.pos_M.shape, dtype=torch.float32, device=device)
+    for lo, hi, m, r in t.chunks():
         z_CV = read(lo, hi)
+        target_M[m] = torch.where(t.owned_M[m], z_CV[r, t.local_M[m]], 0.0)
         if allowed > 0:
             v, i = z_CV[:, :allowed].topk(min(kk, allowed), dim=-1)
             cand_val[lo:hi, :v.shape[1]], cand_id[lo:hi, :v.shape[1]] = v, i + first
@@ -464,6 +468,8 @@ def vocab_parallel_topk(rows_U: torch.Tensor, k: int, *, logits_TV: torch.Tensor
         dist.all_reduce(max_U, op=dist.ReduceOp.MAX, group=group)
         sum_exp_U *= (local_max_U - max_U).exp()
         dist.all_reduce(sum_exp_U, group=group)
+        if targets_U is not None:
+            dist.all_reduce(target_M, group=group)
         vals = [torch.empty_like(cand_val) for _ in range(world)]
         ids = [torch.empty_like(cand_id) for _ in range(world)]
         dist.all_gather(vals, cand_val, group=group)
@@ -472,4 +478,5 @@ def vocab_parallel_topk(rows_U: torch.Tensor, k: int, *, logits_TV: torch.Tensor
     val_UK, pick_UK = cand_val.topk(k, dim=-1)
     lse_U = max_U + sum_exp_U.log()
     # rows asked for more than once get their row's answer each time
-    return cand_id.gather(1, pick_UK)[t.pos_M], (val_UK - lse_U[:, None])[t.pos_M]
+    ids, logp = cand_id.gather(1, pick_UK)[t.pos_M], (val_UK - lse_U[:, None])[t.pos_M]
+    return (ids, logp) if targets_U is None else (ids, logp, target_M - lse_U[t.pos_M])

@@ -22,7 +22,9 @@
 that all use the tool, scores every token the student samples (the trainer's --teacher-hf-checkpoint, on the same
 prefix trees) and the student learns from it alone (--distill-outcome-coef 0): the verifier's rewards are measured,
 never trained on. ``--distill served``: a second forge-engine serves the teacher and the gateway scores each episode
-with it as the episode ends (--teacher-urls; the trainer's --teacher-from-gateway).
+with it as the episode ends (--teacher-urls; the trainer's --teacher-from-gateway). ``--distill-kl reverse`` (or
+``forward``) teaches with the dense KL over the teacher's top 32 tokens at every sampled token instead of the
+sampled token's logprob (served: the gateway records them, --teacher-topk 32).
 
 ``--arch qwen3_vl`` swaps the task for the colour task (forge_megatron.agents.colors): a tiny Qwen3-VL, a warm-start on
 chats with pictures, a colour agent that sends each picture inline; the pictures go through every process.
@@ -72,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "forge-engine serves it and the gateway scores each episode as it ends (--teacher-urls, "
                         "--teacher-from-gateway)")
     p.add_argument("--distill-kl", choices=["sampled", "forward", "reverse"], default="sampled",
-                   help="with --distill (trainer): what the teacher teaches, as the trainer's --distill-kl: the "
-                        "sampled token's logprob in the advantage (default), or a dense KL over its top-k tokens")
+                   help="with --distill: what the teacher teaches, as the trainer's --distill-kl: the sampled "
+                        "token's logprob in the advantage (default), or a dense KL over its top 32 tokens (served: "
+                        "the gateway records them, --teacher-topk 32)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=None,
@@ -350,7 +353,9 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
     if args.distill == "served":  # the gateway scores each ended episode with the teacher's engine
         teacher_flags = ["--teacher-urls", procs.server("teacher engine", "forge_megatron.rollout.engine_server",
                                                         ["--model-path", args.teacher_dir])]
-        distill_flags = ["--teacher-from-gateway", "--distill-outcome-coef", "0"]
+        distill_flags = ["--teacher-from-gateway", "--distill-outcome-coef", "0", "--distill-kl", args.distill_kl]
+        if args.distill_kl != "sampled":  # the gateway records the teacher's top-k at every sampled token
+            teacher_flags += ["--teacher-topk", "32"]
     elif args.distill:  # the trainer runs the teacher
         distill_flags = ["--teacher-hf-checkpoint", args.teacher_dir, "--distill-outcome-coef", "0",
                          "--distill-kl", args.distill_kl]
@@ -507,8 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--train-vision-tower needs a vision-language --arch: one of {', '.join(VISION_ARCHS)}")
     if args.arch in VISION_ARCHS and args.agent_api != "chat":
         raise SystemExit(f"--arch {args.arch} runs the colour agent, which calls chat completions only")
-    if args.distill_kl != "sampled" and args.distill != "trainer":
-        raise SystemExit("--distill-kl forward|reverse needs the teacher in the trainer (--distill, not served)")
+    if args.distill_kl != "sampled" and not args.distill:
+        raise SystemExit("--distill-kl needs --distill (the teacher it learns from)")
     if args.distill and (args.arch in VISION_ARCHS or args.moe):
         raise SystemExit("--distill runs the calculator task with a dense teacher: a text --arch, no --moe")
     if args.arch == "gemma4_e" and (args.num_layers < 4 or args.num_layers % 2):

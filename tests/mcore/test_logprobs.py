@@ -500,6 +500,11 @@ def test_topk_is_the_full_distributions_top_k(chunk_rows, fused):
         ids, logp = vocab_parallel_topk(rows_M, k, vocab_limit=limit, chunk_rows=chunk_rows,
                                         temperature=temperature, softcap=softcap, **src)
         ref_ids, ref_logp = _topk_reference(z_TV, rows_M, k, limit, temperature, softcap)
+        targets = (rows_M * 7) % V  # and each row's target's logprob from the same pass
+        *same, target_logp = vocab_parallel_topk(rows_M, k, targets_U=targets, vocab_limit=limit,
+                                                 chunk_rows=chunk_rows, temperature=temperature, softcap=softcap, **src)
+        want = _scores(z_TV.float(), temperature, softcap).log_softmax(-1)[rows_M, targets]
+        assert torch.equal(same[0], ids) and (target_logp - want).abs().max() < 5e-6
         assert ids.dtype == torch.int64 and ids.shape == (rows_M.numel(), k)
         assert torch.equal(ids, ref_ids), (k, limit)
         assert (logp - ref_logp).abs().max() < 5e-6  # (fp32 matmuls of other shapes)
@@ -521,8 +526,12 @@ def _body_tp_topk(rank, world_size):
     out = []
     for k, limit in ((4, None), (V + 3, None), (7, V + 10)):  # more than one slice holds; a limit inside rank 1's
         ref_ids, ref_logp = _topk_reference(full_TV, rows_M, k, limit, 0.8)
-        ids, logp = vocab_parallel_topk(rows_M, k, logits_TV=full_TV[:, rank * V:(rank + 1) * V].contiguous(),
-                                        vocab_limit=limit, temperature=0.8)
+        targets = (rows_M * 11) % (2 * V)  # owned by either rank
+        ids, logp, target_logp = vocab_parallel_topk(
+            rows_M, k, targets_U=targets, logits_TV=full_TV[:, rank * V:(rank + 1) * V].contiguous(),
+            vocab_limit=limit, temperature=0.8)
+        want = (full_TV / 0.8).log_softmax(-1)[rows_M, targets]
+        assert (target_logp - want).abs().max() < 5e-6
         fids, flogp = vocab_parallel_topk(rows_M, k, hidden_TH=hidden_TH, vocab_limit=limit, temperature=0.8,
                                           weight_VH=weight_VH[rank * V:(rank + 1) * V].contiguous())
         fref_ids, fref_logp = _topk_reference((hidden_TH @ weight_VH.t()).float(), rows_M, k, limit, 0.8)

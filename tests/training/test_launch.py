@@ -55,7 +55,8 @@ def test_bash_syntax_and_help():
     dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B",
          FP32_LM_HEAD=1, OVERLAP_GRAD_REDUCE=1, OVERLAP_PARAM_GATHER=1, WEIGHT_SYNC_INTERVAL=2, POLICY_SAMPLING=0, ROLLOUT_TEMPERATURE=0.8, TRUST_REMOTE_CODE=1, GATEWAY_WORKERS=4,
          SAVE_INTERVAL=25, KEEP_CHECKPOINTS=3, ASYNC_SAVE=1, EXIT_DURATION_MINS=1410,
-         TEACHER_CHECKPOINT="/models/teacher", DISTILL_OUTCOME_COEF=0, TEACHER_OFFLOAD=1),
+         TEACHER_CHECKPOINT="/models/teacher", DISTILL_OUTCOME_COEF=0, TEACHER_OFFLOAD=1, DISTILL_KL="forward",
+         DISTILL_TOPK=16),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
          USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1, KEEP_TRAJECTORIES=1,
          EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5, RETIRE_SOLVED_AFTER=3),
@@ -114,6 +115,7 @@ def test_dry_run_plan_is_consistent(layout):
     teacher = layout.get("TEACHER_CHECKPOINT")  # on-policy distillation: the trainer's teacher, or none
     assert (args.teacher_hf_checkpoint, args.distill_outcome_coef, args.teacher_offload) == (
         teacher, float(layout.get("DISTILL_OUTCOME_COEF", 1)), layout.get("TEACHER_OFFLOAD") == 1)
+    assert (args.distill_kl, args.distill_topk) == (layout.get("DISTILL_KL", "sampled"), layout.get("DISTILL_TOPK", 32))
     assert args.exit_signal_handler and args.exit_duration_in_mins == layout.get("EXIT_DURATION_MINS")
     assert args.exit_file == f"{_run_dir(out.stdout)}/stop_training"  # what the USR1 trap creates
     replay = layout.get("ROUTING_REPLAY") == 1  # engines record, the gateway keeps, the trainer replays: all or none
@@ -233,7 +235,7 @@ def test_served_distillation_teacher():
     from forge_megatron.agents.middleware_node import build_parser as node_parser
 
     out = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", RM_CHECKPOINT="/models/rm", TEACHER_CHECKPOINT="/models/big",
-                   TEACHER_SERVED=1, TEACHER_TP=4, DISTILL_OUTCOME_COEF=0,
+                   TEACHER_SERVED=1, TEACHER_TP=4, DISTILL_OUTCOME_COEF=0, DISTILL_KL="reverse", DISTILL_TOPK=20,
                    TEACHER_PROMPT="A correct final answer is {answer}.")
     assert out.returncode == 0, out.stderr
     cmds = _commands(out.stdout)
@@ -244,19 +246,23 @@ def test_served_distillation_teacher():
     middle = teacher[teacher.index("-w") + 1]
     assert node.teacher_urls == f"http://{middle}:30300"
     assert node.teacher_prompt == "A correct final answer is {answer}."
+    assert node.teacher_topk == 20  # a dense KL: the gateway records the served teacher's top-k
     (trainer,) = [c for c in cmds if "torchrun" in c]
     args = _trainer_args(trainer)
     assert args.teacher_from_gateway and args.teacher_hf_checkpoint is None and args.distill_outcome_coef == 0.0
+    assert (args.distill_kl, args.distill_topk) == ("reverse", 20)
     external = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", TEACHER_URLS="http://t1:30000,http://t2:30000")
     cmds = _commands(external.stdout)
     (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
-    assert node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:]).teacher_urls == \
-        "http://t1:30000,http://t2:30000"
+    external_node = node_parser().parse_args(mid[mid.index("forge_megatron.agents.middleware_node") + 1:])
+    assert external_node.teacher_urls == "http://t1:30000,http://t2:30000" and external_node.teacher_topk == 0
     assert _trainer_args([c for c in cmds if "torchrun" in c][0]).teacher_from_gateway
     for env, message in ((dict(TEACHER_SERVED=1), "TEACHER_SERVED=1 needs TEACHER_CHECKPOINT"),
                          (dict(TEACHER_URLS="http://t:1", TEACHER_OFFLOAD=1), "a served teacher has no weights"),
                          (dict(TEACHER_CHECKPOINT="/m", TEACHER_SERVED=1, TEACHER_TP=9), "do not fit the middleware"),
                          (dict(DISTILL_COEF=2), "need TEACHER_CHECKPOINT or TEACHER_URLS"),
+                         (dict(DISTILL_KL="reverse"), "need TEACHER_CHECKPOINT or TEACHER_URLS"),
+                         (dict(TEACHER_URLS="http://t:1", DISTILL_KL="jsd"), "DISTILL_KL=jsd: sampled, forward or"),
                          (dict(TEACHER_CHECKPOINT="/m", TEACHER_PROMPT="x"), "TEACHER_PROMPT needs a served teacher"),
                          (dict(TEACHER_URLS="http://t:1", DROP_ZERO_ADVANTAGE_GROUPS=1), "still carry the teacher's")):
         bad = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", **env)
@@ -441,7 +447,7 @@ def test_run_local_dry_run_is_consistent():
     for served in (0, 1):
         out = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=60,
                              env={**env, "TEACHER_CHECKPOINT": "/models/big", "TEACHER_SERVED": str(served),
-                                  "DISTILL_OUTCOME_COEF": "0"})
+                                  "DISTILL_OUTCOME_COEF": "0", "DISTILL_KL": "reverse", "DISTILL_TOPK": "12"})
         assert out.returncode == 0, out.stderr
         cmds = _commands(out.stdout)
         (mid,) = [c for c in cmds if "forge_megatron.agents.middleware_node" in c]
@@ -452,6 +458,7 @@ def test_run_local_dry_run_is_consistent():
         assert targs.distill_outcome_coef == 0.0 and len(teacher_engines) == served
         assert (node.teacher_urls, targs.teacher_from_gateway, targs.teacher_hf_checkpoint) == (
             ("http://127.0.0.1:30300", True, None) if served else ("", False, "/models/big"))
+        assert (targs.distill_kl, targs.distill_topk, node.teacher_topk) == ("reverse", 12, 12 if served else 0)
 
 
 def test_auto_weight_sync_master_addr_is_this_host():
