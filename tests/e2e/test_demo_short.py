@@ -93,22 +93,25 @@ def test_short_moe_demo_replays_the_engines_routing(tmp_path):
     assert first["routing_replayed_rows"] > 0 and first["rollout_logp_abs_diff"] < 1e-4
 
 
-@pytest.mark.parametrize("where", ["trainer", "served"])
-def test_short_distill_demo_learns_from_a_teacher(tmp_path, where):
+@pytest.mark.parametrize("where,kl", [("trainer", "sampled"), ("served", "sampled"), ("served", "reverse")])
+def test_short_distill_demo_learns_from_a_teacher(tmp_path, where, kl):
     """``--distill``: a second, twice-as-wide SFT model is the teacher; the trainer loads it beside the student
     (``trainer``), or a second forge-engine serves it and the gateway scores each ended episode with it
     (``served``), and every step's sampled tokens are trained on the teacher's per-token advantage alone (no reward
-    term). Every step reports the reverse-KL estimate on the student's own samples; the weights move (gradient > 0)
-    and reach the engine every step. (That this teaches the student: the 40-step demo, docs/benchmarks.md.)"""
+    term), or with ``--distill-kl reverse`` on the dense KL over the teacher's top 32 tokens (served: recorded by the
+    gateway, ``--teacher-topk 32``). Every step reports the reverse KL on the student's own samples; the weights move
+    (gradient > 0) and reach the engine every step. (That this teaches the student: the 40-step demo,
+    docs/training.md.)"""
     out = tmp_path / "distill_run"
     cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--distill", where, "--out", str(out), "--steps", "3",
            "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4", "--eval-tasks", "0",
-           "--timeout-s", "400"]
+           "--timeout-s", "400", "--distill-kl", kl]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "[demo]     the teacher for on-policy distillation: hidden 128" in proc.stdout
     assert ("[forge-train] teacher for on-policy distillation loaded from" in proc.stdout) == (where == "trainer")
-    assert "reverse KL to the teacher per sampled token" in proc.stdout
+    assert ("reverse KL to the teacher per sampled token" if kl == "sampled" else
+            "reverse KL to the teacher over its top-k tokens (--distill-kl reverse)") in proc.stdout
     summary = json.loads((out / "metrics.json").read_text())
     if where == "served":  # every sampled token of the trained episodes was scored by the teacher's engine
         assert "[demo] teacher engine ready at" in proc.stdout
@@ -121,6 +124,9 @@ def test_short_distill_demo_learns_from_a_teacher(tmp_path, where):
         assert s["distill_teacher_logp"] < 0 and abs(s["distill_reverse_kl"]) > 1e-3
     assert proc.stdout.count("| teacher rkl ") == 3  # on the progress lines
     assert summary["distill_reverse_kl"] == [s["distill_reverse_kl"] for s in steps]
+    if kl != "sampled":  # the dense KL trains: both top-k KLs, the teacher's top-32 mass and the loss term
+        assert all(s["distill_loss"] > 0 and s["distill_forward_kl"] > 0 and 0 < s["distill_topk_mass"] <= 1.0001
+                   for s in steps), [(s["distill_loss"], s["distill_forward_kl"], s["distill_topk_mass"]) for s in steps]
 
 
 @pytest.mark.parametrize("sync", ["merged", "adapter"])
