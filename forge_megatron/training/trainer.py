@@ -940,7 +940,6 @@ class Trainer:
     def head_dtype(self) -> torch.dtype | None:
         return torch.float32 if getattr(self.args, "fp32_lm_head", False) else None
 
-    @torch.no_grad()
     def _recorded_topk(self, rb: RankBatch) -> None:
         """--teacher-from-gateway with --distill-kl forward|reverse: the served teacher's top-k recorded with the
         samples (the gateway's --teacher-topk), cut to this run's --distill-topk."""
@@ -973,6 +972,7 @@ class Trainer:
                 keep, self.teacher.topk, vocab_limit=self.teacher.vocab, fused_output=self.args.fused_logprobs,
                 head_dtype=self.head_dtype, temperature=self.temperature), forward_only=True)
 
+    @torch.no_grad()
     def _forward_only_logprobs(self, chunks, rb: RankBatch, key: str) -> None:
         """Per-target logprobs of ``chunks`` (the policy for pi_old, or the reference model) stored as
         ``mb.extras[key]`` on every micro-batch of ``rb``, through a forward-only schedule."""
