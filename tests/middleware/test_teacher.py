@@ -74,6 +74,22 @@ def test_engine_scores_the_input_as_sglang_does(models, teacher_engine):
     asyncio.run(run())
 
 
+def _two_call_segment(gw, first: int, second: int) -> Segment:
+    """A session of two calls on ``gw`` (``first`` then ``second`` sampled tokens, the second call extending the
+    first: one segment), ended; the segment the sink got."""
+    s = new_session(gw)
+    c = client(s)
+    msgs = [{"role": "user", "content": "Count with me"}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=first, seed=1,
+                                  extra_body={"ignore_eos": True})
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "More"}]
+    c.chat.completions.create(model="tiny", messages=msgs, max_tokens=second, seed=2, extra_body={"ignore_eos": True})
+    assert len(calls(gw, s)) == 2
+    assert end(gw, s)[0] == 200
+    (seg,) = episode(gw, s).segments
+    return seg
+
+
 def test_gateway_records_the_teachers_logprobs_of_sampled_tokens(models, teacher_engine):
     """A two-call session on the student (the second extending the first: one segment) ended through a gateway
     with a teacher: the sink's episode has, at every sampled token, the teacher's logprob of it given everything
@@ -85,16 +101,7 @@ def test_gateway_records_the_teachers_logprobs_of_sampled_tokens(models, teacher
     gw = start_gateway(student, [engine.url], in_process=True,
                        config={"teacher_urls": (dead, teacher_engine.url), "teacher_timeout_s": 20.0})
     try:
-        s = new_session(gw)
-        c = client(s)
-        msgs = [{"role": "user", "content": "Count with me"}]
-        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, seed=1,
-                                      extra_body={"ignore_eos": True})
-        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "More"}]
-        c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, seed=2, extra_body={"ignore_eos": True})
-        assert len(calls(gw, s)) == 2
-        assert end(gw, s)[0] == 200
-        (seg,) = episode(gw, s).segments
+        seg = _two_call_segment(gw, 6, 5)
         want = _logprobs(teacher, seg.tokens)
         sampled = [t for t, m in enumerate(seg.loss_mask) if m]
         assert len(sampled) == 11 and seg.teacher_logprobs is not None
@@ -370,15 +377,7 @@ def test_gateway_records_the_teachers_top_k_at_sampled_tokens(models, teacher_en
     gw = start_gateway(student, [engine.url], in_process=True,
                        config={"teacher_urls": (teacher_engine.url,), "teacher_topk": 6})
     try:
-        s = new_session(gw)
-        c = client(s)
-        msgs = [{"role": "user", "content": "Count with me"}]
-        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, seed=1,
-                                      extra_body={"ignore_eos": True})
-        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "More"}]
-        c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, seed=2, extra_body={"ignore_eos": True})
-        assert end(gw, s)[0] == 200
-        (seg,) = episode(gw, s).segments
+        seg = _two_call_segment(gw, 5, 4)
         sampled = [t for t, m in enumerate(seg.loss_mask) if m]
         want_ids, want_logp = _top(teacher, seg.tokens, 6)
         assert seg.teacher_topk_ids.shape == (len(sampled), 6) == seg.teacher_topk_logprobs.shape
