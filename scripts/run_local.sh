@@ -25,9 +25,9 @@
 # serve LoRA and load each version's adapter from RUN_DIR/adapters, as forge.sbatch's), TEACHER_CHECKPOINT (on-policy
 # distillation: the trainer's --teacher-hf-checkpoint; with TEACHER_SERVED=1 served beside the engines as the
 # scorers are, the gateway scoring each episode with it: --teacher-urls / --teacher-from-gateway;
-# DISTILL_OUTCOME_COEF: 0 learns from the teacher alone; DISTILL_KL: sampled, the default, or forward / reverse, the
-# dense KL over the teacher's DISTILL_TOPK (default 32) most likely tokens, --distill-kl / --distill-topk, recorded by
-# the gateway with a served teacher, --teacher-topk). A Gemma 3 vision-language
+# DISTILL_OUTCOME_COEF: 0 learns from the teacher alone; DISTILL_KL: sampled, the default, or forward / reverse /
+# jsd, the dense divergence over the teacher's DISTILL_TOPK (default 32) most likely tokens, --distill-kl /
+# --distill-topk, recorded by the gateway with a served teacher, --teacher-topk). A Gemma 3 vision-language
 # checkpoint starts SGLang with --attention-backend triton (SGLANG_ATTENTION_BACKEND overrides it), as forge.sbatch.
 set -euo pipefail
 DRY_RUN=0
@@ -157,8 +157,8 @@ fi
 TEACHER_NODE_FLAGS=(); TEACHER_TRAIN_FLAGS=()  # on-policy distillation (docs/training.md)
 case "$DISTILL_KL" in
   sampled) DISTILL_FLAGS=(--distill-kl sampled) ;;
-  forward|reverse) DISTILL_FLAGS=(--distill-kl "$DISTILL_KL" --distill-topk "$DISTILL_TOPK") ;;
-  *) echo "run_local.sh: DISTILL_KL=$DISTILL_KL: sampled, forward or reverse" >&2; exit 2 ;;
+  forward|reverse|jsd) DISTILL_FLAGS=(--distill-kl "$DISTILL_KL" --distill-topk "$DISTILL_TOPK") ;;
+  *) echo "run_local.sh: DISTILL_KL=$DISTILL_KL: sampled, forward, reverse or jsd" >&2; exit 2 ;;
 esac
 if [ -n "$TEACHER_CHECKPOINT" ] && [ "$TEACHER_SERVED" = 1 ]; then  # the gateway scores episodes with it
   serve_scorer teacher "$TEACHER_CHECKPOINT" "$TEACHER_PORT"

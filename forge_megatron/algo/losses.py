@@ -29,18 +29,20 @@ the negative of the sampled per-token estimate of the reverse KL(pi_old || pi_te
 lowers the reverse KL to the teacher on the student's own samples (per token, no reward-to-go: on-policy distillation
 as Agarwal et al. 2024 (GKD) and Thinking Machines 2025 run it). ``outcome_coef = 0`` trains on the teacher alone.
 
-With ``distill_kl = "forward"`` or ``"reverse"`` the teacher's guidance is a dense loss instead: at every trained
-position, the KL between the student's and the teacher's next-token distributions, both coarse-grained to the
-teacher's top K tokens plus one bucket for the rest of the vocabulary (``teacher_topk_logp_XK`` and the student's
+With ``distill_kl = "forward"``, ``"reverse"`` or ``"jsd"`` the teacher's guidance is a dense loss instead: at every
+trained position, a divergence between the student's and the teacher's next-token distributions, both
+coarse-grained to the teacher's top K tokens plus one bucket for the rest of the vocabulary (``teacher_topk_logp_XK`` and the student's
 ``topk_logp_XK`` of the same tokens; tail ``log(1 - sum_k p_k)``):
 
     forward  kl_it = sum_k pt_k (log pt_k - log ps_k) + pt_tail (log pt_tail - log ps_tail)      KL(teacher || student)
     reverse  kl_it = sum_k ps_k (log ps_k - log pt_k) + ps_tail (log ps_tail - log pt_tail)      KL(student || teacher)
+    jsd      kl_it = beta KL(pt || m) + (1 - beta) KL(ps || m),   m = beta pt + (1 - beta) ps     (GKD's JSD(beta))
     L = L_pg(outcome_coef * A) + distill_coef * reduce(kl)
 
 differentiated through the student's distribution (GKD's objective on the student's own samples). Merging
-outcomes never raises a KL (data processing inequality), so this is a lower bound of the full-vocabulary KL that
-tightens as K grows and equals it once the top K hold all of the mass; each tail's probability is floored at 1e-12.
+outcomes never raises a KL or a JSD (data processing inequality), so this is a lower bound of the full-vocabulary
+divergence that tightens as K grows and equals it once the top K hold all of the mass; each tail's probability is
+floored at 1e-12.
 
 Reduction with sample weights ``w_i`` (an episode split into n segments has ``w = 1/n`` per segment) and loss
 mask ``m``:
@@ -58,6 +60,7 @@ S = samples, S1 = S + 1, D = domains.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -69,7 +72,7 @@ __all__ = ["LossConfig", "policy_loss", "sample_index"]
 LOSS_TYPES = ("cispo", "ppo", "gspo")
 NORMS = ("token_mean", "seq_mean", "constant")
 KL_TYPES = ("k1", "k3")
-DISTILL_KL = ("sampled", "forward", "reverse")
+DISTILL_KL = ("sampled", "forward", "reverse", "jsd")
 
 # Recommended clip ranges per loss (eps_low, eps_high): CISPO caps only large ratios (MiniMax-M1 / DAPO clip-higher),
 # PPO uses the classic symmetric 0.2, GSPO's sequence ratios are length-normalised so its range is tiny (GSPO paper).
@@ -112,8 +115,11 @@ class LossConfig:
     outcome_coef: float = 1.0
     """Weight of the given (outcome) advantages; 0 with ``distill_coef > 0`` distils from the teacher alone."""
     distill_kl: str = "sampled"
-    """"sampled": the teacher's logprob of the sampled token in the advantage; "forward" / "reverse": a dense KL
-    over the teacher's top-k tokens (needs ``teacher_topk_logp_XK``, ``topk_logp_XK``, ``distill_index_X``)."""
+    """"sampled": the teacher's logprob of the sampled token in the advantage; "forward" / "reverse" / "jsd": a
+    dense divergence over the teacher's top-k tokens (needs ``teacher_topk_logp_XK``, ``topk_logp_XK``,
+    ``distill_index_X``)."""
+    distill_jsd_beta: float = 0.5
+    """The JSD's mixture weight of the teacher (``distill_kl="jsd"``), in (0, 1)."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -144,6 +150,8 @@ class LossConfig:
                              f"outcome_coef={self.outcome_coef}")
         if self.distill_kl not in DISTILL_KL:
             raise ValueError(f"distill_kl must be one of {DISTILL_KL}, got {self.distill_kl!r}")
+        if not 0 < self.distill_jsd_beta < 1:
+            raise ValueError(f"distill_jsd_beta must lie in (0, 1), got {self.distill_jsd_beta}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
         if self.mismatch_band is not None:
@@ -283,20 +291,33 @@ TAIL_FLOOR = 1e-12
 """Smallest probability a top-k KL gives the tail bucket (a teacher sure of its top k has a tail of 0)."""
 
 
+def _merged(lp_XK: torch.Tensor) -> torch.Tensor:
+    """[X, K + 1] log-probabilities of the K tokens and of the rest of the vocabulary (``log(1 - sum_k p_k)``, its
+    probability floored at ``TAIL_FLOOR``), in fp64 (the tail is one minus a sum of probabilities)."""
+    lp_XK = lp_XK.double()
+    edge = torch.log1p(torch.tensor(-TAIL_FLOOR, dtype=torch.float64, device=lp_XK.device))
+    tail_X = torch.log(-torch.expm1(torch.logsumexp(lp_XK, dim=-1).clamp(max=edge)))
+    return torch.cat([lp_XK, tail_X[:, None]], dim=-1)
+
+
 def topk_kl(student_XK: torch.Tensor, teacher_XK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(forward KL(teacher || student), reverse KL(student || teacher)) per row [X] of the distributions over
     the teacher's top K tokens plus a tail bucket (module docstring), from both models' logprobs of those K tokens;
-    differentiable in ``student_XK``. Computed in fp64 (the tails are one minus a sum of probabilities)."""
-    s_XK, t_XK = student_XK.double(), teacher_XK.detach().double()
-    edge = torch.log1p(torch.tensor(-TAIL_FLOOR, dtype=torch.float64, device=s_XK.device))
+    differentiable in ``student_XK``."""
+    s, t = _merged(student_XK), _merged(teacher_XK.detach())
+    return (t.exp() * (t - s)).sum(-1).float(), (s.exp() * (s - t)).sum(-1).float()
 
-    def tail(lp_XK):  # log(1 - sum_k p_k), the tail's probability floored
-        return torch.log(-torch.expm1(torch.logsumexp(lp_XK, dim=-1).clamp(max=edge)))
 
-    s_tail_X, t_tail_X = tail(s_XK), tail(t_XK)
-    forward_X = (t_XK.exp() * (t_XK - s_XK)).sum(-1) + t_tail_X.exp() * (t_tail_X - s_tail_X)
-    reverse_X = (s_XK.exp() * (s_XK - t_XK)).sum(-1) + s_tail_X.exp() * (s_tail_X - t_tail_X)
-    return forward_X.float(), reverse_X.float()
+def topk_jsd(student_XK: torch.Tensor, teacher_XK: torch.Tensor, beta: float) -> torch.Tensor:
+    """GKD's generalized Jensen-Shannon divergence per row [X] on the same merged distributions:
+    ``beta KL(teacher || m) + (1 - beta) KL(student || m)`` with the mixture ``m = beta teacher + (1 - beta) student``,
+    0 < beta < 1 (it tends to the forward KL as beta -> 0 and to the reverse KL as beta -> 1, each scaled by beta
+    or 1 - beta); differentiable in ``student_XK``."""
+    if not 0 < beta < 1:
+        raise ValueError(f"the JSD's beta must lie in (0, 1), got {beta}")
+    s, t = _merged(student_XK), _merged(teacher_XK.detach())
+    m = torch.logaddexp(t + math.log(beta), s + math.log1p(-beta))
+    return (beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)).float()
 
 
 def _domain_stats(
@@ -384,8 +405,11 @@ def _dense_distill(teacher_XK, student_XK, index_X, batch: _Batch, cfg: LossConf
     def on_positions(x_X):
         return torch.zeros(M, dtype=x_X.dtype, device=x_X.device).index_put((index_X,), x_X)
 
-    return {"distill_forward_kl": on_positions(forward_X), "distill_reverse_kl": on_positions(reverse_X),
-            "distill_topk_mass": on_positions(mass_X)}
+    out = {"distill_forward_kl": on_positions(forward_X), "distill_reverse_kl": on_positions(reverse_X),
+           "distill_topk_mass": on_positions(mass_X)}
+    if cfg.distill_kl == "jsd":
+        out["distill_jsd"] = on_positions(topk_jsd(student_XK, teacher_XK, cfg.distill_jsd_beta))
+    return out
 
 
 def _clip_stats(ratio_M: torch.Tensor, adv_M: torch.Tensor, batch: _Batch) -> dict[str, torch.Tensor]:
@@ -457,10 +481,11 @@ def policy_loss(
     ``distill_teacher_logp``.
     ``entropy_M`` keeps its gradient (the entropy bonus trains through it). Everything is computed in fp32.
 
-    ``distill_kl = "forward" | "reverse"``: ``teacher_topk_logp_XK`` (the teacher's logprobs of its top K tokens at
-    the targets ``distill_index_X``, the trained ones) and ``topk_logp_XK`` (the student's of the same tokens,
-    differentiable) give the dense KL term; the metrics gain ``distill_forward_kl``, ``distill_reverse_kl`` (both
-    top-k KLs, whichever trains) and ``distill_topk_mass`` (the teacher's probability in its top K).
+    ``distill_kl = "forward" | "reverse" | "jsd"``: ``teacher_topk_logp_XK`` (the teacher's logprobs of its top K
+    tokens at the targets ``distill_index_X``, the trained ones) and ``topk_logp_XK`` (the student's of the same
+    tokens, differentiable) give the dense term; the metrics gain ``distill_forward_kl``, ``distill_reverse_kl``
+    (both top-k KLs, whichever trains), ``distill_jsd`` (with "jsd"), ``distill_topk_mass`` (the teacher's
+    probability in its top K) and ``distill_loss`` (the trained term, reduced).
     """
     named_M = {"logp_M": logp_M, "old_logp_M": old_logp_M, "advantages_M": advantages_M, "loss_mask_M": loss_mask_M}
     for name, t in (("rollout_logp_M", rollout_logp_M), ("ref_logp_M", ref_logp_M), ("entropy_M", entropy_M),
@@ -504,7 +529,7 @@ def policy_loss(
     for key, x_M in distill.items():
         stats[key], per_token[key] = batch.masked_mean(x_M.detach()), x_M.detach()
     if dense:
-        trained = distill[f"distill_{cfg.distill_kl}_kl"]
+        trained = distill["distill_jsd" if cfg.distill_kl == "jsd" else f"distill_{cfg.distill_kl}_kl"]
         stats["distill_loss"] = batch.reduce(trained)
         loss = loss + cfg.distill_coef * stats["distill_loss"]
     if ref_logp_M is not None:

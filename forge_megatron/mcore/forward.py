@@ -81,8 +81,8 @@ def logprobs_from_logits(logits_1TV: torch.Tensor, layout, with_entropy: bool = 
     multiple the inputs were built with (:func:`tree_model_inputs`); padding rows are never scored.
 
     ``extra_targets`` (index_X into the targets, ids_XK): also the logprobs of the tokens ``ids_XK`` at the rows that
-    predict targets ``index_X`` (a distillation teacher's top-k, ``--distill-kl forward|reverse``), scored in the same
-    pass over the logits (more targets of the same rows cost a gather) and returned as a third output logp_XK."""
+    predict targets ``index_X`` (a distillation teacher's top-k, ``--distill-kl forward|reverse|jsd``), scored in the
+    same pass over the logits (more targets of the same rows cost a gather) and returned as a third output logp_XK."""
     pred_nodes_M, targets_M, _ = layout.next_token_index()
     if extra_targets is None:
         return _score_targets(logits_1TV, layout, pred_nodes_M, targets_M, with_entropy, inplace_backward,
@@ -111,7 +111,7 @@ def _local_rows(layout, nodes_M: torch.Tensor, rows_here: int, multiple: int | N
         raise ValueError(f"CP rank {rank} expects outputs for its {positions.numel()} tokens, got {rows_here} rows")
     device = nodes_M.device
     row_of = torch.full((positions.numel() * cp,), -1, dtype=torch.long, device=device)  # the padded tree
-    row_of[positions.to(device)] = torch.arange(positions.numel(), device=device)  # position -> local row (-1: not here)
+    row_of[positions.to(device)] = torch.arange(positions.numel(), device=device)  # position -> local row (or -1)
     rows_M = row_of[nodes_M]
     return rows_M, rows_M >= 0
 
@@ -351,7 +351,7 @@ def make_tree_forward_step(loss_fn: LossFn, with_entropy: bool = False, backend:
 
     ``topk_key``: the micro-batches' extras hold a teacher's top-k token ids under this key ([X, K], at the targets
     ``extras["distill_index_X"]``): the student's logprobs of those tokens are scored in the same pass and given to
-    ``loss_fn`` as the keyword ``topk_logp_XK`` (``--distill-kl forward|reverse``).
+    ``loss_fn`` as the keyword ``topk_logp_XK`` (``--distill-kl forward|reverse|jsd``).
     """
 
     def forward_step(data_iterator, model):

@@ -411,7 +411,7 @@ def vocab_parallel_topk(rows_U: torch.Tensor, k: int, *, targets_U: torch.Tensor
     """The ``k`` most likely tokens of each row ``rows_U`` and their log-probabilities under the full (vocabulary-
     parallel) distribution: (ids [U, k] int64, logp [U, k] fp32), most likely first; with ``targets_U`` also the
     log-probability of each row's target [U] as a third output, from the same pass over the logits. Forward only (a
-    frozen teacher's top-k for distillation, ``--distill-kl forward|reverse``).
+    frozen teacher's top-k for distillation, ``--distill-kl forward|reverse|jsd``).
 
     Either this rank's logits ``logits_TV`` or the output layer's input ``hidden_TH`` and this rank's output weight
     ``weight_VH`` (fused: logits made chunk by chunk, matmul in ``compute_dtype`` or the weight's dtype), scored as

@@ -2134,7 +2134,7 @@ def add_session_options(p) -> None:
     p.add_argument("--teacher-topk", type=int, default=0, metavar="K",
                    help="with --teacher-urls: also record the teacher's K most likely tokens and their logprobs at "
                         "every sampled token (SGLang's top_logprobs_num in the same prefill), for the trainer's dense "
-                        "KL (--distill-kl forward|reverse --distill-topk <= K); default 0: the sampled tokens' "
+                        "KL (--distill-kl forward|reverse|jsd --distill-topk <= K); default 0: the sampled tokens' "
                         "logprobs only")
     p.add_argument("--teacher-prompt", default=None, metavar="TEMPLATE",
                    help="with --teacher-urls: a privileged system message the teacher reads before each segment "

@@ -17,7 +17,7 @@ Optionally, for MoE models served with routed-expert capture (rollout routing re
 
 Optionally, for on-policy distillation from a served teacher (the gateway's ``--teacher-urls``):
   teacher_logprobs[t] log pi_teacher(tokens[t] | tokens[:t]) for sampled tokens, 0.0 elsewhere
-and with the gateway's ``--teacher-topk K`` (dense distillation, the trainer's ``--distill-kl forward|reverse``),
+and with the gateway's ``--teacher-topk K`` (dense distillation, the trainer's ``--distill-kl forward|reverse|jsd``),
 one row per *sampled* token (loss_mask = 1), in order:
   teacher_topk_ids    int32 [sampled, K]: the teacher's K most likely tokens at that position, most likely first
   teacher_topk_logprobs float32 [sampled, K]: their logprobs

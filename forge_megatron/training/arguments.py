@@ -348,15 +348,19 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--distill-outcome-coef", type=float, default=1.0,
                    help="with a teacher: weight of the pool's outcome advantages (default 1; 0: learn from the "
                         "teacher alone, no verifier needed)")
-    g.add_argument("--distill-kl", choices=("sampled", "forward", "reverse"), default="sampled",
+    g.add_argument("--distill-kl", choices=("sampled", "forward", "reverse", "jsd"), default="sampled",
                    help="what the teacher teaches: 'sampled' (default) its logprob of each sampled token, in the "
-                        "advantage (the sampled reverse KL); 'forward' / 'reverse' a dense loss, --distill-coef x the "
-                        "KL(teacher || student) / KL(student || teacher) over the teacher's --distill-topk tokens and "
-                        "a bucket for the rest of the vocabulary at every trained position (GKD on the student's own "
-                        "samples; more signal per token; a served teacher needs the gateway's --teacher-topk)")
+                        "advantage (the sampled reverse KL); 'forward' / 'reverse' / 'jsd' a dense loss, "
+                        "--distill-coef x the KL(teacher || student) / KL(student || teacher) / GKD's JSD(beta) over "
+                        "the teacher's --distill-topk tokens and a bucket for the rest of the vocabulary at every "
+                        "trained position (GKD on the student's own samples; more signal per token; a served teacher "
+                        "needs the gateway's --teacher-topk)")
+    g.add_argument("--distill-jsd-beta", type=float, default=0.5, metavar="BETA",
+                   help="with --distill-kl jsd: the teacher's weight in the mixture m = beta teacher + (1 - beta) "
+                        "student, in (0, 1) (default 0.5: the symmetric Jensen-Shannon divergence)")
     g.add_argument("--distill-topk", type=int, default=32, metavar="K",
-                   help="with --distill-kl forward|reverse: the teacher's K most likely tokens at each trained position "
-                        "(default 32; the KL over them and the rest bucket never exceeds the full KL and reaches it "
+                   help="with --distill-kl forward|reverse|jsd: the teacher's K most likely tokens at each trained "
+                        "position (default 32; the KL over them and the rest bucket never exceeds the full KL and reaches it "
                         "once they hold all of the teacher's and student's mass)")
     g.add_argument("--teacher-offload", action="store_true",
                    help="keep the teacher's weights in (pinned) host memory, on the device only for its forward pass "
@@ -786,11 +790,15 @@ def validate_args(args: argparse.Namespace) -> None:
             if not args.distill_topk >= 1:
                 raise ValueError(f"--distill-topk must be >= 1, got {args.distill_topk}")
         elif getattr(args, "distill_topk", 32) != 32:
-            raise ValueError("--distill-topk sets the dense KL's top-k: it needs --distill-kl forward or reverse")
+            raise ValueError("--distill-topk sets the dense KL's top-k: it needs --distill-kl forward, reverse or "
+                             "jsd")
+        if getattr(args, "distill_jsd_beta", 0.5) != 0.5 and args.distill_kl != "jsd":
+            raise ValueError("--distill-jsd-beta weighs the JSD's mixture: it needs --distill-kl jsd")
     else:
         given = [f for f, on in (("--teacher-offload", getattr(args, "teacher_offload", False)),
                                  ("--distill-kl", getattr(args, "distill_kl", "sampled") != "sampled"),
                                  ("--distill-topk", getattr(args, "distill_topk", 32) != 32),
+                                 ("--distill-jsd-beta", getattr(args, "distill_jsd_beta", 0.5) != 0.5),
                                  ("--distill-coef", getattr(args, "distill_coef", 1.0) != 1.0),
                                  ("--distill-outcome-coef", getattr(args, "distill_outcome_coef", 1.0) != 1.0)) if on]
         if given:
@@ -872,6 +880,7 @@ def loss_config(args: argparse.Namespace):
         distill_coef=args.distill_coef if distills(args) else 0.0,
         outcome_coef=args.distill_outcome_coef if distills(args) else 1.0,
         distill_kl=getattr(args, "distill_kl", "sampled") if distills(args) else "sampled",
+        distill_jsd_beta=getattr(args, "distill_jsd_beta", 0.5),
     )
 
 
@@ -936,8 +945,8 @@ def check_gateway_config(args: argparse.Namespace, gateway: dict) -> None:
     if topk is not None and teacher and getattr(args, "distill_kl", "sampled") != "sampled" \
             and int(topk) < args.distill_topk:
         raise ValueError(f"--distill-kl {args.distill_kl} --distill-topk {args.distill_topk}, but the gateway records "
-                         f"the served teacher's top {topk} tokens (--teacher-topk {topk}): start it with --teacher-topk "
-                         f"{args.distill_topk} (or more), or lower --distill-topk")
+                         f"the served teacher's top {topk} tokens (--teacher-topk {topk}): start it with "
+                         f"--teacher-topk {args.distill_topk} (or more), or lower --distill-topk")
 
 
 def parallel_config(args: argparse.Namespace, num_layers: int | None = None):

@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "trainer (default): the teacher runs in the trainer (--teacher-hf-checkpoint); served: a "
                         "forge-engine serves it and the gateway scores each episode as it ends (--teacher-urls, "
                         "--teacher-from-gateway)")
-    p.add_argument("--distill-kl", choices=["sampled", "forward", "reverse"], default="sampled",
+    p.add_argument("--distill-kl", choices=["sampled", "forward", "reverse", "jsd"], default="sampled",
                    help="with --distill: what the teacher teaches, as the trainer's --distill-kl: the sampled "
                         "token's logprob in the advantage (default), or a dense KL over its top 32 tokens (served: "
                         "the gateway records them, --teacher-topk 32)")

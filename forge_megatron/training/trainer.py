@@ -850,7 +850,7 @@ class Trainer:
             with self.teacher.resident():
                 if self.teacher.topk is None:
                     self._forward_only_logprobs(self.teacher.chunks, rb, "teacher_logp_M")
-                else:  # and its top-k tokens at the trained positions (--distill-kl forward|reverse)
+                else:  # and its top-k tokens at the trained positions (--distill-kl forward|reverse|jsd)
                     self._teacher_topk(rb)
         elif getattr(self.args, "teacher_from_gateway", False):
             if not all("teacher_logp_M" in mb.extras for mb in rb.micro_batches):
@@ -941,7 +941,7 @@ class Trainer:
         return torch.float32 if getattr(self.args, "fp32_lm_head", False) else None
 
     def _recorded_topk(self, rb: RankBatch) -> None:
-        """--teacher-from-gateway with --distill-kl forward|reverse: the served teacher's top-k recorded with the
+        """--teacher-from-gateway with --distill-kl forward|reverse|jsd: the served teacher's top-k recorded with the
         samples (the gateway's --teacher-topk), cut to this run's --distill-topk."""
         k = self.args.distill_topk
         for mb in rb.micro_batches:
@@ -1206,7 +1206,7 @@ def progress_line(m: dict) -> str:
         mismatch += f" routing {m['routing_mismatch']:.3f}"
     if "distill_reverse_kl" in m:  # --teacher-hf-checkpoint
         mismatch += f" | teacher rkl {m['distill_reverse_kl']:.3f}"
-        if "distill_forward_kl" in m:  # (--distill-kl forward|reverse: both over the teacher's top-k)
+        if "distill_forward_kl" in m:  # (--distill-kl forward|reverse|jsd: both over the teacher's top-k)
             mismatch += f" fkl {m['distill_forward_kl']:.3f} top-k mass {m['distill_topk_mass']:.2f}"
     held_out = f" | eval pass@1 {m['eval/pass@1']:.2f} (v{m['eval/policy_version']:.0f})" \
         if "eval/pass@1" in m and "eval/policy_version" in m else ""

@@ -268,6 +268,28 @@ def test_topk_kl_over_the_whole_vocabulary_is_the_exact_kl_and_its_gradient(kind
     assert (g_mine - g_exact).abs().max() < 1e-6 and g_exact.abs().max() > 1e-2
 
 
+def test_topk_jsd_over_the_whole_vocabulary_is_the_exact_jsd():
+    """GKD's JSD(beta) with K = V is beta KL(t || m) + (1 - beta) KL(s || m), m = beta t + (1 - beta) s, written out
+    over the vocabulary, value and gradient; symmetric at beta 0.5; beta outside (0, 1) is refused."""
+    from forge_megatron.algo.losses import topk_jsd
+
+    z_XV, t_XV, ids_XK = _dense_case(seed=5)
+    for beta in (0.5, 0.2):
+        s_XV = torch.log_softmax(z_XV, -1)
+        m_XV = torch.log(beta * t_XV.exp() + (1 - beta) * s_XV.exp())
+        exact = beta * (t_XV.exp() * (t_XV - m_XV)).sum(-1) + (1 - beta) * (s_XV.exp() * (s_XV - m_XV)).sum(-1)
+        (g_exact,) = torch.autograd.grad(exact.sum(), [z_XV])
+        s_XV = torch.log_softmax(z_XV, -1)
+        mine = topk_jsd(s_XV.gather(1, ids_XK), t_XV.gather(1, ids_XK), beta)
+        (g_mine,) = torch.autograd.grad(mine.sum(), [z_XV])
+        assert mine.tolist() == pytest.approx(exact.tolist(), rel=1e-5, abs=1e-7)
+        assert (g_mine - g_exact).abs().max() < 1e-6 and g_exact.abs().max() > 1e-3
+    s_XK, t_XK = torch.log_softmax(z_XV.detach(), -1).gather(1, ids_XK), t_XV.gather(1, ids_XK)
+    assert topk_jsd(s_XK, t_XK, 0.5).tolist() == pytest.approx(topk_jsd(t_XK, s_XK, 0.5).tolist(), rel=1e-5)
+    with pytest.raises(ValueError, match="beta must lie in"):
+        topk_jsd(s_XK, t_XK, 1.0)
+
+
 def test_topk_kl_is_a_lower_bound_that_tightens_with_k():
     """Fewer tokens kept, less KL (merging outcomes never raises a KL), for both directions; a teacher sure of its
     top k (a tail of exactly 0) still gives finite values and gradients (the tail's floor)."""
@@ -326,6 +348,13 @@ def test_dense_distillation_loss():
             _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], cfg, **{**kw, "distill_index_X": bad})
     with pytest.raises(ValueError, match="needs teacher_topk_logp_XK, topk_logp_XK and distill_index_X"):
         _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], cfg)
+    from forge_megatron.algo.losses import topk_jsd
+
+    jsd_cfg = LossConfig(distill_coef=0.5, outcome_coef=0.3, distill_kl="jsd", distill_jsd_beta=0.25)
+    loss, m = _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], jsd_cfg, **kw)
+    jsd = topk_jsd(student_XK, teacher_XK, 0.25).mean().item()
+    assert m["distill_jsd"] == pytest.approx(jsd, rel=1e-6) and m["distill_loss"] == pytest.approx(jsd, rel=1e-6)
+    assert loss.item() == pytest.approx(plain.item() + 0.5 * jsd, rel=1e-6)
 
 
 def test_truncated_importance_weights_scale_token_loss():
@@ -488,7 +517,8 @@ def test_tree_packed_equals_unmerged(loss_type):
         (dict(kl_coef=-1.0), "kl_coef and entropy_coef must be >= 0, got kl_coef=-1.0, entropy_coef=0.0"),
         (dict(tis_cap=0.0), "tis_cap must be > 0, got 0.0"),
         (dict(distill_coef=-1.0), "distill_coef and outcome_coef must be >= 0, got distill_coef=-1.0, outcome_coef=1.0"),
-        (dict(distill_kl="jsd"), "distill_kl must be one of ('sampled', 'forward', 'reverse'), got 'jsd'"),
+        (dict(distill_kl="gkd"), "distill_kl must be one of ('sampled', 'forward', 'reverse', 'jsd'), got 'gkd'"),
+        (dict(distill_jsd_beta=0.0), "distill_jsd_beta must lie in (0, 1), got 0.0"),
     ],
 )
 def test_config_errors(kwargs, message):

@@ -174,7 +174,11 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--teacher-from-gateway", "--teacher-offload"], "the teacher is served elsewhere"),
     (["--distill-kl", "reverse"], "--distill-kl needs --teacher-hf-checkpoint"),
     (["--teacher-hf-checkpoint", "/t", "--distill-topk", "8"], "--distill-topk sets the dense KL's top-k: it needs "
-                                                               "--distill-kl forward or reverse"),
+                                                               "--distill-kl forward, reverse or jsd"),
+    (["--teacher-hf-checkpoint", "/t", "--distill-kl", "reverse", "--distill-jsd-beta", "0.3"],
+     "--distill-jsd-beta weighs the JSD's mixture: it needs --distill-kl jsd"),
+    (["--teacher-hf-checkpoint", "/t", "--distill-kl", "jsd", "--distill-jsd-beta", "1"],
+     "distill_jsd_beta must lie in \\(0, 1\\), got 1.0"),
     (["--teacher-hf-checkpoint", "/t", "--distill-kl", "forward", "--distill-topk", "0"],
      "--distill-topk must be >= 1, got 0"),
 ])

@@ -128,31 +128,36 @@ def _topk_kls(student_TV: torch.Tensor, teacher_TV: torch.Tensor, k: int):
 
 
 def test_dense_kl_over_the_whole_vocabulary_is_the_exact_kl(models, tmp_path):
-    """--distill-kl forward|reverse with --distill-topk the whole vocabulary: the metrics distill_forward_kl and
-    distill_reverse_kl are the exact token-mean KLs between transformers' student and teacher distributions, the
-    loss is --distill-coef x the trained one (no outcome term), and the gradient norm is that of transformers'
-    student differentiated through the same loss (before clipping): the fused loss differentiates through the
-    student's whole distribution."""
+    """--distill-kl forward|reverse|jsd with --distill-topk the whole vocabulary: the metrics distill_forward_kl,
+    distill_reverse_kl (and distill_jsd at --distill-jsd-beta 0.3) are the exact token-mean divergences between
+    transformers' student and teacher distributions, the loss is --distill-coef x the trained one (no outcome term),
+    and the gradient norm is that of transformers' student differentiated through the same loss (before clipping):
+    the fused loss differentiates through the student's whole distribution."""
     student, teacher = models
     episodes = _episodes(seed=23)
     t_TV, _ = _next_token_logprobs(teacher, episodes)
     vocab = t_TV.shape[1]
-    coef = 0.5
-    for kind in ("forward", "reverse"):
+    coef, beta = 0.5, 0.3
+    for kind in ("forward", "reverse", "jsd"):
         s_TV, model = _next_token_logprobs(student, episodes, grad=True)
         fwd = (t_TV.exp() * (t_TV - s_TV)).sum(-1)
         rev = (s_TV.exp() * (s_TV - t_TV)).sum(-1)
-        loss = coef * (fwd if kind == "forward" else rev).mean()
+        m_TV = torch.log(beta * t_TV.exp() + (1 - beta) * s_TV.exp())
+        jsd = beta * (t_TV.exp() * (t_TV - m_TV)).sum(-1) + (1 - beta) * (s_TV.exp() * (s_TV - m_TV)).sum(-1)
+        loss = coef * {"forward": fwd, "reverse": rev, "jsd": jsd}[kind].mean()
         loss.backward()
         norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
         (step,), _, _ = run_on_fresh_pool(
             tmp_path, kind, student, _feed(episodes), iters=1, groups=1, lr="1e-2",
             extra=["--teacher-hf-checkpoint", teacher, "--distill-kl", kind, "--distill-topk", str(vocab),
-                   "--distill-coef", str(coef), "--distill-outcome-coef", "0", "--old-logprobs", "recompute"])
+                   "--distill-coef", str(coef), "--distill-outcome-coef", "0", "--old-logprobs", "recompute",
+                   *(["--distill-jsd-beta", str(beta)] if kind == "jsd" else [])])
         # (abs: the KLs are sums over the vocabulary of differences of fp32 logprobs)
         assert step["distill_forward_kl"] == pytest.approx(fwd.mean().item(), rel=1e-5, abs=2e-6)
         assert step["distill_reverse_kl"] == pytest.approx(rev.mean().item(), rel=1e-5, abs=2e-6)
         assert step["distill_topk_mass"] == pytest.approx(1.0, abs=1e-5)
+        if kind == "jsd":
+            assert step["distill_jsd"] == pytest.approx(jsd.mean().item(), rel=1e-5, abs=2e-6)
         assert step["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
         assert step["grad_norm"] == pytest.approx(norm, rel=1e-4), kind
 

@@ -262,7 +262,8 @@ def test_served_distillation_teacher():
                          (dict(TEACHER_CHECKPOINT="/m", TEACHER_SERVED=1, TEACHER_TP=9), "do not fit the middleware"),
                          (dict(DISTILL_COEF=2), "need TEACHER_CHECKPOINT or TEACHER_URLS"),
                          (dict(DISTILL_KL="reverse"), "need TEACHER_CHECKPOINT or TEACHER_URLS"),
-                         (dict(TEACHER_URLS="http://t:1", DISTILL_KL="jsd"), "DISTILL_KL=jsd: sampled, forward or"),
+                         (dict(TEACHER_URLS="http://t:1", DISTILL_KL="gkd"),
+                          "DISTILL_KL=gkd: sampled, forward, reverse or jsd"),
                          (dict(TEACHER_CHECKPOINT="/m", TEACHER_PROMPT="x"), "TEACHER_PROMPT needs a served teacher"),
                          (dict(TEACHER_URLS="http://t:1", DROP_ZERO_ADVANTAGE_GROUPS=1), "still carry the teacher's")):
         bad = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", **env)
