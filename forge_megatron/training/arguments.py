@@ -777,9 +777,13 @@ def validate_args(args: argparse.Namespace) -> None:
                          "and recorded by the gateway)")
     if distills(args):
         flag = "--teacher-hf-checkpoint" if teacher is not None else "--teacher-from-gateway"
-        if sft_data is not None or preference is not None:
-            raise ValueError(f"{flag} distils on the policy's own rollouts (RL): not with --sft-data or "
-                             "--preference-data")
+        if preference is not None or (sft_data is not None and teacher is None):
+            raise ValueError(f"{flag} distils on the policy's own rollouts (RL), or with --teacher-hf-checkpoint on "
+                             "--sft-data: not with --preference-data or a served teacher offline")
+        if sft_data is not None and getattr(args, "distill_kl", "sampled") == "sampled":
+            raise ValueError("--sft-data with --teacher-hf-checkpoint is supervised distillation: it needs a dense "
+                             "--distill-kl forward, reverse or jsd (the sampled form's advantage is for the "
+                             "student's own samples)")
         if teacher is None and getattr(args, "teacher_offload", False):
             raise ValueError("--teacher-offload: with --teacher-from-gateway the teacher is served elsewhere (no "
                              "weights here to offload)")

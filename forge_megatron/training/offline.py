@@ -218,6 +218,34 @@ def tree_dpo_loss(logp_M: torch.Tensor, extras: dict, beta: float, kind: str = "
     return loss_P.sum(), metrics
 
 
+def tree_sft_distill_loss(logp_M: torch.Tensor, extras: dict, topk_logp_XK: torch.Tensor, kind: str,
+                          nll_coef: float, distill_coef: float, jsd_beta: float = 0.5) -> tuple[torch.Tensor, dict]:
+    """Supervised distillation (``--sft-data`` with ``--teacher-hf-checkpoint --distill-kl forward|reverse|jsd``): the
+    summed ``nll_coef * NLL + distill_coef * divergence`` over the micro-batch's trained tokens, the divergence
+    between the student's and the teacher's next-token distributions over the teacher's top-k tokens and a rest
+    bucket (``algo.losses.topk_kl`` / ``topk_jsd``: ``topk_logp_XK`` the student's logprobs of the teacher's tokens
+    ``extras["teacher_topk_ids_XK"]``, the teacher's ``extras["teacher_topk_logp_XK"]``, at the trained targets in
+    order); its metrics, the divergences' means under ``sft/``."""
+    from forge_megatron.algo.losses import topk_jsd, topk_kl
+
+    nll, metrics = tree_sft_loss(logp_M, extras)
+    teacher_XK = extras["teacher_topk_logp_XK"].to(topk_logp_XK.device)
+    if teacher_XK.shape != topk_logp_XK.shape or teacher_XK.shape[0] != int(metrics["sft/num_tokens"]):
+        raise ValueError(f"the teacher's top-k {tuple(teacher_XK.shape)} and the student's {tuple(topk_logp_XK.shape)} "
+                         f"must have one row per trained token ({int(metrics['sft/num_tokens'])})")
+    forward_X, reverse_X = topk_kl(topk_logp_XK, teacher_XK)
+    parts = {"forward": forward_X, "reverse": reverse_X}
+    if kind == "jsd":
+        parts["jsd"] = topk_jsd(topk_logp_XK, teacher_XK, jsd_beta)
+    if kind not in parts:
+        raise ValueError(f"supervised distillation takes a dense divergence (forward, reverse or jsd), got {kind!r}")
+    n = max(forward_X.numel(), 1)
+    metrics.update({f"sft/distill_{name}" + ("" if name == "jsd" else "_kl"): float(x.detach().sum()) / n
+                    for name, x in parts.items()})
+    metrics["sft/distill_topk_mass"] = float(teacher_XK.exp().sum(-1).sum()) / n
+    return nll_coef * nll + distill_coef * parts[kind].sum(), metrics
+
+
 def tree_sft_loss(logp_M: torch.Tensor, extras: dict) -> tuple[torch.Tensor, dict]:
     """The summed negative log-likelihood of one trainer micro-batch's trained tokens (``loss_mask_M``; not yet
     divided by the batch's trained-token count) and its metrics."""

@@ -365,14 +365,18 @@ OFFLINE_MODES = ("sft", "dpo", "rm")
 def offline_forward_backward(ddp, rb: RankBatch, mode: str, args, fused_logprobs: bool = True,
                              head_dtype: torch.dtype | None = None, forward_only: bool = False) -> list[dict]:
     """The forward and backward of an offline mode (training/offline.py) through Megatron's schedule: ``sft``
-    (``--sft-data``: the trained tokens' NLL), ``dpo`` (``--preference-data``: DPO / IPO / SimPO, the reference's
+    (``--sft-data``: the trained tokens' NLL; with a teacher's top-k in the extras, ``--teacher-hf-checkpoint
+    --distill-kl``, supervised distillation: :func:`offline.tree_sft_distill_loss`), ``dpo`` (``--preference-data``:
+    DPO / IPO / SimPO, the reference's
     logprobs already in the extras) or ``rm`` (``--reward-model``: Bradley-Terry on the score head). Each micro-batch's
     summed loss is divided by the whole batch's count, trained tokens for SFT and pairs otherwise (every sample weighs
     1, so the pairs are half the summed sample weight), over the D data-parallel ranks that DDP averages; Megatron's
     division by the micro-batch count is undone as in :func:`forward_backward`. Scored at temperature 1: the model's
     own distribution. ``args``: the ``--dpo-*``, ``--simpo-gamma`` and ``--rm-center-coef`` values."""
     from forge_megatron.mcore.forward import make_score_forward_step, make_tree_forward_step
-    from forge_megatron.training.offline import tree_bradley_terry_loss, tree_dpo_loss, tree_sft_loss
+    from forge_megatron.training.offline import (
+        tree_bradley_terry_loss, tree_dpo_loss, tree_sft_distill_loss, tree_sft_loss,
+    )
 
     if mode not in OFFLINE_MODES:
         raise ValueError(f"offline mode {mode!r}: one of {OFFLINE_MODES}")
@@ -392,14 +396,22 @@ def offline_forward_backward(ddp, rb: RankBatch, mode: str, args, fused_logprobs
         step = make_score_forward_step(
             lambda scores_S, mb: scaled(*tree_bradley_terry_loss(scores_S, mb.extras, args.rm_center_coef)))
     else:
-        def loss_fn(logp_M, entropy_M, mb):
+        # supervised distillation: the trainer's teacher gave its top-k at the trained tokens (--distill-kl)
+        distil = mode == "sft" and all("teacher_topk_ids_XK" in mb.extras for mb in rb.micro_batches)
+
+        def loss_fn(logp_M, entropy_M, mb, topk_logp_XK=None):
             x = {k: v.to(logp_M.device) for k, v in mb.extras.items()}
+            if mode == "sft" and topk_logp_XK is not None:
+                return scaled(*tree_sft_distill_loss(logp_M, x, topk_logp_XK, args.distill_kl,
+                                                     args.distill_outcome_coef, args.distill_coef,
+                                                     args.distill_jsd_beta))
             if mode == "sft":
                 return scaled(*tree_sft_loss(logp_M, x))
             return scaled(*tree_dpo_loss(logp_M, x, args.dpo_beta, args.dpo_loss, args.dpo_label_smoothing,
                                          args.dpo_sft_coef, args.simpo_gamma))
 
-        step = make_tree_forward_step(loss_fn, fused_output=fused_logprobs, head_dtype=head_dtype)
+        step = make_tree_forward_step(loss_fn, fused_output=fused_logprobs, head_dtype=head_dtype,
+                                      topk_key="teacher_topk_ids_XK" if distil else None)
     return run_schedule(ddp, rb, step, forward_only=forward_only)
 
 
@@ -846,12 +858,8 @@ class Trainer:
         if self.args.old_logprobs == "recompute":
             self._forward_only_logprobs(self.ddp, rb, "old_logp_M")
         self._reference_logprobs(rb)
-        if self.teacher is not None:  # on-policy distillation: the teacher's logprobs of the sampled tokens
-            with self.teacher.resident():
-                if self.teacher.topk is None:
-                    self._forward_only_logprobs(self.teacher.chunks, rb, "teacher_logp_M")
-                else:  # and its top-k tokens at the trained positions (--distill-kl forward|reverse|jsd)
-                    self._teacher_topk(rb)
+        if self.teacher is not None:
+            self._teacher_pass(rb)
         elif getattr(self.args, "teacher_from_gateway", False):
             if not all("teacher_logp_M" in mb.extras for mb in rb.micro_batches):
                 raise ValueError(f"batch {rb.batch_id}: --teacher-from-gateway, but its samples carry no teacher "
@@ -897,6 +905,8 @@ class Trainer:
                             self.domains, balance, self.cfg.hidden_size,
                             interleaved_pp=self.pp_size if len(self.chunks) > 1 else None, vision=self.vision)
             self._reference_logprobs(rb)
+            if self.teacher is not None:  # supervised distillation: the held-out loss has the teacher's term too
+                self._teacher_pass(rb)
             m = combine_micro_batch_metrics(pipeline_loss_metrics(offline_forward_backward(
                 self.ddp, rb, kind, self.args, self.args.fused_logprobs, self.head_dtype, forward_only=True)))
             # this rank's loss is its items' summed loss over count / D: times that, its sum (the ranks' add up)
@@ -939,6 +949,15 @@ class Trainer:
     @property
     def head_dtype(self) -> torch.dtype | None:
         return torch.float32 if getattr(self.args, "fp32_lm_head", False) else None
+
+    def _teacher_pass(self, rb: RankBatch) -> None:
+        """Distillation (--teacher-hf-checkpoint): the teacher's logprobs of the sampled tokens on every micro-batch
+        of ``rb``, and with --distill-kl forward|reverse|jsd its top-k tokens at the trained positions."""
+        with self.teacher.resident():
+            if self.teacher.topk is None:
+                self._forward_only_logprobs(self.teacher.chunks, rb, "teacher_logp_M")
+            else:
+                self._teacher_topk(rb)
 
     def _recorded_topk(self, rb: RankBatch) -> None:
         """--teacher-from-gateway with --distill-kl forward|reverse|jsd: the served teacher's top-k recorded with the
@@ -1192,9 +1211,11 @@ def progress_line(m: dict) -> str:
     if "val/loss" in m:  # --offline-eval-data: appended to the mode's line
         held = f" | val loss {m['val/loss']:.4f}" + (f" acc {m['val/accuracy']:.3f}" if "val/accuracy" in m else "")
         return progress_line({k: v for k, v in m.items() if not k.startswith("val/")}) + held
-    if "sft/nll" in m:  # --sft-data
-        return (f"iter {m['iteration']} | loss {m['loss']:.4f} | epoch {m.get('pool/epoch', 0.0):.2f} | tokens "
-                f"{m['total_tokens']} (unique {m['unique_tokens']}, trained {m['sft/num_tokens']:.0f}) | fb "
+    if "sft/nll" in m:  # --sft-data (with a teacher: supervised distillation)
+        teacher = (f" | nll {m['sft/nll']:.4f} teacher rkl {m['sft/distill_reverse_kl']:.3f} fkl "
+                   f"{m['sft/distill_forward_kl']:.3f}" if "sft/distill_reverse_kl" in m else "")
+        return (f"iter {m['iteration']} | loss {m['loss']:.4f}{teacher} | epoch {m.get('pool/epoch', 0.0):.2f} | "
+                f"tokens {m['total_tokens']} (unique {m['unique_tokens']}, trained {m['sft/num_tokens']:.0f}) | fb "
                 f"{m['forward_backward_s']:.1f}s")
     for kind in ("dpo", "rm"):  # --preference-data
         if f"{kind}/accuracy" in m:

@@ -15,7 +15,7 @@ import torch
 from forge_megatron.models.tiny import build_tiny_model, build_tiny_teacher
 from tests.dist_utils import run_script
 
-from .trainer_run import TRAIN, run_on_fresh_pool, train_cmd, train_env
+from .trainer_run import TRAIN, model_args, read_steps, run_on_fresh_pool, train_cmd, train_env
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -323,6 +323,51 @@ def test_teacher_top_k_recorded_by_the_gateway_trains_as_the_trainers_own(models
         pool.stop()
     assert out.returncode != 0 and "carry no teacher top-k: start the gateway with --teacher-topk 8" in \
         out.stdout + out.stderr
+
+
+def test_supervised_distillation_on_sft_data(models, tmp_path):
+    """--sft-data with --teacher-hf-checkpoint --distill-kl forward (the whole vocabulary as top-k) and
+    --distill-outcome-coef 0.5: the loss is (0.5 NLL + KL(teacher || student)) summed over the trained tokens and
+    divided by their count, with transformers' student and teacher on each sample alone; so is the gradient norm;
+    TP 2 trains the same; the held-out loss (--offline-eval-data, the same file, at --lr 0 so that the weights do not
+    move) includes the teacher's term and equals the training loss."""
+    student, teacher = models
+    rng = np.random.default_rng(41)
+    rows = []
+    for _ in range(4):
+        prompt, answer = rng.integers(10, 300, 6).tolist(), rng.integers(10, 300, int(rng.integers(4, 8))).tolist()
+        rows.append({"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)})
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    episodes = [(r["input_ids"][:6], r["input_ids"][6:]) for r in rows]
+    t_TV, _ = _next_token_logprobs(teacher, episodes)
+    s_TV, model = _next_token_logprobs(student, episodes, grad=True)
+    targets = torch.tensor([t for _, answer in episodes for t in answer])
+    nll = -s_TV.gather(1, targets[:, None])[:, 0]
+    kl = (t_TV.exp() * (t_TV - s_TV)).sum(-1)
+    loss = (0.5 * nll + kl).mean()
+    loss.backward()
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
+    runs = {}
+    for name, extra, nproc in (("one", [], 1), ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                                  2)):
+        run_dir = tmp_path / name
+        args = [*model_args(), "--hf-checkpoint", student, "--lr", "0", "--train-iters", "1", "--sft-data", str(data),
+                "--offline-eval-data", str(data), "--train-batch-groups", "4", "--log-interval", "1",
+                "--metrics-jsonl", str(run_dir / "metrics.jsonl"), "--teacher-hf-checkpoint", teacher,
+                "--distill-kl", "forward", "--distill-topk", str(t_TV.shape[1]), "--distill-outcome-coef", "0.5",
+                *extra]
+        out = run_script(TRAIN, args, nproc=nproc, env=train_env() if nproc == 1 else {**os.environ,
+                                                                                           "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        (runs[name],) = read_steps(str(run_dir / "metrics.jsonl"))
+        step = runs[name]
+        assert step["loss"] == pytest.approx(loss.item(), rel=1e-5), name
+        assert step["sft/nll"] == pytest.approx(nll.mean().item(), rel=1e-5), name
+        assert step["sft/distill_forward_kl"] == pytest.approx(kl.mean().item(), rel=1e-5, abs=2e-6), name
+        assert step["grad_norm"] == pytest.approx(norm, rel=1e-4), name
+        assert step["val/loss"] == pytest.approx(step["loss"], rel=1e-5), name
+    assert "teacher rkl" in out.stdout
 
 
 def _start(student: str, tmp_path, extra) -> str:

@@ -172,7 +172,13 @@ def test_preference_flags_are_checked(tmp_path):
                            (["--sft-data", str(tmp_path / "none.jsonl")], "--sft-data .* is not a file"),
                            (["--sft-data", data, "--rl-kl-coef", "0.1"], "--sft-data trains supervised"),
                            (["--offline-eval-data", data], "--offline-eval-data needs --sft-data or --preference"),
-                           (["--sft-data", data, "--offline-eval-interval", "2"], "--offline-eval-interval needs")):
+                           (["--sft-data", data, "--offline-eval-interval", "2"], "--offline-eval-interval needs"),
+                           (["--sft-data", data, "--teacher-hf-checkpoint", str(tmp_path)],
+                            "supervised distillation: it needs a dense --distill-kl"),
+                           (["--sft-data", data, "--teacher-from-gateway", "--distill-kl", "forward"],
+                            "not with --preference-data or a served teacher offline"),
+                           (["--preference-data", data, "--teacher-hf-checkpoint", str(tmp_path), "--distill-kl",
+                             "forward"], "not with --preference-data or a served teacher offline")):
         with pytest.raises(ValueError, match=message):
             arguments.validate_args(arguments.build_parser().parse_args(base + extra))
     args = arguments.build_parser().parse_args(base + ["--preference-data", data])
