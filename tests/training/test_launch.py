@@ -600,13 +600,25 @@ def test_offline_sbatch_dry_run_launches_the_trainer_on_pairs_and_chats(tmp_path
     args = _trainer_args(_commands(out.stdout)[0])
     assert args.sft_data == str(chats) and args.preference_data is None and args.lr == 1e-5
     assert args.offline_eval_data == str(chats) and args.offline_eval_interval == 25
+    assert args.teacher_hf_checkpoint is None
+    out = subprocess.run(["bash", OFFLINE_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
+                         env={**env, "PREFERENCE_DATA": "", "SFT_DATA": str(chats), "REF_CHECKPOINT": "",
+                              "TEACHER_CHECKPOINT": "/models/big", "DISTILL_KL": "jsd", "DISTILL_TOPK": "16",
+                              "DISTILL_OUTCOME_COEF": "0"})
+    assert out.returncode == 0 and "plan: distilling /models/big (jsd over its top 16 tokens)" in out.stdout, out.stderr
+    args = _trainer_args(_commands(out.stdout)[0])  # supervised distillation: a trainer command line that validates
+    assert (args.teacher_hf_checkpoint, args.distill_kl, args.distill_topk, args.distill_outcome_coef) == (
+        "/models/big", "jsd", 16, 0.0)
     for bad, message in ((dict(DPO_LOSS="kto"), "DPO_LOSS=kto"), (dict(TP="3"), "TP*PP*CP=6 must divide"),
                          (dict(PAIRS_PER_STEP="2"), "gives some of the DP=4 ranks nothing to train"),
                          (dict(DRY_NODES="a"), "need TRAIN_NODES=2 nodes"),
                          (dict(REWARD_MODEL="1"), "REWARD_MODEL=1 trains without a reference"),
                          (dict(DPO_LOSS="simpo"), "DPO_LOSS=simpo has no reference"),
                          (dict(PREFERENCE_DATA=""), "set SFT_DATA (supervised) or PREFERENCE_DATA"),
-                         (dict(SFT_DATA=str(data)), "set SFT_DATA or PREFERENCE_DATA, not both")):
+                         (dict(SFT_DATA=str(data)), "set SFT_DATA or PREFERENCE_DATA, not both"),
+                         (dict(TEACHER_CHECKPOINT="/t"), "TEACHER_CHECKPOINT distils on SFT_DATA"),
+                         (dict(PREFERENCE_DATA="", SFT_DATA=str(data), REF_CHECKPOINT="", TEACHER_CHECKPOINT="/t",
+                               DISTILL_KL="sampled"), "DISTILL_KL=sampled: forward, reverse or jsd")):
         out = subprocess.run(["bash", OFFLINE_SBATCH, "--dry-run"], capture_output=True, text=True,
                              env={**env, **bad}, timeout=60)
         assert out.returncode == 1 and message in out.stderr, (bad, out.stderr)
