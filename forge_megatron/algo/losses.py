@@ -31,8 +31,8 @@ as Agarwal et al. 2024 (GKD) and Thinking Machines 2025 run it). ``outcome_coef 
 
 With ``distill_kl = "forward"``, ``"reverse"`` or ``"jsd"`` the teacher's guidance is a dense loss instead: at every
 trained position, a divergence between the student's and the teacher's next-token distributions, both
-coarse-grained to the teacher's top K tokens plus one bucket for the rest of the vocabulary (``teacher_topk_logp_XK`` and the student's
-``topk_logp_XK`` of the same tokens; tail ``log(1 - sum_k p_k)``):
+coarse-grained to the teacher's top K tokens plus one bucket for the rest of the vocabulary (``teacher_topk_logp_XK``
+and the student's ``topk_logp_XK`` of the same tokens; tail ``log(1 - sum_k p_k)``):
 
     forward  kl_it = sum_k pt_k (log pt_k - log ps_k) + pt_tail (log pt_tail - log ps_tail)      KL(teacher || student)
     reverse  kl_it = sum_k ps_k (log ps_k - log pt_k) + ps_tail (log ps_tail - log pt_tail)      KL(student || teacher)
@@ -384,6 +384,12 @@ def _make_batch(
     )
 
 
+def _zero_one(x_M: torch.Tensor, name: str) -> torch.Tensor:
+    if ((x_M != 0) & (x_M != 1)).any():
+        raise ValueError(f"{name} must contain only 0 and 1")
+    return x_M.detach().float()
+
+
 def _dense_distill(teacher_XK, student_XK, index_X, batch: _Batch, cfg: LossConfig) -> dict[str, torch.Tensor]:
     """The top-k KLs per position [M] (0 where not trained) and the teacher's top-k mass."""
     if teacher_XK is None or student_XK is None or index_X is None:
@@ -396,8 +402,8 @@ def _dense_distill(teacher_XK, student_XK, index_X, batch: _Batch, cfg: LossConf
     index_X = index_X.to(batch.mask_M.device).long()
     if index_X.numel() and (int(index_X.min()) < 0 or int(index_X.max()) >= M):
         raise ValueError(f"distill_index_X must index the {M} positions")
-    if bool((batch.mask_M[index_X] == 0).any()) or index_X.numel() != int(batch.mask_M.sum()):
-        raise ValueError("distill_index_X must list exactly the trained positions (loss_mask_M == 1)")
+    if bool((batch.mask_M[index_X] == 0).any()) or index_X.unique().numel() != index_X.numel():
+        raise ValueError("distill_index_X must list trained positions (loss_mask_M == 1), each once")
     _check_finite({"teacher_topk_logp_XK": teacher_XK, "topk_logp_XK": student_XK})
     forward_X, reverse_X = topk_kl(student_XK, teacher_XK)
     mass_X = teacher_XK.detach().float().exp().sum(-1)
@@ -406,7 +412,8 @@ def _dense_distill(teacher_XK, student_XK, index_X, batch: _Batch, cfg: LossConf
         return torch.zeros(M, dtype=x_X.dtype, device=x_X.device).index_put((index_X,), x_X)
 
     out = {"distill_forward_kl": on_positions(forward_X), "distill_reverse_kl": on_positions(reverse_X),
-           "distill_topk_mass": on_positions(mass_X)}
+           "distill_topk_mass": on_positions(mass_X),
+           "scored": on_positions(torch.ones_like(mass_X))}  # (the positions the teacher's top-k covers)
     if cfg.distill_kl == "jsd":
         out["distill_jsd"] = on_positions(topk_jsd(student_XK, teacher_XK, cfg.distill_jsd_beta))
     return out
@@ -469,6 +476,7 @@ def policy_loss(
     teacher_topk_logp_XK: torch.Tensor | None = None,
     topk_logp_XK: torch.Tensor | None = None,
     distill_index_X: torch.Tensor | None = None,
+    teacher_mask_M: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss (to minimise) and float metrics. See the module docstring for the formulas.
 
@@ -486,28 +494,36 @@ def policy_loss(
     tokens, differentiable) give the dense term; the metrics gain ``distill_forward_kl``, ``distill_reverse_kl``
     (both top-k KLs, whichever trains), ``distill_jsd`` (with "jsd"), ``distill_topk_mass`` (the teacher's
     probability in its top K) and ``distill_loss`` (the trained term, reduced).
+
+    Positions the teacher did not score (episodes recorded before the gateway had a teacher: ``teacher_mask_M`` 0 in
+    the sampled form, trained positions left out of ``distill_index_X`` in the dense one) get no teacher term; the
+    distillation metrics are means over the scored positions and ``distill_scored_fraction`` is their share of the
+    trained ones.
     """
     named_M = {"logp_M": logp_M, "old_logp_M": old_logp_M, "advantages_M": advantages_M, "loss_mask_M": loss_mask_M}
     for name, t in (("rollout_logp_M", rollout_logp_M), ("ref_logp_M", ref_logp_M), ("entropy_M", entropy_M),
-                    ("teacher_logp_M", teacher_logp_M)):
+                    ("teacher_logp_M", teacher_logp_M), ("teacher_mask_M", teacher_mask_M)):
         if t is not None:
             named_M[name] = t
     _check_inputs(named_M, cu_seqlens_S1)
     _check_required(cfg, named_M)
     batch = _make_batch(loss_mask_M, cu_seqlens_S1, sample_weight_S, cfg)
     logp_M, old_logp_M, adv_M = logp_M.float(), old_logp_M.detach().float(), advantages_M.detach().float()
-    distill = {}
+    distill, scored_M = {}, None  # scored_M: the trained positions the teacher scored (the metrics' mask)
     dense = cfg.distill_kl != "sampled"
+    teacher_mask = batch.mask_M if teacher_mask_M is None else \
+        batch.mask_M * _zero_one(teacher_mask_M, "teacher_mask_M")
     if dense:
-        kl_M = _dense_distill(teacher_topk_logp_XK, topk_logp_XK, distill_index_X, batch, cfg)
-        distill.update(kl_M)
+        distill.update(_dense_distill(teacher_topk_logp_XK, topk_logp_XK, distill_index_X, batch, cfg))
+        scored_M = distill.pop("scored")
         adv_M = cfg.outcome_coef * adv_M
     if teacher_logp_M is not None:
         teacher_M = teacher_logp_M.detach().float()
         distill["distill_teacher_logp"] = teacher_M
         if not dense:
+            scored_M = teacher_mask
             reverse_kl_M = old_logp_M - teacher_M  # log pi_old / pi_teacher at the sampled token
-            adv_M = cfg.outcome_coef * adv_M - cfg.distill_coef * reverse_kl_M * batch.mask_M
+            adv_M = cfg.outcome_coef * adv_M - cfg.distill_coef * reverse_kl_M * scored_M
             distill["distill_reverse_kl"] = reverse_kl_M
 
     ratio_M = _ratio(logp_M, old_logp_M, batch)
@@ -526,8 +542,14 @@ def policy_loss(
         stats.update(_rollout_mismatch(logp_M.detach(), rollout_logp_M.detach().float(), batch, on_policy_M))
     loss = stats["pg_loss"] = batch.reduce(pg_M)
     per_token = {"pg_loss": pg_M.detach(), "advantage": adv_M, "ratio": ratio_M.detach()}
-    for key, x_M in distill.items():
-        stats[key], per_token[key] = batch.masked_mean(x_M.detach()), x_M.detach()
+    if distill:
+        partial = bool((scored_M != batch.mask_M).any())
+        stats["distill_scored_fraction"] = scored_M.sum() / batch.mask_M.sum().clamp(min=1.0)
+        for key, x_M in distill.items():
+            mask_M = teacher_mask if key == "distill_teacher_logp" else scored_M
+            stats[key] = (x_M.detach() * mask_M).sum() / mask_M.sum().clamp(min=1.0)
+            if not partial:  # (per-domain means over the trained tokens: only when the teacher scored them all)
+                per_token[key] = x_M.detach()
     if dense:
         trained = distill["distill_jsd" if cfg.distill_kl == "jsd" else f"distill_{cfg.distill_kl}_kl"]
         stats["distill_loss"] = batch.reduce(trained)

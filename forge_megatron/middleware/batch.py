@@ -137,17 +137,19 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
     """
     samples = []
     for e, (meta, arrays_T) in enumerate(episodes):
-        bounds = np.cumsum([0] + list(meta["segment_lengths"]))
+        lengths = list(meta["segment_lengths"])
+        bounds = np.cumsum([0] + lengths)
         teacher_T = arrays_T[4] if meta.get("teacher_logprobs") else None
         k = meta.get("teacher_topk")
-        top_ids, top_logp = (a.reshape(-1, k) for a in arrays_T[5:7]) if k else (None, None)
         routing = meta.get("routing_shape")
         routed_T = arrays_T[4 + (teacher_T is not None) + 2 * bool(k)].reshape(-1, *routing) if routing else None
         images = _segment_images(meta, arrays_T)
-        row = 0  # the segment's first sampled token among the episode's top-k rows
+        sampled = [int(np.count_nonzero(arrays_T[1][lo:hi])) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        teachers = teacher_parts(meta, teacher_T, (arrays_T[5], arrays_T[6], k) if k else None, lengths, sampled,
+                                 f"episode {meta['episode_id']}")
         for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             tokens_L, loss_mask_L, logprobs_L, versions_L = (a[lo:hi] for a in arrays_T[:4])
-            rows = int(np.count_nonzero(loss_mask_L))
+            teacher, top = teachers[s]
             advantage = np.float32(scores["segment_advantages"][e][s])
             samples.append(
                 TrainSample(
@@ -163,13 +165,43 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
                     reward=scores["rewards"][e],
                     routed_experts=None if routed_T is None else routed_T[lo:hi],
                     images=images[s],
-                    teacher_logprobs=None if teacher_T is None else teacher_T[lo:hi],
-                    teacher_topk_ids=None if top_ids is None else top_ids[row:row + rows],
-                    teacher_topk_logprobs=None if top_logp is None else top_logp[row:row + rows],
+                    teacher_logprobs=teacher,
+                    teacher_topk_ids=None if top is None else top[0],
+                    teacher_topk_logprobs=None if top is None else top[1],
                 )
             )
-            row += rows
     return samples
+
+
+def teacher_parts(meta: dict, teacher_T, topk, lengths: list[int], sampled: list[int], where: str) -> list:
+    """Per item (segment or sample) of a wire form, ``(teacher logprobs [L] or None, (top-k ids [S, K], logprobs
+    [S, K]) or None)`` from the flat frames: ``teacher_T`` float32 [T] (the header's ``teacher_missing`` items hold
+    zeros there and get None), ``topk`` (flat ids, flat logprobs, K) or None (rows for the sampled tokens of every
+    item not in ``teacher_topk_missing``). ``lengths`` / ``sampled``: each item's tokens and sampled tokens. A
+    frame of another size raises ValueError naming ``where``."""
+    n = len(lengths)
+    missing = set(meta.get("teacher_missing") or ())
+    topk_missing = set(meta.get("teacher_topk_missing") or ())
+    if not all(isinstance(i, int) and 0 <= i < n for i in missing | topk_missing):
+        raise ValueError(f"{where} teacher_missing / teacher_topk_missing must list item indices below {n}")
+    out, bounds = [], np.cumsum([0] + list(lengths))
+    rows = 0
+    if topk is not None:
+        ids_flat, logp_flat, k = topk
+        want = sum(s for i, s in enumerate(sampled) if i not in topk_missing) * k
+        if ids_flat.size != want or logp_flat.size != want:
+            raise ValueError(f"{where} teacher top-k must hold {want} values (sampled tokens x {k}), got "
+                             f"{ids_flat.size} and {logp_flat.size}")
+    for i in range(n):
+        lo, hi = bounds[i], bounds[i + 1]
+        teacher = None if teacher_T is None or i in missing else teacher_T[lo:hi]
+        top = None
+        if topk is not None and i not in topk_missing:
+            top = (ids_flat[rows * k:(rows + sampled[i]) * k].reshape(sampled[i], k),
+                   logp_flat[rows * k:(rows + sampled[i]) * k].reshape(sampled[i], k))
+            rows += sampled[i]
+        out.append((teacher, top))
+    return out
 
 
 def _segment_images(meta: dict, arrays_T: list) -> list:

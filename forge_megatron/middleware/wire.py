@@ -13,12 +13,13 @@ Episodes and batches concatenate their per-token arrays (T = all tokens of all s
 lengths in the header, so a batch is five frames whatever its number of samples. Routed experts (rollout routing
 replay), when any item has them, are one more int8 or int16 frame [T * layers * topk] with ``routing_shape`` =
 [layers, topk] and ``routing_dtype`` in the header; items without them get ``-1`` rows (nothing recorded: the trainer
-routes those tokens itself). Teacher logprobs (on-policy distillation from a served teacher), when every item has
-them, are one more float32 frame [T] after the per-token ones, flagged by ``teacher_logprobs: true`` in the header
-(all items or none: a batch the trainer distils on must carry them for every sample). A served teacher's top-k
-(``--teacher-topk K``) adds two frames right after it, int32 ids and float32 logprobs [R * K] of the R sampled tokens
-(loss_mask = 1) of all items in order, flagged by ``teacher_topk: K`` (all items or none, and only with the
-teacher logprobs).
+routes those tokens itself). Teacher logprobs (on-policy distillation from a served teacher), when any item has
+them, are one more float32 frame [T] after the per-token ones, flagged by ``teacher_logprobs: true`` in the header;
+items without them (scored before the gateway had a teacher) hold zeros, listed in ``teacher_missing``, and the
+trainer trains them without the teacher's term. A served teacher's top-k (``--teacher-topk K``) adds two frames right
+after it, int32 ids and float32 logprobs [R * K] of the R sampled tokens (loss_mask = 1) of the items that have one,
+in order, flagged by ``teacher_topk: K`` (the others listed in ``teacher_topk_missing``; only with the teacher
+logprobs).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from forge_megatron.middleware.batch import TOKEN_FIELDS, TrainBatch, TrainSample
+from forge_megatron.middleware.batch import TOKEN_FIELDS, TrainBatch, TrainSample, teacher_parts
 from forge_megatron.middleware.schema import ROUTING_DTYPES, SCHEMA_VERSION, Episode, split_images
 
 PROTOCOL_VERSION = 1
@@ -179,69 +180,70 @@ def _take_images(meta: dict, arrays: list[np.ndarray], owners: int, key: str, wh
     return arrays[:-1], split_images(table, arrays[-1])
 
 
-def _teacher_frame(items: list, meta: dict, where: str) -> list[np.ndarray]:
+def _teacher_frame(items: list, lengths: list[int], meta: dict) -> list[np.ndarray]:
     """[] when no item has teacher logprobs; else one float32 frame of all of them and ``meta["teacher_logprobs"]``
-    set. Some items with them and some without is refused (WireError)."""
-    have = [x is not None for x in items]
-    if not any(have):
+    set. Items without them (episodes scored before a gateway had a teacher, e.g. across a restart with
+    ``--teacher-urls`` added) hold zeros and are listed in ``meta["teacher_missing"]``: the trainer trains them
+    without the teacher's term."""
+    missing = [i for i, x in enumerate(items) if x is None]
+    if len(missing) == len(items):
         return []
-    if not all(have):
-        raise WireError(f"{where}: {have.count(False)} of {len(items)} items have no teacher_logprobs (all or none)")
     meta["teacher_logprobs"] = True
-    return [np.concatenate([np.asarray(x, dtype=np.float32) for x in items]) if items else np.zeros(0, np.float32)]
+    if missing:
+        meta["teacher_missing"] = missing
+    return [np.concatenate([np.zeros(n, np.float32) if x is None else np.asarray(x, dtype=np.float32)
+                            for x, n in zip(items, lengths)])]
 
 
 def _topk_frames(items: list, meta: dict, where: str) -> list[np.ndarray]:
     """[] when no item has a teacher top-k (``(ids [R_i, K], logprobs [R_i, K])`` or None per item); else the two
-    flat frames of all items' rows and ``meta["teacher_topk"] = K``. Some items with it and some without, or two
-    values of K, are refused (WireError)."""
-    have = [x is not None for x in items]
-    if not any(have):
+    flat frames of the items' rows and ``meta["teacher_topk"] = K``, the items without listed in
+    ``meta["teacher_topk_missing"]``. Two values of K are refused (WireError)."""
+    have = [x for x in items if x is not None]
+    if not have:
         return []
-    if not all(have):
-        raise WireError(f"{where}: {have.count(False)} of {len(items)} items have no teacher top-k (all or none)")
-    ks = {ids.shape[1] for ids, _ in items}
+    ks = {ids.shape[1] for ids, _ in have}
     if len(ks) != 1:
         raise WireError(f"{where}: items carry teacher top-k of different K {sorted(ks)}")
     meta["teacher_topk"] = ks.pop()
-    return [np.concatenate([np.asarray(x[i], dtype=dt).reshape(-1) for x in items])
+    missing = [i for i, x in enumerate(items) if x is None]
+    if missing:
+        meta["teacher_topk_missing"] = missing
+    return [np.concatenate([np.asarray(x[i], dtype=dt).reshape(-1) for x in have])
             for i, dt in ((0, np.int32), (1, np.float32))]
 
 
-def _take_topk(meta: dict, arrays: list[np.ndarray], sampled: int, where: str):
-    """(the other arrays, (ids int32 [sampled, K], logprobs float32 [sampled, K]) or None): splits off the top-k
-    frames (the last two of the arrays left once images and routing are taken)."""
-    k = meta.pop("teacher_topk", None)
+def _take_topk(meta: dict, arrays: list[np.ndarray], where: str):
+    """(the other arrays, (flat ids int32, flat logprobs float32, K) or None): splits off the top-k frames (the last
+    two of the arrays left once images and routing are taken); their sizes are checked per item once the per-token
+    arrays are split (``batch.teacher_parts``)."""
+    k = meta.get("teacher_topk")
     if k is None:
         return arrays, None
     if isinstance(k, bool) or not isinstance(k, int) or k < 1 or not meta.get("teacher_logprobs"):
         raise WireError(f"{where} teacher_topk must be K >= 1, with teacher_logprobs, got {k!r}")
-    n = sampled * k
-    if len(arrays) < 2 or arrays[-2].dtype != np.int32 or arrays[-1].dtype != np.float32 or \
-            arrays[-2].size != n or arrays[-1].size != n:
-        raise WireError(f"{where} teacher top-k must be int32[{n}] ids and float32[{n}] logprobs ({sampled} sampled "
-                        f"tokens x {k}) after the teacher logprobs")
-    return arrays[:-2], (arrays[-2].reshape(sampled, k), arrays[-1].reshape(sampled, k))
+    if len(arrays) < 2 or arrays[-2].dtype != np.int32 or arrays[-1].dtype != np.float32:
+        raise WireError(f"{where} teacher top-k must be an int32 frame of ids and a float32 frame of logprobs after "
+                        "the teacher logprobs")
+    return arrays[:-2], (arrays[-2].reshape(-1), arrays[-1].reshape(-1), k)
 
 
-def _split_rows(topk, counts: list[int]) -> list:
-    """Per item, its rows of the top-k ``(ids, logprobs)`` (views), by its sampled-token count; Nones without."""
-    if topk is None:
-        return [None] * len(counts)
-    bounds = np.cumsum([0] + counts)
-    return [(topk[0][lo:hi], topk[1][lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-
-def _sampled(arrays: list[np.ndarray]) -> int:
-    """Sampled tokens (loss_mask = 1) of the per-token arrays' loss-mask frame (0 when it is malformed: the split
-    that follows names the problem)."""
-    mask = arrays[1] if len(arrays) > 1 else None
-    return int(np.count_nonzero(mask)) if mask is not None and mask.dtype == np.uint8 else 0
+def _teacher_items(meta: dict, teacher_T, topk, parts: list, where: str) -> list:
+    """Per item, (teacher logprobs or None, top-k or None) (``batch.teacher_parts``), the header's teacher keys
+    consumed; WireError for frames of the wrong size."""
+    try:
+        out = teacher_parts(meta, teacher_T, topk, [int(p[0].shape[0]) for p in parts],
+                            [int(np.count_nonzero(p[1])) for p in parts], where)
+    except ValueError as exc:
+        raise WireError(str(exc)) from None
+    for key in ("teacher_topk", "teacher_missing", "teacher_topk_missing"):
+        meta.pop(key, None)
+    return out
 
 
 def _take_teacher(meta: dict, arrays: list[np.ndarray], total: int, where: str):
     """(the other arrays, teacher logprobs float32 [total] or None): splits off the teacher frame (the last of the
-    arrays left once images and routing are taken)."""
+    arrays left once images, routing and top-k are taken)."""
     if not meta.pop("teacher_logprobs", False):
         return arrays, None
     if not arrays or arrays[-1].dtype != np.float32 or arrays[-1].shape != (total,):
@@ -256,7 +258,7 @@ def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]
     meta["segment_rewards"] = [s.reward for s in episode.segments]
     arrays = [np.concatenate([np.asarray(getattr(s, name), dtype=dtype) for s in episode.segments])
               if episode.segments else np.zeros(0, dtype) for name, dtype in EPISODE_FIELDS]
-    arrays += _teacher_frame([s.teacher_logprobs for s in episode.segments], meta, "episode")
+    arrays += _teacher_frame([s.teacher_logprobs for s in episode.segments], meta["segment_lengths"], meta)
     arrays += _topk_frames([None if s.teacher_topk_ids is None else (s.teacher_topk_ids, s.teacher_topk_logprobs)
                             for s in episode.segments], meta, "episode")
     arrays += _routing_frame([(s.routed_experts, len(s.tokens)) for s in episode.segments], meta, "episode")
@@ -276,19 +278,19 @@ def episode_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> Episode
     del meta["segment_lengths"], meta["segment_rewards"]
     arrays, images = _take_images(meta, arrays, len(lengths), "segment_images", "episode")
     arrays, routed_T = _take_routing(meta, arrays, sum(lengths), "episode")
-    arrays, topk = _take_topk(meta, arrays, _sampled(arrays), "episode")
+    arrays, topk = _take_topk(meta, arrays, "episode")
     arrays, teacher_T = _take_teacher(meta, arrays, sum(lengths), "episode")
     parts = _split(arrays, lengths, EPISODE_FIELDS, "episode")
     bounds = np.cumsum([0] + lengths)
-    rows = _split_rows(topk, [int(np.count_nonzero(part[1])) for part in parts])
+    teachers = _teacher_items(meta, teacher_T, topk, parts, "episode")
     meta["segments"] = [
         {name: a.tolist() for (name, _), a in zip(EPISODE_FIELDS, part)}
         | {"reward": r, "routed_experts": None if routed_T is None else routed_T[lo:hi].copy(),
            "images": None if ims is None else [bytes(x) for x in ims],
-           "teacher_logprobs": None if teacher_T is None else teacher_T[lo:hi].tolist(),
+           "teacher_logprobs": None if teacher is None else teacher.tolist(),
            "teacher_topk_ids": None if top is None else top[0].copy(),
            "teacher_topk_logprobs": None if top is None else top[1].copy()}
-        for part, r, lo, hi, ims, top in zip(parts, rewards, bounds[:-1], bounds[1:], images, rows)
+        for part, r, lo, hi, ims, (teacher, top) in zip(parts, rewards, bounds[:-1], bounds[1:], images, teachers)
     ]
     return Episode.from_dict(meta)
 
@@ -324,7 +326,7 @@ def batch_to_wire(batch: TrainBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
               for name, dtype in TOKEN_FIELDS]
     meta = {"batch_id": batch.batch_id, "group_indices": batch.group_indices, "metrics": batch.metrics,
             "samples": samples}
-    arrays += _teacher_frame([s.teacher_logprobs for s in batch.samples], meta, "batch")
+    arrays += _teacher_frame([s.teacher_logprobs for s in batch.samples], [s["length"] for s in samples], meta)
     arrays += _topk_frames([None if s.teacher_topk_ids is None else (s.teacher_topk_ids, s.teacher_topk_logprobs)
                             for s in batch.samples], meta, "batch")
     arrays += _routing_frame([(s.routed_experts, s.tokens.shape[0]) for s in batch.samples], meta, "batch")
@@ -344,18 +346,18 @@ def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatc
     meta = dict(meta)
     arrays, images = _take_images(meta, arrays, len(samples_meta), "images", "batch")
     arrays, routed_T = _take_routing(meta, arrays, sum(lengths), "batch")
-    arrays, topk = _take_topk(meta, arrays, _sampled(arrays), "batch")
+    arrays, topk = _take_topk(meta, arrays, "batch")
     arrays, teacher_T = _take_teacher(meta, arrays, sum(lengths), "batch")
     parts = _split(arrays, lengths, TOKEN_FIELDS, "batch")
     bounds = np.cumsum([0] + lengths)
-    rows = _split_rows(topk, [int(np.count_nonzero(part[1])) for part in parts])
+    teachers = _teacher_items(meta, teacher_T, topk, parts, "batch")
     samples = [
         TrainSample(**{name: a for (name, _), a in zip(TOKEN_FIELDS, part)}, **{k: s[k] for k in _SAMPLE_KEYS},
                     routed_experts=None if routed_T is None else routed_T[lo:hi], images=ims,
-                    teacher_logprobs=None if teacher_T is None else teacher_T[lo:hi],
-                    teacher_topk_ids=None if top is None else top[0],
+                    teacher_logprobs=teacher, teacher_topk_ids=None if top is None else top[0],
                     teacher_topk_logprobs=None if top is None else top[1])
-        for part, s, lo, hi, ims, top in zip(parts, samples_meta, bounds[:-1], bounds[1:], images, rows)
+        for part, s, lo, hi, ims, (teacher, top) in zip(parts, samples_meta, bounds[:-1], bounds[1:], images,
+                                                         teachers)
     ]
     return TrainBatch(batch_id=field(meta, "batch_id", int, "batch"), samples=samples,
                       group_indices=field(meta, "group_indices", list, "batch"),

@@ -155,24 +155,43 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
         "group_S": torch.tensor([s.group_index for s in samples], dtype=torch.int64),
         "reward_S": torch.tensor([s.reward for s in samples], dtype=torch.float32),
     }
-    teacher = [getattr(s, "teacher_logprobs", None) for s in samples]
-    if all(t is not None for t in teacher):  # a served teacher's logprobs, recorded by the gateway
-        extras["teacher_logp_M"] = torch.cat([_targets(t).float() for t in teacher])
-    if all(getattr(s, "teacher_topk_ids", None) is not None for s in samples):  # and its top-k (--teacher-topk)
-        # one row per sampled token; a sample's sampled tokens are its trained targets, in order
-        index_X = torch.nonzero(extras["loss_mask_M"]).flatten()
-        ids = torch.cat([torch.from_numpy(np.asarray(s.teacher_topk_ids, dtype=np.int64)) for s in samples])
-        if ids.shape[0] != index_X.numel():
-            raise ValueError(f"the samples carry {ids.shape[0]} rows of teacher top-k for {index_X.numel()} trained "
-                             "tokens")
-        extras.update(distill_index_X=index_X, teacher_topk_ids_XK=ids, teacher_topk_logp_XK=torch.cat(
-            [torch.from_numpy(np.asarray(s.teacher_topk_logprobs, dtype=np.float32)) for s in samples]))
+    extras.update(_recorded_teacher(samples, extras["loss_mask_M"], extras["cu_seqlens_S1"]))
     routing, stats = None, {}
     if routing_replay:
         from forge_megatron.mcore.routing_replay import tree_routing
 
         routing = tree_routing(layout, [getattr(s, "routed_experts", None) for s in samples], stats)
     return TreeMicroBatch(layout=layout, extras=extras, routing=routing, routing_stats=stats)
+
+
+def _recorded_teacher(samples: list, loss_mask_M: torch.Tensor, cu_seqlens_S1: torch.Tensor) -> dict:
+    """A served teacher's recordings of ``samples`` (the gateway's --teacher-urls / --teacher-topk) as micro-batch
+    extras: ``teacher_logp_M`` (its logprobs of the targets; with ``teacher_mask_M`` when some samples have none:
+    episodes recorded before the gateway had a teacher) and, for the samples with a top-k, ``distill_index_X`` (their
+    trained targets, one per sampled token in order) with ``teacher_topk_ids_XK`` / ``teacher_topk_logp_XK``."""
+    extras = {}
+    teacher = [getattr(s, "teacher_logprobs", None) for s in samples]
+    if any(t is not None for t in teacher):
+        extras["teacher_logp_M"] = torch.cat([_targets(t).float() if t is not None else
+                                              torch.zeros(len(s.tokens) - 1) for s, t in zip(samples, teacher)])
+        if not all(t is not None for t in teacher):
+            extras["teacher_mask_M"] = torch.cat([torch.full((len(s.tokens) - 1,), float(t is not None))
+                                                  for s, t in zip(samples, teacher)])
+    tops = [(i, s) for i, s in enumerate(samples) if getattr(s, "teacher_topk_ids", None) is not None]
+    if tops:
+        index, ids, logp = [], [], []
+        for i, s in tops:
+            lo, hi = int(cu_seqlens_S1[i]), int(cu_seqlens_S1[i + 1])
+            trained = lo + torch.nonzero(loss_mask_M[lo:hi]).flatten()
+            if s.teacher_topk_ids.shape[0] != trained.numel():
+                raise ValueError(f"sample {s.episode_id} carries {s.teacher_topk_ids.shape[0]} rows of teacher top-k "
+                                 f"for {trained.numel()} trained tokens")
+            index.append(trained)
+            ids.append(torch.from_numpy(np.asarray(s.teacher_topk_ids, dtype=np.int64)))
+            logp.append(torch.from_numpy(np.asarray(s.teacher_topk_logprobs, dtype=np.float32)))
+        extras.update(distill_index_X=torch.cat(index), teacher_topk_ids_XK=torch.cat(ids),
+                      teacher_topk_logp_XK=torch.cat(logp))
+    return extras
 
 
 def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: int, domains: list[str],
@@ -348,6 +367,7 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
             domain_ids_S=x["domain_ids_S"], domain_names=domains, ref_logp_M=x.get("ref_logp_M"),
             teacher_logp_M=x.get("teacher_logp_M"), teacher_topk_logp_XK=x.get("teacher_topk_logp_XK"),
             topk_logp_XK=topk_logp_XK, distill_index_X=x.get("distill_index_X"),
+            teacher_mask_M=x.get("teacher_mask_M"),
             on_policy_M=None if policy_version is None else x["policy_versions_M"] == policy_version)
         # A batch-wide normaliser: undo Megatron's division of each micro-batch loss by the micro-batch count.
         return loss * (num_mb if cfg.norm_constant is not None else 1), metrics
@@ -861,11 +881,7 @@ class Trainer:
         if self.teacher is not None:
             self._teacher_pass(rb)
         elif getattr(self.args, "teacher_from_gateway", False):
-            if not all("teacher_logp_M" in mb.extras for mb in rb.micro_batches):
-                raise ValueError(f"batch {rb.batch_id}: --teacher-from-gateway, but its samples carry no teacher "
-                                 "logprobs: start the gateway (forge-node / forge-gateway) with --teacher-urls")
-            if self.loss_cfg.distill_kl != "sampled":
-                self._recorded_topk(rb)
+            self._recorded_teacher_check(rb)
         if getattr(self.args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay
 
@@ -953,27 +969,45 @@ class Trainer:
     def _teacher_pass(self, rb: RankBatch) -> None:
         """Distillation (--teacher-hf-checkpoint): the teacher's logprobs of the sampled tokens on every micro-batch
         of ``rb``, and with --distill-kl forward|reverse|jsd its top-k tokens at the trained positions."""
+        for mb in rb.micro_batches:  # (this teacher scores every sample, whatever a gateway recorded)
+            mb.extras.pop("teacher_mask_M", None)
         with self.teacher.resident():
             if self.teacher.topk is None:
                 self._forward_only_logprobs(self.teacher.chunks, rb, "teacher_logp_M")
             else:
                 self._teacher_topk(rb)
 
-    def _recorded_topk(self, rb: RankBatch) -> None:
-        """--teacher-from-gateway with --distill-kl forward|reverse|jsd: the served teacher's top-k recorded with the
-        samples (the gateway's --teacher-topk), cut to this run's --distill-topk."""
-        k = self.args.distill_topk
+    def _recorded_teacher_check(self, rb: RankBatch) -> None:
+        """--teacher-from-gateway: every micro-batch gets the served teacher's recordings it needs, empty where its
+        samples have none (episodes recorded before the gateway had --teacher-urls / --teacher-topk: they train on
+        their outcome advantages alone, which the log says with the count), the top-k cut to --distill-topk."""
+        dense, k = self.loss_cfg.distill_kl != "sampled", getattr(self.args, "distill_topk", 32)
+        scored = trained = 0.0
         for mb in rb.micro_batches:
-            ids = mb.extras.get("teacher_topk_ids_XK")
+            x = mb.extras
+            mask = x["loss_mask_M"]
+            trained += float(mask.sum())
+            if "teacher_logp_M" not in x:  # none of its samples were scored
+                x["teacher_logp_M"], x["teacher_mask_M"] = torch.zeros_like(mask), torch.zeros_like(mask)
+            if not dense:
+                scored += float((mask * x.get("teacher_mask_M", torch.ones_like(mask))).sum())
+                continue
+            ids = x.get("teacher_topk_ids_XK")
             if ids is None:
-                raise ValueError(f"batch {rb.batch_id}: --distill-kl {self.args.distill_kl}, but its samples carry no "
-                                 "teacher top-k: start the gateway with --teacher-topk "
-                                 f"{k} (beside --teacher-urls)")
-            if ids.shape[1] < k:
+                x.update(distill_index_X=torch.zeros(0, dtype=torch.long), teacher_topk_logp_XK=torch.zeros(0, k),
+                         teacher_topk_ids_XK=torch.zeros(0, k, dtype=torch.long))
+            elif ids.shape[1] < k:
                 raise ValueError(f"batch {rb.batch_id}: the samples carry the teacher's top {ids.shape[1]} tokens, "
-                                 f"fewer than --distill-topk {k}")
-            mb.extras["teacher_topk_ids_XK"] = ids[:, :k]
-            mb.extras["teacher_topk_logp_XK"] = mb.extras["teacher_topk_logp_XK"][:, :k]
+                                 f"fewer than --distill-topk {k}: start the gateway with --teacher-topk {k}")
+            else:
+                x["teacher_topk_ids_XK"] = ids[:, :k]
+                x["teacher_topk_logp_XK"] = x["teacher_topk_logp_XK"][:, :k]
+            scored += x["distill_index_X"].numel()
+        if scored < trained:
+            what = "top-k (the gateway's --teacher-topk)" if dense else "logprobs (the gateway's --teacher-urls)"
+            self._log(f"batch {rb.batch_id}: {trained - scored:.0f} of {trained:.0f} trained tokens carry no served "
+                      f"teacher {what}: episodes recorded before the gateway had a teacher; they train without the "
+                      "teacher's term")
 
     def _teacher_topk(self, rb: RankBatch) -> None:
         """The teacher's logprobs of the sampled tokens (``teacher_logp_M``) and, at the trained positions

@@ -341,7 +341,8 @@ def test_dense_distillation_loss():
     (grad,) = torch.autograd.grad(loss, [student_XK])
     (expect,) = torch.autograd.grad(0.5 * rev.mean(), [student_XK])
     assert torch.allclose(grad, expect, atol=1e-7)
-    for bad, message in ((torch.tensor([0, 1, 3]), "must list exactly the trained positions"),
+    for bad, message in ((torch.tensor([0, 1, 3]), "must list trained positions (loss_mask_M == 1), each once"),
+                         (torch.tensor([0, 0, 3]), "must list trained positions (loss_mask_M == 1), each once"),
                          (torch.tensor([0, 2]), "must be [X, K], [X, K] and [X]"),
                          (torch.tensor([0, 2, 9]), "must index the 4 positions")):
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -355,6 +356,45 @@ def test_dense_distillation_loss():
     jsd = topk_jsd(student_XK, teacher_XK, 0.25).mean().item()
     assert m["distill_jsd"] == pytest.approx(jsd, rel=1e-6) and m["distill_loss"] == pytest.approx(jsd, rel=1e-6)
     assert loss.item() == pytest.approx(plain.item() + 0.5 * jsd, rel=1e-6)
+
+
+def test_distillation_on_the_positions_the_teacher_scored():
+    """Trained positions without the teacher's word (episodes recorded before the gateway had a teacher): the sampled
+    form leaves them the outcome advantage alone (``teacher_mask_M`` 0), the dense form the trained positions left
+    out of ``distill_index_X``; the metrics are means over the scored positions and ``distill_scored_fraction`` is
+    their share; all of them scored, nothing changes."""
+    from forge_megatron.algo.losses import topk_kl
+
+    logp_M = _t(-1.0, -2.0, -0.7, -1.2, requires_grad=True)
+    old_M = _t(-1.1, -2.0, -0.5, -1.2)
+    adv_M = _t(1.0, 1.0, 0.0, -0.5)
+    mask_M = _t(1, 0, 1, 1)
+    teacher_M = _t(-0.4, 0.0, -3.0, -0.2)
+    cfg = LossConfig(distill_coef=0.5)
+    full, m_full = _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], cfg, teacher_logp_M=teacher_M)
+    same, _ = _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], cfg, teacher_logp_M=teacher_M,
+                    teacher_mask_M=_t(1, 1, 1, 1))
+    assert same.item() == full.item() and m_full["distill_scored_fraction"] == 1.0
+    part, m = _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], cfg, teacher_logp_M=teacher_M,
+                    teacher_mask_M=_t(1, 0, 0, 1))  # position 2 trained, not scored
+    a = [1.0 + 0.5 * (-0.4 + 1.1), 0.0, 0.0, -0.5 + 0.5 * (-0.2 + 1.2)]
+    w = [min(math.exp(lp - o), 1.28) for lp, o in zip(logp_M.tolist(), old_M.tolist())]
+    expect = -sum(w[i] * a[i] * logp_M[i].item() for i in (0, 2, 3)) / 3
+    assert part.item() == pytest.approx(expect, rel=1e-6)
+    assert m["distill_scored_fraction"] == pytest.approx(2 / 3)
+    assert m["distill_reverse_kl"] == pytest.approx(((-1.1 + 0.4) + (-1.2 + 0.2)) / 2, rel=1e-6)
+    assert m["distill_teacher_logp"] == pytest.approx((-0.4 - 0.2) / 2, rel=1e-6)
+    g = torch.Generator().manual_seed(2)
+    student_XK = torch.log_softmax(torch.randn(2, 6, generator=g), -1)[:, :4].requires_grad_(True)
+    teacher_XK = torch.log_softmax(torch.randn(2, 6, generator=g), -1)[:, :4]
+    dense = LossConfig(distill_coef=0.5, distill_kl="reverse")
+    loss, m = _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], dense, teacher_topk_logp_XK=teacher_XK,
+                    topk_logp_XK=student_XK, distill_index_X=torch.tensor([0, 3]))
+    plain, _ = _loss(logp_M, old_M, adv_M, mask_M, [0, 2, 4], LossConfig())
+    _, rev = topk_kl(student_XK, teacher_XK)
+    assert loss.item() == pytest.approx(plain.item() + 0.5 * rev.sum().item() / 3, rel=1e-6)  # (token mean of 3)
+    assert m["distill_reverse_kl"] == pytest.approx(rev.mean().item(), rel=1e-6)
+    assert m["distill_scored_fraction"] == pytest.approx(2 / 3)
 
 
 def test_truncated_importance_weights_scale_token_loss():

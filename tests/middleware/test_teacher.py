@@ -285,8 +285,8 @@ def _segment(n: int, seed: int, teacher: bool = True) -> Segment:
 def test_teacher_logprobs_travel_through_the_wire_the_database_and_the_batches(make_pool):
     """An episode's teacher logprobs survive the wire and the database blob exactly (float32), reach the trainer's
     batch samples as float32 arrays aligned with the tokens (with routed experts beside them), and come back from
-    the batch's wire form; a batch mixing samples with and without them, or a segment whose teacher logprobs have
-    another length or a positive value, is refused naming it."""
+    the batch's wire form, also when it mixes samples with and without them; a segment whose teacher logprobs have
+    another length or a positive value is refused naming it."""
     from forge_megatron.middleware.batch import TrainBatch
 
     segs = [_segment(9, 1), _segment(7, 2)]
@@ -310,10 +310,13 @@ def test_teacher_logprobs_travel_through_the_wire_the_database_and_the_batches(m
         assert s.teacher_logprobs.dtype == np.float32 and s.teacher_logprobs.tolist() == pytest.approx(want, abs=0)
     back = batch_from_wire(*batch_to_wire(batch))
     assert all(np.array_equal(a.teacher_logprobs, b.teacher_logprobs) for a, b in zip(batch.samples, back.samples))
+    # a batch mixing samples with and without them (episodes recorded before the gateway had a teacher) travels,
+    # the sample without them still without them
     mixed = TrainBatch(batch_id=1, samples=[batch.samples[0], type(batch.samples[1])(
         **{**batch.samples[1].__dict__, "teacher_logprobs": None})], group_indices=[0])
-    with pytest.raises(WireError, match="1 of 2 items have no teacher_logprobs"):
-        batch_to_wire(mixed)
+    back = batch_from_wire(*batch_to_wire(mixed))
+    assert back.samples[1].teacher_logprobs is None
+    assert np.array_equal(back.samples[0].teacher_logprobs, mixed.samples[0].teacher_logprobs)
     bad = _segment(9, 5)
     bad.teacher_logprobs = bad.teacher_logprobs[:-1]
     with pytest.raises(SchemaError, match="teacher_logprobs has length 8, tokens has 9"):
@@ -400,8 +403,8 @@ def test_gateway_records_the_teachers_top_k_at_sampled_tokens(models, teacher_en
 
 def test_teacher_top_k_reaches_the_batches(make_pool):
     """Episodes of two segments each with a teacher top-k: the pool's batch samples carry each segment's own rows
-    (int32 / float32 [sampled, K]), and so does the batch's wire form; a batch mixing samples with and without them
-    is refused."""
+    (int32 / float32 [sampled, K]), and so does the batch's wire form, also mixing samples with and without them;
+    frames of the wrong size are refused."""
     from forge_megatron.middleware.batch import TrainBatch
 
     def segs(seed):
@@ -432,6 +435,11 @@ def test_teacher_top_k_reaches_the_batches(make_pool):
     back = batch_from_wire(*batch_to_wire(batch))
     assert all(np.array_equal(a.teacher_topk_ids, b.teacher_topk_ids) for a, b in zip(batch.samples, back.samples))
     mixed = TrainBatch(batch_id=1, samples=[batch.samples[0], type(batch.samples[1])(
-        **{**batch.samples[1].__dict__, "teacher_topk_ids": None, "teacher_topk_logprobs": None})], group_indices=[0])
-    with pytest.raises(WireError, match="1 of 2 items have no teacher top-k"):
-        batch_to_wire(mixed)
+        **{**batch.samples[1].__dict__, "teacher_topk_ids": None, "teacher_topk_logprobs": None}), batch.samples[2]],
+        group_indices=[0])
+    back = batch_from_wire(*batch_to_wire(mixed))  # travels: the second sample without a top-k, the third with its own
+    assert back.samples[1].teacher_topk_ids is None
+    assert np.array_equal(back.samples[2].teacher_topk_ids, mixed.samples[2].teacher_topk_ids)
+    meta, arrays = batch_to_wire(mixed)
+    with pytest.raises(WireError, match="teacher top-k must hold"):  # frames of the wrong size are named
+        batch_from_wire(meta, arrays[:5] + [arrays[5], arrays[6][:-3], arrays[7][:-3]] + arrays[8:])

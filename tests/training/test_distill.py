@@ -44,8 +44,8 @@ def _feed(episodes, teacher: list | None = None, topk: list | None = None):
                           rollout_logprobs=[0.0] * len(prompt) + [-5.0] * len(completion),
                           policy_versions=[-1] * len(prompt) + [0] * len(completion),
                           teacher_logprobs=None if teacher is None else [0.0] * len(prompt) + teacher[e].tolist(),
-                          teacher_topk_ids=None if topk is None else topk[e][0],
-                          teacher_topk_logprobs=None if topk is None else topk[e][1])
+                          teacher_topk_ids=None if topk is None or topk[e] is None else topk[e][0],
+                          teacher_topk_logprobs=None if topk is None or topk[e] is None else topk[e][1])
             eid = f"{gid}-e{e}"
             client.episode_started(gid, eid)
             now = time.time()
@@ -262,8 +262,7 @@ def test_outcome_advantages_add_and_teacher_offload_trains_the_same(models, tmp_
 def test_teacher_recorded_by_the_gateway_trains_as_the_trainers_own(models, tmp_path):
     """Episodes carrying a served teacher's logprobs (here transformers' teacher, as a gateway with --teacher-urls
     records SGLang's) trained with --teacher-from-gateway: the same two steps as with the teacher in the trainer
-    (--teacher-hf-checkpoint): loss, gradient norm and the distillation metrics, to fp32 round-off. Without the
-    recorded logprobs the run stops at its first batch naming the gateway flag."""
+    (--teacher-hf-checkpoint): loss, gradient norm and the distillation metrics, to fp32 round-off."""
     student, teacher = models
     episodes = _episodes(seed=12)
     recorded = _completion_logprobs(teacher, episodes)
@@ -276,24 +275,63 @@ def test_teacher_recorded_by_the_gateway_trains_as_the_trainers_own(models, tmp_
     for a, b in zip(runs["trainer"], runs["gateway"]):
         for key in ("loss", "grad_norm", "distill_reverse_kl", "distill_teacher_logp", "advantage_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
-    from .pool_feed import PoolProcess
+        assert a["distill_scored_fraction"] == b["distill_scored_fraction"] == 1.0
 
-    pool = PoolProcess(str(tmp_path / "missing.sqlite"))
-    try:
-        _feed(episodes)(pool.client)
-        out = run_script(TRAIN, train_cmd(student, pool, str(tmp_path / "missing"), iters=1, groups=1,
-                                          extra=["--teacher-from-gateway"]), env=train_env())
-    finally:
-        pool.stop()
-    assert out.returncode != 0 and "carry no teacher logprobs" in out.stdout + out.stderr
-    assert "--teacher-urls" in out.stdout + out.stderr
+
+def test_episodes_recorded_before_the_gateway_had_a_teacher_train_without_its_term(models, tmp_path):
+    """A pool holding episodes with and without a served teacher's logprobs (a gateway restarted with --teacher-urls
+    added): one batch trains on both, the teacher's term on the scored tokens alone. Pure distillation at step 1
+    (ratio 1): the loss is -(coef / N) sum over the scored tokens of (teacher - student) student, N all trained
+    tokens; distill_scored_fraction is the scored share, the metrics are means over the scored tokens; the log says
+    how many trained tokens went without. A batch with no recordings at all trains (on its outcome advantages: 0
+    here) and says so."""
+    student, teacher = models
+    episodes = _episodes(seed=14)
+    s = _completion_logprobs(student, episodes)
+    t = _completion_logprobs(teacher, episodes)
+    recorded = [t[0], None, t[2], None]  # episodes 1 and 3 from before the teacher
+    from forge_megatron.middleware.schema import Segment
+
+    def feed(client):
+        gid = client.register_group("task-0", len(episodes), "default")
+        from forge_megatron.middleware.schema import Episode
+
+        for e, (prompt, completion) in enumerate(episodes):
+            seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
+                          rollout_logprobs=[0.0] * len(prompt) + [-5.0] * len(completion),
+                          policy_versions=[-1] * len(prompt) + [0] * len(completion),
+                          teacher_logprobs=None if recorded[e] is None else
+                          [0.0] * len(prompt) + recorded[e].tolist())
+            eid = f"{gid}-e{e}"
+            client.episode_started(gid, eid)
+            now = time.time()
+            client.submit_episode(Episode(episode_id=eid, group_id=gid, task_id="task-0", segments=[seg],
+                                          reward=0.0, started_at=now - 1, ended_at=now))
+
+    coef, n = 0.5, sum(len(x) for x in s)
+    scored_s, scored_t = torch.cat([s[0], s[2]]), torch.cat([t[0], t[2]])
+    flags = ["--teacher-from-gateway", "--distill-coef", str(coef), "--distill-outcome-coef", "0",
+             "--old-logprobs", "recompute"]
+    (step,), outs, _ = run_on_fresh_pool(tmp_path, "mixed", student, feed, iters=1, groups=1, lr="1e-2",
+                                         extra=flags)
+    assert step["loss"] == pytest.approx(-(coef * (scored_t - scored_s) * scored_s).sum().item() / n, rel=1e-5)
+    assert step["distill_scored_fraction"] == pytest.approx(scored_s.numel() / n)
+    assert step["distill_teacher_logp"] == pytest.approx(scored_t.mean().item(), rel=1e-5)
+    assert step["distill_reverse_kl"] == pytest.approx((scored_s - scored_t).mean().item(), rel=1e-5)
+    unscored = n - scored_s.numel()
+    assert f"{unscored} of {n} trained tokens carry no served teacher logprobs" in outs[0]
+    recorded[0] = recorded[2] = None  # (the feed reads the list when it runs)
+    (step,), outs, _ = run_on_fresh_pool(tmp_path, "none", student, feed, iters=1, groups=1, lr="1e-2",
+                                         extra=flags)
+    assert step["distill_scored_fraction"] == 0.0 and step["loss"] == 0.0
+    assert f"{n} of {n} trained tokens carry no served teacher logprobs" in outs[0]
 
 
 def test_teacher_top_k_recorded_by_the_gateway_trains_as_the_trainers_own(models, tmp_path):
     """Episodes carrying a served teacher's top 10 tokens at every sampled token (transformers' teacher, as a gateway
     with --teacher-urls --teacher-topk 10 records SGLang's) trained with --teacher-from-gateway --distill-kl reverse
-    --distill-topk 8 (the first 8 of the 10): the same two steps as the teacher in the trainer; samples without them
-    stop the run naming --teacher-topk."""
+    --distill-topk 8 (the first 8 of the 10): the same two steps as the teacher in the trainer; half of them without
+    a top-k train the dense term on the others."""
     student, teacher = models
     episodes = _episodes(seed=31)
     recorded = _completion_logprobs(teacher, episodes)
@@ -312,17 +350,15 @@ def test_teacher_top_k_recorded_by_the_gateway_trains_as_the_trainers_own(models
         for key in ("loss", "grad_norm", "distill_reverse_kl", "distill_forward_kl", "distill_topk_mass",
                     "distill_teacher_logp"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
-    from .pool_feed import PoolProcess
-
-    pool = PoolProcess(str(tmp_path / "no_topk.sqlite"))
-    try:
-        _feed(episodes, recorded)(pool.client)
-        out = run_script(TRAIN, train_cmd(student, pool, str(tmp_path / "no_topk"), iters=1, groups=1,
-                                          extra=["--teacher-from-gateway", *flags]), env=train_env())
-    finally:
-        pool.stop()
-    assert out.returncode != 0 and "carry no teacher top-k: start the gateway with --teacher-topk 8" in \
-        out.stdout + out.stderr
+    # half the episodes without a top-k (recorded before the gateway had --teacher-topk): the dense term on the
+    # others alone, the log saying how many trained tokens went without
+    half = [topk[0], None, topk[2], None]
+    (step,), outs, _ = run_on_fresh_pool(tmp_path, "half", student, _feed(episodes, recorded, half), iters=1, groups=1,
+                                         lr="1e-2", extra=flags + ["--teacher-from-gateway"])
+    n = sum(len(c) for _, c in episodes)
+    scored = len(episodes[0][1]) + len(episodes[2][1])
+    assert step["distill_scored_fraction"] == pytest.approx(scored / n)
+    assert f"{n - scored} of {n} trained tokens carry no served teacher top-k" in outs[0]
 
 
 def test_supervised_distillation_on_sft_data(models, tmp_path):
