@@ -421,8 +421,9 @@ def test_lora_adapters_train_a_vision_language_model_alike_under_tp_sp(tmp_path)
 def test_vision_language_teacher_scores_with_its_own_tower(tmp_path):
     """On-policy distillation of a tiny Qwen3-VL student from a Qwen3-VL teacher 1.5x as wide (--teacher-hf-checkpoint):
     the teacher runs its own frozen tower on the batch's pictures (its features kept apart from the student's) and
-    its logprobs of the sampled tokens are transformers' teacher's on each episode with its picture; a text teacher
-    for a vision-language student is refused."""
+    its logprobs of the sampled tokens are transformers' teacher's on each episode with its picture, and so is the
+    probability its top 8 tokens hold (--distill-kl forward --distill-topk 8: the dense loss's teacher pass, one
+    pass over its logits); a text teacher for a vision-language student is refused."""
     from forge_megatron.models.tiny import build_tiny_model
     from forge_megatron.multimodal import vision_spec
     from forge_megatron.multimodal.families import model_image_inputs
@@ -438,19 +439,25 @@ def test_vision_language_teacher_scores_with_its_own_tower(tmp_path):
     fed = []
     steps, stdouts, _ = run_on_fresh_pool(
         tmp_path, "distil", student, lambda c: fed.extend(_feed_image_rollouts(c, student, groups=1)), iters=1,
-        groups=1, model=[], extra=["--teacher-hf-checkpoint", teacher, "--old-logprobs", "recompute"])
+        groups=1, model=[], extra=["--teacher-hf-checkpoint", teacher, "--old-logprobs", "recompute",
+                                   "--distill-kl", "forward", "--distill-topk", "8"])
     assert f"vision tower of {teacher} loaded" in stdouts[0] and f"vision tower of {student} loaded" in stdouts[0]
     engine = ReferenceEngine(teacher)
     proc, spec = ImageProcessor(teacher), vision_spec(engine.model.config.to_dict())
-    want = []
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(teacher))  # (the top-k's candidates: the tokenizer's ids)
+    want, mass = [], []
     with torch.no_grad():
         for tokens, prompt_len, image in fed:
             ids = torch.tensor([tokens])
             extra = model_image_inputs(spec, [proc.image_input(image)], tokens[:prompt_len], ids)
             logp = torch.log_softmax(engine.model(input_ids=ids, **extra).logits[0].double(), -1)
             want += [logp[t - 1, tokens[t]].item() for t in range(prompt_len, len(tokens))]
+            mass += [logp[t - 1, :vocab].exp().topk(8).values.sum().item() for t in range(prompt_len, len(tokens))]
     assert steps[0]["num_tokens"] == len(want)
     assert steps[0]["distill_teacher_logp"] == pytest.approx(float(np.mean(want)), rel=1e-4)
+    assert steps[0]["distill_topk_mass"] == pytest.approx(float(np.mean(mass)), rel=1e-4)
     import shutil
 
     text_teacher = build_tiny_model(str(tmp_path / "text_teacher"), "qwen3", seed=2, vocab_size=404)
