@@ -145,3 +145,19 @@ def test_gpu_distillation_teacher_matches_cpu(tmp_path):
         for want, got in zip(cpu, steps):
             for key in ("loss", "grad_norm", "distill_reverse_kl", "distill_teacher_logp"):
                 assert got[key] == pytest.approx(want[key], **tol), key
+
+
+def test_gpu_dense_distillation_matches_cpu(tmp_path):
+    """The dense KL (--distill-kl reverse --distill-topk 16: the teacher's vocabulary-parallel top-k and the
+    student's logprobs of those tokens in the fused loss, on the GPU): two steps equal the same steps on CPU, fp32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    teacher = build_tiny_teacher(str(tmp_path / "teacher"))
+    flags = ["--teacher-hf-checkpoint", teacher, "--distill-kl", "reverse", "--distill-topk", "16",
+             "--old-logprobs", "recompute"]
+    cpu = _run(tmp_path, model_dir, "dense_cpu", {"CUDA_VISIBLE_DEVICES": ""}, flags)
+    gpu = _run(tmp_path, model_dir, "dense_gpu", {}, flags)
+    for want, got in zip(cpu, gpu):
+        for key in ("loss", "grad_norm", "distill_reverse_kl", "distill_forward_kl", "distill_topk_mass"):
+            assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-4), key
