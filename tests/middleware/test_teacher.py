@@ -191,7 +191,8 @@ def test_a_privileged_teacher_reads_its_own_system_message_first(models, teacher
     """--teacher-prompt: each group's teacher reads a system message of its own (the template filled in with the
     task's metadata), then the segment: the recorded logprobs are transformers' teacher's on prefix + tokens at the
     sampled tokens' shifted positions (the student's own tokens are unchanged). A group whose task lacks a field the
-    template names is refused when it is created; the BOS both start with is read once."""
+    template names is refused when it is created; the BOS both start with is read once; the teacher's top-k
+    (``topk``) is read at the same shifted positions."""
     from forge_megatron.middleware.teacher import TeacherScorer
 
     student, teacher = models
@@ -229,6 +230,19 @@ def test_a_privileged_teacher_reads_its_own_system_message_first(models, teacher
     got = asyncio.run(scored())
     want = _logprobs(teacher, [7, 8, 9, 20, 21, 22])
     assert got[:2] == [0.0, 0.0] and got[2:] == pytest.approx(want[3:], abs=2e-5)
+    # with the teacher's top-k too (--teacher-topk): its rows read at the same shifted positions
+    scorer = TeacherScorer([teacher_engine.url], topk=5)
+
+    async def scored_topk():
+        try:
+            return await scorer.segment_logprobs([7, 20, 21, 22], [0, 0, 1, 1], prefix=[7, 8, 9], bos=7)
+        finally:
+            await scorer.close()
+
+    values, ids, logp = asyncio.run(scored_topk())
+    want_ids, want_logp = _top(teacher, [7, 8, 9, 20, 21, 22], 5)
+    assert values == pytest.approx(got, abs=1e-6)
+    assert np.array_equal(ids, want_ids[3:]) and np.allclose(logp, want_logp[3:], atol=2e-5)
 
 
 def test_an_aborted_scoring_is_tried_again_not_refused(teacher_engine):
