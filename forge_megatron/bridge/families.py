@@ -42,6 +42,13 @@ with a score-correction bias (normalised top-k; no groups and no scaling: transf
 (``qk_norm_type: per_layer``; mcore/qk_norm.py, TP-aware) rather than per head. The MTP modules
 (``num_mtp_modules`` layers after the last) are left out as for GLM-4.5.
 
+ERNIE 4.5 (``ernie4_5``: Ernie4_5ForCausalLM, ``ernie4_5_moe``: Ernie4_5_MoeForCausalLM): Llama's layout with RoPE on
+interleaved channel pairs of the whole head (``rotary_interleaved``); the MoE models' first ``moe_layer_start_index``
+layers dense, ``moe_num_shared_experts`` shared experts beside the routed ones, and a router whose weights are the
+softmax probabilities of the top k experts, renormalised, the top k chosen by those probabilities plus the
+``moe_statics.e_score_correction_bias`` (stored [1, E]): Megatron's softmax score function takes no expert bias, so
+the router is forge's (mcore/ernie.py). Their MTP tensors (``model.mtp_*``) are left out.
+
 OLMo 2 / OLMo 3 (``olmo2``, ``olmo3``): RMSNorms on the attention's and the MLP's outputs instead of their inputs
 (``post_norm``: mcore/post_norm.py), q/k RMSNorms over all heads (as MiniMax-M2); OLMo 3's ``layer_types`` put a
 sliding window on some layers (as gpt-oss), whose RoPE may differ from the full-attention layers' (its long-context
@@ -140,6 +147,9 @@ class Family:
     # Kimi Linear: Kimi Delta Attention layers (a decay per key channel, low-rank gates: mcore/kimi_delta.py) between
     # multi-latent attention ones without RoPE; DeepSeek-V3's MoE under Mixtral's names (block_sparse_moe, w1/w3/w2)
     kimi_delta: bool = False
+    # ERNIE 4.5: interleaved RoPE pairs over the whole head; MoE: a softmax router choosing with a score-correction
+    # bias (mcore/ernie.py), dense first layers, shared experts
+    ernie: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -228,6 +238,9 @@ FAMILIES: dict[str, Family] = {
                                     gated_delta=True),
     # SmolLM3: the Llama layout with RoPE left out of every fourth layer (``no_rope_layers``: 0 = NoPE)
     "SmolLM3ForCausalLM": Family("smollm3", qkv_bias=None, qk_norm=False, moe=False),
+    # ERNIE 4.5 (0.3B dense; 21B-A3B / 300B-A47B MoE): see the module docstring
+    "Ernie4_5ForCausalLM": Family("ernie4_5", qkv_bias=False, qk_norm=False, moe=False, ernie=True),
+    "Ernie4_5_MoeForCausalLM": Family("ernie4_5_moe", qkv_bias=False, qk_norm=False, moe=True, ernie=True),
     # Seed-OSS-36B: the Qwen2 layout (biases on q/k/v only) with 128-channel heads; its residual dropout is a
     # training-time switch, off here as every dropout is
     "SeedOssForCausalLM": Family("seed_oss", qkv_bias=None, qk_norm=False, moe=False),
@@ -490,7 +503,10 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             Fp8Config.from_hf(quantization)
         except ValueError as exc:
             raise UnsupportedModelError(f"fp8 checkpoint: {exc}") from exc
-    if family.moe and not family.sigmoid_router and not family.softmax_router and not family.gpt_oss:
+    if family.ernie:
+        _refuse_unsupported_ernie(hf, family)
+    if family.moe and not family.sigmoid_router and not family.softmax_router and not family.gpt_oss \
+            and not family.ernie:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
@@ -592,6 +608,39 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                         "probabilities; Mistral Small 4 has one group)")
         if hf.get("n_shared_experts", 1) < 1:
             raise UnsupportedModelError(f"n_shared_experts=0 is not supported by the {family.name} family")
+
+
+def ernie_moe_fields(hf: dict) -> dict:
+    """An ERNIE 4.5 MoE config's fields under one spelling (the released config.json writes ``moe_num_experts`` /
+    ``moe_k``; transformers' config ``num_experts`` / ``num_experts_per_tok``), and its first MoE layer."""
+    experts = hf.get("moe_num_experts", hf.get("num_experts"))
+    if isinstance(experts, (list, tuple)):  # (the multimodal releases list one count per modality)
+        raise UnsupportedModelError(f"moe_num_experts={experts!r}: one expert count (the text MoE models') only")
+    return {"experts": int(experts), "topk": int(hf.get("moe_k", hf.get("num_experts_per_tok"))),
+            "shared": int(hf.get("moe_num_shared_experts") or 0), "start": int(hf.get("moe_layer_start_index", 1)),
+            "end": hf.get("moe_layer_end_index", -1), "interval": int(hf.get("moe_layer_interval", 1)),
+            "norm_min": float(hf.get("moe_norm_min", 1e-12))}
+
+
+def _refuse_unsupported_ernie(hf: dict, family: Family) -> None:
+    if hf.get("use_bias"):
+        raise UnsupportedModelError("use_bias=True (biases on every projection) is not supported: ERNIE 4.5 releases "
+                                    "have none")
+    if not family.moe:
+        return
+    f = ernie_moe_fields(hf)
+    layers = hf["num_hidden_layers"]
+    end = layers - 1 if f["end"] in (None, -1) else int(f["end"])
+    if f["interval"] != 1 or end != layers - 1 or not 0 <= f["start"] < layers:
+        raise UnsupportedModelError(f"moe_layer_start_index={f['start']}, moe_layer_end_index={f['end']}, "
+                                    f"moe_layer_interval={f['interval']}: only dense first layers then MoE to the "
+                                    "last layer (as released) are supported")
+    if f["norm_min"] > 1e-6:
+        raise UnsupportedModelError(f"moe_norm_min={f['norm_min']}: the router renormalises with a floor of 1e-12 "
+                                    "(as released)")
+    if hf.get("moe_use_aux_free") is False:
+        raise UnsupportedModelError("moe_use_aux_free=False: the router's score-correction bias is what ERNIE 4.5 "
+                                    "releases route with")
 
 
 def gemma4_view(hf: dict) -> dict:
@@ -790,6 +839,15 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
     if family.name == "glm4":
         kwargs.update(pre_norm=True, post_norm=True, rotary_interleaved=True)
+    if family.ernie:
+        kwargs["rotary_interleaved"] = True
+        if family.moe:
+            f = ernie_moe_fields(hf)
+            kwargs.update(num_moe_experts=f["experts"], moe_router_topk=f["topk"],
+                          moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                          moe_shared_ffn_hidden_size=hf["moe_intermediate_size"] * f["shared"] or None,
+                          moe_dense_layers=f["start"], moe_router_pre_softmax=True, moe_softmax_bias_router=True,
+                          extra={"moe_router_dtype": "fp32"})  # (HF computes the router in fp32)
     if family.kimi_delta:
         heads, dim = hf["linear_num_heads"], hf["linear_head_dim"]
         kwargs.update(linear_attention=tuple(t == "linear_attention" for t in hf["layer_types"]),
@@ -899,7 +957,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
         if family.softmax_router:
             kwargs["moe_router_pre_softmax"] = not bool(hf.get("norm_topk_prob", True))
-    elif family.moe and not family.gpt_oss:
+    elif family.moe and not family.gpt_oss and not family.ernie:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
         # Qwen3-Next's does unless its config says otherwise; so does Qwen3-VL-MoE's (no such field either)
         norm_topk = bool(hf.get("norm_topk_prob", family.gated_delta or family.fused_experts))

@@ -395,6 +395,9 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
                              "glu", layers="moe"),
                         Rule(LAYER + EXPERT + "linear_fc2.weight", (moe + "experts.down_proj",), "experts_row", "row",
                              layers="moe")]
+        if cfg.moe_softmax_bias_router:  # ERNIE 4.5's (mcore/ernie.py): also a buffer, stored [1, E]
+            mlp.append(Rule(LAYER + "mlp.router.expert_bias", (moe + "moe_statics.e_score_correction_bias",), "row1",
+                            layers="moe"))
         if cfg.extra.get("moe_router_enable_expert_bias"):  # a buffer: selection only, no gradient
             bias = moe + ("e_score_correction_bias" if family.minimax else "gate.e_score_correction_bias")
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))
@@ -471,6 +474,8 @@ class Bridge:
                 self._kimi_heads = int(self.hf_config["vision_config"].get("num_attention_heads", 16))
         # joins that regroup HF tensors into one Megatron tensor: (split Megatron -> HF parts, join HF parts -> one)
         self._layouts = {"qkv": (self._split_qkv, self._join_qkv),
+                         # ERNIE 4.5's score-correction bias: [1, E] in HF, [E] in Megatron
+                         "row1": (lambda t: (t.reshape(1, -1),), lambda t: t.reshape(-1)),
                          "qkv_gate": (self._split_qkv_gate, self._join_qkv_gate),
                          "qkv_global": (self._split_qkv_global, self._join_qkv_global),
                          "gdn_in": (self._split_gdn_in, self._join_gdn_in),
@@ -526,10 +531,12 @@ class Bridge:
     def is_mtp_tensor(self, hf_name: str) -> bool:
         """A tensor of the multi-token-prediction layers some checkpoints append (GLM-4.5, DeepSeek-V3:
         ``num_nextn_predict_layers``, MiniMax-M2: ``num_mtp_modules`` layers numbered from ``num_hidden_layers``;
-        Qwen3.5: ``mtp.*``): the trainer neither trains nor exports them (SGLang uses them for speculative decoding
+        Qwen3.5: ``mtp.*``; ERNIE 4.5: ``model.mtp_*``): the trainer neither trains nor exports them (SGLang uses them for speculative decoding
         only)."""
         hf = self.hf_config
         if self.family.gated_delta and hf_name.startswith("mtp."):
+            return True
+        if self.family.ernie and hf_name.startswith(self.hf_prefix + "mtp_"):  # ERNIE 4.5's (model.mtp_block.*)
             return True
         extra = int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_modules") or 0)
         m = re.match(re.escape(self.hf_prefix) + r"layers\.(\d+)\.", hf_name)
@@ -729,6 +736,7 @@ class Bridge:
             "w1.weight": (f, d), "w3.weight": (f, d), "w2.weight": (d, f),
             "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
             "shared_expert_gate.weight": (1, d), "layer_scalar": (1,), "score.weight": (cfg.score_head, d),
+            "moe_statics.e_score_correction_bias": (1, cfg.num_moe_experts or 0),
         }
         if cfg.qk_layernorm_all_heads:
             table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})

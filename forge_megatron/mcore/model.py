@@ -70,6 +70,9 @@ class GPTConfig:
     moe_router_topk_renorm: bool = True  # norm_topk_prob in HF Qwen3-MoE
     moe_shared_ffn_hidden_size: int | None = None  # shared experts' MLP width (GLM-4.5); None: no shared experts
     moe_dense_layers: int = 0  # the first layers of a MoE model that have a dense MLP (GLM-4.5's first_k_dense)
+    # ERNIE 4.5: the top k chosen by the softmax probabilities plus a score-correction bias (``router.expert_bias``),
+    # their probabilities renormalised (mcore/ernie.py; Megatron's softmax router takes no expert bias)
+    moe_softmax_bias_router: bool = False
     # Gemma 4 26B-A4B: every layer's routed experts run beside a dense MLP of ffn_hidden_size, each branch with its
     # own input and output norms, the router on the un-normalised input (mcore/gemma4.py); needs post_norm / pre_norm
     moe_beside_dense: bool = False
@@ -516,6 +519,10 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from forge_megatron.mcore.gemma4 import moe_layer_spec
 
         spec = moe_layer_spec(spec)
+    if cfg.moe_softmax_bias_router:
+        from forge_megatron.mcore.ernie import with_router
+
+        spec = with_router(spec)
     if cfg.per_layer_attention:
         spec = _per_layer_attention_spec(cfg, spec, vp_stage)
     if cfg.hybrid:  # (OLMo Hybrid: post-norm attention layers, pre-norm Gated DeltaNet ones)

@@ -41,7 +41,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
-         "qwen2_vl")
+         "qwen2_vl", "ernie4_5", "ernie4_5_moe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -258,6 +258,15 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
         ),
         "mistral": (transformers.MistralConfig, {"head_dim": 16, "sliding_window": None}),
+        # ERNIE 4.5 layout: Llama's with RoPE on interleaved channel pairs; the MoE one's layer 0 dense, layer 1 4
+        # experts (top-2 chosen with a score-correction bias, renormalised softmax weights) and a shared expert
+        "ernie4_5": (transformers.Ernie4_5Config, {"head_dim": 16}),
+        "ernie4_5_moe": (
+            transformers.Ernie4_5_MoeConfig,
+            {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "moe_layer_end_index": 1,
+             "moe_layer_interval": 1},
+        ),
         # Ministral 3 layout: Mistral's with YaRN and Llama 4's query scaling past position 4 (as past 16k released)
         "ministral3": (
             transformers.Ministral3Config,
@@ -479,7 +488,9 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             elif name.endswith("layer_scalar"):  # Gemma 4's: each layer's output scaled by its own
                 buf.copy_(0.5 + torch.rand(buf.shape))
         for name, p in model.named_parameters():  # gpt-oss: sinks as large as trained ones, biases that matter
-            if name.endswith(".sinks"):
+            if name.endswith("e_score_correction_bias"):  # (ERNIE 4.5's is a frozen parameter, not a buffer)
+                p.copy_(torch.randn(p.shape) * 0.1)
+            elif name.endswith(".sinks"):
                 p.copy_(torch.randn(p.shape))
             elif name.endswith(("_proj_bias", "router.bias")):
                 p.copy_(torch.randn(p.shape) * 0.1)

@@ -51,7 +51,8 @@ def _rollouts(model_dir: str):
     return feed
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma4_moe"])  # Gemma 4: its router on the layer, top_k_experts
+# Gemma 4: its router on the layer, top_k_experts; ERNIE 4.5: a softmax router choosing with a bias (mcore/ernie.py)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma4_moe", "ernie4_5_moe"])
 def test_engine_routing_is_the_trainers_own(tmp_path, arch):
     model_dir = build_tiny_model(str(tmp_path / "moe"), arch=arch, seed=4, sampling_seed=0)
     steps = {}
