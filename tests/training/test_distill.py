@@ -34,7 +34,8 @@ def _episodes(seed: int = 4, group_size: int = 4):
 def _feed(episodes, teacher: list | None = None, topk: list | None = None):
     """A pool feeder of ``episodes`` (one group); ``teacher``: per episode its completion's teacher logprobs, recorded
     with the episode as a gateway with --teacher-urls does; ``topk``: per episode (ids, logprobs) of the teacher's
-    top-k at each completion token (--teacher-topk)."""
+    top-k at each completion token (--teacher-topk); an episode's None: recorded without them. The lists are read
+    when the feeder runs."""
     from forge_megatron.middleware.schema import Episode, Segment
 
     def feed(client):
@@ -43,7 +44,8 @@ def _feed(episodes, teacher: list | None = None, topk: list | None = None):
             seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
                           rollout_logprobs=[0.0] * len(prompt) + [-5.0] * len(completion),
                           policy_versions=[-1] * len(prompt) + [0] * len(completion),
-                          teacher_logprobs=None if teacher is None else [0.0] * len(prompt) + teacher[e].tolist(),
+                          teacher_logprobs=None if teacher is None or teacher[e] is None else
+                          [0.0] * len(prompt) + teacher[e].tolist(),
                           teacher_topk_ids=None if topk is None or topk[e] is None else topk[e][0],
                           teacher_topk_logprobs=None if topk is None or topk[e] is None else topk[e][1])
             eid = f"{gid}-e{e}"
@@ -290,23 +292,7 @@ def test_episodes_recorded_before_the_gateway_had_a_teacher_train_without_its_te
     s = _completion_logprobs(student, episodes)
     t = _completion_logprobs(teacher, episodes)
     recorded = [t[0], None, t[2], None]  # episodes 1 and 3 from before the teacher
-    from forge_megatron.middleware.schema import Segment
-
-    def feed(client):
-        gid = client.register_group("task-0", len(episodes), "default")
-        from forge_megatron.middleware.schema import Episode
-
-        for e, (prompt, completion) in enumerate(episodes):
-            seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
-                          rollout_logprobs=[0.0] * len(prompt) + [-5.0] * len(completion),
-                          policy_versions=[-1] * len(prompt) + [0] * len(completion),
-                          teacher_logprobs=None if recorded[e] is None else
-                          [0.0] * len(prompt) + recorded[e].tolist())
-            eid = f"{gid}-e{e}"
-            client.episode_started(gid, eid)
-            now = time.time()
-            client.submit_episode(Episode(episode_id=eid, group_id=gid, task_id="task-0", segments=[seg],
-                                          reward=0.0, started_at=now - 1, ended_at=now))
+    feed = _feed(episodes, recorded)
 
     coef, n = 0.5, sum(len(x) for x in s)
     scored_s, scored_t = torch.cat([s[0], s[2]]), torch.cat([t[0], t[2]])
