@@ -490,7 +490,7 @@ def policy_loss(
     ``entropy_M`` keeps its gradient (the entropy bonus trains through it). Everything is computed in fp32.
 
     ``distill_kl = "forward" | "reverse" | "jsd"``: ``teacher_topk_logp_XK`` (the teacher's logprobs of its top K
-    tokens at the targets ``distill_index_X``, the trained ones) and ``topk_logp_XK`` (the student's of the same
+    tokens at the targets ``distill_index_X``, trained ones the teacher scored) and ``topk_logp_XK`` (the student's of the same
     tokens, differentiable) give the dense term; the metrics gain ``distill_forward_kl``, ``distill_reverse_kl``
     (both top-k KLs, whichever trains), ``distill_jsd`` (with "jsd"), ``distill_topk_mass`` (the teacher's
     probability in its top K) and ``distill_loss`` (the trained term, reduced).

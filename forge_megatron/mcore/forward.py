@@ -118,8 +118,6 @@ def _local_rows(layout, nodes_M: torch.Tensor, rows_here: int, multiple: int | N
 
 def _score_targets(logits_1TV, layout, pred_nodes_M, targets_M, with_entropy, inplace_backward, output_weight,
                    head_dtype, multiple, temperature, softcap):
-    from forge_megatron.mcore.context_parallel import sum_over_cp
-
     def score(out_TX, rows_M, targets_M):
         if output_weight is not None:
             return linear_vocab_parallel_logprobs(out_TX, output_weight, rows_M, targets_M, with_entropy,
@@ -138,11 +136,18 @@ def _score_targets(logits_1TV, layout, pred_nodes_M, targets_M, with_entropy, in
     if rows_M is None:
         return score(logits_1TV[0], pred_nodes_M, targets_M)
     logp_m, entropy_m = score(logits_1TV[0], rows_M[local_M], targets_M[local_M])
-    local_M = local_M.to(logp_m.device)
-    logp_M = sum_over_cp(logp_m.new_zeros(local_M.shape).masked_scatter(local_M, logp_m))
-    entropy_M = (sum_over_cp(entropy_m.new_zeros(local_M.shape).masked_scatter(local_M, entropy_m))
-                 if with_entropy else None)
-    return logp_M, entropy_M
+    return _over_cp(local_M, logp_m), _over_cp(local_M, entropy_m) if with_entropy else None
+
+
+def _over_cp(local_M: torch.Tensor, x_m: torch.Tensor) -> torch.Tensor:
+    """This CP rank's answers ``x_m`` for the targets it holds (``local_M``) as a tensor over every target, summed
+    over the CP group (each target lives on one rank; identity backward)."""
+    from forge_megatron.mcore.context_parallel import sum_over_cp
+
+    local_M = local_M.to(x_m.device)
+    out = x_m.new_zeros((local_M.numel(), *x_m.shape[1:]))
+    out[local_M] = x_m
+    return sum_over_cp(out)
 
 
 def topk_from_output(output_1TX: torch.Tensor, layout, k: int, output_weight: torch.Tensor | None = None,
@@ -154,7 +159,6 @@ def topk_from_output(output_1TX: torch.Tensor, layout, k: int, output_weight: to
     ``output_weight`` (fused), as in :func:`logprobs_from_logits`, which also defines ``multiple``, ``temperature``
     and ``softcap``; ``vocab_limit``: only ids below it are candidates. Under context parallelism each CP rank
     answers the targets predicted from the rows it holds, and the answers are summed over the CP group."""
-    from forge_megatron.mcore.context_parallel import sum_over_cp
     from forge_megatron.mcore.logprobs import vocab_parallel_topk
 
     pred_nodes_M, targets_M, _ = layout.next_token_index()
@@ -168,13 +172,7 @@ def topk_from_output(output_1TX: torch.Tensor, layout, k: int, output_weight: to
         ids_MK, logp_MK, logp_M = vocab_parallel_topk(pred_nodes_M, k, targets_U=targets_M, **opts)
         return logp_M, ids_MK, logp_MK
     ids_mk, logp_mk, logp_m = vocab_parallel_topk(rows_M[local_M], k, targets_U=targets_M[local_M], **opts)
-    local_M = local_M.to(ids_mk.device)
-    full = []
-    for x in (logp_m, ids_mk, logp_mk):
-        out = x.new_zeros((local_M.numel(), *x.shape[1:]))
-        out[local_M] = x
-        full.append(sum_over_cp(out))
-    return tuple(full)
+    return tuple(_over_cp(local_M, x) for x in (logp_m, ids_mk, logp_mk))
 
 
 def _gpt_output_layer(model):
