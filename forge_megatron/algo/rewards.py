@@ -188,6 +188,9 @@ class GroupScores:
     """Per episode, per segment: loss weight 1/num_segments (``sample_weight_S`` of ``policy_loss``)."""
     warnings: list[str] = field(default_factory=list)
     """Documented fallbacks that happened (e.g. a group of one)."""
+    segment_returns: list[list[float]] = field(default_factory=list)
+    """Per episode, per segment: the return G_k (reward-to-go from segment k, discount ``gamma``): a learned critic's
+    value target at the segment's end (``--critic``, algo/value.py)."""
 
 
 # ---------------------------------------------------------------- process terms
@@ -357,4 +360,4 @@ def score_group(outcomes: list[EpisodeOutcome], cfg: RewardConfig) -> GroupScore
         baselines, scale = group_baselines([g[0] for g in returns], cfg.estimator, cfg.std_normalize, cfg.eps)
         advantages = [[(g - b) / scale for g in gs] for gs, b in zip(returns, baselines)]
     weights = [[1.0 / o.num_segments] * o.num_segments for o in outcomes]
-    return GroupScores(rewards, terms, advantages, weights, warnings)
+    return GroupScores(rewards, terms, advantages, weights, warnings, returns)

@@ -266,6 +266,19 @@ def scores_from_hidden(hidden_1TH: torch.Tensor, layout, head) -> torch.Tensor:
     return head(hidden_1TH[0, last_S].to(head.weight.dtype))
 
 
+def values_from_hidden(hidden_1TH: torch.Tensor, layout, head, multiple: int | None = None) -> torch.Tensor:
+    """A value model's fp32 values V_M: ``head`` (one label) on the final hidden state of every position that predicts
+    a target, in ``layout.next_token_index()`` order (where the policy's logprob of that target is read: the state the
+    action is taken in). Under context parallelism each CP rank answers the positions it holds and the answers are
+    summed over the CP group (identity backward), as :func:`logprobs_from_logits` does."""
+    pred_nodes_M, _, _ = layout.next_token_index()
+    pred_nodes_M = pred_nodes_M.to(hidden_1TH.device)
+    rows_M, local_M = _local_rows(layout, pred_nodes_M, hidden_1TH.shape[1], multiple)
+    rows = pred_nodes_M if rows_M is None else rows_M[local_M]
+    v = head(hidden_1TH[0, rows].to(head.weight.dtype))[:, 0].float()
+    return v if rows_M is None else _over_cp(local_M, v)
+
+
 def tree_scores(model, layout, backend: str | None = None) -> torch.Tensor:
     """A reward model's [S, labels] scores of a tree-packed micro-batch (one forward of a single-stage tree
     GPTModel; its output layer is never run)."""
@@ -413,6 +426,26 @@ def make_score_forward_step(loss_fn, backend: str | None = None):
             if head is None:
                 raise ValueError("the last pipeline stage has no score head: not a reward model")
             return loss_fn(scores_from_hidden(hidden_1TH, micro_batch.layout, head)[:, 0], micro_batch)
+
+        return output, loss_func
+
+    return forward_step
+
+
+def make_value_forward_step(loss_fn, backend: str | None = None):
+    """A value model's ``forward_step_func`` for Megatron's schedules (the critic of ``--critic``): on the last stage
+    the loss function maps the final hidden states to ``loss_fn(values_M, micro_batch) -> (loss, metrics)``
+    (:func:`values_from_hidden`). The output layer is never run."""
+
+    def forward_step(data_iterator, model):
+        micro_batch = next(data_iterator)
+        output, captured, multiple = _stage_forward(model, micro_batch, backend)
+        head = score_head(model) if captured is not None else None
+
+        def loss_func(hidden_1TH):
+            if head is None:
+                raise ValueError("the last pipeline stage has no score head: not a value model")
+            return loss_fn(values_from_hidden(hidden_1TH, micro_batch.layout, head, multiple), micro_batch)
 
         return output, loss_func
 

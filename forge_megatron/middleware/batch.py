@@ -69,6 +69,9 @@ class TrainSample:
     # a served teacher's top-k at each sampled token (loss_mask = 1), in order: int32 / float32 [sampled, K]
     teacher_topk_ids: np.ndarray | None = None
     teacher_topk_logprobs: np.ndarray | None = None
+    # the segment's return (reward-to-go within its episode): a learned critic's value target (--critic); None: the
+    # episode's reward (batches of pools from before 2026-12-05, offline files)
+    segment_return: float | None = None
 
 
 @dataclass
@@ -122,6 +125,7 @@ def score_episodes(episodes: list[Episode], reward_config, task_metadata: dict |
         "successes": [bool(o.success) for o in outcomes],
         "segment_advantages": [[float(a) for a in row] for row in scores.segment_advantages],
         "segment_weights": [[float(w) for w in row] for row in scores.segment_weights],
+        "segment_returns": [[float(g) for g in row] for row in scores.segment_returns],
     }
 
 
@@ -151,6 +155,7 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
             tokens_L, loss_mask_L, logprobs_L, versions_L = (a[lo:hi] for a in arrays_T[:4])
             teacher, top = teachers[s]
             advantage = np.float32(scores["segment_advantages"][e][s])
+            returns = scores.get("segment_returns")  # (groups scored before 2026-12-05 have none)
             samples.append(
                 TrainSample(
                     tokens=tokens_L,
@@ -163,6 +168,7 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
                     episode_id=meta["episode_id"],
                     domain=meta["domain"],
                     reward=scores["rewards"][e],
+                    segment_return=float(returns[e][s]) if returns else None,
                     routed_experts=None if routed_T is None else routed_T[lo:hi],
                     images=images[s],
                     teacher_logprobs=teacher,

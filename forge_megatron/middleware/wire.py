@@ -19,7 +19,7 @@ items without them (scored before the gateway had a teacher) hold zeros, listed 
 trainer trains them without the teacher's term. A served teacher's top-k (``--teacher-topk K``) adds two frames right
 after it, int32 ids and float32 logprobs [R * K] of the R sampled tokens (loss_mask = 1) of the items that have one,
 in order, flagged by ``teacher_topk: K`` (the others listed in ``teacher_topk_missing``; only with the teacher
-logprobs).
+logprobs). A batch's samples may carry ``return`` (the segment's reward-to-go, a learned critic's value target).
 """
 
 from __future__ import annotations
@@ -321,7 +321,8 @@ _SAMPLE_KEYS = ("sample_weight", "group_index", "episode_id", "domain", "reward"
 
 def batch_to_wire(batch: TrainBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
     samples = [{"sample_weight": float(s.sample_weight), "group_index": int(s.group_index), "episode_id": s.episode_id,
-                "domain": s.domain, "reward": float(s.reward), "length": int(s.tokens.shape[0])} for s in batch.samples]
+                "domain": s.domain, "reward": float(s.reward), "length": int(s.tokens.shape[0]),
+                **({} if s.segment_return is None else {"return": float(s.segment_return)})} for s in batch.samples]
     arrays = [np.concatenate([getattr(s, name) for s in batch.samples]) if batch.samples else np.zeros(0, dtype)
               for name, dtype in TOKEN_FIELDS]
     meta = {"batch_id": batch.batch_id, "group_indices": batch.group_indices, "metrics": batch.metrics,
@@ -342,6 +343,10 @@ def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatc
     keys = set(_SAMPLE_KEYS) | {"length"}
     if not all(isinstance(s, dict) and keys <= s.keys() for s in samples_meta):
         raise WireError(f"batch samples must be maps with the keys {sorted(keys)}")
+    returns = [s.get("return") for s in samples_meta]  # optional: the segment's return (a critic's value target)
+    if not all(r is None or (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r))
+               for r in returns):
+        raise WireError("batch samples' return must be a finite number")
     lengths = _lengths({"lengths": [s["length"] for s in samples_meta]}, "lengths", "batch")
     meta = dict(meta)
     arrays, images = _take_images(meta, arrays, len(samples_meta), "images", "batch")
@@ -355,9 +360,10 @@ def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatc
         TrainSample(**{name: a for (name, _), a in zip(TOKEN_FIELDS, part)}, **{k: s[k] for k in _SAMPLE_KEYS},
                     routed_experts=None if routed_T is None else routed_T[lo:hi], images=ims,
                     teacher_logprobs=teacher, teacher_topk_ids=None if top is None else top[0],
-                    teacher_topk_logprobs=None if top is None else top[1])
-        for part, s, lo, hi, ims, (teacher, top) in zip(parts, samples_meta, bounds[:-1], bounds[1:], images,
-                                                         teachers)
+                    teacher_topk_logprobs=None if top is None else top[1],
+                    segment_return=None if g is None else float(g))
+        for part, s, lo, hi, ims, (teacher, top), g in zip(parts, samples_meta, bounds[:-1], bounds[1:], images,
+                                                            teachers, returns)
     ]
     return TrainBatch(batch_id=field(meta, "batch_id", int, "batch"), samples=samples,
                       group_indices=field(meta, "group_indices", list, "batch"),

@@ -365,6 +365,28 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--teacher-offload", action="store_true",
                    help="keep the teacher's weights in (pinned) host memory, on the device only for its forward pass "
                         "each step (as --ref-offload)")
+    g.add_argument("--critic", action="store_true",
+                   help="PPO with a learned value function: a critic (a value model: the transformer of "
+                        "--critic-hf-checkpoint and a one-output head read at every token) trains beside the policy "
+                        "on the same prefix trees, and each trained token's advantage is GAE toward its segment's "
+                        "return instead of the pool's group advantage (training/critic.py; docs/training.md)")
+    g.add_argument("--critic-hf-checkpoint", default=None, metavar="DIR",
+                   help="the critic's initial weights: a causal LM (its head drawn new) or a one-label reward model, "
+                        "with the policy's tokenizer (default: --hf-checkpoint); implies --critic")
+    g.add_argument("--critic-lr", type=float, default=None,
+                   help="the critic's peak learning rate (default: --lr), on the policy's schedule (warm-up, decay; "
+                        "its minimum scaled as --min-lr is to --lr)")
+    g.add_argument("--critic-warmup-iters", type=int, default=0, metavar="N",
+                   help="the first N iterations train the critic alone (the policy's loss is measured, not "
+                        "stepped), so that the first policy updates see fitted values (default 0)")
+    g.add_argument("--gae-gamma", type=float, default=1.0,
+                   help="with --critic: GAE's discount per trained token (default 1)")
+    g.add_argument("--gae-lambda", type=float, default=1.0,
+                   help="with --critic: GAE's lambda (default 1: A_t = return - V_t; lower trades variance for the "
+                        "critic's bias)")
+    g.add_argument("--whiten-advantages", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --critic: whiten the GAE advantages over the batch's trained tokens (zero mean, unit "
+                        "variance; default on)")
     g.add_argument("--rl-entropy-coef", type=float, default=0.0, help="entropy bonus coefficient (0: off)")
     g.add_argument("--rl-tis-cap", type=float, default=None,
                    help="truncated importance weight cap on exp(old - rollout logprob) (default off)")
@@ -771,6 +793,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0 or --preference-data")
     if not 0 < getattr(args, "rollout_temperature", 1.0) <= 2:
         raise ValueError(f"--rollout-temperature must be in (0, 2], got {args.rollout_temperature}")
+    _validate_critic(args)
     teacher = getattr(args, "teacher_hf_checkpoint", None)
     if teacher is not None and getattr(args, "teacher_from_gateway", False):
         raise ValueError("--teacher-hf-checkpoint and --teacher-from-gateway: one teacher (in the trainer, or served "
@@ -853,6 +876,35 @@ def validate_args(args: argparse.Namespace) -> None:
     for name, ratio in args.domain_ratios.items():
         if ratio < 0:
             raise ValueError(f"--domain-ratios: ratio of {name!r} is negative ({ratio})")
+
+
+def _validate_critic(args: argparse.Namespace) -> None:
+    """--critic and its flags (--critic-hf-checkpoint implies --critic)."""
+    if getattr(args, "critic_hf_checkpoint", None):
+        args.critic = True
+    if not getattr(args, "critic", False):
+        given = [f for f, v, default in (("--critic-lr", getattr(args, "critic_lr", None), None),
+                                         ("--critic-warmup-iters", getattr(args, "critic_warmup_iters", 0), 0),
+                                         ("--gae-gamma", getattr(args, "gae_gamma", 1.0), 1.0),
+                                         ("--gae-lambda", getattr(args, "gae_lambda", 1.0), 1.0)) if v != default]
+        if given:
+            raise ValueError(f"{given[0]} is a flag of the learned critic: add --critic")
+        return
+    if getattr(args, "sft_data", None) is not None or getattr(args, "preference_data", None) is not None:
+        raise ValueError("--critic trains a value function for RL on the pool's episodes: not with --sft-data or "
+                         "--preference-data")
+    if getattr(args, "lora_rank", None) is not None:
+        raise ValueError("--critic with --lora-rank is not supported (the critic trains all of its weights; a LoRA "
+                         "policy's would double the memory LoRA saves)")
+    if getattr(args, "train_vision_tower", False):
+        raise ValueError("--critic: the value model reads text only (not with --train-vision-tower)")
+    for name in ("gae_gamma", "gae_lambda"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must lie in [0, 1], got {getattr(args, name)}")
+    if args.critic_lr is not None and args.critic_lr < 0:
+        raise ValueError(f"--critic-lr must be >= 0, got {args.critic_lr}")
+    if args.critic_warmup_iters < 0:
+        raise ValueError(f"--critic-warmup-iters must be >= 0, got {args.critic_warmup_iters}")
 
 
 def train_batch_groups(args: argparse.Namespace) -> int:

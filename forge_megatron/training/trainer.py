@@ -154,6 +154,9 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
         "domain_ids_S": torch.tensor([domains.index(s.domain) for s in samples], dtype=torch.int64),
         "group_S": torch.tensor([s.group_index for s in samples], dtype=torch.int64),
         "reward_S": torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        # the segment's return (a critic's value target, --critic); the episode's reward where the pool sent none
+        "return_S": torch.tensor([s.reward if getattr(s, "segment_return", None) is None else s.segment_return
+                                  for s in samples], dtype=torch.float32),
     }
     extras.update(_recorded_teacher(samples, extras["loss_mask_M"], extras["cu_seqlens_S1"]))
     routing, stats = None, {}
@@ -340,7 +343,7 @@ def batch_loss_config(loss_cfg, rb: RankBatch):
 
 def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_logprobs: bool = True,
                      head_dtype: torch.dtype | None = None, policy_version: int | None = None,
-                     temperature: float = 1.0) -> list[dict]:
+                     temperature: float = 1.0, forward_only: bool = False) -> list[dict]:
     """Forward and backward of every micro-batch through Megatron's schedule; per-micro-batch loss metrics.
 
     ``fused_logprobs``: the output layer is fused into the logprobs (no [tokens, vocabulary] logits at any time,
@@ -348,7 +351,8 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
     chunk by chunk. ``head_dtype`` (fused only): the output layer's matmul dtype (``torch.float32``: fp32 LM head).
     ``policy_version``: the version of the weights being trained; tokens it sampled get the ``onpolicy/...``
     training/inference mismatch metrics. ``temperature``: tokens are scored under softmax(logits / temperature)
-    (``--rollout-temperature``)."""
+    (``--rollout-temperature``). ``forward_only``: the loss and its metrics without a backward (a critic's warm-up
+    steps)."""
     from forge_megatron.algo.losses import policy_loss
     from forge_megatron.mcore.forward import make_tree_forward_step
 
@@ -376,7 +380,8 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
     return run_schedule(ddp, rb, make_tree_forward_step(loss_fn, with_entropy=loss_cfg.entropy_coef > 0,
                                                         fused_output=fused_logprobs, head_dtype=head_dtype,
                                                         temperature=temperature,
-                                                        topk_key="teacher_topk_ids_XK" if dense else None))
+                                                        topk_key="teacher_topk_ids_XK" if dense else None),
+                        forward_only=forward_only)
 
 
 OFFLINE_MODES = ("sft", "dpo", "rm")
@@ -529,6 +534,12 @@ class Trainer:
             from forge_megatron.training.distill import Teacher
 
             self.teacher = Teacher(args, self.bridge, model_config, build_reference_model)
+        self.critic = None  # --critic: PPO's learned value function (training/critic.py)
+        if getattr(args, "critic", False):
+            from forge_megatron.training.critic import Critic
+
+            self.critic = Critic(args, self.bridge, model_config, build_model_and_optimizer)
+        self.critic_metrics: dict = {}  # this step's (set by forward_backward)
         if getattr(args, "routing_replay", False):
             from forge_megatron.mcore import routing_replay
 
@@ -734,6 +745,8 @@ class Trainer:
             # init); without this the first step would write those back over the HF weights. No-op in fp32.
             self.optimizer.reload_model_params()
             self._log(f"initialised from HF checkpoint {self.args.hf_checkpoint}")
+            if self.critic is not None:
+                self.critic.init_from_hf(self._log)
         else:
             meta = saved_meta(self.args.load, iteration) or {}
             saved_tower = bool(meta.get("vision_tower", False))
@@ -763,6 +776,8 @@ class Trainer:
             self.last_batch_id = state["last_batch_id"]
             self._log(f"resumed from {self.args.load} at iteration {iteration} (policy version "
                       f"{self.policy_version}, last batch {self.last_batch_id})")
+            if self.critic is not None:
+                self.critic.resume(self.args.load, iteration, self._log)
         if self.pool is not None:
             arguments.check_pool_config(self.args, self.pool.metrics().get("config", {}))
             requeued = self.pool.requeue_uncommitted()
@@ -894,8 +909,14 @@ class Trainer:
         if self.offline:
             return offline_forward_backward(self.ddp, rb, self.offline_mode, self.args, self.args.fused_logprobs,
                                             self.head_dtype)
+        warming = False
+        if self.critic is not None:  # GAE advantages from the critic's values, then the critic's own step
+            self.critic_metrics = self.critic.advantages(rb, run_schedule, _sum_over_dp)
+            self.critic_metrics.update(self.critic.update(rb, run_schedule, _sum_over_dp))
+            warming = self.iteration < self.critic.warmup
+            self.critic_metrics["critic/warmup"] = float(warming)
         return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs,
-                                self.head_dtype, self.policy_version, self.temperature)
+                                self.head_dtype, self.policy_version, self.temperature, forward_only=warming)
 
     @torch.no_grad()
     def offline_eval(self) -> dict:
@@ -1061,10 +1082,14 @@ class Trainer:
         for chunk in self.ddp:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.critic_metrics = {}
         mb_metrics = pipeline_loss_metrics(self.forward_backward(rb))
-        vision_norm = self._vision_grad_norm() if self.train_tower else None
-        ok, grad_norm, _ = self.optimizer.step()
-        self.params_gathered = not self.ddp[0].ddp_config.overlap_param_gather
+        if self.critic_metrics.get("critic/warmup"):  # --critic-warmup-iters: the policy waits for the critic
+            vision_norm, ok, grad_norm = None, False, 0.0
+        else:
+            vision_norm = self._vision_grad_norm() if self.train_tower else None
+            ok, grad_norm, _ = self.optimizer.step()
+            self.params_gathered = not self.ddp[0].ddp_config.overlap_param_gather
         if ok:
             self.scheduler.step(increment=1)
         t2 = time.perf_counter()
@@ -1079,6 +1104,7 @@ class Trainer:
             metrics.update(self._indexer_loss_metrics())
         if vision_norm is not None:
             metrics["grad_norm_vision"] = vision_norm
+        metrics.update(self.critic_metrics)
         self.iteration += 1
         self.last_batch_id = batch.batch_id
         sync_s = 0.0
@@ -1191,6 +1217,8 @@ class Trainer:
         if arguments.lora_config(a) is not None:  # its rank files leave the frozen weights to --hf-checkpoint
             meta["hf_fingerprint"] = self._hf_fingerprint()
         iteration, batch_id = self.iteration, self.last_batch_id
+        if self.critic is not None:  # first (and at once, also with --async-save): a published policy checkpoint
+            self.critic.save(a.save, iteration, getattr(a, "keep_checkpoints", None))  # always has its critic
 
         def commit() -> None:
             if self.pool is not None and batch_id is not None:
@@ -1263,6 +1291,9 @@ def progress_line(m: dict) -> str:
         mismatch += f" | teacher rkl {m['distill_reverse_kl']:.3f}"
         if "distill_forward_kl" in m:  # (--distill-kl forward|reverse|jsd: both over the teacher's top-k)
             mismatch += f" fkl {m['distill_forward_kl']:.3f} top-k mass {m['distill_topk_mass']:.2f}"
+    if "critic/vf_loss" in m:  # --critic
+        mismatch += (f" | critic vf {m['critic/vf_loss']:.4f} ev {m['critic/explained_variance']:.2f}"
+                     + (" (warm-up)" if m.get("critic/warmup") else ""))
     held_out = f" | eval pass@1 {m['eval/pass@1']:.2f} (v{m['eval/policy_version']:.0f})" \
         if "eval/pass@1" in m and "eval/policy_version" in m else ""
     images = f", {m['images']} images" if "images" in m else ""

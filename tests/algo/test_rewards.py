@@ -91,6 +91,7 @@ def test_score_group_reward_to_go_across_segments():
     baseline = (g0[0] + 0.0) / 2  # GRPO baseline from the episodes' returns at their first segment
     assert scores.segment_advantages[0] == pytest.approx([g - baseline for g in g0])
     assert scores.segment_advantages[1] == pytest.approx([0.0 - baseline])
+    assert scores.segment_returns == [pytest.approx(g0), [0.0]]  # a learned critic's value targets (--critic)
 
 
 # ---------------------------------------------------------------- composite reward

@@ -53,6 +53,7 @@ def test_batch_carries_algo_scores(make_pool):
         assert not sample.advantages[~mask].any()
         assert sample.sample_weight == pytest.approx(expected.segment_weights[e][s])
         assert sample.reward == pytest.approx(expected.rewards[e])
+        assert sample.segment_return == pytest.approx(expected.segment_returns[e][s])
         assert sample.domain == "math"
     assert expected.rewards[0] != expected.rewards[2]  # the completion-time bonus made a difference
     assert batch.metrics["domain_samples"] == {"math": 4}

@@ -52,6 +52,7 @@ def test_batch_round_trip_matches_pool(served):
             assert getattr(got, name).dtype == getattr(want, name).dtype
         assert (got.episode_id, got.domain, got.group_index) == (want.episode_id, "code", want.group_index)
         assert got.reward == pytest.approx(want.reward) and got.sample_weight == pytest.approx(want.sample_weight)
+        assert want.segment_return is not None and got.segment_return == pytest.approx(want.segment_return)
     assert not batch.samples[0].tokens.flags.owndata  # a view of the received frame, not a copy
     assert client.commit(batch.batch_id) == 1
     assert client.can_admit() is True
@@ -160,6 +161,28 @@ def test_routed_experts_travel_from_episode_to_batch(served):
         reply = _raw_request(server.address, [header] + [a.tobytes() for a in bad])
         assert reply["ok"] is False and message in reply["error"], reply
     assert client.ping() == {"pool": "forge"}
+
+
+def test_wire_checks_a_samples_return():
+    """A batch sample's optional ``return`` (a critic's value target) must be a finite number; without it the sample
+    has none (the trainer then uses the episode's reward)."""
+    from forge_megatron.middleware.batch import TrainBatch, TrainSample
+    from forge_megatron.middleware.wire import batch_from_wire, batch_to_wire
+
+    arrays = dict(tokens=np.arange(4, dtype=np.int32), loss_mask=np.array([0, 0, 1, 1], np.uint8),
+                  rollout_logprobs=np.zeros(4, np.float32), policy_versions=np.zeros(4, np.int32),
+                  advantages=np.zeros(4, np.float32))
+    batch = TrainBatch(1, [TrainSample(**arrays, sample_weight=1.0, group_index=0, episode_id="e", domain="d",
+                                       reward=1.0, segment_return=0.25),
+                           TrainSample(**arrays, sample_weight=1.0, group_index=0, episode_id="f", domain="d",
+                                       reward=2.0)], [0])
+    meta, frames = batch_to_wire(batch)
+    back = batch_from_wire(meta, frames)
+    assert [s.segment_return for s in back.samples] == [0.25, None]
+    for bad in ("x", float("nan"), True):
+        meta["samples"][0]["return"] = bad
+        with pytest.raises(WireError, match="return must be a finite number"):
+            batch_from_wire(meta, frames)
 
 
 def test_wire_rejects_unknown_dtype_on_send():

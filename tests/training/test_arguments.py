@@ -181,10 +181,22 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
      "distill_jsd_beta must lie in \\(0, 1\\), got 1.0"),
     (["--teacher-hf-checkpoint", "/t", "--distill-kl", "forward", "--distill-topk", "0"],
      "--distill-topk must be >= 1, got 0"),
+    (["--gae-lambda", "0.95"], "--gae-lambda is a flag of the learned critic: add --critic"),
+    (["--critic-warmup-iters", "2"], "--critic-warmup-iters is a flag of the learned critic"),
+    (["--critic", "--gae-gamma", "1.5"], "--gae-gamma must lie in \\[0, 1\\], got 1.5"),
+    (["--critic", "--critic-warmup-iters", "-1"], "--critic-warmup-iters must be >= 0"),
+    (["--critic-hf-checkpoint", "/c", "--lora-rank", "8"], "--critic with --lora-rank is not supported"),
+    (["--critic", "--preference-data", __file__], "not with --sft-data or --preference-data"),
 ])
 def test_bad_values_are_named(extra, message):
     with pytest.raises(ValueError, match=message):
         arguments.parse_args(MINIMAL + extra)
+
+
+def test_critic_checkpoint_implies_critic():
+    args = arguments.parse_args(MINIMAL + ["--critic-hf-checkpoint", "/c", "--gae-lambda", "0.9"])
+    assert args.critic and args.gae_lambda == 0.9 and args.whiten_advantages and args.critic_lr is None
+    assert not arguments.parse_args(MINIMAL + ["--critic", "--no-whiten-advantages"]).whiten_advantages
 
 
 def test_missing_checkpoint_and_bad_pairs():

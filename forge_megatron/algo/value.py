@@ -1,0 +1,85 @@
+"""A learned value function (the critic of PPO): token-level GAE advantages and the value loss.
+
+With ``--critic`` the trainer scores every trained token with a value model ``V`` (a sequence-classification
+network read at every position: training/critic.py) and replaces the pool's group advantages by generalised
+advantage estimates (Schulman et al. 2016) along each sample's trained tokens. The trained (sampled) tokens of a
+sample are its actions, in order; the tokens between them (prompts, tool results) are the environment's and carry
+neither reward nor value. For the n trained tokens of a sample with values ``v_1 .. v_n`` and return ``G`` (the
+pool's return of the segment: its reward-to-go within the episode, ``GroupScores.segment_returns``)::
+
+    r_t     = G if t = n else 0
+    delta_t = r_t + gamma * v_{t+1} - v_t          (v_{n+1} = 0: the segment's return already holds what follows)
+    A_t     = sum_{j >= t} (gamma * lambda)^(j - t) * delta_j
+    R_t     = A_t + v_t                            (the value target)
+
+so with ``gamma = lambda = 1`` (the defaults) ``A_t = G - v_t``: the return against a per-token baseline. The
+advantages are then whitened over the whole batch's trained tokens (zero mean, unit variance; ``--no-whiten-
+advantages`` keeps them raw).
+
+The suffix sums run as a parallel scan (log2 n vectorised steps) over all samples of a micro-batch at once, in
+fp64: each step adds ``c^d`` times the partial sum ``d`` tokens later when that token belongs to the same sample.
+
+The critic's loss is the squared error toward those targets, ``l_t = 0.5 * (V_t - R_t)^2``, reduced as a token mean
+over the batch's trained tokens. (PPO's value clip, which bounds how far ``V`` may move from the values the targets
+came from, binds only when one batch trains several updates; the trainer takes one per batch, whose values start
+where the targets' did, so it is left out.)
+
+Legend: M = next-token positions of a micro-batch's samples (sample i owns ``cu_seqlens[i]:cu_seqlens[i+1]``),
+N = their trained tokens (loss mask 1), S = samples, S1 = S + 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["gae_advantages", "discounted_suffix_sums", "value_loss"]
+
+
+def discounted_suffix_sums(x_N: torch.Tensor, segment_N: torch.Tensor, c: float) -> torch.Tensor:
+    """``y_i = sum_{j >= i, same segment} c^(j - i) x_j`` for tokens grouped in contiguous segments (ids
+    ``segment_N``, non-decreasing), by a Hillis-Steele scan: after the step of stride d every partial sum covers 2d
+    tokens (or runs to its segment's end)."""
+    if not 0.0 <= c <= 1.0:
+        raise ValueError(f"the discount gamma * lambda must lie in [0, 1], got {c}")
+    y = x_N.clone()
+    n, d, w = y.numel(), 1, c
+    while d < n:
+        same = segment_N[:-d] == segment_N[d:]
+        nxt = y.clone()
+        nxt[:-d] += w * y[d:] * same
+        y, d, w = nxt, 2 * d, w * w
+    return y
+
+
+def gae_advantages(values_M: torch.Tensor, loss_mask_M: torch.Tensor, cu_seqlens_S1: torch.Tensor,
+                   returns_S: torch.Tensor, gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages_M, value targets_M) of the trained tokens (zeros elsewhere), fp32; see the module docstring."""
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"GAE needs gamma and lambda in [0, 1], got {gamma} and {lam}")
+    M, S = values_M.numel(), returns_S.numel()
+    if loss_mask_M.numel() != M or cu_seqlens_S1.numel() != S + 1 or int(cu_seqlens_S1[-1]) != M:
+        raise ValueError(f"GAE inputs disagree: {M} values, {loss_mask_M.numel()} mask entries, {S} returns, "
+                         f"cu_seqlens ending at {int(cu_seqlens_S1[-1])}")
+    device = values_M.device
+    sample_M = torch.repeat_interleave(torch.arange(S, device=device), cu_seqlens_S1.diff().to(device))
+    trained_N = torch.nonzero(loss_mask_M.to(device) > 0).flatten()
+    v_N = values_M.detach()[trained_N].double()
+    seg_N = sample_M[trained_N]
+    last_N = torch.ones_like(seg_N, dtype=torch.bool)
+    last_N[:-1] = seg_N[:-1] != seg_N[1:]  # the sample's last trained token: its return, no next value
+    next_v_N = torch.zeros_like(v_N)
+    next_v_N[:-1] = v_N[1:]
+    next_v_N[last_N] = 0.0
+    r_N = torch.where(last_N, returns_S.to(device).double()[seg_N], torch.zeros_like(v_N))
+    adv_N = discounted_suffix_sums(r_N + gamma * next_v_N - v_N, seg_N, gamma * lam)
+    adv_M = torch.zeros(M, dtype=torch.float32, device=device)
+    ret_M = torch.zeros(M, dtype=torch.float32, device=device)
+    adv_M[trained_N] = adv_N.float()
+    ret_M[trained_N] = (adv_N + v_N).float()
+    return adv_M, ret_M
+
+
+def value_loss(values_M: torch.Tensor, returns_M: torch.Tensor, loss_mask_M: torch.Tensor) -> torch.Tensor:
+    """The summed value loss ``0.5 * (V - R)^2`` over the trained tokens (divide by the batch's count for the token
+    mean)."""
+    return 0.5 * (((values_M - returns_M) ** 2) * loss_mask_M.to(values_M.dtype)).sum()

@@ -1,0 +1,71 @@
+"""GAE along the trained tokens of tree-packed samples and the value loss (algo/value.py), against a plain loop."""
+
+import pytest
+import torch
+
+from forge_megatron.algo.value import discounted_suffix_sums, gae_advantages, value_loss
+
+
+def _loop_gae(values, mask, bounds, returns, gamma, lam):
+    """The textbook backward recursion, one sample at a time, over its trained tokens only."""
+    adv, ret = [0.0] * len(values), [0.0] * len(values)
+    for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        idx = [t for t in range(lo, hi) if mask[t]]
+        acc, next_v = 0.0, 0.0
+        for k in reversed(range(len(idx))):
+            t = idx[k]
+            r = returns[s] if k == len(idx) - 1 else 0.0
+            delta = r + gamma * next_v - values[t]
+            acc = delta + gamma * lam * acc
+            adv[t], ret[t], next_v = acc, acc + values[t], values[t]
+    return torch.tensor(adv), torch.tensor(ret)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0), (1.0, 0.5)])
+def test_gae_equals_the_backward_recursion(gamma, lam):
+    """Five samples of 1..40 targets with prompt / tool-result gaps (mask 0) between trained runs, one sample with
+    no trained token: advantages and targets equal the loop's; untrained tokens get zeros."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [40, 1, 7, 25, 3]
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    M = bounds[-1]
+    values = torch.randn(M, generator=g)
+    mask = (torch.rand(M, generator=g) > 0.3).float()
+    mask[bounds[1]:bounds[2]] = 0  # a sample without trained tokens
+    mask[:5] = 0  # a prompt
+    returns = torch.randn(len(lengths), generator=g)
+    adv, ret = gae_advantages(values, mask, torch.tensor(bounds), returns, gamma, lam)
+    want_adv, want_ret = _loop_gae(values.tolist(), mask.tolist(), bounds, returns.tolist(), gamma, lam)
+    assert torch.allclose(adv, want_adv.float(), atol=1e-5) and torch.allclose(ret, want_ret.float(), atol=1e-5)
+    assert adv[mask == 0].abs().max() == 0 and ret[mask == 0].abs().max() == 0
+    if gamma == lam == 1.0:  # A_t = G - V_t: the return against a per-token baseline
+        sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        assert torch.allclose(adv[mask > 0], (returns[sample] - values)[mask > 0], atol=1e-6)
+
+
+def test_suffix_sums_stay_in_their_segment_and_handle_long_runs():
+    """A 5000-token segment (13 scan steps) beside one-token segments, c = 0.999: equal to the loop in fp64."""
+    x = torch.randn(5003, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    seg = torch.tensor([0] + [1] * 5000 + [2, 3], dtype=torch.long)
+    y = discounted_suffix_sums(x, seg, 0.999)
+    want, acc = torch.zeros_like(x), 0.0
+    for i in reversed(range(x.numel())):
+        acc = x[i].item() + (0.999 * acc if i + 1 < x.numel() and seg[i + 1] == seg[i] else 0.0)
+        want[i] = acc
+    assert torch.allclose(y, want, rtol=1e-10, atol=1e-9)
+    with pytest.raises(ValueError, match="discount"):
+        discounted_suffix_sums(x, seg, 1.5)
+
+
+def test_value_loss_and_bad_inputs():
+    v, r = torch.tensor([1.0, 2.0, 3.0], requires_grad=True), torch.tensor([0.0, 2.0, 5.0])
+    loss = value_loss(v, r, torch.tensor([1.0, 0.0, 1.0]))
+    assert loss.item() == pytest.approx(0.5 * (1 + 4))
+    loss.backward()
+    assert v.grad.tolist() == [1.0, 0.0, -2.0]
+    with pytest.raises(ValueError, match="disagree"):
+        gae_advantages(torch.zeros(4), torch.ones(3), torch.tensor([0, 4]), torch.zeros(1))
+    with pytest.raises(ValueError, match="gamma and lambda"):
+        gae_advantages(torch.zeros(4), torch.ones(4), torch.tensor([0, 4]), torch.zeros(1), lam=1.2)

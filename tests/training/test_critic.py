@@ -1,0 +1,160 @@
+"""PPO with a learned critic (--critic, training/critic.py): the value model's values of every trained token, GAE
+advantages toward the segments' returns, the value loss and the critic's own optimizer step, checked against
+transformers (the tiny reward model read at every position) on one rank, two pipeline stages, two tensor-parallel
+ranks and two context-parallel ranks; warm-up steps leave the policy alone; a stopped and resumed run trains what an
+uninterrupted one does; the critic's checkpoint exports as the sequence classifier it is. CPU, 0 GPUs (gloo)."""
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from forge_megatron.models.tiny import build_tiny_model, build_tiny_reward_model
+
+from .trainer_run import run_on_fresh_pool
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("critic")
+    return build_tiny_model(str(d / "policy")), build_tiny_reward_model(str(d / "critic"))
+
+
+def _groups(n_groups: int, seed: int = 5, group_size: int = 4):
+    """``n_groups`` groups of ``group_size`` episodes: a shared 10-token prompt, completions of 5..8 tokens, rewards
+    0 / 1 / 0.5 alternating (token ids within the tiny vocabulary)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_groups):
+        prompt = rng.integers(10, 300, size=10).tolist()
+        out.append([(prompt, rng.integers(10, 300, size=int(rng.integers(5, 9))).tolist(), (0.0, 1.0, 0.5)[e % 3])
+                    for e in range(group_size)])
+    return out
+
+
+def _feed(groups):
+    from forge_megatron.middleware.schema import Episode, Segment
+
+    def feed(client):
+        for g, episodes in enumerate(groups):
+            gid = client.register_group(f"task-{g}", len(episodes), "default")
+            for e, (prompt, completion, reward) in enumerate(episodes):
+                seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
+                              rollout_logprobs=[0.0] * len(prompt) + [-5.0] * len(completion),
+                              policy_versions=[-1] * len(prompt) + [0] * len(completion))
+                eid = f"{gid}-e{e}"
+                client.episode_started(gid, eid)
+                now = time.time()
+                client.submit_episode(Episode(episode_id=eid, group_id=gid, task_id=f"task-{g}", segments=[seg],
+                                              reward=reward, started_at=now - 1, ended_at=now))
+    return feed
+
+
+def _reference(policy: str, critic: str, episodes):
+    """transformers' per completion token: the critic's value (its score head on the hidden state that predicts the
+    token), the return (the episode's reward) and the policy's logprob; concatenated over the episodes."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    lm = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(critic, dtype=torch.float32).eval()
+    values, returns, logps = [], [], []
+    with torch.no_grad():
+        for prompt, completion, reward in episodes:
+            ids = torch.tensor([prompt + completion])
+            rows = slice(len(prompt) - 1, ids.shape[1] - 1)
+            hidden = rm.model(input_ids=ids).last_hidden_state[0]
+            values.append(rm.score(hidden)[rows, 0].double())
+            returns.append(torch.full((len(completion),), reward, dtype=torch.float64))
+            logp = torch.log_softmax(lm(ids).logits[0].double(), -1)[rows]
+            logps.append(logp.gather(-1, torch.tensor(completion)[:, None])[:, 0])
+    return torch.cat(values), torch.cat(returns), torch.cat(logps)
+
+
+def test_critic_values_advantages_and_losses_equal_transformers(models, tmp_path):
+    """Step 1, GAE with gamma = lambda = 1, no whitening, recomputed old logprobs (ratio 1): the critic's values are
+    transformers' (value_mean, explained_variance), the advantages are return - value (advantage_mean / std), the
+    value loss is 0.5 mean (V - R)^2, the policy's CISPO loss is
+    -(1/N) sum_t (R_t - V_t) logp_t (whitened, the default: the advantages' z-scores), on one rank, over two pipeline stages, two TP ranks with sequence parallelism
+    and two CP ranks; the critic's and the policy's gradient norms agree between the layouts."""
+    policy, critic = models
+    (episodes,) = _groups(1)
+    v, r, logp = _reference(policy, critic, episodes)
+    a = r - v
+    expect = {"critic/value_mean": v.mean().item(), "critic/return_mean": r.mean().item(),
+              "critic/advantage_mean": a.mean().item(), "critic/advantage_std": a.std(unbiased=False).item(),
+              "critic/explained_variance": 1.0 - a.var(unbiased=False).item() / r.var(unbiased=False).item(),
+              "critic/vf_loss": 0.5 * (a ** 2).mean().item(),
+              "loss": -(a * logp).mean().item()}
+    flags = ["--critic-hf-checkpoint", critic, "--no-whiten-advantages", "--old-logprobs", "recompute"]
+    runs = {}
+    for name, extra, nproc in (("one", [], 1), ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+                               ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+                               ("cp2", ["--context-parallel-size", "2"], 2)):
+        runs[name], stdouts, _ = run_on_fresh_pool(tmp_path, name, policy, _feed([episodes]), iters=1, groups=1,
+                                                   extra=flags + extra, nproc=nproc)
+        assert f"critic initialised from HF checkpoint {critic}" in stdouts[0]
+        assert "| critic vf " in stdouts[0]
+        (step,) = runs[name]
+        for key, value in expect.items():
+            assert step[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+        assert step["critic/update_ok"] and step["update_ok"] and step["critic/warmup"] == 0.0
+    for other in ("pp2", "tp2", "cp2"):
+        for key in ("grad_norm", "critic/grad_norm"):
+            assert runs["one"][0][key] == pytest.approx(runs[other][0][key], rel=1e-5), (other, key)
+    # whitened (the default): the policy trains on (A - mean A) / std A
+    (step,), _, _ = run_on_fresh_pool(tmp_path, "whitened", policy, _feed([episodes]), iters=1, groups=1,
+                                      extra=flags[:2] + flags[3:])
+    white = (a - a.mean()) / (a.std(unbiased=False) + 1e-8)
+    assert step["loss"] == pytest.approx(-(white * logp).mean().item(), rel=1e-5, abs=1e-6)
+
+
+def test_critic_learns_warms_up_resumes_and_exports(models, tmp_path):
+    """Eight steps on the same group fed eight times, the first three the critic's alone (--critic-warmup-iters 3):
+    the policy's loss stays put and its update is skipped while the critic's value loss falls; a run stopped after
+    step 4 and resumed (the critic from <save>/critic) trains the same steps; the critic's checkpoint exports with
+    forge-convert trainer-to-hf as a Qwen2ForSequenceClassification whose per-token scores are the values the
+    resumed run's critic holds."""
+    from transformers import AutoModelForSequenceClassification
+
+    from forge_megatron.convert.trainer_checkpoint import export_trainer_checkpoint
+
+    policy, critic = models
+    (episodes,) = _groups(1, seed=9)
+    flags = ["--critic-hf-checkpoint", critic, "--critic-warmup-iters", "3", "--critic-lr", "3e-3"]
+    runs = {}
+    runs["one"], outs, _ = run_on_fresh_pool(tmp_path, "one", policy, _feed([episodes] * 8), iters=8, groups=1,
+                                             extra=flags)
+    assert "(warm-up)" in outs[0]
+    runs["resumed"], outs, counts = run_on_fresh_pool(tmp_path, "resumed", policy, _feed([episodes] * 8), iters=8,
+                                                      groups=1, extra=flags, exits=(4, None))
+    assert counts == [4, 8] and f"critic resumed from {tmp_path / 'resumed' / 'ckpt' / 'critic'} at iteration 4" \
+        in outs[1]
+    one = runs["one"]
+    assert [s["critic/warmup"] for s in one] == [1.0] * 3 + [0.0] * 5
+    assert [s["update_ok"] for s in one] == [False] * 3 + [True] * 5
+    # the policy did not move while warming up: its ratios to the recorded logprobs stay put until step 4 trains
+    assert all(s["ratio_mean"] == pytest.approx(one[0]["ratio_mean"], rel=1e-6) for s in one[:4])
+    assert one[4]["ratio_mean"] != pytest.approx(one[3]["ratio_mean"], rel=1e-4)
+    assert one[-1]["critic/vf_loss"] < 0.5 * one[0]["critic/vf_loss"]
+    assert one[-1]["critic/explained_variance"] > one[0]["critic/explained_variance"]
+    for s in one:
+        assert s["critic/advantage_std"] > 0
+    for a, b in zip(one, runs["resumed"]):
+        for key in ("loss", "grad_norm", "critic/vf_loss", "critic/grad_norm", "critic/value_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+
+    # the critic after 4 updates (saved at iteration 4) scored step 5's tokens: its export gives the same values
+    out = str(tmp_path / "exported-critic")
+    export_trainer_checkpoint(str(tmp_path / "resumed" / "ckpt" / "critic"), out, iteration=4)
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"]
+    hf = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    values = []
+    with torch.no_grad():
+        for prompt, completion, _ in episodes:
+            hidden = hf.model(input_ids=torch.tensor([prompt + completion])).last_hidden_state[0]
+            values.append(hf.score(hidden)[len(prompt) - 1:-1, 0])
+    assert torch.cat(values).mean().item() == pytest.approx(one[4]["critic/value_mean"], rel=1e-4, abs=1e-5)
