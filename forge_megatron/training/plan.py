@@ -185,7 +185,7 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
          gpu_memory_gib: float = 80.0, etp: int | None = None, first: int | None = None,
          last: int | None = None, image_token_fraction: float = 0.5, recompute_vision_tower: bool = False,
          vision_trainable: str | None = None, lora=None, lora_reference_copy: bool = False,
-         teacher=None) -> dict:
+         teacher=None, critic=None) -> dict:
     """The plan as a dict: layout, per pipeline rank parameters and memory (GiB), and the verdict. ``first`` /
     ``last``: uneven pipeline stages (the first / last stage's layers). A trained tower (``Bridge(vision_tower=
     True)``): ``image_token_fraction`` of a micro-batch's tokens are image tokens (its activations),
@@ -194,7 +194,10 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
     the adapters, ``params_lora``, have gradients and optimizer state; the KL reference is the policy with its
     adapters off, no copy, unless ``lora_reference_copy``: a --ref-hf-checkpoint of its own). ``teacher``: the
     Bridge of an on-policy distillation teacher (--teacher-hf-checkpoint): its weights, split in the same layout, on
-    every GPU too (its forward-only activations are freed layer by layer and not counted)."""
+    every GPU too (its forward-only activations are freed layer by layer and not counted). ``critic``: the Bridge of
+    a learned critic (--critic: a value model, a sequence-classification config): its weights, gradients and optimizer
+    state split in the same layout (``critic_gib``); its passes run before the policy's, so the activations are the
+    larger of the two models' estimates."""
     from forge_megatron.bridge import ParallelLayout
     from forge_megatron.mcore.parallel import ParallelConfig
 
@@ -203,12 +206,14 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                               last_stage_layers=last)
     dp = parallel.data_parallel_size(world)
     parallel.layer_chunks(cfg.num_layers)  # ValueError naming the counts that do not split
-    if teacher is not None:
+    for name, other in (("the teacher", teacher), ("the critic", critic)):
+        if other is None:
+            continue
         try:
-            parallel.layer_chunks(teacher.cfg.num_layers)
-            teacher.check_layout(ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, first=first, last=last))
+            parallel.layer_chunks(other.cfg.num_layers)
+            other.check_layout(ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, first=first, last=last))
         except ValueError as exc:
-            raise ValueError(f"the teacher: {exc}") from exc
+            raise ValueError(f"{name}: {exc}") from exc
     bridge.check_layout(ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, first=first, last=last))
     weight_bytes = 2 if bf16 else 4
     opt_bytes = 12 if bf16 else 8  # fp32 Adam moments, and an fp32 master copy of bf16 weights
@@ -246,6 +251,13 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
             t = rank_params(teacher, tp, pp, ep, r, vpp, etp, first, last)
             static["teacher"] = (t["dense"] + t["expert"]) * weight_bytes + t["buffers"] * 4
         act = _activation_bytes(cfg, layers, moe, tokens / cp, tp, sequence_parallel, recompute, in_flight)
+        if critic is not None:  # trained like the policy (its own Adam), its passes before the policy's
+            c = rank_params(critic, tp, pp, ep, r, vpp, etp, first, last)
+            static["critic"] = ((c["dense"] + c["expert"]) * (weight_bytes + 4) + c["buffers"] * 4
+                                + c["dense"] * opt_bytes / dense_shards + c["expert"] * opt_bytes / expert_shards)
+            c_layers = rank_layers(critic.cfg.num_layers, pp, vpp, r, first, last)
+            act = max(act, _activation_bytes(critic.cfg, c_layers, sum(critic.is_moe_layer(x) for x in c_layers),
+                                             tokens / cp, tp, sequence_parallel, recompute, in_flight))
         act += tower_act if r == 0 else 0
         total = sum(static.values()) + act
         ranks.append({"pp_rank": r, "layers": len(layers), "moe_layers": moe, "params_dense": params["dense"],
@@ -265,6 +277,7 @@ def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
             "vision_trainable": vision_trainable} if bridge.vision_tower else {}),
         **({"lora_rank": lora.rank, "lora_targets": list(lora.targets)} if lora is not None else {}),
         **({"teacher": teacher.family.name} if teacher is not None else {}),
+        **({"critic": critic.family.name} if critic is not None else {}),
         "fits": all(x["fits"] for x in ranks),
     }
 
@@ -493,6 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher-hf-checkpoint", default=None, metavar="DIR",
                    help="the trainer's flag: an on-policy distillation teacher, its weights split in the same layout "
                         "on every GPU")
+    p.add_argument("--critic", action="store_true",
+                   help="the trainer's flag: a learned critic (a value model of --critic-hf-checkpoint, default "
+                        "--hf-checkpoint) trains beside the policy in the same layout")
+    p.add_argument("--critic-hf-checkpoint", default=None, metavar="DIR", help="the trainer's flag (implies --critic)")
     p.add_argument("--tree-token-budget", type=int, default=8192, help="unique tokens per micro-batch")
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100 80, H200 141)")
@@ -523,6 +540,10 @@ def _table(result: dict) -> str:
         at = cols.index("activations_gib_estimate")
         cols = cols[:at] + ("teacher_gib",) + cols[at:]
         head += f"; a {result['teacher']} teacher"
+    if result.get("critic"):  # a learned critic's weights, gradients and optimizer state
+        at = cols.index("activations_gib_estimate")
+        cols = cols[:at] + ("critic_gib",) + cols[at:]
+        head += f"; a {result['critic']} critic"
     if result.get("lora_rank"):  # the adapters train, every other parameter is frozen
         cols = cols[:4] + ("params_lora", "params_frozen") + cols[4:]
         head += f"; LoRA rank {result['lora_rank']} (the checkpoint's weights frozen)"
@@ -535,6 +556,14 @@ def _table(result: dict) -> str:
     lines.append(f"{verdict} in {result['gpu_memory_gib']:g} GiB per GPU (budget {result['budget_gib']:.1f} GiB: "
                  "10 % kept for fragmentation, NCCL and the CUDA context; activations are a rough estimate)")
     return "\n".join(lines)
+
+
+def critic_bridge(hf_dir: str):
+    """The Bridge of a learned critic made from ``hf_dir`` (a causal LM or a one-label reward model)."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.bridge.families import load_hf_config, reward_model_config
+
+    return Bridge(reward_model_config(load_hf_config(hf_dir)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -558,7 +587,9 @@ def main(argv: list[str] | None = None) -> int:
                       args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
                       args.image_token_fraction, args.recompute_vision_tower, args.vision_trainable,
                       arguments.lora_config(args), not arguments.lora_reference(args),
-                      Bridge(args.teacher_hf_checkpoint) if args.teacher_hf_checkpoint else None)
+                      Bridge(args.teacher_hf_checkpoint) if args.teacher_hf_checkpoint else None,
+                      critic_bridge(args.critic_hf_checkpoint or args.hf_checkpoint)
+                      if args.critic or args.critic_hf_checkpoint else None)
     except (ValueError, FileNotFoundError, MappingError, UnsupportedModelError) as exc:
         print(f"forge-plan: error: {exc}", file=sys.stderr)
         return 2

@@ -674,13 +674,15 @@ class Trainer:
                                    "image_token_fraction": 0.0} if self.bridge.vision_tower else {}),
                                lora=arguments.lora_config(a), lora_reference_copy=not arguments.lora_reference(a),
                                teacher=Bridge(a.teacher_hf_checkpoint) if getattr(a, "teacher_hf_checkpoint", None)
-                               else None)
+                               else None,
+                               critic=plan.critic_bridge(getattr(a, "critic_hf_checkpoint", None) or a.hf_checkpoint)
+                               if getattr(a, "critic", False) else None)
         except Exception as exc:  # noqa: BLE001 - a report, never a reason to stop
             log.warning("memory plan unavailable: %s", exc)
             return
         for r in result["ranks"]:
             static = r["weights_gib"] + r["grads_gib"] + r["optimizer_gib"] + r["reference_gib"] + \
-                r.get("teacher_gib", 0.0)
+                r.get("teacher_gib", 0.0) + r.get("critic_gib", 0.0)
             lora = f", {r['params_lora']:,} of them LoRA adapters (the rest frozen)" if "params_lora" in r else ""
             self._log(f"memory plan, pipeline rank {r['pp_rank']}: {r['params_dense'] + r['params_expert']:,} "
                       f"parameters per GPU ({r['params_expert']:,} in experts{lora}), {static:.2f} GiB of weights, "

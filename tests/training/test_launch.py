@@ -56,7 +56,7 @@ def test_bash_syntax_and_help():
          FP32_LM_HEAD=1, OVERLAP_GRAD_REDUCE=1, OVERLAP_PARAM_GATHER=1, WEIGHT_SYNC_INTERVAL=2, POLICY_SAMPLING=0, ROLLOUT_TEMPERATURE=0.8, TRUST_REMOTE_CODE=1, GATEWAY_WORKERS=4,
          SAVE_INTERVAL=25, KEEP_CHECKPOINTS=3, ASYNC_SAVE=1, EXIT_DURATION_MINS=1410,
          TEACHER_CHECKPOINT="/models/teacher", DISTILL_OUTCOME_COEF=0, TEACHER_OFFLOAD=1, DISTILL_KL="forward",
-         DISTILL_TOPK=16),
+         DISTILL_TOPK=16, CRITIC=1, CRITIC_LR=2e-6, CRITIC_WARMUP_ITERS=5, GAE_LAMBDA=0.95),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
          USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1, KEEP_TRAJECTORIES=1,
          EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5, RETIRE_SOLVED_AFTER=3),
@@ -116,6 +116,9 @@ def test_dry_run_plan_is_consistent(layout):
     assert (args.teacher_hf_checkpoint, args.distill_outcome_coef, args.teacher_offload) == (
         teacher, float(layout.get("DISTILL_OUTCOME_COEF", 1)), layout.get("TEACHER_OFFLOAD") == 1)
     assert (args.distill_kl, args.distill_topk) == (layout.get("DISTILL_KL", "sampled"), layout.get("DISTILL_TOPK", 32))
+    assert (args.critic, args.critic_lr, args.critic_warmup_iters, args.gae_lambda) == (
+        layout.get("CRITIC") == 1, layout.get("CRITIC_LR"), layout.get("CRITIC_WARMUP_ITERS", 0),
+        layout.get("GAE_LAMBDA", 1.0))
     assert args.exit_signal_handler and args.exit_duration_in_mins == layout.get("EXIT_DURATION_MINS")
     assert args.exit_file == f"{_run_dir(out.stdout)}/stop_training"  # what the USR1 trap creates
     replay = layout.get("ROUTING_REPLAY") == 1  # engines record, the gateway keeps, the trainer replays: all or none
@@ -265,7 +268,8 @@ def test_served_distillation_teacher():
                          (dict(TEACHER_URLS="http://t:1", DISTILL_KL="gkd"),
                           "DISTILL_KL=gkd: sampled, forward, reverse or jsd"),
                          (dict(TEACHER_CHECKPOINT="/m", TEACHER_PROMPT="x"), "TEACHER_PROMPT needs a served teacher"),
-                         (dict(TEACHER_URLS="http://t:1", DROP_ZERO_ADVANTAGE_GROUPS=1), "still carry the teacher's")):
+                         (dict(TEACHER_URLS="http://t:1", DROP_ZERO_ADVANTAGE_GROUPS=1), "still carry the teacher's"),
+                         (dict(GAE_LAMBDA=0.9), "GAE_LAMBDA need CRITIC=1")):
         bad = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", **env)
         assert bad.returncode != 0 and message in bad.stderr, (env, bad.stderr)
 
@@ -418,8 +422,17 @@ def test_run_local_dry_run_is_consistent():
         lora_args = _trainer_args(lora_trainer)
         assert (lora_args.lora_rank, lora_args.weight_sync_lora, lora_args.weight_sync_dir) == (8, "adapter",
                                                                                                 "/runs/l/adapters")
-    assert args.sequence_parallel
+    assert args.sequence_parallel and not args.critic
     arguments.parallel_config(args).data_parallel_size(int(trainer[trainer.index("--nproc-per-node") + 1]))
+    # CRITIC=1: the trainer's --critic and its flags (a critic of its own checkpoint)
+    out = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=60,
+                         env={**env, "CRITIC_CHECKPOINT": "/models/v", "GAE_LAMBDA": "0.95"})
+    assert out.returncode == 0, out.stderr
+    critic_args = _trainer_args([c for c in _commands(out.stdout) if c[0] == "torchrun"][0])
+    assert (critic_args.critic, critic_args.critic_hf_checkpoint, critic_args.gae_lambda) == (True, "/models/v", 0.95)
+    bad = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=60,
+                         env={**env, "CRITIC_LR": "1e-5"})
+    assert bad.returncode == 2 and "need CRITIC=1" in bad.stderr
     from forge_megatron.agents.driver import build_parser as driver_parser
     from forge_megatron.agents.middleware_node import build_parser as node_parser
 

@@ -174,6 +174,30 @@ def test_plan_counts_a_distillation_teacher(tmp_path, capsys):
     assert "the teacher: the model's 3 layers do not split into 2 pipeline stages" in capsys.readouterr().err
 
 
+def test_plan_counts_a_learned_critic(tmp_path, capsys):
+    """forge-plan --critic: every GPU holds its share of the critic's weights, fp32 gradients and Adam state (a
+    value model of the policy's checkpoint: its transformer and a score head, no LM head), shown in the table; a
+    --critic-hf-checkpoint whose layers do not split over the stages is refused naming it."""
+    policy, other = tmp_path / "policy", tmp_path / "critic"
+    for d, kw in ((policy, {}), (other, {"num_hidden_layers": 3})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(_hf("qwen3", **kw)))
+    base = ["--hf-checkpoint", str(policy), "--world-size", "2", "--pipeline-model-parallel-size", "2", "--bf16"]
+    assert plan.main(base + ["--critic", "--json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    critic = plan.critic_bridge(str(policy))
+    assert critic.cfg.score_head == 1
+    for r in ranks:
+        c = plan.rank_params(critic, 1, 2, 1, r["pp_rank"])
+        n = c["dense"] + c["expert"]
+        assert r["critic_gib"] * plan.GIB == pytest.approx(n * (2 + 4 + 12) + c["buffers"] * 4)
+        assert 0 < r["critic_gib"] <= r["weights_gib"] + r["grads_gib"] + r["optimizer_gib"] + 1e-9
+    assert plan.main(base + ["--critic"]) == 0
+    assert "critic_gib" in (table := capsys.readouterr().out) and "a qwen3 critic" in table
+    assert plan.main(base + ["--critic-hf-checkpoint", str(other)]) == 2
+    assert "the critic: the model's 3 layers do not split into 2 pipeline stages" in capsys.readouterr().err
+
+
 def _optimizer_shard_body(rank, world_size, hf):
     """Elements of fp32 state (per state tensor) this rank's distributed optimizer holds, dense and expert."""
     from megatron.core import parallel_state as ps
