@@ -333,7 +333,10 @@ def is_reward_config(hf: dict) -> bool:
 
 
 def reward_labels(hf: dict) -> int:
-    return len(hf.get("id2label") or {}) or int(hf.get("num_labels", 1))
+    """A sequence classifier's outputs as transformers reads its config: ``id2label``'s entries, else
+    ``num_labels``, else transformers' default of 2 (transformers 5 leaves the default's labels out of the
+    config.json it saves, so a two-label model's config names none)."""
+    return len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2))
 
 
 def reward_model_config(hf: dict) -> dict:

@@ -57,13 +57,17 @@ class Critic:
             raise ValueError("--critic: the policy is a vision-language model; the value model reads text only")
         if not os.path.isfile(os.path.join(self.dir, "config.json")):
             raise ValueError(f"{where} has no config.json (an HF model directory)")
+        vocab = None
         if os.path.abspath(self.dir) != os.path.abspath(args.hf_checkpoint):
-            check_same_tokenizer(args.hf_checkpoint, self.dir)  # it reads the policy's token ids
+            vocab = check_same_tokenizer(args.hf_checkpoint, self.dir, "--critic-hf-checkpoint", "critic",
+                                         "the critic values the policy's token ids")
         try:
             hf = reward_model_config(load_hf_config(self.dir))
             if reward_labels(hf) != 1:
                 raise ValueError(f"it has {reward_labels(hf)} labels; a value model has one")
             self.bridge = Bridge(hf)
+            if vocab is not None and self.bridge.cfg.vocab_size < vocab:
+                raise ValueError(f"its vocabulary has {self.bridge.cfg.vocab_size} rows, the tokenizer {vocab} tokens")
             # the job's parallelism and precision, the critic's checkpoint for its architecture, its own learning rate
             cargs = copy.copy(args)
             cargs.num_layers, cargs.hf_checkpoint = None, self.dir
@@ -106,7 +110,6 @@ class Critic:
     def save(self, root: str, iteration: int, keep: int | None) -> None:
         from forge_megatron.training.checkpoint import save_checkpoint
 
-        self.gather_params()
         save_checkpoint(os.path.join(root, CRITIC_DIR), iteration, self.ddp, self.optimizer, self.scheduler,
                         {"critic": True}, meta={"hf_config": self.bridge.hf_config,
                                                 "hf_checkpoint": os.path.abspath(self.dir), "critic": True},

@@ -32,18 +32,20 @@ __all__ = ["Teacher", "check_same_tokenizer"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def check_same_tokenizer(policy_dir: str, teacher_dir: str) -> int:
-    """Raise ValueError unless the teacher's tokenizer maps every token to the same id as the policy's (the teacher
-    scores the policy's token ids: another vocabulary would score other words, silently). Returns the vocabulary
-    size."""
+def check_same_tokenizer(policy_dir: str, teacher_dir: str, flag: str = "--teacher-hf-checkpoint",
+                         role: str = "teacher", use: str = "on-policy distillation scores the policy's token ids with "
+                                                           "the teacher") -> int:
+    """Raise ValueError unless the teacher's (or, named by ``flag`` / ``role`` / ``use``, another model's: a critic)
+    tokenizer maps every token to the same id as the policy's (the teacher scores the policy's token ids: another
+    vocabulary would score other words, silently). Returns the vocabulary size."""
     from transformers import AutoTokenizer
 
     if not any(os.path.exists(os.path.join(teacher_dir, f)) for f in _TOKENIZER_FILES):
-        raise ValueError(f"--teacher-hf-checkpoint {teacher_dir} has no tokenizer files: the teacher must share the "
+        raise ValueError(f"{flag} {teacher_dir} has no tokenizer files: the {role} must share the "
                          "policy's tokenizer, and that is checked against them (copy the policy's tokenizer there if "
-                         "the teacher was trained with it)")
+                         f"the {role} was trained with it)")
     vocabs = []
-    for what, d in (("policy", policy_dir), ("teacher", teacher_dir)):
+    for what, d in (("policy", policy_dir), (role, teacher_dir)):
         try:
             vocabs.append(AutoTokenizer.from_pretrained(d).get_vocab())
         except Exception as exc:  # noqa: BLE001 - named and re-raised
@@ -51,9 +53,9 @@ def check_same_tokenizer(policy_dir: str, teacher_dir: str) -> int:
     policy, teacher = vocabs
     if policy != teacher:
         differ = sorted(k for k in set(policy) | set(teacher) if policy.get(k) != teacher.get(k))
-        raise ValueError(f"--teacher-hf-checkpoint {teacher_dir}: its tokenizer is not the policy's ({len(teacher)} "
-                         f"vs {len(policy)} tokens, {len(differ)} differ, e.g. {differ[:3]}): on-policy distillation "
-                         "scores the policy's token ids with the teacher, so both must use one vocabulary")
+        raise ValueError(f"{flag} {teacher_dir}: its tokenizer is not the policy's ({len(teacher)} "
+                         f"vs {len(policy)} tokens, {len(differ)} differ, e.g. {differ[:3]}): {use}, so both must use "
+                         "one vocabulary")
     return len(policy)
 
 

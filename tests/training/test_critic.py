@@ -158,3 +158,31 @@ def test_critic_learns_warms_up_resumes_and_exports(models, tmp_path):
             hidden = hf.model(input_ids=torch.tensor([prompt + completion])).last_hidden_state[0]
             values.append(hf.score(hidden)[len(prompt) - 1:-1, 0])
     assert torch.cat(values).mean().item() == pytest.approx(one[4]["critic/value_mean"], rel=1e-4, abs=1e-5)
+
+
+def test_critics_that_cannot_value_the_policys_tokens_are_refused(models, tmp_path):
+    """A critic checkpoint with another tokenizer (one token's id moved), a reward model of two labels, and a
+    vision-language policy: each refused at start-up with the reason."""
+    import shutil
+
+    from forge_megatron.models.tiny import build_tiny_model as tiny
+
+    from .trainer_run import refused_start
+
+    policy, critic = models
+    other = str(tmp_path / "other_vocab")
+    shutil.copytree(critic, other)
+    with open(os.path.join(other, "tokenizer.json")) as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[20:22]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(os.path.join(other, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    out = refused_start(policy, tmp_path, ["--critic-hf-checkpoint", other])
+    assert f"--critic-hf-checkpoint {other}: its tokenizer is not the policy's" in out
+    assert "the critic values the policy's token ids" in out
+    two = build_tiny_reward_model(str(tmp_path / "two_labels"), num_labels=2)
+    assert "it has 2 labels; a value model has one" in refused_start(policy, tmp_path, ["--critic-hf-checkpoint", two])
+    vl = tiny(str(tmp_path / "vl"), arch="qwen3_vl")
+    assert "--critic: the policy is a vision-language model" in refused_start(vl, tmp_path, ["--critic"], model=[])

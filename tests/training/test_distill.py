@@ -15,7 +15,7 @@ import torch
 from forge_megatron.models.tiny import build_tiny_model, build_tiny_teacher
 from tests.dist_utils import run_script
 
-from .trainer_run import TRAIN, model_args, read_steps, run_on_fresh_pool, train_cmd, train_env
+from .trainer_run import TRAIN, model_args, read_steps, refused_start, run_on_fresh_pool, train_cmd, train_env
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -392,20 +392,6 @@ def test_supervised_distillation_on_sft_data(models, tmp_path):
     assert "teacher rkl" in out.stdout
 
 
-def _start(student: str, tmp_path, extra) -> str:
-    """A trainer start that must fail before training: its output."""
-    from .pool_feed import PoolProcess
-
-    pool = PoolProcess(str(tmp_path / "refuse.sqlite"))
-    try:
-        out = run_script(TRAIN, train_cmd(student, pool, str(tmp_path / "refused"), iters=1, groups=1, extra=extra),
-                         env=train_env())
-    finally:
-        pool.stop()
-    assert out.returncode != 0
-    return out.stdout + out.stderr
-
-
 def test_teachers_that_cannot_score_the_policys_tokens_are_refused(models, tmp_path):
     """Another tokenizer (one token's id moved), no tokenizer at all, a dense KL's top-k larger than the vocabulary,
     and layers that do not split over the pipeline stages: each refused at start-up with the reason."""
@@ -419,14 +405,14 @@ def test_teachers_that_cannot_score_the_policys_tokens_are_refused(models, tmp_p
     vocab[a], vocab[b] = vocab[b], vocab[a]
     with open(os.path.join(other, "tokenizer.json"), "w") as f:
         json.dump(tok, f)
-    out = _start(student, tmp_path, ["--teacher-hf-checkpoint", other])
+    out = refused_start(student, tmp_path, ["--teacher-hf-checkpoint", other])
     assert "its tokenizer is not the policy's" in out and "2 differ" in out
     bare = str(tmp_path / "bare")
     os.makedirs(bare)
     for f in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(teacher, f), bare)
-    assert "has no tokenizer files" in _start(student, tmp_path, ["--teacher-hf-checkpoint", bare])
-    assert "--distill-topk 1000 is more than the 400 tokens of the tokenizer" in _start(
+    assert "has no tokenizer files" in refused_start(student, tmp_path, ["--teacher-hf-checkpoint", bare])
+    assert "--distill-topk 1000 is more than the 400 tokens of the tokenizer" in refused_start(
         student, tmp_path, ["--teacher-hf-checkpoint", teacher, "--distill-kl", "forward", "--distill-topk", "1000"])
     three = build_tiny_model(str(tmp_path / "three_layers"), seed=2, num_hidden_layers=3)
     from .pool_feed import PoolProcess

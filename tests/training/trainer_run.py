@@ -73,6 +73,23 @@ def run_on_fresh_pool(tmp_path, name: str, model_dir: str, feed, *, iters: int, 
         pool.stop()
 
 
+def refused_start(model_dir: str, tmp_path, extra, model=None) -> str:
+    """A trainer start against a fresh pool that must fail before training: its output (``model``: as
+    :func:`train_cmd`'s)."""
+    from tests.dist_utils import run_script
+
+    from .pool_feed import PoolProcess
+
+    pool = PoolProcess(str(tmp_path / "refuse.sqlite"))
+    try:
+        out = run_script(TRAIN, train_cmd(model_dir, pool, str(tmp_path / "refused"), iters=1, groups=1, extra=extra,
+                                          model=model), env=train_env())
+    finally:
+        pool.stop()
+    assert out.returncode != 0
+    return out.stdout + out.stderr
+
+
 REPLAY_KEYS = ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
 
 
