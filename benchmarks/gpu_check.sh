@@ -15,7 +15,7 @@
 #             that crashes its process (a segfault in an extension) is reported as failed and the others still run,
 #   trainer   the trainer on the GPU (tests/training/test_gpu_trainer.py: fp32 and bf16 steps against CPU, the offline
 #             modes' (SFT, DPO, reward model) fp32 steps against CPU, a distillation teacher's steps (sampled and
-#             dense) against CPU, bf16 keeps
+#             dense) and a learned critic's against CPU, bf16 keeps
 #             the HF weights, distributed-optimizer checkpoints resume exactly, LoRA steps against CPU; skipped
 #             without megatron-core and pyzmq; each rank its own interpreter, tests/dist_utils.py),
 #   gdelta    benchmarks/gated_delta.py (Qwen3.5's linear-attention recurrence: autograd loop, torch scan and the
@@ -85,7 +85,7 @@ if [ -n "$best" ]; then
     "$PY" benchmarks/tree_attention.py --workload grpo
 fi
 step tests "gpu tests" 150 "${PYTEST[@]}" --dist load --timeout=90 "${TESTS[@]}"
-step trainer "trainer on GPU" 200 "${PYTEST[@]}" --dist load --timeout=85 tests/training/test_gpu_trainer.py
+step trainer "trainer on GPU" 215 "${PYTEST[@]}" --dist load --timeout=85 tests/training/test_gpu_trainer.py
 step gdelta "benchmark gated delta" 20 "$PY" benchmarks/gated_delta.py --device cuda --batch 4 --len 8192 --heads 8
 step agentic "benchmark agentic" 25 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 \
   --completion 512 --calls 16

@@ -161,3 +161,19 @@ def test_gpu_dense_distillation_matches_cpu(tmp_path):
     for want, got in zip(cpu, gpu):
         for key in ("loss", "grad_norm", "distill_reverse_kl", "distill_forward_kl", "distill_topk_mass"):
             assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-4), key
+
+
+def test_gpu_critic_matches_cpu(tmp_path):
+    """PPO with a learned critic (--critic, its values on every trained token, GAE, its own optimizer step on the
+    GPU): two steps equal the same steps on CPU (the policy's loss and gradient norm, the critic's value loss,
+    gradient norm and explained variance), fp32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model_dir = build_tiny_model(str(tmp_path / "model"))
+    flags = ["--critic", "--old-logprobs", "recompute"]
+    cpu = _run(tmp_path, model_dir, "critic_cpu", {"CUDA_VISIBLE_DEVICES": ""}, flags)
+    gpu = _run(tmp_path, model_dir, "critic_gpu", {}, flags)
+    for want, got in zip(cpu, gpu):
+        for key in ("loss", "grad_norm", "critic/vf_loss", "critic/grad_norm", "critic/value_mean",
+                    "critic/explained_variance"):
+            assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-4), key
