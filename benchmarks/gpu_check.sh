@@ -20,6 +20,7 @@
 #             without megatron-core and pyzmq; each rank its own interpreter, tests/dist_utils.py),
 #   gdelta    benchmarks/gated_delta.py (Qwen3.5's linear-attention recurrence: autograd loop, torch scan and the
 #             Triton scan kernels, forward + backward at 4 x 8192 tokens, 8 heads of 128),
+#   gae       benchmarks/gae.py (a learned critic's GAE advantages on the GPU against a Python loop on the CPU),
 #   agentic, heads512   tree attention on the agentic workload and on heads of 512,
 #   mla       tree attention on multi-latent attention's heads (192 / 128), whole and split 128 + 64
 #             (FORGE_TREE_ATTN_SPLIT_HEAD=1), and the tile sweep there,
@@ -87,6 +88,7 @@ fi
 step tests "gpu tests" 150 "${PYTEST[@]}" --dist load --timeout=90 "${TESTS[@]}"
 step trainer "trainer on GPU" 215 "${PYTEST[@]}" --dist load --timeout=85 tests/training/test_gpu_trainer.py
 step gdelta "benchmark gated delta" 20 "$PY" benchmarks/gated_delta.py --device cuda --batch 4 --len 8192 --heads 8
+step gae "benchmark GAE (a learned critic's advantages)" 15 "$PY" benchmarks/gae.py --device cuda
 step agentic "benchmark agentic" 25 "$PY" benchmarks/tree_attention.py --workload agentic --prompt 1024 \
   --completion 512 --calls 16
 step heads512 "benchmark heads of 512" 20 "$PY" benchmarks/tree_attention.py --workload grpo --prompt 1024 \

@@ -16,8 +16,9 @@ so with ``gamma = lambda = 1`` (the defaults) ``A_t = G - v_t``: the return agai
 advantages are then whitened over the whole batch's trained tokens (zero mean, unit variance; ``--no-whiten-
 advantages`` keeps them raw).
 
-The suffix sums run as a parallel scan (log2 n vectorised steps) over all samples of a micro-batch at once, in
-fp64: each step adds ``c^d`` times the partial sum ``d`` tokens later when that token belongs to the same sample.
+The suffix sums run vectorised over all samples of a micro-batch at once, in fp64: with ``gamma * lambda = 1`` one
+reverse cumulative sum, otherwise a parallel scan of ceil(log2 of the longest sample) steps, each adding ``c^d`` times
+the partial sum ``d`` tokens later where that token belongs to the same sample.
 
 The critic's loss is the squared error toward those targets, ``l_t = 0.5 * (V_t - R_t)^2``, reduced as a token mean
 over the batch's trained tokens. (PPO's value clip, which bounds how far ``V`` may move from the values the targets
@@ -37,17 +38,29 @@ __all__ = ["gae_advantages", "discounted_suffix_sums", "value_loss"]
 
 def discounted_suffix_sums(x_N: torch.Tensor, segment_N: torch.Tensor, c: float) -> torch.Tensor:
     """``y_i = sum_{j >= i, same segment} c^(j - i) x_j`` for tokens grouped in contiguous segments (ids
-    ``segment_N``, non-decreasing), by a Hillis-Steele scan: after the step of stride d every partial sum covers 2d
-    tokens (or runs to its segment's end)."""
+    ``segment_N``, non-decreasing). ``c = 1``: one reverse cumulative sum less the next segments' share; otherwise a
+    Hillis-Steele scan: after the step of stride d every partial sum covers 2d tokens (or runs to its segment's
+    end), ceil(log2 of the longest segment) steps."""
     if not 0.0 <= c <= 1.0:
         raise ValueError(f"the discount gamma * lambda must lie in [0, 1], got {c}")
-    y = x_N.clone()
-    n, d, w = y.numel(), 1, c
-    while d < n:
-        same = segment_N[:-d] == segment_N[d:]
-        nxt = y.clone()
-        nxt[:-d] += w * y[d:] * same
-        y, d, w = nxt, 2 * d, w * w
+    n = x_N.numel()
+    if n == 0 or c == 0.0:
+        return x_N.clone()
+    starts = torch.ones(n, dtype=torch.bool, device=x_N.device)
+    starts[1:] = segment_N[1:] != segment_N[:-1]
+    first = torch.nonzero(starts).flatten()  # each segment's first token
+    ends = torch.cat([first[1:], first.new_tensor([n])])
+    seg = torch.cumsum(starts, 0) - 1  # 0-based segment of every token
+    if c == 1.0:
+        suffix = x_N.flip(0).cumsum(0).flip(0)  # sum_{j >= i} x_j over every later segment too
+        after = torch.cat([suffix, suffix.new_zeros(1)])[ends]  # what the segments after each one add
+        return suffix - after[seg]
+    left = ends[seg] - torch.arange(n, device=x_N.device)  # tokens from i to its segment's end (>= 1)
+    y, d, w = x_N.clone(), 1, c
+    longest = int((ends - first).max())
+    while d < longest:
+        y[:-d] = y[:-d] + w * y[d:] * (left[:-d] > d)  # (the right side is made whole before it is written)
+        d, w = 2 * d, w * w
     return y
 
 

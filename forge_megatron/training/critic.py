@@ -141,12 +141,12 @@ class Critic:
             x = mb.extras
             if "old_values_M" not in x:  # not the last pipeline stage: no loss here
                 continue
-            v = x["old_values_M"].cpu()
+            v = x["old_values_M"]  # (on the device the critic ran on: GAE runs there)
             adv, ret = gae_advantages(v, x["loss_mask_M"], x["cu_seqlens_S1"], x["return_S"], self.gamma, self.lam)
-            m, vd, rd, ad = x["loss_mask_M"].double(), v.double(), ret.double(), adv.double()
+            m, vd, rd, ad = x["loss_mask_M"].to(v.device).double(), v.double(), ret.double(), adv.double()
             sums += torch.stack([m.sum(), (m * vd).sum(), (m * rd).sum(), (m * rd * rd).sum(), (m * (rd - vd)).sum(),
-                                 (m * (rd - vd) ** 2).sum(), (m * ad).sum(), (m * ad * ad).sum()])
-            x["advantages_M"], x["returns_M"] = adv, ret
+                                 (m * (rd - vd) ** 2).sum(), (m * ad).sum(), (m * ad * ad).sum()]).cpu()
+            x["advantages_M"], x["returns_M"] = adv.cpu(), ret.cpu()
         n, v, r, r2, e, e2, a, a2 = _batch_sums(sums, rb.dp_size, sum_over_dp)
         n = max(n, 1.0)
 
