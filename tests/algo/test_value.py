@@ -69,3 +69,22 @@ def test_value_loss_and_bad_inputs():
         gae_advantages(torch.zeros(4), torch.ones(3), torch.tensor([0, 4]), torch.zeros(1))
     with pytest.raises(ValueError, match="gamma and lambda"):
         gae_advantages(torch.zeros(4), torch.ones(4), torch.tensor([0, 4]), torch.zeros(1), lam=1.2)
+
+
+def test_gae_benchmark_runs_small():
+    """benchmarks/gae.py at a small size: one JSON line with the keys docs/benchmarks.md reports, the vectorised
+    advantages equal to the loop's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gae.py"), "--tokens", "4096", "--samples",
+                          "16", "--repeats", "1"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    (line,) = out.stdout.strip().splitlines()
+    result = json.loads(line)
+    assert result["tokens"] == 4096 and result["max_abs_diff"] < 1e-9
+    assert {"scan_ms", "loop_ms", "policy_loss_ms", "speedup_vs_loop", "scan_over_policy_loss"} <= result.keys()
