@@ -80,8 +80,9 @@ def no_reward(task: Task, output: str | None) -> float:
     return 0.0
 
 
-# ``--verifier`` names of the verifiers built from options rather than imported (judge.py, reward_model.py)
-REMOTE_VERIFIERS = ("judge", "rm")
+# ``--verifier`` names of the verifiers built from options rather than imported (judge.py, reward_model.py,
+# code_verifier.py)
+REMOTE_VERIFIERS = ("judge", "rm", "code")
 LOCAL_VERIFIERS = {"none": no_reward}
 VERIFIER_TIMEOUT_S = 60.0  # what run_episode gives a verifier (an LLM judge's attempts must fit: judge.py)
 
@@ -121,7 +122,8 @@ def build_verifier(specs: list[str] | None, args=None) -> Verifier:
     """``--verifier`` values -> one verifier: ``module:function`` scores every domain, ``DOMAIN=module:function``
     scores that domain (repeat for several); domains without one use the unprefixed verifier, else exact match.
     ``judge`` in place of ``module:function`` is the LLM judge of ``args``' ``--judge-*`` options (judge.py), ``rm``
-    the reward model of its ``--rm-*`` options (reward_model.py), ``none`` no reward at all (:func:`no_reward`)."""
+    the reward model of its ``--rm-*`` options (reward_model.py), ``code`` the task's unit tests run with its
+    ``--code-*`` options (code_verifier.py), ``none`` no reward at all (:func:`no_reward`)."""
     default, per_domain, remote = None, {}, {}
 
     def load(path: str) -> Verifier:
@@ -129,11 +131,13 @@ def build_verifier(specs: list[str] | None, args=None) -> Verifier:
             return LOCAL_VERIFIERS[path]
         if path not in REMOTE_VERIFIERS:
             return load_callable(path)
-        if path not in remote:  # one judge / reward model for every domain that names it
+        if path not in remote:  # one judge / reward model / test runner for every domain that names it
+            from forge_megatron.agents.code_verifier import code_verifier_from_args
             from forge_megatron.agents.judge import judge_from_args
             from forge_megatron.agents.reward_model import reward_model_from_args
 
-            remote[path] = (judge_from_args if path == "judge" else reward_model_from_args)(args)
+            make = {"judge": judge_from_args, "rm": reward_model_from_args, "code": code_verifier_from_args}[path]
+            remote[path] = make(args)
         return remote[path]
 
     for spec in specs or []:
@@ -153,18 +157,22 @@ def build_verifier(specs: list[str] | None, args=None) -> Verifier:
 
 
 def add_verifier_argument(p) -> None:
+    from forge_megatron.agents.code_verifier import add_code_arguments
     from forge_megatron.agents.judge import add_judge_arguments
     from forge_megatron.agents.reward_model import add_reward_model_arguments
 
-    p.add_argument("--verifier", action="append", default=None, metavar="[DOMAIN=]MODULE:FUNCTION|judge|rm|none",
+    p.add_argument("--verifier", action="append", default=None,
+                   metavar="[DOMAIN=]MODULE:FUNCTION|judge|rm|code|none",
                    help="(task, output) -> reward. Unprefixed: every domain; DOMAIN=...: that domain's tasks "
                         "(repeat for mixed-domain training, e.g. --verifier math=my.rewards:math "
                         "--verifier code=my.rewards:unit_tests). 'judge': an LLM judge's score / max score "
-                        "(--judge-* below); 'rm': a reward model's score (--rm-* below); 'none': 0 for every "
+                        "(--judge-* below); 'rm': a reward model's score (--rm-* below); 'code': the task's unit "
+                        "tests (metadata.tests) run on the program in the answer (--code-* below); 'none': 0 for every "
                         "finished episode, tasks need no answer (on-policy distillation from a teacher alone). "
                         "Default: exact match with the task's answer")
     add_judge_arguments(p)
     add_reward_model_arguments(p)
+    add_code_arguments(p)
 
 
 class PythonAgent:

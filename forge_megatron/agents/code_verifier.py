@@ -1,0 +1,295 @@
+"""Unit-test rewards for coding tasks (``--verifier code``): the agent's program runs against the task's tests.
+
+A task carries its tests in ``metadata["tests"]``, in one of two forms::
+
+    {"stdio": [{"input": "1 2\\n", "output": "3\\n"}, ...]}    a program that reads stdin and writes stdout
+                                                                (CodeContests, APPS, LiveCodeBench): each case runs
+                                                                it once, its output compared with the expected one
+                                                                line by line, trailing blanks and blank final lines
+                                                                ignored
+    {"asserts": ["assert add(1, 2) == 3", ...], "setup": "..."} statements run after the program's definitions
+                                                                (HumanEval, MBPP): each is a case, run in a process
+                                                                of its own after the program (and the optional setup
+                                                                code), the program's ``__name__`` not ``"__main__"``
+
+The program is the last fenced code block of the agent's answer (```` ```python ```` or plain ```` ``` ````), else
+the whole answer. The reward is 1.0 when every case passes and 0.0 otherwise (``--code-reward all``, the default:
+the first failure ends the check), or the fraction of cases passed (``pass_rate``). Python programs only.
+
+Each case is a new ``python -I`` process (isolated mode: no user site, no ``PYTHON*`` variables) in a fresh
+temporary directory that is deleted afterwards, in its own session (the whole process group is killed when the case
+is over or out of time), with an environment holding nothing of the driver's (``PATH``, ``HOME`` and ``TMPDIR`` the
+directory, ``LANG``, ``PYTHONHASHSEED=0``: no API keys, no tokens), and POSIX limits: CPU seconds (the case's
+timeout), address space (``--code-memory-mb``), file size (``--code-output-mb``: also what its output may fill, as
+stdout goes to a file there), no core files, and no new processes for a non-root user. An assert case passes only when
+the process exits 0 **and** prints, last, a random token the harness read from stdin before running the program, so a
+program that exits early (``sys.exit(0)``, ``os._exit(0)``) passes nothing; the program runs in a namespace of its own.
+
+These limits keep a runaway program from taking the machine down; they are not a security boundary against code
+written to escape (it runs as the driver's user and can read what that user can). For untrusted code in production
+give a sandbox prefix, ``--code-sandbox "bwrap --unshare-all --die-with-parent --ro-bind / / --bind {dir} {dir}
+--chdir {dir} --"`` (``{dir}``: the case's directory), or nsjail / firejail alike: the command runs as its last
+arguments.
+
+At most ``--code-workers`` cases run at once over all the driver's episodes (default: the CPU count); an episode's
+cases share ``--code-total-timeout-s`` (default 50 s, inside the 60 s the runner gives a verifier): the cases left
+when it runs out count as failed (logged). A task without tests, or with tests of another shape, fails its episode
+naming the task and the field; a program that cannot run (a syntax error) simply fails its cases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("forge.agents")
+
+REWARDS = ("all", "pass_rate")
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
+
+# The assert harness: reads the pass token first, runs the program and the case in namespaces of their own, prints
+# the token last. Its file is written next to program.py and case.py in the case's directory.
+_HARNESS = """\
+import os, sys
+def _forge_main():
+    token = sys.stdin.readline().strip()
+    sys.stdin = open(os.devnull)
+    namespace = {"__name__": "solution", "__builtins__": __builtins__}
+    for name in ("program.py", "setup.py", "case.py"):
+        with open(name) as f:
+            exec(compile(f.read(), name, "exec"), namespace)
+    sys.stdout.flush()
+    sys.stdout.write("\\n" + token + "\\n")
+    sys.stdout.flush()
+_forge_main()
+"""
+
+
+# Sets the case's limits and execs the rest of its arguments: a process of its own rather than a preexec_fn, which
+# is not safe in the driver's threads (a lock held by another thread at the fork stays held in the child).
+_LAUNCHER = """\
+import os, resource, sys
+cpu, memory, output, nproc = map(int, sys.argv[1:5])
+for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, output),
+                     (resource.RLIMIT_CORE, 0)) + (((resource.RLIMIT_NPROC, nproc),) if nproc >= 0 else ()):
+    try:
+        resource.setrlimit(limit, (value, value))
+    except (ValueError, OSError):
+        pass  # (a lower hard limit already set: kept)
+os.execvp(sys.argv[5], sys.argv[5:])
+"""
+
+
+class CodeTaskError(ValueError):
+    """A task's tests are missing or malformed (the episode fails naming the task)."""
+
+
+def extract_program(output: str | None) -> str:
+    """The last fenced code block of ``output`` (a ``python`` / ``py`` one preferred over others), else all of it."""
+    if not output:
+        return ""
+    blocks = _FENCE.findall(output)
+    if not blocks:
+        return output
+    python = [code for lang, code in blocks if lang.lower() in ("python", "py", "python3")]
+    return (python or [code for _, code in blocks])[-1]
+
+
+def _normalise(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def parse_tests(task) -> tuple[str, list, str]:
+    """(kind, cases, setup) of ``task.metadata["tests"]``; CodeTaskError naming the task and the field."""
+    tests = (task.metadata or {}).get("tests")
+    where = f"task {task.task_id}: metadata.tests"
+    if not isinstance(tests, dict):
+        raise CodeTaskError(f"{where} must be an object with 'stdio' or 'asserts' (got "
+                            f"{type(tests).__name__ if tests is not None else 'none'}): --verifier code needs tests")
+    kinds = [k for k in ("stdio", "asserts") if k in tests]
+    if len(kinds) != 1:
+        raise CodeTaskError(f"{where} must have exactly one of 'stdio' and 'asserts', got {sorted(tests)}")
+    kind, cases = kinds[0], tests[kinds[0]]
+    if not isinstance(cases, list) or not cases:
+        raise CodeTaskError(f"{where}.{kind} must be a non-empty list")
+    setup = tests.get("setup", "")
+    if not isinstance(setup, str) or (setup and kind != "asserts"):
+        raise CodeTaskError(f"{where}.setup must be a string, and is for 'asserts' tests")
+    for i, case in enumerate(cases):
+        ok = isinstance(case, str) if kind == "asserts" else (
+            isinstance(case, dict) and isinstance(case.get("input", ""), str) and isinstance(case.get("output"), str))
+        if not ok:
+            want = "a statement (string)" if kind == "asserts" else "an object with 'output' (and 'input') strings"
+            raise CodeTaskError(f"{where}.{kind}[{i}] must be {want}, got {case!r:.80}")
+    return kind, cases, setup
+
+
+@dataclass
+class CaseResult:
+    passed: bool
+    reason: str = ""  # why not: "wrong output", "exit status 1", "timed out", ...
+    seconds: float = 0.0
+
+
+@dataclass
+class CodeVerifier:
+    """``(task, output) -> reward`` from running the program in ``output`` against ``task.metadata["tests"]``."""
+
+    reward: str = "all"
+    timeout_s: float = 5.0  # per case (wall clock; its CPU limit too)
+    total_timeout_s: float = 50.0  # per episode
+    memory_mb: int = 1024
+    output_mb: int = 16
+    workers: int = 0  # cases at once over all episodes (0: the CPU count)
+    python: str = sys.executable
+    sandbox: str = ""  # a command prefix ("{dir}": the case's directory)
+    stats: dict = field(default_factory=lambda: {"cases": 0, "passed": 0, "timed_out": 0})
+
+    def __post_init__(self):
+        if self.reward not in REWARDS:
+            raise ValueError(f"--code-reward must be one of {REWARDS}, got {self.reward!r}")
+        if not (self.timeout_s > 0 and self.total_timeout_s > 0 and self.memory_mb > 0 and self.output_mb > 0
+                and self.workers >= 0):
+            raise ValueError("--code-timeout-s, --code-total-timeout-s, --code-memory-mb and --code-output-mb must be "
+                             "> 0 and --code-workers >= 0")
+        self.prefix = shlex.split(self.sandbox) if self.sandbox else []
+        self._slots = threading.BoundedSemaphore(self.workers or os.cpu_count() or 1)
+        self._lock = threading.Lock()
+
+    def __call__(self, task, output) -> float:
+        kind, cases, setup = parse_tests(task)
+        program = extract_program(output)
+        deadline = time.monotonic() + self.total_timeout_s
+        passed = 0
+        for i, case in enumerate(cases):
+            left = deadline - time.monotonic()
+            if left <= 0.05:
+                log.warning("task %s: --code-total-timeout-s %gs ran out after %d of %d cases: the rest count as "
+                            "failed", task.task_id, self.total_timeout_s, i, len(cases))
+                break
+            result = self.run_case(kind, program, case, setup, min(self.timeout_s, left))
+            passed += result.passed
+            if not result.passed and self.reward == "all":
+                break
+        return passed / len(cases) if self.reward == "pass_rate" else float(passed == len(cases))
+
+    def run_case(self, kind: str, program: str, case, setup: str = "", timeout_s: float | None = None) -> CaseResult:
+        """One case in a fresh directory and process (see the module docstring)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        with self._slots:
+            workdir = tempfile.mkdtemp(prefix="forge-code-")
+            try:
+                result = self._run(kind, program, case, setup, timeout_s, workdir)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+        with self._lock:
+            self.stats["cases"] += 1
+            self.stats["passed"] += result.passed
+            self.stats["timed_out"] += result.reason == "timed out"
+        return result
+
+    def _run(self, kind, program, case, setup, timeout_s, workdir) -> CaseResult:
+        def write(name: str, text: str) -> None:
+            with open(os.path.join(workdir, name), "w") as f:
+                f.write(text)
+
+        write("program.py", program)
+        token = secrets.token_hex(16)
+        if kind == "stdio":
+            script, stdin = "program.py", case.get("input", "")
+        else:
+            write("setup.py", setup)
+            write("case.py", case)
+            write("harness.py", _HARNESS)
+            script, stdin = "harness.py", token + "\n"
+        nproc = 0 if not self.prefix and os.getuid() != 0 else -1  # (a sandbox forks; root ignores the limit)
+        limits = [str(int(timeout_s) + 1), str(self.memory_mb << 20), str(self.output_mb << 20), str(nproc)]
+        cmd = [self.python, "-I", "-c", _LAUNCHER, *limits,
+               *[a.replace("{dir}", workdir) for a in self.prefix], self.python, "-I", script]
+        env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+               "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+        out_path = os.path.join(workdir, ".stdout")
+        t0 = time.monotonic()
+        with open(out_path, "wb") as out:
+            try:
+                proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=out,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
+            except OSError as exc:
+                raise RuntimeError(f"--verifier code could not start {cmd[0]!r}: {exc}") from exc
+            timed_out = False
+            try:
+                proc.communicate(stdin.encode(), timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            except (BrokenPipeError, OSError):  # the program exited without reading its input
+                pass
+            finally:
+                _kill_group(proc)
+                proc.wait()
+        seconds = time.monotonic() - t0
+        if timed_out:
+            return CaseResult(False, "timed out", seconds)
+        with open(out_path, "rb") as f:
+            stdout = f.read(self.output_mb << 20).decode("utf-8", "replace")
+        if proc.returncode != 0:
+            return CaseResult(False, f"exit status {proc.returncode}", seconds)
+        if kind == "stdio":
+            ok = _normalise(stdout) == _normalise(case["output"])
+            return CaseResult(ok, "" if ok else "wrong output", seconds)
+        ok = _normalise(stdout)[-1:] == [token]
+        return CaseResult(ok, "" if ok else "no pass token (the program exited early?)", seconds)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the case's whole process group (its session): whatever it started dies with it."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def add_code_arguments(p) -> None:
+    g = p.add_argument_group("unit-test rewards (--verifier [DOMAIN=]code)")
+    g.add_argument("--code-reward", choices=REWARDS, default="all",
+                   help="all: 1 when every case of the task's metadata.tests passes, else 0; pass_rate: the "
+                        "fraction passed")
+    g.add_argument("--code-timeout-s", type=float, default=5.0, help="wall-clock (and CPU) seconds per case")
+    g.add_argument("--code-total-timeout-s", type=float, default=50.0,
+                   help="seconds for all of an episode's cases (within the 60 s the runner gives a verifier); cases "
+                        "left when it runs out count as failed")
+    g.add_argument("--code-memory-mb", type=int, default=1024, help="address-space limit of a case's process")
+    g.add_argument("--code-output-mb", type=int, default=16, help="largest file, and stdout, a case may write")
+    g.add_argument("--code-workers", type=int, default=0,
+                   help="cases running at once over all episodes (default 0: the CPU count)")
+    g.add_argument("--code-python", default=sys.executable, help="the interpreter that runs the programs")
+    g.add_argument("--code-sandbox", default="", metavar="PREFIX",
+                   help="a command prefix every case runs under, e.g. \"bwrap --unshare-all --die-with-parent "
+                        "--ro-bind / / --bind {dir} {dir} --chdir {dir} --\" ({dir}: the case's directory); "
+                        "without it a case is a resource-limited process of the driver's user, not a sandbox")
+
+
+def code_verifier_from_args(args) -> CodeVerifier:
+    python = getattr(args, "code_python", sys.executable)
+    if shutil.which(python) is None and not os.path.isfile(python):
+        raise ValueError(f"--code-python {python!r} is not an interpreter found here")
+    return CodeVerifier(reward=getattr(args, "code_reward", "all"), timeout_s=getattr(args, "code_timeout_s", 5.0),
+                        total_timeout_s=getattr(args, "code_total_timeout_s", 50.0),
+                        memory_mb=getattr(args, "code_memory_mb", 1024), output_mb=getattr(args, "code_output_mb", 16),
+                        workers=getattr(args, "code_workers", 0), python=python,
+                        sandbox=getattr(args, "code_sandbox", ""))

@@ -1,0 +1,161 @@
+"""--verifier code (agents/code_verifier.py): the program in an agent's answer runs against the task's unit tests in
+real subprocesses, one per case; wrong, crashing, looping, exiting-early, memory-hungry and output-flooding programs
+earn nothing and leave nothing running; the driver's secrets stay out of the case's environment. GPUs needed: 0."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from forge_megatron.agents.code_verifier import (CodeTaskError, CodeVerifier, code_verifier_from_args,
+                                                 extract_program)
+from forge_megatron.agents.tasks import Task
+
+ADD_STDIO = {"stdio": [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6"},
+                       {"input": "0 0\n", "output": "0\n\n"}]}
+ADD_ASSERTS = {"asserts": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}
+
+
+def _task(tests, task_id="t1"):
+    return Task(task_id=task_id, prompt="add two numbers", domain="code", metadata={"tests": tests})
+
+
+def _answer(code: str) -> str:
+    return f"Here is my solution:\n```python\n{code}\n```\nIt reads two numbers."
+
+
+@pytest.fixture
+def verifier():
+    return CodeVerifier(timeout_s=3.0, total_timeout_s=20.0, workers=2)
+
+
+def test_stdio_programs_are_scored_by_their_output(verifier):
+    right = "a, b = map(int, input().split())\nprint(a + b)"
+    assert verifier(_task(ADD_STDIO), _answer(right)) == 1.0
+    assert verifier(_task(ADD_STDIO), _answer("a, b = map(int, input().split())\nprint(a - b)")) == 0.0
+    half = "a, b = map(int, input().split())\nprint(a + b if a >= 0 and b >= 0 else 0)"
+    rate = CodeVerifier(reward="pass_rate", timeout_s=3.0)
+    assert rate(_task(ADD_STDIO), _answer(half)) == pytest.approx(2 / 3)
+    assert rate(_task(ADD_STDIO), _answer("print(")) == 0.0  # a syntax error fails its cases, nothing raises
+    assert rate(_task(ADD_STDIO), None) == 0.0
+
+
+def test_assert_tests_run_after_the_program_and_count_per_case(verifier):
+    assert verifier(_task(ADD_ASSERTS), _answer("def add(a, b):\n    return a + b")) == 1.0
+    rate = CodeVerifier(reward="pass_rate", timeout_s=3.0)
+    assert rate(_task(ADD_ASSERTS), _answer("def add(a, b):\n    return a + b if a != 2 else 0")) \
+        == pytest.approx(2 / 3)
+    # a main block does not run (the program's __name__ is not __main__); setup code runs before each case
+    main = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    raise SystemExit(3)"
+    assert verifier(_task(ADD_ASSERTS), _answer(main)) == 1.0
+    with_setup = {"asserts": ["assert add(BASE, 1) == 101"], "setup": "BASE = 100"}
+    assert verifier(_task(with_setup), _answer("def add(a, b):\n    return a + b")) == 1.0
+
+
+@pytest.mark.parametrize("hack", ["import sys\nsys.exit(0)", "import os\nos._exit(0)",
+                                  "import builtins\nbuiltins.print = lambda *a, **k: None\ndef add(a, b):\n    return -99"])
+def test_a_program_that_exits_early_or_silences_output_passes_nothing(verifier, hack):
+    """Exit status 0 alone is no pass: the harness's token printed after the case is."""
+    assert CodeVerifier(reward="pass_rate", timeout_s=3.0)(_task(ADD_ASSERTS), _answer(hack)) == 0.0
+
+
+def test_runaway_programs_are_stopped_and_leave_nothing_behind(tmp_path):
+    """An endless loop times out (the episode's score is 0 well before the runner's 60 s), its whole process group is
+    killed (a child it started, when it may start one, is gone too); a memory bomb fails on its limit; an output flood
+    is cut at its file limit."""
+    verifier = CodeVerifier(timeout_s=1.5, total_timeout_s=10.0, memory_mb=256, output_mb=1)
+    t0 = time.monotonic()
+    assert verifier(_task(ADD_STDIO), _answer("while True:\n    pass")) == 0.0
+    assert time.monotonic() - t0 < 6.0 and verifier.stats["timed_out"] >= 1
+    pid_file = tmp_path / "child.pid"
+    spawner = (f"import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+               f"open({str(pid_file)!r}, 'w').write(str(p.pid))\nwhile True:\n    pass")
+    CodeVerifier(timeout_s=1.5).run_case("stdio", spawner, {"input": "", "output": ""})
+    if pid_file.exists():  # root may fork (RLIMIT_NPROC does not hold it): the child must be dead then
+        pid = int(pid_file.read_text())
+        time.sleep(0.2)
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().split()[2] == "Z", "the case's child outlived it"
+        except ProcessLookupError:
+            pass
+    bomb = verifier.run_case("stdio", "x = bytearray(512 * 1024 * 1024)\nprint(3)", {"input": "", "output": "3"})
+    assert not bomb.passed and bomb.reason.startswith("exit status")
+    flood = verifier.run_case("stdio", "while True:\n    print('x' * 1000)", {"input": "", "output": "x"})
+    assert not flood.passed and flood.reason != "timed out" and flood.seconds < 1.5
+
+
+def test_the_case_sees_none_of_the_drivers_environment(verifier, monkeypatch):
+    monkeypatch.setenv("FORGE_ADMIN_TOKEN", "secret-token")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    leak = "import os\nprint(os.environ.get('FORGE_ADMIN_TOKEN'), os.environ.get('OPENAI_API_KEY'))"
+    assert verifier(_task({"stdio": [{"input": "", "output": "None None"}]}), _answer(leak)) == 1.0
+    cwd = "import os\nprint(sorted(os.listdir('.')) == ['.stdout', 'program.py'], os.getcwd() == os.environ['HOME'])"
+    assert verifier(_task({"stdio": [{"output": "True True"}]}), _answer(cwd)) == 1.0  # a fresh directory
+
+
+def test_all_stops_at_the_first_failure_and_the_total_budget_bounds_an_episode():
+    slow = "import time\ntime.sleep(0.8)\nprint(1)"
+    cases = {"stdio": [{"input": "", "output": "2"}] * 4}
+    verifier = CodeVerifier(timeout_s=3.0)
+    verifier(_task(cases), _answer(slow))
+    assert verifier.stats["cases"] == 1  # "all": the first failure decides
+    budget = CodeVerifier(reward="pass_rate", timeout_s=3.0, total_timeout_s=2.0)
+    t0 = time.monotonic()
+    assert budget(_task({"stdio": [{"input": "", "output": "1"}] * 6}), _answer(slow)) < 1.0
+    assert time.monotonic() - t0 < 4.0 and budget.stats["cases"] < 6
+
+
+def test_a_sandbox_prefix_wraps_every_case(tmp_path):
+    """--code-sandbox: the prefix (with {dir} filled in) runs each case, the program as its last arguments."""
+    wrapper = tmp_path / "wrap.py"
+    log = tmp_path / "wrapped.txt"
+    wrapper.write_text(f"import os, sys\nopen({str(log)!r}, 'a').write(sys.argv[1] + '\\n')\n"
+                       "os.execvp(sys.argv[2], sys.argv[2:])\n")
+    verifier = CodeVerifier(timeout_s=3.0, sandbox=f"{sys.executable} {wrapper} {{dir}}")
+    assert verifier(_task(ADD_STDIO), _answer("a, b = map(int, input().split())\nprint(a + b)")) == 1.0
+    dirs = log.read_text().split()
+    assert len(dirs) == 3 and all(d.startswith(os.path.join(os.path.realpath("/tmp"), "forge-code-"))
+                                  or "forge-code-" in d for d in dirs)
+    assert not any(os.path.exists(d) for d in dirs)  # each case's directory is removed
+
+
+def test_program_extraction():
+    assert extract_program("```\nprint(1)\n```") == "print(1)\n"
+    assert extract_program("text ```py\na = 1\n``` more ```python\nb = 2\n``` and ```\nc\n```") == "b = 2\n"
+    assert extract_program("print(2)") == "print(2)"
+    assert extract_program(None) == ""
+
+
+@pytest.mark.parametrize("tests,message", [
+    (None, "metadata.tests must be an object with 'stdio' or 'asserts'"),
+    ({"stdio": [], "asserts": []}, "exactly one of 'stdio' and 'asserts'"),
+    ({"stdio": []}, "metadata.tests.stdio must be a non-empty list"),
+    ({"stdio": [{"input": "1"}]}, r"metadata.tests.stdio\[0\] must be an object with 'output'"),
+    ({"asserts": [3]}, r"metadata.tests.asserts\[0\] must be a statement"),
+    ({"stdio": [{"output": "1"}], "setup": "x = 1"}, "setup must be a string, and is for 'asserts' tests"),
+])
+def test_bad_tests_fail_the_episode_naming_the_task(verifier, tests, message):
+    with pytest.raises(CodeTaskError, match=message):
+        verifier(Task(task_id="bad-7", prompt="p", metadata={} if tests is None else {"tests": tests}), "print(1)")
+
+
+def test_options_are_checked():
+    import argparse
+
+    from forge_megatron.agents.runner import add_verifier_argument, build_verifier
+
+    p = argparse.ArgumentParser()
+    add_verifier_argument(p)
+    args = p.parse_args(["--verifier", "code=code", "--code-reward", "pass_rate", "--code-timeout-s", "2"])
+    verifier = build_verifier(args.verifier, args)
+    task = _task(ADD_STDIO)
+    assert verifier(task, _answer("print(3)")) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="--code-python 'no-such-python' is not an interpreter"):
+        code_verifier_from_args(p.parse_args(["--code-python", "no-such-python"]))
+    with pytest.raises(ValueError, match="must be > 0"):
+        CodeVerifier(timeout_s=0)
+    with pytest.raises(ValueError, match="--code-reward must be one of"):
+        CodeVerifier(reward="most")
