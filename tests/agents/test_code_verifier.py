@@ -159,3 +159,27 @@ def test_options_are_checked():
         CodeVerifier(timeout_s=0)
     with pytest.raises(ValueError, match="--code-reward must be one of"):
         CodeVerifier(reward="most")
+
+
+def test_driver_records_the_tests_verdicts(stack):
+    """The rollout driver with ``--verifier coin=code``: episodes through the real gateway (one engine call each, the
+    right program on every second episode, ``wrong`` otherwise) reach the pool's sink with their tests' verdicts."""
+    import argparse
+    import threading
+
+    from forge_megatron.agents.driver import RolloutDriver
+    from forge_megatron.agents.runner import PythonAgent, add_verifier_argument, build_verifier
+    from tests.agents.agent_cases import Scripted
+
+    p = argparse.ArgumentParser()
+    add_verifier_argument(p)
+    args = p.parse_args(["--verifier", "coin=code", "--code-timeout-s", "3"])
+    program = _answer("a, b = map(int, input().split())\nprint(a + b)")
+    tasks = [Task(task_id=f"code-{i}", prompt="add", domain="coin", answer=program, metadata={"tests": ADD_STDIO})
+             for i in range(2)]
+    driver = RolloutDriver(stack["gateway"], PythonAgent(Scripted()), tasks, group_size=2, max_inflight_groups=1,
+                           verifier=build_verifier(args.verifier, args))
+    before = len(stack["sink"].episodes)
+    driver.run(threading.Event(), max_groups=2)
+    new = [e for e in stack["sink"].episodes[before:] if e.task_id.startswith("code-")]
+    assert len(new) == 4 and sorted(e.reward for e in new) == [0.0, 0.0, 1.0, 1.0]
