@@ -186,3 +186,20 @@ def test_critics_that_cannot_value_the_policys_tokens_are_refused(models, tmp_pa
     assert "it has 2 labels; a value model has one" in refused_start(policy, tmp_path, ["--critic-hf-checkpoint", two])
     vl = tiny(str(tmp_path / "vl"), arch="qwen3_vl")
     assert "--critic: the policy is a vision-language model" in refused_start(vl, tmp_path, ["--critic"], model=[])
+
+
+def test_critic_over_two_data_parallel_ranks_equals_one_rank(models, tmp_path):
+    """Two groups on one rank and split over two data-parallel ranks: the batch-wide critic metrics (values, returns,
+    whitening statistics, explained variance, value loss) and both gradient norms are the same (the whitening and the
+    value loss's token mean span every DP rank's tokens)."""
+    policy, critic = models
+    groups = _groups(2, seed=13)
+    flags = ["--critic-hf-checkpoint", critic, "--old-logprobs", "recompute"]
+    runs = {}
+    for name, nproc in (("one", 1), ("dp2", 2)):
+        runs[name], _, _ = run_on_fresh_pool(tmp_path, name, policy, _feed(groups), iters=1, groups=2, extra=flags,
+                                             nproc=nproc)
+    (one,), (dp2,) = runs["one"], runs["dp2"]
+    for key in ("critic/value_mean", "critic/return_mean", "critic/advantage_mean", "critic/advantage_std",
+                "critic/explained_variance", "critic/vf_loss", "critic/grad_norm", "grad_norm"):
+        assert dp2[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
