@@ -49,6 +49,14 @@ softmax probabilities of the top k experts, renormalised, the top k chosen by th
 ``moe_statics.e_score_correction_bias`` (stored [1, E]): Megatron's softmax score function takes no expert bias, so
 the router is forge's (mcore/ernie.py). Their MTP tensors (``model.mtp_*``) are left out.
 
+Hunyuan (``hunyuan_v1_dense``: HunYuanDenseV1ForCausalLM, ``hunyuan_v1_moe``: HunYuanMoEV1ForCausalLM): Llama's
+layout with per-head q/k RMSNorms (``query_layernorm`` / ``key_layernorm``) applied *after* RoPE
+(``qk_norm_after_rope``: mcore/qk_norm.py), and RoPE whose base is stretched by a fixed NTK ``alpha`` (the config's
+``rope_parameters`` say ``dynamic`` with ``alpha``; transformers reads it as static: base = theta * alpha ** (d / (d -
+2)), d the head size). The MoE models: in every layer ``num_experts`` routed experts and one ``shared_mlp``, all of
+``intermediate_size``, a softmax router ``mlp.gate.wg`` (in fp32) whose top ``moe_topk`` probabilities are
+renormalised. Per-layer expert counts or top-k (lists) are refused.
+
 OLMo 2 / OLMo 3 (``olmo2``, ``olmo3``): RMSNorms on the attention's and the MLP's outputs instead of their inputs
 (``post_norm``: mcore/post_norm.py), q/k RMSNorms over all heads (as MiniMax-M2); OLMo 3's ``layer_types`` put a
 sliding window on some layers (as gpt-oss), whose RoPE may differ from the full-attention layers' (its long-context
@@ -150,6 +158,8 @@ class Family:
     # ERNIE 4.5: interleaved RoPE pairs over the whole head; MoE: a softmax router choosing with a score-correction
     # bias (mcore/ernie.py), dense first layers, shared experts
     ernie: bool = False
+    # Hunyuan: q/k norms after RoPE, an NTK-alpha RoPE base; MoE: a shared MLP beside the experts, router mlp.gate.wg
+    hunyuan: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -241,6 +251,9 @@ FAMILIES: dict[str, Family] = {
     # ERNIE 4.5 (0.3B dense; 21B-A3B / 300B-A47B MoE): see the module docstring
     "Ernie4_5ForCausalLM": Family("ernie4_5", qkv_bias=False, qk_norm=False, moe=False, ernie=True),
     "Ernie4_5_MoeForCausalLM": Family("ernie4_5_moe", qkv_bias=False, qk_norm=False, moe=True, ernie=True),
+    # Hunyuan (dense; A13B MoE): see the module docstring
+    "HunYuanDenseV1ForCausalLM": Family("hunyuan_v1_dense", qkv_bias=False, qk_norm=True, moe=False, hunyuan=True),
+    "HunYuanMoEV1ForCausalLM": Family("hunyuan_v1_moe", qkv_bias=False, qk_norm=True, moe=True, hunyuan=True),
     # Seed-OSS-36B: the Qwen2 layout (biases on q/k/v only) with 128-channel heads; its residual dropout is a
     # training-time switch, off here as every dropout is
     "SeedOssForCausalLM": Family("seed_oss", qkv_bias=None, qk_norm=False, moe=False),
@@ -508,8 +521,10 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError(f"fp8 checkpoint: {exc}") from exc
     if family.ernie:
         _refuse_unsupported_ernie(hf, family)
+    if family.hunyuan:
+        _refuse_unsupported_hunyuan(hf, family)
     if family.moe and not family.sigmoid_router and not family.softmax_router and not family.gpt_oss \
-            and not family.ernie:
+            and not family.ernie and not family.hunyuan:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
@@ -644,6 +659,47 @@ def _refuse_unsupported_ernie(hf: dict, family: Family) -> None:
     if hf.get("moe_use_aux_free") is False:
         raise UnsupportedModelError("moe_use_aux_free=False: the router's score-correction bias is what ERNIE 4.5 "
                                     "releases route with")
+
+
+def _refuse_unsupported_hunyuan(hf: dict, family: Family) -> None:
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise UnsupportedModelError("attention_bias / mlp_bias: Hunyuan releases have no biases; not supported")
+    if hf.get("use_qk_norm") is False:
+        raise UnsupportedModelError("use_qk_norm=False: Hunyuan's attention normalises q and k after RoPE")
+    if hf.get("use_cla"):
+        raise UnsupportedModelError("use_cla=True (cross-layer attention: layers sharing keys and values, "
+                                    "Hunyuan-Large) is not supported")
+    if family.moe and hf.get("use_mixed_mlp_moe") is False:
+        raise UnsupportedModelError("use_mixed_mlp_moe=False (experts without the shared MLP) is not supported")
+    params = dict(hf.get("rope_scaling") or rope_parameters(hf) or {})
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "dynamic" and not params.get("alpha"):
+        raise UnsupportedModelError("rope type 'dynamic' without 'alpha' (NTK scaling that changes with the length) "
+                                    "is not supported; Hunyuan releases give a fixed alpha")
+    if not family.moe:
+        return
+    for name in ("num_experts", "moe_topk"):
+        if isinstance(hf.get(name), (list, tuple)) and len(set(hf[name])) != 1:
+            raise UnsupportedModelError(f"{name}={hf[name]!r}: expert counts / top-k that differ between layers are "
+                                        "not supported")
+    for name, want in (("moe_intermediate_size", hf.get("intermediate_size")), ("num_shared_expert", 1)):
+        value = hf.get(name)  # (remote-code configs write these; transformers reads neither)
+        if value is not None and set(value if isinstance(value, (list, tuple)) else [value]) != {want}:
+            raise UnsupportedModelError(f"{name}={value!r}: transformers' HunYuanMoEV1 has one shared MLP and "
+                                        "experts of intermediate_size; other layouts are not supported")
+
+
+def hunyuan_view(hf: dict) -> dict:
+    """A Hunyuan config with its RoPE as transformers computes it: a fixed NTK ``alpha`` (``rope_parameters`` of type
+    "dynamic" with "alpha") is plain RoPE of base theta * alpha ** (d / (d - 2)), d the head size."""
+    params = dict(hf.get("rope_scaling") or rope_parameters(hf) or {})
+    if (params.get("rope_type") or params.get("type")) != "dynamic" or not params.get("alpha"):
+        return hf
+    d = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    base = rope_theta(hf) * float(params["alpha"]) ** (d / (d - 2))
+    view = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta")}
+    view["rope_parameters"] = {"rope_type": "default", "rope_theta": base}
+    return view
 
 
 def gemma4_view(hf: dict) -> dict:
@@ -792,6 +848,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
     if family.gemma4:
         hf = gemma4_view(hf)
     _refuse_unsupported(hf, family)
+    if family.hunyuan:
+        hf = hunyuan_view(hf)
     heads = hf["num_attention_heads"]
     qkv_bias = family.qkv_bias if family.qkv_bias is not None else bool(hf.get("attention_bias", False))
     kwargs = dict(
@@ -851,6 +909,16 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                           moe_shared_ffn_hidden_size=hf["moe_intermediate_size"] * f["shared"] or None,
                           moe_dense_layers=f["start"], moe_router_pre_softmax=True, moe_softmax_bias_router=True,
                           extra={"moe_router_dtype": "fp32"})  # (HF computes the router in fp32)
+    if family.hunyuan:
+        kwargs["qk_norm_after_rope"] = True
+        if family.moe:
+            def one(v):  # (a list of one value per layer: refused above unless they agree)
+                return int(v[0] if isinstance(v, (list, tuple)) else v)
+
+            kwargs.update(num_moe_experts=one(hf["num_experts"]), moe_router_topk=one(hf["moe_topk"]),
+                          moe_ffn_hidden_size=hf["intermediate_size"],
+                          moe_shared_ffn_hidden_size=hf["intermediate_size"], moe_router_pre_softmax=False,
+                          moe_router_topk_renorm=True, extra={"moe_router_dtype": "fp32"})  # (HF's gate is fp32)
     if family.kimi_delta:
         heads, dim = hf["linear_num_heads"], hf["linear_head_dim"]
         kwargs.update(linear_attention=tuple(t == "linear_attention" for t in hf["layer_types"]),
@@ -960,7 +1028,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
         if family.softmax_router:
             kwargs["moe_router_pre_softmax"] = not bool(hf.get("norm_topk_prob", True))
-    elif family.moe and not family.gpt_oss and not family.ernie:
+    elif family.moe and not family.gpt_oss and not family.ernie and not family.hunyuan:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
         # Qwen3-Next's does unless its config says otherwise; so does Qwen3-VL-MoE's (no such field either)
         norm_topk = bool(hf.get("norm_topk_prob", family.gated_delta or family.fused_experts))

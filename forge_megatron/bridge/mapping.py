@@ -356,8 +356,9 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
         attn.append(Rule(LAYER + "self_attention.linear_qkv.bias",
                          tuple(HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", "col"))
     if cfg.qk_layernorm:  # replicated, also over all heads (MiniMax-M2: mcore/qk_norm.py says why)
-        attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + "self_attn.q_norm.weight",)),
-                 Rule(LAYER + "self_attention.k_layernorm.weight", (HF_LAYER + "self_attn.k_norm.weight",))]
+        q, k = ("query_layernorm", "key_layernorm") if family.hunyuan else ("q_norm", "k_norm")  # (Hunyuan: after RoPE)
+        attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + f"self_attn.{q}.weight",)),
+                 Rule(LAYER + "self_attention.k_layernorm.weight", (HF_LAYER + f"self_attn.{k}.weight",))]
     return _with_mlp_and_ends(cfg, family, attn)
 
 
@@ -380,7 +381,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         hf_expert = moe + "experts.{expert}."
         mlp = (dense if cfg.moe_dense_layers else []) + [
-            Rule(LAYER + "mlp.router.weight", (moe + "gate.weight",), layers="moe"),
+            Rule(LAYER + "mlp.router.weight", (moe + ("gate.wg.weight" if family.hunyuan else "gate.weight"),),
+                 layers="moe"),
             Rule(LAYER + EXPERT + "linear_fc1.weight", (hf_expert + f"{gate}.weight", hf_expert + f"{up}.weight"),
                  "glu", "glu", layers="moe"),
             Rule(LAYER + EXPERT + "linear_fc2.weight", (hf_expert + f"{down}.weight",), tp="row", layers="moe"),
@@ -404,7 +406,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
         if cfg.moe_shared_ffn_hidden_size:
             # Qwen3.5-MoE: one ``shared_expert`` whose output a sigmoid gate scales (Megatron's gate_weight)
             shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta else
-                                 "block_sparse_moe.shared_experts." if family.kimi_delta else "mlp.shared_experts.")
+                                 "block_sparse_moe.shared_experts." if family.kimi_delta else
+                                 "mlp.shared_mlp." if family.hunyuan else "mlp.shared_experts.")
             mlp += [Rule(LAYER + "mlp.shared_experts.linear_fc1.weight",
                          (shared + "gate_proj.weight", shared + "up_proj.weight"), "glu", "glu", layers="moe"),
                     Rule(LAYER + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), tp="row",
@@ -724,7 +727,8 @@ class Bridge:
             f_layer = cfg.layer_ffn_sizes[int(m.group(1))]  # (Gemma 4's double-wide MLPs)
         else:
             f_layer = None
-        f = cfg.moe_shared_ffn_hidden_size if (".shared_experts." in hf_name or ".shared_expert." in hf_name) else \
+        shared = (".shared_experts.", ".shared_expert.", ".shared_mlp.")  # (Hunyuan's: shared_mlp)
+        f = cfg.moe_shared_ffn_hidden_size if any(x in hf_name for x in shared) else \
             cfg.moe_ffn_hidden_size if ".experts." in hf_name else f_layer or cfg.ffn_hidden_size
         table = {
             "embed_tokens.weight": (self.hf_vocab, d), "lm_head.weight": (self.hf_vocab, d),
@@ -737,6 +741,7 @@ class Bridge:
             "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
             "shared_expert_gate.weight": (1, d), "layer_scalar": (1,), "score.weight": (cfg.score_head, d),
             "moe_statics.e_score_correction_bias": (1, cfg.num_moe_experts or 0),
+            "query_layernorm.weight": (h,), "key_layernorm.weight": (h,), "gate.wg.weight": (cfg.num_moe_experts or 0, d),
         }
         if cfg.qk_layernorm_all_heads:
             table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})

@@ -34,6 +34,8 @@ class GPTConfig:
     # MiniMax-M2: one RMSNorm over all query heads of a token (and one over all key heads) instead of one per head
     # (mcore/qk_norm.py); needs qk_layernorm
     qk_layernorm_all_heads: bool = False
+    # Hunyuan: the per-head q/k RMSNorms follow RoPE instead of preceding it (mcore/qk_norm.py); needs qk_layernorm
+    qk_norm_after_rope: bool = False
     # where a layer's norms sit (mcore/post_norm.py): before attention and MLP (pre_norm: Llama, Qwen, ...), on their
     # outputs before the residual adds (post_norm without pre_norm: OLMo 2 / 3), or both (Gemma 3's sandwich)
     pre_norm: bool = True
@@ -200,6 +202,10 @@ class GPTConfig:
                                             or self.normalization != "RMSNorm"):
             raise ValueError("qk_layernorm_all_heads is an RMSNorm over all query / key heads: it needs "
                              "qk_layernorm, RMSNorm and standard (not multi-latent) attention")
+        if self.qk_norm_after_rope and (not self.qk_layernorm or self.qk_layernorm_all_heads
+                                        or self.multi_latent_attention or self.normalization != "RMSNorm"):
+            raise ValueError("qk_norm_after_rope moves the per-head q/k RMSNorms after RoPE: it needs qk_layernorm, "
+                             "RMSNorm and standard attention (not qk_layernorm_all_heads or multi-latent attention)")
         if self.query_scaling is not None:
             beta, original = self.query_scaling
             self.query_scaling = (float(beta), int(original))
@@ -527,6 +533,11 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         spec = _per_layer_attention_spec(cfg, spec, vp_stage)
     if cfg.hybrid:  # (OLMo Hybrid: post-norm attention layers, pre-norm Gated DeltaNet ones)
         spec = _hybrid_block_spec(cfg, spec, pre_norm if cfg.linear_pre_norm else spec, vp_stage)
+    if cfg.qk_norm_after_rope:
+        from forge_megatron.mcore.qk_norm import KeyNormAfterRope, QueryNormAfterRope
+
+        spec = _with_attention_submodules(spec, lambda subs: {"q_layernorm": QueryNormAfterRope,
+                                                              "k_layernorm": KeyNormAfterRope})
     if cfg.qk_layernorm_all_heads:
         from forge_megatron.mcore.qk_norm import KeyNormAllHeads, QueryNormAllHeads
 
@@ -726,6 +737,10 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
             rope.leave_out(model, cfg.nope_layers)
     if cfg.query_scaling is not None:
         rope.scale_queries(model, *cfg.query_scaling)
+    if cfg.qk_norm_after_rope:
+        from forge_megatron.mcore.qk_norm import link_post_rope_norms
+
+        link_post_rope_norms(model)
     if cfg.embedding_multiplier is not None and getattr(model, "embedding", None) is not None:
         multiplier = cfg.embedding_multiplier
 

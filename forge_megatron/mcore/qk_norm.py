@@ -86,3 +86,54 @@ class KeyNormAllHeads(_NormAllHeads):
     """``k_layernorm`` over all key heads (weight [G x H], this rank's [G / TP x H])."""
 
     kind = "key"
+
+
+class _PostRopeNorm(torch.nn.Module):
+    """A per-head RMSNorm (weight [head_dim], as Megatron's ``q_layernorm``) applied to the queries or keys *after*
+    RoPE (Hunyuan: ``query_layernorm`` / ``key_layernorm`` follow the rotation). Megatron's SelfAttention calls its
+    q/k norms before the rotation: there this module passes its input through, and the core attention (which
+    receives the rotated queries and keys) calls :meth:`normalize` first (:func:`link_post_rope_norms`). Its name stays ``q_layernorm`` /
+    ``k_layernorm``, so Megatron sums its gradients over the tensor-parallel ranks as it does every q/k norm's
+    (each TP rank's heads give a part). fp32 inside, cast back before the weight, as HF's RMSNorm."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # (before RoPE: nothing; see normalize)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return self.weight * normed
+
+
+class QueryNormAfterRope(_PostRopeNorm):
+    """``q_layernorm`` applied after RoPE (see :class:`_PostRopeNorm`)."""
+
+
+class KeyNormAfterRope(_PostRopeNorm):
+    """``k_layernorm`` applied after RoPE (see :class:`_PostRopeNorm`)."""
+
+
+def link_post_rope_norms(model) -> int:
+    """Make every self-attention's core attention (the tree attention, Megatron's dot-product attention, any other)
+    apply that attention's after-RoPE q/k norms to the rotated queries and keys it receives: its forward wrapped on the
+    instance, the norms held by the closure, not as submodules (their weights stay where the state dict names them).
+    Returns the attentions linked."""
+    linked = 0
+    for module in model.modules():
+        q, k = getattr(module, "q_layernorm", None), getattr(module, "k_layernorm", None)
+        if isinstance(q, QueryNormAfterRope) and isinstance(k, KeyNormAfterRope):
+            core = module.core_attention
+            inner = core.forward
+
+            def forward(query, key, value, *args, _inner=inner, _q=q, _k=k, **kwargs):
+                return _inner(_q.normalize(query), _k.normalize(key), value, *args, **kwargs)
+
+            core.forward = forward  # (an instance attribute shadows the class's forward)
+            linked += 1
+    return linked

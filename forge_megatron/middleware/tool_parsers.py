@@ -24,6 +24,7 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
   deepseekv32 (deepseekv4)   DeepSeek-V3.2 (V4)        <｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter
                                                        name="a" string="true">V</｜DSML｜parameter>\n</｜DSML｜invoke>\n
                                                        </｜DSML｜function_calls>  (V4: tool_calls)
+  hunyuan                    Hunyuan (A13B, dense)     <tool_calls>[{"name": "f", "arguments": {...}}, ...]</tool_calls>
   llama3                     Llama 3.1-3.3             {"name": "f", "parameters": {...}}  (the whole answer; ; between
                                                        calls; optionally after <|python_tag|>)
   pythonic                   Llama 3.2 / 3.3 / 4       [get_weather(city="Paris", days=3), search(query="x")]
@@ -215,6 +216,28 @@ class HermesToolParser(BlockToolParser):
         if function_name is None:
             return self.start_marker + "\n"
         return f'{self.start_marker}\n{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments":'
+
+
+class HunyuanToolParser(BlockToolParser):
+    """Hunyuan: one ``<tool_calls>`` block holding a JSON list of ``{"name", "arguments"}`` calls."""
+
+    name = "hunyuan"
+    start_marker = "<tool_calls>"
+    end_marker = "</tool_calls>"
+
+    def calls_in(self, body, schemas):
+        try:
+            items = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise _Malformed(str(exc)) from exc
+        if not isinstance(items, list) or not items:
+            raise _Malformed("not a list of calls")
+        return [_json_call(json.dumps(item)) for item in items], 0
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker
+        return f'{self.start_marker}[{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments":'
 
 
 class KimiK2ToolParser(BlockToolParser):
@@ -878,6 +901,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser, "llama3": Llama3ToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "deepseekv32": DeepSeekV32ToolParser,
     "deepseekv4": DeepSeekV4ToolParser, "seed_oss": SeedOssToolParser, "gemma4": Gemma4ToolParser,
+    "hunyuan": HunyuanToolParser,
 }
 
 

@@ -41,7 +41,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
-         "qwen2_vl", "ernie4_5", "ernie4_5_moe")
+         "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -266,6 +266,18 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
              "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "moe_layer_end_index": 1,
              "moe_layer_interval": 1},
+        ),
+        # Hunyuan layout: Llama's with q/k RMSNorms after RoPE and an NTK-alpha RoPE base (as released: "dynamic" with
+        # a fixed alpha); the MoE one's every layer 4 experts (top 2) beside a shared MLP, all of intermediate_size
+        "hunyuan_v1_dense": (
+            transformers.HunYuanDenseV1Config,
+            {"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                 "rope_theta": 10000.0}},
+        ),
+        "hunyuan_v1_moe": (
+            transformers.HunYuanMoEV1Config,
+            {"head_dim": 16, "num_experts": 4, "moe_topk": 2, "intermediate_size": 32,
+             "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}},
         ),
         # Ministral 3 layout: Mistral's with YaRN and Llama 4's query scaling past position 4 (as past 16k released)
         "ministral3": (
@@ -510,6 +522,9 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             elif arch.startswith("gemma4") and name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # plain-weight norms (four per layer, q / k's, the MoE
                 # block's four), the router's input and per-expert scales
+            elif arch.startswith("hunyuan") and name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.3)  # uneven: a norm after RoPE then differs from one before
+                # (RoPE rotates channel pairs, which leaves an RMS, and so a norm of equal weights, unchanged)
             elif arch == "kimi_linear" and name.endswith(("layernorm.weight", "o_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms (the gated one too) and the latent norm
             elif ".indexer.k_norm." in name:  # DSA: the indexer's LayerNorm (weight and bias) matters

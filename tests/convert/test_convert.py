@@ -23,7 +23,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_next", "olmo2", "olmo3", "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3",
          "seed_oss", "glm4", "kimi_k25", "glm4v", "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32",
          "glm_moe_dsa", "mistral4", "mistral4_vl", "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl",
-         "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl", "qwen2_vl", "ernie4_5", "ernie4_5_moe")
+         "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl", "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense",
+         "hunyuan_v1_moe")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -126,6 +127,8 @@ LAYOUTS = [
     ("qwen2_rm", ParallelLayout(tp=2, pp=2)),
     # ERNIE 4.5: interleaved RoPE; the MoE one's score-correction bias [1, E] in HF, experts one by one over EP
     ("ernie4_5", ParallelLayout(tp=2, pp=2)), ("ernie4_5_moe", ParallelLayout(tp=2, pp=2, ep=2)),
+    # Hunyuan: q/k norms (applied after RoPE) replicated; the MoE one's router gate.wg and shared_mlp, experts over EP
+    ("hunyuan_v1_dense", ParallelLayout(tp=2, pp=2)), ("hunyuan_v1_moe", ParallelLayout(tp=2, pp=2, ep=2)),
 ]
 
 

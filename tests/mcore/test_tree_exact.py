@@ -171,13 +171,16 @@ def _body_one_rank(rank, world_size):
     # its own RoPE base, tied embeddings; SmolLM3: layer 1 without RoPE (position only through the ancestor mask);
     # GLM-4 dense: sandwich norms, RoPE on interleaved pairs of half of each head (the depth-indexed table);
     # Ministral 3: queries scaled by their depth past position 4 (read off the depth-indexed table)
+    # Hunyuan: q/k norms after RoPE (applied by the core attention, tree or causal), the NTK-alpha base; experts
+    # beside a shared MLP
     # Gemma 4: a window layer, then a global one with its own head size and key heads, values that are its keys and
     # proportional RoPE (its own table of the depths), normed values, layer scalars (1 here: Megatron's init), the
     # logits soft-capped; with 26B-A4B's routed experts beside the dense MLP; and E2B / E4B's per-layer inputs, the
     # last two layers reusing the first two's keys and values (on the tree's positions) with double-wide MLPs
     for arch, cls in (("gemma3", "Gemma3ForCausalLM"), ("smollm3", "SmolLM3ForCausalLM"), ("glm4", "Glm4ForCausalLM"),
                       ("ministral3", "Ministral3ForCausalLM"), ("gemma4", "Gemma4ForCausalLM"),
-                      ("gemma4_moe", "Gemma4ForCausalLM"), ("gemma4_e", "Gemma4ForCausalLM")):
+                      ("gemma4_moe", "Gemma4ForCausalLM"), ("gemma4_e", "Gemma4ForCausalLM"),
+                      ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"), ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 3 with final-logit soft-capping (Gemma 4's): the fused logprobs cap the chunks they make, Megatron's output
@@ -474,7 +477,8 @@ def test_olmo3_tree_equals_unmerged(one_rank):
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["olmo3"]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "smollm3", "glm4", "ministral3", "gemma4", "gemma4_moe", "gemma4_e"])
+@pytest.mark.parametrize("arch", ["gemma3", "smollm3", "glm4", "ministral3", "gemma4", "gemma4_moe", "gemma4_e",
+                                  "hunyuan_v1_dense", "hunyuan_v1_moe"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,

@@ -60,6 +60,9 @@ WRITERS["gemma4"] = (
     "{% else %}{{ v | tojson }}{% endif %}{% endmacro %}"
     "{% for c in calls %}<|tool_call>call:{{ c.name }}{{ val(c.arguments) }}<tool_call|>{% endfor %}")
 WRITERS["deepseekv4"] = WRITERS["deepseekv32"].replace("function_calls", "tool_calls")
+# Hunyuan: a JSON list of the calls in one block
+WRITERS["hunyuan"] = ("<tool_calls>[{% for c in calls %}{% if not loop.first %}, {% endif %}{\"name\": \"{{ c.name }}\", "
+                      "\"arguments\": {{ c.arguments | tojson }}}{% endfor %}]</tool_calls>")
 WRITERS["seed_oss"] = WRITERS["qwen3_coder"].replace("tool_call>", "seed:tool_call>")
 XML = ("qwen3_coder", "glm45", "glm47", "minimax-m2", "seed_oss")
 _env = jinja2.Environment()
