@@ -108,12 +108,14 @@ class Critic:
         log(f"critic resumed from {critic_root} at iteration {iteration}")
 
     def save(self, root: str, iteration: int, keep: int | None) -> None:
+        """Written before the policy's checkpoint of ``iteration``; with --keep-checkpoints K one more than K kept, so
+        that the critic of the policy's newest complete checkpoint survives a save cut short after the critic's."""
         from forge_megatron.training.checkpoint import save_checkpoint
 
         save_checkpoint(os.path.join(root, CRITIC_DIR), iteration, self.ddp, self.optimizer, self.scheduler,
                         {"critic": True}, meta={"hf_config": self.bridge.hf_config,
                                                 "hf_checkpoint": os.path.abspath(self.dir), "critic": True},
-                        keep=keep)
+                        keep=None if keep is None else keep + 1)
 
     def gather_params(self) -> None:
         """Whole parameters after a step with --overlap-param-gather (the critic does not overlap the gather)."""
