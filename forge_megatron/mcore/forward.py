@@ -412,30 +412,9 @@ def make_tree_teacher_step(keep, k: int, vocab_limit: int | None = None, backend
     return forward_step
 
 
-def make_score_forward_step(loss_fn, backend: str | None = None):
-    """A reward model's ``forward_step_func`` for Megatron's schedules: on the last stage the loss function maps the
-    final hidden states to ``loss_fn(scores_S, micro_batch) -> (loss, metrics)`` with ``scores_S`` the first label's
-    score of every sample (:func:`scores_from_hidden`). The output layer is never run."""
-
-    def forward_step(data_iterator, model):
-        micro_batch = next(data_iterator)
-        output, captured, _ = _stage_forward(model, micro_batch, backend)
-        head = score_head(model) if captured is not None else None
-
-        def loss_func(hidden_1TH):
-            if head is None:
-                raise ValueError("the last pipeline stage has no score head: not a reward model")
-            return loss_fn(scores_from_hidden(hidden_1TH, micro_batch.layout, head)[:, 0], micro_batch)
-
-        return output, loss_func
-
-    return forward_step
-
-
-def make_value_forward_step(loss_fn, backend: str | None = None):
-    """A value model's ``forward_step_func`` for Megatron's schedules (the critic of ``--critic``): on the last stage
-    the loss function maps the final hidden states to ``loss_fn(values_M, micro_batch) -> (loss, metrics)``
-    (:func:`values_from_hidden`). The output layer is never run."""
+def _score_head_step(read, what: str, backend: str | None = None):
+    """A ``forward_step_func`` whose last stage hands its final hidden states to ``read(hidden_1TH, micro_batch,
+    head, padding multiple) -> (loss, metrics)``, ``head`` the model's score head; the output layer is never run."""
 
     def forward_step(data_iterator, model):
         micro_batch = next(data_iterator)
@@ -444,9 +423,25 @@ def make_value_forward_step(loss_fn, backend: str | None = None):
 
         def loss_func(hidden_1TH):
             if head is None:
-                raise ValueError("the last pipeline stage has no score head: not a value model")
-            return loss_fn(values_from_hidden(hidden_1TH, micro_batch.layout, head, multiple), micro_batch)
+                raise ValueError(f"the last pipeline stage has no score head: not a {what}")
+            return read(hidden_1TH, micro_batch, head, multiple)
 
         return output, loss_func
 
     return forward_step
+
+
+def make_score_forward_step(loss_fn, backend: str | None = None):
+    """A reward model's ``forward_step_func`` for Megatron's schedules: on the last stage the loss function maps the
+    final hidden states to ``loss_fn(scores_S, micro_batch) -> (loss, metrics)`` with ``scores_S`` the first label's
+    score of every sample (:func:`scores_from_hidden`). The output layer is never run."""
+    return _score_head_step(lambda hidden, mb, head, _: loss_fn(scores_from_hidden(hidden, mb.layout, head)[:, 0], mb),
+                            "reward model", backend)
+
+
+def make_value_forward_step(loss_fn, backend: str | None = None):
+    """A value model's ``forward_step_func`` for Megatron's schedules (the critic of ``--critic``): on the last stage
+    the loss function maps the final hidden states to ``loss_fn(values_M, micro_batch) -> (loss, metrics)``
+    (:func:`values_from_hidden`). The output layer is never run."""
+    return _score_head_step(lambda hidden, mb, head, multiple: loss_fn(
+        values_from_hidden(hidden, mb.layout, head, multiple), mb), "value model", backend)

@@ -163,22 +163,12 @@ def test_critic_learns_warms_up_resumes_and_exports(models, tmp_path):
 def test_critics_that_cannot_value_the_policys_tokens_are_refused(models, tmp_path):
     """A critic checkpoint with another tokenizer (one token's id moved), a reward model of two labels, and a
     vision-language policy: each refused at start-up with the reason."""
-    import shutil
-
     from forge_megatron.models.tiny import build_tiny_model as tiny
 
-    from .trainer_run import refused_start
+    from .trainer_run import refused_start, with_a_swapped_token
 
     policy, critic = models
-    other = str(tmp_path / "other_vocab")
-    shutil.copytree(critic, other)
-    with open(os.path.join(other, "tokenizer.json")) as f:
-        tok = json.load(f)
-    vocab = tok["model"]["vocab"]
-    a, b = list(vocab)[20:22]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    with open(os.path.join(other, "tokenizer.json"), "w") as f:
-        json.dump(tok, f)
+    other = with_a_swapped_token(critic, str(tmp_path / "other_vocab"))
     out = refused_start(policy, tmp_path, ["--critic-hf-checkpoint", other])
     assert f"--critic-hf-checkpoint {other}: its tokenizer is not the policy's" in out
     assert "the critic values the policy's token ids" in out

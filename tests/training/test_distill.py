@@ -15,7 +15,8 @@ import torch
 from forge_megatron.models.tiny import build_tiny_model, build_tiny_teacher
 from tests.dist_utils import run_script
 
-from .trainer_run import TRAIN, model_args, read_steps, refused_start, run_on_fresh_pool, train_cmd, train_env
+from .trainer_run import (TRAIN, model_args, read_steps, refused_start, run_on_fresh_pool, train_cmd, train_env,
+                          with_a_swapped_token)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -396,15 +397,7 @@ def test_teachers_that_cannot_score_the_policys_tokens_are_refused(models, tmp_p
     """Another tokenizer (one token's id moved), no tokenizer at all, a dense KL's top-k larger than the vocabulary,
     and layers that do not split over the pipeline stages: each refused at start-up with the reason."""
     student, teacher = models
-    other = str(tmp_path / "other_vocab")
-    shutil.copytree(teacher, other)
-    with open(os.path.join(other, "tokenizer.json")) as f:
-        tok = json.load(f)
-    vocab = tok["model"]["vocab"]
-    a, b = list(vocab)[20:22]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    with open(os.path.join(other, "tokenizer.json"), "w") as f:
-        json.dump(tok, f)
+    other = with_a_swapped_token(teacher, str(tmp_path / "other_vocab"))
     out = refused_start(student, tmp_path, ["--teacher-hf-checkpoint", other])
     assert "its tokenizer is not the policy's" in out and "2 differ" in out
     bare = str(tmp_path / "bare")

@@ -90,6 +90,22 @@ def refused_start(model_dir: str, tmp_path, extra, model=None) -> str:
     return out.stdout + out.stderr
 
 
+def with_a_swapped_token(src: str, dst: str) -> str:
+    """A copy of the HF checkpoint ``src`` in ``dst`` whose tokenizer gives two tokens each other's ids (a vocabulary
+    that is not the policy's, by one pair). Returns ``dst``."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "tokenizer.json")) as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[20:22]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(os.path.join(dst, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    return dst
+
+
 REPLAY_KEYS = ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
 
 
