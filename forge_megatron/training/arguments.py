@@ -893,9 +893,6 @@ def _validate_critic(args: argparse.Namespace) -> None:
     if getattr(args, "sft_data", None) is not None or getattr(args, "preference_data", None) is not None:
         raise ValueError("--critic trains a value function for RL on the pool's episodes: not with --sft-data or "
                          "--preference-data")
-    if getattr(args, "lora_rank", None) is not None:
-        raise ValueError("--critic with --lora-rank is not supported (the critic trains all of its weights; a LoRA "
-                         "policy's would double the memory LoRA saves)")
     if getattr(args, "train_vision_tower", False):
         raise ValueError("--critic: the value model reads text only (not with --train-vision-tower)")
     for name in ("gae_gamma", "gae_lambda"):

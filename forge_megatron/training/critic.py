@@ -15,10 +15,10 @@ starts from its head), and each step:
    is one of the first ``--critic-warmup-iters`` where the policy waits for the critic to learn.
 
 The critic takes the policy's TP / PP / VPP / EP / CP layout and precision flags (its heads must divide by TP and
-its layers split over the pipeline stages like the policy's) but never LoRA, QAT or a vision tower: a vision-
-language policy is refused. Its checkpoint is saved with the policy's under ``<save>/critic`` (the same iteration
-numbers and ``--keep-checkpoints``; written before the policy's, so a complete policy checkpoint always has its
-critic) and resumed from there; ``forge-convert trainer-to-hf`` exports it as the reward-model checkpoint it is
+its layers split over the pipeline stages like the policy's) but never LoRA (a LoRA policy's critic trains all of
+its weights), QAT or a vision tower: a vision-language policy is refused. Its checkpoint is saved with the policy's
+under ``<save>/critic`` (the same iteration numbers, ``--keep-checkpoints`` + 1 of them; written before the
+policy's, so a complete policy checkpoint always has its critic) and resumed from there; ``forge-convert trainer-to-hf`` exports it as the reward-model checkpoint it is
 (``<Family>ForSequenceClassification``). A run resumed from a checkpoint saved without a critic starts the critic
 from its HF checkpoint (logged).
 

@@ -185,7 +185,6 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--critic-warmup-iters", "2"], "--critic-warmup-iters is a flag of the learned critic"),
     (["--critic", "--gae-gamma", "1.5"], "--gae-gamma must lie in \\[0, 1\\], got 1.5"),
     (["--critic", "--critic-warmup-iters", "-1"], "--critic-warmup-iters must be >= 0"),
-    (["--critic-hf-checkpoint", "/c", "--lora-rank", "8"], "--critic with --lora-rank is not supported"),
     (["--critic", "--preference-data", __file__], "not with --sft-data or --preference-data"),
 ])
 def test_bad_values_are_named(extra, message):

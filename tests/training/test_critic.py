@@ -193,3 +193,21 @@ def test_critic_over_two_data_parallel_ranks_equals_one_rank(models, tmp_path):
     for key in ("critic/value_mean", "critic/return_mean", "critic/advantage_mean", "critic/advantage_std",
                 "critic/explained_variance", "critic/vf_loss", "critic/grad_norm", "grad_norm"):
         assert dp2[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
+
+
+def test_a_lora_policy_trains_beside_a_whole_critic(models, tmp_path):
+    """--lora-rank with --critic: the policy trains its adapters, the critic all of its weights (LoRA is the
+    policy's). At step 1 the adapters are zero, so the LoRA run's policy loss and every critic metric equal a full
+    run's; the adapters then move the policy (step 2's ratios differ from step 1's)."""
+    policy, critic = models
+    groups = _groups(2, seed=17)
+    flags = ["--critic-hf-checkpoint", critic, "--old-logprobs", "recompute"]
+    runs = {}
+    for name, extra in (("full", []), ("lora", ["--lora-rank", "4", "--lora-alpha", "8"])):
+        runs[name], _, _ = run_on_fresh_pool(tmp_path, name, policy, _feed(groups), iters=2, groups=1,
+                                             extra=flags + extra)
+    full, lora = runs["full"][0], runs["lora"][0]
+    for key in ("loss", "critic/value_mean", "critic/vf_loss", "critic/grad_norm", "critic/explained_variance"):
+        assert lora[key] == pytest.approx(full[key], rel=1e-5, abs=1e-7), key
+    assert lora["grad_norm"] != pytest.approx(full["grad_norm"], rel=1e-3)  # (the adapters' gradients alone)
+    assert runs["lora"][1]["update_ok"] and runs["lora"][1]["critic/update_ok"]
