@@ -251,6 +251,9 @@ FAMILIES: dict[str, Family] = {
     # ERNIE 4.5 (0.3B dense; 21B-A3B / 300B-A47B MoE): see the module docstring
     "Ernie4_5ForCausalLM": Family("ernie4_5", qkv_bias=False, qk_norm=False, moe=False, ernie=True),
     "Ernie4_5_MoeForCausalLM": Family("ernie4_5_moe", qkv_bias=False, qk_norm=False, moe=True, ernie=True),
+    # OLMoE: Llama's pre-norm layout with q/k RMSNorms over all heads (as OLMo 2's, before RoPE) and a MoE of
+    # intermediate_size experts, softmax top-k (renormalised when norm_topk_prob)
+    "OlmoeForCausalLM": Family("olmoe", qkv_bias=False, qk_norm=True, moe=True),
     # Hunyuan (dense; A13B MoE): see the module docstring
     "HunYuanDenseV1ForCausalLM": Family("hunyuan_v1_dense", qkv_bias=False, qk_norm=True, moe=False, hunyuan=True),
     "HunYuanMoEV1ForCausalLM": Family("hunyuan_v1_moe", qkv_bias=False, qk_norm=True, moe=True, hunyuan=True),
@@ -523,6 +526,9 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         _refuse_unsupported_ernie(hf, family)
     if family.hunyuan:
         _refuse_unsupported_hunyuan(hf, family)
+    if family.name == "olmoe" and hf.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"clip_qkv={hf['clip_qkv']}: clamping q, k and v is not supported (OLMoE releases "
+                                    "have none)")
     if family.moe and not family.sigmoid_router and not family.softmax_router and not family.gpt_oss \
             and not family.ernie and not family.hunyuan:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
@@ -867,7 +873,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         add_qkv_bias=qkv_bias,
         add_bias_linear=False,
         qk_layernorm=family.qk_norm if family.qk_norm is not None else bool(hf.get("use_qk_norm", False)),
-        qk_layernorm_all_heads=family.minimax or family.olmo,
+        qk_layernorm_all_heads=family.minimax or family.olmo or family.name == "olmoe",
         pre_norm=not family.olmo,
         post_norm=family.olmo or family.gemma,
         rotary_percent=partial_rotary(hf),
@@ -1035,7 +1041,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         kwargs.update(
             num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 renamed it
             moe_router_topk=hf["num_experts_per_tok"],
-            moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            moe_ffn_hidden_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],  # (OLMoE: the latter)
             moe_router_pre_softmax=not norm_topk,
             moe_router_topk_renorm=norm_topk,
         )

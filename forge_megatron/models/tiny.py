@@ -41,7 +41,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
-         "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe")
+         "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -267,6 +267,9 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "moe_layer_end_index": 1,
              "moe_layer_interval": 1},
         ),
+        # OLMoE layout: q/k RMSNorms over all heads, 4 experts of intermediate_size, top 2 not renormalised
+        "olmoe": (transformers.OlmoeConfig, {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                             "norm_topk_prob": False, "eos_token_id": 2}),
         # Hunyuan layout: Llama's with q/k RMSNorms after RoPE and an NTK-alpha RoPE base (as released: "dynamic" with
         # a fixed alpha); the MoE one's every layer 4 experts (top 2) beside a shared MLP, all of intermediate_size
         "hunyuan_v1_dense": (
@@ -506,7 +509,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape))
             elif name.endswith(("_proj_bias", "router.bias")):
                 p.copy_(torch.randn(p.shape) * 0.1)
-            elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid") and \
+            elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid", "olmoe") and \
                     name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
             elif arch in ("olmo2", "olmo3", "glm4", "glm4v", "glm46v", "olmo_hybrid") and \

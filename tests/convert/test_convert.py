@@ -24,7 +24,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "seed_oss", "glm4", "kimi_k25", "glm4v", "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32",
          "glm_moe_dsa", "mistral4", "mistral4_vl", "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl",
          "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl", "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense",
-         "hunyuan_v1_moe")
+         "hunyuan_v1_moe", "olmoe")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -129,6 +129,8 @@ LAYOUTS = [
     ("ernie4_5", ParallelLayout(tp=2, pp=2)), ("ernie4_5_moe", ParallelLayout(tp=2, pp=2, ep=2)),
     # Hunyuan: q/k norms (applied after RoPE) replicated; the MoE one's router gate.wg and shared_mlp, experts over EP
     ("hunyuan_v1_dense", ParallelLayout(tp=2, pp=2)), ("hunyuan_v1_moe", ParallelLayout(tp=2, pp=2, ep=2)),
+    # OLMoE: q/k norms over all heads replicated whole over TP, experts one by one over EP
+    ("olmoe", ParallelLayout(tp=2, pp=2, ep=2)),
 ]
 
 
