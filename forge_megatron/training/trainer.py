@@ -1110,7 +1110,8 @@ class Trainer:
         self.iteration += 1
         self.last_batch_id = batch.batch_id
         sync_s = 0.0
-        if self.syncer is not None and self.iteration % self.args.weight_sync_interval == 0:
+        warming = bool(self.critic_metrics.get("critic/warmup"))  # (the policy did not move: nothing to send)
+        if self.syncer is not None and not warming and self.iteration % self.args.weight_sync_interval == 0:
             sync_s = self._sync()
         self.stopping = self._agree_to_stop()
         ckpt_s = self._maybe_save()
