@@ -1,6 +1,6 @@
 """The trainer with MoE models as a real process against a real forge-pool process: rollout routing replay under
 pipeline, tensor, context, expert and interleaved-pipeline parallelism, and the model families with their own MoE
-layouts (GLM-4.5, DeepSeek-V3, gpt-oss, MiniMax-M2, Hunyuan), each equal to one rank. Split from test_trainer.py so the two
+layouts (GLM-4.5, DeepSeek-V3, gpt-oss, MiniMax-M2, Hunyuan, OLMoE), each equal to one rank. Split from test_trainer.py so the two
 pytest workers share the trainer runs. CPU, 0 GPUs (gloo)."""
 
 import os
@@ -159,24 +159,27 @@ def test_minimax_m2_trains_the_same_under_tensor_context_and_expert_parallelism(
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
 
 
-def test_hunyuan_trains_the_same_under_tensor_context_and_expert_parallelism(tmp_path):
-    """The Hunyuan MoE layout (per-head q/k RMSNorms after RoPE, applied by the tree attention on the rotated queries
-    and keys; every layer's experts beside a shared MLP) through the trainer: TP = 2 with sequence parallelism (the
-    norms' gradients, a part from each rank's heads, summed over TP), CP = 2 (each rank's tokens), PP = 2 and EP = 2
-    train the same two steps as one rank."""
-    model_dir = build_tiny_model(str(tmp_path / "hunyuan"), arch="hunyuan_v1_moe", seed=2)
+LAYOUTS = {"tp2sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+           "cp2": (["--context-parallel-size", "2"], 2), "pp2": (["--pipeline-model-parallel-size", "2"], 2),
+           "ep2": (["--expert-model-parallel-size", "2"], 2)}
+
+
+@pytest.mark.parametrize("arch,layouts", [("hunyuan_v1_moe", ("tp2sp", "cp2", "pp2", "ep2")),
+                                          ("olmoe", ("tp2sp", "ep2"))])
+def test_hunyuan_and_olmoe_train_the_same_under_tensor_context_and_expert_parallelism(tmp_path, arch, layouts):
+    """Hunyuan's MoE layout (per-head q/k RMSNorms after RoPE, applied by the tree attention on the rotated queries
+    and keys; every layer's experts beside a shared MLP) and OLMoE's (q/k RMSNorms over all heads, softmax experts
+    not renormalised) through the trainer: TP = 2 with sequence parallelism (the norms' gradients, a part from each
+    rank's heads, summed over TP), CP = 2 (each rank's tokens), PP = 2 and EP = 2 train the same two steps as one
+    rank."""
+    model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(7), completion_len=(4, 5))  # noqa: E731
     steps = {}
-    for name, extra, nproc in (
-            ("one", [], 1),
-            ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
-            ("cp2", ["--context-parallel-size", "2"], 2),
-            ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
-            ("ep2", ["--expert-model-parallel-size", "2"], 2)):
+    for name, (extra, nproc) in [("one", ([], 1))] + [(k, LAYOUTS[k]) for k in layouts]:
         steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
                                               model=[], extra=extra + ["--tree-token-budget", "18"])
-    assert [len(v) for v in steps.values()] == [2] * 5
-    assert_same_as_one_rank(steps, ("tp2sp", "cp2", "pp2", "ep2"))
+    assert [len(v) for v in steps.values()] == [2] * (1 + len(layouts))
+    assert_same_as_one_rank(steps, layouts)
     assert steps["one"][0]["grad_norm"] > 0
 
 
