@@ -120,8 +120,10 @@ def test_short_distill_demo_learns_from_a_teacher(tmp_path, where, kl):
     assert not _processes_mentioning(str(out)), "a demo process outlived the demo"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["policy_version"] for s in steps] == [1, 2, 3] and all(s["grad_norm"] > 0 for s in steps)
-    for s in steps:  # the teacher is another model: its logprobs differ from the student's on every step
-        assert s["distill_teacher_logp"] < 0 and abs(s["distill_reverse_kl"]) > 1e-3
+    # the teacher is another model: its logprobs differ from the student's on every step (after 10 SFT steps both
+    # are still near uniform over the 400 tokens, logprobs ~ -ln 400, so their mean difference is ~1e-3, not more)
+    for s in steps:
+        assert s["distill_teacher_logp"] < 0 and abs(s["distill_reverse_kl"]) > 1e-5
     assert proc.stdout.count("| teacher rkl ") == 3  # on the progress lines
     assert summary["distill_reverse_kl"] == [s["distill_reverse_kl"] for s in steps]
     if kl != "sampled":  # the dense KL trains: both top-k KLs, the teacher's top-32 mass and the loss term
