@@ -11,6 +11,11 @@ A task carries its tests in ``metadata["tests"]``, in one of two forms::
                                                                 (HumanEval, MBPP): each is a case, run in a process
                                                                 of its own after the program (and the optional setup
                                                                 code), the program's ``__name__`` not ``"__main__"``
+    {"fn_name": "add", "calls": [{"args": [1, 2], "output": 3}]} calls of a function by JSON arguments, its result
+                                                                compared with ``==`` (APPS / TACO's "fn_name" form;
+                                                                a ``class Solution`` method of that name, LeetCode
+                                                                style, is called on a new instance): asserts made
+                                                                of them, run as the form above
 
 The program is the last fenced code block of the agent's answer (```` ```python ```` or plain ```` ``` ````), else
 the whole answer. The reward is 1.0 when every case passes and 0.0 otherwise (``--code-reward all``, the default:
@@ -118,11 +123,13 @@ def parse_tests(task) -> tuple[str, list, str]:
     tests = (task.metadata or {}).get("tests")
     where = f"task {task.task_id}: metadata.tests"
     if not isinstance(tests, dict):
-        raise CodeTaskError(f"{where} must be an object with 'stdio' or 'asserts' (got "
+        raise CodeTaskError(f"{where} must be an object with 'stdio', 'asserts' or 'calls' (got "
                             f"{type(tests).__name__ if tests is not None else 'none'}): --verifier code needs tests")
-    kinds = [k for k in ("stdio", "asserts") if k in tests]
+    kinds = [k for k in ("stdio", "asserts", "calls") if k in tests]
     if len(kinds) != 1:
-        raise CodeTaskError(f"{where} must have exactly one of 'stdio' and 'asserts', got {sorted(tests)}")
+        raise CodeTaskError(f"{where} must have exactly one of 'stdio', 'asserts' and 'calls', got {sorted(tests)}")
+    if kinds == ["calls"]:
+        return "asserts", _call_asserts(tests, where), ""
     kind, cases = kinds[0], tests[kinds[0]]
     if not isinstance(cases, list) or not cases:
         raise CodeTaskError(f"{where}.{kind} must be a non-empty list")
@@ -136,6 +143,25 @@ def parse_tests(task) -> tuple[str, list, str]:
             want = "a statement (string)" if kind == "asserts" else "an object with 'output' (and 'input') strings"
             raise CodeTaskError(f"{where}.{kind}[{i}] must be {want}, got {case!r:.80}")
     return kind, cases, setup
+
+
+def _call_asserts(tests: dict, where: str) -> list[str]:
+    """The ``calls`` form as assert statements: ``assert F(*args) == output`` with F the function ``fn_name`` or, when
+    the program defines ``class Solution`` with such a method, ``Solution().fn_name``; the JSON values written as
+    Python literals."""
+    fn, calls = tests.get("fn_name"), tests["calls"]
+    if not isinstance(fn, str) or not fn.isidentifier():
+        raise CodeTaskError(f"{where}.fn_name must name a function (an identifier), got {fn!r}")
+    if not isinstance(calls, list) or not calls:
+        raise CodeTaskError(f"{where}.calls must be a non-empty list")
+    target = f"(Solution().{fn} if 'Solution' in dir() and hasattr(Solution, {fn!r}) else {fn})"
+    out = []
+    for i, case in enumerate(calls):
+        if not (isinstance(case, dict) and isinstance(case.get("args", []), list) and "output" in case):
+            raise CodeTaskError(f"{where}.calls[{i}] must be an object with 'output' (and an 'args' list), got "
+                                f"{case!r:.80}")
+        out.append(f"assert {target}(*{case.get('args', [])!r}) == {case['output']!r}")
+    return out
 
 
 @dataclass

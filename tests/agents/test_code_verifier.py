@@ -53,6 +53,22 @@ def test_assert_tests_run_after_the_program_and_count_per_case(verifier):
     assert verifier(_task(with_setup), _answer("def add(a, b):\n    return a + b")) == 1.0
 
 
+def test_function_calls_by_json_arguments_plain_or_on_a_solution_class(verifier):
+    """The ``calls`` form (APPS / TACO's fn_name): JSON arguments and results (lists, strings, true / null), a plain
+    function or a LeetCode-style ``class Solution`` method."""
+    tests = {"fn_name": "merge", "calls": [{"args": [[1, 3], [2]], "output": [1, 2, 3]},
+                                           {"args": [[], []], "output": []},
+                                           {"args": [["b"], ["a"]], "output": ["a", "b"]}]}
+    plain = "def merge(a, b):\n    return sorted(a + b)"
+    method = "class Solution:\n    def merge(self, a, b):\n        return sorted(a + b)"
+    assert verifier(_task(tests), _answer(plain)) == 1.0
+    assert verifier(_task(tests), _answer(method)) == 1.0
+    rate = CodeVerifier(reward="pass_rate", timeout_s=3.0)
+    assert rate(_task(tests), _answer("def merge(a, b):\n    return a + b")) == pytest.approx(1 / 3)  # ([] + [] only)
+    flags = {"fn_name": "f", "calls": [{"args": [True, None], "output": None}]}
+    assert verifier(_task(flags), _answer("def f(x, y):\n    return y if x else 1")) == 1.0
+
+
 @pytest.mark.parametrize("hack", ["import sys\nsys.exit(0)", "import os\nos._exit(0)",
                                   "import builtins\nbuiltins.print = lambda *a, **k: None\ndef add(a, b):\n    return -99"])
 def test_a_program_that_exits_early_or_silences_output_passes_nothing(verifier, hack):
@@ -130,8 +146,10 @@ def test_program_extraction():
 
 
 @pytest.mark.parametrize("tests,message", [
-    (None, "metadata.tests must be an object with 'stdio' or 'asserts'"),
-    ({"stdio": [], "asserts": []}, "exactly one of 'stdio' and 'asserts'"),
+    (None, "metadata.tests must be an object with 'stdio', 'asserts' or 'calls'"),
+    ({"stdio": [], "asserts": []}, "exactly one of 'stdio', 'asserts' and 'calls'"),
+    ({"fn_name": "not valid", "calls": [{"output": 1}]}, "fn_name must name a function"),
+    ({"fn_name": "f", "calls": [{"args": 3, "output": 1}]}, r"calls\[0\] must be an object with 'output'"),
     ({"stdio": []}, "metadata.tests.stdio must be a non-empty list"),
     ({"stdio": [{"input": "1"}]}, r"metadata.tests.stdio\[0\] must be an object with 'output'"),
     ({"asserts": [3]}, r"metadata.tests.asserts\[0\] must be a statement"),
