@@ -971,6 +971,11 @@ def check_pool_config(args: argparse.Namespace, pool: dict) -> None:
     if wrong:
         raise ValueError("the data pool is configured differently from these trainer flags: " + "; ".join(wrong)
                          + ". Pass the same values to forge-node / forge-pool, or drop them here.")
+    if getattr(args, "critic", False) and pool.get("drop_zero_advantage_groups"):
+        raise ValueError("--critic, but the data pool drops groups whose group advantages are all zero "
+                         "(--drop-zero-advantage-groups): with a learned critic those groups still have advantages "
+                         "(their returns against the critic's values) and teach the critic; start forge-node / "
+                         "forge-pool without it")
     if distills(args) and pool.get("drop_zero_advantage_groups"):
         raise ValueError("on-policy distillation, but the data pool drops groups whose outcome advantages are all "
                          "zero (--drop-zero-advantage-groups): those groups still carry the teacher's per-token "

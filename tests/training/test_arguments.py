@@ -281,6 +281,11 @@ def test_pool_side_flags_are_checked_against_the_pool(tmp_path):
     arguments.check_pool_config(distil, cfg)
     with pytest.raises(ValueError, match="those groups still carry the teacher's per-token signal"):
         arguments.check_pool_config(distil, {**cfg, "drop_zero_advantage_groups": True})
+    # so does a learned critic (those groups' returns still differ from its values)
+    critic = arguments.parse_args(MINIMAL + ["--critic"])
+    arguments.check_pool_config(critic, cfg)
+    with pytest.raises(ValueError, match="with a learned critic those groups still have advantages"):
+        arguments.check_pool_config(critic, {**cfg, "drop_zero_advantage_groups": True})
 
 
 def test_constant_loss_norm_takes_its_divisor_and_is_split_over_dp():

@@ -269,7 +269,8 @@ def test_served_distillation_teacher():
                           "DISTILL_KL=gkd: sampled, forward, reverse or jsd"),
                          (dict(TEACHER_CHECKPOINT="/m", TEACHER_PROMPT="x"), "TEACHER_PROMPT needs a served teacher"),
                          (dict(TEACHER_URLS="http://t:1", DROP_ZERO_ADVANTAGE_GROUPS=1), "still carry the teacher's"),
-                         (dict(GAE_LAMBDA=0.9), "GAE_LAMBDA need CRITIC=1")):
+                         (dict(GAE_LAMBDA=0.9), "GAE_LAMBDA need CRITIC=1"),
+                         (dict(CRITIC=1, DROP_ZERO_ADVANTAGE_GROUPS=1), "still have advantages against the critic")):
         bad = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", **env)
         assert bad.returncode != 0 and message in bad.stderr, (env, bad.stderr)
 
