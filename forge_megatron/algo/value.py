@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from forge_megatron.algo.losses import sample_index
+
 __all__ = ["gae_advantages", "discounted_suffix_sums", "value_loss"]
 
 
@@ -74,7 +76,7 @@ def gae_advantages(values_M: torch.Tensor, loss_mask_M: torch.Tensor, cu_seqlens
         raise ValueError(f"GAE inputs disagree: {M} values, {loss_mask_M.numel()} mask entries, {S} returns, "
                          f"cu_seqlens ending at {int(cu_seqlens_S1[-1])}")
     device = values_M.device
-    sample_M = torch.repeat_interleave(torch.arange(S, device=device), cu_seqlens_S1.diff().to(device))
+    sample_M = sample_index(cu_seqlens_S1.to(device))
     trained_N = torch.nonzero(loss_mask_M.to(device) > 0).flatten()
     v_N = values_M.detach()[trained_N].double()
     seg_N = sample_M[trained_N]

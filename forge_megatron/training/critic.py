@@ -176,12 +176,12 @@ class Critic:
         num_mb = len(rb.micro_batches)
         total = rb.global_loss_tokens if rb.global_loss_tokens is not None else rb.num_loss_tokens
         norm = max(total, 1.0) / rb.dp_size  # (DDP averages the gradients over the DP ranks)
-        sums = torch.zeros(2, dtype=torch.float64)  # summed loss, tokens
+        parts = []  # per micro-batch: summed loss, tokens (on the device: no sync inside the schedule)
 
         def loss_fn(values_M, mb):
             mask = mb.extras["loss_mask_M"].to(values_M.device)
             loss = value_loss(values_M, mb.extras["returns_M"].to(values_M.device), mask)
-            sums.add_(torch.tensor([loss.item(), float(mask.sum())], dtype=torch.float64))
+            parts.append(torch.stack([loss.detach(), mask.sum()]).double())
             return loss / norm * num_mb, {}  # (Megatron divides each micro-batch's loss by their count)
 
         for chunk in self.ddp:
@@ -192,6 +192,7 @@ class Critic:
         if ok:
             self.scheduler.step(increment=1)
         self.gather_params()
+        sums = torch.stack(parts).sum(0).cpu() if parts else torch.zeros(2, dtype=torch.float64)
         loss, n = _batch_sums(sums, rb.dp_size, sum_over_dp)
         return {"critic/vf_loss": loss / max(n, 1.0),
                 "critic/grad_norm": float(grad_norm or 0.0), "critic/update_ok": bool(ok),
