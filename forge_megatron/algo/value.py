@@ -21,9 +21,13 @@ reverse cumulative sum, otherwise a parallel scan of ceil(log2 of the longest sa
 the partial sum ``d`` tokens later where that token belongs to the same sample.
 
 The critic's loss is the squared error toward those targets, ``l_t = 0.5 * (V_t - R_t)^2``, reduced as a token mean
-over the batch's trained tokens. (PPO's value clip, which bounds how far ``V`` may move from the values the targets
-came from, binds only when one batch trains several updates; the trainer takes one per batch, whose values start
-where the targets' did, so it is left out.)
+over the batch's trained tokens. With several updates per batch (``--ppo-mini-batches`` / ``--ppo-epochs``) PPO's
+value clip (``--value-clip eps``) bounds how far the values may move from ``V_old``, the values the targets came
+from (taken before the batch's first update)::
+
+    l_t = 0.5 * max((V_t - R_t)^2, (V_old_t + clip(V_t - V_old_t, -eps, eps) - R_t)^2)
+
+(the clipped term is the larger, and its gradient 0, once ``V`` has moved past ``eps`` on the side away from ``R``).
 
 Legend: M = next-token positions of a micro-batch's samples (sample i owns ``cu_seqlens[i]:cu_seqlens[i+1]``),
 N = their trained tokens (loss mask 1), S = samples, S1 = S + 1.
@@ -35,7 +39,7 @@ import torch
 
 from forge_megatron.algo.losses import sample_index
 
-__all__ = ["gae_advantages", "discounted_suffix_sums", "value_loss"]
+__all__ = ["gae_advantages", "discounted_suffix_sums", "value_loss", "value_clip_count"]
 
 
 def discounted_suffix_sums(x_N: torch.Tensor, segment_N: torch.Tensor, c: float) -> torch.Tensor:
@@ -94,7 +98,23 @@ def gae_advantages(values_M: torch.Tensor, loss_mask_M: torch.Tensor, cu_seqlens
     return adv_M, ret_M
 
 
-def value_loss(values_M: torch.Tensor, returns_M: torch.Tensor, loss_mask_M: torch.Tensor) -> torch.Tensor:
+def value_loss(values_M: torch.Tensor, returns_M: torch.Tensor, loss_mask_M: torch.Tensor,
+               old_values_M: torch.Tensor | None = None, clip: float | None = None) -> torch.Tensor:
     """The summed value loss ``0.5 * (V - R)^2`` over the trained tokens (divide by the batch's count for the token
-    mean)."""
-    return 0.5 * (((values_M - returns_M) ** 2) * loss_mask_M.to(values_M.dtype)).sum()
+    mean); with ``clip`` the clipped form of the module docstring around ``old_values_M`` (a constant)."""
+    mask = loss_mask_M.to(values_M.dtype)
+    err = (values_M - returns_M) ** 2
+    if clip is not None:
+        if old_values_M is None:
+            raise ValueError("value_loss: clip needs old_values_M (the values the targets came from)")
+        old = old_values_M.detach().to(values_M.dtype)
+        err = torch.maximum(err, (old + (values_M - old).clamp(-clip, clip) - returns_M) ** 2)
+    return 0.5 * (err * mask).sum()
+
+
+def value_clip_count(values_M: torch.Tensor, returns_M: torch.Tensor, loss_mask_M: torch.Tensor,
+                        old_values_M: torch.Tensor, clip: float) -> torch.Tensor:
+    """The count of trained tokens whose clipped term is the larger (strictly: the clip binds, no gradient)."""
+    v, old = values_M.detach(), old_values_M.detach().to(values_M.dtype)
+    clipped = (old + (v - old).clamp(-clip, clip) - returns_M) ** 2
+    return ((clipped > (v - returns_M) ** 2).to(v.dtype) * loss_mask_M.to(v.dtype)).sum()

@@ -387,6 +387,18 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--whiten-advantages", action=argparse.BooleanOptionalAction, default=True,
                    help="with --critic: whiten the GAE advantages over the batch's trained tokens (zero mean, unit "
                         "variance; default on)")
+    g.add_argument("--value-clip", type=float, default=None, metavar="EPS",
+                   help="with --critic: PPO's value clipping, the value loss the larger of (V - R)^2 and "
+                        "(V_old + clip(V - V_old, -EPS, EPS) - R)^2 with V_old the values before this step's updates "
+                        "(default off; matters with --ppo-mini-batches / --ppo-epochs above 1)")
+    g.add_argument("--ppo-mini-batches", type=int, default=1, metavar="M",
+                   help="optimizer steps per batch: the batch's groups are shuffled into M mini-batches of near-equal "
+                        "group counts, each one update (its own token-mean normaliser); pi_old, the reference's, "
+                        "a teacher's and a critic's passes all run on the weights from before the first update "
+                        "(default 1; needs M x data-parallel size <= groups per batch)")
+    g.add_argument("--ppo-epochs", type=int, default=1, metavar="E",
+                   help="passes over the batch's mini-batches per iteration (default 1), the mini-batches in a "
+                        "new order each pass; the weights are synced and checkpointed once per iteration")
     g.add_argument("--rl-entropy-coef", type=float, default=0.0, help="entropy bonus coefficient (0: off)")
     g.add_argument("--rl-tis-cap", type=float, default=None,
                    help="truncated importance weight cap on exp(old - rollout logprob) (default off)")
@@ -794,6 +806,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if not 0 < getattr(args, "rollout_temperature", 1.0) <= 2:
         raise ValueError(f"--rollout-temperature must be in (0, 2], got {args.rollout_temperature}")
     _validate_critic(args)
+    _validate_updates(args)
     teacher = getattr(args, "teacher_hf_checkpoint", None)
     if teacher is not None and getattr(args, "teacher_from_gateway", False):
         raise ValueError("--teacher-hf-checkpoint and --teacher-from-gateway: one teacher (in the trainer, or served "
@@ -902,6 +915,31 @@ def _validate_critic(args: argparse.Namespace) -> None:
         raise ValueError(f"--critic-lr must be >= 0, got {args.critic_lr}")
     if args.critic_warmup_iters < 0:
         raise ValueError(f"--critic-warmup-iters must be >= 0, got {args.critic_warmup_iters}")
+
+
+def _validate_updates(args: argparse.Namespace) -> None:
+    """--ppo-mini-batches and --ppo-epochs: several optimizer steps per RL batch; --value-clip (the critic's)."""
+    m, e = getattr(args, "ppo_mini_batches", 1), getattr(args, "ppo_epochs", 1)
+    if m < 1 or e < 1:
+        raise ValueError(f"--ppo-mini-batches and --ppo-epochs must be >= 1, got {m} and {e}")
+    offline = getattr(args, "sft_data", None) is not None or getattr(args, "preference_data", None) is not None
+    if offline and m * e > 1:
+        raise ValueError("--ppo-mini-batches / --ppo-epochs split an RL batch into several updates; offline modes "
+                         "(--sft-data, --preference-data) take a smaller --train-batch-groups instead")
+    if m > train_batch_groups(args):
+        raise ValueError(f"--ppo-mini-batches {m}: more mini-batches than the batch's {train_batch_groups(args)} "
+                         "groups (--train-batch-groups)")
+    clip = getattr(args, "value_clip", None)
+    if clip is not None:
+        if not getattr(args, "critic", False):
+            raise ValueError("--value-clip clips the learned critic's value loss: add --critic")
+        if not clip > 0:
+            raise ValueError(f"--value-clip must be > 0, got {clip}")
+
+
+def updates_per_iteration(args: argparse.Namespace) -> int:
+    """The policy's optimizer steps per iteration: --ppo-mini-batches x --ppo-epochs."""
+    return getattr(args, "ppo_mini_batches", 1) * getattr(args, "ppo_epochs", 1)
 
 
 def train_batch_groups(args: argparse.Namespace) -> int:

@@ -11,8 +11,10 @@ starts from its head), and each step:
 2. replaces each micro-batch's advantages by GAE along the trained tokens of each sample, toward the segment's return
    from the pool (algo/value.py), whitened over the batch (every data-parallel rank's tokens);
 3. trains the critic on the squared error toward those targets (its own Megatron optimizer, ``--critic-lr``;
-   one update per step, like the policy's), then the policy trains as usual on the new advantages, unless the step
-   is one of the first ``--critic-warmup-iters`` where the policy waits for the critic to learn.
+   one update per policy update: one per step, or one per mini-batch and epoch with ``--ppo-mini-batches`` /
+   ``--ppo-epochs``, clipped around the step's first values with ``--value-clip``), each before the policy's update
+   on the same mini-batch, unless the step is one of the first ``--critic-warmup-iters`` where the policy waits for
+   the critic to learn.
 
 The critic takes the policy's TP / PP / VPP / EP / CP layout and precision flags (its heads must divide by TP and
 its layers split over the pipeline stages like the policy's) but never LoRA (a LoRA policy's critic trains all of
@@ -24,7 +26,7 @@ from its HF checkpoint (logged).
 
 Metrics (``critic/...``, over the batch's trained tokens): ``value_mean``, ``return_mean``, ``advantage_mean`` and
 ``advantage_std`` (before whitening), ``explained_variance`` (1 - Var(R - V) / Var(R) of the values the advantages
-came from), ``vf_loss``, ``grad_norm``, ``lr``, ``update_ok``.
+came from), ``vf_loss``, ``grad_norm``, ``lr``, ``update_ok`` (and ``vf_clip_frac`` with ``--value-clip``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class Critic:
         self.gamma, self.lam = args.gae_gamma, args.gae_lambda
         self.whiten = args.whiten_advantages
         self.warmup = args.critic_warmup_iters
+        self.clip = getattr(args, "value_clip", None)
+        self.stepped = False  # an update of this iteration stepped (the LR schedule advances once per iteration)
 
     # -- weights ------------------------------------------------------------------------------------------
     def init_from_hf(self, log, why: str = "") -> None:
@@ -124,10 +128,12 @@ class Critic:
                 ddp.start_param_sync(force_sync=True)
 
     # -- one step -----------------------------------------------------------------------------------------
-    def advantages(self, rb, run_schedule, sum_over_dp) -> dict:
-        """The critic's values of every trained token of ``rb`` (``old_values_M``), GAE advantages in place of the
-        pool's (``advantages_M``, whitened with --whiten-advantages) and value targets (``returns_M``) on the last
-        pipeline stage's micro-batches; returns the batch's statistics (on every rank)."""
+    def advantages(self, rbs: list, run_schedule, sum_over_dp) -> dict:
+        """The critic's values of every trained token of the rank batches ``rbs`` (one step's mini-batches:
+        ``old_values_M``), GAE advantages in place of the pool's (``advantages_M``, whitened over all of them with
+        --whiten-advantages) and value targets (``returns_M``) on the last pipeline stage's micro-batches; returns
+        the step's statistics (on every rank). All of it before any update: every mini-batch's values come from the
+        critic of the step's start."""
         from forge_megatron.algo.value import gae_advantages
         from forge_megatron.mcore.forward import make_value_forward_step
 
@@ -136,10 +142,12 @@ class Critic:
             return values_M.sum() * 0.0, {}
 
         with torch.no_grad():
-            run_schedule(self.ddp, rb, make_value_forward_step(keep), forward_only=True)
+            for rb in rbs:
+                run_schedule(self.ddp, rb, make_value_forward_step(keep), forward_only=True)
         # over the trained tokens: n, sum V, sum R, sum R^2, sum (R - V), sum (R - V)^2, sum A, sum A^2
         sums = torch.zeros(8, dtype=torch.float64)
-        for mb in rb.micro_batches:
+        micro_batches = [mb for rb in rbs for mb in rb.micro_batches]
+        for mb in micro_batches:
             x = mb.extras
             if "old_values_M" not in x:  # not the last pipeline stage: no loss here
                 continue
@@ -149,7 +157,7 @@ class Critic:
             sums += torch.stack([m.sum(), (m * vd).sum(), (m * rd).sum(), (m * rd * rd).sum(), (m * (rd - vd)).sum(),
                                  (m * (rd - vd) ** 2).sum(), (m * ad).sum(), (m * ad * ad).sum()]).cpu()
             x["advantages_M"], x["returns_M"] = adv.cpu(), ret.cpu()
-        n, v, r, r2, e, e2, a, a2 = _batch_sums(sums, rb.dp_size, sum_over_dp)
+        n, v, r, r2, e, e2, a, a2 = _batch_sums(sums, rbs[0].dp_size, sum_over_dp)
         n = max(n, 1.0)
 
         def var(s, s2):
@@ -157,7 +165,7 @@ class Critic:
 
         a_std = var(a, a2) ** 0.5
         if self.whiten:
-            for mb in rb.micro_batches:
+            for mb in micro_batches:
                 x = mb.extras
                 if "returns_M" in x:
                     x["advantages_M"] = (x["advantages_M"] - a / n) / (a_std + 1e-8) * x["loss_mask_M"]
@@ -167,21 +175,26 @@ class Critic:
                 "critic/explained_variance": 1.0 - var(e, e2) / r_var if r_var > 0 else 0.0}
 
     def update(self, rb, run_schedule, sum_over_dp) -> dict:
-        """One optimizer step of the critic on the value loss (token mean over the batch's trained tokens) toward
-        ``returns_M``; its metrics."""
-        from forge_megatron.algo.value import value_loss
+        """One optimizer step of the critic on the value loss (token mean over the rank batch's trained tokens, every
+        DP rank's) toward ``returns_M``, clipped around ``old_values_M`` with --value-clip; its metrics (the LR
+        scheduler advances once per iteration: :meth:`step_scheduler`)."""
+        from forge_megatron.algo.value import value_clip_count, value_loss
         from forge_megatron.mcore.forward import make_value_forward_step
 
         t0 = time.perf_counter()
         num_mb = len(rb.micro_batches)
         total = rb.global_loss_tokens if rb.global_loss_tokens is not None else rb.num_loss_tokens
         norm = max(total, 1.0) / rb.dp_size  # (DDP averages the gradients over the DP ranks)
-        parts = []  # per micro-batch: summed loss, tokens (on the device: no sync inside the schedule)
+        parts = []  # per micro-batch: summed loss, tokens, clipped tokens (on the device: no sync in the schedule)
 
         def loss_fn(values_M, mb):
-            mask = mb.extras["loss_mask_M"].to(values_M.device)
-            loss = value_loss(values_M, mb.extras["returns_M"].to(values_M.device), mask)
-            parts.append(torch.stack([loss.detach(), mask.sum()]).double())
+            x = mb.extras
+            mask, ret = x["loss_mask_M"].to(values_M.device), x["returns_M"].to(values_M.device)
+            old = x["old_values_M"].to(values_M.device) if self.clip is not None else None
+            loss = value_loss(values_M, ret, mask, old, self.clip)
+            clipped = value_clip_count(values_M, ret, mask, old, self.clip) if self.clip is not None else \
+                torch.zeros((), device=values_M.device)
+            parts.append(torch.stack([loss.detach(), mask.sum(), clipped]).double())
             return loss / norm * num_mb, {}  # (Megatron divides each micro-batch's loss by their count)
 
         for chunk in self.ddp:
@@ -189,15 +202,23 @@ class Critic:
         self.optimizer.zero_grad()
         run_schedule(self.ddp, rb, make_value_forward_step(loss_fn))
         ok, grad_norm, _ = self.optimizer.step()
-        if ok:
-            self.scheduler.step(increment=1)
+        self.stepped = self.stepped or bool(ok)
         self.gather_params()
-        sums = torch.stack(parts).sum(0).cpu() if parts else torch.zeros(2, dtype=torch.float64)
-        loss, n = _batch_sums(sums, rb.dp_size, sum_over_dp)
-        return {"critic/vf_loss": loss / max(n, 1.0),
-                "critic/grad_norm": float(grad_norm or 0.0), "critic/update_ok": bool(ok),
-                "critic/lr": self.scheduler.get_lr(self.optimizer.param_groups[0]),
-                "critic/update_s": time.perf_counter() - t0}
+        sums = torch.stack(parts).sum(0).cpu() if parts else torch.zeros(3, dtype=torch.float64)
+        loss, n, clipped = _batch_sums(sums, rb.dp_size, sum_over_dp)
+        out = {"critic/vf_loss": loss / max(n, 1.0), "critic/grad_norm": float(grad_norm or 0.0),
+               "critic/update_ok": bool(ok), "critic/update_s": time.perf_counter() - t0, "critic/num_tokens": n}
+        if self.clip is not None:
+            out["critic/vf_clip_frac"] = clipped / max(n, 1.0)
+        return out
+
+    def step_scheduler(self) -> float:
+        """Once per iteration, after its updates: the LR schedule advances when one of them stepped (as the
+        policy's); the learning rate."""
+        if self.stepped:
+            self.scheduler.step(increment=1)
+        self.stepped = False
+        return self.scheduler.get_lr(self.optimizer.param_groups[0])
 
 
 def _batch_sums(sums: torch.Tensor, dp_size: int, sum_over_dp) -> list[float]:

@@ -82,6 +82,35 @@ def combine_micro_batch_metrics(dicts: list[dict]) -> dict[str, float]:
     return out
 
 
+FIRST_UPDATE_PREFIXES = ("rollout_", "onpolicy/")
+"""Training/inference mismatch terms: measured on the weights that sampled the batch, i.e. its first update."""
+
+
+def combine_update_metrics(updates: list[dict], passes: int = 1) -> dict[str, float]:
+    """One step's metrics from its optimizer updates' (``--ppo-mini-batches`` x ``--ppo-epochs``; each combined over
+    its micro-batches by :func:`combine_micro_batch_metrics`): every update's loss terms are means over its own
+    tokens, so they and the token means average weighted by the tokens they were taken over; token counts are the
+    batch's (summed over the updates, divided by the ``passes`` over the batch); maxima and minima span the updates; the mismatch terms
+    (``rollout_*``, ``onpolicy/*``) are the first update's, the only one on the sampling weights. One update: its
+    metrics as they are."""
+    if len(updates) <= 1:
+        return dict(updates[0]) if updates else {}
+    out = combine_micro_batch_metrics(updates)
+    weights = [float(u.get("num_tokens", 0.0)) for u in updates]
+    for key in list(out):
+        term = key.rpartition("/")[2]
+        if key.startswith(FIRST_UPDATE_PREFIXES):
+            if key in updates[0]:
+                out[key] = float(updates[0][key])
+            else:
+                del out[key]
+        elif term in BATCH_SHARES and sum(weights) > 0:  # a domain absent from an update had no share there
+            out[key] = float(sum(w * float(u.get(key, 0.0)) for w, u in zip(weights, updates)) / sum(weights))
+        elif term in ("num_tokens", "num_pairs"):
+            out[key] /= passes
+    return out
+
+
 def batch_metrics(rank_batch, micro_batch_metrics: list[dict], policy_version: int) -> dict:
     """Everything except timings for one step (see the module docstring)."""
     total = sum(mb.layout.total_tokens for mb in rank_batch.micro_batches)

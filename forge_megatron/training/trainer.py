@@ -42,7 +42,9 @@ from forge_megatron.training import arguments
 from forge_megatron.training.checkpoint import (
     AsyncCheckpointSaver, latest_iteration, load_checkpoint, load_hf_weights, save_checkpoint, saved_meta,
 )
-from forge_megatron.training.metrics import EvalFeed, MetricsWriter, batch_metrics
+from forge_megatron.training.metrics import (
+    EvalFeed, MetricsWriter, batch_metrics, combine_micro_batch_metrics, combine_update_metrics,
+)
 
 log = logging.getLogger("forge.trainer")
 
@@ -280,6 +282,45 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
                      overlong_samples=len(too_long), dp_split_groups=split_groups)
 
 
+PER_UPDATE_KEYS = ("loss", "pg_loss", "kl", "ratio_mean", "clip_frac_low", "clip_frac_high", "num_tokens")
+"""With several updates per step, each one's terms listed in the metrics (``ppo/per_update``, JSONL)."""
+
+
+def merge_rank_batches(rbs: list[RankBatch]) -> RankBatch:
+    """One step's mini-batches (--ppo-mini-batches) as one rank batch, for its metrics: micro-batches, samples and
+    counts together, every DP rank's estimated compute summed."""
+    if len(rbs) == 1:
+        return rbs[0]
+
+    def total(name):
+        values = [getattr(rb, name) for rb in rbs]
+        return None if any(v is None for v in values) else float(sum(values))
+
+    return RankBatch([mb for rb in rbs for mb in rb.micro_batches], float(sum(rb.num_loss_tokens for rb in rbs)),
+                     [s for rb in rbs for s in rb.samples], rbs[0].batch_id, rbs[0].pool_metrics,
+                     global_loss_tokens=total("global_loss_tokens"), dp_size=rbs[0].dp_size,
+                     global_sample_weight=total("global_sample_weight"),
+                     dp_loads=[float(sum(loads)) for loads in zip(*(rb.dp_loads for rb in rbs))],
+                     overlong_samples=sum(rb.overlong_samples for rb in rbs),
+                     dp_split_groups=sum(rb.dp_split_groups for rb in rbs))
+
+
+def combine_critic_updates(updates: list[dict]) -> dict:
+    """The critic's metrics over one step's updates: the value loss and clip fraction token-weighted, the gradient
+    norm their mean, ``update_ok`` when every update stepped, ``update_s`` their sum."""
+    if not updates:
+        return {}
+    weights = [u.pop("critic/num_tokens") for u in updates]
+    out = {"critic/grad_norm": float(np.mean([u["critic/grad_norm"] for u in updates])),
+           "critic/update_ok": all(u["critic/update_ok"] for u in updates),
+           "critic/update_s": float(sum(u["critic/update_s"] for u in updates))}
+    for key in ("critic/vf_loss", "critic/vf_clip_frac"):
+        if key in updates[0]:
+            out[key] = float(np.average([u[key] for u in updates], weights=weights)) if sum(weights) > 0 else \
+                float(np.mean([u[key] for u in updates]))
+    return out
+
+
 def interleaved_needs_fixed_length(pp: int) -> bool:
     """With PP = 2 a stage's previous and next stage are the same rank, and megatron-core's exchange of variable
     shapes (batched, one tag) then mixes up the two directions: the interleaved schedule needs one length per step.
@@ -496,6 +537,16 @@ class Trainer:
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.cfg = model_config(args, self.bridge)
         self.loss_cfg = arguments.loss_config(args)
+        mini = getattr(args, "ppo_mini_batches", 1)
+        if mini > 1 and arguments.train_batch_groups(args) < mini * self.dp_size:
+            raise ValueError(f"--ppo-mini-batches {mini} with {self.dp_size} data-parallel ranks needs at least "
+                             f"{mini * self.dp_size} groups per batch (every rank trains on every mini-batch), "
+                             f"--train-batch-groups is {arguments.train_batch_groups(args)}")
+        if arguments.updates_per_iteration(args) > 1 and self.rank == 0:
+            self._log(f"{arguments.updates_per_iteration(args)} optimizer steps per batch (--ppo-mini-batches {mini} "
+                      f"x --ppo-epochs {getattr(args, 'ppo_epochs', 1)}), pi_old from "
+                      + ("a forward pass before the first (--old-logprobs recompute)"
+                         if args.old_logprobs == "recompute" else "the engines' logprobs (--old-logprobs rollout)"))
         if self.rank == 0:
             self._log_memory_plan()
         self.domains = sorted(args.domain_ratios)
@@ -875,50 +926,74 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _reference_logprobs(self, rb: RankBatch) -> None:
-        """The reference policy's logprobs (the KL term's, DPO's) as ``ref_logp_M`` of every micro-batch."""
+    def _reference_logprobs(self, rbs: list[RankBatch]) -> None:
+        """The reference policy's logprobs (the KL term's, DPO's) as ``ref_logp_M`` of every micro-batch of the rank
+        batches ``rbs`` (an offloaded reference comes to the device once for all of them)."""
         if self.ref_chunks is not None:
             with self.ref_offload.resident() if self.ref_offload is not None else contextlib.nullcontext():
-                self._forward_only_logprobs(self.ref_chunks, rb, "ref_logp_M")
+                for rb in rbs:
+                    self._forward_only_logprobs(self.ref_chunks, rb, "ref_logp_M")
         elif self.lora_reference:
             from forge_megatron.mcore import lora
 
             with lora.disabled(self.chunks):
-                self._forward_only_logprobs(self.ddp, rb, "ref_logp_M")
+                for rb in rbs:
+                    self._forward_only_logprobs(self.ddp, rb, "ref_logp_M")
 
     @property
     def offline_mode(self) -> str | None:
         """``sft``, ``dpo`` or ``rm`` (training/offline.py); None for RL."""
         return None if not self.offline else "sft" if self.sft else "rm" if self.reward_model else "dpo"
 
-    def forward_backward(self, rb: RankBatch) -> list[dict]:
+    def _prepare(self, rbs: list[RankBatch]) -> None:
+        """The forward-only passes the updates read, over every mini-batch on the weights of the step's start (before
+        its first update): pi_old (--old-logprobs recompute), the reference's logprobs, a teacher's."""
         if self.args.old_logprobs == "recompute":
-            self._forward_only_logprobs(self.ddp, rb, "old_logp_M")
-        self._reference_logprobs(rb)
+            for rb in rbs:
+                self._forward_only_logprobs(self.ddp, rb, "old_logp_M")
+        self._reference_logprobs(rbs)
         if self.teacher is not None:
-            self._teacher_pass(rb)
+            self._teacher_pass(rbs)
         elif getattr(self.args, "teacher_from_gateway", False):
-            self._recorded_teacher_check(rb)
-        if getattr(self.args, "routing_replay", False):
-            from forge_megatron.mcore import routing_replay
+            for rb in rbs:
+                self._recorded_teacher_check(rb)
 
-            routing_replay.read_counts(self.chunks)  # the routing metrics count the training pass only
+    def forward_backward(self, rb: RankBatch, first: bool = True, forward_only: bool = False) -> list[dict]:
+        """One update's forward and backward over the prepared ``rb``; ``first``: the step's first update (the only
+        one on the weights that sampled the on-policy tokens: the ``onpolicy/...`` metrics)."""
         if self.cfg.dsa_indexer_loss_coeff:
             from forge_megatron.mcore import dsa
 
             dsa.set_indexer_loss_scale(1.0 / len(rb.micro_batches))  # as Megatron scales its auxiliary losses
-            dsa.pop_indexer_losses()
         if self.offline:
             return offline_forward_backward(self.ddp, rb, self.offline_mode, self.args, self.args.fused_logprobs,
                                             self.head_dtype)
-        warming = False
-        if self.critic is not None:  # GAE advantages from the critic's values, then the critic's own step
-            self.critic_metrics = self.critic.advantages(rb, run_schedule, _sum_over_dp)
-            self.critic_metrics.update(self.critic.update(rb, run_schedule, _sum_over_dp))
-            warming = self.iteration < self.critic.warmup
-            self.critic_metrics["critic/warmup"] = float(warming)
         return forward_backward(self.ddp, rb, self.loss_cfg, self.domains, self.args.fused_logprobs,
-                                self.head_dtype, self.policy_version, self.temperature, forward_only=warming)
+                                self.head_dtype, self.policy_version if first else None, self.temperature,
+                                forward_only=forward_only)
+
+    def _mini_batches(self, batch) -> list:
+        """The batch's groups shuffled into --ppo-mini-batches sub-batches of near-equal group counts (the same on
+        every rank, and for the same groups after a restart: seeded by --seed and the group indices)."""
+        m = getattr(self.args, "ppo_mini_batches", 1)
+        if m == 1:
+            return [batch]
+        groups = sorted({s.group_index for s in batch.samples})
+        if len(groups) < m:
+            self._log(f"batch {batch.batch_id}: {len(groups)} groups for --ppo-mini-batches {m}: {len(groups)} "
+                      "mini-batches")
+            m = len(groups)
+        order = np.random.default_rng([self.args.seed, *groups]).permutation(groups)
+        parts = [set(part.tolist()) for part in np.array_split(order, m)]
+        return [dataclasses.replace(batch, samples=[s for s in batch.samples if s.group_index in part],
+                                    group_indices=sorted(part)) for part in parts]
+
+    def _update_order(self, n: int, batch, epoch: int) -> list[int]:
+        """The mini-batches' order in --ppo-epochs pass ``epoch``: as drawn in the first, reshuffled after."""
+        if epoch == 0 or n == 1:
+            return list(range(n))
+        groups = sorted({s.group_index for s in batch.samples})
+        return np.random.default_rng([self.args.seed, epoch, *groups]).permutation(n).tolist()
 
     @torch.no_grad()
     def offline_eval(self) -> dict:
@@ -943,9 +1018,9 @@ class Trainer:
             rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
                             self.domains, balance, self.cfg.hidden_size,
                             interleaved_pp=self.pp_size if len(self.chunks) > 1 else None, vision=self.vision)
-            self._reference_logprobs(rb)
+            self._reference_logprobs([rb])
             if self.teacher is not None:  # supervised distillation: the held-out loss has the teacher's term too
-                self._teacher_pass(rb)
+                self._teacher_pass([rb])
             m = combine_micro_batch_metrics(pipeline_loss_metrics(offline_forward_backward(
                 self.ddp, rb, kind, self.args, self.args.fused_logprobs, self.head_dtype, forward_only=True)))
             # this rank's loss is its items' summed loss over count / D: times that, its sum (the ranks' add up)
@@ -989,16 +1064,18 @@ class Trainer:
     def head_dtype(self) -> torch.dtype | None:
         return torch.float32 if getattr(self.args, "fp32_lm_head", False) else None
 
-    def _teacher_pass(self, rb: RankBatch) -> None:
+    def _teacher_pass(self, rbs: list[RankBatch]) -> None:
         """Distillation (--teacher-hf-checkpoint): the teacher's logprobs of the sampled tokens on every micro-batch
-        of ``rb``, and with --distill-kl forward|reverse|jsd its top-k tokens at the trained positions."""
-        for mb in rb.micro_batches:  # (this teacher scores every sample, whatever a gateway recorded)
+        of the rank batches ``rbs``, and with --distill-kl forward|reverse|jsd its top-k tokens at the trained
+        positions (an offloaded teacher comes to the device once for all of them)."""
+        for mb in (mb for rb in rbs for mb in rb.micro_batches):  # (it scores every sample, whatever was recorded)
             mb.extras.pop("teacher_mask_M", None)
         with self.teacher.resident():
-            if self.teacher.topk is None:
-                self._forward_only_logprobs(self.teacher.chunks, rb, "teacher_logp_M")
-            else:
-                self._teacher_topk(rb)
+            for rb in rbs:
+                if self.teacher.topk is None:
+                    self._forward_only_logprobs(self.teacher.chunks, rb, "teacher_logp_M")
+                else:
+                    self._teacher_topk(rb)
 
     def _recorded_teacher_check(self, rb: RankBatch) -> None:
         """--teacher-from-gateway: every micro-batch gets the served teacher's recordings it needs, empty where its
@@ -1075,27 +1152,67 @@ class Trainer:
         t1 = time.perf_counter()
         # (offline: each item's samples stay together, a preference pair's two sides on one DP rank)
         balance = "cost-groups" if self.offline and self.args.dp_balance == "cost" else self.args.dp_balance
-        rb = rank_batch(batch, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
-                        self.domains, balance, self.cfg.hidden_size,
-                        interleaved_pp=self.pp_size if len(self.chunks) > 1 else None,
-                        routing_replay=getattr(self.args, "routing_replay", False),
-                        routing_split=getattr(self.args, "routing_replay_split", False),
-                        overlong=getattr(self.args, "overlong_samples", "drop"), vision=self.vision)
-        for chunk in self.ddp:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self.critic_metrics = {}
-        mb_metrics = pipeline_loss_metrics(self.forward_backward(rb))
-        if self.critic_metrics.get("critic/warmup"):  # --critic-warmup-iters: the policy waits for the critic
-            vision_norm, ok, grad_norm = None, False, 0.0
-        else:
-            vision_norm = self._vision_grad_norm() if self.train_tower else None
-            ok, grad_norm, _ = self.optimizer.step()
-            self.params_gathered = not self.ddp[0].ddp_config.overlap_param_gather
-        if ok:
+        parts = self._mini_batches(batch)
+        rbs = [rank_batch(part, self.args.tree_token_budget, self.args.tree_merging, self.dp_rank, self.dp_size,
+                          self.domains, balance, self.cfg.hidden_size,
+                          interleaved_pp=self.pp_size if len(self.chunks) > 1 else None,
+                          routing_replay=getattr(self.args, "routing_replay", False),
+                          routing_split=getattr(self.args, "routing_replay_split", False),
+                          overlong=getattr(self.args, "overlong_samples", "drop"), vision=self.vision)
+               for part in parts]
+        self._prepare(rbs)
+        if getattr(self.args, "routing_replay", False):
+            from forge_megatron.mcore import routing_replay
+
+            routing_replay.read_counts(self.chunks)  # the routing metrics count the training passes only
+        if self.cfg.dsa_indexer_loss_coeff:
+            from forge_megatron.mcore import dsa
+
+            dsa.pop_indexer_losses()  # (likewise)
+        self.critic_metrics, critic_updates, warming = {}, [], False
+        if self.critic is not None:  # GAE advantages from the critic's values of the step's start
+            self.critic_metrics = self.critic.advantages(rbs, run_schedule, _sum_over_dp)
+            warming = self.iteration < self.critic.warmup  # --critic-warmup-iters: the policy waits for the critic
+        updates, oks, norms, vision_norms, log = [], [], [], [], []
+        for epoch in range(getattr(self.args, "ppo_epochs", 1)):
+            for k in self._update_order(len(rbs), batch, epoch):
+                log.append({"groups": list(getattr(parts[k], "group_indices", []))})
+                if self.critic is not None:
+                    critic_updates.append(self.critic.update(rbs[k], run_schedule, _sum_over_dp))
+                    log[-1]["critic/vf_loss"] = critic_updates[-1]["critic/vf_loss"]
+                if warming and epoch > 0:  # (warming up, the policy's loss is measured once per mini-batch)
+                    continue
+                for chunk in self.ddp:
+                    chunk.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                updates.append(combine_micro_batch_metrics(pipeline_loss_metrics(
+                    self.forward_backward(rbs[k], first=not updates, forward_only=warming))))
+                log[-1].update({key: updates[-1][key] for key in PER_UPDATE_KEYS if key in updates[-1]})
+                if warming:
+                    continue
+                if self.train_tower:
+                    vision_norms.append(self._vision_grad_norm())
+                ok, grad_norm, _ = self.optimizer.step()
+                self.params_gathered = not self.ddp[0].ddp_config.overlap_param_gather
+                oks.append(bool(ok))
+                norms.append(float(grad_norm or 0.0))
+                log[-1].update(grad_norm=norms[-1], update_ok=oks[-1])
+        if any(oks):  # (the LR schedule advances once per iteration, whatever the updates in it)
             self.scheduler.step(increment=1)
+        if self.critic is not None:
+            self.critic_metrics.update(combine_critic_updates(critic_updates), **{
+                "critic/lr": self.critic.step_scheduler(), "critic/warmup": float(warming)})
+        ok, grad_norm = bool(oks) and all(oks), float(np.mean(norms)) if norms else 0.0
         t2 = time.perf_counter()
-        metrics = batch_metrics(rb, mb_metrics, self.policy_version)  # staleness w.r.t. the weights trained
+        rb = merge_rank_batches(rbs)
+        # staleness w.r.t. the weights trained
+        metrics = batch_metrics(rb, [combine_update_metrics(updates, max(len(updates) // len(rbs), 1))],
+                                self.policy_version)
+        if len(rbs) > 1 and len(rb.dp_loads) > 1:  # each update waits for its slowest DP rank
+            metrics["dp_load_imbalance"] = sum(max(r.dp_loads) for r in rbs) / max(
+                sum(float(np.mean(r.dp_loads)) for r in rbs), 1e-12)
+        if arguments.updates_per_iteration(self.args) > 1:  # (the list goes to the JSONL metrics only)
+            metrics.update({"ppo/updates": float(sum(oks)), "ppo/per_update": log})
         if self.offline:  # files' samples have no rewards, no sampling policy, no clipping
             metrics = {k: v for k, v in metrics.items() if not (
                 k in ("episodes", "clip_frac_high") or k.endswith(("reward_mean", "success_rate"))
@@ -1104,13 +1221,12 @@ class Trainer:
             metrics.update(self._routing_metrics(rb))
         if self.cfg.dsa_indexer_loss_coeff:
             metrics.update(self._indexer_loss_metrics())
-        if vision_norm is not None:
-            metrics["grad_norm_vision"] = vision_norm
+        if vision_norms:
+            metrics["grad_norm_vision"] = float(np.mean(vision_norms))
         metrics.update(self.critic_metrics)
         self.iteration += 1
         self.last_batch_id = batch.batch_id
         sync_s = 0.0
-        warming = bool(self.critic_metrics.get("critic/warmup"))  # (the policy did not move: nothing to send)
         if self.syncer is not None and not warming and self.iteration % self.args.weight_sync_interval == 0:
             sync_s = self._sync()
         self.stopping = self._agree_to_stop()
@@ -1297,6 +1413,8 @@ def progress_line(m: dict) -> str:
     if "critic/vf_loss" in m:  # --critic
         mismatch += (f" | critic vf {m['critic/vf_loss']:.4f} ev {m['critic/explained_variance']:.2f}"
                      + (" (warm-up)" if m.get("critic/warmup") else ""))
+    if "ppo/updates" in m:  # --ppo-mini-batches / --ppo-epochs
+        mismatch += f" | updates {m['ppo/updates']:.0f}"
     held_out = f" | eval pass@1 {m['eval/pass@1']:.2f} (v{m['eval/policy_version']:.0f})" \
         if "eval/pass@1" in m and "eval/policy_version" in m else ""
     images = f", {m['images']} images" if "images" in m else ""

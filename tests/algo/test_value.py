@@ -71,6 +71,33 @@ def test_value_loss_and_bad_inputs():
         gae_advantages(torch.zeros(4), torch.ones(4), torch.tensor([0, 4]), torch.zeros(1), lam=1.2)
 
 
+def test_clipped_value_loss_takes_the_larger_term():
+    """PPO's value clip around V_old = 1 with eps 0.5 toward return 2: V = 1.2 inside the band (both terms equal);
+    V = 0.2 and 2.6 outside it but with more error than the clipped value has (the unclipped term is the larger:
+    its gradient V - R stays); a masked token adds nothing; nothing clipped. Then V = 1.9 moved past the band toward
+    R: the clipped value 1.5 has the larger error, the loss is its, the gradient 0, and the count says one token."""
+    from forge_megatron.algo.value import value_clip_count
+
+    v = torch.tensor([1.2, 0.2, 2.6, 0.2], requires_grad=True)
+    old, r, mask = torch.ones(4), torch.full((4,), 2.0), torch.tensor([1.0, 1.0, 1.0, 0.0])
+    loss = value_loss(v, r, mask, old, clip=0.5)
+    # 0.5 * [(1.2 - 2)^2, max((0.2 - 2)^2, (0.5 - 2)^2), max((2.6 - 2)^2, (1.5 - 2)^2)]
+    want = 0.5 * (0.8 ** 2 + 1.8 ** 2 + 0.6 ** 2)
+    assert loss.item() == pytest.approx(want)
+    loss.backward()
+    assert v.grad.tolist() == pytest.approx([-0.8, -1.8, 0.6, 0.0])
+    v2 = torch.tensor([1.9, 0.6], requires_grad=True)
+    old2, r2 = torch.tensor([1.0, 1.0]), torch.tensor([2.0, 0.0])
+    loss2 = value_loss(v2, r2, torch.ones(2), old2, clip=0.5)
+    assert loss2.item() == pytest.approx(0.5 * ((1.5 - 2.0) ** 2 + (0.6 - 0.0) ** 2))
+    loss2.backward()
+    assert v2.grad.tolist() == pytest.approx([0.0, 0.6])
+    assert value_clip_count(v2, r2, torch.ones(2), old2, 0.5).item() == 1.0
+    assert value_clip_count(v, r, mask, old, 0.5).item() == 0.0
+    with pytest.raises(ValueError, match="clip needs old_values_M"):
+        value_loss(v, r, mask, clip=0.5)
+
+
 def test_gae_benchmark_runs_small():
     """benchmarks/gae.py at a small size: one JSON line with the keys docs/benchmarks.md reports, the vectorised
     advantages equal to the loop's."""

@@ -186,6 +186,14 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--critic", "--gae-gamma", "1.5"], "--gae-gamma must lie in \\[0, 1\\], got 1.5"),
     (["--critic", "--critic-warmup-iters", "-1"], "--critic-warmup-iters must be >= 0"),
     (["--critic", "--preference-data", __file__], "not with --sft-data or --preference-data"),
+    (["--ppo-mini-batches", "0"], "--ppo-mini-batches and --ppo-epochs must be >= 1, got 0 and 1"),
+    (["--ppo-epochs", "0"], "--ppo-mini-batches and --ppo-epochs must be >= 1, got 1 and 0"),
+    (["--train-batch-groups", "2", "--ppo-mini-batches", "3"], "--ppo-mini-batches 3: more mini-batches than the "
+                                                               "batch's 2 groups"),
+    (["--sft-data", __file__, "--ppo-epochs", "2"], "offline modes \(--sft-data, --preference-data\) take a "
+                                                    "smaller --train-batch-groups instead"),
+    (["--value-clip", "0.2"], "--value-clip clips the learned critic's value loss: add --critic"),
+    (["--critic", "--value-clip", "0"], "--value-clip must be > 0, got 0.0"),
 ])
 def test_bad_values_are_named(extra, message):
     with pytest.raises(ValueError, match=message):

@@ -73,17 +73,18 @@ def run_on_fresh_pool(tmp_path, name: str, model_dir: str, feed, *, iters: int, 
         pool.stop()
 
 
-def refused_start(model_dir: str, tmp_path, extra, model=None) -> str:
+def refused_start(model_dir: str, tmp_path, extra, model=None, nproc: int = 1) -> str:
     """A trainer start against a fresh pool that must fail before training: its output (``model``: as
-    :func:`train_cmd`'s)."""
+    :func:`train_cmd`'s; ``nproc`` processes under torchrun)."""
     from tests.dist_utils import run_script
 
     from .pool_feed import PoolProcess
 
     pool = PoolProcess(str(tmp_path / "refuse.sqlite"))
     try:
+        env = train_env() if nproc == 1 else {**os.environ, "OMP_NUM_THREADS": "1"}
         out = run_script(TRAIN, train_cmd(model_dir, pool, str(tmp_path / "refused"), iters=1, groups=1, extra=extra,
-                                          model=model), env=train_env())
+                                          model=model), nproc=nproc, env=env)
     finally:
         pool.stop()
     assert out.returncode != 0
