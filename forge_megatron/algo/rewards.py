@@ -9,6 +9,7 @@ Reward of episode i (every term is reported in ``GroupScores.terms`` and they su
                                                              punishment, on the episode's sampled tokens)
         + user terms                                        (optional "module:function" reward function)
         + sum_k segment_rewards_i[k]                        (optional per-segment / per-turn rewards)
+        + sum_c call_rewards_i[c]                           (optional rewards of single calls inside segments)
 
 Completion time, among the successful episodes of a group with durations d (failures get 0):
 
@@ -24,10 +25,17 @@ the policy sampled in the episode (every segment, every call):
 (DAPO penalises overlong answers this way instead of scoring truncated ones as plain failures; for agents the length
 is the whole episode's sampled tokens.)
 
-Per-segment rewards: the episode-level part (everything except ``segment_rewards``) is credited to the last
-segment; returns use reward-to-go with discount ``gamma`` and the group baseline of ``advantages.py``. Every
-segment of an episode with n segments gets loss weight 1/n, so splitting an episode into more segments does not
-give it more weight in the loss.
+Per-segment rewards: the episode-level part (everything except ``segment_rewards`` and ``call_rewards``) is
+credited to the last segment; returns use reward-to-go with discount ``gamma`` and the group baseline of
+``advantages.py``. Every segment of an episode with n segments gets loss weight 1/n, so splitting an episode into
+more segments does not give it more weight in the loss.
+
+Per-call rewards (``call_rewards``: an agent rewarding single calls, e.g. a tool call that worked, while one segment
+holds many calls): the episode's reward-to-go steps are, segment by segment, its rewarded calls then the segment's
+end, each step's reward its own (the call's; the segment's reward at its end, plus the episode-level part at the
+last), the returns ``G_j = r_j + gamma G_{j+1}`` per step. A token takes the advantage of the first step at or after
+it (a call's tokens the return from that call on), so a segment's tokens carry several advantages; the group
+baseline is taken on the episodes' first returns, as without them. ``GroupScores.segment_steps`` lists the steps.
 
 A user reward function is named ``"package.module:function"`` and has the signature
 
@@ -58,7 +66,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SINGLETON_MODES = ("zero", "raw", "error")
-RESERVED_TERMS = ("outcome", "completion_time", "overlong", "segment_rewards")
+RESERVED_TERMS = ("outcome", "completion_time", "overlong", "segment_rewards", "call_rewards")
 DEFAULT_PROCESS_WEIGHTS = {"malformed_tool_calls": -0.1, "failed_tool_calls": 0.0, "language_mixing": -0.5,
                            "truncated_calls": 0.0}
 
@@ -75,6 +83,10 @@ class EpisodeOutcome:
     """Raw measurements, e.g. ``{"malformed_tool_calls": 2.0, "language_mixing": 0.1}``; weights live in config."""
     segment_rewards: list[float] | None = None
     """Optional reward per segment (turn); enables reward-to-go within the episode."""
+    call_rewards: list[list[tuple[int, float]]] | None = None
+    """Optional rewards of single calls inside the segments (an agent's per-turn rewards through the gateway): per
+    segment, ``(position, reward)`` pairs in increasing position, the position the call's last sampled token in the
+    segment's tokens; each call becomes a reward-to-go step of its own (module docstring)."""
     domain: str = "default"
     metadata: dict = field(default_factory=dict)
     """Free-form task data for a user reward function (e.g. the reference answer)."""
@@ -99,6 +111,17 @@ class EpisodeOutcome:
                 )
             if not all(math.isfinite(r) for r in self.segment_rewards):
                 raise ValueError(f"{where}: segment_rewards has non-finite values")
+        if self.call_rewards is not None:
+            if len(self.call_rewards) != self.num_segments:
+                raise ValueError(f"{where}: call_rewards lists {len(self.call_rewards)} segments, the episode has "
+                                 f"{self.num_segments}")
+            for k, points in enumerate(self.call_rewards):
+                positions = [p for p, _ in points]
+                if any(not isinstance(p, int) or p < 0 for p in positions) or positions != sorted(set(positions)):
+                    raise ValueError(f"{where}: call_rewards of segment {k}: positions must be increasing ints >= 0, "
+                                     f"got {positions}")
+                if not all(math.isfinite(r) for _, r in points):
+                    raise ValueError(f"{where}: call_rewards of segment {k} has non-finite values")
 
 
 def load_reward_fn(path: str) -> Callable:
@@ -191,6 +214,10 @@ class GroupScores:
     segment_returns: list[list[float]] = field(default_factory=list)
     """Per episode, per segment: the return G_k (reward-to-go from segment k, discount ``gamma``): a learned critic's
     value target at the segment's end (``--critic``, algo/value.py)."""
+    segment_steps: list[list[list | None]] = field(default_factory=list)
+    """Per episode, per segment: None, or with call rewards (``EpisodeOutcome.call_rewards``) the segment's steps
+    ``[position, reward, return, advantage]``, its rewarded calls then its end (position -1); a token up to a step's
+    position, after the step before, takes that step's advantage (``segment_advantages`` is the first's)."""
 
 
 # ---------------------------------------------------------------- process terms
@@ -321,14 +348,22 @@ def _episode_terms(outcome: EpisodeOutcome, bonus: float, cfg: RewardConfig, whe
             terms[name] = v
     if outcome.segment_rewards is not None:
         terms["segment_rewards"] = math.fsum(outcome.segment_rewards)
+    if outcome.call_rewards:
+        terms["call_rewards"] = math.fsum(r for points in outcome.call_rewards for _, r in points)
     return terms
 
 
-def _segment_returns(outcome: EpisodeOutcome, reward: float, gamma: float) -> list[float]:
-    """Reward-to-go per segment; the episode-level reward is credited to the last segment."""
+def _segment_steps(outcome: EpisodeOutcome, reward: float, gamma: float) -> list[list[list]]:
+    """Per segment, its reward-to-go steps ``[position, reward, return]``: its rewarded calls (with
+    ``call_rewards``), then its end (position -1, the segment's reward; the last segment's also the episode-level
+    rest of ``reward``), the returns discounted by ``gamma`` per step."""
     per_segment = list(outcome.segment_rewards or [0.0] * outcome.num_segments)
-    per_segment[-1] += reward - math.fsum(outcome.segment_rewards or [])
-    return reward_to_go(per_segment, gamma)
+    per_segment[-1] += reward - math.fsum(outcome.segment_rewards or []) - math.fsum(
+        r for points in outcome.call_rewards or [] for _, r in points)
+    steps = [[*[[p, float(r)] for p, r in (outcome.call_rewards[k] if outcome.call_rewards else [])], [-1, r_k]]
+             for k, r_k in enumerate(per_segment)]
+    returns = iter(reward_to_go([r for seg in steps for _, r in seg], gamma))
+    return [[[p, r, next(returns)] for p, r in seg] for seg in steps]
 
 
 def _singleton_advantages(returns: list[list[float]], cfg: RewardConfig, warnings: list[str]) -> list[list[float]]:
@@ -352,12 +387,21 @@ def score_group(outcomes: list[EpisodeOutcome], cfg: RewardConfig) -> GroupScore
                                   cfg.completion_time_bound)
     terms = [_episode_terms(o, b, cfg, f"episode {i}") for i, (o, b) in enumerate(zip(outcomes, bonus))]
     rewards = [math.fsum(t.values()) for t in terms]
-    returns = [_segment_returns(o, r, cfg.gamma) for o, r in zip(outcomes, rewards)]
+    steps = [_segment_steps(o, r, cfg.gamma) for o, r in zip(outcomes, rewards)]
+    # every step's return, in order; a segment's return is its first step's (its start's)
+    flat = [[g for seg in ep for _, _, g in seg] for ep in steps]
     warnings: list[str] = []
     if len(outcomes) == 1:
-        advantages = _singleton_advantages(returns, cfg, warnings)
+        flat_adv = _singleton_advantages(flat, cfg, warnings)
     else:
-        baselines, scale = group_baselines([g[0] for g in returns], cfg.estimator, cfg.std_normalize, cfg.eps)
-        advantages = [[(g - b) / scale for g in gs] for gs, b in zip(returns, baselines)]
+        baselines, scale = group_baselines([g[0] for g in flat], cfg.estimator, cfg.std_normalize, cfg.eps)
+        flat_adv = [[(g - b) / scale for g in gs] for gs, b in zip(flat, baselines)]
+    returns, advantages, seg_steps = [], [], []
+    for ep, adv in zip(steps, flat_adv):
+        adv = iter(adv)
+        ep_steps = [[[p, r, g, next(adv)] for p, r, g in seg] for seg in ep]
+        returns.append([seg[0][2] for seg in ep_steps])
+        advantages.append([seg[0][3] for seg in ep_steps])
+        seg_steps.append([seg if len(seg) > 1 else None for seg in ep_steps])
     weights = [[1.0 / o.num_segments] * o.num_segments for o in outcomes]
-    return GroupScores(rewards, terms, advantages, weights, warnings, returns)
+    return GroupScores(rewards, terms, advantages, weights, warnings, returns, seg_steps)

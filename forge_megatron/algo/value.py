@@ -7,12 +7,14 @@ sample are its actions, in order; the tokens between them (prompts, tool results
 neither reward nor value. For the n trained tokens of a sample with values ``v_1 .. v_n`` and return ``G`` (the
 pool's return of the segment: its reward-to-go within the episode, ``GroupScores.segment_returns``)::
 
-    r_t     = G if t = n else 0
+    r_t     = G if t = n else 0                    (plus the call's reward where a rewarded call ends at t)
     delta_t = r_t + gamma * v_{t+1} - v_t          (v_{n+1} = 0: the segment's return already holds what follows)
     A_t     = sum_{j >= t} (gamma * lambda)^(j - t) * delta_j
     R_t     = A_t + v_t                            (the value target)
 
-so with ``gamma = lambda = 1`` (the defaults) ``A_t = G - v_t``: the return against a per-token baseline. The
+so with ``gamma = lambda = 1`` (the defaults) ``A_t = G - v_t``: the return against a per-token baseline. (With the
+gateway's per-call rewards, ``G`` is the return from the segment's end and each rewarded call's reward lands on its
+last sampled token, so ``A_t`` is the rewards from t on, minus ``v_t``.) The
 advantages are then whitened over the whole batch's trained tokens (zero mean, unit variance; ``--no-whiten-
 advantages`` keeps them raw).
 
@@ -71,8 +73,10 @@ def discounted_suffix_sums(x_N: torch.Tensor, segment_N: torch.Tensor, c: float)
 
 
 def gae_advantages(values_M: torch.Tensor, loss_mask_M: torch.Tensor, cu_seqlens_S1: torch.Tensor,
-                   returns_S: torch.Tensor, gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages_M, value targets_M) of the trained tokens (zeros elsewhere), fp32; see the module docstring."""
+                   returns_S: torch.Tensor, gamma: float = 1.0, lam: float = 1.0,
+                   rewards_M: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages_M, value targets_M) of the trained tokens (zeros elsewhere), fp32; see the module docstring.
+    ``rewards_M``: rewards at trained positions before the last (single calls' rewards), added to ``r_t``."""
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"GAE needs gamma and lambda in [0, 1], got {gamma} and {lam}")
     M, S = values_M.numel(), returns_S.numel()
@@ -90,6 +94,10 @@ def gae_advantages(values_M: torch.Tensor, loss_mask_M: torch.Tensor, cu_seqlens
     next_v_N[:-1] = v_N[1:]
     next_v_N[last_N] = 0.0
     r_N = torch.where(last_N, returns_S.to(device).double()[seg_N], torch.zeros_like(v_N))
+    if rewards_M is not None:
+        if rewards_M.numel() != M:
+            raise ValueError(f"GAE rewards_M has {rewards_M.numel()} entries for {M} positions")
+        r_N = r_N + rewards_M.to(device).double()[trained_N]
     adv_N = discounted_suffix_sums(r_N + gamma * next_v_N - v_N, seg_N, gamma * lam)
     adv_M = torch.zeros(M, dtype=torch.float32, device=device)
     ret_M = torch.zeros(M, dtype=torch.float32, device=device)

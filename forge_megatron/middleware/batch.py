@@ -70,8 +70,12 @@ class TrainSample:
     teacher_topk_ids: np.ndarray | None = None
     teacher_topk_logprobs: np.ndarray | None = None
     # the segment's return (reward-to-go within its episode): a learned critic's value target (--critic); None: the
-    # episode's reward (batches of pools from before 2026-12-05, offline files)
+    # episode's reward (batches of pools from before 2026-12-05, offline files). With call rewards, the return from
+    # the segment's end (after its last rewarded call)
     segment_return: float | None = None
+    # rewards of single calls in the segment (the gateway's per-call rewards): [position, reward] pairs, the position
+    # the call's last sampled token; a critic's GAE takes them as rewards at those tokens
+    call_rewards: list | None = None
 
 
 @dataclass
@@ -108,6 +112,8 @@ def episode_outcome(episode: Episode, task_metadata: dict | None = None):
         num_segments=len(episode.segments),
         process_terms=terms,
         segment_rewards=[0.0 if s.reward is None else float(s.reward) for s in episode.segments],
+        call_rewards=[[(int(p), float(r)) for p, r in s.call_rewards or []] for s in episode.segments]
+        if any(s.call_rewards for s in episode.segments) else None,
         domain=episode.domain,
         metadata={**(task_metadata or {}), **episode.metadata},
         sampled_tokens=sum(s.num_trained_tokens for s in episode.segments),
@@ -126,6 +132,9 @@ def score_episodes(episodes: list[Episode], reward_config, task_metadata: dict |
         "segment_advantages": [[float(a) for a in row] for row in scores.segment_advantages],
         "segment_weights": [[float(w) for w in row] for row in scores.segment_weights],
         "segment_returns": [[float(g) for g in row] for row in scores.segment_returns],
+        **({"segment_steps": [[None if st is None else [[int(p), float(r), float(g), float(a)] for p, r, g, a in st]
+                               for st in row] for row in scores.segment_steps]}
+           if any(st is not None for row in scores.segment_steps for st in row) else {}),
     }
 
 
@@ -156,19 +165,27 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
             teacher, top = teachers[s]
             advantage = np.float32(scores["segment_advantages"][e][s])
             returns = scores.get("segment_returns")  # (groups scored before 2026-12-05 have none)
+            segment_return = float(returns[e][s]) if returns else None
+            steps = scores["segment_steps"][e][s] if scores.get("segment_steps") else None
+            advantages = np.where(loss_mask_L == 1, advantage, np.float32(0.0))
+            calls = None
+            if steps is not None:  # per-call rewards: each call's tokens take the advantage from that call on
+                advantages, segment_return = _step_advantages(steps, loss_mask_L), float(steps[-1][2])
+                calls = [[int(p), float(r)] for p, r, _, _ in steps[:-1]]
             samples.append(
                 TrainSample(
                     tokens=tokens_L,
                     loss_mask=loss_mask_L,
                     rollout_logprobs=logprobs_L,
                     policy_versions=versions_L,
-                    advantages=np.where(loss_mask_L == 1, advantage, np.float32(0.0)),
+                    advantages=advantages,
                     sample_weight=scores["segment_weights"][e][s],
                     group_index=group_index,
                     episode_id=meta["episode_id"],
                     domain=meta["domain"],
                     reward=scores["rewards"][e],
-                    segment_return=float(returns[e][s]) if returns else None,
+                    segment_return=segment_return,
+                    call_rewards=calls,
                     routed_experts=None if routed_T is None else routed_T[lo:hi],
                     images=images[s],
                     teacher_logprobs=teacher,
@@ -177,6 +194,17 @@ def group_samples(episodes: list[tuple[dict[str, Any], list[np.ndarray]]], score
                 )
             )
     return samples
+
+
+def _step_advantages(steps: list, loss_mask_L: np.ndarray) -> np.ndarray:
+    """float32 [L]: each trained token the advantage of the first step at or after it (``steps``: a segment's
+    ``[position, reward, return, advantage]``, its rewarded calls then its end at position -1)."""
+    out = np.full(loss_mask_L.shape, np.float32(steps[-1][3]), dtype=np.float32)
+    lo = 0
+    for p, _, _, a in steps[:-1]:
+        out[lo:p + 1] = a
+        lo = p + 1
+    return np.where(loss_mask_L == 1, out, np.float32(0.0))
 
 
 def teacher_parts(meta: dict, teacher_T, topk, lengths: list[int], sampled: list[int], where: str) -> list:

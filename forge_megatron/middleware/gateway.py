@@ -17,7 +17,7 @@ Routes
   POST /forge/sessions {eval: true, task_id, domain, metadata} -> an evaluation session: served and recorded the same
                                                                  way, never sent to the sink (not trained on)
   GET  /forge/sessions/{id}                                   -> the call records
-  POST /forge/sessions/{id}/reward {reward, terms}
+  POST /forge/sessions/{id}/reward {reward, terms, call_rewards: [{call, reward}]}
   POST /forge/sessions/{id}/end {status}                      -> the episode goes to the sink; answers with the
                                                                  policy versions that sampled it
   POST /forge/admin/pause {drain_timeout_s}, POST /forge/admin/resume {policy_version, lora_name},
@@ -1844,10 +1844,17 @@ async def set_reward(request: web.Request, gw: Gateway) -> web.Response:
     if not isinstance(terms, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                               for v in terms.values()):
         raise _bad("terms", "terms must be an object of numbers")
+    calls = None
+    if body.get("call_rewards") is not None:  # rewards of single calls (checked before anything is set)
+        try:
+            calls = sess.set_call_rewards(body["call_rewards"])
+        except ValueError as exc:
+            raise _bad("call_rewards", str(exc)) from exc
     if reward is not None:
         sess.reward = float(reward)
     sess.reward_terms.update({k: float(v) for k, v in terms.items()})
-    return web.json_response({"session_id": sess.session_id, "reward": sess.reward, "terms": sess.reward_terms})
+    return web.json_response({"session_id": sess.session_id, "reward": sess.reward, "terms": sess.reward_terms,
+                              **({} if calls is None else {"call_rewards": {str(k): v for k, v in calls.items()}})})
 
 
 @_admin

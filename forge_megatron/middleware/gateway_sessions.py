@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import secrets
 import time
@@ -317,6 +318,7 @@ class Session:
     last_turn: _Turn | None = None
     reward: float | None = None
     reward_terms: dict = field(default_factory=dict)
+    call_rewards: dict = field(default_factory=dict)  # call index -> reward of that call alone (set_call_rewards)
     status: str | None = None  # set when ended
     ended_at: float = 0.0
     evaluation: bool = False  # an eval session: served and recorded like any other, never sent to the sink
@@ -369,10 +371,46 @@ class Session:
             out["policy_versions"] = seg.versions[lo:hi].tolist()
         return out
 
+    def set_call_rewards(self, items: list) -> dict[int, float]:
+        """``items``: ``{"call": index, "reward": r}`` objects, the index a call of this session in the order
+        :meth:`summary` lists them (negative from the end: -1 the latest); each sets (replaces) that call's own reward.
+        Raises ValueError naming the bad item; nothing is set unless all are good. Returns every call reward set."""
+        if not isinstance(items, list):
+            raise ValueError("call_rewards must be a list of {call, reward} objects")
+        new = {}
+        for i, item in enumerate(items):
+            where = f"call_rewards[{i}]"
+            if not isinstance(item, dict) or set(item) != {"call", "reward"}:
+                raise ValueError(f"{where} must be an object with exactly the keys call and reward")
+            index, reward = item["call"], item["reward"]
+            if isinstance(index, bool) or not isinstance(index, int) or not -len(self.calls) <= index < len(self.calls):
+                raise ValueError(f"{where}.call must be the index of one of the session's {len(self.calls)} calls "
+                                 f"(negative from the latest), got {index!r}")
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise ValueError(f"{where}.reward must be a finite number")
+            index %= len(self.calls)
+            if self.calls[index].completion_len == 0:
+                raise ValueError(f"{where}: call {index} sampled no tokens; there is no token to credit its reward to")
+            new[index] = float(reward)
+        self.call_rewards.update(new)
+        return dict(sorted(self.call_rewards.items()))
+
+    def _segment_call_rewards(self) -> list[list | None]:
+        """Per segment: its calls' rewards as ``[position, reward]``, the position the call's last sampled token."""
+        out: list[list | None] = [None] * len(self.segments)
+        for index, reward in sorted(self.call_rewards.items()):
+            call = self.calls[index]
+            out[call.segment_index] = (out[call.segment_index] or []) + [
+                [call.prompt_len + call.completion_len - 1, reward]]
+        return out
+
     def to_episode(self) -> Episode:
+        segments = [s.to_segment() for s in self.segments]
+        for seg, rewards in zip(segments, self._segment_call_rewards()):
+            seg.call_rewards = rewards
         return Episode(
             episode_id=self.session_id, group_id=self.group_id, task_id=self.task_id,
-            segments=[s.to_segment() for s in self.segments], status=self.status or "aborted", domain=self.domain,
+            segments=segments, status=self.status or "aborted", domain=self.domain,
             reward=self.reward, reward_terms=dict(self.reward_terms), started_at=self.started_at,
             ended_at=self.ended_at, num_tool_calls=sum(c.num_tool_calls for c in self.calls),
             num_malformed_tool_calls=sum(c.num_malformed_tool_calls for c in self.calls),
@@ -390,4 +428,5 @@ class Session:
     def summary(self) -> dict:
         return {"session_id": self.session_id, "group_id": self.group_id, "eval": self.evaluation,
                 "status": self.status, "reward": self.reward, "num_segments": len(self.segments),
+                "call_rewards": {str(k): v for k, v in sorted(self.call_rewards.items())},
                 "calls": [self.call_dict(c) for c in self.calls]}

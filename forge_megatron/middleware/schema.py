@@ -86,6 +86,9 @@ class Segment:
     # Optional teacher top-k at every sampled token (see above): int32 / float32 [sampled, K]; nested lists in JSON.
     teacher_topk_ids: np.ndarray | None = None
     teacher_topk_logprobs: np.ndarray | None = None
+    # Optional rewards of single calls in this segment: [position, reward] pairs, the position the call's last sampled
+    # token (loss mask 1), increasing; each is a reward-to-go step of its own (algo/rewards.py, "Per-call rewards").
+    call_rewards: list[list] | None = None
 
     def __post_init__(self) -> None:
         if self.images is not None:
@@ -126,6 +129,17 @@ class Segment:
         _check(all(math.isfinite(x) for x in self.rollout_logprobs), f"{where}.rollout_logprobs has non-finite values")
         if self.reward is not None:
             _check(math.isfinite(self.reward), f"{where}.reward is not finite")
+        if self.call_rewards is not None:
+            pairs = self.call_rewards
+            _check(isinstance(pairs, list) and all(
+                isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], int) and not isinstance(x[0], bool)
+                and isinstance(x[1], (int, float)) and not isinstance(x[1], bool) and math.isfinite(x[1])
+                for x in pairs), f"{where}.call_rewards must be [position, finite reward] pairs")
+            positions = [int(p) for p, _ in pairs]
+            _check(positions == sorted(set(positions)) and all(0 <= p < n for p in positions),
+                   f"{where}.call_rewards positions must increase and lie in [0, {n}), got {positions}")
+            _check(all(self.loss_mask[p] == 1 for p in positions),
+                   f"{where}.call_rewards positions must be sampled tokens (loss_mask 1)")
         if self.teacher_logprobs is not None:
             _check(len(self.teacher_logprobs) == n,
                    f"{where}.teacher_logprobs has length {len(self.teacher_logprobs)}, tokens has {n}")

@@ -256,6 +256,9 @@ def episode_to_wire(episode: Episode) -> tuple[dict[str, Any], list[np.ndarray]]
     meta["schema_version"] = SCHEMA_VERSION
     meta["segment_lengths"] = [len(s.tokens) for s in episode.segments]
     meta["segment_rewards"] = [s.reward for s in episode.segments]
+    if any(s.call_rewards for s in episode.segments):  # (optional: pools from before 2026-12-05 never send it)
+        meta["segment_call_rewards"] = [[[int(p), float(r)] for p, r in s.call_rewards or []]
+                                        for s in episode.segments]
     arrays = [np.concatenate([np.asarray(getattr(s, name), dtype=dtype) for s in episode.segments])
               if episode.segments else np.zeros(0, dtype) for name, dtype in EPISODE_FIELDS]
     arrays += _teacher_frame([s.teacher_logprobs for s in episode.segments], meta["segment_lengths"], meta)
@@ -276,6 +279,11 @@ def episode_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> Episode
     if len(rewards) != len(lengths):
         raise WireError(f"episode has {len(lengths)} segment_lengths but {len(rewards)} segment_rewards")
     del meta["segment_lengths"], meta["segment_rewards"]
+    calls = meta.pop("segment_call_rewards", None)
+    if calls is not None and not (isinstance(calls, list) and len(calls) == len(lengths)
+                                  and all(isinstance(c, list) for c in calls)):
+        raise WireError(f"episode segment_call_rewards must be a list per segment ({len(lengths)})")
+    calls = calls if calls is not None else [None] * len(lengths)
     arrays, images = _take_images(meta, arrays, len(lengths), "segment_images", "episode")
     arrays, routed_T = _take_routing(meta, arrays, sum(lengths), "episode")
     arrays, topk = _take_topk(meta, arrays, "episode")
@@ -289,8 +297,9 @@ def episode_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> Episode
            "images": None if ims is None else [bytes(x) for x in ims],
            "teacher_logprobs": None if teacher is None else teacher.tolist(),
            "teacher_topk_ids": None if top is None else top[0].copy(),
-           "teacher_topk_logprobs": None if top is None else top[1].copy()}
-        for part, r, lo, hi, ims, (teacher, top) in zip(parts, rewards, bounds[:-1], bounds[1:], images, teachers)
+           "teacher_topk_logprobs": None if top is None else top[1].copy(), "call_rewards": c or None}
+        for part, r, lo, hi, ims, (teacher, top), c in zip(parts, rewards, bounds[:-1], bounds[1:], images, teachers,
+                                                          calls)
     ]
     return Episode.from_dict(meta)
 
@@ -322,7 +331,9 @@ _SAMPLE_KEYS = ("sample_weight", "group_index", "episode_id", "domain", "reward"
 def batch_to_wire(batch: TrainBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
     samples = [{"sample_weight": float(s.sample_weight), "group_index": int(s.group_index), "episode_id": s.episode_id,
                 "domain": s.domain, "reward": float(s.reward), "length": int(s.tokens.shape[0]),
-                **({} if s.segment_return is None else {"return": float(s.segment_return)})} for s in batch.samples]
+                **({} if s.segment_return is None else {"return": float(s.segment_return)}),
+                **({"call_rewards": [[int(p), float(r)] for p, r in s.call_rewards]} if s.call_rewards else {})}
+               for s in batch.samples]
     arrays = [np.concatenate([getattr(s, name) for s in batch.samples]) if batch.samples else np.zeros(0, dtype)
               for name, dtype in TOKEN_FIELDS]
     meta = {"batch_id": batch.batch_id, "group_indices": batch.group_indices, "metrics": batch.metrics,
@@ -348,6 +359,12 @@ def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatc
                for r in returns):
         raise WireError("batch samples' return must be a finite number")
     lengths = _lengths({"lengths": [s["length"] for s in samples_meta]}, "lengths", "batch")
+    calls = [s.get("call_rewards") for s in samples_meta]  # optional: rewards of single calls (a critic's GAE)
+    if not all(c is None or (isinstance(c, list) and all(
+            isinstance(x, list) and len(x) == 2 and isinstance(x[0], int) and 0 <= x[0] < n
+            and isinstance(x[1], (int, float)) and not isinstance(x[1], bool) and math.isfinite(x[1]) for x in c))
+               for c, n in zip(calls, lengths)):
+        raise WireError("batch samples' call_rewards must be [position within the sample, finite reward] pairs")
     meta = dict(meta)
     arrays, images = _take_images(meta, arrays, len(samples_meta), "images", "batch")
     arrays, routed_T = _take_routing(meta, arrays, sum(lengths), "batch")
@@ -361,9 +378,9 @@ def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatc
                     routed_experts=None if routed_T is None else routed_T[lo:hi], images=ims,
                     teacher_logprobs=teacher, teacher_topk_ids=None if top is None else top[0],
                     teacher_topk_logprobs=None if top is None else top[1],
-                    segment_return=None if g is None else float(g))
-        for part, s, lo, hi, ims, (teacher, top), g in zip(parts, samples_meta, bounds[:-1], bounds[1:], images,
-                                                            teachers, returns)
+                    segment_return=None if g is None else float(g), call_rewards=c)
+        for part, s, lo, hi, ims, (teacher, top), g, c in zip(parts, samples_meta, bounds[:-1], bounds[1:], images,
+                                                               teachers, returns, calls)
     ]
     return TrainBatch(batch_id=field(meta, "batch_id", int, "batch"), samples=samples,
                       group_indices=field(meta, "group_indices", list, "batch"),

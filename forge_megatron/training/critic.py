@@ -152,7 +152,8 @@ class Critic:
             if "old_values_M" not in x:  # not the last pipeline stage: no loss here
                 continue
             v = x["old_values_M"]  # (on the device the critic ran on: GAE runs there)
-            adv, ret = gae_advantages(v, x["loss_mask_M"], x["cu_seqlens_S1"], x["return_S"], self.gamma, self.lam)
+            adv, ret = gae_advantages(v, x["loss_mask_M"], x["cu_seqlens_S1"], x["return_S"], self.gamma, self.lam,
+                                      x.get("call_reward_M"))
             m, vd, rd, ad = x["loss_mask_M"].to(v.device).double(), v.double(), ret.double(), adv.double()
             sums += torch.stack([m.sum(), (m * vd).sum(), (m * rd).sum(), (m * rd * rd).sum(), (m * (rd - vd)).sum(),
                                  (m * (rd - vd) ** 2).sum(), (m * ad).sum(), (m * ad * ad).sum()]).cpu()

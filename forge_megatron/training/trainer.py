@@ -160,6 +160,12 @@ def micro_batch_of(samples: list, domains: list[str], routing_replay: bool = Fal
         "return_S": torch.tensor([s.reward if getattr(s, "segment_return", None) is None else s.segment_return
                                   for s in samples], dtype=torch.float32),
     }
+    if any(getattr(s, "call_rewards", None) for s in samples):  # rewards of single calls: a critic's GAE reads them
+        rewards_M = torch.zeros_like(extras["loss_mask_M"])
+        for start, s in zip(extras["cu_seqlens_S1"].tolist(), samples):
+            for p, r in s.call_rewards or ():
+                rewards_M[start + p - 1] += r  # (token p is the target of position p - 1)
+        extras["call_reward_M"] = rewards_M
     extras.update(_recorded_teacher(samples, extras["loss_mask_M"], extras["cu_seqlens_S1"]))
     routing, stats = None, {}
     if routing_replay:

@@ -94,6 +94,35 @@ def test_score_group_reward_to_go_across_segments():
     assert scores.segment_returns == [pytest.approx(g0), [0.0]]  # a learned critic's value targets (--critic)
 
 
+def test_call_rewards_are_reward_to_go_steps_inside_their_segments():
+    """Episode 0: two segments; segment 0 holds rewarded calls ending at tokens 5 (0.2) and 9 (-0.1), segment 1 one at
+    token 3 (0.4), the segment rewards 0.05 and 0, the outcome 1. Steps in order: 0.2, -0.1, 0.05 (segment 0's end),
+    0.4, 1.0 (segment 1's end, with the outcome), their returns discounted by gamma = 0.5 per step; the group
+    baseline on the first returns (episode 1 has none of these: one step, its outcome 0). A segment's advantage and
+    return are its first step's; the steps list every step's position, reward, return and advantage; the total
+    reward counts the call rewards once (a term of their own)."""
+    ep0 = _ep(1.0, num_segments=2, segment_rewards=[0.05, 0.0], call_rewards=[[(5, 0.2), (9, -0.1)], [(3, 0.4)]])
+    scores = score_group([ep0, _ep(0.0)], RewardConfig(gamma=0.5, std_normalize=False))
+    rewards = [0.2, -0.1, 0.05, 0.4, 1.0]
+    g = [0.0] * 5
+    for j in range(4, -1, -1):
+        g[j] = rewards[j] + (0.5 * g[j + 1] if j < 4 else 0.0)
+    b = (g[0] + 0.0) / 2
+    assert scores.rewards[0] == pytest.approx(1.0 + 0.05 + 0.2 - 0.1 + 0.4)
+    assert scores.terms[0]["call_rewards"] == pytest.approx(0.5)
+    assert scores.segment_returns == [pytest.approx([g[0], g[3]]), [0.0]]
+    assert scores.segment_advantages[0] == pytest.approx([g[0] - b, g[3] - b])
+    (s0, s1), (none,) = scores.segment_steps
+    assert none is None
+    assert [st[0] for st in s0] == [5, 9, -1] and [st[0] for st in s1] == [3, -1]
+    assert [st[1] for st in s0 + s1] == pytest.approx(rewards)
+    assert [st[2] for st in s0 + s1] == pytest.approx(g)
+    assert [st[3] for st in s0 + s1] == pytest.approx([x - b for x in g])
+    # without call rewards the steps are the segments: the same as segment rewards alone
+    plain = score_group([_ep(1.0, num_segments=2, segment_rewards=[0.05, 0.0]), _ep(0.0)], RewardConfig(gamma=0.5))
+    assert plain.segment_steps == [[None, None], [None]]
+
+
 # ---------------------------------------------------------------- composite reward
 
 
@@ -270,6 +299,10 @@ def test_user_reward_fn_bad_returns(reward_module):
          "episode 2: process term 'language_mixing' is nan (must be finite)"),
         (_ep(1.0, num_segments=2, segment_rewards=[1.0]), "episode 2: 1 segment_rewards for 2 segments"),
         (_ep(1.0, segment_rewards=[float("inf")]), "episode 2: segment_rewards has non-finite values"),
+        (_ep(1.0, call_rewards=[[(1, 0.0)], []]), "episode 2: call_rewards lists 2 segments, the episode has 1"),
+        (_ep(1.0, call_rewards=[[(4, 0.1), (2, 0.1)]]),
+         "episode 2: call_rewards of segment 0: positions must be increasing ints >= 0, got [4, 2]"),
+        (_ep(1.0, call_rewards=[[(4, float("nan"))]]), "episode 2: call_rewards of segment 0 has non-finite values"),
     ],
 )
 def test_bad_episode_named_by_index(bad, message):

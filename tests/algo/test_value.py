@@ -6,15 +6,16 @@ import torch
 from forge_megatron.algo.value import discounted_suffix_sums, gae_advantages, value_loss
 
 
-def _loop_gae(values, mask, bounds, returns, gamma, lam):
-    """The textbook backward recursion, one sample at a time, over its trained tokens only."""
+def _loop_gae(values, mask, bounds, returns, gamma, lam, rewards=None):
+    """The textbook backward recursion, one sample at a time, over its trained tokens only (``rewards``: more reward
+    at any trained position)."""
     adv, ret = [0.0] * len(values), [0.0] * len(values)
     for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         idx = [t for t in range(lo, hi) if mask[t]]
         acc, next_v = 0.0, 0.0
         for k in reversed(range(len(idx))):
             t = idx[k]
-            r = returns[s] if k == len(idx) - 1 else 0.0
+            r = (returns[s] if k == len(idx) - 1 else 0.0) + (rewards[t] if rewards is not None else 0.0)
             delta = r + gamma * next_v - values[t]
             acc = delta + gamma * lam * acc
             adv[t], ret[t], next_v = acc, acc + values[t], values[t]
@@ -43,6 +44,32 @@ def test_gae_equals_the_backward_recursion(gamma, lam):
     if gamma == lam == 1.0:  # A_t = G - V_t: the return against a per-token baseline
         sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         assert torch.allclose(adv[mask > 0], (returns[sample] - values)[mask > 0], atol=1e-6)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95)])
+def test_gae_with_the_rewards_of_single_calls(gamma, lam):
+    """Per-call rewards (``rewards_M``, the gateway's call_rewards) at some trained positions, one of them a sample's
+    last: the recursion with those rewards added to r_t. With gamma = lambda = 1 each token's advantage is the
+    rewards from it on (the calls' after it and the return at the end) minus its value."""
+    g = torch.Generator().manual_seed(3)
+    bounds = [0, 30, 42, 60]
+    M = bounds[-1]
+    values, returns = torch.randn(M, generator=g), torch.randn(3, generator=g)
+    mask = (torch.rand(M, generator=g) > 0.2).float()
+    mask[[0, 30, 42]] = 0
+    mask[[5, 9, 29, 59]] = 1
+    rewards = torch.zeros(M)
+    rewards[[9, 29, 50]] = torch.tensor([0.5, -0.3, 0.25])
+    mask[50] = 1
+    adv, ret = gae_advantages(values, mask, torch.tensor(bounds), returns, gamma, lam, rewards)
+    want_adv, want_ret = _loop_gae(values.tolist(), mask.tolist(), bounds, returns.tolist(), gamma, lam,
+                                   rewards.tolist())
+    assert torch.allclose(adv, want_adv.float(), atol=1e-5) and torch.allclose(ret, want_ret.float(), atol=1e-5)
+    if gamma == lam == 1.0:
+        t = 5  # before the first sample's calls at 9 and 29: 0.5 - 0.3 + its return
+        assert adv[t].item() == pytest.approx(0.2 + returns[0].item() - values[t].item(), abs=1e-5)
+    with pytest.raises(ValueError, match="rewards_M has 3 entries for 60 positions"):
+        gae_advantages(values, mask, torch.tensor(bounds), returns, gamma, lam, torch.zeros(3))
 
 
 def test_suffix_sums_stay_in_their_segment_and_handle_long_runs():

@@ -817,6 +817,86 @@ def test_episodes_reach_the_data_pool(tmp_path, model_dir):
         pool.close()
 
 
+def test_call_rewards_reach_the_trainer_batch_as_per_call_advantages(tmp_path, model_dir):
+    """Per-call rewards (POST /forge/sessions/{id}/reward {call_rewards}): episode A makes three calls, the first two
+    in one segment, the third after a rewritten context in a second; the agent rewards call 0 (0.5) and the latest
+    call (-0.25, by index -1) besides the outcome 1; episode B one call, outcome 0. Bad items are refused by name and
+    set nothing. The pool's steps are call 0, segment 0's end, call 2, segment 1's end (the outcome), so the trainer's
+    samples carry, token by token, the advantage of the return from their call on (group baseline on the first
+    returns), each call's reward at its last sampled token for a critic, and the return from the segment's end; the
+    batch's wire form and the episode's JSON keep them."""
+    import numpy as np
+
+    from forge_megatron.middleware.pool import DataPool, PoolConfig
+    from forge_megatron.middleware.schema import Episode
+    from forge_megatron.middleware.wire import batch_from_wire, batch_to_wire
+
+    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), generation_batch_groups=1))
+    e = start_engine(model_dir, in_process=True)
+    gw = start_gateway(model_dir, [e.url], in_process=True, sink=pool)
+    try:
+        _, g = http(gw.url + "/forge/groups", {"task_id": "t", "size": 2})
+        _, a = http(gw.url + "/forge/sessions", {"group_id": g["group_id"]})
+        c = client(a)
+        msgs = [{"role": "user", "content": "Step one"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0)
+        msgs += [as_message(r.choices[0].message), {"role": "user", "content": "Step two"}]
+        c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0)
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Summary"}], max_tokens=5,
+                                  temperature=0)
+        url = f"{gw.url}/forge/sessions/{a['session_id']}/reward"
+        for bad, message in (([{"call": 3, "reward": 1.0}], "call_rewards[0].call must be the index of one of the "
+                                                            "session's 3 calls"),
+                             ([{"call": 0, "reward": 1.0}, {"call": True, "reward": 1.0}], "call_rewards[1].call"),
+                             ([{"call": 0, "reward": "x"}], "call_rewards[0].reward must be a finite number"),
+                             ([{"call": 0}], "call_rewards[0] must be an object with exactly the keys call and reward"),
+                             ({"call": 0, "reward": 1.0}, "call_rewards must be a list")):
+            status, err = http(url, {"reward": 1.0, "call_rewards": bad})
+            assert status == 400 and err["error"]["param"] == "call_rewards" and message in err["error"]["message"]
+        summary = http(f"{gw.url}/forge/sessions/{a['session_id']}", method="GET")[1]
+        assert summary["call_rewards"] == {} and summary["reward"] is None  # (nothing set by a refused request)
+        status, ok = http(url, {"reward": 1.0, "call_rewards": [{"call": 0, "reward": 0.5}, {"call": -1, "reward": -0.25}]})
+        assert status == 200 and ok["call_rewards"] == {"0": 0.5, "2": -0.25}
+        rec = calls(gw, a)
+        ep = gw.gateway.sessions[a["session_id"]].to_episode()
+        assert end(gw, a)[1]["sink"] == "accepted"
+        _, b = http(gw.url + "/forge/sessions", {"group_id": g["group_id"]})
+        client(b).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "q"}], max_tokens=5)
+        http(f"{gw.url}/forge/sessions/{b['session_id']}/reward", {"reward": 0.0})
+        assert end(gw, b)[1]["sink"] == "accepted"
+        batch = pool.next_batch(1, timeout_s=10)
+    finally:
+        gw.stop()
+        e.stop()
+        pool.close()
+    assert [x["segment_index"] for x in rec] == [0, 0, 1]
+    p0 = len(rec[0]["prompt_ids"]) + len(rec[0]["completion_ids"]) - 1  # call 0's last sampled token in segment 0
+    p2 = len(rec[2]["prompt_ids"]) + len(rec[2]["completion_ids"]) - 1
+    assert [s.call_rewards for s in ep.segments] == [[[p0, 0.5]], [[p2, -0.25]]]
+    assert Episode.from_dict(json.loads(json.dumps(ep.to_dict()))).segments[0].call_rewards == [[p0, 0.5]]
+    seg0, seg1 = [s for s in batch.samples if s.episode_id == a["session_id"]]
+    (only_b,) = [s for s in batch.samples if s.episode_id == b["session_id"]]
+    # A's composite reward R (the outcome, the calls' 0.25 and whatever process terms the pool weighs) is the sum of
+    # its steps: 0.5 (call 0), 0 (segment 0's end), -0.25 (call 2), R - 0.25 (segment 1's end); gamma 1
+    r_a, r_b = seg0.reward, only_b.reward
+    assert r_a == pytest.approx(1.25 - 0.1 * ep.num_malformed_tool_calls)  # (the default malformed-call weight)
+    g_a = [r_a, r_a - 0.5, r_a - 0.5, r_a - 0.25]
+    base, scale = (r_a + r_b) / 2, abs(r_a - r_b) / 2 + 1e-6  # GRPO on the first returns, population std
+    adv = [(x - base) / scale for x in g_a]
+    assert only_b.call_rewards is None
+    assert only_b.advantages[only_b.loss_mask == 1] == pytest.approx(np.full(int(only_b.loss_mask.sum()),
+                                                                            (r_b - base) / scale), rel=1e-5)
+    assert seg0.call_rewards == [[p0, 0.5]] and seg1.call_rewards == [[p2, -0.25]]
+    trained = np.flatnonzero(seg0.loss_mask)
+    want = np.where(trained <= p0, adv[0], adv[1])
+    assert seg0.advantages[trained] == pytest.approx(want, rel=1e-5) and (seg0.advantages[seg0.loss_mask == 0] == 0).all()
+    assert seg1.advantages[seg1.loss_mask == 1] == pytest.approx(np.full(int(seg1.loss_mask.sum()), adv[2]), rel=1e-5)
+    assert (seg0.segment_return, seg1.segment_return) == (pytest.approx(r_a - 0.5), pytest.approx(r_a - 0.25))
+    wired = batch_from_wire(*batch_to_wire(batch))
+    assert [s.call_rewards for s in wired.samples] == [s.call_rewards for s in batch.samples]
+    assert [s.segment_return for s in wired.samples] == [s.segment_return for s in batch.samples]
+
+
 def test_routed_experts_reach_the_trainer_batch(tmp_path):
     """Rollout routing replay, gateway to batch: a MoE engine returns each call's routed experts, the gateway keeps
     them per segment (first call to process a position wins; the last token has none), and the data pool hands

@@ -160,6 +160,45 @@ def test_critic_learns_warms_up_resumes_and_exports(models, tmp_path):
     assert torch.cat(values).mean().item() == pytest.approx(one[4]["critic/value_mean"], rel=1e-4, abs=1e-5)
 
 
+def test_rewards_of_single_calls_reach_the_critics_advantages(models, tmp_path):
+    """Episodes whose agent rewarded single calls (Segment.call_rewards: +0.5 at a completion's second token in
+    episodes 0 and 2, -0.25 at the last in episode 1): with gamma = lambda = 1 and no whitening each trained token's
+    advantage is the rewards from it on (those calls' at or after it, then the outcome) minus the critic's value, so
+    the step's return and advantage means equal those written out from transformers' values."""
+    from forge_megatron.middleware.schema import Episode, Segment
+
+    policy, critic = models
+    (episodes,) = _groups(1, seed=17)
+    calls = {0: (1, 0.5), 1: (-1, -0.25), 2: (1, 0.5)}  # episode -> (completion token, reward)
+
+    def feed(client):
+        gid = client.register_group("task-0", len(episodes), "default")
+        for e, (prompt, completion, reward) in enumerate(episodes):
+            seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
+                          rollout_logprobs=[0.0] * len(prompt) + [-5.0] * len(completion),
+                          policy_versions=[-1] * len(prompt) + [0] * len(completion))
+            if e in calls:
+                k, r = calls[e]
+                seg.call_rewards = [[len(prompt) + k % len(completion), r]]
+            client.episode_started(gid, f"{gid}-e{e}")
+            now = time.time()
+            client.submit_episode(Episode(episode_id=f"{gid}-e{e}", group_id=gid, task_id="task-0", segments=[seg],
+                                          reward=reward, started_at=now - 1, ended_at=now))
+
+    v, _, _ = _reference(policy, critic, episodes)
+    returns = []
+    for e, (_, completion, reward) in enumerate(episodes):
+        k, r = calls.get(e, (0, 0.0))
+        k %= len(completion)
+        returns += [reward + (r if t <= k else 0.0) for t in range(len(completion))]
+    r_t = torch.tensor(returns, dtype=torch.float64)
+    (step,), _, _ = run_on_fresh_pool(tmp_path, "calls", policy, feed, iters=1, groups=1,
+                                      extra=["--critic-hf-checkpoint", critic, "--no-whiten-advantages"])
+    assert step["critic/return_mean"] == pytest.approx(r_t.mean().item(), rel=1e-5, abs=1e-6)
+    assert step["critic/advantage_mean"] == pytest.approx((r_t - v).mean().item(), rel=1e-5, abs=1e-6)
+    assert step["critic/advantage_std"] == pytest.approx((r_t - v).std(unbiased=False).item(), rel=1e-5, abs=1e-6)
+
+
 def test_critics_that_cannot_value_the_policys_tokens_are_refused(models, tmp_path):
     """A critic checkpoint with another tokenizer (one token's id moved), a reward model of two labels, and a
     vision-language policy: each refused at start-up with the reason."""
