@@ -8,7 +8,8 @@
 # Settings (environment): HF_CHECKPOINT (required), MODEL (scripts/models/<MODEL>.sh, optional: the HF config is the
 # architecture), TASKS (tasks JSONL), ENGINE (forge = CPU reference engine | sglang), NUM_ENGINES, NPROC, TP, PP, EP, ETP,
 # CP, AGENT_CMD or AGENT_URL, GROUP_SIZE, GROUPS_PER_STEP, TRAIN_ITERS, LR, RUN_DIR, DOMAIN_RATIOS, EXTRA_TRAIN_ARGS,
-# DRIVER_ARGS (more rollout-driver flags: --verifier, an LLM judge's --judge-*), RM_CHECKPOINT (a reward model served
+# DRIVER_ARGS (more rollout-driver flags: --verifier, an LLM judge's --judge-*, a process reward model's
+# --call-rm-*), CALL_RM_WEIGHT (with RM_CHECKPOINT: it also rewards single calls), RM_CHECKPOINT (a reward model served
 # beside the engines, forge-engine on CPU or SGLang --is-embedding on the next GPU, scoring episodes: --verifier
 # [RM_DOMAIN=]rm), JUDGE_CHECKPOINT (an LLM judge served the same way: --verifier [JUDGE_DOMAIN=]judge),
 # POOL_ARGS (window and reward settings, e.g. "--window-fraction 0.5 --advantage-estimator rloo": applied by the data
@@ -57,6 +58,10 @@ POOL_ARGS="${POOL_ARGS:-}"
 DRIVER_ARGS="${DRIVER_ARGS:-}"  # more rollout-driver flags, e.g. "--verifier judge --judge-url http://127.0.0.1:30010/v1"
 DOMAIN_RATIOS="${DOMAIN_RATIOS:-}"
 RM_CHECKPOINT="${RM_CHECKPOINT:-}"; RM_DOMAIN="${RM_DOMAIN:-}"; RM_PORT="${RM_PORT:-30100}"
+CALL_RM_WEIGHT="${CALL_RM_WEIGHT:-}"  # with RM_CHECKPOINT: rewards of single calls from it too (empty: off)
+if [ -n "$CALL_RM_WEIGHT" ] && [ -z "$RM_CHECKPOINT" ]; then
+  echo "run_local.sh: CALL_RM_WEIGHT needs RM_CHECKPOINT (the reward model that scores the calls)" >&2; exit 2
+fi
 JUDGE_CHECKPOINT="${JUDGE_CHECKPOINT:-}"; JUDGE_DOMAIN="${JUDGE_DOMAIN:-}"; JUDGE_PORT="${JUDGE_PORT:-30200}"
 TEACHER_CHECKPOINT="${TEACHER_CHECKPOINT:-}"; TEACHER_SERVED="${TEACHER_SERVED:-0}"; TEACHER_PORT="${TEACHER_PORT:-30300}"
 DISTILL_OUTCOME_COEF="${DISTILL_OUTCOME_COEF:-1}"; DISTILL_KL="${DISTILL_KL:-sampled}"; DISTILL_TOPK="${DISTILL_TOPK:-32}"
@@ -154,6 +159,8 @@ serve_scorer() {  # serve_scorer <log name> <checkpoint> <port> <SGLang flags...
 if [ -n "$RM_CHECKPOINT" ]; then
   serve_scorer reward-model "$RM_CHECKPOINT" "$RM_PORT" --is-embedding
   DRIVER_FLAGS+=(--verifier "${RM_DOMAIN:+$RM_DOMAIN=}rm" --rm-url "http://127.0.0.1:$RM_PORT" --rm-tokenizer "$RM_CHECKPOINT")
+  [ -n "$CALL_RM_WEIGHT" ] && DRIVER_FLAGS+=(--call-rm-url "http://127.0.0.1:$RM_PORT" --call-rm-tokenizer "$RM_CHECKPOINT"
+                                             --call-rm-weight "$CALL_RM_WEIGHT")
 fi
 if [ -n "$JUDGE_CHECKPOINT" ]; then
   serve_scorer judge "$JUDGE_CHECKPOINT" "$JUDGE_PORT" --served-model-name judge

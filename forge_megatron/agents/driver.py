@@ -30,6 +30,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+from forge_megatron.agents.call_rewards import add_call_reward_arguments, call_rewards_from_args
 from forge_megatron.agents.gateway_api import GatewayClient, GatewayError
 from forge_megatron.agents.runner import (
     DomainVerifier, EpisodeReport, Verifier, add_agent_arguments, add_verifier_argument, build_agent, build_verifier,
@@ -57,7 +58,8 @@ class RolloutDriver:
     def __init__(self, gateway: GatewayClient, agent, tasks: list[Task], group_size: int,
                  verifier: Verifier = exact_match, max_inflight_groups: int = 4, episode_timeout_s: float = 300.0,
                  domain_ratios: dict[str, float] | None = None, can_admit: Callable[[], bool] | None = None,
-                 seed: int = 0, retire_solved_after: int = 0, retired_tasks_path: str | None = None):
+                 seed: int = 0, retire_solved_after: int = 0, retired_tasks_path: str | None = None,
+                 call_scorer=None):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if retire_solved_after < 0:
@@ -65,6 +67,7 @@ class RolloutDriver:
         if max_inflight_groups < 1:
             raise ValueError(f"max_inflight_groups must be >= 1, got {max_inflight_groups}")
         self.gateway, self.agent, self.verifier = gateway, agent, verifier
+        self.call_scorer = call_scorer  # --call-rm-url: rewards of single calls (agents/call_rewards.py)
         self.group_size, self.max_inflight_groups, self.episode_timeout_s = group_size, max_inflight_groups, episode_timeout_s
         self.pools = by_domain(tasks)
         ratios = domain_ratios or {d: float(len(p)) for d, p in self.pools.items()}
@@ -130,7 +133,8 @@ class RolloutDriver:
 
     def _episode(self, task: Task, group_id: str) -> EpisodeReport | None:
         try:
-            report = run_episode(self.gateway, self.agent, task, group_id, self.verifier, self.episode_timeout_s)
+            report = run_episode(self.gateway, self.agent, task, group_id, self.verifier, self.episode_timeout_s,
+                                 call_scorer=self.call_scorer)
         except GatewayError as exc:
             log.warning("episode of task %s lost: %s", task.task_id, exc)
             return None
@@ -212,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-addr", default=None, help="data pool ZeroMQ address: respect its admission control")
     add_agent_arguments(p)
     add_verifier_argument(p)
+    add_call_reward_arguments(p)
     p.add_argument("--max-groups", type=int, default=None, help="stop after this many groups (default: run until killed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--retire-solved-after", type=int, default=0, metavar="N",
@@ -241,13 +246,14 @@ def main(argv: list[str] | None = None) -> int:
         verifier = build_verifier(args.verifier, args)
         if isinstance(verifier, DomainVerifier):
             verifier.check_domains(tasks, eval_tasks)
+        call_scorer = call_rewards_from_args(args, gateway)
     except (ValueError, ImportError) as exc:  # a bad spec, a misspelt domain, a module that does not import
         raise SystemExit(f"forge-rollout: {exc}") from exc
     driver = RolloutDriver(
         gateway, agent, tasks, args.group_size, verifier=verifier,
         max_inflight_groups=args.max_inflight_groups, episode_timeout_s=args.episode_timeout_s,
         domain_ratios=args.domain_ratios, can_admit=can_admit, seed=args.seed,
-        retire_solved_after=args.retire_solved_after, retired_tasks_path=args.retired_tasks,
+        retire_solved_after=args.retire_solved_after, retired_tasks_path=args.retired_tasks, call_scorer=call_scorer,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -74,8 +74,18 @@ class GatewayClient:
         out = self.request("POST", "/forge/sessions", body)
         return AgentSession(out["session_id"], out["api_key"], out["base_url"], "")
 
-    def set_reward(self, session_id: str, reward: float | None, terms: dict[str, float] | None = None) -> None:
-        self.request("POST", f"/forge/sessions/{session_id}/reward", {"reward": reward, "terms": terms or {}})
+    def set_reward(self, session_id: str, reward: float | None, terms: dict[str, float] | None = None,
+                   call_rewards: list[dict] | None = None) -> None:
+        """The episode's reward and terms; ``call_rewards``: rewards of single calls, ``{"call": index, "reward":
+        r}`` items (docs/middleware.md, "Rewards of single calls")."""
+        body = {"reward": reward, "terms": terms or {}}
+        if call_rewards:
+            body["call_rewards"] = call_rewards
+        self.request("POST", f"/forge/sessions/{session_id}/reward", body)
+
+    def session(self, session_id: str) -> dict:
+        """``GET /forge/sessions/{id}``: the session's calls as recorded (prompt and completion ids, logprobs, ...)."""
+        return self.request("GET", f"/forge/sessions/{session_id}")
 
     def end_session(self, session_id: str, status: str = "finished") -> dict:
         """End a session; its episode goes to the pool, after a served distillation teacher scored it when the gateway

@@ -287,11 +287,13 @@ def _finite(reward, source: str) -> float:
 
 def run_episode(gateway: GatewayClient, agent, task: Task, group_id: str | None, verifier: Verifier = exact_match,
                 timeout_s: float = 300.0, eval_sampling: dict | None = None,
-                verifier_timeout_s: float = VERIFIER_TIMEOUT_S) -> EpisodeReport:
+                verifier_timeout_s: float = VERIFIER_TIMEOUT_S, call_scorer=None) -> EpisodeReport:
     """Open a session, run the agent, score it, set the reward, end the session. Never raises for agent faults.
 
     ``group_id`` None: an evaluation episode (``GatewayClient.open_eval_session``, with ``eval_sampling``
-    overriding the agent's temperature / top_p / top_k), never trained on."""
+    overriding the agent's temperature / top_p / top_k), never trained on. ``call_scorer`` (training episodes):
+    ``calls -> call_rewards`` (agents/call_rewards.py) on the session's recorded calls, set with the reward; a
+    failure fails the episode as a verifier's does."""
     if group_id is None:
         session = gateway.open_eval_session(task.task_id, task.domain, {"task_id": task.task_id}, eval_sampling)
     else:
@@ -308,8 +310,14 @@ def run_episode(gateway: GatewayClient, agent, task: Task, group_id: str | None,
                 score(verifier, task, result.output, verifier_timeout_s)
         except ValueError as exc:
             result = EpisodeResult(output=result.output, status="failed", error=str(exc))
+    call_rewards = None
+    if result.status == "finished" and call_scorer is not None and group_id is not None:
+        try:
+            call_rewards = call_scorer(gateway.session(session.session_id)["calls"])
+        except ValueError as exc:
+            result = EpisodeResult(output=result.output, status="failed", error=f"per-call rewards: {exc}")
     if result.status == "finished":
-        gateway.set_reward(session.session_id, reward, result.terms)
+        gateway.set_reward(session.session_id, reward, result.terms, call_rewards)
     elif result.error:
         log.warning("episode %s of task %s %s: %s", session.session_id, task.task_id, result.status, result.error)
     status = result.status

@@ -80,7 +80,7 @@ from aiohttp import web
 
 from forge_megatron.multimodal.images import IMAGE_MARK, ImageError, content_parts
 from forge_megatron.middleware.gateway_sessions import (
-    CallRecord, ChatRenderer, Session, TemplateRenderError, _Turn, model_end_ids,
+    CallRecord, ChatRenderer, Session, TemplateRenderError, _Turn, model_end_ids, vocabulary_fingerprint,
 )
 from forge_megatron.middleware.schema import EPISODE_STATUSES, EpisodeSink, ListSink, SchemaError
 from forge_megatron.middleware.reasoning_parsers import get_reasoning_parser, reasoning_parser_names
@@ -548,6 +548,7 @@ class Gateway:
         if hasattr(model_config, "get_text_config"):  # a vision-language checkpoint (Qwen3.5): its language model's
             model_config = model_config.get_text_config()
         self.renderer = ChatRenderer(tokenizer, end_ids=model_end_ids(config.model_path))
+        self._tokenizer_fingerprint: str | None = None
         self.images, self.image_placeholder = self._image_processor(config.model_path)
         self.teacher = None  # --teacher-urls: middleware/teacher.py
         if config.teacher_urls:
@@ -679,6 +680,13 @@ class Gateway:
         if open_only and sess.ended:
             raise ApiError(404, f"session {sess.session_id} has ended ({sess.status})", code="session_ended")
         return sess
+
+    def tokenizer_fingerprint(self) -> str:
+        """A digest of the policy tokenizer's token -> id map (computed once): agents/call_rewards.py checks a
+        reward model's tokenizer against it."""
+        if self._tokenizer_fingerprint is None:
+            self._tokenizer_fingerprint = vocabulary_fingerprint(self.renderer.tok.get_vocab())
+        return self._tokenizer_fingerprint
 
     async def close_session(self, sess: Session, status: str) -> str:
         """End ``sess`` with ``status`` (after a call in flight) and send its episode to the sink (not an eval
@@ -1934,7 +1942,9 @@ async def admin_state(request: web.Request, gw: Gateway) -> web.Response:
         "group_affinity": dict(gw.fleet.affinity),  # new sessions placed on their group's engine / away from it
         # what the trainer checks against its own flags at start (--rollout-temperature)
         "config": {"policy_sampling": gw.config.policy_sampling, "policy_temperature": gw.config.policy_temperature,
-                   "teacher": bool(gw.config.teacher_urls), "teacher_topk": gw.config.teacher_topk},
+                   "teacher": bool(gw.config.teacher_urls), "teacher_topk": gw.config.teacher_topk,
+                   # what a per-call reward model checks its tokenizer against (agents/call_rewards.py)
+                   "tokenizer_fingerprint": gw.tokenizer_fingerprint()},
     })
 
 

@@ -41,6 +41,14 @@ import numpy as np
 from forge_megatron.middleware.schema import Episode, Segment
 
 
+def vocabulary_fingerprint(vocab: dict[str, int]) -> str:
+    """A digest of a tokenizer's token -> id map, equal for tokenizers that map every token alike (the gateway's
+    ``/forge/admin/state`` reports the policy's: agents/call_rewards.py checks a reward model's against it)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 @dataclass
 class CallRecord:
     """One /v1/chat/completions call as the trainer needs it. Once recorded (:meth:`Session.record`) its prompt and

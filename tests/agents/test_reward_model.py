@@ -193,3 +193,81 @@ def _args(argv):
     p = argparse.ArgumentParser()
     add_reward_model_arguments(p)
     return p.parse_args(argv)
+
+
+def _two_calls(task, session):
+    """A white-box agent of two calls: the task, then a follow-up on its own answer (one segment)."""
+    import openai
+
+    c = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0, timeout=60)
+    msgs = [{"role": "user", "content": task.prompt}]
+    first = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=1.0, seed=1)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+             {"role": "user", "content": "Are you sure?"}]
+    return c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=1.0, seed=2
+                                     ).choices[0].message.content
+
+
+def _call_args(argv):
+    from forge_megatron.agents.call_rewards import add_call_reward_arguments
+
+    p = argparse.ArgumentParser()
+    add_call_reward_arguments(p)
+    return p.parse_args(argv)
+
+
+@pytest.mark.parametrize("mode", ["delta", "score"])
+def test_a_reward_model_rewards_every_call(stack, rm_dir, rm_engine, mode):
+    """--call-rm-url: after a white-box agent's two calls the runner scores the conversation as it stood after each
+    (the calls' recorded prompt and completion ids) with the reward model and sets those as rewards of single calls:
+    ``delta`` w (s_c - s_{c-1}) from the first prompt's score, ``score`` w s_c; the episode reaching the sink carries
+    them at each call's last sampled token, equal to transformers' scores of the same ids."""
+    from forge_megatron.agents.call_rewards import call_rewards_from_args
+    from forge_megatron.agents.runner import PythonAgent, run_episode
+
+    gateway = stack["gateway"]
+    scorer = call_rewards_from_args(_call_args(["--call-rm-url", rm_engine.url, "--call-rm-tokenizer", rm_dir,
+                                                "--call-rm-weight", "0.5", "--call-rm-mode", mode]), gateway)
+    task = Task(task_id=f"calls-{mode}", prompt=TASK.prompt, answer="42")
+    group = gateway.create_group(task.task_id, 1)
+    report = run_episode(gateway, PythonAgent(_two_calls), task, group, lambda t, o: 1.0, call_scorer=scorer)
+    assert report.status == "finished"
+    (ep,) = [e for e in stack["sink"].episodes if e.episode_id == report.session_id]
+    calls = stack["server"].sessions[report.session_id].summary()["calls"]
+    assert len(calls) == 2 and calls[0]["segment_index"] == calls[1]["segment_index"] == 0
+    scores = [_hf_score(rm_dir, c["prompt_ids"] + c["completion_ids"]) for c in calls]
+    if mode == "delta":
+        start = _hf_score(rm_dir, calls[0]["prompt_ids"])
+        want = [0.5 * (scores[0] - start), 0.5 * (scores[1] - scores[0])]
+    else:
+        want = [0.5 * s for s in scores]
+    (seg,) = ep.segments
+    ends = [len(c["prompt_ids"]) + len(c["completion_ids"]) - 1 for c in calls]
+    assert [p for p, _ in seg.call_rewards] == ends
+    assert [r for _, r in seg.call_rewards] == pytest.approx(want, abs=1e-5)
+
+
+def test_call_reward_model_refusals_and_failures(stack, rm_dir, rm_engine, tmp_path):
+    """A reward model tokenizer that is not the policy's (two tokens swapped) is refused at start-up naming the
+    fingerprints; --call-rm-url without a tokenizer, and its options without the URL, are refused; a dead reward
+    model fails the episode (ended as failed, nothing trained on a missing score)."""
+    from forge_megatron.agents.call_rewards import CallRewardModel, call_rewards_from_args
+    from forge_megatron.agents.runner import PythonAgent, run_episode
+    from tests.training.trainer_run import with_a_swapped_token
+
+    gateway = stack["gateway"]
+    other = with_a_swapped_token(rm_dir, str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="its vocabulary is not the policy's"):
+        call_rewards_from_args(_call_args(["--call-rm-url", rm_engine.url, "--call-rm-tokenizer", other]), gateway)
+    with pytest.raises(ValueError, match="--call-rm-url needs --call-rm-tokenizer"):
+        call_rewards_from_args(_call_args(["--call-rm-url", rm_engine.url]), gateway)
+    with pytest.raises(ValueError, match="--call-rm-tokenizer is an option of --call-rm-url"):
+        call_rewards_from_args(_call_args(["--call-rm-tokenizer", rm_dir]), gateway)
+    assert call_rewards_from_args(_call_args([]), gateway) is None
+    task = Task(task_id="calls-dead", prompt=TASK.prompt, answer="42")
+    dead = CallRewardModel("http://127.0.0.1:9", attempts=1, timeout_s=5)
+    report = run_episode(gateway, PythonAgent(_two_calls), task, gateway.create_group(task.task_id, 1),
+                         lambda t, o: 1.0, call_scorer=dead)
+    assert report.status == "failed"
+    (ep,) = [e for e in stack["sink"].episodes if e.episode_id == report.session_id]
+    assert ep.status == "failed"

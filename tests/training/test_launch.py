@@ -206,7 +206,7 @@ def test_reward_model_and_judge_are_served_for_the_driver():
     from forge_megatron.agents.driver import build_parser
 
     scorers = {"RM_CHECKPOINT": "/models/rm", "RM_DOMAIN": "chat", "JUDGE_CHECKPOINT": "/models/judge",
-               "JUDGE_TP": "2"}
+               "JUDGE_TP": "2", "CALL_RM_WEIGHT": "0.3"}
     local_env = {**os.environ, "HF_CHECKPOINT": "/models/m", "TASKS": "t.jsonl", "AGENT_URL": "http://127.0.0.1:9/",
                  "ENGINE": "sglang", "NPROC": "2", **scorers}
     local = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_local.sh"), "--dry-run"], capture_output=True,
@@ -226,6 +226,10 @@ def test_reward_model_and_judge_are_served_for_the_driver():
         args = build_parser().parse_args(driver[driver.index("forge_megatron.agents.driver") + 1:])
         assert args.verifier == ["chat=rm", "judge"] and args.rm_tokenizer == "/models/rm"
         assert args.rm_url.endswith(":30100") and args.judge_url.endswith(":30200/v1") and args.judge_model == "judge"
+        # CALL_RM_WEIGHT: the reward model also rewards single calls (agents/call_rewards.py)
+        assert (args.call_rm_url, args.call_rm_tokenizer, args.call_rm_weight) == (args.rm_url, "/models/rm", 0.3)
+    lone = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", CALL_RM_WEIGHT="0.3")
+    assert lone.returncode != 0 and "CALL_RM_WEIGHT needs RM_CHECKPOINT" in lone.stderr
     both = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", RM_CHECKPOINT="/models/rm", JUDGE_CHECKPOINT="/models/judge")
     assert both.returncode != 0 and "would both score every domain" in both.stderr
     big = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", RM_CHECKPOINT="/models/rm", RM_TP="8", RM_DOMAIN="a",

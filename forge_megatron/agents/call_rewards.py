@@ -1,0 +1,176 @@
+"""Process rewards per call: a reward model scores the conversation after each call the agent made.
+
+An outcome verifier gives an episode one number; in a long agent episode that credits every call alike. With
+``--call-rm-url`` the rollout driver also asks a reward model (a process reward model, or any one-label sequence
+classifier served on SGLang's ``POST /classify``, forge-engine alike on CPU) for a score ``s_c`` of the conversation as
+it stood after each call ``c``: that call's prompt and completion ids exactly as the gateway recorded them
+(``GET /forge/sessions/{id}``), so no text is re-rendered or re-tokenised. The reward model must therefore read the
+policy's token ids: its tokenizer (``--call-rm-tokenizer``) is checked against the gateway's at start-up (the
+gateway's ``/forge/admin/state`` carries its vocabulary's fingerprint).
+
+Each scored call gets a reward of its own (``POST /forge/sessions/{id}/reward {call_rewards}``), which the pool makes
+a reward-to-go step (docs/algorithms.md, "Per-call rewards"):
+
+- ``delta`` (default): ``w * (s_c - s_{c-1})``, ``s_{-1}`` the score of the first call's prompt: potential-based
+  shaping (Ng et al. 1999), the calls' rewards add up to ``w * (s_last - s_start)`` whatever path led there, so the
+  shaping cannot make a policy that farms intermediate scores better than one that reaches a good end;
+- ``score``: ``w * s_c``, each call judged on its own (a PRM trained to score steps).
+
+``--call-rm-weight`` w (default 1) weighs them against the outcome. Training episodes only (evaluation episodes are
+not trained on). Failures are the verifier's: connection errors, timeouts and 5xx answers are tried again
+(``--call-rm-attempts``), a 4xx or an answer without a finite score fails the episode with the reason logged, never
+a silent zero. A group's identical prefixes (a shared prompt) are scored once (``cache_size``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from forge_megatron.agents.remote import Retryable, ScoreCache, check_base_url, post_json
+from forge_megatron.middleware.gateway_sessions import vocabulary_fingerprint
+
+MODES = ("delta", "score")
+
+
+class CallRewardError(ValueError):
+    """The reward model gave no usable score for a call."""
+
+
+@dataclass
+class CallRewardModel:
+    """The per-call rewards of an episode's calls from the reward model at ``base_url`` (``http://host:port``)."""
+
+    base_url: str
+    weight: float = 1.0
+    mode: str = "delta"
+    label: int = 0
+    api_key: str | None = None
+    attempts: int = 3
+    timeout_s: float = 15.0
+    cache_size: int = 4096
+
+    def __post_init__(self):
+        self.base_url = check_base_url(self.base_url, "call reward model URL")
+        if self.mode not in MODES:
+            raise ValueError(f"call reward mode must be one of {MODES}, got {self.mode!r}")
+        if not math.isfinite(self.weight) or self.label < 0 or self.attempts < 1 or self.timeout_s <= 0:
+            raise ValueError("call reward model: weight must be finite, label >= 0, attempts >= 1, timeout_s > 0")
+        self._cache = ScoreCache(self.cache_size)
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url}/classify"
+
+    def score(self, ids: list[int]) -> float:
+        """The reward model's score of ``ids`` (cached)."""
+        key = tuple(ids)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        last = None
+        for attempt in range(self.attempts):
+            try:
+                answer = post_json(self.url, {"input_ids": list(ids)}, self.timeout_s, self.api_key, CallRewardError,
+                                   "call reward model")
+            except Retryable as exc:
+                last = str(exc)
+                time.sleep(min(2.0, 0.25 * 2 ** attempt))
+                continue
+            if isinstance(answer, list) and len(answer) == 1:
+                answer = answer[0]
+            embedding = answer.get("embedding") if isinstance(answer, dict) else None
+            if isinstance(embedding, list) and len(embedding) > self.label:
+                try:
+                    value = float(embedding[self.label])
+                except (TypeError, ValueError):
+                    value = math.nan
+                if math.isfinite(value):
+                    self._cache.put(key, value)
+                    return value
+            last = f"no finite embedding[{self.label}] in its answer {str(answer)[:300]!r}"
+        raise CallRewardError(f"call reward model {self.url} gave no score in {self.attempts} attempt(s): {last}")
+
+    def __call__(self, calls: list[dict]) -> list[dict]:
+        """``calls``: the session's calls as ``GET /forge/sessions/{id}`` lists them (``prompt_ids``,
+        ``completion_ids``). Returns the ``call_rewards`` items of every call that sampled tokens."""
+        out, previous = [], None
+        for index, call in enumerate(calls):
+            if not call.get("completion_ids"):
+                continue  # (nothing sampled: no token to credit)
+            ids = list(call["prompt_ids"]) + list(call["completion_ids"])
+            s = self.score(ids)
+            if self.mode == "score":
+                reward = s
+            else:
+                if previous is None:
+                    previous = self.score(list(call["prompt_ids"]))
+                reward, previous = s - previous, s
+            out.append({"call": index, "reward": self.weight * reward})
+        return out
+
+
+def add_call_reward_arguments(p) -> None:
+    g = p.add_argument_group("per-call rewards from a reward model (agents/call_rewards.py)")
+    g.add_argument("--call-rm-url", default=None,
+                   help="base URL of a reward model's server (SGLang --is-embedding or forge-engine on a sequence "
+                        "classifier) that scores the conversation after each call of every training episode; the "
+                        "scores become rewards of single calls (default: off)")
+    g.add_argument("--call-rm-tokenizer", default=None, metavar="DIR",
+                   help="the reward model's tokenizer directory: it reads the policy's token ids, so its vocabulary "
+                        "is checked against the gateway's at start-up (required with --call-rm-url)")
+    g.add_argument("--call-rm-mode", choices=MODES, default="delta",
+                   help="delta (default): w (s_c - s_{c-1}), potential-based shaping that sums to the score's change "
+                        "over the episode; score: w s_c")
+    g.add_argument("--call-rm-weight", type=float, default=1.0, help="w, the rewards' weight against the outcome")
+    g.add_argument("--call-rm-label", type=int, default=0,
+                   help="which of the classifier's outputs is the score (default 0)")
+    g.add_argument("--call-rm-api-key-env", default=None, metavar="VAR",
+                   help="environment variable holding the server's API key (sent as a bearer token)")
+    g.add_argument("--call-rm-attempts", type=int, default=3, help="tries per score (connection errors, 5xx)")
+    g.add_argument("--call-rm-timeout-s", type=float, default=15.0, help="seconds per request")
+
+
+def call_rewards_from_args(args, gateway=None) -> CallRewardModel | None:
+    """The ``CallRewardModel`` of :func:`add_call_reward_arguments`' options (None without ``--call-rm-url``); with
+    ``gateway`` (a GatewayClient) the reward model's tokenizer is checked against the policy's there."""
+    import os
+
+    if not getattr(args, "call_rm_url", None):
+        given = [f for f in ("call_rm_tokenizer", "call_rm_api_key_env") if getattr(args, f, None)]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} is an option of --call-rm-url")
+        return None
+    if not args.call_rm_tokenizer:
+        raise ValueError("--call-rm-url needs --call-rm-tokenizer (the reward model's tokenizer directory, checked "
+                         "against the policy's: the reward model reads the policy's token ids)")
+    api_key = None
+    if args.call_rm_api_key_env:
+        api_key = os.environ.get(args.call_rm_api_key_env)
+        if not api_key:
+            raise ValueError(f"--call-rm-api-key-env {args.call_rm_api_key_env}: the variable is not set")
+    if gateway is not None:
+        check_tokenizer(args.call_rm_tokenizer, gateway.state())
+    return CallRewardModel(args.call_rm_url, weight=args.call_rm_weight, mode=args.call_rm_mode,
+                           label=args.call_rm_label, api_key=api_key, attempts=args.call_rm_attempts,
+                           timeout_s=args.call_rm_timeout_s)
+
+
+def check_tokenizer(tokenizer_dir: str, gateway_state: dict) -> None:
+    """ValueError unless the tokenizer in ``tokenizer_dir`` maps every token to the id the gateway's (the policy's)
+    does (``gateway_state``: ``/forge/admin/state``)."""
+    from transformers import AutoTokenizer
+
+    want = (gateway_state.get("config") or {}).get("tokenizer_fingerprint")
+    if not want:
+        raise ValueError("the gateway does not report its tokenizer's fingerprint (a forge-gateway from before "
+                         "2026-12-05): cannot check --call-rm-tokenizer against the policy's")
+    try:
+        got = vocabulary_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).get_vocab())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--call-rm-tokenizer {tokenizer_dir!r}: {exc}") from None
+    if got != want:
+        raise ValueError(f"--call-rm-tokenizer {tokenizer_dir}: its vocabulary is not the policy's (fingerprint {got} "
+                         f"vs the gateway's {want}): the reward model scores the policy's token ids, so both must use "
+                         "one tokenizer")
