@@ -224,7 +224,7 @@ def test_trainer_checks_the_gateways_temperature(stack):
     gw, server = stack["gateway"], stack["server"]
     config = gw.state()["config"]
     assert config == {"policy_sampling": server.config.policy_sampling, "policy_temperature": 1.0, "teacher": False,
-                      "teacher_topk": 0}
+                      "teacher_topk": 0, "tokenizer_fingerprint": server.tokenizer_fingerprint()}
     base = ["--hf-checkpoint", "/x", "--lr", "1e-6", "--train-iters", "1", "--weight-sync-transport", "none"]
     arguments.check_gateway_config(arguments.parse_args(base), config)
     arguments.check_gateway_config(arguments.parse_args(base + ["--rollout-temperature", "0.7"]), {})  # old gateway

@@ -115,23 +115,27 @@ def test_mini_batches_and_epochs_train_like_one_group_iterations(models, tmp_pat
             assert u[key] == pytest.approx(s[key], rel=2e-5, abs=1e-7), (key, u, s)
 
 
-def test_mini_batches_over_two_data_parallel_ranks_equal_one_rank(models, tmp_path):
-    """Four groups in two mini-batches: over two DP ranks (each trains one group of every mini-batch) every update's
-    loss and gradient norm equal one rank's (each update's normaliser spans both ranks' tokens); a batch too small
-    to give every DP rank a group of every mini-batch is refused at start-up."""
+def test_mini_batches_in_parallel_layouts_equal_one_rank(models, tmp_path):
+    """Four groups in two mini-batches of two epochs: over two DP ranks (each trains one group of every mini-batch),
+    two pipeline stages and two context-parallel ranks every update's gradient norm equals one rank's (each update's
+    normaliser spans both DP ranks' tokens), and its loss too where every rank logs the whole update's (PP, CP); a
+    batch too small to give every DP rank a group of every mini-batch is refused at start-up."""
     policy, _ = models
     groups = _groups(4, seed=22)
-    flags = ["--ppo-mini-batches", "2", "--old-logprobs", "recompute"]
+    flags = ["--ppo-mini-batches", "2", "--ppo-epochs", "2", "--old-logprobs", "recompute"]
     runs = {}
-    for name, nproc in (("one", 1), ("dp2", 2)):
+    for name, extra, nproc in (("one", [], 1), ("dp2", [], 2), ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+                               ("cp2", ["--context-parallel-size", "2"], 2)):
         (runs[name],), _, _ = run_on_fresh_pool(tmp_path, name, policy, _feed(groups), iters=1, groups=4,
-                                                extra=flags, nproc=nproc)
-    one, dp2 = runs["one"]["ppo/per_update"], runs["dp2"]["ppo/per_update"]
-    assert [u["groups"] for u in one] == [u["groups"] for u in dp2] and all(len(u["groups"]) == 2 for u in one)
-    for a, b in zip(one, dp2):
-        for key in ("grad_norm",):
-            assert a[key] == pytest.approx(b[key], rel=1e-5), key
-    # (the logged loss is rank 0's share of the update: the whole update's loss equals the sum over the ranks)
+                                                extra=flags + extra, nproc=nproc)
+    one = runs["one"]["ppo/per_update"]
+    assert len(one) == 4 and all(len(u["groups"]) == 2 for u in one)
+    for name in ("dp2", "pp2", "cp2"):
+        other = runs[name]["ppo/per_update"]
+        assert [u["groups"] for u in one] == [u["groups"] for u in other], name
+        # (under DP the logged loss is rank 0's share of the update: compared by the reduced gradient norm only)
+        for key in ("grad_norm",) if name == "dp2" else ("grad_norm", "loss", "ratio_mean"):
+            assert [u[key] for u in other] == pytest.approx([u[key] for u in one], rel=1e-5, abs=1e-7), (name, key)
     assert runs["dp2"]["dp_load_imbalance"] >= 1.0
     out = refused_start(policy, tmp_path, ["--ppo-mini-batches", "2", "--train-batch-groups", "3"], nproc=2)
     assert "--ppo-mini-batches 2 with 2 data-parallel ranks needs at least 4 groups per batch" in out
