@@ -495,3 +495,31 @@ def test_trainer_dpo_reference_from_another_vision_checkpoint_runs_its_own_tower
         parallel.destroy()
     assert steps[0]["loss"] == pytest.approx(loss.item(), rel=1e-4)
     assert abs(steps[0]["loss"] - np.log(2)) > 1e-3  # (a reference other than the policy)
+
+
+@pytest.mark.parametrize("mode", ["sft", "dpo"])
+def test_offline_modes_under_context_expert_and_virtual_pipeline_parallelism(tmp_path, mode):
+    """SFT and DPO (its reference split like the policy) over two context-parallel ranks, over two expert-parallel
+    ranks of an MoE model (EP = 2 runs as DP = 2: compared by the reduced gradient norm) and on an interleaved
+    pipeline (two stages of two virtual chunks of a four-layer model) train one rank's steps."""
+    if mode == "sft":
+        data, extra = _write(tmp_path / "chats.jsonl", _sft_chats(16, seed=0)), ["--sft-data"]
+        extra.append(data)
+    else:
+        data, extra = _write(tmp_path / "pairs.jsonl", _tool_pairs(8, seed=0)), []
+    dense = build_tiny_model(str(tmp_path / "model"), num_hidden_layers=4)
+    moe = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=2)
+    kw = dict(preference=mode == "dpo", iters=2, model_flags=False)
+    for model_dir, layouts in ((dense, {"cp2": ["--context-parallel-size", "2"],
+                                        "vpp": ["--pipeline-model-parallel-size", "2",
+                                                "--num-layers-per-virtual-pipeline-stage", "1"]}),
+                               (moe, {"ep2": ["--expert-model-parallel-size", "2"]})):
+        name = os.path.basename(model_dir)
+        one, _ = _run(tmp_path, f"{name}-one", model_dir, data, extra=extra, **kw)
+        assert len(one) == 2 and one[-1]["loss"] < one[0]["loss"]
+        for layout, flags in layouts.items():
+            other, _ = _run(tmp_path, f"{name}-{layout}", model_dir, data, nproc=2, extra=extra + flags, **kw)
+            for a, b in zip(one, other):
+                if layout != "ep2":  # (EP = 2 as DP = 2: the logged loss is rank 0's share)
+                    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), (layout, a, b)
+                assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (layout, a, b)
