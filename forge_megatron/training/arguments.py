@@ -384,9 +384,11 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--gae-lambda", type=float, default=1.0,
                    help="with --critic: GAE's lambda (default 1: A_t = return - V_t; lower trades variance for the "
                         "critic's bias)")
-    g.add_argument("--whiten-advantages", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --critic: whiten the GAE advantages over the batch's trained tokens (zero mean, unit "
-                        "variance; default on)")
+    g.add_argument("--whiten-advantages", action=argparse.BooleanOptionalAction, default=None,
+                   help="whiten the advantages over the whole batch's trained tokens, every DP rank's (zero mean, unit "
+                        "variance): with --critic the GAE advantages (default on), without it the pool's group "
+                        "advantages (default off; with the pool's --no-std-normalize this is REINFORCE++ with a "
+                        "group baseline)")
     g.add_argument("--value-clip", type=float, default=None, metavar="EPS",
                    help="with --critic: PPO's value clipping, the value loss the larger of (V - R)^2 and "
                         "(V_old + clip(V - V_old, -EPS, EPS) - R)^2 with V_old the values before this step's updates "
@@ -895,6 +897,8 @@ def _validate_critic(args: argparse.Namespace) -> None:
     """--critic and its flags (--critic-hf-checkpoint implies --critic)."""
     if getattr(args, "critic_hf_checkpoint", None):
         args.critic = True
+    if getattr(args, "whiten_advantages", None) is None:  # the GAE advantages by default, the pool's not
+        args.whiten_advantages = bool(getattr(args, "critic", False))
     if not getattr(args, "critic", False):
         given = [f for f, v, default in (("--critic-lr", getattr(args, "critic_lr", None), None),
                                          ("--critic-warmup-iters", getattr(args, "critic_warmup_iters", 0), 0),
@@ -902,6 +906,9 @@ def _validate_critic(args: argparse.Namespace) -> None:
                                          ("--gae-lambda", getattr(args, "gae_lambda", 1.0), 1.0)) if v != default]
         if given:
             raise ValueError(f"{given[0]} is a flag of the learned critic: add --critic")
+        if args.whiten_advantages and (getattr(args, "sft_data", None) is not None
+                                       or getattr(args, "preference_data", None) is not None):
+            raise ValueError("--whiten-advantages whitens RL advantages: not with --sft-data or --preference-data")
         return
     if getattr(args, "sft_data", None) is not None or getattr(args, "preference_data", None) is not None:
         raise ValueError("--critic trains a value function for RL on the pool's episodes: not with --sft-data or "

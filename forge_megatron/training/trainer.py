@@ -311,6 +311,27 @@ def merge_rank_batches(rbs: list[RankBatch]) -> RankBatch:
                      dp_split_groups=sum(rb.dp_split_groups for rb in rbs))
 
 
+def whiten_advantages(rbs: list[RankBatch], sum_over_dp) -> dict:
+    """--whiten-advantages without a critic: the pool's advantages of every trained token of the step's rank batches
+    whitened over the whole batch, every DP rank's tokens (zero mean, unit variance: REINFORCE++'s normalisation
+    across the batch instead of within each group). Every rank holds its micro-batches' whole extras (context
+    parallelism shards the compute, not them), so the DP group is what holds other tokens. Returns the mean and
+    standard deviation they had (``advantages/raw_mean``, ``advantages/raw_std``)."""
+    micro_batches = [mb for rb in rbs for mb in rb.micro_batches]
+    sums = torch.zeros(3, dtype=torch.float64)  # trained tokens, sum A, sum A^2
+    for mb in micro_batches:
+        m, a = mb.extras["loss_mask_M"].double(), mb.extras["advantages_M"].double()
+        sums += torch.stack([m.sum(), (m * a).sum(), (m * a * a).sum()])
+    n, s, s2 = sum_over_dp(sums.tolist(), rbs[0].dp_size)
+    n = max(n, 1.0)
+    mean = s / n
+    std = max(s2 / n - mean * mean, 0.0) ** 0.5
+    for mb in micro_batches:
+        x = mb.extras
+        x["advantages_M"] = ((x["advantages_M"] - mean) / (std + 1e-8) * x["loss_mask_M"]).float()
+    return {"advantages/raw_mean": mean, "advantages/raw_std": std}
+
+
 def combine_critic_updates(updates: list[dict]) -> dict:
     """The critic's metrics over one step's updates: the value loss and clip fraction token-weighted, the gradient
     norm their mean, ``update_ok`` when every update stepped, ``update_s`` their sum."""
@@ -1176,6 +1197,8 @@ class Trainer:
 
             dsa.pop_indexer_losses()  # (likewise)
         self.critic_metrics, critic_updates, warming = {}, [], False
+        if self.critic is None and getattr(self.args, "whiten_advantages", False) and not self.offline:
+            self.critic_metrics = whiten_advantages(rbs, _sum_over_dp)  # (REINFORCE++'s batch normalisation)
         if self.critic is not None:  # GAE advantages from the critic's values of the step's start
             self.critic_metrics = self.critic.advantages(rbs, run_schedule, _sum_over_dp)
             warming = self.iteration < self.critic.warmup  # --critic-warmup-iters: the policy waits for the critic

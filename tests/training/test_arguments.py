@@ -193,6 +193,7 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--sft-data", __file__, "--ppo-epochs", "2"], "offline modes \(--sft-data, --preference-data\) take a "
                                                     "smaller --train-batch-groups instead"),
     (["--value-clip", "0.2"], "--value-clip clips the learned critic's value loss: add --critic"),
+    (["--whiten-advantages", "--sft-data", __file__], "--whiten-advantages whitens RL advantages: not with --sft-data"),
     (["--critic", "--value-clip", "0"], "--value-clip must be > 0, got 0.0"),
 ])
 def test_bad_values_are_named(extra, message):
@@ -204,6 +205,9 @@ def test_critic_checkpoint_implies_critic():
     args = arguments.parse_args(MINIMAL + ["--critic-hf-checkpoint", "/c", "--gae-lambda", "0.9"])
     assert args.critic and args.gae_lambda == 0.9 and args.whiten_advantages and args.critic_lr is None
     assert not arguments.parse_args(MINIMAL + ["--critic", "--no-whiten-advantages"]).whiten_advantages
+    # without a critic the pool's advantages are trained as they come, unless asked (REINFORCE++'s normalisation)
+    assert not arguments.parse_args(MINIMAL).whiten_advantages
+    assert arguments.parse_args(MINIMAL + ["--whiten-advantages"]).whiten_advantages
 
 
 def test_missing_checkpoint_and_bad_pairs():

@@ -250,3 +250,37 @@ def test_a_lora_policy_trains_beside_a_whole_critic(models, tmp_path):
         assert lora[key] == pytest.approx(full[key], rel=1e-5, abs=1e-7), key
     assert lora["grad_norm"] != pytest.approx(full["grad_norm"], rel=1e-3)  # (the adapters' gradients alone)
     assert runs["lora"][1]["update_ok"] and runs["lora"][1]["critic/update_ok"]
+
+
+def test_whitened_group_advantages_without_a_critic(models, tmp_path):
+    """--whiten-advantages without --critic (REINFORCE++'s batch normalisation): the pool's group advantages of every
+    trained token, whitened over the whole batch, train the policy: with recomputed pi_old (ratio 1) the CISPO loss is
+    -(1/N) sum_t z_t logp_t with z the tokens' whitened advantages, from transformers' logprobs; the metrics give the
+    raw advantages' token mean and std; two groups split over two DP ranks whiten alike (same statistics, same
+    gradient norm)."""
+    from forge_megatron.algo import EpisodeOutcome, RewardConfig, score_group
+
+    policy, critic = models
+    groups = _groups(2, seed=19)
+    flags = ["--whiten-advantages", "--old-logprobs", "recompute"]
+    raw, logps = [], []
+    for episodes in groups:
+        scores = score_group([EpisodeOutcome(outcome_reward=r, success=r > 0, duration_s=1.0)
+                              for _, _, r in episodes], RewardConfig())
+        _, _, logp = _reference(policy, critic, episodes)
+        logps.append(logp)
+        raw += [torch.full((len(c),), a[0], dtype=torch.float64)
+                for (_, c, _), a in zip(episodes, scores.segment_advantages)]
+    a, logp = torch.cat(raw), torch.cat(logps)
+    z = (a - a.mean()) / (a.std(unbiased=False) + 1e-8)
+    runs = {}
+    for name, nproc in (("one", 1), ("dp2", 2)):
+        (runs[name],), _, _ = run_on_fresh_pool(tmp_path, name, policy, _feed(groups), iters=1, groups=2,
+                                                extra=flags, nproc=nproc)
+    one = runs["one"]
+    assert one["advantages/raw_mean"] == pytest.approx(a.mean().item(), abs=1e-6)
+    assert one["advantages/raw_std"] == pytest.approx(a.std(unbiased=False).item(), rel=1e-6)
+    assert one["advantage_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert one["loss"] == pytest.approx(-(z * logp).mean().item(), rel=1e-5, abs=1e-6)
+    for key in ("advantages/raw_mean", "advantages/raw_std", "grad_norm"):
+        assert runs["dp2"][key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
