@@ -16,7 +16,11 @@ a reward-to-go step (docs/algorithms.md, "Per-call rewards"):
   shaping cannot make a policy that farms intermediate scores better than one that reaches a good end;
 - ``score``: ``w * s_c``, each call judged on its own (a PRM trained to score steps).
 
-``--call-rm-weight`` w (default 1) weighs them against the outcome. Training episodes only (evaluation episodes are
+``--call-rm-weight`` w (default 1) weighs them against the outcome. With ``--call-rm-step-separator SEP`` (e.g.
+``"\\n\\n"``) a call's completion is cut into steps at each SEP (a step ends with the token holding the end of
+the separator; the completion's last token ends the last step) and every step is scored and rewarded at its last
+token (``{"call", "token", "reward"}``): process supervision of the reasoning steps inside one answer, Math-Shepherd /
+PRM800K style, for episodes of a single call as well as agents. Training episodes only (evaluation episodes are
 not trained on). Failures are the verifier's: connection errors, timeouts and 5xx answers are tried again
 (``--call-rm-attempts``), a 4xx or an answer without a finite score fails the episode with the reason logged, never
 a silent zero. A group's identical prefixes (a shared prompt) are scored once (``cache_size``).
@@ -50,9 +54,13 @@ class CallRewardModel:
     attempts: int = 3
     timeout_s: float = 15.0
     cache_size: int = 4096
+    step_separator: str | None = None  # cut completions into steps at it (needs ``tokenizer``)
+    tokenizer: object = None  # the policy's (the reward model's) tokenizer: decodes completions to find the steps
 
     def __post_init__(self):
         self.base_url = check_base_url(self.base_url, "call reward model URL")
+        if self.step_separator is not None and (not self.step_separator or self.tokenizer is None):
+            raise ValueError("call reward steps need a non-empty separator and the tokenizer that decodes them")
         if self.mode not in MODES:
             raise ValueError(f"call reward mode must be one of {MODES}, got {self.mode!r}")
         if not math.isfinite(self.weight) or self.label < 0 or self.attempts < 1 or self.timeout_s <= 0:
@@ -92,22 +100,42 @@ class CallRewardModel:
             last = f"no finite embedding[{self.label}] in its answer {str(answer)[:300]!r}"
         raise CallRewardError(f"call reward model {self.url} gave no score in {self.attempts} attempt(s): {last}")
 
+    def step_ends(self, completion_ids: list[int]) -> list[int]:
+        """The completion's step ends with ``step_separator``: the token holding the end of each separator, and the
+        last token (increasing, each once). Without a separator: the last token alone."""
+        n = len(completion_ids)
+        if self.step_separator is None:
+            return [n - 1]
+        pieces = [self.tokenizer.decode([t]) for t in completion_ids]  # (one token each: ASCII separators survive)
+        ends, text, token_of_char = [], "", []
+        for i, piece in enumerate(pieces):
+            text += piece
+            token_of_char += [i] * len(piece)
+        start = 0
+        while (hit := text.find(self.step_separator, start)) >= 0:
+            start = hit + len(self.step_separator)
+            ends.append(token_of_char[start - 1])
+        return sorted(set(ends) | {n - 1})
+
     def __call__(self, calls: list[dict]) -> list[dict]:
         """``calls``: the session's calls as ``GET /forge/sessions/{id}`` lists them (``prompt_ids``,
-        ``completion_ids``). Returns the ``call_rewards`` items of every call that sampled tokens."""
+        ``completion_ids``). Returns the ``call_rewards`` items of every call that sampled tokens (one per step with
+        a separator)."""
         out, previous = [], None
         for index, call in enumerate(calls):
-            if not call.get("completion_ids"):
+            completion = list(call.get("completion_ids") or [])
+            if not completion:
                 continue  # (nothing sampled: no token to credit)
-            ids = list(call["prompt_ids"]) + list(call["completion_ids"])
-            s = self.score(ids)
-            if self.mode == "score":
-                reward = s
-            else:
-                if previous is None:
-                    previous = self.score(list(call["prompt_ids"]))
-                reward, previous = s - previous, s
-            out.append({"call": index, "reward": self.weight * reward})
+            prompt = list(call["prompt_ids"])
+            for end in self.step_ends(completion):
+                s = self.score(prompt + completion[:end + 1])
+                if self.mode == "score":
+                    reward = s
+                else:
+                    if previous is None:
+                        previous = self.score(prompt)
+                    reward, previous = s - previous, s
+                out.append({"call": index, "token": end, "reward": self.weight * reward})
         return out
 
 
@@ -124,6 +152,9 @@ def add_call_reward_arguments(p) -> None:
                    help="delta (default): w (s_c - s_{c-1}), potential-based shaping that sums to the score's change "
                         "over the episode; score: w s_c")
     g.add_argument("--call-rm-weight", type=float, default=1.0, help="w, the rewards' weight against the outcome")
+    g.add_argument("--call-rm-step-separator", default=None, metavar="SEP",
+                   help="score and reward every step of a completion, the steps cut at SEP (backslash escapes "
+                        "read: '\\n\\n' is a blank line), not only each call's end")
     g.add_argument("--call-rm-label", type=int, default=0,
                    help="which of the classifier's outputs is the score (default 0)")
     g.add_argument("--call-rm-api-key-env", default=None, metavar="VAR",
@@ -138,7 +169,8 @@ def call_rewards_from_args(args, gateway=None) -> CallRewardModel | None:
     import os
 
     if not getattr(args, "call_rm_url", None):
-        given = [f for f in ("call_rm_tokenizer", "call_rm_api_key_env") if getattr(args, f, None)]
+        given = [f for f in ("call_rm_tokenizer", "call_rm_api_key_env", "call_rm_step_separator")
+                 if getattr(args, f, None)]
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} is an option of --call-rm-url")
         return None
@@ -152,9 +184,17 @@ def call_rewards_from_args(args, gateway=None) -> CallRewardModel | None:
             raise ValueError(f"--call-rm-api-key-env {args.call_rm_api_key_env}: the variable is not set")
     if gateway is not None:
         check_tokenizer(args.call_rm_tokenizer, gateway.state())
+    separator, tokenizer = getattr(args, "call_rm_step_separator", None), None
+    if separator is not None:
+        import codecs
+
+        from transformers import AutoTokenizer
+
+        separator = codecs.decode(separator, "unicode_escape")
+        tokenizer = AutoTokenizer.from_pretrained(args.call_rm_tokenizer, local_files_only=True)
     return CallRewardModel(args.call_rm_url, weight=args.call_rm_weight, mode=args.call_rm_mode,
                            label=args.call_rm_label, api_key=api_key, attempts=args.call_rm_attempts,
-                           timeout_s=args.call_rm_timeout_s)
+                           timeout_s=args.call_rm_timeout_s, step_separator=separator, tokenizer=tokenizer)
 
 
 def check_tokenizer(tokenizer_dir: str, gateway_state: dict) -> None:

@@ -17,7 +17,7 @@ Routes
   POST /forge/sessions {eval: true, task_id, domain, metadata} -> an evaluation session: served and recorded the same
                                                                  way, never sent to the sink (not trained on)
   GET  /forge/sessions/{id}                                   -> the call records
-  POST /forge/sessions/{id}/reward {reward, terms, call_rewards: [{call, reward}]}
+  POST /forge/sessions/{id}/reward {reward, terms, call_rewards: [{call, token?, reward}]}
   POST /forge/sessions/{id}/end {status}                      -> the episode goes to the sink; answers with the
                                                                  policy versions that sampled it
   POST /forge/admin/pause {drain_timeout_s}, POST /forge/admin/resume {policy_version, lora_name},
@@ -1862,7 +1862,7 @@ async def set_reward(request: web.Request, gw: Gateway) -> web.Response:
         sess.reward = float(reward)
     sess.reward_terms.update({k: float(v) for k, v in terms.items()})
     return web.json_response({"session_id": sess.session_id, "reward": sess.reward, "terms": sess.reward_terms,
-                              **({} if calls is None else {"call_rewards": {str(k): v for k, v in calls.items()}})})
+                              **({} if calls is None else {"call_rewards": calls})})
 
 
 @_admin

@@ -326,7 +326,7 @@ class Session:
     last_turn: _Turn | None = None
     reward: float | None = None
     reward_terms: dict = field(default_factory=dict)
-    call_rewards: dict = field(default_factory=dict)  # call index -> reward of that call alone (set_call_rewards)
+    call_rewards: dict = field(default_factory=dict)  # (call index, completion token) -> reward (set_call_rewards)
     status: str | None = None  # set when ended
     ended_at: float = 0.0
     evaluation: bool = False  # an eval session: served and recorded like any other, never sent to the sink
@@ -379,37 +379,55 @@ class Session:
             out["policy_versions"] = seg.versions[lo:hi].tolist()
         return out
 
-    def set_call_rewards(self, items: list) -> dict[int, float]:
-        """``items``: ``{"call": index, "reward": r}`` objects, the index a call of this session in the order
-        :meth:`summary` lists them (negative from the end: -1 the latest); each sets (replaces) that call's own reward.
-        Raises ValueError naming the bad item; nothing is set unless all are good. Returns every call reward set."""
+    def set_call_rewards(self, items: list) -> list[dict]:
+        """``items``: ``{"call": index, "reward": r}`` objects, optionally with ``"token": k``, the index a call of this
+        session in the order :meth:`summary` lists them (negative from the end: -1 the latest) and ``k`` one of its
+        completion's tokens (negative from its end; default -1, the last: a reward of the whole call; another marks
+        the end of a step inside it, e.g. a reasoning step a process reward model scored). Each sets (replaces) the
+        reward at that token. Raises ValueError naming the bad item; nothing is set unless all are good. Returns
+        every reward set, as ``{"call", "token", "reward"}`` items in order."""
         if not isinstance(items, list):
             raise ValueError("call_rewards must be a list of {call, reward} objects")
         new = {}
         for i, item in enumerate(items):
             where = f"call_rewards[{i}]"
-            if not isinstance(item, dict) or set(item) != {"call", "reward"}:
-                raise ValueError(f"{where} must be an object with exactly the keys call and reward")
-            index, reward = item["call"], item["reward"]
+            if not isinstance(item, dict) or not {"call", "reward"} <= set(item) <= {"call", "token", "reward"}:
+                raise ValueError(f"{where} must be an object with the keys call and reward (and optionally token)")
+            index, reward, token = item["call"], item["reward"], item.get("token", -1)
             if isinstance(index, bool) or not isinstance(index, int) or not -len(self.calls) <= index < len(self.calls):
                 raise ValueError(f"{where}.call must be the index of one of the session's {len(self.calls)} calls "
                                  f"(negative from the latest), got {index!r}")
             if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
                 raise ValueError(f"{where}.reward must be a finite number")
             index %= len(self.calls)
-            if self.calls[index].completion_len == 0:
+            n = self.calls[index].completion_len
+            if n == 0:
                 raise ValueError(f"{where}: call {index} sampled no tokens; there is no token to credit its reward to")
-            new[index] = float(reward)
+            if isinstance(token, bool) or not isinstance(token, int) or not -n <= token < n:
+                raise ValueError(f"{where}.token must index one of call {index}'s {n} completion tokens (negative "
+                                 f"from its end), got {token!r}")
+            new[(index, token % n)] = float(reward)
         self.call_rewards.update(new)
-        return dict(sorted(self.call_rewards.items()))
+        return [{"call": c, "token": t, "reward": r} for (c, t), r in sorted(self.call_rewards.items())]
 
     def _segment_call_rewards(self) -> list[list | None]:
-        """Per segment: its calls' rewards as ``[position, reward]``, the position the call's last sampled token."""
+        """Per segment: its calls' rewards as ``[position, reward]``, the position the rewarded completion token in
+        the segment (the nearest sampled one at or before it within the call: tokens of a resumed call's
+        continuation are all sampled, so this is the token itself but for an engine's odd record)."""
         out: list[list | None] = [None] * len(self.segments)
-        for index, reward in sorted(self.call_rewards.items()):
+        for (index, token), reward in sorted(self.call_rewards.items()):
             call = self.calls[index]
-            out[call.segment_index] = (out[call.segment_index] or []) + [
-                [call.prompt_len + call.completion_len - 1, reward]]
+            mask = self.segments[call.segment_index].loss_mask
+            pos = call.prompt_len + token
+            while pos >= call.prompt_len and not mask[pos]:
+                pos -= 1
+            if pos < call.prompt_len:
+                continue  # (no sampled token left in the call up to it: nothing to credit)
+            points = out[call.segment_index] = out[call.segment_index] or []
+            if points and points[-1][0] == pos:  # two rewards landing on one token add up
+                points[-1][1] += reward
+            else:
+                points.append([pos, reward])
         return out
 
     def to_episode(self) -> Episode:
@@ -436,5 +454,5 @@ class Session:
     def summary(self) -> dict:
         return {"session_id": self.session_id, "group_id": self.group_id, "eval": self.evaluation,
                 "status": self.status, "reward": self.reward, "num_segments": len(self.segments),
-                "call_rewards": {str(k): v for k, v in sorted(self.call_rewards.items())},
+                "call_rewards": [{"call": c, "token": t, "reward": r} for (c, t), r in sorted(self.call_rewards.items())],
                 "calls": [self.call_dict(c) for c in self.calls]}

@@ -271,3 +271,31 @@ def test_call_reward_model_refusals_and_failures(stack, rm_dir, rm_engine, tmp_p
     assert report.status == "failed"
     (ep,) = [e for e in stack["sink"].episodes if e.episode_id == report.session_id]
     assert ep.status == "failed"
+
+
+def test_a_reward_model_rewards_every_step_of_an_answer(rm_dir, rm_engine):
+    """--call-rm-step-separator '\\n\\n': an answer of three steps (two blank-line separators) is scored after each
+    step and rewarded at its last token, the delta from the prompt's score on, equal to transformers' scores of the
+    same prefixes; a second call continues from the first call's last score; the separator's escapes are read."""
+    from transformers import AutoTokenizer
+
+    from forge_megatron.agents.call_rewards import call_rewards_from_args
+
+    tok = AutoTokenizer.from_pretrained(rm_dir)
+    pieces = [tok.encode(t, add_special_tokens=False) for t in ("First, 6 * 7.\n\n", "That is 42.\n\n", "42")]
+    completion = [t for p in pieces for t in p]
+    prompt = tok.encode("What is 6 * 7?", add_special_tokens=False)
+    ends = [len(pieces[0]) - 1, len(pieces[0]) + len(pieces[1]) - 1, len(completion) - 1]
+    scorer = call_rewards_from_args(_call_args(["--call-rm-url", rm_engine.url, "--call-rm-tokenizer", rm_dir,
+                                                "--call-rm-step-separator", "\\n\\n", "--call-rm-weight", "2"]))
+    assert scorer.step_separator == "\n\n" and scorer.step_ends(completion) == ends
+    second = tok.encode("Sure.", add_special_tokens=False)
+    calls = [{"prompt_ids": prompt, "completion_ids": completion},
+             {"prompt_ids": prompt + completion + prompt, "completion_ids": second}]
+    items = scorer(calls)
+    scores = [_hf_score(rm_dir, prompt)] + [_hf_score(rm_dir, prompt + completion[:e + 1]) for e in ends] + \
+        [_hf_score(rm_dir, calls[1]["prompt_ids"] + second)]
+    assert [(i["call"], i["token"]) for i in items] == [(0, e) for e in ends] + [(1, len(second) - 1)]
+    assert [i["reward"] for i in items] == pytest.approx([2 * (b - a) for a, b in zip(scores, scores[1:])], abs=1e-5)
+    with pytest.raises(ValueError, match="--call-rm-step-separator is an option of --call-rm-url"):
+        call_rewards_from_args(_call_args(["--call-rm-step-separator", "x"]))

@@ -849,15 +849,19 @@ def test_call_rewards_reach_the_trainer_batch_as_per_call_advantages(tmp_path, m
                                                             "session's 3 calls"),
                              ([{"call": 0, "reward": 1.0}, {"call": True, "reward": 1.0}], "call_rewards[1].call"),
                              ([{"call": 0, "reward": "x"}], "call_rewards[0].reward must be a finite number"),
-                             ([{"call": 0}], "call_rewards[0] must be an object with exactly the keys call and reward"),
+                             ([{"call": 0}], "call_rewards[0] must be an object with the keys call and reward"),
+                             ([{"call": 0, "token": 99, "reward": 1.0}], "call_rewards[0].token must index one of "
+                                                                          "call 0's"),
                              ({"call": 0, "reward": 1.0}, "call_rewards must be a list")):
             status, err = http(url, {"reward": 1.0, "call_rewards": bad})
             assert status == 400 and err["error"]["param"] == "call_rewards" and message in err["error"]["message"]
         summary = http(f"{gw.url}/forge/sessions/{a['session_id']}", method="GET")[1]
-        assert summary["call_rewards"] == {} and summary["reward"] is None  # (nothing set by a refused request)
+        assert summary["call_rewards"] == [] and summary["reward"] is None  # (nothing set by a refused request)
         status, ok = http(url, {"reward": 1.0, "call_rewards": [{"call": 0, "reward": 0.5}, {"call": -1, "reward": -0.25}]})
-        assert status == 200 and ok["call_rewards"] == {"0": 0.5, "2": -0.25}
         rec = calls(gw, a)
+        n0, n2 = len(rec[0]["completion_ids"]), len(rec[2]["completion_ids"])
+        assert status == 200 and ok["call_rewards"] == [{"call": 0, "token": n0 - 1, "reward": 0.5},
+                                                        {"call": 2, "token": n2 - 1, "reward": -0.25}]
         ep = gw.gateway.sessions[a["session_id"]].to_episode()
         assert end(gw, a)[1]["sink"] == "accepted"
         _, b = http(gw.url + "/forge/sessions", {"group_id": g["group_id"]})
@@ -895,6 +899,30 @@ def test_call_rewards_reach_the_trainer_batch_as_per_call_advantages(tmp_path, m
     wired = batch_from_wire(*batch_to_wire(batch))
     assert [s.call_rewards for s in wired.samples] == [s.call_rewards for s in batch.samples]
     assert [s.segment_return for s in wired.samples] == [s.segment_return for s in batch.samples]
+
+
+def test_rewards_of_tokens_inside_a_call(stack):
+    """A reward at a token inside a call (``"token": k``, the end of a step a process reward model scored) lands at
+    that token of the segment, beside the whole call's reward at its last token; a second post for the same token
+    replaces it; an index past the completion is a 400 naming the item."""
+    gw, _ = stack
+    s = new_session(gw)
+    client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Steps"}], max_tokens=6,
+                                      extra_body={"ignore_eos": True})
+    (rec,) = calls(gw, s)
+    p, n = len(rec["prompt_ids"]), len(rec["completion_ids"])
+    url = f"{gw.url}/forge/sessions/{s['session_id']}/reward"
+    status, err = http(url, {"call_rewards": [{"call": 0, "token": -n - 1, "reward": 1.0}]})
+    assert status == 400 and f"call_rewards[0].token must index one of call 0's {n} completion tokens" in \
+        err["error"]["message"]
+    assert http(url, {"call_rewards": [{"call": 0, "token": 1, "reward": 0.1}]})[0] == 200
+    status, ok = http(url, {"reward": 1.0, "call_rewards": [{"call": 0, "token": 1, "reward": 0.3},
+                                                            {"call": 0, "reward": 0.2}]})
+    assert status == 200 and ok["call_rewards"] == [{"call": 0, "token": 1, "reward": 0.3},
+                                                    {"call": 0, "token": n - 1, "reward": 0.2}]
+    assert end(gw, s)[0] == 200
+    (seg,) = episode(gw, s).segments
+    assert seg.call_rewards == [[p + 1, 0.3], [p + n - 1, 0.2]]
 
 
 def test_routed_experts_reach_the_trainer_batch(tmp_path):
