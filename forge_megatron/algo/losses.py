@@ -421,10 +421,13 @@ def _dense_distill(teacher_XK, student_XK, index_X, batch: _Batch, cfg: LossConf
 
 def _clip_stats(ratio_M: torch.Tensor, adv_M: torch.Tensor, batch: _Batch) -> dict[str, torch.Tensor]:
     cfg = batch.cfg
+    log_r = torch.log(ratio_M.clamp(min=1e-30))
     return {
         "clip_frac_low": batch.masked_mean((ratio_M < 1.0 - cfg.eps_low).float()),
         "clip_frac_high": batch.masked_mean((ratio_M > 1.0 + cfg.eps_high).float()),
         "ratio_mean": batch.masked_mean(ratio_M),
+        # k3 estimate of KL(pi_old || pi) over the trained tokens (sampled by pi_old): how far the updates moved
+        "ppo_kl": batch.masked_mean(ratio_M - 1.0 - log_r),
         "ratio_max": torch.where(batch.mask_M > 0, ratio_M, 0.0).max(),
         "advantage_mean": batch.masked_mean(adv_M),
         "num_tokens": batch.mask_M.sum(),

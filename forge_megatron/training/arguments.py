@@ -401,6 +401,10 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ppo-epochs", type=int, default=1, metavar="E",
                    help="passes over the batch's mini-batches per iteration (default 1), the mini-batches in a "
                         "new order each pass; the weights are synced and checkpointed once per iteration")
+    g.add_argument("--ppo-target-kl", type=float, default=None, metavar="KL",
+                   help="stop a batch's updates early once one of them measures the policy further than KL from "
+                        "pi_old (ppo_kl, the k3 estimate over the batch's tokens, every DP rank's): that update is "
+                        "not stepped, nor the ones after it; the first update always steps (default: off)")
     g.add_argument("--rl-entropy-coef", type=float, default=0.0, help="entropy bonus coefficient (0: off)")
     g.add_argument("--rl-tis-cap", type=float, default=None,
                    help="truncated importance weight cap on exp(old - rollout logprob) (default off)")
@@ -936,6 +940,10 @@ def _validate_updates(args: argparse.Namespace) -> None:
     if m > train_batch_groups(args):
         raise ValueError(f"--ppo-mini-batches {m}: more mini-batches than the batch's {train_batch_groups(args)} "
                          "groups (--train-batch-groups)")
+    target = getattr(args, "ppo_target_kl", None)
+    if target is not None and (not target > 0 or m * e == 1):
+        raise ValueError(f"--ppo-target-kl {target}: stops the later updates of a batch, so it needs a value > 0 and "
+                         "--ppo-mini-batches x --ppo-epochs above 1")
     clip = getattr(args, "value_clip", None)
     if clip is not None:
         if not getattr(args, "critic", False):

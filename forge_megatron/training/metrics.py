@@ -86,11 +86,11 @@ FIRST_UPDATE_PREFIXES = ("rollout_", "onpolicy/")
 """Training/inference mismatch terms: measured on the weights that sampled the batch, i.e. its first update."""
 
 
-def combine_update_metrics(updates: list[dict], passes: int = 1) -> dict[str, float]:
+def combine_update_metrics(updates: list[dict], first_pass: int | None = None) -> dict[str, float]:
     """One step's metrics from its optimizer updates' (``--ppo-mini-batches`` x ``--ppo-epochs``; each combined over
     its micro-batches by :func:`combine_micro_batch_metrics`): every update's loss terms are means over its own
     tokens, so they and the token means average weighted by the tokens they were taken over; token counts are the
-    batch's (summed over the updates, divided by the ``passes`` over the batch); maxima and minima span the updates; the mismatch terms
+    batch's (summed over the ``first_pass`` updates of the first pass over the mini-batches; default all); maxima and minima span the updates; the mismatch terms
     (``rollout_*``, ``onpolicy/*``) are the first update's, the only one on the sampling weights. One update: its
     metrics as they are."""
     if len(updates) <= 1:
@@ -107,7 +107,7 @@ def combine_update_metrics(updates: list[dict], passes: int = 1) -> dict[str, fl
         elif term in BATCH_SHARES and sum(weights) > 0:  # a domain absent from an update had no share there
             out[key] = float(sum(w * float(u.get(key, 0.0)) for w, u in zip(weights, updates)) / sum(weights))
         elif term in ("num_tokens", "num_pairs"):
-            out[key] /= passes
+            out[key] = float(sum(float(u.get(key, 0.0)) for u in updates[:first_pass]))
     return out
 
 

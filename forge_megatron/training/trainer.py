@@ -288,7 +288,7 @@ def rank_batch(batch, token_budget: int, merging: bool, dp_rank: int, dp_size: i
                      overlong_samples=len(too_long), dp_split_groups=split_groups)
 
 
-PER_UPDATE_KEYS = ("loss", "pg_loss", "kl", "ratio_mean", "clip_frac_low", "clip_frac_high", "num_tokens")
+PER_UPDATE_KEYS = ("loss", "pg_loss", "kl", "ratio_mean", "ppo_kl", "clip_frac_low", "clip_frac_high", "num_tokens")
 """With several updates per step, each one's terms listed in the metrics (``ppo/per_update``, JSONL)."""
 
 
@@ -309,6 +309,14 @@ def merge_rank_batches(rbs: list[RankBatch]) -> RankBatch:
                      dp_loads=[float(sum(loads)) for loads in zip(*(rb.dp_loads for rb in rbs))],
                      overlong_samples=sum(rb.overlong_samples for rb in rbs),
                      dp_split_groups=sum(rb.dp_split_groups for rb in rbs))
+
+
+def batch_kl(update: dict, rb: RankBatch) -> float:
+    """An update's ``ppo_kl`` over the whole mini-batch: this rank's token mean (its metrics, every pipeline stage's
+    after :func:`pipeline_loss_metrics`; the CP ranks compute the same) weighted by its tokens, summed over DP."""
+    kl, n = _sum_over_dp([update.get("ppo_kl", 0.0) * update.get("num_tokens", 0.0), update.get("num_tokens", 0.0)],
+                         rb.dp_size)
+    return kl / max(n, 1e-12)
 
 
 def whiten_advantages(rbs: list[RankBatch], sum_over_dp) -> dict:
@@ -1203,7 +1211,10 @@ class Trainer:
             self.critic_metrics = self.critic.advantages(rbs, run_schedule, _sum_over_dp)
             warming = self.iteration < self.critic.warmup  # --critic-warmup-iters: the policy waits for the critic
         updates, oks, norms, vision_norms, log = [], [], [], [], []
+        target_kl, stopped_at = getattr(self.args, "ppo_target_kl", None), None
         for epoch in range(getattr(self.args, "ppo_epochs", 1)):
+            if stopped_at is not None:
+                break
             for k in self._update_order(len(rbs), batch, epoch):
                 log.append({"groups": list(getattr(parts[k], "group_indices", []))})
                 if self.critic is not None:
@@ -1219,6 +1230,10 @@ class Trainer:
                 log[-1].update({key: updates[-1][key] for key in PER_UPDATE_KEYS if key in updates[-1]})
                 if warming:
                     continue
+                if target_kl is not None and len(updates) > 1 and batch_kl(updates[-1], rbs[k]) > target_kl:
+                    stopped_at = len(updates) - 1  # --ppo-target-kl: this update and the rest are not taken
+                    log[-1]["stopped"] = True
+                    break
                 if self.train_tower:
                     vision_norms.append(self._vision_grad_norm())
                 ok, grad_norm, _ = self.optimizer.step()
@@ -1235,13 +1250,15 @@ class Trainer:
         t2 = time.perf_counter()
         rb = merge_rank_batches(rbs)
         # staleness w.r.t. the weights trained
-        metrics = batch_metrics(rb, [combine_update_metrics(updates, max(len(updates) // len(rbs), 1))],
+        metrics = batch_metrics(rb, [combine_update_metrics(updates, len(rbs))],
                                 self.policy_version)
         if len(rbs) > 1 and len(rb.dp_loads) > 1:  # each update waits for its slowest DP rank
             metrics["dp_load_imbalance"] = sum(max(r.dp_loads) for r in rbs) / max(
                 sum(float(np.mean(r.dp_loads)) for r in rbs), 1e-12)
         if arguments.updates_per_iteration(self.args) > 1:  # (the list goes to the JSONL metrics only)
             metrics.update({"ppo/updates": float(sum(oks)), "ppo/per_update": log})
+            if target_kl is not None:
+                metrics["ppo/early_stop"] = float(stopped_at is not None)
         if self.offline:  # files' samples have no rewards, no sampling policy, no clipping
             metrics = {k: v for k, v in metrics.items() if not (
                 k in ("episodes", "clip_frac_high") or k.endswith(("reward_mean", "success_rate"))

@@ -193,6 +193,8 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--sft-data", __file__, "--ppo-epochs", "2"], "offline modes \(--sft-data, --preference-data\) take a "
                                                     "smaller --train-batch-groups instead"),
     (["--value-clip", "0.2"], "--value-clip clips the learned critic's value loss: add --critic"),
+    (["--ppo-target-kl", "0.01"], "--ppo-target-kl 0.01: stops the later updates of a batch, so it needs"),
+    (["--ppo-epochs", "2", "--ppo-target-kl", "0"], "needs a value > 0"),
     (["--whiten-advantages", "--sft-data", __file__], "--whiten-advantages whitens RL advantages: not with --sft-data"),
     (["--critic", "--value-clip", "0"], "--value-clip must be > 0, got 0.0"),
 ])

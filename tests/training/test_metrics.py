@@ -71,15 +71,15 @@ def test_micro_batch_metrics_combine_like_one_micro_batch():
 def test_update_metrics_combine_like_one_update_over_the_batch():
     """Several updates per step (--ppo-mini-batches x --ppo-epochs): each update's loss terms are means over its own
     tokens, so the step's are their token-weighted means (a domain absent from an update counts 0 there), token means
-    likewise, token counts the batch's (over the passes), maxima the maximum, the mismatch terms the first update's
-    (absent if it had none). One update comes back as it is."""
+    likewise, token counts the batch's (its first pass over the mini-batches), maxima the maximum, the mismatch terms
+    the first update's (absent if it had none). One update comes back as it is."""
     from forge_megatron.training.metrics import combine_update_metrics
 
     u1 = {"loss": 0.2, "num_tokens": 30.0, "ratio_mean": 1.0, "ratio_max": 1.0, "rollout_kl": 0.01,
           "onpolicy/rollout_kl": 0.02, "math/pg_loss": 0.1, "math/num_tokens": 30.0, "math/ratio": 1.0}
     u2 = {"loss": 0.6, "num_tokens": 10.0, "ratio_mean": 1.4, "ratio_max": 2.0, "rollout_kl": 0.5,
           "qa/pg_loss": 0.3, "qa/num_tokens": 10.0}
-    out = combine_update_metrics([u1, u2, u1, u2], passes=2)
+    out = combine_update_metrics([u1, u2, u1, u2], first_pass=2)
     assert out["loss"] == pytest.approx((30 * 0.2 + 10 * 0.6) / 40)
     assert out["math/pg_loss"] == pytest.approx(30 * 0.1 / 40) and out["qa/pg_loss"] == pytest.approx(10 * 0.3 / 40)
     assert out["ratio_mean"] == pytest.approx((30 * 1.0 + 10 * 1.4) / 40) and out["ratio_max"] == 2.0

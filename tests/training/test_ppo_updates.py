@@ -193,3 +193,24 @@ def test_stop_and_resume_trains_the_same_updates(models, tmp_path):
         for ua, ub in zip(a["ppo/per_update"], b["ppo/per_update"]):
             for key in ("loss", "grad_norm", "kl"):
                 assert ua[key] == pytest.approx(ub[key], rel=1e-5, abs=1e-7), key
+
+
+def test_target_kl_stops_a_batchs_updates_early(models, tmp_path):
+    """--ppo-target-kl: with pi_old recomputed the first update measures ppo_kl 0 and steps; the second measures the
+    first's move, above a tiny target, so it and the rest are not taken (one update, marked stopped in the per-update
+    log); a target far above the moves lets all four run. Without several updates per batch the flag is refused."""
+    policy, _ = models
+    groups = _groups(2, seed=25)
+    flags = ["--ppo-mini-batches", "2", "--ppo-epochs", "2", "--old-logprobs", "recompute"]
+    (tight,), _, _ = run_on_fresh_pool(tmp_path, "tight", policy, _feed(groups), iters=1, groups=2,
+                                       extra=flags + ["--ppo-target-kl", "1e-12"])
+    per = tight["ppo/per_update"]
+    assert tight["ppo/updates"] == 1 and tight["ppo/early_stop"] == 1.0 and len(per) == 2
+    assert per[0]["ppo_kl"] == pytest.approx(0.0, abs=1e-9) and per[0]["update_ok"] and "stopped" not in per[0]
+    assert per[1]["ppo_kl"] > 1e-12 and per[1]["stopped"] and "update_ok" not in per[1]
+    (loose,), _, _ = run_on_fresh_pool(tmp_path, "loose", policy, _feed(groups), iters=1, groups=2,
+                                       extra=flags + ["--ppo-target-kl", "10"])
+    assert loose["ppo/updates"] == 4 and loose["ppo/early_stop"] == 0.0
+    assert [u["ppo_kl"] for u in loose["ppo/per_update"]][:2] == pytest.approx([u["ppo_kl"] for u in per])
+    out = refused_start(policy, tmp_path, ["--ppo-target-kl", "0.01"])
+    assert "--ppo-target-kl 0.01: stops the later updates of a batch" in out
