@@ -29,10 +29,10 @@ a silent zero. A group's identical prefixes (a shared prompt) are scored once (`
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
-from forge_megatron.agents.remote import Retryable, ScoreCache, check_base_url, post_json
+from forge_megatron.agents.remote import ScoreCache, check_base_url
+from forge_megatron.agents.reward_model import classify_score
 from forge_megatron.middleware.gateway_sessions import vocabulary_fingerprint
 
 MODES = ("delta", "score")
@@ -75,30 +75,11 @@ class CallRewardModel:
         """The reward model's score of ``ids`` (cached)."""
         key = tuple(ids)
         cached = self._cache.get(key)
-        if cached is not None:
-            return cached
-        last = None
-        for attempt in range(self.attempts):
-            try:
-                answer = post_json(self.url, {"input_ids": list(ids)}, self.timeout_s, self.api_key, CallRewardError,
-                                   "call reward model")
-            except Retryable as exc:
-                last = str(exc)
-                time.sleep(min(2.0, 0.25 * 2 ** attempt))
-                continue
-            if isinstance(answer, list) and len(answer) == 1:
-                answer = answer[0]
-            embedding = answer.get("embedding") if isinstance(answer, dict) else None
-            if isinstance(embedding, list) and len(embedding) > self.label:
-                try:
-                    value = float(embedding[self.label])
-                except (TypeError, ValueError):
-                    value = math.nan
-                if math.isfinite(value):
-                    self._cache.put(key, value)
-                    return value
-            last = f"no finite embedding[{self.label}] in its answer {str(answer)[:300]!r}"
-        raise CallRewardError(f"call reward model {self.url} gave no score in {self.attempts} attempt(s): {last}")
+        if cached is None:
+            cached = classify_score(self.url, ids, self.label, self.attempts, self.timeout_s, self.api_key,
+                                    CallRewardError, "call reward model", "--call-rm-label")
+            self._cache.put(key, cached)
+        return cached
 
     def step_ends(self, completion_ids: list[int]) -> list[int]:
         """The completion's step ends with ``step_separator``: the token holding the end of each separator, and the

@@ -94,41 +94,42 @@ class RewardModelVerifier:
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        last = None
-        for attempt in range(self.attempts):
-            try:
-                answer = post_json(self.url, {"input_ids": ids}, self.timeout_s, self.api_key, RewardModelError,
-                                   "reward model")
-            except Retryable as exc:
-                last = str(exc)
-                time.sleep(min(2.0, 0.25 * 2 ** attempt))
-                continue
-            score = self._score(answer)
-            if score is None:
-                last = f"no finite embedding[{self.label}] in its answer {str(answer)[:300]!r}"
-                continue
-            reward = self.reward_of(score)
-            self._cache.put(key, reward)
-            return reward
-        raise RewardModelError(f"reward model {self.url} gave no score for task {task.task_id} in {self.attempts} "
-                               f"attempt(s): {last}")
+        reward = self.reward_of(classify_score(self.url, ids, self.label, self.attempts, self.timeout_s, self.api_key,
+                                               RewardModelError, "reward model", "--rm-label",
+                                               f" for task {task.task_id}"))
+        self._cache.put(key, reward)
+        return reward
 
-    def _score(self, answer) -> float | None:
-        """The reward model's score in ``answer``; None when it has none (tried again); RewardModelError when it has
-        fewer outputs than ``label`` asks for (another attempt would not change that)."""
+
+def classify_score(url: str, ids: list[int], label: int, attempts: int, timeout_s: float, api_key: str | None,
+                   refused: type[Exception], who: str, label_flag: str, context: str = "") -> float:
+    """The score (output ``label``) of the token ids ``ids`` from the reward model's ``/classify`` at ``url``:
+    connection errors, timeouts, 5xx answers and answers without a finite score are tried again (``attempts``), a 4xx
+    raises ``refused`` at once with the server's message, and so does a model with fewer outputs than ``label`` asks
+    for (``label_flag`` names the option); no score after every attempt raises ``refused`` naming ``who``, ``url``
+    and ``context``."""
+    last = None
+    for attempt in range(attempts):
+        try:
+            answer = post_json(url, {"input_ids": list(ids)}, timeout_s, api_key, refused, who)
+        except Retryable as exc:
+            last = str(exc)
+            time.sleep(min(2.0, 0.25 * 2 ** attempt))
+            continue
         if isinstance(answer, list) and len(answer) == 1:  # (a batch of one)
             answer = answer[0]
         embedding = answer.get("embedding") if isinstance(answer, dict) else None
-        if not isinstance(embedding, list):
-            return None
-        if len(embedding) <= self.label:
-            raise RewardModelError(f"reward model {self.url} gives {len(embedding)} output(s) per input; "
-                                   f"--rm-label {self.label} asks for output {self.label}")
+        if isinstance(embedding, list) and len(embedding) <= label:
+            raise refused(f"{who} {url} gives {len(embedding)} output(s) per input; {label_flag} {label} asks for "
+                          f"output {label}")
         try:
-            score = float(embedding[self.label])
+            score = float(embedding[label]) if isinstance(embedding, list) else math.nan
         except (TypeError, ValueError):
-            return None
-        return score if math.isfinite(score) else None
+            score = math.nan
+        if math.isfinite(score):
+            return score
+        last = f"no finite embedding[{label}] in its answer {str(answer)[:300]!r}"
+    raise refused(f"{who} {url} gave no score{context} in {attempts} attempt(s): {last}")
 
 
 def add_reward_model_arguments(p) -> None:

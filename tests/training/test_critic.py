@@ -6,51 +6,24 @@ uninterrupted one does; the critic's checkpoint exports as the sequence classifi
 
 import json
 import os
-import time
 
-import numpy as np
 import pytest
 import torch
 
 from forge_megatron.models.tiny import build_tiny_model, build_tiny_reward_model
 
-from .trainer_run import run_on_fresh_pool
+from .trainer_run import episodes_feed as _feed
+from .trainer_run import random_groups, run_on_fresh_pool
+
+
+def _groups(n_groups: int, seed: int = 5):
+    return random_groups(n_groups, seed)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("critic")
     return build_tiny_model(str(d / "policy")), build_tiny_reward_model(str(d / "critic"))
-
-
-def _groups(n_groups: int, seed: int = 5, group_size: int = 4):
-    """``n_groups`` groups of ``group_size`` episodes: a shared 10-token prompt, completions of 5..8 tokens, rewards
-    0 / 1 / 0.5 alternating (token ids within the tiny vocabulary)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n_groups):
-        prompt = rng.integers(10, 300, size=10).tolist()
-        out.append([(prompt, rng.integers(10, 300, size=int(rng.integers(5, 9))).tolist(), (0.0, 1.0, 0.5)[e % 3])
-                    for e in range(group_size)])
-    return out
-
-
-def _feed(groups):
-    from forge_megatron.middleware.schema import Episode, Segment
-
-    def feed(client):
-        for g, episodes in enumerate(groups):
-            gid = client.register_group(f"task-{g}", len(episodes), "default")
-            for e, (prompt, completion, reward) in enumerate(episodes):
-                seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
-                              rollout_logprobs=[0.0] * len(prompt) + [-5.0] * len(completion),
-                              policy_versions=[-1] * len(prompt) + [0] * len(completion))
-                eid = f"{gid}-e{e}"
-                client.episode_started(gid, eid)
-                now = time.time()
-                client.submit_episode(Episode(episode_id=eid, group_id=gid, task_id=f"task-{g}", segments=[seg],
-                                              reward=reward, started_at=now - 1, ended_at=now))
-    return feed
 
 
 def _reference(policy: str, critic: str, episodes):
@@ -165,25 +138,11 @@ def test_rewards_of_single_calls_reach_the_critics_advantages(models, tmp_path):
     episodes 0 and 2, -0.25 at the last in episode 1): with gamma = lambda = 1 and no whitening each trained token's
     advantage is the rewards from it on (those calls' at or after it, then the outcome) minus the critic's value, so
     the step's return and advantage means equal those written out from transformers' values."""
-    from forge_megatron.middleware.schema import Episode, Segment
-
     policy, critic = models
     (episodes,) = _groups(1, seed=17)
     calls = {0: (1, 0.5), 1: (-1, -0.25), 2: (1, 0.5)}  # episode -> (completion token, reward)
-
-    def feed(client):
-        gid = client.register_group("task-0", len(episodes), "default")
-        for e, (prompt, completion, reward) in enumerate(episodes):
-            seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
-                          rollout_logprobs=[0.0] * len(prompt) + [-5.0] * len(completion),
-                          policy_versions=[-1] * len(prompt) + [0] * len(completion))
-            if e in calls:
-                k, r = calls[e]
-                seg.call_rewards = [[len(prompt) + k % len(completion), r]]
-            client.episode_started(gid, f"{gid}-e{e}")
-            now = time.time()
-            client.submit_episode(Episode(episode_id=f"{gid}-e{e}", group_id=gid, task_id="task-0", segments=[seg],
-                                          reward=reward, started_at=now - 1, ended_at=now))
+    feed = _feed([episodes], call_rewards={(0, e): [[len(episodes[e][0]) + k % len(episodes[e][1]), r]]
+                                           for e, (k, r) in calls.items()})
 
     v, _, _ = _reference(policy, critic, episodes)
     returns = []

@@ -6,14 +6,14 @@ get them as their rollout logprobs, written out from transformers). Over two dat
 one rank's. The critic's clipped value loss starts unclipped (its first update's values are V_old) and binds later.
 CPU, 0 GPUs (gloo)."""
 
-import time
-
 import numpy as np
 import pytest
 import torch
 
 from forge_megatron.models.tiny import build_tiny_model, build_tiny_reward_model
 
+from .trainer_run import episodes_feed as _feed
+from .trainer_run import random_groups as _groups
 from .trainer_run import refused_start, run_on_fresh_pool
 
 
@@ -21,39 +21,6 @@ from .trainer_run import refused_start, run_on_fresh_pool
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("ppo_updates")
     return build_tiny_model(str(d / "policy")), build_tiny_reward_model(str(d / "critic"))
-
-
-def _groups(n_groups: int, seed: int, group_size: int = 4):
-    """``n_groups`` groups of ``group_size`` episodes: a shared 10-token prompt, completions of 5..8 tokens, rewards
-    0 / 1 / 0.5 alternating (nonzero group advantages)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n_groups):
-        prompt = rng.integers(10, 300, size=10).tolist()
-        out.append([(prompt, rng.integers(10, 300, size=int(rng.integers(5, 9))).tolist(), (0.0, 1.0, 0.5)[e % 3])
-                    for e in range(group_size)])
-    return out
-
-
-def _feed(groups, logprobs=None):
-    """Submit ``groups`` in order; ``logprobs[g][e]``: episode e of group g's rollout logprobs of its completion
-    (default -5 each)."""
-    from forge_megatron.middleware.schema import Episode, Segment
-
-    def feed(client):
-        for g, episodes in enumerate(groups):
-            gid = client.register_group(f"task-{g}", len(episodes), "default")
-            for e, (prompt, completion, reward) in enumerate(episodes):
-                logp = logprobs[g][e] if logprobs is not None else [-5.0] * len(completion)
-                seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
-                              rollout_logprobs=[0.0] * len(prompt) + list(logp),
-                              policy_versions=[-1] * len(prompt) + [0] * len(completion))
-                eid = f"{gid}-e{e}"
-                client.episode_started(gid, eid)
-                now = time.time()
-                client.submit_episode(Episode(episode_id=eid, group_id=gid, task_id=f"task-{g}", segments=[seg],
-                                              reward=reward, started_at=now - 1, ended_at=now))
-    return feed
 
 
 def _logprobs(policy: str, groups):

@@ -122,3 +122,44 @@ def assert_same_as_one_rank(steps: dict, runs, keys=("loss", "grad_norm"), data_
         for a, b in zip(steps["one"], steps[other]):
             for key in ("grad_norm",) if other in data_parallel else keys:
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+
+
+def random_groups(n_groups: int, seed: int, group_size: int = 4) -> list:
+    """``n_groups`` groups of ``group_size`` episodes ``(prompt, completion, reward)``: a shared 10-token prompt,
+    completions of 5..8 tokens (ids within the tiny vocabulary), rewards 0 / 1 / 0.5 alternating (nonzero group
+    advantages)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_groups):
+        prompt = rng.integers(10, 300, size=10).tolist()
+        out.append([(prompt, rng.integers(10, 300, size=int(rng.integers(5, 9))).tolist(), (0.0, 1.0, 0.5)[e % 3])
+                    for e in range(group_size)])
+    return out
+
+
+def episodes_feed(groups, logprobs=None, call_rewards=None):
+    """A pool feed (:func:`run_on_fresh_pool`'s ``feed``) submitting ``groups`` (:func:`random_groups`' form) in
+    order, one segment per episode: ``logprobs[g][e]`` episode e of group g's rollout logprobs of its completion
+    (default -5 each); ``call_rewards[(g, e)]`` its segment's ``[position, reward]`` pairs."""
+    import time
+
+    from forge_megatron.middleware.schema import Episode, Segment
+
+    def feed(client):
+        for g, episodes in enumerate(groups):
+            gid = client.register_group(f"task-{g}", len(episodes), "default")
+            for e, (prompt, completion, reward) in enumerate(episodes):
+                logp = logprobs[g][e] if logprobs is not None else [-5.0] * len(completion)
+                seg = Segment(tokens=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
+                              rollout_logprobs=[0.0] * len(prompt) + list(logp),
+                              policy_versions=[-1] * len(prompt) + [0] * len(completion),
+                              call_rewards=(call_rewards or {}).get((g, e)))
+                eid = f"{gid}-e{e}"
+                client.episode_started(gid, eid)
+                now = time.time()
+                client.submit_episode(Episode(episode_id=eid, group_id=gid, task_id=f"task-{g}", segments=[seg],
+                                              reward=reward, started_at=now - 1, ended_at=now))
+    return feed
+
