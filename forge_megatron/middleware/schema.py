@@ -136,8 +136,9 @@ class Segment:
                 and isinstance(x[1], (int, float)) and not isinstance(x[1], bool) and math.isfinite(x[1])
                 for x in pairs), f"{where}.call_rewards must be [position, finite reward] pairs")
             positions = [int(p) for p, _ in pairs]
-            _check(positions == sorted(set(positions)) and all(0 <= p < n for p in positions),
-                   f"{where}.call_rewards positions must increase and lie in [0, {n}), got {positions}")
+            _check(positions == sorted(set(positions)) and all(1 <= p < n for p in positions),
+                   f"{where}.call_rewards positions must increase and lie in [1, {n}) (a trained token: the first "
+                   f"never is), got {positions}")
             _check(all(self.loss_mask[p] == 1 for p in positions),
                    f"{where}.call_rewards positions must be sampled tokens (loss_mask 1)")
         if self.teacher_logprobs is not None:

@@ -361,7 +361,7 @@ def batch_from_wire(meta: dict[str, Any], arrays: list[np.ndarray]) -> TrainBatc
     lengths = _lengths({"lengths": [s["length"] for s in samples_meta]}, "lengths", "batch")
     calls = [s.get("call_rewards") for s in samples_meta]  # optional: rewards of single calls (a critic's GAE)
     if not all(c is None or (isinstance(c, list) and all(
-            isinstance(x, list) and len(x) == 2 and isinstance(x[0], int) and 0 <= x[0] < n
+            isinstance(x, list) and len(x) == 2 and isinstance(x[0], int) and 1 <= x[0] < n
             and isinstance(x[1], (int, float)) and not isinstance(x[1], bool) and math.isfinite(x[1]) for x in c))
                for c, n in zip(calls, lengths)):
         raise WireError("batch samples' call_rewards must be [position within the sample, finite reward] pairs")

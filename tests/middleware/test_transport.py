@@ -2,6 +2,7 @@
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,36 @@ def test_invalid_episode_is_rejected_by_schema(served):
     with pytest.raises(PoolError, match=r"segments\[0\].loss_mask must be 0/1"):
         client.submit_episode(bad)
     assert client.group_status(gid)["finished"] == 0
+
+
+def test_call_rewards_travel_and_bad_ones_are_refused(served):
+    """Rewards of single calls over the real sockets and database (the ZeroMQ path white-box agents submit on): the
+    batch's sample carries them and the per-call advantages; positions that are not trained tokens (the first token,
+    a prompt token, out of range, decreasing) or non-finite rewards are refused naming the field."""
+    pool, server, client = served
+    gid = client.register_group("t", 2)
+    good, other = make_episode(gid, "e0", seed=1), make_episode(gid, "e1", seed=2)
+    seg = good.segments[0]
+    trained = [i for i, m in enumerate(seg.loss_mask) if m and i > 0]
+    seg.call_rewards = [[trained[0], 0.5]]
+    for bad, message in (([[0, 1.0]], "positions must increase and lie in [1, "),
+                         ([[len(seg.tokens), 1.0]], "positions must increase"),
+                         ([[trained[1], 1.0], [trained[0], 1.0]], "positions must increase"),
+                         ([[trained[0], float("nan")]], "must be [position, finite reward] pairs")):
+        broken = make_episode(gid, "e9", seed=1)
+        broken.segments[0].call_rewards = bad
+        with pytest.raises(PoolError, match=re.escape(message)):
+            client.submit_episode(broken)
+    untrained = make_episode(gid, "e8", seed=1)
+    untrained.segments[0].call_rewards = [[untrained.segments[0].loss_mask.index(0, 1), 1.0]]
+    with pytest.raises(PoolError, match="positions must be sampled tokens"):
+        client.submit_episode(untrained)
+    assert client.submit_episode(good) == "accepted" and client.submit_episode(other) == "accepted"
+    batch = client.get_batch(1, timeout_s=5.0)
+    (smp,) = [s for s in batch.samples if s.episode_id == "e0"]
+    assert smp.call_rewards == [[trained[0], 0.5]]
+    a = smp.advantages[smp.loss_mask == 1]
+    assert len(set(a.tolist())) == 2  # the call's tokens take the return from the call on, the rest the end's
 
 
 def test_routed_experts_travel_from_episode_to_batch(served):
