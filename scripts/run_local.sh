@@ -15,7 +15,8 @@
 # POOL_ARGS (window and reward settings, e.g. "--window-fraction 0.5 --advantage-estimator rloo": applied by the data
 # pool, given to the trainer too, which checks them against the pool), POLICY_SAMPLING (default 1: training calls are
 # sampled at ROLLOUT_TEMPERATURE, default 1, whatever temperature the agent asks; 0: as the agent asks; the trainer
-# scores tokens at ROLLOUT_TEMPERATURE either way), EVAL_TASKS (held-out tasks JSONL,
+# scores tokens at ROLLOUT_TEMPERATURE either way), MALFORMED_CALL_REWARD (e.g. -0.1: malformed tool calls penalised on
+# the call that made them, forge-node --malformed-call-reward), EVAL_TASKS (held-out tasks JSONL,
 # evaluated every EVAL_EVERY policy versions into RUN_DIR/evals.jsonl), EPISODE_TIMEOUT_S (driver-side episode limit,
 # default 1800; the pool times out what is idle for twice that, e.g. after a driver crash), TOOL_PARSER and
 # REASONING_PARSER (the model's tool-call and thinking formats: the gateway's --tool-parser / --reasoning-parser;
@@ -195,6 +196,7 @@ NODE_FLAGS=()  # gateway flags: the trainer, which gets POOL_ARGS too, never see
 NODE_FLAGS+=(--policy-temperature "$ROLLOUT_TEMPERATURE" --tool-parser "$TOOL_PARSER")
 [ -n "$REASONING_PARSER" ] && NODE_FLAGS+=(--reasoning-parser "$REASONING_PARSER")
 [ -n "$CHAT_TEMPLATE_KWARGS" ] && NODE_FLAGS+=(--chat-template-kwargs "$CHAT_TEMPLATE_KWARGS")
+[ -n "${MALFORMED_CALL_REWARD:-}" ] && NODE_FLAGS+=(--malformed-call-reward "$MALFORMED_CALL_REWARD")
 [ "${TRUST_REMOTE_CODE:-0}" = 1 ] && NODE_FLAGS+=(--trust-remote-code)
 [ "${GATEWAY_WORKERS:-1}" -gt 1 ] && NODE_FLAGS+=(--gateway-workers "$GATEWAY_WORKERS")
 NODE_FLAGS+=(${TEACHER_NODE_FLAGS[@]+"${TEACHER_NODE_FLAGS[@]}"})

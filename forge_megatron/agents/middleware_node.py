@@ -90,6 +90,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"forge-node: {exc}") from exc
     if args.gateway_workers < 1:
         raise SystemExit(f"forge-node: --gateway-workers must be >= 1, got {args.gateway_workers}")
+    if args.malformed_call_reward:  # the penalty moves from the episode to the call: counted once
+        if args.reward_weights.get("malformed_tool_calls", 0.0) != 0.0:
+            raise SystemExit("forge-node: --malformed-call-reward and --reward-weights malformed_tool_calls="
+                             f"{args.reward_weights['malformed_tool_calls']:g} would penalise malformed tool calls "
+                             "twice (on the call and on the episode): drop one")
+        args.reward_weights = {**args.reward_weights, "malformed_tool_calls": 0.0}
+        logging.info("--malformed-call-reward %g: malformed tool calls are penalised on the call that made them; the "
+                     "pool's episode-level malformed_tool_calls weight is 0", args.malformed_call_reward)
     pool = DataPool(pool_config(args))
     server = PoolServer(pool, bind=args.pool_bind).start()
     print(f"forge-pool serving on {server.address}", flush=True)

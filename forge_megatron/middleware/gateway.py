@@ -155,6 +155,9 @@ class GatewayConfig:
     teacher_timeout_s: float = 120.0
     teacher_prompt: str | None = None  # a privileged system message the teacher reads first (middleware/teacher.py)
     teacher_topk: int = 0  # > 0: also the teacher's top-k tokens at every sampled token (dense distillation)
+    # a reward on each call per malformed tool call it made, at its last token (the pool's episode-level
+    # malformed_tool_calls weight must then be 0: forge-node sets it); 0: off
+    malformed_call_reward: float = 0.0
 
     def __post_init__(self):
         if not self.engine_urls:
@@ -698,7 +701,8 @@ class Gateway:
         outcome = "eval"
         if not sess.evaluation:
             try:
-                outcome = await self.to_sink("submit_episode", await self._with_teacher(sess.to_episode()))
+                outcome = await self.to_sink("submit_episode", await self._with_teacher(
+                    sess.to_episode(self.config.malformed_call_reward)))
             except ApiError:  # the sink did not answer: the session stays open, so the end can be sent again
                 sess.status, sess.ended_at, sess.responses = None, 0.0, stored
                 raise
@@ -2123,6 +2127,11 @@ def add_session_options(p) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the tokenizer / config code the checkpoint ships (Kimi-K2's tokenizer), from "
                         "--model-path only (SGLang's flag; the engines need it too)")
+    p.add_argument("--malformed-call-reward", type=float, default=0.0, metavar="R",
+                   help="a reward (e.g. -0.1) on each call per malformed tool call it made, at its last token: the "
+                        "malformed-call penalty credited to the call that made it rather than to the whole episode "
+                        "(a reward of a single call: docs/middleware.md); the pool's malformed_tool_calls weight must "
+                        "then be 0, which forge-node sets (default 0: off)")
     p.add_argument("--max-body-mib", type=float, default=8.0, metavar="MIB",
                    help="largest request body (default 8): agents that send images send their history's images with "
                         "every call (inline, base64), so raise it for them (a 1-megapixel PNG is ~2 MiB in base64)")
@@ -2179,7 +2188,7 @@ def session_options(args: argparse.Namespace) -> dict:
                 image_url_timeout_s=args.image_url_timeout_s,
                 teacher_urls=tuple(u.strip() for u in args.teacher_urls.split(",") if u.strip()),
                 teacher_timeout_s=args.teacher_timeout_s, teacher_prompt=args.teacher_prompt,
-                teacher_topk=args.teacher_topk)
+                teacher_topk=args.teacher_topk, malformed_call_reward=args.malformed_call_reward)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -2241,6 +2250,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"forge-gateway: {exc}") from exc
     if args.workers < 1:
         raise SystemExit(f"forge-gateway: --workers must be >= 1, got {args.workers}")
+    if config.malformed_call_reward:
+        logging.warning("--malformed-call-reward %g: give the data pool --reward-weights malformed_tool_calls=0, or "
+                        "malformed tool calls are penalised twice (forge-node does that itself)",
+                        config.malformed_call_reward)
     if args.workers > 1:
         from forge_megatron.middleware.gateway_front import GatewayFront, serve_front
 

@@ -410,12 +410,20 @@ class Session:
         self.call_rewards.update(new)
         return [{"call": c, "token": t, "reward": r} for (c, t), r in sorted(self.call_rewards.items())]
 
-    def _segment_call_rewards(self) -> list[list | None]:
+    def _segment_call_rewards(self, malformed_reward: float = 0.0) -> list[list | None]:
         """Per segment: its calls' rewards as ``[position, reward]``, the position the rewarded completion token in
         the segment (the nearest sampled one at or before it within the call: tokens of a resumed call's
-        continuation are all sampled, so this is the token itself but for an engine's odd record)."""
+        continuation are all sampled, so this is the token itself but for an engine's odd record).
+        ``malformed_reward`` (the gateway's --malformed-call-reward) adds that much per malformed tool call at the
+        last token of the call that made it."""
+        rewards = dict(self.call_rewards)
+        if malformed_reward:
+            for index, call in enumerate(self.calls):
+                if call.num_malformed_tool_calls and call.completion_len:
+                    key = (index, call.completion_len - 1)
+                    rewards[key] = rewards.get(key, 0.0) + malformed_reward * call.num_malformed_tool_calls
         out: list[list | None] = [None] * len(self.segments)
-        for (index, token), reward in sorted(self.call_rewards.items()):
+        for (index, token), reward in sorted(rewards.items()):
             call = self.calls[index]
             mask = self.segments[call.segment_index].loss_mask
             pos = call.prompt_len + token
@@ -430,9 +438,10 @@ class Session:
                 points.append([pos, reward])
         return out
 
-    def to_episode(self) -> Episode:
+    def to_episode(self, malformed_call_reward: float = 0.0) -> Episode:
+        """The episode the session recorded; ``malformed_call_reward``: see :meth:`_segment_call_rewards`."""
         segments = [s.to_segment() for s in self.segments]
-        for seg, rewards in zip(segments, self._segment_call_rewards()):
+        for seg, rewards in zip(segments, self._segment_call_rewards(malformed_call_reward)):
             seg.call_rewards = rewards
         return Episode(
             episode_id=self.session_id, group_id=self.group_id, task_id=self.task_id,

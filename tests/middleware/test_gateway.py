@@ -328,6 +328,45 @@ def test_tool_choice_none_and_malformed_calls(stack):
     assert ep.num_tool_calls == 0 and ep.num_malformed_tool_calls == 1
 
 
+def test_malformed_call_reward_lands_on_the_call_that_made_it(model_dir):
+    """--malformed-call-reward -0.1: a call cut inside its tool call (malformed) gets -0.1 at its last token, added
+    to what the agent set there; a well-formed call gets nothing; forge-node refuses it beside a non-zero
+    episode-level malformed_tool_calls weight and zeroes that weight otherwise."""
+    import subprocess
+    import sys
+
+    from forge_megatron.agents.middleware_node import build_parser as node_parser
+
+    e = start_engine(model_dir, in_process=True)
+    gw = start_gateway(model_dir, [e.url], in_process=True, config={"malformed_call_reward": -0.1})
+    try:
+        s = new_session(gw)
+        c = client(s)
+        c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=60)
+        cut = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=6)
+        assert cut.choices[0].message.content.startswith("<tool_call>")  # unclosed: malformed
+        http(f"{gw.url}/forge/sessions/{s['session_id']}/reward", {"reward": 1.0, "call_rewards": [
+            {"call": 1, "reward": 0.5}]})
+        assert end(gw, s)[0] == 200
+        rec = calls(gw, s)
+        ep = episode(gw, s)
+    finally:
+        gw.stop()
+        e.stop()
+    assert [r["num_malformed_tool_calls"] for r in rec] == [0, 1] and ep.num_malformed_tool_calls == 1
+    last = len(rec[1]["prompt_ids"]) + len(rec[1]["completion_ids"]) - 1
+    assert ep.segments[rec[0]["segment_index"]].call_rewards is None  # (the well-formed call: nothing)
+    assert ep.segments[rec[1]["segment_index"]].call_rewards == [[last, pytest.approx(0.4)]]
+    args = node_parser().parse_args(["--model-path", model_dir, "--engines", "http://127.0.0.1:9",
+                                     "--malformed-call-reward", "-0.1", "--reward-weights", "malformed_tool_calls=-0.2"])
+    assert args.malformed_call_reward == -0.1
+    out = subprocess.run([sys.executable, "-m", "forge_megatron.agents.middleware_node", "--model-path", model_dir,
+                          "--engines", "http://127.0.0.1:9", "--malformed-call-reward", "-0.1", "--reward-weights",
+                          "malformed_tool_calls=-0.2", "--pool-db", ":memory:"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and "would penalise malformed tool calls twice" in out.stderr
+
+
 def test_streaming_matches_non_streaming(stack):
     gw, _ = stack
     s = new_session(gw)

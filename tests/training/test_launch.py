@@ -51,7 +51,8 @@ def test_bash_syntax_and_help():
 
 
 @pytest.mark.parametrize("layout", [
-    dict(ROLLOUT_NODES=2, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=2, TP=2, PP=1, EP=1, CP=1, MODEL="qwen3-8B"),
+    dict(ROLLOUT_NODES=2, TRAIN_NODES=2, GPUS_PER_NODE=8, ENGINE_TP=2, TP=2, PP=1, EP=1, CP=1, MODEL="qwen3-8B",
+         MALFORMED_CALL_REWARD=-0.1),
     dict(ROLLOUT_NODES=1, TRAIN_NODES=4, GPUS_PER_NODE=8, ENGINE_TP=4, TP=2, PP=2, EP=4, CP=1, MODEL="qwen3-30B-A3B",
          FP32_LM_HEAD=1, OVERLAP_GRAD_REDUCE=1, OVERLAP_PARAM_GATHER=1, WEIGHT_SYNC_INTERVAL=2, POLICY_SAMPLING=0, ROLLOUT_TEMPERATURE=0.8, TRUST_REMOTE_CODE=1, GATEWAY_WORKERS=4,
          SAVE_INTERVAL=25, KEEP_CHECKPOINTS=3, ASYNC_SAVE=1, EXIT_DURATION_MINS=1410,
@@ -136,6 +137,7 @@ def test_dry_run_plan_is_consistent(layout):
     assert node.keep_trajectories is (layout.get("KEEP_TRAJECTORIES") == 1)  # (forge-pool-export --sft / --pairs)
     assert node.policy_sampling is (layout.get("POLICY_SAMPLING", 1) == 1)  # on unless turned off
     assert node.gateway_workers == layout.get("GATEWAY_WORKERS", 1)
+    assert node.malformed_call_reward == layout.get("MALFORMED_CALL_REWARD", 0.0)  # penalised per call, or not
     # the gateway samples training calls at the temperature the trainer scores them at
     assert node.policy_temperature == args.rollout_temperature == float(layout.get("ROLLOUT_TEMPERATURE", 1))
     # the model script's output formats (Qwen3: thinking blocks as reasoning_content)
