@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-workers", type=int, default=1, metavar="N",
                    help="serve the agents' sessions from N gateway processes behind the gateway port (forge-node "
                         "--gateway-workers; the driver, trainer and weight sync use the one URL as before)")
+    p.add_argument("--malformed-call-reward", type=float, default=None, metavar="R",
+                   help="penalise each malformed tool call by R on the call that made it instead of the episode "
+                        "(forge-node --malformed-call-reward, e.g. -0.1; default: the pool's episode-level weight)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up (and clean up) after this long")
     return p
@@ -366,7 +369,9 @@ def run_rl(args: argparse.Namespace, procs: Processes, sft_dir: str, tasks_path:
                             str(args.groups_per_step), "--window-fraction", "1.0", "--max-staleness", "1",
                             "--train-batch-groups", str(args.groups_per_step), "--default-max-tokens", "48",
                             "--policy-sampling", "--gateway-workers", str(args.gateway_workers),
-                            *(["--return-routed-experts"] if args.moe else []), *teacher_flags])
+                            *(["--return-routed-experts"] if args.moe else []), *teacher_flags,
+                            *([] if args.malformed_call_reward is None else
+                              ["--malformed-call-reward", str(args.malformed_call_reward)])])
     agent = procs.server("colour agent", "forge_megatron.agents.colors", ["--serve"]) if vision else \
         procs.server("calculator agent", "forge_megatron.agents.calculator", ["--serve", "--api", args.agent_api])
     evals_path = os.path.join(out, "evals.jsonl")
