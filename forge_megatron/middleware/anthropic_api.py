@@ -274,6 +274,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     try:
         sess = gw.session_for_key(_session_key(request))
         req = parse_messages_request(await _body(request), gw.config.default_max_tokens)
+        req.response_id = _message_id()
         served = await serve_call(gw, sess, req, lambda sess, req, call: _stream(request, gw, sess, req, call))
     except ApiError as exc:
         return web.json_response(error_body(exc), status=exc.status)
@@ -283,7 +284,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     reason, sequence = stop_reason(finish, result)
     usage = gw.usage(call.turn)
     return web.json_response({
-        "id": _message_id(), "type": "message", "role": "assistant", "model": gw.model_name,
+        "id": req.response_id, "type": "message", "role": "assistant", "model": gw.model_name,
         "content": content_blocks(message), "stop_reason": reason, "stop_sequence": sequence,
         "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
     })
@@ -324,7 +325,7 @@ async def _stream(request, gw: Gateway, sess, req: ChatRequest, call) -> web.Str
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         await resp.write(_event("message_start", {"message": {
-            "id": _message_id(), "type": "message", "role": "assistant", "model": gw.model_name, "content": [],
+            "id": req.response_id, "type": "message", "role": "assistant", "model": gw.model_name, "content": [],
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": len(call.turn.prompt_ids), "output_tokens": 0}}}))
 

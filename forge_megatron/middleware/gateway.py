@@ -17,7 +17,7 @@ Routes
   POST /forge/sessions {eval: true, task_id, domain, metadata} -> an evaluation session: served and recorded the same
                                                                  way, never sent to the sink (not trained on)
   GET  /forge/sessions/{id}                                   -> the call records
-  POST /forge/sessions/{id}/reward {reward, terms, call_rewards: [{call, token?, reward}]}
+  POST /forge/sessions/{id}/reward {reward, terms, call_rewards: [{call | response, token?, reward}]}
   POST /forge/sessions/{id}/end {status}                      -> the episode goes to the sink; answers with the
                                                                  policy versions that sampled it
   POST /forge/admin/pause {drain_timeout_s}, POST /forge/admin/resume {policy_version, lora_name},
@@ -262,6 +262,7 @@ class ChatRequest:
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     image_urls: list | None = None  # set by Gateway.with_images: each image's URL (None: inline), in prompt order
+    response_id: str | None = None  # the id the answer carries (set by the route), recorded with the call
 
 
 @dataclass
@@ -1290,7 +1291,7 @@ class Gateway:
             policy_versions=list(call.versions),
             resumed=len(call.done), finish_reason=finish, engine_url=result.engine_url, segment_index=-1,
             started_at=call.started, ended_at=time.time(), num_tool_calls=len(parsed.tool_calls),
-            num_malformed_tool_calls=parsed.num_malformed,
+            num_malformed_tool_calls=parsed.num_malformed, response_id=req.response_id,
             sampling={k: call.sampling[k] for k in SAMPLING_KEYS if k in call.sampling}))
         return message, finish
 
@@ -1480,12 +1481,13 @@ def stream_holds(gw: Gateway, req: ChatRequest, call: _Call) -> list[str]:
 async def chat_completions(request: web.Request, gw: Gateway) -> web.StreamResponse:
     sess = gw.session_for_key(request.match_info.get("key") or _bearer(request))
     req = parse_chat_request(await _body(request), gw.config.default_max_tokens)
+    req.response_id = _completion_id()
     served = await serve_call(gw, sess, req, lambda sess, req, call: _stream(request, gw, sess, req, call))
     if not isinstance(served, tuple):
         return served
     call, result, message, finish = served
     return web.json_response({
-        "id": _completion_id(), "object": "chat.completion", "created": int(time.time()), "model": gw.model_name,
+        "id": req.response_id, "object": "chat.completion", "created": int(time.time()), "model": gw.model_name,
         "choices": [{"index": 0, "message": message, "finish_reason": finish,
                      "logprobs": gw.openai_logprobs(result.output_ids, result.logprobs, result.top_logprobs)
                      if req.logprobs else None}],
@@ -1498,12 +1500,13 @@ async def completions(request: web.Request, gw: Gateway) -> web.StreamResponse:
     """``POST /v1/completions``: a raw prompt (text or token ids) for agents that render their own prompts."""
     sess = gw.session_for_key(request.match_info.get("key") or _bearer(request))
     req = parse_completion_request(await _body(request), gw.config.default_max_tokens, gw.vocab_size)
+    req.response_id = _completion_id("cmpl")
     served = await serve_call(gw, sess, req, lambda sess, req, call: _stream_text(request, gw, sess, req, call))
     if not isinstance(served, tuple):
         return served
     call, result, message, finish = served
     return web.json_response({
-        "id": _completion_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+        "id": req.response_id, "object": "text_completion", "created": int(time.time()),
         "model": gw.model_name,
         "choices": [{"index": 0, "text": message["content"] or "", "finish_reason": _text_finish(finish),
                      "logprobs": gw.legacy_logprobs(result.output_ids, result.logprobs, result.top_logprobs,
@@ -1518,7 +1521,7 @@ def _text_finish(finish: str) -> str:
 
 async def _stream_text(request, gw: Gateway, sess: Session, req: ChatRequest, call: _Call) -> web.StreamResponse:
     """A completions stream: text deltas held back at stop strings, then the finish reason (and usage)."""
-    chunk = _chunk_maker(gw, "cmpl", "text_completion", "text")
+    chunk = _chunk_maker(gw, req.response_id, "text_completion", "text")
     holds = stream_holds(gw, req, call)
     logprobs = StreamedLogprobs(gw, req, call, legacy=True)
     resp = None
@@ -1570,10 +1573,11 @@ def _sse(body: dict) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def _chunk_maker(gw: Gateway, id_kind: str, obj: str, field: str):
-    """The SSE chunk writer of one streamed call: ``chunk(value, finish=None, usage=None, logprobs=None)`` puts
-    ``value`` in the choice's ``field`` (chat: ``delta``, completions: ``text``); a usage chunk has no choices."""
-    cid, created = _completion_id(id_kind), int(time.time())
+def _chunk_maker(gw: Gateway, cid: str, obj: str, field: str):
+    """The SSE chunk writer of one streamed call (its id ``cid``): ``chunk(value, finish=None, usage=None,
+    logprobs=None)`` puts ``value`` in the choice's ``field`` (chat: ``delta``, completions: ``text``); a usage chunk
+    has no choices."""
+    created = int(time.time())
 
     def chunk(value, finish: str | None = None, usage: dict | None = None, logprobs: dict | None = None) -> bytes:
         body = {"id": cid, "object": obj, "created": created, "model": gw.model_name,
@@ -1638,7 +1642,7 @@ async def _stream(request, gw: Gateway, sess: Session, req: ChatRequest, call: _
     """Stream one call as SSE chunks. Content is held back at the tool-call marker and stop strings; each tool call
     is sent as one tool_calls delta when its block closes (formats without closing markers: at the end). Errors
     after the response has started (e.g. an abort once content was sent) end it with an OpenAI-style error event."""
-    chunk = _chunk_maker(gw, "chatcmpl", "chat.completion.chunk", "delta")
+    chunk = _chunk_maker(gw, req.response_id, "chat.completion.chunk", "delta")
     holds = stream_holds(gw, req, call)
     logprobs = StreamedLogprobs(gw, req, call)
     resp = None

@@ -73,6 +73,7 @@ class CallRecord:
     sampling: dict | None = None  # temperature / top_p / top_k the engine sampled with
     prompt_len: int = 0  # set when recorded: the call's prompt is its segment's first prompt_len tokens,
     completion_len: int = 0  # its completion the completion_len after them
+    response_id: str | None = None  # the id its answer carried (chatcmpl-..., cmpl-..., resp_..., msg_...)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -380,19 +381,30 @@ class Session:
         return out
 
     def set_call_rewards(self, items: list) -> list[dict]:
-        """``items``: ``{"call": index, "reward": r}`` objects, optionally with ``"token": k``, the index a call of this
-        session in the order :meth:`summary` lists them (negative from the end: -1 the latest) and ``k`` one of its
-        completion's tokens (negative from its end; default -1, the last: a reward of the whole call; another marks
-        the end of a step inside it, e.g. a reasoning step a process reward model scored). Each sets (replaces) the
+        """``items``: ``{"call": index, "reward": r}`` objects, optionally with ``"token": k``: the index a call of
+        this session in the order :meth:`summary` lists them (negative from the end: -1 the latest; or ``"response":
+        id`` in its place, the call whose answer carried that id, ``chatcmpl-...`` / ``cmpl-...`` / ``resp_...`` /
+        ``msg_...``) and ``k`` one of its completion's tokens (negative from its end; default -1, the last: a reward
+        of the whole call; another marks the end of a step inside it, e.g. a reasoning step a process reward model
+        scored). Each sets (replaces) the
         reward at that token. Raises ValueError naming the bad item; nothing is set unless all are good. Returns
         every reward set, as ``{"call", "token", "reward"}`` items in order."""
         if not isinstance(items, list):
             raise ValueError("call_rewards must be a list of {call, reward} objects")
         new = {}
+        by_response = {c.response_id: i for i, c in enumerate(self.calls) if c.response_id}
         for i, item in enumerate(items):
             where = f"call_rewards[{i}]"
-            if not isinstance(item, dict) or not {"call", "reward"} <= set(item) <= {"call", "token", "reward"}:
-                raise ValueError(f"{where} must be an object with the keys call and reward (and optionally token)")
+            keys = set(item) if isinstance(item, dict) else set()
+            if len(keys & {"call", "response"}) != 1 or not {"reward"} <= keys <= {"call", "response", "token",
+                                                                                  "reward"}:
+                raise ValueError(f"{where} must be an object with the keys call (or response: the id of the call's "
+                                 "answer) and reward, and optionally token")
+            if "response" in item:
+                if item["response"] not in by_response:
+                    raise ValueError(f"{where}.response {item['response']!r} is the id of none of the session's "
+                                     f"{len(self.calls)} calls")
+                item = {**item, "call": by_response[item["response"]]}
             index, reward, token = item["call"], item["reward"], item.get("token", -1)
             if isinstance(index, bool) or not isinstance(index, int) or not -len(self.calls) <= index < len(self.calls):
                 raise ValueError(f"{where}.call must be the index of one of the session's {len(self.calls)} calls "

@@ -494,6 +494,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             except ApiError as exc:
                 raise _bad("previous_response_id", exc.message, code="previous_response_not_found") from exc
         req = parse_responses_request(body, gw.config.default_max_tokens, previous)
+        req.chat.response_id = _id("resp")
         served = await serve_call(gw, sess, req.chat,
                                   lambda sess, _, call: _stream(request, gw, sess, req, call, body, previous))
     except ApiError as exc:
@@ -503,7 +504,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     call, result, message, finish = served
     usage = gw.usage(call.turn)
     logprobs, _ = text_logprobs(gw, req, call, result, message.get("content") or "")
-    response = _response(gw, body, req, _id("resp"), int(time.time()), "completed",
+    response = _response(gw, body, req, req.chat.response_id, int(time.time()), "completed",
                          output_items(message, req, logprobs=logprobs),
                          _usage(usage["prompt_tokens"], usage["completion_tokens"]), finish)
     keep(sess, req, previous, message, response)
@@ -539,7 +540,7 @@ async def _stream(request, gw: Gateway, sess, req: ResponsesRequest, call, body:
     at the tool-call marker and stop sequences, like the chat stream), each function_call item whole as soon as its
     call's block closes (formats without closing markers: at the end)."""
     progress = StreamProgress(gw, req.chat, call)
-    rid, created = _id("resp"), int(time.time())
+    rid, created = req.chat.response_id, int(time.time())
     resp = None
     seq = 0
     streamed = ""  # the message text sent so far (its tokens' logprobs ride on its deltas)

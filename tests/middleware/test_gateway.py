@@ -328,6 +328,30 @@ def test_tool_choice_none_and_malformed_calls(stack):
     assert ep.num_tool_calls == 0 and ep.num_malformed_tool_calls == 1
 
 
+def test_call_rewards_by_the_id_of_the_answer(stack):
+    """Every API's answer id names its call for a reward (``{"response": id}``): a chat completion, a streamed one
+    (the id of its chunks), a legacy completion, a Responses API response and an Anthropic message; the session's
+    record lists each call's response_id."""
+    import anthropic
+
+    gw, _ = stack
+    s = new_session(gw)
+    c = client(s)
+    msgs = [{"role": "user", "content": "q"}]
+    ids = [c.chat.completions.create(model="tiny", messages=msgs, max_tokens=3).id,
+           list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, stream=True))[0].id,
+           c.completions.create(model="tiny", prompt="q", max_tokens=3).id,
+           c.responses.create(model="tiny", input="q", max_output_tokens=3).id,
+           anthropic.Anthropic(base_url=s["anthropic_base_url"], api_key="x", max_retries=0, timeout=60).messages.create(
+               model="tiny", max_tokens=3, messages=[{"role": "user", "content": "q"}]).id]
+    assert [i.split("-")[0].split("_")[0] for i in ids] == ["chatcmpl", "chatcmpl", "cmpl", "resp", "msg"]
+    assert [r["response_id"] for r in calls(gw, s)] == ids
+    status, ok = http(f"{gw.url}/forge/sessions/{s['session_id']}/reward", {"call_rewards": [
+        {"response": ids[k], "reward": float(k)} for k in (4, 1, 3)]})
+    assert status == 200 and [(r["call"], r["reward"]) for r in ok["call_rewards"]] == [(1, 1.0), (3, 3.0), (4, 4.0)]
+    assert end(gw, s)[0] == 200
+
+
 def test_malformed_call_reward_lands_on_the_call_that_made_it(model_dir):
     """--malformed-call-reward -0.1: a call cut inside its tool call (malformed) gets -0.1 at its last token, added
     to what the agent set there; a well-formed call gets nothing; forge-node refuses it beside a non-zero
@@ -888,7 +912,10 @@ def test_call_rewards_reach_the_trainer_batch_as_per_call_advantages(tmp_path, m
                                                             "session's 3 calls"),
                              ([{"call": 0, "reward": 1.0}, {"call": True, "reward": 1.0}], "call_rewards[1].call"),
                              ([{"call": 0, "reward": "x"}], "call_rewards[0].reward must be a finite number"),
-                             ([{"call": 0}], "call_rewards[0] must be an object with the keys call and reward"),
+                             ([{"call": 0}], "call_rewards[0] must be an object with the keys call (or response"),
+                             ([{"call": 0, "response": "x", "reward": 1.0}], "call_rewards[0] must be an object"),
+                             ([{"response": "chatcmpl-0", "reward": 1.0}], "call_rewards[0].response 'chatcmpl-0' is "
+                                                                           "the id of none of the session's 3 calls"),
                              ([{"call": 0, "token": 99, "reward": 1.0}], "call_rewards[0].token must index one of "
                                                                           "call 0's"),
                              ({"call": 0, "reward": 1.0}, "call_rewards must be a list")):
