@@ -23,7 +23,8 @@ token (``{"call", "token", "reward"}``): process supervision of the reasoning st
 PRM800K style, for episodes of a single call as well as agents. Training episodes only (evaluation episodes are
 not trained on). Failures are the verifier's: connection errors, timeouts and 5xx answers are tried again
 (``--call-rm-attempts``), a 4xx or an answer without a finite score fails the episode with the reason logged, never
-a silent zero. A group's identical prefixes (a shared prompt) are scored once (``cache_size``).
+a silent zero. An episode's sequences go to the reward model in one request (SGLang's batch form, ``BATCH`` at most
+per request), and a group's identical prefixes (a shared prompt) are scored once (``cache_size``).
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ import math
 from dataclasses import dataclass
 
 from forge_megatron.agents.remote import ScoreCache, check_base_url
-from forge_megatron.agents.reward_model import classify_score
+from forge_megatron.agents.reward_model import classify_scores
 from forge_megatron.middleware.gateway_sessions import vocabulary_fingerprint
 
 MODES = ("delta", "score")
+BATCH = 64  # sequences scored per /classify request
 
 
 class CallRewardError(ValueError):
@@ -71,15 +73,20 @@ class CallRewardModel:
     def url(self) -> str:
         return f"{self.base_url}/classify"
 
-    def score(self, ids: list[int]) -> float:
-        """The reward model's score of ``ids`` (cached)."""
-        key = tuple(ids)
-        cached = self._cache.get(key)
-        if cached is None:
-            cached = classify_score(self.url, ids, self.label, self.attempts, self.timeout_s, self.api_key,
-                                    CallRewardError, "call reward model", "--call-rm-label")
-            self._cache.put(key, cached)
-        return cached
+    def scores(self, sequences: list[list[int]]) -> list[float]:
+        """The reward model's scores of ``sequences``: cached ones from the cache, the others in requests of
+        ``BATCH`` sequences (one per episode in the common case, however many calls or steps it has)."""
+        keys = [tuple(ids) for ids in sequences]
+        out = {k: self._cache.get(k) for k in keys}
+        todo = list(dict.fromkeys(k for k in keys if out[k] is None))
+        for lo in range(0, len(todo), BATCH):
+            chunk = todo[lo:lo + BATCH]
+            for k, value in zip(chunk, classify_scores(self.url, [list(k) for k in chunk], self.label, self.attempts,
+                                                       self.timeout_s, self.api_key, CallRewardError,
+                                                       "call reward model", "--call-rm-label")):
+                out[k] = value
+                self._cache.put(k, value)
+        return [out[k] for k in keys]
 
     def step_ends(self, completion_ids: list[int]) -> list[int]:
         """The completion's step ends with ``step_separator``: the token holding the end of each separator, and the
@@ -102,22 +109,23 @@ class CallRewardModel:
         """``calls``: the session's calls as ``GET /forge/sessions/{id}`` lists them (``prompt_ids``,
         ``completion_ids``). Returns the ``call_rewards`` items of every call that sampled tokens (one per step with
         a separator)."""
-        out, previous = [], None
+        points, sequences = [], []  # (call, step end) and the sequence scored there
         for index, call in enumerate(calls):
             completion = list(call.get("completion_ids") or [])
             if not completion:
                 continue  # (nothing sampled: no token to credit)
             prompt = list(call["prompt_ids"])
+            if not sequences and self.mode == "delta":  # the first prompt's score: where the shaping starts
+                sequences.append(prompt)
             for end in self.step_ends(completion):
-                s = self.score(prompt + completion[:end + 1])
-                if self.mode == "score":
-                    reward = s
-                else:
-                    if previous is None:
-                        previous = self.score(prompt)
-                    reward, previous = s - previous, s
-                out.append({"call": index, "token": end, "reward": self.weight * reward})
-        return out
+                points.append((index, end))
+                sequences.append(prompt + completion[:end + 1])
+        if not points:
+            return []
+        scores = self.scores(sequences)
+        if self.mode == "delta":
+            scores = [b - a for a, b in zip(scores, scores[1:])]
+        return [{"call": index, "token": end, "reward": self.weight * s} for (index, end), s in zip(points, scores)]
 
 
 def add_call_reward_arguments(p) -> None:
@@ -163,34 +171,33 @@ def call_rewards_from_args(args, gateway=None) -> CallRewardModel | None:
         api_key = os.environ.get(args.call_rm_api_key_env)
         if not api_key:
             raise ValueError(f"--call-rm-api-key-env {args.call_rm_api_key_env}: the variable is not set")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.call_rm_tokenizer, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--call-rm-tokenizer {args.call_rm_tokenizer!r}: {exc}") from None
     if gateway is not None:
-        check_tokenizer(args.call_rm_tokenizer, gateway.state())
-    separator, tokenizer = getattr(args, "call_rm_step_separator", None), None
+        check_tokenizer(tokenizer, args.call_rm_tokenizer, gateway.state())
+    separator = getattr(args, "call_rm_step_separator", None)
     if separator is not None:
         import codecs
 
-        from transformers import AutoTokenizer
-
         separator = codecs.decode(separator, "unicode_escape")
-        tokenizer = AutoTokenizer.from_pretrained(args.call_rm_tokenizer, local_files_only=True)
     return CallRewardModel(args.call_rm_url, weight=args.call_rm_weight, mode=args.call_rm_mode,
                            label=args.call_rm_label, api_key=api_key, attempts=args.call_rm_attempts,
-                           timeout_s=args.call_rm_timeout_s, step_separator=separator, tokenizer=tokenizer)
+                           timeout_s=args.call_rm_timeout_s, step_separator=separator,
+                           tokenizer=tokenizer if separator is not None else None)
 
 
-def check_tokenizer(tokenizer_dir: str, gateway_state: dict) -> None:
-    """ValueError unless the tokenizer in ``tokenizer_dir`` maps every token to the id the gateway's (the policy's)
-    does (``gateway_state``: ``/forge/admin/state``)."""
-    from transformers import AutoTokenizer
-
+def check_tokenizer(tokenizer, tokenizer_dir: str, gateway_state: dict) -> None:
+    """ValueError unless ``tokenizer`` (loaded from ``tokenizer_dir``) maps every token to the id the gateway's (the
+    policy's) does (``gateway_state``: ``/forge/admin/state``)."""
     want = (gateway_state.get("config") or {}).get("tokenizer_fingerprint")
     if not want:
         raise ValueError("the gateway does not report its tokenizer's fingerprint (a forge-gateway from before "
                          "2026-12-05): cannot check --call-rm-tokenizer against the policy's")
-    try:
-        got = vocabulary_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).get_vocab())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--call-rm-tokenizer {tokenizer_dir!r}: {exc}") from None
+    got = vocabulary_fingerprint(tokenizer.get_vocab())
     if got != want:
         raise ValueError(f"--call-rm-tokenizer {tokenizer_dir}: its vocabulary is not the policy's (fingerprint {got} "
                          f"vs the gateway's {want}): the reward model scores the policy's token ids, so both must use "

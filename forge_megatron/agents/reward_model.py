@@ -103,32 +103,42 @@ class RewardModelVerifier:
 
 def classify_score(url: str, ids: list[int], label: int, attempts: int, timeout_s: float, api_key: str | None,
                    refused: type[Exception], who: str, label_flag: str, context: str = "") -> float:
-    """The score (output ``label``) of the token ids ``ids`` from the reward model's ``/classify`` at ``url``:
-    connection errors, timeouts, 5xx answers and answers without a finite score are tried again (``attempts``), a 4xx
-    raises ``refused`` at once with the server's message, and so does a model with fewer outputs than ``label`` asks
-    for (``label_flag`` names the option); no score after every attempt raises ``refused`` naming ``who``, ``url``
-    and ``context``."""
+    """The score of one token sequence: :func:`classify_scores` of a batch of one."""
+    return classify_scores(url, [ids], label, attempts, timeout_s, api_key, refused, who, label_flag, context)[0]
+
+
+def classify_scores(url: str, batch: list[list[int]], label: int, attempts: int, timeout_s: float,
+                    api_key: str | None, refused: type[Exception], who: str, label_flag: str,
+                    context: str = "") -> list[float]:
+    """The scores (output ``label``) of the token sequences ``batch`` from the reward model's ``/classify`` at ``url``,
+    in one request (SGLang's batch form, ``input_ids`` a list of lists: one answer per sequence): connection errors,
+    timeouts, 5xx answers and answers without a finite score for every sequence are tried again (``attempts``), a
+    4xx raises ``refused`` at once with the server's message, and so does a model with fewer outputs than ``label``
+    asks for (``label_flag`` names the option); no scores after every attempt raise ``refused`` naming ``who``,
+    ``url`` and ``context``."""
     last = None
     for attempt in range(attempts):
         try:
-            answer = post_json(url, {"input_ids": list(ids)}, timeout_s, api_key, refused, who)
+            answer = post_json(url, {"input_ids": [list(ids) for ids in batch]}, timeout_s, api_key, refused, who)
         except Retryable as exc:
             last = str(exc)
             time.sleep(min(2.0, 0.25 * 2 ** attempt))
             continue
-        if isinstance(answer, list) and len(answer) == 1:  # (a batch of one)
-            answer = answer[0]
-        embedding = answer.get("embedding") if isinstance(answer, dict) else None
-        if isinstance(embedding, list) and len(embedding) <= label:
-            raise refused(f"{who} {url} gives {len(embedding)} output(s) per input; {label_flag} {label} asks for "
-                          f"output {label}")
-        try:
-            score = float(embedding[label]) if isinstance(embedding, list) else math.nan
-        except (TypeError, ValueError):
-            score = math.nan
-        if math.isfinite(score):
-            return score
-        last = f"no finite embedding[{label}] in its answer {str(answer)[:300]!r}"
+        answers = answer if isinstance(answer, list) else [answer]  # (a server may answer a batch of one alone)
+        scores = [math.nan] * len(batch)
+        if len(answers) == len(batch):
+            for k, one in enumerate(answers):
+                embedding = one.get("embedding") if isinstance(one, dict) else None
+                if isinstance(embedding, list) and len(embedding) <= label:
+                    raise refused(f"{who} {url} gives {len(embedding)} output(s) per input; {label_flag} {label} "
+                                  f"asks for output {label}")
+                try:
+                    scores[k] = float(embedding[label]) if isinstance(embedding, list) else math.nan
+                except (TypeError, ValueError):
+                    pass
+        if all(math.isfinite(x) for x in scores):
+            return scores
+        last = f"no finite embedding[{label}] for every input in its answer {str(answer)[:300]!r}"
     raise refused(f"{who} {url} gave no score{context} in {attempts} attempt(s): {last}")
 
 

@@ -933,15 +933,16 @@ def _validate_updates(args: argparse.Namespace) -> None:
     m, e = getattr(args, "ppo_mini_batches", 1), getattr(args, "ppo_epochs", 1)
     if m < 1 or e < 1:
         raise ValueError(f"--ppo-mini-batches and --ppo-epochs must be >= 1, got {m} and {e}")
+    several = updates_per_iteration(args) > 1
     offline = getattr(args, "sft_data", None) is not None or getattr(args, "preference_data", None) is not None
-    if offline and m * e > 1:
+    if offline and several:
         raise ValueError("--ppo-mini-batches / --ppo-epochs split an RL batch into several updates; offline modes "
                          "(--sft-data, --preference-data) take a smaller --train-batch-groups instead")
     if m > train_batch_groups(args):
         raise ValueError(f"--ppo-mini-batches {m}: more mini-batches than the batch's {train_batch_groups(args)} "
                          "groups (--train-batch-groups)")
     target = getattr(args, "ppo_target_kl", None)
-    if target is not None and (not target > 0 or m * e == 1):
+    if target is not None and (not target > 0 or not several):
         raise ValueError(f"--ppo-target-kl {target}: stops the later updates of a batch, so it needs a value > 0 and "
                          "--ppo-mini-batches x --ppo-epochs above 1")
     clip = getattr(args, "value_clip", None)
