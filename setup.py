@@ -121,6 +121,7 @@ setup(
             "forge-sft=forge_megatron.training.sft:main",
             "forge-rm=forge_megatron.training.preference:main_rm",
             "forge-dpo=forge_megatron.training.preference:main_dpo",
+            "forge-kto=forge_megatron.training.kto:main",
             "forge-plan=forge_megatron.training.plan:main",
         ]
     },
