@@ -301,10 +301,25 @@ def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "instead of RL on the pool's batches: no pool, no engines, no weight sync; --train-batch-groups "
                         "pairs per step, a pair's two sides in one prefix forest, the reference a frozen copy of "
                         "--ref-hf-checkpoint (default --hf-checkpoint); export with forge-convert trainer-to-hf")
+    g.add_argument("--kto-data", default=None, metavar="JSONL",
+                   help="train KTO offline on these examples, each answer labelled desirable or undesirable "
+                        "(forge-kto's data forms, docs/training.md; preference pairs give one of each) instead of RL "
+                        "on the pool's batches: no pool, no engines, no weight sync; --train-batch-groups examples "
+                        "per step, each with its mismatched answer for the KL reference point in one prefix tree, "
+                        "the reference a frozen copy of --ref-hf-checkpoint (default --hf-checkpoint)")
+    g.add_argument("--kto-beta", type=float, default=0.1, help="--kto-data: KTO's beta (default 0.1)")
+    g.add_argument("--kto-desirable-weight", type=float, default=1.0,
+                   help="--kto-data: the desirable examples' loss weight w_D (default 1)")
+    g.add_argument("--kto-undesirable-weight", type=float, default=1.0,
+                   help="--kto-data: the undesirable examples' loss weight w_U (default 1; the KTO paper suggests "
+                        "w_D n_D / (w_U n_U) in [1, 4/3], printed at start-up)")
+    g.add_argument("--kto-no-kl", action="store_true",
+                   help="--kto-data: reference point 0 instead of the batch's KL estimate from mismatched answers "
+                        "(no mismatched samples, no policy pre-pass)")
     g.add_argument("--offline-eval-data", default=None, metavar="JSONL",
-                   help="with --sft-data / --preference-data: held-out samples or pairs in the same form, scored "
-                        "forward-only every --offline-eval-interval iterations and at the end: val/loss (and "
-                        "val/accuracy, val/margin for pairs)")
+                   help="with --sft-data / --preference-data / --kto-data: held-out samples, pairs or examples in the "
+                        "same form, scored forward-only every --offline-eval-interval iterations and at the end: "
+                        "val/loss (and val/accuracy, val/margin for pairs and examples)")
     g.add_argument("--offline-eval-interval", type=int, default=None,
                    help="iterations between held-out evaluations (default: at the end only)")
     g.add_argument("--reward-model", action="store_true",
@@ -753,9 +768,11 @@ def validate_args(args: argparse.Namespace) -> None:
                          "forest; size them with --tree-token-budget (unique tokens per micro-batch)")
     preference = getattr(args, "preference_data", None)
     sft_data = getattr(args, "sft_data", None)
+    modes = [flag for flag, value in OFFLINE_DATA_FLAGS if getattr(args, value, None) is not None]
+    if len(modes) > 1:
+        raise ValueError(f"{modes[0]} and {modes[1]}: one offline mode per run")
+    _validate_kto(args)
     if sft_data is not None:
-        if preference is not None:
-            raise ValueError("--sft-data and --preference-data: one offline mode per run")
         if not os.path.isfile(sft_data):
             raise ValueError(f"--sft-data {sft_data!r} is not a file")
         if args.rl_kl_coef > 0 or args.old_logprobs != "rollout" or args.ref_hf_checkpoint:
@@ -766,8 +783,9 @@ def validate_args(args: argparse.Namespace) -> None:
         args.weight_sync_transport = "none"
     held_out = getattr(args, "offline_eval_data", None)
     if held_out is not None:
-        if sft_data is None and preference is None:
-            raise ValueError("--offline-eval-data needs --sft-data or --preference-data (the mode it evaluates)")
+        if not modes:
+            raise ValueError("--offline-eval-data needs --sft-data, --preference-data or --kto-data (the mode it "
+                             "evaluates)")
         if not os.path.isfile(held_out):
             raise ValueError(f"--offline-eval-data {held_out!r} is not a file")
     if getattr(args, "offline_eval_interval", None) is not None and (held_out is None or args.offline_eval_interval < 1):
@@ -804,11 +822,10 @@ def validate_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"--rm-center-coef must be >= 0, got {args.rm_center_coef}")
     elif getattr(args, "reward_model", False):
         raise ValueError("--reward-model needs --preference-data (the pairs it learns from)")
-    dpo = preference and not args.reward_model and args.dpo_loss != "simpo"  # (with a reference model)
     if preference and args.dpo_loss == "simpo" and (args.ref_hf_checkpoint or getattr(args, "ref_offload", False)):
         raise ValueError("--dpo-loss simpo has no reference model: drop --ref-hf-checkpoint / --ref-offload")
-    if args.ref_hf_checkpoint and not (args.rl_kl_coef > 0 or dpo):
-        raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0 or --preference-data")
+    if args.ref_hf_checkpoint and not uses_reference_policy(args):
+        raise ValueError("--ref-hf-checkpoint is used only with --rl-kl-coef > 0, --preference-data or --kto-data")
     if not 0 < getattr(args, "rollout_temperature", 1.0) <= 2:
         raise ValueError(f"--rollout-temperature must be in (0, 2], got {args.rollout_temperature}")
     _validate_critic(args)
@@ -819,9 +836,10 @@ def validate_args(args: argparse.Namespace) -> None:
                          "and recorded by the gateway)")
     if distills(args):
         flag = "--teacher-hf-checkpoint" if teacher is not None else "--teacher-from-gateway"
-        if preference is not None or (sft_data is not None and teacher is None):
+        if preference is not None or getattr(args, "kto_data", None) is not None or (
+                sft_data is not None and teacher is None):
             raise ValueError(f"{flag} distils on the policy's own rollouts (RL), or with --teacher-hf-checkpoint on "
-                             "--sft-data: not with --preference-data or a served teacher offline")
+                             "--sft-data: not with --preference-data, --kto-data or a served teacher offline")
         if sft_data is not None and getattr(args, "distill_kl", "sampled") == "sampled":
             raise ValueError("--sft-data with --teacher-hf-checkpoint is supervised distillation: it needs a dense "
                              "--distill-kl forward, reverse or jsd (the sampled form's advantage is for the "
@@ -850,9 +868,9 @@ def validate_args(args: argparse.Namespace) -> None:
         if given:
             raise ValueError(f"{given[0]} needs --teacher-hf-checkpoint or --teacher-from-gateway (the teacher it "
                              "distils from)")
-    if getattr(args, "ref_offload", False) and not (args.rl_kl_coef > 0 or dpo):
-        raise ValueError("--ref-offload offloads the reference model, which exists only with --rl-kl-coef > 0 or "
-                         "--preference-data")
+    if getattr(args, "ref_offload", False) and not uses_reference_policy(args):
+        raise ValueError("--ref-offload offloads the reference model, which exists only with --rl-kl-coef > 0, "
+                         "--preference-data or --kto-data")
     if args.fp32_lm_head and not args.fused_logprobs:
         raise ValueError("--fp32-lm-head needs the fused logprobs (drop --no-fused-logprobs): Megatron's own output "
                          "layer computes in the weight's dtype")
@@ -910,13 +928,12 @@ def _validate_critic(args: argparse.Namespace) -> None:
                                          ("--gae-lambda", getattr(args, "gae_lambda", 1.0), 1.0)) if v != default]
         if given:
             raise ValueError(f"{given[0]} is a flag of the learned critic: add --critic")
-        if args.whiten_advantages and (getattr(args, "sft_data", None) is not None
-                                       or getattr(args, "preference_data", None) is not None):
-            raise ValueError("--whiten-advantages whitens RL advantages: not with --sft-data or --preference-data")
+        if args.whiten_advantages and offline_data(args):
+            raise ValueError(f"--whiten-advantages whitens RL advantages: not with {offline_data(args)}")
         return
-    if getattr(args, "sft_data", None) is not None or getattr(args, "preference_data", None) is not None:
-        raise ValueError("--critic trains a value function for RL on the pool's episodes: not with --sft-data or "
-                         "--preference-data")
+    if offline_data(args):
+        raise ValueError(f"--critic trains a value function for RL on the pool's episodes: not with "
+                         f"{offline_data(args)}")
     if getattr(args, "train_vision_tower", False):
         raise ValueError("--critic: the value model reads text only (not with --train-vision-tower)")
     for name in ("gae_gamma", "gae_lambda"):
@@ -928,16 +945,63 @@ def _validate_critic(args: argparse.Namespace) -> None:
         raise ValueError(f"--critic-warmup-iters must be >= 0, got {args.critic_warmup_iters}")
 
 
+OFFLINE_DATA_FLAGS = (("--sft-data", "sft_data"), ("--preference-data", "preference_data"), ("--kto-data", "kto_data"))
+"""The offline modes' data flags (training/offline.py): batches from a file in place of the pool's."""
+
+
+def offline_data(args: argparse.Namespace) -> str | None:
+    """The offline mode's data flag given (``--sft-data``, ``--preference-data``, ``--kto-data``), None for RL."""
+    return next((flag for flag, name in OFFLINE_DATA_FLAGS if getattr(args, name, None) is not None), None)
+
+
+def uses_reference_policy(args: argparse.Namespace) -> bool:
+    """Whether the run holds a frozen reference policy: the KL term's (--rl-kl-coef > 0), DPO's / IPO's (not SimPO's,
+    not a reward model's) or KTO's."""
+    return (args.rl_kl_coef > 0 or getattr(args, "kto_data", None) is not None
+            or (getattr(args, "preference_data", None) is not None and not getattr(args, "reward_model", False)
+                and getattr(args, "dpo_loss", "sigmoid") != "simpo"))
+
+
+def _validate_kto(args: argparse.Namespace) -> None:
+    """--kto-data and its flags."""
+    kto = getattr(args, "kto_data", None)
+    if kto is None:
+        given = [f for f, on in (("--kto-beta", getattr(args, "kto_beta", 0.1) != 0.1),
+                                 ("--kto-desirable-weight", getattr(args, "kto_desirable_weight", 1.0) != 1.0),
+                                 ("--kto-undesirable-weight", getattr(args, "kto_undesirable_weight", 1.0) != 1.0),
+                                 ("--kto-no-kl", getattr(args, "kto_no_kl", False))) if on]
+        if given:
+            raise ValueError(f"{given[0]} is a flag of KTO: it needs --kto-data")
+        return
+    if not os.path.isfile(kto):
+        raise ValueError(f"--kto-data {kto!r} is not a file")
+    if args.rl_kl_coef > 0 or args.old_logprobs != "rollout":
+        raise ValueError("--kto-data trains KTO, whose reference term is its own: drop --rl-kl-coef and "
+                         "--old-logprobs")
+    if args.engine_urls or args.weight_sync_transport == "disk" or args.gateway_url:
+        raise ValueError("--kto-data trains offline: no --engine-urls, --gateway-url or weight sync (export the "
+                         "checkpoint with forge-convert trainer-to-hf)")
+    args.weight_sync_transport = "none"
+    if getattr(args, "reward_model", False):
+        raise ValueError("--reward-model learns from pairs (--preference-data), not from KTO's examples")
+    if getattr(args, "train_vision_tower", False):
+        raise ValueError("--kto-data trains on text examples: drop --train-vision-tower")
+    if not args.kto_beta > 0:
+        raise ValueError(f"--kto-beta must be > 0, got {args.kto_beta}")
+    if not (args.kto_desirable_weight > 0 and args.kto_undesirable_weight > 0):
+        raise ValueError(f"--kto-desirable-weight and --kto-undesirable-weight must be > 0, got "
+                         f"{args.kto_desirable_weight} and {args.kto_undesirable_weight}")
+
+
 def _validate_updates(args: argparse.Namespace) -> None:
     """--ppo-mini-batches and --ppo-epochs: several optimizer steps per RL batch; --value-clip (the critic's)."""
     m, e = getattr(args, "ppo_mini_batches", 1), getattr(args, "ppo_epochs", 1)
     if m < 1 or e < 1:
         raise ValueError(f"--ppo-mini-batches and --ppo-epochs must be >= 1, got {m} and {e}")
     several = updates_per_iteration(args) > 1
-    offline = getattr(args, "sft_data", None) is not None or getattr(args, "preference_data", None) is not None
-    if offline and several:
+    if offline_data(args) and several:
         raise ValueError("--ppo-mini-batches / --ppo-epochs split an RL batch into several updates; offline modes "
-                         "(--sft-data, --preference-data) take a smaller --train-batch-groups instead")
+                         "(--sft-data, --preference-data, --kto-data) take a smaller --train-batch-groups instead")
     if m > train_batch_groups(args):
         raise ValueError(f"--ppo-mini-batches {m}: more mini-batches than the batch's {train_batch_groups(args)} "
                          "groups (--train-batch-groups)")

@@ -20,7 +20,8 @@ prefix tree it is one more branch on that prompt: the prompt is computed once fo
 reference point agrees with its label (``accuracy``); ``margin`` is the mean of ``beta (r - z0)``, signed by the label.
 
 Here ``z0`` is the mean over each forward (the whole batch unless ``--micro-batch-size`` splits it); the Megatron
-trainer's ``--kto-data`` takes it over the whole batch on every data-parallel rank (training/offline.py).
+trainer's ``--kto-data`` takes it over the whole batch on every data-parallel rank (training/offline.py). A held-out
+set's is taken over the whole set, whatever its batches, in both.
 
 Data (``--data``, ``--eval-data``): JSON lines, one example each, in one of four forms::
 
@@ -229,9 +230,10 @@ def kto_metrics(logratio_N: torch.Tensor, desirable_N: torch.Tensor, kl, beta: f
 
 
 def kto_examples_loss(model, beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
-                      kl: bool = True):
+                      kl: bool = True, reference_point: float | None = None):
     """``examples -> (KTO loss, metrics)`` of a tree GPTModel against the examples' ``ref``: the examples and their
-    mismatched samples in one forest (``kl``; without, the reference point is 0 and only the examples run)."""
+    mismatched samples in one forest (``kl``), the reference point their estimate; without, only the examples run
+    and the reference point is ``reference_point`` (default 0)."""
 
     def step_loss(micro: list[Example]):
         n = len(micro)
@@ -240,12 +242,35 @@ def kto_examples_loss(model, beta: float, desirable_weight: float = 1.0, undesir
         ref_S = torch.tensor([e.ref[0] for e in micro] + ([e.ref[1] for e in micro] if kl else []),
                              dtype=sums_S.dtype, device=sums_S.device)
         logratio_S = sums_S - ref_S
-        z0 = kl_estimate(logratio_S[n:]) if kl else logratio_S.new_zeros(())
+        z0 = kl_estimate(logratio_S[n:]) if kl else logratio_S.new_tensor(float(reference_point or 0.0))
         desirable_N = torch.tensor([e.desirable for e in micro], device=sums_S.device)
         loss = kto_losses(logratio_S[:n], desirable_N, z0, beta, desirable_weight, undesirable_weight).mean()
         return loss, kto_metrics(logratio_S[:n], desirable_N, z0, beta)
 
     return step_loss
+
+
+@torch.no_grad()
+def held_out_reference_point(model, examples: list[Example], batch_size: int) -> float:
+    """The reference point of a whole set of examples (a held-out set: the same whatever its batches), from their
+    mismatched samples, ``batch_size`` to a forest."""
+    total = 0.0
+    for i in range(0, len(examples), batch_size):
+        micro = examples[i:i + batch_size]
+        samples = [e.kl for e in micro]
+        sums_S, _ = preference.response_logprobs(model, sft.batch_layout(samples), samples)
+        total += float(sums_S.sum()) - sum(e.ref[1] for e in micro)
+    return max(0.0, total / len(examples))
+
+
+def evaluate(model, examples: list[Example], batch_size: int, beta: float, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0, kl: bool = True) -> dict:
+    """Example-weighted loss and metrics over a held-out set, its reference point taken over the whole set."""
+    z0 = held_out_reference_point(model, examples, batch_size) if kl else 0.0
+    step_loss = kto_examples_loss(model, beta, desirable_weight, undesirable_weight, kl=False, reference_point=z0)
+    totals = preference.evaluate(step_loss, examples, batch_size)
+    totals["examples"] = totals.pop("pairs")
+    return totals
 
 
 @torch.no_grad()
@@ -295,17 +320,15 @@ def run_kto(hf_dir: str, records: list[dict], out_dir: str, steps: int | None = 
         print(f"[kto] reference log-probabilities of {len(examples) + len(held_out)} examples"
               f"{' and their mismatched answers' if kl else ''} ({time.time() - t0:.0f}s)", flush=True)
         step_loss = kto_examples_loss(model, beta, desirable_weight, undesirable_weight, kl)
-        before = preference.evaluate(step_loss, held_out, size) if held_out else None
+        weights = (beta, desirable_weight, undesirable_weight, kl)
+        before = evaluate(model, held_out, size, *weights) if held_out else None
         n = preference._steps(steps, epochs, len(examples), batch_size)
         history = preference.train(list(model.parameters()), step_loss, examples, n, lr, batch_size,
                                    micro_batch_size, seed, log_every, "kto")
-        after = preference.evaluate(step_loss, held_out, size) if held_out else None
+        after = evaluate(model, held_out, size, *weights) if held_out else None
         if held_out:
             print(f"[kto] held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
                   f"({len(held_out)} examples)", flush=True)
-        for totals in (before, after):
-            if totals is not None:
-                totals["examples"] = totals.pop("pairs")
         sft.export_hf(model, bridge, hf_dir, out_dir)
         return {"steps": n, "history": history, "eval_before": before, "eval_after": after,
                 "balance": weight_balance(examples, desirable_weight, undesirable_weight)}

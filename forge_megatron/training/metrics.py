@@ -67,7 +67,7 @@ def combine_micro_batch_metrics(dicts: list[dict]) -> dict[str, float]:
         present = [d for d in dicts if isinstance(d.get(key), (int, float))]
         values = [float(d[key]) for d in present]
         prefix, _, term = key.rpartition("/")
-        if term in BATCH_SHARES or term in ("num_tokens", "num_pairs"):
+        if term in BATCH_SHARES or term in ("num_tokens", "num_pairs", "num_examples"):
             out[key] = float(np.sum(values))
         elif term.endswith("_max"):
             out[key] = float(np.max(values))
@@ -75,8 +75,9 @@ def combine_micro_batch_metrics(dicts: list[dict]) -> dict[str, float]:
             out[key] = float(np.min(values))
         else:
             count_key = f"{prefix}/num_tokens" if prefix else "num_tokens"
-            if prefix and any(f"{prefix}/num_pairs" in d for d in present):  # (DPO's: means over pairs)
-                count_key = f"{prefix}/num_pairs"
+            for count in ("num_pairs", "num_examples"):  # (DPO's: means over pairs; KTO's: over examples)
+                if prefix and any(f"{prefix}/{count}" in d for d in present):
+                    count_key = f"{prefix}/{count}"
             weights = [float(d.get(count_key, 1.0)) for d in present]
             out[key] = float(np.average(values, weights=weights)) if sum(weights) > 0 else float(np.mean(values))
     return out
@@ -106,7 +107,7 @@ def combine_update_metrics(updates: list[dict], first_pass: int | None = None) -
                 del out[key]
         elif term in BATCH_SHARES and sum(weights) > 0:  # a domain absent from an update had no share there
             out[key] = float(sum(w * float(u.get(key, 0.0)) for w, u in zip(weights, updates)) / sum(weights))
-        elif term in ("num_tokens", "num_pairs"):
+        elif term in ("num_tokens", "num_pairs", "num_examples"):
             out[key] = float(sum(float(u.get(key, 0.0)) for u in updates[:first_pass]))
     return out
 

@@ -1,9 +1,10 @@
 """The Megatron trainer's offline modes: data from files in place of the data pool's batches.
 
 ``scripts/train_forge.py`` with ``--sft-data`` (supervised fine-tuning: forge-sft's data), ``--preference-data``
-(DPO / IPO / SimPO: forge-dpo's pairs) or ``--preference-data --reward-model`` (a Bradley-Terry reward model: forge-rm's
-pairs) trains with every parallel layout, checkpoint and exit mechanism of an RL run, but reads its batches here
-instead of from a pool: no pool, engines, gateway or weight sync (docs/training.md, "Offline training at scale").
+(DPO / IPO / SimPO: forge-dpo's pairs), ``--preference-data --reward-model`` (a Bradley-Terry reward model: forge-rm's
+pairs) or ``--kto-data`` (KTO: forge-kto's examples) trains with every parallel layout, checkpoint and exit mechanism
+of an RL run, but reads its batches here instead of from a pool: no pool, engines, gateway or weight sync
+(docs/training.md, "Offline training at scale").
 
 Batch ``k`` holds items ``k P .. (k + 1) P - 1`` of the epochs' shuffled orders (a new order every epoch, from the
 seed), so a run resumed at iteration ``k`` trains what an uninterrupted one would. Each item becomes
@@ -20,7 +21,7 @@ import random
 import numpy as np
 import torch
 
-from forge_megatron.training import sft
+from forge_megatron.training import kto, sft
 from forge_megatron.training.preference import (
     bt_pair_losses, implicit_rewards, load_pairs, pair_losses, render_pairs,
 )
@@ -159,6 +160,88 @@ class PreferenceFeed(_EpochFeed):
                         _sample(*pair.rejected, group=k, episode=f"pair-{i}-rejected", domain="preference",
                                 advantage=-1.0)]
         return TrainBatch(batch_id=batch_id, samples=samples, group_indices=groups, metrics=metrics)
+
+
+class KtoFeed(_EpochFeed):
+    """Batches of KTO examples (forge-kto's ``--data`` forms) for the trainer's ``--kto-data``. Each example is a group
+    of its own: its sample, with advantage +1 on every token when desirable and -1 when not, and (``kl``) its
+    mismatched sample (its prompt, another example's answer: ``kto.attach_mismatched``) with advantage 0, what
+    :func:`tree_kto_loss` and the trainer's reference point read. The two share the prompt, so they are one tree in
+    one micro-batch; examples whose tree exceeds ``token_budget`` are left out (counted) and the mismatched answers
+    drawn again among the rest."""
+
+    def __init__(self, path: str, hf_dir: str, per_step: int, token_budget: int, seed: int = 0, kl: bool = True,
+                 log=print):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        examples = kto.render_records(tokenizer, kto.load_examples(path))
+        kept = [e for e in examples if len(e.sample[0]) <= token_budget]
+        while kl and len(kept) >= 2:
+            kto.attach_mismatched(kept, seed)
+            fits = [e for e in kept if len(e.sample[0]) + len(e.kl[0]) - shared_prefix(e.sample[0], e.kl[0])
+                    <= token_budget]
+            if len(fits) == len(kept):
+                break
+            kept = fits
+        if len(kept) < len(examples):
+            log(f"--kto-data: {len(examples) - len(kept)} example(s) whose tree (with its mismatched answer) is "
+                f"longer than --tree-token-budget {token_budget} left out")
+        if len(kept) < (2 if kl else 1):
+            raise ValueError(f"--kto-data {path}: {len(kept)} example(s) fit --tree-token-budget {token_budget}"
+                             + ("; the KL estimate needs two (or --kto-no-kl)" if kl else ""))
+        self.kl = kl
+        super().__init__(kept, per_step, seed)
+
+    def _batch(self, batch_id: int, positions, metrics: dict):
+        from forge_megatron.middleware.batch import TrainBatch
+
+        samples, groups = [], []
+        for k, i in positions:
+            example = self.items[i]
+            groups.append(k)
+            samples.append(_sample(*example.sample, group=k, episode=f"example-{i}", domain="kto",
+                                   advantage=1.0 if example.desirable else -1.0))
+            if self.kl:
+                samples.append(_sample(*example.kl, group=k, episode=f"example-{i}-mismatched", domain="kto",
+                                       advantage=0.0))
+        return TrainBatch(batch_id=batch_id, samples=samples, group_indices=groups, metrics=metrics)
+
+
+def _sample_sums(values_M: torch.Tensor, extras: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each sample's sum of ``values_M`` over its trained targets [S], each sample's sign: its advantage [S])."""
+    cu = extras["cu_seqlens_S1"].to(values_M.device)
+    S = cu.numel() - 1
+    sample_M = torch.repeat_interleave(torch.arange(S, device=values_M.device), cu[1:] - cu[:-1])
+    mask_M = extras["loss_mask_M"].to(values_M.device, values_M.dtype)
+    sums_S = values_M.new_zeros(S).index_add(0, sample_M, values_M * mask_M)
+    return sums_S, extras["advantages_M"].to(values_M.device)[cu[:-1]]
+
+
+def kto_mismatched_logratios(policy_logp_M: torch.Tensor, extras: dict) -> torch.Tensor:
+    """The log-ratios ``logp - ref`` (sums over the trained targets) of a micro-batch's mismatched samples (advantage
+    0, :class:`KtoFeed`), from the policy's ``policy_logp_M`` and ``extras["ref_logp_M"]``."""
+    ref_M = extras["ref_logp_M"].to(policy_logp_M.device, policy_logp_M.dtype)
+    sums_S, sign_S = _sample_sums(policy_logp_M.detach() - ref_M, extras)
+    return sums_S[sign_S == 0]
+
+
+def tree_kto_loss(logp_M: torch.Tensor, extras: dict, beta: float, desirable_weight: float = 1.0,
+                  undesirable_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """The summed KTO loss of the examples of one trainer micro-batch (not yet divided by the batch's example count)
+    and their metrics (means over the examples, under ``kto/``). ``extras``: ``loss_mask_M``, ``ref_logp_M``,
+    ``advantages_M`` (+1 on a desirable example, -1 on an undesirable one, 0 on a mismatched sample, which adds no
+    loss), ``cu_seqlens_S1`` and ``kto_kl``, the batch's reference point (0 when absent: ``--kto-no-kl``)."""
+    ref_M = extras["ref_logp_M"].to(logp_M.device, logp_M.dtype)
+    logratio_S, sign_S = _sample_sums(logp_M - ref_M, extras)
+    examples = sign_S != 0
+    z0 = float(extras["kto_kl"]) if "kto_kl" in extras else 0.0
+    logratio_N, desirable_N = logratio_S[examples], sign_S[examples] > 0
+    loss_N = kto.kto_losses(logratio_N, desirable_N, z0, beta, desirable_weight, undesirable_weight)
+    means = kto.kto_metrics(logratio_N, desirable_N, z0, beta)
+    metrics = {"kto/accuracy": means["accuracy"], "kto/margin": means["margin"], "kto/kl_estimate": z0}
+    metrics["kto/num_examples"] = float(examples.sum())
+    return loss_N.sum(), metrics
 
 
 def pair_index(extras: dict, device) -> tuple[torch.Tensor, torch.Tensor]:

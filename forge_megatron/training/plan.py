@@ -580,8 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(bridge, args.world_size, args.tensor_model_parallel_size,
                       args.pipeline_model_parallel_size, args.expert_model_parallel_size, args.context_parallel_size,
                       vpp, args.bf16, args.use_distributed_optimizer,
-                      args.rl_kl_coef > 0 or (args.preference_data is not None and not args.reward_model
-                                              and args.dpo_loss != "simpo"),
+                      arguments.uses_reference_policy(args),
                       args.tree_token_budget, args.recompute_granularity,
                       args.sequence_parallel, args.gpu_memory_gib, args.expert_tensor_parallel_size,
                       args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,

@@ -460,7 +460,17 @@ def forward_backward(ddp, rb: RankBatch, loss_cfg, domains: list[str], fused_log
                         forward_only=forward_only)
 
 
-OFFLINE_MODES = ("sft", "dpo", "rm")
+OFFLINE_MODES = ("sft", "dpo", "rm", "kto")
+
+
+def offline_loss_count(rb: RankBatch, mode: str, args) -> float:
+    """What an offline mode's loss is a mean over, for the whole batch: trained tokens (``sft``), pairs (``dpo``,
+    ``rm``: two samples each) or examples (``kto``: two samples each with the mismatched ones, else one). Every
+    sample weighs 1, so the counts follow from the summed sample weight."""
+    if mode == "sft":
+        return rb.global_loss_tokens if rb.global_loss_tokens is not None else rb.num_loss_tokens
+    weight = rb.global_sample_weight if rb.global_sample_weight is not None else len(rb.samples)
+    return weight if mode == "kto" and args.kto_no_kl else weight / 2
 
 
 def offline_forward_backward(ddp, rb: RankBatch, mode: str, args, fused_logprobs: bool = True,
@@ -468,25 +478,21 @@ def offline_forward_backward(ddp, rb: RankBatch, mode: str, args, fused_logprobs
     """The forward and backward of an offline mode (training/offline.py) through Megatron's schedule: ``sft``
     (``--sft-data``: the trained tokens' NLL; with a teacher's top-k in the extras, ``--teacher-hf-checkpoint
     --distill-kl``, supervised distillation: :func:`offline.tree_sft_distill_loss`), ``dpo`` (``--preference-data``:
-    DPO / IPO / SimPO, the reference's
-    logprobs already in the extras) or ``rm`` (``--reward-model``: Bradley-Terry on the score head). Each micro-batch's
-    summed loss is divided by the whole batch's count, trained tokens for SFT and pairs otherwise (every sample weighs
-    1, so the pairs are half the summed sample weight), over the D data-parallel ranks that DDP averages; Megatron's
-    division by the micro-batch count is undone as in :func:`forward_backward`. Scored at temperature 1: the model's
-    own distribution. ``args``: the ``--dpo-*``, ``--simpo-gamma`` and ``--rm-center-coef`` values."""
+    DPO / IPO / SimPO, the reference's logprobs already in the extras), ``rm`` (``--reward-model``: Bradley-Terry on
+    the score head) or ``kto`` (``--kto-data``: the reference's logprobs and the batch's reference point ``kto_kl``
+    in the extras). Each micro-batch's summed loss is divided by the whole batch's count
+    (:func:`offline_loss_count`), over the D data-parallel ranks that DDP averages; Megatron's division by the
+    micro-batch count is undone as in :func:`forward_backward`. Scored at temperature 1: the model's own
+    distribution. ``args``: the ``--dpo-*``, ``--simpo-gamma``, ``--rm-center-coef`` and ``--kto-*`` values."""
     from forge_megatron.mcore.forward import make_score_forward_step, make_tree_forward_step
     from forge_megatron.training.offline import (
-        tree_bradley_terry_loss, tree_dpo_loss, tree_sft_distill_loss, tree_sft_loss,
+        tree_bradley_terry_loss, tree_dpo_loss, tree_kto_loss, tree_sft_distill_loss, tree_sft_loss,
     )
 
     if mode not in OFFLINE_MODES:
         raise ValueError(f"offline mode {mode!r}: one of {OFFLINE_MODES}")
     num_mb = len(rb.micro_batches)
-    if mode == "sft":
-        count = rb.global_loss_tokens if rb.global_loss_tokens is not None else rb.num_loss_tokens
-    else:
-        count = (rb.global_sample_weight if rb.global_sample_weight is not None else len(rb.samples)) / 2
-    norm = max(count, 1.0) / rb.dp_size
+    norm = max(offline_loss_count(rb, mode, args), 1.0) / rb.dp_size
 
     def scaled(total, metrics):
         loss = total / norm
@@ -508,12 +514,35 @@ def offline_forward_backward(ddp, rb: RankBatch, mode: str, args, fused_logprobs
                                                      args.distill_jsd_beta))
             if mode == "sft":
                 return scaled(*tree_sft_loss(logp_M, x))
+            if mode == "kto":
+                return scaled(*tree_kto_loss(logp_M, x, args.kto_beta, args.kto_desirable_weight,
+                                             args.kto_undesirable_weight))
             return scaled(*tree_dpo_loss(logp_M, x, args.dpo_beta, args.dpo_loss, args.dpo_label_smoothing,
                                          args.dpo_sft_coef, args.simpo_gamma))
 
         step = make_tree_forward_step(loss_fn, fused_output=fused_logprobs, head_dtype=head_dtype,
                                       topk_key="teacher_topk_ids_XK" if distil else None)
     return run_schedule(ddp, rb, step, forward_only=forward_only)
+
+
+def kto_reference_point(rbs: list[RankBatch], dp_size: int) -> float:
+    """KTO's reference point ``z0 = max(0, mean log-ratio of the mismatched samples)`` over the rank batches ``rbs``
+    (every micro-batch, every data-parallel rank): a training batch, or a whole held-out set. From the policy's
+    ``kto_policy_logp_M`` (a forward-only pass on the step's start weights) and the reference's ``ref_logp_M``; set as
+    ``extras["kto_kl"]`` of every micro-batch and returned. The last pipeline stage holds the logprobs; the others,
+    which compute no loss, sum nothing."""
+    from forge_megatron.training.offline import kto_mismatched_logratios
+
+    total, count = 0.0, 0.0
+    for mb in (mb for rb in rbs for mb in rb.micro_batches):
+        if "kto_policy_logp_M" in mb.extras:
+            r = kto_mismatched_logratios(mb.extras["kto_policy_logp_M"], mb.extras)
+            total, count = total + float(r.sum()), count + r.numel()
+    total, count = _sum_over_dp([total, count], dp_size)
+    z0 = max(0.0, total / count) if count else 0.0
+    for mb in (mb for rb in rbs for mb in rb.micro_batches):
+        mb.extras["kto_kl"] = torch.tensor(z0, dtype=torch.float64)
+    return z0
 
 
 def run_schedule(ddp, rb: RankBatch, forward_step, forward_only: bool = False) -> list[dict]:
@@ -546,7 +575,8 @@ class Trainer:
         # offline modes (training/offline.py): batches from a file, not the pool
         self.preference = getattr(args, "preference_data", None) is not None  # DPO / a reward model on pairs
         self.sft = getattr(args, "sft_data", None) is not None  # supervised fine-tuning
-        self.offline = self.preference or self.sft
+        self.kto = getattr(args, "kto_data", None) is not None  # KTO on examples labelled good or bad
+        self.offline = self.preference or self.sft or self.kto
         self.train_tower = bool(getattr(args, "train_vision_tower", False))
         self.reward_model = self.preference and bool(getattr(args, "reward_model", False))
         source = args.hf_checkpoint
@@ -557,9 +587,9 @@ class Trainer:
             if reward_labels(source) != 1:
                 raise ValueError(f"--reward-model: {args.hf_checkpoint} has {reward_labels(source)} labels; "
                                  "Bradley-Terry training takes one")
-        # a frozen reference policy: the KL term's (--rl-kl-coef > 0) or DPO's / IPO's (not SimPO's, not a reward model's)
-        self.needs_reference = args.rl_kl_coef > 0 or (self.preference and not self.reward_model
-                                                       and args.dpo_loss != "simpo")
+        # a frozen reference policy: the KL term's (--rl-kl-coef > 0), DPO's / IPO's (not SimPO's, not a reward
+        # model's) or KTO's
+        self.needs_reference = arguments.uses_reference_policy(args)
         try:  # with --train-vision-tower the tower's tensors are the model's too
             self.bridge = Bridge(source, vision_tower=self.train_tower)
         except ValueError as exc:
@@ -778,15 +808,28 @@ class Trainer:
                                                    if self.bridge.vision_tower and r["pp_rank"] == 0 else "") + ")")
 
     def _offline_feed(self, held_out: str | None = None):
-        """The batches of --sft-data or --preference-data (training/offline.py), or of the ``held_out`` file of
-        --offline-eval-data in the same form; made on rank 0."""
-        from forge_megatron.training.offline import PreferenceFeed, SftFeed
+        """The batches of --sft-data, --preference-data or --kto-data (training/offline.py), or of the ``held_out``
+        file of --offline-eval-data in the same form; made on rank 0."""
+        from forge_megatron.training.offline import KtoFeed, PreferenceFeed, SftFeed
 
         per_step = arguments.train_batch_groups(self.args)
-        if held_out is not None:
+        if self.kto:
+            feed = KtoFeed(held_out or self.args.kto_data, self.args.hf_checkpoint, per_step,
+                           self.args.tree_token_budget, self.args.seed + (held_out is not None),
+                           kl=not self.args.kto_no_kl, log=self._log)
+            if held_out is None:
+                from forge_megatron.training.kto import balance_note
+
+                self._log(f"--kto-data {self.args.kto_data}: {len(feed.items)} examples, {per_step} per step: "
+                          f"{feed.epochs(self.args.train_iters):.2f} epoch(s) over {self.args.train_iters} iterations "
+                          f"(KTO, beta {self.args.kto_beta:g}; "
+                          f"{balance_note(feed.items, self.args.kto_desirable_weight, self.args.kto_undesirable_weight)})")
+                return feed
+        elif held_out is not None:
             cls = SftFeed if self.sft else PreferenceFeed
             feed = cls(held_out, self.args.hf_checkpoint, per_step, self.args.tree_token_budget, self.args.seed,
                        self.vision, log=self._log)
+        if held_out is not None:
             self._log(f"--offline-eval-data {held_out}: {len(feed.items)} held-out items, evaluated every "
                       f"{self.args.offline_eval_interval or self.args.train_iters} iterations")
             return feed
@@ -815,7 +858,8 @@ class Trainer:
         if self.ref_chunks is not None:  # always the given checkpoint, also on resume: the reference never moves
             ref = self.args.ref_hf_checkpoint or self.args.hf_checkpoint
             load_hf_weights(self.ref_chunks, self.bridge, ref)
-            self._log(f"reference model for the {'DPO' if self.preference else 'KL'} term loaded from {ref}")
+            term = "DPO" if self.preference else "KTO" if self.kto else "KL"
+            self._log(f"reference model for the {term} term loaded from {ref}")
             if getattr(self.args, "ref_offload", False):
                 from forge_megatron.training.offload import HostOffload
 
@@ -977,8 +1021,10 @@ class Trainer:
 
     @property
     def offline_mode(self) -> str | None:
-        """``sft``, ``dpo`` or ``rm`` (training/offline.py); None for RL."""
-        return None if not self.offline else "sft" if self.sft else "rm" if self.reward_model else "dpo"
+        """``sft``, ``dpo``, ``rm`` or ``kto`` (training/offline.py); None for RL."""
+        if not self.offline:
+            return None
+        return "sft" if self.sft else "kto" if self.kto else "rm" if self.reward_model else "dpo"
 
     def _prepare(self, rbs: list[RankBatch]) -> None:
         """The forward-only passes the updates read, over every mini-batch on the weights of the step's start (before
@@ -986,7 +1032,13 @@ class Trainer:
         if self.args.old_logprobs == "recompute":
             for rb in rbs:
                 self._forward_only_logprobs(self.ddp, rb, "old_logp_M")
+        if self.kto and not self.args.kto_no_kl:  # KTO's reference point: the policy's KL on mismatched answers
+            for rb in rbs:
+                self._forward_only_logprobs(self.ddp, rb, "kto_policy_logp_M")
         self._reference_logprobs(rbs)
+        if self.kto and not self.args.kto_no_kl:
+            for rb in rbs:  # (each update's batch its own)
+                kto_reference_point([rb], self.dp_size)
         if self.teacher is not None:
             self._teacher_pass(rbs)
         elif getattr(self.args, "teacher_from_gateway", False):
@@ -1035,7 +1087,7 @@ class Trainer:
         """``--offline-eval-data``: a forward-only pass over the held-out file in batches of the training size (rank
         0 reads it, every rank gets each batch as in :meth:`next_batch`); ``val/loss`` (the mean over its pairs, or
         its trained tokens for SFT) and the mode's means (``val/accuracy``, ``val/margin``), summed over the
-        data-parallel ranks."""
+        data-parallel ranks. KTO's reference point is the whole held-out set's (whatever its batches)."""
         from megatron.core import parallel_state as ps
 
         from forge_megatron.mcore.parallel import comm_device
@@ -1046,6 +1098,18 @@ class Trainer:
         batches = iter(self.eval_feed.eval_batches(self.dp_size)) if self.eval_feed is not None else None
         sums = torch.zeros(5, dtype=torch.float64)  # loss x count, count, accuracy x n, margin x n, n
         balance = "cost-groups" if self.args.dp_balance == "cost" else self.args.dp_balance
+        kto_kl = self.kto and not self.args.kto_no_kl
+
+        def score(rb: RankBatch) -> torch.Tensor:
+            m = combine_micro_batch_metrics(pipeline_loss_metrics(offline_forward_backward(
+                self.ddp, rb, kind, self.args, self.args.fused_logprobs, self.head_dtype, forward_only=True)))
+            # this rank's loss is its items' summed loss over count / D: times that, its sum (the ranks' add up)
+            count = offline_loss_count(rb, kind, self.args) / self.dp_size
+            n = m.get(f"{kind}/num_pairs", m.get(f"{kind}/num_examples", 0.0))
+            return torch.tensor([m["loss"] * count, count, m.get(f"{kind}/accuracy", 0.0) * n,
+                                 m.get(f"{kind}/margin", 0.0) * n, n], dtype=torch.float64)
+
+        held = []  # (KTO: every batch waits for the reference point of the whole held-out set)
         while True:
             batch = broadcast_batch(next(batches, None) if batches is not None else None)
             if batch is None:
@@ -1056,13 +1120,15 @@ class Trainer:
             self._reference_logprobs([rb])
             if self.teacher is not None:  # supervised distillation: the held-out loss has the teacher's term too
                 self._teacher_pass([rb])
-            m = combine_micro_batch_metrics(pipeline_loss_metrics(offline_forward_backward(
-                self.ddp, rb, kind, self.args, self.args.fused_logprobs, self.head_dtype, forward_only=True)))
-            # this rank's loss is its items' summed loss over count / D: times that, its sum (the ranks' add up)
-            count = (rb.global_loss_tokens if kind == "sft" else rb.global_sample_weight / 2) / self.dp_size
-            n = m.get(f"{kind}/num_pairs", 0.0)
-            sums += torch.tensor([m["loss"] * count, count, m.get(f"{kind}/accuracy", 0.0) * n,
-                                  m.get(f"{kind}/margin", 0.0) * n, n], dtype=torch.float64)
+            if kto_kl:
+                self._forward_only_logprobs(self.ddp, rb, "kto_policy_logp_M")
+                held.append(rb)
+            else:
+                sums += score(rb)
+        if kto_kl:
+            kto_reference_point(held, self.dp_size)
+            for rb in held:
+                sums += score(rb)
         if self.dp_size > 1:
             group = ps.get_data_parallel_group()
             sums = sums.to(comm_device(group))
@@ -1444,7 +1510,7 @@ def progress_line(m: dict) -> str:
         return (f"iter {m['iteration']} | loss {m['loss']:.4f}{teacher} | epoch {m.get('pool/epoch', 0.0):.2f} | "
                 f"tokens {m['total_tokens']} (unique {m['unique_tokens']}, trained {m['sft/num_tokens']:.0f}) | fb "
                 f"{m['forward_backward_s']:.1f}s")
-    for kind in ("dpo", "rm"):  # --preference-data
+    for kind in ("dpo", "rm", "kto"):  # --preference-data, --kto-data
         if f"{kind}/accuracy" in m:
             return (f"iter {m['iteration']} | loss {m['loss']:.4f} | accuracy {m[kind + '/accuracy']:.3f} | margin "
                     f"{m[kind + '/margin']:.3f} | epoch {m.get('pool/epoch', 0.0):.2f} | tokens {m['total_tokens']} "

@@ -163,8 +163,8 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--rl-mismatch-band", "2", "3"], "--rl-mismatch-band LOW HIGH needs 0 < LOW < 1 < HIGH"),
     (["--rl-tis-cap", "0"], "the --rl-\\* loss flags: tis_cap must be > 0"),
     (["--ref-hf-checkpoint", "/x"], "--ref-hf-checkpoint is used only with --rl-kl-coef > 0"),
-    (["--ref-offload"], "--ref-offload offloads the reference model, which exists only with --rl-kl-coef > 0 or "
-                        "--preference-data"),
+    (["--ref-offload"], "--ref-offload offloads the reference model, which exists only with --rl-kl-coef > 0, "
+                        "--preference-data or --kto-data"),
     (["--teacher-offload"], "--teacher-offload needs --teacher-hf-checkpoint"),
     (["--distill-outcome-coef", "0"], "--distill-outcome-coef needs --teacher-hf-checkpoint"),
     (["--teacher-hf-checkpoint", "/t", "--distill-coef", "0"], "--distill-coef must be > 0 and "
@@ -185,12 +185,12 @@ def test_weight_sync_int4_reads_the_engines_checkpoint_config(tmp_path):
     (["--critic-warmup-iters", "2"], "--critic-warmup-iters is a flag of the learned critic"),
     (["--critic", "--gae-gamma", "1.5"], "--gae-gamma must lie in \\[0, 1\\], got 1.5"),
     (["--critic", "--critic-warmup-iters", "-1"], "--critic-warmup-iters must be >= 0"),
-    (["--critic", "--preference-data", __file__], "not with --sft-data or --preference-data"),
+    (["--critic", "--preference-data", __file__], "for RL on the pool's episodes: not with --preference-data"),
     (["--ppo-mini-batches", "0"], "--ppo-mini-batches and --ppo-epochs must be >= 1, got 0 and 1"),
     (["--ppo-epochs", "0"], "--ppo-mini-batches and --ppo-epochs must be >= 1, got 1 and 0"),
     (["--train-batch-groups", "2", "--ppo-mini-batches", "3"], "--ppo-mini-batches 3: more mini-batches than the "
                                                                "batch's 2 groups"),
-    (["--sft-data", __file__, "--ppo-epochs", "2"], "offline modes \(--sft-data, --preference-data\) take a "
+    (["--sft-data", __file__, "--ppo-epochs", "2"], "offline modes \(--sft-data, --preference-data, --kto-data\) take a "
                                                     "smaller --train-batch-groups instead"),
     (["--value-clip", "0.2"], "--value-clip clips the learned critic's value loss: add --critic"),
     (["--ppo-target-kl", "0.01"], "--ppo-target-kl 0.01: stops the later updates of a batch, so it needs"),

@@ -138,6 +138,26 @@ def test_kto_loss_and_gradients_equal_transformers(tmp_path, one_rank, kl_offset
     _assert_close_grads(ours, _hf_grads(hf))
 
 
+def test_held_out_reference_point_is_the_whole_sets(tmp_path, one_rank):
+    """A held-out set's loss does not depend on how it is batched: one reference point over the whole set (equal to
+    the estimate of one forest of all of it), its examples scored against it."""
+    base = build_tiny_model(str(tmp_path / "base"))
+    ref = build_tiny_model(str(tmp_path / "ref"), seed=7)
+    examples = K.render_records(build_tiny_tokenizer(), _unpaired(5, seed=8))
+    K.attach_mismatched(examples, seed=0)
+    model, _ = K.sft.build_model(base, None, False)
+    reference, _ = K.sft.build_model(ref, None, False)
+    K.set_reference(reference, examples, 2)
+    z0 = K.held_out_reference_point(model, examples, 2)
+    with torch.no_grad():
+        _, whole = K.kto_examples_loss(model, 0.3)(examples)
+    assert z0 > 0.5 and math.isclose(z0, whole["kl"], rel_tol=1e-5)
+    by_two, by_five = (K.evaluate(model, examples, size, 0.3) for size in (2, 5))
+    assert by_two["examples"] == by_five["examples"] == 5
+    for key in ("loss", "accuracy", "margin", "kl"):
+        assert math.isclose(by_two[key], by_five[key], rel_tol=1e-5, abs_tol=1e-7), key
+
+
 def test_kto_without_kl_runs_the_examples_only(tmp_path, one_rank):
     from transformers import AutoModelForCausalLM
 
@@ -170,7 +190,8 @@ def test_forge_kto_teaches_the_policy_from_unpaired_feedback(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert any("24 desirable, 24 undesirable examples" in line for line in lines)
     summary = json.loads(lines[-1])
-    assert summary["eval_before"]["accuracy"] == 0.0 and summary["eval_before"]["kl"] == 0.0  # policy = reference
+    before = summary["eval_before"]  # the policy is the reference: every log-ratio 0 (to round-off), the loss 1/2
+    assert abs(before["margin"]) < 1e-4 and before["kl"] < 1e-4 and abs(before["loss"] - 0.5) < 1e-4
     assert summary["eval_before"]["examples"] == 16 and summary["balance"] == 1.0
     assert summary["eval_after"]["accuracy"] >= 0.9 and summary["eval_after"]["margin"] > 0.5
 

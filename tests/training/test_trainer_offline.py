@@ -159,7 +159,7 @@ def test_preference_flags_are_checked(tmp_path):
                            (["--preference-data", data, "--rl-kl-coef", "0.1"], "drop --rl-kl-coef"),
                            (["--preference-data", data, "--engine-urls", "http://127.0.0.1:1"], "trains offline"),
                            (["--preference-data", data, "--dpo-beta", "0"], "--dpo-beta must be > 0"),
-                           (["--ref-hf-checkpoint", str(tmp_path)], "--rl-kl-coef > 0 or --preference-data"),
+                           (["--ref-hf-checkpoint", str(tmp_path)], "--rl-kl-coef > 0, --preference-data or --kto-data"),
                            (["--reward-model"], "--reward-model needs --preference-data"),
                            (["--preference-data", data, "--reward-model", "--lora-rank", "8"], "drop --lora-rank"),
                            (["--preference-data", data, "--reward-model", "--context-parallel-size", "2"],
@@ -171,14 +171,14 @@ def test_preference_flags_are_checked(tmp_path):
                            (["--sft-data", data, "--preference-data", data], "one offline mode per run"),
                            (["--sft-data", str(tmp_path / "none.jsonl")], "--sft-data .* is not a file"),
                            (["--sft-data", data, "--rl-kl-coef", "0.1"], "--sft-data trains supervised"),
-                           (["--offline-eval-data", data], "--offline-eval-data needs --sft-data or --preference"),
+                           (["--offline-eval-data", data], "--offline-eval-data needs --sft-data, --preference-data or --kto"),
                            (["--sft-data", data, "--offline-eval-interval", "2"], "--offline-eval-interval needs"),
                            (["--sft-data", data, "--teacher-hf-checkpoint", str(tmp_path)],
                             "supervised distillation: it needs a dense --distill-kl"),
                            (["--sft-data", data, "--teacher-from-gateway", "--distill-kl", "forward"],
-                            "not with --preference-data or a served teacher offline"),
+                            "not with --preference-data, --kto-data or a served teacher offline"),
                            (["--preference-data", data, "--teacher-hf-checkpoint", str(tmp_path), "--distill-kl",
-                             "forward"], "not with --preference-data or a served teacher offline")):
+                             "forward"], "not with --preference-data, --kto-data or a served teacher offline")):
         with pytest.raises(ValueError, match=message):
             arguments.validate_args(arguments.build_parser().parse_args(base + extra))
     args = arguments.build_parser().parse_args(base + ["--preference-data", data])
