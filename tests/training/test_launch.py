@@ -633,13 +633,26 @@ def test_offline_sbatch_dry_run_launches_the_trainer_on_pairs_and_chats(tmp_path
     args = _trainer_args(_commands(out.stdout)[0])  # supervised distillation: a trainer command line that validates
     assert (args.teacher_hf_checkpoint, args.distill_kl, args.distill_topk, args.distill_outcome_coef) == (
         "/models/big", "jsd", 16, 0.0)
+    examples = tmp_path / "examples.jsonl"
+    examples.write_text('{"prompt": [{"role": "user", "content": "1+1"}], "completion": "2", "label": true}\n')
+    out = subprocess.run(["bash", OFFLINE_SBATCH, "--dry-run"], capture_output=True, text=True, timeout=120,
+                         env={**env, "PREFERENCE_DATA": "", "KTO_DATA": str(examples), "KTO_BETA": "0.3",
+                              "KTO_UNDESIRABLE_WEIGHT": "1.5", "KTO_NO_KL": "1", "EVAL_DATA": str(examples)})
+    assert out.returncode == 0 and "plan: KTO (beta 0.3, reference point 0) on " + str(examples) in out.stdout, \
+        out.stderr
+    args = _trainer_args(_commands(out.stdout)[0])  # a KTO command line that validates
+    assert (args.kto_data, args.kto_beta, args.kto_undesirable_weight, args.kto_no_kl) == (str(examples), 0.3, 1.5, True)
+    assert args.preference_data is None and args.offline_eval_data == str(examples) and args.lr == 1e-6
     for bad, message in ((dict(DPO_LOSS="kto"), "DPO_LOSS=kto"), (dict(TP="3"), "TP*PP*CP=6 must divide"),
+                         (dict(KTO_DATA=str(examples)), "set one of SFT_DATA, PREFERENCE_DATA and KTO_DATA"),
+                         (dict(PREFERENCE_DATA="", KTO_DATA=str(examples), REWARD_MODEL="1", REF_CHECKPOINT=""),
+                          "REWARD_MODEL=1 learns from PREFERENCE_DATA"),
                          (dict(PAIRS_PER_STEP="2"), "gives some of the DP=4 ranks nothing to train"),
                          (dict(DRY_NODES="a"), "need TRAIN_NODES=2 nodes"),
                          (dict(REWARD_MODEL="1"), "REWARD_MODEL=1 trains without a reference"),
                          (dict(DPO_LOSS="simpo"), "DPO_LOSS=simpo has no reference"),
-                         (dict(PREFERENCE_DATA=""), "set SFT_DATA (supervised) or PREFERENCE_DATA"),
-                         (dict(SFT_DATA=str(data)), "set SFT_DATA or PREFERENCE_DATA, not both"),
+                         (dict(PREFERENCE_DATA=""), "set SFT_DATA (supervised), PREFERENCE_DATA"),
+                         (dict(SFT_DATA=str(data)), "set one of SFT_DATA, PREFERENCE_DATA and KTO_DATA"),
                          (dict(TEACHER_CHECKPOINT="/t"), "TEACHER_CHECKPOINT distils on SFT_DATA"),
                          (dict(PREFERENCE_DATA="", SFT_DATA=str(data), REF_CHECKPOINT="", TEACHER_CHECKPOINT="/t",
                                DISTILL_KL="sampled"), "DISTILL_KL=sampled: forward, reverse or jsd")):
