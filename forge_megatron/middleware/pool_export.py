@@ -31,6 +31,12 @@ each side is the episode's last segment (its final context and answer), the samp
 ``{"chosen": {"input_ids", "loss_mask"}, "rejected": {...}, "group", "task_id", "chosen_score", "rejected_score",
 "chosen_episode", "rejected_episode"}`` per line; episodes whose last segment has images are left out (counted).
 
+``--kto`` writes KTO examples of token samples instead, for ``forge-kto --data`` / the trainer's ``--kto-data``: each
+scored episode's last segment labelled desirable when its composite score is above its group's mean by more than
+``--min-gap`` and undesirable when below it by as much (the rest, and groups whose episodes all scored alike, left
+out): ``{"input_ids", "loss_mask", "label", "group", "task_id", "score", "group_mean", "episode_id"}`` per line.
+Unlike pairs, every scored episode can teach, and groups of any size give as many examples as they have episodes.
+
 Trajectories a pool did not keep (committed, filtered or failed groups without ``--keep-trajectories``) have no
 tokens left: such episodes are counted on stderr, not written. ``--state``, ``--task-id``, ``--from-group`` and
 ``--limit`` select episodes. Exit status 2 with a message for a missing or foreign database.
@@ -146,8 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-score", type=float, default=None, help="only episodes whose composite score is at least this")
     p.add_argument("--pairs", action="store_true",
                    help="write preference pairs of each scored group's episodes for forge-rm / forge-dpo --data")
+    p.add_argument("--kto", action="store_true",
+                   help="write KTO examples (each scored episode desirable or not against its group's mean) for "
+                        "forge-kto --data / the trainer's --kto-data")
     p.add_argument("--min-gap", type=float, default=0.0,
-                   help="--pairs: the chosen episode's score must exceed the rejected one's by more than this")
+                   help="--pairs: the chosen episode's score must exceed the rejected one's by more than this; "
+                        "--kto: an episode's score must differ from its group's mean by more than this")
     p.add_argument("--every-pair", action="store_true",
                    help="--pairs: every two episodes of a group whose scores differ by more than --min-gap (K(K-1)/2 "
                         "at most; a reward model learns more from them), not only best against worst")
@@ -173,14 +183,14 @@ def sft_samples(episode) -> tuple[list[dict], int]:
     return out, skipped
 
 
-def group_pairs(group: dict, episodes: list, min_gap: float, every_pair: bool = False) -> tuple[list[dict], int]:
-    """(preference pairs of one group's scored episodes, how many were left out for images) (module docstring);
-    ``every_pair``: every two episodes whose scores differ by more than ``min_gap``, not only best against worst."""
+def _scored_last_segments(group: dict, episodes: list) -> tuple[list[tuple], int]:
+    """([(score, episode id, last segment)] of a group's scored episodes that train a token, in submission order;
+    how many were left out for images)."""
     scores = msgpack.unpackb(group["scores"]) if group["scores"] else None
     if not scores:
         return [], 0
     score_of = dict(zip(scores["episode_ids"], scores["rewards"]))
-    ranked, with_images = [], 0
+    scored, with_images = [], 0
     for episode in episodes:
         seg = episode.segments[-1] if episode.segments else None
         if seg is None or episode.episode_id not in score_of or not any(seg.loss_mask[1:]):
@@ -188,7 +198,30 @@ def group_pairs(group: dict, episodes: list, min_gap: float, every_pair: bool = 
         if seg.images:
             with_images += 1
             continue
-        ranked.append((score_of[episode.episode_id], episode.episode_id, seg))
+        scored.append((score_of[episode.episode_id], episode.episode_id, seg))
+    return scored, with_images
+
+
+def group_kto_examples(group: dict, episodes: list, min_gap: float) -> tuple[list[dict], int]:
+    """(KTO examples of one group's scored episodes, how many were left out for images) (module docstring)."""
+    scored, with_images = _scored_last_segments(group, episodes)
+    if not scored:
+        return [], with_images
+    mean = sum(score for score, _, _ in scored) / len(scored)
+    out = []
+    for score, episode_id, seg in scored:
+        if abs(score - mean) <= min_gap:
+            continue
+        out.append({"input_ids": list(seg.tokens), "loss_mask": list(seg.loss_mask), "label": score > mean,
+                    "group": group["idx"], "task_id": group["task_id"], "score": score, "group_mean": mean,
+                    "episode_id": episode_id})
+    return out, with_images
+
+
+def group_pairs(group: dict, episodes: list, min_gap: float, every_pair: bool = False) -> tuple[list[dict], int]:
+    """(preference pairs of one group's scored episodes, how many were left out for images) (module docstring);
+    ``every_pair``: every two episodes whose scores differ by more than ``min_gap``, not only best against worst."""
+    ranked, with_images = _scored_last_segments(group, episodes)
     ranked.sort(key=lambda x: -x[0])  # (stable: ties keep submission order)
     if every_pair:
         matches = [(i, j) for i in range(len(ranked)) for j in range(i + 1, len(ranked))
@@ -211,18 +244,20 @@ def group_pairs(group: dict, episodes: list, min_gap: float, every_pair: bool = 
     return pairs, with_images
 
 
-def _export_pairs(db, args, out) -> str:
-    """Write ``--pairs``; the summary line."""
-    written, missing, with_images, groups = 0, 0, 0, set()
+def _export_groups(db, args, out) -> str:
+    """Write ``--pairs`` or ``--kto`` (lines made per scored group); the summary line."""
+    written, missing, with_images, groups, desirable = 0, 0, 0, set(), [0]
 
     def flush(group, episodes):
         nonlocal written, with_images
-        pairs, skipped = group_pairs(group, episodes, args.min_gap, args.every_pair)
+        pairs, skipped = group_kto_examples(group, episodes, args.min_gap) if args.kto else \
+            group_pairs(group, episodes, args.min_gap, args.every_pair)
         with_images += skipped
         if args.limit is not None:
             pairs = pairs[:max(0, args.limit - written)]
         out.writelines(json.dumps(x) + "\n" for x in pairs)
         written += len(pairs)
+        desirable[0] += sum(bool(x.get("label")) for x in pairs)
         if pairs:
             groups.add(group["idx"])
 
@@ -242,15 +277,20 @@ def _export_pairs(db, args, out) -> str:
         flush(current, episodes)
     note = f", {with_images} episode(s) with images left out" if with_images else ""
     note += f"; {missing} episode(s) without a trajectory (not kept: --keep-trajectories)" if missing else ""
+    if args.kto:
+        return f"{written} KTO example(s) ({desirable[0]} desirable) of {len(groups)} group(s) written{note}"
     return f"{written} pair(s) of {len(groups)} group(s) written{note}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.pairs and (args.sft or args.successful or args.min_score is not None):
-        parser.error("--pairs pairs every scored group's episodes by score: it takes no --sft, --successful or "
-                     "--min-score")
+    if args.pairs and args.kto:
+        parser.error("--pairs or --kto: one form per export")
+    for flag, on in (("--pairs", args.pairs), ("--kto", args.kto)):
+        if on and (args.sft or args.successful or args.min_score is not None):
+            parser.error(f"{flag} labels every scored group's episodes by score: it takes no --sft, --successful or "
+                         "--min-score")
     if args.min_gap < 0:
         parser.error("--min-gap must be at least 0")
     if args.every_pair and not args.pairs:
@@ -271,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     out = sys.stdout if args.out == "-" else open(args.out, "w")
     written, missing, samples, with_images, groups = 0, 0, 0, 0, set()
-    if args.pairs:
+    if args.pairs or args.kto:
         try:
-            print(f"forge-pool-export: {_export_pairs(db, args, out)}", file=sys.stderr)
+            print(f"forge-pool-export: {_export_groups(db, args, out)}", file=sys.stderr)
         finally:
             if out is not sys.stdout:
                 out.close()

@@ -204,10 +204,54 @@ def test_pairs_export_pairs_each_group_best_against_worst(tmp_path, capsys):
     assert rc == 0 and every == [("a", "c"), ("a", "b"), ("a", "d"), ("c", "b"), ("c", "d")]
     with pytest.raises(SystemExit):
         pool_export.main(["--db", db, "--pairs", "--sft"])
-    assert "--pairs pairs every scored group's episodes by score" in capsys.readouterr().err
+    assert "--pairs labels every scored group's episodes by score" in capsys.readouterr().err
 
     records = preference.load_pairs(str(out))
     result = preference.run_reward_model(base, records * 4, str(tmp_path / "rm"), steps=2, lr=1e-3, batch_size=2,
                                          log_every=100)
     assert len(result["history"]) == 2 and preference.render_pairs(tok, records)[0].chosen[1] == \
         pairs[0]["chosen"]["loss_mask"]
+
+
+def test_kto_export_labels_each_episode_against_its_groups_mean(tmp_path, capsys):
+    """--kto: each scored episode desirable above its group's mean and undesirable below it (by more than --min-gap);
+    groups of equal scores and unscored groups give none; episodes with images left out (counted) and not in the
+    mean; forge-kto reads the file and trains on it as given."""
+    from transformers import AutoTokenizer
+
+    from forge_megatron.models.tiny import build_tiny_model
+    from forge_megatron.training import kto
+
+    base = build_tiny_model(str(tmp_path / "base"), seed=2)
+    tok = AutoTokenizer.from_pretrained(base)
+    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), keep_trajectories=True))
+    png = b"\x89PNG\r\n\x1a\n" + b"0" * 32
+    gid = pool.register_group("t-0", 5)
+    for eid, answer, reward, images in (("a", "4", 1.0, None), ("b", "5", 0.0, None), ("c", "4!", 0.5, None),
+                                        ("d", "6", 0.0, None), ("e", "4", 1.0, [png])):
+        pool.submit_episode(_episode(gid, eid, tok, "2+2=", answer, reward, images))
+    same = pool.register_group("t-1", 2)
+    for eid in ("f", "g"):
+        pool.submit_episode(_episode(same, eid, tok, "1+1=", "2", 1.0))
+    pool.submit_episode(_episode(pool.register_group("t-2", 2), "h", tok, "3+3=", "6", 1.0))  # (not scored yet)
+    pool.close()
+    db, out = str(tmp_path / "pool.sqlite"), tmp_path / "kto.jsonl"
+    rc, _, err = _run(["--db", db, "--out", str(out), "--kto"], capsys)
+    assert rc == 0 and "4 KTO example(s) (2 desirable) of 1 group(s) written, 1 episode(s) with images left out" in err
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(x["episode_id"], x["label"]) for x in lines] == [("a", True), ("b", False), ("c", True), ("d", False)]
+    assert all(x["group_mean"] == pytest.approx(0.375) and x["task_id"] == "t-0" for x in lines)
+    assert tok.decode([t for t, m in zip(lines[2]["input_ids"], lines[2]["loss_mask"]) if m]) == "4!"
+    rc, _, err = _run(["--db", db, "--out", str(out), "--kto", "--min-gap", "0.2"], capsys)  # c is 0.125 above
+    assert rc == 0 and [json.loads(x)["episode_id"] for x in out.read_text().splitlines()] == ["a", "b", "d"]
+    for argv, message in ((["--kto", "--successful"], "--kto labels every scored group's episodes"),
+                          (["--kto", "--pairs"], "--pairs or --kto: one form per export")):
+        with pytest.raises(SystemExit):
+            pool_export.main(["--db", db, *argv])
+        assert message in capsys.readouterr().err
+
+    records = kto.load_examples(str(out))
+    examples = kto.render_records(tok, records)
+    assert [e.desirable for e in examples] == [True, False, False] and examples[0].sample[1] == lines[0]["loss_mask"]
+    result = kto.run_kto(base, records * 2, str(tmp_path / "kto"), steps=2, lr=1e-3, batch_size=3, log_every=100)
+    assert len(result["history"]) == 2 and result["balance"] == pytest.approx(0.5)
