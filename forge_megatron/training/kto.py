@@ -342,16 +342,18 @@ def main(argv: list[str] | None = None) -> int:
     helps = {"data": "JSONL of KTO examples (forms: see above)",
              "eval_data": "held-out examples: loss and accuracy before and after training",
              "batch_size": "examples per optimizer step", "max_length": "leave out longer examples (tokens)",
+             "epochs": "passes over the examples (default 1)",
              "micro_batch_size": "examples per forward (one prefix forest; the KL estimate is per forward)"}
     for action in p._actions:  # (the shared parser's help speaks of pairs)
         action.help = helps.get(action.dest, action.help)
     p.add_argument("--beta", type=float, default=0.1, help="beta: the implicit reward's scale (default 0.1)")
-    p.add_argument("--desirable-weight", type=float, default=1.0, help="w_D, the desirable examples' loss weight")
+    p.add_argument("--desirable-weight", type=float, default=1.0, help="w_D, the desirable examples' loss weight (default 1)")
     p.add_argument("--undesirable-weight", type=float, default=1.0,
-                   help="w_U, the undesirable examples' loss weight (the paper suggests w_D n_D / (w_U n_U) in "
-                        "[1, 4/3])")
+                   help="w_U, the undesirable examples' loss weight (default 1; the paper suggests w_D n_D / "
+                        "(w_U n_U) in [1, 4/3])")
     p.add_argument("--no-kl", action="store_true",
-                   help="reference point 0 instead of the mismatched-answer KL estimate (half the tokens per step)")
+                   help="reference point 0 instead of the KL estimate from mismatched answers (which then are not "
+                        "scored: fewer tokens per step)")
     args = p.parse_args(argv)
     preference._check(p, args)
     if args.beta <= 0:
