@@ -197,9 +197,9 @@ def balance_note(examples: list[Example], desirable_weight: float, undesirable_w
     line = f"{n_d} desirable, {len(examples) - n_d} undesirable examples"
     if ratio is None or n_d == 0:
         return line + ": only one kind, so the loss only pushes one way"
-    line += f"; desirable-weight x n_D / (undesirable-weight x n_U) = {ratio:.2f}"
+    line += f"; w_D n_D / (w_U n_U) = {ratio:.2f}"
     if not 1.0 <= ratio <= 4 / 3 + 1e-9:
-        line += " (the KTO paper suggests 1 to 4/3: set --desirable-weight / --undesirable-weight)"
+        line += " (the KTO paper suggests 1 to 4/3: weigh the kinds to match)"
     return line
 
 
