@@ -94,15 +94,23 @@ class CallRewardModel:
         n = len(completion_ids)
         if self.step_separator is None:
             return [n - 1]
-        pieces = [self.tokenizer.decode([t]) for t in completion_ids]  # (one token each: ASCII separators survive)
-        ends, text, token_of_char = [], "", []
-        for i, piece in enumerate(pieces):
-            text += piece
-            token_of_char += [i] * len(piece)
-        start = 0
+
+        def decode(k: int) -> str:  # the text of the first k tokens
+            return self.tokenizer.decode(completion_ids[:k], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
+
+        # Tokens are not characters: a byte-level token may hold part of a character (decoded alone, a replacement
+        # character) and a sentencepiece token's leading space shows only in context. So the text is the whole
+        # completion's, and each separator's end is placed at the first token whose prefix decodes to the text up
+        # to it (a binary search: the prefixes' texts only grow).
+        text, ends, start = decode(n), [], 0
         while (hit := text.find(self.step_separator, start)) >= 0:
             start = hit + len(self.step_separator)
-            ends.append(token_of_char[start - 1])
+            head, lo, hi = text[:start], 1, n
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if decode(mid).startswith(head) else (mid + 1, hi)
+            ends.append(lo - 1)
         return sorted(set(ends) | {n - 1})
 
     def __call__(self, calls: list[dict]) -> list[dict]:
@@ -142,8 +150,8 @@ def add_call_reward_arguments(p) -> None:
                         "over the episode; score: w s_c")
     g.add_argument("--call-rm-weight", type=float, default=1.0, help="w, the rewards' weight against the outcome")
     g.add_argument("--call-rm-step-separator", default=None, metavar="SEP",
-                   help="score and reward every step of a completion, the steps cut at SEP (backslash escapes "
-                        "read: '\\n\\n' is a blank line), not only each call's end")
+                   help="score and reward every step of a completion, the steps cut at SEP (any script; backslash "
+                        "escapes read: '\\n\\n' is a blank line), not only each call's end")
     g.add_argument("--call-rm-label", type=int, default=0,
                    help="which of the classifier's outputs is the score (default 0)")
     g.add_argument("--call-rm-api-key-env", default=None, metavar="VAR",
@@ -180,10 +188,10 @@ def call_rewards_from_args(args, gateway=None) -> CallRewardModel | None:
     if gateway is not None:
         check_tokenizer(tokenizer, args.call_rm_tokenizer, gateway.state())
     separator = getattr(args, "call_rm_step_separator", None)
-    if separator is not None:
+    if separator is not None:  # backslash escapes (\n, \t, \u2192) read; other characters, any script, as given
         import codecs
 
-        separator = codecs.decode(separator, "unicode_escape")
+        separator = codecs.decode(separator.encode("latin-1", "backslashreplace"), "unicode_escape")
     return CallRewardModel(args.call_rm_url, weight=args.call_rm_weight, mode=args.call_rm_mode,
                            label=args.call_rm_label, api_key=api_key, attempts=args.call_rm_attempts,
                            timeout_s=args.call_rm_timeout_s, step_separator=separator,

@@ -273,6 +273,30 @@ def test_call_reward_model_refusals_and_failures(stack, rm_dir, rm_engine, tmp_p
     assert ep.status == "failed"
 
 
+def test_step_separators_of_any_script_end_at_the_token_completing_them(tmp_path):
+    """A separator outside ASCII ("。", "→" from its escape) whose bytes byte-level tokens split: each step ends at the
+    token that completes the separator (the last token of a piece encoded alone), and so do spaces a separator
+    starts with; the flag's escapes are read and other characters kept as given."""
+    from forge_megatron.agents.call_rewards import CallRewardModel, call_rewards_from_args
+    from forge_megatron.models.tiny import build_tiny_tokenizer
+
+    tok_dir = str(tmp_path / "tok")
+    tok = build_tiny_tokenizer(tok_dir)
+    for separator, texts in (("。", ("步骤一。", "步骤二。", "结束")), (" → ", ("a → ", "b → ", "c")),
+                             ("\n\n", ("First.\n\n", "Then.\n\n", "42"))):
+        pieces = [tok.encode(t, add_special_tokens=False) for t in texts]
+        completion = [t for p in pieces for t in p]
+        assert tok.decode(completion) == "".join(texts)  # (the pieces' tokens spell the text)
+        ends = [len(pieces[0]) - 1, len(pieces[0]) + len(pieces[1]) - 1, len(completion) - 1]
+        model = CallRewardModel("http://127.0.0.1:9", step_separator=separator, tokenizer=tok)
+        assert model.step_ends(completion) == ends, separator
+        assert model.step_ends(completion[:ends[0]]) == [ends[0] - 1]  # (a separator not yet complete: no step)
+    for flag, want in (("。", "。"), ("\\u2192", "→"), ("\\n\\n", "\n\n"), ("é;", "é;")):
+        model = call_rewards_from_args(_call_args(["--call-rm-url", "http://127.0.0.1:9", "--call-rm-tokenizer",
+                                                   tok_dir, "--call-rm-step-separator", flag]))
+        assert model.step_separator == want, flag
+
+
 def test_a_reward_model_rewards_every_step_of_an_answer(rm_dir, rm_engine):
     """--call-rm-step-separator '\\n\\n': an answer of three steps (two blank-line separators) is scored after each
     step and rewarded at its last token, the delta from the prompt's score on, equal to transformers' scores of the
