@@ -32,7 +32,8 @@
 # --distill-topk, recorded by the gateway with a served teacher, --teacher-topk), CRITIC (1: PPO with a learned critic
 # trained beside the policy, GAE advantages, --critic; CRITIC_CHECKPOINT: its initial weights, default HF_CHECKPOINT;
 # CRITIC_LR, CRITIC_WARMUP_ITERS, GAE_LAMBDA, VALUE_CLIP: --critic-lr, --critic-warmup-iters, --gae-lambda,
-# --value-clip), PPO_MINI_BATCHES / PPO_EPOCHS (optimizer steps per batch, --ppo-mini-batches / --ppo-epochs). A Gemma 3 vision-language
+# --value-clip), PPO_MINI_BATCHES / PPO_EPOCHS (optimizer steps per batch, --ppo-mini-batches / --ppo-epochs;
+# PPO_TARGET_KL: --ppo-target-kl). A Gemma 3 vision-language
 # checkpoint starts SGLang with --attention-backend triton (SGLANG_ATTENTION_BACKEND overrides it), as forge.sbatch.
 set -euo pipefail
 DRY_RUN=0
@@ -68,7 +69,7 @@ TEACHER_CHECKPOINT="${TEACHER_CHECKPOINT:-}"; TEACHER_SERVED="${TEACHER_SERVED:-
 DISTILL_OUTCOME_COEF="${DISTILL_OUTCOME_COEF:-1}"; DISTILL_KL="${DISTILL_KL:-sampled}"; DISTILL_TOPK="${DISTILL_TOPK:-32}"
 CRITIC="${CRITIC:-0}"; CRITIC_CHECKPOINT="${CRITIC_CHECKPOINT:-}"; CRITIC_LR="${CRITIC_LR:-}"
 CRITIC_WARMUP_ITERS="${CRITIC_WARMUP_ITERS:-0}"; GAE_LAMBDA="${GAE_LAMBDA:-1}"; VALUE_CLIP="${VALUE_CLIP:-}"
-PPO_MINI_BATCHES="${PPO_MINI_BATCHES:-1}"; PPO_EPOCHS="${PPO_EPOCHS:-1}"
+PPO_MINI_BATCHES="${PPO_MINI_BATCHES:-1}"; PPO_EPOCHS="${PPO_EPOCHS:-1}"; PPO_TARGET_KL="${PPO_TARGET_KL:-}"
 POLICY_SAMPLING="${POLICY_SAMPLING:-1}"; ROLLOUT_TEMPERATURE="${ROLLOUT_TEMPERATURE:-1}"; EVAL_TASKS="${EVAL_TASKS:-}"; EVAL_EVERY="${EVAL_EVERY:-10}"
 EPISODE_TIMEOUT_S="${EPISODE_TIMEOUT_S:-1800}"
 LORA_RANK="${LORA_RANK:-}"; LORA_SYNC="${LORA_SYNC:-merged}"
@@ -226,6 +227,7 @@ elif [ -n "$CRITIC_LR" ] || [ "$CRITIC_WARMUP_ITERS" != 0 ] || [ "$GAE_LAMBDA" !
   echo "run_local.sh: CRITIC_LR / CRITIC_WARMUP_ITERS / GAE_LAMBDA / VALUE_CLIP need CRITIC=1 (a learned critic)" >&2; exit 2
 fi
 EXTRA+=(--ppo-mini-batches "$PPO_MINI_BATCHES" --ppo-epochs "$PPO_EPOCHS")  # optimizer steps per batch
+[ -n "$PPO_TARGET_KL" ] && EXTRA+=(--ppo-target-kl "$PPO_TARGET_KL")
 [ "$LORA_SYNC" = adapter ] && EXTRA+=(--weight-sync-lora adapter --weight-sync-dir "$RUN_DIR/adapters")
 TRAIN_CMD=(torchrun --nproc-per-node "$NPROC" "$ROOT/scripts/train_forge.py" "${MODEL_ARGS[@]}"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"

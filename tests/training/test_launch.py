@@ -58,7 +58,7 @@ def test_bash_syntax_and_help():
          SAVE_INTERVAL=25, KEEP_CHECKPOINTS=3, ASYNC_SAVE=1, EXIT_DURATION_MINS=1410,
          TEACHER_CHECKPOINT="/models/teacher", DISTILL_OUTCOME_COEF=0, TEACHER_OFFLOAD=1, DISTILL_KL="forward",
          DISTILL_TOPK=16, CRITIC=1, CRITIC_LR=2e-6, CRITIC_WARMUP_ITERS=5, GAE_LAMBDA=0.95, VALUE_CLIP=0.2,
-         PPO_MINI_BATCHES=2, PPO_EPOCHS=2),
+         PPO_MINI_BATCHES=2, PPO_EPOCHS=2, PPO_TARGET_KL=0.02),
     dict(ROLLOUT_NODES=3, TRAIN_NODES=1, GPUS_PER_NODE=4, ENGINE_TP=1, TP=1, PP=1, EP=1, CP=2, MODEL="tiny",
          USE_ROUTER=1, DOMAIN_RATIOS="math=0.7,qa=0.3", ROUTING_REPLAY=1, DROP_ZERO_ADVANTAGE_GROUPS=1, KEEP_TRAJECTORIES=1,
          EVAL_TASKS="/data/heldout.jsonl", EVAL_EVERY=5, RETIRE_SOLVED_AFTER=3),
@@ -121,8 +121,9 @@ def test_dry_run_plan_is_consistent(layout):
     assert (args.critic, args.critic_lr, args.critic_warmup_iters, args.gae_lambda) == (
         layout.get("CRITIC") == 1, layout.get("CRITIC_LR"), layout.get("CRITIC_WARMUP_ITERS", 0),
         layout.get("GAE_LAMBDA", 1.0))
-    assert (args.value_clip, args.ppo_mini_batches, args.ppo_epochs) == (
-        layout.get("VALUE_CLIP"), layout.get("PPO_MINI_BATCHES", 1), layout.get("PPO_EPOCHS", 1))
+    assert (args.value_clip, args.ppo_mini_batches, args.ppo_epochs, args.ppo_target_kl) == (
+        layout.get("VALUE_CLIP"), layout.get("PPO_MINI_BATCHES", 1), layout.get("PPO_EPOCHS", 1),
+        layout.get("PPO_TARGET_KL"))
     assert args.exit_signal_handler and args.exit_duration_in_mins == layout.get("EXIT_DURATION_MINS")
     assert args.exit_file == f"{_run_dir(out.stdout)}/stop_training"  # what the USR1 trap creates
     replay = layout.get("ROUTING_REPLAY") == 1  # engines record, the gateway keeps, the trainer replays: all or none
@@ -280,6 +281,7 @@ def test_served_distillation_teacher():
                          (dict(TEACHER_URLS="http://t:1", DROP_ZERO_ADVANTAGE_GROUPS=1), "still carry the teacher's"),
                          (dict(GAE_LAMBDA=0.9), "GAE_LAMBDA / VALUE_CLIP need CRITIC=1"),
                          (dict(VALUE_CLIP=0.2), "VALUE_CLIP need CRITIC=1"),
+                         (dict(PPO_TARGET_KL=0.02), "PPO_TARGET_KL stops a batch's later updates"),
                          (dict(CRITIC=1, DROP_ZERO_ADVANTAGE_GROUPS=1), "still have advantages against the critic")):
         bad = _dry_run(HF_CHECKPOINT="/models/Qwen3-8B", **env)
         assert bad.returncode != 0 and message in bad.stderr, (env, bad.stderr)
@@ -435,6 +437,11 @@ def test_run_local_dry_run_is_consistent():
                                                                                                 "/runs/l/adapters")
     assert args.sequence_parallel and not args.critic
     arguments.parallel_config(args).data_parallel_size(int(trainer[trainer.index("--nproc-per-node") + 1]))
+    assert args.ppo_target_kl is None
+    out = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=60,
+                         env={**env, "PPO_EPOCHS": "2", "PPO_TARGET_KL": "0.05"})
+    ppo = _trainer_args([c for c in _commands(out.stdout) if c[0] == "torchrun"][0])
+    assert (ppo.ppo_epochs, ppo.ppo_target_kl) == (2, 0.05)
     # CRITIC=1: the trainer's --critic and its flags (a critic of its own checkpoint)
     out = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=60,
                          env={**env, "CRITIC_CHECKPOINT": "/models/v", "GAE_LAMBDA": "0.95"})
