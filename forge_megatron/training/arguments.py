@@ -984,8 +984,6 @@ def _validate_kto(args: argparse.Namespace) -> None:
     args.weight_sync_transport = "none"
     if getattr(args, "reward_model", False):
         raise ValueError("--reward-model learns from pairs (--preference-data), not from KTO's examples")
-    if getattr(args, "train_vision_tower", False):
-        raise ValueError("--kto-data trains on text examples: drop --train-vision-tower")
     if not args.kto_beta > 0:
         raise ValueError(f"--kto-beta must be > 0, got {args.kto_beta}")
     if not (args.kto_desirable_weight > 0 and args.kto_undesirable_weight > 0):

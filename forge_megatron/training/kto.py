@@ -31,7 +31,9 @@ Data (``--data``, ``--eval-data``): JSON lines, one example each, in one of four
     {"prompt": [messages], "chosen": ANSWER, "rejected": ANSWER}      (a preference pair: two examples)
 
 ANSWER as forge-dpo's (text, one assistant message or a list continuing the prompt); whole conversations train every
-assistant turn; a pair (any of forge-dpo's forms) gives a desirable and an undesirable example. Text only.
+assistant turn; a pair (any of forge-dpo's forms) gives a desirable and an undesirable example. Vision-language
+checkpoints take image parts in user messages as forge-sft does (files read, ``--train-vision-tower`` too); a
+mismatched sample keeps its prompt's images and takes those of the other example's answer (later user turns).
 
 Legend: N = examples of a batch, S = samples (the N examples, then their N mismatched ones).
 """
@@ -53,23 +55,30 @@ Sample = tuple  # (input ids, loss mask, images)
 
 @dataclass
 class Example:
-    """A rendered example; ``kl``: its mismatched sample (its prompt, another example's answer); ``ref``: the
-    reference model's (logp(sample), logp(kl)), set before training."""
+    """A rendered example; ``prompt_images``: how many of its images lie before its answer; ``kl``: its mismatched
+    sample (its prompt, another example's answer); ``ref``: the reference model's (logp(sample), logp(kl)), set before
+    training."""
 
     sample: Sample
     desirable: bool
+    prompt_images: int = 0
     kl: Sample | None = None
     ref: tuple[float, float] | None = field(default=None, repr=False)
 
 
 # ---------------------------------------------------------------------------------------------------- data
 def load_examples(path: str) -> list[dict]:
-    """The KTO records of a JSONL file (see the module docstring), checked."""
+    """The KTO records of a JSONL file (see the module docstring), checked; image parts given as files read."""
+    import os
+
     from forge_megatron.utils.jsonl import read_records
 
-    records = []
+    records, base = [], os.path.dirname(os.path.abspath(path))
     for where, record in read_records(path):
         check_example(record, where)
+        for key in ("prompt", "completion", "messages", "chosen", "rejected"):
+            if isinstance(record.get(key), list):
+                sft._read_image_files(record[key], base, f"{where}: {key}")
         records.append(record)
     if not records:
         raise ValueError(f"{path}: no examples")
@@ -108,17 +117,16 @@ def check_example(record, where: str) -> None:
         messages = preference._side_messages(record["completion"], f"{where}: completion")
     if not any(m.get("role") == "assistant" for m in messages):
         raise ValueError(f"{where}: no assistant turn to score")
-    if any(isinstance(m.get("content"), list) for m in [*record.get("prompt", []), *messages]):
-        raise ValueError(f"{where}: KTO takes text examples (content parts such as images are not supported)")
 
 
-def render_records(tokenizer, records: list[dict], max_length: int | None = None,
-                   what: str = "example") -> list[Example]:
-    """Checked records -> :class:`Example` s (a pair record gives two); longer than ``max_length`` left out (counted)."""
+def render_records(tokenizer, records: list[dict], max_length: int | None = None, what: str = "example",
+                   processor=None) -> list[Example]:
+    """Checked records -> :class:`Example` s (a pair record gives two; ``processor``: the checkpoint's image
+    processor, for image parts); longer than ``max_length`` left out (counted)."""
     out, dropped, vocab = [], 0, sft.vocabulary_size(tokenizer)
     for i, record in enumerate(records):
         try:
-            examples = _render(tokenizer, record)
+            examples = _render(tokenizer, record, processor)
         except ValueError as exc:
             raise ValueError(f"{what} {i}: {exc}") from None
         for e in examples:
@@ -136,26 +144,41 @@ def render_records(tokenizer, records: list[dict], max_length: int | None = None
     return out
 
 
-def _render(tokenizer, record: dict) -> list[Example]:
+def _image_parts(messages: list[dict]) -> int:
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for part in m["content"] if isinstance(part, dict) and part.get("type") == "image_url")
+
+
+def _images_before_answer(prompt: list[dict] | None, messages: list[dict]) -> int:
+    """How many images precede the first trained token: the prompt's, or (a whole conversation) those of the
+    messages before its first assistant turn (images come in user messages only)."""
+    if prompt is not None:
+        return _image_parts(prompt)
+    first = next(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+    return _image_parts(messages[:first])
+
+
+def _render(tokenizer, record: dict, processor=None) -> list[Example]:
     if "chosen" in record:
-        pair = preference.render_pair(tokenizer, record)
-        if pair.chosen[2] or pair.rejected[2]:
-            raise ValueError("KTO takes text examples (this pair has images)")
-        return [Example(pair.chosen, True), Example(pair.rejected, False)]
+        pair = preference.render_pair(tokenizer, record, processor)
+        prompt = record.get("prompt")
+        return [Example(side, good, _images_before_answer(prompt, preference._side_messages(record[key], key)))
+                for side, good, key in ((pair.chosen, True, "chosen"), (pair.rejected, False, "rejected"))]
     label = record["label"]
     if "input_ids" in record:
         return [Example((list(record["input_ids"]), list(record["loss_mask"]), []), label)]
     if "messages" in record:
-        ids, mask, _ = sft.render(tokenizer, record["messages"], record.get("tools"))
+        ids, mask, images = sft.render(tokenizer, record["messages"], record.get("tools"), processor)
+        before = _images_before_answer(None, record["messages"])
     else:
         prompt, tools = record["prompt"], record.get("tools")
-        start = len(preference._prompt_ids(tokenizer, prompt, tools, None))
-        ids, mask, _ = sft.render(tokenizer, prompt + preference._side_messages(record["completion"], "completion"),
-                                  tools)
-        mask = [0] * start + mask[start:]
+        start = len(preference._prompt_ids(tokenizer, prompt, tools, processor))
+        ids, mask, images = sft.render(
+            tokenizer, prompt + preference._side_messages(record["completion"], "completion"), tools, processor)
+        mask, before = [0] * start + mask[start:], _image_parts(prompt)
     if not any(mask[1:]):
         raise ValueError("no assistant token after the prompt")
-    return [Example((ids, mask, []), label)]
+    return [Example((ids, mask, images), label, before)]
 
 
 def answer_start(sample: Sample) -> int:
@@ -164,12 +187,13 @@ def answer_start(sample: Sample) -> int:
     return next(i for i in range(1, len(mask)) if mask[i])
 
 
-def mismatched(prompt_of: Sample, answer_of: Sample) -> Sample:
+def mismatched(prompt_of: Example, answer_of: Example) -> Sample:
     """``prompt_of``'s prompt followed by ``answer_of``'s answer (its trained and untrained tokens from its first
-    trained one on)."""
-    a, b = answer_start(prompt_of), answer_start(answer_of)
-    ids_a, ids_b, mask_b = prompt_of[0], answer_of[0], answer_of[1]
-    return list(ids_a[:a]) + list(ids_b[b:]), [0] * a + list(mask_b[b:]), []
+    trained one on), with the prompt's images and the answer's."""
+    (ids_a, _, images_a), (ids_b, mask_b, images_b) = prompt_of.sample, answer_of.sample
+    a, b = answer_start(prompt_of.sample), answer_start(answer_of.sample)
+    return (list(ids_a[:a]) + list(ids_b[b:]), [0] * a + list(mask_b[b:]),
+            list(images_a[:prompt_of.prompt_images]) + list(images_b[answer_of.prompt_images:]))
 
 
 def attach_mismatched(examples: list[Example], seed: int) -> None:
@@ -181,7 +205,7 @@ def attach_mismatched(examples: list[Example], seed: int) -> None:
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
     for k, i in enumerate(order):
-        examples[i].kl = mismatched(examples[i].sample, examples[order[(k + 1) % len(order)]].sample)
+        examples[i].kl = mismatched(examples[i], examples[order[(k + 1) % len(order)]])
 
 
 def weight_balance(examples: list[Example], desirable_weight: float, undesirable_weight: float) -> float | None:
@@ -230,7 +254,7 @@ def kto_metrics(logratio_N: torch.Tensor, desirable_N: torch.Tensor, kl, beta: f
 
 
 def kto_examples_loss(model, beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
-                      kl: bool = True, reference_point: float | None = None):
+                      kl: bool = True, reference_point: float | None = None, processor=None):
     """``examples -> (KTO loss, metrics)`` of a tree GPTModel against the examples' ``ref``: the examples and their
     mismatched samples in one forest (``kl``), the reference point their estimate; without, only the examples run
     and the reference point is ``reference_point`` (default 0)."""
@@ -238,7 +262,7 @@ def kto_examples_loss(model, beta: float, desirable_weight: float = 1.0, undesir
     def step_loss(micro: list[Example]):
         n = len(micro)
         samples = [e.sample for e in micro] + ([e.kl for e in micro] if kl else [])
-        sums_S, _ = preference.response_logprobs(model, sft.batch_layout(samples), samples)
+        sums_S, _ = preference.response_logprobs(model, sft.batch_layout(samples, processor), samples)
         ref_S = torch.tensor([e.ref[0] for e in micro] + ([e.ref[1] for e in micro] if kl else []),
                              dtype=sums_S.dtype, device=sums_S.device)
         logratio_S = sums_S - ref_S
@@ -251,37 +275,38 @@ def kto_examples_loss(model, beta: float, desirable_weight: float = 1.0, undesir
 
 
 @torch.no_grad()
-def held_out_reference_point(model, examples: list[Example], batch_size: int) -> float:
+def held_out_reference_point(model, examples: list[Example], batch_size: int, processor=None) -> float:
     """The reference point of a whole set of examples (a held-out set: the same whatever its batches), from their
     mismatched samples, ``batch_size`` to a forest."""
     total = 0.0
     for i in range(0, len(examples), batch_size):
         micro = examples[i:i + batch_size]
         samples = [e.kl for e in micro]
-        sums_S, _ = preference.response_logprobs(model, sft.batch_layout(samples), samples)
+        sums_S, _ = preference.response_logprobs(model, sft.batch_layout(samples, processor), samples)
         total += float(sums_S.sum()) - sum(e.ref[1] for e in micro)
     return max(0.0, total / len(examples))
 
 
 def evaluate(model, examples: list[Example], batch_size: int, beta: float, desirable_weight: float = 1.0,
-             undesirable_weight: float = 1.0, kl: bool = True) -> dict:
+             undesirable_weight: float = 1.0, kl: bool = True, processor=None) -> dict:
     """Example-weighted loss and metrics over a held-out set, its reference point taken over the whole set."""
-    z0 = held_out_reference_point(model, examples, batch_size) if kl else 0.0
-    step_loss = kto_examples_loss(model, beta, desirable_weight, undesirable_weight, kl=False, reference_point=z0)
+    z0 = held_out_reference_point(model, examples, batch_size, processor) if kl else 0.0
+    step_loss = kto_examples_loss(model, beta, desirable_weight, undesirable_weight, kl=False, reference_point=z0,
+                                  processor=processor)
     totals = preference.evaluate(step_loss, examples, batch_size)
     totals["examples"] = totals.pop("pairs")
     return totals
 
 
 @torch.no_grad()
-def set_reference(model, examples: list[Example], batch_size: int) -> None:
+def set_reference(model, examples: list[Example], batch_size: int, processor=None) -> None:
     """Set every example's ``ref`` to ``model``'s log-probabilities of it and of its mismatched sample (when it has
     one; 0.0 otherwise), ``batch_size`` examples to a forest."""
     for i in range(0, len(examples), batch_size):
         micro = examples[i:i + batch_size]
         kl = [e.kl for e in micro if e.kl is not None]
         samples = [e.sample for e in micro] + kl
-        sums_S = preference.response_logprobs(model, sft.batch_layout(samples), samples)[0].tolist()
+        sums_S = preference.response_logprobs(model, sft.batch_layout(samples, processor), samples)[0].tolist()
         kl_sums = iter(sums_S[len(micro):])
         for e, s in zip(micro, sums_S):
             e.ref = (s, next(kl_sums) if e.kl is not None else 0.0)
@@ -292,7 +317,7 @@ def run_kto(hf_dir: str, records: list[dict], out_dir: str, steps: int | None = 
             lr: float = 1e-6, batch_size: int = 16, micro_batch_size: int | None = None, beta: float = 0.1,
             desirable_weight: float = 1.0, undesirable_weight: float = 1.0, kl: bool = True,
             eval_records: list[dict] | None = None, max_length: int | None = None, seed: int = 0,
-            log_every: int = 25) -> dict:
+            log_every: int = 25, train_vision_tower: bool = False) -> dict:
     """KTO from ``hf_dir`` (also the reference) on example records; exports the policy to ``out_dir``. Returns
     ``{"steps", "history", "eval_before", "eval_after", "balance"}``."""
     from transformers import AutoTokenizer
@@ -306,21 +331,24 @@ def run_kto(hf_dir: str, records: list[dict], out_dir: str, steps: int | None = 
     parallel.initialize(seed=seed)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        examples = render_records(tokenizer, records, max_length=max_length)
-        held_out = render_records(tokenizer, eval_records, what="eval example") if eval_records else []
+        processor = sft._image_processor(hf_dir)
+        examples = render_records(tokenizer, records, max_length=max_length, processor=processor)
+        held_out = render_records(tokenizer, eval_records, what="eval example", processor=processor) \
+            if eval_records else []
         if kl:
             attach_mismatched(examples, seed)
             if held_out:
                 attach_mismatched(held_out, seed + 1)
         print(f"[kto] {balance_note(examples, desirable_weight, undesirable_weight)}", flush=True)
-        model, bridge = sft.build_model(hf_dir, None, False)
+        images = any(e.sample[2] for e in examples + held_out)
+        model, bridge = sft.build_model(hf_dir, processor, images, train_vision_tower)
         size = micro_batch_size or batch_size
         t0 = time.time()
-        set_reference(model, examples + held_out, size)  # the reference: the starting model, scored once
+        set_reference(model, examples + held_out, size, processor)  # the reference: the starting model, scored once
         print(f"[kto] reference log-probabilities of {len(examples) + len(held_out)} examples"
               f"{' and their mismatched answers' if kl else ''} ({time.time() - t0:.0f}s)", flush=True)
-        step_loss = kto_examples_loss(model, beta, desirable_weight, undesirable_weight, kl)
-        weights = (beta, desirable_weight, undesirable_weight, kl)
+        step_loss = kto_examples_loss(model, beta, desirable_weight, undesirable_weight, kl, processor=processor)
+        weights = (beta, desirable_weight, undesirable_weight, kl, processor)
         before = evaluate(model, held_out, size, *weights) if held_out else None
         n = preference._steps(steps, epochs, len(examples), batch_size)
         history = preference.train(list(model.parameters()), step_loss, examples, n, lr, batch_size,
@@ -351,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--undesirable-weight", type=float, default=1.0,
                    help="w_U, the undesirable examples' loss weight (default 1; the paper suggests w_D n_D / "
                         "(w_U n_U) in [1, 4/3])")
+    p.add_argument("--train-vision-tower", action="store_true",
+                   help="vision-language checkpoints: train the vision tower too (exported as trained)")
     p.add_argument("--no-kl", action="store_true",
                    help="reference point 0 instead of the KL estimate from mismatched answers (which then are not "
                         "scored: fewer tokens per step)")
@@ -364,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_kto(args.hf_checkpoint, data, args.out, args.steps, args.epochs, args.lr, args.batch_size,
                          args.micro_batch_size, args.beta, args.desirable_weight, args.undesirable_weight,
-                         not args.no_kl, held, args.max_length, args.seed, args.log_every)
+                         not args.no_kl, held, args.max_length, args.seed, args.log_every, args.train_vision_tower)
     except ValueError as exc:
         p.error(str(exc))
     summary = preference._summary(result, args.out)

@@ -171,11 +171,11 @@ class KtoFeed(_EpochFeed):
     drawn again among the rest."""
 
     def __init__(self, path: str, hf_dir: str, per_step: int, token_budget: int, seed: int = 0, kl: bool = True,
-                 log=print):
+                 processor=None, log=print):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        examples = kto.render_records(tokenizer, kto.load_examples(path))
+        examples = kto.render_records(tokenizer, kto.load_examples(path), processor=processor)
         kept = [e for e in examples if len(e.sample[0]) <= token_budget]
         while kl and len(kept) >= 2:
             kto.attach_mismatched(kept, seed)

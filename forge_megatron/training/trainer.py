@@ -816,7 +816,7 @@ class Trainer:
         if self.kto:
             feed = KtoFeed(held_out or self.args.kto_data, self.args.hf_checkpoint, per_step,
                            self.args.tree_token_budget, self.args.seed + (held_out is not None),
-                           kl=not self.args.kto_no_kl, log=self._log)
+                           kl=not self.args.kto_no_kl, processor=self.vision, log=self._log)
             if held_out is None:
                 from forge_megatron.training.kto import balance_note
 

@@ -53,7 +53,7 @@ def test_example_forms_masks_and_mismatched_samples(tmp_path):
 
     other = K._render(tok, {"prompt": [{"role": "user", "content": "3+4"}], "completion": [calculator.tool_call_message()],
                             "label": False})[0]
-    ids_kl, mask_kl, _ = K.mismatched(e.sample, other.sample)
+    ids_kl, mask_kl, _ = K.mismatched(e, other)
     a, b = K.answer_start(e.sample), K.answer_start(other.sample)
     assert ids_kl == ids[:a] + other.sample[0][b:] and mask_kl == [0] * a + other.sample[1][b:]
     assert tok.decode(ids_kl[:a]).endswith("12+7<|im_end|>\n<|im_start|>assistant\n")  # this prompt, that answer
@@ -75,8 +75,6 @@ def test_example_forms_masks_and_mismatched_samples(tmp_path):
                    ({"messages": history, "prompt": PROMPT, "label": True}, "takes no 'prompt'"),
                    ({"prompt": PROMPT, "completion": {"role": "user", "content": "x"}, "label": True},
                     "no assistant turn"),
-                   ({"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-                     "completion": "1", "label": True}, "text examples"),
                    ({"prompt": PROMPT, "chosen": "1", "rejected": "2", "label": True}, "takes no label"),
                    ({"input_ids": [1, 2], "loss_mask": [1, 0], "label": True}, "trains no token")]
     for record, message in bad_records:

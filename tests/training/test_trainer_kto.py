@@ -122,7 +122,6 @@ def test_kto_flags_are_checked(tmp_path):
                            (["--kto-data", data, "--kto-beta", "0"], "--kto-beta must be > 0"),
                            (["--kto-data", data, "--kto-undesirable-weight", "0"], "must be > 0"),
                            (["--kto-data", data, "--reward-model"], "learns from pairs"),
-                           (["--kto-data", data, "--train-vision-tower"], "text examples"),
                            (["--kto-data", data, "--sft-data", data], "one offline mode per run"),
                            (["--kto-no-kl"], "--kto-no-kl is a flag of KTO"),
                            (["--kto-beta", "0.2"], "--kto-beta is a flag of KTO"),
@@ -135,3 +134,86 @@ def test_kto_flags_are_checked(tmp_path):
                                                        "--offline-eval-data", data])
     arguments.validate_args(args)
     assert args.weight_sync_transport == "none" and arguments.uses_reference_policy(args)
+
+
+def test_kto_examples_with_pictures(tmp_path):
+    """Examples whose prompts hold a picture (the colour task), one a whole conversation with a second picture in a
+    later user turn (inside its answer): each mismatched sample carries its prompt's pictures and the other answer's,
+    and the trainer's KTO loss over micro-batches of such examples gives forge-kto's loss and every gradient."""
+    from transformers import AutoTokenizer
+
+    from forge_megatron.agents import colors
+    from forge_megatron.mcore import parallel
+    from forge_megatron.mcore.forward import make_tree_forward_step
+    from forge_megatron.multimodal.images import ImageProcessor
+    from forge_megatron.training.metrics import combine_micro_batch_metrics
+    from forge_megatron.training.trainer import kto_reference_point, offline_forward_backward, rank_batch, run_schedule
+
+    base = build_tiny_model(str(tmp_path / "base"), "qwen3_vl", images=True)
+    proc = ImageProcessor(base)
+    tok = AutoTokenizer.from_pretrained(base)
+    names = sorted(colors.COLORS)
+    tasks = colors.make_tasks(5, seed=4)
+    records = [{"prompt": [colors.user_message(t)], "label": i % 2 == 0,
+                "completion": t.answer if i % 2 == 0 else next(n for n in names if n != t.answer)}
+               for i, t in enumerate(tasks[:3])]
+    records.append({"label": True, "messages": [colors.user_message(tasks[3]), {"role": "assistant", "content": tasks[3].answer},
+                                                colors.user_message(tasks[4]), {"role": "assistant", "content": tasks[4].answer}]})
+    examples = K.render_records(tok, records, processor=proc)
+    assert [len(e.sample[2]) for e in examples] == [1, 1, 1, 2] and [e.prompt_images for e in examples] == [1] * 4
+    K.attach_mismatched(examples, seed=0)
+    for e in examples:  # its own prompt's picture first, then those of the answer it took
+        donor = next(d for d in examples if d.sample[0][K.answer_start(d.sample):] == e.kl[0][K.answer_start(e.sample):])
+        assert e.kl[2] == e.sample[2][:1] + donor.sample[2][1:]
+    assert sorted(len(e.kl[2]) for e in examples) == [1, 1, 1, 2]  # the second picture rides with its answer
+
+    feed = KtoFeed(_write(tmp_path / "examples.jsonl", records), base, per_step=4, token_budget=4000, seed=0,
+                   processor=proc)
+    batch = feed.batch(0)
+    args = type("A", (), {"kto_beta": 0.5, "kto_desirable_weight": 1.0, "kto_undesirable_weight": 1.0,
+                          "kto_no_kl": False})
+    parallel.initialize(seed=0)
+    try:
+        model, _ = K.sft.build_model(base, proc, True)
+        ref, _ = K.sft.build_model(base, proc, True)  # the same frozen tower
+        torch.manual_seed(3)
+        with torch.no_grad():  # a reference language model other than the policy
+            for p in ref.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        budget = max(len(s.tokens) for s in batch.samples) * 2 + 8  # about one example per micro-batch
+        rb = rank_batch(batch, budget, True, 0, 1, [], "cost-groups", vision=proc)
+        assert len(rb.micro_batches) >= 2
+
+        def keep(key):
+            def step(logp_M, entropy_M, mb):
+                mb.extras[key] = logp_M.detach()
+                return logp_M.sum() * 0.0, {}
+            return make_tree_forward_step(step)
+
+        with torch.no_grad():
+            run_schedule([model], rb, keep("kto_policy_logp_M"), forward_only=True)
+            run_schedule([ref], rb, keep("ref_logp_M"), forward_only=True)
+        kto_reference_point([rb], 1)
+        metrics = combine_micro_batch_metrics(offline_forward_backward([model], rb, "kto", args))
+        ours = _grads(model)
+        model.zero_grad()
+        mine = []
+        for k in range(0, len(batch.samples), 2):
+            s, m = batch.samples[k], batch.samples[k + 1]
+            e = K.Example((s.tokens.tolist(), s.loss_mask.tolist(), list(s.images)), bool(s.advantages[0] > 0))
+            e.kl = (m.tokens.tolist(), m.loss_mask.tolist(), list(m.images))
+            mine.append(e)
+        K.set_reference(ref, mine, 4, proc)
+        loss, want = K.kto_examples_loss(model, 0.5, processor=proc)(mine)
+        loss.backward()
+        _assert_same_grads(ours, model)
+    finally:
+        parallel.destroy()
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert metrics["kto/kl_estimate"] == pytest.approx(want["kl"], rel=1e-5, abs=1e-7) and want["kl"] > 0
+    # forge-kto on the same pictures, end to end (its vision-language checkpoint exported whole)
+    result = K.run_kto(base, records * 2, str(tmp_path / "out"), steps=2, lr=1e-3, batch_size=4, log_every=100,
+                       eval_records=records)
+    assert len(result["history"]) == 2 and result["eval_after"]["examples"] == 4
+    assert (tmp_path / "out" / "config.json").exists()
+
