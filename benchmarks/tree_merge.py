@@ -22,7 +22,9 @@ tests/kernels/test_gated_delta.py shows them exact in fp64).
 
 Workloads: ``grpo`` (one prompt, G completions), ``agentic`` (episodes of T calls, call k re-sending the system
 prompt and the first k turns; episodes share the system prompt), ``preference`` (DPO / reward-model pairs: a shared
-system prompt, each pair its own prompt and two answers, the loss on the answers) or a JSONL file with one sample per line,
+system prompt, each pair its own prompt and two answers, the loss on the answers), ``kto`` (KTO examples: a shared
+system prompt, each example its own prompt and answer and its mismatched sample, the prompt followed by the next
+example's answer, as forge-kto and ``--kto-data`` score them) or a JSONL file with one sample per line,
 ``{"tokens": [...], "loss_mask": [...]}`` (loss_mask optional, one 0/1 per token; token t's mask weights the
 prediction of token t).
 
@@ -74,6 +76,20 @@ def preference_workload(args, rng):
         for _ in range(2):
             samples.append(prompt + _tokens(rng, args.response_len, args.vocab))
             masks.append([0.0] * len(prompt) + [1.0] * args.response_len)
+    return samples, masks
+
+
+def kto_workload(args, rng):
+    """``--examples`` KTO examples: a shared system prompt, each example its own prompt and an answer of
+    ``--response-len``, and its mismatched sample (its prompt, the next example's answer); the loss on the answers."""
+    system = _tokens(rng, args.system_len, args.vocab)
+    prompts = [system + _tokens(rng, args.prompt_len, args.vocab) for _ in range(args.examples)]
+    answers = [_tokens(rng, args.response_len, args.vocab) for _ in range(args.examples)]
+    samples, masks = [], []
+    for i, prompt in enumerate(prompts):
+        for answer in (answers[i], answers[(i + 1) % len(answers)]):
+            samples.append(prompt + answer)
+            masks.append([0.0] * len(prompt) + [1.0] * len(answer))
     return samples, masks
 
 
@@ -220,6 +236,8 @@ def run(args) -> dict:
         masks = [[1.0] * len(s) for s in samples]
     elif args.workload == "preference":
         samples, masks = preference_workload(args, rng)
+    elif args.workload == "kto":
+        samples, masks = kto_workload(args, rng)
     else:
         samples, masks = jsonl_workload(args.workload)
     tree, naive = build_models(args, samples)
@@ -255,7 +273,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--workload", default="agentic",
-                   help="'grpo', 'agentic', 'preference' or a JSONL file of {'tokens': [...]}")
+                   help="'grpo', 'agentic', 'preference', 'kto' or a JSONL file of {'tokens': [...]}")
     p.add_argument("--check", action="store_true", help="also compare gradients; exit 1 if not exact")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per path (best is reported)")
     p.add_argument("--backend", default="segment", help="tree attention backend (see kernels/tree_attention)")
@@ -281,6 +299,9 @@ def parse_args(argv=None):
     g = p.add_argument_group("preference workload (DPO / reward-model pairs: --system-len, --prompt-len, "
                              "--response-len per answer)")
     g.add_argument("--pairs", type=int, default=16)
+    g = p.add_argument_group("kto workload (examples and their mismatched samples: --system-len, --prompt-len, "
+                             "--response-len per answer)")
+    g.add_argument("--examples", type=int, default=16)
     return p.parse_args(argv)
 
 

@@ -73,3 +73,8 @@ def test_workload_shapes_have_the_documented_bounds():
     assert sum(map(len, agentic)) / _unique_prefixes(agentic) >= 10  # default agentic bound >= 10
     P, G, R = args.prompt_len, args.group, args.response_len
     assert sum(map(len, grpo)) / _unique_prefixes(grpo) == pytest.approx(G * (P + R) / (P + G * R))
+    args.system_len = 0  # KTO: an example and its mismatched sample share the prompt, 2 (P + R) / (P + 2 R)
+    kto, masks = bench.kto_workload(args, random.Random(0))
+    assert len(kto) == 2 * args.examples and all(sum(m) == R for m in masks)
+    assert sum(map(len, kto)) / _unique_prefixes(kto) == pytest.approx(2 * (P + R) / (P + 2 * R))
+    assert kto[1][P:] == kto[2][P:] and kto[1][:P] == kto[0][:P]  # example 0's prompt, example 1's answer
