@@ -19,7 +19,17 @@ A task carries its tests in ``metadata["tests"]``, in one of two forms::
 
 The program is the last fenced code block of the agent's answer (```` ```python ```` or plain ```` ``` ````), else
 the whole answer. The reward is 1.0 when every case passes and 0.0 otherwise (``--code-reward all``, the default:
-the first failure ends the check), or the fraction of cases passed (``pass_rate``). Python programs only.
+the first failure ends the check), or the fraction of cases passed (``pass_rate``).
+
+Languages: Python, and C++ for ``stdio`` tests (competitive programming: CodeContests, CodeForces). A task's
+``metadata["language"]`` (``python``, or ``cpp`` / ``c++``) says which its answers are written in, and its answer's
+last block fenced in that language is the program (else its last block); without it, the language is the chosen
+block's fence tag (```` ```cpp ````: C++; anything else: Python). A C++ program is compiled once per episode with
+``--code-cxx`` (default ``g++``) and ``--code-cxx-flags`` (default ``-O2 -std=c++17``), under the same limits as a
+case (``--code-compile-timeout-s``, default 20 s, its time counted in the episode's budget; the compiler's memory
+``--code-compile-memory-mb``, default 2048), then each case runs the binary in a fresh directory of its own. A
+program that does not compile fails every case (its first error lines logged). ``asserts`` and ``calls`` tests are
+Python's: a task that pairs them with another language fails its episode naming the task.
 
 Each case is a new ``python -I`` process (isolated mode: no user site, no ``PYTHON*`` variables) in a fresh
 temporary directory that is deleted afterwards, in its own session (the whole process group is killed when the case
@@ -63,6 +73,9 @@ REWARDS = ("all", "pass_rate")
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
 
+LANGUAGES = {"python": ("python", "py", "python3"), "cpp": ("cpp", "c++", "cxx", "cc")}
+"""The languages programs may be written in and the fence tags (and task ``language`` values) naming each."""
+
 # The assert harness: reads the pass token first, runs the program and the case in namespaces of their own, prints
 # the token last. Its file is written next to program.py and case.py in the case's directory.
 _HARNESS = """\
@@ -100,15 +113,31 @@ class CodeTaskError(ValueError):
     """A task's tests are missing or malformed (the episode fails naming the task)."""
 
 
-def extract_program(output: str | None) -> str:
-    """The last fenced code block of ``output`` (a ``python`` / ``py`` one preferred over others), else all of it."""
+def language_of(tag: str | None) -> str | None:
+    """The language a fence tag or a task's ``language`` names (None: none of :data:`LANGUAGES`)."""
+    tag = (tag or "").strip().lower()
+    return next((name for name, tags in LANGUAGES.items() if tag in tags), None)
+
+
+def extract_program(output: str | None, language: str | None = None) -> str:
+    """The last fenced code block of ``output`` (one fenced in ``language``, default Python, preferred over others),
+    else all of it."""
+    return extract_program_and_language(output, language)[0]
+
+
+def extract_program_and_language(output: str | None, language: str | None = None) -> tuple[str, str]:
+    """(program, its language): the last block fenced in ``language`` (the task's; default Python), else the last
+    block, whose language is then ``language`` if given, else its fence tag's (Python unless it names C++)."""
     if not output:
-        return ""
+        return "", language or "python"
     blocks = _FENCE.findall(output)
     if not blocks:
-        return output
-    python = [code for lang, code in blocks if lang.lower() in ("python", "py", "python3")]
-    return (python or [code for _, code in blocks])[-1]
+        return output, language or "python"
+    tagged = [code for tag, code in blocks if language_of(tag) == (language or "python")]
+    if tagged:
+        return tagged[-1], language or "python"
+    tag, code = blocks[-1]
+    return code, language or (language_of(tag) or "python")
 
 
 def _normalise(text: str) -> list[str]:
@@ -116,6 +145,19 @@ def _normalise(text: str) -> list[str]:
     while lines and not lines[-1]:
         lines.pop()
     return lines
+
+
+def task_language(task) -> str | None:
+    """The task's ``metadata["language"]`` as one of :data:`LANGUAGES` (None when it names none); CodeTaskError for
+    one this verifier does not run."""
+    value = (task.metadata or {}).get("language")
+    if value is None:
+        return None
+    language = language_of(value) if isinstance(value, str) else None
+    if language is None:
+        raise CodeTaskError(f"task {task.task_id}: metadata.language {value!r}: --verifier code runs "
+                            f"{', '.join(t[0] for t in LANGUAGES.values())} programs")
+    return language
 
 
 def parse_tests(task) -> tuple[str, list, str]:
@@ -183,43 +225,84 @@ class CodeVerifier:
     workers: int = 0  # cases at once over all episodes (0: the CPU count)
     python: str = sys.executable
     sandbox: str = ""  # a command prefix ("{dir}": the case's directory)
-    stats: dict = field(default_factory=lambda: {"cases": 0, "passed": 0, "timed_out": 0})
+    cxx: str = "g++"  # C++ programs' compiler
+    cxx_flags: str = "-O2 -std=c++17"
+    compile_timeout_s: float = 20.0
+    compile_memory_mb: int = 2048
+    stats: dict = field(default_factory=lambda: {"cases": 0, "passed": 0, "timed_out": 0, "compile_errors": 0})
 
     def __post_init__(self):
         if self.reward not in REWARDS:
             raise ValueError(f"--code-reward must be one of {REWARDS}, got {self.reward!r}")
         if not (self.timeout_s > 0 and self.total_timeout_s > 0 and self.memory_mb > 0 and self.output_mb > 0
-                and self.workers >= 0):
-            raise ValueError("--code-timeout-s, --code-total-timeout-s, --code-memory-mb and --code-output-mb must be "
-                             "> 0 and --code-workers >= 0")
+                and self.workers >= 0 and self.compile_timeout_s > 0 and self.compile_memory_mb > 0):
+            raise ValueError("--code-timeout-s, --code-total-timeout-s, --code-memory-mb, --code-output-mb, "
+                             "--code-compile-timeout-s and --code-compile-memory-mb must be > 0 and --code-workers >= 0")
         self.prefix = shlex.split(self.sandbox) if self.sandbox else []
         self._slots = threading.BoundedSemaphore(self.workers or os.cpu_count() or 1)
         self._lock = threading.Lock()
 
     def __call__(self, task, output) -> float:
         kind, cases, setup = parse_tests(task)
-        program = extract_program(output)
+        program, language = extract_program_and_language(output, task_language(task))
+        if language != "python" and kind != "stdio":
+            raise CodeTaskError(f"task {task.task_id}: metadata.tests.{'asserts' if kind == 'asserts' else 'calls'} "
+                                f"are Python statements: a {language} task takes 'stdio' tests")
         deadline = time.monotonic() + self.total_timeout_s
-        passed = 0
-        for i, case in enumerate(cases):
-            left = deadline - time.monotonic()
-            if left <= 0.05:
-                log.warning("task %s: --code-total-timeout-s %gs ran out after %d of %d cases: the rest count as "
-                            "failed", task.task_id, self.total_timeout_s, i, len(cases))
-                break
-            result = self.run_case(kind, program, case, setup, min(self.timeout_s, left))
-            passed += result.passed
-            if not result.passed and self.reward == "all":
-                break
+        binary_dir = None
+        try:
+            if language == "cpp":
+                binary_dir, error = self.compile_cpp(program, min(self.compile_timeout_s, self.total_timeout_s))
+                if binary_dir is None:
+                    log.info("task %s: the C++ program does not compile: %s", task.task_id, error)
+                    return 0.0
+            passed = 0
+            for i, case in enumerate(cases):
+                left = deadline - time.monotonic()
+                if left <= 0.05:
+                    log.warning("task %s: --code-total-timeout-s %gs ran out after %d of %d cases: the rest count as "
+                                "failed", task.task_id, self.total_timeout_s, i, len(cases))
+                    break
+                result = self.run_case(kind, program, case, setup, min(self.timeout_s, left), binary_dir)
+                passed += result.passed
+                if not result.passed and self.reward == "all":
+                    break
+        finally:
+            if binary_dir is not None:
+                shutil.rmtree(binary_dir, ignore_errors=True)
         return passed / len(cases) if self.reward == "pass_rate" else float(passed == len(cases))
 
-    def run_case(self, kind: str, program: str, case, setup: str = "", timeout_s: float | None = None) -> CaseResult:
-        """One case in a fresh directory and process (see the module docstring)."""
+    def compile_cpp(self, program: str, timeout_s: float) -> tuple[str | None, str]:
+        """Compile a C++ program under the case limits (the compiler's own memory limit; it may start processes):
+        (the directory holding ``program``, the binary, or None; the compiler's first error lines)."""
+        if shutil.which(self.cxx) is None:
+            raise RuntimeError(f"--code-cxx {self.cxx!r} is not a compiler found here: C++ programs cannot be "
+                               "checked")
+        workdir = tempfile.mkdtemp(prefix="forge-code-build-")
+        with open(os.path.join(workdir, "program.cpp"), "w") as f:
+            f.write(program)
+        with self._slots:
+            timed_out, status, output = self._spawn(
+                [self.cxx, *shlex.split(self.cxx_flags), "program.cpp", "-o", "program"], "", timeout_s, workdir,
+                memory_mb=self.compile_memory_mb, may_fork=True, keep_stderr=True)
+        if not timed_out and status == 0 and os.path.isfile(os.path.join(workdir, "program")):
+            return workdir, ""
+        shutil.rmtree(workdir, ignore_errors=True)
+        with self._lock:
+            self.stats["compile_errors"] += 1
+        if timed_out:
+            return None, f"the compiler ran out of its {timeout_s:g} s"
+        return None, " | ".join(line for line in output.splitlines() if line.strip())[:500] or f"exit status {status}"
+
+    def run_case(self, kind: str, program: str, case, setup: str = "", timeout_s: float | None = None,
+                 binary_dir: str | None = None) -> CaseResult:
+        """One case in a fresh directory and process (see the module docstring); ``binary_dir``: a compiled
+        program's directory (:meth:`compile_cpp`), whose binary the case runs instead of the Python ``program``."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._slots:
             workdir = tempfile.mkdtemp(prefix="forge-code-")
             try:
-                result = self._run(kind, program, case, setup, timeout_s, workdir)
+                result = self._run(kind, program, case, setup, timeout_s, workdir, binary_dir)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
         with self._lock:
@@ -228,32 +311,53 @@ class CodeVerifier:
             self.stats["timed_out"] += result.reason == "timed out"
         return result
 
-    def _run(self, kind, program, case, setup, timeout_s, workdir) -> CaseResult:
+    def _run(self, kind, program, case, setup, timeout_s, workdir, binary_dir=None) -> CaseResult:
         def write(name: str, text: str) -> None:
             with open(os.path.join(workdir, name), "w") as f:
                 f.write(text)
 
-        write("program.py", program)
         token = secrets.token_hex(16)  # (the assert harness's pass token)
-        if kind == "stdio":
-            script, stdin = "program.py", case.get("input", "")
+        if binary_dir is not None:  # a compiled program: its binary copied in (a sandbox may bind this dir alone)
+            shutil.copy2(os.path.join(binary_dir, "program"), os.path.join(workdir, "program"))
+            command, stdin = ["./program"], case.get("input", "")
+        elif kind == "stdio":
+            write("program.py", program)
+            command, stdin = [self.python, "-I", "program.py"], case.get("input", "")
         else:
+            write("program.py", program)
             write("setup.py", setup)
             write("case.py", case)
             write("harness.py", _HARNESS)
-            script, stdin = "harness.py", token + "\n"
-        nproc = 0 if not self.prefix and os.getuid() != 0 else -1  # (a sandbox forks; root ignores the limit)
-        limits = [str(int(timeout_s) + 1), str(self.memory_mb << 20), str(self.output_mb << 20), str(nproc)]
+            command, stdin = [self.python, "-I", "harness.py"], token + "\n"
+        t0 = time.monotonic()
+        timed_out, status, stdout = self._spawn(command, stdin, timeout_s, workdir)
+        seconds = time.monotonic() - t0
+        if timed_out:
+            return CaseResult(False, "timed out", seconds)
+        if status != 0:
+            return CaseResult(False, f"exit status {status}", seconds)
+        if kind == "stdio":
+            ok = _normalise(stdout) == _normalise(case["output"])
+            return CaseResult(ok, "" if ok else "wrong output", seconds)
+        ok = _normalise(stdout)[-1:] == [token]
+        return CaseResult(ok, "" if ok else "no pass token (the program exited early?)", seconds)
+
+    def _spawn(self, command: list[str], stdin: str, timeout_s: float, workdir: str, memory_mb: int | None = None,
+               may_fork: bool = False, keep_stderr: bool = False) -> tuple[bool, int, str]:
+        """Run ``command`` in ``workdir`` under the limits, the sandbox prefix and a clean environment, its session
+        killed at the end: (timed out, exit status, its stdout, with its stderr after when ``keep_stderr``)."""
+        nproc = 0 if not self.prefix and os.getuid() != 0 and not may_fork else -1  # (a sandbox forks; root ignores)
+        limits = [str(int(timeout_s) + 1), str((memory_mb or self.memory_mb) << 20), str(self.output_mb << 20),
+                  str(nproc)]
         cmd = [self.python, "-I", "-c", _LAUNCHER, *limits,
-               *[a.replace("{dir}", workdir) for a in self.prefix], self.python, "-I", script]
+               *[a.replace("{dir}", workdir) for a in self.prefix], *command]
         env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
         out_path = os.path.join(workdir, ".stdout")
-        t0 = time.monotonic()
         with open(out_path, "wb") as out:
             try:
                 proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=out,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
+                                        stderr=out if keep_stderr else subprocess.DEVNULL, start_new_session=True)
             except OSError as exc:
                 raise RuntimeError(f"--verifier code could not start {cmd[0]!r}: {exc}") from exc
             timed_out = False
@@ -266,18 +370,9 @@ class CodeVerifier:
             finally:
                 _kill_group(proc)
                 proc.wait()
-        seconds = time.monotonic() - t0
-        if timed_out:
-            return CaseResult(False, "timed out", seconds)
-        if proc.returncode != 0:
-            return CaseResult(False, f"exit status {proc.returncode}", seconds)
         with open(out_path, "rb") as f:
             stdout = f.read(self.output_mb << 20).decode("utf-8", "replace")
-        if kind == "stdio":
-            ok = _normalise(stdout) == _normalise(case["output"])
-            return CaseResult(ok, "" if ok else "wrong output", seconds)
-        ok = _normalise(stdout)[-1:] == [token]
-        return CaseResult(ok, "" if ok else "no pass token (the program exited early?)", seconds)
+        return timed_out, proc.returncode, stdout
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -304,6 +399,12 @@ def add_code_arguments(p) -> None:
     g.add_argument("--code-workers", type=int, default=0,
                    help="cases running at once over all episodes (default 0: the CPU count)")
     g.add_argument("--code-python", default=sys.executable, help="the interpreter that runs the programs")
+    g.add_argument("--code-cxx", default="g++", help="the compiler of C++ programs (tasks whose metadata.language, or "
+                   "whose answer's fence, says cpp)")
+    g.add_argument("--code-cxx-flags", default="-O2 -std=c++17", help="its flags")
+    g.add_argument("--code-compile-timeout-s", type=float, default=20.0,
+                   help="seconds to compile a C++ program (once per episode, within --code-total-timeout-s)")
+    g.add_argument("--code-compile-memory-mb", type=int, default=2048, help="address-space limit of the compiler")
     g.add_argument("--code-sandbox", default="", metavar="PREFIX",
                    help="a command prefix every case runs under, e.g. \"bwrap --unshare-all --die-with-parent "
                         "--ro-bind / / --bind {dir} {dir} --chdir {dir} --\" ({dir}: the case's directory); "
@@ -318,4 +419,7 @@ def code_verifier_from_args(args) -> CodeVerifier:
                         total_timeout_s=getattr(args, "code_total_timeout_s", 50.0),
                         memory_mb=getattr(args, "code_memory_mb", 1024), output_mb=getattr(args, "code_output_mb", 16),
                         workers=getattr(args, "code_workers", 0), python=python,
-                        sandbox=getattr(args, "code_sandbox", ""))
+                        sandbox=getattr(args, "code_sandbox", ""), cxx=getattr(args, "code_cxx", "g++"),
+                        cxx_flags=getattr(args, "code_cxx_flags", "-O2 -std=c++17"),
+                        compile_timeout_s=getattr(args, "code_compile_timeout_s", 20.0),
+                        compile_memory_mb=getattr(args, "code_compile_memory_mb", 2048))

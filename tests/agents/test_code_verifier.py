@@ -2,14 +2,17 @@
 real subprocesses, one per case; wrong, crashing, looping, exiting-early, memory-hungry and output-flooding programs
 earn nothing and leave nothing running; the driver's secrets stay out of the case's environment. GPUs needed: 0."""
 
+import glob
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import pytest
 
 from forge_megatron.agents.code_verifier import (CodeTaskError, CodeVerifier, code_verifier_from_args,
-                                                 extract_program)
+                                                 extract_program, extract_program_and_language)
 from forge_megatron.agents.tasks import Task
 
 ADD_STDIO = {"stdio": [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6"},
@@ -145,6 +148,55 @@ def test_program_extraction():
     assert extract_program(None) == ""
 
 
+ADD_CPP = "#include <iostream>\nint main() { long long a, b; std::cin >> a >> b; std::cout << a + b << std::endl; }\n"
+needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) here")
+
+
+def test_program_language_from_the_task_or_the_fence():
+    both = "```python\nprint(1)\n```\nor in C++:\n```cpp\nint main() {}\n```"
+    assert extract_program_and_language(both) == ("print(1)\n", "python")  # (a Python block preferred)
+    assert extract_program_and_language(both, "cpp") == ("int main() {}\n", "cpp")
+    assert extract_program_and_language("```c++\nint main() {}\n```") == ("int main() {}\n", "cpp")
+    assert extract_program_and_language("```\nint main() {}\n```", "cpp") == ("int main() {}\n", "cpp")
+    assert extract_program_and_language("```js\nx\n```") == ("x\n", "python")  # (unknown tags: Python)
+
+
+def _builds():
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "forge-code-build-*")))
+
+
+@needs_cxx
+def test_cpp_programs_compile_once_and_run_against_stdio_tests(verifier):
+    """C++ (the task's language, or the answer's fence): compiled once per episode, the binary run per case; a wrong
+    program, one that does not compile and one that loops earn nothing, leaving no build directory behind."""
+    before = _builds()
+    tagged = f"My solution:\n```cpp\n{ADD_CPP}```"
+    assert verifier(_task(ADD_STDIO), tagged) == 1.0
+    task = Task(task_id="c1", prompt="add", domain="code", metadata={"tests": ADD_STDIO, "language": "c++"})
+    assert verifier(task, f"```\n{ADD_CPP}```") == 1.0  # (untagged: the task's language)
+    assert verifier(task, f"```\n{ADD_CPP.replace('a + b', 'a - b')}```") == 0.0
+    rate = CodeVerifier(reward="pass_rate", timeout_s=3.0)
+    half = ADD_CPP.replace("a + b", "(a >= 0 && b >= 0 ? a + b : 0)")
+    assert rate(task, f"```cpp\n{half}```") == pytest.approx(2 / 3)
+    errors = verifier.stats["compile_errors"]
+    assert verifier(task, "```cpp\nint main() { return undefined_name; }\n```") == 0.0
+    assert verifier.stats["compile_errors"] == errors + 1
+    t0 = time.monotonic()
+    looping = CodeVerifier(timeout_s=1.0)
+    assert looping(task, "```cpp\nint main() { volatile long x = 0; for (;;) ++x; }\n```") == 0.0
+    assert time.monotonic() - t0 < 15 and looping.stats["timed_out"] == 1
+    assert _builds() <= before  # every build directory removed
+    with pytest.raises(RuntimeError, match="--code-cxx 'no-such-cxx' is not a compiler found here"):
+        CodeVerifier(cxx="no-such-cxx")(task, f"```cpp\n{ADD_CPP}```")
+
+
+def test_other_languages_and_cpp_asserts_fail_the_episode(verifier):
+    with pytest.raises(CodeTaskError, match=r"task r1: metadata.language 'rust': --verifier code runs python, cpp"):
+        verifier(Task(task_id="r1", prompt="p", metadata={"tests": ADD_STDIO, "language": "rust"}), "fn main() {}")
+    with pytest.raises(CodeTaskError, match="asserts are Python statements: a cpp task takes 'stdio' tests"):
+        verifier(Task(task_id="c2", prompt="p", metadata={"tests": ADD_ASSERTS, "language": "cpp"}), ADD_CPP)
+
+
 @pytest.mark.parametrize("tests,message", [
     (None, "metadata.tests must be an object with 'stdio', 'asserts' or 'calls'"),
     ({"stdio": [], "asserts": []}, "exactly one of 'stdio', 'asserts' and 'calls'"),
@@ -177,6 +229,10 @@ def test_options_are_checked():
         CodeVerifier(timeout_s=0)
     with pytest.raises(ValueError, match="--code-reward must be one of"):
         CodeVerifier(reward="most")
+    with pytest.raises(ValueError, match="--code-compile-timeout-s and --code-compile-memory-mb must be > 0"):
+        code_verifier_from_args(p.parse_args(["--code-compile-timeout-s", "0"]))
+    cpp = code_verifier_from_args(p.parse_args(["--code-cxx", "clang++", "--code-cxx-flags", "-O1 -std=c++20"]))
+    assert (cpp.cxx, cpp.cxx_flags, cpp.compile_timeout_s) == ("clang++", "-O1 -std=c++20", 20.0)
 
 
 def test_driver_records_the_tests_verdicts(stack):
