@@ -813,18 +813,10 @@ class Trainer:
         from forge_megatron.training.offline import KtoFeed, PreferenceFeed, SftFeed
 
         per_step = arguments.train_batch_groups(self.args)
-        if self.kto:
+        if self.kto:  # (a held-out set's mismatched answers drawn with a seed of their own)
             feed = KtoFeed(held_out or self.args.kto_data, self.args.hf_checkpoint, per_step,
                            self.args.tree_token_budget, self.args.seed + (held_out is not None),
                            kl=not self.args.kto_no_kl, processor=self.vision, log=self._log)
-            if held_out is None:
-                from forge_megatron.training.kto import balance_note
-
-                self._log(f"--kto-data {self.args.kto_data}: {len(feed.items)} examples, {per_step} per step: "
-                          f"{feed.epochs(self.args.train_iters):.2f} epoch(s) over {self.args.train_iters} iterations "
-                          f"(KTO, beta {self.args.kto_beta:g}; "
-                          f"{balance_note(feed.items, self.args.kto_desirable_weight, self.args.kto_undesirable_weight)})")
-                return feed
         elif held_out is not None:
             cls = SftFeed if self.sft else PreferenceFeed
             feed = cls(held_out, self.args.hf_checkpoint, per_step, self.args.tree_token_budget, self.args.seed,
@@ -832,6 +824,14 @@ class Trainer:
         if held_out is not None:
             self._log(f"--offline-eval-data {held_out}: {len(feed.items)} held-out items, evaluated every "
                       f"{self.args.offline_eval_interval or self.args.train_iters} iterations")
+            return feed
+        if self.kto:
+            from forge_megatron.training.kto import balance_note
+
+            balance = balance_note(feed.items, self.args.kto_desirable_weight, self.args.kto_undesirable_weight)
+            self._log(f"--kto-data {self.args.kto_data}: {len(feed.items)} examples, {per_step} per step: "
+                      f"{feed.epochs(self.args.train_iters):.2f} epoch(s) over {self.args.train_iters} iterations "
+                      f"(KTO, beta {self.args.kto_beta:g}; {balance})")
             return feed
         if self.sft:
             feed = SftFeed(self.args.sft_data, self.args.hf_checkpoint, per_step, self.args.tree_token_budget,
