@@ -771,16 +771,11 @@ def validate_args(args: argparse.Namespace) -> None:
     modes = [flag for flag, value in OFFLINE_DATA_FLAGS if getattr(args, value, None) is not None]
     if len(modes) > 1:
         raise ValueError(f"{modes[0]} and {modes[1]}: one offline mode per run")
+    if modes:
+        _validate_offline(args, modes[0])
     _validate_kto(args)
-    if sft_data is not None:
-        if not os.path.isfile(sft_data):
-            raise ValueError(f"--sft-data {sft_data!r} is not a file")
-        if args.rl_kl_coef > 0 or args.old_logprobs != "rollout" or args.ref_hf_checkpoint:
-            raise ValueError("--sft-data trains supervised: drop --rl-kl-coef, --old-logprobs and --ref-hf-checkpoint")
-        if args.engine_urls or args.weight_sync_transport == "disk" or args.gateway_url:
-            raise ValueError("--sft-data trains offline: no --engine-urls, --gateway-url or weight sync (export the "
-                             "checkpoint with forge-convert trainer-to-hf)")
-        args.weight_sync_transport = "none"
+    if sft_data is not None and args.ref_hf_checkpoint:
+        raise ValueError("--sft-data trains supervised: drop --rl-kl-coef, --old-logprobs and --ref-hf-checkpoint")
     held_out = getattr(args, "offline_eval_data", None)
     if held_out is not None:
         if not modes:
@@ -791,15 +786,6 @@ def validate_args(args: argparse.Namespace) -> None:
     if getattr(args, "offline_eval_interval", None) is not None and (held_out is None or args.offline_eval_interval < 1):
         raise ValueError("--offline-eval-interval needs --offline-eval-data and a value >= 1")
     if preference is not None:
-        if not os.path.isfile(preference):
-            raise ValueError(f"--preference-data {preference!r} is not a file")
-        if args.rl_kl_coef > 0 or args.old_logprobs != "rollout":
-            raise ValueError("--preference-data trains DPO, whose reference term is its own: drop --rl-kl-coef and "
-                             "--old-logprobs")
-        if args.engine_urls or args.weight_sync_transport == "disk" or args.gateway_url:
-            raise ValueError("--preference-data trains offline: no --engine-urls, --gateway-url or weight sync "
-                             "(export the checkpoint with forge-convert trainer-to-hf)")
-        args.weight_sync_transport = "none"  # (the default, distributed, needs engines)
         if not args.dpo_beta > 0:
             raise ValueError(f"--dpo-beta must be > 0, got {args.dpo_beta}")
         if not 0 <= args.dpo_label_smoothing < 0.5:
@@ -962,6 +948,27 @@ def uses_reference_policy(args: argparse.Namespace) -> bool:
                 and getattr(args, "dpo_loss", "sigmoid") != "simpo"))
 
 
+_OFFLINE_LOSS = {"--sft-data": ("trains supervised", "drop --rl-kl-coef, --old-logprobs and --ref-hf-checkpoint"),
+                 "--preference-data": ("trains DPO, whose reference term is its own",
+                                       "drop --rl-kl-coef and --old-logprobs"),
+                 "--kto-data": ("trains KTO, whose reference term is its own", "drop --rl-kl-coef and --old-logprobs")}
+
+
+def _validate_offline(args: argparse.Namespace, flag: str) -> None:
+    """What every offline mode needs: its file, no RL loss terms, no engines, gateway or weight sync (the default
+    transport, distributed, needs engines: set to none)."""
+    path = getattr(args, dict(OFFLINE_DATA_FLAGS)[flag])
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path!r} is not a file")
+    if args.rl_kl_coef > 0 or args.old_logprobs != "rollout":
+        what, fix = _OFFLINE_LOSS[flag]
+        raise ValueError(f"{flag} {what}: {fix}")
+    if args.engine_urls or args.weight_sync_transport == "disk" or args.gateway_url:
+        raise ValueError(f"{flag} trains offline: no --engine-urls, --gateway-url or weight sync (export the "
+                         "checkpoint with forge-convert trainer-to-hf)")
+    args.weight_sync_transport = "none"
+
+
 def _validate_kto(args: argparse.Namespace) -> None:
     """--kto-data and its flags."""
     kto = getattr(args, "kto_data", None)
@@ -973,15 +980,6 @@ def _validate_kto(args: argparse.Namespace) -> None:
         if given:
             raise ValueError(f"{given[0]} is a flag of KTO: it needs --kto-data")
         return
-    if not os.path.isfile(kto):
-        raise ValueError(f"--kto-data {kto!r} is not a file")
-    if args.rl_kl_coef > 0 or args.old_logprobs != "rollout":
-        raise ValueError("--kto-data trains KTO, whose reference term is its own: drop --rl-kl-coef and "
-                         "--old-logprobs")
-    if args.engine_urls or args.weight_sync_transport == "disk" or args.gateway_url:
-        raise ValueError("--kto-data trains offline: no --engine-urls, --gateway-url or weight sync (export the "
-                         "checkpoint with forge-convert trainer-to-hf)")
-    args.weight_sync_transport = "none"
     if getattr(args, "reward_model", False):
         raise ValueError("--reward-model learns from pairs (--preference-data), not from KTO's examples")
     if not args.kto_beta > 0:
