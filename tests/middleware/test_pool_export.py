@@ -167,6 +167,22 @@ def test_sft_export_feeds_forge_sft_exactly(tmp_path, capsys):
         run_sft(base, load_chats(str(bad)), str(tmp_path / "sft2"), steps=1, lr=1e-3, batch_size=1)
 
 
+def _scored_groups(tmp_path, tok) -> None:
+    """tmp_path/pool.sqlite (trajectories kept): group t-0 of five episodes scored a 1, b 0, c 0.5, d 0 and e 1 (e
+    with an image), group t-1 of two equal scores, and t-2 not scored yet."""
+    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), keep_trajectories=True))
+    png = b"\x89PNG\r\n\x1a\n" + b"0" * 32
+    gid = pool.register_group("t-0", 5)
+    for eid, answer, reward, images in (("a", "4", 1.0, None), ("b", "5", 0.0, None), ("c", "4!", 0.5, None),
+                                        ("d", "6", 0.0, None), ("e", "4", 1.0, [png])):
+        pool.submit_episode(_episode(gid, eid, tok, "2+2=", answer, reward, images))
+    same = pool.register_group("t-1", 2)  # equal scores: nothing to prefer, nothing above or below the mean
+    for eid in ("f", "g"):
+        pool.submit_episode(_episode(same, eid, tok, "1+1=", "2", 1.0))
+    pool.submit_episode(_episode(pool.register_group("t-2", 2), "h", tok, "3+3=", "6", 1.0))  # (not scored yet)
+    pool.close()
+
+
 def test_pairs_export_pairs_each_group_best_against_worst(tmp_path, capsys):
     """--pairs: in a scored group the best episode against the worst, the next best against the next worst, while the
     score gap exceeds --min-gap; groups of equal scores give none, unscored groups none; episodes with images left out
@@ -178,17 +194,7 @@ def test_pairs_export_pairs_each_group_best_against_worst(tmp_path, capsys):
 
     base = build_tiny_model(str(tmp_path / "base"), seed=2)
     tok = AutoTokenizer.from_pretrained(base)
-    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), keep_trajectories=True))
-    png = b"\x89PNG\r\n\x1a\n" + b"0" * 32
-    gid = pool.register_group("t-0", 5)
-    for eid, answer, reward, images in (("a", "4", 1.0, None), ("b", "5", 0.0, None), ("c", "4!", 0.5, None),
-                                        ("d", "6", 0.0, None), ("e", "4", 1.0, [png])):
-        pool.submit_episode(_episode(gid, eid, tok, "2+2=", answer, reward, images))
-    same = pool.register_group("t-1", 2)  # equal scores: nothing to prefer
-    for eid in ("f", "g"):
-        pool.submit_episode(_episode(same, eid, tok, "1+1=", "2", 1.0))
-    pool.submit_episode(_episode(pool.register_group("t-2", 2), "h", tok, "3+3=", "6", 1.0))  # (not scored yet)
-    pool.close()
+    _scored_groups(tmp_path, tok)
     db, out = str(tmp_path / "pool.sqlite"), tmp_path / "pairs.jsonl"
     rc, _, err = _run(["--db", db, "--out", str(out), "--pairs"], capsys)
     assert rc == 0 and "2 pair(s) of 1 group(s) written, 1 episode(s) with images left out" in err
@@ -224,17 +230,7 @@ def test_kto_export_labels_each_episode_against_its_groups_mean(tmp_path, capsys
 
     base = build_tiny_model(str(tmp_path / "base"), seed=2)
     tok = AutoTokenizer.from_pretrained(base)
-    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), keep_trajectories=True))
-    png = b"\x89PNG\r\n\x1a\n" + b"0" * 32
-    gid = pool.register_group("t-0", 5)
-    for eid, answer, reward, images in (("a", "4", 1.0, None), ("b", "5", 0.0, None), ("c", "4!", 0.5, None),
-                                        ("d", "6", 0.0, None), ("e", "4", 1.0, [png])):
-        pool.submit_episode(_episode(gid, eid, tok, "2+2=", answer, reward, images))
-    same = pool.register_group("t-1", 2)
-    for eid in ("f", "g"):
-        pool.submit_episode(_episode(same, eid, tok, "1+1=", "2", 1.0))
-    pool.submit_episode(_episode(pool.register_group("t-2", 2), "h", tok, "3+3=", "6", 1.0))  # (not scored yet)
-    pool.close()
+    _scored_groups(tmp_path, tok)
     db, out = str(tmp_path / "pool.sqlite"), tmp_path / "kto.jsonl"
     rc, _, err = _run(["--db", db, "--out", str(out), "--kto"], capsys)
     assert rc == 0 and "4 KTO example(s) (2 desirable) of 1 group(s) written, 1 episode(s) with images left out" in err

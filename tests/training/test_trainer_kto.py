@@ -15,13 +15,23 @@ from .test_preference import _write
 from .test_trainer_offline import _assert_same_grads, _assert_same_steps, _grads, _run
 
 
+def _keep(key: str):
+    """A forward step that stores the logprobs on each micro-batch as ``extras[key]`` (the trainer's forward-only
+    passes: the policy's pre-pass, the reference's)."""
+    from forge_megatron.mcore.forward import make_tree_forward_step
+
+    def step(logp_M, entropy_M, mb):
+        mb.extras[key] = logp_M.detach()
+        return logp_M.sum() * 0.0, {}
+    return make_tree_forward_step(step)
+
+
 @pytest.mark.parametrize("kl", [True, False])
 def test_trainer_kto_loss_gives_forge_ktos_gradients(tmp_path, kl):
     """Six examples (and their mismatched samples) through rank_batch with a token budget that packs them into
     several micro-batches, the reference another checkpoint: the reference point taken over the whole batch, the
     loss, its metrics and every gradient equal forge-kto's on the same examples in one forest."""
     from forge_megatron.mcore import parallel
-    from forge_megatron.mcore.forward import make_tree_forward_step
     from forge_megatron.training.metrics import combine_micro_batch_metrics
     from forge_megatron.training.trainer import kto_reference_point, offline_forward_backward, rank_batch, run_schedule
 
@@ -40,16 +50,10 @@ def test_trainer_kto_loss_gives_forge_ktos_gradients(tmp_path, kl):
         rb = rank_batch(batch, 320, True, 0, 1, [], "cost-groups")
         assert len(rb.micro_batches) >= 2  # several forests, each holding whole examples (with their mismatched)
 
-        def keep(key):
-            def step(logp_M, entropy_M, mb):
-                mb.extras[key] = logp_M.detach()
-                return logp_M.sum() * 0.0, {}
-            return make_tree_forward_step(step)
-
         with torch.no_grad():
             if kl:
-                run_schedule([model], rb, keep("kto_policy_logp_M"), forward_only=True)
-            run_schedule([ref], rb, keep("ref_logp_M"), forward_only=True)
+                run_schedule([model], rb, _keep("kto_policy_logp_M"), forward_only=True)
+            run_schedule([ref], rb, _keep("ref_logp_M"), forward_only=True)
         z0 = kto_reference_point([rb], 1) if kl else 0.0
         metrics = combine_micro_batch_metrics(offline_forward_backward([model], rb, "kto", args))
         ours = _grads(model)
@@ -144,7 +148,6 @@ def test_kto_examples_with_pictures(tmp_path):
 
     from forge_megatron.agents import colors
     from forge_megatron.mcore import parallel
-    from forge_megatron.mcore.forward import make_tree_forward_step
     from forge_megatron.multimodal.images import ImageProcessor
     from forge_megatron.training.metrics import combine_micro_batch_metrics
     from forge_megatron.training.trainer import kto_reference_point, offline_forward_backward, rank_batch, run_schedule
@@ -184,15 +187,9 @@ def test_kto_examples_with_pictures(tmp_path):
         rb = rank_batch(batch, budget, True, 0, 1, [], "cost-groups", vision=proc)
         assert len(rb.micro_batches) >= 2
 
-        def keep(key):
-            def step(logp_M, entropy_M, mb):
-                mb.extras[key] = logp_M.detach()
-                return logp_M.sum() * 0.0, {}
-            return make_tree_forward_step(step)
-
         with torch.no_grad():
-            run_schedule([model], rb, keep("kto_policy_logp_M"), forward_only=True)
-            run_schedule([ref], rb, keep("ref_logp_M"), forward_only=True)
+            run_schedule([model], rb, _keep("kto_policy_logp_M"), forward_only=True)
+            run_schedule([ref], rb, _keep("ref_logp_M"), forward_only=True)
         kto_reference_point([rb], 1)
         metrics = combine_micro_batch_metrics(offline_forward_backward([model], rb, "kto", args))
         ours = _grads(model)
