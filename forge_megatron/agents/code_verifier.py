@@ -21,15 +21,17 @@ The program is the last fenced code block of the agent's answer (```` ```python 
 the whole answer. The reward is 1.0 when every case passes and 0.0 otherwise (``--code-reward all``, the default:
 the first failure ends the check), or the fraction of cases passed (``pass_rate``).
 
-Languages: Python, and C++ for ``stdio`` tests (competitive programming: CodeContests, CodeForces). A task's
-``metadata["language"]`` (``python``, or ``cpp`` / ``c++``) says which its answers are written in, and its answer's
-last block fenced in that language is the program (else its last block); without it, the language is the chosen
-block's fence tag (```` ```cpp ````: C++; anything else: Python). A C++ program is compiled once per episode with
-``--code-cxx`` (default ``g++``) and ``--code-cxx-flags`` (default ``-O2 -std=c++17``), under the same limits as a
-case (``--code-compile-timeout-s``, default 20 s, its time counted in the episode's budget; the compiler's memory
-``--code-compile-memory-mb``, default 2048), then each case runs the binary in a fresh directory of its own. A
-program that does not compile fails every case (its first error lines logged). ``asserts`` and ``calls`` tests are
-Python's: a task that pairs them with another language fails its episode naming the task.
+Languages: Python, and C++, C and Rust for ``stdio`` tests (competitive programming: CodeContests, CodeForces). A
+task's ``metadata["language"]`` (``python``, ``cpp`` / ``c++``, ``c``, ``rust`` / ``rs``) says which its answers are
+written in, and its answer's last block fenced in that language is the program (else its last block); without it,
+the language is the chosen block's fence tag (```` ```cpp ````, ```` ```c ````, ```` ```rust ````; anything else:
+Python). A compiled language's program is compiled once per episode (``--code-cxx`` g++ with ``--code-cxx-flags``
+"-O2 -std=c++17", ``--code-cc`` gcc with ``--code-cc-flags`` "-O2 -std=c11" and libm, ``--code-rustc`` rustc with
+``--code-rustc-flags`` "-O --edition 2021"), under the same limits as a case (``--code-compile-timeout-s``, default
+20 s, its time counted in the episode's budget; the compiler's memory ``--code-compile-memory-mb``, default 2048),
+then each case runs the binary in a fresh directory of its own. A program that does not compile fails every case
+(its first error lines logged); a compiler that is not installed fails the episode by name. ``asserts`` and
+``calls`` tests are Python's: a task that pairs them with another language fails its episode naming the task.
 
 Each case is a new ``python -I`` process (isolated mode: no user site, no ``PYTHON*`` variables) in a fresh
 temporary directory that is deleted afterwards, in its own session (the whole process group is killed when the case
@@ -73,8 +75,13 @@ REWARDS = ("all", "pass_rate")
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
 
-LANGUAGES = {"python": ("python", "py", "python3"), "cpp": ("cpp", "c++", "cxx", "cc")}
+LANGUAGES = {"python": ("python", "py", "python3"), "cpp": ("cpp", "c++", "cxx", "cc"), "c": ("c",),
+             "rust": ("rust", "rs")}
 """The languages programs may be written in and the fence tags (and task ``language`` values) naming each."""
+
+COMPILED = {"cpp": ("program.cpp", "cxx", "C++"), "c": ("program.c", "cc", "C"), "rust": ("program.rs", "rustc", "Rust")}
+"""Compiled languages: (source file, the :class:`CodeVerifier` fields ``<tool>`` / ``<tool>_flags`` and
+``--code-<tool>`` flags of the compiler, the language's name)."""
 
 # The assert harness: reads the pass token first, runs the program and the case in namespaces of their own, prints
 # the token last. Its file is written next to program.py and case.py in the case's directory.
@@ -127,7 +134,7 @@ def extract_program(output: str | None, language: str | None = None) -> str:
 
 def extract_program_and_language(output: str | None, language: str | None = None) -> tuple[str, str]:
     """(program, its language): the last block fenced in ``language`` (the task's; default Python), else the last
-    block, whose language is then ``language`` if given, else its fence tag's (Python unless it names C++)."""
+    block, whose language is then ``language`` if given, else its fence tag's (Python unless it names another)."""
     if not output:
         return "", language or "python"
     blocks = _FENCE.findall(output)
@@ -225,8 +232,12 @@ class CodeVerifier:
     workers: int = 0  # cases at once over all episodes (0: the CPU count)
     python: str = sys.executable
     sandbox: str = ""  # a command prefix ("{dir}": the case's directory)
-    cxx: str = "g++"  # C++ programs' compiler
+    cxx: str = "g++"  # the compilers of C++, C and Rust programs, and their flags
     cxx_flags: str = "-O2 -std=c++17"
+    cc: str = "gcc"
+    cc_flags: str = "-O2 -std=c11"
+    rustc: str = "rustc"
+    rustc_flags: str = "-O --edition 2021"
     compile_timeout_s: float = 20.0
     compile_memory_mb: int = 2048
     stats: dict = field(default_factory=lambda: {"cases": 0, "passed": 0, "timed_out": 0, "compile_errors": 0})
@@ -241,6 +252,7 @@ class CodeVerifier:
         self.prefix = shlex.split(self.sandbox) if self.sandbox else []
         self._slots = threading.BoundedSemaphore(self.workers or os.cpu_count() or 1)
         self._lock = threading.Lock()
+        self._resolved: dict[str, str] = {}  # (rustup proxies -> the toolchain's rustc)
 
     def __call__(self, task, output) -> float:
         kind, cases, setup = parse_tests(task)
@@ -251,10 +263,12 @@ class CodeVerifier:
         deadline = time.monotonic() + self.total_timeout_s
         binary_dir = None
         try:
-            if language == "cpp":
-                binary_dir, error = self.compile_cpp(program, min(self.compile_timeout_s, self.total_timeout_s))
+            if language in COMPILED:
+                binary_dir, error = self.compile(language, program,
+                                                 min(self.compile_timeout_s, self.total_timeout_s))
                 if binary_dir is None:
-                    log.info("task %s: the C++ program does not compile: %s", task.task_id, error)
+                    log.info("task %s: the %s program does not compile: %s", task.task_id, COMPILED[language][2],
+                             error)
                     return 0.0
             passed = 0
             for i, case in enumerate(cases):
@@ -272,19 +286,26 @@ class CodeVerifier:
                 shutil.rmtree(binary_dir, ignore_errors=True)
         return passed / len(cases) if self.reward == "pass_rate" else float(passed == len(cases))
 
-    def compile_cpp(self, program: str, timeout_s: float) -> tuple[str | None, str]:
-        """Compile a C++ program under the case limits (the compiler's own memory limit; it may start processes):
-        (the directory holding ``program``, the binary, or None; the compiler's first error lines)."""
-        if shutil.which(self.cxx) is None:
-            raise RuntimeError(f"--code-cxx {self.cxx!r} is not a compiler found here: C++ programs cannot be "
+    def compile(self, language: str, program: str, timeout_s: float) -> tuple[str | None, str]:
+        """Compile a program of a :data:`COMPILED` language under the case limits (the compiler's own memory limit; it
+        may start processes): (the directory holding ``program``, the binary, or None; the compiler's first error
+        lines)."""
+        source, tool, name = COMPILED[language]
+        compiler = getattr(self, tool)
+        if shutil.which(compiler) is None:
+            raise RuntimeError(f"--code-{tool} {compiler!r} is not a compiler found here: {name} programs cannot be "
                                "checked")
+        if language == "rust":
+            compiler = self._real_rustc(compiler)
         workdir = tempfile.mkdtemp(prefix="forge-code-build-")
-        with open(os.path.join(workdir, "program.cpp"), "w") as f:
+        with open(os.path.join(workdir, source), "w") as f:
             f.write(program)
+        command = [compiler, *shlex.split(getattr(self, f"{tool}_flags")), source, "-o", "program"]
+        if language == "c":
+            command.append("-lm")  # (libm after the source: sqrt, pow, ...)
         with self._slots:
-            timed_out, status, output = self._spawn(
-                [self.cxx, *shlex.split(self.cxx_flags), "program.cpp", "-o", "program"], "", timeout_s, workdir,
-                memory_mb=self.compile_memory_mb, may_fork=True, keep_stderr=True)
+            timed_out, status, output = self._spawn(command, "", timeout_s, workdir, memory_mb=self.compile_memory_mb,
+                                                    may_fork=True, keep_stderr=True)
         if not timed_out and status == 0 and os.path.isfile(os.path.join(workdir, "program")):
             return workdir, ""
         shutil.rmtree(workdir, ignore_errors=True)
@@ -294,10 +315,26 @@ class CodeVerifier:
             return None, f"the compiler ran out of its {timeout_s:g} s"
         return None, " | ".join(line for line in output.splitlines() if line.strip())[:500] or f"exit status {status}"
 
+    def _real_rustc(self, rustc: str) -> str:
+        """The toolchain's own rustc behind a rustup proxy (which needs the driver's HOME, kept from the compile's
+        environment): ``<sysroot>/bin/rustc``, asked once; ``rustc`` itself when it is not a proxy or cannot say."""
+        with self._lock:
+            if rustc not in self._resolved:
+                real = rustc
+                try:
+                    out = subprocess.run([rustc, "--print", "sysroot"], capture_output=True, text=True, timeout=60)
+                    candidate = os.path.join(out.stdout.strip(), "bin", "rustc")
+                    if out.returncode == 0 and os.path.isfile(candidate):
+                        real = candidate
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+                self._resolved[rustc] = real
+            return self._resolved[rustc]
+
     def run_case(self, kind: str, program: str, case, setup: str = "", timeout_s: float | None = None,
                  binary_dir: str | None = None) -> CaseResult:
         """One case in a fresh directory and process (see the module docstring); ``binary_dir``: a compiled
-        program's directory (:meth:`compile_cpp`), whose binary the case runs instead of the Python ``program``."""
+        program's directory (:meth:`compile`), whose binary the case runs instead of the Python ``program``."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._slots:
             workdir = tempfile.mkdtemp(prefix="forge-code-")
@@ -402,8 +439,13 @@ def add_code_arguments(p) -> None:
     g.add_argument("--code-cxx", default="g++", help="the compiler of C++ programs (tasks whose metadata.language, or "
                    "whose answer's fence, says cpp)")
     g.add_argument("--code-cxx-flags", default="-O2 -std=c++17", help="its flags")
+    g.add_argument("--code-cc", default="gcc", help="the compiler of C programs (linked with libm)")
+    g.add_argument("--code-cc-flags", default="-O2 -std=c11", help="its flags")
+    g.add_argument("--code-rustc", default="rustc", help="the compiler of Rust programs")
+    g.add_argument("--code-rustc-flags", default="-O --edition 2021", help="its flags")
     g.add_argument("--code-compile-timeout-s", type=float, default=20.0,
-                   help="seconds to compile a C++ program (once per episode, within --code-total-timeout-s)")
+                   help="seconds to compile a program of a compiled language (once per episode, within "
+                        "--code-total-timeout-s)")
     g.add_argument("--code-compile-memory-mb", type=int, default=2048, help="address-space limit of the compiler")
     g.add_argument("--code-sandbox", default="", metavar="PREFIX",
                    help="a command prefix every case runs under, e.g. \"bwrap --unshare-all --die-with-parent "
@@ -420,6 +462,9 @@ def code_verifier_from_args(args) -> CodeVerifier:
                         memory_mb=getattr(args, "code_memory_mb", 1024), output_mb=getattr(args, "code_output_mb", 16),
                         workers=getattr(args, "code_workers", 0), python=python,
                         sandbox=getattr(args, "code_sandbox", ""), cxx=getattr(args, "code_cxx", "g++"),
-                        cxx_flags=getattr(args, "code_cxx_flags", "-O2 -std=c++17"),
+                        cxx_flags=getattr(args, "code_cxx_flags", "-O2 -std=c++17"), cc=getattr(args, "code_cc", "gcc"),
+                        cc_flags=getattr(args, "code_cc_flags", "-O2 -std=c11"),
+                        rustc=getattr(args, "code_rustc", "rustc"),
+                        rustc_flags=getattr(args, "code_rustc_flags", "-O --edition 2021"),
                         compile_timeout_s=getattr(args, "code_compile_timeout_s", 20.0),
                         compile_memory_mb=getattr(args, "code_compile_memory_mb", 2048))

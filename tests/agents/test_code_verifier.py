@@ -149,6 +149,10 @@ def test_program_extraction():
 
 
 ADD_CPP = "#include <iostream>\nint main() { long long a, b; std::cin >> a >> b; std::cout << a + b << std::endl; }\n"
+ADD_C = ("#include <stdio.h>\n#include <math.h>\n"
+         "int main(void) { long a, b; scanf(\"%ld %ld\", &a, &b); printf(\"%ld\\n\", a + b + (long) sqrt(0.0)); }\n")
+ADD_RUST = ("use std::io::Read;\nfn main() { let mut s = String::new(); std::io::stdin().read_to_string(&mut s).unwrap();\n"
+            "  let v: Vec<i64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect(); println!(\"{}\", v[0] + v[1]); }\n")
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) here")
 
 
@@ -159,6 +163,8 @@ def test_program_language_from_the_task_or_the_fence():
     assert extract_program_and_language("```c++\nint main() {}\n```") == ("int main() {}\n", "cpp")
     assert extract_program_and_language("```\nint main() {}\n```", "cpp") == ("int main() {}\n", "cpp")
     assert extract_program_and_language("```js\nx\n```") == ("x\n", "python")  # (unknown tags: Python)
+    assert extract_program_and_language("```rs\nfn main() {}\n```")[1] == "rust"
+    assert extract_program_and_language("```c\nint main(void) {}\n```")[1] == "c"
 
 
 def _builds():
@@ -190,9 +196,27 @@ def test_cpp_programs_compile_once_and_run_against_stdio_tests(verifier):
         CodeVerifier(cxx="no-such-cxx")(task, f"```cpp\n{ADD_CPP}```")
 
 
+@pytest.mark.parametrize("language,tag,program,wrong,compiler", [
+    ("c", "c", ADD_C, "a + b +", "gcc"),
+    ("rust", "rust", ADD_RUST, "v[0] + v[1]", "rustc"),
+])
+def test_c_and_rust_programs_compile_and_run_likewise(verifier, language, tag, program, wrong, compiler):
+    import subprocess
+
+    if shutil.which(compiler) is None or subprocess.run([compiler, "--version"], capture_output=True).returncode:
+        pytest.skip(f"no working {compiler} here")
+    assert verifier(_task(ADD_STDIO), f"```{tag}\n{program}```") == 1.0  # (the fence names the language)
+    task = Task(task_id="x1", prompt="add", domain="code", metadata={"tests": ADD_STDIO, "language": language})
+    minus = program.replace(wrong, wrong.replace("+", "-", 1))
+    assert minus != program and verifier(task, f"```\n{minus}```") == 0.0
+    errors = verifier.stats["compile_errors"]
+    assert verifier(task, "```\nthis is not a program\n```") == 0.0 and verifier.stats["compile_errors"] == errors + 1
+
+
 def test_other_languages_and_cpp_asserts_fail_the_episode(verifier):
-    with pytest.raises(CodeTaskError, match=r"task r1: metadata.language 'rust': --verifier code runs python, cpp"):
-        verifier(Task(task_id="r1", prompt="p", metadata={"tests": ADD_STDIO, "language": "rust"}), "fn main() {}")
+    with pytest.raises(CodeTaskError, match=r"task r1: metadata.language 'java': --verifier code runs python, cpp, "
+                                            r"c, rust"):
+        verifier(Task(task_id="r1", prompt="p", metadata={"tests": ADD_STDIO, "language": "java"}), "class A {}")
     with pytest.raises(CodeTaskError, match="asserts are Python statements: a cpp task takes 'stdio' tests"):
         verifier(Task(task_id="c2", prompt="p", metadata={"tests": ADD_ASSERTS, "language": "cpp"}), ADD_CPP)
 
@@ -231,8 +255,10 @@ def test_options_are_checked():
         CodeVerifier(reward="most")
     with pytest.raises(ValueError, match="--code-compile-timeout-s and --code-compile-memory-mb must be > 0"):
         code_verifier_from_args(p.parse_args(["--code-compile-timeout-s", "0"]))
-    cpp = code_verifier_from_args(p.parse_args(["--code-cxx", "clang++", "--code-cxx-flags", "-O1 -std=c++20"]))
+    cpp = code_verifier_from_args(p.parse_args(["--code-cxx", "clang++", "--code-cxx-flags", "-O1 -std=c++20",
+                                                "--code-cc", "clang", "--code-rustc-flags=-O"]))
     assert (cpp.cxx, cpp.cxx_flags, cpp.compile_timeout_s) == ("clang++", "-O1 -std=c++20", 20.0)
+    assert (cpp.cc, cpp.cc_flags, cpp.rustc, cpp.rustc_flags) == ("clang", "-O2 -std=c11", "rustc", "-O")
 
 
 def test_driver_records_the_tests_verdicts(stack):
