@@ -6,7 +6,8 @@ mean: ``forge-pool-export --kto``) and what thumbs-up / thumbs-down feedback is.
 policy's log-probabilities over an example's trained tokens (its answer), ``ref(x)`` the reference's (the starting
 checkpoint, scored once before the first step) and ``r(x) = logp(x) - ref(x)``::
 
-    z0 = max(0, mean_j [logp(x'_j) - ref(x'_j)])                  (detached; 0 with --no-kl)
+    z0 = max(0, mean_j [logp(x'_j) - ref(x'_j)])                  (detached; 0 with --no-kl, which makes this
+                                                                   APO-zero's unpaired loss)
     desirable:    L = w_D (1 - sigmoid(beta (r(x) - z0)))
     undesirable:  L = w_U (1 - sigmoid(beta (z0 - r(x))))
     loss = mean over the batch's examples
