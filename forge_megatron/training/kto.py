@@ -162,6 +162,8 @@ def _images_before_answer(prompt: list[dict] | None, messages: list[dict]) -> in
 def _render(tokenizer, record: dict, processor=None) -> list[Example]:
     if "chosen" in record:
         pair = preference.render_pair(tokenizer, record, processor)
+        if isinstance(record["chosen"], dict) and "input_ids" in record["chosen"]:  # token pairs: no images
+            return [Example(pair.chosen, True), Example(pair.rejected, False)]
         prompt = record.get("prompt")
         return [Example(side, good, _images_before_answer(prompt, preference._side_messages(record[key], key)))
                 for side, good, key in ((pair.chosen, True, "chosen"), (pair.rejected, False, "rejected"))]

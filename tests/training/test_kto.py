@@ -50,6 +50,14 @@ def test_example_forms_masks_and_mismatched_samples(tmp_path):
     good, bad = K._render(tok, {"prompt": PROMPT, "chosen": "19", "rejected": "20"})
     assert (good.desirable, bad.desirable) == (True, False)
     assert tok.decode([t for t, m in zip(*bad.sample[:2]) if m]) == "20<|im_end|>"
+    tokens = {"chosen": {"input_ids": good.sample[0], "loss_mask": good.sample[1]},  # (forge-pool-export --pairs')
+              "rejected": {"input_ids": bad.sample[0], "loss_mask": bad.sample[1]}}
+    K.check_example(tokens, "f.jsonl:1")
+    assert [(e.sample[:2], e.desirable) for e in K._render(tok, tokens)] == [(good.sample[:2], True),
+                                                                           (bad.sample[:2], False)]
+    whole_pair = K._render(tok, {"chosen": history + [{"role": "assistant", "content": "19"}],
+                                 "rejected": history + [{"role": "assistant", "content": "20"}]})
+    assert [e.desirable for e in whole_pair] == [True, False] and whole_pair[0].sample[0] == ids
 
     other = K._render(tok, {"prompt": [{"role": "user", "content": "3+4"}], "completion": [calculator.tool_call_message()],
                             "label": False})[0]
