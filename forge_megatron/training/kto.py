@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -70,8 +71,6 @@ class Example:
 # ---------------------------------------------------------------------------------------------------- data
 def load_examples(path: str) -> list[dict]:
     """The KTO records of a JSONL file (see the module docstring), checked; image parts given as files read."""
-    import os
-
     from forge_megatron.utils.jsonl import read_records
 
     records, base = [], os.path.dirname(os.path.abspath(path))
@@ -244,14 +243,16 @@ def kl_estimate(kl_logratio_N: torch.Tensor) -> torch.Tensor:
     return kl_logratio_N.detach().mean().clamp(min=0)
 
 
-def kto_metrics(logratio_N: torch.Tensor, desirable_N: torch.Tensor, kl, beta: float) -> dict:
+def kto_metrics(logratio_N: torch.Tensor, desirable_N: torch.Tensor, kl, beta: float,
+                per_kind: bool = False) -> dict:
     """Means over the examples: ``accuracy`` (the label's side of the reference point), ``margin`` (``beta (r - z0)``
-    signed by the label), and each kind's implicit reward ``beta r``; ``kl``: the reference point."""
+    signed by the label); ``kl``: the reference point; ``per_kind``: each kind's mean implicit reward ``beta r`` too
+    (for a whole set: a mean over a kind does not add up over micro-batches as the others do)."""
     signed = torch.where(desirable_N, 1.0, -1.0) * beta * (logratio_N.detach() - kl)
     out = {"accuracy": (signed > 0).float().mean().item(), "margin": signed.mean().item(), "kl": float(kl)}
     reward = beta * logratio_N.detach()
     for name, which in (("desirable_reward", desirable_N), ("undesirable_reward", ~desirable_N)):
-        if bool(which.any()):
+        if per_kind and bool(which.any()):
             out[name] = reward[which].mean().item()
     return out
 
@@ -290,15 +291,22 @@ def held_out_reference_point(model, examples: list[Example], batch_size: int, pr
     return max(0.0, total / len(examples))
 
 
+@torch.no_grad()
 def evaluate(model, examples: list[Example], batch_size: int, beta: float, desirable_weight: float = 1.0,
              undesirable_weight: float = 1.0, kl: bool = True, processor=None) -> dict:
-    """Example-weighted loss and metrics over a held-out set, its reference point taken over the whole set."""
+    """The loss and metrics (each kind's implicit reward too) of a held-out set, as one batch: its reference point
+    taken over the whole set, its examples scored ``batch_size`` to a forest."""
     z0 = held_out_reference_point(model, examples, batch_size, processor) if kl else 0.0
-    step_loss = kto_examples_loss(model, beta, desirable_weight, undesirable_weight, kl=False, reference_point=z0,
-                                  processor=processor)
-    totals = preference.evaluate(step_loss, examples, batch_size)
-    totals["examples"] = totals.pop("pairs")
-    return totals
+    logratios = []
+    for i in range(0, len(examples), batch_size):
+        micro = examples[i:i + batch_size]
+        samples = [e.sample for e in micro]
+        sums_S, _ = preference.response_logprobs(model, sft.batch_layout(samples, processor), samples)
+        logratios.append(sums_S - sums_S.new_tensor([e.ref[0] for e in micro]))
+    logratio_N = torch.cat(logratios)
+    desirable_N = torch.tensor([e.desirable for e in examples], device=logratio_N.device)
+    loss = kto_losses(logratio_N, desirable_N, z0, beta, desirable_weight, undesirable_weight).mean().item()
+    return {"loss": loss, **kto_metrics(logratio_N, desirable_N, z0, beta, per_kind=True), "examples": len(examples)}
 
 
 @torch.no_grad()

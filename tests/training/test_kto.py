@@ -160,8 +160,11 @@ def test_held_out_reference_point_is_the_whole_sets(tmp_path, one_rank):
     assert z0 > 0.5 and math.isclose(z0, whole["kl"], rel_tol=1e-5)
     by_two, by_five = (K.evaluate(model, examples, size, 0.3) for size in (2, 5))
     assert by_two["examples"] == by_five["examples"] == 5
-    for key in ("loss", "accuracy", "margin", "kl"):
+    for key in ("loss", "accuracy", "margin", "kl", "desirable_reward", "undesirable_reward"):
         assert math.isclose(by_two[key], by_five[key], rel_tol=1e-5, abs_tol=1e-7), key
+    with torch.no_grad():
+        _, plain = K.kto_examples_loss(model, 0.3, kl=False, reference_point=z0)(examples)
+    assert math.isclose(by_two["margin"], plain["margin"], rel_tol=1e-5) and "desirable_reward" not in plain
 
 
 def test_kto_without_kl_runs_the_examples_only(tmp_path, one_rank):
