@@ -79,7 +79,8 @@ LANGUAGES = {"python": ("python", "py", "python3"), "cpp": ("cpp", "c++", "cxx",
              "rust": ("rust", "rs")}
 """The languages programs may be written in and the fence tags (and task ``language`` values) naming each."""
 
-COMPILED = {"cpp": ("program.cpp", "cxx", "C++"), "c": ("program.c", "cc", "C"), "rust": ("program.rs", "rustc", "Rust")}
+COMPILED = {"cpp": ("program.cpp", "cxx", "C++"), "c": ("program.c", "cc", "C"),
+            "rust": ("program.rs", "rustc", "Rust")}
 """Compiled languages: (source file, the :class:`CodeVerifier` fields ``<tool>`` / ``<tool>_flags`` and
 ``--code-<tool>`` flags of the compiler, the language's name)."""
 
@@ -256,10 +257,12 @@ class CodeVerifier:
 
     def __call__(self, task, output) -> float:
         kind, cases, setup = parse_tests(task)
-        program, language = extract_program_and_language(output, task_language(task))
-        if language != "python" and kind != "stdio":
-            raise CodeTaskError(f"task {task.task_id}: metadata.tests.{'asserts' if kind == 'asserts' else 'calls'} "
-                                f"are Python statements: a {language} task takes 'stdio' tests")
+        language = task_language(task)
+        if language not in (None, "python") and kind != "stdio":
+            raise CodeTaskError(f"task {task.task_id}: metadata.tests 'asserts' / 'calls' are Python statements: a "
+                                f"{language} task takes 'stdio' tests")
+        # (Python-statement tests take the answer as Python whatever its fence says: another language scores nothing)
+        program, language = extract_program_and_language(output, language or (None if kind == "stdio" else "python"))
         deadline = time.monotonic() + self.total_timeout_s
         binary_dir = None
         try:

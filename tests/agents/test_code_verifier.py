@@ -217,8 +217,10 @@ def test_other_languages_and_cpp_asserts_fail_the_episode(verifier):
     with pytest.raises(CodeTaskError, match=r"task r1: metadata.language 'java': --verifier code runs python, cpp, "
                                             r"c, rust"):
         verifier(Task(task_id="r1", prompt="p", metadata={"tests": ADD_STDIO, "language": "java"}), "class A {}")
-    with pytest.raises(CodeTaskError, match="asserts are Python statements: a cpp task takes 'stdio' tests"):
+    with pytest.raises(CodeTaskError, match="'asserts' / 'calls' are Python statements: a cpp task takes 'stdio'"):
         verifier(Task(task_id="c2", prompt="p", metadata={"tests": ADD_ASSERTS, "language": "cpp"}), ADD_CPP)
+    # a Python task's asserts against an answer in another language: the agent's mistake, scored 0 (no task error)
+    assert verifier(_task(ADD_ASSERTS), f"```cpp\n{ADD_CPP}```") == 0.0
 
 
 @pytest.mark.parametrize("tests,message", [
