@@ -322,17 +322,18 @@ class CodeVerifier:
         """The toolchain's own rustc behind a rustup proxy (which needs the driver's HOME, kept from the compile's
         environment): ``<sysroot>/bin/rustc``, asked once; ``rustc`` itself when it is not a proxy or cannot say."""
         with self._lock:
-            if rustc not in self._resolved:
-                real = rustc
-                try:
-                    out = subprocess.run([rustc, "--print", "sysroot"], capture_output=True, text=True, timeout=60)
-                    candidate = os.path.join(out.stdout.strip(), "bin", "rustc")
-                    if out.returncode == 0 and os.path.isfile(candidate):
-                        real = candidate
-                except (OSError, subprocess.TimeoutExpired):
-                    pass
-                self._resolved[rustc] = real
-            return self._resolved[rustc]
+            if rustc in self._resolved:
+                return self._resolved[rustc]
+        real = rustc  # (asked outside the lock: the cases' bookkeeping does not wait for it)
+        try:
+            out = subprocess.run([rustc, "--print", "sysroot"], capture_output=True, text=True, timeout=60)
+            candidate = os.path.join(out.stdout.strip(), "bin", "rustc")
+            if out.returncode == 0 and os.path.isfile(candidate):
+                real = candidate
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        with self._lock:
+            return self._resolved.setdefault(rustc, real)
 
     def run_case(self, kind: str, program: str, case, setup: str = "", timeout_s: float | None = None,
                  binary_dir: str | None = None) -> CaseResult:
