@@ -106,7 +106,7 @@ class CallRewardModel:
         text, ends, start = decode(n), [], 0
         while (hit := text.find(self.step_separator, start)) >= 0:
             start = hit + len(self.step_separator)
-            head, lo, hi = text[:start], 1, n
+            head, lo, hi = text[:start], ends[-1] + 1 if ends else 1, n  # (each end at or after the one before)
             while lo < hi:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if decode(mid).startswith(head) else (mid + 1, hi)
