@@ -249,7 +249,8 @@ class CodeVerifier:
         if not (self.timeout_s > 0 and self.total_timeout_s > 0 and self.memory_mb > 0 and self.output_mb > 0
                 and self.workers >= 0 and self.compile_timeout_s > 0 and self.compile_memory_mb > 0):
             raise ValueError("--code-timeout-s, --code-total-timeout-s, --code-memory-mb, --code-output-mb, "
-                             "--code-compile-timeout-s and --code-compile-memory-mb must be > 0 and --code-workers >= 0")
+                             "--code-compile-timeout-s and --code-compile-memory-mb must be > 0 and --code-workers "
+                             ">= 0")
         self.prefix = shlex.split(self.sandbox) if self.sandbox else []
         self._slots = threading.BoundedSemaphore(self.workers or os.cpu_count() or 1)
         self._lock = threading.Lock()

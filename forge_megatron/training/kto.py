@@ -386,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     for action in p._actions:  # (the shared parser's help speaks of pairs)
         action.help = helps.get(action.dest, action.help)
     p.add_argument("--beta", type=float, default=0.1, help="beta: the implicit reward's scale (default 0.1)")
-    p.add_argument("--desirable-weight", type=float, default=1.0, help="w_D, the desirable examples' loss weight (default 1)")
+    p.add_argument("--desirable-weight", type=float, default=1.0,
+                   help="w_D, the desirable examples' loss weight (default 1)")
     p.add_argument("--undesirable-weight", type=float, default=1.0,
                    help="w_U, the undesirable examples' loss weight (default 1; the paper suggests w_D n_D / "
                         "(w_U n_U) in [1, 4/3])")
