@@ -34,8 +34,10 @@ each side is the episode's last segment (its final context and answer), the samp
 ``--kto`` writes KTO examples of token samples instead, for ``forge-kto --data`` / the trainer's ``--kto-data``: each
 scored episode's last segment labelled desirable when its composite score is above its group's mean by more than
 ``--min-gap`` and undesirable when below it by as much (the rest, and groups whose episodes all scored alike, left
-out): ``{"input_ids", "loss_mask", "label", "group", "task_id", "score", "group_mean", "episode_id"}`` per line.
-Unlike pairs, every scored episode can teach, and groups of any size give as many examples as they have episodes.
+out): ``{"input_ids", "loss_mask", "label", "group", "task_id", "score", "group_mean", "episode_id", "segment"}`` per
+line. Unlike pairs, every scored episode can teach, and groups of any size give as many examples as they have
+episodes; ``--every-segment`` makes each segment of an episode an example with its label (an agent that rewrote its
+context acted in every segment), the group's mean still taken over episodes.
 
 Trajectories a pool did not keep (committed, filtered or failed groups without ``--keep-trajectories``) have no
 tokens left: such episodes are counted on stderr, not written. ``--state``, ``--task-id``, ``--from-group`` and
@@ -158,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-gap", type=float, default=0.0,
                    help="--pairs: the chosen episode's score must exceed the rejected one's by more than this; "
                         "--kto: an episode's score must differ from its group's mean by more than this")
+    p.add_argument("--every-segment", action="store_true",
+                   help="--kto: every segment of an episode an example with the episode's label (an agent that "
+                        "rewrote its context acted in each), not only its last")
     p.add_argument("--every-pair", action="store_true",
                    help="--pairs: every two episodes of a group whose scores differ by more than --min-gap (K(K-1)/2 "
                         "at most; a reward model learns more from them), not only best against worst")
@@ -183,38 +188,46 @@ def sft_samples(episode) -> tuple[list[dict], int]:
     return out, skipped
 
 
-def _scored_last_segments(group: dict, episodes: list) -> tuple[list[tuple], int]:
-    """([(score, episode id, last segment)] of a group's scored episodes that train a token, in submission order;
-    how many were left out for images)."""
+def _scored_last_segments(group: dict, episodes: list, every_segment: bool = False) -> tuple[list[tuple], int]:
+    """([(score, episode id, segment index, segment)] of a group's scored episodes that train a token, in submission
+    order: each episode's last segment (``every_segment``: each of its segments); how many were left out for
+    images)."""
     scores = msgpack.unpackb(group["scores"]) if group["scores"] else None
     if not scores:
         return [], 0
     score_of = dict(zip(scores["episode_ids"], scores["rewards"]))
     scored, with_images = [], 0
     for episode in episodes:
-        seg = episode.segments[-1] if episode.segments else None
-        if seg is None or episode.episode_id not in score_of or not any(seg.loss_mask[1:]):
+        if episode.episode_id not in score_of or not episode.segments:
             continue
-        if seg.images:
-            with_images += 1
-            continue
-        scored.append((score_of[episode.episode_id], episode.episode_id, seg))
+        first = 0 if every_segment else len(episode.segments) - 1
+        for k in range(first, len(episode.segments)):
+            seg = episode.segments[k]
+            if not any(seg.loss_mask[1:]):
+                continue
+            if seg.images:
+                with_images += 1
+                continue
+            scored.append((score_of[episode.episode_id], episode.episode_id, k, seg))
     return scored, with_images
 
 
-def group_kto_examples(group: dict, episodes: list, min_gap: float) -> tuple[list[dict], int]:
-    """(KTO examples of one group's scored episodes, how many were left out for images) (module docstring)."""
-    scored, with_images = _scored_last_segments(group, episodes)
-    if not scored:
+def group_kto_examples(group: dict, episodes: list, min_gap: float,
+                       every_segment: bool = False) -> tuple[list[dict], int]:
+    """(KTO examples of one group's scored episodes, how many segments were left out for images) (module docstring);
+    ``every_segment``: each segment of an episode an example with the episode's label, not only its last."""
+    scored, with_images = _scored_last_segments(group, episodes, every_segment)
+    scores = {episode_id: score for score, episode_id, _, _ in scored}  # (the mean over episodes, not segments)
+    if not scores:
         return [], with_images
-    mean = sum(score for score, _, _ in scored) / len(scored)
+    mean = sum(scores.values()) / len(scores)
     out = []
-    for score, episode_id, seg in scored:
+    for score, episode_id, k, seg in scored:
         if abs(score - mean) <= min_gap:
             continue
         out.append({"input_ids": list(seg.tokens), "loss_mask": list(seg.loss_mask), "label": score > mean,
                     "group": group["idx"], "task_id": group["task_id"], "score": score, "group_mean": mean,
-                    "episode_id": episode_id})
+                    "episode_id": episode_id, "segment": k})
     return out, with_images
 
 
@@ -222,6 +235,7 @@ def group_pairs(group: dict, episodes: list, min_gap: float, every_pair: bool = 
     """(preference pairs of one group's scored episodes, how many were left out for images) (module docstring);
     ``every_pair``: every two episodes whose scores differ by more than ``min_gap``, not only best against worst."""
     ranked, with_images = _scored_last_segments(group, episodes)
+    ranked = [(score, episode_id, seg) for score, episode_id, _, seg in ranked]
     ranked.sort(key=lambda x: -x[0])  # (stable: ties keep submission order)
     if every_pair:
         matches = [(i, j) for i in range(len(ranked)) for j in range(i + 1, len(ranked))
@@ -250,7 +264,7 @@ def _export_groups(db, args, out) -> str:
 
     def flush(group, episodes):
         nonlocal written, with_images
-        pairs, skipped = group_kto_examples(group, episodes, args.min_gap) if args.kto else \
+        pairs, skipped = group_kto_examples(group, episodes, args.min_gap, args.every_segment) if args.kto else \
             group_pairs(group, episodes, args.min_gap, args.every_pair)
         with_images += skipped
         if args.limit is not None:
@@ -275,7 +289,8 @@ def _export_groups(db, args, out) -> str:
             break
     if current is not None and (args.limit is None or written < args.limit):
         flush(current, episodes)
-    note = f", {with_images} episode(s) with images left out" if with_images else ""
+    kind = "segment(s)" if getattr(args, "every_segment", False) else "episode(s)"
+    note = f", {with_images} {kind} with images left out" if with_images else ""
     note += f"; {missing} episode(s) without a trajectory (not kept: --keep-trajectories)" if missing else ""
     if args.kto:
         return f"{written} KTO example(s) ({desirable[0]} desirable) of {len(groups)} group(s) written{note}"
@@ -295,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--min-gap must be at least 0")
     if args.every_pair and not args.pairs:
         parser.error("--every-pair is for --pairs")
+    if args.every_segment and not args.kto:
+        parser.error("--every-segment is for --kto")
     try:
         db = open_readonly(args.db)
     except (ValueError, sqlite3.Error) as exc:

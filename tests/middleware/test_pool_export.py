@@ -251,3 +251,40 @@ def test_kto_export_labels_each_episode_against_its_groups_mean(tmp_path, capsys
     assert [e.desirable for e in examples] == [True, False, False] and examples[0].sample[1] == lines[0]["loss_mask"]
     result = kto.run_kto(base, records * 2, str(tmp_path / "kto"), steps=2, lr=1e-3, batch_size=3, log_every=100)
     assert len(result["history"]) == 2 and result["balance"] == pytest.approx(0.5)
+
+
+def test_kto_export_of_every_segment_labels_each_with_its_episode(tmp_path, capsys):
+    """--kto --every-segment: an episode whose agent rewrote its context (two segments) gives an example per segment,
+    both with the episode's label; the group's mean is over episodes, not segments."""
+    from transformers import AutoTokenizer
+
+    from forge_megatron.models.tiny import build_tiny_tokenizer
+    from forge_megatron.training import kto
+
+    tok_dir = str(tmp_path / "tok")
+    build_tiny_tokenizer(tok_dir)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    pool = DataPool(PoolConfig(db_path=str(tmp_path / "pool.sqlite"), keep_trajectories=True))
+    gid = pool.register_group("t-0", 3)
+    long = _episode(gid, "long", tok, "2+2=", "4", 1.0)
+    summary = _episode(gid, "long", tok, "summary: 2+2 asked.", "It is 4", 1.0).segments[0]
+    long.segments.append(summary)  # (a second segment: the context rewritten)
+    pool.submit_episode(long)
+    pool.submit_episode(_episode(gid, "short", tok, "2+2=", "5", 0.0))
+    pool.submit_episode(_episode(gid, "mid", tok, "2+2=", "4?", 0.6))
+    pool.close()
+    db, out = str(tmp_path / "pool.sqlite"), tmp_path / "kto.jsonl"
+    rc, _, err = _run(["--db", db, "--out", str(out), "--kto", "--every-segment"], capsys)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rc == 0 and "4 KTO example(s) (3 desirable) of 1 group(s)" in err, err
+    assert [(x["episode_id"], x["segment"], x["label"]) for x in lines] == [
+        ("long", 0, True), ("long", 1, True), ("short", 0, False), ("mid", 0, True)]
+    assert all(x["group_mean"] == pytest.approx((1.0 + 0.0 + 0.6) / 3) for x in lines)  # (episodes, not segments)
+    assert tok.decode([t for t, m in zip(lines[1]["input_ids"], lines[1]["loss_mask"]) if m]) == "It is 4"
+    assert len(kto.render_records(tok, kto.load_examples(str(out)))) == 4
+    rc, _, err = _run(["--db", db, "--out", str(out), "--kto"], capsys)  # (the last segment only)
+    assert [json.loads(x)["segment"] for x in out.read_text().splitlines()] == [1, 0, 0]
+    with pytest.raises(SystemExit):
+        pool_export.main(["--db", db, "--pairs", "--every-segment"])
+    assert "--every-segment is for --kto" in capsys.readouterr().err
+
