@@ -151,8 +151,10 @@ def test_program_extraction():
 ADD_CPP = "#include <iostream>\nint main() { long long a, b; std::cin >> a >> b; std::cout << a + b << std::endl; }\n"
 ADD_C = ("#include <stdio.h>\n#include <math.h>\n"
          "int main(void) { long a, b; scanf(\"%ld %ld\", &a, &b); printf(\"%ld\\n\", a + b + (long) sqrt(0.0)); }\n")
-ADD_RUST = ("use std::io::Read;\nfn main() { let mut s = String::new(); std::io::stdin().read_to_string(&mut s).unwrap();\n"
-            "  let v: Vec<i64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect(); println!(\"{}\", v[0] + v[1]); }\n")
+ADD_RUST = ("use std::io::Read;\n"
+            "fn main() { let mut s = String::new(); std::io::stdin().read_to_string(&mut s).unwrap();\n"
+            "  let v: Vec<i64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect();\n"
+            "  println!(\"{}\", v[0] + v[1]); }\n")
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) here")
 
 

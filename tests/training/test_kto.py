@@ -59,8 +59,8 @@ def test_example_forms_masks_and_mismatched_samples(tmp_path):
                                  "rejected": history + [{"role": "assistant", "content": "20"}]})
     assert [e.desirable for e in whole_pair] == [True, False] and whole_pair[0].sample[0] == ids
 
-    other = K._render(tok, {"prompt": [{"role": "user", "content": "3+4"}], "completion": [calculator.tool_call_message()],
-                            "label": False})[0]
+    other = K._render(tok, {"prompt": [{"role": "user", "content": "3+4"}],
+                            "completion": [calculator.tool_call_message()], "label": False})[0]
     ids_kl, mask_kl, _ = K.mismatched(e, other)
     a, b = K.answer_start(e.sample), K.answer_start(other.sample)
     assert ids_kl == ids[:a] + other.sample[0][b:] and mask_kl == [0] * a + other.sample[1][b:]

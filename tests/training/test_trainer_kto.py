@@ -1,7 +1,7 @@
 """The Megatron trainer's KTO (``scripts/train_forge.py --kto-data``, training/offline.py): its loss over several
 micro-batches, with the batch's reference point from a forward-only pre-pass, gives forge-kto's loss, metrics and
-every gradient on the same examples; whole runs under PP = 2 and DP = 2 (held-out examples too) and a stopped and
-resumed run train like one rank. CPU, gloo."""
+every gradient on the same examples (pictures too); whole runs under PP = 2, TP = 2 with sequence parallelism and DP
+= 2 (held-out examples too) and a stopped and resumed run train like one rank. CPU, gloo."""
 
 import pytest
 import torch
@@ -94,6 +94,8 @@ def test_trainer_kto_runs_under_pp_and_dp_and_resumes(tmp_path):
     runs["pp2"], _ = _run(tmp_path, "pp2", model_dir, data, nproc=2, preference=False,
                           extra=kto + held + ["--pipeline-model-parallel-size", "2"])
     runs["dp2"], _ = _run(tmp_path, "dp2", model_dir, data, nproc=2, extra=kto + held, preference=False)
+    runs["tp2"], _ = _run(tmp_path, "tp2", model_dir, data, nproc=2, preference=False,
+                          extra=kto + ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
     runs["resumed"], outs = _run(tmp_path, "resumed", model_dir, data, exits=(2, None), extra=kto, preference=False)
     assert "resumed from" in outs[1]
     one = runs["one"]
@@ -101,8 +103,9 @@ def test_trainer_kto_runs_under_pp_and_dp_and_resumes(tmp_path):
     assert one[0]["loss"] == pytest.approx(0.5, rel=1e-5) and one[0]["kto/kl_estimate"] == 0.0  # policy = reference
     assert one[-1]["loss"] < 0.4 and one[-1]["kto/accuracy"] >= 0.75 and one[-1]["kto/kl_estimate"] > 0
     assert one[-1]["val/accuracy"] >= 0.6 and "val/loss" not in one[0]
-    for name in ("pp2", "dp2", "resumed"):  # (DP = 2: the loss and means are rank 0's examples'; the gradient
-        if name != "dp2":                    # norm and the reference point are the whole batch's)
+    # (DP = 2: the loss and means are rank 0's examples'; the gradient norm and the reference point the whole batch's)
+    for name in ("pp2", "tp2", "dp2", "resumed"):
+        if name != "dp2":
             _assert_same_steps(one, runs[name], name, "kto/margin")
         for s, t in zip(one, runs[name]):
             assert t["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-4), name
@@ -160,13 +163,15 @@ def test_kto_examples_with_pictures(tmp_path):
     records = [{"prompt": [colors.user_message(t)], "label": i % 2 == 0,
                 "completion": t.answer if i % 2 == 0 else next(n for n in names if n != t.answer)}
                for i, t in enumerate(tasks[:3])]
-    records.append({"label": True, "messages": [colors.user_message(tasks[3]), {"role": "assistant", "content": tasks[3].answer},
-                                                colors.user_message(tasks[4]), {"role": "assistant", "content": tasks[4].answer}]})
+    records.append({"label": True, "messages": [
+        colors.user_message(tasks[3]), {"role": "assistant", "content": tasks[3].answer},
+        colors.user_message(tasks[4]), {"role": "assistant", "content": tasks[4].answer}]})
     examples = K.render_records(tok, records, processor=proc)
     assert [len(e.sample[2]) for e in examples] == [1, 1, 1, 2] and [e.prompt_images for e in examples] == [1] * 4
     K.attach_mismatched(examples, seed=0)
     for e in examples:  # its own prompt's picture first, then those of the answer it took
-        donor = next(d for d in examples if d.sample[0][K.answer_start(d.sample):] == e.kl[0][K.answer_start(e.sample):])
+        answer = e.kl[0][K.answer_start(e.sample):]
+        donor = next(d for d in examples if d.sample[0][K.answer_start(d.sample):] == answer)
         assert e.kl[2] == e.sample[2][:1] + donor.sample[2][1:]
     assert sorted(len(e.kl[2]) for e in examples) == [1, 1, 1, 2]  # the second picture rides with its answer
 
