@@ -576,6 +576,8 @@ class Trainer:
         self.preference = getattr(args, "preference_data", None) is not None  # DPO / a reward model on pairs
         self.sft = getattr(args, "sft_data", None) is not None  # supervised fine-tuning
         self.kto = getattr(args, "kto_data", None) is not None  # KTO on examples labelled good or bad
+        # (KTO's reference point from its mismatched samples, unless --kto-no-kl)
+        self.kto_kl = self.kto and not getattr(args, "kto_no_kl", False)
         self.offline = self.preference or self.sft or self.kto
         self.train_tower = bool(getattr(args, "train_vision_tower", False))
         self.reward_model = self.preference and bool(getattr(args, "reward_model", False))
@@ -816,7 +818,7 @@ class Trainer:
         if self.kto:  # (a held-out set's mismatched answers drawn with a seed of their own)
             feed = KtoFeed(held_out or self.args.kto_data, self.args.hf_checkpoint, per_step,
                            self.args.tree_token_budget, self.args.seed + (held_out is not None),
-                           kl=not self.args.kto_no_kl, processor=self.vision, log=self._log)
+                           kl=self.kto_kl, processor=self.vision, log=self._log)
         elif held_out is not None:
             cls = SftFeed if self.sft else PreferenceFeed
             feed = cls(held_out, self.args.hf_checkpoint, per_step, self.args.tree_token_budget, self.args.seed,
@@ -1006,8 +1008,8 @@ class Trainer:
         return bool(flag.item())
 
     def _reference_logprobs(self, rbs: list[RankBatch]) -> None:
-        """The reference policy's logprobs (the KL term's, DPO's) as ``ref_logp_M`` of every micro-batch of the rank
-        batches ``rbs`` (an offloaded reference comes to the device once for all of them)."""
+        """The reference policy's logprobs (the KL term's, DPO's, KTO's) as ``ref_logp_M`` of every micro-batch of the
+        rank batches ``rbs`` (an offloaded reference comes to the device once for all of them)."""
         if self.ref_chunks is not None:
             with self.ref_offload.resident() if self.ref_offload is not None else contextlib.nullcontext():
                 for rb in rbs:
@@ -1032,11 +1034,11 @@ class Trainer:
         if self.args.old_logprobs == "recompute":
             for rb in rbs:
                 self._forward_only_logprobs(self.ddp, rb, "old_logp_M")
-        if self.kto and not self.args.kto_no_kl:  # KTO's reference point: the policy's KL on mismatched answers
+        if self.kto_kl:  # KTO's reference point: the policy's KL on mismatched answers
             for rb in rbs:
                 self._forward_only_logprobs(self.ddp, rb, "kto_policy_logp_M")
         self._reference_logprobs(rbs)
-        if self.kto and not self.args.kto_no_kl:
+        if self.kto_kl:
             for rb in rbs:  # (each update's batch its own)
                 kto_reference_point([rb], self.dp_size)
         if self.teacher is not None:
@@ -1098,8 +1100,6 @@ class Trainer:
         batches = iter(self.eval_feed.eval_batches(self.dp_size)) if self.eval_feed is not None else None
         sums = torch.zeros(5, dtype=torch.float64)  # loss x count, count, accuracy x n, margin x n, n
         balance = "cost-groups" if self.args.dp_balance == "cost" else self.args.dp_balance
-        kto_kl = self.kto and not self.args.kto_no_kl
-
         def score(rb: RankBatch) -> torch.Tensor:
             m = combine_micro_batch_metrics(pipeline_loss_metrics(offline_forward_backward(
                 self.ddp, rb, kind, self.args, self.args.fused_logprobs, self.head_dtype, forward_only=True)))
@@ -1120,12 +1120,12 @@ class Trainer:
             self._reference_logprobs([rb])
             if self.teacher is not None:  # supervised distillation: the held-out loss has the teacher's term too
                 self._teacher_pass([rb])
-            if kto_kl:
+            if self.kto_kl:
                 self._forward_only_logprobs(self.ddp, rb, "kto_policy_logp_M")
                 held.append(rb)
             else:
                 sums += score(rb)
-        if kto_kl:
+        if self.kto_kl:
             kto_reference_point(held, self.dp_size)
             for rb in held:
                 sums += score(rb)
