@@ -87,6 +87,18 @@ GELU; the embedding multiplied by sqrt(hidden_size) (in the weights' dtype, as H
 the checkpoint's ``rope_scaling`` (linear 8 on the larger models). A ``final_logit_softcapping`` (none in Gemma 3's
 releases) caps the logits as HF does (GPTConfig.final_logit_softcapping); attention soft-capping (Gemma 2) is refused.
 
+MiMo-V2-Flash (``mimo_v2_flash``: MiMoV2FlashForCausalLM): sliding-window layers (a query sees itself and the
+``sliding_window_size`` keys before it) beside full-attention ones (``hybrid_layer_pattern`` as released,
+``layer_types`` as transformers writes it), the sliding ones with ``swa_num_key_value_heads`` key heads (transformers:
+twice ``num_key_value_heads``) and a learned sink logit per head (``attention_sink_bias``); query and key heads of
+``head_dim`` (192) channels, value heads of ``v_head_dim`` (128), the values multiplied by ``attention_value_scale``
+as projected; RoPE on the first ``partial_rotary_factor`` of each head with the base of the layer's kind
+(``rope_theta`` / ``swa_rope_theta``). Megatron builds one attention geometry per model: the layers are forge's
+per-layer attention (mcore/gemma4.py, GPTConfig ``value_head_dim`` / ``value_scale`` / ``sink_layers``, the
+full-attention layers' key heads as Gemma 4's global ones). The MLPs: the first layer(s) dense (``moe_layer_freq`` /
+``mlp_layer_types``), the others DeepSeek-V3's sigmoid router with a score-correction bias, no shared expert. The MTP
+layers (``model.mtp.*``) are left out.
+
 Router equivalence used for Qwen3-MoE: HF computes ``p = softmax(z)``, keeps the top-k and, with
 ``norm_topk_prob``, divides by their sum, which equals Megatron's ``softmax(topk(z))``
 (``moe_router_pre_softmax=False``); without ``norm_topk_prob`` HF keeps the un-normalised top-k of the softmax,
@@ -160,6 +172,10 @@ class Family:
     ernie: bool = False
     # Hunyuan: q/k norms after RoPE, an NTK-alpha RoPE base; MoE: a shared MLP beside the experts, router mlp.gate.wg
     hunyuan: bool = False
+    # MiMo-V2-Flash: sliding-window layers with twice the key heads and a sink logit per head beside full-attention
+    # ones, value heads narrower than the query / key heads, scaled values (mimo_view; mcore/gemma4.py's per-layer
+    # attention); DeepSeek-V3's sigmoid router without shared experts
+    mimo: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -257,6 +273,9 @@ FAMILIES: dict[str, Family] = {
     # Hunyuan (dense; A13B MoE): see the module docstring
     "HunYuanDenseV1ForCausalLM": Family("hunyuan_v1_dense", qkv_bias=False, qk_norm=True, moe=False, hunyuan=True),
     "HunYuanMoEV1ForCausalLM": Family("hunyuan_v1_moe", qkv_bias=False, qk_norm=True, moe=True, hunyuan=True),
+    # MiMo-V2-Flash (309B-A15B): see the module docstring
+    "MiMoV2FlashForCausalLM": Family("mimo_v2_flash", qkv_bias=None, qk_norm=False, moe=True, sigmoid_router=True,
+                                     mimo=True),
     # Seed-OSS-36B: the Qwen2 layout (biases on q/k/v only) with 128-channel heads; its residual dropout is a
     # training-time switch, off here as every dropout is
     "SeedOssForCausalLM": Family("seed_oss", qkv_bias=None, qk_norm=False, moe=False),
@@ -492,7 +511,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral configs have none)")
-    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "gemma4") \
+    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "gemma4", "mimo_v2_flash") \
             and not family.gated_delta \
             and not family.mla:  # (MLA rotates qk_rope_head_dim channels: Mistral 4 states it as this fraction)
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
@@ -618,7 +637,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError(f"norm_topk_prob={hf.get('norm_topk_prob')} with num_experts_per_tok={topk} "
                                         "is not supported: Megatron's sigmoid router normalises the top-k scores "
                                         "exactly when k > 1")
-        if hf.get("n_shared_experts", 1) < 1 and not family.minimax:
+        if hf.get("n_shared_experts", 1) < 1 and not family.minimax and not family.mimo:
             raise UnsupportedModelError(f"n_shared_experts=0 is not supported by the {family.name} family")
         if rope.rope_type(hf.get("rope_scaling") or rope_parameters(hf)) == "yarn" and \
                 partial_rotary(hf) != 1.0:
@@ -780,6 +799,59 @@ def kimi_linear_view(hf: dict) -> dict:
             "routed_scaling_factor": c.routed_scaling_factor}
 
 
+def mimo_view(hf: dict) -> dict:
+    """A MiMo-V2-Flash config, as released (``hybrid_layer_pattern``, ``swa_*``, ``moe_layer_freq``,
+    ``sliding_window_size``, ``add_*_attention_sink_bias``, ``layernorm_epsilon``, ``rope_theta`` /
+    ``swa_rope_theta``) or as transformers writes it (``layer_types``, ``mlp_layer_types``, ``rope_parameters`` per kind
+    of layer), read into: ``layer_types``, ``mlp_layer_types``, ``sliding_window`` (keys a query sees, itself
+    included), ``mimo_kv_heads`` (full, sliding), ``mimo_sinks`` (full, sliding), ``mimo_rope`` (full base, sliding
+    base, rotated fraction), ``rms_norm_eps``; anything transformers' model would compute otherwise is refused."""
+    n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    if hf.get("layer_types"):
+        types = list(hf["layer_types"])
+    elif hf.get("hybrid_layer_pattern") is not None:  # 1: sliding window
+        types = ["sliding_attention" if x else "full_attention" for x in hf["hybrid_layer_pattern"]]
+    else:  # transformers' default: the first layer and every sixth full
+        types = ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+    if hf.get("mlp_layer_types"):
+        mlp = list(hf["mlp_layer_types"])
+    elif hf.get("moe_layer_freq") is not None and not isinstance(hf["moe_layer_freq"], int):
+        mlp = ["sparse" if x else "dense" for x in hf["moe_layer_freq"]]
+    else:
+        mlp = ["dense"] + ["sparse"] * (n - 1)
+    if len(types) != n or len(mlp) != n or set(types) - set(LAYER_TYPES):
+        raise UnsupportedModelError(f"MiMo-V2-Flash: {len(types)} layer kinds and {len(mlp)} MLP kinds for {n} layers")
+    kv = int(hf.get("num_key_value_heads") or heads)
+    for field, want in (("swa_num_attention_heads", heads), ("swa_head_dim", hf.get("head_dim")),
+                        ("swa_v_head_dim", hf.get("v_head_dim"))):
+        if hf.get(field) is not None and hf[field] != want:
+            raise UnsupportedModelError(f"MiMo-V2-Flash: {field}={hf[field]} differs from the full-attention layers' "
+                                        f"{want} (transformers builds both kinds alike)")
+    if (hf.get("scoring_func") or "sigmoid") != "sigmoid" or hf.get("n_shared_experts"):
+        raise UnsupportedModelError("MiMo-V2-Flash: a sigmoid router (scoring_func) without shared experts is "
+                                    "supported")
+    params = hf.get("rope_parameters") or {}
+    full, sliding = rope_parameters(hf, "full_attention"), rope_parameters(hf, "sliding_attention")
+    for kind in (full, sliding):
+        if kind.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"MiMo-V2-Flash: RoPE of type {kind['rope_type']!r} is not supported")
+    if not any(t in params for t in LAYER_TYPES):  # (as released: one base per kind, one fraction)
+        full = {"rope_theta": hf.get("rope_theta", 5e6), "partial_rotary_factor": hf.get("partial_rotary_factor")}
+        sliding = {**full, "rope_theta": hf.get("swa_rope_theta", 1e4)}
+    fractions = {float(k.get("partial_rotary_factor") or 0.334) for k in (full, sliding)}
+    if len(fractions) != 1:
+        raise UnsupportedModelError(f"MiMo-V2-Flash: rotated fractions {sorted(fractions)} differ by layer kind")
+    window = hf["sliding_window_size"] + 1 if hf.get("sliding_window_size") is not None else hf.get("sliding_window")
+    return {**hf, "layer_types": types, "mlp_layer_types": mlp, "sliding_window": int(window or 0),
+            "mimo_kv_heads": (kv, int(hf.get("swa_num_key_value_heads") or 2 * kv)),
+            "mimo_sinks": (bool(hf.get("add_full_attention_sink_bias", False)),
+                           bool(hf.get("add_swa_attention_sink_bias", True))),
+            "mimo_rope": (float(full.get("rope_theta") or 5e6), float(sliding.get("rope_theta") or 1e4),
+                          fractions.pop()),
+            "rms_norm_eps": hf.get("rms_norm_eps") or hf.get("layernorm_epsilon") or 1e-5,
+            "routed_scaling_factor": hf.get("routed_scaling_factor") or 1.0, "n_shared_experts": 0}
+
+
 def olmo_hybrid_rope_theta(hf: dict) -> float | None:
     """OLMo Hybrid's RoPE base as transformers reads the config (its model rotates nothing where this is None: the
     released checkpoints'); transformers' own config class resolves the defaults where it has one."""
@@ -853,6 +925,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         hf = kimi_linear_view(hf)
     if family.gemma4:
         hf = gemma4_view(hf)
+    if family.mimo:
+        hf = mimo_view(hf)
     _refuse_unsupported(hf, family)
     if family.hunyuan:
         hf = hunyuan_view(hf)
@@ -1020,7 +1094,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             num_moe_experts=hf["num_local_experts"] if family.minimax else hf["n_routed_experts"],
             moe_router_topk=hf["num_experts_per_tok"],
             moe_ffn_hidden_size=expert_width,
-            moe_shared_ffn_hidden_size=None if family.minimax else expert_width * hf.get("n_shared_experts", 1),
+            moe_shared_ffn_hidden_size=None if family.minimax else
+            expert_width * hf.get("n_shared_experts", 1) or None,  # (MiMo-V2-Flash: 0, none)
             moe_dense_layers=dense,
             extra=_softmax_router(hf, scaling) if family.softmax_router else {
                 "moe_router_score_function": "sigmoid",
@@ -1048,6 +1123,22 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         if family.gated_delta and hf.get("shared_expert_intermediate_size"):
             kwargs.update(moe_shared_ffn_hidden_size=hf["shared_expert_intermediate_size"],
                           extra={**kwargs.get("extra", {}), "moe_shared_expert_gate": True})
+    if family.mimo:
+        (full_kv, sliding_kv), (full_sinks, sliding_sinks) = hf["mimo_kv_heads"], hf["mimo_sinks"]
+        full_base, sliding_base, fraction = hf["mimo_rope"]
+        windows = sliding_windows(hf)
+        if not windows["window_size"]:
+            raise UnsupportedModelError("MiMo-V2-Flash without a sliding window (sliding_window_size) is not supported")
+        value_dim, scale = int(hf.get("v_head_dim") or kwargs["kv_channels"]), hf.get("attention_value_scale", 0.707)
+        kwargs.update(
+            num_query_groups=sliding_kv, global_num_query_groups=full_kv,  # (the sliding layers' are the model's)
+            value_head_dim=value_dim if value_dim != kwargs["kv_channels"] else None,
+            value_scale=float(scale) if scale is not None and scale != 1.0 else None,
+            sink_layers=tuple(sliding_sinks if t == "sliding_attention" else full_sinks for t in hf["layer_types"]),
+            rotary_percent=fraction, rotary_base=full_base, rope_scaling=None,
+            sliding_rope_scaling={"rope_type": "default"} if sliding_base != full_base else None,
+            sliding_rotary_base=sliding_base if sliding_base != full_base else None,
+            extra={**kwargs.get("extra", {}), **windows})
     if is_reward_config(hf):  # a score head on the last hidden state; the LM head is never made or read
         kwargs.update(score_head=reward_labels(hf), tie_word_embeddings=True)
     if "extra" in overrides:

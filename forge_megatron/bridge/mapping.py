@@ -66,6 +66,7 @@ class Rule:
     tp: str = "rep"
     layers: str = "all"  # "dense" / "moe": only layers with a dense MLP / a MoE layer have it; "linear" / "full":
     # only Gated DeltaNet / full-attention layers of a hybrid model; "indexer": layers with their own DSA indexer;
+    # "sinks": layers with a sink logit per head (GPTConfig.sink_layers: MiMo-V2-Flash's sliding-window layers);
     # Gemma 4's kinds (_PER_KIND: several rules may name one Megatron tensor, each for its kind of layer): "local" /
     # "global" (sliding-window layers or not), "local_own" / "global_own" (and with keys and values of their own),
     # "kv_shared" / "kv_own" (reusing an earlier layer's keys and values, or not)
@@ -320,7 +321,31 @@ def _gemma4_moe_rules() -> list[Rule]:
     ]
 
 
+def _mimo_rules(cfg: GPTConfig) -> list[Rule]:
+    """MiMo-V2-Flash: q/k/v grouped per query group with each kind of layer's key heads (``qkv`` for the
+    sliding-window layers, ``qkv_global`` for the full-attention ones), the value heads narrower; the sink logits
+    (``attention_sink_bias``, as released and as transformers saves them) in the layers that have them."""
+    attn = HF_LAYER + "self_attn."
+    qkv = LAYER + "self_attention.linear_qkv."
+    rules = [
+        Rule(qkv + "weight", tuple(attn + f"{p}_proj.weight" for p in "qkv"), "qkv", "col", layers="local"),
+        Rule(qkv + "weight", tuple(attn + f"{p}_proj.weight" for p in "qkv"), "qkv_global", "col", layers="global"),
+        Rule(LAYER + "self_attention.core_attention.softmax_offset", (attn + "attention_sink_bias",), tp="col",
+             layers="sinks"),
+        Rule(LAYER + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), tp="row"),
+        Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
+        Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
+    ]
+    if cfg.add_qkv_bias:
+        rules[2:2] = [
+            Rule(qkv + "bias", tuple(attn + f"{p}_proj.bias" for p in "qkv"), "qkv", "col", layers="local"),
+            Rule(qkv + "bias", tuple(attn + f"{p}_proj.bias" for p in "qkv"), "qkv_global", "col", layers="global")]
+    return rules
+
+
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    if family.mimo:
+        return _with_mlp_and_ends(cfg, family, _mimo_rules(cfg))
     if family.gemma4:
         return _with_mlp_and_ends(cfg, family, _gemma4_rules(cfg))
     if family.kimi_delta:
@@ -541,6 +566,8 @@ class Bridge:
             return True
         if self.family.ernie and hf_name.startswith(self.hf_prefix + "mtp_"):  # ERNIE 4.5's (model.mtp_block.*)
             return True
+        if self.family.mimo and hf_name.startswith(self.hf_prefix + "mtp."):  # MiMo-V2-Flash's (model.mtp.*)
+            return True
         extra = int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_modules") or 0)
         m = re.match(re.escape(self.hf_prefix) + r"layers\.(\d+)\.", hf_name)
         return bool(extra and m) and self.cfg.num_layers <= int(m.group(1)) < self.cfg.num_layers + extra
@@ -581,6 +608,8 @@ class Bridge:
             return not (rule.layers.endswith("_own") and self.is_kv_shared_layer(layer))
         if rule.layers == "indexer":
             return not (self.cfg.dsa_shared_layers and self.cfg.dsa_shared_layers[layer])
+        if rule.layers == "sinks":  # (MiMo-V2-Flash: the sliding-window layers')
+            return bool(self.cfg.sink_layers and self.cfg.sink_layers[layer])
         if rule.layers in ("linear", "full"):
             return (rule.layers == "linear") == bool(self.cfg.linear_attention and self.cfg.linear_attention[layer])
         return rule.layers == "all" or (rule.layers == "moe") == self.is_moe_layer(layer)
@@ -722,6 +751,7 @@ class Bridge:
         if cfg.per_layer_attention and m and int(m.group(1)) < cfg.num_layers \
                 and self.is_global_layer(int(m.group(1))):
             h, g = cfg.global_kv_channels or h, cfg.global_num_query_groups or g  # Gemma 4's global layers
+        dv = cfg.value_head_dim or h  # (MiMo-V2-Flash's value heads are narrower)
         m = re.search(r"layers\.(\d+)\.mlp\.", hf_name)
         if cfg.layer_ffn_sizes and m and int(m.group(1)) < cfg.num_layers:
             f_layer = cfg.layer_ffn_sizes[int(m.group(1))]  # (Gemma 4's double-wide MLPs)
@@ -733,9 +763,10 @@ class Bridge:
         table = {
             "embed_tokens.weight": (self.hf_vocab, d), "lm_head.weight": (self.hf_vocab, d),
             "norm.weight": (d,), "layernorm.weight": (d,),
-            "q_proj.weight": (n * h, d), "k_proj.weight": (g * h, d), "v_proj.weight": (g * h, d),
-            "q_proj.bias": (n * h,), "k_proj.bias": (g * h,), "v_proj.bias": (g * h,),
-            "o_proj.weight": (d, n * h), "q_norm.weight": (h,), "k_norm.weight": (h,),
+            "q_proj.weight": (n * h, d), "k_proj.weight": (g * h, d), "v_proj.weight": (g * dv, d),
+            "q_proj.bias": (n * h,), "k_proj.bias": (g * h,), "v_proj.bias": (g * dv,),
+            "o_proj.weight": (d, n * dv), "q_norm.weight": (h,), "k_norm.weight": (h,),
+            "attention_sink_bias": (n,),
             "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f), "gate_up_proj.weight": (2 * f, d),
             "w1.weight": (f, d), "w3.weight": (f, d), "w2.weight": (d, f),
             "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
@@ -800,8 +831,9 @@ class Bridge:
     def _split_qkv(self, qkv):
         cfg = self.cfg
         q_per_g, h = cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim
-        grouped = qkv.reshape(cfg.num_query_groups, (q_per_g + 2) * h, *qkv.shape[1:])
-        q, k, v = grouped.split([q_per_g * h, h, h], dim=1)
+        dv = cfg.value_head_dim or h
+        grouped = qkv.reshape(cfg.num_query_groups, q_per_g * h + h + dv, *qkv.shape[1:])
+        q, k, v = grouped.split([q_per_g * h, h, dv], dim=1)
         return [t.reshape(-1, *qkv.shape[1:]) for t in (q, k, v)]
 
     def _join_qkv(self, q, k, v):
@@ -815,11 +847,12 @@ class Bridge:
                 2 if cfg.global_values_from_keys else 3)
 
     def _split_qkv_global(self, qkv):
-        """A Gemma 4 global layer's fused projection -> q, k (and v unless the values are the keys)."""
+        """A global (full-attention) layer's fused projection -> q, k (and v unless the values are the keys: Gemma
+        4), with that kind of layer's key heads."""
         g, h, parts = self._global_geometry()
         q_per_g = self.cfg.num_attention_heads // g
         grouped = qkv.reshape(g, -1, *qkv.shape[1:])
-        pieces = grouped.split([q_per_g * h] + [h] * (parts - 1), dim=1)
+        pieces = grouped.split([q_per_g * h, h] + [self.cfg.value_head_dim or h] * (parts - 2), dim=1)
         return [t.reshape(-1, *qkv.shape[1:]) for t in pieces]
 
     def _join_qkv_global(self, *parts):

@@ -60,16 +60,23 @@ class Gemma4SelfAttention(SelfAttention):
     ``kv_channels`` / ``num_query_groups``: this layer's head size and key heads (None: the model's);
     ``values_from_keys``: no value projection, the values are the projected keys (``attention_k_eq_v``);
     ``value_norm``: a scale-free RMSNorm on the values; ``rotary``: (base, fraction, factor) of this layer's
-    proportional RoPE, None to use the table it is handed."""
+    proportional RoPE, None to use the table it is handed.
+
+    MiMo-V2-Flash: ``value_channels``, value heads of their own size (its queries and keys have 192 channels, its
+    values 128: ``linear_qkv`` holds per query group the group's queries, its key, then its narrower value, and
+    ``linear_proj`` takes heads x value_channels); ``value_scale``, the values multiplied by it as projected;
+    ``softmax_type``, this layer's (``"learnable"``: a sink logit per head, in the sliding-window layers only)."""
 
     def __init__(self, config, submodules, layer_number, *args, kv_channels: int | None = None,
                  num_query_groups: int | None = None, values_from_keys: bool = False, value_norm: bool = False,
                  rotary: tuple[float, float, float] | None = None, kv_store: dict | None = None,
-                 kv_from: int | None = None, keep_kv: bool = False, **kwargs):
-        if kv_channels is not None or num_query_groups is not None:
+                 kv_from: int | None = None, keep_kv: bool = False, value_channels: int | None = None,
+                 value_scale: float | None = None, softmax_type: str | None = None, **kwargs):
+        if kv_channels is not None or num_query_groups is not None or softmax_type is not None:
             config = copy.copy(config)  # this layer's geometry; everything else is the model's
             config.kv_channels = kv_channels or config.kv_channels
             config.num_query_groups = num_query_groups or config.num_query_groups
+            config.softmax_type = softmax_type or config.softmax_type
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         tp = self.config.num_attention_heads // self.num_attention_heads_per_partition
         if self.config.num_query_groups % tp:
@@ -91,10 +98,36 @@ class Gemma4SelfAttention(SelfAttention):
                 init_method=self.config.init_method, gather_output=False,
                 bias=self.config.add_bias_linear or self.config.add_qkv_bias, skip_bias_add=False, is_expert=False,
                 tp_comm_buffer_name="qkv", tp_group=self.pg_collection.tp)
+        self.value_channels = value_channels if value_channels != self.hidden_size_per_attention_head else None
+        self.value_scale = value_scale
+        if self.value_channels is not None:
+            if values_from_keys or kv_from is not None or keep_kv:
+                raise ValueError("value heads of their own size need a value projection of their own")
+            self._value_heads_of_their_own(submodules, self.value_channels)
         self.value_norm_eps = self.config.layernorm_epsilon if value_norm else None
         # a plain attribute, not a buffer: Float16Module would round a buffer to bf16
         self.rotary_inv_freq = (proportional_inv_freq(self.hidden_size_per_attention_head, *rotary)
                                 if rotary is not None else None)
+
+    def _value_heads_of_their_own(self, submodules, dv: int) -> None:
+        """Rebuild ``linear_qkv`` ([queries, key, value] per query group, the value ``dv`` wide) and ``linear_proj``
+        (heads x ``dv`` in) for values whose heads differ in size from the queries' and keys' (Megatron sizes both
+        from ``kv_channels``)."""
+        from megatron.core.transformer.spec_utils import build_module
+
+        self.val_hidden_size = dv
+        self.linear_qkv_out_dim = self.query_projection_size + self.kv_projection_size + \
+            self.config.num_query_groups * dv
+        self.linear_qkv = submodules.linear_qkv(
+            self.config.hidden_size, self.linear_qkv_out_dim, config=self.config,
+            init_method=self.config.init_method, gather_output=False,
+            bias=self.config.add_bias_linear or self.config.add_qkv_bias, skip_bias_add=False, is_expert=False,
+            tp_comm_buffer_name="qkv", tp_group=self.pg_collection.tp)
+        self.linear_proj = build_module(
+            submodules.linear_proj, self.config.num_attention_heads * dv, self.config.hidden_size,
+            config=self.config, init_method=self.config.output_layer_init_method, bias=self.config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj",
+            tp_group=self.pg_collection.tp)
 
     def forward(self, *args, **kwargs):
         table = kwargs.get("rotary_pos_emb")
@@ -112,11 +145,12 @@ class Gemma4SelfAttention(SelfAttention):
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True,
                                     **kwargs):
-        if not self.values_from_keys and self.value_norm_eps is None and self.kv_from is None and not self.keep_kv:
+        if not self.values_from_keys and self.value_norm_eps is None and self.kv_from is None and not self.keep_kv \
+                and self.value_channels is None and self.value_scale is None:
             return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate=output_gate,
                                                        split_qkv=split_qkv, **kwargs)
         if key_value_states is not None or output_gate or not split_qkv:
-            raise ValueError("Gemma 4 attention: self-attention with the unfused q/k/v split only (no output gate, "
+            raise ValueError("per-layer attention: self-attention with the unfused q/k/v split only (no output gate, "
                              "no cross-attention, no fused single-QKV RoPE)")
         mixed, _ = self.linear_qkv(hidden_states)
         groups = self.num_query_groups_per_partition
@@ -136,7 +170,7 @@ class Gemma4SelfAttention(SelfAttention):
             query, key = mixed.split([per_group * d, d], dim=-1)
             value = key  # the keys as projected: the key norm and RoPE come after
         else:
-            query, key, value = mixed.split([per_group * d, d, d], dim=-1)
+            query, key, value = mixed.split([per_group * d, d, self.value_channels or d], dim=-1)
         query = query.reshape(*query.shape[:2], -1, d)
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
@@ -144,6 +178,8 @@ class Gemma4SelfAttention(SelfAttention):
             key = self.k_layernorm(key)
         if self.value_norm_eps is not None:
             value = _rms(value, self.value_norm_eps)
+        if self.value_scale is not None:  # (MiMo-V2-Flash: in the activations' dtype, as transformers scales them)
+            value = value * self.value_scale
         key, value = key.contiguous(), value.contiguous()
         if self.keep_kv:
             self.kv_store[self.layer_number - 1] = (key, value)

@@ -128,6 +128,13 @@ class GPTConfig:
     global_rotary: tuple[float, float, float] | None = None
     value_norm: bool = False
     layer_scalars: bool = False
+    # MiMo-V2-Flash (mcore/gemma4.py's per-layer attention): value heads of value_head_dim channels where they differ
+    # from the query / key heads' kv_channels (None: the same), the values multiplied by value_scale as projected
+    # (None: not scaled), and a learned sink logit per head in the layers sink_layers marks (None: every layer or
+    # none, as extra's softmax_type says)
+    value_head_dim: int | None = None
+    value_scale: float | None = None
+    sink_layers: tuple[bool, ...] | None = None
     # Gemma 4 E2B / E4B: per-layer inputs of this width from their own embedding table of per_layer_input_vocab rows
     # (0: none); kv_shared_from[i]: the earlier layer whose keys and values layer i reuses (None: its own); each
     # layer's MLP width where they differ (the KV-shared layers' double-wide MLP); all in mcore/gemma4.py
@@ -254,7 +261,8 @@ class GPTConfig:
                 raise ValueError("global-layer attention settings (Gemma 4) need sliding-window layers beside them "
                                  "(extra window_size / window_attn_skip_freq)")
             if self.multi_latent_attention or self.hybrid or self.attention_output_gate or self.qk_layernorm_all_heads:
-                raise ValueError("Gemma 4's attention is standard attention with per-head q/k norms")
+                raise ValueError("per-layer attention (Gemma 4, MiMo-V2-Flash) is standard attention, with per-head "
+                                 "q/k norms if any")
             if self.global_rotary is not None and self.rope_scaling is not None:
                 raise ValueError("global_rotary reads positions off the model's table: the local layers' RoPE must "
                                  "be plain (rope_scaling None)")
@@ -262,6 +270,15 @@ class GPTConfig:
             if self.num_attention_heads % groups:
                 raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                                  f"global_num_query_groups ({groups})")
+        if self.sink_layers is not None:
+            self.sink_layers = tuple(bool(x) for x in self.sink_layers)
+            if len(self.sink_layers) != self.num_layers or self.extra.get("softmax_type") not in (None, "vanilla"):
+                raise ValueError(f"sink_layers has {len(self.sink_layers)} entries for {self.num_layers} layers (and "
+                                 "replaces extra's softmax_type)")
+        if self.value_head_dim is not None and (self.value_head_dim < 1 or self.global_values_from_keys
+                                                or self.kv_shared_from is not None):
+            raise ValueError(f"value_head_dim ({self.value_head_dim}) must be >= 1, with values projected in every "
+                             "layer (not global_values_from_keys or kv_shared_from)")
         if self.kv_shared_from is not None:
             if len(self.kv_shared_from) != self.num_layers or any(
                     src is not None and not 0 <= src < i for i, src in enumerate(self.kv_shared_from)):
@@ -284,9 +301,11 @@ class GPTConfig:
 
     @property
     def per_layer_attention(self) -> bool:
-        """Gemma 4's attention (mcore/gemma4.py): some layers' geometry or RoPE differ, or values are normed."""
+        """Per-layer attention (mcore/gemma4.py): some layers' geometry, RoPE or sinks differ, or values are normed,
+        scaled or of their own head size (Gemma 4, MiMo-V2-Flash)."""
         return bool(self.global_kv_channels or self.global_num_query_groups or self.global_values_from_keys
-                    or self.global_rotary or self.value_norm or self.kv_shared_from or self.layer_ffn_sizes)
+                    or self.global_rotary or self.value_norm or self.kv_shared_from or self.layer_ffn_sizes
+                    or self.value_head_dim or self.value_scale is not None or self.sink_layers)
 
     @property
     def hybrid(self) -> bool:
@@ -443,11 +462,15 @@ def transformer_config(cfg: GPTConfig, **overrides):
     return config_class(**kwargs)
 
 
-class LatentCoreAttention(torch.nn.Module):
-    """Causal core attention for multi-latent attention in the local spec (Megatron's ``DotProductAttention``
-    assumes one head size; MLA's query/key heads are wider than its value heads). Inputs [s, b, heads, dim] as
-    Megatron's MLA hands them, with the boolean mask convention (True = masked; None = causal). Training uses
-    TreeAttention instead (tree_attention.py); this serves the plain causal model (conversion checks, evaluation)."""
+class CausalCoreAttention(torch.nn.Module):
+    """Causal core attention of the local spec where Megatron's ``DotProductAttention`` assumes one head size:
+    multi-latent attention (query/key heads wider than its value heads) and MiMo-V2-Flash (values of their own head
+    size, grouped keys and values, sliding windows, sink logits in some layers). Inputs [s, b, heads, dim] as the
+    attention hands them, with the boolean mask convention (True = masked; None = causal). ``softmax_offset``: the
+    layer's learned sink logit per head where its config's ``softmax_type`` is ``"learnable"`` (split over TP with
+    the heads, as :class:`~forge_megatron.mcore.tree_attention.TreeAttention`'s, whose name it has). Training uses
+    TreeAttention instead (tree_attention.py); this serves the plain causal model (conversion checks,
+    evaluation)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -455,27 +478,53 @@ class LatentCoreAttention(torch.nn.Module):
                  v_channels: int | None = None):
         super().__init__()
         if config.context_parallel_size > 1:
-            raise ValueError("the causal multi-latent attention model has no context parallelism (the tree model has)")
+            raise ValueError("the causal model of this attention has no context parallelism (the tree model has)")
+        from forge_megatron.mcore.tree_attention import _layer_window
+
         self.config = config
         self.softmax_scale = softmax_scale
+        self.window = _layer_window(config, max(1, layer_number))
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type == "learnable":
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif softmax_type == "vanilla":
+            self.softmax_offset = None
+        else:
+            raise ValueError(f"causal core attention: softmax_type {softmax_type!r} is not supported (vanilla, "
+                             "learnable)")
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if packed_seq_params is not None:
-            raise ValueError("the causal multi-latent attention model takes no packed sequences (use the tree model)")
+            raise ValueError("the causal core attention takes no packed sequences (use the tree model)")
         s, b = query.shape[:2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, dim]
-        if attention_mask is None:
+        if k.shape[1] != q.shape[1]:  # grouped keys and values: each serves heads / groups query heads
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        if attention_mask is None and not self.window and self.softmax_offset is None:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        else:
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask,
-                                                                 scale=self.softmax_scale)
-        return o.permute(2, 0, 1, 3).reshape(s, b, -1)
+            return o.permute(2, 0, 1, 3).reshape(s, b, -1)
+        masked = attention_mask if attention_mask is not None else \
+            torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        if self.window:  # a query sees itself and the window - 1 keys before it
+            masked = masked | torch.ones(s, s, dtype=torch.bool, device=q.device).tril(-self.window)
+        if self.softmax_offset is None:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~masked, scale=self.softmax_scale)
+            return o.permute(2, 0, 1, 3).reshape(s, b, -1)
+        scale = self.softmax_scale or q.shape[-1] ** -0.5
+        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(masked, float("-inf"))
+        sink = self.softmax_offset.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink takes its share
+        return (probs.to(v.dtype) @ v).permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 def _local_mla(spec):
     """``spec`` (a layer or block spec) with multi-latent attention made trainable in the local spec: the core
-    attention :class:`LatentCoreAttention`, and the down projections replicated linears (what Transformer Engine's
+    attention :class:`CausalCoreAttention`, and the down projections replicated linears (what Transformer Engine's
     spec uses too). Megatron's local spec makes them column-parallel and all-gathers their outputs, whose backward
     keeps only this rank's slice of the rotated key's gradient although every TP rank's heads use the whole of it:
     under TP the shared-key projection would train on a fraction of its gradient. Replicated, the rotated key is
@@ -485,7 +534,7 @@ def _local_mla(spec):
     from megatron.core.post_training.modelopt.layers import Linear
 
     def local(attn_subs):
-        swap = {"core_attention": LatentCoreAttention, "linear_kv_down_proj": Linear}
+        swap = {"core_attention": CausalCoreAttention, "linear_kv_down_proj": Linear}
         if attn_subs.linear_q_down_proj is not None:
             swap["linear_q_down_proj"] = Linear
         return swap
@@ -531,6 +580,8 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         spec = with_router(spec)
     if cfg.per_layer_attention:
         spec = _per_layer_attention_spec(cfg, spec, vp_stage)
+    if cfg.value_head_dim or cfg.sink_layers:  # (MiMo-V2-Flash; the tree model swaps in TreeAttention)
+        spec = _with_attention_submodules(spec, lambda subs: {"core_attention": CausalCoreAttention})
     if cfg.hybrid:  # (OLMo Hybrid: post-norm attention layers, pre-norm Gated DeltaNet ones)
         spec = _hybrid_block_spec(cfg, spec, pre_norm if cfg.linear_pre_norm else spec, vp_stage)
     if cfg.qk_norm_after_rope:
@@ -559,9 +610,11 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
 
 
 def _per_layer_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
-    """The block spec of this pipeline stage's layers of a Gemma 4 model: each layer's self-attention a
-    :class:`~forge_megatron.mcore.gemma4.Gemma4SelfAttention`, the global (not sliding-window) ones with their own
-    geometry, values and RoPE."""
+    """The block spec of this pipeline stage's layers of a model whose attention differs by layer (Gemma 4,
+    MiMo-V2-Flash): each layer's self-attention a :class:`~forge_megatron.mcore.gemma4.Gemma4SelfAttention`, the global
+    (not sliding-window) ones with their own geometry, values and RoPE, the layers ``sink_layers`` marks with a learned
+    sink logit per head. ``spec``: one layer spec for every layer, or a MoE model's block spec (its dense first
+    layers: this stage's layers)."""
     import dataclasses
 
     from megatron.core.transformer import transformer_block as tb
@@ -570,11 +623,12 @@ def _per_layer_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
 
     from forge_megatron.mcore.gemma4 import attention_spec
 
-    if hasattr(spec, "layer_specs"):
-        raise ValueError("per-layer attention (Gemma 4) in a block spec (a MoE model with dense layers) is not "
-                         "supported")
     tcfg = transformer_config(cfg)
     offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
+    count = tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage)
+    bases = spec.layer_specs if hasattr(spec, "layer_specs") else [spec] * count
+    if len(bases) != count:
+        raise ValueError(f"the block spec has {len(bases)} layers, this stage {count}")
     shared = cfg.kv_shared_from or (None,) * cfg.num_layers
     if any(x is not None for x in shared):
         from megatron.core import parallel_state as ps
@@ -583,22 +637,26 @@ def _per_layer_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
             raise ValueError("KV sharing across layers (Gemma 4 E2B / E4B): train without pipeline parallelism")
     kv_store = {}  # this model's keys and values of the layers others reuse, per forward
     layer_specs = []
-    for number in range(offset + 1, offset + tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage) + 1):
-        params = {"value_norm": cfg.value_norm}
+    for number, base in zip(range(offset + 1, offset + count + 1), bases):
+        params = {"value_norm": cfg.value_norm, "value_channels": cfg.value_head_dim, "value_scale": cfg.value_scale}
+        if cfg.sink_layers is not None:
+            params["softmax_type"] = "learnable" if cfg.sink_layers[number - 1] else "vanilla"
         if not is_layer_window_attention(tcfg.window_size, tcfg.window_attn_skip_freq, number):
             params.update(kv_channels=cfg.global_kv_channels, num_query_groups=cfg.global_num_query_groups,
                           values_from_keys=cfg.global_values_from_keys, rotary=cfg.global_rotary)
         if shared[number - 1] is not None or number - 1 in shared:
             params.update(kv_store=kv_store, kv_from=shared[number - 1], keep_kv=number - 1 in shared)
-        attn = attention_spec(spec.submodules.self_attention, **params)
-        subs = dataclasses.replace(spec.submodules, self_attention=attn)
+        attn = attention_spec(base.submodules.self_attention, **params)
+        subs = dataclasses.replace(base.submodules, self_attention=attn)
         if cfg.layer_ffn_sizes is not None and cfg.layer_ffn_sizes[number - 1] != cfg.ffn_hidden_size:
             from forge_megatron.mcore.gemma4 import WidthMLP
 
             subs = dataclasses.replace(subs, mlp=dataclasses.replace(
                 subs.mlp, module=WidthMLP,
                 params={**(subs.mlp.params or {}), "ffn_hidden_size": cfg.layer_ffn_sizes[number - 1]}))
-        layer_specs.append(dataclasses.replace(spec, submodules=subs))
+        layer_specs.append(dataclasses.replace(base, submodules=subs))
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=layer_specs)
     return tb.TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=tb.LayerNormImpl)
 
 

@@ -41,7 +41,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "gemma3", "gemma3_vl", "qwen3_vl", "qwen3_vl_moe", "smollm3", "seed_oss", "glm4", "kimi_k25", "glm4v",
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
-         "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe")
+         "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe",
+         "mimo_v2_flash")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -425,6 +426,22 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                                                     "rope_theta": 1000000.0}}},
         ),
     }
+    # MiMo-V2-Flash layout: three layers, full / sliding-window (a query and the 3 keys before it) / full; query and
+    # key heads of 24 channels, values of 16 (scaled by 0.707), RoPE on a third of each head with a base per kind;
+    # the sliding layer with twice the key heads (4) and a sink logit per head; layer 0 dense, then DeepSeek-V3's
+    # grouped sigmoid routing (2 groups, 1 chosen) without shared experts
+    per_arch["mimo_v2_flash"] = (
+        transformers.MiMoV2FlashConfig,
+        {"num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 24, "v_head_dim": 16,
+         "attention_value_scale": 0.707, "sliding_window": 4,
+         "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+         "mlp_layer_types": ["dense", "sparse", "sparse"], "n_routed_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+         "routed_scaling_factor": 2.5,
+         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5000000.0,
+                                                "partial_rotary_factor": 0.334},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.334}}})
     # Gemma 4 26B-A4B layout: the same, with 4 routed experts (2 per token, 32 wide) beside the dense MLP in every
     # layer
     per_arch["gemma4_moe"] = (transformers.Gemma4TextConfig,

@@ -181,7 +181,7 @@ def _body_one_rank(rank, world_size):
                       ("ministral3", "Ministral3ForCausalLM"), ("gemma4", "Gemma4ForCausalLM"),
                       ("gemma4_moe", "Gemma4ForCausalLM"), ("gemma4_e", "Gemma4ForCausalLM"),
                       ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"), ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
-                      ("olmoe", "OlmoeForCausalLM")):
+                      ("olmoe", "OlmoeForCausalLM"), ("mimo_v2_flash", "MiMoV2FlashForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 3 with final-logit soft-capping (Gemma 4's): the fused logprobs cap the chunks they make, Megatron's output
@@ -479,7 +479,7 @@ def test_olmo3_tree_equals_unmerged(one_rank):
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "smollm3", "glm4", "ministral3", "gemma4", "gemma4_moe", "gemma4_e",
-                                  "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe"])
+                                  "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe", "mimo_v2_flash"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,
@@ -548,7 +548,7 @@ def test_glm4_moe_tree_equals_unmerged(one_rank):
 def test_multi_latent_attention_tree_equals_unmerged(one_rank):
     """DeepSeek-V3's MLA (query/key heads 24 wide, value heads 12) with YaRN: tree == each sample alone, and
     rotating by packed offset instead of depth is visibly wrong (the per-layer rotary hooks do the work)."""
-    assert one_rank["deepseek_v3_modules"] == ["TreeAttention", "LatentCoreAttention"]
+    assert one_rank["deepseek_v3_modules"] == ["TreeAttention", "CausalCoreAttention"]
     logp, ent, grad, _, _ = one_rank["deepseek_v3"]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["deepseek_v3"]
     assert one_rank["deepseek_v3_by_offset"] > 20 * LOGP_ATOL
