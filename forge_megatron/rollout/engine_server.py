@@ -641,7 +641,7 @@ def _in_memory_name(name: str) -> str:
     their vision-language models hold them (``model.language_model.``, ``lm_head``), and LLaVA-style towers
     (``vision_tower.*``, Gemma 3's SigLIP released as ``vision_tower.vision_model.*``, ``multi_modal_projector.*``)
     as ``model.vision_tower.*`` / ``model.multi_modal_projector.*``; ERNIE 4.5's ``mlp.moe_statics.*`` as
-    ``mlp.gate.moe_statics.*``."""
+    ``mlp.gate.moe_statics.*``; MiMo-V2-Flash's ``self_attn.attention_sink_bias`` as ``self_attn.sinks``."""
     if name.startswith("model.language_model."):
         name = "model." + name[len("model.language_model."):]
     elif name.startswith("vision_tower.vision_model."):  # Gemma 3's SigLIP tower as released (SGLang's names)
@@ -656,7 +656,8 @@ def _in_memory_name(name: str) -> str:
     if m is not None:
         return f"{m.group(1)}.mlp.experts.{m.group(2)}.{_MIXTRAL_PROJ[m.group(3)]}.weight"
     # (ERNIE 4.5's score-correction bias: beside the router on disk, inside it in transformers)
-    return name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.moe_statics.", ".mlp.gate.moe_statics.")
+    return name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.moe_statics.", ".mlp.gate.moe_statics.") \
+        .replace(".self_attn.attention_sink_bias", ".self_attn.sinks")
 
 
 def _whole_vl_name(name: str) -> str:

@@ -504,3 +504,67 @@ def test_sparse_attention_releases_configs_as_published():
             Bridge({**glm5, key: value})
     with pytest.raises(UnsupportedModelError, match="DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM"):
         Bridge({**dsv32, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"})
+
+
+def _mimo_released():
+    """MiMo-V2-Flash's config.json as released (its own field names; the layer pattern transformers assumes)."""
+    n = 48
+    pattern = [0 if i == 0 or (i + 1) % 6 == 0 else 1 for i in range(n)]
+    return {"architectures": ["MiMoV2FlashForCausalLM"], "model_type": "mimo_v2_flash", "num_hidden_layers": n,
+            "hidden_size": 4096, "intermediate_size": 16384, "num_attention_heads": 64, "num_key_value_heads": 4,
+            "head_dim": 192, "v_head_dim": 128, "vocab_size": 152576, "max_position_embeddings": 131072,
+            "rope_theta": 5000000, "swa_rope_theta": 10000, "partial_rotary_factor": 0.334, "rope_scaling": None,
+            "layernorm_epsilon": 1e-5, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+            "hybrid_layer_pattern": pattern, "sliding_window_size": 128, "sliding_window": 128,
+            "swa_num_attention_heads": 64, "swa_num_key_value_heads": 8, "swa_head_dim": 192, "swa_v_head_dim": 128,
+            "add_swa_attention_sink_bias": True, "add_full_attention_sink_bias": False,
+            "attention_value_scale": 0.707, "moe_layer_freq": [0] + [1] * (n - 1), "n_routed_experts": 256,
+            "moe_intermediate_size": 2048, "num_experts_per_tok": 8, "scoring_func": "sigmoid",
+            "n_shared_experts": None, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+            "norm_topk_prob": True, "routed_scaling_factor": None}
+
+
+def test_mimo_v2_flash_config_as_released_and_as_transformers_writes_it():
+    """MiMo-V2-Flash read from its released config.json (hybrid_layer_pattern, swa_*, moe_layer_freq,
+    sliding_window_size, sink flags) maps to the model transformers builds from its own defaults (the same
+    release): sliding layers with 8 key heads and sinks, full ones with 4, 192-channel query/key heads with 128-channel
+    values, RoPE per kind; and the shapes of every attention tensor follow the layer's kind."""
+    from transformers import MiMoV2FlashConfig
+
+    released = Bridge(_mimo_released())
+    cfg = released.cfg
+    ours = Bridge({**MiMoV2FlashConfig().to_dict(), "architectures": ["MiMoV2FlashForCausalLM"]}).cfg
+    assert cfg == ours
+    assert (cfg.num_query_groups, cfg.global_num_query_groups, cfg.head_dim, cfg.value_head_dim) == (8, 4, 192, 128)
+    assert cfg.value_scale == 0.707 and cfg.rotary_dim == 64 and cfg.extra["window_size"] == (128, 0)
+    assert (cfg.rotary_base, cfg.sliding_rotary_base, cfg.norm_epsilon) == (5e6, 1e4, 1e-5)
+    assert cfg.sink_layers == tuple(bool(x) for x in _mimo_released()["hybrid_layer_pattern"])
+    assert cfg.moe_dense_layers == 1 and cfg.moe_shared_ffn_hidden_size is None and cfg.num_moe_experts == 256
+    assert released.hf_shape("model.layers.1.self_attn.k_proj.weight") == (8 * 192, 4096)  # sliding
+    assert released.hf_shape("model.layers.5.self_attn.k_proj.weight") == (4 * 192, 4096)  # full
+    assert released.hf_shape("model.layers.1.self_attn.v_proj.weight") == (8 * 128, 4096)
+    assert released.hf_shape("model.layers.0.self_attn.o_proj.weight") == (4096, 64 * 128)
+    names = set(released.canonical_names())
+    assert "decoder.layers.1.self_attention.core_attention.softmax_offset" in names
+    assert "decoder.layers.5.self_attention.core_attention.softmax_offset" not in names
+    assert released.hf_names("decoder.layers.1.self_attention.core_attention.softmax_offset") == \
+        ["model.layers.1.self_attn.attention_sink_bias"]
+    assert released.is_left_out("model.mtp.layers.0.self_attn.q_proj.weight")
+    released.check_layout(ParallelLayout(tp=4, ep=8))
+    with pytest.raises(ValueError, match="tp=8 does not divide global_num_query_groups=4"):
+        released.check_layout(ParallelLayout(tp=8))
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"swa_head_dim": 128}, "swa_head_dim=128 differs"),
+    ({"n_shared_experts": 1}, "without shared experts"),
+    ({"scoring_func": "softmax"}, "sigmoid router"),
+    ({"partial_rotary_factor": 0.5, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}}},
+     "rotated fractions"),
+    ({"moe_layer_freq": [1, 0] + [1] * 46}, "not some dense layers then MoE"),
+])
+def test_mimo_v2_flash_options_megatron_cannot_match_are_refused(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        Bridge({**_mimo_released(), **change})
