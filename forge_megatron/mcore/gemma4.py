@@ -1,5 +1,7 @@
 """Gemma 4 in Megatron-Core (the text model: Gemma4ForCausalLM, and the language model of
-Gemma4ForConditionalGeneration): its attention, layer scalars, per-layer inputs, KV sharing and MoE block.
+Gemma4ForConditionalGeneration): its attention, layer scalars, per-layer inputs, KV sharing and MoE block. Its
+per-layer attention also builds MiMo-V2-Flash's layers (value heads of their own size, scaled values, sinks in some
+layers: :class:`Gemma4SelfAttention`'s ``value_channels``, ``value_scale``, ``softmax_type``).
 
 Gemma 4 interleaves local layers (a sliding window, plain RoPE of base 10k on heads of ``head_dim``) with global
 ones that have their own geometry: heads of ``global_head_dim`` (512), ``num_global_key_value_heads`` key heads and,

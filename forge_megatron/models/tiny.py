@@ -429,11 +429,12 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
     # MiMo-V2-Flash layout: three layers, full / sliding-window (a query and the 3 keys before it) / full; query and
     # key heads of 24 channels, values of 16 (scaled by 0.707), RoPE on a third of each head with a base per kind;
     # the sliding layer with twice the key heads (4) and a sink logit per head; layer 0 dense, then DeepSeek-V3's
-    # grouped sigmoid routing (2 groups, 1 chosen) without shared experts
+    # grouped sigmoid routing (2 groups, 1 chosen) without shared experts; biases on q / k / v (the release has none:
+    # they test the grouped split of the fused bias)
     per_arch["mimo_v2_flash"] = (
         transformers.MiMoV2FlashConfig,
         {"num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 24, "v_head_dim": 16,
-         "attention_value_scale": 0.707, "sliding_window": 4,
+         "attention_value_scale": 0.707, "sliding_window": 4, "attention_bias": True,
          "layer_types": ["full_attention", "sliding_attention", "full_attention"],
          "mlp_layer_types": ["dense", "sparse", "sparse"], "n_routed_experts": 4, "num_experts_per_tok": 2,
          "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
