@@ -99,6 +99,16 @@ full-attention layers' key heads as Gemma 4's global ones). The MLPs: the first 
 ``mlp_layer_types``), the others DeepSeek-V3's sigmoid router with a score-correction bias, no shared expert. The MTP
 layers (``model.mtp.*``) are left out.
 
+MiniMax-M3 (``minimax_m3``: MiniMaxM3SparseForConditionalGeneration as released; its language model, text-only RL):
+MiniMax-M2's Mixtral checkpoint names and sigmoid router with a score-correction bias, now with
+``routed_scaling_factor`` on the routed experts and a shared expert (``shared_intermediate_size``) beside them, the first
+layers dense (``moe_layer_freq`` / ``mlp_layer_types``: an MLP of ``dense_intermediate_size``); every MLP gpt-oss's
+clamped SwiGLU ((clamp(up) + 1) * g * sigmoid(1.702 g), g = clamp(gate, max=7): ``swigluoai``) on non-interleaved
+weights; per-head q/k RMSNorms; every norm scaling by (1 + weight); RoPE on the first ``partial_rotary_factor`` of each
+head. The layers ``sparse_attention_freq`` (transformers: ``layer_types`` ``minimax_m3_sparse``) marks have a lightning
+indexer choosing, per query and key head, ``sparse_topk_blocks`` blocks of ``sparse_block_size`` positions to attend
+to (mcore/block_sparse.py). The vision tower, its projector and patch merger are copied on export, not trained.
+
 Router equivalence used for Qwen3-MoE: HF computes ``p = softmax(z)``, keeps the top-k and, with
 ``norm_topk_prob``, divides by their sum, which equals Megatron's ``softmax(topk(z))``
 (``moe_router_pre_softmax=False``); without ``norm_topk_prob`` HF keeps the un-normalised top-k of the softmax,
@@ -158,6 +168,9 @@ class Family:
     # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): a lightning indexer per layer picks each query's ``index_topk``
     # keys (mcore/dsa.py); GLM's indexer rotates interleaved pairs and its "shared" layers reuse an earlier selection
     dsa: bool = False
+    # MiniMax-M3: M2's names and router with a shared expert, scaling and dense first layers, gpt-oss's clamped SwiGLU,
+    # per-head zero-centred q/k norms, block-sparse attention layers (minimax_m3_view; mcore/block_sparse.py)
+    minimax_m3: bool = False
     # Mistral Small 4: DeepSeek-V3's MoE layout (shared experts, the first layers dense) with a softmax router and no
     # score-correction bias
     softmax_router: bool = False
@@ -273,6 +286,12 @@ FAMILIES: dict[str, Family] = {
     # Hunyuan (dense; A13B MoE): see the module docstring
     "HunYuanDenseV1ForCausalLM": Family("hunyuan_v1_dense", qkv_bias=False, qk_norm=True, moe=False, hunyuan=True),
     "HunYuanMoEV1ForCausalLM": Family("hunyuan_v1_moe", qkv_bias=False, qk_norm=True, moe=True, hunyuan=True),
+    # MiniMax-M3 as released: the language model under language_model.model. (head language_model.lm_head) beside a
+    # vision tower, its projector and patch merger (see the module docstring)
+    "MiniMaxM3SparseForConditionalGeneration": Family(
+        "minimax_m3", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True, minimax_m3=True, multimodal=True,
+        text_prefix="language_model.model.", head_name="language_model.lm_head.weight",
+        vision_prefixes=("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")),
     # MiMo-V2-Flash (309B-A15B): see the module docstring
     "MiMoV2FlashForCausalLM": Family("mimo_v2_flash", qkv_bias=None, qk_norm=False, moe=True, sigmoid_router=True,
                                      mimo=True),
@@ -511,7 +530,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral configs have none)")
-    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "gemma4", "mimo_v2_flash") \
+    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "gemma4", "mimo_v2_flash",
+                                                         "minimax_m3") \
             and not family.gated_delta \
             and not family.mla:  # (MLA rotates qk_rope_head_dim channels: Mistral 4 states it as this fraction)
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
@@ -875,6 +895,88 @@ def _softmax_router(hf: dict, scaling: float) -> dict:
             "moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None}
 
 
+MINIMAX_M3_INDEX = {"index_n_heads": ("sparse_num_index_heads", 4), "index_head_dim": ("sparse_index_dim", 128),
+                    "index_block_size": ("sparse_block_size", 128), "index_topk_blocks": ("sparse_topk_blocks", 16),
+                    "index_local_blocks": ("sparse_local_block", 1)}
+"""MiniMax-M3's indexer fields as transformers names them: (the release's name in ``sparse_attention_config``, the
+default)."""
+
+
+def minimax_m3_view(hf: dict) -> dict:
+    """A MiniMax-M3 language model's config, as released (``sparse_attention_config``, ``moe_layer_freq``,
+    ``hidden_act: swigluoai``, ``rope_theta`` / ``partial_rotary_factor`` / ``rotary_dim``) or as transformers writes it
+    (``layer_types``, ``mlp_layer_types``, ``index_*``, ``rope_parameters``), read into ``layer_types``,
+    ``mlp_layer_types``, the ``index_*`` fields, ``first_k_dense_replace``, ``partial_rotary_factor`` and
+    ``rope_theta``; anything transformers' model would compute otherwise is refused."""
+    n = hf["num_hidden_layers"]
+    sparse = dict(hf.get("sparse_attention_config") or {})
+    if hf.get("layer_types"):
+        types = list(hf["layer_types"])
+    elif sparse.get("sparse_attention_freq") is not None:
+        types = ["minimax_m3_sparse" if f else "full_attention" for f in sparse["sparse_attention_freq"]]
+    else:
+        types = ["full_attention"] * n
+    if len(types) != n or not set(types) <= {"full_attention", "minimax_m3_sparse"}:
+        raise UnsupportedModelError(f"layer_types {types}: one per layer ({n}), full_attention or minimax_m3_sparse")
+    if sparse.get("use_sparse_attention") is False and "minimax_m3_sparse" in types:
+        raise UnsupportedModelError("sparse_attention_config says use_sparse_attention=false beside sparse layers "
+                                    "(sparse_attention_freq): transformers would still run them sparse")
+    index_value = sparse.get("sparse_disable_index_value")
+    if index_value is not None and any(t == "minimax_m3_sparse" and not v for t, v in zip(types, index_value)):
+        raise UnsupportedModelError("sparse_disable_index_value=0 on a sparse layer (the indexer's value path) is not "
+                                    "supported: transformers implements the released layers, whose value path is off")
+    if hf.get("mlp_layer_types"):
+        mlp = list(hf["mlp_layer_types"])
+    elif hf.get("moe_layer_freq") is not None:
+        mlp = ["sparse" if f else "dense" for f in hf["moe_layer_freq"]]
+    else:
+        mlp = ["sparse"] * n
+    index = {flat: sparse[legacy] if legacy in sparse else hf.get(flat, default)
+             for flat, (legacy, default) in MINIMAX_M3_INDEX.items()}
+    act = hf.get("hidden_act") or "silu"
+    if act not in ("swigluoai", "silu"):  # (transformers writes silu, the SwiGLU-OAI gate computed inline)
+        raise UnsupportedModelError(f"hidden_act {act!r}: MiniMax-M3's MLPs are SwiGLU-OAI (swigluoai) only")
+    if float(hf.get("swiglu_alpha", 1.702)) != 1.702:
+        raise UnsupportedModelError(f"swiglu_alpha={hf['swiglu_alpha']} is not supported (Megatron's quick_gelu uses "
+                                    "1.702, MiniMax-M3's value)")
+    if hf.get("qk_norm_type", "per_head") != "per_head" or hf.get("use_qk_norm") is False:
+        raise UnsupportedModelError(f"qk_norm_type={hf.get('qk_norm_type')!r}, use_qk_norm={hf.get('use_qk_norm')}: "
+                                    "MiniMax-M3 normalises each query / key head (per_head), as transformers does")
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("use_routing_bias") is False:
+        raise UnsupportedModelError(f"scoring_func={hf.get('scoring_func')!r}, use_routing_bias="
+                                    f"{hf.get('use_routing_bias')}: only the sigmoid router with a score-correction "
+                                    "bias (MiniMax-M3's) is supported")
+    if hf.get("n_shared_experts", 1) != 1 or not hf.get("shared_intermediate_size", 3072):
+        raise UnsupportedModelError(f"n_shared_experts={hf.get('n_shared_experts')}, shared_intermediate_size="
+                                    f"{hf.get('shared_intermediate_size')}: MiniMax-M3's MoE layers have one shared "
+                                    "expert (transformers builds one whatever n_shared_experts says)")
+    if index["index_n_heads"] != hf["num_key_value_heads"]:
+        raise UnsupportedModelError(f"index_n_heads={index['index_n_heads']} with {hf['num_key_value_heads']} key "
+                                    "heads: the indexer chooses blocks per key head (one indexer head each)")
+    params = rope_parameters(hf)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind != "default" or hf.get("rope_scaling"):
+        raise UnsupportedModelError(f"RoPE {kind!r}: MiniMax-M3's RoPE is plain (default)")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    rotary_dim = hf.get("rotary_dim")
+    if rotary_dim is not None and int(head_dim * float(factor or 1.0)) != int(rotary_dim):
+        raise UnsupportedModelError(
+            f"rotary_dim={rotary_dim} with partial_rotary_factor={factor} (heads of {head_dim}): transformers rotates "
+            f"{int(head_dim * float(factor or 1.0))} channels of each head, rotary_dim says {rotary_dim}; give "
+            f"partial_rotary_factor {rotary_dim / head_dim} (as MiniMax-M3's release does) so that both agree")
+    out = {**hf, **index, "layer_types": types, "mlp_layer_types": mlp, "hidden_act": "silu",
+           "partial_rotary_factor": float(factor or 1.0), "rope_theta": rope_theta(hf), "norm_topk_prob": True,
+           "num_key_value_heads": hf["num_key_value_heads"]}
+    out["first_k_dense_replace"] = dense_layers(out)
+    if index["index_local_blocks"] > index["index_topk_blocks"] or index["index_head_dim"] < int(
+            head_dim * out["partial_rotary_factor"]):
+        raise UnsupportedModelError(f"index_local_blocks={index['index_local_blocks']} must not exceed "
+                                    f"index_topk_blocks={index['index_topk_blocks']}, and index_head_dim "
+                                    f"({index['index_head_dim']}) must hold the rotated channels")
+    return out
+
+
 def dense_layers(hf: dict) -> int:
     """How many first layers of a DeepSeek-style MoE model have a dense MLP: ``first_k_dense_replace``, or the
     dense prefix of ``mlp_layer_types`` (transformers' GLM-4.7-Flash config; a dense layer after a MoE one is
@@ -927,6 +1029,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         hf = gemma4_view(hf)
     if family.mimo:
         hf = mimo_view(hf)
+    if family.minimax_m3:
+        hf = minimax_m3_view(hf)
     _refuse_unsupported(hf, family)
     if family.hunyuan:
         hf = hunyuan_view(hf)
@@ -1087,11 +1191,14 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         scaling = float(hf.get("routed_scaling_factor", 1.0) or 1.0)
         if family.minimax:  # transformers' and SGLang's MiniMax-M2 routers use neither field, whatever it says
             groups, scaling = 1, 1.0
+        if family.minimax_m3:  # (M3's router scales: routed_scaling_factor; no groups)
+            groups = 1
         if family.softmax_router:  # one group, or every group chosen (refused otherwise): no grouping
             groups = 1
-        expert_width = hf["intermediate_size"] if family.minimax else hf["moe_intermediate_size"]
+        mixtral = family.minimax or family.minimax_m3  # (Mixtral's field names)
+        expert_width = hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"]
         kwargs.update(
-            num_moe_experts=hf["num_local_experts"] if family.minimax else hf["n_routed_experts"],
+            num_moe_experts=hf["num_local_experts"] if mixtral else hf["n_routed_experts"],
             moe_router_topk=hf["num_experts_per_tok"],
             moe_ffn_hidden_size=expert_width,
             moe_shared_ffn_hidden_size=None if family.minimax else
@@ -1139,6 +1246,20 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             sliding_rope_scaling={"rope_type": "default"} if sliding_base != full_base else None,
             sliding_rotary_base=sliding_base if sliding_base != full_base else None,
             extra={**kwargs.get("extra", {}), **windows})
+    if family.minimax_m3:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        types = hf["layer_types"]
+        kwargs.update(
+            ffn_hidden_size=hf["dense_intermediate_size"], moe_shared_ffn_hidden_size=hf["shared_intermediate_size"],
+            zero_centered_norm=True,
+            block_sparse_layers=tuple(t == "minimax_m3_sparse" for t in types) if "minimax_m3_sparse" in types
+            else None,
+            block_index_heads=hf["index_n_heads"], block_index_head_dim=hf["index_head_dim"],
+            block_size=hf["index_block_size"], block_topk=hf["index_topk_blocks"],
+            block_local=hf["index_local_blocks"],
+            extra={**kwargs.get("extra", {}), "activation_func": quick_gelu, "glu_linear_offset": 1.0,
+                   "activation_func_clamp_value": float(hf["swiglu_limit"])})
     if is_reward_config(hf):  # a score head on the last hidden state; the LM head is never made or read
         kwargs.update(score_head=reward_labels(hf), tie_word_embeddings=True)
     if "extra" in overrides:

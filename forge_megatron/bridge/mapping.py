@@ -66,7 +66,8 @@ class Rule:
     tp: str = "rep"
     layers: str = "all"  # "dense" / "moe": only layers with a dense MLP / a MoE layer have it; "linear" / "full":
     # only Gated DeltaNet / full-attention layers of a hybrid model; "indexer": layers with their own DSA indexer;
-    # "sinks": layers with a sink logit per head (GPTConfig.sink_layers: MiMo-V2-Flash's sliding-window layers);
+    # "block_sparse": MiniMax-M3's layers with a block indexer; "sinks": layers with a sink logit per head
+    # (GPTConfig.sink_layers: MiMo-V2-Flash's sliding-window layers);
     # Gemma 4's kinds (_PER_KIND: several rules may name one Megatron tensor, each for its kind of layer): "local" /
     # "global" (sliding-window layers or not), "local_own" / "global_own" (and with keys and values of their own),
     # "kv_shared" / "kv_own" (reusing an earlier layer's keys and values, or not)
@@ -384,6 +385,11 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
         q, k = ("query_layernorm", "key_layernorm") if family.hunyuan else ("q_norm", "k_norm")  # (Hunyuan: after RoPE)
         attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + f"self_attn.{q}.weight",)),
                  Rule(LAYER + "self_attention.k_layernorm.weight", (HF_LAYER + f"self_attn.{k}.weight",))]
+    if cfg.block_sparse_layers is not None:  # MiniMax-M3's indexers (mcore/block_sparse.py), replicated over TP
+        attn += [Rule(LAYER + f"self_attention.core_attention.indexer.{mine}.weight",
+                      (HF_LAYER + f"self_attn.index_{theirs}.weight",), layers="block_sparse")
+                 for mine, theirs in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("q_norm", "q_norm"),
+                                      ("k_norm", "k_norm"))]
     return _with_mlp_and_ends(cfg, family, attn)
 
 
@@ -401,7 +407,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
     if family.moe:
         # MiniMax-M2 keeps Mixtral's names: block_sparse_moe, experts' w1 (gate), w3 (up), w2 (down), and the
         # score-correction bias on the block rather than on its gate
-        mixtral = family.minimax or family.kimi_delta  # Kimi Linear's MoE layers have these names too
+        # (Kimi Linear's and MiniMax-M3's MoE layers have these names too)
+        mixtral = family.minimax or family.kimi_delta or family.minimax_m3
         moe = HF_LAYER + ("block_sparse_moe." if mixtral else "mlp.")
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         hf_expert = moe + "experts.{expert}."
@@ -426,12 +433,13 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (moe + "moe_statics.e_score_correction_bias",), "row1",
                             layers="moe"))
         if cfg.extra.get("moe_router_enable_expert_bias"):  # a buffer: selection only, no gradient
-            bias = moe + ("e_score_correction_bias" if family.minimax else "gate.e_score_correction_bias")
+            bias = moe + ("e_score_correction_bias" if family.minimax or family.minimax_m3 else
+                          "gate.e_score_correction_bias")
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))
         if cfg.moe_shared_ffn_hidden_size:
             # Qwen3.5-MoE: one ``shared_expert`` whose output a sigmoid gate scales (Megatron's gate_weight)
             shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta else
-                                 "block_sparse_moe.shared_experts." if family.kimi_delta else
+                                 "block_sparse_moe.shared_experts." if family.kimi_delta or family.minimax_m3 else
                                  "mlp.shared_mlp." if family.hunyuan else "mlp.shared_experts.")
             mlp += [Rule(LAYER + "mlp.shared_experts.linear_fc1.weight",
                          (shared + "gate_proj.weight", shared + "up_proj.weight"), "glu", "glu", layers="moe"),
@@ -608,6 +616,8 @@ class Bridge:
             return not (rule.layers.endswith("_own") and self.is_kv_shared_layer(layer))
         if rule.layers == "indexer":
             return not (self.cfg.dsa_shared_layers and self.cfg.dsa_shared_layers[layer])
+        if rule.layers == "block_sparse":  # (MiniMax-M3: the layers with an indexer)
+            return bool(self.cfg.block_sparse_layers and self.cfg.block_sparse_layers[layer])
         if rule.layers == "sinks":  # (MiMo-V2-Flash: the sliding-window layers')
             return bool(self.cfg.sink_layers and self.cfg.sink_layers[layer])
         if rule.layers in ("linear", "full"):
@@ -823,6 +833,10 @@ class Bridge:
             table.update({"indexer.wq_b.weight": (hi * di, cfg.q_lora_rank), "indexer.wk.weight": (di, d),
                           "indexer.k_norm.weight": (di,), "indexer.k_norm.bias": (di,),
                           "indexer.weights_proj.weight": (hi, d)})
+        if cfg.block_sparse_layers is not None:  # (MiniMax-M3's indexers)
+            hi, di = cfg.block_index_heads, cfg.block_index_head_dim
+            table.update({"index_q_proj.weight": (hi * di, d), "index_k_proj.weight": (di, d),
+                          "index_q_norm.weight": (di,), "index_k_norm.weight": (di,)})
         for suffix in sorted(table, key=len, reverse=True):  # q_norm.weight before norm.weight
             if hf_name.endswith(suffix):
                 return table[suffix]

@@ -97,6 +97,15 @@ class GPTConfig:
     dsa_rope_interleaved: bool = False
     dsa_shared_layers: tuple[bool, ...] | None = None
     dsa_indexer_loss_coeff: float = 0.0  # > 0: the indexer trains on its KL to the main attention (mcore/dsa.py)
+    # MiniMax-M3's block-sparse attention (mcore/block_sparse.py) in the layers block_sparse_layers marks: an indexer
+    # of one head of block_index_head_dim channels per key head keeps, per query, block_topk blocks of block_size
+    # positions (the block_local ones ending at the query's always). None: dense everywhere
+    block_sparse_layers: tuple[bool, ...] | None = None
+    block_index_heads: int = 4
+    block_index_head_dim: int = 128
+    block_size: int = 128
+    block_topk: int = 16
+    block_local: int = 1
     # Qwen3.5 / Qwen3-Next: norms scale by (1 + weight) (weights stored zero-centred), a sigmoid gate on every
     # attention head's output (the query projection's second half), and Gated DeltaNet (linear attention) layers
     # where ``linear_attention[i]`` is true (mcore/gated_delta_net.py); the linear_* sizes are theirs
@@ -205,6 +214,22 @@ class GPTConfig:
                                      "layer with its own indexer")
         elif self.dsa_shared_layers is not None:
             raise ValueError("dsa_shared_layers without DeepSeek sparse attention (dsa_index_heads)")
+        if self.block_sparse_layers is not None:
+            self.block_sparse_layers = tuple(bool(x) for x in self.block_sparse_layers)
+            if len(self.block_sparse_layers) != self.num_layers:
+                raise ValueError(f"block_sparse_layers needs one entry per layer ({self.num_layers}), got "
+                                 f"{len(self.block_sparse_layers)}")
+            if self.multi_latent_attention or self.per_layer_attention or self.linear_attention is not None:
+                raise ValueError("block-sparse attention (block_sparse_layers) goes with standard attention only")
+            if self.block_index_heads != self.num_query_groups:
+                raise ValueError(f"block_index_heads ({self.block_index_heads}) must equal num_query_groups "
+                                 f"({self.num_query_groups}): one block selection per key head")
+            rotated = int(self.kv_channels * self.rotary_percent)
+            if min(self.block_size, self.block_topk) < 1 or not 0 <= self.block_local <= self.block_topk \
+                    or self.block_index_head_dim < rotated:
+                raise ValueError(f"block_size ({self.block_size}) and block_topk ({self.block_topk}) must be >= 1, "
+                                 f"block_local ({self.block_local}) in [0, block_topk], and block_index_head_dim "
+                                 f"({self.block_index_head_dim}) hold the {rotated} rotated channels")
         if self.qk_layernorm_all_heads and (not self.qk_layernorm or self.multi_latent_attention
                                             or self.normalization != "RMSNorm"):
             raise ValueError("qk_layernorm_all_heads is an RMSNorm over all query / key heads: it needs "
@@ -580,6 +605,8 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         spec = with_router(spec)
     if cfg.per_layer_attention:
         spec = _per_layer_attention_spec(cfg, spec, vp_stage)
+    if cfg.block_sparse_layers is not None and any(cfg.block_sparse_layers):  # (MiniMax-M3)
+        spec = _block_sparse_spec(cfg, spec, vp_stage)
     if cfg.value_head_dim or cfg.sink_layers:  # (MiMo-V2-Flash; the tree model swaps in TreeAttention)
         spec = _with_attention_submodules(spec, lambda subs: {"core_attention": CausalCoreAttention})
     if cfg.hybrid:  # (OLMo Hybrid: post-norm attention layers, pre-norm Gated DeltaNet ones)
@@ -655,6 +682,38 @@ def _per_layer_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
                 subs.mlp, module=WidthMLP,
                 params={**(subs.mlp.params or {}), "ffn_hidden_size": cfg.layer_ffn_sizes[number - 1]}))
         layer_specs.append(dataclasses.replace(base, submodules=subs))
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=layer_specs)
+    return tb.TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=tb.LayerNormImpl)
+
+
+def _block_sparse_spec(cfg: GPTConfig, spec, vp_stage: int | None):
+    """The block spec of this pipeline stage's layers, those ``cfg.block_sparse_layers`` marks with MiniMax-M3's
+    block-sparse attention (mcore/block_sparse.py: an :class:`IndexedSelfAttention` whose core attention is a
+    :class:`BlockSparseAttention`, in the tree model too) and the others as ``spec`` has them."""
+    import dataclasses
+
+    from megatron.core.transformer import transformer_block as tb
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from forge_megatron.mcore.block_sparse import BlockSparseAttention, IndexedSelfAttention, block_sparse_spec_params
+
+    tcfg = transformer_config(cfg)
+    offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
+    count = tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage)
+    bases = spec.layer_specs if hasattr(spec, "layer_specs") else [spec] * count
+    if len(bases) != count:
+        raise ValueError(f"the block spec has {len(bases)} layers, this stage {count}")
+    core = ModuleSpec(module=BlockSparseAttention, params=block_sparse_spec_params(cfg))
+    layer_specs = []
+    for number, base in zip(range(offset + 1, offset + count + 1), bases):
+        if cfg.block_sparse_layers[number - 1]:
+            attn = base.submodules.self_attention
+            attn = dataclasses.replace(attn, module=IndexedSelfAttention,
+                                       submodules=dataclasses.replace(attn.submodules, core_attention=core))
+            base = dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, self_attention=attn))
+        layer_specs.append(base)
     if hasattr(spec, "layer_specs"):
         return dataclasses.replace(spec, layer_specs=layer_specs)
     return tb.TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=tb.LayerNormImpl)

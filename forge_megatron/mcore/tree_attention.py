@@ -51,6 +51,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from forge_megatron.mcore.block_sparse import BlockSparseAttention
 from forge_megatron.mcore.dsa import SparseTreeAttention
 from forge_megatron.mcore.model import GPTConfig, build_gpt, layer_spec
 
@@ -241,8 +242,8 @@ def swap_core_attention(spec):
     if attn is None or not dataclasses.is_dataclass(getattr(attn, "submodules", None)) \
             or not hasattr(attn.submodules, "core_attention"):
         raise TypeError(f"cannot find self_attention.submodules.core_attention in layer spec {spec!r}")
-    if getattr(attn.submodules.core_attention, "module", None) is SparseTreeAttention:
-        return spec  # DeepSeek sparse attention follows the tree by itself (mcore/dsa.py)
+    if getattr(attn.submodules.core_attention, "module", None) in (SparseTreeAttention, BlockSparseAttention):
+        return spec  # DeepSeek's and MiniMax-M3's sparse attention follow the tree by themselves
     tree_attn = dataclasses.replace(
         attn,
         params={**attn.params, "attn_mask_type": AttnMaskType.arbitrary},

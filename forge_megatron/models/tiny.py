@@ -42,7 +42,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
          "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe",
-         "mimo_v2_flash")
+         "mimo_v2_flash", "minimax_m3")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -62,7 +62,10 @@ _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGenerati
        # Qwen2.5-VL / Qwen2-VL: a Qwen2 language model (biases on q/k/v), contiguous mRoPE sections; saved as
        # released (a flat config.json, the language model under model., the tower under visual.)
        "qwen2_5_vl": ("qwen2", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
-       "qwen2_vl": ("qwen2", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration")}
+       "qwen2_vl": ("qwen2", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+       # MiniMax-M3 as released (MiniMaxM3SparseForConditionalGeneration: the language model beside a one-layer
+       # tower; the bridge trains the language model, text only)
+       "minimax_m3": ("minimax_m3_text", "MiniMaxM3VLConfig", "MiniMaxM3SparseForConditionalGeneration")}
 
 
 def _glm_vl(arch: str) -> bool:
@@ -194,6 +197,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, image_size=16)
             return getattr(transformers, config_class)(text_config=text, vision_config=vision,
                                                        tie_word_embeddings=tie_word_embeddings)
+        if text_arch == "minimax_m3_text":  # a one-layer tower; the head untied, as released
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          patch_size=4)
+            return transformers.MiniMaxM3VLConfig(text_config=text, vision_config=vision, projector_hidden_size=64,
+                                                  tie_word_embeddings=False)
         if text_arch == "qwen2":  # Qwen2.5-VL / Qwen2-VL: contiguous mRoPE sections over the 8 frequencies
             text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
             if config_class == "Qwen2VLConfig":  # LayerNorm blocks, a QuickGELU MLP, every block attending fully
@@ -443,6 +451,20 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                                                 "partial_rotary_factor": 0.334},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
                                                    "partial_rotary_factor": 0.334}}})
+    # MiniMax-M3 layout: three layers, the first dense (an MLP 96 wide), then MoE (4 experts 32 wide, 2 per token,
+    # scaled by 2, a shared expert 48 wide); every MLP gpt-oss's clamped SwiGLU, clamped at 2 here so that the clamp
+    # bites; heads of 24 channels, RoPE on half of each; layers 1 and 2 block-sparse: an indexer head of 16 channels
+    # per key head keeps each query's 2 best blocks of 2 positions (its own always), so sequences past 4 tokens
+    # attend sparsely
+    per_arch["minimax_m3_text"] = (
+        transformers.MiniMaxM3VLTextConfig,
+        {"num_hidden_layers": 3, "head_dim": 24, "intermediate_size": 32, "dense_intermediate_size": 96,
+         "shared_intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2,
+         "routed_scaling_factor": 2.0, "swiglu_limit": 2.0, "rotary_dim": 12, "partial_rotary_factor": 0.5,
+         "rope_theta": 5000000.0, "index_n_heads": 2, "index_head_dim": 16, "index_block_size": 2,
+         "index_topk_blocks": 2, "index_local_blocks": 1,
+         "layer_types": ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+         "mlp_layer_types": ["dense", "sparse", "sparse"]})
     # Gemma 4 26B-A4B layout: the same, with 4 routed experts (2 per token, 32 wide) beside the dense MLP in every
     # layer
     per_arch["gemma4_moe"] = (transformers.Gemma4TextConfig,
@@ -527,6 +549,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape))
             elif name.endswith(("_proj_bias", "router.bias")):
                 p.copy_(torch.randn(p.shape) * 0.1)
+            elif arch == "minimax_m3" and "vision" not in name and name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms (zeros when initialised): which is which
             elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid", "olmoe") and \
                     name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters

@@ -24,7 +24,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "seed_oss", "glm4", "kimi_k25", "glm4v", "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32",
          "glm_moe_dsa", "mistral4", "mistral4_vl", "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl",
          "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl", "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense",
-         "hunyuan_v1_moe", "olmoe", "mimo_v2_flash")
+         "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "minimax_m3")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -134,6 +134,9 @@ LAYOUTS = [
     # MiMo-V2-Flash: each kind of layer's q/k/v grouped with its own key heads, values narrower; sinks in the sliding
     # layer only; the dense first layer alone on the first stage
     ("mimo_v2_flash", ParallelLayout(tp=2, pp=2, ep=2, first=1)),
+    # MiniMax-M3: Mixtral's expert names with a shared expert, the block-sparse layers' indexers replicated over TP,
+    # the vision tower, projector and patch merger copied
+    ("minimax_m3", ParallelLayout(tp=2, pp=2, ep=2, first=1)),
 ]
 
 

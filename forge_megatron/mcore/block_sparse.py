@@ -1,0 +1,289 @@
+"""MiniMax-M3's block-sparse attention over prefix trees, as a Megatron ``core_attention``.
+
+In the layers MiniMax-M3 marks ``minimax_m3_sparse`` a small "lightning indexer" chooses, per query and per key head
+(GQA group), which *blocks* of keys the query may attend to. For query i at position p (its depth in the tree) and
+key j at position p_j, indexer head h (one per key head) scores
+
+    s_h(i, j) = q^I_h(i) . k^I(j),   q^I = rope(RMSNorm(W_q x)) (H_I heads of D_I),   k^I = rope(RMSNorm(W_k x)),
+
+both norms scaling by (1 + weight), RoPE on the same first channels the attention rotates. A block is ``block_size``
+consecutive positions; block b's score is the largest s_h(i, j) over the keys j the query sees with p_j // block_size
+== b. The ``local_blocks`` blocks ending at the query's own (p // block_size, and the ones before it) always win; of
+the others the query keeps the best until it holds ``topk_blocks`` blocks. Query heads of group h then attend to the
+keys they see in the kept blocks only (the usual causal softmax, scale head_dim ** -0.5). This is what transformers'
+MiniMaxM3VLIndexer and its block mask compute.
+
+Trees. Blocks are cut by *position* (depth), not by place in the packed sequence: a key is in block p_j //
+block_size whatever else the tree holds, and a query sees its ancestors only (j <= i < sub_end[j]), which are the
+tokens of its own sample. So a tree token selects exactly the blocks it selects alone, and the layer equals every
+sample trained alone (transformers anchors blocks to cache slots, which are positions for an unpadded sample).
+
+What runs: a query whose position is below ``topk_blocks * block_size`` sees at most ``topk_blocks`` blocks and keeps
+them all: plain tree attention. The queries before the first deeper one (in tree order) run the tree-attention
+kernel (the fast backends; for RL samples shorter than 2048 tokens, MiniMax-M3's 16 blocks of 128, the whole layer,
+context parallelism included). Every later query runs the block-sparse path here: in chunks of queries, the indexer
+scores (no gradient) and the masked attention, recomputed chunk by chunk in the backward pass (memory bounded by the
+chunk). A fused block-sparse kernel is the GPU follow-up; the semantics are these. Deep queries under context
+parallelism are refused by name.
+
+The indexer's choice is discrete and transformers trains it by nothing: it is frozen (``requires_grad=False``).
+Megatron's attention does not hand core attention the layer's input, so the sparse layers' self-attention is
+:class:`IndexedSelfAttention`, which lends it (and, under sequence parallelism, gathers it) for the forward.
+
+Legend: T = tokens (keys), R = query rows, N = query heads on this TP rank, K = key heads on this TP rank, H = head
+dim, B = block size, NB = blocks, H_I / D_I = indexer heads (all key heads) / head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.attention import SelfAttention
+from torch.utils.checkpoint import checkpoint
+
+# elements of one [N, rows, T] score block (fp32): the query chunk size follows from it
+CHUNK_ELEMENTS = 1 << 25
+
+
+class _GemmaRMSNorm(torch.nn.Module):
+    """RMSNorm scaling by (1 + weight), in fp32 (the indexer's q / k norms)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(dim, dtype=dtype))
+
+    def forward(self, x):
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class BlockIndexer(torch.nn.Module):
+    """The lightning indexer of one MiniMax-M3 sparse layer (``q_proj`` [H_I * D_I, D], ``k_proj`` [D_I, D],
+    ``q_norm``, ``k_norm``): replicated on every TP rank, frozen."""
+
+    def __init__(self, hidden_size: int, heads: int, head_dim: int, inv_freq: torch.Tensor, eps: float, dtype):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.rope_dim = min(2 * inv_freq.numel(), head_dim)
+        self.q_proj = torch.nn.Linear(hidden_size, heads * head_dim, bias=False, dtype=dtype)
+        self.k_proj = torch.nn.Linear(hidden_size, head_dim, bias=False, dtype=dtype)
+        self.q_norm = _GemmaRMSNorm(head_dim, eps, dtype)
+        self.k_norm = _GemmaRMSNorm(head_dim, eps, dtype)
+        self.inv_freq = inv_freq.float()[: self.rope_dim // 2]
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def _rope(self, x, positions):
+        """Rotate-half RoPE on the first ``rope_dim`` channels of the last dim (x [..., T, D_I] or [T, heads, D_I])."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None, :]
+        cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+        if x.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        rot, rest = x[..., :self.rope_dim], x[..., self.rope_dim:]
+        half = self.rope_dim // 2
+        turned = torch.cat([-rot[..., half:], rot[..., :half]], -1)
+        return torch.cat([rot * cos.to(x.dtype) + turned * sin.to(x.dtype), rest], -1)
+
+    def keys(self, x_TD, positions_T):
+        """k^I [T, D_I] (fp32)."""
+        return self._rope(self.k_norm(self.k_proj(x_TD)), positions_T).float()
+
+    def queries(self, x_RD, positions_R, heads: slice):
+        """q^I [R, heads, D_I] (fp32) of the indexer heads ``heads`` (this TP rank's key heads)."""
+        w = self.q_proj.weight.view(self.heads, self.head_dim, -1)[heads].reshape(-1, x_RD.shape[-1])
+        q = torch.nn.functional.linear(x_RD, w).view(x_RD.shape[0], -1, self.head_dim)
+        return self._rope(self.q_norm(q), positions_R).float()
+
+
+class IndexedSelfAttention(SelfAttention):
+    """Megatron's SelfAttention lending its input to its core attention for the forward (the indexer reads it)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.core_attention.index_input = hidden_states
+        try:
+            return super().forward(hidden_states, *args, **kwargs)
+        finally:
+            self.core_attention.index_input = None
+
+
+def _masked_attention(q_RNH, k_TKH, v_TKH, keep_KRT, scale: float):
+    """Softmax attention of queries ``q_RNH`` over the keys ``keep_KRT`` keeps for their key head's group."""
+    R, N, _ = q_RNH.shape
+    K = k_TKH.shape[1]
+    q = q_RNH.float().view(R, K, N // K, -1)
+    scores = torch.einsum("rkgh,tkh->kgrt", q, k_TKH.float()) * scale
+    scores = scores.masked_fill(~keep_KRT[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("kgrt,tkh->rkgh", probs, v_TKH.float())
+    return out.reshape(R, N, -1).to(v_TKH.dtype)
+
+
+class BlockSparseAttention(torch.nn.Module):
+    """``core_attention`` of a MiniMax-M3 sparse layer in the tree model (TreePackedSeqParams: the mask is the tree)
+    and in the plain causal one (no packed params). Spec params (model.layer_spec): ``index_heads``,
+    ``index_head_dim``, ``block_size``, ``topk_blocks``, ``local_blocks``, ``inv_freq`` (the attention's RoPE
+    frequencies), ``eps``."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None, *, index_heads: int, index_head_dim: int, block_size: int,
+                 topk_blocks: int, local_blocks: int, inv_freq: torch.Tensor, eps: float = 1e-6):
+        super().__init__()
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout):
+            raise ValueError("block-sparse attention has no attention dropout; set attention_dropout=0")
+        self.config = config
+        self.layer_number = layer_number
+        if softmax_scale is None:
+            softmax_scale = getattr(config, "softmax_scale", None) or (k_channels or config.kv_channels) ** -0.5
+        self.softmax_scale = softmax_scale
+        self.block_size, self.topk_blocks, self.local_blocks = int(block_size), int(topk_blocks), int(local_blocks)
+        if index_heads != config.num_query_groups:
+            raise ValueError(f"block-sparse attention: {index_heads} indexer heads for {config.num_query_groups} key "
+                             "heads (one selection per key head)")
+        self.indexer = BlockIndexer(config.hidden_size, index_heads, index_head_dim, inv_freq, eps,
+                                    config.params_dtype)
+        tp = config.tensor_model_parallel_size
+        if config.num_query_groups % tp:
+            raise ValueError(f"block-sparse attention: tensor parallelism {tp} must divide the "
+                             f"{config.num_query_groups} key heads")
+        self.local_groups = config.num_query_groups // tp
+        self.cp_comm_type = cp_comm_type
+        self.index_input = None  # set by IndexedSelfAttention for the forward
+
+    def _group_slice(self) -> slice:
+        from megatron.core import parallel_state as ps
+
+        rank = ps.get_tensor_model_parallel_rank() if self.config.tensor_model_parallel_size > 1 else 0
+        return slice(rank * self.local_groups, (rank + 1) * self.local_groups)
+
+    def _input(self):
+        x = self.index_input
+        if x is None:
+            raise ValueError("block-sparse attention needs the layer's input: build the model through "
+                             "forge_megatron.mcore.model (IndexedSelfAttention), and do not recompute core attention "
+                             "alone (recompute whole layers instead)")
+        x = x.detach()
+        if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
+            from megatron.core import parallel_state as ps
+
+            group = ps.get_tensor_model_parallel_group()
+            parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+            torch.distributed.all_gather(parts, x.contiguous(), group=group)
+            x = torch.cat(parts, dim=0)
+        return x
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused):
+        from forge_megatron.mcore.context_parallel import cp_world
+        from forge_megatron.mcore.tree_attention import TreePackedSeqParams
+
+        if attention_bias is not None:
+            raise ValueError("block-sparse attention takes no attention_bias")
+        x = self._input()
+        deep_from = self.topk_blocks * self.block_size  # the first position that may drop a block
+        if isinstance(packed_seq_params, TreePackedSeqParams):
+            if query.dim() == 4:
+                query, key, value = query[:, 0], key[:, 0], value[:, 0]
+            T = query.shape[0]
+            sub_end = packed_seq_params.sub_end.to(query.device)
+            positions = packed_seq_params.position_ids.to(query.device).reshape(-1)
+            if cp_world()[0] > 1:
+                return self._attend_cp(query, key, value, sub_end, positions, packed_seq_params, deep_from)
+            out = self._attend(query, key, value, x.reshape(T, -1), sub_end, positions, packed_seq_params.backend)
+            return out.reshape(T, 1, -1)
+        if packed_seq_params is not None:
+            raise ValueError("block-sparse attention takes tree-packed sequences (TreePackedSeqParams) or none")
+        if cp_world()[0] > 1:
+            raise ValueError("block-sparse attention under context parallelism needs tree-packed sequences (the "
+                             "causal model is not sharded)")
+        s, b = query.shape[:2]
+        if attention_mask is not None and not torch.equal(
+                attention_mask.reshape(-1, s, s), torch.ones(s, s, dtype=torch.bool, device=query.device)
+                .triu(1).expand(attention_mask.reshape(-1, s, s).shape)):
+            raise ValueError("block-sparse attention's causal model takes the causal mask only (padding: pack the "
+                             "samples as a tree)")
+        x = x.reshape(s, b, -1)
+        sub_end = torch.full((s,), s, dtype=torch.int32, device=query.device)
+        positions = torch.arange(s, device=query.device)
+        outs = [self._attend(query[:, i], key[:, i], value[:, i], x[:, i], sub_end, positions, None)
+                for i in range(b)]
+        return torch.stack(outs, dim=1).reshape(s, b, -1)
+
+    def _attend_cp(self, query, key, value, sub_end, positions, params, deep_from):
+        """Context parallelism: a tree without deep queries is plain tree attention (TreeAttention's CP path)."""
+        from forge_megatron.mcore.context_parallel import cp_world
+        from forge_megatron.mcore.parallel import comm_device
+        from forge_megatron.mcore.tree_attention import TreeAttention
+
+        _, _, group = cp_world()
+        deepest = torch.tensor([int(positions.max()) if positions.numel() else 0], device=comm_device(group))
+        torch.distributed.all_reduce(deepest, op=torch.distributed.ReduceOp.MAX, group=group)
+        if int(deepest) >= deep_from:
+            raise ValueError(f"block-sparse attention under context parallelism: a sample reaches position "
+                             f"{int(deepest)}, past the {deep_from} that always attend densely; train MiniMax-M3 on "
+                             "such samples without context parallelism")
+        if not hasattr(self, "_dense"):
+            self._dense = TreeAttention(self.config, self.layer_number, None, "self",
+                                        softmax_scale=self.softmax_scale, cp_comm_type=self.cp_comm_type)
+        return self._dense(query[:, None], key[:, None], value[:, None], None, packed_seq_params=params)
+
+    def _attend(self, q_TNH, k_TKH, v_TKH, x_TD, sub_end_T, positions_T, backend):
+        """Queries before the first deep one run the tree-attention kernel on the keys before them; every later
+        query attends to the keys of its blocks."""
+        from forge_megatron.kernels.tree_attention import tree_attention
+
+        T = q_TNH.shape[0]
+        deep = positions_T >= self.topk_blocks * self.block_size
+        first = int(torch.argmax(deep.int())) if bool(deep.any()) else T
+        if first == T:
+            return tree_attention(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=self.softmax_scale, backend=backend)
+        out = []
+        if first:
+            out.append(tree_attention(q_TNH[:first], k_TKH[:first], v_TKH[:first], sub_end_T[:first].clamp(max=first),
+                                      softmax_scale=self.softmax_scale, backend=backend))
+        keys_TD = self.indexer.keys(x_TD, positions_T)
+        groups = self._group_slice()
+        N = q_TNH.shape[1]
+        chunk = max(1, CHUNK_ELEMENTS // max(1, N * T))
+        for a in range(first, T, chunk):
+            rows = torch.arange(a, min(a + chunk, T), device=q_TNH.device)
+            end = int(rows[-1]) + 1  # a query's keys are its ancestors: before it in the tree
+            keep = self._keep(rows, x_TD[rows], keys_TD[:end], sub_end_T[:end], positions_T, groups)
+            args = (q_TNH[rows], k_TKH[:end], v_TKH[:end], keep, self.softmax_scale)
+            out.append(checkpoint(_masked_attention, *args, use_reentrant=False) if torch.is_grad_enabled()
+                       else _masked_attention(*args))
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def _keep(self, rows_R, x_RD, keys_TD, sub_end_T, positions_T, groups: slice):
+        """keep [K, R, T]: the keys each query row sees in the blocks its key head's indexer keeps."""
+        T = keys_TD.shape[0]
+        key_index = torch.arange(T, device=rows_R.device)
+        visible = (key_index[None, :] <= rows_R[:, None]) & (rows_R[:, None] < sub_end_T[None, :].long())  # [R, T]
+        q = self.indexer.queries(x_RD, positions_T[rows_R], groups)  # [R, K, D_I]
+        scores = torch.einsum("rkd,td->krt", q, keys_TD)
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        key_block = (positions_T[:T] // self.block_size).long()
+        q_block = (positions_T[rows_R] // self.block_size).long()
+        blocks = int(q_block.max()) + 1
+        block_scores = torch.full((*scores.shape[:2], blocks), float("-inf"), device=scores.device)
+        block_scores.scatter_reduce_(-1, key_block.expand_as(scores), scores, reduce="amax", include_self=True)
+        for back in range(self.local_blocks):  # the query's own block and the ones before it always win
+            local = (q_block - back).clamp(min=0)
+            block_scores.scatter_(-1, local[None, :, None].expand(scores.shape[0], -1, 1), float("inf"))
+        top, chosen = block_scores.topk(min(self.topk_blocks, blocks), dim=-1)
+        kept = torch.zeros_like(block_scores, dtype=torch.bool)
+        kept.scatter_(-1, chosen, top > float("-inf"))
+        return kept.gather(-1, key_block.expand_as(scores)) & visible[None]
+
+
+def block_sparse_spec_params(cfg) -> dict:
+    """The :class:`BlockSparseAttention` spec params of a GPTConfig with MiniMax-M3's sparse layers."""
+    from forge_megatron.mcore import rope
+
+    rotated = int(cfg.kv_channels * cfg.rotary_percent)
+    return dict(index_heads=cfg.block_index_heads, index_head_dim=cfg.block_index_head_dim,
+                block_size=cfg.block_size, topk_blocks=cfg.block_topk, local_blocks=cfg.block_local,
+                inv_freq=rope.inv_freq(cfg.rope_scaling, cfg.rotary_base, rotated), eps=cfg.norm_epsilon)
