@@ -583,9 +583,17 @@ class ReferenceEngine:
                 name = f"{m.group(1)}.forget_gate.{m.group(2)}"
         # as named (a vision-language model served whole), as a text-only model holds it, or a release's name in a
         # whole vision-language model
-        for candidate in dict.fromkeys((name, _in_memory_name(name), _whole_vl_name(name))):
+        candidates = (name, _in_memory_name(name), _whole_vl_name(name))
+        if model_type == "minimax_m3_vl":
+            candidates += (_minimax_m3_name(_in_memory_name(name)),)
+        for candidate in dict.fromkeys(candidates):
             if candidate in params:
                 return params[candidate]
+            m = _FUSED_GLU.fullmatch(candidate)
+            if m is not None and f"{m.group(1)}.gate_up_proj.weight" in params:  # [gate; up] rows in one tensor
+                fused = params[f"{m.group(1)}.gate_up_proj.weight"]
+                half = fused.shape[0] // 2
+                return fused[:half] if m.group(2) == "gate" else fused[half:]
             m = _PER_EXPERT.fullmatch(candidate)
             if m is not None:
                 prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
@@ -630,6 +638,21 @@ _KIMI_FORGET_GATE = re.compile(r"(.+\.self_attn)\.(f_a_proj\.weight|f_b_proj\.we
 _PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _MIXTRAL_EXPERT = re.compile(r"(.+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_FUSED_GLU = re.compile(r"(.+\.(?:mlp|shared_experts))\.(gate|up)_proj\.weight")
+# MiniMax-M3's released names transformers renames on loading (its tower's, its indexers', its router's bias)
+_MINIMAX_M3 = (("model.vision_tower.embeddings.patch_embedding.", "model.vision_tower.embeddings.proj."),
+               ("model.vision_tower.encoder.layers.", "model.vision_tower.layers."),
+               ("patch_merge_mlp.linear_", "model.multi_modal_projector.merge_linear_"))
+
+
+def _minimax_m3_name(name: str) -> str:
+    """A MiniMax-M3 release's name (after :func:`_in_memory_name`) as transformers' MiniMaxM3SparseForConditional-
+    Generation holds it."""
+    for theirs, ours in _MINIMAX_M3:
+        if name.startswith(theirs):
+            return ours + name[len(theirs):]
+    return name.replace(".self_attn.index_", ".self_attn.indexer.") \
+        .replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
 
 
 def _in_memory_name(name: str) -> str:

@@ -257,6 +257,14 @@ def _body_one_rank(rank, world_size):
         out[arch] = _exactness(dsa_tree, dsa_causal, all_samples(3))
         out[arch + "_sparse_rows"] = sum(index.shape[0] for index, _ in next(
             v for v in dsa_causal.decoder.layers[0].self_attention.core_attention.selection_store.values()).values())
+    # MiniMax-M3 layout: layers 1 and 2 block-sparse, each query keeping 2 blocks of 2 positions per key head (the
+    # samples reach depth 40: most tokens drop blocks); a tree token's blocks are cut by its depth, its indexer
+    # scoring its ancestors only
+    m3 = {**tiny_config("minimax_m3", vocab_size=VOCAB).to_dict(),
+          "architectures": ["MiniMaxM3SparseForConditionalGeneration"]}
+    m3_tree, m3_causal = _twin_models(gpt_config_from_hf(m3))
+    out["minimax_m3"] = _exactness(m3_tree, m3_causal, all_samples(3))
+    out["minimax_m3_modules"] = [type(layer.self_attention.core_attention).__name__ for layer in m3_tree.decoder.layers]
     # gpt-oss attention: learned sinks (Megatron's softmax_type="learnable") and a 3-position sliding window on every
     # other layer; the oracle is Megatron's own attention with the same config (SoftmaxOne, sliding-window mask)
     oss_cfg = _cfg(extra={"softmax_type": "learnable", "window_size": (2, 0), "window_attn_skip_freq": 2})
@@ -565,6 +573,12 @@ def test_deepseek_sparse_attention_tree_equals_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank[arch]
     assert one_rank[arch + "_sparse_rows"] > 0  # the indexer really chose (rows deeper than topk)
+
+
+def test_minimax_m3_block_sparse_attention_tree_equals_unmerged(one_rank):
+    assert one_rank["minimax_m3_modules"] == ["TreeAttention", "BlockSparseAttention", "BlockSparseAttention"]
+    logp, ent, grad, _, _ = one_rank["minimax_m3"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["minimax_m3"]
 
 
 def test_gpt_oss_sinks_and_sliding_window_tree_equals_unmerged(one_rank):
