@@ -190,7 +190,8 @@ class BlockSparseAttention(torch.nn.Module):
             sub_end = packed_seq_params.sub_end.to(query.device)
             positions = packed_seq_params.position_ids.to(query.device).reshape(-1)
             if cp_world()[0] > 1:
-                return self._attend_cp(query, key, value, sub_end, positions, packed_seq_params, deep_from)
+                return self._attend_cp(query, key, value, x.reshape(T, -1), sub_end, positions, packed_seq_params,
+                                       deep_from)
             out = self._attend(query, key, value, x.reshape(T, -1), sub_end, positions, packed_seq_params.backend)
             return out.reshape(T, 1, -1)
         if packed_seq_params is not None:
@@ -211,23 +212,33 @@ class BlockSparseAttention(torch.nn.Module):
                 for i in range(b)]
         return torch.stack(outs, dim=1).reshape(s, b, -1)
 
-    def _attend_cp(self, query, key, value, sub_end, positions, params, deep_from):
-        """Context parallelism: a tree without deep queries is plain tree attention (TreeAttention's CP path)."""
-        from forge_megatron.mcore.context_parallel import cp_world
-        from forge_megatron.mcore.parallel import comm_device
+    def _attend_cp(self, q_TlNH, k_TlKH, v_TlKH, x_TlD, sub_end_T, positions_Tl, params, deep_from):
+        """Context parallelism (this CP rank holds the zig-zag chunks of the padded tree, as mcore/context_parallel.py
+        shards them). A tree without deep queries is plain tree attention (TreeAttention's CP path); otherwise keys
+        and values are all-gathered over CP in tree order (their gradients reduce-scattered back to the ranks holding
+        them), so are the indexer's inputs and the depths, and each local query attends to the keys of its blocks
+        among the whole tree's."""
+        from forge_megatron.mcore.context_parallel import (
+            _gather_tree_order, _GatherSeq, cp_world, default_multiple, gather_tree, ranks_to_tree_order,
+            shard_positions)
         from forge_megatron.mcore.tree_attention import TreeAttention
 
-        _, _, group = cp_world()
-        deepest = torch.tensor([int(positions.max()) if positions.numel() else 0], device=comm_device(group))
-        torch.distributed.all_reduce(deepest, op=torch.distributed.ReduceOp.MAX, group=group)
-        if int(deepest) >= deep_from:
-            raise ValueError(f"block-sparse attention under context parallelism: a sample reaches position "
-                             f"{int(deepest)}, past the {deep_from} that always attend densely; train MiniMax-M3 on "
-                             "such samples without context parallelism")
-        if not hasattr(self, "_dense"):
-            self._dense = TreeAttention(self.config, self.layer_number, None, "self",
-                                        softmax_scale=self.softmax_scale, cp_comm_type=self.cp_comm_type)
-        return self._dense(query[:, None], key[:, None], value[:, None], None, packed_seq_params=params)
+        C, rank, group = cp_world()
+        positions_T = gather_tree(positions_Tl, group)
+        if int(positions_T.max()) < deep_from:
+            if not hasattr(self, "_dense"):
+                self._dense = TreeAttention(self.config, self.layer_number, None, "self",
+                                            softmax_scale=self.softmax_scale, cp_comm_type=self.cp_comm_type)
+            return self._dense(q_TlNH[:, None], k_TlKH[:, None], v_TlKH[:, None], None, packed_seq_params=params)
+        T, Tl = sub_end_T.shape[0], q_TlNH.shape[0]
+        if T != C * Tl:
+            raise ValueError(f"CP rank holds {Tl} tokens but sub_end has {T} (expected {C} x {Tl}): shard the "
+                             "micro-batch with forge_megatron.mcore.forward.tree_model_inputs")
+        rows = shard_positions(T, C, rank, default_multiple(C), device=q_TlNH.device)  # the local rows' places
+        k_TKH = ranks_to_tree_order(_GatherSeq.apply(k_TlKH, group), C)
+        v_TKH = ranks_to_tree_order(_GatherSeq.apply(v_TlKH, group), C)
+        x_TD = _gather_tree_order(x_TlD, group)
+        return self._sparse(q_TlNH, k_TKH, v_TKH, rows, x_TD, sub_end_T, positions_T).reshape(Tl, 1, -1)
 
     def _attend(self, q_TNH, k_TKH, v_TKH, x_TD, sub_end_T, positions_T, backend):
         """Queries before the first deep one run the tree-attention kernel on the keys before them; every later
@@ -243,15 +254,21 @@ class BlockSparseAttention(torch.nn.Module):
         if first:
             out.append(tree_attention(q_TNH[:first], k_TKH[:first], v_TKH[:first], sub_end_T[:first].clamp(max=first),
                                       softmax_scale=self.softmax_scale, backend=backend))
+        rows = torch.arange(first, T, device=q_TNH.device)
+        return torch.cat(out + [self._sparse(q_TNH[first:], k_TKH, v_TKH, rows, x_TD, sub_end_T, positions_T)])
+
+    def _sparse(self, q_RNH, k_TKH, v_TKH, rows_R, x_TD, sub_end_T, positions_T):
+        """The queries at tree positions ``rows_R`` (ascending) attending to the keys of their blocks, in chunks of
+        queries (each recomputed in the backward pass)."""
         keys_TD = self.indexer.keys(x_TD, positions_T)
         groups = self._group_slice()
-        N = q_TNH.shape[1]
-        chunk = max(1, CHUNK_ELEMENTS // max(1, N * T))
-        for a in range(first, T, chunk):
-            rows = torch.arange(a, min(a + chunk, T), device=q_TNH.device)
-            end = int(rows[-1]) + 1  # a query's keys are its ancestors: before it in the tree
+        chunk = max(1, CHUNK_ELEMENTS // max(1, q_RNH.shape[1] * keys_TD.shape[0]))
+        out = []
+        for a in range(0, rows_R.numel(), chunk):
+            rows = rows_R[a:a + chunk]
+            end = int(rows.max()) + 1  # a query's keys are its ancestors: before it in the tree
             keep = self._keep(rows, x_TD[rows], keys_TD[:end], sub_end_T[:end], positions_T, groups)
-            args = (q_TNH[rows], k_TKH[:end], v_TKH[:end], keep, self.softmax_scale)
+            args = (q_RNH[a:a + chunk], k_TKH[:end], v_TKH[:end], keep, self.softmax_scale)
             out.append(checkpoint(_masked_attention, *args, use_reentrant=False) if torch.is_grad_enabled()
                        else _masked_attention(*args))
         return torch.cat(out)
@@ -267,7 +284,7 @@ class BlockSparseAttention(torch.nn.Module):
         scores = scores.masked_fill(~visible[None], float("-inf"))
         key_block = (positions_T[:T] // self.block_size).long()
         q_block = (positions_T[rows_R] // self.block_size).long()
-        blocks = int(q_block.max()) + 1
+        blocks = int(torch.maximum(key_block.max(), q_block.max())) + 1  # (keys of other branches may be deeper)
         block_scores = torch.full((*scores.shape[:2], blocks), float("-inf"), device=scores.device)
         block_scores.scatter_reduce_(-1, key_block.expand_as(scores), scores, reduce="amax", include_self=True)
         for back in range(self.local_blocks):  # the query's own block and the ones before it always win

@@ -265,6 +265,13 @@ def _body_one_rank(rank, world_size):
     m3_tree, m3_causal = _twin_models(gpt_config_from_hf(m3))
     out["minimax_m3"] = _exactness(m3_tree, m3_causal, all_samples(3))
     out["minimax_m3_modules"] = [type(layer.self_attention.core_attention).__name__ for layer in m3_tree.decoder.layers]
+    from forge_megatron.mcore import block_sparse
+
+    block_sparse.CHUNK_ELEMENTS, whole = 1, block_sparse.CHUNK_ELEMENTS  # one query per chunk: a chunk's keys then
+    try:  # include other branches' deeper tokens
+        out["minimax_m3_chunked"] = _exactness(m3_tree, m3_causal, all_samples(3))
+    finally:
+        block_sparse.CHUNK_ELEMENTS = whole
     # gpt-oss attention: learned sinks (Megatron's softmax_type="learnable") and a 3-position sliding window on every
     # other layer; the oracle is Megatron's own attention with the same config (SoftmaxOne, sliding-window mask)
     oss_cfg = _cfg(extra={"softmax_type": "learnable", "window_size": (2, 0), "window_attn_skip_freq": 2})
@@ -577,8 +584,9 @@ def test_deepseek_sparse_attention_tree_equals_unmerged(one_rank, arch):
 
 def test_minimax_m3_block_sparse_attention_tree_equals_unmerged(one_rank):
     assert one_rank["minimax_m3_modules"] == ["TreeAttention", "BlockSparseAttention", "BlockSparseAttention"]
-    logp, ent, grad, _, _ = one_rank["minimax_m3"]
-    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["minimax_m3"]
+    for case in ("minimax_m3", "minimax_m3_chunked"):
+        logp, ent, grad, _, _ = one_rank[case]
+        assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, (case, one_rank[case])
 
 
 def test_gpt_oss_sinks_and_sliding_window_tree_equals_unmerged(one_rank):
