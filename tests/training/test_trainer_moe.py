@@ -167,15 +167,18 @@ LAYOUTS = {"tp2sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"
 
 @pytest.mark.parametrize("arch,layouts", [("hunyuan_v1_moe", ("tp2sp", "cp2", "pp2", "ep2")),
                                           ("olmoe", ("tp2sp", "ep2")),
-                                          ("mimo_v2_flash", ("tp2sp", "cp2", "pp2first1", "ep2"))])
-def test_hunyuan_olmoe_and_mimo_train_the_same_under_tensor_context_and_expert_parallelism(tmp_path, arch, layouts):
+                                          ("mimo_v2_flash", ("tp2sp", "cp2", "pp2first1", "ep2")),
+                                          ("minimax_m3", ("tp2sp", "cp2", "pp2first1", "ep2"))])
+def test_hunyuan_olmoe_mimo_and_minimax_m3_train_the_same_under_tensor_context_and_expert_parallelism(tmp_path, arch,
+                                                                                                    layouts):
     """Hunyuan's MoE layout (per-head q/k RMSNorms after RoPE, applied by the tree attention on the rotated queries
     and keys; every layer's experts beside a shared MLP), OLMoE's (q/k RMSNorms over all heads, softmax experts
     not renormalised) and MiMo-V2-Flash's (a sliding-window layer with its own key heads and sinks between full
     ones, narrower scaled values, a dense first layer) through the trainer: TP = 2 with sequence parallelism (the
     norms' gradients, a part from each rank's heads, summed over TP; MiMo's sinks split with the heads), CP = 2
     (each rank's tokens; MiMo's window and sinks over the gathered keys), PP = 2 and EP = 2 train the same two steps
-    as one rank."""
+    as one rank. MiniMax-M3's block-sparse layers (blocks of 2 positions, 2 kept: these samples' later tokens drop
+    blocks) choose per key head on each TP rank, from the gathered keys and indexer inputs under CP."""
     model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(7), completion_len=(4, 5))  # noqa: E731
     steps = {}
