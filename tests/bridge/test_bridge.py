@@ -568,3 +568,78 @@ def test_mimo_v2_flash_config_as_released_and_as_transformers_writes_it():
 def test_mimo_v2_flash_options_megatron_cannot_match_are_refused(change, message):
     with pytest.raises(UnsupportedModelError, match=message):
         Bridge({**_mimo_released(), **change})
+
+
+def _minimax_m3_released():
+    """MiniMax-M3's config.json as released (the language model's fields under text_config, its sparse attention
+    under sparse_attention_config; values as published)."""
+    n = 60
+    sparse = [0, 0, 0] + [1] * (n - 3)
+    text = {"hidden_size": 6144, "intermediate_size": 3072, "num_hidden_layers": n, "num_attention_heads": 64,
+            "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 200064, "rms_norm_eps": 1e-06,
+            "rope_theta": 5000000, "rotary_dim": 64, "partial_rotary_factor": 0.5, "use_qk_norm": True,
+            "tie_word_embeddings": False, "dense_intermediate_size": 12288, "shared_intermediate_size": 3072,
+            "num_local_experts": 128, "num_experts_per_tok": 4, "n_shared_experts": 1, "scoring_func": "sigmoid",
+            "use_routing_bias": True, "moe_layer_freq": [0, 0, 0] + [1] * (n - 3), "qk_norm_type": "per_head",
+            "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "routed_scaling_factor": 2.0, "hidden_act": "swigluoai",
+            "max_position_embeddings": 524288, "model_type": "minimax_m3_vl_text",
+            "sparse_attention_config": {"use_sparse_attention": True, "sparse_index_dim": 128,
+                                        "sparse_num_index_heads": 4, "sparse_topk_blocks": 16,
+                                        "sparse_block_size": 128, "sparse_disable_index_value": sparse,
+                                        "sparse_attention_freq": sparse}}
+    return {"architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
+            "text_config": text, "vision_config": {"hidden_size": 1280, "num_hidden_layers": 32},
+            "image_token_index": 200025, "tie_word_embeddings": False}
+
+
+def test_minimax_m3_config_as_released_and_as_transformers_writes_it():
+    """MiniMax-M3 read from its released config.json (sparse_attention_config, moe_layer_freq, swigluoai,
+    rotary_dim with partial_rotary_factor) maps to the same model as the config transformers writes after reading
+    it (layer_types, mlp_layer_types, index_*, rope_parameters): three dense layers then MoE ones with a shared
+    expert, block-sparse attention from layer 3 on; and the indexers' tensors are the sparse layers' only."""
+    from transformers import MiniMaxM3VLConfig
+
+    released = Bridge(_minimax_m3_released())
+    cfg = released.cfg
+    written = {**MiniMaxM3VLConfig(**_minimax_m3_released()).to_dict(),
+               "architectures": ["MiniMaxM3SparseForConditionalGeneration"]}
+    assert "sparse_attention_config" not in written["text_config"] and written["text_config"]["layer_types"][3] == \
+        "minimax_m3_sparse"
+    assert Bridge(written).cfg == cfg
+    assert cfg.block_sparse_layers == (False,) * 3 + (True,) * 57
+    assert (cfg.block_index_heads, cfg.block_index_head_dim, cfg.block_size, cfg.block_topk, cfg.block_local) == \
+        (4, 128, 128, 16, 1)
+    assert (cfg.moe_dense_layers, cfg.ffn_hidden_size, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size) == \
+        (3, 12288, 3072, 3072)
+    assert cfg.rotary_percent == 0.5 and cfg.zero_centered_norm and not cfg.qk_layernorm_all_heads
+    assert cfg.extra["moe_router_topk_scaling_factor"] == 2.0 and cfg.extra["activation_func_clamp_value"] == 7.0
+    assert released.hf_shape("language_model.model.layers.3.self_attn.index_q_proj.weight") == (4 * 128, 6144)
+    names = set(released.canonical_names())
+    assert "decoder.layers.3.self_attention.core_attention.indexer.q_proj.weight" in names
+    assert not any(n.startswith("decoder.layers.2.") and ".indexer." in n for n in names)
+    assert released.hf_names("decoder.layers.3.self_attention.core_attention.indexer.k_norm.weight") == \
+        ["language_model.model.layers.3.self_attn.index_k_norm.weight"]
+    assert released.hf_names("decoder.layers.3.mlp.shared_experts.linear_fc2.weight") == \
+        ["language_model.model.layers.3.block_sparse_moe.shared_experts.down_proj.weight"]
+    assert released.hf_names("output_layer.weight") == ["language_model.lm_head.weight"]
+    released.check_layout(ParallelLayout(tp=4, ep=8))
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"partial_rotary_factor": None}, "rotary_dim=64 with partial_rotary_factor=None"),
+    ({"swiglu_alpha": 1.5}, "swiglu_alpha=1.5"),
+    ({"hidden_act": "gelu"}, "swigluoai"),
+    ({"qk_norm_type": "per_layer"}, "per_head"),
+    ({"n_shared_experts": 2}, "one shared"),
+    ({"scoring_func": "softmax"}, "sigmoid router"),
+    ({"moe_layer_freq": [1, 0] + [1] * 58}, "not some dense layers then MoE"),
+    ({"sparse_attention_config": {"sparse_num_index_heads": 8, "sparse_attention_freq": [1] * 60}},
+     "index_n_heads=8"),
+    ({"sparse_attention_config": {"sparse_attention_freq": [1] * 60, "sparse_disable_index_value": [0] * 60}},
+     "sparse_disable_index_value"),
+])
+def test_minimax_m3_options_megatron_cannot_match_are_refused(change, message):
+    config = _minimax_m3_released()
+    config["text_config"] = {**config["text_config"], **change}
+    with pytest.raises(UnsupportedModelError, match=message):
+        Bridge(config)
