@@ -1618,6 +1618,10 @@ def model_config(args: argparse.Namespace, bridge):
     coeff = getattr(args, "dsa_indexer_loss_coeff", 0.0) or 0.0
     if coeff and not cfg.sparse_attention:
         raise ValueError(f"--dsa-indexer-loss-coeff: {args.hf_checkpoint} has no DeepSeek sparse attention indexer")
+    if cfg.block_sparse_layers and any(cfg.block_sparse_layers) and args.recompute_granularity == "selective":
+        raise ValueError(f"{args.hf_checkpoint} has block-sparse attention (MiniMax-M3): --recompute-granularity "
+                         "selective recomputes core attention without the layer's input its indexer needs; use "
+                         "--recompute-granularity full")
     if cfg.sparse_attention:
         _check_sparse_attention_layout(args, cfg)
         if coeff < 0:

@@ -630,6 +630,20 @@ def test_sparse_attention_flags_and_layouts():
         model_config(arguments.parse_args(pp2 + ["--decoder-last-pipeline-num-layers", "2"]), Bridge(glm3))
 
 
+def test_block_sparse_attention_refuses_core_attention_recomputation():
+    """MiniMax-M3's block-sparse layers: core-attention-only recomputation (the indexer needs the layer's input) is
+    refused by name; whole layers may be recomputed."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.training.trainer import model_config
+
+    hf = {**tiny_config("minimax_m3").to_dict(), "architectures": ["MiniMaxM3SparseForConditionalGeneration"]}
+    with pytest.raises(ValueError, match="block-sparse attention.*use --recompute-granularity full"):
+        model_config(arguments.parse_args(MINIMAL + ["--recompute-granularity", "selective"]), Bridge(hf))
+    cfg = model_config(arguments.parse_args(MINIMAL + ["--recompute-granularity", "full"]), Bridge(hf))
+    assert cfg.block_sparse_layers == (False, True, True)
+
+
 def test_uneven_pipeline_stage_flags():
     """Megatron-LM's --decoder-first/last-pipeline-num-layers: checked at parse time where the model is not needed
     (PP >= 2, no virtual stages) and against the model's layers once it is known, naming the counts."""
