@@ -567,7 +567,7 @@ class Bridge:
     def is_mtp_tensor(self, hf_name: str) -> bool:
         """A tensor of the multi-token-prediction layers some checkpoints append (GLM-4.5, DeepSeek-V3:
         ``num_nextn_predict_layers``, MiniMax-M2: ``num_mtp_modules`` layers numbered from ``num_hidden_layers``;
-        Qwen3.5: ``mtp.*``; ERNIE 4.5: ``model.mtp_*``): the trainer neither trains nor exports them (SGLang uses them for speculative decoding
+        Qwen3.5: ``mtp.*``; ERNIE 4.5: ``model.mtp_*``; MiniMax-M3: any ``mtp.`` module): the trainer neither trains nor exports them (SGLang uses them for speculative decoding
         only)."""
         hf = self.hf_config
         if self.family.gated_delta and hf_name.startswith("mtp."):
@@ -576,6 +576,10 @@ class Bridge:
             return True
         if self.family.mimo and hf_name.startswith(self.hf_prefix + "mtp."):  # MiMo-V2-Flash's (model.mtp.*)
             return True
+        if self.family.minimax_m3:  # (transformers drops any ``mtp.`` module of MiniMax-M3's, at any depth)
+            if re.search(r"(^|\.)mtp\.", hf_name):
+                return True
+            hf = hf.get("text_config") or hf  # (M2's numbered MTP layers, counted in the language model's config)
         extra = int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_modules") or 0)
         m = re.match(re.escape(self.hf_prefix) + r"layers\.(\d+)\.", hf_name)
         return bool(extra and m) and self.cfg.num_layers <= int(m.group(1)) < self.cfg.num_layers + extra

@@ -622,6 +622,9 @@ def test_minimax_m3_config_as_released_and_as_transformers_writes_it():
     assert released.hf_names("decoder.layers.3.mlp.shared_experts.linear_fc2.weight") == \
         ["language_model.model.layers.3.block_sparse_moe.shared_experts.down_proj.weight"]
     assert released.hf_names("output_layer.weight") == ["language_model.lm_head.weight"]
+    assert released.is_left_out("language_model.model.mtp.layers.0.self_attn.q_proj.weight")  # (transformers: too)
+    assert released.is_left_out("mtp.0.enorm.weight") and released.is_left_out("vision_tower.vision_model.x.weight")
+    assert not released.is_left_out("language_model.model.layers.59.self_attn.q_proj.weight")
     released.check_layout(ParallelLayout(tp=4, ep=8))
 
 
