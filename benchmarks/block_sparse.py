@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 import types
 
 import torch
+from _timing import median_ms
 
 
 def build(args):
@@ -99,20 +98,8 @@ def main(argv=None):
     do = torch.randn(T, N, H, device=dev, dtype=dtype)
     deep_from = args.topk * args.block
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
     def timed(fn):
-        fn()  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return median_ms(fn, args.repeats, dev)
 
     def dense():
         torch.autograd.backward(tree_attention(q, k, v, sub_end, softmax_scale=module.softmax_scale), do)

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 import types
 
 import torch
+from _timing import median_ms
 
 
 def build(args):
@@ -75,20 +74,8 @@ def main(argv=None):
     positions = torch.arange(T, device=dev)
     do = torch.randn(T, N, args.v_head_dim, device=dev, dtype=dtype)
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
     def timed(fn):
-        fn()  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return median_ms(fn, args.repeats, dev)
 
     def dense():
         o = tree_attention(q, k, v, sub_end, softmax_scale=module.softmax_scale)

@@ -40,6 +40,8 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 from torch.utils.checkpoint import checkpoint
 
+from forge_megatron.mcore.dsa import check_causal_model, gather_sequence
+
 # elements of one [N, rows, T] score block (fp32): the query chunk size follows from it
 CHUNK_ELEMENTS = 1 << 25
 
@@ -164,15 +166,7 @@ class BlockSparseAttention(torch.nn.Module):
             raise ValueError("block-sparse attention needs the layer's input: build the model through "
                              "forge_megatron.mcore.model (IndexedSelfAttention), and do not recompute core attention "
                              "alone (recompute whole layers instead)")
-        x = x.detach()
-        if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
-            from megatron.core import parallel_state as ps
-
-            group = ps.get_tensor_model_parallel_group()
-            parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
-            torch.distributed.all_gather(parts, x.contiguous(), group=group)
-            x = torch.cat(parts, dim=0)
-        return x
+        return gather_sequence(x.detach(), self.config)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **unused):
@@ -194,17 +188,8 @@ class BlockSparseAttention(torch.nn.Module):
                                        deep_from)
             out = self._attend(query, key, value, x.reshape(T, -1), sub_end, positions, packed_seq_params.backend)
             return out.reshape(T, 1, -1)
-        if packed_seq_params is not None:
-            raise ValueError("block-sparse attention takes tree-packed sequences (TreePackedSeqParams) or none")
-        if cp_world()[0] > 1:
-            raise ValueError("block-sparse attention under context parallelism needs tree-packed sequences (the "
-                             "causal model is not sharded)")
-        s, b = query.shape[:2]
-        if attention_mask is not None and not torch.equal(
-                attention_mask.reshape(-1, s, s), torch.ones(s, s, dtype=torch.bool, device=query.device)
-                .triu(1).expand(attention_mask.reshape(-1, s, s).shape)):
-            raise ValueError("block-sparse attention's causal model takes the causal mask only (padding: pack the "
-                             "samples as a tree)")
+        s, b = query.shape[:2]  # the causal model: one sample per batch row
+        check_causal_model(packed_seq_params, attention_mask, s, query.device, "block-sparse attention")
         x = x.reshape(s, b, -1)
         sub_end = torch.full((s,), s, dtype=torch.int32, device=query.device)
         positions = torch.arange(s, device=query.device)

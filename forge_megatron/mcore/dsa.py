@@ -278,6 +278,35 @@ def pop_indexer_losses() -> list[float]:
 
 
 # ----------------------------------------------------------------------------------------- core attention
+def gather_sequence(t: torch.Tensor, config) -> torch.Tensor:
+    """``t`` (an indexer's input, no gradient) whole: under sequence parallelism each TP rank holds a slice of the
+    tokens, and an indexer needs all of them."""
+    if not config.sequence_parallel or config.tensor_model_parallel_size == 1:
+        return t
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def check_causal_model(packed_seq_params, attention_mask, s: int, device, what: str) -> None:
+    """What a sparse attention (``what``) takes outside a tree: no other packed sequences, no context parallelism, and
+    Megatron's causal mask or none over its [s, b] samples (one per batch row)."""
+    from forge_megatron.mcore.context_parallel import cp_world
+
+    if packed_seq_params is not None:
+        raise ValueError(f"{what} takes tree-packed sequences (TreePackedSeqParams) or none")
+    if cp_world()[0] > 1:
+        raise ValueError(f"{what} under context parallelism needs tree-packed sequences (the causal model is not "
+                         "sharded)")
+    if attention_mask is not None and not torch.equal(
+            attention_mask.reshape(-1, s, s), torch.ones(s, s, dtype=torch.bool, device=device)
+            .triu(1).expand(attention_mask.reshape(-1, s, s).shape)):
+        raise ValueError(f"{what}'s causal model takes the causal mask only (padding: pack the samples as a tree)")
+
+
 class SparseTreeAttention(torch.nn.Module):
     """``core_attention`` of a DSA layer (DeepSeek-V3.2, GLM-5) for Megatron's multi-latent attention, in the tree
     model (TreePackedSeqParams: the mask is the tree) and in the plain causal one (no packed params). Megatron's MLA
@@ -327,7 +356,7 @@ class SparseTreeAttention(torch.nn.Module):
             raise ValueError("DeepSeek sparse attention takes no attention_bias")
         from forge_megatron.mcore.context_parallel import cp_world
 
-        x, qr = self._gather_sequence(x), self._gather_sequence(qr)
+        x, qr = gather_sequence(x, self.config), gather_sequence(qr, self.config)
         if isinstance(packed_seq_params, TreePackedSeqParams):
             if query.dim() == 4:
                 query, key, value = query[:, 0], key[:, 0], value[:, 0]
@@ -339,35 +368,15 @@ class SparseTreeAttention(torch.nn.Module):
                                        packed_seq_params).reshape(query.shape[0], 1, -1)
             return self._attend(query, key, value, x, qr, sub_end, positions, packed_seq_params,
                                 packed_seq_params.backend).reshape(query.shape[0], 1, -1)
-        if packed_seq_params is not None:
-            raise ValueError("DeepSeek sparse attention takes tree-packed sequences (TreePackedSeqParams) or none")
-        if cp_world()[0] > 1:
-            raise ValueError("DeepSeek sparse attention under context parallelism needs tree-packed sequences "
-                             "(the causal model is not sharded)")
         # the causal model: [s, b, heads, dim], one sample per batch row
         s, b = query.shape[:2]
-        if attention_mask is not None and not torch.equal(
-                attention_mask.reshape(-1, s, s), torch.ones(s, s, dtype=torch.bool, device=query.device)
-                .triu(1).expand(attention_mask.reshape(-1, s, s).shape)):
-            raise ValueError("DeepSeek sparse attention's causal model takes the causal mask only (padding: pack "
-                             "the samples as a tree)")
+        check_causal_model(packed_seq_params, attention_mask, s, query.device, "DeepSeek sparse attention")
         x, qr = x.reshape(s, b, -1), qr.reshape(s, b, -1)
         sub_end = torch.full((s,), s, dtype=torch.int32, device=query.device)
         positions = torch.arange(s, device=query.device)
         outs = [self._attend(query[:, i], key[:, i], value[:, i], x[:, i], qr[:, i], sub_end, positions,
                              self.selection_store.setdefault(i, {}), None) for i in range(b)]
         return torch.stack(outs, dim=1).reshape(s, b, -1)
-
-    def _gather_sequence(self, t):
-        """Under sequence parallelism each TP rank holds a slice of the tokens: the indexer needs all of them."""
-        if not self.config.sequence_parallel or self.config.tensor_model_parallel_size == 1:
-            return t
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_tensor_model_parallel_group()
-        parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(parts, t.detach().contiguous(), group=group)
-        return torch.cat(parts, dim=0)
 
     def _attend(self, q_TNH, k_TNH, v_TNH, x_TD, qr_TL, sub_end_T, positions_T, carrier, backend):
         """Queries before the first one deeper than topk (all shallow: every visible key selected) run the dense
