@@ -77,7 +77,7 @@ class BlockIndexer(torch.nn.Module):
             p.requires_grad_(False)
 
     def _rope(self, x, positions):
-        """Rotate-half RoPE on the first ``rope_dim`` channels of the last dim (x [..., T, D_I] or [T, heads, D_I])."""
+        """Rotate-half RoPE on the first ``rope_dim`` channels of the last dim (x [T, D_I] or [T, heads, D_I])."""
         freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None, :]
         cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
         if x.dim() == 3:

@@ -606,6 +606,9 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
     if cfg.per_layer_attention:
         spec = _per_layer_attention_spec(cfg, spec, vp_stage)
     if cfg.block_sparse_layers is not None and any(cfg.block_sparse_layers):  # (MiniMax-M3)
+        if use_te:  # (Transformer Engine fuses the input norm into linear_qkv: the indexer's input would be un-normed)
+            raise ValueError("block-sparse attention (MiniMax-M3) builds with the local spec: its indexer reads the "
+                             "attention's normalised input, which Transformer Engine's spec fuses away")
         spec = _block_sparse_spec(cfg, spec, vp_stage)
     if cfg.value_head_dim or cfg.sink_layers:  # (MiMo-V2-Flash; the tree model swaps in TreeAttention)
         spec = _with_attention_submodules(spec, lambda subs: {"core_attention": CausalCoreAttention})
