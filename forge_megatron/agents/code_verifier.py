@@ -21,17 +21,27 @@ The program is the last fenced code block of the agent's answer (```` ```python 
 the whole answer. The reward is 1.0 when every case passes and 0.0 otherwise (``--code-reward all``, the default:
 the first failure ends the check), or the fraction of cases passed (``pass_rate``).
 
-Languages: Python, and C++, C and Rust for ``stdio`` tests (competitive programming: CodeContests, CodeForces). A
-task's ``metadata["language"]`` (``python``, ``cpp`` / ``c++``, ``c``, ``rust`` / ``rs``) says which its answers are
-written in, and its answer's last block fenced in that language is the program (else its last block); without it,
-the language is the chosen block's fence tag (```` ```cpp ````, ```` ```c ````, ```` ```rust ````; anything else:
-Python). A compiled language's program is compiled once per episode (``--code-cxx`` g++ with ``--code-cxx-flags``
+Languages: Python, and C++, C, Rust, Java and JavaScript for ``stdio`` tests (competitive programming: CodeContests,
+CodeForces). A task's ``metadata["language"]`` (``python``, ``cpp`` / ``c++``, ``c``, ``rust`` / ``rs``, ``java``,
+``javascript`` / ``js`` / ``node``) says which its answers are written in, and its answer's last block fenced in that
+language is the program (else its last block); without it, the language is the chosen block's fence tag
+(```` ```cpp ````, ```` ```c ````, ```` ```rust ````, ```` ```java ````, ```` ```js ````; anything else: Python). A
+compiled language's program is compiled once per episode (``--code-cxx`` g++ with ``--code-cxx-flags``
 "-O2 -std=c++17", ``--code-cc`` gcc with ``--code-cc-flags`` "-O2 -std=c11" and libm, ``--code-rustc`` rustc with
-``--code-rustc-flags`` "-O --edition 2021"), under the same limits as a case (``--code-compile-timeout-s``, default
-20 s, its time counted in the episode's budget; the compiler's memory ``--code-compile-memory-mb``, default 2048),
-then each case runs the binary in a fresh directory of its own. A program that does not compile fails every case
-(its first error lines logged); a compiler that is not installed fails the episode by name. ``asserts`` and
-``calls`` tests are Python's: a task that pairs them with another language fails its episode naming the task.
+``--code-rustc-flags`` "-O --edition 2021", ``--code-javac`` javac with ``--code-javac-flags``), under the same limits
+as a case (``--code-compile-timeout-s``, default 20 s, its time counted in the episode's budget; the compiler's memory
+``--code-compile-memory-mb``, default 2048), then each case runs the binary (Java: ``--code-java`` on the class that
+declares ``main``, with ``--code-java-flags`` "-Xss64m -XX:+UseSerialGC") in a fresh directory of its own;
+JavaScript runs under ``--code-node``. A Java source is saved under its public class's name (``Main.java`` without
+one). A program that does not compile fails every case (its first error lines logged); a compiler or runtime that is
+not installed fails the episode by name. ``asserts`` and ``calls`` tests are Python's: a task that pairs them with
+another language fails its episode naming the task.
+
+Managed runtimes (the JVM, V8) reserve address space far beyond what they use: their heap is bounded by their own
+flag instead (``-Xmx`` / ``--max-old-space-size`` = ``--code-memory-mb``; javac's ``-J-Xmx`` =
+``--code-compile-memory-mb``) and their address-space limit is that plus :data:`RUNTIME_RESERVE_MB` for code caches,
+class metadata and thread stacks. They start threads, which count as processes to the no-new-processes limit: it is
+off for them (a sandbox prefix confines them instead).
 
 Each case is a new ``python -I`` process (isolated mode: no user site, no ``PYTHON*`` variables) in a fresh
 temporary directory that is deleted afterwards, in its own session (the whole process group is killed when the case
@@ -76,13 +86,24 @@ REWARDS = ("all", "pass_rate")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
 
 LANGUAGES = {"python": ("python", "py", "python3"), "cpp": ("cpp", "c++", "cxx", "cc"), "c": ("c",),
-             "rust": ("rust", "rs")}
+             "rust": ("rust", "rs"), "java": ("java",), "javascript": ("javascript", "js", "node", "nodejs")}
 """The languages programs may be written in and the fence tags (and task ``language`` values) naming each."""
 
 COMPILED = {"cpp": ("program.cpp", "cxx", "C++"), "c": ("program.c", "cc", "C"),
-            "rust": ("program.rs", "rustc", "Rust")}
+            "rust": ("program.rs", "rustc", "Rust"), "java": ("Main.java", "javac", "Java")}
 """Compiled languages: (source file, the :class:`CodeVerifier` fields ``<tool>`` / ``<tool>_flags`` and
-``--code-<tool>`` flags of the compiler, the language's name)."""
+``--code-<tool>`` flags of the compiler, the language's name). A Java source takes its public class's name."""
+
+RUNTIME_RESERVE_MB = 1536
+"""Address space a managed runtime (the JVM, node) gets beyond its heap limit (measured: java 17 needs about 1 GB more
+than -Xmx with glibc's malloc arenas capped at 2, node 20 about 600 MB)."""
+
+# the JVM's own reservations, bounded (the defaults reserve a 1 GB class space and a 240 MB code cache)
+_JVM_LIMITS = ("-XX:CompressedClassSpaceSize=64m", "-XX:MaxMetaspaceSize=256m", "-XX:ReservedCodeCacheSize=64m")
+_JAVA_CLASS = re.compile(r"\b(?:class|interface|enum|record)\s+([A-Za-z_$][\w$]*)")
+_JAVA_TOKENS = re.compile(r"\b(?:class|interface|enum|record)\s+([A-Za-z_$][\w$]*)|[{}]|\bstatic\s+void\s+main\s*\(")
+_JAVA_PUBLIC = re.compile(r"\bpublic\s+(?:(?:final|abstract|sealed|non-sealed|strictfp)\s+)*"
+                          r"(?:class|interface|enum|record)\s+([A-Za-z_$][\w$]*)")
 
 # The assert harness: reads the pass token first, runs the program and the case in namespaces of their own, prints
 # the token last. Its file is written next to program.py and case.py in the case's directory.
@@ -214,6 +235,39 @@ def _call_asserts(tests: dict, where: str) -> list[str]:
     return out
 
 
+def _java_code(source: str) -> str:
+    """``source`` without comments and with empty string / char literals (for the searches below)."""
+    source = re.sub(r"//[^\n]*|/\*.*?\*/", " ", source, flags=re.S)
+    return re.sub(r'"""(?:.|\n)*?"""|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', '""', source)
+
+
+def java_file_name(source: str) -> str:
+    """The file a Java program must be saved in: its (first) public type's name, ``Main.java`` without one."""
+    m = _JAVA_PUBLIC.search(_java_code(source))
+    return f"{m.group(1) if m else 'Main'}.java"
+
+
+def java_main_class(source: str) -> str | None:
+    """The class whose body declares ``static void main(``: the innermost type around the first such declaration
+    (nested helper classes before it do not count); None when there is none."""
+    open_types: list[str | None] = []  # per open brace: the type it opens (None: a method, block, ...)
+    pending = None
+    for m in _JAVA_TOKENS.finditer(_java_code(source)):
+        token = m.group(0)
+        if token == "{":
+            open_types.append(pending)
+            pending = None
+        elif token == "}":
+            if open_types:
+                open_types.pop()
+        elif m.group(1):
+            pending = m.group(1)
+        else:
+            names = [n for n in open_types if n]
+            return names[-1] if names else None
+    return None
+
+
 @dataclass
 class CaseResult:
     passed: bool
@@ -239,6 +293,11 @@ class CodeVerifier:
     cc_flags: str = "-O2 -std=c11"
     rustc: str = "rustc"
     rustc_flags: str = "-O --edition 2021"
+    javac: str = "javac"  # Java's compiler and runtime, and JavaScript's
+    javac_flags: str = ""
+    java: str = "java"
+    java_flags: str = "-Xss64m -XX:+UseSerialGC"
+    node: str = "node"
     compile_timeout_s: float = 20.0
     compile_memory_mb: int = 2048
     stats: dict = field(default_factory=lambda: {"cases": 0, "passed": 0, "timed_out": 0, "compile_errors": 0})
@@ -264,6 +323,10 @@ class CodeVerifier:
                                 f"{language} task takes 'stdio' tests")
         # (Python-statement tests take the answer as Python whatever its fence says: another language scores nothing)
         program, language = extract_program_and_language(output, language or (None if kind == "stdio" else "python"))
+        runtime = {"java": ("java", "Java"), "javascript": ("node", "JavaScript")}.get(language)
+        if runtime is not None and shutil.which(getattr(self, runtime[0])) is None:
+            raise RuntimeError(f"--code-{runtime[0]} {getattr(self, runtime[0])!r} is not found here: {runtime[1]} "
+                               "programs cannot be checked")
         deadline = time.monotonic() + self.total_timeout_s
         binary_dir = None
         try:
@@ -281,7 +344,8 @@ class CodeVerifier:
                     log.warning("task %s: --code-total-timeout-s %gs ran out after %d of %d cases: the rest count as "
                                 "failed", task.task_id, self.total_timeout_s, i, len(cases))
                     break
-                result = self.run_case(kind, program, case, setup, min(self.timeout_s, left), binary_dir)
+                result = self.run_case(kind, program, case, setup, min(self.timeout_s, left), binary_dir,
+                                       language)
                 passed += result.passed
                 if not result.passed and self.reward == "all":
                     break
@@ -302,14 +366,32 @@ class CodeVerifier:
         if language == "rust":
             compiler = self._real_rustc(compiler)
         workdir = tempfile.mkdtemp(prefix="forge-code-build-")
-        with open(os.path.join(workdir, source), "w") as f:
-            f.write(program)
-        command = [compiler, *shlex.split(getattr(self, f"{tool}_flags")), source, "-o", "program"]
+        memory = self.compile_memory_mb
+        if language == "java":
+            source = java_file_name(program)
+            main = java_main_class(program)
+            command = [compiler, f"-J-Xmx{memory}m", "-J-XX:+UseSerialGC", *(f"-J{x}" for x in _JVM_LIMITS),
+                       *shlex.split(self.javac_flags), "-d", ".", source]
+            memory += RUNTIME_RESERVE_MB
+        else:
+            command = [compiler, *shlex.split(getattr(self, f"{tool}_flags")), source, "-o", "program"]
         if language == "c":
             command.append("-lm")  # (libm after the source: sqrt, pow, ...)
+        with open(os.path.join(workdir, source), "w") as f:
+            f.write(program)
         with self._slots:
-            timed_out, status, output = self._spawn(command, "", timeout_s, workdir, memory_mb=self.compile_memory_mb,
-                                                    may_fork=True, keep_stderr=True)
+            timed_out, status, output = self._spawn(command, "", timeout_s, workdir, memory_mb=memory, may_fork=True,
+                                                    keep_stderr=True)
+        if language == "java" and not timed_out and status == 0:
+            os.remove(os.path.join(workdir, source))
+            if main is None or not os.path.isfile(os.path.join(workdir, main + ".class")):
+                shutil.rmtree(workdir, ignore_errors=True)
+                with self._lock:
+                    self.stats["compile_errors"] += 1
+                return None, "no class declares static void main(String[])"
+            with open(os.path.join(workdir, ".main"), "w") as f:
+                f.write(main)
+            return workdir, ""
         if not timed_out and status == 0 and os.path.isfile(os.path.join(workdir, "program")):
             return workdir, ""
         shutil.rmtree(workdir, ignore_errors=True)
@@ -337,14 +419,15 @@ class CodeVerifier:
             return self._resolved.setdefault(rustc, real)
 
     def run_case(self, kind: str, program: str, case, setup: str = "", timeout_s: float | None = None,
-                 binary_dir: str | None = None) -> CaseResult:
+                 binary_dir: str | None = None, language: str = "python") -> CaseResult:
         """One case in a fresh directory and process (see the module docstring); ``binary_dir``: a compiled
-        program's directory (:meth:`compile`), whose binary the case runs instead of the Python ``program``."""
+        program's directory (:meth:`compile`), whose binary (or Java classes) the case runs instead of the Python
+        ``program``; ``language`` "javascript": ``program`` runs under node."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._slots:
             workdir = tempfile.mkdtemp(prefix="forge-code-")
             try:
-                result = self._run(kind, program, case, setup, timeout_s, workdir, binary_dir)
+                result = self._run(kind, program, case, setup, timeout_s, workdir, binary_dir, language)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
         with self._lock:
@@ -353,15 +436,29 @@ class CodeVerifier:
             self.stats["timed_out"] += result.reason == "timed out"
         return result
 
-    def _run(self, kind, program, case, setup, timeout_s, workdir, binary_dir=None) -> CaseResult:
+    def _run(self, kind, program, case, setup, timeout_s, workdir, binary_dir=None,
+             language="python") -> CaseResult:
         def write(name: str, text: str) -> None:
             with open(os.path.join(workdir, name), "w") as f:
                 f.write(text)
 
         token = secrets.token_hex(16)  # (the assert harness's pass token)
-        if binary_dir is not None:  # a compiled program: its binary copied in (a sandbox may bind this dir alone)
+        memory, runtime = None, False  # (a managed runtime: its heap flag, more address space, threads)
+        if binary_dir is not None and language == "java":  # the classes copied in (a sandbox may bind this dir alone)
+            for name in os.listdir(binary_dir):
+                shutil.copy2(os.path.join(binary_dir, name), os.path.join(workdir, name))
+            with open(os.path.join(workdir, ".main")) as f:
+                main = f.read()
+            command = [self.java, f"-Xmx{self.memory_mb}m", *_JVM_LIMITS, *shlex.split(self.java_flags), "-cp", ".",
+                       main]
+            stdin, memory, runtime = case.get("input", ""), self.memory_mb + RUNTIME_RESERVE_MB, True
+        elif binary_dir is not None:  # a compiled program: its binary copied in
             shutil.copy2(os.path.join(binary_dir, "program"), os.path.join(workdir, "program"))
             command, stdin = ["./program"], case.get("input", "")
+        elif language == "javascript":
+            write("program.js", program)
+            command = [self.node, f"--max-old-space-size={self.memory_mb}", "program.js"]
+            stdin, memory, runtime = case.get("input", ""), self.memory_mb + RUNTIME_RESERVE_MB, True
         elif kind == "stdio":
             write("program.py", program)
             command, stdin = [self.python, "-I", "program.py"], case.get("input", "")
@@ -372,7 +469,8 @@ class CodeVerifier:
             write("harness.py", _HARNESS)
             command, stdin = [self.python, "-I", "harness.py"], token + "\n"
         t0 = time.monotonic()
-        timed_out, status, stdout = self._spawn(command, stdin, timeout_s, workdir)
+        timed_out, status, stdout = self._spawn(command, stdin, timeout_s, workdir, memory_mb=memory,
+                                                may_fork=runtime)
         seconds = time.monotonic() - t0
         if timed_out:
             return CaseResult(False, "timed out", seconds)
@@ -394,7 +492,8 @@ class CodeVerifier:
         cmd = [self.python, "-I", "-c", _LAUNCHER, *limits,
                *[a.replace("{dir}", workdir) for a in self.prefix], *command]
         env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-               "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+               "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
+               "MALLOC_ARENA_MAX": "2"}  # (glibc's 64 MB arena per thread would eat a threaded runtime's limit)
         out_path = os.path.join(workdir, ".stdout")
         with open(out_path, "wb") as out:
             try:
@@ -448,6 +547,12 @@ def add_code_arguments(p) -> None:
     g.add_argument("--code-cc-flags", default="-O2 -std=c11", help="its flags")
     g.add_argument("--code-rustc", default="rustc", help="the compiler of Rust programs")
     g.add_argument("--code-rustc-flags", default="-O --edition 2021", help="its flags")
+    g.add_argument("--code-javac", default="javac", help="the compiler of Java programs")
+    g.add_argument("--code-javac-flags", default="", help="its flags (its heap: --code-compile-memory-mb)")
+    g.add_argument("--code-java", default="java", help="the runtime of Java programs (the class declaring main)")
+    g.add_argument("--code-java-flags", default="-Xss64m -XX:+UseSerialGC",
+                   help="its flags (its heap, -Xmx: --code-memory-mb)")
+    g.add_argument("--code-node", default="node", help="the runtime of JavaScript programs (its heap: --code-memory-mb)")
     g.add_argument("--code-compile-timeout-s", type=float, default=20.0,
                    help="seconds to compile a program of a compiled language (once per episode, within "
                         "--code-total-timeout-s)")
@@ -471,5 +576,9 @@ def code_verifier_from_args(args) -> CodeVerifier:
                         cc_flags=getattr(args, "code_cc_flags", "-O2 -std=c11"),
                         rustc=getattr(args, "code_rustc", "rustc"),
                         rustc_flags=getattr(args, "code_rustc_flags", "-O --edition 2021"),
+                        javac=getattr(args, "code_javac", "javac"), javac_flags=getattr(args, "code_javac_flags", ""),
+                        java=getattr(args, "code_java", "java"),
+                        java_flags=getattr(args, "code_java_flags", "-Xss64m -XX:+UseSerialGC"),
+                        node=getattr(args, "code_node", "node"),
                         compile_timeout_s=getattr(args, "code_compile_timeout_s", 20.0),
                         compile_memory_mb=getattr(args, "code_compile_memory_mb", 2048))

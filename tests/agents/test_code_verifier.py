@@ -164,7 +164,9 @@ def test_program_language_from_the_task_or_the_fence():
     assert extract_program_and_language(both, "cpp") == ("int main() {}\n", "cpp")
     assert extract_program_and_language("```c++\nint main() {}\n```") == ("int main() {}\n", "cpp")
     assert extract_program_and_language("```\nint main() {}\n```", "cpp") == ("int main() {}\n", "cpp")
-    assert extract_program_and_language("```js\nx\n```") == ("x\n", "python")  # (unknown tags: Python)
+    assert extract_program_and_language("```go\nx\n```") == ("x\n", "python")  # (unknown tags: Python)
+    assert extract_program_and_language("```js\nx\n```") == ("x\n", "javascript")
+    assert extract_program_and_language("```java\nclass A {}\n```")[1] == "java"
     assert extract_program_and_language("```rs\nfn main() {}\n```")[1] == "rust"
     assert extract_program_and_language("```c\nint main(void) {}\n```")[1] == "c"
 
@@ -215,10 +217,68 @@ def test_c_and_rust_programs_compile_and_run_likewise(verifier, language, tag, p
     assert verifier(task, "```\nthis is not a program\n```") == 0.0 and verifier.stats["compile_errors"] == errors + 1
 
 
+ADD_JAVA = ("import java.util.*;\n"
+            "public class Solution {\n"
+            "  static class Reader { Scanner in = new Scanner(System.in); long next() { return in.nextLong(); } }\n"
+            "  public static void main(String[] args) { Reader r = new Reader(); long a = r.next(), b = r.next();\n"
+            "    System.out.println(a + b); }\n"
+            "}\n"
+            "class Unused { }\n")
+ADD_JS = ("const v = require('fs').readFileSync(0, 'utf8').trim().split(/\\s+/).map(Number);\n"
+          "console.log(v[0] + v[1]);\n")
+needs_jvm = pytest.mark.skipif(shutil.which("javac") is None or shutil.which("java") is None, reason="no JDK here")
+needs_node = pytest.mark.skipif(shutil.which("node") is None, reason="no node here")
+
+
+@needs_jvm
+def test_java_programs_compile_to_classes_and_run_their_main_class(verifier):
+    """Java: saved under its public class's name (Solution.java), compiled once, the class declaring main run per case
+    (not the nested helper before it) under its heap limit; wrong, uncompilable, main-less and memory-hungry programs
+    earn nothing and leave no build directory."""
+    before = _builds()
+    task = Task(task_id="j1", prompt="add", domain="code", metadata={"tests": ADD_STDIO, "language": "java"})
+    assert verifier(task, f"```java\n{ADD_JAVA}```") == 1.0
+    assert verifier(_task(ADD_STDIO), f"```java\n{ADD_JAVA}```") == 1.0  # (the fence names the language)
+    assert verifier(task, f"```\n{ADD_JAVA.replace('a + b', 'a - b')}```") == 0.0
+    errors = verifier.stats["compile_errors"]
+    assert verifier(task, "```java\nclass Main { int f() { return undefined; } }\n```") == 0.0
+    assert verifier(task, "```java\nclass Main { int f() { return 1; } }\n```") == 0.0  # (no main)
+    assert verifier.stats["compile_errors"] == errors + 2
+    hungry = ADD_JAVA.replace("Reader r = new Reader();", "long[][] x = new long[32][]; for (int i = 0; i < 32; i++) "
+                              "x[i] = new long[1 << 20]; Reader r = new Reader();")  # 256 MB of arrays, then the sum
+    assert hungry != ADD_JAVA and CodeVerifier(memory_mb=512, timeout_s=10.0)(task, f"```java\n{hungry}```") == 1.0
+    small = CodeVerifier(memory_mb=64, timeout_s=10.0)
+    assert small(task, f"```java\n{hungry}```") == 0.0  # a 64 MB heap: OutOfMemoryError
+    assert small(task, f"```java\n{ADD_JAVA}```") == 1.0  # (the runtime itself fits its reserve)
+    assert _builds() <= before
+    with pytest.raises(RuntimeError, match="--code-javac 'no-such-javac' is not a compiler found here"):
+        CodeVerifier(javac="no-such-javac")(task, f"```java\n{ADD_JAVA}```")
+
+
+@needs_node
+def test_javascript_programs_run_under_node(verifier):
+    """JavaScript: each case runs the program under node (its heap bounded by --code-memory-mb: 300 MB of arrays pass
+    under 1024, not under 64); a wrong program, one that throws and one that loops earn nothing."""
+    task = Task(task_id="js1", prompt="add", domain="code", metadata={"tests": ADD_STDIO, "language": "js"})
+    assert verifier(task, f"```javascript\n{ADD_JS}```") == 1.0
+    assert verifier(_task(ADD_STDIO), f"```js\n{ADD_JS}```") == 1.0
+    assert verifier(task, f"```\n{ADD_JS.replace('v[0] + v[1]', 'v[0] * v[1]')}```") == 0.0
+    assert verifier(task, "```js\nthrow new Error('no');\n```") == 0.0
+    hungry = "const a = []; for (let i = 0; i < 40; i++) a.push(new Array(1 << 20).fill(i));\n" + ADD_JS  # ~300 MB
+    assert CodeVerifier(memory_mb=1024, timeout_s=10.0)(task, f"```js\n{hungry}```") == 1.0
+    assert CodeVerifier(memory_mb=64, timeout_s=10.0)(task, f"```js\n{hungry}```") == 0.0  # the heap limit bites
+    looping = CodeVerifier(timeout_s=1.0)
+    t0 = time.monotonic()
+    assert looping(task, "```js\nfor (;;) {}\n```") == 0.0
+    assert time.monotonic() - t0 < 15 and looping.stats["timed_out"] == 1
+    with pytest.raises(RuntimeError, match="--code-node 'no-such-node' is not found here: JavaScript"):
+        CodeVerifier(node="no-such-node")(task, f"```js\n{ADD_JS}```")
+
+
 def test_other_languages_and_cpp_asserts_fail_the_episode(verifier):
-    with pytest.raises(CodeTaskError, match=r"task r1: metadata.language 'java': --verifier code runs python, cpp, "
-                                            r"c, rust"):
-        verifier(Task(task_id="r1", prompt="p", metadata={"tests": ADD_STDIO, "language": "java"}), "class A {}")
+    with pytest.raises(CodeTaskError, match=r"task r1: metadata.language 'go': --verifier code runs python, cpp, "
+                                            r"c, rust, java, javascript"):
+        verifier(Task(task_id="r1", prompt="p", metadata={"tests": ADD_STDIO, "language": "go"}), "package main")
     with pytest.raises(CodeTaskError, match="'asserts' / 'calls' are Python statements: a cpp task takes 'stdio'"):
         verifier(Task(task_id="c2", prompt="p", metadata={"tests": ADD_ASSERTS, "language": "cpp"}), ADD_CPP)
     # a Python task's asserts against an answer in another language: the agent's mistake, scored 0 (no task error)
@@ -263,6 +323,9 @@ def test_options_are_checked():
                                                 "--code-cc", "clang", "--code-rustc-flags=-O"]))
     assert (cpp.cxx, cpp.cxx_flags, cpp.compile_timeout_s) == ("clang++", "-O1 -std=c++20", 20.0)
     assert (cpp.cc, cpp.cc_flags, cpp.rustc, cpp.rustc_flags) == ("clang", "-O2 -std=c11", "rustc", "-O")
+    jvm = code_verifier_from_args(p.parse_args(["--code-java", "/opt/jdk/bin/java", "--code-java-flags=-Xss16m",
+                                                "--code-node", "nodejs"]))
+    assert (jvm.java, jvm.java_flags, jvm.javac, jvm.node) == ("/opt/jdk/bin/java", "-Xss16m", "javac", "nodejs")
 
 
 def test_driver_records_the_tests_verdicts(stack):
