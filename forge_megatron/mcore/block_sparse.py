@@ -40,7 +40,7 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 from torch.utils.checkpoint import checkpoint
 
-from forge_megatron.mcore.dsa import check_causal_model, gather_sequence
+from forge_megatron.mcore.dsa import check_causal_model, gather_keys_over_cp, gather_sequence
 
 # elements of one [N, rows, T] score block (fp32): the query chunk size follows from it
 CHUNK_ELEMENTS = 1 << 25
@@ -203,27 +203,19 @@ class BlockSparseAttention(torch.nn.Module):
         and values are all-gathered over CP in tree order (their gradients reduce-scattered back to the ranks holding
         them), so are the indexer's inputs and the depths, and each local query attends to the keys of its blocks
         among the whole tree's."""
-        from forge_megatron.mcore.context_parallel import (
-            _gather_tree_order, _GatherSeq, cp_world, default_multiple, gather_tree, ranks_to_tree_order,
-            shard_positions)
+        from forge_megatron.mcore.context_parallel import _gather_tree_order, cp_world, gather_tree
         from forge_megatron.mcore.tree_attention import TreeAttention
 
-        C, rank, group = cp_world()
+        group = cp_world()[2]
         positions_T = gather_tree(positions_Tl, group)
         if int(positions_T.max()) < deep_from:
             if not hasattr(self, "_dense"):
                 self._dense = TreeAttention(self.config, self.layer_number, None, "self",
                                             softmax_scale=self.softmax_scale, cp_comm_type=self.cp_comm_type)
             return self._dense(q_TlNH[:, None], k_TlKH[:, None], v_TlKH[:, None], None, packed_seq_params=params)
-        T, Tl = sub_end_T.shape[0], q_TlNH.shape[0]
-        if T != C * Tl:
-            raise ValueError(f"CP rank holds {Tl} tokens but sub_end has {T} (expected {C} x {Tl}): shard the "
-                             "micro-batch with forge_megatron.mcore.forward.tree_model_inputs")
-        rows = shard_positions(T, C, rank, default_multiple(C), device=q_TlNH.device)  # the local rows' places
-        k_TKH = ranks_to_tree_order(_GatherSeq.apply(k_TlKH, group), C)
-        v_TKH = ranks_to_tree_order(_GatherSeq.apply(v_TlKH, group), C)
+        rows, k_TKH, v_TKH = gather_keys_over_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T)
         x_TD = _gather_tree_order(x_TlD, group)
-        return self._sparse(q_TlNH, k_TKH, v_TKH, rows, x_TD, sub_end_T, positions_T).reshape(Tl, 1, -1)
+        return self._sparse(q_TlNH, k_TKH, v_TKH, rows, x_TD, sub_end_T, positions_T).reshape(q_TlNH.shape[0], 1, -1)
 
     def _attend(self, q_TNH, k_TKH, v_TKH, x_TD, sub_end_T, positions_T, backend):
         """Queries before the first deep one run the tree-attention kernel on the keys before them; every later

@@ -291,6 +291,24 @@ def gather_sequence(t: torch.Tensor, config) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
+def gather_keys_over_cp(q_TlNH, k_TlXH, v_TlXH, sub_end_T):
+    """Under context parallelism (this CP rank holds the zig-zag chunks of the padded tree, as
+    mcore/context_parallel.py shards them): (the tree positions of this rank's query rows, the whole tree's keys,
+    its values), the keys and values all-gathered in tree order (their gradients reduce-scattered back to the ranks
+    holding them)."""
+    from forge_megatron.mcore.context_parallel import (
+        _GatherSeq, cp_world, default_multiple, ranks_to_tree_order, shard_positions)
+
+    C, rank, group = cp_world()
+    T, Tl = sub_end_T.shape[0], q_TlNH.shape[0]
+    if T != C * Tl:
+        raise ValueError(f"CP rank holds {Tl} tokens but sub_end has {T} (expected {C} x {Tl}): shard the "
+                         "micro-batch with forge_megatron.mcore.forward.tree_model_inputs")
+    rows = shard_positions(T, C, rank, default_multiple(C), device=q_TlNH.device)
+    return (rows, ranks_to_tree_order(_GatherSeq.apply(k_TlXH, group), C),
+            ranks_to_tree_order(_GatherSeq.apply(v_TlXH, group), C))
+
+
 def check_causal_model(packed_seq_params, attention_mask, s: int, device, what: str) -> None:
     """What a sparse attention (``what``) takes outside a tree: no other packed sequences, no context parallelism, and
     Megatron's causal mask or none over its [s, b] samples (one per batch row)."""
@@ -404,18 +422,10 @@ class SparseTreeAttention(torch.nn.Module):
         backward reduce-scatters their gradients back to the ranks holding them), and so are the indexer's inputs
         and the tokens' depths (no gradient); each local query then attends to its selection (a shallow one's: its
         visible keys) among the whole tree's keys. Any head count (the all_gather way of CP)."""
-        from forge_megatron.mcore.context_parallel import (
-            _gather_tree_order, _GatherSeq, cp_world, default_multiple, gather_tree, ranks_to_tree_order,
-            shard_positions)
+        from forge_megatron.mcore.context_parallel import _gather_tree_order, cp_world, gather_tree
 
-        C, rank, group = cp_world()
-        T, Tl = sub_end_T.shape[0], q_TlNH.shape[0]
-        if T != C * Tl:
-            raise ValueError(f"CP rank holds {Tl} tokens but sub_end has {T} (expected {C} x {Tl}): shard the "
-                             "micro-batch with forge_megatron.mcore.forward.tree_model_inputs")
-        rows = shard_positions(T, C, rank, default_multiple(C), device=q_TlNH.device)  # the local rows' places
-        k_TNH = ranks_to_tree_order(_GatherSeq.apply(k_TlNH, group), C)
-        v_TNH = ranks_to_tree_order(_GatherSeq.apply(v_TlNH, group), C)
+        group = cp_world()[2]
+        rows, k_TNH, v_TNH = gather_keys_over_cp(q_TlNH, k_TlNH, v_TlNH, sub_end_T)
         x_TD = _gather_tree_order(x_TlD.detach(), group)
         qr_TL = _gather_tree_order(qr_TlL.detach(), group)
         positions_T = gather_tree(positions_Tl, group)
