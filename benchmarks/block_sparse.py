@@ -4,21 +4,23 @@ One agentic sample: a chain of T tokens (an episode whose calls re-send the whol
 N query heads over K key heads of H channels, an indexer head of D_I channels per key head keeping each query's
 ``--topk`` blocks of ``--block`` positions. Timed, forward + backward of the core attention, side by side:
   dense     the tree-attention kernel over every query (what the model's dense layers run);
-  sparse    BlockSparseAttention's path: the same kernel for the queries that keep every block (depth below
-            topk x block), the indexer (no gradient) and the masked attention over the kept blocks for the others;
-  indexer   the block selection alone (part of sparse).
-``max_abs_diff`` checks the sparse output against a dense softmax masked to the kept blocks' visible keys, built
-independently here from the indexer's scores. Prints ONE JSON line with the times (ms, median of --repeats),
-``sparse_over_dense`` and the share of queries that drop blocks.
+  masked    BlockSparseAttention's path: the same kernel for the queries that keep every block (depth below
+            topk x block), the indexer (no gradient) and, for the others, attention over every key before them
+            masked to the kept blocks (GATHER_KEYS=False);
+  gathered  the same with the kept blocks' keys gathered (GATHER_KEYS=True; the default when they are fewer than
+            half the keys before a chunk);
+  indexer   the block selection alone (part of both).
+``max_abs_diff`` checks both against a dense softmax masked to the kept blocks' visible keys, built independently
+here from the indexer's scores. Prints ONE JSON line with the times (ms, median of --repeats), the ratios to dense
+and the share of queries that drop blocks.
 
   python benchmarks/block_sparse.py                                   # CPU sizes
   python benchmarks/block_sparse.py --tokens 16384 --heads 64 --kv-heads 4 --head-dim 128 --block 128 --topk 16 \\
       --device cuda                                                   # MiniMax-M3's geometry
 
-The masked attention is plain PyTorch: each chunk of queries is scored against every key before it and masked, so
-its work grows as queries x T, like the dense kernel's but without its tiling; the indexer scores every visible key
-of every deep query (O(T^2) by design). A fused block-sparse kernel, whose work grows as queries x topk x block, is
-the GPU follow-up this benchmark will measure.
+Both are plain PyTorch: the masked one's work grows as queries x T, like the dense kernel's but without its tiling,
+the gathered one's as queries x topk x block (plus the gathers); the indexer scores every visible key of every deep
+query (O(T^2) by design). A fused block-sparse kernel is the GPU follow-up this benchmark will measure.
 
 Legend: T = tokens, N = query heads, K = key heads, H = head dim.
 """
@@ -84,6 +86,7 @@ def main(argv=None):
     if args.heads % args.kv_heads:
         p.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     from forge_megatron.kernels.tree_attention import tree_attention
+    from forge_megatron.mcore import block_sparse
 
     torch.manual_seed(0)
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -104,8 +107,11 @@ def main(argv=None):
     def dense():
         torch.autograd.backward(tree_attention(q, k, v, sub_end, softmax_scale=module.softmax_scale), do)
 
-    def sparse():
-        torch.autograd.backward(module._attend(q, k, v, x, sub_end, positions, None), do)
+    def sparse(gather):
+        def run():
+            block_sparse.GATHER_KEYS = gather
+            torch.autograd.backward(module._attend(q, k, v, x, sub_end, positions, None), do)
+        return run
 
     rows = torch.arange(min(deep_from, T), T, device=dev)
 
@@ -116,20 +122,24 @@ def main(argv=None):
         chunk = max(1, CHUNK_ELEMENTS // max(1, N * T))
         for a in range(0, rows.numel(), chunk):
             r = rows[a:a + chunk]
-            module._keep(r, x[r], keys[:int(r[-1]) + 1], sub_end[:int(r[-1]) + 1], positions, slice(0, K))
+            module._select(r, x[r], keys[:int(r[-1]) + 1], sub_end[:int(r[-1]) + 1], positions, slice(0, K))
 
-    with torch.no_grad():  # correctness: a dense softmax masked to the kept blocks
-        out = module._attend(q, k, v, x, sub_end, positions, None)
+    with torch.no_grad():  # correctness: a dense softmax masked to the kept blocks, against both ways of attending
         keep = kept_mask(module, x.float(), positions).repeat_interleave(N // K, dim=0)  # [N, T, T]
         s = torch.einsum("qnh,tnh->nqt", q.float(), k.float().repeat_interleave(N // K, dim=1)) * module.softmax_scale
         ref = torch.einsum("nqt,tnh->qnh", s.masked_fill(~keep, float("-inf")).softmax(-1),
                            v.float().repeat_interleave(N // K, dim=1))
-        diff = (out.float() - ref).abs().max().item()
+        diff = 0.0
+        for gather in (False, True):
+            block_sparse.GATHER_KEYS = gather
+            diff = max(diff, (module._attend(q, k, v, x, sub_end, positions, None).float() - ref).abs().max().item())
     result = {"tokens": T, "block": args.block, "topk": args.topk, "heads": N, "kv_heads": K, "device": dev.type,
               "dtype": args.dtype, "sparse_rows": max(T - deep_from, 0) / T, "dense_ms": round(timed(dense), 2),
-              "sparse_ms": round(timed(sparse), 2), "indexer_ms": round(timed(indexer), 2) if rows.numel() else 0.0,
-              "max_abs_diff": diff}
-    result["sparse_over_dense"] = round(result["sparse_ms"] / result["dense_ms"], 3)
+              "masked_ms": round(timed(sparse(False)), 2), "gathered_ms": round(timed(sparse(True)), 2),
+              "indexer_ms": round(timed(indexer), 2) if rows.numel() else 0.0, "max_abs_diff": diff}
+    block_sparse.GATHER_KEYS = None
+    result["masked_over_dense"] = round(result["masked_ms"] / result["dense_ms"], 3)
+    result["gathered_over_dense"] = round(result["gathered_ms"] / result["dense_ms"], 3)
     print(json.dumps(result))
     return result
 

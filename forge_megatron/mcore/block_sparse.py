@@ -22,9 +22,11 @@ What runs: a query whose position is below ``topk_blocks * block_size`` sees at 
 them all: plain tree attention. The queries before the first deeper one (in tree order) run the tree-attention
 kernel (the fast backends; for RL samples shorter than 2048 tokens, MiniMax-M3's 16 blocks of 128, the whole layer,
 context parallelism included). Every later query runs the block-sparse path here: in chunks of queries, the indexer
-scores (no gradient) and the masked attention, recomputed chunk by chunk in the backward pass (memory bounded by the
-chunk). A fused block-sparse kernel is the GPU follow-up; the semantics are these. Deep queries under context
-parallelism are refused by name.
+scores (no gradient), then the attention, recomputed chunk by chunk in the backward pass (memory bounded by the
+chunk): over the kept blocks' keys gathered (a query's key at position d is its ancestor of depth d) where they are
+few against the keys before the chunk, else over those keys masked to the kept blocks (:data:`GATHER_KEYS`). A fused
+block-sparse kernel is the GPU follow-up; the semantics are these. Under context parallelism a tree without deep
+queries takes TreeAttention's CP path; otherwise keys, values, indexer inputs and depths are all-gathered over CP.
 
 The indexer's choice is discrete and transformers trains it by nothing: it is frozen (``requires_grad=False``).
 Megatron's attention does not hand core attention the layer's input, so the sparse layers' self-attention is
@@ -44,6 +46,10 @@ from forge_megatron.mcore.dsa import check_causal_model, gather_keys_over_cp, ga
 
 # elements of one [N, rows, T] score block (fp32): the query chunk size follows from it
 CHUNK_ELEMENTS = 1 << 25
+# the deep queries' attention: over their kept blocks' keys gathered (True), over every key before them masked
+# (False), or None: gathered when the kept keys are at most a sixteenth of those (benchmarks/block_sparse.py: on CPU
+# the gathers cost more than they save above that)
+GATHER_KEYS: bool | None = None
 
 
 class _GemmaRMSNorm(torch.nn.Module):
@@ -236,23 +242,36 @@ class BlockSparseAttention(torch.nn.Module):
 
     def _sparse(self, q_RNH, k_TKH, v_TKH, rows_R, x_TD, sub_end_T, positions_T):
         """The queries at tree positions ``rows_R`` (ascending) attending to the keys of their blocks, in chunks of
-        queries (each recomputed in the backward pass)."""
+        queries (each recomputed in the backward pass): over the kept blocks' keys gathered (when they are at most a
+        sixteenth of the keys before the chunk: :data:`GATHER_KEYS`), else over every key before it, masked."""
         keys_TD = self.indexer.keys(x_TD, positions_T)
         groups = self._group_slice()
         chunk = max(1, CHUNK_ELEMENTS // max(1, q_RNH.shape[1] * keys_TD.shape[0]))
+        kept_keys = self.topk_blocks * self.block_size
         out = []
         for a in range(0, rows_R.numel(), chunk):
             rows = rows_R[a:a + chunk]
             end = int(rows.max()) + 1  # a query's keys are its ancestors: before it in the tree
-            keep = self._keep(rows, x_TD[rows], keys_TD[:end], sub_end_T[:end], positions_T, groups)
-            args = (q_RNH[a:a + chunk], k_TKH[:end], v_TKH[:end], keep, self.softmax_scale)
-            out.append(checkpoint(_masked_attention, *args, use_reentrant=False) if torch.is_grad_enabled()
-                       else _masked_attention(*args))
+            chosen, valid, visible = self._select(rows, x_TD[rows], keys_TD[:end], sub_end_T[:end], positions_T,
+                                                  groups)
+            gather = GATHER_KEYS if GATHER_KEYS is not None else 16 * kept_keys <= end
+            if gather:
+                index, keep = self._block_keys(rows, chosen, valid, visible, positions_T)
+                fn, args = _gathered_attention, (q_RNH[a:a + chunk], k_TKH, v_TKH, index, keep, self.softmax_scale)
+            else:
+                key_block = (positions_T[:end] // self.block_size).long()
+                kept = torch.zeros((*chosen.shape[:2], int(key_block.max()) + 1), dtype=torch.bool,
+                                   device=chosen.device)
+                kept.scatter_(-1, chosen.clamp(max=kept.shape[-1] - 1), valid & (chosen < kept.shape[-1]))
+                keep = kept.gather(-1, key_block.expand(*chosen.shape[:2], end)) & visible[None]
+                fn, args = _masked_attention, (q_RNH[a:a + chunk], k_TKH[:end], v_TKH[:end], keep, self.softmax_scale)
+            out.append(checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args))
         return torch.cat(out)
 
     @torch.no_grad()
-    def _keep(self, rows_R, x_RD, keys_TD, sub_end_T, positions_T, groups: slice):
-        """keep [K, R, T]: the keys each query row sees in the blocks its key head's indexer keeps."""
+    def _select(self, rows_R, x_RD, keys_TD, sub_end_T, positions_T, groups: slice):
+        """(chosen [K, R, k] block numbers, valid [K, R, k], visible [R, T]): the blocks each query row keeps per key
+        head (valid: a block with a key it sees) and the keys it sees."""
         T = keys_TD.shape[0]
         key_index = torch.arange(T, device=rows_R.device)
         visible = (key_index[None, :] <= rows_R[:, None]) & (rows_R[:, None] < sub_end_T[None, :].long())  # [R, T]
@@ -268,9 +287,39 @@ class BlockSparseAttention(torch.nn.Module):
             local = (q_block - back).clamp(min=0)
             block_scores.scatter_(-1, local[None, :, None].expand(scores.shape[0], -1, 1), float("inf"))
         top, chosen = block_scores.topk(min(self.topk_blocks, blocks), dim=-1)
-        kept = torch.zeros_like(block_scores, dtype=torch.bool)
-        kept.scatter_(-1, chosen, top > float("-inf"))
-        return kept.gather(-1, key_block.expand_as(scores)) & visible[None]
+        return chosen, top > float("-inf"), visible
+
+    @torch.no_grad()
+    def _block_keys(self, rows_R, chosen, valid, visible, positions_T):
+        """(index [K, R, k x B], keep): the tree index of the key at each position of each kept block, and whether the
+        query sees it. A query's ancestors hold positions 0..p once each, so its key at position d is the visible key
+        of depth d (``path``)."""
+        R, T = visible.shape
+        depth = positions_T[rows_R].long()
+        path = torch.zeros(R, int(depth.max()) + 1, dtype=torch.long, device=visible.device)
+        r, j = torch.nonzero(visible, as_tuple=True)
+        path[r, positions_T[j].long()] = j
+        offsets = torch.arange(self.block_size, device=chosen.device)
+        where = (chosen[..., None] * self.block_size + offsets).flatten(-2)  # [K, R, k x B] positions
+        keep = (valid[..., None].expand(*valid.shape, self.block_size).flatten(-2)
+                & (where <= depth[None, :, None]))
+        index = path.gather(1, where.clamp(max=path.shape[1] - 1).permute(1, 0, 2).reshape(R, -1))
+        return index.view(R, *where.shape[::2]).permute(1, 0, 2), keep
+
+
+def _gathered_attention(q_RNH, k_TKH, v_TKH, index_KRS, keep_KRS, scale: float):
+    """Softmax attention of each query over the keys ``index_KRS`` names for its key head's group (``keep_KRS``
+    false: padding)."""
+    R, N, _ = q_RNH.shape
+    K = k_TKH.shape[1]
+    heads = torch.arange(K, device=index_KRS.device)[:, None, None]
+    k = k_TKH.transpose(0, 1)[heads, index_KRS].float()  # [K, R, S, H]
+    v = v_TKH.transpose(0, 1)[heads, index_KRS].float()
+    q = q_RNH.float().view(R, K, N // K, -1)
+    scores = torch.einsum("rkgh,krsh->kgrs", q, k) * scale
+    scores = scores.masked_fill(~keep_KRS[:, None], float("-inf"))
+    out = torch.einsum("kgrs,krsh->rkgh", torch.softmax(scores, dim=-1), v)
+    return out.reshape(R, N, -1).to(v_TKH.dtype)
 
 
 def block_sparse_spec_params(cfg) -> dict:

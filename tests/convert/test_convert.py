@@ -588,3 +588,32 @@ def test_sparse_attention_long_sequences_equal_hf(hf_dirs, tmp_path):
         with torch.no_grad():
             ref = load_causal_lm(hf_dirs[arch], dtype=torch.float32).eval()(input_ids=tokens).logits
         assert (out[arch] - ref).abs().max().item() <= 1e-4, arch
+
+
+def _long_block_sparse_logits_body(rank, world_size, mcore_dirs, tokens):
+    """MiniMax-M3's logits on ``tokens`` with the deep queries' keys masked and gathered, in chunks of a few
+    queries."""
+    from forge_megatron.mcore import block_sparse
+
+    block_sparse.CHUNK_ELEMENTS = 4096
+    _, model = load_converted(mcore_dirs["minimax_m3"])
+    out = {}
+    for gather in (False, True):
+        block_sparse.GATHER_KEYS = gather
+        out[gather] = forward_logits(model, tokens)
+    return out
+
+
+def test_block_sparse_attention_long_sequences_equal_hf(hf_dirs, tmp_path):
+    """MiniMax-M3's layout on 64-token sequences (60 of 64 queries keep 2 blocks of 2 positions): the attention over
+    every earlier key masked to the kept blocks and over the kept blocks' keys gathered both give transformers'
+    logits, chunk by chunk."""
+    tokens = torch.randint(1, 400, (2, 64), generator=torch.Generator().manual_seed(0))
+    (out,) = run_distributed(_long_block_sparse_logits_body, world_size=1, tokens=tokens,
+                             mcore_dirs=_convert_all(hf_dirs, tmp_path, ("minimax_m3",), ParallelLayout()))
+    from forge_megatron.models import load_causal_lm
+
+    with torch.no_grad():
+        ref = load_causal_lm(hf_dirs["minimax_m3"], dtype=torch.float32).eval()(input_ids=tokens).logits
+    for gather, logits in out.items():
+        assert (logits - ref).abs().max().item() <= 1e-4, gather

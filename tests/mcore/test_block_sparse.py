@@ -32,9 +32,9 @@ def _module(block=2, topk=3, local=1, heads=2, head_dim=8, index_dim=8, hidden=1
 
 
 def test_benchmark_prints_one_json_line():
-    """benchmarks/block_sparse.py runs on CPU at small sizes: the sparse output equals a dense softmax masked to the
-    kept blocks (built there from the indexer's scores without chunks or trees), and the share of queries that drop
-    blocks is what topk x block implies."""
+    """benchmarks/block_sparse.py runs on CPU at small sizes: both ways of attending (masked, gathered) equal a dense
+    softmax masked to the kept blocks (built there from the indexer's scores without chunks or trees), and the share
+    of queries that drop blocks is what topk x block implies."""
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "block_sparse.py"
     proc = subprocess.run([sys.executable, str(script), "--tokens", "96", "--block", "4", "--topk", "4",
                            "--repeats", "1"], capture_output=True, text=True, timeout=300)
@@ -43,12 +43,13 @@ def test_benchmark_prints_one_json_line():
     assert len(lines) == 1
     out = json.loads(lines[0])
     assert out["max_abs_diff"] < 1e-5 and out["sparse_rows"] == pytest.approx(80 / 96)
-    assert out["dense_ms"] > 0 and out["sparse_ms"] > 0 and out["indexer_ms"] > 0
+    assert out["dense_ms"] > 0 and out["masked_ms"] > 0 and out["gathered_ms"] > 0 and out["indexer_ms"] > 0
 
 
 def test_chunks_and_a_forest_give_the_same_output_and_gradients(monkeypatch):
-    """Two samples packed as a forest (the second sharing the first's 5-token prefix) through one query per chunk
-    equal the same forest in one chunk, outputs and gradients of q, k and v; and the blocks matter: keeping every
+    """Two samples packed as a forest (the second sharing the first's 5-token prefix): the masked attention in one
+    chunk, in one query per chunk, and the kept blocks' keys gathered (by each query's path of ancestors) in one
+    chunk and per query all give the same outputs and gradients of q, k and v; and the blocks matter: keeping every
     block changes the output."""
     module = _module()
     T, N, H = 30, 4, 8
@@ -66,12 +67,15 @@ def test_chunks_and_a_forest_give_the_same_output_and_gradients(monkeypatch):
         torch.autograd.backward(out, do)
         return out.detach(), [t.grad for t in leaves]
 
+    monkeypatch.setattr(block_sparse, "GATHER_KEYS", False)  # every key before the chunk, masked
     whole, whole_grads = run()
-    monkeypatch.setattr(block_sparse, "CHUNK_ELEMENTS", 1)
-    chunked, chunked_grads = run()
-    assert torch.allclose(whole, chunked, atol=1e-6)
-    for a, b in zip(whole_grads, chunked_grads):
-        assert torch.allclose(a, b, atol=1e-6)
+    for chunk, gather in ((1, False), (1 << 25, True), (1, True)):  # kept blocks' keys gathered by depth
+        monkeypatch.setattr(block_sparse, "CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(block_sparse, "GATHER_KEYS", gather)
+        other, other_grads = run()
+        assert torch.allclose(whole, other, atol=1e-6), (chunk, gather)
+        for a, b in zip(whole_grads, other_grads):
+            assert torch.allclose(a, b, atol=1e-6), (chunk, gather)
     monkeypatch.setattr(module, "topk_blocks", 100)  # every block kept: dense tree attention
     dense, _ = run()
     assert (dense - whole).abs().max() > 1e-3
