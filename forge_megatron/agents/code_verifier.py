@@ -552,7 +552,8 @@ def add_code_arguments(p) -> None:
     g.add_argument("--code-java", default="java", help="the runtime of Java programs (the class declaring main)")
     g.add_argument("--code-java-flags", default="-Xss64m -XX:+UseSerialGC",
                    help="its flags (its heap, -Xmx: --code-memory-mb)")
-    g.add_argument("--code-node", default="node", help="the runtime of JavaScript programs (its heap: --code-memory-mb)")
+    g.add_argument("--code-node", default="node",
+                   help="the runtime of JavaScript programs (its heap: --code-memory-mb)")
     g.add_argument("--code-compile-timeout-s", type=float, default=20.0,
                    help="seconds to compile a program of a compiled language (once per episode, within "
                         "--code-total-timeout-s)")

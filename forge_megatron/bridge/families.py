@@ -292,6 +292,11 @@ FAMILIES: dict[str, Family] = {
         "minimax_m3", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True, minimax_m3=True, multimodal=True,
         text_prefix="language_model.model.", head_name="language_model.lm_head.weight",
         vision_prefixes=("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")),
+    # MiniMax-M3's language model as transformers holds and saves it (MiniMaxM3VLForCausalLM: a fine-tune saved from
+    # it): the same model under transformers' names (fused gate / up of the dense MLP and shared expert, every
+    # layer's experts stacked [E, 2F, D] / [E, D, F], the indexer under self_attn.indexer., the router's bias in it)
+    "MiniMaxM3VLForCausalLM": Family("minimax_m3", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,
+                                     minimax_m3=True, stacked_experts=True),
     # MiMo-V2-Flash (309B-A15B): see the module docstring
     "MiMoV2FlashForCausalLM": Family("mimo_v2_flash", qkv_bias=None, qk_norm=False, moe=True, sigmoid_router=True,
                                      mimo=True),

@@ -386,10 +386,10 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
         attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + f"self_attn.{q}.weight",)),
                  Rule(LAYER + "self_attention.k_layernorm.weight", (HF_LAYER + f"self_attn.{k}.weight",))]
     if cfg.block_sparse_layers is not None:  # MiniMax-M3's indexers (mcore/block_sparse.py), replicated over TP
-        attn += [Rule(LAYER + f"self_attention.core_attention.indexer.{mine}.weight",
-                      (HF_LAYER + f"self_attn.index_{theirs}.weight",), layers="block_sparse")
-                 for mine, theirs in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("q_norm", "q_norm"),
-                                      ("k_norm", "k_norm"))]
+        where = "self_attn.indexer." if family.stacked_experts else "self_attn.index_"  # (transformers' / release's)
+        attn += [Rule(LAYER + f"self_attention.core_attention.indexer.{name}.weight",
+                      (HF_LAYER + f"{where}{name}.weight",), layers="block_sparse")
+                 for name in ("q_proj", "k_proj", "q_norm", "k_norm")]
     return _with_mlp_and_ends(cfg, family, attn)
 
 
@@ -397,7 +397,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
     """The embedding, ``attn`` (one layer's attention rules), the MLP rules, the final norm and the head."""
     fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_proj.weight", HF_LAYER + "mlp.up_proj.weight"),
                "glu", "glu", layers="dense")
-    if family.name == "glm4":  # GLM-4 keeps [gate; up] in one tensor, Megatron's fc1 layout already
+    # GLM-4 and transformers' MiniMax-M3 keep [gate; up] in one tensor, Megatron's fc1 layout already
+    if family.name == "glm4" or (family.minimax_m3 and family.stacked_experts):
         fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_up_proj.weight",), tp="glu", layers="dense")
     dense = [
         fc1,
@@ -407,8 +408,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
     if family.moe:
         # MiniMax-M2 keeps Mixtral's names: block_sparse_moe, experts' w1 (gate), w3 (up), w2 (down), and the
         # score-correction bias on the block rather than on its gate
-        # (Kimi Linear's and MiniMax-M3's MoE layers have these names too)
-        mixtral = family.minimax or family.kimi_delta or family.minimax_m3
+        # (Kimi Linear's and MiniMax-M3's MoE layers have these names too, the latter as released)
+        mixtral = family.minimax or family.kimi_delta or (family.minimax_m3 and not family.stacked_experts)
         moe = HF_LAYER + ("block_sparse_moe." if mixtral else "mlp.")
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         hf_expert = moe + "experts.{expert}."
@@ -433,16 +434,18 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (moe + "moe_statics.e_score_correction_bias",), "row1",
                             layers="moe"))
         if cfg.extra.get("moe_router_enable_expert_bias"):  # a buffer: selection only, no gradient
-            bias = moe + ("e_score_correction_bias" if family.minimax or family.minimax_m3 else
+            bias = moe + ("e_score_correction_bias" if family.minimax or mixtral and family.minimax_m3 else
                           "gate.e_score_correction_bias")
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))
         if cfg.moe_shared_ffn_hidden_size:
             # Qwen3.5-MoE: one ``shared_expert`` whose output a sigmoid gate scales (Megatron's gate_weight)
             shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta else
-                                 "block_sparse_moe.shared_experts." if family.kimi_delta or family.minimax_m3 else
+                                 "block_sparse_moe.shared_experts." if family.kimi_delta or mixtral else
                                  "mlp.shared_mlp." if family.hunyuan else "mlp.shared_experts.")
-            mlp += [Rule(LAYER + "mlp.shared_experts.linear_fc1.weight",
-                         (shared + "gate_proj.weight", shared + "up_proj.weight"), "glu", "glu", layers="moe"),
+            fc1_hf = (shared + "gate_up_proj.weight",) if family.minimax_m3 and family.stacked_experts else \
+                (shared + "gate_proj.weight", shared + "up_proj.weight")  # (transformers' MiniMax-M3: fused)
+            mlp += [Rule(LAYER + "mlp.shared_experts.linear_fc1.weight", fc1_hf, "glu" if len(fc1_hf) == 2 else "copy",
+                         "glu", layers="moe"),
                     Rule(LAYER + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), tp="row",
                          layers="moe")]
             if cfg.extra.get("moe_shared_expert_gate"):
@@ -837,10 +840,11 @@ class Bridge:
             table.update({"indexer.wq_b.weight": (hi * di, cfg.q_lora_rank), "indexer.wk.weight": (di, d),
                           "indexer.k_norm.weight": (di,), "indexer.k_norm.bias": (di,),
                           "indexer.weights_proj.weight": (hi, d)})
-        if cfg.block_sparse_layers is not None:  # (MiniMax-M3's indexers)
+        if cfg.block_sparse_layers is not None:  # (MiniMax-M3's indexers, as released and as transformers names them)
             hi, di = cfg.block_index_heads, cfg.block_index_head_dim
-            table.update({"index_q_proj.weight": (hi * di, d), "index_k_proj.weight": (di, d),
-                          "index_q_norm.weight": (di,), "index_k_norm.weight": (di,)})
+            for where in ("index_", "indexer."):
+                table.update({f"{where}q_proj.weight": (hi * di, d), f"{where}k_proj.weight": (di, d),
+                              f"{where}q_norm.weight": (di,), f"{where}k_norm.weight": (di,)})
         for suffix in sorted(table, key=len, reverse=True):  # q_norm.weight before norm.weight
             if hf_name.endswith(suffix):
                 return table[suffix]

@@ -42,7 +42,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
          "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe",
-         "mimo_v2_flash", "minimax_m3")
+         "mimo_v2_flash", "minimax_m3", "minimax_m3_text")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -451,7 +451,8 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                                                 "partial_rotary_factor": 0.334},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
                                                    "partial_rotary_factor": 0.334}}})
-    # MiniMax-M3 layout: three layers, the first dense (an MLP 96 wide), then MoE (4 experts 32 wide, 2 per token,
+    # MiniMax-M3 layout (minimax_m3: as released, inside the vision-language model; minimax_m3_text: transformers'
+    # MiniMaxM3VLForCausalLM and its names): three layers, the first dense (an MLP 96 wide), then MoE (4 experts 32 wide, 2 per token,
     # scaled by 2, a shared expert 48 wide); every MLP gpt-oss's clamped SwiGLU, clamped at 2 here so that the clamp
     # bites; heads of 24 channels, RoPE on half of each; layers 1 and 2 block-sparse: an indexer head of 16 channels
     # per key head keeps each query's 2 best blocks of 2 positions (its own always), so sequences past 4 tokens
@@ -549,7 +550,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape))
             elif name.endswith(("_proj_bias", "router.bias")):
                 p.copy_(torch.randn(p.shape) * 0.1)
-            elif arch == "minimax_m3" and "vision" not in name and name.endswith("norm.weight"):
+            elif arch.startswith("minimax_m3") and "vision" not in name and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms (zeros when initialised): which is which
             elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid", "olmoe") and \
                     name.endswith(("q_norm.weight", "k_norm.weight")):

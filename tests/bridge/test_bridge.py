@@ -626,6 +626,15 @@ def test_minimax_m3_config_as_released_and_as_transformers_writes_it():
     assert released.is_left_out("mtp.0.enorm.weight") and released.is_left_out("vision_tower.vision_model.x.weight")
     assert not released.is_left_out("language_model.model.layers.59.self_attn.q_proj.weight")
     released.check_layout(ParallelLayout(tp=4, ep=8))
+    # its language model as transformers holds it (MiniMaxM3VLForCausalLM): the same model under transformers' names
+    text = Bridge({**written["text_config"], "architectures": ["MiniMaxM3VLForCausalLM"]})
+    assert text.cfg == cfg
+    assert text.hf_names("decoder.layers.3.self_attention.core_attention.indexer.k_norm.weight") == \
+        ["model.layers.3.self_attn.indexer.k_norm.weight"]
+    assert text.hf_names("decoder.layers.3.mlp.shared_experts.linear_fc1.weight") == \
+        ["model.layers.3.mlp.shared_experts.gate_up_proj.weight"]
+    assert text.hf_shape("model.layers.3.mlp.experts.gate_up_proj") == (128, 2 * 3072, 6144)
+    assert text.hf_shape("model.layers.0.mlp.gate_up_proj.weight") == (2 * 12288, 6144)
 
 
 @pytest.mark.parametrize("change,message", [

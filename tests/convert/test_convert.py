@@ -24,7 +24,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "seed_oss", "glm4", "kimi_k25", "glm4v", "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32",
          "glm_moe_dsa", "mistral4", "mistral4_vl", "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl",
          "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl", "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense",
-         "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "minimax_m3")
+         "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "minimax_m3", "minimax_m3_text")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -137,6 +137,8 @@ LAYOUTS = [
     # MiniMax-M3: Mixtral's expert names with a shared expert, the block-sparse layers' indexers replicated over TP,
     # the vision tower, projector and patch merger copied
     ("minimax_m3", ParallelLayout(tp=2, pp=2, ep=2, first=1)),
+    # ... and as transformers saves its language model: fused gate / up, experts stacked per layer (split over EP)
+    ("minimax_m3_text", ParallelLayout(tp=2, ep=2)),
 ]
 
 

@@ -68,7 +68,8 @@ def test_tiny_model_loads_and_is_deterministic(tmp_path, arch):
     # Gemma 4 E: two local/global pairs; MiMo-V2-Flash: full / sliding / full (a dense layer, then two MoE ones);
     # MiniMax-M3: a dense layer, then two MoE block-sparse ones
     assert text.hidden_size == 64 and text.num_hidden_layers == {"gemma4_e": 4, "mimo_v2_flash": 3,
-                                                                               "minimax_m3": 3}.get(arch, 2)
+                                                                               "minimax_m3": 3,
+                                                                               "minimax_m3_text": 3}.get(arch, 2)
     mla = arch in ("deepseek_v3", "glm4_moe_lite", "kimi_k25", "deepseek_v32", "glm_moe_dsa", "mistral4",
                    "mistral4_vl", "kimi_linear")  # multi-latent attention:
     # a key/value head per query
