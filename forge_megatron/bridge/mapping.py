@@ -570,8 +570,8 @@ class Bridge:
     def is_mtp_tensor(self, hf_name: str) -> bool:
         """A tensor of the multi-token-prediction layers some checkpoints append (GLM-4.5, DeepSeek-V3:
         ``num_nextn_predict_layers``, MiniMax-M2: ``num_mtp_modules`` layers numbered from ``num_hidden_layers``;
-        Qwen3.5: ``mtp.*``; ERNIE 4.5: ``model.mtp_*``; MiniMax-M3: any ``mtp.`` module): the trainer neither trains nor exports them (SGLang uses them for speculative decoding
-        only)."""
+        Qwen3.5: ``mtp.*``; ERNIE 4.5: ``model.mtp_*``; MiMo-V2-Flash: ``model.mtp.*``; MiniMax-M3: any ``mtp.``
+        module): the trainer neither trains nor exports them (SGLang uses them for speculative decoding only)."""
         hf = self.hf_config
         if self.family.gated_delta and hf_name.startswith("mtp."):
             return True
