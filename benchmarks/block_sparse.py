@@ -39,6 +39,7 @@ def build(args):
     from forge_megatron.mcore.block_sparse import BlockSparseAttention
 
     config = types.SimpleNamespace(attention_dropout=0.0, softmax_scale=None, kv_channels=args.head_dim,
+                                   num_attention_heads=args.heads,
                                    hidden_size=args.hidden, num_query_groups=args.kv_heads,
                                    tensor_model_parallel_size=1, sequence_parallel=False,
                                    params_dtype=torch.float32)

@@ -157,8 +157,12 @@ class BlockSparseAttention(torch.nn.Module):
             raise ValueError(f"block-sparse attention: tensor parallelism {tp} must divide the "
                              f"{config.num_query_groups} key heads")
         self.local_groups = config.num_query_groups // tp
-        self.cp_comm_type = cp_comm_type
         self.index_input = None  # set by IndexedSelfAttention for the forward
+        from forge_megatron.mcore.tree_attention import TreeAttention
+
+        # context parallelism over a tree without deep queries: plain tree attention (no parameters of its own)
+        self.dense = TreeAttention(config, layer_number, attn_mask_type, attention_type,
+                                   softmax_scale=self.softmax_scale, cp_comm_type=cp_comm_type)
 
     def _group_slice(self) -> slice:
         from megatron.core import parallel_state as ps
@@ -210,15 +214,11 @@ class BlockSparseAttention(torch.nn.Module):
         them), so are the indexer's inputs and the depths, and each local query attends to the keys of its blocks
         among the whole tree's."""
         from forge_megatron.mcore.context_parallel import _gather_tree_order, cp_world, gather_tree
-        from forge_megatron.mcore.tree_attention import TreeAttention
 
         group = cp_world()[2]
         positions_T = gather_tree(positions_Tl, group)
         if int(positions_T.max()) < deep_from:
-            if not hasattr(self, "_dense"):
-                self._dense = TreeAttention(self.config, self.layer_number, None, "self",
-                                            softmax_scale=self.softmax_scale, cp_comm_type=self.cp_comm_type)
-            return self._dense(q_TlNH[:, None], k_TlKH[:, None], v_TlKH[:, None], None, packed_seq_params=params)
+            return self.dense(q_TlNH[:, None], k_TlKH[:, None], v_TlKH[:, None], None, packed_seq_params=params)
         rows, k_TKH, v_TKH = gather_keys_over_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T)
         x_TD = _gather_tree_order(x_TlD, group)
         return self._sparse(q_TlNH, k_TKH, v_TKH, rows, x_TD, sub_end_T, positions_T).reshape(q_TlNH.shape[0], 1, -1)

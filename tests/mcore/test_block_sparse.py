@@ -18,6 +18,7 @@ from forge_megatron.mcore.model import GPTConfig
 
 def _module(block=2, topk=3, local=1, heads=2, head_dim=8, index_dim=8, hidden=16):
     config = types.SimpleNamespace(attention_dropout=0.0, softmax_scale=None, kv_channels=head_dim, hidden_size=hidden,
+                                   num_attention_heads=2 * heads,
                                    num_query_groups=heads, tensor_model_parallel_size=1, sequence_parallel=False,
                                    params_dtype=torch.float32)
     inv_freq = 1.0 / (1e4 ** (torch.arange(0, 4, 2).float() / 4))
