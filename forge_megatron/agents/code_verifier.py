@@ -100,7 +100,7 @@ than -Xmx with glibc's malloc arenas capped at 2, node 20 about 600 MB)."""
 
 # the JVM's own reservations, bounded (the defaults reserve a 1 GB class space and a 240 MB code cache)
 _JVM_LIMITS = ("-XX:CompressedClassSpaceSize=64m", "-XX:MaxMetaspaceSize=256m", "-XX:ReservedCodeCacheSize=64m")
-_JAVA_CLASS = re.compile(r"\b(?:class|interface|enum|record)\s+([A-Za-z_$][\w$]*)")
+_JAVA_PACKAGE = re.compile(r"^\s*package\s+([A-Za-z_$][\w$]*(?:\s*\.\s*[A-Za-z_$][\w$]*)*)\s*;", re.M)
 _JAVA_TOKENS = re.compile(r"\b(?:class|interface|enum|record)\s+([A-Za-z_$][\w$]*)|[{}]|\bstatic\s+void\s+main\s*\(")
 _JAVA_PUBLIC = re.compile(r"\bpublic\s+(?:(?:final|abstract|sealed|non-sealed|strictfp)\s+)*"
                           r"(?:class|interface|enum|record)\s+([A-Za-z_$][\w$]*)")
@@ -249,10 +249,12 @@ def java_file_name(source: str) -> str:
 
 def java_main_class(source: str) -> str | None:
     """The class whose body declares ``static void main(``: the innermost type around the first such declaration
-    (nested helper classes before it do not count); None when there is none."""
+    (nested helper classes before it do not count; a nested class as ``Outer$Inner``), qualified by the source's
+    ``package``; None when there is none."""
+    code = _java_code(source)
     open_types: list[str | None] = []  # per open brace: the type it opens (None: a method, block, ...)
     pending = None
-    for m in _JAVA_TOKENS.finditer(_java_code(source)):
+    for m in _JAVA_TOKENS.finditer(code):
         token = m.group(0)
         if token == "{":
             open_types.append(pending)
@@ -264,7 +266,11 @@ def java_main_class(source: str) -> str | None:
             pending = m.group(1)
         else:
             names = [n for n in open_types if n]
-            return names[-1] if names else None
+            if not names:
+                return None
+            package = _JAVA_PACKAGE.search(code)
+            prefix = re.sub(r"\s+", "", package.group(1)) + "." if package else ""
+            return prefix + "$".join(names)
     return None
 
 
@@ -384,7 +390,7 @@ class CodeVerifier:
                                                     keep_stderr=True)
         if language == "java" and not timed_out and status == 0:
             os.remove(os.path.join(workdir, source))
-            if main is None or not os.path.isfile(os.path.join(workdir, main + ".class")):
+            if main is None or not os.path.isfile(os.path.join(workdir, *main.split(".")) + ".class"):
                 shutil.rmtree(workdir, ignore_errors=True)
                 with self._lock:
                     self.stats["compile_errors"] += 1
@@ -445,8 +451,7 @@ class CodeVerifier:
         token = secrets.token_hex(16)  # (the assert harness's pass token)
         memory, runtime = None, False  # (a managed runtime: its heap flag, more address space, threads)
         if binary_dir is not None and language == "java":  # the classes copied in (a sandbox may bind this dir alone)
-            for name in os.listdir(binary_dir):
-                shutil.copy2(os.path.join(binary_dir, name), os.path.join(workdir, name))
+            shutil.copytree(binary_dir, workdir, dirs_exist_ok=True)  # (a package's classes in its directories)
             with open(os.path.join(workdir, ".main")) as f:
                 main = f.read()
             command = [self.java, f"-Xmx{self.memory_mb}m", *_JVM_LIMITS, *shlex.split(self.java_flags), "-cp", ".",

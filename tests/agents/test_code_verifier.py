@@ -233,13 +233,14 @@ needs_node = pytest.mark.skipif(shutil.which("node") is None, reason="no node he
 @needs_jvm
 def test_java_programs_compile_to_classes_and_run_their_main_class(verifier):
     """Java: saved under its public class's name (Solution.java), compiled once, the class declaring main run per case
-    (not the nested helper before it) under its heap limit; wrong, uncompilable, main-less and memory-hungry programs
+    (not the nested helper before it; in its package when it has one) under its heap limit; wrong, uncompilable, main-less and memory-hungry programs
     earn nothing and leave no build directory."""
     before = _builds()
     task = Task(task_id="j1", prompt="add", domain="code", metadata={"tests": ADD_STDIO, "language": "java"})
     assert verifier(task, f"```java\n{ADD_JAVA}```") == 1.0
     assert verifier(_task(ADD_STDIO), f"```java\n{ADD_JAVA}```") == 1.0  # (the fence names the language)
     assert verifier(task, f"```\n{ADD_JAVA.replace('a + b', 'a - b')}```") == 0.0
+    assert verifier(task, f"```java\npackage contest.sol;\n{ADD_JAVA}```") == 1.0  # (its classes under contest/sol/)
     errors = verifier.stats["compile_errors"]
     assert verifier(task, "```java\nclass Main { int f() { return undefined; } }\n```") == 0.0
     assert verifier(task, "```java\nclass Main { int f() { return 1; } }\n```") == 0.0  # (no main)
