@@ -30,7 +30,8 @@ queries takes TreeAttention's CP path; otherwise keys, values, indexer inputs an
 
 The indexer's choice is discrete and transformers trains it by nothing: it is frozen (``requires_grad=False``).
 Megatron's attention does not hand core attention the layer's input, so the sparse layers' self-attention is
-:class:`IndexedSelfAttention`, which lends it (and, under sequence parallelism, gathers it) for the forward.
+:class:`IndexedSelfAttention`, which lends it for the forward (the core attention gathers it under sequence
+parallelism).
 
 Legend: T = tokens (keys), R = query rows, N = query heads on this TP rank, K = key heads on this TP rank, H = head
 dim, B = block size, NB = blocks, H_I / D_I = indexer heads (all key heads) / head dim.
@@ -42,7 +43,8 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 from torch.utils.checkpoint import checkpoint
 
-from forge_megatron.mcore.dsa import check_causal_model, gather_keys_over_cp, gather_sequence
+from forge_megatron.mcore.dsa import check_causal_model, gather_keys_over_cp, gather_sequence, rope_first_channels
+from forge_megatron.mcore.model import ZeroCenteredRMSNorm
 
 # elements of one [N, rows, T] score block (fp32): the query chunk size follows from it
 CHUNK_ELEMENTS = 1 << 25
@@ -50,20 +52,6 @@ CHUNK_ELEMENTS = 1 << 25
 # (False), or None: gathered when the kept keys are at most a sixteenth of those (benchmarks/block_sparse.py: on CPU
 # the gathers cost more than they save above that)
 GATHER_KEYS: bool | None = None
-
-
-class _GemmaRMSNorm(torch.nn.Module):
-    """RMSNorm scaling by (1 + weight), in fp32 (the indexer's q / k norms)."""
-
-    def __init__(self, dim: int, eps: float, dtype):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.zeros(dim, dtype=dtype))
-
-    def forward(self, x):
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class BlockIndexer(torch.nn.Module):
@@ -76,22 +64,14 @@ class BlockIndexer(torch.nn.Module):
         self.rope_dim = min(2 * inv_freq.numel(), head_dim)
         self.q_proj = torch.nn.Linear(hidden_size, heads * head_dim, bias=False, dtype=dtype)
         self.k_proj = torch.nn.Linear(hidden_size, head_dim, bias=False, dtype=dtype)
-        self.q_norm = _GemmaRMSNorm(head_dim, eps, dtype)
-        self.k_norm = _GemmaRMSNorm(head_dim, eps, dtype)
+        self.q_norm = ZeroCenteredRMSNorm(head_dim, eps).to(dtype)  # ((1 + w) norms in fp32, as transformers')
+        self.k_norm = ZeroCenteredRMSNorm(head_dim, eps).to(dtype)
         self.inv_freq = inv_freq.float()[: self.rope_dim // 2]
         for p in self.parameters():
             p.requires_grad_(False)
 
     def _rope(self, x, positions):
-        """Rotate-half RoPE on the first ``rope_dim`` channels of the last dim (x [T, D_I] or [T, heads, D_I])."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None, :]
-        cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
-        if x.dim() == 3:
-            cos, sin = cos[:, None], sin[:, None]
-        rot, rest = x[..., :self.rope_dim], x[..., self.rope_dim:]
-        half = self.rope_dim // 2
-        turned = torch.cat([-rot[..., half:], rot[..., :half]], -1)
-        return torch.cat([rot * cos.to(x.dtype) + turned * sin.to(x.dtype), rest], -1)
+        return rope_first_channels(x, positions, self.inv_freq, self.rope_dim)
 
     def keys(self, x_TD, positions_T):
         """k^I [T, D_I] (fp32)."""

@@ -56,6 +56,22 @@ CHUNK_ELEMENTS = 1 << 25
 
 
 # ------------------------------------------------------------------------------------------------ indexer
+def rope_first_channels(x, positions, inv_freq, rope_dim: int, interleaved: bool = False):
+    """An indexer's RoPE on the first ``rope_dim`` channels of the last dim of ``x`` ([rows, ..., dim], one position
+    per row; HF's layout: rotated channels first): the two halves rotated together (DeepSeek-V3.2, MiniMax-M3), or
+    with ``interleaved`` the pairs (0, 1), (2, 3), ... written out halves-first as HF does (GLM-5)."""
+    r = rope_dim
+    angles = positions.float()[:, None] * inv_freq.to(x.device)[None]  # [rows, r / 2]
+    shape = (angles.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
+    cos, sin = angles.cos().to(x.dtype).view(shape), angles.sin().to(x.dtype).view(shape)
+    rot, rest = x[..., :r], x[..., r:]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+    else:
+        a, b = rot[..., : r // 2], rot[..., r // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
+
+
 class DSAIndexer(torch.nn.Module):
     """The lightning indexer of one layer (Megatron-Core's parameter names: ``linear_wq_b``, ``linear_wk``,
     ``k_norm``, ``linear_weights_proj``). Replicated on every TP rank, frozen (see the module docstring)."""
@@ -77,17 +93,7 @@ class DSAIndexer(torch.nn.Module):
             p.requires_grad_(trainable)
 
     def _rope(self, x, positions):
-        """RoPE on the first ``rope_dim`` channels of the last dim (HF's layout: rotated channels first)."""
-        r = self.rope_dim
-        angles = positions.float()[:, None] * self.inv_freq.to(x.device)[None]  # [rows, r / 2]
-        shape = (angles.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
-        cos, sin = angles.cos().to(x.dtype).view(shape), angles.sin().to(x.dtype).view(shape)
-        rot, rest = x[..., :r], x[..., r:]
-        if self.interleaved:  # GLM-5: pairs (0, 1), (2, 3), ...; written out halves-first as HF does (q and k alike)
-            a, b = rot[..., 0::2], rot[..., 1::2]
-        else:  # DeepSeek-V3.2: the two halves
-            a, b = rot[..., : r // 2], rot[..., r // 2:]
-        return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
+        return rope_first_channels(x, positions, self.inv_freq, self.rope_dim, self.interleaved)
 
     def keys(self, x_TD, positions_T):
         """k^I of every token: [T, D_I]."""
