@@ -189,6 +189,9 @@ class Family:
     # ones, value heads narrower than the query / key heads, scaled values (mimo_view; mcore/gemma4.py's per-layer
     # attention); DeepSeek-V3's sigmoid router without shared experts
     mimo: bool = False
+    # LongCat-Flash: two MLA attention + dense MLP sublayers per layer (Megatron layer pairs) and a shortcut MoE from
+    # the first sublayer's MLP input to the layer's end, with zero-computation experts (longcat_view; mcore/longcat.py)
+    longcat: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -300,6 +303,9 @@ FAMILIES: dict[str, Family] = {
     # MiMo-V2-Flash (309B-A15B): see the module docstring
     "MiMoV2FlashForCausalLM": Family("mimo_v2_flash", qkv_bias=None, qk_norm=False, moe=True, sigmoid_router=True,
                                      mimo=True),
+    # LongCat-Flash (560B-A27B: -Chat, -Thinking): see the module docstring
+    "LongcatFlashForCausalLM": Family("longcat_flash", qkv_bias=False, qk_norm=False, moe=True, mla=True,
+                                      longcat=True),
     # Seed-OSS-36B: the Qwen2 layout (biases on q/k/v only) with 128-channel heads; its residual dropout is a
     # training-time switch, off here as every dropout is
     "SeedOssForCausalLM": Family("seed_oss", qkv_bias=None, qk_norm=False, moe=False),
@@ -574,7 +580,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         raise UnsupportedModelError(f"clip_qkv={hf['clip_qkv']}: clamping q, k and v is not supported (OLMoE releases "
                                     "have none)")
     if family.moe and not family.sigmoid_router and not family.softmax_router and not family.gpt_oss \
-            and not family.ernie and not family.hunyuan:
+            and not family.ernie and not family.hunyuan and not family.longcat:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
@@ -591,7 +597,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if rope.attention_factor(hf.get("rope_scaling") or rope_parameters(hf)) != 1.0:
             raise UnsupportedModelError("YaRN with mscale != mscale_all_dim is not supported with multi-latent "
                                         "attention (its attention factor scales the rotated channels only)")
-        wanted = "softmax" if family.softmax_router else "sigmoid"
+        wanted = "softmax" if family.softmax_router or family.longcat else "sigmoid"
         if hf.get("scoring_func", wanted) != wanted:
             raise UnsupportedModelError(f"scoring_func={hf['scoring_func']!r} is not supported ({family.name}: "
                                         f"{wanted} routers only)")
@@ -982,6 +988,49 @@ def minimax_m3_view(hf: dict) -> dict:
     return out
 
 
+def longcat_view(hf: dict) -> dict:
+    """A LongCat-Flash config (as released and as transformers writes it: ``num_layers`` layers of two sublayers each,
+    ``ffn_hidden_size``, ``expert_ffn_hidden_size``, ``n_routed_experts``, ``moe_topk``, ``zero_expert_num``) read into
+    ``num_hidden_layers`` (Megatron's layers: twice ``num_layers``), ``intermediate_size``, ``moe_intermediate_size``
+    and ``num_experts_per_tok``; anything transformers' model would compute otherwise is refused by name."""
+    layers = hf.get("num_layers")
+    if layers is None:  # (a config naming Megatron's count: transformers' num_hidden_layers property)
+        if hf.get("num_hidden_layers", 1) % 2:
+            raise UnsupportedModelError(f"LongCat-Flash config without num_layers and an odd num_hidden_layers "
+                                        f"({hf.get('num_hidden_layers')}): each layer has two sublayers")
+        layers = hf["num_hidden_layers"] // 2
+    if hf.get("attention_method", "MLA") != "MLA":
+        raise UnsupportedModelError(f"attention_method={hf['attention_method']!r}: LongCat-Flash's attention is "
+                                    "multi-latent attention (MLA) only")
+    if hf.get("zero_expert_type", "identity") != "identity":
+        raise UnsupportedModelError(f"zero_expert_type={hf['zero_expert_type']!r}: only identity zero-computation "
+                                    "experts (LongCat-Flash's) are supported")
+    if hf.get("router_bias"):
+        raise UnsupportedModelError("router_bias=True: transformers builds the router's bias and never adds it, "
+                                    "inference engines add it; LongCat-Flash's releases have none")
+    if hf.get("norm_topk_prob"):
+        raise UnsupportedModelError("norm_topk_prob=True: transformers' LongCat-Flash router never renormalises its "
+                                    "top-k weights; LongCat-Flash's releases do not either")
+    for key in ("mla_scale_q_lora", "mla_scale_kv_lora"):
+        if hf.get(key) is False:
+            raise UnsupportedModelError(f"{key}=false: transformers scales the LoRA latents whatever the config says, "
+                                        "inference engines follow the flag; LongCat-Flash's releases scale both")
+    if not hf.get("q_lora_rank"):
+        raise UnsupportedModelError("LongCat-Flash without a query latent (q_lora_rank) is not supported")
+    qk = int(hf.get("qk_nope_head_dim", 128)) + int(hf.get("qk_rope_head_dim", 64))
+    if hf.get("qk_head_dim") not in (None, qk):
+        raise UnsupportedModelError(f"qk_head_dim={hf['qk_head_dim']}: it must be qk_nope_head_dim + qk_rope_head_dim "
+                                    f"({qk})")
+    params = rope_parameters(hf)
+    if (params.get("rope_type") or params.get("type") or "default") != "default" or hf.get("rope_scaling"):
+        raise UnsupportedModelError("RoPE scaling is not supported for LongCat-Flash (its releases rotate plainly)")
+    return {**hf, "num_hidden_layers": 2 * int(layers), "intermediate_size": hf.get("ffn_hidden_size", 12288),
+            "moe_intermediate_size": hf.get("expert_ffn_hidden_size", 2048),
+            "n_routed_experts": hf.get("n_routed_experts", 512), "num_experts_per_tok": hf.get("moe_topk", 12),
+            "zero_expert_num": int(hf.get("zero_expert_num") or 0),
+            "num_key_value_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"]}
+
+
 def dense_layers(hf: dict) -> int:
     """How many first layers of a DeepSeek-style MoE model have a dense MLP: ``first_k_dense_replace``, or the
     dense prefix of ``mlp_layer_types`` (transformers' GLM-4.7-Flash config; a dense layer after a MoE one is
@@ -1036,6 +1085,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         hf = mimo_view(hf)
     if family.minimax_m3:
         hf = minimax_m3_view(hf)
+    if family.longcat:
+        hf = longcat_view(hf)
     _refuse_unsupported(hf, family)
     if family.hunyuan:
         hf = hunyuan_view(hf)
@@ -1221,6 +1272,16 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
         if family.softmax_router:
             kwargs["moe_router_pre_softmax"] = not bool(hf.get("norm_topk_prob", True))
+    elif family.longcat:
+        scaling = float(hf.get("routed_scaling_factor", 1.0) or 1.0)
+        d = hf["hidden_size"]
+        kwargs.update(
+            ffn_hidden_size=hf["intermediate_size"], num_moe_experts=hf["n_routed_experts"],
+            moe_router_topk=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            shortcut_moe=True, moe_zero_experts=hf["zero_expert_num"],
+            mla_latent_scales=((d / hf["q_lora_rank"]) ** 0.5, (d / hf["kv_lora_rank"]) ** 0.5),
+            mla_latent_norm_epsilon=1e-6,  # (transformers' latent norms keep their default; the others rms_norm_eps)
+            extra={"moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None})
     elif family.moe and not family.gpt_oss and not family.ernie and not family.hunyuan:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
         # Qwen3-Next's does unless its config says otherwise; so does Qwen3-VL-MoE's (no such field either)

@@ -344,7 +344,48 @@ def _mimo_rules(cfg: GPTConfig) -> list[Rule]:
     return rules
 
 
+def _longcat_rules(cfg: GPTConfig) -> list[Rule]:
+    """LongCat-Flash: checkpoint layer i is Megatron layers 2i and 2i+1 (``{hf_layer}`` = i, ``{sub}`` = 0 or 1 in
+    the HF names: :meth:`Bridge.hf_names`); each sublayer's attention and norms are DeepSeek-V3's MLA rules under
+    ``self_attn.{sub}.`` / ``input_layernorm.{sub}`` / ``post_attention_layernorm.{sub}``, its dense MLP ``mlps.{sub}``
+    (the first sublayer's in Megatron's shared-expert slot); the first sublayer also holds the routed experts
+    (``mlp.experts.{e}.*``) and the router (``mlp.router.classifier`` over routed and identity experts, its
+    ``e_score_correction_bias`` the buffer ``expert_bias``)."""
+    hf_layer = "model.layers.{hf_layer}."
+
+    def per_sublayer(name: str) -> str:
+        name = name.replace(HF_LAYER + "self_attn.", hf_layer + "self_attn.{sub}.")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            name = name.replace(HF_LAYER + f"{norm}.weight", hf_layer + f"{norm}.{{sub}}.weight")
+        return name
+
+    from dataclasses import replace
+
+    attn = [replace(r, hf=tuple(per_sublayer(n) for n in r.hf)) for r in _mla_rules(cfg)]
+    mlp, moe, expert = hf_layer + "mlps.{sub}.", hf_layer + "mlp.", hf_layer + "mlp.experts.{expert}."
+    rules = attn + [
+        Rule(LAYER + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), "glu", "glu",
+             layers="dense"),
+        Rule(LAYER + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), tp="row", layers="dense"),
+        Rule(LAYER + "mlp.shared_experts.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), "glu",
+             "glu", layers="moe"),
+        Rule(LAYER + "mlp.shared_experts.linear_fc2.weight", (mlp + "down_proj.weight",), tp="row", layers="moe"),
+        Rule(LAYER + "mlp.router.weight", (moe + "router.classifier.weight",), layers="moe"),
+        Rule(LAYER + "mlp.router.expert_bias", (moe + "router.e_score_correction_bias",), layers="moe"),
+        Rule(LAYER + EXPERT + "linear_fc1.weight", (expert + "gate_proj.weight", expert + "up_proj.weight"), "glu",
+             "glu", layers="moe"),
+        Rule(LAYER + EXPERT + "linear_fc2.weight", (expert + "down_proj.weight",), tp="row", layers="moe"),
+    ]
+    top = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "col"),
+           Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
+    if not cfg.tie_word_embeddings:
+        top.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", "col"))
+    return top[:1] + rules + top[1:]
+
+
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    if family.longcat:
+        return _longcat_rules(cfg)
     if family.mimo:
         return _with_mlp_and_ends(cfg, family, _mimo_rules(cfg))
     if family.gemma4:
@@ -577,8 +618,8 @@ class Bridge:
             return True
         if self.family.ernie and hf_name.startswith(self.hf_prefix + "mtp_"):  # ERNIE 4.5's (model.mtp_block.*)
             return True
-        if self.family.mimo and hf_name.startswith(self.hf_prefix + "mtp."):  # MiMo-V2-Flash's (model.mtp.*)
-            return True
+        if (self.family.mimo or self.family.longcat) and hf_name.startswith(self.hf_prefix + "mtp."):
+            return True  # MiMo-V2-Flash's and LongCat-Flash's (model.mtp.*)
         if self.family.minimax_m3:  # (transformers drops any ``mtp.`` module of MiniMax-M3's, at any depth)
             if re.search(r"(^|\.)mtp\.", hf_name):
                 return True
@@ -595,7 +636,10 @@ class Bridge:
                                                hf_name.startswith(self.family.vision_prefixes))
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether global layer ``layer`` has a MoE MLP (the first ``moe_dense_layers`` of a MoE model do not)."""
+        """Whether global layer ``layer`` has a MoE MLP (the first ``moe_dense_layers`` of a MoE model do not; of
+        LongCat-Flash's layer pairs, the first)."""
+        if self.cfg.shortcut_moe:
+            return layer % 2 == 0
         return bool(self.cfg.num_moe_experts) and layer >= self.cfg.moe_dense_layers
 
     def is_global_layer(self, layer: int) -> bool:
@@ -633,6 +677,8 @@ class Bridge:
 
     def hf_names(self, name: str) -> list[str]:
         rule, idx = self.rule(name)
+        if self.cfg.shortcut_moe and "layer" in idx:  # LongCat-Flash: checkpoint layer, sublayer
+            idx = {**idx, "hf_layer": idx["layer"] // 2, "sub": idx["layer"] % 2}
         names = [t.format(**idx) for t in rule.hf]
         if name in self._vision:
             return names  # the checkpoint's own names
@@ -817,6 +863,10 @@ class Bridge:
                       "experts.down_proj": (e, f, d), "experts.down_proj_bias": (e, d)})
         if self.family.stacked_experts or self.family.gemma4:
             table.update({"experts.gate_up_proj": (e, 2 * f, d), "experts.down_proj": (e, d, f)})
+        if cfg.shortcut_moe:  # LongCat-Flash's router: a row per routed and per identity expert
+            table.update({"layernorm.0.weight": (d,), "layernorm.1.weight": (d,),  # (its sublayers' norms)
+                          "router.classifier.weight": (e + cfg.moe_zero_experts, d),
+                          "router.e_score_correction_bias": (e + cfg.moe_zero_experts,)})
         if self.family.gemma4:  # its router (MoE block, 26B-A4B)
             table.update({"router.proj.weight": (e, d), "router.scale": (d,), "router.per_expert_scale": (e,),
                           "layernorm_1.weight": (d,), "layernorm_2.weight": (d,)})  # (its branches' norms)
@@ -975,7 +1025,11 @@ class Bridge:
         from forge_megatron.mcore.parallel import pipeline_chunks
 
         cfg = self.cfg
-        pipeline_chunks(cfg.num_layers, layout.pp, None, layout.first, layout.last)  # the layers split into stages
+        chunks = pipeline_chunks(cfg.num_layers, layout.pp, None, layout.first, layout.last)  # the layers split
+        if cfg.shortcut_moe and any(r.start % 2 or len(r) % 2 for r in chunks):
+            raise ValueError(f"pp={layout.pp}: LongCat-Flash's checkpoint layers are pairs of Megatron layers that a "
+                             f"pipeline stage must hold whole; the stages would hold {[len(r) for r in chunks]} of its "
+                             f"{cfg.num_layers} (--decoder-first/last-pipeline-num-layers: even counts)")
         checks = [
             ("num_query_groups", cfg.num_query_groups, "tp", layout.tp),
             ("global_num_query_groups", cfg.global_num_query_groups or cfg.num_query_groups, "tp", layout.tp),

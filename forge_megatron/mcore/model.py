@@ -78,6 +78,13 @@ class GPTConfig:
     # Gemma 4 26B-A4B: every layer's routed experts run beside a dense MLP of ffn_hidden_size, each branch with its
     # own input and output norms, the router on the un-normalised input (mcore/gemma4.py); needs post_norm / pre_norm
     moe_beside_dense: bool = False
+    # LongCat-Flash (mcore/longcat.py): Megatron layers in pairs, one checkpoint layer each (num_layers counts Megatron
+    # layers: twice the checkpoint's); the first of a pair runs the routed experts beside a dense MLP of
+    # ffn_hidden_size on its MLP input, the dense output added at once, the routed output carried beside the hidden
+    # states to the end of the second, whose MLP is dense; moe_zero_experts zero-computation (identity) experts join
+    # the routed ones under LongCat's router (softmax over all, chosen with the score-correction bias, scaled)
+    shortcut_moe: bool = False
+    moe_zero_experts: int = 0
     # Multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight; Megatron's MLA names): keys and values come from a
     # kv_lora_rank-wide latent, queries from a q_lora_rank-wide one (None: projected directly); a query/key head is
     # qk_head_dim channels without RoPE then qk_pos_emb_head_dim rotated ones (the rotated key is shared by every
@@ -87,6 +94,10 @@ class GPTConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # LongCat-Flash: the query (after its up projection) and the key/value latent (after its norm) multiplied by these
+    # (sqrt(hidden / q_lora_rank), sqrt(hidden / kv_lora_rank)); the latent norms' own epsilon. None: as DeepSeek-V3
+    mla_latent_scales: tuple[float, float] | None = None
+    mla_latent_norm_epsilon: float | None = None
     # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; mcore/dsa.py), on multi-latent attention with a query latent: an
     # indexer of dsa_index_heads heads of dsa_index_head_dim channels picks the dsa_index_topk keys each query attends
     # to; its RoPE rotates the halves (DeepSeek-V3.2) or interleaved pairs (dsa_rope_interleaved: GLM-5); GLM's
@@ -319,6 +330,23 @@ class GPTConfig:
                              "post_norm) and no shared experts of its own")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) > num_moe_experts ({self.num_moe_experts})")
+        if self.shortcut_moe and (not self.num_moe_experts or self.num_layers % 2 or self.moe_dense_layers
+                                  or self.moe_shared_ffn_hidden_size or self.post_norm or self.hybrid
+                                  or self.per_layer_attention or self.moe_beside_dense or self.moe_softmax_bias_router
+                                  or self.block_sparse_layers is not None):
+            raise ValueError("shortcut_moe (LongCat-Flash) pairs pre-norm layers, a MoE in the first of each: it needs "
+                             "experts, an even num_layers, no dense first layers, shared experts, post-norms, linear "
+                             "attention, per-layer attention or block-sparse layers")
+        if self.moe_zero_experts < 0 or (self.moe_zero_experts and not self.shortcut_moe):
+            raise ValueError(f"moe_zero_experts ({self.moe_zero_experts}) must be >= 0, and zero-computation experts "
+                             "come with LongCat-Flash's router (shortcut_moe)")
+        if self.mla_latent_scales is not None:
+            self.mla_latent_scales = tuple(float(x) for x in self.mla_latent_scales)
+            if len(self.mla_latent_scales) != 2 or not self.multi_latent_attention or self.q_lora_rank is None:
+                raise ValueError("mla_latent_scales (query, key/value latent) needs multi-latent attention with a "
+                                 "query latent (q_lora_rank)")
+        if self.mla_latent_norm_epsilon is not None and not self.multi_latent_attention:
+            raise ValueError("mla_latent_norm_epsilon needs multi-latent attention")
 
     @property
     def head_dim(self) -> int:
@@ -424,6 +452,9 @@ def transformer_config(cfg: GPTConfig, **overrides):
             # softmax scale mscale(factor, mscale_all_dim)^2 / sqrt(q_head_dim), as HF computes it, comes from these
             # two (1 / sqrt(q_head_dim) when mscale_all_dim is 0: HF's rule too)
             rope_type="rope", softmax_scale=None,
+            # MLA builds its own rotary module from the config's base (rope.apply replaces its frequencies only
+            # where RoPE is scaled): without this, plain RoPE would rotate with Megatron's default base of 10000
+            rotary_base=cfg.rotary_base,
             rotary_scaling_factor=float(params.get("factor", 1.0)) if rope.rope_type(params) != "default" else 1.0,
             mscale_all_dim=float(params.get("mscale_all_dim") or 0.0) if rope.rope_type(params) != "default" else 0.0,
         )
@@ -474,6 +505,9 @@ def transformer_config(cfg: GPTConfig, **overrides):
         )
         if cfg.moe_dense_layers:
             kwargs["moe_layer_freq"] = [0] * cfg.moe_dense_layers + [1] * (cfg.num_layers - cfg.moe_dense_layers)
+        if cfg.shortcut_moe:  # (LongCat-Flash: the first layer of each pair; its dense MLP in the shared-expert slot)
+            kwargs.update(moe_layer_freq=[1, 0] * (cfg.num_layers // 2),
+                          moe_shared_expert_intermediate_size=cfg.ffn_hidden_size, moe_router_dtype="fp32")
     kwargs.update(cfg.extra)
     kwargs.update(overrides)
     variant = kwargs.get("experimental_attention_variant")
@@ -603,6 +637,10 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from forge_megatron.mcore.ernie import with_router
 
         spec = with_router(spec)
+    if cfg.shortcut_moe:
+        from forge_megatron.mcore.longcat import shortcut_spec
+
+        spec = shortcut_spec(spec, cfg.moe_zero_experts)
     if cfg.per_layer_attention:
         spec = _per_layer_attention_spec(cfg, spec, vp_stage)
     if cfg.block_sparse_layers is not None and any(cfg.block_sparse_layers):  # (MiniMax-M3)
@@ -772,7 +810,7 @@ def _layer_spec(cfg: GPTConfig, use_te: bool, vp_stage: int | None):
     if cfg.hybrid and use_te:
         raise ValueError("Gated DeltaNet models build with the local spec (Megatron's own linears), not Transformer "
                          "Engine's")
-    if cfg.num_moe_experts and cfg.moe_dense_layers:
+    if cfg.num_moe_experts and (cfg.moe_dense_layers or cfg.shortcut_moe):
         if use_te:
             from forge_megatron.utils import env
 
@@ -878,6 +916,10 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
         from forge_megatron.mcore.dsa import share_selection_store
 
         share_selection_store(model)
+    if cfg.shortcut_moe or cfg.mla_latent_scales or cfg.mla_latent_norm_epsilon is not None:
+        from forge_megatron.mcore.longcat import finish
+
+        finish(model, cfg)
     if cfg.num_moe_experts and cfg.add_bias_linear:
         _own_expert_outputs(model)
     if cfg.num_moe_experts:

@@ -42,7 +42,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
          "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe",
-         "mimo_v2_flash", "minimax_m3", "minimax_m3_text")
+         "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -466,6 +466,15 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
          "index_topk_blocks": 2, "index_local_blocks": 1,
          "layer_types": ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
          "mlp_layer_types": ["dense", "sparse", "sparse"]})
+    # LongCat-Flash layout: two layers (four Megatron layers), each two MLA sublayers (query latent 32, key/value latent
+    # 24, heads of 16 + 8 rotated channels, values of 12) with dense MLPs 96 wide and a shortcut MoE of 4 experts 32
+    # wide and 2 identity experts, 3 per token, scaled by 6; layer norms' epsilon 1e-5 beside the latent norms' 1e-6
+    per_arch["longcat_flash"] = (
+        transformers.LongcatFlashConfig,
+        {"num_hidden_layers": 4, "num_key_value_heads": 4, "intermediate_size": 96, "rms_norm_eps": 1e-5,
+         "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+         "head_dim": 8, "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 3, "expert_ffn_hidden_size": 32,
+         "routed_scaling_factor": 6.0})
     # Gemma 4 26B-A4B layout: the same, with 4 routed experts (2 per token, 32 wide) beside the dense MLP in every
     # layer
     per_arch["gemma4_moe"] = (transformers.Gemma4TextConfig,

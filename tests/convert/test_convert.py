@@ -24,7 +24,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "seed_oss", "glm4", "kimi_k25", "glm4v", "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32",
          "glm_moe_dsa", "mistral4", "mistral4_vl", "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl",
          "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl", "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense",
-         "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "minimax_m3", "minimax_m3_text")
+         "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -139,6 +139,9 @@ LAYOUTS = [
     ("minimax_m3", ParallelLayout(tp=2, pp=2, ep=2, first=1)),
     # ... and as transformers saves its language model: fused gate / up, experts stacked per layer (split over EP)
     ("minimax_m3_text", ParallelLayout(tp=2, ep=2)),
+    # LongCat-Flash: each checkpoint layer two Megatron layers (self_attn.{0,1}, mlps.{0,1}: the first's in the
+    # shared-expert slot), a pair per stage; the router's rows for routed and identity experts replicated
+    ("longcat_flash", ParallelLayout(tp=2, pp=2, ep=2)),
 ]
 
 
@@ -424,6 +427,8 @@ def test_parallel_size_must_divide(hf_dirs, tmp_path):
         ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "o"), ParallelLayout(ep=2))
     with pytest.raises(ValueError, match="tp=2: the experts have biases.*add --expert-tensor-parallel-size 1"):
         ckpt.hf_to_megatron(hf_dirs["gpt_oss"], str(tmp_path / "o"), ParallelLayout(tp=2))
+    with pytest.raises(ValueError, match="LongCat-Flash's checkpoint layers are pairs of Megatron layers"):
+        ckpt.hf_to_megatron(hf_dirs["longcat_flash"], str(tmp_path / "o"), ParallelLayout(pp=2, first=1))
     with pytest.raises(ValueError, match="etp=1 needs a MoE model"):
         ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "o"), ParallelLayout(tp=2, etp=1))
     with pytest.raises(ValueError, match="expert tensor parallel size 2 must be 1 or the TP size \\(4\\)"):
