@@ -29,7 +29,9 @@ Patches (megatron-core 0.16.x; 0.17-0.19 have the same spots unless noted):
   7. MoE: moe_utils references ``te_general_gemm`` when Transformer Engine is absent (NameError in 0.16.1's
        router gemm); defined as None so the torch path is taken. torch.distributed.all_to_all_single on gloo
        rejects split sizes given as tensors (the all-to-all dispatcher keeps them as CPU tensors because
-       maybe_move_tensor_to_cpu only converts CUDA tensors): converted to lists.
+       maybe_move_tensor_to_cpu only converts CUDA tensors): converted to lists. Gloo's all_gather and
+       reduce_scatter take equal pieces only, where NCCL takes uneven ones (the dispatcher's expert-TP exchange when
+       TP ranks route different numbers of tokens: LongCat-Flash's identity experts): zero-padded to equal pieces.
   8. Megatron's ``jit_fuser`` is ``torch.compile`` (torch >= 2.2): the functions it decorates (quick_gelu, the
        bias-GLU fusions, router helpers) are compiled by Inductor on first call, which on CPU costs seconds per
        process (about 3 s for gpt-oss's clamped GLU in every trainer process) and needs a C++ toolchain, for no
@@ -373,6 +375,39 @@ def _patch_moe():
     all_to_all_single._forge_cpu_wrapped = True
     # tensor_parallel.mappings calls torch.distributed.all_to_all_single through the module: this reaches it.
     dist.all_to_all_single = all_to_all_single
+
+    # Gloo gathers and reduce-scatters equal pieces only; NCCL takes uneven ones, which Megatron's MoE dispatcher
+    # asks for under expert TP when the TP ranks hold different numbers of routed tokens (LongCat-Flash's identity
+    # experts route a token to fewer than k experts). Uneven lists go through equal, zero-padded pieces here.
+    original_gather, original_scatter = dist.all_gather, dist.reduce_scatter
+
+    @functools.wraps(original_gather)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if async_op or len({tuple(t.shape) for t in tensor_list} | {tuple(tensor.shape)}) == 1:
+            return original_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros(rows, *tensor.shape[1:])
+        padded[:tensor.shape[0]] = tensor
+        pieces = [torch.empty_like(padded) for _ in tensor_list]
+        original_gather(pieces, padded, group=group)
+        for out, piece in zip(tensor_list, pieces):
+            out.copy_(piece[:out.shape[0]])
+        return None
+
+    @functools.wraps(original_scatter)
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op or len({tuple(t.shape) for t in input_list}) == 1:
+            return original_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in input_list)
+        stacked = input_list[0].new_zeros(len(input_list), rows, *input_list[0].shape[1:])
+        for i, t in enumerate(input_list):
+            stacked[i, :t.shape[0]] = t
+        dist.all_reduce(stacked, op=op, group=group)
+        output.copy_(stacked[dist.get_rank(group), :output.shape[0]])
+        return None
+
+    all_gather._forge_cpu_wrapped = reduce_scatter._forge_cpu_wrapped = True
+    dist.all_gather, dist.reduce_scatter = all_gather, reduce_scatter
 
 
 def apply() -> bool:

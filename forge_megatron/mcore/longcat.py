@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -137,12 +138,25 @@ class ShortcutMoE(MoELayer):
         return torch.cat([dense, routed], dim=-1), None
 
 
+class _QuietUnknownMLP(logging.Filter):
+    def filter(self, record):
+        return not str(record.getMessage()).startswith("Unknown MLP type")
+
+
 class ShortcutLayer(TransformerLayer):
     """A Megatron layer of a LongCat pair: the first (its MLP a :class:`ShortcutMoE`) outputs [hidden | shortcut],
     the second takes that, runs on the hidden half and adds the shortcut to its output."""
 
     def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs):
-        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        # Megatron's layer warns of any MLP class but its own (and builds it with the default process groups, which
+        # it would pass to a MoELayer anyway): quiet for ours
+        quiet = _QuietUnknownMLP()
+        logger = logging.getLogger(TransformerLayer.__module__)
+        logger.addFilter(quiet)
+        try:
+            super().__init__(config, submodules, layer_number, *args, **kwargs)
+        finally:
+            logger.removeFilter(quiet)
         self.opens = isinstance(self.mlp, ShortcutMoE)
         if self.opens != ((self.layer_number - 1) % 2 == 0):
             raise ValueError(f"LongCat-Flash layer {self.layer_number}: the MoE layers of a pair must be the "

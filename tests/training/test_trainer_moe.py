@@ -162,15 +162,19 @@ def test_minimax_m2_trains_the_same_under_tensor_context_and_expert_parallelism(
 LAYOUTS = {"tp2sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
            "cp2": (["--context-parallel-size", "2"], 2), "pp2": (["--pipeline-model-parallel-size", "2"], 2),
            "ep2": (["--expert-model-parallel-size", "2"], 2),
-           "pp2first1": (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"], 2)}
+           "pp2first1": (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"], 2),
+           # every layer recomputed in its own chunk (LongCat-Flash: a chunk boundary inside each layer pair)
+           "recompute1": (["--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1"], 1)}
 
 
 @pytest.mark.parametrize("arch,layouts", [("hunyuan_v1_moe", ("tp2sp", "cp2", "pp2", "ep2")),
                                           ("olmoe", ("tp2sp", "ep2")),
                                           ("mimo_v2_flash", ("tp2sp", "cp2", "pp2first1", "ep2")),
-                                          ("minimax_m3", ("tp2sp", "cp2", "pp2first1", "ep2"))])
-def test_hunyuan_olmoe_mimo_and_minimax_m3_train_the_same_under_tensor_context_and_expert_parallelism(tmp_path, arch,
-                                                                                                    layouts):
+                                          ("minimax_m3", ("tp2sp", "cp2", "pp2first1", "ep2")),
+                                          ("longcat_flash", ("tp2sp", "cp2", "pp2", "ep2", "recompute1"))])
+def test_hunyuan_olmoe_mimo_minimax_m3_and_longcat_train_the_same_under_tensor_context_and_expert_parallelism(
+        tmp_path, arch, layouts):
     """Hunyuan's MoE layout (per-head q/k RMSNorms after RoPE, applied by the tree attention on the rotated queries
     and keys; every layer's experts beside a shared MLP), OLMoE's (q/k RMSNorms over all heads, softmax experts
     not renormalised) and MiMo-V2-Flash's (a sliding-window layer with its own key heads and sinks between full
@@ -178,7 +182,10 @@ def test_hunyuan_olmoe_mimo_and_minimax_m3_train_the_same_under_tensor_context_a
     norms' gradients, a part from each rank's heads, summed over TP; MiMo's sinks split with the heads), CP = 2
     (each rank's tokens; MiMo's window and sinks over the gathered keys), PP = 2 and EP = 2 train the same two steps
     as one rank. MiniMax-M3's block-sparse layers (blocks of 2 positions, 2 kept: these samples' later tokens drop
-    blocks) choose per key head on each TP rank, from the gathered keys and indexer inputs under CP."""
+    blocks) choose per key head on each TP rank, from the gathered keys and indexer inputs under CP. LongCat-Flash's
+    layer pairs (the shortcut MoE's output carried beside the hidden states, identity experts) on each SP rank's
+    tokens, one pair per pipeline stage, and through full recomputation in one-layer chunks (each pair split across
+    two checkpoints)."""
     model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(7), completion_len=(4, 5))  # noqa: E731
     steps = {}
