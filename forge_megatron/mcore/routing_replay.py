@@ -88,12 +88,14 @@ def _unwrap(model):
 
 
 def moe_routers(model) -> list[tuple[int, object]]:
-    """(global 0-based layer number, TopKRouter) of every MoE layer of a model chunk."""
+    """(recorded column, TopKRouter) of every MoE layer of a model chunk: the global 0-based layer number, or the
+    layer's ``replay_column`` where its checkpoint counts layers otherwise (LongCat-Flash: Megatron layers 2i and
+    2i+1 are the engine's layer i)."""
     out = []
     for layer in _unwrap(model).decoder.layers:
         router = getattr(getattr(layer, "mlp", None), "router", None)
         if router is not None:
-            out.append((layer.layer_number - 1, router))
+            out.append((getattr(layer, "replay_column", layer.layer_number - 1), router))
     return out
 
 

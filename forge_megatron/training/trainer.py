@@ -1622,6 +1622,14 @@ def model_config(args: argparse.Namespace, bridge):
         raise ValueError(f"{args.hf_checkpoint} has block-sparse attention (MiniMax-M3): --recompute-granularity "
                          "selective recomputes core attention without the layer's input its indexer needs; use "
                          "--recompute-granularity full")
+    if cfg.shortcut_moe and args.pipeline_model_parallel_size > 1:  # (LongCat-Flash: mcore/longcat.py)
+        chunks = arguments.parallel_config(args, cfg.num_layers).layer_chunks(cfg.num_layers)
+        if any(r.start % 2 or len(r) % 2 for r in chunks):
+            raise ValueError(f"{args.hf_checkpoint} (LongCat-Flash): each checkpoint layer is two Megatron layers "
+                             "(--num-layers counts these) that one pipeline piece must hold together; this layout's "
+                             f"pieces hold {[len(r) for r in chunks]} layers: give every stage (and virtual chunk) an "
+                             "even number (--decoder-first/last-pipeline-num-layers, "
+                             "--num-layers-per-virtual-pipeline-stage)")
     if cfg.sparse_attention:
         _check_sparse_attention_layout(args, cfg)
         if coeff < 0:

@@ -655,3 +655,73 @@ def test_minimax_m3_options_megatron_cannot_match_are_refused(change, message):
     config["text_config"] = {**config["text_config"], **change}
     with pytest.raises(UnsupportedModelError, match=message):
         Bridge(config)
+
+
+def _longcat_released():
+    """LongCat-Flash-Chat's config.json as released (the fields the bridge reads)."""
+    return {"architectures": ["LongcatFlashForCausalLM"], "model_type": "longcat_flash", "attention_method": "MLA",
+            "vocab_size": 131072, "hidden_size": 6144, "ffn_hidden_size": 12288, "expert_ffn_hidden_size": 2048,
+            "num_layers": 28, "num_attention_heads": 64, "kv_lora_rank": 512, "q_lora_rank": 1536,
+            "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 512,
+            "moe_topk": 12, "zero_expert_num": 256, "zero_expert_type": "identity", "routed_scaling_factor": 6.0,
+            "norm_topk_prob": False, "router_bias": False, "rope_theta": 10000000.0,
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "mla_scale_q_lora": True,
+            "mla_scale_kv_lora": True, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+
+
+def test_longcat_flash_config_as_released_and_as_transformers_writes_it():
+    """LongCat-Flash: 28 checkpoint layers are 56 Megatron layers, the MoE in the first of each pair with 512 routed
+    and 256 identity experts (12 per token, scaled by 6), the dense MLPs 12288 wide, the latents scaled by
+    sqrt(6144 / 1536) and sqrt(6144 / 512) with their norms' own epsilon; the names of a pair's two sublayers; the
+    MTP module left out; pipeline stages of whole pairs only."""
+    from transformers import LongcatFlashConfig
+
+    released = Bridge(_longcat_released())
+    cfg = released.cfg
+    written = {**LongcatFlashConfig(**_longcat_released()).to_dict(), "architectures": ["LongcatFlashForCausalLM"]}
+    assert Bridge(written).cfg == cfg
+    assert (cfg.num_layers, cfg.shortcut_moe, cfg.num_moe_experts, cfg.moe_zero_experts, cfg.moe_router_topk) == \
+        (56, True, 512, 256, 12)
+    assert (cfg.ffn_hidden_size, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size, cfg.moe_dense_layers) == \
+        (12288, 2048, None, 0)
+    assert cfg.mla_latent_scales == pytest.approx((2.0, 12 ** 0.5)) and cfg.mla_latent_norm_epsilon == 1e-6
+    assert (cfg.norm_epsilon, cfg.rotary_base, cfg.extra["moe_router_topk_scaling_factor"]) == (1e-5, 1e7, 6.0)
+    assert [released.is_moe_layer(i) for i in range(4)] == [True, False, True, False]
+    assert released.hf_names("decoder.layers.55.self_attention.linear_kv_up_proj.weight") == \
+        ["model.layers.27.self_attn.1.kv_b_proj.weight"]
+    assert released.hf_names("decoder.layers.54.mlp.shared_experts.linear_fc2.weight") == \
+        ["model.layers.27.mlps.0.down_proj.weight"]
+    assert released.hf_names("decoder.layers.55.mlp.linear_fc1.weight") == \
+        ["model.layers.27.mlps.1.gate_proj.weight", "model.layers.27.mlps.1.up_proj.weight"]
+    assert released.hf_names("decoder.layers.2.pre_mlp_layernorm.weight") == \
+        ["model.layers.1.post_attention_layernorm.0.weight"]
+    assert released.hf_names("decoder.layers.2.mlp.router.expert_bias") == \
+        ["model.layers.1.mlp.router.e_score_correction_bias"]
+    assert released.hf_names("decoder.layers.2.mlp.experts.local_experts.511.linear_fc2.weight") == \
+        ["model.layers.1.mlp.experts.511.down_proj.weight"]
+    assert released.hf_shape("model.layers.1.mlp.router.classifier.weight") == (768, 6144)
+    assert released.hf_shape("model.layers.1.input_layernorm.1.weight") == (6144,)
+    names = set(released.canonical_names())
+    assert "decoder.layers.1.mlp.router.weight" not in names and "decoder.layers.1.mlp.linear_fc1.weight" in names
+    assert released.is_left_out("model.mtp.layers.0.self_attn.q_a_proj.weight")
+    released.check_layout(ParallelLayout(tp=8, pp=4, ep=8))  # 14 Megatron layers (7 pairs) a stage
+    with pytest.raises(ValueError, match="pairs of Megatron layers"):
+        released.check_layout(ParallelLayout(pp=4, first=13, last=15))
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"zero_expert_type": "const"}, "zero_expert_type='const'"),
+    ({"router_bias": True}, "router_bias=True"),
+    ({"norm_topk_prob": True}, "norm_topk_prob=True"),
+    ({"mla_scale_kv_lora": False}, "mla_scale_kv_lora=false"),
+    ({"q_lora_rank": None}, "query latent"),
+    ({"attention_method": "GQA"}, "attention_method='GQA'"),
+    ({"qk_head_dim": 128}, "qk_head_dim=128"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}},
+     "RoPE scaling"),
+    ({"num_key_value_heads": 8}, "num_key_value_heads == num_attention_heads"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_longcat_flash_options_megatron_cannot_match_are_refused(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        Bridge({**_longcat_released(), **change})

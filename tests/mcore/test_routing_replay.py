@@ -296,3 +296,75 @@ def test_rank_batch_packs_and_merges_by_records_with_split():
         lay = mb.layout
         got = [tuple(lay.tokens.numpy()[lay.sample_nodes.numpy()[lay.sample_slice(i)]]) for i in range(4)]
         assert sorted(got) == sorted(tuple(x.tokens.tolist()) for x in samples)
+
+
+def _hf_longcat_forced(model, samples, per_sample_rows):
+    """LongCat-Flash's teacher-forced logprobs with each router's top-k (over routed and identity experts) forced to
+    the rows (-1: its own), its weights transformers' own at those experts."""
+    out = []
+    for tokens, rows in zip(samples, per_sample_rows):
+        forced = torch.from_numpy(rows.astype(np.int64)) if rows is not None else None
+        routers = [layer.mlp.router for layer in model.model.layers]
+        for i, router in enumerate(routers):
+            def get_topk_indices(scores, router=router, i=i):
+                idx = torch.topk(scores + router.e_score_correction_bias, k=router.top_k, dim=-1)[1]
+                if forced is not None:
+                    want = forced[: idx.shape[0], i]
+                    idx = torch.where((want >= 0).all(-1, keepdim=True), want, idx)
+                return idx
+
+            router.get_topk_indices = get_topk_indices
+        try:
+            with torch.no_grad():
+                logits = model(torch.tensor([tokens])).logits[0].double()
+        finally:
+            for router in routers:
+                del router.get_topk_indices
+        logp = torch.log_softmax(logits[:-1], -1)
+        out.append(logp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])])
+    return torch.cat(out)
+
+
+def _longcat_body(rank, world_size, hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.mcore import routing_replay
+    from forge_megatron.mcore.forward import tree_logprobs
+    from forge_megatron.mcore.tree_attention import build_tree_gpt
+    from forge_megatron.training.checkpoint import load_hf_weights
+
+    bridge = Bridge(hf_dir)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    layers, top_k = hf.config.num_layers, hf.config.moe_topk
+    experts = hf.config.n_routed_experts + hf.config.zero_expert_num
+    model = build_tree_gpt(bridge.cfg)
+    load_hf_weights([model], bridge, hf_dir)
+    out = {"routers": routing_replay.install([model]),
+           "columns": [r.router_replay.layer for _, r in routing_replay.moe_routers(model)]}
+    layout = build_tree(SAMPLES)
+    tree_rows, per_sample = _forced_rows(layout, layers, experts, top_k, seed=3)
+    out["identity_rows"] = int((tree_rows >= hf.config.n_routed_experts).any(-1).sum())
+    routing = tree_routing(layout, per_sample)
+    for name, rows, tree_routing_rows in (("natural", [None] * len(SAMPLES), None), ("forced", per_sample, routing)):
+        routing_replay.set_micro_batch(model, tree_routing_rows, layout.unique_tokens)
+        logp, _ = tree_logprobs(model, layout)
+        routing_replay.after_forward(model)
+        out[name] = (logp.detach().double() - _hf_longcat_forced(hf, SAMPLES, rows)).abs().max().item()
+        out[name + "_logp"] = logp.detach()
+    out["forced_vs_natural"] = (out.pop("forced_logp") - out.pop("natural_logp")).abs().max().item()
+    return out
+
+
+def test_longcat_replay_reads_its_checkpoint_layers_columns_and_identity_experts(tmp_path):
+    """LongCat-Flash: one router per checkpoint layer (Megatron layers 2i), replaying column i of the recorded rows
+    (the engine's layer), over the routed and the identity experts alike; equal to transformers forced to the same
+    experts."""
+    from forge_megatron.models.tiny import build_tiny_model
+
+    hf_dir = build_tiny_model(str(tmp_path / "longcat"), arch="longcat_flash", seed=9)
+    (res,) = run_distributed(_longcat_body, world_size=1, hf_dir=hf_dir)
+    assert res["routers"] == 2 and res["columns"] == [0, 1], res
+    assert res["identity_rows"] > 0, res  # the rows choose identity experts too
+    assert res["natural"] <= 1e-5 and res["forced"] <= 1e-5, res
+    assert res["forced_vs_natural"] > 1e-3, res

@@ -66,12 +66,13 @@ def test_tiny_model_loads_and_is_deterministic(tmp_path, arch):
     m1, m2 = load_causal_lm(d1), load_causal_lm(d2)  # Qwen3-VL: the image-text-to-text model
     text = m1.config.get_text_config()  # a vision-language model's language model
     # Gemma 4 E: two local/global pairs; MiMo-V2-Flash: full / sliding / full (a dense layer, then two MoE ones);
-    # MiniMax-M3: a dense layer, then two MoE block-sparse ones
+    # MiniMax-M3: a dense layer, then two MoE block-sparse ones; LongCat-Flash: two layers of two sublayers each
     assert text.hidden_size == 64 and text.num_hidden_layers == {"gemma4_e": 4, "mimo_v2_flash": 3,
                                                                                "minimax_m3": 3,
-                                                                               "minimax_m3_text": 3}.get(arch, 2)
+                                                                               "minimax_m3_text": 3,
+                                                                               "longcat_flash": 4}.get(arch, 2)
     mla = arch in ("deepseek_v3", "glm4_moe_lite", "kimi_k25", "deepseek_v32", "glm_moe_dsa", "mistral4",
-                   "mistral4_vl", "kimi_linear")  # multi-latent attention:
+                   "mistral4_vl", "kimi_linear", "longcat_flash")  # multi-latent attention:
     # a key/value head per query
     if arch.startswith("gemma4"):  # key heads per layer: 4 on the local layer, 2 on the global one (whose values
         # are its keys; the E layout's global layers keep 4 and their own values)

@@ -644,6 +644,20 @@ def test_block_sparse_attention_refuses_core_attention_recomputation():
     assert cfg.block_sparse_layers == (False, True, True)
 
 
+def test_longcat_pipeline_stages_hold_whole_layer_pairs():
+    """LongCat-Flash: its two checkpoint layers are four Megatron layers, two per pair; PP = 2 (a pair per stage) is
+    taken, a stage boundary inside a pair is refused by name before anything is built."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import tiny_config
+    from forge_megatron.training.trainer import model_config
+
+    hf = {**tiny_config("longcat_flash").to_dict(), "architectures": ["LongcatFlashForCausalLM"]}
+    pp2 = MINIMAL + ["--pipeline-model-parallel-size", "2"]
+    assert model_config(arguments.parse_args(pp2), Bridge(hf)).num_layers == 4
+    with pytest.raises(ValueError, match=r"LongCat-Flash.*pieces hold \[1, 3\] layers"):
+        model_config(arguments.parse_args(pp2 + ["--decoder-first-pipeline-num-layers", "1"]), Bridge(hf))
+
+
 def test_uneven_pipeline_stage_flags():
     """Megatron-LM's --decoder-first/last-pipeline-num-layers: checked at parse time where the model is not needed
     (PP >= 2, no virtual stages) and against the model's layers once it is known, naming the counts."""
