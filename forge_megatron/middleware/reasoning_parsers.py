@@ -12,6 +12,7 @@ false gets the raw text as content. Training is unaffected: the recorded tokens 
   qwen3-thinking, deepseek-r1           <think> </think>     always (their templates open the block in the prompt)
   kimi                                  ◁think▷ ◁/think▷     as qwen3
   seed_oss                              <seed:think> ...     as qwen3
+  longcat                               <longcat_think> ...  as qwen3 (LongCat-Flash-Thinking)
   mistral                               [THINK] [/THINK]     as qwen3 (Magistral, Ministral 3 Reasoning)
   gemma4                                <|channel>thought    as qwen3 (Gemma 4 with enable_thinking: its template
                                         ... <channel|>       opens no block in the prompt)
@@ -127,6 +128,9 @@ _PARSERS = {
     # Gemma 4: a "thought" channel; its tool-call opening ends one left open
     "gemma4": ReasoningParser("gemma4", start="<|channel>thought", end="<channel|>", tool_start="<|tool_call>"),
     "gpt-oss": HarmonyReasoningParser("gpt-oss"),
+    # LongCat-Flash-Thinking: its own tags; a tool-call block ends one left open
+    "longcat": ReasoningParser("longcat", start="<longcat_think>", end="</longcat_think>",
+                               tool_start="<longcat_tool_call>"),
 }
 
 

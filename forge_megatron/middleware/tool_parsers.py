@@ -25,6 +25,9 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
                                                        name="a" string="true">V</｜DSML｜parameter>\n</｜DSML｜invoke>\n
                                                        </｜DSML｜function_calls>  (V4: tool_calls)
   hunyuan                    Hunyuan (A13B, dense)     <tool_calls>[{"name": "f", "arguments": {...}}, ...]</tool_calls>
+  longcat                    LongCat-Flash             <longcat_tool_call>\n{"name": "f", "arguments": {...}}\n
+                                                       </longcat_tool_call>  (or, later releases, glm45's layout
+                                                       with <longcat_arg_key> / <longcat_arg_value> tags)
   llama3                     Llama 3.1-3.3             {"name": "f", "parameters": {...}}  (the whole answer; ; between
                                                        calls; optionally after <|python_tag|>)
   pythonic                   Llama 3.2 / 3.3 / 4       [get_weather(city="Paris", days=3), search(query="x")]
@@ -466,6 +469,34 @@ class Glm47ToolParser(Glm45ToolParser):
     name_end = ""
 
 
+class LongcatToolParser(_XmlToolParser):
+    """LongCat-Flash: ``<longcat_tool_call>`` blocks holding a JSON call ``{"name": "f", "arguments": {...}}``
+    (LongCat-Flash-Chat / -Thinking), or ``NAME\n<longcat_arg_key>KEY</longcat_arg_key>\n<longcat_arg_value>VALUE
+    </longcat_arg_value>\n...`` (later LongCat releases: GLM-4.5's layout under LongCat's tags), told apart by the
+    body's first character. A forced call is opened in the JSON form."""
+
+    name = "longcat"
+    start_marker = "<longcat_tool_call>"
+    end_marker = "</longcat_tool_call>"
+    _ARG = re.compile(r"<longcat_arg_key>(.*?)</longcat_arg_key>\s*<longcat_arg_value>(.*?)</longcat_arg_value>",
+                      re.DOTALL)
+
+    def calls_in(self, body, schemas):
+        if body.lstrip().startswith("{"):
+            return [_json_call(body)], 0
+        return super().calls_in(body, schemas)
+
+    def split_calls(self, body):
+        cut = body.find("<longcat_arg_key>")
+        head, args = (body, "") if cut < 0 else (body[:cut], body[cut:])
+        return [(head.strip(), _pairs(args, self._ARG))]
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker + "\n"
+        return f'{self.start_marker}\n{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments":'
+
+
 class MinimaxM2ToolParser(_XmlToolParser):
     """``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="KEY">VALUE</parameter>\\n...</invoke>\\n
     </minimax:tool_call>`` (several invokes per block allowed)."""
@@ -901,7 +932,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser, "llama3": Llama3ToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "deepseekv32": DeepSeekV32ToolParser,
     "deepseekv4": DeepSeekV4ToolParser, "seed_oss": SeedOssToolParser, "gemma4": Gemma4ToolParser,
-    "hunyuan": HunyuanToolParser,
+    "hunyuan": HunyuanToolParser, "longcat": LongcatToolParser,
 }
 
 

@@ -47,6 +47,10 @@ def test_tool_call_opening_ends_an_unclosed_block():
     assert gemma4.split("<|channel>thought\nx\n<channel|>y", False) == Split("x", "y")
     assert gemma4.split("<|channel>thought\nx<|tool_call>call:f{}<tool_call|>", False) == \
         Split("x", "<|tool_call>call:f{}<tool_call|>")
+    longcat = get_reasoning_parser("longcat")  # LongCat-Flash-Thinking: its own tags, its tool call ends an open one
+    assert longcat.split("<longcat_think>\nx\n</longcat_think>\n\ny", False) == Split("x", "y")
+    assert longcat.split("<longcat_think>x<longcat_tool_call>{}", False) == Split("x", "<longcat_tool_call>{}")
+    assert longcat.split("no block", False) == Split(None, "no block")
 
 
 def test_names():
@@ -59,7 +63,7 @@ def test_names():
 
 @pytest.mark.parametrize("parser", [QWEN3, get_reasoning_parser("kimi"), get_reasoning_parser("deepseek-r1"),
                                     get_reasoning_parser("seed_oss"), get_reasoning_parser("mistral"),
-                                    get_reasoning_parser("gemma4"),
+                                    get_reasoning_parser("gemma4"), get_reasoning_parser("longcat"),
                                     ReasoningParser("two-char", start="<<", end=">>", tool_start="@@")])
 def test_a_stream_only_ever_extends_what_it_gave_out(parser):
     """Cut a completion at every character: each partial split's reasoning and content extend the previous one's
