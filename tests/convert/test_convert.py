@@ -60,6 +60,10 @@ def hf_dirs(tmp_path_factory):
     # Gemma 3 with final-logit soft-capping (Gemma 2 / 4's) at 0.3: the tiny model's logits reach ~0.6, so it bites
     dirs["gemma3_softcap"] = build_tiny_model(str(root / "gemma3_softcap"), arch="gemma3", seed=7,
                                               with_tokenizer=False, final_logit_softcapping=0.3)
+    # Moonlight's RoPE: plain, base 50000 (multi-latent attention builds its own rotary module from the config's base)
+    dirs["deepseek_v3_base50k"] = build_tiny_model(str(root / "deepseek_v3_base50k"), arch="deepseek_v3", seed=9,
+                                                   with_tokenizer=False,
+                                                   rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     from forge_megatron.models.tiny import build_tiny_reward_model
 
     dirs["qwen2_rm"] = build_tiny_reward_model(str(root / "qwen2_rm"), seed=8)  # a reward model: its score head
@@ -306,7 +310,8 @@ def _convert_all(hf_dirs, root, archs, layout):
 
 
 def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
-    archs = ARCHS + ("qwen3_tied", "gpt_oss_clamped", "olmo_hybrid_rope", "gemma3_softcap") + tuple(name for name, _, _ in ROPE_SCALED)
+    archs = ARCHS + ("qwen3_tied", "gpt_oss_clamped", "olmo_hybrid_rope", "gemma3_softcap", "deepseek_v3_base50k") + \
+        tuple(name for name, _, _ in ROPE_SCALED)
     ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "tp2"), ParallelLayout(tp=2))
     (out,) = run_distributed(_megatron_logits_body, world_size=1, tp2_dir=str(tmp_path / "tp2"),
                              mcore_dirs=_convert_all(hf_dirs, tmp_path, archs, ParallelLayout()))
