@@ -109,6 +109,19 @@ head. The layers ``sparse_attention_freq`` (transformers: ``layer_types`` ``mini
 indexer choosing, per query and key head, ``sparse_topk_blocks`` blocks of ``sparse_block_size`` positions to attend
 to (mcore/block_sparse.py). The vision tower, its projector and patch merger are copied on export, not trained.
 
+LongCat-Flash (``longcat_flash``: LongcatFlashForCausalLM; -Chat, -Thinking): each of its ``num_layers`` layers is two
+pre-norm sublayers of DeepSeek-V3's multi-latent attention and a dense MLP (``self_attn.{0,1}``, ``mlps.{0,1}``,
+``input_layernorm.{0,1}``, ``post_attention_layernorm.{0,1}``) and a shortcut MoE from the first sublayer's MLP input to
+the layer's output (``mlp.router.classifier``, ``mlp.experts.{e}.*``); Megatron builds it as two layers (mcore/longcat.py:
+``num_layers`` doubled, the MoE in the first of each pair, its output carried beside the hidden states). The router is a
+softmax over the ``n_routed_experts`` and ``zero_expert_num`` identity experts, top ``moe_topk`` chosen with the
+score-correction bias, the weights scaled by ``routed_scaling_factor`` and not renormalised; an identity expert returns
+its input. Its multi-latent attention scales the query by sqrt(hidden / q_lora_rank) and the key/value latent by
+sqrt(hidden / kv_lora_rank) (``mla_scale_q_lora`` / ``mla_scale_kv_lora``, which transformers applies whatever they
+say), its latent norms with epsilon 1e-6 beside the layers' ``rms_norm_eps``. Refused by name: other zero-expert
+types, a router bias, renormalised top-k, either latent scale off, RoPE scaling. The MTP module (``model.mtp.*``) is left
+out.
+
 Router equivalence used for Qwen3-MoE: HF computes ``p = softmax(z)``, keeps the top-k and, with
 ``norm_topk_prob``, divides by their sum, which equals Megatron's ``softmax(topk(z))``
 (``moe_router_pre_softmax=False``); without ``norm_topk_prob`` HF keeps the un-normalised top-k of the softmax,
