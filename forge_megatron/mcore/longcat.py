@@ -61,6 +61,8 @@ class ZeroExpertRouter(TopKRouter):
         super().__init__(config, *args, **kwargs)
         if getattr(config, "moe_aux_loss_coeff", 0.0):
             raise ValueError("LongCat-Flash's router computes no auxiliary load-balancing loss: set moe_aux_loss_coeff 0")
+        if getattr(config, "moe_router_num_groups", None):
+            raise ValueError("LongCat-Flash's router chooses among all experts: no expert groups (moe_router_num_groups)")
         if zero_experts < 0:
             raise ValueError(f"zero_experts must be >= 0, got {zero_experts}")
         self.zero_experts = int(zero_experts)
@@ -111,9 +113,12 @@ class ShortcutMoE(MoELayer):
         if self.shared_expert_overlap:
             raise ValueError("LongCat-Flash's dense MLP runs beside the MoE, not inside its dispatcher: turn "
                              "moe_shared_expert_overlap off")
-        if getattr(config, "moe_permute_fusion", False):
-            raise ValueError("LongCat-Flash routes a token to fewer than k experts where it chose identity experts, "
-                             "which the fused permutation (moe_permute_fusion) does not take: turn it off")
+        if getattr(config, "moe_permute_fusion", False) or config.moe_token_dispatcher_type not in ("alltoall",
+                                                                                                     "allgather"):
+            raise ValueError("LongCat-Flash routes a token to fewer than k experts where it chose identity experts: "
+                             "use the alltoall or allgather token dispatcher without the fused permutation "
+                             f"(moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}, moe_permute_fusion="
+                             f"{getattr(config, 'moe_permute_fusion', False)})")
         self._identity: torch.Tensor | None = None
 
     def route(self, hidden_states, padding_mask=None):

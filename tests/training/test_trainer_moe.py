@@ -187,14 +187,19 @@ def test_hunyuan_olmoe_mimo_minimax_m3_and_longcat_train_the_same_under_tensor_c
     tokens, one pair per pipeline stage, and through full recomputation in one-layer chunks (each pair split across
     two checkpoints)."""
     model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=2)
-    feed = lambda c: feed_groups(c, 2, np.random.default_rng(7), completion_len=(4, 5))  # noqa: E731
+    # LongCat-Flash with routing replay: rows of its 2 checkpoint layers over 4 routed + 2 identity experts, 3 a token
+    routing = (2, 6, 3) if arch == "longcat_flash" else None
+    replay = ["--routing-replay"] if routing else []
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(7), completion_len=(4, 5), routing=routing)  # noqa: E731
     steps = {}
     for name, (extra, nproc) in [("one", ([], 1))] + [(k, LAYOUTS[k]) for k in layouts]:
         steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
-                                              model=[], extra=extra + ["--tree-token-budget", "18"])
+                                              model=[], extra=extra + replay + ["--tree-token-budget", "18"])
     assert [len(v) for v in steps.values()] == [2] * (1 + len(layouts))
-    assert_same_as_one_rank(steps, layouts)
+    assert_same_as_one_rank(steps, layouts, REPLAY_KEYS if routing else ("loss", "grad_norm"))
     assert steps["one"][0]["grad_norm"] > 0
+    if routing:  # both routers replayed every recorded row (a router per checkpoint layer, identity experts too)
+        assert all(s["routing_replayed_rows"] > 0 and 0 < s["routing_mismatch"] < 1 for s in steps["one"])
 
 
 def test_glm_router_biases_stay_or_keep_balancing_as_asked(tmp_path):
