@@ -216,6 +216,9 @@ FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family("qwen3", qkv_bias=None, qk_norm=True, moe=False),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", qkv_bias=None, qk_norm=True, moe=True),
     "Glm4MoeForCausalLM": Family("glm4_moe", qkv_bias=None, qk_norm=None, moe=True, sigmoid_router=True),
+    # dots.llm1 (rednote-hilab, 142B-A14B): GLM-4.5's MoE layout and names (sigmoid router with a score-correction
+    # bias, shared experts, the first layers dense) with Qwen3's per-head q/k RMSNorms and RoPE over the whole head
+    "Dots1ForCausalLM": Family("dots1", qkv_bias=None, qk_norm=True, moe=True, sigmoid_router=True),
     # DeepSeek-V3 / V3.1 / Kimi-K2 / Moonlight (Kimi's configs name this architecture too) and GLM-4.7-Flash
     "DeepseekV3ForCausalLM": Family("deepseek_v3", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                     mla=True),
@@ -670,6 +673,9 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         # rope_parameters' mrope_section: a text token has the same position on mRoPE's three axes, so its
         # rotation is plain RoPE (partial_rotary_factor of each head)
+    if family.name == "dots1" and "sliding_attention" in (hf.get("layer_types") or []):
+        raise UnsupportedModelError("dots.llm1 with sliding-window layers (sliding_window below max_window_layers' "
+                                    "layers, or layer_types) is not supported: its releases attend fully")
     if family.sigmoid_router:
         topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
         if family.minimax:

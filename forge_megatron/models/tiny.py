@@ -42,7 +42,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
          "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe",
-         "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash")
+         "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -307,6 +307,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "use_qk_norm": True,
              "attention_bias": True},
         ),
+        # dots.llm1 layout: GLM-4.5's MoE (layer 0 dense, a sigmoid router with a score bias and groups of one, a
+        # shared expert) with per-head q/k RMSNorms and RoPE over the whole head
+        "dots1": (
+            transformers.Dots1Config,
+            {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+             "routed_scaling_factor": 2.5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0}},
+        ),
         # DeepSeek-V3 layout: multi-latent attention (query and key/value latents, 24-channel query/key heads of
         # which 8 rotated, 12-channel value heads), layer 0 dense, grouped sigmoid routing (2 groups, 1 chosen)
         "deepseek_v3": (
@@ -561,6 +569,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape) * 0.1)
             elif arch.startswith("minimax_m3") and "vision" not in name and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms (zeros when initialised): which is which
+            elif arch == "dots1" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head norms: which is which matters
             elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid", "olmoe") and \
                     name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters

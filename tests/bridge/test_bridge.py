@@ -725,3 +725,29 @@ def test_longcat_flash_config_as_released_and_as_transformers_writes_it():
 def test_longcat_flash_options_megatron_cannot_match_are_refused(change, message):
     with pytest.raises(UnsupportedModelError, match=message):
         Bridge({**_longcat_released(), **change})
+
+
+def test_dots1_config_as_released():
+    """dots.llm1 (dots.llm1.inst's config.json): GLM-4.5's sigmoid router (6 of 128 experts, renormalised, scaled by
+    2.5; groups of one), two shared experts' width, the first layer dense, per-head q/k norms, RoPE over the whole
+    head with base 1e7; sliding-window layers refused by name."""
+    released = {"architectures": ["Dots1ForCausalLM"], "model_type": "dots1", "attention_bias": False,
+                "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 10944,
+                "max_position_embeddings": 32768, "max_window_layers": 62, "moe_intermediate_size": 1408,
+                "n_group": 1, "n_routed_experts": 128, "n_shared_experts": 2, "norm_topk_prob": True,
+                "num_attention_heads": 32, "num_experts_per_tok": 6, "num_hidden_layers": 62,
+                "num_key_value_heads": 32, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000000,
+                "routed_scaling_factor": 2.5, "sliding_window": None, "tie_word_embeddings": False, "topk_group": 1,
+                "use_sliding_window": False, "vocab_size": 152064}
+    bridge = Bridge(released)
+    cfg = bridge.cfg
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size,
+            cfg.moe_dense_layers) == (128, 6, 1408, 2816, 1)
+    assert cfg.qk_layernorm and not cfg.qk_layernorm_all_heads and cfg.rotary_percent == 1.0
+    assert cfg.rotary_base == 1e7 and cfg.extra["moe_router_topk_scaling_factor"] == 2.5
+    assert bridge.hf_names("decoder.layers.1.mlp.router.expert_bias") == \
+        ["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bridge.hf_names("decoder.layers.5.self_attention.q_layernorm.weight") == \
+        ["model.layers.5.self_attn.q_norm.weight"]
+    with pytest.raises(UnsupportedModelError, match="dots.llm1 with sliding-window layers"):
+        Bridge({**released, "layer_types": ["sliding_attention"] * 62})
