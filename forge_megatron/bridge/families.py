@@ -34,6 +34,11 @@ GLM-4.5 (``glm4_moe``, docs/conversion.md): RoPE on the first ``partial_rotary_f
 sigmoid(z) + ``e_score_correction_bias`` and weighting by the normalised sigmoid scores times
 ``routed_scaling_factor``: Megatron's sigmoid score function with expert bias and top-k scaling computes the same.
 
+dots.llm1 (``dots1``) and Solar Open (``solar_open``) keep GLM-4.5's MoE and names: dots.llm1 with Qwen3's per-head q/k
+norms and RoPE over the whole head, Solar Open with Llama's attention and every layer MoE. Mixtral (``mixtral``) puts
+Mistral's attention before experts under ``block_sparse_moe`` (``w1`` / ``w3`` / ``w2``) and a softmax router whose top-k
+is always renormalised.
+
 MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
 (``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
 with a score-correction bias (normalised top-k; no groups and no scaling: transformers and SGLang ignore
@@ -219,6 +224,12 @@ FAMILIES: dict[str, Family] = {
     # dots.llm1 (rednote-hilab, 142B-A14B): GLM-4.5's MoE layout and names (sigmoid router with a score-correction
     # bias, shared experts, the first layers dense) with Qwen3's per-head q/k RMSNorms and RoPE over the whole head
     "Dots1ForCausalLM": Family("dots1", qkv_bias=None, qk_norm=True, moe=True, sigmoid_router=True),
+    # Solar Open (Upstage, 102B-A12B): GLM-4.5's MoE layout and names in every layer (no dense ones) under Llama's
+    # attention (RoPE over the whole head, no q/k norms)
+    "SolarOpenForCausalLM": Family("solar_open", qkv_bias=None, qk_norm=False, moe=True, sigmoid_router=True),
+    # Mixtral (8x7B, 8x22B): Mistral's attention, every layer's experts under block_sparse_moe (w1 / w3 / w2), a
+    # softmax router whose top-k probabilities are renormalised
+    "MixtralForCausalLM": Family("mixtral", qkv_bias=False, qk_norm=False, moe=True),
     # DeepSeek-V3 / V3.1 / Kimi-K2 / Moonlight (Kimi's configs name this architecture too) and GLM-4.7-Flash
     "DeepseekV3ForCausalLM": Family("deepseek_v3", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                     mla=True),
@@ -553,7 +564,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                     "an attention output bias)")
     if hf.get("use_sliding_window"):
         raise UnsupportedModelError("use_sliding_window=True is not supported")
-    window = hf.get("sliding_window") if family.name in ("mistral", "ministral3") else None
+    window = hf.get("sliding_window") if family.name in ("mistral", "ministral3", "mixtral") else None
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral configs have none)")
@@ -592,6 +603,9 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         _refuse_unsupported_ernie(hf, family)
     if family.hunyuan:
         _refuse_unsupported_hunyuan(hf, family)
+    if family.name == "mixtral" and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+        raise UnsupportedModelError(f"router_jitter_noise={hf['router_jitter_noise']}: transformers multiplies the "
+                                    "router's input by random noise while training (Mixtral releases have none)")
     if family.name == "olmoe" and hf.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"clip_qkv={hf['clip_qkv']}: clamping q, k and v is not supported (OLMoE releases "
                                     "have none)")
@@ -1055,6 +1069,8 @@ def dense_layers(hf: dict) -> int:
     dense prefix of ``mlp_layer_types`` (transformers' GLM-4.7-Flash config; a dense layer after a MoE one is
     refused)."""
     types = hf.get("mlp_layer_types")
+    if hf.get("model_type") == "solar_open":  # every layer MoE (transformers ignores first_k_dense_replace)
+        return 0
     if types is None:
         return int(hf.get("first_k_dense_replace", 1 if hf.get("model_type") == "glm4_moe_lite" else 0))
     dense = next((i for i, t in enumerate(types) if t != "dense"), len(types))
@@ -1116,7 +1132,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         hidden_size=hf["hidden_size"],
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
-        ffn_hidden_size=hf["intermediate_size"],
+        # (Solar Open has no dense MLP, nor this field: the experts' width stands in)
+        ffn_hidden_size=hf.get("intermediate_size") or hf["moe_intermediate_size"],
         vocab_size=hf["vocab_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
@@ -1304,7 +1321,9 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
     elif family.moe and not family.gpt_oss and not family.ernie and not family.hunyuan:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
         # Qwen3-Next's does unless its config says otherwise; so does Qwen3-VL-MoE's (no such field either)
-        norm_topk = bool(hf.get("norm_topk_prob", family.gated_delta or family.fused_experts))
+        # Mixtral's always does (no such field)
+        norm_topk = bool(hf.get("norm_topk_prob", family.gated_delta or family.fused_experts or
+                                family.name == "mixtral"))
         kwargs.update(
             num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 renamed it
             moe_router_topk=hf["num_experts_per_tok"],

@@ -450,7 +450,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
         # MiniMax-M2 keeps Mixtral's names: block_sparse_moe, experts' w1 (gate), w3 (up), w2 (down), and the
         # score-correction bias on the block rather than on its gate
         # (Kimi Linear's and MiniMax-M3's MoE layers have these names too, the latter as released)
-        mixtral = family.minimax or family.kimi_delta or (family.minimax_m3 and not family.stacked_experts)
+        mixtral = family.minimax or family.kimi_delta or (family.minimax_m3 and not family.stacked_experts) or \
+            family.name == "mixtral"
         moe = HF_LAYER + ("block_sparse_moe." if mixtral else "mlp.")
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         hf_expert = moe + "experts.{expert}."

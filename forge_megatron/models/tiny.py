@@ -42,7 +42,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
          "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe",
-         "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1")
+         "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1", "solar_open", "mixtral")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -314,6 +314,20 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
              "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
              "routed_scaling_factor": 2.5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0}},
+        ),
+        # Solar Open layout: GLM-4.5's MoE in every layer (a sigmoid router with a score bias, a shared expert, the
+        # top-k renormalised and scaled) under Llama's attention
+        "solar_open": (
+            transformers.SolarOpenConfig,
+            {"head_dim": 16, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+             "routed_scaling_factor": 2.5},
+        ),
+        # Mixtral layout: Mistral's attention, 4 experts of intermediate_size in every layer, the top 2 renormalised
+        "mixtral": (
+            transformers.MixtralConfig,
+            {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+             "sliding_window": None},
         ),
         # DeepSeek-V3 layout: multi-latent attention (query and key/value latents, 24-channel query/key heads of
         # which 8 rotated, 12-channel value heads), layer 0 dense, grouped sigmoid routing (2 groups, 1 chosen)

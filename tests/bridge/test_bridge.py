@@ -5,6 +5,7 @@ hand-built layouts.
 
 import pytest
 import torch
+import transformers
 
 from forge_megatron.bridge import Bridge, MappingError, ParallelLayout, UnsupportedModelError, gpt_config_from_hf
 from forge_megatron.models.tiny import tiny_config
@@ -751,3 +752,41 @@ def test_dots1_config_as_released():
         ["model.layers.5.self_attn.q_norm.weight"]
     with pytest.raises(UnsupportedModelError, match="dots.llm1 with sliding-window layers"):
         Bridge({**released, "layer_types": ["sliding_attention"] * 62})
+
+
+def test_solar_open_config_as_transformers_defaults_it():
+    """Solar Open (transformers' defaults, its docs' upstage/Solar-Open-100B): GLM-4.5's sigmoid router (8 of 128
+    experts, renormalised; groups of one) and a shared expert in every layer, even if the config carries GLM's
+    first_k_dense_replace (transformers' model ignores it), Llama's attention (no q/k norms, RoPE over the whole head)."""
+    hf = {**transformers.SolarOpenConfig().to_dict(), "architectures": ["SolarOpenForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size,
+            cfg.moe_dense_layers, cfg.num_query_groups) == (128, 8, 1280, 1280, 0, 8)
+    assert not cfg.qk_layernorm and cfg.rotary_percent == 1.0 and cfg.extra["moe_router_score_function"] == "sigmoid"
+    assert Bridge({**hf, "first_k_dense_replace": 3}).cfg.moe_dense_layers == 0
+    assert bridge.hf_names("decoder.layers.0.mlp.router.expert_bias") == \
+        ["model.layers.0.mlp.gate.e_score_correction_bias"]
+
+
+def test_mixtral_config_as_released():
+    """Mixtral-8x7B-v0.1's config.json: 8 experts of 14336 in every layer, the top 2 of the softmax renormalised (the
+    config has no norm_topk_prob), Mixtral's checkpoint names; router jitter and a sliding window refused by name."""
+    released = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+                "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,
+                "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+                "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+                "rms_norm_eps": 1e-5, "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "sliding_window": None,
+                "tie_word_embeddings": False, "vocab_size": 32000}
+    bridge = Bridge(released)
+    cfg = bridge.cfg
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size,
+            cfg.moe_dense_layers) == (8, 2, 14336, None, 0)
+    assert cfg.moe_router_topk_renorm and not cfg.moe_router_pre_softmax and cfg.rotary_base == 1e6
+    assert bridge.hf_names("decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight") == \
+        ["model.layers.3.block_sparse_moe.experts.5.w1.weight", "model.layers.3.block_sparse_moe.experts.5.w3.weight"]
+    assert bridge.hf_names("decoder.layers.3.mlp.router.weight") == ["model.layers.3.block_sparse_moe.gate.weight"]
+    with pytest.raises(UnsupportedModelError, match="router_jitter_noise"):
+        Bridge({**released, "router_jitter_noise": 0.1})
+    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
+        Bridge({**released, "sliding_window": 4096})

@@ -24,7 +24,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "seed_oss", "glm4", "kimi_k25", "glm4v", "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32",
          "glm_moe_dsa", "mistral4", "mistral4_vl", "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl",
          "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl", "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense",
-         "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1")
+         "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1",
+         "solar_open", "mixtral")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -147,6 +148,8 @@ LAYOUTS = [
     # shared-expert slot), a pair per stage; the router's rows for routed and identity experts replicated
     ("longcat_flash", ParallelLayout(tp=2, pp=2, ep=2)),
     ("dots1", ParallelLayout(tp=2, pp=2, ep=2)),  # GLM-4.5's names with per-head q/k norms, replicated over TP
+    ("solar_open", ParallelLayout(tp=2, pp=2, ep=2)),  # GLM-4.5's MoE names in every layer
+    ("mixtral", ParallelLayout(tp=2, pp=2, ep=2)),  # block_sparse_moe's w1 / w3 / w2
 ]
 
 

@@ -71,6 +71,8 @@ def models(tmp_path_factory):
         "minimax_m3": build_tiny_model(str(root / "minimax_m3"), arch="minimax_m3", seed=53),
         "minimax_m3_text": build_tiny_model(str(root / "minimax_m3_text"), arch="minimax_m3_text", seed=59),
         "longcat_flash": build_tiny_model(str(root / "longcat_flash"), arch="longcat_flash", seed=61),
+        "mixtral": build_tiny_model(str(root / "mixtral"), arch="mixtral", seed=67),
+        "solar_open": build_tiny_model(str(root / "solar_open"), arch="solar_open", seed=71),
     }
 
 
@@ -287,13 +289,17 @@ def _check_synced(results):
     # LongCat-Flash: each Megatron layer pair back to one checkpoint layer's sublayer names (self_attn.{0,1},
     # mlps.{0,1}), experts one by one over EP into transformers' stacked tensors, the router's identity rows
     ("longcat_flash", ParallelConfig(tp=2, ep=2, etp=1)),
+    # Mixtral: experts one by one under block_sparse_moe (w1 / w3 / w2) over EP into transformers' fused tensors
+    ("mixtral", ParallelConfig(ep=2)),
+    ("solar_open", ParallelConfig(tp=2)),  # GLM-4.5's MoE names in every layer, the score bias replicated
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
         "tp2-ministral3-vl", "tp2-deepseek-v32", "ep2-glm-moe-dsa", "ep2-mistral4-vl", "pp2-uneven-deepseek-v3",
         "tp2-olmo-hybrid", "tp2-kimi-linear", "tp2-gemma4", "pp2-gemma4-vl", "ep2-gemma4-moe", "tp2-gemma4-e",
         "tp2-qwen2-5-vl", "ep2-ernie4-5-moe", "tp2-hunyuan-dense", "ep2-hunyuan-moe", "tp2-olmoe",
-        "tp2-mimo-v2-flash", "tp2-minimax-m3", "ep2-minimax-m3-text", "tp2ep2etp1-longcat-flash"])
+        "tp2-mimo-v2-flash", "tp2-minimax-m3", "ep2-minimax-m3-text", "tp2ep2etp1-longcat-flash",
+        "ep2-mixtral", "tp2-solar-open"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
