@@ -23,6 +23,19 @@ NORM_MIN = 1e-12
 """The floor of the renormalising sum (ERNIE 4.5's ``moe_norm_min``; the bridge refuses other values)."""
 
 
+def biased_softmax_topk(router, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax probabilities of ``logits`` [T, E] (fp32) and the ``router.topk`` experts each token takes by
+    probability plus ``router.expert_bias`` (selection only), or those routing replay dictates."""
+    p = torch.softmax(logits.float(), dim=-1)
+    choose = p + router.expert_bias.float()
+
+    def topk(scores, k, num_groups=None, group_topk=None):
+        return torch.topk(scores, k=k, dim=1)
+
+    if router.router_replay is None:
+        return p, topk(choose, router.topk)[1]
+    return p, router.router_replay.get_replay_topk(choose, router.topk, None, None, topk)[1]
+
 class ErnieRouter(TopKRouter):
     """Megatron's top-k router with ERNIE 4.5's choice and weights (module docstring)."""
 
@@ -35,16 +48,7 @@ class ErnieRouter(TopKRouter):
 
     def routing(self, logits: torch.Tensor, *args, **kwargs):
         logits = logits.view(-1, self.config.num_moe_experts)
-        p = torch.softmax(logits.float(), dim=-1)
-        choose = p + self.expert_bias.float()
-
-        def topk(scores, k, num_groups=None, group_topk=None):
-            return torch.topk(scores, k=k, dim=1)
-
-        if self.router_replay is None:
-            _, chosen = topk(choose, self.topk)
-        else:
-            _, chosen = self.router_replay.get_replay_topk(choose, self.topk, None, None, topk)
+        p, chosen = biased_softmax_topk(self, logits)
         w = p.gather(1, chosen)
         w = w / w.sum(dim=-1, keepdim=True).clamp(min=NORM_MIN)
         probs = torch.zeros_like(p).scatter(1, chosen, w).type_as(logits)

@@ -50,6 +50,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from forge_megatron.mcore.ernie import biased_softmax_topk
+
 
 class ZeroExpertRouter(TopKRouter):
     """Megatron's top-k router with LongCat-Flash's choice, weights and zero-computation experts (module docstring).
@@ -78,16 +80,7 @@ class ZeroExpertRouter(TopKRouter):
     def routing(self, logits: torch.Tensor, *args, **kwargs):
         routed = self.config.num_moe_experts
         logits = logits.view(-1, self.weight.shape[0])
-        p = torch.softmax(logits.float(), dim=-1)
-        choose = p + self.expert_bias.float()
-
-        def topk(scores, k, num_groups=None, group_topk=None):
-            return torch.topk(scores, k=k, dim=1)
-
-        if self.router_replay is None:
-            _, chosen = topk(choose, self.topk)
-        else:
-            _, chosen = self.router_replay.get_replay_topk(choose, self.topk, None, None, topk)
+        p, chosen = biased_softmax_topk(self, logits)
         w = p.gather(1, chosen)
         scale = self.config.moe_router_topk_scaling_factor
         if scale:
