@@ -39,6 +39,19 @@ norms and RoPE over the whole head, Solar Open with Llama's attention and every 
 Mistral's attention before experts under ``block_sparse_moe`` (``w1`` / ``w3`` / ``w2``) and a softmax router whose top-k
 is always renormalised.
 
+Phi-3 / Phi-4 (``phi3``: Phi3ForCausalLM; Phi-4, Phi-4-reasoning(-plus)): Llama's layout with q, k and v in one
+checkpoint tensor (``self_attn.qkv_proj``: all query heads, then all key heads, then all value heads; Megatron's fused
+QKV groups them per key head: the ``qkv_fused`` join) and the MLP's gate and up in one (``mlp.gate_up_proj``, gate rows
+first: Megatron's fc1 as it is); RoPE on the first ``partial_rotary_factor`` of each head. ``longrope`` (Phi-3.5,
+Phi-4-mini) changes its frequencies with the sequence length at run time and is refused (mcore/rope.py), as is a
+``sliding_window`` shorter than the context (Phi-3-mini-4k's 2047).
+
+Qwen2-MoE (``qwen2_moe``: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases, ``qkv_bias``) and in
+every layer ``num_experts`` softmax-routed experts of ``moe_intermediate_size`` (the top ``num_experts_per_tok``,
+renormalised only with ``norm_topk_prob``: released without) beside one ``shared_expert`` of
+``shared_expert_intermediate_size`` behind a sigmoid gate (``shared_expert_gate``: Megatron's shared-expert gate, as
+Qwen3.5-MoE's).
+
 MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
 (``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
 with a score-correction bias (normalised top-k; no groups and no scaling: transformers and SGLang ignore
@@ -230,6 +243,12 @@ FAMILIES: dict[str, Family] = {
     # Mixtral (8x7B, 8x22B): Mistral's attention, every layer's experts under block_sparse_moe (w1 / w3 / w2), a
     # softmax router whose top-k probabilities are renormalised
     "MixtralForCausalLM": Family("mixtral", qkv_bias=False, qk_norm=False, moe=True),
+    # Phi-3 / Phi-4 (Phi-4 14B, Phi-4-reasoning, -reasoning-plus): Llama's layout with q/k/v fused in qkv_proj and
+    # gate/up in gate_up_proj (see the module docstring); longrope refused
+    "Phi3ForCausalLM": Family("phi3", qkv_bias=False, qk_norm=False, moe=False),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention, softmax-routed experts and a gated shared
+    # expert in every layer
+    "Qwen2MoeForCausalLM": Family("qwen2_moe", qkv_bias=None, qk_norm=False, moe=True),
     # DeepSeek-V3 / V3.1 / Kimi-K2 / Moonlight (Kimi's configs name this architecture too) and GLM-4.7-Flash
     "DeepseekV3ForCausalLM": Family("deepseek_v3", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                     mla=True),
@@ -564,12 +583,19 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                     "an attention output bias)")
     if hf.get("use_sliding_window"):
         raise UnsupportedModelError("use_sliding_window=True is not supported")
-    window = hf.get("sliding_window") if family.name in ("mistral", "ministral3", "mixtral") else None
+    window = hf.get("sliding_window") if family.name in ("mistral", "ministral3", "mixtral", "phi3") else None
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
-                                    "Mistral-Small 3 / Devstral configs have none)")
+                                    "Mistral-Small 3 / Devstral / Phi-4 configs have none)")
+    # (transformers reads Phi-3's older "su" and "yarn" as longrope too)
+    if family.name == "phi3" and rope.rope_type(hf.get("rope_scaling") or rope_parameters(hf)) in ("longrope", "su",
+                                                                                                     "yarn"):
+        raise UnsupportedModelError("longrope RoPE (Phi-3.5, Phi-4-mini) is not supported: it switches between its "
+                                    "short and long frequency factors with the length of each forward pass (the "
+                                    "engines with that of the whole batch), so no fixed rotation equals it; Phi-4 "
+                                    "and Phi-4-reasoning have plain RoPE")
     if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "gemma4", "mimo_v2_flash",
-                                                         "minimax_m3") \
+                                                         "minimax_m3", "phi3") \
             and not family.gated_delta \
             and not family.mla:  # (MLA rotates qk_rope_head_dim channels: Mistral 4 states it as this fraction)
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
@@ -614,7 +640,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
-        if hf.get("shared_expert_intermediate_size") and not family.gated_delta:
+        if hf.get("shared_expert_intermediate_size") and not family.gated_delta and family.name != "qwen2_moe":
             raise UnsupportedModelError("shared experts are not supported by the qwen3_moe family")
     if family.mla:
         if hf.get("attention_bias"):
@@ -1126,7 +1152,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
     if family.hunyuan:
         hf = hunyuan_view(hf)
     heads = hf["num_attention_heads"]
-    qkv_bias = family.qkv_bias if family.qkv_bias is not None else bool(hf.get("attention_bias", False))
+    qkv_bias = family.qkv_bias if family.qkv_bias is not None else \
+        bool(hf.get("qkv_bias", True)) if family.name == "qwen2_moe" else bool(hf.get("attention_bias", False))
     kwargs = dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -1331,7 +1358,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             moe_router_pre_softmax=not norm_topk,
             moe_router_topk_renorm=norm_topk,
         )
-        if family.gated_delta and hf.get("shared_expert_intermediate_size"):
+        if (family.gated_delta or family.name == "qwen2_moe") and hf.get("shared_expert_intermediate_size"):
             kwargs.update(moe_shared_ffn_hidden_size=hf["shared_expert_intermediate_size"],
                           extra={**kwargs.get("extra", {}), "moe_shared_expert_gate": True})
     if family.mimo:

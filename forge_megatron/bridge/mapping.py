@@ -50,7 +50,8 @@ class MappingError(ValueError):
 class Rule:
     """One canonical Megatron parameter and the HF tensor(s) it is made of.
 
-    ``join``: ``copy`` (one HF tensor), ``qkv`` (q, k, v grouped per query group), ``glu`` (gate, up stacked),
+    ``join``: ``copy`` (one HF tensor), ``qkv`` (q, k, v grouped per query group), ``qkv_fused`` (one HF tensor of
+    every q, then every k, then every v row: Phi-3's, regrouped per query group), ``glu`` (gate, up stacked),
     ``vocab`` (rows past the HF vocabulary are Megatron's padding: zeros in, dropped out); for HF tensors that hold
     every expert of a layer (gpt-oss), expert e's slice of it: ``experts_glu`` ([E, D, 2F] with gate and up columns
     interleaved -> [gate; up] rows), ``experts_glu_bias`` ([E, 2F] interleaved), ``experts_t`` (expert e's
@@ -405,6 +406,9 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
              tuple(HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", "col"),
         Rule(LAYER + "self_attention.linear_proj.weight", (HF_LAYER + "self_attn.o_proj.weight",), tp="row"),
     ]
+    if family.name == "phi3":  # Phi-3 / Phi-4: [all q; all k; all v] in one tensor
+        attn[0] = Rule(LAYER + "self_attention.linear_qkv.weight", (HF_LAYER + "self_attn.qkv_proj.weight",),
+                       "qkv_fused", "col")
     if family.name == "glm4":  # GLM-4's sandwich names: post_attention_layernorm is the MLP's input norm
         attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
                  Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_self_attn_layernorm.weight",)),
@@ -438,8 +442,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
     """The embedding, ``attn`` (one layer's attention rules), the MLP rules, the final norm and the head."""
     fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_proj.weight", HF_LAYER + "mlp.up_proj.weight"),
                "glu", "glu", layers="dense")
-    # GLM-4 and transformers' MiniMax-M3 keep [gate; up] in one tensor, Megatron's fc1 layout already
-    if family.name == "glm4" or (family.minimax_m3 and family.stacked_experts):
+    # GLM-4, Phi-3 and transformers' MiniMax-M3 keep [gate; up] in one tensor, Megatron's fc1 layout already
+    if family.name in ("glm4", "phi3") or (family.minimax_m3 and family.stacked_experts):
         fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_up_proj.weight",), tp="glu", layers="dense")
     dense = [
         fc1,
@@ -481,7 +485,7 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))
         if cfg.moe_shared_ffn_hidden_size:
             # Qwen3.5-MoE: one ``shared_expert`` whose output a sigmoid gate scales (Megatron's gate_weight)
-            shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta else
+            shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta or family.name == "qwen2_moe" else
                                  "block_sparse_moe.shared_experts." if family.kimi_delta or mixtral else
                                  "mlp.shared_mlp." if family.hunyuan else "mlp.shared_experts.")
             fc1_hf = (shared + "gate_up_proj.weight",) if family.minimax_m3 and family.stacked_experts else \
@@ -555,6 +559,8 @@ class Bridge:
                 self._kimi_heads = int(self.hf_config["vision_config"].get("num_attention_heads", 16))
         # joins that regroup HF tensors into one Megatron tensor: (split Megatron -> HF parts, join HF parts -> one)
         self._layouts = {"qkv": (self._split_qkv, self._join_qkv),
+                         # Phi-3's qkv_proj: every query head, then every key head, then every value head
+                         "qkv_fused": (lambda t: (torch.cat(self._split_qkv(t)),), self._join_qkv_fused),
                          # ERNIE 4.5's score-correction bias: [1, E] in HF, [E] in Megatron
                          "row1": (lambda t: (t.reshape(1, -1),), lambda t: t.reshape(-1)),
                          "qkv_gate": (self._split_qkv_gate, self._join_qkv_gate),
@@ -829,6 +835,7 @@ class Bridge:
             "norm.weight": (d,), "layernorm.weight": (d,),
             "q_proj.weight": (n * h, d), "k_proj.weight": (g * h, d), "v_proj.weight": (g * dv, d),
             "q_proj.bias": (n * h,), "k_proj.bias": (g * h,), "v_proj.bias": (g * dv,),
+            "qkv_proj.weight": (n * h + g * h + g * dv, d),
             "o_proj.weight": (d, n * dv), "q_norm.weight": (h,), "k_norm.weight": (h,),
             "attention_sink_bias": (n,),
             "gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f), "gate_up_proj.weight": (2 * f, d),
@@ -908,6 +915,11 @@ class Bridge:
         grouped = qkv.reshape(cfg.num_query_groups, q_per_g * h + h + dv, *qkv.shape[1:])
         q, k, v = grouped.split([q_per_g * h, h, dv], dim=1)
         return [t.reshape(-1, *qkv.shape[1:]) for t in (q, k, v)]
+
+    def _join_qkv_fused(self, qkv):
+        cfg = self.cfg
+        n, g, h = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
+        return self._join_qkv(*qkv.split([n * h, g * h, g * (cfg.value_head_dim or h)]))
 
     def _join_qkv(self, q, k, v):
         g = self.cfg.num_query_groups

@@ -42,7 +42,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "glm4v_moe", "ministral3", "ministral3_vl", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral4_vl",
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
          "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe",
-         "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1", "solar_open", "mixtral")
+         "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1", "solar_open", "mixtral",
+         "phi3", "qwen2_moe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -328,6 +329,21 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             transformers.MixtralConfig,
             {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
              "sliding_window": None},
+        ),
+        # Phi-3 / Phi-4 layout: Llama's with q/k/v fused in qkv_proj, gate/up in gate_up_proj, RoPE on the first
+        # three quarters of each head (Phi-4-mini's fraction; its longrope is refused)
+        "phi3": (
+            transformers.Phi3Config,
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 250000.0, "partial_rotary_factor": 0.75},
+             "sliding_window": None, "pad_token_id": 0},
+        ),
+        # Qwen2-MoE layout: Qwen2's attention (q/k/v biases), 4 experts of 32 (top 2, not renormalised) and a shared
+        # expert of 48 behind a sigmoid gate in every layer
+        "qwen2_moe": (
+            transformers.Qwen2MoeConfig,
+            {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "decoder_sparse_step": 1,
+             "mlp_only_layers": [], "use_sliding_window": False},
         ),
         # DeepSeek-V3 layout: multi-latent attention (query and key/value latents, 24-channel query/key heads of
         # which 8 rotated, 12-channel value heads), layer 0 dense, grouped sigmoid routing (2 groups, 1 chosen)

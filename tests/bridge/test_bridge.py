@@ -790,3 +790,73 @@ def test_mixtral_config_as_released():
         Bridge({**released, "router_jitter_noise": 0.1})
     with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
         Bridge({**released, "sliding_window": 4096})
+
+
+def test_phi4_config_as_released():
+    """Phi-4's config.json (microsoft/phi-4, Phi3ForCausalLM): 40 query heads over 10 key heads of 128 channels,
+    plain RoPE (base 250000) over the whole head, q/k/v fused in qkv_proj (regrouped per key head: every q row, then
+    every k row, then every v row on disk) and gate/up in gate_up_proj; Phi-4-mini's longrope and Phi-3-mini-4k's
+    sliding window refused by name."""
+    released = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "attention_bias": False,
+                "attention_dropout": 0.0, "bos_token_id": 100257, "embd_pdrop": 0.0, "eos_token_id": 100265,
+                "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 17920,
+                "max_position_embeddings": 16384, "num_attention_heads": 40, "num_hidden_layers": 40,
+                "num_key_value_heads": 10, "original_max_position_embeddings": 16384, "pad_token_id": 100349,
+                "resid_pdrop": 0.0, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 250000,
+                "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 100352}
+    bridge = Bridge(released)
+    cfg = bridge.cfg
+    assert (cfg.num_query_groups, cfg.head_dim, cfg.ffn_hidden_size, cfg.rotary_base, cfg.rotary_percent,
+            cfg.add_qkv_bias) == (10, 128, 17920, 250000.0, 1.0, False)
+    assert bridge.hf_names("decoder.layers.7.self_attention.linear_qkv.weight") == \
+        ["model.layers.7.self_attn.qkv_proj.weight"]
+    assert bridge.hf_names("decoder.layers.7.mlp.linear_fc1.weight") == ["model.layers.7.mlp.gate_up_proj.weight"]
+    assert bridge.hf_shape("model.layers.7.self_attn.qkv_proj.weight") == ((40 + 2 * 10) * 128, 5120)
+    # the regrouping: query group g's rows are its 4 query heads, then key head g, then value head g
+    small = Bridge({**released, "hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "intermediate_size": 8, "num_hidden_layers": 1, "vocab_size": 10})
+    rows = torch.arange(8 * 4, dtype=torch.float32)[:, None].expand(-1, 16)  # q heads 0-3, k 0-1, v 0-1: 4 rows each
+    fused = small.from_hf("decoder.layers.0.self_attention.linear_qkv.weight",
+                          {"model.layers.0.self_attn.qkv_proj.weight": rows})
+    head = [int(r) // 4 for r in fused[::4, 0]]  # which on-disk head each Megatron block of 4 rows is
+    assert head == [0, 1, 4, 6, 2, 3, 5, 7]  # group 0: q0 q1 k0 v0; group 1: q2 q3 k1 v1
+    assert torch.equal(small.to_hf("decoder.layers.0.self_attention.linear_qkv.weight", fused)[
+        "model.layers.0.self_attn.qkv_proj.weight"], rows)
+    mini = {**released, "partial_rotary_factor": 0.75, "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        Bridge(mini)
+    with pytest.raises(UnsupportedModelError, match="longrope"):  # (transformers reads Phi-3's "yarn" as longrope)
+        Bridge({**mini, "rope_scaling": {**mini["rope_scaling"], "type": "yarn"}})
+    assert Bridge({**released, "partial_rotary_factor": 0.75}).cfg.rotary_percent == 0.75
+    with pytest.raises(UnsupportedModelError, match="sliding_window=2047"):
+        Bridge({**released, "sliding_window": 2047, "max_position_embeddings": 4096})
+
+
+def test_qwen2_moe_config_as_released():
+    """Qwen1.5-MoE-A2.7B's config.json: 60 experts of 1408 (top 4, not renormalised: no norm_topk_prob) and a shared
+    expert of 5632 behind a sigmoid gate in every layer, q/k/v biases (transformers' qkv_bias default); dense layers
+    among the MoE ones refused by name."""
+    released = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_act": "silu",
+                "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+                "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+                "num_attention_heads": 16, "num_key_value_heads": 16, "num_hidden_layers": 24,
+                "decoder_sparse_step": 1, "max_position_embeddings": 8192, "max_window_layers": 21,
+                "rms_norm_eps": 1e-6, "rope_theta": 1e6, "sliding_window": 32768, "use_sliding_window": False,
+                "output_router_logits": False, "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
+                "vocab_size": 151936}
+    bridge = Bridge(released)
+    cfg = bridge.cfg
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size,
+            cfg.moe_dense_layers) == (60, 4, 1408, 5632, 0)
+    assert cfg.add_qkv_bias and cfg.moe_router_pre_softmax and not cfg.moe_router_topk_renorm
+    assert cfg.extra["moe_shared_expert_gate"]
+    assert bridge.hf_names("decoder.layers.2.mlp.shared_experts.gate_weight") == \
+        ["model.layers.2.mlp.shared_expert_gate.weight"]
+    assert bridge.hf_names("decoder.layers.2.mlp.shared_experts.linear_fc1.weight") == \
+        ["model.layers.2.mlp.shared_expert.gate_proj.weight", "model.layers.2.mlp.shared_expert.up_proj.weight"]
+    assert not Bridge({**released, "qkv_bias": False}).cfg.add_qkv_bias
+    assert Bridge({**released, "norm_topk_prob": True}).cfg.moe_router_topk_renorm
+    with pytest.raises(UnsupportedModelError, match="decoder_sparse_step"):
+        Bridge({**released, "decoder_sparse_step": 2})
