@@ -52,6 +52,15 @@ renormalised only with ``norm_topk_prob``: released without) beside one ``shared
 ``shared_expert_intermediate_size`` behind a sigmoid gate (``shared_expert_gate``: Megatron's shared-expert gate, as
 Qwen3.5-MoE's).
 
+EXAONE 4.0 (``exaone4``: Exaone4ForCausalLM, 32B and 1.2B) and K-EXAONE (``exaone_moe``: ExaoneMoeForCausalLM,
+236B-A23B): per-head q/k RMSNorms before RoPE; with a ``sliding_window``, the layers ``layer_types`` (or
+``sliding_window_pattern``: every n-th layer, or a string such as "LLLG", global) marks ``sliding_attention`` see the
+window and rotate, the others see everything and do not rotate at all (NoPE: ``nope_layers``); without one, every
+layer is global and rotates. EXAONE 4.0 normalises the attention's and the MLP's outputs (OLMo 2's post-norm, no
+input norms); K-EXAONE is pre-norm with DeepSeek-V3's MoE (a sigmoid router choosing with a score-correction bias,
+stored beside the gate as ``mlp.e_score_correction_bias``, ``num_shared_experts`` shared experts, the first
+``first_k_dense_replace`` / ``mlp_layer_types`` layers dense); its MTP module (``mtp.*``) is left out.
+
 MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
 (``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
 with a score-correction bias (normalised top-k; no groups and no scaling: transformers and SGLang ignore
@@ -223,6 +232,10 @@ class Family:
     # LongCat-Flash: two MLA attention + dense MLP sublayers per layer (Megatron layer pairs) and a shortcut MoE from
     # the first sublayer's MLP input to the layer's end, with zero-computation experts (longcat_view; mcore/longcat.py)
     longcat: bool = False
+    # EXAONE 4.0 / K-EXAONE: per-head q/k norms before RoPE; with a sliding_window, sliding-window layers that rotate
+    # beside full-attention layers that do not (NoPE); EXAONE 4.0's norms after attention and MLP (OLMo 2's),
+    # K-EXAONE's before, with DeepSeek-V3's MoE (exaone_view)
+    exaone: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -246,6 +259,10 @@ FAMILIES: dict[str, Family] = {
     # Phi-3 / Phi-4 (Phi-4 14B, Phi-4-reasoning, -reasoning-plus): Llama's layout with q/k/v fused in qkv_proj and
     # gate/up in gate_up_proj (see the module docstring); longrope refused
     "Phi3ForCausalLM": Family("phi3", qkv_bias=False, qk_norm=False, moe=False),
+    # EXAONE 4.0 (32B, 1.2B) and K-EXAONE (236B-A23B): see the module docstring
+    "Exaone4ForCausalLM": Family("exaone4", qkv_bias=False, qk_norm=True, moe=False, exaone=True),
+    "ExaoneMoeForCausalLM": Family("exaone_moe", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,
+                                   exaone=True),
     # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention, softmax-routed experts and a gated shared
     # expert in every layer
     "Qwen2MoeForCausalLM": Family("qwen2_moe", qkv_bias=None, qk_norm=False, moe=True),
@@ -1047,6 +1064,30 @@ def minimax_m3_view(hf: dict) -> dict:
     return out
 
 
+def exaone_view(hf: dict) -> dict:
+    """EXAONE 4.0 / K-EXAONE's config with each layer's kind in ``layer_types`` (from ``sliding_window_pattern``
+    where the config gives none: every n-th layer global, or a string of L (sliding) and G (global) repeated; every
+    layer global without a window) and K-EXAONE's expert fields under DeepSeek-V3's names."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    pattern = hf.get("sliding_window_pattern")
+    if not hf.get("sliding_window"):
+        types = ["full_attention"] * n  # (transformers: no window, every layer rotates and sees everything)
+    elif types is None and isinstance(pattern, str):
+        if not pattern or set(pattern) - {"L", "G"}:
+            raise UnsupportedModelError(f"sliding_window_pattern={pattern!r}: a string of L (sliding) and G (global)")
+        types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n)]
+    elif types is None:
+        every = int(pattern or 4)
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    if len(types) != n or not set(types) <= set(LAYER_TYPES):
+        raise UnsupportedModelError(f"layer_types {types}: one of {LAYER_TYPES} per layer ({n})")
+    out = {**hf, "layer_types": list(types)}
+    if "num_experts" in hf:  # K-EXAONE
+        out.update(n_routed_experts=hf["num_experts"], n_shared_experts=hf.get("num_shared_experts", 1))
+    return out
+
+
 def longcat_view(hf: dict) -> dict:
     """A LongCat-Flash config (as released and as transformers writes it: ``num_layers`` layers of two sublayers each,
     ``ffn_hidden_size``, ``expert_ffn_hidden_size``, ``n_routed_experts``, ``moe_topk``, ``zero_expert_num``) read into
@@ -1148,6 +1189,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         hf = minimax_m3_view(hf)
     if family.longcat:
         hf = longcat_view(hf)
+    if family.exaone:
+        hf = exaone_view(hf)
     _refuse_unsupported(hf, family)
     if family.hunyuan:
         hf = hunyuan_view(hf)
@@ -1171,8 +1214,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         add_bias_linear=False,
         qk_layernorm=family.qk_norm if family.qk_norm is not None else bool(hf.get("use_qk_norm", False)),
         qk_layernorm_all_heads=family.minimax or family.olmo or family.name == "olmoe",
-        pre_norm=not family.olmo,
-        post_norm=family.olmo or family.gemma,
+        pre_norm=not family.olmo and family.name != "exaone4",
+        post_norm=family.olmo or family.gemma or family.name == "exaone4",
         rotary_percent=partial_rotary(hf),
         rotary_base=rope_theta(hf),
         rope_scaling=None if family.gemma4 else rope_scaling(hf),  # (Gemma 4's per layer kind: below)
@@ -1361,6 +1404,10 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         if (family.gated_delta or family.name == "qwen2_moe") and hf.get("shared_expert_intermediate_size"):
             kwargs.update(moe_shared_ffn_hidden_size=hf["shared_expert_intermediate_size"],
                           extra={**kwargs.get("extra", {}), "moe_shared_expert_gate": True})
+    if family.exaone and hf.get("sliding_window"):  # the sliding layers rotate, the global ones do not
+        kwargs["extra"] = {**kwargs.get("extra", {}), **sliding_windows(hf)}
+        if "full_attention" in hf["layer_types"]:
+            kwargs["nope_layers"] = tuple(t == "full_attention" for t in hf["layer_types"])
     if family.mimo:
         (full_kv, sliding_kv), (full_sinks, sliding_sinks) = hf["mimo_kv_heads"], hf["mimo_sinks"]
         full_base, sliding_base, fraction = hf["mimo_rope"]

@@ -480,8 +480,9 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (moe + "moe_statics.e_score_correction_bias",), "row1",
                             layers="moe"))
         if cfg.extra.get("moe_router_enable_expert_bias"):  # a buffer: selection only, no gradient
-            bias = moe + ("e_score_correction_bias" if family.minimax or mixtral and family.minimax_m3 else
-                          "gate.e_score_correction_bias")
+            # (K-EXAONE's beside its gate, as MiniMax's)
+            bias = moe + ("e_score_correction_bias" if family.minimax or mixtral and family.minimax_m3 or
+                          family.name == "exaone_moe" else "gate.e_score_correction_bias")
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))
         if cfg.moe_shared_ffn_hidden_size:
             # Qwen3.5-MoE: one ``shared_expert`` whose output a sigmoid gate scales (Megatron's gate_weight)
@@ -618,8 +619,8 @@ class Bridge:
     def is_mtp_tensor(self, hf_name: str) -> bool:
         """A tensor of the multi-token-prediction layers some checkpoints append (GLM-4.5, DeepSeek-V3:
         ``num_nextn_predict_layers``, MiniMax-M2: ``num_mtp_modules`` layers numbered from ``num_hidden_layers``;
-        Qwen3.5: ``mtp.*``; ERNIE 4.5: ``model.mtp_*``; MiMo-V2-Flash: ``model.mtp.*``; MiniMax-M3: any ``mtp.``
-        module): the trainer neither trains nor exports them (SGLang uses them for speculative decoding only)."""
+        Qwen3.5: ``mtp.*``; ERNIE 4.5: ``model.mtp_*``; MiMo-V2-Flash: ``model.mtp.*``; MiniMax-M3 and
+        K-EXAONE: any ``mtp.`` module): the trainer neither trains nor exports them (SGLang uses them for speculative decoding only)."""
         hf = self.hf_config
         if self.family.gated_delta and hf_name.startswith("mtp."):
             return True
@@ -627,6 +628,8 @@ class Bridge:
             return True
         if (self.family.mimo or self.family.longcat) and hf_name.startswith(self.hf_prefix + "mtp."):
             return True  # MiMo-V2-Flash's and LongCat-Flash's (model.mtp.*)
+        if self.family.name == "exaone_moe" and re.search(r"(^|\.)mtp\.", hf_name):
+            return True  # K-EXAONE's (transformers drops any mtp.* tensor)
         if self.family.minimax_m3:  # (transformers drops any ``mtp.`` module of MiniMax-M3's, at any depth)
             if re.search(r"(^|\.)mtp\.", hf_name):
                 return True

@@ -43,7 +43,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
          "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe",
          "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1", "solar_open", "mixtral",
-         "phi3", "qwen2_moe")
+         "phi3", "qwen2_moe", "exaone4", "exaone_moe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -345,6 +345,21 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "decoder_sparse_step": 1,
              "mlp_only_layers": [], "use_sliding_window": False},
         ),
+        # EXAONE 4.0 layout: norms after attention and MLP, per-head q/k norms, a 4-token window on layer 0 (which
+        # rotates) beside a global layer 1 that does not (NoPE)
+        "exaone4": (
+            transformers.Exaone4Config,
+            {"head_dim": 16, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+        ),
+        # K-EXAONE layout: the same attention, pre-norm; layer 0 dense, layer 1 4 experts of 32 (top 2 of a sigmoid
+        # router with a score bias, renormalised, times 2.5) beside a shared expert
+        "exaone_moe": (
+            transformers.ExaoneMoeConfig,
+            {"head_dim": 16, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+             "mlp_layer_types": ["dense", "sparse"], "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "num_shared_experts": 1, "n_group": 1, "topk_group": 1,
+             "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+        ),
         # DeepSeek-V3 layout: multi-latent attention (query and key/value latents, 24-channel query/key heads of
         # which 8 rotated, 12-channel value heads), layer 0 dense, grouped sigmoid routing (2 groups, 1 chosen)
         "deepseek_v3": (
@@ -599,6 +614,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape) * 0.1)
             elif arch.startswith("minimax_m3") and "vision" not in name and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms (zeros when initialised): which is which
+            elif arch.startswith("exaone") and name.endswith(("q_norm.weight", "k_norm.weight", "layernorm.weight")):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head and post norms: which is which matters
             elif arch == "dots1" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head norms: which is which matters
             elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid", "olmoe") and \

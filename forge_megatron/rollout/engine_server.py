@@ -586,6 +586,8 @@ class ReferenceEngine:
         candidates = (name, _in_memory_name(name), _whole_vl_name(name))
         if model_type == "minimax_m3_vl":
             candidates += (_minimax_m3_name(_in_memory_name(name)),)
+        if model_type == "exaone_moe":  # K-EXAONE's score-correction bias: beside the gate on disk, in it in memory
+            candidates += (name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),)
         for candidate in dict.fromkeys(candidates):
             if candidate in params:
                 return params[candidate]

@@ -860,3 +860,47 @@ def test_qwen2_moe_config_as_released():
     assert Bridge({**released, "norm_topk_prob": True}).cfg.moe_router_topk_renorm
     with pytest.raises(UnsupportedModelError, match="decoder_sparse_step"):
         Bridge({**released, "decoder_sparse_step": 2})
+
+
+def test_exaone4_layer_kinds_and_norms():
+    """EXAONE 4.0: with a window, the sliding layers (sliding_window_pattern as a count or as released, a string of L
+    and G; layer_types when given) see it and rotate, the global ones see everything without RoPE; without a window
+    (the 1.2B) every layer is global and rotates. Norms after attention and MLP, per-head q/k norms."""
+    base = {"architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4", "hidden_size": 5120,
+            "intermediate_size": 27392, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+            "num_hidden_layers": 8, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "vocab_size": 102400,
+            "rope_theta": 1e6, "sliding_window": 4096, "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "original_max_position_embeddings": 8192,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0}}
+    cfg = Bridge({**base, "sliding_window_pattern": "LLLG"}).cfg
+    assert cfg.nope_layers == (False, False, False, True) * 2
+    assert cfg.extra["window_size"] == (4095, 0) and cfg.extra["window_attn_skip_freq"] == [1, 1, 1, 0] * 2
+    assert cfg.post_norm and not cfg.pre_norm and cfg.qk_layernorm and not cfg.qk_layernorm_all_heads
+    assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.sliding_rope_scaling is None
+    assert Bridge({**base, "sliding_window_pattern": 4}).cfg.nope_layers == cfg.nope_layers
+    types = ["sliding_attention", "full_attention"] * 4
+    assert Bridge({**base, "layer_types": types}).cfg.nope_layers == (False, True) * 4
+    small = Bridge({**base, "sliding_window": None, "sliding_window_pattern": 0}).cfg
+    assert small.nope_layers is None and not small.extra.get("window_size")
+    bridge = Bridge({**base, "sliding_window_pattern": "LLLG"})
+    assert bridge.hf_names("decoder.layers.3.post_mlp_layernorm.weight") == \
+        ["model.layers.3.post_feedforward_layernorm.weight"]
+    with pytest.raises(UnsupportedModelError, match="sliding_window_pattern='LLXG'"):
+        Bridge({**base, "sliding_window_pattern": "LLXG"})
+
+
+def test_exaone_moe_config_as_transformers_defaults_it():
+    """K-EXAONE (transformers' ExaoneMoeConfig defaults): pre-norm, every 4th layer global without RoPE, layer 0 dense,
+    64 experts (top 8 by sigmoid + bias, renormalised, times 2.5) and one shared expert, the score bias stored beside
+    the gate; its MTP tensors left out."""
+    hf = {**transformers.ExaoneMoeConfig().to_dict(), "architectures": ["ExaoneMoeForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size,
+            cfg.moe_dense_layers) == (64, 8, 1024, 1024, 1)
+    assert cfg.pre_norm and not cfg.post_norm and cfg.extra["moe_router_score_function"] == "sigmoid"
+    assert cfg.extra["moe_router_topk_scaling_factor"] == 2.5
+    assert cfg.nope_layers == (False, False, False, True) * 8
+    assert bridge.hf_names("decoder.layers.1.mlp.router.expert_bias") == ["model.layers.1.mlp.e_score_correction_bias"]
+    assert bridge.is_mtp_tensor("mtp.layers.0.self_attn.q_proj.weight")
+    assert not bridge.is_mtp_tensor("model.layers.0.self_attn.q_proj.weight")
