@@ -7,7 +7,8 @@ A new family is one more :class:`Family` entry; anything in a config that the sh
 (another activation, sliding windows, dense layers inside a MoE model, RoPE scaling other than linear / llama3 /
 yarn: mcore/rope.py) is refused by name rather than converted into a model that silently computes something else.
 
-Multi-latent attention (``deepseek_v3``: DeepSeek-V3 / V3.1, Kimi-K2, Moonlight; ``glm4_moe_lite``: GLM-4.7-Flash):
+Multi-latent attention (``deepseek_v3``: DeepSeek-V3 / V3.1, Kimi-K2, Moonlight; ``glm4_moe_lite``: GLM-4.7-Flash;
+``youtu``: Youtu-LLM, with dense MLPs):
 Megatron's MLA with the same down/up projections and latent norms, RoPE on the last ``qk_rope_head_dim`` channels of
 each query/key head with the rotated key shared by every head. DeepSeek checkpoints rotate interleaved channel pairs
 (``rope_interleave``), which is what Megatron's MLA does; YaRN's softmax factor mscale(factor, mscale_all_dim)^2 is
@@ -259,6 +260,8 @@ FAMILIES: dict[str, Family] = {
     # Phi-3 / Phi-4 (Phi-4 14B, Phi-4-reasoning, -reasoning-plus): Llama's layout with q/k/v fused in qkv_proj and
     # gate/up in gate_up_proj (see the module docstring); longrope refused
     "Phi3ForCausalLM": Family("phi3", qkv_bias=False, qk_norm=False, moe=False),
+    # Youtu-LLM (Tencent, 2B): DeepSeek-V3's multi-latent attention in Llama's layers with a dense SwiGLU MLP
+    "YoutuForCausalLM": Family("youtu", qkv_bias=False, qk_norm=False, moe=False, mla=True),
     # EXAONE 4.0 (32B, 1.2B) and K-EXAONE (236B-A23B): see the module docstring
     "Exaone4ForCausalLM": Family("exaone4", qkv_bias=False, qk_norm=True, moe=False, exaone=True),
     "ExaoneMoeForCausalLM": Family("exaone_moe", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,

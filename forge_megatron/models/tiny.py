@@ -43,7 +43,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
          "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe",
          "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1", "solar_open", "mixtral",
-         "phi3", "qwen2_moe", "exaone4", "exaone_moe")
+         "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -344,6 +344,13 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
              "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "decoder_sparse_step": 1,
              "mlp_only_layers": [], "use_sliding_window": False},
+        ),
+        # Youtu-LLM layout: DeepSeek-V3's multi-latent attention (query latent 32, key/value latent 24, heads of 16 +
+        # 8 rotated channels, values of 12) in Llama's layers, dense MLPs, the head tied (as released)
+        "youtu": (
+            transformers.YoutuConfig,
+            {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 12, "tie_word_embeddings": True},
         ),
         # EXAONE 4.0 layout: norms after attention and MLP, per-head q/k norms, a 4-token window on layer 0 (which
         # rotates) beside a global layer 1 that does not (NoPE)

@@ -904,3 +904,18 @@ def test_exaone_moe_config_as_transformers_defaults_it():
     assert bridge.hf_names("decoder.layers.1.mlp.router.expert_bias") == ["model.layers.1.mlp.e_score_correction_bias"]
     assert bridge.is_mtp_tensor("mtp.layers.0.self_attn.q_proj.weight")
     assert not bridge.is_mtp_tensor("model.layers.0.self_attn.q_proj.weight")
+
+
+def test_youtu_config_as_transformers_defaults_it():
+    """Youtu-LLM (transformers' YoutuConfig defaults, the 2B release's sizes): DeepSeek-V3's multi-latent attention
+    (query latent 1536, key/value latent 512, 128 + 64 rotated channels per query/key head, values of 128) in Llama's
+    layers with dense MLPs, the head tied: no experts, DeepSeek-V3's attention names."""
+    hf = {**transformers.YoutuConfig().to_dict(), "architectures": ["YoutuForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert cfg.multi_latent_attention and not cfg.num_moe_experts and cfg.tie_word_embeddings
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim,
+            cfg.ffn_hidden_size) == (1536, 512, 128, 64, 128, 6144)
+    assert bridge.hf_names("decoder.layers.3.mlp.linear_fc1.weight") == \
+        ["model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight"]
+    assert "output_layer.weight" not in [r.mcore for r in bridge.rules]

@@ -77,6 +77,7 @@ def models(tmp_path_factory):
         "qwen2_moe": build_tiny_model(str(root / "qwen2_moe"), arch="qwen2_moe", seed=79),
         "exaone4": build_tiny_model(str(root / "exaone4"), arch="exaone4", seed=83),
         "exaone_moe": build_tiny_model(str(root / "exaone_moe"), arch="exaone_moe", seed=89),
+        "youtu": build_tiny_model(str(root / "youtu"), arch="youtu", seed=97),
     }
 
 
@@ -300,6 +301,7 @@ def _check_synced(results):
     ("qwen2_moe", ParallelConfig(ep=2)),  # experts over EP, the shared expert and its gate
     ("exaone4", ParallelConfig(tp=2)),  # post norms, a sliding layer beside a NoPE one
     ("exaone_moe", ParallelConfig(ep=2)),  # experts over EP, the score bias beside the gate
+    ("youtu", ParallelConfig(tp=2)),  # multi-latent attention's projections gathered over TP, dense MLPs
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
@@ -308,7 +310,7 @@ def _check_synced(results):
         "tp2-qwen2-5-vl", "ep2-ernie4-5-moe", "tp2-hunyuan-dense", "ep2-hunyuan-moe", "tp2-olmoe",
         "tp2-mimo-v2-flash", "tp2-minimax-m3", "ep2-minimax-m3-text", "tp2ep2etp1-longcat-flash",
         "ep2-mixtral", "tp2-solar-open", "tp2-phi3", "ep2-qwen2-moe", "tp2-exaone4",
-        "ep2-exaone-moe"])
+        "ep2-exaone-moe", "tp2-youtu"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
