@@ -62,6 +62,17 @@ input norms); K-EXAONE is pre-norm with DeepSeek-V3's MoE (a sigmoid router choo
 stored beside the gate as ``mlp.e_score_correction_bias``, ``num_shared_experts`` shared experts, the first
 ``first_k_dense_replace`` / ``mlp_layer_types`` layers dense); its MTP module (``mtp.*``) is left out.
 
+Granite (``granite``: Granite 3.x dense; ``granitemoe``, ``granitemoeshared``: Granite 3.x MoE; ``granitemoehybrid``:
+Granite 4.0 without Mamba layers, granite-4.0-micro): Llama's layers with muP-style scales: the embedding times
+``embedding_multiplier``, attention scaled by ``attention_multiplier`` (not 1 / sqrt(head_dim)), each attention's and
+MLP's output times ``residual_multiplier`` before the residual adds it, the logits divided by ``logits_scaling``
+(GPTConfig ``residual_multiplier`` / ``logits_scaling``: hooks, mcore/model.py). The MoE ones keep each layer's experts
+stacked on disk (``block_sparse_moe.input_linear`` [E, 2F, D] gate rows first, ``output_linear`` [E, D, F]) under a
+router (``block_sparse_moe.router.layer``) softmaxing the top-k logits; GraniteMoeShared and Granite 4.0 add an
+ungated shared MLP (``shared_mlp.input_linear`` [gate; up], ``output_linear``), which is Granite 4.0's whole MLP where
+it has no experts. Granite 4.0-H's Mamba-2 layers are refused by name; ``position_embedding_type`` other than rope
+is NoPE (no layer rotates).
+
 MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
 (``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
 with a score-correction bias (normalised top-k; no groups and no scaling: transformers and SGLang ignore
@@ -237,6 +248,9 @@ class Family:
     # beside full-attention layers that do not (NoPE); EXAONE 4.0's norms after attention and MLP (OLMo 2's),
     # K-EXAONE's before, with DeepSeek-V3's MoE (exaone_view)
     exaone: bool = False
+    # Granite (3.x dense, 3.x MoE, 4.0 attention-only): muP-style scales (embedding, attention, residual, logits);
+    # the MoE ones' experts stacked on disk (block_sparse_moe.input_linear / output_linear), a shared MLP beside them
+    granite: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -260,6 +274,14 @@ FAMILIES: dict[str, Family] = {
     # Phi-3 / Phi-4 (Phi-4 14B, Phi-4-reasoning, -reasoning-plus): Llama's layout with q/k/v fused in qkv_proj and
     # gate/up in gate_up_proj (see the module docstring); longrope refused
     "Phi3ForCausalLM": Family("phi3", qkv_bias=False, qk_norm=False, moe=False),
+    # Granite 3.x dense (2B / 8B), Granite 3.x MoE (1B-A400M, 3B-A800M), GraniteMoeShared, and Granite 4.0's
+    # attention-only models (GraniteMoeHybrid without Mamba layers: granite-4.0-micro): see the module docstring
+    "GraniteForCausalLM": Family("granite", qkv_bias=None, qk_norm=False, moe=False, granite=True),
+    "GraniteMoeForCausalLM": Family("granitemoe", qkv_bias=None, qk_norm=False, moe=True, granite=True),
+    "GraniteMoeSharedForCausalLM": Family("granitemoeshared", qkv_bias=None, qk_norm=False, moe=True, granite=True),
+    "GraniteMoeHybridForCausalLM": Family("granitemoehybrid", qkv_bias=None, qk_norm=False, moe=True, granite=True),
+    "GraniteMoeHybridForCausalLM/dense": Family("granitemoehybrid", qkv_bias=None, qk_norm=False, moe=False,
+                                                granite=True),
     # Youtu-LLM (Tencent, 2B): DeepSeek-V3's multi-latent attention in Llama's layers with a dense SwiGLU MLP
     "YoutuForCausalLM": Family("youtu", qkv_bias=False, qk_norm=False, moe=False, mla=True),
     # EXAONE 4.0 (32B, 1.2B) and K-EXAONE (236B-A23B): see the module docstring
@@ -502,6 +524,8 @@ def family_of(hf: dict) -> Family:
     if archs[0] == "Mistral3ForConditionalGeneration":  # Ministral 3 / Mistral Small 3.x, or Mistral Small 4 inside
         if text.get("model_type") == "mistral4":
             return FAMILIES["Mistral3ForConditionalGeneration/mistral4"]
+    if archs[0] == "GraniteMoeHybridForCausalLM" and not text.get("num_local_experts", 8):
+        return FAMILIES["GraniteMoeHybridForCausalLM/dense"]  # (granite-4.0-micro: the shared MLP alone)
     if archs[0] == "Glm46VForConditionalGeneration" and text.get("model_type", "glm4v_text") != "glm4v_text":
         # transformers writes such a checkpoint's MoE experts fused, in a layout no release is known to use
         raise UnsupportedModelError(
@@ -652,11 +676,19 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if family.name == "mixtral" and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
         raise UnsupportedModelError(f"router_jitter_noise={hf['router_jitter_noise']}: transformers multiplies the "
                                     "router's input by random noise while training (Mixtral releases have none)")
+    if family.granite:
+        kinds = set(hf.get("layer_types") or ["attention"]) if family.name == "granitemoehybrid" else set()
+        if kinds - {"attention", "full_attention"}:
+            raise UnsupportedModelError(f"layer_types {sorted(kinds)}: Granite 4.0-H's Mamba-2 layers are not "
+                                        "supported (attention-only Granite 4.0 models, e.g. granite-4.0-micro, are)")
+        if family.name == "granitemoehybrid" and "layer_types" not in hf:
+            raise UnsupportedModelError("a GraniteMoeHybrid config without layer_types (transformers then builds "
+                                        "every layer as Mamba-2): not supported")
     if family.name == "olmoe" and hf.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"clip_qkv={hf['clip_qkv']}: clamping q, k and v is not supported (OLMoE releases "
                                     "have none)")
     if family.moe and not family.sigmoid_router and not family.softmax_router and not family.gpt_oss \
-            and not family.ernie and not family.hunyuan and not family.longcat:
+            and not family.ernie and not family.hunyuan and not family.longcat and not family.granite:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
@@ -1391,7 +1423,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             mla_latent_scales=((d / hf["q_lora_rank"]) ** 0.5, (d / hf["kv_lora_rank"]) ** 0.5),
             mla_latent_norm_epsilon=1e-6,  # (transformers' latent norms keep their default; the others rms_norm_eps)
             extra={"moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None})
-    elif family.moe and not family.gpt_oss and not family.ernie and not family.hunyuan:
+    elif family.moe and not family.gpt_oss and not family.ernie and not family.hunyuan and not family.granite:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
         # Qwen3-Next's does unless its config says otherwise; so does Qwen3-VL-MoE's (no such field either)
         # Mixtral's always does (no such field)
@@ -1411,6 +1443,24 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         kwargs["extra"] = {**kwargs.get("extra", {}), **sliding_windows(hf)}
         if "full_attention" in hf["layer_types"]:
             kwargs["nope_layers"] = tuple(t == "full_attention" for t in hf["layer_types"])
+    if family.granite:
+        def scale(key):  # (1 or none: no scaling)
+            value = hf.get(key)
+            return float(value) if value not in (None, 1, 1.0) else None
+
+        kwargs.update(embedding_multiplier=scale("embedding_multiplier"), residual_multiplier=scale(
+            "residual_multiplier"), logits_scaling=scale("logits_scaling"),
+                      softmax_scale=float(hf.get("attention_multiplier") or 1.0))
+        if family.name == "granitemoehybrid" and hf.get("position_embedding_type") != "rope":
+            kwargs.update(nope_layers=(True,) * hf["num_hidden_layers"], rope_scaling=None)  # (Granite 4.0-H)
+        shared = hf.get("shared_intermediate_size") if family.name in ("granitemoeshared", "granitemoehybrid") \
+            else None
+        if family.moe:
+            kwargs.update(num_moe_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
+                          moe_ffn_hidden_size=hf["intermediate_size"], moe_router_pre_softmax=False,
+                          moe_shared_ffn_hidden_size=shared or None)
+        elif shared:  # Granite 4.0 without experts: the shared MLP is the layer's MLP
+            kwargs["ffn_hidden_size"] = shared
     if family.mimo:
         (full_kv, sliding_kv), (full_sinks, sliding_sinks) = hf["mimo_kv_heads"], hf["mimo_sinks"]
         full_base, sliding_base, fraction = hf["mimo_rope"]

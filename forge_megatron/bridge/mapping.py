@@ -498,6 +498,23 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
             if cfg.extra.get("moe_shared_expert_gate"):
                 mlp.append(Rule(LAYER + "mlp.shared_experts.gate_weight", (HF_LAYER + "mlp.shared_expert_gate.weight",),
                                 layers="moe"))
+    if family.granite:  # each layer's experts stacked under block_sparse_moe; the shared MLP's [gate; up] fused
+        shared_mlp = HF_LAYER + "shared_mlp."
+        if family.moe:
+            moe = HF_LAYER + "block_sparse_moe."
+            mlp = [Rule(LAYER + "mlp.router.weight", (moe + "router.layer.weight",), layers="moe"),
+                   Rule(LAYER + EXPERT + "linear_fc1.weight", (moe + "input_linear.weight",), "experts_row", "glu",
+                        layers="moe"),
+                   Rule(LAYER + EXPERT + "linear_fc2.weight", (moe + "output_linear.weight",), "experts_row", "row",
+                        layers="moe")]
+            if cfg.moe_shared_ffn_hidden_size:
+                mlp += [Rule(LAYER + "mlp.shared_experts.linear_fc1.weight", (shared_mlp + "input_linear.weight",),
+                             tp="glu", layers="moe"),
+                        Rule(LAYER + "mlp.shared_experts.linear_fc2.weight", (shared_mlp + "output_linear.weight",),
+                             tp="row", layers="moe")]
+        elif family.name == "granitemoehybrid":  # Granite 4.0 without experts: the shared MLP is the MLP
+            mlp = [Rule(LAYER + "mlp.linear_fc1.weight", (shared_mlp + "input_linear.weight",), tp="glu"),
+                   Rule(LAYER + "mlp.linear_fc2.weight", (shared_mlp + "output_linear.weight",), tp="row")]
     top = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "col"),
            Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
     if not cfg.tie_word_embeddings:
@@ -831,7 +848,8 @@ class Bridge:
         else:
             f_layer = None
         shared = (".shared_experts.", ".shared_expert.", ".shared_mlp.")  # (Hunyuan's: shared_mlp)
-        f = cfg.moe_shared_ffn_hidden_size if any(x in hf_name for x in shared) else \
+        # (Granite 4.0 without experts: its shared MLP is the layer's MLP)
+        f = (cfg.moe_shared_ffn_hidden_size or cfg.ffn_hidden_size) if any(x in hf_name for x in shared) else \
             cfg.moe_ffn_hidden_size if ".experts." in hf_name else f_layer or cfg.ffn_hidden_size
         table = {
             "embed_tokens.weight": (self.hf_vocab, d), "lm_head.weight": (self.hf_vocab, d),
@@ -874,6 +892,11 @@ class Bridge:
                       "experts.down_proj": (e, f, d), "experts.down_proj_bias": (e, d)})
         if self.family.stacked_experts or self.family.gemma4:
             table.update({"experts.gate_up_proj": (e, 2 * f, d), "experts.down_proj": (e, d, f)})
+        if self.family.granite:  # stacked experts, the router's layer, the shared MLP (Granite 4.0's whole MLP)
+            fe, fs = cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size or cfg.ffn_hidden_size
+            table.update({"block_sparse_moe.input_linear.weight": (e, 2 * (fe or 0), d),
+                          "block_sparse_moe.output_linear.weight": (e, d, fe or 0), "router.layer.weight": (e, d),
+                          "shared_mlp.input_linear.weight": (2 * fs, d), "shared_mlp.output_linear.weight": (d, fs)})
         if cfg.shortcut_moe:  # LongCat-Flash's router: a row per routed and per identity expert
             table.update({"layernorm.0.weight": (d,), "layernorm.1.weight": (d,),  # (its sublayers' norms)
                           "router.classifier.weight": (e + cfg.moe_zero_experts, d),

@@ -47,6 +47,11 @@ class GPTConfig:
     # the logits are soft-capped to c * tanh(logits / c) (Gemma 2 / 4's final_logit_softcapping); None: not capped.
     # Megatron's output layer caps its logits (a hook); the fused logprobs cap each chunk they make
     final_logit_softcapping: float | None = None
+    # Granite's muP-style scales: each attention's and MLP's output is multiplied by ``residual_multiplier`` before
+    # the residual adds it, and the logits are divided by ``logits_scaling`` (the output layer's input is: the same
+    # logits, and the fused logprobs see them too); None: neither
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
     rotary_base: float = 10000.0
     rope_scaling: dict | None = None  # HF RoPE scaling (linear / llama3 / yarn: mcore/rope.py); None: plain RoPE
     # the sliding-window layers' RoPE scaling where it differs from the others' (OLMo 3: YaRN on the full-attention
@@ -187,6 +192,13 @@ class GPTConfig:
             raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm', got {self.normalization!r}")
         if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
             raise ValueError(f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping!r}")
+        for name in ("residual_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+        if self.logits_scaling is not None and self.final_logit_softcapping is not None:
+            raise ValueError("logits_scaling with final_logit_softcapping: no model has both (the cap would have to "
+                             "follow the division)")
         from forge_megatron.mcore import rope
 
         self.rope_scaling = rope.check(self.rope_scaling, self.max_position_embeddings)
@@ -848,6 +860,31 @@ def cap_logits(output_layer, softcap: float) -> None:
     output_layer.register_forward_hook(cap)
 
 
+def _granite_scales(model, cfg: GPTConfig) -> None:
+    """Granite's scales as hooks: every layer's attention and MLP (MoE and shared experts together) output times
+    ``residual_multiplier`` before its residual add (their biases too, where a spec hands them to a fused add), and
+    the output layer's input divided by ``logits_scaling``: W (h / s) = (W h) / s, the logits HF divides, whether
+    the layer makes them or hands its input to the fused logprobs (forward.output_layer_deferred)."""
+    if cfg.residual_multiplier is not None:
+        c = float(cfg.residual_multiplier)
+
+        def scale(module, args, output):
+            out, bias = output if isinstance(output, tuple) else (output, None)
+            scaled = out * c
+            return (scaled, bias * c if bias is not None else None) if isinstance(output, tuple) else scaled
+
+        for layer in getattr(getattr(model, "decoder", None), "layers", ()):
+            layer.self_attention.register_forward_hook(scale)
+            layer.mlp.register_forward_hook(scale)
+    if cfg.logits_scaling is not None and getattr(model, "output_layer", None) is not None:
+        inv = 1.0 / float(cfg.logits_scaling)
+
+        def divide(module, args):
+            return (args[0] * inv, *args[1:])
+
+        model.output_layer.register_forward_pre_hook(divide)
+
+
 def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_process: bool | None = None,
               vp_stage: int | None = None, **config_overrides):
     """Build this rank's stage of a ``GPTModel`` (RoPE, untied by default) under the current parallel state."""
@@ -912,6 +949,8 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
         finish_layers(model, cfg)
     if cfg.final_logit_softcapping is not None and getattr(model, "output_layer", None) is not None:
         cap_logits(model.output_layer, cfg.final_logit_softcapping)
+    if cfg.residual_multiplier is not None or cfg.logits_scaling is not None:
+        _granite_scales(model, cfg)
     if cfg.sparse_attention:
         from forge_megatron.mcore.dsa import share_selection_store
 

@@ -39,6 +39,8 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
                                                        <tool_call|>
                                                        (keys bare, strings between <|"|> delimiters, other values
                                                        bare: numbers, true / false / null; nested objects, arrays)
+  granite                    Granite 3.x               <|tool_call|>[{"name": "f", "arguments": {...}}, ...]  (the rest
+                                                       of the completion; Granite 4.0: hermes)
   none                       -                         no tool calls (tool_choice "none" uses it too)
 
 Register others with :func:`register_parser`.
@@ -240,6 +242,40 @@ class HunyuanToolParser(BlockToolParser):
     def forced_prefix(self, function_name=None, prior_calls=0):
         if function_name is None:
             return self.start_marker
+        return f'{self.start_marker}[{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments":'
+
+
+class GraniteToolParser(ToolParser):
+    """Granite 3.x: after ``<|tool_call|>`` one JSON array of ``{"name", "arguments"}`` calls (the arguments an object
+    or its JSON string), the rest of the completion; text before the marker is content. (Granite 4.0 writes Hermes'
+    ``<tool_call>`` blocks: ``--tool-parser hermes``.)"""
+
+    name = "granite"
+    start_marker = "<|tool_call|>"
+
+    def parse(self, text, tools=None):
+        at = text.find(self.start_marker)
+        if at < 0:
+            return ParsedCompletion(content=text)
+        schemas = _schemas(tools)
+        body = text[at + len(self.start_marker):].strip()
+        try:
+            try:
+                items, end = json.JSONDecoder().raw_decode(body)
+            except json.JSONDecodeError as exc:
+                raise _Malformed(str(exc)) from exc
+            if body[end:].strip() or not isinstance(items, list) or not items:
+                raise _Malformed("not one JSON array of calls")
+            calls = [_json_call(json.dumps(item, ensure_ascii=False)) for item in items]
+            if schemas and any(c["function"]["name"] not in schemas for c in calls):
+                raise _Malformed("a call to a function the request has no tool for")
+        except _Malformed:
+            return ParsedCompletion(content=text, num_malformed=1)
+        return ParsedCompletion(content=text[:at].strip() or None, tool_calls=calls)
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker + "["
         return f'{self.start_marker}[{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments":'
 
 
@@ -932,7 +968,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser, "llama3": Llama3ToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "deepseekv32": DeepSeekV32ToolParser,
     "deepseekv4": DeepSeekV4ToolParser, "seed_oss": SeedOssToolParser, "gemma4": Gemma4ToolParser,
-    "hunyuan": HunyuanToolParser, "longcat": LongcatToolParser,
+    "hunyuan": HunyuanToolParser, "longcat": LongcatToolParser, "granite": GraniteToolParser,
 }
 
 

@@ -43,7 +43,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "olmo_hybrid", "kimi_linear", "gemma4", "gemma4_vl", "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl",
          "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe",
          "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1", "solar_open", "mixtral",
-         "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu")
+         "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
+         "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -258,6 +259,8 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "topk_group": 1,
            "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 4, "index_n_heads": 32,
            "index_head_dim": 16}
+    granite_scales = {"embedding_multiplier": 2.0, "attention_multiplier": 0.1, "residual_multiplier": 0.5,
+                      "logits_scaling": 4.0, "tie_word_embeddings": True}
     per_arch = {
         "qwen2": (transformers.Qwen2Config, {}),
         "llama": (transformers.LlamaConfig, {}),
@@ -351,6 +354,30 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             transformers.YoutuConfig,
             {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
              "qk_rope_head_dim": 8, "v_head_dim": 12, "tie_word_embeddings": True},
+        ),
+        # Granite layouts: Llama's with muP-style scales (embedding x2, attention 0.1, residual branches x0.5, logits
+        # / 4), the head tied; the MoE ones with 4 stacked experts of intermediate_size (top 2 softmaxed), the shared
+        # ones with an ungated shared MLP of 48 (Granite 4.0: the MLP itself without experts; with them, no RoPE)
+        "granite": (transformers.GraniteConfig, {**granite_scales}),
+        "granitemoe": (
+            transformers.GraniteMoeConfig,
+            {**granite_scales, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+        ),
+        "granitemoeshared": (
+            transformers.GraniteMoeSharedConfig,
+            {**granite_scales, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+             "shared_intermediate_size": 48},
+        ),
+        "granitemoehybrid": (
+            transformers.GraniteMoeHybridConfig,
+            {**granite_scales, "num_local_experts": 0, "shared_intermediate_size": 48,
+             "layer_types": ["attention", "attention"], "position_embedding_type": "rope"},
+        ),
+        "granitemoehybrid_moe": (
+            transformers.GraniteMoeHybridConfig,
+            {**granite_scales, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+             "shared_intermediate_size": 48, "layer_types": ["attention", "attention"],
+             "position_embedding_type": "nope"},
         ),
         # EXAONE 4.0 layout: norms after attention and MLP, per-head q/k norms, a 4-token window on layer 0 (which
         # rotates) beside a global layer 1 that does not (NoPE)

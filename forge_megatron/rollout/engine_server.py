@@ -588,6 +588,10 @@ class ReferenceEngine:
             candidates += (_minimax_m3_name(_in_memory_name(name)),)
         if model_type == "exaone_moe":  # K-EXAONE's score-correction bias: beside the gate on disk, in it in memory
             candidates += (name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),)
+        if model_type in ("granitemoe", "granitemoeshared", "granitemoehybrid"):  # Granite's stacked experts on disk
+            m = _GRANITE_MOE.fullmatch(name)
+            if m is not None:
+                candidates += (f"{m.group(1)}.block_sparse_moe.{_GRANITE_IN_MEMORY[m.group(2)]}",)
         for candidate in dict.fromkeys(candidates):
             if candidate in params:
                 return params[candidate]
@@ -637,6 +641,10 @@ class ReferenceEngine:
 _SPLIT_CONV = re.compile(r"(.+\.(?:linear_attn|self_attn))\.([qkv])_conv1d\.weight")
 _OLMO_HYBRID_NORM = re.compile(r"(.+)\.(attention|feedforward)_layer_norm\.weight")
 _KIMI_FORGET_GATE = re.compile(r"(.+\.self_attn)\.(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)")
+# Granite's MoE tensors as released and as transformers >= 5 holds them
+_GRANITE_MOE = re.compile(r"(.+)\.block_sparse_moe\.(input_linear\.weight|output_linear\.weight|router\.layer\.weight)")
+_GRANITE_IN_MEMORY = {"input_linear.weight": "experts.gate_up_proj", "output_linear.weight": "experts.down_proj",
+                      "router.layer.weight": "router.weight"}
 _PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _MIXTRAL_EXPERT = re.compile(r"(.+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

@@ -919,3 +919,51 @@ def test_youtu_config_as_transformers_defaults_it():
     assert bridge.hf_names("decoder.layers.3.mlp.linear_fc1.weight") == \
         ["model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight"]
     assert "output_layer.weight" not in [r.mcore for r in bridge.rules]
+
+
+def test_granite_scales_and_refusals():
+    """A config shaped like Granite 3.3 8B's: the muP-style scales reach the Megatron config (attention scaled by
+    attention_multiplier, not 1 / sqrt(head_dim)); scales of 1 are none. Granite 4.0 without experts (granite-4.0-
+    micro's shape) is dense with the shared MLP as its MLP; its Mamba-2 layers (Granite 4.0-H) are refused by name,
+    as is a GraniteMoeHybrid config without layer_types (transformers then builds every layer as Mamba-2)."""
+    dense = {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "hidden_act": "silu",
+             "hidden_size": 4096, "intermediate_size": 12800, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "num_hidden_layers": 40, "vocab_size": 49159, "rms_norm_eps": 1e-5, "rope_theta": 1e7,
+             "max_position_embeddings": 131072, "tie_word_embeddings": True, "attention_multiplier": 0.0078125,
+             "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 16.0}
+    cfg = Bridge(dense).cfg
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling, cfg.softmax_scale) == \
+        (12.0, 0.22, 16.0, 0.0078125)
+    plain = Bridge({**dense, "embedding_multiplier": 1.0, "residual_multiplier": 1, "logits_scaling": 1.0}).cfg
+    assert plain.embedding_multiplier is None and plain.residual_multiplier is None and plain.logits_scaling is None
+    micro = {**dense, "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+             "num_local_experts": 0, "shared_intermediate_size": 8192, "layer_types": ["attention"] * 40,
+             "position_embedding_type": "rope"}
+    bridge = Bridge(micro)
+    assert not bridge.cfg.num_moe_experts and bridge.cfg.ffn_hidden_size == 8192 and bridge.cfg.nope_layers is None
+    assert bridge.hf_names("decoder.layers.2.mlp.linear_fc1.weight") == ["model.layers.2.shared_mlp.input_linear.weight"]
+    assert Bridge({**micro, "position_embedding_type": "nope"}).cfg.nope_layers == (True,) * 40
+    moe = Bridge({**micro, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 512})
+    assert (moe.cfg.num_moe_experts, moe.cfg.moe_ffn_hidden_size, moe.cfg.moe_shared_ffn_hidden_size) == (8, 512, 8192)
+    assert moe.hf_names("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight") == \
+        ["model.layers.1.block_sparse_moe.input_linear.weight"]
+    assert moe.hf_names("decoder.layers.1.mlp.router.weight") == ["model.layers.1.block_sparse_moe.router.layer.weight"]
+    with pytest.raises(UnsupportedModelError, match="Mamba-2"):
+        Bridge({**micro, "layer_types": ["mamba", "mamba", "mamba", "attention"] * 10})
+    with pytest.raises(UnsupportedModelError, match="without layer_types"):
+        Bridge({k: v for k, v in micro.items() if k != "layer_types"})
+
+
+def test_granite_scale_fields_are_checked():
+    """GPTConfig refuses non-positive Granite scales and logits_scaling beside a final soft-cap (whose order would
+    matter: no model has both)."""
+    from forge_megatron.mcore.model import GPTConfig
+
+    base = dict(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, vocab_size=10)
+    with pytest.raises(ValueError, match="residual_multiplier must be > 0"):
+        GPTConfig(**base, residual_multiplier=0.0)
+    with pytest.raises(ValueError, match="logits_scaling must be > 0"):
+        GPTConfig(**base, logits_scaling=-2.0)
+    with pytest.raises(ValueError, match="logits_scaling with final_logit_softcapping"):
+        GPTConfig(**base, logits_scaling=2.0, final_logit_softcapping=30.0)
+    assert GPTConfig(**base, residual_multiplier=0.22, logits_scaling=16.0).logits_scaling == 16.0

@@ -381,3 +381,35 @@ def test_gemma4_notation_nesting_delimited_text_and_malformed_calls():
         got = p.parse(f"<|tool_call>{broken}<tool_call|>", TOOLS)
         assert got.tool_calls == [] and got.num_malformed == 1, broken
     assert p.forced_prefix("search") == "<|tool_call>call:search{"
+
+
+# ------------------------------------------------------------------------------------------------ Granite 3.x
+GRANITE = '<|tool_call|>{{ calls | tojson }}'  # its template: the calls' functions as one JSON array
+
+
+def test_granite_calls_round_trip_malformed_ones_stay_content_and_forcing():
+    p, rng = get_parser("granite"), random.Random("granite")
+    for trial in range(20):
+        calls = [{"name": rng.choice(["get_weather", "search"]), "arguments": random_arguments(rng)}
+                 for _ in range(rng.randint(1, 3))]
+        text = _env.from_string(GRANITE).render(calls=calls)
+        lead = rng.choice(["", "Let me look.\n"])
+        got = p.parse(lead + text, TOOLS)
+        assert [(c["name"], c["arguments"]) for c in parsed_calls(got)] == \
+            [(c["name"], c["arguments"]) for c in calls], (trial, text)
+        assert got.num_malformed == 0 and got.content == (lead.strip() or None)
+        again = [{"name": c["name"], "arguments": c["arguments"]} for c in parsed_calls(got)]
+        assert _env.from_string(GRANITE).render(calls=again) == text
+    as_string = p.parse('<|tool_call|>[{"name": "search", "arguments": "{\\"query\\": \\"q\\"}"}]', TOOLS)
+    assert parsed_calls(as_string)[0]["arguments"] == {"query": "q"}  # (OpenAI-style string arguments)
+    for bad in ('<|tool_call|>[{"name": "search", "arguments": {"query": ', '<|tool_call|>{"name": "search"}',
+                '<|tool_call|>[{"name": "launch", "arguments": {}}]', '<|tool_call|>[] and more',
+                '<|tool_call|>[{"name": "search", "arguments": {}}] trailing'):
+        got = p.parse("x " + bad, TOOLS)
+        assert (got.tool_calls, got.num_malformed, got.content) == ([], 1, "x " + bad), bad
+    assert p.parse("plain answer", TOOLS).content == "plain answer"
+    call = _env.from_string(GRANITE).render(calls=[{"name": "search", "arguments": {"query": "weather"}}])
+    for name in (None, "search"):
+        prefix = p.forced_prefix(name)
+        assert call.startswith(prefix), (prefix, call)
+        assert parsed_calls(p.parse(prefix + call[len(prefix):], TOOLS))[0]["arguments"] == {"query": "weather"}

@@ -78,6 +78,8 @@ def models(tmp_path_factory):
         "exaone4": build_tiny_model(str(root / "exaone4"), arch="exaone4", seed=83),
         "exaone_moe": build_tiny_model(str(root / "exaone_moe"), arch="exaone_moe", seed=89),
         "youtu": build_tiny_model(str(root / "youtu"), arch="youtu", seed=97),
+        "granite": build_tiny_model(str(root / "granite"), arch="granite", seed=101),
+        "granitemoeshared": build_tiny_model(str(root / "granitemoeshared"), arch="granitemoeshared", seed=103),
     }
 
 
@@ -302,6 +304,8 @@ def _check_synced(results):
     ("exaone4", ParallelConfig(tp=2)),  # post norms, a sliding layer beside a NoPE one
     ("exaone_moe", ParallelConfig(ep=2)),  # experts over EP, the score bias beside the gate
     ("youtu", ParallelConfig(tp=2)),  # multi-latent attention's projections gathered over TP, dense MLPs
+    ("granite", ParallelConfig(tp=2)),  # the scales are the model's: the engine's logits must match
+    ("granitemoeshared", ParallelConfig(ep=2)),  # stacked experts over EP into transformers' fused tensors
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
@@ -310,7 +314,7 @@ def _check_synced(results):
         "tp2-qwen2-5-vl", "ep2-ernie4-5-moe", "tp2-hunyuan-dense", "ep2-hunyuan-moe", "tp2-olmoe",
         "tp2-mimo-v2-flash", "tp2-minimax-m3", "ep2-minimax-m3-text", "tp2ep2etp1-longcat-flash",
         "ep2-mixtral", "tp2-solar-open", "tp2-phi3", "ep2-qwen2-moe", "tp2-exaone4",
-        "ep2-exaone-moe", "tp2-youtu"])
+        "ep2-exaone-moe", "tp2-youtu", "tp2-granite", "ep2-granitemoeshared"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 

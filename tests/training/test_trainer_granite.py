@@ -1,0 +1,26 @@
+"""The trainer with Granite's muP-style scales, as a real process against a real forge-pool process: the embedding
+times 2, attention scaled by 0.1, each attention's and MLP's output halved before the residual adds it (hooks on every
+layer's attention and MLP, under TP with sequence parallelism each rank's slice of the tokens), the logits divided by 4
+(the output layer's input, which the fused logprobs take), tied embeddings split over the first and last pipeline
+stage. One rank, PP = 2 and TP = 2 with sequence parallelism train the same two steps. CPU, 0 GPUs (gloo)."""
+
+import numpy as np
+
+from forge_megatron.models.tiny import build_tiny_model
+
+from .pool_feed import feed_groups
+from .trainer_run import assert_same_as_one_rank, run_on_fresh_pool
+
+
+def test_granite_scales_train_the_same_under_pipeline_and_tensor_parallelism(tmp_path):
+    model_dir = build_tiny_model(str(tmp_path / "granite"), arch="granite", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6))  # noqa: E731
+    steps = {}
+    layouts = [("one", [], 1), ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+               ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)]
+    for name, extra, nproc in layouts:
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--tree-token-budget", "24"], model=[])
+    assert [len(v) for v in steps.values()] == [2] * len(layouts)
+    assert steps["one"][0]["grad_norm"] > 0
+    assert_same_as_one_rank(steps, [name for name, _, _ in layouts[1:]])
