@@ -247,11 +247,14 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64, backend: str | None = None):
+def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64, backend: str | None = None,
+                        delta: bool = True):
     """The gated delta rule on [B, L, H, d] sequences in chunks (L a multiple of ``chunk``; q / k already normalised
     and q scaled; g, beta [B, L, H], or g [B, L, H, dk] for a decay per key channel (Kimi Delta Attention);
     ``initial_state`` [B, H, dk, dv] or None). Returns (o [B, L, H, dv], the final state [B, H, dk, dv]), in fp32
-    (fp64 for fp64 inputs). ``backend`` runs the scan over chunks (see :func:`scan_backend`)."""
+    (fp64 for fp64 inputs). ``backend`` runs the scan over chunks (see :func:`scan_backend`). ``delta=False``: the
+    plain gated rule S_i = exp(g_i) S + beta_i k_i v_i^T (Mamba-2's state space duality: no correction by what the
+    state already holds, so A = 0, U = diag(beta) V and W = 0 below)."""
     B, L, H, dk = k.shape
     cd = _compute_dtype(v)
     dv = v.shape[-1]
@@ -282,10 +285,13 @@ def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64, b
         W_in, q_dec = k_beta * G.exp().unsqueeze(-1), q * G.exp().unsqueeze(-1)
         k_dec = k * (G[..., -1:] - G).exp().unsqueeze(-1)
         chunk_decay = G[..., -1].exp()  # [BH, n]
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    system = eye + A
-    U = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(system, W_in, upper=False, unitriangular=True)
+    if delta:
+        eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+        system = eye + A
+        U = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+        W = torch.linalg.solve_triangular(system, W_in, upper=False, unitriangular=True)
+    else:  # (no correction term: the chunk's writes are its values as they come)
+        U, W = v * beta.unsqueeze(-1), torch.zeros_like(W_in)
     state = None if initial_state is None else initial_state.to(cd).reshape(B * H, dk, dv)
     name = scan_backend(q.device, cd, chunk, dk, backend)
     o, final = _ChunkScan.apply(U, W, q_dec, attn, k_dec, chunk_decay, state, name)
@@ -414,7 +420,8 @@ def _prepare(q, k, g, beta, heads: int, scale: float | None, l2norm: bool):
 
 
 def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrencePlan, scale: float | None = None,
-                          l2norm: bool = True, backend: str | None = None, recompute: bool = True) -> torch.Tensor:
+                          l2norm: bool = True, backend: str | None = None, recompute: bool = True,
+                          delta: bool = True) -> torch.Tensor:
     """The gated delta rule along every path of the forest ``plan`` describes: q, k [T, Hk, dk], v [T, H, dv],
     g (log decay, <= 0) [T, H] or [T, H, dk] (one per key channel: Kimi Delta Attention), beta [T, H] -> o [T, H, dv]
     in v's dtype (computed in fp32). ``backend``: who scans the chunks (:func:`scan_backend`; a decay per channel is
@@ -423,17 +430,19 @@ def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrencePlan, scale: float |
     ``recompute`` (default): keep only the inputs for the backward and compute the rest again there (a
     non-reentrant activation checkpoint around this function). The fp32 terms inside the chunks that autograd would
     keep otherwise come to about 1.8k floats per token and value head at dk = dv = 128, more than the rest of a
-    decoder layer at long contexts (benchmarks/gated_delta.py); the price is this function's forward run twice."""
+    decoder layer at long contexts (benchmarks/gated_delta.py); the price is this function's forward run twice.
+
+    ``delta=False``: the plain gated rule without the delta correction (Mamba-2, :func:`chunked_gated_delta`)."""
     T, H, dv = v.shape
     if q.shape[0] != T or plan.num_tokens != T:
         raise ValueError(f"{q.shape[0]} query rows, {T} value rows, a plan for {plan.num_tokens} tokens")
     if recompute and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
-        return torch.utils.checkpoint.checkpoint(_tree_rule, q, k, v, g, beta, plan, scale, l2norm, backend,
+        return torch.utils.checkpoint.checkpoint(_tree_rule, q, k, v, g, beta, plan, scale, l2norm, backend, delta,
                                                  use_reentrant=False)
-    return _tree_rule(q, k, v, g, beta, plan, scale, l2norm, backend)
+    return _tree_rule(q, k, v, g, beta, plan, scale, l2norm, backend, delta)
 
 
-def _tree_rule(q, k, v, g, beta, plan: RecurrencePlan, scale, l2norm, backend) -> torch.Tensor:
+def _tree_rule(q, k, v, g, beta, plan: RecurrencePlan, scale, l2norm, backend, delta=True) -> torch.Tensor:
     T, H, dv = v.shape
     q, k, g, beta = _prepare(q, k, g, beta, H, scale, l2norm)
     pad = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # noqa: E731  row T: padding
@@ -447,7 +456,8 @@ def _tree_rule(q, k, v, g, beta, plan: RecurrencePlan, scale, l2norm, backend) -
         for src, dst, src_rows in level.sources:  # parents' final states (zeros for roots)
             init = q.new_zeros(rows.shape[0], H, dk, dv) if init is None else init
             init = init.index_copy(0, dst, finals[src][src_rows])
-        o, final = chunked_gated_delta(q[rows], k[rows], vf[rows], g[rows], beta[rows], init, level.chunk, backend)
+        o, final = chunked_gated_delta(q[rows], k[rows], vf[rows], g[rows], beta[rows], init, level.chunk, backend,
+                                       delta)
         finals.append(final)
         out_vals.append(o.reshape(-1, H, dv))
     out = vf.new_zeros(T + 1, H, dv).index_copy(0, plan.rows, torch.cat(out_vals))
@@ -455,9 +465,9 @@ def _tree_rule(q, k, v, g, beta, plan: RecurrencePlan, scale, l2norm, backend) -
 
 
 def recurrent_reference(q, k, v, g, beta, parent: torch.Tensor, scale: float | None = None,
-                        l2norm: bool = True) -> torch.Tensor:
+                        l2norm: bool = True, delta: bool = True) -> torch.Tensor:
     """Token-by-token definition over a forest (``parent`` [T], -1 for roots): the state of every token is kept,
-    so this is for tests at small sizes."""
+    so this is for tests at small sizes (``delta=False``: the plain gated rule, Mamba-2's)."""
     T, H, dv = v.shape
     q, k, g, beta = _prepare(q, k, g, beta, H, scale, l2norm)
     v = v.to(q.dtype)
@@ -466,8 +476,8 @@ def recurrent_reference(q, k, v, g, beta, parent: torch.Tensor, scale: float | N
         p = int(parent[i])
         S = states[p] if p >= 0 else v.new_zeros(H, k.shape[-1], dv)
         S = S * g[i].exp().reshape(H, -1, 1)  # one decay per head, or one per key channel (a row of S)
-        delta = (v[i] - torch.einsum("hkv,hk->hv", S, k[i])) * beta[i][:, None]
-        S = S + k[i][:, :, None] * delta[:, None, :]
+        write = (v[i] - torch.einsum("hkv,hk->hv", S, k[i]) if delta else v[i]) * beta[i][:, None]
+        S = S + k[i][:, :, None] * write[:, None, :]
         states.append(S)
         out.append(torch.einsum("hkv,hk->hv", S, q[i]))
     return torch.stack(out) if out else v.new_zeros(0, H, dv)

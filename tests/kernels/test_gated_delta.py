@@ -456,3 +456,42 @@ def test_channel_decay_chunk_scan_passes_gradcheck():
     inputs = [x.requires_grad_() for x in inputs]
     assert torch.autograd.gradcheck(lambda *xs: gd.chunked_gated_delta(*xs, chunk=4, backend="torch"), inputs)
 
+
+
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_plain_gated_rule_is_mamba2_on_each_sample_alone(chunk):
+    """delta=False is Mamba-2's state space duality (no correction term): over a forest it equals the token-by-token
+    definition, and on each sample alone transformers' Mamba-2 chunked scan (x -> v, B -> k, C -> q, dt -> beta,
+    dt * A -> the log decay; no normalisation, scale 1), forward and gradients."""
+    mamba2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+    samples = _samples(4)
+    layout = build_tree(samples)
+    T, G, H, N, P = layout.unique_tokens, 2, 4, 8, 6
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, H, P, generator=g, dtype=torch.float64, requires_grad=True)
+    Bm = torch.randn(T, G, N, generator=g, dtype=torch.float64, requires_grad=True)
+    Cm = torch.randn(T, G, N, generator=g, dtype=torch.float64, requires_grad=True)
+    dt = torch.nn.functional.softplus(torch.randn(T, H, generator=g, dtype=torch.float64)).requires_grad_()
+    A = -torch.rand(H, generator=g, dtype=torch.float64) * 4
+    plan = gd.plan_tree(layout.position_ids, chunk=chunk)
+    out = gd.tree_gated_delta_rule(Cm, Bm, x, dt * A, dt, plan, scale=1.0, l2norm=False, delta=False)
+    ref = gd.recurrent_reference(Cm, Bm, x, dt * A, dt, gd.tree_parents(layout.position_ids), scale=1.0,
+                                 l2norm=False, delta=False)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    with_delta = gd.tree_gated_delta_rule(Cm, Bm, x, dt * A, dt, plan, scale=1.0, l2norm=False)
+    assert (with_delta - out).abs().max() > 1e-2  # the correction term matters at this scale
+    w = torch.randn(layout.total_tokens, H, P, generator=g, dtype=torch.float64)
+    inputs = (x, Bm, Cm, dt)
+    merged = torch.autograd.grad((out[layout.sample_nodes] * w).sum(), inputs)
+    total = 0
+    for s in range(layout.num_samples):
+        lo, hi = layout.sample_offsets[s], layout.sample_offsets[s + 1]
+        nodes = layout.sample_nodes[lo:hi]
+        alone = mamba2.mamba2_chunk_scan(x[nodes][None], dt[nodes][None], A, Bm[nodes][None], Cm[nodes][None],
+                                         chunk_size=8)[0]
+        # (transformers' scan computes in fp32 whatever its inputs)
+        torch.testing.assert_close(out[nodes].float(), alone.float(), rtol=1e-4, atol=1e-5)
+        total = total + (alone.to(w.dtype) * w[lo:hi]).sum()
+    unmerged = torch.autograd.grad(total, inputs)
+    for got, want in zip(merged, unmerged):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-5)
