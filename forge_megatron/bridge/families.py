@@ -70,8 +70,9 @@ MLP's output times ``residual_multiplier`` before the residual adds it, the logi
 stacked on disk (``block_sparse_moe.input_linear`` [E, 2F, D] gate rows first, ``output_linear`` [E, D, F]) under a
 router (``block_sparse_moe.router.layer``) softmaxing the top-k logits; GraniteMoeShared and Granite 4.0 add an
 ungated shared MLP (``shared_mlp.input_linear`` [gate; up], ``output_linear``), which is Granite 4.0's whole MLP where
-it has no experts. Granite 4.0-H's Mamba-2 layers are refused by name; ``position_embedding_type`` other than rope
-is NoPE (no layer rotates).
+it has no experts. Granite 4.0-H's Mamba-2 layers (``layer_types`` mamba / linear_attention) are forge's Mamba-2
+mixer over prefix trees (mcore/mamba2.py; ``mamba.*`` tensors, ``in_proj`` and the convolution regrouped per group);
+``position_embedding_type`` other than rope is NoPE (no layer rotates).
 
 MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
 (``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
@@ -676,14 +677,19 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if family.name == "mixtral" and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
         raise UnsupportedModelError(f"router_jitter_noise={hf['router_jitter_noise']}: transformers multiplies the "
                                     "router's input by random noise while training (Mixtral releases have none)")
-    if family.granite:
-        kinds = set(hf.get("layer_types") or ["attention"]) if family.name == "granitemoehybrid" else set()
-        if kinds - {"attention", "full_attention"}:
-            raise UnsupportedModelError(f"layer_types {sorted(kinds)}: Granite 4.0-H's Mamba-2 layers are not "
-                                        "supported (attention-only Granite 4.0 models, e.g. granite-4.0-micro, are)")
-        if family.name == "granitemoehybrid" and "layer_types" not in hf:
-            raise UnsupportedModelError("a GraniteMoeHybrid config without layer_types (transformers then builds "
-                                        "every layer as Mamba-2): not supported")
+    if family.name == "granitemoehybrid":
+        kinds = set(granite_layer_kinds(hf))
+        if kinds - {"attention", "mamba"}:
+            raise UnsupportedModelError(f"layer_types {sorted(set(hf['layer_types']))}: only attention and Mamba-2 "
+                                        "(mamba / linear_attention) layers")
+        if "mamba" in kinds:
+            if hf.get("mamba_proj_bias"):
+                raise UnsupportedModelError("mamba_proj_bias=True (biases on the Mamba-2 projections) is not supported "
+                                            "(Granite 4.0-H has none)")
+            d_head = granite_mamba_head_dim(hf)
+            if d_head * hf.get("mamba_n_heads", 128) != hf.get("mamba_expand", 2) * hf["hidden_size"]:
+                raise UnsupportedModelError(f"mamba_n_heads x mamba_d_head ({hf.get('mamba_n_heads', 128)} x "
+                                            f"{d_head}) must be mamba_expand x hidden_size")
     if family.name == "olmoe" and hf.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"clip_qkv={hf['clip_qkv']}: clamping q, k and v is not supported (OLMoE releases "
                                     "have none)")
@@ -1099,6 +1105,29 @@ def minimax_m3_view(hf: dict) -> dict:
     return out
 
 
+def granite_layer_kinds(hf: dict) -> list[str]:
+    """Granite 4.0's layers as "attention" or "mamba" (``layer_types``: attention / full_attention, mamba /
+    linear_attention as transformers writes them; without any, every layer is Mamba-2, as transformers builds it)."""
+    types = hf.get("layer_types") or hf.get("layers_block_type") or ["linear_attention"] * hf["num_hidden_layers"]
+    kinds = {"attention": "attention", "full_attention": "attention", "mamba": "mamba", "linear_attention": "mamba"}
+    if len(types) != hf["num_hidden_layers"]:
+        raise UnsupportedModelError(f"layer_types has {len(types)} entries for {hf['num_hidden_layers']} layers")
+    return [kinds.get(t, t) for t in types]
+
+
+def _json_float(x) -> float:
+    """A float of a config.json: a number, or transformers' spelling of one JSON has none ({"__float__": "Infinity"})."""
+    return float(x["__float__"]) if isinstance(x, dict) and "__float__" in x else float(x)
+
+
+def granite_mamba_head_dim(hf: dict) -> int:
+    """Granite 4.0's Mamba-2 head size: ``mamba_d_head``, or for "auto" mamba_expand x hidden_size / heads."""
+    d_head = hf.get("mamba_d_head", "auto")
+    if d_head in (None, "auto"):
+        return hf.get("mamba_expand", 2) * hf["hidden_size"] // hf.get("mamba_n_heads", 128)
+    return int(d_head)
+
+
 def exaone_view(hf: dict) -> dict:
     """EXAONE 4.0 / K-EXAONE's config with each layer's kind in ``layer_types`` (from ``sliding_window_pattern``
     where the config gives none: every n-th layer global, or a string of L (sliding) and G (global) repeated; every
@@ -1453,6 +1482,18 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                       softmax_scale=float(hf.get("attention_multiplier") or 1.0))
         if family.name == "granitemoehybrid" and hf.get("position_embedding_type") != "rope":
             kwargs.update(nope_layers=(True,) * hf["num_hidden_layers"], rope_scaling=None)  # (Granite 4.0-H)
+        kinds = granite_layer_kinds(hf) if family.name == "granitemoehybrid" else []
+        if "mamba" in kinds:  # Granite 4.0-H: Mamba-2 layers (mcore/mamba2.py) beside the attention ones
+            limit = [_json_float(x) for x in hf["time_step_limit"]] if hf.get("time_step_limit") else None
+            kwargs.update(linear_attention=tuple(k == "mamba" for k in kinds), linear_attention_kind="mamba2",
+                          linear_num_key_heads=int(hf.get("mamba_n_groups", 1)),
+                          linear_num_value_heads=int(hf.get("mamba_n_heads", 128)),
+                          linear_key_head_dim=int(hf.get("mamba_d_state", 256)),
+                          linear_value_head_dim=granite_mamba_head_dim(hf),
+                          linear_conv_kernel=int(hf.get("mamba_d_conv", 4)),
+                          mamba_conv_bias=bool(hf.get("mamba_conv_bias", True)),
+                          mamba_dt_limit=None if limit is None or (float(limit[0]), float(limit[1])) ==
+                          (0.0, float("inf")) else (float(limit[0]), float(limit[1])))
         shared = hf.get("shared_intermediate_size") if family.name in ("granitemoeshared", "granitemoehybrid") \
             else None
         if family.moe:

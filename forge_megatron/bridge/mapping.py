@@ -212,6 +212,25 @@ def _gated_delta_rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     ]
 
 
+def _mamba2_rules(cfg: GPTConfig) -> list[Rule]:
+    """Granite 4.0-H's Mamba-2 mixers (``mamba.*``; mcore/mamba2.py): ``in_proj`` ([z | x | B | C | dt] over all
+    groups) and the convolution ([x | B | C]) regrouped per group (``mamba_in``, ``mamba_conv``), the per-head and
+    per-channel tensors split over TP with their groups."""
+    hf, mixer = HF_LAYER + "mamba.", LAYER + "self_attention."
+    rules = [
+        Rule(mixer + "in_proj.weight", (hf + "in_proj.weight",), "mamba_in", "col", layers="linear"),
+        Rule(mixer + "conv1d_weight", (hf + "conv1d.weight",), "mamba_conv", "col", layers="linear"),
+        Rule(mixer + "A_log", (hf + "A_log",), tp="col", layers="linear"),
+        Rule(mixer + "dt_bias", (hf + "dt_bias",), tp="col", layers="linear"),
+        Rule(mixer + "D", (hf + "D",), tp="col", layers="linear"),
+        Rule(mixer + "norm_weight", (hf + "norm.weight",), tp="col", layers="linear"),
+        Rule(mixer + "out_proj.weight", (hf + "out_proj.weight",), tp="row", layers="linear"),
+    ]
+    if cfg.mamba_conv_bias:
+        rules.append(Rule(mixer + "conv1d_bias", (hf + "conv1d.bias",), "mamba_conv_bias", "col", layers="linear"))
+    return rules
+
+
 def _olmo_hybrid_rules() -> list[Rule]:
     """OLMo Hybrid: pre-norm Gated DeltaNet layers (six separate input projections and three convolutions,
     regrouped per key head as Qwen3.5's: ``gdn_in_separate``, ``gdn_conv_separate``; their norms ``input_layernorm``
@@ -430,6 +449,11 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
         q, k = ("query_layernorm", "key_layernorm") if family.hunyuan else ("q_norm", "k_norm")  # (Hunyuan: after RoPE)
         attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + f"self_attn.{q}.weight",)),
                  Rule(LAYER + "self_attention.k_layernorm.weight", (HF_LAYER + f"self_attn.{k}.weight",))]
+    if cfg.linear_attention_kind == "mamba2" and cfg.hybrid:  # Granite 4.0-H: Mamba-2 layers beside attention ones
+        import dataclasses
+
+        attn = [dataclasses.replace(r, layers="full") if r.mcore.startswith(LAYER + "self_attention.") else r
+                for r in attn] + _mamba2_rules(cfg)
     if cfg.block_sparse_layers is not None:  # MiniMax-M3's indexers (mcore/block_sparse.py), replicated over TP
         where = "self_attn.indexer." if family.stacked_experts else "self_attn.index_"  # (transformers' / release's)
         attn += [Rule(LAYER + f"self_attention.core_attention.indexer.{name}.weight",
@@ -582,6 +606,11 @@ class Bridge:
                          # ERNIE 4.5's score-correction bias: [1, E] in HF, [E] in Megatron
                          "row1": (lambda t: (t.reshape(1, -1),), lambda t: t.reshape(-1)),
                          "qkv_gate": (self._split_qkv_gate, self._join_qkv_gate),
+                         # Mamba-2 (Granite 4.0-H): regrouped per group
+                         "mamba_in": (self._split_mamba_in, self._join_mamba_in),
+                         "mamba_conv": (lambda t: (self._mamba_conv_hf(t)[:, None],),
+                                        lambda t: self._mamba_conv_grouped(t[:, 0])),
+                         "mamba_conv_bias": (lambda t: (self._mamba_conv_hf(t),), self._mamba_conv_grouped),
                          "qkv_global": (self._split_qkv_global, self._join_qkv_global),
                          "gdn_in": (self._split_gdn_in, self._join_gdn_in),
                          "gdn_in_grouped": (self._split_gdn_in_grouped, self._join_gdn_in_grouped),
@@ -886,6 +915,14 @@ class Bridge:
                           "q_conv1d.weight": (nk * dk, 1, cfg.linear_conv_kernel),
                           "k_conv1d.weight": (nk * dk, 1, cfg.linear_conv_kernel),
                           "v_conv1d.weight": (nv * dv, 1, cfg.linear_conv_kernel)})
+        if cfg.hybrid and cfg.linear_attention_kind == "mamba2":  # Granite 4.0-H's Mamba-2 mixers
+            G, H, N, P = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+                cfg.linear_value_head_dim
+            conv = H * P + 2 * G * N
+            table.update({"mamba.in_proj.weight": (H * P + conv + H, d), "mamba.conv1d.weight": (conv, 1,
+                          cfg.linear_conv_kernel), "mamba.conv1d.bias": (conv,), "mamba.A_log": (H,),
+                          "mamba.dt_bias": (H,), "mamba.D": (H,), "mamba.norm.weight": (H * P,),
+                          "mamba.out_proj.weight": (d, H * P)})
         e = cfg.num_moe_experts or 0
         table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),
@@ -1039,6 +1076,35 @@ class Bridge:
         nk, r, dk, dv = self._gdn_sizes()
         q, k, v = conv.reshape(nk, -1, conv.shape[-1]).split([dk, dk, r * dv], dim=1)
         return [torch.cat([t.reshape(-1, conv.shape[-1]) for t in (q, k, v)])[:, None]]
+
+    def _mamba_sizes(self):
+        """(groups G, heads per group r, state size N, head dim P) of the Mamba-2 layers."""
+        G, r, N, P = self._gdn_sizes()
+        return G, r, N, P
+
+    def _join_mamba_in(self, fused):
+        """HF's Mamba-2 ``in_proj`` rows [z (H P) | x (H P) | B (G N) | C (G N) | dt (H)] -> per group
+        [z_g | x_g | B_g | C_g | dt_g]."""
+        G, r, N, P = self._mamba_sizes()
+        parts = fused.split([G * r * P, G * r * P, G * N, G * N, G * r])
+        return torch.cat([t.reshape(G, -1, *fused.shape[1:]) for t in parts], dim=1).reshape(fused.shape)
+
+    def _split_mamba_in(self, grouped):
+        G, r, N, P = self._mamba_sizes()
+        parts = grouped.reshape(G, -1, *grouped.shape[1:]).split([r * P, r * P, N, N, r], dim=1)
+        return (torch.cat([t.reshape(-1, *grouped.shape[1:]) for t in parts]),)
+
+    def _mamba_conv_grouped(self, conv):
+        """HF's Mamba-2 convolution channels [x (H P) | B (G N) | C (G N)] (a weight [C, K] or a bias [C]) -> per
+        group [x_g | B_g | C_g]."""
+        G, r, N, P = self._mamba_sizes()
+        parts = conv.split([G * r * P, G * N, G * N])
+        return torch.cat([t.reshape(G, -1, *conv.shape[1:]) for t in parts], dim=1).reshape(conv.shape)
+
+    def _mamba_conv_hf(self, grouped):
+        G, r, N, P = self._mamba_sizes()
+        parts = grouped.reshape(G, -1, *grouped.shape[1:]).split([r * P, N, N], dim=1)
+        return torch.cat([t.reshape(-1, *grouped.shape[1:]) for t in parts])
 
     def _join_kda_in(self, q, k, v, b):
         """Kimi Delta Attention's q, k, v [H d, D] and b [H, D] -> one projection, [q | k | v | b] per head."""

@@ -140,9 +140,13 @@ class GPTConfig:
     # transition I - beta k k^T may have negative eigenvalues)
     linear_beta_scale: float = 1.0
     linear_norm_epsilon: float | None = None  # the gated output norm's epsilon; None: norm_epsilon
-    # the linear-attention layers' kind: "gated_delta" (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo Hybrid) or
-    # "kimi_delta" (Kimi Delta Attention: a decay per key channel, low-rank gates; mcore/kimi_delta.py)
+    # the linear-attention layers' kind: "gated_delta" (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo Hybrid),
+    # "kimi_delta" (Kimi Delta Attention: a decay per key channel, low-rank gates; mcore/kimi_delta.py) or "mamba2"
+    # (Mamba-2: Granite 4.0-H; mcore/mamba2.py: linear_num_key_heads its groups, linear_num_value_heads its heads,
+    # linear_key_head_dim its state size, linear_value_head_dim its head dim)
     linear_attention_kind: str = "gated_delta"
+    mamba_conv_bias: bool = True  # Mamba-2: a bias on the short convolution
+    mamba_dt_limit: tuple[float, float] | None = None  # Mamba-2: the time step clamped to (min, max); None: (0, inf)
     # Gemma 4 (mcore/gemma4.py): the global (not sliding-window) layers' own head size and key heads, values that
     # are the projected keys there (attention_k_eq_v), and their proportional RoPE (base, rotated fraction, factor)
     # in place of the model's table; a scale-free RMSNorm on every layer's values; a checkpoint scalar multiplying
@@ -290,10 +294,15 @@ class GPTConfig:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                                  f"linear_num_key_heads ({self.linear_num_key_heads})")
-            if self.linear_attention_kind not in ("gated_delta", "kimi_delta"):
-                raise ValueError(f"linear_attention_kind must be 'gated_delta' or 'kimi_delta', got "
+            if self.linear_attention_kind not in ("gated_delta", "kimi_delta", "mamba2"):
+                raise ValueError(f"linear_attention_kind must be 'gated_delta', 'kimi_delta' or 'mamba2', got "
                                  f"{self.linear_attention_kind!r}")
             kda = self.linear_attention_kind == "kimi_delta"
+            if self.mamba_dt_limit is not None:
+                low, high = (float(x) for x in self.mamba_dt_limit)
+                if not 0 <= low < high:
+                    raise ValueError(f"mamba_dt_limit must be (min, max) with 0 <= min < max, got {self.mamba_dt_limit}")
+                self.mamba_dt_limit = (low, high)
             if (self.multi_latent_attention or self.moe_dense_layers) and not kda:
                 raise ValueError("Gated DeltaNet layers are supported with standard attention, in dense models or "
                                  "MoE models whose every layer is MoE")
@@ -797,6 +806,10 @@ def _hybrid_block_spec(cfg: GPTConfig, spec, linear_base, vp_stage: int | None):
         from forge_megatron.mcore.kimi_delta import kimi_delta_spec
 
         mixer = kimi_delta_spec()
+    elif cfg.linear_attention_kind == "mamba2":
+        from forge_megatron.mcore.mamba2 import mamba2_spec
+
+        mixer = mamba2_spec(cfg.mamba_conv_bias, cfg.mamba_dt_limit, cfg.linear_norm_epsilon)
     else:
         mixer = gated_delta_net_spec(cfg.linear_beta_scale, cfg.linear_norm_epsilon)
 

@@ -44,7 +44,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe",
          "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1", "solar_open", "mixtral",
          "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
-         "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe")
+         "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
+         "granitemoehybrid_mamba")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -379,6 +380,15 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "shared_intermediate_size": 48, "layer_types": ["attention", "attention"],
              "position_embedding_type": "nope"},
         ),
+        # Granite 4.0-H layout: a Mamba-2 layer (8 heads of 16 in 2 groups, state 8, kernel 4) before an attention
+        # layer without RoPE, 4 experts and the shared MLP in both
+        "granitemoehybrid_mamba": (
+            transformers.GraniteMoeHybridConfig,
+            {**granite_scales, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+             "shared_intermediate_size": 48, "layer_types": ["mamba", "attention"],
+             "position_embedding_type": "nope", "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
+             "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8},
+        ),
         # EXAONE 4.0 layout: norms after attention and MLP, per-head q/k norms, a 4-token window on layer 0 (which
         # rotates) beside a global layer 1 that does not (NoPE)
         "exaone4": (
@@ -648,6 +658,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape) * 0.1)
             elif arch.startswith("minimax_m3") and "vision" not in name and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms (zeros when initialised): which is which
+            elif ".mamba." in name and name.endswith(("D", "dt_bias", "norm.weight", "conv1d.bias")):
+                p.copy_(p + torch.randn(p.shape) * 0.3)  # Mamba-2's skip, time-step bias, gated norm, conv bias
             elif arch.startswith("exaone") and name.endswith(("q_norm.weight", "k_norm.weight", "layernorm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head and post norms: which is which matters
             elif arch == "dots1" and name.endswith(("q_norm.weight", "k_norm.weight")):

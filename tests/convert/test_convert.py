@@ -26,7 +26,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "gemma4_moe", "gemma4_e", "glm46v", "qwen2_5_vl", "qwen2_vl", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense",
          "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1",
          "solar_open", "mixtral", "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
-         "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe")
+         "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
+         "granitemoehybrid_mamba")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -159,6 +160,8 @@ LAYOUTS = [
     ("granite", ParallelLayout(tp=2, pp=2)),  # Llama's names, the scales in the config
     ("granitemoeshared", ParallelLayout(tp=2, pp=2, ep=2)),  # stacked experts over EP, the shared MLP's halves
     ("granitemoehybrid", ParallelLayout(tp=2, pp=2)),  # the shared MLP as the layer's MLP
+    # Granite 4.0-H: the Mamba-2 layer's projection and convolution regrouped per group, TP splitting the groups
+    ("granitemoehybrid_mamba", ParallelLayout(tp=2, pp=2, ep=2)),
 ]
 
 

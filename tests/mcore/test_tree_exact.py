@@ -190,7 +190,8 @@ def _body_one_rank(rank, world_size):
                       ("exaone4", "Exaone4ForCausalLM"), ("exaone_moe", "ExaoneMoeForCausalLM"),
                       ("youtu", "YoutuForCausalLM"), ("granite", "GraniteForCausalLM"),
                       ("granitemoeshared", "GraniteMoeSharedForCausalLM"),
-                      ("granitemoehybrid_moe", "GraniteMoeHybridForCausalLM")):
+                      ("granitemoehybrid_moe", "GraniteMoeHybridForCausalLM"),
+                      ("granitemoehybrid_mamba", "GraniteMoeHybridForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 3 with final-logit soft-capping (Gemma 4's): the fused logprobs cap the chunks they make, Megatron's output
@@ -505,7 +506,8 @@ def test_olmo3_tree_equals_unmerged(one_rank):
 @pytest.mark.parametrize("arch", ["gemma3", "smollm3", "glm4", "ministral3", "gemma4", "gemma4_moe", "gemma4_e",
                                   "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "longcat_flash", "dots1",
                                   "solar_open", "mixtral", "phi3", "qwen2_moe", "exaone4", "exaone_moe",
-                                  "youtu", "granite", "granitemoeshared", "granitemoehybrid_moe"])
+                                  "youtu", "granite", "granitemoeshared", "granitemoehybrid_moe",
+                                  "granitemoehybrid_mamba"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,

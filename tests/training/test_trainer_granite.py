@@ -24,3 +24,24 @@ def test_granite_scales_train_the_same_under_pipeline_and_tensor_parallelism(tmp
     assert [len(v) for v in steps.values()] == [2] * len(layouts)
     assert steps["one"][0]["grad_norm"] > 0
     assert_same_as_one_rank(steps, [name for name, _, _ in layouts[1:]])
+
+
+def test_granite_4_h_mamba_layers_train_the_same_under_tensor_context_and_pipeline_parallelism(tmp_path):
+    """Granite 4.0-H's layout (a Mamba-2 layer of 2 groups before a NoPE attention layer, experts and the shared MLP
+    in both): TP = 2 with sequence parallelism (each rank one group's heads, projection rows and convolution
+    channels), CP = 2 (each rank the whole tree for one group: the recurrence needs whole paths) and PP = 2 (the
+    Mamba-2 layer on the first stage) train the same two steps as one rank, routing replayed."""
+    from .trainer_run import REPLAY_KEYS
+
+    model_dir = build_tiny_model(str(tmp_path / "granite_4_h"), arch="granitemoehybrid_mamba", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6), routing=(2, 4, 2))  # noqa
+    steps = {}
+    layouts = [("one", [], 1), ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+               ("cp2", ["--context-parallel-size", "2"], 2), ("pp2", ["--pipeline-model-parallel-size", "2"], 2)]
+    for name, extra, nproc in layouts:
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--routing-replay", "--tree-token-budget", "24"],
+                                              model=[])
+    assert [len(v) for v in steps.values()] == [2] * len(layouts)
+    assert steps["one"][0]["grad_norm"] > 0
+    assert_same_as_one_rank(steps, [name for name, _, _ in layouts[1:]], REPLAY_KEYS)

@@ -80,6 +80,8 @@ def models(tmp_path_factory):
         "youtu": build_tiny_model(str(root / "youtu"), arch="youtu", seed=97),
         "granite": build_tiny_model(str(root / "granite"), arch="granite", seed=101),
         "granitemoeshared": build_tiny_model(str(root / "granitemoeshared"), arch="granitemoeshared", seed=103),
+        "granitemoehybrid_mamba": build_tiny_model(str(root / "granitemoehybrid_mamba"), arch="granitemoehybrid_mamba",
+                                                   seed=107),
     }
 
 
@@ -306,6 +308,8 @@ def _check_synced(results):
     ("youtu", ParallelConfig(tp=2)),  # multi-latent attention's projections gathered over TP, dense MLPs
     ("granite", ParallelConfig(tp=2)),  # the scales are the model's: the engine's logits must match
     ("granitemoeshared", ParallelConfig(ep=2)),  # stacked experts over EP into transformers' fused tensors
+    # Granite 4.0-H: the Mamba-2 layer's per-group projection, convolution and per-head tensors gathered over TP
+    ("granitemoehybrid_mamba", ParallelConfig(tp=2)),
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
@@ -314,7 +318,8 @@ def _check_synced(results):
         "tp2-qwen2-5-vl", "ep2-ernie4-5-moe", "tp2-hunyuan-dense", "ep2-hunyuan-moe", "tp2-olmoe",
         "tp2-mimo-v2-flash", "tp2-minimax-m3", "ep2-minimax-m3-text", "tp2ep2etp1-longcat-flash",
         "ep2-mixtral", "tp2-solar-open", "tp2-phi3", "ep2-qwen2-moe", "tp2-exaone4",
-        "ep2-exaone-moe", "tp2-youtu", "tp2-granite", "ep2-granitemoeshared"])
+        "ep2-exaone-moe", "tp2-youtu", "tp2-granite", "ep2-granitemoeshared",
+        "tp2-granite-4-h"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
