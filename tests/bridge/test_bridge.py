@@ -924,8 +924,8 @@ def test_youtu_config_as_transformers_defaults_it():
 def test_granite_scales_and_refusals():
     """A config shaped like Granite 3.3 8B's: the muP-style scales reach the Megatron config (attention scaled by
     attention_multiplier, not 1 / sqrt(head_dim)); scales of 1 are none. Granite 4.0 without experts (granite-4.0-
-    micro's shape) is dense with the shared MLP as its MLP; its Mamba-2 layers (Granite 4.0-H) are refused by name,
-    as is a GraniteMoeHybrid config without layer_types (transformers then builds every layer as Mamba-2)."""
+    micro's shape) is dense with the shared MLP as its MLP; Granite 4.0-H's Mamba-2 layers become the Mamba-2 mixer
+    (a config without layer_types is all Mamba-2, as transformers builds it), TP splitting whole groups."""
     dense = {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "hidden_act": "silu",
              "hidden_size": 4096, "intermediate_size": 12800, "num_attention_heads": 32, "num_key_value_heads": 8,
              "num_hidden_layers": 40, "vocab_size": 49159, "rms_norm_eps": 1e-5, "rope_theta": 1e7,
@@ -948,10 +948,24 @@ def test_granite_scales_and_refusals():
     assert moe.hf_names("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight") == \
         ["model.layers.1.block_sparse_moe.input_linear.weight"]
     assert moe.hf_names("decoder.layers.1.mlp.router.weight") == ["model.layers.1.block_sparse_moe.router.layer.weight"]
-    with pytest.raises(UnsupportedModelError, match="Mamba-2"):
-        Bridge({**micro, "layer_types": ["mamba", "mamba", "mamba", "attention"] * 10})
-    with pytest.raises(UnsupportedModelError, match="without layer_types"):
-        Bridge({k: v for k, v in micro.items() if k != "layer_types"})
+    # Granite 4.0-H: Mamba-2 layers (one group: TP 1 for them), time_step_limit as transformers writes infinity
+    hybrid = Bridge({**micro, "layer_types": ["mamba", "mamba", "mamba", "attention"] * 10, "mamba_n_heads": 128,
+                     "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_head": 64, "mamba_expand": 2,
+                     "mamba_d_conv": 4, "time_step_limit": [0.0, {"__float__": "Infinity"}]})
+    c = hybrid.cfg
+    assert c.linear_attention == (True, True, True, False) * 10 and c.linear_attention_kind == "mamba2"
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+            c.mamba_dt_limit) == (1, 128, 128, 64, None)
+    assert hybrid.hf_names("decoder.layers.0.self_attention.in_proj.weight") == ["model.layers.0.mamba.in_proj.weight"]
+    assert hybrid.hf_shape("model.layers.0.mamba.in_proj.weight") == (2 * 8192 + 2 * 128 + 128, 4096)
+    with pytest.raises(ValueError, match="tp=2 does not divide linear_num_key_heads=1"):  # (a padded vocabulary)
+        Bridge(hybrid.hf_config, vocab_size=49160).check_layout(ParallelLayout(tp=2))
+    assert Bridge({**micro, "layer_types": ["mamba"] * 40, "time_step_limit": [0.001, 0.1]}).cfg.mamba_dt_limit == \
+        (0.001, 0.1)
+    no_types = Bridge({k: v for k, v in micro.items() if k != "layer_types"}).cfg  # (transformers: all Mamba-2)
+    assert no_types.linear_attention == (True,) * 40
+    with pytest.raises(UnsupportedModelError, match="mamba_proj_bias"):
+        Bridge({**micro, "layer_types": ["mamba"] * 40, "mamba_proj_bias": True})
 
 
 def test_granite_scale_fields_are_checked():
