@@ -74,6 +74,15 @@ it has no experts. Granite 4.0-H's Mamba-2 layers (``layer_types`` mamba / linea
 mixer over prefix trees (mcore/mamba2.py; ``mamba.*`` tensors, ``in_proj`` and the convolution regrouped per group);
 ``position_embedding_type`` other than rope is NoPE (no layer rotates).
 
+Nemotron-H (``nemotron_h``: NemotronHForCausalLM; Nemotron-H 8B / 47B / 56B, Nemotron Nano 2, Nemotron 3 Nano): each
+layer is one sublayer behind its own RMSNorm (``backbone.layers.{i}.norm``, ``.mixer``), of the kind
+``hybrid_override_pattern`` (M Mamba-2, * attention, - MLP, E MoE) or transformers' ``layers_block_type`` names: a
+Mamba-2 mixer (mcore/mamba2.py, as Granite 4.0-H's), attention without RoPE, a plain MLP with squared ReLU
+(``up_proj`` / ``down_proj``), or DeepSeek-V3's sigmoid router with a score-correction bias over squared-ReLU experts
+beside a shared one (``moe_shared_expert_intermediate_size``). Megatron builds each as a layer whose other half is
+its identity (GPTConfig ``layer_kinds``), as Megatron's own hybrid models do. Refused by name: ``moe_latent_size``
+(latent expert projections), biases, another activation, a sliding window; its MTP layers are left out.
+
 MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
 (``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
 with a score-correction bias (normalised top-k; no groups and no scaling: transformers and SGLang ignore
@@ -252,6 +261,9 @@ class Family:
     # Granite (3.x dense, 3.x MoE, 4.0 attention-only): muP-style scales (embedding, attention, residual, logits);
     # the MoE ones' experts stacked on disk (block_sparse_moe.input_linear / output_linear), a shared MLP beside them
     granite: bool = False
+    # Nemotron-H (NVIDIA Nemotron-H, Nemotron Nano 2 / 3): layers of one sublayer each (Mamba-2, NoPE attention, a
+    # squared-ReLU MLP, or DeepSeek-V3-routed squared-ReLU experts) behind their own norm (nemotron_h_view)
+    nemotron_h: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -283,6 +295,10 @@ FAMILIES: dict[str, Family] = {
     "GraniteMoeHybridForCausalLM": Family("granitemoehybrid", qkv_bias=None, qk_norm=False, moe=True, granite=True),
     "GraniteMoeHybridForCausalLM/dense": Family("granitemoehybrid", qkv_bias=None, qk_norm=False, moe=False,
                                                 granite=True),
+    # Nemotron-H (8B / 47B / 56B, Nemotron Nano 2) and, with "moe" layers, Nemotron 3 Nano: see the module docstring
+    "NemotronHForCausalLM": Family("nemotron_h", qkv_bias=False, qk_norm=False, moe=False, nemotron_h=True),
+    "NemotronHForCausalLM/moe": Family("nemotron_h", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
+                                       nemotron_h=True),
     # Youtu-LLM (Tencent, 2B): DeepSeek-V3's multi-latent attention in Llama's layers with a dense SwiGLU MLP
     "YoutuForCausalLM": Family("youtu", qkv_bias=False, qk_norm=False, moe=False, mla=True),
     # EXAONE 4.0 (32B, 1.2B) and K-EXAONE (236B-A23B): see the module docstring
@@ -525,6 +541,8 @@ def family_of(hf: dict) -> Family:
     if archs[0] == "Mistral3ForConditionalGeneration":  # Ministral 3 / Mistral Small 3.x, or Mistral Small 4 inside
         if text.get("model_type") == "mistral4":
             return FAMILIES["Mistral3ForConditionalGeneration/mistral4"]
+    if archs[0] == "NemotronHForCausalLM" and "moe" in nemotron_h_kinds(text):
+        return FAMILIES["NemotronHForCausalLM/moe"]  # (Nemotron 3 Nano: "E" layers)
     if archs[0] == "GraniteMoeHybridForCausalLM" and not text.get("num_local_experts", 8):
         return FAMILIES["GraniteMoeHybridForCausalLM/dense"]  # (granite-4.0-micro: the shared MLP alone)
     if archs[0] == "Glm46VForConditionalGeneration" and text.get("model_type", "glm4v_text") != "glm4v_text":
@@ -1105,6 +1123,39 @@ def minimax_m3_view(hf: dict) -> dict:
     return out
 
 
+_NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "mamba": "mamba", "linear_attention": "mamba",
+                   "attention": "attention", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
+
+
+def nemotron_h_kinds(hf: dict) -> list[str]:
+    """Nemotron-H's layers as mamba / attention / mlp / moe: ``layers_block_type`` (or ``layer_types``) as
+    transformers writes it, else the released ``hybrid_override_pattern`` (M, *, -, E)."""
+    types = hf.get("layers_block_type") or hf.get("layer_types") or list(hf.get("hybrid_override_pattern") or "")
+    if not types:
+        raise UnsupportedModelError("a Nemotron-H config needs hybrid_override_pattern or layers_block_type")
+    unknown = sorted({str(t) for t in types} - set(_NEMOTRON_KINDS))
+    if unknown:
+        raise UnsupportedModelError(f"Nemotron-H layer kinds {unknown}: only M / * / - / E (mamba, attention, mlp, "
+                                    "moe)")
+    return [_NEMOTRON_KINDS[t] for t in types]
+
+
+def nemotron_h_view(hf: dict) -> dict:
+    """Nemotron-H's config under the names the generic translation reads: its layer count and kinds, the norms'
+    epsilon, the MLP and the expert fields (DeepSeek-V3's names for the router)."""
+    kinds = nemotron_h_kinds(hf)
+    for act, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if hf.get(act, want) != want:
+            raise UnsupportedModelError(f"{act}={hf[act]!r} is not supported (Nemotron-H's is {want})")
+    for key in ("moe_latent_size", "attention_bias", "mlp_bias", "mamba_proj_bias", "sliding_window"):
+        if hf.get(key):
+            raise UnsupportedModelError(f"{key}={hf[key]!r} is not supported by the nemotron_h family (its released "
+                                        "models have none)")
+    return {**hf, "num_hidden_layers": len(kinds), "nemotron_kinds": kinds,
+            "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "hidden_act": "silu",
+            "n_shared_experts": hf.get("n_shared_experts", 1) or 1}
+
+
 def granite_layer_kinds(hf: dict) -> list[str]:
     """Granite 4.0's layers as "attention" or "mamba" (``layer_types``: attention / full_attention, mamba /
     linear_attention as transformers writes them; without any, every layer is Mamba-2, as transformers builds it)."""
@@ -1255,6 +1306,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         hf = longcat_view(hf)
     if family.exaone:
         hf = exaone_view(hf)
+    if family.nemotron_h:
+        hf = nemotron_h_view(hf)
     _refuse_unsupported(hf, family)
     if family.hunyuan:
         hf = hunyuan_view(hf)
@@ -1468,6 +1521,24 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         if (family.gated_delta or family.name == "qwen2_moe") and hf.get("shared_expert_intermediate_size"):
             kwargs.update(moe_shared_ffn_hidden_size=hf["shared_expert_intermediate_size"],
                           extra={**kwargs.get("extra", {}), "moe_shared_expert_gate": True})
+    if family.nemotron_h:  # one sublayer per layer; NoPE attention; squared-ReLU MLPs and experts; Mamba-2 mixers
+        kinds = hf["nemotron_kinds"]
+        limit = [_json_float(x) for x in hf["time_step_limit"]] if hf.get("time_step_limit") else None
+        kwargs.update(layer_kinds=tuple(kinds), swiglu=False, activation="relu2",
+                      nope_layers=(True,) * len(kinds), rope_scaling=None)
+        if "mamba" in kinds:
+            kwargs.update(linear_attention=tuple(k == "mamba" for k in kinds), linear_attention_kind="mamba2",
+                          linear_num_key_heads=int(hf.get("n_groups", 8)),
+                          linear_num_value_heads=int(hf.get("mamba_num_heads", 128)),
+                          linear_key_head_dim=int(hf.get("ssm_state_size", 128)),
+                          linear_value_head_dim=int(hf.get("mamba_head_dim", 64)),
+                          linear_conv_kernel=int(hf.get("conv_kernel", 4)),
+                          mamba_conv_bias=bool(hf.get("use_conv_bias", True)),
+                          mamba_dt_limit=None if limit is None or (limit[0], limit[1]) == (0.0, float("inf"))
+                          else (limit[0], limit[1]))
+        if family.moe:  # (the sigmoid router's fields above; the shared expert has its own width)
+            kwargs["moe_shared_ffn_hidden_size"] = int(hf.get("moe_shared_expert_intermediate_size") or
+                                                       hf["moe_intermediate_size"])
     if family.exaone and hf.get("sliding_window"):  # the sliding layers rotate, the global ones do not
         kwargs["extra"] = {**kwargs.get("extra", {}), **sliding_windows(hf)}
         if "full_attention" in hf["layer_types"]:

@@ -212,11 +212,11 @@ def _gated_delta_rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     ]
 
 
-def _mamba2_rules(cfg: GPTConfig) -> list[Rule]:
-    """Granite 4.0-H's Mamba-2 mixers (``mamba.*``; mcore/mamba2.py): ``in_proj`` ([z | x | B | C | dt] over all
-    groups) and the convolution ([x | B | C]) regrouped per group (``mamba_in``, ``mamba_conv``), the per-head and
-    per-channel tensors split over TP with their groups."""
-    hf, mixer = HF_LAYER + "mamba.", LAYER + "self_attention."
+def _mamba2_rules(cfg: GPTConfig, hf: str = HF_LAYER + "mamba.") -> list[Rule]:
+    """Mamba-2 mixers (Granite 4.0-H's ``mamba.*``, Nemotron-H's ``mixer.*``: ``hf``; mcore/mamba2.py): ``in_proj``
+    ([z | x | B | C | dt] over all groups) and the convolution ([x | B | C]) regrouped per group (``mamba_in``,
+    ``mamba_conv``), the per-head and per-channel tensors split over TP with their groups."""
+    mixer = LAYER + "self_attention."
     rules = [
         Rule(mixer + "in_proj.weight", (hf + "in_proj.weight",), "mamba_in", "col", layers="linear"),
         Rule(mixer + "conv1d_weight", (hf + "conv1d.weight",), "mamba_conv", "col", layers="linear"),
@@ -228,6 +228,42 @@ def _mamba2_rules(cfg: GPTConfig) -> list[Rule]:
     ]
     if cfg.mamba_conv_bias:
         rules.append(Rule(mixer + "conv1d_bias", (hf + "conv1d.bias",), "mamba_conv_bias", "col", layers="linear"))
+    return rules
+
+
+def _nemotron_h_rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    """Nemotron-H: each layer's norm and its one sublayer (``backbone.layers.{i}.norm`` / ``.mixer``): the norm is
+    the Megatron layer's input norm before a Mamba-2 or attention mixer, its pre-MLP norm before an MLP or experts
+    (``Rule.layers`` "kind:..." selects by GPTConfig.layer_kinds); plain (not gated) MLPs and experts."""
+    block = "backbone.layers.{layer}."
+    mixer, attn = block + "mixer.", LAYER + "self_attention."
+    rules = [
+        Rule("embedding.word_embeddings.weight", ("backbone.embeddings.weight",), "vocab", "col"),
+        Rule(LAYER + "input_layernorm.weight", (block + "norm.weight",), layers="kind:mixer"),
+        Rule(LAYER + "pre_mlp_layernorm.weight", (block + "norm.weight",), layers="kind:ffn"),
+        Rule(attn + "linear_qkv.weight", tuple(mixer + f"{p}_proj.weight" for p in "qkv"), "qkv", "col",
+             layers="kind:attention"),
+        Rule(attn + "linear_proj.weight", (mixer + "o_proj.weight",), tp="row", layers="kind:attention"),
+        Rule(LAYER + "mlp.linear_fc1.weight", (mixer + "up_proj.weight",), tp="col", layers="kind:mlp"),
+        Rule(LAYER + "mlp.linear_fc2.weight", (mixer + "down_proj.weight",), tp="row", layers="kind:mlp"),
+    ]
+    if cfg.hybrid:
+        rules += _mamba2_rules(cfg, mixer)
+    if family.moe:
+        expert = mixer + "experts.{expert}."
+        rules += [
+            Rule(LAYER + "mlp.router.weight", (mixer + "gate.weight",), layers="moe"),
+            Rule(LAYER + "mlp.router.expert_bias", (mixer + "gate.e_score_correction_bias",), layers="moe"),
+            Rule(LAYER + EXPERT + "linear_fc1.weight", (expert + "up_proj.weight",), tp="col", layers="moe"),
+            Rule(LAYER + EXPERT + "linear_fc2.weight", (expert + "down_proj.weight",), tp="row", layers="moe"),
+            Rule(LAYER + "mlp.shared_experts.linear_fc1.weight", (mixer + "shared_experts.up_proj.weight",), tp="col",
+                 layers="moe"),
+            Rule(LAYER + "mlp.shared_experts.linear_fc2.weight", (mixer + "shared_experts.down_proj.weight",),
+                 tp="row", layers="moe"),
+        ]
+    rules.append(Rule("decoder.final_layernorm.weight", ("backbone.norm_f.weight",)))
+    if not cfg.tie_word_embeddings:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", "col"))
     return rules
 
 
@@ -404,6 +440,8 @@ def _longcat_rules(cfg: GPTConfig) -> list[Rule]:
 
 
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    if family.nemotron_h:
+        return _nemotron_h_rules(cfg, family)
     if family.longcat:
         return _longcat_rules(cfg)
     if family.mimo:
@@ -674,7 +712,7 @@ class Bridge:
             return True
         if (self.family.mimo or self.family.longcat) and hf_name.startswith(self.hf_prefix + "mtp."):
             return True  # MiMo-V2-Flash's and LongCat-Flash's (model.mtp.*)
-        if self.family.name == "exaone_moe" and re.search(r"(^|\.)mtp\.", hf_name):
+        if (self.family.name == "exaone_moe" or self.family.nemotron_h) and re.search(r"(^|\.)mtp\.", hf_name):
             return True  # K-EXAONE's (transformers drops any mtp.* tensor)
         if self.family.minimax_m3:  # (transformers drops any ``mtp.`` module of MiniMax-M3's, at any depth)
             if re.search(r"(^|\.)mtp\.", hf_name):
@@ -696,6 +734,8 @@ class Bridge:
         LongCat-Flash's layer pairs, the first)."""
         if self.cfg.shortcut_moe:
             return layer % 2 == 0
+        if self.cfg.layer_kinds is not None:  # (Nemotron-H: its "moe" layers)
+            return self.cfg.layer_kinds[layer] == "moe"
         return bool(self.cfg.num_moe_experts) and layer >= self.cfg.moe_dense_layers
 
     def is_global_layer(self, layer: int) -> bool:
@@ -714,6 +754,9 @@ class Bridge:
         return self.is_global_layer(layer), self.is_kv_shared_layer(layer), ffn
 
     def layer_has(self, rule: Rule, layer: int) -> bool:
+        if rule.layers.startswith("kind:"):  # (Nemotron-H's one sublayer per layer: GPTConfig.layer_kinds)
+            kind, want = self.cfg.layer_kinds[layer], rule.layers[len("kind:"):]
+            return kind in {"mixer": ("mamba", "attention"), "ffn": ("mlp", "moe")}.get(want, (want,))
         if rule.layers in _PER_KIND:
             kind = rule.layers.split("_")[0]
             if kind in ("local", "global") and (kind == "global") != self.is_global_layer(layer):
@@ -915,14 +958,17 @@ class Bridge:
                           "q_conv1d.weight": (nk * dk, 1, cfg.linear_conv_kernel),
                           "k_conv1d.weight": (nk * dk, 1, cfg.linear_conv_kernel),
                           "v_conv1d.weight": (nv * dv, 1, cfg.linear_conv_kernel)})
-        if cfg.hybrid and cfg.linear_attention_kind == "mamba2":  # Granite 4.0-H's Mamba-2 mixers
+        if cfg.hybrid and cfg.linear_attention_kind == "mamba2":  # Granite 4.0-H's / Nemotron-H's Mamba-2 mixers
             G, H, N, P = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
                 cfg.linear_value_head_dim
             conv = H * P + 2 * G * N
-            table.update({"mamba.in_proj.weight": (H * P + conv + H, d), "mamba.conv1d.weight": (conv, 1,
-                          cfg.linear_conv_kernel), "mamba.conv1d.bias": (conv,), "mamba.A_log": (H,),
-                          "mamba.dt_bias": (H,), "mamba.D": (H,), "mamba.norm.weight": (H * P,),
-                          "mamba.out_proj.weight": (d, H * P)})
+            where = "mixer." if self.family.nemotron_h else "mamba."
+            table.update({f"{where}in_proj.weight": (H * P + conv + H, d),
+                          f"{where}conv1d.weight": (conv, 1, cfg.linear_conv_kernel), f"{where}conv1d.bias": (conv,),
+                          f"{where}A_log": (H,), f"{where}dt_bias": (H,), f"{where}D": (H,),
+                          f"{where}norm.weight": (H * P,), f"{where}out_proj.weight": (d, H * P)})
+        if self.family.nemotron_h:  # its embedding and final norm's names
+            table.update({"embeddings.weight": (self.hf_vocab, d), "norm_f.weight": (d,)})
         e = cfg.num_moe_experts or 0
         table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),

@@ -77,6 +77,9 @@ class GPTConfig:
     moe_router_topk_renorm: bool = True  # norm_topk_prob in HF Qwen3-MoE
     moe_shared_ffn_hidden_size: int | None = None  # shared experts' MLP width (GLM-4.5); None: no shared experts
     moe_dense_layers: int = 0  # the first layers of a MoE model that have a dense MLP (GLM-4.5's first_k_dense)
+    # Nemotron-H: each layer one sublayer behind its own norm: "mamba" (a Mamba-2 mixer: linear_attention marks it),
+    # "attention", "mlp" or "moe" (the others built as Megatron's identities); None: attention and MLP in every layer
+    layer_kinds: tuple[str, ...] | None = None
     # ERNIE 4.5: the top k chosen by the softmax probabilities plus a score-correction bias (``router.expert_bias``),
     # their probabilities renormalised (mcore/ernie.py; Megatron's softmax router takes no expert bias)
     moe_softmax_bias_router: bool = False
@@ -284,8 +287,22 @@ class GPTConfig:
                              "layers: linear_pre_norm)")
         if not self.pre_norm and not self.post_norm:
             raise ValueError("a layer needs its norms before (pre_norm) or after (post_norm) its sublayers, or both")
-        if self.activation not in ("silu", "gelu_tanh") or (self.activation != "silu" and not self.swiglu):
-            raise ValueError(f"activation must be 'silu' or, in a gated MLP, 'gelu_tanh'; got {self.activation!r}")
+        if self.activation not in ("silu", "gelu_tanh", "relu2") or (self.activation == "gelu_tanh" and not self.swiglu) \
+                or (self.activation == "relu2" and self.swiglu):
+            raise ValueError(f"activation must be 'silu', in a gated MLP 'gelu_tanh', or in a plain one 'relu2' (squared "
+                             f"ReLU); got {self.activation!r} (swiglu={self.swiglu})")
+        if self.layer_kinds is not None:
+            self.layer_kinds = tuple(self.layer_kinds)
+            kinds = set(self.layer_kinds)
+            if len(self.layer_kinds) != self.num_layers or kinds - set(LAYER_KINDS):
+                raise ValueError(f"layer_kinds needs one of {LAYER_KINDS} per layer ({self.num_layers}), got "
+                                 f"{self.layer_kinds}")
+            if ("moe" in kinds) != bool(self.num_moe_experts) or self.moe_dense_layers or \
+                    ("mamba" in kinds) != bool(self.linear_attention and any(self.linear_attention)) or \
+                    (self.linear_attention and tuple(k == "mamba" for k in self.layer_kinds) !=
+                     tuple(bool(x) for x in self.linear_attention)):
+                raise ValueError("layer_kinds: moe layers exactly when num_moe_experts (no moe_dense_layers), mamba "
+                                 "layers exactly where linear_attention says")
         if self.linear_attention is not None:
             self.linear_attention = tuple(bool(x) for x in self.linear_attention)
             if len(self.linear_attention) != self.num_layers:
@@ -403,9 +420,16 @@ class GPTConfig:
         return int(self.head_dim * self.rotary_percent)
 
 
+LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
+
+
 def _activation(cfg: GPTConfig):
     import functools
 
+    if cfg.activation == "relu2":  # (Nemotron-H's plain MLPs and experts)
+        from megatron.core.activations import squared_relu
+
+        return squared_relu
     if cfg.activation == "gelu_tanh":
         return functools.partial(torch.nn.functional.gelu, approximate="tanh")
     return torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu
@@ -526,6 +550,8 @@ def transformer_config(cfg: GPTConfig, **overrides):
         )
         if cfg.moe_dense_layers:
             kwargs["moe_layer_freq"] = [0] * cfg.moe_dense_layers + [1] * (cfg.num_layers - cfg.moe_dense_layers)
+        if cfg.layer_kinds is not None:  # (Nemotron-H: its "moe" layers; the others' MLP slot is dense or empty)
+            kwargs["moe_layer_freq"] = [int(k == "moe") for k in cfg.layer_kinds]
         if cfg.shortcut_moe:  # (LongCat-Flash: the first layer of each pair; its dense MLP in the shared-expert slot)
             kwargs.update(moe_layer_freq=[1, 0] * (cfg.num_layers // 2),
                           moe_shared_expert_intermediate_size=cfg.ffn_hidden_size, moe_router_dtype="fp32")
@@ -673,6 +699,8 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         spec = _with_attention_submodules(spec, lambda subs: {"core_attention": CausalCoreAttention})
     if cfg.hybrid:  # (OLMo Hybrid: post-norm attention layers, pre-norm Gated DeltaNet ones)
         spec = _hybrid_block_spec(cfg, spec, pre_norm if cfg.linear_pre_norm else spec, vp_stage)
+    if cfg.layer_kinds is not None:  # (Nemotron-H: one sublayer per layer)
+        spec = _layer_kinds_spec(cfg, spec, vp_stage)
     if cfg.qk_norm_after_rope:
         from forge_megatron.mcore.qk_norm import KeyNormAfterRope, QueryNormAfterRope
 
@@ -696,6 +724,37 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
     if cfg.sparse_attention:
         spec = _with_attention_submodules(spec, lambda subs: {"core_attention": dsa_core_attention(cfg)})
     return spec
+
+
+def _layer_kinds_spec(cfg: GPTConfig, spec, vp_stage: int | None):
+    """The block spec of this pipeline stage's layers of a model whose layers hold one sublayer each
+    (``cfg.layer_kinds``, Nemotron-H): a mixer layer ("mamba", "attention") keeps its input norm and mixer and builds
+    Megatron's identities for the MLP, its norm and its residual add; an "mlp" / "moe" layer keeps its MLP and the
+    norm before it and builds identities for the attention side (Megatron's hybrid models build theirs so)."""
+    import dataclasses
+
+    from megatron.core.transformer import transformer_block as tb
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    tcfg = transformer_config(cfg)
+    offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
+    count = tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage)
+    bases = spec.layer_specs if hasattr(spec, "layer_specs") else [spec] * count
+    if len(bases) != count:
+        raise ValueError(f"the block spec has {len(bases)} layers, this stage {count}")
+    layer_specs = []
+    for kind, base in zip(cfg.layer_kinds[offset: offset + count], bases):
+        if kind in ("mamba", "attention"):
+            subs = dataclasses.replace(base.submodules, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp,
+                                       mlp_bda=IdentityFuncOp)
+        else:
+            subs = dataclasses.replace(base.submodules, input_layernorm=IdentityOp, self_attention=IdentityOp,
+                                       self_attn_bda=IdentityFuncOp)
+        layer_specs.append(dataclasses.replace(base, submodules=subs))
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=layer_specs)
+    return tb.TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=tb.LayerNormImpl)
 
 
 def _per_layer_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
@@ -835,7 +894,7 @@ def _layer_spec(cfg: GPTConfig, use_te: bool, vp_stage: int | None):
     if cfg.hybrid and use_te:
         raise ValueError("Gated DeltaNet models build with the local spec (Megatron's own linears), not Transformer "
                          "Engine's")
-    if cfg.num_moe_experts and (cfg.moe_dense_layers or cfg.shortcut_moe):
+    if cfg.num_moe_experts and (cfg.moe_dense_layers or cfg.shortcut_moe or cfg.layer_kinds is not None):
         if use_te:
             from forge_megatron.utils import env
 

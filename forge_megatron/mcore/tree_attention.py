@@ -239,6 +239,10 @@ def swap_core_attention(spec):
     attn = getattr(layer_subs, "self_attention", None)
     if is_gated_delta_net(attn):  # a linear-attention layer follows the tree by itself (packed params)
         return spec
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    if attn is IdentityOp:  # (Nemotron-H's MLP-only layers: no attention)
+        return spec
     if attn is None or not dataclasses.is_dataclass(getattr(attn, "submodules", None)) \
             or not hasattr(attn.submodules, "core_attention"):
         raise TypeError(f"cannot find self_attention.submodules.core_attention in layer spec {spec!r}")

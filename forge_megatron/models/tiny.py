@@ -45,7 +45,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1", "solar_open", "mixtral",
          "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
-         "granitemoehybrid_mamba")
+         "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -260,6 +260,9 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "topk_group": 1,
            "norm_topk_prob": True, "routed_scaling_factor": 2.5, "index_topk": 4, "index_n_heads": 32,
            "index_head_dim": 16}
+    nemotron_h = {"head_dim": 16, "intermediate_size": 96, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
+                  "ssm_state_size": 8, "conv_kernel": 4, "expand": 2, "chunk_size": 8, "layer_norm_epsilon": 1e-5,
+                  "num_hidden_layers": None}
     granite_scales = {"embedding_multiplier": 2.0, "attention_multiplier": 0.1, "residual_multiplier": 0.5,
                       "logits_scaling": 4.0, "tie_word_embeddings": True}
     per_arch = {
@@ -388,6 +391,17 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "shared_intermediate_size": 48, "layer_types": ["mamba", "attention"],
              "position_embedding_type": "nope", "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
              "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8},
+        ),
+        # Nemotron-H layout: a Mamba-2 layer (8 heads of 16 in 2 groups, state 8), a squared-ReLU MLP, a NoPE
+        # attention layer and another MLP, each behind its own norm
+        "nemotron_h": (transformers.NemotronHConfig, {**nemotron_h, "hybrid_override_pattern": "M-*-"}),
+        # Nemotron 3 Nano layout: the same with the MLPs as 4 squared-ReLU experts (top 2 by sigmoid + bias,
+        # renormalised, times 2.5) beside a shared one of 48
+        "nemotron_h_moe": (
+            transformers.NemotronHConfig,
+            {**nemotron_h, "hybrid_override_pattern": "ME*E", "n_routed_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 2.5,
+             "n_group": 1, "topk_group": 1, "norm_topk_prob": True},
         ),
         # EXAONE 4.0 layout: norms after attention and MLP, per-head q/k norms, a 4-token window on layer 0 (which
         # rotates) beside a global layer 1 that does not (NoPE)
@@ -658,7 +672,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(torch.randn(p.shape) * 0.1)
             elif arch.startswith("minimax_m3") and "vision" not in name and name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms (zeros when initialised): which is which
-            elif ".mamba." in name and name.endswith(("D", "dt_bias", "norm.weight", "conv1d.bias")):
+            elif (".mamba." in name or arch.startswith("nemotron_h")) and \
+                    name.endswith(("D", "dt_bias", "mixer.norm.weight", "mamba.norm.weight", "conv1d.bias")):
                 p.copy_(p + torch.randn(p.shape) * 0.3)  # Mamba-2's skip, time-step bias, gated norm, conv bias
             elif arch.startswith("exaone") and name.endswith(("q_norm.weight", "k_norm.weight", "layernorm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head and post norms: which is which matters

@@ -588,6 +588,15 @@ class ReferenceEngine:
             candidates += (_minimax_m3_name(_in_memory_name(name)),)
         if model_type == "exaone_moe":  # K-EXAONE's score-correction bias: beside the gate on disk, in it in memory
             candidates += (name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),)
+        if model_type == "nemotron_h":  # backbone. on disk, model. in memory; experts one by one on disk, stacked
+            name = "model." + name[len("backbone."):] if name.startswith("backbone.") else name
+            m = _NEMOTRON_EXPERT.fullmatch(name)
+            if m is not None:
+                stacked = params.get(f"{m.group(1)}.{m.group(3)}")
+                _require(stacked is not None, f"unknown parameter name {name!r}")
+                _require(int(m.group(2)) < stacked.shape[0], f"{name!r}: expert {m.group(2)} >= {stacked.shape[0]}")
+                return stacked[int(m.group(2))]
+            candidates = (name,)
         if model_type in ("granitemoe", "granitemoeshared", "granitemoehybrid"):  # Granite's stacked experts on disk
             m = _GRANITE_MOE.fullmatch(name)
             if m is not None:
@@ -641,6 +650,8 @@ class ReferenceEngine:
 _SPLIT_CONV = re.compile(r"(.+\.(?:linear_attn|self_attn))\.([qkv])_conv1d\.weight")
 _OLMO_HYBRID_NORM = re.compile(r"(.+)\.(attention|feedforward)_layer_norm\.weight")
 _KIMI_FORGET_GATE = re.compile(r"(.+\.self_attn)\.(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)")
+# Nemotron-H's experts one by one (plain MLPs: up and down) as released; transformers >= 5 stacks them
+_NEMOTRON_EXPERT = re.compile(r"(.+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight")
 # Granite's MoE tensors as released and as transformers >= 5 holds them
 _GRANITE_MOE = re.compile(r"(.+)\.block_sparse_moe\.(input_linear\.weight|output_linear\.weight|router\.layer\.weight)")
 _GRANITE_IN_MEMORY = {"input_linear.weight": "experts.gate_up_proj", "output_linear.weight": "experts.down_proj",

@@ -981,3 +981,64 @@ def test_granite_scale_fields_are_checked():
     with pytest.raises(ValueError, match="logits_scaling with final_logit_softcapping"):
         GPTConfig(**base, logits_scaling=2.0, final_logit_softcapping=30.0)
     assert GPTConfig(**base, residual_multiplier=0.22, logits_scaling=16.0).logits_scaling == 16.0
+
+
+def test_nemotron_h_layer_kinds_from_the_released_pattern():
+    """Nemotron-H configs as released give hybrid_override_pattern (M Mamba-2, * attention, - MLP, E MoE): each layer
+    one sublayer, its norm the Megatron layer's input norm (mixers) or pre-MLP norm (MLP, experts); squared-ReLU plain
+    MLPs, NoPE attention, the Mamba-2 sizes; a pattern with E (Nemotron 3 Nano's shape) has the sigmoid router, the
+    shared expert its own width. Latent expert projections and other activations are refused by name."""
+    dense = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 4096,
+             "hybrid_override_pattern": "M-M-M*-M-", "num_attention_heads": 32, "num_key_value_heads": 8,
+             "head_dim": 128, "intermediate_size": 21504, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8,
+             "ssm_state_size": 128, "conv_kernel": 4, "expand": 2, "mlp_hidden_act": "relu2",
+             "layer_norm_epsilon": 1e-5, "vocab_size": 131072, "tie_word_embeddings": False,
+             "max_position_embeddings": 8192}
+    bridge = Bridge(dense)
+    cfg = bridge.cfg
+    assert cfg.layer_kinds == ("mamba", "mlp", "mamba", "mlp", "mamba", "attention", "mlp", "mamba", "mlp")
+    assert cfg.linear_attention == tuple(k == "mamba" for k in cfg.layer_kinds) and cfg.nope_layers == (True,) * 9
+    assert (cfg.activation, cfg.swiglu, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim, cfg.linear_value_head_dim) == ("relu2", False, 8, 128, 128, 64)
+    assert bridge.hf_names("decoder.layers.5.input_layernorm.weight") == ["backbone.layers.5.norm.weight"]
+    assert bridge.hf_names("decoder.layers.6.pre_mlp_layernorm.weight") == ["backbone.layers.6.norm.weight"]
+    assert bridge.hf_names("decoder.layers.6.mlp.linear_fc1.weight") == ["backbone.layers.6.mixer.up_proj.weight"]
+    names = {r.mcore for r in bridge.rules if bridge.layer_has(r, 6)}
+    assert "decoder.layers.{layer}.input_layernorm.weight" not in names  # (an MLP layer: no input norm)
+    assert bridge.hf_shape("backbone.layers.0.mixer.in_proj.weight") == (2 * 8192 + 2 * 8 * 128 + 128, 4096)
+    assert bridge.hf_shape("backbone.layers.6.mixer.up_proj.weight") == (21504, 4096)
+    moe = Bridge({**dense, "hybrid_override_pattern": "MEMEM*EME", "n_routed_experts": 128,
+                  "num_experts_per_tok": 6, "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
+                  "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True})
+    c = moe.cfg
+    assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size, c.moe_shared_ffn_hidden_size) == \
+        (128, 6, 1856, 3712)
+    assert c.extra["moe_router_score_function"] == "sigmoid" and c.extra["moe_router_topk_scaling_factor"] == 2.5
+    assert [moe.is_moe_layer(i) for i in range(9)] == [k == "moe" for k in c.layer_kinds]
+    assert moe.hf_names("decoder.layers.1.mlp.router.expert_bias") == \
+        ["backbone.layers.1.mixer.gate.e_score_correction_bias"]
+    assert moe.is_mtp_tensor("mtp.layers.0.mixer.q_proj.weight")
+    with pytest.raises(UnsupportedModelError, match="moe_latent_size"):
+        Bridge({**dense, "moe_latent_size": 1024})
+    with pytest.raises(UnsupportedModelError, match="mlp_hidden_act='gelu'"):
+        Bridge({**dense, "mlp_hidden_act": "gelu"})
+    with pytest.raises(UnsupportedModelError, match=r"layer kinds \['X'\]"):
+        Bridge({**dense, "hybrid_override_pattern": "M-X-"})
+
+
+def test_layer_kinds_and_squared_relu_are_checked():
+    """GPTConfig: layer_kinds one known kind per layer, moe layers exactly with experts, mamba layers exactly where
+    linear_attention says; squared ReLU only in a plain (not gated) MLP."""
+    from forge_megatron.mcore.model import GPTConfig
+
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, vocab_size=10)
+    with pytest.raises(ValueError, match="layer_kinds needs one of"):
+        GPTConfig(**base, layer_kinds=("attention", "conv"))
+    with pytest.raises(ValueError, match="moe layers exactly when num_moe_experts"):
+        GPTConfig(**base, layer_kinds=("attention", "moe"))
+    with pytest.raises(ValueError, match="mamba layers exactly where linear_attention says"):
+        GPTConfig(**base, layer_kinds=("mamba", "mlp"))
+    with pytest.raises(ValueError, match="in a plain one 'relu2'"):
+        GPTConfig(**base, activation="relu2")  # (swiglu defaults on)
+    ok = GPTConfig(**base, layer_kinds=("attention", "mlp"), activation="relu2", swiglu=False)
+    assert ok.layer_kinds == ("attention", "mlp")

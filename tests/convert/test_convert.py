@@ -27,7 +27,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1",
          "solar_open", "mixtral", "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
-         "granitemoehybrid_mamba")
+         "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -162,6 +162,9 @@ LAYOUTS = [
     ("granitemoehybrid", ParallelLayout(tp=2, pp=2)),  # the shared MLP as the layer's MLP
     # Granite 4.0-H: the Mamba-2 layer's projection and convolution regrouped per group, TP splitting the groups
     ("granitemoehybrid_mamba", ParallelLayout(tp=2, pp=2, ep=2)),
+    # Nemotron-H: one sublayer per layer (the norm the input or the pre-MLP norm by the layer's kind)
+    ("nemotron_h", ParallelLayout(tp=2, pp=2)),
+    ("nemotron_h_moe", ParallelLayout(tp=2, pp=2, ep=2)),
 ]
 
 

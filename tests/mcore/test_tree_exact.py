@@ -191,7 +191,8 @@ def _body_one_rank(rank, world_size):
                       ("youtu", "YoutuForCausalLM"), ("granite", "GraniteForCausalLM"),
                       ("granitemoeshared", "GraniteMoeSharedForCausalLM"),
                       ("granitemoehybrid_moe", "GraniteMoeHybridForCausalLM"),
-                      ("granitemoehybrid_mamba", "GraniteMoeHybridForCausalLM")):
+                      ("granitemoehybrid_mamba", "GraniteMoeHybridForCausalLM"),
+                      ("nemotron_h", "NemotronHForCausalLM"), ("nemotron_h_moe", "NemotronHForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 3 with final-logit soft-capping (Gemma 4's): the fused logprobs cap the chunks they make, Megatron's output
@@ -507,7 +508,7 @@ def test_olmo3_tree_equals_unmerged(one_rank):
                                   "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "longcat_flash", "dots1",
                                   "solar_open", "mixtral", "phi3", "qwen2_moe", "exaone4", "exaone_moe",
                                   "youtu", "granite", "granitemoeshared", "granitemoehybrid_moe",
-                                  "granitemoehybrid_mamba"])
+                                  "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,
@@ -515,6 +516,11 @@ def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank
     # the first router's weights sum a softmax gradient over six experts whose terms largely cancel, 1.9e-5, the
     # others below 3e-6)
     rtol = 3 * GRAD_RTOL if arch in ("gemma4_e", "longcat_flash") else GRAD_RTOL
+    if arch in ("granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe"):
+        # Mamba-2's A_log: its gradient sums over every token terms that nearly cancel, in another order on the tree
+        # than per sample (as Gated DeltaNet's decay parameters: test_qwen3_5_gated_delta_net_tree_equals_unmerged);
+        # 2.8e-5 of its largest here, every other parameter within 1e-6
+        rtol = 5 * GRAD_RTOL
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= rtol, one_rank[arch]
 
 

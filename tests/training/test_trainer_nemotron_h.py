@@ -1,0 +1,28 @@
+"""The trainer on Nemotron 3 Nano's layout, as a real process against a real forge-pool process: layers of one
+sublayer each behind their own norm (a Mamba-2 mixer, squared-ReLU experts beside a shared one, NoPE attention,
+experts again; Megatron's identities for each layer's other half). One rank, TP = 2 with sequence parallelism (each
+rank one Mamba-2 group), CP = 2 (the recurrence on whole paths, one group per rank), PP = 2 (two one-sublayer layers
+per stage) and EP = 2 train the same two steps, routing replayed. CPU, 0 GPUs (gloo)."""
+
+import numpy as np
+
+from forge_megatron.models.tiny import build_tiny_model
+
+from .pool_feed import feed_groups
+from .trainer_run import REPLAY_KEYS, assert_same_as_one_rank, run_on_fresh_pool
+
+
+def test_nemotron_h_moe_trains_the_same_under_tensor_context_pipeline_and_expert_parallelism(tmp_path):
+    model_dir = build_tiny_model(str(tmp_path / "nemotron_h_moe"), arch="nemotron_h_moe", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6), routing=(4, 4, 2))  # noqa
+    steps = {}
+    layouts = [("one", [], 1), ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+               ("cp2", ["--context-parallel-size", "2"], 2), ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+               ("ep2", ["--expert-model-parallel-size", "2"], 2)]
+    for name, extra, nproc in layouts:
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
+                                              extra=extra + ["--routing-replay", "--tree-token-budget", "24"],
+                                              model=[])
+    assert [len(v) for v in steps.values()] == [2] * len(layouts)
+    assert steps["one"][0]["grad_norm"] > 0 and all(s["routing_replayed_rows"] > 0 for s in steps["one"])
+    assert_same_as_one_rank(steps, [name for name, _, _ in layouts[1:]], REPLAY_KEYS)
