@@ -250,6 +250,8 @@ class ReferenceEngine:
         routers = {}
         for i, layer in enumerate(self.model.model.layers):
             mlp = getattr(layer, "mlp", None)
+            if mlp is None and getattr(layer, "block_type", None) == "moe":  # (Nemotron-H: a layer's one mixer)
+                mlp = layer.mixer
             # gpt-oss names it router; Gemma 4's sits on the layer, its k in its config
             gate = getattr(mlp, "gate", None) or getattr(mlp, "router", None) or getattr(layer, "router", None)
             top_k = getattr(gate, "top_k", None) or getattr(getattr(gate, "config", None), "top_k_experts", None)

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "0.75 at 20 steps -> 0.53 at 40 with qwen3_vl)")
     p.add_argument("--moe", nargs="?", const="qwen3_moe", default=None,
                    choices=["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32", "mistral4", "kimi_linear",
-                            "gpt_oss", "minimax_m2", "gemma4_moe"],
+                            "gpt_oss", "minimax_m2", "gemma4_moe", "nemotron_h_moe"],
                    help="a tiny MoE model (4 experts, top-2) with rollout routing replay end to end: Qwen3-MoE "
                         "(default); glm4_moe: the GLM-4.5 layout (a dense first layer, a sigmoid router with "
                         "score-correction bias, a shared expert, RoPE on half of each head); deepseek_v3: the "
@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "gpt_oss: attention sinks, a sliding window on every other layer, biased experts with the "
                         "clamped GLU; minimax_m2: the MiniMax-M2 layout (every layer MoE with the sigmoid router, "
                         "q/k RMSNorms over all heads); gemma4_moe: Gemma 4 26B-A4B's (--arch gemma4's layers with "
-                        "routed experts beside the dense MLP in every layer)")
+                        "routed experts beside the dense MLP in every layer); nemotron_h_moe: Nemotron 3 Nano's (one "
+                        "sublayer per layer: Mamba-2 mixers trained on prefix trees and squared-ReLU experts "
+                        "alternating, NoPE attention before the last)")
     p.add_argument("--arch", choices=["qwen2", "qwen3_5", "olmo3", "olmo_hybrid", "gemma3", "gemma4", "gemma4_e",
                                       "qwen3_vl", "qwen2_5_vl", "gemma3_vl", "gemma4_vl", "ministral3_vl",
                                       "kimi_k25"],
@@ -283,6 +285,11 @@ def prepare(args: argparse.Namespace) -> tuple[str, str]:
         arch.update(layer_types=["full_attention" if (i + 1) % every == 0 or i + 1 == args.num_layers
                                  else "linear_attention" for i in range(args.num_layers)],
                     mlp_layer_types=["dense"] + ["sparse"] * (args.num_layers - 1))
+    if args.moe == "nemotron_h_moe":  # M E M E ... * E: Mamba-2 and experts alternating, attention before the last
+        n = args.num_layers
+        arch.update(hybrid_override_pattern="".join("*" if i == n - 2 else "ME"[i % 2] for i in range(n)),
+                    mamba_head_dim=2 * args.hidden_size // 8, moe_shared_expert_intermediate_size=args.hidden_size)
+        kind = "Nemotron 3 Nano layout: Mamba-2, NoPE attention and squared-ReLU expert layers, 4 experts top-2, "
     if args.arch in ("qwen3_5", "olmo_hybrid"):
         every = min(4, args.num_layers)
         arch["layer_types"] = ["full_attention" if (i + 1) % every == 0 or i + 1 == args.num_layers
@@ -521,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--distill-kl needs --distill (the teacher it learns from)")
     if args.distill and (args.arch in VISION_ARCHS or args.moe):
         raise SystemExit("--distill runs the calculator task with a dense teacher: a text --arch, no --moe")
+    if args.moe == "nemotron_h_moe" and (args.num_layers < 4 or args.num_layers % 2):
+        raise SystemExit("--moe nemotron_h_moe needs an even --num-layers of 4 or more (Mamba-2 and expert layers "
+                         "alternating, attention before the last)")
     if args.arch == "gemma4_e" and (args.num_layers < 4 or args.num_layers % 2):
         raise SystemExit("--arch gemma4_e needs an even --num-layers of 4 or more (every other layer global, the "
                          "second half reusing the keys and values of the first half's last two)")

@@ -472,3 +472,37 @@ def test_vision_language_release_swaps_in_by_its_checkpoint_names(tmp_path, arch
     assert res.logprobs == pytest.approx(teacher_forced_logprobs(ref, PROMPT, res.output_ids), abs=1e-4)
     mine = load_causal_lm(first, dtype=torch.float32).eval()  # the control: the first checkpoint scores otherwise
     assert teacher_forced_logprobs(mine, PROMPT, res.output_ids) != pytest.approx(res.logprobs, abs=1e-3)
+
+
+def test_routed_experts_of_nemotron_h_moe_layers(tmp_path):
+    """Nemotron-H's routers are its "moe" layers' one mixer (``mixer.gate``): return_routed_experts records them in
+    their layers' columns, the Mamba-2 and attention layers' columns -1, the ids the gates' own top-k."""
+    d = build_tiny_model(str(tmp_path / "nemotron_h_moe"), arch="nemotron_h_moe", sampling_seed=0)
+    h = start_engine(d, in_process=True, extra_args=["--enable-return-routed-experts"])
+    try:
+        eng = h.engine
+        assert sorted(eng.routers) == [1, 3]
+        req = eng.new_request({"input_ids": PROMPT, "return_routed_experts": True,
+                               "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3,
+                                                   "ignore_eos": True}})
+        while req.finish is None:
+            eng._step(req)
+        routed = eng.routed_experts(req)
+        ids = PROMPT + req.output_ids
+        assert routed.shape == (len(ids) - 1, 4, 2)
+        assert (routed[:, [0, 2]] == -1).all() and (routed[:, [1, 3]] >= 0).all()
+        got, hooks = {}, []
+        for i in (1, 3):
+            gate = eng.model.model.layers[i].mixer.gate
+            hooks.append(gate.register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, out[-1])))
+        try:
+            with torch.no_grad():
+                eng.model(torch.tensor([ids[:-1]]))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for i in (1, 3):
+            assert torch.equal(routed[:, i].sort(-1).values, got[i].reshape(len(ids) - 1, 2).to(torch.int32)
+                               .sort(-1).values), i
+    finally:
+        h.stop()
