@@ -83,6 +83,14 @@ beside a shared one (``moe_shared_expert_intermediate_size``). Megatron builds e
 its identity (GPTConfig ``layer_kinds``), as Megatron's own hybrid models do. Refused by name: ``moe_latent_size``
 (latent expert projections), biases, another activation, a sliding window; its MTP layers are left out.
 
+LFM2 (``lfm2``: Lfm2ForCausalLM, Liquid AI's 350M-2.6B): layers whose mixer is a gated short convolution (``layer_types``
+"conv", or every layer not in ``full_attn_idxs``: ``conv.in_proj`` gives B, C and x, y = C * conv(B * x) over
+``conv_L_cache`` taps, ``conv.out_proj``; mcore/short_conv.py, the convolution along each token's ancestors) or
+attention with per-head q/k RMSNorms (``q_layernorm`` / ``k_layernorm``, before RoPE) and an ``out_proj``; every
+layer's input norm ``operator_norm``, its MLP's ``ffn_norm``, a SwiGLU MLP (``feed_forward.w1`` / ``w3`` / ``w2``)
+whose width ``block_auto_adjust_ff_dim`` derives from ``intermediate_size`` (2/3 of it, times
+``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``), the final norm ``embedding_norm``, the head tied.
+
 MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
 (``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
 with a score-correction bias (normalised top-k; no groups and no scaling: transformers and SGLang ignore
@@ -264,6 +272,8 @@ class Family:
     # Nemotron-H (NVIDIA Nemotron-H, Nemotron Nano 2 / 3): layers of one sublayer each (Mamba-2, NoPE attention, a
     # squared-ReLU MLP, or DeepSeek-V3-routed squared-ReLU experts) behind their own norm (nemotron_h_view)
     nemotron_h: bool = False
+    # LFM2 (Liquid AI): gated short-convolution layers (mcore/short_conv.py) beside attention with per-head q/k norms
+    lfm2: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -299,6 +309,8 @@ FAMILIES: dict[str, Family] = {
     "NemotronHForCausalLM": Family("nemotron_h", qkv_bias=False, qk_norm=False, moe=False, nemotron_h=True),
     "NemotronHForCausalLM/moe": Family("nemotron_h", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                        nemotron_h=True),
+    # LFM2 (Liquid AI: 350M-2.6B): see the module docstring
+    "Lfm2ForCausalLM": Family("lfm2", qkv_bias=False, qk_norm=True, moe=False, lfm2=True),
     # Youtu-LLM (Tencent, 2B): DeepSeek-V3's multi-latent attention in Llama's layers with a dense SwiGLU MLP
     "YoutuForCausalLM": Family("youtu", qkv_bias=False, qk_norm=False, moe=False, mla=True),
     # EXAONE 4.0 (32B, 1.2B) and K-EXAONE (236B-A23B): see the module docstring
@@ -1156,6 +1168,27 @@ def nemotron_h_view(hf: dict) -> dict:
             "n_shared_experts": hf.get("n_shared_experts", 1) or 1}
 
 
+def lfm2_view(hf: dict) -> dict:
+    """LFM2's config under the generic names: each layer's kind (``layer_types``, or ``full_attn_idxs``), the
+    norms' epsilon, the MLP width its MLP derives."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        full = set(hf.get("full_attn_idxs") or range(n))
+        types = ["full_attention" if i in full else "conv" for i in range(n)]
+    if len(types) != n or set(types) - {"conv", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {types}: conv or full_attention, one per layer ({n})")
+    width = hf["intermediate_size"]
+    if hf.get("block_auto_adjust_ff_dim", True):  # as transformers' Lfm2MLP derives it
+        width = int(2 * width / 3)
+        if hf.get("block_ffn_dim_multiplier") is not None:
+            multiple = int(hf.get("block_multiple_of", 256))
+            width = int(hf["block_ffn_dim_multiplier"] * width)
+            width = multiple * ((width + multiple - 1) // multiple)
+    return {**hf, "layer_types": list(types), "intermediate_size": width, "rms_norm_eps": hf.get("norm_eps", 1e-5),
+            "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
+
+
 def granite_layer_kinds(hf: dict) -> list[str]:
     """Granite 4.0's layers as "attention" or "mamba" (``layer_types``: attention / full_attention, mamba /
     linear_attention as transformers writes them; without any, every layer is Mamba-2, as transformers builds it)."""
@@ -1308,6 +1341,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         hf = exaone_view(hf)
     if family.nemotron_h:
         hf = nemotron_h_view(hf)
+    if family.lfm2:
+        hf = lfm2_view(hf)
     _refuse_unsupported(hf, family)
     if family.hunyuan:
         hf = hunyuan_view(hf)
@@ -1539,6 +1574,9 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         if family.moe:  # (the sigmoid router's fields above; the shared expert has its own width)
             kwargs["moe_shared_ffn_hidden_size"] = int(hf.get("moe_shared_expert_intermediate_size") or
                                                        hf["moe_intermediate_size"])
+    if family.lfm2 and "conv" in hf["layer_types"]:  # LFM2's gated short convolutions (mcore/short_conv.py)
+        kwargs.update(linear_attention=tuple(t == "conv" for t in hf["layer_types"]), linear_attention_kind="short_conv",
+                      linear_conv_kernel=int(hf.get("conv_L_cache", 3)), short_conv_bias=bool(hf.get("conv_bias")))
     if family.exaone and hf.get("sliding_window"):  # the sliding layers rotate, the global ones do not
         kwargs["extra"] = {**kwargs.get("extra", {}), **sliding_windows(hf)}
         if "full_attention" in hf["layer_types"]:

@@ -231,6 +231,36 @@ def _mamba2_rules(cfg: GPTConfig, hf: str = HF_LAYER + "mamba.") -> list[Rule]:
     return rules
 
 
+def _lfm2_rules(cfg: GPTConfig) -> list[Rule]:
+    """LFM2: short-convolution layers (``conv.*``: ``in_proj`` interleaved per channel as ``shortconv_in``, the
+    depthwise convolution squeezed) and attention layers (``self_attn.out_proj``, ``q_layernorm`` / ``k_layernorm``);
+    every layer's ``operator_norm`` before its mixer, ``ffn_norm`` before its MLP (``feed_forward.w1`` / ``w3`` /
+    ``w2``), the final ``embedding_norm``."""
+    conv, attn, mixer = HF_LAYER + "conv.", HF_LAYER + "self_attn.", LAYER + "self_attention."
+    rules = [
+        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "col"),
+        Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "operator_norm.weight",)),
+        Rule(mixer + "in_proj.weight", (conv + "in_proj.weight",), "shortconv_in", "col", layers="linear"),
+        Rule(mixer + "conv1d_weight", (conv + "conv.weight",), "shortconv_conv", "col", layers="linear"),
+        Rule(mixer + "out_proj.weight", (conv + "out_proj.weight",), tp="row", layers="linear"),
+        Rule(mixer + "linear_qkv.weight", tuple(attn + f"{p}_proj.weight" for p in "qkv"), "qkv", "col",
+             layers="full"),
+        Rule(mixer + "linear_proj.weight", (attn + "out_proj.weight",), tp="row", layers="full"),
+        Rule(mixer + "q_layernorm.weight", (attn + "q_layernorm.weight",), layers="full"),
+        Rule(mixer + "k_layernorm.weight", (attn + "k_layernorm.weight",), layers="full"),
+        Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "ffn_norm.weight",)),
+        Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "feed_forward.w1.weight", HF_LAYER + "feed_forward.w3.weight"),
+             "glu", "glu"),
+        Rule(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + "feed_forward.w2.weight",), tp="row"),
+        Rule("decoder.final_layernorm.weight", ("model.embedding_norm.weight",)),
+    ]
+    if cfg.short_conv_bias:
+        rules.append(Rule(mixer + "conv1d_bias", (conv + "conv.bias",), tp="col", layers="linear"))
+    if not cfg.tie_word_embeddings:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", "col"))
+    return rules
+
+
 def _nemotron_h_rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     """Nemotron-H: each layer's norm and its one sublayer (``backbone.layers.{i}.norm`` / ``.mixer``): the norm is
     the Megatron layer's input norm before a Mamba-2 or attention mixer, its pre-MLP norm before an MLP or experts
@@ -442,6 +472,8 @@ def _longcat_rules(cfg: GPTConfig) -> list[Rule]:
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if family.nemotron_h:
         return _nemotron_h_rules(cfg, family)
+    if family.lfm2:
+        return _lfm2_rules(cfg)
     if family.longcat:
         return _longcat_rules(cfg)
     if family.mimo:
@@ -649,6 +681,11 @@ class Bridge:
                          "mamba_conv": (lambda t: (self._mamba_conv_hf(t)[:, None],),
                                         lambda t: self._mamba_conv_grouped(t[:, 0])),
                          "mamba_conv_bias": (lambda t: (self._mamba_conv_hf(t),), self._mamba_conv_grouped),
+                         # LFM2's short convolutions: HF's [B; C; x] rows -> per channel (B, C, x); [D, 1, K] -> [D, K]
+                         "shortconv_in": (lambda t: (t.reshape(-1, 3, *t.shape[1:]).transpose(0, 1)
+                                                     .reshape(t.shape),),
+                                          lambda t: t.reshape(3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)),
+                         "shortconv_conv": (lambda t: (t[:, None],), lambda t: t[:, 0]),
                          "qkv_global": (self._split_qkv_global, self._join_qkv_global),
                          "gdn_in": (self._split_gdn_in, self._join_gdn_in),
                          "gdn_in_grouped": (self._split_gdn_in_grouped, self._join_gdn_in_grouped),
@@ -967,6 +1004,11 @@ class Bridge:
                           f"{where}conv1d.weight": (conv, 1, cfg.linear_conv_kernel), f"{where}conv1d.bias": (conv,),
                           f"{where}A_log": (H,), f"{where}dt_bias": (H,), f"{where}D": (H,),
                           f"{where}norm.weight": (H * P,), f"{where}out_proj.weight": (d, H * P)})
+        if self.family.lfm2:  # its short convolutions' and attention's own names
+            table.update({"conv.in_proj.weight": (3 * d, d), "conv.conv.weight": (d, 1, cfg.linear_conv_kernel),
+                          "conv.conv.bias": (d,), "conv.out_proj.weight": (d, d),
+                          "self_attn.out_proj.weight": (d, n * h), "q_layernorm.weight": (h,),
+                          "k_layernorm.weight": (h,)})
         if self.family.nemotron_h:  # its embedding and final norm's names
             table.update({"embeddings.weight": (self.hf_vocab, d), "norm_f.weight": (d,)})
         e = cfg.num_moe_experts or 0

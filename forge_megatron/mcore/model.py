@@ -146,9 +146,11 @@ class GPTConfig:
     # the linear-attention layers' kind: "gated_delta" (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo Hybrid),
     # "kimi_delta" (Kimi Delta Attention: a decay per key channel, low-rank gates; mcore/kimi_delta.py) or "mamba2"
     # (Mamba-2: Granite 4.0-H; mcore/mamba2.py: linear_num_key_heads its groups, linear_num_value_heads its heads,
-    # linear_key_head_dim its state size, linear_value_head_dim its head dim)
+    # linear_key_head_dim its state size, linear_value_head_dim its head dim) or "short_conv" (LFM2's gated short
+    # convolutions over the hidden channels, linear_conv_kernel taps; mcore/short_conv.py)
     linear_attention_kind: str = "gated_delta"
     mamba_conv_bias: bool = True  # Mamba-2: a bias on the short convolution
+    short_conv_bias: bool = False  # "short_conv" (LFM2's gated short convolutions, mcore/short_conv.py): a conv bias
     mamba_dt_limit: tuple[float, float] | None = None  # Mamba-2: the time step clamped to (min, max); None: (0, inf)
     # Gemma 4 (mcore/gemma4.py): the global (not sliding-window) layers' own head size and key heads, values that
     # are the projected keys there (attention_k_eq_v), and their proportional RoPE (base, rotated fraction, factor)
@@ -311,9 +313,9 @@ class GPTConfig:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                                  f"linear_num_key_heads ({self.linear_num_key_heads})")
-            if self.linear_attention_kind not in ("gated_delta", "kimi_delta", "mamba2"):
-                raise ValueError(f"linear_attention_kind must be 'gated_delta', 'kimi_delta' or 'mamba2', got "
-                                 f"{self.linear_attention_kind!r}")
+            if self.linear_attention_kind not in ("gated_delta", "kimi_delta", "mamba2", "short_conv"):
+                raise ValueError(f"linear_attention_kind must be 'gated_delta', 'kimi_delta', 'mamba2' or 'short_conv', "
+                                 f"got {self.linear_attention_kind!r}")
             kda = self.linear_attention_kind == "kimi_delta"
             if self.mamba_dt_limit is not None:
                 low, high = (float(x) for x in self.mamba_dt_limit)
@@ -869,6 +871,10 @@ def _hybrid_block_spec(cfg: GPTConfig, spec, linear_base, vp_stage: int | None):
         from forge_megatron.mcore.mamba2 import mamba2_spec
 
         mixer = mamba2_spec(cfg.mamba_conv_bias, cfg.mamba_dt_limit, cfg.linear_norm_epsilon)
+    elif cfg.linear_attention_kind == "short_conv":
+        from forge_megatron.mcore.short_conv import short_conv_spec
+
+        mixer = short_conv_spec(cfg.short_conv_bias)
     else:
         mixer = gated_delta_net_spec(cfg.linear_beta_scale, cfg.linear_norm_epsilon)
 

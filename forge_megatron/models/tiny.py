@@ -45,7 +45,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1", "solar_open", "mixtral",
          "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
-         "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe")
+         "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -403,6 +403,13 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 2.5,
              "n_group": 1, "topk_group": 1, "norm_topk_prob": True},
         ),
+        # LFM2 layout: a gated short-convolution layer (3 taps) then attention with per-head q/k norms, the MLP's
+        # width derived as LFM2 does (2/3 of 144, rounded up to 16: 96), the head tied
+        "lfm2": (
+            transformers.Lfm2Config,
+            {"intermediate_size": 144, "block_multiple_of": 16, "layer_types": ["conv", "full_attention"],
+             "tie_word_embeddings": True},
+        ),
         # EXAONE 4.0 layout: norms after attention and MLP, per-head q/k norms, a 4-token window on layer 0 (which
         # rotates) beside a global layer 1 that does not (NoPE)
         "exaone4": (
@@ -677,6 +684,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(p + torch.randn(p.shape) * 0.3)  # Mamba-2's skip, time-step bias, gated norm, conv bias
             elif arch.startswith("exaone") and name.endswith(("q_norm.weight", "k_norm.weight", "layernorm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head and post norms: which is which matters
+            elif arch == "lfm2" and name.endswith(("layernorm.weight", "norm.weight")):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # q/k norms and the two norms per layer: which is which
             elif arch == "dots1" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head norms: which is which matters
             elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid", "olmoe") and \

@@ -1042,3 +1042,33 @@ def test_layer_kinds_and_squared_relu_are_checked():
         GPTConfig(**base, activation="relu2")  # (swiglu defaults on)
     ok = GPTConfig(**base, layer_kinds=("attention", "mlp"), activation="relu2", swiglu=False)
     assert ok.layer_kinds == ("attention", "mlp")
+
+
+def test_lfm2_config_shaped_like_the_1_2b_release():
+    """A config shaped like LFM2-1.2B's: full_attn_idxs name the attention layers, the rest gated short convolutions
+    (3 taps); the MLP's width is what its MLP derives (2/3 of intermediate_size, times the multiplier, rounded up to
+    block_multiple_of); the short convolution's projection interleaved per channel and back."""
+    released = {"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "hidden_size": 2048,
+                "intermediate_size": 12288, "num_hidden_layers": 16, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "full_attn_idxs": [2, 5, 8, 10, 12, 14], "block_multiple_of": 256,
+                "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True, "conv_L_cache": 3,
+                "conv_bias": False, "norm_eps": 1e-5, "rope_theta": 1e6, "vocab_size": 65536,
+                "max_position_embeddings": 128000, "tie_word_embeddings": True}
+    bridge = Bridge(released)
+    cfg = bridge.cfg
+    assert cfg.linear_attention == tuple(i not in (2, 5, 8, 10, 12, 14) for i in range(16))
+    assert (cfg.linear_attention_kind, cfg.linear_conv_kernel, cfg.ffn_hidden_size, cfg.qk_layernorm,
+            cfg.tie_word_embeddings, cfg.norm_epsilon) == ("short_conv", 3, 8192, True, True, 1e-5)
+    assert Bridge({**released, "block_ffn_dim_multiplier": 1.3}).cfg.ffn_hidden_size == 10752  # 10649 -> 42 x 256
+    assert bridge.hf_names("decoder.layers.2.self_attention.linear_proj.weight") == \
+        ["model.layers.2.self_attn.out_proj.weight"]
+    assert bridge.hf_names("decoder.layers.0.self_attention.in_proj.weight") == ["model.layers.0.conv.in_proj.weight"]
+    small = Bridge({**released, "hidden_size": 4, "num_attention_heads": 2, "num_key_value_heads": 2,
+                    "intermediate_size": 12, "num_hidden_layers": 1, "full_attn_idxs": [], "vocab_size": 8})
+    rows = torch.arange(12, dtype=torch.float32)[:, None].expand(-1, 4)  # B rows 0-3, C 4-7, x 8-11
+    mine = small.from_hf("decoder.layers.0.self_attention.in_proj.weight", {"model.layers.0.conv.in_proj.weight": rows})
+    assert mine[:, 0].tolist() == [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]  # per channel its B, C, x
+    assert torch.equal(small.to_hf("decoder.layers.0.self_attention.in_proj.weight", mine)[
+        "model.layers.0.conv.in_proj.weight"], rows)
+    with pytest.raises(UnsupportedModelError, match="conv or full_attention"):
+        Bridge({**released, "layer_types": ["conv", "sliding_attention"] * 8})

@@ -83,6 +83,7 @@ def models(tmp_path_factory):
         "granitemoehybrid_mamba": build_tiny_model(str(root / "granitemoehybrid_mamba"), arch="granitemoehybrid_mamba",
                                                    seed=107),
         "nemotron_h_moe": build_tiny_model(str(root / "nemotron_h_moe"), arch="nemotron_h_moe", seed=109),
+        "lfm2": build_tiny_model(str(root / "lfm2"), arch="lfm2", seed=113),
     }
 
 
@@ -313,6 +314,7 @@ def _check_synced(results):
     ("granitemoehybrid_mamba", ParallelConfig(tp=2)),
     # Nemotron 3 Nano's layout: backbone.* names, experts one by one into transformers' stacked tensors, over TP and EP
     ("nemotron_h_moe", ParallelConfig(tp=2, ep=2, etp=1)),
+    ("lfm2", ParallelConfig(tp=2)),  # the short convolutions' per-channel projection gathered back to [B; C; x]
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
@@ -322,7 +324,7 @@ def _check_synced(results):
         "tp2-mimo-v2-flash", "tp2-minimax-m3", "ep2-minimax-m3-text", "tp2ep2etp1-longcat-flash",
         "ep2-mixtral", "tp2-solar-open", "tp2-phi3", "ep2-qwen2-moe", "tp2-exaone4",
         "ep2-exaone-moe", "tp2-youtu", "tp2-granite", "ep2-granitemoeshared",
-        "tp2-granite-4-h", "tp2ep2etp1-nemotron-h-moe"])
+        "tp2-granite-4-h", "tp2ep2etp1-nemotron-h-moe", "tp2-lfm2"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
