@@ -90,6 +90,8 @@ attention with per-head q/k RMSNorms (``q_layernorm`` / ``k_layernorm``, before 
 layer's input norm ``operator_norm``, its MLP's ``ffn_norm``, a SwiGLU MLP (``feed_forward.w1`` / ``w3`` / ``w2``)
 whose width ``block_auto_adjust_ff_dim`` derives from ``intermediate_size`` (2/3 of it, times
 ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``), the final norm ``embedding_norm``, the head tied.
+LFM2-MoE (``lfm2_moe``): the first ``num_dense_layers`` layers' MLP as given, the others' experts under a sigmoid
+router choosing with its bias (``feed_forward.expert_bias``), renormalised, scaled, no shared expert.
 
 MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
 (``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
@@ -311,6 +313,9 @@ FAMILIES: dict[str, Family] = {
                                        nemotron_h=True),
     # LFM2 (Liquid AI: 350M-2.6B): see the module docstring
     "Lfm2ForCausalLM": Family("lfm2", qkv_bias=False, qk_norm=True, moe=False, lfm2=True),
+    # LFM2-MoE (LFM2-8B-A1B): the same layers, the first num_dense_layers with the MLP, the others experts under a
+    # sigmoid router choosing with a bias (feed_forward.expert_bias), renormalised, no shared expert
+    "Lfm2MoeForCausalLM": Family("lfm2_moe", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True, lfm2=True),
     # Youtu-LLM (Tencent, 2B): DeepSeek-V3's multi-latent attention in Llama's layers with a dense SwiGLU MLP
     "YoutuForCausalLM": Family("youtu", qkv_bias=False, qk_norm=False, moe=False, mla=True),
     # EXAONE 4.0 (32B, 1.2B) and K-EXAONE (236B-A23B): see the module docstring
@@ -815,7 +820,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError(f"norm_topk_prob={hf.get('norm_topk_prob')} with num_experts_per_tok={topk} "
                                         "is not supported: Megatron's sigmoid router normalises the top-k scores "
                                         "exactly when k > 1")
-        if hf.get("n_shared_experts", 1) < 1 and not family.minimax and not family.mimo:
+        if hf.get("n_shared_experts", 1) < 1 and not family.minimax and not family.mimo and not family.lfm2:
             raise UnsupportedModelError(f"n_shared_experts=0 is not supported by the {family.name} family")
         if rope.rope_type(hf.get("rope_scaling") or rope_parameters(hf)) == "yarn" and \
                 partial_rotary(hf) != 1.0:
@@ -1179,14 +1184,22 @@ def lfm2_view(hf: dict) -> dict:
     if len(types) != n or set(types) - {"conv", "full_attention"}:
         raise UnsupportedModelError(f"layer_types {types}: conv or full_attention, one per layer ({n})")
     width = hf["intermediate_size"]
-    if hf.get("block_auto_adjust_ff_dim", True):  # as transformers' Lfm2MLP derives it
+    moe = hf.get("model_type") == "lfm2_moe" or "num_experts" in hf
+    if hf.get("block_auto_adjust_ff_dim", not moe):  # as transformers' Lfm2MLP derives it (LFM2-MoE's MLP: as given)
         width = int(2 * width / 3)
         if hf.get("block_ffn_dim_multiplier") is not None:
             multiple = int(hf.get("block_multiple_of", 256))
             width = int(hf["block_ffn_dim_multiplier"] * width)
             width = multiple * ((width + multiple - 1) // multiple)
-    return {**hf, "layer_types": list(types), "intermediate_size": width, "rms_norm_eps": hf.get("norm_eps", 1e-5),
-            "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
+    out = {**hf, "layer_types": list(types), "intermediate_size": width, "rms_norm_eps": hf.get("norm_eps", 1e-5),
+           "tie_word_embeddings": hf.get("tie_word_embeddings", hf.get("tie_embedding", True))}
+    if moe:  # LFM2-MoE's experts under DeepSeek-V3's names (no shared expert, no groups)
+        if not hf.get("use_expert_bias", True):
+            raise UnsupportedModelError("use_expert_bias=False: LFM2-MoE's router without its bias is not supported "
+                                        "(the releases have it)")
+        out.update(n_routed_experts=hf["num_experts"], n_shared_experts=0,
+                   first_k_dense_replace=int(hf.get("num_dense_layers", 2)), n_group=1, topk_group=1)
+    return out
 
 
 def granite_layer_kinds(hf: dict) -> list[str]:
@@ -1202,6 +1215,17 @@ def granite_layer_kinds(hf: dict) -> list[str]:
 def _json_float(x) -> float:
     """A float of a config.json: a number, or transformers' spelling of one JSON has none ({"__float__": "Infinity"})."""
     return float(x["__float__"]) if isinstance(x, dict) and "__float__" in x else float(x)
+
+
+def mamba2_fields(kinds: list[str], groups, heads, state, head_dim, kernel, conv_bias, limit) -> dict:
+    """GPTConfig's Mamba-2 fields (mcore/mamba2.py) for the layers ``kinds`` marks "mamba": its groups, heads, state
+    and head sizes as the linear-attention sizes, the convolution's taps and bias, the time step's clamp
+    (``time_step_limit``; (0, inf) is none)."""
+    limit = tuple(_json_float(x) for x in limit) if limit else None
+    return dict(linear_attention=tuple(k == "mamba" for k in kinds), linear_attention_kind="mamba2",
+                linear_num_key_heads=int(groups), linear_num_value_heads=int(heads), linear_key_head_dim=int(state),
+                linear_value_head_dim=int(head_dim), linear_conv_kernel=int(kernel), mamba_conv_bias=bool(conv_bias),
+                mamba_dt_limit=None if limit is None or limit == (0.0, float("inf")) else limit)
 
 
 def granite_mamba_head_dim(hf: dict) -> int:
@@ -1516,7 +1540,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             moe_router_topk=hf["num_experts_per_tok"],
             moe_ffn_hidden_size=expert_width,
             moe_shared_ffn_hidden_size=None if family.minimax else
-            expert_width * hf.get("n_shared_experts", 1) or None,  # (MiMo-V2-Flash: 0, none)
+            expert_width * hf.get("n_shared_experts", 1) or None,  # (MiMo-V2-Flash, LFM2-MoE: 0, none)
             moe_dense_layers=dense,
             extra=_softmax_router(hf, scaling) if family.softmax_router else {
                 "moe_router_score_function": "sigmoid",
@@ -1558,19 +1582,13 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                           extra={**kwargs.get("extra", {}), "moe_shared_expert_gate": True})
     if family.nemotron_h:  # one sublayer per layer; NoPE attention; squared-ReLU MLPs and experts; Mamba-2 mixers
         kinds = hf["nemotron_kinds"]
-        limit = [_json_float(x) for x in hf["time_step_limit"]] if hf.get("time_step_limit") else None
         kwargs.update(layer_kinds=tuple(kinds), swiglu=False, activation="relu2",
                       nope_layers=(True,) * len(kinds), rope_scaling=None)
         if "mamba" in kinds:
-            kwargs.update(linear_attention=tuple(k == "mamba" for k in kinds), linear_attention_kind="mamba2",
-                          linear_num_key_heads=int(hf.get("n_groups", 8)),
-                          linear_num_value_heads=int(hf.get("mamba_num_heads", 128)),
-                          linear_key_head_dim=int(hf.get("ssm_state_size", 128)),
-                          linear_value_head_dim=int(hf.get("mamba_head_dim", 64)),
-                          linear_conv_kernel=int(hf.get("conv_kernel", 4)),
-                          mamba_conv_bias=bool(hf.get("use_conv_bias", True)),
-                          mamba_dt_limit=None if limit is None or (limit[0], limit[1]) == (0.0, float("inf"))
-                          else (limit[0], limit[1]))
+            kwargs.update(mamba2_fields(kinds, hf.get("n_groups", 8), hf.get("mamba_num_heads", 128),
+                                        hf.get("ssm_state_size", 128), hf.get("mamba_head_dim", 64),
+                                        hf.get("conv_kernel", 4), hf.get("use_conv_bias", True),
+                                        hf.get("time_step_limit")))
         if family.moe:  # (the sigmoid router's fields above; the shared expert has its own width)
             kwargs["moe_shared_ffn_hidden_size"] = int(hf.get("moe_shared_expert_intermediate_size") or
                                                        hf["moe_intermediate_size"])
@@ -1593,16 +1611,10 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             kwargs.update(nope_layers=(True,) * hf["num_hidden_layers"], rope_scaling=None)  # (Granite 4.0-H)
         kinds = granite_layer_kinds(hf) if family.name == "granitemoehybrid" else []
         if "mamba" in kinds:  # Granite 4.0-H: Mamba-2 layers (mcore/mamba2.py) beside the attention ones
-            limit = [_json_float(x) for x in hf["time_step_limit"]] if hf.get("time_step_limit") else None
-            kwargs.update(linear_attention=tuple(k == "mamba" for k in kinds), linear_attention_kind="mamba2",
-                          linear_num_key_heads=int(hf.get("mamba_n_groups", 1)),
-                          linear_num_value_heads=int(hf.get("mamba_n_heads", 128)),
-                          linear_key_head_dim=int(hf.get("mamba_d_state", 256)),
-                          linear_value_head_dim=granite_mamba_head_dim(hf),
-                          linear_conv_kernel=int(hf.get("mamba_d_conv", 4)),
-                          mamba_conv_bias=bool(hf.get("mamba_conv_bias", True)),
-                          mamba_dt_limit=None if limit is None or (float(limit[0]), float(limit[1])) ==
-                          (0.0, float("inf")) else (float(limit[0]), float(limit[1])))
+            kwargs.update(mamba2_fields(kinds, hf.get("mamba_n_groups", 1), hf.get("mamba_n_heads", 128),
+                                        hf.get("mamba_d_state", 256), granite_mamba_head_dim(hf),
+                                        hf.get("mamba_d_conv", 4), hf.get("mamba_conv_bias", True),
+                                        hf.get("time_step_limit")))
         shared = hf.get("shared_intermediate_size") if family.name in ("granitemoeshared", "granitemoehybrid") \
             else None
         if family.moe:

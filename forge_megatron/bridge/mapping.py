@@ -250,12 +250,19 @@ def _lfm2_rules(cfg: GPTConfig) -> list[Rule]:
         Rule(mixer + "k_layernorm.weight", (attn + "k_layernorm.weight",), layers="full"),
         Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "ffn_norm.weight",)),
         Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "feed_forward.w1.weight", HF_LAYER + "feed_forward.w3.weight"),
-             "glu", "glu"),
-        Rule(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + "feed_forward.w2.weight",), tp="row"),
+             "glu", "glu", layers="dense"),
+        Rule(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + "feed_forward.w2.weight",), tp="row", layers="dense"),
         Rule("decoder.final_layernorm.weight", ("model.embedding_norm.weight",)),
     ]
     if cfg.short_conv_bias:
         rules.append(Rule(mixer + "conv1d_bias", (conv + "conv.bias",), tp="col", layers="linear"))
+    if cfg.num_moe_experts:  # LFM2-MoE: experts one by one on disk (w1 gate, w3 up, w2 down), the router's bias beside
+        ff, expert = HF_LAYER + "feed_forward.", HF_LAYER + "feed_forward.experts.{expert}."
+        rules += [Rule(LAYER + "mlp.router.weight", (ff + "gate.weight",), layers="moe"),
+                  Rule(LAYER + "mlp.router.expert_bias", (ff + "expert_bias",), layers="moe"),
+                  Rule(LAYER + EXPERT + "linear_fc1.weight", (expert + "w1.weight", expert + "w3.weight"), "glu", "glu",
+                       layers="moe"),
+                  Rule(LAYER + EXPERT + "linear_fc2.weight", (expert + "w2.weight",), tp="row", layers="moe")]
     if not cfg.tie_word_embeddings:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", "col"))
     return rules
@@ -1004,8 +1011,8 @@ class Bridge:
                           f"{where}conv1d.weight": (conv, 1, cfg.linear_conv_kernel), f"{where}conv1d.bias": (conv,),
                           f"{where}A_log": (H,), f"{where}dt_bias": (H,), f"{where}D": (H,),
                           f"{where}norm.weight": (H * P,), f"{where}out_proj.weight": (d, H * P)})
-        if self.family.lfm2:  # its short convolutions' and attention's own names
-            table.update({"conv.in_proj.weight": (3 * d, d), "conv.conv.weight": (d, 1, cfg.linear_conv_kernel),
+        if self.family.lfm2:  # its short convolutions' and attention's own names (LFM2-MoE: its router's bias)
+            table.update({"expert_bias": (cfg.num_moe_experts or 0,), "conv.in_proj.weight": (3 * d, d), "conv.conv.weight": (d, 1, cfg.linear_conv_kernel),
                           "conv.conv.bias": (d,), "conv.out_proj.weight": (d, d),
                           "self_attn.out_proj.weight": (d, n * h), "q_layernorm.weight": (h,),
                           "k_layernorm.weight": (h,)})

@@ -322,7 +322,9 @@ class GPTConfig:
                 if not 0 <= low < high:
                     raise ValueError(f"mamba_dt_limit must be (min, max) with 0 <= min < max, got {self.mamba_dt_limit}")
                 self.mamba_dt_limit = (low, high)
-            if (self.multi_latent_attention or self.moe_dense_layers) and not kda:
+            # (Mamba-2 and short convolutions: beside dense-then-MoE layers too; LFM2-MoE's first layers are dense)
+            if (self.multi_latent_attention or self.moe_dense_layers) and not kda and \
+                    self.linear_attention_kind not in ("mamba2", "short_conv"):
                 raise ValueError("Gated DeltaNet layers are supported with standard attention, in dense models or "
                                  "MoE models whose every layer is MoE")
             if kda and (self.linear_num_key_heads != self.linear_num_value_heads or
@@ -728,15 +730,10 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
     return spec
 
 
-def _layer_kinds_spec(cfg: GPTConfig, spec, vp_stage: int | None):
-    """The block spec of this pipeline stage's layers of a model whose layers hold one sublayer each
-    (``cfg.layer_kinds``, Nemotron-H): a mixer layer ("mamba", "attention") keeps its input norm and mixer and builds
-    Megatron's identities for the MLP, its norm and its residual add; an "mlp" / "moe" layer keeps its MLP and the
-    norm before it and builds identities for the attention side (Megatron's hybrid models build theirs so)."""
-    import dataclasses
-
+def _stage_layer_specs(cfg: GPTConfig, spec, vp_stage: int | None) -> tuple[int, list]:
+    """(the global number of this pipeline stage's (``vp_stage``'s) first layer, one layer spec per layer it builds):
+    ``spec`` for every layer, or a MoE model's block spec's own (its dense first layers: this stage's layers)."""
     from megatron.core.transformer import transformer_block as tb
-    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     tcfg = transformer_config(cfg)
@@ -745,6 +742,31 @@ def _layer_kinds_spec(cfg: GPTConfig, spec, vp_stage: int | None):
     bases = spec.layer_specs if hasattr(spec, "layer_specs") else [spec] * count
     if len(bases) != count:
         raise ValueError(f"the block spec has {len(bases)} layers, this stage {count}")
+    return offset, bases
+
+
+def _with_layer_specs(spec, layer_specs: list):
+    """``spec``'s block with ``layer_specs`` (a block spec's copy, or a new block around a single layer spec)."""
+    import dataclasses
+
+    from megatron.core.transformer import transformer_block as tb
+
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=layer_specs)
+    return tb.TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=tb.LayerNormImpl)
+
+
+def _layer_kinds_spec(cfg: GPTConfig, spec, vp_stage: int | None):
+    """The block spec of this pipeline stage's layers of a model whose layers hold one sublayer each
+    (``cfg.layer_kinds``, Nemotron-H): a mixer layer ("mamba", "attention") keeps its input norm and mixer and builds
+    Megatron's identities for the MLP, its norm and its residual add; an "mlp" / "moe" layer keeps its MLP and the
+    norm before it and builds identities for the attention side (Megatron's hybrid models build theirs so)."""
+    import dataclasses
+
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+
+    offset, bases = _stage_layer_specs(cfg, spec, vp_stage)
+    count = len(bases)
     layer_specs = []
     for kind, base in zip(cfg.layer_kinds[offset: offset + count], bases):
         if kind in ("mamba", "attention"):
@@ -754,9 +776,7 @@ def _layer_kinds_spec(cfg: GPTConfig, spec, vp_stage: int | None):
             subs = dataclasses.replace(base.submodules, input_layernorm=IdentityOp, self_attention=IdentityOp,
                                        self_attn_bda=IdentityFuncOp)
         layer_specs.append(dataclasses.replace(base, submodules=subs))
-    if hasattr(spec, "layer_specs"):
-        return dataclasses.replace(spec, layer_specs=layer_specs)
-    return tb.TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=tb.LayerNormImpl)
+    return _with_layer_specs(spec, layer_specs)
 
 
 def _per_layer_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
@@ -767,18 +787,13 @@ def _per_layer_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
     layers: this stage's layers)."""
     import dataclasses
 
-    from megatron.core.transformer import transformer_block as tb
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from megatron.core.transformer.utils import is_layer_window_attention
 
     from forge_megatron.mcore.gemma4 import attention_spec
 
     tcfg = transformer_config(cfg)
-    offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
-    count = tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage)
-    bases = spec.layer_specs if hasattr(spec, "layer_specs") else [spec] * count
-    if len(bases) != count:
-        raise ValueError(f"the block spec has {len(bases)} layers, this stage {count}")
+    offset, bases = _stage_layer_specs(cfg, spec, vp_stage)
+    count = len(bases)
     shared = cfg.kv_shared_from or (None,) * cfg.num_layers
     if any(x is not None for x in shared):
         from megatron.core import parallel_state as ps
@@ -805,9 +820,7 @@ def _per_layer_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
                 subs.mlp, module=WidthMLP,
                 params={**(subs.mlp.params or {}), "ffn_hidden_size": cfg.layer_ffn_sizes[number - 1]}))
         layer_specs.append(dataclasses.replace(base, submodules=subs))
-    if hasattr(spec, "layer_specs"):
-        return dataclasses.replace(spec, layer_specs=layer_specs)
-    return tb.TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=tb.LayerNormImpl)
+    return _with_layer_specs(spec, layer_specs)
 
 
 def _block_sparse_spec(cfg: GPTConfig, spec, vp_stage: int | None):
@@ -816,18 +829,12 @@ def _block_sparse_spec(cfg: GPTConfig, spec, vp_stage: int | None):
     :class:`BlockSparseAttention`, in the tree model too) and the others as ``spec`` has them."""
     import dataclasses
 
-    from megatron.core.transformer import transformer_block as tb
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from forge_megatron.mcore.block_sparse import BlockSparseAttention, IndexedSelfAttention, block_sparse_spec_params
 
-    tcfg = transformer_config(cfg)
-    offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
-    count = tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage)
-    bases = spec.layer_specs if hasattr(spec, "layer_specs") else [spec] * count
-    if len(bases) != count:
-        raise ValueError(f"the block spec has {len(bases)} layers, this stage {count}")
+    offset, bases = _stage_layer_specs(cfg, spec, vp_stage)
+    count = len(bases)
     core = ModuleSpec(module=BlockSparseAttention, params=block_sparse_spec_params(cfg))
     layer_specs = []
     for number, base in zip(range(offset + 1, offset + count + 1), bases):
@@ -837,9 +844,7 @@ def _block_sparse_spec(cfg: GPTConfig, spec, vp_stage: int | None):
                                        submodules=dataclasses.replace(attn.submodules, core_attention=core))
             base = dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, self_attention=attn))
         layer_specs.append(base)
-    if hasattr(spec, "layer_specs"):
-        return dataclasses.replace(spec, layer_specs=layer_specs)
-    return tb.TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=tb.LayerNormImpl)
+    return _with_layer_specs(spec, layer_specs)
 
 
 def dsa_core_attention(cfg: GPTConfig):

@@ -45,7 +45,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1", "solar_open", "mixtral",
          "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
-         "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2")
+         "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
+         "lfm2_moe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -410,6 +411,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             {"intermediate_size": 144, "block_multiple_of": 16, "layer_types": ["conv", "full_attention"],
              "tie_word_embeddings": True},
         ),
+        # LFM2-MoE layout: the same layers, layer 0's MLP dense (96 wide), layer 1 4 experts of 32 (top 2 by sigmoid
+        # + bias, renormalised, times 2.5), no shared expert
+        "lfm2_moe": (
+            transformers.Lfm2MoeConfig,
+            {"intermediate_size": 96, "moe_intermediate_size": 32, "num_dense_layers": 1, "num_experts": 4,
+             "num_experts_per_tok": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_expert_bias": True,
+             "layer_types": ["conv", "full_attention"], "tie_word_embeddings": True},
+        ),
         # EXAONE 4.0 layout: norms after attention and MLP, per-head q/k norms, a 4-token window on layer 0 (which
         # rotates) beside a global layer 1 that does not (NoPE)
         "exaone4": (
@@ -666,7 +675,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # routers' score-correction biases (zeros when initialised): make them matter
         for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):  # (LFM2-MoE's: its name)
                 buf.copy_(torch.randn(buf.shape) * 0.1)
             elif name.endswith("layer_scalar"):  # Gemma 4's: each layer's output scaled by its own
                 buf.copy_(0.5 + torch.rand(buf.shape))
@@ -684,7 +693,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(p + torch.randn(p.shape) * 0.3)  # Mamba-2's skip, time-step bias, gated norm, conv bias
             elif arch.startswith("exaone") and name.endswith(("q_norm.weight", "k_norm.weight", "layernorm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head and post norms: which is which matters
-            elif arch == "lfm2" and name.endswith(("layernorm.weight", "norm.weight")):
+            elif arch.startswith("lfm2") and name.endswith(("layernorm.weight", "norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # q/k norms and the two norms per layer: which is which
             elif arch == "dots1" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head norms: which is which matters

@@ -599,6 +599,17 @@ class ReferenceEngine:
                 _require(int(m.group(2)) < stacked.shape[0], f"{name!r}: expert {m.group(2)} >= {stacked.shape[0]}")
                 return stacked[int(m.group(2))]
             candidates = (name,)
+        if model_type == "lfm2_moe":  # LFM2-MoE's experts one by one on disk (w1 / w3 / w2), fused in memory
+            m = _LFM2_EXPERT.fullmatch(name)
+            if m is not None:
+                fused = params.get(f"{m.group(1)}.{'down_proj' if m.group(3) == 'w2' else 'gate_up_proj'}")
+                _require(fused is not None, f"unknown parameter name {name!r}")
+                e = int(m.group(2))
+                _require(e < fused.shape[0], f"{name!r}: expert {e} >= num_experts {fused.shape[0]}")
+                if m.group(3) == "w2":
+                    return fused[e]
+                half = fused.shape[1] // 2
+                return fused[e, :half] if m.group(3) == "w1" else fused[e, half:]
         if model_type in ("granitemoe", "granitemoeshared", "granitemoehybrid"):  # Granite's stacked experts on disk
             m = _GRANITE_MOE.fullmatch(name)
             if m is not None:
@@ -652,6 +663,8 @@ class ReferenceEngine:
 _SPLIT_CONV = re.compile(r"(.+\.(?:linear_attn|self_attn))\.([qkv])_conv1d\.weight")
 _OLMO_HYBRID_NORM = re.compile(r"(.+)\.(attention|feedforward)_layer_norm\.weight")
 _KIMI_FORGET_GATE = re.compile(r"(.+\.self_attn)\.(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)")
+# LFM2-MoE's experts one by one as released (w1 gate, w3 up, w2 down); transformers >= 5 fuses them
+_LFM2_EXPERT = re.compile(r"(.+\.feed_forward\.experts)\.(\d+)\.(w1|w3|w2)\.weight")
 # Nemotron-H's experts one by one (plain MLPs: up and down) as released; transformers >= 5 stacks them
 _NEMOTRON_EXPERT = re.compile(r"(.+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight")
 # Granite's MoE tensors as released and as transformers >= 5 holds them

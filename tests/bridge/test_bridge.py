@@ -1072,3 +1072,22 @@ def test_lfm2_config_shaped_like_the_1_2b_release():
         "model.layers.0.conv.in_proj.weight"], rows)
     with pytest.raises(UnsupportedModelError, match="conv or full_attention"):
         Bridge({**released, "layer_types": ["conv", "sliding_attention"] * 8})
+
+
+def test_lfm2_moe_config_as_transformers_defaults_it():
+    """LFM2-MoE (transformers' Lfm2MoeConfig defaults, the 8B-A1B release's sizes, three short-convolution layers to an
+    attention one): the first num_dense_layers layers
+    with the MLP as given (no width adjustment), then 32 experts (top 4 by sigmoid + the router's bias, renormalised)
+    and no shared expert; the bias beside the router (feed_forward.expert_bias); a router without its bias refused."""
+    hf = {**transformers.Lfm2MoeConfig().to_dict(), "architectures": ["Lfm2MoeForCausalLM"],
+          "layer_types": ["conv", "conv", "conv", "full_attention"] * 8}  # (the defaults give none)
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size,
+            cfg.moe_dense_layers, cfg.ffn_hidden_size) == (32, 4, 1792, None, 2, 7168)
+    assert cfg.linear_attention_kind == "short_conv" and cfg.extra["moe_router_score_function"] == "sigmoid"
+    assert bridge.hf_names("decoder.layers.3.mlp.router.expert_bias") == ["model.layers.3.feed_forward.expert_bias"]
+    assert bridge.hf_names("decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight") == \
+        ["model.layers.3.feed_forward.experts.5.w1.weight", "model.layers.3.feed_forward.experts.5.w3.weight"]
+    with pytest.raises(UnsupportedModelError, match="use_expert_bias=False"):
+        Bridge({**hf, "use_expert_bias": False})

@@ -193,7 +193,7 @@ def _body_one_rank(rank, world_size):
                       ("granitemoehybrid_moe", "GraniteMoeHybridForCausalLM"),
                       ("granitemoehybrid_mamba", "GraniteMoeHybridForCausalLM"),
                       ("nemotron_h", "NemotronHForCausalLM"), ("nemotron_h_moe", "NemotronHForCausalLM"),
-                      ("lfm2", "Lfm2ForCausalLM")):
+                      ("lfm2", "Lfm2ForCausalLM"), ("lfm2_moe", "Lfm2MoeForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 3 with final-logit soft-capping (Gemma 4's): the fused logprobs cap the chunks they make, Megatron's output
@@ -509,7 +509,8 @@ def test_olmo3_tree_equals_unmerged(one_rank):
                                   "hunyuan_v1_dense", "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "longcat_flash", "dots1",
                                   "solar_open", "mixtral", "phi3", "qwen2_moe", "exaone4", "exaone_moe",
                                   "youtu", "granite", "granitemoeshared", "granitemoehybrid_moe",
-                                  "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2"])
+                                  "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
+                                  "lfm2_moe"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,
