@@ -67,8 +67,7 @@ class TreeGatedDeltaNet(MegatronModule):
     def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int | None = None,
                  pg_collection=None, cp_comm_type=None, beta_scale: float = 1.0, norm_epsilon: float | None = None):
         super().__init__(config=config)
-        from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, \
-            set_tensor_model_parallel_attributes
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         self.layer_number = layer_number
         tp_group, self.tp_group, tp = tensor_parallel_group(pg_collection)
@@ -89,22 +88,9 @@ class TreeGatedDeltaNet(MegatronModule):
         # the gated norm's epsilon (OLMo Hybrid's is its own) and the write strength's scale (spec params)
         self.eps = config.layernorm_epsilon if norm_epsilon is None else norm_epsilon
         self.beta_scale = float(beta_scale)
-        linear_kwargs = dict(config=config, init_method=config.init_method, bias=False, is_expert=False)
-        if tp_group is not None:
-            linear_kwargs["tp_group"] = tp_group
-        self.in_proj = build_module(submodules.in_proj, config.hidden_size, nk * group_width(config),
-                                    gather_output=False, skip_bias_add=False, tp_comm_buffer_name="fc1",
-                                    **linear_kwargs)
-        self.out_proj = build_module(submodules.out_proj, nv * self.dv, config.hidden_size,
-                                     input_is_parallel=True, skip_bias_add=True, tp_comm_buffer_name="fc2",
-                                     **{**linear_kwargs, "init_method": config.output_layer_init_method})
-
-        conv_channels = nk * conv_group_width(config)
+        self._build_projections(config, submodules, tp_group, nk * group_width(config), nv * self.dv)
+        self.conv1d_weight = self._conv_weight(config, nk * conv_group_width(config), tp)
         dtype = config.params_dtype
-        self.conv1d_weight = torch.nn.Parameter(torch.empty(conv_channels // tp, self.kernel, dtype=dtype))
-        _initialize_affine_weight_cpu(self.conv1d_weight, conv_channels, self.kernel, conv_channels // tp, 0,
-                                      lambda w: torch.nn.init.uniform_(w, -self.kernel ** -0.5, self.kernel ** -0.5),
-                                      params_dtype=dtype)
         self.A_log = torch.nn.Parameter(torch.empty(self.nv_local, dtype=dtype))
         self.dt_bias = torch.nn.Parameter(torch.empty(self.nv_local, dtype=dtype))
         with torch.no_grad():  # Qwen3.5's initialisation: A uniform in (0, 16), dt_bias ones
@@ -113,6 +99,29 @@ class TreeGatedDeltaNet(MegatronModule):
         for p in (self.A_log, self.dt_bias):
             set_tensor_model_parallel_attributes(p, True, 0, 1)
         self.norm_weight = torch.nn.Parameter(torch.ones(self.dv, dtype=dtype))
+
+    def _build_projections(self, config, submodules, tp_group, in_rows: int, out_cols: int) -> None:
+        """``in_proj`` (column-parallel, hidden -> ``in_rows``) and ``out_proj`` (row-parallel, ``out_cols`` ->
+        hidden), Megatron's linears without biases (this mixer's and its subclasses')."""
+        kwargs = dict(config=config, init_method=config.init_method, bias=False, is_expert=False)
+        if tp_group is not None:
+            kwargs["tp_group"] = tp_group
+        self.in_proj = build_module(submodules.in_proj, config.hidden_size, in_rows, gather_output=False,
+                                    skip_bias_add=False, tp_comm_buffer_name="fc1", **kwargs)
+        self.out_proj = build_module(submodules.out_proj, out_cols, config.hidden_size, input_is_parallel=True,
+                                     skip_bias_add=True, tp_comm_buffer_name="fc2",
+                                     **{**kwargs, "init_method": config.output_layer_init_method})
+
+    def _conv_weight(self, config, channels: int, tp: int) -> torch.nn.Parameter:
+        """This TP rank's rows [channels / tp, kernel] of the depthwise convolution's weight, initialised uniform in
+        +-1 / sqrt(kernel) as the whole tensor would be."""
+        from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+
+        weight = torch.nn.Parameter(torch.empty(channels // tp, self.kernel, dtype=config.params_dtype))
+        _initialize_affine_weight_cpu(weight, channels, self.kernel, channels // tp, 0,
+                                      lambda w: torch.nn.init.uniform_(w, -self.kernel ** -0.5, self.kernel ** -0.5),
+                                      params_dtype=config.params_dtype)
+        return weight
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **unused):
 

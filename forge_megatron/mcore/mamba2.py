@@ -55,9 +55,7 @@ class TreeMamba2Mixer(TreeGatedDeltaNet):
                  pg_collection=None, cp_comm_type=None, conv_bias: bool = True,
                  dt_limit: tuple[float, float] | None = None, norm_epsilon: float | None = None):
         from megatron.core.transformer.module import MegatronModule
-        from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, \
-            set_tensor_model_parallel_attributes
-        from megatron.core.transformer.spec_utils import build_module
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         MegatronModule.__init__(self, config=config)
         self.layer_number = layer_number
@@ -78,20 +76,9 @@ class TreeMamba2Mixer(TreeGatedDeltaNet):
         self.eps = config.layernorm_epsilon if norm_epsilon is None else norm_epsilon
         self.dt_limit = None if dt_limit is None or tuple(dt_limit) == (0.0, float("inf")) else \
             (float(dt_limit[0]), float(dt_limit[1]))
-        linear_kwargs = dict(config=config, init_method=config.init_method, bias=False, is_expert=False)
-        if tp_group is not None:
-            linear_kwargs["tp_group"] = tp_group
-        self.in_proj = build_module(submodules.in_proj, config.hidden_size, G * group_width(config),
-                                    gather_output=False, skip_bias_add=False, tp_comm_buffer_name="fc1",
-                                    **linear_kwargs)
-        self.out_proj = build_module(submodules.out_proj, H * self.P, config.hidden_size,
-                                     input_is_parallel=True, skip_bias_add=True, tp_comm_buffer_name="fc2",
-                                     **{**linear_kwargs, "init_method": config.output_layer_init_method})
+        self._build_projections(config, submodules, tp_group, G * group_width(config), H * self.P)
         channels, dtype = G * self.conv_group, config.params_dtype
-        self.conv1d_weight = torch.nn.Parameter(torch.empty(channels // tp, self.kernel, dtype=dtype))
-        _initialize_affine_weight_cpu(self.conv1d_weight, channels, self.kernel, channels // tp, 0,
-                                      lambda w: torch.nn.init.uniform_(w, -self.kernel ** -0.5, self.kernel ** -0.5),
-                                      params_dtype=dtype)
+        self.conv1d_weight = self._conv_weight(config, channels, tp)
         self.conv1d_bias = torch.nn.Parameter(torch.zeros(channels // tp, dtype=dtype)) if conv_bias else None
         self.A_log = torch.nn.Parameter(torch.empty(self.nv_local, dtype=dtype))
         self.dt_bias = torch.nn.Parameter(torch.ones(self.nv_local, dtype=dtype))

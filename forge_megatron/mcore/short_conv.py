@@ -31,10 +31,8 @@ class TreeShortConv(TreeGatedDeltaNet):
 
     def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int | None = None,
                  pg_collection=None, cp_comm_type=None, conv_bias: bool = False):
-        from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, \
-            set_tensor_model_parallel_attributes
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
         from megatron.core.transformer.module import MegatronModule
-        from megatron.core.transformer.spec_utils import build_module
 
         MegatronModule.__init__(self, config=config)
         self.layer_number = layer_number
@@ -43,19 +41,9 @@ class TreeShortConv(TreeGatedDeltaNet):
         if D % (tp * cp):
             raise ValueError(f"LFM2's short convolutions split their {D} channels over TP x CP ({tp} x {cp})")
         self.kernel, self.channels_local = config.linear_conv_kernel_dim, D // tp
-        linear_kwargs = dict(config=config, init_method=config.init_method, bias=False, is_expert=False)
-        if tp_group is not None:
-            linear_kwargs["tp_group"] = tp_group
-        self.in_proj = build_module(submodules.in_proj, D, 3 * D, gather_output=False, skip_bias_add=False,
-                                    tp_comm_buffer_name="fc1", **linear_kwargs)
-        self.out_proj = build_module(submodules.out_proj, D, D, input_is_parallel=True, skip_bias_add=True,
-                                     tp_comm_buffer_name="fc2",
-                                     **{**linear_kwargs, "init_method": config.output_layer_init_method})
+        self._build_projections(config, submodules, tp_group, 3 * D, D)
         dtype = config.params_dtype
-        self.conv1d_weight = torch.nn.Parameter(torch.empty(self.channels_local, self.kernel, dtype=dtype))
-        _initialize_affine_weight_cpu(self.conv1d_weight, D, self.kernel, self.channels_local, 0,
-                                      lambda w: torch.nn.init.uniform_(w, -self.kernel ** -0.5, self.kernel ** -0.5),
-                                      params_dtype=dtype)
+        self.conv1d_weight = self._conv_weight(config, D, tp)
         self.conv1d_bias = torch.nn.Parameter(torch.zeros(self.channels_local, dtype=dtype)) if conv_bias else None
         if self.conv1d_bias is not None:
             set_tensor_model_parallel_attributes(self.conv1d_bias, True, 0, 1)
