@@ -47,6 +47,9 @@ class GPTConfig:
     # the logits are soft-capped to c * tanh(logits / c) (Gemma 2 / 4's final_logit_softcapping); None: not capped.
     # Megatron's output layer caps its logits (a hook); the fused logprobs cap each chunk they make
     final_logit_softcapping: float | None = None
+    # Gemma 2: every attention score s (scaled q . k) soft-capped to c * tanh(s / c) before the softmax (the tree
+    # kernels' ``softcap``; the causal model's core attention: CausalCoreAttention); None: not capped
+    attention_softcapping: float | None = None
     # Granite's muP-style scales: each attention's and MLP's output is multiplied by ``residual_multiplier`` before
     # the residual adds it, and the logits are divided by ``logits_scaling`` (the output layer's input is: the same
     # logits, and the fused logprobs see them too); None: neither
@@ -201,6 +204,12 @@ class GPTConfig:
             raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm', got {self.normalization!r}")
         if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
             raise ValueError(f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping!r}")
+        if self.attention_softcapping is not None:
+            if not self.attention_softcapping > 0:
+                raise ValueError(f"attention_softcapping must be > 0 or None, got {self.attention_softcapping!r}")
+            if self.multi_latent_attention or self.per_layer_attention or self.block_sparse_layers is not None:
+                raise ValueError("attention_softcapping with multi-latent, per-layer or block-sparse attention: no "
+                                 "model has both; Gemma 2's standard attention only")
         for name in ("residual_multiplier", "logits_scaling"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
@@ -578,14 +587,14 @@ class CausalCoreAttention(torch.nn.Module):
     size, grouped keys and values, sliding windows, sink logits in some layers). Inputs [s, b, heads, dim] as the
     attention hands them, with the boolean mask convention (True = masked; None = causal). ``softmax_offset``: the
     layer's learned sink logit per head where its config's ``softmax_type`` is ``"learnable"`` (split over TP with
-    the heads, as :class:`~forge_megatron.mcore.tree_attention.TreeAttention`'s, whose name it has). Training uses
-    TreeAttention instead (tree_attention.py); this serves the plain causal model (conversion checks,
-    evaluation)."""
+    the heads, as :class:`~forge_megatron.mcore.tree_attention.TreeAttention`'s, whose name it has); ``softcap``:
+    Gemma 2's soft-capped scores (c * tanh(s / c) before the mask; None: none). Training uses TreeAttention instead
+    (tree_attention.py); this serves the plain causal model (conversion checks, evaluation)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
-                 v_channels: int | None = None):
+                 v_channels: int | None = None, softcap: float | None = None):
         super().__init__()
         if config.context_parallel_size > 1:
             raise ValueError("the causal model of this attention has no context parallelism (the tree model has)")
@@ -593,6 +602,7 @@ class CausalCoreAttention(torch.nn.Module):
 
         self.config = config
         self.softmax_scale = softmax_scale
+        self.softcap = softcap
         self.window = _layer_window(config, max(1, layer_number))
         softmax_type = getattr(config, "softmax_type", "vanilla")
         if softmax_type == "learnable":
@@ -615,18 +625,23 @@ class CausalCoreAttention(torch.nn.Module):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, dim]
         if k.shape[1] != q.shape[1]:  # grouped keys and values: each serves heads / groups query heads
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-        if attention_mask is None and not self.window and self.softmax_offset is None:
+        if attention_mask is None and not self.window and self.softmax_offset is None and not self.softcap:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
             return o.permute(2, 0, 1, 3).reshape(s, b, -1)
         masked = attention_mask if attention_mask is not None else \
             torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
         if self.window:  # a query sees itself and the window - 1 keys before it
             masked = masked | torch.ones(s, s, dtype=torch.bool, device=q.device).tril(-self.window)
-        if self.softmax_offset is None:
+        if self.softmax_offset is None and not self.softcap:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~masked, scale=self.softmax_scale)
             return o.permute(2, 0, 1, 3).reshape(s, b, -1)
         scale = self.softmax_scale or q.shape[-1] ** -0.5
-        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(masked, float("-inf"))
+        scores = q @ k.transpose(-1, -2) * scale
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(masked, float("-inf"))
+        if self.softmax_offset is None:
+            return (torch.softmax(scores, dim=-1).to(v.dtype) @ v).permute(2, 0, 1, 3).reshape(s, b, -1)
         sink = self.softmax_offset.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink takes its share
         return (probs.to(v.dtype) @ v).permute(2, 0, 1, 3).reshape(s, b, -1)
@@ -701,6 +716,11 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         spec = _block_sparse_spec(cfg, spec, vp_stage)
     if cfg.value_head_dim or cfg.sink_layers:  # (MiMo-V2-Flash; the tree model swaps in TreeAttention)
         spec = _with_attention_submodules(spec, lambda subs: {"core_attention": CausalCoreAttention})
+    if cfg.attention_softcapping:  # (Gemma 2; the tree model swaps in TreeAttention with the same cap)
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        core = ModuleSpec(module=CausalCoreAttention, params={"softcap": float(cfg.attention_softcapping)})
+        spec = _with_attention_submodules(spec, lambda subs: {"core_attention": core})
     if cfg.hybrid:  # (OLMo Hybrid: post-norm attention layers, pre-norm Gated DeltaNet ones)
         spec = _hybrid_block_spec(cfg, spec, pre_norm if cfg.linear_pre_norm else spec, vp_stage)
     if cfg.layer_kinds is not None:  # (Nemotron-H: one sublayer per layer)

@@ -50,6 +50,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from forge_megatron.mcore.block_sparse import BlockSparseAttention
 from forge_megatron.mcore.dsa import SparseTreeAttention
@@ -139,7 +140,7 @@ class TreeAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
-                 v_channels: int | None = None):
+                 v_channels: int | None = None, softcap: float | None = None):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -151,6 +152,7 @@ class TreeAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.cp_comm_type = cp_comm_type  # context parallelism: a2a, all_gather or None/auto (context_parallel.py)
         self.window = _layer_window(config, self.layer_number)
+        self.softcap = softcap  # Gemma 2's soft-capped scores (the causal spec's CausalCoreAttention param)
         softmax_type = getattr(config, "softmax_type", "vanilla")
         heads = config.num_attention_heads // config.tensor_model_parallel_size
         if softmax_type == "learnable":  # gpt-oss sinks: split over TP by heads like the query heads
@@ -195,6 +197,7 @@ class TreeAttention(MegatronModule):
             query[:, 0], key[:, 0], value[:, 0], packed_seq_params.sub_end,
             softmax_scale=self.softmax_scale, backend=packed_seq_params.backend, comm_type=self.cp_comm_type,
             sinks=self.softmax_offset, window=self.window, key_end_T=self._key_end(packed_seq_params),
+            softcap=self.softcap,
         )
         return o_TNH.reshape(T, 1, -1)
 
@@ -246,12 +249,15 @@ def swap_core_attention(spec):
     if attn is None or not dataclasses.is_dataclass(getattr(attn, "submodules", None)) \
             or not hasattr(attn.submodules, "core_attention"):
         raise TypeError(f"cannot find self_attention.submodules.core_attention in layer spec {spec!r}")
-    if getattr(attn.submodules.core_attention, "module", None) in (SparseTreeAttention, BlockSparseAttention):
+    core = attn.submodules.core_attention
+    if getattr(core, "module", None) in (SparseTreeAttention, BlockSparseAttention):
         return spec  # DeepSeek's and MiniMax-M3's sparse attention follow the tree by themselves
+    softcap = (getattr(core, "params", None) or {}).get("softcap")  # (Gemma 2: the causal core attention's cap)
+    tree_core = TreeAttention if softcap is None else ModuleSpec(module=TreeAttention, params={"softcap": softcap})
     tree_attn = dataclasses.replace(
         attn,
         params={**attn.params, "attn_mask_type": AttnMaskType.arbitrary},
-        submodules=dataclasses.replace(attn.submodules, core_attention=TreeAttention),
+        submodules=dataclasses.replace(attn.submodules, core_attention=tree_core),
     )
     return dataclasses.replace(spec, submodules=dataclasses.replace(layer_subs, self_attention=tree_attn))
 

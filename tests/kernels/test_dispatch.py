@@ -122,6 +122,33 @@ def test_key_end_is_passed_on_and_never_chooses_cuda(inputs, no_env, monkeypatch
     assert dispatch.choose_backend(cuda, bidirectional_blocks=True)[0] == "segment"
 
 
+def test_softcap_is_passed_on_and_never_chooses_cuda(inputs, no_env, monkeypatch):
+    """Gemma 2's soft-capped scores: passed to the backend as softcap (the reference's capped scores differ from
+    uncapped ones), flagged to the choice as a score extra, which passes over the CUDA kernel; the CUDA backend
+    itself refuses a cap by name before it looks for its extension."""
+    from forge_megatron.kernels.tree_attention import cuda as cuda_backend
+
+    q, k, v, sub_end = inputs
+    q = q * 4.0
+    o = tree_attention(q, k, v, sub_end, backend="reference", softcap=1.5)
+    assert torch.equal(o, tree_attention_reference(q, k, v, sub_end, softcap=1.5))
+    assert not torch.allclose(o, tree_attention_reference(q, k, v, sub_end), atol=1e-3)
+    assert torch.allclose(tree_attention(q, k, v, sub_end, softcap=1.5), o, atol=1e-5)  # segment, automatic
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        tree_attention(q, k, v, sub_end, softcap=-1.0)
+    seen = []
+    monkeypatch.setattr(dispatch, "resolve", lambda *a, **kw: seen.append(kw) or "reference")
+    tree_attention(q, k, v, sub_end, softcap=1.5)
+    tree_attention(q, k, v, sub_end)
+    assert [kw["score_extras"] for kw in seen] == [True, False]
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(dispatch, "CUDA_VALIDATED", True)
+    monkeypatch.setattr(dispatch, "available_backends", lambda device=None: list(dispatch.BACKENDS))
+    assert dispatch.choose_backend(cuda, score_extras=True)[0] == "triton"
+    with pytest.raises(ValueError, match="no soft-capped scores"):
+        cuda_backend._forward(q, k, v, sub_end, 0.5, softcap=1.5)
+
+
 def test_choice_logged_once(inputs, no_env, caplog):
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
         tree_attention(*inputs)

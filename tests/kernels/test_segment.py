@@ -79,6 +79,17 @@ def test_sinks_and_sliding_window(monkeypatch, window, with_sinks):
                            window=window, with_sinks=with_sinks)
 
 
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (3, True)])
+def test_soft_capped_scores(monkeypatch, window, with_sinks):
+    """Gemma 2's soft-capped scores (explicit softmax) against the reference and the oracle, forward and backward;
+    long chains in query blocks too."""
+    check_sinks_and_window(tree_attention_segment, sub_end_of(KINDS["random"]), N=4, K=2, H=16, window=window,
+                           with_sinks=with_sinks, softcap=2.0)
+    monkeypatch.setattr(segment, "QUERY_BLOCK", 4)
+    check_sinks_and_window(tree_attention_segment, sub_end_of(KINDS["agentic"][:3]), N=2, K=1, H=8, window=window,
+                           with_sinks=with_sinks, softcap=2.0)
+
+
 def test_reference_suffix_queries():
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 

@@ -58,6 +58,35 @@ def test_sinks_and_sliding_window(case, window, with_sinks):
     check_sinks_and_window(tree_attention_triton, CASES[case], N=4, K=2, H=16, window=window, with_sinks=with_sinks)
 
 
+@pytest.mark.parametrize("case,window", [("random_trie", None), ("grpo", 5), ("long_chain", None)])
+def test_soft_capped_scores(case, window):
+    """Gemma 2's attention soft-capping (scores c * tanh(s / c)) against the reference and the oracle, forward and
+    backward (dS times the cap's derivative in both backward kernels), full tiles (no window) and windowed ones."""
+    check_sinks_and_window(tree_attention_triton, CASES[case], N=4, K=2, H=16, window=window, with_sinks=False,
+                           softcap=2.0)
+
+
+def test_soft_capped_scores_with_suffix_queries():
+    """The all-gather CP mode's suffix queries under a soft cap, with a window: forward and gradients against the
+    reference given the same suffix, whose rows are those of the whole tree's."""
+    from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
+
+    sub_end = CASES["grpo"]
+    T = sub_end.shape[0]
+    q, k, v = random_qkv(T, 4, 2, 16, torch.float32, "cpu", 3)
+    q, a = q * 3.0, T // 3
+    do = torch.randn((T - a, 4, 16), generator=torch.Generator().manual_seed(4))
+    results = []
+    for f in (tree_attention_triton, tree_attention_reference):
+        leaves = [x.detach().requires_grad_() for x in (q[a:], k, v)]
+        o = f(*leaves, sub_end, softmax_scale=0.3, window=6, softcap=2.0)
+        results.append((o, *torch.autograd.grad(o, leaves, do)))
+    for got, want in zip(*results):
+        assert (got - want).abs().max() < 2e-5
+    whole = tree_attention_reference(q, k, v, sub_end, softmax_scale=0.3, window=6, softcap=2.0)
+    assert (whole[a:] - results[1][0]).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("window", [5, 34, 200])
 def test_window_skips_tiles_far_above_their_queries(window):
     """A 160-token chain (an agent episode) under the interpreter's 32 x 32 tiles: with a window of W levels the
@@ -536,14 +565,17 @@ def test_gpu_suffix_queries(H):
         check_suffix_queries(tree_attention_triton, se, N=8, K=2, H=H, device="cuda", atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,head_dim,window,key_end,split", [
-    ("bf16", "128", None, False, False), ("fp32", "64", None, False, False), ("bf16", "192x128", None, False, False),
-    ("bf16", "64", 128, False, False), ("bf16", "128", None, True, False), ("bf16", "512", None, False, False),
-    ("bf16", "128", None, False, True)])
-def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end, split):
+@pytest.mark.parametrize("dtype,head_dim,window,key_end,split,softcap", [
+    ("bf16", "128", None, False, False, 0), ("fp32", "64", None, False, False, 0),
+    ("bf16", "192x128", None, False, False, 0), ("bf16", "64", 128, False, False, 0),
+    ("bf16", "128", None, True, False, 0), ("bf16", "512", None, False, False, 0), ("bf16", "128", None, False, True, 0),
+    ("bf16", "256", None, False, False, 50.0)])
+def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end, split, softcap):
     """The GPU code path (native low-precision tl.dot, ieee fp32 dots) lowers to a cubin: TTIR -> PTX -> ptxas;
     with key_end: the bidirectional blocks' variants (HAS_KEY_END, full tiles included: no window); with split, dK/dV
-    per query head (fp32 atomics, FORGE_TREE_ATTN_DKDV_SPLIT). Each kernel's
+    per query head (fp32 atomics, FORGE_TREE_ATTN_DKDV_SPLIT); with softcap: Gemma 2's soft-capped scores (its heads
+    of 256; its sliding layers' dQ kernel, a window on heads of 256, spills 32-48 bytes, as it does uncapped). Each
+    kernel's
     shared memory fits an H100 / H200 SM (227 KiB a block): Gemma 4's heads of 512 need their 32 x 32 tiles for
     that, 64 x 64 ones would take over 260 KiB in the backward; bf16 kernels spill no registers."""
     import os
@@ -555,7 +587,7 @@ def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end, 
     script = Path(__file__).with_name("triton_aot.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     extra = (["--sinks-window", str(window)] if window else []) + (["--key-end"] if key_end else []) + \
-        (["--dkdv-split"] if split else [])
+        (["--dkdv-split"] if split else []) + (["--softcap", str(softcap)] if softcap else [])
     proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", head_dim, "--resources",
                            *extra], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

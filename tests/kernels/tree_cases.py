@@ -157,10 +157,11 @@ def cuda_include_dir() -> str:
     return str(found[0])
 
 
-def sinks_window_oracle(q, k, v, sub_end, scale, sinks, window):
+def sinks_window_oracle(q, k, v, sub_end, scale, sinks, window, softcap=None):
     """o [T, N, Hv] by the definition, one query at a time (independent of every backend's masks): query i sees the
     tokens j <= i whose subtree holds it and, with ``window``, whose depth is less than ``window`` below i's; the
-    softmax has the head's sink logit as one more term without a value."""
+    softmax has the head's sink logit as one more term without a value; ``softcap`` c caps each score s to
+    c * tanh(s / c) (Gemma 2)."""
     T, N, _ = q.shape
     R = N // k.shape[1]
     se = sub_end.tolist()
@@ -170,6 +171,8 @@ def sinks_window_oracle(q, k, v, sub_end, scale, sinks, window):
         seen = [j for j in range(i + 1) if se[j] > i and (not window or depth[i] - depth[j] < window)]
         for n in range(N):
             s = torch.stack([(q[i, n].double() @ k[j, n // R].double()) * scale for j in seen])
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
             if sinks is not None:
                 s = torch.cat([sinks[n].double().reshape(1), s])
             p = s.softmax(0)[1:] if sinks is not None else s.softmax(0)
@@ -178,19 +181,24 @@ def sinks_window_oracle(q, k, v, sub_end, scale, sinks, window):
 
 
 def check_sinks_and_window(fn, sub_end, N, K, H, window, with_sinks=True, dtype=torch.float32, seed=0, atol=2e-5,
-                           Hv=None):
-    """fn(q, k, v, sub_end, sinks=..., window=...) against the fp32 reference with the same options (forward and
-    backward, the sinks' gradient included), and the reference's output against :func:`sinks_window_oracle`."""
+                           Hv=None, softcap=None):
+    """fn(q, k, v, sub_end, sinks=..., window=..., softcap=...) against the fp32 reference with the same options
+    (forward and backward, the sinks' gradient included), and the reference's output against
+    :func:`sinks_window_oracle`. With ``softcap`` the queries are scaled up so that most scores reach the cap's bend."""
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 
     q, k, v = random_qkv(sub_end.shape[0], N, K, H, dtype, "cpu", seed, Hv)
+    if softcap:
+        q = (q.float() * 3.0).to(dtype)
     sinks = torch.randn(N, generator=torch.Generator().manual_seed(seed + 2)) if with_sinks else None
+    extra = {"softcap": softcap} if softcap else {}
     do = torch.randn((*q.shape[:2], v.shape[2]), generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
 
     def run(f, q, k, v, sinks, do):
         leaves = [x.detach().requires_grad_() for x in (q, k, v)] + \
             ([sinks.detach().requires_grad_()] if sinks is not None else [])
-        o = f(*leaves[:3], sub_end, softmax_scale=0.3, sinks=leaves[3] if sinks is not None else None, window=window)
+        o = f(*leaves[:3], sub_end, softmax_scale=0.3, sinks=leaves[3] if sinks is not None else None, window=window,
+              **extra)
         return (o, *torch.autograd.grad(o, leaves, do))
 
     got = run(fn, q, k, v, sinks, do)
@@ -198,6 +206,10 @@ def check_sinks_and_window(fn, sub_end, N, K, H, window, with_sinks=True, dtype=
     for name, g, w in zip(("o", "dq", "dk", "dv", "dsinks"), got, want):
         assert g.shape == w.shape, name
         err = (g.float() - w).abs().max().item()
-        assert err <= atol, f"{name}: max error {err:.3g} > {atol} (window {window}, sinks {with_sinks})"
-    oracle = sinks_window_oracle(q.float(), k.float(), v.float(), sub_end, 0.3, sinks, window)
+        assert err <= atol, f"{name}: max error {err:.3g} > {atol} (window {window}, sinks {with_sinks}, " \
+            f"softcap {softcap})"
+    oracle = sinks_window_oracle(q.float(), k.float(), v.float(), sub_end, 0.3, sinks, window, softcap)
     assert (want[0].double() - oracle).abs().max().item() <= 1e-5
+    if softcap:  # the cap bites: uncapped attention is far from it
+        uncapped = sinks_window_oracle(q.float(), k.float(), v.float(), sub_end, 0.3, sinks, window)
+        assert (uncapped - oracle).abs().max().item() > 0.05

@@ -115,6 +115,8 @@ def main() -> None:
                    help="compile the variants with attention sinks and a sliding window of W (gpt-oss)")
     p.add_argument("--key-end", action="store_true",
                    help="compile the variants with bidirectional blocks (key_end: Gemma 3's images)")
+    p.add_argument("--softcap", type=float, default=0.0, metavar="C",
+                   help="compile the variants with scores soft-capped at C (Gemma 2's attn_logit_softcapping)")
     p.add_argument("--dkdv-split", action="store_true",
                    help="compile dK/dV with one program per query head (fp32 atomics; FORGE_TREE_ATTN_DKDV_SPLIT=1)")
     p.add_argument("--resources", action="store_true",
@@ -137,7 +139,8 @@ def main() -> None:
                 tile_constexprs, options = tk._kernel_launch(cfg, name)
                 extra = dict(HAS_SINKS=window > 0) if fn is tk._fwd_kernel else \
                     dict(SPLIT=args.dkdv_split or tk.dkdv_split()) if fn is tk._bwd_dkdv_kernel else {}
-                constexprs = dict(GROUP=4, WINDOW=window, HAS_KEY_END=args.key_end, **extra, **tile_constexprs)
+                constexprs = dict(GROUP=4, WINDOW=window, HAS_KEY_END=args.key_end, SOFTCAP=args.softcap * tk.LOG2E,
+                                  **extra, **tile_constexprs)
                 # strides are multiples of the head dims (tokens x heads x channels, contiguous): 16-aligned with them
                 aligned = {n for n in inspect.signature(fn.fn).parameters if n.startswith("stride_")} \
                     if int(H) % 16 == 0 and int(HV or H) % 16 == 0 else set()

@@ -9,7 +9,7 @@ Choice, first match wins:
    (``CUDA_VALIDATED``; benchmarks/gpu_check.sh runs both): on the one H200 run so far it was 0.6x of Triton's
    speed, so it is used only when asked for. Calls with suffix queries (fewer
    queries than keys, ops.py) never choose it automatically: it takes them only on its SIMT path; nor do calls with
-   attention sinks, a sliding window or bidirectional blocks (key_end), which it does not have. A head size a
+   attention sinks, a sliding window, soft-capped scores or bidirectional blocks (key_end), which it does not have. A head size a
    kernel does not take (CUDA: 32 / 64 / 128 and values as wide as keys; Triton: up to 512; multi-latent
    attention's query/key heads are 192 wide, its value heads 128) passes over it too.
 The Triton and CUDA backends live in their own modules and are imported lazily; a module that is absent or fails
@@ -60,29 +60,33 @@ def tree_attention(
     sinks: torch.Tensor | None = None,
     window: int | None = None,
     key_end: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Tree attention over a DFS-ordered forest (key j visible to query i iff j <= i < sub_end[j]). Returns o_TNH.
 
     q may hold only the last tokens of the keys' tree (suffix queries, see ops.py); the automatic choice then
     passes over the CUDA kernel, which takes them on its SIMT path only (no tensor cores). ``sinks`` (per query
     head) and ``window`` (positions): gpt-oss's attention (ops.py); ``key_end`` (int32 [T], None: causal):
-    bidirectional blocks (Gemma 3 / 4's images, ops.py), passed on as ``key_end_T``; the CUDA kernel has none of them
-    and is never chosen automatically for them."""
+    bidirectional blocks (Gemma 3 / 4's images, ops.py), passed on as ``key_end_T``; ``softcap`` (None / 0: none):
+    scores soft-capped to c * tanh(s / c) (Gemma 2); the CUDA kernel has none of them and is never chosen
+    automatically for them."""
     name = resolve(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0], head_dim=q_TNH.shape[2],
-                   v_head_dim=v_TKH.shape[2], sinks_or_window=sinks is not None or bool(window),
+                   v_head_dim=v_TKH.shape[2], score_extras=sinks is not None or bool(window) or bool(softcap),
                    bidirectional_blocks=key_end is not None)
     extras = {} if sinks is None and not window else {"sinks": sinks, "window": window}
     if key_end is not None:
         extras["key_end_T"] = key_end
+    if softcap:
+        extras["softcap"] = softcap
     return _function(name)(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=softmax_scale, **extras)
 
 
 def resolve(device: torch.device, backend: str | None = None, suffix_queries: bool = False,
-            head_dim: int | None = None, v_head_dim: int | None = None, sinks_or_window: bool = False,
+            head_dim: int | None = None, v_head_dim: int | None = None, score_extras: bool = False,
             bidirectional_blocks: bool = False) -> str:
     """:func:`choose_backend`'s name, logging each (backend, device type) choice once."""
     name, why = choose_backend(device, backend, suffix_queries=suffix_queries, head_dim=head_dim,
-                               v_head_dim=v_head_dim, sinks_or_window=sinks_or_window,
+                               v_head_dim=v_head_dim, score_extras=score_extras,
                                bidirectional_blocks=bidirectional_blocks)
     if (name, device.type) not in _logged:
         _logged.add((name, device.type))
@@ -92,11 +96,11 @@ def resolve(device: torch.device, backend: str | None = None, suffix_queries: bo
 
 def choose_backend(device: torch.device, backend: str | None = None, suffix_queries: bool = False,
                    head_dim: int | None = None, v_head_dim: int | None = None,
-                   sinks_or_window: bool = False, bidirectional_blocks: bool = False) -> tuple[str, str]:
+                   score_extras: bool = False, bidirectional_blocks: bool = False) -> tuple[str, str]:
     """(backend name, why it was chosen) for tensors on ``device``; ``suffix_queries``: fewer queries than keys;
-    ``head_dim`` / ``v_head_dim``: the query/key and value head sizes (None: any); ``sinks_or_window``: attention
-    sinks or a sliding window, ``bidirectional_blocks``: a key_end (neither is the CUDA kernel's: the automatic
-    choice passes over it)."""
+    ``head_dim`` / ``v_head_dim``: the query/key and value head sizes (None: any); ``score_extras``: attention
+    sinks, a sliding window or soft-capped scores, ``bidirectional_blocks``: a key_end (none of them the CUDA
+    kernel's: the automatic choice passes over it)."""
     if backend is not None:
         return _requested(backend, "backend argument"), "backend argument"
     from_env = os.environ.get(ENV_VAR)
@@ -108,7 +112,7 @@ def choose_backend(device: torch.device, backend: str | None = None, suffix_quer
                     and (head_dim is None or head_dim in HEAD_DIMS[name]) \
                     and (v_head_dim is None or v_head_dim in HEAD_DIMS[name]) \
                     and not (name == "cuda" and None not in (head_dim, v_head_dim) and head_dim != v_head_dim) \
-                    and not (name == "cuda" and (sinks_or_window or bidirectional_blocks)):
+                    and not (name == "cuda" and (score_extras or bidirectional_blocks)):
                 return name, "automatic"
     return "segment", "automatic"
 

@@ -1,8 +1,8 @@
 """torch.library plumbing shared by the compiled tree-attention backends (Triton, CUDA).
 
 Each backend supplies two plain functions and gets back one differentiable, ``torch.compile``-traceable op:
-  forward  (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window, key_end_T) -> (o_TNH, lse_NT)
-  backward (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window, key_end_T)
+  forward  (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window, key_end_T, softcap) -> (o_TNH, lse_NT)
+  backward (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window, key_end_T, softcap)
            -> (dq_TNH, dk_TKH, dv_TKH)
 registered as ``forge::tree_attn_<name>_fwd`` / ``_bwd`` custom ops with fake (shape-only) implementations and
 an autograd formula that calls the backward op (FlashAttention-2: P is recomputed from the saved LSE).
@@ -23,6 +23,10 @@ Attention sinks and sliding windows (gpt-oss; Megatron's ``softmax_type="learnab
   delta = rowsum(dO * O), and dq/dk/dv keep FlashAttention's formulas (P recomputed from the lse that holds the sink).
 - ``window`` (0: none): key j is visible to query i only if depth(i) - depth(j) < window as well (depths are the
   tokens' positions in their samples, :func:`depths`), i.e. each sample's sliding window.
+
+Soft-capped scores (Gemma 2's ``attn_logit_softcapping``): ``softcap`` c (0: none) replaces every score
+s = scale * q_i . k_j by c * tanh(s / c) before the mask and the softmax (the sinks are not capped). The backward
+multiplies dS by the cap's derivative 1 - tanh(s / c)^2 before dQ = scale dS K and dK = scale dS^T Q.
 
 Bidirectional blocks (Gemma 3's images; transformers' "OR(causal, blockwise)" mask, the window ANDed after it):
 ``key_end_T`` (int32 [T], None: causal) is the exclusive end of the keys each token may see as a query, i + 1 for a
@@ -149,6 +153,14 @@ def check_extras(q_TNH: torch.Tensor, sinks_N: torch.Tensor | None, window: int 
     return window
 
 
+def check_softcap(softcap: float | None) -> float:
+    """The score soft cap as a float (0.0: none); ValueError unless None, 0 or positive and finite."""
+    cap = float(softcap or 0.0)
+    if not (cap >= 0.0 and cap != float("inf")):
+        raise ValueError(f"softcap must be positive and finite (or None / 0 for none), got {softcap!r}")
+    return cap
+
+
 def sink_grad(sinks_N: torch.Tensor, lse_NT: torch.Tensor, do_TNH: torch.Tensor, o_TNH: torch.Tensor) -> torch.Tensor:
     """d loss / d sinks from the forward's lse (which includes the sinks) and delta = rowsum(dO * O)."""
     delta_NT = (do_TNH.float() * o_TNH.float()).sum(-1).transpose(0, 1)
@@ -168,10 +180,10 @@ def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
 def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_impl: BackwardImpl):
     """Register ``forge::tree_attn_{name}_fwd/_bwd`` and return the differentiable forward op.
 
-    The returned op maps (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None) ->
-    (o_TNH, lse_NT); gradients flow to q, k, v and the sinks (key_end, like sub_end, gets none). The backward op
-    takes (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None). The impls are
-    called with every argument, key_end_T (None: causal) last.
+    The returned op maps (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None,
+    softcap=0.0) -> (o_TNH, lse_NT); gradients flow to q, k, v and the sinks (key_end, like sub_end, gets none). The
+    backward op takes (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None,
+    softcap=0.0). The impls are called with every argument, softcap (0.0: none) last.
     """
     fwd_name = f"forge::tree_attn_{name}_fwd"
     bwd_name = f"forge::tree_attn_{name}_bwd"
@@ -180,11 +192,12 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
     def fwd_op(
         q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, sub_end_T: torch.Tensor, scale: float,
         sinks_N: torch.Tensor | None = None, window: int = 0, key_end_T: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return forward_impl(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window, key_end_T)
+        return forward_impl(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window, key_end_T, softcap)
 
     @fwd_op.register_fake
-    def _(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None):
+    def _(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None, softcap=0.0):
         Tq, N, _ = q_TNH.shape
         return q_TNH.new_empty((Tq, N, v_TKH.shape[2])), q_TNH.new_empty((N, Tq), dtype=torch.float32)
 
@@ -200,23 +213,25 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
         scale: float,
         window: int = 0,
         key_end_T: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return backward_impl(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window, key_end_T)
+        return backward_impl(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window, key_end_T, softcap)
 
     @bwd_op.register_fake
-    def _(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None):
+    def _(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None, softcap=0.0):
         return torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
 
     def setup_context(ctx, inputs, output):
         q_TNH, k_TKH, v_TKH, sub_end_T, scale = inputs[:5]
-        sinks_N, window, key_end_T = (list(inputs[5:]) + [None, 0, None])[:3]
+        given = tuple(inputs[5:])  # (the defaults of the arguments not given)
+        sinks_N, window, key_end_T, softcap = given + (None, 0, None, 0.0)[len(given):]
         o_TNH, lse_NT = output
         ctx.has_sinks = sinks_N is not None
         ctx.has_key_end = key_end_T is not None
         ctx.save_for_backward(q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T,
                               *([sinks_N] if sinks_N is not None else []),
                               *([key_end_T] if key_end_T is not None else []))
-        ctx.scale, ctx.window = scale, window
+        ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
 
     def backward(ctx, do_TNH, _dlse_NT):
         # lse is an auxiliary output for the backward pass; gradients through it are not supported.
@@ -224,9 +239,10 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
         sinks_N = rest.pop(0) if ctx.has_sinks else None
         key_end_T = rest.pop(0) if ctx.has_key_end else None
         do_TNH = do_TNH.contiguous()
-        dq, dk, dv = bwd_op(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, ctx.scale, ctx.window, key_end_T)
+        dq, dk, dv = bwd_op(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, ctx.scale, ctx.window, key_end_T,
+                            ctx.softcap)
         dsinks = sink_grad(sinks_N, lse_NT, do_TNH, o_TNH) if sinks_N is not None else None
-        return dq, dk, dv, None, None, dsinks, None, None
+        return dq, dk, dv, None, None, dsinks, None, None, None
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
     return fwd_op
@@ -234,7 +250,7 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
 
 def make_public_entry(fwd_op) -> Callable[..., torch.Tensor]:
     """Wrap a registered forward op into the public ``(q, k, v, sub_end, softmax_scale=None, sinks=None,
-    window=None, key_end_T=None) -> o`` function (key_end_T: bidirectional blocks, checked by
+    window=None, key_end_T=None, softcap=None) -> o`` function (key_end_T: bidirectional blocks, checked by
     :func:`check_key_end` outside torch.compile: the check reads the tensor, a device sync)."""
 
     def tree_attention(
@@ -246,16 +262,18 @@ def make_public_entry(fwd_op) -> Callable[..., torch.Tensor]:
         sinks: torch.Tensor | None = None,
         window: int | None = None,
         key_end_T: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         check_inputs(q_TNH, k_TKH, v_TKH, sub_end_T)
         window = check_extras(q_TNH, sinks, window)
+        softcap = check_softcap(softcap)
         if key_end_T is not None:
             if not torch.compiler.is_compiling():  # data-dependent: a graph break under torch.compile
                 check_key_end(key_end_T, sub_end_T)
             key_end_T = key_end_T.contiguous()
         scale = resolve_scale(softmax_scale, q_TNH.shape[2])
         o_TNH, _ = fwd_op(q_TNH.contiguous(), k_TKH.contiguous(), v_TKH.contiguous(), sub_end_T.contiguous(), scale,
-                          None if sinks is None else sinks.contiguous(), window, key_end_T)
+                          None if sinks is None else sinks.contiguous(), window, key_end_T, softcap)
         return o_TNH
 
     return tree_attention

@@ -49,12 +49,13 @@ def tree_attention_reference(
     window: int | None = None,
     key_end_T: torch.Tensor | None = None,
     explicit: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Exact tree attention through SDPA with a dense boolean mask (with ``sinks`` or ``explicit``: plain tensor ops,
-    an explicit softmax, with one more column per head for the sinks). Returns o_TNH.
+    """Exact tree attention through SDPA with a dense boolean mask (with ``sinks``, ``softcap`` or ``explicit``:
+    plain tensor ops, an explicit softmax, with one more column per head for the sinks). Returns o_TNH.
 
     q may hold only the last Tq of the T tokens k, v and sub_end describe (suffix queries, see ops.py); sinks,
-    window and key_end as in ops.py. The explicit ops round every intermediate (scores, probabilities) to the
+    window, key_end and softcap (scores c * tanh(s / c)) as in ops.py. The explicit ops round every intermediate (scores, probabilities) to the
     inputs' dtype, and autograd's backward likewise, where SDPA's fused kernels keep fp32 inside: in bf16 they are
     the low-precision math of the FlashAttention tolerance rule the kernel tests use."""
     Tq, N, H = q_TNH.shape  # v may have another head size (o takes it)
@@ -73,12 +74,14 @@ def tree_attention_reference(
 
         check_key_end(key_end_T, sub_end_T)
     mask_QT = tree_mask(sub_end_T, Tq, window, key_end_T)
-    if sinks is None and not explicit:
+    if sinks is None and not explicit and not softcap:
         o_NTH = F.scaled_dot_product_attention(
             q_TNH.transpose(0, 1), k_TNH.transpose(0, 1), v_TNH.transpose(0, 1), attn_mask=mask_QT, scale=scale
         )
         return o_NTH.transpose(0, 1)
     s_NQT = torch.einsum("qnh,tnh->nqt", q_TNH, k_TNH) * scale
+    if softcap:
+        s_NQT = torch.tanh(s_NQT / softcap) * softcap
     s_NQT = s_NQT.masked_fill(~mask_QT, float("-inf"))
     if sinks is None:
         p_NQT = s_NQT.softmax(-1)

@@ -21,7 +21,7 @@ vectorised torch ops (no Python loop over chains):
 GQA without repeating K/V: the N/K query heads that share a key head become extra query rows.
 Autograd flows through the gathers, SDPA and the final index_copy, so backward is exact too.
 Sliding windows (ops.py) narrow each chain's mask by key depth; attention sinks replace SDPA by an explicit softmax
-with one more column per head (autograd gives the sinks their gradient). Bidirectional blocks (``key_end``, ops.py)
+with one more column per head (autograd gives the sinks their gradient), as soft-capped scores (Gemma 2) do. Bidirectional blocks (``key_end``, ops.py)
 lie inside one chain: a query of a block sees ``key_end[i] - i - 1`` more of its chain's keys (its block's rest).
 
 Legend: T = tree tokens, N = query heads, K = key/value heads, H = head dim, C = chains, B = chains in a group,
@@ -36,7 +36,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from forge_megatron.kernels.tree_attention.ops import check_extras, check_inputs, check_key_end, resolve_scale
+from forge_megatron.kernels.tree_attention.ops import (check_extras, check_inputs, check_key_end, check_softcap,
+                                                       resolve_scale)
 
 QUERY_BLOCK = 512  # chains longer than this are processed alone, in query blocks of this size
 
@@ -50,11 +51,13 @@ def tree_attention_segment(
     sinks: torch.Tensor | None = None,
     window: int | None = None,
     key_end_T: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Exact tree attention, cost ~ sum of token depths. Returns o_TNH; differentiable in q, k, v (and the sinks);
-    sinks, window and key_end (bidirectional blocks) as in ops.py."""
+    sinks, window, key_end (bidirectional blocks) and softcap (soft-capped scores) as in ops.py."""
     check_inputs(q_TNH, k_TKH, v_TKH, sub_end_T)
     window = check_extras(q_TNH, sinks, window)
+    softcap = check_softcap(softcap)
     ahead_T = None  # per token, the keys after it in its block
     if key_end_T is not None:
         check_key_end(key_end_T, sub_end_T)
@@ -85,7 +88,7 @@ def tree_attention_segment(
         J = g.key_idx_BJ.shape[1]
         o_BLNH = _attend(
             q_part.view(B, L, *q_TNH.shape[1:]), k_part.view(B, J, *k_TKH.shape[1:]),
-            v_part.view(B, J, *v_TKH.shape[1:]), g.allowed_BLJ, scale, sinks,
+            v_part.view(B, J, *v_TKH.shape[1:]), g.allowed_BLJ, scale, sinks, softcap,
         )
         rows.append(g.q_idx_BL[g.row_valid_BL] - q_start)  # q's rows
         outs.append(o_BLNH[g.row_valid_BL])
@@ -93,7 +96,7 @@ def tree_attention_segment(
     for idx_L, q_LNH, k_JKH, v_JKH in zip(q_idx[n:], q_parts[n:], k_parts[n:], v_parts[n:]):
         rows.append(idx_L)  # already q's rows
         ahead_L = None if ahead_T is None else ahead_T[idx_L + q_start]
-        outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale, sinks, window, ahead_L))
+        outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale, sinks, window, ahead_L, softcap))
     o_TNH = q_TNH.new_zeros((q_TNH.shape[0], q_TNH.shape[1], Hv), dtype=work)
     return o_TNH.index_copy(0, torch.cat(rows), torch.cat(outs)).to(q_TNH.dtype)
 
@@ -104,7 +107,7 @@ def _gather_split(x_T, idx_list: list[torch.Tensor], dtype: torch.dtype) -> tupl
 
 
 def _attend_long_chain(q_LNH, k_JKH, v_JKH, scale: float, sinks=None, window: int = 0,
-                       ahead_L: torch.Tensor | None = None) -> torch.Tensor:
+                       ahead_L: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """One chain (its queries are the last L of its J keys; key m has depth m), in query blocks against prefixes
     of the keys; ``ahead_L``: the keys each query sees past itself (its bidirectional block's rest)."""
     L, J = q_LNH.shape[0], k_JKH.shape[0]
@@ -118,7 +121,8 @@ def _attend_long_chain(q_LNH, k_JKH, v_JKH, scale: float, sinks=None, window: in
         allowed_LJ = m[None, :] <= last_seen[:, None]
         if window:
             allowed_LJ &= m[None, :] > (own[:, None] - window)
-        o_BLNH = _attend(q_block[None], k_JKH[None, :n_keys], v_JKH[None, :n_keys], allowed_LJ[None], scale, sinks)
+        o_BLNH = _attend(q_block[None], k_JKH[None, :n_keys], v_JKH[None, :n_keys], allowed_LJ[None], scale, sinks,
+                         softcap)
         outs.append(o_BLNH[0])
     return torch.cat(outs)
 
@@ -235,23 +239,29 @@ class Forest:
         return ChainGroup(q_idx_BL, row_valid_BL, key_idx_BJ, allowed_BLJ)
 
 
-def _attend(q_BLNH, k_BJKH, v_BJKH, allowed_BLJ, scale: float, sinks=None) -> torch.Tensor:
+def _attend(q_BLNH, k_BJKH, v_BJKH, allowed_BLJ, scale: float, sinks=None, softcap: float = 0.0) -> torch.Tensor:
     """Masked attention of B independent query/key sets, GQA by folding R query heads into the query rows (head
-    n = key head n // R, row r * L + l of it); ``sinks``: one more softmax column per head, without a value."""
+    n = key head n // R, row r * L + l of it); ``sinks``: one more softmax column per head, without a value;
+    ``softcap`` c: scores c * tanh(s / c) (0: as they are). Every row has a key it may see (padded rows too)."""
     B, L, N, H = q_BLNH.shape
     K, Hv = k_BJKH.shape[2], v_BJKH.shape[3]
     R = N // K
     q_BKRH = q_BLNH.view(B, L, K, R, H).permute(0, 2, 3, 1, 4).reshape(B, K, R * L, H)
     mask_B1RJ = allowed_BLJ.repeat(1, R, 1)[:, None]
-    if sinks is None:
+    if sinks is None and not softcap:
         o_BKRH = F.scaled_dot_product_attention(
             q_BKRH, k_BJKH.transpose(1, 2), v_BJKH.transpose(1, 2), attn_mask=mask_B1RJ, scale=scale
         )
     else:
         s_BKRJ = (q_BKRH @ k_BJKH.permute(0, 2, 3, 1)) * scale
+        if softcap:
+            s_BKRJ = torch.tanh(s_BKRJ / softcap) * softcap
         s_BKRJ = s_BKRJ.masked_fill(~mask_B1RJ, float("-inf"))
-        sink_1KR1 = sinks.view(K, R, 1).expand(K, R, L).reshape(1, K, R * L, 1).expand(B, -1, -1, -1)
-        p_BKRJ = torch.cat([sink_1KR1, s_BKRJ], dim=-1).softmax(-1)[..., 1:]
+        if sinks is None:
+            p_BKRJ = s_BKRJ.softmax(-1)
+        else:
+            sink_1KR1 = sinks.view(K, R, 1).expand(K, R, L).reshape(1, K, R * L, 1).expand(B, -1, -1, -1)
+            p_BKRJ = torch.cat([sink_1KR1, s_BKRJ], dim=-1).softmax(-1)[..., 1:]
         o_BKRH = p_BKRJ @ v_BJKH.transpose(1, 2)
     return o_BKRH.view(B, K, R, L, Hv).permute(0, 3, 1, 2, 4).reshape(B, L, N, Hv)
 

@@ -20,6 +20,9 @@ in the interpreter) and for fp32 inputs; on GPU fp16/bf16 tiles go to tl.dot nat
 Suffix queries (ops.py): the TQ query rows are tree tokens [T - TQ, T); query tiles are laid from T - TQ, the mask
 and the tile tests use tree positions, rows of q/o/lse are positions minus T - TQ.
 
+Soft-capped scores (SOFTCAP > 0, a constexpr: the cap in base 2, c * log2(e)): each tile's scores become
+SOFTCAP * tanh(s / SOFTCAP) before the mask (_capped), and the backward multiplies dS by 1 - tanh^2, recomputed with P.
+
 Attention sinks (ops.py) start each row's online softmax at the head's sink logit with nothing accumulated
 (m = sink, l = 1), so o and lse include them and the backward is unchanged (its P comes from that lse). A sliding
 window (WINDOW > 0) masks keys whose depth (DEPTH, ops.depths) is WINDOW or more below the query's; every tile is then
@@ -109,6 +112,14 @@ def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW: tl.constex
 
 
 @triton.jit
+def _capped(s, SOFTCAP: tl.constexpr):
+    """(SOFTCAP * tanh(s / SOFTCAP), tanh(s / SOFTCAP)) of base-2 scores s: a cap of c on natural scores is a cap
+    of c * log2(e) on base-2 ones. tanh(x) = 2 sigmoid(2x) - 1 (saturates to +-1, no overflow)."""
+    t = 2.0 * tl.sigmoid(s * (2.0 / SOFTCAP)) - 1.0
+    return SOFTCAP * t, t
+
+
+@triton.jit
 def _load_rows(PTR, offs_t, T, stride_t, offs_h, H, COMPUTE: tl.constexpr):
     """Load a [rows, BLOCK_H] tile of one head, zero outside [0, T) x [0, H), cast to the compute dtype."""
     mask = (offs_t[:, None] < T) & (offs_h[None, :] < H)
@@ -171,14 +182,16 @@ def _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_h2, offs
 def _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m, offs_h,
                offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr,
                COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
-               MASKED: tl.constexpr, SPLIT_H: tl.constexpr):
+               MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
     """The online softmax over this query block's runs [LO[r], HI[r]) of key blocks, r in [OFF[row], OFF[row + 1])
-    (full tiles: MASKED False, no mask; partial ones: the element mask)."""
+    (full tiles: MASKED False, no mask; partial ones: the element mask); SOFTCAP > 0: scores capped (_capped)."""
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
         for kb in range(tl.load(LO + r), tl.load(HI + r)):
             offs_n, k, k2, v = _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_h2, offs_hv, H,
                                          HV, BLOCK_N, COMPUTE, SPLIT_H)
             s = _dot_t(q, q2, k, k2, SPLIT_H, DOT_PRECISION) * qk_scale
+            if SOFTCAP > 0:
+                s, _ = _capped(s, SOFTCAP)
             if MASKED:
                 s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, False),
                              s, float("-inf"))
@@ -200,6 +213,7 @@ def _fwd_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
     WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     n = tl.program_id(0)  # heads vary fastest: every head's longest query blocks are launched before any short one
     row = _heavy_first(tl.program_id(1), tl.num_programs(1))
@@ -221,10 +235,10 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, row,
                                offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
-                               COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False, SPLIT_H)
+                               COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False, SPLIT_H, SOFTCAP)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI, row,
                                offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
-                               COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H)
+                               COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H, SOFTCAP)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     _store_rows(O + n * stride_on, acc / l_safe[:, None], offs_m - q0, TQ, stride_ot, offs_hv, HV)
     tl.store(LSE + n * TQ + offs_m - q0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=offs_m < T)
@@ -234,18 +248,25 @@ def _fwd_kernel(
 def _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m,
               offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr,
               COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
-              MASKED: tl.constexpr, SPLIT_H: tl.constexpr):
+              MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
     """dQ's sum over this query block's runs of key blocks (MASKED as in _fwd_tiles): P recomputed from the saved
-    lse, dS = P * (dO V^T - delta), dQ += dS K (dq2 the second part of a split head)."""
+    lse, dS = P * (dO V^T - delta) (times 1 - tanh^2 under a soft cap), dQ += dS K (dq2 the second part of a split
+    head)."""
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
         for kb in range(tl.load(LO + r), tl.load(HI + r)):
             offs_n, k, k2, v = _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_h2, offs_hv, H,
                                          HV, BLOCK_N, COMPUTE, SPLIT_H)
-            p = tl.exp2(_dot_t(q, q2, k, k2, SPLIT_H, DOT_PRECISION) * qk_scale - lse2[:, None])
+            s = _dot_t(q, q2, k, k2, SPLIT_H, DOT_PRECISION) * qk_scale
+            if SOFTCAP > 0:
+                s, t = _capped(s, SOFTCAP)
+            p = tl.exp2(s - lse2[:, None])
             if MASKED:
                 p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, False),
                              p, 0.0)
-            ds = (p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])).to(COMPUTE)
+            ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
+            if SOFTCAP > 0:
+                ds = ds * (1.0 - t * t)
+            ds = ds.to(COMPUTE)
             dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
             if SPLIT_H:
                 dq2 += tl.dot(ds, k2, input_precision=DOT_PRECISION)
@@ -259,7 +280,7 @@ def _bwd_dq_kernel(
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-    HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
+    HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     n = tl.program_id(0)  # heads vary fastest: every head's longest query blocks are launched before any short one
     row = _heavy_first(tl.program_id(1), tl.num_programs(1))
@@ -278,10 +299,10 @@ def _bwd_dq_kernel(
     dq2 = tl.zeros([BLOCK_M, BLOCK_H2], tl.float32)  # (without SPLIT_H never touched)
     dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI,
                         row, offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
-                        COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False, SPLIT_H)
+                        COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False, SPLIT_H, SOFTCAP)
     dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI,
                         row, offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
-                        COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H)
+                        COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H, SOFTCAP)
     _store_rows(DQ + n * stride_qn, dq * scale, offs_m - q0, TQ, stride_qt, offs_h, H)
     if SPLIT_H:
         _store_rows(DQ + n * stride_qn, dq2 * scale, offs_m - q0, TQ, stride_qt, offs_h2, H)
@@ -291,7 +312,7 @@ def _bwd_dq_kernel(
 def _dkdv_tiles(dk, dk2, dv, k, k2, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row,
                 offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_ot, BLOCK_M: tl.constexpr,
                 COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
-                MASKED: tl.constexpr, SPLIT_H: tl.constexpr):
+                MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
     """dK / dV's sums over this key block's runs [LO[r], HI[r]) of query blocks for query head n (MASKED as in
     _fwd_tiles). The tiles are key-major, P^T and dS^T [BLOCK_N, BLOCK_M] (FlashAttention-2's dK/dV loop): every
     product then has the key block as its rows, dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers as
@@ -306,12 +327,18 @@ def _dkdv_tiles(dk, dk2, dv, k, k2, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, 
             q, q2 = _load_qk(Q_head, offs_m - q0, TQ, stride_qt, offs_h, offs_h2, H, COMPUTE, SPLIT_H)
             do = _load_rows(DO_head, offs_m - q0, TQ, stride_ot, offs_hv, HV, COMPUTE)
             lse2, delta = _row_stats(LSE, DELTA, n, offs_m - q0, TQ)
-            pt = tl.exp2(_dot_t(k, k2, q, q2, SPLIT_H, DOT_PRECISION) * qk_scale - lse2[None, :])
+            st = _dot_t(k, k2, q, q2, SPLIT_H, DOT_PRECISION) * qk_scale
+            if SOFTCAP > 0:
+                st, tt = _capped(st, SOFTCAP)
+            pt = tl.exp2(st - lse2[None, :])
             if MASKED:
                 pt = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, True),
                               pt, 0.0)
             dv += tl.dot(pt.to(COMPUTE), do, input_precision=DOT_PRECISION)
-            dst = (pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :])).to(COMPUTE)
+            dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :])
+            if SOFTCAP > 0:
+                dst = dst * (1.0 - tt * tt)
+            dst = dst.to(COMPUTE)
             dk += tl.dot(dst, q, input_precision=DOT_PRECISION)
             if SPLIT_H:
                 dk2 += tl.dot(dst, q2, input_precision=DOT_PRECISION)
@@ -329,15 +356,16 @@ def _add_rows(PTR, x, offs_t, T, stride_t, offs_h, H):
 def _dkdv_head(dk, dk2, dv, k, k2, v, Q, DO, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO,
                P_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_qn, stride_ot,
                stride_on, BLOCK_M: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr):
+               WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
     """Query head n's part of dK / dV for this key block: its full runs (no mask), then its partial ones."""
     dk, dk2, dv = _dkdv_tiles(dk, dk2, dv, k, k2, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END,
                               DEPTH, KEY_END, F_OFF, F_LO, F_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV,
                               qk_scale, stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END,
-                              False, SPLIT_H)
+                              False, SPLIT_H, SOFTCAP)
     return _dkdv_tiles(dk, dk2, dv, k, k2, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH,
                        KEY_END, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale,
-                       stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H)
+                       stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H,
+                       SOFTCAP)
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
@@ -348,6 +376,7 @@ def _bwd_dkdv_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
     HAS_KEY_END: tl.constexpr, SPLIT: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One key block of one key/value head, summed over its GROUP query heads; with SPLIT one query head per
     program (GROUP times the programs, each a GROUP-th as long) adding into fp32 dK / dV with atomics. Heads vary
@@ -372,7 +401,7 @@ def _bwd_dkdv_kernel(
         dk, dk2, dv = _dkdv_head(dk, dk2, dv, k, k2, v, Q, DO, LSE, DELTA, pid, SUB_END, DEPTH, KEY_END, F_OFF, F_LO,
                                  F_HI, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV,
                                  qk_scale, stride_qt, stride_qn, stride_ot, stride_on, BLOCK_M, COMPUTE,
-                                 DOT_PRECISION, WINDOW, HAS_KEY_END, SPLIT_H)
+                                 DOT_PRECISION, WINDOW, HAS_KEY_END, SPLIT_H, SOFTCAP)
         _add_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
         if SPLIT_H:
             _add_rows(DK + kv * stride_kn, dk2 * scale, offs_n, T, stride_kt, offs_h2, H)
@@ -382,7 +411,7 @@ def _bwd_dkdv_kernel(
             dk, dk2, dv = _dkdv_head(dk, dk2, dv, k, k2, v, Q, DO, LSE, DELTA, kv * GROUP + g, SUB_END, DEPTH,
                                      KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_h2,
                                      offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_qn, stride_ot, stride_on,
-                                     BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, SPLIT_H)
+                                     BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, SPLIT_H, SOFTCAP)
         _store_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
         if SPLIT_H:
             _store_rows(DK + kv * stride_kn, dk2 * scale, offs_n, T, stride_kt, offs_h2, H)
@@ -553,7 +582,7 @@ def _extras(sub_end_T, key_end_T, window):
     return depth, key_end_T.contiguous() if key_end_T is not None else sub_end_T
 
 
-def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None):
+def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None, softcap=0.0):
     Tq, N, H = q_TNH.shape
     T, HV = k_TKH.shape[0], v_TKH.shape[2]
     o_TNH = q_TNH.new_empty((Tq, N, HV))
@@ -568,12 +597,13 @@ def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_
         T, Tq, H, HV, scale * LOG2E,
         q_TNH.stride(0), q_TNH.stride(1), k_TKH.stride(0), k_TKH.stride(1), v_TKH.stride(0), v_TKH.stride(1),
         o_TNH.stride(0), o_TNH.stride(1), GROUP=N // k_TKH.shape[1], HAS_SINKS=sinks_N is not None,
-        WINDOW=int(window), HAS_KEY_END=key_end_T is not None, **constexprs, **options,
+        WINDOW=int(window), HAS_KEY_END=key_end_T is not None, SOFTCAP=float(softcap or 0.0) * LOG2E, **constexprs,
+        **options,
     )
     return o_TNH, lse_NT
 
 
-def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None,
+def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None, softcap=0.0,
               kernels=("dq", "dkdv")):
     """dQ, dK, dV (``kernels`` narrows what runs, for timing one kernel alone; the others' outputs stay unset)."""
     Tq, N, H = q_TNH.shape
@@ -588,7 +618,8 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, wind
     common = dict(T=T, TQ=Tq, H=H, HV=HV, qk_scale=scale * LOG2E, scale=scale, stride_qt=q_TNH.stride(0),
                   stride_qn=q_TNH.stride(1), stride_kt=k_TKH.stride(0), stride_kn=k_TKH.stride(1),
                   stride_vt=v_TKH.stride(0), stride_vn=v_TKH.stride(1), stride_ot=do_TNH.stride(0),
-                  stride_on=do_TNH.stride(1), GROUP=N // K, WINDOW=int(window), HAS_KEY_END=key_end_T is not None)
+                  stride_on=do_TNH.stride(1), GROUP=N // K, WINDOW=int(window), HAS_KEY_END=key_end_T is not None,
+                  SOFTCAP=float(softcap or 0.0) * LOG2E)
     extras = _extras(sub_end_T, key_end_T, window)
     if "dq" in kernels:
         constexprs, options = _kernel_launch(cfg, "dq")
@@ -617,7 +648,8 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, wind
 tree_attention_triton_op = register_tree_attention_ops("triton", _forward, _backward)
 tree_attention_triton = make_public_entry(tree_attention_triton_op)
 tree_attention_triton.__doc__ = """Tree attention through the Triton kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
-softmax_scale=None, sinks=None, window=None, key_end_T=None) -> o_TNH; differentiable in q, k, v (and sinks);
+softmax_scale=None, sinks=None, window=None, key_end_T=None, softcap=None) -> o_TNH; differentiable in q, k, v (and
+sinks);
 fp16/bf16/fp32; N % K == 0; head dims <= 512 (values may be narrower or wider than queries and keys); q may hold only
 the last tokens of the keys' tree (suffix queries, ops.py; key_end then still covers all T tokens); sinks, sliding
-windows and bidirectional blocks (key_end_T int32 [T]) as ops.py describes."""
+windows, bidirectional blocks (key_end_T int32 [T]) and soft-capped scores as ops.py describes."""
