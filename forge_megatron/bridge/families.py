@@ -144,7 +144,13 @@ GELU; the embedding multiplied by sqrt(hidden_size) (in the weights' dtype, as H
 ``query_pre_attn_scalar ** -0.5``; every ``sliding_window_pattern``-th layer global (``layer_types``), the others a
 ``sliding_window`` with RoPE base ``rope_local_base_freq`` (10k) while the global ones have ``rope_theta`` (1M) and
 the checkpoint's ``rope_scaling`` (linear 8 on the larger models). A ``final_logit_softcapping`` (none in Gemma 3's
-releases) caps the logits as HF does (GPTConfig.final_logit_softcapping); attention soft-capping (Gemma 2) is refused.
+releases) caps the logits as HF does (GPTConfig.final_logit_softcapping).
+
+Gemma 2 (``gemma2``: Gemma2ForCausalLM, gemma-2-2b / 9b / 27b): Gemma 3's layer without the q/k norms; every other
+layer, the first, a ``sliding_window`` (4096; ``layer_types`` where the config has them), all with one RoPE base
+(``rope_theta``, 10k); attention scores soft-capped to c * tanh(s / c) before the softmax (``attn_logit_softcapping``,
+50: GPTConfig.attention_softcapping, the tree kernels' ``softcap``) and the logits too (``final_logit_softcapping``,
+30); ``query_pre_attn_scalar`` 256 (144 for 27B: hidden / heads).
 
 MiMo-V2-Flash (``mimo_v2_flash``: MiMoV2FlashForCausalLM): sliding-window layers (a query sees itself and the
 ``sliding_window_size`` keys before it) beside full-attention ones (``hybrid_layer_pattern`` as released,
@@ -444,6 +450,9 @@ FAMILIES: dict[str, Family] = {
     # model built from the model_type its text_config names; the dense glm4v_text (GLM-4.1V's) is supported
     "Glm46VForConditionalGeneration": Family("glm4", qkv_bias=True, qk_norm=False, moe=False, multimodal=True),
     "Gemma3ForCausalLM": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True),
+    # Gemma 2: Gemma 3's layer without the q/k norms, every other layer (the first) a sliding window, one RoPE base,
+    # soft-capped attention scores and logits
+    "Gemma2ForCausalLM": Family("gemma2", qkv_bias=None, qk_norm=False, moe=False, gemma=True),
     "Gemma4ForCausalLM": Family("gemma4", qkv_bias=False, qk_norm=True, moe=False, gemma4=True),
     # Gemma 4 as released: the text model above under model.language_model. (tied head) beside its vision and audio
     # towers and their embedders
@@ -620,8 +629,8 @@ def layer_types(hf: dict, family: Family) -> list[str] | None:
     ``sliding_window_pattern``: every n-th layer full, default 6); None for models without them."""
     if hf.get("layer_types"):
         return list(hf["layer_types"])
-    if family.gemma:
-        n = int(hf.get("sliding_window_pattern") or 6)
+    if family.gemma:  # (Gemma 2: every other layer, the first sliding)
+        n = int(hf.get("sliding_window_pattern") or (2 if family.name == "gemma2" else 6))
         return ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(hf["num_hidden_layers"])]
     return None
 
@@ -633,9 +642,6 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         glu = "GeGLU with the tanh GELU" if wanted != "silu" else "SwiGLU with silu"
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported ({glu} only)")
     if family.gemma:
-        if hf.get("attn_logit_softcapping") is not None:
-            raise UnsupportedModelError(f"attn_logit_softcapping={hf['attn_logit_softcapping']} is not supported "
-                                        "(Gemma 2's attention soft-capping; Gemma 3 has none)")
         if hf.get("use_bidirectional_attention"):
             raise UnsupportedModelError("use_bidirectional_attention=True (an embedding model) is not supported")
     if family.gemma4:
@@ -1466,8 +1472,10 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         kwargs.update(zero_centered_norm=True, activation="gelu_tanh", embedding_multiplier=hf["hidden_size"] ** 0.5,
                       softmax_scale=float(hf.get("query_pre_attn_scalar") or kwargs["kv_channels"]) ** -0.5,
                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-                      rotary_base=float(hf.get("rope_theta") or rope_parameters(hf).get("rope_theta") or 1e6),
-                      final_logit_softcapping=hf.get("final_logit_softcapping"))
+                      rotary_base=float(hf.get("rope_theta") or rope_parameters(hf).get("rope_theta") or
+                                        (1e4 if family.name == "gemma2" else 1e6)),
+                      final_logit_softcapping=hf.get("final_logit_softcapping"),
+                      attention_softcapping=hf.get("attn_logit_softcapping"))
     if (family.olmo or family.gemma) and not family.gated_delta and layer_types(hf, family):
         kwargs["extra"] = sliding_windows({**hf, "layer_types": layer_types(hf, family)})
         sliding = rope_scaling(hf, "sliding_attention")

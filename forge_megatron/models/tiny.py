@@ -46,7 +46,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
-         "lfm2_moe")
+         "lfm2_moe", "gemma2")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -546,6 +546,16 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                                  "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                     "rope_theta": 1000000.0}}},
         ),
+        # Gemma 2 layout: Gemma 3's without q/k norms, a 4-position window on layer 0, one RoPE base (10k); attention
+        # scores capped at 0.05 and logits at 0.5 (the releases' 50 and 30 never bite in a tiny random model, whose
+        # scores are small: these do, so a model that skipped a cap would compute something else), tied embeddings
+        "gemma2": (
+            transformers.Gemma2Config,
+            {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4,
+             "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True,
+             "attn_logit_softcapping": 0.05, "final_logit_softcapping": 0.5,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        ),
         # Gemma 4 layout (text, dense): sandwich norms (plain weights), GeGLU, the scaled embedding, attention scale
         # 1, normed values; layer 0 a 4-position window (heads of 16, 4 key heads, RoPE base 10k), layer 1 global
         # (heads of 32, 2 key heads whose projections are also the values', proportional RoPE over a quarter of the
@@ -708,7 +718,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             elif name.endswith("patch_embedder.position_embedding_table"):  # Gemma 4's starts at ones: a constant
                 # that would swamp the pixels (a picture's features then differ by 4 % from another's)
                 p.copy_(torch.randn(p.shape) * 0.02)
-            elif arch.startswith("gemma3") and name.endswith("norm.weight") and "vision" not in name:
+            elif arch.startswith(("gemma2", "gemma3")) and name.endswith("norm.weight") and "vision" not in name:
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters
             elif arch.startswith("gemma4") and name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # plain-weight norms (four per layer, q / k's, the MoE

@@ -1091,3 +1091,40 @@ def test_lfm2_moe_config_as_transformers_defaults_it():
         ["model.layers.3.feed_forward.experts.5.w1.weight", "model.layers.3.feed_forward.experts.5.w3.weight"]
     with pytest.raises(UnsupportedModelError, match="use_expert_bias=False"):
         Bridge({**hf, "use_expert_bias": False})
+
+
+def test_gemma2_config_shaped_like_the_9b_release():
+    """A config shaped like gemma-2-9b-it's (no layer_types: every other layer, the first, a 4096-position window;
+    rope_theta 10k on every layer): soft-capped attention scores (50) and logits (30), query_pre_attn_scalar's scale,
+    Gemma's sandwich norms without q/k norms; the causal spec's core attention carries the cap, and the tree spec's
+    TreeAttention keeps it."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from forge_megatron.mcore.model import CausalCoreAttention, GPTConfig, layer_spec
+    from forge_megatron.mcore.tree_attention import TreeAttention, swap_core_attention
+
+    released = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584,
+                "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16,
+                "num_key_value_heads": 8, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_size": 4096,
+                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "rope_theta": 10000.0,
+                "rms_norm_eps": 1e-6, "vocab_size": 256000, "max_position_embeddings": 8192,
+                "cache_implementation": "hybrid"}
+    bridge = Bridge(released)
+    cfg = bridge.cfg
+    assert (cfg.attention_softcapping, cfg.final_logit_softcapping, cfg.softmax_scale, cfg.rotary_base,
+            cfg.sliding_rotary_base, cfg.qk_layernorm, cfg.pre_norm, cfg.post_norm, cfg.zero_centered_norm,
+            cfg.tie_word_embeddings) == (50.0, 30.0, 1 / 16, 1e4, None, False, True, True, True, True)
+    assert cfg.extra["window_size"] == (4095, 0) and cfg.extra["window_attn_skip_freq"] == [1, 0] * 21
+    assert bridge.hf_names("decoder.layers.3.pre_mlp_layernorm.weight") == \
+        ["model.layers.3.pre_feedforward_layernorm.weight"]
+    small = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=64,
+                      vocab_size=8, attention_softcapping=50.0)
+    core = layer_spec(small).submodules.self_attention.submodules.core_attention
+    assert isinstance(core, ModuleSpec) and core.module is CausalCoreAttention and core.params == {"softcap": 50.0}
+    tree_core = swap_core_attention(layer_spec(small)).submodules.self_attention.submodules.core_attention
+    assert tree_core.module is TreeAttention and tree_core.params == {"softcap": 50.0}
+    assert swap_core_attention(layer_spec(GPTConfig(num_layers=1, vocab_size=8))).submodules.self_attention \
+        .submodules.core_attention is TreeAttention
+    with pytest.raises(ValueError, match="attention_softcapping must be > 0"):
+        GPTConfig(num_layers=1, vocab_size=8, attention_softcapping=0.0)

@@ -57,7 +57,6 @@ def forest_cases(seed=0):
         "random_trie": _random_trie(rng, 10),
     }
 
-SOFTCAP = 0.05  # the tiny models' logits reach ~0.1: the cap bites
 
 
 def all_samples(seed=0):
@@ -196,20 +195,21 @@ def _body_one_rank(rank, world_size):
                       ("lfm2", "Lfm2ForCausalLM"), ("lfm2_moe", "Lfm2MoeForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
-    # Gemma 3 with final-logit soft-capping (Gemma 4's): the fused logprobs cap the chunks they make, Megatron's output
-    # layer (the unmerged samples here) its logits; and the cap really changes them
+    # Gemma 2: soft-capped attention scores (the tree kernel's softcap; the unmerged samples through the causal
+    # core attention's) and final-logit soft-capping (the fused logprobs cap the chunks they make, Megatron's output
+    # layer its logits); and each cap really changes them
     from forge_megatron.mcore.forward import tree_logprobs
     from forge_megatron.tree import build_tree
 
-    capped = {**tiny_config("gemma3", vocab_size=VOCAB, final_logit_softcapping=SOFTCAP).to_dict(),
-              "architectures": ["Gemma3ForCausalLM"]}
+    capped = {**tiny_config("gemma2", vocab_size=VOCAB).to_dict(), "architectures": ["Gemma2ForCausalLM"]}
     capped_tree, capped_causal = _twin_models(gpt_config_from_hf(capped))
-    out["gemma3_softcap"] = _exactness(capped_tree, capped_causal, all_samples(3))
-    plain_tree, _ = _twin_models(gpt_config_from_hf({**capped, "final_logit_softcapping": None}))
+    out["gemma2"] = _exactness(capped_tree, capped_causal, all_samples(3))
     layout = build_tree(all_samples(3))
     with torch.no_grad():
-        out["gemma3_softcap_effect"] = (tree_logprobs(capped_tree, layout)[0] -
-                                        tree_logprobs(plain_tree, layout)[0]).abs().max().item()
+        logp = tree_logprobs(capped_tree, layout)[0]
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            plain_tree, _ = _twin_models(gpt_config_from_hf({**capped, cap: None}))
+            out[f"gemma2_{cap}_effect"] = (logp - tree_logprobs(plain_tree, layout)[0]).abs().max().item()
     # Qwen3.5 layout: a Gated DeltaNet layer (the recurrence and its convolution along every root-to-leaf path)
     # then gated full attention; the trees here nest several levels of segments
     q35 = {**tiny_config("qwen3_5", vocab_size=VOCAB).to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
@@ -526,12 +526,14 @@ def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= rtol, one_rank[arch]
 
 
-def test_final_logit_softcapping_tree_equals_unmerged(one_rank):
-    """Gemma's final-logit soft-capping: the fused logprobs on the tree (capped chunk by chunk) equal Megatron's
-    capped logits scored per sample, and the cap is not a no-op at this scale."""
-    logp, ent, grad, _, _ = one_rank["gemma3_softcap"]
-    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["gemma3_softcap"]
-    assert one_rank["gemma3_softcap_effect"] > 1e-3, one_rank["gemma3_softcap_effect"]
+def test_gemma2_soft_capping_tree_equals_unmerged(one_rank):
+    """Gemma 2's soft caps: attention scores capped in the tree kernel equal the causal core attention's per sample,
+    the fused logprobs on the tree (logits capped chunk by chunk) Megatron's capped logits scored per sample; and
+    neither cap is a no-op at this scale."""
+    logp, ent, grad, _, _ = one_rank["gemma2"]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["gemma2"]
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        assert one_rank[f"gemma2_{cap}_effect"] > 1e-4, (cap, one_rank[f"gemma2_{cap}_effect"])
 
 
 def test_qwen3_5_gated_delta_net_tree_equals_unmerged(one_rank):

@@ -7,7 +7,8 @@ and last stage) and TP = 2 with sequence parallelism (the added norms see each r
 weight gradients summed over TP), and for OLMo 3 CP = 2, train the same two steps. The Gemma 4 layout too (plain-weight
 sandwich norms; a global layer with its own head size and key heads, values that are its keys, proportional RoPE from
 its own table of the positions it is handed, also under CP = 2; normed values; layer scalars; soft-capped logits).
-CPU, 0 GPUs (gloo)."""
+The Gemma 2 layout (soft-capped attention scores and logits) under TP = 2 and CP = 2 (each rank's heads capped in
+the all-to-all mode). CPU, 0 GPUs (gloo)."""
 
 import numpy as np
 import pytest
@@ -18,14 +19,16 @@ from .pool_feed import feed_groups
 from .trainer_run import assert_same_as_one_rank, run_on_fresh_pool
 
 
-@pytest.mark.parametrize("arch", ["olmo3", "gemma3", "gemma4"])
+@pytest.mark.parametrize("arch", ["olmo3", "gemma3", "gemma4", "gemma2"])
 def test_post_norm_layers_train_the_same_under_pipeline_and_tensor_parallelism(tmp_path, arch):
     model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6))  # noqa: E731
     steps = {}
     layouts = [("one", [], 1), ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
                ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)]
-    if arch in ("olmo3", "gemma4"):  # each CP rank's zig-zag shard of the tree: windows, and each layer's RoPE from the whole table
+    if arch == "gemma2":  # (Gemma 3's layer but for its soft caps: PP as Gemma 3's; each TP rank caps its heads)
+        layouts.pop(1)
+    if arch in ("olmo3", "gemma4", "gemma2"):  # each CP rank's zig-zag shard of the tree: windows, and each layer's RoPE from the whole table
         layouts.append(("cp2", ["--context-parallel-size", "2"], 2))
     for name, extra, nproc in layouts:
         steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
