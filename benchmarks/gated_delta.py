@@ -23,6 +23,13 @@ difference of the output and of every input's gradient from ``autograd_loop``'s)
 the baseline is then transformers' ``chunk_kimi_delta_attention`` (Kimi Linear's reference, chunks of 64, autograd
 through its loops), against which ``torch_scan`` (and ``triton_scan`` on CUDA) are timed and compared.
 
+``--plain``: Mamba-2's rule (``delta=False``: no correction term; x -> v, B -> k, C -> q, dt -> beta, dt * A -> the
+log decay, --dk the state size, --dv the head dim, ``--groups`` B / C groups shared by the heads). The baseline is
+transformers' ``mamba2_chunk_scan`` (the torch path of its Mamba-2, Nemotron-H and Granite 4.0-H mixers); beside it
+``zero_correction``, the rule as forge ran it before (the delta rule's chunked path with W = 0: the strictly lower
+A K K^T products, W's inputs and every product with W computed and thrown away), and ``torch_scan`` (and
+``triton_scan`` on CUDA), which skip them.
+
 ``--layer``: instead, the bytes per token a bf16 Gated DeltaNet mixer (mcore/gated_delta_net.py, one rank, a tiny
 Qwen3.5 with hidden 256, 4 key heads of 32, 8 value heads of 32) keeps from its forward to its backward, with its
 recurrence and gated norm recomputed (the default) and without (what the layer keeps when Megatron's full
@@ -68,6 +75,61 @@ def autograd_loop(q, k, v, g, beta, initial_state, chunk):
         outs.append(q_dec[:, :, i] @ state + attn[:, :, i] @ v_new)
         state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
     return torch.stack(outs, dim=2).reshape(B, H, L, dv).transpose(1, 2), state
+
+
+def zero_correction(q, k, v, g, beta, chunk):
+    """The plain rule as kernels/gated_delta.py computed it before its W-free path: the delta rule's in-chunk
+    terms (A, W's inputs) computed, W = 0, and the scan's products with W run."""
+    B, L, H, dk = k.shape
+    n = L // chunk
+
+    def chunks(x):
+        x = x.float().transpose(1, 2)
+        return x.reshape(B * H, n, chunk, *x.shape[3:]).contiguous()
+
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    G = g.cumsum(2)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    k_beta = k * beta.unsqueeze(-1)
+    dec = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    (k_beta @ k.transpose(-1, -2) * dec).tril(-1)  # A: computed, unused (as before)
+    attn = q @ k.transpose(-1, -2) * dec
+    W_in, q_dec = k_beta * G.exp().unsqueeze(-1), q * G.exp().unsqueeze(-1)
+    k_dec = k * (G[..., -1:] - G).exp().unsqueeze(-1)
+    U, W = v * beta.unsqueeze(-1), torch.zeros_like(W_in)
+    o, final = gd._ChunkScan.apply(U, W, q_dec, attn, k_dec, G[..., -1].exp(), None, "torch")
+    return o.reshape(B, H, L, -1).transpose(1, 2), final.reshape(B, H, dk, -1)
+
+
+def plain_variants(args, A, device):
+    """Mamba-2's rule: (variants taking (C, B, x, dt) -> (y [B, L, H, P], final state [B, H, N, P])), the
+    transformers baseline first."""
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    H = args.heads
+
+    def heads(x):  # [B, L, G, N] -> [B, L, H, N]: the groups' B / C shared by H / G heads each
+        return x.repeat_interleave(H // x.shape[2], dim=2)
+
+    def transformers_ssd(C, Bm, x, dt):
+        y, final = mamba2_chunk_scan(x, dt, A, Bm, C, args.chunk, return_final_states=True)
+        return y, final.transpose(-1, -2)  # [B, H, P, N] -> [B, H, N, P]
+
+    def ours(backend, recompute=False, old=False):
+        def fn(C, Bm, x, dt):
+            if old:
+                return zero_correction(heads(C), heads(Bm), x, dt * A, dt, args.chunk)
+            return gd.chunked_gated_delta(heads(C), heads(Bm), x, dt * A, dt, chunk=args.chunk, backend=backend,
+                                          delta=False)
+        if recompute:
+            return lambda *xs: torch.utils.checkpoint.checkpoint(fn, *xs, use_reentrant=False)
+        return fn
+
+    variants = {"transformers_ssd": transformers_ssd, "zero_correction": ours("torch", old=True),
+                "torch_scan": ours("torch"), "torch_scan_recompute": ours("torch", recompute=True)}
+    if device.type == "cuda":
+        variants["triton_scan"] = ours("triton")
+    return variants
 
 
 def held_bytes(fn, inputs):
@@ -158,6 +220,9 @@ def main() -> None:
                    help="a decay per key channel (Kimi Delta Attention), against transformers' Kimi Linear function")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--plain", action="store_true",
+                   help="Mamba-2's rule (no correction term), against transformers' mamba2_chunk_scan (see above)")
+    p.add_argument("--groups", type=int, default=1, help="--plain: B / C groups (Mamba-2's n_groups)")
     p.add_argument("--layer", action="store_true", help="bytes per token the layer keeps (see above)")
     args = p.parse_args()
     if args.layer:
@@ -167,6 +232,18 @@ def main() -> None:
     args.chunk = args.chunk or (16 if args.channel_decay else 64)
     g = torch.Generator().manual_seed(0)
     B, L, H, dk, dv = args.batch, args.len, args.heads, args.dk, args.dv
+    if args.plain:
+        if H % args.groups:
+            raise SystemExit(f"--heads {H} must be a multiple of --groups {args.groups}")
+        A = (-torch.rand(H, generator=g) * 4).to(device)
+        C = torch.randn(B, L, args.groups, dk, generator=g) * dk ** -0.5
+        Bm = torch.randn(B, L, args.groups, dk, generator=g) * dk ** -0.5
+        x = torch.randn(B, L, H, dv, generator=g)
+        dt = torch.nn.functional.softplus(torch.randn(B, L, H, generator=g) - 2)
+        inputs = [t.to(device) for t in (C, Bm, x, dt)]
+        weights = [torch.randn(B, L, H, dv, generator=g).to(device), torch.randn(B, H, dk, dv, generator=g).to(device)]
+        return report(plain_variants(args, A, device), inputs, weights, args, device,
+                      dict(groups=args.groups, plain=True))
     q = torch.nn.functional.normalize(torch.randn(B, L, H, dk, generator=g), dim=-1) * dk ** -0.5
     k = torch.nn.functional.normalize(torch.randn(B, L, H, dk, generator=g), dim=-1)
     v = torch.randn(B, L, H, dv, generator=g)
@@ -196,6 +273,11 @@ def main() -> None:
     if device.type == "cuda":
         variants["triton_scan"] = scan("triton")
         variants["triton_scan_recompute"] = scan("triton", recompute=True)
+    report(variants, inputs, weights, args, device, dict(channel_decay=args.channel_decay))
+
+
+def report(variants, inputs, weights, args, device, extra_config) -> None:
+    """Time every variant on the same inputs; print one JSON line (errors and ratios against the first)."""
     out = {}
     base = None
     for name, fn in variants.items():
@@ -208,9 +290,9 @@ def main() -> None:
     for name in list(out)[1:]:
         out[f"{name}_speedup"] = out[baseline]["ms"] / out[name]["ms"]
         out[f"{name}_saved_ratio"] = out[name]["saved_mib"] / out[baseline]["saved_mib"]
-    out["config"] = dict(batch=B, len=L, heads=H, dk=dk, dv=dv, chunk=args.chunk, device=str(device),
-                         chunks=L // args.chunk, input_mib=sum(x.nbytes for x in inputs) / 2**20,
-                         channel_decay=args.channel_decay, baseline=baseline)
+    out["config"] = dict(batch=args.batch, len=args.len, heads=args.heads, dk=args.dk, dv=args.dv, chunk=args.chunk,
+                         device=str(device), chunks=args.len // args.chunk,
+                         input_mib=sum(x.nbytes for x in inputs) / 2**20, baseline=baseline, **extra_config)
     print(json.dumps(out))
 
 

@@ -254,7 +254,8 @@ def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64, b
     ``initial_state`` [B, H, dk, dv] or None). Returns (o [B, L, H, dv], the final state [B, H, dk, dv]), in fp32
     (fp64 for fp64 inputs). ``backend`` runs the scan over chunks (see :func:`scan_backend`). ``delta=False``: the
     plain gated rule S_i = exp(g_i) S + beta_i k_i v_i^T (Mamba-2's state space duality: no correction by what the
-    state already holds, so A = 0, U = diag(beta) V and W = 0 below)."""
+    state already holds, so A = 0, U = diag(beta) V and W = 0 below: neither the triangular solves nor any product
+    with W are computed, and the scan's Vn is U itself)."""
     B, L, H, dk = k.shape
     cd = _compute_dtype(v)
     dv = v.shape[-1]
@@ -273,25 +274,26 @@ def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk: int = 64, b
     k_beta = k * beta.unsqueeze(-1)
     if per_channel:  # Dec[t, s, c] = exp(G_tc - G_sc): every product of a row of one and a row of another, weighted
         dec = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~lower[..., None], float("-inf")).exp()
-        A = torch.einsum("...tc,...sc,...tsc->...ts", k_beta, k, dec).tril(-1)
         attn = torch.einsum("...tc,...sc,...tsc->...ts", q, k, dec)
         G_exp, G_last = G.exp(), G[..., -1:, :]
-        W_in, q_dec, k_dec = k_beta * G_exp, q * G_exp, k * (G_last - G).exp()
+        q_dec, k_dec = q * G_exp, k * (G_last - G).exp()
         chunk_decay = G_last.squeeze(-2).exp()  # [BH, n, dk]
     else:
         dec = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # [.., C, C], 0 above
-        A = (k_beta @ k.transpose(-1, -2) * dec).tril(-1)
         attn = q @ k.transpose(-1, -2) * dec
-        W_in, q_dec = k_beta * G.exp().unsqueeze(-1), q * G.exp().unsqueeze(-1)
-        k_dec = k * (G[..., -1:] - G).exp().unsqueeze(-1)
+        G_exp = G.exp().unsqueeze(-1)
+        q_dec, k_dec = q * G_exp, k * (G[..., -1:] - G).exp().unsqueeze(-1)
         chunk_decay = G[..., -1].exp()  # [BH, n]
     if delta:
-        eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-        system = eye + A
+        if per_channel:
+            A = torch.einsum("...tc,...sc,...tsc->...ts", k_beta, k, dec).tril(-1)
+        else:
+            A = (k_beta @ k.transpose(-1, -2) * dec).tril(-1)
+        system = torch.eye(chunk, dtype=q.dtype, device=q.device) + A
         U = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-        W = torch.linalg.solve_triangular(system, W_in, upper=False, unitriangular=True)
+        W = torch.linalg.solve_triangular(system, k_beta * G_exp, upper=False, unitriangular=True)
     else:  # (no correction term: the chunk's writes are its values as they come)
-        U, W = v * beta.unsqueeze(-1), torch.zeros_like(W_in)
+        U, W = v * beta.unsqueeze(-1), None
     state = None if initial_state is None else initial_state.to(cd).reshape(B * H, dk, dv)
     name = scan_backend(q.device, cd, chunk, dk, backend)
     o, final = _ChunkScan.apply(U, W, q_dec, attn, k_dec, chunk_decay, state, name)
@@ -335,26 +337,30 @@ def _triton_scan():
 
 
 def _scan_forward_torch(U, W, KD, decay, S0):
-    """The Triton forward scan's definition (gated_delta_triton.py), a loop over chunks."""
+    """The Triton forward scan's definition (gated_delta_triton.py), a loop over chunks; W None: no correction
+    term (the plain rule), Vn is U."""
     BH, n, _, dv = U.shape
-    S = U.new_zeros(BH, W.shape[-1], dv) if S0 is None else S0
-    S_all, Vn = U.new_empty(BH, n, *S.shape[1:]), torch.empty_like(U)
+    S = U.new_zeros(BH, KD.shape[-1], dv) if S0 is None else S0
+    S_all, Vn = U.new_empty(BH, n, *S.shape[1:]), U if W is None else torch.empty_like(U)
     for i in range(n):
         S_all[:, i] = S
-        Vn[:, i] = U[:, i] - W[:, i] @ S
+        if W is not None:
+            Vn[:, i] = U[:, i] - W[:, i] @ S
         S = S * decay[:, i].reshape(BH, -1, 1) + KD[:, i].transpose(-1, -2) @ Vn[:, i]  # one decay, or one per row
     return S_all, Vn, S
 
 
 def _scan_backward_torch(X, Y, W, KD, decay, dS):
-    """The Triton backward scan's definition, a loop over chunks in reverse."""
+    """The Triton backward scan's definition, a loop over chunks in reverse (W None: no correction term)."""
     BH, n, _, dv = X.shape
-    dS = X.new_zeros(BH, W.shape[-1], dv) if dS is None else dS
+    dS = X.new_zeros(BH, KD.shape[-1], dv) if dS is None else dS
     dVn, dS_next = torch.empty_like(X), X.new_empty(BH, n, *dS.shape[1:])
     for i in reversed(range(n)):
         dS_next[:, i] = dS
         dVn[:, i] = X[:, i] + KD[:, i] @ dS
-        dS = Y[:, i] + dS * decay[:, i].reshape(BH, -1, 1) - W[:, i].transpose(-1, -2) @ dVn[:, i]
+        dS = Y[:, i] + dS * decay[:, i].reshape(BH, -1, 1)
+        if W is not None:
+            dS = dS - W[:, i].transpose(-1, -2) @ dVn[:, i]
     return dVn, dS_next, dS
 
 
@@ -363,7 +369,8 @@ class _ChunkScan(torch.autograd.Function):
 
         Vn_i = U_i - W_i S_i      O_i = Qd_i S_i + attn_i Vn_i      S_{i+1} = decay_i S_i + KD_i^T Vn_i
 
-    (``decay`` [BH, n], or [BH, n, dk] scaling each row of the state: a decay per key channel)
+    (``decay`` [BH, n], or [BH, n, dk] scaling each row of the state: a decay per key channel; W None: no correction
+    term, Vn = U: the plain gated rule, Mamba-2's)
 
     with a hand-written backward that keeps nothing per chunk between forward and backward: the states are
     recomputed by a second forward scan, then one reverse scan gives every chunk's dVn and dS_{i+1}, from which the
@@ -373,8 +380,8 @@ class _ChunkScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, U, W, Qd, attn, KD, decay, S0, backend):
         scan_fwd = _triton_scan().scan_forward if backend == "triton" else _scan_forward_torch
-        U, W, Qd, attn, KD, decay = (x.contiguous() for x in (U, W, Qd, attn, KD, decay))
-        S0 = None if S0 is None else S0.contiguous()
+        U, Qd, attn, KD, decay = (x.contiguous() for x in (U, Qd, attn, KD, decay))
+        W, S0 = (None if x is None else x.contiguous() for x in (W, S0))
         S_all, Vn, final = scan_fwd(U, W, KD, decay, S0)
         O = torch.baddbmm(attn.flatten(0, 1) @ Vn.flatten(0, 1), Qd.flatten(0, 1), S_all.flatten(0, 1))
         ctx.save_for_backward(U, W, Qd, attn, KD, decay, S0)
@@ -393,7 +400,7 @@ class _ChunkScan(torch.autograd.Function):
         X, Y = mT(attn) @ dO, mT(Qd) @ dO
         dVn, dS_next, dS0 = scan_bwd(X, Y, W, KD, decay, None if dfinal is None else dfinal.contiguous())
         dU = dVn
-        dW = -(dVn @ mT(S_all))
+        dW = None if W is None else -(dVn @ mT(S_all))
         dQd = dO @ mT(S_all)
         dattn = dO @ mT(Vn)
         dKD = Vn @ mT(dS_next)

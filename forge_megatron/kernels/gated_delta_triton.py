@@ -11,6 +11,8 @@ Forward (chunk i, S_0 the initial state): stores S_i, then
 
     Vn_i = U_i - W_i S_i                 S_{i+1} = decay_i S_i + KD_i^T Vn_i
 
+(W None, the plain gated rule of Mamba-2: Vn_i = U_i, no product with W and no Vn written; HAS_W a constexpr)
+
 Backward (dS_n the final state's gradient, X_i = attn_i^T dO_i, Y_i = Qd_i^T dO_i precomputed): stores dS_{i+1},
 
     dVn_i = X_i + KD_i dS_{i+1}          dS_i = Y_i + decay_i dS_{i+1} - W_i^T dVn_i
@@ -38,7 +40,7 @@ MAX_KEY_DIM = 256  # the whole key dimension of a state block lives in registers
 @triton.jit
 def _scan_fwd_kernel(U, W, KD, DECAY, S0, S_ALL, VN, S_FINAL, n_chunks, dk, dv,
                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr,
-                     PRECISION: tl.constexpr, PER_ROW: tl.constexpr = False):
+                     PRECISION: tl.constexpr, PER_ROW: tl.constexpr = False, HAS_W: tl.constexpr = True):
     bh = tl.program_id(0).to(tl.int64)
     rc = tl.arange(0, C)
     rk = tl.arange(0, BK)
@@ -55,10 +57,11 @@ def _scan_fwd_kernel(U, W, KD, DECAY, S0, S_ALL, VN, S_FINAL, n_chunks, dk, dv,
         tl.store(S_ALL + chunk * dk * dv + state_off, S, mask=state_mask)
         key_off = chunk * C * dk + rc[:, None] * dk + rk[None, :]
         val_off = chunk * C * dv + rc[:, None] * dv + rv[None, :]
-        w = tl.load(W + key_off, mask=mk[None, :], other=0.0)
-        u = tl.load(U + val_off, mask=mv[None, :], other=0.0)
-        vn = u - tl.dot(w, S, input_precision=PRECISION)
-        tl.store(VN + val_off, vn, mask=mv[None, :])
+        vn = tl.load(U + val_off, mask=mv[None, :], other=0.0)
+        if HAS_W:
+            w = tl.load(W + key_off, mask=mk[None, :], other=0.0)
+            vn = vn - tl.dot(w, S, input_precision=PRECISION)
+            tl.store(VN + val_off, vn, mask=mv[None, :])
         kd = tl.load(KD + key_off, mask=mk[None, :], other=0.0)
         if PER_ROW:  # a decay per key channel: each row of the state its own
             S = S * tl.load(DECAY + chunk * dk + rk, mask=mk, other=0.0)[:, None]
@@ -71,7 +74,7 @@ def _scan_fwd_kernel(U, W, KD, DECAY, S0, S_ALL, VN, S_FINAL, n_chunks, dk, dv,
 @triton.jit
 def _scan_bwd_kernel(X, Y, W, KD, DECAY, DS_FINAL, DVN, DS_NEXT, DS0, n_chunks, dk, dv,
                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr,
-                     PRECISION: tl.constexpr, PER_ROW: tl.constexpr = False):
+                     PRECISION: tl.constexpr, PER_ROW: tl.constexpr = False, HAS_W: tl.constexpr = True):
     bh = tl.program_id(0).to(tl.int64)
     rc = tl.arange(0, C)
     rk = tl.arange(0, BK)
@@ -92,13 +95,15 @@ def _scan_bwd_kernel(X, Y, W, KD, DECAY, DS_FINAL, DVN, DS_NEXT, DS0, n_chunks, 
         x = tl.load(X + val_off, mask=mv[None, :], other=0.0)
         dvn = x + tl.dot(kd, dS, input_precision=PRECISION)
         tl.store(DVN + val_off, dvn, mask=mv[None, :])
-        w = tl.load(W + key_off, mask=mk[None, :], other=0.0)
         y = tl.load(Y + chunk * dk * dv + state_off, mask=state_mask, other=0.0)
         if PER_ROW:
             dS = dS * tl.load(DECAY + chunk * dk + rk, mask=mk, other=0.0)[:, None]
         else:
             dS = dS * tl.load(DECAY + chunk)
-        dS = y + dS - tl.dot(tl.trans(w), dvn, input_precision=PRECISION)
+        dS = y + dS
+        if HAS_W:
+            w = tl.load(W + key_off, mask=mk[None, :], other=0.0)
+            dS = dS - tl.dot(tl.trans(w), dvn, input_precision=PRECISION)
     tl.store(DS0 + bh * dk * dv + state_off, dS, mask=state_mask)
 
 
@@ -147,28 +152,30 @@ def _launch_args(dk: int, dv: int, BH: int, device: torch.device):
 
 
 def scan_forward(U, W, KD, decay, S0):
-    """(S_all [BH, n, dk, dv], Vn [BH, n, C, dv], S_final [BH, dk, dv]); S0 None: zeros."""
+    """(S_all [BH, n, dk, dv], Vn [BH, n, C, dv], S_final [BH, dk, dv]); S0 None: zeros; W None: the plain rule
+    (Vn is U)."""
     BH, n, C, dv = U.shape
-    dk = W.shape[-1]
+    dk = KD.shape[-1]
     grid, bk, bv, opts = _launch_args(dk, dv, BH, U.device)
     S_all = U.new_empty(BH, n, dk, dv)
-    Vn = torch.empty_like(U)
+    Vn = U if W is None else torch.empty_like(U)
     S_final = U.new_empty(BH, dk, dv)
-    _scan_fwd_kernel[grid](U, W, KD, decay, S0 if S0 is not None else S_final, S_all, Vn, S_final, n, dk, dv,
-                           C=C, BK=bk, BV=bv, HAS_S0=S0 is not None, PRECISION="ieee", PER_ROW=decay.dim() == 3,
-                           **opts)
+    _scan_fwd_kernel[grid](U, KD if W is None else W, KD, decay, S0 if S0 is not None else S_final, S_all, Vn,
+                           S_final, n, dk, dv, C=C, BK=bk, BV=bv, HAS_S0=S0 is not None, PRECISION="ieee",
+                           PER_ROW=decay.dim() == 3, HAS_W=W is not None, **opts)
     return S_all, Vn, S_final
 
 
 def scan_backward(X, Y, W, KD, decay, dS_final):
-    """(dVn [BH, n, C, dv], dS_next [BH, n, dk, dv] (chunk i: dS_{i+1}), dS0 [BH, dk, dv]); dS_final None: zeros."""
+    """(dVn [BH, n, C, dv], dS_next [BH, n, dk, dv] (chunk i: dS_{i+1}), dS0 [BH, dk, dv]); dS_final None: zeros;
+    W None: the plain rule."""
     BH, n, C, dv = X.shape
-    dk = W.shape[-1]
+    dk = KD.shape[-1]
     grid, bk, bv, opts = _launch_args(dk, dv, BH, X.device)
     dVn = torch.empty_like(X)
     dS_next = X.new_empty(BH, n, dk, dv)
     dS0 = X.new_empty(BH, dk, dv)
-    _scan_bwd_kernel[grid](X, Y, W, KD, decay, dS_final if dS_final is not None else dS0, dVn, dS_next, dS0, n, dk,
-                           dv, C=C, BK=bk, BV=bv, HAS_DS_FINAL=dS_final is not None, PRECISION="ieee",
-                           PER_ROW=decay.dim() == 3, **opts)
+    _scan_bwd_kernel[grid](X, Y, KD if W is None else W, KD, decay, dS_final if dS_final is not None else dS0, dVn,
+                           dS_next, dS0, n, dk, dv, C=C, BK=bk, BV=bv, HAS_DS_FINAL=dS_final is not None,
+                           PRECISION="ieee", PER_ROW=decay.dim() == 3, HAS_W=W is not None, **opts)
     return dVn, dS_next, dS0

@@ -232,6 +232,9 @@ def test_chunk_scan_backward_passes_gradcheck():
     through every input: q, k, v, decays, write strengths and the initial state."""
     inputs = [x.requires_grad_() for x in _chunk_inputs(2, 12, 2, 3, 4, seed=20, dtype=torch.float64)]
     assert torch.autograd.gradcheck(lambda *xs: gd.chunked_gated_delta(*xs, chunk=4, backend="torch"), inputs)
+    # the plain rule (Mamba-2: no correction term, so no W anywhere in the scan)
+    assert torch.autograd.gradcheck(lambda *xs: gd.chunked_gated_delta(*xs, chunk=4, backend="torch", delta=False),
+                                    inputs)
 
 
 def test_chunk_scan_saves_nothing_per_chunk():
@@ -274,16 +277,18 @@ def test_recompute_keeps_only_the_inputs():
         assert torch.equal(x.grad, b)
 
 
-@pytest.mark.parametrize("B,L,H,dk,dv,chunk,per_channel,narrow", [
-    (2, 48, 3, 24, 40, 16, False, False), (1, 64, 2, 130, 100, 32, False, False), (2, 128, 1, 16, 16, 64, False, False),
-    (2, 48, 3, 24, 40, 16, True, False), (1, 32, 2, 130, 20, 16, True, False), (1, 48, 2, 32, 72, 16, False, True)])
-def test_triton_scan_matches_torch(B, L, H, dk, dv, chunk, per_channel, narrow, monkeypatch):
+@pytest.mark.parametrize("B,L,H,dk,dv,chunk,per_channel,narrow,delta", [
+    (2, 48, 3, 24, 40, 16, False, False, True), (1, 64, 2, 130, 100, 32, False, False, True),
+    (2, 128, 1, 16, 16, 64, False, False, True), (2, 48, 3, 24, 40, 16, True, False, True),
+    (1, 32, 2, 130, 20, 16, True, False, True), (1, 48, 2, 32, 72, 16, False, True, True),
+    (2, 48, 3, 24, 40, 16, False, False, False)])
+def test_triton_scan_matches_torch(B, L, H, dk, dv, chunk, per_channel, narrow, delta, monkeypatch):
     """The Triton scans (interpreter on CPU) against the torch scans: outputs, final state and the gradients of
     every input. Shapes cover masked key / value blocks (24 x 40), several value blocks with the 256-wide key block
     (130 x 100) and one block at chunk 64; ``per_channel``: the PER_ROW variant, a decay per key channel (Kimi Delta
     Attention), whose gradient is then one per channel; ``narrow``: value blocks narrowed to 16 columns for a launch
     of few programs (as on a GPU with more multiprocessors than sequences x heads x value blocks), the last one
-    masked."""
+    masked; ``delta=False``: the plain rule (Mamba-2; no W, HAS_W off)."""
     if narrow:
         from forge_megatron.kernels import gated_delta_triton as gt
 
@@ -297,7 +302,7 @@ def test_triton_scan_matches_torch(B, L, H, dk, dv, chunk, per_channel, narrow, 
     results = {}
     for backend in ("torch", "triton"):
         xs = [x.clone().requires_grad_() for x in inputs]
-        o, final = gd.chunked_gated_delta(*xs, chunk=chunk, backend=backend)
+        o, final = gd.chunked_gated_delta(*xs, chunk=chunk, backend=backend, delta=delta)
         grads = torch.autograd.grad((o * w_o).sum() + (final * w_s).sum(), xs)
         results[backend] = (o, final, *grads)
     for name, a, b in zip(["o", "final", "dq", "dk", "dv", "ddecay", "dbeta", "dstate"], results["torch"],
@@ -356,7 +361,7 @@ def test_scan_backend_choice(monkeypatch):
 def test_triton_scan_compiles_for_sm90_without_gpu():
     """The scan kernels lower to an sm_90 cubin (ieee fp32 dots, two pipeline stages) and fit an H100's shared
     memory (227 KiB per block) at the head sizes of Qwen3.5 / Qwen3-Next (128) and the largest taken (256), with
-    a decay per key channel at Kimi Linear's, and with narrowed value blocks."""
+    a decay per key channel at Kimi Linear's, with narrowed value blocks, and the plain rule's (Mamba-2's)."""
     import os
     import subprocess
     import sys
@@ -364,9 +369,10 @@ def test_triton_scan_compiles_for_sm90_without_gpu():
 
     script = Path(__file__).with_name("triton_aot.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    shapes = ["128x128x64", "256x256x64", "24x40x16", "128x128x16r", "128x128x64/16"]  # one process: triton's
-    # start-up once; r: a decay per key channel (Kimi Delta Attention: Kimi Linear's 128-channel heads in chunks of
-    # 16); /16: value blocks narrowed to 16 columns (a launch of few programs)
+    shapes = ["128x128x64", "256x256x64", "24x40x16", "128x128x16r", "128x128x64/16", "128x64x64p"]  # one process:
+    # triton's start-up once; r: a decay per key channel (Kimi Delta Attention: Kimi Linear's 128-channel heads in
+    # chunks of 16); /16: value blocks narrowed to 16 columns (a launch of few programs); p: the plain rule (Mamba-2's
+    # state of 128 by heads of 64: Nemotron-H's, Granite 4.0-H's)
     proc = subprocess.run([sys.executable, str(script), "--gated-delta", *shapes], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -87,14 +87,16 @@ def resources(kernel) -> str:
 def compile_gated_delta(shapes: list[str], arch: int) -> None:
     from forge_megatron.kernels import gated_delta_triton as gt
 
-    for shape in shapes:  # DKxDVxC[r][/BV]: r, a decay per key channel (Kimi Delta Attention's PER_ROW); BV, the value
-        shape, _, narrow = shape.partition("/")  # block a launch of few programs narrows to (gt.blocks)
-        per_row = shape.endswith("r")
-        dk, dv, chunk = (int(x) for x in shape.removesuffix("r").split("x"))
+    for shape in shapes:  # DKxDVxC[r|p][/BV]: r, a decay per key channel (Kimi Delta Attention's PER_ROW); p, the plain
+        # rule (Mamba-2: no correction term, HAS_W off); BV, the value block a launch of few programs narrows to
+        shape, _, narrow = shape.partition("/")
+        per_row, plain = shape.endswith("r"), shape.endswith("p")
+        dk, dv, chunk = (int(x) for x in shape.removesuffix("r").removesuffix("p").split("x"))
         bk, bv = gt.blocks(dk, dv)
         bv = int(narrow) if narrow else bv
         for fn, flag in ((gt._scan_fwd_kernel, "HAS_S0"), (gt._scan_bwd_kernel, "HAS_DS_FINAL")):
-            constexprs = dict(C=chunk, BK=bk, BV=bv, PRECISION="ieee", PER_ROW=per_row, **{flag: True})
+            constexprs = dict(C=chunk, BK=bk, BV=bv, PRECISION="ieee", PER_ROW=per_row, HAS_W=not plain,
+                              **{flag: True})
             sig = {name: "constexpr" if name in constexprs else "i32" if name in ("n_chunks", "dk", "dv") else "*fp32"
                    for name in inspect.signature(fn.fn).parameters}
             # as the JIT specialises a launch: 16-byte aligned tensors, and dk / dv multiples of 16 when they are
