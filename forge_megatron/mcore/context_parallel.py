@@ -218,7 +218,8 @@ class _GatheredKVAttention(torch.autograd.Function):
     Engine's all-gather context parallelism does too)."""
 
     @staticmethod
-    def forward(ctx, q, k_local, v_local, sub_end_T, scale, backend, group, rank, sinks=None, window=0, softcap=0.0):
+    def forward(ctx, q, k_local, v_local, sub_end_T, scale, backend, group, rank, sinks=None, window=0, softcap=0.0,
+                chunk=0):
         from forge_megatron.kernels.tree_attention.dispatch import function_of, raw_ops
         from forge_megatron.kernels.tree_attention.ops import check_inputs
 
@@ -228,6 +229,8 @@ class _GatheredKVAttention(torch.autograd.Function):
         extras = {} if sinks is None and not window else {"sinks": sinks, "window": window}
         if softcap:
             extras["softcap"] = softcap
+        if chunk:
+            extras["chunk"] = chunk
         outs, lses = [], []
         for rows, hi, se in _chunks(sub_end_T, q.shape[0], C, rank):
             if raw is None:
@@ -235,14 +238,14 @@ class _GatheredKVAttention(torch.autograd.Function):
             else:
                 check_inputs(q[rows], k[:hi], v[:hi], se)
                 o, lse = raw[0](q[rows].contiguous(), k[:hi], v[:hi], se.contiguous(), scale, sinks, window, None,
-                                softcap)
+                                softcap, chunk)
                 outs.append(o)
                 lses.append(lse)
         o = torch.cat(outs)
         ctx.has_sinks = sinks is not None
         ctx.save_for_backward(q, k_local, v_local, sub_end_T, o, *([sinks] if sinks is not None else []), *lses)
         ctx.scale, ctx.backend, ctx.group, ctx.rank, ctx.window = scale, backend, group, rank, window
-        ctx.softcap = softcap
+        ctx.softcap, ctx.chunk = softcap, chunk
         return o
 
     @staticmethod
@@ -260,6 +263,8 @@ class _GatheredKVAttention(torch.autograd.Function):
         extras = {} if sinks is None and not ctx.window else {"window": ctx.window}
         if ctx.softcap:
             extras["softcap"] = ctx.softcap
+        if ctx.chunk:
+            extras["chunk"] = ctx.chunk
         do = do.contiguous()
         for i, (rows, hi, se) in enumerate(_chunks(sub_end_T, q.shape[0], C, ctx.rank)):
             if raw is None:
@@ -273,7 +278,7 @@ class _GatheredKVAttention(torch.autograd.Function):
             else:
                 dqi, dki, dvi = raw[1](do[rows].contiguous(), q[rows].contiguous(), k[:hi], v[:hi],
                                        o[rows].contiguous(), lses[i], se.contiguous(), ctx.scale, ctx.window, None,
-                                       ctx.softcap)
+                                       ctx.softcap, ctx.chunk)
                 dsi = [sink_grad(sinks, lses[i], do[rows], o[rows])] if sinks is not None else []
             dq[rows] = dqi
             dk[:hi] += dki
@@ -281,7 +286,7 @@ class _GatheredKVAttention(torch.autograd.Function):
             if dsinks is not None:
                 dsinks += dsi[0]
         dk_local, dv_local = (_scatter_tree_order(x, group) for x in (dk, dv))
-        return dq, dk_local, dv_local, None, None, None, None, None, dsinks, None, None
+        return dq, dk_local, dv_local, None, None, None, None, None, dsinks, None, None, None
 
 
 def _scatter_tree_order(x_TXH: torch.Tensor, group) -> torch.Tensor:
@@ -364,11 +369,11 @@ def resolve_comm_type(comm_type: str | None, N: int, K: int, cp: int) -> str:
 
 # ------------------------------------------------------------------------------------------ attention
 def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, backend=None, comm_type=None,
-                      sinks=None, window=None, key_end_T=None, softcap=None):
+                      sinks=None, window=None, key_end_T=None, softcap=None, chunk=None):
     """Tree attention for this CP rank's zig-zag shard: o [T_l, N, Hv] over the whole padded tree ``sub_end_T``;
     ``sinks`` [N] and ``window``: gpt-oss attention; ``key_end_T`` (the whole padded tree's): bidirectional blocks,
     Gemma 3 and 4's images (kernels/tree_attention/ops.py), in the all-to-all mode only; ``softcap``: Gemma 2's
-    soft-capped scores."""
+    soft-capped scores; ``chunk``: Llama 4's chunked attention."""
     from forge_megatron.kernels.tree_attention import tree_attention
 
     C, rank, group = cp_world()
@@ -379,6 +384,8 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
         extras["key_end"] = key_end_T
     if softcap:
         extras["softcap"] = float(softcap)
+    if chunk:
+        extras["chunk"] = int(chunk)
     if C == 1:
         return tree_attention(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=softmax_scale, backend=backend,
                               **extras)
@@ -398,7 +405,7 @@ def tree_attention_cp(q_TlNH, k_TlKH, v_TlKH, sub_end_T, softmax_scale=None, bac
                        v_head_dim=v_TlKH.shape[2], score_extras=bool(extras))
         scale = resolve_scale(softmax_scale, H)
         return _GatheredKVAttention.apply(q_TlNH, k_TlKH, v_TlKH, sub_end_T, scale, name, group, rank, sinks,
-                                          int(window or 0), float(softcap or 0.0))
+                                          int(window or 0), float(softcap or 0.0), int(chunk or 0))
     q = tokens_to_heads(q_TlNH, group)
     if K % C == 0:
         k, v = tokens_to_heads(k_TlKH, group), tokens_to_heads(v_TlKH, group)

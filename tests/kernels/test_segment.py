@@ -90,6 +90,17 @@ def test_soft_capped_scores(monkeypatch, window, with_sinks):
                            with_sinks=with_sinks, softcap=2.0)
 
 
+@pytest.mark.parametrize("chunk,window", [(2, None), (5, 3)])
+def test_chunked_attention(monkeypatch, chunk, window):
+    """Llama 4's chunked attention against the reference and the oracle, forward and backward; long chains in query
+    blocks too (chunk starts inside blocks)."""
+    check_sinks_and_window(tree_attention_segment, sub_end_of(KINDS["random"]), N=4, K=2, H=16, window=window,
+                           with_sinks=False, chunk=chunk)
+    monkeypatch.setattr(segment, "QUERY_BLOCK", 4)
+    check_sinks_and_window(tree_attention_segment, sub_end_of(KINDS["agentic"][:3]), N=2, K=1, H=8, window=window,
+                           with_sinks=True, chunk=chunk)
+
+
 def test_reference_suffix_queries():
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 

@@ -66,6 +66,29 @@ def test_soft_capped_scores(case, window):
                            softcap=2.0)
 
 
+@pytest.mark.parametrize("case,chunk,window", [("random_trie", 2, None), ("grpo", 5, None), ("long_chain", 33, None),
+                                               ("long_chain", 7, 20)])
+def test_chunked_attention(case, chunk, window):
+    """Llama 4's chunked attention (a query sees the keys of its own chunk of depths) against the reference and the
+    oracle, forward and backward; chunk 33 over the 160-token chain under 32 x 32 tiles: chunk starts inside tiles
+    and tiles skipped above them; with a window ANDed."""
+    check_sinks_and_window(tree_attention_triton, CASES[case], N=4, K=2, H=16, window=window, with_sinks=False,
+                           chunk=chunk)
+
+
+def test_chunks_skip_tiles_above_their_queries():
+    """A 160-token chain under 32 x 32 tiles with chunks of 64: the forward's schedule computes only the tiles
+    whose keys reach the chunk start of their shallowest query: query blocks of depths 0-31, 32-63 | 64-95, 96-127 |
+    128-159 see key blocks 0 | 0, 1 | 2 | 2, 3 | 4, 7 of the 15 causal tiles, none of them unmasked."""
+    from forge_megatron.kernels.tree_attention import schedule
+
+    sub_end = sub_end_from_samples([list(range(160))])
+    plan = schedule.build_schedule(sub_end, 160, 32, 32, chunk=64)
+    causal = schedule.build_schedule(sub_end, 160, 32, 32)
+    assert (plan.full_tiles, plan.partial_tiles) == (0, 7)
+    assert causal.full_tiles + causal.partial_tiles == 15
+
+
 def test_soft_capped_scores_with_suffix_queries():
     """The all-gather CP mode's suffix queries under a soft cap, with a window: forward and gradients against the
     reference given the same suffix, whose rows are those of the whole tree's."""
@@ -565,17 +588,18 @@ def test_gpu_suffix_queries(H):
         check_suffix_queries(tree_attention_triton, se, N=8, K=2, H=H, device="cuda", atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,head_dim,window,key_end,split,softcap", [
-    ("bf16", "128", None, False, False, 0), ("fp32", "64", None, False, False, 0),
-    ("bf16", "192x128", None, False, False, 0), ("bf16", "64", 128, False, False, 0),
-    ("bf16", "128", None, True, False, 0), ("bf16", "512", None, False, False, 0), ("bf16", "128", None, False, True, 0),
-    ("bf16", "256", None, False, False, 50.0)])
-def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end, split, softcap):
+@pytest.mark.parametrize("dtype,head_dim,window,key_end,split,softcap,chunk", [
+    ("bf16", "128", None, False, False, 0, 0), ("fp32", "64", None, False, False, 0, 0),
+    ("bf16", "192x128", None, False, False, 0, 0), ("bf16", "64", 128, False, False, 0, 0),
+    ("bf16", "128", None, True, False, 0, 0), ("bf16", "512", None, False, False, 0, 0),
+    ("bf16", "128", None, False, True, 0, 0), ("bf16", "256", None, False, False, 50.0, 0),
+    ("bf16", "128", None, False, False, 0, 8192)])
+def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end, split, softcap, chunk):
     """The GPU code path (native low-precision tl.dot, ieee fp32 dots) lowers to a cubin: TTIR -> PTX -> ptxas;
     with key_end: the bidirectional blocks' variants (HAS_KEY_END, full tiles included: no window); with split, dK/dV
     per query head (fp32 atomics, FORGE_TREE_ATTN_DKDV_SPLIT); with softcap: Gemma 2's soft-capped scores (its heads
-    of 256; its sliding layers' dQ kernel, a window on heads of 256, spills 32-48 bytes, as it does uncapped). Each
-    kernel's
+    of 256; its sliding layers' dQ kernel, a window on heads of 256, spills 32-48 bytes, as it does uncapped); with
+    chunk: Llama 4's chunked attention (heads of 128, chunks of 8192). Each kernel's
     shared memory fits an H100 / H200 SM (227 KiB a block): Gemma 4's heads of 512 need their 32 x 32 tiles for
     that, 64 x 64 ones would take over 260 KiB in the backward; bf16 kernels spill no registers."""
     import os
@@ -587,7 +611,8 @@ def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end, 
     script = Path(__file__).with_name("triton_aot.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     extra = (["--sinks-window", str(window)] if window else []) + (["--key-end"] if key_end else []) + \
-        (["--dkdv-split"] if split else []) + (["--softcap", str(softcap)] if softcap else [])
+        (["--dkdv-split"] if split else []) + (["--softcap", str(softcap)] if softcap else []) + \
+        (["--chunk", str(chunk)] if chunk else [])
     proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", head_dim, "--resources",
                            *extra], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

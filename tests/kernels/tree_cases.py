@@ -157,18 +157,19 @@ def cuda_include_dir() -> str:
     return str(found[0])
 
 
-def sinks_window_oracle(q, k, v, sub_end, scale, sinks, window, softcap=None):
+def sinks_window_oracle(q, k, v, sub_end, scale, sinks, window, softcap=None, chunk=None):
     """o [T, N, Hv] by the definition, one query at a time (independent of every backend's masks): query i sees the
     tokens j <= i whose subtree holds it and, with ``window``, whose depth is less than ``window`` below i's; the
     softmax has the head's sink logit as one more term without a value; ``softcap`` c caps each score s to
-    c * tanh(s / c) (Gemma 2)."""
+    c * tanh(s / c) (Gemma 2); with ``chunk`` C, only keys whose depth // C is the query's (Llama 4)."""
     T, N, _ = q.shape
     R = N // k.shape[1]
     se = sub_end.tolist()
     depth = [sum(1 for j in range(i) if se[j] > i) for i in range(T)]
     out = torch.zeros(T, N, v.shape[2], dtype=torch.float64)
     for i in range(T):
-        seen = [j for j in range(i + 1) if se[j] > i and (not window or depth[i] - depth[j] < window)]
+        seen = [j for j in range(i + 1) if se[j] > i and (not window or depth[i] - depth[j] < window)
+                and (not chunk or depth[i] // chunk == depth[j] // chunk)]
         for n in range(N):
             s = torch.stack([(q[i, n].double() @ k[j, n // R].double()) * scale for j in seen])
             if softcap:
@@ -181,7 +182,7 @@ def sinks_window_oracle(q, k, v, sub_end, scale, sinks, window, softcap=None):
 
 
 def check_sinks_and_window(fn, sub_end, N, K, H, window, with_sinks=True, dtype=torch.float32, seed=0, atol=2e-5,
-                           Hv=None, softcap=None):
+                           Hv=None, softcap=None, chunk=None):
     """fn(q, k, v, sub_end, sinks=..., window=..., softcap=...) against the fp32 reference with the same options
     (forward and backward, the sinks' gradient included), and the reference's output against
     :func:`sinks_window_oracle`. With ``softcap`` the queries are scaled up so that most scores reach the cap's bend."""
@@ -191,7 +192,7 @@ def check_sinks_and_window(fn, sub_end, N, K, H, window, with_sinks=True, dtype=
     if softcap:
         q = (q.float() * 3.0).to(dtype)
     sinks = torch.randn(N, generator=torch.Generator().manual_seed(seed + 2)) if with_sinks else None
-    extra = {"softcap": softcap} if softcap else {}
+    extra = {**({"softcap": softcap} if softcap else {}), **({"chunk": chunk} if chunk else {})}
     do = torch.randn((*q.shape[:2], v.shape[2]), generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
 
     def run(f, q, k, v, sinks, do):
@@ -207,9 +208,12 @@ def check_sinks_and_window(fn, sub_end, N, K, H, window, with_sinks=True, dtype=
         assert g.shape == w.shape, name
         err = (g.float() - w).abs().max().item()
         assert err <= atol, f"{name}: max error {err:.3g} > {atol} (window {window}, sinks {with_sinks}, " \
-            f"softcap {softcap})"
-    oracle = sinks_window_oracle(q.float(), k.float(), v.float(), sub_end, 0.3, sinks, window, softcap)
+            f"softcap {softcap}, chunk {chunk})"
+    oracle = sinks_window_oracle(q.float(), k.float(), v.float(), sub_end, 0.3, sinks, window, softcap, chunk)
     assert (want[0].double() - oracle).abs().max().item() <= 1e-5
     if softcap:  # the cap bites: uncapped attention is far from it
-        uncapped = sinks_window_oracle(q.float(), k.float(), v.float(), sub_end, 0.3, sinks, window)
+        uncapped = sinks_window_oracle(q.float(), k.float(), v.float(), sub_end, 0.3, sinks, window, None, chunk)
         assert (uncapped - oracle).abs().max().item() > 0.05
+    if chunk:  # the chunks bite
+        whole = sinks_window_oracle(q.float(), k.float(), v.float(), sub_end, 0.3, sinks, window, softcap)
+        assert (whole - oracle).abs().max().item() > 0.05

@@ -119,6 +119,8 @@ def main() -> None:
                    help="compile the variants with bidirectional blocks (key_end: Gemma 3's images)")
     p.add_argument("--softcap", type=float, default=0.0, metavar="C",
                    help="compile the variants with scores soft-capped at C (Gemma 2's attn_logit_softcapping)")
+    p.add_argument("--chunk", type=int, default=0, metavar="C",
+                   help="compile the variants with chunked attention of C positions (Llama 4's attention_chunk_size)")
     p.add_argument("--dkdv-split", action="store_true",
                    help="compile dK/dV with one program per query head (fp32 atomics; FORGE_TREE_ATTN_DKDV_SPLIT=1)")
     p.add_argument("--resources", action="store_true",
@@ -142,6 +144,7 @@ def main() -> None:
                 extra = dict(HAS_SINKS=window > 0) if fn is tk._fwd_kernel else \
                     dict(SPLIT=args.dkdv_split or tk.dkdv_split()) if fn is tk._bwd_dkdv_kernel else {}
                 constexprs = dict(GROUP=4, WINDOW=window, HAS_KEY_END=args.key_end, SOFTCAP=args.softcap * tk.LOG2E,
+                                  CHUNK=args.chunk,
                                   **extra, **tile_constexprs)
                 # strides are multiples of the head dims (tokens x heads x channels, contiguous): 16-aligned with them
                 aligned = {n for n in inspect.signature(fn.fn).parameters if n.startswith("stride_")} \

@@ -36,15 +36,16 @@ def _body(rank, world_size, backend, Hv, gpt_oss=False, comm="all_gather"):
     q, k, v, w = (torch.randn(T_pad, heads, dim, generator=g) for heads, dim in ((N, H), (K, H), (K, Hv), (N, Hv)))
 
     # gpt-oss: a sink logit per head and a window of 3 positions (the sinks' gradient: each rank's queries' part);
-    # with them Gemma 2's soft-capped scores, at 1.0 where the scores are ~N(0, 1): the cap bites
+    # with them Gemma 2's soft-capped scores, at 1.0 where the scores are ~N(0, 1): the cap bites, and Llama 4's
+    # chunks of 5 positions (samples of up to 8 tokens: chunk starts inside them)
     sinks = torch.randn(N, generator=g) if gpt_oss else None
-    extras = {"sinks": sinks.clone().requires_grad_(), "window": 3, "softcap": 1.0} if gpt_oss else {}
+    extras = {"sinks": sinks.clone().requires_grad_(), "window": 3, "softcap": 1.0, "chunk": 5} if gpt_oss else {}
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     o_ref = tree_attention(*full, sub_end, backend=backend, **extras)
     (o_ref * w).sum().backward()
     full_dsinks = extras["sinks"].grad if gpt_oss else None
     if gpt_oss:
-        extras = {"sinks": sinks.clone().requires_grad_(), "window": 3, "softcap": 1.0}
+        extras = {"sinks": sinks.clone().requires_grad_(), "window": 3, "softcap": 1.0, "chunk": 5}
 
     local = [take_shard(x, world_size, rank).clone().requires_grad_() for x in (q, k, v)]
     saved = []
@@ -75,8 +76,8 @@ def test_all_gather_mode_equals_whole_tree_and_saves_only_local_rows(backend, cp
 
 
 @pytest.mark.parametrize("backend,comm", [("segment", "all_gather"), ("triton", "all_gather"), ("segment", "a2a")])
-def test_sinks_window_and_softcap_under_context_parallelism(backend, comm):
-    """gpt-oss attention (with Gemma 2's soft cap) under CP = 2: o, dq, dk, dv of this rank's rows equal the whole
+def test_sinks_window_softcap_and_chunks_under_context_parallelism(backend, comm):
+    """gpt-oss attention (with Gemma 2's soft cap and Llama 4's chunks) under CP = 2: o, dq, dk, dv of this rank's rows equal the whole
     tree's, and the ranks' sink gradients (each from its own queries; Megatron's DP x CP reduction sums them) add up
     to the whole tree's."""
     if backend == "triton":

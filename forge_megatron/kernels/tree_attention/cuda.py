@@ -9,7 +9,7 @@ FORGE_TREE_ATTN_CUDA_IMPL picks one: "auto" (default: tensor cores where they ca
 where they cannot). The extension is built by setup.py only where CUDA torch and nvcc exist; ``is_available()`` says
 whether it can run here. Head dims 32, 64, 128; fp16/bf16/fp32 with fp32 accumulation. Suffix queries (fewer
 queries than keys, ops.py) run on the SIMT kernels only ("auto" picks them; "mma" refuses). Attention sinks, sliding
-windows, bidirectional blocks (key_end, ops.py) and soft-capped scores are refused with a ValueError: the dispatcher
+windows, bidirectional blocks (key_end, ops.py), soft-capped scores and chunked attention are refused with a ValueError: the dispatcher
 never passes them here (the triton and segment backends have them).
 
 Legend: T = packed tree tokens, N = query heads, K = key/value heads, H = head dim.
@@ -72,15 +72,17 @@ KEY_END_REFUSED = "the CUDA kernel has no bidirectional blocks (key_end); use th
 SOFTCAP_REFUSED = "the CUDA kernel has no soft-capped scores (Gemma 2); use the triton or segment backend"
 
 
-def _refuse(key_end_T, softcap) -> None:
+def _refuse(key_end_T, softcap, chunk=0) -> None:
     if key_end_T is not None:
         raise ValueError(KEY_END_REFUSED)
     if softcap:
         raise ValueError(SOFTCAP_REFUSED)
+    if chunk:
+        raise ValueError("the CUDA kernel has no chunked attention (Llama 4); use the triton or segment backend")
 
 
-def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None, softcap=0.0):
-    _refuse(key_end_T, softcap)
+def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None, softcap=0.0, chunk=0):
+    _refuse(key_end_T, softcap, chunk)
     ext = _extension()
     _check_supported(q_TNH, k_TKH, v_TKH)
     if sinks_N is not None or window:
@@ -91,8 +93,9 @@ def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_
     return o_TNH, lse_NT
 
 
-def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None, softcap=0.0):
-    _refuse(key_end_T, softcap)
+def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None, softcap=0.0,
+              chunk=0):
+    _refuse(key_end_T, softcap, chunk)
     ext = _extension()
     with torch.cuda.device(q_TNH.device):
         dq, dk, dv = ext.bwd(do_TNH.contiguous(), q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, _stream(q_TNH),

@@ -9,7 +9,8 @@ Choice, first match wins:
    (``CUDA_VALIDATED``; benchmarks/gpu_check.sh runs both): on the one H200 run so far it was 0.6x of Triton's
    speed, so it is used only when asked for. Calls with suffix queries (fewer
    queries than keys, ops.py) never choose it automatically: it takes them only on its SIMT path; nor do calls with
-   attention sinks, a sliding window, soft-capped scores or bidirectional blocks (key_end), which it does not have. A head size a
+   attention sinks, a sliding window, soft-capped scores, chunked attention or bidirectional blocks (key_end), which
+   it does not have. A head size a
    kernel does not take (CUDA: 32 / 64 / 128 and values as wide as keys; Triton: up to 512; multi-latent
    attention's query/key heads are 192 wide, its value heads 128) passes over it too.
 The Triton and CUDA backends live in their own modules and are imported lazily; a module that is absent or fails
@@ -61,6 +62,7 @@ def tree_attention(
     window: int | None = None,
     key_end: torch.Tensor | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Tree attention over a DFS-ordered forest (key j visible to query i iff j <= i < sub_end[j]). Returns o_TNH.
 
@@ -68,16 +70,20 @@ def tree_attention(
     passes over the CUDA kernel, which takes them on its SIMT path only (no tensor cores). ``sinks`` (per query
     head) and ``window`` (positions): gpt-oss's attention (ops.py); ``key_end`` (int32 [T], None: causal):
     bidirectional blocks (Gemma 3 / 4's images, ops.py), passed on as ``key_end_T``; ``softcap`` (None / 0: none):
-    scores soft-capped to c * tanh(s / c) (Gemma 2); the CUDA kernel has none of them and is never chosen
+    scores soft-capped to c * tanh(s / c) (Gemma 2); ``chunk`` (None / 0: none): Llama 4's chunked attention (a
+    query sees the keys of its own chunk of positions); the CUDA kernel has none of them and is never chosen
     automatically for them."""
     name = resolve(q_TNH.device, backend, suffix_queries=q_TNH.shape[0] != k_TKH.shape[0], head_dim=q_TNH.shape[2],
-                   v_head_dim=v_TKH.shape[2], score_extras=sinks is not None or bool(window) or bool(softcap),
+                   v_head_dim=v_TKH.shape[2],
+                   score_extras=sinks is not None or bool(window) or bool(softcap) or bool(chunk),
                    bidirectional_blocks=key_end is not None)
     extras = {} if sinks is None and not window else {"sinks": sinks, "window": window}
     if key_end is not None:
         extras["key_end_T"] = key_end
     if softcap:
         extras["softcap"] = softcap
+    if chunk:
+        extras["chunk"] = chunk
     return _function(name)(q_TNH, k_TKH, v_TKH, sub_end_T, softmax_scale=softmax_scale, **extras)
 
 
@@ -99,7 +105,7 @@ def choose_backend(device: torch.device, backend: str | None = None, suffix_quer
                    score_extras: bool = False, bidirectional_blocks: bool = False) -> tuple[str, str]:
     """(backend name, why it was chosen) for tensors on ``device``; ``suffix_queries``: fewer queries than keys;
     ``head_dim`` / ``v_head_dim``: the query/key and value head sizes (None: any); ``score_extras``: attention
-    sinks, a sliding window or soft-capped scores, ``bidirectional_blocks``: a key_end (none of them the CUDA
+    sinks, a sliding window, soft-capped scores or chunks, ``bidirectional_blocks``: a key_end (none of them the CUDA
     kernel's: the automatic choice passes over it)."""
     if backend is not None:
         return _requested(backend, "backend argument"), "backend argument"

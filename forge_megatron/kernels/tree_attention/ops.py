@@ -1,8 +1,8 @@
 """torch.library plumbing shared by the compiled tree-attention backends (Triton, CUDA).
 
 Each backend supplies two plain functions and gets back one differentiable, ``torch.compile``-traceable op:
-  forward  (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window, key_end_T, softcap) -> (o_TNH, lse_NT)
-  backward (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window, key_end_T, softcap)
+  forward  (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window, key_end_T, softcap, chunk) -> (o_TNH, lse_NT)
+  backward (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window, key_end_T, softcap, chunk)
            -> (dq_TNH, dk_TKH, dv_TKH)
 registered as ``forge::tree_attn_<name>_fwd`` / ``_bwd`` custom ops with fake (shape-only) implementations and
 an autograd formula that calls the backward op (FlashAttention-2: P is recomputed from the saved LSE).
@@ -23,6 +23,10 @@ Attention sinks and sliding windows (gpt-oss; Megatron's ``softmax_type="learnab
   delta = rowsum(dO * O), and dq/dk/dv keep FlashAttention's formulas (P recomputed from the lse that holds the sink).
 - ``window`` (0: none): key j is visible to query i only if depth(i) - depth(j) < window as well (depths are the
   tokens' positions in their samples, :func:`depths`), i.e. each sample's sliding window.
+
+Chunked attention (Llama 4's ``attention_chunk_size`` layers): ``chunk`` C (0: none) lets query i see key j only if
+depth(i) // C == depth(j) // C as well: each sample's positions cut into chunks of C, a query seeing the keys of its
+own chunk only (transformers' chunked causal mask on each sample alone).
 
 Soft-capped scores (Gemma 2's ``attn_logit_softcapping``): ``softcap`` c (0: none) replaces every score
 s = scale * q_i . k_j by c * tanh(s / c) before the mask and the softmax (the sinks are not capped). The backward
@@ -153,6 +157,14 @@ def check_extras(q_TNH: torch.Tensor, sinks_N: torch.Tensor | None, window: int 
     return window
 
 
+def check_chunk(chunk: int | None) -> int:
+    """The attention chunk as an int (0: none); ValueError unless None, 0 or positive."""
+    value = int(chunk or 0)
+    if value < 0:
+        raise ValueError(f"chunk must be >= 1 (or None / 0 for none), got {chunk!r}")
+    return value
+
+
 def check_softcap(softcap: float | None) -> float:
     """The score soft cap as a float (0.0: none); ValueError unless None, 0 or positive and finite."""
     cap = float(softcap or 0.0)
@@ -181,9 +193,9 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
     """Register ``forge::tree_attn_{name}_fwd/_bwd`` and return the differentiable forward op.
 
     The returned op maps (q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None,
-    softcap=0.0) -> (o_TNH, lse_NT); gradients flow to q, k, v and the sinks (key_end, like sub_end, gets none). The
-    backward op takes (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None,
-    softcap=0.0). The impls are called with every argument, softcap (0.0: none) last.
+    softcap=0.0, chunk=0) -> (o_TNH, lse_NT); gradients flow to q, k, v and the sinks (key_end, like sub_end, gets
+    none). The backward op takes (do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0,
+    key_end_T=None, softcap=0.0, chunk=0). The impls are called with every argument, chunk (0: none) last.
     """
     fwd_name = f"forge::tree_attn_{name}_fwd"
     bwd_name = f"forge::tree_attn_{name}_bwd"
@@ -192,12 +204,12 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
     def fwd_op(
         q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, sub_end_T: torch.Tensor, scale: float,
         sinks_N: torch.Tensor | None = None, window: int = 0, key_end_T: torch.Tensor | None = None,
-        softcap: float = 0.0,
+        softcap: float = 0.0, chunk: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return forward_impl(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window, key_end_T, softcap)
+        return forward_impl(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N, window, key_end_T, softcap, chunk)
 
     @fwd_op.register_fake
-    def _(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None, softcap=0.0):
+    def _(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None, softcap=0.0, chunk=0):
         Tq, N, _ = q_TNH.shape
         return q_TNH.new_empty((Tq, N, v_TKH.shape[2])), q_TNH.new_empty((N, Tq), dtype=torch.float32)
 
@@ -214,24 +226,27 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
         window: int = 0,
         key_end_T: torch.Tensor | None = None,
         softcap: float = 0.0,
+        chunk: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return backward_impl(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window, key_end_T, softcap)
+        return backward_impl(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window, key_end_T, softcap,
+                             chunk)
 
     @bwd_op.register_fake
-    def _(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None, softcap=0.0):
+    def _(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None, softcap=0.0,
+          chunk=0):
         return torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
 
     def setup_context(ctx, inputs, output):
         q_TNH, k_TKH, v_TKH, sub_end_T, scale = inputs[:5]
         given = tuple(inputs[5:])  # (the defaults of the arguments not given)
-        sinks_N, window, key_end_T, softcap = given + (None, 0, None, 0.0)[len(given):]
+        sinks_N, window, key_end_T, softcap, chunk = given + (None, 0, None, 0.0, 0)[len(given):]
         o_TNH, lse_NT = output
         ctx.has_sinks = sinks_N is not None
         ctx.has_key_end = key_end_T is not None
         ctx.save_for_backward(q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T,
                               *([sinks_N] if sinks_N is not None else []),
                               *([key_end_T] if key_end_T is not None else []))
-        ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
+        ctx.scale, ctx.window, ctx.softcap, ctx.chunk = scale, window, softcap, chunk
 
     def backward(ctx, do_TNH, _dlse_NT):
         # lse is an auxiliary output for the backward pass; gradients through it are not supported.
@@ -240,9 +255,9 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
         key_end_T = rest.pop(0) if ctx.has_key_end else None
         do_TNH = do_TNH.contiguous()
         dq, dk, dv = bwd_op(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, ctx.scale, ctx.window, key_end_T,
-                            ctx.softcap)
+                            ctx.softcap, ctx.chunk)
         dsinks = sink_grad(sinks_N, lse_NT, do_TNH, o_TNH) if sinks_N is not None else None
-        return dq, dk, dv, None, None, dsinks, None, None, None
+        return dq, dk, dv, None, None, dsinks, None, None, None, None
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
     return fwd_op
@@ -250,7 +265,7 @@ def register_tree_attention_ops(name: str, forward_impl: ForwardImpl, backward_i
 
 def make_public_entry(fwd_op) -> Callable[..., torch.Tensor]:
     """Wrap a registered forward op into the public ``(q, k, v, sub_end, softmax_scale=None, sinks=None,
-    window=None, key_end_T=None, softcap=None) -> o`` function (key_end_T: bidirectional blocks, checked by
+    window=None, key_end_T=None, softcap=None, chunk=None) -> o`` function (key_end_T: bidirectional blocks, checked by
     :func:`check_key_end` outside torch.compile: the check reads the tensor, a device sync)."""
 
     def tree_attention(
@@ -263,17 +278,18 @@ def make_public_entry(fwd_op) -> Callable[..., torch.Tensor]:
         window: int | None = None,
         key_end_T: torch.Tensor | None = None,
         softcap: float | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         check_inputs(q_TNH, k_TKH, v_TKH, sub_end_T)
         window = check_extras(q_TNH, sinks, window)
-        softcap = check_softcap(softcap)
+        softcap, chunk = check_softcap(softcap), check_chunk(chunk)
         if key_end_T is not None:
             if not torch.compiler.is_compiling():  # data-dependent: a graph break under torch.compile
                 check_key_end(key_end_T, sub_end_T)
             key_end_T = key_end_T.contiguous()
         scale = resolve_scale(softmax_scale, q_TNH.shape[2])
         o_TNH, _ = fwd_op(q_TNH.contiguous(), k_TKH.contiguous(), v_TKH.contiguous(), sub_end_T.contiguous(), scale,
-                          None if sinks is None else sinks.contiguous(), window, key_end_T, softcap)
+                          None if sinks is None else sinks.contiguous(), window, key_end_T, softcap, chunk)
         return o_TNH
 
     return tree_attention

@@ -21,10 +21,11 @@ import torch.nn.functional as F
 
 
 def tree_mask(sub_end_T: torch.Tensor, num_queries: int | None = None, window: int | None = None,
-              key_end_T: torch.Tensor | None = None) -> torch.Tensor:
+              key_end_T: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Boolean [Tq, T] mask, True where query i may attend key j; the queries are the last ``num_queries`` (default
     all T) tokens; with ``window`` only keys less than ``window`` positions above the query (ops.py); ``key_end``
-    (int [T], None: causal) the bidirectional blocks (above)."""
+    (int [T], None: causal) the bidirectional blocks (above); with ``chunk`` only keys whose depth lies in the
+    query's chunk of ``chunk`` positions (ops.py)."""
     from forge_megatron.kernels.tree_attention.ops import depths
 
     T = sub_end_T.shape[0]
@@ -33,9 +34,12 @@ def tree_mask(sub_end_T: torch.Tensor, num_queries: int | None = None, window: i
     q = torch.arange(T - Tq, T, device=sub_end_T.device)[:, None]
     upper = q + 1 if key_end_T is None else key_end_T.to(k.dtype)[T - Tq:, None]
     mask = (k < upper) & (q < sub_end_T.to(k.dtype)[None, :])
-    if window:
+    if window or chunk:
         depth_T = depths(sub_end_T).long()
+    if window:
         mask &= (depth_T[T - Tq:, None] - depth_T[None, :]) < window
+    if chunk:
+        mask &= (depth_T[T - Tq:, None] // chunk) == (depth_T[None, :] // chunk)
     return mask
 
 
@@ -50,12 +54,13 @@ def tree_attention_reference(
     key_end_T: torch.Tensor | None = None,
     explicit: bool = False,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Exact tree attention through SDPA with a dense boolean mask (with ``sinks``, ``softcap`` or ``explicit``:
     plain tensor ops, an explicit softmax, with one more column per head for the sinks). Returns o_TNH.
 
     q may hold only the last Tq of the T tokens k, v and sub_end describe (suffix queries, see ops.py); sinks,
-    window, key_end and softcap (scores c * tanh(s / c)) as in ops.py. The explicit ops round every intermediate (scores, probabilities) to the
+    window, key_end, softcap (scores c * tanh(s / c)) and chunk (chunked attention) as in ops.py. The explicit ops round every intermediate (scores, probabilities) to the
     inputs' dtype, and autograd's backward likewise, where SDPA's fused kernels keep fp32 inside: in bf16 they are
     the low-precision math of the FlashAttention tolerance rule the kernel tests use."""
     Tq, N, H = q_TNH.shape  # v may have another head size (o takes it)
@@ -73,7 +78,7 @@ def tree_attention_reference(
         from forge_megatron.kernels.tree_attention.ops import check_key_end
 
         check_key_end(key_end_T, sub_end_T)
-    mask_QT = tree_mask(sub_end_T, Tq, window, key_end_T)
+    mask_QT = tree_mask(sub_end_T, Tq, window, key_end_T, chunk)
     if sinks is None and not explicit and not softcap:
         o_NTH = F.scaled_dot_product_attention(
             q_TNH.transpose(0, 1), k_TNH.transpose(0, 1), v_TNH.transpose(0, 1), attn_mask=mask_QT, scale=scale

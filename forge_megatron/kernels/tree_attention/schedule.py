@@ -16,7 +16,7 @@ two full runs (the prompt, its own completion) and a partial tile or two where t
 full run and the diagonal tile.
 
 Built with torch ops on sub_end's device (a few host syncs, for the run counts) and cached per (sub_end, key_end,
-shape, blocks, window): every layer of a micro-batch, and the backward, reuse the first layer's.
+shape, blocks, window, chunk): every layer of a micro-batch, and the backward, reuse the first layer's.
 
 Legend: T = tree tokens (keys), TQ = queries (the last TQ tokens), QB / KB = query / key blocks, R / C = row /
 column blocks of a schedule.
@@ -81,7 +81,7 @@ def _block_reduce(x: torch.Tensor, block: int, pad_value: int, op: str) -> torch
 
 
 def _stats(sub_end_T: torch.Tensor, TQ: int, block_m: int, block_n: int, window: int,
-           key_end_T: torch.Tensor | None) -> _BlockStats:
+           key_end_T: torch.Tensor | None, chunk: int = 0) -> _BlockStats:
     from forge_megatron.kernels.tree_attention.ops import depths
 
     T = sub_end_T.numel()
@@ -95,7 +95,7 @@ def _stats(sub_end_T: torch.Tensor, TQ: int, block_m: int, block_n: int, window:
     else:
         k_end, kemin = q_hi, None
     qdmin = kdmax = None
-    if window:
+    if window or chunk:
         depth_T = derived(sub_end_T, "depths", depths)  # the kernels' DEPTH argument: computed once
         qdmin = _block_reduce(depth_T[q0:], block_m, _INT_MAX, "min")
         kdmax = _block_reduce(depth_T, block_n, -1, "max")
@@ -105,13 +105,18 @@ def _stats(sub_end_T: torch.Tensor, TQ: int, block_m: int, block_n: int, window:
                        kmax=_block_reduce(sub_end_T, block_n, 0, "max"), kdmax=kdmax)
 
 
-def _classes(s: _BlockStats, qbs: slice, kbs: slice, block_n: int, window: int) -> torch.Tensor:
-    """int8 [query blocks qbs, key blocks kbs]: EMPTY, FULL or PARTIAL by triton_kernel.py's tile rules."""
+def _classes(s: _BlockStats, qbs: slice, kbs: slice, block_n: int, window: int, chunk: int = 0) -> torch.Tensor:
+    """int8 [query blocks qbs, key blocks kbs]: EMPTY, FULL or PARTIAL by triton_kernel.py's tile rules (with a
+    window or chunks: no tile is full; one whose keys all lie above the window, or above the chunk start of the
+    block's shallowest query, is empty)."""
     q_lo, q_hi, k_end = s.q_lo[qbs, None], s.q_hi[qbs, None], s.k_end[qbs, None]
     k_lo, kmin, kmax = s.k_lo[None, kbs], s.kmin[None, kbs], s.kmax[None, kbs]
     live = (k_lo < k_end) & (kmax > q_lo)
-    if window:
-        live &= s.kdmax[None, kbs] + window > s.qdmin[qbs, None]
+    if window or chunk:
+        if window:
+            live &= s.kdmax[None, kbs] + window > s.qdmin[qbs, None]
+        if chunk:
+            live &= s.kdmax[None, kbs] >= torch.div(s.qdmin[qbs, None], chunk, rounding_mode="floor") * chunk
         full = torch.zeros_like(live)
     else:
         keys_below = k_lo + block_n <= s.kemin[qbs, None] if s.kemin is not None else k_lo + block_n - 1 <= q_lo
@@ -138,20 +143,20 @@ def _csr(rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def build_schedule(sub_end_T: torch.Tensor, TQ: int, block_m: int, block_n: int, window: int = 0,
-                   key_end_T: torch.Tensor | None = None, by: str = "query") -> TileSchedule:
+                   key_end_T: torch.Tensor | None = None, by: str = "query", chunk: int = 0) -> TileSchedule:
     """The schedule of BLOCK_M x BLOCK_N tiles for queries = the last TQ tokens (tiled from T - TQ): rows are query
     blocks (``by="query"``: forward, dQ) or key blocks (``by="key"``: dK / dV), runs go along the other axis."""
     if by not in ("query", "key"):
         raise ValueError(f"by must be 'query' or 'key', got {by!r}")
-    s = _stats(sub_end_T, TQ, block_m, block_n, window, key_end_T)
+    s = _stats(sub_end_T, TQ, block_m, block_n, window, key_end_T, chunk)
     QB, KB = s.q_lo.numel(), s.k_lo.numel()
     rows, cols = (QB, KB) if by == "query" else (KB, QB)
     step = max(1, _CHUNK_TILES // max(cols, 1))
     full, partial = [], []
     for r0 in range(0, rows, step):
         r = slice(r0, min(rows, r0 + step))
-        classes = _classes(s, r, slice(None), block_n, window) if by == "query" else \
-            _classes(s, slice(None), r, block_n, window).t().contiguous()
+        classes = _classes(s, r, slice(None), block_n, window, chunk) if by == "query" else \
+            _classes(s, slice(None), r, block_n, window, chunk).t().contiguous()
         full.append(_runs(classes, FULL, r0))
         partial.append(_runs(classes, PARTIAL, r0))
     f_off, f_lo, f_hi, n_full = _csr(rows, full, sub_end_T.device)
@@ -172,18 +177,18 @@ def _identity(t: torch.Tensor | None) -> tuple:
 
 
 def schedule(sub_end_T: torch.Tensor, TQ: int, block_m: int, block_n: int, window: int = 0,
-             key_end_T: torch.Tensor | None = None, by: str = "query") -> TileSchedule:
+             key_end_T: torch.Tensor | None = None, by: str = "query", chunk: int = 0) -> TileSchedule:
     """:func:`build_schedule`, cached: the same sub_end (and key_end) tensor objects, unmodified, with the same
     arguments give the schedule built the first time (a tensor that died and whose memory was reused is a miss: the
     cache holds weak references and checks them)."""
-    key = (_identity(sub_end_T), _identity(key_end_T), TQ, block_m, block_n, int(window), by)
+    key = (_identity(sub_end_T), _identity(key_end_T), TQ, block_m, block_n, int(window), by, int(chunk))
     hit = _CACHE.get(key)
     if hit is not None:
         sub_ref, key_ref, found = hit
         if sub_ref() is sub_end_T and (key_ref is None or key_ref() is key_end_T):
             _CACHE.move_to_end(key)
             return found
-    found = build_schedule(sub_end_T, TQ, block_m, block_n, window, key_end_T, by)
+    found = build_schedule(sub_end_T, TQ, block_m, block_n, window, key_end_T, by, chunk)
     _forget_dead(_CACHE)
     _CACHE[key] = (weakref.ref(sub_end_T), None if key_end_T is None else weakref.ref(key_end_T), found)
     while len(_CACHE) > _CACHE_SIZE:

@@ -21,7 +21,8 @@ vectorised torch ops (no Python loop over chains):
 GQA without repeating K/V: the N/K query heads that share a key head become extra query rows.
 Autograd flows through the gathers, SDPA and the final index_copy, so backward is exact too.
 Sliding windows (ops.py) narrow each chain's mask by key depth; attention sinks replace SDPA by an explicit softmax
-with one more column per head (autograd gives the sinks their gradient), as soft-capped scores (Gemma 2) do. Bidirectional blocks (``key_end``, ops.py)
+with one more column per head (autograd gives the sinks their gradient), as soft-capped scores (Gemma 2) do. Chunked
+attention (Llama 4) keeps, for a query at depth d, the keys whose depth lies in d's chunk. Bidirectional blocks (``key_end``, ops.py)
 lie inside one chain: a query of a block sees ``key_end[i] - i - 1`` more of its chain's keys (its block's rest).
 
 Legend: T = tree tokens, N = query heads, K = key/value heads, H = head dim, C = chains, B = chains in a group,
@@ -36,8 +37,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from forge_megatron.kernels.tree_attention.ops import (check_extras, check_inputs, check_key_end, check_softcap,
-                                                       resolve_scale)
+from forge_megatron.kernels.tree_attention.ops import (check_chunk, check_extras, check_inputs, check_key_end,
+                                                       check_softcap, resolve_scale)
 
 QUERY_BLOCK = 512  # chains longer than this are processed alone, in query blocks of this size
 
@@ -52,12 +53,14 @@ def tree_attention_segment(
     window: int | None = None,
     key_end_T: torch.Tensor | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Exact tree attention, cost ~ sum of token depths. Returns o_TNH; differentiable in q, k, v (and the sinks);
-    sinks, window, key_end (bidirectional blocks) and softcap (soft-capped scores) as in ops.py."""
+    sinks, window, key_end (bidirectional blocks), softcap (soft-capped scores) and chunk (chunked attention) as in
+    ops.py."""
     check_inputs(q_TNH, k_TKH, v_TKH, sub_end_T)
     window = check_extras(q_TNH, sinks, window)
-    softcap = check_softcap(softcap)
+    softcap, chunk = check_softcap(softcap), check_chunk(chunk)
     ahead_T = None  # per token, the keys after it in its block
     if key_end_T is not None:
         check_key_end(key_end_T, sub_end_T)
@@ -68,7 +71,7 @@ def tree_attention_segment(
         return q_TNH.new_zeros((0, q_TNH.shape[1], Hv))
     q_start = k_TKH.shape[0] - q_TNH.shape[0]  # suffix queries: q holds tokens [q_start, T)
     forest = Forest(sub_end_T, q_start)
-    groups = list(forest.short_chain_groups(window, ahead_T))
+    groups = list(forest.short_chain_groups(window, ahead_T, chunk))
     chains = forest.long_chains()
     arange = functools.partial(torch.arange, device=sub_end_T.device)
     q_idx = [g.q_idx_BL.flatten() for g in groups] + [arange(start, end) for start, end in chains]
@@ -96,7 +99,7 @@ def tree_attention_segment(
     for idx_L, q_LNH, k_JKH, v_JKH in zip(q_idx[n:], q_parts[n:], k_parts[n:], v_parts[n:]):
         rows.append(idx_L)  # already q's rows
         ahead_L = None if ahead_T is None else ahead_T[idx_L + q_start]
-        outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale, sinks, window, ahead_L, softcap))
+        outs.append(_attend_long_chain(q_LNH, k_JKH, v_JKH, scale, sinks, window, ahead_L, softcap, chunk))
     o_TNH = q_TNH.new_zeros((q_TNH.shape[0], q_TNH.shape[1], Hv), dtype=work)
     return o_TNH.index_copy(0, torch.cat(rows), torch.cat(outs)).to(q_TNH.dtype)
 
@@ -107,7 +110,7 @@ def _gather_split(x_T, idx_list: list[torch.Tensor], dtype: torch.dtype) -> tupl
 
 
 def _attend_long_chain(q_LNH, k_JKH, v_JKH, scale: float, sinks=None, window: int = 0,
-                       ahead_L: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+                       ahead_L: torch.Tensor | None = None, softcap: float = 0.0, chunk: int = 0) -> torch.Tensor:
     """One chain (its queries are the last L of its J keys; key m has depth m), in query blocks against prefixes
     of the keys; ``ahead_L``: the keys each query sees past itself (its bidirectional block's rest)."""
     L, J = q_LNH.shape[0], k_JKH.shape[0]
@@ -121,6 +124,8 @@ def _attend_long_chain(q_LNH, k_JKH, v_JKH, scale: float, sinks=None, window: in
         allowed_LJ = m[None, :] <= last_seen[:, None]
         if window:
             allowed_LJ &= m[None, :] > (own[:, None] - window)
+        if chunk:
+            allowed_LJ &= (m[None, :] // chunk) == (own[:, None] // chunk)
         o_BLNH = _attend(q_block[None], k_JKH[None, :n_keys], v_JKH[None, :n_keys], allowed_LJ[None], scale, sinks,
                          softcap)
         outs.append(o_BLNH[0])
@@ -199,10 +204,11 @@ class Forest:
         is_long_C = (self.end_C - self.start_C) > QUERY_BLOCK
         return list(zip(self.start_C[is_long_C].tolist(), self.end_C[is_long_C].tolist()))
 
-    def short_chain_groups(self, window: int = 0, ahead_T: torch.Tensor | None = None):
+    def short_chain_groups(self, window: int = 0, ahead_T: torch.Tensor | None = None, chunk: int = 0):
         """Yield one ChainGroup per bucket of short chains (equal padded query and key counts); with ``window``
         the masks keep only keys less than ``window`` levels above each query; ``ahead_T``: the keys each token
-        sees past itself (its bidirectional block's rest, in its chain)."""
+        sees past itself (its bidirectional block's rest, in its chain); with ``chunk`` only the keys of each
+        query's chunk of depths."""
         length_C = self.end_C - self.start_C
         short_C = torch.nonzero(length_C <= QUERY_BLOCK).flatten()
         if short_C.numel() == 0:
@@ -217,9 +223,10 @@ class Forest:
             members = torch.nonzero(bucket_of_C == b).flatten()
             L, J = int(padded_L_C[members[0]]), int(padded_J_C[members[0]])
             yield self._group(start_C[members], length_C[members], last_C[members], n_keys_C[members], L, J, window,
-                              ahead_T)
+                              ahead_T, chunk)
 
-    def _group(self, start_B, length_B, last_B, n_keys_B, L: int, J: int, window: int = 0, ahead_T=None):
+    def _group(self, start_B, length_B, last_B, n_keys_B, L: int, J: int, window: int = 0, ahead_T=None,
+               chunk: int = 0):
         r_L = torch.arange(L, device=self.device)
         m_J = torch.arange(J, device=self.device)
         row_valid_BL = r_L[None, :] < length_B[:, None]
@@ -236,6 +243,10 @@ class Forest:
         if window:  # key m (depth m) within the window of the query at depth first + r; padded rows exempt
             in_window_BLJ = m_J[None, None, :] > (first_depth_B[:, None, None] + r_L[None, :, None] - window)
             allowed_BLJ = allowed_BLJ & (in_window_BLJ | ~row_valid_BL[:, :, None])
+        if chunk:  # key m in the chunk of the query at depth first + r; padded rows exempt
+            own_chunk_BL = torch.div(first_depth_B[:, None] + r_L[None, :], chunk, rounding_mode="floor")
+            in_chunk_BLJ = torch.div(m_J, chunk, rounding_mode="floor")[None, None, :] == own_chunk_BL[:, :, None]
+            allowed_BLJ = allowed_BLJ & (in_chunk_BLJ | ~row_valid_BL[:, :, None])
         return ChainGroup(q_idx_BL, row_valid_BL, key_idx_BJ, allowed_BLJ)
 
 

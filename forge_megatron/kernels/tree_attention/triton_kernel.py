@@ -20,6 +20,10 @@ in the interpreter) and for fp32 inputs; on GPU fp16/bf16 tiles go to tl.dot nat
 Suffix queries (ops.py): the TQ query rows are tree tokens [T - TQ, T); query tiles are laid from T - TQ, the mask
 and the tile tests use tree positions, rows of q/o/lse are positions minus T - TQ.
 
+Chunked attention (CHUNK > 0, a constexpr: Llama 4) masks keys whose depth lies in another chunk of CHUNK positions
+than the query's (depth[i] // CHUNK != depth[j] // CHUNK); as with a window every tile is masked element-wise, and a
+tile whose keys all lie above the chunk start of its shallowest query (KDMAX < (QDMIN // CHUNK) * CHUNK) is skipped.
+
 Soft-capped scores (SOFTCAP > 0, a constexpr: the cap in base 2, c * log2(e)): each tile's scores become
 SOFTCAP * tanh(s / SOFTCAP) before the mask (_capped), and the backward multiplies dS by 1 - tanh^2, recomputed with P.
 
@@ -88,12 +92,12 @@ _LENGTHS = ["T", "TQ"]
 
 
 @triton.jit
-def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
+def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr,
                   KEY_MAJOR: tl.constexpr):
     """Element mask of a partial tile: j <= i < sub_end[j] (sub_end of padded keys reads as 0 -> invisible), with
     bidirectional blocks j < key_end[i] instead of j <= i (key_end of padded queries reads as 0 -> they see
-    nothing), and with a window depth[i] - depth[j] < WINDOW. [queries, keys], or [keys, queries] with KEY_MAJOR
-    (dK / dV's transposed tiles)."""
+    nothing), with a window depth[i] - depth[j] < WINDOW, with a chunk depth[i] // CHUNK == depth[j] // CHUNK.
+    [queries, keys], or [keys, queries] with KEY_MAJOR (dK / dV's transposed tiles)."""
     if KEY_MAJOR:
         i = offs_m[None, :]
         j = offs_n[:, None]
@@ -105,9 +109,13 @@ def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW: tl.constex
         visible = (j < tl.load(KEY_END + i, mask=i < T, other=0)) & (i < se)
     else:
         visible = (j <= i) & (i < se)
-    if WINDOW > 0:
+    if WINDOW > 0 or CHUNK > 0:
         depth_i = tl.load(DEPTH + i, mask=i < T, other=0)
-        visible = visible & ((depth_i - tl.load(DEPTH + j, mask=j < T, other=0)) < WINDOW)
+        depth_j = tl.load(DEPTH + j, mask=j < T, other=0)
+        if WINDOW > 0:
+            visible = visible & ((depth_i - depth_j) < WINDOW)
+        if CHUNK > 0:
+            visible = visible & ((depth_i // CHUNK) == (depth_j // CHUNK))
     return visible
 
 
@@ -181,7 +189,7 @@ def _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_h2, offs
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m, offs_h,
                offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr,
-               COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
+               COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr,
                MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
     """The online softmax over this query block's runs [LO[r], HI[r]) of key blocks, r in [OFF[row], OFF[row + 1])
     (full tiles: MASKED False, no mask; partial ones: the element mask); SOFTCAP > 0: scores capped (_capped)."""
@@ -193,7 +201,7 @@ def _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, OF
             if SOFTCAP > 0:
                 s, _ = _capped(s, SOFTCAP)
             if MASKED:
-                s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, False),
+                s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, CHUNK, HAS_KEY_END, False),
                              s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -212,7 +220,7 @@ def _fwd_kernel(
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
-    WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
+    WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
     n = tl.program_id(0)  # heads vary fastest: every head's longest query blocks are launched before any short one
@@ -235,10 +243,10 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, row,
                                offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
-                               COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False, SPLIT_H, SOFTCAP)
+                               COMPUTE, DOT_PRECISION, WINDOW, CHUNK, HAS_KEY_END, False, SPLIT_H, SOFTCAP)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI, row,
                                offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
-                               COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H, SOFTCAP)
+                               COMPUTE, DOT_PRECISION, WINDOW, CHUNK, HAS_KEY_END, True, SPLIT_H, SOFTCAP)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     _store_rows(O + n * stride_on, acc / l_safe[:, None], offs_m - q0, TQ, stride_ot, offs_hv, HV)
     tl.store(LSE + n * TQ + offs_m - q0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=offs_m < T)
@@ -247,7 +255,7 @@ def _fwd_kernel(
 @triton.jit
 def _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m,
               offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr,
-              COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
+              COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr,
               MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
     """dQ's sum over this query block's runs of key blocks (MASKED as in _fwd_tiles): P recomputed from the saved
     lse, dS = P * (dO V^T - delta) (times 1 - tanh^2 under a soft cap), dQ += dS K (dq2 the second part of a split
@@ -261,7 +269,7 @@ def _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, K
                 s, t = _capped(s, SOFTCAP)
             p = tl.exp2(s - lse2[:, None])
             if MASKED:
-                p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, False),
+                p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, CHUNK, HAS_KEY_END, False),
                              p, 0.0)
             ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
             if SOFTCAP > 0:
@@ -279,7 +287,7 @@ def _bwd_dq_kernel(
     T, TQ, H, HV, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
     HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     n = tl.program_id(0)  # heads vary fastest: every head's longest query blocks are launched before any short one
@@ -299,10 +307,10 @@ def _bwd_dq_kernel(
     dq2 = tl.zeros([BLOCK_M, BLOCK_H2], tl.float32)  # (without SPLIT_H never touched)
     dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI,
                         row, offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
-                        COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, False, SPLIT_H, SOFTCAP)
+                        COMPUTE, DOT_PRECISION, WINDOW, CHUNK, HAS_KEY_END, False, SPLIT_H, SOFTCAP)
     dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, P_OFF, P_LO, P_HI,
                         row, offs_m, offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N,
-                        COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H, SOFTCAP)
+                        COMPUTE, DOT_PRECISION, WINDOW, CHUNK, HAS_KEY_END, True, SPLIT_H, SOFTCAP)
     _store_rows(DQ + n * stride_qn, dq * scale, offs_m - q0, TQ, stride_qt, offs_h, H)
     if SPLIT_H:
         _store_rows(DQ + n * stride_qn, dq2 * scale, offs_m - q0, TQ, stride_qt, offs_h2, H)
@@ -311,7 +319,7 @@ def _bwd_dq_kernel(
 @triton.jit
 def _dkdv_tiles(dk, dk2, dv, k, k2, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row,
                 offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_ot, BLOCK_M: tl.constexpr,
-                COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr,
+                COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr,
                 MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
     """dK / dV's sums over this key block's runs [LO[r], HI[r]) of query blocks for query head n (MASKED as in
     _fwd_tiles). The tiles are key-major, P^T and dS^T [BLOCK_N, BLOCK_M] (FlashAttention-2's dK/dV loop): every
@@ -332,7 +340,7 @@ def _dkdv_tiles(dk, dk2, dv, k, k2, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, 
                 st, tt = _capped(st, SOFTCAP)
             pt = tl.exp2(st - lse2[None, :])
             if MASKED:
-                pt = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, HAS_KEY_END, True),
+                pt = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, CHUNK, HAS_KEY_END, True),
                               pt, 0.0)
             dv += tl.dot(pt.to(COMPUTE), do, input_precision=DOT_PRECISION)
             dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :])
@@ -356,15 +364,15 @@ def _add_rows(PTR, x, offs_t, T, stride_t, offs_h, H):
 def _dkdv_head(dk, dk2, dv, k, k2, v, Q, DO, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO,
                P_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_qn, stride_ot,
                stride_on, BLOCK_M: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               WINDOW: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
+               WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
     """Query head n's part of dK / dV for this key block: its full runs (no mask), then its partial ones."""
     dk, dk2, dv = _dkdv_tiles(dk, dk2, dv, k, k2, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END,
                               DEPTH, KEY_END, F_OFF, F_LO, F_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV,
-                              qk_scale, stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END,
+                              qk_scale, stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, CHUNK, HAS_KEY_END,
                               False, SPLIT_H, SOFTCAP)
     return _dkdv_tiles(dk, dk2, dv, k, k2, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH,
                        KEY_END, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale,
-                       stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, True, SPLIT_H,
+                       stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, CHUNK, HAS_KEY_END, True, SPLIT_H,
                        SOFTCAP)
 
 
@@ -374,7 +382,7 @@ def _bwd_dkdv_kernel(
     T, TQ, H, HV, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
     HAS_KEY_END: tl.constexpr, SPLIT: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
@@ -401,7 +409,7 @@ def _bwd_dkdv_kernel(
         dk, dk2, dv = _dkdv_head(dk, dk2, dv, k, k2, v, Q, DO, LSE, DELTA, pid, SUB_END, DEPTH, KEY_END, F_OFF, F_LO,
                                  F_HI, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV,
                                  qk_scale, stride_qt, stride_qn, stride_ot, stride_on, BLOCK_M, COMPUTE,
-                                 DOT_PRECISION, WINDOW, HAS_KEY_END, SPLIT_H, SOFTCAP)
+                                 DOT_PRECISION, WINDOW, CHUNK, HAS_KEY_END, SPLIT_H, SOFTCAP)
         _add_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
         if SPLIT_H:
             _add_rows(DK + kv * stride_kn, dk2 * scale, offs_n, T, stride_kt, offs_h2, H)
@@ -411,7 +419,7 @@ def _bwd_dkdv_kernel(
             dk, dk2, dv = _dkdv_head(dk, dk2, dv, k, k2, v, Q, DO, LSE, DELTA, kv * GROUP + g, SUB_END, DEPTH,
                                      KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_h2,
                                      offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_qn, stride_ot, stride_on,
-                                     BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, HAS_KEY_END, SPLIT_H, SOFTCAP)
+                                     BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, CHUNK, HAS_KEY_END, SPLIT_H, SOFTCAP)
         _store_rows(DK + kv * stride_kn, dk * scale, offs_n, T, stride_kt, offs_h, H)
         if SPLIT_H:
             _store_rows(DK + kv * stride_kn, dk2 * scale, offs_n, T, stride_kt, offs_h2, H)
@@ -575,14 +583,14 @@ def window_live_tiles(sub_end_T: torch.Tensor, window: int, block_m: int, block_
     return (with_window.full_tiles + with_window.partial_tiles, without.full_tiles + without.partial_tiles)
 
 
-def _extras(sub_end_T, key_end_T, window):
-    """(DEPTH, KEY_END): the depths for a window, key_end for bidirectional blocks; sub_end as a placeholder pointer
-    where unused (the kernels never read it then)."""
-    depth = tile_schedule.derived(sub_end_T, "depths", depths) if window else sub_end_T  # once per micro-batch
+def _extras(sub_end_T, key_end_T, window, chunk=0):
+    """(DEPTH, KEY_END): the depths for a window or chunks, key_end for bidirectional blocks; sub_end as a
+    placeholder pointer where unused (the kernels never read it then)."""
+    depth = tile_schedule.derived(sub_end_T, "depths", depths) if window or chunk else sub_end_T  # once a micro-batch
     return depth, key_end_T.contiguous() if key_end_T is not None else sub_end_T
 
 
-def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None, softcap=0.0):
+def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_end_T=None, softcap=0.0, chunk=0):
     Tq, N, H = q_TNH.shape
     T, HV = k_TKH.shape[0], v_TKH.shape[2]
     o_TNH = q_TNH.new_empty((Tq, N, HV))
@@ -590,21 +598,22 @@ def _forward(q_TNH, k_TKH, v_TKH, sub_end_T, scale, sinks_N=None, window=0, key_
     if Tq == 0:
         return o_TNH, lse_NT
     constexprs, options = _kernel_launch(_launch_config(q_TNH, T, HV), "fwd")
-    plan = tile_schedule.schedule(sub_end_T, Tq, constexprs["BLOCK_M"], constexprs["BLOCK_N"], window, key_end_T)
+    plan = tile_schedule.schedule(sub_end_T, Tq, constexprs["BLOCK_M"], constexprs["BLOCK_N"], window, key_end_T,
+                                  chunk=chunk)
     _fwd_kernel[_grid(N, plan.rows)](
         q_TNH, k_TKH, v_TKH, sub_end_T, o_TNH, lse_NT, sinks_N if sinks_N is not None else lse_NT,
-        *_extras(sub_end_T, key_end_T, window), *plan.args(),
+        *_extras(sub_end_T, key_end_T, window, chunk), *plan.args(),
         T, Tq, H, HV, scale * LOG2E,
         q_TNH.stride(0), q_TNH.stride(1), k_TKH.stride(0), k_TKH.stride(1), v_TKH.stride(0), v_TKH.stride(1),
         o_TNH.stride(0), o_TNH.stride(1), GROUP=N // k_TKH.shape[1], HAS_SINKS=sinks_N is not None,
-        WINDOW=int(window), HAS_KEY_END=key_end_T is not None, SOFTCAP=float(softcap or 0.0) * LOG2E, **constexprs,
-        **options,
+        WINDOW=int(window), CHUNK=int(chunk or 0), HAS_KEY_END=key_end_T is not None,
+        SOFTCAP=float(softcap or 0.0) * LOG2E, **constexprs, **options,
     )
     return o_TNH, lse_NT
 
 
 def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, window=0, key_end_T=None, softcap=0.0,
-              kernels=("dq", "dkdv")):
+              chunk=0, kernels=("dq", "dkdv")):
     """dQ, dK, dV (``kernels`` narrows what runs, for timing one kernel alone; the others' outputs stay unset)."""
     Tq, N, H = q_TNH.shape
     T, K = k_TKH.shape[:2]
@@ -618,12 +627,13 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, wind
     common = dict(T=T, TQ=Tq, H=H, HV=HV, qk_scale=scale * LOG2E, scale=scale, stride_qt=q_TNH.stride(0),
                   stride_qn=q_TNH.stride(1), stride_kt=k_TKH.stride(0), stride_kn=k_TKH.stride(1),
                   stride_vt=v_TKH.stride(0), stride_vn=v_TKH.stride(1), stride_ot=do_TNH.stride(0),
-                  stride_on=do_TNH.stride(1), GROUP=N // K, WINDOW=int(window), HAS_KEY_END=key_end_T is not None,
-                  SOFTCAP=float(softcap or 0.0) * LOG2E)
-    extras = _extras(sub_end_T, key_end_T, window)
+                  stride_on=do_TNH.stride(1), GROUP=N // K, WINDOW=int(window), CHUNK=int(chunk or 0),
+                  HAS_KEY_END=key_end_T is not None, SOFTCAP=float(softcap or 0.0) * LOG2E)
+    extras = _extras(sub_end_T, key_end_T, window, chunk)
     if "dq" in kernels:
         constexprs, options = _kernel_launch(cfg, "dq")
-        plan = tile_schedule.schedule(sub_end_T, Tq, constexprs["BLOCK_M"], constexprs["BLOCK_N"], window, key_end_T)
+        plan = tile_schedule.schedule(sub_end_T, Tq, constexprs["BLOCK_M"], constexprs["BLOCK_N"], window, key_end_T,
+                                      chunk=chunk)
         _bwd_dq_kernel[_grid(N, plan.rows)](
             q_TNH, k_TKH, v_TKH, do_TNH, sub_end_T, lse_NT, delta_NT, dq_TNH, *extras, *plan.args(), **common,
             **constexprs, **options,
@@ -631,7 +641,7 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, wind
     if "dkdv" in kernels:
         constexprs, options = _kernel_launch(cfg, "dkdv")
         plan = tile_schedule.schedule(sub_end_T, Tq, constexprs["BLOCK_M"], constexprs["BLOCK_N"], window, key_end_T,
-                                      by="key")
+                                      by="key", chunk=chunk)
         split = dkdv_split() and N > K
         if split:  # fp32 sums that every query head of a group adds into
             dk_TKH = torch.zeros_like(k_TKH, dtype=torch.float32)
@@ -648,8 +658,8 @@ def _backward(do_TNH, q_TNH, k_TKH, v_TKH, o_TNH, lse_NT, sub_end_T, scale, wind
 tree_attention_triton_op = register_tree_attention_ops("triton", _forward, _backward)
 tree_attention_triton = make_public_entry(tree_attention_triton_op)
 tree_attention_triton.__doc__ = """Tree attention through the Triton kernels. (q_TNH, k_TKH, v_TKH, sub_end_T int32,
-softmax_scale=None, sinks=None, window=None, key_end_T=None, softcap=None) -> o_TNH; differentiable in q, k, v (and
-sinks);
+softmax_scale=None, sinks=None, window=None, key_end_T=None, softcap=None, chunk=None) -> o_TNH; differentiable in
+q, k, v (and sinks);
 fp16/bf16/fp32; N % K == 0; head dims <= 512 (values may be narrower or wider than queries and keys); q may hold only
 the last tokens of the keys' tree (suffix queries, ops.py; key_end then still covers all T tokens); sinks, sliding
-windows, bidirectional blocks (key_end_T int32 [T]) and soft-capped scores as ops.py describes."""
+windows, bidirectional blocks (key_end_T int32 [T]), soft-capped scores and chunked attention as ops.py describes."""
