@@ -282,6 +282,11 @@ class Family:
     nemotron_h: bool = False
     # LFM2 (Liquid AI): gated short-convolution layers (mcore/short_conv.py) beside attention with per-head q/k norms
     lfm2: bool = False
+    # Llama 4: chunked attention with weightless q/k norms on the layers that rotate (interleaved pairs), NoPE layers
+    # with an attention temperature; top-1 sigmoid-routed experts fed their inputs scaled by the router's score,
+    # stacked and transposed on disk (``feed_forward.experts.gate_up_proj`` [E, D, 2F]), a shared expert beside them,
+    # dense layers interleaved (Maverick)
+    llama4: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -450,6 +455,13 @@ FAMILIES: dict[str, Family] = {
     # model built from the model_type its text_config names; the dense glm4v_text (GLM-4.1V's) is supported
     "Glm46VForConditionalGeneration": Family("glm4", qkv_bias=True, qk_norm=False, moe=False, multimodal=True),
     "Gemma3ForCausalLM": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True),
+    "Llama4ForCausalLM": Family("llama4", qkv_bias=None, qk_norm=False, moe=True, llama4=True),
+    # Llama 4 Scout / Maverick as released: the text model above under language_model.model. (and its head under
+    # language_model.), the vision model and its projector beside it
+    "Llama4ForConditionalGeneration": Family("llama4", qkv_bias=None, qk_norm=False, moe=True, llama4=True,
+                                             multimodal=True, text_prefix="language_model.model.",
+                                             head_name="language_model.lm_head.weight",
+                                             vision_prefixes=("vision_model.", "multi_modal_projector.")),
     # Gemma 2: Gemma 3's layer without the q/k norms, every other layer (the first) a sliding window, one RoPE base,
     # soft-capped attention scores and logits
     "Gemma2ForCausalLM": Family("gemma2", qkv_bias=None, qk_norm=False, moe=False, gemma=True),
@@ -635,12 +647,58 @@ def layer_types(hf: dict, family: Family) -> list[str] | None:
     return None
 
 
+def llama4_rope_layers(hf: dict) -> list[int]:
+    """Llama 4's ``no_rope_layers`` (despite the name: 1 where a layer rotates), transformers' default where the
+    config has none: every ``no_rope_layer_interval``-th layer (4) without RoPE."""
+    interval = int(hf.get("no_rope_layer_interval") or 4)
+    return list(hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])])
+
+
+def llama4_layer_types(hf: dict) -> list[str]:
+    """Llama 4's ``layer_types``: ``chunked_attention`` on the layers that rotate when the config has an
+    ``attention_chunk_size``, ``full_attention`` elsewhere (transformers' default where the config has none)."""
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    chunked = hf.get("attention_chunk_size") is not None
+    return ["chunked_attention" if r and chunked else "full_attention" for r in llama4_rope_layers(hf)]
+
+
+def llama4_moe_layers(hf: dict) -> list[bool]:
+    """Which of Llama 4's layers are MoE: ``moe_layers``, else every ``interleave_moe_layer_step``-th (Scout: 1,
+    every layer; Maverick: 2, the odd ones)."""
+    n = hf["num_hidden_layers"]
+    moe = hf.get("moe_layers")
+    if moe is None:
+        step = int(hf.get("interleave_moe_layer_step") or 1)
+        moe = range(step - 1, n, step)
+    moe = set(int(i) for i in moe)
+    return [i in moe for i in range(n)]
+
+
 def _refuse_unsupported(hf: dict, family: Family) -> None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 else "silu"
     if act != wanted:
         glu = "GeGLU with the tanh GELU" if wanted != "silu" else "SwiGLU with silu"
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported ({glu} only)")
+    if family.llama4:
+        if int(hf.get("num_experts_per_tok", 1)) != 1:
+            raise UnsupportedModelError(f"num_experts_per_tok={hf['num_experts_per_tok']}: Llama 4's experts take "
+                                        "inputs scaled by the router's score, which only top-1 routing defines")
+        if hf.get("attention_bias"):
+            raise UnsupportedModelError("attention_bias=True is not supported for Llama 4 (biases on q/k/v and o_proj: "
+                                        "no release has them)")
+        if float(hf.get("router_jitter_noise") or 0.0):
+            raise UnsupportedModelError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported (RL "
+                                        "trains the routing the engines serve)")
+        kinds = set(llama4_layer_types(hf))
+        if not kinds <= {"chunked_attention", "full_attention"}:
+            raise UnsupportedModelError(f"layer_types {sorted(kinds)}: only chunked_attention and full_attention")
+        rotates = [bool(x) for x in llama4_rope_layers(hf)]
+        if [t == "chunked_attention" for t in llama4_layer_types(hf)] != \
+                [r and bool(hf.get("attention_chunk_size")) for r in rotates]:
+            raise UnsupportedModelError("layer_types must mark chunked_attention exactly the layers that rotate "
+                                        "(no_rope_layers) when attention_chunk_size is set, as Llama 4 does")
     if family.gemma:
         if hf.get("use_bidirectional_attention"):
             raise UnsupportedModelError("use_bidirectional_attention=True (an embedding model) is not supported")
@@ -735,7 +793,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         raise UnsupportedModelError(f"clip_qkv={hf['clip_qkv']}: clamping q, k and v is not supported (OLMoE releases "
                                     "have none)")
     if family.moe and not family.sigmoid_router and not family.softmax_router and not family.gpt_oss \
-            and not family.ernie and not family.hunyuan and not family.longcat and not family.granite:
+            and not family.ernie and not family.hunyuan and not family.longcat and not family.granite \
+            and not family.llama4:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
@@ -1464,6 +1523,24 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         kwargs["query_scaling"] = (float(params["llama_4_scaling_beta"]),
                                    int(params.get("original_max_position_embeddings") or
                                        hf.get("original_max_position_embeddings") or kwargs["max_position_embeddings"]))
+    if family.llama4:
+        rotates = llama4_rope_layers(hf)
+        moe = llama4_moe_layers(hf)
+        kwargs.update(
+            rotary_interleaved=True,  # (HF rotates complex pairs: channels 2i, 2i + 1)
+            nope_layers=tuple(not r for r in rotates) if not all(rotates) else None,
+            attention_chunk_size=int(hf["attention_chunk_size"]) if hf.get("attention_chunk_size") else None,
+            qk_l2_norm=bool(hf.get("use_qk_norm", True)),
+            nope_query_scaling=(float(hf.get("attn_scale", 0.1)), int(hf.get("floor_scale", 8192)))
+            if hf.get("attn_temperature_tuning", True) and not all(rotates) else None,
+            ffn_hidden_size=int(hf.get("intermediate_size_mlp") or hf["intermediate_size"]),
+            num_moe_experts=hf["num_local_experts"], moe_router_topk=1, moe_ffn_hidden_size=hf["intermediate_size"],
+            moe_shared_ffn_hidden_size=hf["intermediate_size"],
+            moe_layer_pattern=tuple(moe) if not all(moe) else None,
+            extra={"moe_router_score_function": "sigmoid", "moe_apply_probs_on_input": True},
+        )
+        if not any(moe):
+            raise UnsupportedModelError("moe_layers is empty: a Llama 4 config without MoE layers is not supported")
     if family.name == "smollm3":
         rope_layers = hf.get("no_rope_layers") or [int((i + 1) % int(hf.get("no_rope_layer_interval") or 4) != 0)
                                                    for i in range(hf["num_hidden_layers"])]
@@ -1572,7 +1649,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             mla_latent_scales=((d / hf["q_lora_rank"]) ** 0.5, (d / hf["kv_lora_rank"]) ** 0.5),
             mla_latent_norm_epsilon=1e-6,  # (transformers' latent norms keep their default; the others rms_norm_eps)
             extra={"moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None})
-    elif family.moe and not family.gpt_oss and not family.ernie and not family.hunyuan and not family.granite:
+    elif family.moe and not family.gpt_oss and not family.ernie and not family.hunyuan and not family.granite \
+            and not family.llama4:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
         # Qwen3-Next's does unless its config says otherwise; so does Qwen3-VL-MoE's (no such field either)
         # Mixtral's always does (no such field)

@@ -616,6 +616,23 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
         elif family.name == "granitemoehybrid":  # Granite 4.0 without experts: the shared MLP is the MLP
             mlp = [Rule(LAYER + "mlp.linear_fc1.weight", (shared_mlp + "input_linear.weight",), tp="glu"),
                    Rule(LAYER + "mlp.linear_fc2.weight", (shared_mlp + "output_linear.weight",), tp="row")]
+    if family.llama4:  # everything under feed_forward.: the router, experts stacked and transposed (Qwen3-VL-MoE's
+        # layout), the shared expert; Maverick's dense layers' MLP
+        ff = HF_LAYER + "feed_forward."
+        shared = ff + "shared_expert."
+        mlp = [Rule(LAYER + "mlp.router.weight", (ff + "router.weight",), layers="moe"),
+               Rule(LAYER + EXPERT + "linear_fc1.weight", (ff + "experts.gate_up_proj",), "experts_t", "glu",
+                    layers="moe"),
+               Rule(LAYER + EXPERT + "linear_fc2.weight", (ff + "experts.down_proj",), "experts_t", "row",
+                    layers="moe"),
+               Rule(LAYER + "mlp.shared_experts.linear_fc1.weight",
+                    (shared + "gate_proj.weight", shared + "up_proj.weight"), "glu", "glu", layers="moe"),
+               Rule(LAYER + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), tp="row",
+                    layers="moe")]
+        if cfg.moe_layer_pattern is not None:
+            mlp += [Rule(LAYER + "mlp.linear_fc1.weight", (ff + "gate_proj.weight", ff + "up_proj.weight"), "glu",
+                         "glu", layers="dense"),
+                    Rule(LAYER + "mlp.linear_fc2.weight", (ff + "down_proj.weight",), tp="row", layers="dense")]
     top = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "col"),
            Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
     if not cfg.tie_word_embeddings:
@@ -780,6 +797,8 @@ class Bridge:
             return layer % 2 == 0
         if self.cfg.layer_kinds is not None:  # (Nemotron-H: its "moe" layers)
             return self.cfg.layer_kinds[layer] == "moe"
+        if self.cfg.moe_layer_pattern is not None:  # (Llama 4 Maverick: dense and MoE layers interleaved)
+            return self.cfg.moe_layer_pattern[layer]
         return bool(self.cfg.num_moe_experts) and layer >= self.cfg.moe_dense_layers
 
     def is_global_layer(self, layer: int) -> bool:

@@ -50,6 +50,12 @@ class GPTConfig:
     # Gemma 2: every attention score s (scaled q . k) soft-capped to c * tanh(s / c) before the softmax (the tree
     # kernels' ``softcap``; the causal model's core attention: CausalCoreAttention); None: not capped
     attention_softcapping: float | None = None
+    # Llama 4: the layers that rotate (not nope_layers) attend within chunks of this many positions (a query sees the
+    # keys of its own chunk: the tree kernels' ``chunk``); None: every layer sees all earlier keys
+    attention_chunk_size: int | None = None
+    # Llama 4: a weightless RMS norm (Megatron's L2Norm) on every query and key head of the layers that rotate (it
+    # commutes with RoPE's rotation, so Megatron's place for q/k norms, before RoPE, computes HF's after it)
+    qk_l2_norm: bool = False
     # Granite's muP-style scales: each attention's and MLP's output is multiplied by ``residual_multiplier`` before
     # the residual adds it, and the logits are divided by ``logits_scaling`` (the output layer's input is: the same
     # logits, and the fused logprobs see them too); None: neither
@@ -68,6 +74,9 @@ class GPTConfig:
     # Ministral 3 / Llama 4's attention temperature: (beta, original_max_position_embeddings); queries at position p
     # are multiplied by 1 + beta * log(1 + floor(p / original_max)) (rope.scale_queries)
     query_scaling: tuple[float, int] | None = None
+    # Llama 4's attention temperature on its NoPE layers only: (attn_scale, floor_scale), queries at position p
+    # multiplied by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))
+    nope_query_scaling: tuple[float, int] | None = None
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
     # MoE (num_moe_experts=None: dense)
@@ -80,6 +89,9 @@ class GPTConfig:
     moe_router_topk_renorm: bool = True  # norm_topk_prob in HF Qwen3-MoE
     moe_shared_ffn_hidden_size: int | None = None  # shared experts' MLP width (GLM-4.5); None: no shared experts
     moe_dense_layers: int = 0  # the first layers of a MoE model that have a dense MLP (GLM-4.5's first_k_dense)
+    # which layers are MoE where dense ones are interleaved with them (Llama 4 Maverick's every other layer); None:
+    # all but the first moe_dense_layers
+    moe_layer_pattern: tuple[bool, ...] | None = None
     # Nemotron-H: each layer one sublayer behind its own norm: "mamba" (a Mamba-2 mixer: linear_attention marks it),
     # "attention", "mlp" or "moe" (the others built as Megatron's identities); None: attention and MLP in every layer
     layer_kinds: tuple[str, ...] | None = None
@@ -204,6 +216,26 @@ class GPTConfig:
             raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm', got {self.normalization!r}")
         if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
             raise ValueError(f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping!r}")
+        if self.attention_chunk_size is not None or self.qk_l2_norm or self.nope_query_scaling is not None:
+            if self.multi_latent_attention or self.per_layer_attention or self.hybrid or self.qk_layernorm \
+                    or self.block_sparse_layers is not None:
+                raise ValueError("attention_chunk_size / qk_l2_norm / nope_query_scaling (Llama 4) are for standard "
+                                 "attention without q/k layernorms")
+            if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
+                raise ValueError(f"attention_chunk_size must be >= 1 or None, got {self.attention_chunk_size}")
+            if self.nope_query_scaling is not None:
+                beta, floor = self.nope_query_scaling
+                self.nope_query_scaling = (float(beta), int(floor))
+                if floor < 1 or self.query_scaling is not None:
+                    raise ValueError("nope_query_scaling needs floor_scale >= 1 and no query_scaling beside it")
+        if self.moe_layer_pattern is not None:
+            self.moe_layer_pattern = tuple(bool(x) for x in self.moe_layer_pattern)
+            if len(self.moe_layer_pattern) != self.num_layers or not any(self.moe_layer_pattern) \
+                    or not self.num_moe_experts or self.moe_dense_layers or self.layer_kinds is not None \
+                    or self.shortcut_moe or self.hybrid:
+                raise ValueError("moe_layer_pattern marks each layer (num_layers of them, one at least) MoE or dense, "
+                                 "in a MoE model without moe_dense_layers, layer_kinds, shortcut_moe or linear "
+                                 "attention")
         if self.attention_softcapping is not None:
             if not self.attention_softcapping > 0:
                 raise ValueError(f"attention_softcapping must be > 0 or None, got {self.attention_softcapping!r}")
@@ -563,6 +595,8 @@ def transformer_config(cfg: GPTConfig, **overrides):
         )
         if cfg.moe_dense_layers:
             kwargs["moe_layer_freq"] = [0] * cfg.moe_dense_layers + [1] * (cfg.num_layers - cfg.moe_dense_layers)
+        if cfg.moe_layer_pattern is not None:  # (Llama 4 Maverick: dense and MoE layers interleaved)
+            kwargs["moe_layer_freq"] = [int(x) for x in cfg.moe_layer_pattern]
         if cfg.layer_kinds is not None:  # (Nemotron-H: its "moe" layers; the others' MLP slot is dense or empty)
             kwargs["moe_layer_freq"] = [int(k == "moe") for k in cfg.layer_kinds]
         if cfg.shortcut_moe:  # (LongCat-Flash: the first layer of each pair; its dense MLP in the shared-expert slot)
@@ -588,13 +622,14 @@ class CausalCoreAttention(torch.nn.Module):
     attention hands them, with the boolean mask convention (True = masked; None = causal). ``softmax_offset``: the
     layer's learned sink logit per head where its config's ``softmax_type`` is ``"learnable"`` (split over TP with
     the heads, as :class:`~forge_megatron.mcore.tree_attention.TreeAttention`'s, whose name it has); ``softcap``:
-    Gemma 2's soft-capped scores (c * tanh(s / c) before the mask; None: none). Training uses TreeAttention instead
+    Gemma 2's soft-capped scores (c * tanh(s / c) before the mask; None: none); ``chunk``: Llama 4's chunked attention
+    (a query sees the keys of its own chunk of positions; None: all earlier ones). Training uses TreeAttention instead
     (tree_attention.py); this serves the plain causal model (conversion checks, evaluation)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
-                 v_channels: int | None = None, softcap: float | None = None):
+                 v_channels: int | None = None, softcap: float | None = None, chunk: int | None = None):
         super().__init__()
         if config.context_parallel_size > 1:
             raise ValueError("the causal model of this attention has no context parallelism (the tree model has)")
@@ -602,7 +637,7 @@ class CausalCoreAttention(torch.nn.Module):
 
         self.config = config
         self.softmax_scale = softmax_scale
-        self.softcap = softcap
+        self.softcap, self.chunk = softcap, chunk
         self.window = _layer_window(config, max(1, layer_number))
         softmax_type = getattr(config, "softmax_type", "vanilla")
         if softmax_type == "learnable":
@@ -625,13 +660,17 @@ class CausalCoreAttention(torch.nn.Module):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, dim]
         if k.shape[1] != q.shape[1]:  # grouped keys and values: each serves heads / groups query heads
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-        if attention_mask is None and not self.window and self.softmax_offset is None and not self.softcap:
+        if attention_mask is None and not self.window and self.softmax_offset is None and not self.softcap \
+                and not self.chunk:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
             return o.permute(2, 0, 1, 3).reshape(s, b, -1)
         masked = attention_mask if attention_mask is not None else \
             torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
         if self.window:  # a query sees itself and the window - 1 keys before it
             masked = masked | torch.ones(s, s, dtype=torch.bool, device=q.device).tril(-self.window)
+        if self.chunk:  # ... and only the keys of its own chunk of positions
+            block = torch.arange(s, device=q.device) // self.chunk
+            masked = masked | (block[:, None] != block[None, :])
         if self.softmax_offset is None and not self.softcap:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~masked, scale=self.softmax_scale)
             return o.permute(2, 0, 1, 3).reshape(s, b, -1)
@@ -721,6 +760,8 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
 
         core = ModuleSpec(module=CausalCoreAttention, params={"softcap": float(cfg.attention_softcapping)})
         spec = _with_attention_submodules(spec, lambda subs: {"core_attention": core})
+    if cfg.attention_chunk_size or cfg.qk_l2_norm:  # (Llama 4: per layer, by whether it rotates)
+        spec = _llama4_attention_spec(cfg, spec, vp_stage)
     if cfg.hybrid:  # (OLMo Hybrid: post-norm attention layers, pre-norm Gated DeltaNet ones)
         spec = _hybrid_block_spec(cfg, spec, pre_norm if cfg.linear_pre_norm else spec, vp_stage)
     if cfg.layer_kinds is not None:  # (Nemotron-H: one sublayer per layer)
@@ -774,6 +815,34 @@ def _with_layer_specs(spec, layer_specs: list):
     if hasattr(spec, "layer_specs"):
         return dataclasses.replace(spec, layer_specs=layer_specs)
     return tb.TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=tb.LayerNormImpl)
+
+
+def _llama4_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
+    """The block spec of this pipeline stage's layers of a Llama 4 model: the layers that rotate (not
+    ``cfg.nope_layers``) attend in chunks of ``attention_chunk_size`` (:class:`CausalCoreAttention`'s ``chunk``,
+    which the tree spec hands to TreeAttention) and, with ``qk_l2_norm``, norm their query and key heads with
+    Megatron's weightless L2Norm; the NoPE layers attend to every earlier key, unnormed."""
+    import dataclasses
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import L2Norm
+
+    offset, bases = _stage_layer_specs(cfg, spec, vp_stage)
+    nope = cfg.nope_layers or (False,) * cfg.num_layers
+    layer_specs = []
+    for i, base in enumerate(bases):
+        rotates = not nope[offset + i]
+        attn = base.submodules.self_attention
+        swaps = {"q_layernorm": L2Norm if cfg.qk_l2_norm and rotates else IdentityOp,
+                 "k_layernorm": L2Norm if cfg.qk_l2_norm and rotates else IdentityOp}
+        if cfg.attention_chunk_size and rotates:
+            swaps["core_attention"] = ModuleSpec(module=CausalCoreAttention,
+                                                 params={"chunk": int(cfg.attention_chunk_size)})
+        attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, **swaps))
+        layer_specs.append(dataclasses.replace(base, submodules=dataclasses.replace(base.submodules,
+                                                                                    self_attention=attn)))
+    return _with_layer_specs(spec, layer_specs)
 
 
 def _layer_kinds_spec(cfg: GPTConfig, spec, vp_stage: int | None):
@@ -925,7 +994,8 @@ def _layer_spec(cfg: GPTConfig, use_te: bool, vp_stage: int | None):
     if cfg.hybrid and use_te:
         raise ValueError("Gated DeltaNet models build with the local spec (Megatron's own linears), not Transformer "
                          "Engine's")
-    if cfg.num_moe_experts and (cfg.moe_dense_layers or cfg.shortcut_moe or cfg.layer_kinds is not None):
+    if cfg.num_moe_experts and (cfg.moe_dense_layers or cfg.shortcut_moe or cfg.layer_kinds is not None
+                                or cfg.moe_layer_pattern is not None):
         if use_te:
             from forge_megatron.utils import env
 
@@ -1028,6 +1098,8 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
         rope.apply_to_sliding_layers(model, cfg.sliding_rope_scaling, cfg.rope_scaling, cfg.rotary_base,
                                      cfg.rotary_dim, cfg.head_dim, sliding_base=cfg.sliding_rotary_base,
                                      base_scale=cfg.softmax_scale)
+    if cfg.nope_query_scaling is not None:  # (Llama 4: before leave_out hides the table its positions come from)
+        rope.scale_queries(model, *cfg.nope_query_scaling, layers=cfg.nope_layers, offset=1)
     if cfg.nope_layers is not None and any(cfg.nope_layers):
         if cfg.multi_latent_attention:  # (every layer: GPTConfig checks) Kimi Linear's MLA rotates nothing
             rope.no_rotation(model)

@@ -182,9 +182,10 @@ def apply_to_sliding_layers(model, sliding: dict | None, others: dict | None, ba
         layer.self_attention.register_forward_pre_hook(rescale, with_kwargs=True)
 
 
-def llama4_query_scale(positions: torch.Tensor, beta: float, original_max: int) -> torch.Tensor:
-    """Llama 4's attention temperature of tokens at ``positions``: 1 + beta * log(1 + floor(p / original_max))."""
-    return 1.0 + beta * torch.log1p(torch.floor(positions.float() / original_max))
+def llama4_query_scale(positions: torch.Tensor, beta: float, original_max: int, offset: int = 0) -> torch.Tensor:
+    """Llama 4's attention temperature of tokens at ``positions``: 1 + beta * log(1 + floor((p + offset) /
+    original_max)) (Ministral 3: offset 0; Llama 4's NoPE layers: 1, its floor_scale as original_max)."""
+    return 1.0 + beta * torch.log1p(torch.floor((positions.float() + offset) / original_max))
 
 
 def _scale_latent_queries(model, beta: float, original_max: int) -> None:
@@ -251,15 +252,19 @@ def no_rotation(model) -> None:
             rotary.forward.cache_clear()
 
 
-def scale_queries(model, beta: float, original_max: int) -> None:
+def scale_queries(model, beta: float, original_max: int, layers=None, offset: int = 0) -> None:
     """Ministral 3's (Llama 4's) attention temperature in ``model`` (a GPTModel stage): the query of a token at
     position p is multiplied by ``1 + beta * log(1 + floor(p / original_max))`` (1 below ``original_max``). HF scales
     the rotated query; RoPE is linear, so this scales the query rows of ``linear_qkv``'s output instead. The positions
     are read off the rotary table the self-attention is handed (angle / frequency of its first channel, frequency
     1 / base^0 = 1 before scaling): the causal model's 0..S-1, the tree model's depths (this CP rank's tokens), so a
     recomputed layer sees its own positions. A pre-hook on each self-attention keeps its tokens' factors for the
-    forward hook on its ``linear_qkv`` (TP: this rank's query groups; SP: the gathered sequence)."""
+    forward hook on its ``linear_qkv`` (TP: this rank's query groups; SP: the gathered sequence). ``layers`` (one
+    flag per global layer; None: all) limits it to the layers it marks (Llama 4: its NoPE layers, whose table
+    :func:`leave_out` hides afterwards: call this first), ``offset`` is added to every position."""
     if getattr(model.config, "multi_latent_attention", False):
+        if layers is not None or offset:
+            raise ValueError("query scaling per layer is for standard attention")
         return _scale_latent_queries(model, beta, original_max)
     rotary = rotary_modules(model)  # its frequencies are final: rope.apply has run
     freq0 = float(rotary[0].inv_freq[0]) if rotary else 1.0
@@ -272,7 +277,7 @@ def scale_queries(model, beta: float, original_max: int) -> None:
         if table is None:
             return None
         pos = torch.round(table.reshape(table.shape[0], -1)[:, 0].float() / freq0)  # [S]
-        module._forge_query_scale = llama4_query_scale(pos, beta, original_max)
+        module._forge_query_scale = llama4_query_scale(pos, beta, original_max, offset)
         return None
 
     def scale(module, inputs, output, attention=None):
@@ -296,6 +301,8 @@ def scale_queries(model, beta: float, original_max: int) -> None:
     import functools
 
     for layer in model.decoder.layers:
+        if layers is not None and not layers[layer.layer_number - 1]:
+            continue
         attention = layer.self_attention
         attention.register_forward_pre_hook(positions_of, with_kwargs=True)
         attention.linear_qkv.register_forward_hook(functools.partial(scale, attention=attention))

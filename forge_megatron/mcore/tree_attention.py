@@ -140,7 +140,7 @@ class TreeAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
-                 v_channels: int | None = None, softcap: float | None = None):
+                 v_channels: int | None = None, softcap: float | None = None, chunk: int | None = None):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -153,6 +153,7 @@ class TreeAttention(MegatronModule):
         self.cp_comm_type = cp_comm_type  # context parallelism: a2a, all_gather or None/auto (context_parallel.py)
         self.window = _layer_window(config, self.layer_number)
         self.softcap = softcap  # Gemma 2's soft-capped scores (the causal spec's CausalCoreAttention param)
+        self.chunk = chunk  # Llama 4's chunked attention (likewise)
         softmax_type = getattr(config, "softmax_type", "vanilla")
         heads = config.num_attention_heads // config.tensor_model_parallel_size
         if softmax_type == "learnable":  # gpt-oss sinks: split over TP by heads like the query heads
@@ -197,7 +198,7 @@ class TreeAttention(MegatronModule):
             query[:, 0], key[:, 0], value[:, 0], packed_seq_params.sub_end,
             softmax_scale=self.softmax_scale, backend=packed_seq_params.backend, comm_type=self.cp_comm_type,
             sinks=self.softmax_offset, window=self.window, key_end_T=self._key_end(packed_seq_params),
-            softcap=self.softcap,
+            softcap=self.softcap, chunk=self.chunk,
         )
         return o_TNH.reshape(T, 1, -1)
 
@@ -252,8 +253,9 @@ def swap_core_attention(spec):
     core = attn.submodules.core_attention
     if getattr(core, "module", None) in (SparseTreeAttention, BlockSparseAttention):
         return spec  # DeepSeek's and MiniMax-M3's sparse attention follow the tree by themselves
-    softcap = (getattr(core, "params", None) or {}).get("softcap")  # (Gemma 2: the causal core attention's cap)
-    tree_core = TreeAttention if softcap is None else ModuleSpec(module=TreeAttention, params={"softcap": softcap})
+    # (Gemma 2's cap, Llama 4's chunks: the causal core attention's params carried over)
+    params = {k: v for k, v in (getattr(core, "params", None) or {}).items() if k in ("softcap", "chunk")}
+    tree_core = ModuleSpec(module=TreeAttention, params=params) if params else TreeAttention
     tree_attn = dataclasses.replace(
         attn,
         params={**attn.params, "attn_mask_type": AttnMaskType.arbitrary},

@@ -46,7 +46,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
-         "lfm2_moe", "gemma2")
+         "lfm2_moe", "gemma2", "llama4")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -545,6 +545,19 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                  "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                     "rope_theta": 1000000.0}}},
+        ),
+        # Llama 4 layout (text, Scout's: every layer MoE): layer 0 rotates interleaved pairs (llama3-scaled RoPE past
+        # position 8), attends in chunks of 4 positions and norms its q/k heads without weights; layer 1 has no RoPE
+        # and an attention temperature from position 3 on (floor_scale 4, attn_scale 0.5: both bite in 12 tokens);
+        # four top-1 sigmoid-routed experts fed scaled inputs, a shared expert; Maverick's dense layers: override
+        # interleave_moe_layer_step=2 (intermediate_size_mlp their width)
+        "llama4": (
+            transformers.Llama4TextConfig,
+            {"head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 96, "num_local_experts": 4,
+             "num_experts_per_tok": 1, "no_rope_layers": [1, 0], "attention_chunk_size": 4, "use_qk_norm": True,
+             "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.5, "rms_norm_eps": 1e-5,
+             "rope_parameters": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8, "rope_theta": 500000.0}},
         ),
         # Gemma 2 layout: Gemma 3's without q/k norms, a 4-position window on layer 0, one RoPE base (10k); attention
         # scores capped at 0.05 and logits at 0.5 (the releases' 50 and 30 never bite in a tiny random model, whose

@@ -252,6 +252,13 @@ class ReferenceEngine:
             mlp = getattr(layer, "mlp", None)
             if mlp is None and getattr(layer, "block_type", None) == "moe":  # (Nemotron-H: a layer's one mixer)
                 mlp = layer.mixer
+            llama4 = getattr(getattr(layer, "feed_forward", None), "router", None)
+            if mlp is None and type(llama4).__name__ == "Llama4Router":  # (its MoE layers' feed_forward: it returns
+                # (scores, logits); the experts are the top-k of the logits, as its MoE block takes them)
+                llama4.register_forward_hook(self._record_router(i, int(llama4.top_k), from_logits=True))
+                routers[i] = llama4
+                self.router_top_k = int(llama4.top_k)
+                continue
             # gpt-oss names it router; Gemma 4's sits on the layer, its k in its config
             gate = getattr(mlp, "gate", None) or getattr(mlp, "router", None) or getattr(layer, "router", None)
             top_k = getattr(gate, "top_k", None) or getattr(getattr(gate, "config", None), "top_k_experts", None)
@@ -261,10 +268,11 @@ class ReferenceEngine:
                 self.router_top_k = int(top_k)
         return routers
 
-    def _record_router(self, layer: int, top_k: int):
+    def _record_router(self, layer: int, top_k: int, from_logits: bool = False):
         def hook(module, args, output):
             if self._captured is not None:
-                self._captured[layer] = output[-1].reshape(-1, top_k).to(torch.int32)
+                ids = torch.topk(output[-1], top_k, dim=-1).indices if from_logits else output[-1]
+                self._captured[layer] = ids.reshape(-1, top_k).to(torch.int32)
         return hook
 
     def routed_experts(self, req: _Request) -> torch.Tensor:

@@ -27,7 +27,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1",
          "solar_open", "mixtral", "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
-         "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2_moe", "gemma2")
+         "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2_moe", "gemma2", "llama4")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -64,6 +64,9 @@ def hf_dirs(tmp_path_factory):
     dirs["deepseek_v3_base50k"] = build_tiny_model(str(root / "deepseek_v3_base50k"), arch="deepseek_v3", seed=9,
                                                    with_tokenizer=False,
                                                    rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    # Llama 4 Maverick's layout: dense layers (intermediate_size_mlp wide) between the MoE ones
+    dirs["llama4_maverick"] = build_tiny_model(str(root / "llama4_maverick"), arch="llama4", seed=10,
+                                               with_tokenizer=False, interleave_moe_layer_step=2)
     from forge_megatron.models.tiny import build_tiny_reward_model
 
     dirs["qwen2_rm"] = build_tiny_reward_model(str(root / "qwen2_rm"), seed=8)  # a reward model: its score head
@@ -100,6 +103,8 @@ LAYOUTS = [
     ("qwen3_next", ParallelLayout(tp=2, pp=2)),  # Gated DeltaNet projections fused per key head in the checkpoint
     ("olmo3", ParallelLayout(tp=2, pp=2)),  # norms after attention and MLP, q/k norms over all heads split with them
     ("gemma3", ParallelLayout(tp=2, pp=2)),  # sandwich norms, tied embeddings across the two stages
+    # Llama 4 Maverick: experts stacked and transposed on disk, split per EP rank; dense and MoE layers interleaved
+    ("llama4_maverick", ParallelLayout(tp=2, pp=2, ep=2)),
     ("glm4", ParallelLayout(tp=2, pp=2)),  # GLM-4's fused gate/up split into Megatron's per-rank [gate_i; up_i]
     ("gemma3_vl", ParallelLayout(tp=2)),  # as released: language_model.model.*, the SigLIP tower and projector copied
     ("qwen3_vl_moe", ParallelLayout(tp=2, pp=2, ep=2)),  # experts fused and transposed on disk, split per EP rank
@@ -329,7 +334,7 @@ def _convert_all(hf_dirs, root, archs, layout):
 
 def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
     # (gemma2: soft-capped attention scores and logits, caps that bite in the tiny model)
-    archs = ARCHS + ("qwen3_tied", "gpt_oss_clamped", "olmo_hybrid_rope", "deepseek_v3_base50k") + \
+    archs = ARCHS + ("qwen3_tied", "gpt_oss_clamped", "olmo_hybrid_rope", "deepseek_v3_base50k", "llama4_maverick") + \
         tuple(name for name, _, _ in ROPE_SCALED)
     ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "tp2"), ParallelLayout(tp=2))
     (out,) = run_distributed(_megatron_logits_body, world_size=1, tp2_dir=str(tmp_path / "tp2"),
@@ -362,7 +367,7 @@ def _megatron_grads_body(rank, world_size, mcore_dirs):
     return out
 
 
-GRAD_ARCHS = ARCHS + ("qwen3_tied",)
+GRAD_ARCHS = ARCHS + ("qwen3_tied", "llama4_maverick")
 
 
 def test_megatron_gradients_equal_hf(hf_dirs, tmp_path):
