@@ -50,8 +50,8 @@ def check(params: dict | None, max_position_embeddings: int) -> dict | None:
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if key not in out:
                 raise ValueError(f"RoPE scaling 'llama3' needs {key!r}")
-        if out["high_freq_factor"] <= out["low_freq_factor"]:
-            raise ValueError("RoPE scaling 'llama3' needs high_freq_factor > low_freq_factor")
+        if out["high_freq_factor"] < out["low_freq_factor"]:  # (equal: no band between, Llama 4 Scout's 1 and 1)
+            raise ValueError("RoPE scaling 'llama3' needs high_freq_factor >= low_freq_factor")
     if kind == "yarn":
         out.setdefault("original_max_position_embeddings", max_position_embeddings)
     return out
@@ -72,6 +72,8 @@ def inv_freq(params: dict | None, base: float, dim: int) -> torch.Tensor:
         low, high = params["low_freq_factor"], params["high_freq_factor"]
         wavelen = 2 * math.pi / plain
         scaled = torch.where(wavelen > old / low, plain / factor, plain)
+        if high == low:  # no band to blend in (Llama 4 Scout): each frequency kept or divided by the factor
+            return scaled
         smooth = (old / wavelen - low) / (high - low)
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / high) & (wavelen <= old / low)

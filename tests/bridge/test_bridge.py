@@ -1128,3 +1128,79 @@ def test_gemma2_config_shaped_like_the_9b_release():
         .submodules.core_attention is TreeAttention
     with pytest.raises(ValueError, match="attention_softcapping must be > 0"):
         GPTConfig(num_layers=1, vocab_size=8, attention_softcapping=0.0)
+
+
+def _llama4_text(**changes):
+    """A text config shaped like Llama-4-Scout-17B-16E's (48 layers, every fourth without RoPE, every layer MoE)."""
+    return {"model_type": "llama4_text", "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+            "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+            "hidden_act": "silu", "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+            "moe_layers": list(range(48)), "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)],
+            "attention_chunk_size": 8192, "attn_temperature_tuning": 4, "attn_scale": 0.1, "floor_scale": 8192,
+            "use_qk_norm": True, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "router_jitter_noise": 0.0,
+            "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+            "max_position_embeddings": 10485760, "vocab_size": 202048, "attention_bias": False, **changes}
+
+
+def test_llama4_scout_as_released_and_maverick():
+    """Llama-4-Scout as released (Llama4ForConditionalGeneration: the text model under language_model.model., its head
+    language_model.lm_head, the vision model and projector beside them): chunks of 8192 and weightless q/k norms on
+    the layers that rotate (interleaved pairs, llama3-scaled), the temperature on every fourth (NoPE) layer, top-1
+    sigmoid experts fed scaled inputs beside a shared expert, stacked and transposed on disk. Maverick's layout
+    (Llama4ForCausalLM here): MoE every other layer (moe_layer_pattern; the dense MLP intermediate_size_mlp wide), no
+    q/k norms. Refused by name: top-2 routing, router jitter, attention biases, chunked layers that do not rotate."""
+    scout = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+             "text_config": _llama4_text(), "vision_config": {"model_type": "llama4_vision_model"},
+             "tie_word_embeddings": False}
+    bridge = Bridge(scout)
+    cfg = bridge.cfg
+    assert (cfg.attention_chunk_size, cfg.qk_l2_norm, cfg.nope_query_scaling, cfg.rotary_interleaved,
+            cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size,
+            cfg.moe_layer_pattern, cfg.rotary_base) == (8192, True, (0.1, 8192), True, 16, 1, 8192, 8192, None, 5e5)
+    assert cfg.nope_layers == tuple((i + 1) % 4 == 0 for i in range(48))
+    assert cfg.extra == {"moe_router_score_function": "sigmoid", "moe_apply_probs_on_input": True}
+    assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 16.0
+    layer = "language_model.model.layers.5."
+    assert bridge.hf_names("decoder.layers.5.mlp.router.weight") == [layer + "feed_forward.router.weight"]
+    assert bridge.hf_names("decoder.layers.5.mlp.experts.local_experts.3.linear_fc1.weight") == \
+        [layer + "feed_forward.experts.gate_up_proj"]
+    assert bridge.hf_names("decoder.layers.5.mlp.shared_experts.linear_fc2.weight") == \
+        [layer + "feed_forward.shared_expert.down_proj.weight"]
+    assert bridge.hf_names("output_layer.weight") == ["language_model.lm_head.weight"]
+    assert bridge.hf_names("embedding.word_embeddings.weight") == ["language_model.model.embed_tokens.weight"]
+
+    maverick = Bridge({"architectures": ["Llama4ForCausalLM"], **_llama4_text(
+        num_local_experts=128, interleave_moe_layer_step=2, moe_layers=list(range(1, 48, 2)), use_qk_norm=False,
+        rope_scaling=None)})
+    assert maverick.cfg.moe_layer_pattern == tuple(i % 2 == 1 for i in range(48))
+    assert (maverick.cfg.qk_l2_norm, maverick.cfg.ffn_hidden_size, maverick.cfg.rope_scaling) == (False, 16384, None)
+    assert maverick.hf_names("decoder.layers.2.mlp.linear_fc1.weight") == \
+        ["model.layers.2.feed_forward.gate_proj.weight", "model.layers.2.feed_forward.up_proj.weight"]
+    assert maverick.hf_names("decoder.layers.3.mlp.router.weight") == ["model.layers.3.feed_forward.router.weight"]
+    text = {"architectures": ["Llama4ForCausalLM"], **_llama4_text()}
+    for change, message in (({"num_experts_per_tok": 2}, "only top-1 routing"),
+                            ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
+                            ({"attention_bias": True}, "attention_bias=True"),
+                            ({"layer_types": ["chunked_attention"] * 48}, "chunked_attention exactly the layers")):
+        with pytest.raises(UnsupportedModelError, match=message):
+            Bridge({**text, **change})
+
+
+@pytest.mark.parametrize("low,high", [(1.0, 1.0), (1.0, 4.0)])
+def test_llama3_rope_is_transformers_also_with_equal_frequency_factors(low, high):
+    """llama3 RoPE scaling against transformers' own: Llama 4 Scout's release has low_freq_factor = high_freq_factor
+    = 1 (no band to blend: each frequency kept or divided by the factor), Llama 3.1's 1 and 4."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from forge_megatron.mcore import rope
+
+    params = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": low, "high_freq_factor": high,
+              "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    config = LlamaConfig(hidden_size=5120, num_attention_heads=40, head_dim=128, max_position_embeddings=131072,
+                         rope_parameters=params)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, None)
+    got = rope.inv_freq(rope.check(params, 131072), 500000.0, 128)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    assert (got != rope.inv_freq(None, 500000.0, 128)).any()
