@@ -4,8 +4,8 @@
 # temperature, top-1 sigmoid experts fed scaled inputs beside a shared expert: no Megatron-LM flags express these, so
 # the trainer takes the whole architecture from --hf-checkpoint's config.json (MODEL_ARGS empty; flags given anyway are
 # checked against it). The tree kernels chunk the attention (Triton on GPUs; the CUDA kernel has no chunks and is
-# passed over). Train the bf16 release (the FP8 Maverick checkpoint is read dequantized). Source it and pass
-# "${MODEL_ARGS[@]}".
+# passed over). Train the bf16 releases (a quantized one other than block-wise fp8 is refused by name). Source it and
+# pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=()
 # Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): Llama 4's tool calls
 # as SGLang reads them (pythonic: a Python list of calls); no reasoning channel.
