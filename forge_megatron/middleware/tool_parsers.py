@@ -624,32 +624,11 @@ class PythonicToolParser(ToolParser):
         body = text.strip()
         if body.startswith(self._WRAP[0]):
             body = body[len(self._WRAP[0]):].removesuffix(self._WRAP[1]).strip()
-        if not (body.startswith("[") and body.endswith("]")):
+        tree = _call_list(body)
+        if tree is None:
             return ParsedCompletion(content=text)
         try:
-            tree = ast.parse(body, mode="eval").body
-        except SyntaxError:
-            return ParsedCompletion(content=text)  # e.g. a bracketed answer that is not Python
-        if not isinstance(tree, ast.List) or not tree.elts or not all(isinstance(e, ast.Call) for e in tree.elts):
-            return ParsedCompletion(content=text)
-        schemas = _schemas(tools)
-        calls = []
-        try:
-            for node in tree.elts:
-                if not isinstance(node.func, ast.Name) or node.args:
-                    raise _Malformed("calls are NAME(key=value, ...)")
-                if schemas and node.func.id not in schemas:
-                    raise _Malformed("a call to a function the request has no tool for")
-                try:
-                    args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-                except ValueError as exc:
-                    raise _Malformed(f"an argument is not a literal: {exc}") from exc
-                if len(args) != len(node.keywords):
-                    raise _Malformed("**kwargs")
-                try:
-                    calls.append(_call(node.func.id, args))
-                except (TypeError, ValueError) as exc:  # a set, bytes, a complex number: no JSON for it
-                    raise _Malformed(str(exc)) from exc
+            calls = _pythonic_calls(tree, _schemas(tools))
         except _Malformed:
             return ParsedCompletion(content=text, num_malformed=1)
         return ParsedCompletion(content=None, tool_calls=calls)
@@ -660,6 +639,67 @@ class PythonicToolParser(ToolParser):
 
     def forced_prefix(self, function_name=None, prior_calls=0):
         return "[" if function_name is None else f"[{function_name}("
+
+
+def _call_list(body: str) -> ast.List | None:
+    """``body`` read as a Python list of calls (the pythonic format), or None where it is not one."""
+    if not (body.startswith("[") and body.endswith("]")):
+        return None
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except SyntaxError:
+        return None  # e.g. a bracketed answer that is not Python
+    if not isinstance(tree, ast.List) or not tree.elts or not all(isinstance(e, ast.Call) for e in tree.elts):
+        return None
+    return tree
+
+
+def _pythonic_calls(tree: ast.List, schemas: dict) -> list[dict]:
+    """The calls of a pythonic list (:func:`_call_list`): NAME(key=literal, ...) each, nothing evaluated; _Malformed
+    where one does not read so or names a function the request has no tool for."""
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node.func, ast.Name) or node.args:
+            raise _Malformed("calls are NAME(key=value, ...)")
+        if schemas and node.func.id not in schemas:
+            raise _Malformed("a call to a function the request has no tool for")
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+        except ValueError as exc:
+            raise _Malformed(f"an argument is not a literal: {exc}") from exc
+        if len(args) != len(node.keywords):
+            raise _Malformed("**kwargs")
+        try:
+            calls.append(_call(node.func.id, args))
+        except (TypeError, ValueError) as exc:  # a set, bytes, a complex number: no JSON for it
+            raise _Malformed(str(exc)) from exc
+    return calls
+
+
+class Lfm2ToolParser(BlockToolParser):
+    """LFM2 / LFM2-MoE (Liquid AI): ``<|tool_call_start|>[get_weather(city="Paris"), ...]<|tool_call_end|>``, a
+    pythonic list of calls in each block (read as :class:`PythonicToolParser` reads one: nothing evaluated), or a
+    JSON call or list of calls (``{"name", "arguments"}``) where a template asks for JSON; text outside the blocks
+    is content."""
+
+    name = "lfm2"
+    start_marker = "<|tool_call_start|>"
+    end_marker = "<|tool_call_end|>"
+
+    def calls_in(self, body, schemas):
+        body = body.strip()
+        tree = _call_list(body)
+        if tree is not None:
+            return _pythonic_calls(tree, schemas), 0
+        try:
+            parsed = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise _Malformed(f"neither a pythonic list of calls nor JSON: {exc}") from exc
+        items = parsed if isinstance(parsed, list) else [parsed]
+        return [_json_call(json.dumps(item)) for item in items], 0
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        return self.start_marker + ("[" if function_name is None else f"[{function_name}(")
 
 
 # -------------------------------------------------------------------------------------------------- Mistral
@@ -966,7 +1006,8 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "glm47": Glm47ToolParser, "minimax-m2": MinimaxM2ToolParser, "minimax_m2": MinimaxM2ToolParser,
     "kimi_k2": KimiK2ToolParser, "deepseekv31": DeepSeekV31ToolParser, "deepseekv3": DeepSeekV3ToolParser,
     "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser, "llama3": Llama3ToolParser,
-    "mistral": MistralToolParser, "pythonic": PythonicToolParser, "deepseekv32": DeepSeekV32ToolParser,
+    "mistral": MistralToolParser, "pythonic": PythonicToolParser, "lfm2": Lfm2ToolParser,
+    "deepseekv32": DeepSeekV32ToolParser,
     "deepseekv4": DeepSeekV4ToolParser, "seed_oss": SeedOssToolParser, "gemma4": Gemma4ToolParser,
     "hunyuan": HunyuanToolParser, "longcat": LongcatToolParser, "granite": GraniteToolParser,
 }

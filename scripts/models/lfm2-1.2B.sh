@@ -4,7 +4,7 @@
 # the architecture from --hf-checkpoint's config.json (MODEL_ARGS empty; flags given anyway are checked against it).
 # 16 layers split evenly for PP = 2, 4 or 8; TP divides the 8 key heads. Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=()
-# Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): LFM2's tool calls are
-# taken to be pythonic lists between <|tool_call_start|> / <|tool_call_end|> tokens, which no parser here reads:
-# tools off until one is added; it does not think in a block.
-TOOL_PARSER="${TOOL_PARSER:-none}"; REASONING_PARSER="${REASONING_PARSER:-none}"
+# Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): LFM2's tool calls,
+# pythonic lists (or JSON) between <|tool_call_start|> / <|tool_call_end|> tokens (the lfm2 parser); it does not think
+# in a block.
+TOOL_PARSER="${TOOL_PARSER:-lfm2}"; REASONING_PARSER="${REASONING_PARSER:-none}"

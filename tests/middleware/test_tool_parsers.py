@@ -352,6 +352,35 @@ def test_pythonic_streams_hold_back_a_possible_call_list_and_force_it():
 
 
 
+def test_lfm2_blocks_of_pythonic_or_json_calls():
+    """LFM2's ``<|tool_call_start|>[...]<|tool_call_end|>`` blocks: a pythonic list of calls (nothing evaluated) or
+    JSON ones, text outside the blocks content; a block that does not read, or calls an unknown tool, stays content
+    and counts as malformed; forcing opens a block (and the call when named)."""
+    p, rng = get_parser("lfm2"), random.Random("lfm2")
+    for trial in range(20):
+        calls = [{"name": rng.choice(["get_weather", "search"]), "arguments": random_arguments(rng)}
+                 for _ in range(rng.randint(1, 3))]
+        lead = rng.choice(["", "Let me check.\n"])
+        as_json = json.dumps([{"name": c["name"], "arguments": c["arguments"]} for c in calls])
+        for body in (_pythonic(calls), as_json):
+            got = p.parse(f"{lead}<|tool_call_start|>{body}<|tool_call_end|>", TOOLS)
+            assert [(c["name"], c["arguments"]) for c in parsed_calls(got)] == \
+                [(c["name"], c["arguments"]) for c in calls], (trial, body)
+            assert got.num_malformed == 0 and got.content == (lead.strip() or None)
+    one = p.parse('<|tool_call_start|>{"name": "search", "arguments": {"query": "q"}}<|tool_call_end|>', TOOLS)
+    assert parsed_calls(one)[0]["arguments"] == {"query": "q"}
+    for bad in ("<|tool_call_start|>[search(query=open('x').read())]<|tool_call_end|>",
+                "<|tool_call_start|>[launch(now=True)]<|tool_call_end|>", "<|tool_call_start|>not a call<|tool_call_end|>"):
+        got = p.parse("x " + bad, TOOLS)
+        assert (got.tool_calls, got.num_malformed, got.content) == ([], 1, "x " + bad), bad
+    assert p.parse("plain [answer]", TOOLS).content == "plain [answer]"
+    for name in (None, "search"):
+        prefix = p.forced_prefix(name)
+        rest = "search(query='weather')]<|tool_call_end|>" if name is None else "query='weather')]<|tool_call_end|>"
+        assert prefix.startswith("<|tool_call_start|>[")
+        assert parsed_calls(p.parse(prefix + rest, TOOLS))[0]["arguments"] == {"query": "weather"}
+
+
 def test_dsml_string_attribute_types_the_value():
     p = get_parser("deepseekv32")
     text = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
