@@ -9,21 +9,15 @@ import numpy as np
 from forge_megatron.models.tiny import build_tiny_model
 
 from .pool_feed import feed_groups
-from .trainer_run import assert_same_as_one_rank, run_on_fresh_pool
+from .trainer_run import REPLAY_KEYS, assert_same_as_one_rank, run_layouts
 
 
 def test_granite_scales_train_the_same_under_pipeline_and_tensor_parallelism(tmp_path):
     model_dir = build_tiny_model(str(tmp_path / "granite"), arch="granite", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6))  # noqa: E731
-    steps = {}
-    layouts = [("one", [], 1), ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
-               ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)]
-    for name, extra, nproc in layouts:
-        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
-                                              extra=extra + ["--tree-token-budget", "24"], model=[])
-    assert [len(v) for v in steps.values()] == [2] * len(layouts)
+    steps = run_layouts(tmp_path, model_dir, feed, ["one", "pp2", "tp2sp"], ["--tree-token-budget", "24"])
     assert steps["one"][0]["grad_norm"] > 0
-    assert_same_as_one_rank(steps, [name for name, _, _ in layouts[1:]])
+    assert_same_as_one_rank(steps, ["pp2", "tp2sp"])
 
 
 def test_granite_4_h_mamba_layers_train_the_same_under_tensor_context_and_pipeline_parallelism(tmp_path):
@@ -31,17 +25,9 @@ def test_granite_4_h_mamba_layers_train_the_same_under_tensor_context_and_pipeli
     in both): TP = 2 with sequence parallelism (each rank one group's heads, projection rows and convolution
     channels), CP = 2 (each rank the whole tree for one group: the recurrence needs whole paths) and PP = 2 (the
     Mamba-2 layer on the first stage) train the same two steps as one rank, routing replayed."""
-    from .trainer_run import REPLAY_KEYS
-
     model_dir = build_tiny_model(str(tmp_path / "granite_4_h"), arch="granitemoehybrid_mamba", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6), routing=(2, 4, 2))  # noqa
-    steps = {}
-    layouts = [("one", [], 1), ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
-               ("cp2", ["--context-parallel-size", "2"], 2), ("pp2", ["--pipeline-model-parallel-size", "2"], 2)]
-    for name, extra, nproc in layouts:
-        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
-                                              extra=extra + ["--routing-replay", "--tree-token-budget", "24"],
-                                              model=[])
-    assert [len(v) for v in steps.values()] == [2] * len(layouts)
+    runs = ["tp2sp", "cp2", "pp2"]
+    steps = run_layouts(tmp_path, model_dir, feed, ["one"] + runs, ["--routing-replay", "--tree-token-budget", "24"])
     assert steps["one"][0]["grad_norm"] > 0
-    assert_same_as_one_rank(steps, [name for name, _, _ in layouts[1:]], REPLAY_KEYS)
+    assert_same_as_one_rank(steps, runs, REPLAY_KEYS)

@@ -10,20 +10,13 @@ import numpy as np
 from forge_megatron.models.tiny import build_tiny_model
 
 from .pool_feed import feed_groups
-from .trainer_run import REPLAY_KEYS, assert_same_as_one_rank, run_on_fresh_pool
+from .trainer_run import REPLAY_KEYS, assert_same_as_one_rank, run_layouts
 
 
 def test_llama4_maverick_trains_the_same_under_tensor_context_pipeline_and_expert_parallelism(tmp_path):
     model_dir = build_tiny_model(str(tmp_path / "llama4"), arch="llama4", seed=2, interleave_moe_layer_step=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6), routing=(2, 4, 1))  # noqa
-    steps = {}
-    layouts = [("one", [], 1), ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
-               ("cp2", ["--context-parallel-size", "2"], 2), ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
-               ("ep2", ["--expert-model-parallel-size", "2"], 2)]
-    for name, extra, nproc in layouts:
-        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
-                                              extra=extra + ["--routing-replay", "--tree-token-budget", "24"],
-                                              model=[])
-    assert [len(v) for v in steps.values()] == [2] * len(layouts)
+    runs = ["tp2sp", "cp2", "pp2", "ep2"]
+    steps = run_layouts(tmp_path, model_dir, feed, ["one"] + runs, ["--routing-replay", "--tree-token-budget", "24"])
     assert steps["one"][0]["grad_norm"] > 0 and all(s["routing_replayed_rows"] > 0 for s in steps["one"])
-    assert_same_as_one_rank(steps, [name for name, _, _ in layouts[1:]], REPLAY_KEYS)
+    assert_same_as_one_rank(steps, runs, REPLAY_KEYS)

@@ -16,26 +16,19 @@ import pytest
 from forge_megatron.models.tiny import build_tiny_model
 
 from .pool_feed import feed_groups
-from .trainer_run import assert_same_as_one_rank, run_on_fresh_pool
+from .trainer_run import REPLAY_KEYS, assert_same_as_one_rank, run_layouts
 
 
 @pytest.mark.parametrize("arch", ["olmo3", "gemma3", "gemma4", "gemma2"])
 def test_post_norm_layers_train_the_same_under_pipeline_and_tensor_parallelism(tmp_path, arch):
     model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6))  # noqa: E731
-    steps = {}
-    layouts = [("one", [], 1), ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
-               ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)]
-    if arch == "gemma2":  # (Gemma 3's layer but for its soft caps: PP as Gemma 3's; each TP rank caps its heads)
-        layouts.pop(1)
-    if arch in ("olmo3", "gemma4", "gemma2"):  # each CP rank's zig-zag shard of the tree: windows, and each layer's RoPE from the whole table
-        layouts.append(("cp2", ["--context-parallel-size", "2"], 2))
-    for name, extra, nproc in layouts:
-        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
-                                              extra=extra + ["--tree-token-budget", "24"], model=[])
-    assert [len(v) for v in steps.values()] == [2] * len(layouts)
+    # (Gemma 2: Gemma 3's layer but for its soft caps, so PP as Gemma 3's; each TP rank caps its heads)
+    runs = ["tp2sp"] if arch == "gemma2" else ["pp2", "tp2sp"]
+    if arch in ("olmo3", "gemma4", "gemma2"):  # each CP rank's zig-zag shard of the tree: windows, and each layer's
+        runs.append("cp2")  # RoPE from the whole table
+    steps = run_layouts(tmp_path, model_dir, feed, ["one"] + runs, ["--tree-token-budget", "24"])
     assert steps["one"][0]["grad_norm"] > 0
-    runs = [name for name, _, _ in layouts[1:]]
     if arch != "gemma4":
         assert_same_as_one_rank(steps, runs)
         return
@@ -62,19 +55,10 @@ def test_gemma4_moe_block_trains_the_same_under_tensor_expert_and_pipeline_paral
     norms, the router on the un-normalised input with its own input scale and per-expert scales) with routing replay:
     TP = 2 with sequence parallelism (the branches' norms and the router's scales replicated, their gradients summed
     over TP), EP = 2 and PP = 2 train as one rank (assert_gemma4_steps_match); both MoE layers replay their rows."""
-    from .trainer_run import REPLAY_KEYS
-
     model_dir = build_tiny_model(str(tmp_path / "gemma4_moe"), arch="gemma4_moe", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 5), routing=(2, 4, 2))  # noqa
-    steps = {}
-    layouts = [("one", [], 1), ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
-               ("ep2", ["--expert-model-parallel-size", "2"], 2), ("pp2", ["--pipeline-model-parallel-size", "2"], 2)]
-    for name, extra, nproc in layouts:
-        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
-                                              extra=extra + ["--routing-replay", "--tree-token-budget", "18"],
-                                              model=[])
-    assert [len(v) for v in steps.values()] == [2] * len(layouts)
-    runs = [name for name, _, _ in layouts[1:]]
+    runs = ["tp2sp", "ep2", "pp2"]
+    steps = run_layouts(tmp_path, model_dir, feed, ["one"] + runs, ["--routing-replay", "--tree-token-budget", "18"])
     assert_gemma4_steps_match(steps, runs, REPLAY_KEYS)
     assert steps["one"][0]["grad_norm"] > 0 and 0 < steps["one"][0]["routing_mismatch"] < 1
     assert all(s["routing_replayed_rows"] > 0 for s in steps["one"])
@@ -87,11 +71,6 @@ def test_gemma4_per_layer_inputs_and_shared_kv_train_the_same_under_tensor_and_c
     of this rank's zig-zag shard) train as one rank (assert_gemma4_steps_match)."""
     model_dir = build_tiny_model(str(tmp_path / "gemma4_e"), arch="gemma4_e", seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6))  # noqa: E731
-    steps = {}
-    layouts = [("one", [], 1), ("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
-               ("cp2", ["--context-parallel-size", "2"], 2)]
-    for name, extra, nproc in layouts:
-        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=2, groups=1, nproc=nproc,
-                                              extra=extra + ["--tree-token-budget", "24"], model=[])
+    steps = run_layouts(tmp_path, model_dir, feed, ["one", "tp2sp", "cp2"], ["--tree-token-budget", "24"])
     assert steps["one"][0]["grad_norm"] > 0
-    assert_gemma4_steps_match(steps, [name for name, _, _ in layouts[1:]])
+    assert_gemma4_steps_match(steps, ["tp2sp", "cp2"])

@@ -108,6 +108,22 @@ def with_a_swapped_token(src: str, dst: str) -> str:
 
 
 REPLAY_KEYS = ("loss", "grad_norm", "routing_mismatch", "routing_replayed_rows")
+# layout name -> (its trainer flags, processes)
+LAYOUTS = {"one": ([], 1), "tp2sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+           "cp2": (["--context-parallel-size", "2"], 2), "pp2": (["--pipeline-model-parallel-size", "2"], 2),
+           "ep2": (["--expert-model-parallel-size", "2"], 2)}
+
+
+def run_layouts(tmp_path, model_dir: str, feed, names, extra=(), iters: int = 2) -> dict:
+    """{layout: its steps}: ``iters`` steps of the trainer on a fresh pool for each of ``names`` (keys of
+    :data:`LAYOUTS`), every run with ``extra`` flags too; each must have run all its steps."""
+    steps = {}
+    for name in names:
+        flags, nproc = LAYOUTS[name]
+        steps[name], _, _ = run_on_fresh_pool(tmp_path, name, model_dir, feed, iters=iters, groups=1, nproc=nproc,
+                                              extra=flags + list(extra), model=[])
+    assert [len(v) for v in steps.values()] == [iters] * len(steps), {k: len(v) for k, v in steps.items()}
+    return steps
 
 
 def assert_same_as_one_rank(steps: dict, runs, keys=("loss", "grad_norm"), data_parallel=("ep2",)) -> None:
