@@ -569,6 +569,19 @@ def test_gpu_bidirectional_blocks(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extras,H", [({"softcap": 2.0}, 256), ({"chunk": 64}, 128), ({"chunk": 100, "window": 40}, 128)])
+def test_gpu_soft_caps_and_chunks(dtype, extras, H):
+    """Gemma 2's soft-capped scores (its heads of 256, queries scaled so the cap bends) and Llama 4's chunks (with a
+    window ANDed) compiled for the GPU, against the reference by the FlashAttention tolerance rule."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for se in (CASES["grpo"], _gpu_forest(8, 700, 300, 0)):
+        check_against_reference(tree_attention_triton, se, N=8, K=2, H=H, dtype=dtype, device="cuda", extras=extras,
+                                q_scale=3.0 if "softcap" in extras else 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_heads_of_512(dtype):
     """Gemma 4's global heads of 512 compiled for the GPU (32 x 32 tiles), whole trees and suffix queries."""
     if not torch.cuda.is_available():

@@ -65,9 +65,9 @@ def random_qkv(T: int, N: int, K: int, H: int, dtype: torch.dtype, device: str =
     return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))
 
 
-def _forward_backward(fn, q, k, v, sub_end, do, scale):
+def _forward_backward(fn, q, k, v, sub_end, do, scale, extras=None):
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    o = fn(q, k, v, sub_end, softmax_scale=scale)
+    o = fn(q, k, v, sub_end, softmax_scale=scale, **(extras or {}))
     return (o, *torch.autograd.grad(o, (q, k, v), do))
 
 
@@ -92,21 +92,24 @@ def error_budget(lowp: torch.Tensor, exact: torch.Tensor) -> float:
     return 2 * (lowp.double() - exact).abs().max().item() + 1e-5 * max(1.0, exact.abs().max().item())
 
 
-def check_against_reference(fn, sub_end, N, K, H, dtype, device="cpu", scale=None, seed=0, Hv=None):
+def check_against_reference(fn, sub_end, N, K, H, dtype, device="cpu", scale=None, seed=0, Hv=None, extras=None,
+                            q_scale=1.0):
     """Assert fn matches the reference, forward and backward, by the FlashAttention tolerance rule
     (:func:`error_budget`): error(fn) <= 2 * error(the same math done in `dtype`) + 1e-5 (relative to the output's
     magnitude), per output (o, dq, dk, dv), errors measured against the reference in fp64; the low-precision math is
-    :func:`low_precision_attention`, the same ops on CPU and GPU."""
+    :func:`low_precision_attention`, the same ops on CPU and GPU. ``extras`` (softcap, chunk, window, ...) go to all
+    three; ``q_scale`` multiplies the queries (larger scores, where a soft cap bends)."""
     from forge_megatron.kernels.tree_attention.reference import tree_attention_reference
 
     sub_end = sub_end.to(device)
     q, k, v = random_qkv(sub_end.shape[0], N, K, H, dtype, device, seed, Hv)
+    q = (q.float() * q_scale).to(dtype)
     do = torch.randn((*q.shape[:2], v.shape[2]), generator=torch.Generator().manual_seed(seed + 1)).to(
         device=device, dtype=dtype)
-    got = _forward_backward(fn, q, k, v, sub_end, do, scale)
+    got = _forward_backward(fn, q, k, v, sub_end, do, scale, extras)
     exact = _forward_backward(tree_attention_reference, q.double(), k.double(), v.double(), sub_end, do.double(),
-                              scale)
-    lowp = _forward_backward(low_precision_attention, q, k, v, sub_end, do, scale)
+                              scale, extras)
+    lowp = _forward_backward(low_precision_attention, q, k, v, sub_end, do, scale, extras)
     for name, g, e, lp in zip(("o", "dq", "dk", "dv"), got, exact, lowp):
         assert g.dtype == dtype and g.shape == e.shape, name
         err = (g.double() - e).abs().max().item()
