@@ -456,6 +456,8 @@ FAMILIES: dict[str, Family] = {
     "Glm46VForConditionalGeneration": Family("glm4", qkv_bias=True, qk_norm=False, moe=False, multimodal=True),
     "Gemma3ForCausalLM": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True),
     "Llama4ForCausalLM": Family("llama4", qkv_bias=None, qk_norm=False, moe=True, llama4=True),
+    # Arcee AFM-4.5B: Llama's layer with a plain (not gated) squared-ReLU MLP (up_proj, down_proj)
+    "ArceeForCausalLM": Family("arcee", qkv_bias=None, qk_norm=False, moe=False),
     # Llama 4 Scout / Maverick as released: the text model above under language_model.model. (and its head under
     # language_model.), the vision model and its projector beside it
     "Llama4ForConditionalGeneration": Family("llama4", qkv_bias=None, qk_norm=False, moe=True, llama4=True,
@@ -677,9 +679,10 @@ def llama4_moe_layers(hf: dict) -> list[bool]:
 
 def _refuse_unsupported(hf: dict, family: Family) -> None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 else "silu"
+    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 else "relu2" if family.name == "arcee" else "silu"
     if act != wanted:
-        glu = "GeGLU with the tanh GELU" if wanted != "silu" else "SwiGLU with silu"
+        glu = {"gelu_pytorch_tanh": "GeGLU with the tanh GELU", "relu2": "a plain squared-ReLU MLP"}.get(
+            wanted, "SwiGLU with silu")
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported ({glu} only)")
     if family.llama4:
         if int(hf.get("num_experts_per_tok", 1)) != 1:
@@ -1523,6 +1526,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         kwargs["query_scaling"] = (float(params["llama_4_scaling_beta"]),
                                    int(params.get("original_max_position_embeddings") or
                                        hf.get("original_max_position_embeddings") or kwargs["max_position_embeddings"]))
+    if family.name == "arcee":  # a plain MLP: up, squared ReLU, down
+        kwargs.update(swiglu=False, activation="relu2")
     if family.llama4:
         rotates = llama4_rope_layers(hf)
         moe = llama4_moe_layers(hf)

@@ -46,7 +46,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
-         "lfm2_moe", "gemma2", "llama4")
+         "lfm2_moe", "gemma2", "llama4", "arcee")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -559,6 +559,9 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "rope_parameters": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8, "rope_theta": 500000.0}},
         ),
+        # Arcee AFM layout: Llama's with a plain squared-ReLU MLP (up, down), YaRN past 8 positions
+        "arcee": (transformers.ArceeConfig, {"head_dim": 16, "rope_parameters": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0}}),
         # Gemma 2 layout: Gemma 3's without q/k norms, a 4-position window on layer 0, one RoPE base (10k); attention
         # scores capped at 0.05 and logits at 0.5 (the releases' 50 and 30 never bite in a tiny random model, whose
         # scores are small: these do, so a model that skipped a cap would compute something else), tied embeddings
