@@ -316,6 +316,10 @@ FAMILIES: dict[str, Family] = {
     "GraniteMoeForCausalLM": Family("granitemoe", qkv_bias=None, qk_norm=False, moe=True, granite=True),
     "GraniteMoeSharedForCausalLM": Family("granitemoeshared", qkv_bias=None, qk_norm=False, moe=True, granite=True),
     "GraniteMoeHybridForCausalLM": Family("granitemoehybrid", qkv_bias=None, qk_norm=False, moe=True, granite=True),
+    # Granite SWA / MoE SWA: Granite 3.x (dense / MoE with a shared MLP) with sliding-window layers (layer_types), a
+    # learned sink logit per head in every layer and a RoPE base per layer (layer_rope_theta; 0: no RoPE)
+    "GraniteSWAForCausalLM": Family("granite_swa", qkv_bias=None, qk_norm=False, moe=False, granite=True),
+    "GraniteMoeSWAForCausalLM": Family("granitemoe_swa", qkv_bias=None, qk_norm=False, moe=True, granite=True),
     "GraniteMoeHybridForCausalLM/dense": Family("granitemoehybrid", qkv_bias=None, qk_norm=False, moe=False,
                                                 granite=True),
     # Nemotron-H (8B / 47B / 56B, Nemotron Nano 2) and, with "moe" layers, Nemotron 3 Nano: see the module docstring
@@ -647,6 +651,32 @@ def layer_types(hf: dict, family: Family) -> list[str] | None:
         n = int(hf.get("sliding_window_pattern") or (2 if family.name == "gemma2" else 6))
         return ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(hf["num_hidden_layers"])]
     return None
+
+
+def granite_swa_fields(hf: dict) -> dict:
+    """GPTConfig fields of Granite SWA's attention: the sliding-window layers (``layer_types``, ``sliding_window``),
+    a learned sink logit per head in every layer (Megatron's ``softmax_type="learnable"``; transformers scales each
+    output by sigmoid(lse - sink), which is the sink as one more softmax logit), and ``layer_rope_theta``'s bases: 0 a
+    layer without RoPE, the others one base, or one for the sliding layers and one for the full ones."""
+    n = hf["num_hidden_layers"]
+    types = list(hf.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)])
+    if not set(types) <= {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {sorted(set(types))}: only sliding_attention and full_attention")
+    thetas = [float(t or 0) for t in (hf.get("layer_rope_theta") or [rope_theta(hf)] * n)]
+    bases = {kind: {t for t, k in zip(thetas, types) if k == kind and t} for kind in ("full_attention",
+                                                                                        "sliding_attention")}
+    if any(len(b) > 1 for b in bases.values()):
+        raise UnsupportedModelError(f"layer_rope_theta {thetas}: one RoPE base per layer kind is supported")
+    full, sliding = (next(iter(bases[k]), None) for k in ("full_attention", "sliding_attention"))
+    out = {"extra": {"softmax_type": "learnable", **sliding_windows({**hf, "layer_types": types})},
+           "rotary_base": full or sliding or rope_theta(hf)}
+    if 0.0 in thetas:
+        out["nope_layers"] = tuple(t == 0.0 for t in thetas)
+    if full and sliding and full != sliding:
+        out.update(sliding_rotary_base=sliding, sliding_rope_scaling={"rope_type": "default"})
+    if out["extra"]["window_size"] is None:
+        out["extra"].pop("window_size"), out["extra"].pop("window_attn_skip_freq")
+    return out
 
 
 def llama4_rope_layers(hf: dict) -> list[int]:
@@ -1706,8 +1736,10 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                                         hf.get("mamba_d_state", 256), granite_mamba_head_dim(hf),
                                         hf.get("mamba_d_conv", 4), hf.get("mamba_conv_bias", True),
                                         hf.get("time_step_limit")))
-        shared = hf.get("shared_intermediate_size") if family.name in ("granitemoeshared", "granitemoehybrid") \
-            else None
+        shared = hf.get("shared_intermediate_size") if family.name in ("granitemoeshared", "granitemoehybrid",
+                                                                       "granitemoe_swa") else None
+        if family.name in ("granite_swa", "granitemoe_swa"):
+            kwargs.update(granite_swa_fields(hf))
         if family.moe:
             kwargs.update(num_moe_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
                           moe_ffn_hidden_size=hf["intermediate_size"], moe_router_pre_softmax=False,

@@ -526,6 +526,9 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
         q, k = ("query_layernorm", "key_layernorm") if family.hunyuan else ("q_norm", "k_norm")  # (Hunyuan: after RoPE)
         attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + f"self_attn.{q}.weight",)),
                  Rule(LAYER + "self_attention.k_layernorm.weight", (HF_LAYER + f"self_attn.{k}.weight",))]
+    if cfg.extra.get("softmax_type") == "learnable":  # (Granite SWA: a sink logit per head in every layer)
+        attn.append(Rule(LAYER + "self_attention.core_attention.softmax_offset", (HF_LAYER + "self_attn.sinks",),
+                         tp="col"))
     if cfg.linear_attention_kind == "mamba2" and cfg.hybrid:  # Granite 4.0-H: Mamba-2 layers beside attention ones
         import dataclasses
 
@@ -605,10 +608,16 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
         shared_mlp = HF_LAYER + "shared_mlp."
         if family.moe:
             moe = HF_LAYER + "block_sparse_moe."
-            mlp = [Rule(LAYER + "mlp.router.weight", (moe + "router.layer.weight",), layers="moe"),
-                   Rule(LAYER + EXPERT + "linear_fc1.weight", (moe + "input_linear.weight",), "experts_row", "glu",
+            # (Granite MoE SWA: transformers' names, router.weight and experts.gate_up_proj / down_proj, the same
+            # stacked [E, 2F, D] / [E, D, F] layout)
+            swa = family.name == "granitemoe_swa"
+            mlp = [Rule(LAYER + "mlp.router.weight", (moe + ("router.weight" if swa else "router.layer.weight"),),
                         layers="moe"),
-                   Rule(LAYER + EXPERT + "linear_fc2.weight", (moe + "output_linear.weight",), "experts_row", "row",
+                   Rule(LAYER + EXPERT + "linear_fc1.weight",
+                        (moe + ("experts.gate_up_proj" if swa else "input_linear.weight"),), "experts_row", "glu",
+                        layers="moe"),
+                   Rule(LAYER + EXPERT + "linear_fc2.weight",
+                        (moe + ("experts.down_proj" if swa else "output_linear.weight"),), "experts_row", "row",
                         layers="moe")]
             if cfg.moe_shared_ffn_hidden_size:
                 mlp += [Rule(LAYER + "mlp.shared_experts.linear_fc1.weight", (shared_mlp + "input_linear.weight",),
@@ -1043,7 +1052,7 @@ class Bridge:
         table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),
                       "experts.down_proj": (e, f, d), "experts.down_proj_bias": (e, d)})
-        if self.family.stacked_experts or self.family.gemma4:
+        if self.family.stacked_experts or self.family.gemma4 or self.family.name == "granitemoe_swa":
             table.update({"experts.gate_up_proj": (e, 2 * f, d), "experts.down_proj": (e, d, f)})
         if self.family.granite:  # stacked experts, the router's layer, the shared MLP (Granite 4.0's whole MLP)
             fe, fs = cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size or cfg.ffn_hidden_size

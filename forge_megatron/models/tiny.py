@@ -46,7 +46,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
-         "lfm2_moe", "gemma2", "llama4", "arcee")
+         "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -264,6 +264,8 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
     nemotron_h = {"head_dim": 16, "intermediate_size": 96, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
                   "ssm_state_size": 8, "conv_kernel": 4, "expand": 2, "chunk_size": 8, "layer_norm_epsilon": 1e-5,
                   "num_hidden_layers": None}
+    granite_swa = {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4,
+                   "layer_rope_theta": [0, 10000.0]}
     granite_scales = {"embedding_multiplier": 2.0, "attention_multiplier": 0.1, "residual_multiplier": 0.5,
                       "logits_scaling": 4.0, "tie_word_embeddings": True}
     per_arch = {
@@ -367,6 +369,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
         "granitemoe": (
             transformers.GraniteMoeConfig,
             {**granite_scales, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+        ),
+        # Granite SWA: Granite's scales, layer 0 full attention without RoPE, layer 1 a 4-position window with RoPE,
+        # a sink logit per head in both (random in build_tiny_model: zeros would change nothing)
+        "granite_swa": (transformers.GraniteSWAConfig, {**granite_scales, **granite_swa}),
+        "granitemoe_swa": (
+            transformers.GraniteMoeSWAConfig,
+            {**granite_scales, **granite_swa, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+             "shared_intermediate_size": 48},
         ),
         "granitemoeshared": (
             transformers.GraniteMoeSharedConfig,

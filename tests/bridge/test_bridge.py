@@ -1204,3 +1204,22 @@ def test_llama3_rope_is_transformers_also_with_equal_frequency_factors(low, high
     got = rope.inv_freq(rope.check(params, 131072), 500000.0, 128)
     torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
     assert (got != rope.inv_freq(None, 500000.0, 128)).any()
+
+
+def test_granite_swa_layer_kinds_sinks_and_rope_bases():
+    """Granite SWA's config as transformers defaults it (every fourth layer full attention, the others a 128-position
+    window; sinks in every layer; one RoPE base): Megatron's window switches and learnable sinks; layer_rope_theta's
+    0 a NoPE layer and a sliding layers' base of their own; two bases within one kind refused by name."""
+    hf = {**transformers.GraniteSWAConfig(num_hidden_layers=8).to_dict(), "architectures": ["GraniteSWAForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert cfg.extra["softmax_type"] == "learnable" and cfg.extra["window_size"] == (127, 0)
+    assert cfg.extra["window_attn_skip_freq"] == [0, 1, 1, 1] * 2 and cfg.nope_layers is None
+    assert bridge.hf_names("decoder.layers.3.self_attention.core_attention.softmax_offset") == \
+        ["model.layers.3.self_attn.sinks"]
+    thetas = [0, 1e4, 1e4, 1e4, 1e6, 1e4, 1e4, 1e4]
+    mixed = Bridge({**hf, "layer_rope_theta": thetas}).cfg
+    assert mixed.nope_layers == (True,) + (False,) * 7
+    assert (mixed.rotary_base, mixed.sliding_rotary_base) == (1e6, 1e4)
+    with pytest.raises(UnsupportedModelError, match="one RoPE base per layer kind"):
+        Bridge({**hf, "layer_rope_theta": [1e4, 1e4, 5e4, 1e4, 1e4, 1e4, 1e4, 1e4]})

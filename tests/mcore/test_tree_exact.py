@@ -178,6 +178,7 @@ def _body_one_rank(rank, world_size):
     # proportional RoPE (its own table of the depths), normed values, layer scalars (1 here: Megatron's init), the
     # logits soft-capped; with 26B-A4B's routed experts beside the dense MLP; and E2B / E4B's per-layer inputs, the
     # last two layers reusing the first two's keys and values (on the tree's positions) with double-wide MLPs
+    # Granite MoE SWA: a sink logit per head in both layers, layer 0 full attention without RoPE, layer 1 a window
     # Llama 4: layer 0 chunked (chunks of 4 depths) with weightless q/k norms and interleaved llama3 RoPE, layer 1 NoPE
     # with the attention temperature of each token's depth; top-1 experts fed scaled inputs beside a shared expert
     for arch, cls in (("gemma3", "Gemma3ForCausalLM"), ("smollm3", "SmolLM3ForCausalLM"), ("glm4", "Glm4ForCausalLM"),
@@ -195,7 +196,7 @@ def _body_one_rank(rank, world_size):
                       ("granitemoehybrid_mamba", "GraniteMoeHybridForCausalLM"),
                       ("nemotron_h", "NemotronHForCausalLM"), ("nemotron_h_moe", "NemotronHForCausalLM"),
                       ("lfm2", "Lfm2ForCausalLM"), ("lfm2_moe", "Lfm2MoeForCausalLM"),
-                      ("llama4", "Llama4ForCausalLM")):
+                      ("llama4", "Llama4ForCausalLM"), ("granitemoe_swa", "GraniteMoeSWAForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 2: soft-capped attention scores (the tree kernel's softcap; the unmerged samples through the causal
@@ -513,7 +514,7 @@ def test_olmo3_tree_equals_unmerged(one_rank):
                                   "solar_open", "mixtral", "phi3", "qwen2_moe", "exaone4", "exaone_moe",
                                   "youtu", "granite", "granitemoeshared", "granitemoehybrid_moe",
                                   "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
-                                  "lfm2_moe", "llama4"])
+                                  "lfm2_moe", "llama4", "granitemoe_swa"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,

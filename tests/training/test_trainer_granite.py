@@ -20,6 +20,17 @@ def test_granite_scales_train_the_same_under_pipeline_and_tensor_parallelism(tmp
     assert_same_as_one_rank(steps, ["pp2", "tp2sp"])
 
 
+def test_granite_swa_sinks_and_windows_train_the_same_under_tensor_and_context_parallelism(tmp_path):
+    """Granite SWA (a learned sink logit per head in every layer, split over TP with the heads; a sliding window and
+    RoPE on layer 1, NoPE on layer 0): TP = 2 with sequence parallelism and CP = 2 (each rank's heads' sinks in the
+    all-to-all mode) train the same two steps as one rank."""
+    model_dir = build_tiny_model(str(tmp_path / "granite_swa"), arch="granite_swa", seed=2)
+    feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6))  # noqa: E731
+    steps = run_layouts(tmp_path, model_dir, feed, ["one", "tp2sp", "cp2"], ["--tree-token-budget", "24"])
+    assert steps["one"][0]["grad_norm"] > 0
+    assert_same_as_one_rank(steps, ["tp2sp", "cp2"])
+
+
 def test_granite_4_h_mamba_layers_train_the_same_under_tensor_context_and_pipeline_parallelism(tmp_path):
     """Granite 4.0-H's layout (a Mamba-2 layer of 2 groups before a NoPE attention layer, experts and the shared MLP
     in both): TP = 2 with sequence parallelism (each rank one group's heads, projection rows and convolution
