@@ -335,6 +335,10 @@ FAMILIES: dict[str, Family] = {
     "YoutuForCausalLM": Family("youtu", qkv_bias=False, qk_norm=False, moe=False, mla=True),
     # EXAONE 4.0 (32B, 1.2B) and K-EXAONE (236B-A23B): see the module docstring
     "Exaone4ForCausalLM": Family("exaone4", qkv_bias=False, qk_norm=True, moe=False, exaone=True),
+    # EXAONE 4.5 as released: EXAONE 4.0's language model under model.language_model. (1-D positions for text) beside a
+    # Qwen2.5-VL-style tower under model.visual. (copied on export; text-only RL)
+    "Exaone4_5_ForConditionalGeneration": Family("exaone4", qkv_bias=False, qk_norm=True, moe=False, exaone=True,
+                                                 multimodal=True),
     "ExaoneMoeForCausalLM": Family("exaone_moe", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,
                                    exaone=True),
     # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention, softmax-routed experts and a gated shared

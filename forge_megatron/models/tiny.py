@@ -46,7 +46,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
-         "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa")
+         "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -67,6 +67,9 @@ _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGenerati
        # released (a flat config.json, the language model under model., the tower under visual.)
        "qwen2_5_vl": ("qwen2", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
        "qwen2_vl": ("qwen2", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+       # EXAONE 4.5 as released: EXAONE 4.0's language model beside a Qwen2.5-VL-style tower (2-D RoPE in the tower,
+       # plain positions for the language model)
+       "exaone4_5": ("exaone4", "Exaone4_5_Config", "Exaone4_5_ForConditionalGeneration"),
        # MiniMax-M3 as released (MiniMaxM3SparseForConditionalGeneration: the language model beside a one-layer
        # tower; the bridge trains the language model, text only)
        "minimax_m3": ("minimax_m3_text", "MiniMaxM3VLConfig", "MiniMaxM3SparseForConditionalGeneration")}
@@ -206,6 +209,12 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
                           patch_size=4)
             return transformers.MiniMaxM3VLConfig(text_config=text, vision_config=vision, projector_hidden_size=64,
                                                   tie_word_embeddings=False)
+        if text_arch == "exaone4":  # EXAONE 4.5: a two-block Qwen2.5-VL-style tower
+            vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                          out_hidden_size=text["hidden_size"], patch_size=4, spatial_merge_size=2,
+                          temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
+            return transformers.Exaone4_5_Config(text_config=text, vision_config=vision,
+                                                 tie_word_embeddings=tie_word_embeddings)
         if text_arch == "qwen2":  # Qwen2.5-VL / Qwen2-VL: contiguous mRoPE sections over the 8 frequencies
             text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
             if config_class == "Qwen2VLConfig":  # LayerNorm blocks, a QuickGELU MLP, every block attending fully
