@@ -245,11 +245,28 @@ class ReferenceEngine:
                                     served_name=lambda module: _in_memory_name(module + ".weight")[: -len(".weight")])
 
     # --- routed experts -----------------------------------------------------------------------------------------
+    def decoder_layers(self):
+        """The language model's decoder layers: ``model.layers`` of a causal LM, ``model.language_model.layers`` of
+        a vision-language one as transformers 5 holds it (Qwen3-VL-MoE, GLM-4.5V, Kimi-K2.5, MiniMax-M3), or
+        ``language_model.model.layers`` (the older layout)."""
+        for path in ("model.layers", "model.language_model.layers", "language_model.model.layers",
+                     "model.language_model.model.layers"):
+            node = self.model
+            for part in path.split("."):
+                node = getattr(node, part, None)
+            if node is not None:
+                return node
+        raise ValueError(f"cannot find the decoder layers of {type(self.model).__name__}")
+
     def _find_routers(self) -> dict[int, object]:
         """Layer index -> its MoE router (a module returning (logits, weights, top-k ids)), hooked to record."""
         routers = {}
-        for i, layer in enumerate(self.model.model.layers):
-            mlp = getattr(layer, "mlp", None)
+        for i, layer in enumerate(self.decoder_layers()):
+            # the MoE block: mlp (most), block_sparse_moe (Granite), feed_forward (LFM2-MoE: its gate takes the
+            # selection bias and returns the chosen ids last), Nemotron-H's one mixer
+            mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+            if mlp is None and type(getattr(layer, "feed_forward", None)).__name__.endswith("SparseMoeBlock"):
+                mlp = layer.feed_forward
             if mlp is None and getattr(layer, "block_type", None) == "moe":  # (Nemotron-H: a layer's one mixer)
                 mlp = layer.mixer
             llama4 = getattr(getattr(layer, "feed_forward", None), "router", None)
@@ -279,7 +296,7 @@ class ReferenceEngine:
         """int32 [prompt + output - 1, layers, topk] for ``req``; later forwards of a position overwrite earlier."""
         n = len(req.input_ids) + len(req.output_ids) - 1
         top_k = self.router_top_k
-        out = torch.full((n, len(self.model.model.layers), top_k), -1, dtype=torch.int32)
+        out = torch.full((n, len(self.decoder_layers()), top_k), -1, dtype=torch.int32)
         for start, ids in req.routed:
             out[start:start + ids.shape[0]] = ids[: max(0, n - start)]
         return out
@@ -387,7 +404,7 @@ class ReferenceEngine:
             if hasattr(inner, "rope_deltas"):
                 req.rope_deltas = inner.rope_deltas
             if req.routed is not None:
-                ids = torch.full((new_S.shape[1], len(self.model.model.layers), self.router_top_k),
+                ids = torch.full((new_S.shape[1], len(self.decoder_layers()), self.router_top_k),
                                  -1, dtype=torch.int32)
                 for layer, top in self._captured.items():
                     ids[:, layer] = top
