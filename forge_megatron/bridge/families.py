@@ -464,6 +464,8 @@ FAMILIES: dict[str, Family] = {
     "Glm46VForConditionalGeneration": Family("glm4", qkv_bias=True, qk_norm=False, moe=False, multimodal=True),
     "Gemma3ForCausalLM": Family("gemma3", qkv_bias=None, qk_norm=True, moe=False, gemma=True),
     "Llama4ForCausalLM": Family("llama4", qkv_bias=None, qk_norm=False, moe=True, llama4=True),
+    # Ministral 8B (2410): Mistral's layer with sliding-window layers beside full-attention ones (layer_types)
+    "MinistralForCausalLM": Family("ministral", qkv_bias=False, qk_norm=False, moe=False),
     # Arcee AFM-4.5B: Llama's layer with a plain (not gated) squared-ReLU MLP (up_proj, down_proj)
     "ArceeForCausalLM": Family("arcee", qkv_bias=None, qk_norm=False, moe=False),
     # Llama 4 Scout / Maverick as released: the text model above under language_model.model. (and its head under
@@ -1562,6 +1564,12 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                                        hf.get("original_max_position_embeddings") or kwargs["max_position_embeddings"]))
     if family.name == "arcee":  # a plain MLP: up, squared ReLU, down
         kwargs.update(swiglu=False, activation="relu2")
+    if family.name == "ministral":  # its sliding-window layers (every layer where the config names none)
+        window = hf.get("sliding_window")
+        types = hf.get("layer_types") or ["sliding_attention" if window else "full_attention"] * hf["num_hidden_layers"]
+        if not set(types) <= set(LAYER_TYPES):
+            raise UnsupportedModelError(f"layer_types {sorted(set(types))}: only sliding_attention and full_attention")
+        kwargs["extra"] = {**kwargs.get("extra", {}), **sliding_windows({**hf, "layer_types": types})}
     if family.llama4:
         rotates = llama4_rope_layers(hf)
         moe = llama4_moe_layers(hf)

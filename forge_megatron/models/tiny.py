@@ -46,7 +46,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
-         "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5")
+         "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -578,6 +578,9 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "rope_parameters": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8, "rope_theta": 500000.0}},
         ),
+        # Ministral 8B layout: Mistral's with a 4-position window on layer 0, layer 1 full attention
+        "ministral": (transformers.MinistralConfig, {"head_dim": 16, "sliding_window": 4,
+                                                     "layer_types": ["sliding_attention", "full_attention"]}),
         # Arcee AFM layout: Llama's with a plain squared-ReLU MLP (up, down), YaRN past 8 positions
         "arcee": (transformers.ArceeConfig, {"head_dim": 16, "rope_parameters": {
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0}}),
