@@ -226,8 +226,9 @@ class GPTConfig:
             if self.nope_query_scaling is not None:
                 beta, floor = self.nope_query_scaling
                 self.nope_query_scaling = (float(beta), int(floor))
-                if floor < 1 or self.query_scaling is not None:
-                    raise ValueError("nope_query_scaling needs floor_scale >= 1 and no query_scaling beside it")
+                if floor < 1 or self.query_scaling is not None or not (self.nope_layers and any(self.nope_layers)):
+                    raise ValueError("nope_query_scaling needs floor_scale >= 1, NoPE layers to scale (nope_layers) "
+                                     "and no query_scaling beside it")
         if self.moe_layer_pattern is not None:
             self.moe_layer_pattern = tuple(bool(x) for x in self.moe_layer_pattern)
             if len(self.moe_layer_pattern) != self.num_layers or not any(self.moe_layer_pattern) \

@@ -1178,6 +1178,10 @@ def test_llama4_scout_as_released_and_maverick():
     assert maverick.hf_names("decoder.layers.2.mlp.linear_fc1.weight") == \
         ["model.layers.2.feed_forward.gate_proj.weight", "model.layers.2.feed_forward.up_proj.weight"]
     assert maverick.hf_names("decoder.layers.3.mlp.router.weight") == ["model.layers.3.feed_forward.router.weight"]
+    from forge_megatron.mcore.model import GPTConfig
+
+    with pytest.raises(ValueError, match="NoPE layers to scale"):  # (the temperature is the NoPE layers' alone)
+        GPTConfig(num_layers=1, vocab_size=8, nope_query_scaling=(0.1, 8))
     text = {"architectures": ["Llama4ForCausalLM"], **_llama4_text()}
     for change, message in (({"num_experts_per_tok": 2}, "only top-1 routing"),
                             ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
