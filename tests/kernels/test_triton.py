@@ -569,7 +569,8 @@ def test_gpu_bidirectional_blocks(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("extras,H", [({"softcap": 2.0}, 256), ({"chunk": 64}, 128), ({"chunk": 100, "window": 40}, 128)])
+@pytest.mark.parametrize("extras,H", [({"softcap": 2.0}, 256), ({"chunk": 64}, 128),
+                                      ({"chunk": 100, "window": 40}, 128)])
 def test_gpu_soft_caps_and_chunks(dtype, extras, H):
     """Gemma 2's soft-capped scores (its heads of 256, queries scaled so the cap bends) and Llama 4's chunks (with a
     window ANDed) compiled for the GPU, against the reference by the FlashAttention tolerance rule."""

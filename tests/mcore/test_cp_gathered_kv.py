@@ -77,9 +77,9 @@ def test_all_gather_mode_equals_whole_tree_and_saves_only_local_rows(backend, cp
 
 @pytest.mark.parametrize("backend,comm", [("segment", "all_gather"), ("triton", "all_gather"), ("segment", "a2a")])
 def test_sinks_window_softcap_and_chunks_under_context_parallelism(backend, comm):
-    """gpt-oss attention (with Gemma 2's soft cap and Llama 4's chunks) under CP = 2: o, dq, dk, dv of this rank's rows equal the whole
-    tree's, and the ranks' sink gradients (each from its own queries; Megatron's DP x CP reduction sums them) add up
-    to the whole tree's."""
+    """gpt-oss attention (with Gemma 2's soft cap and Llama 4's chunks) under CP = 2: o, dq, dk, dv of this rank's
+    rows equal the whole tree's, and the ranks' sink gradients (each from its own queries; Megatron's DP x CP
+    reduction sums them) add up to the whole tree's."""
     if backend == "triton":
         pytest.importorskip("triton")
     results = run_distributed(_body, world_size=2, parallel=_parallel(2), backend=backend, Hv=8, gpt_oss=True,

@@ -370,7 +370,8 @@ def test_lfm2_blocks_of_pythonic_or_json_calls():
     one = p.parse('<|tool_call_start|>{"name": "search", "arguments": {"query": "q"}}<|tool_call_end|>', TOOLS)
     assert parsed_calls(one)[0]["arguments"] == {"query": "q"}
     for bad in ("<|tool_call_start|>[search(query=open('x').read())]<|tool_call_end|>",
-                "<|tool_call_start|>[launch(now=True)]<|tool_call_end|>", "<|tool_call_start|>not a call<|tool_call_end|>"):
+                "<|tool_call_start|>[launch(now=True)]<|tool_call_end|>",
+                "<|tool_call_start|>not a call<|tool_call_end|>"):
         got = p.parse("x " + bad, TOOLS)
         assert (got.tool_calls, got.num_malformed, got.content) == ([], 1, "x " + bad), bad
     assert p.parse("plain [answer]", TOOLS).content == "plain [answer]"

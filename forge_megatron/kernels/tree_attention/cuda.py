@@ -9,8 +9,8 @@ FORGE_TREE_ATTN_CUDA_IMPL picks one: "auto" (default: tensor cores where they ca
 where they cannot). The extension is built by setup.py only where CUDA torch and nvcc exist; ``is_available()`` says
 whether it can run here. Head dims 32, 64, 128; fp16/bf16/fp32 with fp32 accumulation. Suffix queries (fewer
 queries than keys, ops.py) run on the SIMT kernels only ("auto" picks them; "mma" refuses). Attention sinks, sliding
-windows, bidirectional blocks (key_end, ops.py), soft-capped scores and chunked attention are refused with a ValueError: the dispatcher
-never passes them here (the triton and segment backends have them).
+windows, bidirectional blocks (key_end, ops.py), soft-capped scores and chunked attention are refused with a
+ValueError: the dispatcher never passes them here (the triton and segment backends have them).
 
 Legend: T = packed tree tokens, N = query heads, K = key/value heads, H = head dim.
 """

@@ -22,8 +22,9 @@ GQA without repeating K/V: the N/K query heads that share a key head become extr
 Autograd flows through the gathers, SDPA and the final index_copy, so backward is exact too.
 Sliding windows (ops.py) narrow each chain's mask by key depth; attention sinks replace SDPA by an explicit softmax
 with one more column per head (autograd gives the sinks their gradient), as soft-capped scores (Gemma 2) do. Chunked
-attention (Llama 4) keeps, for a query at depth d, the keys whose depth lies in d's chunk. Bidirectional blocks (``key_end``, ops.py)
-lie inside one chain: a query of a block sees ``key_end[i] - i - 1`` more of its chain's keys (its block's rest).
+attention (Llama 4) keeps, for a query at depth d, the keys whose depth lies in d's chunk. Bidirectional blocks
+(``key_end``, ops.py) lie inside one chain: a query of a block sees ``key_end[i] - i - 1`` more of its chain's keys (its
+block's rest).
 
 Legend: T = tree tokens, N = query heads, K = key/value heads, H = head dim, C = chains, B = chains in a group,
 L = padded queries per chain, J = padded keys per chain, R = N // K query heads per key head.

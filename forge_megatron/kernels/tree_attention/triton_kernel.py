@@ -92,8 +92,8 @@ _LENGTHS = ["T", "TQ"]
 
 
 @triton.jit
-def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr,
-                  KEY_MAJOR: tl.constexpr):
+def _tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+                  HAS_KEY_END: tl.constexpr, KEY_MAJOR: tl.constexpr):
     """Element mask of a partial tile: j <= i < sub_end[j] (sub_end of padded keys reads as 0 -> invisible), with
     bidirectional blocks j < key_end[i] instead of j <= i (key_end of padded queries reads as 0 -> they see
     nothing), with a window depth[i] - depth[j] < WINDOW, with a chunk depth[i] // CHUNK == depth[j] // CHUNK.
@@ -189,8 +189,8 @@ def _key_tile(K_head, V_head, kb, T, stride_kt, stride_vt, offs_h, offs_h2, offs
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m, offs_h,
                offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr,
-               COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr,
-               MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
+               COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+               HAS_KEY_END: tl.constexpr, MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
     """The online softmax over this query block's runs [LO[r], HI[r]) of key blocks, r in [OFF[row], OFF[row + 1])
     (full tiles: MASKED False, no mask; partial ones: the element mask); SOFTCAP > 0: scores capped (_capped)."""
     for r in range(tl.load(OFF + row), tl.load(OFF + row + 1)):
@@ -201,8 +201,8 @@ def _fwd_tiles(acc, m_i, l_i, q, q2, K_head, V_head, SUB_END, DEPTH, KEY_END, OF
             if SOFTCAP > 0:
                 s, _ = _capped(s, SOFTCAP)
             if MASKED:
-                s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, CHUNK, HAS_KEY_END, False),
-                             s, float("-inf"))
+                s = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, CHUNK, HAS_KEY_END,
+                                           False), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
@@ -255,8 +255,8 @@ def _fwd_kernel(
 @triton.jit
 def _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row, offs_m,
               offs_h, offs_h2, offs_hv, T, H, HV, qk_scale, stride_kt, stride_vt, BLOCK_N: tl.constexpr,
-              COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr,
-              MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
+              COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+              HAS_KEY_END: tl.constexpr, MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
     """dQ's sum over this query block's runs of key blocks (MASKED as in _fwd_tiles): P recomputed from the saved
     lse, dS = P * (dO V^T - delta) (times 1 - tanh^2 under a soft cap), dQ += dS K (dq2 the second part of a split
     head)."""
@@ -269,8 +269,8 @@ def _dq_tiles(dq, dq2, q, q2, do, lse2, delta, K_head, V_head, SUB_END, DEPTH, K
                 s, t = _capped(s, SOFTCAP)
             p = tl.exp2(s - lse2[:, None])
             if MASKED:
-                p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, CHUNK, HAS_KEY_END, False),
-                             p, 0.0)
+                p = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, CHUNK, HAS_KEY_END,
+                                           False), p, 0.0)
             ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
             if SOFTCAP > 0:
                 ds = ds * (1.0 - t * t)
@@ -287,8 +287,9 @@ def _bwd_dq_kernel(
     T, TQ, H, HV, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
-    HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     n = tl.program_id(0)  # heads vary fastest: every head's longest query blocks are launched before any short one
     row = _heavy_first(tl.program_id(1), tl.num_programs(1))
@@ -319,8 +320,8 @@ def _bwd_dq_kernel(
 @triton.jit
 def _dkdv_tiles(dk, dk2, dv, k, k2, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, OFF, LO, HI, row,
                 offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_ot, BLOCK_M: tl.constexpr,
-                COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr,
-                MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
+                COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+                HAS_KEY_END: tl.constexpr, MASKED: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
     """dK / dV's sums over this key block's runs [LO[r], HI[r]) of query blocks for query head n (MASKED as in
     _fwd_tiles). The tiles are key-major, P^T and dS^T [BLOCK_N, BLOCK_M] (FlashAttention-2's dK/dV loop): every
     product then has the key block as its rows, dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers as
@@ -340,8 +341,8 @@ def _dkdv_tiles(dk, dk2, dv, k, k2, v, Q_head, DO_head, LSE, DELTA, n, SUB_END, 
                 st, tt = _capped(st, SOFTCAP)
             pt = tl.exp2(st - lse2[None, :])
             if MASKED:
-                pt = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, CHUNK, HAS_KEY_END, True),
-                              pt, 0.0)
+                pt = tl.where(_tile_visible(offs_m, offs_n, SUB_END, T, DEPTH, KEY_END, WINDOW, CHUNK, HAS_KEY_END,
+                                            True), pt, 0.0)
             dv += tl.dot(pt.to(COMPUTE), do, input_precision=DOT_PRECISION)
             dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :])
             if SOFTCAP > 0:
@@ -364,12 +365,13 @@ def _add_rows(PTR, x, offs_t, T, stride_t, offs_h, H):
 def _dkdv_head(dk, dk2, dv, k, k2, v, Q, DO, LSE, DELTA, n, SUB_END, DEPTH, KEY_END, F_OFF, F_LO, F_HI, P_OFF, P_LO,
                P_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale, stride_qt, stride_qn, stride_ot,
                stride_on, BLOCK_M: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr, SOFTCAP: tl.constexpr):
+               WINDOW: tl.constexpr, CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT_H: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     """Query head n's part of dK / dV for this key block: its full runs (no mask), then its partial ones."""
     dk, dk2, dv = _dkdv_tiles(dk, dk2, dv, k, k2, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END,
                               DEPTH, KEY_END, F_OFF, F_LO, F_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV,
-                              qk_scale, stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, CHUNK, HAS_KEY_END,
-                              False, SPLIT_H, SOFTCAP)
+                              qk_scale, stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, CHUNK,
+                              HAS_KEY_END, False, SPLIT_H, SOFTCAP)
     return _dkdv_tiles(dk, dk2, dv, k, k2, v, Q + n * stride_qn, DO + n * stride_on, LSE, DELTA, n, SUB_END, DEPTH,
                        KEY_END, P_OFF, P_LO, P_HI, row, offs_n, offs_h, offs_h2, offs_hv, T, TQ, H, HV, qk_scale,
                        stride_qt, stride_ot, BLOCK_M, COMPUTE, DOT_PRECISION, WINDOW, CHUNK, HAS_KEY_END, True, SPLIT_H,
@@ -382,8 +384,8 @@ def _bwd_dkdv_kernel(
     T, TQ, H, HV, qk_scale, scale,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_vt, stride_vn, stride_ot, stride_on,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
-    HAS_KEY_END: tl.constexpr, SPLIT: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
+    BLOCK_HV: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_KEY_END: tl.constexpr, SPLIT: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_H2: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
     """One key block of one key/value head, summed over its GROUP query heads; with SPLIT one query head per
