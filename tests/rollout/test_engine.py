@@ -506,3 +506,41 @@ def test_routed_experts_of_nemotron_h_moe_layers(tmp_path):
                                .sort(-1).values), i
     finally:
         h.stop()
+
+
+@pytest.mark.parametrize("arch,layers,top_k", [("granitemoe_swa", 2, 2), ("lfm2_moe", 2, 2)])
+def test_routed_experts_of_granite_and_lfm2_moe_blocks(tmp_path, arch, layers, top_k):
+    """Granite MoE's routers sit under ``block_sparse_moe`` and LFM2-MoE's gates under ``feed_forward`` (choosing
+    with their bias): return_routed_experts records each MoE layer's top-k ids (an LFM2-MoE dense first layer's column
+    -1), the ids the experts of a fresh forward of the same tokens are given (the MoE block's own choice, read off
+    the experts module's inputs)."""
+    d = build_tiny_model(str(tmp_path / arch), arch=arch, sampling_seed=0)
+    h = start_engine(d, in_process=True, extra_args=["--enable-return-routed-experts"])
+    try:
+        eng = h.engine
+        moe = sorted(eng.routers)
+        assert moe and eng.router_top_k == top_k
+        req = eng.new_request({"input_ids": PROMPT, "return_routed_experts": True,
+                               "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3,
+                                                   "ignore_eos": True}})
+        while req.finish is None:
+            eng._step(req)
+        routed = eng.routed_experts(req)
+        ids = PROMPT + req.output_ids
+        assert routed.shape == (len(ids) - 1, layers, top_k)
+        assert all((routed[:, i] == -1).all() == (i not in moe) for i in range(layers))
+        got, hooks = {}, []
+        for i in moe:
+            experts = next(m for name, m in eng.decoder_layers()[i].named_modules() if name.endswith("experts"))
+            hooks.append(experts.register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, a[1])))
+        try:
+            with torch.no_grad():
+                eng.model(torch.tensor([ids[:-1]]))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for i in moe:  # the experts' top_k_index argument: what the block routed each token to
+            assert torch.equal(routed[:, i].sort(-1).values,
+                               got[i].reshape(len(ids) - 1, top_k).to(torch.int32).sort(-1).values), i
+    finally:
+        h.stop()

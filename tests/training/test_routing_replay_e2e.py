@@ -53,10 +53,9 @@ def _rollouts(model_dir: str):
 
 # Gemma 4: its router on the layer, top_k_experts; ERNIE 4.5: a softmax router choosing with a bias (mcore/ernie.py);
 # Llama 4: the top-1 of its router's logits (the engine records them from feed_forward.router), the experts fed
-# inputs scaled by the router's sigmoid; Granite MoE SWA: its router under block_sparse_moe; LFM2-MoE: its gate
-# under feed_forward, choosing with a bias; Qwen3-VL-MoE: the decoder layers under model.language_model
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma4_moe", "ernie4_5_moe", "llama4", "granitemoe_swa", "lfm2_moe",
-                                  "qwen3_vl_moe"])
+# inputs scaled by the router's sigmoid; Qwen3-VL-MoE: the decoder layers under model.language_model (Granite MoE's
+# and LFM2-MoE's routers: tests/rollout/test_engine.py)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma4_moe", "ernie4_5_moe", "llama4", "qwen3_vl_moe"])
 def test_engine_routing_is_the_trainers_own(tmp_path, arch):
     model_dir = build_tiny_model(str(tmp_path / "moe"), arch=arch, seed=4, sampling_seed=0)
     steps = {}
