@@ -248,7 +248,13 @@ class ReferenceEngine:
     def decoder_layers(self):
         """The language model's decoder layers: ``model.layers`` of a causal LM, ``model.language_model.layers`` of
         a vision-language one as transformers 5 holds it (Qwen3-VL-MoE, GLM-4.5V, Kimi-K2.5, MiniMax-M3), or
-        ``language_model.model.layers`` (the older layout)."""
+        ``language_model.model.layers`` (the older layout). Found once: the model object lives as long as the engine
+        (weight syncs write into it)."""
+        if getattr(self, "_decoder_layers", None) is None:
+            self._decoder_layers = self._find_decoder_layers()
+        return self._decoder_layers
+
+    def _find_decoder_layers(self):
         for path in ("model.layers", "model.language_model.layers", "language_model.model.layers",
                      "model.language_model.model.layers"):
             node = self.model

@@ -474,6 +474,30 @@ def test_vision_language_release_swaps_in_by_its_checkpoint_names(tmp_path, arch
     assert teacher_forced_logprobs(mine, PROMPT, res.output_ids) != pytest.approx(res.logprobs, abs=1e-3)
 
 
+def _generate_routed(eng) -> tuple[torch.Tensor, list[int]]:
+    """(the routed experts the engine recorded, the ids) of a 6-token sampled generation after PROMPT."""
+    req = eng.new_request({"input_ids": PROMPT, "return_routed_experts": True,
+                           "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3,
+                                               "ignore_eos": True}})
+    while req.finish is None:
+        eng._step(req)
+    return eng.routed_experts(req), PROMPT + req.output_ids
+
+
+def _forward_capturing(eng, ids: list[int], modules: dict, read) -> dict:
+    """{key: read(args, output)} of each of ``modules`` (key -> module) in a fresh forward of ``ids``."""
+    got, hooks = {}, []
+    for key, module in modules.items():
+        hooks.append(module.register_forward_hook(lambda m, a, out, key=key: got.__setitem__(key, read(a, out))))
+    try:
+        with torch.no_grad():
+            eng.model(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return got
+
+
 def test_routed_experts_of_nemotron_h_moe_layers(tmp_path):
     """Nemotron-H's routers are its "moe" layers' one mixer (``mixer.gate``): return_routed_experts records them in
     their layers' columns, the Mamba-2 and attention layers' columns -1, the ids the gates' own top-k."""
@@ -482,25 +506,11 @@ def test_routed_experts_of_nemotron_h_moe_layers(tmp_path):
     try:
         eng = h.engine
         assert sorted(eng.routers) == [1, 3]
-        req = eng.new_request({"input_ids": PROMPT, "return_routed_experts": True,
-                               "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3,
-                                                   "ignore_eos": True}})
-        while req.finish is None:
-            eng._step(req)
-        routed = eng.routed_experts(req)
-        ids = PROMPT + req.output_ids
+        routed, ids = _generate_routed(eng)
         assert routed.shape == (len(ids) - 1, 4, 2)
         assert (routed[:, [0, 2]] == -1).all() and (routed[:, [1, 3]] >= 0).all()
-        got, hooks = {}, []
-        for i in (1, 3):
-            gate = eng.model.model.layers[i].mixer.gate
-            hooks.append(gate.register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, out[-1])))
-        try:
-            with torch.no_grad():
-                eng.model(torch.tensor([ids[:-1]]))
-        finally:
-            for hook in hooks:
-                hook.remove()
+        got = _forward_capturing(eng, ids[:-1], {i: eng.model.model.layers[i].mixer.gate for i in (1, 3)},
+                                 lambda args, out: out[-1])
         for i in (1, 3):
             assert torch.equal(routed[:, i].sort(-1).values, got[i].reshape(len(ids) - 1, 2).to(torch.int32)
                                .sort(-1).values), i
@@ -520,25 +530,12 @@ def test_routed_experts_of_granite_and_lfm2_moe_blocks(tmp_path, arch, layers, t
         eng = h.engine
         moe = sorted(eng.routers)
         assert moe and eng.router_top_k == top_k
-        req = eng.new_request({"input_ids": PROMPT, "return_routed_experts": True,
-                               "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3,
-                                                   "ignore_eos": True}})
-        while req.finish is None:
-            eng._step(req)
-        routed = eng.routed_experts(req)
-        ids = PROMPT + req.output_ids
+        routed, ids = _generate_routed(eng)
         assert routed.shape == (len(ids) - 1, layers, top_k)
         assert all((routed[:, i] == -1).all() == (i not in moe) for i in range(layers))
-        got, hooks = {}, []
-        for i in moe:
-            experts = next(m for name, m in eng.decoder_layers()[i].named_modules() if name.endswith("experts"))
-            hooks.append(experts.register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, a[1])))
-        try:
-            with torch.no_grad():
-                eng.model(torch.tensor([ids[:-1]]))
-        finally:
-            for hook in hooks:
-                hook.remove()
+        experts = {i: next(m for name, m in eng.decoder_layers()[i].named_modules() if name.endswith("experts"))
+                   for i in moe}
+        got = _forward_capturing(eng, ids[:-1], experts, lambda args, out: args[1])
         for i in moe:  # the experts' top_k_index argument: what the block routed each token to
             assert torch.equal(routed[:, i].sort(-1).values,
                                got[i].reshape(len(ids) - 1, top_k).to(torch.int32).sort(-1).values), i
