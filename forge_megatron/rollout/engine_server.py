@@ -269,19 +269,12 @@ class ReferenceEngine:
         routers = {}
         for i, layer in enumerate(self.decoder_layers()):
             # the MoE block: mlp (most), block_sparse_moe (Granite), feed_forward (LFM2-MoE: its gate takes the
-            # selection bias and returns the chosen ids last), Nemotron-H's one mixer
-            mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
-            if mlp is None and type(getattr(layer, "feed_forward", None)).__name__.endswith("SparseMoeBlock"):
-                mlp = layer.feed_forward
+            # selection bias and returns the chosen ids last; Llama 4: its router returns (scores, logits)),
+            # Nemotron-H's one mixer; a dense one has no gate / router and is passed over
+            mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None) or \
+                getattr(layer, "feed_forward", None)
             if mlp is None and getattr(layer, "block_type", None) == "moe":  # (Nemotron-H: a layer's one mixer)
                 mlp = layer.mixer
-            llama4 = getattr(getattr(layer, "feed_forward", None), "router", None)
-            if mlp is None and type(llama4).__name__ == "Llama4Router":  # (its MoE layers' feed_forward: it returns
-                # (scores, logits); the experts are the top-k of the logits, as its MoE block takes them)
-                llama4.register_forward_hook(self._record_router(i, int(llama4.top_k), from_logits=True))
-                routers[i] = llama4
-                self.router_top_k = int(llama4.top_k)
-                continue
             # gpt-oss names it router; Gemma 4's sits on the layer, its k in its config
             gate = getattr(mlp, "gate", None) or getattr(mlp, "router", None) or getattr(layer, "router", None)
             top_k = getattr(gate, "top_k", None) or getattr(getattr(gate, "config", None), "top_k_experts", None)
@@ -291,10 +284,12 @@ class ReferenceEngine:
                 self.router_top_k = int(top_k)
         return routers
 
-    def _record_router(self, layer: int, top_k: int, from_logits: bool = False):
+    def _record_router(self, layer: int, top_k: int):
         def hook(module, args, output):
             if self._captured is not None:
-                ids = torch.topk(output[-1], top_k, dim=-1).indices if from_logits else output[-1]
+                ids = output[-1]
+                if ids.is_floating_point():  # (Llama 4's router ends with its logits: the experts are their top-k)
+                    ids = torch.topk(ids, top_k, dim=-1).indices
                 self._captured[layer] = ids.reshape(-1, top_k).to(torch.int32)
         return hook
 
