@@ -287,6 +287,11 @@ class Family:
     # stacked and transposed on disk (``feed_forward.experts.gate_up_proj`` [E, D, 2F]), a shared expert beside them,
     # dense layers interleaved (Maverick)
     llama4: bool = False
+    # Cohere (Command R, R7B, A, A+): attention and MLP in parallel on one input norm, a bias-free LayerNorm (Command
+    # A+: an RMSNorm where the config gives rms_norm_eps), interleaved RoPE pairs, the logits times logit_scale, tied
+    # embeddings; Cohere2's sliding-window layers rotate beside NoPE full-attention ones; Cohere2-MoE's experts
+    # under a top-k-then-softmax (or sigmoid) router, shared experts averaged with them, dense first layers
+    cohere: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -477,6 +482,11 @@ FAMILIES: dict[str, Family] = {
     # Gemma 2: Gemma 3's layer without the q/k norms, every other layer (the first) a sliding window, one RoPE base,
     # soft-capped attention scores and logits
     "Gemma2ForCausalLM": Family("gemma2", qkv_bias=None, qk_norm=False, moe=False, gemma=True),
+    # Cohere: Command R (v1 layout), Command R7B / A / A Reasoning (Cohere2: sliding layers rotate, full ones NoPE),
+    # Command A+ (Cohere2-MoE)
+    "CohereForCausalLM": Family("cohere", qkv_bias=False, qk_norm=False, moe=False, cohere=True),
+    "Cohere2ForCausalLM": Family("cohere2", qkv_bias=False, qk_norm=False, moe=False, cohere=True),
+    "Cohere2MoeForCausalLM": Family("cohere2_moe", qkv_bias=False, qk_norm=False, moe=True, cohere=True),
     "Gemma4ForCausalLM": Family("gemma4", qkv_bias=False, qk_norm=True, moe=False, gemma4=True),
     # Gemma 4 as released: the text model above under model.language_model. (tied head) beside its vision and audio
     # towers and their embedders
@@ -659,6 +669,42 @@ def layer_types(hf: dict, family: Family) -> list[str] | None:
     return None
 
 
+def cohere_view(hf: dict) -> dict:
+    """A Cohere config with what transformers derives from it: Cohere2's ``head_dim`` (always hidden / heads) and
+    ``layer_types`` (from ``sliding_window_pattern``, every n-th layer full, where a config has none: Command R7B /
+    A's older configs), Cohere2-MoE's ``layer_types`` / ``mlp_layer_types`` (from ``first_k_dense_replace`` and the
+    dense prefix's own window pattern), and ``cohere_rotates``: the layers that apply RoPE (Cohere: all; Cohere2:
+    the sliding-window ones, and Cohere2-MoE's dense prefix where its pattern is 1)."""
+    hf = dict(hf)
+    n = hf["num_hidden_layers"]
+    name = family_of(hf).name
+    if name == "cohere":
+        hf["cohere_rotates"] = [True] * n
+        return hf
+    if name == "cohere2":
+        hf["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+        pattern = int(hf.get("sliding_window_pattern") or 4)
+        hf["layer_types"] = list(hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)])
+        dense = [False] * n
+        prefix_pattern = None
+    else:
+        k = int(hf.get("first_k_dense_replace") or 0)
+        prefix_pattern = int(hf.get("prefix_dense_sliding_window_pattern") or 1)
+        pattern = int(hf.get("sliding_window_pattern") or 4)
+        hf["layer_types"] = list(hf.get("layer_types") or (
+            ["sliding_attention" if (i + 1) % prefix_pattern else "full_attention" for i in range(k)] +
+            ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n - k)]))
+        hf["mlp_layer_types"] = list(hf.get("mlp_layer_types") or ["dense" if i < k else "sparse" for i in range(n)])
+        dense = [t == "dense" for t in hf["mlp_layer_types"]]
+    if len(hf["layer_types"]) != n or not set(hf["layer_types"]) <= set(LAYER_TYPES):
+        raise UnsupportedModelError(f"layer_types {hf['layer_types']}: one of {LAYER_TYPES} per layer ({n})")
+    window = hf.get("sliding_window")  # (none: no layer has a window, and only forced ones rotate)
+    hf["cohere_rotates"] = [bool(window) and t == "sliding_attention" or (d and prefix_pattern == 1)
+                            for t, d in zip(hf["layer_types"], dense)]
+    return hf
+
+
 def granite_swa_fields(hf: dict) -> dict:
     """GPTConfig fields of Granite SWA's attention: the sliding-window layers (``layer_types``, ``sliding_window``),
     a learned sink logit per head in every layer (Megatron's ``softmax_type="learnable"``; transformers scales each
@@ -738,6 +784,26 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                 [r and bool(hf.get("attention_chunk_size")) for r in rotates]:
             raise UnsupportedModelError("layer_types must mark chunked_attention exactly the layers that rotate "
                                         "(no_rope_layers) when attention_chunk_size is set, as Llama 4 does")
+    if family.cohere:
+        if hf.get("use_qk_norm"):
+            raise UnsupportedModelError("use_qk_norm=True (Command R+'s q/k LayerNorms with a weight per head) is not "
+                                        "supported")
+        if hf.get("attention_bias"):
+            raise UnsupportedModelError("attention_bias=True is not supported for Cohere (biases on q/k/v and o_proj: "
+                                        "no release has them)")
+        if family.moe:
+            fn = hf.get("expert_selection_fn", "softmax")
+            if fn not in ("softmax", "sigmoid"):
+                raise UnsupportedModelError(f"expert_selection_fn {fn!r}: softmax or sigmoid only")
+            if fn == "sigmoid" and not hf.get("norm_topk_prob", True) and int(hf["num_experts_per_tok"]) > 1:
+                raise UnsupportedModelError("expert_selection_fn 'sigmoid' with norm_topk_prob=False is not supported "
+                                            "(Megatron's sigmoid router renormalises its top-k scores)")
+            how = hf.get("shared_expert_combination_strategy", "average")
+            if how not in ("average", "sum"):
+                raise UnsupportedModelError(f"shared_expert_combination_strategy {how!r}: average or sum only")
+            if set(hf["mlp_layer_types"]) - {"dense", "sparse"} or len(hf["mlp_layer_types"]) != \
+                    hf["num_hidden_layers"]:
+                raise UnsupportedModelError(f"mlp_layer_types {hf['mlp_layer_types']}: dense or sparse per layer")
     if family.gemma:
         if hf.get("use_bidirectional_attention"):
             raise UnsupportedModelError("use_bidirectional_attention=True (an embedding model) is not supported")
@@ -1471,6 +1537,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         hf = nemotron_h_view(hf)
     if family.lfm2:
         hf = lfm2_view(hf)
+    if family.cohere:
+        hf = cohere_view(hf)
     _refuse_unsupported(hf, family)
     if family.hunyuan:
         hf = hunyuan_view(hf)
@@ -1588,6 +1656,41 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
         if not any(moe):
             raise UnsupportedModelError("moe_layers is empty: a Llama 4 config without MoE layers is not supported")
+    if family.cohere:
+        rms = hf.get("rms_norm_eps") is not None and family.name == "cohere2_moe"  # (Command A+ may use RMSNorm)
+        rotates = hf["cohere_rotates"]
+        scale = float(hf.get("logit_scale", 0.0625) if hf.get("logit_scale") is not None else 1.0)
+        kwargs.update(normalization="RMSNorm" if rms else "LayerNorm", norm_bias=rms,
+                      norm_epsilon=float(hf["rms_norm_eps"] if rms else hf.get("layer_norm_eps", 1e-5)),
+                      parallel_block=True, rotary_interleaved=True,  # (HF's repeat_interleave'd cos / sin)
+                      logit_multiplier=scale if scale != 1.0 else None,
+                      tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                      nope_layers=tuple(not r for r in rotates) if not all(rotates) else None)
+        if not any(rotates):
+            kwargs["rope_scaling"] = None
+        if hf.get("sliding_window") and "sliding_attention" in (hf.get("layer_types") or ()):
+            kwargs["extra"] = {**kwargs.get("extra", {}), **sliding_windows(hf)}
+        if family.moe:
+            dense = [t == "dense" for t in hf["mlp_layer_types"]]
+            k = dense.index(False) if False in dense else len(dense)
+            prefix = not any(dense[k:])  # the dense layers are the first k: Megatron's dense first layers
+            sigmoid = hf.get("expert_selection_fn", "softmax") == "sigmoid"
+            shared = int(hf.get("num_shared_experts") or 0)
+            averaged = shared and hf.get("shared_expert_combination_strategy", "average") == "average"
+            kwargs.update(
+                ffn_hidden_size=int(hf.get("prefix_dense_intermediate_size") or hf["intermediate_size"]),
+                num_moe_experts=hf["num_experts"], moe_router_topk=hf["num_experts_per_tok"],
+                moe_ffn_hidden_size=hf["intermediate_size"],
+                moe_shared_ffn_hidden_size=hf["intermediate_size"] * shared or None,
+                moe_router_pre_softmax=False, moe_router_topk_renorm=True,  # (softmax over the top-k logits)
+                moe_dense_layers=k if prefix else 0,
+                moe_layer_pattern=None if prefix else tuple(not d for d in dense),
+                moe_output_multiplier=0.5 if averaged else None)
+            if sigmoid:
+                kwargs["extra"] = {**kwargs.get("extra", {}), "moe_router_score_function": "sigmoid"}
+            if not any(not d for d in dense):
+                raise UnsupportedModelError("mlp_layer_types marks no layer sparse: a Cohere2-MoE config without MoE "
+                                            "layers is not supported")
     if family.name == "smollm3":
         rope_layers = hf.get("no_rope_layers") or [int((i + 1) % int(hf.get("no_rope_layer_interval") or 4) != 0)
                                                    for i in range(hf["num_hidden_layers"])]

@@ -516,6 +516,8 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
         if cfg.pre_norm:  # Gemma 3's sandwich: the MLP's input norm is pre_feedforward_layernorm
             attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
                      Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "pre_feedforward_layernorm.weight",))]
+    elif cfg.parallel_block:  # Cohere: one norm, which attention and MLP both read
+        attn.append(Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)))
     else:
         attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
                  Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",))]
@@ -565,7 +567,7 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
         moe = HF_LAYER + ("block_sparse_moe." if mixtral else "mlp.")
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         hf_expert = moe + "experts.{expert}."
-        mlp = (dense if cfg.moe_dense_layers else []) + [
+        mlp = (dense if cfg.moe_dense_layers or cfg.moe_layer_pattern is not None else []) + [
             Rule(LAYER + "mlp.router.weight", (moe + ("gate.wg.weight" if family.hunyuan else "gate.weight"),),
                  layers="moe"),
             Rule(LAYER + EXPERT + "linear_fc1.weight", (hf_expert + f"{gate}.weight", hf_expert + f"{up}.weight"),

@@ -26,6 +26,12 @@ class GPTConfig:
     max_position_embeddings: int = 4096
     kv_channels: int | None = None  # head dim; None = hidden_size // num_attention_heads
     normalization: str = "RMSNorm"  # "RMSNorm" | "LayerNorm"
+    # LayerNorm without a bias (Cohere: transformers' CohereLayerNorm, computed in fp32; mcore/parallel_block.py);
+    # False needs normalization "LayerNorm"
+    norm_bias: bool = True
+    # Cohere: attention and MLP both read the layer's input norm and add their outputs to the residual together
+    # (y = x + Attn(n) + MLP(n), n = Norm(x): mcore/parallel_block.py); the layer has no norm before its MLP
+    parallel_block: bool = False
     norm_epsilon: float = 1e-6
     swiglu: bool = True
     add_qkv_bias: bool = True  # Qwen2: True, Llama/Qwen3: False
@@ -56,6 +62,12 @@ class GPTConfig:
     # Llama 4: a weightless RMS norm (Megatron's L2Norm) on every query and key head of the layers that rotate (it
     # commutes with RoPE's rotation, so Megatron's place for q/k norms, before RoPE, computes HF's after it)
     qk_l2_norm: bool = False
+    # Cohere2-MoE's "average" shared-expert combination: every MoE layer's output (routed and shared experts
+    # together) times this (0.5); None: their sum, as Megatron's MoE layer makes it
+    moe_output_multiplier: float | None = None
+    # Cohere's logit_scale: the logits are multiplied by it (the output layer's input is: the same logits, and the
+    # fused logprobs see them too); None: not scaled
+    logit_multiplier: float | None = None
     # Granite's muP-style scales: each attention's and MLP's output is multiplied by ``residual_multiplier`` before
     # the residual adds it, and the logits are divided by ``logits_scaling`` (the output layer's input is: the same
     # logits, and the fused logprobs see them too); None: neither
@@ -243,11 +255,24 @@ class GPTConfig:
             if self.multi_latent_attention or self.per_layer_attention or self.block_sparse_layers is not None:
                 raise ValueError("attention_softcapping with multi-latent, per-layer or block-sparse attention: no "
                                  "model has both; Gemma 2's standard attention only")
-        for name in ("residual_multiplier", "logits_scaling"):
+        if not self.norm_bias and self.normalization != "LayerNorm":
+            raise ValueError("norm_bias=False is a LayerNorm without its bias: it needs normalization 'LayerNorm'")
+        if self.parallel_block and (self.post_norm or not self.pre_norm or self.multi_latent_attention
+                                    or self.hybrid or self.layer_kinds is not None or self.shortcut_moe
+                                    or self.moe_beside_dense or self.per_layer_attention):
+            raise ValueError("parallel_block (Cohere: attention and MLP on one input norm) is supported for pre-norm "
+                             "layers of standard attention and an MLP or MoE (no post-norms, MLA, linear attention, "
+                             "layer_kinds, per-layer attention or LongCat / Gemma 4 MoE layouts)")
+        if self.moe_output_multiplier is not None and not self.num_moe_experts:
+            raise ValueError("moe_output_multiplier scales MoE layers' outputs: it needs num_moe_experts")
+        for name in ("residual_multiplier", "logits_scaling", "logit_multiplier", "moe_output_multiplier"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}")
-        if self.logits_scaling is not None and self.final_logit_softcapping is not None:
+        if self.logits_scaling is not None and self.logit_multiplier is not None:
+            raise ValueError("logits_scaling (Granite: divides) with logit_multiplier (Cohere: multiplies): give one")
+        if (self.logits_scaling is not None or self.logit_multiplier is not None) and \
+                self.final_logit_softcapping is not None:
             raise ValueError("logits_scaling with final_logit_softcapping: no model has both (the cap would have to "
                              "follow the division)")
         from forge_megatron.mcore import rope
@@ -735,6 +760,20 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from forge_megatron.mcore.post_norm import post_norm_spec
 
         spec = post_norm_spec(spec, keep_pre_norms=cfg.pre_norm)
+    if cfg.parallel_block or not cfg.norm_bias:
+        if use_te:
+            raise ValueError("Cohere's layers (parallel attention + MLP, bias-free LayerNorms) build with the local "
+                             "spec: Transformer Engine's fuses the input norm into the projections")
+        import dataclasses
+
+        from forge_megatron.mcore import parallel_block
+
+        if cfg.parallel_block:
+            spec = parallel_block.parallel_spec(spec)
+        if not cfg.norm_bias:  # (the final norm too: a block spec of this stage's layers names it)
+            offset, bases = _stage_layer_specs(cfg, spec, vp_stage)
+            spec = dataclasses.replace(_with_layer_specs(spec, bases), layer_norm=parallel_block.BiasFreeLayerNorm)
+            spec = parallel_block.bias_free_norms(spec)
     if cfg.moe_beside_dense:
         from forge_megatron.mcore.gemma4 import moe_layer_spec
 
@@ -1035,9 +1074,10 @@ def cap_logits(output_layer, softcap: float) -> None:
 
 
 def _granite_scales(model, cfg: GPTConfig) -> None:
-    """Granite's scales as hooks: every layer's attention and MLP (MoE and shared experts together) output times
-    ``residual_multiplier`` before its residual add (their biases too, where a spec hands them to a fused add), and
-    the output layer's input divided by ``logits_scaling``: W (h / s) = (W h) / s, the logits HF divides, whether
+    """Granite's and Cohere's scales as hooks: every layer's attention and MLP (MoE and shared experts together)
+    output times ``residual_multiplier`` before its residual add (their biases too, where a spec hands them to a
+    fused add), every MoE layer's output times ``moe_output_multiplier``, and the output layer's input divided by
+    ``logits_scaling`` (or multiplied by ``logit_multiplier``): W (h / s) = (W h) / s, the logits HF divides, whether
     the layer makes them or hands its input to the fused logprobs (forward.output_layer_deferred)."""
     if cfg.residual_multiplier is not None:
         c = float(cfg.residual_multiplier)
@@ -1050,8 +1090,22 @@ def _granite_scales(model, cfg: GPTConfig) -> None:
         for layer in getattr(getattr(model, "decoder", None), "layers", ()):
             layer.self_attention.register_forward_hook(scale)
             layer.mlp.register_forward_hook(scale)
-    if cfg.logits_scaling is not None and getattr(model, "output_layer", None) is not None:
-        inv = 1.0 / float(cfg.logits_scaling)
+    if cfg.moe_output_multiplier is not None:  # (Cohere2-MoE: routed and shared experts averaged)
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        half = float(cfg.moe_output_multiplier)
+
+        def scale_moe(module, args, output):
+            out, bias = output
+            return out * half, (bias * half if bias is not None else None)
+
+        for layer in getattr(getattr(model, "decoder", None), "layers", ()):
+            if isinstance(layer.mlp, MoELayer):
+                layer.mlp.register_forward_hook(scale_moe)
+    if (cfg.logits_scaling is not None or cfg.logit_multiplier is not None) and \
+            getattr(model, "output_layer", None) is not None:
+        # (Cohere's logit_scale multiplies: W (c h) = c (W h))
+        inv = float(cfg.logit_multiplier) if cfg.logit_multiplier is not None else 1.0 / float(cfg.logits_scaling)
 
         def divide(module, args):
             return (args[0] * inv, *args[1:])
@@ -1125,7 +1179,8 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
         finish_layers(model, cfg)
     if cfg.final_logit_softcapping is not None and getattr(model, "output_layer", None) is not None:
         cap_logits(model.output_layer, cfg.final_logit_softcapping)
-    if cfg.residual_multiplier is not None or cfg.logits_scaling is not None:
+    if cfg.residual_multiplier is not None or cfg.logits_scaling is not None or cfg.logit_multiplier is not None \
+            or cfg.moe_output_multiplier is not None:
         _granite_scales(model, cfg)
     if cfg.sparse_attention:
         from forge_megatron.mcore.dsa import share_selection_store

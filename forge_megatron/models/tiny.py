@@ -46,7 +46,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
-         "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral")
+         "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
+         "cohere", "cohere2", "cohere2_moe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -578,6 +579,24 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "rope_parameters": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8, "rope_theta": 500000.0}},
         ),
+        # Cohere (Command R) layout: attention and MLP in parallel on one bias-free LayerNorm, RoPE on interleaved
+        # pairs, logits times 0.25, tied embeddings
+        "cohere": (transformers.CohereConfig, {"logit_scale": 0.25, "tie_word_embeddings": True}),
+        # Cohere2 (Command R7B / A) layout: Cohere's layer; layer 0 a 4-position window that rotates, layer 1 full
+        # attention without RoPE
+        "cohere2": (transformers.Cohere2Config, {"logit_scale": 0.25, "tie_word_embeddings": True, "sliding_window": 4,
+                                                 "layer_types": ["sliding_attention", "full_attention"]}),
+        # Cohere2-MoE (Command A+) layout: three layers, the first dense (an MLP 96 wide) with full attention that
+        # rotates (the dense prefix's window pattern 1), then a 4-position window that rotates and full attention that
+        # does not; 4 experts 32 wide, top-2 logits softmaxed, a shared expert averaged with them; bias-free
+        # LayerNorms (rms_norm_eps None; set it for RMSNorms)
+        "cohere2_moe": (
+            transformers.Cohere2MoeConfig,
+            {"num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 32, "prefix_dense_intermediate_size": 96,
+             "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "first_k_dense_replace": 1,
+             "sliding_window_pattern": 2, "sliding_window": 4, "rms_norm_eps": None, "logit_scale": 0.25,
+             "tie_word_embeddings": True},
+        ),
         # Ministral 8B layout: Mistral's with a 4-position window on layer 0, layer 1 full attention
         "ministral": (transformers.MinistralConfig, {"head_dim": 16, "sliding_window": 4,
                                                      "layer_types": ["sliding_attention", "full_attention"]}),
@@ -741,6 +760,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(p + torch.randn(p.shape) * 0.3)  # Mamba-2's skip, time-step bias, gated norm, conv bias
             elif arch.startswith("exaone") and name.endswith(("q_norm.weight", "k_norm.weight", "layernorm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head and post norms: which is which matters
+            elif arch.startswith("cohere") and name.endswith("norm.weight"):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # one norm per layer and the final one: which is which
             elif arch.startswith("lfm2") and name.endswith(("layernorm.weight", "norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # q/k norms and the two norms per layer: which is which
             elif arch == "dots1" and name.endswith(("q_norm.weight", "k_norm.weight")):

@@ -27,7 +27,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "hunyuan_v1_moe", "olmoe", "mimo_v2_flash", "minimax_m3", "minimax_m3_text", "longcat_flash", "dots1",
          "solar_open", "mixtral", "phi3", "qwen2_moe", "exaone4", "exaone_moe", "youtu",
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
-         "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral")
+         "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
+         "cohere", "cohere2", "cohere2_moe")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -67,6 +68,10 @@ def hf_dirs(tmp_path_factory):
     # Llama 4 Maverick's layout: dense layers (intermediate_size_mlp wide) between the MoE ones
     dirs["llama4_maverick"] = build_tiny_model(str(root / "llama4_maverick"), arch="llama4", seed=10,
                                                with_tokenizer=False, interleave_moe_layer_step=2)
+    # Command A+'s other options: RMSNorms, sigmoid expert scores (renormalised), the shared expert summed
+    dirs["cohere2_moe_rms"] = build_tiny_model(str(root / "cohere2_moe_rms"), arch="cohere2_moe", seed=11,
+                                               with_tokenizer=False, rms_norm_eps=1e-6, expert_selection_fn="sigmoid",
+                                               shared_expert_combination_strategy="sum")
     from forge_megatron.models.tiny import build_tiny_reward_model
 
     dirs["qwen2_rm"] = build_tiny_reward_model(str(root / "qwen2_rm"), seed=8)  # a reward model: its score head
@@ -167,6 +172,9 @@ LAYOUTS = [
     # Nemotron-H: one sublayer per layer (the norm the input or the pre-MLP norm by the layer's kind)
     ("nemotron_h", ParallelLayout(tp=2, pp=2)),
     ("nemotron_h_moe", ParallelLayout(tp=2, pp=2, ep=2)),
+    # Cohere: one (bias-free) norm per layer, the head tied across two stages; Cohere2-MoE: the dense first layer
+    # alone on the first stage, experts one by one over EP, the shared expert split over TP
+    ("cohere", ParallelLayout(tp=2, pp=2)), ("cohere2_moe", ParallelLayout(tp=2, pp=2, ep=2, first=1)),
     ("lfm2", ParallelLayout(tp=2, pp=2)),  # the short convolution's projection interleaved per channel, split by TP
     ("lfm2_moe", ParallelLayout(tp=2, pp=2, ep=2)),  # a dense short-convolution layer, then experts
 ]
@@ -334,7 +342,8 @@ def _convert_all(hf_dirs, root, archs, layout):
 
 def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
     # (gemma2: soft-capped attention scores and logits, caps that bite in the tiny model)
-    archs = ARCHS + ("qwen3_tied", "gpt_oss_clamped", "olmo_hybrid_rope", "deepseek_v3_base50k", "llama4_maverick") + \
+    archs = ARCHS + ("qwen3_tied", "gpt_oss_clamped", "olmo_hybrid_rope", "deepseek_v3_base50k", "llama4_maverick",
+                     "cohere2_moe_rms") + \
         tuple(name for name, _, _ in ROPE_SCALED)
     ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "tp2"), ParallelLayout(tp=2))
     (out,) = run_distributed(_megatron_logits_body, world_size=1, tp2_dir=str(tmp_path / "tp2"),
@@ -367,7 +376,7 @@ def _megatron_grads_body(rank, world_size, mcore_dirs):
     return out
 
 
-GRAD_ARCHS = ARCHS + ("qwen3_tied", "llama4_maverick")
+GRAD_ARCHS = ARCHS + ("qwen3_tied", "llama4_maverick", "cohere2_moe_rms")
 
 
 def test_megatron_gradients_equal_hf(hf_dirs, tmp_path):

@@ -214,6 +214,27 @@ def _body_one_rank(rank, world_size):
         for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
             plain_tree, _ = _twin_models(gpt_config_from_hf({**capped, cap: None}))
             out[f"gemma2_{cap}_effect"] = (logp - tree_logprobs(plain_tree, layout)[0]).abs().max().item()
+    # Cohere: attention and MLP in parallel on one bias-free LayerNorm, interleaved RoPE, the logits scaled; Cohere2:
+    # a window layer that rotates then a NoPE full one; Cohere2-MoE: a dense first layer that rotates, experts
+    # averaged with a shared expert. Each of its switches shown to change the logprobs (same weights, one switch off)
+    for arch, cls in (("cohere2", "Cohere2ForCausalLM"), ("cohere2_moe", "Cohere2MoeForCausalLM")):
+        hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
+        tree, causal = _twin_models(gpt_config_from_hf(hf))
+        out[arch] = _exactness(tree, causal, all_samples(3))
+        out[f"{arch}_layers"] = [type(layer).__name__ for layer in tree.decoder.layers]
+        if arch == "cohere2_moe":
+            with torch.no_grad():
+                logp = tree_logprobs(tree, layout)[0]
+                for name, switch in (("parallel_block", dict(parallel_block=False)),
+                                     ("rotary_interleaved", dict(rotary_interleaved=False)),
+                                     ("nope_layers", dict(nope_layers=None)),
+                                     ("window", dict(extra={"window_size": None, "window_attn_skip_freq": None})),
+                                     ("logit_multiplier", dict(logit_multiplier=None)),
+                                     ("moe_output_multiplier", dict(moe_output_multiplier=None))):
+                    other, _ = _twin_models(gpt_config_from_hf(hf, **switch))
+                    missing, _ = other.load_state_dict(tree.state_dict(), strict=False)  # (the same weights)
+                    assert all("pre_mlp_layernorm" in m for m in missing), missing
+                    out[f"cohere2_moe_{name}_effect"] = (logp - tree_logprobs(other, layout)[0]).abs().max().item()
     # Qwen3.5 layout: a Gated DeltaNet layer (the recurrence and its convolution along every root-to-leaf path)
     # then gated full attention; the trees here nest several levels of segments
     q35 = {**tiny_config("qwen3_5", vocab_size=VOCAB).to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
@@ -538,6 +559,20 @@ def test_gemma2_soft_capping_tree_equals_unmerged(one_rank):
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["gemma2"]
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         assert one_rank[f"gemma2_{cap}_effect"] > 1e-4, (cap, one_rank[f"gemma2_{cap}_effect"])
+
+
+@pytest.mark.parametrize("arch", ["cohere2", "cohere2_moe"])
+def test_cohere_parallel_layers_tree_equals_unmerged(one_rank, arch):
+    """Cohere's parallel attention + MLP layers (one bias-free LayerNorm) on the tree equal the samples one at a
+    time, windows, NoPE layers and averaged experts included; and each of those switches (and the parallel layout
+    itself) changes the logprobs at this scale, so none of them is a no-op the test could miss."""
+    logp, ent, grad, _, _ = one_rank[arch]
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank[arch]
+    assert set(one_rank[f"{arch}_layers"]) == {"ParallelTransformerLayer"}
+    if arch == "cohere2_moe":
+        for name in ("parallel_block", "rotary_interleaved", "nope_layers", "window", "logit_multiplier",
+                     "moe_output_multiplier"):
+            assert one_rank[f"cohere2_moe_{name}_effect"] > 1e-4, (name, one_rank[f"cohere2_moe_{name}_effect"])
 
 
 def test_qwen3_5_gated_delta_net_tree_equals_unmerged(one_rank):
