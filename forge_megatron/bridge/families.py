@@ -1800,7 +1800,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             mla_latent_norm_epsilon=1e-6,  # (transformers' latent norms keep their default; the others rms_norm_eps)
             extra={"moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None})
     elif family.moe and not family.gpt_oss and not family.ernie and not family.hunyuan and not family.granite \
-            and not family.llama4:
+            and not family.llama4 and not family.cohere:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
         # Qwen3-Next's does unless its config says otherwise; so does Qwen3-VL-MoE's (no such field either)
         # Mixtral's always does (no such field)

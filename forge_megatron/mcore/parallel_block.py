@@ -37,7 +37,7 @@ class ParallelTransformerLayer(TransformerLayer):
             raise ValueError("a parallel attention + MLP layer needs its input norm as a module of its own (the local "
                              "spec): Transformer Engine's fuses it into linear_qkv")
         super().__init__(config, submodules, *args, **kwargs)
-        if self.recompute_input_layernorm or self.recompute_pre_mlp_layernorm:
+        if getattr(self, "recompute_input_layernorm", False) or getattr(self, "recompute_pre_mlp_layernorm", False):
             raise ValueError("parallel attention + MLP layers (Cohere) cannot recompute their norms alone "
                              "(--recompute-modules layernorm): the MLP reads the input norm's output, which that "
                              "recomputation frees; recompute whole layers instead")

@@ -41,6 +41,9 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
                                                        bare: numbers, true / false / null; nested objects, arrays)
   granite                    Granite 3.x               <|tool_call|>[{"name": "f", "arguments": {...}}, ...]  (the rest
                                                        of the completion; Granite 4.0: hermes)
+  cohere                     Command A, Command A      <|START_ACTION|>[\\n    {"tool_call_id": "0", "tool_name": "f",
+                             Reasoning, Command R7B    "parameters": {...}},\\n    ...\\n]<|END_ACTION|>  (an answer:
+                                                       <|START_RESPONSE|>text<|END_RESPONSE|>, its content the text)
   none                       -                         no tool calls (tool_choice "none" uses it too)
 
 Register others with :func:`register_parser`.
@@ -62,7 +65,8 @@ schema does not name are read as JSON when they parse, else kept as text.
 
 *Tool call ids.* Kimi-K2 writes its own ids (``functions.f:0``, the index counting calls across the conversation)
 and its template renders them back, so those ids are kept; the other formats have no id in the text and get a
-fresh ``call_...`` one.
+fresh ``call_...`` one (so do Cohere's calls: their ``tool_call_id`` is the template's running count of calls, which
+it writes again itself).
 
 *Forcing a call* (``tool_choice`` "required" or a named function) needs no constrained decoding: the gateway appends
 :meth:`ToolParser.forced_prefix` to the prompt ids and parses prefix + completion. The prefix is what the family's
@@ -277,6 +281,78 @@ class GraniteToolParser(ToolParser):
         if function_name is None:
             return self.start_marker + "["
         return f'{self.start_marker}[{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments":'
+
+
+class CohereToolParser(BlockToolParser):
+    """Cohere Command A, Command A Reasoning, Command R7B: ``<|START_ACTION|>`` then a JSON list of calls
+    ``{"tool_call_id": "0", "tool_name": "f", "parameters": {...}}`` (or one such object), then ``<|END_ACTION|>``;
+    a block that does not parse, is empty, or holds a call without a ``tool_name`` or with parameters that are not
+    an object is malformed, as in the other block formats. ``tool_call_id`` is the template's running count of calls
+    in the conversation (the calls get fresh ids; the template numbers them again itself).
+
+    An answer is ``<|START_RESPONSE|>text<|END_RESPONSE|>`` (a template without tools opens it in the generation
+    prompt): those markers are neither reasoning nor a call, so this parser drops them from ``content`` (its text is
+    the answer's, as the template writes it back), and an ``<|END_OF_TURN_TOKEN|>`` ending the completion is nothing.
+    The plan or reasoning ``<|START_THINKING|>...<|END_THINKING|>`` that opens a turn is the reasoning parser's
+    (``--reasoning-parser cohere``, which leaves the rest to this one); without it, it stays in ``content`` as
+    written."""
+
+    name = "cohere"
+    start_marker = "<|START_ACTION|>"
+    end_marker = "<|END_ACTION|>"
+    response_markers = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")
+    end_of_turn = "<|END_OF_TURN_TOKEN|>"
+
+    def __init__(self, calls: bool = True):
+        self.calls = self.streams_calls = calls
+
+    def parse(self, text, tools=None):
+        head = text.rstrip()
+        if head.endswith(self.end_of_turn):
+            text = head[:-len(self.end_of_turn)]
+        parsed = super().parse(text, tools) if self.calls else ParsedCompletion(content=text)
+        if parsed.content is not None:
+            parsed.content = self.answer_text(parsed.content)
+            if parsed.tool_calls:
+                parsed.content = parsed.content.strip() or None
+        return parsed
+
+    def calls_in(self, body, schemas):
+        try:
+            items = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise _Malformed(str(exc)) from exc
+        if isinstance(items, dict):
+            items = [items]
+        if not isinstance(items, list) or not items:
+            raise _Malformed("not a list of calls")
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("tool_name"), str) or not item["tool_name"]:
+                raise _Malformed("a call without a tool_name")
+            calls.append(_call(item["tool_name"], _json_args(item.get("parameters", {}))))
+        return calls, 0
+
+    def answer_text(self, text: str) -> str:
+        """``text`` without the answer's ``<|START_RESPONSE|>`` / ``<|END_RESPONSE|>`` markers."""
+        for marker in self.response_markers:
+            text = text.replace(marker, "")
+        return text
+
+    def streamable(self, text):
+        text = text.split(self.end_of_turn, 1)[0]
+        held = max((k for m in (*self.response_markers, self.end_of_turn) for k in range(1, len(m))
+                    if text.endswith(m[:k])), default=0)  # a marker may be arriving
+        return self.answer_text(text[:len(text) - held])
+
+    def without_calls(self):
+        return CohereToolParser(calls=False)
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker
+        return (f'{self.start_marker}[\n    {{"tool_call_id": "{prior_calls}", "tool_name": '
+                f'{json.dumps(function_name, ensure_ascii=False)}, "parameters":')
 
 
 class KimiK2ToolParser(BlockToolParser):
@@ -1010,6 +1086,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "deepseekv32": DeepSeekV32ToolParser,
     "deepseekv4": DeepSeekV4ToolParser, "seed_oss": SeedOssToolParser, "gemma4": Gemma4ToolParser,
     "hunyuan": HunyuanToolParser, "longcat": LongcatToolParser, "granite": GraniteToolParser,
+    "cohere": CohereToolParser,
 }
 
 

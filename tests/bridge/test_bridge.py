@@ -1227,3 +1227,62 @@ def test_granite_swa_layer_kinds_sinks_and_rope_bases():
     assert (mixed.rotary_base, mixed.sliding_rotary_base) == (1e6, 1e4)
     with pytest.raises(UnsupportedModelError, match="one RoPE base per layer kind"):
         Bridge({**hf, "layer_rope_theta": [1e4, 1e4, 5e4, 1e4, 1e4, 1e4, 1e4, 1e4]})
+
+
+def _command_a(**changes):
+    """A config shaped like c4ai-command-a-03-2025's (Cohere2: 64 layers, every fourth full attention without RoPE,
+    the others 4096-position windows; no layer_types, as older configs give only sliding_window_pattern)."""
+    return {"architectures": ["Cohere2ForCausalLM"], "model_type": "cohere2", "hidden_size": 12288,
+            "intermediate_size": 36864, "num_hidden_layers": 64, "num_attention_heads": 96, "num_key_value_heads": 8,
+            "hidden_act": "silu", "layer_norm_eps": 1e-5, "logit_scale": 0.25, "rope_theta": 50000.0,
+            "sliding_window": 4096, "sliding_window_pattern": 4, "max_position_embeddings": 131072,
+            "vocab_size": 256000, "tie_word_embeddings": True, "use_qk_norm": False, "attention_bias": False,
+            **changes}
+
+
+def test_cohere_configs_shaped_like_the_releases():
+    """Command A's (Cohere2), Command R's (Cohere) and a Command A+-shaped (Cohere2-MoE) config: parallel attention +
+    MLP layers on one bias-free LayerNorm (RMSNorm where Cohere2-MoE's config gives rms_norm_eps), interleaved RoPE on
+    the window layers only, the logits times logit_scale, the tied head; the checkpoint's one norm per layer; and the
+    options no release has, refused by name. (The modules built: tests/mcore/test_tree_exact.py.)"""
+    bridge = Bridge(_command_a())
+    cfg = bridge.cfg
+    assert (cfg.parallel_block, cfg.normalization, cfg.norm_bias, cfg.norm_epsilon, cfg.rotary_interleaved,
+            cfg.logit_multiplier, cfg.head_dim, cfg.tie_word_embeddings, cfg.rotary_base) == \
+        (True, "LayerNorm", False, 1e-5, True, 0.25, 128, True, 50000.0)
+    assert cfg.nope_layers == (False, False, False, True) * 16
+    assert cfg.extra["window_size"] == (4095, 0) and cfg.extra["window_attn_skip_freq"] == [1, 1, 1, 0] * 16
+    names = bridge.canonical_names()
+    assert not any("pre_mlp_layernorm" in n for n in names) and "output_layer.weight" not in names
+    assert bridge.hf_names("decoder.layers.3.input_layernorm.weight") == ["model.layers.3.input_layernorm.weight"]
+    # Command R (Cohere): every layer rotates, logits times 1/16
+    command_r = Bridge({**_command_a(), "architectures": ["CohereForCausalLM"], "model_type": "cohere",
+                        "hidden_size": 8192, "num_attention_heads": 64, "logit_scale": 0.0625,
+                        "rope_theta": 4000000.0, "num_hidden_layers": 40}).cfg
+    assert (command_r.nope_layers, command_r.logit_multiplier, command_r.extra.get("window_size")) == \
+        (None, 0.0625, None)
+    # Command A+ (Cohere2-MoE): a dense prefix (its own width; its layers full attention that rotates), then MoE
+    # layers with Cohere2's window pattern; a shared expert averaged with the routed ones; RMSNorms when so configured
+    plus = {**_command_a(), "architectures": ["Cohere2MoeForCausalLM"], "model_type": "cohere2_moe",
+            "num_hidden_layers": 8, "head_dim": 128, "intermediate_size": 2048, "prefix_dense_intermediate_size": 24576,
+            "num_experts": 64, "num_experts_per_tok": 8, "num_shared_experts": 1, "first_k_dense_replace": 2,
+            "rms_norm_eps": 1e-5}
+    cfg = Bridge(plus).cfg
+    assert (cfg.normalization, cfg.norm_bias, cfg.ffn_hidden_size, cfg.moe_ffn_hidden_size,
+            cfg.moe_shared_ffn_hidden_size, cfg.moe_dense_layers, cfg.num_moe_experts, cfg.moe_router_topk,
+            cfg.moe_router_pre_softmax, cfg.moe_output_multiplier) == \
+        ("RMSNorm", True, 24576, 2048, 2048, 2, 64, 8, False, 0.5)
+    assert cfg.nope_layers == (False, False) + (False, False, False, True) + (False, False)
+    assert cfg.extra["window_attn_skip_freq"] == [0, 0, 1, 1, 1, 0, 1, 1]
+    summed = Bridge({**plus, "shared_expert_combination_strategy": "sum", "expert_selection_fn": "sigmoid"}).cfg
+    assert summed.moe_output_multiplier is None and summed.extra["moe_router_score_function"] == "sigmoid"
+    interleaved = Bridge({**plus, "mlp_layer_types": ["sparse", "dense"] * 4}).cfg  # dense layers between MoE ones
+    assert interleaved.moe_layer_pattern == (True, False) * 4 and interleaved.moe_dense_layers == 0
+    for change, message in ((dict(use_qk_norm=True), "use_qk_norm=True"),
+                            (dict(attention_bias=True), "attention_bias=True"),
+                            (dict(expert_selection_fn="sigmoid", norm_topk_prob=False), "norm_topk_prob=False"),
+                            (dict(shared_expert_combination_strategy="max"), "average or sum only"),
+                            (dict(expert_selection_fn="sparsemixer"), "softmax or sigmoid only"),
+                            (dict(layer_types=["chunked_attention"] * 8), "layer_types")):
+        with pytest.raises(UnsupportedModelError, match=message):
+            Bridge({**plus, **change})

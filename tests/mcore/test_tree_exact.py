@@ -222,6 +222,7 @@ def _body_one_rank(rank, world_size):
         tree, causal = _twin_models(gpt_config_from_hf(hf))
         out[arch] = _exactness(tree, causal, all_samples(3))
         out[f"{arch}_layers"] = [type(layer).__name__ for layer in tree.decoder.layers]
+        out[f"{arch}_norms"] = {type(m).__name__ for name, m in tree.named_modules() if name.endswith("norm")}
         if arch == "cohere2_moe":
             with torch.no_grad():
                 logp = tree_logprobs(tree, layout)[0]
@@ -569,6 +570,8 @@ def test_cohere_parallel_layers_tree_equals_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank[arch]
     assert set(one_rank[f"{arch}_layers"]) == {"ParallelTransformerLayer"}
+    # (the input norms and the final one; no norm before the MLP: Megatron's identity there)
+    assert one_rank[f"{arch}_norms"] == {"BiasFreeLayerNorm", "IdentityOp"}, one_rank[f"{arch}_norms"]
     if arch == "cohere2_moe":
         for name in ("parallel_block", "rotary_interleaved", "nope_layers", "window", "logit_multiplier",
                      "moe_output_multiplier"):

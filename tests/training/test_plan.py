@@ -15,7 +15,7 @@ from tests.dist_utils import run_distributed
 ARCHS = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
          "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
          "gemma4": "Gemma4ForCausalLM", "gemma4_moe": "Gemma4ForCausalLM",
-         "gemma4_e": "Gemma4ForCausalLM", "llama4": "Llama4ForCausalLM"}
+         "gemma4_e": "Gemma4ForCausalLM", "llama4": "Llama4ForCausalLM", "cohere2_moe": "Cohere2MoeForCausalLM"}
 
 
 def _hf(arch, **kw):
@@ -67,9 +67,12 @@ def _built_body(rank, world_size, hf, vpp):
     # Llama 4 Maverick: a dense layer (intermediate_size_mlp wide) on the first stage, a MoE one (router, experts,
     # shared expert) on the second; q/k norms without weights
     ("llama4", {"interleave_moe_layer_step": 2}, ParallelConfig(tp=2, pp=2), 4),
+    # Command A+ (Cohere2-MoE): one bias-free norm per layer (none before the MLP), a dense first layer of its own
+    # width, experts whole on their EP rank beside a shared expert split over TP
+    ("cohere2_moe", {}, ParallelConfig(tp=2, ep=2, etp=1), 2),
 ], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2", "qwen3_5_moe-tp2", "glm4_moe-tp2ep2etp1",
         "glm4_moe-pp3-first1", "kimi_linear-tp2ep2etp1", "gemma4-tp2pp2", "gemma4_moe-tp2ep2etp1", "gemma4_e-tp2",
-        "llama4_maverick-tp2pp2"])
+        "llama4_maverick-tp2pp2", "cohere2_moe-tp2ep2etp1"])
 def test_parameters_per_rank_are_what_megatron_builds(arch, kw, parallel, world):
     hf = _hf(arch, **kw)
     built = run_distributed(_built_body, world_size=world, parallel=parallel, hf=hf, vpp=parallel.vpp)
