@@ -292,6 +292,9 @@ class Family:
     # embeddings; Cohere2's sliding-window layers rotate beside NoPE full-attention ones; Cohere2-MoE's experts
     # under a top-k-then-softmax (or sigmoid) router, shared experts averaged with them, dense first layers
     cohere: bool = False
+    # Bamba (IBM's Mamba-2 hybrid): Granite 4.0-H's Mamba-2 and attention layers (RoPE on half of each head) without
+    # Granite's scales, under Bamba's names (feed_forward, pre_ff_layernorm, final_layernorm)
+    bamba: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -482,6 +485,7 @@ FAMILIES: dict[str, Family] = {
     # Gemma 2: Gemma 3's layer without the q/k norms, every other layer (the first) a sliding window, one RoPE base,
     # soft-capped attention scores and logits
     "Gemma2ForCausalLM": Family("gemma2", qkv_bias=None, qk_norm=False, moe=False, gemma=True),
+    "BambaForCausalLM": Family("bamba", qkv_bias=None, qk_norm=False, moe=False, bamba=True),
     # Cohere: Command R (v1 layout), Command R7B / A / A Reasoning (Cohere2: sliding layers rotate, full ones NoPE),
     # Command A+ (Cohere2-MoE)
     "CohereForCausalLM": Family("cohere", qkv_bias=False, qk_norm=False, moe=False, cohere=True),
@@ -844,7 +848,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                     "engines with that of the whole batch), so no fixed rotation equals it; Phi-4 "
                                     "and Phi-4-reasoning have plain RoPE")
     if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "gemma4", "mimo_v2_flash",
-                                                         "minimax_m3", "phi3") \
+                                                         "minimax_m3", "phi3", "bamba") \
             and not family.gated_delta \
             and not family.mla:  # (MLA rotates qk_rope_head_dim channels: Mistral 4 states it as this fraction)
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
@@ -881,7 +885,11 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if family.name == "mixtral" and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
         raise UnsupportedModelError(f"router_jitter_noise={hf['router_jitter_noise']}: transformers multiplies the "
                                     "router's input by random noise while training (Mixtral releases have none)")
-    if family.name == "granitemoehybrid":
+    if family.bamba:
+        for key in ("attention_bias", "mlp_bias"):
+            if hf.get(key):
+                raise UnsupportedModelError(f"{key}=True is not supported for Bamba (no release has these biases)")
+    if family.name == "granitemoehybrid" or family.bamba:
         kinds = set(granite_layer_kinds(hf))
         if kinds - {"attention", "mamba"}:
             raise UnsupportedModelError(f"layer_types {sorted(set(hf['layer_types']))}: only attention and Mamba-2 "
@@ -1374,8 +1382,12 @@ def lfm2_view(hf: dict) -> dict:
 
 def granite_layer_kinds(hf: dict) -> list[str]:
     """Granite 4.0's layers as "attention" or "mamba" (``layer_types``: attention / full_attention, mamba /
-    linear_attention as transformers writes them; without any, every layer is Mamba-2, as transformers builds it)."""
-    types = hf.get("layer_types") or hf.get("layers_block_type") or ["linear_attention"] * hf["num_hidden_layers"]
+    linear_attention as transformers writes them; without any, every layer is Mamba-2, as transformers builds it;
+    Bamba's ``attn_layer_indices``: those layers attention, the others Mamba-2)."""
+    n = hf["num_hidden_layers"]
+    indices = hf.get("attn_layer_indices")
+    types = hf.get("layer_types") or hf.get("layers_block_type") or \
+        ["full_attention" if indices and i in indices else "linear_attention" for i in range(n)]
     kinds = {"attention": "attention", "full_attention": "attention", "mamba": "mamba", "linear_attention": "mamba"}
     if len(types) != hf["num_hidden_layers"]:
         raise UnsupportedModelError(f"layer_types has {len(types)} entries for {hf['num_hidden_layers']} layers")
@@ -1656,6 +1668,15 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
         if not any(moe):
             raise UnsupportedModelError("moe_layers is empty: a Llama 4 config without MoE layers is not supported")
+    if family.bamba:  # Granite 4.0-H's Mamba-2 layers (mcore/mamba2.py) beside attention with RoPE on half a head
+        kinds = granite_layer_kinds(hf)
+        kwargs["rotary_percent"] = float(rope_parameters(hf).get("partial_rotary_factor") or
+                                         hf.get("partial_rotary_factor") or 0.5)  # (transformers: always 0.5)
+        if "mamba" in kinds:
+            kwargs.update(mamba2_fields(kinds, hf.get("mamba_n_groups", 1), hf.get("mamba_n_heads", 128),
+                                        hf.get("mamba_d_state", 256), granite_mamba_head_dim(hf),
+                                        hf.get("mamba_d_conv", 4), hf.get("mamba_conv_bias", True),
+                                        hf.get("time_step_limit")))
     if family.cohere:
         rms = hf.get("rms_norm_eps") is not None and family.name == "cohere2_moe"  # (Command A+ may use RMSNorm)
         rotates = hf["cohere_rotates"]

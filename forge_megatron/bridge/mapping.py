@@ -477,6 +477,19 @@ def _longcat_rules(cfg: GPTConfig) -> list[Rule]:
 
 
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    if family.bamba:  # Granite 4.0-H's layers (the default rules' Mamba-2 branch) under Bamba's names
+        import dataclasses
+
+        names = ((".post_attention_layernorm.", ".pre_ff_layernorm."), (".mlp.", ".feed_forward."),
+                 ("model.norm.weight", "model.final_layernorm.weight"))
+
+        def renamed(hf: str) -> str:
+            for old, new in names:
+                hf = hf.replace(old, new)
+            return hf
+
+        return [dataclasses.replace(r, hf=tuple(renamed(h) for h in r.hf))
+                for r in _rules(cfg, dataclasses.replace(family, bamba=False))]
     if family.nemotron_h:
         return _nemotron_h_rules(cfg, family)
     if family.lfm2:

@@ -175,7 +175,8 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     wire form) become the object, as SGLang and vLLM pass them (templates that write arguments as XML iterate over
     them; JSON templates write ``arguments | tojson``, the same text as the string the gateway returned), and
     ``reasoning_content`` is also given as ``thinking`` (the field gpt-oss's template renders; transformers >= 5 does
-    the same)."""
+    the same) and, beside tool calls, as ``tool_plan`` (the plan Cohere's Command templates write before an
+    action)."""
     out = []
     for m in messages:
         calls = m.get("tool_calls")
@@ -185,6 +186,8 @@ def _template_messages(messages: list[dict]) -> list[dict]:
             m = {k: v for k, v in m.items() if k != "forge_images"}
         if m.get("reasoning_content") is not None and "thinking" not in m:
             m = {**m, "thinking": m["reasoning_content"]}  # gpt-oss's template reads the reasoning from "thinking"
+        if calls and m.get("reasoning_content") is not None and "tool_plan" not in m:
+            m = {**m, "tool_plan": m["reasoning_content"]}  # Command A's template: <|START_THINKING|>{{ tool_plan }}
         out.append(m)
     return out
 

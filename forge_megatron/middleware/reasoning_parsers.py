@@ -16,6 +16,9 @@ false gets the raw text as content. Training is unaffected: the recorded tokens 
   mistral                               [THINK] [/THINK]     as qwen3 (Magistral, Ministral 3 Reasoning)
   gemma4                                <|channel>thought    as qwen3 (Gemma 4 with enable_thinking: its template
                                         ... <channel|>       opens no block in the prompt)
+  cohere                                <|START_THINKING|>   as qwen3 (Command A Reasoning; Command A and R7B
+                                        ...                  write their tool plans in it); <|START_ACTION|> ends
+                                        <|END_THINKING|>     an open one
   gpt-oss                               harmony channels     the analysis messages are the reasoning (harmony.py)
 
 Where the block starts is read from the rendered prompt, not assumed per family: a chat template that ends the
@@ -131,6 +134,10 @@ _PARSERS = {
     # LongCat-Flash-Thinking: its own tags; a tool-call block ends one left open
     "longcat": ReasoningParser("longcat", start="<longcat_think>", end="</longcat_think>",
                                tool_start="<longcat_tool_call>"),
+    # Cohere Command A Reasoning (and Command A / R7B tool plans): the rest (<|START_ACTION|> calls, or the answer in
+    # <|START_RESPONSE|> ... <|END_RESPONSE|>, whose markers it drops) is the cohere tool parser's
+    "cohere": ReasoningParser("cohere", start="<|START_THINKING|>", end="<|END_THINKING|>",
+                              tool_start="<|START_ACTION|>"),
 }
 
 

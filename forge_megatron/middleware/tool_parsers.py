@@ -295,7 +295,9 @@ class CohereToolParser(BlockToolParser):
     the answer's, as the template writes it back), and an ``<|END_OF_TURN_TOKEN|>`` ending the completion is nothing.
     The plan or reasoning ``<|START_THINKING|>...<|END_THINKING|>`` that opens a turn is the reasoning parser's
     (``--reasoning-parser cohere``, which leaves the rest to this one); without it, it stays in ``content`` as
-    written."""
+    written. Forcing writes ``<|START_ACTION|>``, or for a named function the template's opening of that call up to
+    ``"parameters":`` (numbered as the template numbers it: ``prior_calls``; no space after the colon, as Hermes'
+    prefix)."""
 
     name = "cohere"
     start_marker = "<|START_ACTION|>"

@@ -47,7 +47,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
-         "cohere", "cohere2", "cohere2_moe")
+         "cohere", "cohere2", "cohere2_moe", "bamba")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -413,6 +413,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "position_embedding_type": "nope", "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
              "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8},
         ),
+        # Bamba layout: a Mamba-2 layer (8 heads of 16 in 2 groups, state 8) then attention with RoPE on half of each
+        # head; SwiGLU MLPs (feed_forward) behind pre_ff_layernorm
+        "bamba": (transformers.BambaConfig, {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 16,
+                                             "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4,
+                                             "mamba_expand": 2, "mamba_chunk_size": 8}),
         # Nemotron-H layout: a Mamba-2 layer (8 heads of 16 in 2 groups, state 8), a squared-ReLU MLP, a NoPE
         # attention layer and another MLP, each behind its own norm
         "nemotron_h": (transformers.NemotronHConfig, {**nemotron_h, "hybrid_override_pattern": "M-*-"}),

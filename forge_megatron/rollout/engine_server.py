@@ -399,6 +399,11 @@ class ReferenceEngine:
             from forge_megatron.multimodal.families import model_image_inputs
 
             extra = model_image_inputs(self._images.spec, req.images, req.input_ids, new_S)
+        if not hasattr(inner, "rope_deltas"):  # 1-D positions: given, as generate() gives them (transformers' Bamba
+            # numbers a forward's tokens from 0 when it is given none, whatever its cache holds); mRoPE models
+            # derive theirs from rope_deltas
+            start = len(all_ids) - new_S.shape[1]
+            extra.setdefault("position_ids", torch.arange(start, len(all_ids))[None])
         try:
             with torch.no_grad(), (self.lora.using(req.lora) if self.lora is not None else contextlib.nullcontext()):
                 out = self.model(input_ids=new_S, use_cache=True, **{self.cache_kw: req.past}, **extra)

@@ -51,10 +51,20 @@ def test_tool_call_opening_ends_an_unclosed_block():
     assert longcat.split("<longcat_think>\nx\n</longcat_think>\n\ny", False) == Split("x", "y")
     assert longcat.split("<longcat_think>x<longcat_tool_call>{}", False) == Split("x", "<longcat_tool_call>{}")
     assert longcat.split("no block", False) == Split(None, "no block")
+    cohere = get_reasoning_parser("cohere")  # Command A Reasoning / A / R7B: its plan, then an action or the answer
+    assert cohere.split("<|START_THINKING|>x<|END_THINKING|><|START_RESPONSE|>y<|END_RESPONSE|>", False) == \
+        Split("x", "<|START_RESPONSE|>y<|END_RESPONSE|>")  # (the answer's markers are the cohere tool parser's)
+    assert cohere.split("<|START_THINKING|>x<|START_ACTION|>[]<|END_ACTION|>", False) == \
+        Split("x", "<|START_ACTION|>[]<|END_ACTION|>")
+    assert cohere.split("x<|END_THINKING|>\n<|START_ACTION|>", cohere.opens("<|CHATBOT_TOKEN|><|START_THINKING|>")) \
+        == Split("x", "<|START_ACTION|>")
+    assert cohere.split("<|START_RESPONSE|>no plan<|END_RESPONSE|>", False) == \
+        Split(None, "<|START_RESPONSE|>no plan<|END_RESPONSE|>")
 
 
 def test_names():
-    assert {"qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "kimi_k2", "minimax"} <= \
+    assert {"qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "kimi_k2", "minimax",
+            "cohere"} <= \
         set(reasoning_parser_names())
     assert get_reasoning_parser(None) is None and get_reasoning_parser("none") is None
     with pytest.raises(ValueError, match="unknown reasoning parser 'o1'"):
@@ -64,6 +74,7 @@ def test_names():
 @pytest.mark.parametrize("parser", [QWEN3, get_reasoning_parser("kimi"), get_reasoning_parser("deepseek-r1"),
                                     get_reasoning_parser("seed_oss"), get_reasoning_parser("mistral"),
                                     get_reasoning_parser("gemma4"), get_reasoning_parser("longcat"),
+                                    get_reasoning_parser("cohere"),
                                     ReasoningParser("two-char", start="<<", end=">>", tool_start="@@")])
 def test_a_stream_only_ever_extends_what_it_gave_out(parser):
     """Cut a completion at every character: each partial split's reasoning and content extend the previous one's

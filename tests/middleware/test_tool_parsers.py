@@ -69,14 +69,19 @@ WRITERS["seed_oss"] = WRITERS["qwen3_coder"].replace("tool_call>", "seed:tool_ca
 WRITERS["longcat"] = WRITERS["hermes"].replace("tool_call>", "longcat_tool_call>")
 WRITERS["longcat_xml"] = WRITERS["glm45"].replace("tool_call>", "longcat_tool_call>") \
     .replace("arg_key>", "longcat_arg_key>").replace("arg_value>", "longcat_arg_value>")
+# Cohere (Command A / R7B): a JSON list of the calls, one per line, numbered by the template's running count
+WRITERS["cohere"] = ("<|START_ACTION|>[\n{% for c in calls %}    {\"tool_call_id\": \"{{ first + loop.index0 }}\", "
+                     "\"tool_name\": \"{{ c.name }}\", \"parameters\": {{ c.arguments | tojson }}}"
+                     "{% if not loop.last %},{% endif %}\n{% endfor %}]<|END_ACTION|>")
 XML = ("qwen3_coder", "glm45", "glm47", "minimax-m2", "seed_oss", "longcat_xml")
 PARSER = {"longcat_xml": "longcat"}  # writer -> the parser that reads it, where the names differ
 _env = jinja2.Environment()
 _env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
 
 
-def write(family: str, calls: list[dict]) -> str:
-    return _env.from_string(WRITERS[family]).render(calls=calls)
+def write(family: str, calls: list[dict], first: int = 0) -> str:
+    """``calls`` as ``family`` writes them; ``first``: calls earlier in the conversation (Cohere numbers them)."""
+    return _env.from_string(WRITERS[family]).render(calls=calls, first=first)
 
 
 def parsed_calls(parsed) -> list[dict]:
@@ -192,7 +197,7 @@ def test_malformed_and_unclosed_blocks_stay_in_content(family):
 def test_forced_prefix_starts_the_written_call_and_parses_with_the_completion(family):
     p = get_parser(family)
     call = {"name": "search", "arguments": {"query": "weather"}, "id": "functions.search:2"}
-    text = write(family, [call]).lstrip("\n")
+    text = write(family, [call], first=2).lstrip("\n")  # (the call after two others: prior_calls=2)
     for name in (None, "search"):
         prefix = p.forced_prefix(name, prior_calls=2)
         assert text.startswith(prefix), (prefix, text)
@@ -443,3 +448,157 @@ def test_granite_calls_round_trip_malformed_ones_stay_content_and_forcing():
         prefix = p.forced_prefix(name)
         assert call.startswith(prefix), (prefix, call)
         assert parsed_calls(p.parse(prefix + call[len(prefix):], TOOLS))[0]["arguments"] == {"query": "weather"}
+
+
+# ---------------------------------------------------------------------------------- Cohere (Command A, R7B)
+COHERE_CALL = '{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+def test_cohere_actions_single_objects_and_the_answer_text():
+    """Cohere's ``<|START_ACTION|>`` list (or a lone call object) with free whitespace; an answer is the text inside
+    ``<|START_RESPONSE|>`` ... ``<|END_RESPONSE|>`` (a generation prompt may have opened it), a trailing
+    ``<|END_OF_TURN_TOKEN|>`` is nothing, and text outside the blocks stays content."""
+    p = get_parser("cohere")
+    one = f"<|START_ACTION|>[\n    {COHERE_CALL}\n]<|END_ACTION|><|END_OF_TURN_TOKEN|>"
+    got = p.parse(one, TOOLS)
+    assert parsed_calls(got)[0]["name"] == "get_weather" and parsed_calls(got)[0]["arguments"] == {"city": "Paris"}
+    assert (got.content, got.num_malformed) == (None, 0) and got.tool_calls[0]["id"].startswith("call_")
+    two = ('<|START_ACTION|>[{"tool_call_id":"0","tool_name":"search","parameters":{"query":"a"}},\n\n'
+           '  {"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"days": 3}}  ]<|END_ACTION|>')
+    assert [(c["name"], c["arguments"]) for c in parsed_calls(p.parse(two, TOOLS))] == \
+        [("search", {"query": "a"}), ("get_weather", {"days": 3})]
+    lone = p.parse(f"<|START_ACTION|>\n{COHERE_CALL}\n<|END_ACTION|>", TOOLS)
+    assert [c["name"] for c in parsed_calls(lone)] == ["get_weather"] and lone.num_malformed == 0
+    as_string = p.parse('<|START_ACTION|>[{"tool_name": "search", "parameters": "{\\"query\\": \\"q\\"}"}]'
+                        '<|END_ACTION|>', TOOLS)
+    assert parsed_calls(as_string)[0]["arguments"] == {"query": "q"}  # (arguments as their JSON string)
+    for text, content in [("<|START_RESPONSE|>It is sunny.\n\nBye.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+                           "It is sunny.\n\nBye."),
+                          ("It is sunny.<|END_RESPONSE|>", "It is sunny."),  # the prompt opened the answer
+                          ("<|START_RESPONSE|>cut by max_tokens", "cut by max_tokens"),
+                          ("Note: <|START_RESPONSE|>hi<|END_RESPONSE|>", "Note: hi"),
+                          ("plain", "plain")]:
+        got = p.parse(text, TOOLS)
+        assert (got.content, got.tool_calls, got.num_malformed) == (content, [], 0), text
+    got = p.parse("Checking. " + one, TOOLS)
+    assert got.content == "Checking." and len(got.tool_calls) == 1
+    # tool_choice "none": no calls read, the answer's markers still dropped
+    none = p.without_calls()
+    assert none.parse(one, TOOLS).tool_calls == [] and none.parse(one, TOOLS).content == one[:-len(p.end_of_turn)]
+    assert none.parse("<|START_RESPONSE|>ok<|END_RESPONSE|>").content == "ok" and not none.streams_calls
+
+
+def test_cohere_malformed_actions_stay_content_and_count():
+    p = get_parser("cohere")
+    for bad in ('<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "search", "parameters": {"query": }]'
+                "<|END_ACTION|>",  # not JSON
+                '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "launch", "parameters": {}}]<|END_ACTION|>',
+                '<|START_ACTION|>[{"tool_call_id": "0", "parameters": {"query": "q"}}]<|END_ACTION|>',  # no name
+                '<|START_ACTION|>[{"tool_call_id": "0", "name": "search", "arguments": {}}]<|END_ACTION|>',
+                '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "search", "parameters": [1]}]<|END_ACTION|>',
+                "<|START_ACTION|>[]<|END_ACTION|>", '<|START_ACTION|>["search"]<|END_ACTION|>',
+                f"<|START_ACTION|>[\n    {COHERE_CALL}\n"):  # cut by max_tokens before the block closed
+        got = p.parse("x " + bad, TOOLS)
+        assert (got.tool_calls, got.num_malformed, got.content) == ([], 1, "x " + bad), bad
+    launch = '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "launch", "parameters": {}}]<|END_ACTION|>'
+    assert p.parse(launch).tool_calls[0]["function"]["name"] == "launch"  # no tools given: any name
+    # one bad block among good ones: the good calls are read, the bad block stays in the content
+    got = p.parse(f"<|START_ACTION|>[{COHERE_CALL}]<|END_ACTION|>\n{launch}", TOOLS)
+    assert [c["name"] for c in parsed_calls(got)] == ["get_weather"] and got.num_malformed == 1
+    assert got.content == launch
+
+
+def test_cohere_thinking_then_an_action_or_an_answer_with_the_reasoning_parser():
+    """``--reasoning-parser cohere`` takes the plan; the tool parser reads the calls or the answer after it."""
+    from forge_megatron.middleware.reasoning_parsers import get_reasoning_parser
+
+    r, p = get_reasoning_parser("cohere"), get_parser("cohere")
+    action = (f"<|START_THINKING|>I will look up Paris.<|END_THINKING|><|START_ACTION|>[\n    {COHERE_CALL}\n]"
+              "<|END_ACTION|><|END_OF_TURN_TOKEN|>")
+    reasoning, rest = r.split(action, r.opens("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"))
+    got = p.parse(rest, TOOLS)
+    assert reasoning == "I will look up Paris." and got.content is None and len(got.tool_calls) == 1
+    answer = "<|START_THINKING|>Easy.<|END_THINKING|><|START_RESPONSE|>4<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"
+    reasoning, rest = r.split(answer, False)
+    assert (reasoning, p.parse(rest, TOOLS).content) == ("Easy.", "4")
+    # a reasoning template whose generation prompt opens the block
+    prompt = "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|>"
+    assert r.opens(prompt) and r.split("Easy.<|END_THINKING|><|START_RESPONSE|>4", True) == \
+        ("Easy.", "<|START_RESPONSE|>4")
+    # without the reasoning parser the plan stays in the content, as written
+    got = p.parse(action, TOOLS)
+    assert got.content == "<|START_THINKING|>I will look up Paris.<|END_THINKING|>" and len(got.tool_calls) == 1
+
+
+COHERE_STREAMS = [
+    "<|START_RESPONSE|>The <weather> is <|sunny|>.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+    "<|START_THINKING|>plan<|END_THINKING|><|START_RESPONSE|>Hi!<|END_RESPONSE|>",
+    f"<|START_THINKING|>plan<|END_THINKING|><|START_ACTION|>[\n    {COHERE_CALL}\n]<|END_ACTION|>",
+    f"Let me check.\n<|START_ACTION|>[{COHERE_CALL}]<|END_ACTION|><|END_OF_TURN_TOKEN|>",
+    "Answer opened by the prompt<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+]
+
+
+@pytest.mark.parametrize("text", COHERE_STREAMS)
+@pytest.mark.parametrize("reasoning", [True, False])
+def test_cohere_streams_give_the_answer_text_and_stop_at_an_action(text, reasoning):
+    """Cut a completion at every character: what a stream may show (the parser's streamable text, held back at the
+    action marker as the gateway holds it) only grows, never holds a response marker, and ends as the final
+    content; calls are sent from parse once their block closes."""
+    from forge_megatron.middleware.reasoning_parsers import get_reasoning_parser
+
+    r, p = get_reasoning_parser("cohere"), get_parser("cohere")
+    marker = p.start_marker
+
+    def held(shown):  # the gateway's hold at the tool-call marker (and a partial one at the end)
+        at = shown.find(marker)
+        shown = shown if at < 0 else shown[:at]
+        return shown[:len(shown) - max((k for k in range(1, len(marker)) if shown.endswith(marker[:k])), default=0)]
+
+    last = ""
+    for n in range(len(text) + 1):
+        rest = r.split(text[:n], False, final=False).content if reasoning else text[:n]
+        shown = held(p.streamable(rest))
+        assert shown.startswith(last), (n, shown, last)
+        assert not any(m in shown for m in (*p.response_markers, p.end_of_turn, "<|START_RE", "<|END_RE")), (n, shown)
+        last = shown
+    final = p.parse(r.split(text, False).content if reasoning else text, TOOLS)
+    if final.tool_calls:
+        assert (final.content or "") == last.strip() and [c["name"] for c in parsed_calls(final)] == ["get_weather"]
+    else:
+        assert final.content == last  # nothing held back at the end of an answer
+
+
+def test_cohere_forced_calls_number_like_the_template():
+    p = get_parser("cohere")
+    assert p.forced_prefix() == "<|START_ACTION|>"
+    prefix = p.forced_prefix("search", prior_calls=3)
+    assert prefix == '<|START_ACTION|>[\n    {"tool_call_id": "3", "tool_name": "search", "parameters":'
+    got = p.parse(prefix + ' {"query": "weather"}}\n]<|END_ACTION|>', TOOLS)
+    assert parsed_calls(got)[0]["arguments"] == {"query": "weather"} and got.num_malformed == 0
+
+
+def test_cohere_plans_are_rendered_back_before_their_actions():
+    """A Command A turn's plan (``<|START_THINKING|>``, the reasoning parser's reasoning_content) is written back by
+    its template from ``tool_plan`` before the action: the gateway hands the template the reasoning under that name
+    too, beside tool calls only, so the next turn's prompt holds the plan the model wrote (and its recorded segment
+    continues instead of restarting)."""
+    import jinja2
+
+    from forge_megatron.middleware.gateway_sessions import _template_messages
+
+    call = {"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "reasoning_content": "I will look it up.", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c0", "content": "sunny"},
+                {"role": "assistant", "content": "Sunny.", "reasoning_content": "Done."}]
+    out = _template_messages(messages)
+    assert out[1]["tool_plan"] == "I will look it up." and out[1]["tool_calls"][0]["function"]["arguments"] == \
+        {"city": "Paris"}
+    assert "tool_plan" not in out[3] and out[3]["thinking"] == "Done."  # (no action: no plan field)
+    assert "tool_plan" not in messages[1]  # the caller's messages are left as they are
+    template = jinja2.Template("{% for m in messages %}{% if m.tool_calls %}<|START_THINKING|>{{ m.tool_plan }}"
+                               "<|END_THINKING|><|START_ACTION|>{% for c in m.tool_calls %}{{ c.function.name }}"
+                               "{% endfor %}<|END_ACTION|>{% endif %}{% endfor %}")
+    assert template.render(messages=out) == \
+        "<|START_THINKING|>I will look it up.<|END_THINKING|><|START_ACTION|>get_weather<|END_ACTION|>"

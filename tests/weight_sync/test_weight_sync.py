@@ -63,6 +63,7 @@ def models(tmp_path_factory):
         "granitemoe_swa": build_tiny_model(str(root / "granitemoe_swa"), arch="granitemoe_swa", seed=30),
         "exaone4_5": build_tiny_model(str(root / "exaone4_5"), arch="exaone4_5", seed=31),
         "cohere2_moe": build_tiny_model(str(root / "cohere2_moe"), arch="cohere2_moe", seed=32),
+        "bamba": build_tiny_model(str(root / "bamba"), arch="bamba", seed=33),
         "qwen2_5_vl": build_tiny_model(str(root / "qwen2_5_vl"), arch="qwen2_5_vl", seed=30),
         "gemma4_moe": build_tiny_model(str(root / "gemma4_moe"), arch="gemma4_moe", seed=28),
         "gemma4_e": build_tiny_model(str(root / "gemma4_e"), arch="gemma4_e", seed=29),
@@ -329,6 +330,8 @@ def _check_synced(results):
     # Command A+ (Cohere2-MoE): one norm per layer, the dense first layer's MLP, experts one by one over EP into
     # transformers' fused tensors, the shared expert gathered over TP
     ("cohere2_moe", ParallelConfig(tp=2, ep=2, etp=1)),
+    # Bamba: Granite 4.0-H's Mamba-2 tensors gathered over TP under Bamba's names (feed_forward, pre_ff_layernorm)
+    ("bamba", ParallelConfig(tp=2)),
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
@@ -337,8 +340,9 @@ def _check_synced(results):
         "tp2-qwen2-5-vl", "ep2-ernie4-5-moe", "tp2-hunyuan-dense", "ep2-hunyuan-moe", "tp2-olmoe",
         "tp2-mimo-v2-flash", "tp2-minimax-m3", "ep2-minimax-m3-text", "tp2ep2etp1-longcat-flash",
         "ep2-mixtral", "tp2-solar-open", "tp2-phi3", "ep2-qwen2-moe", "ep2-exaone-moe", "ep2-granitemoeshared",
-        "tp2-granite-4-h", "tp2ep2etp1-nemotron-h-moe", "tp2-lfm2", "ep2-lfm2-moe", "ep2-llama4", "tp2-gemma2", "tp2-granitemoe-swa", "tp2-exaone4-5",
-        "tp2ep2etp1-cohere2-moe"])
+        "tp2-granite-4-h", "tp2ep2etp1-nemotron-h-moe", "tp2-lfm2", "ep2-lfm2-moe", "ep2-llama4", "tp2-gemma2",
+        "tp2-granitemoe-swa", "tp2-exaone4-5",
+        "tp2ep2etp1-cohere2-moe", "tp2-bamba"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
