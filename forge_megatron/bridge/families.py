@@ -486,6 +486,9 @@ FAMILIES: dict[str, Family] = {
     # soft-capped attention scores and logits
     "Gemma2ForCausalLM": Family("gemma2", qkv_bias=None, qk_norm=False, moe=False, gemma=True),
     "BambaForCausalLM": Family("bamba", qkv_bias=None, qk_norm=False, moe=False, bamba=True),
+    # Apertus (Swiss AI, 8B / 70B): Llama's layer with per-head q/k RMSNorms and a plain MLP whose xIELU activation
+    # has two trained scalars per layer (mcore/xielu.py); its norms attention_layernorm / feedforward_layernorm
+    "ApertusForCausalLM": Family("apertus", qkv_bias=None, qk_norm=True, moe=False),
     # Cohere: Command R (v1 layout), Command R7B / A / A Reasoning (Cohere2: sliding layers rotate, full ones NoPE),
     # Command A+ (Cohere2-MoE)
     "CohereForCausalLM": Family("cohere", qkv_bias=False, qk_norm=False, moe=False, cohere=True),
@@ -765,10 +768,11 @@ def llama4_moe_layers(hf: dict) -> list[bool]:
 
 def _refuse_unsupported(hf: dict, family: Family) -> None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 else "relu2" if family.name == "arcee" else "silu"
+    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 else "relu2" if family.name == "arcee" else \
+        "xielu" if family.name == "apertus" else "silu"
     if act != wanted:
-        glu = {"gelu_pytorch_tanh": "GeGLU with the tanh GELU", "relu2": "a plain squared-ReLU MLP"}.get(
-            wanted, "SwiGLU with silu")
+        glu = {"gelu_pytorch_tanh": "GeGLU with the tanh GELU", "relu2": "a plain squared-ReLU MLP",
+               "xielu": "a plain MLP with xIELU"}.get(wanted, "SwiGLU with silu")
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported ({glu} only)")
     if family.llama4:
         if int(hf.get("num_experts_per_tok", 1)) != 1:
@@ -1644,6 +1648,11 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                                        hf.get("original_max_position_embeddings") or kwargs["max_position_embeddings"]))
     if family.name == "arcee":  # a plain MLP: up, squared ReLU, down
         kwargs.update(swiglu=False, activation="relu2")
+    if family.name == "apertus":  # a plain MLP: up, xIELU (its own trained scalars), down
+        kwargs.update(swiglu=False, activation="xielu")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise UnsupportedModelError("attention_bias / mlp_bias are not supported for Apertus (the releases have "
+                                        "no biases)")
     if family.name == "ministral":  # its sliding-window layers (every layer where the config names none)
         window = hf.get("sliding_window")
         types = hf.get("layer_types") or ["sliding_attention" if window else "full_attention"] * hf["num_hidden_layers"]

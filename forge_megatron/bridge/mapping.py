@@ -529,6 +529,11 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
         if cfg.pre_norm:  # Gemma 3's sandwich: the MLP's input norm is pre_feedforward_layernorm
             attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
                      Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "pre_feedforward_layernorm.weight",))]
+    elif family.name == "apertus":  # its own norm names; the MLP's xIELU scalars (and constants: buffers)
+        attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "attention_layernorm.weight",)),
+                 Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "feedforward_layernorm.weight",))]
+        attn += [Rule(LAYER + f"mlp.activation_func.{name}", (HF_LAYER + f"mlp.act_fn.{name}",))
+                 for name in ("alpha_p", "alpha_n", "beta", "eps")]
     elif cfg.parallel_block:  # Cohere: one norm, which attention and MLP both read
         attn.append(Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)))
     else:
@@ -1024,6 +1029,7 @@ class Bridge:
             "w1.weight": (f, d), "w3.weight": (f, d), "w2.weight": (d, f),
             "gate.weight": (cfg.num_moe_experts or 0, d), "e_score_correction_bias": (cfg.num_moe_experts or 0,),
             "shared_expert_gate.weight": (1, d), "layer_scalar": (1,), "score.weight": (cfg.score_head, d),
+            "act_fn.alpha_p": (1,), "act_fn.alpha_n": (1,), "act_fn.beta": (), "act_fn.eps": (),  # (Apertus' xIELU)
             "moe_statics.e_score_correction_bias": (1, cfg.num_moe_experts or 0),
             "query_layernorm.weight": (h,), "key_layernorm.weight": (h,), "gate.wg.weight": (cfg.num_moe_experts or 0, d),
         }

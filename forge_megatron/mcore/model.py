@@ -46,7 +46,9 @@ class GPTConfig:
     # outputs before the residual adds (post_norm without pre_norm: OLMo 2 / 3), or both (Gemma 3's sandwich)
     pre_norm: bool = True
     post_norm: bool = False
-    activation: str = "silu"  # the GLU's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    # the GLU's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU); a plain MLP's: "relu2" (squared ReLU) or
+    # "xielu" (Apertus: two trained scalars per MLP, mcore/xielu.py)
+    activation: str = "silu"
     # Gemma: the embedding's output is multiplied by this (sqrt(hidden_size), rounded to the weights' dtype as HF does)
     embedding_multiplier: float | None = None
     softmax_scale: float | None = None  # attention's scale before any YaRN factor; None: 1 / sqrt(head_dim)
@@ -356,10 +358,13 @@ class GPTConfig:
                              "layers: linear_pre_norm)")
         if not self.pre_norm and not self.post_norm:
             raise ValueError("a layer needs its norms before (pre_norm) or after (post_norm) its sublayers, or both")
-        if self.activation not in ("silu", "gelu_tanh", "relu2") or (self.activation == "gelu_tanh" and not self.swiglu) \
-                or (self.activation == "relu2" and self.swiglu):
+        if self.activation not in ("silu", "gelu_tanh", "relu2", "xielu") or \
+                (self.activation == "gelu_tanh" and not self.swiglu) or \
+                (self.activation in ("relu2", "xielu") and self.swiglu):
             raise ValueError(f"activation must be 'silu', in a gated MLP 'gelu_tanh', or in a plain one 'relu2' (squared "
-                             f"ReLU); got {self.activation!r} (swiglu={self.swiglu})")
+                             f"ReLU) or 'xielu' (Apertus); got {self.activation!r} (swiglu={self.swiglu})")
+        if self.activation == "xielu" and (self.num_moe_experts or self.add_bias_linear):
+            raise ValueError("the xielu activation is for dense MLPs without biases (Apertus)")
         if self.layer_kinds is not None:
             self.layer_kinds = tuple(self.layer_kinds)
             kinds = set(self.layer_kinds)
@@ -503,6 +508,10 @@ def _activation(cfg: GPTConfig):
         return squared_relu
     if cfg.activation == "gelu_tanh":
         return functools.partial(torch.nn.functional.gelu, approximate="tanh")
+    if cfg.activation == "xielu":  # (Apertus: each MLP its own, with trained scalars: mcore/xielu.py)
+        from forge_megatron.mcore.xielu import unset
+
+        return unset
     return torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu
 
 
@@ -1173,6 +1182,10 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
             return output * torch.tensor(multiplier, dtype=output.dtype, device=output.device)
 
         model.embedding.register_forward_hook(scale)
+    if cfg.activation == "xielu":  # (Apertus: each MLP's own activation with its trained scalars)
+        from forge_megatron.mcore import xielu
+
+        xielu.attach(model, cfg.params_dtype)
     if cfg.layer_scalars or cfg.per_layer_input_size:
         from forge_megatron.mcore.gemma4 import finish_layers
 

@@ -47,7 +47,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
-         "cohere", "cohere2", "cohere2_moe", "bamba")
+         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -413,6 +413,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "position_embedding_type": "nope", "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
              "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8},
         ),
+        # Apertus layout: Llama's with per-head q/k RMSNorms and a plain MLP with xIELU (each layer's own scalars:
+        # set apart below), llama3-scaled RoPE past 8 positions
+        "apertus": (transformers.ApertusConfig, {"head_dim": 16, "rope_parameters": {
+            "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8, "rope_theta": 12000000.0}}),
         # Bamba layout: a Mamba-2 layer (8 heads of 16 in 2 groups, state 8) then attention with RoPE on half of each
         # head; SwiGLU MLPs (feed_forward) behind pre_ff_layernorm
         "bamba": (transformers.BambaConfig, {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 16,
@@ -765,6 +770,10 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(p + torch.randn(p.shape) * 0.3)  # Mamba-2's skip, time-step bias, gated norm, conv bias
             elif arch.startswith("exaone") and name.endswith(("q_norm.weight", "k_norm.weight", "layernorm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head and post norms: which is which matters
+            elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus' xIELU: each layer its own
+                p.copy_(p + torch.randn(p.shape) * 0.5)
+            elif arch == "apertus" and name.endswith("norm.weight"):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # input, MLP and q/k norms: which is which matters
             elif arch.startswith("cohere") and name.endswith("norm.weight"):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # one norm per layer and the final one: which is which
             elif arch.startswith("lfm2") and name.endswith(("layernorm.weight", "norm.weight")):

@@ -95,8 +95,8 @@ def rank_layers(num_layers: int, pp: int, vpp: int | None, pp_rank: int, first: 
 def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None = None,
                 etp: int | None = None, first: int | None = None, last: int | None = None) -> dict[str, int]:
     """{"dense", "expert", "buffers"}: elements this (TP, EP) rank of pipeline rank ``pp_rank`` holds (experts split
-    over ``etp`` ranks, TP when None). Buffers are the routers' score-correction biases and Gemma 4's layer scalars
-    (state, not parameters)."""
+    over ``etp`` ranks, TP when None). Buffers are the routers' score-correction biases, Gemma 4's layer scalars and
+    Apertus' xIELU constants (state, not parameters)."""
     cfg = bridge.cfg
     layers = rank_layers(cfg.num_layers, pp, vpp, pp_rank, first, last)
     is_first, is_last = pp_rank == 0, pp_rank == pp - 1
@@ -111,7 +111,7 @@ def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None
     out = {"dense": 0, "expert": 0, "buffers": 0}
     for name in names:
         n = _numel(shapes[name])
-        if name.endswith(("router.expert_bias", "layer_scalar")):
+        if name.endswith(("router.expert_bias", "layer_scalar", "activation_func.beta", "activation_func.eps")):
             out["buffers"] += n
         elif bridge.is_expert(name):
             out["expert"] += n // ep  # every EP rank holds 1/EP of each layer's experts

@@ -15,7 +15,8 @@ from tests.dist_utils import run_distributed
 ARCHS = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
          "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
          "gemma4": "Gemma4ForCausalLM", "gemma4_moe": "Gemma4ForCausalLM",
-         "gemma4_e": "Gemma4ForCausalLM", "llama4": "Llama4ForCausalLM", "cohere2_moe": "Cohere2MoeForCausalLM"}
+         "gemma4_e": "Gemma4ForCausalLM", "llama4": "Llama4ForCausalLM", "cohere2_moe": "Cohere2MoeForCausalLM",
+         "apertus": "ApertusForCausalLM"}
 
 
 def _hf(arch, **kw):
@@ -37,8 +38,9 @@ def _built_body(rank, world_size, hf, vpp):
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             out["expert" if ".mlp.experts." in name else "dense"] += p.numel()
-        out["buffers"] += sum(b.numel() for n, b in chunk.named_buffers() if n.endswith(("expert_bias",
-                                                                                          "layer_scalar")))
+        out["buffers"] += sum(b.numel() for n, b in chunk.named_buffers()
+                              if n.endswith(("expert_bias", "layer_scalar", "activation_func.beta",
+                                             "activation_func.eps")))
     return out
 
 
@@ -70,9 +72,11 @@ def _built_body(rank, world_size, hf, vpp):
     # Command A+ (Cohere2-MoE): one bias-free norm per layer (none before the MLP), a dense first layer of its own
     # width, experts whole on their EP rank beside a shared expert split over TP
     ("cohere2_moe", {}, ParallelConfig(tp=2, ep=2, etp=1), 2),
+    # Apertus: each MLP's two xIELU scalars (replicated over TP) and its two constants (buffers)
+    ("apertus", {}, ParallelConfig(tp=2), 2),
 ], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2", "qwen3_5_moe-tp2", "glm4_moe-tp2ep2etp1",
         "glm4_moe-pp3-first1", "kimi_linear-tp2ep2etp1", "gemma4-tp2pp2", "gemma4_moe-tp2ep2etp1", "gemma4_e-tp2",
-        "llama4_maverick-tp2pp2", "cohere2_moe-tp2ep2etp1"])
+        "llama4_maverick-tp2pp2", "cohere2_moe-tp2ep2etp1", "apertus-tp2"])
 def test_parameters_per_rank_are_what_megatron_builds(arch, kw, parallel, world):
     hf = _hf(arch, **kw)
     built = run_distributed(_built_body, world_size=world, parallel=parallel, hf=hf, vpp=parallel.vpp)
