@@ -295,6 +295,10 @@ class Family:
     # Bamba (IBM's Mamba-2 hybrid): Granite 4.0-H's Mamba-2 and attention layers (RoPE on half of each head) without
     # Granite's scales, under Bamba's names (feed_forward, pre_ff_layernorm, final_layernorm)
     bamba: bool = False
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer, muP multipliers on the embedding, the
+    # mixers' inputs and outputs, the keys, the Mamba projection's segments, the MLP and the logits
+    # (mcore/falcon_h1.py); Bamba's names
+    falcon_h1: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -489,6 +493,7 @@ FAMILIES: dict[str, Family] = {
     # Apertus (Swiss AI, 8B / 70B): Llama's layer with per-head q/k RMSNorms and a plain MLP whose xIELU activation
     # has two trained scalars per layer (mcore/xielu.py); its norms attention_layernorm / feedforward_layernorm
     "ApertusForCausalLM": Family("apertus", qkv_bias=None, qk_norm=True, moe=False),
+    "FalconH1ForCausalLM": Family("falcon_h1", qkv_bias=None, qk_norm=False, moe=False, falcon_h1=True),
     # Cohere: Command R (v1 layout), Command R7B / A / A Reasoning (Cohere2: sliding layers rotate, full ones NoPE),
     # Command A+ (Cohere2-MoE)
     "CohereForCausalLM": Family("cohere", qkv_bias=False, qk_norm=False, moe=False, cohere=True),
@@ -889,6 +894,18 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if family.name == "mixtral" and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
         raise UnsupportedModelError(f"router_jitter_noise={hf['router_jitter_noise']}: transformers multiplies the "
                                     "router's input by random noise while training (Mixtral releases have none)")
+    if family.falcon_h1:
+        for key in ("attention_bias", "mlp_bias", "projectors_bias", "mamba_proj_bias"):
+            if hf.get(key):
+                raise UnsupportedModelError(f"{key}=True is not supported for Falcon-H1 (no release has these "
+                                            "biases)")
+        if hf.get("mamba_rms_norm") and hf.get("mamba_norm_before_gate", True):
+            raise UnsupportedModelError("mamba_rms_norm with mamba_norm_before_gate is not supported (transformers' "
+                                        "fused and unfused paths put the gate on either side of that norm; the "
+                                        "releases have no such norm)")
+        d_head = falcon_h1_mamba_head_dim(hf)
+        if d_head * hf.get("mamba_n_heads", 128) != falcon_h1_mamba_width(hf):
+            raise UnsupportedModelError("mamba_n_heads x mamba_d_head must be the Mamba width (mamba_d_ssm)")
     if family.bamba:
         for key in ("attention_bias", "mlp_bias"):
             if hf.get(key):
@@ -1414,6 +1431,17 @@ def mamba2_fields(kinds: list[str], groups, heads, state, head_dim, kernel, conv
                 mamba_dt_limit=None if limit is None or limit == (0.0, float("inf")) else limit)
 
 
+def falcon_h1_mamba_width(hf: dict) -> int:
+    """Falcon-H1's Mamba-2 width: ``mamba_d_ssm``, or mamba_expand x hidden_size."""
+    return int(hf.get("mamba_d_ssm") or hf.get("mamba_expand", 2) * hf["hidden_size"])
+
+
+def falcon_h1_mamba_head_dim(hf: dict) -> int:
+    """Falcon-H1's Mamba-2 head size: ``mamba_d_head``, or for "auto" its width / heads."""
+    d_head = hf.get("mamba_d_head", "auto")
+    return falcon_h1_mamba_width(hf) // hf.get("mamba_n_heads", 128) if d_head in (None, "auto") else int(d_head)
+
+
 def granite_mamba_head_dim(hf: dict) -> int:
     """Granite 4.0's Mamba-2 head size: ``mamba_d_head``, or for "auto" mamba_expand x hidden_size / heads."""
     d_head = hf.get("mamba_d_head", "auto")
@@ -1677,6 +1705,28 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
         if not any(moe):
             raise UnsupportedModelError("moe_layers is empty: a Llama 4 config without MoE layers is not supported")
+    if family.falcon_h1:  # a Mamba-2 mixer beside the attention in every layer; muP multipliers
+        def one(key):
+            value = hf.get(key)
+            return 1.0 if value is None else float(value)
+
+        fields = mamba2_fields(["mamba"] * hf["num_hidden_layers"], hf.get("mamba_n_groups", 1),
+                               hf.get("mamba_n_heads", 128), hf.get("mamba_d_state", 256),
+                               falcon_h1_mamba_head_dim(hf), hf.get("mamba_d_conv", 4),
+                               hf.get("mamba_conv_bias", True), hf.get("time_step_limit"))
+        fields.pop("linear_attention")  # (no layer is Mamba-2 alone: every one has both)
+        segments = tuple(float(x) for x in (hf.get("ssm_multipliers") or (1.0,) * 5))
+        mlp = tuple(float(x) for x in (hf.get("mlp_multipliers") or (1.0, 1.0)))
+        kwargs.update(fields, mamba_beside_attention=True, mamba_gated_norm=bool(hf.get("mamba_rms_norm")),
+                      hybrid_multipliers=(one("attention_in_multiplier"), one("attention_out_multiplier"),
+                                          one("ssm_out_multiplier")),
+                      mamba_in_multiplier=one("ssm_in_multiplier"),
+                      mamba_segment_multipliers=segments if segments != (1.0,) * 5 else None,
+                      mlp_multipliers=mlp if mlp != (1.0, 1.0) else None,
+                      embedding_multiplier=one("embedding_multiplier") if one("embedding_multiplier") != 1.0
+                      else None,
+                      logit_multiplier=one("lm_head_multiplier") if one("lm_head_multiplier") != 1.0 else None,
+                      softmax_scale=kwargs["kv_channels"] ** -0.5 * one("key_multiplier"))  # (q . c k = c q . k)
     if family.bamba:  # Granite 4.0-H's Mamba-2 layers (mcore/mamba2.py) beside attention with RoPE on half a head
         kinds = granite_layer_kinds(hf)
         kwargs["rotary_percent"] = float(rope_parameters(hf).get("partial_rotary_factor") or

@@ -212,22 +212,25 @@ def _gated_delta_rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     ]
 
 
-def _mamba2_rules(cfg: GPTConfig, hf: str = HF_LAYER + "mamba.") -> list[Rule]:
+def _mamba2_rules(cfg: GPTConfig, hf: str = HF_LAYER + "mamba.", mixer: str = LAYER + "self_attention.",
+                  layers: str = "linear") -> list[Rule]:
     """Mamba-2 mixers (Granite 4.0-H's ``mamba.*``, Nemotron-H's ``mixer.*``: ``hf``; mcore/mamba2.py): ``in_proj``
     ([z | x | B | C | dt] over all groups) and the convolution ([x | B | C]) regrouped per group (``mamba_in``,
-    ``mamba_conv``), the per-head and per-channel tensors split over TP with their groups."""
-    mixer = LAYER + "self_attention."
+    ``mamba_conv``), the per-head and per-channel tensors split over TP with their groups. (Falcon-H1: the mixer
+    beside the attention, ``mixer`` = ``mamba.`` in every layer, no gated norm without ``mamba_gated_norm``.)"""
     rules = [
-        Rule(mixer + "in_proj.weight", (hf + "in_proj.weight",), "mamba_in", "col", layers="linear"),
-        Rule(mixer + "conv1d_weight", (hf + "conv1d.weight",), "mamba_conv", "col", layers="linear"),
-        Rule(mixer + "A_log", (hf + "A_log",), tp="col", layers="linear"),
-        Rule(mixer + "dt_bias", (hf + "dt_bias",), tp="col", layers="linear"),
-        Rule(mixer + "D", (hf + "D",), tp="col", layers="linear"),
-        Rule(mixer + "norm_weight", (hf + "norm.weight",), tp="col", layers="linear"),
-        Rule(mixer + "out_proj.weight", (hf + "out_proj.weight",), tp="row", layers="linear"),
+        Rule(mixer + "in_proj.weight", (hf + "in_proj.weight",), "mamba_in", "col", layers=layers),
+        Rule(mixer + "conv1d_weight", (hf + "conv1d.weight",), "mamba_conv", "col", layers=layers),
+        Rule(mixer + "A_log", (hf + "A_log",), tp="col", layers=layers),
+        Rule(mixer + "dt_bias", (hf + "dt_bias",), tp="col", layers=layers),
+        Rule(mixer + "D", (hf + "D",), tp="col", layers=layers),
+        Rule(mixer + "norm_weight", (hf + "norm.weight",), tp="col", layers=layers),
+        Rule(mixer + "out_proj.weight", (hf + "out_proj.weight",), tp="row", layers=layers),
     ]
+    if not cfg.mamba_gated_norm:
+        rules = [r for r in rules if not r.mcore.endswith("norm_weight")]
     if cfg.mamba_conv_bias:
-        rules.append(Rule(mixer + "conv1d_bias", (hf + "conv1d.bias",), "mamba_conv_bias", "col", layers="linear"))
+        rules.append(Rule(mixer + "conv1d_bias", (hf + "conv1d.bias",), "mamba_conv_bias", "col", layers=layers))
     return rules
 
 
@@ -477,7 +480,8 @@ def _longcat_rules(cfg: GPTConfig) -> list[Rule]:
 
 
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
-    if family.bamba:  # Granite 4.0-H's layers (the default rules' Mamba-2 branch) under Bamba's names
+    if family.bamba or family.falcon_h1:  # Granite 4.0-H's layers (the default rules' Mamba-2 branch) under Bamba's
+        # names; Falcon-H1: those names, the Mamba-2 mixer beside the attention in every layer
         import dataclasses
 
         names = ((".post_attention_layernorm.", ".pre_ff_layernorm."), (".mlp.", ".feed_forward."),
@@ -488,8 +492,10 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
                 hf = hf.replace(old, new)
             return hf
 
-        return [dataclasses.replace(r, hf=tuple(renamed(h) for h in r.hf))
-                for r in _rules(cfg, dataclasses.replace(family, bamba=False))]
+        rules = _rules(cfg, dataclasses.replace(family, bamba=False, falcon_h1=False))
+        if family.falcon_h1:
+            rules = rules[:1] + _mamba2_rules(cfg, mixer=LAYER + "mamba.", layers="all") + rules[1:]
+        return [dataclasses.replace(r, hf=tuple(renamed(h) for h in r.hf)) for r in rules]
     if family.nemotron_h:
         return _nemotron_h_rules(cfg, family)
     if family.lfm2:
@@ -1053,7 +1059,8 @@ class Bridge:
                           "q_conv1d.weight": (nk * dk, 1, cfg.linear_conv_kernel),
                           "k_conv1d.weight": (nk * dk, 1, cfg.linear_conv_kernel),
                           "v_conv1d.weight": (nv * dv, 1, cfg.linear_conv_kernel)})
-        if cfg.hybrid and cfg.linear_attention_kind == "mamba2":  # Granite 4.0-H's / Nemotron-H's Mamba-2 mixers
+        if (cfg.hybrid or cfg.mamba_beside_attention) and cfg.linear_attention_kind == "mamba2":
+            # Granite 4.0-H's / Nemotron-H's / Falcon-H1's Mamba-2 mixers
             G, H, N, P = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
                 cfg.linear_value_head_dim
             conv = H * P + 2 * G * N
@@ -1287,7 +1294,7 @@ class Bridge:
             ("vocab_size", cfg.vocab_size, "tp", layout.tp),
             ("ffn_hidden_size", cfg.ffn_hidden_size, "tp", layout.tp),
         ]
-        if cfg.hybrid:
+        if cfg.hybrid or cfg.mamba_beside_attention:
             checks.append(("linear_num_key_heads", cfg.linear_num_key_heads, "tp", layout.tp))
             if cfg.linear_attention_kind == "kimi_delta":  # the gates' down projections, split then gathered
                 checks.append(("2 * linear_head_dim", 2 * cfg.linear_key_head_dim, "tp", layout.tp))

@@ -53,7 +53,9 @@ class TreeMamba2Mixer(TreeGatedDeltaNet):
 
     def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int | None = None,
                  pg_collection=None, cp_comm_type=None, conv_bias: bool = True,
-                 dt_limit: tuple[float, float] | None = None, norm_epsilon: float | None = None):
+                 dt_limit: tuple[float, float] | None = None, norm_epsilon: float | None = None,
+                 gated_norm: bool = True, in_scale: float | None = None,
+                 segment_scales: tuple[float, float, float, float, float] | None = None):
         from megatron.core.transformer.module import MegatronModule
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -83,7 +85,12 @@ class TreeMamba2Mixer(TreeGatedDeltaNet):
         self.A_log = torch.nn.Parameter(torch.empty(self.nv_local, dtype=dtype))
         self.dt_bias = torch.nn.Parameter(torch.ones(self.nv_local, dtype=dtype))
         self.D = torch.nn.Parameter(torch.ones(self.nv_local, dtype=dtype))
-        self.norm_weight = torch.nn.Parameter(torch.ones(self.nv_local * self.P, dtype=dtype))
+        # (Falcon-H1 without mamba_rms_norm: y * silu(z) unnormed, no weight)
+        self.norm_weight = torch.nn.Parameter(torch.ones(self.nv_local * self.P, dtype=dtype)) if gated_norm else None
+        # Falcon-H1's muP multipliers: the input's, and one per in_proj segment [z, x, B, C, dt] (None: 1)
+        self.in_scale = None if in_scale in (None, 1, 1.0) else float(in_scale)
+        self.segment_scales = None if segment_scales is None or all(float(x) == 1.0 for x in segment_scales) else \
+            tuple(float(x) for x in segment_scales)
         with torch.no_grad():  # Mamba-2's initialisation: A = 1 .. H
             first = torch.distributed.get_rank(self.tp_group) * self.nv_local if tp > 1 else 0
             self.A_log.copy_(torch.arange(first + 1, first + self.nv_local + 1, dtype=torch.float32).log())
@@ -94,6 +101,8 @@ class TreeMamba2Mixer(TreeGatedDeltaNet):
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **unused):
         from forge_megatron.mcore import context_parallel as cpm
 
+        if self.in_scale is not None:
+            hidden_states = hidden_states * self.in_scale
         proj, _ = self.in_proj(hidden_states)  # [s, b, groups_local * width]
         s, b = proj.shape[:2]
         x = proj.transpose(0, 1).reshape(s * b, self.nk_local, -1)
@@ -107,6 +116,8 @@ class TreeMamba2Mixer(TreeGatedDeltaNet):
         conv_rows = slice(rank * g * self.conv_group, (rank + 1) * g * self.conv_group)
         rP = self.r * self.P
         z, xs, Bm, Cm, dt = x.split([rP, rP, self.N, self.N, self.r], dim=-1)
+        if self.segment_scales is not None:  # (Falcon-H1: HF's in_proj output times its mup_vector)
+            z, xs, Bm, Cm, dt = (t * c for t, c in zip((z, xs, Bm, Cm, dt), self.segment_scales))
         plan = self._plan(packed_seq_params, s, b, proj.device, T)
 
         xbc = torch.cat([xs, Bm, Cm], dim=-1).reshape(T, -1)
@@ -123,8 +134,11 @@ class TreeMamba2Mixer(TreeGatedDeltaNet):
         y = gd.tree_gated_delta_rule(Cm, Bm, xs, decay, step, plan, scale=1.0, l2norm=False, recompute=recompute,
                                      delta=False)
         y = y.to(cd) + self.D[heads].to(cd)[:, None] * xs.to(cd)  # the skip connection
-        weight = self.norm_weight[heads.start * self.P:heads.stop * self.P]
-        o = recomputed(grouped_gated_rms_norm, y, z.reshape(T, g, rP), weight, self.eps, g, recompute=recompute)
+        if self.norm_weight is None:  # (Falcon-H1: the gate alone, as transformers computes it)
+            o = y.float().reshape(T, -1) * F.silu(z.float().reshape(T, -1))
+        else:
+            weight = self.norm_weight[heads.start * self.P:heads.stop * self.P]
+            o = recomputed(grouped_gated_rms_norm, y, z.reshape(T, g, rP), weight, self.eps, g, recompute=recompute)
         o = o.to(hidden_states.dtype)
         if C > 1:  # back to this rank's tokens of every head
             o = cpm.heads_to_tokens(o.reshape(T, g, -1), group)
@@ -141,11 +155,12 @@ def grouped_gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tenso
     return weight.float() * h.reshape(T, -1)
 
 
-def mamba2_spec(conv_bias: bool = True, dt_limit=None, norm_epsilon: float | None = None):
-    """The ``self_attention`` spec of a Mamba-2 layer (Megatron's local linears)."""
+def mamba2_spec(conv_bias: bool = True, dt_limit=None, norm_epsilon: float | None = None, **extra):
+    """The ``self_attention`` spec of a Mamba-2 layer (Megatron's local linears); ``extra``: Falcon-H1's
+    ``gated_norm`` / ``in_scale`` / ``segment_scales``."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     return ModuleSpec(module=TreeMamba2Mixer,
                       submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
-                      params={"conv_bias": conv_bias, "dt_limit": dt_limit, "norm_epsilon": norm_epsilon})
+                      params={"conv_bias": conv_bias, "dt_limit": dt_limit, "norm_epsilon": norm_epsilon, **extra})

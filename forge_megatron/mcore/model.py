@@ -178,6 +178,16 @@ class GPTConfig:
     # linear_key_head_dim its state size, linear_value_head_dim its head dim) or "short_conv" (LFM2's gated short
     # convolutions over the hidden channels, linear_conv_kernel taps; mcore/short_conv.py)
     linear_attention_kind: str = "gated_delta"
+    # Falcon-H1: a Mamba-2 mixer (the linear_* sizes, linear_attention_kind "mamba2") beside the attention in every
+    # layer, both on the input norm's output (mcore/falcon_h1.py), with its muP multipliers: (attention input,
+    # attention output, Mamba output), the Mamba input's and its in_proj segments' [z, x, B, C, dt], the MLP's
+    # (gate, down); mamba_gated_norm False: y * silu(z) without the gated RMSNorm (Falcon-H1's mamba_rms_norm)
+    mamba_beside_attention: bool = False
+    hybrid_multipliers: tuple[float, float, float] | None = None
+    mamba_in_multiplier: float | None = None
+    mamba_segment_multipliers: tuple[float, float, float, float, float] | None = None
+    mamba_gated_norm: bool = True
+    mlp_multipliers: tuple[float, float] | None = None
     mamba_conv_bias: bool = True  # Mamba-2: a bias on the short convolution
     short_conv_bias: bool = False  # "short_conv" (LFM2's gated short convolutions, mcore/short_conv.py): a conv bias
     mamba_dt_limit: tuple[float, float] | None = None  # Mamba-2: the time step clamped to (min, max); None: (0, inf)
@@ -265,6 +275,18 @@ class GPTConfig:
             raise ValueError("parallel_block (Cohere: attention and MLP on one input norm) is supported for pre-norm "
                              "layers of standard attention and an MLP or MoE (no post-norms, MLA, linear attention, "
                              "layer_kinds, per-layer attention or LongCat / Gemma 4 MoE layouts)")
+        if self.mamba_beside_attention and (self.linear_attention is not None or self.linear_attention_kind != "mamba2"
+                                            or self.multi_latent_attention or self.num_moe_experts or self.post_norm
+                                            or self.parallel_block or self.layer_kinds is not None
+                                            or self.per_layer_attention or self.add_bias_linear):
+            raise ValueError("mamba_beside_attention (Falcon-H1) runs a Mamba-2 mixer (linear_attention_kind "
+                             "'mamba2', no linear_attention layers) beside standard attention in every pre-norm "
+                             "layer of a dense model without biases")
+        if not self.mamba_beside_attention and (self.hybrid_multipliers is not None or
+                                                self.mamba_segment_multipliers is not None or
+                                                self.mamba_in_multiplier is not None):
+            raise ValueError("hybrid_multipliers / mamba_in_multiplier / mamba_segment_multipliers are Falcon-H1's: "
+                             "they need mamba_beside_attention")
         if self.moe_output_multiplier is not None and not self.num_moe_experts:
             raise ValueError("moe_output_multiplier scales MoE layers' outputs: it needs num_moe_experts")
         for name in ("residual_multiplier", "logits_scaling", "logit_multiplier", "moe_output_multiplier"):
@@ -604,7 +626,7 @@ def transformer_config(cfg: GPTConfig, **overrides):
         kwargs["rotary_interleaved"] = True
     if cfg.attention_output_gate:
         kwargs["attention_output_gate"] = True
-    if cfg.hybrid:
+    if cfg.hybrid or cfg.mamba_beside_attention:
         kwargs.update(linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
                       linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
                       linear_conv_kernel_dim=cfg.linear_conv_kernel)
@@ -769,6 +791,16 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from forge_megatron.mcore.post_norm import post_norm_spec
 
         spec = post_norm_spec(spec, keep_pre_norms=cfg.pre_norm)
+    if cfg.mamba_beside_attention:  # (Falcon-H1: every layer a Mamba-2 mixer beside its attention)
+        if use_te:
+            raise ValueError("Falcon-H1's layers build with the local spec")
+        from forge_megatron.mcore.falcon_h1 import parallel_hybrid_spec
+        from forge_megatron.mcore.mamba2 import mamba2_spec
+
+        mamba = mamba2_spec(cfg.mamba_conv_bias, cfg.mamba_dt_limit, cfg.linear_norm_epsilon,
+                            gated_norm=cfg.mamba_gated_norm, in_scale=cfg.mamba_in_multiplier,
+                            segment_scales=cfg.mamba_segment_multipliers)
+        spec = parallel_hybrid_spec(spec, mamba, cfg.hybrid_multipliers or (1.0, 1.0, 1.0))
     if cfg.parallel_block or not cfg.norm_bias:
         if use_te:
             raise ValueError("Cohere's layers (parallel attention + MLP, bias-free LayerNorms) build with the local "
@@ -1182,6 +1214,10 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
             return output * torch.tensor(multiplier, dtype=output.dtype, device=output.device)
 
         model.embedding.register_forward_hook(scale)
+    if cfg.mlp_multipliers is not None:  # (Falcon-H1: the MLP's gate and output scaled)
+        from forge_megatron.mcore.falcon_h1 import scale_mlps
+
+        scale_mlps(model, *(float(x) for x in cfg.mlp_multipliers))
     if cfg.activation == "xielu":  # (Apertus: each MLP's own activation with its trained scalars)
         from forge_megatron.mcore import xielu
 

@@ -47,7 +47,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
-         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus")
+         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -418,6 +418,15 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
         "apertus": (transformers.ApertusConfig, {"head_dim": 16, "rope_parameters": {
             "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8, "rope_theta": 12000000.0}}),
+        # Falcon-H1 layout: attention (heads of 16) and a Mamba-2 mixer (8 heads of 16 in 2 groups, state 8) side by
+        # side in both layers, every muP multiplier set apart from 1 (so that each one bites)
+        "falcon_h1": (transformers.FalconH1Config, {
+            "head_dim": 16, "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
+            "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_chunk_size": 8, "mamba_rms_norm": False,
+            "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "key_multiplier": 0.7,
+            "attention_in_multiplier": 0.8, "attention_out_multiplier": 1.3, "ssm_in_multiplier": 0.9,
+            "ssm_out_multiplier": 1.1, "ssm_multipliers": [0.5, 1.2, 0.8, 1.5, 0.7], "mlp_multipliers": [1.4, 0.6],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}),
         # Bamba layout: a Mamba-2 layer (8 heads of 16 in 2 groups, state 8) then attention with RoPE on half of each
         # head; SwiGLU MLPs (feed_forward) behind pre_ff_layernorm
         "bamba": (transformers.BambaConfig, {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 16,

@@ -1609,7 +1609,7 @@ def model_config(args: argparse.Namespace, bridge):
         if rate < 0:
             raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got {rate}")
         extra.update(moe_router_bias_update_rate=rate)
-    if args.context_parallel_size > 1 and cfg.hybrid and \
+    if args.context_parallel_size > 1 and (cfg.hybrid or cfg.mamba_beside_attention) and \
             (cfg.linear_num_key_heads // args.tensor_model_parallel_size) % args.context_parallel_size:
         raise ValueError(f"{args.hf_checkpoint} has Gated DeltaNet (linear attention) layers: under context "
                          f"parallelism each CP rank runs the whole tree for its share of their key heads, so "

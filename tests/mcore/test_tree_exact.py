@@ -237,6 +237,21 @@ def _body_one_rank(rank, world_size):
                     missing, _ = other.load_state_dict(tree.state_dict(), strict=False)  # (the same weights)
                     assert all("pre_mlp_layernorm" in m for m in missing), missing
                     out[f"cohere2_moe_{name}_effect"] = (logp - tree_logprobs(other, layout)[0]).abs().max().item()
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer (the mixer's recurrence and convolution
+    # along every root-to-leaf path), every muP multiplier apart from 1; each group of them shown to change the
+    # logprobs (same weights, that group at 1)
+    falcon = {**tiny_config("falcon_h1", vocab_size=VOCAB).to_dict(), "architectures": ["FalconH1ForCausalLM"]}
+    tree, causal = _twin_models(gpt_config_from_hf(falcon))
+    out["falcon_h1"] = _exactness(tree, causal, all_samples(3))
+    out["falcon_h1_layers"] = [(type(layer).__name__, type(layer.self_attention.core_attention).__name__,
+                                type(layer.mamba).__name__) for layer in tree.decoder.layers]
+    with torch.no_grad():
+        logp = tree_logprobs(tree, layout)[0]
+        for name in ("hybrid_multipliers", "mamba_in_multiplier", "mamba_segment_multipliers", "mlp_multipliers",
+                     "embedding_multiplier", "logit_multiplier"):
+            other, _ = _twin_models(gpt_config_from_hf(falcon, **{name: None}))
+            other.load_state_dict(tree.state_dict())
+            out[f"falcon_h1_{name}_effect"] = (logp - tree_logprobs(other, layout)[0]).abs().max().item()
     # Qwen3.5 layout: a Gated DeltaNet layer (the recurrence and its convolution along every root-to-leaf path)
     # then gated full attention; the trees here nest several levels of segments
     q35 = {**tiny_config("qwen3_5", vocab_size=VOCAB).to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
@@ -561,6 +576,19 @@ def test_gemma2_soft_capping_tree_equals_unmerged(one_rank):
     assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= GRAD_RTOL, one_rank["gemma2"]
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         assert one_rank[f"gemma2_{cap}_effect"] > 1e-4, (cap, one_rank[f"gemma2_{cap}_effect"])
+
+
+def test_falcon_h1_parallel_hybrid_layers_tree_equals_unmerged(one_rank):
+    """Falcon-H1's layers (attention and a Mamba-2 mixer side by side) on the tree equal the samples one at a time
+    (the attention through TreeAttention, the mixer along every root-to-leaf path), and each group of its muP
+    multipliers changes the logprobs at this scale."""
+    logp, ent, grad, _, _ = one_rank["falcon_h1"]
+    # (Mamba-2's A_log gradient sums terms that nearly cancel, in another order on the tree: as Granite 4.0-H's)
+    assert logp <= LOGP_ATOL and ent <= LOGP_ATOL and grad <= 5 * GRAD_RTOL, one_rank["falcon_h1"]
+    assert set(one_rank["falcon_h1_layers"]) == {("ParallelHybridLayer", "TreeAttention", "TreeMamba2Mixer")}
+    for name in ("hybrid_multipliers", "mamba_in_multiplier", "mamba_segment_multipliers", "mlp_multipliers",
+                 "embedding_multiplier", "logit_multiplier"):
+        assert one_rank[f"falcon_h1_{name}_effect"] > 1e-4, (name, one_rank[f"falcon_h1_{name}_effect"])
 
 
 @pytest.mark.parametrize("arch", ["cohere2", "cohere2_moe"])
