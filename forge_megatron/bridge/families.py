@@ -494,6 +494,8 @@ FAMILIES: dict[str, Family] = {
     # has two trained scalars per layer (mcore/xielu.py); its norms attention_layernorm / feedforward_layernorm
     "ApertusForCausalLM": Family("apertus", qkv_bias=None, qk_norm=True, moe=False),
     "FalconH1ForCausalLM": Family("falcon_h1", qkv_bias=None, qk_norm=False, moe=False, falcon_h1=True),
+    # FlexOlmo: OLMo 2's post-norm layer (q/k norms over all heads) with OLMoE's experts (softmax over all, top k)
+    "FlexOlmoForCausalLM": Family("flex_olmo", qkv_bias=False, qk_norm=True, moe=True, olmo=True),
     # Cohere: Command R (v1 layout), Command R7B / A / A Reasoning (Cohere2: sliding layers rotate, full ones NoPE),
     # Command A+ (Cohere2-MoE)
     "CohereForCausalLM": Family("cohere", qkv_bias=False, qk_norm=False, moe=False, cohere=True),

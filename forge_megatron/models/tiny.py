@@ -47,7 +47,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
-         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1")
+         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -427,6 +427,10 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             "attention_in_multiplier": 0.8, "attention_out_multiplier": 1.3, "ssm_in_multiplier": 0.9,
             "ssm_out_multiplier": 1.1, "ssm_multipliers": [0.5, 1.2, 0.8, 1.5, 0.7], "mlp_multipliers": [1.4, 0.6],
             "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}),
+        # FlexOlmo layout: OLMo 2's post-norm layer with OLMoE's experts: 4 of intermediate_size, top 2 of the softmax
+        # over all, not renormalised
+        "flex_olmo": (transformers.FlexOlmoConfig, {"num_experts": 4, "num_experts_per_tok": 2,
+                                                    "intermediate_size": 32}),
         # Bamba layout: a Mamba-2 layer (8 heads of 16 in 2 groups, state 8) then attention with RoPE on half of each
         # head; SwiGLU MLPs (feed_forward) behind pre_ff_layernorm
         "bamba": (transformers.BambaConfig, {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 16,
@@ -789,10 +793,10 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # q/k norms and the two norms per layer: which is which
             elif arch == "dots1" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head norms: which is which matters
-            elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid", "olmoe") and \
+            elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "flex_olmo") and \
                     name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # norm weights over all heads: slicing them matters
-            elif arch in ("olmo2", "olmo3", "glm4", "glm4v", "glm46v", "olmo_hybrid") and \
+            elif arch in ("olmo2", "olmo3", "glm4", "glm4v", "glm46v", "olmo_hybrid", "flex_olmo") and \
                     name.endswith(("layernorm.weight", "o_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # the norms after attention and MLP: which is which
             elif name.endswith("mm_input_projection_weight"):  # Gemma 3's projector starts at zeros: images matter

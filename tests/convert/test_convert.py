@@ -29,7 +29,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2_moe", "gemma2", "llama4", "arcee",
          "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
-         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1")
+         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -179,6 +179,7 @@ LAYOUTS = [
     ("bamba", ParallelLayout(tp=2, pp=2)),  # Granite 4.0-H's Mamba-2 regrouping under Bamba's names
     ("apertus", ParallelLayout(tp=2, pp=2)),  # each layer's xIELU scalars and constants replicated over TP
     ("falcon_h1", ParallelLayout(tp=2, pp=2)),  # attention and the Mamba-2 mixer (mamba.*) in every layer
+    ("flex_olmo", ParallelLayout(tp=2, pp=2, ep=2)),  # OLMo 2's post norms, experts one by one over EP
     ("lfm2", ParallelLayout(tp=2, pp=2)),  # the short convolution's projection interleaved per channel, split by TP
     ("lfm2_moe", ParallelLayout(tp=2, pp=2, ep=2)),  # a dense short-convolution layer, then experts
 ]

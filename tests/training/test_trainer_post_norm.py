@@ -19,12 +19,13 @@ from .pool_feed import feed_groups
 from .trainer_run import REPLAY_KEYS, assert_same_as_one_rank, run_layouts
 
 
-@pytest.mark.parametrize("arch", ["olmo3", "gemma3", "gemma4", "gemma2"])
+@pytest.mark.parametrize("arch", ["olmo3", "gemma3", "gemma4", "gemma2", "flex_olmo"])
 def test_post_norm_layers_train_the_same_under_pipeline_and_tensor_parallelism(tmp_path, arch):
     model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=2)
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(5), completion_len=(4, 6))  # noqa: E731
     # (Gemma 2: Gemma 3's layer but for its soft caps, so PP as Gemma 3's; each TP rank caps its heads)
-    runs = ["tp2sp"] if arch == "gemma2" else ["pp2", "tp2sp"]
+    runs = ["tp2sp"] if arch == "gemma2" else ["tp2sp", "ep2"] if arch == "flex_olmo" else ["pp2", "tp2sp"]
+    # (FlexOlmo: the norm after each MoE layer normalises its experts' output, gathered back from the EP ranks)
     if arch in ("olmo3", "gemma4", "gemma2"):  # each CP rank's zig-zag shard of the tree: windows, and each layer's
         runs.append("cp2")  # RoPE from the whole table
     steps = run_layouts(tmp_path, model_dir, feed, ["one"] + runs, ["--tree-token-budget", "24"])
