@@ -299,6 +299,10 @@ class Family:
     # mixers' inputs and outputs, the keys, the Mamba projection's segments, the MLP and the logits
     # (mcore/falcon_h1.py); Bamba's names
     falcon_h1: bool = False
+    # AFMoE (Arcee Trinity): Gemma 3's sandwich norms (plain weights), per-head q/k norms and a sigmoid gate on every
+    # attention channel from its own projection (gate_proj), window layers that rotate beside NoPE full ones;
+    # DeepSeek-V3's sigmoid router (its bias beside it, route_scale) with shared experts, dense first layers
+    afmoe: bool = False
 
 
 _MISTRAL4 = Family("mistral4", qkv_bias=False, qk_norm=False, moe=True, mla=True, softmax_router=True,
@@ -496,6 +500,7 @@ FAMILIES: dict[str, Family] = {
     "FalconH1ForCausalLM": Family("falcon_h1", qkv_bias=None, qk_norm=False, moe=False, falcon_h1=True),
     # FlexOlmo: OLMo 2's post-norm layer (q/k norms over all heads) with OLMoE's experts (softmax over all, top k)
     "FlexOlmoForCausalLM": Family("flex_olmo", qkv_bias=False, qk_norm=True, moe=True, olmo=True),
+    "AfmoeForCausalLM": Family("afmoe", qkv_bias=False, qk_norm=True, moe=True, afmoe=True),
     # Cohere: Command R (v1 layout), Command R7B / A / A Reasoning (Cohere2: sliding layers rotate, full ones NoPE),
     # Command A+ (Cohere2-MoE)
     "CohereForCausalLM": Family("cohere", qkv_bias=False, qk_norm=False, moe=False, cohere=True),
@@ -896,6 +901,14 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if family.name == "mixtral" and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
         raise UnsupportedModelError(f"router_jitter_noise={hf['router_jitter_noise']}: transformers multiplies the "
                                     "router's input by random noise while training (Mixtral releases have none)")
+    if family.afmoe:
+        types = afmoe_layer_types(hf)
+        if len(types) != hf["num_hidden_layers"] or not set(types) <= set(LAYER_TYPES):
+            raise UnsupportedModelError(f"layer_types {types}: one of {LAYER_TYPES} per layer")
+        if hf.get("attention_bias"):
+            raise UnsupportedModelError("attention_bias=True is not supported for AFMoE (no release has it)")
+        if not 0 <= int(hf.get("num_dense_layers") or 0) < hf["num_hidden_layers"]:
+            raise UnsupportedModelError(f"num_dense_layers={hf.get('num_dense_layers')} leaves no MoE layer")
     if family.falcon_h1:
         for key in ("attention_bias", "mlp_bias", "projectors_bias", "mamba_proj_bias"):
             if hf.get(key):
@@ -1433,6 +1446,14 @@ def mamba2_fields(kinds: list[str], groups, heads, state, head_dim, kernel, conv
                 mamba_dt_limit=None if limit is None or limit == (0.0, float("inf")) else limit)
 
 
+def afmoe_layer_types(hf: dict) -> list[str]:
+    """AFMoE's layer kinds: ``layer_types``, or every ``global_attn_every_n_layers``-th layer full attention, the
+    others sliding windows, as transformers builds them."""
+    n = int(hf.get("global_attn_every_n_layers") or 4)
+    return list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % n else "full_attention"
+                                          for i in range(hf["num_hidden_layers"])])
+
+
 def falcon_h1_mamba_width(hf: dict) -> int:
     """Falcon-H1's Mamba-2 width: ``mamba_d_ssm``, or mamba_expand x hidden_size."""
     return int(hf.get("mamba_d_ssm") or hf.get("mamba_expand", 2) * hf["hidden_size"])
@@ -1707,6 +1728,26 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
         if not any(moe):
             raise UnsupportedModelError("moe_layers is empty: a Llama 4 config without MoE layers is not supported")
+    if family.afmoe:  # sandwich norms, gated attention, windows that rotate beside NoPE layers, sigmoid routing
+        types = afmoe_layer_types(hf)
+        window = hf.get("sliding_window")
+        rotates = [bool(window) and t == "sliding_attention" for t in types]
+        scale = float(hf.get("route_scale") or 1.0)
+        kwargs.update(
+            pre_norm=True, post_norm=True, attention_output_gate=True,
+            nope_layers=tuple(not r for r in rotates) if not all(rotates) else None,
+            embedding_multiplier=hf["hidden_size"] ** 0.5 if hf.get("mup_enabled") else None,
+            num_moe_experts=hf["num_experts"], moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            moe_shared_ffn_hidden_size=hf["moe_intermediate_size"] * int(hf.get("num_shared_experts") or 0) or None,
+            moe_dense_layers=int(hf.get("num_dense_layers") or 0),
+            extra={**(sliding_windows({**hf, "layer_types": types}) if window else {}),
+                   "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                   "moe_router_bias_update_rate": 0.0,  # (kept as the checkpoint has it: RL does not rebalance)
+                   "moe_router_topk_scaling_factor": scale if scale != 1.0 else None,
+                   "moe_router_dtype": "fp32"})  # (transformers' router logits are fp32)
+        if not any(rotates):
+            kwargs["rope_scaling"] = None
     if family.falcon_h1:  # a Mamba-2 mixer beside the attention in every layer; muP multipliers
         def one(key):
             value = hf.get(key)
@@ -1882,7 +1923,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             mla_latent_norm_epsilon=1e-6,  # (transformers' latent norms keep their default; the others rms_norm_eps)
             extra={"moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None})
     elif family.moe and not family.gpt_oss and not family.ernie and not family.hunyuan and not family.granite \
-            and not family.llama4 and not family.cohere:
+            and not family.llama4 and not family.cohere and not family.afmoe:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);
         # Qwen3-Next's does unless its config says otherwise; so does Qwen3-VL-MoE's (no such field either)
         # Mixtral's always does (no such field)

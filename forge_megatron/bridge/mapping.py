@@ -480,6 +480,23 @@ def _longcat_rules(cfg: GPTConfig) -> list[Rule]:
 
 
 def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
+    if family.afmoe:  # Gemma 3's sandwich and the default MoE rules under AFMoE's names; q, the gate, k, v fused
+        import dataclasses
+
+        names = ((".post_feedforward_layernorm.", ".post_mlp_layernorm."),
+                 (".pre_feedforward_layernorm.", ".pre_mlp_layernorm."),
+                 (".mlp.gate.weight", ".mlp.router.gate.weight"),
+                 (".mlp.gate.e_score_correction_bias", ".mlp.expert_bias"))
+        rules = []
+        for r in _rules(cfg, dataclasses.replace(family, afmoe=False)):
+            if r.mcore == LAYER + "self_attention.linear_qkv.weight":
+                r = dataclasses.replace(r, hf=tuple(HF_LAYER + f"self_attn.{p}_proj.weight"
+                                                    for p in ("q", "gate", "k", "v")), join="qgkv")
+            hf = r.hf
+            for old, new in names:
+                hf = tuple(h.replace(old, new) for h in hf)
+            rules.append(dataclasses.replace(r, hf=hf))
+        return rules
     if family.bamba or family.falcon_h1:  # Granite 4.0-H's layers (the default rules' Mamba-2 branch) under Bamba's
         # names; Falcon-H1: those names, the Mamba-2 mixer beside the attention in every layer
         import dataclasses
@@ -737,6 +754,8 @@ class Bridge:
                          # ERNIE 4.5's score-correction bias: [1, E] in HF, [E] in Megatron
                          "row1": (lambda t: (t.reshape(1, -1),), lambda t: t.reshape(-1)),
                          "qkv_gate": (self._split_qkv_gate, self._join_qkv_gate),
+                         # AFMoE: q, the gate, k, v as four HF tensors -> per query group [q; gate; k; v]
+                         "qgkv": (self._split_qgkv, self._join_qkv),
                          # Mamba-2 (Granite 4.0-H): regrouped per group
                          "mamba_in": (self._split_mamba_in, self._join_mamba_in),
                          "mamba_conv": (lambda t: (self._mamba_conv_hf(t)[:, None],),
@@ -1041,8 +1060,11 @@ class Bridge:
         }
         if cfg.qk_layernorm_all_heads:
             table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})
-        if cfg.attention_output_gate:
+        if cfg.attention_output_gate and not self.family.afmoe:  # (AFMoE's gate is its own gate_proj)
             table["q_proj.weight"] = (2 * n * h, d)
+        if self.family.afmoe:
+            table.update({"self_attn.gate_proj.weight": (n * h, d), "mlp.expert_bias": (cfg.num_moe_experts or 0,),
+                          "router.gate.weight": (cfg.num_moe_experts or 0, d)})
         if cfg.hybrid:
             nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
             dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -1137,9 +1159,10 @@ class Bridge:
         n, g, h = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
         return self._join_qkv(*qkv.split([n * h, g * h, g * (cfg.value_head_dim or h)]))
 
-    def _join_qkv(self, q, k, v):
+    def _join_qkv(self, q, *rest):
+        """HF's q, k, v (AFMoE: q, gate, k, v) -> Megatron's fused rows, per query group its part of each."""
         g = self.cfg.num_query_groups
-        per_group = [t.reshape(g, -1, *t.shape[1:]) for t in (q, k, v)]
+        per_group = [t.reshape(g, -1, *t.shape[1:]) for t in (q, *rest)]
         return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
 
     def _global_geometry(self):
@@ -1170,6 +1193,13 @@ class Bridge:
         g = self.cfg.num_query_groups
         per_group = [t.reshape(g, -1, *t.shape[1:]) for t in (q, gate, k, v)]
         return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
+
+    def _split_qgkv(self, fused):
+        """Megatron's gated fused QKV (per query group: queries, their gates, key, value) -> HF's q, gate, k, v."""
+        cfg = self.cfg
+        q_per_g, h = cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim
+        grouped = fused.reshape(cfg.num_query_groups, (2 * q_per_g + 2) * h, *fused.shape[1:])
+        return [t.reshape(-1, *fused.shape[1:]) for t in grouped.split([q_per_g * h, q_per_g * h, h, h], dim=1)]
 
     def _split_qkv_gate(self, fused):
         cfg = self.cfg

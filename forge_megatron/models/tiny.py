@@ -47,7 +47,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
-         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo")
+         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -427,6 +427,16 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             "attention_in_multiplier": 0.8, "attention_out_multiplier": 1.3, "ssm_in_multiplier": 0.9,
             "ssm_out_multiplier": 1.1, "ssm_multipliers": [0.5, 1.2, 0.8, 1.5, 0.7], "mlp_multipliers": [1.4, 0.6],
             "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}),
+        # AFMoE (Arcee Trinity) layout: three layers, the first dense (its MLP 96 wide) with a 4-position window that
+        # rotates, then a window layer and a NoPE full-attention one; sandwich norms, per-head q/k norms, a sigmoid gate
+        # per attention channel; 4 experts 32 wide, top 2 by sigmoid + bias, renormalised, times 2.5, a shared expert;
+        # the embedding times sqrt(hidden) (mup_enabled)
+        "afmoe": (transformers.AfmoeConfig, {
+            "num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_dense_layers": 1, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
+            "route_scale": 2.5, "sliding_window": 4, "layer_types": ["sliding_attention", "sliding_attention",
+                                                                      "full_attention"],
+            "mup_enabled": True}),
         # FlexOlmo layout: OLMo 2's post-norm layer with OLMoE's experts: 4 of intermediate_size, top 2 of the softmax
         # over all, not renormalised
         "flex_olmo": (transformers.FlexOlmoConfig, {"num_experts": 4, "num_experts_per_tok": 2,
@@ -770,8 +780,10 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             elif name.endswith("layer_scalar"):  # Gemma 4's: each layer's output scaled by its own
                 buf.copy_(0.5 + torch.rand(buf.shape))
         for name, p in model.named_parameters():  # gpt-oss: sinks as large as trained ones, biases that matter
-            if name.endswith("e_score_correction_bias"):  # (ERNIE 4.5's is a frozen parameter, not a buffer)
-                p.copy_(torch.randn(p.shape) * 0.1)
+            if name.endswith(("e_score_correction_bias", "mlp.expert_bias")):  # (ERNIE 4.5's and AFMoE's are
+                p.copy_(torch.randn(p.shape) * 0.1)  # frozen parameters, not buffers)
+            elif arch == "afmoe" and name.endswith("norm.weight"):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # four norms per layer and the q/k ones: which is which
             elif name.endswith(".sinks"):
                 p.copy_(torch.randn(p.shape))
             elif name.endswith(("_proj_bias", "router.bias")):

@@ -198,7 +198,7 @@ def _body_one_rank(rank, world_size):
                       ("lfm2", "Lfm2ForCausalLM"), ("lfm2_moe", "Lfm2MoeForCausalLM"),
                       ("llama4", "Llama4ForCausalLM"), ("granitemoe_swa", "GraniteMoeSWAForCausalLM"),
                       ("bamba", "BambaForCausalLM"), ("apertus", "ApertusForCausalLM"),
-                      ("flex_olmo", "FlexOlmoForCausalLM")):
+                      ("flex_olmo", "FlexOlmoForCausalLM"), ("afmoe", "AfmoeForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 2: soft-capped attention scores (the tree kernel's softcap; the unmerged samples through the causal
@@ -553,7 +553,8 @@ def test_olmo3_tree_equals_unmerged(one_rank):
                                   "solar_open", "mixtral", "phi3", "qwen2_moe", "exaone4", "exaone_moe",
                                   "youtu", "granite", "granitemoeshared", "granitemoehybrid_moe",
                                   "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
-                                  "lfm2_moe", "llama4", "granitemoe_swa", "bamba", "apertus", "flex_olmo"])
+                                  "lfm2_moe", "llama4", "granitemoe_swa", "bamba", "apertus", "flex_olmo",
+                                  "afmoe"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,

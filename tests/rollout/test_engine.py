@@ -518,10 +518,12 @@ def test_routed_experts_of_nemotron_h_moe_layers(tmp_path):
         h.stop()
 
 
-@pytest.mark.parametrize("arch,layers,top_k", [("granitemoe_swa", 2, 2), ("lfm2_moe", 2, 2), ("cohere2_moe", 3, 2)])
+@pytest.mark.parametrize("arch,layers,top_k", [("granitemoe_swa", 2, 2), ("lfm2_moe", 2, 2), ("cohere2_moe", 3, 2),
+                                              ("afmoe", 3, 2)])
 def test_routed_experts_of_granite_lfm2_and_cohere_moe_blocks(tmp_path, arch, layers, top_k):
     """Granite MoE's routers sit under ``block_sparse_moe``, LFM2-MoE's gates under ``feed_forward`` (choosing with
-    their bias), Cohere2-MoE's under ``mlp`` beside a shared expert: return_routed_experts records each MoE layer's
+    their bias), Cohere2-MoE's under ``mlp`` beside a shared expert, AFMoE's ``mlp.router`` (choosing with the
+    block's bias): return_routed_experts records each MoE layer's
     top-k ids (a dense first layer's column -1), the ids the experts of a fresh forward of the same tokens are given
     (the MoE block's own choice, read off the experts module's inputs)."""
     d = build_tiny_model(str(tmp_path / arch), arch=arch, sampling_seed=0)
@@ -533,8 +535,8 @@ def test_routed_experts_of_granite_lfm2_and_cohere_moe_blocks(tmp_path, arch, la
         routed, ids = _generate_routed(eng)
         assert routed.shape == (len(ids) - 1, layers, top_k)
         assert all((routed[:, i] == -1).all() == (i not in moe) for i in range(layers))
-        experts = {i: next(m for name, m in eng.decoder_layers()[i].named_modules() if name.endswith("experts"))
-                   for i in moe}
+        experts = {i: next(m for name, m in eng.decoder_layers()[i].named_modules()
+                           if name.rsplit(".", 1)[-1] == "experts") for i in moe}  # (not shared_experts)
         got = _forward_capturing(eng, ids[:-1], experts, lambda args, out: args[1])
         for i in moe:  # the experts' top_k_index argument: what the block routed each token to
             assert torch.equal(routed[:, i].sort(-1).values,

@@ -66,6 +66,7 @@ def models(tmp_path_factory):
         "bamba": build_tiny_model(str(root / "bamba"), arch="bamba", seed=33),
         "apertus": build_tiny_model(str(root / "apertus"), arch="apertus", seed=34),
         "falcon_h1": build_tiny_model(str(root / "falcon_h1"), arch="falcon_h1", seed=35),
+        "afmoe": build_tiny_model(str(root / "afmoe"), arch="afmoe", seed=36),
         "qwen2_5_vl": build_tiny_model(str(root / "qwen2_5_vl"), arch="qwen2_5_vl", seed=30),
         "gemma4_moe": build_tiny_model(str(root / "gemma4_moe"), arch="gemma4_moe", seed=28),
         "gemma4_e": build_tiny_model(str(root / "gemma4_e"), arch="gemma4_e", seed=29),
@@ -338,6 +339,9 @@ def _check_synced(results):
     ("apertus", ParallelConfig(tp=2)),
     # Falcon-H1: the attention and the Mamba-2 mixer of every layer gathered over TP (mamba.*, self_attn.*)
     ("falcon_h1", ParallelConfig(tp=2)),
+    # AFMoE: q / gate / k / v split back from Megatron's gated projection, the router's bias beside it, experts
+    # one by one over EP into transformers' fused tensors
+    ("afmoe", ParallelConfig(tp=2, ep=2, etp=1)),
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
@@ -348,7 +352,8 @@ def _check_synced(results):
         "ep2-mixtral", "tp2-solar-open", "tp2-phi3", "ep2-qwen2-moe", "ep2-exaone-moe", "ep2-granitemoeshared",
         "tp2-granite-4-h", "tp2ep2etp1-nemotron-h-moe", "tp2-lfm2", "ep2-lfm2-moe", "ep2-llama4", "tp2-gemma2",
         "tp2-granitemoe-swa", "tp2-exaone4-5",
-        "tp2ep2etp1-cohere2-moe", "tp2-bamba", "tp2-apertus", "tp2-falcon-h1"])
+        "tp2ep2etp1-cohere2-moe", "tp2-bamba", "tp2-apertus", "tp2-falcon-h1",
+        "tp2ep2etp1-afmoe"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
