@@ -1737,6 +1737,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             pre_norm=True, post_norm=True, attention_output_gate=True,
             nope_layers=tuple(not r for r in rotates) if not all(rotates) else None,
             embedding_multiplier=hf["hidden_size"] ** 0.5 if hf.get("mup_enabled") else None,
+            embedding_multiplier_rounded=False,  # (transformers multiplies by the Python float)
             num_moe_experts=hf["num_experts"], moe_router_topk=hf["num_experts_per_tok"],
             moe_ffn_hidden_size=hf["moe_intermediate_size"],
             moe_shared_ffn_hidden_size=hf["moe_intermediate_size"] * int(hf.get("num_shared_experts") or 0) or None,
@@ -1767,7 +1768,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                       mamba_segment_multipliers=segments if segments != (1.0,) * 5 else None,
                       mlp_multipliers=mlp if mlp != (1.0, 1.0) else None,
                       embedding_multiplier=one("embedding_multiplier") if one("embedding_multiplier") != 1.0
-                      else None,
+                      else None, embedding_multiplier_rounded=False,  # (a Python float in transformers)
                       logit_multiplier=one("lm_head_multiplier") if one("lm_head_multiplier") != 1.0 else None,
                       softmax_scale=kwargs["kv_channels"] ** -0.5 * one("key_multiplier"))  # (q . c k = c q . k)
     if family.bamba:  # Granite 4.0-H's Mamba-2 layers (mcore/mamba2.py) beside attention with RoPE on half a head
@@ -1963,8 +1964,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             value = hf.get(key)
             return float(value) if value not in (None, 1, 1.0) else None
 
-        kwargs.update(embedding_multiplier=scale("embedding_multiplier"), residual_multiplier=scale(
-            "residual_multiplier"), logits_scaling=scale("logits_scaling"),
+        kwargs.update(embedding_multiplier=scale("embedding_multiplier"), embedding_multiplier_rounded=False,
+                      residual_multiplier=scale("residual_multiplier"), logits_scaling=scale("logits_scaling"),
                       softmax_scale=float(hf.get("attention_multiplier") or 1.0))
         if family.name == "granitemoehybrid" and hf.get("position_embedding_type") != "rope":
             kwargs.update(nope_layers=(True,) * hf["num_hidden_layers"], rope_scaling=None)  # (Granite 4.0-H)

@@ -49,8 +49,10 @@ class GPTConfig:
     # the GLU's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU); a plain MLP's: "relu2" (squared ReLU) or
     # "xielu" (Apertus: two trained scalars per MLP, mcore/xielu.py)
     activation: str = "silu"
-    # Gemma: the embedding's output is multiplied by this (sqrt(hidden_size), rounded to the weights' dtype as HF does)
+    # the embedding's output is multiplied by this: Gemma's sqrt(hidden_size), rounded to the output's dtype first as
+    # HF does (embedding_multiplier_rounded); Granite's, Falcon-H1's and AFMoE's, a Python float as HF multiplies by
     embedding_multiplier: float | None = None
+    embedding_multiplier_rounded: bool = True
     softmax_scale: float | None = None  # attention's scale before any YaRN factor; None: 1 / sqrt(head_dim)
     # the logits are soft-capped to c * tanh(logits / c) (Gemma 2 / 4's final_logit_softcapping); None: not capped.
     # Megatron's output layer caps its logits (a hook); the fused logprobs cap each chunk they make
@@ -1208,9 +1210,11 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
 
         link_post_rope_norms(model)
     if cfg.embedding_multiplier is not None and getattr(model, "embedding", None) is not None:
-        multiplier = cfg.embedding_multiplier
+        multiplier, rounded = cfg.embedding_multiplier, cfg.embedding_multiplier_rounded
 
-        def scale(module, args, output):  # in the output's dtype, as HF rounds sqrt(hidden) to the weights'
+        def scale(module, args, output):  # (Gemma: in the output's dtype, as HF rounds sqrt(hidden) to the weights')
+            if not rounded:
+                return output * multiplier
             return output * torch.tensor(multiplier, dtype=output.dtype, device=output.device)
 
         model.embedding.register_forward_hook(scale)

@@ -1,6 +1,7 @@
 """Apertus's xIELU (mcore/xielu.py): under tensor parallelism, with and without sequence parallelism, every TP rank's
 gradient of each layer's two trained scalars is the whole model's (transformers'), not its share of the fc1
-channels; and the scalars are per layer. CPU, 0 GPUs (gloo)."""
+channels; and the scalars are per layer. Also the embedding multiplier's rounding per family (muP-style scales).
+CPU, 0 GPUs (gloo)."""
 
 import pytest
 import torch
@@ -52,3 +53,32 @@ def test_xielu_scalars_get_the_whole_models_gradient_on_every_tp_rank(tmp_path, 
         for name, g in got.items():
             err = ((g - want[name]).abs().max() / want[name].abs().max()).item()
             assert err <= 1e-4, (name, err)
+
+
+def _embedding_scale_body(rank, world_size):
+    from forge_megatron.mcore.model import GPTConfig, build_gpt
+
+    out = {}
+    x = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for rounded in (True, False):
+        cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=64,
+                        vocab_size=16, embedding_multiplier=5.656854, embedding_multiplier_rounded=rounded)
+        hooks = list(build_gpt(cfg).embedding._forward_hooks.values())
+        out[rounded] = hooks[-1](None, (), x)
+    return out
+
+
+def test_embedding_multiplier_rounds_as_each_family_does():
+    """Gemma rounds its embedding multiplier to the hidden states' dtype before multiplying; Granite, Falcon-H1 and
+    AFMoE multiply by the Python float (in bf16 the two differ for a multiplier bf16 cannot hold)."""
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.models.tiny import tiny_config
+
+    (out,) = run_distributed(_embedding_scale_body, world_size=1)
+    x = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(out[True], x * torch.tensor(5.656854, dtype=torch.bfloat16))
+    assert torch.equal(out[False], x * 5.656854) and not torch.equal(out[True], out[False])
+    for arch, cls, rounded in (("gemma3", "Gemma3ForCausalLM", True), ("granite", "GraniteForCausalLM", False),
+                               ("falcon_h1", "FalconH1ForCausalLM", False), ("afmoe", "AfmoeForCausalLM", False)):
+        cfg = Bridge({**tiny_config(arch).to_dict(), "architectures": [cls]}).cfg
+        assert cfg.embedding_multiplier is not None and cfg.embedding_multiplier_rounded is rounded, arch
