@@ -555,7 +555,8 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     elif family.name == "apertus":  # its own norm names; the MLP's xIELU scalars (and constants: buffers)
         attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "attention_layernorm.weight",)),
                  Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "feedforward_layernorm.weight",))]
-        attn += [Rule(LAYER + f"mlp.activation_func.{name}", (HF_LAYER + f"mlp.act_fn.{name}",))
+        attn += [Rule(LAYER + f"mlp.activation_func.{name}", (HF_LAYER + f"mlp.act_fn.{name}",),
+                      "scalar" if name in ("beta", "eps") else "copy")
                  for name in ("alpha_p", "alpha_n", "beta", "eps")]
     elif cfg.parallel_block:  # Cohere: one norm, which attention and MLP both read
         attn.append(Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)))
@@ -753,6 +754,8 @@ class Bridge:
                          "qkv_fused": (lambda t: (torch.cat(self._split_qkv(t)),), self._join_qkv_fused),
                          # ERNIE 4.5's score-correction bias: [1, E] in HF, [E] in Megatron
                          "row1": (lambda t: (t.reshape(1, -1),), lambda t: t.reshape(-1)),
+                         # Apertus' xIELU constants: 0-dim in HF, one element in Megatron
+                         "scalar": (lambda t: (t.reshape(()),), lambda t: t.reshape(1)),
                          "qkv_gate": (self._split_qkv_gate, self._join_qkv_gate),
                          # AFMoE: q, the gate, k, v as four HF tensors -> per query group [q; gate; k; v]
                          "qgkv": (self._split_qgkv, self._join_qkv),

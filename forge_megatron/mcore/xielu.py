@@ -5,8 +5,9 @@
     a_p = softplus(alpha_p),  a_n = beta + softplus(alpha_n)
 
 ``alpha_p`` and ``alpha_n`` are parameters of each MLP (checkpoint ``mlp.act_fn.alpha_p`` / ``alpha_n``, shape [1]);
-``beta`` and ``eps`` are constants the checkpoint stores as buffers (0.5 and -1e-6 in the releases), kept as
-buffers here too (converted and exported, never trained or synced). The formula is transformers' Python one.
+``beta`` and ``eps`` are constants the checkpoint stores as 0-dim buffers (0.5 and -1e-6 in the releases), kept as
+buffers of one element here (dist checkpoints shard no 0-dim tensor; the bridge reshapes them), converted and
+exported, never trained or synced. The formula is transformers' Python one.
 
 Megatron's MLP applies ``self.activation_func`` to its fc1 output (a plain, non-gated MLP), so
 :func:`attach` makes each dense MLP's ``activation_func`` an :class:`XIELU` module: its parameters become the MLP's
@@ -32,8 +33,8 @@ class XIELU(torch.nn.Module):
                                           .to(dtype))
         self.alpha_n = torch.nn.Parameter(torch.log(torch.expm1(torch.tensor([alpha_n - beta], dtype=torch.float64)))
                                           .to(dtype))
-        self.register_buffer("beta", torch.tensor(beta, dtype=dtype))
-        self.register_buffer("eps", torch.tensor(eps, dtype=dtype))
+        self.register_buffer("beta", torch.tensor([beta], dtype=dtype))
+        self.register_buffer("eps", torch.tensor([eps], dtype=dtype))
 
     def forward(self, x):
         from megatron.core import parallel_state as ps
@@ -47,6 +48,20 @@ class XIELU(torch.nn.Module):
         a_n = self.beta + torch.nn.functional.softplus(alpha_n)
         return torch.where(x > 0, a_p * x * x + self.beta * x,
                            (torch.expm1(torch.minimum(x, self.eps)) - x) * a_n + self.beta * x)
+
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Megatron's dist-checkpoint view (Megatron's MLP asks each child for one): every tensor replicated."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, \
+            make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        own = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(own, prefix, {}, sharded_offsets,
+                                                   tp_group=ps.get_tensor_model_parallel_group(),
+                                                   dp_cp_group=metadata["dp_cp_group"])
 
 
 def unset(x):

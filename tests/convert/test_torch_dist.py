@@ -22,7 +22,8 @@ def _torchrun(args, nproc):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "minimax_m2", "qwen3_5", "kimi_linear", "gemma4", "gemma4_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "minimax_m2", "qwen3_5", "kimi_linear", "gemma4", "gemma4_moe",
+                                  "apertus", "falcon_h1"])
 def test_torch_dist_round_trip_across_layouts(tmp_path, arch):
     """DeepSeek-V3: a dense layer, routed and shared experts and the routers' expert_bias buffers go through
     dist_checkpointing's sharded state dict (the GLM-4.5 and Qwen3-MoE layouts hold nothing more), with
@@ -33,14 +34,15 @@ def test_torch_dist_round_trip_across_layouts(tmp_path, arch):
     Linear: Kimi Delta Attention's TP-split gates, decays and convolution, its gates' down projections, beside MLA
     and experts; Gemma 4: the global layer's own geometry (values = keys) and the layers' scalar buffers (second
     job PP = 2), with 26B-A4B's MoE block (the dense branch's and experts' norms, the router's scales; EP = 2);
-    gpt-oss's biased experts in the next test."""
+    Apertus: each MLP's xIELU module (its scalars and constants, replicated); Falcon-H1: each layer's Mamba-2 mixer
+    beside its attention (second jobs PP = 2); gpt-oss's biased experts in the next test."""
     from forge_megatron.models.tiny import build_tiny_model
 
     hf = build_tiny_model(str(tmp_path / "hf"), arch=arch, seed=6, with_tokenizer=False)
     ckpt.hf_to_megatron(hf, str(tmp_path / "tp2"), ParallelLayout(tp=2))
     _torchrun(["to-torch-dist", "--mcore-dir", str(tmp_path / "tp2"), "--out", str(tmp_path / "dist")], 2)
     assert os.path.isfile(tmp_path / "dist" / ".metadata")
-    flag, layout = (["--pp", "2"], ParallelLayout(pp=2)) if arch in ("qwen3_5", "gemma4") else \
+    flag, layout = (["--pp", "2"], ParallelLayout(pp=2)) if arch in ("qwen3_5", "gemma4", "apertus", "falcon_h1") else \
         (["--ep", "2"], ParallelLayout(ep=2))
     _torchrun(["from-torch-dist", "--dist-dir", str(tmp_path / "dist"), "--hf-config", hf,
                "--out", str(tmp_path / "ep2"), *flag], 2)
