@@ -13,8 +13,10 @@ from .demo_utils import processes_mentioning
 
 
 # (the served teacher's engine scores the sampled tokens in both modes; with reverse it also records its top-k: that
-# case covers the served path, the trainer-side teacher takes the sampled KL; each run takes a minute on two cores)
-@pytest.mark.parametrize("where,kl", [("trainer", "sampled"), ("served", "reverse")])
+# case covers the served path through every process. The trainer-side teacher and the sampled KL are tested without
+# the whole loop, on one rank and under PP / TP + SP / CP: tests/training/test_distill.py; each run here takes a
+# minute on two cores)
+@pytest.mark.parametrize("where,kl", [("served", "reverse")])
 def test_short_distill_demo_learns_from_a_teacher(tmp_path, where, kl):
     """``--distill``: a second, twice-as-wide SFT model is the teacher; the trainer loads it beside the student
     (``trainer``), or a second forge-engine serves it and the gateway scores each ended episode with it
@@ -52,7 +54,9 @@ def test_short_distill_demo_learns_from_a_teacher(tmp_path, where, kl):
         assert all(loss > 0 and forward > 0 and 0 < mass <= 1.0001 for loss, forward, mass in seen), seen
 
 
-@pytest.mark.parametrize("sync", ["merged", "adapter"])
+# (the default, merged; the adapters alone served by the engine: tests/weight_sync/test_adapter_sync.py and
+# tests/middleware/test_gateway_lora.py, without the whole loop)
+@pytest.mark.parametrize("sync", ["merged"])
 def test_short_lora_demo_serves_the_trained_policy(tmp_path, sync):
     """``--lora-rank 8``: the trainer trains adapters over the frozen SFT model (an entropy bonus gives them a
     gradient whatever the rewards, through ``--train-args``) and syncs every step, W + scaling * B A (``merged``) or

@@ -12,10 +12,10 @@ import pytest
 from .demo_utils import processes_mentioning
 
 
-# (Qwen2.5-VL's and Mistral 3's pictures through the gateway, the engine and the trainer, and a trained Qwen2.5-VL
-# tower reaching the engine, are tested without the whole loop: tests/multimodal/test_trainer_images.py,
+# (Qwen2.5-VL's, Mistral 3's and Kimi-K2.5's pictures through the gateway, the engine and the trainer, and trained
+# towers reaching the engine, are tested without the whole loop: tests/multimodal/test_trainer_images.py,
 # test_mistral3_images.py)
-@pytest.mark.parametrize("arch,tower", [("qwen3_vl", "trained"), ("gemma4_vl", "frozen"), ("kimi_k25", "trained")])
+@pytest.mark.parametrize("arch,tower", [("qwen3_vl", "trained"), ("gemma4_vl", "frozen")])
 def test_short_vision_demo_sends_pictures_through_every_process(tmp_path, arch, tower):
     """``--arch qwen3_vl`` (``gemma4_vl``): the colour task on a tiny Qwen3-VL (Gemma 4) model: the agent sends
     pictures, the gateway normalises and expands them and sends them to the engine, the pool stores them with the
