@@ -1337,15 +1337,25 @@ def sequence_parallel_norms(spec, config, vp_stage: int | None = None):
     :class:`SequenceParallelNorm` wherever it appears, and the final layer norm too when Megatron would build it
     with that wrapper (the layer spec then becomes a block spec of this stage's layers). Norms that support SP
     themselves (Transformer Engine, apex) are kept."""
-    import dataclasses
-
     from megatron.core.transformer import transformer_block as tb
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    if not isinstance(spec, tb.TransformerBlockSubmodules) and tb.LayerNormImpl is WrappedTorchNorm:
+        spec = tb.TransformerBlockSubmodules(layer_specs=[spec] * tb.get_num_layers_to_build(config, vp_stage),
+                                             layer_norm=WrappedTorchNorm)  # the final norm Megatron would build
+    return swap_spec_modules(spec, {WrappedTorchNorm: SequenceParallelNorm})
+
+
+def swap_spec_modules(spec, swaps: dict):
+    """``spec`` (any spec: layer, block, their submodules) with every module class that is a key of ``swaps``
+    replaced by its value, wherever it appears."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     def swap(x):
-        if x is WrappedTorchNorm:
-            return SequenceParallelNorm
+        if isinstance(x, type) and x in swaps:
+            return swaps[x]
         if isinstance(x, ModuleSpec):
             return dataclasses.replace(x, module=swap(x.module), submodules=swap(x.submodules))
         if isinstance(x, list):
@@ -1355,9 +1365,6 @@ def sequence_parallel_norms(spec, config, vp_stage: int | None = None):
                                              if f.init})
         return x
 
-    if not isinstance(spec, tb.TransformerBlockSubmodules) and tb.LayerNormImpl is WrappedTorchNorm:
-        spec = tb.TransformerBlockSubmodules(layer_specs=[spec] * tb.get_num_layers_to_build(config, vp_stage),
-                                             layer_norm=WrappedTorchNorm)  # the final norm Megatron would build
     return swap(spec)
 
 

@@ -84,21 +84,8 @@ class BiasFreeLayerNorm(torch.nn.Module):
 def bias_free_norms(spec):
     """``spec`` (a layer or block spec) with every norm Megatron's local spec builds (its torch-norm wrapper or our
     sequence-parallel one) replaced by :class:`BiasFreeLayerNorm`; a block spec's final norm too."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from forge_megatron.mcore.model import SequenceParallelNorm
+    from forge_megatron.mcore.model import SequenceParallelNorm, swap_spec_modules
 
-    def swap(x):
-        if x is WrappedTorchNorm or x is SequenceParallelNorm:
-            return BiasFreeLayerNorm
-        if isinstance(x, ModuleSpec):
-            return dataclasses.replace(x, module=swap(x.module), submodules=swap(x.submodules))
-        if isinstance(x, list):
-            return [swap(v) for v in x]
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            return dataclasses.replace(x, **{f.name: swap(getattr(x, f.name)) for f in dataclasses.fields(x)
-                                             if f.init})
-        return x
-
-    return swap(spec)
+    return swap_spec_modules(spec, {WrappedTorchNorm: BiasFreeLayerNorm, SequenceParallelNorm: BiasFreeLayerNorm})
