@@ -142,6 +142,20 @@ def lora_params(bridge, lora, tp: int, pp: int, pp_rank: int, vpp: int | None = 
     return (dense, expert) if split else dense + expert
 
 
+def mamba2_bytes(cfg, tp: int, sp: bool) -> float:
+    """Bytes a Mamba-2 mixer (mcore/mamba2.py, bf16: Granite 4.0-H's, Nemotron-H's, Bamba's, Falcon-H1's) keeps per
+    token for its backward on one TP rank, its gated norm and recurrence recomputed: the input projection's input
+    (split by SP), then per channel of the I = heads x head dim width about 26 bytes (x's convolution input and
+    output and the gate z in bf16, the recurrence's output and the skip term in fp32, the norm's saved inputs, the
+    output projection's input), per channel of B and C 9 (their convolution's input and output), per head 12 (the
+    time step and decay in fp32). Fitted to what the layer really keeps at several widths (tests/training/
+    test_plan.py measures it)."""
+    h = cfg.hidden_size
+    width = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    bc = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    return 2 * h / (tp if sp else 1) + (26 * width + 9 * bc + 12 * cfg.linear_num_value_heads) / tp
+
+
 def gated_delta_net_bytes(cfg, tp: int, sp: bool) -> float:
     """Bytes a Gated DeltaNet mixer (mcore/gated_delta_net.py, bf16; Kimi Delta Attention's: mcore/kimi_delta.py)
     keeps per token for its backward on one TP
@@ -151,6 +165,8 @@ def gated_delta_net_bytes(cfg, tp: int, sp: bool) -> float:
     A test compares it with what the layer really keeps (tests/training/test_plan.py)."""
     h = cfg.hidden_size
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if cfg.linear_attention_kind == "mamba2":  # (Mamba-2's own terms)
+        return mamba2_bytes(cfg, tp, sp)
     if cfg.linear_attention_kind == "kimi_delta":  # Kimi Delta Attention (mcore/kimi_delta.py), decays recomputed:
         d = cfg.linear_value_head_dim  # the convolution's input and output, the forget gate's input and b (bf16),
         # the output gate, the rule's output and the output projection's input, the gates' down projection (whole)
@@ -176,7 +192,10 @@ def _activation_bytes(cfg, layers: list[int], moe_layers: int, tokens: float, tp
     # linear-attention layers: their mixer's bytes instead of attention's 11 h / TP
     linear = sum(bool(cfg.linear_attention[layer]) for layer in layers) if cfg.hybrid else 0
     linear_extra = gated_delta_net_bytes(cfg, tp, sp) - 11 * h / tp if linear else 0.0
-    return (dense * per_token + moe_layers * (per_token + moe_extra) + linear * linear_extra) * tokens * in_flight
+    # Falcon-H1: a Mamba-2 mixer beside every layer's attention (its bytes on top of the layer's)
+    beside = len(layers) * gated_delta_net_bytes(cfg, tp, sp) if cfg.mamba_beside_attention else 0.0
+    return (dense * per_token + moe_layers * (per_token + moe_extra) + linear * linear_extra + beside) * tokens * \
+        in_flight
 
 
 def plan(bridge, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, vpp: int | None = None,
