@@ -1731,7 +1731,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
     if family.afmoe:  # sandwich norms, gated attention, windows that rotate beside NoPE layers, sigmoid routing
         types = afmoe_layer_types(hf)
         window = hf.get("sliding_window")
-        rotates = [bool(window) and t == "sliding_attention" for t in types]
+        rotates = [t == "sliding_attention" for t in types]  # (by kind: transformers rotates them windowed or not)
         scale = float(hf.get("route_scale") or 1.0)
         kwargs.update(
             pre_norm=True, post_norm=True, attention_output_gate=True,
