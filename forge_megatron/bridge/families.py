@@ -22,6 +22,14 @@ times ``routed_scaling_factor``); Llama 4's attention temperature scales each qu
 and each layer's experts are two checkpoint tensors, ``experts.gate_up_proj`` [E, 2F, D] (gate rows first) and
 ``experts.down_proj`` [E, D, F]: transformers' own layout, expert e's Megatron weights stacked (``stacked_experts``).
 
+DeepSeek-V2 (``deepseek_v2``: DeepseekV2ForCausalLM; V2-Lite, V2-Lite-Chat, DeepSeek-Coder-V2-Lite): DeepSeek-V3's
+attention (V2-Lite without a query latent: ``q_proj``) and MoE layout with Mistral Small 4's softmax router over all
+experts, no score-correction bias, logits in fp32. transformers keeps the top k probabilities as they are (it reads no
+``norm_topk_prob``: Megatron's pre-softmax top-k) times ``routed_scaling_factor``. ``topk_method``
+``group_limited_greedy`` (V2 / V2.5, 236B) scores a group by its best expert, which Megatron's grouped routing (the
+sum of each group's top few) does not: refused unless every group is chosen; ``norm_topk_prob: true`` is refused
+(transformers ignores it, SGLang renormalises).
+
 gpt-oss (``gpt_oss``): QKV and output projections with biases, a learned sink logit per head (Megatron's
 ``softmax_type="learnable"``: the core attention's ``softmax_offset``), a 128-position sliding window on the layers
 ``layer_types`` marks ``sliding_attention`` (``window_size=(W - 1, 0)`` with a per-layer ``window_attn_skip_freq``
@@ -383,6 +391,10 @@ FAMILIES: dict[str, Family] = {
     # Mistral Small 4 (119B-A6B): DeepSeek-V3's layers with a softmax router, Llama 4's query temperature and
     # stacked experts; released inside Mistral3ForConditionalGeneration (family_of tells it by its text_config)
     "Mistral4ForCausalLM": _MISTRAL4,
+    # DeepSeek-V2 / V2-Lite / Coder-V2-Lite: DeepSeek-V3's layout with a softmax router (fp32 logits, the top k kept
+    # as they are, scaled), no score-correction bias
+    "DeepseekV2ForCausalLM": Family("deepseek_v2", qkv_bias=False, qk_norm=False, moe=True, mla=True,
+                                    softmax_router=True),
     "KimiLinearForCausalLM": Family("kimi_linear", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                     mla=True, kimi_delta=True),
     "MiniMaxM2ForCausalLM": Family("minimax_m2", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True,
@@ -482,6 +494,9 @@ FAMILIES: dict[str, Family] = {
     "Llama4ForCausalLM": Family("llama4", qkv_bias=None, qk_norm=False, moe=True, llama4=True),
     # Ministral 8B (2410): Mistral's layer with sliding-window layers beside full-attention ones (layer_types)
     "MinistralForCausalLM": Family("ministral", qkv_bias=False, qk_norm=False, moe=False),
+    # Meta CWM (Code World Model, 32B): the same, three of every four layers a sliding window (the first of each four
+    # full, where the config names no layer_types), Llama 3's RoPE scaling
+    "CwmForCausalLM": Family("cwm", qkv_bias=False, qk_norm=False, moe=False),
     # Arcee AFM-4.5B: Llama's layer with a plain (not gated) squared-ReLU MLP (up_proj, down_proj)
     "ArceeForCausalLM": Family("arcee", qkv_bias=None, qk_norm=False, moe=False),
     # Llama 4 Scout / Maverick as released: the text model above under language_model.model. (and its head under
@@ -1042,6 +1057,20 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                         "scale the rotated channels only)")
     if family.softmax_router:
         groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+        if family.name == "deepseek_v2":
+            method = hf.get("topk_method") or "greedy"
+            if method not in ("greedy", "group_limited_greedy"):
+                raise UnsupportedModelError(f"topk_method={method!r}: DeepSeek-V2's router chooses greedy or "
+                                            "group_limited_greedy")
+            if method == "group_limited_greedy" and groups > 1 and group_topk < groups:
+                raise UnsupportedModelError(f"topk_method=group_limited_greedy with n_group={groups}, topk_group="
+                                            f"{group_topk}: DeepSeek-V2 scores a group by its best expert, Megatron "
+                                            "by the sum of its best few (V2-Lite's greedy routing is supported)")
+            if hf.get("norm_topk_prob"):
+                raise UnsupportedModelError("norm_topk_prob=true with DeepseekV2ForCausalLM: transformers keeps the "
+                                            "top-k probabilities as they are whatever it says, SGLang renormalises "
+                                            "them (the releases say false)")
+            groups = 1  # (greedy: no grouping whatever n_group says)
         if groups > 1 and group_topk < groups:
             raise UnsupportedModelError(f"n_group={groups}, topk_group={group_topk}: group-limited softmax routing "
                                         "is not supported (transformers scores a group by its top 2 softmax "
@@ -1704,9 +1733,14 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise UnsupportedModelError("attention_bias / mlp_bias are not supported for Apertus (the releases have "
                                         "no biases)")
-    if family.name == "ministral":  # its sliding-window layers (every layer where the config names none)
+    if family.name in ("ministral", "cwm"):  # its sliding-window layers (where the config names none: Ministral's
+        # every layer, CWM's three of every four, as transformers fills them in)
         window = hf.get("sliding_window")
-        types = hf.get("layer_types") or ["sliding_attention" if window else "full_attention"] * hf["num_hidden_layers"]
+        types = hf.get("layer_types")
+        if not types and family.name == "cwm":
+            types = ["full_attention" if i % 4 == 0 or not window else "sliding_attention"
+                     for i in range(hf["num_hidden_layers"])]
+        types = types or ["sliding_attention" if window else "full_attention"] * hf["num_hidden_layers"]
         if not set(types) <= set(LAYER_TYPES):
             raise UnsupportedModelError(f"layer_types {sorted(set(types))}: only sliding_attention and full_attention")
         kwargs["extra"] = {**kwargs.get("extra", {}), **sliding_windows({**hf, "layer_types": types})}
@@ -1912,7 +1946,9 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             },
         )
         if family.softmax_router:
-            kwargs["moe_router_pre_softmax"] = not bool(hf.get("norm_topk_prob", True))
+            kwargs["moe_router_pre_softmax"] = not bool(hf.get("norm_topk_prob", True)) or family.name == "deepseek_v2"
+            if family.name == "deepseek_v2":  # (transformers computes its router logits in fp32)
+                kwargs["extra"] = {**kwargs["extra"], "moe_router_dtype": "fp32"}
     elif family.longcat:
         scaling = float(hf.get("routed_scaling_factor", 1.0) or 1.0)
         d = hf["hidden_size"]

@@ -47,7 +47,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
-         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe")
+         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
+         "deepseek_v2", "cwm")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -496,6 +497,20 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True},
         ),
+        # DeepSeek-V2-Lite layout: multi-latent attention without a query latent (q_proj), YaRN whose two mscales
+        # agree (the softmax scale grows with them), layer 0 dense, a softmax router over all 4 experts (top 2, not
+        # renormalised, times 2.5, logits in fp32) beside 2 shared experts
+        "deepseek_v2": (
+            transformers.DeepseekV2Config,
+            {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8,
+             "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 2, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "first_k_dense_replace": 1, "topk_method": "greedy",
+             "norm_topk_prob": False, "routed_scaling_factor": 2.5,
+             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "mscale": 0.707, "mscale_all_dim": 0.707}},
+        ),
         # Mistral Small 4 layout: DeepSeek-V3's attention (YaRN) with Llama 4's query scaling past position 4, layer 0
         # dense, a softmax router (top-2 of 4, renormalised, scaled) without a score bias, experts stacked on disk
         "mistral4": (
@@ -633,6 +648,13 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
         # Ministral 8B layout: Mistral's with a 4-position window on layer 0, layer 1 full attention
         "ministral": (transformers.MinistralConfig, {"head_dim": 16, "sliding_window": 4,
                                                      "layer_types": ["sliding_attention", "full_attention"]}),
+        # Meta CWM layout: Llama's layer, a 4-position window on three of every four layers (the first full), Llama
+        # 3's RoPE scaling past 8 positions
+        "cwm": (transformers.CwmConfig, {"head_dim": 16, "sliding_window": 4, "num_hidden_layers": 4, "bos_token_id": 1,
+                                         "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0,
+                                                             "factor": 4.0, "low_freq_factor": 1.0,
+                                                             "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 8}}),
         # Arcee AFM layout: Llama's with a plain squared-ReLU MLP (up, down), YaRN past 8 positions
         "arcee": (transformers.ArceeConfig, {"head_dim": 16, "rope_parameters": {
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0}}),

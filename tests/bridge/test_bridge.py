@@ -1286,3 +1286,77 @@ def test_cohere_configs_shaped_like_the_releases():
                             (dict(layer_types=["chunked_attention"] * 8), "layer_types")):
         with pytest.raises(UnsupportedModelError, match=message):
             Bridge({**plus, **change})
+
+
+def _deepseek_v2_lite():
+    """DeepSeek-V2-Lite(-Chat)'s config.json (DeepSeek-Coder-V2-Lite's has the same layout)."""
+    return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+            "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+            "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+            "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False,
+            "scoring_func": "softmax", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+            "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000, "attention_bias": False,
+            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                             "original_max_position_embeddings": 4096, "type": "yarn"},
+            "tie_word_embeddings": False}
+
+
+def test_deepseek_v2_lite_config_as_released():
+    """DeepSeek-V2-Lite: multi-latent attention without a query latent (q_proj), YaRN (factor 40, equal mscales),
+    the first layer dense, 6 of 64 softmax-routed experts kept as they are (Megatron's pre-softmax top-k, fp32
+    logits, no scaling at 1.0, no score-correction bias) beside two shared experts' width."""
+    bridge = Bridge(_deepseek_v2_lite())
+    cfg = bridge.cfg
+    assert bridge.family.name == "deepseek_v2" and cfg.multi_latent_attention and cfg.q_lora_rank is None
+    assert (cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim) == (512, 128, 64, 128)
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 40
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size,
+            cfg.moe_dense_layers, cfg.ffn_hidden_size) == (64, 6, 1408, 2816, 1, 10944)
+    assert cfg.moe_router_pre_softmax and cfg.extra["moe_router_score_function"] == "softmax"
+    assert cfg.extra["moe_router_dtype"] == "fp32" and cfg.extra["moe_router_topk_scaling_factor"] is None
+    assert not cfg.extra.get("moe_router_enable_expert_bias")
+    assert bridge.hf_shape("model.layers.1.self_attn.q_proj.weight") == (16 * 192, 2048)
+    assert bridge.hf_shape("model.layers.1.mlp.gate.weight") == (64, 2048)
+    hf_names = {n for name in bridge.canonical_names() for n in bridge.hf_names(name)}
+    assert "model.layers.1.mlp.gate.weight" in hf_names and "model.layers.1.self_attn.q_proj.weight" in hf_names
+    assert not any("e_score_correction_bias" in n or "q_a_proj" in n for n in hf_names)
+    # DeepSeek-V2 (236B): greedy routing with groups named but unused is V2-Lite's; scaled by 16
+    scaled = Bridge({**_deepseek_v2_lite(), "routed_scaling_factor": 16.0, "n_group": 8, "topk_group": 3})
+    assert scaled.cfg.extra["moe_router_topk_scaling_factor"] == 16.0 and scaled.cfg.extra.get(
+        "moe_router_num_groups") is None
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3}, "best expert"),
+    ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
+    ({"norm_topk_prob": True}, "norm_topk_prob=true"),
+    ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+])
+def test_deepseek_v2_options_megatron_cannot_match_are_refused(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        Bridge({**_deepseek_v2_lite(), **change})
+
+
+@pytest.mark.parametrize("layer_types", [None, "named"])
+def test_cwm_config_as_released(layer_types):
+    """Meta CWM (facebook/cwm): Llama's layer, 64 layers of which every fourth (from the first) attends fully and the
+    others in 8192-position windows, whether the config lists the kinds or leaves them to transformers' default;
+    Llama 3's RoPE scaling (factor 16 past 8192)."""
+    release = {"architectures": ["CwmForCausalLM"], "model_type": "cwm", "vocab_size": 128256, "hidden_size": 6144,
+               "intermediate_size": 21504, "num_hidden_layers": 64, "num_attention_heads": 48,
+               "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 131072,
+               "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": 8192,
+               "rope_parameters": {"rope_theta": 1000000.0, "factor": 16.0, "high_freq_factor": 4.0,
+                                   "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+                                   "rope_type": "llama3"}}
+    kinds = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(64)]
+    if layer_types:
+        release["layer_types"] = kinds
+    cfg = Bridge(release).cfg
+    assert cfg.extra["window_size"] == (8191, 0)
+    assert cfg.extra["window_attn_skip_freq"] == [int(k == "sliding_attention") for k in kinds]
+    assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rotary_base == 1e6
+    assert transformers.CwmConfig(**{k: v for k, v in release.items() if k not in ("architectures",
+                                                                                 "model_type")}).layer_types == kinds

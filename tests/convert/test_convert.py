@@ -29,7 +29,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoehybrid_moe",
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2_moe", "gemma2", "llama4", "arcee",
          "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
-         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe")
+         "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
+         "deepseek_v2", "cwm")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -182,6 +183,7 @@ LAYOUTS = [
     ("flex_olmo", ParallelLayout(tp=2, pp=2, ep=2)),  # OLMo 2's post norms, experts one by one over EP
     # AFMoE: q, gate, k, v fused per query group; the router's bias beside it; the dense layer alone on stage 0
     ("afmoe", ParallelLayout(tp=2, pp=2, ep=2, first=1)),
+    ("deepseek_v2", ParallelLayout(tp=2, pp=2, ep=2)),  # DeepSeek-V2-Lite: q_proj (no query latent), softmax router
     ("lfm2", ParallelLayout(tp=2, pp=2)),  # the short convolution's projection interleaved per channel, split by TP
     ("lfm2_moe", ParallelLayout(tp=2, pp=2, ep=2)),  # a dense short-convolution layer, then experts
 ]

@@ -519,11 +519,11 @@ def test_routed_experts_of_nemotron_h_moe_layers(tmp_path):
 
 
 @pytest.mark.parametrize("arch,layers,top_k", [("granitemoe_swa", 2, 2), ("lfm2_moe", 2, 2), ("cohere2_moe", 3, 2),
-                                              ("afmoe", 3, 2)])
+                                              ("afmoe", 3, 2), ("deepseek_v2", 2, 2)])
 def test_routed_experts_of_granite_lfm2_and_cohere_moe_blocks(tmp_path, arch, layers, top_k):
     """Granite MoE's routers sit under ``block_sparse_moe``, LFM2-MoE's gates under ``feed_forward`` (choosing with
     their bias), Cohere2-MoE's under ``mlp`` beside a shared expert, AFMoE's ``mlp.router`` (choosing with the
-    block's bias): return_routed_experts records each MoE layer's
+    block's bias), DeepSeek-V2's softmax ``mlp.gate``: return_routed_experts records each MoE layer's
     top-k ids (a dense first layer's column -1), the ids the experts of a fresh forward of the same tokens are given
     (the MoE block's own choice, read off the experts module's inputs)."""
     d = build_tiny_model(str(tmp_path / arch), arch=arch, sampling_seed=0)

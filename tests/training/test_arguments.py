@@ -260,6 +260,26 @@ def test_model_arrays_build_gpt_configs():
     assert cfg.add_qkv_bias is True and cfg.num_query_groups == 4  # qwen2.5-7B is last
 
 
+def test_deepseek_v2_lite_script_agrees_with_its_release_config():
+    """scripts/models/deepseek-v2-lite.sh's Megatron flags pass the trainer's check against DeepSeek-V2-Lite's
+    config.json; the router's pre-softmax top-k and fp32 logits (no flag says them) come from the checkpoint; a flag
+    that disagrees is named."""
+    import shlex
+
+    from forge_megatron.bridge import Bridge
+    from forge_megatron.training.trainer import model_config
+    from tests.bridge.test_bridge import _deepseek_v2_lite
+
+    script = os.path.join(ROOT, "scripts", "models", "deepseek-v2-lite.sh")
+    flags = subprocess.run(["bash", "-c", f'source {shlex.quote(script)}; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
+                           capture_output=True, text=True, check=True).stdout.split()
+    cfg = model_config(arguments.parse_args(MINIMAL + flags), Bridge(_deepseek_v2_lite()))
+    assert cfg.moe_router_pre_softmax and cfg.extra["moe_router_dtype"] == "fp32" and cfg.q_lora_rank is None
+    wrong = [f if f != "softmax" else "sigmoid" for f in flags]
+    with pytest.raises(ValueError, match="router: the model flags say"):
+        model_config(arguments.parse_args(MINIMAL + wrong), Bridge(_deepseek_v2_lite()))
+
+
 def test_pool_side_flags_are_checked_against_the_pool(tmp_path):
     from forge_megatron.middleware.pool import DataPool, PoolConfig
 
