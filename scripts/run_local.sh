@@ -33,7 +33,8 @@
 # trained beside the policy, GAE advantages, --critic; CRITIC_CHECKPOINT: its initial weights, default HF_CHECKPOINT;
 # CRITIC_LR, CRITIC_WARMUP_ITERS, GAE_LAMBDA, VALUE_CLIP: --critic-lr, --critic-warmup-iters, --gae-lambda,
 # --value-clip), PPO_MINI_BATCHES / PPO_EPOCHS (optimizer steps per batch, --ppo-mini-batches / --ppo-epochs;
-# PPO_TARGET_KL: --ppo-target-kl). A Gemma 3 vision-language
+# PPO_TARGET_KL: --ppo-target-kl), LONGROPE_FACTORS (long / short: a longrope checkpoint's one factor list for the
+# engines, SGLang pinned by --json-model-override-args, and the trainer). A Gemma 3 vision-language
 # checkpoint starts SGLang with --attention-backend triton (SGLANG_ATTENTION_BACKEND overrides it), as forge.sbatch.
 set -euo pipefail
 DRY_RUN=0
@@ -118,6 +119,14 @@ if grep -qs '"Gemma3ForConditionalGeneration"' "$HF_CHECKPOINT/config.json" || [
 fi
 if [ "$LORA_SYNC" = adapter ]; then
   SGLANG_FLAGS+=(--enable-lora --max-lora-rank "$LORA_RANK" --lora-target-modules all); FORGE_ENGINE_FLAGS+=(--enable-lora)
+fi
+# longrope (Phi-3.5, Phi-4-mini): every engine and the trainer rotate with one factor list (LONGROPE_FACTORS: long or
+# short; default the trainer's, long when the context exceeds the original one); SGLang would switch lists per batch
+LONGROPE_FACTORS="${LONGROPE_FACTORS:-}"
+if grep -Eqs '"(longrope|su)"' "$HF_CHECKPOINT/config.json"; then
+  SGLANG_FLAGS+=(--json-model-override-args "$(python -m forge_megatron.convert.cli longrope-override \
+                 --hf-dir "$HF_CHECKPOINT" ${LONGROPE_FACTORS:+--factors "$LONGROPE_FACTORS"})")
+  [ -n "$LONGROPE_FACTORS" ] && FORGE_ENGINE_FLAGS+=(--longrope-factors "$LONGROPE_FACTORS")
 fi
 # a trained vision tower: no image embedding of an old tower from SGLang's cache after a sync (as forge.sbatch)
 SGLANG_ENV=()
@@ -219,6 +228,7 @@ EXTRA=($EXTRA_TRAIN_ARGS)
 [ "$TP" -gt 1 ] && EXTRA+=(--sequence-parallel)  # with TP (Megatron's MoE layer needs it under TP)
 EXTRA+=(--rollout-temperature "$ROLLOUT_TEMPERATURE")  # the temperature the engines sample (and score) at
 [ -n "$LORA_RANK" ] && EXTRA+=(--lora-rank "$LORA_RANK")
+[ -n "$LONGROPE_FACTORS" ] && EXTRA+=(--longrope-factors "$LONGROPE_FACTORS")
 EXTRA+=(${TEACHER_TRAIN_FLAGS[@]+"${TEACHER_TRAIN_FLAGS[@]}"})
 if [ "$CRITIC" = 1 ] || [ -n "$CRITIC_CHECKPOINT" ]; then  # PPO with a learned critic (docs/training.md)
   EXTRA+=(--critic ${CRITIC_CHECKPOINT:+--critic-hf-checkpoint "$CRITIC_CHECKPOINT"} ${CRITIC_LR:+--critic-lr "$CRITIC_LR"}

@@ -52,8 +52,10 @@ Phi-3 / Phi-4 (``phi3``: Phi3ForCausalLM; Phi-4, Phi-4-reasoning(-plus)): Llama'
 checkpoint tensor (``self_attn.qkv_proj``: all query heads, then all key heads, then all value heads; Megatron's fused
 QKV groups them per key head: the ``qkv_fused`` join) and the MLP's gate and up in one (``mlp.gate_up_proj``, gate rows
 first: Megatron's fc1 as it is); RoPE on the first ``partial_rotary_factor`` of each head. ``longrope`` (Phi-3.5,
-Phi-4-mini) changes its frequencies with the sequence length at run time and is refused (mcore/rope.py), as is a
-``sliding_window`` shorter than the context (Phi-3-mini-4k's 2047).
+Phi-4-mini, Phi-4-mini-reasoning) switches its frequencies with the sequence length at run time; one of its two factor
+lists is chosen for the run and the engines pinned to it (mcore/rope.py; the trainer's and reference engine's
+``--longrope-factors``), its attention factor scaling the rotated channels only (three quarters of each head). A
+``sliding_window`` shorter than the context (Phi-3-mini-4k's 2047) is refused.
 
 Qwen2-MoE (``qwen2_moe``: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases, ``qkv_bias``) and in
 every layer ``num_experts`` softmax-routed experts of ``moe_intermediate_size`` (the top ``num_experts_per_tok``,
@@ -332,7 +334,7 @@ FAMILIES: dict[str, Family] = {
     # softmax router whose top-k probabilities are renormalised
     "MixtralForCausalLM": Family("mixtral", qkv_bias=False, qk_norm=False, moe=True),
     # Phi-3 / Phi-4 (Phi-4 14B, Phi-4-reasoning, -reasoning-plus): Llama's layout with q/k/v fused in qkv_proj and
-    # gate/up in gate_up_proj (see the module docstring); longrope refused
+    # gate/up in gate_up_proj (see the module docstring); longrope with one factor list for the run
     "Phi3ForCausalLM": Family("phi3", qkv_bias=False, qk_norm=False, moe=False),
     # Granite 3.x dense (2B / 8B), Granite 3.x MoE (1B-A400M, 3B-A800M), GraniteMoeShared, and Granite 4.0's
     # attention-only models (GraniteMoeHybrid without Mamba layers: granite-4.0-micro): see the module docstring
@@ -674,7 +676,7 @@ def rope_scaling(hf: dict, layer_type: str = "full_attention") -> dict | None:
         params = rope_parameters(hf, layer_type)
     else:
         params = dict(hf.get("rope_scaling") or rope_parameters(hf) or {})
-    if "original_max_position_embeddings" in hf and rope.rope_type(params) in ("llama3", "yarn"):
+    if "original_max_position_embeddings" in hf and rope.rope_type(params) in ("llama3", "yarn", "longrope"):
         params.setdefault("original_max_position_embeddings", hf["original_max_position_embeddings"])
     try:
         return rope.check(params, hf.get("max_position_embeddings", 4096))
@@ -871,13 +873,10 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise UnsupportedModelError(f"sliding_window={window} is not supported (tree attention sees every ancestor; "
                                     "Mistral-Small 3 / Devstral / Phi-4 configs have none)")
-    # (transformers reads Phi-3's older "su" and "yarn" as longrope too)
-    if family.name == "phi3" and rope.rope_type(hf.get("rope_scaling") or rope_parameters(hf)) in ("longrope", "su",
-                                                                                                     "yarn"):
-        raise UnsupportedModelError("longrope RoPE (Phi-3.5, Phi-4-mini) is not supported: it switches between its "
-                                    "short and long frequency factors with the length of each forward pass (the "
-                                    "engines with that of the whole batch), so no fixed rotation equals it; Phi-4 "
-                                    "and Phi-4-reasoning have plain RoPE")
+    # (transformers reads Phi-3's older "yarn" as longrope too; "su" rope.rope_type reads so itself)
+    if family.name == "phi3" and rope.rope_type(hf.get("rope_scaling") or rope_parameters(hf)) == "yarn":
+        raise UnsupportedModelError("rope_scaling type 'yarn' in a Phi-3 config (transformers reads it as longrope): "
+                                    "write it as longrope")
     if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "gemma4", "mimo_v2_flash",
                                                          "minimax_m3", "phi3", "bamba") \
             and not family.gated_delta \
@@ -1051,10 +1050,6 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                         "exactly when k > 1")
         if hf.get("n_shared_experts", 1) < 1 and not family.minimax and not family.mimo and not family.lfm2:
             raise UnsupportedModelError(f"n_shared_experts=0 is not supported by the {family.name} family")
-        if rope.rope_type(hf.get("rope_scaling") or rope_parameters(hf)) == "yarn" and \
-                partial_rotary(hf) != 1.0:
-            raise UnsupportedModelError("YaRN with partial rotary is not supported (its attention factor would "
-                                        "scale the rotated channels only)")
     if family.softmax_router:
         groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
         if family.name == "deepseek_v2":

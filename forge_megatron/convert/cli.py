@@ -7,6 +7,8 @@
     forge-convert hf-to-fp8 --hf-dir Qwen3-30B-A3B --out Qwen3-30B-A3B-FP8 [--block 128 128]
     forge-convert mxfp4-to-bf16 --hf-dir gpt-oss-20b --out gpt-oss-20b-bf16
     forge-convert int4-to-bf16 --hf-dir Kimi-K2-Thinking --out Kimi-K2-Thinking-bf16
+    forge-convert longrope-override --hf-dir Phi-4-mini-instruct [--factors long]   (JSON for SGLang's
+        --json-model-override-args: every batch rotated with the trainer's factor list)
 
 Megatron checkpoints are written in the per-rank ``torch`` format (``--ckpt-format torch``); for ``torch_dist`` run
 ``torchrun ... -m forge_megatron.convert.torch_dist`` (see docs/conversion.md).
@@ -30,13 +32,14 @@ tower is not trained and is copied on export: mcore-to-hf --vision-from HF_DIR),
 GptOssForCausalLM (gpt-oss, bf16 copies; TP 1), Olmo2ForCausalLM / Olmo3ForCausalLM (OLMo 2 / 3: norms after
 attention and MLP), OlmoHybridForCausalLM (OLMo Hybrid: OLMo 3 attention and Gated DeltaNet layers),
 KimiLinearForCausalLM (Kimi Linear: Kimi Delta Attention and RoPE-less multi-latent attention, DeepSeek-V3's MoE),
-Gemma2ForCausalLM (Gemma 2: soft-capped attention scores and logits), CohereForCausalLM / Cohere2ForCausalLM / Cohere2MoeForCausalLM (Command R, R7B / A, A+: attention and MLP in parallel on one bias-free LayerNorm, NoPE full layers beside rotating windows, experts averaged with a shared expert), ArceeForCausalLM (Arcee AFM: a squared-ReLU MLP), MinistralForCausalLM (Ministral 8B: sliding-window layers), CwmForCausalLM (Meta CWM: three of every four layers sliding windows), GraniteSWAForCausalLM / GraniteMoeSWAForCausalLM (Granite SWA: sliding windows, sinks, a RoPE base per layer), Exaone4_5_ForConditionalGeneration (EXAONE 4.5: its language model; the tower copied on export), Llama4ForCausalLM and, as released, Llama4ForConditionalGeneration (Llama 4 Scout / Maverick: chunked attention, NoPE layers with a temperature, top-1 experts fed scaled inputs; the vision model copied on export), Gemma3ForCausalLM and, as released, Gemma3ForConditionalGeneration (Gemma 3; the SigLIP tower copied on export), Gemma4ForCausalLM and, as released, Gemma4ForConditionalGeneration (Gemma 4 31B, 26B-A4B, E4B, E2B: global layers with their own head size, values = keys, proportional RoPE; experts beside the dense MLP; per-layer inputs, KV sharing; the vision and audio towers copied on export), SmolLM3ForCausalLM (NoPE layers), SeedOssForCausalLM (Seed-OSS), Ernie4_5ForCausalLM / Ernie4_5_MoeForCausalLM (ERNIE 4.5: interleaved RoPE, a softmax router choosing with a score-correction bias), HunYuanDenseV1ForCausalLM / HunYuanMoEV1ForCausalLM (Hunyuan: q/k norms after RoPE, an NTK-alpha RoPE base; a shared MLP beside the experts), OlmoeForCausalLM (OLMoE: q/k norms over all heads, softmax-routed experts), MiMoV2FlashForCausalLM (MiMo-V2-Flash: sliding-window layers with their own key heads and sinks, value heads narrower than the query / key heads, DeepSeek-V3's router without shared experts), MiniMaxM3SparseForConditionalGeneration (MiniMax-M3 as released: block-sparse attention layers whose indexer keeps each query's best blocks, M2's router with a shared expert and scaling, clamped SwiGLU; the vision tower, projector and patch merger copied on export) and MiniMaxM3VLForCausalLM (its language model under transformers' names), LongcatFlashForCausalLM (LongCat-Flash: two multi-latent attention and MLP sublayers per layer as two Megatron layers, a shortcut MoE with zero-computation experts), Dots1ForCausalLM (dots.llm1: GLM-4.5's MoE with per-head q/k norms), SolarOpenForCausalLM (Solar Open: GLM-4.5's MoE in every layer, Llama's attention), MixtralForCausalLM (Mixtral: softmax-routed experts under block_sparse_moe), Phi3ForCausalLM (Phi-4, Phi-4-reasoning: q/k/v and gate/up fused; longrope refused), DeepseekV2ForCausalLM (DeepSeek-V2-Lite, DeepSeek-Coder-V2-Lite: multi-latent attention, a softmax router whose top-k is kept as it is), Qwen2MoeForCausalLM (Qwen1.5-MoE, Qwen2-57B-A14B: a gated shared expert), Exaone4ForCausalLM (EXAONE 4.0: post-norm, sliding layers beside NoPE global ones), ExaoneMoeForCausalLM (K-EXAONE: the same attention, DeepSeek-V3's MoE), YoutuForCausalLM (Youtu-LLM: multi-latent attention, dense MLPs), GraniteForCausalLM / GraniteMoeForCausalLM / GraniteMoeSharedForCausalLM (Granite 3.x: muP-style scales; stacked experts), GraniteMoeHybridForCausalLM (Granite 4.0, and 4.0-H with Mamba-2 layers), NemotronHForCausalLM (Nemotron-H, Nemotron 3 Nano: Mamba-2, attention, MLP and MoE layers), BambaForCausalLM (Bamba: Mamba-2 layers beside attention), ApertusForCausalLM (Apertus: xIELU MLPs with trained scalars, per-head q/k norms), FalconH1ForCausalLM (Falcon-H1 / H1R: attention and Mamba-2 side by side in every layer, muP multipliers), FlexOlmoForCausalLM (FlexOlmo: OLMo 2's post-norm layers with OLMoE's experts), AfmoeForCausalLM (Arcee Trinity: gated attention, sandwich norms, NoPE full layers beside rotating windows, sigmoid-routed experts), Lfm2ForCausalLM / Lfm2MoeForCausalLM (LFM2, LFM2-MoE: gated short convolutions beside attention), Glm4ForCausalLM (GLM-4-0414 / GLM-Z1 dense), Glm4vForConditionalGeneration / Glm4vMoeForConditionalGeneration (GLM-4.1V / 4.6V-Flash, GLM-4.5V / 4.6V: the vision tower copied on export), Glm46VForConditionalGeneration (GLM-4.6V as transformers 5.x holds it, its dense glm4v_text language model); multi-token-prediction layers are left out; block-wise FP8 checkpoints (the DeepSeek-V3, Kimi-K2, MiniMax-M2 releases) are read dequantized. Options the
+Gemma2ForCausalLM (Gemma 2: soft-capped attention scores and logits), CohereForCausalLM / Cohere2ForCausalLM / Cohere2MoeForCausalLM (Command R, R7B / A, A+: attention and MLP in parallel on one bias-free LayerNorm, NoPE full layers beside rotating windows, experts averaged with a shared expert), ArceeForCausalLM (Arcee AFM: a squared-ReLU MLP), MinistralForCausalLM (Ministral 8B: sliding-window layers), CwmForCausalLM (Meta CWM: three of every four layers sliding windows), GraniteSWAForCausalLM / GraniteMoeSWAForCausalLM (Granite SWA: sliding windows, sinks, a RoPE base per layer), Exaone4_5_ForConditionalGeneration (EXAONE 4.5: its language model; the tower copied on export), Llama4ForCausalLM and, as released, Llama4ForConditionalGeneration (Llama 4 Scout / Maverick: chunked attention, NoPE layers with a temperature, top-1 experts fed scaled inputs; the vision model copied on export), Gemma3ForCausalLM and, as released, Gemma3ForConditionalGeneration (Gemma 3; the SigLIP tower copied on export), Gemma4ForCausalLM and, as released, Gemma4ForConditionalGeneration (Gemma 4 31B, 26B-A4B, E4B, E2B: global layers with their own head size, values = keys, proportional RoPE; experts beside the dense MLP; per-layer inputs, KV sharing; the vision and audio towers copied on export), SmolLM3ForCausalLM (NoPE layers), SeedOssForCausalLM (Seed-OSS), Ernie4_5ForCausalLM / Ernie4_5_MoeForCausalLM (ERNIE 4.5: interleaved RoPE, a softmax router choosing with a score-correction bias), HunYuanDenseV1ForCausalLM / HunYuanMoEV1ForCausalLM (Hunyuan: q/k norms after RoPE, an NTK-alpha RoPE base; a shared MLP beside the experts), OlmoeForCausalLM (OLMoE: q/k norms over all heads, softmax-routed experts), MiMoV2FlashForCausalLM (MiMo-V2-Flash: sliding-window layers with their own key heads and sinks, value heads narrower than the query / key heads, DeepSeek-V3's router without shared experts), MiniMaxM3SparseForConditionalGeneration (MiniMax-M3 as released: block-sparse attention layers whose indexer keeps each query's best blocks, M2's router with a shared expert and scaling, clamped SwiGLU; the vision tower, projector and patch merger copied on export) and MiniMaxM3VLForCausalLM (its language model under transformers' names), LongcatFlashForCausalLM (LongCat-Flash: two multi-latent attention and MLP sublayers per layer as two Megatron layers, a shortcut MoE with zero-computation experts), Dots1ForCausalLM (dots.llm1: GLM-4.5's MoE with per-head q/k norms), SolarOpenForCausalLM (Solar Open: GLM-4.5's MoE in every layer, Llama's attention), MixtralForCausalLM (Mixtral: softmax-routed experts under block_sparse_moe), Phi3ForCausalLM (Phi-4, Phi-4-reasoning, Phi-4-mini: q/k/v and gate/up fused; longrope with one factor list per run), DeepseekV2ForCausalLM (DeepSeek-V2-Lite, DeepSeek-Coder-V2-Lite: multi-latent attention, a softmax router whose top-k is kept as it is), Qwen2MoeForCausalLM (Qwen1.5-MoE, Qwen2-57B-A14B: a gated shared expert), Exaone4ForCausalLM (EXAONE 4.0: post-norm, sliding layers beside NoPE global ones), ExaoneMoeForCausalLM (K-EXAONE: the same attention, DeepSeek-V3's MoE), YoutuForCausalLM (Youtu-LLM: multi-latent attention, dense MLPs), GraniteForCausalLM / GraniteMoeForCausalLM / GraniteMoeSharedForCausalLM (Granite 3.x: muP-style scales; stacked experts), GraniteMoeHybridForCausalLM (Granite 4.0, and 4.0-H with Mamba-2 layers), NemotronHForCausalLM (Nemotron-H, Nemotron 3 Nano: Mamba-2, attention, MLP and MoE layers), BambaForCausalLM (Bamba: Mamba-2 layers beside attention), ApertusForCausalLM (Apertus: xIELU MLPs with trained scalars, per-head q/k norms), FalconH1ForCausalLM (Falcon-H1 / H1R: attention and Mamba-2 side by side in every layer, muP multipliers), FlexOlmoForCausalLM (FlexOlmo: OLMo 2's post-norm layers with OLMoE's experts), AfmoeForCausalLM (Arcee Trinity: gated attention, sandwich norms, NoPE full layers beside rotating windows, sigmoid-routed experts), Lfm2ForCausalLM / Lfm2MoeForCausalLM (LFM2, LFM2-MoE: gated short convolutions beside attention), Glm4ForCausalLM (GLM-4-0414 / GLM-Z1 dense), Glm4vForConditionalGeneration / Glm4vMoeForConditionalGeneration (GLM-4.1V / 4.6V-Flash, GLM-4.5V / 4.6V: the vision tower copied on export), Glm46VForConditionalGeneration (GLM-4.6V as transformers 5.x holds it, its dense glm4v_text language model); multi-token-prediction layers are left out; block-wise FP8 checkpoints (the DeepSeek-V3, Kimi-K2, MiniMax-M2 releases) are read dequantized. Options the
 Megatron model cannot compute exactly are refused by name (docs/conversion.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from forge_megatron.bridge import MappingError, ParallelLayout, UnsupportedModelError
@@ -117,11 +120,41 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "compressed-tensors, format pack-quantized (int4, symmetric, groups)")
     p.add_argument("--out", required=True, help="output HF directory (bf16, no quantization_config, the tokenizer)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GiB (default 5)")
+    p = sub.add_parser("longrope-override", help="longrope checkpoint (Phi-3.5, Phi-4-mini) -> the JSON for SGLang's "
+                                                 "--json-model-override-args that pins it to one factor list")
+    p.add_argument("--hf-dir", required=True, help="HF model directory whose config.json has longrope RoPE")
+    p.add_argument("--factors", choices=["long", "short"], default=None,
+                   help="the factor list every token is rotated with: the trainer's --longrope-factors (default: "
+                        "its default, long when the context exceeds the original one)")
     p = sub.add_parser("reshard", help="Megatron torch checkpoint -> the same with another TP/PP/EP layout")
     p.add_argument("--mcore-dir", required=True, help="Megatron checkpoint written by forge-convert")
     p.add_argument("--out", required=True, help="output Megatron checkpoint directory")
     _layout_args(p)
     return parser
+
+
+def longrope_override(hf_dir: str, factors: str | None) -> dict:
+    """``{"rope_scaling": ...}`` (or ``rope_parameters``, as the checkpoint's config.json names it): its longrope
+    entry with both factor lists the ``factors`` one (None: the trainer's default), for SGLang's
+    ``--json-model-override-args``, which otherwise switches lists per batch (mcore/rope.py)."""
+    import os
+
+    from forge_megatron.mcore import rope
+
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--hf-dir {hf_dir!r} has no config.json")
+    with open(path) as f:
+        hf = json.load(f)
+    hf = hf.get("text_config") or hf
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(key) or {}
+    if rope.rope_type(params) != "longrope":
+        raise ValueError(f"{hf_dir} has no longrope RoPE ({key}: {rope.rope_type(params)})")
+    original = params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    checked = rope.check({**params, "original_max_position_embeddings": original, "longrope_factors": factors},
+                         int(hf.get("max_position_embeddings", 4096)))
+    return {key: rope.pinned_longrope(params, checked["longrope_factors"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             s = convert(args.hf_dir, args.out, int(args.max_shard_gb * (1 << 30)))
             print(f"forge-convert: {s['dequantized']} {kind} tensors to bf16 ({s['tensors']} tensors read), "
                   f"{s['bytes_out'] / 2**30:.2f} GiB written")
+        elif args.command == "longrope-override":
+            print(json.dumps(longrope_override(args.hf_dir, args.factors)))
+            return 0
         else:
             checkpoint.reshard(args.mcore_dir, args.out, _layout(args))
     except (MappingError, UnsupportedModelError, ValueError, FileNotFoundError) as exc:

@@ -312,6 +312,16 @@ class GPTConfig:
             if not self.extra.get("window_size") or self.multi_latent_attention:
                 raise ValueError("sliding_rope_scaling needs sliding-window layers (extra window_size) and standard "
                                  "attention")
+        if self.rotated_channels_scale != 1.0:
+            if self.sliding_rope_scaling is not None or self.per_layer_attention or self.qk_norm_after_rope:
+                raise ValueError("a RoPE attention factor (YaRN, longrope) on part of each head is supported with one "
+                                 "RoPE for every layer, one head size and q/k norms (if any) before RoPE")
+        elif self.rotary_percent != 1.0 and self.sliding_rope_scaling is not None and \
+                rope.attention_factor(self.sliding_rope_scaling) != 1.0:
+            raise ValueError("a YaRN attention factor on the sliding layers' RoPE over part of each head is not "
+                             "supported")
+        if self.qk_norm_after_rope and rope.attention_factor(self.rope_scaling) != 1.0:
+            raise ValueError("a RoPE attention factor (YaRN, longrope) with q/k norms after RoPE is not supported")
         if self.multi_latent_attention:
             if self.num_query_groups != self.num_attention_heads:
                 raise ValueError("multi-latent attention has one key/value head per query head: num_query_groups "
@@ -513,6 +523,17 @@ class GPTConfig:
         return self.dsa_index_heads is not None
 
     @property
+    def rotated_channels_scale(self) -> float:
+        """The attention factor of RoPE on part of each head (YaRN, longrope), which scales the rotated channels of
+        queries and keys (rope.scale_rotated_channels); 1 with RoPE on the whole head (a softmax scale stands for it
+        there) and under multi-latent attention."""
+        from forge_megatron.mcore import rope
+
+        if self.multi_latent_attention or self.rotary_percent == 1.0:
+            return 1.0
+        return rope.attention_factor(self.rope_scaling)
+
+    @property
     def rotary_dim(self) -> int:
         """Channels RoPE rotates per head: MLA's positional part, else ``rotary_percent`` of the head."""
         if self.multi_latent_attention:
@@ -585,8 +606,10 @@ def transformer_config(cfg: GPTConfig, **overrides):
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
         sequence_parallel=False,
-        # YaRN's attention factor (whole-head RoPE only: families.py refuses it with partial rotary); else None
-        softmax_scale=rope.softmax_scale(cfg.rope_scaling, cfg.head_dim, cfg.softmax_scale),
+        # YaRN's / longrope's attention factor on whole-head RoPE (on part of each head it scales those channels:
+        # rope.scale_rotated_channels below); else None
+        softmax_scale=cfg.softmax_scale if cfg.rotated_channels_scale != 1.0 else
+        rope.softmax_scale(cfg.rope_scaling, cfg.head_dim, cfg.softmax_scale),
     )
     config_class = TransformerConfig
     if cfg.multi_latent_attention:
@@ -1192,6 +1215,8 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
     from forge_megatron.mcore import rope
 
     rope.apply(model, cfg.rope_scaling, cfg.rotary_base, cfg.rotary_dim)
+    if cfg.rotated_channels_scale != 1.0:
+        rope.scale_rotated_channels(model, cfg.rotated_channels_scale, cfg.rotary_dim)
     if cfg.sliding_rope_scaling is not None:
         rope.apply_to_sliding_layers(model, cfg.sliding_rope_scaling, cfg.rope_scaling, cfg.rotary_base,
                                      cfg.rotary_dim, cfg.head_dim, sliding_base=cfg.sliding_rotary_base,

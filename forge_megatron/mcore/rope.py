@@ -1,4 +1,4 @@
-"""RoPE frequency scaling of Hugging Face checkpoints: ``linear``, ``llama3`` and ``yarn``.
+"""RoPE frequency scaling of Hugging Face checkpoints: ``linear``, ``llama3``, ``yarn`` and ``longrope``.
 
 Long-context checkpoints stretch RoPE by changing its inverse frequencies (Llama 3.1-3.3: ``llama3``; Qwen2.5 / Qwen3
 with a ``rope_scaling`` entry for 128k contexts, and many others: ``yarn``; older ones: ``linear``). The trainer must
@@ -8,14 +8,25 @@ also serves the tree's depth positions unchanged (tree_attention.use_depth_rope 
 multiplies cos and sin by an attention factor m; with RoPE on the whole head that scales every query-key product
 by m^2, which is the softmax scale m^2 / sqrt(head_dim) (:func:`softmax_scale`).
 
-The formulas are the ones of Hugging Face's rope initialisers (``modeling_rope_utils``), which is what the tests
-compare with, token for token. Types whose frequencies depend on the sequence length at run time (``dynamic``,
-``longrope``) are refused (``ValueError``: the bridge reports it as unsupported).
+With RoPE on part of each head (Phi-4-mini, GLM-4, Qwen3.5) the attention factor scales the rotated channels only,
+which no softmax scale expresses: :func:`scale_rotated_channels` multiplies those channels of every query and key
+(after any q/k norm, before the rotation, which is linear) instead.
+
+``longrope`` (Phi-3.5, Phi-4-mini: per-frequency ``short_factor`` and ``long_factor`` divisors, attention factor
+sqrt(1 + ln(s) / ln(original)) for s = max / original positions) switches between its two factor lists with the
+length of the forward pass in transformers (longer than ``original_max_position_embeddings``: long) and with the
+batch in SGLang (any position past it: long, for every request of that batch), so no fixed rotation equals either
+for every sample. Here one list is chosen for the whole run (``longrope_factors``: ``"long"`` or ``"short"``; by
+default long when the model's context exceeds the original one, as vLLM chooses by its context length), and the
+engines must be pinned to the same list (the reference engine is, by the same option; SGLang through
+``--json-model-override-args``, both lists set to the chosen one: :func:`pinned_longrope`). Types whose frequencies
+depend on the sequence length at run time otherwise (``dynamic``) are refused (``ValueError``: the bridge reports it
+as unsupported).
 
 ``params`` below is the HF dict (``rope_scaling`` or transformers 5's ``rope_parameters``): ``rope_type`` (or
 ``type``), ``factor``, and per type ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``
 (llama3, yarn), ``beta_fast``, ``beta_slow``, ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``
-(yarn).
+(yarn), ``short_factor``, ``long_factor``, ``longrope_factors`` (longrope).
 """
 
 from __future__ import annotations
@@ -24,12 +35,14 @@ import math
 
 import torch
 
-SCALED_TYPES = ("linear", "llama3", "yarn")
+SCALED_TYPES = ("linear", "llama3", "yarn", "longrope")
+LONGROPE_FACTORS = ("long", "short")
 
 
 def rope_type(params: dict | None) -> str:
     params = params or {}
-    return params.get("rope_type") or params.get("type") or "default"
+    kind = params.get("rope_type") or params.get("type") or "default"
+    return "longrope" if kind == "su" else kind  # (Phi-3's older name, as transformers reads it)
 
 
 def check(params: dict | None, max_position_embeddings: int) -> dict | None:
@@ -43,6 +56,8 @@ def check(params: dict | None, max_position_embeddings: int) -> dict | None:
                          f"{', '.join(SCALED_TYPES)})")
     out = {k: v for k, v in params.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
     out["rope_type"] = kind
+    if kind == "longrope":
+        return _check_longrope(out, max_position_embeddings)
     factor = out.get("factor")
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
         raise ValueError(f"RoPE scaling {kind!r} needs a positive 'factor', got {factor!r}")
@@ -57,6 +72,46 @@ def check(params: dict | None, max_position_embeddings: int) -> dict | None:
     return out
 
 
+def _check_longrope(out: dict, max_position_embeddings: int) -> dict:
+    """:func:`check` for ``longrope``: both factor lists, the original context, the factor (max / original where the
+    config gives none, as transformers and SGLang take it), the attention factor resolved, the factor list chosen."""
+    for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        if out.get(key) is None:
+            raise ValueError(f"RoPE scaling 'longrope' needs {key!r}")
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(out[key], (list, tuple)) or not out[key] or \
+                not all(isinstance(x, (int, float)) and x > 0 for x in out[key]):
+            raise ValueError(f"RoPE scaling 'longrope': {key} must be a list of positive numbers")
+    if out.get("short_mscale") is not None or out.get("long_mscale") is not None:
+        raise ValueError("RoPE scaling 'longrope' with short_mscale / long_mscale is not supported (transformers "
+                         "applies one attention_factor to both lists, SGLang each list its own)")
+    original = int(out["original_max_position_embeddings"])
+    factor = out.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+    out["factor"] = float(factor)
+    if out.get("attention_factor") is None:
+        out["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    chosen = out.get("longrope_factors")
+    if chosen is None:
+        chosen = "long" if max_position_embeddings > original else "short"
+    if chosen not in LONGROPE_FACTORS:
+        raise ValueError(f"longrope_factors must be one of {LONGROPE_FACTORS}, got {chosen!r}")
+    out["longrope_factors"] = chosen
+    return out
+
+
+def pinned_longrope(params: dict, factors: str) -> dict:
+    """A ``longrope`` config entry (``rope_scaling`` / ``rope_parameters``) whose two factor lists are both the
+    ``factors`` one (``"long"`` / ``"short"``): an engine given it rotates every token alike whatever the length of
+    its forward pass or batch (SGLang: ``--json-model-override-args '{"rope_scaling": ...}'``; the reference engine
+    loads it so)."""
+    if factors not in LONGROPE_FACTORS:
+        raise ValueError(f"longrope factors must be one of {LONGROPE_FACTORS}, got {factors!r}")
+    chosen = list(params[f"{factors}_factor"])
+    return {**params, "short_factor": chosen, "long_factor": list(chosen)}
+
+
 def inv_freq(params: dict | None, base: float, dim: int) -> torch.Tensor:
     """fp32 inverse frequencies [dim / 2] of RoPE with base ``base`` over ``dim`` rotated channels, scaled per
     ``params`` (from :func:`check`; None: plain RoPE)."""
@@ -64,6 +119,12 @@ def inv_freq(params: dict | None, base: float, dim: int) -> torch.Tensor:
     kind = rope_type(params)
     if kind == "default":
         return plain
+    if kind == "longrope":
+        divisors = torch.tensor(params[f"{params['longrope_factors']}_factor"], dtype=torch.float32)
+        if divisors.numel() != dim // 2:
+            raise ValueError(f"RoPE scaling 'longrope': {divisors.numel()} factors for {dim // 2} rotated "
+                             "frequencies")
+        return 1.0 / (divisors * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     factor = float(params["factor"])
     if kind == "linear":
         return plain / factor
@@ -97,7 +158,9 @@ def inv_freq(params: dict | None, base: float, dim: int) -> torch.Tensor:
 
 
 def attention_factor(params: dict | None) -> float:
-    """The factor YaRN multiplies cos and sin by (1 for the other types)."""
+    """The factor YaRN and longrope multiply cos and sin by (1 for the other types)."""
+    if rope_type(params) == "longrope":
+        return float(params["attention_factor"]) if params.get("attention_factor") is not None else 1.0
     if rope_type(params) != "yarn":
         return 1.0
     if params.get("attention_factor") is not None:
@@ -226,6 +289,38 @@ def _scale_latent_queries(model, beta: float, original_max: int) -> None:
         proj = getattr(attention, "linear_q_up_proj", None) or attention.linear_q_proj
         attention.register_forward_pre_hook(positions_of, with_kwargs=True)
         proj.register_forward_hook(functools.partial(scale, attention=attention))
+
+
+def scale_rotated_channels(model, factor: float, rot_dim: int) -> None:
+    """An attention factor on RoPE over part of each head (see the module docstring) in ``model`` (a GPTModel stage,
+    standard attention): every self-attention's queries and keys are multiplied by ``factor`` on their first
+    ``rot_dim`` channels (the ones Megatron rotates) as its ``get_query_key_value_tensors`` returns them, i.e. after
+    the q/k norms and before the rotation. Rotation is linear, so this is cos and sin multiplied by ``factor`` there,
+    as transformers and SGLang compute it; the unrotated channels are left as they are."""
+    import types
+
+    def scaled(t: torch.Tensor) -> torch.Tensor:
+        scale = torch.ones(t.shape[-1], dtype=t.dtype, device=t.device)
+        scale[:rot_dim] = factor
+        return t * scale
+
+    def wrap(attention):
+        inner = attention.get_query_key_value_tensors
+
+        def get_query_key_value_tensors(self, *args, **kwargs):
+            out = inner(*args, **kwargs)
+            if len(out) == 2:  # (Megatron's unsplit fused-QKV path: rope fusion, which forge turns off)
+                raise ValueError("a RoPE attention factor on part of each head needs the split q/k/v path")
+            query, key, *rest = out
+            return (scaled(query), scaled(key), *rest)
+
+        attention.get_query_key_value_tensors = types.MethodType(get_query_key_value_tensors, attention)
+
+    for layer in model.decoder.layers:
+        attention = getattr(layer, "self_attention", None)
+        if attention is not None and hasattr(attention, "get_query_key_value_tensors") and \
+                hasattr(attention, "linear_qkv"):
+            wrap(attention)
 
 
 def leave_out(model, nope_layers) -> None:

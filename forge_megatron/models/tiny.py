@@ -48,7 +48,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
-         "deepseek_v2", "cwm")
+         "deepseek_v2", "cwm", "phi4_mini")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -351,8 +351,19 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
              "sliding_window": None},
         ),
+        # Phi-4-mini layout: Phi-3's below with longrope over 8 original positions (factor 256: attention factor
+        # 1.9 on the rotated channels), short and long divisors for its 6 rotated frequencies, tied embeddings
+        "phi4_mini": (
+            transformers.Phi3Config,
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                 "long_factor": [2.0, 4.0, 6.0, 8.0, 12.0, 24.0],
+                                 "original_max_position_embeddings": 8},
+             "original_max_position_embeddings": 8, "sliding_window": None, "pad_token_id": 0,
+             "tie_word_embeddings": True},
+        ),
         # Phi-3 / Phi-4 layout: Llama's with q/k/v fused in qkv_proj, gate/up in gate_up_proj, RoPE on the first
-        # three quarters of each head (Phi-4-mini's fraction; its longrope is refused)
+        # three quarters of each head (Phi-4-mini's fraction)
         "phi3": (
             transformers.Phi3Config,
             {"rope_parameters": {"rope_type": "default", "rope_theta": 250000.0, "partial_rotary_factor": 0.75},

@@ -191,8 +191,11 @@ class ReferenceEngine:
     """Model, tokenizer and request state; every model touch runs on the single worker thread."""
 
     def __init__(self, model_path: str, context_length: int | None = None, return_routed_experts: bool = False,
-                 lora: dict | None = None):
-        """``lora``: serve LoRA adapters (``--enable-lora``): {max_rank, target_modules} (each may be None)."""
+                 lora: dict | None = None, longrope_factors: str | None = None):
+        """``lora``: serve LoRA adapters (``--enable-lora``): {max_rank, target_modules} (each may be None).
+        ``longrope_factors``: a longrope checkpoint's one factor list ("long" / "short"; None: the trainer's default,
+        mcore/rope.py), which every forward rotates with (transformers would switch lists with each forward's
+        length, so a cached prompt and its continuation would disagree)."""
         from transformers import AutoTokenizer
 
         if not os.path.isdir(model_path):
@@ -211,9 +214,13 @@ class ReferenceEngine:
         compressed = quantization.get("quant_method") == "compressed-tensors"
         self.fp8 = None if compressed else Fp8Config.from_hf(quantization)
         self.int4 = Int4Config.from_hf(quantization) if compressed else None
+        pinned = _pinned_longrope_config(model_path, longrope_factors)
+        extra = {"config": pinned} if pinned is not None else {}
         if self.int4 is None:
-            self.model = load_causal_lm(model_path, dtype=torch.float32).eval()  # Qwen3-VL: its whole model
+            self.model = load_causal_lm(model_path, dtype=torch.float32, **extra).eval()  # Qwen3-VL: its whole model
         else:
+            if pinned is not None:
+                raise ValueError("a longrope checkpoint compressed to int4 is not supported")
             self.model = causal_lm_from_config(model_path, dtype=torch.float32).eval()
             self.load_from_disk(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -1064,6 +1071,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000, help="TCP port (0 picks a free one; the chosen port is printed)")
     p.add_argument("--context-length", type=int, default=None, help="max prompt + new tokens (default: model config)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--longrope-factors", choices=["long", "short"], default=None,
+                   help="longrope checkpoints (Phi-3.5, Phi-4-mini): rotate every forward with this factor list "
+                        "(default: long when the context exceeds the original one; the trainer's "
+                        "--longrope-factors must agree)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="MoE models: record every token's top-k experts per layer, returned to requests that set "
                         "return_routed_experts (SGLang's flag; used for rollout routing replay)")
@@ -1079,6 +1090,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --enable-lora: the HF module names adapters may adapt (q_proj k_proj ...; 'all' or "
                         "unset: any linear), refused otherwise as SGLang does")
     return p
+
+
+def _pinned_longrope_config(model_path: str, factors: str | None):
+    """The checkpoint's transformers config with its longrope factor lists both the chosen one (``factors``; None:
+    long when its context exceeds the original one, as the trainer chooses), or None for another RoPE (``factors``
+    given then: ValueError)."""
+    from transformers import AutoConfig
+
+    from forge_megatron.mcore import rope
+
+    config = AutoConfig.from_pretrained(model_path)
+    text = config.get_text_config()
+    params = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+    if rope.rope_type(params) != "longrope":
+        if factors is not None:
+            raise ValueError(f"--longrope-factors: {model_path} has no longrope RoPE")
+        return None
+    original = params.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings")
+    checked = rope.check({**params, "original_max_position_embeddings": original, "longrope_factors": factors},
+                         int(text.max_position_embeddings))
+    pinned = rope.pinned_longrope(params, checked["longrope_factors"])
+    if getattr(text, "rope_parameters", None) is not None:
+        text.rope_parameters = pinned
+    else:
+        text.rope_scaling = pinned
+    log.info("longrope: every forward rotates with the %s factors", checked["longrope_factors"])
+    return config
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -1099,7 +1137,8 @@ def engine_from_args(args: argparse.Namespace):
         return RewardEngine(args.model_path, context_length=args.context_length)
     lora = {"max_rank": args.max_lora_rank, "target_modules": args.lora_target_modules} if args.enable_lora else None
     return ReferenceEngine(args.model_path, context_length=args.context_length,
-                           return_routed_experts=args.enable_return_routed_experts, lora=lora)
+                           return_routed_experts=args.enable_return_routed_experts, lora=lora,
+                           longrope_factors=getattr(args, "longrope_factors", None))
 
 
 async def serve(engine: ReferenceEngine, host: str, port: int, ready=None) -> None:

@@ -77,6 +77,8 @@ class Critic:
             cargs.min_lr = args.min_lr * cargs.lr / args.lr if args.lr else 0.0
             cargs.lora_rank, cargs.vision_lr = None, None
             cargs.moe_router_bias_update_rate, cargs.dsa_indexer_loss_coeff = None, 0.0
+            if getattr(args, "longrope_factors", None) and "longrope" not in str(self.bridge.cfg.rope_scaling):
+                cargs.longrope_factors = None  # (a critic of another RoPE: the flag names the policy's)
             if not self.bridge.cfg.num_moe_experts:
                 cargs.expert_tensor_parallel_size = None
             self.cfg = model_config(cargs, self.bridge)

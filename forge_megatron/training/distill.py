@@ -100,6 +100,7 @@ class Teacher:
             targs.num_layers, targs.hf_checkpoint = None, self.dir
             targs.moe_router_bias_update_rate, targs.dsa_indexer_loss_coeff = None, 0.0
             targs.recompute_granularity = None
+            targs.longrope_factors = None  # (its own engine's default: the flag names the policy's)
             if not cfg.num_moe_experts:
                 targs.expert_tensor_parallel_size = None
             self.cfg = model_config(targs, self.bridge)

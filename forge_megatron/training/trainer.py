@@ -1586,7 +1586,7 @@ def model_config(args: argparse.Namespace, bridge):
             if name.startswith("dsa_") and not cfg.sparse_attention:
                 continue  # the indexer's sizes (sparse_attention says whether there is one)
             if name == "rope_scaling" and not args.use_rope_scaling and \
-                    (cfg.rope_scaling or {}).get("rope_type") in ("yarn", "linear"):
+                    (cfg.rope_scaling or {}).get("rope_type") in ("yarn", "linear", "longrope"):
                 continue  # no Megatron flag expresses these: the checkpoint's scaling is used
             if name == "router":
                 said, has = _router(flags), _router(cfg)
@@ -1600,6 +1600,14 @@ def model_config(args: argparse.Namespace, bridge):
             if said != has:
                 raise ValueError(f"{name}: the model flags say {said}, the HF checkpoint "
                                  f"{args.hf_checkpoint} has {has}")
+    factors = getattr(args, "longrope_factors", None)
+    if factors is not None:
+        from forge_megatron.mcore import rope
+
+        if rope.rope_type(cfg.rope_scaling) != "longrope":
+            raise ValueError(f"--longrope-factors: {args.hf_checkpoint} has no longrope RoPE (its RoPE scaling: "
+                             f"{rope.rope_type(cfg.rope_scaling)})")
+        cfg = replace(cfg, rope_scaling={**cfg.rope_scaling, "longrope_factors": factors})
     extra = dict(cfg.extra)
     rate = getattr(args, "moe_router_bias_update_rate", None)
     if rate is not None:

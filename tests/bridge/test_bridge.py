@@ -85,8 +85,6 @@ def test_glm4_moe_config_maps_to_megatrons_sigmoid_router_shared_experts_and_den
     ({"n_routed_experts": 8, "n_group": 2, "topk_group": 2}, "topk_group != 2"),
     ({"norm_topk_prob": False}, "norm_topk_prob=False"),
     ({"n_shared_experts": 0}, "n_shared_experts=0"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
-     "YaRN with partial rotary"),
 ])
 def test_glm4_moe_options_megatron_cannot_match_are_refused(change, message):
     with pytest.raises(UnsupportedModelError, match=message):
@@ -795,7 +793,7 @@ def test_mixtral_config_as_released():
 def test_phi4_config_as_released():
     """Phi-4's config.json (microsoft/phi-4, Phi3ForCausalLM): 40 query heads over 10 key heads of 128 channels,
     plain RoPE (base 250000) over the whole head, q/k/v fused in qkv_proj (regrouped per key head: every q row, then
-    every k row, then every v row on disk) and gate/up in gate_up_proj; Phi-4-mini's longrope and Phi-3-mini-4k's
+    every k row, then every v row on disk) and gate/up in gate_up_proj; Phi-4-mini's longrope read; Phi-3-mini-4k's
     sliding window refused by name."""
     released = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "attention_bias": False,
                 "attention_dropout": 0.0, "bos_token_id": 100257, "embd_pdrop": 0.0, "eos_token_id": 100265,
@@ -825,10 +823,7 @@ def test_phi4_config_as_released():
     mini = {**released, "partial_rotary_factor": 0.75, "max_position_embeddings": 131072,
             "original_max_position_embeddings": 4096,
             "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}
-    with pytest.raises(UnsupportedModelError, match="longrope"):
-        Bridge(mini)
-    with pytest.raises(UnsupportedModelError, match="longrope"):  # (transformers reads Phi-3's "yarn" as longrope)
-        Bridge({**mini, "rope_scaling": {**mini["rope_scaling"], "type": "yarn"}})
+    assert Bridge(mini).cfg.rope_scaling["rope_type"] == "longrope"  # (test_phi4_mini_config_as_released)
     assert Bridge({**released, "partial_rotary_factor": 0.75}).cfg.rotary_percent == 0.75
     with pytest.raises(UnsupportedModelError, match="sliding_window=2047"):
         Bridge({**released, "sliding_window": 2047, "max_position_embeddings": 4096})
@@ -1360,3 +1355,35 @@ def test_cwm_config_as_released(layer_types):
     assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rotary_base == 1e6
     assert transformers.CwmConfig(**{k: v for k, v in release.items() if k not in ("architectures",
                                                                                  "model_type")}).layer_types == kinds
+
+
+def test_phi4_mini_config_as_released():
+    """Phi-4-mini(-instruct / -reasoning): Phi-3's layout with RoPE on three quarters of each 128-channel head under
+    longrope (48 short and 48 long divisors, 4096 original positions of 131072: factor 32), the attention factor
+    sqrt(1 + ln 32 / ln 4096) on the rotated channels (not a softmax scale), the long list for the run by default
+    (the context exceeds the original one), tied embeddings; its 262144-position window never bites."""
+    import math
+
+    short, long = [1.0 + 0.01 * i for i in range(48)], [1.0 + 2.0 * i for i in range(48)]
+    release = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 200064, "hidden_size": 3072,
+               "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 24,
+               "num_key_value_heads": 8, "partial_rotary_factor": 0.75, "max_position_embeddings": 131072,
+               "original_max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+               "rope_scaling": {"long_factor": long, "short_factor": short, "type": "longrope"},
+               "sliding_window": 262144, "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False}
+    cfg = Bridge(release).cfg
+    assert cfg.rope_scaling["rope_type"] == "longrope" and cfg.rope_scaling["factor"] == 32.0
+    assert cfg.rope_scaling["longrope_factors"] == "long" and cfg.rotary_percent == 0.75 and cfg.tie_word_embeddings
+    assert cfg.rotated_channels_scale == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    want = 1.0 / (torch.tensor(long) * 10000.0 ** (torch.arange(0, 96, 2).float() / 96))
+    assert torch.allclose(rope_inv_freq(cfg), want)
+    # a model whose context is its original one rotates with the short list
+    assert Bridge({**release, "max_position_embeddings": 4096}).cfg.rope_scaling["longrope_factors"] == "short"
+    with pytest.raises(UnsupportedModelError, match="write it as longrope"):
+        Bridge({**release, "rope_scaling": {**release["rope_scaling"], "type": "yarn"}})
+
+
+def rope_inv_freq(cfg):
+    from forge_megatron.mcore import rope
+
+    return rope.inv_freq(cfg.rope_scaling, cfg.rotary_base, cfg.rotary_dim)

@@ -30,7 +30,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2_moe", "gemma2", "llama4", "arcee",
          "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
-         "deepseek_v2", "cwm")
+         "deepseek_v2", "cwm", "phi4_mini")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -41,6 +41,14 @@ ROPE_SCALED = [
     # DeepSeek-V3 / Kimi-K2 style: YaRN on the rotated channels, softmax scale mscale(factor, mscale_all_dim)^2
     ("deepseek_yarn", "deepseek_v3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                                       "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+    # YaRN on part of each head: its attention factor scales the rotated channels only (rope.scale_rotated_channels;
+    # a softmax scale, as for whole-head RoPE, was 7e-3 / 4e-2 off): GLM-4 (half, q/k/v biases), Qwen3.5 (a quarter,
+    # after zero-centred q/k norms, gated attention)
+    ("glm4_yarn_partial", "glm4", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                   "partial_rotary_factor": 0.5}),
+    ("qwen3_5_yarn_partial", "qwen3_5", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                         "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                                         "mrope_interleaved": True}),
 ]
 
 

@@ -198,7 +198,8 @@ def _body_one_rank(rank, world_size):
                       ("lfm2", "Lfm2ForCausalLM"), ("lfm2_moe", "Lfm2MoeForCausalLM"),
                       ("llama4", "Llama4ForCausalLM"), ("granitemoe_swa", "GraniteMoeSWAForCausalLM"),
                       ("bamba", "BambaForCausalLM"), ("apertus", "ApertusForCausalLM"),
-                      ("flex_olmo", "FlexOlmoForCausalLM"), ("afmoe", "AfmoeForCausalLM")):
+                      ("flex_olmo", "FlexOlmoForCausalLM"), ("afmoe", "AfmoeForCausalLM"),
+                      ("phi4_mini", "Phi3ForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 2: soft-capped attention scores (the tree kernel's softcap; the unmerged samples through the causal
@@ -554,7 +555,7 @@ def test_olmo3_tree_equals_unmerged(one_rank):
                                   "youtu", "granite", "granitemoeshared", "granitemoehybrid_moe",
                                   "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
                                   "lfm2_moe", "llama4", "granitemoe_swa", "bamba", "apertus", "flex_olmo",
-                                  "afmoe"])
+                                  "afmoe", "phi4_mini"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,

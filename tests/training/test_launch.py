@@ -666,3 +666,41 @@ def test_offline_sbatch_dry_run_launches_the_trainer_on_pairs_and_chats(tmp_path
         out = subprocess.run(["bash", OFFLINE_SBATCH, "--dry-run"], capture_output=True, text=True,
                              env={**env, **bad}, timeout=60)
         assert out.returncode == 1 and message in out.stderr, (bad, out.stderr)
+
+
+def test_longrope_checkpoints_pin_sglang_and_the_trainer_to_one_factor_list(tmp_path):
+    """A longrope checkpoint (Phi-4-mini's layout): both launch scripts start SGLang with --json-model-override-args
+    holding the checkpoint's longrope entry with both lists the chosen one (default long; LONGROPE_FACTORS=short: the
+    short list, the trainer and run_local.sh's reference engine told so too); other checkpoints get no override."""
+    import json
+
+    from forge_megatron.models.tiny import build_tiny_model
+
+    ckpt = build_tiny_model(str(tmp_path / "phi4_mini"), arch="phi4_mini", seed=1)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        params = json.load(f)["rope_parameters"]
+
+    def local(**env):
+        return subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_local.sh"), "--dry-run"],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "HF_CHECKPOINT": ckpt, "TASKS": "t.jsonl",
+                                   "AGENT_URL": "http://127.0.0.1:9/", **env})
+
+    # (each run reads the checkpoint with torch imported: one of each script and factor list)
+    for factors, out in (("short", _dry_run(HF_CHECKPOINT=ckpt, LONGROPE_FACTORS="short")),
+                         ("", local(ENGINE="sglang"))):
+        assert out.returncode == 0, out.stderr
+        cmds = _commands(out.stdout)
+        (engine, *_) = [c for c in cmds if "sglang.launch_server" in c]
+        override = json.loads(engine[engine.index("--json-model-override-args") + 1])["rope_parameters"]
+        chosen = params[f"{factors or 'long'}_factor"]
+        assert override["short_factor"] == override["long_factor"] == chosen
+        (trainer,) = [c for c in cmds if "torchrun" in c]
+        assert _trainer_args(trainer).longrope_factors == (factors or None)
+    forge = local(ENGINE="forge", LONGROPE_FACTORS="short")
+    assert forge.returncode == 0, forge.stderr
+    (engine,) = [c for c in _commands(forge.stdout) if "forge_megatron.rollout.engine_server" in c]
+    assert engine[engine.index("--longrope-factors") + 1] == "short"
+    plain = _dry_run(MODEL="qwen3-8B", HF_CHECKPOINT="/models/Qwen3-8B")
+    assert plain.returncode == 0 and "sglang.launch_server" in plain.stdout
+    assert "--json-model-override-args" not in plain.stdout
