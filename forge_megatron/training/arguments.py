@@ -136,12 +136,6 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                           "8192 original positions); the HF checkpoint's own rope_scaling is what the model uses, "
                           "this flag must agree with it. YaRN and linear scaling come from the checkpoint only")
     net.add_argument("--rope-scaling-factor", type=float, default=8.0, help="factor of --use-rope-scaling")
-    net.add_argument("--longrope-factors", choices=["long", "short"], default=None,
-                     help="longrope checkpoints (Phi-3.5, Phi-4-mini): the one factor list every token is rotated "
-                          "with (default: long when the checkpoint's context exceeds its original one, as vLLM "
-                          "chooses). The engines must rotate alike: the reference engine takes the same option; "
-                          "SGLang switches lists per batch unless both are pinned (forge-convert longrope-override "
-                          "prints its --json-model-override-args)")
     net.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     net.add_argument("--add-qkv-bias", action="store_true")
     net.add_argument("--qk-layernorm", action="store_true")
@@ -258,6 +252,12 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 def add_forge_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron ``extra_args_provider``: forge's RL flags in their own group. Returns ``parser``."""
     g = parser.add_argument_group("forge (agent RL)")
+    g.add_argument("--longrope-factors", choices=["long", "short"], default=None,
+                   help="longrope checkpoints (Phi-3.5, Phi-4-mini): the one factor list every token is rotated "
+                        "with (default: long when the checkpoint's context exceeds its original one, as vLLM "
+                        "chooses). The engines must rotate alike: the reference engine takes the same option; "
+                        "SGLang switches lists per batch unless both are pinned (forge-convert longrope-override "
+                        "prints its --json-model-override-args)")
     g.add_argument("--hf-checkpoint", default=None,
                    help="HF model directory: tokenizer, architecture and initial weights (also what engines load)")
     g.add_argument("--pool-addr", default="tcp://127.0.0.1:5555", help="ZeroMQ address of the data pool")

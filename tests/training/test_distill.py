@@ -95,8 +95,9 @@ def test_teacher_logprobs_and_loss_equal_transformers(models, tmp_path):
                                                    extra=flags + extra, nproc=nproc, lr="1e-2")
         assert "teacher for on-policy distillation loaded from" in stdouts[0]
         (step,) = runs[name]
-        for key, value in expect.items():
-            assert step[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, key)
+        for key, value in expect.items():  # (fp32 logprobs of ~5 nats are good to ~5e-7 each; the KL and loss
+            # are means of differences of two of them: 2e-7 off on one machine's vector width, within 1e-7 on another)
+            assert step[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
         assert step["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     for other in ("pp2", "tp2", "cp2"):
         assert runs["one"][0]["grad_norm"] == pytest.approx(runs[other][0]["grad_norm"], rel=1e-5), other

@@ -88,11 +88,14 @@ def _assert_same_grads(ours: dict, model) -> None:
 
 
 def _assert_same_steps(one: list, other: list, name: str, margin: str) -> None:
-    """``other`` (a run in another layout, or resumed) trained ``one``'s steps: loss, gradient norm and ``margin``."""
+    """``other`` (a run in another layout, or resumed) trained ``one``'s steps: loss, gradient norm and ``margin``.
+    (Each Adam step carries the layouts' fp32 round-off into the next: by the 10th of the reward model's steps at lr
+    3e-3 its gradient norms were 1.5e-4 apart under TP = 2 on an AVX2 machine, within 1e-4 on another: 5e-4 from the
+    third step on.)"""
     assert len(other) == len(one), name
-    for a, b in zip(one, other):
+    for i, (a, b) in enumerate(zip(one, other)):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), name
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4 if i < 2 else 5e-4), name
         assert b[margin] == pytest.approx(a[margin], rel=1e-3, abs=1e-5), name
 
 

@@ -128,7 +128,8 @@ def run_layouts(tmp_path, model_dir: str, feed, names, extra=(), iters: int = 2)
 
 def assert_same_as_one_rank(steps: dict, runs, keys=("loss", "grad_norm"), data_parallel=("ep2",)) -> None:
     """Each run in ``runs`` trained the same steps as ``steps["one"]``: ``keys`` equal to fp32 reduction order (the
-    loss, ~1e-2 here, sums O(1) terms that nearly cancel: summed in another order it moves ~1e-7). A run in
+    loss, ~1e-2 here, sums O(1) terms that nearly cancel: summed in another order it moves ~1e-7, and after an Adam
+    step on parameters that differ by round-off up to 7e-7, measured on an AVX2 machine; 1e-6 allowed). A run in
     ``data_parallel`` (EP = 2 runs as DP = 2: its loss and row counts are rank 0's share of the batch) is compared
     by the DP-reduced gradient norm only."""
     import pytest
@@ -137,7 +138,7 @@ def assert_same_as_one_rank(steps: dict, runs, keys=("loss", "grad_norm"), data_
         assert len(steps[other]) == len(steps["one"]), other
         for a, b in zip(steps["one"], steps[other]):
             for key in ("grad_norm",) if other in data_parallel else keys:
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-7 if key == "loss" else 1e-7), (other, key)
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6 if key == "loss" else 1e-7), (other, key)
 
 
 def random_groups(n_groups: int, seed: int, group_size: int = 4) -> list:
