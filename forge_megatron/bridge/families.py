@@ -90,8 +90,10 @@ layer is one sublayer behind its own RMSNorm (``backbone.layers.{i}.norm``, ``.m
 Mamba-2 mixer (mcore/mamba2.py, as Granite 4.0-H's), attention without RoPE, a plain MLP with squared ReLU
 (``up_proj`` / ``down_proj``), or DeepSeek-V3's sigmoid router with a score-correction bias over squared-ReLU experts
 beside a shared one (``moe_shared_expert_intermediate_size``). Megatron builds each as a layer whose other half is
-its identity (GPTConfig ``layer_kinds``), as Megatron's own hybrid models do. Refused by name: ``moe_latent_size``
-(latent expert projections), biases, another activation, a sliding window; its MTP layers are left out.
+its identity (GPTConfig ``layer_kinds``), as Megatron's own hybrid models do. Nemotron 3 Super / Ultra's LatentMoE
+(``moe_latent_size``): the routed experts work in the latent space between ``mixer.fc1_latent_proj`` and
+``mixer.fc2_latent_proj`` (Megatron's own latent MoE; mcore/latent_moe.py without Transformer Engine). Refused by name:
+biases, another activation, a sliding window; its MTP layers are left out.
 
 LFM2 (``lfm2``: Lfm2ForCausalLM, Liquid AI's 350M-2.6B): layers whose mixer is a gated short convolution (``layer_types``
 "conv", or every layer not in ``full_attn_idxs``: ``conv.in_proj`` gives B, C and x, y = C * conv(B * x) over
@@ -1402,7 +1404,7 @@ def nemotron_h_view(hf: dict) -> dict:
     for act, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if hf.get(act, want) != want:
             raise UnsupportedModelError(f"{act}={hf[act]!r} is not supported (Nemotron-H's is {want})")
-    for key in ("moe_latent_size", "attention_bias", "mlp_bias", "mamba_proj_bias", "sliding_window"):
+    for key in ("attention_bias", "mlp_bias", "mamba_proj_bias", "sliding_window"):
         if hf.get(key):
             raise UnsupportedModelError(f"{key}={hf[key]!r} is not supported by the nemotron_h family (its released "
                                         "models have none)")
@@ -1983,6 +1985,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         if family.moe:  # (the sigmoid router's fields above; the shared expert has its own width)
             kwargs["moe_shared_ffn_hidden_size"] = int(hf.get("moe_shared_expert_intermediate_size") or
                                                        hf["moe_intermediate_size"])
+            if hf.get("moe_latent_size"):  # (Nemotron 3 Super / Ultra: LatentMoE, mcore/latent_moe.py)
+                kwargs["moe_latent_size"] = int(hf["moe_latent_size"])
     if family.lfm2 and "conv" in hf["layer_types"]:  # LFM2's gated short convolutions (mcore/short_conv.py)
         kwargs.update(linear_attention=tuple(t == "conv" for t in hf["layer_types"]), linear_attention_kind="short_conv",
                       linear_conv_kernel=int(hf.get("conv_L_cache", 3)), short_conv_bias=bool(hf.get("conv_bias")))

@@ -301,6 +301,9 @@ def _nemotron_h_rules(cfg: GPTConfig, family: Family) -> list[Rule]:
             Rule(LAYER + "mlp.shared_experts.linear_fc2.weight", (mixer + "shared_experts.down_proj.weight",),
                  tp="row", layers="moe"),
         ]
+        if cfg.moe_latent_size is not None:  # (LatentMoE: the projections around the experts, whole on every rank)
+            rules += [Rule(LAYER + f"mlp.{p}_latent_proj.weight", (mixer + f"{p}_latent_proj.weight",), layers="moe")
+                      for p in ("fc1", "fc2")]
     rules.append(Rule("decoder.final_layernorm.weight", ("backbone.norm_f.weight",)))
     if not cfg.tie_word_embeddings:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", "col"))
@@ -1101,6 +1104,11 @@ class Bridge:
                           "k_layernorm.weight": (h,)})
         if self.family.nemotron_h:  # its embedding and final norm's names
             table.update({"embeddings.weight": (self.hf_vocab, d), "norm_f.weight": (d,)})
+            if cfg.moe_latent_size is not None:  # (LatentMoE: the routed experts between the latent projections)
+                latent = cfg.moe_latent_size
+                table.update({"fc1_latent_proj.weight": (latent, d), "fc2_latent_proj.weight": (d, latent)})
+                if ".experts." in hf_name:
+                    table.update({"up_proj.weight": (f, latent), "down_proj.weight": (latent, f)})
         e = cfg.num_moe_experts or 0
         table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),

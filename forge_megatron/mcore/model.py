@@ -104,6 +104,9 @@ class GPTConfig:
     moe_router_pre_softmax: bool = False  # Qwen3-MoE: softmax over all experts then top-k (False), renormalised
     moe_router_topk_renorm: bool = True  # norm_topk_prob in HF Qwen3-MoE
     moe_shared_ffn_hidden_size: int | None = None  # shared experts' MLP width (GLM-4.5); None: no shared experts
+    # LatentMoE (Nemotron 3 Super / Ultra): the routed experts work in this narrower space, projected to it before
+    # dispatch and back after the combine (mcore/latent_moe.py); the router and shared experts read the hidden state
+    moe_latent_size: int | None = None
     moe_dense_layers: int = 0  # the first layers of a MoE model that have a dense MLP (GLM-4.5's first_k_dense)
     # which layers are MoE where dense ones are interleaved with them (Llama 4 Maverick's every other layer); None:
     # all but the first moe_dense_layers
@@ -263,6 +266,11 @@ class GPTConfig:
                 raise ValueError("moe_layer_pattern marks each layer (num_layers of them, one at least) MoE or dense, "
                                  "in a MoE model without moe_dense_layers, layer_kinds, shortcut_moe or linear "
                                  "attention")
+        if self.moe_latent_size is not None and (not self.num_moe_experts or self.moe_latent_size <= 0 or
+                                                 self.moe_beside_dense or self.shortcut_moe or
+                                                 self.moe_softmax_bias_router):
+            raise ValueError("moe_latent_size needs routed experts in Megatron's own MoE layer (no Gemma 4 / "
+                             "LongCat / ERNIE layouts) and must be > 0")
         if self.attention_softcapping is not None:
             if not self.attention_softcapping > 0:
                 raise ValueError(f"attention_softcapping must be > 0 or None, got {self.attention_softcapping!r}")
@@ -675,6 +683,8 @@ def transformer_config(cfg: GPTConfig, **overrides):
             moe_shared_expert_intermediate_size=cfg.ffn_hidden_size if cfg.moe_beside_dense
             else cfg.moe_shared_ffn_hidden_size,
         )
+        if cfg.moe_latent_size is not None:
+            kwargs["moe_latent_size"] = cfg.moe_latent_size
         if cfg.moe_dense_layers:
             kwargs["moe_layer_freq"] = [0] * cfg.moe_dense_layers + [1] * (cfg.num_layers - cfg.moe_dense_layers)
         if cfg.moe_layer_pattern is not None:  # (Llama 4 Maverick: dense and MoE layers interleaved)
@@ -872,6 +882,13 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         spec = _hybrid_block_spec(cfg, spec, pre_norm if cfg.linear_pre_norm else spec, vp_stage)
     if cfg.layer_kinds is not None:  # (Nemotron-H: one sublayer per layer)
         spec = _layer_kinds_spec(cfg, spec, vp_stage)
+    if cfg.moe_latent_size is not None:
+        from forge_megatron.utils import env
+
+        if not env.has_te():  # (Megatron builds the latent projections with TE's TELinear: ours stand in for it)
+            from forge_megatron.mcore.latent_moe import latent_spec
+
+            spec = latent_spec(spec)
     if cfg.qk_norm_after_rope:
         from forge_megatron.mcore.qk_norm import KeyNormAfterRope, QueryNormAfterRope
 

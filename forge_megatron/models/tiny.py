@@ -48,7 +48,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
-         "deepseek_v2", "cwm", "phi4_mini")
+         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -468,6 +468,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             {**nemotron_h, "hybrid_override_pattern": "ME*E", "n_routed_experts": 4, "num_experts_per_tok": 2,
              "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 2.5,
              "n_group": 1, "topk_group": 1, "norm_topk_prob": True},
+        ),
+        # Nemotron 3 Super / Ultra layout: the same with LatentMoE, the routed experts working in a 24-wide latent
+        # space between their own projections (the router and the shared expert read the 64-wide hidden state)
+        "nemotron_h_latent": (
+            transformers.NemotronHConfig,
+            {**nemotron_h, "hybrid_override_pattern": "ME*E", "n_routed_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 2.5,
+             "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "moe_latent_size": 24},
         ),
         # LFM2 layout: a gated short-convolution layer (3 taps) then attention with per-head q/k norms, the MLP's
         # width derived as LFM2 does (2/3 of 144, rounded up to 16: 96), the head tied

@@ -30,7 +30,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2_moe", "gemma2", "llama4", "arcee",
          "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
-         "deepseek_v2", "cwm", "phi4_mini")
+         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -182,6 +182,7 @@ LAYOUTS = [
     # Nemotron-H: one sublayer per layer (the norm the input or the pre-MLP norm by the layer's kind)
     ("nemotron_h", ParallelLayout(tp=2, pp=2)),
     ("nemotron_h_moe", ParallelLayout(tp=2, pp=2, ep=2)),
+    ("nemotron_h_latent", ParallelLayout(tp=2, ep=2)),  # LatentMoE: the latent projections whole on every rank
     # Cohere: one (bias-free) norm per layer, the head tied across two stages; Cohere2-MoE: the dense first layer
     # alone on the first stage, experts one by one over EP, the shared expert split over TP
     ("cohere", ParallelLayout(tp=2, pp=2)), ("cohere2_moe", ParallelLayout(tp=2, pp=2, ep=2, first=1)),

@@ -23,7 +23,7 @@ def _torchrun(args, nproc):
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "minimax_m2", "qwen3_5", "kimi_linear", "gemma4", "gemma4_moe",
-                                  "apertus", "falcon_h1"])
+                                  "apertus", "falcon_h1", "nemotron_h_latent"])
 def test_torch_dist_round_trip_across_layouts(tmp_path, arch):
     """DeepSeek-V3: a dense layer, routed and shared experts and the routers' expert_bias buffers go through
     dist_checkpointing's sharded state dict (the GLM-4.5 and Qwen3-MoE layouts hold nothing more), with
@@ -35,7 +35,8 @@ def test_torch_dist_round_trip_across_layouts(tmp_path, arch):
     and experts; Gemma 4: the global layer's own geometry (values = keys) and the layers' scalar buffers (second
     job PP = 2), with 26B-A4B's MoE block (the dense branch's and experts' norms, the router's scales; EP = 2);
     Apertus: each MLP's xIELU module (its scalars and constants, replicated); Falcon-H1: each layer's Mamba-2 mixer
-    beside its attention (second jobs PP = 2); gpt-oss's biased experts in the next test."""
+    beside its attention (second jobs PP = 2); Nemotron 3 Super's LatentMoE: the latent projections (whole on each
+    rank) around latent experts; gpt-oss's biased experts in the next test."""
     from forge_megatron.models.tiny import build_tiny_model
 
     hf = build_tiny_model(str(tmp_path / "hf"), arch=arch, seed=6, with_tokenizer=False)

@@ -16,7 +16,8 @@ ARCHS = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "minimax
          "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
          "gemma4": "Gemma4ForCausalLM", "gemma4_moe": "Gemma4ForCausalLM",
          "gemma4_e": "Gemma4ForCausalLM", "llama4": "Llama4ForCausalLM", "cohere2_moe": "Cohere2MoeForCausalLM",
-         "apertus": "ApertusForCausalLM", "falcon_h1": "FalconH1ForCausalLM"}
+         "apertus": "ApertusForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
+         "nemotron_h_latent": "NemotronHForCausalLM"}
 
 
 def _hf(arch, **kw):
@@ -76,10 +77,12 @@ def _built_body(rank, world_size, hf, vpp):
     ("apertus", {}, ParallelConfig(tp=2), 2),
     # Falcon-H1: attention and a Mamba-2 mixer in every layer (the mixer's groups, heads and channels split over TP)
     ("falcon_h1", {}, ParallelConfig(tp=2, pp=2), 4),
+    # Nemotron 3 Super's LatentMoE: the latent projections whole on every rank, the experts latent-wide over EP
+    ("nemotron_h_latent", {}, ParallelConfig(tp=2, ep=2, etp=1), 2),
 ], ids=["glm4_moe-tp2pp2", "minimax_m2-ep2", "qwen3_tied-pp2vpp2", "qwen3_5_moe-tp2", "glm4_moe-tp2ep2etp1",
         "glm4_moe-pp3-first1", "kimi_linear-tp2ep2etp1", "gemma4-tp2pp2", "gemma4_moe-tp2ep2etp1", "gemma4_e-tp2",
         "llama4_maverick-tp2pp2", "cohere2_moe-tp2ep2etp1", "apertus-tp2",
-        "falcon_h1-tp2pp2"])
+        "falcon_h1-tp2pp2", "nemotron_h_latent-tp2ep2etp1"])
 def test_parameters_per_rank_are_what_megatron_builds(arch, kw, parallel, world):
     hf = _hf(arch, **kw)
     built = run_distributed(_built_body, world_size=world, parallel=parallel, hf=hf, vpp=parallel.vpp)

@@ -89,6 +89,7 @@ def models(tmp_path_factory):
         "granitemoehybrid_mamba": build_tiny_model(str(root / "granitemoehybrid_mamba"), arch="granitemoehybrid_mamba",
                                                    seed=107),
         "nemotron_h_moe": build_tiny_model(str(root / "nemotron_h_moe"), arch="nemotron_h_moe", seed=109),
+        "nemotron_h_latent": build_tiny_model(str(root / "nemotron_h_latent"), arch="nemotron_h_latent", seed=110),
         "lfm2": build_tiny_model(str(root / "lfm2"), arch="lfm2", seed=113),
         "lfm2_moe": build_tiny_model(str(root / "lfm2_moe"), arch="lfm2_moe", seed=127),
     }
@@ -318,6 +319,8 @@ def _check_synced(results):
     ("granitemoehybrid_mamba", ParallelConfig(tp=2)),
     # Nemotron 3 Nano's layout: backbone.* names, experts one by one into transformers' stacked tensors, over TP and EP
     ("nemotron_h_moe", ParallelConfig(tp=2, ep=2, etp=1)),
+    # Nemotron 3 Super's LatentMoE: the latent projections sent once (whole on every rank), latent experts over EP
+    ("nemotron_h_latent", ParallelConfig(tp=2, ep=2, etp=1)),
     ("lfm2", ParallelConfig(tp=2)),  # the short convolutions' per-channel projection gathered back to [B; C; x]
     ("lfm2_moe", ParallelConfig(ep=2)),  # experts one by one (w1 / w3 / w2) into transformers' fused tensors
     # Llama 4 Maverick's layout: each MoE layer's experts in two transposed tensors gathered over EP, the router and
@@ -350,7 +353,7 @@ def _check_synced(results):
         "tp2-qwen2-5-vl", "ep2-ernie4-5-moe", "tp2-hunyuan-dense", "ep2-hunyuan-moe", "tp2-olmoe",
         "tp2-mimo-v2-flash", "tp2-minimax-m3", "ep2-minimax-m3-text", "tp2ep2etp1-longcat-flash",
         "ep2-mixtral", "tp2-solar-open", "tp2-phi3", "ep2-qwen2-moe", "ep2-exaone-moe", "ep2-granitemoeshared",
-        "tp2-granite-4-h", "tp2ep2etp1-nemotron-h-moe", "tp2-lfm2", "ep2-lfm2-moe", "ep2-llama4", "tp2-gemma2",
+        "tp2-granite-4-h", "tp2ep2etp1-nemotron-h-moe", "tp2ep2etp1-nemotron-h-latent", "tp2-lfm2", "ep2-lfm2-moe", "ep2-llama4", "tp2-gemma2",
         "tp2-granitemoe-swa", "tp2-exaone4-5",
         "tp2ep2etp1-cohere2-moe", "tp2-bamba", "tp2-apertus", "tp2-falcon-h1",
         "tp2ep2etp1-afmoe"])
