@@ -1002,9 +1002,10 @@ def test_nemotron_h_layer_kinds_from_the_released_pattern():
     assert "decoder.layers.{layer}.input_layernorm.weight" not in names  # (an MLP layer: no input norm)
     assert bridge.hf_shape("backbone.layers.0.mixer.in_proj.weight") == (2 * 8192 + 2 * 8 * 128 + 128, 4096)
     assert bridge.hf_shape("backbone.layers.6.mixer.up_proj.weight") == (21504, 4096)
-    moe = Bridge({**dense, "hybrid_override_pattern": "MEMEM*EME", "n_routed_experts": 128,
-                  "num_experts_per_tok": 6, "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
-                  "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True})
+    moe_hf = {**dense, "hybrid_override_pattern": "MEMEM*EME", "n_routed_experts": 128, "num_experts_per_tok": 6,
+              "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "routed_scaling_factor": 2.5,
+              "n_group": 1, "topk_group": 1, "norm_topk_prob": True}
+    moe = Bridge(moe_hf)
     c = moe.cfg
     assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size, c.moe_shared_ffn_hidden_size) == \
         (128, 6, 1856, 3712)
@@ -1013,8 +1014,16 @@ def test_nemotron_h_layer_kinds_from_the_released_pattern():
     assert moe.hf_names("decoder.layers.1.mlp.router.expert_bias") == \
         ["backbone.layers.1.mixer.gate.e_score_correction_bias"]
     assert moe.is_mtp_tensor("mtp.layers.0.mixer.q_proj.weight")
-    with pytest.raises(UnsupportedModelError, match="moe_latent_size"):
-        Bridge({**dense, "moe_latent_size": 1024})
+    # Nemotron 3 Super / Ultra (LatentMoE): routed experts work in the latent width, shared experts in the hidden one
+    latent = Bridge({**moe_hf, "moe_latent_size": 1024})
+    assert latent.cfg.moe_latent_size == 1024 and moe.cfg.moe_latent_size is None
+    assert latent.hf_names("decoder.layers.1.mlp.fc1_latent_proj.weight") == \
+        ["backbone.layers.1.mixer.fc1_latent_proj.weight"]
+    assert latent.hf_shape("backbone.layers.1.mixer.fc1_latent_proj.weight") == (1024, 4096)
+    assert latent.hf_shape("backbone.layers.1.mixer.fc2_latent_proj.weight") == (4096, 1024)
+    assert latent.hf_shape("backbone.layers.1.mixer.experts.0.up_proj.weight") == (1856, 1024)
+    assert latent.hf_shape("backbone.layers.1.mixer.shared_experts.up_proj.weight") == (3712, 4096)
+    assert Bridge({**dense, "moe_latent_size": 1024}).cfg.moe_latent_size is None  # (no MoE layer: nothing latent)
     with pytest.raises(UnsupportedModelError, match="mlp_hidden_act='gelu'"):
         Bridge({**dense, "mlp_hidden_act": "gelu"})
     with pytest.raises(UnsupportedModelError, match=r"layer kinds \['X'\]"):
