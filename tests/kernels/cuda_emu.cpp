@@ -2,7 +2,7 @@
 // tree_attn_mma.cuh: tensor cores), for tests without a GPU.
 //
 // The real kernel source is compiled by the host compiler with a small shim: each CUDA thread of a block is a fiber
-// (ucontext) on one OS thread; __syncthreads waits for the whole block and a warp-collective operation (shuffle,
+// on one OS thread; __syncthreads waits for the whole block and a warp-collective operation (shuffle,
 // mma, ldmatrix) writes its operands, waits for its warp and reads what it needs from the other lanes; a scheduler
 // resumes fibers until all wait, then releases every group whose live members all wait at the same kind of barrier
 // (a divergent barrier aborts as a deadlock).
@@ -18,9 +18,14 @@
 // implementation code, 2 if a kernel wrote shared memory past what its launcher allocates.
 // Layouts as in tree_attn.h: q/o/dq/dO [T, N, H], k/v/dk/dv [T, K, H], sub_end [T], lse/delta [N, T].
 
+// Fibers switch with _setjmp / _longjmp between stacks, which glibc's fortified longjmp (__longjmp_chk) would abort
+// on: fortification off for this file (before any header reads it).
+#undef _FORTIFY_SOURCE
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <algorithm>
@@ -30,6 +35,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -55,19 +61,24 @@ EmuDim emu_thread_idx, emu_block_idx, emu_block_dim, emu_grid_dim;
 #define blockDim emu_block_dim
 #define gridDim emu_grid_dim
 
-// One block at a time; its threads are fibers (ucontext) switched by a scheduler at every barrier.
+// One block at a time; its threads are fibers switched by a scheduler at every barrier. A fiber is entered once
+// through its ucontext (makecontext / setcontext) and from then on switched with _setjmp / _longjmp, which leave the
+// signal mask alone: swapcontext's sigprocmask system call on every switch (two per lane per shuffle) was most of the
+// SIMT kernels' emulation time. Stacks are allocated once and reused by every block.
 namespace emu {
 enum Wait { kRunnable, kWarp, kBlock, kDone };
 constexpr int kStackBytes = 1 << 18;
 
 struct Fiber {
   ucontext_t ctx;
-  std::vector<char> stack;
+  jmp_buf resume;  // where the fiber waits (valid once started)
+  bool started = false;
   Wait wait = kRunnable;
 };
 
 std::vector<Fiber> fibers;
-ucontext_t scheduler;
+std::vector<std::unique_ptr<char[]>> stacks;  // stacks[t]: thread t's, kept across blocks (not zeroed)
+jmp_buf scheduler;
 int current = 0;
 constexpr int kWords = 8;
 // Double-buffered: the c-th warp-collective operation of a lane uses buffer c % 2, so one wait per operation suffices.
@@ -77,7 +88,7 @@ const std::function<void()>* body = nullptr;
 
 void wait_at(Wait kind) {
   fibers[current].wait = kind;
-  swapcontext(&fibers[current].ctx, &scheduler);
+  if (_setjmp(fibers[current].resume) == 0) _longjmp(scheduler, 1);
 }
 
 void sync_block() { wait_at(kBlock); }
@@ -106,7 +117,19 @@ float shuffle(float v, int src_lane) {
 void fiber_main() {
   (*body)();
   fibers[current].wait = kDone;
-}  // returns to the scheduler through uc_link
+  _longjmp(scheduler, 1);  // never returns (the context has no uc_link)
+}
+
+// Run fiber t until it waits or ends. Its own frame holds the _setjmp, so no caller's locals live across the jump.
+__attribute__((noinline)) void resume(int t) {
+  if (_setjmp(scheduler) != 0) return;
+  Fiber& f = fibers[t];
+  if (!f.started) {
+    f.started = true;
+    setcontext(&f.ctx);
+  }
+  _longjmp(f.resume, 1);
+}
 
 // Release a group whose live members all wait at the same barrier kind; false if none can be released.
 bool release(int lo, int hi, Wait kind) {
@@ -128,13 +151,13 @@ void run_block(int threads, const std::function<void()>& kernel) {
   std::fill(exchange_parity, exchange_parity + threads, 0);
   reset_async_copies();
   body = &kernel;
+  while (static_cast<int>(stacks.size()) < threads) stacks.emplace_back(new char[kStackBytes]);
   for (int t = 0; t < threads; ++t) {
     Fiber& f = fibers[t];
-    f.stack.resize(kStackBytes);
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.data();
-    f.ctx.uc_stack.ss_size = f.stack.size();
-    f.ctx.uc_link = &scheduler;
+    f.ctx.uc_stack.ss_sp = stacks[t].get();
+    f.ctx.uc_stack.ss_size = kStackBytes;
+    f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_main, 0);
   }
   for (;;) {
@@ -143,7 +166,7 @@ void run_block(int threads, const std::function<void()>& kernel) {
       if (fibers[t].wait != kRunnable) continue;
       current = t;
       emu_thread_idx = {t, 0, 0};
-      swapcontext(&scheduler, &fibers[t].ctx);
+      resume(t);
       ran = true;
     }
     bool released = release(0, threads, kBlock);
