@@ -2,8 +2,8 @@
 // tree_attn_mma.cuh: tensor cores), for tests without a GPU.
 //
 // The real kernel source is compiled by the host compiler with a small shim: each CUDA thread of a block is a fiber
-// on one OS thread; __syncthreads waits for the whole block and a warp-collective operation (shuffle,
-// mma, ldmatrix) writes its operands, waits for its warp and reads what it needs from the other lanes; a scheduler
+// on one OS thread; __syncthreads waits for the whole block and a warp-collective operation (shuffle, mma, ldmatrix)
+// writes its operands, waits for its warp and reads what it needs from the other lanes; a scheduler
 // resumes fibers until all wait, then releases every group whose live members all wait at the same kind of barrier
 // (a divergent barrier aborts as a deadlock).
 // Tensor-core primitives (FORGE_TREE_ATTN_EMU replaces tree_attn_mma_ptx.cuh): mma.m16n8k16 and ldmatrix x4 (plain
@@ -19,7 +19,7 @@
 // Layouts as in tree_attn.h: q/o/dq/dO [T, N, H], k/v/dk/dv [T, K, H], sub_end [T], lse/delta [N, T].
 
 // Fibers switch with _setjmp / _longjmp between stacks, which glibc's fortified longjmp (__longjmp_chk) would abort
-// on: fortification off for this file (before any header reads it).
+// on: fortification off for this file (before any header reads it; it also holds where the compiler defines it).
 #undef _FORTIFY_SOURCE
 
 #include <cuda_bf16.h>

@@ -64,8 +64,7 @@ def emu(tmp_path_factory):
     if not env.has_nvcc() or cxx is None:
         pytest.skip("needs the CUDA toolkit headers (nvcc installed) and a C++20 compiler")
     lib = tmp_path_factory.mktemp("cuda_emu") / "cuda_emu.so"
-    cmd = [cxx, "-std=c++20", "-O2", "-U_FORTIFY_SOURCE", "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}",
-           f"-I{CSRC}",
+    cmd = [cxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}", f"-I{CSRC}",
            str(Path(__file__).with_name("cuda_emu.cpp")), "-o", str(lib)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
