@@ -20,10 +20,14 @@ import traceback
 from forge_megatron.mcore.parallel import ParallelConfig
 from forge_megatron.utils.ports import free_port  # noqa: F401 (the tests' import point)
 
-# What the ranks' server imports once (a module missing here is imported by each rank as it needs it).
+# What the ranks' server imports once (a module missing here is imported by each rank as it needs it). torch._dynamo:
+# torch imports it at a rank's first optimizer and first meta-tensor op (the memory plan), ~1.5 s of CPU a rank.
 PRELOAD = ["tests.dist_utils", "torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
-           "megatron.core.optimizer", "transformers", "forge_megatron.mcore.parallel", "forge_megatron.mcore.model",
-           "forge_megatron.training.arguments", "forge_megatron.training.trainer"]
+           "megatron.core.optimizer", "transformers", "transformers.modeling_utils", "torch._dynamo",
+           "forge_megatron.mcore.parallel", "forge_megatron.mcore.model", "forge_megatron.training.arguments",
+           "forge_megatron.training.trainer", "forge_megatron.bridge", "forge_megatron.kernels.tree_attention",
+           "forge_megatron.mcore.gated_delta_net", "forge_megatron.middleware.transport",
+           "forge_megatron.weight_sync.syncer"]
 # FORGE_TEST_LAUNCH=exec: run_script starts each rank as its own interpreter (torchrun for several), as a user does
 LAUNCH_ENV = "FORGE_TEST_LAUNCH"
 

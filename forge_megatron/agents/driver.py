@@ -202,7 +202,7 @@ class RolloutDriver:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from forge_megatron.training.arguments import name_float_pairs
+    from forge_megatron.utils.cli import name_float_pairs
 
     p = argparse.ArgumentParser(prog="forge-rollout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

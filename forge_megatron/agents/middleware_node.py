@@ -24,7 +24,7 @@ from forge_megatron.rollout.launch import until_terminated
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from forge_megatron.training.arguments import name_float_pairs
+    from forge_megatron.utils.cli import name_float_pairs
 
     p = argparse.ArgumentParser(prog="forge-node", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -264,8 +264,6 @@ class ImageProcessor:
     def __init__(self, model_dir: str, hf_config: dict | None = None):
         import json
 
-        from transformers import AutoImageProcessor
-
         from forge_megatron.multimodal.families import vision_spec
 
         if hf_config is None:
@@ -275,8 +273,13 @@ class ImageProcessor:
         if not os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
             raise ValueError(f"{model_dir} has no preprocessor_config.json: the image processor images are made with")
         self.kimi = kimi_settings(model_dir) if self.spec.kimi else None
-        # (Kimi-K2.5: patches made here from its settings, see the module docstring)
-        self.hf = None if self.kimi else AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        # (Kimi-K2.5: patches made here from its settings, see the module docstring). transformers' image processors
+        # are imported here, after a text model's config was refused above (seconds of imports it has no use for).
+        self.hf = None
+        if not self.kimi:
+            from transformers import AutoImageProcessor
+
+            self.hf = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
         self.square = self.spec.image_size  # Gemma 3: every image this square (0: the Qwen-VL sizes)
         if self.square:
             size = getattr(self.hf, "size", None) or {}

@@ -17,33 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 from collections.abc import Sequence
 
 from forge_megatron.algo.losses import LOSS_TYPES, NORMS, RECOMMENDED_EPS
+from forge_megatron.utils.cli import name_float_pairs
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 OLD_LOGPROBS = ("rollout", "recompute")
 SYNC_TRANSPORTS = ("distributed", "disk", "none")
-
-
-def name_float_pairs(text: str) -> dict[str, float]:
-    """Parse ``a=1.0,b=-0.5`` into ``{"a": 1.0, "b": -0.5}``; a clear error names the bad item."""
-    out: dict[str, float] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip():
-            raise argparse.ArgumentTypeError(f"expected name=value pairs separated by commas, got {item!r}")
-        try:
-            number = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"value of {name.strip()!r} is not a number: {value!r}") from None
-        if not math.isfinite(number):
-            raise argparse.ArgumentTypeError(f"value of {name.strip()!r} must be finite, got {value!r}")
-        out[name.strip()] = number
-    return out
 
 
 def _url_list(text: str) -> list[str]:
