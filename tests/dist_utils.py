@@ -27,7 +27,8 @@ PRELOAD = ["tests.dist_utils", "torch", "torch.distributed", "megatron.core", "m
            "forge_megatron.mcore.parallel", "forge_megatron.mcore.model", "forge_megatron.training.arguments",
            "forge_megatron.training.trainer", "forge_megatron.bridge", "forge_megatron.kernels.tree_attention",
            "forge_megatron.mcore.gated_delta_net", "forge_megatron.middleware.transport",
-           "forge_megatron.weight_sync.syncer"]
+           "forge_megatron.weight_sync.syncer", "forge_megatron.mcore.tree_attention", "forge_megatron.mcore.forward",
+           "forge_megatron.multimodal.tree", "megatron.core.models.gpt.gpt_layer_specs", "numpy.ma"]
 # FORGE_TEST_LAUNCH=exec: run_script starts each rank as its own interpreter (torchrun for several), as a user does
 LAUNCH_ENV = "FORGE_TEST_LAUNCH"
 

@@ -7,7 +7,24 @@ An agent service answers ``POST / {"task", "base_url", "api_key"}`` with ``{"out
 from __future__ import annotations
 
 import json
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+_http = None  # the one HTTP client every session's openai client sends through (see _shared_http_client)
+_http_lock = threading.Lock()
+
+
+def _shared_http_client():
+    """One ``openai.DefaultHttpxClient`` for the whole service: its connection pool is thread-safe, and a client per
+    session would build a TLS context per episode (the system's CA certificates loaded each time: most of an agent
+    service's CPU in the demo, though it talks plain HTTP)."""
+    global _http
+    with _http_lock:
+        if _http is None:
+            import openai
+
+            _http = openai.DefaultHttpxClient()
+        return _http
 
 
 class JsonHandler(BaseHTTPRequestHandler):
@@ -29,16 +46,15 @@ class JsonHandler(BaseHTTPRequestHandler):
 
     def answer_with(self, base_url: str, api_key: str, solve) -> None:
         """Answer ``{"output": solve(client)}`` with an ``openai.OpenAI`` client of the session (502 when the model
-        call fails)."""
+        call fails). The session's clients share the service's connection pool (not closed here)."""
         import openai
 
-        client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=120.0, max_retries=0)
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=120.0, max_retries=0,
+                               http_client=_shared_http_client())
         try:
             output = solve(client)
         except openai.OpenAIError as exc:
             return self._answer(502, {"error": str(exc)})
-        finally:
-            client.close()
         return self._answer(200, {"output": output})
 
 
