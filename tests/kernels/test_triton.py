@@ -602,13 +602,63 @@ def test_gpu_suffix_queries(H):
         check_suffix_queries(tree_attention_triton, se, N=8, K=2, H=H, device="cuda", atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,head_dim,window,key_end,split,softcap,chunk", [
-    ("bf16", "128", None, False, False, 0, 0), ("fp32", "64", None, False, False, 0, 0),
-    ("bf16", "192x128", None, False, False, 0, 0), ("bf16", "64", 128, False, False, 0, 0),
-    ("bf16", "128", None, True, False, 0, 0), ("bf16", "512", None, False, False, 0, 0),
-    ("bf16", "128", None, False, True, 0, 0), ("bf16", "256", None, False, False, 50.0, 0),
-    ("bf16", "128", None, False, False, 0, 8192)])
-def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end, split, softcap, chunk):
+SM90_CASES = [("bf16", "128", None, False, False, 0, 0), ("fp32", "64", None, False, False, 0, 0),
+              ("bf16", "192x128", None, False, False, 0, 0), ("bf16", "64", 128, False, False, 0, 0),
+              ("bf16", "128", None, True, False, 0, 0), ("bf16", "512", None, False, False, 0, 0),
+              ("bf16", "128", None, False, True, 0, 0), ("bf16", "256", None, False, False, 50.0, 0),
+              ("bf16", "128", None, False, False, 0, 8192)]
+
+
+def _sm90_argv(dtype, head_dim, window, key_end, split, softcap, chunk) -> list[str]:
+    return ["--dtypes", dtype, "--head-dims", head_dim, "--resources",
+            *(["--sinks-window", str(window)] if window else []), *(["--key-end"] if key_end else []),
+            *(["--dkdv-split"] if split else []), *(["--softcap", str(softcap)] if softcap else []),
+            *(["--chunk", str(chunk)] if chunk else [])]
+
+
+@pytest.fixture(scope="module")
+def sm90(tmp_path_factory):
+    """{run name: its output lines}: every sm_90 compilation of this file (the parametrized cases, the pipelining
+    stages, the split heads) in one triton_aot.py process, as a GPU-less machine compiles them (without
+    TRITON_INTERPRET); a run that failed has its error and traceback as its lines."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    runs = {f"case{i}": {"argv": _sm90_argv(*case)} for i, case in enumerate(SM90_CASES)}
+    for stages in (2, 3):  # test_kernel_loads_are_pipelined
+        runs[f"stages{stages}"] = {"argv": ["--dtypes", "bf16", "--head-dims", "128"], "env": {
+            triton_kernel.TILES_ENV: f"fwd=128x64x8x{stages},dq=128x64x8x{stages},dkdv=32x64x8x{stages}"}}
+    for split in ("0", "1"):  # test_split_head_kernels_compile_for_sm90_and_need_less
+        runs[f"split{split}"] = {"argv": ["--dtypes", "bf16", "--head-dims", "192x128"],
+                                 "env": {triton_kernel.SPLIT_HEAD_ENV: split}}
+    batch = tmp_path_factory.mktemp("sm90") / "runs.json"
+    batch.write_text(json.dumps(runs))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", triton_kernel.TILES_ENV, triton_kernel.SPLIT_HEAD_ENV,
+                        triton_kernel.DKDV_SPLIT_ENV)}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_aot.py")), "--batch", str(batch)],
+                          capture_output=True, text=True, timeout=1200, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {name: [] for name in runs}
+    for line in proc.stdout.splitlines():
+        name, _, rest = line.partition(" ")
+        out[name].append(rest)
+    return out
+
+
+def _compiled(sm90, name) -> list[str]:
+    """A run's lines, or its error as a failure."""
+    lines = sm90[name]
+    assert lines and lines[0] != "! ERROR", "\n".join(lines)
+    return lines
+
+
+@pytest.mark.parametrize("case", range(len(SM90_CASES)),
+                         ids=["-".join(str(x) for x in case) for case in SM90_CASES])
+def test_kernels_compile_for_sm90_without_gpu(sm90, case):
     """The GPU code path (native low-precision tl.dot, ieee fp32 dots) lowers to a cubin: TTIR -> PTX -> ptxas;
     with key_end: the bidirectional blocks' variants (HAS_KEY_END, full tiles included: no window); with split, dK/dV
     per query head (fp32 atomics, FORGE_TREE_ATTN_DKDV_SPLIT); with softcap: Gemma 2's soft-capped scores (its heads
@@ -616,52 +666,30 @@ def test_kernels_compile_for_sm90_without_gpu(dtype, head_dim, window, key_end, 
     chunk: Llama 4's chunked attention (heads of 128, chunks of 8192). Each kernel's
     shared memory fits an H100 / H200 SM (227 KiB a block): Gemma 4's heads of 512 need their 32 x 32 tiles for
     that, 64 x 64 ones would take over 260 KiB in the backward; bf16 kernels spill no registers."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).with_name("triton_aot.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    extra = (["--sinks-window", str(window)] if window else []) + (["--key-end"] if key_end else []) + \
-        (["--dkdv-split"] if split else []) + (["--softcap", str(softcap)] if softcap else []) + \
-        (["--chunk", str(chunk)] if chunk else [])
-    proc = subprocess.run([sys.executable, str(script), "--dtypes", dtype, "--head-dims", head_dim, "--resources",
-                           *extra], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    names = {line.split()[2] for line in proc.stdout.splitlines()}
+    dtype, head_dim = SM90_CASES[case][:2]
+    lines = _compiled(sm90, f"case{case}")
+    names = {line.split()[2] for line in lines}
     assert names == {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
-    shared = [int(re.search(r"shared=(\d+)", line).group(1)) for line in proc.stdout.splitlines()]
-    assert max(shared) <= 227 * 1024, proc.stdout
-    stacks = [re.search(r" regs=\d+ stack=(\d+)$", line) for line in proc.stdout.splitlines()]
-    assert all(stacks), proc.stdout
+    shared = [int(re.search(r"shared=(\d+)", line).group(1)) for line in lines]
+    assert max(shared) <= 227 * 1024, lines
+    stacks = [re.search(r" regs=\d+ stack=(\d+)$", line) for line in lines]
+    assert all(stacks), lines
     if dtype == "bf16":  # untimed default tiles were chosen so that ptxas spills no registers; heads of 128 take the
         # fastest measured on an H200, whose small spills (to L1-cached local memory) did not slow them
         allowed = 256 if head_dim == "128" else 0
-        assert all(int(m.group(1)) <= allowed for m in stacks), proc.stdout
+        assert all(int(m.group(1)) <= allowed for m in stacks), lines
 
 
-def test_kernel_loads_are_pipelined():
+def test_kernel_loads_are_pipelined(sm90):
     """The loads inside each kernel's loops are software-pipelined (cp.async into multi-buffered shared memory): its
     shared memory grows with the pipeline stages. A data-dependent branch around the loads inside the loop (as the
     kernels once tested each tile for emptiness) stops that, and then the stages change nothing."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).with_name("triton_aot.py")
-    shared = {}
-    for stages in (2, 3):
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env[triton_kernel.TILES_ENV] = f"fwd=128x64x8x{stages},dq=128x64x8x{stages},dkdv=32x64x8x{stages}"
-        proc = subprocess.run([sys.executable, str(script), "--dtypes", "bf16", "--head-dims", "128"],
-                              capture_output=True, text=True, timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        shared[stages] = {line.split()[2]: int(re.search(r"shared=(\d+)", line).group(1))
-                          for line in proc.stdout.splitlines()}
+    shared = {stages: {line.split()[2]: int(re.search(r"shared=(\d+)", line).group(1))
+                       for line in _compiled(sm90, f"stages{stages}")} for stages in (2, 3)}
     # one more stage: one more buffer of each tile loaded in the loop (bf16, 128-wide heads)
     for kernel, rows in (("_fwd_kernel", 64), ("_bwd_dq_kernel", 64), ("_bwd_dkdv_kernel", 32)):  # K, V / Q, dO
         assert shared[3][kernel] - shared[2][kernel] >= 2 * rows * 128 * 2, (kernel, shared)
@@ -734,23 +762,12 @@ def test_split_heads_match_the_reference(monkeypatch):
         triton_kernel.head_split()
 
 
-def test_split_head_kernels_compile_for_sm90_and_need_less():
+def test_split_head_kernels_compile_for_sm90_and_need_less(sm90):
     """Multi-latent attention's 192-channel heads split 128 + 64 compile for sm_90 (bf16, as the JIT specialises)
     and need less shared memory than the same kernels padded to 256 channels, each of the three."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).with_name("triton_aot.py")
-    shared = {}
-    for split in ("0", "1"):
-        env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, triton_kernel.SPLIT_HEAD_ENV: split}
-        proc = subprocess.run([sys.executable, str(script), "--dtypes", "bf16", "--head-dims", "192x128"],
-                              capture_output=True, text=True, timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        shared[split] = {line.split()[2]: int(re.search(r"shared=(\d+)", line).group(1))
-                         for line in proc.stdout.splitlines()}
+    shared = {split: {line.split()[2]: int(re.search(r"shared=(\d+)", line).group(1))
+                      for line in _compiled(sm90, f"split{split}")} for split in ("0", "1")}
     assert set(shared["1"]) == {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
     assert all(shared["1"][k] < shared["0"][k] for k in shared["1"]), shared

@@ -10,6 +10,10 @@ Triton ships).
 
   python tests/kernels/triton_aot.py [--arch 90] [--dtypes bf16 fp32] [--head-dims 64 128 192x128 512] [--key-end]
       [--dkdv-split] [--resources]
+  python tests/kernels/triton_aot.py --batch FILE   # FILE: JSON {"name": {"argv": [...], "env": {...}}, ...}
+
+--batch compiles several such runs in one process (the tests' ~4 s of imports paid once): each run's lines are
+prefixed with its name, and a run that fails prints ``NAME ! ERROR`` and its traceback's lines instead.
 
 A head dim ``HxHV`` compiles query/key heads of H channels with value heads of HV (multi-latent attention).
 """
@@ -84,9 +88,10 @@ def resources(kernel) -> str:
     return f"regs={usage['REG']} stack={usage['STACK']}"
 
 
-def compile_gated_delta(shapes: list[str], arch: int) -> None:
+def compile_gated_delta(shapes: list[str], arch: int) -> list[str]:
     from forge_megatron.kernels import gated_delta_triton as gt
 
+    lines = []
     for shape in shapes:  # DKxDVxC[r|p][/BV]: r, a decay per key channel (Kimi Delta Attention's PER_ROW); p, the plain
         # rule (Mamba-2: no correction term, HAS_W off); BV, the value block a launch of few programs narrows to
         shape, _, narrow = shape.partition("/")
@@ -105,10 +110,12 @@ def compile_gated_delta(shapes: list[str], arch: int) -> None:
             src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
             kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                     options=gt.launch_options(bk, bv))
-            print(f"fp32 {shape}{'/' + narrow if narrow else ''} {fn.fn.__name__} shared={kernel.metadata.shared}")
+            lines.append(f"fp32 {shape}{'/' + narrow if narrow else ''} {fn.fn.__name__} "
+                         f"shared={kernel.metadata.shared}")
+    return lines
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "fp32"], choices=sorted(COMPUTE))
@@ -128,12 +135,47 @@ def main() -> None:
     p.add_argument("--gated-delta", nargs="+", default=None, metavar="DKxDVxC",
                    help="instead: the gated delta rule's scan kernels (kernels/gated_delta_triton.py) for key dim DK, "
                         "value dim DV and chunk C (fp32), e.g. 128x128x64")
-    args = p.parse_args()
+    p.add_argument("--batch", default=None, metavar="FILE",
+                   help="instead: the runs named in this JSON file, {name: {argv: [...], env: {...}}}, in one process")
+    return p
+
+
+def run_batch(path: str) -> None:
+    import json
+    import traceback
+
+    with open(path) as f:
+        runs = json.load(f)
+    for name, run in runs.items():
+        saved = {k: os.environ.get(k) for k in run.get("env", {})}
+        os.environ.update(run.get("env", {}))
+        try:
+            lines = compile_run(build_parser().parse_args(run["argv"]))
+        except BaseException:  # noqa: BLE001 - reported under the run's name, the others still compiled
+            lines = ["! ERROR", *(f"! {line}" for line in traceback.format_exc().splitlines())]
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        for line in lines:
+            print(f"{name} {line}", flush=True)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter cannot compile kernels for a GPU target")
-    if args.gated_delta:
-        compile_gated_delta(args.gated_delta, args.arch)
+    if args.batch:
+        run_batch(args.batch)
         return
+    for line in compile_run(args):
+        print(line)
+
+
+def compile_run(args) -> list[str]:
+    """The output lines of one run (its parsed arguments)."""
+    if args.gated_delta:
+        return compile_gated_delta(args.gated_delta, args.arch)
+    lines = []
     for dtype in args.dtypes:
         for dims in args.head_dims:
             H, _, HV = dims.partition("x")
@@ -153,7 +195,8 @@ def main() -> None:
                 kernel = compile_kernel(fn, dtype, constexprs, args.arch, options, aligned)
                 usage = f" {resources(kernel)}" if args.resources else ""
                 tiles = "x".join(str(x) for x in cfg["tiles"][name])
-                print(f"{dtype} {dims} {fn.fn.__name__} shared={kernel.metadata.shared} tiles={tiles}{usage}")
+                lines.append(f"{dtype} {dims} {fn.fn.__name__} shared={kernel.metadata.shared} tiles={tiles}{usage}")
+    return lines
 
 
 if __name__ == "__main__":
