@@ -19,6 +19,42 @@ if not _env.has_cuda():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _patch_the_language_once() -> None:
+    """Triton's interpreter patches the ``triton.language`` modules a ``@triton.jit`` function's globals hold (its
+    builtins replaced by the interpreter's) at every call of a jit helper from inside a kernel, never restoring them
+    (a launch restores only its own patches): ``inspect.getmembers`` over those modules each time, though after
+    the first call they are patched already and the patching changes nothing. That was ~20 % of the kernel tests'
+    time. Here such a call skips the patching when every language module in the helper's globals is patched
+    already (its ``full`` no longer a builtin); everything else is Triton's own. Left alone where Triton's
+    interpreter does not look like this."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch, scope = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_LangPatchScope", None)
+    is_builtin = getattr(tl.core, "is_builtin", None)
+    if patch is None or scope is None or is_builtin is None or not all(
+            is_builtin(getattr(m, "full", None)) for m in (tl, tl.core)):
+        return
+
+    def patch_lang(fn):
+        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+        if langs and not any(is_builtin(m.full) for m in langs):  # patched already: nothing would change
+            return scope()
+        return patch(fn)
+
+    interpreter._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once()
+
+
 def pytest_collection_modifyitems(config, items):
     from forge_megatron.utils import env
 
