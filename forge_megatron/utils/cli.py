@@ -1,5 +1,5 @@
-"""Argument types shared by the command lines, in a module light enough for the processes that import no torch
-(the rollout driver, the middleware node's parser)."""
+"""Argument types shared by the command lines, in a module that imports no torch (the rollout driver's process
+imports none; training/arguments.py imports torch through the losses)."""
 
 import argparse
 import math

@@ -68,7 +68,8 @@ def test_short_moe_demo_replays_the_engines_routing(tmp_path):
     router replays in tests/training and tests/middleware/test_gateway_resume.py.)"""
     out = tmp_path / "moe_run"
     cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--moe", "glm4_moe", "--out", str(out), "--steps", "2",
-           "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400", "--eval-tasks", "0"]
+           "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400",
+           "--eval-tasks", "0"]  # (the held-out eval: the first test)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "[demo] routing replay:" in proc.stdout
@@ -85,7 +86,8 @@ def test_short_fp8_demo_serves_and_syncs_fp8_weights(tmp_path):
     the FP8 rounding (far above fp32 noise, far below a different model); the partial-rollout counters are reported."""
     out = tmp_path / "fp8_run"
     cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--fp8", "--out", str(out), "--steps", "2",
-           "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400", "--eval-tasks", "0"]
+           "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400",
+           "--eval-tasks", "0"]  # (the held-out eval: the first test)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "FP8 copy for the engine" in proc.stdout and "[demo] partial rollout:" in proc.stdout
