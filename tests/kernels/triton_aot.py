@@ -153,22 +153,14 @@ def run_batch(path: str) -> None:
             lines = compile_run(build_parser().parse_args(run["argv"]))
         except BaseException:  # noqa: BLE001 - reported under the run's name, the others still compiled
             lines = ["! ERROR", *(f"! {line}" for line in traceback.format_exc().splitlines())]
-        finally:
+        finally:  # the environment as it was, for the next run
             for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
         for line in lines:
             print(f"{name} {line}", flush=True)
-
-
-def main() -> None:
-    args = build_parser().parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("unset TRITON_INTERPRET: the interpreter cannot compile kernels for a GPU target")
-    if args.batch:
-        run_batch(args.batch)
-        return
-    for line in compile_run(args):
-        print(line)
 
 
 def compile_run(args) -> list[str]:
@@ -197,6 +189,17 @@ def compile_run(args) -> list[str]:
                 tiles = "x".join(str(x) for x in cfg["tiles"][name])
                 lines.append(f"{dtype} {dims} {fn.fn.__name__} shared={kernel.metadata.shared} tiles={tiles}{usage}")
     return lines
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter cannot compile kernels for a GPU target")
+    if args.batch:
+        run_batch(args.batch)
+        return
+    for line in compile_run(args):
+        print(line)
 
 
 if __name__ == "__main__":
