@@ -63,6 +63,14 @@ renormalised only with ``norm_topk_prob``: released without) beside one ``shared
 ``shared_expert_intermediate_size`` behind a sigmoid gate (``shared_expert_gate``: Megatron's shared-expert gate, as
 Qwen3.5-MoE's).
 
+A.X K1 (``axk1``: AXK1ForCausalLM, SK Telecom's 519B-A33B): DeepSeek-V3's layers with an RMSNorm on each MoE layer's
+output before the residual adds it (``post_mlp_layernorm``: ``moe_output_norm``, mcore/post_norm.py); the release
+stores one for the dense layers too, unused (left out), and has no score-correction bias (zeros).
+MiniCPM5-MoE (``minicpm5_moe``): Llama's attention with Qwen3.5's sigmoid gate per query channel (``q_proj`` holds
+each head's queries then its gate) and DeepSeek-V3's MoE (an fp32 sigmoid router with a score-correction bias).
+Mellum 2 (``mellum``): Qwen3-MoE's layers with OLMo 3's sliding-window layers (their own RoPE base) beside full ones
+and dense MLPs where ``mlp_layer_types`` says (Megatron's MoE layer pattern); its MTP layer (``mtp.*``) left out.
+
 EXAONE 4.0 (``exaone4``: Exaone4ForCausalLM, 32B and 1.2B) and K-EXAONE (``exaone_moe``: ExaoneMoeForCausalLM,
 236B-A23B): per-head q/k RMSNorms before RoPE; with a ``sliding_window``, the layers ``layer_types`` (or
 ``sliding_window_pattern``: every n-th layer, or a string such as "LLLG", global) marks ``sliding_attention`` see the
@@ -392,6 +400,15 @@ FAMILIES: dict[str, Family] = {
                                    mla=True, dsa=True),
     "Glm4MoeLiteForCausalLM": Family("glm4_moe_lite", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
                                      mla=True),
+    # A.X K1 (SK Telecom, 519B-A33B): DeepSeek-V3's layers with an RMSNorm on each MoE layer's output
+    # (post_mlp_layernorm; the release stores one for the dense layers too, unused) and, as released, no
+    # score-correction bias (zeros)
+    "AXK1ForCausalLM": Family("axk1", qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True, mla=True),
+    # MiniCPM5-MoE (OpenBMB, 15B-A2.5B): Llama's attention with a sigmoid gate per query channel (q_proj holds each
+    # head's queries then its gate, Qwen3.5's layout), DeepSeek-V3's MoE (fp32 sigmoid router with a score-correction
+    # bias, a shared expert, the first layers dense); the older architecture name too
+    **{arch: Family("minicpm5_moe", qkv_bias=None, qk_norm=False, moe=True, sigmoid_router=True)
+       for arch in ("MiniCPM5MoeForCausalLM", "MiniCPM5MoEForCausalLM")},
     # Mistral Small 4 (119B-A6B): DeepSeek-V3's layers with a softmax router, Llama 4's query temperature and
     # stacked experts; released inside Mistral3ForConditionalGeneration (family_of tells it by its text_config)
     "Mistral4ForCausalLM": _MISTRAL4,
@@ -456,6 +473,9 @@ FAMILIES: dict[str, Family] = {
     # ERNIE 4.5 (0.3B dense; 21B-A3B / 300B-A47B MoE): see the module docstring
     "Ernie4_5ForCausalLM": Family("ernie4_5", qkv_bias=False, qk_norm=False, moe=False, ernie=True),
     "Ernie4_5_MoeForCausalLM": Family("ernie4_5_moe", qkv_bias=False, qk_norm=False, moe=True, ernie=True),
+    # Mellum 2 (JetBrains, 12B-A2.5B): Qwen3-MoE's layers (per-head q/k norms, softmax-routed experts) with
+    # sliding-window layers that have their own RoPE base beside full ones, dense layers where mlp_layer_types says
+    "MellumForCausalLM": Family("mellum", qkv_bias=None, qk_norm=True, moe=True),
     # OLMoE: Llama's pre-norm layout with q/k RMSNorms over all heads (as OLMo 2's, before RoPE) and a MoE of
     # intermediate_size experts, softmax top-k (renormalised when norm_topk_prob)
     "OlmoeForCausalLM": Family("olmoe", qkv_bias=False, qk_norm=True, moe=True),
@@ -1036,6 +1056,23 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         # rope_parameters' mrope_section: a text token has the same position on mRoPE's three axes, so its
         # rotation is plain RoPE (partial_rotary_factor of each head)
+    if family.name == "minicpm5_moe":
+        if hf.get("use_gated_attention") is False:
+            raise UnsupportedModelError("MiniCPM5-MoE with use_gated_attention=false is not supported (transformers "
+                                        "refuses it too: every release gates its attention)")
+    if family.name == "mellum":
+        types = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+        if not set(types) <= set(LAYER_TYPES) or len(types) != hf["num_hidden_layers"]:
+            raise UnsupportedModelError(f"layer_types {sorted(set(types))}: one per layer, sliding_attention or "
+                                        "full_attention")
+        mlp = hf.get("mlp_layer_types") or ["sparse"] * hf["num_hidden_layers"]
+        if not set(mlp) <= {"dense", "sparse"} or len(mlp) != hf["num_hidden_layers"] or "sparse" not in mlp:
+            raise UnsupportedModelError(f"mlp_layer_types {sorted(set(mlp))}: one per layer, dense or sparse, one "
+                                        "sparse at least")
+        factors = {float(rope_parameters(hf, t).get("partial_rotary_factor", 1.0)) for t in set(types)}
+        if factors != {1.0}:  # (the full layers' factor is refused below for this family; the sliding ones' here)
+            raise UnsupportedModelError(f"partial_rotary_factor {sorted(factors)} in a Mellum config: each layer "
+                                        "rotating its whole head is supported")
     if family.name == "dots1" and "sliding_attention" in (hf.get("layer_types") or []):
         raise UnsupportedModelError("dots.llm1 with sliding-window layers (sliding_window below max_window_layers' "
                                     "layers, or layer_types) is not supported: its releases attend fully")
@@ -1858,7 +1895,16 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                                         (1e4 if family.name == "gemma2" else 1e6)),
                       final_logit_softcapping=hf.get("final_logit_softcapping"),
                       attention_softcapping=hf.get("attn_logit_softcapping"))
-    if (family.olmo or family.gemma) and not family.gated_delta and layer_types(hf, family):
+    if family.name == "axk1":  # DeepSeek-V3's layers, a norm after each MoE layer's MLP
+        kwargs["moe_output_norm"] = True
+    if family.name == "minicpm5_moe":  # a sigmoid gate per query channel, from q_proj's second half of each head
+        kwargs.update(attention_output_gate=True)
+    if family.name == "mellum":  # dense layers where mlp_layer_types says
+        types = hf.get("mlp_layer_types") or ["sparse"] * hf["num_hidden_layers"]
+        kwargs.update(ffn_hidden_size=hf["intermediate_size"],
+                      moe_layer_pattern=tuple(t == "sparse" for t in types) if "dense" in types else None)
+    if (family.olmo or family.gemma or family.name == "mellum") and not family.gated_delta and \
+            layer_types(hf, family):
         kwargs["extra"] = sliding_windows({**hf, "layer_types": layer_types(hf, family)})
         sliding = rope_scaling(hf, "sliding_attention")
         sliding_base = float(rope_parameters(hf, "sliding_attention").get("rope_theta") or

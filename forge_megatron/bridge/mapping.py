@@ -544,6 +544,9 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if family.name == "phi3":  # Phi-3 / Phi-4: [all q; all k; all v] in one tensor
         attn[0] = Rule(LAYER + "self_attention.linear_qkv.weight", (HF_LAYER + "self_attn.qkv_proj.weight",),
                        "qkv_fused", "col")
+    if family.name == "minicpm5_moe":  # each head's queries then its gate in q_proj (Qwen3.5's layout)
+        attn[0] = Rule(LAYER + "self_attention.linear_qkv.weight",
+                       tuple(HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv_gate", "col")
     if family.name == "glm4":  # GLM-4's sandwich names: post_attention_layernorm is the MLP's input norm
         attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
                  Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_self_attn_layernorm.weight",)),
@@ -651,6 +654,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
             if cfg.extra.get("moe_shared_expert_gate"):
                 mlp.append(Rule(LAYER + "mlp.shared_experts.gate_weight", (HF_LAYER + "mlp.shared_expert_gate.weight",),
                                 layers="moe"))
+    if cfg.moe_output_norm:  # A.X K1: the norm after each MoE layer's MLP (beside the layer's norms on disk)
+        mlp.append(Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_mlp_layernorm.weight",), layers="moe"))
     if family.granite:  # each layer's experts stacked under block_sparse_moe; the shared MLP's [gate; up] fused
         shared_mlp = HF_LAYER + "shared_mlp."
         if family.moe:
@@ -835,6 +840,8 @@ class Bridge:
             return True
         if (self.family.mimo or self.family.longcat) and hf_name.startswith(self.hf_prefix + "mtp."):
             return True  # MiMo-V2-Flash's and LongCat-Flash's (model.mtp.*)
+        if self.family.name == "mellum" and hf_name.startswith("mtp."):  # (Mellum 2's: mtp.*)
+            return True
         if (self.family.name == "exaone_moe" or self.family.nemotron_h) and re.search(r"(^|\.)mtp\.", hf_name):
             return True  # K-EXAONE's (transformers drops any mtp.* tensor)
         if self.family.minimax_m3:  # (transformers drops any ``mtp.`` module of MiniMax-M3's, at any depth)
@@ -847,10 +854,22 @@ class Bridge:
 
     def is_left_out(self, hf_name: str) -> bool:
         """A checkpoint tensor the trainer neither trains nor exports: multi-token-prediction layers
-        (:meth:`is_mtp_tensor`) and a vision-language checkpoint's vision side (``Family.vision_prefixes``; but for
-        the tower's tensors with ``vision_tower=True``)."""
+        (:meth:`is_mtp_tensor`), a vision-language checkpoint's vision side (``Family.vision_prefixes``; but for
+        the tower's tensors with ``vision_tower=True``), and the norms A.X K1's release stores for its dense layers,
+        which use none (transformers drops them too)."""
+        if self.cfg.moe_output_norm:
+            m = re.fullmatch(re.escape(self.hf_prefix) + r"layers\.(\d+)\.post_mlp_layernorm\.weight", hf_name)
+            if m is not None and int(m.group(1)) < self.cfg.num_layers and not self.is_moe_layer(int(m.group(1))):
+                return True
         return self.is_mtp_tensor(hf_name) or (self.family.multimodal and hf_name not in self._vision_shapes and
                                                hf_name.startswith(self.family.vision_prefixes))
+
+    def absent_default(self, hf_name: str) -> torch.Tensor | None:
+        """The value of HF tensor ``hf_name`` where a checkpoint may lack it, None where it must have it: A.X K1's
+        release routes without a score-correction bias (transformers fills in zeros)."""
+        if self.family.name == "axk1" and hf_name.endswith(".mlp.gate.e_score_correction_bias"):
+            return torch.zeros(self.hf_shape(hf_name))
+        return None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` has a MoE MLP (the first ``moe_dense_layers`` of a MoE model do not; of
@@ -999,9 +1018,11 @@ class Bridge:
         rule, idx = self.rule(name)
         parts = []
         for hf_name in self.hf_names(name):
-            if hf_name not in hf:
+            t = hf.get(hf_name)
+            if t is None:
+                t = self.absent_default(hf_name)
+            if t is None:
                 raise MappingError(f"HF tensor {hf_name!r} (needed for {name!r}) is missing")
-            t = hf[hf_name]
             want = self.hf_shape(hf_name)
             if tuple(t.shape) != want:
                 raise MappingError(f"HF tensor {hf_name!r} has shape {tuple(t.shape)}, the config implies {want}")

@@ -46,6 +46,9 @@ class GPTConfig:
     # outputs before the residual adds (post_norm without pre_norm: OLMo 2 / 3), or both (Gemma 3's sandwich)
     pre_norm: bool = True
     post_norm: bool = False
+    # A.X K1: an RMSNorm on each MoE layer's MLP output (experts plus shared expert) before the residual adds it,
+    # dense layers without (mcore/post_norm.py moe_output_norm_spec); needs experts and pre_norm without post_norm
+    moe_output_norm: bool = False
     # the GLU's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU); a plain MLP's: "relu2" (squared ReLU) or
     # "xielu" (Apertus: two trained scalars per MLP, mcore/xielu.py)
     activation: str = "silu"
@@ -400,6 +403,11 @@ class GPTConfig:
                              "layers: linear_pre_norm)")
         if not self.pre_norm and not self.post_norm:
             raise ValueError("a layer needs its norms before (pre_norm) or after (post_norm) its sublayers, or both")
+        if self.moe_output_norm and (not self.num_moe_experts or self.post_norm or not self.pre_norm
+                                     or self.moe_beside_dense or self.shortcut_moe or self.layer_kinds is not None):
+            raise ValueError("moe_output_norm (A.X K1: a norm after each MoE layer's MLP) needs experts in a pre-norm "
+                             "model without post_norm, Gemma 4's experts beside the MLP, LongCat's shortcut MoE or "
+                             "layer kinds")
         if self.activation not in ("silu", "gelu_tanh", "relu2", "xielu") or \
                 (self.activation == "gelu_tanh" and not self.swiglu) or \
                 (self.activation in ("relu2", "xielu") and self.swiglu):
@@ -826,6 +834,10 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from forge_megatron.mcore.post_norm import post_norm_spec
 
         spec = post_norm_spec(spec, keep_pre_norms=cfg.pre_norm)
+    if cfg.moe_output_norm:  # (A.X K1: after the MoE layers' MLPs only)
+        from forge_megatron.mcore.post_norm import moe_output_norm_spec
+
+        spec = moe_output_norm_spec(spec)
     if cfg.mamba_beside_attention:  # (Falcon-H1: every layer a Mamba-2 mixer beside its attention)
         if use_te:
             raise ValueError("Falcon-H1's layers build with the local spec")

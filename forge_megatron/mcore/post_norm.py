@@ -1,4 +1,5 @@
-"""Norms after attention and MLP (OLMo 2 / OLMo 3's "reordered norm"; with the usual ones too, Gemma 3's sandwich).
+"""Norms after attention and MLP (OLMo 2 / OLMo 3's "reordered norm"; with the usual ones too, Gemma 3's sandwich;
+after the experts only, A.X K1's).
 
 A Llama-style layer normalises the input of each sublayer; OLMo 2 and OLMo 3 normalise each sublayer's output,
 before it joins the residual stream, and leave the stream itself un-normalised until the final norm; Gemma 3 does
@@ -15,6 +16,10 @@ as it is. Under tensor parallelism the attention and MLP outputs are whole token
 scattered over the sequence with sequence parallelism), so each norm sees the hidden vectors the unsplit model would;
 with sequence parallelism their weights are marked like the other norms' (mcore/model.py ``SequenceParallelNorm``)
 and their gradients summed over TP.
+
+A.X K1 (SK Telecom's DeepSeek-V3 derivative) keeps DeepSeek-V3's pre-norm layers and adds one RMSNorm on the output of
+each MoE layer's MLP (routed experts plus shared expert), before the residual adds it: :func:`moe_output_norm_spec`
+makes only those layers post-norm layers, with an identity after the attention.
 """
 
 from __future__ import annotations
@@ -74,4 +79,23 @@ def post_norm_spec(spec, keep_pre_norms: bool = False):
     fields.update(post_self_attn_layernorm=norm, post_mlp_layernorm=norm)
     if not keep_pre_norms:
         fields.update(input_layernorm=IdentityOp, pre_mlp_layernorm=IdentityOp)
+    return dataclasses.replace(spec, module=PostNormTransformerLayer, submodules=PostNormLayerSubmodules(**fields))
+
+
+def moe_output_norm_spec(spec):
+    """``spec`` (a layer spec, or a block spec of layer specs) with a norm on the output of each MoE layer's MLP
+    (A.X K1's ``post_mlp_layernorm``): those layers become :class:`PostNormTransformerLayer` with an identity after
+    the attention and the layer's own norm class after the MLP; dense layers (a block spec's first ones) and every
+    pre-norm are left as they are."""
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=[moe_output_norm_spec(s) for s in spec.layer_specs])
+    subs = spec.submodules
+    if not isinstance(getattr(subs.mlp, "submodules", None), MoESubmodules):
+        return spec  # a dense layer
+    if spec.module is not TransformerLayer:
+        raise TypeError(f"a norm after the experts needs Megatron's TransformerLayer, got {spec.module!r}")
+    fields = {f.name: getattr(subs, f.name) for f in dataclasses.fields(subs) if f.init}
+    fields.update(post_mlp_layernorm=subs.pre_mlp_layernorm)
     return dataclasses.replace(spec, module=PostNormTransformerLayer, submodules=PostNormLayerSubmodules(**fields))

@@ -48,7 +48,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
-         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent")
+         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -516,6 +516,36 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True},
         ),
+        # A.X K1 layout: DeepSeek-V3's (multi-latent attention, layer 0 dense, grouped sigmoid routing: 2 groups, 1
+        # chosen) with an RMSNorm on the MoE layer's output (post_mlp_layernorm)
+        "axk1": (
+            transformers.AXK1Config,
+            {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"],
+             "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+             "rope_interleave": True},
+        ),
+        # MiniCPM5-MoE layout: Llama's attention with a sigmoid gate per query channel (q_proj: each head's queries,
+        # then its gate), layer 0 dense, then DeepSeek-V3's sigmoid router (fp32, with its bias) over 4 experts (top 2,
+        # renormalised, times 2.5) beside a shared expert
+        "minicpm5_moe": (
+            transformers.MiniCPM5MoeConfig,
+            {"head_dim": 16, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"], "n_group": 1, "topk_group": 1,
+             "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+        ),
+        # Mellum 2 layout: Qwen3-MoE's attention (per-head q/k norms); layer 0 a 4-position window with its own RoPE
+        # base (10k) and a dense MLP, layer 1 full attention (base 500k) with 4 softmax-routed experts (top 2,
+        # renormalised)
+        "mellum": (
+            transformers.MellumConfig,
+            {"head_dim": 16, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+             "mlp_layer_types": ["dense", "sparse"], "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "norm_topk_prob": True,
+             "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+        ),
         # DeepSeek-V2-Lite layout: multi-latent attention without a query latent (q_proj), YaRN whose two mscales
         # agree (the softmax scale grows with them), layer 0 dense, a softmax router over all 4 experts (top 2, not
         # renormalised, times 2.5, logits in fp32) beside 2 shared experts
@@ -844,6 +874,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # one norm per layer and the final one: which is which
             elif arch.startswith("lfm2") and name.endswith(("layernorm.weight", "norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # q/k norms and the two norms per layer: which is which
+            elif arch in ("axk1", "mellum") and name.endswith(("norm.weight", "layernorm.weight")):
+                p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # (A.X K1's norm after the experts: which is which)
             elif arch == "dots1" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head norms: which is which matters
             elif arch in ("minimax_m2", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "flex_olmo") and \

@@ -1396,3 +1396,67 @@ def rope_inv_freq(cfg):
     from forge_megatron.mcore import rope
 
     return rope.inv_freq(cfg.rope_scaling, cfg.rotary_base, cfg.rotary_dim)
+
+
+def test_axk1_config_as_transformers_defaults_it():
+    """A.X K1 (transformers' AXK1Config defaults, the 519B release's sizes): DeepSeek-V3's multi-latent attention and
+    grouped sigmoid routing (192 experts in 8 groups, 4 chosen, top 8, times 2.5), layer 0 dense, and a norm after each
+    MoE layer's MLP; the release's norm for the dense layer is left out, its missing score bias read as zeros."""
+    hf = {**transformers.AXK1Config().to_dict(), "architectures": ["AXK1ForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert cfg.multi_latent_attention and cfg.moe_output_norm and not cfg.post_norm
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_dense_layers, cfg.extra["moe_router_num_groups"],
+            cfg.extra["moe_router_group_topk"], cfg.extra["moe_router_topk_scaling_factor"]) == (192, 8, 1, 8, 4, 2.5)
+    assert bridge.hf_names("decoder.layers.1.post_mlp_layernorm.weight") == ["model.layers.1.post_mlp_layernorm.weight"]
+    assert "decoder.layers.0.post_mlp_layernorm.weight" not in bridge.canonical_names()
+    assert bridge.is_left_out("model.layers.0.post_mlp_layernorm.weight")
+    assert not bridge.is_left_out("model.layers.1.post_mlp_layernorm.weight")
+    bias = bridge.from_hf("decoder.layers.1.mlp.router.expert_bias", {})
+    assert bias.shape == (192,) and not bias.any()
+    with pytest.raises(MappingError, match="gate.weight"):  # only the bias may be absent
+        bridge.from_hf("decoder.layers.1.mlp.router.weight", {})
+
+
+def test_minicpm5_moe_config_as_transformers_defaults_it():
+    """MiniCPM5-MoE (transformers' MiniCPM5MoeConfig defaults, the 15B-A2.5B release's sizes): gated attention (q_proj
+    of 2 x 32 heads of 128: each head's queries then its gate), layer 0 dense, 160 experts under an fp32 sigmoid router
+    (top 16, renormalised, times 3.66, no groups) beside a shared expert; a partial RoPE factor (which transformers
+    would ignore, rotating whole heads) is refused."""
+    hf = {**transformers.MiniCPM5MoeConfig().to_dict(), "architectures": ["MiniCPM5MoeForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert cfg.attention_output_gate and cfg.rotary_percent == 1.0 and not cfg.qk_layernorm
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_dense_layers, cfg.moe_shared_ffn_hidden_size) == \
+        (160, 16, 1, 512)
+    assert cfg.extra["moe_router_dtype"] == "fp32" and cfg.extra["moe_router_topk_scaling_factor"] == 3.66
+    assert cfg.extra["moe_router_num_groups"] is None
+    assert bridge.hf_shape("model.layers.0.self_attn.q_proj.weight") == (2 * 32 * 128, 2048)
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
+        Bridge({**hf, "rope_parameters": {**hf["rope_parameters"], "partial_rotary_factor": 0.5}})
+    assert Bridge({**hf, "architectures": ["MiniCPM5MoEForCausalLM"]}).family.name == "minicpm5_moe"  # (older name)
+
+
+def test_mellum_config_as_transformers_defaults_it():
+    """Mellum 2 (transformers' MellumConfig defaults, the 12B-A2.5B release's sizes): Qwen3-MoE's layers, every one
+    full attention and MoE as transformers fills them in; with sliding layers they see a window and rotate with their
+    own base; dense layers where mlp_layer_types says; the MTP layer (mtp.*) left out."""
+    hf = {**transformers.MellumConfig().to_dict(), "architectures": ["MellumForCausalLM"]}
+    cfg = Bridge(hf).cfg
+    assert (cfg.num_moe_experts, cfg.moe_ffn_hidden_size, cfg.qk_layernorm, cfg.rotary_base) == (64, 896, True, 5e5)
+    assert cfg.moe_layer_pattern is None and not any(cfg.extra["window_attn_skip_freq"])
+    n = hf["num_hidden_layers"]
+    types = ["sliding_attention", "sliding_attention", "full_attention"] * (n // 3) + ["full_attention"] * (n % 3)
+    mixed = Bridge({**hf, "layer_types": types, "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1),
+                    "num_nextn_predict_layers": 1})
+    cfg = mixed.cfg
+    assert cfg.extra["window_size"] == (1023, 0) and cfg.extra["window_attn_skip_freq"][:3] == [1, 1, 0]
+    assert (cfg.rotary_base, cfg.sliding_rotary_base) == (5e5, 1e4)
+    assert cfg.moe_layer_pattern == (False,) + (True,) * (n - 1) and cfg.ffn_hidden_size == 7168
+    assert mixed.hf_names("decoder.layers.0.mlp.linear_fc1.weight") == \
+        ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
+    assert mixed.is_mtp_tensor("mtp.layers.0.self_attn.q_proj.weight")
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):  # (the sliding layers' factor)
+        Bridge({**hf, "layer_types": types, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 5e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}})

@@ -30,7 +30,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2_moe", "gemma2", "llama4", "arcee",
          "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
-         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent")
+         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -195,6 +195,9 @@ LAYOUTS = [
     ("deepseek_v2", ParallelLayout(tp=2, pp=2, ep=2)),  # DeepSeek-V2-Lite: q_proj (no query latent), softmax router
     ("lfm2", ParallelLayout(tp=2, pp=2)),  # the short convolution's projection interleaved per channel, split by TP
     ("lfm2_moe", ParallelLayout(tp=2, pp=2, ep=2)),  # a dense short-convolution layer, then experts
+    ("axk1", ParallelLayout(tp=2, pp=2, ep=2)),  # the norm after the experts on the MoE layer's stage only
+    ("minicpm5_moe", ParallelLayout(tp=2, pp=2, ep=2)),  # each head's queries and gate in q_proj, split by TP
+    ("mellum", ParallelLayout(tp=2, pp=2, ep=2)),  # the dense first layer beside a MoE one, q/k norms replicated
 ]
 
 

@@ -71,7 +71,7 @@ def test_tiny_model_loads_and_is_deterministic(tmp_path, arch):
               "nemotron_h": 4, "nemotron_h_moe": 4, "nemotron_h_latent": 4, "cohere2_moe": 3, "afmoe": 3, "cwm": 4}
     assert text.hidden_size == 64 and text.num_hidden_layers == layers.get(arch, 2)
     mla = arch in ("deepseek_v3", "glm4_moe_lite", "kimi_k25", "deepseek_v32", "glm_moe_dsa", "mistral4",
-                   "mistral4_vl", "kimi_linear", "longcat_flash", "youtu", "deepseek_v2")  # multi-latent attention:
+                   "mistral4_vl", "kimi_linear", "longcat_flash", "youtu", "deepseek_v2", "axk1")  # multi-latent attention:
     # a key/value head per query
     if arch.startswith("gemma4"):  # key heads per layer: 4 on the local layer, 2 on the global one (whose values
         # are its keys; the E layout's global layers keep 4 and their own values)

@@ -92,6 +92,8 @@ def models(tmp_path_factory):
         "nemotron_h_latent": build_tiny_model(str(root / "nemotron_h_latent"), arch="nemotron_h_latent", seed=110),
         "lfm2": build_tiny_model(str(root / "lfm2"), arch="lfm2", seed=113),
         "lfm2_moe": build_tiny_model(str(root / "lfm2_moe"), arch="lfm2_moe", seed=127),
+        "axk1": build_tiny_model(str(root / "axk1"), arch="axk1", seed=131),
+        "minicpm5_moe": build_tiny_model(str(root / "minicpm5_moe"), arch="minicpm5_moe", seed=137),
     }
 
 
@@ -345,6 +347,10 @@ def _check_synced(results):
     # AFMoE: q / gate / k / v split back from Megatron's gated projection, the router's bias beside it, experts
     # one by one over EP into transformers' fused tensors
     ("afmoe", ParallelConfig(tp=2, ep=2, etp=1)),
+    # A.X K1: the norm after the experts (post_mlp_layernorm on disk) into the engine's mlp.post_mlp_layernorm
+    ("axk1", ParallelConfig(ep=2)),
+    # MiniCPM5-MoE: each head's queries and gate gathered over TP back into q_proj (the engine's q_gate_proj)
+    ("minicpm5_moe", ParallelConfig(tp=2)),
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
@@ -356,7 +362,7 @@ def _check_synced(results):
         "tp2-granite-4-h", "tp2ep2etp1-nemotron-h-moe", "tp2ep2etp1-nemotron-h-latent", "tp2-lfm2", "ep2-lfm2-moe", "ep2-llama4", "tp2-gemma2",
         "tp2-granitemoe-swa", "tp2-exaone4-5",
         "tp2ep2etp1-cohere2-moe", "tp2-bamba", "tp2-apertus", "tp2-falcon-h1",
-        "tp2ep2etp1-afmoe"])
+        "tp2ep2etp1-afmoe", "ep2-axk1", "tp2-minicpm5-moe"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
