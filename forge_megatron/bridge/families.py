@@ -70,6 +70,10 @@ MiniCPM5-MoE (``minicpm5_moe``): Llama's attention with Qwen3.5's sigmoid gate p
 each head's queries then its gate) and DeepSeek-V3's MoE (an fp32 sigmoid router with a score-correction bias).
 Mellum 2 (``mellum``): Qwen3-MoE's layers with OLMo 3's sliding-window layers (their own RoPE base) beside full ones
 and dense MLPs where ``mlp_layer_types`` says (Megatron's MoE layer pattern); its MTP layer (``mtp.*``) left out.
+Kolibri 1 (``kolibri1``): EXAONE 4.0's attention (sliding layers that rotate beside NoPE full ones) in GLM-4's
+sandwich norms (``post_attn_norm``, ``post_ffn_norm``), every layer's experts beside a shared one under a router
+choosing by logit plus bias and weighting by sigmoid (mcore/ernie.py ``LogitBiasRouter``: Megatron's sigmoid router
+adds its bias to the sigmoid, which ranks otherwise).
 
 EXAONE 4.0 (``exaone4``: Exaone4ForCausalLM, 32B and 1.2B) and K-EXAONE (``exaone_moe``: ExaoneMoeForCausalLM,
 236B-A23B): per-head q/k RMSNorms before RoPE; with a ``sliding_window``, the layers ``layer_types`` (or
@@ -476,6 +480,10 @@ FAMILIES: dict[str, Family] = {
     # Mellum 2 (JetBrains, 12B-A2.5B): Qwen3-MoE's layers (per-head q/k norms, softmax-routed experts) with
     # sliding-window layers that have their own RoPE base beside full ones, dense layers where mlp_layer_types says
     "MellumForCausalLM": Family("mellum", qkv_bias=None, qk_norm=True, moe=True),
+    # Kolibri 1 (Aleph Alpha): EXAONE 4.0's attention (per-head q/k norms; sliding layers that rotate beside NoPE full
+    # ones) in GLM-4's sandwich norms, every layer's experts beside a shared one under a router choosing by logit plus
+    # bias and weighting by sigmoid (mcore/ernie.py LogitBiasRouter)
+    "Kolibri1ForCausalLM": Family("kolibri1", qkv_bias=False, qk_norm=True, moe=True),
     # OLMoE: Llama's pre-norm layout with q/k RMSNorms over all heads (as OLMo 2's, before RoPE) and a MoE of
     # intermediate_size experts, softmax top-k (renormalised when norm_topk_prob)
     "OlmoeForCausalLM": Family("olmoe", qkv_bias=False, qk_norm=True, moe=True),
@@ -979,7 +987,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                     "have none)")
     if family.moe and not family.sigmoid_router and not family.softmax_router and not family.gpt_oss \
             and not family.ernie and not family.hunyuan and not family.longcat and not family.granite \
-            and not family.llama4:
+            and not family.llama4 and family.name != "kolibri1":
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
@@ -1060,6 +1068,15 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if hf.get("use_gated_attention") is False:
             raise UnsupportedModelError("MiniCPM5-MoE with use_gated_attention=false is not supported (transformers "
                                         "refuses it too: every release gates its attention)")
+    if family.name == "kolibri1":
+        n = hf["num_hidden_layers"]
+        types = hf.get("layer_types") or []
+        if len(types) != n or not set(types) <= set(LAYER_TYPES):
+            raise UnsupportedModelError(f"layer_types {sorted(set(types))}: one per layer ({n}), sliding_attention or "
+                                        "full_attention")
+        if not hf.get("shared_expert_intermediate_size"):
+            raise UnsupportedModelError("a Kolibri config without shared_expert_intermediate_size is not supported "
+                                        "(every release has a shared expert)")
     if family.name == "mellum":
         types = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
         if not set(types) <= set(LAYER_TYPES) or len(types) != hf["num_hidden_layers"]:
@@ -1669,6 +1686,9 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         hf = lfm2_view(hf)
     if family.cohere:
         hf = cohere_view(hf)
+    if family.name == "kolibri1" and hf.get("layer_types") is None:  # (transformers' default: every fifth layer full)
+        hf = {**hf, "layer_types": ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
+                                    for i in range(hf["num_hidden_layers"])]}
     _refuse_unsupported(hf, family)
     if family.hunyuan:
         hf = hunyuan_view(hf)
@@ -1899,6 +1919,12 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         kwargs["moe_output_norm"] = True
     if family.name == "minicpm5_moe":  # a sigmoid gate per query channel, from q_proj's second half of each head
         kwargs.update(attention_output_gate=True)
+    if family.name == "kolibri1":  # GLM-4's sandwich norms; EXAONE's windows that rotate beside NoPE full layers
+        kwargs.update(pre_norm=True, post_norm=True)
+        if hf.get("sliding_window"):
+            kwargs["extra"] = {**kwargs.get("extra", {}), **sliding_windows(hf)}
+            if "full_attention" in hf["layer_types"]:
+                kwargs["nope_layers"] = tuple(t == "full_attention" for t in hf["layer_types"])
     if family.name == "mellum":  # dense layers where mlp_layer_types says
         types = hf.get("mlp_layer_types") or ["sparse"] * hf["num_hidden_layers"]
         kwargs.update(ffn_hidden_size=hf["intermediate_size"],
@@ -2002,6 +2028,13 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             mla_latent_scales=((d / hf["q_lora_rank"]) ** 0.5, (d / hf["kv_lora_rank"]) ** 0.5),
             mla_latent_norm_epsilon=1e-6,  # (transformers' latent norms keep their default; the others rms_norm_eps)
             extra={"moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None})
+    elif family.name == "kolibri1":  # every layer's experts beside a shared one; the logit-plus-bias router
+        kwargs.update(
+            num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # (transformers 5 writes the latter)
+            moe_router_topk=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            moe_shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size") or None,
+            moe_logit_bias_router=True, moe_router_topk_renorm=bool(hf.get("norm_topk_prob", False)),
+            extra={**kwargs.get("extra", {}), "moe_router_dtype": "fp32"})  # (HF: the logits in fp32)
     elif family.moe and not family.gpt_oss and not family.ernie and not family.hunyuan and not family.granite \
             and not family.llama4 and not family.cohere and not family.afmoe:
         # Qwen3.5-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob);

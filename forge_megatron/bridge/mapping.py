@@ -547,7 +547,12 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if family.name == "minicpm5_moe":  # each head's queries then its gate in q_proj (Qwen3.5's layout)
         attn[0] = Rule(LAYER + "self_attention.linear_qkv.weight",
                        tuple(HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv_gate", "col")
-    if family.name == "glm4":  # GLM-4's sandwich names: post_attention_layernorm is the MLP's input norm
+    if family.name == "kolibri1":  # GLM-4's sandwich under Kolibri's names (post_attn_norm, post_ffn_norm)
+        attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
+                 Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_attn_norm.weight",)),
+                 Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
+                 Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_ffn_norm.weight",))]
+    elif family.name == "glm4":  # GLM-4's sandwich names: post_attention_layernorm is the MLP's input norm
         attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
                  Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_self_attn_layernorm.weight",)),
                  Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
@@ -632,6 +637,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
                              "glu", layers="moe"),
                         Rule(LAYER + EXPERT + "linear_fc2.weight", (moe + "experts.down_proj",), "experts_row", "row",
                              layers="moe")]
+        if cfg.moe_logit_bias_router:  # Kolibri 1's (mcore/ernie.py), as released: beside the layer's MLP
+            mlp.append(Rule(LAYER + "mlp.router.expert_bias", (HF_LAYER + "moe.router.expert_bias",), layers="moe"))
         if cfg.moe_softmax_bias_router:  # ERNIE 4.5's (mcore/ernie.py): also a buffer, stored [1, E]
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (moe + "moe_statics.e_score_correction_bias",), "row1",
                             layers="moe"))
@@ -1131,6 +1138,8 @@ class Bridge:
                 if ".experts." in hf_name:
                     table.update({"up_proj.weight": (f, latent), "down_proj.weight": (latent, f)})
         e = cfg.num_moe_experts or 0
+        if cfg.moe_logit_bias_router:  # (Kolibri 1's router bias)
+            table["moe.router.expert_bias"] = (e,)
         table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),
                       "experts.down_proj": (e, f, d), "experts.down_proj_bias": (e, d)})

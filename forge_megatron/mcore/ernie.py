@@ -1,4 +1,4 @@
-"""ERNIE 4.5's MoE router (``Ernie4_5_MoeForCausalLM``), which Megatron's routers cannot express.
+"""ERNIE 4.5's and Kolibri 1's MoE routers, which Megatron's routers cannot express.
 
 Per token, with z the router logits (computed in fp32) and b the checkpoint's ``e_score_correction_bias``:
 
@@ -10,6 +10,15 @@ Megatron's softmax score function takes no expert bias (it allows one with the s
 :class:`ErnieRouter` replaces :meth:`TopKRouter.routing` and keeps the bias as a buffer ``expert_bias`` [E] (fp32,
 frozen: RL does not rebalance), where the bridge maps ``mlp.moe_statics.e_score_correction_bias`` [1, E]. Routing
 replay (mcore/routing_replay.py) replaces the choice S exactly as it does Megatron's. No auxiliary loss is computed.
+
+Kolibri 1 (``Kolibri1ForCausalLM``, Aleph Alpha) chooses on the logits themselves and weights by their sigmoid:
+
+    S = the k experts with the largest z + b
+    w_e = sigmoid(z_e), divided by sum_{e' in S} sigmoid(z_e') where the config says ``norm_topk_prob``
+
+Megatron's sigmoid score function adds its expert bias to sigmoid(z) instead, which ranks experts differently (a bias
+moves a saturated sigmoid less than a logit), so :class:`LogitBiasRouter` replaces the routing the same way, the bias
+a buffer ``expert_bias`` (the bridge maps the release's ``moe.router.expert_bias``).
 """
 
 from __future__ import annotations
@@ -23,47 +32,80 @@ NORM_MIN = 1e-12
 """The floor of the renormalising sum (ERNIE 4.5's ``moe_norm_min``; the bridge refuses other values)."""
 
 
-def biased_softmax_topk(router, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The softmax probabilities of ``logits`` [T, E] (fp32) and the ``router.topk`` experts each token takes by
-    probability plus ``router.expert_bias`` (selection only), or those routing replay dictates."""
-    p = torch.softmax(logits.float(), dim=-1)
-    choose = p + router.expert_bias.float()
+def _choose(router, scores: torch.Tensor) -> torch.Tensor:
+    """The ``router.topk`` experts [T, k] with the largest ``scores`` [T, E], or those routing replay dictates."""
 
     def topk(scores, k, num_groups=None, group_topk=None):
         return torch.topk(scores, k=k, dim=1)
 
     if router.router_replay is None:
-        return p, topk(choose, router.topk)[1]
-    return p, router.router_replay.get_replay_topk(choose, router.topk, None, None, topk)[1]
+        return topk(scores, router.topk)[1]
+    return router.router_replay.get_replay_topk(scores, router.topk, None, None, topk)[1]
 
-class ErnieRouter(TopKRouter):
-    """Megatron's top-k router with ERNIE 4.5's choice and weights (module docstring)."""
+
+def biased_softmax_topk(router, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax probabilities of ``logits`` [T, E] (fp32) and the ``router.topk`` experts each token takes by
+    probability plus ``router.expert_bias`` (selection only), or those routing replay dictates."""
+    p = torch.softmax(logits.float(), dim=-1)
+    return p, _choose(router, p + router.expert_bias.float())
+
+
+class _BiasRouter(TopKRouter):
+    """Megatron's top-k router with a frozen fp32 ``expert_bias`` buffer of its own and no auxiliary loss."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         if getattr(config, "moe_aux_loss_coeff", 0.0):
-            raise ValueError("ERNIE 4.5's router computes no auxiliary load-balancing loss: set moe_aux_loss_coeff 0")
+            raise ValueError(f"{type(self).__name__} computes no auxiliary load-balancing loss: set moe_aux_loss_coeff "
+                             "0")
         del self.expert_bias  # (Megatron's attribute, None without its own expert bias)
         self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, dtype=torch.float32))
+
+    def _dispatch(self, logits: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor):
+        """(probs, routing_map) [T, E] from each token's ``chosen`` experts and their weights ``w`` [T, k]."""
+        probs = torch.zeros(logits.shape, dtype=w.dtype, device=w.device).scatter(1, chosen, w).type_as(logits)
+        routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=w.device).scatter(1, chosen, True)
+        return probs, routing_map
+
+class ErnieRouter(_BiasRouter):
+    """Megatron's top-k router with ERNIE 4.5's choice and weights (module docstring)."""
 
     def routing(self, logits: torch.Tensor, *args, **kwargs):
         logits = logits.view(-1, self.config.num_moe_experts)
         p, chosen = biased_softmax_topk(self, logits)
         w = p.gather(1, chosen)
-        w = w / w.sum(dim=-1, keepdim=True).clamp(min=NORM_MIN)
-        probs = torch.zeros_like(p).scatter(1, chosen, w).type_as(logits)
-        routing_map = torch.zeros_like(p, dtype=torch.bool).scatter(1, chosen, True)
-        return probs, routing_map
+        return self._dispatch(logits, chosen, w / w.sum(dim=-1, keepdim=True).clamp(min=NORM_MIN))
 
 
-def with_router(spec):
-    """``spec`` (a layer or block spec) with every MoE layer's router an :class:`ErnieRouter`."""
+class LogitBiasRouter(_BiasRouter):
+    """Megatron's top-k router with Kolibri 1's choice (logits plus the bias) and weights (the chosen logits'
+    sigmoids, renormalised over the k when ``renormalise``: the config's ``norm_topk_prob``); module docstring."""
+
+    renormalise = True
+
+    def routing(self, logits: torch.Tensor, *args, **kwargs):
+        logits = logits.view(-1, self.config.num_moe_experts)
+        z = logits.float()
+        chosen = _choose(self, z + self.expert_bias.float())
+        w = torch.sigmoid(z.gather(1, chosen))
+        return self._dispatch(logits, chosen, w / w.sum(dim=-1, keepdim=True) if self.renormalise else w)
+
+
+class LogitBiasRouterKeepingWeights(LogitBiasRouter):
+    """:class:`LogitBiasRouter` whose weights are the chosen sigmoids as they are (``norm_topk_prob`` false)."""
+
+    renormalise = False
+
+
+def with_router(spec, router=ErnieRouter):
+    """``spec`` (a layer or block spec) with every MoE layer's router a ``router`` (:class:`ErnieRouter`,
+    :class:`LogitBiasRouter`)."""
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
     if hasattr(spec, "layer_specs"):
-        return dataclasses.replace(spec, layer_specs=[with_router(s) for s in spec.layer_specs])
+        return dataclasses.replace(spec, layer_specs=[with_router(s, router) for s in spec.layer_specs])
     mlp = spec.submodules.mlp
     if not isinstance(getattr(mlp, "submodules", None), MoESubmodules):
         return spec  # (a dense layer)
-    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, router=ErnieRouter))
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, router=router))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))

@@ -120,6 +120,9 @@ class GPTConfig:
     # ERNIE 4.5: the top k chosen by the softmax probabilities plus a score-correction bias (``router.expert_bias``),
     # their probabilities renormalised (mcore/ernie.py; Megatron's softmax router takes no expert bias)
     moe_softmax_bias_router: bool = False
+    # Kolibri 1: the top k chosen by the router logits plus a bias (``router.expert_bias``), weighted by their
+    # sigmoids, renormalised over the k with moe_router_topk_renorm (mcore/ernie.py LogitBiasRouter)
+    moe_logit_bias_router: bool = False
     # Gemma 4 26B-A4B: every layer's routed experts run beside a dense MLP of ffn_hidden_size, each branch with its
     # own input and output norms, the router on the un-normalised input (mcore/gemma4.py); needs post_norm / pre_norm
     moe_beside_dense: bool = False
@@ -271,7 +274,7 @@ class GPTConfig:
                                  "attention")
         if self.moe_latent_size is not None and (not self.num_moe_experts or self.moe_latent_size <= 0 or
                                                  self.moe_beside_dense or self.shortcut_moe or
-                                                 self.moe_softmax_bias_router):
+                                                 self.moe_softmax_bias_router or self.moe_logit_bias_router):
             raise ValueError("moe_latent_size needs routed experts in Megatron's own MoE layer (no Gemma 4 / "
                              "LongCat / ERNIE layouts) and must be > 0")
         if self.attention_softcapping is not None:
@@ -403,6 +406,11 @@ class GPTConfig:
                              "layers: linear_pre_norm)")
         if not self.pre_norm and not self.post_norm:
             raise ValueError("a layer needs its norms before (pre_norm) or after (post_norm) its sublayers, or both")
+        if (self.moe_softmax_bias_router or self.moe_logit_bias_router) and \
+                (not self.num_moe_experts or (self.moe_softmax_bias_router and self.moe_logit_bias_router)
+                 or self.moe_beside_dense):
+            raise ValueError("moe_softmax_bias_router (ERNIE 4.5) and moe_logit_bias_router (Kolibri 1) replace the "
+                             "router of Megatron's MoE layers: one of them, with experts")
         if self.moe_output_norm and (not self.num_moe_experts or self.post_norm or not self.pre_norm
                                      or self.moe_beside_dense or self.shortcut_moe or self.layer_kinds is not None):
             raise ValueError("moe_output_norm (A.X K1: a norm after each MoE layer's MLP) needs experts in a pre-norm "
@@ -497,6 +505,7 @@ class GPTConfig:
         if self.shortcut_moe and (not self.num_moe_experts or self.num_layers % 2 or self.moe_dense_layers
                                   or self.moe_shared_ffn_hidden_size or self.post_norm or self.hybrid
                                   or self.per_layer_attention or self.moe_beside_dense or self.moe_softmax_bias_router
+                                  or self.moe_logit_bias_router
                                   or self.block_sparse_layers is not None):
             raise ValueError("shortcut_moe (LongCat-Flash) pairs pre-norm layers, a MoE in the first of each: it needs "
                              "experts, an even num_layers, no dense first layers, shared experts, post-norms, linear "
@@ -870,6 +879,11 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from forge_megatron.mcore.ernie import with_router
 
         spec = with_router(spec)
+    if cfg.moe_logit_bias_router:  # (Kolibri 1)
+        from forge_megatron.mcore import ernie
+
+        spec = ernie.with_router(spec, ernie.LogitBiasRouter if cfg.moe_router_topk_renorm
+                                 else ernie.LogitBiasRouterKeepingWeights)
     if cfg.shortcut_moe:
         from forge_megatron.mcore.longcat import shortcut_spec
 

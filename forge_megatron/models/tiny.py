@@ -48,7 +48,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
-         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum")
+         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum", "kolibri1")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -546,6 +546,15 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
         ),
+        # Kolibri 1 layout: EXAONE 4.0's attention (per-head q/k norms; layer 0 a 4-position window that rotates,
+        # layer 1 full attention without RoPE) in GLM-4's sandwich norms; every layer 4 experts (top 2 by logit plus
+        # bias, weighted by their sigmoids, not renormalised, as released) beside a shared expert 48 wide
+        "kolibri1": (
+            transformers.Kolibri1Config,
+            {"head_dim": 16, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+             "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
+        ),
         # DeepSeek-V2-Lite layout: multi-latent attention without a query latent (q_proj), YaRN whose two mscales
         # agree (the softmax scale grows with them), layer 0 dense, a softmax router over all 4 experts (top 2, not
         # renormalised, times 2.5, logits in fp32) beside 2 shared experts
@@ -874,7 +883,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # one norm per layer and the final one: which is which
             elif arch.startswith("lfm2") and name.endswith(("layernorm.weight", "norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # q/k norms and the two norms per layer: which is which
-            elif arch in ("axk1", "mellum") and name.endswith(("norm.weight", "layernorm.weight")):
+            elif arch in ("axk1", "mellum", "kolibri1") and name.endswith(("norm.weight", "layernorm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # (A.X K1's norm after the experts: which is which)
             elif arch == "dots1" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # per-head norms: which is which matters

@@ -628,6 +628,10 @@ class ReferenceEngine:
             candidates += (_minimax_m3_name(_in_memory_name(name)),)
         if model_type == "exaone_moe":  # K-EXAONE's score-correction bias: beside the gate on disk, in it in memory
             candidates += (name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),)
+        if model_type == "kolibri1":  # Kolibri 1's released names for its router bias and sandwich norms
+            candidates += (name.replace(".moe.router.expert_bias", ".mlp.gate.e_score_correction_bias")
+                           .replace(".post_attn_norm.", ".post_self_attn_layernorm.")
+                           .replace(".post_ffn_norm.", ".post_mlp_layernorm."),)
         if model_type == "axk1":  # A.X K1's norm after the experts: beside the MLP on disk, in it in memory
             candidates += (name.replace(".post_mlp_layernorm.", ".mlp.post_mlp_layernorm."),)
         if model_type == "minicpm5_moe":  # MiniCPM5-MoE's queries and gates: q_proj on disk, q_gate_proj in memory

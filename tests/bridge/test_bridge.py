@@ -1460,3 +1460,26 @@ def test_mellum_config_as_transformers_defaults_it():
         Bridge({**hf, "layer_types": types, "rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": 5e5},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}})
+
+
+def test_kolibri1_config_as_transformers_defaults_it():
+    """Kolibri 1 (transformers' Kolibri1Config defaults): EXAONE 4.0's attention (every fifth layer full attention
+    without RoPE, the others 513-position windows that rotate) in GLM-4's sandwich norms under Kolibri's names; every
+    layer 384 experts (top 6 by logit plus bias, the sigmoids kept as they are) beside a shared expert; a config
+    without layer_types gets transformers' pattern, one without a shared expert is refused."""
+    hf = {**transformers.Kolibri1Config().to_dict(), "architectures": ["Kolibri1ForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert cfg.pre_norm and cfg.post_norm and cfg.qk_layernorm and cfg.moe_logit_bias_router
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_shared_ffn_hidden_size, cfg.moe_router_topk_renorm) == \
+        (384, 6, 512, False)
+    assert cfg.nope_layers[:5] == (False, False, False, False, True) and cfg.extra["window_size"] == (512, 0)
+    assert bridge.hf_names("decoder.layers.2.mlp.router.expert_bias") == ["model.layers.2.moe.router.expert_bias"]
+    assert bridge.hf_names("decoder.layers.2.post_self_attn_layernorm.weight") == \
+        ["model.layers.2.post_attn_norm.weight"]
+    assert bridge.hf_names("decoder.layers.2.pre_mlp_layernorm.weight") == \
+        ["model.layers.2.post_attention_layernorm.weight"]
+    no_types = {k: v for k, v in hf.items() if k != "layer_types"}
+    assert Bridge(no_types).cfg.nope_layers == cfg.nope_layers
+    with pytest.raises(UnsupportedModelError, match="shared_expert_intermediate_size"):
+        Bridge({**hf, "shared_expert_intermediate_size": 0})

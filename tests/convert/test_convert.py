@@ -30,7 +30,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2_moe", "gemma2", "llama4", "arcee",
          "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
-         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum")
+         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum",
+         "kolibri1")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -198,6 +199,7 @@ LAYOUTS = [
     ("axk1", ParallelLayout(tp=2, pp=2, ep=2)),  # the norm after the experts on the MoE layer's stage only
     ("minicpm5_moe", ParallelLayout(tp=2, pp=2, ep=2)),  # each head's queries and gate in q_proj, split by TP
     ("mellum", ParallelLayout(tp=2, pp=2, ep=2)),  # the dense first layer beside a MoE one, q/k norms replicated
+    ("kolibri1", ParallelLayout(tp=2, pp=2, ep=2)),  # four norms per layer under Kolibri's names, the router's bias
 ]
 
 

@@ -173,7 +173,7 @@ LAYOUTS = {"tp2sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"
                                           ("mimo_v2_flash", ("tp2sp", "cp2", "pp2first1", "ep2")),
                                           ("minimax_m3", ("tp2sp", "cp2", "pp2first1", "ep2")),
                                           ("longcat_flash", ("tp2sp", "cp2", "pp2", "ep2", "recompute1")),
-                                          ("axk1", ("tp2sp", "ep2"))])
+                                          ("axk1", ("tp2sp", "ep2")), ("kolibri1", ("tp2sp", "ep2"))])
 def test_hunyuan_olmoe_mimo_minimax_m3_and_longcat_train_the_same_under_tensor_context_and_expert_parallelism(
         tmp_path, arch, layouts):
     """Hunyuan's MoE layout (per-head q/k RMSNorms after RoPE, applied by the tree attention on the rotated queries
@@ -187,10 +187,11 @@ def test_hunyuan_olmoe_mimo_minimax_m3_and_longcat_train_the_same_under_tensor_c
     layer pairs (the shortcut MoE's output carried beside the hidden states, identity experts) on each SP rank's
     tokens, one pair per pipeline stage, and through full recomputation in one-layer chunks (each pair split across
     two checkpoints). A.X K1's norm after the experts normalises each SP rank's tokens, its gradient summed over
-    TP."""
+    TP; Kolibri 1's router (logit plus bias) chooses the same on each rank's tokens."""
     model_dir = build_tiny_model(str(tmp_path / arch), arch=arch, seed=2)
     # LongCat-Flash with routing replay: rows of its 2 checkpoint layers over 4 routed + 2 identity experts, 3 a token
-    routing = (2, 6, 3) if arch == "longcat_flash" else None
+    # and Kolibri 1 (its own router: routing replay replaces its choice as Megatron's): 2 layers of 4 experts, top 2
+    routing = {"longcat_flash": (2, 6, 3), "kolibri1": (2, 4, 2)}.get(arch)
     replay = ["--routing-replay"] if routing else []
     feed = lambda c: feed_groups(c, 2, np.random.default_rng(7), completion_len=(4, 5), routing=routing)  # noqa: E731
     steps = {}
