@@ -28,8 +28,10 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (torch is imported where adapters are served: the gateway reads only the policy names)
+    import torch
 
 _POLICY_NAME = re.compile(r"forge-([0-9a-z]+)-v(\d+)")
 NOT_LOADED = "The following requested LoRA adapters are not loaded"  # SGLang's answer to an unknown lora_path
@@ -103,6 +105,8 @@ class LoraServing:
         self.max_rank = max_rank
         self.targets = None if not target_modules or "all" in target_modules else set(target_modules)
         self.served_name = served_name or (lambda module: module)
+        import torch
+
         self.linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self.adapters: dict[str, Adapter] = {}
         self.active: Adapter | None = None
