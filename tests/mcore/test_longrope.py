@@ -170,8 +170,9 @@ def test_trainer_flag_and_bad_configs(phi4_mini, tmp_path):
 
 def test_cli_prints_the_override_that_pins_sglang(phi4_mini, capsys):
     """``forge-convert longrope-override``: the JSON for SGLang's --json-model-override-args under the key the
-    checkpoint's config.json uses, both lists the chosen one (default: the trainer's); transformers given that entry
-    computes the trainer's logits; a checkpoint without longrope is an error naming it."""
+    checkpoint's config.json uses, both lists the chosen one (default: the trainer's); transformers' config updated with
+    it, as SGLang updates the checkpoint's, computes the trainer's logits; a checkpoint without longrope is an error
+    naming it."""
     from transformers import AutoConfig
 
     from forge_megatron.convert.cli import main as cli_main
@@ -184,10 +185,16 @@ def test_cli_prints_the_override_that_pins_sglang(phi4_mini, capsys):
     assert key == "rope_parameters" and override[key]["short_factor"] == override[key]["long_factor"] == \
         [2.0, 4.0, 6.0, 8.0, 12.0, 24.0]
     config = AutoConfig.from_pretrained(hf_dir)
-    config.rope_parameters = override[key]
+    config.update(override)  # (as SGLang applies --json-model-override-args to the checkpoint's config)
     served = load_causal_lm(hf_dir, dtype=torch.float32, config=config).eval()
     (got,) = run_distributed(_logits_body, world_size=1, mcore_dir=str(root / "tp1"), factors=("long",))
     assert (_hf_logits(served, SHORT) - got["long", "short"]).abs().max() <= 1e-4
+    # a release's config.json names it rope_scaling (Phi-4-mini): under that key the update reaches the same entry,
+    # on transformers 5 (its rope_scaling setter) as on 4 (the attribute the models read)
+    legacy = AutoConfig.from_pretrained(hf_dir)
+    legacy.update({"rope_scaling": override[key]})
+    pinned = legacy.rope_parameters
+    assert pinned["short_factor"] == pinned["long_factor"] == override[key]["long_factor"]
     assert cli_main(["longrope-override", "--hf-dir", hf_dir, "--factors", "short"]) == 0
     assert json.loads(capsys.readouterr().out)[key]["long_factor"] == [1.0, 1.1, 1.3, 1.6, 2.0, 2.5]
     from forge_megatron.models.tiny import build_tiny_model
