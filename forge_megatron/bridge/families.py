@@ -22,13 +22,15 @@ times ``routed_scaling_factor``); Llama 4's attention temperature scales each qu
 and each layer's experts are two checkpoint tensors, ``experts.gate_up_proj`` [E, 2F, D] (gate rows first) and
 ``experts.down_proj`` [E, D, F]: transformers' own layout, expert e's Megatron weights stacked (``stacked_experts``).
 
-DeepSeek-V2 (``deepseek_v2``: DeepseekV2ForCausalLM; V2-Lite, V2-Lite-Chat, DeepSeek-Coder-V2-Lite): DeepSeek-V3's
-attention (V2-Lite without a query latent: ``q_proj``) and MoE layout with Mistral Small 4's softmax router over all
-experts, no score-correction bias, logits in fp32. transformers keeps the top k probabilities as they are (it reads no
-``norm_topk_prob``: Megatron's pre-softmax top-k) times ``routed_scaling_factor``. ``topk_method``
-``group_limited_greedy`` (V2 / V2.5, 236B) scores a group by its best expert, which Megatron's grouped routing (the
-sum of each group's top few) does not: refused unless every group is chosen; ``norm_topk_prob: true`` is refused
-(transformers ignores it, SGLang renormalises).
+DeepSeek-V2 (``deepseek_v2``: DeepseekV2ForCausalLM; V2 / V2.5 / Coder-V2 236B, V2-Lite, V2-Lite-Chat,
+DeepSeek-Coder-V2-Lite): DeepSeek-V3's attention (V2-Lite without a query latent: ``q_proj``) and MoE layout with
+Mistral Small 4's softmax router over all experts, no score-correction bias, logits in fp32. transformers keeps the top
+k probabilities as they are (it reads no ``norm_topk_prob``: Megatron's pre-softmax top-k) times
+``routed_scaling_factor``. ``topk_method`` ``group_limited_greedy`` (the 236B models) first keeps ``topk_group`` of
+``n_group`` groups, a group scored by its best expert, which Megatron's grouped routing (the sum of each group's top
+few) does not: forge's router (mcore/ernie.py ``GroupLimitedGreedyRouter``, ``moe_greedy_groups``), as SGLang's
+grouped top-k for this architecture; ``norm_topk_prob: true`` is refused (transformers ignores it, SGLang
+renormalises).
 
 gpt-oss (``gpt_oss``): QKV and output projections with biases, a learned sink logit per head (Megatron's
 ``softmax_type="learnable"``: the core attention's ``softmax_offset``), a 128-position sliding window on the layers
@@ -1113,10 +1115,12 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             if method not in ("greedy", "group_limited_greedy"):
                 raise UnsupportedModelError(f"topk_method={method!r}: DeepSeek-V2's router chooses greedy or "
                                             "group_limited_greedy")
-            if method == "group_limited_greedy" and groups > 1 and group_topk < groups:
+            if method == "group_limited_greedy" and groups > 1 and (
+                    hf["n_routed_experts"] % groups or not 1 <= group_topk <= groups
+                    or hf["num_experts_per_tok"] > group_topk * (hf["n_routed_experts"] // groups)):
                 raise UnsupportedModelError(f"topk_method=group_limited_greedy with n_group={groups}, topk_group="
-                                            f"{group_topk}: DeepSeek-V2 scores a group by its best expert, Megatron "
-                                            "by the sum of its best few (V2-Lite's greedy routing is supported)")
+                                            f"{group_topk}: the groups must divide the {hf['n_routed_experts']} "
+                                            f"experts and the kept ones hold the top {hf['num_experts_per_tok']}")
             if hf.get("norm_topk_prob"):
                 raise UnsupportedModelError("norm_topk_prob=true with DeepseekV2ForCausalLM: transformers keeps the "
                                             "top-k probabilities as they are whatever it says, SGLang renormalises "
@@ -2018,6 +2022,9 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             kwargs["moe_router_pre_softmax"] = not bool(hf.get("norm_topk_prob", True)) or family.name == "deepseek_v2"
             if family.name == "deepseek_v2":  # (transformers computes its router logits in fp32)
                 kwargs["extra"] = {**kwargs["extra"], "moe_router_dtype": "fp32"}
+                groups, kept = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+                if hf.get("topk_method") == "group_limited_greedy" and 1 < groups and kept < groups:
+                    kwargs["moe_greedy_groups"] = (groups, kept)  # (a group scored by its best expert: forge's)
     elif family.longcat:
         scaling = float(hf.get("routed_scaling_factor", 1.0) or 1.0)
         d = hf["hidden_size"]

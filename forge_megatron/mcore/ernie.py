@@ -1,4 +1,4 @@
-"""ERNIE 4.5's and Kolibri 1's MoE routers, which Megatron's routers cannot express.
+"""MoE routers Megatron's cannot express: ERNIE 4.5's, Kolibri 1's and DeepSeek-V2's group-limited greedy one.
 
 Per token, with z the router logits (computed in fp32) and b the checkpoint's ``e_score_correction_bias``:
 
@@ -19,6 +19,16 @@ Kolibri 1 (``Kolibri1ForCausalLM``, Aleph Alpha) chooses on the logits themselve
 Megatron's sigmoid score function adds its expert bias to sigmoid(z) instead, which ranks experts differently (a bias
 moves a saturated sigmoid less than a logit), so :class:`LogitBiasRouter` replaces the routing the same way, the bias
 a buffer ``expert_bias`` (the bridge maps the release's ``moe.router.expert_bias``).
+
+DeepSeek-V2 / V2.5 (236B: ``topk_method: group_limited_greedy``) limit each token to a few groups of experts, a group
+scored by its best expert:
+
+    p = softmax(z) over all experts (fp32), in G groups of E / G
+    the ``topk_group`` groups with the largest max_{e in group} p_e; S = the k best p among their experts
+    w_e = p_e * routed_scaling_factor          (not renormalised)
+
+Megatron's grouped routing scores a group by the sum of its top (k / topk_group) experts (DeepSeek-V3's rule), so
+:class:`GroupLimitedGreedyRouter` replaces the routing (no bias; routing replay replaces S as above).
 """
 
 from __future__ import annotations
@@ -50,22 +60,29 @@ def biased_softmax_topk(router, logits: torch.Tensor) -> tuple[torch.Tensor, tor
     return p, _choose(router, p + router.expert_bias.float())
 
 
-class _BiasRouter(TopKRouter):
-    """Megatron's top-k router with a frozen fp32 ``expert_bias`` buffer of its own and no auxiliary loss."""
+class _ForgeRouter(TopKRouter):
+    """Megatron's top-k router whose :meth:`routing` a subclass replaces; no auxiliary loss."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         if getattr(config, "moe_aux_loss_coeff", 0.0):
             raise ValueError(f"{type(self).__name__} computes no auxiliary load-balancing loss: set moe_aux_loss_coeff "
                              "0")
-        del self.expert_bias  # (Megatron's attribute, None without its own expert bias)
-        self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, dtype=torch.float32))
 
     def _dispatch(self, logits: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor):
         """(probs, routing_map) [T, E] from each token's ``chosen`` experts and their weights ``w`` [T, k]."""
         probs = torch.zeros(logits.shape, dtype=w.dtype, device=w.device).scatter(1, chosen, w).type_as(logits)
         routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=w.device).scatter(1, chosen, True)
         return probs, routing_map
+
+
+class _BiasRouter(_ForgeRouter):
+    """:class:`_ForgeRouter` with a frozen fp32 ``expert_bias`` buffer of its own."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        del self.expert_bias  # (Megatron's attribute, None without its own expert bias)
+        self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, dtype=torch.float32))
 
 class ErnieRouter(_BiasRouter):
     """Megatron's top-k router with ERNIE 4.5's choice and weights (module docstring)."""
@@ -97,9 +114,46 @@ class LogitBiasRouterKeepingWeights(LogitBiasRouter):
     renormalise = False
 
 
+class GroupLimitedGreedyRouter(_ForgeRouter):
+    """DeepSeek-V2's ``group_limited_greedy`` routing over ``groups`` groups of experts, ``kept`` of them per token
+    (module docstring); the weights times Megatron's ``moe_router_topk_scaling_factor``. Built by
+    :func:`group_limited_greedy`."""
+
+    groups = 1
+    kept = 1
+
+    def routing(self, logits: torch.Tensor, *args, **kwargs):
+        e = self.config.num_moe_experts
+        logits = logits.view(-1, e)
+        p = torch.softmax(logits.float(), dim=-1)
+        groups, kept = self.groups, self.kept
+
+        def topk(scores, k, num_groups=None, group_topk=None):
+            best = scores.view(-1, groups, e // groups).amax(dim=-1)  # a group scored by its best expert
+            chosen_groups = torch.topk(best, k=kept, dim=-1).indices
+            allowed = torch.zeros_like(best, dtype=torch.bool).scatter(1, chosen_groups, True)
+            masked = scores.masked_fill(~allowed.repeat_interleave(e // groups, dim=1), 0.0)
+            return torch.topk(masked, k=k, dim=1)
+
+        if self.router_replay is None:
+            chosen = topk(p, self.topk)[1]
+        else:
+            chosen = self.router_replay.get_replay_topk(p, self.topk, None, None, topk)[1]
+        w = p.gather(1, chosen) * (self.config.moe_router_topk_scaling_factor or 1.0)
+        return self._dispatch(logits, chosen, w)
+
+
+def group_limited_greedy(groups: int, kept: int) -> type:
+    """A :class:`GroupLimitedGreedyRouter` class over ``groups`` groups keeping ``kept`` (what MoELayer builds)."""
+    if groups < 1 or not 1 <= kept <= groups:
+        raise ValueError(f"group-limited greedy routing keeps 1 to {groups} of {groups} groups, got {kept}")
+    return type(f"GroupLimitedGreedyRouter{groups}of{kept}", (GroupLimitedGreedyRouter,),
+                {"groups": groups, "kept": kept, "__doc__": GroupLimitedGreedyRouter.__doc__})
+
+
 def with_router(spec, router=ErnieRouter):
     """``spec`` (a layer or block spec) with every MoE layer's router a ``router`` (:class:`ErnieRouter`,
-    :class:`LogitBiasRouter`)."""
+    :class:`LogitBiasRouter`, :func:`group_limited_greedy`'s)."""
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
     if hasattr(spec, "layer_specs"):

@@ -123,6 +123,9 @@ class GPTConfig:
     # Kolibri 1: the top k chosen by the router logits plus a bias (``router.expert_bias``), weighted by their
     # sigmoids, renormalised over the k with moe_router_topk_renorm (mcore/ernie.py LogitBiasRouter)
     moe_logit_bias_router: bool = False
+    # DeepSeek-V2 / V2.5's group_limited_greedy: (groups, groups kept per token), a group scored by its best expert's
+    # softmax probability, the top k of the kept groups' experts weighted by their probabilities (mcore/ernie.py)
+    moe_greedy_groups: tuple[int, int] | None = None
     # Gemma 4 26B-A4B: every layer's routed experts run beside a dense MLP of ffn_hidden_size, each branch with its
     # own input and output norms, the router on the un-normalised input (mcore/gemma4.py); needs post_norm / pre_norm
     moe_beside_dense: bool = False
@@ -406,11 +409,20 @@ class GPTConfig:
                              "layers: linear_pre_norm)")
         if not self.pre_norm and not self.post_norm:
             raise ValueError("a layer needs its norms before (pre_norm) or after (post_norm) its sublayers, or both")
-        if (self.moe_softmax_bias_router or self.moe_logit_bias_router) and \
-                (not self.num_moe_experts or (self.moe_softmax_bias_router and self.moe_logit_bias_router)
-                 or self.moe_beside_dense):
-            raise ValueError("moe_softmax_bias_router (ERNIE 4.5) and moe_logit_bias_router (Kolibri 1) replace the "
-                             "router of Megatron's MoE layers: one of them, with experts")
+        if self.moe_greedy_groups is not None:
+            self.moe_greedy_groups = tuple(int(x) for x in self.moe_greedy_groups)
+        routers = [self.moe_softmax_bias_router, self.moe_logit_bias_router, self.moe_greedy_groups is not None]
+        if any(routers) and (not self.num_moe_experts or sum(routers) > 1 or self.moe_beside_dense):
+            raise ValueError("moe_softmax_bias_router (ERNIE 4.5), moe_logit_bias_router (Kolibri 1) and "
+                             "moe_greedy_groups (DeepSeek-V2) replace the router of Megatron's MoE layers: one of "
+                             "them, with experts")
+        if self.moe_greedy_groups is not None:
+            groups, kept = self.moe_greedy_groups
+            if groups < 1 or self.num_moe_experts % groups or not 1 <= kept <= groups or \
+                    self.moe_router_topk > kept * (self.num_moe_experts // groups):
+                raise ValueError(f"moe_greedy_groups {self.moe_greedy_groups}: groups must divide the "
+                                 f"{self.num_moe_experts} experts and the kept groups hold the top "
+                                 f"{self.moe_router_topk}")
         if self.moe_output_norm and (not self.num_moe_experts or self.post_norm or not self.pre_norm
                                      or self.moe_beside_dense or self.shortcut_moe or self.layer_kinds is not None):
             raise ValueError("moe_output_norm (A.X K1: a norm after each MoE layer's MLP) needs experts in a pre-norm "
@@ -884,6 +896,10 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
 
         spec = ernie.with_router(spec, ernie.LogitBiasRouter if cfg.moe_router_topk_renorm
                                  else ernie.LogitBiasRouterKeepingWeights)
+    if cfg.moe_greedy_groups is not None:  # (DeepSeek-V2 / V2.5: group_limited_greedy)
+        from forge_megatron.mcore import ernie
+
+        spec = ernie.with_router(spec, ernie.group_limited_greedy(*cfg.moe_greedy_groups))
     if cfg.shortcut_moe:
         from forge_megatron.mcore.longcat import shortcut_spec
 

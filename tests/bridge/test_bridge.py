@@ -1329,11 +1329,16 @@ def test_deepseek_v2_lite_config_as_released():
     # DeepSeek-V2 (236B): greedy routing with groups named but unused is V2-Lite's; scaled by 16
     scaled = Bridge({**_deepseek_v2_lite(), "routed_scaling_factor": 16.0, "n_group": 8, "topk_group": 3})
     assert scaled.cfg.extra["moe_router_topk_scaling_factor"] == 16.0 and scaled.cfg.extra.get(
-        "moe_router_num_groups") is None
+        "moe_router_num_groups") is None and scaled.cfg.moe_greedy_groups is None
+    # ... and its group_limited_greedy routing (V2 / V2.5 236B as released): 3 of 8 groups, forge's router
+    grouped = Bridge({**_deepseek_v2_lite(), "routed_scaling_factor": 16.0, "n_group": 8, "topk_group": 3,
+                      "topk_method": "group_limited_greedy", "n_routed_experts": 160})
+    assert grouped.cfg.moe_greedy_groups == (8, 3) and grouped.cfg.extra.get("moe_router_num_groups") is None
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3}, "best expert"),
+    ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2}, "groups must divide"),
+    ({"topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 9}, "groups must divide"),
     ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
     ({"norm_topk_prob": True}, "norm_topk_prob=true"),
     ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),

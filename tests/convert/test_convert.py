@@ -83,6 +83,12 @@ def hf_dirs(tmp_path_factory):
     dirs["cohere2_moe_rms"] = build_tiny_model(str(root / "cohere2_moe_rms"), arch="cohere2_moe", seed=11,
                                                with_tokenizer=False, rms_norm_eps=1e-6, expert_selection_fn="sigmoid",
                                                shared_expert_combination_strategy="sum")
+    # DeepSeek-V2 236B's layout: a query latent, group_limited_greedy routing (a group scored by its best expert: the
+    # best of 2 groups of 4 kept, its top 2 experts, scaled by 16; greedy top 2 or Megatron's group rule differ)
+    dirs["deepseek_v2_grouped"] = build_tiny_model(str(root / "deepseek_v2_grouped"), arch="deepseek_v2", seed=12,
+                                                   with_tokenizer=False, q_lora_rank=32, n_routed_experts=8,
+                                                   topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                                                   routed_scaling_factor=16.0)
     from forge_megatron.models.tiny import build_tiny_reward_model
 
     dirs["qwen2_rm"] = build_tiny_reward_model(str(root / "qwen2_rm"), seed=8)  # a reward model: its score head
@@ -366,7 +372,7 @@ def _convert_all(hf_dirs, root, archs, layout):
 def test_megatron_logits_equal_hf_every_family(hf_dirs, tmp_path):
     # (gemma2: soft-capped attention scores and logits, caps that bite in the tiny model)
     archs = ARCHS + ("qwen3_tied", "gpt_oss_clamped", "olmo_hybrid_rope", "deepseek_v3_base50k", "llama4_maverick",
-                     "cohere2_moe_rms") + \
+                     "cohere2_moe_rms", "deepseek_v2_grouped") + \
         tuple(name for name, _, _ in ROPE_SCALED)
     ckpt.hf_to_megatron(hf_dirs["qwen2"], str(tmp_path / "tp2"), ParallelLayout(tp=2))
     (out,) = run_distributed(_megatron_logits_body, world_size=1, tp2_dir=str(tmp_path / "tp2"),
@@ -399,7 +405,7 @@ def _megatron_grads_body(rank, world_size, mcore_dirs):
     return out
 
 
-GRAD_ARCHS = ARCHS + ("qwen3_tied", "llama4_maverick", "cohere2_moe_rms")
+GRAD_ARCHS = ARCHS + ("qwen3_tied", "llama4_maverick", "cohere2_moe_rms", "deepseek_v2_grouped")
 
 
 def test_megatron_gradients_equal_hf(hf_dirs, tmp_path):
