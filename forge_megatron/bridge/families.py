@@ -119,6 +119,10 @@ whose width ``block_auto_adjust_ff_dim`` derives from ``intermediate_size`` (2/3
 LFM2-MoE (``lfm2_moe``): the first ``num_dense_layers`` layers' MLP as given, the others' experts under a sigmoid
 router choosing with its bias (``feed_forward.expert_bias``), renormalised, scaled, no shared expert.
 
+LFM3 (``lfm3``: Lfm3ForCausalLM): LFM2's layers with norms after every mixer and MLP (sandwich), sliding-window
+attention layers (plain RoPE, base 10k: the model's table) beside full ones (proportional RoPE, base 1M: their own,
+``full_rope_scaling``), Qwen3's attention names and a sigmoid gate per head (``self_attn.gate_proj``: mcore/head_gate.py).
+
 MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
 (``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
 with a score-correction bias (normalised top-k; no groups and no scaling: transformers and SGLang ignore
@@ -373,6 +377,9 @@ FAMILIES: dict[str, Family] = {
     # LFM2-MoE (LFM2-8B-A1B): the same layers, the first num_dense_layers with the MLP, the others experts under a
     # sigmoid router choosing with a bias (feed_forward.expert_bias), renormalised, no shared expert
     "Lfm2MoeForCausalLM": Family("lfm2_moe", qkv_bias=False, qk_norm=True, moe=True, sigmoid_router=True, lfm2=True),
+    # LFM3 (Liquid AI, 1.7B): LFM2's layers with sandwich norms, sliding-window attention layers (plain RoPE, base 10k)
+    # beside full ones (proportional RoPE over half the frequencies, base 1M), a sigmoid gate per attention head
+    "Lfm3ForCausalLM": Family("lfm3", qkv_bias=False, qk_norm=True, moe=False, lfm2=True),
     # Youtu-LLM (Tencent, 2B): DeepSeek-V3's multi-latent attention in Llama's layers with a dense SwiGLU MLP
     "YoutuForCausalLM": Family("youtu", qkv_bias=False, qk_norm=False, moe=False, mla=True),
     # EXAONE 4.0 (32B, 1.2B) and K-EXAONE (236B-A23B): see the module docstring
@@ -909,8 +916,14 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     if family.name == "phi3" and rope.rope_type(hf.get("rope_scaling") or rope_parameters(hf)) == "yarn":
         raise UnsupportedModelError("rope_scaling type 'yarn' in a Phi-3 config (transformers reads it as longrope): "
                                     "write it as longrope")
+    if family.name == "lfm3":  # (a share of the frequencies is part of proportional RoPE's table, not of the head)
+        for kind in ("sliding_attention", "full_attention"):
+            params = rope_parameters(hf, kind)
+            if float(params.get("partial_rotary_factor", 1.0)) != 1.0 and rope.rope_type(params) != "proportional":
+                raise UnsupportedModelError(f"{kind} layers' partial_rotary_factor with {rope.rope_type(params)!r} "
+                                            "RoPE: LFM3 rotates whole heads (proportional RoPE a share of them)")
     if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "gemma4", "mimo_v2_flash",
-                                                         "minimax_m3", "phi3", "bamba") \
+                                                         "minimax_m3", "phi3", "bamba", "lfm3") \
             and not family.gated_delta \
             and not family.mla:  # (MLA rotates qk_rope_head_dim channels: Mistral 4 states it as this fraction)
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
@@ -1475,15 +1488,22 @@ def lfm2_view(hf: dict) -> dict:
     """LFM2's config under the generic names: each layer's kind (``layer_types``, or ``full_attn_idxs``), the
     norms' epsilon, the MLP width its MLP derives."""
     n = hf["num_hidden_layers"]
+    lfm3 = hf.get("model_type") == "lfm3"
     types = hf.get("layer_types")
+    if types is None and lfm3:  # (transformers' default: layer 2 of every 4 full, layer 0 of every 4 but the first
+        # sliding, the others convolutions)
+        types = ["full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i > 0 else "conv"
+                 for i in range(n)]
     if types is None:
         full = set(hf.get("full_attn_idxs") or range(n))
         types = ["full_attention" if i in full else "conv" for i in range(n)]
-    if len(types) != n or set(types) - {"conv", "full_attention"}:
-        raise UnsupportedModelError(f"layer_types {types}: conv or full_attention, one per layer ({n})")
+    kinds = {"conv", "full_attention"} | ({"sliding_attention"} if lfm3 else set())
+    if len(types) != n or set(types) - kinds:
+        raise UnsupportedModelError(f"layer_types {types}: {' or '.join(sorted(kinds))}, one per layer ({n})")
     width = hf["intermediate_size"]
     moe = hf.get("model_type") == "lfm2_moe" or "num_experts" in hf
-    if hf.get("block_auto_adjust_ff_dim", not moe):  # as transformers' Lfm2MLP derives it (LFM2-MoE's MLP: as given)
+    if hf.get("block_auto_adjust_ff_dim", not moe and not lfm3):  # as transformers' Lfm2MLP derives it (LFM2-MoE's
+        # and LFM3's MLPs: as given)
         width = int(2 * width / 3)
         if hf.get("block_ffn_dim_multiplier") is not None:
             multiple = int(hf.get("block_multiple_of", 256))
@@ -1923,6 +1943,19 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         kwargs["moe_output_norm"] = True
     if family.name == "minicpm5_moe":  # a sigmoid gate per query channel, from q_proj's second half of each head
         kwargs.update(attention_output_gate=True)
+    if family.name == "lfm3":  # sandwich norms; windows; a gate per head; the sliding layers' RoPE the model's table
+        sliding, full = rope_parameters(hf, "sliding_attention"), rope_parameters(hf, "full_attention")
+        kwargs.update(pre_norm=True, post_norm=bool(hf.get("use_sandwich_norm", True)),
+                      attention_head_gate=bool(hf.get("use_attention_gate", True)), rotary_percent=1.0,
+                      rotary_base=float(sliding.get("rope_theta") or 1e4),
+                      rope_scaling=rope_scaling(hf, "sliding_attention"))
+        if "sliding_attention" in hf["layer_types"] and hf.get("sliding_window"):
+            kwargs["extra"] = {**kwargs.get("extra", {}), **sliding_windows(hf)}
+            if full != sliding and "full_attention" in hf["layer_types"]:
+                kwargs.update(full_rope_scaling=rope_scaling(hf, "full_attention") or {"rope_type": "default"},
+                              full_rotary_base=float(full.get("rope_theta") or kwargs["rotary_base"]))
+        else:  # (every attention layer full: its RoPE is the model's table)
+            kwargs.update(rotary_base=float(full.get("rope_theta") or 1e4), rope_scaling=rope_scaling(hf))
     if family.name == "kolibri1":  # GLM-4's sandwich norms; EXAONE's windows that rotate beside NoPE full layers
         kwargs.update(pre_norm=True, post_norm=True)
         if hf.get("sliding_window"):

@@ -234,11 +234,13 @@ def _mamba2_rules(cfg: GPTConfig, hf: str = HF_LAYER + "mamba.", mixer: str = LA
     return rules
 
 
-def _lfm2_rules(cfg: GPTConfig) -> list[Rule]:
+def _lfm2_rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     """LFM2: short-convolution layers (``conv.*``: ``in_proj`` interleaved per channel as ``shortconv_in``, the
     depthwise convolution squeezed) and attention layers (``self_attn.out_proj``, ``q_layernorm`` / ``k_layernorm``);
     every layer's ``operator_norm`` before its mixer, ``ffn_norm`` before its MLP (``feed_forward.w1`` / ``w3`` /
-    ``w2``), the final ``embedding_norm``."""
+    ``w2``), the final ``embedding_norm``. LFM3: Qwen3's attention names (``o_proj``, ``q_norm`` / ``k_norm``), the
+    gate per head (``self_attn.gate_proj``, transformers' ``g_proj``), the norms on the mixer's and the MLP's outputs
+    (``post_operator_norm``, ``post_ffn_norm``)."""
     conv, attn, mixer = HF_LAYER + "conv.", HF_LAYER + "self_attn.", LAYER + "self_attention."
     rules = [
         Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "col"),
@@ -257,6 +259,17 @@ def _lfm2_rules(cfg: GPTConfig) -> list[Rule]:
         Rule(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + "feed_forward.w2.weight",), tp="row", layers="dense"),
         Rule("decoder.final_layernorm.weight", ("model.embedding_norm.weight",)),
     ]
+    if family.name == "lfm3":  # Qwen3's attention names, the gate per head (gate_proj as released), sandwich norms
+        rules = [r for r in rules if not r.mcore.startswith(tuple(mixer + p for p in ("linear_proj", "q_layernorm",
+                                                                                      "k_layernorm")))]
+        rules += [Rule(mixer + "linear_proj.weight", (attn + "o_proj.weight",), tp="row", layers="full"),
+                  Rule(mixer + "q_layernorm.weight", (attn + "q_norm.weight",), layers="full"),
+                  Rule(mixer + "k_layernorm.weight", (attn + "k_norm.weight",), layers="full")]
+        if cfg.attention_head_gate:
+            rules.append(Rule(mixer + "linear_gate.weight", (attn + "gate_proj.weight",), tp="col", layers="full"))
+        if cfg.post_norm:
+            rules += [Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_operator_norm.weight",)),
+                      Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_ffn_norm.weight",))]
     if cfg.short_conv_bias:
         rules.append(Rule(mixer + "conv1d_bias", (conv + "conv.bias",), tp="col", layers="linear"))
     if cfg.num_moe_experts:  # LFM2-MoE: experts one by one on disk (w1 gate, w3 up, w2 down), the router's bias beside
@@ -519,7 +532,7 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if family.nemotron_h:
         return _nemotron_h_rules(cfg, family)
     if family.lfm2:
-        return _lfm2_rules(cfg)
+        return _lfm2_rules(cfg, family)
     if family.longcat:
         return _longcat_rules(cfg)
     if family.mimo:
@@ -1129,7 +1142,7 @@ class Bridge:
             table.update({"expert_bias": (cfg.num_moe_experts or 0,), "conv.in_proj.weight": (3 * d, d), "conv.conv.weight": (d, 1, cfg.linear_conv_kernel),
                           "conv.conv.bias": (d,), "conv.out_proj.weight": (d, d),
                           "self_attn.out_proj.weight": (d, n * h), "q_layernorm.weight": (h,),
-                          "k_layernorm.weight": (h,)})
+                          "k_layernorm.weight": (h,), "self_attn.gate_proj.weight": (n, d)})
         if self.family.nemotron_h:  # its embedding and final norm's names
             table.update({"embeddings.weight": (self.hf_vocab, d), "norm_f.weight": (d,)})
             if cfg.moe_latent_size is not None:  # (LatentMoE: the routed experts between the latent projections)

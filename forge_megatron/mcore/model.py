@@ -86,6 +86,14 @@ class GPTConfig:
     # layers only; {"rope_type": "default"}: plain); None: every layer has ``rope_scaling``
     sliding_rope_scaling: dict | None = None
     sliding_rotary_base: float | None = None  # their RoPE base where it differs (Gemma 3: 10k local, 1M global)
+    # the other way round: the full-attention layers' RoPE where it differs, rope_scaling / rotary_base then being the
+    # sliding layers' (LFM3: proportional RoPE, base 1M, on its full layers beside plain base-10k sliding ones: some
+    # of its frequencies are 0, so it cannot be the model's table; mcore/rope.py apply_to_sliding_layers)
+    full_rope_scaling: dict | None = None
+    full_rotary_base: float | None = None
+    # a sigmoid gate per attention head from its own projection (``linear_gate`` [heads, hidden]) scaling that head's
+    # output before linear_proj (LFM3's g_proj; mcore/head_gate.py)
+    attention_head_gate: bool = False
     # layers that rotate nothing (SmolLM3's NoPE layers, every fourth): True where RoPE is left out; None: none
     nope_layers: tuple[bool, ...] | None = None
     rotary_percent: float = 1.0  # the fraction of each head RoPE rotates (its first channels; GLM-4.5: 0.5)
@@ -329,6 +337,17 @@ class GPTConfig:
             if not self.extra.get("window_size") or self.multi_latent_attention:
                 raise ValueError("sliding_rope_scaling needs sliding-window layers (extra window_size) and standard "
                                  "attention")
+        if self.full_rope_scaling is not None:
+            self.full_rope_scaling = rope.check(self.full_rope_scaling, self.max_position_embeddings) or \
+                {"rope_type": "default"}
+            if not self.extra.get("window_size") or self.multi_latent_attention or self.rotary_percent != 1.0 or \
+                    self.sliding_rope_scaling is not None or self.rotary_interleaved or self.per_layer_attention:
+                raise ValueError("full_rope_scaling needs sliding-window layers (extra window_size), standard attention "
+                                 "rotating whole heads in halves, and no sliding_rope_scaling beside it")
+        if self.attention_head_gate and (self.multi_latent_attention or self.attention_output_gate or
+                                         self.per_layer_attention or self.block_sparse_layers is not None):
+            raise ValueError("attention_head_gate (a gate per head: LFM3) is supported with standard attention "
+                             "without Megatron's own output gate")
         if self.rotated_channels_scale != 1.0:
             if self.sliding_rope_scaling is not None or self.per_layer_attention or self.qk_norm_after_rope:
                 raise ValueError("a RoPE attention factor (YaRN, longrope) on part of each head is supported with one "
@@ -403,7 +422,7 @@ class GPTConfig:
                 raise ValueError(f"nope_layers has {len(self.nope_layers)} entries for {self.num_layers} layers (and "
                                  "needs standard attention, or multi-latent attention without RoPE in any layer)")
         if self.post_norm and (self.add_bias_linear or self.multi_latent_attention or
-                               (self.hybrid and not self.linear_pre_norm)):
+                               (self.hybrid and not self.linear_pre_norm and self.linear_attention_kind != "short_conv")):
             raise ValueError("post_norm (norms after attention and MLP: OLMo, Gemma 3 / 4) is supported with standard "
                              "attention and no linear biases (and, in a hybrid model, pre-norm Gated DeltaNet "
                              "layers: linear_pre_norm)")
@@ -859,6 +878,10 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from forge_megatron.mcore.post_norm import moe_output_norm_spec
 
         spec = moe_output_norm_spec(spec)
+    if cfg.attention_head_gate:  # (LFM3: a sigmoid gate per head; before a hybrid model's mixers replace some)
+        from forge_megatron.mcore.head_gate import head_gate_spec
+
+        spec = head_gate_spec(spec)
     if cfg.mamba_beside_attention:  # (Falcon-H1: every layer a Mamba-2 mixer beside its attention)
         if use_te:
             raise ValueError("Falcon-H1's layers build with the local spec")
@@ -1280,6 +1303,13 @@ def build_gpt(cfg: GPTConfig, spec=None, pre_process: bool | None = None, post_p
         rope.apply_to_sliding_layers(model, cfg.sliding_rope_scaling, cfg.rope_scaling, cfg.rotary_base,
                                      cfg.rotary_dim, cfg.head_dim, sliding_base=cfg.sliding_rotary_base,
                                      base_scale=cfg.softmax_scale)
+    if cfg.full_rope_scaling is not None:  # (LFM3: the model's table is the sliding layers')
+        windows = cfg.extra.get("window_attn_skip_freq")
+        full = tuple(not (cfg.linear_attention and cfg.linear_attention[i]) and not (windows is None or windows[i])
+                     for i in range(cfg.num_layers))
+        rope.apply_to_sliding_layers(model, cfg.full_rope_scaling, cfg.rope_scaling, cfg.rotary_base,
+                                     cfg.rotary_dim, cfg.head_dim, sliding_base=cfg.full_rotary_base,
+                                     base_scale=cfg.softmax_scale, full_layers=full)
     if cfg.nope_query_scaling is not None:  # (Llama 4: before leave_out hides the table its positions come from)
         rope.scale_queries(model, *cfg.nope_query_scaling, layers=cfg.nope_layers, offset=1)
     if cfg.nope_layers is not None and any(cfg.nope_layers):

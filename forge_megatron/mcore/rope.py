@@ -1,4 +1,5 @@
-"""RoPE frequency scaling of Hugging Face checkpoints: ``linear``, ``llama3``, ``yarn`` and ``longrope``.
+"""RoPE frequency scaling of Hugging Face checkpoints: ``linear``, ``llama3``, ``yarn``, ``longrope`` and
+``proportional``.
 
 Long-context checkpoints stretch RoPE by changing its inverse frequencies (Llama 3.1-3.3: ``llama3``; Qwen2.5 / Qwen3
 with a ``rope_scaling`` entry for 128k contexts, and many others: ``yarn``; older ones: ``linear``). The trainer must
@@ -23,6 +24,11 @@ engines must be pinned to the same list (the reference engine is, by the same op
 depend on the sequence length at run time otherwise (``dynamic``) are refused (``ValueError``: the bridge reports it
 as unsupported).
 
+``proportional`` (Gemma 4's global layers, LFM3's full-attention layers) rotates the whole head in rotate-half pairs
+(i, i + D / 2) but only the first ``partial_rotary_factor`` of the D / 2 frequencies, base^(-2i / D) (over the whole
+head's D, not the rotated part's), the others 0 (pairs left as they are), all divided by ``factor``: the same table
+shape as plain RoPE over the whole head, so it is a table like the others (rotary_percent 1).
+
 ``params`` below is the HF dict (``rope_scaling`` or transformers 5's ``rope_parameters``): ``rope_type`` (or
 ``type``), ``factor``, and per type ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``
 (llama3, yarn), ``beta_fast``, ``beta_slow``, ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``
@@ -35,7 +41,7 @@ import math
 
 import torch
 
-SCALED_TYPES = ("linear", "llama3", "yarn", "longrope")
+SCALED_TYPES = ("linear", "llama3", "yarn", "longrope", "proportional")
 LONGROPE_FACTORS = ("long", "short")
 
 
@@ -58,6 +64,13 @@ def check(params: dict | None, max_position_embeddings: int) -> dict | None:
     out["rope_type"] = kind
     if kind == "longrope":
         return _check_longrope(out, max_position_embeddings)
+    if kind == "proportional":  # (its rotated share of the frequencies is part of the table)
+        share = float(params.get("partial_rotary_factor", 1.0))
+        factor = float(params.get("factor", 1.0))
+        if not 0.0 < share <= 1.0 or factor <= 0:
+            raise ValueError(f"RoPE 'proportional' needs 0 < partial_rotary_factor <= 1 and factor > 0, got {share} "
+                             f"and {factor}")
+        return {"rope_type": kind, "partial_rotary_factor": share, "factor": factor}
     factor = out.get("factor")
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
         raise ValueError(f"RoPE scaling {kind!r} needs a positive 'factor', got {factor!r}")
@@ -119,6 +132,9 @@ def inv_freq(params: dict | None, base: float, dim: int) -> torch.Tensor:
     kind = rope_type(params)
     if kind == "default":
         return plain
+    if kind == "proportional":  # the first share of the frequencies over the whole head, the others 0
+        angles = int(params["partial_rotary_factor"] * dim // 2)
+        return torch.cat([plain[:angles], plain.new_zeros(dim // 2 - angles)]) / float(params["factor"])
     if kind == "longrope":
         divisors = torch.tensor(params[f"{params['longrope_factors']}_factor"], dtype=torch.float32)
         if divisors.numel() != dim // 2:
@@ -214,7 +230,8 @@ def apply(model, params: dict | None, base: float, dim: int) -> None:
 
 
 def apply_to_sliding_layers(model, sliding: dict | None, others: dict | None, base: float, dim: int,
-                            head_dim: int, sliding_base: float | None = None, base_scale: float | None = None) -> None:
+                            head_dim: int, sliding_base: float | None = None, base_scale: float | None = None,
+                            full_layers: tuple[bool, ...] | None = None) -> None:
     """Give the sliding-window layers of ``model`` (a GPTModel stage) RoPE scaled per ``sliding`` with base
     ``sliding_base`` (default ``base``) while the model's table is scaled per ``others`` with ``base`` (OLMo 3 extends
     its context with YaRN on the full-attention layers only; Gemma 3's local layers have base 10k, its global ones
@@ -222,7 +239,12 @@ def apply_to_sliding_layers(model, sliding: dict | None, others: dict | None, ba
     layer's self-attention gets it multiplied, column by column, by ``inv_freq(sliding) / inv_freq(others)`` (the
     table repeats the frequencies for the two rotated halves), which are that layer's angles, and its core attention
     the softmax scale of ``sliding``'s attention factor (times ``base_scale``, the model's own). Works on the
-    depth-indexed table of the tree model as on the causal one."""
+    depth-indexed table of the tree model as on the causal one.
+
+    ``full_layers`` (one flag per layer of the model, True for the full-attention layers among the attention ones):
+    the other way round, those layers get ``sliding`` (then their RoPE) over the model's table of the sliding ones
+    (``others``). LFM3's full layers rotate ``proportional`` RoPE, some frequencies 0, which no ratio over them could
+    undo: the model's table is its sliding layers' instead."""
     from megatron.core.transformer.utils import is_layer_window_attention
 
     ratio = inv_freq(sliding, sliding_base or base, dim) / inv_freq(others, base, dim)
@@ -241,7 +263,10 @@ def apply_to_sliding_layers(model, sliding: dict | None, others: dict | None, ba
         return args, kwargs
 
     for layer in model.decoder.layers:
-        if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer.layer_number):
+        if full_layers is not None:
+            if not full_layers[layer.layer_number - 1]:
+                continue
+        elif not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer.layer_number):
             continue
         layer.self_attention.core_attention.softmax_scale = scale
         layer.self_attention.register_forward_pre_hook(rescale, with_kwargs=True)

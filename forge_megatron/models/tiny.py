@@ -48,7 +48,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
-         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum", "kolibri1")
+         "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum", "kolibri1",
+         "lfm3")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -484,6 +485,15 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
             {"intermediate_size": 144, "block_multiple_of": 16, "layer_types": ["conv", "full_attention"],
              "tie_word_embeddings": True},
         ),
+        # LFM3 layout: a 4-position sliding window (plain RoPE, base 10k), a short convolution, full attention
+        # (proportional RoPE over half the frequencies, base 1M); per-head q/k norms and a sigmoid gate per head, norms
+        # after every mixer and MLP (sandwich), MLPs 96 wide as given, the head tied
+        "lfm3": (
+            transformers.Lfm3Config,
+            {"num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 96, "conv_L_cache": 3, "sliding_window": 4,
+             "layer_types": ["sliding_attention", "conv", "full_attention"], "tie_word_embeddings": True,
+             "norm_eps": 1e-6},
+        ),
         # LFM2-MoE layout: the same layers, layer 0's MLP dense (96 wide), layer 1 4 experts of 32 (top 2 by sigmoid
         # + bias, renormalised, times 2.5), no shared expert
         "lfm2_moe": (
@@ -881,7 +891,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # input, MLP and q/k norms: which is which matters
             elif arch.startswith("cohere") and name.endswith("norm.weight"):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # one norm per layer and the final one: which is which
-            elif arch.startswith("lfm2") and name.endswith(("layernorm.weight", "norm.weight")):
+            elif arch.startswith(("lfm2", "lfm3")) and name.endswith(("layernorm.weight", "norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # q/k norms and the two norms per layer: which is which
             elif arch in ("axk1", "mellum", "kolibri1") and name.endswith(("norm.weight", "layernorm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # (A.X K1's norm after the experts: which is which)

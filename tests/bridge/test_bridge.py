@@ -1488,3 +1488,29 @@ def test_kolibri1_config_as_transformers_defaults_it():
     assert Bridge(no_types).cfg.nope_layers == cfg.nope_layers
     with pytest.raises(UnsupportedModelError, match="shared_expert_intermediate_size"):
         Bridge({**hf, "shared_expert_intermediate_size": 0})
+
+
+def test_lfm3_config_as_transformers_defaults_it():
+    """LFM3 (transformers' Lfm3Config defaults, the 1.7B release's sizes): transformers' layer pattern (layer 2 of
+    every 4 full attention, layer 0 of every 4 but the first a 256-position window, the others short convolutions),
+    sandwich norms, a gate per head; the sliding layers' plain base-10k RoPE is the model's table, the full layers'
+    proportional RoPE (half the frequencies, base 1M) their own; the MLP as wide as given; a partial factor on plain
+    RoPE refused."""
+    hf = {**transformers.Lfm3Config().to_dict(), "architectures": ["Lfm3ForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    types = hf["layer_types"]
+    assert cfg.pre_norm and cfg.post_norm and cfg.attention_head_gate and cfg.ffn_hidden_size == 7680
+    assert cfg.linear_attention == tuple(t == "conv" for t in types) and cfg.linear_attention_kind == "short_conv"
+    assert (cfg.rotary_base, cfg.rope_scaling, cfg.rotary_percent) == (1e4, None, 1.0)
+    assert cfg.full_rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 1.0}
+    assert cfg.full_rotary_base == 1e6 and cfg.extra["window_size"] == (255, 0)
+    assert cfg.extra["window_attn_skip_freq"] == [int(t == "sliding_attention") for t in types]
+    assert bridge.hf_names("decoder.layers.2.self_attention.linear_gate.weight") == \
+        ["model.layers.2.self_attn.gate_proj.weight"]
+    assert bridge.hf_names("decoder.layers.1.post_self_attn_layernorm.weight") == \
+        ["model.layers.1.post_operator_norm.weight"]
+    assert bridge.hf_shape("model.layers.2.self_attn.gate_proj.weight") == (16, 2048)
+    with pytest.raises(UnsupportedModelError, match="sliding_attention layers' partial_rotary_factor"):
+        Bridge({**hf, "rope_parameters": {**hf["rope_parameters"], "sliding_attention": {
+            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}})

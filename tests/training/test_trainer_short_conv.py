@@ -2,7 +2,9 @@
 (y = C * conv(B * x), three taps along each token's ancestors) before an attention layer with per-head q/k norms. LFM2:
 one rank, TP = 2 with sequence parallelism (each rank half the channels), CP = 2 (each rank every token of half the
 channels) and PP = 2 train the same two steps. LFM2-MoE (the first layer's MLP dense, the second's experts under a
-sigmoid router with its bias): PP = 2 and EP = 2 as one rank, routing replayed. CPU, 0 GPUs (gloo)."""
+sigmoid router with its bias): PP = 2 and EP = 2 as one rank, routing replayed. LFM3 (a sliding-window layer, a
+convolution, a full layer with proportional RoPE; a gate per head, sandwich norms): TP = 2 with sequence parallelism,
+CP = 2 and PP = 2 as one rank. CPU, 0 GPUs (gloo)."""
 
 import numpy as np
 import pytest
@@ -16,6 +18,11 @@ LAYOUTS = {
     "lfm2": [("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
              ("cp2", ["--context-parallel-size", "2"]), ("pp2", ["--pipeline-model-parallel-size", "2"])],
     "lfm2_moe": [("pp2", ["--pipeline-model-parallel-size", "2"]), ("ep2", ["--expert-model-parallel-size", "2"])],
+    # LFM3: the gate per head split over TP with the heads (its input gathered over the sequence); the window and the
+    # full layers' own RoPE over CP's gathered keys; the first layer alone on the first stage
+    "lfm3": [("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+             ("cp2", ["--context-parallel-size", "2"]),
+             ("pp2first1", ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"])],
 }
 
 
