@@ -922,6 +922,9 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             if float(params.get("partial_rotary_factor", 1.0)) != 1.0 and rope.rope_type(params) != "proportional":
                 raise UnsupportedModelError(f"{kind} layers' partial_rotary_factor with {rope.rope_type(params)!r} "
                                             "RoPE: LFM3 rotates whole heads (proportional RoPE a share of them)")
+        if "sliding_attention" in (hf.get("layer_types") or []) and not hf.get("sliding_window"):
+            raise UnsupportedModelError("sliding_attention layers without a sliding_window in an LFM3 config (they "
+                                        "would attend fully with their own RoPE) are not supported")
     if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "gemma4", "mimo_v2_flash",
                                                          "minimax_m3", "phi3", "bamba", "lfm3") \
             and not family.gated_delta \
@@ -1102,7 +1105,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError(f"mlp_layer_types {sorted(set(mlp))}: one per layer, dense or sparse, one "
                                         "sparse at least")
         factors = {float(rope_parameters(hf, t).get("partial_rotary_factor", 1.0)) for t in set(types)}
-        if factors != {1.0}:  # (the full layers' factor is refused below for this family; the sliding ones' here)
+        if factors != {1.0}:  # (either kind's)
             raise UnsupportedModelError(f"partial_rotary_factor {sorted(factors)} in a Mellum config: each layer "
                                         "rotating its whole head is supported")
     if family.name == "dots1" and "sliding_attention" in (hf.get("layer_types") or []):

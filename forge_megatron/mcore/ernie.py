@@ -84,6 +84,7 @@ class _BiasRouter(_ForgeRouter):
         del self.expert_bias  # (Megatron's attribute, None without its own expert bias)
         self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, dtype=torch.float32))
 
+
 class ErnieRouter(_BiasRouter):
     """Megatron's top-k router with ERNIE 4.5's choice and weights (module docstring)."""
 
