@@ -61,6 +61,22 @@ def _build(bridge: Bridge):
         return build_gpt(bridge.cfg)
 
 
+def _in_process_write_results() -> None:
+    """Hand Megatron's torch_dist writer an in-process queue for its write results. By default it makes one through a
+    ``multiprocessing`` Manager started with "spawn": a fresh interpreter per rank that imports this module again
+    (torch with it) and then torch's checkpoint classes to unpickle the results, ~5 s of CPU a rank for nothing, since
+    this converter saves synchronously (the writer puts its results and the saving rank takes them, one process).
+    Megatron versions without that module attribute are left as they are."""
+    import queue
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if hasattr(filesystem_async, "_results_queue") and filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def to_torch_dist(mcore_dir: str, out_dir: str) -> None:
     """Collective: save the ``torch`` checkpoint ``mcore_dir`` as ``torch_dist`` in ``out_dir``."""
     from megatron.core import dist_checkpointing
@@ -72,8 +88,9 @@ def to_torch_dist(mcore_dir: str, out_dir: str) -> None:
     model = _build(bridge)
     ckpt.load_into(model, mcore_dir)
     os.makedirs(out_dir, exist_ok=True)
+    _in_process_write_results()
     with cuda_factories_to_cpu():
-        dist_checkpointing.save(model.sharded_state_dict(), out_dir)
+        dist_checkpointing.save(model.sharded_state_dict(), out_dir)  # (synchronous: async_sharded_save False)
 
 
 def from_torch_dist(dist_dir: str, hf_config: str, out_dir: str, layout: ParallelLayout) -> None:
