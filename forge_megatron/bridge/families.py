@@ -72,6 +72,9 @@ MiniCPM5-MoE (``minicpm5_moe``): Llama's attention with Qwen3.5's sigmoid gate p
 each head's queries then its gate) and DeepSeek-V3's MoE (an fp32 sigmoid router with a score-correction bias).
 Mellum 2 (``mellum``): Qwen3-MoE's layers with OLMo 3's sliding-window layers (their own RoPE base) beside full ones
 and dense MLPs where ``mlp_layer_types`` says (Megatron's MoE layer pattern); its MTP layer (``mtp.*``) left out.
+Hy3 (``hy_v3``: HYV3ForCausalLM, Tencent Hunyuan 3): dots.llm1's layout under its own names and fields (``num_experts``,
+``num_shared_experts``, ``router_scaling_factor``; ``mlp.router.gate``, ``mlp.expert_bias``, ``mlp.shared_mlp``), its MTP
+layers (numbered after the last) left out.
 Kolibri 1 (``kolibri1``): EXAONE 4.0's attention (sliding layers that rotate beside NoPE full ones) in GLM-4's
 sandwich norms (``post_attn_norm``, ``post_ffn_norm``), every layer's experts beside a shared one under a router
 choosing by logit plus bias and weighting by sigmoid (mcore/ernie.py ``LogitBiasRouter``: Megatron's sigmoid router
@@ -493,6 +496,10 @@ FAMILIES: dict[str, Family] = {
     # ones) in GLM-4's sandwich norms, every layer's experts beside a shared one under a router choosing by logit plus
     # bias and weighting by sigmoid (mcore/ernie.py LogitBiasRouter)
     "Kolibri1ForCausalLM": Family("kolibri1", qkv_bias=False, qk_norm=True, moe=True),
+    # Hy3 (Tencent Hunyuan 3, HYV3ForCausalLM): dots.llm1's layout (per-head q/k norms before RoPE, the first layers
+    # dense, a sigmoid router choosing with a score-correction bias, renormalised and scaled, shared experts) under
+    # Hy3's names (mlp.router.gate, mlp.expert_bias, mlp.shared_mlp) and fields (router_scaling_factor)
+    "HYV3ForCausalLM": Family("hy_v3", qkv_bias=None, qk_norm=True, moe=True, sigmoid_router=True),
     # OLMoE: Llama's pre-norm layout with q/k RMSNorms over all heads (as OLMo 2's, before RoPE) and a MoE of
     # intermediate_size experts, softmax top-k (renormalised when norm_topk_prob)
     "OlmoeForCausalLM": Family("olmoe", qkv_bias=False, qk_norm=True, moe=True),
@@ -1713,6 +1720,11 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         hf = lfm2_view(hf)
     if family.cohere:
         hf = cohere_view(hf)
+    if family.name == "hy_v3":  # (Hy3's expert fields under DeepSeek-V3's names; no expert groups)
+        hf = {**hf, "n_routed_experts": hf["num_experts"], "n_shared_experts": hf.get("num_shared_experts", 1),
+              "routed_scaling_factor": hf.get("router_scaling_factor", 1.0), "n_group": 1, "topk_group": 1}
+        if hf.get("mlp_layer_types") is None:  # (transformers' default: the first layer dense)
+            hf["mlp_layer_types"] = ["dense"] + ["sparse"] * (hf["num_hidden_layers"] - 1)
     if family.name == "kolibri1" and hf.get("layer_types") is None:  # (transformers' default: every fifth layer full)
         hf = {**hf, "layer_types": ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
                                     for i in range(hf["num_hidden_layers"])]}

@@ -634,8 +634,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         hf_expert = moe + "experts.{expert}."
         mlp = (dense if cfg.moe_dense_layers or cfg.moe_layer_pattern is not None else []) + [
-            Rule(LAYER + "mlp.router.weight", (moe + ("gate.wg.weight" if family.hunyuan else "gate.weight"),),
-                 layers="moe"),
+            Rule(LAYER + "mlp.router.weight", (moe + ("gate.wg.weight" if family.hunyuan else "router.gate.weight"
+                                                      if family.name == "hy_v3" else "gate.weight"),), layers="moe"),
             Rule(LAYER + EXPERT + "linear_fc1.weight", (hf_expert + f"{gate}.weight", hf_expert + f"{up}.weight"),
                  "glu", "glu", layers="moe"),
             Rule(LAYER + EXPERT + "linear_fc2.weight", (hf_expert + f"{down}.weight",), tp="row", layers="moe"),
@@ -658,13 +658,15 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
         if cfg.extra.get("moe_router_enable_expert_bias"):  # a buffer: selection only, no gradient
             # (K-EXAONE's beside its gate, as MiniMax's)
             bias = moe + ("e_score_correction_bias" if family.minimax or mixtral and family.minimax_m3 or
-                          family.name == "exaone_moe" else "gate.e_score_correction_bias")
+                          family.name == "exaone_moe" else "expert_bias" if family.name == "hy_v3" else
+                          "gate.e_score_correction_bias")
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))
         if cfg.moe_shared_ffn_hidden_size:
             # Qwen3.5-MoE: one ``shared_expert`` whose output a sigmoid gate scales (Megatron's gate_weight)
             shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta or family.name == "qwen2_moe" else
                                  "block_sparse_moe.shared_experts." if family.kimi_delta or mixtral else
-                                 "mlp.shared_mlp." if family.hunyuan else "mlp.shared_experts.")
+                                 "mlp.shared_mlp." if family.hunyuan or family.name == "hy_v3" else
+                                 "mlp.shared_experts.")
             fc1_hf = (shared + "gate_up_proj.weight",) if family.minimax_m3 and family.stacked_experts else \
                 (shared + "gate_proj.weight", shared + "up_proj.weight")  # (transformers' MiniMax-M3: fused)
             mlp += [Rule(LAYER + "mlp.shared_experts.linear_fc1.weight", fc1_hf, "glu" if len(fc1_hf) == 2 else "copy",
@@ -862,6 +864,9 @@ class Bridge:
             return True  # MiMo-V2-Flash's and LongCat-Flash's (model.mtp.*)
         if self.family.name == "mellum" and hf_name.startswith("mtp."):  # (Mellum 2's: mtp.*)
             return True
+        if self.family.name == "hy_v3":  # (Hy3's MTP layers: numbered after the last, as transformers drops them)
+            m = re.match(r"model\.layers\.(\d+)\.", hf_name)
+            return bool(m) and int(m.group(1)) >= self.cfg.num_layers
         if (self.family.name == "exaone_moe" or self.family.nemotron_h) and re.search(r"(^|\.)mtp\.", hf_name):
             return True  # K-EXAONE's (transformers drops any mtp.* tensor)
         if self.family.minimax_m3:  # (transformers drops any ``mtp.`` module of MiniMax-M3's, at any depth)
@@ -1109,7 +1114,7 @@ class Bridge:
             table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})
         if cfg.attention_output_gate and not self.family.afmoe:  # (AFMoE's gate is its own gate_proj)
             table["q_proj.weight"] = (2 * n * h, d)
-        if self.family.afmoe:
+        if self.family.afmoe or self.family.name == "hy_v3":  # (Hy3's router and its bias: AFMoE's names)
             table.update({"self_attn.gate_proj.weight": (n * h, d), "mlp.expert_bias": (cfg.num_moe_experts or 0,),
                           "router.gate.weight": (cfg.num_moe_experts or 0, d)})
         if cfg.hybrid:

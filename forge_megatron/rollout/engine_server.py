@@ -628,6 +628,10 @@ class ReferenceEngine:
             candidates += (_minimax_m3_name(_in_memory_name(name)),)
         if model_type == "exaone_moe":  # K-EXAONE's score-correction bias: beside the gate on disk, in it in memory
             candidates += (name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),)
+        if model_type == "hy_v3":  # Hy3's released names for its router, its bias and its shared expert
+            candidates += (name.replace(".mlp.router.gate.weight", ".mlp.gate.weight")
+                           .replace(".mlp.expert_bias", ".mlp.e_score_correction_bias")
+                           .replace(".mlp.shared_mlp.", ".mlp.shared_experts."),)
         if model_type == "lfm3":  # LFM3's gate per head: gate_proj on disk, g_proj in memory
             candidates += (name.replace(".self_attn.gate_proj.", ".self_attn.g_proj."),)
         if model_type == "kolibri1":  # Kolibri 1's released names for its router bias and sandwich norms

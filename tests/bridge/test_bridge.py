@@ -1514,3 +1514,22 @@ def test_lfm3_config_as_transformers_defaults_it():
     with pytest.raises(UnsupportedModelError, match="sliding_attention layers' partial_rotary_factor"):
         Bridge({**hf, "rope_parameters": {**hf["rope_parameters"], "sliding_attention": {
             "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}})
+
+
+def test_hy_v3_config_as_transformers_defaults_it():
+    """Hy3 (transformers' HYV3Config defaults, the preview release's sizes): 80 layers, the first dense (13312 wide),
+    then 192 experts (1536 wide) top-8 under a sigmoid router choosing with its bias, renormalised, times 2.826, beside
+    one shared expert; per-head q/k norms; Hy3's names; its MTP layer (model.layers.80.*) left out."""
+    hf = {**transformers.HYV3Config().to_dict(), "architectures": ["HYV3ForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size,
+            cfg.moe_dense_layers, cfg.ffn_hidden_size, cfg.qk_layernorm) == (192, 8, 1536, 1536, 1, 13312, True)
+    assert cfg.extra["moe_router_score_function"] == "sigmoid" and cfg.extra["moe_router_topk_scaling_factor"] == 2.826
+    assert cfg.extra["moe_router_num_groups"] is None
+    assert bridge.hf_names("decoder.layers.1.mlp.router.weight") == ["model.layers.1.mlp.router.gate.weight"]
+    assert bridge.hf_names("decoder.layers.1.mlp.router.expert_bias") == ["model.layers.1.mlp.expert_bias"]
+    assert bridge.hf_names("decoder.layers.1.mlp.shared_experts.linear_fc2.weight") == \
+        ["model.layers.1.mlp.shared_mlp.down_proj.weight"]
+    assert bridge.is_mtp_tensor("model.layers.80.self_attn.q_proj.weight")
+    assert not bridge.is_mtp_tensor("model.layers.79.self_attn.q_proj.weight")
