@@ -72,6 +72,8 @@ MiniCPM5-MoE (``minicpm5_moe``): Llama's attention with Qwen3.5's sigmoid gate p
 each head's queries then its gate) and DeepSeek-V3's MoE (an fp32 sigmoid router with a score-correction bias).
 Mellum 2 (``mellum``): Qwen3-MoE's layers with OLMo 3's sliding-window layers (their own RoPE base) beside full ones
 and dense MLPs where ``mlp_layer_types`` says (Megatron's MoE layer pattern); its MTP layer (``mtp.*``) left out.
+HyperCLOVA X SEED (``hyperclovax``): Granite's scales with norms on the attention's and the MLP's outputs too
+(``post_norm1`` / ``post_norm2``, before the residual multiplier) and the logits multiplied by ``logits_scaling``.
 Hy3 (``hy_v3``: HYV3ForCausalLM, Tencent Hunyuan 3): dots.llm1's layout under its own names and fields (``num_experts``,
 ``num_shared_experts``, ``router_scaling_factor``; ``mlp.router.gate``, ``mlp.expert_bias``, ``mlp.shared_mlp``), its MTP
 layers (numbered after the last) left out.
@@ -369,6 +371,10 @@ FAMILIES: dict[str, Family] = {
     # learned sink logit per head in every layer and a RoPE base per layer (layer_rope_theta; 0: no RoPE)
     "GraniteSWAForCausalLM": Family("granite_swa", qkv_bias=None, qk_norm=False, moe=False, granite=True),
     "GraniteMoeSWAForCausalLM": Family("granitemoe_swa", qkv_bias=None, qk_norm=False, moe=True, granite=True),
+    # HyperCLOVA X SEED (Naver: Think-14B, ...): Granite's muP-style scales with norms after attention and MLP too
+    # (peri-layer normalisation: post_norm1 / post_norm2, before the residual multiplier) and the logits multiplied by
+    # logits_scaling where Granite divides
+    "HyperCLOVAXForCausalLM": Family("hyperclovax", qkv_bias=None, qk_norm=False, moe=False, granite=True),
     "GraniteMoeHybridForCausalLM/dense": Family("granitemoehybrid", qkv_bias=None, qk_norm=False, moe=False,
                                                 granite=True),
     # Nemotron-H (8B / 47B / 56B, Nemotron Nano 2) and, with "moe" layers, Nemotron 3 Nano: see the module docstring
@@ -2136,6 +2142,11 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         kwargs.update(embedding_multiplier=scale("embedding_multiplier"), embedding_multiplier_rounded=False,
                       residual_multiplier=scale("residual_multiplier"), logits_scaling=scale("logits_scaling"),
                       softmax_scale=float(hf.get("attention_multiplier") or 1.0))
+        if family.name == "hyperclovax":  # peri-layer norms; its logits multiplied by logits_scaling, not divided
+            kwargs.update(post_norm=bool(hf.get("use_post_norm", True)), logits_scaling=None,
+                          logit_multiplier=scale("logits_scaling"),  # (Cohere's: multiplies)
+                          softmax_scale=float(hf.get("attention_multiplier") or
+                                              (hf.get("head_dim") or hf["hidden_size"] // heads) ** -0.5))
         if family.name == "granitemoehybrid" and hf.get("position_embedding_type") != "rope":
             kwargs.update(nope_layers=(True,) * hf["num_hidden_layers"], rope_scaling=None)  # (Granite 4.0-H)
         kinds = granite_layer_kinds(hf) if family.name == "granitemoehybrid" else []

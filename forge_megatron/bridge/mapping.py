@@ -560,7 +560,12 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if family.name == "minicpm5_moe":  # each head's queries then its gate in q_proj (Qwen3.5's layout)
         attn[0] = Rule(LAYER + "self_attention.linear_qkv.weight",
                        tuple(HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv_gate", "col")
-    if family.name == "kolibri1":  # GLM-4's sandwich under Kolibri's names (post_attn_norm, post_ffn_norm)
+    if family.name == "hyperclovax" and cfg.post_norm:  # Llama's norms and its peri-layer ones (post_norm1 / 2)
+        attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
+                 Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_norm1.weight",)),
+                 Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
+                 Rule(LAYER + "post_mlp_layernorm.weight", (HF_LAYER + "post_norm2.weight",))]
+    elif family.name == "kolibri1":  # GLM-4's sandwich under Kolibri's names (post_attn_norm, post_ffn_norm)
         attn += [Rule(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
                  Rule(LAYER + "post_self_attn_layernorm.weight", (HF_LAYER + "post_attn_norm.weight",)),
                  Rule(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
@@ -1114,6 +1119,8 @@ class Bridge:
             table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})
         if cfg.attention_output_gate and not self.family.afmoe:  # (AFMoE's gate is its own gate_proj)
             table["q_proj.weight"] = (2 * n * h, d)
+        if self.family.name == "hyperclovax":  # (its peri-layer norms)
+            table.update({"post_norm1.weight": (d,), "post_norm2.weight": (d,)})
         if self.family.afmoe or self.family.name == "hy_v3":  # (Hy3's router and its bias: AFMoE's names)
             table.update({"self_attn.gate_proj.weight": (n * h, d), "mlp.expert_bias": (cfg.num_moe_experts or 0,),
                           "router.gate.weight": (cfg.num_moe_experts or 0, d)})

@@ -1533,3 +1533,21 @@ def test_hy_v3_config_as_transformers_defaults_it():
         ["model.layers.1.mlp.shared_mlp.down_proj.weight"]
     assert bridge.is_mtp_tensor("model.layers.80.self_attn.q_proj.weight")
     assert not bridge.is_mtp_tensor("model.layers.79.self_attn.q_proj.weight")
+
+
+def test_hyperclovax_config_as_transformers_defaults_it():
+    """HyperCLOVA X SEED (transformers' HyperCLOVAXConfig defaults, with a release's muP-style values): Granite's
+    scales, norms after attention and MLP too (post_norm1 / post_norm2), the logits multiplied by logits_scaling
+    (Cohere's multiplier, not Granite's divisor); the attention scale head_dim ** -0.5 where the config gives none;
+    without use_post_norm, Granite's layer."""
+    hf = {**transformers.HyperCLOVAXConfig().to_dict(), "architectures": ["HyperCLOVAXForCausalLM"]}
+    bridge = Bridge({**hf, "logits_scaling": 0.125, "embedding_multiplier": 10.0, "residual_multiplier": 0.25,
+                     "attention_multiplier": 0.0078125})
+    cfg = bridge.cfg
+    assert cfg.pre_norm and cfg.post_norm and cfg.logits_scaling is None and cfg.logit_multiplier == 0.125
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.softmax_scale) == (10.0, 0.25, 0.0078125)
+    assert bridge.hf_names("decoder.layers.0.post_mlp_layernorm.weight") == ["model.layers.0.post_norm2.weight"]
+    assert bridge.hf_names("decoder.layers.0.pre_mlp_layernorm.weight") == \
+        ["model.layers.0.post_attention_layernorm.weight"]
+    plain = Bridge({**hf, "use_post_norm": False}).cfg
+    assert not plain.post_norm and plain.softmax_scale == (hf["hidden_size"] // hf["num_attention_heads"]) ** -0.5
