@@ -72,6 +72,8 @@ MiniCPM5-MoE (``minicpm5_moe``): Llama's attention with Qwen3.5's sigmoid gate p
 each head's queries then its gate) and DeepSeek-V3's MoE (an fp32 sigmoid router with a score-correction bias).
 Mellum 2 (``mellum``): Qwen3-MoE's layers with OLMo 3's sliding-window layers (their own RoPE base) beside full ones
 and dense MLPs where ``mlp_layer_types`` says (Megatron's MoE layer pattern); its MTP layer (``mtp.*``) left out.
+Jais 2 (``jais2``): Llama's attention with biases on every projection, LayerNorms with biases and a plain squared-ReLU
+MLP with biases (Megatron's LayerNorm, ``add_qkv_bias``, ``add_bias_linear``).
 HyperCLOVA X SEED (``hyperclovax``): Granite's scales with norms on the attention's and the MLP's outputs too
 (``post_norm1`` / ``post_norm2``, before the residual multiplier) and the logits multiplied by ``logits_scaling``.
 Hy3 (``hy_v3``: HYV3ForCausalLM, Tencent Hunyuan 3): dots.llm1's layout under its own names and fields (``num_experts``,
@@ -375,6 +377,9 @@ FAMILIES: dict[str, Family] = {
     # (peri-layer normalisation: post_norm1 / post_norm2, before the residual multiplier) and the logits multiplied by
     # logits_scaling where Granite divides
     "HyperCLOVAXForCausalLM": Family("hyperclovax", qkv_bias=None, qk_norm=False, moe=False, granite=True),
+    # Jais 2 (Inception: 8B): Llama's attention with biases on every projection, LayerNorms with biases, a plain
+    # squared-ReLU MLP (up, down) with biases
+    "Jais2ForCausalLM": Family("jais2", qkv_bias=None, qk_norm=False, moe=False),
     "GraniteMoeHybridForCausalLM/dense": Family("granitemoehybrid", qkv_bias=None, qk_norm=False, moe=False,
                                                 granite=True),
     # Nemotron-H (8B / 47B / 56B, Nemotron Nano 2) and, with "moe" layers, Nemotron 3 Nano: see the module docstring
@@ -849,7 +854,7 @@ def llama4_moe_layers(hf: dict) -> list[bool]:
 
 def _refuse_unsupported(hf: dict, family: Family) -> None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 else "relu2" if family.name == "arcee" else \
+    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 else "relu2" if family.name in ("arcee", "jais2") else \
         "xielu" if family.name == "apertus" else "silu"
     if act != wanted:
         glu = {"gelu_pytorch_tanh": "GeGLU with the tanh GELU", "relu2": "a plain squared-ReLU MLP",
@@ -916,7 +921,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError(f"Gemma 4 RoPE {sliding.get('rope_type')!r} (sliding) / "
                                         f"{full.get('rope_type')!r} (full): default on the sliding layers and "
                                         "default or proportional on the full ones only")
-    if hf.get("mlp_bias"):
+    if hf.get("mlp_bias") and family.name != "jais2":  # (Jais 2: attention and MLP biased together)
         raise UnsupportedModelError("mlp_bias=True is not supported (Megatron's add_bias_linear would also add "
                                     "an attention output bias)")
     if hf.get("use_sliding_window"):
@@ -1827,6 +1832,13 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                                        hf.get("original_max_position_embeddings") or kwargs["max_position_embeddings"]))
     if family.name == "arcee":  # a plain MLP: up, squared ReLU, down
         kwargs.update(swiglu=False, activation="relu2")
+    if family.name == "jais2":  # LayerNorms with biases; biases on every projection; a plain squared-ReLU MLP
+        if bool(hf.get("attention_bias", True)) != bool(hf.get("mlp_bias", True)):
+            raise UnsupportedModelError("attention_bias and mlp_bias differ in a Jais 2 config: Megatron biases the "
+                                        "attention's output projection and the MLP together (the releases bias both)")
+        kwargs.update(swiglu=False, activation="relu2", normalization="LayerNorm",
+                      norm_epsilon=float(hf.get("layer_norm_eps", 1e-5)),
+                      add_bias_linear=bool(hf.get("mlp_bias", True)))
     if family.name == "apertus":  # a plain MLP: up, xIELU (its own trained scalars), down
         kwargs.update(swiglu=False, activation="xielu")
         if hf.get("attention_bias") or hf.get("mlp_bias"):

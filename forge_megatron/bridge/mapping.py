@@ -595,6 +595,13 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if cfg.add_qkv_bias:
         attn.append(Rule(LAYER + "self_attention.linear_qkv.bias",
                          tuple(HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", "col"))
+    if family.name == "jais2":  # the LayerNorms' biases; the output projection's and the MLP's (fc2's replicated)
+        attn += [Rule(LAYER + "input_layernorm.bias", (HF_LAYER + "input_layernorm.bias",)),
+                 Rule(LAYER + "pre_mlp_layernorm.bias", (HF_LAYER + "post_attention_layernorm.bias",))]
+        if cfg.add_bias_linear:
+            attn += [Rule(LAYER + "self_attention.linear_proj.bias", (HF_LAYER + "self_attn.o_proj.bias",)),
+                     Rule(LAYER + "mlp.linear_fc1.bias", (HF_LAYER + "mlp.up_proj.bias",), tp="col"),
+                     Rule(LAYER + "mlp.linear_fc2.bias", (HF_LAYER + "mlp.down_proj.bias",))]
     if cfg.qk_layernorm:  # replicated, also over all heads (MiniMax-M2: mcore/qk_norm.py says why)
         q, k = ("query_layernorm", "key_layernorm") if family.hunyuan else ("q_norm", "k_norm")  # (Hunyuan: after RoPE)
         attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + f"self_attn.{q}.weight",)),
@@ -725,6 +732,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
                     Rule(LAYER + "mlp.linear_fc2.weight", (ff + "down_proj.weight",), tp="row", layers="dense")]
     top = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "col"),
            Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
+    if family.name == "jais2":  # (its final LayerNorm's bias)
+        top.append(Rule("decoder.final_layernorm.bias", ("model.norm.bias",)))
     if not cfg.tie_word_embeddings:
         top.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", "col"))
     return top[:1] + attn + mlp + top[1:]
@@ -1119,6 +1128,8 @@ class Bridge:
             table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})
         if cfg.attention_output_gate and not self.family.afmoe:  # (AFMoE's gate is its own gate_proj)
             table["q_proj.weight"] = (2 * n * h, d)
+        if self.family.name == "jais2":  # (its biases)
+            table.update({"up_proj.bias": (f,), "down_proj.bias": (d,), "norm.bias": (d,), "layernorm.bias": (d,)})
         if self.family.name == "hyperclovax":  # (its peri-layer norms)
             table.update({"post_norm1.weight": (d,), "post_norm2.weight": (d,)})
         if self.family.afmoe or self.family.name == "hy_v3":  # (Hy3's router and its bias: AFMoE's names)
@@ -1458,6 +1469,8 @@ class Bridge:
                 names[1:1] = [r.mcore for r in self.rules if r.mcore.startswith("embedding.per_layer.")]
         if last:
             names.append("decoder.final_layernorm.weight")
+            if any(r.mcore == "decoder.final_layernorm.bias" for r in self.rules):  # (a LayerNorm's: Jais 2)
+                names.append("decoder.final_layernorm.bias")
             if not self.cfg.tie_word_embeddings:
                 names.append("output_layer.weight")
             if self.cfg.score_head:

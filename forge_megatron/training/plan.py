@@ -103,8 +103,8 @@ def rank_params(bridge, tp: int, pp: int, ep: int, pp_rank: int, vpp: int | None
     names = bridge.canonical_names(layers)
     if is_first:
         names[:0] = bridge.piece_names(range(0), True, False)  # the embedding (and Gemma 4's per-layer inputs)
-    if is_last:
-        names.append("decoder.final_layernorm.weight")
+    if is_last:  # the final norm (and a LayerNorm's bias: Jais 2) and the head
+        names += [n for n in bridge.piece_names(range(0), False, True) if n.startswith("decoder.final_layernorm.")]
         if not cfg.tie_word_embeddings:
             names.append("output_layer.weight")
     shapes = _shapes(bridge, names, tp, etp)

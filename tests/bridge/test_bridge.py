@@ -1551,3 +1551,20 @@ def test_hyperclovax_config_as_transformers_defaults_it():
         ["model.layers.0.post_attention_layernorm.weight"]
     plain = Bridge({**hf, "use_post_norm": False}).cfg
     assert not plain.post_norm and plain.softmax_scale == (hf["hidden_size"] // hf["num_attention_heads"]) ** -0.5
+
+
+def test_jais2_config_as_transformers_defaults_it():
+    """Jais 2 (transformers' Jais2Config defaults, the 8B release's sizes): LayerNorms with biases, biases on every
+    projection, a plain squared-ReLU MLP 26624 wide; attention and MLP biases that differ are refused (Megatron
+    biases the output projection and the MLP together)."""
+    hf = {**transformers.Jais2Config().to_dict(), "architectures": ["Jais2ForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert (cfg.normalization, cfg.norm_bias, cfg.add_bias_linear, cfg.add_qkv_bias, cfg.swiglu, cfg.activation,
+            cfg.ffn_hidden_size) == ("LayerNorm", True, True, True, False, "relu2", 26624)
+    assert bridge.hf_names("decoder.final_layernorm.bias") == ["model.norm.bias"]
+    assert bridge.hf_names("decoder.layers.0.mlp.linear_fc1.bias") == ["model.layers.0.mlp.up_proj.bias"]
+    assert "decoder.final_layernorm.bias" in bridge.stage_names(ParallelLayout(pp=2), 1)
+    assert "decoder.final_layernorm.bias" not in bridge.stage_names(ParallelLayout(pp=2), 0)
+    with pytest.raises(UnsupportedModelError, match="attention_bias and mlp_bias differ"):
+        Bridge({**hf, "mlp_bias": False})
