@@ -72,6 +72,8 @@ MiniCPM5-MoE (``minicpm5_moe``): Llama's attention with Qwen3.5's sigmoid gate p
 each head's queries then its gate) and DeepSeek-V3's MoE (an fp32 sigmoid router with a score-correction bias).
 Mellum 2 (``mellum``): Qwen3-MoE's layers with OLMo 3's sliding-window layers (their own RoPE base) beside full ones
 and dense MLPs where ``mlp_layer_types`` says (Megatron's MoE layer pattern); its MTP layer (``mtp.*``) left out.
+GLM-4 9B (``glm``: GlmForCausalLM): GLM-4-0414's attention (q/k/v biases, interleaved RoPE on half of each head) and
+fused gate / up MLP in Llama's pre-norm layers.
 Jais 2 (``jais2``): Llama's attention with biases on every projection, LayerNorms with biases and a plain squared-ReLU
 MLP with biases (Megatron's LayerNorm, ``add_qkv_bias``, ``add_bias_linear``).
 HyperCLOVA X SEED (``hyperclovax``): Granite's scales with norms on the attention's and the MLP's outputs too
@@ -540,6 +542,9 @@ FAMILIES: dict[str, Family] = {
     # GLM-4 dense (GLM-4-0414, GLM-Z1): norms before and after attention and MLP, the MLP's gate and up fused in
     # one checkpoint tensor, RoPE on interleaved channel pairs of the first half of each head
     "Glm4ForCausalLM": Family("glm4", qkv_bias=None, qk_norm=False, moe=False),
+    # GLM-4 (2024: glm-4-9b, -chat, -chat-1m as transformers holds them): GLM-4-0414's attention (q/k/v biases, RoPE on
+    # interleaved pairs of half of each head) and fused gate / up MLP in Llama's pre-norm layers (no sandwich)
+    "GlmForCausalLM": Family("glm", qkv_bias=None, qk_norm=False, moe=False),
     # GLM-4.1V-Thinking / GLM-4.6V-Flash: the GLM-4 dense language model (biases on q/k/v always) under
     # model.language_model. beside model.visual.; GLM-4.5V / GLM-4.6V: the GLM-4.5-Air MoE one. A text token has one
     # position on all three mRoPE axes, so its rotation is the language model's own (interleaved / halves)
@@ -943,8 +948,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         if "sliding_attention" in (hf.get("layer_types") or []) and not hf.get("sliding_window"):
             raise UnsupportedModelError("sliding_attention layers without a sliding_window in an LFM3 config (they "
                                         "would attend fully with their own RoPE) are not supported")
-    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "gemma4", "mimo_v2_flash",
-                                                         "minimax_m3", "phi3", "bamba", "lfm3") \
+    if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "glm", "gemma4",
+                                                         "mimo_v2_flash", "minimax_m3", "phi3", "bamba", "lfm3") \
             and not family.gated_delta \
             and not family.mla:  # (MLA rotates qk_rope_head_dim channels: Mistral 4 states it as this fraction)
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
@@ -1794,6 +1799,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         )
     if family.name == "glm4":
         kwargs.update(pre_norm=True, post_norm=True, rotary_interleaved=True)
+    if family.name == "glm":  # (GLM-4 9B: the same rotation, pre-norm only)
+        kwargs["rotary_interleaved"] = True
     if family.ernie:
         kwargs["rotary_interleaved"] = True
         if family.moe:

@@ -627,7 +627,7 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
     fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_proj.weight", HF_LAYER + "mlp.up_proj.weight"),
                "glu", "glu", layers="dense")
     # GLM-4, Phi-3 and transformers' MiniMax-M3 keep [gate; up] in one tensor, Megatron's fc1 layout already
-    if family.name in ("glm4", "phi3") or (family.minimax_m3 and family.stacked_experts):
+    if family.name in ("glm4", "glm", "phi3") or (family.minimax_m3 and family.stacked_experts):
         fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_up_proj.weight",), tp="glu", layers="dense")
     if not cfg.swiglu:  # a plain MLP (Arcee: up_proj, the activation, down_proj)
         fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.up_proj.weight",), tp="col", layers="dense")

@@ -49,7 +49,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
          "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum", "kolibri1",
-         "lfm3", "hy_v3", "hyperclovax", "jais2")
+         "lfm3", "hy_v3", "hyperclovax", "jais2", "glm")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -684,6 +684,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
         "glm4": (transformers.Glm4Config, {"head_dim": 16, "attention_bias": True,
                                            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                                "partial_rotary_factor": 0.5}}),
+        # GLM-4 9B layout: GLM-4-0414's attention (q/k/v biases, interleaved RoPE on half of each head) and fused
+        # gate / up MLP in Llama's pre-norm layers
+        "glm": (transformers.GlmConfig, {"head_dim": 16, "attention_bias": True,
+                                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                             "partial_rotary_factor": 0.5}}),
         # SmolLM3 layout: Llama's with no RoPE in layer 1 (a NoPE layer: position only through the mask)
         "smollm3": (transformers.SmolLM3Config, {"no_rope_layers": [1, 0]}),
         # Seed-OSS layout: Qwen2's (biases on q/k/v, none on o_proj) with its own head size

@@ -1568,3 +1568,16 @@ def test_jais2_config_as_transformers_defaults_it():
     assert "decoder.final_layernorm.bias" not in bridge.stage_names(ParallelLayout(pp=2), 0)
     with pytest.raises(UnsupportedModelError, match="attention_bias and mlp_bias differ"):
         Bridge({**hf, "mlp_bias": False})
+
+
+def test_glm_config_as_transformers_defaults_it():
+    """GLM-4 9B (transformers' GlmConfig defaults): biases on q/k/v, RoPE on interleaved pairs of half of each head,
+    gate and up in one checkpoint tensor, pre-norm layers only."""
+    hf = {**transformers.GlmConfig().to_dict(), "architectures": ["GlmForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert (cfg.add_qkv_bias, cfg.rotary_interleaved, cfg.rotary_percent, cfg.pre_norm, cfg.post_norm) == \
+        (True, True, 0.5, True, False)
+    assert bridge.hf_names("decoder.layers.0.mlp.linear_fc1.weight") == ["model.layers.0.mlp.gate_up_proj.weight"]
+    assert bridge.hf_names("decoder.layers.0.pre_mlp_layernorm.weight") == \
+        ["model.layers.0.post_attention_layernorm.weight"]

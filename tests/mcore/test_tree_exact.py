@@ -207,7 +207,7 @@ def _body_one_rank(rank, world_size):
                       ("minicpm5_moe", "MiniCPM5MoeForCausalLM"), ("mellum", "MellumForCausalLM"),
                       ("kolibri1", "Kolibri1ForCausalLM"), ("lfm3", "Lfm3ForCausalLM"),
                       ("hy_v3", "HYV3ForCausalLM"), ("hyperclovax", "HyperCLOVAXForCausalLM"),
-                      ("jais2", "Jais2ForCausalLM")):
+                      ("jais2", "Jais2ForCausalLM"), ("glm", "GlmForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 2: soft-capped attention scores (the tree kernel's softcap; the unmerged samples through the causal
@@ -564,7 +564,7 @@ def test_olmo3_tree_equals_unmerged(one_rank):
                                   "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
                                   "lfm2_moe", "llama4", "granitemoe_swa", "bamba", "apertus", "flex_olmo",
                                   "afmoe", "phi4_mini", "axk1", "minicpm5_moe", "mellum", "kolibri1", "lfm3",
-                                  "hy_v3", "hyperclovax", "jais2"])
+                                  "hy_v3", "hyperclovax", "jais2", "glm"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,
