@@ -42,12 +42,14 @@ NORM_MIN = 1e-12
 """The floor of the renormalising sum (ERNIE 4.5's ``moe_norm_min``; the bridge refuses other values)."""
 
 
-def _choose(router, scores: torch.Tensor) -> torch.Tensor:
-    """The ``router.topk`` experts [T, k] with the largest ``scores`` [T, E], or those routing replay dictates."""
+def _choose(router, scores: torch.Tensor, topk=None) -> torch.Tensor:
+    """The ``router.topk`` experts [T, k] with the largest ``scores`` [T, E] (or those ``topk(scores, k)`` picks), or
+    those routing replay dictates."""
 
-    def topk(scores, k, num_groups=None, group_topk=None):
+    def largest(scores, k, num_groups=None, group_topk=None):
         return torch.topk(scores, k=k, dim=1)
 
+    topk = topk or largest
     if router.router_replay is None:
         return topk(scores, router.topk)[1]
     return router.router_replay.get_replay_topk(scores, router.topk, None, None, topk)[1]
@@ -136,10 +138,7 @@ class GroupLimitedGreedyRouter(_ForgeRouter):
             masked = scores.masked_fill(~allowed.repeat_interleave(e // groups, dim=1), 0.0)
             return torch.topk(masked, k=k, dim=1)
 
-        if self.router_replay is None:
-            chosen = topk(p, self.topk)[1]
-        else:
-            chosen = self.router_replay.get_replay_topk(p, self.topk, None, None, topk)[1]
+        chosen = _choose(self, p, topk)
         w = p.gather(1, chosen) * (self.config.moe_router_topk_scaling_factor or 1.0)
         return self._dispatch(logits, chosen, w)
 
