@@ -140,6 +140,15 @@ with a score-correction bias (normalised top-k; no groups and no scaling: transf
 (``qk_norm_type: per_layer``; mcore/qk_norm.py, TP-aware) rather than per head. The MTP modules
 (``num_mtp_modules`` layers after the last) are left out as for GLM-4.5.
 
+MiniMax-Text-01 / MiniMax-M1 (``minimax01``: transformers' MiniMaxForCausalLM and the releases' MiniMaxText01ForCausalLM
+/ MiniMaxM1ForCausalLM, whose config names differ: ``attn_type_list`` 0 / 1 for ``layer_types``,
+``layernorm_{full_attention,linear_attention,mlp}_{alpha,beta}`` for the ``*_factor`` fields): lightning-attention
+layers (linear attention with a fixed decay per head, mcore/lightning.py) with a softmax-attention layer every eighth,
+Mixtral's experts and names, and residuals taken from the norms' outputs, alpha * norm(x) + beta * sublayer
+(``postnorm``; mcore/post_norm.py NormResidualLayer). RoPE on the first ``rotary_dim`` channels as the engines rotate
+them (transformers' port rotates whole heads and has no such field). The lightning layers' decay buffers that
+transformers saves are left out (the config fixes them).
+
 ERNIE 4.5 (``ernie4_5``: Ernie4_5ForCausalLM, ``ernie4_5_moe``: Ernie4_5_MoeForCausalLM): Llama's layout with RoPE on
 interleaved channel pairs of the whole head (``rotary_interleaved``); the MoE models' first ``moe_layer_start_index``
 layers dense, ``moe_num_shared_experts`` shared experts beside the routed ones, and a router whose weights are the
@@ -362,6 +371,11 @@ FAMILIES: dict[str, Family] = {
     # Mixtral (8x7B, 8x22B): Mistral's attention, every layer's experts under block_sparse_moe (w1 / w3 / w2), a
     # softmax router whose top-k probabilities are renormalised
     "MixtralForCausalLM": Family("mixtral", qkv_bias=False, qk_norm=False, moe=True),
+    # MiniMax-Text-01 / MiniMax-M1 (456B-A46B): lightning-attention layers with a softmax one every eighth, Mixtral's
+    # experts and names, residuals from the norms' outputs, scaled (see the module docstring)
+    "MiniMaxForCausalLM": Family("minimax01", qkv_bias=False, qk_norm=False, moe=True),
+    "MiniMaxText01ForCausalLM": Family("minimax01", qkv_bias=False, qk_norm=False, moe=True),
+    "MiniMaxM1ForCausalLM": Family("minimax01", qkv_bias=False, qk_norm=False, moe=True),
     # Phi-3 / Phi-4 (Phi-4 14B, Phi-4-reasoning, -reasoning-plus): Llama's layout with q/k/v fused in qkv_proj and
     # gate/up in gate_up_proj (see the module docstring); longrope with one factor list for the run
     "Phi3ForCausalLM": Family("phi3", qkv_bias=False, qk_norm=False, moe=False),
@@ -949,7 +963,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
             raise UnsupportedModelError("sliding_attention layers without a sliding_window in an LFM3 config (they "
                                         "would attend fully with their own RoPE) are not supported")
     if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "glm", "gemma4",
-                                                         "mimo_v2_flash", "minimax_m3", "phi3", "bamba", "lfm3") \
+                                                         "mimo_v2_flash", "minimax_m3", "phi3", "bamba", "lfm3",
+                                                         "minimax01") \
             and not family.gated_delta \
             and not family.mla:  # (MLA rotates qk_rope_head_dim channels: Mistral 4 states it as this fraction)
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
@@ -983,7 +998,9 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         _refuse_unsupported_ernie(hf, family)
     if family.hunyuan:
         _refuse_unsupported_hunyuan(hf, family)
-    if family.name == "mixtral" and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+    if family.name == "minimax01":
+        _refuse_unsupported_minimax01(hf)
+    if family.name in ("mixtral", "minimax01") and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
         raise UnsupportedModelError(f"router_jitter_noise={hf['router_jitter_noise']}: transformers multiplies the "
                                     "router's input by random noise while training (Mixtral releases have none)")
     if family.afmoe:
@@ -1510,6 +1527,55 @@ def nemotron_h_view(hf: dict) -> dict:
             "n_shared_experts": hf.get("n_shared_experts", 1) or 1}
 
 
+def minimax01_view(hf: dict) -> dict:
+    """MiniMax-Text-01 / M1's config under transformers' names: each layer's kind (``layer_types``; the releases'
+    ``attn_type_list``, 0 lightning, 1 softmax attention) and the residual scales (``{full_attn,linear_attn,mlp}_
+    {alpha,beta}_factor``; the releases' ``layernorm_{full_attention,linear_attention,mlp}_{alpha,beta}``)."""
+    n = hf["num_hidden_layers"]
+    out = dict(hf)
+    if not hf.get("layer_types"):
+        codes = hf.get("attn_type_list") or hf.get("decoder_attention_types")
+        if codes is not None:
+            if len(codes) != n or not set(codes) <= {0, 1}:
+                raise UnsupportedModelError(f"attn_type_list {codes}: 0 (lightning) or 1 (softmax attention), one per "
+                                            f"layer ({n})")
+            out["layer_types"] = ["linear_attention" if c == 0 else "full_attention" for c in codes]
+        elif hf.get("model_type") == "minimax":  # (transformers' default: every other layer, the first full)
+            out["layer_types"] = ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n)]
+        else:  # (the engines' default without a list: every layer softmax attention)
+            out["layer_types"] = ["full_attention"] * n
+    experts = hf.get("num_local_experts")
+    if isinstance(experts, (list, tuple)):  # (the releases' format allows one count per layer)
+        if len(set(experts)) != 1:
+            raise UnsupportedModelError(f"num_local_experts per layer {experts}: forge builds one expert count")
+        out["num_local_experts"] = experts[0]
+    for kind, release in (("full_attn", "full_attention"), ("linear_attn", "linear_attention"), ("mlp", "mlp")):
+        for which in ("alpha", "beta"):
+            if f"{kind}_{which}_factor" not in hf and f"layernorm_{release}_{which}" in hf:
+                out[f"{kind}_{which}_factor"] = hf[f"layernorm_{release}_{which}"]
+    return out
+
+
+def _refuse_unsupported_minimax01(hf: dict) -> None:
+    """What forge's MiniMax-01 layers do not build, by name."""
+    types = hf["layer_types"]
+    if len(types) != hf["num_hidden_layers"] or not set(types) <= {"linear_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {types}: linear_attention or full_attention, one per layer")
+    if hf.get("model_type") != "minimax" and not hf.get("postnorm", False):
+        raise UnsupportedModelError("postnorm=False (residuals from the layers' inputs, scaled): no MiniMax-01 / M1 "
+                                    "release has it; forge builds the released residuals from the norms' outputs")
+    shared = hf.get("shared_intermediate_size") or 0
+    if (max(shared) if isinstance(shared, (list, tuple)) else shared) > 0:
+        raise UnsupportedModelError("shared_intermediate_size > 0 (a shared MLP mixed in by a learned coefficient) is "
+                                    "not supported for MiniMax-01 (no release has it)")
+    if hf.get("sliding_window"):
+        raise UnsupportedModelError("sliding_window in a MiniMax-01 config (transformers would window the softmax "
+                                    "layers, the engines would not) is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act={hf['hidden_act']!r}: MiniMax-01's experts and lightning layers use "
+                                    "silu")
+
+
 def lfm2_view(hf: dict) -> dict:
     """LFM2's config under the generic names: each layer's kind (``layer_types``, or ``full_attn_idxs``), the
     norms' epsilon, the MLP width its MLP derives."""
@@ -1741,6 +1807,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
               "routed_scaling_factor": hf.get("router_scaling_factor", 1.0), "n_group": 1, "topk_group": 1}
         if hf.get("mlp_layer_types") is None:  # (transformers' default: the first layer dense)
             hf["mlp_layer_types"] = ["dense"] + ["sparse"] * (hf["num_hidden_layers"] - 1)
+    if family.name == "minimax01":
+        hf = minimax01_view(hf)
     if family.name == "kolibri1" and hf.get("layer_types") is None:  # (transformers' default: every fifth layer full)
         hf = {**hf, "layer_types": ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
                                     for i in range(hf["num_hidden_layers"])]}
@@ -1827,6 +1895,17 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                       linear_key_head_dim=dim, linear_value_head_dim=dim,
                       linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
                       nope_layers=(True,) * hf["num_hidden_layers"], rope_scaling=None)  # no layer rotates
+    if family.name == "minimax01":  # lightning layers of the attention's heads; residuals from the norms, scaled
+        dim = kwargs["kv_channels"]
+
+        def scales(kind):
+            return float(hf.get(f"{kind}_alpha_factor", 1.0)), float(hf.get(f"{kind}_beta_factor", 1.0))
+
+        kwargs.update(linear_attention=tuple(t == "linear_attention" for t in hf["layer_types"]),
+                      linear_attention_kind="lightning", linear_num_key_heads=heads, linear_num_value_heads=heads,
+                      linear_key_head_dim=dim, linear_value_head_dim=dim,
+                      linear_norm_epsilon=1e-6,  # (transformers' and MiniMax's code: the norm's default; SGLang 1e-5)
+                      norm_residual_scales=(scales("full_attn"), scales("linear_attn"), scales("mlp")))
     if family.name == "olmo_hybrid":
         kwargs.update(linear_pre_norm=True, linear_norm_epsilon=1e-5,
                       linear_beta_scale=2.0 if hf.get("linear_allow_neg_eigval", True) else 1.0)
@@ -2121,7 +2200,7 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         # Qwen3-Next's does unless its config says otherwise; so does Qwen3-VL-MoE's (no such field either)
         # Mixtral's always does (no such field)
         norm_topk = bool(hf.get("norm_topk_prob", family.gated_delta or family.fused_experts or
-                                family.name == "mixtral"))
+                                family.name in ("mixtral", "minimax01")))
         kwargs.update(
             num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # transformers 5 renamed it
             moe_router_topk=hf["num_experts_per_tok"],

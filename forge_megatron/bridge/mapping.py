@@ -31,6 +31,10 @@ from forge_megatron.mcore.model import GPTConfig
 LAYER = "decoder.layers.{layer}."
 EXPERT = "mlp.experts.local_experts.{expert}."
 HF_LAYER = "model.layers.{layer}."
+# MiniMax-01's lightning layers' decay tables as transformers saves them (buffers derived from the config; the
+# release has none, and SGLang's loader would reject them)
+_LIGHTNING_BUFFERS = tuple(f".self_attn.{name}" for name in ("slope_rate", "query_decay", "key_decay",
+                                                             "diagonal_decay"))
 VISION = "vision_tower."  # the trainable vision tower's parameters on the first model piece (mcore/vision.py)
 
 
@@ -614,6 +618,15 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
 
         attn = [dataclasses.replace(r, layers="full") if r.mcore.startswith(LAYER + "self_attention.") else r
                 for r in attn] + _mamba2_rules(cfg)
+    if cfg.linear_attention_kind == "lightning" and cfg.hybrid:  # MiniMax-01 / M1: lightning layers beside softmax
+        import dataclasses  # attention ones (mcore/lightning.py), every name under self_attn.
+
+        lin, mixer = HF_LAYER + "self_attn.", LAYER + "self_attention."
+        attn = [dataclasses.replace(r, layers="full") if r.mcore.startswith(mixer) else r for r in attn] + [
+            Rule(mixer + "in_proj.weight", (lin + "qkv_proj.weight",), tp="col", layers="linear"),  # per head q, k, v
+            Rule(mixer + "gate_proj.weight", (lin + "output_gate.weight",), tp="col", layers="linear"),
+            Rule(mixer + "norm_weight", (lin + "norm.weight",), layers="linear"),  # (whole on every TP rank)
+            Rule(mixer + "out_proj.weight", (lin + "out_proj.weight",), tp="row", layers="linear")]
     if cfg.block_sparse_layers is not None:  # MiniMax-M3's indexers (mcore/block_sparse.py), replicated over TP
         where = "self_attn.indexer." if family.stacked_experts else "self_attn.index_"  # (transformers' / release's)
         attn += [Rule(LAYER + f"self_attention.core_attention.indexer.{name}.weight",
@@ -641,7 +654,7 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
         # score-correction bias on the block rather than on its gate
         # (Kimi Linear's and MiniMax-M3's MoE layers have these names too, the latter as released)
         mixtral = family.minimax or family.kimi_delta or (family.minimax_m3 and not family.stacked_experts) or \
-            family.name == "mixtral"
+            family.name in ("mixtral", "minimax01")
         moe = HF_LAYER + ("block_sparse_moe." if mixtral else "mlp.")
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         hf_expert = moe + "experts.{expert}."
@@ -896,6 +909,8 @@ class Bridge:
         (:meth:`is_mtp_tensor`), a vision-language checkpoint's vision side (``Family.vision_prefixes``; but for
         the tower's tensors with ``vision_tower=True``), and the norms A.X K1's release stores for its dense layers,
         which use none (transformers drops them too)."""
+        if self.cfg.linear_attention_kind == "lightning" and hf_name.endswith(_LIGHTNING_BUFFERS):
+            return True  # (transformers' decay buffers: fixed by the config, rebuilt by transformers and the engines)
         if self.cfg.moe_output_norm:
             m = re.fullmatch(re.escape(self.hf_prefix) + r"layers\.(\d+)\.post_mlp_layernorm\.weight", hf_name)
             if m is not None and int(m.group(1)) < self.cfg.num_layers and not self.is_moe_layer(int(m.group(1))):
@@ -1151,6 +1166,10 @@ class Bridge:
                           "q_conv1d.weight": (nk * dk, 1, cfg.linear_conv_kernel),
                           "k_conv1d.weight": (nk * dk, 1, cfg.linear_conv_kernel),
                           "v_conv1d.weight": (nv * dv, 1, cfg.linear_conv_kernel)})
+        if cfg.hybrid and cfg.linear_attention_kind == "lightning":  # (MiniMax-01: its linear layers' names)
+            width = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+            table.update({"self_attn.qkv_proj.weight": (3 * width, d), "self_attn.output_gate.weight": (width, d),
+                          "self_attn.norm.weight": (width,), "self_attn.out_proj.weight": (d, width)})
         if (cfg.hybrid or cfg.mamba_beside_attention) and cfg.linear_attention_kind == "mamba2":
             # Granite 4.0-H's / Nemotron-H's / Falcon-H1's Mamba-2 mixers
             G, H, N, P = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \

@@ -198,8 +198,14 @@ class GPTConfig:
     # "kimi_delta" (Kimi Delta Attention: a decay per key channel, low-rank gates; mcore/kimi_delta.py) or "mamba2"
     # (Mamba-2: Granite 4.0-H; mcore/mamba2.py: linear_num_key_heads its groups, linear_num_value_heads its heads,
     # linear_key_head_dim its state size, linear_value_head_dim its head dim) or "short_conv" (LFM2's gated short
-    # convolutions over the hidden channels, linear_conv_kernel taps; mcore/short_conv.py)
+    # convolutions over the hidden channels, linear_conv_kernel taps; mcore/short_conv.py) or "lightning"
+    # (MiniMax-01 / M1's linear attention with a fixed decay per head: linear_num_*_heads its heads,
+    # linear_*_head_dim its head dim; mcore/lightning.py)
     linear_attention_kind: str = "gated_delta"
+    # MiniMax-01 / M1 (mcore/post_norm.py NormResidualLayer): each sublayer's residual is its input norm's output,
+    # alpha * norm(x) + beta * sublayer(norm(x)); ((alpha, beta) of the full-attention layers' attention, of the
+    # linear-attention layers', of every MLP). None: Megatron's residuals (x + sublayer(norm(x)))
+    norm_residual_scales: tuple | None = None
     # Falcon-H1: a Mamba-2 mixer (the linear_* sizes, linear_attention_kind "mamba2") beside the attention in every
     # layer, both on the input norm's output (mcore/falcon_h1.py), with its muP multipliers: (attention input,
     # attention output, Mamba output), the Mamba input's and its in_proj segments' [z, x, B, C, dt], the MLP's
@@ -474,9 +480,9 @@ class GPTConfig:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                                  f"linear_num_key_heads ({self.linear_num_key_heads})")
-            if self.linear_attention_kind not in ("gated_delta", "kimi_delta", "mamba2", "short_conv"):
-                raise ValueError(f"linear_attention_kind must be 'gated_delta', 'kimi_delta', 'mamba2' or 'short_conv', "
-                                 f"got {self.linear_attention_kind!r}")
+            if self.linear_attention_kind not in ("gated_delta", "kimi_delta", "mamba2", "short_conv", "lightning"):
+                raise ValueError("linear_attention_kind must be 'gated_delta', 'kimi_delta', 'mamba2', 'short_conv' or "
+                                 f"'lightning', got {self.linear_attention_kind!r}")
             kda = self.linear_attention_kind == "kimi_delta"
             if self.mamba_dt_limit is not None:
                 low, high = (float(x) for x in self.mamba_dt_limit)
@@ -488,11 +494,21 @@ class GPTConfig:
                     self.linear_attention_kind not in ("mamba2", "short_conv"):
                 raise ValueError("Gated DeltaNet layers are supported with standard attention, in dense models or "
                                  "MoE models whose every layer is MoE")
-            if kda and (self.linear_num_key_heads != self.linear_num_value_heads or
+            if (kda or self.linear_attention_kind == "lightning") and \
+                    (self.linear_num_key_heads != self.linear_num_value_heads or
                         self.linear_key_head_dim != self.linear_value_head_dim):
-                raise ValueError("Kimi Delta Attention has as many key as value heads, all of one size")
+                raise ValueError("Kimi Delta Attention and lightning attention have as many key as value heads, all "
+                                 "of one size")
             if not 0 < self.linear_beta_scale <= 2:
                 raise ValueError(f"linear_beta_scale must be in (0, 2], got {self.linear_beta_scale}")
+        if self.norm_residual_scales is not None:
+            self.norm_residual_scales = tuple((float(a), float(b)) for a, b in self.norm_residual_scales)
+            if len(self.norm_residual_scales) != 3 or self.post_norm or not self.pre_norm or self.parallel_block or \
+                    self.layer_kinds is not None or self.shortcut_moe or self.moe_beside_dense or \
+                    self.mamba_beside_attention or self.moe_output_norm or self.add_bias_linear:
+                raise ValueError("norm_residual_scales (MiniMax-01: residuals from the norms' outputs) takes three "
+                                 "(alpha, beta) pairs (full attention, linear attention, MLP) for pre-norm layers of "
+                                 "Megatron's own kind, without linear biases")
         if self.per_layer_attention:
             window = self.extra.get("window_size")
             if (self.global_kv_channels or self.global_num_query_groups or self.global_values_from_keys
@@ -947,6 +963,17 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         spec = _hybrid_block_spec(cfg, spec, pre_norm if cfg.linear_pre_norm else spec, vp_stage)
     if cfg.layer_kinds is not None:  # (Nemotron-H: one sublayer per layer)
         spec = _layer_kinds_spec(cfg, spec, vp_stage)
+    if cfg.norm_residual_scales is not None:  # (MiniMax-01 / M1: residuals from the norms' outputs, scaled)
+        if use_te:
+            raise ValueError("MiniMax-01's layers build with the local spec: their residuals are the norms' outputs, "
+                             "which Transformer Engine's spec fuses into the projections")
+        from forge_megatron.mcore.post_norm import norm_residual_specs
+
+        offset, bases = _stage_layer_specs(cfg, spec, vp_stage)
+        full, linear, mlp = cfg.norm_residual_scales
+        kinds = cfg.linear_attention or (False,) * cfg.num_layers
+        spec = _with_layer_specs(spec, norm_residual_specs(
+            bases, [(linear if kinds[offset + i] else full, mlp) for i in range(len(bases))]))
     if cfg.moe_latent_size is not None:
         from forge_megatron.utils import env
 
@@ -1157,6 +1184,10 @@ def _hybrid_block_spec(cfg: GPTConfig, spec, linear_base, vp_stage: int | None):
         from forge_megatron.mcore.short_conv import short_conv_spec
 
         mixer = short_conv_spec(cfg.short_conv_bias)
+    elif cfg.linear_attention_kind == "lightning":
+        from forge_megatron.mcore.lightning import lightning_spec
+
+        mixer = lightning_spec(cfg.linear_norm_epsilon)
     else:
         mixer = gated_delta_net_spec(cfg.linear_beta_scale, cfg.linear_norm_epsilon)
 

@@ -1,5 +1,5 @@
 """Norms after attention and MLP (OLMo 2 / OLMo 3's "reordered norm"; with the usual ones too, Gemma 3's sandwich;
-after the experts only, A.X K1's).
+after the experts only, A.X K1's), and residuals taken from the norms' outputs (MiniMax-01 / M1: :class:`NormResidualLayer`).
 
 A Llama-style layer normalises the input of each sublayer; OLMo 2 and OLMo 3 normalise each sublayer's output,
 before it joins the residual stream, and leave the stream itself un-normalised until the final norm; Gemma 3 does
@@ -99,3 +99,69 @@ def moe_output_norm_spec(spec):
     fields = {f.name: getattr(subs, f.name) for f in dataclasses.fields(subs) if f.init}
     fields.update(post_mlp_layernorm=subs.pre_mlp_layernorm)
     return dataclasses.replace(spec, module=PostNormTransformerLayer, submodules=PostNormLayerSubmodules(**fields))
+
+
+class NormResidualLayer(TransformerLayer):
+    """MiniMax-Text-01 / MiniMax-M1's layer (``postnorm``): each sublayer's residual is its input norm's *output*,
+    scaled, and the sublayer's output is scaled too:
+
+        n = Norm_a(x);  h = alpha_a * n + beta_a * Attn(n);  m = Norm_m(h);  y = alpha_m * m + beta_m * MLP(m)
+
+    so the residual stream between norms holds normalised vectors (M1: alpha = (2 x 80 layers) ** 0.25 = 3.56, beta
+    = 1). Megatron's layer adds the sublayer's output to its un-normalised input; this one keeps each norm's output (a
+    forward hook) and hands it, times alpha, to the bias-dropout-add in place of that input, with the output times
+    beta (the products and the sum in transformers' order). Everything else of Megatron's layer stays: tensor and
+    sequence parallelism (the norm's output is the [s / tp, b, h] slice the residual would be), MoE, context
+    parallelism, full-layer recomputation (which reruns the hooks). ``attn_scales`` / ``mlp_scales``: (alpha, beta)."""
+
+    def __init__(self, config, submodules, *args, attn_scales=(1.0, 1.0), mlp_scales=(1.0, 1.0), **kwargs):
+        if submodules.input_layernorm is IdentityOp or submodules.pre_mlp_layernorm is IdentityOp:
+            raise ValueError("a layer whose residuals are its norms' outputs (MiniMax-01) needs both norms as modules "
+                             "of their own (the local spec): Transformer Engine's fuses them into the projections")
+        super().__init__(config, submodules, *args, **kwargs)
+        if getattr(self, "recompute_input_layernorm", False) or getattr(self, "recompute_pre_mlp_layernorm", False):
+            raise ValueError("MiniMax-01 layers cannot recompute their norms alone (--recompute-modules layernorm): "
+                             "the residuals are the norms' outputs, which that recomputation frees; recompute whole "
+                             "layers instead")
+        self._normed = {}
+        self.input_layernorm.register_forward_hook(self._keeper("attn"))
+        self.pre_mlp_layernorm.register_forward_hook(self._keeper("mlp"))
+        self.self_attn_bda = self._scaled(self.self_attn_bda, "attn", *attn_scales)
+        self.mlp_bda = self._scaled(self.mlp_bda, "mlp", *mlp_scales)
+
+    def _keeper(self, key: str):
+        def hook(module, args, output):
+            self._normed[key] = output
+        return hook
+
+    def _scaled(self, bda, key: str, alpha: float, beta: float):
+        alpha, beta = float(alpha), float(beta)
+
+        def scaled_bda(training, fused):
+            inner = bda(training, fused)
+
+            def apply(x_with_bias, residual, prob):
+                normed = self._normed.pop(key, None)
+                if normed is None:
+                    raise RuntimeError(f"the MiniMax-01 layer's {key} residual ran before its norm")
+                out, bias = x_with_bias
+                if bias is not None:
+                    raise ValueError("MiniMax-01 layers' sublayers have no output bias (add_bias_linear=False)")
+                return inner((out * beta, None), normed * alpha, prob)
+
+            return apply
+
+        return scaled_bda
+
+
+def norm_residual_specs(layer_specs: list, scales: list) -> list:
+    """Each of ``layer_specs`` (Megatron TransformerLayer specs) as a :class:`NormResidualLayer` with its
+    ``scales`` ((alpha, beta) of the attention, (alpha, beta) of the MLP)."""
+    out = []
+    for spec, (attn, mlp) in zip(layer_specs, scales):
+        if spec.module is not TransformerLayer:
+            raise TypeError(f"MiniMax-01's residuals need Megatron's TransformerLayer, got {spec.module!r}")
+        out.append(dataclasses.replace(spec, module=NormResidualLayer,
+                                       params={**(spec.params or {}), "attn_scales": tuple(attn),
+                                               "mlp_scales": tuple(mlp)}))
+    return out

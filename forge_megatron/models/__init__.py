@@ -168,10 +168,33 @@ def _kimi_linear_names(state: dict, config) -> dict:
     return out
 
 
+def _drop_tensors(out_dir: str, suffixes: tuple[str, ...]) -> None:
+    """Rewrite the safetensors files of ``out_dir`` without the tensors whose names end with one of ``suffixes``
+    (and its index, if it has one)."""
+    import glob
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    for path in glob.glob(os.path.join(out_dir, "*.safetensors")):
+        tensors = load_file(path)
+        kept = {name: t for name, t in tensors.items() if not name.endswith(suffixes)}
+        if len(kept) != len(tensors):
+            save_file(kept, path, metadata={"format": "pt"})
+    index = os.path.join(out_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            data = json.load(f)
+        data["weight_map"] = {n: v for n, v in data["weight_map"].items() if not n.endswith(suffixes)}
+        with open(index, "w") as f:
+            json.dump(data, f, indent=2)
+
+
 def save_checkpoint(model, out_dir: str) -> None:
     """Write ``model`` (a transformers model) to ``out_dir`` as its released checkpoints are laid out:
     ``save_pretrained``, except where transformers cannot write the layout back (Qwen3-VL-MoE's experts,
-    Kimi-K2.5's, OLMo Hybrid's and Kimi Linear's names)."""
+    Kimi-K2.5's, OLMo Hybrid's and Kimi Linear's names; MiniMax-01's decay tables, which its releases do not hold)."""
     import os
 
     from safetensors.torch import save_file
@@ -182,6 +205,8 @@ def save_checkpoint(model, out_dir: str) -> None:
         model.save_pretrained(out_dir, safe_serialization=True)
         if kind in FLAT_CONFIGS:
             write_flat_config(out_dir)
+        if kind == "minimax":  # MiniMax-01's releases hold no lightning decay tables (transformers rebuilds them)
+            _drop_tensors(out_dir, ("slope_rate", "query_decay", "key_decay", "diagonal_decay"))
         return
     state = {}
     for name, t in model.state_dict().items():

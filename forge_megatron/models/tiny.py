@@ -49,7 +49,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
          "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum", "kolibri1",
-         "lfm3", "hy_v3", "hyperclovax", "jais2", "glm")
+         "lfm3", "minimax01", "hy_v3", "hyperclovax", "jais2", "glm")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -574,6 +574,16 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
         ),
+        # MiniMax-M1 layout: two lightning-attention layers (4 heads of 16, the decays of layers 0 and 1 of 3), then a
+        # softmax-attention layer (GQA); every layer 4 experts (top 2 of a softmax, renormalised); residuals from the
+        # norms' outputs, each sublayer's scales its own (M1: alpha 3.56, beta 1)
+        "minimax01": (
+            transformers.MiniMaxConfig,
+            {"num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+             "intermediate_size": 32, "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+             "full_attn_alpha_factor": 1.8, "full_attn_beta_factor": 0.9, "linear_attn_alpha_factor": 1.6,
+             "linear_attn_beta_factor": 1.2, "mlp_alpha_factor": 1.4, "mlp_beta_factor": 0.7, "block_size": 4},
+        ),
         # Kolibri 1 layout: EXAONE 4.0's attention (per-head q/k norms; layer 0 a 4-position window that rotates,
         # layer 1 full attention without RoPE) in GLM-4's sandwich norms; every layer 4 experts (top 2 by logit plus
         # bias, weighted by their sigmoids, not renormalised, as released) beside a shared expert 48 wide
@@ -918,7 +928,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # q/k norms and the two norms per layer: which is which
             elif arch == "jais2" and name.endswith((".bias", "layernorm.weight", "norm.weight")):
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + torch.randn(p.shape) * 0.2)  # (biases that matter)
-            elif arch in ("axk1", "mellum", "kolibri1", "hy_v3", "hyperclovax") and \
+            elif arch in ("axk1", "mellum", "kolibri1", "hy_v3", "hyperclovax", "minimax01") and \
                     name.endswith(("norm.weight", "layernorm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # (A.X K1's norm after the experts: which is which)
             elif arch == "dots1" and name.endswith(("q_norm.weight", "k_norm.weight")):

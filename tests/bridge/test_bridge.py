@@ -1581,3 +1581,61 @@ def test_glm_config_as_transformers_defaults_it():
     assert bridge.hf_names("decoder.layers.0.mlp.linear_fc1.weight") == ["model.layers.0.mlp.gate_up_proj.weight"]
     assert bridge.hf_names("decoder.layers.0.pre_mlp_layernorm.weight") == \
         ["model.layers.0.post_attention_layernorm.weight"]
+
+
+M1_RELEASE = {  # MiniMax-M1-80k's config.json, as released (its own names; transformers' port renames them)
+    "architectures": ["MiniMaxM1ForCausalLM"], "model_type": "minimax_m1", "attn_type_list": [0] * 7 + [1],
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 6144, "intermediate_size": 9216,
+    "layernorm_full_attention_alpha": 3.5565588200778455, "layernorm_full_attention_beta": 1.0,
+    "layernorm_linear_attention_alpha": 3.5565588200778455, "layernorm_linear_attention_beta": 1.0,
+    "layernorm_mlp_alpha": 3.5565588200778455, "layernorm_mlp_beta": 1.0, "max_position_embeddings": 10240000,
+    "num_attention_heads": 64, "num_experts_per_tok": 2, "num_hidden_layers": 80, "num_key_value_heads": 8,
+    "num_local_experts": 32, "postnorm": True, "rms_norm_eps": 1e-05, "rope_theta": 10000000, "rotary_dim": 64,
+    "shared_intermediate_size": 0, "tie_word_embeddings": False, "vocab_size": 200064, "block": 256,
+}
+M1_RELEASE["attn_type_list"] = M1_RELEASE["attn_type_list"] * 10
+
+
+def test_minimax_m1_config_as_released():
+    """MiniMax-M1 (its release's names): seven lightning layers then a softmax one, eighty layers; every residual
+    alpha 3.56 of the norm's output plus the sublayer; RoPE on the first 64 of 128 channels, base 1e7; 32 experts,
+    top 2 renormalised, under Mixtral's names; the lightning layers' tensors and shapes, their decay tables left out.
+    transformers' port reads the same: its field names, its default layer pattern."""
+    bridge = Bridge(M1_RELEASE)
+    cfg = bridge.cfg
+    assert cfg.linear_attention == tuple(c == 0 for c in M1_RELEASE["attn_type_list"])
+    assert cfg.linear_attention_kind == "lightning" and sum(not x for x in cfg.linear_attention) == 10
+    assert (cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_norm_epsilon) == (64, 128, 1e-6)
+    alpha = 3.5565588200778455
+    assert cfg.norm_residual_scales == ((alpha, 1.0), (alpha, 1.0), (alpha, 1.0))
+    assert (cfg.rotary_percent, cfg.rotary_base, cfg.kv_channels, cfg.num_query_groups) == (0.5, 1e7, 128, 8)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (32, 2, 9216)
+    assert cfg.moe_router_topk_renorm and not cfg.moe_router_pre_softmax and not cfg.moe_shared_ffn_hidden_size
+    assert bridge.hf_names("decoder.layers.0.self_attention.in_proj.weight") == \
+        ["model.layers.0.self_attn.qkv_proj.weight"]
+    assert bridge.hf_names("decoder.layers.0.self_attention.gate_proj.weight") == \
+        ["model.layers.0.self_attn.output_gate.weight"]
+    assert bridge.hf_names("decoder.layers.7.self_attention.linear_qkv.weight") == \
+        [f"model.layers.7.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert bridge.hf_names("decoder.layers.3.mlp.router.weight") == ["model.layers.3.block_sparse_moe.gate.weight"]
+    assert bridge.hf_shape("model.layers.0.self_attn.qkv_proj.weight") == (3 * 8192, 6144)
+    assert bridge.hf_shape("model.layers.0.self_attn.norm.weight") == (8192,)
+    assert bridge.hf_shape("model.layers.7.self_attn.q_proj.weight") == (8192, 6144)
+    assert bridge.is_left_out("model.layers.0.self_attn.slope_rate")
+    assert not bridge.is_left_out("model.layers.0.self_attn.norm.weight")
+    port = {**transformers.MiniMaxConfig(num_hidden_layers=4).to_dict(), "architectures": ["MiniMaxForCausalLM"]}
+    cfg = Bridge(port).cfg  # (transformers' default: every other layer lightning, the first softmax; scales of 1)
+    assert cfg.linear_attention == (False, True, False, True) and cfg.rotary_percent == 1.0
+    assert cfg.norm_residual_scales == ((1.0, 1.0),) * 3
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"postnorm": False}, "postnorm=False"),
+    ({"shared_intermediate_size": 512}, "shared_intermediate_size"),
+    ({"sliding_window": 4096}, "sliding_window"),
+    ({"attn_type_list": [0, 2] * 40}, "attn_type_list"),
+    ({"num_local_experts": [32, 16] * 40}, "num_local_experts per layer"),
+])
+def test_minimax_m1_options_forge_does_not_build_are_refused(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        Bridge({**M1_RELEASE, **change})

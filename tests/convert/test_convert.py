@@ -31,7 +31,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
          "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum",
-         "kolibri1", "lfm3", "hy_v3", "hyperclovax", "jais2", "glm")
+         "kolibri1", "lfm3", "hy_v3", "hyperclovax", "jais2", "glm", "minimax01")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -211,6 +211,8 @@ LAYOUTS = [
     ("hyperclovax", ParallelLayout(tp=2, pp=2)),  # four norms per layer (post_norm1 / 2), replicated over TP
     ("jais2", ParallelLayout(tp=2, pp=2)),  # biases: q/k/v and fc1 split over TP, o_proj's and fc2's replicated
     ("glm", ParallelLayout(tp=2, pp=2)),  # q/k/v biases regrouped per key head, gate_up_proj's halves over TP
+    # MiniMax-M1: lightning layers' per-head q/k/v, gate and norm split over TP (the decay tables as released: none)
+    ("minimax01", ParallelLayout(tp=2, pp=2, ep=2, first=1)),
 ]
 
 
