@@ -14,6 +14,8 @@ malformed calls (a process-reward signal: ``Episode.num_malformed_tool_calls``).
   glm47                      GLM-4.7, GLM-5            the same without the newlines
   minimax-m2 (minimax_m2)    MiniMax-M2                <minimax:tool_call>\\n<invoke name="f">\\n<parameter name="a">V
                                                        </parameter>\\n</invoke>\\n</minimax:tool_call>
+  minimax-m1 (minimax_m1)    MiniMax-M1, Text-01       <tool_calls>\n{"name": "f", "arguments": {...}}\n{"name": ...}\n
+                                                       </tool_calls>  (one JSON object per line; vLLM: minimax)
   kimi_k2                    Kimi-K2                   <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0
                                                        <|tool_call_argument_begin|>{...}<|tool_call_end|>
                                                        <|tool_calls_section_end|>
@@ -247,6 +249,33 @@ class HunyuanToolParser(BlockToolParser):
         if function_name is None:
             return self.start_marker
         return f'{self.start_marker}[{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments":'
+
+
+class MinimaxM1ToolParser(BlockToolParser):
+    """MiniMax-M1 / Text-01: one ``<tool_calls>`` block holding ``{"name", "arguments"}`` objects one after another
+    (one per line as the template writes them; any whitespace between them is read)."""
+
+    name = "minimax-m1"
+    start_marker = "<tool_calls>"
+    end_marker = "</tool_calls>"
+
+    def calls_in(self, body, schemas):
+        decoder, calls, pos = json.JSONDecoder(), [], 0
+        while True:
+            while pos < len(body) and body[pos].isspace():
+                pos += 1
+            if pos == len(body):
+                return calls, 0
+            try:
+                obj, pos = decoder.raw_decode(body, pos)
+            except json.JSONDecodeError as exc:
+                raise _Malformed(str(exc)) from exc
+            calls.append(_json_call(json.dumps(obj)))
+
+    def forced_prefix(self, function_name=None, prior_calls=0):
+        if function_name is None:
+            return self.start_marker + "\n"
+        return f'{self.start_marker}\n{{"name": {json.dumps(function_name, ensure_ascii=False)}, "arguments":'
 
 
 class GraniteToolParser(ToolParser):
@@ -1082,6 +1111,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "none": ToolParser, "hermes": HermesToolParser, "qwen": HermesToolParser, "qwen25": HermesToolParser,
     "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser, "glm": Glm45ToolParser,
     "glm47": Glm47ToolParser, "minimax-m2": MinimaxM2ToolParser, "minimax_m2": MinimaxM2ToolParser,
+    "minimax-m1": MinimaxM1ToolParser, "minimax_m1": MinimaxM1ToolParser,
     "kimi_k2": KimiK2ToolParser, "deepseekv31": DeepSeekV31ToolParser, "deepseekv3": DeepSeekV3ToolParser,
     "gpt-oss": GptOssToolParser, "gpt_oss": GptOssToolParser, "llama3": Llama3ToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "lfm2": Lfm2ToolParser,

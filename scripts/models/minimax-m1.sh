@@ -9,6 +9,6 @@
 MODEL_ARGS=()
 # Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): M1 thinks in
 # <think>...</think> (the minimax reasoning parser reads from the rendered prompt whether the block is open) and writes
-# tool calls as JSON lines between <tool_calls> and </tool_calls>, a format no parser here reads yet: tool calls stay
-# in the content.
-TOOL_PARSER="${TOOL_PARSER:-none}"; REASONING_PARSER="${REASONING_PARSER:-minimax}"
+# tool calls as JSON objects, one per line, between <tool_calls> and </tool_calls> (the minimax-m1 parser; vLLM calls
+# it minimax; check the served chat template).
+TOOL_PARSER="${TOOL_PARSER:-minimax-m1}"; REASONING_PARSER="${REASONING_PARSER:-minimax}"

@@ -63,6 +63,9 @@ WRITERS["deepseekv4"] = WRITERS["deepseekv32"].replace("function_calls", "tool_c
 # Hunyuan: a JSON list of the calls in one block
 WRITERS["hunyuan"] = ("<tool_calls>[{% for c in calls %}{% if not loop.first %}, {% endif %}{\"name\": \"{{ c.name }}\", "
                       "\"arguments\": {{ c.arguments | tojson }}}{% endfor %}]</tool_calls>")
+# MiniMax-M1: the calls' JSON objects one per line in one block
+WRITERS["minimax-m1"] = ("<tool_calls>\n{% for c in calls %}{\"name\": \"{{ c.name }}\", \"arguments\": "
+                         "{{ c.arguments | tojson }}}\n{% endfor %}</tool_calls>")
 WRITERS["seed_oss"] = WRITERS["qwen3_coder"].replace("tool_call>", "seed:tool_call>")
 # LongCat-Flash-Chat: Hermes' JSON calls under its own tags; later LongCat releases: GLM-4.5's layout under them
 # (longcat_xml: the same parser, told apart by the block's body)
@@ -602,3 +605,18 @@ def test_cohere_plans_are_rendered_back_before_their_actions():
                                "{% endfor %}<|END_ACTION|>{% endif %}{% endfor %}")
     assert template.render(messages=out) == \
         "<|START_THINKING|>I will look it up.<|END_THINKING|><|START_ACTION|>get_weather<|END_ACTION|>"
+
+
+def test_minimax_m1_reads_objects_across_lines_and_a_bad_one_spoils_its_block():
+    """MiniMax-M1's block holds JSON objects one per line as its template writes them; pretty-printed ones (an object
+    over several lines) read the same; one line that is no call leaves the whole block in the content, counted."""
+    p = get_parser("minimax-m1")
+    pretty = '<tool_calls>\n{\n  "name": "search",\n  "arguments": {"query": "q"}\n}\n{"name": "get_weather", ' \
+             '"arguments": {"city": "Paris"}}</tool_calls>'
+    got = p.parse("<think>x</think>\n" + pretty, TOOLS)
+    assert [(c["name"], c["arguments"]) for c in parsed_calls(got)] == \
+        [("search", {"query": "q"}), ("get_weather", {"city": "Paris"})]
+    assert got.content == "<think>x</think>" and got.num_malformed == 0
+    bad = '<tool_calls>\n{"name": "search", "arguments": {"query": "q"}}\nsearch(query="q")\n</tool_calls>'
+    got = p.parse(bad, TOOLS)
+    assert got.tool_calls == [] and got.num_malformed == 1 and got.content == bad
