@@ -173,7 +173,7 @@ def gated_delta_net_bytes(cfg, tp: int, sp: bool) -> float:
         return 2 * h / (tp if sp else 1) + (12 * nv * d + 2 * nv * d + 2 * nv + 6 * nv * d) / tp + 4 * d
     if cfg.linear_attention_kind == "lightning":  # lightning attention (mcore/lightning.py), recurrence recomputed:
         # q, k, v before and after their SiLU (fp32), the gate (bf16), the rule's output and the normed output (fp32),
-        # the output projection's input; counted from the code, not fitted (no test measures it yet)
+        # the output projection's input (tests/training/test_plan.py compares it with what the layer keeps)
         return 2 * h / (tp if sp else 1) + (24 + 2 + 4 + 4 + 4 + 2) * nv * cfg.linear_value_head_dim / tp
     channels = nk * 2 * cfg.linear_key_head_dim + nv * cfg.linear_value_head_dim  # q, k, v
     return 2 * h / (tp if sp else 1) + (4 * channels + 6 * nv * cfg.linear_value_head_dim + 16 * nv) / tp

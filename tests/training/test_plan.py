@@ -352,9 +352,12 @@ KIMI_LINEAR = {**tiny_config("kimi_linear", vocab_size=96, hidden_size=256, line
     ({**tiny_config("qwen3_5", vocab_size=96, hidden_size=256, linear_num_key_heads=4, linear_key_head_dim=32,
                     linear_num_value_heads=8, linear_value_head_dim=32).to_dict(),
       "architectures": ["Qwen3_5ForCausalLM"]}, "TreeGatedDeltaNet"),
-    (KIMI_LINEAR, "TreeKimiDeltaAttention")], ids=["gated_delta_net", "kimi_delta_attention"])
+    (KIMI_LINEAR, "TreeKimiDeltaAttention"),
+    ({**tiny_config("minimax01", vocab_size=96, hidden_size=256, num_attention_heads=8, head_dim=32).to_dict(),
+      "architectures": ["MiniMaxM1ForCausalLM"]}, "TreeLightningAttention")],
+    ids=["gated_delta_net", "kimi_delta_attention", "lightning_attention"])
 def test_gated_delta_net_activation_estimate_is_what_the_layer_keeps(hf, mixer):
-    """forge-plan's bytes per token for a Gated DeltaNet (or Kimi Delta Attention) mixer against what the bf16 layer
+    """forge-plan's bytes per token for a Gated DeltaNet (or Kimi Delta Attention, or lightning attention) mixer against what the bf16 layer
     really keeps for its backward (1 rank): within 20 %. Counting the fp32 terms the layer recomputes (or the K
     gathered copies of its convolution; or, for KDA, the per-channel decays and softplus's fp32 in- and outputs,
     which it once kept) would put the estimate 1.4x to 2.5x off."""
@@ -365,10 +368,11 @@ def test_gated_delta_net_activation_estimate_is_what_the_layer_keeps(hf, mixer):
     # and the plan counts it for the linear-attention layers: the hybrid model's estimate differs from its
     # all-attention twin's by that much per such layer
     bridge = Bridge(hf)
+    linear = sum(bridge.cfg.linear_attention)
     hybrid = plan.plan(bridge, world=1, tokens=1000)["ranks"][0]["activations_gib_estimate"]
     bridge.cfg.linear_attention = tuple(False for _ in bridge.cfg.linear_attention)
     dense = plan.plan(bridge, world=1, tokens=1000)["ranks"][0]["activations_gib_estimate"]
-    assert (hybrid - dense) * plan.GIB == pytest.approx(1000 * (estimate - 11 * 256))
+    assert (hybrid - dense) * plan.GIB == pytest.approx(1000 * linear * (estimate - 11 * 256))
 
 
 @pytest.mark.parametrize("sizes", [dict(mamba_d_ssm=512, mamba_n_heads=16, mamba_d_head=32, mamba_d_state=32),
