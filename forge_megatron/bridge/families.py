@@ -194,6 +194,11 @@ GELU; the embedding multiplied by sqrt(hidden_size) (in the weights' dtype, as H
 the checkpoint's ``rope_scaling`` (linear 8 on the larger models). A ``final_logit_softcapping`` (none in Gemma 3's
 releases) caps the logits as HF does (GPTConfig.final_logit_softcapping).
 
+Gemma (``gemma``: GemmaForCausalLM, gemma-2b / 7b, CodeGemma, RecurrentGemma excluded): Llama's pre-norm layers and
+names with Gemma's norms scaling by (1 + weight), GeGLU with the tanh GELU (the releases say ``gelu``; transformers
+runs the tanh approximation, as forge does), the embedding multiplied by sqrt(hidden_size) in the weights' dtype,
+attention scaled by head_dim ** -0.5, the head tied; gemma-2b has one key head.
+
 Gemma 2 (``gemma2``: Gemma2ForCausalLM, gemma-2-2b / 9b / 27b): Gemma 3's layer without the q/k norms; every other
 layer, the first, a ``sliding_window`` (4096; ``layer_types`` where the config has them), all with one RoPE base
 (``rope_theta``, 10k); attention scores soft-capped to c * tanh(s / c) before the softmax (``attn_logit_softcapping``,
@@ -583,6 +588,9 @@ FAMILIES: dict[str, Family] = {
                                              multimodal=True, text_prefix="language_model.model.",
                                              head_name="language_model.lm_head.weight",
                                              vision_prefixes=("vision_model.", "multi_modal_projector.")),
+    # Gemma (1: gemma-2b / 7b, CodeGemma): Llama's pre-norm layers with Gemma's (1 + weight) norms, GeGLU, the scaled
+    # embedding and the tied head (2B: one key head)
+    "GemmaForCausalLM": Family("gemma", qkv_bias=None, qk_norm=False, moe=False),
     # Gemma 2: Gemma 3's layer without the q/k norms, every other layer (the first) a sliding window, one RoPE base,
     # soft-capped attention scores and logits
     "Gemma2ForCausalLM": Family("gemma2", qkv_bias=None, qk_norm=False, moe=False, gemma=True),
@@ -873,7 +881,9 @@ def llama4_moe_layers(hf: dict) -> list[bool]:
 
 def _refuse_unsupported(hf: dict, family: Family) -> None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 else "relu2" if family.name in ("arcee", "jais2") else \
+    if family.name == "gemma" and act == "gelu":  # (Gemma 1's releases say gelu; transformers runs the tanh GELU)
+        act = "gelu_pytorch_tanh"
+    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 or family.name == "gemma" else "relu2" if family.name in ("arcee", "jais2") else \
         "xielu" if family.name == "apertus" else "silu"
     if act != wanted:
         glu = {"gelu_pytorch_tanh": "GeGLU with the tanh GELU", "relu2": "a plain squared-ReLU MLP",
@@ -2058,6 +2068,9 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                                         (1e4 if family.name == "gemma2" else 1e6)),
                       final_logit_softcapping=hf.get("final_logit_softcapping"),
                       attention_softcapping=hf.get("attn_logit_softcapping"))
+    if family.name == "gemma":  # (Gemma 1: Gemma's norms, GeGLU, scaled embedding and tied head in pre-norm layers)
+        kwargs.update(zero_centered_norm=True, activation="gelu_tanh", embedding_multiplier=hf["hidden_size"] ** 0.5,
+                      tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)))
     if family.name == "axk1":  # DeepSeek-V3's layers, a norm after each MoE layer's MLP
         kwargs["moe_output_norm"] = True
     if family.name == "minicpm5_moe":  # a sigmoid gate per query channel, from q_proj's second half of each head

@@ -49,7 +49,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
          "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum", "kolibri1",
-         "lfm3", "minimax01", "hy_v3", "hyperclovax", "jais2", "glm")
+         "lfm3", "minimax01", "hy_v3", "hyperclovax", "jais2", "glm", "gemma")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -762,6 +762,13 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
         # Gemma 2 layout: Gemma 3's without q/k norms, a 4-position window on layer 0, one RoPE base (10k); attention
         # scores capped at 0.05 and logits at 0.5 (the releases' 50 and 30 never bite in a tiny random model, whose
         # scores are small: these do, so a model that skipped a cap would compute something else), tied embeddings
+        # Gemma (1) layout: one key head (gemma-2b's multi-query attention), heads of 16, GeGLU, (1 + w) norms, the
+        # scaled embedding, the head tied
+        "gemma": (
+            transformers.GemmaConfig,
+            {"head_dim": 16, "num_key_value_heads": 1, "tie_word_embeddings": True,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        ),
         "gemma2": (
             transformers.Gemma2Config,
             {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4,
@@ -944,7 +951,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
             elif name.endswith("patch_embedder.position_embedding_table"):  # Gemma 4's starts at ones: a constant
                 # that would swamp the pixels (a picture's features then differ by 4 % from another's)
                 p.copy_(torch.randn(p.shape) * 0.02)
-            elif arch.startswith(("gemma2", "gemma3")) and name.endswith("norm.weight") and "vision" not in name:
+            elif (arch.startswith(("gemma2", "gemma3")) or arch == "gemma") and name.endswith("norm.weight") and \
+                    "vision" not in name:
                 p.copy_(torch.randn(p.shape) * 0.2)  # (1 + w) norms: four per layer, which is which matters
             elif arch.startswith("gemma4") and name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # plain-weight norms (four per layer, q / k's, the MoE

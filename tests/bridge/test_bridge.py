@@ -1639,3 +1639,25 @@ def test_minimax_m1_config_as_released():
 def test_minimax_m1_options_forge_does_not_build_are_refused(change, message):
     with pytest.raises(UnsupportedModelError, match=message):
         Bridge({**M1_RELEASE, **change})
+
+
+@pytest.mark.parametrize("size", ["2b", "7b"])
+def test_gemma_configs_as_released(size):
+    """Gemma (1) as released (gemma-2b: one key head; gemma-7b: 16): pre-norm Llama layers with Gemma's (1 + w)
+    norms, GeGLU with the tanh GELU (the release's ``gelu``, which transformers reads as it), the embedding scaled by
+    sqrt(hidden), heads of 256 scaled by 1 / 16, RoPE base 10k, the head tied, Llama's names."""
+    hf = {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "gelu", "head_dim": 256,
+          "hidden_size": {"2b": 2048, "7b": 3072}[size], "intermediate_size": {"2b": 16384, "7b": 24576}[size],
+          "num_attention_heads": {"2b": 8, "7b": 16}[size], "num_key_value_heads": {"2b": 1, "7b": 16}[size],
+          "num_hidden_layers": {"2b": 18, "7b": 28}[size], "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+          "rope_theta": 10000.0, "attention_bias": False, "vocab_size": 256000}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert cfg.zero_centered_norm and cfg.activation == "gelu_tanh" and cfg.swiglu and cfg.tie_word_embeddings
+    assert cfg.embedding_multiplier == hf["hidden_size"] ** 0.5 and cfg.pre_norm and not cfg.post_norm
+    assert (cfg.kv_channels, cfg.num_query_groups, cfg.rotary_base) == (256, hf["num_key_value_heads"], 1e4)
+    assert cfg.softmax_scale is None and not cfg.extra.get("window_size")
+    assert bridge.hf_names("decoder.layers.1.pre_mlp_layernorm.weight") == \
+        ["model.layers.1.post_attention_layernorm.weight"]
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'silu'"):
+        Bridge({**hf, "hidden_act": "silu"})

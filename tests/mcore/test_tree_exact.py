@@ -185,7 +185,8 @@ def _body_one_rank(rank, world_size):
     # on the tree attention's output; Mellum 2: a 4-position window with its own RoPE base beside a full layer; Kolibri 1:
     # EXAONE's window beside a NoPE layer in GLM-4's sandwich, experts chosen by logit plus bias; LFM3: a window (plain
     # RoPE), a convolution along the ancestors, a full layer (proportional RoPE, base 1M), gates per head, sandwich;
-    # MiniMax-M1: lightning attention's fixed decays along every path, residuals from the norms' outputs, scaled
+    # MiniMax-M1: lightning attention's fixed decays along every path, residuals from the norms' outputs, scaled;
+    # Gemma (1): one key head for all queries
     for arch, cls in (("gemma3", "Gemma3ForCausalLM"), ("smollm3", "SmolLM3ForCausalLM"), ("glm4", "Glm4ForCausalLM"),
                       ("ministral3", "Ministral3ForCausalLM"), ("gemma4", "Gemma4ForCausalLM"),
                       ("gemma4_moe", "Gemma4ForCausalLM"), ("gemma4_e", "Gemma4ForCausalLM"),
@@ -209,7 +210,7 @@ def _body_one_rank(rank, world_size):
                       ("kolibri1", "Kolibri1ForCausalLM"), ("lfm3", "Lfm3ForCausalLM"),
                       ("hy_v3", "HYV3ForCausalLM"), ("hyperclovax", "HyperCLOVAXForCausalLM"),
                       ("jais2", "Jais2ForCausalLM"), ("glm", "GlmForCausalLM"),
-                      ("minimax01", "MiniMaxM1ForCausalLM")):
+                      ("minimax01", "MiniMaxM1ForCausalLM"), ("gemma", "GemmaForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 2: soft-capped attention scores (the tree kernel's softcap; the unmerged samples through the causal
@@ -566,7 +567,8 @@ def test_olmo3_tree_equals_unmerged(one_rank):
                                   "granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "lfm2",
                                   "lfm2_moe", "llama4", "granitemoe_swa", "bamba", "apertus", "flex_olmo",
                                   "afmoe", "phi4_mini", "axk1", "minicpm5_moe", "mellum", "kolibri1", "lfm3",
-                                  "hy_v3", "hyperclovax", "jais2", "glm", "minimax01"])
+                                  "hy_v3", "hyperclovax", "jais2", "glm", "minimax01",
+                                  "gemma"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,
