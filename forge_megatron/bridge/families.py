@@ -76,6 +76,9 @@ GLM-4 9B (``glm``: GlmForCausalLM): GLM-4-0414's attention (q/k/v biases, interl
 fused gate / up MLP in Llama's pre-norm layers.
 Jais 2 (``jais2``): Llama's attention with biases on every projection, LayerNorms with biases and a plain squared-ReLU
 MLP with biases (Megatron's LayerNorm, ``add_qkv_bias``, ``add_bias_linear``).
+StarCoder2 (``starcoder2``: Starcoder2ForCausalLM): Jais 2's LayerNorms and biases (``use_bias``, ``norm_epsilon``)
+with a plain tanh-GELU MLP under ``mlp.c_fc`` / ``mlp.c_proj``, every layer a ``sliding_window``; the config's
+dropouts are not applied (forge trains without dropout).
 HyperCLOVA X SEED (``hyperclovax``): Granite's scales with norms on the attention's and the MLP's outputs too
 (``post_norm1`` / ``post_norm2``, before the residual multiplier) and the logits multiplied by ``logits_scaling``.
 Hy3 (``hy_v3``: HYV3ForCausalLM, Tencent Hunyuan 3): dots.llm1's layout under its own names and fields (``num_experts``,
@@ -401,6 +404,9 @@ FAMILIES: dict[str, Family] = {
     # Jais 2 (Inception: 8B): Llama's attention with biases on every projection, LayerNorms with biases, a plain
     # squared-ReLU MLP (up, down) with biases
     "Jais2ForCausalLM": Family("jais2", qkv_bias=None, qk_norm=False, moe=False),
+    # StarCoder2 (3B, 7B, 15B): Mistral's attention with biases everywhere, LayerNorms with biases, a plain tanh-GELU
+    # MLP (c_fc / c_proj, biased), every layer a sliding window
+    "Starcoder2ForCausalLM": Family("starcoder2", qkv_bias=None, qk_norm=False, moe=False),
     "GraniteMoeHybridForCausalLM/dense": Family("granitemoehybrid", qkv_bias=None, qk_norm=False, moe=False,
                                                 granite=True),
     # Nemotron-H (8B / 47B / 56B, Nemotron Nano 2) and, with "moe" layers, Nemotron 3 Nano: see the module docstring
@@ -883,7 +889,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if family.name == "gemma" and act == "gelu":  # (Gemma 1's releases say gelu; transformers runs the tanh GELU)
         act = "gelu_pytorch_tanh"
-    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 or family.name == "gemma" else "relu2" if family.name in ("arcee", "jais2") else \
+    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 or family.name == "gemma" else "relu2" if family.name in ("arcee", "jais2") else "gelu_pytorch_tanh" if family.name == "starcoder2" else \
         "xielu" if family.name == "apertus" else "silu"
     if act != wanted:
         glu = {"gelu_pytorch_tanh": "GeGLU with the tanh GELU", "relu2": "a plain squared-ReLU MLP",
@@ -1935,6 +1941,14 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         kwargs.update(swiglu=False, activation="relu2", normalization="LayerNorm",
                       norm_epsilon=float(hf.get("layer_norm_eps", 1e-5)),
                       add_bias_linear=bool(hf.get("mlp_bias", True)))
+    if family.name == "starcoder2":  # Jais 2's LayerNorms and biases, a plain tanh-GELU MLP, windows on every layer
+        bias = bool(hf.get("use_bias", True))
+        kwargs.update(swiglu=False, activation="gelu_tanh", normalization="LayerNorm", add_qkv_bias=bias,
+                      norm_epsilon=float(hf.get("norm_epsilon", 1e-5)), add_bias_linear=bias,
+                      tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)))  # (transformers' default)
+        if hf.get("sliding_window"):
+            kwargs["extra"] = {**kwargs.get("extra", {}), **sliding_windows(
+                {**hf, "layer_types": ["sliding_attention"] * hf["num_hidden_layers"]})}
     if family.name == "apertus":  # a plain MLP: up, xIELU (its own trained scalars), down
         kwargs.update(swiglu=False, activation="xielu")
         if hf.get("attention_bias") or hf.get("mlp_bias"):

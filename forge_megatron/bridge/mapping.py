@@ -599,13 +599,15 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
     if cfg.add_qkv_bias:
         attn.append(Rule(LAYER + "self_attention.linear_qkv.bias",
                          tuple(HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", "col"))
-    if family.name == "jais2":  # the LayerNorms' biases; the output projection's and the MLP's (fc2's replicated)
+    if family.name in ("jais2", "starcoder2"):  # the LayerNorms' biases; the output projection's and the MLP's
+        # (fc2's replicated; StarCoder2's MLP is c_fc / c_proj)
+        up, down = ("c_fc", "c_proj") if family.name == "starcoder2" else ("up_proj", "down_proj")
         attn += [Rule(LAYER + "input_layernorm.bias", (HF_LAYER + "input_layernorm.bias",)),
                  Rule(LAYER + "pre_mlp_layernorm.bias", (HF_LAYER + "post_attention_layernorm.bias",))]
         if cfg.add_bias_linear:
             attn += [Rule(LAYER + "self_attention.linear_proj.bias", (HF_LAYER + "self_attn.o_proj.bias",)),
-                     Rule(LAYER + "mlp.linear_fc1.bias", (HF_LAYER + "mlp.up_proj.bias",), tp="col"),
-                     Rule(LAYER + "mlp.linear_fc2.bias", (HF_LAYER + "mlp.down_proj.bias",))]
+                     Rule(LAYER + "mlp.linear_fc1.bias", (HF_LAYER + f"mlp.{up}.bias",), tp="col"),
+                     Rule(LAYER + "mlp.linear_fc2.bias", (HF_LAYER + f"mlp.{down}.bias",))]
     if cfg.qk_layernorm:  # replicated, also over all heads (MiniMax-M2: mcore/qk_norm.py says why)
         q, k = ("query_layernorm", "key_layernorm") if family.hunyuan else ("q_norm", "k_norm")  # (Hunyuan: after RoPE)
         attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + f"self_attn.{q}.weight",)),
@@ -642,11 +644,12 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
     # GLM-4, Phi-3 and transformers' MiniMax-M3 keep [gate; up] in one tensor, Megatron's fc1 layout already
     if family.name in ("glm4", "glm", "phi3") or (family.minimax_m3 and family.stacked_experts):
         fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.gate_up_proj.weight",), tp="glu", layers="dense")
+    up, down = ("c_fc", "c_proj") if family.name == "starcoder2" else ("up_proj", "down_proj")  # (StarCoder2's)
     if not cfg.swiglu:  # a plain MLP (Arcee: up_proj, the activation, down_proj)
-        fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + "mlp.up_proj.weight",), tp="col", layers="dense")
+        fc1 = Rule(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + f"mlp.{up}.weight",), tp="col", layers="dense")
     dense = [
         fc1,
-        Rule(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + "mlp.down_proj.weight",), tp="row", layers="dense"),
+        Rule(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + f"mlp.{down}.weight",), tp="row", layers="dense"),
     ]
     mlp = dense
     if family.moe:
@@ -745,7 +748,7 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
                     Rule(LAYER + "mlp.linear_fc2.weight", (ff + "down_proj.weight",), tp="row", layers="dense")]
     top = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "col"),
            Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
-    if family.name == "jais2":  # (its final LayerNorm's bias)
+    if family.name in ("jais2", "starcoder2"):  # (its final LayerNorm's bias)
         top.append(Rule("decoder.final_layernorm.bias", ("model.norm.bias",)))
     if not cfg.tie_word_embeddings:
         top.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", "col"))
@@ -1143,8 +1146,10 @@ class Bridge:
             table.update({"q_norm.weight": (n * h,), "k_norm.weight": (g * h,)})
         if cfg.attention_output_gate and not self.family.afmoe:  # (AFMoE's gate is its own gate_proj)
             table["q_proj.weight"] = (2 * n * h, d)
-        if self.family.name == "jais2":  # (its biases)
-            table.update({"up_proj.bias": (f,), "down_proj.bias": (d,), "norm.bias": (d,), "layernorm.bias": (d,)})
+        if self.family.name in ("jais2", "starcoder2"):  # (its biases; StarCoder2's MLP names)
+            table.update({"up_proj.bias": (f,), "down_proj.bias": (d,), "norm.bias": (d,), "layernorm.bias": (d,),
+                          "c_fc.weight": (f, d), "c_fc.bias": (f,), "c_proj.weight": (d, f), "c_proj.bias": (d,),
+                          "o_proj.bias": (d,)})
         if self.family.name == "hyperclovax":  # (its peri-layer norms)
             table.update({"post_norm1.weight": (d,), "post_norm2.weight": (d,)})
         if self.family.afmoe or self.family.name == "hy_v3":  # (Hy3's router and its bias: AFMoE's names)

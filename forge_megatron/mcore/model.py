@@ -454,9 +454,9 @@ class GPTConfig:
                              "model without post_norm, Gemma 4's experts beside the MLP, LongCat's shortcut MoE or "
                              "layer kinds")
         if self.activation not in ("silu", "gelu_tanh", "relu2", "xielu") or \
-                (self.activation == "gelu_tanh" and not self.swiglu) or \
                 (self.activation in ("relu2", "xielu") and self.swiglu):
-            raise ValueError(f"activation must be 'silu', in a gated MLP 'gelu_tanh', or in a plain one 'relu2' (squared "
+            raise ValueError(f"activation must be 'silu', 'gelu_tanh' (Gemma's GeGLU, StarCoder2's plain MLP), or in a "
+                             f"plain one 'relu2' (squared "
                              f"ReLU) or 'xielu' (Apertus); got {self.activation!r} (swiglu={self.swiglu})")
         if self.activation == "xielu" and (self.num_moe_experts or self.add_bias_linear):
             raise ValueError("the xielu activation is for dense MLPs without biases (Apertus)")

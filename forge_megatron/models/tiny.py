@@ -49,7 +49,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
          "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum", "kolibri1",
-         "lfm3", "minimax01", "hy_v3", "hyperclovax", "jais2", "glm", "gemma")
+         "lfm3", "minimax01", "hy_v3", "hyperclovax", "jais2", "glm", "gemma", "starcoder2")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -488,6 +488,11 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
         # Jais 2 layout: Llama's attention with biases on q, k, v and o, LayerNorms with biases, a plain squared-ReLU
         # MLP with biases
         "jais2": (transformers.Jais2Config, {"head_dim": 16, "layer_norm_eps": 1e-5}),
+        # StarCoder2 layout: biases on every projection and LayerNorm, a plain tanh-GELU MLP, every layer a 4-position
+        # window (RoPE base 100k)
+        "starcoder2": (transformers.Starcoder2Config, {"sliding_window": 4, "norm_epsilon": 1e-5,
+                                                      "rope_parameters": {"rope_type": "default",
+                                                                          "rope_theta": 100000.0}}),
         # HyperCLOVA X layout: Granite's scales (embedding times 12, attention scale 1/16, residuals times 0.5, the logits
         # times 0.25) with norms after attention and MLP too
         "hyperclovax": (
@@ -933,7 +938,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # one norm per layer and the final one: which is which
             elif arch.startswith(("lfm2", "lfm3")) and name.endswith(("layernorm.weight", "norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # q/k norms and the two norms per layer: which is which
-            elif arch == "jais2" and name.endswith((".bias", "layernorm.weight", "norm.weight")):
+            elif arch in ("jais2", "starcoder2") and name.endswith((".bias", "layernorm.weight", "norm.weight")):
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + torch.randn(p.shape) * 0.2)  # (biases that matter)
             elif arch in ("axk1", "mellum", "kolibri1", "hy_v3", "hyperclovax", "minimax01") and \
                     name.endswith(("norm.weight", "layernorm.weight")):

@@ -1661,3 +1661,27 @@ def test_gemma_configs_as_released(size):
         ["model.layers.1.post_attention_layernorm.weight"]
     with pytest.raises(UnsupportedModelError, match="hidden_act 'silu'"):
         Bridge({**hf, "hidden_act": "silu"})
+
+
+def test_starcoder2_config_as_released():
+    """StarCoder2-15B as released: 40 layers of 48 heads of 128 (4 key heads), every layer a 4096-position window,
+    RoPE base 100k, LayerNorms (eps 1e-5) and every projection biased, a plain tanh-GELU MLP 24576 wide under c_fc /
+    c_proj; the dropout fields are left to transformers' training mode (forge trains without dropout)."""
+    hf = {"architectures": ["Starcoder2ForCausalLM"], "model_type": "starcoder2", "hidden_act": "gelu_pytorch_tanh",
+          "hidden_size": 6144, "intermediate_size": 24576, "num_attention_heads": 48, "num_key_value_heads": 4,
+          "num_hidden_layers": 40, "max_position_embeddings": 16384, "norm_epsilon": 1e-5, "rope_theta": 100000,
+          "sliding_window": 4096, "use_bias": True, "vocab_size": 49152, "attention_dropout": 0.1,
+          "residual_dropout": 0.1, "embedding_dropout": 0.1}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert not cfg.swiglu and cfg.activation == "gelu_tanh" and cfg.normalization == "LayerNorm"
+    assert cfg.add_qkv_bias and cfg.add_bias_linear and cfg.norm_epsilon == 1e-5 and cfg.rotary_base == 1e5
+    assert (cfg.kv_channels, cfg.num_query_groups, cfg.ffn_hidden_size) == (128, 4, 24576)
+    assert cfg.extra["window_size"] == (4095, 0) and cfg.extra["window_attn_skip_freq"] == [1] * 40
+    assert bridge.hf_names("decoder.layers.3.mlp.linear_fc1.weight") == ["model.layers.3.mlp.c_fc.weight"]
+    assert bridge.hf_names("decoder.layers.3.mlp.linear_fc2.bias") == ["model.layers.3.mlp.c_proj.bias"]
+    assert bridge.hf_names("decoder.final_layernorm.bias") == ["model.norm.bias"]
+    assert bridge.hf_shape("model.layers.3.mlp.c_fc.weight") == (24576, 6144)
+    assert cfg.tie_word_embeddings  # (the config says nothing: transformers' default ties them)
+    assert not Bridge({**hf, "sliding_window": None}).cfg.extra.get("window_size")
+    assert not Bridge({**hf, "tie_word_embeddings": False}).cfg.tie_word_embeddings
