@@ -135,6 +135,15 @@ LFM3 (``lfm3``: Lfm3ForCausalLM): LFM2's layers with norms after every mixer and
 attention layers (plain RoPE, base 10k: the model's table) beside full ones (proportional RoPE, base 1M: their own,
 ``full_rope_scaling``), Qwen3's attention names and a sigmoid gate per head (``self_attn.gate_proj``: mcore/head_gate.py).
 
+Laguna (``laguna``: LagunaForCausalLM, poolside): each layer its own query heads (``num_attention_heads_per_layer``, the
+key heads shared; mcore/gemma4.py's per-layer attention), per-head q/k RMSNorms, a softplus gate per head or per
+channel (``gating``; ``self_attn.g_proj``, mcore/head_gate.py) on the attention's output; ``sliding_attention`` layers
+rotate whole heads with their RoPE (the model's table), ``full_attention`` ones rotate the first
+``partial_rotary_factor`` of each head with theirs (``global_partial_rotary``); the first layers dense
+(``mlp_layer_types``), the others Qwen2-MoE's experts under DeepSeek-V3's sigmoid router choosing with its bias
+(``mlp.experts.e_score_correction_bias`` as released), renormalised, times ``moe_routed_scaling_factor``, beside one
+shared expert (``mlp.shared_expert``).
+
 MiniMax-M2 (``minimax_m2``: MiniMax-M2 / M2.1 / M2.5): every layer MoE with Mixtral's checkpoint names
 (``block_sparse_moe.experts.{e}.w1/w3/w2``, ``intermediate_size`` is the expert width), the GLM-4.5 sigmoid router
 with a score-correction bias (normalised top-k; no groups and no scaling: transformers and SGLang ignore
@@ -421,6 +430,10 @@ FAMILIES: dict[str, Family] = {
     # LFM3 (Liquid AI, 1.7B): LFM2's layers with sandwich norms, sliding-window attention layers (plain RoPE, base 10k)
     # beside full ones (proportional RoPE over half the frequencies, base 1M), a sigmoid gate per attention head
     "Lfm3ForCausalLM": Family("lfm3", qkv_bias=False, qk_norm=True, moe=False, lfm2=True),
+    # Laguna (poolside, XS.2): per-layer query heads, per-head q/k norms, a softplus gate per head, sliding-window
+    # layers (plain RoPE) beside full ones (RoPE of their own over half of each head), DeepSeek-V3's sigmoid router
+    # with a bias beside a shared expert, the first layer dense
+    "LagunaForCausalLM": Family("laguna", qkv_bias=False, qk_norm=True, moe=True),
     # Youtu-LLM (Tencent, 2B): DeepSeek-V3's multi-latent attention in Llama's layers with a dense SwiGLU MLP
     "YoutuForCausalLM": Family("youtu", qkv_bias=False, qk_norm=False, moe=False, mla=True),
     # EXAONE 4.0 (32B, 1.2B) and K-EXAONE (236B-A23B): see the module docstring
@@ -980,7 +993,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                         "would attend fully with their own RoPE) are not supported")
     if partial_rotary(hf) != 1.0 and family.name not in ("glm4_moe", "minimax_m2", "glm4", "glm", "gemma4",
                                                          "mimo_v2_flash", "minimax_m3", "phi3", "bamba", "lfm3",
-                                                         "minimax01") \
+                                                         "minimax01", "laguna") \
             and not family.gated_delta \
             and not family.mla:  # (MLA rotates qk_rope_head_dim channels: Mistral 4 states it as this fraction)
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported for this family")
@@ -1016,6 +1029,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         _refuse_unsupported_hunyuan(hf, family)
     if family.name == "minimax01":
         _refuse_unsupported_minimax01(hf)
+    if family.name == "laguna":
+        _refuse_unsupported_laguna(hf)
     if family.name in ("mixtral", "minimax01") and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
         raise UnsupportedModelError(f"router_jitter_noise={hf['router_jitter_noise']}: transformers multiplies the "
                                     "router's input by random noise while training (Mixtral releases have none)")
@@ -1061,7 +1076,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                     "have none)")
     if family.moe and not family.sigmoid_router and not family.softmax_router and not family.gpt_oss \
             and not family.ernie and not family.hunyuan and not family.longcat and not family.granite \
-            and not family.llama4 and family.name != "kolibri1":
+            and not family.llama4 and family.name not in ("kolibri1", "laguna"):
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
@@ -1543,6 +1558,58 @@ def nemotron_h_view(hf: dict) -> dict:
             "n_shared_experts": hf.get("n_shared_experts", 1) or 1}
 
 
+def laguna_view(hf: dict) -> dict:
+    """Laguna's config with what transformers fills in: every layer full attention, the first layer dense, every layer
+    ``num_attention_heads`` query heads, the RoPE of each kind (full: base 500k over half the head; sliding: base 10k
+    over all of it)."""
+    n = hf["num_hidden_layers"]
+    out = dict(hf)
+    out["layer_types"] = list(hf.get("layer_types") or ["full_attention"] * n)
+    out["mlp_layer_types"] = list(hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1))
+    out["num_attention_heads_per_layer"] = list(hf.get("num_attention_heads_per_layer") or
+                                                [hf["num_attention_heads"]] * n)
+    if not hf.get("rope_parameters"):
+        out["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
+    return out
+
+
+def _refuse_unsupported_laguna(hf: dict) -> None:
+    """What forge's Laguna layers do not build, by name."""
+    n = hf["num_hidden_layers"]
+    for key, kinds in (("layer_types", {"full_attention", "sliding_attention"}), ("mlp_layer_types",
+                                                                                 {"dense", "sparse"})):
+        if len(hf[key]) != n or not set(hf[key]) <= kinds:
+            raise UnsupportedModelError(f"{key} {hf[key]}: one of {sorted(kinds)} per layer ({n})")
+    if "sparse" not in hf["mlp_layer_types"]:
+        raise UnsupportedModelError("mlp_layer_types without a sparse layer: a Laguna model has experts")
+    if len(hf["num_attention_heads_per_layer"]) != n:
+        raise UnsupportedModelError(f"num_attention_heads_per_layer has {len(hf['num_attention_heads_per_layer'])} "
+                                    f"entries for {n} layers")
+    if hf.get("gating", True) not in (True, False, "per-head", "per-element"):
+        raise UnsupportedModelError(f"gating={hf['gating']!r}: True / 'per-head', 'per-element' or False")
+    if float(hf.get("moe_router_logit_softcapping") or 0.0) > 0.0:
+        raise UnsupportedModelError("moe_router_logit_softcapping > 0 (the router's logits capped by tanh before the "
+                                    "sigmoid) is not supported for Laguna")
+    if hf.get("moe_apply_router_weight_on_input"):
+        raise UnsupportedModelError("moe_apply_router_weight_on_input=True is not supported (transformers refuses it "
+                                    "too)")
+    if hf.get("attention_bias"):
+        raise UnsupportedModelError("attention_bias=True is not supported for Laguna (Megatron would bias the "
+                                    "experts' projections with o_proj)")
+    for kind in ("full_attention", "sliding_attention"):
+        params = rope_parameters(hf, kind)
+        if params.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"{kind} layers' rope_type {params['rope_type']!r}: Laguna's RoPE is plain")
+    if "sliding_attention" in hf["layer_types"]:
+        if not hf.get("sliding_window"):
+            raise UnsupportedModelError("sliding_attention layers without a sliding_window are not supported")
+        if float(rope_parameters(hf, "sliding_attention").get("partial_rotary_factor", 1.0)) != 1.0:
+            raise UnsupportedModelError("sliding_attention layers' partial_rotary_factor != 1: forge's sliding layers "
+                                        "rotate whole heads (the model's table)")
+
+
 def minimax01_view(hf: dict) -> dict:
     """MiniMax-Text-01 / M1's config under transformers' names: each layer's kind (``layer_types``; the releases'
     ``attn_type_list``, 0 lightning, 1 softmax attention) and the residual scales (``{full_attn,linear_attn,mlp}_
@@ -1825,6 +1892,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             hf["mlp_layer_types"] = ["dense"] + ["sparse"] * (hf["num_hidden_layers"] - 1)
     if family.name == "minimax01":
         hf = minimax01_view(hf)
+    if family.name == "laguna":
+        hf = laguna_view(hf)
     if family.name == "kolibri1" and hf.get("layer_types") is None:  # (transformers' default: every fifth layer full)
         hf = {**hf, "layer_types": ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
                                     for i in range(hf["num_hidden_layers"])]}
@@ -2102,6 +2171,25 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                               full_rotary_base=float(full.get("rope_theta") or kwargs["rotary_base"]))
         else:  # (every attention layer full: its RoPE is the model's table)
             kwargs.update(rotary_base=float(full.get("rope_theta") or 1e4), rope_scaling=rope_scaling(hf))
+    if family.name == "laguna":  # per-layer heads, a softplus gate, windows with the model's RoPE, the full layers' own
+        types = hf["layer_types"]
+        sliding, full = rope_parameters(hf, "sliding_attention"), rope_parameters(hf, "full_attention")
+        heads_per_layer = tuple(int(n) for n in hf["num_attention_heads_per_layer"])
+        gating = hf.get("gating", True)
+        kwargs.update(layer_attention_heads=heads_per_layer if len(set(heads_per_layer)) > 1 else None,
+                      num_attention_heads=heads_per_layer[0] if len(set(heads_per_layer)) == 1 else
+                      hf["num_attention_heads"],
+                      attention_head_gate=gating is not False, head_gate_activation="softplus",
+                      head_gate_per_element=gating == "per-element", rope_scaling=None)
+        full_base = float(full.get("rope_theta") or 500000.0)
+        full_fraction = float(full.get("partial_rotary_factor", 1.0))
+        if "sliding_attention" in types and hf.get("sliding_window"):
+            kwargs["extra"] = {**kwargs.get("extra", {}), **sliding_windows(hf)}
+            kwargs.update(rotary_base=float(sliding.get("rope_theta") or 10000.0), rotary_percent=1.0)
+            if "full_attention" in types:
+                kwargs["global_partial_rotary"] = (full_base, full_fraction)
+        else:  # (every layer full: their RoPE is the model's table)
+            kwargs.update(rotary_base=full_base, rotary_percent=full_fraction)
     if family.name == "kolibri1":  # GLM-4's sandwich norms; EXAONE's windows that rotate beside NoPE full layers
         kwargs.update(pre_norm=True, post_norm=True)
         if hf.get("sliding_window"):
@@ -2214,6 +2302,18 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             mla_latent_scales=((d / hf["q_lora_rank"]) ** 0.5, (d / hf["kv_lora_rank"]) ** 0.5),
             mla_latent_norm_epsilon=1e-6,  # (transformers' latent norms keep their default; the others rms_norm_eps)
             extra={"moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None})
+    elif family.name == "laguna":  # DeepSeek-V3's sigmoid router with its bias, a shared expert, dense first layers
+        types = hf["mlp_layer_types"]
+        scaling = float(hf.get("moe_routed_scaling_factor", 1.0) or 1.0)
+        kwargs.update(
+            num_moe_experts=hf["num_experts"], moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["moe_intermediate_size"], ffn_hidden_size=hf["intermediate_size"],
+            moe_shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size") or None,
+            moe_layer_pattern=tuple(t == "sparse" for t in types) if "dense" in types else None,
+            extra={**kwargs.get("extra", {}), "moe_router_score_function": "sigmoid",
+                   "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.0,
+                   "moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None,
+                   "moe_router_dtype": "fp32"})  # (HF: the logits in fp32)
     elif family.name == "kolibri1":  # every layer's experts beside a shared one; the logit-plus-bias router
         kwargs.update(
             num_moe_experts=hf.get("num_experts") or hf["num_local_experts"],  # (transformers 5 writes the latter)

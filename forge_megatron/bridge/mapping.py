@@ -620,6 +620,9 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
 
         attn = [dataclasses.replace(r, layers="full") if r.mcore.startswith(LAYER + "self_attention.") else r
                 for r in attn] + _mamba2_rules(cfg)
+    if family.name == "laguna" and cfg.attention_head_gate:  # its gate per head (or per channel), split with the heads
+        attn.append(Rule(LAYER + "self_attention.linear_gate.weight", (HF_LAYER + "self_attn.g_proj.weight",),
+                         tp="col"))
     if cfg.linear_attention_kind == "lightning" and cfg.hybrid:  # MiniMax-01 / M1: lightning layers beside softmax
         import dataclasses  # attention ones (mcore/lightning.py), every name under self_attn.
 
@@ -687,11 +690,12 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
             # (K-EXAONE's beside its gate, as MiniMax's)
             bias = moe + ("e_score_correction_bias" if family.minimax or mixtral and family.minimax_m3 or
                           family.name == "exaone_moe" else "expert_bias" if family.name == "hy_v3" else
+                          "experts.e_score_correction_bias" if family.name == "laguna" else
                           "gate.e_score_correction_bias")
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))
         if cfg.moe_shared_ffn_hidden_size:
             # Qwen3.5-MoE: one ``shared_expert`` whose output a sigmoid gate scales (Megatron's gate_weight)
-            shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta or family.name == "qwen2_moe" else
+            shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta or family.name in ("qwen2_moe", "laguna") else
                                  "block_sparse_moe.shared_experts." if family.kimi_delta or mixtral else
                                  "mlp.shared_mlp." if family.hunyuan or family.name == "hy_v3" else
                                  "mlp.shared_experts.")
@@ -952,7 +956,8 @@ class Bridge:
         """What sets the shapes of a layer's tensors beyond the rule naming them (Gemma 4: global or not, keys and
         values of its own or not, its MLP width)."""
         ffn = self.cfg.layer_ffn_sizes[layer] if self.cfg.layer_ffn_sizes else None
-        return self.is_global_layer(layer), self.is_kv_shared_layer(layer), ffn
+        heads = self.cfg.layer_attention_heads[layer] if self.cfg.layer_attention_heads else None  # (Laguna)
+        return self.is_global_layer(layer), self.is_kv_shared_layer(layer), ffn, heads
 
     def layer_has(self, rule: Rule, layer: int) -> bool:
         if rule.layers.startswith("kind:"):  # (Nemotron-H's one sublayer per layer: GPTConfig.layer_kinds)
@@ -1113,6 +1118,8 @@ class Bridge:
                 return kda[m.group(2)]
         d, h, g, n = cfg.hidden_size, cfg.head_dim, cfg.num_query_groups, cfg.num_attention_heads
         m = re.search(r"layers\.(\d+)\.self_attn\.", hf_name)
+        if cfg.layer_attention_heads and m and int(m.group(1)) < cfg.num_layers:
+            n = cfg.layer_attention_heads[int(m.group(1))]  # (Laguna: each layer's query heads)
         if cfg.per_layer_attention and m and int(m.group(1)) < cfg.num_layers \
                 and self.is_global_layer(int(m.group(1))):
             h, g = cfg.global_kv_channels or h, cfg.global_num_query_groups or g  # Gemma 4's global layers
@@ -1152,6 +1159,8 @@ class Bridge:
                           "o_proj.bias": (d,)})
         if self.family.name == "hyperclovax":  # (its peri-layer norms)
             table.update({"post_norm1.weight": (d,), "post_norm2.weight": (d,)})
+        if self.family.name == "laguna":  # (its gate per head or per channel)
+            table["self_attn.g_proj.weight"] = (n * h if cfg.head_gate_per_element else n, d)
         if self.family.afmoe or self.family.name == "hy_v3":  # (Hy3's router and its bias: AFMoE's names)
             table.update({"self_attn.gate_proj.weight": (n * h, d), "mlp.expert_bias": (cfg.num_moe_experts or 0,),
                           "router.gate.weight": (cfg.num_moe_experts or 0, d)})
@@ -1249,8 +1258,9 @@ class Bridge:
 
     def _split_qkv(self, qkv):
         cfg = self.cfg
-        q_per_g, h = cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim
+        h = cfg.head_dim
         dv = cfg.value_head_dim or h
+        q_per_g = (qkv.shape[0] // cfg.num_query_groups - h - dv) // h  # (from the rows: Laguna's differ by layer)
         grouped = qkv.reshape(cfg.num_query_groups, q_per_g * h + h + dv, *qkv.shape[1:])
         q, k, v = grouped.split([q_per_g * h, h, dv], dim=1)
         return [t.reshape(-1, *qkv.shape[1:]) for t in (q, k, v)]

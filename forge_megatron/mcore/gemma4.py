@@ -64,6 +64,10 @@ class Gemma4SelfAttention(SelfAttention):
     ``value_norm``: a scale-free RMSNorm on the values; ``rotary``: (base, fraction, factor) of this layer's
     proportional RoPE, None to use the table it is handed.
 
+    Laguna: ``num_attention_heads``, this layer's query heads; ``partial_rotary``: (base, fraction) of this layer's
+    plain RoPE over the first fraction of each head; ``head_gate``: (activation, per_element) of a gate per head from
+    its own projection (mcore/head_gate.py).
+
     MiMo-V2-Flash: ``value_channels``, value heads of their own size (its queries and keys have 192 channels, its
     values 128: ``linear_qkv`` holds per query group the group's queries, its key, then its narrower value, and
     ``linear_proj`` takes heads x value_channels); ``value_scale``, the values multiplied by it as projected;
@@ -73,13 +77,21 @@ class Gemma4SelfAttention(SelfAttention):
                  num_query_groups: int | None = None, values_from_keys: bool = False, value_norm: bool = False,
                  rotary: tuple[float, float, float] | None = None, kv_store: dict | None = None,
                  kv_from: int | None = None, keep_kv: bool = False, value_channels: int | None = None,
-                 value_scale: float | None = None, softmax_type: str | None = None, **kwargs):
-        if kv_channels is not None or num_query_groups is not None or softmax_type is not None:
+                 value_scale: float | None = None, softmax_type: str | None = None,
+                 num_attention_heads: int | None = None, partial_rotary: tuple[float, float] | None = None,
+                 head_gate: tuple[str, bool] | None = None, **kwargs):
+        if kv_channels is not None or num_query_groups is not None or softmax_type is not None or \
+                num_attention_heads is not None:
             config = copy.copy(config)  # this layer's geometry; everything else is the model's
             config.kv_channels = kv_channels or config.kv_channels
             config.num_query_groups = num_query_groups or config.num_query_groups
             config.softmax_type = softmax_type or config.softmax_type
+            config.num_attention_heads = num_attention_heads or config.num_attention_heads
         super().__init__(config, submodules, layer_number, *args, **kwargs)
+        if head_gate is not None:  # (Laguna: a softplus gate per head, or per channel, from its own projection)
+            from forge_megatron.mcore.head_gate import attach_head_gate
+
+            attach_head_gate(self, *head_gate)
         tp = self.config.num_attention_heads // self.num_attention_heads_per_partition
         if self.config.num_query_groups % tp:
             raise ValueError(f"layer {layer_number}: tensor parallelism {tp} must divide its "
@@ -110,6 +122,12 @@ class Gemma4SelfAttention(SelfAttention):
         # a plain attribute, not a buffer: Float16Module would round a buffer to bf16
         self.rotary_inv_freq = (proportional_inv_freq(self.hidden_size_per_attention_head, *rotary)
                                 if rotary is not None else None)
+        if partial_rotary is not None:  # (Laguna's global layers: plain RoPE over the first fraction of the head)
+            if rotary is not None:
+                raise ValueError("a layer rotates with proportional RoPE (rotary) or partial plain RoPE, not both")
+            base, fraction = partial_rotary
+            dim = int(self.hidden_size_per_attention_head * fraction)
+            self.rotary_inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
 
     def _value_heads_of_their_own(self, submodules, dv: int) -> None:
         """Rebuild ``linear_qkv`` ([queries, key, value] per query group, the value ``dv`` wide) and ``linear_proj``
@@ -139,8 +157,9 @@ class Gemma4SelfAttention(SelfAttention):
         return super().forward(*args, **kwargs)
 
     def _own_table(self, table: torch.Tensor) -> torch.Tensor:
-        """This layer's angles [S, 1, 1, head_dim] for the positions of the model's table [S, 1, 1, D] (its channel
-        0's angle: position * base^0; the halves repeat the frequencies, Megatron's non-interleaved layout)."""
+        """This layer's angles [S, 1, 1, 2 F] for the positions of the model's table [S, 1, 1, D] (its channel 0's
+        angle: position * base^0; the halves repeat the F frequencies, Megatron's non-interleaved layout; F < head_dim
+        / 2: Megatron rotates the first 2 F channels only)."""
         pos_S = table.reshape(table.shape[0], -1)[:, 0].float()
         freqs = pos_S[:, None] * self.rotary_inv_freq.to(pos_S.device)
         return torch.cat([freqs, freqs], dim=-1).view(table.shape[0], *([1] * (table.dim() - 2)), -1).to(table.dtype)

@@ -1,4 +1,5 @@
-"""A sigmoid gate per attention head from its own projection (LFM3's ``g_proj``).
+"""A sigmoid gate per attention head from its own projection (LFM3's ``g_proj``; Laguna's softplus one, per head or
+per channel).
 
 LFM3's attention scales each head's output o_n (the softmax-weighted values, before the output projection) by one
 scalar per token and head:
@@ -22,42 +23,61 @@ from megatron.core.transformer.attention import SelfAttention
 
 
 class HeadGatedSelfAttention(SelfAttention):
-    """Megatron's SelfAttention with a sigmoid gate per head (module docstring)."""
+    """Megatron's SelfAttention with a gate per head (module docstring); ``activation`` "sigmoid" (LFM3) or "softplus"
+    (Laguna), ``per_element``: a gate per channel of every head (Laguna's ``gating: per-element``)."""
 
-    def __init__(self, config, submodules, *args, **kwargs):
+    def __init__(self, config, submodules, *args, activation: str = "sigmoid", per_element: bool = False, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        self.linear_gate = ColumnParallelLinear(
-            config.hidden_size, config.num_attention_heads, config=config, init_method=config.init_method,
-            gather_output=False, bias=False, skip_bias_add=True, is_expert=False)
-        self._gates = None
-        self.register_forward_pre_hook(self._compute_gates, with_kwargs=True)
-        self.linear_proj.register_forward_pre_hook(self._apply_gates)
+        attach_head_gate(self, activation, per_element)
 
-    def _compute_gates(self, module, args, kwargs):
+
+def attach_head_gate(attn, activation: str = "sigmoid", per_element: bool = False) -> None:
+    """Give ``attn`` (a Megatron SelfAttention, its ``config`` holding its own head count) a column-parallel
+    ``linear_gate`` and the two hooks that compute the gates from its input and multiply them into ``linear_proj``'s.
+    Sigmoid in the activations' dtype (LFM3, as transformers); softplus in fp32, cast back (Laguna, as transformers)."""
+    if activation not in ("sigmoid", "softplus"):
+        raise ValueError(f"a head gate's activation is 'sigmoid' or 'softplus', got {activation!r}")
+    config = attn.config
+    heads = config.num_attention_heads
+    width = heads * attn.hidden_size_per_attention_head if per_element else heads
+    attn.linear_gate = ColumnParallelLinear(
+        config.hidden_size, width, config=config, init_method=config.init_method,
+        gather_output=False, bias=False, skip_bias_add=True, is_expert=False)
+    state = {"gates": None}
+
+    def compute(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
-        logits, _ = self.linear_gate(hidden)
-        self._gates = torch.sigmoid(logits)  # [tokens, batch, this rank's heads]
+        logits, _ = attn.linear_gate(hidden)
+        state["gates"] = torch.sigmoid(logits) if activation == "sigmoid" else \
+            torch.nn.functional.softplus(logits.float()).to(logits.dtype)  # [tokens, batch, this rank's gates]
         return None
 
-    def _apply_gates(self, module, args):
-        gates, self._gates = self._gates, None
+    def apply(module, args):
+        gates, state["gates"] = state["gates"], None
         if gates is None:
-            raise RuntimeError("HeadGatedSelfAttention: linear_proj ran without the gates of this forward")
+            raise RuntimeError("head gate: linear_proj ran without the gates of this forward")
         out = args[0]
-        heads = gates.shape[-1]
-        gated = out.view(*out.shape[:-1], heads, out.shape[-1] // heads) * gates.unsqueeze(-1).to(out.dtype)
+        if per_element:
+            return (out * gates.to(out.dtype), *args[1:])
+        n = gates.shape[-1]
+        gated = out.view(*out.shape[:-1], n, out.shape[-1] // n) * gates.unsqueeze(-1).to(out.dtype)
         return (gated.view(out.shape), *args[1:])
 
+    attn.register_forward_pre_hook(compute, with_kwargs=True)
+    attn.linear_proj.register_forward_pre_hook(apply)
 
-def head_gate_spec(spec):
+
+def head_gate_spec(spec, activation: str = "sigmoid", per_element: bool = False):
     """``spec`` (a layer or block spec) with every standard self-attention a :class:`HeadGatedSelfAttention` (other
     mixers, such as a hybrid model's convolutions, are left as they are)."""
     import dataclasses
 
     if hasattr(spec, "layer_specs"):
-        return dataclasses.replace(spec, layer_specs=[head_gate_spec(s) for s in spec.layer_specs])
+        return dataclasses.replace(spec, layer_specs=[head_gate_spec(s, activation, per_element)
+                                                      for s in spec.layer_specs])
     attn = spec.submodules.self_attention
     if getattr(attn, "module", None) is not SelfAttention:
         raise TypeError(f"a gate per head needs Megatron's SelfAttention, got {getattr(attn, 'module', attn)!r}")
-    attn = dataclasses.replace(attn, module=HeadGatedSelfAttention)
+    attn = dataclasses.replace(attn, module=HeadGatedSelfAttention,
+                               params={**(attn.params or {}), "activation": activation, "per_element": per_element})
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))

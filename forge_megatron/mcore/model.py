@@ -92,8 +92,11 @@ class GPTConfig:
     full_rope_scaling: dict | None = None
     full_rotary_base: float | None = None
     # a sigmoid gate per attention head from its own projection (``linear_gate`` [heads, hidden]) scaling that head's
-    # output before linear_proj (LFM3's g_proj; mcore/head_gate.py)
+    # output before linear_proj (LFM3's g_proj; mcore/head_gate.py); its activation ("sigmoid", or Laguna's
+    # "softplus") and, with head_gate_per_element, a gate per channel of every head ([heads x head_dim, hidden])
     attention_head_gate: bool = False
+    head_gate_activation: str = "sigmoid"
+    head_gate_per_element: bool = False
     # layers that rotate nothing (SmolLM3's NoPE layers, every fourth): True where RoPE is left out; None: none
     nope_layers: tuple[bool, ...] | None = None
     rotary_percent: float = 1.0  # the fraction of each head RoPE rotates (its first channels; GLM-4.5: 0.5)
@@ -219,6 +222,11 @@ class GPTConfig:
     mamba_conv_bias: bool = True  # Mamba-2: a bias on the short convolution
     short_conv_bias: bool = False  # "short_conv" (LFM2's gated short convolutions, mcore/short_conv.py): a conv bias
     mamba_dt_limit: tuple[float, float] | None = None  # Mamba-2: the time step clamped to (min, max); None: (0, inf)
+    # Laguna (mcore/gemma4.py's per-layer attention): each layer's query heads (its key heads the model's), and the
+    # global (not sliding-window) layers' plain RoPE of their own over the first fraction of each head (base,
+    # fraction), the sliding layers rotating whole heads with the model's table. None: as every other model
+    layer_attention_heads: tuple[int, ...] | None = None
+    global_partial_rotary: tuple[float, float] | None = None
     # Gemma 4 (mcore/gemma4.py): the global (not sliding-window) layers' own head size and key heads, values that
     # are the projected keys there (attention_k_eq_v), and their proportional RoPE (base, rotated fraction, factor)
     # in place of the model's table; a scale-free RMSNorm on every layer's values; a checkpoint scalar multiplying
@@ -351,9 +359,12 @@ class GPTConfig:
                 raise ValueError("full_rope_scaling needs sliding-window layers (extra window_size), standard attention "
                                  "rotating whole heads in halves, and no sliding_rope_scaling beside it")
         if self.attention_head_gate and (self.multi_latent_attention or self.attention_output_gate or
-                                         self.per_layer_attention or self.block_sparse_layers is not None):
-            raise ValueError("attention_head_gate (a gate per head: LFM3) is supported with standard attention "
+                                         self.block_sparse_layers is not None or self.value_head_dim or
+                                         self.kv_shared_from or self.global_values_from_keys):
+            raise ValueError("attention_head_gate (a gate per head: LFM3, Laguna) is supported with standard attention "
                              "without Megatron's own output gate")
+        if self.head_gate_activation not in ("sigmoid", "softplus"):
+            raise ValueError(f"head_gate_activation must be 'sigmoid' or 'softplus', got {self.head_gate_activation!r}")
         if self.rotated_channels_scale != 1.0:
             if self.sliding_rope_scaling is not None or self.per_layer_attention or self.qk_norm_after_rope:
                 raise ValueError("a RoPE attention factor (YaRN, longrope) on part of each head is supported with one "
@@ -512,15 +523,32 @@ class GPTConfig:
         if self.per_layer_attention:
             window = self.extra.get("window_size")
             if (self.global_kv_channels or self.global_num_query_groups or self.global_values_from_keys
-                    or self.global_rotary) and not window:
+                    or self.global_rotary or self.global_partial_rotary) and not window:
                 raise ValueError("global-layer attention settings (Gemma 4) need sliding-window layers beside them "
                                  "(extra window_size / window_attn_skip_freq)")
             if self.multi_latent_attention or self.hybrid or self.attention_output_gate or self.qk_layernorm_all_heads:
                 raise ValueError("per-layer attention (Gemma 4, MiMo-V2-Flash) is standard attention, with per-head "
                                  "q/k norms if any")
-            if self.global_rotary is not None and self.rope_scaling is not None:
-                raise ValueError("global_rotary reads positions off the model's table: the local layers' RoPE must "
-                                 "be plain (rope_scaling None)")
+            if (self.global_rotary is not None or self.global_partial_rotary is not None) and \
+                    (self.rope_scaling is not None or self.rotary_percent != 1.0 or self.rotary_interleaved):
+                raise ValueError("global_rotary / global_partial_rotary read positions off the model's table: the local "
+                                 "layers' RoPE must be plain over whole heads (rope_scaling None, rotary_percent 1)")
+            if self.global_rotary is not None and self.global_partial_rotary is not None:
+                raise ValueError("global_rotary (proportional) and global_partial_rotary: one RoPE for the global "
+                                 "layers")
+            if self.global_partial_rotary is not None:
+                base, fraction = self.global_partial_rotary
+                self.global_partial_rotary = (float(base), float(fraction))
+                if not 0 < fraction <= 1 or int(self.head_dim * fraction) % 2:
+                    raise ValueError(f"global_partial_rotary {self.global_partial_rotary}: a fraction in (0, 1] of "
+                                     "an even number of channels")
+            if self.layer_attention_heads is not None:
+                self.layer_attention_heads = tuple(int(x) for x in self.layer_attention_heads)
+                if len(self.layer_attention_heads) != self.num_layers or \
+                        any(n % self.num_query_groups for n in self.layer_attention_heads) or \
+                        self.global_num_query_groups:
+                    raise ValueError(f"layer_attention_heads {self.layer_attention_heads}: one per layer "
+                                     f"({self.num_layers}), each a multiple of the {self.num_query_groups} key heads")
             groups = self.global_num_query_groups or self.num_query_groups
             if self.num_attention_heads % groups:
                 raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -578,7 +606,8 @@ class GPTConfig:
         scaled or of their own head size (Gemma 4, MiMo-V2-Flash)."""
         return bool(self.global_kv_channels or self.global_num_query_groups or self.global_values_from_keys
                     or self.global_rotary or self.value_norm or self.kv_shared_from or self.layer_ffn_sizes
-                    or self.value_head_dim or self.value_scale is not None or self.sink_layers)
+                    or self.value_head_dim or self.value_scale is not None or self.sink_layers
+                    or self.layer_attention_heads or self.global_partial_rotary)
 
     @property
     def hybrid(self) -> bool:
@@ -894,10 +923,11 @@ def layer_spec(cfg: GPTConfig, use_te: bool = False, vp_stage: int | None = None
         from forge_megatron.mcore.post_norm import moe_output_norm_spec
 
         spec = moe_output_norm_spec(spec)
-    if cfg.attention_head_gate:  # (LFM3: a sigmoid gate per head; before a hybrid model's mixers replace some)
+    if cfg.attention_head_gate and not cfg.per_layer_attention:  # (LFM3: a sigmoid gate per head; before a hybrid
+        # model's mixers replace some; the per-layer attention builds its own: Laguna)
         from forge_megatron.mcore.head_gate import head_gate_spec
 
-        spec = head_gate_spec(spec)
+        spec = head_gate_spec(spec, cfg.head_gate_activation, cfg.head_gate_per_element)
     if cfg.mamba_beside_attention:  # (Falcon-H1: every layer a Mamba-2 mixer beside its attention)
         if use_te:
             raise ValueError("Falcon-H1's layers build with the local spec")
@@ -1112,7 +1142,12 @@ def _per_layer_attention_spec(cfg: GPTConfig, spec, vp_stage: int | None):
             params["softmax_type"] = "learnable" if cfg.sink_layers[number - 1] else "vanilla"
         if not is_layer_window_attention(tcfg.window_size, tcfg.window_attn_skip_freq, number):
             params.update(kv_channels=cfg.global_kv_channels, num_query_groups=cfg.global_num_query_groups,
-                          values_from_keys=cfg.global_values_from_keys, rotary=cfg.global_rotary)
+                          values_from_keys=cfg.global_values_from_keys, rotary=cfg.global_rotary,
+                          partial_rotary=cfg.global_partial_rotary)
+        if cfg.layer_attention_heads is not None:  # (Laguna: each layer's query heads)
+            params["num_attention_heads"] = cfg.layer_attention_heads[number - 1]
+        if cfg.attention_head_gate:  # (Laguna: the gate per head inside the per-layer attention)
+            params["head_gate"] = (cfg.head_gate_activation, cfg.head_gate_per_element)
         if shared[number - 1] is not None or number - 1 in shared:
             params.update(kv_store=kv_store, kv_from=shared[number - 1], keep_kv=number - 1 in shared)
         attn = attention_spec(base.submodules.self_attention, **params)

@@ -632,6 +632,9 @@ class ReferenceEngine:
             candidates += (name.replace(".mlp.router.gate.weight", ".mlp.gate.weight")
                            .replace(".mlp.expert_bias", ".mlp.e_score_correction_bias")
                            .replace(".mlp.shared_mlp.", ".mlp.shared_experts."),)
+        if model_type == "laguna":  # Laguna's shared expert and router bias: their released names, transformers' own
+            candidates += (name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+                           .replace(".mlp.experts.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),)
         if model_type == "lfm3":  # LFM3's gate per head: gate_proj on disk, g_proj in memory
             candidates += (name.replace(".self_attn.gate_proj.", ".self_attn.g_proj."),)
         if model_type == "kolibri1":  # Kolibri 1's released names for its router bias and sandwich norms

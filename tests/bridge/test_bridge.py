@@ -1685,3 +1685,44 @@ def test_starcoder2_config_as_released():
     assert cfg.tie_word_embeddings  # (the config says nothing: transformers' default ties them)
     assert not Bridge({**hf, "sliding_window": None}).cfg.extra.get("window_size")
     assert not Bridge({**hf, "tie_word_embeddings": False}).cfg.tie_word_embeddings
+
+
+def test_laguna_config_as_transformers_defaults_it():
+    """Laguna (transformers' LagunaConfig defaults, XS.2's sizes): 40 full-attention layers of 48 query heads (8 key
+    heads of 128) rotating the first half of each head with base 500k (the model's table, no layer of another kind), a
+    softplus gate per head, per-head q/k norms; the first layer dense (8192 wide), then 256 experts of 512, top 8 of a
+    sigmoid choosing with its bias, beside a shared expert; per-layer heads and windows when the config has them;
+    what forge does not build refused by name."""
+    hf = {**transformers.LagunaConfig().to_dict(), "architectures": ["LagunaForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels) == (48, 8, 128)
+    assert cfg.layer_attention_heads is None and cfg.global_partial_rotary is None
+    assert (cfg.rotary_base, cfg.rotary_percent) == (5e5, 0.5) and cfg.qk_layernorm
+    assert cfg.attention_head_gate and cfg.head_gate_activation == "softplus" and not cfg.head_gate_per_element
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (256, 8, 512)
+    assert cfg.moe_shared_ffn_hidden_size == 512 and cfg.ffn_hidden_size == 8192
+    assert cfg.moe_layer_pattern == (False,) + (True,) * 39
+    assert cfg.extra["moe_router_score_function"] == "sigmoid" and cfg.extra["moe_router_enable_expert_bias"]
+    assert bridge.hf_names("decoder.layers.1.mlp.router.expert_bias") == \
+        ["model.layers.1.mlp.experts.e_score_correction_bias"]
+    assert bridge.hf_names("decoder.layers.1.mlp.shared_experts.linear_fc2.weight") == \
+        ["model.layers.1.mlp.shared_expert.down_proj.weight"]
+    assert bridge.hf_names("decoder.layers.0.self_attention.linear_gate.weight") == \
+        ["model.layers.0.self_attn.g_proj.weight"]
+    assert bridge.hf_shape("model.layers.0.self_attn.g_proj.weight") == (48, 2048)
+    mixed = Bridge({**hf, "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                    "num_attention_heads_per_layer": [64, 48, 64, 48], "gating": "per-element",
+                    "mlp_layer_types": ["dense"] + ["sparse"] * 3})
+    cfg = mixed.cfg
+    assert cfg.layer_attention_heads == (64, 48, 64, 48) and cfg.head_gate_per_element
+    assert (cfg.rotary_base, cfg.rotary_percent, cfg.global_partial_rotary) == (1e4, 1.0, (5e5, 0.5))
+    assert cfg.extra["window_size"] == (511, 0) and cfg.extra["window_attn_skip_freq"] == [1, 0, 1, 0]
+    assert mixed.hf_shape("model.layers.0.self_attn.q_proj.weight") == (64 * 128, 2048)
+    assert mixed.hf_shape("model.layers.1.self_attn.o_proj.weight") == (2048, 48 * 128)
+    assert mixed.hf_shape("model.layers.2.self_attn.g_proj.weight") == (64 * 128, 2048)
+    for change, message in (({"moe_router_logit_softcapping": 30.0}, "moe_router_logit_softcapping"),
+                            ({"attention_bias": True}, "attention_bias"), ({"gating": "per-token"}, "gating"),
+                            ({"mlp_layer_types": ["dense"] * 40}, "without a sparse layer")):
+        with pytest.raises(UnsupportedModelError, match=message):
+            Bridge({**hf, **change})
