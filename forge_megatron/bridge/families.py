@@ -135,6 +135,12 @@ LFM3 (``lfm3``: Lfm3ForCausalLM): LFM2's layers with norms after every mixer and
 attention layers (plain RoPE, base 10k: the model's table) beside full ones (proportional RoPE, base 1M: their own,
 ``full_rope_scaling``), Qwen3's attention names and a sigmoid gate per head (``self_attn.gate_proj``: mcore/head_gate.py).
 
+Flint (``flint``: FlintForCausalLM, RecursiveSI): Qwen3-MoE's attention (per-head q/k norms) with a learned sink logit
+per head in every layer (``self_attn.sinks``: Megatron's ``softmax_type="learnable"``), ``sliding_attention`` layers
+that rotate and ``full_attention`` ones without RoPE (``nope_layers``), dense layers where ``mlp_only_layers`` says,
+the others' experts under a sigmoid router without a bias (top k of the sigmoids, renormalised; logits in fp32) beside
+an ungated shared expert (``mlp.shared_expert``).
+
 Laguna (``laguna``: LagunaForCausalLM, poolside): each layer its own query heads (``num_attention_heads_per_layer``, the
 key heads shared; mcore/gemma4.py's per-layer attention), per-head q/k RMSNorms, a softplus gate per head or per
 channel (``gating``; ``self_attn.g_proj``, mcore/head_gate.py) on the attention's output; ``sliding_attention`` layers
@@ -434,6 +440,9 @@ FAMILIES: dict[str, Family] = {
     # layers (plain RoPE) beside full ones (RoPE of their own over half of each head), DeepSeek-V3's sigmoid router
     # with a bias beside a shared expert, the first layer dense
     "LagunaForCausalLM": Family("laguna", qkv_bias=False, qk_norm=True, moe=True),
+    # Flint (RecursiveSI): Qwen3-MoE's attention with a sink logit per head in every layer, sliding-window layers that
+    # rotate beside full ones without RoPE, the first layers dense, experts under a sigmoid router beside a shared one
+    "FlintForCausalLM": Family("flint", qkv_bias=False, qk_norm=True, moe=True),
     # Youtu-LLM (Tencent, 2B): DeepSeek-V3's multi-latent attention in Llama's layers with a dense SwiGLU MLP
     "YoutuForCausalLM": Family("youtu", qkv_bias=False, qk_norm=False, moe=False, mla=True),
     # EXAONE 4.0 (32B, 1.2B) and K-EXAONE (236B-A23B): see the module docstring
@@ -1031,6 +1040,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
         _refuse_unsupported_minimax01(hf)
     if family.name == "laguna":
         _refuse_unsupported_laguna(hf)
+    if family.name == "flint":
+        _refuse_unsupported_flint(hf)
     if family.name in ("mixtral", "minimax01") and float(hf.get("router_jitter_noise") or 0.0) != 0.0:
         raise UnsupportedModelError(f"router_jitter_noise={hf['router_jitter_noise']}: transformers multiplies the "
                                     "router's input by random noise while training (Mixtral releases have none)")
@@ -1076,7 +1087,7 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
                                     "have none)")
     if family.moe and not family.sigmoid_router and not family.softmax_router and not family.gpt_oss \
             and not family.ernie and not family.hunyuan and not family.longcat and not family.granite \
-            and not family.llama4 and family.name not in ("kolibri1", "laguna"):
+            and not family.llama4 and family.name not in ("kolibri1", "laguna", "flint"):
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError("MoE models with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                         "are not supported")
@@ -1558,6 +1569,33 @@ def nemotron_h_view(hf: dict) -> dict:
             "n_shared_experts": hf.get("n_shared_experts", 1) or 1}
 
 
+def flint_view(hf: dict) -> dict:
+    """Flint's config with what transformers fills in: ``layer_types`` (full attention for the first two layers, every
+    fourth from layer 1 and the last; sliding windows for the others) and which layers are MoE (``flint_moe_layers``:
+    not in ``mlp_only_layers``, default [0, 1], and every ``decoder_sparse_step``-th)."""
+    n = hf["num_hidden_layers"]
+    out = dict(hf)
+    out["layer_types"] = list(hf.get("layer_types") or [
+        "full_attention" if i < 2 or i % 4 == 1 or i == n - 1 else "sliding_attention" for i in range(n)])
+    dense = set(hf["mlp_only_layers"] if hf.get("mlp_only_layers") is not None else [0, 1])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    out["flint_moe_layers"] = [i not in dense and (i + 1) % step == 0 for i in range(n)]
+    return out
+
+
+def _refuse_unsupported_flint(hf: dict) -> None:
+    """What forge's Flint layers do not build, by name."""
+    n = hf["num_hidden_layers"]
+    if len(hf["layer_types"]) != n or not set(hf["layer_types"]) <= {"full_attention", "sliding_attention"}:
+        raise UnsupportedModelError(f"layer_types {hf['layer_types']}: full_attention or sliding_attention per layer")
+    if not any(hf["flint_moe_layers"]):
+        raise UnsupportedModelError("no MoE layer (mlp_only_layers / decoder_sparse_step leave none)")
+    if not hf.get("norm_topk_prob", True):
+        raise UnsupportedModelError("norm_topk_prob=False: Megatron renormalises a sigmoid router's top k")
+    if rope_scaling(hf) is not None:
+        raise UnsupportedModelError("scaled RoPE in a Flint config is not supported")
+
+
 def laguna_view(hf: dict) -> dict:
     """Laguna's config with what transformers fills in: every layer full attention, the first layer dense, every layer
     ``num_attention_heads`` query heads, the RoPE of each kind (full: base 500k over half the head; sliding: base 10k
@@ -1894,6 +1932,8 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
         hf = minimax01_view(hf)
     if family.name == "laguna":
         hf = laguna_view(hf)
+    if family.name == "flint":
+        hf = flint_view(hf)
     if family.name == "kolibri1" and hf.get("layer_types") is None:  # (transformers' default: every fifth layer full)
         hf = {**hf, "layer_types": ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
                                     for i in range(hf["num_hidden_layers"])]}
@@ -2171,6 +2211,13 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
                               full_rotary_base=float(full.get("rope_theta") or kwargs["rotary_base"]))
         else:  # (every attention layer full: its RoPE is the model's table)
             kwargs.update(rotary_base=float(full.get("rope_theta") or 1e4), rope_scaling=rope_scaling(hf))
+    if family.name == "flint":  # sinks in every layer; windows that rotate; full layers without RoPE
+        types = hf["layer_types"]
+        kwargs["extra"] = {**kwargs.get("extra", {}), "softmax_type": "learnable", **sliding_windows(hf)}
+        if not kwargs["extra"]["window_size"]:
+            kwargs["extra"].pop("window_size"), kwargs["extra"].pop("window_attn_skip_freq")
+        if "full_attention" in types:
+            kwargs["nope_layers"] = tuple(t == "full_attention" for t in types)
     if family.name == "laguna":  # per-layer heads, a softplus gate, windows with the model's RoPE, the full layers' own
         types = hf["layer_types"]
         sliding, full = rope_parameters(hf, "sliding_attention"), rope_parameters(hf, "full_attention")
@@ -2302,6 +2349,14 @@ def gpt_config_from_hf(source, **overrides) -> GPTConfig:
             mla_latent_scales=((d / hf["q_lora_rank"]) ** 0.5, (d / hf["kv_lora_rank"]) ** 0.5),
             mla_latent_norm_epsilon=1e-6,  # (transformers' latent norms keep their default; the others rms_norm_eps)
             extra={"moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None})
+    elif family.name == "flint":  # a sigmoid router without a bias (renormalised), a shared expert, dense layers
+        kwargs.update(
+            num_moe_experts=hf["num_experts"], moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["moe_intermediate_size"], ffn_hidden_size=hf["intermediate_size"],
+            moe_shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size") or None,
+            moe_layer_pattern=tuple(hf["flint_moe_layers"]) if not all(hf["flint_moe_layers"]) else None,
+            extra={**kwargs.get("extra", {}), "moe_router_score_function": "sigmoid",
+                   "moe_router_dtype": "fp32"})  # (HF: the logits in fp32)
     elif family.name == "laguna":  # DeepSeek-V3's sigmoid router with its bias, a shared expert, dense first layers
         types = hf["mlp_layer_types"]
         scaling = float(hf.get("moe_routed_scaling_factor", 1.0) or 1.0)

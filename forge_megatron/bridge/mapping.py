@@ -612,8 +612,10 @@ def _rules(cfg: GPTConfig, family: Family) -> list[Rule]:
         q, k = ("query_layernorm", "key_layernorm") if family.hunyuan else ("q_norm", "k_norm")  # (Hunyuan: after RoPE)
         attn += [Rule(LAYER + "self_attention.q_layernorm.weight", (HF_LAYER + f"self_attn.{q}.weight",)),
                  Rule(LAYER + "self_attention.k_layernorm.weight", (HF_LAYER + f"self_attn.{k}.weight",))]
-    if cfg.extra.get("softmax_type") == "learnable":  # (Granite SWA: a sink logit per head in every layer)
-        attn.append(Rule(LAYER + "self_attention.core_attention.softmax_offset", (HF_LAYER + "self_attn.sinks",),
+    if cfg.extra.get("softmax_type") == "learnable":  # (Granite SWA: a sink logit per head in every layer; Flint's
+        # release names it softmax_offset, transformers sinks)
+        sinks = "softmax_offset" if family.name == "flint" else "sinks"
+        attn.append(Rule(LAYER + "self_attention.core_attention.softmax_offset", (HF_LAYER + f"self_attn.{sinks}",),
                          tp="col"))
     if cfg.linear_attention_kind == "mamba2" and cfg.hybrid:  # Granite 4.0-H: Mamba-2 layers beside attention ones
         import dataclasses
@@ -695,7 +697,8 @@ def _with_mlp_and_ends(cfg: GPTConfig, family: Family, attn: list[Rule]) -> list
             mlp.append(Rule(LAYER + "mlp.router.expert_bias", (bias,), layers="moe"))
         if cfg.moe_shared_ffn_hidden_size:
             # Qwen3.5-MoE: one ``shared_expert`` whose output a sigmoid gate scales (Megatron's gate_weight)
-            shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta or family.name in ("qwen2_moe", "laguna") else
+            shared = HF_LAYER + ("mlp.shared_expert." if family.gated_delta or family.name in ("qwen2_moe", "laguna",
+                                                                                             "flint") else
                                  "block_sparse_moe.shared_experts." if family.kimi_delta or mixtral else
                                  "mlp.shared_mlp." if family.hunyuan or family.name == "hy_v3" else
                                  "mlp.shared_experts.")
@@ -1209,7 +1212,7 @@ class Bridge:
         e = cfg.num_moe_experts or 0
         if cfg.moe_logit_bias_router:  # (Kolibri 1's router bias)
             table["moe.router.expert_bias"] = (e,)
-        table.update({"sinks": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
+        table.update({"sinks": (n,), "self_attn.softmax_offset": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),
                       "experts.down_proj": (e, f, d), "experts.down_proj_bias": (e, d)})
         if self.family.stacked_experts or self.family.gemma4 or self.family.name == "granitemoe_swa":

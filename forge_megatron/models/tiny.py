@@ -49,7 +49,7 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "lfm2_moe", "gemma2", "llama4", "arcee", "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
          "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum", "kolibri1",
-         "lfm3", "minimax01", "hy_v3", "hyperclovax", "jais2", "glm", "gemma", "starcoder2", "laguna")
+         "lfm3", "minimax01", "hy_v3", "hyperclovax", "jais2", "glm", "gemma", "starcoder2", "laguna", "flint")
 # vision-language checkpoints as Qwen3.5 is released: the language model of the arch without "_vl" inside
 # Qwen3_5(Moe)ForConditionalGeneration with a one-block vision tower
 _VL = {"qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -488,6 +488,16 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
         # Jais 2 layout: Llama's attention with biases on q, k, v and o, LayerNorms with biases, a plain squared-ReLU
         # MLP with biases
         "jais2": (transformers.Jais2Config, {"head_dim": 16, "layer_norm_eps": 1e-5}),
+        # Flint layout: layer 0 a 4-position window (rotating) with a dense MLP (96 wide), layer 1 full attention without
+        # RoPE, layer 2 a window again; a sink logit per head in every layer, per-head q/k norms; 4 experts (top 2 of a
+        # sigmoid, renormalised) beside an ungated shared expert 48 wide
+        "flint": (
+            transformers.FlintConfig,
+            {"num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 96, "num_experts": 4,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+             "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+             "mlp_only_layers": [0], "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        ),
         # Laguna layout: layer 0 a 4-position window (4 query heads, plain RoPE over whole heads, base 10k) with a dense
         # MLP (96 wide), layer 1 full attention (8 query heads, RoPE over half of each head, base 500k), layer 2 a window
         # again (4 heads); 2 key heads, per-head q/k norms, a softplus gate per head; 4 experts (top 2 of a sigmoid
@@ -956,7 +966,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen2", seed: int = 0, tie_word_
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # q/k norms and the two norms per layer: which is which
             elif arch in ("jais2", "starcoder2") and name.endswith((".bias", "layernorm.weight", "norm.weight")):
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + torch.randn(p.shape) * 0.2)  # (biases that matter)
-            elif arch in ("axk1", "mellum", "kolibri1", "hy_v3", "hyperclovax", "minimax01", "laguna") and \
+            elif arch in ("axk1", "mellum", "kolibri1", "hy_v3", "hyperclovax", "minimax01", "laguna", "flint") and \
                     name.endswith(("norm.weight", "layernorm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape) * 0.2)  # (A.X K1's norm after the experts: which is which)
             elif arch == "dots1" and name.endswith(("q_norm.weight", "k_norm.weight")):

@@ -632,6 +632,8 @@ class ReferenceEngine:
             candidates += (name.replace(".mlp.router.gate.weight", ".mlp.gate.weight")
                            .replace(".mlp.expert_bias", ".mlp.e_score_correction_bias")
                            .replace(".mlp.shared_mlp.", ".mlp.shared_experts."),)
+        if model_type == "flint":  # Flint's sinks: softmax_offset on disk, sinks in memory
+            candidates += (name.replace(".self_attn.softmax_offset", ".self_attn.sinks"),)
         if model_type == "laguna":  # Laguna's shared expert and router bias: their released names, transformers' own
             candidates += (name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
                            .replace(".mlp.experts.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),)

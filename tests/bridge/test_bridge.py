@@ -1726,3 +1726,29 @@ def test_laguna_config_as_transformers_defaults_it():
                             ({"mlp_layer_types": ["dense"] * 40}, "without a sparse layer")):
         with pytest.raises(UnsupportedModelError, match=message):
             Bridge({**hf, **change})
+
+
+def test_flint_config_as_transformers_defaults_it():
+    """Flint (transformers' FlintConfig defaults, the release's sizes): 49 layers, full attention without RoPE on the
+    first two, every fourth from layer 1 and the last, a 513-position window that rotates on the others; a sink logit
+    per head in every layer (softmax_offset as released); layers 0 and 1 dense (6144 wide), the others 256 experts of
+    512, top 6 of a sigmoid renormalised, beside a shared expert of 1024."""
+    hf = {**transformers.FlintConfig().to_dict(), "architectures": ["FlintForCausalLM"]}
+    bridge = Bridge(hf)
+    cfg = bridge.cfg
+    full = [i < 2 or i % 4 == 1 or i == 48 for i in range(49)]
+    assert cfg.nope_layers == tuple(full) and cfg.extra["softmax_type"] == "learnable"
+    assert cfg.extra["window_size"] == (512, 0) and cfg.extra["window_attn_skip_freq"] == [int(not f) for f in full]
+    assert cfg.moe_layer_pattern == (False, False) + (True,) * 47 and cfg.ffn_hidden_size == 6144
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_ffn_hidden_size) == \
+        (256, 6, 512, 1024)
+    assert cfg.extra["moe_router_score_function"] == "sigmoid" and "moe_router_enable_expert_bias" not in cfg.extra
+    assert bridge.hf_names("decoder.layers.4.self_attention.core_attention.softmax_offset") == \
+        ["model.layers.4.self_attn.softmax_offset"]
+    assert bridge.hf_names("decoder.layers.4.mlp.shared_experts.linear_fc2.weight") == \
+        ["model.layers.4.mlp.shared_expert.down_proj.weight"]
+    assert bridge.hf_shape("model.layers.4.self_attn.softmax_offset") == (32,)
+    with pytest.raises(UnsupportedModelError, match="norm_topk_prob=False"):
+        Bridge({**hf, "norm_topk_prob": False})
+    with pytest.raises(UnsupportedModelError, match="no MoE layer"):
+        Bridge({**hf, "num_hidden_layers": 2, "layer_types": None})

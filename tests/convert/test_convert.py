@@ -31,7 +31,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "mistral", "deepsee
          "granite_swa", "granitemoe_swa", "exaone4_5", "ministral",
          "cohere", "cohere2", "cohere2_moe", "bamba", "apertus", "falcon_h1", "flex_olmo", "afmoe",
          "deepseek_v2", "cwm", "phi4_mini", "nemotron_h_latent", "axk1", "minicpm5_moe", "mellum",
-         "kolibri1", "lfm3", "hy_v3", "hyperclovax", "jais2", "glm", "minimax01", "gemma", "starcoder2", "laguna")
+         "kolibri1", "lfm3", "hy_v3", "hyperclovax", "jais2", "glm", "minimax01", "gemma", "starcoder2", "laguna",
+         "flint")
 SEQ = 12
 # long-context RoPE (mcore/rope.py), with original lengths below SEQ so the scaling reaches the positions used
 ROPE_SCALED = [
@@ -217,6 +218,7 @@ LAYOUTS = [
     ("starcoder2", ParallelLayout(tp=2, pp=2)),  # c_fc's and the q/k/v biases split over TP, c_proj's whole
     # Laguna: each layer's own query heads (4, 8, 4) and gate rows split over TP, the experts' bias as released
     ("laguna", ParallelLayout(tp=2, pp=2, ep=2, first=1)),
+    ("flint", ParallelLayout(tp=2, pp=2, ep=2, first=1)),  # the sinks (softmax_offset as released) split over TP
 ]
 
 

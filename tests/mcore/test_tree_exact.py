@@ -187,7 +187,8 @@ def _body_one_rank(rank, world_size):
     # RoPE), a convolution along the ancestors, a full layer (proportional RoPE, base 1M), gates per head, sandwich;
     # MiniMax-M1: lightning attention's fixed decays along every path, residuals from the norms' outputs, scaled;
     # Gemma (1): one key head for all queries; StarCoder2: a 4-position window on every layer, biases, LayerNorms;
-    # Laguna: each layer's query heads, softplus gates per head, the full layer's RoPE over half of each head
+    # Laguna: each layer's query heads, softplus gates per head, the full layer's RoPE over half of each head; Flint:
+    # sinks in every layer, windows that rotate beside a full layer without RoPE
     for arch, cls in (("gemma3", "Gemma3ForCausalLM"), ("smollm3", "SmolLM3ForCausalLM"), ("glm4", "Glm4ForCausalLM"),
                       ("ministral3", "Ministral3ForCausalLM"), ("gemma4", "Gemma4ForCausalLM"),
                       ("gemma4_moe", "Gemma4ForCausalLM"), ("gemma4_e", "Gemma4ForCausalLM"),
@@ -212,7 +213,8 @@ def _body_one_rank(rank, world_size):
                       ("hy_v3", "HYV3ForCausalLM"), ("hyperclovax", "HyperCLOVAXForCausalLM"),
                       ("jais2", "Jais2ForCausalLM"), ("glm", "GlmForCausalLM"),
                       ("minimax01", "MiniMaxM1ForCausalLM"), ("gemma", "GemmaForCausalLM"),
-                      ("starcoder2", "Starcoder2ForCausalLM"), ("laguna", "LagunaForCausalLM")):
+                      ("starcoder2", "Starcoder2ForCausalLM"), ("laguna", "LagunaForCausalLM"),
+                      ("flint", "FlintForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
         out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
     # Gemma 2: soft-capped attention scores (the tree kernel's softcap; the unmerged samples through the causal
@@ -570,7 +572,7 @@ def test_olmo3_tree_equals_unmerged(one_rank):
                                   "lfm2_moe", "llama4", "granitemoe_swa", "bamba", "apertus", "flex_olmo",
                                   "afmoe", "phi4_mini", "axk1", "minicpm5_moe", "mellum", "kolibri1", "lfm3",
                                   "hy_v3", "hyperclovax", "jais2", "glm", "minimax01",
-                                  "gemma", "starcoder2", "laguna"])
+                                  "gemma", "starcoder2", "laguna", "flint"])
 def test_gemma3_smollm3_glm4_ministral3_and_gemma4_trees_equal_unmerged(one_rank, arch):
     logp, ent, grad, _, _ = one_rank[arch]
     # (Gemma 4 E: the shared keys' q/k norm weights sum their gradients over every token and head of two layers,

@@ -69,7 +69,7 @@ def test_tiny_model_loads_and_is_deterministic(tmp_path, arch):
     # MiniMax-M3: a dense layer, then two MoE block-sparse ones; LongCat-Flash: two layers of two sublayers each
     layers = {"gemma4_e": 4, "mimo_v2_flash": 3, "minimax_m3": 3, "minimax_m3_text": 3, "longcat_flash": 4,
               "nemotron_h": 4, "nemotron_h_moe": 4, "nemotron_h_latent": 4, "cohere2_moe": 3, "afmoe": 3, "cwm": 4,
-              "lfm3": 3, "minimax01": 3, "laguna": 3}
+              "lfm3": 3, "minimax01": 3, "laguna": 3, "flint": 3}
     assert text.hidden_size == 64 and text.num_hidden_layers == layers.get(arch, 2)
     mla = arch in ("deepseek_v3", "glm4_moe_lite", "kimi_k25", "deepseek_v32", "glm_moe_dsa", "mistral4",
                    "mistral4_vl", "kimi_linear", "longcat_flash", "youtu", "deepseek_v2", "axk1")  # multi-latent attention:

@@ -98,6 +98,7 @@ def models(tmp_path_factory):
         "lfm3": build_tiny_model(str(root / "lfm3"), arch="lfm3", seed=149),
         "minimax01": build_tiny_model(str(root / "minimax01"), arch="minimax01", seed=157),
         "laguna": build_tiny_model(str(root / "laguna"), arch="laguna", seed=163),
+        "flint": build_tiny_model(str(root / "flint"), arch="flint", seed=167),
         "hy_v3": build_tiny_model(str(root / "hy_v3"), arch="hy_v3", seed=151),
     }
 
@@ -367,6 +368,8 @@ def _check_synced(results):
     ("minimax01", ParallelConfig(tp=2)),
     # Laguna: each layer's own query heads and gate rows gathered over TP; the experts' bias into the gate's
     ("laguna", ParallelConfig(tp=2)),
+    # Flint: the sinks gathered over TP (softmax_offset as released, transformers' sinks)
+    ("flint", ParallelConfig(tp=2)),
 ], ids=["tp2", "pp2-tied", "ep2-moe", "pp2-glm4-moe", "tp2-deepseek-v3", "ep2-gpt-oss", "tp2-minimax-m2",
         "tp2-qwen3-5", "tp2ep2etp1-gpt-oss", "tp2-olmo3", "pp2-gemma3", "tp2-gemma3-vl", "pp2-qwen3-vl", "tp2-glm4",
         "ep2-qwen3-vl-moe", "tp2-kimi-k25", "pp2-glm4v-moe",
@@ -379,7 +382,7 @@ def _check_synced(results):
         "tp2-granitemoe-swa", "tp2-exaone4-5",
         "tp2ep2etp1-cohere2-moe", "tp2-bamba", "tp2-apertus", "tp2-falcon-h1",
         "tp2ep2etp1-afmoe", "ep2-axk1", "tp2-minicpm5-moe", "ep2-kolibri1", "tp2-lfm3", "ep2-hy-v3",
-        "tp2-minimax01", "tp2-laguna"])
+        "tp2-minimax01", "tp2-laguna", "tp2-flint"])
 def test_sync_makes_engine_match_trainer(models, tmp_path, arch, parallel):
     from forge_megatron.rollout.launch import start_engine, start_gateway
 
