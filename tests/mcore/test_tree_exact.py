@@ -63,6 +63,14 @@ def all_samples(seed=0):
     return [s for samples in forest_cases(seed).values() for s in samples]
 
 
+def family_samples(seed=0):
+    """A smaller forest with every kind of case (identical samples, prefixes, unshared roots, a deep chain, a fan, a
+    random trie) for the loop over model families: 19 samples instead of all_samples' 34 (the loop runs ~70 models)."""
+    cases = forest_cases(seed)
+    return (cases["identical"] + cases["prefix_of_another"] + cases["no_shared_prefix"][:2] + cases["deep_chain"]
+            + cases["wide_fan"][:4] + cases["random_trie"][:5])
+
+
 def _weights(samples):
     g = torch.Generator().manual_seed(5)
     return torch.rand(len(samples), generator=g) + 0.5
@@ -216,7 +224,10 @@ def _body_one_rank(rank, world_size):
                       ("starcoder2", "Starcoder2ForCausalLM"), ("laguna", "LagunaForCausalLM"),
                       ("flint", "FlintForCausalLM")):
         hf = {**tiny_config(arch, vocab_size=VOCAB).to_dict(), "architectures": [cls]}
-        out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3))
+        # (Mamba-2's A_log gradients sum terms that nearly cancel: on the smaller forest they come 6.6e-5 apart, on the
+        # whole one within the bound below, so those families keep it)
+        mamba = arch in ("granitemoehybrid_mamba", "nemotron_h", "nemotron_h_moe", "bamba")
+        out[arch] = _exactness(*_twin_models(gpt_config_from_hf(hf)), all_samples(3) if mamba else family_samples(3))
     # Gemma 2: soft-capped attention scores (the tree kernel's softcap; the unmerged samples through the causal
     # core attention's) and final-logit soft-capping (the fused logprobs cap the chunks they make, Megatron's output
     # layer its logits); and each cap really changes them
