@@ -136,7 +136,8 @@ attention layers (plain RoPE, base 10k: the model's table) beside full ones (pro
 ``full_rope_scaling``), Qwen3's attention names and a sigmoid gate per head (``self_attn.gate_proj``: mcore/head_gate.py).
 
 Flint (``flint``: FlintForCausalLM, RecursiveSI): Qwen3-MoE's attention (per-head q/k norms) with a learned sink logit
-per head in every layer (``self_attn.sinks``: Megatron's ``softmax_type="learnable"``), ``sliding_attention`` layers
+per head in every layer (``self_attn.softmax_offset`` as released, transformers' ``sinks``: Megatron's
+``softmax_type="learnable"``), ``sliding_attention`` layers
 that rotate and ``full_attention`` ones without RoPE (``nope_layers``), dense layers where ``mlp_only_layers`` says,
 the others' experts under a sigmoid router without a bias (top k of the sigmoids, renormalised; logits in fp32) beside
 an ungated shared expert (``mlp.shared_expert``).
@@ -911,8 +912,8 @@ def _refuse_unsupported(hf: dict, family: Family) -> None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if family.name == "gemma" and act == "gelu":  # (Gemma 1's releases say gelu; transformers runs the tanh GELU)
         act = "gelu_pytorch_tanh"
-    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 or family.name == "gemma" else "relu2" if family.name in ("arcee", "jais2") else "gelu_pytorch_tanh" if family.name == "starcoder2" else \
-        "xielu" if family.name == "apertus" else "silu"
+    wanted = "gelu_pytorch_tanh" if family.gemma or family.gemma4 or family.name in ("gemma", "starcoder2") else \
+        "relu2" if family.name in ("arcee", "jais2") else "xielu" if family.name == "apertus" else "silu"
     if act != wanted:
         glu = {"gelu_pytorch_tanh": "GeGLU with the tanh GELU", "relu2": "a plain squared-ReLU MLP",
                "xielu": "a plain MLP with xIELU"}.get(wanted, "SwiGLU with silu")

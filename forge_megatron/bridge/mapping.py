@@ -1212,7 +1212,8 @@ class Bridge:
         e = cfg.num_moe_experts or 0
         if cfg.moe_logit_bias_router:  # (Kolibri 1's router bias)
             table["moe.router.expert_bias"] = (e,)
-        table.update({"sinks": (n,), "self_attn.softmax_offset": (n,), "o_proj.bias": (d,), "router.weight": (e, d), "router.bias": (e,),
+        table.update({"sinks": (n,), "self_attn.softmax_offset": (n,), "o_proj.bias": (d,), "router.weight": (e, d),
+                      "router.bias": (e,),
                       "experts.gate_up_proj": (e, d, 2 * f), "experts.gate_up_proj_bias": (e, 2 * f),
                       "experts.down_proj": (e, f, d), "experts.down_proj_bias": (e, d)})
         if self.family.stacked_experts or self.family.gemma4 or self.family.name == "granitemoe_swa":

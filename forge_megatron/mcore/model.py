@@ -531,8 +531,9 @@ class GPTConfig:
                                  "q/k norms if any")
             if (self.global_rotary is not None or self.global_partial_rotary is not None) and \
                     (self.rope_scaling is not None or self.rotary_percent != 1.0 or self.rotary_interleaved):
-                raise ValueError("global_rotary / global_partial_rotary read positions off the model's table: the local "
-                                 "layers' RoPE must be plain over whole heads (rope_scaling None, rotary_percent 1)")
+                raise ValueError("global_rotary / global_partial_rotary read positions off the model's table: the "
+                                 "local layers' RoPE must be plain over whole heads (rope_scaling None, rotary_percent "
+                                 "1)")
             if self.global_rotary is not None and self.global_partial_rotary is not None:
                 raise ValueError("global_rotary (proportional) and global_partial_rotary: one RoPE for the global "
                                  "layers")

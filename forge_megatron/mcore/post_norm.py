@@ -1,5 +1,6 @@
 """Norms after attention and MLP (OLMo 2 / OLMo 3's "reordered norm"; with the usual ones too, Gemma 3's sandwich;
-after the experts only, A.X K1's), and residuals taken from the norms' outputs (MiniMax-01 / M1: :class:`NormResidualLayer`).
+after the experts only, A.X K1's), and residuals taken from the norms' outputs (MiniMax-01 / M1:
+:class:`NormResidualLayer`).
 
 A Llama-style layer normalises the input of each sublayer; OLMo 2 and OLMo 3 normalise each sublayer's output,
 before it joins the residual stream, and leave the stream itself un-normalised until the final norm; Gemma 3 does

@@ -488,9 +488,9 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
         # Jais 2 layout: Llama's attention with biases on q, k, v and o, LayerNorms with biases, a plain squared-ReLU
         # MLP with biases
         "jais2": (transformers.Jais2Config, {"head_dim": 16, "layer_norm_eps": 1e-5}),
-        # Flint layout: layer 0 a 4-position window (rotating) with a dense MLP (96 wide), layer 1 full attention without
-        # RoPE, layer 2 a window again; a sink logit per head in every layer, per-head q/k norms; 4 experts (top 2 of a
-        # sigmoid, renormalised) beside an ungated shared expert 48 wide
+        # Flint layout: layer 0 a 4-position window (rotating) with a dense MLP (96 wide), layer 1 full attention
+        # without RoPE, layer 2 a window again; a sink logit per head in every layer, per-head q/k norms; 4 experts (top
+        # 2 of a sigmoid, renormalised) beside an ungated shared expert 48 wide
         "flint": (
             transformers.FlintConfig,
             {"num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 96, "num_experts": 4,
@@ -499,9 +499,9 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 400, tie_word_embeddings:
              "mlp_only_layers": [0], "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
         ),
         # Laguna layout: layer 0 a 4-position window (4 query heads, plain RoPE over whole heads, base 10k) with a dense
-        # MLP (96 wide), layer 1 full attention (8 query heads, RoPE over half of each head, base 500k), layer 2 a window
-        # again (4 heads); 2 key heads, per-head q/k norms, a softplus gate per head; 4 experts (top 2 of a sigmoid
-        # choosing with its bias, renormalised, times 2.5) beside a shared expert 48 wide
+        # MLP (96 wide), layer 1 full attention (8 query heads, RoPE over half of each head, base 500k), layer 2 a
+        # window again (4 heads); 2 key heads, per-head q/k norms, a softplus gate per head; 4 experts (top 2 of a
+        # sigmoid choosing with its bias, renormalised, times 2.5) beside a shared expert 48 wide
         "laguna": (
             transformers.LagunaConfig,
             {"num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 96, "num_experts": 4,

@@ -363,10 +363,10 @@ KIMI_LINEAR = {**tiny_config("kimi_linear", vocab_size=96, hidden_size=256, line
       "architectures": ["MiniMaxM1ForCausalLM"]}, "TreeLightningAttention")],
     ids=["gated_delta_net", "kimi_delta_attention", "lightning_attention"])
 def test_gated_delta_net_activation_estimate_is_what_the_layer_keeps(hf, mixer):
-    """forge-plan's bytes per token for a Gated DeltaNet (or Kimi Delta Attention, or lightning attention) mixer against what the bf16 layer
-    really keeps for its backward (1 rank): within 20 %. Counting the fp32 terms the layer recomputes (or the K
-    gathered copies of its convolution; or, for KDA, the per-channel decays and softplus's fp32 in- and outputs,
-    which it once kept) would put the estimate 1.4x to 2.5x off."""
+    """forge-plan's bytes per token for a Gated DeltaNet (or Kimi Delta Attention, or lightning attention) mixer against
+    what the bf16 layer really keeps for its backward (1 rank): within 20 %. Counting the fp32 terms the layer
+    recomputes (or the K gathered copies of its convolution; or, for KDA, the per-channel decays and softplus's fp32 in-
+    and outputs, which it once kept) would put the estimate 1.4x to 2.5x off."""
     (out,) = run_distributed(_gated_delta_net_held_body, world_size=1, hf=hf)
     assert out["mixer"] == mixer
     estimate = plan.gated_delta_net_bytes(Bridge(hf).cfg, tp=1, sp=False)
