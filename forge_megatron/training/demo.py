@@ -225,9 +225,19 @@ class Processes:
 
 
 def _sft(args: argparse.Namespace, base: str, data: str, out_dir: str) -> None:
-    subprocess.run([sys.executable, "-m", "forge_megatron.training.sft", "--hf-checkpoint", base,
-                    "--data", data, "--out", out_dir, "--steps", str(args.sft_steps), "--seed", str(args.seed)],
-                   check=True, env={**os.environ, "OMP_NUM_THREADS": "2", "MASTER_PORT": str(free_port())})
+    """forge-sft's command line, run in this process on two threads: torch, transformers and Megatron-Core are
+    imported here already (building the tiny model), which a new interpreter spent ~4 s of CPU on again."""
+    import torch
+
+    from forge_megatron.training import sft
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sft.main(["--hf-checkpoint", base, "--data", data, "--out", out_dir, "--steps", str(args.sft_steps),
+                  "--seed", str(args.seed)])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def prepare_teacher(args: argparse.Namespace, tasks) -> str:

@@ -628,12 +628,11 @@ def sm90(tmp_path_factory):
     from pathlib import Path
 
     runs = {f"case{i}": {"argv": _sm90_argv(*case)} for i, case in enumerate(SM90_CASES)}
-    for stages in (2, 3):  # test_kernel_loads_are_pipelined
-        runs[f"stages{stages}"] = {"argv": ["--dtypes", "bf16", "--head-dims", "128"], "env": {
-            triton_kernel.TILES_ENV: f"fwd=128x64x8x{stages},dq=128x64x8x{stages},dkdv=32x64x8x{stages}"}}
-    for split in ("0", "1"):  # test_split_head_kernels_compile_for_sm90_and_need_less
-        runs[f"split{split}"] = {"argv": ["--dtypes", "bf16", "--head-dims", "192x128"],
-                                 "env": {triton_kernel.SPLIT_HEAD_ENV: split}}
+    # test_kernel_loads_are_pipelined: heads of 128's default tiles with one pipeline stage less (case 0: as they are)
+    fewer = ",".join(f"{k}={m}x{n}x{w}x{s - 1}" for k, (m, n, w, s) in _sm90_tiles_128().items())
+    runs["fewer_stages"] = {"argv": ["--dtypes", "bf16", "--head-dims", "128"], "env": {triton_kernel.TILES_ENV: fewer}}
+    # test_split_head_kernels_compile_for_sm90_and_need_less: 192-channel heads split (case 2: padded, the default)
+    runs["split"] = {"argv": ["--dtypes", "bf16", "--head-dims", "192x128"], "env": {triton_kernel.SPLIT_HEAD_ENV: "1"}}
     batch = tmp_path_factory.mktemp("sm90") / "runs.json"
     batch.write_text(json.dumps(runs))
     env = {k: v for k, v in os.environ.items()
@@ -647,6 +646,12 @@ def sm90(tmp_path_factory):
         name, _, rest = line.partition(" ")
         out[name].append(rest)
     return out
+
+
+def _sm90_tiles_128() -> dict[str, tuple[int, int, int, int]]:
+    """The default GPU tiles (BLOCK_M, BLOCK_N, warps, stages) of bf16 heads of 128, by kernel (as the sm90 fixture
+    compiles them: without FORGE_TREE_ATTN_TRITON_TILES)."""
+    return triton_kernel._default_tiles(128, tl.bfloat16)
 
 
 def _compiled(sm90, name) -> list[str]:
@@ -688,11 +693,16 @@ def test_kernel_loads_are_pipelined(sm90):
     kernels once tested each tile for emptiness) stops that, and then the stages change nothing."""
     import re
 
-    shared = {stages: {line.split()[2]: int(re.search(r"shared=(\d+)", line).group(1))
-                       for line in _compiled(sm90, f"stages{stages}")} for stages in (2, 3)}
-    # one more stage: one more buffer of each tile loaded in the loop (bf16, 128-wide heads)
-    for kernel, rows in (("_fwd_kernel", 64), ("_bwd_dq_kernel", 64), ("_bwd_dkdv_kernel", 32)):  # K, V / Q, dO
-        assert shared[3][kernel] - shared[2][kernel] >= 2 * rows * 128 * 2, (kernel, shared)
+    shared = {run: {line.split()[2]: int(re.search(r"shared=(\d+)", line).group(1)) for line in _compiled(sm90, run)}
+              for run in ("case0", "fewer_stages")}
+    assert SM90_CASES[0][:2] == ("bf16", "128") and not any(SM90_CASES[0][2:])  # case 0: the default tiles
+    # one more stage: one more buffer of each tile loaded in the loop (bf16, 128-wide heads): K and V of BLOCK_N rows
+    # in the forward and dQ, Q and dO of BLOCK_M rows in dK / dV
+    tiles = _sm90_tiles_128()
+    assert min(stages for _, _, _, stages in tiles.values()) >= 2
+    for kernel, rows in (("_fwd_kernel", tiles["fwd"][1]), ("_bwd_dq_kernel", tiles["dq"][1]),
+                         ("_bwd_dkdv_kernel", tiles["dkdv"][0])):
+        assert shared["case0"][kernel] - shared["fewer_stages"][kernel] >= 2 * rows * 128 * 2, (kernel, shared)
 
 
 def test_forests_as_deep_as_a_long_prompt():
@@ -767,7 +777,8 @@ def test_split_head_kernels_compile_for_sm90_and_need_less(sm90):
     and need less shared memory than the same kernels padded to 256 channels, each of the three."""
     import re
 
-    shared = {split: {line.split()[2]: int(re.search(r"shared=(\d+)", line).group(1))
-                      for line in _compiled(sm90, f"split{split}")} for split in ("0", "1")}
-    assert set(shared["1"]) == {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
-    assert all(shared["1"][k] < shared["0"][k] for k in shared["1"]), shared
+    assert SM90_CASES[2][:2] == ("bf16", "192x128") and not any(SM90_CASES[2][2:])  # case 2: padded to 256
+    shared = {run: {line.split()[2]: int(re.search(r"shared=(\d+)", line).group(1)) for line in _compiled(sm90, run)}
+              for run in ("case2", "split")}
+    assert set(shared["split"]) == {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
+    assert all(shared["split"][k] < shared["case2"][k] for k in shared["split"]), shared

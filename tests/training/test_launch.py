@@ -354,7 +354,8 @@ def test_dry_run_of_a_lora_run_syncing_adapters():
 
 def test_dry_run_checks_the_memory_plan(tmp_path):
     """With the checkpoint's config.json at hand the plan includes forge-plan's table; a layout that may not fit
-    is warned of, one the model cannot take stops the job; without a config the check is skipped, said so."""
+    is warned of, one the model cannot take stops the job; without a config, or with GPU_MEMORY_GIB=off, the check
+    is skipped, said so."""
     import json
 
     from forge_megatron.models.tiny import tiny_config
@@ -379,6 +380,8 @@ def test_dry_run_checks_the_memory_plan(tmp_path):
     assert out.returncode != 0 and "tp=2 does not divide num_query_groups=1" in out.stderr + out.stdout
     out = _dry_run(**{**base, "HF_CHECKPOINT": str(tmp_path / "absent")})
     assert out.returncode == 0 and "memory per trainer GPU not checked" in out.stdout
+    out = _dry_run(**base, GPU_MEMORY_GIB="off")  # asked not to (the model's layout error above not seen)
+    assert out.returncode == 0 and "memory per trainer GPU not checked (GPU_MEMORY_GIB=off)" in out.stdout
     # uneven pipeline stages: 3 layers over PP 2 stop the job unless a stage is given its own count
     (hf / "config.json").write_text(json.dumps({**tiny_config("qwen3", num_hidden_layers=3).to_dict(),
                                                 "architectures": ["Qwen3ForCausalLM"]}))
@@ -561,7 +564,7 @@ def test_dry_run_of_a_gemma3_vision_language_checkpoint_uses_sglangs_triton_atte
 
     def backends(script_env, **env):
         if script_env == "sbatch":
-            out = _dry_run(MODEL="tiny", **env)
+            out = _dry_run(MODEL="tiny", GPU_MEMORY_GIB="off", **env)  # (the memory plan: tested above)
         else:
             out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_local.sh"), "--dry-run"],
                                  capture_output=True, text=True, timeout=60,
@@ -687,7 +690,7 @@ def test_longrope_checkpoints_pin_sglang_and_the_trainer_to_one_factor_list(tmp_
                                    "AGENT_URL": "http://127.0.0.1:9/", **env})
 
     # (each run reads the checkpoint with torch imported: one of each script and factor list)
-    for factors, out in (("short", _dry_run(HF_CHECKPOINT=ckpt, LONGROPE_FACTORS="short")),
+    for factors, out in (("short", _dry_run(HF_CHECKPOINT=ckpt, LONGROPE_FACTORS="short", GPU_MEMORY_GIB="off")),
                          ("", local(ENGINE="sglang"))):
         assert out.returncode == 0, out.stderr
         cmds = _commands(out.stdout)

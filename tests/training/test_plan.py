@@ -520,7 +520,7 @@ def test_trained_vision_tower_activation_estimate_is_what_the_tower_keeps(arch, 
         block, rest = plan.vision_tower_bytes(hf, recompute, pixtral_patches=144)
         want = _tower_held_per_patch(hf, recompute)
         assert 0.9 <= (3 * block + rest) / want <= 1.1, (recompute, block, rest, want)
-    assert plan.vision_tower_bytes(hf, True)[0] == pytest.approx(2 * 256, rel=0.05)
+    assert block == pytest.approx(2 * 256, rel=0.05)  # recomputed: a block keeps its bf16 input
 
 
 def test_trained_vision_tower_in_the_plan(tmp_path, capsys):
