@@ -322,6 +322,27 @@ def tokens_to_heads(x_TlXH: torch.Tensor, group) -> torch.Tensor:
     return ranks_to_tree_order(_AllToAll.apply(x_TlXH.contiguous(), group, True), dist.get_world_size(group))
 
 
+def layer_tokens_to_heads(x_TlXH: torch.Tensor, packed_seq_params, layer: str) -> tuple[torch.Tensor, int]:
+    """The recurrent mixers' way into context parallelism (Gated DeltaNet, Kimi Delta Attention, Mamba-2, short
+    convolutions, lightning attention): a scan runs along the tree's paths, so under CP each rank takes every token
+    of 1/C of the heads (:func:`tokens_to_heads`) instead of 1/C of the tokens of every head. Returns (the heads
+    this rank runs, [T_pad, X / C, H], or ``x_TlXH`` itself without CP; this rank's CP rank: its heads are the
+    rank-th 1/C). ``layer`` names the layer in the error for a batch that is not a tree."""
+    size, rank, group = cp_world()
+    if size == 1:
+        return x_TlXH, 0
+    if packed_seq_params is None:
+        raise ValueError(f"{layer} layers run under context parallelism on trees only (TreePackedSeqParams)")
+    return tokens_to_heads(x_TlXH, group), rank
+
+
+def layer_heads_to_tokens(y_TXcH: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`layer_tokens_to_heads`: the heads this rank ran, every token [T_pad, X / C, H] -> this
+    rank's tokens of every head [T_l, X, H] (``y_TXcH`` itself without CP)."""
+    size, _, group = cp_world()
+    return y_TXcH if size == 1 else heads_to_tokens(y_TXcH, group)
+
+
 def heads_to_tokens(y_TXcH: torch.Tensor, group) -> torch.Tensor:
     """The inverse of :func:`tokens_to_heads`: [T_pad, X / C, H] in DFS order -> this rank's tokens [T_l, X, H]."""
     return _AllToAll.apply(tree_to_ranks_order(y_TXcH, dist.get_world_size(group)).contiguous(), group, False)

@@ -130,12 +130,8 @@ class TreeGatedDeltaNet(MegatronModule):
         proj, _ = self.in_proj(hidden_states)  # [s, b, nk_local * group]
         s, b = proj.shape[:2]
         x = proj.transpose(0, 1).reshape(s * b, self.nk_local, -1)  # token b * s + i: row b's sequence in order
-        C, rank, group = cpm.cp_world()
-        if C > 1:  # this rank's tokens of every key-head group -> every token (DFS order) of 1/C of the groups
-            if packed_seq_params is None:
-                raise ValueError("Gated DeltaNet layers run under context parallelism on trees only "
-                                 "(TreePackedSeqParams)")
-            x = cpm.tokens_to_heads(x, group)
+        # this rank's tokens of every key-head group -> every token (DFS order) of 1/C of them under CP
+        x, rank = cpm.layer_tokens_to_heads(x, packed_seq_params, "Gated DeltaNet")
         T, nk = x.shape[0], x.shape[1]  # the key-head groups this rank runs
         # this rank's slices of the per-head parameters (all of them without CP)
         heads = slice(rank * nk * self.r, (rank + 1) * nk * self.r)
@@ -170,9 +166,7 @@ class TreeGatedDeltaNet(MegatronModule):
         # the norm's weight is shared by every head of every TP rank: its gradient is summed over TP
         weight = copy_to_tensor_model_parallel_region(self.norm_weight)
         o = recomputed(norm, o, gate, weight, self.eps, recompute=recompute)
-        C, _, group = cpm.cp_world()
-        if C > 1:  # back to this rank's tokens of every head
-            o = cpm.heads_to_tokens(o.reshape(o.shape[0], heads, -1), group)
+        o = cpm.layer_heads_to_tokens(o.reshape(o.shape[0], heads, -1))  # back to this rank's tokens under CP
         return self.out_proj(o.reshape(b, s, -1).transpose(0, 1))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):

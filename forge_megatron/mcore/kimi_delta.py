@@ -128,12 +128,8 @@ class TreeKimiDeltaAttention(TreeGatedDeltaNet):
         s, b = proj.shape[:2]
         x = torch.cat([proj.reshape(s, b, nk, 3 * d + 1), f.reshape(s, b, nk, d), gate.reshape(s, b, nk, d)], -1)
         x = x.transpose(0, 1).reshape(s * b, nk, 5 * d + 1)  # token b * s + i: row b's sequence in order
-        C, rank, group = cpm.cp_world()
-        if C > 1:  # this rank's tokens of every head -> every token (DFS order) of 1/C of the heads
-            if packed_seq_params is None:
-                raise ValueError("Kimi Delta Attention layers run under context parallelism on trees only "
-                                 "(TreePackedSeqParams)")
-            x = cpm.tokens_to_heads(x, group)
+        # this rank's tokens of every head -> every token (DFS order) of 1/C of them under CP
+        x, rank = cpm.layer_tokens_to_heads(x, packed_seq_params, "Kimi Delta Attention")
         T, n = x.shape[0], x.shape[1]  # the heads this rank runs
         heads = slice(rank * n, (rank + 1) * n)
         qkv, beta_in, f, gate = x.split([3 * d, 1, d, d], dim=-1)

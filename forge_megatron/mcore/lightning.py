@@ -95,12 +95,8 @@ class TreeLightningAttention(TreeGatedDeltaNet):
         gate, _ = self.gate_proj(hidden_states)  # [s, b, h_local * d]
         s, b = proj.shape[:2]
         x = proj.transpose(0, 1).reshape(s * b, self.h_local, 3 * self.d)  # token b * s + i
-        C, rank, group = cpm.cp_world()
-        if C > 1:  # this rank's tokens of every head -> every token (DFS order) of 1/C of the heads
-            if packed_seq_params is None:
-                raise ValueError("lightning-attention layers run under context parallelism on trees only "
-                                 "(TreePackedSeqParams)")
-            x = cpm.tokens_to_heads(x, group)
+        # this rank's tokens of every head -> every token (DFS order) of 1/C of them under CP
+        x, rank = cpm.layer_tokens_to_heads(x, packed_seq_params, "lightning-attention")
         T, h = x.shape[0], x.shape[1]
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
         q, k, v = F.silu(x.to(cd)).split(self.d, dim=-1)
@@ -109,8 +105,7 @@ class TreeLightningAttention(TreeGatedDeltaNet):
         recompute = self.config.recompute_granularity != "full"
         o = gd.tree_gated_delta_rule(q, k, v, decay.expand(T, h), torch.ones(T, h, dtype=cd, device=x.device), plan,
                                      scale=1.0, l2norm=False, recompute=recompute, delta=False)  # [T, h, d]
-        if C > 1:  # back to this rank's tokens of every head
-            o = cpm.heads_to_tokens(o, group)
+        o = cpm.layer_heads_to_tokens(o)  # back to this rank's tokens of every head under CP
         o = o.reshape(s * b, self.h_local * self.d)
         # RMSNorm over all H d channels of a token: this rank's squares, summed over TP
         squares = o.pow(2).sum(-1, keepdim=True)

@@ -106,11 +106,8 @@ class TreeMamba2Mixer(TreeGatedDeltaNet):
         proj, _ = self.in_proj(hidden_states)  # [s, b, groups_local * width]
         s, b = proj.shape[:2]
         x = proj.transpose(0, 1).reshape(s * b, self.nk_local, -1)
-        C, rank, group = cpm.cp_world()
-        if C > 1:  # this rank's tokens of every group -> every token (DFS order) of 1/C of the groups
-            if packed_seq_params is None:
-                raise ValueError("Mamba-2 layers run under context parallelism on trees only (TreePackedSeqParams)")
-            x = cpm.tokens_to_heads(x, group)
+        # this rank's tokens of every group -> every token (DFS order) of 1/C of them under CP
+        x, rank = cpm.layer_tokens_to_heads(x, packed_seq_params, "Mamba-2")
         T, g = x.shape[0], x.shape[1]
         heads = slice(rank * g * self.r, (rank + 1) * g * self.r)
         conv_rows = slice(rank * g * self.conv_group, (rank + 1) * g * self.conv_group)
@@ -140,8 +137,7 @@ class TreeMamba2Mixer(TreeGatedDeltaNet):
             weight = self.norm_weight[heads.start * self.P:heads.stop * self.P]
             o = recomputed(grouped_gated_rms_norm, y, z.reshape(T, g, rP), weight, self.eps, g, recompute=recompute)
         o = o.to(hidden_states.dtype)
-        if C > 1:  # back to this rank's tokens of every head
-            o = cpm.heads_to_tokens(o.reshape(T, g, -1), group)
+        o = cpm.layer_heads_to_tokens(o.reshape(T, g, -1))  # back to this rank's tokens of every head under CP
         return self.out_proj(o.reshape(b, s, -1).transpose(0, 1))
 
 

@@ -54,12 +54,8 @@ class TreeShortConv(TreeGatedDeltaNet):
         proj, _ = self.in_proj(hidden_states)  # [s, b, channels_local * 3]: per channel B, C, x
         s, b = proj.shape[:2]
         x = proj.transpose(0, 1).reshape(s * b, self.channels_local, 3)
-        C, rank, group = cpm.cp_world()
-        if C > 1:  # this rank's tokens of every channel -> every token (DFS order) of 1/C of the channels
-            if packed_seq_params is None:
-                raise ValueError("short-convolution layers run under context parallelism on trees only "
-                                 "(TreePackedSeqParams)")
-            x = cpm.tokens_to_heads(x, group)
+        # this rank's tokens of every channel -> every token (DFS order) of 1/C of them under CP
+        x, rank = cpm.layer_tokens_to_heads(x, packed_seq_params, "short-convolution")
         T, n = x.shape[0], x.shape[1]
         rows = slice(rank * n, (rank + 1) * n)
         Bg, Cg, xs = x.unbind(-1)
@@ -67,8 +63,7 @@ class TreeShortConv(TreeGatedDeltaNet):
         bias = None if self.conv1d_bias is None else self.conv1d_bias[rows].to(xs.dtype)
         conv = gd.tree_causal_conv((Bg * xs).contiguous(), self.conv1d_weight[rows].to(xs.dtype), plan, bias=bias)
         y = Cg * conv
-        if C > 1:  # back to this rank's tokens of every channel
-            y = cpm.heads_to_tokens(y.reshape(T, n, 1), group)
+        y = cpm.layer_heads_to_tokens(y.reshape(T, n, 1))  # back to this rank's tokens of every channel under CP
         return self.out_proj(y.reshape(b, s, -1).transpose(0, 1))
 
 
