@@ -128,6 +128,11 @@ if grep -Eqs '"(longrope|su)"' "$HF_CHECKPOINT/config.json"; then
                  --hf-dir "$HF_CHECKPOINT" ${LONGROPE_FACTORS:+--factors "$LONGROPE_FACTORS"})")
   [ -n "$LONGROPE_FACTORS" ] && FORGE_ENGINE_FLAGS+=(--longrope-factors "$LONGROPE_FACTORS")
 fi
+# MiniMax-M1 as released (MiniMaxM1ForCausalLM): SGLang registers the model as MiniMaxText01ForCausalLM only (the
+# same layers and weight names): served under that name, as forge.sbatch does
+if grep -Eqs '"MiniMaxM1ForCausalLM"' "$HF_CHECKPOINT/config.json"; then
+  SGLANG_FLAGS+=(--json-model-override-args '{"architectures": ["MiniMaxText01ForCausalLM"]}')
+fi
 # a trained vision tower: no image embedding of an old tower from SGLang's cache after a sync (as forge.sbatch)
 SGLANG_ENV=()
 if [[ " $EXTRA_TRAIN_ARGS " == *" --train-vision-tower "* ]]; then

@@ -5,7 +5,10 @@
 # sublayer's residual is its norm's output times 3.56 (postnorm). The trainer takes the architecture from
 # --hf-checkpoint's config.json (MODEL_ARGS empty: Megatron's flags cannot say which layers are lightning ones; flags
 # given anyway are checked against it). TP divides the 8 key heads; CP divides the 64 / TP lightning heads; 80 layers
-# split evenly for PP = 2, 4, 5, 8, 10 or 16. Source it and pass "${MODEL_ARGS[@]}".
+# split evenly for PP = 2, 4, 5, 8, 10 or 16. SGLang serves it as MiniMaxText01ForCausalLM (the launch scripts pass
+# --json-model-override-args renaming the architecture; a config.json naming its own code, auto_map, also needs
+# TRUST_REMOTE_CODE=1).
+# Source it and pass "${MODEL_ARGS[@]}".
 MODEL_ARGS=()
 # Output formats for the gateway (forge.sbatch / run_local.sh; the environment overrides them): M1 thinks in
 # <think>...</think> (the minimax reasoning parser reads from the rendered prompt whether the block is open) and writes

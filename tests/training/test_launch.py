@@ -707,3 +707,41 @@ def test_longrope_checkpoints_pin_sglang_and_the_trainer_to_one_factor_list(tmp_
     plain = _dry_run(MODEL="qwen3-8B", HF_CHECKPOINT="/models/Qwen3-8B")
     assert plain.returncode == 0 and "sglang.launch_server" in plain.stdout
     assert "--json-model-override-args" not in plain.stdout
+
+
+def test_minimax_m1_checkpoints_are_served_by_sglang_under_minimax_text_01s_name(tmp_path):
+    """MiniMax-M1 as released (MiniMaxM1ForCausalLM): SGLang registers the lightning-attention model as
+    MiniMaxText01ForCausalLM only, so both launch scripts start it with that architecture in
+    --json-model-override-args; a MiniMax-Text-01 checkpoint, and forge's own engine, get no override."""
+    import json
+
+    from forge_megatron.models.tiny import tiny_config
+
+    dirs = {}
+    for arch in ("MiniMaxM1ForCausalLM", "MiniMaxText01ForCausalLM"):
+        d = tmp_path / arch
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**tiny_config("minimax01").to_dict(), "architectures": [arch]}))
+        dirs[arch] = str(d)
+
+    def local(**env):
+        return subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_local.sh"), "--dry-run"],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "TASKS": "t.jsonl", "AGENT_URL": "http://127.0.0.1:9/", **env})
+
+    for arch, ckpt in dirs.items():
+        for out in (_dry_run(MODEL="minimax-m1", HF_CHECKPOINT=ckpt, GPU_MEMORY_GIB="off"),
+                    local(HF_CHECKPOINT=ckpt, ENGINE="sglang")):
+            assert out.returncode == 0, out.stderr
+            engines = [c for c in _commands(out.stdout) if "sglang.launch_server" in c]
+            assert engines
+            for engine in engines:
+                if arch == "MiniMaxM1ForCausalLM":
+                    override = json.loads(engine[engine.index("--json-model-override-args") + 1])
+                    assert override == {"architectures": ["MiniMaxText01ForCausalLM"]}
+                else:
+                    assert "--json-model-override-args" not in engine
+    forge = local(HF_CHECKPOINT=dirs["MiniMaxM1ForCausalLM"], ENGINE="forge")
+    assert forge.returncode == 0, forge.stderr
+    (engine,) = [c for c in _commands(forge.stdout) if "forge_megatron.rollout.engine_server" in c]
+    assert "--json-model-override-args" not in engine
