@@ -225,8 +225,8 @@ class Processes:
 
 
 def _sft(args: argparse.Namespace, base: str, data: str, out_dir: str) -> None:
-    """forge-sft's command line, run in this process on two threads: torch, transformers and Megatron-Core are
-    imported here already (building the tiny model), which a new interpreter spent ~4 s of CPU on again."""
+    """forge-sft's command line, run in this process on two threads (torch and transformers are imported here
+    already, for the tiny model: a new interpreter for it imported them again, ~1.5 s of CPU a demo)."""
     import torch
 
     from forge_megatron.training import sft
