@@ -9,6 +9,7 @@ outputs. :func:`held_by_module` reads it around one module's forward. The benchm
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -42,17 +43,35 @@ class LiveBytes(TorchDispatchMode):
         self.seen.discard(key)
 
 
+@contextlib.contextmanager
+def frozen_heap():
+    """Inside, ``gc.collect()`` looks only at the objects made inside (``gc.freeze``): whatever a measurement frees
+    (autograd's reference cycles) was made during it, while a whole collection of a process that imported torch,
+    transformers and Megatron-Core walks millions of objects (0.1-0.4 s each, which was most of a tower's
+    activation test). Garbage from before stays uncollected until the end, alive in both readings of a difference."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def held_by_module(module: torch.nn.Module, mode: LiveBytes) -> dict:
     """Hooks on ``module`` recording, in the returned dict's ``"held"``, the bytes its forward left alive under
-    ``mode`` (its first output excluded): what it keeps for its backward. Run the forward inside ``mode``."""
+    ``mode`` (its first output excluded): what it keeps for its backward. Run the forward inside ``mode``. (The heap
+    from before the forward is frozen while it runs, as :func:`frozen_heap`: the collection after it walks only what
+    the forward made.)"""
     out: dict = {}
 
     def before(*_):
-        gc.collect()
+        gc.freeze()
         out["before"] = mode.live
 
     def after(_module, _args, result):
-        gc.collect()
+        try:
+            gc.collect()
+        finally:
+            gc.unfreeze()
         first = result[0] if isinstance(result, (tuple, list)) else result
         out["held"] = mode.live - out["before"] - first.untyped_storage().nbytes()
 

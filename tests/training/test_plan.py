@@ -442,7 +442,7 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
     import torch
 
     from forge_megatron.multimodal.families import _vision_config, build_vision_tower
-    from forge_megatron.utils.memory import LiveBytes
+    from forge_megatron.utils.memory import LiveBytes, frozen_heap
 
     vc = _vision_config(hf)
     tower = build_vision_tower(hf, dtype=torch.bfloat16).train()
@@ -472,8 +472,7 @@ def _tower_held_per_patch(hf: dict, recompute: bool) -> float:
             pixels = torch.randn(images * side * side,
                                  vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, dtype=torch.bfloat16)
         mode = LiveBytes(existing=[pixels])
-        with mode:
-            gc.collect()
+        with mode, frozen_heap():  # (the collections walk only what the forward made)
             before = mode.live
             out = tower(pixels, grid_thw=torch.tensor([[1, side, wide]] * images), return_dict=True)
             gc.collect()
