@@ -72,6 +72,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
 
 
+def pytest_collection_finish(session):
+    """The heap the test modules imported (torch, Megatron-Core, transformers, the test cases) is frozen
+    (``gc.freeze``): the collector's full passes during the tests walk only what the tests make (as the ranks' server
+    does: tests/dist_freeze.py). What a test frees and collects is made by the test, so nothing it waits for is kept."""
+    import gc
+
+    gc.freeze()
+
+
 def pytest_runtest_logreport(report):
     """FORGE_TEST_FAILURE_LOG=FILE: each failure's report is appended to FILE as it happens (benchmarks/gpu_check.sh:
     a run cut short by a time limit, or a worker killed by a crash, still leaves the failures seen so far; pytest's

@@ -22,13 +22,14 @@ from forge_megatron.utils.ports import free_port  # noqa: F401 (the tests' impor
 
 # What the ranks' server imports once (a module missing here is imported by each rank as it needs it). torch._dynamo:
 # torch imports it at a rank's first optimizer and first meta-tensor op (the memory plan), ~1.5 s of CPU a rank.
+# tests.dist_freeze, last: freezes the server's heap, so the ranks' collections skip it (trainer tests ~7 % faster).
 PRELOAD = ["tests.dist_utils", "torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
            "megatron.core.optimizer", "transformers", "transformers.modeling_utils", "torch._dynamo",
            "forge_megatron.mcore.parallel", "forge_megatron.mcore.model", "forge_megatron.training.arguments",
            "forge_megatron.training.trainer", "forge_megatron.bridge", "forge_megatron.kernels.tree_attention",
            "forge_megatron.mcore.gated_delta_net", "forge_megatron.middleware.transport",
            "forge_megatron.weight_sync.syncer", "forge_megatron.mcore.tree_attention", "forge_megatron.mcore.forward",
-           "forge_megatron.multimodal.tree", "megatron.core.models.gpt.gpt_layer_specs", "numpy.ma"]
+           "forge_megatron.multimodal.tree", "megatron.core.models.gpt.gpt_layer_specs", "numpy.ma", "tests.dist_freeze"]
 # FORGE_TEST_LAUNCH=exec: run_script starts each rank as its own interpreter (torchrun for several), as a user does
 LAUNCH_ENV = "FORGE_TEST_LAUNCH"
 
