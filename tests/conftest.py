@@ -81,6 +81,14 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Unfrozen for the interpreter's exit, which then frees it as usual (frozen, Triton's IR objects were reported
+    leaked by nanobind at exit)."""
+    import gc
+
+    gc.unfreeze()
+
+
 def pytest_runtest_logreport(report):
     """FORGE_TEST_FAILURE_LOG=FILE: each failure's report is appended to FILE as it happens (benchmarks/gpu_check.sh:
     a run cut short by a time limit, or a worker killed by a crash, still leaves the failures seen so far; pytest's

@@ -48,12 +48,15 @@ def frozen_heap():
     """Inside, ``gc.collect()`` looks only at the objects made inside (``gc.freeze``): whatever a measurement frees
     (autograd's reference cycles) was made during it, while a whole collection of a process that imported torch,
     transformers and Megatron-Core walks millions of objects (0.1-0.4 s each, which was most of a tower's
-    activation test). Garbage from before stays uncollected until the end, alive in both readings of a difference."""
+    activation test). Garbage from before stays uncollected until the end, alive in both readings of a difference.
+    A heap frozen already (the test workers freeze theirs) stays frozen, with what outlived the block added."""
+    frozen_before = gc.get_freeze_count() > 0
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()
 
 
 def held_by_module(module: torch.nn.Module, mode: LiveBytes) -> dict:
@@ -64,6 +67,7 @@ def held_by_module(module: torch.nn.Module, mode: LiveBytes) -> dict:
     out: dict = {}
 
     def before(*_):
+        out["frozen_before"] = gc.get_freeze_count() > 0
         gc.freeze()
         out["before"] = mode.live
 
@@ -71,7 +75,8 @@ def held_by_module(module: torch.nn.Module, mode: LiveBytes) -> dict:
         try:
             gc.collect()
         finally:
-            gc.unfreeze()
+            if not out.pop("frozen_before"):
+                gc.unfreeze()
         first = result[0] if isinstance(result, (tuple, list)) else result
         out["held"] = mode.live - out["before"] - first.untyped_storage().nbytes()
 
