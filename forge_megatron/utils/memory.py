@@ -65,18 +65,15 @@ def held_by_module(module: torch.nn.Module, mode: LiveBytes) -> dict:
     from before the forward is frozen while it runs, as :func:`frozen_heap`: the collection after it walks only what
     the forward made.)"""
     out: dict = {}
+    frozen = contextlib.ExitStack()
 
     def before(*_):
-        out["frozen_before"] = gc.get_freeze_count() > 0
-        gc.freeze()
+        frozen.enter_context(frozen_heap())
         out["before"] = mode.live
 
     def after(_module, _args, result):
-        try:
+        with frozen:
             gc.collect()
-        finally:
-            if not out.pop("frozen_before"):
-                gc.unfreeze()
         first = result[0] if isinstance(result, (tuple, list)) else result
         out["held"] = mode.live - out["before"] - first.untyped_storage().nbytes()
 

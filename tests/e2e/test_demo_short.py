@@ -3,24 +3,17 @@ trainer as separate processes, weights synced to the engine every step. Checks t
 is gone afterwards. CPU, 0 GPUs; about a minute on 2 idle cores."""
 
 import json
-import os
-import subprocess
-import sys
 
-
-from .demo_utils import processes_mentioning
+from .demo_utils import run_demo
 
 
 def test_short_demo_runs_the_whole_loop(tmp_path):
     out = tmp_path / "demo_run"
-    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--out", str(out), "--steps", "3", "--sft-steps", "20",
-           "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400", "--eval-tasks", "8", "--eval-every", "2",
-           "--gateway-workers", "2"]  # the sessions over two gateway processes; driver, trainer, sync: one URL
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_demo(out, "--steps", "3", "--sft-steps", "20", "--groups-per-step", "2", "--group-size", "4",
+                    "--timeout-s", "400", "--eval-tasks", "8", "--eval-every", "2",
+                    "--gateway-workers", "2")  # the sessions over two gateway processes; driver, trainer, sync: one URL
     for stage in ("1/5", "2/5", "3/5", "4/5", "5/5"):
         assert f"[demo] {stage}" in proc.stdout
-    assert not processes_mentioning(str(out)), "a demo process outlived the demo"
 
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["steps"] == 3 and summary["wall_s"] > 0
@@ -67,13 +60,9 @@ def test_short_moe_demo_replays_the_engines_routing(tmp_path):
     fp32 on both sides: every replayed row is the trainer's own routing and the logprobs agree. (Qwen3-MoE's softmax
     router replays in tests/training and tests/middleware/test_gateway_resume.py.)"""
     out = tmp_path / "moe_run"
-    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--moe", "glm4_moe", "--out", str(out), "--steps", "2",
-           "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400",
-           "--eval-tasks", "0"]  # (the held-out eval: the first test)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_demo(out, "--moe", "glm4_moe", "--steps", "2", "--sft-steps", "10", "--groups-per-step", "2",
+                    "--group-size", "4", "--timeout-s", "400", "--eval-tasks", "0")  # (the held-out eval: the first test)
     assert "[demo] routing replay:" in proc.stdout
-    assert not processes_mentioning(str(out)), "a demo process outlived the demo"
     summary = json.loads((out / "metrics.json").read_text())
     assert len(summary["routing_mismatch"]) == 2 and summary["routing_mismatch"][0] == 0.0
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])

@@ -3,11 +3,8 @@ weights): every process separate, weights synced each step; every process gone a
 test_demo_short.py so that parallel test workers run them apart.)"""
 
 import json
-import os
-import subprocess
-import sys
 
-from .demo_utils import processes_mentioning
+from .demo_utils import run_demo
 
 
 # (the served teacher's engine scores the sampled tokens in both modes; with reverse it also records its top-k: that
@@ -28,17 +25,13 @@ def test_short_distill_demo_learns_from_a_teacher_with_an_fp8_student_engine(tmp
     trainer's by the FP8 rounding (far above fp32 noise, far below a different model); the partial-rollout counters
     are reported."""
     out = tmp_path / "distill_run"
-    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--distill", "served", "--distill-kl", "reverse",
-           "--fp8", "--out", str(out), "--steps", "3", "--sft-steps", "10", "--groups-per-step", "2", "--group-size",
-           "4", "--eval-tasks", "0", "--timeout-s", "400"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_demo(out, "--distill", "served", "--distill-kl", "reverse", "--fp8", "--steps", "3", "--sft-steps",
+                    "10", "--groups-per-step", "2", "--group-size", "4", "--eval-tasks", "0", "--timeout-s", "400")
     assert "[demo]     the teacher for on-policy distillation: hidden 128" in proc.stdout
     assert "[forge-train] teacher for on-policy distillation loaded from" not in proc.stdout  # served, not loaded
     assert "reverse KL to the teacher over its top-k tokens (--distill-kl reverse)" in proc.stdout
     assert "[demo] teacher engine ready at" in proc.stdout
     assert "FP8 copy for the engine" in proc.stdout and "[demo] partial rollout:" in proc.stdout
-    assert not processes_mentioning(str(out)), "a demo process outlived the demo"
     summary = json.loads((out / "metrics.json").read_text())
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # every sampled token of the trained episodes was scored by the teacher's engine

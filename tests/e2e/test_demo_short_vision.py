@@ -3,14 +3,11 @@ trainer, every process separate; every process gone afterwards; one of them trai
 (Split from test_demo_short.py so that parallel test workers run them apart.)"""
 
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 
 from forge_megatron.middleware.wire import episode_from_blob
 
-from .demo_utils import processes_mentioning
+from .demo_utils import run_demo
 
 
 def _vision_demo(out, arch: str, steps: int, *flags: str) -> tuple[str, list[dict]]:
@@ -18,13 +15,9 @@ def _vision_demo(out, arch: str, steps: int, *flags: str) -> tuple[str, list[dic
     synced every step reach the engine's vision-language model; step 1 trains the weights that sampled its tokens,
     so the trainer scores them as the engine did, pictures included; the pool stored each episode's picture.
     Returns (stdout, per-step metrics)."""
-    cmd = [sys.executable, "-m", "forge_megatron.training.demo", "--arch", arch, "--out", str(out), "--steps",
-           str(steps), "--sft-steps", "10", "--groups-per-step", "2", "--group-size", "4", "--timeout-s", "400",
-           "--eval-tasks", "4", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_demo(out, "--arch", arch, "--steps", str(steps), "--sft-steps", "10", "--groups-per-step", "2",
+                    "--group-size", "4", "--timeout-s", "400", "--eval-tasks", "4", *flags)
     assert "colour agent ready" in proc.stdout
-    assert not processes_mentioning(str(out)), "a demo process outlived the demo"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["policy_version"] for s in metrics] == list(range(1, steps + 1))
     assert metrics[0]["rollout_logp_abs_diff"] < 1e-4

@@ -20,6 +20,13 @@ def _dry_run(**env):
     return subprocess.run(["bash", SBATCH, "--dry-run"], capture_output=True, text=True, env=full, timeout=60)
 
 
+def _local_dry_run(**env):
+    """scripts/run_local.sh --dry-run with a tasks file and an agent URL set (``env`` over them)."""
+    full = {**os.environ, "TASKS": "t.jsonl", "AGENT_URL": "http://127.0.0.1:9/", **{k: str(v) for k, v in env.items()}}
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_local.sh"), "--dry-run"], capture_output=True,
+                          text=True, timeout=60, env=full)
+
+
 def _commands(stdout: str) -> list[list[str]]:
     cmds = []
     for line in stdout.splitlines():
@@ -566,10 +573,7 @@ def test_dry_run_of_a_gemma3_vision_language_checkpoint_uses_sglangs_triton_atte
         if script_env == "sbatch":
             out = _dry_run(MODEL="tiny", GPU_MEMORY_GIB="off", **env)  # (the memory plan: tested above)
         else:
-            out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_local.sh"), "--dry-run"],
-                                 capture_output=True, text=True, timeout=60,
-                                 env={**os.environ, "TASKS": "t.jsonl", "AGENT_URL": "http://127.0.0.1:9/",
-                                      "ENGINE": "sglang", "MODEL": "tiny", **env})
+            out = _local_dry_run(ENGINE="sglang", MODEL="tiny", **env)
         assert out.returncode == 0, out.stderr
         engines = [c for c in _commands(out.stdout) if "sglang.launch_server" in c]
         assert engines
@@ -684,10 +688,7 @@ def test_longrope_checkpoints_pin_sglang_and_the_trainer_to_one_factor_list(tmp_
         params = json.load(f)["rope_parameters"]
 
     def local(**env):
-        return subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_local.sh"), "--dry-run"],
-                              capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "HF_CHECKPOINT": ckpt, "TASKS": "t.jsonl",
-                                   "AGENT_URL": "http://127.0.0.1:9/", **env})
+        return _local_dry_run(HF_CHECKPOINT=ckpt, **env)
 
     # (each run reads the checkpoint with torch imported: one of each script and factor list)
     for factors, out in (("short", _dry_run(HF_CHECKPOINT=ckpt, LONGROPE_FACTORS="short", GPU_MEMORY_GIB="off")),
@@ -724,14 +725,9 @@ def test_minimax_m1_checkpoints_are_served_by_sglang_under_minimax_text_01s_name
         (d / "config.json").write_text(json.dumps({**tiny_config("minimax01").to_dict(), "architectures": [arch]}))
         dirs[arch] = str(d)
 
-    def local(**env):
-        return subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_local.sh"), "--dry-run"],
-                              capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "TASKS": "t.jsonl", "AGENT_URL": "http://127.0.0.1:9/", **env})
-
     for arch, ckpt in dirs.items():
         for out in (_dry_run(MODEL="minimax-m1", HF_CHECKPOINT=ckpt, GPU_MEMORY_GIB="off"),
-                    local(HF_CHECKPOINT=ckpt, ENGINE="sglang")):
+                    _local_dry_run(HF_CHECKPOINT=ckpt, ENGINE="sglang")):
             assert out.returncode == 0, out.stderr
             engines = [c for c in _commands(out.stdout) if "sglang.launch_server" in c]
             assert engines
@@ -741,7 +737,7 @@ def test_minimax_m1_checkpoints_are_served_by_sglang_under_minimax_text_01s_name
                     assert override == {"architectures": ["MiniMaxText01ForCausalLM"]}
                 else:
                     assert "--json-model-override-args" not in engine
-    forge = local(HF_CHECKPOINT=dirs["MiniMaxM1ForCausalLM"], ENGINE="forge")
+    forge = _local_dry_run(HF_CHECKPOINT=dirs["MiniMaxM1ForCausalLM"], ENGINE="forge")
     assert forge.returncode == 0, forge.stderr
     (engine,) = [c for c in _commands(forge.stdout) if "forge_megatron.rollout.engine_server" in c]
     assert "--json-model-override-args" not in engine
